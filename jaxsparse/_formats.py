@@ -1,0 +1,275 @@
+"""Sparse weight formats, as JAX pytrees.
+
+``BlockSparseMatrix`` is a ``(K, N)`` matrix in Flax kernel layout (``y = x @ W``, in-features first)
+that stores only its kept ``(bk, bn)`` blocks. The integer block indices every product needs (forward
+``x @ W``, transposed ``dY @ Wᵀ`` and the sampled gradient ``xᵀ dY``) are computed once, on the host,
+when the matrix is built, and travel with it as pytree leaves; the shapes are static aux data.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxsparse import _validation
+
+__all__ = ["INDEX_FIELDS", "BlockSparseMatrix", "block_pattern_indices"]
+
+
+def block_pattern_indices(block_mask: Any) -> dict[str, np.ndarray]:
+  """Index arrays for a concrete boolean block mask of shape ``(K // bk, N // bn)``.
+
+  Blocks are numbered in row-major order (by block row, then block column); that is the order of
+  ``BlockSparseMatrix.data``.
+
+  Returns:
+    A dict of int32 NumPy arrays:
+      ``row_indices``, ``col_indices``: ``(nnz,)`` block row / column of each stored block.
+      ``row_offsets``: ``(K // bk + 1,)`` CSR offsets: the blocks of block row ``i`` are
+        ``row_offsets[i]:row_offsets[i + 1]``.
+      ``col_offsets``: ``(N // bn + 1,)`` offsets into ``transpose_order`` per block column.
+      ``transpose_order``: ``(nnz,)`` positions in ``data`` listed in column-major order (by block
+        column, then block row): the layout of the transposed product ``dY @ Wᵀ``.
+  """
+  try:
+    mask = np.asarray(block_mask)
+  except jax.errors.TracerArrayConversionError as e:
+    raise ValueError(
+        "block_mask must be concrete (a NumPy or committed JAX array), not a traced value: the block "
+        "indices are computed once on the host. Build the BlockSparseMatrix outside jit, or use "
+        "`with_data` inside jit to swap the values of an existing pattern."
+    ) from e
+  if mask.ndim != 2:
+    raise ValueError(f"block_mask must be 2-D (K // bk, N // bn), got shape {mask.shape}.")
+  if mask.dtype != np.bool_:
+    raise TypeError(f"block_mask must be a boolean array, got dtype {mask.dtype}.")
+  kb, nb = mask.shape
+  rows, cols = np.nonzero(mask)  # row-major order
+  transpose_order = np.lexsort((rows, cols))
+  row_offsets = np.concatenate([[0], np.cumsum(mask.sum(axis=1))])
+  col_offsets = np.concatenate([[0], np.cumsum(mask.sum(axis=0))])
+  del kb, nb
+  return {
+      "row_indices": rows.astype(np.int32),
+      "col_indices": cols.astype(np.int32),
+      "row_offsets": row_offsets.astype(np.int32),
+      "col_offsets": col_offsets.astype(np.int32),
+      "transpose_order": transpose_order.astype(np.int32),
+  }
+
+
+INDEX_FIELDS = ("row_indices", "col_indices", "row_offsets", "col_offsets", "transpose_order")
+
+
+@jax.tree_util.register_pytree_node_class
+class BlockSparseMatrix:
+  """A block-sparse ``(K, N)`` matrix holding only its kept ``(bk, bn)`` blocks.
+
+  Layout follows Flax kernels: ``K`` is in-features, ``N`` out-features, and the product with
+  ``x`` of shape ``(..., K)`` is ``x @ W`` of shape ``(..., N)``
+  (see :func:`jaxsparse.ops.block_sparse_matmul`).
+
+  >>> import jax, jax.numpy as jnp, jaxsparse
+  >>> w = jax.random.normal(jax.random.key(0), (64, 96))
+  >>> mask = jaxsparse.block_magnitude_mask(w, (32, 32), density=0.5)
+  >>> ws = jaxsparse.BlockSparseMatrix.from_dense(w, (32, 32), block_mask=mask)
+  >>> ws.shape, ws.block_shape, ws.nnz_blocks, ws.data.shape
+  ((64, 96), (32, 32), 3, (3, 32, 32))
+  >>> bool(jnp.all(ws.to_dense() == jnp.where(jnp.repeat(jnp.repeat(mask, 32, 0), 32, 1), w, 0)))
+  True
+
+  Attributes:
+    data: ``(nnz_blocks, bk, bn)`` values of the kept blocks in row-major block order.
+    row_indices, col_indices: ``(nnz_blocks,)`` int32 block coordinates of each stored block.
+    row_offsets: ``(K // bk + 1,)`` int32 CSR offsets of each block row into ``data``.
+    col_offsets: ``(N // bn + 1,)`` int32 offsets of each block column into ``transpose_order``.
+    transpose_order: ``(nnz_blocks,)`` int32 positions in ``data`` in column-major block order.
+    shape: static ``(K, N)``.
+    block_shape: static ``(bk, bn)``.
+  """
+
+  def __init__(
+      self,
+      data: jax.Array,
+      *,
+      row_indices: jax.Array,
+      col_indices: jax.Array,
+      row_offsets: jax.Array,
+      col_offsets: jax.Array,
+      transpose_order: jax.Array,
+      shape: tuple[int, int],
+      block_shape: tuple[int, int],
+  ):
+    """Assembles a matrix from its parts; use :meth:`from_dense` or :meth:`from_block_mask` instead."""
+    self.data = data
+    self.row_indices = row_indices
+    self.col_indices = col_indices
+    self.row_offsets = row_offsets
+    self.col_offsets = col_offsets
+    self.transpose_order = transpose_order
+    self.shape = (int(shape[0]), int(shape[1]))
+    self.block_shape = (int(block_shape[0]), int(block_shape[1]))
+
+  # -- pytree ---------------------------------------------------------------------------------------
+  def tree_flatten(self):
+    children = (self.data,) + tuple(getattr(self, f) for f in INDEX_FIELDS)
+    return children, (self.shape, self.block_shape)
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    obj = object.__new__(cls)
+    obj.data = children[0]
+    for f, c in zip(INDEX_FIELDS, children[1:]):
+      setattr(obj, f, c)
+    obj.shape, obj.block_shape = aux
+    return obj
+
+  # -- construction ---------------------------------------------------------------------------------
+  @classmethod
+  def from_block_mask(
+      cls,
+      block_mask: Any,
+      data: jax.typing.ArrayLike,
+      *,
+      shape: tuple[int, int] | None = None,
+  ) -> BlockSparseMatrix:
+    """Builds a matrix from a concrete block mask and the values of its kept blocks.
+
+    Args:
+      block_mask: concrete bool ``(K // bk, N // bn)``.
+      data: ``(nnz_blocks, bk, bn)``, the kept blocks in row-major block order.
+      shape: optional ``(K, N)``; checked against ``block_mask.shape * block_shape`` if given.
+    """
+    idx = block_pattern_indices(block_mask)
+    data = jnp.asarray(data)
+    if data.ndim != 3:
+      raise ValueError(f"data must be 3-D (nnz_blocks, bk, bn), got shape {data.shape}.")
+    nnz = idx["row_indices"].shape[0]
+    if data.shape[0] != nnz:
+      raise ValueError(f"data holds {data.shape[0]} blocks but block_mask keeps {nnz}.")
+    kb, nb = np.shape(block_mask)
+    full = (kb * data.shape[1], nb * data.shape[2])
+    if shape is not None and tuple(shape) != full:
+      raise ValueError(f"shape={tuple(shape)} does not match block_mask {(kb, nb)} x blocks {data.shape[1:]}.")
+    return cls(data, shape=full, block_shape=data.shape[1:], **{k: jnp.asarray(v) for k, v in idx.items()})
+
+  @classmethod
+  def from_dense(
+      cls,
+      w: jax.typing.ArrayLike,
+      block_shape: tuple[int, int],
+      block_mask: Any = None,
+  ) -> BlockSparseMatrix:
+    """Keeps the blocks of ``w`` that ``block_mask`` selects (or, without a mask, its nonzero blocks).
+
+    Args:
+      w: ``(K, N)`` dense matrix. May be traced when ``block_mask`` is given.
+      block_shape: ``(bk, bn)`` dividing ``(K, N)``.
+      block_mask: optional concrete bool ``(K // bk, N // bn)``; ``None`` keeps every block of ``w``
+        that has a nonzero entry (``w`` must then be concrete).
+
+    Returns:
+      A ``BlockSparseMatrix`` with ``to_dense() == w * expanded(block_mask)``.
+    """
+    w = jnp.asarray(w)
+    _validation.check_ndim(w.shape, 2, name="w")
+    bk, bn = _validation.check_block_shape(block_shape, w.shape)
+    kb, nb = w.shape[0] // bk, w.shape[1] // bn
+    if block_mask is None:
+      try:
+        wn = np.asarray(w)
+      except jax.errors.TracerArrayConversionError as e:
+        raise ValueError(
+            "from_dense(w, block_shape) without block_mask needs a concrete w to find its nonzero "
+            "blocks; pass block_mask= when w is traced."
+        ) from e
+      block_mask = np.any(wn.reshape(kb, bk, nb, bn) != 0, axis=(1, 3))
+    mask_shape = tuple(np.shape(block_mask))
+    if mask_shape != (kb, nb):
+      raise ValueError(
+          f"block_mask must have shape (K // bk, N // bn) = {(kb, nb)} for w {w.shape} and "
+          f"block_shape {(bk, bn)}, got {mask_shape}."
+      )
+    idx = block_pattern_indices(block_mask)
+    blocks = w.reshape(kb, bk, nb, bn).transpose(0, 2, 1, 3)
+    data = blocks[idx["row_indices"], idx["col_indices"]]
+    return cls(data, shape=w.shape, block_shape=(bk, bn), **{k: jnp.asarray(v) for k, v in idx.items()})
+
+  @classmethod
+  def from_index_arrays(
+      cls,
+      data: jax.typing.ArrayLike,
+      index_arrays: dict[str, jax.Array],
+      *,
+      shape: tuple[int, int],
+      block_shape: tuple[int, int],
+  ) -> BlockSparseMatrix:
+    """Reassembles a matrix from ``data`` and the dict returned by :meth:`index_arrays`.
+
+    Layers keep the index arrays as non-trainable state and rebuild the matrix on each call with
+    this; nothing is recomputed.
+    """
+    missing = set(INDEX_FIELDS) - set(index_arrays)
+    if missing:
+      raise ValueError(f"index_arrays is missing {sorted(missing)}; expected the keys {INDEX_FIELDS}.")
+    return cls(jnp.asarray(data), shape=shape, block_shape=block_shape, **{f: index_arrays[f] for f in INDEX_FIELDS})
+
+  def index_arrays(self) -> dict[str, jax.Array]:
+    """The integer index arrays of the pattern, keyed by :data:`INDEX_FIELDS` names."""
+    return {f: getattr(self, f) for f in INDEX_FIELDS}
+
+  def with_data(self, data: jax.typing.ArrayLike) -> BlockSparseMatrix:
+    """The same pattern with new block values ``data`` of shape ``(nnz_blocks, bk, bn)``."""
+    data = jnp.asarray(data)
+    expected = (self.nnz_blocks, *self.block_shape)
+    if data.shape != expected:
+      raise ValueError(f"data must have shape (nnz_blocks, bk, bn) = {expected}, got {data.shape}.")
+    return BlockSparseMatrix(
+        data,
+        shape=self.shape,
+        block_shape=self.block_shape,
+        **{f: getattr(self, f) for f in INDEX_FIELDS},
+    )
+
+  # -- properties -----------------------------------------------------------------------------------
+  @property
+  def dtype(self):
+    return self.data.dtype
+
+  @property
+  def nnz_blocks(self) -> int:
+    return int(self.data.shape[0])
+
+  @property
+  def grid_shape(self) -> tuple[int, int]:
+    """``(K // bk, N // bn)``: the shape of :attr:`block_mask`."""
+    return self.shape[0] // self.block_shape[0], self.shape[1] // self.block_shape[1]
+
+  @property
+  def density(self) -> float:
+    """Fraction of blocks kept."""
+    kb, nb = self.grid_shape
+    return self.nnz_blocks / (kb * nb)
+
+  @property
+  def block_mask(self) -> jax.Array:
+    """Bool ``(K // bk, N // bn)``, True where a block is stored."""
+    mask = jnp.zeros(self.grid_shape, dtype=bool)
+    return mask.at[self.row_indices, self.col_indices].set(True)
+
+  def to_dense(self) -> jax.Array:
+    """The dense ``(K, N)`` matrix, zeros outside the kept blocks (for tests and export, not hot paths)."""
+    kb, nb = self.grid_shape
+    bk, bn = self.block_shape
+    blocks = jnp.zeros((kb, nb, bk, bn), self.data.dtype)
+    blocks = blocks.at[self.row_indices, self.col_indices].set(self.data)
+    return blocks.transpose(0, 2, 1, 3).reshape(self.shape)
+
+  def __repr__(self) -> str:
+    return (
+        f"BlockSparseMatrix(shape={self.shape}, block_shape={self.block_shape}, "
+        f"nnz_blocks={self.nnz_blocks}, density={self.density:.3f}, dtype={self.data.dtype})"
+    )

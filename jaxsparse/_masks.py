@@ -1,0 +1,103 @@
+"""Sparsity masks: which blocks or weights to keep.
+
+All masks keep an exact count (``round(density * total)``, rounded half up) and break ties
+deterministically: among equal scores the entry with the lower flat index wins.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxsparse import _validation
+
+__all__ = ["block_magnitude_mask", "random_block_mask", "magnitude_mask", "top_k_mask"]
+
+
+def top_k_mask(scores: jax.Array, k: int) -> jax.Array:
+  """Bool mask of ``scores.shape`` keeping the ``k`` largest scores (ties: lower flat index first)."""
+  flat = scores.reshape(-1)
+  # A stable sort of -score keeps equal scores in index order, so the result is deterministic.
+  order = jnp.argsort(-flat, stable=True)
+  keep = jnp.zeros(flat.shape, dtype=bool).at[order[:k]].set(True)
+  return keep.reshape(scores.shape)
+
+
+def _block_norms(w: jax.Array, block_shape: tuple[int, int]) -> jax.Array:
+  k, n = w.shape
+  bk, bn = block_shape
+  blocks = w.astype(jnp.float32).reshape(k // bk, bk, n // bn, bn)
+  return jnp.sum(blocks * blocks, axis=(1, 3))
+
+
+def block_magnitude_mask(w: jax.typing.ArrayLike, block_shape: tuple[int, int], density: float) -> jax.Array:
+  """Keeps the ``round(density * blocks)`` blocks of ``w`` with the largest Frobenius norm.
+
+  >>> import jax, jaxsparse
+  >>> w = jax.random.normal(jax.random.key(0), (128, 64))
+  >>> m = jaxsparse.block_magnitude_mask(w, (32, 32), density=0.25)
+  >>> m.shape, int(m.sum())
+  ((4, 2), 2)
+
+  Args:
+    w: ``(K, N)`` weights.
+    block_shape: ``(bk, bn)`` dividing ``(K, N)``.
+    density: fraction of blocks kept, in (0, 1].
+
+  Returns:
+    Bool ``(K // bk, N // bn)``.
+  """
+  w = jnp.asarray(w)
+  _validation.check_ndim(w.shape, 2, name="w")
+  block_shape = _validation.check_block_shape(block_shape, w.shape)
+  density = _validation.check_density(density)
+  norms = _block_norms(w, block_shape)
+  return top_k_mask(norms, _validation.kept_count(density, norms.size))
+
+
+def random_block_mask(
+    key: jax.Array, shape: tuple[int, int], block_shape: tuple[int, int], density: float
+) -> jax.Array:
+  """A uniformly random block mask keeping exactly ``round(density * blocks)`` blocks.
+
+  >>> import jax, jaxsparse
+  >>> m = jaxsparse.random_block_mask(jax.random.key(0), (256, 128), (32, 32), 0.5)
+  >>> m.shape, int(m.sum())
+  ((8, 4), 16)
+
+  Args:
+    key: a JAX PRNG key.
+    shape: ``(K, N)`` of the matrix.
+    block_shape: ``(bk, bn)`` dividing ``shape``.
+    density: fraction of blocks kept, in (0, 1].
+
+  Returns:
+    Bool ``(K // bk, N // bn)``.
+  """
+  _validation.check_ndim(tuple(shape), 2, name="shape")
+  bk, bn = _validation.check_block_shape(block_shape, shape)
+  density = _validation.check_density(density)
+  grid = (shape[0] // bk, shape[1] // bn)
+  scores = jax.random.uniform(key, grid)
+  return top_k_mask(scores, _validation.kept_count(density, grid[0] * grid[1]))
+
+
+def magnitude_mask(w: jax.typing.ArrayLike, sparsity: float) -> jax.Array:
+  """Unstructured mask keeping the ``size - round(sparsity * size)`` largest ``|w|``.
+
+  >>> import jax.numpy as jnp, jaxsparse
+  >>> jaxsparse.magnitude_mask(jnp.array([[0.5, -2.0], [1.0, 0.1]]), sparsity=0.5)
+  Array([[False,  True],
+         [ True, False]], dtype=bool)
+
+  Args:
+    w: weights of any shape.
+    sparsity: fraction of entries pruned, in [0, 1).
+
+  Returns:
+    Bool mask of ``w.shape``.
+  """
+  w = jnp.asarray(w)
+  sparsity = _validation.check_sparsity(sparsity)
+  kept = w.size - _validation.kept_count(sparsity, w.size)
+  return top_k_mask(jnp.abs(w.astype(jnp.float32)), kept)

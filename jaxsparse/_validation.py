@@ -1,0 +1,66 @@
+"""Argument checks shared by formats, ops and layers.
+
+Each check raises a ``ValueError``/``TypeError`` that names the argument, the value received and what
+is allowed, so bad input fails early and readably.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+
+
+def check_block_shape(block_shape: object, shape: Sequence[int], *, name: str = "block_shape") -> tuple[int, int]:
+  """Returns ``block_shape`` as a pair of ints that divide the 2-D ``shape``."""
+  if (
+      not isinstance(block_shape, Sequence)
+      or len(block_shape) != 2
+      or not all(isinstance(b, numbers.Integral) and not isinstance(b, bool) for b in block_shape)
+  ):
+    raise TypeError(f"{name} must be a pair of positive ints (bk, bn), got {block_shape!r}.")
+  bk, bn = (int(b) for b in block_shape)
+  if bk <= 0 or bn <= 0:
+    raise ValueError(f"{name} must be positive, got {name}={(bk, bn)}.")
+  k, n = shape
+  if k % bk or n % bn:
+    raise ValueError(
+        f"{name}={(bk, bn)} must divide the matrix shape {(k, n)}: "
+        f"{k} % {bk} = {k % bk}, {n} % {bn} = {n % bn}. Choose block sizes that divide both dimensions."
+    )
+  return bk, bn
+
+
+def check_density(density: object, *, name: str = "density") -> float:
+  """Returns ``density`` as a float in (0, 1]."""
+  if isinstance(density, bool) or not isinstance(density, numbers.Real):
+    raise TypeError(f"{name} must be a float in (0, 1], got {density!r} of type {type(density).__name__}.")
+  d = float(density)
+  if not 0.0 < d <= 1.0:
+    raise ValueError(f"{name} must be in (0, 1], got {name}={d}.")
+  return d
+
+
+def check_sparsity(sparsity: object, *, name: str = "sparsity") -> float:
+  """Returns ``sparsity`` as a float in [0, 1)."""
+  if isinstance(sparsity, bool) or not isinstance(sparsity, numbers.Real):
+    raise TypeError(f"{name} must be a float in [0, 1), got {sparsity!r} of type {type(sparsity).__name__}.")
+  s = float(sparsity)
+  if not 0.0 <= s < 1.0:
+    raise ValueError(f"{name} must be in [0, 1), got {name}={s}.")
+  return s
+
+
+def check_ndim(shape: Sequence[int], ndim: int, *, name: str) -> None:
+  if len(shape) != ndim:
+    raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(shape)} ({len(shape)}-D).")
+
+
+def check_positive_int(value: object, *, name: str) -> int:
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) <= 0:
+    raise ValueError(f"{name} must be a positive int, got {value!r}.")
+  return int(value)
+
+
+def kept_count(fraction: float, total: int) -> int:
+  """``fraction * total`` rounded half up: the exact number of entries a mask keeps."""
+  return int(fraction * total + 0.5)

@@ -1,0 +1,256 @@
+"""``block_sparse_matmul``: ``x @ W`` with a block-sparse ``W``, differentiable in ``x`` and ``W.data``.
+
+One op, three products, two backends:
+
+* forward ``y = x @ W`` (dense x sparse),
+* ``dX = dY @ Wᵀ`` (dense x sparse-transposed),
+* ``dW = (xᵀ dY)`` sampled on the kept blocks only (an SDD product).
+
+The XLA path below is both the reference implementation of those three products and the CPU path:
+it walks the kept blocks in a ``lax.fori_loop`` whose body is one small ``dot_general`` on slabs that
+stay in cache, so its work is proportional to the kept blocks and it never materialises a dense
+``K x N`` weight or gradient, nor a gathered copy of ``x`` per block (on a 2-core CPU such gathers
+cost more than the products themselves; see ``benchmarks/results/``). The Pallas GPU kernels live in
+``jaxsparse.pallas`` and are chosen on CUDA devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxsparse._formats import BlockSparseMatrix
+
+__all__ = ["block_sparse_matmul", "block_sparse_matmul_reference", "Implementation"]
+
+Implementation = Literal["xla", "pallas"]
+_IMPLEMENTATIONS = (None, "xla", "pallas")
+
+
+def block_sparse_matmul_reference(
+    x: jax.typing.ArrayLike,
+    w: BlockSparseMatrix,
+    *,
+    precision: lax.PrecisionLike = None,
+    preferred_element_type: jax.typing.DTypeLike | None = None,
+) -> jax.Array:
+  """Dense oracle: ``x @ w.to_dense()``. For tests; it builds the dense ``K x N`` weight."""
+  x = jnp.asarray(x)
+  out_dtype = preferred_element_type or jnp.result_type(x.dtype, w.dtype)
+  return jnp.matmul(x, w.to_dense(), precision=precision, preferred_element_type=out_dtype)
+
+
+# -------------------------------------------------------------------------------------------------
+# XLA path. Activations are handled transposed and split into block slabs: xT[i] is the (bk, M) slab
+# of block row i, so each loop step reads one contiguous slab instead of gathering strided columns.
+# -------------------------------------------------------------------------------------------------
+
+
+def _acc_dtype(dtype) -> jnp.dtype:
+  return jnp.promote_types(dtype, jnp.float32)
+
+
+def _slabs(a2: jax.Array, block: int) -> jax.Array:
+  """``(M, D)`` -> ``(D // block, block, M)``."""
+  m, d = a2.shape
+  return a2.T.reshape(d // block, block, m)
+
+
+def _unslab(aT: jax.Array) -> jax.Array:
+  """``(D // block, block, M)`` -> ``(M, D)``."""
+  nb, b, m = aT.shape
+  return aT.reshape(nb * b, m).T
+
+
+def _dot(a, b, contract, precision, acc):
+  return lax.dot_general(a, b, (contract, ((), ())), precision=precision, preferred_element_type=acc)
+
+
+def xla_forward(x2: jax.Array, w: BlockSparseMatrix, *, precision=None, out_dtype=None) -> jax.Array:
+  """``x2 (M, K) @ W -> (M, N)`` walking the kept blocks; reference for the Pallas forward kernel."""
+  (bk, bn), (_, nb) = w.block_shape, w.grid_shape
+  acc = _acc_dtype(jnp.result_type(x2.dtype, w.dtype))
+  xT = _slabs(x2, bk)
+  data, rows, cols, order = w.data, w.row_indices, w.col_indices, w.transpose_order
+
+  def body(t, yT):
+    # Column-major order: consecutive steps accumulate into the same output slab.
+    b = order[t]
+    contrib = _dot(data[b], xT[rows[b]], ((0,), (0,)), precision, acc)  # (bn, M)
+    j = cols[b]
+    return lax.dynamic_update_index_in_dim(yT, yT[j] + contrib, j, 0)
+
+  yT = lax.fori_loop(0, w.nnz_blocks, body, jnp.zeros((nb, bn, x2.shape[0]), acc))
+  return _unslab(yT).astype(out_dtype or acc)
+
+
+def xla_backward(
+    x2: jax.Array, dy2: jax.Array, w: BlockSparseMatrix, *, precision=None, need_dx=True, need_dw=True
+) -> tuple[jax.Array | None, jax.Array | None]:
+  """``dX = dY @ Wᵀ`` and ``dW = (xᵀ dY)`` on the kept blocks, in one pass over the blocks."""
+  (bk, bn), (kb, _) = w.block_shape, w.grid_shape
+  acc = _acc_dtype(jnp.result_type(x2.dtype, dy2.dtype, w.dtype))
+  dyT = _slabs(dy2, bn)
+  xT = _slabs(x2, bk) if need_dw else None
+  data, rows, cols = w.data, w.row_indices, w.col_indices
+
+  def body(t, carry):
+    dxT, ddata = carry
+    i, dyj = rows[t], dyT[cols[t]]
+    if need_dx:
+      contrib = _dot(data[t], dyj, ((1,), (0,)), precision, acc)  # (bk, M)
+      dxT = lax.dynamic_update_index_in_dim(dxT, dxT[i] + contrib, i, 0)
+    if need_dw:
+      blk = _dot(xT[i], dyj, ((1,), (1,)), precision, acc)  # (bk, bn)
+      ddata = lax.dynamic_update_index_in_dim(ddata, blk.astype(ddata.dtype), t, 0)
+    return dxT, ddata
+
+  dxT0 = jnp.zeros((kb, bk, x2.shape[0]), acc) if need_dx else None
+  ddata0 = jnp.zeros(w.data.shape, w.dtype) if need_dw else None
+  dxT, ddata = lax.fori_loop(0, w.nnz_blocks, body, (dxT0, ddata0))
+  dx = _unslab(dxT).astype(x2.dtype) if need_dx else None
+  return dx, ddata
+
+
+# -------------------------------------------------------------------------------------------------
+# Backend choice and the custom VJP.
+# -------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+  implementation: str  # "xla", "pallas" or "auto" (decided per platform at lowering time)
+  precision: lax.PrecisionLike
+  out_dtype: jnp.dtype
+
+
+def _pallas_ops():
+  """The Pallas kernels module, or ``None`` when it cannot be imported here."""
+  try:
+    from jaxsparse.pallas import _block_sparse_matmul as kernels  # noqa: PLC0415
+  except ImportError:
+    return None
+  return kernels
+
+
+def _platform_dispatch(cfg: _Config, xla_fn, pallas_name: str, *args):
+  """Runs ``xla_fn`` or the Pallas function ``pallas_name`` for the configured backend."""
+  if cfg.implementation == "xla":
+    return xla_fn(*args)
+  kernels = _pallas_ops()
+  if cfg.implementation == "pallas":
+    return getattr(kernels, pallas_name)(*args, precision=cfg.precision)
+  if kernels is None or not kernels.supports(*args):
+    return xla_fn(*args)
+  # "auto": the GPU kernel on CUDA, the XLA loop elsewhere, decided when lowering for a platform.
+  return lax.platform_dependent(
+      *args,
+      cuda=lambda *a: getattr(kernels, pallas_name)(*a, precision=cfg.precision),
+      default=xla_fn,
+  )
+
+
+def _forward(cfg: _Config, x2, w):
+  y = _platform_dispatch(
+      cfg, lambda a, b: xla_forward(a, b, precision=cfg.precision), "forward", x2, w
+  )
+  return y.astype(cfg.out_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _block_sparse_matmul(cfg: _Config, x2: jax.Array, w: BlockSparseMatrix) -> jax.Array:
+  return _forward(cfg, x2, w)
+
+
+def _bsmm_fwd(cfg, x2, w):
+  return _forward(cfg, x2, w), (x2, w)
+
+
+def _bsmm_bwd(cfg, res, dy2):
+  x2, w = res
+  dx, ddata = _platform_dispatch(
+      cfg,
+      lambda a, b, c: xla_backward(a, b, c, precision=cfg.precision),
+      "backward",
+      x2,
+      dy2,
+      w,
+  )
+  # Integer index leaves get no cotangent.
+  dw = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(w), [ddata] + [None] * 5)
+  return dx.astype(x2.dtype), dw
+
+
+_block_sparse_matmul.defvjp(_bsmm_fwd, _bsmm_bwd)
+
+
+def _check_implementation(implementation) -> str:
+  if implementation not in _IMPLEMENTATIONS:
+    raise ValueError(f"implementation must be one of {_IMPLEMENTATIONS}, got {implementation!r}.")
+  if implementation is None:
+    return "auto"
+  if implementation == "pallas":
+    kernels = _pallas_ops()
+    if kernels is None or not kernels.available():
+      reason = "jaxsparse.pallas could not be imported" if kernels is None else kernels.unavailable_reason()
+      raise RuntimeError(f"implementation='pallas' was requested but cannot run here: {reason}.")
+  return implementation
+
+
+def block_sparse_matmul(
+    x: jax.typing.ArrayLike,
+    w: BlockSparseMatrix,
+    *,
+    implementation: Implementation | None = None,
+    precision: lax.PrecisionLike = None,
+    preferred_element_type: jax.typing.DTypeLike | None = None,
+) -> jax.Array:
+  """Computes ``x @ w`` for a block-sparse ``w``, with a sparse backward pass.
+
+  Equal to ``x @ w.to_dense()`` but neither the forward nor the backward builds the dense ``K x N``
+  weight or its gradient: ``dX = dY @ Wᵀ`` runs on the sparse pattern and ``dW`` is ``xᵀ dY``
+  evaluated on the kept blocks only. Differentiable with respect to ``x`` and ``w.data``; works under
+  ``jit``, ``vmap`` and ``grad``.
+
+  >>> import jax, jax.numpy as jnp, jaxsparse
+  >>> k1, k2 = jax.random.split(jax.random.key(0))
+  >>> w = jaxsparse.BlockSparseMatrix.from_dense(
+  ...     jax.random.normal(k1, (64, 128)), (32, 32),
+  ...     block_mask=jaxsparse.random_block_mask(k2, (64, 128), (32, 32), 0.5))
+  >>> x = jnp.ones((2, 3, 64))
+  >>> jaxsparse.ops.block_sparse_matmul(x, w).shape
+  (2, 3, 128)
+
+  Args:
+    x: ``(..., K)`` activations.
+    w: a :class:`jaxsparse.BlockSparseMatrix` of shape ``(K, N)``.
+    implementation: ``None`` picks the best backend for the platform at lowering time (the Pallas
+      kernels on CUDA GPUs when they support the shapes and dtypes, the XLA path elsewhere);
+      ``"xla"`` or ``"pallas"`` force one, and a forced backend that cannot run raises.
+    precision: passed to the underlying ``dot_general`` calls.
+    preferred_element_type: output dtype; defaults to ``result_type(x, w.data)``. Products
+      accumulate in at least float32.
+
+  Returns:
+    ``(..., N)`` array.
+  """
+  if not isinstance(w, BlockSparseMatrix):
+    raise TypeError(f"w must be a jaxsparse.BlockSparseMatrix, got {type(w).__name__}.")
+  x = jnp.asarray(x)
+  impl = _check_implementation(implementation)
+  if x.ndim < 1 or x.shape[-1] != w.shape[0]:
+    raise ValueError(
+        f"x must have shape (..., K) with K = w.shape[0] = {w.shape[0]}, got x.shape={x.shape}."
+    )
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(f"x must have a floating dtype, got {x.dtype}.")
+  out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(x.dtype, w.dtype))
+  cfg = _Config(impl, precision, out_dtype)
+  lead = x.shape[:-1]
+  y2 = _block_sparse_matmul(cfg, x.reshape(-1, w.shape[0]), w)
+  return y2.reshape(*lead, w.shape[1])
