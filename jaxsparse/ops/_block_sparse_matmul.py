@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxsparse._formats import INDEX_FIELDS
 from jaxsparse._formats import BlockSparseMatrix
 
 __all__ = ["block_sparse_matmul", "block_sparse_matmul_reference", "Implementation"]
@@ -85,7 +87,9 @@ def xla_forward(x2: jax.Array, w: BlockSparseMatrix, *, precision=None, out_dtyp
     j = cols[b]
     return lax.dynamic_update_index_in_dim(yT, yT[j] + contrib, j, 0)
 
-  yT = lax.fori_loop(0, w.nnz_blocks, body, jnp.zeros((nb, bn, x2.shape[0]), acc))
+  yT = jnp.zeros((nb, bn, x2.shape[0]), acc)
+  if w.nnz_blocks:  # An empty pattern has no block to index (and contributes nothing).
+    yT = lax.fori_loop(0, w.nnz_blocks, body, yT)
   return _unslab(yT).astype(out_dtype or acc)
 
 
@@ -112,7 +116,7 @@ def xla_backward(
 
   dxT0 = jnp.zeros((kb, bk, x2.shape[0]), acc) if need_dx else None
   ddata0 = jnp.zeros(w.data.shape, w.dtype) if need_dw else None
-  dxT, ddata = lax.fori_loop(0, w.nnz_blocks, body, (dxT0, ddata0))
+  dxT, ddata = lax.fori_loop(0, w.nnz_blocks, body, (dxT0, ddata0)) if w.nnz_blocks else (dxT0, ddata0)
   dx = _unslab(dxT).astype(x2.dtype) if need_dx else None
   return dx, ddata
 
@@ -138,28 +142,39 @@ def _pallas_ops():
   return kernels
 
 
-def _platform_dispatch(cfg: _Config, xla_fn, pallas_name: str, *args):
-  """Runs ``xla_fn`` or the Pallas function ``pallas_name`` for the configured backend."""
+def _platform_dispatch(cfg: _Config, xla_fn, pallas_name: str, cast, *args):
+  """Runs ``xla_fn`` or the Pallas function ``pallas_name`` for the configured backend.
+
+  ``cast`` maps either backend's result to the op's output dtypes, so both branches of the
+  platform-dependent choice agree.
+  """
+  kernels = _pallas_ops()
+  xla_fn = (lambda f: lambda *a: cast(f(*a)))(xla_fn)
+  pallas_fn = lambda *a: cast(getattr(kernels, pallas_name)(*a, precision=cfg.precision))
   if cfg.implementation == "xla":
     return xla_fn(*args)
-  kernels = _pallas_ops()
   if cfg.implementation == "pallas":
-    return getattr(kernels, pallas_name)(*args, precision=cfg.precision)
+    return pallas_fn(*args)
   if kernels is None or not kernels.supports(*args):
+    if kernels is not None and kernels.available():
+      warnings.warn(
+          f"block_sparse_matmul: the Pallas GPU kernels do not support these operands "
+          f"({kernels.unsupported_reason(*args)}); using the slower XLA path.",
+          kernels.PallasFallbackWarning,
+          stacklevel=4,
+      )
     return xla_fn(*args)
   # "auto": the GPU kernel on CUDA, the XLA loop elsewhere, decided when lowering for a platform.
   return lax.platform_dependent(
       *args,
-      cuda=lambda *a: getattr(kernels, pallas_name)(*a, precision=cfg.precision),
+      cuda=pallas_fn,
       default=xla_fn,
   )
 
 
 def _forward(cfg: _Config, x2, w):
-  y = _platform_dispatch(
-      cfg, lambda a, b: xla_forward(a, b, precision=cfg.precision), "forward", x2, w
-  )
-  return y.astype(cfg.out_dtype)
+  xla_fn = lambda a, b: xla_forward(a, b, precision=cfg.precision)
+  return _platform_dispatch(cfg, xla_fn, "forward", lambda y: y.astype(cfg.out_dtype), x2, w)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -173,17 +188,12 @@ def _bsmm_fwd(cfg, x2, w):
 
 def _bsmm_bwd(cfg, res, dy2):
   x2, w = res
-  dx, ddata = _platform_dispatch(
-      cfg,
-      lambda a, b, c: xla_backward(a, b, c, precision=cfg.precision),
-      "backward",
-      x2,
-      dy2,
-      w,
-  )
+  xla_fn = lambda a, b, c: xla_backward(a, b, c, precision=cfg.precision)
+  cast = lambda r: (r[0].astype(x2.dtype), r[1].astype(w.dtype))
+  dx, ddata = _platform_dispatch(cfg, xla_fn, "backward", cast, x2, dy2, w)
   # Integer index leaves get no cotangent.
-  dw = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(w), [ddata] + [None] * 5)
-  return dx.astype(x2.dtype), dw
+  dw = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(w), [ddata] + [None] * len(INDEX_FIELDS))
+  return dx, dw
 
 
 _block_sparse_matmul.defvjp(_bsmm_fwd, _bsmm_bwd)

@@ -1,0 +1,26 @@
+"""Shared test helpers: tolerances per dtype and relative-error checks."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+# Relative Frobenius error allowed against a float32 reference computed on the same (rounded) inputs.
+# f32: products accumulate in f32 in a different order than the dense reference.
+# bf16: outputs and gradients are rounded to bf16 (8 bits of mantissa, ~4e-3 relative per entry).
+RTOL = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 1.5e-2, jnp.dtype(jnp.float16): 4e-3}
+
+
+def rel_err(actual, expected) -> float:
+  a = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)
+  e = np.asarray(jnp.asarray(expected, jnp.float32), np.float64)
+  assert a.shape == e.shape, (a.shape, e.shape)
+  assert np.all(np.isfinite(a)), "non-finite values in result"
+  denom = max(np.linalg.norm(e), 1e-30)
+  return float(np.linalg.norm(a - e) / denom)
+
+
+def assert_close(actual, expected, dtype, *, factor: float = 1.0):
+  tol = RTOL[jnp.dtype(dtype)] * factor
+  err = rel_err(actual, expected)
+  assert err <= tol, f"relative error {err:.3e} > {tol:.1e} for {jnp.dtype(dtype).name}"

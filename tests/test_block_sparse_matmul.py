@@ -1,0 +1,160 @@
+"""block_sparse_matmul against its dense reference: forward and gradients, jit, vmap, f32/bf16."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck
+from hypothesis import given
+from hypothesis import settings
+from hypothesis import strategies as st
+
+import jaxsparse
+from jaxsparse.ops import block_sparse_matmul
+from jaxsparse.ops import block_sparse_matmul_reference
+from tests._util import assert_close
+
+SETTINGS = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _make(seed, k, n, block_shape, mask_fn, dtype=jnp.float32, lead=(5,)):
+  kw, kx = jax.random.split(jax.random.key(seed))
+  kb, nb = k // block_shape[0], n // block_shape[1]
+  mask = np.asarray(mask_fn(np.random.default_rng(seed), (kb, nb)), dtype=bool)
+  w = jax.random.normal(kw, (k, n), jnp.float32).astype(dtype)
+  ws = jaxsparse.BlockSparseMatrix.from_dense(w, block_shape, block_mask=mask)
+  x = jax.random.normal(kx, (*lead, k), jnp.float32).astype(dtype)
+  return x, ws
+
+
+def _random_mask(density):
+  return lambda rng, shape: rng.random(shape) < density
+
+
+def _check_all(x, ws, dtype):
+  """Forward, dX and dData against autodiff of the dense reference, under jit."""
+  x32, d32 = x.astype(jnp.float32), ws.data.astype(jnp.float32)
+  ct = jax.random.normal(jax.random.key(7), (*x.shape[:-1], ws.shape[1]), jnp.float32)
+
+  def loss(fn, x, data):
+    return jnp.sum(fn(x, ws.with_data(data)).astype(jnp.float32) * ct)
+
+  y = jax.jit(block_sparse_matmul)(x, ws)
+  assert y.dtype == dtype and y.shape == (*x.shape[:-1], ws.shape[1])
+  assert_close(y, block_sparse_matmul_reference(x32, ws.with_data(d32)), dtype)
+  g = jax.jit(jax.grad(lambda a, b: loss(block_sparse_matmul, a, b), argnums=(0, 1)))(x, ws.data)
+  g_ref = jax.grad(lambda a, b: loss(block_sparse_matmul_reference, a, b), argnums=(0, 1))(x32, d32)
+  assert g[0].dtype == x.dtype and g[1].dtype == ws.data.dtype
+  assert_close(g[0], g_ref[0], dtype)
+  assert_close(g[1], g_ref[1], dtype)
+
+
+@SETTINGS
+@given(
+    seed=st.integers(0, 2**16),
+    kb=st.integers(1, 5),
+    nb=st.integers(1, 5),
+    bk=st.sampled_from([8, 16, 32]),
+    bn=st.sampled_from([8, 16, 32]),
+    density=st.floats(0.05, 1.0),
+    m=st.integers(1, 9),
+)
+def test_matches_dense_reference_f32(seed, kb, nb, bk, bn, density, m):
+  x, ws = _make(seed, kb * bk, nb * bn, (bk, bn), _random_mask(density), lead=(m,))
+  _check_all(x, ws, jnp.float32)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize(
+    "name,mask_fn",
+    [
+        ("random", _random_mask(0.4)),
+        ("dense", lambda rng, s: np.ones(s, bool)),
+        ("single_block", lambda rng, s: np.eye(*s, dtype=bool) & (np.arange(s[0])[:, None] == 1)),
+        ("empty_row_and_col", lambda rng, s: np.pad(np.ones((s[0] - 1, s[1] - 1), bool), ((1, 0), (0, 1)))),
+        ("empty", lambda rng, s: np.zeros(s, bool)),
+    ],
+)
+def test_patterns_and_dtypes(dtype, name, mask_fn):
+  x, ws = _make(3, 96, 64, (32, 16), mask_fn, dtype=dtype, lead=(2, 3))
+  _check_all(x, ws, dtype)
+
+
+@pytest.mark.parametrize("block_shape", [(8, 8), (16, 64), (64, 16), (128, 128), (256, 256)])
+def test_block_sizes(block_shape):
+  x, ws = _make(1, 256, 256, block_shape, _random_mask(0.5), lead=(4,))
+  _check_all(x, ws, jnp.float32)
+
+
+def test_vmap_over_x_and_data():
+  x, ws = _make(4, 64, 96, (16, 32), _random_mask(0.5), lead=(3, 4))
+  y = jax.vmap(lambda xi: block_sparse_matmul(xi, ws))(x)
+  assert_close(y, block_sparse_matmul_reference(x, ws), jnp.float32)
+  datas = jnp.stack([ws.data, 2.0 * ws.data + 1.0])
+  yb = jax.jit(jax.vmap(lambda d: block_sparse_matmul(x, ws.with_data(d))))(datas)
+  for b in range(2):
+    assert_close(yb[b], block_sparse_matmul_reference(x, ws.with_data(datas[b])), jnp.float32)
+  # Gradients through vmap.
+  g = jax.grad(lambda d: jnp.sum(jnp.sin(jax.vmap(lambda xi: block_sparse_matmul(xi, ws.with_data(d)))(x))))(
+      ws.data
+  )
+  g_ref = jax.grad(lambda d: jnp.sum(jnp.sin(x @ ws.with_data(d).to_dense())))(ws.data)
+  assert_close(g, g_ref, jnp.float32)
+
+
+def test_grad_through_pytree_and_second_use():
+  x, ws = _make(5, 64, 64, (16, 16), _random_mask(0.5))
+  gw = jax.grad(lambda w: jnp.sum(block_sparse_matmul(x, w) ** 2), allow_int=True)(ws)
+  assert isinstance(gw, jaxsparse.BlockSparseMatrix)
+  g_ref = jax.grad(lambda d: jnp.sum((x @ ws.with_data(d).to_dense()) ** 2))(ws.data)
+  assert_close(gw.data, g_ref, jnp.float32)
+
+
+def test_preferred_element_type_and_mixed_dtypes():
+  x, ws = _make(6, 64, 32, (16, 16), _random_mask(0.6), dtype=jnp.bfloat16)
+  y = block_sparse_matmul(x, ws, preferred_element_type=jnp.float32)
+  assert y.dtype == jnp.float32
+  assert_close(y, block_sparse_matmul_reference(x.astype(jnp.float32), ws.with_data(ws.data.astype(jnp.float32))),
+               jnp.float32, factor=10.0)
+  y2 = block_sparse_matmul(x.astype(jnp.float32), ws)
+  assert y2.dtype == jnp.float32
+
+
+def test_xla_implementation_explicit_and_pallas_unavailable_on_cpu():
+  x, ws = _make(8, 32, 32, (16, 16), _random_mask(0.5))
+  y = block_sparse_matmul(x, ws, implementation="xla")
+  assert_close(y, block_sparse_matmul_reference(x, ws), jnp.float32)
+  if jax.default_backend() == "cpu":
+    with pytest.raises(RuntimeError, match="implementation='pallas'"):
+      block_sparse_matmul(x, ws, implementation="pallas")
+
+
+def test_no_dense_weight_in_program():
+  """Neither the forward nor the backward program holds a K x N array."""
+  k, n = 512, 384
+  x, ws = _make(9, k, n, (32, 32), _random_mask(0.2), lead=(8,))
+
+  def loss(x, d):
+    return jnp.sum(block_sparse_matmul(x, ws.with_data(d)))
+
+  hlo = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(x, ws.data).as_text()
+  assert f"{k},{n}]" not in hlo and f"{n},{k}]" not in hlo
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,match",
+    [
+        ({"implementation": "cuda"}, ValueError, "implementation must be one of"),
+        ({"x_shape": (4, 33)}, ValueError, r"x must have shape \(\.\.\., K\) with K = w.shape\[0\] = 32"),
+        ({"x_dtype": jnp.int32}, TypeError, "x must have a floating dtype"),
+        ({"w": "dense"}, TypeError, "w must be a jaxsparse.BlockSparseMatrix"),
+    ],
+)
+def test_bad_input(kwargs, exc, match):
+  x, ws = _make(0, 32, 32, (16, 16), _random_mask(0.5))
+  x = jnp.ones(kwargs.get("x_shape", x.shape), kwargs.get("x_dtype", jnp.float32))
+  w = ws.to_dense() if kwargs.get("w") == "dense" else ws
+  with pytest.raises(exc, match=match):
+    block_sparse_matmul(x, w, implementation=kwargs.get("implementation"))

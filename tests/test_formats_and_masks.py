@@ -1,0 +1,180 @@
+"""BlockSparseMatrix construction, pytree behaviour and the mask functions."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import settings
+from hypothesis import strategies as st
+
+import jaxsparse
+from jaxsparse.ops import masked_matmul
+from tests._util import assert_close
+
+
+def _expand(mask, block_shape):
+  return np.repeat(np.repeat(np.asarray(mask), block_shape[0], 0), block_shape[1], 1)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    kb=st.integers(1, 6),
+    nb=st.integers(1, 6),
+    bk=st.sampled_from([8, 16, 32]),
+    bn=st.sampled_from([8, 16, 32]),
+    p=st.floats(0.0, 1.0),
+)
+def test_from_dense_roundtrip_and_indices(seed, kb, nb, bk, bn, p):
+  rng = np.random.default_rng(seed)
+  mask = rng.random((kb, nb)) < p
+  w = rng.standard_normal((kb * bk, nb * bn)).astype(np.float32)
+  ws = jaxsparse.BlockSparseMatrix.from_dense(w, (bk, bn), block_mask=mask)
+  assert ws.shape == w.shape and ws.block_shape == (bk, bn)
+  assert ws.nnz_blocks == mask.sum() and ws.data.shape == (mask.sum(), bk, bn)
+  assert ws.density == pytest.approx(mask.mean())
+  np.testing.assert_array_equal(ws.block_mask, mask)
+  np.testing.assert_array_equal(ws.to_dense(), np.where(_expand(mask, (bk, bn)), w, 0))
+  # Index invariants: row-major data order, CSR/CSC offsets, transpose order is column-major.
+  rows, cols = np.asarray(ws.row_indices), np.asarray(ws.col_indices)
+  np.testing.assert_array_equal(np.asarray(ws.row_offsets), np.r_[0, np.cumsum(mask.sum(1))])
+  np.testing.assert_array_equal(np.asarray(ws.col_offsets), np.r_[0, np.cumsum(mask.sum(0))])
+  t = np.asarray(ws.transpose_order)
+  assert sorted(t.tolist()) == list(range(ws.nnz_blocks))
+  assert np.all(np.diff(cols[t] * kb + rows[t]) > 0) if ws.nnz_blocks > 1 else True
+  # Without a mask, from_dense keeps exactly the nonzero blocks.
+  ws2 = jaxsparse.BlockSparseMatrix.from_dense(ws.to_dense(), (bk, bn))
+  np.testing.assert_array_equal(ws2.block_mask, mask & np.any(w.reshape(kb, bk, nb, bn) != 0, axis=(1, 3)))
+
+
+def test_pytree_jit_and_with_data():
+  w = jax.random.normal(jax.random.key(0), (64, 32))
+  ws = jaxsparse.BlockSparseMatrix.from_dense(w, (16, 16), block_mask=np.array([[1, 0]] * 2 + [[0, 1]] * 2, bool))
+  leaves, tree = jax.tree_util.tree_flatten(ws)
+  assert len(leaves) == 1 + len(jaxsparse._formats.INDEX_FIELDS)
+  out = jax.jit(lambda m: m.with_data(m.data * 2).to_dense())(ws)
+  np.testing.assert_allclose(out, 2 * ws.to_dense())
+  rebuilt = jaxsparse.BlockSparseMatrix.from_index_arrays(
+      ws.data, ws.index_arrays(), shape=ws.shape, block_shape=ws.block_shape
+  )
+  np.testing.assert_array_equal(rebuilt.to_dense(), ws.to_dense())
+  # from_dense inside jit with a concrete mask.
+  mask = np.array([[True, False]] * 4)
+  d = jax.jit(lambda w: jaxsparse.BlockSparseMatrix.from_dense(w, (16, 16), block_mask=mask).data)(w)
+  assert d.shape == (4, 16, 16)
+  assert "BlockSparseMatrix(shape=(64, 32)" in repr(ws)
+
+
+@pytest.mark.parametrize(
+    "call,exc,match",
+    [
+        (lambda w: jaxsparse.BlockSparseMatrix.from_dense(w, (24, 16)), ValueError, r"block_shape=\(24, 16\) must divide"),
+        (lambda w: jaxsparse.BlockSparseMatrix.from_dense(w, (0, 16)), ValueError, "block_shape must be positive"),
+        (lambda w: jaxsparse.BlockSparseMatrix.from_dense(w, 16), TypeError, "block_shape must be a pair"),
+        (lambda w: jaxsparse.BlockSparseMatrix.from_dense(w[0], (16, 16)), ValueError, "w must be 2-D"),
+        (
+            lambda w: jaxsparse.BlockSparseMatrix.from_dense(w, (16, 16), block_mask=np.ones((3, 2), bool)),
+            ValueError,
+            r"block_mask must have shape \(K // bk, N // bn\) = \(4, 2\)",
+        ),
+        (
+            lambda w: jaxsparse.BlockSparseMatrix.from_dense(w, (16, 16), block_mask=np.ones((4, 2))),
+            TypeError,
+            "block_mask must be a boolean array",
+        ),
+        (
+            lambda w: jaxsparse.BlockSparseMatrix.from_dense(w, (16, 16)).with_data(jnp.ones((1, 16, 16))),
+            ValueError,
+            "data must have shape",
+        ),
+        (lambda w: jaxsparse.block_magnitude_mask(w, (16, 16), 0.0), ValueError, "density must be in"),
+        (lambda w: jaxsparse.block_magnitude_mask(w, (16, 16), 1.5), ValueError, "density must be in"),
+        (lambda w: jaxsparse.magnitude_mask(w, 1.0), ValueError, r"sparsity must be in \[0, 1\)"),
+        (lambda w: jaxsparse.magnitude_mask(w, "0.5"), TypeError, "sparsity must be a float"),
+    ],
+)
+def test_bad_input(call, exc, match):
+  w = jax.random.normal(jax.random.key(1), (64, 32))
+  with pytest.raises(exc, match=match):
+    call(w)
+
+
+def test_from_dense_traced_without_mask_explains():
+  with pytest.raises(ValueError, match="pass block_mask= when w is traced"):
+    jax.jit(lambda w: jaxsparse.BlockSparseMatrix.from_dense(w, (16, 16)).data)(jnp.ones((32, 32)))
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**16), kb=st.integers(1, 8), nb=st.integers(1, 8), density=st.floats(0.01, 1.0))
+def test_block_magnitude_mask_keeps_largest_blocks(seed, kb, nb, density):
+  rng = np.random.default_rng(seed)
+  w = rng.standard_normal((kb * 8, nb * 4)).astype(np.float32)
+  mask = np.asarray(jaxsparse.block_magnitude_mask(w, (8, 4), density))
+  n_keep = int(density * kb * nb + 0.5)
+  assert mask.shape == (kb, nb) and mask.sum() == n_keep
+  norms = (w.reshape(kb, 8, nb, 4) ** 2).sum(axis=(1, 3))
+  if 0 < n_keep < kb * nb:
+    assert norms[mask].min() >= norms[~mask].max()
+
+
+def test_masks_are_deterministic_on_ties():
+  w = jnp.ones((4, 4))
+  m1 = jaxsparse.magnitude_mask(w, 0.5)
+  np.testing.assert_array_equal(m1, jaxsparse.magnitude_mask(w, 0.5))
+  # Ties are broken by flat index: the first half of the entries are kept.
+  np.testing.assert_array_equal(np.asarray(m1).reshape(-1), np.arange(16) < 8)
+  bm = jaxsparse.block_magnitude_mask(jnp.ones((32, 32)), (16, 16), 0.5)
+  np.testing.assert_array_equal(bm, [[True, True], [False, False]])
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**16), size=st.integers(1, 300), sparsity=st.floats(0.0, 0.99))
+def test_magnitude_mask_exact_count(seed, size, sparsity):
+  w = np.random.default_rng(seed).standard_normal(size).astype(np.float32)
+  mask = np.asarray(jaxsparse.magnitude_mask(w, sparsity))
+  kept = size - int(sparsity * size + 0.5)
+  assert mask.sum() == kept
+  if 0 < kept < size:
+    assert np.abs(w[mask]).min() >= np.abs(w[~mask]).max()
+
+
+def test_random_block_mask():
+  m1 = jaxsparse.random_block_mask(jax.random.key(0), (128, 64), (16, 16), 0.3)
+  m2 = jaxsparse.random_block_mask(jax.random.key(1), (128, 64), (16, 16), 0.3)
+  assert m1.shape == (8, 4) and int(m1.sum()) == int(m2.sum()) == 10
+  assert not np.array_equal(m1, m2)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_masked_matmul(dtype):
+  kx, kw, km = jax.random.split(jax.random.key(2), 3)
+  x = jax.random.normal(kx, (3, 5, 48)).astype(dtype)
+  w = jax.random.normal(kw, (48, 40)).astype(dtype)
+  mask = jax.random.bernoulli(km, 0.3, (48, 40))
+  y = jax.jit(masked_matmul)(x, w, mask)
+  wm = jnp.where(mask, w, 0).astype(jnp.float32)
+  assert_close(y, x.astype(jnp.float32) @ wm, dtype)
+  gx, gw = jax.grad(lambda a, b: jnp.sum(jnp.sin(masked_matmul(a, b, mask).astype(jnp.float32))), argnums=(0, 1))(x, w)
+  assert not np.any(np.asarray(gw)[~np.asarray(mask)])
+  gx_ref, gw_ref = jax.grad(lambda a, b: jnp.sum(jnp.sin(a @ jnp.where(mask, b, 0))), argnums=(0, 1))(
+      x.astype(jnp.float32), w.astype(jnp.float32)
+  )
+  assert_close(gx, gx_ref, dtype)
+  assert_close(gw, gw_ref, dtype)
+  yv = jax.vmap(lambda xi: masked_matmul(xi, w, mask))(x)
+  assert_close(yv, y, dtype, factor=0.01)
+
+
+@pytest.mark.parametrize(
+    "mask,exc,match",
+    [
+        (np.ones((48, 40), np.float32), TypeError, "mask must be a boolean array"),
+        (np.ones((40, 48), bool), ValueError, r"mask must have the weight's shape \(48, 40\)"),
+    ],
+)
+def test_masked_matmul_bad_mask(mask, exc, match):
+  with pytest.raises(exc, match=match):
+    masked_matmul(jnp.ones((2, 48)), jnp.ones((48, 40)), mask)
