@@ -4,6 +4,7 @@ Formats (pytrees), masks, differentiable ops (:mod:`jaxsparse.ops`) and Flax lay
 (:mod:`jaxsparse.layers`).
 """
 
+from jaxsparse import layers
 from jaxsparse import ops
 from jaxsparse._formats import BlockSparseMatrix
 from jaxsparse._masks import block_magnitude_mask
@@ -15,6 +16,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BlockSparseMatrix",
     "block_magnitude_mask",
+    "layers",
     "magnitude_mask",
     "ops",
     "random_block_mask",

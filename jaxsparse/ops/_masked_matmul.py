@@ -36,7 +36,7 @@ def masked_matmul(
   >>> w = jnp.arange(6.0).reshape(3, 2)
   >>> mask = jnp.array([[True, False], [False, True], [True, True]])
   >>> jaxsparse.ops.masked_matmul(jnp.ones((1, 3)), w, mask)
-  Array([[ 4., 8.]], dtype=float32)
+  Array([[4., 8.]], dtype=float32)
 
   Args:
     x: ``(..., K)`` activations.
