@@ -115,14 +115,14 @@ class BlockSparseMatrix:
 
   # -- pytree ---------------------------------------------------------------------------------------
   def tree_flatten(self):
-    children = (self.data,) + tuple(getattr(self, f) for f in INDEX_FIELDS)
+    children = (self.data, *tuple(getattr(self, f) for f in INDEX_FIELDS))
     return children, (self.shape, self.block_shape)
 
   @classmethod
   def tree_unflatten(cls, aux, children):
     obj = object.__new__(cls)
     obj.data = children[0]
-    for f, c in zip(INDEX_FIELDS, children[1:]):
+    for f, c in zip(INDEX_FIELDS, children[1:], strict=False):
       setattr(obj, f, c)
     obj.shape, obj.block_shape = aux
     return obj

@@ -1,0 +1,33 @@
+# Quick start: `make demo` runs the main demo, `make test` runs the test suite. Each target creates or
+# updates the virtualenv in .venv first, so both work from a fresh clone.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint bench-cpu bench-cpu-quick clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/demo.py
+
+test: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q -m "not gpu"
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
+bench-cpu: $(STAMP)
+	$(PY) benchmarks/cpu_block_sparse.py
+
+bench-cpu-quick: $(STAMP)
+	$(PY) benchmarks/cpu_block_sparse.py --quick
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

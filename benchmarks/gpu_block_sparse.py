@@ -1,0 +1,374 @@
+"""Block-sparse ``x @ W`` on a GPU: the Pallas kernels against dense ``jnp.dot`` and torch's BSR kernel.
+
+Run on a CUDA GPU (``benchmarks/run_gpu.sh`` runs it on the device machine):
+
+  python benchmarks/gpu_block_sparse.py --sweep --table --torch --out results.md
+
+* ``--sweep`` times several tile configs per kernel and block size at M=8192, K=N=4096, density 0.25
+  (and the split of the block loop at decode, M=16), and uses the fastest for the table.
+* ``--table`` prints, per case, the sparse time, the dense time of the same product measured in the
+  same run, and their ratio, for the forward, the backward (dX + dW) and both; bf16 throughout.
+* ``--torch`` adds ``torch.sparse._triton_ops.bsr_dense_mm`` (forward only) against ``torch.mm``.
+
+Times are device-side: ``jax.experimental.mosaic.gpu.profiler.measure`` (CUPTI) sums the kernel
+times of each call; the median over ``--iterations`` calls is reported. Where CUPTI is unavailable
+the script falls back to back-to-back calls timed from the host (and says so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import sys
+import time
+import warnings
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxsparse
+from jaxsparse.pallas import BlockSparseMatmulConfig
+from jaxsparse.pallas import KernelConfig
+from jaxsparse.pallas import _block_sparse_matmul as kernels
+
+warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
+
+SHAPES = [(4096, 4096), (4096, 16384)]
+BLOCKS = [32, 64, 128]
+DENSITIES = [0.5, 0.25, 0.125]
+M_TRAIN, M_DECODE = 8192, 16
+SWEEP_SHAPE = (4096, 4096)
+TIMER = {"how": "cupti"}
+
+
+def log(*args):
+  print(*args, flush=True)
+
+
+# -------------------------------------------------------------------------------------------------
+# Timing.
+# -------------------------------------------------------------------------------------------------
+
+
+def time_ms(f, *args, iterations: int = 20) -> float:
+  """Median device time of ``f(*args)`` in ms."""
+  f = jax.jit(f)
+  jax.block_until_ready(f(*args))
+  if TIMER["how"] == "cupti":
+    try:
+      from jax.experimental.mosaic.gpu import profiler  # noqa: PLC0415
+
+      _, times = profiler.measure(f, iterations=iterations)(*args)
+      return float(statistics.median(times))
+    except Exception as e:  # CUPTI missing or busy: fall back for the rest of the run.
+      log(f"CUPTI timing failed ({type(e).__name__}: {e}); timing back-to-back calls from the host")
+      TIMER["how"] = "host"
+  reps = []
+  for _ in range(5):
+    t0 = time.perf_counter()
+    for _ in range(iterations):
+      out = f(*args)
+    jax.block_until_ready(out)
+    reps.append((time.perf_counter() - t0) * 1e3 / iterations)
+  return float(statistics.median(reps))
+
+
+# -------------------------------------------------------------------------------------------------
+# Problems.
+# -------------------------------------------------------------------------------------------------
+
+
+def block_mask(k: int, n: int, b: int, density: float, seed: int) -> np.ndarray:
+  """Exactly ``round(density * blocks)`` kept blocks, uniformly at random."""
+  kb, nb = k // b, n // b
+  keep = max(1, round(density * kb * nb))
+  flat = np.zeros(kb * nb, bool)
+  flat[np.random.default_rng(seed).permutation(kb * nb)[:keep]] = True
+  return flat.reshape(kb, nb)
+
+
+def problem(m, k, n, b, density, seed=0, dtype=jnp.bfloat16):
+  k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+  mask = block_mask(k, n, b, density, seed)
+  w = jaxsparse.BlockSparseMatrix.from_dense(
+      jax.random.normal(k1, (k, n), jnp.float32).astype(dtype), (b, b), block_mask=mask
+  )
+  x = jax.random.normal(k2, (m, k), jnp.float32).astype(dtype)
+  dy = jax.random.normal(k3, (m, n), jnp.float32).astype(dtype)
+  return x, dy, w, mask
+
+
+def sparse_fns(cfg):
+  fwd = lambda x, dy, w: kernels.forward(x, w, config=cfg)
+  bwd = lambda x, dy, w: kernels.backward(x, dy, w, config=cfg)
+  both = lambda x, dy, w: (fwd(x, dy, w), bwd(x, dy, w))
+  return {"fwd": fwd, "bwd": bwd, "fwd+bwd": both}
+
+
+def dense_fns():
+  def fwd(x, dy, wd):
+    return jnp.dot(x, wd)
+
+  def bwd(x, dy, wd):
+    _, vjp = jax.vjp(jnp.dot, x, wd)
+    return vjp(dy)
+
+  def both(x, dy, wd):
+    y, vjp = jax.vjp(jnp.dot, x, wd)
+    return y, vjp(dy)
+
+  return {"fwd": fwd, "bwd": bwd, "fwd+bwd": both}
+
+
+def rel_err(a, b) -> float:
+  a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+  return float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))
+
+
+def check(x, dy, w, cfg) -> str:
+  """Relative errors of y, dX, dW against dense float32 products on the device."""
+  hi = jax.lax.Precision.HIGHEST
+  f32 = lambda a: a.astype(jnp.float32)
+  wd = f32(w.to_dense())
+  y = kernels.forward(x, w, config=cfg)
+  dx, ddata = kernels.backward(x, dy, w, config=cfg)
+  y_ref = jnp.dot(f32(x), wd, precision=hi)
+  dx_ref = jnp.dot(f32(dy), wd.T, precision=hi)
+  bk, bn = w.block_shape
+  dw_ref = jnp.dot(f32(x).T, f32(dy), precision=hi)
+  kb, nb = w.grid_shape
+  ddata_ref = dw_ref.reshape(kb, bk, nb, bn).transpose(0, 2, 1, 3)[w.row_indices, w.col_indices]
+  return f"y {rel_err(y, y_ref):.1e} dX {rel_err(dx, dx_ref):.1e} dW {rel_err(ddata, ddata_ref):.1e}"
+
+
+# -------------------------------------------------------------------------------------------------
+# Tile sweep.
+# -------------------------------------------------------------------------------------------------
+
+ROW_VARIANTS = [
+    KernelConfig(bm, num_warps=wp, num_stages=st, index_window=iw)
+    for iw in (True, False)
+    for bm in (64, 128, 256)
+    for wp in (4, 8)
+    for st in (2, 3, 4, 5)
+]
+DW_VARIANTS = [
+    KernelConfig(bm, num_warps=wp, num_stages=st) for bm in (32, 64, 128) for wp in (4, 8) for st in (2, 3, 4, 5)
+]
+
+
+def fits_smem(kind: str, v: KernelConfig, b: int, itemsize: int = 2, limit: int = 200 * 1024) -> bool:
+  """Whether the pipelined operand tiles plausibly fit in an H100/H200 SM's shared memory."""
+  per_stage = (v.block_m * b + b * b) if kind != "dw" else v.block_m * 2 * b
+  return v.num_stages * per_stage * itemsize <= limit
+DECODE_VARIANTS = [
+    KernelConfig(16, num_warps=wp, num_stages=st, split=s, index_window=iw)
+    for iw in (True, False)
+    for s in (1, 2, 4, 8, 16)
+    for wp in (4, 8)
+    for st in (2, 3, 4)
+]
+
+
+def sweep(iterations: int) -> tuple[dict[int, BlockSparseMatmulConfig], dict[int, KernelConfig], list[str]]:
+  """Fastest config per kernel and block size; returns (training configs, decode configs, log lines)."""
+  lines, best, best_decode = [], {}, {}
+  for b in BLOCKS:
+    x, dy, w, _ = problem(M_TRAIN, *SWEEP_SHAPE, b, 0.25, seed=b)
+    default = BlockSparseMatmulConfig.get_default(M_TRAIN, w.shape, w.block_shape, w.nnz_blocks, w.dtype)
+    chosen = {}
+    for kind, variants in (("forward", ROW_VARIANTS), ("dx", ROW_VARIANTS), ("dw", DW_VARIANTS)):
+      results = []
+      for v in [getattr(default, kind), *(v for v in variants if fits_smem(kind, v, b))]:
+        cfg = dataclasses.replace(default, **{kind: v})
+        f = {
+            "forward": lambda x, dy, w, cfg=cfg: kernels.forward(x, w, config=cfg),
+            "dx": lambda x, dy, w, cfg=cfg: kernels.backward(x, dy, w, config=cfg, need_dw=False)[0],
+            "dw": lambda x, dy, w, cfg=cfg: kernels.backward(x, dy, w, config=cfg, need_dx=False)[1],
+        }[kind]
+        try:
+          t = time_ms(f, x, dy, w, iterations=iterations)
+        except Exception as e:
+          lines.append(f"b={b} {kind} {v}: FAILED {type(e).__name__}: {str(e)[:200]}")
+          log(lines[-1])
+          continue
+        results.append((t, v))
+        lines.append(f"b={b} {kind} {v}: {t:.4f} ms")
+        log(lines[-1])
+      t, v = min(results, key=lambda r: r[0])
+      chosen[kind] = v
+      lines.append(f"b={b} {kind} BEST {t:.4f} ms {v}")
+      log(lines[-1])
+    best[b] = BlockSparseMatmulConfig(**chosen)
+
+    x, dy, w, _ = problem(M_DECODE, *SWEEP_SHAPE, b, 0.25, seed=b)
+    default = BlockSparseMatmulConfig.get_default(M_DECODE, w.shape, w.block_shape, w.nnz_blocks, w.dtype)
+    results = []
+    for v in [default.forward, *DECODE_VARIANTS]:
+      cfg = dataclasses.replace(default, forward=v)
+      try:
+        t = time_ms(lambda x, w, cfg=cfg: kernels.forward(x, w, config=cfg), x, w, iterations=iterations)
+      except Exception as e:
+        lines.append(f"b={b} decode {v}: FAILED {type(e).__name__}: {str(e)[:200]}")
+        log(lines[-1])
+        continue
+      results.append((t, v))
+      lines.append(f"b={b} decode {v}: {t:.4f} ms")
+      log(lines[-1])
+    t, v = min(results, key=lambda r: r[0])
+    best_decode[b] = v
+    lines.append(f"b={b} decode BEST {t:.4f} ms {v}")
+    log(lines[-1])
+  return best, best_decode, lines
+
+
+# -------------------------------------------------------------------------------------------------
+# torch BSR.
+# -------------------------------------------------------------------------------------------------
+
+
+def torch_ratios(cases) -> dict[tuple, tuple[float, float]]:
+  """``{(m, k, n, b, d): (bsr ms, dense ms)}`` for ``y = x @ W`` computed as ``Wᵀ xᵀ`` by torch."""
+  out = {}
+  try:
+    import torch  # noqa: PLC0415
+    import triton.testing  # noqa: PLC0415
+    from torch.sparse._triton_ops import bsr_dense_mm  # noqa: PLC0415
+  except Exception as e:
+    log(f"torch BSR unavailable: {type(e).__name__}: {e}")
+    return out
+  dense_cache = {}
+  for m, k, n, b, d in cases:
+    try:
+      g = torch.Generator(device="cuda").manual_seed(0)
+      mask = torch.from_numpy(block_mask(k, n, b, d, seed=b)).cuda()
+      full = mask.repeat_interleave(b, 0).repeat_interleave(b, 1)
+      wt = (torch.randn(k, n, device="cuda", generator=g, dtype=torch.bfloat16) * full).T.contiguous()
+      xt = torch.randn(k, m, device="cuda", generator=g, dtype=torch.bfloat16)
+      bsr = wt.to_sparse_bsr((b, b))
+      bench = lambda f: triton.testing.do_bench(f, warmup=25, rep=100, return_mode="median")
+      t_bsr = bench(lambda bsr=bsr, xt=xt: bsr_dense_mm(bsr, xt))
+      if (m, k, n) not in dense_cache:
+        dense_cache[(m, k, n)] = bench(lambda wt=wt, xt=xt: wt @ xt)
+      out[(m, k, n, b, d)] = (t_bsr, dense_cache[(m, k, n)])
+      log(f"torch {m}x{k}x{n} b={b} d={d}: bsr {t_bsr:.4f} ms dense {dense_cache[(m, k, n)]:.4f} ms")
+    except Exception as e:
+      log(f"torch {m}x{k}x{n} b={b} d={d}: FAILED {type(e).__name__}: {str(e)[:200]}")
+  torch.cuda.empty_cache()
+  return out
+
+
+# -------------------------------------------------------------------------------------------------
+# Table.
+# -------------------------------------------------------------------------------------------------
+
+
+def target(b: int, d: float) -> float:
+  return (1.3 if b == 32 else 1.15) * d + 0.05
+
+
+def table(best, best_decode, torch_res, iterations: int, quick: bool) -> list[str]:
+  rows = [
+      "| M | K | N | block | d | fwd sparse / dense ms | fwd ratio | bwd sparse / dense ms | bwd ratio "
+      "| fwd+bwd sparse / dense ms | fwd+bwd ratio | target | torch BSR fwd ratio | max rel err |",
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+  ]
+  shapes = SHAPES[:1] if quick else SHAPES
+  for k, n in shapes:
+    m = M_TRAIN
+    x, dy, _, _ = problem(m, k, n, 32, 1.0)
+    wd = jax.random.normal(jax.random.key(1), (k, n), jnp.float32).astype(jnp.bfloat16)
+    dense = {name: time_ms(f, x, dy, wd, iterations=iterations) for name, f in dense_fns().items()}
+    del wd
+    log(f"dense {m}x{k}x{n}: {dense}")
+    for b in BLOCKS:
+      for d in DENSITIES:
+        x, dy, w, _ = problem(m, k, n, b, d, seed=b)
+        cfg = best.get(b)
+        err = check(x, dy, w, cfg)
+        sp = {name: time_ms(f, x, dy, w, iterations=iterations) for name, f in sparse_fns(cfg).items()}
+        tr = torch_res.get((m, k, n, b, d))
+        trs = f"{tr[0] / tr[1]:.2f}" if tr else "-"
+        cells = " | ".join(
+            f"{sp[s]:.3f} / {dense[s]:.3f} | **{sp[s] / dense[s]:.2f}**" for s in ("fwd", "bwd", "fwd+bwd")
+        )
+        rows.append(f"| {m} | {k} | {n} | {b} | {d} | {cells} | {target(b, d):.2f} | {trs} | {err} |")
+        log(rows[-1])
+  rows += [
+      "",
+      "| decode M | K | N | block | d | fwd sparse / dense ms | fwd ratio | target | torch BSR fwd ratio | rel err y |",
+      "|---|---|---|---|---|---|---|---|---|---|",
+  ]
+  for k, n in shapes:
+    m = M_DECODE
+    x, dy, _, _ = problem(m, k, n, 32, 1.0)
+    wd = jax.random.normal(jax.random.key(1), (k, n), jnp.float32).astype(jnp.bfloat16)
+    t_dense = time_ms(dense_fns()["fwd"], x, dy, wd, iterations=iterations)
+    for b in BLOCKS:
+      for d in DENSITIES:
+        x, dy, w, _ = problem(m, k, n, b, d, seed=b)
+        cfg = best.get(b)
+        if cfg is not None and b in best_decode:
+          cfg = dataclasses.replace(cfg, forward=best_decode[b])
+        t = time_ms(sparse_fns(cfg)["fwd"], x, dy, w, iterations=iterations)
+        y_ref = jnp.dot(x.astype(jnp.float32), w.to_dense().astype(jnp.float32))
+        y_err = rel_err(kernels.forward(x, w, config=cfg), y_ref)
+        tr = torch_res.get((m, k, n, b, d))
+        trs = f"{tr[0] / tr[1]:.2f}" if tr else "-"
+        tgt = "0.50" if d == 0.25 else "-"
+        rows.append(
+            f"| {m} | {k} | {n} | {b} | {d} | {t:.4f} / {t_dense:.4f} | **{t / t_dense:.2f}** | {tgt} | {trs} "
+            f"| {y_err:.1e} |"
+        )
+        log(rows[-1])
+  return rows
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--sweep", action="store_true", help="tune tile configs first and use the fastest")
+  p.add_argument("--table", action="store_true", help="print the benchmark table")
+  p.add_argument("--torch", action="store_true", help="also time torch's BSR kernel")
+  p.add_argument("--quick", action="store_true", help="only K = N = 4096")
+  p.add_argument("--iterations", type=int, default=20)
+  p.add_argument("--out", default=None, help="also write the table (markdown) here")
+  args = p.parse_args(argv)
+
+  dev = jax.devices()[0]
+  header = [
+      f"device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}, "
+      f"compute capability {getattr(dev, 'compute_capability', '?')}",
+  ]
+  log(header[0])
+  if not kernels.available():
+    sys.exit(f"the Pallas kernels cannot run here: {kernels.unavailable_reason()}")
+  best, best_decode, sweep_lines = {}, {}, []
+  t0 = time.time()
+  if args.sweep:
+    best, best_decode, sweep_lines = sweep(args.iterations)
+    log(f"sweep took {time.time() - t0:.0f} s")
+  torch_res = {}
+  if args.torch:
+    shapes = SHAPES[:1] if args.quick else SHAPES
+    cases = [(M_TRAIN, k, n, b, d) for k, n in shapes for b in BLOCKS for d in DENSITIES]
+    cases += [(M_DECODE, k, n, b, d) for k, n in shapes for b in BLOCKS for d in DENSITIES]
+    torch_res = torch_ratios(cases)
+  rows = []
+  if args.table:
+    rows = table(best, best_decode, torch_res, args.iterations, args.quick)
+  header.append(f"timing: {TIMER['how']}, median of {args.iterations} calls; bf16 inputs, f32 accumulation")
+  configs = [f"- block {b}: {best[b]}; decode forward: {best_decode.get(b)}" for b in best]
+  text = "\n".join([*header, "", *rows, "", "Configs used (sweep winners; default heuristic where empty):", *configs])
+  if args.out:
+    with open(args.out, "w") as fh:
+      fh.write(text + "\n\n## Sweep log\n\n" + "\n".join(sweep_lines) + "\n")
+  log("\n" + text)
+
+
+if __name__ == "__main__":
+  main()

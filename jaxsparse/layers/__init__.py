@@ -1,0 +1,13 @@
+"""Flax layers over :mod:`jaxsparse.ops`: NNX modules here, Linen modules in :mod:`jaxsparse.layers.linen`."""
+
+from jaxsparse.layers import linen
+from jaxsparse.layers._nnx import BlockSparseLinear
+from jaxsparse.layers._nnx import MaskedLinear
+from jaxsparse.layers._nnx import SparsityPattern
+
+__all__ = [
+    "BlockSparseLinear",
+    "MaskedLinear",
+    "SparsityPattern",
+    "linen",
+]

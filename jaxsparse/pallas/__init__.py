@@ -1,0 +1,15 @@
+"""Pallas GPU kernels behind :mod:`jaxsparse.ops` (one op per module, each with its tile config).
+
+``jaxsparse.ops.block_sparse_matmul`` picks these kernels on CUDA GPUs; call them directly only to
+pick a tile config or to run them in interpret mode.
+"""
+
+from jaxsparse.pallas._block_sparse_matmul import BlockSparseMatmulConfig
+from jaxsparse.pallas._block_sparse_matmul import KernelConfig
+from jaxsparse.pallas._block_sparse_matmul import PallasFallbackWarning
+
+__all__ = [
+    "BlockSparseMatmulConfig",
+    "KernelConfig",
+    "PallasFallbackWarning",
+]

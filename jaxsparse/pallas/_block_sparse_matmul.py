@@ -1,0 +1,553 @@
+"""Pallas GPU kernels for ``x @ W`` with a block-sparse ``W``: forward, ``dY @ Wᵀ`` and sampled ``xᵀ dY``.
+
+The three products of a block-sparse layer (``W`` is ``(K, N)`` with kept ``(bk, bn)`` blocks, see
+:class:`jaxsparse.BlockSparseMatrix`):
+
+* ``forward``:  ``y = x @ W``. One program per ``(block_m, bn)`` output tile; it walks the kept
+  blocks of block column ``j`` (``col_offsets`` / ``transpose_order``) and accumulates
+  ``x[:, i-th K slab] @ data[b]``.
+* ``dx``:  ``dX = dY @ Wᵀ``. One program per ``(block_m, bk)`` tile; it walks the kept blocks of
+  block row ``i`` (``row_offsets``), contracting ``dY[:, j-th N slab]`` with ``data[t]`` on ``bn``.
+* ``dw``:  ``dW[t] = x[:, i slab]ᵀ @ dY[:, j slab]`` for each kept block ``t``: one program per kept
+  block, a reduction over ``M``.
+
+The kernels are plain ``pl.pallas_call`` kernels lowered through Triton on CUDA GPUs (compute
+capability 8.0 and later); the index arrays are ordinary inputs read inside the kernel and the loops
+over kept blocks have data-dependent trip counts, so the same code also runs in Pallas interpret mode
+on a CPU, which is how CI tests it. Work and memory traffic are proportional to the kept blocks; the
+dense ``K x N`` weight is never built.
+
+Tile sizes live in :class:`BlockSparseMatmulConfig`; :meth:`BlockSparseMatmulConfig.get_default`
+holds the one heuristic, tuned on an H100 with ``benchmarks/gpu_block_sparse.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from jaxsparse._formats import BlockSparseMatrix
+
+__all__ = [
+    "BlockSparseMatmulConfig",
+    "KernelConfig",
+    "PallasFallbackWarning",
+    "available",
+    "backward",
+    "forward",
+    "supports",
+    "unavailable_reason",
+    "unsupported_reason",
+]
+
+SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+SUPPORTED_BLOCK_DIMS = (16, 32, 64, 128)
+_MIN_COMPUTE_CAPABILITY = 8.0
+# Programs wanted in flight at once: two per streaming multiprocessor of an H100 (132 of them).
+_TARGET_PROGRAMS = 264
+
+
+class PallasFallbackWarning(UserWarning):
+  """The Pallas GPU kernels do not support these dtypes or shapes; the XLA path runs instead."""
+
+
+# -------------------------------------------------------------------------------------------------
+# Tile configuration.
+# -------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+  """Tiling of one kernel.
+
+  Attributes:
+    block_m: rows of ``x`` / ``dY`` per program (forward and ``dx``), or per reduction step (``dw``).
+      A power of two, at least 16.
+    num_warps: Triton warps per program.
+    num_stages: Triton software-pipelining depth of the loop over blocks.
+    group_m: output tiles are visited in groups of ``group_m`` row tiles so that programs running
+      together share their ``x`` rows and ``W`` columns in L2 (forward and ``dx``).
+    split: split the loop over kept blocks (forward, ``dx``) or over ``M`` (``dw``) into this many
+      programs whose partial sums are added afterwards; for small ``M`` (decode) or few kept blocks.
+    index_window: forward and ``dx`` load the block indices of their column / row once, as one
+      vector, and pick each step's index from registers, so that the addresses of the next blocks do
+      not wait on memory and the loads can be pipelined.
+  """
+
+  block_m: int
+  num_warps: int = 4
+  num_stages: int = 3
+  group_m: int = 8
+  split: int = 1
+  index_window: bool = True
+
+  def __post_init__(self):
+    bm = self.block_m
+    if bm < 16 or bm & (bm - 1):
+      raise ValueError(f"block_m must be a power of two >= 16, got block_m={bm}.")
+    for name in ("num_warps", "num_stages", "group_m", "split"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name} must be >= 1, got {name}={getattr(self, name)}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSparseMatmulConfig:
+  """Tile configs of the three kernels of one block-sparse product."""
+
+  forward: KernelConfig
+  dx: KernelConfig
+  dw: KernelConfig
+
+  @classmethod
+  def get_default(
+      cls,
+      m: int,
+      shape: tuple[int, int],
+      block_shape: tuple[int, int],
+      nnz_blocks: int,
+      dtype: jax.typing.DTypeLike,
+  ) -> BlockSparseMatmulConfig:
+    """The heuristic config for ``x (m, K) @ W (K, N)`` with ``nnz_blocks`` kept ``block_shape`` blocks."""
+    (k, n), (bk, bn) = shape, block_shape
+    itemsize = jnp.dtype(dtype).itemsize
+
+    def rows_tile(out_cols: int, in_cols: int) -> KernelConfig:
+      # Large M: 128-row tiles; keep the f32 accumulator and the staged operands within one SM.
+      bm = min(128, max(16, pl.next_power_of_2(m)))
+      while bm > 16 and bm * out_cols * 4 > 128 * 128 * 4 // (2 if itemsize == 4 else 1):
+        bm //= 2
+      warps = 8 if bm * out_cols >= 128 * 128 else 4
+      stages = 2 if itemsize == 4 and in_cols * out_cols >= 64 * 128 else 3
+      return KernelConfig(bm, num_warps=warps, num_stages=stages)
+
+    def split_for(programs: int, steps: int) -> int:
+      return max(1, min(steps, pl.cdiv(_TARGET_PROGRAMS, max(programs, 1))))
+
+    fwd, dx = rows_tile(bn, bk), rows_tile(bk, bn)
+    num_m = pl.cdiv(m, fwd.block_m)
+    fwd = dataclasses.replace(fwd, split=split_for(num_m * (n // bn), pl.cdiv(nnz_blocks, n // bn)))
+    num_m = pl.cdiv(m, dx.block_m)
+    dx = dataclasses.replace(dx, split=split_for(num_m * (k // bk), pl.cdiv(nnz_blocks, k // bk)))
+
+    dw_bm = min(64 if itemsize == 4 else 128, max(16, pl.next_power_of_2(m)))
+    dw_warps = 8 if bk * bn >= 128 * 128 else 4
+    dw = KernelConfig(dw_bm, num_warps=dw_warps, num_stages=3 if itemsize < 4 else 2)
+    dw = dataclasses.replace(dw, split=split_for(nnz_blocks, pl.cdiv(m, dw_bm)))
+    return cls(forward=fwd, dx=dx, dw=dw)
+
+
+# -------------------------------------------------------------------------------------------------
+# Availability and support.
+# -------------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _probe() -> str | None:
+  """``None`` when the kernels can run on this process's devices, else why not."""
+  try:
+    gpus = jax.devices("cuda")
+  except RuntimeError as e:
+    return f"no CUDA GPU backend is present ({e})"
+  caps = [float(getattr(d, "compute_capability", "0")) for d in gpus]
+  if not caps or max(caps) < _MIN_COMPUTE_CAPABILITY:
+    return f"the Triton-lowered Pallas kernels need compute capability >= 8.0, found {caps}"
+  return None
+
+
+def available() -> bool:
+  """True when a CUDA GPU of compute capability 8.0 or later is present."""
+  return _probe() is None
+
+
+def unavailable_reason() -> str:
+  """Why :func:`available` is False (empty when it is True)."""
+  return _probe() or ""
+
+
+def unsupported_reason(*args) -> str | None:
+  """Why :func:`supports` is False for these operands, or ``None`` when they are supported."""
+  *arrays, w = args
+  if not isinstance(w, BlockSparseMatrix):
+    return f"w must be a BlockSparseMatrix, got {type(w).__name__}"
+  for a in (*arrays, w.data):
+    if jnp.dtype(a.dtype) not in SUPPORTED_DTYPES:
+      return f"dtype {a.dtype} is not one of {[str(d) for d in SUPPORTED_DTYPES]}"
+  for a in arrays:
+    if a.ndim != 2:
+      return f"activations must be 2-D (M, features), got shape {a.shape}"
+  bk, bn = w.block_shape
+  if bk not in SUPPORTED_BLOCK_DIMS or bn not in SUPPORTED_BLOCK_DIMS:
+    return f"block_shape={(bk, bn)}: each block dim must be one of {SUPPORTED_BLOCK_DIMS}"
+  if arrays[0].shape[1] != w.shape[0]:
+    return f"x has {arrays[0].shape[1]} features but W has K={w.shape[0]} rows"
+  if len(arrays) == 2 and arrays[1].shape != (arrays[0].shape[0], w.shape[1]):
+    return f"dy must have shape (M, N) = {(arrays[0].shape[0], w.shape[1])}, got {arrays[1].shape}"
+  return None
+
+
+def supports(*args) -> bool:
+  """Whether the kernels handle these operands: ``(x2, w)`` (forward) or ``(x2, dy2, w)`` (backward).
+
+  Supported: 2-D activations, dtypes bfloat16 / float16 / float32 (mixed dtypes compute in the
+  promoted one), block dims in ``SUPPORTED_BLOCK_DIMS``.
+  """
+  return unsupported_reason(*args) is None
+
+
+def _check_supported(*args) -> None:
+  reason = unsupported_reason(*args)
+  if reason is not None:
+    raise ValueError(f"The Pallas block-sparse kernels do not support these operands: {reason}.")
+
+
+# -------------------------------------------------------------------------------------------------
+# Kernels.
+# -------------------------------------------------------------------------------------------------
+
+
+def _grouped_tile(pid, num_m: int, num_n: int, group_m: int):
+  """Program id -> ``(row tile, column)``, walking ``group_m`` row tiles per column before moving on."""
+  width = group_m * num_n
+  first_m = (pid // width) * group_m
+  size = jnp.minimum(num_m - first_m, group_m)
+  r = pid % width
+  return first_m + r % size, r // size
+
+
+def _split_range(start, end, split: int):
+  """The part of ``[start, end)`` that split program ``pl.program_id(1)`` handles."""
+  if split == 1:
+    return start, end
+  chunk = pl.cdiv(end - start, split)
+  lo = start + pl.program_id(1) * chunk
+  return lo, jnp.minimum(lo + chunk, end)
+
+
+def _dot(a, b, contract, *, compute_dtype, precision):
+  return lax.dot_general(
+      a.astype(compute_dtype),
+      b.astype(compute_dtype),
+      (contract, ((), ())),
+      precision=precision,
+      preferred_element_type=jnp.float32,
+  )
+
+
+class _BlockIndex:
+  """Step ``t`` -> entries of the index arrays, for the kept blocks of one block row or column.
+
+  With ``cfg.index_window`` the ``window`` entries starting at ``start`` (a power of two covering the
+  row / column) are loaded once and step ``t`` picks its entry from registers; otherwise each step
+  loads its entries from memory.
+  """
+
+  def __init__(self, refs, start, window: int, cfg: KernelConfig):
+    self.refs, self.windowed = refs, cfg.index_window
+    if self.windowed:
+      size = refs[0].shape[0]
+      # The wrapper pads the arrays to at least `window` entries; keep the window in bounds.
+      self.start = jnp.minimum(start, size - window)
+      self.lane = lax.broadcasted_iota(jnp.int32, (window,), 0)
+      self.vectors = [r[pl.ds(self.start, window)] for r in refs]
+
+  def __call__(self, t):
+    if not self.windowed:
+      return [r[t] for r in self.refs]
+    hit = self.lane == t - self.start
+    return [jnp.sum(jnp.where(hit, v, 0)) for v in self.vectors]
+
+
+def _dsd_kernel(offsets_ref, rows_ref, order_ref, x_ref, data_ref, y_ref, *, num_m, num_n, window, cfg, dot):
+  """``y[m tile, j] = sum over kept (i, j): x[m tile, i] @ data[(i, j)]``.
+
+  ``rows_ref`` and ``order_ref`` list the block row and the position in ``data`` of each kept block
+  in column-major order; column ``j`` owns entries ``offsets[j]:offsets[j + 1]``.
+  """
+  _, j = _grouped_tile(pl.program_id(0), num_m, num_n, cfg.group_m)
+  bk = data_ref.shape[1]
+  start, end = offsets_ref[j], offsets_ref[j + 1]
+  index = _BlockIndex((rows_ref, order_ref), start, window, cfg)
+  lo, hi = _split_range(start, end, cfg.split)
+
+  def body(t, acc):
+    i, b = index(t)
+    k0 = pl.multiple_of(i * bk, bk)
+    return acc + dot(x_ref[:, pl.ds(k0, bk)], data_ref[b], ((1,), (0,)))
+
+  acc = lax.fori_loop(lo, hi, body, jnp.zeros(y_ref.shape, jnp.float32))
+  y_ref[...] = acc.astype(y_ref.dtype)
+
+
+def _dst_kernel(offsets_ref, cols_ref, dy_ref, data_ref, dx_ref, *, num_m, num_k, window, cfg, dot):
+  """``dx[m tile, i] = sum over kept (i, j): dy[m tile, j] @ data[(i, j)]ᵀ``."""
+  _, i = _grouped_tile(pl.program_id(0), num_m, num_k, cfg.group_m)
+  bn = data_ref.shape[2]
+  start, end = offsets_ref[i], offsets_ref[i + 1]
+  index = _BlockIndex((cols_ref,), start, window, cfg)
+  lo, hi = _split_range(start, end, cfg.split)
+
+  def body(t, acc):
+    (j,) = index(t)
+    n0 = pl.multiple_of(j * bn, bn)
+    return acc + dot(dy_ref[:, pl.ds(n0, bn)], data_ref[t], ((1,), (1,)))
+
+  acc = lax.fori_loop(lo, hi, body, jnp.zeros(dx_ref.shape, jnp.float32))
+  dx_ref[...] = acc.astype(dx_ref.dtype)
+
+
+def _sdd_kernel(rows_ref, cols_ref, x_ref, dy_ref, ddata_ref, *, block_shape, steps, cfg, dot):
+  """``ddata[t] = x[:, i]ᵀ @ dy[:, j]`` for kept block ``t = (i, j)``, over this program's rows."""
+  t = pl.program_id(0)
+  (bk, bn), bm = block_shape, cfg.block_m
+  k0 = pl.multiple_of(rows_ref[t] * bk, bk)
+  n0 = pl.multiple_of(cols_ref[t] * bn, bn)
+  first = pl.program_id(1) * steps if cfg.split > 1 else 0
+
+  def body(s, acc):
+    r = pl.ds(pl.multiple_of((first + s) * bm, bm), bm)
+    return acc + dot(x_ref[r, pl.ds(k0, bk)], dy_ref[r, pl.ds(n0, bn)], ((0,), (0,)))
+
+  acc = lax.fori_loop(0, steps, body, jnp.zeros((bk, bn), jnp.float32))
+  ddata_ref[...] = acc.astype(ddata_ref.dtype)
+
+
+# -------------------------------------------------------------------------------------------------
+# Wrappers.
+# -------------------------------------------------------------------------------------------------
+
+
+def _pad_rows(a: jax.Array, multiple: int) -> jax.Array:
+  pad = -a.shape[0] % multiple
+  return a if pad == 0 else jnp.pad(a, ((0, pad), (0, 0)))
+
+
+def _pad_to(index: jax.Array, size: int) -> jax.Array:
+  """Pads a 1-D index array with zeros to at least ``size`` entries (only tiny patterns need it)."""
+  pad = size - index.shape[0]
+  return index if pad <= 0 else jnp.pad(index, (0, pad))
+
+
+def _whole(shape: tuple[int, ...], grid_rank: int) -> pl.BlockSpec:
+  """A BlockSpec that hands the kernel the whole array (index arrays, block data)."""
+  zeros = (0,) * len(shape)
+  return pl.BlockSpec(shape, lambda *_: zeros) if grid_rank else pl.BlockSpec(shape, lambda: zeros)
+
+
+def _params(cfg: KernelConfig) -> pltriton.CompilerParams:
+  return pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def _config_for(config, x2, w) -> BlockSparseMatmulConfig:
+  if config is not None:
+    return config
+  return BlockSparseMatmulConfig.get_default(x2.shape[0], w.shape, w.block_shape, w.nnz_blocks, w.dtype)
+
+
+def forward(
+    x2: jax.Array,
+    w: BlockSparseMatrix,
+    *,
+    precision: lax.PrecisionLike = None,
+    out_dtype: jax.typing.DTypeLike | None = None,
+    config: BlockSparseMatmulConfig | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+  """``x2 (M, K) @ W (K, N) -> (M, N)``, accumulated in float32.
+
+  Args:
+    x2: ``(M, K)`` activations.
+    w: block-sparse ``(K, N)`` weight.
+    precision: passed to the in-kernel dots (float32 inputs: ``None`` means full float32).
+    out_dtype: output dtype; defaults to ``result_type(x2, w.data)``.
+    config: tile config; defaults to :meth:`BlockSparseMatmulConfig.get_default`.
+    interpret: run in Pallas interpret mode (any backend, slow; for tests).
+
+  Returns:
+    ``(M, N)`` array of ``out_dtype``.
+  """
+  _check_supported(x2, w)
+  (m, _), (_, n) = x2.shape, w.shape
+  (bk, bn), (_, nb) = w.block_shape, w.grid_shape
+  compute_dtype = jnp.result_type(x2.dtype, w.dtype)
+  out_dtype = jnp.dtype(out_dtype or compute_dtype)
+  if w.nnz_blocks == 0:
+    return jnp.zeros((m, n), out_dtype)
+  cfg = _config_for(config, x2, w).forward
+  # Block rows and data positions in column-major order, padded to at least one index window.
+  window = pl.next_power_of_2(w.grid_shape[0])
+  rows = _pad_to(w.row_indices[w.transpose_order], window)
+  order = _pad_to(w.transpose_order, window)
+  xp = _pad_rows(x2, cfg.block_m)
+  num_m = xp.shape[0] // cfg.block_m
+  tile = functools.partial(_grouped_tile, num_m=num_m, num_n=nb, group_m=cfg.group_m)
+  grid = (num_m * nb, cfg.split)
+  x_spec = pl.BlockSpec((cfg.block_m, xp.shape[1]), lambda p, s: (tile(p)[0], 0))
+  if cfg.split == 1:
+    out_shape = jax.ShapeDtypeStruct((xp.shape[0], n), out_dtype)
+    out_spec = pl.BlockSpec((cfg.block_m, bn), lambda p, s: tile(p))
+  else:
+    out_shape = jax.ShapeDtypeStruct((cfg.split, xp.shape[0], n), jnp.float32)
+    out_spec = pl.BlockSpec((None, cfg.block_m, bn), lambda p, s: (s, *tile(p)))
+  kernel = functools.partial(
+      _dsd_kernel,
+      num_m=num_m,
+      num_n=nb,
+      window=window,
+      cfg=cfg,
+      dot=functools.partial(_dot, compute_dtype=compute_dtype, precision=precision),
+  )
+  y = pl.pallas_call(
+      kernel,
+      out_shape=out_shape,
+      grid=grid,
+      in_specs=[
+          _whole(w.col_offsets.shape, 2),
+          _whole(rows.shape, 2),
+          _whole(order.shape, 2),
+          x_spec,
+          _whole(w.data.shape, 2),
+      ],
+      out_specs=out_spec,
+      compiler_params=_params(cfg),
+      interpret=interpret,
+      name=f"block_sparse_dsd_{bk}x{bn}",
+  )(w.col_offsets, rows, order, xp, w.data)
+  if cfg.split > 1:
+    y = y.sum(axis=0).astype(out_dtype)
+  return y[:m]
+
+
+def _dx(dy2, w, *, compute_dtype, out_dtype, precision, cfg: KernelConfig, interpret):
+  m = dy2.shape[0]
+  (bk, bn), (kb, _) = w.block_shape, w.grid_shape
+  window = pl.next_power_of_2(w.grid_shape[1])
+  cols = _pad_to(w.col_indices, window)
+  dyp = _pad_rows(dy2, cfg.block_m)
+  num_m = dyp.shape[0] // cfg.block_m
+  tile = functools.partial(_grouped_tile, num_m=num_m, num_n=kb, group_m=cfg.group_m)
+  if cfg.split == 1:
+    out_shape = jax.ShapeDtypeStruct((dyp.shape[0], w.shape[0]), out_dtype)
+    out_spec = pl.BlockSpec((cfg.block_m, bk), lambda p, s: tile(p))
+  else:
+    out_shape = jax.ShapeDtypeStruct((cfg.split, dyp.shape[0], w.shape[0]), jnp.float32)
+    out_spec = pl.BlockSpec((None, cfg.block_m, bk), lambda p, s: (s, *tile(p)))
+  kernel = functools.partial(
+      _dst_kernel,
+      num_m=num_m,
+      num_k=kb,
+      window=window,
+      cfg=cfg,
+      dot=functools.partial(_dot, compute_dtype=compute_dtype, precision=precision),
+  )
+  dx = pl.pallas_call(
+      kernel,
+      out_shape=out_shape,
+      grid=(num_m * kb, cfg.split),
+      in_specs=[
+          _whole(w.row_offsets.shape, 2),
+          _whole(cols.shape, 2),
+          pl.BlockSpec((cfg.block_m, dyp.shape[1]), lambda p, s: (tile(p)[0], 0)),
+          _whole(w.data.shape, 2),
+      ],
+      out_specs=out_spec,
+      compiler_params=_params(cfg),
+      interpret=interpret,
+      name=f"block_sparse_dst_{bk}x{bn}",
+  )(w.row_offsets, cols, dyp, w.data)
+  if cfg.split > 1:
+    dx = dx.sum(axis=0).astype(out_dtype)
+  return dx[:m]
+
+
+def _dw(x2, dy2, w, *, compute_dtype, precision, cfg: KernelConfig, interpret):
+  bm = cfg.block_m
+  xp, dyp = _pad_rows(x2, bm), _pad_rows(dy2, bm)
+  total_steps = xp.shape[0] // bm
+  split = min(cfg.split, total_steps)
+  # Pad so that every split program runs the same number of steps over zero rows at worst.
+  steps = pl.cdiv(total_steps, split)
+  xp, dyp = _pad_rows(xp, steps * split * bm), _pad_rows(dyp, steps * split * bm)
+  cfg = dataclasses.replace(cfg, split=split)
+  nnz, (bk, bn) = w.nnz_blocks, w.block_shape
+  if split == 1:
+    out_shape = jax.ShapeDtypeStruct(w.data.shape, w.dtype)
+    out_spec = pl.BlockSpec((None, bk, bn), lambda t, s: (t, 0, 0))
+  else:
+    out_shape = jax.ShapeDtypeStruct((split, *w.data.shape), jnp.float32)
+    out_spec = pl.BlockSpec((None, None, bk, bn), lambda t, s: (s, t, 0, 0))
+  kernel = functools.partial(
+      _sdd_kernel,
+      block_shape=(bk, bn),
+      steps=steps,
+      cfg=cfg,
+      dot=functools.partial(_dot, compute_dtype=compute_dtype, precision=precision),
+  )
+  ddata = pl.pallas_call(
+      kernel,
+      out_shape=out_shape,
+      grid=(nnz, split),
+      in_specs=[
+          _whole(w.row_indices.shape, 2),
+          _whole(w.col_indices.shape, 2),
+          _whole(xp.shape, 2),
+          _whole(dyp.shape, 2),
+      ],
+      out_specs=out_spec,
+      compiler_params=_params(cfg),
+      interpret=interpret,
+      name=f"block_sparse_sdd_{bk}x{bn}",
+  )(w.row_indices, w.col_indices, xp, dyp)
+  if split > 1:
+    ddata = ddata.sum(axis=0).astype(w.dtype)
+  return ddata
+
+
+def backward(
+    x2: jax.Array,
+    dy2: jax.Array,
+    w: BlockSparseMatrix,
+    *,
+    precision: lax.PrecisionLike = None,
+    config: BlockSparseMatmulConfig | None = None,
+    interpret: bool = False,
+    need_dx: bool = True,
+    need_dw: bool = True,
+) -> tuple[jax.Array | None, jax.Array | None]:
+  """``dX = dY @ Wᵀ`` and ``dW = xᵀ dY`` on the kept blocks.
+
+  Args:
+    x2: ``(M, K)`` forward activations.
+    dy2: ``(M, N)`` output cotangent.
+    w: block-sparse ``(K, N)`` weight.
+    precision, config, interpret: as in :func:`forward`.
+    need_dx, need_dw: skip a product whose result is not needed (it is returned as ``None``).
+
+  Returns:
+    ``(dx, ddata)``: ``dx`` ``(M, K)`` of ``x2.dtype``, ``ddata`` ``(nnz_blocks, bk, bn)`` of
+    ``w.dtype``.
+  """
+  _check_supported(x2, dy2, w)
+  compute_dtype = jnp.result_type(x2.dtype, dy2.dtype, w.dtype)
+  if w.nnz_blocks == 0:
+    return (jnp.zeros(x2.shape, x2.dtype) if need_dx else None), (w.data if need_dw else None)
+  cfg = _config_for(config, x2, w)
+  dx = ddata = None
+  if need_dx:
+    dx = _dx(
+        dy2, w, compute_dtype=compute_dtype, out_dtype=x2.dtype, precision=precision, cfg=cfg.dx, interpret=interpret
+    )
+  if need_dw:
+    ddata = _dw(x2, dy2, w, compute_dtype=compute_dtype, precision=precision, cfg=cfg.dw, interpret=interpret)
+  return dx, ddata
+
+
+def flops(m: int, w: BlockSparseMatrix) -> int:
+  """Multiply-add flops of one product (forward, ``dx`` or ``dw``): ``2 * m * nnz_blocks * bk * bn``."""
+  return 2 * m * w.nnz_blocks * math.prod(w.block_shape)

@@ -1,0 +1,433 @@
+"""Tests for jaxsparse.layers: NNX vs Linen, dense equivalence, training, initialisation, bad input."""
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from hypothesis import given
+from hypothesis import settings
+from hypothesis import strategies as st
+
+import jaxsparse
+from jaxsparse.layers import BlockSparseLinear
+from jaxsparse.layers import MaskedLinear
+from jaxsparse.layers import SparsityPattern
+from jaxsparse.layers.linen import BlockSparseDense
+from jaxsparse.layers.linen import MaskedDense
+
+K, N = 64, 96
+
+
+def _normal(seed, shape, dtype=jnp.float32):
+  return jax.random.normal(jax.random.key(seed), shape, dtype)
+
+
+def _expand(block_mask, block_shape):
+  bk, bn = block_shape
+  return jnp.repeat(jnp.repeat(block_mask, bk, axis=0), bn, axis=1)
+
+
+def _randomize_bias(layer, seed):
+  if layer.bias is not None:
+    layer.bias[...] = _normal(seed, layer.bias.shape, layer.bias.dtype)
+
+
+def _dense_linear(seed=0, k=K, n=N):
+  lin = nnx.Linear(k, n, rngs=nnx.Rngs(seed))
+  _randomize_bias(lin, seed + 100)
+  return lin
+
+
+def _paths(state):
+  return {path for path, _ in nnx.to_flat_state(state)}
+
+
+def _assert_tree_equal(a, b):
+  jax.tree.map(np.testing.assert_array_equal, a, b)
+
+
+# -------------------------------------------------------------------------------------------------
+# NNX vs Linen.
+# -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("use_bias", [True, False])
+def test_block_sparse_nnx_matches_linen(dtype, use_bias):
+  kwargs = dict(density=0.5, block_shape=(16, 32), use_bias=use_bias, dtype=dtype)
+  layer = BlockSparseLinear(K, N, **kwargs, rngs=nnx.Rngs(0))
+  _randomize_bias(layer, 1)
+  model = BlockSparseDense(N, **kwargs)
+  x = _normal(2, (3, 5, K))
+  variables = layer.to_linen_variables()
+  # The NNX layer's variables have the structure, shapes and dtypes Linen's init creates.
+  ref = model.init(jax.random.key(3), x)
+  assert jax.tree.map(lambda a: (a.shape, a.dtype), ref) == jax.tree.map(lambda a: (a.shape, a.dtype), variables)
+
+  y_nnx = nnx.jit(lambda m, x: m(x))(layer, x)
+  y_linen = jax.jit(model.apply)(variables, x)
+  assert y_nnx.dtype == y_linen.dtype == dtype
+  assert y_nnx.shape == (3, 5, N)
+  np.testing.assert_array_equal(np.asarray(y_nnx, np.float32), np.asarray(y_linen, np.float32))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_masked_nnx_matches_linen(dtype):
+  layer = MaskedLinear(K, N, sparsity=0.7, dtype=dtype, rngs=nnx.Rngs(0))
+  _randomize_bias(layer, 1)
+  model = MaskedDense(N, sparsity=0.7, dtype=dtype)
+  x = _normal(2, (4, K))
+  variables = layer.to_linen_variables()
+  ref = model.init(jax.random.key(3), x)
+  assert jax.tree.map(lambda a: (a.shape, a.dtype), ref) == jax.tree.map(lambda a: (a.shape, a.dtype), variables)
+
+  y_nnx = nnx.jit(lambda m, x: m(x))(layer, x)
+  y_linen = jax.jit(model.apply)(variables, x)
+  assert y_nnx.dtype == y_linen.dtype == dtype
+  np.testing.assert_array_equal(np.asarray(y_nnx, np.float32), np.asarray(y_linen, np.float32))
+
+
+def test_linen_init_keeps_exact_counts():
+  x = _normal(0, (2, K))
+  v = BlockSparseDense(N, density=0.5, block_shape=(16, 32)).init(jax.random.key(0), x)
+  assert v["params"]["kernel"].shape == (6, 16, 32)  # round(0.5 * 4 * 3)
+  w = jaxsparse.BlockSparseMatrix.from_index_arrays(
+      v["params"]["kernel"], v["sparsity"], shape=(K, N), block_shape=(16, 32)
+  )
+  assert int(w.block_mask.sum()) == 6
+  m = MaskedDense(N, sparsity=0.75).init(jax.random.key(0), x)
+  mask = m["sparsity"]["mask"]
+  assert mask.dtype == jnp.bool_ and int(mask.sum()) == K * N // 4
+  assert not jnp.any(jnp.where(mask, 0.0, m["params"]["kernel"]))
+
+
+# -------------------------------------------------------------------------------------------------
+# Dense equivalence: from_dense / to_dense.
+# -------------------------------------------------------------------------------------------------
+
+
+def test_block_sparse_from_dense_full_density_equals_linear():
+  lin = _dense_linear()
+  layer = BlockSparseLinear.from_dense(lin, density=1.0, block_shape=(16, 32))
+  x = _normal(1, (7, K))
+  np.testing.assert_allclose(layer(x), lin(x), rtol=1e-5, atol=1e-5)
+  assert layer.kernel.dtype == lin.kernel.dtype and layer.density == 1.0
+
+
+def test_block_sparse_from_dense_keeps_largest_blocks_and_round_trips():
+  lin = _dense_linear()
+  layer = BlockSparseLinear.from_dense(lin, density=0.5, block_shape=(32, 32))
+  kernel, bias = lin.kernel[...], lin.bias[...]
+  mask = jaxsparse.block_magnitude_mask(kernel, (32, 32), 0.5)
+  _assert_tree_equal(layer.block_mask, mask)
+  x = _normal(1, (2, 3, K))
+  expected = x @ (kernel * _expand(mask, (32, 32))) + bias
+  np.testing.assert_allclose(layer(x), expected, rtol=1e-5, atol=1e-5)
+
+  dense = layer.to_dense()
+  assert isinstance(dense, nnx.Linear)
+  assert dense.kernel.dtype == kernel.dtype and dense.dtype == lin.dtype
+  np.testing.assert_array_equal(dense.kernel[...], kernel * _expand(mask, (32, 32)))
+  np.testing.assert_array_equal(dense.bias[...], bias)
+  np.testing.assert_allclose(dense(x), layer(x), rtol=1e-5, atol=1e-5)
+  again = BlockSparseLinear.from_dense(dense, density=layer.density, block_shape=(32, 32))
+  _assert_tree_equal(nnx.state(again), nnx.state(layer))
+
+
+def test_masked_from_dense_and_round_trip():
+  lin = _dense_linear()
+  x = _normal(1, (5, K))
+  np.testing.assert_allclose(MaskedLinear.from_dense(lin, sparsity=0.0)(x), lin(x), rtol=1e-5, atol=1e-5)
+
+  layer = MaskedLinear.from_dense(lin, sparsity=0.5)
+  kernel, bias = lin.kernel[...], lin.bias[...]
+  mask = jaxsparse.magnitude_mask(kernel, 0.5)
+  _assert_tree_equal(layer.mask[...], mask)
+  assert layer.sparsity == 0.5
+  np.testing.assert_allclose(layer(x), x @ (kernel * mask) + bias, rtol=1e-5, atol=1e-5)
+
+  dense = layer.to_dense()
+  np.testing.assert_array_equal(dense.kernel[...], kernel * mask)
+  np.testing.assert_allclose(dense(x), layer(x), rtol=1e-5, atol=1e-5)
+  again = MaskedLinear.from_dense(dense, sparsity=0.5)
+  _assert_tree_equal(nnx.state(again), nnx.state(layer))
+
+
+def test_no_bias_and_param_dtype():
+  layer = BlockSparseLinear(K, N, density=0.5, block_shape=(32, 32), use_bias=False,
+                            param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  assert layer.bias is None and layer.kernel.dtype == jnp.bfloat16
+  x = _normal(1, (2, K))
+  assert layer(x).dtype == jnp.float32  # promoted like nnx.Linear
+  dense = layer.to_dense()
+  assert dense.bias is None and dense.kernel.dtype == jnp.bfloat16
+  np.testing.assert_allclose(dense(x), layer(x), rtol=1e-5, atol=1e-5)
+
+
+# -------------------------------------------------------------------------------------------------
+# Variables: the pattern is separate, non-trainable state.
+# -------------------------------------------------------------------------------------------------
+
+
+def test_split_separates_params_and_pattern():
+  layer = BlockSparseLinear(K, N, density=0.5, block_shape=(32, 32), rngs=nnx.Rngs(0))
+  graphdef, params, pattern = nnx.split(layer, nnx.Param, SparsityPattern)
+  assert _paths(params) == {("kernel",), ("bias",)}
+  assert _paths(pattern) == {("pattern", f) for f in layer.sparse_kernel.index_arrays()}
+  merged = nnx.merge(graphdef, params, pattern)
+  x = _normal(1, (2, K))
+  np.testing.assert_array_equal(merged(x), layer(x))
+
+  masked = MaskedLinear(K, N, sparsity=0.5, rngs=nnx.Rngs(0))
+  _, params, pattern = nnx.split(masked, nnx.Param, SparsityPattern)
+  assert _paths(params) == {("kernel",), ("bias",)}
+  assert _paths(pattern) == {("mask",)}
+
+
+def test_gradients_match_dense_layer_on_kept_weights():
+  layer = BlockSparseLinear(K, N, density=0.5, block_shape=(16, 32), rngs=nnx.Rngs(0))
+  masked = MaskedLinear(K, N, sparsity=0.5, rngs=nnx.Rngs(0))
+  x = _normal(1, (8, K))
+  loss = lambda m: jnp.sum(jnp.sin(m(x)))
+  for sparse, kept in [(layer, _expand(layer.block_mask, (16, 32))), (masked, masked.mask[...])]:
+    grads = nnx.grad(loss)(sparse)
+    dense_grads = nnx.grad(loss)(sparse.to_dense())
+    np.testing.assert_allclose(grads["bias"][...], dense_grads["bias"][...], rtol=1e-5, atol=1e-5)
+    dense_kernel_grad = jnp.where(kept, dense_grads["kernel"][...], 0.0)
+    if sparse is layer:
+      expected = jaxsparse.BlockSparseMatrix.from_dense(dense_kernel_grad, (16, 32), block_mask=layer.block_mask).data
+    else:
+      expected = dense_kernel_grad
+    np.testing.assert_allclose(grads["kernel"][...], expected, rtol=1e-5, atol=1e-5)
+
+
+# -------------------------------------------------------------------------------------------------
+# Training.
+# -------------------------------------------------------------------------------------------------
+
+
+def _train_nnx(model, steps=5):
+  x = _normal(10, (32, K))
+  y = x @ _normal(11, (K, N)) * 0.2
+  optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+  @nnx.jit
+  def step(model, optimizer):
+    loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+    optimizer.update(model, grads)
+    return loss
+
+  losses = [float(step(model, optimizer)) for _ in range(steps)]
+  assert losses[-1] < losses[0]
+
+
+def test_nnx_training_block_sparse_keeps_pattern():
+  model = BlockSparseLinear(K, N, density=0.5, block_shape=(16, 32), rngs=nnx.Rngs(0))
+  pattern = jax.tree.map(jnp.copy, nnx.state(model, SparsityPattern))
+  kernel = jnp.copy(model.kernel[...])
+  _train_nnx(model)
+  _assert_tree_equal(nnx.state(model, SparsityPattern), pattern)
+  assert not np.array_equal(model.kernel[...], kernel)
+  pruned = ~_expand(model.block_mask, (16, 32))
+  assert not jnp.any(jnp.where(pruned, model.to_dense().kernel[...], 0.0))
+
+
+def test_nnx_training_masked_keeps_pruned_weights_zero():
+  model = MaskedLinear(K, N, sparsity=0.8, rngs=nnx.Rngs(0))
+  mask = jnp.copy(model.mask[...])
+  _train_nnx(model)
+  np.testing.assert_array_equal(model.mask[...], mask)
+  assert not jnp.any(jnp.where(mask, 0.0, model.kernel[...]))
+  assert not jnp.any(jnp.where(mask, 0.0, model.to_dense().kernel[...]))
+
+
+@pytest.mark.parametrize(
+    "model", [BlockSparseDense(N, density=0.5, block_shape=(16, 32)), MaskedDense(N, sparsity=0.8)], ids=type
+)
+def test_linen_training_updates_params_only(model):
+  x = _normal(10, (32, K))
+  y = x @ _normal(11, (K, N)) * 0.2
+  variables = model.init(jax.random.key(0), x)
+  params, sparsity = variables["params"], variables["sparsity"]
+  tx = optax.adam(1e-2)
+  opt_state = tx.init(params)
+
+  @jax.jit
+  def step(params, opt_state):
+    loss_fn = lambda p: jnp.mean((model.apply({"params": p, "sparsity": sparsity}, x) - y) ** 2)
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  losses = []
+  for _ in range(5):
+    params, opt_state, loss = step(params, opt_state)
+    losses.append(float(loss))
+  assert losses[-1] < losses[0]
+  _assert_tree_equal(sparsity, variables["sparsity"])
+  assert not np.array_equal(params["kernel"], variables["params"]["kernel"])
+
+
+# -------------------------------------------------------------------------------------------------
+# Shapes, batch dims, vmap (property-based).
+# -------------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=5, deadline=None)
+@given(
+    kb=st.integers(1, 3),
+    nb=st.integers(1, 2),
+    block_shape=st.sampled_from([(8, 8), (16, 8)]),
+    keep=st.floats(0.0, 1.0),
+    lead=st.lists(st.integers(1, 3), max_size=2),
+    seed=st.integers(0, 2**16),
+)
+def test_block_sparse_shapes_and_vmap(kb, nb, block_shape, keep, lead, seed):
+  blocks = kb * nb
+  nnz = 1 + int(keep * (blocks - 1))
+  k, n = kb * block_shape[0], nb * block_shape[1]
+  layer = BlockSparseLinear(k, n, density=nnz / blocks, block_shape=block_shape, rngs=nnx.Rngs(seed))
+  _randomize_bias(layer, seed + 1)
+  assert layer.nnz_blocks == nnz and layer.kernel.shape == (nnz, *block_shape)
+  x = _normal(seed + 2, (2, *lead, k))
+
+  @nnx.jit
+  def run(layer, x):
+    dense = layer.to_dense()
+    return layer(x), jax.vmap(layer)(x), x @ dense.kernel[...] + dense.bias[...], layer.block_mask
+
+  y, y_vmap, expected, block_mask = run(layer, x)
+  assert y.shape == (2, *lead, n) and int(block_mask.sum()) == nnz
+  np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(y_vmap, y, rtol=1e-6, atol=1e-6)
+
+
+def test_masked_vmap_and_batch_dims():
+  layer = MaskedLinear(K, N, sparsity=0.5, rngs=nnx.Rngs(0))
+  xs = _normal(1, (2, 3, K))
+  np.testing.assert_allclose(jax.vmap(layer)(xs), layer(xs), rtol=1e-6, atol=1e-6)
+  assert layer(xs).shape == (2, 3, N)
+
+
+# -------------------------------------------------------------------------------------------------
+# Initialisation keeps the dense layer's output variance.
+# -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda rngs: BlockSparseLinear(256, 256, density=0.25, block_shape=(32, 32), rngs=rngs),
+        lambda rngs: MaskedLinear(256, 256, sparsity=0.75, rngs=rngs),
+    ],
+    ids=["block_sparse", "masked"],
+)
+def test_default_init_matches_dense_output_variance(make):
+  x = _normal(0, (256, 256))
+  dense_var = float(jnp.var(nnx.Linear(256, 256, rngs=nnx.Rngs(1))(x)))
+  sparse_var = float(jnp.var(make(nnx.Rngs(2))(x)))
+  # lecun_normal gives the dense layer unit output variance; naive fan-in scaling would give 0.25.
+  assert abs(dense_var - 1.0) < 0.1
+  assert abs(sparse_var / dense_var - 1.0) < 0.1
+
+
+# -------------------------------------------------------------------------------------------------
+# Bad input.
+# -------------------------------------------------------------------------------------------------
+
+
+def _bsl(**kwargs):
+  kwargs = {"density": 0.5, "block_shape": (32, 32), "rngs": nnx.Rngs(0), **kwargs}
+  return BlockSparseLinear(kwargs.pop("in_features", K), kwargs.pop("out_features", N), **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(out_features=100), ValueError, r"block_shape=\(32, 32\) must divide the matrix shape \(64, 100\)"),
+        (dict(block_shape=32), TypeError, r"block_shape must be a pair of positive ints.*32"),
+        (dict(density=0.0), ValueError, r"density must be in \(0, 1\], got density=0.0"),
+        (dict(density=1.5), ValueError, r"density must be in \(0, 1\], got density=1.5"),
+        (dict(density="half"), TypeError, r"density must be a float in \(0, 1\], got 'half'"),
+        (dict(density=0.01), ValueError, r"density=0.01 keeps 0 of 6 blocks"),
+        (dict(density=None), ValueError, r"exactly one of density= and block_mask="),
+        (dict(block_mask=np.ones((2, 3), bool)), ValueError, r"exactly one of density= and block_mask="),
+        (dict(density=None, block_mask=np.ones((3, 2), bool)), ValueError,
+         r"block_mask must have shape \(in_features // bk, out_features // bn\) = \(2, 3\), got \(3, 2\)"),
+        (dict(density=None, block_mask=np.ones((2, 3))), TypeError, r"block_mask must be a boolean array.*float"),
+        (dict(density=None, block_mask=np.zeros((2, 3), bool)), ValueError, r"block_mask keeps no block"),
+        (dict(implementation="cuda"), ValueError, r"implementation must be one of .*got implementation='cuda'"),
+        (dict(in_features=0), ValueError, r"in_features must be a positive int, got 0"),
+    ],
+)
+def test_block_sparse_bad_arguments(kwargs, error, match):
+  with pytest.raises(error, match=match):
+    _bsl(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(sparsity=1.0), ValueError, r"sparsity must be in \[0, 1\), got sparsity=1.0"),
+        (dict(sparsity=-0.1), ValueError, r"sparsity must be in \[0, 1\), got sparsity=-0.1"),
+        (dict(sparsity=0.5, mask=np.ones((K, N), bool)), ValueError, r"exactly one of sparsity= and mask="),
+        (dict(), ValueError, r"exactly one of sparsity= and mask="),
+        (dict(mask=np.ones((N, K), bool)), ValueError, r"mask must have the weight's shape \(64, 96\), got \(96, 64\)"),
+        (dict(mask=np.ones((K, N), np.int32)), TypeError, r"mask must be a boolean array, got dtype int32"),
+    ],
+)
+def test_masked_bad_arguments(kwargs, error, match):
+  with pytest.raises(error, match=match):
+    MaskedLinear(K, N, **kwargs, rngs=nnx.Rngs(0))
+
+
+def test_bad_call_and_from_dense_arguments():
+  x = jnp.ones((2, K + 1))
+  with pytest.raises(ValueError, match=r"x must have shape \(\.\.\., K\) with K = .* = 64, got x.shape=\(2, 65\)"):
+    _bsl()(x)
+  with pytest.raises(ValueError, match=r"x must have shape \(\.\.\., K\) with K = .* = 64, got x.shape=\(2, 65\)"):
+    MaskedLinear(K, N, sparsity=0.5, rngs=nnx.Rngs(0))(x)
+  with pytest.raises(TypeError, match=r"linear must be a flax.nnx.Linear, got MaskedLinear"):
+    BlockSparseLinear.from_dense(MaskedLinear(K, N, sparsity=0.5, rngs=nnx.Rngs(0)), density=0.5)
+  with pytest.raises(ValueError, match=r"density must be in \(0, 1\]"):
+    BlockSparseLinear.from_dense(_dense_linear(), density=2.0, block_shape=(32, 32))
+  with pytest.raises(ValueError, match=r"sparsity must be in \[0, 1\)"):
+    MaskedLinear.from_dense(_dense_linear(), sparsity=1.0)
+
+
+def test_linen_bad_arguments():
+  x = jnp.ones((2, K))
+  with pytest.raises(ValueError, match=r"density must be in \(0, 1\], got density=2.0"):
+    BlockSparseDense(N, density=2.0)
+  with pytest.raises(ValueError, match=r"sparsity must be in \[0, 1\), got sparsity=1.0"):
+    MaskedDense(N, sparsity=1.0)
+  with pytest.raises(ValueError, match=r"implementation must be one of"):
+    BlockSparseDense(N, density=0.5, implementation="cuda")
+  with pytest.raises(ValueError, match=r"block_shape=\(32, 32\) must divide the matrix shape \(64, 100\)"):
+    BlockSparseDense(100, density=0.5).init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match=r"x must have shape \(\.\.\., in_features\), got x.shape=\(\)"):
+    MaskedDense(N, sparsity=0.5).init(jax.random.key(0), jnp.ones(()))
+  model = BlockSparseDense(N, density=0.5)
+  variables = model.init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match=r"no 'sparsity' collection"):
+    model.apply({"params": variables["params"]}, x)
+  with pytest.raises(flax.errors.ScopeParamShapeError):
+    model.apply(variables, jnp.ones((2, 2 * K)))
+  masked = MaskedDense(N, sparsity=0.5)
+  with pytest.raises(ValueError, match=r"no 'sparsity' collection"):
+    masked.apply({"params": masked.init(jax.random.key(0), x)["params"]}, x)
+
+
+def test_layers_reject_traced_construction():
+  with pytest.raises(ValueError, match=r"block_mask must be concrete"):
+    jax.jit(lambda x: BlockSparseDense(N, density=0.5).init(jax.random.key(0), x))(jnp.ones((1, K)))
+
+
+def test_public_modules():
+  assert jaxsparse.layers.linen.BlockSparseDense is BlockSparseDense
+  assert issubclass(BlockSparseDense, nn.Module) and issubclass(MaskedDense, nn.Module)
+  assert {"BlockSparseLinear", "MaskedLinear", "SparsityPattern", "linen"} <= set(jaxsparse.layers.__all__)

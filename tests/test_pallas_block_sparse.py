@@ -1,0 +1,251 @@
+"""Pallas block-sparse kernels against the dense reference.
+
+On a CPU the kernels run in Pallas interpret mode (small shapes). Tests marked ``gpu`` compile them
+for a CUDA GPU (``benchmarks/run_gpu.sh`` runs them on the device machine); they skip elsewhere.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import jaxsparse
+from jaxsparse.ops import block_sparse_matmul
+from jaxsparse.pallas import BlockSparseMatmulConfig
+from jaxsparse.pallas import KernelConfig
+from jaxsparse.pallas import PallasFallbackWarning
+from jaxsparse.pallas import _block_sparse_matmul as kernels
+
+# Relative error ‖out - ref‖ / ‖ref‖ allowed per input dtype: float32 dots run in full float32 in
+# interpret mode and with precision=HIGHEST on the GPU; 16-bit inputs round the output once more.
+RTOL = {jnp.float32: 2e-5, jnp.bfloat16: 1.5e-2, jnp.float16: 3e-3}
+# On the GPU a float32 dot at default precision uses TF32 tensor cores, as XLA's own dots do there.
+RTOL_TF32 = 1e-3
+
+needs_gpu = pytest.mark.skipif(not kernels.available(), reason=kernels.unavailable_reason())
+
+
+@pytest.fixture(autouse=True)
+def _quiet_triton_deprecation():
+  # jax 0.11 warns at each lowering that the Pallas Triton backend is deprecated.
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
+    yield
+
+
+def _mask(pattern: str, grid: tuple[int, int], seed: int) -> np.ndarray:
+  kb, nb = grid
+  if pattern == "dense":
+    return np.ones(grid, bool)
+  if pattern == "single":
+    mask = np.zeros(grid, bool)
+    mask[kb - 1, nb // 2] = True
+    return mask
+  # Random at density 1/2, with block row 0 and block column 1 empty.
+  mask = np.random.default_rng(seed).random(grid) < 0.5
+  mask[0, :] = False
+  mask[:, min(1, nb - 1)] = False
+  mask[kb - 1, 0] = True  # never all-empty
+  return mask
+
+
+def _problem(m, k, n, block_shape, pattern, dtype, seed=0):
+  k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+  grid = (k // block_shape[0], n // block_shape[1])
+  w = jaxsparse.BlockSparseMatrix.from_dense(
+      jax.random.normal(k1, (k, n), jnp.float32).astype(dtype), block_shape, block_mask=_mask(pattern, grid, seed)
+  )
+  x = jax.random.normal(k2, (m, k), jnp.float32).astype(dtype)
+  dy = jax.random.normal(k3, (m, n), jnp.float32).astype(dtype)
+  return x, dy, w
+
+
+def _dense_reference(x, dy, w):
+  """``y``, ``dX`` and ``dW`` (sampled on the kept blocks) by autodiff of ``x @ w.to_dense()``, in float32."""
+  f32 = lambda a: a.astype(jnp.float32)
+
+  def dense(x, data):
+    return jnp.matmul(x, w.with_data(data).to_dense(), precision=lax.Precision.HIGHEST)
+
+  y, vjp = jax.vjp(dense, f32(x), f32(w.data))
+  dx, ddata = vjp(f32(dy))
+  return y, dx, ddata
+
+
+def _assert_close(out, ref, dtype, what, rtol=None):
+  assert out.shape == ref.shape, (what, out.shape, ref.shape)
+  rtol = rtol or RTOL[dtype]
+  out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+  assert np.all(np.isfinite(out)), f"{what}: non-finite values"
+  err = np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30)
+  assert err <= rtol, f"{what}: relative error {err:.2e} > {rtol:.0e}"
+
+
+def _check_all(x, dy, w, dtype, *, config=None, interpret, precision=None):
+  kw = dict(config=config, interpret=interpret, precision=precision)
+  y = jax.jit(functools.partial(kernels.forward, **kw))(x, w)
+  dx, ddata = jax.jit(functools.partial(kernels.backward, **kw))(x, dy, w)
+  assert y.dtype == dtype and dx.dtype == dtype and ddata.dtype == dtype
+  tf32 = dtype == jnp.float32 and not interpret and precision is None
+  rtol = RTOL_TF32 if tf32 else RTOL[dtype]
+  y_ref, dx_ref, ddata_ref = _dense_reference(x, dy, w)
+  _assert_close(y, y_ref, dtype, "y", rtol)
+  _assert_close(dx, dx_ref, dtype, "dX", rtol)
+  if w.nnz_blocks:
+    _assert_close(ddata, ddata_ref, dtype, "dW", rtol)
+
+
+# -------------------------------------------------------------------------------------------------
+# Interpret mode (CPU CI): small shapes.
+# -------------------------------------------------------------------------------------------------
+
+CASES = [
+    # (block_shape, pattern, dtype)
+    ((16, 16), "random", jnp.float32),
+    ((32, 32), "random", jnp.float32),
+    ((32, 32), "random", jnp.bfloat16),
+    ((32, 32), "dense", jnp.float32),
+    ((32, 32), "single", jnp.bfloat16),
+    ((64, 64), "random", jnp.float32),
+    ((64, 64), "single", jnp.float32),
+    ((64, 64), "dense", jnp.bfloat16),
+    ((32, 16), "random", jnp.float32),
+    ((16, 64), "random", jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize(("block_shape", "pattern", "dtype"), CASES)
+def test_interpret_matches_dense(block_shape, pattern, dtype):
+  # M = 40 is not a multiple of the row tile: exercises the row padding.
+  x, dy, w = _problem(40, 128, 128, block_shape, pattern, dtype)
+  _check_all(x, dy, w, dtype, interpret=True)
+
+
+@pytest.mark.parametrize("index_window", [True, False])
+def test_interpret_split_and_grouped_tiles(index_window):
+  # Several row tiles visited in groups of 2, and the block loops split over 3 programs.
+  x, dy, w = _problem(64, 128, 192, (32, 32), "random", jnp.float32, seed=3)
+  cfg = KernelConfig(16, group_m=2, split=3, index_window=index_window)
+  _check_all(x, dy, w, jnp.float32, config=BlockSparseMatmulConfig(cfg, cfg, cfg), interpret=True)
+
+
+def test_interpret_mixed_dtypes_promote():
+  x, dy, w = _problem(16, 64, 64, (32, 32), "random", jnp.float32, seed=1)
+  x16 = x.astype(jnp.bfloat16)
+  y = kernels.forward(x16, w, interpret=True)
+  assert y.dtype == jnp.float32
+  y_ref, _, _ = _dense_reference(x16, dy, w)
+  _assert_close(y, y_ref, jnp.float32, "y")
+
+
+def test_interpret_no_kept_blocks():
+  empty = jaxsparse.BlockSparseMatrix.from_block_mask(np.zeros((2, 2), bool), jnp.zeros((0, 32, 32)))
+  x = jnp.ones((16, 64))
+  assert np.all(np.asarray(kernels.forward(x, empty, interpret=True)) == 0)
+  dx, ddata = kernels.backward(x, jnp.ones((16, 64)), empty, interpret=True)
+  assert np.all(np.asarray(dx) == 0) and ddata.shape == (0, 32, 32)
+
+
+def test_supports():
+  x, dy, w = _problem(16, 64, 64, (32, 32), "random", jnp.bfloat16)
+  assert kernels.supports(x, w) and kernels.supports(x, dy, w)
+  assert not kernels.supports(x.astype(jnp.int32), w)
+  odd = jaxsparse.BlockSparseMatrix.from_dense(jnp.ones((48, 48)), (24, 24))
+  assert not kernels.supports(jnp.ones((4, 48)), odd)
+  with pytest.raises(ValueError, match="block_shape"):
+    kernels.forward(jnp.ones((4, 48)), odd, interpret=True)
+
+
+def test_config_validation():
+  with pytest.raises(ValueError, match="block_m"):
+    KernelConfig(24)
+  with pytest.raises(ValueError, match="split"):
+    KernelConfig(16, split=0)
+  cfg = BlockSparseMatmulConfig.get_default(16, (4096, 4096), (64, 64), 1024, jnp.bfloat16)
+  assert cfg.forward.block_m == 16 and cfg.forward.split > 1  # decode: split the block loop
+
+
+@pytest.mark.skipif(kernels.available(), reason="checks the CPU-only behaviour")
+def test_pallas_implementation_raises_without_gpu():
+  assert kernels.unavailable_reason()
+  x, _, w = _problem(16, 64, 64, (32, 32), "random", jnp.float32)
+  with pytest.raises(RuntimeError, match="pallas"):
+    block_sparse_matmul(x, w, implementation="pallas")
+
+
+# -------------------------------------------------------------------------------------------------
+# GPU (run by benchmarks/run_gpu.sh on the device machine).
+# -------------------------------------------------------------------------------------------------
+
+GPU_CASES = [
+    (m, k, n, b, pattern, dtype)
+    for (m, k, n) in [(512, 512, 768), (16, 1024, 1024), (300, 256, 256)]
+    for b in [(32, 32), (64, 64), (128, 128)]
+    for pattern in ["random", "single", "dense"]
+    for dtype in [jnp.bfloat16, jnp.float16, jnp.float32]
+    if pattern == "random" or dtype == jnp.bfloat16
+] + [(256, 256, 512, (16, 64), "random", jnp.bfloat16), (256, 512, 256, (128, 32), "random", jnp.float32)]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize(("m", "k", "n", "block_shape", "pattern", "dtype"), GPU_CASES)
+def test_gpu_matches_dense(m, k, n, block_shape, pattern, dtype):
+  x, dy, w = _problem(m, k, n, block_shape, pattern, dtype, seed=m + k)
+  _check_all(x, dy, w, dtype, interpret=False)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("block", [32, 128])
+def test_gpu_float32_highest_precision(block):
+  x, dy, w = _problem(256, 512, 512, (block, block), "random", jnp.float32, seed=5)
+  _check_all(x, dy, w, jnp.float32, interpret=False, precision=lax.Precision.HIGHEST)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("split", [1, 4])
+@pytest.mark.parametrize("index_window", [True, False])
+def test_gpu_split_configs(split, index_window):
+  x, dy, w = _problem(256, 512, 512, (64, 64), "random", jnp.bfloat16, seed=7)
+  cfg = KernelConfig(64, group_m=4, split=split, index_window=index_window)
+  _check_all(x, dy, w, jnp.bfloat16, config=BlockSparseMatmulConfig(cfg, cfg, cfg), interpret=False)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("implementation", [None, "pallas"])
+def test_gpu_op_gradients(implementation):
+  x, dy, w = _problem(96, 256, 384, (64, 64), "random", jnp.bfloat16, seed=11)
+  x3 = x.reshape(2, 48, 256)
+
+  def loss(x3, data):
+    y = block_sparse_matmul(x3, w.with_data(data), implementation=implementation)
+    return jnp.sum(y.astype(jnp.float32) * dy.reshape(2, 48, 384).astype(jnp.float32))
+
+  y = jax.jit(lambda a: block_sparse_matmul(a, w, implementation=implementation))(x3)
+  gx, gdata = jax.jit(jax.grad(loss, argnums=(0, 1)))(x3, w.data)
+  y_ref, dx_ref, ddata_ref = _dense_reference(x, dy, w)
+  _assert_close(y.reshape(96, 384), y_ref, jnp.bfloat16, "y")
+  _assert_close(gx.reshape(96, 256), dx_ref, jnp.bfloat16, "dX")
+  _assert_close(gdata, ddata_ref, jnp.bfloat16, "dW")
+  # The kernels really ran: the compiled HLO holds the Triton custom calls.
+  hlo = jax.jit(lambda a: block_sparse_matmul(a, w, implementation=implementation)).lower(x3).as_text()
+  assert "triton" in hlo.lower() or "pallas" in hlo.lower()
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_unsupported_shape_falls_back_with_warning():
+  w = jaxsparse.BlockSparseMatrix.from_dense(jnp.ones((96, 96)), (24, 24))
+  x = jnp.ones((8, 96))
+  with pytest.warns(PallasFallbackWarning):
+    y = block_sparse_matmul(x, w)
+  np.testing.assert_allclose(np.asarray(y), 96.0)
