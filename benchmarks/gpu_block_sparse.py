@@ -146,6 +146,25 @@ def check(x, dy, w, cfg) -> str:
   return f"y {rel_err(y, y_ref):.1e} dX {rel_err(dx, dx_ref):.1e} dW {rel_err(ddata, ddata_ref):.1e}"
 
 
+def breakdown(iterations: int) -> list[str]:
+  """Per-kernel device times (CUPTI) of the sparse products for a few cases: where the time goes."""
+  from jax.experimental.mosaic.gpu import profiler  # noqa: PLC0415
+
+  lines = []
+  cases = [(16, 4096, 4096, 128), (16, 4096, 16384, 64), (M_TRAIN, 4096, 4096, 128), (M_TRAIN, 4096, 4096, 64)]
+  for m, k, n, b in cases:
+    x, dy, w, _ = problem(m, k, n, b, 0.25, seed=b)
+    for name, f in sparse_fns(None).items():
+      f = jax.jit(f)
+      jax.block_until_ready(f(x, dy, w))
+      _, per_kernel = profiler.measure(f, aggregate=False, iterations=iterations)(x, dy, w)
+      summary = ", ".join(f"{kname[:40]} {statistics.median(r[i][1] for r in per_kernel) * 1e3:.1f}us"
+                          for i, (kname, _) in enumerate(per_kernel[0]))
+      lines.append(f"{m}x{k}x{n} b={b} {name}: {summary}")
+      log(lines[-1])
+  return lines
+
+
 # -------------------------------------------------------------------------------------------------
 # Tile sweep.
 # -------------------------------------------------------------------------------------------------
@@ -156,9 +175,15 @@ ROW_VARIANTS = [
     for bm in (64, 128, 256)
     for wp in (4, 8)
     for st in (2, 3, 4, 5)
-]
+] + [KernelConfig(bm, num_warps=wp, num_stages=3, group_m=g) for bm in (128, 256) for wp in (4, 8) for g in (4, 16, 64)]
 DW_VARIANTS = [
     KernelConfig(bm, num_warps=wp, num_stages=st) for bm in (32, 64, 128) for wp in (4, 8) for st in (2, 3, 4, 5)
+]
+DECODE_VARIANTS = [
+    KernelConfig(16, num_warps=4, num_stages=st, split=sp, index_window=iw)
+    for iw in (True, False)
+    for sp in (4, 8)
+    for st in (2, 3, 4)
 ]
 
 
@@ -166,13 +191,6 @@ def fits_smem(kind: str, v: KernelConfig, b: int, itemsize: int = 2, limit: int 
   """Whether the pipelined operand tiles plausibly fit in an H100/H200 SM's shared memory."""
   per_stage = (v.block_m * b + b * b) if kind != "dw" else v.block_m * 2 * b
   return v.num_stages * per_stage * itemsize <= limit
-DECODE_VARIANTS = [
-    KernelConfig(16, num_warps=wp, num_stages=st, split=s, index_window=iw)
-    for iw in (True, False)
-    for s in (1, 2, 4, 8, 16)
-    for wp in (4, 8)
-    for st in (2, 3, 4)
-]
 
 
 def sweep(iterations: int) -> tuple[dict[int, BlockSparseMatmulConfig], dict[int, KernelConfig], list[str]]:
@@ -335,6 +353,7 @@ def main(argv=None):
   p.add_argument("--table", action="store_true", help="print the benchmark table")
   p.add_argument("--torch", action="store_true", help="also time torch's BSR kernel")
   p.add_argument("--quick", action="store_true", help="only K = N = 4096")
+  p.add_argument("--breakdown", action="store_true", help="per-kernel times of a few cases first")
   p.add_argument("--iterations", type=int, default=20)
   p.add_argument("--out", default=None, help="also write the table (markdown) here")
   args = p.parse_args(argv)
@@ -348,6 +367,8 @@ def main(argv=None):
   if not kernels.available():
     sys.exit(f"the Pallas kernels cannot run here: {kernels.unavailable_reason()}")
   best, best_decode, sweep_lines = {}, {}, []
+  if args.breakdown:
+    sweep_lines += breakdown(args.iterations)
   t0 = time.time()
   if args.sweep:
     best, best_decode, sweep_lines = sweep(args.iterations)

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Runs the GPU tests and the GPU benchmark of the Pallas block-sparse kernels on a CUDA machine
-# (the device tool's H100: `run` with command `bash benchmarks/run_gpu.sh`). Logs go to $OUT (or
+# (the device tool's H100 or H200: `run` with command `bash benchmarks/run_gpu.sh`). Logs go to $OUT (or
 # ./gpu_logs), the benchmark table to $OUT/gpu_block_sparse.md.
 #
-#   bash benchmarks/run_gpu.sh            # tests, then tile sweep + full table + torch BSR
+#   bash benchmarks/run_gpu.sh            # tests, then the table (default configs) + torch BSR
 #   bash benchmarks/run_gpu.sh tests      # only the GPU tests
-#   bash benchmarks/run_gpu.sh bench ARGS # only the benchmark, with its ARGS
+#   bash benchmarks/run_gpu.sh bench ARGS # only the benchmark, with its ARGS (e.g. --sweep --breakdown)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-gpu_logs}"
@@ -25,7 +25,7 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
   status=${PIPESTATUS[0]}
 fi
 if [ "$what" = all ]; then
-  set -- --sweep --table --torch
+  set -- --table --torch
 fi
 if [ "$what" = all ] || [ "$what" = bench ]; then
   "$py" benchmarks/gpu_block_sparse.py "$@" --out "$out/gpu_block_sparse.md" 2>&1 | tee "$out/gpu_bench.log"

@@ -127,12 +127,19 @@ def test_interpret_matches_dense(block_shape, pattern, dtype):
   _check_all(x, dy, w, dtype, interpret=True)
 
 
-@pytest.mark.parametrize("index_window", [True, False])
-def test_interpret_split_and_grouped_tiles(index_window):
-  # Several row tiles visited in groups of 2, and the block loops split over 3 programs.
-  x, dy, w = _problem(64, 128, 192, (32, 32), "random", jnp.float32, seed=3)
-  cfg = KernelConfig(16, group_m=2, split=3, index_window=index_window)
+@pytest.mark.parametrize(("split", "index_window"), [(3, True), (1, False)])
+def test_interpret_split_and_grouped_tiles(split, index_window):
+  # Row tiles visited in groups of 2, block loops split over programs, block indices from a
+  # window or from memory.
+  x, dy, w = _problem(72, 128, 192, (32, 32), "random", jnp.float32, seed=3)
+  cfg = KernelConfig(16, group_m=2, split=split, index_window=index_window)
   _check_all(x, dy, w, jnp.float32, config=BlockSparseMatmulConfig(cfg, cfg, cfg), interpret=True)
+
+
+def test_interpret_block_grid_not_a_power_of_two():
+  # 5 x 3 blocks: the index windows (8 and 4 entries) are wider than the grid.
+  x, dy, w = _problem(24, 160, 96, (32, 32), "random", jnp.float32, seed=2)
+  _check_all(x, dy, w, jnp.float32, interpret=True)
 
 
 def test_interpret_mixed_dtypes_promote():
@@ -214,8 +221,8 @@ def test_gpu_float32_highest_precision(block):
 @pytest.mark.parametrize("split", [1, 4])
 @pytest.mark.parametrize("index_window", [True, False])
 def test_gpu_split_configs(split, index_window):
-  x, dy, w = _problem(256, 512, 512, (64, 64), "random", jnp.bfloat16, seed=7)
-  cfg = KernelConfig(64, group_m=4, split=split, index_window=index_window)
+  x, dy, w = _problem(320, 512, 512, (64, 64), "random", jnp.bfloat16, seed=7)
+  cfg = KernelConfig(32, group_m=4, split=split, index_window=index_window)
   _check_all(x, dy, w, jnp.bfloat16, config=BlockSparseMatmulConfig(cfg, cfg, cfg), interpret=False)
 
 

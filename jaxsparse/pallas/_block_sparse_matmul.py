@@ -18,7 +18,7 @@ on a CPU, which is how CI tests it. Work and memory traffic are proportional to 
 dense ``K x N`` weight is never built.
 
 Tile sizes live in :class:`BlockSparseMatmulConfig`; :meth:`BlockSparseMatmulConfig.get_default`
-holds the one heuristic, tuned on an H100 with ``benchmarks/gpu_block_sparse.py``.
+holds the measured winners and the one heuristic (``benchmarks/gpu_block_sparse.py --sweep``).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ __all__ = [
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 SUPPORTED_BLOCK_DIMS = (16, 32, 64, 128)
 _MIN_COMPUTE_CAPABILITY = 8.0
-# Programs wanted in flight at once: two per streaming multiprocessor of an H100 (132 of them).
+# Programs wanted in flight at once: two per streaming multiprocessor of an H100 or H200 (132 of them).
 _TARGET_PROGRAMS = 264
 
 
@@ -114,12 +114,17 @@ class BlockSparseMatmulConfig:
       nnz_blocks: int,
       dtype: jax.typing.DTypeLike,
   ) -> BlockSparseMatmulConfig:
-    """The heuristic config for ``x (m, K) @ W (K, N)`` with ``nnz_blocks`` kept ``block_shape`` blocks."""
+    """The config for ``x (m, K) @ W (K, N)`` with ``nnz_blocks`` kept ``block_shape`` blocks.
+
+    16-bit square blocks at large ``m`` take the measured winners in ``TUNED_CONFIGS``; everything
+    else a heuristic. Small ``m`` (decode) splits the loop over a column's blocks across programs.
+    """
     (k, n), (bk, bn) = shape, block_shape
     itemsize = jnp.dtype(dtype).itemsize
+    kb, nb = k // bk, n // bn
 
     def rows_tile(out_cols: int, in_cols: int) -> KernelConfig:
-      # Large M: 128-row tiles; keep the f32 accumulator and the staged operands within one SM.
+      # 128-row tiles, fewer where the f32 accumulator or the staged operands would not fit one SM.
       bm = min(128, max(16, pl.next_power_of_2(m)))
       while bm > 16 and bm * out_cols * 4 > 128 * 128 * 4 // (2 if itemsize == 4 else 1):
         bm //= 2
@@ -127,20 +132,51 @@ class BlockSparseMatmulConfig:
       stages = 2 if itemsize == 4 and in_cols * out_cols >= 64 * 128 else 3
       return KernelConfig(bm, num_warps=warps, num_stages=stages)
 
-    def split_for(programs: int, steps: int) -> int:
-      return max(1, min(steps, pl.cdiv(_TARGET_PROGRAMS, max(programs, 1))))
+    tuned = TUNED_CONFIGS.get(bk) if bk == bn and itemsize == 2 and m >= _TUNED_MIN_M else None
+    if tuned is not None:
+      fwd, dx, dw = tuned
+    else:
+      fwd, dx = rows_tile(bn, bk), rows_tile(bk, bn)
+      dw_bm = min(64 if itemsize == 4 else 128, max(16, pl.next_power_of_2(m)))
+      dw = KernelConfig(dw_bm, num_warps=8 if bk * bn >= 128 * 128 else 4, num_stages=3 if itemsize < 4 else 2)
 
-    fwd, dx = rows_tile(bn, bk), rows_tile(bk, bn)
-    num_m = pl.cdiv(m, fwd.block_m)
-    fwd = dataclasses.replace(fwd, split=split_for(num_m * (n // bn), pl.cdiv(nnz_blocks, n // bn)))
-    num_m = pl.cdiv(m, dx.block_m)
-    dx = dataclasses.replace(dx, split=split_for(num_m * (k // bk), pl.cdiv(nnz_blocks, k // bk)))
+    def split_blocks(cfg: KernelConfig, num_cols: int) -> KernelConfig:
+      # Too few programs to fill the GPU (decode): about two kept blocks per program (measured best
+      # on an H200 at M = 16 against one, four and eight).
+      if pl.cdiv(m, cfg.block_m) * num_cols >= _TARGET_PROGRAMS:
+        return cfg
+      return dataclasses.replace(cfg, split=max(1, min(8, pl.cdiv(nnz_blocks, 2 * num_cols))))
 
-    dw_bm = min(64 if itemsize == 4 else 128, max(16, pl.next_power_of_2(m)))
-    dw_warps = 8 if bk * bn >= 128 * 128 else 4
-    dw = KernelConfig(dw_bm, num_warps=dw_warps, num_stages=3 if itemsize < 4 else 2)
-    dw = dataclasses.replace(dw, split=split_for(nnz_blocks, pl.cdiv(m, dw_bm)))
+    fwd, dx = split_blocks(fwd, nb), split_blocks(dx, kb)
+    if nnz_blocks < _TARGET_PROGRAMS // 4:
+      # Kept blocks for under half the SMs: split the reduction over M too. (At 128 blocks and
+      # M = 8192 a split of 3 measured 50% slower than none on an H200.)
+      steps = pl.cdiv(m, dw.block_m)
+      dw = dataclasses.replace(dw, split=max(1, min(steps, pl.cdiv(_TARGET_PROGRAMS // 2, nnz_blocks))))
     return cls(forward=fwd, dx=dx, dw=dw)
+
+
+# Fastest (forward, dx, dw) configs per square block size for bf16 at M = 8192, K = N = 4096,
+# density 0.25, from the sweep of benchmarks/gpu_block_sparse.py on an H200 (2026-11-21; see
+# benchmarks/results/). Used for 16-bit inputs and m >= _TUNED_MIN_M.
+_TUNED_MIN_M = 1024
+TUNED_CONFIGS: dict[int, tuple[KernelConfig, KernelConfig, KernelConfig]] = {
+    32: (
+        KernelConfig(256, num_warps=4, num_stages=5, index_window=False),
+        KernelConfig(256, num_warps=4, num_stages=5, index_window=False),
+        KernelConfig(128, num_warps=4, num_stages=2),
+    ),
+    64: (
+        KernelConfig(128, num_warps=4, num_stages=3),
+        KernelConfig(128, num_warps=4, num_stages=3, group_m=16),
+        KernelConfig(32, num_warps=4, num_stages=3),
+    ),
+    128: (
+        KernelConfig(128, num_warps=8, num_stages=3, group_m=4),
+        KernelConfig(128, num_warps=4, num_stages=3, group_m=4),
+        KernelConfig(64, num_warps=4, num_stages=3),
+    ),
+}
 
 
 # -------------------------------------------------------------------------------------------------
@@ -264,24 +300,37 @@ class _BlockIndex:
     return [jnp.sum(jnp.where(hit, v, 0)) for v in self.vectors]
 
 
-def _dsd_kernel(offsets_ref, rows_ref, order_ref, x_ref, data_ref, y_ref, *, num_m, num_n, window, cfg, dot):
+def _dsd_kernel(
+    col_offsets_ref, order_ref, row_offsets_ref, rows_ref, x_ref, data_ref, y_ref, *, num_m, num_n, window, cfg, dot
+):
   """``y[m tile, j] = sum over kept (i, j): x[m tile, i] @ data[(i, j)]``.
 
-  ``rows_ref`` and ``order_ref`` list the block row and the position in ``data`` of each kept block
-  in column-major order; column ``j`` owns entries ``offsets[j]:offsets[j + 1]``.
+  ``order_ref`` lists the positions in ``data`` of the kept blocks in column-major order; column
+  ``j`` owns entries ``col_offsets[j]:col_offsets[j + 1]``. The block row of position ``b`` is
+  ``rows_ref[b]``, or, from registers, the number of block rows ``r >= 1`` that start at or before
+  ``b`` (``row_offsets`` is sorted).
   """
   _, j = _grouped_tile(pl.program_id(0), num_m, num_n, cfg.group_m)
   bk = data_ref.shape[1]
-  start, end = offsets_ref[j], offsets_ref[j + 1]
-  index = _BlockIndex((rows_ref, order_ref), start, window, cfg)
-  lo, hi = _split_range(start, end, cfg.split)
+  start, end = col_offsets_ref[j], col_offsets_ref[j + 1]
+  index = _BlockIndex((order_ref,), start, window, cfg)
+  if cfg.index_window:
+    num_rows = x_ref.shape[1] // bk
+    # window >= num_rows: the starts of all block rows, in bounds (the wrapper pads if needed).
+    lane = lax.broadcasted_iota(jnp.int32, (window,), 0)
+    starts = row_offsets_ref[pl.ds(0, window)]
+    row_starts = jnp.where((lane >= 1) & (lane < num_rows), starts, jnp.iinfo(jnp.int32).max)
+    block_row = lambda b: jnp.sum((row_starts <= b).astype(jnp.int32))
+  else:
+    block_row = lambda b: rows_ref[b]
 
-  def body(t, acc):
-    i, b = index(t)
-    k0 = pl.multiple_of(i * bk, bk)
-    return acc + dot(x_ref[:, pl.ds(k0, bk)], data_ref[b], ((1,), (0,)))
+  def step(t):
+    (b,) = index(t)
+    k0 = pl.multiple_of(block_row(b) * bk, bk)
+    return dot(x_ref[:, pl.ds(k0, bk)], data_ref[b], ((1,), (0,)))
 
-  acc = lax.fori_loop(lo, hi, body, jnp.zeros(y_ref.shape, jnp.float32))
+  acc = jnp.zeros(y_ref.shape, jnp.float32)
+  acc = lax.fori_loop(*_split_range(start, end, cfg.split), lambda t, acc: acc + step(t), acc)
   y_ref[...] = acc.astype(y_ref.dtype)
 
 
@@ -291,14 +340,14 @@ def _dst_kernel(offsets_ref, cols_ref, dy_ref, data_ref, dx_ref, *, num_m, num_k
   bn = data_ref.shape[2]
   start, end = offsets_ref[i], offsets_ref[i + 1]
   index = _BlockIndex((cols_ref,), start, window, cfg)
-  lo, hi = _split_range(start, end, cfg.split)
 
-  def body(t, acc):
+  def step(t):
     (j,) = index(t)
     n0 = pl.multiple_of(j * bn, bn)
-    return acc + dot(dy_ref[:, pl.ds(n0, bn)], data_ref[t], ((1,), (1,)))
+    return dot(dy_ref[:, pl.ds(n0, bn)], data_ref[t], ((1,), (1,)))
 
-  acc = lax.fori_loop(lo, hi, body, jnp.zeros(dx_ref.shape, jnp.float32))
+  acc = jnp.zeros(dx_ref.shape, jnp.float32)
+  acc = lax.fori_loop(*_split_range(start, end, cfg.split), lambda t, acc: acc + step(t), acc)
   dx_ref[...] = acc.astype(dx_ref.dtype)
 
 
@@ -380,10 +429,11 @@ def forward(
   if w.nnz_blocks == 0:
     return jnp.zeros((m, n), out_dtype)
   cfg = _config_for(config, x2, w).forward
-  # Block rows and data positions in column-major order, padded to at least one index window.
+  # The kernel reads `window` entries of these at a time: pad them to that (a no-op unless the
+  # pattern is tiny or K // bk is far from a power of two).
   window = pl.next_power_of_2(w.grid_shape[0])
-  rows = _pad_to(w.row_indices[w.transpose_order], window)
   order = _pad_to(w.transpose_order, window)
+  row_offsets = _pad_to(w.row_offsets, window)
   xp = _pad_rows(x2, cfg.block_m)
   num_m = xp.shape[0] // cfg.block_m
   tile = functools.partial(_grouped_tile, num_m=num_m, num_n=nb, group_m=cfg.group_m)
@@ -409,8 +459,9 @@ def forward(
       grid=grid,
       in_specs=[
           _whole(w.col_offsets.shape, 2),
-          _whole(rows.shape, 2),
           _whole(order.shape, 2),
+          _whole(row_offsets.shape, 2),
+          _whole(w.row_indices.shape, 2),
           x_spec,
           _whole(w.data.shape, 2),
       ],
@@ -418,7 +469,7 @@ def forward(
       compiler_params=_params(cfg),
       interpret=interpret,
       name=f"block_sparse_dsd_{bk}x{bn}",
-  )(w.col_offsets, rows, order, xp, w.data)
+  )(w.col_offsets, order, row_offsets, w.row_indices, xp, w.data)
   if cfg.split > 1:
     y = y.sum(axis=0).astype(out_dtype)
   return y[:m]
