@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -598,7 +597,3 @@ def backward(
     ddata = _dw(x2, dy2, w, compute_dtype=compute_dtype, precision=precision, cfg=cfg.dw, interpret=interpret)
   return dx, ddata
 
-
-def flops(m: int, w: BlockSparseMatrix) -> int:
-  """Multiply-add flops of one product (forward, ``dx`` or ``dw``): ``2 * m * nnz_blocks * bk * bn``."""
-  return 2 * m * w.nnz_blocks * math.prod(w.block_shape)
