@@ -1,0 +1,352 @@
+"""Sending jaxsparse models back to PyTorch: masks, masked state dicts, BSR and 2:4 weights.
+
+Every exporter reads a Flax NNX model or Linen variables (``{"params": ..., "sparsity": ...}``) and
+writes torch names and layouts: Flax module path -> torch module path through ``torch_names`` (the
+``LoadReport.torch_names`` of :func:`load_nnx`, a dict, a callable, or ``None`` for the same names),
+``kernel (in, out)`` -> ``weight (out, in)``, Conv ``(*k, I, O)`` -> ``(O, I, *k)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from collections.abc import Mapping
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxsparse import layers as jsl
+from jaxsparse._formats import INDEX_FIELDS
+from jaxsparse._formats import BlockSparseMatrix
+from jaxsparse.torch_interop._load import CheckpointError
+from jaxsparse.torch_interop._load import import_torch
+from jaxsparse.torch_interop._load import to_torch
+from jaxsparse.torch_interop._patterns import detect_pattern
+from jaxsparse.torch_interop._patterns import torch_layout
+
+__all__ = ["EXPORT_FORMATS", "TorchNames", "apply_masks", "export_masks", "export_state_dict"]
+
+TorchNames = Mapping[str, str] | Callable[[str], str] | None
+EXPORT_FORMATS = ("dense", "prune", "ao", "bsr", "semi_structured")
+
+
+@dataclasses.dataclass
+class _Entry:
+  """One torch parameter to write: values in torch layout and, for sparse weights, the mask."""
+
+  flax_path: str
+  name: str  # torch parameter name inside the module: "weight", "bias", "running_mean", ...
+  value: np.ndarray
+  mask: np.ndarray | None = None
+  block_shape: tuple[int, int] | None = None  # torch layout (rows, cols) for block-sparse layers
+  nm: tuple[int, int] | None = None
+
+
+def _np(x: Any) -> np.ndarray:
+  return np.asarray(x)
+
+
+def _masked(k: np.ndarray, mask: np.ndarray) -> np.ndarray:
+  return np.where(mask, k, np.zeros((), k.dtype))
+
+
+def _nnx_entries(model: nnx.Module) -> list[_Entry]:
+  nm_linear, nm_conv = getattr(jsl, "NMLinear", None), getattr(jsl, "NMConv", None)
+  compressed = getattr(jsl, "CompressedNMLinear", None)
+  entries, seen = [], set()
+  for path, node in nnx.iter_graph(model):
+    if not isinstance(node, nnx.Module) or id(node) in seen:
+      continue
+    if not any(isinstance(v, nnx.Variable) for v in vars(node).values()):
+      continue
+    seen.add(id(node))
+    fp = ".".join(str(p) for p in path)
+    bias = getattr(node, "bias", None)
+    bias = None if not isinstance(bias, nnx.Variable) else _np(bias[...])
+    if nm_linear is not None and isinstance(node, nm_linear | nm_conv):
+      mask = _np(node.nm_mask)
+      k = _np(node.kernel[...])
+      entries.append(_Entry(fp, "weight", torch_layout(_masked(k, mask)), torch_layout(mask), nm=(node.n, node.m)))
+    elif compressed is not None and isinstance(node, compressed):
+      w = node.weight
+      entries.append(_Entry(fp, "weight", torch_layout(_np(w.to_dense())), torch_layout(_np(w.mask())), nm=(w.n, w.m)))
+    elif isinstance(node, jsl.MaskedLinear):
+      mask = _np(node.mask[...])
+      entries.append(_Entry(fp, "weight", torch_layout(_masked(_np(node.kernel[...]), mask)), torch_layout(mask)))
+    elif isinstance(node, jsl.BlockSparseLinear):
+      bk, bn = node.block_shape
+      bm = _np(node.block_mask)
+      mask = np.repeat(np.repeat(bm, bk, 0), bn, 1)
+      dense = _np(node.sparse_kernel.to_dense())
+      entries.append(_Entry(fp, "weight", torch_layout(dense), torch_layout(mask), block_shape=(bn, bk)))
+    elif isinstance(node, nnx.Conv) and getattr(node, "mask", None) is not None:  # Flax / jaxsparse masked conv
+      mask = np.broadcast_to(_np(node.mask[...]).astype(bool), node.kernel.shape)
+      entries.append(_Entry(fp, "weight", torch_layout(_masked(_np(node.kernel[...]), mask)), torch_layout(mask)))
+    elif isinstance(node, nnx.Linear | nnx.Conv):
+      entries.append(_Entry(fp, "weight", torch_layout(_np(node.kernel[...]))))
+    elif isinstance(node, nnx.Embed):
+      entries.append(_Entry(fp, "weight", _np(node.embedding[...])))
+    elif isinstance(node, nnx.BatchNorm):
+      for flax_name, torch_name in (("scale", "weight"), ("mean", "running_mean"), ("var", "running_var")):
+        var = getattr(node, flax_name, None)
+        if isinstance(var, nnx.Variable):
+          entries.append(_Entry(fp, torch_name, _np(var[...])))
+    elif isinstance(node, nnx.LayerNorm | nnx.RMSNorm | nnx.GroupNorm):
+      if isinstance(getattr(node, "scale", None), nnx.Variable):
+        entries.append(_Entry(fp, "weight", _np(node.scale[...])))
+    else:
+      for name, var in vars(node).items():
+        if isinstance(var, nnx.Param) and name != "bias":
+          entries.append(_Entry(fp, name, _np(var[...])))
+    if bias is not None:
+      entries.append(_Entry(fp, "bias", bias))
+  return entries
+
+
+def _flatten(tree: Mapping, prefix: str = "") -> dict[str, dict]:
+  """``{module path: {leaf name: array}}`` of a nested variables dict."""
+  out: dict[str, dict] = {}
+  for k, v in tree.items():
+    if isinstance(v, Mapping):
+      for mod, leaves in _flatten(v, f"{prefix}.{k}" if prefix else str(k)).items():
+        out.setdefault(mod, {}).update(leaves)
+    else:
+      out.setdefault(prefix, {})[str(k)] = v
+  return out
+
+
+def _linen_entries(variables: Mapping) -> list[_Entry]:
+  if "params" not in variables:
+    raise TypeError(f"variables must hold a 'params' collection (Linen variables), got {sorted(variables)}.")
+  params = _flatten(variables["params"])
+  sparsity = _flatten(variables.get("sparsity", {}))
+  stats = _flatten(variables.get("batch_stats", {}))
+  entries = []
+  for fp, leaves in params.items():
+    sp = sparsity.get(fp, {})
+    for name, value in leaves.items():
+      value = _np(value)
+      if name == "kernel" and "mask" in sp:
+        mask = _np(sp["mask"]).astype(bool)
+        entries.append(_Entry(fp, "weight", torch_layout(_masked(value, mask)), torch_layout(mask)))
+      elif name == "kernel" and all(f in sp for f in INDEX_FIELDS):
+        _, bk, bn = value.shape
+        shape = ((len(sp["row_offsets"]) - 1) * bk, (len(sp["col_offsets"]) - 1) * bn)
+        idx = {f: jnp.asarray(sp[f]) for f in INDEX_FIELDS}
+        mat = BlockSparseMatrix.from_index_arrays(value, idx, shape=shape, block_shape=(bk, bn))
+        mask = np.repeat(np.repeat(_np(mat.block_mask), bk, 0), bn, 1)
+        entries.append(_Entry(fp, "weight", torch_layout(_np(mat.to_dense())), torch_layout(mask),
+                              block_shape=(bn, bk)))
+      elif name == "kernel":
+        entries.append(_Entry(fp, "weight", torch_layout(value)))
+      elif name in ("embedding", "scale"):
+        entries.append(_Entry(fp, "weight", value))
+      else:
+        entries.append(_Entry(fp, name, value))
+  for fp, leaves in stats.items():
+    for name, value in leaves.items():
+      entries.append(_Entry(fp, f"running_{name}" if name in ("mean", "var") else name, _np(value)))
+  return entries
+
+
+def _entries(model: Any) -> list[_Entry]:
+  if isinstance(model, nnx.Module):
+    return _nnx_entries(model)
+  if isinstance(model, Mapping):
+    return _linen_entries(model)
+  raise TypeError(f"model must be a flax.nnx.Module or Linen variables (a dict), got {type(model).__name__}.")
+
+
+def _torch_module(torch_names: TorchNames, flax_path: str) -> str:
+  if torch_names is None:
+    return flax_path
+  if callable(torch_names):
+    return torch_names(flax_path)
+  if flax_path not in torch_names:
+    raise CheckpointError(
+        f"torch_names has no entry for the Flax module {flax_path!r}; give every exported module a torch name "
+        f"(known: {sorted(torch_names)[:8]}...)."
+    )
+  return torch_names[flax_path]
+
+
+def _fqn(mod: str, name: str) -> str:
+  return f"{mod}.{name}" if mod else name
+
+
+def export_masks(model: Any, *, torch_names: TorchNames = None, dtype: Any = None) -> dict[str, Any]:
+  """The masks of a jaxsparse model as ``{"{torch module}.weight_mask": tensor}`` in torch layout.
+
+  Covers ``MaskedLinear``, ``BlockSparseLinear`` (its blocks expanded), ``NMLinear``/``NMConv`` (the
+  current N:M mask) and the Linen ``MaskedDense``/``BlockSparseDense`` variables.
+
+  >>> import jax.numpy as jnp
+  >>> from flax import nnx
+  >>> from jaxsparse import torch_interop
+  >>> from jaxsparse.layers import MaskedLinear
+  >>> layer = MaskedLinear(8, 4, mask=jnp.eye(8, 4, dtype=bool), rngs=nnx.Rngs(0))
+  >>> {k: tuple(v.shape) for k, v in torch_interop.export_masks(layer, torch_names={"": "fc"}).items()}
+  {'fc.weight_mask': (4, 8)}
+
+  Args:
+    model: a Flax NNX model or Linen variables.
+    torch_names: Flax module path -> torch module path: ``LoadReport.torch_names``, a dict, a callable,
+      or ``None`` (same dotted names).
+    dtype: torch dtype of the masks; ``None`` gives bool (``torch.nn.utils.prune`` stores masks in the
+      weight's dtype: pass ``torch.float32`` to match its ``weight_mask`` bit for bit).
+
+  Returns:
+    ``{name: torch.Tensor}``, ready for :func:`apply_masks`.
+  """
+  torch = import_torch()
+  out = {}
+  for e in _entries(model):
+    if e.mask is None:
+      continue
+    t = torch.from_numpy(np.ascontiguousarray(e.mask))
+    out[_fqn(_torch_module(torch_names, e.flax_path), e.name) + "_mask"] = t if dtype is None else t.to(dtype)
+  return out
+
+
+def apply_masks(torch_module: Any, masks: Mapping[str, Any], *, strict: bool = True) -> Any:
+  """Prunes a torch module with ``masks`` through ``torch.nn.utils.prune.custom_from_mask``.
+
+  Each ``"{module}.{param}_mask"`` entry prunes ``param`` of ``torch_module.get_submodule(module)``,
+  which then holds ``{param}_orig`` and ``{param}_mask`` like any ``torch.nn.utils.prune`` model (an
+  already pruned parameter gets the product of both masks, as in torch). Every mask is checked first,
+  so a bad entry leaves the module unchanged.
+
+  >>> import torch
+  >>> from jaxsparse import torch_interop
+  >>> fc = torch_interop.apply_masks(torch.nn.Linear(8, 4), {"weight_mask": torch.eye(4, 8, dtype=torch.bool)})
+  >>> int((fc.weight != 0).sum())
+  4
+
+  Args:
+    torch_module: the ``torch.nn.Module`` to prune (in place).
+    masks: ``{"{module}.{param}_mask": tensor}`` with 0/1 or bool values in the parameter's shape, e.g.
+      from :func:`export_masks`.
+    strict: raise on keys that do not end in ``_mask``.
+
+  Returns:
+    ``torch_module``.
+  """
+  torch = import_torch()
+  import torch.nn.utils.prune as prune  # noqa: PLC0415 -- optional dependency
+
+  if not isinstance(torch_module, torch.nn.Module):
+    raise TypeError(f"torch_module must be a torch.nn.Module, got {type(torch_module).__name__}.")
+  todo = []
+  for key, mask in masks.items():
+    if not key.endswith("_mask"):
+      if strict:
+        raise CheckpointError(f"mask key {key!r} must end in '_mask' ('{{module}}.{{param}}_mask').")
+      continue
+    fqn = key[: -len("_mask")]
+    mod_path, _, pname = fqn.rpartition(".")
+    try:
+      sub = torch_module.get_submodule(mod_path)
+    except AttributeError as e:
+      raise CheckpointError(f"mask {key!r}: the torch model has no module {mod_path!r}.") from e
+    current = getattr(sub, pname, None)
+    if not isinstance(current, torch.Tensor):
+      raise CheckpointError(f"mask {key!r}: module {mod_path!r} ({type(sub).__name__}) has no parameter {pname!r}.")
+    m = to_torch(mask, key=key)
+    if tuple(m.shape) != tuple(current.shape):
+      raise CheckpointError(f"mask {key!r} has shape {tuple(m.shape)} but {fqn!r} has shape {tuple(current.shape)}.")
+    if m.dtype != torch.bool and not bool(((m == 0) | (m == 1)).all()):
+      raise CheckpointError(f"mask {key!r} must hold only 0 and 1.")
+    todo.append((sub, pname, m.to(device=current.device)))
+  for sub, pname, m in todo:
+    prune.custom_from_mask(sub, pname, m)
+  return torch_module
+
+
+def _check_nm_24(e: _Entry, fqn: str) -> None:
+  pattern = detect_pattern(e.mask)
+  if e.value.ndim != 2 or pattern.kind != "nm" or (pattern.n, pattern.m) not in ((2, 4), (1, 2)):
+    raise CheckpointError(
+        f"{fqn}: format='semi_structured' needs 2-D 2:4 weights (2 kept of every 4 input features), but this "
+        f"layer's mask is {pattern} with shape {e.value.shape}."
+    )
+
+
+def export_state_dict(
+    model: Any,
+    *,
+    format: str = "dense",
+    torch_names: TorchNames = None,
+    dtype: Any = None,
+) -> dict[str, Any]:
+  """A torch state dict of a whole jaxsparse model, its sparse layers written in ``format``.
+
+  Formats for the sparse weights (everything else is written densely):
+
+  * ``"dense"``: ``weight`` with zeros where pruned (a plain ``model.load_state_dict`` input);
+  * ``"prune"``: ``weight_orig`` + ``weight_mask`` (mask in the weight's dtype), what a model pruned with
+    ``torch.nn.utils.prune`` holds;
+  * ``"ao"``: ``parametrizations.weight.original`` + ``parametrizations.weight.0.mask`` (bool), the
+    layout of a model prepared by a ``torch.ao.pruning`` sparsifier;
+  * ``"bsr"``: block-sparse weights as ``torch.sparse_bsr`` tensors with the layer's blocks (transposed to
+    torch layout), other masked weights dense;
+  * ``"semi_structured"``: like ``"dense"``, but every sparse weight must be 2:4 along the input features,
+    the pattern ``torch.sparse.to_sparse_semi_structured(w.half().cuda())`` needs (checked here; its
+    shape and dtype limits, e.g. dimensions that are multiples of 64, are left to torch).
+
+  >>> import jax.numpy as jnp
+  >>> from flax import nnx
+  >>> from jaxsparse import torch_interop
+  >>> from jaxsparse.layers import MaskedLinear
+  >>> layer = MaskedLinear(8, 4, mask=jnp.eye(8, 4, dtype=bool), rngs=nnx.Rngs(0))
+  >>> sorted(torch_interop.export_state_dict(layer, format="prune"))
+  ['bias', 'weight_mask', 'weight_orig']
+
+  Args:
+    model: a Flax NNX model or Linen variables.
+    format: one of ``"dense"``, ``"prune"``, ``"ao"``, ``"bsr"``, ``"semi_structured"``.
+    torch_names: Flax module path -> torch module path (see :func:`export_masks`).
+    dtype: torch dtype for floating-point tensors (e.g. ``torch.float16``); ``None`` keeps them.
+
+  Returns:
+    ``{name: torch.Tensor}``.
+  """
+  torch = import_torch()
+  if format not in EXPORT_FORMATS:
+    raise ValueError(f"format must be one of {EXPORT_FORMATS}, got format={format!r}.")
+
+  def t(x: np.ndarray):
+    out = to_torch(np.ascontiguousarray(x), key="export")
+    return out.to(dtype) if dtype is not None and out.is_floating_point() else out
+
+  out = {}
+  for e in _entries(model):
+    mod = _torch_module(torch_names, e.flax_path)
+    fqn = _fqn(mod, e.name)
+    if e.mask is None:
+      out[fqn] = t(e.value)
+    elif format in ("dense", "semi_structured"):
+      if format == "semi_structured":
+        _check_nm_24(e, fqn)
+      out[fqn] = t(e.value)
+    elif format == "prune":
+      value = t(e.value)
+      out[fqn + "_orig"] = value
+      out[fqn + "_mask"] = torch.from_numpy(np.ascontiguousarray(e.mask)).to(value.dtype)
+    elif format == "ao":
+      out[_fqn(mod, f"parametrizations.{e.name}.original")] = t(e.value)
+      out[_fqn(mod, f"parametrizations.{e.name}.0.mask")] = torch.from_numpy(np.ascontiguousarray(e.mask))
+    elif e.block_shape is not None:  # bsr
+      b0, b1 = e.block_shape
+      rows, cols = e.value.shape
+      block_mask = e.mask[::b0, ::b1]
+      r, c = np.nonzero(block_mask)
+      crow = np.concatenate([[0], np.cumsum(block_mask.sum(1))]).astype(np.int64)
+      blocks = e.value.reshape(rows // b0, b0, cols // b1, b1).transpose(0, 2, 1, 3)[r, c]
+      out[fqn] = torch.sparse_bsr_tensor(
+          torch.from_numpy(crow), torch.from_numpy(c.astype(np.int64)), t(blocks), size=(rows, cols)
+      )
+    else:
+      out[fqn] = t(e.value)
+  return out

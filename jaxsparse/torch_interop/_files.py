@@ -1,0 +1,120 @@
+"""Writing converted Flax variables atomically (safetensors or orbax) and reading them back."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from jaxsparse.torch_interop._decode import to_numpy
+from jaxsparse.torch_interop._load import CheckpointError
+from jaxsparse.torch_interop._load import import_torch
+from jaxsparse.torch_interop._load import to_torch
+
+__all__ = ["load_flax_variables", "save_flax_variables"]
+
+SEP = "/"
+
+
+def _flatten(tree: Mapping, prefix: tuple[str, ...] = ()) -> dict[str, Any]:
+  out = {}
+  for k, v in tree.items():
+    k = str(k)
+    if SEP in k:
+      raise CheckpointError(f"variable name {k!r} contains {SEP!r}, which separates path parts in the file.")
+    if isinstance(v, Mapping):
+      out.update(_flatten(v, (*prefix, k)))
+    else:
+      out[SEP.join((*prefix, k))] = v
+  return out
+
+
+def save_flax_variables(variables: Mapping, path: str | os.PathLike, *, format: str | None = None) -> str:
+  """Writes nested Flax variables to ``path``; a failure leaves no partial file behind.
+
+  Safetensors keys are the variable paths joined by ``/`` (``"params/encoder/layer/0/kernel"``); orbax
+  writes a ``StandardCheckpointer`` directory.
+
+  >>> import os, tempfile, numpy as np
+  >>> from jaxsparse.torch_interop import load_flax_variables, save_flax_variables
+  >>> path = save_flax_variables({"params": {"fc": {"kernel": np.ones((2, 3), np.float32)}}},
+  ...                            os.path.join(tempfile.mkdtemp(), "model.safetensors"))
+  >>> load_flax_variables(path)["params"]["fc"]["kernel"].shape
+  (2, 3)
+
+  Args:
+    variables: nested dicts of arrays.
+    path: the output file (safetensors) or directory (orbax); must not exist for orbax.
+    format: ``"safetensors"`` or ``"orbax"``; ``None`` picks safetensors for a ``.safetensors`` name and
+      orbax otherwise.
+
+  Returns:
+    The path written.
+  """
+  path = os.fspath(path)
+  if format is None:
+    format = "safetensors" if path.endswith(".safetensors") else "orbax"
+  if format not in ("safetensors", "orbax"):
+    raise ValueError(f"format must be 'safetensors' or 'orbax', got format={format!r}.")
+  directory = os.path.dirname(os.path.abspath(path))
+  if not os.path.isdir(directory):
+    raise CheckpointError(f"cannot write {path}: the directory {directory} does not exist.")
+  flat = _flatten(variables)
+  if format == "safetensors":
+    from safetensors.torch import save_file  # noqa: PLC0415 -- optional dependency
+
+    import_torch()
+    tensors = {k: to_torch(np.ascontiguousarray(np.asarray(v)), key=k).contiguous() for k, v in flat.items()}
+    fd, tmp = tempfile.mkstemp(prefix=".jaxsparse-", suffix=".safetensors.tmp", dir=directory)
+    os.close(fd)
+    try:
+      save_file(tensors, tmp, metadata={"format": "jaxsparse-flax-variables", "separator": SEP})
+      os.replace(tmp, path)
+    except BaseException:
+      if os.path.exists(tmp):
+        os.remove(tmp)
+      raise
+    return path
+  import orbax.checkpoint as ocp  # noqa: PLC0415 -- optional, only for orbax output
+
+  if os.path.exists(path):
+    raise CheckpointError(f"{path} already exists; orbax output goes to a new directory.")
+  tmp = tempfile.mkdtemp(prefix=".jaxsparse-", suffix=".orbax.tmp", dir=directory)
+  try:
+    target = os.path.join(tmp, "checkpoint")
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(target, {k: np.asarray(v) for k, v in flat.items()})
+    checkpointer.wait_until_finished()
+    os.replace(target, path)
+  finally:
+    shutil.rmtree(tmp, ignore_errors=True)
+  return path
+
+
+def load_flax_variables(path: str | os.PathLike) -> dict[str, Any]:
+  """Reads variables written by :func:`save_flax_variables` (or ``jaxsparse convert``) as nested NumPy dicts."""
+  path = os.fspath(path)
+  if os.path.isdir(path):
+    import orbax.checkpoint as ocp  # noqa: PLC0415 -- optional, only for orbax input
+
+    flat = ocp.StandardCheckpointer().restore(os.path.abspath(path))
+  else:
+    from safetensors import safe_open  # noqa: PLC0415 -- optional dependency
+
+    try:
+      with safe_open(path, framework="pt") as f:
+        flat = {k: to_numpy(f.get_tensor(k), key=k) for k in f.keys()}
+    except Exception as e:
+      raise CheckpointError(f"{path} is not a readable safetensors file: {e}") from e
+  out: dict[str, Any] = {}
+  for k, v in flat.items():
+    node = out
+    *parents, leaf = k.split(SEP)
+    for part in parents:
+      node = node.setdefault(part, {})
+    node[leaf] = np.asarray(v)
+  return out

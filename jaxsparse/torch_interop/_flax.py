@@ -1,0 +1,608 @@
+"""Building jaxsparse layers and Flax variables from decoded PyTorch parameters.
+
+Name mapping: torch *module* paths (``"encoder.layer.0.output.dense"``) become Flax module paths
+(``"encoder.layer.0.output.dense"`` by default: NNX paths are attribute names and list indices joined
+by dots). Inside a module, parameters map by layer type: Linear ``weight (out, in)`` -> ``kernel (in,
+out)``, Conv ``weight (O, I, *k)`` -> ``kernel (*k, I, O)``, norms ``weight`` -> ``scale``, Embedding
+``weight`` -> ``embedding``, BatchNorm ``running_mean``/``running_var`` -> ``mean``/``var``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import fnmatch
+import re
+from collections.abc import Callable
+from collections.abc import Mapping
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxsparse import _masks
+from jaxsparse import layers as jsl
+from jaxsparse._formats import BlockSparseMatrix
+from jaxsparse.pruning import _specs
+from jaxsparse.torch_interop._decode import NMSpec
+from jaxsparse.torch_interop._decode import TorchParam
+from jaxsparse.torch_interop._decode import decode_checkpoint
+from jaxsparse.torch_interop._load import CheckpointError
+from jaxsparse.torch_interop._patterns import Pattern
+from jaxsparse.torch_interop._patterns import flax_layout
+from jaxsparse.torch_interop._patterns import nm_mask_torch
+
+__all__ = ["LayerLoad", "LoadReport", "NameMap", "apply_rules", "load_nnx", "map_name", "to_linen_variables"]
+
+NameMap = Callable[[str], str | None] | Mapping[str, str | None] | Sequence[tuple[str, str | None]] | None
+
+# Embedding tables are 2-D like Linear weights but are not transposed; without a target model
+# (to_linen_variables, the CLI) they are told apart by name.
+DEFAULT_EMBEDDINGS = r"(^|\.)(\w*embed\w*|wte|wpe|shared)$"
+
+
+def map_name(name_map: NameMap, torch_path: str) -> str | None:
+  """Maps a torch module path to a Flax module path (``None``: drop it).
+
+  ``name_map`` is ``None`` (same dotted names), a callable, a dict of exact paths (others unchanged),
+  or a sequence of ``(regex, replacement)`` rules applied in order with :func:`re.sub`; a rule whose
+  replacement is ``None`` drops every path it matches.
+
+  >>> from jaxsparse.torch_interop import map_name
+  >>> map_name([(r"attention\\.self\\.", "attention.")], "encoder.layer.0.attention.self.query")
+  'encoder.layer.0.attention.query'
+  """
+  if name_map is None:
+    return torch_path
+  if callable(name_map):
+    return name_map(torch_path)
+  if isinstance(name_map, Mapping):
+    return name_map.get(torch_path, torch_path)
+  out = torch_path
+  for rule in name_map:
+    if not (isinstance(rule, tuple | list) and len(rule) == 2):
+      raise TypeError(f"name_map rules must be (regex, replacement) pairs, got {rule!r}.")
+    pattern, repl = rule
+    if repl is None:
+      if re.search(pattern, out):
+        return None
+      continue
+    out = re.sub(pattern, repl, out)
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerLoad:
+  """How one torch module was loaded.
+
+  Attributes:
+    flax_path: dotted Flax module path.
+    torch_module: dotted torch module path.
+    layer: class name of the Flax module that holds the weights now.
+    format: the torch format of its weight (``"dense"``, ``"torch.nn.utils.prune"``, ...).
+    pattern: the sparsity :class:`Pattern` of the weight (``"dense"`` without a mask).
+  """
+
+  flax_path: str
+  torch_module: str
+  layer: str
+  format: str
+  pattern: Pattern
+
+
+@dataclasses.dataclass
+class LoadReport:
+  """What :func:`load_nnx` did.
+
+  Attributes:
+    layers: one :class:`LayerLoad` per Flax module that received weights.
+    missing: Flax parameters nothing was loaded into (only with ``strict=False``).
+    unexpected: torch parameters that were not used (only with ``strict=False``).
+  """
+
+  layers: list[LayerLoad]
+  missing: list[str] = dataclasses.field(default_factory=list)
+  unexpected: list[str] = dataclasses.field(default_factory=list)
+
+  @property
+  def torch_names(self) -> dict[str, str]:
+    """``{flax module path: torch module path}``: pass it to the export functions to write torch names."""
+    return {layer.flax_path: layer.torch_module for layer in self.layers}
+
+  def __str__(self) -> str:
+    rows = [("flax path", "torch module", "layer", "format", "pattern", "density")]
+    for r in self.layers:
+      rows.append((r.flax_path, r.torch_module, r.layer, r.format, str(r.pattern), f"{r.pattern.density:.3f}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    if self.missing:
+      lines.append(f"missing (not loaded): {self.missing}")
+    if self.unexpected:
+      lines.append(f"unexpected (not used): {self.unexpected}")
+    return "\n".join(lines)
+
+
+def _path_str(path: Sequence[Any]) -> str:
+  return ".".join(str(p) for p in path)
+
+
+def _ignored(name: str, ignore: Sequence[str]) -> bool:
+  return any(fnmatch.fnmatchcase(name, pattern) for pattern in ignore)
+
+
+def _group(params: Mapping[str, TorchParam], name_map: NameMap, ignore: Sequence[str]) -> dict[str, dict]:
+  """``{flax module path: {"torch": torch module path, "params": {param: TorchParam}}}``."""
+  groups: dict[str, dict] = {}
+  for p in params.values():
+    if _ignored(p.name, ignore):
+      continue
+    flax_path = map_name(name_map, p.module)
+    if flax_path is None:
+      continue
+    g = groups.setdefault(flax_path, {"torch": p.module, "params": {}})
+    if g["torch"] != p.module:
+      raise CheckpointError(
+          f"torch modules {g['torch']!r} and {p.module!r} both map to the Flax path {flax_path!r}; the name map is "
+          "ambiguous."
+      )
+    g["params"][p.param] = p
+  return groups
+
+
+def _linear_types() -> tuple[type, ...]:
+  nm = getattr(jsl, "NMLinear", None)
+  return tuple(t for t in (nm, jsl.MaskedLinear, jsl.BlockSparseLinear, nnx.Linear) if t is not None)
+
+
+def _nm_types() -> tuple[type, type] | None:
+  nm_linear, nm_conv = getattr(jsl, "NMLinear", None), getattr(jsl, "NMConv", None)
+  return None if nm_linear is None else (nm_linear, nm_conv)
+
+
+def _masked_conv_type() -> type | None:
+  try:
+    from jaxsparse._sparsify import MaskedConv  # noqa: PLC0415 -- optional: present when jaxsparse.sparsify is
+  except ImportError:
+    return None
+  return MaskedConv
+
+
+_NORMS = (nnx.LayerNorm, nnx.RMSNorm, nnx.GroupNorm)
+
+
+def _owns_params(module: nnx.Module) -> bool:
+  return any(isinstance(v, nnx.Variable) for v in vars(module).values())
+
+
+def _check_shape(param: TorchParam, expected: tuple[int, ...], *, flax_name: str, how: str) -> None:
+  if tuple(param.shape) != tuple(expected):
+    raise CheckpointError(
+        f"torch {param.name!r} has shape {param.shape}, but the Flax model's {flax_name!r} needs a torch shape of "
+        f"{tuple(expected)} ({how})."
+    )
+
+
+class _Plan:
+  """Assignments collected before anything changes, so a failure leaves the model untouched."""
+
+  def __init__(self):
+    self.assign: list[tuple[nnx.Variable, jnp.ndarray]] = []
+    self.replace: list[tuple[tuple, nnx.Module]] = []
+
+
+def _check_extra(group: dict, allowed: tuple[str, ...], *, flax_path: str, layer: str) -> None:
+  extra = sorted(set(group["params"]) - set(allowed))
+  if extra:
+    raise CheckpointError(
+        f"torch {[_join(group['torch'], e) for e in extra]} have no place in the Flax {layer} {flax_path!r}, which "
+        f"takes only {[_join(group['torch'], a) for a in allowed]}."
+    )
+
+
+def _linear_plan(
+    module: nnx.Module, path: tuple, group: dict, plan: _Plan, *, sparse: bool, flax_path: str
+) -> tuple[str, TorchParam]:
+  params = group["params"]
+  _check_extra(group, ("weight", "bias"), flax_path=flax_path, layer="Linear")
+  if "weight" not in params:
+    raise CheckpointError(f"torch module {group['torch']!r} has no 'weight' for the Flax Linear {flax_path!r}.")
+  w = params["weight"]
+  in_f, out_f = module.in_features, module.out_features
+  _check_shape(w, (out_f, in_f), flax_name=f"{flax_path}.kernel", how="Linear weight (out, in) -> kernel (in, out)")
+  has_bias = getattr(module, "bias", None) is not None
+  if has_bias and "bias" not in params:
+    raise CheckpointError(f"the Flax layer {flax_path!r} has a bias but torch module {group['torch']!r} has none.")
+  if "bias" in params and not has_bias:
+    raise CheckpointError(f"torch {params['bias'].name!r} has a bias but the Flax layer {flax_path!r} has none.")
+  if has_bias:
+    _check_shape(params["bias"], (out_f,), flax_name=f"{flax_path}.bias", how="bias")
+  bias = params["bias"].masked_value if has_bias else None
+  dtype = getattr(module, "param_dtype", jnp.float32)
+  kernel = jnp.asarray(flax_layout(w.masked_value), dtype)
+  pattern = w.pattern
+  nm_types = _nm_types()
+  if sparse and pattern.kind != "dense":
+    mask = flax_layout(w.mask)
+    common = dict(use_bias=has_bias, dtype=module.dtype, param_dtype=dtype, precision=module.precision)
+    if pattern.kind == "block":
+      bk, bn = pattern.block_shape[1], pattern.block_shape[0]
+      block_mask = mask[::bk, ::bn]
+      impl = getattr(module, "implementation", None)
+      new = jsl.BlockSparseLinear(
+          in_f, out_f, block_shape=(bk, bn), block_mask=block_mask, kernel_init=nnx.initializers.zeros_init(),
+          implementation=impl, rngs=nnx.Rngs(0), **common,
+      )
+      new.kernel[...] = BlockSparseMatrix.from_dense(kernel, (bk, bn), block_mask=block_mask).data
+    elif (
+        pattern.kind == "nm"
+        and nm_types is not None
+        and np.array_equal(nm_mask_torch(w.masked_value, pattern.n, pattern.m), w.mask)
+    ):
+      # NMLinear recomputes its mask from the kernel on every call: that gives back exactly this mask.
+      new = nm_types[0](in_f, out_f, n=pattern.n, m=pattern.m, kernel_init=lambda *_: kernel, rngs=nnx.Rngs(0),
+                        **common)
+    else:
+      new = jsl.MaskedLinear(in_f, out_f, mask=jnp.asarray(mask), kernel_init=lambda *_: kernel, rngs=nnx.Rngs(0),
+                             **common)
+    if has_bias:
+      new.bias[...] = jnp.asarray(bias, dtype)
+    plan.replace.append((path, new))
+    return type(new).__name__, w
+  # Dense torch weights (or sparse=False): fill the layer that is there, keeping its own pattern.
+  if isinstance(module, jsl.BlockSparseLinear):
+    bm = np.asarray(module.block_mask)
+    plan.assign.append((module.kernel, BlockSparseMatrix.from_dense(kernel, module.block_shape, block_mask=bm).data))
+  elif isinstance(module, jsl.MaskedLinear):
+    plan.assign.append((module.kernel, jnp.where(module.mask[...], kernel, jnp.zeros((), kernel.dtype))))
+  else:
+    plan.assign.append((module.kernel, kernel))
+  if has_bias:
+    plan.assign.append((module.bias, jnp.asarray(bias, module.bias[...].dtype)))
+  return type(module).__name__, w
+
+
+def _conv_plan(module: nnx.Conv, path: tuple, group: dict, plan: _Plan, *, sparse: bool, flax_path: str):
+  params = group["params"]
+  _check_extra(group, ("weight", "bias"), flax_path=flax_path, layer="Conv")
+  if "weight" not in params:
+    raise CheckpointError(f"torch module {group['torch']!r} has no 'weight' for the Flax Conv {flax_path!r}.")
+  w = params["weight"]
+  k = module.kernel[...]
+  expected = (k.shape[-1], k.shape[-2], *k.shape[:-2])
+  _check_shape(w, expected, flax_name=f"{flax_path}.kernel", how="Conv weight (O, I, *k) -> kernel (*k, I, O)")
+  kernel = jnp.asarray(flax_layout(w.masked_value), k.dtype)
+  has_bias = module.bias is not None
+  if has_bias != ("bias" in params):
+    raise CheckpointError(f"bias mismatch between torch {group['torch']!r} and Flax {flax_path!r}.")
+  nm_types = _nm_types()
+  pattern = w.pattern
+  if (
+      sparse
+      and pattern.kind == "nm"
+      and nm_types is not None
+      and nm_types[1] is not None
+      and not isinstance(module, nm_types[1])
+      and np.array_equal(nm_mask_torch(w.masked_value, pattern.n, pattern.m), w.mask)
+  ):
+    new = nm_types[1].from_dense(module, n=pattern.n, m=pattern.m)
+    new.kernel[...] = kernel
+    if has_bias:
+      new.bias[...] = jnp.asarray(params["bias"].value, k.dtype)
+    plan.replace.append((path, new))
+    return type(new).__name__, w
+  masked_conv = _masked_conv_type()
+  plain_conv = type(module) is nnx.Conv and module.mask is None
+  if sparse and pattern.kind != "dense" and masked_conv is not None and plain_conv:
+    new = masked_conv.from_dense(module, mask=jnp.asarray(flax_layout(w.mask)))
+    new.kernel[...] = kernel
+    if has_bias:
+      new.bias[...] = jnp.asarray(params["bias"].value, k.dtype)
+    plan.replace.append((path, new))
+    return type(new).__name__, w
+  # Otherwise the kernel is stored masked (zeros where pruned) in the Conv that is there.
+  plan.assign.append((module.kernel, kernel))
+  if has_bias:
+    _check_shape(params["bias"], (k.shape[-1],), flax_name=f"{flax_path}.bias", how="bias")
+    plan.assign.append((module.bias, jnp.asarray(params["bias"].value, module.bias[...].dtype)))
+  return type(module).__name__, w
+
+
+def _generic_plan(module: nnx.Module, group: dict, plan: _Plan, *, flax_path: str):
+  """Norms, embeddings, BatchNorm and any module whose parameters share the torch names."""
+  params = dict(group["params"])
+  if isinstance(module, nnx.Embed):
+    names = {"embedding": "weight"}
+  elif isinstance(module, nnx.BatchNorm):
+    names = {"scale": "weight", "bias": "bias", "mean": "running_mean", "var": "running_var"}
+    params.pop("num_batches_tracked", None)
+  elif isinstance(module, _NORMS):
+    names = {"scale": "weight", "bias": "bias"}
+  else:
+    names = {k: k for k, v in vars(module).items() if isinstance(v, nnx.Variable)}
+  used = set()
+  first = None
+  for flax_name, torch_name in names.items():
+    var = getattr(module, flax_name, None)
+    if not isinstance(var, nnx.Variable):
+      continue
+    if torch_name not in params:
+      raise CheckpointError(
+          f"the Flax model's {flax_path}.{flax_name} has no torch counterpart: expected "
+          f"{_join(group['torch'], torch_name)!r} (torch module {group['torch']!r} has {sorted(params)})."
+      )
+    p = params[torch_name]
+    _check_shape(p, var[...].shape, flax_name=f"{flax_path}.{flax_name}", how="same shape")
+    plan.assign.append((var, jnp.asarray(p.masked_value, var[...].dtype)))
+    used.add(torch_name)
+    first = first or p
+  extra = sorted(set(params) - used)
+  if extra:
+    raise CheckpointError(
+        f"torch {[_join(group['torch'], e) for e in extra]} have no place in the Flax module {flax_path!r} "
+        f"({type(module).__name__} with {sorted(names)})."
+    )
+  return type(module).__name__, first
+
+
+def _join(mod: str, name: str) -> str:
+  return f"{mod}.{name}" if mod else name
+
+
+def _set_child(model: nnx.Module, path: tuple, new: nnx.Module) -> None:
+  parent = model
+  for part in path[:-1]:
+    parent = parent[part] if isinstance(part, int) else getattr(parent, part)
+  last = path[-1]
+  if isinstance(last, int):
+    parent[last] = new
+  else:
+    setattr(parent, last, new)
+
+
+def load_nnx(
+    model: nnx.Module,
+    source: Any,
+    *,
+    name_map: NameMap = None,
+    ignore: Sequence[str] = (),
+    nm: NMSpec = None,
+    sparse: bool = True,
+    strict: bool = True,
+    key: str | None = None,
+) -> LoadReport:
+  """Loads a PyTorch checkpoint into a Flax NNX model, turning sparse torch layers into jaxsparse layers.
+
+  Every ``nnx.Linear`` (or jaxsparse linear layer) whose torch weight carries a mask is replaced, in
+  place, by the layer its pattern calls for: a block pattern by :class:`~jaxsparse.layers.BlockSparseLinear`
+  with the detected block shape, an N:M pattern by ``NMLinear`` (N:M convolutions by ``NMConv``), any
+  other mask by :class:`~jaxsparse.layers.MaskedLinear`. Dense torch weights fill the layer that is
+  there (a sparse layer keeps its own pattern). Nothing changes unless every check passes.
+
+  >>> import torch, torch.nn.utils.prune as prune
+  >>> from flax import nnx
+  >>> from jaxsparse import torch_interop
+  >>> net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+  >>> prune.l1_unstructured(net[0], "weight", amount=0.75)  # doctest: +ELLIPSIS
+  Linear(...)
+  >>> model = nnx.Sequential(nnx.Linear(64, 64, rngs=nnx.Rngs(0)), nnx.relu, nnx.Linear(64, 8, rngs=nnx.Rngs(0)))
+  >>> report = torch_interop.load_nnx(model, net.state_dict(), name_map=[(r"^(\\d+)$", r"layers.\\1")])
+  >>> type(model.layers[0]).__name__, report.torch_names
+  ('MaskedLinear', {'layers.0': '0', 'layers.2': '2'})
+
+  Args:
+    model: the Flax NNX model; modified in place.
+    source: anything :func:`load_state_dict` takes.
+    name_map: torch module path -> Flax module path (see :func:`map_name`); default: same names.
+    ignore: glob patterns of torch parameter names to skip (e.g. ``"pooler.*"``).
+    nm: recompute N:M masks of dense weights (see :func:`decode_checkpoint`).
+    sparse: ``False`` loads masked weights into the existing (dense) layers instead of replacing them.
+    strict: raise on Flax parameters without torch weights and torch weights without a place;
+      ``False`` lists them in the report instead.
+    key: path of the state dict inside a nested checkpoint.
+
+  Returns:
+    A :class:`LoadReport`; its ``torch_names`` drive the export functions back to torch names.
+
+  Raises:
+    CheckpointError: unreadable input, missing or unexpected keys (with close matches), shape mismatches
+      naming the torch key and the Flax parameter, a mask that is not 0/1.
+  """
+  if not isinstance(model, nnx.Module):
+    raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}.")
+  params = decode_checkpoint(source, nm=nm, key=key)
+  groups = _group(params, name_map, ignore)
+  plan = _Plan()
+  loads, missing = [], []
+  linear_types, seen = _linear_types(), set()
+  targets = []
+  for path, node in nnx.iter_graph(model):
+    if isinstance(node, nnx.Module) and _owns_params(node) and id(node) not in seen:
+      seen.add(id(node))
+      targets.append((tuple(path), node))
+  target_paths = {_path_str(p) for p, _ in targets}
+  for path, module in targets:
+    flax_path = _path_str(path)
+    group = groups.get(flax_path)
+    if group is None:
+      names = [_join(flax_path, k) for k, v in vars(module).items() if isinstance(v, nnx.Param)]
+      if names:
+        missing.extend(names)
+      continue
+    if isinstance(module, linear_types):
+      layer, w = _linear_plan(module, path, group, plan, sparse=sparse, flax_path=flax_path)
+    elif isinstance(module, nnx.Conv):
+      layer, w = _conv_plan(module, path, group, plan, sparse=sparse, flax_path=flax_path)
+    else:
+      layer, w = _generic_plan(module, group, plan, flax_path=flax_path)
+    fmt, pattern = (w.format, w.pattern) if w is not None else ("dense", Pattern("dense", 1.0))
+    loads.append(LayerLoad(flax_path, group["torch"], layer, fmt, pattern))
+  unexpected = []
+  for flax_path, group in groups.items():
+    if flax_path not in target_paths:
+      unexpected.extend(p.name for p in group["params"].values())
+  if strict and (missing or unexpected):
+    parts = []
+    if unexpected:
+      hints = []
+      for name in unexpected[:5]:
+        fp = map_name(name_map, name.rpartition(".")[0])
+        fp_ = fp or ""
+        close = [t for t in sorted(target_paths) if t.endswith("." + fp_) or fp_.endswith("." + t)]
+        close = close or difflib.get_close_matches(fp_, sorted(target_paths), n=1)
+        hints.append(f"{name!r} (-> Flax {fp!r}" + (f"; did you mean {close[0]!r}?)" if close else ")"))
+      parts.append(f"torch parameters with no Flax module: {', '.join(hints)}"
+                   + (f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else ""))
+    if missing:
+      parts.append(f"Flax parameters with no torch weights: {missing[:8]}"
+                   + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+    raise CheckpointError(
+        "; ".join(parts) + ". Map names with name_map=, skip torch keys with ignore=, or pass strict=False."
+    )
+  for var, value in plan.assign:
+    var[...] = value
+  for path, new in plan.replace:
+    _set_child(model, path, new)
+  return LoadReport(loads, missing=missing, unexpected=unexpected)
+
+
+# -------------------------------------------------------------------------------------------------
+# Linen variables (no target model needed).
+# -------------------------------------------------------------------------------------------------
+
+
+def _nest(tree: dict, path: str, leaf_name: str, value: Any) -> None:
+  node = tree
+  for part in [p for p in path.split(".") if p]:
+    node = node.setdefault(part, {})
+    if not isinstance(node, dict):
+      raise CheckpointError(f"Flax path {path!r} collides with a parameter of the same name.")
+  if leaf_name in node:
+    raise CheckpointError(f"two torch parameters map to the Flax variable {path}.{leaf_name}.")
+  node[leaf_name] = value
+
+
+def apply_rules(
+    params: Mapping[str, TorchParam],
+    rules: Any,
+    *,
+    name_map: NameMap = None,
+    embeddings: str = DEFAULT_EMBEDDINGS,
+) -> dict[str, TorchParam]:
+  """Sparsifies decoded Linear weights by magnitude: ``rules`` maps Flax module paths to structures.
+
+  ``rules`` is one structure for every Linear weight or ``{regex: structure or None}``; a module takes
+  the first regex that matches its Flax path in full (``None``: leave it). Structures are
+  :class:`jaxsparse.BlockSparse` (largest-norm blocks, ``block_shape`` in Flax ``(in, out)`` layout),
+  :class:`jaxsparse.NM` (``n`` largest of every ``m`` inputs) and :class:`jaxsparse.Unstructured`. The
+  new mask replaces any mask the weight had (pruned weights are zero, so they rank last).
+  """
+  resolved = _specs.resolve_rules(rules)
+  out = dict(params)
+  for name, p in params.items():
+    if p.param != "weight" or p.value is None or p.value.ndim != 2 or re.search(embeddings, p.module):
+      continue
+    flax_path = map_name(name_map, p.module)
+    i = None if flax_path is None else _specs.match_rules(resolved, flax_path)
+    if i is None or resolved[i][2] is None:
+      continue
+    spec = resolved[i][2]
+    kernel = flax_layout(p.masked_value).astype(np.float32)
+    try:
+      if isinstance(spec, _specs.BlockSparse):
+        bk, bn = spec.block_shape
+        bm = np.asarray(_masks.block_magnitude_mask(kernel, (bk, bn), spec.density))
+        mask = np.repeat(np.repeat(bm, bk, 0), bn, 1)
+      elif isinstance(spec, _specs.NM):
+        full = spec.n == spec.m
+        mask = np.ones_like(kernel, bool) if full else flax_layout(nm_mask_torch(p.masked_value, spec.n, spec.m))
+      else:
+        mask = np.asarray(_masks.magnitude_mask(kernel, spec.sparsity))
+    except ValueError as e:
+      raise CheckpointError(f"rule {resolved[i][0]!r} cannot sparsify {name!r} (Flax {flax_path!r}): {e}") from e
+    mask_t = np.ascontiguousarray(mask.T)
+    out[name] = TorchParam(name, p.masked_value, mask_t, f"{p.format} + {spec.describe()}", p.keys)
+  return out
+
+
+def to_linen_variables(
+    source: Any,
+    *,
+    name_map: NameMap = None,
+    ignore: Sequence[str] = (),
+    nm: NMSpec = None,
+    rules: Any = None,
+    sparse: bool = True,
+    embeddings: str = DEFAULT_EMBEDDINGS,
+    key: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, dict]:
+  r"""Flax Linen variables for a PyTorch checkpoint, with jaxsparse layouts for its sparse layers.
+
+  Without a target model, layers are recognised by their parameters: a 2-D ``weight`` is a Linear
+  (``kernel = weight.T``) unless its module path matches ``embeddings`` (then ``embedding``), a
+  weight of ndim >= 3 a Conv, a 1-D ``weight`` a norm ``scale``; ``running_mean``/``running_var``
+  go to ``"batch_stats"`` as ``mean``/``var``. Sparse Linear weights take the variables of
+  :class:`~jaxsparse.layers.linen.BlockSparseDense` (block patterns: ``params.kernel`` of the kept
+  blocks and the index arrays in ``"sparsity"``) or :class:`~jaxsparse.layers.linen.MaskedDense`
+  (other masks, N:M included: ``params.kernel`` zero where pruned and ``sparsity.mask``).
+
+  >>> import torch
+  >>> from jaxsparse import torch_interop
+  >>> v = torch_interop.to_linen_variables({"fc.weight": torch.ones(4, 8), "fc.weight_mask": torch.eye(4, 8)})
+  >>> v["params"]["fc"]["kernel"].shape, v["sparsity"]["fc"]["mask"].shape
+  ((8, 4), (8, 4))
+
+  Args:
+    source: anything :func:`load_state_dict` takes.
+    name_map: torch module path -> Flax module path (see :func:`map_name`).
+    ignore: glob patterns of torch parameter names to skip.
+    nm: recompute N:M masks of dense weights (see :func:`decode_checkpoint`).
+    rules: sparsify Linear weights while converting (see :func:`apply_rules`), e.g.
+      ``{r".*intermediate\.dense": jaxsparse.NM(2, 4)}``.
+    sparse: ``False`` writes masked dense kernels without ``"sparsity"`` entries.
+    embeddings: regex (``re.search``) of module paths whose 2-D weight is an embedding table.
+    key: path of the state dict inside a nested checkpoint.
+    progress: called as ``progress(done, total)`` while decoding.
+
+  Returns:
+    ``{"params": ..., "sparsity"?: ..., "batch_stats"?: ...}`` nested by Flax path.
+  """
+  params = decode_checkpoint(source, nm=nm, key=key, progress=progress)
+  if rules is not None:
+    params = apply_rules(params, rules, name_map=name_map, embeddings=embeddings)
+  out: dict[str, dict] = {"params": {}}
+  for flax_path, group in _group(params, name_map, ignore).items():
+    for name, p in group["params"].items():
+      _linen_param(out, flax_path, group["torch"], name, p, sparse=sparse, embeddings=embeddings)
+  return jax.tree.map(jnp.asarray, {k: v for k, v in out.items() if v})
+
+
+def _linen_param(out: dict, flax_path: str, torch_mod: str, name: str, p: TorchParam, *, sparse, embeddings) -> None:
+  value = p.masked_value
+  if name == "weight" and value.ndim == 2 and re.search(embeddings, torch_mod):
+    _nest(out["params"], flax_path, "embedding", value)
+  elif name == "weight" and value.ndim >= 2:
+    kernel = flax_layout(value)
+    pattern = p.pattern
+    if not sparse or pattern.kind == "dense" or value.ndim != 2:
+      _nest(out["params"], flax_path, "kernel", kernel)
+    elif pattern.kind == "block":
+      bs = (pattern.block_shape[1], pattern.block_shape[0])
+      mat = BlockSparseMatrix.from_dense(kernel, bs, block_mask=flax_layout(p.mask)[:: bs[0], :: bs[1]])
+      _nest(out["params"], flax_path, "kernel", np.asarray(mat.data))
+      for f, v in mat.index_arrays().items():
+        _nest(out.setdefault("sparsity", {}), flax_path, f, np.asarray(v))
+    else:
+      _nest(out["params"], flax_path, "kernel", kernel)
+      _nest(out.setdefault("sparsity", {}), flax_path, "mask", flax_layout(p.mask))
+  elif name == "weight" and value.ndim == 1:
+    _nest(out["params"], flax_path, "scale", value)
+  elif name in ("running_mean", "running_var"):
+    _nest(out.setdefault("batch_stats", {}), flax_path, name.removeprefix("running_"), value)
+  elif name == "num_batches_tracked":
+    return
+  else:
+    _nest(out["params"], flax_path, name, value)

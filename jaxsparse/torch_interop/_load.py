@@ -1,0 +1,325 @@
+"""Reading PyTorch checkpoints safely: safetensors, or ``torch.load(weights_only=True)``, never pickled code.
+
+A checkpoint comes in as a path, an in-memory state dict or a ``torch.nn.Module`` and leaves as a flat
+``{dotted key: torch.Tensor}`` mapping. Training wrappers (``{"state_dict": ...}``, ``{"model": ...}``)
+and ``module.`` / ``_orig_mod.`` prefixes are removed here, so the decoders only see parameter names.
+Files are untrusted input: every failure names the file and says what was expected.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from collections.abc import Callable
+from collections.abc import Iterator
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+__all__ = ["CheckpointError", "TensorSource", "import_torch", "load_state_dict", "open_checkpoint", "to_torch"]
+
+# Keys under which training scripts nest the model's state dict, tried in this order.
+WRAPPER_KEYS = ("state_dict", "model_state_dict", "model", "module", "net", "network")
+# Prefixes added by DataParallel / DistributedDataParallel and torch.compile.
+STRIPPED_PREFIXES = ("module.", "_orig_mod.")
+# Key under which a checkpoint may carry ``torch.ao.pruning`` sparsifier state (``sparsifier.state_dict()``).
+SPARSIFIER_KEYS = ("sparsifier", "sparsifier_state_dict")
+_SAFETENSORS_MAX_HEADER = 100 * 2**20
+
+
+class CheckpointError(ValueError):
+  """A checkpoint that cannot be read or decoded; the message names the file or key and what was expected."""
+
+
+def import_torch():
+  """Imports torch on first use; jaxsparse itself never needs it."""
+  try:
+    import torch  # noqa: PLC0415 -- optional dependency, imported only when torch_interop is used
+  except ImportError as e:
+    raise ImportError(
+        "jaxsparse.torch_interop needs PyTorch: install it with `pip install torch` (on a CPU-only machine "
+        "pin the CPU wheel first, e.g. `pip install torch==2.13.0`), then `pip install 'jaxsparse[torch]'`."
+    ) from e
+  return torch
+
+
+def to_torch(value: Any, *, key: str):
+  """``value`` (torch tensor, NumPy or JAX array) as a torch tensor; bfloat16 survives the trip."""
+  torch = import_torch()
+  if isinstance(value, torch.Tensor):
+    return value
+  if hasattr(value, "__array__") or isinstance(value, np.ndarray | np.generic):
+    arr = np.asarray(value)
+    if arr.dtype.name == "bfloat16":  # ml_dtypes bfloat16: NumPy cannot hand it to torch directly.
+      return torch.from_numpy(np.ascontiguousarray(arr).view(np.uint16).astype(np.int16)).view(torch.bfloat16)
+    if arr.dtype == object or arr.dtype.kind not in "biuf":
+      raise CheckpointError(f"{key!r} holds an array of dtype {arr.dtype}; expected a numeric or boolean tensor.")
+    return torch.from_numpy(np.array(arr, copy=True))
+  raise CheckpointError(
+      f"{key!r} holds a {type(value).__name__}, not a tensor; a state dict maps parameter names to tensors."
+  )
+
+
+class TensorSource(Mapping):
+  """A read-only ``{key: torch.Tensor}`` view that loads each tensor when it is first asked for.
+
+  Safetensors files are opened lazily (one tensor at a time, so ``jaxsparse inspect`` can show progress on
+  large files); everything else is already in memory.
+
+  Attributes:
+    origin: the file name or a short description (``"state dict"``), used in error messages.
+    nbytes: total bytes of the tensors, when known cheaply (else 0).
+    extras: ``torch.ao.pruning`` sparsifier masks found next to the model, ``{tensor_fqn: mask}``.
+  """
+
+  def __init__(self, keys: list[str], get: Callable[[str], Any], *, origin: str, nbytes: int = 0, extras=None):
+    self._keys = list(keys)
+    self._key_set = set(self._keys)
+    self._get = get
+    self.origin = origin
+    self.nbytes = nbytes
+    self.extras = dict(extras or {})
+
+  def __getitem__(self, key: str):
+    if key not in self._key_set:
+      raise KeyError(key)
+    return self._get(key)
+
+  def __iter__(self) -> Iterator[str]:
+    return iter(self._keys)
+
+  def __len__(self) -> int:
+    return len(self._keys)
+
+
+def _strip_prefixes(keys: list[str]) -> tuple[str, dict[str, str]]:
+  """``(removed prefix, {new key: old key})``: wrapper prefixes shared by every key removed."""
+  mapping = {k: k for k in keys}
+  removed = ""
+  changed = True
+  while changed and mapping:
+    changed = False
+    for prefix in STRIPPED_PREFIXES:
+      if all(k.startswith(prefix) for k in mapping):
+        mapping = {k[len(prefix) :]: v for k, v in mapping.items()}
+        removed += prefix
+        changed = True
+  return removed, mapping
+
+
+def _is_tensor_like(value: Any) -> bool:
+  torch = import_torch()
+  return isinstance(value, torch.Tensor | np.ndarray) or (hasattr(value, "__array__") and not isinstance(value, str))
+
+
+def _sparsifier_masks(obj: Mapping, origin: str) -> dict[str, Any]:
+  """Masks of a ``torch.ao.pruning`` sparsifier state dict ``{"state": {fqn: {"mask": t}}, "groups": ...}``."""
+  state = obj.get("state")
+  if not isinstance(state, Mapping):
+    raise CheckpointError(
+        f"{origin}: the sparsifier entry must be `sparsifier.state_dict()` with a 'state' mapping "
+        f"{{tensor_fqn: {{'mask': tensor}}}}, got keys {sorted(map(str, obj))}."
+    )
+  masks = {}
+  for fqn, entry in state.items():
+    if not isinstance(entry, Mapping) or "mask" not in entry:
+      raise CheckpointError(f"{origin}: sparsifier state for {fqn!r} has no 'mask'; expected {{'mask': tensor}}.")
+    masks[str(fqn)] = to_torch(entry["mask"], key=f"sparsifier state {fqn}.mask")
+  return masks
+
+
+def _unwrap(obj: Any, origin: str, key: str | None) -> tuple[Mapping, dict[str, Any]]:
+  """The flat state dict inside a loaded checkpoint object, and any sparsifier masks beside it."""
+  if key is not None:
+    for part in key.split("."):
+      if not isinstance(obj, Mapping) or part not in obj:
+        found = sorted(map(str, obj)) if isinstance(obj, Mapping) else type(obj).__name__
+        raise CheckpointError(f"{origin}: key={key!r} not found (no {part!r}; available: {found}).")
+      obj = obj[part]
+  extras: dict[str, Any] = {}
+  for _ in range(4):  # nesting depth of real training checkpoints
+    if not isinstance(obj, Mapping):
+      raise CheckpointError(
+          f"{origin} holds a {type(obj).__name__}, not a state dict (a mapping of names to tensors). Save "
+          "`model.state_dict()` rather than the model object."
+      )
+    for sk in SPARSIFIER_KEYS:
+      if isinstance(obj.get(sk), Mapping):
+        extras.update(_sparsifier_masks(obj[sk], origin))
+    if obj and all(_is_tensor_like(v) for v in obj.values()):
+      return obj, extras
+    inner = next((k for k in WRAPPER_KEYS if isinstance(obj.get(k), Mapping)), None)
+    if inner is None:
+      break
+    obj = obj[inner]
+  if isinstance(obj, Mapping) and obj:
+    tensors = {k: v for k, v in obj.items() if _is_tensor_like(v)}
+    others = sorted(str(k) for k in obj if k not in tensors and not str(k).endswith("_extra_state"))
+    if tensors and not others:
+      return tensors, extras
+    if tensors:
+      raise CheckpointError(
+          f"{origin}: a state dict maps names to tensors, but {others[:5]} hold non-tensor values. If the state "
+          f"dict is nested under one of those keys, pass key=... (e.g. key={others[0]!r})."
+      )
+  found = sorted(map(str, obj))[:10] if isinstance(obj, Mapping) else []
+  raise CheckpointError(
+      f"{origin}: found no state dict. Expected a mapping of parameter names to tensors, possibly nested under "
+      f"one of {WRAPPER_KEYS}; top-level keys are {found}. Pass key=... to select the entry that holds it."
+  )
+
+
+def _sparseprop_extras(module) -> dict[str, Any]:
+  """CSR indices of SparseProp ``SparseLinear`` modules, which keep them outside ``state_dict()``."""
+  torch = import_torch()
+  extras = {}
+  for name, mod in module.named_modules():
+    idx = getattr(mod, "W_idx", None)
+    if getattr(mod, "W_val", None) is None or idx is None:
+      continue
+    prefix = f"{name}." if name else ""
+    if not (isinstance(idx, tuple | list) and len(idx) == 2 and hasattr(mod, "N") and hasattr(mod, "M")):
+      raise CheckpointError(
+          f"module {name!r} ({type(mod).__name__}) has SparseProp-style W_val/W_idx but not the SparseLinear "
+          "layout (W_idx = (indptr, indices), N, M); SparseProp's SparseConv2d is not supported."
+      )
+    extras[f"{prefix}W_idx.indptr"] = idx[0]
+    extras[f"{prefix}W_idx.indices"] = idx[1]
+    extras[f"{prefix}W_shape"] = torch.tensor([int(mod.N), int(mod.M)], dtype=torch.int64)
+  return extras
+
+
+def _open_safetensors(path: str) -> TensorSource:
+  try:
+    from safetensors import safe_open  # noqa: PLC0415 -- optional dependency
+  except ImportError as e:
+    raise ImportError("Reading .safetensors files needs `pip install safetensors`.") from e
+  size = os.path.getsize(path)
+  with open(path, "rb") as f:
+    head = f.read(8)
+  header_len = int.from_bytes(head, "little") if len(head) == 8 else -1
+  if header_len <= 0 or header_len > min(_SAFETENSORS_MAX_HEADER, size - 8):
+    raise CheckpointError(
+        f"{path} is not a valid safetensors file: it is {size} bytes but its header claims "
+        f"{header_len} bytes (truncated or not a safetensors file)."
+    )
+  try:
+    handle = safe_open(path, framework="pt")
+    keys = list(handle.keys())
+    nbytes = size - 8 - header_len
+  except Exception as e:  # safetensors raises its own error type for malformed files
+    raise CheckpointError(f"{path} is not a valid safetensors file (truncated or corrupt?): {e}") from e
+
+  def get(key: str):
+    try:
+      return handle.get_tensor(key)
+    except Exception as e:
+      raise CheckpointError(f"{path}: cannot read tensor {key!r} (truncated or corrupt file?): {e}") from e
+
+  _, mapping = _strip_prefixes(keys)
+  return TensorSource(list(mapping), lambda k: get(mapping[k]), origin=path, nbytes=nbytes)
+
+
+def _torch_load(path: str) -> Any:
+  torch = import_torch()
+  try:
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=_is_zip(path))
+  except pickle.UnpicklingError as e:
+    msg = str(e)
+    if "Weights only load failed" in msg or "weights_only" in msg:
+      raise CheckpointError(
+          f"{path} needs arbitrary pickled Python code to load, and jaxsparse only loads checkpoints with "
+          "torch.load(weights_only=True), which never runs code from the file. Re-save the weights as plain "
+          "tensors, e.g. torch.save(model.state_dict(), ...) or safetensors.torch.save_file(...), from a "
+          f"trusted environment. torch said: {msg.splitlines()[0]}"
+      ) from e
+    raise CheckpointError(f"{path} is not a PyTorch checkpoint (torch.load failed: {msg.splitlines()[0]}).") from e
+  except Exception as e:  # untrusted bytes: torch.load can fail in many ways (struct.error, zip errors, ...)
+    first = str(e).splitlines()[0] if str(e) else type(e).__name__
+    raise CheckpointError(
+        f"{path} is not a readable PyTorch checkpoint (truncated, corrupt or another format?): {first}"
+    ) from e
+
+
+def _is_zip(path: str) -> bool:
+  with open(path, "rb") as f:
+    return f.read(4) == b"PK\x03\x04"
+
+
+def _looks_like_safetensors(path: str) -> bool:
+  with open(path, "rb") as f:
+    head = f.read(9)
+  return len(head) == 9 and head[8:9] == b"{"
+
+
+def open_checkpoint(source: Any, *, key: str | None = None) -> TensorSource:
+  """Opens a checkpoint as a lazy :class:`TensorSource` (see :func:`load_state_dict` for ``source``)."""
+  torch = import_torch()
+  if isinstance(source, str | os.PathLike):
+    path = os.fspath(source)
+    if os.path.isdir(path):
+      raise CheckpointError(f"{path} is a directory; pass the checkpoint file inside it (e.g. model.safetensors).")
+    if not os.path.exists(path):
+      raise CheckpointError(f"{path} does not exist.")
+    if os.path.getsize(path) == 0:
+      raise CheckpointError(f"{path} is empty (0 bytes); expected a .safetensors or torch.save checkpoint.")
+    if path.endswith(".safetensors") or _looks_like_safetensors(path):
+      if key is not None:
+        raise CheckpointError(f"{path}: key={key!r} applies to nested torch.save checkpoints, not safetensors.")
+      return _open_safetensors(path)
+    obj = _torch_load(path)
+    origin = path
+  elif isinstance(source, torch.nn.Module):
+    obj = {**source.state_dict(), **_sparseprop_extras(source)}
+    origin = f"{type(source).__name__} module"
+  elif isinstance(source, Mapping):
+    obj = source
+    origin = "state dict"
+  else:
+    raise TypeError(
+        f"source must be a path, a state dict (mapping of names to tensors) or a torch.nn.Module, got "
+        f"{type(source).__name__}."
+    )
+  flat, extras = _unwrap(obj, origin, key)
+  removed, mapping = _strip_prefixes([str(k) for k in flat])
+  original = {str(k): k for k in flat}
+  nbytes = 0
+  for k in flat:
+    v = flat[k]
+    nbytes += int(getattr(v, "nbytes", 0) or 0) if getattr(v, "layout", torch.strided) == torch.strided else 0
+  return TensorSource(
+      list(mapping),
+      lambda k: to_torch(flat[original[mapping[k]]], key=k),
+      origin=origin,
+      nbytes=nbytes,
+      extras={(f[len(removed) :] if f.startswith(removed) else f): m for f, m in extras.items()},
+  )
+
+
+def load_state_dict(source: Any, *, key: str | None = None) -> dict[str, Any]:
+  """Loads a PyTorch checkpoint as a flat ``{name: torch.Tensor}`` dict, without running pickled code.
+
+  >>> import torch
+  >>> from jaxsparse import torch_interop
+  >>> sd = torch_interop.load_state_dict({"model": {"module.fc.weight": torch.ones(2, 3)}, "epoch": 3})
+  >>> {k: tuple(v.shape) for k, v in sd.items()}
+  {'fc.weight': (2, 3)}
+
+  Args:
+    source: a ``.safetensors`` file, a ``torch.save`` file (``.pt``/``.pth``/``.bin``, read with
+      ``torch.load(weights_only=True)`` only: a file that needs pickled code is refused), an in-memory
+      state dict (torch tensors or NumPy/JAX arrays), or a ``torch.nn.Module`` (its ``state_dict()``
+      plus the CSR indices SparseProp ``SparseLinear`` modules keep outside it).
+    key: dotted path of the state dict inside a nested checkpoint; by default the first of
+      ``state_dict``, ``model_state_dict``, ``model``, ``module``, ``net``, ``network`` that holds one.
+
+  Returns:
+    ``{name: torch.Tensor}`` with ``module.`` / ``_orig_mod.`` prefixes shared by all keys removed.
+
+  Raises:
+    CheckpointError: a missing, empty, truncated or non-checkpoint file, a file that needs pickled code,
+      or no state dict inside it.
+  """
+  src = open_checkpoint(source, key=key)
+  return {k: src[k] for k in src}

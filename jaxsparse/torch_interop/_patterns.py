@@ -1,0 +1,146 @@
+"""What a torch-layout mask is: dense, N:M, block-structured or unstructured; and layout conversions.
+
+Masks here are NumPy bool arrays in PyTorch layout: ``(out, in)`` for Linear, ``(out, in, *kernel)``
+for Conv. N:M groups run along dim 1 (input features), as in apex ASP, ``torch.ao.pruning`` 2:4 and
+``torch.sparse.to_sparse_semi_structured``; that is axis 0 of the Flax kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+__all__ = ["Pattern", "detect_pattern", "flax_layout", "nm_mask_torch", "torch_layout"]
+
+# 2:4 first: a 1:2 mask is also 2:4, the pattern sparse tensor cores run.
+NM_GROUP_SIZES = (4, 2, 8, 16, 32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pattern:
+  """The structure of a mask.
+
+  Attributes:
+    kind: ``"dense"`` (all kept), ``"block"``, ``"nm"`` or ``"unstructured"``.
+    density: fraction of entries kept.
+    block_shape: for ``"block"``: ``(rows, cols)`` of one block in torch layout ``(out, in)``; the Flax
+      ``(in, out)`` block shape is ``block_shape[::-1]``.
+    n, m: for ``"nm"``: ``n`` of every ``m`` consecutive input features kept.
+  """
+
+  kind: str
+  density: float
+  block_shape: tuple[int, int] | None = None
+  n: int | None = None
+  m: int | None = None
+
+  def __str__(self) -> str:
+    if self.kind == "block":
+      return f"block {self.block_shape[0]}x{self.block_shape[1]}"
+    if self.kind == "nm":
+      return f"{self.n}:{self.m}"
+    return self.kind
+
+
+def _constant_run(mask: np.ndarray, axis: int, size: int) -> bool:
+  """Whether ``mask`` is constant over consecutive runs of ``size`` along ``axis``."""
+  m = np.moveaxis(mask, axis, 0)
+  m = m.reshape(m.shape[0] // size, size, *m.shape[1:])
+  return bool(np.all(m == m[:, :1]))
+
+
+def _largest_run(mask: np.ndarray, axis: int, max_block: int) -> int:
+  size, best = 2, 1
+  while size <= max_block and mask.shape[axis] % size == 0 and _constant_run(mask, axis, size):
+    best, size = size, size * 2
+  return best
+
+
+def _nm_counts(mask: np.ndarray, m: int) -> np.ndarray:
+  g = np.moveaxis(mask, 1, -1)
+  return g.reshape(*g.shape[:-1], g.shape[-1] // m, m).sum(-1)
+
+
+def detect_pattern(mask: np.ndarray | None, *, min_block: int = 8, max_block: int = 128) -> Pattern:
+  """Classifies a torch-layout bool mask.
+
+  The checks run in this order: all kept is ``"dense"``; a 2-D mask constant over power-of-two blocks
+  of at least ``min_block`` on each side (the largest such block up to ``max_block``) is ``"block"``;
+  a mask of ndim >= 2 keeping exactly the same ``n`` of every ``m`` consecutive entries along dim 1,
+  for the first ``m`` in ``(4, 2, 8, 16, 32)`` that fits, is ``"nm"``; anything else is
+  ``"unstructured"``.
+
+  >>> import numpy as np
+  >>> from jaxsparse.torch_interop import detect_pattern
+  >>> str(detect_pattern(np.tile([True, False, False, True], (8, 2))))
+  '2:4'
+  >>> str(detect_pattern(np.kron(np.eye(2, dtype=bool), np.ones((16, 32), bool))))
+  'block 16x32'
+
+  Args:
+    mask: bool array in torch layout, or ``None`` (no mask: dense).
+    min_block: smallest block side that counts as block structure.
+    max_block: largest block side considered.
+
+  Returns:
+    A :class:`Pattern`.
+  """
+  if mask is None:
+    return Pattern("dense", 1.0)
+  mask = np.asarray(mask, dtype=bool)
+  density = float(mask.mean()) if mask.size else 1.0
+  if mask.all():
+    return Pattern("dense", density)
+  if mask.ndim == 2 and mask.any():
+    b0 = _largest_run(mask, 0, max_block)
+    b1 = _largest_run(mask, 1, max_block)
+    if b0 >= min_block and b1 >= min_block:
+      return Pattern("block", density, block_shape=(b0, b1))
+  if mask.ndim >= 2:
+    for m in NM_GROUP_SIZES:
+      if mask.shape[1] % m:
+        continue
+      counts = _nm_counts(mask, m)
+      n = int(counts.flat[0])
+      if 0 < n < m and np.all(counts == n):
+        return Pattern("nm", density, n=n, m=m)
+  return Pattern("unstructured", density)
+
+
+def nm_mask_torch(w: np.ndarray, n: int, m: int) -> np.ndarray:
+  """Bool mask keeping the ``n`` largest ``|w|`` of every ``m`` consecutive entries along dim 1.
+
+  Ties go to the lower index and NaN counts as largest, as in :func:`jaxsparse.nm_mask`. This is the mask
+  NM-sparsity (SR-STE) layers apply in their forward pass to the dense weights they store.
+  """
+  w = np.asarray(w)
+  if w.ndim < 2:
+    raise ValueError(f"an N:M mask needs a weight with at least 2 dimensions, got shape {w.shape}.")
+  if not 0 < n < m:
+    raise ValueError(f"n:m must satisfy 0 < n < m, got {n}:{m}.")
+  if w.shape[1] % m:
+    raise ValueError(f"m={m} must divide the input dimension (dim 1) of a weight of shape {w.shape}.")
+  scores = np.abs(w.astype(np.float32))
+  scores = np.where(np.isnan(scores), np.inf, scores)
+  g = np.moveaxis(scores, 1, -1)
+  g = g.reshape(*g.shape[:-1], g.shape[-1] // m, m)
+  order = np.argsort(-g, axis=-1, kind="stable")
+  rank = np.argsort(order, axis=-1, kind="stable")
+  keep = (rank < n).reshape(*g.shape[:-2], g.shape[-2] * m)
+  return np.moveaxis(keep, -1, 1)
+
+
+def flax_layout(w: np.ndarray) -> np.ndarray:
+  """A torch weight in Flax layout: Linear ``(out, in)`` -> ``(in, out)``, Conv ``(O, I, *k)`` -> ``(*k, I, O)``."""
+  if w.ndim < 2:
+    return w
+  return np.transpose(w, (*range(2, w.ndim), 1, 0))
+
+
+def torch_layout(k: np.ndarray) -> np.ndarray:
+  """Inverse of :func:`flax_layout`: ``(in, out)`` -> ``(out, in)``, ``(*k, I, O)`` -> ``(O, I, *k)``."""
+  if k.ndim < 2:
+    return k
+  nd = k.ndim
+  return np.transpose(k, (nd - 1, nd - 2, *range(nd - 2)))

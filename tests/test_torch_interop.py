@@ -1,0 +1,713 @@
+"""Tests for jaxsparse.torch_interop: loading, format decoding, Flax import, export and the CLI.
+
+The sparse formats of projects that are not installed here (apex ASP, huggingface pytorch_block_sparse,
+SparseProp) are built by re-implementing the few lines of each project that lay out its state dict
+(cited at each helper), so the decoders are checked against the projects' own layouts.
+"""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.sparse
+from flax import nnx
+from hypothesis import given
+from hypothesis import settings
+from hypothesis import strategies as st
+
+torch = pytest.importorskip("torch")  # the torch extra is installed in CI; see the Makefile
+import torch.nn.utils.prune as prune  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+from torch.ao.pruning import WeightNormSparsifier  # noqa: E402
+
+import jaxsparse  # noqa: E402
+from jaxsparse import torch_interop  # noqa: E402
+from jaxsparse.layers import BlockSparseLinear  # noqa: E402
+from jaxsparse.layers import MaskedLinear  # noqa: E402
+from jaxsparse.layers import NMLinear  # noqa: E402
+from jaxsparse.layers.linen import BlockSparseDense  # noqa: E402
+from jaxsparse.layers.linen import MaskedDense  # noqa: E402
+from jaxsparse.torch_interop import CheckpointError  # noqa: E402
+from jaxsparse.torch_interop._cli import main as cli_main  # noqa: E402
+
+torch.manual_seed(0)
+
+
+def _mlp(k=64, h=128, n=32):
+  torch.manual_seed(0)
+  return torch.nn.Sequential(torch.nn.Linear(k, h), torch.nn.ReLU(), torch.nn.Linear(h, n))
+
+
+def _flax_mlp(k=64, h=128, n=32):
+  return nnx.Sequential(nnx.Linear(k, h, rngs=nnx.Rngs(1)), nnx.relu, nnx.Linear(h, n, rngs=nnx.Rngs(2)))
+
+
+SEQ = [(r"^(\d+)$", r"layers.\1")]  # torch.nn.Sequential "0" <-> nnx.Sequential "layers.0"
+
+
+def _block_mask(rows, cols, block, density=0.5, seed=0):
+  rng = np.random.default_rng(seed)
+  grid = rng.random((rows // block[0], cols // block[1])) < density
+  grid.flat[0] = True
+  return np.kron(grid, np.ones(block, bool))
+
+
+def _nm_mask(shape, n=2, m=4, seed=0):
+  rng = np.random.default_rng(seed)
+  scores = rng.random(shape)
+  return torch_interop._patterns.nm_mask_torch(scores, n, m)
+
+
+def _forward_close(torch_model, flax_model, k=64, atol=1e-5):
+  x = np.random.default_rng(3).standard_normal((5, k)).astype(np.float32)
+  with torch.no_grad():
+    expected = torch_model(torch.from_numpy(x)).numpy()
+  np.testing.assert_allclose(np.asarray(flax_model(jnp.asarray(x))), expected, atol=atol, rtol=1e-5)
+
+
+# -------------------------------------------------------------------------------------------------
+# Loading.
+# -------------------------------------------------------------------------------------------------
+
+
+def test_import_without_torch_loaded():
+  code = "import sys, jaxsparse, jaxsparse.torch_interop._cli; assert 'torch' not in sys.modules, 'torch imported'"
+  subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("wrap", ["plain", "state_dict", "model", "ddp", "compile_ddp"])
+def test_load_state_dict_unwraps(tmp_path, wrap):
+  sd = {"fc.weight": torch.randn(3, 4), "fc.bias": torch.randn(3)}
+  obj = {
+      "plain": sd,
+      "state_dict": {"state_dict": sd, "epoch": 3, "optimizer": {"lr": 0.1}},
+      "model": {"model": sd, "step": 10},
+      "ddp": {f"module.{k}": v for k, v in sd.items()},
+      "compile_ddp": {"state_dict": {f"module._orig_mod.{k}": v for k, v in sd.items()}},
+  }[wrap]
+  path = tmp_path / "ckpt.pt"
+  torch.save(obj, path)
+  out = torch_interop.load_state_dict(path)
+  assert sorted(out) == sorted(sd)
+  assert all(torch.equal(out[k], sd[k]) for k in sd)
+
+
+def test_load_safetensors_numpy_bf16_and_key(tmp_path):
+  w = torch.randn(4, 8).to(torch.bfloat16)
+  save_file({"a.weight": w}, str(tmp_path / "m.safetensors"))
+  assert torch.equal(torch_interop.load_state_dict(tmp_path / "m.safetensors")["a.weight"], w)
+  # NumPy / ml_dtypes bfloat16 and JAX arrays in memory
+  arr = jnp.asarray(np.arange(6, dtype=np.float32).reshape(2, 3), jnp.bfloat16)
+  sd = torch_interop.load_state_dict({"outer": {"inner": {"x": arr, "y": np.ones(2, np.int64)}}}, key="outer.inner")
+  assert sd["x"].dtype == torch.bfloat16 and sd["x"].float().tolist() == [[0, 1, 2], [3, 4, 5]]
+  assert sd["y"].dtype == torch.int64
+
+
+class _Evil:
+  def __reduce__(self):
+    return (os.system, ("echo pwned",))
+
+
+def test_refuses_pickled_code(tmp_path):
+  path = tmp_path / "evil.pt"
+  torch.save({"weight": torch.ones(2), "payload": _Evil()}, path)
+  with pytest.raises(CheckpointError, match=r"evil\.pt needs arbitrary pickled Python code.*weights_only=True"):
+    torch_interop.load_state_dict(path)
+  torch.save(torch.nn.Linear(2, 2), tmp_path / "module.pt")  # a whole module also needs code
+  with pytest.raises(CheckpointError, match=r"module\.pt needs arbitrary pickled Python code"):
+    torch_interop.load_state_dict(tmp_path / "module.pt")
+
+
+def test_bad_files(tmp_path):
+  (tmp_path / "notes.txt").write_text("hello, not a checkpoint\n")
+  with pytest.raises(CheckpointError, match=r"notes\.txt is not a (readable )?PyTorch checkpoint"):
+    torch_interop.load_state_dict(tmp_path / "notes.txt")
+  (tmp_path / "empty.pt").write_bytes(b"")
+  with pytest.raises(CheckpointError, match=r"empty\.pt is empty"):
+    torch_interop.load_state_dict(tmp_path / "empty.pt")
+  with pytest.raises(CheckpointError, match="does not exist"):
+    torch_interop.load_state_dict(tmp_path / "missing.pt")
+  with pytest.raises(CheckpointError, match="is a directory"):
+    torch_interop.load_state_dict(tmp_path)
+  sd = {"w": torch.randn(64, 64)}
+  torch.save(sd, tmp_path / "full.pt")
+  data = (tmp_path / "full.pt").read_bytes()
+  (tmp_path / "cut.pt").write_bytes(data[: len(data) // 2])
+  with pytest.raises(CheckpointError, match=r"cut\.pt is not a readable PyTorch checkpoint"):
+    torch_interop.load_state_dict(tmp_path / "cut.pt")
+  save_file(sd, str(tmp_path / "full.safetensors"))
+  data = (tmp_path / "full.safetensors").read_bytes()
+  (tmp_path / "cut.safetensors").write_bytes(data[: len(data) - 100])
+  with pytest.raises(CheckpointError, match=r"cut\.safetensors.*(truncated|not a valid)"):
+    torch_interop.load_state_dict(tmp_path / "cut.safetensors")
+  torch.save({"epoch": 3, "lr": 0.1}, tmp_path / "notensors.pt")
+  with pytest.raises(CheckpointError, match=r"notensors\.pt: found no state dict.*keys are \['epoch', 'lr'\]"):
+    torch_interop.load_state_dict(tmp_path / "notensors.pt")
+  with pytest.raises(TypeError, match="source must be a path"):
+    torch_interop.load_state_dict(42)
+
+
+# -------------------------------------------------------------------------------------------------
+# Patterns.
+# -------------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=12, deadline=None)
+@given(b0=st.sampled_from([8, 16, 32, 64]), b1=st.sampled_from([8, 16, 32, 64]), seed=st.integers(0, 100))
+def test_detect_block_pattern(b0, b1, seed):
+  mask = _block_mask(128, 256, (b0, b1), seed=seed)
+  p = torch_interop.detect_pattern(mask)
+  if mask.all():
+    assert p.kind == "dense"
+  else:
+    assert p.kind == "block"
+    # the detected block is at least as large as the true one and the mask is constant over it
+    assert p.block_shape[0] % b0 == 0 and p.block_shape[1] % b1 == 0
+    r0, r1 = p.block_shape
+    g = mask.reshape(128 // r0, r0, 256 // r1, r1)
+    assert np.all(g == g[:, :1, :, :1])
+    assert p.density == pytest.approx(mask.mean())
+
+
+def test_detect_nm_and_unstructured():
+  assert str(torch_interop.detect_pattern(_nm_mask((16, 32)))) == "2:4"
+  assert str(torch_interop.detect_pattern(_nm_mask((16, 32), 1, 4))) == "1:4"
+  assert str(torch_interop.detect_pattern(_nm_mask((16, 64), 3, 8))) == "3:8"
+  assert str(torch_interop.detect_pattern(_nm_mask((8, 16, 3, 3), 2, 4))) == "2:4"  # conv: groups along dim 1
+  assert str(torch_interop.detect_pattern(np.tile([True, False], (4, 8)))) == "2:4"  # 1:2 is reported as 2:4
+  rng = np.random.default_rng(0)
+  assert torch_interop.detect_pattern(rng.random((32, 32)) < 0.3).kind == "unstructured"
+  assert torch_interop.detect_pattern(np.ones((4, 4), bool)).kind == "dense"
+  assert torch_interop.detect_pattern(None).kind == "dense"
+  # the N:M groups run along dim 1 (inputs), not dim 0
+  assert torch_interop.detect_pattern(_nm_mask((32, 16)).T).kind == "unstructured"
+
+
+def test_nm_recompute_matches_jaxsparse_nm_mask():
+  w = np.random.default_rng(1).standard_normal((24, 32)).astype(np.float32)
+  mine = torch_interop._patterns.nm_mask_torch(w, 2, 4)
+  theirs = np.asarray(jaxsparse.nm_mask(w.T, 2, 4, axis=0)).T  # Flax layout, groups along axis 0
+  np.testing.assert_array_equal(mine, theirs)
+
+
+# -------------------------------------------------------------------------------------------------
+# Formats.
+# -------------------------------------------------------------------------------------------------
+
+
+def test_prune_formats_linear_and_conv():
+  net = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Conv2d(3, 4, 3))
+  prune.l1_unstructured(net[0], "weight", amount=0.5)
+  prune.random_unstructured(net[1], "weight", amount=0.3)
+  params = torch_interop.decode_checkpoint(net.state_dict())
+  assert list(params) == ["0.bias", "0.weight", "1.bias", "1.weight"]
+  for i in (0, 1):
+    p = params[f"{i}.weight"]
+    assert p.format == "torch.nn.utils.prune" and p.keys == (f"{i}.weight_orig", f"{i}.weight_mask")
+    np.testing.assert_array_equal(p.mask, net[i].weight_mask.numpy() == 1)
+    np.testing.assert_array_equal(p.value, net[i].weight_orig.detach().numpy())
+    np.testing.assert_array_equal(p.masked_value, net[i].weight.detach().numpy())
+  assert params["0.bias"].mask is None and params["0.bias"].format == "dense"
+
+
+def test_torch_ao_formats():
+  net = torch.nn.Sequential(torch.nn.Linear(16, 8))
+  sp = WeightNormSparsifier(sparsity_level=0.5, sparse_block_shape=(1, 4), zeros_per_block=2)
+  sp.prepare(net, [{"tensor_fqn": "0.weight"}])
+  sp.step()
+  # FakeSparsity keeps the mask out of the model's state dict: it comes from the sparsifier's.
+  with pytest.raises(CheckpointError, match="FakeSparsity leaves the mask out"):
+    torch_interop.decode_checkpoint(net.state_dict())
+  params = torch_interop.decode_checkpoint({"model": net.state_dict(), "sparsifier": sp.state_dict()})
+  p = params["0.weight"]
+  assert p.format == "torch.ao.pruning"
+  np.testing.assert_array_equal(p.mask, sp.state_dict()["state"]["0.weight"]["mask"].numpy())
+  np.testing.assert_array_equal(p.value, net[0].parametrizations.weight.original.detach().numpy())
+  # ... or the mask stored as parametrizations.weight.0.mask (float or bool)
+  mask = torch.from_numpy(_nm_mask((8, 16))).float()
+  sd = {"0.parametrizations.weight.original": torch.randn(8, 16), "0.parametrizations.weight.0.mask": mask}
+  assert str(torch_interop.decode_checkpoint(sd)["0.weight"].pattern) == "2:4"
+  sd["0.parametrizations.weight.1.scale"] = torch.ones(1)
+  with pytest.raises(CheckpointError, match="unknown parametrization keys"):
+    torch_interop.decode_checkpoint(sd)
+
+
+def test_apex_asp_format():
+  # apex/contrib/sparsity/asp.py: register_buffer('__%s_mma_mask' % name, mask) (+ '__%s_mma_pruned_p'),
+  # and p.mul_(mask) so the checkpoint's weight is already pruned.
+  mask = torch.from_numpy(_nm_mask((16, 32)))
+  w = torch.randn(16, 32) * mask
+  sd = {"fc.weight": w, "fc.bias": torch.randn(16), "fc.__weight_mma_mask": mask}
+  sd["fc.__weight_mma_pruned_p"] = torch.zeros(16, 32)
+  p = torch_interop.decode_checkpoint(sd)["fc.weight"]
+  assert p.format == "apex ASP" and str(p.pattern) == "2:4"
+  np.testing.assert_array_equal(p.mask, mask.numpy())
+  with pytest.raises(CheckpointError, match=r"'fc.__weight_mma_mask' is an apex ASP mask but its weight"):
+    torch_interop.decode_checkpoint({"fc.__weight_mma_mask": mask})
+
+
+def test_torch_sparse_layouts():
+  dense = torch.randn(16, 32) * torch.from_numpy(_block_mask(16, 32, (8, 8), seed=1))
+  coo = dense.to_sparse()
+  # A stored zero is still a specified entry, so it stays in the mask.
+  coo_explicit = torch.sparse_coo_tensor(torch.tensor([[0, 1], [0, 5]]), torch.tensor([0.0, 2.0]), (16, 32))
+  sd = {
+      "coo": coo,
+      "csr": dense.to_sparse_csr(),
+      "csc": dense.to_sparse_csc(),
+      "bsr": dense.to_sparse_bsr((8, 8)),
+      "explicit": coo_explicit,
+  }
+  params = torch_interop.decode_checkpoint(sd)
+  for k in ("coo", "csr", "csc"):
+    np.testing.assert_array_equal(params[k].masked_value, dense.numpy())
+    np.testing.assert_array_equal(params[k].mask, dense.numpy() != 0)
+    assert params[k].format == f"torch sparse_{k}"
+  bsr = params["bsr"]
+  np.testing.assert_array_equal(bsr.masked_value, dense.numpy())
+  assert bsr.pattern.kind == "block" and bsr.pattern.block_shape in ((8, 8), (8, 16), (16, 8), (16, 16))
+  e = params["explicit"]
+  assert e.mask[0, 0] and e.mask[1, 5] and e.mask.sum() == 2
+
+
+def _hf_block_sparse_state_dict(dense, block_mask, block_shape, prefix="fc", *, shuffle=False, emulator=False):
+  """The state dict of pytorch_block_sparse's BlockSparseLinear (block_sparse.py, BlockSparseMatrixBase).
+
+  rebuild()/build_indices(): nnz = nonzero(block_mask) in row-major order; block_ptr gives each block's
+  index in `data`; cols_a = stack([cols, block_ptr], 1), row_start_ends_a = CSR offsets over block rows;
+  the "b" indices are the same for the transposed mask; blocks = nnz sorted by block_ptr, flipped to
+  (col, row) and flattened; data is (nnz * b0, b1) holding each block transposed (see to_sparse()).
+  """
+  b0, b1 = block_shape
+  X, Y = block_mask.shape
+  nnz = np.argwhere(block_mask)
+  n = len(nnz)
+  rng = np.random.default_rng(0)
+  block_ptr = rng.permutation(n) if shuffle else np.arange(n)
+  rows, cols = nnz[:, 0], nnz[:, 1]
+  row_start_ends_a = np.concatenate([[0], np.cumsum(np.bincount(rows, minlength=X))]).astype(np.int32)
+  cols_a = np.stack([cols, block_ptr], 1).astype(np.int32)
+  block_indices = np.zeros(X * Y, np.int64)
+  block_indices[rows * Y + cols] = block_ptr + 1
+  bt = block_indices.reshape(X, Y).T.reshape(-1)
+  ptr_b = bt[bt != 0] - 1
+  nnzt = np.argwhere(block_mask.T)
+  rows_b = np.stack([nnzt[:, 1], ptr_b], 1).astype(np.int32)
+  col_start_ends_b = np.concatenate([[0], np.cumsum(np.bincount(cols, minlength=Y))]).astype(np.int32)
+  blocks = np.fliplr(nnz[np.argsort(block_ptr)]).reshape(-1).astype(np.int32)
+  data = np.zeros((n, b1, b0), np.float32)
+  for (r, c), p in zip(nnz, block_ptr, strict=True):
+    data[p] = dense[r * b0 : (r + 1) * b0, c * b1 : (c + 1) * b1].T
+  sd = {
+      f"{prefix}.weight.data": torch.from_numpy(data.reshape(n * b0, b1)),
+      f"{prefix}.weight.cols_a": torch.from_numpy(cols_a),
+      f"{prefix}.weight.row_start_ends_a": torch.from_numpy(row_start_ends_a),
+      f"{prefix}.weight.rows_b": torch.from_numpy(rows_b),
+      f"{prefix}.weight.col_start_ends_b": torch.from_numpy(col_start_ends_b),
+      f"{prefix}.weight.blocks": torch.from_numpy(blocks),
+      f"{prefix}.bias": torch.zeros(dense.shape[0]),
+  }
+  if emulator:
+    sd[f"{prefix}.weight._dense"] = torch.from_numpy(dense * np.kron(block_mask, np.ones(block_shape)))
+  return sd
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("block_shape", [(32, 32), (16, 32)])
+def test_pytorch_block_sparse(tmp_path, shuffle, block_shape):
+  rng = np.random.default_rng(0)
+  dense = rng.standard_normal((64, 128)).astype(np.float32)
+  block_mask = rng.random((64 // block_shape[0], 128 // block_shape[1])) < 0.5
+  block_mask[0, 0] = block_mask[-1, -1] = True
+  sd = _hf_block_sparse_state_dict(dense, block_mask, block_shape, shuffle=shuffle)
+  save_file(sd, str(tmp_path / "bs.safetensors"))  # safetensors sorts the keys
+  params = torch_interop.decode_checkpoint(tmp_path / "bs.safetensors")
+  assert sorted(params) == ["fc.bias", "fc.weight"]
+  p = params["fc.weight"]
+  full = np.kron(block_mask, np.ones(block_shape, bool))
+  assert p.format == "pytorch_block_sparse" and p.shape == (64, 128)
+  np.testing.assert_array_equal(p.mask, full)
+  np.testing.assert_array_equal(p.masked_value, np.where(full, dense, 0))
+  assert p.pattern.kind == "block"
+
+
+def test_pytorch_block_sparse_emulator_and_bad_indices():
+  rng = np.random.default_rng(1)
+  dense = rng.standard_normal((64, 64)).astype(np.float32)
+  block_mask = np.array([[True, False], [True, True]])
+  sd = _hf_block_sparse_state_dict(dense, block_mask, (32, 32), emulator=True)
+  sd["fc.weight._dense"] = sd["fc.weight._dense"] * 2  # the emulator trains this copy
+  p = torch_interop.decode_checkpoint(sd)["fc.weight"]
+  np.testing.assert_allclose(p.masked_value, 2 * np.where(np.kron(block_mask, np.ones((32, 32))), dense, 0))
+  bad = dict(sd)
+  bad["fc.weight.cols_a"] = torch.tensor([[0, 0], [0, 1], [5, 2]], dtype=torch.int32)
+  with pytest.raises(CheckpointError, match=r"fc\.weight\.cols_a\[:, 0\].*outside \[0, 2\)"):
+    torch_interop.decode_checkpoint(bad)
+  bad = dict(sd)
+  del bad["fc.weight.data"]
+  with pytest.raises(CheckpointError, match="looks like pytorch_block_sparse"):
+    torch_interop.decode_checkpoint(bad)
+
+
+class _SparsePropLinear(torch.nn.Module):
+  """The attribute layout of sparseprop/modules/linear.py SparseLinear: W_val is the Parameter, while
+  W_idx = (indptr, indices) from scipy's csr_matrix (utils.to_csr_2d) is a plain attribute, outside
+  state_dict(); N, M = dense_weight.shape."""
+
+  def __init__(self, dense_weight, bias):
+    super().__init__()
+    self.N, self.M = dense_weight.shape
+    spa = scipy.sparse.csr_matrix(dense_weight.numpy())
+    self.W_val = torch.nn.Parameter(torch.tensor(spa.data))
+    self.W_idx = (torch.tensor(spa.indptr).int(), torch.tensor(spa.indices).int())
+    self.bias = torch.nn.Parameter(bias)
+
+
+def test_sparseprop():
+  w = torch.randn(16, 24) * (torch.rand(16, 24) < 0.3)
+  net = torch.nn.Sequential(_SparsePropLinear(w, torch.randn(16)))
+  params = torch_interop.decode_checkpoint(net)  # the module itself: W_idx is read from it
+  p = params["0.weight"]
+  assert p.format == "SparseProp SparseLinear"
+  np.testing.assert_array_equal(p.masked_value, w.numpy())
+  np.testing.assert_array_equal(p.mask, w.numpy() != 0)
+  with pytest.raises(CheckpointError, match="CSR indices \\(W_idx\\) are not part of its state_dict"):
+    torch_interop.decode_checkpoint(net.state_dict())
+
+
+def test_nm_recompute_and_masked_dense():
+  w = torch.randn(8, 16)
+  sd = {"a.weight": w, "b.weight": w, "a.bias": torch.ones(8)}
+  params = torch_interop.decode_checkpoint(sd, nm={r"^a\.": (2, 4)})
+  assert str(params["a.weight"].pattern) == "2:4" and params["a.weight"].format == "dense, 2:4 recomputed"
+  assert params["b.weight"].mask is None and params["a.bias"].mask is None
+  with pytest.raises(CheckpointError, match=r"'a\.weight': cannot recompute an N:M mask.*m=3 must divide"):
+    torch_interop.decode_checkpoint({"a.weight": w}, nm=(2, 3))
+  mask = (torch.rand(8, 16) < 0.5).float()
+  p = torch_interop.decode_checkpoint({"fc.weight": w, "fc.weight_mask": mask})["fc.weight"]
+  assert p.format == "masked dense"
+  np.testing.assert_array_equal(p.mask, mask.numpy() == 1)
+
+
+def test_bad_masks():
+  w = torch.randn(4, 8)
+  mask = torch.ones(4, 8)
+  mask[1, 2] = 0.5
+  with pytest.raises(CheckpointError, match=r"'fc\.weight_mask' must hold only 0 and 1, but has 0\.5 at \(1, 2\)"):
+    torch_interop.decode_checkpoint({"fc.weight_orig": w, "fc.weight_mask": mask})
+  with pytest.raises(CheckpointError, match=r"'fc\.weight_mask' has shape \(4, 4\) but its weight has shape \(4, 8\)"):
+    torch_interop.decode_checkpoint({"fc.weight_orig": w, "fc.weight_mask": torch.ones(4, 4)})
+  with pytest.raises(CheckpointError, match=r"prune's \*_orig, but fc\.weight_mask is missing"):
+    torch_interop.decode_checkpoint({"fc.weight_orig": w})
+  # ambiguous and orphaned keys
+  with pytest.raises(CheckpointError, match=r"'fc\.weight' appears twice .*ambiguous"):
+    torch_interop.decode_checkpoint({"fc.weight": w, "fc.weight_orig": w, "fc.weight_mask": torch.ones(4, 8)})
+  with pytest.raises(CheckpointError, match=r"parametrization key without its 'parametrizations\.<p>\.original'"):
+    torch_interop.decode_checkpoint({"fc.parametrizations.weight.0.mask": torch.ones(4, 8)})
+  with pytest.raises(CheckpointError, match="apex ASP's pruned-weight store, but its __<p>_mma_mask is missing"):
+    torch_interop.decode_checkpoint({"fc.weight": w, "fc.__weight_mma_pruned_p": w})
+  # collect mode: the problem is reported per parameter
+  params = torch_interop.decode_checkpoint({"fc.weight_orig": w, "ok": w}, on_error="collect")
+  assert params["fc.weight"].problem and params["ok"].problem is None
+
+
+# -------------------------------------------------------------------------------------------------
+# Into Flax NNX.
+# -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["unstructured", "block", "nm"])
+def test_load_nnx_builds_sparse_layers_and_round_trips_masks(kind):
+  net = _mlp()
+  if kind == "unstructured":
+    prune.l1_unstructured(net[0], "weight", amount=0.7)
+    prune.random_unstructured(net[2], "weight", amount=0.5)
+    expected = (MaskedLinear, MaskedLinear)
+  elif kind == "block":
+    prune.custom_from_mask(net[0], "weight", torch.from_numpy(_block_mask(128, 64, (32, 16), seed=2)))
+    prune.custom_from_mask(net[2], "weight", torch.from_numpy(_block_mask(32, 128, (16, 32), seed=3)))
+    expected = (BlockSparseLinear, BlockSparseLinear)
+  else:
+    prune.custom_from_mask(net[0], "weight", torch.from_numpy(_nm_mask((128, 64))))
+    prune.custom_from_mask(net[2], "weight", torch.from_numpy(_nm_mask((32, 128), 1, 4)))
+    expected = (NMLinear, NMLinear)
+  model = _flax_mlp()
+  report = torch_interop.load_nnx(model, net.state_dict(), name_map=SEQ)
+  assert (type(model.layers[0]), type(model.layers[2])) == expected
+  assert report.torch_names == {"layers.0": "0", "layers.2": "2"}
+  if kind == "block":
+    # torch blocks (rows, cols) = (out, in) become Flax (in, out) blocks; the largest constant block is found
+    (a, b), (c, d) = model.layers[0].block_shape, model.layers[2].block_shape
+    assert a % 16 == 0 and b % 32 == 0 and c % 32 == 0 and d % 16 == 0
+  _forward_close(net, model)
+  # torch masks -> jaxsparse -> torch masks, bit for bit (prune stores float32 masks)
+  masks = torch_interop.export_masks(model, torch_names=report.torch_names, dtype=torch.float32)
+  assert sorted(masks) == ["0.weight_mask", "2.weight_mask"]
+  for i in (0, 2):
+    assert masks[f"{i}.weight_mask"].dtype == net[i].weight_mask.dtype
+    assert torch.equal(masks[f"{i}.weight_mask"], net[i].weight_mask)
+  fresh = _mlp()
+  torch_interop.apply_masks(fresh, masks)
+  for i in (0, 2):
+    assert torch.equal(fresh[i].weight_mask, net[i].weight_mask)
+  with torch.no_grad():
+    x = torch.randn(3, 64)
+    assert torch.equal(fresh(x), net(x))
+  # Linen variables carry the same masks
+  variables = torch_interop.to_linen_variables(net.state_dict(), name_map=SEQ)
+  linen_masks = torch_interop.export_masks(variables, torch_names=report.torch_names, dtype=torch.float32)
+  assert all(torch.equal(linen_masks[k], masks[k]) for k in masks)
+
+
+def test_nm_mask_with_kept_zero_stays_exact():
+  """NMLinear recomputes its mask from |kernel|; a kept weight that is exactly 0 would move the mask,
+  so such a layer becomes a MaskedLinear and the mask still round-trips bit for bit."""
+  net = _mlp()
+  mask = _nm_mask((128, 64))
+  mask[0, :4] = [False, False, True, True]
+  with torch.no_grad():
+    net[0].weight[0, 2] = 0.0
+  prune.custom_from_mask(net[0], "weight", torch.from_numpy(mask))
+  model = _flax_mlp()
+  report = torch_interop.load_nnx(model, net.state_dict(), name_map=SEQ)
+  assert isinstance(model.layers[0], MaskedLinear) and str(report.layers[0].pattern) == "2:4"
+  masks = torch_interop.export_masks(model, torch_names=report.torch_names, dtype=torch.float32)
+  assert torch.equal(masks["0.weight_mask"], net[0].weight_mask)
+  _forward_close(net, model)
+
+
+def test_load_nnx_dense_into_existing_sparse_layers_and_bf16():
+  net = _mlp()
+  model = _flax_mlp()
+  model.layers[0] = BlockSparseLinear.from_dense(model.layers[0], density=0.5, block_shape=(16, 16))
+  block_mask = np.asarray(model.layers[0].block_mask)
+  torch_interop.load_nnx(model, net.state_dict(), name_map=SEQ)
+  assert isinstance(model.layers[0], BlockSparseLinear)
+  np.testing.assert_array_equal(np.asarray(model.layers[0].block_mask), block_mask)  # kept its own pattern
+  w = net[0].weight.detach().numpy().T * np.kron(block_mask, np.ones((16, 16)))
+  np.testing.assert_array_equal(np.asarray(model.layers[0].sparse_kernel.to_dense()), w)
+  # bf16 checkpoint into an f32 model: values cast to the parameter dtype
+  sd = {k: v.to(torch.bfloat16) for k, v in net.state_dict().items()}
+  model = _flax_mlp()
+  torch_interop.load_nnx(model, sd, name_map=SEQ)
+  assert model.layers[2].kernel[...].dtype == jnp.float32
+  np.testing.assert_array_equal(np.asarray(model.layers[2].kernel[...]), sd["2.weight"].float().numpy().T)
+
+
+def test_load_nnx_conv_norm_embed():
+  class TNet(torch.nn.Module):
+    def __init__(self):
+      super().__init__()
+      self.emb = torch.nn.Embedding(10, 8)
+      self.conv = torch.nn.Conv2d(8, 16, 3)
+      self.norm = torch.nn.LayerNorm(16)
+      self.bn = torch.nn.BatchNorm2d(16)
+
+  class FNet(nnx.Module):
+    def __init__(self):
+      self.emb = nnx.Embed(10, 8, rngs=nnx.Rngs(0))
+      self.conv = nnx.Conv(8, 16, (3, 3), padding="VALID", rngs=nnx.Rngs(0))
+      self.norm = nnx.LayerNorm(16, rngs=nnx.Rngs(0))
+      self.bn = nnx.BatchNorm(16, use_running_average=True, rngs=nnx.Rngs(0))
+
+  tnet = TNet()
+  with torch.no_grad():
+    tnet.bn.running_mean.normal_()
+    tnet.bn.running_var.uniform_(0.5, 2)
+  prune.random_unstructured(tnet.conv, "weight", amount=0.5)
+  fnet = FNet()
+  report = torch_interop.load_nnx(fnet, tnet.state_dict())
+  layers = {r.flax_path: r.layer for r in report.layers}
+  assert layers["emb"] == "Embed" and layers["norm"] == "LayerNorm" and layers["bn"] == "BatchNorm"
+  assert layers["conv"] == "MaskedConv"
+  x = torch.randn(2, 8, 7, 7)
+  with torch.no_grad():
+    expected = tnet.conv(x).permute(0, 2, 3, 1).numpy()
+  got = fnet.conv(jnp.asarray(x.permute(0, 2, 3, 1).numpy()))
+  np.testing.assert_allclose(np.asarray(got), expected, atol=1e-5)
+  np.testing.assert_array_equal(np.asarray(fnet.emb.embedding[...]), tnet.emb.weight.detach().numpy())
+  np.testing.assert_array_equal(np.asarray(fnet.bn.mean[...]), tnet.bn.running_mean.numpy())
+  # and back: conv in OIHW with its mask
+  sd = torch_interop.export_state_dict(fnet, format="prune")
+  fresh = TNet()
+  prune.identity(fresh.conv, "weight")
+  fresh.load_state_dict(sd)
+  assert torch.equal(fresh.conv.weight_mask, tnet.conv.weight_mask)
+  with torch.no_grad():
+    assert torch.allclose(fresh.conv(x), tnet.conv(x), atol=1e-6)
+
+
+def test_load_nnx_errors_leave_model_untouched():
+  net = _mlp()
+  model = _flax_mlp()
+  before = np.asarray(model.layers[0].kernel[...]).copy()
+  with pytest.raises(CheckpointError, match=r"no Flax module: '0\.weight' \(-> Flax '0'; did you mean 'layers\.0'\?\)"):
+    torch_interop.load_nnx(model, net.state_dict())
+  sd = net.state_dict()
+  sd["2.weight"] = torch.randn(32, 100)
+  msg = r"torch '2\.weight' has shape \(32, 100\), but the Flax model's 'layers\.2\.kernel' needs .* \(32, 128\)"
+  with pytest.raises(CheckpointError, match=msg):
+    torch_interop.load_nnx(model, sd, name_map=SEQ)
+  np.testing.assert_array_equal(np.asarray(model.layers[0].kernel[...]), before)  # nothing was written
+  small = nnx.Sequential(nnx.Linear(64, 128, rngs=nnx.Rngs(0)))
+  with pytest.raises(CheckpointError, match=r"torch parameters with no Flax module: '2\.weight'"):
+    torch_interop.load_nnx(small, net.state_dict(), name_map=SEQ)
+  report = torch_interop.load_nnx(small, net.state_dict(), name_map=SEQ, strict=False)
+  assert sorted(report.unexpected) == ["2.bias", "2.weight"]
+  torch_interop.load_nnx(small, net.state_dict(), name_map=SEQ, ignore=["2.*"])
+  sd = dict(net.state_dict())
+  sd["0.scale"] = torch.ones(1)
+  with pytest.raises(CheckpointError, match=r"torch \['0\.scale'\] have no place in the Flax Linear 'layers\.0'"):
+    torch_interop.load_nnx(model, sd, name_map=SEQ)
+  with pytest.raises(CheckpointError, match=r"both map to the Flax path 'layers\.0'"):
+    torch_interop.load_nnx(model, net.state_dict(), name_map=lambda p: "layers.0")
+  big = _flax_mlp()
+  with pytest.raises(CheckpointError, match=r"Flax parameters with no torch weights: \['layers\.2\.(kernel|bias)'"):
+    torch_interop.load_nnx(big, {k: v for k, v in net.state_dict().items() if k.startswith("0.")}, name_map=SEQ)
+
+
+def test_map_name_forms():
+  assert torch_interop.map_name(None, "a.b") == "a.b"
+  assert torch_interop.map_name({"a.b": "c"}, "a.b") == "c"
+  assert torch_interop.map_name({"a.b": "c"}, "x") == "x"
+  assert torch_interop.map_name([(r"^pooler", None)], "pooler.dense") is None
+  assert torch_interop.map_name([(r"\.self\.", "."), (r"^", "bert.")], "att.self.q") == "bert.att.q"
+  with pytest.raises(TypeError, match="rules must be"):
+    torch_interop.map_name(["oops"], "a")
+
+
+# -------------------------------------------------------------------------------------------------
+# Export formats.
+# -------------------------------------------------------------------------------------------------
+
+
+def _sparse_flax_model():
+  model = _flax_mlp()
+  model.layers[0] = BlockSparseLinear.from_dense(model.layers[0], density=0.5, block_shape=(16, 32))
+  model.layers[2] = NMLinear.from_dense(model.layers[2], n=2, m=4)
+  return model
+
+
+def test_export_state_dict_formats():
+  model = _sparse_flax_model()
+  names = {"layers.0": "0", "layers.2": "2"}
+  x = np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32)
+  expected = np.asarray(model(jnp.asarray(x)))
+
+  dense = _mlp()
+  dense.load_state_dict(torch_interop.export_state_dict(model, torch_names=names))
+  with torch.no_grad():
+    np.testing.assert_allclose(dense(torch.from_numpy(x)).numpy(), expected, atol=1e-5)
+
+  pruned = _mlp()
+  for i in (0, 2):
+    prune.identity(pruned[i], "weight")
+  pruned.load_state_dict(torch_interop.export_state_dict(model, format="prune", torch_names=names))
+  with torch.no_grad():
+    np.testing.assert_allclose(pruned(torch.from_numpy(x)).numpy(), expected, atol=1e-5)
+
+  ao = torch_interop.export_state_dict(model, format="ao", torch_names=names)
+  assert ao["0.parametrizations.weight.0.mask"].dtype == torch.bool
+  back = torch_interop.decode_checkpoint(ao)
+  assert back["0.weight"].pattern.kind == "block" and str(back["2.weight"].pattern) == "2:4"
+
+  bsr = torch_interop.export_state_dict(model, format="bsr", torch_names=names)
+  w0 = bsr["0.weight"]
+  assert w0.layout == torch.sparse_bsr and tuple(w0.values().shape[1:]) == (32, 16)
+  assert w0.values().shape[0] == model.layers[0].nnz_blocks
+  np.testing.assert_array_equal(w0.to_dense().numpy(), np.asarray(model.layers[0].sparse_kernel.to_dense()).T)
+  assert bsr["2.weight"].layout == torch.strided
+
+  with pytest.raises(CheckpointError, match=r"0\.weight: format='semi_structured' needs 2-D 2:4 weights.*block 32x16"):
+    torch_interop.export_state_dict(model, format="semi_structured", torch_names=names)
+  semi = torch_interop.export_state_dict(model.layers[2], format="semi_structured", dtype=torch.float16)
+  assert semi["weight"].dtype == torch.float16
+  g = (semi["weight"] != 0).reshape(32, 32, 4).sum(-1)
+  assert int(g.max()) <= 2
+  with pytest.raises(ValueError, match="format must be one of"):
+    torch_interop.export_state_dict(model, format="coo")
+  with pytest.raises(CheckpointError, match=r"torch_names has no entry for the Flax module 'layers\.2'"):
+    torch_interop.export_masks(model, torch_names={"layers.0": "0"})
+
+
+def test_apply_masks_errors_leave_module_untouched():
+  net = _mlp()
+  good = torch.ones(128, 64, dtype=torch.bool)
+  with pytest.raises(CheckpointError, match="the torch model has no module 'nope'"):
+    torch_interop.apply_masks(net, {"0.weight_mask": good, "nope.weight_mask": good})
+  with pytest.raises(CheckpointError, match=r"'2\.weight_mask' has shape \(128, 64\) but .* \(32, 128\)"):
+    torch_interop.apply_masks(net, {"0.weight_mask": good, "2.weight_mask": good})
+  with pytest.raises(CheckpointError, match="must hold only 0 and 1"):
+    torch_interop.apply_masks(net, {"0.weight_mask": torch.full((128, 64), 0.5)})
+  with pytest.raises(CheckpointError, match="must end in '_mask'"):
+    torch_interop.apply_masks(net, {"0.weight": good})
+  assert not hasattr(net[0], "weight_mask")  # nothing was pruned
+
+
+# -------------------------------------------------------------------------------------------------
+# Command line.
+# -------------------------------------------------------------------------------------------------
+
+
+def test_cli_inspect_and_convert(tmp_path, capsys):
+  net = _mlp()
+  prune.custom_from_mask(net[0], "weight", torch.from_numpy(_nm_mask((128, 64))))
+  torch.save({"state_dict": {f"module.{k}": v for k, v in net.state_dict().items()}}, tmp_path / "in.pt")
+  assert cli_main(["inspect", str(tmp_path / "in.pt"), "--progress"]) == 0
+  out, err = capsys.readouterr()
+  assert "reading [" in err and "4/4" in err
+  assert "0.weight" in out and "torch.nn.utils.prune" in out and "2:4" in out and "2.weight" in out
+
+  target = tmp_path / "out.safetensors"
+  args = ["convert", str(tmp_path / "in.pt"), str(target), "--rules", r"mlp\.2=block:0.5:32x16"]
+  args += ["--name-map", r"^=mlp."]
+  assert cli_main(args) == 0
+  v = torch_interop.load_flax_variables(target)
+  assert v["params"]["mlp"]["0"]["kernel"].shape == (64, 128)
+  assert v["sparsity"]["mlp"]["0"]["mask"].dtype == np.bool_
+  assert v["params"]["mlp"]["2"]["kernel"].shape == (4, 32, 16)  # 50% of 8 blocks, Flax (in, out) blocks
+  assert cli_main(args) == 1 and "exists; pass --force" in capsys.readouterr().err
+
+  # bad input: a clear message and no output file
+  (tmp_path / "junk.pt").write_bytes(b"\x80\x04junk")
+  assert cli_main(["convert", str(tmp_path / "junk.pt"), str(tmp_path / "x.safetensors")]) == 1
+  assert "junk.pt is not a" in capsys.readouterr().err
+  assert not (tmp_path / "x.safetensors").exists()
+  assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
+  torch.save({"fc.weight_orig": torch.ones(2, 2)}, tmp_path / "half.pt")
+  assert cli_main(["inspect", str(tmp_path / "half.pt")]) == 1
+  assert "fc.weight_mask is missing" in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    cli_main(["convert", "a", "b", "--rules", "x=block:lots"])
+
+
+def test_convert_orbax(tmp_path):
+  sd = {"fc.weight": torch.randn(8, 16), "fc.weight_mask": torch.from_numpy(_nm_mask((8, 16))).float()}
+  variables = torch_interop.to_linen_variables(sd)
+  path = torch_interop.save_flax_variables(variables, tmp_path / "ckpt", format="orbax")
+  back = torch_interop.load_flax_variables(path)
+  np.testing.assert_array_equal(back["params"]["fc"]["kernel"], variables["params"]["fc"]["kernel"])
+  np.testing.assert_array_equal(back["sparsity"]["fc"]["mask"], variables["sparsity"]["fc"]["mask"])
+  with pytest.raises(CheckpointError, match="already exists"):
+    torch_interop.save_flax_variables(variables, tmp_path / "ckpt", format="orbax")
+
+
+def test_linen_variables_run_in_jaxsparse_linen_layers():
+  """Linen variables from a pruned checkpoint run in jaxsparse's Linen layers like torch does."""
+  net = _mlp()
+  prune.custom_from_mask(net[0], "weight", torch.from_numpy(_block_mask(128, 64, (32, 32), density=0.5, seed=5)))
+  prune.l1_unstructured(net[2], "weight", amount=0.5)
+  v = torch_interop.to_linen_variables(net.state_dict())
+  x = jax.random.normal(jax.random.key(0), (3, 64))
+  l0 = {c: v[c]["0"] for c in ("params", "sparsity")}
+  l2 = {c: v[c]["2"] for c in ("params", "sparsity")}
+  density = l0["params"]["kernel"].shape[0] / 8  # the blocks the random torch mask kept
+  h = BlockSparseDense(128, density=density, block_shape=(32, 32)).apply(l0, x)
+  y = MaskedDense(32, sparsity=0.5).apply(l2, jax.nn.relu(h))
+  with torch.no_grad():
+    expected = net(torch.from_numpy(np.array(x))).numpy()
+  np.testing.assert_allclose(np.asarray(y), expected, atol=1e-5)
