@@ -178,3 +178,14 @@ def test_masked_matmul(dtype):
 def test_masked_matmul_bad_mask(mask, exc, match):
   with pytest.raises(exc, match=match):
     masked_matmul(jnp.ones((2, 48)), jnp.ones((48, 40)), mask)
+
+
+def test_from_index_arrays_accepts_numpy_index_arrays():
+  # Saved variables often come back as NumPy arrays; the op must still trace (loop indices are traced).
+  w = jax.random.normal(jax.random.key(3), (64, 64))
+  m = jaxsparse.BlockSparseMatrix.from_dense(w, block_shape=(32, 32))
+  idx = {k: np.asarray(v) for k, v in m.index_arrays().items()}
+  rebuilt = jaxsparse.BlockSparseMatrix.from_index_arrays(m.data, idx, shape=m.shape, block_shape=m.block_shape)
+  x = jax.random.normal(jax.random.key(4), (5, 64))
+  out = jax.jit(lambda x, d: jaxsparse.ops.block_sparse_matmul(x, rebuilt.with_data(d)))(x, m.data)
+  np.testing.assert_allclose(out, x @ w, rtol=1e-5, atol=1e-5)
