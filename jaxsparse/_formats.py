@@ -215,7 +215,8 @@ class BlockSparseMatrix:
     missing = set(INDEX_FIELDS) - set(index_arrays)
     if missing:
       raise ValueError(f"index_arrays is missing {sorted(missing)}; expected the keys {INDEX_FIELDS}.")
-    return cls(jnp.asarray(data), shape=shape, block_shape=block_shape, **{f: jnp.asarray(index_arrays[f]) for f in INDEX_FIELDS})
+    indices = {f: jnp.asarray(index_arrays[f]) for f in INDEX_FIELDS}
+    return cls(jnp.asarray(data), shape=shape, block_shape=block_shape, **indices)
 
   def index_arrays(self) -> dict[str, jax.Array]:
     """The integer index arrays of the pattern, keyed by :data:`INDEX_FIELDS` names."""
