@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench-cpu bench-cpu-quick clean
+.PHONY: demo test lint bench-cpu bench-cpu-quick bench-cpu-unstructured clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,9 @@ bench-cpu: $(STAMP)
 
 bench-cpu-quick: $(STAMP)
 	$(PY) benchmarks/cpu_block_sparse.py --quick
+
+bench-cpu-unstructured: $(STAMP)
+	$(PY) benchmarks/cpu_unstructured.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

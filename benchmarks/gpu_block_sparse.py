@@ -9,6 +9,11 @@ Run on a CUDA GPU (``benchmarks/run_gpu.sh`` runs it on the device machine):
 * ``--table`` prints, per case, the sparse time, the dense time of the same product measured in the
   same run, and their ratio, for the forward, the backward (dX + dW) and both; bf16 throughout.
 * ``--torch`` adds ``torch.sparse._triton_ops.bsr_dense_mm`` (forward only) against ``torch.mm``.
+* ``--mosaic-sweep`` times Mosaic GPU (Hopper) forward / dX variants against the Triton kernels at
+  M=8192, density 0.25, blocks 64 and 128, and the Mosaic forward at decode (M=16).
+
+On Hopper the default configs run the forward and dX of blocks 64 / 128 at M >= 1024 on the Mosaic GPU
+kernel; the table's "Triton-only" column times the same products with the Triton kernels.
 
 Times are device-side: ``jax.experimental.mosaic.gpu.profiler.measure`` (CUPTI) sums the kernel
 times of each call; the median over ``--iterations`` calls is reported. Where CUPTI is unavailable
@@ -35,6 +40,7 @@ import jaxsparse
 from jaxsparse.pallas import BlockSparseMatmulConfig
 from jaxsparse.pallas import KernelConfig
 from jaxsparse.pallas import _block_sparse_matmul as kernels
+from jaxsparse.pallas import _block_sparse_matmul_mgpu as mosaic
 
 warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
 
@@ -245,6 +251,72 @@ def sweep(iterations: int) -> tuple[dict[int, BlockSparseMatmulConfig], dict[int
   return best, best_decode, lines
 
 
+MOSAIC_VARIANTS = [
+    {},
+    {"group_m": 4},
+    {"group_m": 2},
+    {"group_m": 1},
+    {"num_ctas": 0},
+    {"num_ctas": 0, "group_m": 4},
+    {"num_stages": 3},
+    {"num_stages": 3, "group_m": 4},
+    {"tile_m": 128, "num_ctas": 0, "num_stages": 3},
+    {"epi_n": 128},
+]
+
+
+def mosaic_sweep(iterations: int, blocks=(128, 64), shapes=((4096, 4096), (4096, 16384))) -> list[str]:
+  """Mosaic GPU forward / dX variants against the Triton kernels at M=8192, d=0.25 (and one decode case)."""
+  lines = []
+
+  def note(line):
+    lines.append(line)
+    log(line)
+
+  m = M_TRAIN
+  for shape in shapes:
+    x, dy, _, _ = problem(m, *shape, 32, 1.0)
+    wd = jax.random.normal(jax.random.key(1), shape, jnp.float32).astype(jnp.bfloat16)
+    t_dense = time_ms(lambda x, wd: jnp.dot(x, wd), x, wd, iterations=iterations)
+    note(f"{m}x{shape}: dense fwd {t_dense:.4f} ms")
+    variants = MOSAIC_VARIANTS if shape == SWEEP_SHAPE else MOSAIC_VARIANTS[:2]
+    for b in blocks:
+      x, dy, w, _ = problem(m, *shape, b, 0.25, seed=b)
+      hi = jax.lax.Precision.HIGHEST
+      wf = w.to_dense().astype(jnp.float32)
+      y_ref = jnp.dot(x.astype(jnp.float32), wf, precision=hi)
+      dx_ref = jnp.dot(dy.astype(jnp.float32), wf.T, precision=hi)
+      no_mosaic = dataclasses.replace(
+          BlockSparseMatmulConfig.get_default(m, w.shape, w.block_shape, w.nnz_blocks, w.dtype),
+          mosaic_forward=None,
+          mosaic_dx=None,
+      )
+      tri_fwd = lambda x, w, c=no_mosaic: kernels.forward(x, w, config=c)
+      tri_dx = lambda dy, x, w, c=no_mosaic: kernels.backward(x, dy, w, config=c, need_dw=False)[0]
+      t_tri = time_ms(tri_fwd, x, w, iterations=iterations)
+      t_tri_dx = time_ms(tri_dx, dy, x, w, iterations=iterations)
+      note(f"{shape} b={b} triton fwd {t_tri:.4f} ms ({t_tri / t_dense:.2f}) dx {t_tri_dx:.4f} ms")
+      base = mosaic.MosaicBlockSparseMatmulConfig.get_default(m, w.block_shape, x.dtype)
+      for kind, a, ref in (("fwd", x, y_ref), ("dx", dy, dx_ref)):
+        for change in variants:
+          cfg = dataclasses.replace(base.forward if kind == "fwd" else base.dx, **change)
+          f = lambda a, w, cfg=cfg, kind=kind: mosaic.dense_sparse_matmul(a, w, transpose=kind == "dx", config=cfg)
+          try:
+            err = rel_err(jax.jit(f)(a, w), ref)
+            t = time_ms(f, a, w, iterations=iterations)
+          except Exception as e:
+            note(f"{shape} b={b} mosaic {kind} {change}: FAILED {type(e).__name__}: {str(e)[:400]}")
+            continue
+          note(f"{shape} b={b} mosaic {kind} {t:.4f} ms ({t / t_dense:.2f}) err {err:.1e} {change}")
+  # Decode: one row tile; the Triton kernels split each column's block loop instead.
+  for b in blocks:
+    x, _, w, _ = problem(M_DECODE, *SWEEP_SHAPE, b, 0.25, seed=b)
+    t_tri = time_ms(lambda x, w: kernels.forward(x, w), x, w, iterations=iterations)
+    t_mos = time_ms(lambda x, w: mosaic.dense_sparse_matmul(x, w), x, w, iterations=iterations)
+    note(f"decode {M_DECODE}x{SWEEP_SHAPE} b={b}: triton fwd {t_tri:.4f} ms, mosaic fwd {t_mos:.4f} ms")
+  return lines
+
+
 # -------------------------------------------------------------------------------------------------
 # torch BSR.
 # -------------------------------------------------------------------------------------------------
@@ -293,8 +365,9 @@ def target(b: int, d: float) -> float:
 def table(best, best_decode, torch_res, iterations: int, quick: bool) -> list[str]:
   rows = [
       "| M | K | N | block | d | fwd sparse / dense ms | fwd ratio | bwd sparse / dense ms | bwd ratio "
-      "| fwd+bwd sparse / dense ms | fwd+bwd ratio | target | torch BSR fwd ratio | max rel err |",
-      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+      "| fwd+bwd sparse / dense ms | fwd+bwd ratio | target | Triton-only fwd / fwd+bwd ratio | torch BSR fwd ratio "
+      "| max rel err |",
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   shapes = SHAPES[:1] if quick else SHAPES
   for k, n in shapes:
@@ -310,12 +383,19 @@ def table(best, best_decode, torch_res, iterations: int, quick: bool) -> list[st
         cfg = best.get(b)
         err = check(x, dy, w, cfg)
         sp = {name: time_ms(f, x, dy, w, iterations=iterations) for name, f in sparse_fns(cfg).items()}
+        # The same products with the Triton kernels only (the default uses Mosaic GPU on Hopper).
+        used = cfg or BlockSparseMatmulConfig.get_default(m, w.shape, w.block_shape, w.nnz_blocks, w.dtype)
+        tri = "-"
+        if used.mosaic_forward is not None or used.mosaic_dx is not None:
+          tri_fns = sparse_fns(dataclasses.replace(used, mosaic_forward=None, mosaic_dx=None))
+          t_tri = {s: time_ms(tri_fns[s], x, dy, w, iterations=iterations) for s in ("fwd", "fwd+bwd")}
+          tri = f"{t_tri['fwd'] / dense['fwd']:.2f} / {t_tri['fwd+bwd'] / dense['fwd+bwd']:.2f}"
         tr = torch_res.get((m, k, n, b, d))
         trs = f"{tr[0] / tr[1]:.2f}" if tr else "-"
         cells = " | ".join(
             f"{sp[s]:.3f} / {dense[s]:.3f} | **{sp[s] / dense[s]:.2f}**" for s in ("fwd", "bwd", "fwd+bwd")
         )
-        rows.append(f"| {m} | {k} | {n} | {b} | {d} | {cells} | {target(b, d):.2f} | {trs} | {err} |")
+        rows.append(f"| {m} | {k} | {n} | {b} | {d} | {cells} | {target(b, d):.2f} | {tri} | {trs} | {err} |")
         log(rows[-1])
   rows += [
       "",
@@ -354,6 +434,7 @@ def main(argv=None):
   p.add_argument("--torch", action="store_true", help="also time torch's BSR kernel")
   p.add_argument("--quick", action="store_true", help="only K = N = 4096")
   p.add_argument("--breakdown", action="store_true", help="per-kernel times of a few cases first")
+  p.add_argument("--mosaic-sweep", action="store_true", help="time Mosaic GPU kernel variants first")
   p.add_argument("--iterations", type=int, default=20)
   p.add_argument("--out", default=None, help="also write the table (markdown) here")
   args = p.parse_args(argv)
@@ -369,6 +450,8 @@ def main(argv=None):
   best, best_decode, sweep_lines = {}, {}, []
   if args.breakdown:
     sweep_lines += breakdown(args.iterations)
+  if args.mosaic_sweep:
+    sweep_lines += mosaic_sweep(args.iterations)
   t0 = time.time()
   if args.sweep:
     best, best_decode, sweep_lines = sweep(args.iterations)

@@ -6,18 +6,40 @@ Formats (pytrees), masks, differentiable ops (:mod:`jaxsparse.ops`) and Flax lay
 
 from jaxsparse import layers
 from jaxsparse import ops
+from jaxsparse import pruning
+from jaxsparse._csr import CSRMatrix
 from jaxsparse._formats import BlockSparseMatrix
 from jaxsparse._masks import block_magnitude_mask
 from jaxsparse._masks import magnitude_mask
 from jaxsparse._masks import random_block_mask
+from jaxsparse._nm import NMSparseMatrix
+from jaxsparse._nm import nm_mask
+from jaxsparse._sparsify import densify
+from jaxsparse._sparsify import densify_linen
+from jaxsparse._sparsify import sparsify
+from jaxsparse._sparsify import sparsify_linen
+from jaxsparse.pruning._specs import NM
+from jaxsparse.pruning._specs import BlockSparse
+from jaxsparse.pruning._specs import Unstructured
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "NM",
+    "BlockSparse",
     "BlockSparseMatrix",
+    "CSRMatrix",
+    "NMSparseMatrix",
     "block_magnitude_mask",
+    "densify",
+    "densify_linen",
     "layers",
     "magnitude_mask",
+    "nm_mask",
     "ops",
+    "pruning",
     "random_block_mask",
+    "sparsify",
+    "sparsify_linen",
+    "Unstructured",
 ]

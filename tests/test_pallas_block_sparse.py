@@ -1,11 +1,14 @@
 """Pallas block-sparse kernels against the dense reference.
 
-On a CPU the kernels run in Pallas interpret mode (small shapes). Tests marked ``gpu`` compile them
-for a CUDA GPU (``benchmarks/run_gpu.sh`` runs them on the device machine); they skip elsewhere.
+On a CPU the kernels run in Pallas interpret mode (small shapes); the Mosaic GPU (Hopper) kernel runs
+in Mosaic GPU interpret mode, and its tile and step schedule is also checked as plain NumPy. Tests
+marked ``gpu`` compile the kernels for a CUDA GPU (``benchmarks/run_gpu.sh`` runs them on the device
+machine); they skip elsewhere.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 
@@ -21,6 +24,7 @@ from jaxsparse.pallas import BlockSparseMatmulConfig
 from jaxsparse.pallas import KernelConfig
 from jaxsparse.pallas import PallasFallbackWarning
 from jaxsparse.pallas import _block_sparse_matmul as kernels
+from jaxsparse.pallas import _block_sparse_matmul_mgpu as mosaic
 
 # Relative error ‖out - ref‖ / ‖ref‖ allowed per input dtype: float32 dots run in full float32 in
 # interpret mode and with precision=HIGHEST on the GPU; 16-bit inputs round the output once more.
@@ -29,6 +33,11 @@ RTOL = {jnp.float32: 2e-5, jnp.bfloat16: 1.5e-2, jnp.float16: 3e-3}
 RTOL_TF32 = 1e-3
 
 needs_gpu = pytest.mark.skipif(not kernels.available(), reason=kernels.unavailable_reason())
+needs_hopper = pytest.mark.skipif(not kernels.mosaic_available(), reason=kernels.mosaic_unavailable_reason())
+# jax 0.10's Mosaic GPU interpreter has no transposed wgmma operands (the dX product): it hangs there.
+needs_transposed_wgmma_interpreter = pytest.mark.skipif(
+    jax.__version_info__ < (0, 11), reason="jax < 0.11 cannot interpret a transposed wgmma operand"
+)
 
 
 @pytest.fixture(autouse=True)
@@ -187,6 +196,112 @@ def test_pallas_implementation_raises_without_gpu():
 
 
 # -------------------------------------------------------------------------------------------------
+# Mosaic GPU kernel: schedule (NumPy), interpret mode and dispatch (CPU CI).
+# -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("num_m", "num_c", "group_m"), [(1, 1, 8), (5, 3, 2), (7, 4, 8), (32, 32, 4), (3, 10, 1)])
+def test_mosaic_tile_schedule_visits_every_tile_once(num_m, num_c, group_m):
+  tiles = [tuple(int(v) for v in mosaic.tile_of(t, num_m, num_c, group_m)) for t in range(num_m * num_c)]
+  assert sorted(tiles) == [(mi, c) for mi in range(num_m) for c in range(num_c)]
+  # Consecutive tiles share their output column within a group of row tiles (L2 reuse of W).
+  if num_m > 1 and group_m > 1:
+    assert tiles[:2] == [(0, 0), (1, 0)]
+
+
+@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("pattern", ["random", "single", "dense"])
+def test_mosaic_step_lists_rebuild_the_product(pattern, transpose):
+  # The kernel's schedule, replayed in NumPy: for every output tile, sum its steps' block products.
+  x, dy, w = _problem(48, 96, 160, (32, 32), pattern, jnp.float32, seed=4)
+  a = np.asarray(dy if transpose else x, np.float64)
+  data = np.asarray(w.data, np.float64)
+  offsets, blocks, a_blocks = (np.asarray(v) for v in mosaic.steps_of(w, transpose=transpose))
+  (bk, bn), (kb, nb) = w.block_shape, w.grid_shape
+  ob, cb, num_c = (bk, bn, kb) if transpose else (bn, bk, nb)
+  tm = 16
+  num_m = a.shape[0] // tm
+  out = np.full((a.shape[0], num_c * ob), np.nan)
+  for t in range(num_m * num_c):
+    mi, c = (int(v) for v in mosaic.tile_of(t, num_m, num_c, 2))
+    acc = np.zeros((tm, ob))
+    for s in range(offsets[c], offsets[c + 1]):
+      blk = data[blocks[s]].T if transpose else data[blocks[s]]
+      acc += a[mi * tm : (mi + 1) * tm, a_blocks[s] * cb : (a_blocks[s] + 1) * cb] @ blk
+    out[mi * tm : (mi + 1) * tm, c * ob : (c + 1) * ob] = acc
+  wd = np.asarray(w.to_dense(), np.float64)
+  np.testing.assert_allclose(out, a @ (wd.T if transpose else wd), rtol=1e-10, atol=1e-10)
+
+
+def _mosaic_config(**kw) -> BlockSparseMatmulConfig:
+  tri = KernelConfig(16)
+  cfg = mosaic.MosaicKernelConfig(**{"tile_m": 128, "tile_k": 32, "num_stages": 2, "group_m": 2, **kw})
+  return BlockSparseMatmulConfig(tri, tri, tri, mosaic_forward=cfg, mosaic_dx=cfg)
+
+
+def _spy_on_mosaic(monkeypatch) -> list:
+  calls, real = [], mosaic.dense_sparse_matmul
+  monkeypatch.setattr(mosaic, "dense_sparse_matmul", lambda *a, **k: calls.append(k) or real(*a, **k))
+  return calls
+
+
+def test_mosaic_interpret_forward_through_dispatch(monkeypatch):
+  # Two thread blocks over 3 row tiles x 4 columns (one of them empty), 2 steps per 64-wide block,
+  # M = 300 padded to the row tile, and a float32 output of bfloat16 inputs (not rounded to bf16).
+  x, dy, w = _problem(300, 128, 256, (64, 64), "random", jnp.bfloat16, seed=6)
+  calls = _spy_on_mosaic(monkeypatch)
+  y = kernels.forward(x, w, out_dtype=jnp.float32, config=_mosaic_config(num_ctas=2), interpret=True)
+  assert [c.get("transpose", False) for c in calls] == [False]
+  y_ref, _, _ = _dense_reference(x, dy, w)
+  assert y.dtype == jnp.float32
+  _assert_close(y, y_ref, jnp.float32, "y", rtol=1e-5)
+
+
+@needs_transposed_wgmma_interpreter
+def test_mosaic_interpret_dx_through_dispatch(monkeypatch):
+  x, dy, w = _problem(200, 128, 192, (64, 32), "random", jnp.bfloat16, seed=8)
+  calls = _spy_on_mosaic(monkeypatch)
+  dx, ddata = kernels.backward(x, dy, w, config=_mosaic_config(num_ctas=0), interpret=True)
+  assert [c.get("transpose", False) for c in calls] == [True]
+  _, dx_ref, ddata_ref = _dense_reference(x, dy, w)
+  _assert_close(dx, dx_ref, jnp.bfloat16, "dX")
+  _assert_close(ddata, ddata_ref, jnp.bfloat16, "dW")
+
+
+def test_mosaic_support_and_config_errors():
+  x, _, w = _problem(16, 128, 128, (64, 64), "random", jnp.bfloat16)
+  assert mosaic.supports(x, w) and mosaic.supports(x, w, jnp.float32)
+  assert "16-bit" in mosaic.unsupported_reason(x.astype(jnp.float32), w)
+  _, _, w16 = _problem(16, 128, 128, (16, 16), "random", jnp.bfloat16)
+  assert "block_shape" in mosaic.unsupported_reason(x, w16)
+  assert "features" in mosaic.unsupported_reason(x[:, :64], w)
+  with pytest.raises(ValueError, match="tile_m=96"):
+    mosaic.MosaicKernelConfig(tile_m=96)
+  with pytest.raises(ValueError, match="tile_k=128"):
+    mosaic.MosaicKernelConfig(tile_k=128)
+  with pytest.raises(ValueError, match="num_stages=0"):
+    mosaic.MosaicKernelConfig(num_stages=0)
+  with pytest.raises(ValueError, match="16-bit"):
+    mosaic.dense_sparse_matmul(x.astype(jnp.float32), w)
+  # A float32 output needs a larger epilogue buffer than 4 ring slots leave: the ring shrinks.
+  cfg = mosaic.MosaicKernelConfig(num_stages=4)
+  assert cfg.smem_bytes(128, 2, 4) > 227 * 1024 >= dataclasses.replace(cfg, num_stages=3).smem_bytes(128, 2, 4)
+
+
+def test_mosaic_defaults_only_where_they_measured_faster(monkeypatch):
+  monkeypatch.setattr(kernels, "_mosaic_probe", lambda: None)  # as on a Hopper GPU
+  get = BlockSparseMatmulConfig.get_default
+  cfg = get(8192, (4096, 4096), (128, 128), 256, jnp.bfloat16)
+  assert (cfg.mosaic_forward, cfg.mosaic_dx) == kernels.MOSAIC_TUNED_CONFIGS[128]
+  assert get(8192, (4096, 4096), (64, 128), 256, jnp.float16).mosaic_forward is not None
+  for args in [(16, (4096, 4096), (128, 128)), (8192, (4096, 4096), (32, 32))]:  # decode; block 32
+    assert get(*args, 256, jnp.bfloat16).mosaic_forward is None
+  assert get(8192, (4096, 4096), (128, 128), 256, jnp.float32).mosaic_dx is None
+  monkeypatch.setattr(kernels, "_mosaic_probe", lambda: "no Hopper GPU")
+  assert get(8192, (4096, 4096), (128, 128), 256, jnp.bfloat16).mosaic_forward is None
+
+
+# -------------------------------------------------------------------------------------------------
 # GPU (run by benchmarks/run_gpu.sh on the device machine).
 # -------------------------------------------------------------------------------------------------
 
@@ -245,7 +360,7 @@ def test_gpu_op_gradients(implementation):
   _assert_close(gdata, ddata_ref, jnp.bfloat16, "dW")
   # The kernels really ran: the compiled HLO holds the Triton custom calls.
   hlo = jax.jit(lambda a: block_sparse_matmul(a, w, implementation=implementation)).lower(x3).as_text()
-  assert "triton" in hlo.lower() or "pallas" in hlo.lower()
+  assert any(name in hlo.lower() for name in ("triton", "pallas", "mosaic_gpu"))
 
 
 @pytest.mark.gpu
@@ -256,3 +371,56 @@ def test_gpu_unsupported_shape_falls_back_with_warning():
   with pytest.warns(PallasFallbackWarning):
     y = block_sparse_matmul(x, w)
   np.testing.assert_allclose(np.asarray(y), 96.0)
+
+
+MOSAIC_GPU_CASES = [
+    (m, k, n, b, pattern, dtype, None, "persistent")
+    for (m, k, n) in [(1024, 512, 768), (300, 256, 384)]
+    for b in [(64, 64), (128, 128)]
+    for pattern, dtype in [("random", jnp.bfloat16), ("random", jnp.float16), ("single", jnp.bfloat16)]
+] + [
+    (1024, 512, 768, (128, 128), "random", jnp.bfloat16, jnp.float32, "persistent"),
+    (300, 256, 384, (64, 64), "random", jnp.float16, jnp.float32, "plain"),
+    (1024, 512, 768, (64, 64), "dense", jnp.bfloat16, None, "plain"),
+    (300, 256, 384, (128, 128), "random", jnp.bfloat16, jnp.float32, "plain"),
+    (512, 256, 512, (64, 128), "random", jnp.bfloat16, None, "persistent"),
+    (512, 512, 256, (128, 64), "random", jnp.bfloat16, None, "plain"),
+]
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize(("m", "k", "n", "block_shape", "pattern", "dtype", "out_dtype", "grid"), MOSAIC_GPU_CASES)
+def test_gpu_mosaic_matches_dense(m, k, n, block_shape, pattern, dtype, out_dtype, grid):
+  x, dy, w = _problem(m, k, n, block_shape, pattern, dtype, seed=m + n)
+  cfg = mosaic.MosaicKernelConfig(num_ctas=None if grid == "persistent" else 0, tile_m=256 if m > 300 else 128)
+  y = jax.jit(lambda a, w: mosaic.dense_sparse_matmul(a, w, out_dtype=out_dtype, config=cfg))(x, w)
+  dx = jax.jit(lambda a, w: mosaic.dense_sparse_matmul(a, w, transpose=True, out_dtype=out_dtype, config=cfg))(dy, w)
+  assert y.dtype == (out_dtype or dtype) and dx.dtype == (out_dtype or dtype)
+  y_ref, dx_ref, _ = _dense_reference(x, dy, w)
+  rtol = 1e-5 if out_dtype == jnp.float32 else RTOL[dtype]
+  _assert_close(y, y_ref, dtype, "y", rtol)
+  _assert_close(dx, dx_ref, dtype, "dX", rtol)
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_gpu_default_config_runs_mosaic_at_large_m(monkeypatch):
+  x, dy, w = _problem(1024, 512, 512, (128, 128), "random", jnp.bfloat16, seed=12)
+  cfg = BlockSparseMatmulConfig.get_default(1024, w.shape, w.block_shape, w.nnz_blocks, w.dtype)
+  assert cfg.mosaic_forward is not None and cfg.mosaic_dx is not None
+  calls = _spy_on_mosaic(monkeypatch)
+  _check_all(x, dy, w, jnp.bfloat16, interpret=False)
+  assert len(calls) == 2
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("m", [96, 1024])
+def test_gpu_op_float32_output_of_16bit_inputs_is_not_rounded(m):
+  # preferred_element_type=float32 with bfloat16 operands: the kernels write float32 themselves.
+  x, _, w = _problem(m, 512, 256, (64, 64), "random", jnp.bfloat16, seed=13)
+  y = jax.jit(lambda a: block_sparse_matmul(a, w, implementation="pallas", preferred_element_type=jnp.float32))(x)
+  assert y.dtype == jnp.float32
+  y_ref, _, _ = _dense_reference(x, jnp.zeros((m, 256), jnp.bfloat16), w)
+  _assert_close(y, y_ref, jnp.float32, "y", rtol=1e-5)  # bf16 rounding would give ~2e-3

@@ -133,7 +133,8 @@ class MaskedDense(nn.Module):
   ``init`` draws a uniformly random bool mask pruning exactly ``round(sparsity * size)`` weights
   from the ``"params"`` rng and stores it as ``"mask"`` in the ``"sparsity"`` collection; the
   ``"params"`` kernel is dense ``(in_features, features)`` and zero where the mask is False.
-  Default initialisation and dtypes follow ``MaskedLinear``.
+  Default initialisation, dtypes and the sparse CPU kernels (which read the mask on every call, so
+  it may be replaced between calls) follow ``MaskedLinear``.
 
   >>> import jax, jax.numpy as jnp
   >>> from jaxsparse.layers.linen import MaskedDense
@@ -152,6 +153,7 @@ class MaskedDense(nn.Module):
       draws a truncated normal of variance ``1 / ((1 - sparsity) * in_features)``.
     bias_init: bias initializer.
     precision: passed to the matmul.
+    implementation: backend of :func:`jaxsparse.ops.masked_matmul`: ``None``, ``"cpu"`` or ``"xla"``.
   """
 
   features: int
@@ -163,10 +165,12 @@ class MaskedDense(nn.Module):
   kernel_init: Initializer | None = None
   bias_init: Initializer = _nnx.default_bias_init
   precision: lax.PrecisionLike = None
+  implementation: ops.CpuImplementation | None = None
 
   def __post_init__(self):
     _validation.check_positive_int(self.features, name="features")
     _validation.check_sparsity(self.sparsity)
+    _nnx.check_masked_implementation(self.implementation)
     super().__post_init__()
 
   @nn.compact
@@ -187,4 +191,6 @@ class MaskedDense(nn.Module):
 
     kernel = self.param("kernel", masked_init, shape, self.param_dtype)
     bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
-    return _nnx.masked_apply(x, kernel, bias, mask, dtype=self.dtype, precision=self.precision)
+    return _nnx.masked_apply(
+        x, kernel, bias, mask, dtype=self.dtype, precision=self.precision, implementation=self.implementation
+    )

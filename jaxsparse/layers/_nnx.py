@@ -59,6 +59,14 @@ def check_implementation(implementation: object) -> str | None:
   return implementation
 
 
+def check_masked_implementation(implementation: object) -> str | None:
+  """``implementation`` of :func:`jaxsparse.ops.masked_matmul`: ``None``, ``"xla"`` or ``"cpu"``."""
+  allowed = (None, *typing.get_args(ops.CpuImplementation))
+  if implementation not in allowed:
+    raise ValueError(f"implementation must be one of {allowed}, got implementation={implementation!r}.")
+  return implementation
+
+
 def check_kept(kept: int, total: int, *, name: str, value: float, what: str) -> None:
   if kept == 0:
     raise ValueError(f"{name}={value} keeps 0 of {total} {what}; choose a {name} that keeps at least one.")
@@ -133,9 +141,10 @@ def masked_apply(
     *,
     dtype: Dtype | None,
     precision: lax.PrecisionLike,
+    implementation: str | None = None,
 ) -> jax.Array:
   x, kernel, bias = dtypes.promote_dtype((x, kernel, bias), dtype=dtype)
-  y = ops.masked_matmul(x, kernel, mask, precision=precision)
+  y = ops.masked_matmul(x, kernel, mask, implementation=implementation, precision=precision)
   return y if bias is None else y + bias
 
 
@@ -383,7 +392,11 @@ class MaskedLinear(nnx.Module):
   """A linear layer ``y = x @ (W * mask) + b`` with an unstructured, fixed boolean ``mask``.
 
   The kernel is stored dense (its pruned entries are zero and get zero gradient, so optimizers
-  without weight decay keep them zero); the product is :func:`jaxsparse.ops.masked_matmul`.
+  without weight decay keep them zero); the product is :func:`jaxsparse.ops.masked_matmul`. On CPU
+  that runs sparse C++ kernels (forward and both gradients, work proportional to the kept weights)
+  which read the kept entries from ``mask`` on every call: replacing ``mask`` (pruning, RigL) needs
+  no rebuild, inside ``jit`` or out, and the number of kept weights may change freely. Masks keeping
+  more than 25% of the weights run masked dense, which is faster there.
 
   >>> import jax.numpy as jnp
   >>> from flax import nnx
@@ -417,6 +430,8 @@ class MaskedLinear(nnx.Module):
       uses the variance-preserving default above.
     bias_init: called as ``bias_init(key, (out_features,), param_dtype)``.
     precision: passed to the matmul.
+    implementation: backend of :func:`jaxsparse.ops.masked_matmul`: ``None`` (sparse C++ kernels on
+      CPU for sparse masks, masked dense elsewhere), ``"cpu"`` or ``"xla"`` (masked dense).
     rngs: ``nnx.Rngs``; the ``params`` stream draws the mask, kernel and bias.
   """
 
@@ -433,12 +448,14 @@ class MaskedLinear(nnx.Module):
       kernel_init: Initializer | None = None,
       bias_init: Initializer = default_bias_init,
       precision: lax.PrecisionLike = None,
+      implementation: ops.CpuImplementation | None = None,
       rngs: nnx.Rngs,
   ):
     in_features = _validation.check_positive_int(in_features, name="in_features")
     out_features = _validation.check_positive_int(out_features, name="out_features")
     shape = (in_features, out_features)
     size = in_features * out_features
+    self.implementation = check_masked_implementation(implementation)
     if (sparsity is None) == (mask is None):
       raise ValueError(
           f"Pass exactly one of sparsity= and mask=, got sparsity={sparsity!r} and "
@@ -478,6 +495,7 @@ class MaskedLinear(nnx.Module):
         self.mask[...],
         dtype=self.dtype,
         precision=self.precision,
+        implementation=self.implementation,
     )
 
   @property
@@ -491,7 +509,9 @@ class MaskedLinear(nnx.Module):
     return 1.0 - self.density
 
   @classmethod
-  def from_dense(cls, linear: nnx.Linear, *, sparsity: float) -> MaskedLinear:
+  def from_dense(
+      cls, linear: nnx.Linear, *, sparsity: float, implementation: ops.CpuImplementation | None = None
+  ) -> MaskedLinear:
     """Prunes an ``nnx.Linear`` to its largest-magnitude weights, pruning ``round(sparsity * size)``.
 
     >>> from flax import nnx
@@ -512,6 +532,7 @@ class MaskedLinear(nnx.Module):
         param_dtype=kernel.dtype,
         kernel_init=lambda *_: kernel,
         precision=linear.precision,
+        implementation=implementation,
         rngs=nnx.Rngs(0),
     )
     if linear.bias is not None:

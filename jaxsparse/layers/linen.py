@@ -3,9 +3,13 @@
 from jaxsparse.layers._linen import SPARSITY
 from jaxsparse.layers._linen import BlockSparseDense
 from jaxsparse.layers._linen import MaskedDense
+from jaxsparse.layers._nm_linen import NMConv
+from jaxsparse.layers._nm_linen import NMDense
 
 __all__ = [
     "SPARSITY",
     "BlockSparseDense",
     "MaskedDense",
+    "NMConv",
+    "NMDense",
 ]

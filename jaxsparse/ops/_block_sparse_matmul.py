@@ -10,8 +10,11 @@ The XLA path below is both the reference implementation of those three products 
 it walks the kept blocks in a ``lax.fori_loop`` whose body is one small ``dot_general`` on slabs that
 stay in cache, so its work is proportional to the kept blocks and it never materialises a dense
 ``K x N`` weight or gradient, nor a gathered copy of ``x`` per block (on a 2-core CPU such gathers
-cost more than the products themselves; see ``benchmarks/results/``). The Pallas GPU kernels live in
-``jaxsparse.pallas`` and are chosen on CUDA devices.
+cost more than the products themselves; see ``benchmarks/results/``). On CPU, ``xla_forward`` and
+``xla_backward`` run C++ kernels instead (:mod:`jaxsparse._cpu`, XLA FFI custom calls built on first
+use: register-blocked small GEMMs per kept block on all cores) when block sizes are multiples of 8,
+and fall back to the loop otherwise or when the kernels cannot be built. The Pallas GPU kernels
+live in ``jaxsparse.pallas`` and are chosen on CUDA devices.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxsparse._cpu import _build as _cpu_build
+from jaxsparse._cpu import _kernels as _cpu_kernels
 from jaxsparse._formats import INDEX_FIELDS
 from jaxsparse._formats import BlockSparseMatrix
 
@@ -73,7 +78,7 @@ def _dot(a, b, contract, precision, acc):
   return lax.dot_general(a, b, (contract, ((), ())), precision=precision, preferred_element_type=acc)
 
 
-def xla_forward(x2: jax.Array, w: BlockSparseMatrix, *, precision=None, out_dtype=None) -> jax.Array:
+def _loop_forward(x2: jax.Array, w: BlockSparseMatrix, *, precision=None, out_dtype=None) -> jax.Array:
   """``x2 (M, K) @ W -> (M, N)`` walking the kept blocks; reference for the Pallas forward kernel."""
   (bk, bn), (_, nb) = w.block_shape, w.grid_shape
   acc = _acc_dtype(jnp.result_type(x2.dtype, w.dtype))
@@ -93,7 +98,7 @@ def xla_forward(x2: jax.Array, w: BlockSparseMatrix, *, precision=None, out_dtyp
   return _unslab(yT).astype(out_dtype or acc)
 
 
-def xla_backward(
+def _loop_backward(
     x2: jax.Array, dy2: jax.Array, w: BlockSparseMatrix, *, precision=None, need_dx=True, need_dw=True
 ) -> tuple[jax.Array | None, jax.Array | None]:
   """``dX = dY @ Wᵀ`` and ``dW = (xᵀ dY)`` on the kept blocks, in one pass over the blocks."""
@@ -121,6 +126,60 @@ def xla_backward(
   return dx, ddata
 
 
+_CPU_KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _use_cpu_kernels(w: BlockSparseMatrix, *arrays: jax.Array) -> bool:
+  """Whether the C++ CPU kernels can run this product (on a CPU backend; warns when they cannot be built)."""
+  bk, bn = w.block_shape
+  if jax.default_backend() != "cpu" or bk % 8 or bn % 8:
+    return False
+  if any(jnp.dtype(a.dtype) not in _CPU_KERNEL_DTYPES for a in (*arrays, w.data)):
+    return False
+  if _cpu_build.load():
+    return True
+  warnings.warn(
+      f"block_sparse_matmul: the C++ CPU kernels are unavailable "
+      f"({_cpu_build.unavailable_reason().splitlines()[0]}); running the slower XLA loop.",
+      _cpu_build.CpuKernelFallbackWarning,
+      stacklevel=5,
+  )
+  return False
+
+
+def xla_forward(x2: jax.Array, w: BlockSparseMatrix, *, precision=None, out_dtype=None) -> jax.Array:
+  """``x2 (M, K) @ W -> (M, N)``: the C++ kernel on CPU when it applies, else the block loop."""
+  loop = lambda a, b: _loop_forward(a, b, precision=precision, out_dtype=out_dtype)
+  if not _use_cpu_kernels(w, x2):
+    return loop(x2, w)
+  out = out_dtype or _acc_dtype(jnp.result_type(x2.dtype, w.dtype))
+
+  def cpu(a, b):
+    f32 = jnp.float32
+    y = _cpu_kernels.block_forward(a.astype(f32), b.data.astype(f32), b.row_indices, b.col_offsets, b.transpose_order)
+    return y.astype(out)
+
+  return lax.platform_dependent(x2, w, cpu=cpu, default=loop)
+
+
+def xla_backward(
+    x2: jax.Array, dy2: jax.Array, w: BlockSparseMatrix, *, precision=None, need_dx=True, need_dw=True
+) -> tuple[jax.Array | None, jax.Array | None]:
+  """``dX = dY @ Wᵀ`` and ``dW = (xᵀ dY)`` on the kept blocks: the C++ kernel on CPU when it applies."""
+  loop = lambda a, dy, b: _loop_backward(a, dy, b, precision=precision, need_dx=need_dx, need_dw=need_dw)
+  if not _use_cpu_kernels(w, x2, dy2):
+    return loop(x2, dy2, w)
+
+  def cpu(a, dy, b):
+    f32 = jnp.float32
+    dx, ddata = _cpu_kernels.block_backward(
+        a.astype(f32), b.data.astype(f32), b.row_offsets, b.col_indices, dy.astype(f32)
+    )
+    return (dx.astype(a.dtype) if need_dx else None), (ddata.astype(b.dtype) if need_dw else None)
+
+  return lax.platform_dependent(x2, dy2, w, cpu=cpu, default=loop)
+
+
 # -------------------------------------------------------------------------------------------------
 # Backend choice and the custom VJP.
 # -------------------------------------------------------------------------------------------------
@@ -142,15 +201,15 @@ def _pallas_ops():
   return kernels
 
 
-def _platform_dispatch(cfg: _Config, xla_fn, pallas_name: str, cast, *args):
+def _platform_dispatch(cfg: _Config, xla_fn, pallas_name: str, cast, *args, **pallas_kwargs):
   """Runs ``xla_fn`` or the Pallas function ``pallas_name`` for the configured backend.
 
   ``cast`` maps either backend's result to the op's output dtypes, so both branches of the
-  platform-dependent choice agree.
+  platform-dependent choice agree. ``pallas_kwargs`` go to the Pallas function only.
   """
   kernels = _pallas_ops()
   xla_fn = (lambda f: lambda *a: cast(f(*a)))(xla_fn)
-  pallas_fn = lambda *a: cast(getattr(kernels, pallas_name)(*a, precision=cfg.precision))
+  pallas_fn = lambda *a: cast(getattr(kernels, pallas_name)(*a, precision=cfg.precision, **pallas_kwargs))
   if cfg.implementation == "xla":
     return xla_fn(*args)
   if cfg.implementation == "pallas":
@@ -174,7 +233,9 @@ def _platform_dispatch(cfg: _Config, xla_fn, pallas_name: str, cast, *args):
 
 def _forward(cfg: _Config, x2, w):
   xla_fn = lambda a, b: xla_forward(a, b, precision=cfg.precision)
-  return _platform_dispatch(cfg, xla_fn, "forward", lambda y: y.astype(cfg.out_dtype), x2, w)
+  # The kernel writes the output dtype itself: a float32 result of 16-bit inputs is never rounded.
+  cast = lambda y: y.astype(cfg.out_dtype)
+  return _platform_dispatch(cfg, xla_fn, "forward", cast, x2, w, out_dtype=cfg.out_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -1,12 +1,36 @@
-"""``masked_matmul``: ``x @ (w * mask)`` for unstructured sparsity, with the gradient to ``w`` masked."""
+"""``masked_matmul``: ``x @ (w * mask)`` for unstructured sparsity, with the gradient to ``w`` masked.
+
+``w`` stays a dense ``(K, N)`` array and ``mask`` a bool one, so masks can be read, replaced and
+trained around freely (pruning, RigL). On CPU the product still runs sparse: the C++ kernels of
+:mod:`jaxsparse._cpu` find the kept entries by scanning ``mask`` inside every call (16 MiB of mask
+bytes for a 4096 x 4096 layer, a small fraction of the products), so nothing has to be rebuilt
+when the mask changes and the number of kept entries need not be fixed. Their work is proportional
+to the kept entries, plus one pass over ``w`` and ``mask`` per product and the dense ``(K, N)``
+weight gradient that this dense storage implies. Densely masked weights (density above
+:data:`CPU_MAX_DENSITY`) run as masked dense ``x @ where(mask, w, 0)``, which is faster there.
+"""
 
 from __future__ import annotations
+
+import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["masked_matmul", "check_mask"]
+from jaxsparse._cpu import _kernels
+from jaxsparse.ops._sparse_matmul import CpuImplementation
+from jaxsparse.ops._sparse_matmul import check_cpu_implementation
+from jaxsparse.ops._sparse_matmul import cpu_supports
+from jaxsparse.ops._sparse_matmul import f32
+
+__all__ = ["CPU_MAX_DENSITY", "check_mask", "masked_matmul"]
+
+# Above this fraction of kept weights the masked dense product beats the sparse kernels (measured on
+# a 2-core AVX2 machine, 4096 x 4096, batch 256; see benchmarks/results/cpu_unstructured_*.md).
+CPU_MAX_DENSITY = 0.25
+_DENSITY_SAMPLE_ROWS = 64
 
 
 def check_mask(mask: jax.typing.ArrayLike, shape: tuple[int, ...], *, name: str = "mask") -> jax.Array:
@@ -22,15 +46,85 @@ def check_mask(mask: jax.typing.ArrayLike, shape: tuple[int, ...], *, name: str 
   return mask
 
 
+def _masked_dense(x, w, mask, precision, out_dtype):
+  w_eff = jnp.where(mask, w, jnp.zeros((), w.dtype))
+  return jnp.matmul(x, w_eff, precision=precision, preferred_element_type=out_dtype)
+
+
+# -------------------------------------------------------------------------------------------------
+# CPU path: a custom VJP over the C++ kernels, with the masked dense product for dense masks.
+# -------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+  precision: lax.PrecisionLike
+  out_dtype: jnp.dtype
+  check_density: bool  # False when implementation="cpu" forces the kernels
+
+
+def _sparse_enough(mask: jax.Array) -> jax.Array:
+  """Whether ``mask`` keeps at most CPU_MAX_DENSITY of the weights, estimated from evenly spaced rows."""
+  step = max(1, mask.shape[0] // _DENSITY_SAMPLE_ROWS)
+  return jnp.mean(mask[::step], dtype=jnp.float32) <= CPU_MAX_DENSITY
+
+
+def _branch(cfg: _Config, mask, sparse, dense):
+  return lax.cond(_sparse_enough(mask), sparse, dense) if cfg.check_density else sparse()
+
+
+def _forward(cfg: _Config, x2, w, mask):
+  sparse = lambda: _kernels.masked_forward(f32(x2), f32(w), mask).astype(cfg.out_dtype)
+  dense = lambda: _masked_dense(x2, w, mask, cfg.precision, cfg.out_dtype).astype(cfg.out_dtype)
+  return _branch(cfg, mask, sparse, dense)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _masked_matmul_cpu(cfg: _Config, x2: jax.Array, w: jax.Array, mask: jax.Array) -> jax.Array:
+  return _forward(cfg, x2, w, mask)
+
+
+def _mm_fwd(cfg, x2, w, mask):
+  return _forward(cfg, x2, w, mask), (x2, w, mask)
+
+
+def _mm_bwd(cfg, res, dy2):
+  x2, w, mask = res
+
+  def sparse():
+    dx, dw = _kernels.masked_backward(f32(x2), f32(w), mask, f32(dy2))
+    return dx.astype(x2.dtype), dw.astype(w.dtype)
+
+  def dense():
+    acc = jnp.promote_types(dy2.dtype, jnp.float32)
+    w_eff = jnp.where(mask, w, jnp.zeros((), w.dtype))
+    dx = jnp.matmul(dy2, w_eff.T, precision=cfg.precision, preferred_element_type=acc)
+    dw = jnp.matmul(x2.T, dy2, precision=cfg.precision, preferred_element_type=acc)
+    return dx.astype(x2.dtype), jnp.where(mask, dw, 0).astype(w.dtype)
+
+  dx, dw = _branch(cfg, mask, sparse, dense)
+  return dx, dw, None
+
+
+_masked_matmul_cpu.defvjp(_mm_fwd, _mm_bwd)
+
+
 def masked_matmul(
     x: jax.typing.ArrayLike,
     w: jax.typing.ArrayLike,
     mask: jax.typing.ArrayLike,
     *,
+    implementation: CpuImplementation | None = None,
     precision: lax.PrecisionLike = None,
     preferred_element_type: jax.typing.DTypeLike | None = None,
 ) -> jax.Array:
   """Computes ``x @ (w * mask)``; the gradient with respect to ``w`` is zero where ``mask`` is False.
+
+  On CPU the product and both gradients run in sparse C++ kernels that read the kept entries from
+  ``mask`` on every call, so ``mask`` may change between calls (also inside ``jit``) at no cost;
+  masks keeping more than :data:`CPU_MAX_DENSITY` of the weights run as a masked dense product.
+  Works under ``jit``, ``grad`` (reverse mode) and ``vmap``: leading dimensions of ``x`` and a
+  mapped ``x`` fold into one kernel call; a mapped backward runs once per mapped element.
 
   >>> import jax.numpy as jnp, jaxsparse
   >>> w = jnp.arange(6.0).reshape(3, 2)
@@ -42,7 +136,13 @@ def masked_matmul(
     x: ``(..., K)`` activations.
     w: ``(K, N)`` dense weights (Flax kernel layout).
     mask: bool ``(K, N)``; pruned entries contribute nothing and receive no gradient.
-    precision: passed to the matmul.
+    implementation: ``None`` uses the C++ kernels when the default backend is the CPU, the dtypes
+      are float32, bfloat16 or float16 and ``mask`` is sparse enough (else masked dense XLA; if the
+      kernels cannot be built it warns with :class:`jaxsparse.ops.CpuKernelFallbackWarning`);
+      ``"cpu"`` always runs the kernels (and raises if they are unavailable); ``"xla"`` always runs
+      ``x @ where(mask, w, 0)`` with plain autodiff (the only choice supporting forward-mode
+      differentiation).
+    precision: passed to the XLA matmuls (the C++ kernels always compute in float32).
     preferred_element_type: output dtype; defaults to ``result_type(x, w)``.
 
   Returns:
@@ -54,7 +154,14 @@ def masked_matmul(
   if x.ndim < 1 or x.shape[-1] != w.shape[0]:
     raise ValueError(f"x must have shape (..., K) with K = w.shape[0] = {w.shape[0]}, got x.shape={x.shape}.")
   mask = check_mask(mask, w.shape)
-  out_dtype = preferred_element_type or jnp.result_type(x.dtype, w.dtype)
-  # d(w * mask)/dw = mask, so autodiff already masks the weight gradient.
-  w_eff = jnp.where(mask, w, jnp.zeros((), w.dtype))
-  return jnp.matmul(x, w_eff, precision=precision, preferred_element_type=out_dtype)
+  impl = check_cpu_implementation(implementation, op="masked_matmul")
+  out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(x.dtype, w.dtype))
+  if impl == "xla" or not cpu_supports(x.dtype, w.dtype):
+    if implementation == "cpu":
+      raise TypeError(f"implementation='cpu' supports float32, bfloat16 and float16, got {x.dtype} and {w.dtype}.")
+    # d(w * mask)/dw = mask, so autodiff already masks the weight gradient.
+    return _masked_dense(x, w, mask, precision, out_dtype)
+  cfg = _Config(precision, out_dtype, check_density=implementation is None)
+  lead = x.shape[:-1]
+  y2 = _masked_matmul_cpu(cfg, x.reshape(-1, w.shape[0]), w, mask)
+  return y2.reshape(*lead, w.shape[1])

@@ -7,9 +7,13 @@ pick a tile config or to run them in interpret mode.
 from jaxsparse.pallas._block_sparse_matmul import BlockSparseMatmulConfig
 from jaxsparse.pallas._block_sparse_matmul import KernelConfig
 from jaxsparse.pallas._block_sparse_matmul import PallasFallbackWarning
+from jaxsparse.pallas._block_sparse_matmul_mgpu import MosaicKernelConfig
+from jaxsparse.pallas._nm_matmul import NMMatmulConfig
 
 __all__ = [
     "BlockSparseMatmulConfig",
     "KernelConfig",
+    "MosaicKernelConfig",
+    "NMMatmulConfig",
     "PallasFallbackWarning",
 ]

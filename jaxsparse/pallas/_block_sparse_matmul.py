@@ -17,8 +17,15 @@ over kept blocks have data-dependent trip counts, so the same code also runs in 
 on a CPU, which is how CI tests it. Work and memory traffic are proportional to the kept blocks; the
 dense ``K x N`` weight is never built.
 
+On Hopper GPUs (compute capability 9.x) the forward and ``dx`` products of 16-bit operands with
+blocks of 64 or 128 run instead on the Mosaic GPU kernel of
+:mod:`jaxsparse.pallas._block_sparse_matmul_mgpu` (TMA + wgmma, persistent and warp-specialised),
+which measured 1.1-1.6x faster than these Triton kernels at ``M = 8192`` on an H100; ``dw``, block 32,
+float32, decode-sized ``M`` (where it measured 2x slower) and older GPUs keep the Triton kernels.
+
 Tile sizes live in :class:`BlockSparseMatmulConfig`; :meth:`BlockSparseMatmulConfig.get_default`
-holds the measured winners and the one heuristic (``benchmarks/gpu_block_sparse.py --sweep``).
+holds the measured winners and the one heuristic (``benchmarks/gpu_block_sparse.py --sweep`` and
+``--mosaic-sweep``).
 """
 
 from __future__ import annotations
@@ -34,6 +41,11 @@ from jax.experimental.pallas import triton as pltriton
 
 from jaxsparse._formats import BlockSparseMatrix
 
+try:  # Mosaic GPU (Hopper) variants of the forward and dx kernels.
+  from jaxsparse.pallas import _block_sparse_matmul_mgpu as mosaic
+except ImportError:  # a jax without Mosaic GPU: the Triton kernels only.
+  mosaic = None
+
 __all__ = [
     "BlockSparseMatmulConfig",
     "KernelConfig",
@@ -41,6 +53,8 @@ __all__ = [
     "available",
     "backward",
     "forward",
+    "mosaic_available",
+    "mosaic_unavailable_reason",
     "supports",
     "unavailable_reason",
     "unsupported_reason",
@@ -98,11 +112,18 @@ class KernelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class BlockSparseMatmulConfig:
-  """Tile configs of the three kernels of one block-sparse product."""
+  """Tile configs of the three kernels of one block-sparse product.
+
+  ``mosaic_forward`` / ``mosaic_dx``, when set, run the forward / ``dx`` product on the Mosaic GPU
+  kernel (Hopper only; see :mod:`jaxsparse.pallas._block_sparse_matmul_mgpu`) wherever it supports
+  the operands, and the Triton kernel with ``forward`` / ``dx`` elsewhere.
+  """
 
   forward: KernelConfig
   dx: KernelConfig
   dw: KernelConfig
+  mosaic_forward: mosaic.MosaicKernelConfig | None = None
+  mosaic_dx: mosaic.MosaicKernelConfig | None = None
 
   @classmethod
   def get_default(
@@ -117,6 +138,8 @@ class BlockSparseMatmulConfig:
 
     16-bit square blocks at large ``m`` take the measured winners in ``TUNED_CONFIGS``; everything
     else a heuristic. Small ``m`` (decode) splits the loop over a column's blocks across programs.
+    Where a Hopper GPU is present, 16-bit blocks of 64 and 128 at ``m >= 1024`` also get Mosaic GPU
+    configs for the forward and ``dx`` products (``MOSAIC_TUNED_CONFIGS``).
     """
     (k, n), (bk, bn) = shape, block_shape
     itemsize = jnp.dtype(dtype).itemsize
@@ -152,7 +175,8 @@ class BlockSparseMatmulConfig:
       # M = 8192 a split of 3 measured 50% slower than none on an H200.)
       steps = pl.cdiv(m, dw.block_m)
       dw = dataclasses.replace(dw, split=max(1, min(steps, pl.cdiv(_TARGET_PROGRAMS // 2, nnz_blocks))))
-    return cls(forward=fwd, dx=dx, dw=dw)
+    mosaic_fwd, mosaic_dx = _mosaic_defaults(m, block_shape, dtype)
+    return cls(forward=fwd, dx=dx, dw=dw, mosaic_forward=mosaic_fwd, mosaic_dx=mosaic_dx)
 
 
 # Fastest (forward, dx, dw) configs per square block size for bf16 at M = 8192, K = N = 4096,
@@ -178,6 +202,33 @@ TUNED_CONFIGS: dict[int, tuple[KernelConfig, KernelConfig, KernelConfig]] = {
 }
 
 
+# Mosaic GPU configs per square block size for 16-bit inputs and m >= _MOSAIC_MIN_M, from
+# `benchmarks/gpu_block_sparse.py --mosaic-sweep` on an H100 (2026-11-21; see benchmarks/results/).
+# Below that m, or for block 32, the Triton kernels measured as fast or faster.
+_MOSAIC_MIN_M = 1024
+MOSAIC_TUNED_CONFIGS: dict = (
+    {}
+    if mosaic is None
+    else {
+        # dx visits fewer row tiles at a time: its dY rows (M x N) are the larger operand in L2.
+        64: (mosaic.MosaicKernelConfig(group_m=4), mosaic.MosaicKernelConfig(group_m=2)),
+        128: (mosaic.MosaicKernelConfig(group_m=4), mosaic.MosaicKernelConfig(group_m=2)),
+    }
+)
+
+
+def _mosaic_defaults(m: int, block_shape: tuple[int, int], dtype) -> tuple:
+  """``(forward, dx)`` Mosaic GPU configs, or ``(None, None)`` where the Triton kernels are used."""
+  bk, bn = block_shape
+  if mosaic_unavailable_reason() or jnp.dtype(dtype).itemsize != 2 or m < _MOSAIC_MIN_M or min(bk, bn) < 64:
+    return None, None
+  tuned = MOSAIC_TUNED_CONFIGS.get(bk) if bk == bn else None
+  if tuned is not None:
+    return tuned
+  default = mosaic.MosaicBlockSparseMatmulConfig.get_default(m, block_shape, dtype)
+  return default.forward, default.dx
+
+
 # -------------------------------------------------------------------------------------------------
 # Availability and support.
 # -------------------------------------------------------------------------------------------------
@@ -194,6 +245,38 @@ def _probe() -> str | None:
   if not caps or max(caps) < _MIN_COMPUTE_CAPABILITY:
     return f"the Triton-lowered Pallas kernels need compute capability >= 8.0, found {caps}"
   return None
+
+
+@functools.cache
+def _mosaic_probe() -> str | None:
+  """``None`` when the Mosaic GPU kernels can run on this process's devices, else why not."""
+  if mosaic is None:
+    return "this jax has no Mosaic GPU (jax.experimental.pallas.mosaic_gpu)"
+  try:
+    gpus = jax.devices("cuda")
+  except RuntimeError as e:
+    return f"no CUDA GPU backend is present ({e})"
+  caps = [float(getattr(d, "compute_capability", "0")) for d in gpus]
+  if not caps or not all(9.0 <= c < 10.0 for c in caps):
+    return f"the Mosaic GPU kernels use wgmma, which needs compute capability 9.x (Hopper), found {caps}"
+  return None
+
+
+def mosaic_available() -> bool:
+  """True when the Mosaic GPU (Hopper) forward and ``dx`` kernels can run here."""
+  return _mosaic_probe() is None
+
+
+def mosaic_unavailable_reason() -> str:
+  """Why :func:`mosaic_available` is False (empty when it is True)."""
+  return _mosaic_probe() or ""
+
+
+def _use_mosaic(mosaic_cfg, a, w, out_dtype, *, transpose: bool, interpret: bool) -> bool:
+  """Whether this product runs on the Mosaic GPU kernel (in its interpret mode with ``interpret``)."""
+  if mosaic_cfg is None or mosaic is None or not (interpret or mosaic_available()):
+    return False
+  return mosaic.supports(a, w, out_dtype, transpose=transpose)
 
 
 def available() -> bool:
@@ -427,7 +510,10 @@ def forward(
   out_dtype = jnp.dtype(out_dtype or compute_dtype)
   if w.nnz_blocks == 0:
     return jnp.zeros((m, n), out_dtype)
-  cfg = _config_for(config, x2, w).forward
+  configs = _config_for(config, x2, w)
+  if _use_mosaic(configs.mosaic_forward, x2, w, out_dtype, transpose=False, interpret=interpret):
+    return mosaic.dense_sparse_matmul(x2, w, out_dtype=out_dtype, config=configs.mosaic_forward, interpret=interpret)
+  cfg = configs.forward
   # The kernel reads `window` entries of these at a time: pad them to that (a no-op unless the
   # pattern is tiny or K // bk is far from a power of two).
   window = pl.next_power_of_2(w.grid_shape[0])
@@ -589,7 +675,11 @@ def backward(
     return (jnp.zeros(x2.shape, x2.dtype) if need_dx else None), (w.data if need_dw else None)
   cfg = _config_for(config, x2, w)
   dx = ddata = None
-  if need_dx:
+  if need_dx and _use_mosaic(cfg.mosaic_dx, dy2, w, x2.dtype, transpose=True, interpret=interpret):
+    dx = mosaic.dense_sparse_matmul(
+        dy2, w, transpose=True, out_dtype=x2.dtype, config=cfg.mosaic_dx, interpret=interpret
+    )
+  elif need_dx:
     dx = _dx(
         dy2, w, compute_dtype=compute_dtype, out_dtype=x2.dtype, precision=precision, cfg=cfg.dx, interpret=interpret
     )

@@ -1,0 +1,326 @@
+"""N:M (2:4) on a GPU: compressed decode, compressed forward at M=8192, SR-STE training, vs dense.
+
+Run on a CUDA GPU (the device tool's H100 / H200), from the repository root:
+
+  PYTHONPATH=. python3 -m pytest -q -m gpu -o addopts="" tests/test_pallas_nm.py
+  PYTHONPATH=. python3 benchmarks/gpu_nm.py --sweep --torch --out gpu_nm.md
+
+Cases, bf16 throughout, ``y = x @ W`` with ``W`` ``(K, N)`` 2:4 along ``K``:
+
+* decode, M in {1, 16}, K = 4096, N in {4096, 16384}: the Pallas kernel reading the compressed
+  weight (``--sweep`` times several tilings and reports the best and the default) against dense
+  ``jnp.dot``. Each timed call multiplies by ``ROTATE`` different weights (128 MB dense at N =
+  4096, more than the 50 MB L2 of an H100), so no weight is served from L2; times are per product.
+* M = 8192 forward with the compressed weight: ``nm_matmul`` (expand in XLA + dense dot) and the
+  Pallas kernel, against dense.
+* SR-STE training step, M = 8192: forward + backward of ``x @ sr_ste(W)`` (mask recomputed from
+  the dense weight, gradient to x and to the dense W) against the same for ``x @ W``.
+* ``--torch``: torch 2:4 ``to_sparse_semi_structured`` (cuSPARSELt / CUTLASS) against ``F.linear``.
+
+Times are device-side: ``jax.experimental.mosaic.gpu.profiler.measure`` (CUPTI) sums the kernel
+times of each call, median of ``--iterations`` calls (falls back to host timing of back-to-back calls
+and says so). Ratios are against dense measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import warnings
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax
+import jax.numpy as jnp
+
+import jaxsparse
+from jaxsparse.ops import nm_matmul
+from jaxsparse.ops import sr_ste
+from jaxsparse.pallas import NMMatmulConfig
+from jaxsparse.pallas import _nm_matmul as kernels
+
+warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
+
+K = 4096
+COLS = (4096, 16384)
+DECODE_ROWS = (16, 1)
+M_TRAIN = 8192
+ROTATE = 4
+TIMER = {"how": "cupti"}
+
+
+def log(*args):
+  print(*args, flush=True)
+
+
+def time_ms(f, *args, iterations: int = 20) -> float:
+  """Median device time of one call of ``f(*args)`` in ms."""
+  f = jax.jit(f)
+  jax.block_until_ready(f(*args))
+  if TIMER["how"] == "cupti":
+    try:
+      from jax.experimental.mosaic.gpu import profiler  # noqa: PLC0415 (GPU-only module)
+
+      _, times = profiler.measure(f, iterations=iterations)(*args)
+      return float(statistics.median(times))
+    except Exception as e:  # CUPTI missing or busy: fall back for the rest of the run.
+      log(f"CUPTI timing failed ({type(e).__name__}: {e}); timing back-to-back calls from the host")
+      TIMER["how"] = "host"
+  reps = []
+  for _ in range(5):
+    t0 = time.perf_counter()
+    for _ in range(iterations):
+      out = f(*args)
+    jax.block_until_ready(out)
+    reps.append((time.perf_counter() - t0) * 1e3 / iterations)
+  return float(statistics.median(reps))
+
+
+def rel_err(a, b) -> float:
+  a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+  return float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))
+
+
+def weights(cols: int, count: int, seed: int = 0):
+  """``count`` different 2:4 bf16 weights, compressed and dense (pruned)."""
+  out = []
+  for i in range(count):
+    w = jax.random.normal(jax.random.key(seed + i), (K, cols), jnp.float32).astype(jnp.bfloat16)
+    ws = jaxsparse.NMSparseMatrix.from_dense(w, 2, 4)
+    out.append((ws, ws.to_dense()))
+  return out
+
+
+def activations(rows: int, seed: int = 100):
+  return jax.random.normal(jax.random.key(seed), (rows, K), jnp.float32).astype(jnp.bfloat16)
+
+
+# -------------------------------------------------------------------------------------------------
+# Decode.
+# -------------------------------------------------------------------------------------------------
+
+
+# (block_n, block_groups, num_warps, num_stages, split_k) tried per expansion by --sweep.
+DECODE_TILINGS = {
+    4096: [(128, 16, 4, 4, 8), (128, 8, 4, 3, 8), (128, 32, 4, 3, 4), (64, 16, 4, 3, 8), (64, 32, 4, 3, 8)],
+    16384: [(128, 16, 4, 4, 4), (128, 16, 4, 3, 8), (128, 8, 4, 3, 4), (64, 32, 4, 3, 4)],
+}
+
+
+def decode_configs(rows: int, cols: int) -> list[NMMatmulConfig]:
+  bm = max(16, 1 << (rows - 1).bit_length())
+  return [
+      NMMatmulConfig(block_m=bm, block_n=bn, block_groups=bg, num_warps=w, num_stages=st, split_k=sp)
+      for bn, bg, w, st, sp in DECODE_TILINGS[cols]
+  ]
+
+
+def decode(args) -> list[dict]:
+  rows_out = []
+  for cols in COLS:
+    ws_all = weights(cols, ROTATE)
+    comp = tuple(ws for ws, _ in ws_all)
+    dense = tuple(wd for _, wd in ws_all)
+    best_cfg = None
+    for rows in args.decode_rows:
+      x = activations(rows)
+      t_dense = time_ms(lambda x, ds: [jnp.dot(x, d) for d in ds], x, dense, iterations=args.iterations) / ROTATE
+      ref = jnp.dot(x.astype(jnp.float32), dense[0].astype(jnp.float32))
+      default = NMMatmulConfig.get_default(rows, (K, cols), 2, 4, jnp.bfloat16)
+      if args.sweep and best_cfg is None:
+        configs = [default, *decode_configs(rows, cols)]
+      else:  # Later row counts: the default and the winner of the first.
+        configs = [default] + ([best_cfg] if best_cfg not in (None, default) else [])
+      results = []
+      for cfg in configs:
+        try:
+          f = lambda x, cs, cfg=cfg: [kernels.forward(x, c, config=cfg) for c in cs]
+          err = rel_err(jax.jit(f)(x, comp[:1])[0], ref)
+          t = time_ms(f, x, comp, iterations=args.iterations) / ROTATE
+          results.append((t, cfg, err))
+          log(f"decode M={rows} N={cols}: {t * 1e3:7.2f} us ratio {t / t_dense:.3f} err {err:.1e} {cfg}")
+        except Exception as e:
+          log(f"decode M={rows} N={cols}: FAILED {cfg}: {type(e).__name__}: {str(e)[:300]}")
+      t_auto = time_ms(lambda x, cs: [nm_matmul(x, c) for c in cs], x, comp, iterations=args.iterations) / ROTATE
+      t_expand = time_ms(lambda x, cs: [nm_matmul(x, c, implementation="xla") for c in cs], x, comp,
+                         iterations=args.iterations) / ROTATE
+      best = min(results, key=lambda r: r[0]) if results else (float("nan"), None, float("nan"))
+      best_cfg = best_cfg or best[1]
+      t_def = results[0][0] if results and results[0][1] == default else float("nan")
+      rows_out.append(dict(rows=rows, cols=cols, dense=t_dense, best=best[0], best_cfg=best[1], err=best[2],
+                           default=t_def, auto=t_auto, expand=t_expand))
+  return rows_out
+
+
+# -------------------------------------------------------------------------------------------------
+# M = 8192: compressed forward and SR-STE training.
+# -------------------------------------------------------------------------------------------------
+
+
+def large(args) -> list[dict]:
+  out = []
+  x = activations(M_TRAIN)
+  for cols in COLS:
+    (ws, wd), = weights(cols, 1, seed=50)
+    w_dense = jax.random.normal(jax.random.key(7), (K, cols), jnp.float32).astype(jnp.bfloat16)
+    dy = jax.random.normal(jax.random.key(8), (M_TRAIN, cols), jnp.float32).astype(jnp.bfloat16)
+    t_dense = time_ms(jnp.dot, x, wd, iterations=args.iterations)
+    t_auto = time_ms(nm_matmul, x, ws, iterations=args.iterations)
+    t_expand_only = time_ms(lambda c: c.to_dense(), ws, iterations=args.iterations)
+    kernel = {}
+    for cfg in [
+        NMMatmulConfig.get_default(M_TRAIN, (K, cols), 2, 4, jnp.bfloat16),
+        NMMatmulConfig(block_m=128, block_n=256, block_groups=16, num_warps=8, num_stages=3),
+    ][: 2 if args.sweep else 1]:
+      try:
+        f = lambda x, c, cfg=cfg: kernels.forward(x, c, config=cfg)
+        err = rel_err(jax.jit(f)(x[:256], ws), jnp.dot(x[:256].astype(jnp.float32), wd.astype(jnp.float32)))
+        kernel[cfg] = (time_ms(f, x, ws, iterations=args.iterations), err)
+        log(f"M=8192 N={cols} kernel {kernel[cfg][0]:.3f} ms ratio {kernel[cfg][0] / t_dense:.3f} err {err:.1e} {cfg}")
+      except Exception as e:
+        log(f"M=8192 N={cols} kernel FAILED {cfg}: {type(e).__name__}: {str(e)[:300]}")
+    best_kernel = min(kernel.values(), key=lambda r: r[0])[0] if kernel else float("nan")
+
+    def train_dense(x, w, dy):
+      y, vjp = jax.vjp(jnp.dot, x, w)
+      return y, vjp(dy)
+
+    def train_sr(x, w, dy):
+      y, vjp = jax.vjp(lambda x, w: jnp.dot(x, sr_ste(w, 2, 4)), x, w)
+      return y, vjp(dy)
+
+    def train_dense_f32(x, w, dy):
+      y, vjp = jax.vjp(lambda x, w: jnp.dot(x, w.astype(jnp.bfloat16)), x, w)
+      return y, vjp(dy)
+
+    def train_sr_f32(x, w, dy):
+      y, vjp = jax.vjp(lambda x, w: jnp.dot(x, sr_ste(w, 2, 4).astype(jnp.bfloat16)), x, w)
+      return y, vjp(dy)
+
+    t_tr_dense = time_ms(train_dense, x, w_dense, dy, iterations=args.iterations)
+    t_tr_sr = time_ms(train_sr, x, w_dense, dy, iterations=args.iterations)
+    w32 = w_dense.astype(jnp.float32)
+    t_tr_dense32 = time_ms(train_dense_f32, x, w32, dy, iterations=args.iterations)
+    t_tr_sr32 = time_ms(train_sr_f32, x, w32, dy, iterations=args.iterations)
+    # Correctness of the SR-STE step against the formula (bf16 dW rounding).
+    (_, (dx, dw)), (_, (dx_ref, dw_ref)) = jax.jit(train_sr)(x, w_dense, dy), jax.jit(train_dense)(
+        x, jnp.where(jaxsparse.nm_mask(w_dense, 2, 4), w_dense, 0), dy)
+    mask = jaxsparse.nm_mask(w_dense, 2, 4)
+    dw_formula = dw_ref.astype(jnp.float32) + 2e-4 * (~mask) * w_dense.astype(jnp.float32)
+    err_tr = max(rel_err(dx, dx_ref), rel_err(dw, dw_formula))
+    log(f"M=8192 N={cols}: dense {t_dense:.3f} auto {t_auto:.3f} expand-only {t_expand_only:.3f} "
+        f"train dense {t_tr_dense:.3f} sr {t_tr_sr:.3f} (f32 master: {t_tr_dense32:.3f} / {t_tr_sr32:.3f}) "
+        f"train err {err_tr:.1e}")
+    out.append(dict(cols=cols, dense=t_dense, auto=t_auto, expand_only=t_expand_only, kernel=best_kernel,
+                    tr_dense=t_tr_dense, tr_sr=t_tr_sr, tr_dense32=t_tr_dense32, tr_sr32=t_tr_sr32, err_tr=err_tr))
+  return out
+
+
+# -------------------------------------------------------------------------------------------------
+# torch 2:4.
+# -------------------------------------------------------------------------------------------------
+
+
+def torch_semi_structured() -> dict[tuple[int, int], tuple[float, float]]:
+  """``{(rows, cols): (2:4 ms, dense ms)}`` of ``F.linear`` with a ``to_sparse_semi_structured`` weight."""
+  try:
+    import torch  # noqa: PLC0415 (optional)
+    import triton.testing  # noqa: PLC0415 (optional)
+    from torch.sparse import to_sparse_semi_structured  # noqa: PLC0415 (optional)
+  except Exception as e:
+    log(f"torch 2:4 unavailable: {type(e).__name__}: {e}")
+    return {}
+  res = {}
+  for cols in COLS:
+    w = torch.randn(cols, K, device="cuda", dtype=torch.bfloat16)
+    w = w * torch.tensor([1, 1, 0, 0], device="cuda", dtype=torch.bfloat16).repeat(cols, K // 4)
+    try:
+      ws = to_sparse_semi_structured(w)
+    except Exception as e:
+      log(f"torch to_sparse_semi_structured failed: {type(e).__name__}: {str(e)[:200]}")
+      return res
+    for rows in (*DECODE_ROWS, M_TRAIN):
+      x = torch.randn(rows, K, device="cuda", dtype=torch.bfloat16)
+      try:
+        t_sp = triton.testing.do_bench(lambda x=x, ws=ws: torch.nn.functional.linear(x, ws), return_mode="median")
+        t_d = triton.testing.do_bench(lambda x=x, w=w: torch.nn.functional.linear(x, w), return_mode="median")
+        res[(rows, cols)] = (t_sp, t_d)
+        log(f"torch 2:4 M={rows} N={cols}: {t_sp:.4f} ms vs dense {t_d:.4f} ms ({t_sp / t_d:.2f}x)")
+      except Exception as e:
+        log(f"torch 2:4 M={rows} N={cols}: FAILED {type(e).__name__}: {str(e)[:200]}")
+  return res
+
+
+# -------------------------------------------------------------------------------------------------
+# Report.
+# -------------------------------------------------------------------------------------------------
+
+
+def report(dec, big, tor, device: str) -> list[str]:
+  lines = [
+      f"device: {device}; jax {jax.__version__}; timer: {TIMER['how']}",
+      "",
+      "| decode M | K | N | dense us | Pallas 2:4 best us | ratio | target | default cfg us (ratio) | nm_matmul auto "
+      "us (ratio) | XLA expand+dot us (ratio) | torch 2:4 / dense | rel err | best config |",
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+  ]
+  for r in dec:
+    d = r["dense"]
+    tr = tor.get((r["rows"], r["cols"]))
+    cfg = r["best_cfg"]
+    cfg_s = "-" if cfg is None else (f"bn={cfg.block_n} bg={cfg.block_groups} w={cfg.num_warps} s={cfg.num_stages} "
+                                     f"split={cfg.split_k}")
+    lines.append(
+        f"| {r['rows']} | {K} | {r['cols']} | {d * 1e3:.2f} | {r['best'] * 1e3:.2f} | **{r['best'] / d:.2f}** | 0.75 | "
+        f"{r['default'] * 1e3:.2f} ({r['default'] / d:.2f}) | {r['auto'] * 1e3:.2f} ({r['auto'] / d:.2f}) | "
+        f"{r['expand'] * 1e3:.2f} ({r['expand'] / d:.2f}) | {'-' if tr is None else f'{tr[0] / tr[1]:.2f}'} | "
+        f"{r['err']:.1e} | {cfg_s} |"
+    )
+  lines += [
+      "",
+      "| M | K | N | dense fwd ms | nm_matmul fwd ms (ratio) | of which expand ms | Pallas kernel fwd ms (ratio) | "
+      "SR-STE fwd+bwd / dense ms | ratio (target 1.15) | f32 master weights: SR-STE / dense ms (ratio) | "
+      "torch 2:4 / dense fwd |",
+      "|---|---|---|---|---|---|---|---|---|---|---|",
+  ]
+  for r in big:
+    d = r["dense"]
+    tr = tor.get((M_TRAIN, r["cols"]))
+    lines.append(
+        f"| {M_TRAIN} | {K} | {r['cols']} | {d:.3f} | {r['auto']:.3f} ({r['auto'] / d:.2f}) | {r['expand_only']:.3f} | "
+        f"{r['kernel']:.3f} ({r['kernel'] / d:.2f}) | {r['tr_sr']:.3f} / {r['tr_dense']:.3f} | "
+        f"**{r['tr_sr'] / r['tr_dense']:.2f}** | {r['tr_sr32']:.3f} / {r['tr_dense32']:.3f} "
+        f"({r['tr_sr32'] / r['tr_dense32']:.2f}) | {'-' if tr is None else f'{tr[0] / tr[1]:.2f}'} |"
+    )
+  return lines
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--sweep", action="store_true", help="time several kernel tilings")
+  parser.add_argument("--torch", action="store_true", help="add torch to_sparse_semi_structured")
+  parser.add_argument("--iterations", type=int, default=20)
+  parser.add_argument("--skip-large", action="store_true", help="only the decode cases")
+  parser.add_argument("--decode-rows", type=int, nargs="+", default=list(DECODE_ROWS))
+  parser.add_argument("--out", default=None, help="write the markdown tables here")
+  args = parser.parse_args(argv)
+  dev = jax.devices()[0]
+  device = getattr(dev, "device_kind", str(dev))
+  log(f"{device}, jax {jax.__version__}, python {sys.version.split()[0]}")
+  t0 = time.perf_counter()
+  dec = decode(args)
+  big = [] if args.skip_large else large(args)
+  tor = torch_semi_structured() if args.torch else {}
+  lines = report(dec, big, tor, device)
+  log(f"\n({time.perf_counter() - t0:.0f} s)\n")
+  log("\n".join(lines))
+  if args.out:
+    with open(args.out, "w") as f:
+      f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+  main()

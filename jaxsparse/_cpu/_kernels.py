@@ -1,0 +1,117 @@
+"""JAX wrappers of the C++ CPU kernels: ``jax.ffi.ffi_call`` plus a batching rule each.
+
+All take and return float32 arrays with a single batch dimension (``x`` is ``(B, K)``); callers cast
+and flatten. Under ``vmap`` the forward kernels fold the mapped axis into the batch dimension when
+only the activations are mapped (one kernel call for the whole batch), and otherwise run one call
+per mapped element (``lax.map``). The backward kernels always run per mapped element: a mapped
+backward must return one weight gradient per element (so ``vmap`` over examples inside a loss
+costs one backward call per example; batch dimensions of ``x`` itself are flattened into one call).
+
+Call :func:`jaxsparse._cpu._build.load` before lowering any of these: it registers the FFI targets.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+__all__ = ["block_backward", "block_forward", "csr_backward", "csr_forward", "masked_backward", "masked_forward"]
+
+_F32 = jnp.float32
+
+
+def _sequential(fn, axis_size, in_batched, args):
+  """``fn`` applied to each element of the mapped axis (axis 0 of the batched ``args``), stacked."""
+  pick = lambda i: [a[i] if b else a for a, b in zip(args, in_batched, strict=True)]
+  return lax.map(lambda i: fn(*pick(i)), jnp.arange(axis_size))
+
+
+def _fold_or_map(fn, n_folded: int):
+  """A batching rule: fold the mapped axis into the batch when only the first ``n_folded`` args are mapped."""
+
+  def rule(axis_size, in_batched, *args):
+    folded, rest = in_batched[:n_folded], in_batched[n_folded:]
+    if all(folded) and not any(rest):
+      x = args[0]
+      y = fn(x.reshape(-1, x.shape[-1]), *args[1:])
+      return y.reshape(axis_size, x.shape[1], y.shape[-1]), True
+    return _sequential(fn, axis_size, in_batched, args), True
+
+  return rule
+
+
+def _map_all(fn, n_out: int):
+  def rule(axis_size, in_batched, *args):
+    return _sequential(fn, axis_size, in_batched, args), (True,) * n_out
+
+  return rule
+
+
+@jax.custom_batching.custom_vmap
+def masked_forward(x: jax.Array, w: jax.Array, mask: jax.Array) -> jax.Array:
+  """``x (B, K) @ where(mask, w, 0)`` -> ``(B, N)``."""
+  out = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), _F32)
+  return jax.ffi.ffi_call("jaxsparse_masked_forward", out, vmap_method="sequential")(x, w, mask)
+
+
+masked_forward.def_vmap(_fold_or_map(masked_forward, 1))
+
+
+@jax.custom_batching.custom_vmap
+def masked_backward(x: jax.Array, w: jax.Array, mask: jax.Array, dy: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``(dy @ where(mask, w, 0).T, where(mask, x.T @ dy, 0))``."""
+  out = (jax.ShapeDtypeStruct(x.shape, _F32), jax.ShapeDtypeStruct(w.shape, _F32))
+  return tuple(jax.ffi.ffi_call("jaxsparse_masked_backward", out, vmap_method="sequential")(x, w, mask, dy))
+
+
+masked_backward.def_vmap(_map_all(masked_backward, 2))
+
+
+@jax.custom_batching.custom_vmap
+def csr_forward(x, data, col_offsets, transpose_order, transpose_row_indices):
+  """``x (B, K) @ W`` -> ``(B, N)`` for W in the layout of :class:`jaxsparse.CSRMatrix`."""
+  out = jax.ShapeDtypeStruct((x.shape[0], col_offsets.shape[0] - 1), _F32)
+  return jax.ffi.ffi_call("jaxsparse_csr_forward", out, vmap_method="sequential")(
+      x, data, col_offsets, transpose_order, transpose_row_indices
+  )
+
+
+csr_forward.def_vmap(_fold_or_map(csr_forward, 1))
+
+
+@jax.custom_batching.custom_vmap
+def csr_backward(x, data, row_offsets, col_indices, dy):
+  """``(dy @ W.T, (x.T @ dy)`` at the nonzeros ``)`` for W in the layout of :class:`jaxsparse.CSRMatrix`."""
+  out = (jax.ShapeDtypeStruct(x.shape, _F32), jax.ShapeDtypeStruct(data.shape, _F32))
+  return tuple(
+      jax.ffi.ffi_call("jaxsparse_csr_backward", out, vmap_method="sequential")(x, data, row_offsets, col_indices, dy)
+  )
+
+
+csr_backward.def_vmap(_map_all(csr_backward, 2))
+
+
+@jax.custom_batching.custom_vmap
+def block_forward(x, data, row_indices, col_offsets, transpose_order):
+  """``x (B, K) @ W`` -> ``(B, N)`` for W in the layout of :class:`jaxsparse.BlockSparseMatrix`."""
+  n = (col_offsets.shape[0] - 1) * data.shape[2]
+  out = jax.ShapeDtypeStruct((x.shape[0], n), _F32)
+  return jax.ffi.ffi_call("jaxsparse_block_forward", out, vmap_method="sequential")(
+      x, data, row_indices, col_offsets, transpose_order
+  )
+
+
+block_forward.def_vmap(_fold_or_map(block_forward, 1))
+
+
+@jax.custom_batching.custom_vmap
+def block_backward(x, data, row_offsets, col_indices, dy):
+  """``(dy @ W.T, x.T @ dy`` on the kept blocks ``)`` for W in the layout of :class:`jaxsparse.BlockSparseMatrix`."""
+  out = (jax.ShapeDtypeStruct(x.shape, _F32), jax.ShapeDtypeStruct(data.shape, _F32))
+  return tuple(
+      jax.ffi.ffi_call("jaxsparse_block_backward", out, vmap_method="sequential")(x, data, row_offsets, col_indices, dy)
+  )
+
+
+block_backward.def_vmap(_map_all(block_backward, 2))

@@ -1,0 +1,221 @@
+"""``CSRMatrix``: an unstructured sparse ``(K, N)`` matrix that stores only its nonzeros, as a pytree.
+
+The layout mirrors :class:`jaxsparse.BlockSparseMatrix` with ``1 x 1`` blocks: values in row-major
+order (CSR) plus the index arrays that the forward product ``x @ W`` (by column), the transposed
+product ``dY @ Wᵀ`` and the sampled gradient ``xᵀ dY`` (by row) need. They are computed once, on the
+host, when the matrix is built, and travel with it as pytree leaves; the shape is static aux data.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxsparse import _validation
+
+__all__ = ["INDEX_FIELDS", "CSRMatrix", "csr_pattern_indices"]
+
+INDEX_FIELDS = (
+    "row_indices",
+    "col_indices",
+    "row_offsets",
+    "col_offsets",
+    "transpose_order",
+    "transpose_row_indices",
+)
+
+
+def _concrete_mask(mask: Any, *, name: str = "mask") -> np.ndarray:
+  try:
+    m = np.asarray(mask)
+  except jax.errors.TracerArrayConversionError as e:
+    raise ValueError(
+        f"{name} must be concrete (a NumPy or committed JAX array), not a traced value: the sparse "
+        "indices are computed once on the host. Build the CSRMatrix outside jit, or use `with_data` "
+        "inside jit to swap the values of an existing pattern."
+    ) from e
+  if m.ndim != 2:
+    raise ValueError(f"{name} must be 2-D (K, N), got shape {m.shape}.")
+  if m.dtype != np.bool_:
+    raise TypeError(f"{name} must be a boolean array, got dtype {m.dtype}; convert 0/1 masks with `.astype(bool)`.")
+  return m
+
+
+def csr_pattern_indices(mask: Any) -> dict[str, np.ndarray]:
+  """Index arrays for a concrete boolean ``(K, N)`` mask; entries are numbered in row-major order.
+
+  Returns:
+    A dict of int32 NumPy arrays:
+      ``row_indices``, ``col_indices``: ``(nnz,)`` row and column of each stored value.
+      ``row_offsets``: ``(K + 1,)`` CSR offsets: row ``i`` holds entries
+        ``row_offsets[i]:row_offsets[i + 1]``.
+      ``col_offsets``: ``(N + 1,)`` offsets into ``transpose_order`` per column.
+      ``transpose_order``: ``(nnz,)`` positions in the values listed in column-major order.
+      ``transpose_row_indices``: ``(nnz,)`` the row of each entry in column-major order, i.e.
+        ``row_indices[transpose_order]`` (the forward product reads it sequentially).
+  """
+  m = _concrete_mask(mask)
+  if m.size >= 2**31:
+    raise ValueError(f"mask has {m.size} entries; CSRMatrix indexes with int32 and holds fewer than 2**31.")
+  rows, cols = np.nonzero(m)  # row-major order
+  transpose_order = np.argsort(cols, kind="stable")  # rows stay ascending within a column
+  return {
+      "row_indices": rows.astype(np.int32),
+      "col_indices": cols.astype(np.int32),
+      "row_offsets": np.concatenate([[0], np.cumsum(m.sum(axis=1))]).astype(np.int32),
+      "col_offsets": np.concatenate([[0], np.cumsum(m.sum(axis=0))]).astype(np.int32),
+      "transpose_order": transpose_order.astype(np.int32),
+      "transpose_row_indices": rows[transpose_order].astype(np.int32),
+  }
+
+
+@jax.tree_util.register_pytree_node_class
+class CSRMatrix:
+  """An unstructured sparse ``(K, N)`` matrix holding only its nonzeros (CSR, plus the CSC order).
+
+  Layout follows Flax kernels (``K`` in-features, ``N`` out-features); the product with ``x`` of
+  shape ``(..., K)`` is ``x @ W`` of shape ``(..., N)`` (see :func:`jaxsparse.ops.sparse_matmul`).
+  Memory is ``nnz`` values plus ``4 nnz + K + N + 2`` int32 indices.
+
+  >>> import jax, jax.numpy as jnp, jaxsparse
+  >>> w = jax.random.normal(jax.random.key(0), (64, 96))
+  >>> ws = jaxsparse.CSRMatrix.from_dense(w, mask=jaxsparse.magnitude_mask(w, sparsity=0.9))
+  >>> ws.shape, ws.nnz, ws.data.shape
+  ((64, 96), 614, (614,))
+  >>> bool(jnp.all(ws.to_dense() == jnp.where(ws.mask, w, 0)))
+  True
+
+  Attributes:
+    data: ``(nnz,)`` values in row-major order.
+    row_indices, col_indices: ``(nnz,)`` int32 coordinates of each value.
+    row_offsets: ``(K + 1,)`` int32 CSR offsets of each row into ``data``.
+    col_offsets: ``(N + 1,)`` int32 offsets of each column into ``transpose_order``.
+    transpose_order: ``(nnz,)`` int32 positions in ``data`` in column-major order.
+    transpose_row_indices: ``(nnz,)`` int32 row of each entry in column-major order.
+    shape: static ``(K, N)``.
+  """
+
+  def __init__(
+      self,
+      data: jax.Array,
+      *,
+      row_indices: jax.Array,
+      col_indices: jax.Array,
+      row_offsets: jax.Array,
+      col_offsets: jax.Array,
+      transpose_order: jax.Array,
+      transpose_row_indices: jax.Array,
+      shape: tuple[int, int],
+  ):
+    """Assembles a matrix from its parts; use :meth:`from_dense` or :meth:`from_mask` instead."""
+    self.data = data
+    self.row_indices = row_indices
+    self.col_indices = col_indices
+    self.row_offsets = row_offsets
+    self.col_offsets = col_offsets
+    self.transpose_order = transpose_order
+    self.transpose_row_indices = transpose_row_indices
+    self.shape = (int(shape[0]), int(shape[1]))
+
+  # -- pytree ---------------------------------------------------------------------------------------
+  def tree_flatten(self):
+    return (self.data, *(getattr(self, f) for f in INDEX_FIELDS)), self.shape
+
+  @classmethod
+  def tree_unflatten(cls, shape, children):
+    obj = object.__new__(cls)
+    obj.data = children[0]
+    for f, c in zip(INDEX_FIELDS, children[1:], strict=True):
+      setattr(obj, f, c)
+    obj.shape = shape
+    return obj
+
+  # -- construction ---------------------------------------------------------------------------------
+  @classmethod
+  def from_mask(cls, mask: Any, data: jax.typing.ArrayLike) -> CSRMatrix:
+    """Builds a matrix from a concrete bool ``(K, N)`` mask and its ``(nnz,)`` kept values in row-major order."""
+    idx = csr_pattern_indices(mask)
+    data = jnp.asarray(data)
+    nnz = idx["row_indices"].shape[0]
+    if data.shape != (nnz,):
+      raise ValueError(f"data must have shape (nnz,) = ({nnz},) for this mask, got {data.shape}.")
+    return cls(data, shape=np.shape(mask), **{k: jnp.asarray(v) for k, v in idx.items()})
+
+  @classmethod
+  def from_dense(cls, w: jax.typing.ArrayLike, mask: Any = None) -> CSRMatrix:
+    """Keeps the entries of ``w`` that ``mask`` selects (or, without a mask, its nonzeros).
+
+    Args:
+      w: ``(K, N)`` dense matrix. May be traced when ``mask`` is given.
+      mask: optional concrete bool ``(K, N)``; ``None`` keeps the nonzero entries of ``w`` (which
+        must then be concrete).
+
+    Returns:
+      A ``CSRMatrix`` with ``to_dense() == where(mask, w, 0)``.
+    """
+    w = jnp.asarray(w)
+    _validation.check_ndim(w.shape, 2, name="w")
+    if mask is None:
+      try:
+        mask = np.asarray(w) != 0
+      except jax.errors.TracerArrayConversionError as e:
+        raise ValueError(
+            "CSRMatrix.from_dense(w) without mask needs a concrete w to find its nonzeros; pass mask= when w is traced."
+        ) from e
+    m = _concrete_mask(mask)
+    if m.shape != w.shape:
+      raise ValueError(f"mask must have the shape of w {w.shape}, got {m.shape}.")
+    idx = csr_pattern_indices(m)
+    data = w[idx["row_indices"], idx["col_indices"]]
+    return cls(data, shape=w.shape, **{k: jnp.asarray(v) for k, v in idx.items()})
+
+  @classmethod
+  def from_index_arrays(
+      cls, data: jax.typing.ArrayLike, index_arrays: dict[str, jax.Array], *, shape: tuple[int, int]
+  ) -> CSRMatrix:
+    """Reassembles a matrix from ``data`` and the dict returned by :meth:`index_arrays`; nothing is recomputed."""
+    missing = set(INDEX_FIELDS) - set(index_arrays)
+    if missing:
+      raise ValueError(f"index_arrays is missing {sorted(missing)}; expected the keys {INDEX_FIELDS}.")
+    return cls(jnp.asarray(data), shape=shape, **{f: index_arrays[f] for f in INDEX_FIELDS})
+
+  def index_arrays(self) -> dict[str, jax.Array]:
+    """The integer index arrays of the pattern, keyed by :data:`INDEX_FIELDS` names."""
+    return {f: getattr(self, f) for f in INDEX_FIELDS}
+
+  def with_data(self, data: jax.typing.ArrayLike) -> CSRMatrix:
+    """The same pattern with new values ``data`` of shape ``(nnz,)``."""
+    data = jnp.asarray(data)
+    if data.shape != (self.nnz,):
+      raise ValueError(f"data must have shape (nnz,) = ({self.nnz},), got {data.shape}.")
+    return CSRMatrix(data, shape=self.shape, **self.index_arrays())
+
+  # -- properties -----------------------------------------------------------------------------------
+  @property
+  def dtype(self):
+    return self.data.dtype
+
+  @property
+  def nnz(self) -> int:
+    """Number of stored values."""
+    return int(self.data.shape[0])
+
+  @property
+  def density(self) -> float:
+    """Fraction of entries stored."""
+    return self.nnz / max(self.shape[0] * self.shape[1], 1)
+
+  @property
+  def mask(self) -> jax.Array:
+    """Bool ``(K, N)``, True where a value is stored."""
+    return jnp.zeros(self.shape, bool).at[self.row_indices, self.col_indices].set(True)
+
+  def to_dense(self) -> jax.Array:
+    """The dense ``(K, N)`` matrix, zeros elsewhere (for tests, export and the XLA fallback)."""
+    return jnp.zeros(self.shape, self.data.dtype).at[self.row_indices, self.col_indices].set(self.data)
+
+  def __repr__(self) -> str:
+    return f"CSRMatrix(shape={self.shape}, nnz={self.nnz}, density={self.density:.3f}, dtype={self.data.dtype})"

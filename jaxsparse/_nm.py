@@ -1,0 +1,368 @@
+"""N:M structured sparsity: the mask, and :class:`NMSparseMatrix`, the compressed format.
+
+In N:M sparsity every group of ``m`` consecutive weights along one axis keeps ``n`` of them. For a
+Flax kernel the groups run along the input features: axis 0 of a ``(in, out)`` Dense kernel and
+the ``cin`` axis (-2) of a ``(kh, kw, cin, cout)`` Conv kernel. That is the grouping of PyTorch's
+input dimension in apex ASP and ``torch.sparse.to_sparse_semi_structured`` (2:4).
+
+``NMSparseMatrix`` stores the kept values, the grouped axis shrunk by ``n / m``, and the position of
+each kept value inside its group as ``ceil(log2 m)``-bit fields packed into unsigned ints. For 2:4
+in bfloat16 that is 2 bytes of values and 2 bits of positions per kept weight: 56.25% of the dense
+bytes, the same as the cuSPARSELt layout.
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["NMSparseMatrix", "check_nm", "nm_mask"]
+
+# Above this group size the mask ranks entries with a stable argsort instead of m pairwise passes.
+_PAIRWISE_MAX_M = 32
+
+
+def _check_int(value: object, name: str) -> int:
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    raise TypeError(f"{name} must be an int, got {name}={value!r} of type {type(value).__name__}.")
+  return int(value)
+
+
+def check_nm(n: object, m: object) -> tuple[int, int]:
+  """Returns ``(n, m)`` as ints with ``0 < n < m``; raises naming the bad argument otherwise."""
+  n, m = _check_int(n, "n"), _check_int(m, "m")
+  if m < 2:
+    raise ValueError(f"m must be an int >= 2 (the group size), got m={m}.")
+  if not 0 < n < m:
+    raise ValueError(f"n must satisfy 0 < n < m (keep n of every m), got n={n} with m={m}.")
+  return n, m
+
+
+def check_axis(axis: object, ndim: int, *, name: str = "axis") -> int:
+  """Returns ``axis`` normalised to ``[0, ndim)``."""
+  axis = _check_int(axis, name)
+  if not -ndim <= axis < ndim:
+    raise ValueError(f"{name}={axis} is out of range for {ndim}-D w (allowed: {-ndim}..{ndim - 1}).")
+  return axis % ndim
+
+
+def check_groups(shape: tuple[int, ...], axis: int, m: int, *, name: str = "w") -> int:
+  size = shape[axis]
+  if size % m:
+    raise ValueError(
+        f"m={m} must divide {name}.shape[{axis}]={size} (the axis the groups run along); "
+        f"{name}.shape={shape}. Pick an m that divides it or pad the axis."
+    )
+  return size // m
+
+
+def _scores(w: jax.Array) -> jax.Array:
+  """``|w|`` with NaN counted as the largest value, so every group still keeps exactly ``n``."""
+  a = jnp.abs(w)
+  if jnp.issubdtype(a.dtype, jnp.inexact):
+    a = jnp.where(jnp.isnan(a), jnp.inf, a)
+  return a
+
+
+def _grouped(a: jax.Array, axis: int, m: int) -> jax.Array:
+  """``a`` with ``axis`` moved to the front and split into ``(groups, m, *rest)``."""
+  a = jnp.moveaxis(a, axis, 0)
+  return a.reshape(a.shape[0] // m, m, *a.shape[1:])
+
+
+def _ungrouped(a: jax.Array, axis: int) -> jax.Array:
+  """Inverse of :func:`_grouped` for ``(groups, k, *rest)``: merges the first two axes and moves them back."""
+  a = a.reshape(a.shape[0] * a.shape[1], *a.shape[2:])
+  return jnp.moveaxis(a, 0, axis)
+
+
+def _group_mask(scores: jax.Array, n: int) -> jax.Array:
+  """``(G, m, *rest)`` scores -> bool mask keeping the ``n`` largest per group, lower index first on ties."""
+  m = scores.shape[1]
+  if m <= _PAIRWISE_MAX_M:
+    # rank[i] = #entries that beat entry i: larger, or equal and earlier. m fused elementwise passes.
+    rank = jnp.zeros(scores.shape, jnp.int32)
+    pos = jnp.arange(m).reshape((1, m) + (1,) * (scores.ndim - 2))
+    for k in range(m):
+      sk = scores[:, k : k + 1]
+      beats = (sk > scores) | ((sk == scores) & (k < pos))
+      rank = rank + beats.astype(jnp.int32)
+    return rank < n
+  # A stable sort of -score keeps equal scores in index order.
+  order = jnp.argsort(-scores, axis=1, stable=True)
+  rank = jnp.argsort(order, axis=1, stable=True)
+  return rank < n
+
+
+def nm_mask(w: jax.typing.ArrayLike, n: int, m: int, *, axis: int = 0) -> jax.Array:
+  """Bool mask keeping the ``n`` largest-magnitude entries of every ``m`` consecutive ones along ``axis``.
+
+  Groups are ``w[..., g*m:(g+1)*m, ...]`` along ``axis``. Ties go to the lower index, so the mask is
+  deterministic; NaN counts as the largest magnitude. Works under ``jit`` with static ``n``, ``m``,
+  ``axis``; every group keeps exactly ``n`` entries.
+
+  >>> import jax.numpy as jnp, jaxsparse
+  >>> w = jnp.array([[0.1, -3.0, 2.0, 0.5], [1.0, 1.0, 1.0, 1.0]])
+  >>> jaxsparse.nm_mask(w, 2, 4, axis=1)
+  Array([[False,  True,  True, False],
+         [ True,  True, False, False]], dtype=bool)
+
+  Args:
+    w: weights of any shape; ``w.shape[axis]`` must be a multiple of ``m``.
+    n: entries kept per group, ``0 < n < m``.
+    m: group size.
+    axis: the axis the groups run along: 0 (input features) for a ``(in, out)`` Dense kernel, -2
+      (``cin``) for a ``(kh, kw, cin, cout)`` Conv kernel.
+
+  Returns:
+    Bool array of ``w.shape`` with ``n`` True per group.
+  """
+  w = jnp.asarray(w)
+  n, m = check_nm(n, m)
+  axis = check_axis(axis, w.ndim)
+  check_groups(w.shape, axis, m)
+  if not jnp.issubdtype(w.dtype, jnp.number):
+    raise TypeError(f"w must be a numeric array, got dtype {w.dtype}.")
+  return _nm_mask(w, n, m, axis)
+
+
+# One compiled function per shape instead of many small eager ops (the pairwise ranking unrolls m
+# passes); under an outer jit these inline.
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _nm_mask(w: jax.Array, n: int, m: int, axis: int) -> jax.Array:
+  return _ungrouped(_group_mask(_grouped(_scores(w), axis, m), n), axis)
+
+
+# -------------------------------------------------------------------------------------------------
+# Position packing.
+# -------------------------------------------------------------------------------------------------
+
+
+def position_bits(m: int) -> int:
+  """Bits of one position inside a group of ``m``."""
+  return max(1, (m - 1).bit_length())
+
+
+def index_layout(n: int, m: int, groups: int) -> tuple[jnp.dtype, int]:
+  """``(word dtype, groups per word)`` of the packed positions for ``groups`` groups of ``n`` of ``m``.
+
+  One group takes ``n * position_bits(m)`` bits. Words are the smallest of uint8/16/32 that hold a
+  group; a word holds as many whole groups as fit, reduced to a divisor of ``groups``. Word ``r``
+  packs groups ``r + s * (groups // per_word)`` for ``s < per_word``: each packed slot covers a
+  contiguous run of groups, which is what the GPU kernel loads.
+  """
+  bits = n * position_bits(m)
+  for dtype in (jnp.uint8, jnp.uint16, jnp.uint32):
+    word = jnp.iinfo(dtype).bits
+    if bits <= word:
+      per_word = word // bits
+      while groups % per_word:
+        per_word -= 1
+      return jnp.dtype(dtype), per_word
+  raise ValueError(
+      f"n={n} positions of {position_bits(m)} bits (m={m}) need {bits} bits per group; the compressed "
+      "format packs at most 32. Use a smaller n or m."
+  )
+
+
+def _pack(positions: jax.Array, n: int, m: int) -> jax.Array:
+  """``(G, n, *rest)`` positions -> ``(G // per_word, *rest)`` packed words."""
+  groups = positions.shape[0]
+  dtype, per_word = index_layout(n, m, groups)
+  b = position_bits(m)
+  rows = groups // per_word
+  p = positions.astype(jnp.uint32).reshape(per_word, rows, n, *positions.shape[2:])
+  words = jnp.zeros((rows, *positions.shape[2:]), jnp.uint32)
+  for s in range(per_word):
+    for j in range(n):
+      words = words | (p[s, :, j] << ((s * n + j) * b))
+  return words.astype(dtype)
+
+
+def _unpack(words: jax.Array, n: int, m: int, groups: int) -> jax.Array:
+  """Inverse of :func:`_pack`: ``(G // per_word, *rest)`` words -> ``(G, n, *rest)`` uint8 positions."""
+  _, per_word = index_layout(n, m, groups)
+  b = position_bits(m)
+  w32 = words.astype(jnp.uint32)
+  field = jnp.uint32((1 << b) - 1)
+  planes = [jnp.stack([(w32 >> ((s * n + j) * b)) & field for j in range(n)], axis=1) for s in range(per_word)]
+  return jnp.concatenate(planes, axis=0).astype(jnp.uint8)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _compress(w: jax.Array, n: int, m: int, axis: int) -> tuple[jax.Array, jax.Array]:
+  wg = _grouped(w, axis, m)  # (G, m, *rest)
+  keep = _group_mask(_grouped(_scores(w), axis, m), n)
+  slot = jnp.cumsum(keep, axis=1, dtype=jnp.int32) - 1  # index of each kept entry among the kept
+  # pos[:, j] = the position of the j-th kept entry (exactly one kept entry has slot j).
+  pos = jnp.stack([jnp.argmax(keep & (slot == j), axis=1) for j in range(n)], axis=1)
+  values = jnp.take_along_axis(wg, pos, axis=1)
+  return _ungrouped(values, axis), jnp.moveaxis(_pack(pos, n, m), 0, axis)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _positions(indices: jax.Array, n: int, m: int, axis: int, groups: int) -> jax.Array:
+  """``(G, n, *rest)`` positions from the packed ``indices`` (``axis`` of the packed words)."""
+  return _unpack(jnp.moveaxis(indices, axis, 0), n, m, groups)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4))
+def _decompress(values: jax.Array, indices: jax.Array, n: int, m: int, axis: int) -> jax.Array:
+  vals = jnp.moveaxis(values, axis, 0)
+  groups = vals.shape[0] // n
+  vals = vals.reshape(groups, n, *vals.shape[1:])
+  pos = _positions(indices, n, m, axis, groups)
+  lane = jnp.arange(m, dtype=pos.dtype).reshape((1, m) + (1,) * (pos.ndim - 2))
+  dense = jnp.zeros((groups, m, *vals.shape[2:]), vals.dtype)
+  for j in range(n):
+    dense = jnp.where(pos[:, j : j + 1] == lane, vals[:, j : j + 1], dense)
+  return _ungrouped(dense, axis)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _kept(indices: jax.Array, n: int, m: int, axis: int, groups: int) -> jax.Array:
+  pos = _positions(indices, n, m, axis, groups)
+  lane = jnp.arange(m, dtype=pos.dtype).reshape((1, m) + (1,) * (pos.ndim - 2))
+  keep = jnp.zeros((groups, m, *pos.shape[2:]), bool)
+  for j in range(n):
+    keep = keep | (pos[:, j : j + 1] == lane)
+  return _ungrouped(keep, axis)
+
+
+# -------------------------------------------------------------------------------------------------
+# The compressed format.
+# -------------------------------------------------------------------------------------------------
+
+
+@jax.tree_util.register_pytree_node_class
+class NMSparseMatrix:
+  """An N:M-sparse array stored compressed: kept values plus packed in-group positions.
+
+  ``values`` has the dense shape with ``axis`` shrunk by ``n / m``: entries ``g*n .. g*n + n - 1``
+  along ``axis`` are the kept entries of group ``g`` in increasing position. ``indices`` holds their
+  positions inside the group (``ceil(log2 m)`` bits each), packed into unsigned words as laid out
+  by :func:`index_layout`; :meth:`positions` unpacks them. Any rank works for storage; the product
+  :func:`jaxsparse.ops.nm_matmul` takes a 2-D ``(K, N)`` matrix in Flax kernel layout.
+
+  >>> import jax, jaxsparse
+  >>> w = jax.random.normal(jax.random.key(0), (64, 32))
+  >>> ws = jaxsparse.NMSparseMatrix.from_dense(w, 2, 4)
+  >>> ws.shape, ws.values.shape, ws.indices.shape, ws.indices.dtype
+  ((64, 32), (32, 32), (8, 32), dtype('uint8'))
+  >>> bool((ws.to_dense() == w * jaxsparse.nm_mask(w, 2, 4)).all())
+  True
+
+  Attributes:
+    values: kept values, ``shape`` with ``shape[axis]`` replaced by ``shape[axis] * n // m``.
+    indices: packed positions, ``shape`` with ``shape[axis]`` replaced by ``groups // per_word``.
+    shape: static dense shape.
+    n, m: static: ``n`` kept of every ``m``.
+    axis: static, non-negative axis the groups run along.
+  """
+
+  def __init__(self, values: jax.Array, indices: jax.Array, *, shape: tuple[int, ...], n: int, m: int, axis: int = 0):
+    """Assembles a matrix from its parts (checked); use :meth:`from_dense` to compress an array."""
+    n, m = check_nm(n, m)
+    shape = tuple(int(d) for d in shape)
+    axis = check_axis(axis, len(shape))
+    groups = check_groups(shape, axis, m, name="shape")
+    dtype, per_word = index_layout(n, m, groups)
+    values, indices = jnp.asarray(values), jnp.asarray(indices)
+    want_v = (*shape[:axis], groups * n, *shape[axis + 1:])
+    want_i = (*shape[:axis], groups // per_word, *shape[axis + 1:])
+    if values.shape != want_v:
+      raise ValueError(f"values must have shape {want_v} for shape={shape}, {n}:{m}, axis={axis}; got {values.shape}.")
+    if indices.shape != want_i or indices.dtype != dtype:
+      raise ValueError(
+          f"indices must be {dtype} of shape {want_i} for shape={shape}, {n}:{m}, axis={axis}; "
+          f"got {indices.dtype} {indices.shape}."
+      )
+    self.values, self.indices = values, indices
+    self.shape, self.n, self.m, self.axis = shape, n, m, axis
+
+  # -- pytree ---------------------------------------------------------------------------------------
+  def tree_flatten(self):
+    return (self.values, self.indices), (self.shape, self.n, self.m, self.axis)
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    obj = object.__new__(cls)
+    obj.values, obj.indices = children
+    obj.shape, obj.n, obj.m, obj.axis = aux
+    return obj
+
+  # -- construction ---------------------------------------------------------------------------------
+  @classmethod
+  def from_dense(cls, w: jax.typing.ArrayLike, n: int, m: int, *, axis: int = 0) -> NMSparseMatrix:
+    """Prunes ``w`` to N:M with :func:`jaxsparse.nm_mask` and compresses it (works under ``jit``).
+
+    Args:
+      w: dense array; ``w.shape[axis]`` a multiple of ``m``.
+      n, m: keep ``n`` of every ``m``, ``0 < n < m``.
+      axis: the axis the groups run along.
+
+    Returns:
+      An ``NMSparseMatrix`` with ``to_dense() == where(nm_mask(w, n, m, axis=axis), w, 0)``.
+    """
+    w = jnp.asarray(w)
+    n, m = check_nm(n, m)
+    axis = check_axis(axis, w.ndim)
+    check_groups(w.shape, axis, m)
+    if not jnp.issubdtype(w.dtype, jnp.number):
+      raise TypeError(f"w must be a numeric array, got dtype {w.dtype}.")
+    index_layout(n, m, w.shape[axis] // m)  # Fails early when the positions do not fit 32 bits.
+    values, indices = _compress(w, n, m, axis)
+    return cls(values, indices, shape=w.shape, n=n, m=m, axis=axis)
+
+  def with_values(self, values: jax.typing.ArrayLike) -> NMSparseMatrix:
+    """The same positions with new kept ``values`` of shape ``self.values.shape``."""
+    values = jnp.asarray(values)
+    if values.shape != self.values.shape:
+      raise ValueError(f"values must have shape {self.values.shape}, got {values.shape}.")
+    return NMSparseMatrix(values, self.indices, shape=self.shape, n=self.n, m=self.m, axis=self.axis)
+
+  # -- views ----------------------------------------------------------------------------------------
+  @property
+  def dtype(self):
+    return self.values.dtype
+
+  @property
+  def ndim(self) -> int:
+    return len(self.shape)
+
+  @property
+  def groups(self) -> int:
+    """Number of groups along :attr:`axis`."""
+    return self.shape[self.axis] // self.m
+
+  @property
+  def density(self) -> float:
+    """Fraction of entries kept, ``n / m``."""
+    return self.n / self.m
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes stored: values plus packed positions."""
+    return int(self.values.size * self.values.dtype.itemsize + self.indices.size * self.indices.dtype.itemsize)
+
+  def positions(self) -> jax.Array:
+    """uint8 position (in ``[0, m)``) of each kept value inside its group, shaped like :attr:`values`."""
+    return _ungrouped(_positions(self.indices, self.n, self.m, self.axis, self.groups), self.axis)
+
+  def mask(self) -> jax.Array:
+    """Bool mask of :attr:`shape`, True at the kept entries."""
+    return _kept(self.indices, self.n, self.m, self.axis, self.groups)
+
+  def to_dense(self) -> jax.Array:
+    """The dense array, zeros at the pruned entries (differentiable in :attr:`values`)."""
+    return _decompress(self.values, self.indices, self.n, self.m, self.axis)
+
+  def __repr__(self) -> str:
+    return (
+        f"NMSparseMatrix(shape={self.shape}, {self.n}:{self.m}, axis={self.axis}, dtype={self.values.dtype}, "
+        f"indices={self.indices.dtype}{tuple(self.indices.shape)})"
+    )
+

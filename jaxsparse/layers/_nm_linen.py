@@ -1,0 +1,173 @@
+"""N:M-sparse Flax Linen layers trained with SR-STE: ``NMDense`` and ``NMConv``.
+
+Linen twins of :class:`jaxsparse.layers.NMLinear` / :class:`jaxsparse.layers.NMConv`. Each wraps
+``nn.Dense`` / ``nn.Conv`` in its own scope (``nn.share_scope``), so the variables are exactly those
+of the Flax layer, ``{"params": {"kernel", "bias"}}``, and the only change is the SR-STE pruning of
+the kernel through Flax's ``promote_dtype`` hook (:class:`jaxsparse.layers._nm_nnx.NMPromote`).
+Given the same parameters, NNX and Linen layers compute identical outputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from collections.abc import Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax.linen.dtypes import promote_dtype as linen_promote_dtype
+from flax.linen.linear import default_kernel_init
+from flax.typing import Dtype
+from flax.typing import Initializer
+from flax.typing import PaddingLike
+from jax import lax
+
+from jaxsparse import _nm
+from jaxsparse.layers._nm_nnx import NMPromote
+from jaxsparse.layers._nm_nnx import check_decay
+from jaxsparse.layers._nm_nnx import check_in_features
+
+__all__ = ["NMConv", "NMDense"]
+
+
+class NMDense(nn.Module):
+  """Linen ``nn.Dense`` with an N:M-sparse kernel trained by SR-STE (twin of ``NMLinear``).
+
+  >>> import jax, jax.numpy as jnp
+  >>> from jaxsparse.layers.linen import NMDense
+  >>> model = NMDense(32, n=2, m=4)
+  >>> variables = model.init(jax.random.key(0), jnp.ones((1, 64)))
+  >>> jax.tree.map(jnp.shape, variables)
+  {'params': {'bias': (32,), 'kernel': (64, 32)}}
+  >>> model.apply(variables, jnp.ones((8, 64))).shape
+  (8, 32)
+
+  Attributes:
+    features: output size; the input size ``x.shape[-1]`` must be a multiple of ``m``.
+    n, m: keep ``n`` of every ``m`` input features, ``0 < n < m``.
+    sr_ste_decay: SR-STE's decay of the pruned weights, ``>= 0``; ``0`` gives plain STE.
+    use_bias, dtype, param_dtype, precision, kernel_init, bias_init, dot_general,
+      dot_general_cls: as ``nn.Dense``.
+    promote_dtype: as ``nn.Dense``; it runs after the N:M pruning.
+  """
+
+  features: int
+  _: dataclasses.KW_ONLY
+  n: int = 2
+  m: int = 4
+  sr_ste_decay: float = 2e-4
+  use_bias: bool = True
+  dtype: Dtype | None = None
+  param_dtype: Dtype = jnp.float32
+  precision: lax.PrecisionLike = None
+  kernel_init: Initializer = default_kernel_init
+  bias_init: Initializer = nn.initializers.zeros_init()
+  promote_dtype: Callable[..., Any] = linen_promote_dtype
+  dot_general: Callable[..., jax.Array] | None = None
+  dot_general_cls: Any = None
+
+  def __post_init__(self):
+    _nm.check_nm(self.n, self.m)
+    check_decay(self.sr_ste_decay)
+    super().__post_init__()
+
+  def setup(self):
+    self.dense = nn.Dense(
+        self.features,
+        use_bias=self.use_bias,
+        dtype=self.dtype,
+        param_dtype=self.param_dtype,
+        precision=self.precision,
+        kernel_init=self.kernel_init,
+        bias_init=self.bias_init,
+        promote_dtype=NMPromote(self.n, self.m, float(self.sr_ste_decay), 0, self.promote_dtype, linen=True),
+        dot_general=self.dot_general,
+        dot_general_cls=self.dot_general_cls,
+    )
+    nn.share_scope(self, self.dense)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    """Applies the layer to ``x`` of shape ``(..., in_features)``; returns ``(..., features)``."""
+    check_in_features(jnp.shape(x)[-1], self.m, name="x.shape[-1]")
+    return self.dense(x)
+
+
+class NMConv(nn.Module):
+  """Linen ``nn.Conv`` with an N:M-sparse kernel trained by SR-STE (twin of the NNX ``NMConv``).
+
+  The groups of ``m`` run along the input channels (axis -2 of the kernel). All ``nn.Conv``
+  options are passed through; ``mask`` is Flax's weight mask, applied before the N:M pruning.
+
+  >>> import jax, jax.numpy as jnp
+  >>> from jaxsparse.layers.linen import NMConv
+  >>> model = NMConv(16, (3, 3), n=2, m=4)
+  >>> variables = model.init(jax.random.key(0), jnp.ones((1, 6, 6, 8)))
+  >>> variables["params"]["kernel"].shape, model.apply(variables, jnp.ones((2, 6, 6, 8))).shape
+  ((3, 3, 8, 16), (2, 6, 6, 16))
+
+  Attributes:
+    features, kernel_size, strides, padding, input_dilation, kernel_dilation, feature_group_count,
+      use_bias, mask, dtype, param_dtype, precision, kernel_init, bias_init, conv_general_dilated,
+      conv_general_dilated_cls: as ``nn.Conv``.
+    n, m: keep ``n`` of every ``m`` input channels; ``in_channels // feature_group_count`` must be
+      a multiple of ``m``.
+    sr_ste_decay: SR-STE's decay of the pruned weights, ``>= 0``; ``0`` gives plain STE.
+    promote_dtype: as ``nn.Conv``; it runs after the N:M pruning.
+  """
+
+  features: int
+  kernel_size: int | Sequence[int]
+  _: dataclasses.KW_ONLY
+  n: int = 2
+  m: int = 4
+  sr_ste_decay: float = 2e-4
+  strides: int | Sequence[int] | None = 1
+  padding: PaddingLike = "SAME"
+  input_dilation: int | Sequence[int] | None = 1
+  kernel_dilation: int | Sequence[int] | None = 1
+  feature_group_count: int = 1
+  use_bias: bool = True
+  mask: jax.Array | None = None
+  dtype: Dtype | None = None
+  param_dtype: Dtype = jnp.float32
+  precision: lax.PrecisionLike = None
+  kernel_init: Initializer = default_kernel_init
+  bias_init: Initializer = nn.initializers.zeros_init()
+  promote_dtype: Callable[..., Any] = linen_promote_dtype
+  conv_general_dilated: Callable[..., jax.Array] | None = None
+  conv_general_dilated_cls: Any = None
+
+  def __post_init__(self):
+    _nm.check_nm(self.n, self.m)
+    check_decay(self.sr_ste_decay)
+    super().__post_init__()
+
+  def setup(self):
+    self.conv = nn.Conv(
+        self.features,
+        self.kernel_size,
+        strides=self.strides,
+        padding=self.padding,
+        input_dilation=self.input_dilation,
+        kernel_dilation=self.kernel_dilation,
+        feature_group_count=self.feature_group_count,
+        use_bias=self.use_bias,
+        mask=self.mask,
+        dtype=self.dtype,
+        param_dtype=self.param_dtype,
+        precision=self.precision,
+        kernel_init=self.kernel_init,
+        bias_init=self.bias_init,
+        promote_dtype=NMPromote(self.n, self.m, float(self.sr_ste_decay), -2, self.promote_dtype, linen=True),
+        conv_general_dilated=self.conv_general_dilated,
+        conv_general_dilated_cls=self.conv_general_dilated_cls,
+    )
+    nn.share_scope(self, self.conv)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    """Applies the convolution to channels-last ``x``; returns channels-last ``features`` outputs."""
+    cin = jnp.shape(x)[-1]
+    check_in_features(cin // self.feature_group_count, self.m, name="in_channels // feature_group_count")
+    return self.conv(x)

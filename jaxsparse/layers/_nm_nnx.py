@@ -1,0 +1,532 @@
+"""N:M-sparse Flax NNX layers trained with SR-STE: ``NMLinear`` and ``NMConv``.
+
+Both are the Flax layer they extend (``nnx.Linear``, ``nnx.Conv``) with one change: before the
+kernel meets the inputs it goes through :func:`jaxsparse.ops.sr_ste`, which keeps the ``n``
+largest-magnitude weights of every ``m`` consecutive input features and passes the gradient to all
+of them. The kernel stays a dense ``nnx.Param``; the mask is recomputed from it on every call, so it
+follows the weights as they train. Every other option of the Flax layer works unchanged, because
+the hook is Flax's own ``promote_dtype`` argument (see :class:`NMPromote`).
+
+Note that ``isinstance(layer, nnx.Linear)`` is True for an ``NMLinear`` (as for Flax's
+``LoRALinear``): code that walks a model and treats ``nnx.Linear`` kernels as dense should test for
+``NMLinear`` / ``NMConv`` first, or read :attr:`NMLinear.nm_mask`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.nnx.nn import dtypes
+from flax.nnx.nn.linear import default_bias_init
+from flax.nnx.nn.linear import default_kernel_init
+from flax.typing import Dtype
+from flax.typing import Initializer
+from flax.typing import PaddingLike
+from jax import lax
+
+from jaxsparse import _nm
+from jaxsparse import ops
+from jaxsparse._nm import NMSparseMatrix
+from jaxsparse.layers._nnx import SparsityPattern
+from jaxsparse.layers._nnx import check_implementation
+
+__all__ = ["CompressedNMLinear", "NMConv", "NMLinear", "NMPromote"]
+
+
+def check_decay(decay: object) -> float:
+  if isinstance(decay, bool) or not isinstance(decay, numbers.Real) or not decay >= 0:
+    raise ValueError(f"sr_ste_decay must be a float >= 0 (0 gives plain STE), got sr_ste_decay={decay!r}.")
+  return float(decay)
+
+
+def check_in_features(in_features: int, m: int, *, name: str = "in_features") -> None:
+  if in_features % m:
+    raise ValueError(
+        f"{name}={in_features} must be a multiple of m={m}: the N:M groups run along the input features."
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class NMPromote:
+  """A Flax ``promote_dtype`` that first N:M-prunes the kernel with :func:`jaxsparse.ops.sr_ste`.
+
+  Flax layers call ``promote_dtype`` on ``(inputs, kernel, bias)`` (after a Conv's own weight
+  mask) right before the product; this applies SR-STE to the kernel in its parameter dtype and then
+  calls ``base``, the layer's original promotion. Frozen and compared by value, so it can sit in an
+  NNX graph definition or a Linen module field.
+
+  Attributes:
+    n, m: keep ``n`` of every ``m``.
+    decay: SR-STE decay on the pruned weights (0: plain STE).
+    axis: kernel axis of the groups (0 for Dense, -2 for Conv).
+    base: the promotion to run afterwards.
+    linen: Linen calls ``promote_dtype(*arrays, dtype=...)``, NNX ``promote_dtype(arrays, dtype=...)``.
+  """
+
+  n: int
+  m: int
+  decay: float
+  axis: int
+  base: Callable[..., Any] = dtypes.promote_dtype
+  linen: bool = False
+
+  def __call__(self, *args, dtype=None):
+    inputs, kernel, bias = args if self.linen else args[0]
+    kernel = ops.sr_ste(kernel, self.n, self.m, decay=self.decay, axis=self.axis)
+    if self.linen:
+      return self.base(inputs, kernel, bias, dtype=dtype)
+    return self.base((inputs, kernel, bias), dtype=dtype)
+
+
+def _base_promote(layer: nnx.Module) -> Callable[..., Any]:
+  p = layer.promote_dtype
+  return p.base if isinstance(p, NMPromote) else p
+
+
+class _NMMixin:
+  """Read-only N:M settings and the current mask, shared by the NNX layers."""
+
+  promote_dtype: NMPromote
+  kernel: nnx.Param
+
+  @property
+  def n(self) -> int:
+    return self.promote_dtype.n
+
+  @property
+  def m(self) -> int:
+    return self.promote_dtype.m
+
+  @property
+  def sr_ste_decay(self) -> float:
+    return self.promote_dtype.decay
+
+  def _masked_input_kernel(self) -> jax.Array:
+    return self.kernel[...]
+
+  @property
+  def nm_mask(self) -> jax.Array:
+    """Bool mask of the kernel's shape: the N:M pattern the next call will use."""
+    return _nm.nm_mask(self._masked_input_kernel(), self.n, self.m, axis=self.promote_dtype.axis)
+
+  def pruned_kernel(self) -> jax.Array:
+    """The kernel as the forward pass sees it: zero outside :attr:`nm_mask`."""
+    k = self._masked_input_kernel()
+    return jnp.where(self.nm_mask, k, jnp.zeros((), k.dtype))
+
+
+class NMLinear(_NMMixin, nnx.Linear):
+  """``nnx.Linear`` with an N:M-sparse kernel trained from scratch by SR-STE.
+
+  Every call keeps the ``n`` largest-magnitude weights in each group of ``m`` consecutive input
+  features (axis 0 of the ``(in, out)`` kernel) and multiplies by that pruned kernel; the gradient
+  reaches every dense weight, plus ``sr_ste_decay * w`` on the pruned ones
+  (:func:`jaxsparse.ops.sr_ste`).
+
+  >>> import jax.numpy as jnp
+  >>> from flax import nnx
+  >>> from jaxsparse.layers import NMLinear
+  >>> layer = NMLinear(64, 32, n=2, m=4, rngs=nnx.Rngs(0))
+  >>> layer.kernel.shape, int(layer.mask.sum()), layer(jnp.ones((8, 64))).shape
+  ((64, 32), 1024, (8, 32))
+
+  After training, :meth:`to_compressed` gives a :class:`CompressedNMLinear` that stores and
+  multiplies the compressed weight, and :meth:`to_dense` an ``nnx.Linear`` with the pruned kernel.
+
+  Args:
+    in_features: input size, a multiple of ``m``.
+    out_features: output size.
+    n, m: keep ``n`` of every ``m`` input features, ``0 < n < m`` (2:4 by default).
+    sr_ste_decay: SR-STE's decay of the pruned weights, ``>= 0``; ``0`` gives plain STE.
+    use_bias, dtype, param_dtype, precision, kernel_init, bias_init, dot_general,
+      preferred_element_type, rngs: as ``nnx.Linear``.
+    promote_dtype: as ``nnx.Linear``; it runs after the N:M pruning.
+    **kwargs: other ``nnx.Linear`` keyword arguments (e.g. ``kernel_metadata``).
+  """
+
+  def __init__(
+      self,
+      in_features: int,
+      out_features: int,
+      *,
+      n: int = 2,
+      m: int = 4,
+      sr_ste_decay: float = 2e-4,
+      use_bias: bool = True,
+      dtype: Dtype | None = None,
+      param_dtype: Dtype = jnp.float32,
+      precision: lax.PrecisionLike = None,
+      kernel_init: Initializer = default_kernel_init,
+      bias_init: Initializer = default_bias_init,
+      dot_general: Callable[..., jax.Array] = lax.dot_general,
+      promote_dtype: Callable[..., Any] = dtypes.promote_dtype,
+      preferred_element_type: Dtype | None = None,
+      rngs: nnx.Rngs,
+      **kwargs: Any,
+  ):
+    n, m = _nm.check_nm(n, m)
+    check_in_features(in_features, m)
+    nm_promote = NMPromote(n, m, check_decay(sr_ste_decay), 0, promote_dtype)
+    super().__init__(
+        in_features,
+        out_features,
+        use_bias=use_bias,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        precision=precision,
+        kernel_init=kernel_init,
+        bias_init=bias_init,
+        dot_general=dot_general,
+        promote_dtype=nm_promote,
+        preferred_element_type=preferred_element_type,
+        rngs=rngs,
+        **kwargs,
+    )
+
+  @property
+  def mask(self) -> jax.Array:
+    """Bool ``(in_features, out_features)``: the current N:M mask (same as :attr:`nm_mask`)."""
+    return self.nm_mask
+
+  @classmethod
+  def from_dense(cls, linear: nnx.Linear, *, n: int = 2, m: int = 4, sr_ste_decay: float = 2e-4) -> NMLinear:
+    """An ``NMLinear`` with ``linear``'s dense kernel, bias and options, ready to train with SR-STE.
+
+    >>> from flax import nnx
+    >>> from jaxsparse.layers import NMLinear
+    >>> dense = nnx.Linear(64, 32, rngs=nnx.Rngs(0))
+    >>> layer = NMLinear.from_dense(dense)
+    >>> bool((layer.pruned_kernel() == dense.kernel[...] * layer.mask).all())
+    True
+    """
+    if not isinstance(linear, nnx.Linear):
+      raise TypeError(f"linear must be a flax.nnx.Linear, got {type(linear).__name__}.")
+    kernel = linear.kernel[...]
+    layer = cls(
+        linear.in_features,
+        linear.out_features,
+        n=n,
+        m=m,
+        sr_ste_decay=sr_ste_decay,
+        use_bias=linear.bias is not None,
+        dtype=linear.dtype,
+        param_dtype=kernel.dtype,
+        precision=linear.precision,
+        kernel_init=lambda *_: kernel,
+        dot_general=linear.dot_general,
+        promote_dtype=_base_promote(linear),
+        preferred_element_type=linear.preferred_element_type,
+        rngs=nnx.Rngs(0),
+    )
+    if linear.bias is not None:
+      layer.bias[...] = linear.bias[...]
+    return layer
+
+  def to_dense(self) -> nnx.Linear:
+    """An ``nnx.Linear`` holding the pruned kernel: the same function as this layer's forward pass."""
+    kernel = self.pruned_kernel()
+    linear = nnx.Linear(
+        self.in_features,
+        self.out_features,
+        use_bias=self.bias is not None,
+        dtype=self.dtype,
+        param_dtype=kernel.dtype,
+        precision=self.precision,
+        kernel_init=lambda *_: kernel,
+        dot_general=self.dot_general,
+        promote_dtype=_base_promote(self),
+        preferred_element_type=self.preferred_element_type,
+        rngs=nnx.Rngs(0),
+    )
+    if self.bias is not None:
+      linear.bias[...] = self.bias[...]
+    return linear
+
+  def to_compressed(self, *, implementation: ops.Implementation | None = None) -> CompressedNMLinear:
+    """An inference layer storing the compressed kernel and multiplying with :func:`jaxsparse.ops.nm_matmul`.
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from jaxsparse.layers import NMLinear
+    >>> layer = NMLinear(64, 32, rngs=nnx.Rngs(0))
+    >>> small = layer.to_compressed()
+    >>> small.weight.values.shape, bool(jnp.allclose(small(jnp.ones((2, 64))), layer(jnp.ones((2, 64))), atol=1e-5))
+    ((32, 32), True)
+    """
+    weight = NMSparseMatrix.from_dense(self.kernel[...], self.n, self.m, axis=0)
+    bias = None if self.bias is None else self.bias[...]
+    return CompressedNMLinear(
+        weight,
+        bias,
+        dtype=self.dtype,
+        precision=self.precision,
+        promote_dtype=_base_promote(self),
+        preferred_element_type=self.preferred_element_type,
+        implementation=implementation,
+    )
+
+  def to_linen_variables(self) -> dict[str, dict[str, jax.Array]]:
+    """``{"params": {"kernel", "bias"?}}`` for :class:`jaxsparse.layers.linen.NMDense` with the same settings."""
+    params = {"kernel": self.kernel[...]}
+    if self.bias is not None:
+      params["bias"] = self.bias[...]
+    return {"params": params}
+
+
+class CompressedNMLinear(nnx.Module):
+  """Inference form of :class:`NMLinear`: ``y = nm_matmul(x, W) + b`` with ``W`` stored compressed.
+
+  Built by :meth:`NMLinear.to_compressed`. ``kernel`` holds the kept values, an ``nnx.Param`` of
+  shape ``(in_features * n // m, out_features)`` that can still be fine-tuned
+  (:func:`jaxsparse.ops.nm_matmul` differentiates it); ``kernel_positions`` the packed positions, a
+  non-trainable :class:`SparsityPattern`. On CUDA GPUs with few rows (decode) the product reads
+  the compressed weight in a Pallas kernel; elsewhere it expands it and runs a dense product.
+
+  >>> import jax, jax.numpy as jnp, jaxsparse
+  >>> from jaxsparse.layers import CompressedNMLinear
+  >>> w = jaxsparse.NMSparseMatrix.from_dense(jax.random.normal(jax.random.key(0), (64, 32)), 2, 4)
+  >>> CompressedNMLinear(w)(jnp.ones((3, 64))).shape
+  (3, 32)
+
+  Args:
+    weight: a 2-D :class:`jaxsparse.NMSparseMatrix` ``(in_features, out_features)``.
+    bias: ``(out_features,)`` or ``None``.
+    dtype, precision, promote_dtype, preferred_element_type: as ``nnx.Linear``.
+    implementation: backend of :func:`jaxsparse.ops.nm_matmul`.
+  """
+
+  def __init__(
+      self,
+      weight: NMSparseMatrix,
+      bias: jax.Array | None = None,
+      *,
+      dtype: Dtype | None = None,
+      precision: lax.PrecisionLike = None,
+      promote_dtype: Callable[..., Any] = dtypes.promote_dtype,
+      preferred_element_type: Dtype | None = None,
+      implementation: ops.Implementation | None = None,
+  ):
+    if not isinstance(weight, NMSparseMatrix) or weight.ndim != 2:
+      raise TypeError(f"weight must be a 2-D jaxsparse.NMSparseMatrix, got {weight!r}.")
+    self.kernel = nnx.Param(weight.values)
+    self.kernel_positions = SparsityPattern(weight.indices)
+    self.bias: nnx.Param[jax.Array] | None = nnx.data(None) if bias is None else nnx.Param(jnp.asarray(bias))
+    self.in_features, self.out_features = weight.shape
+    self.n, self.m, self.axis = weight.n, weight.m, weight.axis
+    self.dtype = dtype
+    self.precision = precision
+    self.promote_dtype = promote_dtype
+    self.preferred_element_type = preferred_element_type
+    self.implementation = check_implementation(implementation)
+
+  @property
+  def weight(self) -> NMSparseMatrix:
+    """The compressed ``(in_features, out_features)`` kernel."""
+    return NMSparseMatrix(
+        self.kernel[...],
+        self.kernel_positions[...],
+        shape=(self.in_features, self.out_features),
+        n=self.n,
+        m=self.m,
+        axis=self.axis,
+    )
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    """Applies the layer to ``x`` of shape ``(..., in_features)``; returns ``(..., out_features)``."""
+    bias = None if self.bias is None else self.bias[...]
+    x, values, bias = self.promote_dtype((x, self.kernel[...], bias), dtype=self.dtype)
+    w = self.weight.with_values(values)
+    y = ops.nm_matmul(
+        x,
+        w,
+        implementation=self.implementation,
+        precision=self.precision,
+        preferred_element_type=self.preferred_element_type,
+    )
+    return y if bias is None else y + bias
+
+  def to_dense(self) -> nnx.Linear:
+    """An ``nnx.Linear`` with the decompressed kernel and the same bias."""
+    kernel = self.weight.to_dense()
+    linear = nnx.Linear(
+        self.in_features,
+        self.out_features,
+        use_bias=self.bias is not None,
+        dtype=self.dtype,
+        param_dtype=kernel.dtype,
+        precision=self.precision,
+        kernel_init=lambda *_: kernel,
+        promote_dtype=self.promote_dtype,
+        preferred_element_type=self.preferred_element_type,
+        rngs=nnx.Rngs(0),
+    )
+    if self.bias is not None:
+      linear.bias[...] = self.bias[...]
+    return linear
+
+
+def _conv_options(conv: nnx.Conv) -> dict[str, Any]:
+  """Keyword arguments that rebuild ``conv``'s options (all but sizes, kernel and N:M settings)."""
+  return dict(
+      strides=conv.strides,
+      padding=conv.padding,
+      input_dilation=conv.input_dilation,
+      kernel_dilation=conv.kernel_dilation,
+      feature_group_count=conv.feature_group_count,
+      use_bias=conv.bias is not None,
+      mask=conv.mask,
+      dtype=conv.dtype,
+      precision=conv.precision,
+      conv_general_dilated=conv.conv_general_dilated,
+      promote_dtype=_base_promote(conv),
+      preferred_element_type=conv.preferred_element_type,
+      rngs=nnx.Rngs(0),
+  )
+
+
+class NMConv(_NMMixin, nnx.Conv):
+  """``nnx.Conv`` with an N:M-sparse kernel trained from scratch by SR-STE.
+
+  The groups of ``m`` run along the input channels: axis -2 (``cin``) of the ``(*kernel_size, cin,
+  cout)`` kernel, the grouping of NVIDIA's and PyTorch's 2:4 convolutions. Every ``nnx.Conv``
+  option works (strides, padding modes, dilations, feature groups, the weight ``mask``, which is
+  applied before the N:M pruning). The N:M pattern is :attr:`nm_mask`; ``mask`` stays the Flax
+  weight mask.
+
+  >>> import jax.numpy as jnp
+  >>> from flax import nnx
+  >>> from jaxsparse.layers import NMConv
+  >>> conv = NMConv(8, 16, (3, 3), n=2, m=4, rngs=nnx.Rngs(0))
+  >>> conv.kernel.shape, int(conv.nm_mask.sum()), conv(jnp.ones((2, 6, 6, 8))).shape
+  ((3, 3, 8, 16), 576, (2, 6, 6, 16))
+
+  Args:
+    in_features: input channels; ``in_features // feature_group_count`` a multiple of ``m``.
+    out_features, kernel_size, strides, padding, input_dilation, kernel_dilation,
+      feature_group_count, use_bias, mask, dtype, param_dtype, precision, kernel_init, bias_init,
+      conv_general_dilated, preferred_element_type, rngs: as ``nnx.Conv``.
+    n, m: keep ``n`` of every ``m`` input channels, ``0 < n < m``.
+    sr_ste_decay: SR-STE's decay of the pruned weights, ``>= 0``; ``0`` gives plain STE.
+    promote_dtype: as ``nnx.Conv``; it runs after the N:M pruning.
+    **kwargs: other ``nnx.Conv`` keyword arguments (e.g. ``kernel_metadata``).
+  """
+
+  def __init__(
+      self,
+      in_features: int,
+      out_features: int,
+      kernel_size: int | tuple[int, ...],
+      strides: int | tuple[int, ...] | None = 1,
+      *,
+      n: int = 2,
+      m: int = 4,
+      sr_ste_decay: float = 2e-4,
+      padding: PaddingLike = "SAME",
+      input_dilation: int | tuple[int, ...] | None = 1,
+      kernel_dilation: int | tuple[int, ...] | None = 1,
+      feature_group_count: int = 1,
+      use_bias: bool = True,
+      mask: jax.Array | None = None,
+      dtype: Dtype | None = None,
+      param_dtype: Dtype = jnp.float32,
+      precision: lax.PrecisionLike = None,
+      kernel_init: Initializer = default_kernel_init,
+      bias_init: Initializer = default_bias_init,
+      conv_general_dilated: Callable[..., jax.Array] = lax.conv_general_dilated,
+      promote_dtype: Callable[..., Any] = dtypes.promote_dtype,
+      preferred_element_type: Dtype | None = None,
+      rngs: nnx.Rngs,
+      **kwargs: Any,
+  ):
+    n, m = _nm.check_nm(n, m)
+    if feature_group_count < 1 or in_features % feature_group_count:
+      raise ValueError(
+          f"feature_group_count={feature_group_count} must be >= 1 and divide in_features={in_features}."
+      )
+    check_in_features(in_features // feature_group_count, m, name="in_features // feature_group_count")
+    nm_promote = NMPromote(n, m, check_decay(sr_ste_decay), -2, promote_dtype)
+    super().__init__(
+        in_features,
+        out_features,
+        kernel_size,
+        strides,
+        padding=padding,
+        input_dilation=input_dilation,
+        kernel_dilation=kernel_dilation,
+        feature_group_count=feature_group_count,
+        use_bias=use_bias,
+        mask=mask,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        precision=precision,
+        kernel_init=kernel_init,
+        bias_init=bias_init,
+        conv_general_dilated=conv_general_dilated,
+        promote_dtype=nm_promote,
+        preferred_element_type=preferred_element_type,
+        rngs=rngs,
+        **kwargs,
+    )
+
+  def _masked_input_kernel(self) -> jax.Array:
+    k = self.kernel[...]
+    return k if self.mask is None else k * self.mask
+
+  @classmethod
+  def from_dense(cls, conv: nnx.Conv, *, n: int = 2, m: int = 4, sr_ste_decay: float = 2e-4) -> NMConv:
+    """An ``NMConv`` with ``conv``'s dense kernel, bias and every option, ready to train with SR-STE.
+
+    >>> from flax import nnx
+    >>> from jaxsparse.layers import NMConv
+    >>> NMConv.from_dense(nnx.Conv(8, 16, (3, 3), rngs=nnx.Rngs(0)), n=1, m=4).nm_mask.mean()
+    Array(0.25, dtype=float32)
+    """
+    if not isinstance(conv, nnx.Conv):
+      raise TypeError(f"conv must be a flax.nnx.Conv, got {type(conv).__name__}.")
+    kernel = conv.kernel[...]
+    layer = cls(
+        conv.in_features,
+        conv.out_features,
+        conv.kernel_size,
+        n=n,
+        m=m,
+        sr_ste_decay=sr_ste_decay,
+        param_dtype=kernel.dtype,
+        kernel_init=lambda *_: kernel,
+        **_conv_options(conv),
+    )
+    if conv.bias is not None:
+      layer.bias[...] = conv.bias[...]
+    return layer
+
+  def to_dense(self) -> nnx.Conv:
+    """An ``nnx.Conv`` holding the pruned kernel: the same function as this layer's forward pass."""
+    kernel = self.pruned_kernel()
+    conv = nnx.Conv(
+        self.in_features,
+        self.out_features,
+        self.kernel_size,
+        param_dtype=kernel.dtype,
+        kernel_init=lambda *_: kernel,
+        **_conv_options(self),
+    )
+    if self.bias is not None:
+      conv.bias[...] = self.bias[...]
+    return conv
+
+  def to_compressed(self) -> NMSparseMatrix:
+    """The pruned kernel compressed along ``cin`` (for storage and export; compute with :meth:`to_dense`)."""
+    return NMSparseMatrix.from_dense(self._masked_input_kernel(), self.n, self.m, axis=-2)
+
+  def to_linen_variables(self) -> dict[str, dict[str, jax.Array]]:
+    """``{"params": {"kernel", "bias"?}}`` for :class:`jaxsparse.layers.linen.NMConv` with the same settings."""
+    params = {"kernel": self.kernel[...]}
+    if self.bias is not None:
+      params["bias"] = self.bias[...]
+    return {"params": params}

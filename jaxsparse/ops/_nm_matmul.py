@@ -1,0 +1,184 @@
+"""``nm_matmul``: ``x @ W`` for a compressed N:M-sparse ``W``, differentiable in ``x`` and the kept values.
+
+Two backends for the forward product:
+
+* XLA: expand ``W`` to dense (one fused pass over the compressed bytes) and run a dense ``dot``.
+  This is the reference, the CPU path, and on a GPU the faster choice for many rows, where the
+  product is bound by arithmetic and the dense tensor-core ``dot`` wins.
+* Pallas (CUDA GPUs, few rows): :mod:`jaxsparse.pallas._nm_matmul` reads the compressed weight
+  (56% of the dense bytes for 2:4 bf16) and expands it on chip. The expansion, not memory, limits
+  it: 0.79-1.0x the dense time at M = 16 on an H100, 3-4x faster than expanding in XLA first
+  (``benchmarks/results/gpu_nm_2026-11-21.md``).
+
+The backward pass (both backends) is ``dX = dY @ Wᵀ`` and ``dvalues = (xᵀ dY)`` sampled at the
+kept positions, both through XLA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxsparse._nm import NMSparseMatrix
+
+__all__ = ["nm_matmul", "nm_matmul_reference"]
+
+Implementation = Literal["xla", "pallas"]
+_IMPLEMENTATIONS = (None, "xla", "pallas")
+
+
+def nm_matmul_reference(
+    x: jax.typing.ArrayLike,
+    w: NMSparseMatrix,
+    *,
+    precision: lax.PrecisionLike = None,
+    preferred_element_type: jax.typing.DTypeLike | None = None,
+) -> jax.Array:
+  """Dense oracle and XLA path: ``x @ w.to_dense()``.
+
+  >>> import jax, jax.numpy as jnp, jaxsparse
+  >>> w = jaxsparse.NMSparseMatrix.from_dense(jnp.arange(8.0).reshape(4, 2), 2, 4)
+  >>> jaxsparse.ops.nm_matmul_reference(jnp.ones((1, 4)), w)
+  Array([[10., 12.]], dtype=float32)
+  """
+  x = jnp.asarray(x)
+  out_dtype = preferred_element_type or jnp.result_type(x.dtype, w.dtype)
+  return jnp.matmul(x, w.to_dense(), precision=precision, preferred_element_type=out_dtype)
+
+
+def _pallas_ops():
+  """The Pallas kernel module, or ``None`` when it cannot be imported here."""
+  try:
+    from jaxsparse.pallas import _nm_matmul as kernels  # noqa: PLC0415 (optional: needs jax's Triton bits)
+  except ImportError:
+    return None
+  return kernels
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+  implementation: str  # "xla", "pallas" or "auto"
+  precision: lax.PrecisionLike
+  out_dtype: jnp.dtype
+
+
+def _xla_forward(cfg: _Config, x2, w):
+  return nm_matmul_reference(x2, w, precision=cfg.precision).astype(cfg.out_dtype)
+
+
+def _forward(cfg: _Config, x2: jax.Array, w: NMSparseMatrix) -> jax.Array:
+  xla_fn = functools.partial(_xla_forward, cfg)
+  if cfg.implementation == "xla":
+    return xla_fn(x2, w)
+  kernels = _pallas_ops()
+  pallas_fn = lambda a, b: kernels.forward(a, b, precision=cfg.precision).astype(cfg.out_dtype)
+  if cfg.implementation == "pallas":
+    return pallas_fn(x2, w)
+  if kernels is None or not kernels.supports(x2, w):
+    if kernels is not None and kernels.available():
+      warnings.warn(
+          f"nm_matmul: the Pallas GPU kernel does not support these operands "
+          f"({kernels.unsupported_reason(x2, w)}); using the XLA path.",
+          kernels.PallasFallbackWarning,
+          stacklevel=4,
+      )
+    return xla_fn(x2, w)
+  if not kernels.preferred(x2, w):
+    return xla_fn(x2, w)
+  # The kernel on CUDA, the XLA path elsewhere, decided when lowering for a platform.
+  return lax.platform_dependent(x2, w, cuda=pallas_fn, default=xla_fn)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _nm_matmul(cfg: _Config, x2: jax.Array, w: NMSparseMatrix) -> jax.Array:
+  return _forward(cfg, x2, w)
+
+
+def _nm_matmul_fwd(cfg, x2, w):
+  return _forward(cfg, x2, w), (x2, w)
+
+
+def _nm_matmul_bwd(cfg, res, dy2):
+  x2, w = res
+  acc = jnp.promote_types(jnp.result_type(x2.dtype, dy2.dtype, w.dtype), jnp.float32)
+  wd = w.to_dense()
+  dx = lax.dot_general(dy2, wd, (((1,), (1,)), ((), ())), precision=cfg.precision, preferred_element_type=acc)
+  dw = lax.dot_general(x2, dy2, (((0,), (0,)), ((), ())), precision=cfg.precision, preferred_element_type=acc)
+  # The gradient of the kept values is dW at the kept positions: the VJP of w.to_dense().
+  _, to_dense_vjp = jax.vjp(lambda v: w.with_values(v).to_dense(), w.values)
+  (dvalues,) = to_dense_vjp(dw.astype(w.dtype))
+  dw_tree = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(w), [dvalues, None])
+  return dx.astype(x2.dtype), dw_tree
+
+
+_nm_matmul.defvjp(_nm_matmul_fwd, _nm_matmul_bwd)
+
+
+def _check_implementation(implementation) -> str:
+  if implementation not in _IMPLEMENTATIONS:
+    raise ValueError(f"implementation must be one of {_IMPLEMENTATIONS}, got implementation={implementation!r}.")
+  if implementation is None:
+    return "auto"
+  if implementation == "pallas":
+    kernels = _pallas_ops()
+    if kernels is None or not kernels.available():
+      reason = "jaxsparse.pallas could not be imported" if kernels is None else kernels.unavailable_reason()
+      raise RuntimeError(f"implementation='pallas' was requested but cannot run here: {reason}.")
+  return implementation
+
+
+def nm_matmul(
+    x: jax.typing.ArrayLike,
+    w: NMSparseMatrix,
+    *,
+    implementation: Implementation | None = None,
+    precision: lax.PrecisionLike = None,
+    preferred_element_type: jax.typing.DTypeLike | None = None,
+) -> jax.Array:
+  """Computes ``x @ w`` for an N:M-sparse ``w`` stored compressed.
+
+  Equal to ``x @ w.to_dense()``. Differentiable with respect to ``x`` and ``w.values`` (the
+  positions are integers and get no gradient); works under ``jit``, ``vmap`` and ``grad``.
+
+  >>> import jax, jax.numpy as jnp, jaxsparse
+  >>> w = jaxsparse.NMSparseMatrix.from_dense(jax.random.normal(jax.random.key(0), (64, 32)), 2, 4)
+  >>> x = jnp.ones((2, 3, 64))
+  >>> y = jaxsparse.ops.nm_matmul(x, w)
+  >>> y.shape, bool(jnp.allclose(y, x @ w.to_dense(), atol=1e-5))
+  ((2, 3, 32), True)
+
+  Args:
+    x: ``(..., K)`` activations.
+    w: a 2-D :class:`jaxsparse.NMSparseMatrix` of shape ``(K, N)``; groups along ``K`` (axis 0)
+      for the GPU kernel, either axis on the XLA path.
+    implementation: ``None`` picks at lowering time: the Pallas kernel on CUDA GPUs for few rows
+      (``M <= 64``) when it supports the operands, the XLA path otherwise; ``"xla"`` or
+      ``"pallas"`` force one, and a forced backend that cannot run raises.
+    precision: passed to the products.
+    preferred_element_type: output dtype; defaults to ``result_type(x, w.values)``. Products
+      accumulate in at least float32.
+
+  Returns:
+    ``(..., N)`` array.
+  """
+  if not isinstance(w, NMSparseMatrix):
+    raise TypeError(f"w must be a jaxsparse.NMSparseMatrix, got {type(w).__name__}.")
+  if w.ndim != 2:
+    raise ValueError(f"w must be a 2-D (K, N) NMSparseMatrix, got shape {w.shape}.")
+  x = jnp.asarray(x)
+  impl = _check_implementation(implementation)
+  if x.ndim < 1 or x.shape[-1] != w.shape[0]:
+    raise ValueError(f"x must have shape (..., K) with K = w.shape[0] = {w.shape[0]}, got x.shape={x.shape}.")
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(f"x must have a floating dtype, got {x.dtype}.")
+  out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(x.dtype, w.dtype))
+  cfg = _Config(impl, precision, out_dtype)
+  lead = x.shape[:-1]
+  y2 = _nm_matmul(cfg, x.reshape(-1, w.shape[0]), w)
+  return y2.reshape(*lead, w.shape[1])

@@ -1,0 +1,439 @@
+"""Mosaic GPU (Hopper: TMA + wgmma) kernels for ``x @ W`` and ``dY @ Wᵀ`` with a block-sparse ``W``.
+
+Both products are one "dense x sparse" kernel (:func:`dense_sparse_matmul`): output tile ``(tile_m, ob)``
+at row tile ``mi`` and output block column ``c`` sums ``a[mi rows, a-block of step t] @ B_t`` over the
+steps ``t`` of column ``c``, ``offsets[c] <= t < offsets[c + 1]``:
+
+* forward ``y = x @ W``: ``a = x``, column ``c`` = block column ``j`` of ``W``; its steps are its kept
+  blocks in column-major order (``col_offsets``), ``B_t = data[transpose_order[t]]`` and the ``x``
+  block is block row ``row_indices[transpose_order[t]]``.
+* ``dX = dY @ Wᵀ``: ``a = dY``, column ``c`` = block row ``i`` of ``W``; its steps are its kept blocks
+  in row-major order (``row_offsets``), ``B_t = data[t]ᵀ`` and the ``dY`` block is ``col_indices[t]``.
+
+The kernel is persistent and warp-specialised: each of ``num_ctas`` thread blocks walks its share of
+the output tiles (every ``num_ctas``-th tile of a grouped order that keeps ``group_m`` row tiles of
+``a`` hot in L2), one memory warpgroup streams the ``a`` tile and the ``B`` block of every step through
+a ring of ``num_stages`` shared-memory slots with TMA, continuing across tile boundaries, and two
+compute warpgroups (``tile_m / 2`` rows each) accumulate with wgmma in float32 and store their half
+of the tile with TMA. The loops over steps have data-dependent trip counts; work and traffic are
+proportional to the kept blocks.
+
+Needs a Hopper GPU (compute capability 9.x: wgmma), 16-bit inputs of one dtype and blocks of 32, 64 or
+128; :func:`unsupported_reason` says why not otherwise, and :mod:`jaxsparse.pallas._block_sparse_matmul`
+falls back to its Triton kernels. The tile-order and step-order logic is plain ``jnp`` (:func:`tile_of`,
+:func:`steps_of`) so that CPU tests can check it against the dense product; the kernel itself also runs
+in Mosaic GPU interpret mode on a CPU (``interpret=True``): the forward with jax 0.10 (CI), the
+transposed ``dX`` product only from jax 0.11 (0.10's interpreter lacks transposed wgmma operands).
+Measured on an H100 (``benchmarks/results/gpu_block_sparse_2026-11-21_h100.md``): at ``M = 8192`` and
+density 0.25, 0.31 of the dense time for 128 x 128 blocks, 0.50 for 64 x 64 blocks (bound by reading
+each kept block's ``M x 64`` slab of ``x`` from L2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxsparse._formats import BlockSparseMatrix
+
+__all__ = [
+    "MosaicBlockSparseMatmulConfig",
+    "MosaicKernelConfig",
+    "dense_sparse_matmul",
+    "dx",
+    "forward",
+    "steps_of",
+    "supports",
+    "tile_of",
+    "unsupported_reason",
+]
+
+SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+SUPPORTED_BLOCK_DIMS = (32, 64, 128)
+OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+_NUM_COMPUTE_WGS = 2
+# Registers per thread: the memory warpgroup gives most of its share to the two compute warpgroups,
+# whose float32 accumulators take up to 128 per thread (a 128 x 128 tile).
+_MEMORY_REGISTERS = 40
+_COMPUTE_REGISTERS = 232
+_SMEM_BYTES = 227 * 1024
+_DEFAULT_NUM_SMS = 132
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicKernelConfig:
+  """Tiling of the Mosaic GPU dense x sparse kernel.
+
+  Attributes:
+    tile_m: rows of ``a`` per output tile, split between the two compute warpgroups: 128 or 256.
+    tile_k: contraction depth of one pipeline step (a divisor of the contraction block): 32 or 64.
+    num_stages: shared-memory slots in the load ring (each holds one ``a`` tile and one ``B`` tile).
+    group_m: output tiles are visited ``group_m`` row tiles at a time (per block column), so that the
+      tiles running together share their ``a`` rows in L2.
+    num_ctas: thread blocks of the persistent grid; ``None`` means one per streaming multiprocessor,
+      ``0`` one per output tile (a plain grid, scheduled by the hardware).
+    epi_n: output columns stored per epilogue step (a divisor of the output block width).
+  """
+
+  tile_m: int = 256
+  tile_k: int = 64
+  num_stages: int = 4
+  group_m: int = 4
+  num_ctas: int | None = None
+  epi_n: int = 64
+
+  def __post_init__(self):
+    if self.tile_m not in (128, 256):
+      raise ValueError(f"tile_m must be 128 or 256 (64 or 128 rows per compute warpgroup), got tile_m={self.tile_m}.")
+    if self.tile_k not in (32, 64):
+      raise ValueError(f"tile_k must be 32 or 64, got tile_k={self.tile_k}.")
+    if self.epi_n not in (32, 64, 128):
+      raise ValueError(f"epi_n must be 32, 64 or 128, got epi_n={self.epi_n}.")
+    for name in ("num_stages", "group_m"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name} must be >= 1, got {name}={getattr(self, name)}.")
+    if self.num_ctas is not None and self.num_ctas < 0:
+      raise ValueError(f"num_ctas must be None, 0 or positive, got num_ctas={self.num_ctas}.")
+
+  def smem_bytes(self, ob: int, itemsize: int, out_itemsize: int) -> int:
+    """Shared memory the kernel allocates for output blocks ``ob`` wide."""
+    ring = self.num_stages * (self.tile_m * self.tile_k + self.tile_k * ob) * itemsize
+    return ring + self.tile_m * min(self.epi_n, ob) * out_itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicBlockSparseMatmulConfig:
+  """Tile configs of the Mosaic GPU forward (``x @ W``) and ``dX = dY @ Wᵀ`` kernels."""
+
+  forward: MosaicKernelConfig = MosaicKernelConfig()
+  dx: MosaicKernelConfig = MosaicKernelConfig()
+
+  @classmethod
+  def get_default(
+      cls,
+      m: int,
+      block_shape: tuple[int, int],
+      dtype: jax.typing.DTypeLike,
+      out_dtype: jax.typing.DTypeLike | None = None,
+  ) -> MosaicBlockSparseMatmulConfig:
+    """The config for ``m`` rows and ``block_shape`` blocks: the deepest ring that fits shared memory.
+
+    Measured on an H100 at ``M = 8192`` (``benchmarks/gpu_block_sparse.py --mosaic-sweep``): 4 ring
+    slots, 256-row tiles, a persistent grid, and 4 (forward) or 2 (``dx``) row tiles per group.
+    """
+    bk, bn = block_shape
+    itemsize = jnp.dtype(dtype).itemsize
+    out_itemsize = jnp.dtype(out_dtype or dtype).itemsize
+
+    def pick(ob: int, cb: int, group_m: int) -> MosaicKernelConfig:
+      tile_m = 256 if m > 128 else 128
+      base = MosaicKernelConfig(tile_m=tile_m, tile_k=min(64, cb), group_m=group_m, epi_n=min(64, ob))
+      for stages in (4, 3, 2):
+        cfg = dataclasses.replace(base, num_stages=stages)
+        if cfg.smem_bytes(ob, itemsize, out_itemsize) <= _SMEM_BYTES:
+          return cfg
+      return dataclasses.replace(base, num_stages=2)
+
+    # dx keeps fewer row tiles in flight: its dY rows (M x N) are the larger operand in L2.
+    return cls(forward=pick(bn, bk, 4), dx=pick(bk, bn, 2))
+
+
+# -------------------------------------------------------------------------------------------------
+# Schedule: which output tile a thread block handles, and which blocks each output column sums.
+# Plain jnp on scalars, shared by the kernel and the CPU tests.
+# -------------------------------------------------------------------------------------------------
+
+
+def tile_of(tile, num_m: int, num_c: int, group_m: int):
+  """Output tile number -> ``(row tile, output block column)``.
+
+  Tiles are numbered ``group_m`` row tiles at a time: within a group, row tiles vary fastest, then
+  columns; the last group may be shorter. Every ``(row tile, column)`` pair gets exactly one number
+  in ``[0, num_m * num_c)``.
+  """
+  width = group_m * num_c
+  first_m = (tile // width) * group_m
+  size = jnp.minimum(num_m - first_m, group_m)
+  r = tile % width
+  return first_m + r % size, r // size
+
+
+def steps_of(w: BlockSparseMatrix, *, transpose: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Per-output-column step lists of ``x @ W`` (``transpose=False``) or ``dY @ Wᵀ`` (``True``).
+
+  Returns:
+    ``(offsets, blocks, a_blocks)``: output column ``c`` sums steps ``offsets[c]:offsets[c + 1]``;
+    step ``t`` multiplies block ``a_blocks[t]`` (a block column of ``x`` or of ``dY``) of the dense
+    operand with ``data[blocks[t]]`` (transposed for ``dY @ Wᵀ``).
+  """
+  if transpose:
+    return w.row_offsets, jnp.arange(w.nnz_blocks, dtype=jnp.int32), w.col_indices
+  return w.col_offsets, w.transpose_order, w.row_indices[w.transpose_order]
+
+
+# -------------------------------------------------------------------------------------------------
+# Support.
+# -------------------------------------------------------------------------------------------------
+
+
+def unsupported_reason(a: jax.Array, w: BlockSparseMatrix, out_dtype=None, config=None, *, transpose=False):
+  """Why the Mosaic GPU kernel cannot compute ``a @ W`` (or ``a @ Wᵀ``), or ``None``."""
+  if not isinstance(w, BlockSparseMatrix):
+    return f"w must be a BlockSparseMatrix, got {type(w).__name__}"
+  if jnp.dtype(a.dtype) not in SUPPORTED_DTYPES or a.dtype != w.dtype:
+    return f"needs 16-bit inputs of one dtype ({[str(d) for d in SUPPORTED_DTYPES]}), got {a.dtype} and {w.dtype}"
+  out_dtype = jnp.dtype(out_dtype or a.dtype)
+  if out_dtype not in OUT_DTYPES:
+    return f"out_dtype {out_dtype} is not one of {[str(d) for d in OUT_DTYPES]}"
+  if a.ndim != 2:
+    return f"activations must be 2-D, got shape {a.shape}"
+  bk, bn = w.block_shape
+  if bk not in SUPPORTED_BLOCK_DIMS or bn not in SUPPORTED_BLOCK_DIMS:
+    return f"block_shape={(bk, bn)}: each block dim must be one of {SUPPORTED_BLOCK_DIMS}"
+  features = w.shape[1] if transpose else w.shape[0]
+  if a.shape[1] != features:
+    return f"the activations have {a.shape[1]} features but W needs {features}"
+  ob, cb = (bk, bn) if transpose else (bn, bk)
+  if config is not None:
+    if cb % config.tile_k or ob % min(config.epi_n, ob):
+      return f"{config} does not tile blocks {w.block_shape}"
+    if config.smem_bytes(ob, a.dtype.itemsize, out_dtype.itemsize) > _SMEM_BYTES:
+      return f"{config} needs more than {_SMEM_BYTES} bytes of shared memory"
+  return None
+
+
+def supports(a, w, out_dtype=None, config=None, *, transpose=False) -> bool:
+  """Whether :func:`dense_sparse_matmul` handles these operands (see :func:`unsupported_reason`)."""
+  return unsupported_reason(a, w, out_dtype, config, transpose=transpose) is None
+
+
+# -------------------------------------------------------------------------------------------------
+# Kernel.
+# -------------------------------------------------------------------------------------------------
+
+
+def _num_sms() -> int:
+  try:
+    return int(jax.devices()[0].core_count)
+  except (AttributeError, RuntimeError, TypeError, ValueError):
+    return _DEFAULT_NUM_SMS
+
+
+def _interpret_params():
+  """Mosaic GPU interpret-mode parameters (public from jax 0.11; private in 0.10)."""
+  if hasattr(plgpu, "InterpretGPUParams"):
+    return plgpu.InterpretGPUParams()
+  from jax._src.pallas.mosaic_gpu.interpret import params  # noqa: PLC0415 -- jax 0.10 has no public name
+
+  return params.InterpretGPUParams()
+
+
+def _transposed(ref):
+  """A 2-D shared-memory ref viewed transposed (the API moved in jax 0.11)."""
+  if jax.__version_info__ >= (0, 11):
+    return ref.transpose((1, 0))
+  return plgpu.transpose_ref(ref, (1, 0))
+
+
+def _smem_transforms(minor: int, dtype) -> tuple:
+  swizzle = plgpu.find_swizzle(minor * jnp.dtype(dtype).itemsize * 8)
+  return plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle)
+
+
+def _kernel(
+    offsets_ref,
+    blocks_ref,
+    a_blocks_ref,
+    a_ref,
+    data_ref,
+    out_ref,
+    *,
+    cfg: MosaicKernelConfig,
+    transpose: bool,
+    num_m: int,
+    num_c: int,
+    num_ctas: int,
+):
+  """One thread block: warpgroups 0 and 1 compute, warpgroup 2 streams the operands."""
+  _, bk, bn = data_ref.shape
+  ob, cb = (bk, bn) if transpose else (bn, bk)
+  tm, tk, stages = cfg.tile_m, cfg.tile_k, cfg.num_stages
+  half = tm // _NUM_COMPUTE_WGS
+  ksub = cb // tk
+  epi_n = min(cfg.epi_n, ob)
+  dtype, out_dtype = a_ref.dtype, out_ref.dtype
+
+  cta = lax.axis_index("cta")
+  wg = lax.axis_index("wg")
+  num_tiles = num_m * num_c
+  my_tiles = (num_tiles - cta + num_ctas - 1) // num_ctas
+
+  def tile(i):
+    mi, c = tile_of(cta + i * num_ctas, num_m, num_c, cfg.group_m)
+    return mi, c, offsets_ref[c], offsets_ref[c + 1]
+
+  b_shape = (ob, tk) if transpose else (tk, ob)
+
+  @functools.partial(
+      pl.run_scoped,
+      a_smem=plgpu.SMEM((stages, tm, tk), dtype, transforms=_smem_transforms(tk, dtype)),
+      b_smem=plgpu.SMEM((stages, *b_shape), dtype, transforms=_smem_transforms(b_shape[1], dtype)),
+      o_smem=plgpu.SMEM((_NUM_COMPUTE_WGS, half, epi_n), out_dtype, transforms=_smem_transforms(epi_n, out_dtype)),
+      ready=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      consumed=plgpu.Barrier(num_arrivals=_NUM_COMPUTE_WGS, num_barriers=stages),
+      collective_axes="wg",
+  )
+  def _scope(a_smem, b_smem, o_smem, ready, consumed):
+    @pl.when(wg == _NUM_COMPUTE_WGS)
+    def _memory():
+      plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
+
+      def tile_body(i, g):
+        mi, _, start, end = tile(i)
+
+        def step(t, g):
+          b = t if transpose else blocks_ref[t]
+          a0 = a_blocks_ref[t] * cb
+          for kk in range(ksub):
+            slot = lax.rem(g, stages)
+
+            @pl.when(g >= stages)
+            def _(slot=slot):
+              plgpu.barrier_wait(consumed.at[slot])
+
+            plgpu.copy_gmem_to_smem(
+                a_ref.at[pl.ds(mi * tm, tm), pl.ds(a0 + kk * tk, tk)], a_smem.at[slot], ready.at[slot]
+            )
+            if transpose:
+              b_src = data_ref.at[b, :, pl.ds(kk * tk, tk)]
+            else:
+              b_src = data_ref.at[b, pl.ds(kk * tk, tk), :]
+            plgpu.copy_gmem_to_smem(b_src, b_smem.at[slot], ready.at[slot])
+            g = g + 1
+          return g
+
+        return lax.fori_loop(start, end, step, g)
+
+      steps = lax.fori_loop(0, my_tiles, tile_body, jnp.int32(0))
+
+      # Observe the last releases too, so that every barrier ends in a consistent phase.
+      @pl.loop(jnp.maximum(steps - stages, 0), steps)
+      def _(g):
+        plgpu.barrier_wait(consumed.at[lax.rem(g, stages)])
+
+    @pl.when(wg < _NUM_COMPUTE_WGS)
+    def _compute():
+      plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
+      rows = pl.ds(wg * half, half)
+
+      def tile_body(i, g):
+        mi, c, start, end = tile(i)
+
+        def acc_scope(acc_ref):
+          def step(t, g):
+            for _ in range(ksub):
+              slot = lax.rem(g, stages)
+              plgpu.barrier_wait(ready.at[slot])
+              b = b_smem.at[slot]
+              plgpu.wgmma(acc_ref, a_smem.at[slot, rows], _transposed(b) if transpose else b)
+              plgpu.wgmma_wait(0)
+              plgpu.barrier_arrive(consumed.at[slot])
+              g = g + 1
+            return g
+
+          g_end = lax.fori_loop(start, end, step, g)
+          return g_end, acc_ref[...]
+
+        g_end, acc = pl.run_scoped(acc_scope, plgpu.ACC((half, ob), jnp.float32))
+        out_rows = pl.ds(mi * tm + wg * half, half)
+        for e in range(ob // epi_n):
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          o_smem[wg] = acc[:, e * epi_n : (e + 1) * epi_n].astype(out_dtype)
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(o_smem.at[wg], out_ref.at[out_rows, pl.ds(c * ob + e * epi_n, epi_n)])
+        return g_end
+
+      lax.fori_loop(0, my_tiles, tile_body, jnp.int32(0))
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def dense_sparse_matmul(
+    a: jax.Array,
+    w: BlockSparseMatrix,
+    *,
+    transpose: bool = False,
+    out_dtype: jax.typing.DTypeLike | None = None,
+    config: MosaicKernelConfig | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+  """``a (M, K) @ W (K, N)`` or, with ``transpose``, ``a (M, N) @ Wᵀ``, accumulated in float32.
+
+  Args:
+    a: ``(M, features)`` activations (``x`` or ``dY``), of ``w``'s 16-bit dtype.
+    w: block-sparse ``(K, N)`` weight.
+    transpose: multiply by ``Wᵀ`` (the ``dX`` product) instead of ``W``.
+    out_dtype: output dtype, ``a.dtype`` by default (float32 keeps the accumulator).
+    config: tiling; defaults to :meth:`MosaicBlockSparseMatmulConfig.get_default`.
+    interpret: run in Mosaic GPU interpret mode (on a CPU, slow; for tests).
+
+  Returns:
+    ``(M, N)`` (or ``(M, K)`` with ``transpose``) array of ``out_dtype``.
+  """
+  out_dtype = jnp.dtype(out_dtype or a.dtype)
+  if config is None:
+    default = MosaicBlockSparseMatmulConfig.get_default(a.shape[0], w.block_shape, a.dtype, out_dtype)
+    config = default.dx if transpose else default.forward
+  if isinstance(w, BlockSparseMatrix):
+    # A float32 output needs a larger epilogue buffer: give up ring slots until it fits.
+    ob = w.block_shape[0] if transpose else w.block_shape[1]
+    while config.num_stages > 2 and config.smem_bytes(ob, a.dtype.itemsize, out_dtype.itemsize) > _SMEM_BYTES:
+      config = dataclasses.replace(config, num_stages=config.num_stages - 1)
+  reason = unsupported_reason(a, w, out_dtype, config, transpose=transpose)
+  if reason is not None:
+    raise ValueError(f"The Mosaic GPU block-sparse kernel does not support these operands: {reason}.")
+  m = a.shape[0]
+  (bk, bn), (kb, nb) = w.block_shape, w.grid_shape
+  ob, num_c = (bk, kb) if transpose else (bn, nb)
+  out_cols = num_c * ob
+  if w.nnz_blocks == 0:
+    return jnp.zeros((m, out_cols), out_dtype)
+  pad = -m % config.tile_m
+  ap = jnp.pad(a, ((0, pad), (0, 0))) if pad else a
+  num_m = ap.shape[0] // config.tile_m
+  num_tiles = num_m * num_c
+  num_ctas = config.num_ctas
+  num_ctas = num_tiles if num_ctas == 0 else min(num_tiles, num_ctas or _num_sms())
+  offsets, blocks, a_blocks = steps_of(w, transpose=transpose)
+  kernel = functools.partial(
+      _kernel, cfg=config, transpose=transpose, num_m=num_m, num_c=num_c, num_ctas=num_ctas
+  )
+  params = {"interpret": _interpret_params()} if interpret else {}
+  out = plgpu.kernel(
+      kernel,
+      out_type=jax.ShapeDtypeStruct((ap.shape[0], out_cols), out_dtype),
+      grid=(num_ctas,),
+      grid_names=("cta",),
+      num_threads=_NUM_COMPUTE_WGS + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      **params,
+  )(offsets, blocks, a_blocks, ap, w.data)
+  return out[:m] if pad else out
+
+
+def forward(x2, w, *, out_dtype=None, config: MosaicBlockSparseMatmulConfig | None = None, interpret=False):
+  """``x2 (M, K) @ W -> (M, N)`` (see :func:`dense_sparse_matmul`)."""
+  cfg = None if config is None else config.forward
+  return dense_sparse_matmul(x2, w, out_dtype=out_dtype, config=cfg, interpret=interpret)
+
+
+def dx(dy2, w, *, out_dtype=None, config: MosaicBlockSparseMatmulConfig | None = None, interpret=False):
+  """``dY (M, N) @ Wᵀ -> (M, K)`` (see :func:`dense_sparse_matmul`)."""
+  cfg = None if config is None else config.dx
+  return dense_sparse_matmul(dy2, w, transpose=True, out_dtype=out_dtype, config=cfg, interpret=interpret)

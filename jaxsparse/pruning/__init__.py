@@ -1,0 +1,73 @@
+"""Pruning and sparse training: scores, masks, schedules, SET/RigL and an optax wrapper.
+
+Train a dense Flax model with ``tx = pruning.wrap_optax(optax.adam(...), pruner)``; the wrapper keeps
+the masks in its state, recomputes them on the pruner's schedule and keeps pruned weights at zero.
+Read the masks with :func:`get_masks` and turn the trained model into sparse layers with
+``jaxsparse.sparsify(model, rules, masks=masks)``.
+
+>>> import jax, jax.numpy as jnp, optax, jaxsparse
+>>> from flax import nnx
+>>> from jaxsparse import pruning
+>>> model = nnx.Sequential(nnx.Linear(32, 64, rngs=nnx.Rngs(0)), jax.nn.relu, nnx.Linear(64, 4, rngs=nnx.Rngs(1)))
+>>> rules = {r"layers\\.0": jaxsparse.BlockSparse(density=0.25, block_shape=(8, 8)),
+...          r".*": jaxsparse.Unstructured(sparsity=0.5)}
+>>> pruner = pruning.magnitude_pruner(rules, pruning.gradual(begin_step=0, end_step=20, update_every=5))
+>>> optimizer = nnx.Optimizer(model, pruning.wrap_optax(optax.adam(1e-2), pruner), wrt=nnx.Param)
+>>> @nnx.jit
+... def train_step(model, optimizer, x):
+...   grads = nnx.grad(lambda m: jnp.mean(m(x) ** 2))(model)
+...   optimizer.update(model, grads)
+>>> for _ in range(25):
+...   train_step(model, optimizer, jnp.ones((8, 32)))
+>>> {path: round(1 - float(m.mean()), 2) for path, m in pruning.masks_to_dict(pruning.get_masks(optimizer)).items()}
+{'layers.0.kernel': 0.75, 'layers.2.kernel': 0.5}
+>>> sparse, report = jaxsparse.sparsify(model, rules, masks=pruning.get_masks(optimizer))
+>>> type(sparse.layers[0]).__name__
+'BlockSparseLinear'
+"""
+
+from jaxsparse.pruning._dst import cosine_drop_fraction
+from jaxsparse.pruning._dst import rigl_pruner
+from jaxsparse.pruning._dst import set_pruner
+from jaxsparse.pruning._optax import Pruner
+from jaxsparse.pruning._optax import PruningState
+from jaxsparse.pruning._optax import apply_masks
+from jaxsparse.pruning._optax import get_masks
+from jaxsparse.pruning._optax import magnitude_pruner
+from jaxsparse.pruning._optax import masks_to_dict
+from jaxsparse.pruning._optax import wrap_optax
+from jaxsparse.pruning._schedules import Schedule
+from jaxsparse.pruning._schedules import gradual
+from jaxsparse.pruning._schedules import one_shot
+from jaxsparse.pruning._schedules import periodic
+from jaxsparse.pruning._schedules import polynomial_sparsity
+from jaxsparse.pruning._scores import block_magnitude_scores
+from jaxsparse.pruning._scores import magnitude_masks
+from jaxsparse.pruning._scores import magnitude_scores
+from jaxsparse.pruning._specs import NM
+from jaxsparse.pruning._specs import BlockSparse
+from jaxsparse.pruning._specs import Unstructured
+
+__all__ = [
+    "NM",
+    "BlockSparse",
+    "Pruner",
+    "PruningState",
+    "Schedule",
+    "Unstructured",
+    "apply_masks",
+    "block_magnitude_scores",
+    "cosine_drop_fraction",
+    "get_masks",
+    "gradual",
+    "magnitude_masks",
+    "magnitude_pruner",
+    "magnitude_scores",
+    "masks_to_dict",
+    "one_shot",
+    "periodic",
+    "polynomial_sparsity",
+    "rigl_pruner",
+    "set_pruner",
+    "wrap_optax",
+]

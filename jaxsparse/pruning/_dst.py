@@ -1,0 +1,174 @@
+"""Dynamic sparse training at a fixed sparsity: SET and RigL, for unstructured and block masks.
+
+Both start from a uniformly random mask at each rule's target sparsity and, every
+``update_every`` steps until ``end_step``, move a cosine-decaying fraction of each layer's kept units
+(weights or blocks): they drop the kept units of smallest magnitude and grow as many among the units
+that were pruned before this update, at random (SET) or where the dense gradient is largest
+(RigL). Grown weights start at zero (they were held at zero while pruned) and their optimizer state
+is reset by :func:`wrap_optax`. The number of kept units per layer never changes.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxsparse.pruning._optax import Pruner
+from jaxsparse.pruning._schedules import periodic
+from jaxsparse.pruning._scores import Target
+from jaxsparse.pruning._scores import magnitude_scores
+from jaxsparse.pruning._scores import plan
+from jaxsparse.pruning._scores import rank_mask
+from jaxsparse.pruning._scores import target_masks
+from jaxsparse.pruning._scores import unflatten_masks
+from jaxsparse.pruning._specs import NM
+
+__all__ = ["cosine_drop_fraction", "rigl_pruner", "set_pruner"]
+
+
+def cosine_drop_fraction(
+    step: jax.typing.ArrayLike, *, drop_fraction: float, begin_step: int, end_step: int
+) -> jax.Array:
+  """RigL's update fraction ``alpha / 2 * (1 + cos(pi * (t - t0) / (t1 - t0)))``, 0 after ``end_step``.
+
+  >>> from jaxsparse import pruning
+  >>> [round(float(pruning.cosine_drop_fraction(t, drop_fraction=0.3, begin_step=0, end_step=100)), 3)
+  ...  for t in (0, 50, 100, 101)]
+  [0.3, 0.15, 0.0, 0.0]
+  """
+  t = jnp.asarray(step, jnp.float32)
+  frac = jnp.clip((t - begin_step) / max(end_step - begin_step, 1), 0.0, 1.0)
+  f = jnp.float32(drop_fraction) / 2 * (1 + jnp.cos(jnp.pi * frac))
+  return jnp.where(t > end_step, jnp.float32(0.0), f)
+
+
+def _swap(units: jax.Array, drop_scores: jax.Array, grow_scores: jax.Array, n_swap: jax.Array) -> jax.Array:
+  """Drops the ``n_swap`` kept units of smallest ``drop_scores``, grows the pruned ones of largest ``grow_scores``."""
+  drop = rank_mask(jnp.where(units, -drop_scores, -jnp.inf), n_swap) & units
+  grow = rank_mask(jnp.where(units, -jnp.inf, grow_scores), n_swap) & ~units
+  return (units & ~drop) | grow
+
+
+def _check_args(drop_fraction: object, update_every: object, end_step: object, begin_step: object) -> None:
+  if isinstance(drop_fraction, bool) or not isinstance(drop_fraction, numbers.Real) or not 0 < drop_fraction <= 1:
+    raise ValueError(f"drop_fraction must be in (0, 1], got drop_fraction={drop_fraction!r}.")
+  periodic(update_every=update_every, begin_step=begin_step, end_step=end_step)  # checks the steps
+
+
+def _dst_pruner(rules: Any, *, grow: str, update_every: int, end_step: int, begin_step: int, drop_fraction: float):
+  _check_args(drop_fraction, update_every, end_step, begin_step)
+  schedule = periodic(update_every=update_every, begin_step=begin_step, end_step=end_step)
+
+  def targets_of(params, *, warn):
+    _, leaves, treedef, targets = plan(params, rules, warn=warn)
+    for t in targets:
+      if isinstance(t.spec, NM):
+        raise ValueError(
+            f"{t.path}: SET and RigL support Unstructured and BlockSparse rules, got {t.spec!r}; for N:M "
+            "masks that follow the weights, train NMLinear / NMConv layers (jaxsparse.sparsify with NM: SR-STE)."
+        )
+    return leaves, treedef, targets
+
+  def init(params, key):
+    leaves, treedef, targets = targets_of(params, warn=True)
+    keys = jax.random.split(key, max(len(targets), 1))
+    masks = [
+        t.expand(rank_mask(jax.random.uniform(k, (t.units,)), t.kept_final))
+        for t, k in zip(targets, keys[: len(targets)], strict=True)
+    ]
+    return unflatten_masks(treedef, len(leaves), targets, masks)
+
+  def update(masks, params, grads, step, key):
+    leaves, treedef, targets = targets_of(params, warn=False)
+    current = target_masks(masks, treedef, targets)
+    grad_leaves = treedef.flatten_up_to(grads)
+    fraction = cosine_drop_fraction(step, drop_fraction=drop_fraction, begin_step=begin_step, end_step=end_step)
+    keys = jax.random.split(key, max(len(targets), 1))
+    new = []
+    for t, mask, k in zip(targets, current, keys[: len(targets)], strict=True):
+      units = t.unit_mask(mask)
+      n_swap = jnp.minimum(jnp.floor(fraction * t.kept_final).astype(jnp.int32), t.units - t.kept_final)
+      drop_scores = t.unit_scores(magnitude_scores(leaves[t.index]))
+      new.append(t.expand(_swap(units, drop_scores, _grow_scores(t, grow, grad_leaves[t.index], k), n_swap)))
+    return unflatten_masks(treedef, len(leaves), targets, new)
+
+  return Pruner(init, update, schedule.is_update_step)
+
+
+def _grow_scores(t: Target, grow: str, grad: Any, key: jax.Array) -> jax.Array:
+  if grow == "random":
+    return jax.random.uniform(key, (t.units,))
+  return t.unit_scores(magnitude_scores(grad))
+
+
+def set_pruner(
+    rules: Any, *, update_every: int, end_step: int, begin_step: int = 0, drop_fraction: float = 0.3
+) -> Pruner:
+  """SET (Mocanu et al., 2018): drop the smallest-magnitude kept weights, regrow as many at random.
+
+  >>> import jax, jax.numpy as jnp, optax, jaxsparse
+  >>> from jaxsparse import pruning
+  >>> params = {"w": jax.random.normal(jax.random.key(0), (16, 16))}
+  >>> tx = pruning.wrap_optax(optax.sgd(0.1), pruning.set_pruner(
+  ...     jaxsparse.Unstructured(sparsity=0.9), update_every=2, end_step=10))
+  >>> state = tx.init(params)
+  >>> first = pruning.get_masks(state)["w"]
+  >>> for _ in range(3):
+  ...   updates, state = tx.update({"w": jnp.ones((16, 16))}, state, params)
+  ...   params = optax.apply_updates(params, updates)
+  >>> mask = pruning.get_masks(state)["w"]
+  >>> int(mask.sum()), bool((mask != first).any())
+  (26, True)
+
+  Args:
+    rules: ``jaxsparse.Unstructured`` / ``jaxsparse.BlockSparse`` structures (or ``{regex: ...}``);
+      each matched parameter keeps its target count throughout.
+    update_every: steps between mask updates.
+    end_step: last step with a mask update (RigL uses 75% of training).
+    begin_step: first update step.
+    drop_fraction: fraction of kept units moved at ``begin_step``; it decays to 0 at ``end_step`` on
+      a cosine (:func:`cosine_drop_fraction`).
+
+  References:
+    Mocanu et al., "Scalable training of artificial neural networks with adaptive sparse
+    connectivity inspired by network science", Nature Communications 2018.
+  """
+  return _dst_pruner(
+      rules, grow="random", update_every=update_every, end_step=end_step, begin_step=begin_step,
+      drop_fraction=drop_fraction,
+  )
+
+
+def rigl_pruner(
+    rules: Any, *, update_every: int, end_step: int, begin_step: int = 0, drop_fraction: float = 0.3
+) -> Pruner:
+  """RigL (Evci et al., 2020): drop the smallest-magnitude kept weights, grow where the dense gradient is largest.
+
+  The gradient is the one :func:`wrap_optax` receives: train the dense model (``nnx.Linear`` layers)
+  so that it is dense; for blocks the score is the Frobenius norm of the gradient block. Arguments
+  as :func:`set_pruner`.
+
+  >>> import jax, jax.numpy as jnp, optax, jaxsparse
+  >>> from jaxsparse import pruning
+  >>> params = {"w": jnp.ones((8, 8))}
+  >>> tx = pruning.wrap_optax(optax.sgd(0.0), pruning.rigl_pruner(
+  ...     jaxsparse.BlockSparse(density=0.25, block_shape=(4, 4)), update_every=1, end_step=10,
+  ...     drop_fraction=1.0))
+  >>> state = tx.init(params)
+  >>> grads = {"w": jnp.zeros((8, 8)).at[4:, :4].set(1.0)}  # the bottom-left block wants to grow
+  >>> _, state = tx.update(grads, state, params)
+  >>> pruning.get_masks(state)["w"][::4, ::4].astype(int).tolist()
+  [[0, 0], [1, 0]]
+
+  References:
+    Evci et al., "Rigging the Lottery: Making All Tickets Winners", ICML 2020,
+    https://arxiv.org/abs/1911.11134.
+  """
+  return _dst_pruner(
+      rules, grow="gradient", update_every=update_every, end_step=end_step, begin_step=begin_step,
+      drop_fraction=drop_fraction,
+  )
+

@@ -1,0 +1,291 @@
+"""Pruning inside an optax optimizer: masks as optimizer state, updated on a schedule.
+
+:func:`wrap_optax` turns any ``optax.GradientTransformation`` into one that
+
+* recomputes the masks at the pruner's update steps (the mask-update step, inside ``update``),
+* feeds the inner optimizer gradients that are zero at pruned weights,
+* outputs updates that are the inner update at kept weights and ``-param`` at pruned ones, so after
+  ``optax.apply_updates`` a pruned weight is exactly zero, whatever the inner optimizer's momentum,
+* resets the inner optimizer's per-parameter state (momentum, second moments) wherever a weight is
+  pruned or newly grown, so a stale moment never resurrects or kicks a weight.
+
+The masks live in :class:`PruningState` (``state.masks``, a tree with the parameters' structure):
+plain data that :func:`get_masks` reads back from an ``nnx.Optimizer``, a Linen ``TrainState`` or a
+raw optax state, to save or to hand to :func:`jaxsparse.sparsify`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax import lax
+
+from jaxsparse.pruning._schedules import Schedule
+from jaxsparse.pruning._schedules import one_shot
+from jaxsparse.pruning._scores import check_scope
+from jaxsparse.pruning._scores import masks_at
+from jaxsparse.pruning._scores import plan
+from jaxsparse.pruning._scores import target_masks
+from jaxsparse.pruning._scores import unflatten_masks
+from jaxsparse.pruning._specs import flatten_with_paths
+from jaxsparse.pruning._specs import path_str
+
+__all__ = [
+    "Pruner",
+    "PruningState",
+    "apply_masks",
+    "get_masks",
+    "magnitude_pruner",
+    "masks_to_dict",
+    "wrap_optax",
+]
+
+
+class Pruner(NamedTuple):
+  """A mask policy: pure functions that make and update mask trees.
+
+  Attributes:
+    init: ``(params, key) -> masks``: the masks in force at step 0.
+    update: ``(masks, params, grads, step, key) -> masks``: the mask-update step; ``grads`` are the
+      dense gradients of this step. Called by :func:`wrap_optax` only where ``is_update_step``.
+    is_update_step: ``step -> bool`` scalar.
+  """
+
+  init: Callable[[Any, jax.Array], Any]
+  update: Callable[[Any, Any, Any, jax.Array, jax.Array], Any]
+  is_update_step: Callable[[jax.Array], jax.Array]
+
+
+class PruningState(NamedTuple):
+  """State of :func:`wrap_optax`: step count, PRNG key, the masks and the inner optimizer's state."""
+
+  count: jax.Array
+  key: jax.Array
+  masks: Any
+  inner_state: Any
+
+
+def magnitude_pruner(rules: Any, schedule: Schedule | None = None, *, scope: str = "layer") -> Pruner:
+  """Magnitude pruning to the structures in ``rules`` on ``schedule`` (default: one-shot at step 0).
+
+  At each update step the masks keep the largest-magnitude weights (blocks by Frobenius norm, N of
+  every M) among those still kept, at the schedule's sparsity; pruning never undoes itself unless
+  the schedule's sparsity decreases. With :func:`gradual` this is Zhu & Gupta's gradual magnitude
+  pruning. ``NM`` rules go from dense through ``(m - 1):m``, ... down to ``n:m``.
+
+  >>> import jax, jax.numpy as jnp, optax, jaxsparse
+  >>> from jaxsparse import pruning
+  >>> params = {"w": jax.random.normal(jax.random.key(0), (8, 8))}
+  >>> pruner = pruning.magnitude_pruner(jaxsparse.Unstructured(sparsity=0.5),
+  ...                                   pruning.gradual(begin_step=0, end_step=4, update_every=2))
+  >>> tx = pruning.wrap_optax(optax.sgd(0.1), pruner)
+  >>> state = tx.init(params)
+  >>> for step in range(5):
+  ...   updates, state = tx.update({"w": jnp.ones((8, 8))}, state, params)
+  ...   params = optax.apply_updates(params, updates)
+  >>> int((params["w"] == 0).sum()), int(pruning.get_masks(state)["w"].sum())
+  (32, 32)
+
+  Args:
+    rules: a structure or ``{regex: structure or None}`` over parameter paths (see
+      :func:`magnitude_masks`).
+    schedule: :func:`one_shot`, :func:`gradual` or :func:`periodic`.
+    scope: ``"layer"`` or ``"global"`` thresholds (see :func:`magnitude_masks`).
+  """
+  schedule = one_shot() if schedule is None else schedule
+  if not isinstance(schedule, Schedule):
+    raise TypeError(f"schedule must be a pruning.Schedule (one_shot, gradual, periodic), got {schedule!r}.")
+  check_scope(scope)
+
+  def at_step(masks, params, step, *, warn):
+    _, leaves, treedef, targets = plan(params, rules, warn=warn)
+    prior = None if masks is None else target_masks(masks, treedef, targets)
+    new = masks_at(
+        leaves, targets, lambda spec: schedule.sparsity(step, spec.target_sparsity), scope=scope, prior=prior
+    )
+    return unflatten_masks(treedef, len(leaves), targets, new)
+
+  def init(params, key):
+    del key
+    return at_step(None, params, 0, warn=True)
+
+  def update(masks, params, grads, step, key):
+    del grads, key
+    return at_step(masks, params, step, warn=False)
+
+  return Pruner(init, update, schedule.is_update_step)
+
+
+def _is_none(x: Any) -> bool:
+  return x is None
+
+
+def _where_masked(masks: Any, kept: Any, pruned: Callable[[Any], Any], tree: Any) -> Any:
+  """``where(mask, kept_leaf, pruned(leaf))`` leaf by leaf; leaves without a mask take ``kept``'s."""
+
+  def f(m, k, x):
+    if m is None:
+      return k
+    return jnp.where(m, k, pruned(x).astype(jnp.result_type(k)))
+
+  return jax.tree.map(f, masks, kept, tree, is_leaf=_is_none)
+
+
+def _keep_tree(masks: Any, params: Any) -> Any:
+  """Masks with every unmasked leaf replaced by a scalar ``True``: a tree with the parameters' structure."""
+  return jax.tree.map(lambda m, p: jnp.ones((), bool) if m is None else m, masks, params, is_leaf=_is_none)
+
+
+def wrap_optax(
+    inner: optax.GradientTransformation,
+    pruner: Pruner,
+    *,
+    seed: int = 0,
+    reset_state: bool = True,
+) -> optax.GradientTransformationExtraArgs:
+  """Wraps ``inner`` so that it trains a sparse model: masked updates, pruned weights kept at zero.
+
+  Use it wherever an optax optimizer goes: ``nnx.Optimizer(model, tx, wrt=nnx.Param)``,
+  ``TrainState.create(..., tx=tx)``, or a raw ``tx.update`` loop. ``update`` needs ``params``.
+
+  >>> import jax, jax.numpy as jnp, optax, jaxsparse
+  >>> from flax import nnx
+  >>> from jaxsparse import pruning
+  >>> model = nnx.Linear(16, 8, rngs=nnx.Rngs(0))
+  >>> tx = pruning.wrap_optax(optax.adam(1e-2), pruning.magnitude_pruner(jaxsparse.Unstructured(sparsity=0.75)))
+  >>> optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  >>> grads = nnx.grad(lambda m: jnp.sum(m(jnp.ones((2, 16))) ** 2))(model)
+  >>> _ = optimizer.update(model, grads)
+  >>> float(jnp.mean(model.kernel[...] == 0)), pruning.get_masks(optimizer.opt_state)["kernel"].shape
+  (0.75, (16, 8))
+
+  At every step ``update``:
+
+  1. where ``pruner.is_update_step(count)``, computes new masks with ``pruner.update`` from the
+     current parameters and the dense gradients, and (``reset_state``) zeroes the inner state of
+     every weight that is pruned or was just grown;
+  2. runs ``inner`` on the gradients zeroed at pruned weights;
+  3. returns the inner updates at kept weights and ``-params`` at pruned ones.
+
+  Args:
+    inner: the optimizer to wrap.
+    pruner: :func:`magnitude_pruner`, :func:`set_pruner`, :func:`rigl_pruner` or your own
+      :class:`Pruner`.
+    seed: seeds the PRNG key kept in the state (random masks and growth).
+    reset_state: zero the inner state of pruned and newly grown weights at mask updates (needs an
+      inner optimizer whose state ``optax.tree_utils.tree_map_params`` understands, as every optax
+      optimizer's is).
+
+  Returns:
+    A ``GradientTransformationExtraArgs`` whose state is a :class:`PruningState`.
+  """
+  inner = optax.with_extra_args_support(inner)
+  if not isinstance(pruner, Pruner):
+    raise TypeError(f"pruner must be a pruning.Pruner (magnitude_pruner, set_pruner, rigl_pruner), got {pruner!r}.")
+
+  def init(params):
+    key, init_key = jax.random.split(jax.random.PRNGKey(seed))
+    _, leaves, treedef = flatten_with_paths(params)
+    masks = jax.jit(pruner.init)(jax.tree_util.tree_unflatten(treedef, leaves), init_key)
+    return PruningState(jnp.zeros((), jnp.int32), key, masks, inner.init(params))
+
+  def reset(inner_state, new_masks, old_masks, params):
+    keep = _keep_tree(jax.tree.map(lambda n, o: n & o, new_masks, old_masks), params)
+    return optax.tree_utils.tree_map_params(
+        inner, lambda s, k: jnp.where(k, s, jnp.zeros((), s.dtype)) if hasattr(s, "dtype") else s, inner_state, keep
+    )
+
+  def update(updates, state, params=None, **extra_args):
+    if params is None:
+      raise ValueError("pruning.wrap_optax needs params: call tx.update(grads, state, params).")
+    step = state.count
+    key, update_key = jax.random.split(state.key)
+
+    def mask_update(masks, inner_state):
+      new = pruner.update(masks, params, updates, step, update_key)
+      if reset_state:
+        inner_state = reset(inner_state, new, masks, params)
+      return new, inner_state
+
+    masks, inner_state = lax.cond(
+        pruner.is_update_step(step), mask_update, lambda m, s: (m, s), state.masks, state.inner_state
+    )
+    grads = _where_masked(masks, updates, jnp.zeros_like, updates)
+    new_updates, inner_state = inner.update(grads, inner_state, params, **extra_args)
+    new_updates = _where_masked(masks, new_updates, jnp.negative, params)
+    return new_updates, PruningState(step + 1, key, masks, inner_state)
+
+  return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _unwrap(tree: Any) -> Any:
+  return jax.tree.map(lambda v: v.get_value() if isinstance(v, nnx.Variable) else v, tree,
+                      is_leaf=lambda v: isinstance(v, nnx.Variable))
+
+
+def get_masks(state: Any) -> Any:
+  """The masks held by a :func:`wrap_optax` state, as a tree of bool arrays (and ``None``).
+
+  Accepts the raw optax state, an ``nnx.Optimizer`` or its ``opt_state``, or a Linen ``TrainState``;
+  the :class:`PruningState` may be nested in other optax states (``optax.chain``).
+
+  Raises:
+    ValueError: when there is no :class:`PruningState` in ``state``.
+  """
+  if isinstance(state, nnx.Optimizer):
+    state = state.opt_state
+  elif hasattr(state, "opt_state") and not isinstance(state, PruningState):
+    state = state.opt_state
+  found = [
+      x for x in jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, PruningState))
+      if isinstance(x, PruningState)
+  ]
+  if len(found) != 1:
+    raise ValueError(
+        f"state must hold exactly one pruning.PruningState (the state of pruning.wrap_optax), found {len(found)}."
+    )
+  return _unwrap(found[0].masks)
+
+
+def apply_masks(target: Any, masks: Any) -> Any:
+  """Zeroes the pruned weights: of a parameter tree (returns a new tree) or of an NNX model (in place).
+
+  >>> import jax.numpy as jnp
+  >>> from jaxsparse import pruning
+  >>> pruning.apply_masks({"w": jnp.ones((2, 2)), "b": jnp.ones(2)}, {"w": jnp.eye(2, dtype=bool), "b": None})
+  {'b': Array([1., 1.], dtype=float32), 'w': Array([[1., 0.],
+         [0., 1.]], dtype=float32)}
+
+  Call it after ``init`` when a model must be sparse before its first optimizer step (the wrapped
+  optimizer zeroes pruned weights at its first update).
+
+  Args:
+    target: a parameter tree with the masks' structure, or an ``nnx.Module`` whose ``nnx.Param``
+      state has it.
+    masks: from :func:`get_masks` or :func:`magnitude_masks`.
+  """
+  if isinstance(target, nnx.Module):
+    params = nnx.as_pure(nnx.state(target, nnx.Param))
+    nnx.update(target, apply_masks(params, masks))
+    return target
+  return _where_masked(masks, target, jnp.zeros_like, target)
+
+
+def masks_to_dict(masks: Any) -> dict[str, np.ndarray]:
+  """``{dotted path: bool NumPy array}`` for every mask: to save (``np.savez(f, **d)``) or inspect.
+
+  >>> import jax.numpy as jnp
+  >>> from jaxsparse import pruning
+  >>> pruning.masks_to_dict({"fc": {"kernel": jnp.ones((2, 2), bool), "bias": None}})
+  {'fc.kernel': array([[ True,  True],
+         [ True,  True]])}
+  """
+  pairs = jax.tree_util.tree_flatten_with_path(_unwrap(masks))[0]
+  return {path_str(kp): np.asarray(m) for kp, m in pairs}

@@ -1,0 +1,157 @@
+"""Pruning schedules: when masks are recomputed, and at what sparsity.
+
+A :class:`Schedule` is a pair of pure functions of the (possibly traced) step: ``sparsity(step,
+final)`` gives the sparsity in force at ``step`` on the way to a structure's ``final`` sparsity, and
+``is_update_step(step)`` says whether masks are recomputed at ``step``.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxsparse import _validation
+
+__all__ = ["Schedule", "gradual", "one_shot", "periodic", "polynomial_sparsity"]
+
+
+class Schedule(NamedTuple):
+  """When and how far to prune.
+
+  Attributes:
+    sparsity: ``(step, final) -> sparsity`` (a float32 scalar): the sparsity in force at ``step``
+      when the structure's target is ``final``; 0 before pruning begins and exactly ``final`` once
+      it is reached.
+    is_update_step: ``step -> bool`` scalar: whether masks are recomputed at ``step``.
+  """
+
+  sparsity: Callable[[jax.typing.ArrayLike, float], jax.Array]
+  is_update_step: Callable[[jax.typing.ArrayLike], jax.Array]
+
+
+def _check_step(value: object, *, name: str, minimum: int = 0) -> int:
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < minimum:
+    raise ValueError(f"{name} must be an int >= {minimum}, got {name}={value!r}.")
+  return int(value)
+
+
+def one_shot(*, step: int = 0) -> Schedule:
+  """Prune once, at ``step``, straight to the target sparsity.
+
+  >>> from jaxsparse import pruning
+  >>> s = pruning.one_shot(step=10)
+  >>> round(float(s.sparsity(9, 0.9)), 3), round(float(s.sparsity(10, 0.9)), 3), bool(s.is_update_step(10))
+  (0.0, 0.9, True)
+  """
+  step = _check_step(step, name="step")
+
+  def sparsity(t, final):
+    return jnp.where(jnp.asarray(t) >= step, jnp.float32(final), jnp.float32(0.0))
+
+  return Schedule(sparsity, lambda t: jnp.asarray(t) == step)
+
+
+def polynomial_sparsity(
+    step: jax.typing.ArrayLike,
+    *,
+    final_sparsity: float,
+    begin_step: int,
+    end_step: int,
+    initial_sparsity: float = 0.0,
+    power: float = 3.0,
+) -> jax.Array:
+  """Zhu & Gupta's ``s_t = s_f + (s_i - s_f) (1 - (t - t0) / (t1 - t0))^power``, clipped to ``[t0, t1]``.
+
+  >>> from jaxsparse import pruning
+  >>> [round(float(pruning.polynomial_sparsity(t, final_sparsity=0.9, begin_step=0, end_step=100)), 4)
+  ...  for t in (0, 50, 100, 200)]
+  [0.0, 0.7875, 0.9, 0.9]
+
+  Returns 0 before ``begin_step``.
+  """
+  t = jnp.asarray(step, jnp.float32)
+  frac = jnp.clip((t - begin_step) / max(end_step - begin_step, 1), 0.0, 1.0)
+  s = jnp.float32(final_sparsity) + jnp.float32(initial_sparsity - final_sparsity) * (1.0 - frac) ** power
+  s = jnp.where(frac >= 1.0, jnp.float32(final_sparsity), s)
+  return jnp.where(t < begin_step, jnp.float32(0.0), s)
+
+
+def gradual(
+    *, begin_step: int, end_step: int, update_every: int, initial_sparsity: float = 0.0, power: float = 3.0
+) -> Schedule:
+  """Gradual magnitude pruning (Zhu & Gupta, 2017): sparsity rises polynomially from ``begin_step`` to ``end_step``.
+
+  Masks are recomputed every ``update_every`` steps from ``begin_step`` and at ``end_step``; at step
+  ``t`` the sparsity is ``s_f + (s_i - s_f) (1 - (t - begin) / (end - begin))^power`` (``s_f``: the
+  structure's target, ``s_i``: ``initial_sparsity``), and ``s_f`` from ``end_step`` on.
+
+  >>> from jaxsparse import pruning
+  >>> s = pruning.gradual(begin_step=100, end_step=1000, update_every=100)
+  >>> [round(float(s.sparsity(t, 0.9)), 3) for t in (0, 100, 550, 1000)]
+  [0.0, 0.0, 0.787, 0.9]
+  >>> [bool(s.is_update_step(t)) for t in (50, 100, 150, 200, 1000, 1100)]
+  [False, True, False, True, True, False]
+
+  References:
+    Zhu & Gupta, "To prune, or not to prune: exploring the efficacy of pruning for model
+    compression", 2017, https://arxiv.org/abs/1710.01878.
+  """
+  begin_step = _check_step(begin_step, name="begin_step")
+  end_step = _check_step(end_step, name="end_step")
+  update_every = _check_step(update_every, name="update_every", minimum=1)
+  if end_step < begin_step:
+    raise ValueError(f"end_step must be >= begin_step, got begin_step={begin_step}, end_step={end_step}.")
+  initial_sparsity = _validation.check_sparsity(initial_sparsity, name="initial_sparsity")
+  if not power > 0:
+    raise ValueError(f"power must be > 0, got power={power!r}.")
+
+  def sparsity(t, final):
+    return polynomial_sparsity(
+        t,
+        final_sparsity=final,
+        begin_step=begin_step,
+        end_step=end_step,
+        initial_sparsity=min(initial_sparsity, final),
+        power=power,
+    )
+
+  def is_update_step(t):
+    t = jnp.asarray(t)
+    in_range = (t >= begin_step) & (t <= end_step)
+    return (in_range & ((t - begin_step) % update_every == 0)) | (t == end_step)
+
+  return Schedule(sparsity, is_update_step)
+
+
+def periodic(*, update_every: int, begin_step: int = 0, end_step: int | None = None) -> Schedule:
+  """Masks recomputed every ``update_every`` steps from ``begin_step`` (to ``end_step``), at the target sparsity.
+
+  The timing of dynamic sparse training and of custom :class:`~jaxsparse.pruning.Pruner` s. With
+  :func:`~jaxsparse.pruning.magnitude_pruner` it prunes once at ``begin_step`` and then re-applies the
+  same masks (pruned weights are held at zero, so they never win back their place).
+
+  >>> from jaxsparse import pruning
+  >>> s = pruning.periodic(update_every=10, begin_step=5, end_step=30)
+  >>> [bool(s.is_update_step(t)) for t in (0, 5, 15, 35)], float(s.sparsity(0, 0.5)), float(s.sparsity(5, 0.5))
+  ([False, True, True, False], 0.0, 0.5)
+  """
+  begin_step = _check_step(begin_step, name="begin_step")
+  update_every = _check_step(update_every, name="update_every", minimum=1)
+  if end_step is not None:
+    end_step = _check_step(end_step, name="end_step")
+    if end_step < begin_step:
+      raise ValueError(f"end_step must be >= begin_step, got begin_step={begin_step}, end_step={end_step}.")
+
+  def sparsity(t, final):
+    return jnp.where(jnp.asarray(t) >= begin_step, jnp.float32(final), jnp.float32(0.0))
+
+  def is_update_step(t):
+    t = jnp.asarray(t)
+    ok = (t >= begin_step) & ((t - begin_step) % update_every == 0)
+    return ok if end_step is None else ok & (t <= end_step)
+
+  return Schedule(sparsity, is_update_step)

@@ -1,0 +1,326 @@
+"""Scores and masks: magnitude, block magnitude and N:M, with layer-wise or global thresholds.
+
+Every mask keeps an exact count and breaks ties by the lower flat index, like
+:func:`jaxsparse.magnitude_mask`. The counts may be traced values (the pruning schedule changes them
+inside ``jit``), so selection ranks the scores instead of slicing a sorted list.
+
+A mask tree has the structure of the parameter tree; a leaf is a bool array of the parameter's
+shape for a pruned parameter and ``None`` for one that is never pruned (biases, norms: only
+parameters with two or more axes are pruned).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxsparse import _validation
+from jaxsparse.pruning._specs import NM
+from jaxsparse.pruning._specs import BlockSparse
+from jaxsparse.pruning._specs import Spec
+from jaxsparse.pruning._specs import check_spec_applies
+from jaxsparse.pruning._specs import flatten_with_paths
+from jaxsparse.pruning._specs import match_rules
+from jaxsparse.pruning._specs import matrix_shape
+from jaxsparse.pruning._specs import resolve_rules
+from jaxsparse.pruning._specs import warn_unmatched
+
+__all__ = ["block_magnitude_scores", "magnitude_masks", "magnitude_scores"]
+
+
+def magnitude_scores(w: jax.typing.ArrayLike) -> jax.Array:
+  """``|w|`` in float32: the score of unstructured magnitude pruning.
+
+  >>> import jax.numpy as jnp
+  >>> from jaxsparse import pruning
+  >>> pruning.magnitude_scores(jnp.array([-2.0, 0.5]))
+  Array([2. , 0.5], dtype=float32)
+  """
+  return jnp.abs(jnp.asarray(w).astype(jnp.float32))
+
+
+def block_magnitude_scores(w: jax.typing.ArrayLike, block_shape: tuple[int, int]) -> jax.Array:
+  """Frobenius norm of every ``(bk, bn)`` block of ``w``, viewed as ``(prod(shape[:-1]), shape[-1])``.
+
+  >>> import jax.numpy as jnp
+  >>> from jaxsparse import pruning
+  >>> pruning.block_magnitude_scores(jnp.ones((4, 6)), (2, 3))
+  Array([[2.4494898, 2.4494898],
+         [2.4494898, 2.4494898]], dtype=float32)
+
+  Args:
+    w: weights with at least 2 axes.
+    block_shape: ``(bk, bn)`` dividing the ``(in, out)`` view.
+
+  Returns:
+    float32 ``(in // bk, out // bn)``.
+  """
+  w = jnp.asarray(w)
+  if w.ndim < 2:
+    raise ValueError(f"w must have at least 2 axes, got shape {w.shape}.")
+  k, n = matrix_shape(w.shape)
+  bk, bn = _validation.check_block_shape(block_shape, (k, n))
+  return _block_reduce(w.reshape(k, n).astype(jnp.float32) ** 2, (bk, bn)) ** 0.5
+
+
+def _block_reduce(x2: jax.Array, block_shape: tuple[int, int]) -> jax.Array:
+  (k, n), (bk, bn) = x2.shape, block_shape
+  return jnp.sum(x2.reshape(k // bk, bk, n // bn, bn), axis=(1, 3))
+
+
+def rank_mask(scores: jax.Array, k: jax.typing.ArrayLike) -> jax.Array:
+  """Bool mask of the ``k`` largest entries of ``scores`` (``k`` may be traced; ties: lower index first)."""
+  flat = scores.reshape(-1)
+  order = jnp.argsort(-flat, stable=True)
+  ranks = jnp.zeros(flat.shape, jnp.int32).at[order].set(jnp.arange(flat.size, dtype=jnp.int32))
+  return (ranks < k).reshape(scores.shape)
+
+
+def group_rank_mask(scores2: jax.Array, n: jax.typing.ArrayLike, m: int) -> jax.Array:
+  """Keeps the ``n`` largest of every ``m`` consecutive rows of each column of ``scores2`` (``(K, N)``)."""
+  k, cols = scores2.shape
+  g = scores2.reshape(k // m, m, cols)
+  ranks = jnp.argsort(jnp.argsort(-g, axis=1, stable=True), axis=1)
+  return (ranks < n).reshape(k, cols)
+
+
+def kept_at(total: int, kept_final: int, sparsity: jax.typing.ArrayLike, final: float) -> jax.Array:
+  """Units kept at ``sparsity`` on the way to ``final``; exactly ``kept_final`` once it is reached."""
+  s = jnp.asarray(sparsity, jnp.float32)
+  kept = total - jnp.floor(s * total + 0.5).astype(jnp.int32)
+  return jnp.where(s >= jnp.float32(final), kept_final, jnp.clip(kept, kept_final, total)).astype(jnp.int32)
+
+
+# -------------------------------------------------------------------------------------------------
+# Targets: which leaves a rule set prunes, and their units (weights, blocks or N:M groups).
+# -------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """One pruned leaf: its position among the flattened leaves, path, shape and structure."""
+
+  index: int
+  path: str
+  shape: tuple[int, ...]
+  spec: Spec
+  rule: int
+
+  @property
+  def units(self) -> int:
+    """Number of units that are kept or pruned together: weights, or blocks."""
+    if isinstance(self.spec, BlockSparse):
+      k, n = matrix_shape(self.shape)
+      bk, bn = self.spec.block_shape
+      return (k // bk) * (n // bn)
+    return math.prod(self.shape)
+
+  @property
+  def kept_final(self) -> int:
+    """Units kept at the structure's target sparsity, with the counting rules of the layers."""
+    if isinstance(self.spec, BlockSparse):
+      return _validation.kept_count(self.spec.density, self.units)
+    if isinstance(self.spec, NM):
+      return self.units // self.spec.m * self.spec.n
+    return self.units - _validation.kept_count(self.spec.sparsity, self.units)
+
+  def unit_scores(self, scores: jax.Array, *, blockwise: str = "norm") -> jax.Array:
+    """Flat scores per unit. ``blockwise``: ``"norm"`` (Frobenius norm of the block) or ``"sum"``."""
+    if isinstance(self.spec, BlockSparse):
+      x2 = scores.reshape(matrix_shape(self.shape)).astype(jnp.float32)
+      if blockwise == "norm":
+        return (_block_reduce(x2 * x2, self.spec.block_shape) ** 0.5).reshape(-1)
+      return _block_reduce(x2, self.spec.block_shape).reshape(-1)
+    return scores.reshape(-1).astype(jnp.float32)
+
+  def unit_mask(self, mask: jax.Array) -> jax.Array:
+    """Flat bool per unit of an element mask (a block is kept if any of its weights is)."""
+    if isinstance(self.spec, BlockSparse):
+      m2 = mask.reshape(matrix_shape(self.shape)).astype(jnp.int32)
+      return (_block_reduce(m2, self.spec.block_shape) > 0).reshape(-1)
+    return mask.reshape(-1)
+
+  def expand(self, units: jax.Array) -> jax.Array:
+    """Element mask of the leaf's shape from a flat unit mask."""
+    if isinstance(self.spec, BlockSparse):
+      k, n = matrix_shape(self.shape)
+      bk, bn = self.spec.block_shape
+      blocks = units.reshape(k // bk, n // bn)
+      return jnp.repeat(jnp.repeat(blocks, bk, axis=0), bn, axis=1).reshape(self.shape)
+    return units.reshape(self.shape)
+
+
+def plan(tree: Any, rules: Any, *, warn: bool = True) -> tuple[list[str], list[Any], Any, list[Target]]:
+  """Flattens ``tree`` and assigns each leaf with ``ndim >= 2`` the structure of its first matching rule.
+
+  Raises ``ValueError`` naming the path when a structure cannot apply to a leaf, and (``warn``) warns
+  about rules that matched no leaf.
+  """
+  resolved = resolve_rules(rules)
+  paths, leaves, treedef = flatten_with_paths(tree)
+  targets, available = [], []
+  for i, (path, leaf) in enumerate(zip(paths, leaves, strict=True)):
+    shape = tuple(getattr(leaf, "shape", ()))
+    if len(shape) < 2:
+      continue
+    owner = path.rpartition(".")[0]
+    available += [owner, path] if owner else [path]
+    r = match_rules(resolved, path, owner=owner)
+    if r is None:
+      continue
+    spec = resolved[r][2]
+    if spec is None:
+      continue
+    check_spec_applies(spec, shape, path=path)
+    targets.append(Target(i, path, shape, spec, r))
+  if warn:
+    warn_unmatched(resolved, available, what="parameter with 2 or more axes (nor the layer holding it)")
+  return paths, leaves, treedef, targets
+
+
+def masks_at(
+    leaves: Sequence[Any],
+    targets: Sequence[Target],
+    sparsity: Any,
+    *,
+    scope: str = "layer",
+    prior: Sequence[jax.Array | None] | None = None,
+    scores: Sequence[jax.Array] | None = None,
+) -> list[jax.Array]:
+  """One element mask per target at a (possibly traced) sparsity.
+
+  Args:
+    leaves: the flattened parameters.
+    targets: from :func:`plan`.
+    sparsity: callable ``spec -> sparsity`` (in the units of the spec: blocks for ``BlockSparse``),
+      evaluated once per rule.
+    scope: ``"layer"`` (each leaf keeps its own count) or ``"global"`` (one threshold over all leaves
+      of the same rule; ``NM`` rules are always per group).
+    prior: element masks currently in force (per target); a pruned unit only comes back when the
+      count grows.
+    scores: per-target scores of the leaf's shape; default ``|w|`` with blocks scored by their norm.
+  """
+  check_scope(scope)
+  unit_scores, unit_prior = [], []
+  for j, t in enumerate(targets):
+    if scores is None:
+      s = t.unit_scores(magnitude_scores(leaves[t.index]))
+    else:
+      s = t.unit_scores(jnp.asarray(scores[j], jnp.float32), blockwise="sum")
+    p = None if prior is None or prior[j] is None else t.unit_mask(prior[j])
+    if p is not None:
+      s = jnp.where(p, s, -jnp.inf)
+    unit_scores.append(s)
+    unit_prior.append(p)
+
+  out: list[jax.Array | None] = [None] * len(targets)
+  groups: dict[int, list[int]] = {}
+  for j, t in enumerate(targets):
+    s_t = sparsity(t.spec)
+    if isinstance(t.spec, NM):
+      out[j] = _nm_at(t, unit_scores[j], s_t)
+    elif scope == "layer":
+      out[j] = t.expand(rank_mask(unit_scores[j], kept_at(t.units, t.kept_final, s_t, t.spec.target_sparsity)))
+    else:
+      groups.setdefault(t.rule, []).append(j)
+  for members in groups.values():
+    spec = targets[members[0]].spec
+    total = sum(targets[j].units for j in members)
+    if isinstance(spec, BlockSparse):
+      kept_final = _validation.kept_count(spec.density, total)
+    else:
+      kept_final = total - _validation.kept_count(spec.sparsity, total)
+    joint = rank_mask(jnp.concatenate([unit_scores[j] for j in members]), kept_at(
+        total, kept_final, sparsity(spec), spec.target_sparsity))
+    start = 0
+    for j in members:
+      u = targets[j].units
+      out[j] = targets[j].expand(joint[start:start + u])
+      start += u
+  return out
+
+
+def _nm_at(t: Target, unit_scores: jax.Array, sparsity: jax.typing.ArrayLike) -> jax.Array:
+  n, m = t.spec.n, t.spec.m
+  s = jnp.asarray(sparsity, jnp.float32)
+  n_t = jnp.where(s >= jnp.float32(t.spec.target_sparsity), n, jnp.clip(m - jnp.floor(s * m + 0.5), n, m))
+  return group_rank_mask(unit_scores.reshape(matrix_shape(t.shape)), n_t, m).reshape(t.shape)
+
+
+def check_scope(scope: object) -> str:
+  if scope not in ("layer", "global"):
+    raise ValueError(f"scope must be 'layer' or 'global', got scope={scope!r}.")
+  return scope
+
+
+def unflatten_masks(treedef: Any, n_leaves: int, targets: Sequence[Target], masks: Sequence[jax.Array]) -> Any:
+  """The mask tree: the mask of each target at its leaf, ``None`` elsewhere."""
+  leaves: list[Any] = [None] * n_leaves
+  for t, m in zip(targets, masks, strict=True):
+    leaves[t.index] = m
+  return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def target_masks(masks: Any, treedef: Any, targets: Sequence[Target]) -> list[jax.Array | None]:
+  """The masks of ``targets`` read back from a mask tree with the parameters' structure."""
+  flat = treedef.flatten_up_to(masks)
+  return [None if flat[t.index] is None else jnp.asarray(flat[t.index]) for t in targets]
+
+
+def magnitude_masks(params: Any, rules: Any, *, scope: str = "layer", scores: Any = None) -> Any:
+  """Masks keeping the largest-magnitude weights (or blocks, or N of every M) of matched parameters.
+
+  >>> import jax, jaxsparse
+  >>> from jaxsparse import pruning
+  >>> params = {"fc": {"kernel": jax.random.normal(jax.random.key(0), (8, 4)), "bias": jax.numpy.zeros(4)}}
+  >>> masks = pruning.magnitude_masks(params, jaxsparse.Unstructured(sparsity=0.75))
+  >>> int(masks["fc"]["kernel"].sum()), masks["fc"]["bias"]
+  (8, None)
+  >>> masks = pruning.magnitude_masks(params, {r".*fc.*": jaxsparse.NM(2, 4)})
+  >>> masks["fc"]["kernel"].reshape(2, 4, 4).sum(axis=1).tolist()
+  [[2, 2, 2, 2], [2, 2, 2, 2]]
+
+  Args:
+    params: a parameter pytree (Linen ``params``, an NNX ``nnx.State``, or an ``nnx.Module``, whose
+      ``nnx.Param`` state is used). Only leaves with 2 or more axes are pruned; a leaf of shape
+      ``(..., out)`` is viewed as ``(prod(...), out)`` for blocks and N:M groups (the conv layout).
+    rules: one structure (``jaxsparse.Unstructured``, ``BlockSparse`` or ``NM``) for every such leaf,
+      or ``{regex: structure or None}``. A pattern matches a leaf when it fully matches its dotted
+      path (``"layers.0.kernel"``) or the path of the layer holding it (``"layers.0"``), so the
+      rules of :func:`jaxsparse.sparsify` work unchanged; the first match wins and ``None`` keeps
+      the leaf dense.
+    scope: ``"layer"``: each leaf keeps its own fraction; ``"global"``: one threshold over all
+      leaves of the same rule, so layers end up with different sparsities (``NM`` is per group).
+    scores: optional tree like ``params`` of per-weight scores (higher is kept) used instead of
+      ``|w|``; a block then scores the sum of its weights' scores.
+
+  Returns:
+    A tree with the structure of ``params``: bool masks (True = kept) for pruned leaves, ``None``
+    for the others.
+  """
+  params = _params_of(params)
+  _, leaves, treedef, targets = plan(params, rules)
+  score_list = None
+  if scores is not None:
+    _, score_leaves, _ = flatten_with_paths(_params_of(scores))
+    if len(score_leaves) != len(leaves):
+      raise ValueError(f"scores must have the structure of params: {len(score_leaves)} vs {len(leaves)} leaves.")
+    score_list = [score_leaves[t.index] for t in targets]
+  check_scope(scope)
+  # One compiled computation is much cheaper than dispatching its dozens of small ops one by one.
+  compute = jax.jit(
+      lambda leaves, s: masks_at(leaves, targets, lambda spec: spec.target_sparsity, scope=scope, scores=s)
+  )
+  return unflatten_masks(treedef, len(leaves), targets, compute(leaves, score_list))
+
+
+def _params_of(tree: Any) -> Any:
+  if isinstance(tree, nnx.Module):
+    return nnx.state(tree, nnx.Param)
+  return tree

@@ -1,0 +1,381 @@
+"""N:M sparsity: nm_mask, NMSparseMatrix, sr_ste and nm_matmul (XLA path) against NumPy / dense references."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import settings
+from hypothesis import strategies as st
+from jax import lax
+
+import jaxsparse
+from jaxsparse import NMSparseMatrix
+from jaxsparse import nm_mask
+from jaxsparse._nm import index_layout
+from jaxsparse.ops import nm_matmul
+from jaxsparse.ops import nm_matmul_reference
+from jaxsparse.ops import sr_ste
+from jaxsparse.pallas import _nm_matmul as kernels
+from tests._util import assert_close
+
+NM_PAIRS = [(1, 2), (1, 4), (2, 4), (3, 4), (2, 8), (4, 8), (1, 8), (3, 16)]
+
+
+def _normal(seed, shape, dtype=jnp.float32):
+  return jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(dtype)
+
+
+def _np_nm_mask(w, n, m, axis):
+  """NumPy reference: per group, a stable sort of -|w| keeps the first n (ties: lower index)."""
+  a = np.moveaxis(np.abs(np.asarray(w, np.float64)), axis, -1)
+  g = a.reshape(*a.shape[:-1], a.shape[-1] // m, m)
+  order = np.argsort(-g, axis=-1, kind="stable")
+  keep = np.zeros(g.shape, bool)
+  np.put_along_axis(keep, order[..., :n], True, axis=-1)
+  return np.moveaxis(keep.reshape(a.shape), -1, axis)
+
+
+def _with_ties(w, seed):
+  """Rounds about half the entries to a few values so that groups contain ties."""
+  rng = np.random.default_rng(seed)
+  w = np.asarray(w, np.float32)
+  tie = rng.random(w.shape) < 0.5
+  return np.where(tie, np.round(w), w).astype(np.float32)
+
+
+# -------------------------------------------------------------------------------------------------
+# nm_mask.
+# -------------------------------------------------------------------------------------------------
+
+
+@st.composite
+def _mask_problems(draw):
+  n, m = draw(st.sampled_from(NM_PAIRS))
+  ndim = draw(st.integers(1, 3))
+  axis = draw(st.integers(-ndim, ndim - 1))
+  shape = [draw(st.integers(1, 5)) for _ in range(ndim)]
+  shape[axis] = m * draw(st.integers(1, 4))
+  return n, m, axis, tuple(shape), draw(st.integers(0, 2**16))
+
+
+@settings(max_examples=25, deadline=None)
+@given(_mask_problems())
+def test_nm_mask_matches_numpy_reference(problem):
+  n, m, axis, shape, seed = problem
+  w = _with_ties(_normal(seed, shape), seed)
+  mask = np.asarray(nm_mask(w, n, m, axis=axis))
+  assert mask.shape == shape and mask.dtype == np.bool_
+  np.testing.assert_array_equal(mask, _np_nm_mask(w, n, m, axis))
+  per_group = np.moveaxis(mask, axis, -1).reshape(-1, m).sum(-1)
+  assert np.all(per_group == n)
+
+
+@pytest.mark.parametrize(("n", "m"), [(2, 64), (5, 40), (32, 64)])
+def test_nm_mask_large_groups_argsort_path(n, m):
+  w = _with_ties(_normal(1, (2 * m, 3)), 1)
+  np.testing.assert_array_equal(np.asarray(nm_mask(w, n, m)), _np_nm_mask(w, n, m, 0))
+
+
+def test_nm_mask_ties_go_to_lower_index():
+  w = jnp.array([[1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0], [-2.0, 2.0, 2.0, -2.0]])
+  expected = [[True, True, False, False], [True, True, False, False], [True, True, False, False]]
+  np.testing.assert_array_equal(np.asarray(nm_mask(w, 2, 4, axis=1)), expected)
+
+
+def test_nm_mask_nan_counts_as_largest_and_keeps_exactly_n():
+  w = jnp.array([[0.5, jnp.nan, 3.0, jnp.nan], [jnp.nan] * 4])
+  np.testing.assert_array_equal(
+      np.asarray(nm_mask(w, 2, 4, axis=-1)), [[False, True, False, True], [True, True, False, False]]
+  )
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.int32])
+def test_nm_mask_other_dtypes(dtype):
+  w = _normal(3, (16, 8)) * 10
+  mask = nm_mask(w.astype(dtype), 2, 4)
+  np.testing.assert_array_equal(np.asarray(mask), _np_nm_mask(np.asarray(w.astype(dtype).astype(jnp.float32)), 2, 4, 0))
+
+
+def test_nm_mask_under_jit_and_vmap():
+  w = _normal(4, (3, 16, 8))
+  f = jax.jit(nm_mask, static_argnums=(1, 2), static_argnames="axis")
+  np.testing.assert_array_equal(np.asarray(f(w, 2, 4, axis=1)), _np_nm_mask(w, 2, 4, 1))
+  v = jax.vmap(lambda a: nm_mask(a, 1, 4, axis=0))(w)
+  np.testing.assert_array_equal(np.asarray(v), _np_nm_mask(w, 1, 4, 1))
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "error", "match"),
+    [
+        ((2, 2), {}, ValueError, r"n=2 with m=2"),
+        ((3, 2), {}, ValueError, r"n=3 with m=2"),
+        ((0, 4), {}, ValueError, r"n=0 with m=4"),
+        ((-1, 4), {}, ValueError, r"n=-1"),
+        ((1, 1), {}, ValueError, r"m=1"),
+        ((2, 3), {}, ValueError, r"m=3 must divide w.shape\[0\]=8"),
+        ((2.0, 4), {}, TypeError, r"n must be an int, got n=2.0"),
+        ((2, 4.0), {}, TypeError, r"m must be an int, got m=4.0"),
+        ((True, 4), {}, TypeError, r"n must be an int, got n=True"),
+        ((2, 4), {"axis": 2}, ValueError, r"axis=2 is out of range"),
+        ((2, 4), {"axis": -3}, ValueError, r"axis=-3 is out of range"),
+        ((2, 4), {"axis": 1.0}, TypeError, r"axis must be an int"),
+    ],
+)
+def test_nm_mask_bad_arguments(args, kwargs, error, match):
+  with pytest.raises(error, match=match):
+    nm_mask(jnp.ones((8, 4)), *args, **kwargs)
+
+
+def test_nm_mask_rejects_non_numeric():
+  with pytest.raises(TypeError, match="numeric"):
+    nm_mask(jnp.ones((8, 4), bool), 2, 4)
+
+
+# -------------------------------------------------------------------------------------------------
+# NMSparseMatrix.
+# -------------------------------------------------------------------------------------------------
+
+
+@st.composite
+def _format_problems(draw):
+  n, m = draw(st.sampled_from([*NM_PAIRS, (8, 16), (2, 64)]))
+  ndim = draw(st.integers(1, 3))
+  axis = draw(st.integers(0, ndim - 1))
+  shape = [draw(st.integers(1, 4)) for _ in range(ndim)]
+  shape[axis] = m * draw(st.integers(1, 6))
+  return n, m, axis, tuple(shape), draw(st.integers(0, 2**16))
+
+
+@settings(max_examples=10, deadline=None)
+@given(_format_problems())
+def test_format_round_trip(problem):
+  n, m, axis, shape, seed = problem
+  w = _with_ties(_normal(seed, shape), seed)
+  ws = NMSparseMatrix.from_dense(w, n, m, axis=axis)
+  mask = _np_nm_mask(w, n, m, axis)
+  np.testing.assert_array_equal(np.asarray(ws.to_dense()), np.where(mask, w, 0))
+  np.testing.assert_array_equal(np.asarray(ws.mask()), mask)
+  # Values: the kept entries of each group in increasing position; positions: where they sat.
+  wm, km = np.moveaxis(w, axis, -1), np.moveaxis(mask, axis, -1)
+  groups = wm.reshape(-1, m)
+  keep = km.reshape(-1, m)
+  kept_vals = np.stack([g[k] for g, k in zip(groups, keep, strict=True)])
+  kept_pos = np.stack([np.nonzero(k)[0] for k in keep])
+  vals = np.moveaxis(np.asarray(ws.values), axis, -1).reshape(-1, n)
+  pos = np.moveaxis(np.asarray(ws.positions()), axis, -1).reshape(-1, n)
+  np.testing.assert_array_equal(vals, kept_vals)
+  np.testing.assert_array_equal(pos, kept_pos)
+  assert ws.shape == shape and ws.values.shape[axis] == shape[axis] * n // m
+
+
+def test_format_packs_two_2to4_groups_per_byte():
+  ws = NMSparseMatrix.from_dense(_normal(0, (4096, 64), jnp.bfloat16), 2, 4)
+  assert ws.values.shape == (2048, 64) and ws.indices.shape == (512, 64) and ws.indices.dtype == jnp.uint8
+  # 2 bytes of value and 2 bits of position per kept weight: 56.25% of the dense bytes.
+  assert ws.nbytes / (4096 * 64 * 2) == pytest.approx(0.5625)
+  assert index_layout(2, 4, 1024) == (jnp.dtype(jnp.uint8), 2)
+  assert index_layout(4, 8, 8) == (jnp.dtype(jnp.uint16), 1)
+  assert index_layout(1, 4, 6) == (jnp.dtype(jnp.uint8), 3)  # 4 groups fit a byte; 3 divides 6
+
+
+def test_format_bit_layout():
+  # Word r packs groups r and r + 2 (4 groups, 2 per byte); position j of slot s at bit (s*n + j)*2.
+  w = jnp.array(
+      [[0, 5, 0, 6], [7, 0, 0, 8], [0, 0, 9, 1], [2, 3, 0, 0]],
+      jnp.float32,
+  ).reshape(16, 1)
+  ws = NMSparseMatrix.from_dense(w, 2, 4)
+  pos = [(1, 3), (0, 3), (2, 3), (0, 1)]
+  word = lambda a, b: a[0] | a[1] << 2 | b[0] << 4 | b[1] << 6
+  np.testing.assert_array_equal(np.asarray(ws.indices).ravel(), [word(pos[0], pos[2]), word(pos[1], pos[3])])
+  np.testing.assert_array_equal(np.asarray(ws.values).ravel(), [5, 6, 7, 8, 9, 1, 2, 3])
+
+
+def test_format_jit_pytree_and_with_values():
+  w = _normal(1, (32, 8))
+  ws = jax.jit(lambda a: NMSparseMatrix.from_dense(a, 2, 4))(w)
+  leaves, tree = jax.tree_util.tree_flatten(ws)
+  assert len(leaves) == 2
+  back = jax.tree_util.tree_unflatten(tree, leaves)
+  assert (back.shape, back.n, back.m, back.axis) == ((32, 8), 2, 4, 0)
+  new = ws.with_values(ws.values * 2)
+  np.testing.assert_array_equal(np.asarray(new.to_dense()), 2 * np.asarray(ws.to_dense()))
+  assert ws.density == 0.5 and ws.dtype == jnp.float32 and "2:4" in repr(ws)
+
+
+def test_format_to_dense_is_differentiable_in_values():
+  ws = NMSparseMatrix.from_dense(_normal(2, (16, 4)), 2, 4)
+  c = _normal(3, (16, 4))
+  g = jax.grad(lambda v: jnp.sum(ws.with_values(v).to_dense() * c))(ws.values)
+  c, mask = np.asarray(c), np.asarray(ws.mask())
+  expected = np.stack([c[mask[:, j], j] for j in range(4)], axis=1)  # kept rows of each column, in order
+  np.testing.assert_array_equal(np.asarray(g), expected)
+
+
+def test_format_bad_arguments():
+  w = jnp.ones((8, 4))
+  ws = NMSparseMatrix.from_dense(w, 2, 4)
+  with pytest.raises(ValueError, match=r"values must have shape \(4, 4\)"):
+    NMSparseMatrix(jnp.ones((3, 4)), ws.indices, shape=(8, 4), n=2, m=4)
+  with pytest.raises(ValueError, match="indices must be uint8"):
+    NMSparseMatrix(ws.values, ws.indices.astype(jnp.int32), shape=(8, 4), n=2, m=4)
+  with pytest.raises(ValueError, match=r"m=4 must divide shape.shape\[0\]=6|m=4 must divide"):
+    NMSparseMatrix(ws.values, ws.indices, shape=(6, 4), n=2, m=4)
+  with pytest.raises(ValueError, match=r"values must have shape"):
+    ws.with_values(jnp.ones((8, 4)))
+  with pytest.raises(ValueError, match="n=4 with m=4"):
+    NMSparseMatrix.from_dense(w, 4, 4)
+  with pytest.raises(ValueError, match="at most 32"):
+    NMSparseMatrix.from_dense(jnp.ones((64, 2)), 12, 64)
+
+
+# -------------------------------------------------------------------------------------------------
+# sr_ste.
+# -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize(
+    ("n", "m", "axis", "shape"), [(2, 4, 0, (16, 8)), (1, 4, -2, (3, 3, 8, 5)), (4, 8, 1, (5, 16))]
+)
+@pytest.mark.parametrize("decay", [0.0, 2e-4, 0.3])
+def test_sr_ste_forward_and_gradient_formula(dtype, n, m, axis, shape, decay):
+  w = _normal(5, shape, dtype)
+  c = _normal(6, shape, dtype)
+  mask = nm_mask(w, n, m, axis=axis)
+  out = sr_ste(w, n, m, decay=decay, axis=axis)
+  assert out.dtype == dtype
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(jnp.where(mask, w, 0)))
+  g = jax.grad(lambda w: jnp.sum(sr_ste(w, n, m, decay=decay, axis=axis).astype(jnp.float32) * c))(w)
+  expected = c.astype(jnp.float32) + decay * (~mask) * w.astype(jnp.float32)
+  assert g.dtype == dtype
+  assert_close(g, expected, dtype)
+  # Kept entries see exactly the straight-through gradient.
+  np.testing.assert_array_equal(np.asarray(g)[np.asarray(mask)], np.asarray(c)[np.asarray(mask)])
+
+
+def test_sr_ste_decay_zero_is_plain_ste_and_jit_vmap():
+  w = _normal(7, (4, 16, 8))
+  g = jax.jit(jax.vmap(jax.grad(lambda w: jnp.sum(sr_ste(w, 2, 4, decay=0.0) ** 2))))(w)
+  mask = nm_mask(w, 2, 4, axis=1)
+  np.testing.assert_allclose(np.asarray(g), np.asarray(2 * jnp.where(mask, w, 0)), rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"decay": -1.0}, ValueError, r"decay must be a float >= 0.*decay=-1.0"),
+        ({"decay": True}, ValueError, r"decay=True"),
+        ({"axis": 5}, ValueError, r"axis=5 is out of range"),
+    ],
+)
+def test_sr_ste_bad_arguments(kwargs, error, match):
+  with pytest.raises(error, match=match):
+    sr_ste(jnp.ones((8, 4)), 2, 4, **kwargs)
+
+
+def test_sr_ste_rejects_integer_weights_and_bad_groups():
+  with pytest.raises(TypeError, match="floating"):
+    sr_ste(jnp.ones((8, 4), jnp.int32), 2, 4)
+  with pytest.raises(ValueError, match=r"m=4 must divide w.shape\[0\]=6"):
+    sr_ste(jnp.ones((6, 4)), 2, 4)
+
+
+# -------------------------------------------------------------------------------------------------
+# nm_matmul (XLA path; the Pallas kernel is tested in test_pallas_nm.py).
+# -------------------------------------------------------------------------------------------------
+
+
+def _dense_products(x, dy, ws):
+  """``y``, ``dX`` and ``dvalues`` by autodiff of ``x @ ws.to_dense()`` in float32."""
+  f32 = lambda a: a.astype(jnp.float32)
+
+  def dense(x, v):
+    return jnp.matmul(x, ws.with_values(v).to_dense(), precision=lax.Precision.HIGHEST)
+
+  y, vjp = jax.vjp(dense, f32(x), f32(ws.values))
+  return (y, *vjp(f32(dy)))
+
+
+@st.composite
+def _matmul_problems(draw):
+  n, m = draw(st.sampled_from([(2, 4), (1, 4), (4, 8), (1, 2)]))
+  k = m * draw(st.integers(1, 6))
+  return n, m, draw(st.integers(1, 9)), k, draw(st.integers(1, 12)), draw(st.integers(0, 2**16))
+
+
+@jax.jit
+def _nm_matmul_and_reference(x, dy, ws):
+  y, vjp = jax.vjp(lambda x, v: nm_matmul(x, ws.with_values(v), implementation="xla"), x, ws.values)
+  return (y, *vjp(dy)), _dense_products(x, dy, ws)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@settings(max_examples=4, deadline=None)
+@given(problem=_matmul_problems())
+def test_nm_matmul_forward_and_gradients_match_dense(dtype, problem):
+  n, m, rows, k, cols, seed = problem
+  ws = NMSparseMatrix.from_dense(_normal(seed, (k, cols), dtype), n, m)
+  x, dy = _normal(seed + 1, (rows, k), dtype), _normal(seed + 2, (rows, cols), dtype)
+  (y, dx, dv), (y_ref, dx_ref, dv_ref) = _nm_matmul_and_reference(x, dy, ws)
+  assert y.dtype == dx.dtype == dv.dtype == dtype
+  assert_close(y, y_ref, dtype)
+  assert_close(dx, dx_ref, dtype)
+  assert_close(dv, dv_ref, dtype)
+
+
+def test_nm_matmul_default_implementation_batch_dims_and_vmap():
+  ws = NMSparseMatrix.from_dense(_normal(0, (32, 24)), 2, 4)
+  x = _normal(1, (3, 5, 32))
+  y = nm_matmul(x, ws)
+  assert y.shape == (3, 5, 24)
+  assert_close(y, nm_matmul_reference(x, ws, precision=lax.Precision.HIGHEST), jnp.float32)
+  yv = jax.vmap(lambda a: nm_matmul(a, ws))(x)
+  assert_close(yv, y, jnp.float32)
+  g = jax.vmap(jax.grad(lambda a: nm_matmul(a, ws).sum()))(x)
+  assert_close(g, jnp.broadcast_to(ws.to_dense().sum(1), x.shape), jnp.float32)
+
+
+def test_nm_matmul_groups_along_columns_and_output_dtype():
+  ws = NMSparseMatrix.from_dense(_normal(0, (12, 16)), 1, 4, axis=1)
+  x = _normal(1, (4, 12), jnp.bfloat16)
+  y = nm_matmul(x, ws, preferred_element_type=jnp.float32)
+  assert y.dtype == jnp.float32
+  assert_close(y, x.astype(jnp.float32) @ ws.to_dense(), jnp.bfloat16)
+
+
+@pytest.mark.skipif(kernels.available(), reason="checks the CPU-only behaviour")
+def test_nm_matmul_pallas_raises_without_gpu():
+  ws = NMSparseMatrix.from_dense(_normal(0, (64, 32)), 2, 4)
+  with pytest.raises(RuntimeError, match="implementation='pallas'"):
+    nm_matmul(jnp.ones((2, 64)), ws, implementation="pallas")
+
+
+@pytest.mark.parametrize(
+    ("x", "w", "kwargs", "error", "match"),
+    [
+        (jnp.ones((2, 8)), jnp.ones((8, 4)), {}, TypeError, "w must be a jaxsparse.NMSparseMatrix, got ArrayImpl"),
+        (jnp.ones((2, 8)), "3d", {}, ValueError, r"2-D \(K, N\)"),
+        (jnp.ones((2, 12)), "2d", {}, ValueError, r"x must have shape \(..., K\) with K = w.shape\[0\] = 8"),
+        (jnp.ones((2, 8), jnp.int32), "2d", {}, TypeError, "floating"),
+        (jnp.ones((2, 8)), "2d", {"implementation": "cuda"}, ValueError, "implementation must be one of"),
+    ],
+)
+def test_nm_matmul_bad_arguments(x, w, kwargs, error, match):
+  if w == "2d":
+    w = NMSparseMatrix.from_dense(jnp.ones((8, 4)), 2, 4)
+  elif w == "3d":
+    w = NMSparseMatrix.from_dense(jnp.ones((2, 8, 4)), 2, 4, axis=1)
+  with pytest.raises(error, match=match):
+    nm_matmul(x, w, **kwargs)
+
+
+def test_public_exports():
+  assert jaxsparse.nm_mask is nm_mask and jaxsparse.NMSparseMatrix is NMSparseMatrix
+  assert {"nm_matmul", "nm_matmul_reference", "sr_ste"} <= set(jaxsparse.ops.__all__)
+  assert functools.reduce(lambda a, b: a and b, [callable(f) for f in (nm_matmul, sr_ste, nm_mask)])

@@ -1,0 +1,339 @@
+"""N:M layers: NMLinear / NMConv (NNX) and NMDense / NMConv (Linen) against dense Flax layers, SR-STE
+gradients, conversions, bad input, and a reduced run of examples/sr_ste_digits.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import pathlib
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxsparse
+from jaxsparse.layers import CompressedNMLinear
+from jaxsparse.layers import NMConv
+from jaxsparse.layers import NMLinear
+from jaxsparse.layers import SparsityPattern
+from jaxsparse.layers import linen as jlinen
+from tests._util import assert_close
+
+K, N = 64, 24
+
+
+def _normal(seed, shape, dtype=jnp.float32):
+  return jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(dtype)
+
+
+def _randomize_bias(layer, seed):
+  if layer.bias is not None:
+    layer.bias[...] = _normal(seed, layer.bias.shape, layer.bias.dtype)
+
+
+def _pruned(kernel, n, m, axis):
+  return jnp.where(jaxsparse.nm_mask(kernel, n, m, axis=axis), kernel, 0)
+
+
+# -------------------------------------------------------------------------------------------------
+# NMLinear.
+# -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("n", "m"), [(2, 4), (1, 4), (4, 8)])
+@pytest.mark.parametrize("use_bias", [True, False])
+def test_nm_linear_forward_is_dense_linear_with_pruned_kernel(n, m, use_bias):
+  layer = NMLinear(K, N, n=n, m=m, use_bias=use_bias, rngs=nnx.Rngs(0))
+  _randomize_bias(layer, 1)
+  x = _normal(2, (3, 5, K))
+  kernel = layer.kernel[...]
+  expected = x @ _pruned(kernel, n, m, 0) + (layer.bias[...] if use_bias else 0)
+  np.testing.assert_allclose(np.asarray(layer(x)), np.asarray(expected), rtol=1e-6, atol=1e-6)
+  assert layer.kernel.shape == (K, N)  # stays dense
+  np.testing.assert_array_equal(np.asarray(layer.mask), np.asarray(jaxsparse.nm_mask(kernel, n, m)))
+  assert (layer.n, layer.m, layer.sr_ste_decay) == (n, m, 2e-4)
+  assert isinstance(layer, nnx.Linear)
+
+
+@pytest.mark.parametrize("decay", [0.0, 2e-4, 0.5])
+def test_nm_linear_gradient_is_sr_ste(decay):
+  layer = NMLinear(K, N, sr_ste_decay=decay, rngs=nnx.Rngs(3))
+  x, dy = _normal(4, (7, K)), _normal(5, (7, N))
+  grads = nnx.grad(lambda m: jnp.sum(m(x) * dy))(layer)
+  w = layer.kernel[...]
+  mask = jaxsparse.nm_mask(w, 2, 4)
+  expected = x.T @ dy + decay * (~mask) * w  # straight through to every weight, decay on the pruned
+  assert_close(grads.kernel[...], expected, jnp.float32)
+  assert_close(grads.bias[...], dy.sum(0), jnp.float32)
+
+
+def test_nm_linear_bfloat16_compute_and_params():
+  layer = NMLinear(K, N, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  _randomize_bias(layer, 1)
+  x = _normal(2, (4, K))
+  y = layer(x)
+  assert y.dtype == jnp.bfloat16 and layer.kernel.dtype == jnp.bfloat16
+  ref = x.astype(jnp.bfloat16).astype(jnp.float32) @ _pruned(layer.kernel[...], 2, 4, 0).astype(jnp.float32)
+  assert_close(y, ref + layer.bias[...].astype(jnp.float32), jnp.bfloat16)
+
+
+def test_nm_linear_mask_follows_training():
+  layer = NMLinear(8, 2, rngs=nnx.Rngs(0))
+  layer.kernel[...] = jnp.array([[4.0, 1], [3, 2], [2, 3], [1, 4]] * 2)
+  before = np.asarray(layer.mask)
+  optimizer = nnx.Optimizer(layer, optax.sgd(1.0), wrt=nnx.Param)
+  x = jnp.ones((1, 8))
+  # Push the first column's small weights up: the mask is recomputed from the new weights.
+  grads = nnx.grad(lambda m: -jnp.sum(m(x)[:, 0]) * 0)(layer)
+  grads.kernel[...] = jnp.zeros((8, 2)).at[2:4, 0].set(-10.0)
+  optimizer.update(layer, grads)
+  after = np.asarray(layer.mask)
+  np.testing.assert_array_equal(before[:4, 0], [True, True, False, False])
+  np.testing.assert_array_equal(after[:4, 0], [False, False, True, True])
+
+
+def test_nm_linear_state_is_just_params():
+  layer = NMLinear(K, N, rngs=nnx.Rngs(0))
+  _, params, rest = nnx.split(layer, nnx.Param, ...)
+  assert {p for p, _ in nnx.to_flat_state(params)} == {("kernel",), ("bias",)}
+  assert not list(nnx.to_flat_state(rest))
+  assert nnx.graphdef(layer) == nnx.graphdef(NMLinear(K, N, rngs=nnx.Rngs(1)))  # one jit cache entry
+
+
+def test_nm_linear_from_dense_to_dense_and_options():
+  dense = nnx.Linear(K, N, dtype=jnp.float32, precision=jax.lax.Precision.HIGHEST, rngs=nnx.Rngs(0))
+  _randomize_bias(dense, 1)
+  layer = NMLinear.from_dense(dense, n=1, m=4, sr_ste_decay=0.0)
+  np.testing.assert_array_equal(np.asarray(layer.kernel[...]), np.asarray(dense.kernel[...]))  # still dense
+  assert layer.precision == jax.lax.Precision.HIGHEST and (layer.n, layer.m, layer.sr_ste_decay) == (1, 4, 0.0)
+  x = _normal(2, (6, K))
+  back = layer.to_dense()
+  assert type(back) is nnx.Linear
+  np.testing.assert_array_equal(np.asarray(back.kernel[...]), np.asarray(_pruned(dense.kernel[...], 1, 4, 0)))
+  np.testing.assert_array_equal(np.asarray(back(x)), np.asarray(layer(x)))
+  # from_dense of an NMLinear keeps its original promotion (no double pruning).
+  again = NMLinear.from_dense(layer, n=2, m=4)
+  assert again.promote_dtype.base is layer.promote_dtype.base
+
+
+@pytest.mark.parametrize("use_bias", [True, False])
+def test_to_compressed_matches_and_is_smaller(use_bias):
+  layer = NMLinear(K, N, use_bias=use_bias, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  _randomize_bias(layer, 1)
+  small = layer.to_compressed()
+  assert isinstance(small, CompressedNMLinear)
+  w = small.weight
+  assert w.shape == (K, N) and w.values.shape == (K // 2, N) and w.indices.dtype == jnp.uint8
+  assert w.nbytes / (K * N * 2) == pytest.approx(0.5625)
+  x = _normal(2, (5, K), jnp.bfloat16)
+  np.testing.assert_array_equal(np.asarray(small(x)), np.asarray(layer(x)))
+  np.testing.assert_array_equal(np.asarray(small.to_dense()(x)), np.asarray(layer(x)))
+  _, params, patterns = nnx.split(small, nnx.Param, SparsityPattern)
+  assert {p for p, _ in nnx.to_flat_state(patterns)} == {("kernel_positions",)}
+  assert ("kernel",) in {p for p, _ in nnx.to_flat_state(params)}
+
+
+def test_compressed_values_can_be_fine_tuned():
+  small = NMLinear(K, N, rngs=nnx.Rngs(0)).to_compressed(implementation="xla")
+  x, dy = _normal(1, (4, K)), _normal(2, (4, N))
+  grads = nnx.grad(lambda m: jnp.sum(m(x) * dy))(small)
+  dense_grad = np.asarray(x.T @ dy)
+  mask = np.asarray(small.weight.mask())
+  kept = np.stack([dense_grad[mask[:, j], j] for j in range(N)], axis=1)  # dW at the kept positions
+  assert_close(grads.kernel[...], kept, jnp.float32)
+
+
+# -------------------------------------------------------------------------------------------------
+# NMConv.
+# -------------------------------------------------------------------------------------------------
+
+CONV_OPTIONS = [
+    {},
+    {"strides": 2, "padding": "VALID"},
+    {"padding": "CIRCULAR", "kernel_dilation": 2},
+    {"feature_group_count": 2, "use_bias": False},
+    {"input_dilation": 2, "padding": ((1, 0), (0, 1))},
+    {"mask": "causal"},
+]
+
+
+
+
+def FAST_INIT(key, shape, dtype=jnp.float32):
+  """Normal(0, 0.3) drawn 2-D: on this CPU jax 0.10 compiles a 4-D `jax.random.normal` for 10-30 s."""
+  return 0.3 * jax.random.normal(key, (math.prod(shape[:-1]), shape[-1]), dtype).reshape(shape)
+
+
+def _conv_kwargs(options, cin=8, cout=12, ks=(3, 3)):
+  options = dict(options)
+  if options.get("mask") == "causal":
+    options["mask"] = jnp.ones((*ks, cin // options.get("feature_group_count", 1), cout)).at[2].set(0)
+  return options
+
+
+@pytest.mark.parametrize("options", CONV_OPTIONS)
+def test_nm_conv_matches_nnx_conv_with_pruned_kernel(options):
+  kw = _conv_kwargs(options)
+  layer = NMConv(8, 12, (3, 3), kernel_init=FAST_INIT, rngs=nnx.Rngs(0), **kw)
+  _randomize_bias(layer, 1)
+  x = _normal(2, (2, 7, 7, 8))
+  dense = layer.to_dense()
+  assert type(dense) is nnx.Conv
+  np.testing.assert_allclose(np.asarray(layer(x)), np.asarray(dense(x)), rtol=1e-6, atol=1e-6)
+  kernel = layer.kernel[...] if layer.mask is None else layer.kernel[...] * layer.mask
+  np.testing.assert_array_equal(np.asarray(dense.kernel[...]) * (1 if layer.mask is None else np.asarray(layer.mask)),
+                                np.asarray(_pruned(kernel, 2, 4, -2)))
+  # Groups run along cin (axis -2): exactly 2 kept of every 4 input channels.
+  per_group = np.asarray(layer.nm_mask).reshape(3, 3, -1, 4, 12).sum(3)
+  assert np.all(per_group == 2)
+
+
+def test_nm_conv_gradient_is_sr_ste_and_one_d_kernels():
+  layer = NMConv(8, 4, 3, sr_ste_decay=0.1, kernel_init=FAST_INIT, rngs=nnx.Rngs(0))
+  x = _normal(1, (2, 10, 8))
+  g = nnx.grad(lambda m: jnp.sum(m(x) ** 2))(layer)
+  w = layer.kernel[...]
+  mask = layer.nm_mask
+  dense = layer.to_dense()
+  g_dense = nnx.grad(lambda m: jnp.sum(m(x) ** 2))(dense)
+  # Kept weights: the dense conv's gradient at the pruned kernel; pruned: that plus decay * w.
+  assert_close(g.kernel[...], g_dense.kernel[...] + 0.1 * (~mask) * w, jnp.float32)
+
+
+def test_nm_conv_from_dense_keeps_every_option_and_compresses():
+  conv = nnx.Conv(8, 12, (3, 3), strides=2, padding="CIRCULAR", kernel_dilation=1, feature_group_count=2,
+                  precision=jax.lax.Precision.HIGHEST, kernel_init=FAST_INIT, rngs=nnx.Rngs(0))
+  _randomize_bias(conv, 1)
+  layer = NMConv.from_dense(conv, n=1, m=4)
+  for attr in ("strides", "padding", "feature_group_count", "precision", "kernel_size"):
+    assert getattr(layer, attr) == getattr(conv, attr)
+  np.testing.assert_array_equal(np.asarray(layer.kernel[...]), np.asarray(conv.kernel[...]))
+  x = _normal(2, (2, 8, 8, 8))
+  w = conv.kernel[...]
+  conv.kernel[...] = _pruned(w, 1, 4, -2)
+  np.testing.assert_allclose(np.asarray(layer(x)), np.asarray(conv(x)), rtol=1e-6, atol=1e-6)
+  packed = layer.to_compressed()
+  assert packed.axis == 2 and packed.values.shape == (3, 3, 1, 12)
+  np.testing.assert_array_equal(np.asarray(packed.to_dense()), np.asarray(conv.kernel[...]))
+
+
+# -------------------------------------------------------------------------------------------------
+# NNX vs Linen: identical outputs for the same parameters.
+# -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [None, jnp.bfloat16])
+@pytest.mark.parametrize("use_bias", [True, False])
+@pytest.mark.parametrize(("n", "m", "decay"), [(2, 4, 2e-4), (1, 8, 0.0)])
+def test_nm_dense_linen_matches_nnx(dtype, use_bias, n, m, decay):
+  layer = NMLinear(K, N, n=n, m=m, sr_ste_decay=decay, use_bias=use_bias, dtype=dtype, rngs=nnx.Rngs(0))
+  _randomize_bias(layer, 1)
+  model = jlinen.NMDense(N, n=n, m=m, sr_ste_decay=decay, use_bias=use_bias, dtype=dtype)
+  x = _normal(2, (3, K))
+  variables = model.init(jax.random.key(0), x)
+  assert jax.tree.map(jnp.shape, variables) == jax.tree.map(jnp.shape, layer.to_linen_variables())
+  variables = layer.to_linen_variables()
+  np.testing.assert_array_equal(np.asarray(model.apply(variables, x)), np.asarray(layer(x)))
+  # Gradients agree too (SR-STE on both sides).
+  g_linen = jax.grad(lambda v: jnp.sum(model.apply(v, x).astype(jnp.float32) ** 2))(variables)
+  g_nnx = nnx.grad(lambda mdl: jnp.sum(mdl(x).astype(jnp.float32) ** 2))(layer)
+  np.testing.assert_array_equal(np.asarray(g_linen["params"]["kernel"]), np.asarray(g_nnx.kernel[...]))
+
+
+@pytest.mark.parametrize("options", CONV_OPTIONS)
+def test_nm_conv_linen_matches_nnx(options):
+  kw = _conv_kwargs(options)
+  layer = NMConv(8, 12, (3, 3), kernel_init=FAST_INIT, rngs=nnx.Rngs(0), **kw)
+  _randomize_bias(layer, 1)
+  model = jlinen.NMConv(12, (3, 3), kernel_init=FAST_INIT, **kw)
+  x = _normal(2, (2, 7, 7, 8))
+  variables = model.init(jax.random.key(0), x)
+  assert jax.tree.map(jnp.shape, variables) == jax.tree.map(jnp.shape, layer.to_linen_variables())
+  np.testing.assert_array_equal(np.asarray(model.apply(layer.to_linen_variables(), x)), np.asarray(layer(x)))
+
+
+def test_linen_layers_train_inside_a_model():
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x = jlinen.NMConv(8, (3, 3), n=2, m=4, kernel_init=FAST_INIT)(x)
+      return jlinen.NMDense(4)(nn.relu(x).reshape(x.shape[0], -1))
+
+  model = Net()
+  x = _normal(0, (2, 4, 4, 4))
+  params = model.init(jax.random.key(0), x)["params"]
+  assert set(params) == {"NMConv_0", "NMDense_0"} and set(params["NMDense_0"]) == {"kernel", "bias"}
+  grads = jax.grad(lambda p: jnp.sum(model.apply({"params": p}, x) ** 2))(params)
+  assert all(np.all(np.isfinite(np.asarray(g))) for g in jax.tree.leaves(grads))
+
+
+# -------------------------------------------------------------------------------------------------
+# Bad input.
+# -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"in_features": 30}, ValueError, r"in_features=30 must be a multiple of m=4"),
+        ({"n": 4}, ValueError, r"n=4 with m=4"),
+        ({"n": 2.5}, TypeError, r"n must be an int, got n=2.5"),
+        ({"m": True}, TypeError, r"m must be an int, got m=True"),
+        ({"sr_ste_decay": -0.1}, ValueError, r"sr_ste_decay must be a float >= 0.*sr_ste_decay=-0.1"),
+    ],
+)
+def test_nm_linear_bad_arguments(kwargs, error, match):
+  args = {"in_features": K, "out_features": N, **kwargs}
+  with pytest.raises(error, match=match):
+    NMLinear(args.pop("in_features"), args.pop("out_features"), rngs=nnx.Rngs(0), **args)
+
+
+def test_nm_conv_and_conversion_bad_arguments():
+  with pytest.raises(ValueError, match=r"in_features // feature_group_count=3 must be a multiple of m=4"):
+    NMConv(6, 8, (3, 3), feature_group_count=2, kernel_init=FAST_INIT, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"feature_group_count=4 must be >= 1 and divide in_features=6"):
+    NMConv(6, 8, (3, 3), feature_group_count=4, kernel_init=FAST_INIT, rngs=nnx.Rngs(0))
+  with pytest.raises(TypeError, match=r"linear must be a flax\.nnx\.Linear, got Conv"):
+    NMLinear.from_dense(nnx.Conv(8, 8, 3, kernel_init=FAST_INIT, rngs=nnx.Rngs(0)))
+  with pytest.raises(TypeError, match=r"conv must be a flax\.nnx\.Conv, got Linear"):
+    NMConv.from_dense(nnx.Linear(8, 8, rngs=nnx.Rngs(0)))
+  with pytest.raises(TypeError, match=r"weight must be a 2-D jaxsparse\.NMSparseMatrix"):
+    CompressedNMLinear(jnp.ones((8, 4)))
+
+
+def test_linen_bad_arguments():
+  with pytest.raises(ValueError, match=r"n=4 with m=4"):
+    jlinen.NMDense(4, n=4, m=4)
+  with pytest.raises(ValueError, match=r"sr_ste_decay=-1"):
+    jlinen.NMConv(4, (3, 3), sr_ste_decay=-1)
+  with pytest.raises(ValueError, match=r"x.shape\[-1\]=6 must be a multiple of m=4"):
+    jlinen.NMDense(4).init(jax.random.key(0), jnp.ones((1, 6)))
+  with pytest.raises(ValueError, match=r"in_channels // feature_group_count=6 must be a multiple of m=4"):
+    jlinen.NMConv(4, (3, 3)).init(jax.random.key(0), jnp.ones((1, 5, 5, 6)))
+
+
+# -------------------------------------------------------------------------------------------------
+# SR-STE on real data (reduced examples/sr_ste_digits.py).
+# -------------------------------------------------------------------------------------------------
+
+
+def _load_example():
+  path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "sr_ste_digits.py"
+  spec = importlib.util.spec_from_file_location("sr_ste_digits", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_sr_ste_digits_reduced_within_one_point_of_dense():
+  example = _load_example()
+  results = example.run(steps=300, seeds=(0,), hidden=128)
+  acc = {kind: example.mean_accuracy(rs) for kind, rs in results.items()}
+  assert acc["dense"] > 0.95, acc
+  assert acc["sr_ste"] >= acc["dense"] - 0.01, acc  # 2:4 on every layer, trained from scratch
+  assert acc["ste"] > 0.9, acc
+  assert results["sr_ste"][0]["late_mask_flips"] is not None

@@ -1,0 +1,578 @@
+"""Tests for jaxsparse.pruning: scores and masks, schedules, the optax wrapper, SET/RigL, NNX and Linen loops."""
+
+import importlib.util
+import itertools
+import pathlib
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from flax.training import train_state
+from hypothesis import given
+from hypothesis import settings
+from hypothesis import strategies as st
+
+import jaxsparse
+from jaxsparse import pruning
+from jaxsparse.pruning._scores import rank_mask
+
+
+def _normal(seed, shape, dtype=jnp.float32):
+  # NumPy draws: no compilation per new shape, which keeps this file fast on 2 cores.
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
+
+
+def _params(seed=0):
+  return {
+      "fc1": {"kernel": _normal(seed, (16, 32)), "bias": _normal(seed + 1, (32,))},
+      "fc2": {"kernel": _normal(seed + 2, (32, 8)), "bias": _normal(seed + 3, (8,))},
+  }
+
+
+def _expand(block_mask, block_shape):
+  return np.repeat(np.repeat(np.asarray(block_mask), block_shape[0], 0), block_shape[1], 1)
+
+
+# -------------------------------------------------------------------------------------------------
+# Scores and masks.
+# -------------------------------------------------------------------------------------------------
+
+
+def test_magnitude_masks_layerwise_match_magnitude_mask():
+  params = _params()
+  masks = pruning.magnitude_masks(params, jaxsparse.Unstructured(sparsity=0.75))
+  assert masks["fc1"]["bias"] is None and masks["fc2"]["bias"] is None
+  for name in ("fc1", "fc2"):
+    w = params[name]["kernel"]
+    np.testing.assert_array_equal(masks[name]["kernel"], jaxsparse.magnitude_mask(w, 0.75))
+    assert int(masks[name]["kernel"].sum()) == w.size // 4
+
+
+def test_block_magnitude_masks_match_block_magnitude_mask():
+  params = _params()
+  masks = pruning.magnitude_masks(params, {"fc1": jaxsparse.BlockSparse(density=0.25, block_shape=(4, 8))})
+  assert masks["fc2"]["kernel"] is None
+  expected = _expand(jaxsparse.block_magnitude_mask(params["fc1"]["kernel"], (4, 8), 0.25), (4, 8))
+  np.testing.assert_array_equal(masks["fc1"]["kernel"], expected)
+  np.testing.assert_allclose(
+      pruning.block_magnitude_scores(params["fc1"]["kernel"], (4, 8))[0, 0],
+      np.linalg.norm(np.asarray(params["fc1"]["kernel"])[:4, :8]),
+      rtol=1e-6,
+  )
+
+
+@pytest.mark.parametrize("shape,axis", [((16, 8), 0), ((3, 3, 8, 4), -2)])
+def test_nm_masks_match_nm_mask(shape, axis):
+  w = _normal(0, shape)
+  masks = pruning.magnitude_masks({"w": w}, jaxsparse.NM(2, 4))
+  np.testing.assert_array_equal(masks["w"], jaxsparse.nm_mask(w, 2, 4, axis=axis))
+
+
+def test_global_threshold_is_one_threshold_over_layers():
+  params = _params()
+  params["fc2"]["kernel"] = params["fc2"]["kernel"] * 3.0  # a layer of larger weights keeps more of them
+  masks = pruning.magnitude_masks(params, jaxsparse.Unstructured(sparsity=0.8), scope="global")
+  ws = [np.abs(np.asarray(params[n]["kernel"])).ravel() for n in ("fc1", "fc2")]
+  ms = [np.asarray(masks[n]["kernel"]).ravel() for n in ("fc1", "fc2")]
+  w, m = np.concatenate(ws), np.concatenate(ms)
+  assert m.sum() == w.size - round(0.8 * w.size)
+  assert w[m].min() >= w[~m].max()
+  assert ms[1].mean() > 2 * ms[0].mean()
+
+
+def test_global_block_threshold():
+  params = _params()
+  rules = jaxsparse.BlockSparse(density=0.25, block_shape=(8, 8))
+  masks = pruning.magnitude_masks(params, rules, scope="global")
+  norms = np.concatenate([np.asarray(pruning.block_magnitude_scores(params[n]["kernel"], (8, 8))).ravel()
+                          for n in ("fc1", "fc2")])
+  kept = np.concatenate([np.asarray(masks[n]["kernel"])[::8, ::8].ravel() for n in ("fc1", "fc2")])
+  assert kept.sum() == round(0.25 * kept.size)
+  assert norms[kept].min() >= norms[~kept].max()
+
+
+def test_custom_scores_replace_magnitude():
+  params = {"w": _normal(0, (8, 8))}
+  scores = {"w": -jnp.abs(params["w"])}  # keep the smallest weights instead
+  masks = pruning.magnitude_masks(params, jaxsparse.Unstructured(sparsity=0.5), scores=scores)
+  np.testing.assert_array_equal(masks["w"], ~jaxsparse.magnitude_mask(params["w"], 0.5))
+
+
+def test_masks_of_nnx_module_follow_its_param_paths():
+  model = nnx.Sequential(nnx.Linear(8, 16, rngs=nnx.Rngs(0)), nnx.Linear(16, 4, rngs=nnx.Rngs(1)))
+  masks = pruning.magnitude_masks(model, {r"layers\.0": jaxsparse.Unstructured(sparsity=0.5)})
+  assert list(pruning.masks_to_dict(masks)) == ["layers.0.kernel"]
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    k=st.integers(1, 12), n=st.integers(2, 12), sparsity=st.floats(0.0, 0.95), seed=st.integers(0, 2**16)
+)
+def test_unstructured_mask_count_and_threshold(k, n, sparsity, seed):
+  w = _normal(seed, (k, n))
+  kept = w.size - int(sparsity * w.size + 0.5)
+  if kept == 0:
+    with pytest.raises(ValueError, match="prunes all"):
+      pruning.magnitude_masks({"w": w}, jaxsparse.Unstructured(sparsity=sparsity))
+    return
+  m = np.asarray(pruning.magnitude_masks({"w": w}, jaxsparse.Unstructured(sparsity=sparsity))["w"])
+  a = np.abs(np.asarray(w))
+  assert m.sum() == kept
+  if kept < w.size:
+    assert a[m].min() >= a[~m].max()
+
+
+def test_rank_mask_with_traced_count_keeps_k_largest_lower_index_first():
+  scores = np.array([3.0, 1.0, 3.0, 2.0, 0.5, 2.0], np.float32)
+  order = np.argsort(-scores, kind="stable")  # ties: lower index first, like jaxsparse.magnitude_mask
+  masked = jax.jit(rank_mask)
+  for k in range(7):
+    expected = np.zeros(6, bool)
+    expected[order[:k]] = True
+    np.testing.assert_array_equal(masked(jnp.asarray(scores), jnp.int32(k)), expected)
+
+
+# -------------------------------------------------------------------------------------------------
+# Schedules.
+# -------------------------------------------------------------------------------------------------
+
+
+def test_gradual_schedule_is_zhu_gupta():
+  s = pruning.gradual(begin_step=10, end_step=110, update_every=20, initial_sparsity=0.1)
+  for t in [0, 9, 10, 30, 50, 77, 110, 500]:
+    if t < 10:
+      expected = 0.0
+    else:
+      expected = 0.9 + (0.1 - 0.9) * (1 - min((t - 10) / 100, 1.0)) ** 3
+    np.testing.assert_allclose(float(s.sparsity(t, 0.9)), expected, rtol=1e-6, atol=1e-7)
+  updates = [t for t in range(200) if s.is_update_step(t)]
+  assert updates == [10, 30, 50, 70, 90, 110]
+  assert float(s.sparsity(110, 0.9)) == np.float32(0.9)
+
+
+def test_one_shot_and_periodic_schedules():
+  s = pruning.one_shot(step=3)
+  assert [bool(s.is_update_step(t)) for t in range(5)] == [False, False, False, True, False]
+  s = pruning.periodic(update_every=4, begin_step=2, end_step=10)
+  assert [t for t in range(20) if s.is_update_step(t)] == [2, 6, 10]
+  assert float(s.sparsity(1, 0.5)) == 0.0 and float(s.sparsity(2, 0.5)) == 0.5
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(begin_step=10, end_step=5, update_every=1), "end_step must be >= begin_step"),
+        (dict(begin_step=0, end_step=5, update_every=0), "update_every must be an int >= 1"),
+        (dict(begin_step=0, end_step=5, update_every=1, initial_sparsity=1.0), r"initial_sparsity must be in \[0, 1\)"),
+        (dict(begin_step=-1, end_step=5, update_every=1), "begin_step must be an int >= 0"),
+    ],
+)
+def test_schedule_bad_input(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    pruning.gradual(**kwargs)
+
+
+# -------------------------------------------------------------------------------------------------
+# The optax wrapper.
+# -------------------------------------------------------------------------------------------------
+
+
+def _loss(params, x):
+  h = jax.nn.relu(x @ params["fc1"]["kernel"] + params["fc1"]["bias"])
+  return jnp.mean((h @ params["fc2"]["kernel"] + params["fc2"]["bias"]) ** 2)
+
+
+def _run(tx, params, steps, *, seed=0):
+  state = tx.init(params)
+
+  @jax.jit
+  def step(params, state, x):
+    grads = jax.grad(_loss)(params, x)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  history = []
+  for i in range(steps):
+    params, state = step(params, state, _normal(seed + 100 + i, (4, 16)))
+    history.append((params, state))
+  return history
+
+
+def test_momentum_never_resurrects_a_pruned_weight():
+  # Dense training builds momentum for every weight; the pruning step at 5 zeroes 90% of them.
+  rules = jaxsparse.Unstructured(sparsity=0.9)
+  tx = pruning.wrap_optax(optax.sgd(0.05, momentum=0.9), pruning.magnitude_pruner(rules, pruning.one_shot(step=5)))
+  history = _run(tx, _params(), 15)
+  for params, state in history[5:]:
+    masks = pruning.get_masks(state)
+    for name in ("fc1", "fc2"):
+      np.testing.assert_array_equal(np.asarray(params[name]["kernel"])[~np.asarray(masks[name]["kernel"])], 0.0)
+  # The inner momentum of pruned weights was reset, so it cannot push them once they are gone.
+  _, state = history[5]
+  trace = state.inner_state[0].trace
+  assert float(jnp.abs(jnp.where(pruning.get_masks(state)["fc1"]["kernel"], 0.0, trace["fc1"]["kernel"])).max()) == 0
+
+  # Control: pruning once and masking the gradients is not enough; the momentum resurrects pruned weights.
+  sgd = optax.sgd(0.05, momentum=0.9)
+
+  @jax.jit
+  def step(params, state, x, mask):
+    params["fc1"]["kernel"] = jnp.where(mask, params["fc1"]["kernel"], 0.0)
+    grads = jax.grad(_loss)(params, x)
+    grads["fc1"]["kernel"] = jnp.where(mask, grads["fc1"]["kernel"], 0.0)
+    updates, state = sgd.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  params = _params()
+  state = sgd.init(params)
+  dense = jnp.ones((16, 32), bool)
+  for i in range(7):
+    if i == 5:
+      mask = jaxsparse.magnitude_mask(params["fc1"]["kernel"], 0.9)
+    params, state = step(params, state, _normal(100 + i, (4, 16)), dense if i < 5 else mask)
+  assert float(jnp.abs(jnp.where(mask, 0.0, params["fc1"]["kernel"])).max()) > 1e-4
+
+
+def test_kept_weights_follow_the_inner_optimizer_on_masked_gradients():
+  rules = jaxsparse.Unstructured(sparsity=0.5)
+  masks = pruning.magnitude_masks(_params(), rules)
+  params = pruning.apply_masks(_params(), masks)  # sparse from the first step on
+  tx = pruning.wrap_optax(optax.adam(1e-2), pruning.magnitude_pruner(rules))
+  history = _run(tx, params, 3)
+  jax.tree.map(np.testing.assert_array_equal, pruning.get_masks(history[-1][1]), masks)
+  # Reference: plain adam on gradients multiplied by the masks.
+  ref_params = params
+  adam = optax.adam(1e-2)
+
+  @jax.jit
+  def step(params, state, x):
+    grads = pruning.apply_masks(jax.grad(_loss)(params, x), masks)
+    updates, state = adam.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  ref_state = adam.init(ref_params)
+  for i in range(3):
+    ref_params, ref_state = step(ref_params, ref_state, _normal(100 + i, (4, 16)))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), history[-1][0], ref_params)
+
+
+def test_gradual_pruning_follows_schedule_and_only_removes():
+  schedule = pruning.gradual(begin_step=2, end_step=12, update_every=2)
+  rules = {"fc1": jaxsparse.BlockSparse(density=0.25, block_shape=(4, 8)), "fc2": jaxsparse.Unstructured(sparsity=0.9)}
+  tx = pruning.wrap_optax(optax.adam(1e-2), pruning.magnitude_pruner(rules, schedule))
+  history = _run(tx, _params(), 14)
+  previous = None
+  for step, (params, state) in enumerate(history):
+    masks = pruning.get_masks(state)
+    last_update = max([t for t in range(step + 1) if schedule.is_update_step(t)], default=0)
+    s = np.float32(schedule.sparsity(last_update, 0.9))
+    assert int((~masks["fc2"]["kernel"]).sum()) == int(np.floor(s * np.float32(256) + np.float32(0.5)))
+    if step >= 2:
+      blocks = np.asarray(masks["fc1"]["kernel"]).reshape(4, 4, 4, 8).any(axis=(1, 3))
+      np.testing.assert_array_equal(_expand(blocks, (4, 8)), masks["fc1"]["kernel"])  # block-constant
+    if previous is not None:
+      for name in ("fc1", "fc2"):
+        assert not np.any(np.asarray(masks[name]["kernel"]) & ~np.asarray(previous[name]["kernel"]))
+    previous = masks
+    np.testing.assert_array_equal(np.asarray(params["fc2"]["kernel"])[~np.asarray(masks["fc2"]["kernel"])], 0.0)
+  final = pruning.get_masks(history[-1][1])
+  assert float(final["fc1"]["kernel"].mean()) == 0.25
+  assert int(final["fc2"]["kernel"].sum()) == 256 - round(0.9 * 256)
+
+
+def test_global_scope_in_the_optimizer():
+  pruner = pruning.magnitude_pruner(jaxsparse.Unstructured(sparsity=0.8), scope="global")
+  ((_, state),) = _run(pruning.wrap_optax(optax.sgd(0.1), pruner), _params(), 1)
+  kept = [int(pruning.get_masks(state)[n]["kernel"].sum()) for n in ("fc1", "fc2")]
+  assert sum(kept) == 768 - round(0.8 * 768) and kept[0] != 512 - round(0.8 * 512)
+
+
+def test_gradual_nm_goes_through_coarser_patterns():
+  schedule = pruning.gradual(begin_step=0, end_step=4, update_every=2)
+  tx = pruning.wrap_optax(optax.sgd(1e-2), pruning.magnitude_pruner({"fc1": jaxsparse.NM(1, 4)}, schedule))
+  history = _run(tx, _params(), 5)
+  kept_per_group = [int(pruning.get_masks(s)["fc1"]["kernel"].reshape(4, 4, 32).sum(axis=1).max()) for _, s in history]
+  assert kept_per_group[0] == 4 and kept_per_group[-1] == 1
+  assert kept_per_group == sorted(kept_per_group, reverse=True)
+  mask = pruning.get_masks(history[-1][1])["fc1"]["kernel"]
+  np.testing.assert_array_equal(mask.reshape(4, 4, 32).sum(axis=1), 1)
+
+
+def test_wrapper_inside_chain_and_without_params():
+  tx = optax.chain(optax.clip_by_global_norm(1.0),
+                   pruning.wrap_optax(optax.sgd(0.1), pruning.magnitude_pruner(jaxsparse.Unstructured(sparsity=0.5))))
+  history = _run(tx, _params(), 2)
+  assert int(pruning.get_masks(history[-1][1])["fc1"]["kernel"].sum()) == 256
+  with pytest.raises(ValueError, match="needs params"):
+    tx.update(_params(), tx.init(_params()))
+  with pytest.raises(ValueError, match=r"exactly one pruning\.PruningState"):
+    pruning.get_masks(optax.sgd(0.1).init(_params()))
+
+
+def test_masks_save_and_load(tmp_path):
+  masks = pruning.magnitude_masks(_params(), jaxsparse.Unstructured(sparsity=0.5))
+  flat = pruning.masks_to_dict(masks)
+  assert sorted(flat) == ["fc1.kernel", "fc2.kernel"]
+  np.savez(tmp_path / "masks.npz", **flat)
+  loaded = dict(np.load(tmp_path / "masks.npz"))
+  for k, v in flat.items():
+    np.testing.assert_array_equal(loaded[k], v)
+    assert loaded[k].dtype == np.bool_
+
+
+# -------------------------------------------------------------------------------------------------
+# SET and RigL.
+# -------------------------------------------------------------------------------------------------
+
+
+def _dst_step(pruner, params, grads, *, steps=1):
+  tx = pruning.wrap_optax(optax.sgd(0.0), pruner)
+  state = tx.init(params)
+  before = pruning.get_masks(state)
+  for _ in range(steps):
+    _, state = jax.jit(tx.update)(grads, state, params)
+  return before, pruning.get_masks(state), state
+
+
+def test_rigl_drops_smallest_and_grows_largest_gradient():
+  params = {"w": _normal(0, (16, 16))}
+  grads = {"w": _normal(1, (16, 16))}
+  pruner = pruning.rigl_pruner(jaxsparse.Unstructured(sparsity=0.75), update_every=1, end_step=100,
+                               drop_fraction=0.5)
+  before, after, _ = _dst_step(pruner, params, grads)
+  b, a = np.asarray(before["w"]), np.asarray(after["w"])
+  w, g = np.abs(np.asarray(params["w"])), np.abs(np.asarray(grads["w"]))
+  dropped, grown, stayed = b & ~a, a & ~b, b & a
+  assert a.sum() == b.sum() == 64
+  assert dropped.sum() == grown.sum() == 32  # floor(0.5 * 64)
+  assert w[dropped].max() <= w[stayed].min()
+  assert g[grown].min() >= g[~b & ~a].max()
+
+
+def test_set_grows_at_random_and_keeps_counts_over_many_updates():
+  params = {"w": _normal(0, (16, 16))}
+  pruner = pruning.set_pruner(jaxsparse.Unstructured(sparsity=0.9), update_every=1, end_step=4, drop_fraction=0.3)
+  tx = pruning.wrap_optax(optax.sgd(0.1), pruner)
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  masks = [pruning.get_masks(state)["w"]]
+  for i in range(6):
+    updates, state = update({"w": _normal(10 + i, (16, 16))}, state, params)
+    params = optax.apply_updates(params, updates)
+    masks.append(pruning.get_masks(state)["w"])
+    np.testing.assert_array_equal(np.asarray(params["w"])[~np.asarray(masks[-1])], 0.0)
+  kept = 256 - round(0.9 * 256)
+  assert all(int(m.sum()) == kept for m in masks)
+  moved = [int((m1 & ~m0).sum()) for m0, m1 in itertools.pairwise(masks)]
+  expected = [int(np.floor(float(pruning.cosine_drop_fraction(t, drop_fraction=0.3, begin_step=0, end_step=4)) * kept))
+              for t in range(6)]
+  assert moved == expected
+  assert moved[0] > 0 and moved[-1] == 0  # no updates after end_step
+
+
+def test_dst_block_masks_stay_block_masks():
+  params = {"w": _normal(0, (32, 32))}
+  rules = jaxsparse.BlockSparse(density=0.25, block_shape=(8, 8))
+  for make in (pruning.set_pruner, pruning.rigl_pruner):
+    before, after, _ = _dst_step(make(rules, update_every=1, end_step=10, drop_fraction=0.5), params,
+                                 {"w": _normal(2, (32, 32))})
+    for m in (before, after):
+      blocks = np.asarray(m["w"])[::8, ::8]
+      np.testing.assert_array_equal(_expand(blocks, (8, 8)), m["w"])
+      assert blocks.sum() == 4
+    assert not np.array_equal(before["w"], after["w"])
+
+
+def test_grown_weights_start_at_zero_with_fresh_optimizer_state():
+  params = {"w": _normal(0, (16, 16))}
+  pruner = pruning.rigl_pruner(jaxsparse.Unstructured(sparsity=0.75), update_every=2, end_step=100, drop_fraction=0.5)
+  tx = pruning.wrap_optax(optax.adam(1e-2), pruner)
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  for i in range(3):  # updates at steps 0 and 2; the step in between builds Adam moments on kept weights
+    old = pruning.get_masks(state)["w"]
+    updates, state = update({"w": _normal(20 + i, (16, 16))}, state, params)
+    params = optax.apply_updates(params, updates)
+  new = pruning.get_masks(state)["w"]
+  changed = np.asarray(new) != np.asarray(old)
+  assert changed.any()
+  mu = np.asarray(state.inner_state[0].mu["w"])
+  nu = np.asarray(state.inner_state[0].nu["w"])
+  # Grown weights: their moments hold only this step's gradient (they were reset first).
+  g = np.asarray(_normal(22, (16, 16)))
+  grown = np.asarray(new) & ~np.asarray(old)
+  np.testing.assert_allclose(mu[grown], 0.1 * g[grown], rtol=1e-5)
+  np.testing.assert_allclose(nu[grown], 0.001 * g[grown] ** 2, rtol=1e-5)
+  assert np.all(mu[~np.asarray(new)] == 0) and np.all(nu[~np.asarray(new)] == 0)
+
+
+def test_dst_rejects_nm_rules():
+  pruner = pruning.set_pruner({"fc1": jaxsparse.NM(2, 4)}, update_every=1, end_step=10)
+  with pytest.raises(ValueError, match=r"fc1\.kernel: SET and RigL support Unstructured and BlockSparse"):
+    pruning.wrap_optax(optax.sgd(0.1), pruner).init(_params())
+
+
+# -------------------------------------------------------------------------------------------------
+# NNX and Linen training loops.
+# -------------------------------------------------------------------------------------------------
+
+
+class _NNXMLP(nnx.Module):
+  def __init__(self, rngs):
+    self.fc1 = nnx.Linear(16, 32, rngs=rngs)
+    self.fc2 = nnx.Linear(32, 4, rngs=rngs)
+
+  def __call__(self, x):
+    return self.fc2(jax.nn.relu(self.fc1(x)))
+
+
+def _data(n=64):
+  x = _normal(7, (n, 16))
+  y = (x[:, 0] > 0).astype(jnp.int32) + 2 * (x[:, 1] > 0).astype(jnp.int32)
+  return x, y
+
+
+def test_nnx_optimizer_loop():
+  model = _NNXMLP(nnx.Rngs(0))
+  rules = {"fc1": jaxsparse.BlockSparse(density=0.25, block_shape=(8, 8)), "fc2": jaxsparse.Unstructured(sparsity=0.5)}
+  pruner = pruning.magnitude_pruner(rules, pruning.gradual(begin_step=0, end_step=20, update_every=5))
+  optimizer = nnx.Optimizer(model, pruning.wrap_optax(optax.adam(1e-2), pruner), wrt=nnx.Param)
+  x, y = _data()
+
+  @nnx.jit
+  def step(model, optimizer):
+    def loss_fn(model):
+      return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss
+
+  losses = [float(step(model, optimizer)) for _ in range(40)]
+  assert losses[-1] < losses[0]
+  masks = pruning.get_masks(optimizer)
+  assert float(masks["fc1"]["kernel"].mean()) == 0.25 and float(masks["fc2"]["kernel"].mean()) == 0.5
+  np.testing.assert_array_equal(np.asarray(model.fc1.kernel[...])[~np.asarray(masks["fc1"]["kernel"])], 0.0)
+  # The trained masks turn the dense model into sparse layers computing the same function.
+  sparse, _ = jaxsparse.sparsify(model, rules, masks=masks)
+  assert isinstance(sparse.fc1, jaxsparse.layers.BlockSparseLinear)
+  np.testing.assert_allclose(sparse(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_apply_masks_on_nnx_module():
+  model = _NNXMLP(nnx.Rngs(0))
+  masks = pruning.magnitude_masks(model, jaxsparse.Unstructured(sparsity=0.5))
+  pruning.apply_masks(model, masks)
+  assert float(jnp.mean(model.fc1.kernel[...] == 0)) == 0.5
+  assert float(jnp.mean(model.fc1.bias[...] == 0)) == 1.0  # zeros from init, untouched
+
+
+class _LinenMLP(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h = nn.relu(nn.Dense(32, name="fc1")(x))
+    return nn.Dense(4, name="fc2")(h)
+
+
+def test_linen_train_state_loop():
+  model = _LinenMLP()
+  x, y = _data()
+  params = model.init(jax.random.key(0), x)["params"]
+  pruner = pruning.rigl_pruner(jaxsparse.Unstructured(sparsity=0.8), update_every=5, end_step=30)
+  state = train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                        tx=pruning.wrap_optax(optax.adam(1e-2), pruner))
+
+  @jax.jit
+  def step(state):
+    def loss_fn(p):
+      return optax.softmax_cross_entropy_with_integer_labels(state.apply_fn({"params": p}, x), y).mean()
+
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+  first_masks = pruning.get_masks(state)
+  losses = []
+  for _ in range(40):
+    state, loss = step(state)
+    losses.append(float(loss))
+  assert losses[-1] < losses[0]
+  masks = pruning.get_masks(state)
+  for name in ("fc1", "fc2"):
+    m = np.asarray(masks[name]["kernel"])
+    assert m.sum() == m.size - round(0.8 * m.size)
+    np.testing.assert_array_equal(np.asarray(state.params[name]["kernel"])[~m], 0.0)
+  assert not np.array_equal(first_masks["fc1"]["kernel"], masks["fc1"]["kernel"])
+
+
+# -------------------------------------------------------------------------------------------------
+# Bad input.
+# -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sparsity", [1.0, -0.1, 1.5])
+def test_sparsity_outside_range(sparsity):
+  with pytest.raises(ValueError, match=rf"sparsity must be in \[0, 1\), got sparsity={sparsity}"):
+    jaxsparse.Unstructured(sparsity=sparsity)
+
+
+def test_bad_structures():
+  with pytest.raises(ValueError, match=r"density must be in \(0, 1\], got density=0.0"):
+    jaxsparse.BlockSparse(density=0.0)
+  with pytest.raises(ValueError, match="NM needs n <= m, got n=3, m=2"):
+    jaxsparse.NM(3, 2)
+  with pytest.raises(TypeError, match="block_shape must be a pair of positive ints"):
+    jaxsparse.BlockSparse(density=0.5, block_shape=(8,))
+
+
+def test_structure_that_cannot_apply_names_the_path():
+  with pytest.raises(ValueError, match=r"fc1.kernel: N:M sparsity 2:3 needs m=3 to divide the input size 16"):
+    pruning.magnitude_masks(_params(), {"fc1": jaxsparse.NM(2, 3)})
+  with pytest.raises(ValueError, match=r"fc2.kernel: block_shape=\(5, 8\) does not divide"):
+    pruning.magnitude_masks(_params(), {"fc2": jaxsparse.BlockSparse(density=0.5, block_shape=(5, 8))})
+
+
+def test_rules_matching_nothing_warn_with_paths():
+  with pytest.warns(UserWarning, match=r"rule\(s\) \['attn.\*'\] matched no .*available paths: fc1, fc1.kernel"):
+    pruning.magnitude_masks(_params(), {"attn.*": jaxsparse.NM(2, 4), ".*": jaxsparse.Unstructured(sparsity=0.5)})
+
+
+def test_bad_rules_and_scope():
+  with pytest.raises(TypeError, match=r"rule 'fc1' maps to 0\.5"):
+    pruning.magnitude_masks(_params(), {"fc1": 0.5})
+  with pytest.raises(TypeError, match="rules must be a sparsity structure"):
+    pruning.magnitude_masks(_params(), 0.5)
+  with pytest.raises(ValueError, match="scope must be 'layer' or 'global', got scope='all'"):
+    pruning.magnitude_masks(_params(), jaxsparse.Unstructured(sparsity=0.5), scope="all")
+  with pytest.raises(ValueError, match="drop_fraction must be in"):
+    pruning.set_pruner(jaxsparse.Unstructured(sparsity=0.5), update_every=1, end_step=10, drop_fraction=0.0)
+
+
+# -------------------------------------------------------------------------------------------------
+# The digits demonstration, reduced.
+# -------------------------------------------------------------------------------------------------
+
+
+def _load_example(name):
+  path = pathlib.Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+  spec = importlib.util.spec_from_file_location(f"_example_{name}", path)
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_pruning_digits_reduced():
+  results = {r.name: r for r in _load_example("pruning_digits").run(steps=300, hidden=64, batch=64, lr=3e-3)}
+  dense = results.pop("dense")
+  assert dense.accuracy >= 0.93
+  expected_sparsity = {"90% unstructured": 0.9, "75% block 16x16": 0.75}
+  assert len(results) == 3
+  for name, r in results.items():
+    assert r.sparsity == pytest.approx(next(v for k, v in expected_sparsity.items() if k in name), abs=2e-4)
+    assert r.accuracy >= dense.accuracy - 0.06, (name, r.accuracy, dense.accuracy)
+    assert abs(r.sparse_accuracy - r.accuracy) <= 1 / 450  # the sparse layers compute the same model

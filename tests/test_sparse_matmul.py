@@ -1,0 +1,445 @@
+"""Unstructured sparse products on the C++ CPU kernels: CSRMatrix, sparse_matmul, masked_matmul, MaskedLinear.
+
+Every check compares forward and gradients against autodiff of the dense reference computed in
+float32 on the same (rounded) inputs.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from hypothesis import HealthCheck
+from hypothesis import given
+from hypothesis import settings
+from hypothesis import strategies as st
+
+import jaxsparse
+from jaxsparse._cpu import _build
+from jaxsparse.layers import MaskedLinear
+from jaxsparse.layers.linen import MaskedDense
+from jaxsparse.ops import CpuKernelFallbackWarning
+from jaxsparse.ops import masked_matmul
+from jaxsparse.ops import sparse_matmul
+from jaxsparse.ops import sparse_matmul_reference
+from tests._util import assert_close
+
+ALLOWED = r"implementation must be one of \(None, 'xla', 'cpu'\)"
+SETTINGS = settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+# Masks with the corner cases the kernels must get right.
+MASKS = {
+    "random": lambda rng, s: rng.random(s) < 0.15,
+    "empty_rows_and_cols": lambda rng, s: (rng.random(s) < 0.5) & (np.arange(s[0])[:, None] % 3 != 0)
+    & (np.arange(s[1]) % 4 != 1),
+    "single": lambda rng, s: np.arange(s[0] * s[1]).reshape(s) == (s[0] * s[1]) // 2,
+    "all_zero": lambda rng, s: np.zeros(s, bool),
+    "all_one": lambda rng, s: np.ones(s, bool),
+}
+
+
+def test_kernels_build_here():
+  """The C++ kernels compile on this machine; the other tests would silently test XLA otherwise."""
+  assert _build.load(), _build.unavailable_reason()
+
+
+def _data(seed, b, k, n, mask_fn, dtype=jnp.float32, lead=None):
+  rng = np.random.default_rng(seed)
+  mask = np.asarray(mask_fn(rng, (k, n)), bool)
+  kx, kw = jax.random.split(jax.random.key(seed))
+  x = jax.random.normal(kx, (*(lead or (b,)), k), jnp.float32).astype(dtype)
+  w = jax.random.normal(kw, (k, n), jnp.float32).astype(dtype)
+  return x, w, mask
+
+
+def _cotangent(shape):
+  return jax.random.normal(jax.random.key(99), shape, jnp.float32)
+
+
+def _reference(x, w_dense, ct):
+  """Forward and the two input cotangents of ``x @ w_dense`` in float64 NumPy: (y, dx, dw_dense)."""
+  x64 = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+  w64 = np.asarray(jnp.asarray(w_dense, jnp.float32), np.float64)
+  ct64 = np.asarray(ct, np.float64)
+  x2, ct2 = x64.reshape(-1, x64.shape[-1]), ct64.reshape(-1, ct64.shape[-1])
+  return x64 @ w64, ct64 @ w64.T, x2.T @ ct2
+
+
+def _run(op, x, v, ct):
+  """``op(x, v)`` and its VJP with cotangent ``ct``, in one jitted function."""
+
+  def fwd_bwd(x, v):
+    y, vjp = jax.vjp(op, x, v)
+    return (y, *vjp(ct.astype(y.dtype)))
+
+  return jax.jit(fwd_bwd)(x, v)
+
+
+def _check_sparse_matmul(x, w, mask, dtype, implementation="cpu"):
+  ws = jaxsparse.CSRMatrix.from_dense(w, mask=mask)
+  ct = _cotangent((*x.shape[:-1], w.shape[1]))
+  op = lambda a, d: sparse_matmul(a, ws.with_data(d), implementation=implementation)
+  y, gx, gd = _run(op, x, ws.data, ct)
+  y_ref, gx_ref, gw_ref = _reference(x, ws.to_dense(), ct)
+  assert y.dtype == dtype and y.shape == (*x.shape[:-1], w.shape[1])
+  assert gx.dtype == x.dtype and gd.dtype == ws.data.dtype and gd.shape == (ws.nnz,)
+  assert_close(y, y_ref, dtype)
+  assert_close(gx, gx_ref, dtype)
+  if ws.nnz:
+    assert_close(gd, gw_ref[np.asarray(ws.row_indices), np.asarray(ws.col_indices)], dtype)
+
+
+def _check_masked_matmul(x, w, mask, dtype, implementation="cpu"):
+  ct = _cotangent((*x.shape[:-1], w.shape[1]))
+  op = lambda a, b: masked_matmul(a, b, mask, implementation=implementation)
+  y, gx, gw = _run(op, x, w, ct)
+  y_ref, gx_ref, gw_ref = _reference(x, jnp.where(mask, w, 0), ct)
+  assert y.dtype == dtype and y.shape == (*x.shape[:-1], w.shape[1])
+  assert gx.dtype == x.dtype and gw.dtype == w.dtype
+  assert_close(y, y_ref, dtype)
+  assert_close(gx, gx_ref, dtype)
+  assert not np.any(np.asarray(gw, np.float32)[~mask]), "pruned weights got a gradient"
+  if mask.any():
+    assert_close(gw, np.where(mask, gw_ref, 0), dtype)
+
+
+# -------------------------------------------------------------------------------------------------
+# CSRMatrix.
+# -------------------------------------------------------------------------------------------------
+
+
+@SETTINGS
+@given(seed=st.integers(0, 2**16), k=st.integers(1, 40), n=st.integers(1, 40), p=st.floats(0.0, 1.0))
+def test_csr_from_dense_roundtrip_and_indices(seed, k, n, p):
+  rng = np.random.default_rng(seed)
+  mask = rng.random((k, n)) < p
+  w = rng.standard_normal((k, n)).astype(np.float32)
+  ws = jaxsparse.CSRMatrix.from_dense(w, mask=mask)
+  assert ws.shape == (k, n) and ws.nnz == mask.sum() and ws.density == pytest.approx(mask.mean())
+  np.testing.assert_array_equal(ws.mask, mask)
+  np.testing.assert_array_equal(ws.to_dense(), np.where(mask, w, 0))
+  rows, cols = np.nonzero(mask)
+  np.testing.assert_array_equal(ws.row_indices, rows)
+  np.testing.assert_array_equal(ws.col_indices, cols)
+  np.testing.assert_array_equal(ws.row_offsets, np.r_[0, np.cumsum(mask.sum(1))])
+  np.testing.assert_array_equal(ws.col_offsets, np.r_[0, np.cumsum(mask.sum(0))])
+  t = np.asarray(ws.transpose_order)
+  assert sorted(t.tolist()) == list(range(ws.nnz))
+  assert np.all(np.diff(cols[t] * k + rows[t]) > 0)  # column-major
+  np.testing.assert_array_equal(ws.transpose_row_indices, rows[t])
+  # Without a mask, from_dense keeps exactly the nonzeros.
+  np.testing.assert_array_equal(jaxsparse.CSRMatrix.from_dense(ws.to_dense()).mask, mask & (w != 0))
+
+
+def test_csr_pytree_jit_and_constructors():
+  w = jax.random.normal(jax.random.key(0), (24, 16))
+  mask = np.asarray(jax.random.uniform(jax.random.key(1), (24, 16)) < 0.3)
+  ws = jaxsparse.CSRMatrix.from_dense(w, mask=mask)
+  assert len(jax.tree_util.tree_leaves(ws)) == 1 + len(jaxsparse._csr.INDEX_FIELDS)
+  np.testing.assert_allclose(jax.jit(lambda m: m.with_data(m.data * 2).to_dense())(ws), 2 * ws.to_dense())
+  again = jaxsparse.CSRMatrix.from_index_arrays(ws.data, ws.index_arrays(), shape=ws.shape)
+  np.testing.assert_array_equal(again.to_dense(), ws.to_dense())
+  np.testing.assert_array_equal(jaxsparse.CSRMatrix.from_mask(mask, ws.data).to_dense(), ws.to_dense())
+  # from_dense accepts a traced w when the mask is concrete.
+  np.testing.assert_array_equal(jax.jit(lambda w: jaxsparse.CSRMatrix.from_dense(w, mask=mask).data)(w), ws.data)
+  assert repr(ws) == f"CSRMatrix(shape=(24, 16), nnz={ws.nnz}, density={ws.density:.3f}, dtype=float32)"
+
+
+def test_csr_bad_input():
+  w = jnp.ones((4, 6))
+  with pytest.raises(TypeError, match="mask must be a boolean array, got dtype float32"):
+    jaxsparse.CSRMatrix.from_dense(w, mask=np.ones((4, 6), np.float32))
+  with pytest.raises(ValueError, match=r"mask must have the shape of w \(4, 6\), got \(6, 4\)"):
+    jaxsparse.CSRMatrix.from_dense(w, mask=np.ones((6, 4), bool))
+  with pytest.raises(ValueError, match=r"mask must be 2-D \(K, N\), got shape \(24,\)"):
+    jaxsparse.CSRMatrix.from_mask(np.ones(24, bool), jnp.ones(24))
+  with pytest.raises(ValueError, match=r"data must have shape \(nnz,\) = \(24,\) for this mask, got \(3,\)"):
+    jaxsparse.CSRMatrix.from_mask(np.ones((4, 6), bool), jnp.ones(3))
+  with pytest.raises(ValueError, match="mask must be concrete"):
+    jax.jit(lambda m: jaxsparse.CSRMatrix.from_dense(w, mask=m).data)(np.ones((4, 6), bool))
+  ws = jaxsparse.CSRMatrix.from_dense(w)
+  with pytest.raises(ValueError, match=r"data must have shape \(nnz,\) = \(24,\), got \(2, 12\)"):
+    ws.with_data(jnp.ones((2, 12)))
+  with pytest.raises(ValueError, match=r"index_arrays is missing \['transpose_order'\]"):
+    jaxsparse.CSRMatrix.from_index_arrays(
+        ws.data, {f: v for f, v in ws.index_arrays().items() if f != "transpose_order"}, shape=(4, 6)
+    )
+
+
+# -------------------------------------------------------------------------------------------------
+# sparse_matmul and masked_matmul against the dense reference.
+# -------------------------------------------------------------------------------------------------
+
+
+@SETTINGS
+@given(
+    seed=st.integers(0, 2**16),
+    b=st.integers(1, 70),
+    k=st.integers(1, 60),
+    n=st.integers(1, 60),
+    p=st.floats(0.0, 1.0),
+)
+def test_sparse_matmul_matches_dense_f32(seed, b, k, n, p):
+  x, w, mask = _data(seed, b, k, n, lambda rng, s: rng.random(s) < p)
+  _check_sparse_matmul(x, w, mask, jnp.float32)
+
+
+@SETTINGS
+@given(
+    seed=st.integers(0, 2**16),
+    b=st.integers(1, 70),
+    k=st.integers(1, 60),
+    n=st.integers(1, 60),
+    p=st.floats(0.0, 1.0),
+)
+def test_masked_matmul_matches_dense_f32(seed, b, k, n, p):
+  x, w, mask = _data(seed, b, k, n, lambda rng, s: rng.random(s) < p)
+  _check_masked_matmul(x, w, mask, jnp.float32)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("name", list(MASKS))
+def test_masks_and_dtypes(dtype, name):
+  x, w, mask = _data(1, 0, 48, 40, MASKS[name], dtype, lead=(3, 7))
+  _check_sparse_matmul(x, w, mask, dtype)
+  _check_masked_matmul(x, w, mask, dtype)
+
+
+def test_many_row_blocks_and_batch_tiles():
+  """K and N beyond one cache block (1024 rows) and a batch of two full tiles plus a partial one."""
+  x, w, mask = _data(2, 150, 2100, 1100, lambda rng, s: rng.random(s) < 0.02)
+  _check_sparse_matmul(x, w, mask, jnp.float32)
+  _check_masked_matmul(x, w, mask, jnp.float32)
+
+
+@pytest.mark.parametrize("op", ["sparse", "masked"])
+def test_vmap(op):
+  x, w, mask = _data(3, 0, 40, 24, MASKS["random"], lead=(4, 5))
+  ws = jaxsparse.CSRMatrix.from_dense(w, mask=mask)
+  wm = jnp.where(mask, w, 0)
+  if op == "sparse":
+    f = lambda x, data: sparse_matmul(x, ws.with_data(data), implementation="cpu")
+    args = (x, ws.data)
+  else:
+    f = lambda x, w: masked_matmul(x, w, mask, implementation="cpu")
+    args = (x, w)
+  # Mapped activations fold into the batch; a mapped weight runs one kernel call per element.
+  assert_close(jax.vmap(f, in_axes=(0, None))(*args), x @ wm, jnp.float32)
+  assert_close(jax.jit(jax.vmap(f, in_axes=(1, None), out_axes=1))(*args), x @ wm, jnp.float32)
+  ws2 = jnp.stack([args[1], 2 * args[1]])
+  out = jax.vmap(f, in_axes=(None, 0))(x[0], ws2)
+  assert_close(out, jnp.stack([x[0] @ wm, 2 * (x[0] @ wm)]), jnp.float32)
+  # Per-example gradients (the weight gradient is per example under vmap).
+  loss = lambda x, v: jnp.sum(jnp.sin(f(x, v)))
+  gx = jax.vmap(jax.grad(loss), in_axes=(0, None))(x, args[1])
+  assert_close(gx, jax.vmap(jax.grad(lambda xi: jnp.sum(jnp.sin(xi @ wm))))(x), jnp.float32)
+  gv = jax.vmap(jax.grad(loss, argnums=1), in_axes=(0, None))(x, args[1])
+  gv_ref = jax.vmap(lambda xi: jax.grad(lambda v: jnp.sum(jnp.sin(xi @ _dense(op, ws, mask, v))))(args[1]))(x)
+  assert gv.shape == (4, *args[1].shape)
+  assert_close(gv, gv_ref, jnp.float32)
+
+
+def _dense(op, ws, mask, v):
+  return ws.with_data(v).to_dense() if op == "sparse" else jnp.where(mask, v, 0)
+
+
+def test_xla_implementation_matches_kernels():
+  x, w, mask = _data(9, 0, 40, 24, MASKS["random"], lead=(2, 3))
+  ws = jaxsparse.CSRMatrix.from_dense(w, mask=mask)
+  expected = sparse_matmul_reference(x, ws)
+  assert_close(sparse_matmul(x, ws, implementation="xla"), expected, jnp.float32)
+  assert_close(sparse_matmul(x, ws), expected, jnp.float32)
+  assert_close(masked_matmul(x, w, mask, implementation="xla"), expected, jnp.float32)
+
+
+def test_masked_matmul_auto_picks_kernels_by_density():
+  """implementation=None runs the kernels for sparse masks and masked dense for dense ones; both agree."""
+  x, w, _ = _data(4, 9, 64, 48, MASKS["random"])
+  for p, sparse in [(0.1, True), (0.9, False)]:
+    mask = np.random.default_rng(0).random(w.shape) < p
+    assert bool(jaxsparse.ops._masked_matmul._sparse_enough(mask)) == sparse
+    # Both branches are compiled; the density test picks one at run time.
+    hlo = jax.jit(lambda x, w, m: masked_matmul(x, w, m)).lower(x, w, mask).as_text()
+    assert "jaxsparse_masked_forward" in hlo and "dot" in hlo
+    _check_masked_matmul(x, w, mask, jnp.float32, implementation=None)
+    assert_close(masked_matmul(x, w, mask), masked_matmul(x, w, mask, implementation="xla"), jnp.float32)
+  hlo = jax.jit(lambda x: sparse_matmul(x, jaxsparse.CSRMatrix.from_dense(w, mask=mask))).lower(x).as_text()
+  assert "jaxsparse_csr_forward" in hlo
+
+
+def test_mask_may_change_inside_jit():
+  """The kernels read the mask on every call: new masks (and new nnz) need no rebuild."""
+  x, w, _ = _data(5, 16, 64, 32, MASKS["random"])
+  f = jax.jit(lambda x, w, m: masked_matmul(x, w, m, implementation="cpu"))
+  for p in (0.05, 0.2, 0.0):
+    mask = np.random.default_rng(int(p * 100)).random(w.shape) < p
+    assert_close(f(x, w, mask), x @ jnp.where(mask, w, 0), jnp.float32)
+
+
+def test_invalid_csr_indices_fail_at_run_time():
+  x, w, mask = _data(6, 4, 16, 8, MASKS["random"])
+  ws = jaxsparse.CSRMatrix.from_dense(w, mask=mask)
+  bad = dict(ws.index_arrays(), transpose_row_indices=ws.transpose_row_indices + 16)
+  with pytest.raises(Exception, match=r"transpose_row_indices has entries outside \[0, 16\)"):
+    jax.block_until_ready(sparse_matmul(x, jaxsparse.CSRMatrix.from_index_arrays(ws.data, bad, shape=ws.shape)))
+  bad = dict(ws.index_arrays(), col_indices=ws.col_indices - 100)
+  grad = jax.grad(lambda d: jnp.sum(sparse_matmul(x, jaxsparse.CSRMatrix.from_index_arrays(d, bad, shape=ws.shape))))
+  with pytest.raises(Exception, match=r"col_indices has entries outside \[0, 8\)"):
+    jax.block_until_ready(grad(ws.data))
+
+
+def test_bad_arguments():
+  x, w, mask = _data(7, 2, 16, 8, MASKS["random"])
+  ws = jaxsparse.CSRMatrix.from_dense(w, mask=mask)
+  with pytest.raises(ValueError, match=ALLOWED + r", got implementation='gpu'"):
+    sparse_matmul(x, ws, implementation="gpu")
+  with pytest.raises(ValueError, match=ALLOWED + r", got implementation='pallas'"):
+    masked_matmul(x, w, mask, implementation="pallas")
+  with pytest.raises(TypeError, match=r"w must be a jaxsparse\.CSRMatrix, got ArrayImpl"):
+    sparse_matmul(x, w)
+  with pytest.raises(ValueError, match=r"with K = w.shape\[0\] = 16, got x.shape=\(2, 8\)"):
+    sparse_matmul(jnp.ones((2, 8)), ws)
+  with pytest.raises(TypeError, match="x must have a floating dtype, got int32"):
+    sparse_matmul(jnp.ones((2, 16), jnp.int32), ws)
+  with pytest.raises(TypeError, match="implementation='cpu' supports float32, bfloat16 and float16, got int32"):
+    masked_matmul(jnp.ones((2, 16), jnp.int32), w.astype(jnp.int32), mask, implementation="cpu")
+
+
+# -------------------------------------------------------------------------------------------------
+# Build and fallback.
+# -------------------------------------------------------------------------------------------------
+
+
+def test_fallback_when_kernels_are_unavailable(monkeypatch):
+  monkeypatch.setattr(_build, "_load", lambda: "no C++ compiler found (test)")
+  x, w, mask = _data(8, 3, 16, 8, MASKS["random"])
+  with pytest.warns(CpuKernelFallbackWarning, match=r"masked_matmul: the C\+\+ CPU kernels are unavailable \(no C"):
+    y = masked_matmul(x, w, mask)
+  assert_close(y, x @ jnp.where(mask, w, 0), jnp.float32)
+  with pytest.warns(CpuKernelFallbackWarning, match="sparse_matmul"):
+    y = sparse_matmul(x, jaxsparse.CSRMatrix.from_dense(w, mask=mask))
+  assert_close(y, x @ jnp.where(mask, w, 0), jnp.float32)
+  with pytest.raises(RuntimeError, match=r"implementation='cpu' was requested but cannot run: no C\+\+ compiler"):
+    masked_matmul(x, w, mask, implementation="cpu")
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    masked_matmul(x, w, mask, implementation="xla")  # an explicit XLA request does not warn
+
+
+def test_build_reports_compiler_failure(monkeypatch, tmp_path):
+  monkeypatch.setenv("CXX", "false")
+  monkeypatch.setenv("JAXSPARSE_CACHE_DIR", str(tmp_path))
+  lib, reason = _build._build()
+  assert lib is None and "compiling the CPU kernels failed" in reason and "-march=native" in reason
+  assert not list(tmp_path.iterdir()), "a failed build left files behind"
+  monkeypatch.setenv("JAXSPARSE_CPU_KERNELS", "0")
+  assert _build._build() == (None, "disabled by JAXSPARSE_CPU_KERNELS=0")
+
+
+def test_build_cache_dir(monkeypatch, tmp_path):
+  monkeypatch.setenv("JAXSPARSE_CACHE_DIR", str(tmp_path / "c"))
+  assert _build.cache_dir() == tmp_path / "c"
+  monkeypatch.delenv("JAXSPARSE_CACHE_DIR")
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+  assert _build.cache_dir() == tmp_path / "jaxsparse"
+
+
+# -------------------------------------------------------------------------------------------------
+# Layers.
+# -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_masked_linear_cpu_matches_xla(dtype):
+  kwargs = dict(sparsity=0.9, dtype=dtype, param_dtype=dtype)
+  cpu = MaskedLinear(64, 48, **kwargs, implementation="cpu", rngs=nnx.Rngs(0))
+  xla = MaskedLinear(64, 48, **kwargs, implementation="xla", rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (2, 9, 64)).astype(dtype)
+  assert_close(nnx.jit(lambda m, x: m(x))(cpu, x), xla(x), dtype)
+  loss = lambda m, x: jnp.sum(jnp.sin(m(x).astype(jnp.float32)))
+  g_cpu = nnx.grad(loss)(cpu, x)
+  g_xla = nnx.grad(loss)(xla, x)
+  assert_close(g_cpu["kernel"][...], g_xla["kernel"][...], dtype)
+  assert_close(g_cpu["bias"][...], g_xla["bias"][...], dtype)
+  model = MaskedDense(48, sparsity=0.9, implementation="cpu")
+  variables = cpu.to_linen_variables()
+  assert_close(jax.jit(model.apply)(variables, x), xla(x), dtype)
+
+
+def test_masked_linear_mask_update_in_a_jitted_step():
+  """What pruning does: replace the mask (here with a different number of kept weights) between steps."""
+  layer = MaskedLinear(64, 32, sparsity=0.9, rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (8, 64))
+  step = nnx.jit(lambda m, x: m(x))
+  new_mask = jax.random.uniform(jax.random.key(2), (64, 32)) < 0.05
+  layer.mask[...] = new_mask
+  layer.kernel[...] = jnp.where(new_mask, 1.0, 0.0)
+  assert_close(step(layer, x), x @ jnp.where(new_mask, 1.0, 0.0) + layer.bias[...], jnp.float32)
+
+
+def test_masked_layer_bad_implementation():
+  with pytest.raises(ValueError, match=ALLOWED + r", got implementation='pallas'"):
+    MaskedLinear(8, 8, sparsity=0.5, implementation="pallas", rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=ALLOWED + r", got implementation='x'"):
+    MaskedDense(8, sparsity=0.5, implementation="x")
+
+
+# -------------------------------------------------------------------------------------------------
+# Block-sparse products on the C++ kernels (block_sparse_matmul's CPU path).
+# -------------------------------------------------------------------------------------------------
+
+
+def _block_case(seed, lead, k, n, block_shape, density, dtype=jnp.float32):
+  kx, kw, km = jax.random.split(jax.random.key(seed), 3)
+  mask = jaxsparse.random_block_mask(km, (k, n), block_shape, density)
+  ws = jaxsparse.BlockSparseMatrix.from_dense(jax.random.normal(kw, (k, n)).astype(dtype), block_shape, mask)
+  return jax.random.normal(kx, (*lead, k)).astype(dtype), ws
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("block_shape,density", [((8, 16), 0.3), ((32, 32), 0.5), ((16, 64), 1.0), ((32, 8), 0.2)])
+def test_block_sparse_cpu_kernels_match_dense(dtype, block_shape, density):
+  x, ws = _block_case(10, (3, 13), 128, 128, block_shape, density, dtype)
+  op = lambda x, data: jaxsparse.ops.block_sparse_matmul(x, ws.with_data(data), implementation="xla")
+  assert "jaxsparse_block_forward" in jax.jit(op).lower(x, ws.data).as_text()
+  ref = lambda x, data: x @ ws.with_data(data).to_dense()
+  ct = _cotangent((3, 13, 128))
+  loss = lambda f: lambda x, d: jnp.sum(f(x, d).astype(jnp.float32) * ct)
+  x32, d32 = x.astype(jnp.float32), ws.data.astype(jnp.float32)
+  assert_close(jax.jit(op)(x, ws.data), ref(x32, d32), dtype)
+  g = jax.jit(jax.grad(loss(op), argnums=(0, 1)))(x, ws.data)
+  g_ref = jax.grad(loss(ref), argnums=(0, 1))(x32, d32)
+  assert g[0].dtype == dtype and g[1].dtype == dtype
+  assert_close(g[0], g_ref[0], dtype)
+  assert_close(g[1], g_ref[1], dtype)
+
+
+def test_block_sparse_cpu_kernels_vmap_and_fallback():
+  x, ws = _block_case(11, (4, 5), 64, 96, (16, 32), 0.5)
+  op = lambda x, data: jaxsparse.ops.block_sparse_matmul(x, ws.with_data(data))
+  dense = ws.to_dense()
+  assert_close(jax.vmap(op, in_axes=(0, None))(x, ws.data), x @ dense, jnp.float32)
+  two = jnp.stack([ws.data, -ws.data])
+  assert_close(jax.vmap(op, in_axes=(None, 0))(x[0], two), jnp.stack([x[0] @ dense, -(x[0] @ dense)]), jnp.float32)
+  g = jax.vmap(jax.grad(lambda xi, d: jnp.sum(jnp.sin(op(xi, d))), argnums=1), in_axes=(0, None))(x, ws.data)
+  g_ref = jax.vmap(jax.grad(lambda xi, d: jnp.sum(jnp.sin(xi @ ws.with_data(d).to_dense())), argnums=1), (0, None))(
+      x, ws.data
+  )
+  assert_close(g, g_ref, jnp.float32)
+  # Blocks whose sizes are not multiples of 8 run the XLA loop.
+  x, ws = _block_case(12, (5,), 24, 20, (12, 4), 0.5)
+  hlo = jax.jit(lambda x: jaxsparse.ops.block_sparse_matmul(x, ws)).lower(x).as_text()
+  assert "jaxsparse_block_forward" not in hlo
+  assert_close(jaxsparse.ops.block_sparse_matmul(x, ws), x @ ws.to_dense(), jnp.float32)
+
+
+def test_block_sparse_falls_back_to_the_loop_without_kernels(monkeypatch):
+  monkeypatch.setattr(_build, "_load", lambda: "no C++ compiler found (test)")
+  x, ws = _block_case(13, (5,), 64, 64, (16, 16), 0.5)
+  with pytest.warns(CpuKernelFallbackWarning, match="block_sparse_matmul: the C"):
+    y = jaxsparse.ops.block_sparse_matmul(x, ws)
+  assert_close(y, x @ ws.to_dense(), jnp.float32)

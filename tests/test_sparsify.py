@@ -1,0 +1,341 @@
+"""Tests for jaxsparse.sparsify / densify (NNX) and sparsify_linen / densify_linen on models built from Flax layers."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from flax.training import train_state
+
+import jaxsparse
+from jaxsparse import pruning
+from jaxsparse._sparsify import MaskedConv
+from jaxsparse.layers import MaskedLinear
+from jaxsparse.layers import NMConv
+from jaxsparse.layers import NMLinear
+from jaxsparse.layers import SparsityPattern
+from tests._util import assert_close
+
+
+def _normal(seed, shape, dtype=jnp.float32):
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
+
+
+# Models assembled from stock Flax layers (nnx.MultiHeadAttention, nnx.LayerNorm, nnx.Sequential, nnx.Conv):
+# sparsify only sees their module trees.
+
+
+class TransformerBlock(nnx.Module):
+  def __init__(self, d, heads, *, rngs, param_dtype=jnp.float32):
+    self.ln1 = nnx.LayerNorm(d, rngs=rngs, param_dtype=param_dtype)
+    self.attn = nnx.MultiHeadAttention(num_heads=heads, in_features=d, decode=False, rngs=rngs,
+                                       param_dtype=param_dtype)
+    self.ln2 = nnx.LayerNorm(d, rngs=rngs, param_dtype=param_dtype)
+    self.mlp = nnx.Sequential(nnx.Linear(d, 4 * d, rngs=rngs, param_dtype=param_dtype), jax.nn.gelu,
+                              nnx.Linear(4 * d, d, rngs=rngs, param_dtype=param_dtype))
+
+  def __call__(self, x):
+    x = x + self.attn(self.ln1(x))
+    return x + self.mlp(self.ln2(x))
+
+
+class CNN(nnx.Module):
+  def __init__(self, *, rngs):
+    self.conv1 = nnx.Conv(4, 16, (3, 3), rngs=rngs)
+    self.conv2 = nnx.Conv(16, 16, (3, 3), strides=2, rngs=rngs)
+    self.head = nnx.Linear(16, 10, rngs=rngs)
+
+  def __call__(self, x):
+    x = jax.nn.relu(self.conv1(x))
+    x = jax.nn.relu(self.conv2(x))
+    return self.head(x.mean(axis=(1, 2)))
+
+
+TRANSFORMER_RULES = {
+    r".*attn.*": jaxsparse.NM(2, 4),
+    r".*mlp.*": jaxsparse.BlockSparse(density=0.25, block_shape=(16, 16)),
+    r".*": jaxsparse.Unstructured(sparsity=0.9),
+}
+
+
+@nnx.jit
+def _apply(model, x):
+  return model(x)
+
+
+@nnx.jit
+def _grad_x(model, x):
+  return jax.grad(lambda x: jnp.sum(model(x) ** 2))(x)
+
+
+def test_transformer_block():
+  model = TransformerBlock(32, 4, rngs=nnx.Rngs(0))
+  x = _normal(1, (2, 8, 32))
+  y_dense = _apply(model, x)
+  sparse, report = jaxsparse.sparsify(model, TRANSFORMER_RULES)
+  np.testing.assert_array_equal(_apply(model, x), y_dense)  # the original is untouched
+  assert {c.path: c.replaced_by for c in report.layers} == {
+      "attn.key": "SparseLinearGeneral", "attn.out": "SparseLinearGeneral", "attn.query": "SparseLinearGeneral",
+      "attn.value": "SparseLinearGeneral", "mlp.layers.0": "BlockSparseLinear", "mlp.layers.2": "BlockSparseLinear",
+  }
+  assert isinstance(sparse.attn.query.layer, NMLinear)
+  assert all(c.density == (0.5 if c.path.startswith("attn") else 0.25) for c in report.layers)
+  mlp0 = next(c for c in report.layers if c.path == "mlp.layers.0")
+  # f32 kernel and bias before; after: 4 of 16 blocks, the bias and 24 int32 block indices.
+  assert (mlp0.bytes_before, mlp0.bytes_after) == (32 * 128 * 4 + 128 * 4, 4 * 16 * 16 * 4 + 128 * 4 + 24 * 4)
+  # The sparse model computes the function of its dense twin with the pruned kernels, forward and backward.
+  dense = jaxsparse.densify(sparse)
+  assert all(type(n) in (nnx.Linear, nnx.LinearGeneral) for p, n in nnx.iter_modules(dense)
+             if isinstance(n, (nnx.Linear, nnx.LinearGeneral)))
+  assert_close(_apply(sparse, x), _apply(dense, x), jnp.float32, factor=2)
+  assert_close(_grad_x(sparse, x), _grad_x(dense, x), jnp.float32, factor=4)
+  # The MLP kernels are block-pruned by magnitude; the query kernel is 2:4 along its input features.
+  kernel = np.asarray(dense.mlp.layers[0].kernel[...])
+  expected = jaxsparse.block_magnitude_mask(model.mlp.layers[0].kernel[...], (16, 16), 0.25)
+  np.testing.assert_array_equal(kernel.reshape(2, 16, 8, 16).any(axis=(1, 3)), expected)
+  q = np.asarray(dense.attn.query.kernel[...]).reshape(32, 32)
+  assert np.all((q.reshape(8, 4, 32) != 0).sum(axis=1) == 2)
+
+
+def test_transformer_block_trains_with_nnx_optimizer():
+  model, _ = jaxsparse.sparsify(TransformerBlock(32, 4, rngs=nnx.Rngs(0)), TRANSFORMER_RULES)
+  patterns = jax.tree.map(np.asarray, nnx.state(model, SparsityPattern))
+  optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+  x, target = _normal(1, (4, 8, 32)), _normal(2, (4, 8, 32))
+
+  @nnx.jit
+  def step(model, optimizer):
+    loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - target) ** 2))(model)
+    optimizer.update(model, grads)
+    return loss
+
+  losses = [float(step(model, optimizer)) for _ in range(8)]
+  assert losses[-1] < losses[0]
+  jax.tree.map(np.testing.assert_array_equal, nnx.state(model, SparsityPattern), patterns)
+
+
+def test_cnn():
+  model = CNN(rngs=nnx.Rngs(0))
+  x = _normal(1, (2, 8, 8, 4))
+  sparse, report = jaxsparse.sparsify(model, {"conv1": jaxsparse.Unstructured(sparsity=0.5),
+                                               "conv2": jaxsparse.NM(2, 4), "head": None})
+  assert isinstance(sparse.conv1, MaskedConv) and isinstance(sparse.conv2, NMConv)
+  assert type(sparse.head) is nnx.Linear
+  assert [c.path for c in report.layers] == ["conv1", "conv2"]
+  assert sparse.conv1.density == 0.5
+  np.testing.assert_array_equal(
+      sparse.conv1.mask[...], jaxsparse.magnitude_mask(model.conv1.kernel[...], 0.5)
+  )
+  assert isinstance(nnx.state(sparse.conv1, SparsityPattern)["mask"], SparsityPattern)
+  dense = jaxsparse.densify(sparse)
+  assert type(dense.conv1) is nnx.Conv and type(dense.conv2) is nnx.Conv
+  assert dense.conv2.strides == 2
+  assert_close(_apply(sparse, x), _apply(dense, x), jnp.float32)
+  assert_close(_grad_x(sparse, x), _grad_x(dense, x), jnp.float32)
+  # Pruned conv weights get no gradient.
+  grads = nnx.jit(nnx.grad(lambda m: jnp.sum(m(x) ** 2)))(sparse)
+  assert np.all(np.asarray(grads.conv1.kernel[...])[~np.asarray(sparse.conv1.mask[...])] == 0)
+
+
+@pytest.mark.parametrize("param_dtype", [jnp.bfloat16])  # float32: test_transformer_block
+def test_dtypes_are_kept(param_dtype):
+  model = TransformerBlock(32, 4, rngs=nnx.Rngs(0), param_dtype=param_dtype)
+  sparse, _ = jaxsparse.sparsify(model, TRANSFORMER_RULES)
+  assert sparse.mlp.layers[0].kernel.dtype == param_dtype
+  assert sparse.attn.query.layer.kernel.dtype == param_dtype
+  x = _normal(1, (2, 8, 32))
+  assert_close(_apply(sparse, x), _apply(jaxsparse.densify(sparse), x), param_dtype, factor=2)
+
+
+def test_unstructured_linear_and_inplace():
+  model = nnx.Sequential(nnx.Linear(16, 32, rngs=nnx.Rngs(0)), nnx.Linear(32, 8, rngs=nnx.Rngs(1)))
+  original = model.layers[0]
+  same, report = jaxsparse.sparsify(model, jaxsparse.Unstructured(sparsity=0.75), inplace=True)
+  assert same is model and isinstance(model.layers[0], MaskedLinear)
+  assert report.layers[0].density == 0.25
+  np.testing.assert_array_equal(model.layers[0].mask[...], jaxsparse.magnitude_mask(original.kernel[...], 0.75))
+  # A masked layer stores a dense kernel and a bool mask: more bytes, said honestly.
+  assert report.layers[0].bytes_after == report.layers[0].bytes_before + 16 * 32
+  dense = jaxsparse.densify(model)
+  assert float(jnp.mean(dense.layers[0].kernel[...] == 0)) == 0.75
+
+
+def test_a_bare_layer_is_replaced_and_back():
+  layer = nnx.Linear(16, 8, rngs=nnx.Rngs(0))
+  sparse, report = jaxsparse.sparsify(layer, jaxsparse.NM(2, 4))
+  assert isinstance(sparse, NMLinear) and report.layers[0].path == ""
+  assert type(jaxsparse.densify(sparse)) is nnx.Linear
+
+
+def test_given_masks_are_used():
+  model = nnx.Sequential(nnx.Linear(16, 32, rngs=nnx.Rngs(0)), nnx.Linear(32, 8, rngs=nnx.Rngs(1)))
+  random_mask = np.random.default_rng(0).random((16, 32)) < 0.3
+  block = np.zeros((2, 4), bool)
+  block[0, 1] = block[1, 3] = True
+  masks = {"layers.0.kernel": random_mask, "layers.1.kernel": np.repeat(np.repeat(block, 16, 0), 2, 1)}
+  rules = {r"layers\.0": jaxsparse.Unstructured(sparsity=0.9),
+           r"layers\.1": jaxsparse.BlockSparse(density=0.5, block_shape=(16, 2))}
+  sparse, report = jaxsparse.sparsify(model, rules, masks=masks)
+  np.testing.assert_array_equal(sparse.layers[0].mask[...], random_mask)
+  np.testing.assert_array_equal(sparse.layers[1].block_mask, block)
+  assert report.layers[1].density == 2 / 8
+  with pytest.raises(ValueError, match=r"layers\.1: the given mask is not constant over \(16, 2\) blocks"):
+    jaxsparse.sparsify(model, rules, masks={"layers.1.kernel": np.random.default_rng(1).random((32, 8)) < 0.5})
+
+
+def test_check_speed_keeps_a_layer_dense_unless_sparse_is_faster():
+  model = nnx.Sequential(nnx.Linear(256, 256, rngs=nnx.Rngs(0)), jax.nn.relu, nnx.Linear(256, 256, rngs=nnx.Rngs(1)))
+  x = _normal(0, (64, 256))
+  rules = {r"layers\.0": jaxsparse.BlockSparse(density=1 / 16, block_shape=(64, 64)),
+           r"layers\.2": jaxsparse.Unstructured(sparsity=0.5)}
+  sparse, report = jaxsparse.sparsify(model, rules, check_speed="forward", example_input=x)
+  for c in report.layers:
+    assert c.dense_ms > 0 and c.sparse_ms > 0
+    assert (c.replaced_by is None) == (c.sparse_ms >= c.dense_ms)
+    layer = sparse.layers[int(c.path.split(".")[1])]
+    assert (type(layer) is nnx.Linear) == (c.replaced_by is None)
+    if c.replaced_by is None:
+      assert c.density == 1.0 and "kept dense" in c.note
+  np.testing.assert_array_equal(model(x).shape, sparse(x).shape)
+  with pytest.raises(ValueError, match="check_speed needs example_input"):
+    jaxsparse.sparsify(model, rules, check_speed=True)
+
+
+def test_pruned_then_sparsified_model_keeps_its_accuracy_function():
+  # Masks trained by pruning.wrap_optax come back exactly in the sparse layers.
+  model = CNN(rngs=nnx.Rngs(0))
+  rules = {"conv.*": jaxsparse.NM(2, 4), "head": jaxsparse.Unstructured(sparsity=0.5)}
+  optimizer = nnx.Optimizer(model, pruning.wrap_optax(optax.sgd(1e-2), pruning.magnitude_pruner(rules)),
+                            wrt=nnx.Param)
+  x = _normal(1, (2, 8, 8, 4))
+  nnx.jit(lambda m, o: o.update(m, nnx.grad(lambda m: jnp.sum(m(x) ** 2))(m)))(model, optimizer)
+  masks = pruning.get_masks(optimizer)
+  sparse, _ = jaxsparse.sparsify(model, rules, masks=masks)
+  np.testing.assert_array_equal(sparse.head.mask[...], masks["head"]["kernel"])
+  np.testing.assert_array_equal(sparse.conv2.nm_mask, masks["conv2"]["kernel"])
+  assert_close(_apply(sparse, x), _apply(model, x), jnp.float32)
+
+
+# -------------------------------------------------------------------------------------------------
+# Linen.
+# -------------------------------------------------------------------------------------------------
+
+
+class LinenMLP(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(nn.Dense(64, name="fc1")(x))
+    return nn.Dense(8, name="fc2")(x)
+
+
+class LinenCNN(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(nn.Conv(16, (3, 3), name="conv1")(x))
+    x = nn.relu(nn.Conv(16, (3, 3), name="conv2")(x))
+    return nn.Dense(10, name="head")(x.mean(axis=(1, 2)))
+
+
+def test_linen_mlp_matches_densified_and_trains():
+  model = LinenMLP()
+  x = _normal(0, (4, 32))
+  variables = model.init(jax.random.key(0), x)
+  rules = {"fc1": jaxsparse.BlockSparse(density=0.25, block_shape=(16, 16)),
+           "fc2": jaxsparse.Unstructured(sparsity=0.5)}
+  sparse, sparse_vars, report = jaxsparse.sparsify_linen(model, variables, rules, x)
+  assert [(c.path, c.replaced_by) for c in report.layers] == [("fc1", "BlockSparseDense"), ("fc2", "MaskedDense")]
+  assert sparse_vars["params"]["fc1"]["kernel"].shape == (2, 16, 16)
+  assert variables["params"]["fc1"]["kernel"].shape == (32, 64)  # input untouched
+  module, dense_vars = jaxsparse.densify_linen(sparse, sparse_vars)
+  assert "sparsity" not in dense_vars
+  assert_close(sparse.apply(sparse_vars, x), module.apply(dense_vars, x), jnp.float32)
+  # Same function as the NNX layers built from the same weights.
+  expected = jaxsparse.block_magnitude_mask(variables["params"]["fc1"]["kernel"], (16, 16), 0.25)
+  np.testing.assert_array_equal(np.asarray(dense_vars["params"]["fc1"]["kernel"]).reshape(2, 16, 4, 16).any((1, 3)),
+                                expected)
+
+  state = train_state.TrainState.create(apply_fn=sparse.apply, params=sparse_vars["params"], tx=optax.adam(1e-2))
+  pattern = sparse_vars["sparsity"]
+  target = _normal(1, (4, 8))
+
+  @jax.jit
+  def step(state):
+    def loss_fn(p):
+      return jnp.mean((state.apply_fn({"params": p, "sparsity": pattern}, x) - target) ** 2)
+
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss, grads
+
+  losses = []
+  for _ in range(5):
+    state, loss, grads = step(state)
+    losses.append(float(loss))
+  assert losses[-1] < losses[0]
+  mask = np.asarray(pattern["fc2"]["mask"])
+  assert np.all(np.asarray(grads["fc2"]["kernel"])[~mask] == 0)
+  assert np.all(np.asarray(state.params["fc2"]["kernel"])[~mask] == 0)
+
+
+def test_linen_cnn():
+  model = LinenCNN()
+  x = _normal(0, (2, 8, 8, 4))
+  variables = model.init(jax.random.key(0), x)
+  rules = {"conv1": jaxsparse.Unstructured(sparsity=0.5), "conv2": jaxsparse.NM(2, 4)}
+  sparse, sparse_vars, report = jaxsparse.sparsify_linen(model, variables, rules, x)
+  assert [c.replaced_by for c in report.layers] == ["Conv", "NMConv"]
+  module, dense_vars = jaxsparse.densify_linen(sparse, sparse_vars)
+  assert_close(sparse.apply(sparse_vars, x), module.apply(dense_vars, x), jnp.float32)
+  assert float(jnp.mean(dense_vars["params"]["conv1"]["kernel"] == 0)) == 0.5
+  k2 = np.asarray(dense_vars["params"]["conv2"]["kernel"])
+  assert np.all((k2.reshape(3, 3, 4, 4, 16) != 0).sum(axis=3) == 2)
+  grad = jax.grad(lambda p: jnp.sum(sparse.apply({**sparse_vars, "params": p}, x) ** 2))(sparse_vars["params"])
+  mask = np.asarray(sparse_vars["sparsity"]["conv1"]["mask"])
+  assert np.all(np.asarray(grad["conv1"]["kernel"])[~mask] == 0)
+  with pytest.raises(ValueError, match=r"conv1: BlockSparse does not apply to nn\.Conv"):
+    jaxsparse.sparsify_linen(model, variables, {"conv1": jaxsparse.BlockSparse(density=0.5)}, x)
+
+
+# -------------------------------------------------------------------------------------------------
+# Bad input.
+# -------------------------------------------------------------------------------------------------
+
+
+def test_rule_matching_nothing_warns_with_paths():
+  with pytest.warns(UserWarning, match=r"rule\(s\) \['mlp'\] matched no .*available paths: conv1, conv2, head"):
+    jaxsparse.sparsify(CNN(rngs=nnx.Rngs(0)), {"mlp": jaxsparse.NM(2, 4)})
+
+
+def test_nm_that_cannot_apply_names_the_layer():
+  with pytest.raises(ValueError, match=r"conv1: N:M sparsity 2:8 needs m=8 to divide the input size 4"):
+    jaxsparse.sparsify(CNN(rngs=nnx.Rngs(0)), {"conv1": jaxsparse.NM(2, 8)})
+  with pytest.raises(ValueError, match=r"head: N:M sparsity 2:3 needs m=3 to divide the input size 16"):
+    jaxsparse.sparsify(CNN(rngs=nnx.Rngs(0)), {"head": jaxsparse.NM(2, 3)})
+
+
+def test_block_sparse_conv_and_bad_blocks_name_the_layer():
+  with pytest.raises(ValueError, match=r"conv2: BlockSparse does not apply to nnx.Conv layers"):
+    jaxsparse.sparsify(CNN(rngs=nnx.Rngs(0)), {"conv2": jaxsparse.BlockSparse(density=0.5)})
+  with pytest.raises(ValueError, match=r"head: block_shape=\(32, 32\) does not divide"):
+    jaxsparse.sparsify(CNN(rngs=nnx.Rngs(0)), {"head": jaxsparse.BlockSparse(density=0.5)})
+
+
+def test_bad_arguments():
+  with pytest.raises(TypeError, match=r"model must be a flax\.nnx\.Module"):
+    jaxsparse.sparsify({"params": {}}, jaxsparse.NM(2, 4))
+  with pytest.raises(ValueError, match=r"sparsity must be in \[0, 1\), got sparsity=1.0"):
+    jaxsparse.sparsify(CNN(rngs=nnx.Rngs(0)), {"head": jaxsparse.Unstructured(sparsity=1.0)})
+  with pytest.raises(ValueError, match="check_speed must be False, True, 'train' or 'forward'"):
+    jaxsparse.sparsify(CNN(rngs=nnx.Rngs(0)), jaxsparse.NM(2, 4), check_speed="fast", example_input=1)
+  general = nnx.LinearGeneral((4, 8), 16, axis=(-1, -2), rngs=nnx.Rngs(0))
+  holder = nnx.Sequential(general)
+  with pytest.raises(ValueError, match=r"layers\.0: nnx.LinearGeneral with axis=\(-1, -2\)"):
+    jaxsparse.sparsify(holder, jaxsparse.Unstructured(sparsity=0.5))
+
+
+def test_report_table():
+  _, report = jaxsparse.sparsify(CNN(rngs=nnx.Rngs(0)), {"conv.*": jaxsparse.NM(2, 4)})
+  text = str(report)
+  assert "| conv1 | Conv(4->16, (3, 3)) | 2:4 | NMConv | 0.500 |" in text
+  assert "2 of 2 layers sparse" in text
