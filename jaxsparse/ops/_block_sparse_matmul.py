@@ -19,7 +19,6 @@ live in ``jaxsparse.pallas`` and are chosen on CUDA devices.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import warnings
 from typing import Literal
@@ -32,6 +31,7 @@ from jaxsparse._cpu import _build as _cpu_build
 from jaxsparse._cpu import _kernels as _cpu_kernels
 from jaxsparse._formats import INDEX_FIELDS
 from jaxsparse._formats import BlockSparseMatrix
+from jaxsparse.ops import _dispatch
 
 __all__ = ["block_sparse_matmul", "block_sparse_matmul_reference", "Implementation"]
 
@@ -185,20 +185,12 @@ def xla_backward(
 # -------------------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class _Config:
-  implementation: str  # "xla", "pallas" or "auto" (decided per platform at lowering time)
-  precision: lax.PrecisionLike
-  out_dtype: jnp.dtype
+_Config = _dispatch.Config
 
 
 def _pallas_ops():
   """The Pallas kernels module, or ``None`` when it cannot be imported here."""
-  try:
-    from jaxsparse.pallas import _block_sparse_matmul as kernels  # noqa: PLC0415
-  except ImportError:
-    return None
-  return kernels
+  return _dispatch.import_kernels("_block_sparse_matmul")
 
 
 def _platform_dispatch(cfg: _Config, xla_fn, pallas_name: str, cast, *args, **pallas_kwargs):
@@ -208,27 +200,9 @@ def _platform_dispatch(cfg: _Config, xla_fn, pallas_name: str, cast, *args, **pa
   platform-dependent choice agree. ``pallas_kwargs`` go to the Pallas function only.
   """
   kernels = _pallas_ops()
-  xla_fn = (lambda f: lambda *a: cast(f(*a)))(xla_fn)
-  pallas_fn = lambda *a: cast(getattr(kernels, pallas_name)(*a, precision=cfg.precision, **pallas_kwargs))
-  if cfg.implementation == "xla":
-    return xla_fn(*args)
-  if cfg.implementation == "pallas":
-    return pallas_fn(*args)
-  if kernels is None or not kernels.supports(*args):
-    if kernels is not None and kernels.available():
-      warnings.warn(
-          f"block_sparse_matmul: the Pallas GPU kernels do not support these operands "
-          f"({kernels.unsupported_reason(*args)}); using the slower XLA path.",
-          kernels.PallasFallbackWarning,
-          stacklevel=4,
-      )
-    return xla_fn(*args)
-  # "auto": the GPU kernel on CUDA, the XLA loop elsewhere, decided when lowering for a platform.
-  return lax.platform_dependent(
-      *args,
-      cuda=pallas_fn,
-      default=xla_fn,
-  )
+  xla = lambda *a: cast(xla_fn(*a))
+  pallas = lambda *a: cast(getattr(kernels, pallas_name)(*a, precision=cfg.precision, **pallas_kwargs))
+  return _dispatch.dispatch("block_sparse_matmul", cfg, kernels, xla, pallas, *args)
 
 
 def _forward(cfg: _Config, x2, w):
@@ -261,16 +235,8 @@ _block_sparse_matmul.defvjp(_bsmm_fwd, _bsmm_bwd)
 
 
 def _check_implementation(implementation) -> str:
-  if implementation not in _IMPLEMENTATIONS:
-    raise ValueError(f"implementation must be one of {_IMPLEMENTATIONS}, got {implementation!r}.")
-  if implementation is None:
-    return "auto"
-  if implementation == "pallas":
-    kernels = _pallas_ops()
-    if kernels is None or not kernels.available():
-      reason = "jaxsparse.pallas could not be imported" if kernels is None else kernels.unavailable_reason()
-      raise RuntimeError(f"implementation='pallas' was requested but cannot run here: {reason}.")
-  return implementation
+  kernels = _pallas_ops() if implementation == "pallas" else None
+  return _dispatch.check_implementation(implementation, _IMPLEMENTATIONS, kernels)
 
 
 def block_sparse_matmul(

@@ -16,9 +16,7 @@ kept positions, both through XLA.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import warnings
 from typing import Literal
 
 import jax
@@ -26,6 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxsparse._nm import NMSparseMatrix
+from jaxsparse.ops import _dispatch
 
 __all__ = ["nm_matmul", "nm_matmul_reference"]
 
@@ -54,18 +53,10 @@ def nm_matmul_reference(
 
 def _pallas_ops():
   """The Pallas kernel module, or ``None`` when it cannot be imported here."""
-  try:
-    from jaxsparse.pallas import _nm_matmul as kernels  # noqa: PLC0415 (optional: needs jax's Triton bits)
-  except ImportError:
-    return None
-  return kernels
+  return _dispatch.import_kernels("_nm_matmul")
 
 
-@dataclasses.dataclass(frozen=True)
-class _Config:
-  implementation: str  # "xla", "pallas" or "auto"
-  precision: lax.PrecisionLike
-  out_dtype: jnp.dtype
+_Config = _dispatch.Config
 
 
 def _xla_forward(cfg: _Config, x2, w):
@@ -73,26 +64,11 @@ def _xla_forward(cfg: _Config, x2, w):
 
 
 def _forward(cfg: _Config, x2: jax.Array, w: NMSparseMatrix) -> jax.Array:
-  xla_fn = functools.partial(_xla_forward, cfg)
-  if cfg.implementation == "xla":
-    return xla_fn(x2, w)
   kernels = _pallas_ops()
+  xla_fn = functools.partial(_xla_forward, cfg)
   pallas_fn = lambda a, b: kernels.forward(a, b, precision=cfg.precision).astype(cfg.out_dtype)
-  if cfg.implementation == "pallas":
-    return pallas_fn(x2, w)
-  if kernels is None or not kernels.supports(x2, w):
-    if kernels is not None and kernels.available():
-      warnings.warn(
-          f"nm_matmul: the Pallas GPU kernel does not support these operands "
-          f"({kernels.unsupported_reason(x2, w)}); using the XLA path.",
-          kernels.PallasFallbackWarning,
-          stacklevel=4,
-      )
-    return xla_fn(x2, w)
-  if not kernels.preferred(x2, w):
-    return xla_fn(x2, w)
-  # The kernel on CUDA, the XLA path elsewhere, decided when lowering for a platform.
-  return lax.platform_dependent(x2, w, cuda=pallas_fn, default=xla_fn)
+  preferred = None if kernels is None else kernels.preferred
+  return _dispatch.dispatch("nm_matmul", cfg, kernels, xla_fn, pallas_fn, x2, w, preferred=preferred)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -121,16 +97,8 @@ _nm_matmul.defvjp(_nm_matmul_fwd, _nm_matmul_bwd)
 
 
 def _check_implementation(implementation) -> str:
-  if implementation not in _IMPLEMENTATIONS:
-    raise ValueError(f"implementation must be one of {_IMPLEMENTATIONS}, got implementation={implementation!r}.")
-  if implementation is None:
-    return "auto"
-  if implementation == "pallas":
-    kernels = _pallas_ops()
-    if kernels is None or not kernels.available():
-      reason = "jaxsparse.pallas could not be imported" if kernels is None else kernels.unavailable_reason()
-      raise RuntimeError(f"implementation='pallas' was requested but cannot run here: {reason}.")
-  return implementation
+  kernels = _pallas_ops() if implementation == "pallas" else None
+  return _dispatch.check_implementation(implementation, _IMPLEMENTATIONS, kernels)
 
 
 def nm_matmul(
