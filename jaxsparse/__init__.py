@@ -1,7 +1,11 @@
 """jaxsparse: sparse layers for JAX and Flax that are actually faster than dense.
 
-Formats (pytrees), masks, differentiable ops (:mod:`jaxsparse.ops`) and Flax layers
-(:mod:`jaxsparse.layers`).
+Formats (pytrees: ``BlockSparseMatrix``, ``NMSparseMatrix``, ``CSRMatrix``), masks (``nm_mask``,
+``magnitude_mask``, ...), differentiable ops (:mod:`jaxsparse.ops`), Flax NNX and Linen layers
+(:mod:`jaxsparse.layers`), pruning and sparse training with optax (:mod:`jaxsparse.pruning`),
+``sparsify`` / ``densify`` for existing models with the rule specs ``BlockSparse``, ``NM`` and
+``Unstructured``, and PyTorch checkpoint import / mask export (:mod:`jaxsparse.torch_interop`, imported
+on demand; it needs torch).
 """
 
 from jaxsparse import layers
