@@ -45,6 +45,7 @@ from jaxsparse.layers import NMConv
 from jaxsparse.layers import NMLinear
 from jaxsparse.layers import SparsityPattern
 from jaxsparse.layers import linen as sparse_linen
+from jaxsparse.layers._nm_nnx import conv_options
 from jaxsparse.ops._masked_matmul import check_mask
 from jaxsparse.pruning._optax import masks_to_dict
 from jaxsparse.pruning._specs import NM
@@ -151,19 +152,10 @@ def _state_bytes(layer: nnx.Module) -> int:
 
 
 def _conv_options(conv: nnx.Conv) -> dict[str, Any]:
-  return dict(
-      strides=conv.strides,
-      padding=conv.padding,
-      input_dilation=conv.input_dilation,
-      kernel_dilation=conv.kernel_dilation,
-      feature_group_count=conv.feature_group_count,
-      use_bias=conv.bias is not None,
-      dtype=conv.dtype,
-      precision=conv.precision,
-      conv_general_dilated=conv.conv_general_dilated,
-      promote_dtype=conv.promote_dtype,
-      preferred_element_type=conv.preferred_element_type,
-  )
+  """``conv``'s options for rebuilding it; the caller sets the mask and rngs."""
+  options = conv_options(conv)
+  del options["mask"], options["rngs"]
+  return options
 
 
 class MaskedConv(nnx.Conv):

@@ -371,7 +371,7 @@ class CompressedNMLinear(nnx.Module):
     return linear
 
 
-def _conv_options(conv: nnx.Conv) -> dict[str, Any]:
+def conv_options(conv: nnx.Conv) -> dict[str, Any]:
   """Keyword arguments that rebuild ``conv``'s options (all but sizes, kernel and N:M settings)."""
   return dict(
       strides=conv.strides,
@@ -499,7 +499,7 @@ class NMConv(_NMMixin, nnx.Conv):
         sr_ste_decay=sr_ste_decay,
         param_dtype=kernel.dtype,
         kernel_init=lambda *_: kernel,
-        **_conv_options(conv),
+        **conv_options(conv),
     )
     if conv.bias is not None:
       layer.bias[...] = conv.bias[...]
@@ -514,7 +514,7 @@ class NMConv(_NMMixin, nnx.Conv):
         self.kernel_size,
         param_dtype=kernel.dtype,
         kernel_init=lambda *_: kernel,
-        **_conv_options(self),
+        **conv_options(self),
     )
     if self.bias is not None:
       conv.bias[...] = self.bias[...]
