@@ -35,6 +35,10 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _gpu_timing import TIMER
+from _gpu_timing import log
+from _gpu_timing import rel_err
+from _gpu_timing import time_ms
 
 import jaxsparse
 from jaxsparse.pallas import BlockSparseMatmulConfig
@@ -49,39 +53,11 @@ BLOCKS = [32, 64, 128]
 DENSITIES = [0.5, 0.25, 0.125]
 M_TRAIN, M_DECODE = 8192, 16
 SWEEP_SHAPE = (4096, 4096)
-TIMER = {"how": "cupti"}
-
-
-def log(*args):
-  print(*args, flush=True)
 
 
 # -------------------------------------------------------------------------------------------------
 # Timing.
 # -------------------------------------------------------------------------------------------------
-
-
-def time_ms(f, *args, iterations: int = 20) -> float:
-  """Median device time of ``f(*args)`` in ms."""
-  f = jax.jit(f)
-  jax.block_until_ready(f(*args))
-  if TIMER["how"] == "cupti":
-    try:
-      from jax.experimental.mosaic.gpu import profiler  # noqa: PLC0415
-
-      _, times = profiler.measure(f, iterations=iterations)(*args)
-      return float(statistics.median(times))
-    except Exception as e:  # CUPTI missing or busy: fall back for the rest of the run.
-      log(f"CUPTI timing failed ({type(e).__name__}: {e}); timing back-to-back calls from the host")
-      TIMER["how"] = "host"
-  reps = []
-  for _ in range(5):
-    t0 = time.perf_counter()
-    for _ in range(iterations):
-      out = f(*args)
-    jax.block_until_ready(out)
-    reps.append((time.perf_counter() - t0) * 1e3 / iterations)
-  return float(statistics.median(reps))
 
 
 # -------------------------------------------------------------------------------------------------
@@ -129,11 +105,6 @@ def dense_fns():
     return y, vjp(dy)
 
   return {"fwd": fwd, "bwd": bwd, "fwd+bwd": both}
-
-
-def rel_err(a, b) -> float:
-  a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
-  return float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))
 
 
 def check(x, dy, w, cfg) -> str:

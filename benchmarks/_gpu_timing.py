@@ -1,0 +1,43 @@
+"""Device-side timing shared by the GPU benchmark scripts (imported from their folder)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+TIMER = {"how": "cupti"}  # falls back to "host" for the rest of the run when CUPTI is unavailable
+
+
+def log(*args):
+  print(*args, flush=True)
+
+
+def time_ms(f, *args, iterations: int = 20) -> float:
+  """Median device time of one call of ``f(*args)`` in ms."""
+  f = jax.jit(f)
+  jax.block_until_ready(f(*args))
+  if TIMER["how"] == "cupti":
+    try:
+      from jax.experimental.mosaic.gpu import profiler  # noqa: PLC0415 (GPU-only module)
+
+      _, times = profiler.measure(f, iterations=iterations)(*args)
+      return float(statistics.median(times))
+    except Exception as e:  # CUPTI missing or busy: fall back for the rest of the run.
+      log(f"CUPTI timing failed ({type(e).__name__}: {e}); timing back-to-back calls from the host")
+      TIMER["how"] = "host"
+  reps = []
+  for _ in range(5):
+    t0 = time.perf_counter()
+    for _ in range(iterations):
+      out = f(*args)
+    jax.block_until_ready(out)
+    reps.append((time.perf_counter() - t0) * 1e3 / iterations)
+  return float(statistics.median(reps))
+
+
+def rel_err(a, b) -> float:
+  a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+  return float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))
