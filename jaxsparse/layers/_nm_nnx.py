@@ -214,15 +214,9 @@ class NMLinear(_NMMixin, nnx.Linear):
         n=n,
         m=m,
         sr_ste_decay=sr_ste_decay,
-        use_bias=linear.bias is not None,
-        dtype=linear.dtype,
         param_dtype=kernel.dtype,
-        precision=linear.precision,
         kernel_init=lambda *_: kernel,
-        dot_general=linear.dot_general,
-        promote_dtype=_base_promote(linear),
-        preferred_element_type=linear.preferred_element_type,
-        rngs=nnx.Rngs(0),
+        **linear_options(linear),
     )
     if linear.bias is not None:
       layer.bias[...] = linear.bias[...]
@@ -234,15 +228,9 @@ class NMLinear(_NMMixin, nnx.Linear):
     linear = nnx.Linear(
         self.in_features,
         self.out_features,
-        use_bias=self.bias is not None,
-        dtype=self.dtype,
         param_dtype=kernel.dtype,
-        precision=self.precision,
         kernel_init=lambda *_: kernel,
-        dot_general=self.dot_general,
-        promote_dtype=_base_promote(self),
-        preferred_element_type=self.preferred_element_type,
-        rngs=nnx.Rngs(0),
+        **linear_options(self),
     )
     if self.bias is not None:
       linear.bias[...] = self.bias[...]
@@ -369,6 +357,19 @@ class CompressedNMLinear(nnx.Module):
     if self.bias is not None:
       linear.bias[...] = self.bias[...]
     return linear
+
+
+def linear_options(linear: nnx.Linear) -> dict[str, Any]:
+  """Keyword arguments that rebuild ``linear``'s options (all but sizes, kernel and N:M settings)."""
+  return dict(
+      use_bias=linear.bias is not None,
+      dtype=linear.dtype,
+      precision=linear.precision,
+      dot_general=linear.dot_general,
+      promote_dtype=_base_promote(linear),
+      preferred_element_type=linear.preferred_element_type,
+      rngs=nnx.Rngs(0),
+  )
 
 
 def conv_options(conv: nnx.Conv) -> dict[str, Any]:
