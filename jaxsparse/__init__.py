@@ -11,20 +11,20 @@ on demand; it needs torch).
 from jaxsparse import layers
 from jaxsparse import ops
 from jaxsparse import pruning
-from jaxsparse._csr import CSRMatrix
-from jaxsparse._formats import BlockSparseMatrix
-from jaxsparse._masks import block_magnitude_mask
-from jaxsparse._masks import magnitude_mask
-from jaxsparse._masks import random_block_mask
-from jaxsparse._nm import NMSparseMatrix
-from jaxsparse._nm import nm_mask
-from jaxsparse._sparsify import densify
-from jaxsparse._sparsify import densify_linen
-from jaxsparse._sparsify import sparsify
-from jaxsparse._sparsify import sparsify_linen
-from jaxsparse.pruning._specs import NM
-from jaxsparse.pruning._specs import BlockSparse
-from jaxsparse.pruning._specs import Unstructured
+from jaxsparse._sparsify._nnx import densify
+from jaxsparse._sparsify._nnx import densify_linen
+from jaxsparse._sparsify._nnx import sparsify
+from jaxsparse._sparsify._nnx import sparsify_linen
+from jaxsparse.formats._block_sparse import BlockSparseMatrix
+from jaxsparse.formats._csr import CSRMatrix
+from jaxsparse.formats._masks import block_magnitude_mask
+from jaxsparse.formats._masks import magnitude_mask
+from jaxsparse.formats._masks import random_block_mask
+from jaxsparse.formats._nm import NMSparseMatrix
+from jaxsparse.formats._nm import nm_mask
+from jaxsparse.formats._specs import NM
+from jaxsparse.formats._specs import BlockSparse
+from jaxsparse.formats._specs import Unstructured
 
 __version__ = "0.1.0"
 

@@ -54,7 +54,7 @@ def test_pytree_jit_and_with_data():
   w = jax.random.normal(jax.random.key(0), (64, 32))
   ws = jaxsparse.BlockSparseMatrix.from_dense(w, (16, 16), block_mask=np.array([[1, 0]] * 2 + [[0, 1]] * 2, bool))
   leaves, _tree = jax.tree_util.tree_flatten(ws)
-  assert len(leaves) == 1 + len(jaxsparse._formats.INDEX_FIELDS)
+  assert len(leaves) == 1 + len(jaxsparse.formats._block_sparse.INDEX_FIELDS)
   out = jax.jit(lambda m: m.with_data(m.data * 2).to_dense())(ws)
   np.testing.assert_allclose(out, 2 * ws.to_dense())
   rebuilt = jaxsparse.BlockSparseMatrix.from_index_arrays(

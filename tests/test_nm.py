@@ -16,7 +16,7 @@ from jax import lax
 import jaxsparse
 from jaxsparse import NMSparseMatrix
 from jaxsparse import nm_mask
-from jaxsparse._nm import index_layout
+from jaxsparse.formats._nm import index_layout
 from jaxsparse.ops import nm_matmul
 from jaxsparse.ops import nm_matmul_reference
 from jaxsparse.ops import sr_ste

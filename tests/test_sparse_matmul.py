@@ -139,7 +139,7 @@ def test_csr_pytree_jit_and_constructors():
   w = jax.random.normal(jax.random.key(0), (24, 16))
   mask = np.asarray(jax.random.uniform(jax.random.key(1), (24, 16)) < 0.3)
   ws = jaxsparse.CSRMatrix.from_dense(w, mask=mask)
-  assert len(jax.tree_util.tree_leaves(ws)) == 1 + len(jaxsparse._csr.INDEX_FIELDS)
+  assert len(jax.tree_util.tree_leaves(ws)) == 1 + len(jaxsparse.formats._csr.INDEX_FIELDS)
   np.testing.assert_allclose(jax.jit(lambda m: m.with_data(m.data * 2).to_dense())(ws), 2 * ws.to_dense())
   again = jaxsparse.CSRMatrix.from_index_arrays(ws.data, ws.index_arrays(), shape=ws.shape)
   np.testing.assert_array_equal(again.to_dense(), ws.to_dense())

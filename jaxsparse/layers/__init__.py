@@ -1,12 +1,12 @@
 """Flax layers over :mod:`jaxsparse.ops`: NNX modules here, Linen modules in :mod:`jaxsparse.layers.linen`."""
 
 from jaxsparse.layers import linen
-from jaxsparse.layers._nm_nnx import CompressedNMLinear
-from jaxsparse.layers._nm_nnx import NMConv
-from jaxsparse.layers._nm_nnx import NMLinear
-from jaxsparse.layers._nnx import BlockSparseLinear
-from jaxsparse.layers._nnx import MaskedLinear
-from jaxsparse.layers._nnx import SparsityPattern
+from jaxsparse.layers._block_sparse import BlockSparseLinear
+from jaxsparse.layers._block_sparse import MaskedLinear
+from jaxsparse.layers._block_sparse import SparsityPattern
+from jaxsparse.layers._nm import CompressedNMLinear
+from jaxsparse.layers._nm import NMConv
+from jaxsparse.layers._nm import NMLinear
 
 __all__ = [
     "BlockSparseLinear",

@@ -16,12 +16,12 @@ from flax.typing import Dtype
 from flax.typing import Initializer
 from jax import lax
 
-from jaxsparse import _validation
+from jaxsparse import _utils
 from jaxsparse import ops
-from jaxsparse._formats import INDEX_FIELDS
-from jaxsparse._formats import BlockSparseMatrix
-from jaxsparse._masks import random_block_mask
-from jaxsparse.layers import _nnx
+from jaxsparse.formats._block_sparse import INDEX_FIELDS
+from jaxsparse.formats._block_sparse import BlockSparseMatrix
+from jaxsparse.formats._masks import random_block_mask
+from jaxsparse.layers import _block_sparse as _nnx
 
 __all__ = ["SPARSITY", "BlockSparseDense", "MaskedDense"]
 
@@ -88,8 +88,8 @@ class BlockSparseDense(nn.Module):
   precision: lax.PrecisionLike = None
 
   def __post_init__(self):
-    _validation.check_positive_int(self.features, name="features")
-    _validation.check_density(self.density)
+    _utils.check_positive_int(self.features, name="features")
+    _utils.check_density(self.density)
     _nnx.check_implementation(self.implementation)
     super().__post_init__()
 
@@ -98,9 +98,9 @@ class BlockSparseDense(nn.Module):
     """Applies the layer to ``x`` of shape ``(..., in_features)``; returns ``(..., features)``."""
     x = _check_input(x)
     shape = (x.shape[-1], self.features)
-    bk, bn = _validation.check_block_shape(self.block_shape, shape)
+    bk, bn = _utils.check_block_shape(self.block_shape, shape)
     grid = (shape[0] // bk, shape[1] // bn)
-    nnz = _validation.kept_count(self.density, grid[0] * grid[1])
+    nnz = _utils.kept_count(self.density, grid[0] * grid[1])
     _nnx.check_kept(nnz, grid[0] * grid[1], name="density", value=self.density, what="blocks")
     kernel_init = self.kernel_init or _nnx.block_sparse_kernel_init(nnz, grid)
     kernel = self.param("kernel", kernel_init, (nnz, bk, bn), self.param_dtype)
@@ -168,8 +168,8 @@ class MaskedDense(nn.Module):
   implementation: ops.CpuImplementation | None = None
 
   def __post_init__(self):
-    _validation.check_positive_int(self.features, name="features")
-    _validation.check_sparsity(self.sparsity)
+    _utils.check_positive_int(self.features, name="features")
+    _utils.check_sparsity(self.sparsity)
     _nnx.check_masked_implementation(self.implementation)
     super().__post_init__()
 
@@ -179,7 +179,7 @@ class MaskedDense(nn.Module):
     x = _check_input(x)
     shape = (x.shape[-1], self.features)
     size = shape[0] * shape[1]
-    kept = size - _validation.kept_count(self.sparsity, size)
+    kept = size - _utils.kept_count(self.sparsity, size)
     _nnx.check_kept(kept, size, name="sparsity", value=self.sparsity, what="weights")
     if not (self.has_variable(SPARSITY, "mask") or self.is_initializing()):
       raise _missing_pattern(self)

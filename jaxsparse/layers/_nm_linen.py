@@ -3,7 +3,7 @@
 Linen twins of :class:`jaxsparse.layers.NMLinear` / :class:`jaxsparse.layers.NMConv`. Each wraps
 ``nn.Dense`` / ``nn.Conv`` in its own scope (``nn.share_scope``), so the variables are exactly those
 of the Flax layer, ``{"params": {"kernel", "bias"}}``, and the only change is the SR-STE pruning of
-the kernel through Flax's ``promote_dtype`` hook (:class:`jaxsparse.layers._nm_nnx.NMPromote`).
+the kernel through Flax's ``promote_dtype`` hook (:class:`jaxsparse.layers._nm.NMPromote`).
 Given the same parameters, NNX and Linen layers compute identical outputs.
 """
 
@@ -24,10 +24,10 @@ from flax.typing import Initializer
 from flax.typing import PaddingLike
 from jax import lax
 
-from jaxsparse import _nm
-from jaxsparse.layers._nm_nnx import NMPromote
-from jaxsparse.layers._nm_nnx import check_decay
-from jaxsparse.layers._nm_nnx import check_in_features
+from jaxsparse.formats import _nm
+from jaxsparse.layers._nm import NMPromote
+from jaxsparse.layers._nm import check_decay
+from jaxsparse.layers._nm import check_in_features
 
 __all__ = ["NMConv", "NMDense"]
 

@@ -29,8 +29,8 @@ from jax import lax
 
 from jaxsparse._cpu import _build as _cpu_build
 from jaxsparse._cpu import _kernels as _cpu_kernels
-from jaxsparse._formats import INDEX_FIELDS
-from jaxsparse._formats import BlockSparseMatrix
+from jaxsparse.formats._block_sparse import INDEX_FIELDS
+from jaxsparse.formats._block_sparse import BlockSparseMatrix
 from jaxsparse.ops import _dispatch
 
 __all__ = ["block_sparse_matmul", "block_sparse_matmul_reference", "Implementation"]

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxsparse._nm import NMSparseMatrix
+from jaxsparse.formats._nm import NMSparseMatrix
 from jaxsparse.ops import _dispatch
 
 __all__ = ["nm_matmul", "nm_matmul_reference"]

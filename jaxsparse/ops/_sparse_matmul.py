@@ -26,8 +26,8 @@ from jax import lax
 
 from jaxsparse._cpu import _build
 from jaxsparse._cpu import _kernels
-from jaxsparse._csr import INDEX_FIELDS
-from jaxsparse._csr import CSRMatrix
+from jaxsparse.formats._csr import INDEX_FIELDS
+from jaxsparse.formats._csr import CSRMatrix
 
 __all__ = ["CpuImplementation", "sparse_matmul", "sparse_matmul_reference"]
 

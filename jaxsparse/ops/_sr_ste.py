@@ -13,7 +13,7 @@ import numbers
 import jax
 import jax.numpy as jnp
 
-from jaxsparse import _nm
+from jaxsparse.formats import _nm
 
 __all__ = ["sr_ste"]
 

@@ -39,7 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from jaxsparse._formats import BlockSparseMatrix
+from jaxsparse.formats._block_sparse import BlockSparseMatrix
 
 try:  # Mosaic GPU (Hopper) variants of the forward and dx kernels.
   from jaxsparse.pallas import _block_sparse_matmul_mgpu as mosaic

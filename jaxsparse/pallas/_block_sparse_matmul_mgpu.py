@@ -40,7 +40,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxsparse._formats import BlockSparseMatrix
+from jaxsparse.formats._block_sparse import BlockSparseMatrix
 
 __all__ = [
     "MosaicBlockSparseMatmulConfig",

@@ -11,7 +11,7 @@ at M = 16 on an H100 (``benchmarks/results/gpu_nm_2026-11-21.md``).
 
 One program computes one ``(block_m, block_n)`` output tile. Each loop step loads one
 ``(block_groups, block_n)`` tile of packed position words; word ``r`` packs ``per_word`` groups
-``r + s * rows`` (see :func:`jaxsparse._nm.index_layout`), so each slot ``s`` of the tile covers a
+``r + s * rows`` (see :func:`jaxsparse.formats._nm.index_layout`), so each slot ``s`` of the tile covers a
 contiguous run of ``block_groups`` groups, i.e. ``block_groups * m`` contiguous columns of ``x``.
 With ``split_k > 1`` the loop is split over programs whose float32 partial sums are added after
 the kernel (decode with few column tiles).
@@ -31,9 +31,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from jaxsparse._nm import NMSparseMatrix
-from jaxsparse._nm import index_layout
-from jaxsparse._nm import position_bits
+from jaxsparse.formats._nm import NMSparseMatrix
+from jaxsparse.formats._nm import index_layout
+from jaxsparse.formats._nm import position_bits
 from jaxsparse.pallas._block_sparse_matmul import PallasFallbackWarning
 from jaxsparse.pallas._block_sparse_matmul import available
 from jaxsparse.pallas._block_sparse_matmul import unavailable_reason

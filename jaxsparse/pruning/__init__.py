@@ -26,6 +26,9 @@ Read the masks with :func:`get_masks` and turn the trained model into sparse lay
 'BlockSparseLinear'
 """
 
+from jaxsparse.formats._specs import NM
+from jaxsparse.formats._specs import BlockSparse
+from jaxsparse.formats._specs import Unstructured
 from jaxsparse.pruning._dst import cosine_drop_fraction
 from jaxsparse.pruning._dst import rigl_pruner
 from jaxsparse.pruning._dst import set_pruner
@@ -44,9 +47,6 @@ from jaxsparse.pruning._schedules import polynomial_sparsity
 from jaxsparse.pruning._scores import block_magnitude_scores
 from jaxsparse.pruning._scores import magnitude_masks
 from jaxsparse.pruning._scores import magnitude_scores
-from jaxsparse.pruning._specs import NM
-from jaxsparse.pruning._specs import BlockSparse
-from jaxsparse.pruning._specs import Unstructured
 
 __all__ = [
     "NM",

@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxsparse.formats._specs import NM
 from jaxsparse.pruning._optax import Pruner
 from jaxsparse.pruning._schedules import periodic
 from jaxsparse.pruning._scores import Target
@@ -24,7 +25,6 @@ from jaxsparse.pruning._scores import plan
 from jaxsparse.pruning._scores import rank_mask
 from jaxsparse.pruning._scores import target_masks
 from jaxsparse.pruning._scores import unflatten_masks
-from jaxsparse.pruning._specs import NM
 
 __all__ = ["cosine_drop_fraction", "rigl_pruner", "set_pruner"]
 

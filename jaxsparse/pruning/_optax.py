@@ -27,6 +27,8 @@ import optax
 from flax import nnx
 from jax import lax
 
+from jaxsparse.formats._specs import flatten_with_paths
+from jaxsparse.formats._specs import path_str
 from jaxsparse.pruning._schedules import Schedule
 from jaxsparse.pruning._schedules import one_shot
 from jaxsparse.pruning._scores import check_scope
@@ -34,8 +36,6 @@ from jaxsparse.pruning._scores import masks_at
 from jaxsparse.pruning._scores import plan
 from jaxsparse.pruning._scores import target_masks
 from jaxsparse.pruning._scores import unflatten_masks
-from jaxsparse.pruning._specs import flatten_with_paths
-from jaxsparse.pruning._specs import path_str
 
 __all__ = [
     "Pruner",

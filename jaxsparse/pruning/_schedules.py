@@ -14,7 +14,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxsparse import _validation
+from jaxsparse import _utils
 
 __all__ = ["Schedule", "gradual", "one_shot", "periodic", "polynomial_sparsity"]
 
@@ -105,7 +105,7 @@ def gradual(
   update_every = _check_step(update_every, name="update_every", minimum=1)
   if end_step < begin_step:
     raise ValueError(f"end_step must be >= begin_step, got begin_step={begin_step}, end_step={end_step}.")
-  initial_sparsity = _validation.check_sparsity(initial_sparsity, name="initial_sparsity")
+  initial_sparsity = _utils.check_sparsity(initial_sparsity, name="initial_sparsity")
   if not power > 0:
     raise ValueError(f"power must be > 0, got power={power!r}.")
 

@@ -20,16 +20,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxsparse import _validation
-from jaxsparse.pruning._specs import NM
-from jaxsparse.pruning._specs import BlockSparse
-from jaxsparse.pruning._specs import Spec
-from jaxsparse.pruning._specs import check_spec_applies
-from jaxsparse.pruning._specs import flatten_with_paths
-from jaxsparse.pruning._specs import match_rules
-from jaxsparse.pruning._specs import matrix_shape
-from jaxsparse.pruning._specs import resolve_rules
-from jaxsparse.pruning._specs import warn_unmatched
+from jaxsparse import _utils
+from jaxsparse.formats._specs import NM
+from jaxsparse.formats._specs import BlockSparse
+from jaxsparse.formats._specs import Spec
+from jaxsparse.formats._specs import check_spec_applies
+from jaxsparse.formats._specs import flatten_with_paths
+from jaxsparse.formats._specs import match_rules
+from jaxsparse.formats._specs import matrix_shape
+from jaxsparse.formats._specs import resolve_rules
+from jaxsparse.formats._specs import warn_unmatched
 
 __all__ = ["block_magnitude_scores", "magnitude_masks", "magnitude_scores"]
 
@@ -65,7 +65,7 @@ def block_magnitude_scores(w: jax.typing.ArrayLike, block_shape: tuple[int, int]
   if w.ndim < 2:
     raise ValueError(f"w must have at least 2 axes, got shape {w.shape}.")
   k, n = matrix_shape(w.shape)
-  bk, bn = _validation.check_block_shape(block_shape, (k, n))
+  bk, bn = _utils.check_block_shape(block_shape, (k, n))
   return _block_reduce(w.reshape(k, n).astype(jnp.float32) ** 2, (bk, bn)) ** 0.5
 
 
@@ -125,10 +125,10 @@ class Target:
   def kept_final(self) -> int:
     """Units kept at the structure's target sparsity, with the counting rules of the layers."""
     if isinstance(self.spec, BlockSparse):
-      return _validation.kept_count(self.spec.density, self.units)
+      return _utils.kept_count(self.spec.density, self.units)
     if isinstance(self.spec, NM):
       return self.units // self.spec.m * self.spec.n
-    return self.units - _validation.kept_count(self.spec.sparsity, self.units)
+    return self.units - _utils.kept_count(self.spec.sparsity, self.units)
 
   def unit_scores(self, scores: jax.Array, *, blockwise: str = "norm") -> jax.Array:
     """Flat scores per unit. ``blockwise``: ``"norm"`` (Frobenius norm of the block) or ``"sum"``."""
@@ -233,9 +233,9 @@ def masks_at(
     spec = targets[members[0]].spec
     total = sum(targets[j].units for j in members)
     if isinstance(spec, BlockSparse):
-      kept_final = _validation.kept_count(spec.density, total)
+      kept_final = _utils.kept_count(spec.density, total)
     else:
-      kept_final = total - _validation.kept_count(spec.sparsity, total)
+      kept_final = total - _utils.kept_count(spec.sparsity, total)
     joint = rank_mask(jnp.concatenate([unit_scores[j] for j in members]), kept_at(
         total, kept_final, sparsity(spec), spec.target_sparsity))
     start = 0

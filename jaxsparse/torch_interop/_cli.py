@@ -23,7 +23,7 @@ PROGRESS_MIN_BYTES = 64 * 2**20
 
 def parse_rule(text: str):
   """``"REGEX=SPEC"`` -> ``(regex, jaxsparse structure or None)``."""
-  from jaxsparse.pruning import _specs  # noqa: PLC0415 -- keeps `jaxsparse --help` fast
+  from jaxsparse.formats import _specs  # noqa: PLC0415 -- keeps `jaxsparse --help` fast
 
   regex, sep, spec = text.rpartition("=")
   if not sep or not regex:

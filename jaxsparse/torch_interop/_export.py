@@ -18,8 +18,8 @@ import numpy as np
 from flax import nnx
 
 from jaxsparse import layers as jsl
-from jaxsparse._formats import INDEX_FIELDS
-from jaxsparse._formats import BlockSparseMatrix
+from jaxsparse.formats._block_sparse import INDEX_FIELDS
+from jaxsparse.formats._block_sparse import BlockSparseMatrix
 from jaxsparse.torch_interop._load import CheckpointError
 from jaxsparse.torch_interop._load import import_torch
 from jaxsparse.torch_interop._load import to_torch

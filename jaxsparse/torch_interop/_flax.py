@@ -23,10 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxsparse import _masks
 from jaxsparse import layers as jsl
-from jaxsparse._formats import BlockSparseMatrix
-from jaxsparse.pruning import _specs
+from jaxsparse.formats import _masks
+from jaxsparse.formats import _specs
+from jaxsparse.formats._block_sparse import BlockSparseMatrix
 from jaxsparse.torch_interop._decode import NMSpec
 from jaxsparse.torch_interop._decode import TorchParam
 from jaxsparse.torch_interop._decode import decode_checkpoint
@@ -164,7 +164,7 @@ def _nm_types() -> tuple[type, type] | None:
 
 def _masked_conv_type() -> type | None:
   try:
-    from jaxsparse._sparsify import MaskedConv  # noqa: PLC0415 -- optional: present when jaxsparse.sparsify is
+    from jaxsparse._sparsify._nnx import MaskedConv  # noqa: PLC0415 -- optional: present when jaxsparse.sparsify is
   except ImportError:
     return None
   return MaskedConv

@@ -30,11 +30,11 @@ from flax.typing import Initializer
 from flax.typing import PaddingLike
 from jax import lax
 
-from jaxsparse import _nm
 from jaxsparse import ops
-from jaxsparse._nm import NMSparseMatrix
-from jaxsparse.layers._nnx import SparsityPattern
-from jaxsparse.layers._nnx import check_implementation
+from jaxsparse.formats import _nm
+from jaxsparse.formats._nm import NMSparseMatrix
+from jaxsparse.layers._block_sparse import SparsityPattern
+from jaxsparse.layers._block_sparse import check_implementation
 
 __all__ = ["CompressedNMLinear", "NMConv", "NMLinear", "NMPromote"]
 

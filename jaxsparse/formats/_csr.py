@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsparse import _validation
+from jaxsparse import _utils
 
 __all__ = ["INDEX_FIELDS", "CSRMatrix", "csr_pattern_indices"]
 
@@ -157,7 +157,7 @@ class CSRMatrix:
       A ``CSRMatrix`` with ``to_dense() == where(mask, w, 0)``.
     """
     w = jnp.asarray(w)
-    _validation.check_ndim(w.shape, 2, name="w")
+    _utils.check_ndim(w.shape, 2, name="w")
     if mask is None:
       try:
         mask = np.asarray(w) != 0

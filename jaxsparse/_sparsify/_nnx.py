@@ -34,10 +34,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxsparse._formats import BlockSparseMatrix
-from jaxsparse._masks import block_magnitude_mask
-from jaxsparse._masks import magnitude_mask
-from jaxsparse._nm import nm_mask
+from jaxsparse.formats._block_sparse import BlockSparseMatrix
+from jaxsparse.formats._masks import block_magnitude_mask
+from jaxsparse.formats._masks import magnitude_mask
+from jaxsparse.formats._nm import nm_mask
+from jaxsparse.formats._specs import NM
+from jaxsparse.formats._specs import BlockSparse
+from jaxsparse.formats._specs import Spec
+from jaxsparse.formats._specs import Unstructured
+from jaxsparse.formats._specs import check_spec_applies
+from jaxsparse.formats._specs import match_rules
+from jaxsparse.formats._specs import resolve_rules
+from jaxsparse.formats._specs import warn_unmatched
 from jaxsparse.layers import BlockSparseLinear
 from jaxsparse.layers import CompressedNMLinear
 from jaxsparse.layers import MaskedLinear
@@ -45,17 +53,9 @@ from jaxsparse.layers import NMConv
 from jaxsparse.layers import NMLinear
 from jaxsparse.layers import SparsityPattern
 from jaxsparse.layers import linen as sparse_linen
-from jaxsparse.layers._nm_nnx import conv_options
+from jaxsparse.layers._nm import conv_options
 from jaxsparse.ops._masked_matmul import check_mask
 from jaxsparse.pruning._optax import masks_to_dict
-from jaxsparse.pruning._specs import NM
-from jaxsparse.pruning._specs import BlockSparse
-from jaxsparse.pruning._specs import Spec
-from jaxsparse.pruning._specs import Unstructured
-from jaxsparse.pruning._specs import check_spec_applies
-from jaxsparse.pruning._specs import match_rules
-from jaxsparse.pruning._specs import resolve_rules
-from jaxsparse.pruning._specs import warn_unmatched
 
 __all__ = [
     "LayerChange",
@@ -167,7 +167,7 @@ class MaskedConv(nnx.Conv):
 
   >>> import jax.numpy as jnp
   >>> from flax import nnx
-  >>> from jaxsparse._sparsify import MaskedConv
+  >>> from jaxsparse._sparsify._nnx import MaskedConv
   >>> conv = MaskedConv.from_dense(nnx.Conv(8, 16, (3, 3), rngs=nnx.Rngs(0)), sparsity=0.75)
   >>> conv.density, conv(jnp.ones((2, 6, 6, 8))).shape
   (0.25, (2, 6, 6, 16))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxsparse import _validation
+from jaxsparse import _utils
 
 __all__ = ["block_magnitude_mask", "random_block_mask", "magnitude_mask", "top_k_mask"]
 
@@ -48,11 +48,11 @@ def block_magnitude_mask(w: jax.typing.ArrayLike, block_shape: tuple[int, int], 
     Bool ``(K // bk, N // bn)``.
   """
   w = jnp.asarray(w)
-  _validation.check_ndim(w.shape, 2, name="w")
-  block_shape = _validation.check_block_shape(block_shape, w.shape)
-  density = _validation.check_density(density)
+  _utils.check_ndim(w.shape, 2, name="w")
+  block_shape = _utils.check_block_shape(block_shape, w.shape)
+  density = _utils.check_density(density)
   norms = _block_norms(w, block_shape)
-  return top_k_mask(norms, _validation.kept_count(density, norms.size))
+  return top_k_mask(norms, _utils.kept_count(density, norms.size))
 
 
 def random_block_mask(
@@ -74,12 +74,12 @@ def random_block_mask(
   Returns:
     Bool ``(K // bk, N // bn)``.
   """
-  _validation.check_ndim(tuple(shape), 2, name="shape")
-  bk, bn = _validation.check_block_shape(block_shape, shape)
-  density = _validation.check_density(density)
+  _utils.check_ndim(tuple(shape), 2, name="shape")
+  bk, bn = _utils.check_block_shape(block_shape, shape)
+  density = _utils.check_density(density)
   grid = (shape[0] // bk, shape[1] // bn)
   scores = jax.random.uniform(key, grid)
-  return top_k_mask(scores, _validation.kept_count(density, grid[0] * grid[1]))
+  return top_k_mask(scores, _utils.kept_count(density, grid[0] * grid[1]))
 
 
 def magnitude_mask(w: jax.typing.ArrayLike, sparsity: float) -> jax.Array:
@@ -98,6 +98,6 @@ def magnitude_mask(w: jax.typing.ArrayLike, sparsity: float) -> jax.Array:
     Bool mask of ``w.shape``.
   """
   w = jnp.asarray(w)
-  sparsity = _validation.check_sparsity(sparsity)
-  kept = w.size - _validation.kept_count(sparsity, w.size)
+  sparsity = _utils.check_sparsity(sparsity)
+  kept = w.size - _utils.kept_count(sparsity, w.size)
   return top_k_mask(jnp.abs(w.astype(jnp.float32)), kept)

@@ -24,13 +24,13 @@ from flax.typing import Dtype
 from flax.typing import Initializer
 from jax import lax
 
-from jaxsparse import _validation
+from jaxsparse import _utils
 from jaxsparse import ops
-from jaxsparse._formats import BlockSparseMatrix
-from jaxsparse._masks import block_magnitude_mask
-from jaxsparse._masks import magnitude_mask
-from jaxsparse._masks import random_block_mask
-from jaxsparse._masks import top_k_mask
+from jaxsparse.formats._block_sparse import BlockSparseMatrix
+from jaxsparse.formats._masks import block_magnitude_mask
+from jaxsparse.formats._masks import magnitude_mask
+from jaxsparse.formats._masks import random_block_mask
+from jaxsparse.formats._masks import top_k_mask
 from jaxsparse.ops._masked_matmul import check_mask
 
 __all__ = ["BlockSparseLinear", "MaskedLinear", "SparsityPattern"]
@@ -241,9 +241,9 @@ class BlockSparseLinear(nnx.Module):
       block_mask: Any = None,
       rngs: nnx.Rngs,
   ):
-    in_features = _validation.check_positive_int(in_features, name="in_features")
-    out_features = _validation.check_positive_int(out_features, name="out_features")
-    bk, bn = _validation.check_block_shape(block_shape, (in_features, out_features))
+    in_features = _utils.check_positive_int(in_features, name="in_features")
+    out_features = _utils.check_positive_int(out_features, name="out_features")
+    bk, bn = _utils.check_block_shape(block_shape, (in_features, out_features))
     grid = (in_features // bk, out_features // bn)
     self.implementation = check_implementation(implementation)
     if (density is None) == (block_mask is None):
@@ -252,9 +252,9 @@ class BlockSparseLinear(nnx.Module):
           f"block_mask={'None' if block_mask is None else 'an array'}."
       )
     if block_mask is None:
-      density = _validation.check_density(density)
+      density = _utils.check_density(density)
       blocks = grid[0] * grid[1]
-      check_kept(_validation.kept_count(density, blocks), blocks, name="density", value=density, what="blocks")
+      check_kept(_utils.kept_count(density, blocks), blocks, name="density", value=density, what="blocks")
       block_mask = random_block_mask(rngs.params(), (in_features, out_features), (bk, bn), density)
       block_mask = concrete(block_mask, name="block_mask")
     else:
@@ -451,8 +451,8 @@ class MaskedLinear(nnx.Module):
       implementation: ops.CpuImplementation | None = None,
       rngs: nnx.Rngs,
   ):
-    in_features = _validation.check_positive_int(in_features, name="in_features")
-    out_features = _validation.check_positive_int(out_features, name="out_features")
+    in_features = _utils.check_positive_int(in_features, name="in_features")
+    out_features = _utils.check_positive_int(out_features, name="out_features")
     shape = (in_features, out_features)
     size = in_features * out_features
     self.implementation = check_masked_implementation(implementation)
@@ -462,8 +462,8 @@ class MaskedLinear(nnx.Module):
           f"mask={'None' if mask is None else 'an array'}."
       )
     if mask is None:
-      sparsity = _validation.check_sparsity(sparsity)
-      kept = size - _validation.kept_count(sparsity, size)
+      sparsity = _utils.check_sparsity(sparsity)
+      kept = size - _utils.kept_count(sparsity, size)
       check_kept(kept, size, name="sparsity", value=sparsity, what="weights")
       mask = random_mask(rngs.params(), shape, kept)
     else:

@@ -25,7 +25,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxsparse import _validation
+from jaxsparse import _utils
 
 __all__ = [
     "NM",
@@ -58,7 +58,7 @@ class Unstructured:
   sparsity: float
 
   def __post_init__(self):
-    object.__setattr__(self, "sparsity", _validation.check_sparsity(self.sparsity))
+    object.__setattr__(self, "sparsity", _utils.check_sparsity(self.sparsity))
 
   @property
   def target_sparsity(self) -> float:
@@ -87,7 +87,7 @@ class BlockSparse:
   block_shape: tuple[int, int] = (32, 32)
 
   def __post_init__(self):
-    object.__setattr__(self, "density", _validation.check_density(self.density))
+    object.__setattr__(self, "density", _utils.check_density(self.density))
     bs = self.block_shape
     if (
         not isinstance(bs, Sequence)
@@ -243,7 +243,7 @@ def check_spec_applies(spec: Spec, shape: Sequence[int], *, path: str) -> None:
   k, n = matrix_shape(shape)
   if isinstance(spec, Unstructured):
     size = k * n
-    kept = size - _validation.kept_count(spec.sparsity, size)
+    kept = size - _utils.kept_count(spec.sparsity, size)
     if kept == 0:
       raise ValueError(
           f"{path}: sparsity={spec.sparsity} prunes all {size} weights of its {shape} kernel; lower the sparsity."
@@ -256,7 +256,7 @@ def check_spec_applies(spec: Spec, shape: Sequence[int], *, path: str) -> None:
           "choose block sizes that divide both, or give this path another rule."
       )
     blocks = (k // bk) * (n // bn)
-    if _validation.kept_count(spec.density, blocks) == 0:
+    if _utils.kept_count(spec.density, blocks) == 0:
       raise ValueError(
           f"{path}: density={spec.density} keeps 0 of its {blocks} blocks of {spec.block_shape}; raise the density."
       )

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsparse import _validation
+from jaxsparse import _utils
 
 __all__ = ["INDEX_FIELDS", "BlockSparseMatrix", "block_pattern_indices"]
 
@@ -175,8 +175,8 @@ class BlockSparseMatrix:
       A ``BlockSparseMatrix`` with ``to_dense() == w * expanded(block_mask)``.
     """
     w = jnp.asarray(w)
-    _validation.check_ndim(w.shape, 2, name="w")
-    bk, bn = _validation.check_block_shape(block_shape, w.shape)
+    _utils.check_ndim(w.shape, 2, name="w")
+    bk, bn = _utils.check_block_shape(block_shape, w.shape)
     kb, nb = w.shape[0] // bk, w.shape[1] // bn
     if block_mask is None:
       try:

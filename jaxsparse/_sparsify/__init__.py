@@ -1,0 +1,1 @@
+"""``sparsify`` / ``densify`` for existing Flax NNX models and Linen variables."""
