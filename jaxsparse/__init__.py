@@ -15,6 +15,9 @@ from jaxsparse._sparsify._nnx import densify
 from jaxsparse._sparsify._nnx import densify_linen
 from jaxsparse._sparsify._nnx import sparsify
 from jaxsparse._sparsify._nnx import sparsify_linen
+from jaxsparse.formats import NM
+from jaxsparse.formats import BlockSparse
+from jaxsparse.formats import Unstructured
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
 from jaxsparse.formats._csr import CSRMatrix
 from jaxsparse.formats._masks import block_magnitude_mask
@@ -22,9 +25,6 @@ from jaxsparse.formats._masks import magnitude_mask
 from jaxsparse.formats._masks import random_block_mask
 from jaxsparse.formats._nm import NMSparseMatrix
 from jaxsparse.formats._nm import nm_mask
-from jaxsparse.formats._specs import NM
-from jaxsparse.formats._specs import BlockSparse
-from jaxsparse.formats._specs import Unstructured
 
 __version__ = "0.1.0"
 

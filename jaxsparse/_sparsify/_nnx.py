@@ -34,6 +34,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxsparse._rules import masks_to_dict
+from jaxsparse._rules import match_rules
+from jaxsparse._rules import path_str
+from jaxsparse._rules import resolve_rules
+from jaxsparse._rules import warn_unmatched
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
 from jaxsparse.formats._masks import block_magnitude_mask
 from jaxsparse.formats._masks import magnitude_mask
@@ -43,9 +48,6 @@ from jaxsparse.formats._specs import BlockSparse
 from jaxsparse.formats._specs import Spec
 from jaxsparse.formats._specs import Unstructured
 from jaxsparse.formats._specs import check_spec_applies
-from jaxsparse.formats._specs import match_rules
-from jaxsparse.formats._specs import resolve_rules
-from jaxsparse.formats._specs import warn_unmatched
 from jaxsparse.layers import BlockSparseLinear
 from jaxsparse.layers import CompressedNMLinear
 from jaxsparse.layers import MaskedLinear
@@ -55,7 +57,6 @@ from jaxsparse.layers import SparsityPattern
 from jaxsparse.layers import linen as sparse_linen
 from jaxsparse.layers._nm import conv_options
 from jaxsparse.ops._masked_matmul import check_mask
-from jaxsparse.pruning._optax import masks_to_dict
 
 __all__ = [
     "LayerChange",
@@ -412,10 +413,6 @@ def _replace(model: nnx.Module, path: tuple, new: nnx.Module) -> None:
   _set_child(parent, path[-1], new)
 
 
-def _path_str(path: tuple) -> str:
-  return ".".join(str(k) for k in path)
-
-
 def _describe(node: nnx.Module) -> str:
   if isinstance(node, nnx.Conv):
     return f"Conv({node.in_features}->{node.out_features}, {tuple(node.kernel_size)})"
@@ -592,21 +589,21 @@ def sparsify(
   layers = _dense_layers(model)
   chosen = []
   for path, node in layers:
-    r = match_rules(resolved, _path_str(path))
+    r = match_rules(resolved, path_str(path))
     if r is not None and resolved[r][2] is not None:
       chosen.append((path, node, resolved[r][2]))
-  warn_unmatched(resolved, [_path_str(p) for p, _ in layers], what="nnx.Linear / nnx.Conv / nnx.LinearGeneral")
+  warn_unmatched(resolved, [path_str(p) for p, _ in layers], what="nnx.Linear / nnx.Conv / nnx.LinearGeneral")
 
   built = []
   for path, node, spec in chosen:
-    p = _path_str(path)
+    p = path_str(path)
     mask = mask_dict.get(f"{p}.kernel" if p else "kernel")
     built.append((path, node, spec, _to_sparse(node, spec, None if mask is None else np.asarray(mask), p)))
 
   shapes = _record_inputs(model, [(p, n) for p, n, _, _ in built], example_input) if mode else {}
   changes = []
   for path, node, spec, new in built:
-    p = _path_str(path)
+    p = path_str(path)
     dense_ms = sparse_ms = None
     note = ""
     keep_dense = False

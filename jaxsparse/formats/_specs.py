@@ -1,12 +1,8 @@
-"""Sparsity structures (``Unstructured``, ``BlockSparse``, ``NM``) and rules that assign them to paths.
+"""Sparsity structures (``Unstructured``, ``BlockSparse``, ``NM``): the patterns a rule can assign.
 
-The same vocabulary serves :func:`jaxsparse.sparsify` (which layer becomes which sparse layer) and
-:mod:`jaxsparse.pruning` (which parameter gets which mask). A *rule set* is either one structure,
-applied everywhere, or a mapping from regular expressions to structures (or ``None``, "keep
-dense"); a path takes the structure of the first pattern that matches it in full
-(:func:`re.fullmatch`). Paths are dotted: ``"blocks.0.mlp.fc1"`` for a layer,
-``"blocks.0.mlp.fc1.kernel"`` for its parameter; a parameter also matches the patterns that match
-its layer's path, so one rule set serves both.
+The same vocabulary serves :func:`jaxsparse.sparsify` (which layer becomes which sparse layer),
+:mod:`jaxsparse.pruning` (which parameter gets which mask) and :mod:`jaxsparse.torch_interop`; the
+rules that map model paths to structures live in :mod:`jaxsparse._rules`.
 """
 
 from __future__ import annotations
@@ -14,32 +10,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-import re
-import warnings
-from collections.abc import Mapping
 from collections.abc import Sequence
-from typing import Any
 from typing import TypeAlias
-
-import jax
-import numpy as np
-from flax import nnx
 
 from jaxsparse import _utils
 
-__all__ = [
-    "NM",
-    "BlockSparse",
-    "Rules",
-    "Spec",
-    "Unstructured",
-    "check_spec_applies",
-    "flatten_with_paths",
-    "match_rules",
-    "path_str",
-    "resolve_rules",
-    "warn_unmatched",
-]
+__all__ = ["NM", "BlockSparse", "Spec", "Unstructured", "check_spec_applies", "matrix_shape"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,92 +120,7 @@ class NM:
 
 
 Spec: TypeAlias = Unstructured | BlockSparse | NM
-Rules: TypeAlias = Spec | Mapping[str, Spec | None]
-_SPECS = (Unstructured, BlockSparse, NM)
-
-
-def resolve_rules(rules: Any) -> list[tuple[str, re.Pattern, Spec | None]]:
-  """``rules`` as ``[(pattern, compiled, spec_or_None)]``, checked; a lone spec matches every path."""
-  if isinstance(rules, _SPECS):
-    return [(".*", re.compile(".*"), rules)]
-  if not isinstance(rules, Mapping):
-    raise TypeError(
-        "rules must be a sparsity structure (jaxsparse.Unstructured, jaxsparse.BlockSparse, jaxsparse.NM) "
-        f"or a mapping from regex to structure, got {type(rules).__name__}."
-    )
-  if not rules:
-    raise ValueError("rules is empty: give at least one {regex: structure} entry.")
-  out = []
-  for pattern, spec in rules.items():
-    if not isinstance(pattern, str):
-      raise TypeError(f"rule keys must be regex strings, got {pattern!r}.")
-    if spec is not None and not isinstance(spec, _SPECS):
-      raise TypeError(
-          f"rule {pattern!r} maps to {spec!r}; use jaxsparse.Unstructured(...), jaxsparse.BlockSparse(...), "
-          "jaxsparse.NM(...) or None (keep dense)."
-      )
-    try:
-      compiled = re.compile(pattern)
-    except re.error as e:
-      raise ValueError(f"rule {pattern!r} is not a valid regular expression: {e}.") from e
-    out.append((pattern, compiled, spec))
-  return out
-
-
-def match_rules(
-    resolved: list[tuple[str, re.Pattern, Spec | None]], path: str, *, owner: str | None = None
-) -> int | None:
-  """Index of the first rule whose pattern fully matches ``path`` (or ``owner``, when given), or ``None``."""
-  for i, (_, compiled, _) in enumerate(resolved):
-    if compiled.fullmatch(path) or (owner is not None and compiled.fullmatch(owner)):
-      return i
-  return None
-
-
-def warn_unmatched(resolved: list[tuple[str, re.Pattern, Spec | None]], available: Sequence[str], *, what: str) -> None:
-  """Warns about the rules whose pattern fully matches none of the ``available`` paths, listing them."""
-  unused = [pattern for pattern, compiled, _ in resolved if not any(compiled.fullmatch(p) for p in available)]
-  if unused:
-    listing = ", ".join(available) if available else "(none)"
-    warnings.warn(
-        f"rule(s) {unused} matched no {what}; available paths: {listing}.",
-        UserWarning,
-        stacklevel=3,
-    )
-
-
-def path_str(keypath: Sequence[Any]) -> str:
-  """Dotted name of a JAX key path or an NNX path tuple: ``("blocks", 0, "kernel")`` -> ``"blocks.0.kernel"``."""
-  parts = []
-  for k in keypath:
-    if isinstance(k, jax.tree_util.DictKey):
-      parts.append(str(k.key))
-    elif isinstance(k, jax.tree_util.SequenceKey):
-      parts.append(str(k.idx))
-    elif isinstance(k, jax.tree_util.GetAttrKey):
-      parts.append(k.name)
-    elif isinstance(k, jax.tree_util.FlattenedIndexKey):
-      parts.append(str(k.key))
-    else:
-      parts.append(str(k))
-  return ".".join(parts)
-
-
-def _is_variable(x: Any) -> bool:
-  return isinstance(x, nnx.Variable)
-
-
-def flatten_with_paths(tree: Any) -> tuple[list[str], list[Any], Any]:
-  """Flattens ``tree`` treating NNX variables as leaves (their values unwrapped).
-
-  Returns:
-    ``(paths, leaves, treedef)``; ``jax.tree.unflatten(treedef, leaves)`` rebuilds the tree with plain
-    arrays in place of variables, the structure ``nnx.Optimizer`` hands to ``tx.update``.
-  """
-  pairs, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_variable)
-  paths = [path_str(kp) for kp, _ in pairs]
-  leaves = [v.get_value() if _is_variable(v) else v for _, v in pairs]
-  return paths, leaves, treedef
+SPECS = (Unstructured, BlockSparse, NM)
 
 
 def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
@@ -269,8 +160,3 @@ def check_spec_applies(spec: Spec, shape: Sequence[int], *, path: str) -> None:
       )
 
 
-def as_numpy_bool(mask: Any, *, name: str) -> np.ndarray:
-  m = np.asarray(mask)
-  if m.dtype != np.bool_:
-    raise TypeError(f"{name} must be a boolean array, got dtype {m.dtype}.")
-  return m

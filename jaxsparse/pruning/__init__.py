@@ -26,9 +26,10 @@ Read the masks with :func:`get_masks` and turn the trained model into sparse lay
 'BlockSparseLinear'
 """
 
-from jaxsparse.formats._specs import NM
-from jaxsparse.formats._specs import BlockSparse
-from jaxsparse.formats._specs import Unstructured
+from jaxsparse._rules import masks_to_dict
+from jaxsparse.formats import NM
+from jaxsparse.formats import BlockSparse
+from jaxsparse.formats import Unstructured
 from jaxsparse.pruning._dst import cosine_drop_fraction
 from jaxsparse.pruning._dst import rigl_pruner
 from jaxsparse.pruning._dst import set_pruner
@@ -37,7 +38,6 @@ from jaxsparse.pruning._optax import PruningState
 from jaxsparse.pruning._optax import apply_masks
 from jaxsparse.pruning._optax import get_masks
 from jaxsparse.pruning._optax import magnitude_pruner
-from jaxsparse.pruning._optax import masks_to_dict
 from jaxsparse.pruning._optax import wrap_optax
 from jaxsparse.pruning._schedules import Schedule
 from jaxsparse.pruning._schedules import gradual

@@ -22,13 +22,12 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 from jax import lax
 
-from jaxsparse.formats._specs import flatten_with_paths
-from jaxsparse.formats._specs import path_str
+from jaxsparse._rules import flatten_with_paths
+from jaxsparse._rules import unwrap_variables
 from jaxsparse.pruning._schedules import Schedule
 from jaxsparse.pruning._schedules import one_shot
 from jaxsparse.pruning._scores import check_scope
@@ -43,7 +42,6 @@ __all__ = [
     "apply_masks",
     "get_masks",
     "magnitude_pruner",
-    "masks_to_dict",
     "wrap_optax",
 ]
 
@@ -225,11 +223,6 @@ def wrap_optax(
   return optax.GradientTransformationExtraArgs(init, update)
 
 
-def _unwrap(tree: Any) -> Any:
-  return jax.tree.map(lambda v: v.get_value() if isinstance(v, nnx.Variable) else v, tree,
-                      is_leaf=lambda v: isinstance(v, nnx.Variable))
-
-
 def get_masks(state: Any) -> Any:
   """The masks held by a :func:`wrap_optax` state, as a tree of bool arrays (and ``None``).
 
@@ -251,7 +244,7 @@ def get_masks(state: Any) -> Any:
     raise ValueError(
         f"state must hold exactly one pruning.PruningState (the state of pruning.wrap_optax), found {len(found)}."
     )
-  return _unwrap(found[0].masks)
+  return unwrap_variables(found[0].masks)
 
 
 def apply_masks(target: Any, masks: Any) -> Any:
@@ -276,16 +269,3 @@ def apply_masks(target: Any, masks: Any) -> Any:
     nnx.update(target, apply_masks(params, masks))
     return target
   return _where_masked(masks, target, jnp.zeros_like, target)
-
-
-def masks_to_dict(masks: Any) -> dict[str, np.ndarray]:
-  """``{dotted path: bool NumPy array}`` for every mask: to save (``np.savez(f, **d)``) or inspect.
-
-  >>> import jax.numpy as jnp
-  >>> from jaxsparse import pruning
-  >>> pruning.masks_to_dict({"fc": {"kernel": jnp.ones((2, 2), bool), "bias": None}})
-  {'fc.kernel': array([[ True,  True],
-         [ True,  True]])}
-  """
-  pairs = jax.tree_util.tree_flatten_with_path(_unwrap(masks))[0]
-  return {path_str(kp): np.asarray(m) for kp, m in pairs}

@@ -21,15 +21,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxsparse import _utils
+from jaxsparse._rules import flatten_with_paths
+from jaxsparse._rules import match_rules
+from jaxsparse._rules import resolve_rules
+from jaxsparse._rules import warn_unmatched
 from jaxsparse.formats._specs import NM
 from jaxsparse.formats._specs import BlockSparse
 from jaxsparse.formats._specs import Spec
 from jaxsparse.formats._specs import check_spec_applies
-from jaxsparse.formats._specs import flatten_with_paths
-from jaxsparse.formats._specs import match_rules
 from jaxsparse.formats._specs import matrix_shape
-from jaxsparse.formats._specs import resolve_rules
-from jaxsparse.formats._specs import warn_unmatched
 
 __all__ = ["block_magnitude_scores", "magnitude_masks", "magnitude_scores"]
 

@@ -23,7 +23,7 @@ PROGRESS_MIN_BYTES = 64 * 2**20
 
 def parse_rule(text: str):
   """``"REGEX=SPEC"`` -> ``(regex, jaxsparse structure or None)``."""
-  from jaxsparse.formats import _specs  # noqa: PLC0415 -- keeps `jaxsparse --help` fast
+  from jaxsparse import formats  # noqa: PLC0415 -- keeps `jaxsparse --help` fast
 
   regex, sep, spec = text.rpartition("=")
   if not sep or not regex:
@@ -34,11 +34,11 @@ def parse_rule(text: str):
       return regex, None
     if kind == "block" and len(args) in (1, 2):
       shape = tuple(int(b) for b in args[1].lower().split("x")) if len(args) == 2 else (32, 32)
-      return regex, _specs.BlockSparse(density=float(args[0]), block_shape=shape)
+      return regex, formats.BlockSparse(density=float(args[0]), block_shape=shape)
     if kind == "nm" and len(args) == 2:
-      return regex, _specs.NM(int(args[0]), int(args[1]))
+      return regex, formats.NM(int(args[0]), int(args[1]))
     if kind == "unstructured" and len(args) == 1:
-      return regex, _specs.Unstructured(sparsity=float(args[0]))
+      return regex, formats.Unstructured(sparsity=float(args[0]))
   except (TypeError, ValueError) as e:
     raise argparse.ArgumentTypeError(f"rule {text!r}: {e}") from e
   raise argparse.ArgumentTypeError(

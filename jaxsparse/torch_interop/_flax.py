@@ -23,9 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxsparse import _rules
+from jaxsparse import formats
 from jaxsparse import layers as jsl
 from jaxsparse.formats import _masks
-from jaxsparse.formats import _specs
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
 from jaxsparse.torch_interop._decode import NMSpec
 from jaxsparse.torch_interop._decode import TorchParam
@@ -123,10 +124,6 @@ class LoadReport:
     if self.unexpected:
       lines.append(f"unexpected (not used): {self.unexpected}")
     return "\n".join(lines)
-
-
-def _path_str(path: Sequence[Any]) -> str:
-  return ".".join(str(p) for p in path)
 
 
 def _ignored(name: str, ignore: Sequence[str]) -> bool:
@@ -422,9 +419,9 @@ def load_nnx(
     if isinstance(node, nnx.Module) and _owns_params(node) and id(node) not in seen:
       seen.add(id(node))
       targets.append((tuple(path), node))
-  target_paths = {_path_str(p) for p, _ in targets}
+  target_paths = {_rules.path_str(p) for p, _ in targets}
   for path, module in targets:
-    flax_path = _path_str(path)
+    flax_path = _rules.path_str(path)
     group = groups.get(flax_path)
     if group is None:
       names = [_join(flax_path, k) for k, v in vars(module).items() if isinstance(v, nnx.Param)]
@@ -499,23 +496,23 @@ def apply_rules(
   :class:`jaxsparse.NM` (``n`` largest of every ``m`` inputs) and :class:`jaxsparse.Unstructured`. The
   new mask replaces any mask the weight had (pruned weights are zero, so they rank last).
   """
-  resolved = _specs.resolve_rules(rules)
+  resolved = _rules.resolve_rules(rules)
   out = dict(params)
   for name, p in params.items():
     if p.param != "weight" or p.value is None or p.value.ndim != 2 or re.search(embeddings, p.module):
       continue
     flax_path = map_name(name_map, p.module)
-    i = None if flax_path is None else _specs.match_rules(resolved, flax_path)
+    i = None if flax_path is None else _rules.match_rules(resolved, flax_path)
     if i is None or resolved[i][2] is None:
       continue
     spec = resolved[i][2]
     kernel = flax_layout(p.masked_value).astype(np.float32)
     try:
-      if isinstance(spec, _specs.BlockSparse):
+      if isinstance(spec, formats.BlockSparse):
         bk, bn = spec.block_shape
         bm = np.asarray(_masks.block_magnitude_mask(kernel, (bk, bn), spec.density))
         mask = np.repeat(np.repeat(bm, bk, 0), bn, 1)
-      elif isinstance(spec, _specs.NM):
+      elif isinstance(spec, formats.NM):
         full = spec.n == spec.m
         mask = np.ones_like(kernel, bool) if full else flax_layout(nm_mask_torch(p.masked_value, spec.n, spec.m))
       else:

@@ -1,0 +1,150 @@
+"""Rules that assign sparsity structures to the dotted paths of a model's layers and parameters.
+
+A *rule set* is either one structure (:mod:`jaxsparse.formats`' ``Unstructured``, ``BlockSparse``,
+``NM``), applied everywhere, or a mapping from regular expressions to structures (or ``None``, "keep
+dense"); a path takes the structure of the first pattern that matches it in full
+(:func:`re.fullmatch`). Paths are dotted: ``"blocks.0.mlp.fc1"`` for a layer,
+``"blocks.0.mlp.fc1.kernel"`` for its parameter; a parameter also matches the patterns that match
+its layer's path, so one rule set serves :func:`jaxsparse.sparsify`, :mod:`jaxsparse.pruning` and
+:mod:`jaxsparse.torch_interop` alike. Also here: the path and tree helpers those three share.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Mapping
+from collections.abc import Sequence
+from typing import Any
+from typing import TypeAlias
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxsparse.formats._specs import SPECS
+from jaxsparse.formats._specs import Spec
+
+__all__ = [
+    "Rules",
+    "as_numpy_bool",
+    "flatten_with_paths",
+    "masks_to_dict",
+    "match_rules",
+    "path_str",
+    "resolve_rules",
+    "unwrap_variables",
+    "warn_unmatched",
+]
+
+Rules: TypeAlias = Spec | Mapping[str, Spec | None]
+
+
+def resolve_rules(rules: Any) -> list[tuple[str, re.Pattern, Spec | None]]:
+  """``rules`` as ``[(pattern, compiled, spec_or_None)]``, checked; a lone spec matches every path."""
+  if isinstance(rules, SPECS):
+    return [(".*", re.compile(".*"), rules)]
+  if not isinstance(rules, Mapping):
+    raise TypeError(
+        "rules must be a sparsity structure (jaxsparse.Unstructured, jaxsparse.BlockSparse, jaxsparse.NM) "
+        f"or a mapping from regex to structure, got {type(rules).__name__}."
+    )
+  if not rules:
+    raise ValueError("rules is empty: give at least one {regex: structure} entry.")
+  out = []
+  for pattern, spec in rules.items():
+    if not isinstance(pattern, str):
+      raise TypeError(f"rule keys must be regex strings, got {pattern!r}.")
+    if spec is not None and not isinstance(spec, SPECS):
+      raise TypeError(
+          f"rule {pattern!r} maps to {spec!r}; use jaxsparse.Unstructured(...), jaxsparse.BlockSparse(...), "
+          "jaxsparse.NM(...) or None (keep dense)."
+      )
+    try:
+      compiled = re.compile(pattern)
+    except re.error as e:
+      raise ValueError(f"rule {pattern!r} is not a valid regular expression: {e}.") from e
+    out.append((pattern, compiled, spec))
+  return out
+
+
+def match_rules(
+    resolved: list[tuple[str, re.Pattern, Spec | None]], path: str, *, owner: str | None = None
+) -> int | None:
+  """Index of the first rule whose pattern fully matches ``path`` (or ``owner``, when given), or ``None``."""
+  for i, (_, compiled, _) in enumerate(resolved):
+    if compiled.fullmatch(path) or (owner is not None and compiled.fullmatch(owner)):
+      return i
+  return None
+
+
+def warn_unmatched(resolved: list[tuple[str, re.Pattern, Spec | None]], available: Sequence[str], *, what: str) -> None:
+  """Warns about the rules whose pattern fully matches none of the ``available`` paths, listing them."""
+  unused = [pattern for pattern, compiled, _ in resolved if not any(compiled.fullmatch(p) for p in available)]
+  if unused:
+    listing = ", ".join(available) if available else "(none)"
+    warnings.warn(
+        f"rule(s) {unused} matched no {what}; available paths: {listing}.",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
+def path_str(keypath: Sequence[Any]) -> str:
+  """Dotted name of a JAX key path or an NNX path tuple: ``("blocks", 0, "kernel")`` -> ``"blocks.0.kernel"``."""
+  parts = []
+  for k in keypath:
+    if isinstance(k, jax.tree_util.DictKey):
+      parts.append(str(k.key))
+    elif isinstance(k, jax.tree_util.SequenceKey):
+      parts.append(str(k.idx))
+    elif isinstance(k, jax.tree_util.GetAttrKey):
+      parts.append(k.name)
+    elif isinstance(k, jax.tree_util.FlattenedIndexKey):
+      parts.append(str(k.key))
+    else:
+      parts.append(str(k))
+  return ".".join(parts)
+
+
+def _is_variable(x: Any) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+def flatten_with_paths(tree: Any) -> tuple[list[str], list[Any], Any]:
+  """Flattens ``tree`` treating NNX variables as leaves (their values unwrapped).
+
+  Returns:
+    ``(paths, leaves, treedef)``; ``jax.tree.unflatten(treedef, leaves)`` rebuilds the tree with plain
+    arrays in place of variables, the structure ``nnx.Optimizer`` hands to ``tx.update``.
+  """
+  pairs, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_variable)
+  paths = [path_str(kp) for kp, _ in pairs]
+  leaves = [v.get_value() if _is_variable(v) else v for _, v in pairs]
+  return paths, leaves, treedef
+
+
+def unwrap_variables(tree: Any) -> Any:
+  """``tree`` with every NNX variable replaced by its value."""
+  return jax.tree.map(lambda v: v.get_value() if _is_variable(v) else v, tree, is_leaf=_is_variable)
+
+
+def masks_to_dict(masks: Any) -> dict[str, np.ndarray]:
+  """``{dotted path: bool NumPy array}`` for every mask: to save (``np.savez(f, **d)``) or inspect.
+
+  >>> import jax.numpy as jnp
+  >>> from jaxsparse import pruning
+  >>> pruning.masks_to_dict({"fc": {"kernel": jnp.ones((2, 2), bool), "bias": None}})
+  {'fc.kernel': array([[ True,  True],
+         [ True,  True]])}
+  """
+  pairs = jax.tree_util.tree_flatten_with_path(unwrap_variables(masks))[0]
+  return {path_str(kp): np.asarray(m) for kp, m in pairs}
+
+
+def as_numpy_bool(mask: Any, *, name: str) -> np.ndarray:
+  """``mask`` as a NumPy bool array; a ``TypeError`` naming ``name`` for any other dtype."""
+  m = np.asarray(mask)
+  if m.dtype != np.bool_:
+    raise TypeError(f"{name} must be a boolean array, got dtype {m.dtype}.")
+  return m
