@@ -11,10 +11,10 @@ on demand; it needs torch).
 from jaxsparse import layers
 from jaxsparse import ops
 from jaxsparse import pruning
+from jaxsparse._sparsify._linen import densify_linen
+from jaxsparse._sparsify._linen import sparsify_linen
 from jaxsparse._sparsify._nnx import densify
-from jaxsparse._sparsify._nnx import densify_linen
 from jaxsparse._sparsify._nnx import sparsify
-from jaxsparse._sparsify._nnx import sparsify_linen
 from jaxsparse.formats import NM
 from jaxsparse.formats import BlockSparse
 from jaxsparse.formats import Unstructured

@@ -9,6 +9,9 @@ from __future__ import annotations
 import numbers
 from collections.abc import Sequence
 
+import jax
+import jax.numpy as jnp
+
 
 def check_block_shape(block_shape: object, shape: Sequence[int], *, name: str = "block_shape") -> tuple[int, int]:
   """Returns ``block_shape`` as a pair of ints that divide the 2-D ``shape``."""
@@ -64,3 +67,16 @@ def check_positive_int(value: object, *, name: str) -> int:
 def kept_count(fraction: float, total: int) -> int:
   """``fraction * total`` rounded half up: the exact number of entries a mask keeps."""
   return int(fraction * total + 0.5)
+
+
+def check_mask(mask: jax.typing.ArrayLike, shape: tuple[int, ...], *, name: str = "mask") -> jax.Array:
+  """Returns ``mask`` as a bool array after checking its shape and dtype."""
+  mask = jnp.asarray(mask)
+  if mask.dtype != jnp.bool_:
+    raise TypeError(
+        f"{name} must be a boolean array, got dtype {mask.dtype}; convert 0/1 masks with "
+        f"`{name}.astype(bool)`."
+    )
+  if mask.shape != tuple(shape):
+    raise ValueError(f"{name} must have the weight's shape {tuple(shape)}, got {mask.shape}.")
+  return mask

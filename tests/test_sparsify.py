@@ -11,7 +11,7 @@ from flax.training import train_state
 
 import jaxsparse
 from jaxsparse import pruning
-from jaxsparse._sparsify._nnx import MaskedConv
+from jaxsparse.layers import MaskedConv
 from jaxsparse.layers import MaskedLinear
 from jaxsparse.layers import NMConv
 from jaxsparse.layers import NMLinear

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsparse import _utils
+from jaxsparse.formats._base import IndexedSparseMatrix
 
 __all__ = ["INDEX_FIELDS", "BlockSparseMatrix", "block_pattern_indices"]
 
@@ -65,7 +66,7 @@ INDEX_FIELDS = ("row_indices", "col_indices", "row_offsets", "col_offsets", "tra
 
 
 @jax.tree_util.register_pytree_node_class
-class BlockSparseMatrix:
+class BlockSparseMatrix(IndexedSparseMatrix):
   """A block-sparse ``(K, N)`` matrix holding only its kept ``(bk, bn)`` blocks.
 
   Layout follows Flax kernels: ``K`` is in-features, ``N`` out-features, and the product with
@@ -91,41 +92,8 @@ class BlockSparseMatrix:
     block_shape: static ``(bk, bn)``.
   """
 
-  def __init__(
-      self,
-      data: jax.Array,
-      *,
-      row_indices: jax.Array,
-      col_indices: jax.Array,
-      row_offsets: jax.Array,
-      col_offsets: jax.Array,
-      transpose_order: jax.Array,
-      shape: tuple[int, int],
-      block_shape: tuple[int, int],
-  ):
-    """Assembles a matrix from its parts; use :meth:`from_dense` or :meth:`from_block_mask` instead."""
-    self.data = data
-    self.row_indices = row_indices
-    self.col_indices = col_indices
-    self.row_offsets = row_offsets
-    self.col_offsets = col_offsets
-    self.transpose_order = transpose_order
-    self.shape = (int(shape[0]), int(shape[1]))
-    self.block_shape = (int(block_shape[0]), int(block_shape[1]))
-
-  # -- pytree ---------------------------------------------------------------------------------------
-  def tree_flatten(self):
-    children = (self.data, *tuple(getattr(self, f) for f in INDEX_FIELDS))
-    return children, (self.shape, self.block_shape)
-
-  @classmethod
-  def tree_unflatten(cls, aux, children):
-    obj = object.__new__(cls)
-    obj.data = children[0]
-    for f, c in zip(INDEX_FIELDS, children[1:], strict=False):
-      setattr(obj, f, c)
-    obj.shape, obj.block_shape = aux
-    return obj
+  INDEX_FIELDS = INDEX_FIELDS
+  STATIC_FIELDS = ("shape", "block_shape")
 
   # -- construction ---------------------------------------------------------------------------------
   @classmethod
@@ -198,48 +166,15 @@ class BlockSparseMatrix:
     data = blocks[idx["row_indices"], idx["col_indices"]]
     return cls(data, shape=w.shape, block_shape=(bk, bn), **{k: jnp.asarray(v) for k, v in idx.items()})
 
-  @classmethod
-  def from_index_arrays(
-      cls,
-      data: jax.typing.ArrayLike,
-      index_arrays: dict[str, jax.Array],
-      *,
-      shape: tuple[int, int],
-      block_shape: tuple[int, int],
-  ) -> BlockSparseMatrix:
-    """Reassembles a matrix from ``data`` and the dict returned by :meth:`index_arrays`.
-
-    Layers keep the index arrays as non-trainable state and rebuild the matrix on each call with
-    this; nothing is recomputed.
-    """
-    missing = set(INDEX_FIELDS) - set(index_arrays)
-    if missing:
-      raise ValueError(f"index_arrays is missing {sorted(missing)}; expected the keys {INDEX_FIELDS}.")
-    indices = {f: jnp.asarray(index_arrays[f]) for f in INDEX_FIELDS}
-    return cls(jnp.asarray(data), shape=shape, block_shape=block_shape, **indices)
-
-  def index_arrays(self) -> dict[str, jax.Array]:
-    """The integer index arrays of the pattern, keyed by :data:`INDEX_FIELDS` names."""
-    return {f: getattr(self, f) for f in INDEX_FIELDS}
-
   def with_data(self, data: jax.typing.ArrayLike) -> BlockSparseMatrix:
     """The same pattern with new block values ``data`` of shape ``(nnz_blocks, bk, bn)``."""
     data = jnp.asarray(data)
     expected = (self.nnz_blocks, *self.block_shape)
     if data.shape != expected:
       raise ValueError(f"data must have shape (nnz_blocks, bk, bn) = {expected}, got {data.shape}.")
-    return BlockSparseMatrix(
-        data,
-        shape=self.shape,
-        block_shape=self.block_shape,
-        **{f: getattr(self, f) for f in INDEX_FIELDS},
-    )
+    return self._with_checked_data(data)
 
   # -- properties -----------------------------------------------------------------------------------
-  @property
-  def dtype(self):
-    return self.data.dtype
-
   @property
   def nnz_blocks(self) -> int:
     return int(self.data.shape[0])

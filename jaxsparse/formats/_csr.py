@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsparse import _utils
+from jaxsparse.formats._base import IndexedSparseMatrix
 
 __all__ = ["INDEX_FIELDS", "CSRMatrix", "csr_pattern_indices"]
 
@@ -73,7 +74,7 @@ def csr_pattern_indices(mask: Any) -> dict[str, np.ndarray]:
 
 
 @jax.tree_util.register_pytree_node_class
-class CSRMatrix:
+class CSRMatrix(IndexedSparseMatrix):
   """An unstructured sparse ``(K, N)`` matrix holding only its nonzeros (CSR, plus the CSC order).
 
   Layout follows Flax kernels (``K`` in-features, ``N`` out-features); the product with ``x`` of
@@ -98,40 +99,7 @@ class CSRMatrix:
     shape: static ``(K, N)``.
   """
 
-  def __init__(
-      self,
-      data: jax.Array,
-      *,
-      row_indices: jax.Array,
-      col_indices: jax.Array,
-      row_offsets: jax.Array,
-      col_offsets: jax.Array,
-      transpose_order: jax.Array,
-      transpose_row_indices: jax.Array,
-      shape: tuple[int, int],
-  ):
-    """Assembles a matrix from its parts; use :meth:`from_dense` or :meth:`from_mask` instead."""
-    self.data = data
-    self.row_indices = row_indices
-    self.col_indices = col_indices
-    self.row_offsets = row_offsets
-    self.col_offsets = col_offsets
-    self.transpose_order = transpose_order
-    self.transpose_row_indices = transpose_row_indices
-    self.shape = (int(shape[0]), int(shape[1]))
-
-  # -- pytree ---------------------------------------------------------------------------------------
-  def tree_flatten(self):
-    return (self.data, *(getattr(self, f) for f in INDEX_FIELDS)), self.shape
-
-  @classmethod
-  def tree_unflatten(cls, shape, children):
-    obj = object.__new__(cls)
-    obj.data = children[0]
-    for f, c in zip(INDEX_FIELDS, children[1:], strict=True):
-      setattr(obj, f, c)
-    obj.shape = shape
-    return obj
+  INDEX_FIELDS = INDEX_FIELDS
 
   # -- construction ---------------------------------------------------------------------------------
   @classmethod
@@ -172,32 +140,14 @@ class CSRMatrix:
     data = w[idx["row_indices"], idx["col_indices"]]
     return cls(data, shape=w.shape, **{k: jnp.asarray(v) for k, v in idx.items()})
 
-  @classmethod
-  def from_index_arrays(
-      cls, data: jax.typing.ArrayLike, index_arrays: dict[str, jax.Array], *, shape: tuple[int, int]
-  ) -> CSRMatrix:
-    """Reassembles a matrix from ``data`` and the dict returned by :meth:`index_arrays`; nothing is recomputed."""
-    missing = set(INDEX_FIELDS) - set(index_arrays)
-    if missing:
-      raise ValueError(f"index_arrays is missing {sorted(missing)}; expected the keys {INDEX_FIELDS}.")
-    return cls(jnp.asarray(data), shape=shape, **{f: index_arrays[f] for f in INDEX_FIELDS})
-
-  def index_arrays(self) -> dict[str, jax.Array]:
-    """The integer index arrays of the pattern, keyed by :data:`INDEX_FIELDS` names."""
-    return {f: getattr(self, f) for f in INDEX_FIELDS}
-
   def with_data(self, data: jax.typing.ArrayLike) -> CSRMatrix:
     """The same pattern with new values ``data`` of shape ``(nnz,)``."""
     data = jnp.asarray(data)
     if data.shape != (self.nnz,):
       raise ValueError(f"data must have shape (nnz,) = ({self.nnz},), got {data.shape}.")
-    return CSRMatrix(data, shape=self.shape, **self.index_arrays())
+    return self._with_checked_data(data)
 
   # -- properties -----------------------------------------------------------------------------------
-  @property
-  def dtype(self):
-    return self.data.dtype
-
   @property
   def nnz(self) -> int:
     """Number of stored values."""

@@ -2,8 +2,10 @@
 
 from jaxsparse.layers import linen
 from jaxsparse.layers._block_sparse import BlockSparseLinear
-from jaxsparse.layers._block_sparse import MaskedLinear
-from jaxsparse.layers._block_sparse import SparsityPattern
+from jaxsparse.layers._common import SparsityPattern
+from jaxsparse.layers._linear_general import SparseLinearGeneral
+from jaxsparse.layers._masked import MaskedConv
+from jaxsparse.layers._masked import MaskedLinear
 from jaxsparse.layers._nm import CompressedNMLinear
 from jaxsparse.layers._nm import NMConv
 from jaxsparse.layers._nm import NMLinear
@@ -11,9 +13,11 @@ from jaxsparse.layers._nm import NMLinear
 __all__ = [
     "BlockSparseLinear",
     "CompressedNMLinear",
+    "MaskedConv",
     "MaskedLinear",
     "NMConv",
     "NMLinear",
+    "SparseLinearGeneral",
     "SparsityPattern",
     "linen",
 ]

@@ -1,20 +1,19 @@
-"""Flax NNX layers over :mod:`jaxsparse.ops`: ``BlockSparseLinear`` and ``MaskedLinear``.
+"""Block-sparse layers: NNX ``BlockSparseLinear`` and Linen ``BlockSparseDense``, over
+:func:`jaxsparse.ops.block_sparse_matmul`.
 
-Both layers choose their sparsity pattern once, at construction, and keep it as non-trainable
-:class:`SparsityPattern` variables next to the trainable ``nnx.Param`` kernel and bias, so
-``nnx.Optimizer(model, tx, wrt=nnx.Param)`` never updates it and ``nnx.split(model, nnx.Param,
-SparsityPattern)`` separates it.
-
-The module-level helpers below the imports are shared with the Linen modules in ``_linen.py``, so
-both front ends run the same computation.
+The pattern is chosen once, at construction (NNX) or ``init`` (Linen), and kept as non-trainable
+state next to the trainable kernel (the kept blocks only) and bias: a :class:`SparsityPattern` variable
+in NNX, the ``"sparsity"`` collection in Linen. Both front ends share ``block_sparse_apply``, so they
+compute the same thing.
 """
 
 from __future__ import annotations
 
-import typing
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,61 +25,23 @@ from jax import lax
 
 from jaxsparse import _utils
 from jaxsparse import ops
+from jaxsparse._utils import check_mask
+from jaxsparse.formats._block_sparse import INDEX_FIELDS
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
 from jaxsparse.formats._masks import block_magnitude_mask
-from jaxsparse.formats._masks import magnitude_mask
 from jaxsparse.formats._masks import random_block_mask
-from jaxsparse.formats._masks import top_k_mask
-from jaxsparse.ops._masked_matmul import check_mask
+from jaxsparse.layers._common import SPARSITY
+from jaxsparse.layers._common import SparsityPattern
+from jaxsparse.layers._common import check_implementation
+from jaxsparse.layers._common import check_input
+from jaxsparse.layers._common import check_kept
+from jaxsparse.layers._common import check_linear
+from jaxsparse.layers._common import concrete
+from jaxsparse.layers._common import default_bias_init
+from jaxsparse.layers._common import dense_linear
+from jaxsparse.layers._common import missing_pattern
 
-__all__ = ["BlockSparseLinear", "MaskedLinear", "SparsityPattern"]
-
-_IMPLEMENTATIONS = (None, *typing.get_args(ops.Implementation))
-default_bias_init = nnx.initializers.zeros_init()
-
-
-class SparsityPattern(nnx.Variable):
-  """Non-trainable sparsity structure of a layer: block index arrays or a boolean mask.
-
-  Being neither an ``nnx.Param`` nor differentiable (integer or bool values), it is left alone by
-  ``nnx.Optimizer(model, tx, wrt=nnx.Param)`` and by ``nnx.grad``; filter it with
-  ``nnx.split(model, nnx.Param, SparsityPattern)`` or ``nnx.state(model, SparsityPattern)``.
-  """
-
-
-# -------------------------------------------------------------------------------------------------
-# Shared with the Linen modules.
-# -------------------------------------------------------------------------------------------------
-
-
-def check_implementation(implementation: object) -> str | None:
-  if implementation not in _IMPLEMENTATIONS:
-    raise ValueError(f"implementation must be one of {_IMPLEMENTATIONS}, got implementation={implementation!r}.")
-  return implementation
-
-
-def check_masked_implementation(implementation: object) -> str | None:
-  """``implementation`` of :func:`jaxsparse.ops.masked_matmul`: ``None``, ``"xla"`` or ``"cpu"``."""
-  allowed = (None, *typing.get_args(ops.CpuImplementation))
-  if implementation not in allowed:
-    raise ValueError(f"implementation must be one of {allowed}, got implementation={implementation!r}.")
-  return implementation
-
-
-def check_kept(kept: int, total: int, *, name: str, value: float, what: str) -> None:
-  if kept == 0:
-    raise ValueError(f"{name}={value} keeps 0 of {total} {what}; choose a {name} that keeps at least one.")
-
-
-def concrete(mask: Any, *, name: str) -> np.ndarray:
-  """``mask`` as a NumPy array; the pattern of a layer is fixed on the host when it is built."""
-  try:
-    return np.asarray(mask)
-  except jax.errors.TracerArrayConversionError as e:
-    raise ValueError(
-        f"{name} must be concrete: sparse layers fix their pattern on the host when they are built, "
-        "so build (or Linen-`init`) them outside `jit`."
-    ) from e
+__all__ = ["BlockSparseDense", "BlockSparseLinear"]
 
 
 def check_block_mask(block_mask: Any, grid: tuple[int, int]) -> np.ndarray:
@@ -105,16 +66,6 @@ def block_sparse_kernel_init(nnz_blocks: int, grid: tuple[int, int]) -> Initiali
   )
 
 
-def random_mask(key: jax.Array, shape: tuple[int, int], kept: int) -> jax.Array:
-  """A uniformly random bool mask of ``shape`` keeping exactly ``kept`` entries."""
-  return top_k_mask(jax.random.uniform(key, shape), kept)
-
-
-def masked_kernel_init(kept: int | jax.Array, size: int) -> Initializer:
-  """Truncated normal for ``(in, out)`` with variance ``1 / (density * in_features)``, ``density = kept / size``."""
-  return nnx.initializers.variance_scaling(size / jnp.maximum(kept, 1), "fan_in", "truncated_normal")
-
-
 def block_sparse_apply(
     x: jax.Array,
     kernel: jax.Array,
@@ -131,49 +82,6 @@ def block_sparse_apply(
   w = BlockSparseMatrix.from_index_arrays(kernel, dict(index_arrays), shape=shape, block_shape=block_shape)
   y = ops.block_sparse_matmul(x, w, implementation=implementation, precision=precision)
   return y if bias is None else y + bias
-
-
-def masked_apply(
-    x: jax.Array,
-    kernel: jax.Array,
-    bias: jax.Array | None,
-    mask: jax.Array,
-    *,
-    dtype: Dtype | None,
-    precision: lax.PrecisionLike,
-    implementation: str | None = None,
-) -> jax.Array:
-  x, kernel, bias = dtypes.promote_dtype((x, kernel, bias), dtype=dtype)
-  y = ops.masked_matmul(x, kernel, mask, implementation=implementation, precision=precision)
-  return y if bias is None else y + bias
-
-
-def _check_linear(linear: object) -> nnx.Linear:
-  if not isinstance(linear, nnx.Linear):
-    raise TypeError(f"linear must be a flax.nnx.Linear, got {type(linear).__name__}.")
-  return linear
-
-
-def _dense_linear(kernel: jax.Array, bias: jax.Array | None, *, dtype, precision) -> nnx.Linear:
-  linear = nnx.Linear(
-      kernel.shape[0],
-      kernel.shape[1],
-      use_bias=bias is not None,
-      dtype=dtype,
-      param_dtype=kernel.dtype,
-      precision=precision,
-      kernel_init=nnx.initializers.zeros_init(),
-      rngs=nnx.Rngs(0),
-  )
-  linear.kernel[...] = kernel
-  if bias is not None:
-    linear.bias[...] = bias
-  return linear
-
-
-# -------------------------------------------------------------------------------------------------
-# Layers.
-# -------------------------------------------------------------------------------------------------
 
 
 class BlockSparseLinear(nnx.Module):
@@ -345,7 +253,7 @@ class BlockSparseLinear(nnx.Module):
     >>> BlockSparseLinear.from_dense(dense, density=0.5, block_shape=(32, 32)).kernel.shape
     (3, 32, 32)
     """
-    linear = _check_linear(linear)
+    linear = check_linear(linear)
     kernel = linear.kernel[...]
     mask = block_magnitude_mask(kernel, block_shape, density)
     layer = cls(
@@ -368,7 +276,7 @@ class BlockSparseLinear(nnx.Module):
 
   def to_dense(self) -> nnx.Linear:
     """An ``nnx.Linear`` with the dense kernel (zeros outside the kept blocks) and the same bias."""
-    return _dense_linear(
+    return dense_linear(
         self.sparse_kernel.to_dense(),
         None if self.bias is None else self.bias[...],
         dtype=self.dtype,
@@ -388,175 +296,86 @@ class BlockSparseLinear(nnx.Module):
     return {"params": params, "sparsity": {f: v[...] for f, v in self.pattern.items()}}
 
 
-class MaskedLinear(nnx.Module):
-  """A linear layer ``y = x @ (W * mask) + b`` with an unstructured, fixed boolean ``mask``.
+class BlockSparseDense(nn.Module):
+  """Linen version of :class:`jaxsparse.layers.BlockSparseLinear`: ``y = x @ W + b``, ``W`` block-sparse.
 
-  The kernel is stored dense (its pruned entries are zero and get zero gradient, so optimizers
-  without weight decay keep them zero); the product is :func:`jaxsparse.ops.masked_matmul`. On CPU
-  that runs sparse C++ kernels (forward and both gradients, work proportional to the kept weights)
-  which read the kept entries from ``mask`` on every call: replacing ``mask`` (pruning, RigL) needs
-  no rebuild, inside ``jit`` or out, and the number of kept weights may change freely. Masks keeping
-  more than 25% of the weights run masked dense, which is faster there.
+  ``init`` draws ``round(density * blocks)`` blocks uniformly at random from the ``"params"`` rng
+  and stores their index arrays in the ``"sparsity"`` collection (keyed like
+  :meth:`jaxsparse.BlockSparseMatrix.index_arrays`); the ``"params"`` kernel holds only the kept
+  blocks, shape ``(nnz_blocks, bk, bn)``. ``init`` must run outside ``jit`` (the block indices are
+  computed on the host). Default initialisation and dtypes follow ``BlockSparseLinear``; its
+  :meth:`~jaxsparse.layers.BlockSparseLinear.to_linen_variables` gives variables for this module.
 
-  >>> import jax.numpy as jnp
-  >>> from flax import nnx
-  >>> from jaxsparse.layers import MaskedLinear
-  >>> layer = MaskedLinear(64, 96, sparsity=0.75, rngs=nnx.Rngs(0))
-  >>> layer.kernel.shape, int(layer.mask[...].sum()), layer.density
-  ((64, 96), 1536, 0.25)
-  >>> layer(jnp.ones((4, 64))).shape
+  >>> import jax, jax.numpy as jnp
+  >>> from jaxsparse.layers.linen import BlockSparseDense
+  >>> model = BlockSparseDense(96, density=0.5, block_shape=(32, 32))
+  >>> variables = model.init(jax.random.key(0), jnp.ones((1, 64)))
+  >>> variables["params"]["kernel"].shape, sorted(variables)
+  ((3, 32, 32), ['params', 'sparsity'])
+  >>> model.apply(variables, jnp.ones((4, 64))).shape
   (4, 96)
 
-  Initialisation: by default a truncated normal with variance ``1 / (density * in_features)``, where
-  ``density`` is the kept fraction; each output sums ``density * in_features`` nonzero terms on
-  average, so outputs keep the variance ``nnx.Linear``'s ``lecun_normal`` gives the dense layer.
-
   Attributes:
-    kernel: ``nnx.Param`` ``(in_features, out_features)``, zero where ``mask`` is False.
-    bias: ``nnx.Param`` ``(out_features,)`` or ``None``.
-    mask: :class:`SparsityPattern` bool ``(in_features, out_features)``.
-
-  Args:
-    in_features: input size.
-    out_features: output size.
-    sparsity: fraction of weights pruned, in [0, 1): a uniformly random mask pruning exactly
-      ``round(sparsity * size)`` weights, drawn from ``rngs.params()``. Give exactly one of
-      ``sparsity`` and ``mask``.
-    mask: bool ``(in_features, out_features)``, True where a weight is kept.
+    features: output size ``N``; the input size is ``x.shape[-1]``.
+    density: fraction of blocks kept, in (0, 1].
+    block_shape: ``(bk, bn)`` dividing ``(in_features, features)``.
     use_bias: whether to add a bias.
-    dtype: computation dtype; ``None`` infers it like ``nnx.Linear``.
+    dtype: computation dtype (``None``: inferred from input and params).
     param_dtype: storage dtype of kernel and bias.
-    kernel_init: called as ``kernel_init(key, (in_features, out_features), param_dtype)``; ``None``
-      uses the variance-preserving default above.
-    bias_init: called as ``bias_init(key, (out_features,), param_dtype)``.
-    precision: passed to the matmul.
-    implementation: backend of :func:`jaxsparse.ops.masked_matmul`: ``None`` (sparse C++ kernels on
-      CPU for sparse masks, masked dense elsewhere), ``"cpu"`` or ``"xla"`` (masked dense).
-    rngs: ``nnx.Rngs``; the ``params`` stream draws the mask, kernel and bias.
+    kernel_init: called as ``kernel_init(key, (nnz_blocks, bk, bn), param_dtype)``; ``None`` draws a
+      truncated normal of variance ``1 / (density * in_features)``.
+    bias_init: bias initializer.
+    implementation: backend of :func:`jaxsparse.ops.block_sparse_matmul`.
+    precision: passed to the products.
   """
 
-  def __init__(
-      self,
-      in_features: int,
-      out_features: int,
-      *,
-      sparsity: float | None = None,
-      mask: jax.typing.ArrayLike | None = None,
-      use_bias: bool = True,
-      dtype: Dtype | None = None,
-      param_dtype: Dtype = jnp.float32,
-      kernel_init: Initializer | None = None,
-      bias_init: Initializer = default_bias_init,
-      precision: lax.PrecisionLike = None,
-      implementation: ops.CpuImplementation | None = None,
-      rngs: nnx.Rngs,
-  ):
-    in_features = _utils.check_positive_int(in_features, name="in_features")
-    out_features = _utils.check_positive_int(out_features, name="out_features")
-    shape = (in_features, out_features)
-    size = in_features * out_features
-    self.implementation = check_masked_implementation(implementation)
-    if (sparsity is None) == (mask is None):
-      raise ValueError(
-          f"Pass exactly one of sparsity= and mask=, got sparsity={sparsity!r} and "
-          f"mask={'None' if mask is None else 'an array'}."
-      )
-    if mask is None:
-      sparsity = _utils.check_sparsity(sparsity)
-      kept = size - _utils.kept_count(sparsity, size)
-      check_kept(kept, size, name="sparsity", value=sparsity, what="weights")
-      mask = random_mask(rngs.params(), shape, kept)
-    else:
-      mask = check_mask(mask, shape, name="mask")
-      kept = jnp.sum(mask)
-    if kernel_init is None:
-      kernel_init = masked_kernel_init(kept, size)
-    kernel = kernel_init(rngs.params(), shape, param_dtype)
-    self.kernel = nnx.Param(jnp.where(mask, kernel, jnp.zeros((), kernel.dtype)))
-    self.mask = SparsityPattern(mask)
-    self.bias: nnx.Param[jax.Array] | None
-    if use_bias:
-      self.bias = nnx.Param(bias_init(rngs.params(), (out_features,), param_dtype))
-    else:
-      self.bias = nnx.data(None)
-    self.in_features = in_features
-    self.out_features = out_features
-    self.use_bias = use_bias
-    self.dtype = dtype
-    self.param_dtype = param_dtype
-    self.precision = precision
+  features: int
+  _: dataclasses.KW_ONLY
+  density: float
+  block_shape: tuple[int, int] = (32, 32)
+  use_bias: bool = True
+  dtype: Dtype | None = None
+  param_dtype: Dtype = jnp.float32
+  kernel_init: Initializer | None = None
+  bias_init: Initializer = default_bias_init
+  implementation: ops.Implementation | None = None
+  precision: lax.PrecisionLike = None
 
+  def __post_init__(self):
+    _utils.check_positive_int(self.features, name="features")
+    _utils.check_density(self.density)
+    check_implementation(self.implementation)
+    super().__post_init__()
+
+  @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
-    """Applies the layer to ``x`` of shape ``(..., in_features)``; returns ``(..., out_features)``."""
-    return masked_apply(
+    """Applies the layer to ``x`` of shape ``(..., in_features)``; returns ``(..., features)``."""
+    x = check_input(x)
+    shape = (x.shape[-1], self.features)
+    bk, bn = _utils.check_block_shape(self.block_shape, shape)
+    grid = (shape[0] // bk, shape[1] // bn)
+    nnz = _utils.kept_count(self.density, grid[0] * grid[1])
+    check_kept(nnz, grid[0] * grid[1], name="density", value=self.density, what="blocks")
+    kernel_init = self.kernel_init or block_sparse_kernel_init(nnz, grid)
+    kernel = self.param("kernel", kernel_init, (nnz, bk, bn), self.param_dtype)
+    bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
+    if self.has_variable(SPARSITY, INDEX_FIELDS[0]):
+      index_arrays = {f: self.get_variable(SPARSITY, f) for f in INDEX_FIELDS}
+    elif self.is_initializing():
+      mask = random_block_mask(self.make_rng("params"), shape, (bk, bn), self.density)
+      index_arrays = BlockSparseMatrix.from_block_mask(concrete(mask, name="block_mask"), kernel).index_arrays()
+      for f, v in index_arrays.items():
+        self.put_variable(SPARSITY, f, v)
+    else:
+      raise missing_pattern(self)
+    return block_sparse_apply(
         x,
-        self.kernel[...],
-        None if self.bias is None else self.bias[...],
-        self.mask[...],
+        kernel,
+        bias,
+        index_arrays,
+        shape=shape,
+        block_shape=(bk, bn),
         dtype=self.dtype,
-        precision=self.precision,
         implementation=self.implementation,
-    )
-
-  @property
-  def density(self) -> float:
-    """Fraction of weights kept."""
-    return float(np.mean(concrete(self.mask[...], name="mask")))
-
-  @property
-  def sparsity(self) -> float:
-    """Fraction of weights pruned, ``1 - density``."""
-    return 1.0 - self.density
-
-  @classmethod
-  def from_dense(
-      cls, linear: nnx.Linear, *, sparsity: float, implementation: ops.CpuImplementation | None = None
-  ) -> MaskedLinear:
-    """Prunes an ``nnx.Linear`` to its largest-magnitude weights, pruning ``round(sparsity * size)``.
-
-    >>> from flax import nnx
-    >>> from jaxsparse.layers import MaskedLinear
-    >>> dense = nnx.Linear(64, 96, rngs=nnx.Rngs(0))
-    >>> MaskedLinear.from_dense(dense, sparsity=0.75).density
-    0.25
-    """
-    linear = _check_linear(linear)
-    kernel = linear.kernel[...]
-    mask = magnitude_mask(kernel, sparsity)
-    layer = cls(
-        linear.in_features,
-        linear.out_features,
-        mask=mask,
-        use_bias=linear.bias is not None,
-        dtype=linear.dtype,
-        param_dtype=kernel.dtype,
-        kernel_init=lambda *_: kernel,
-        precision=linear.precision,
-        implementation=implementation,
-        rngs=nnx.Rngs(0),
-    )
-    if linear.bias is not None:
-      layer.bias[...] = linear.bias[...]
-    return layer
-
-  def to_dense(self) -> nnx.Linear:
-    """An ``nnx.Linear`` with kernel ``kernel * mask`` and the same bias."""
-    kernel = self.kernel[...]
-    return _dense_linear(
-        jnp.where(self.mask[...], kernel, jnp.zeros((), kernel.dtype)),
-        None if self.bias is None else self.bias[...],
-        dtype=self.dtype,
         precision=self.precision,
     )
-
-  def to_linen_variables(self) -> dict[str, dict[str, jax.Array]]:
-    """Variables for :class:`jaxsparse.layers.linen.MaskedDense` holding these weights and mask.
-
-    Returns:
-      ``{"params": {"kernel", "bias"?}, "sparsity": {"mask"}}``.
-    """
-    params = {"kernel": self.kernel[...]}
-    if self.bias is not None:
-      params["bias"] = self.bias[...]
-    return {"params": params, "sparsity": {"mask": self.mask[...]}}
-

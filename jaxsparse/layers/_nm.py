@@ -14,8 +14,6 @@ Note that ``isinstance(layer, nnx.Linear)`` is True for an ``NMLinear`` (as for 
 
 from __future__ import annotations
 
-import dataclasses
-import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -23,7 +21,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes
-from flax.nnx.nn.linear import default_bias_init
 from flax.nnx.nn.linear import default_kernel_init
 from flax.typing import Dtype
 from flax.typing import Initializer
@@ -33,60 +30,17 @@ from jax import lax
 from jaxsparse import ops
 from jaxsparse.formats import _nm
 from jaxsparse.formats._nm import NMSparseMatrix
-from jaxsparse.layers._block_sparse import SparsityPattern
-from jaxsparse.layers._block_sparse import check_implementation
+from jaxsparse.layers._common import NMPromote
+from jaxsparse.layers._common import SparsityPattern
+from jaxsparse.layers._common import base_promote
+from jaxsparse.layers._common import check_decay
+from jaxsparse.layers._common import check_implementation
+from jaxsparse.layers._common import check_in_features
+from jaxsparse.layers._common import conv_options
+from jaxsparse.layers._common import default_bias_init
+from jaxsparse.layers._common import linear_options
 
-__all__ = ["CompressedNMLinear", "NMConv", "NMLinear", "NMPromote"]
-
-
-def check_decay(decay: object) -> float:
-  if isinstance(decay, bool) or not isinstance(decay, numbers.Real) or not decay >= 0:
-    raise ValueError(f"sr_ste_decay must be a float >= 0 (0 gives plain STE), got sr_ste_decay={decay!r}.")
-  return float(decay)
-
-
-def check_in_features(in_features: int, m: int, *, name: str = "in_features") -> None:
-  if in_features % m:
-    raise ValueError(
-        f"{name}={in_features} must be a multiple of m={m}: the N:M groups run along the input features."
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class NMPromote:
-  """A Flax ``promote_dtype`` that first N:M-prunes the kernel with :func:`jaxsparse.ops.sr_ste`.
-
-  Flax layers call ``promote_dtype`` on ``(inputs, kernel, bias)`` (after a Conv's own weight
-  mask) right before the product; this applies SR-STE to the kernel in its parameter dtype and then
-  calls ``base``, the layer's original promotion. Frozen and compared by value, so it can sit in an
-  NNX graph definition or a Linen module field.
-
-  Attributes:
-    n, m: keep ``n`` of every ``m``.
-    decay: SR-STE decay on the pruned weights (0: plain STE).
-    axis: kernel axis of the groups (0 for Dense, -2 for Conv).
-    base: the promotion to run afterwards.
-    linen: Linen calls ``promote_dtype(*arrays, dtype=...)``, NNX ``promote_dtype(arrays, dtype=...)``.
-  """
-
-  n: int
-  m: int
-  decay: float
-  axis: int
-  base: Callable[..., Any] = dtypes.promote_dtype
-  linen: bool = False
-
-  def __call__(self, *args, dtype=None):
-    inputs, kernel, bias = args if self.linen else args[0]
-    kernel = ops.sr_ste(kernel, self.n, self.m, decay=self.decay, axis=self.axis)
-    if self.linen:
-      return self.base(inputs, kernel, bias, dtype=dtype)
-    return self.base((inputs, kernel, bias), dtype=dtype)
-
-
-def _base_promote(layer: nnx.Module) -> Callable[..., Any]:
-  p = layer.promote_dtype
-  return p.base if isinstance(p, NMPromote) else p
+__all__ = ["CompressedNMLinear", "NMConv", "NMLinear"]
 
 
 class _NMMixin:
@@ -254,7 +208,7 @@ class NMLinear(_NMMixin, nnx.Linear):
         bias,
         dtype=self.dtype,
         precision=self.precision,
-        promote_dtype=_base_promote(self),
+        promote_dtype=base_promote(self),
         preferred_element_type=self.preferred_element_type,
         implementation=implementation,
     )
@@ -357,38 +311,6 @@ class CompressedNMLinear(nnx.Module):
     if self.bias is not None:
       linear.bias[...] = self.bias[...]
     return linear
-
-
-def linear_options(linear: nnx.Linear) -> dict[str, Any]:
-  """Keyword arguments that rebuild ``linear``'s options (all but sizes, kernel and N:M settings)."""
-  return dict(
-      use_bias=linear.bias is not None,
-      dtype=linear.dtype,
-      precision=linear.precision,
-      dot_general=linear.dot_general,
-      promote_dtype=_base_promote(linear),
-      preferred_element_type=linear.preferred_element_type,
-      rngs=nnx.Rngs(0),
-  )
-
-
-def conv_options(conv: nnx.Conv) -> dict[str, Any]:
-  """Keyword arguments that rebuild ``conv``'s options (all but sizes, kernel and N:M settings)."""
-  return dict(
-      strides=conv.strides,
-      padding=conv.padding,
-      input_dilation=conv.input_dilation,
-      kernel_dilation=conv.kernel_dilation,
-      feature_group_count=conv.feature_group_count,
-      use_bias=conv.bias is not None,
-      mask=conv.mask,
-      dtype=conv.dtype,
-      precision=conv.precision,
-      conv_general_dilated=conv.conv_general_dilated,
-      promote_dtype=_base_promote(conv),
-      preferred_element_type=conv.preferred_element_type,
-      rngs=nnx.Rngs(0),
-  )
 
 
 class NMConv(_NMMixin, nnx.Conv):

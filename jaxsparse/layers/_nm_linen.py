@@ -3,7 +3,7 @@
 Linen twins of :class:`jaxsparse.layers.NMLinear` / :class:`jaxsparse.layers.NMConv`. Each wraps
 ``nn.Dense`` / ``nn.Conv`` in its own scope (``nn.share_scope``), so the variables are exactly those
 of the Flax layer, ``{"params": {"kernel", "bias"}}``, and the only change is the SR-STE pruning of
-the kernel through Flax's ``promote_dtype`` hook (:class:`jaxsparse.layers._nm.NMPromote`).
+the kernel through Flax's ``promote_dtype`` hook (:class:`jaxsparse.layers._common.NMPromote`).
 Given the same parameters, NNX and Linen layers compute identical outputs.
 """
 
@@ -25,11 +25,24 @@ from flax.typing import PaddingLike
 from jax import lax
 
 from jaxsparse.formats import _nm
-from jaxsparse.layers._nm import NMPromote
-from jaxsparse.layers._nm import check_decay
-from jaxsparse.layers._nm import check_in_features
+from jaxsparse.layers._common import NMPromote
+from jaxsparse.layers._common import check_decay
+from jaxsparse.layers._common import check_in_features
 
 __all__ = ["NMConv", "NMDense"]
+
+
+def _check_fields(module: nn.Module) -> None:
+  _nm.check_nm(module.n, module.m)
+  check_decay(module.sr_ste_decay)
+
+
+def _wrap(module: nn.Module, cls: type[nn.Module], *, axis: int) -> nn.Module:
+  """``cls`` built from ``module``'s fields of the same names, its ``promote_dtype`` N:M-pruning first."""
+  names = {f.name for f in dataclasses.fields(cls) if f.init} - {"parent", "name", "promote_dtype"}
+  options = {f.name: getattr(module, f.name) for f in dataclasses.fields(module) if f.name in names}
+  promote = NMPromote(module.n, module.m, float(module.sr_ste_decay), axis, module.promote_dtype, linen=True)
+  return cls(**options, promote_dtype=promote)
 
 
 class NMDense(nn.Module):
@@ -69,23 +82,11 @@ class NMDense(nn.Module):
   dot_general_cls: Any = None
 
   def __post_init__(self):
-    _nm.check_nm(self.n, self.m)
-    check_decay(self.sr_ste_decay)
+    _check_fields(self)
     super().__post_init__()
 
   def setup(self):
-    self.dense = nn.Dense(
-        self.features,
-        use_bias=self.use_bias,
-        dtype=self.dtype,
-        param_dtype=self.param_dtype,
-        precision=self.precision,
-        kernel_init=self.kernel_init,
-        bias_init=self.bias_init,
-        promote_dtype=NMPromote(self.n, self.m, float(self.sr_ste_decay), 0, self.promote_dtype, linen=True),
-        dot_general=self.dot_general,
-        dot_general_cls=self.dot_general_cls,
-    )
+    self.dense = _wrap(self, nn.Dense, axis=0)
     nn.share_scope(self, self.dense)
 
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -140,30 +141,11 @@ class NMConv(nn.Module):
   conv_general_dilated_cls: Any = None
 
   def __post_init__(self):
-    _nm.check_nm(self.n, self.m)
-    check_decay(self.sr_ste_decay)
+    _check_fields(self)
     super().__post_init__()
 
   def setup(self):
-    self.conv = nn.Conv(
-        self.features,
-        self.kernel_size,
-        strides=self.strides,
-        padding=self.padding,
-        input_dilation=self.input_dilation,
-        kernel_dilation=self.kernel_dilation,
-        feature_group_count=self.feature_group_count,
-        use_bias=self.use_bias,
-        mask=self.mask,
-        dtype=self.dtype,
-        param_dtype=self.param_dtype,
-        precision=self.precision,
-        kernel_init=self.kernel_init,
-        bias_init=self.bias_init,
-        promote_dtype=NMPromote(self.n, self.m, float(self.sr_ste_decay), -2, self.promote_dtype, linen=True),
-        conv_general_dilated=self.conv_general_dilated,
-        conv_general_dilated_cls=self.conv_general_dilated_cls,
-    )
+    self.conv = _wrap(self, nn.Conv, axis=-2)
     nn.share_scope(self, self.conv)
 
   def __call__(self, x: jax.Array) -> jax.Array:

@@ -20,30 +20,18 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxsparse._cpu import _kernels
+from jaxsparse._utils import check_mask
 from jaxsparse.ops._sparse_matmul import CpuImplementation
 from jaxsparse.ops._sparse_matmul import check_cpu_implementation
 from jaxsparse.ops._sparse_matmul import cpu_supports
 from jaxsparse.ops._sparse_matmul import f32
 
-__all__ = ["CPU_MAX_DENSITY", "check_mask", "masked_matmul"]
+__all__ = ["CPU_MAX_DENSITY", "masked_matmul"]
 
 # Above this fraction of kept weights the masked dense product beats the sparse kernels (measured on
 # a 2-core AVX2 machine, 4096 x 4096, batch 256; see benchmarks/results/cpu_unstructured_*.md).
 CPU_MAX_DENSITY = 0.25
 _DENSITY_SAMPLE_ROWS = 64
-
-
-def check_mask(mask: jax.typing.ArrayLike, shape: tuple[int, ...], *, name: str = "mask") -> jax.Array:
-  """Returns ``mask`` as a bool array after checking its shape and dtype."""
-  mask = jnp.asarray(mask)
-  if mask.dtype != jnp.bool_:
-    raise TypeError(
-        f"{name} must be a boolean array, got dtype {mask.dtype}; convert 0/1 masks with "
-        f"`{name}.astype(bool)`."
-    )
-  if mask.shape != tuple(shape):
-    raise ValueError(f"{name} must have the weight's shape {tuple(shape)}, got {mask.shape}.")
-  return mask
 
 
 def _masked_dense(x, w, mask, precision, out_dtype):

@@ -161,7 +161,7 @@ def _nm_types() -> tuple[type, type] | None:
 
 def _masked_conv_type() -> type | None:
   try:
-    from jaxsparse._sparsify._nnx import MaskedConv  # noqa: PLC0415 -- optional: present when jaxsparse.sparsify is
+    from jaxsparse.layers import MaskedConv  # noqa: PLC0415 -- optional: present when jaxsparse.sparsify is
   except ImportError:
     return None
   return MaskedConv

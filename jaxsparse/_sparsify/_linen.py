@@ -1,0 +1,342 @@
+"""``sparsify_linen`` / ``densify_linen``: the Linen side of :func:`jaxsparse.sparsify`.
+
+Linen: :func:`sparsify_linen` rewrites the variables (sparse parameters, patterns in the
+``"sparsity"`` collection) and returns a :class:`SparsifiedLinen` whose ``apply`` runs the user's
+unchanged module with its ``nn.Dense`` / ``nn.Conv`` calls redirected (``nn.intercept_methods``) to
+the Linen sparse layers.
+"""
+
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxsparse._rules import match_rules
+from jaxsparse._rules import resolve_rules
+from jaxsparse._rules import warn_unmatched
+from jaxsparse._sparsify._nnx import block_mask_of
+from jaxsparse._sparsify._nnx import masks_dict
+from jaxsparse._sparsify._report import LayerChange
+from jaxsparse._sparsify._report import SparsifyReport
+from jaxsparse._sparsify._report import check_speed_mode
+from jaxsparse._sparsify._report import nbytes
+from jaxsparse._sparsify._report import random_input
+from jaxsparse._sparsify._report import timed
+from jaxsparse.formats._block_sparse import BlockSparseMatrix
+from jaxsparse.formats._masks import block_magnitude_mask
+from jaxsparse.formats._masks import magnitude_mask
+from jaxsparse.formats._nm import nm_mask
+from jaxsparse.formats._specs import NM
+from jaxsparse.formats._specs import BlockSparse
+from jaxsparse.formats._specs import Spec
+from jaxsparse.formats._specs import Unstructured
+from jaxsparse.formats._specs import check_spec_applies
+from jaxsparse.layers import linen as sparse_linen
+
+__all__ = ["SparsifiedLinen", "densify_linen", "sparsify_linen"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _LinenLayer:
+  kind: str  # "dense" or "conv"
+  spec: Spec
+  module: nn.Module  # the original layer, unbound (its configuration)
+  in_features: int
+
+
+def _nested_get(tree: Mapping, path: tuple) -> Any:
+  for k in path:
+    tree = tree[k]
+  return tree
+
+
+def _nested_set(tree: dict, path: tuple, value: Any) -> None:
+  if not path:  # the root module is the layer
+    tree.clear()
+    tree.update(value)
+    return
+  for k in path[:-1]:
+    tree = tree.setdefault(k, {})
+  tree[path[-1]] = value
+
+
+def _to_dict(tree: Any) -> Any:
+  if isinstance(tree, Mapping):
+    return {k: _to_dict(v) for k, v in tree.items()}
+  return tree
+
+
+def _linen_sparse_module(layer: _LinenLayer, *, nnz: int | None = None) -> nn.Module:
+  m, spec = layer.module, layer.spec
+  if layer.kind == "dense":
+    common = dict(use_bias=m.use_bias, dtype=m.dtype, param_dtype=m.param_dtype, precision=m.precision)
+    if isinstance(spec, BlockSparse):
+      k, n = layer.in_features, m.features
+      blocks = (k // spec.block_shape[0]) * (n // spec.block_shape[1])
+      density = spec.density if nnz is None else nnz / blocks
+      return sparse_linen.BlockSparseDense(m.features, density=density, block_shape=spec.block_shape, **common)
+    if isinstance(spec, NM):
+      return sparse_linen.NMDense(m.features, n=spec.n, m=spec.m, promote_dtype=m.promote_dtype,
+                                  dot_general=m.dot_general, dot_general_cls=m.dot_general_cls, **common)
+    return sparse_linen.MaskedDense(m.features, sparsity=spec.sparsity, **common)
+  if isinstance(spec, NM):
+    fields = {f.name: getattr(m, f.name) for f in dataclasses.fields(sparse_linen.NMConv)
+              if f.name not in ("n", "m", "sr_ste_decay", "parent", "name", "_") and hasattr(m, f.name)}
+    return sparse_linen.NMConv(n=spec.n, m=spec.m, **fields)
+  return m  # unstructured conv: the original conv, given its mask at call time
+
+
+def _linen_apply(layer: _LinenLayer, variables: Mapping, x: jax.Array) -> jax.Array:
+  if layer.kind == "conv" and isinstance(layer.spec, Unstructured):
+    mask = variables[sparse_linen.SPARSITY]["mask"]
+    return layer.module.clone(parent=None, mask=mask).apply({"params": variables["params"]}, x)
+  nnz = None
+  if isinstance(layer.spec, BlockSparse):
+    nnz = variables["params"]["kernel"].shape[0]
+  return _linen_sparse_module(layer, nnz=nnz).apply(variables, x)
+
+
+_IN_SPARSE_LAYER: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxsparse_in_sparse_layer", default=False)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SparsifiedLinen:
+  """A Linen module whose matched ``nn.Dense`` / ``nn.Conv`` calls run as sparse layers.
+
+  ``apply(variables, *args, **kwargs)`` is ``module.apply`` with those calls redirected
+  (``nn.intercept_methods``) to ``BlockSparseDense``, ``MaskedDense``, ``NMDense``, ``NMConv`` or a
+  masked ``nn.Conv`` on the variables of the same scope. Use it as ``apply_fn`` of a ``TrainState``.
+
+  Attributes:
+    module: the user's Linen module, unchanged.
+    layers: ``{module path: plan}`` of the redirected layers.
+  """
+
+  module: nn.Module
+  layers: Mapping[tuple, _LinenLayer]
+
+  def _intercept(self, next_fun, args, kwargs, context):
+    layer = self.layers.get(tuple(context.module.path)) if context.method_name == "__call__" else None
+    if layer is None or _IN_SPARSE_LAYER.get() or type(context.module) is not type(layer.module):
+      return next_fun(*args, **kwargs)
+    if len(args) != 1 or kwargs:
+      raise TypeError(f"{'.'.join(context.module.path)}: sparse layers take one positional input.")
+    token = _IN_SPARSE_LAYER.set(True)  # the sparse layer's own nn.Dense / nn.Conv must run as is
+    try:
+      return _linen_apply(layer, context.module.variables, args[0])
+    finally:
+      _IN_SPARSE_LAYER.reset(token)
+
+  def apply(self, variables: Mapping, *args: Any, **kwargs: Any) -> Any:
+    """``module.apply(variables, *args, **kwargs)`` with the sparse layers in place."""
+    with nn.intercept_methods(self._intercept):
+      return self.module.apply(variables, *args, **kwargs)
+
+
+def _linen_layers(module: nn.Module, variables: Mapping, example_input: Any, kwargs: Mapping) -> dict:
+  found: dict[tuple, tuple[str, nn.Module, jax.ShapeDtypeStruct]] = {}
+
+  def interceptor(next_fun, args, kw, context):
+    m = context.module
+    if context.method_name == "__call__" and type(m) in (nn.Dense, nn.Conv) and args:
+      x = args[0]
+      found.setdefault(tuple(m.path), ("dense" if type(m) is nn.Dense else "conv", m.clone(parent=None),
+                                      jax.ShapeDtypeStruct(x.shape, x.dtype)))
+    return next_fun(*args, **kw)
+
+  args = example_input if isinstance(example_input, tuple) else (example_input,)
+  with nn.intercept_methods(interceptor):
+    jax.eval_shape(lambda v, *a: module.apply(v, *a, **kwargs), variables, *args)
+  return found
+
+
+def sparsify_linen(
+    module: nn.Module,
+    variables: Mapping,
+    rules: Any,
+    example_input: Any,
+    *,
+    masks: Any = None,
+    check_speed: bool | str = False,
+    apply_kwargs: Mapping[str, Any] | None = None,
+) -> tuple[SparsifiedLinen, dict, SparsifyReport]:
+  """Linen version of :func:`sparsify`: sparse variables plus a module that applies them.
+
+  The ``nn.Dense`` and ``nn.Conv`` layers that ``module`` calls on ``example_input`` are found by
+  path (``"Dense_0"``, ``"mlp.fc1"``); each one a rule matches gets the variables of the Linen
+  sparse layer for its structure (``BlockSparseDense``, ``MaskedDense``, ``NMDense``, ``NMConv``, or
+  a masked ``nn.Conv`` for unstructured convs), pruned by magnitude from its dense kernel (or to
+  ``masks``). Patterns go into the ``"sparsity"`` collection.
+
+  >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxsparse
+  >>> class MLP(nn.Module):
+  ...   @nn.compact
+  ...   def __call__(self, x):
+  ...     h = nn.relu(nn.Dense(64)(x))  # Dense_0: 32 -> 64
+  ...     return nn.Dense(16)(h)  # Dense_1: 64 -> 16
+  >>> model = MLP()
+  >>> x = jnp.ones((4, 32))
+  >>> variables = model.init(jax.random.key(0), x)
+  >>> sparse, sparse_vars, report = jaxsparse.sparsify_linen(
+  ...     model, variables, {"Dense_0": jaxsparse.BlockSparse(density=0.5, block_shape=(16, 16)),
+  ...                        "Dense_1": jaxsparse.Unstructured(sparsity=0.75)}, x)
+  >>> jax.tree.map(jnp.shape, sparse_vars["sparsity"])["Dense_1"]
+  {'mask': (64, 16)}
+  >>> sparse.apply(sparse_vars, x).shape
+  (4, 16)
+
+  Args:
+    module: the dense Linen module (unchanged).
+    variables: its variables (``{"params": ...}`` and any other collections).
+    rules: as :func:`sparsify`, matched against Linen module paths such as ``"Dense_0"``.
+    example_input: an input (or tuple of positional inputs) for ``module.apply``, used to find the
+      layers and their input shapes.
+    masks: as :func:`sparsify`, with paths like ``"Dense_0.kernel"`` (``get_masks`` of a
+      ``TrainState`` trained with :func:`jaxsparse.pruning.wrap_optax` gives them).
+    check_speed: as :func:`sparsify`.
+    apply_kwargs: keyword arguments for ``module.apply`` (e.g. ``{"train": False}``).
+
+  Returns:
+    ``(sparse_module, sparse_variables, report)``: call ``sparse_module.apply(sparse_variables, x)``.
+  """
+  resolved = resolve_rules(rules)
+  mode = check_speed_mode(check_speed, example_input)
+  mask_dict = masks_dict(masks)
+  kwargs = dict(apply_kwargs or {})
+  found = _linen_layers(module, variables, example_input, kwargs)
+  new_vars = _to_dict(variables)
+  params = new_vars.setdefault("params", {})
+  layers, changes = {}, []
+  for path, (kind, m, x_spec) in found.items():
+    p = ".".join(path)
+    r = match_rules(resolved, p)
+    if r is None:
+      continue
+    spec = resolved[r][2]
+    if spec is None:
+      continue
+    dense_params = _nested_get(params, path)
+    kernel = dense_params["kernel"]
+    if kind == "conv" and isinstance(spec, BlockSparse):
+      raise ValueError(
+          f"{p}: BlockSparse does not apply to nn.Conv layers; use jaxsparse.NM or jaxsparse.Unstructured."
+      )
+    check_spec_applies(spec, kernel.shape, path=p)
+    mask = mask_dict.get(f"{p}.kernel")
+    layer_vars = _linen_variables(kind, spec, dense_params, None if mask is None else np.asarray(mask), p)
+    layer = _LinenLayer(kind, spec, m, int(x_spec.shape[-1]))
+    dense_ms = sparse_ms = None
+    note = ""
+    if mode:
+      x = random_input(x_spec)
+      rest = {k: v for k, v in layer_vars.items() if k != "params"}
+      dense_ms = timed(lambda q, x, m=m: m.apply({"params": q}, x), dense_params, x, mode)
+      sparse_ms = timed(
+          lambda q, x, layer=layer, rest=rest: _linen_apply(layer, {"params": q, **rest}, x),
+          layer_vars["params"], x, mode,
+      )
+      if sparse_ms >= dense_ms:
+        changes.append(LayerChange(p, f"{type(m).__name__}({kernel.shape})", spec.describe(), None, 1.0,
+                                   nbytes(dense_params), nbytes(dense_params), dense_ms, sparse_ms,
+                                   f"kept dense: sparse not faster ({mode})"))
+        continue
+    layers[path] = layer
+    _nested_set(params, path, layer_vars["params"])
+    if sparse_linen.SPARSITY in layer_vars:
+      _nested_set(new_vars.setdefault(sparse_linen.SPARSITY, {}), path, layer_vars[sparse_linen.SPARSITY])
+    density = _linen_density(spec, layer_vars, kernel)
+    changes.append(LayerChange(p, f"{type(m).__name__}({kernel.shape})", spec.describe(),
+                               type(_linen_sparse_module(layer, nnz=_nnz(layer_vars, spec))).__name__,
+                               density, nbytes(dense_params), nbytes(layer_vars), dense_ms, sparse_ms, note))
+  warn_unmatched(resolved, [".".join(p) for p in found], what="nn.Dense / nn.Conv")
+  changes.sort(key=lambda c: c.path)
+  return SparsifiedLinen(module, layers), new_vars, SparsifyReport(tuple(changes))
+
+
+def _nnz(layer_vars: Mapping, spec: Spec) -> int | None:
+  return layer_vars["params"]["kernel"].shape[0] if isinstance(spec, BlockSparse) else None
+
+
+def _linen_density(spec: Spec, layer_vars: Mapping, kernel: jax.Array) -> float:
+  if isinstance(spec, NM):
+    return spec.n / spec.m
+  if isinstance(spec, BlockSparse):
+    k2 = (math.prod(kernel.shape[:-1]), kernel.shape[-1])
+    return layer_vars["params"]["kernel"].shape[0] / ((k2[0] // spec.block_shape[0]) * (k2[1] // spec.block_shape[1]))
+  return float(np.mean(np.asarray(layer_vars[sparse_linen.SPARSITY]["mask"])))
+
+
+def _linen_variables(kind: str, spec: Spec, dense_params: Mapping, mask: np.ndarray | None, path: str) -> dict:
+  kernel = jnp.asarray(dense_params["kernel"])
+  if mask is not None and mask.shape != kernel.shape:
+    raise ValueError(f"{path}: the given mask has shape {mask.shape}, the kernel {kernel.shape}.")
+  bias = {"bias": dense_params["bias"]} if "bias" in dense_params else {}
+  if isinstance(spec, BlockSparse):
+    if mask is None:
+      block_mask = np.asarray(block_magnitude_mask(kernel, spec.block_shape, spec.density))
+    else:
+      block_mask = block_mask_of(mask, spec.block_shape, path)
+    w = BlockSparseMatrix.from_dense(kernel, spec.block_shape, block_mask=block_mask)
+    return {"params": {"kernel": w.data, **bias}, sparse_linen.SPARSITY: dict(w.index_arrays())}
+  if isinstance(spec, NM):
+    if mask is not None:
+      kernel = jnp.where(mask, kernel, jnp.zeros((), kernel.dtype))
+    return {"params": {"kernel": kernel, **bias}}
+  if mask is None:
+    mask = magnitude_mask(kernel, spec.sparsity)
+  mask = jnp.asarray(mask)
+  return {"params": {"kernel": jnp.where(mask, kernel, jnp.zeros((), kernel.dtype)), **bias},
+          sparse_linen.SPARSITY: {"mask": mask}}
+
+
+def densify_linen(sparse: SparsifiedLinen, variables: Mapping) -> tuple[nn.Module, dict]:
+  """Inverse of :func:`sparsify_linen`: the original module and dense variables (zeros where pruned).
+
+  >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxsparse
+  >>> model = nn.Dense(8)
+  >>> x = jnp.ones((2, 8))
+  >>> variables = model.init(jax.random.key(0), x)
+  >>> sparse, sparse_vars, _ = jaxsparse.sparsify_linen(model, variables, jaxsparse.NM(2, 4), x)
+  >>> module, dense_vars = jaxsparse.densify_linen(sparse, sparse_vars)
+  >>> bool(jnp.allclose(module.apply(dense_vars, x), sparse.apply(sparse_vars, x)))
+  True
+  """
+  new_vars = _to_dict(variables)
+  params = new_vars["params"]
+  pattern = new_vars.get(sparse_linen.SPARSITY, {})
+  for path, layer in sparse.layers.items():
+    p = _nested_get(params, path)
+    kernel = p["kernel"]
+    if isinstance(layer.spec, BlockSparse):
+      idx = _nested_get(pattern, path)
+      k2 = (layer.in_features, layer.module.features)
+      dense = BlockSparseMatrix.from_index_arrays(kernel, dict(idx), shape=k2, block_shape=layer.spec.block_shape)
+      kernel = dense.to_dense()
+    elif isinstance(layer.spec, NM):
+      kernel = jnp.where(nm_mask(kernel, layer.spec.n, layer.spec.m, axis=-2), kernel, jnp.zeros((), kernel.dtype))
+    else:
+      kernel = jnp.where(_nested_get(pattern, path)["mask"], kernel, jnp.zeros((), kernel.dtype))
+    _nested_set(params, path, {**p, "kernel": kernel})
+    _drop(pattern, path)
+  if sparse_linen.SPARSITY in new_vars and not jax.tree.leaves(new_vars[sparse_linen.SPARSITY]):
+    del new_vars[sparse_linen.SPARSITY]
+  return sparse.module, new_vars
+
+
+def _drop(tree: dict, path: tuple) -> None:
+  if not path:
+    tree.clear()
+    return
+  node = tree
+  for k in path[:-1]:
+    node = node.get(k, {})
+  node.pop(path[-1], None)

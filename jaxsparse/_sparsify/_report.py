@@ -1,0 +1,144 @@
+"""What :func:`jaxsparse.sparsify` / :func:`jaxsparse.sparsify_linen` report: per layer bytes, density and
+(optionally) measured speed against the dense layer."""
+
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+__all__ = [
+    "LayerChange",
+    "SparsifyReport",
+    "check_speed_mode",
+    "nbytes",
+    "random_input",
+    "state_bytes",
+    "time_nnx_layer",
+    "timed",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerChange:
+  """What :func:`sparsify` did to one layer.
+
+  Attributes:
+    path: dotted path of the layer (``"blocks.0.mlp.fc1"``).
+    layer: the dense layer, e.g. ``"Linear(256->1024)"``.
+    kind: the rule's structure, e.g. ``"block 64x64 25% kept"``, ``"2:4"``, ``"unstructured 90%"``.
+    replaced_by: class name of the new layer, or ``None`` when the layer stayed dense.
+    density: fraction of the kernel's weights the new layer keeps (1.0 when it stayed dense).
+    bytes_before: bytes of the dense layer's state (kernel, bias).
+    bytes_after: bytes of the new layer's state (parameters and sparsity pattern).
+    dense_ms, sparse_ms: measured times with ``check_speed`` (forward, or forward+backward), else ``None``.
+    note: why a layer stayed dense, or other remarks.
+  """
+
+  path: str
+  layer: str
+  kind: str
+  replaced_by: str | None
+  density: float
+  bytes_before: int
+  bytes_after: int
+  dense_ms: float | None = None
+  sparse_ms: float | None = None
+  note: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class SparsifyReport:
+  """The layers :func:`sparsify` changed or timed, sorted by path; ``str(report)`` is a Markdown table."""
+
+  layers: tuple[LayerChange, ...]
+
+  @property
+  def replaced(self) -> tuple[LayerChange, ...]:
+    return tuple(c for c in self.layers if c.replaced_by is not None)
+
+  @property
+  def bytes_before(self) -> int:
+    return sum(c.bytes_before for c in self.layers)
+
+  @property
+  def bytes_after(self) -> int:
+    return sum(c.bytes_after for c in self.layers)
+
+  def __str__(self) -> str:
+    rows = [
+        "| path | layer | rule | now | density | bytes before | bytes after | dense ms | sparse ms | note |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in self.layers:
+      dense_ms = "" if c.dense_ms is None else f"{c.dense_ms:.3f}"
+      sparse_ms = "" if c.sparse_ms is None else f"{c.sparse_ms:.3f}"
+      rows.append(
+          f"| {c.path} | {c.layer} | {c.kind} | {c.replaced_by or 'dense'} | {c.density:.3f} | {c.bytes_before} "
+          f"| {c.bytes_after} | {dense_ms} | {sparse_ms} | {c.note} |"
+      )
+    rows.append(f"\n{len(self.replaced)} of {len(self.layers)} layers sparse; layer bytes "
+                f"{self.bytes_before} -> {self.bytes_after}.")
+    return "\n".join(rows)
+
+
+def nbytes(tree: Any) -> int:
+  return int(sum(np.dtype(x.dtype).itemsize * math.prod(x.shape) for x in jax.tree.leaves(tree)))
+
+
+def state_bytes(layer: nnx.Module) -> int:
+  return nbytes(nnx.state(layer))
+
+
+def time_call(fn: Callable[..., Any], *args: Any) -> float:
+  """Median milliseconds per call of a jitted ``fn``, after compiling and warming up."""
+  jax.block_until_ready(fn(*args))
+  t0 = time.perf_counter()
+  jax.block_until_ready(fn(*args))
+  once = time.perf_counter() - t0
+  reps = max(1, min(50, int(0.02 / max(once, 1e-6))))
+  samples = []
+  for _ in range(5):
+    t0 = time.perf_counter()
+    out = None
+    for _ in range(reps):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    samples.append((time.perf_counter() - t0) / reps)
+  return float(np.median(samples)) * 1e3
+
+
+def timed(apply: Callable[[Any, jax.Array], jax.Array], params: Any, x: jax.Array, mode: str) -> float:
+  if mode == "forward":
+    return time_call(jax.jit(apply), params, x)
+  grad = jax.jit(jax.grad(lambda p, x: jnp.sum(apply(p, x).astype(jnp.float32)), argnums=(0, 1)))
+  return time_call(grad, params, x)
+
+
+def time_nnx_layer(layer: nnx.Module, x: jax.Array, mode: str) -> float:
+  graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+  return timed(lambda p, x: nnx.merge(graphdef, p, rest)(x), params, x, mode)
+
+
+def check_speed_mode(check_speed: object, example_input: Any) -> str | None:
+  if check_speed is False or check_speed is None:
+    return None
+  mode = "train" if check_speed is True else check_speed
+  if mode not in ("train", "forward"):
+    raise ValueError(f"check_speed must be False, True, 'train' or 'forward', got check_speed={check_speed!r}.")
+  if example_input is None:
+    raise ValueError("check_speed needs example_input: the input the model is timed on.")
+  return mode
+
+
+def random_input(spec: jax.ShapeDtypeStruct) -> jax.Array:
+  dtype = spec.dtype if jnp.issubdtype(spec.dtype, jnp.floating) else jnp.float32
+  return jax.random.normal(jax.random.key(0), spec.shape, dtype)

@@ -1,0 +1,211 @@
+"""Helpers shared by the layer modules: the pattern variable, argument checks, option copying.
+
+Every NNX layer keeps its pattern in a :class:`SparsityPattern` variable; every Linen layer keeps it in
+the :data:`SPARSITY` collection. The checks raise errors that name the argument and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+import typing
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from flax.nnx.nn import dtypes
+
+from jaxsparse import ops
+from jaxsparse.formats._masks import top_k_mask
+
+__all__ = [
+    "NMPromote",
+    "SPARSITY",
+    "SparsityPattern",
+    "base_promote",
+    "check_decay",
+    "check_implementation",
+    "check_in_features",
+    "check_input",
+    "check_kept",
+    "check_linear",
+    "check_masked_implementation",
+    "concrete",
+    "conv_options",
+    "default_bias_init",
+    "dense_linear",
+    "linear_options",
+    "missing_pattern",
+    "random_mask",
+]
+
+SPARSITY = "sparsity"
+_IMPLEMENTATIONS = (None, *typing.get_args(ops.Implementation))
+default_bias_init = nnx.initializers.zeros_init()
+
+
+class SparsityPattern(nnx.Variable):
+  """Non-trainable sparsity structure of a layer: block index arrays or a boolean mask.
+
+  Being neither an ``nnx.Param`` nor differentiable (integer or bool values), it is left alone by
+  ``nnx.Optimizer(model, tx, wrt=nnx.Param)`` and by ``nnx.grad``; filter it with
+  ``nnx.split(model, nnx.Param, SparsityPattern)`` or ``nnx.state(model, SparsityPattern)``.
+  """
+
+
+def check_implementation(implementation: object) -> str | None:
+  if implementation not in _IMPLEMENTATIONS:
+    raise ValueError(f"implementation must be one of {_IMPLEMENTATIONS}, got implementation={implementation!r}.")
+  return implementation
+
+
+def check_masked_implementation(implementation: object) -> str | None:
+  """``implementation`` of :func:`jaxsparse.ops.masked_matmul`: ``None``, ``"xla"`` or ``"cpu"``."""
+  allowed = (None, *typing.get_args(ops.CpuImplementation))
+  if implementation not in allowed:
+    raise ValueError(f"implementation must be one of {allowed}, got implementation={implementation!r}.")
+  return implementation
+
+
+def check_kept(kept: int, total: int, *, name: str, value: float, what: str) -> None:
+  if kept == 0:
+    raise ValueError(f"{name}={value} keeps 0 of {total} {what}; choose a {name} that keeps at least one.")
+
+
+def concrete(mask: Any, *, name: str) -> np.ndarray:
+  """``mask`` as a NumPy array; the pattern of a layer is fixed on the host when it is built."""
+  try:
+    return np.asarray(mask)
+  except jax.errors.TracerArrayConversionError as e:
+    raise ValueError(
+        f"{name} must be concrete: sparse layers fix their pattern on the host when they are built, "
+        "so build (or Linen-`init`) them outside `jit`."
+    ) from e
+
+
+def random_mask(key: jax.Array, shape: tuple[int, int], kept: int) -> jax.Array:
+  """A uniformly random bool mask of ``shape`` keeping exactly ``kept`` entries."""
+  return top_k_mask(jax.random.uniform(key, shape), kept)
+
+
+def check_linear(linear: object) -> nnx.Linear:
+  if not isinstance(linear, nnx.Linear):
+    raise TypeError(f"linear must be a flax.nnx.Linear, got {type(linear).__name__}.")
+  return linear
+
+
+def dense_linear(kernel: jax.Array, bias: jax.Array | None, *, dtype, precision) -> nnx.Linear:
+  linear = nnx.Linear(
+      kernel.shape[0],
+      kernel.shape[1],
+      use_bias=bias is not None,
+      dtype=dtype,
+      param_dtype=kernel.dtype,
+      precision=precision,
+      kernel_init=nnx.initializers.zeros_init(),
+      rngs=nnx.Rngs(0),
+  )
+  linear.kernel[...] = kernel
+  if bias is not None:
+    linear.bias[...] = bias
+  return linear
+
+
+@dataclasses.dataclass(frozen=True)
+class NMPromote:
+  """A Flax ``promote_dtype`` that first N:M-prunes the kernel with :func:`jaxsparse.ops.sr_ste`.
+
+  Flax layers call ``promote_dtype`` on ``(inputs, kernel, bias)`` (after a Conv's own weight
+  mask) right before the product; this applies SR-STE to the kernel in its parameter dtype and then
+  calls ``base``, the layer's original promotion. Frozen and compared by value, so it can sit in an
+  NNX graph definition or a Linen module field.
+
+  Attributes:
+    n, m: keep ``n`` of every ``m``.
+    decay: SR-STE decay on the pruned weights (0: plain STE).
+    axis: kernel axis of the groups (0 for Dense, -2 for Conv).
+    base: the promotion to run afterwards.
+    linen: Linen calls ``promote_dtype(*arrays, dtype=...)``, NNX ``promote_dtype(arrays, dtype=...)``.
+  """
+
+  n: int
+  m: int
+  decay: float
+  axis: int
+  base: Callable[..., Any] = dtypes.promote_dtype
+  linen: bool = False
+
+  def __call__(self, *args, dtype=None):
+    inputs, kernel, bias = args if self.linen else args[0]
+    kernel = ops.sr_ste(kernel, self.n, self.m, decay=self.decay, axis=self.axis)
+    if self.linen:
+      return self.base(inputs, kernel, bias, dtype=dtype)
+    return self.base((inputs, kernel, bias), dtype=dtype)
+
+
+def base_promote(layer: nnx.Module) -> Callable[..., Any]:
+  p = layer.promote_dtype
+  return p.base if isinstance(p, NMPromote) else p
+
+
+def linear_options(linear: nnx.Linear) -> dict[str, Any]:
+  """Keyword arguments that rebuild ``linear``'s options (all but sizes, kernel and N:M settings)."""
+  return dict(
+      use_bias=linear.bias is not None,
+      dtype=linear.dtype,
+      precision=linear.precision,
+      dot_general=linear.dot_general,
+      promote_dtype=base_promote(linear),
+      preferred_element_type=linear.preferred_element_type,
+      rngs=nnx.Rngs(0),
+  )
+
+
+def conv_options(conv: nnx.Conv) -> dict[str, Any]:
+  """Keyword arguments that rebuild ``conv``'s options (all but sizes, kernel and N:M settings)."""
+  return dict(
+      strides=conv.strides,
+      padding=conv.padding,
+      input_dilation=conv.input_dilation,
+      kernel_dilation=conv.kernel_dilation,
+      feature_group_count=conv.feature_group_count,
+      use_bias=conv.bias is not None,
+      mask=conv.mask,
+      dtype=conv.dtype,
+      precision=conv.precision,
+      conv_general_dilated=conv.conv_general_dilated,
+      promote_dtype=base_promote(conv),
+      preferred_element_type=conv.preferred_element_type,
+      rngs=nnx.Rngs(0),
+  )
+
+
+def check_decay(decay: object) -> float:
+  if isinstance(decay, bool) or not isinstance(decay, numbers.Real) or not decay >= 0:
+    raise ValueError(f"sr_ste_decay must be a float >= 0 (0 gives plain STE), got sr_ste_decay={decay!r}.")
+  return float(decay)
+
+
+def check_in_features(in_features: int, m: int, *, name: str = "in_features") -> None:
+  if in_features % m:
+    raise ValueError(
+        f"{name}={in_features} must be a multiple of m={m}: the N:M groups run along the input features."
+    )
+
+
+def missing_pattern(module: nn.Module) -> ValueError:
+  return ValueError(
+      f"{type(module).__name__} has no {SPARSITY!r} collection: pass the variables that `init` returned, "
+      f"e.g. `apply({{'params': ..., {SPARSITY!r}: ...}}, x)`."
+  )
+
+
+def check_input(x: jax.typing.ArrayLike) -> jax.Array:
+  x = jnp.asarray(x)
+  if x.ndim < 1:
+    raise ValueError(f"x must have shape (..., in_features), got x.shape={x.shape}.")
+  return x

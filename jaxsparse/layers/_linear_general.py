@@ -1,0 +1,60 @@
+"""``SparseLinearGeneral``: ``nnx.LinearGeneral`` (e.g. attention projections) over a 2-D sparse layer."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+from flax import nnx
+
+__all__ = ["SparseLinearGeneral"]
+
+
+class SparseLinearGeneral(nnx.Module):
+  """An ``nnx.LinearGeneral`` over trailing axes, computed by a 2-D sparse layer on flattened features.
+
+  ``x`` of shape ``(..., *in_features)`` is reshaped to ``(..., prod(in_features))``, multiplied by
+  ``layer`` and reshaped to ``(..., *out_features)``: the attention projections of
+  ``nnx.MultiHeadAttention`` (``(d,) -> (heads, head_dim)`` and back) become sparse layers.
+
+  Attributes:
+    layer: the 2-D sparse layer (``BlockSparseLinear``, ``MaskedLinear`` or ``NMLinear``).
+    in_features, out_features: tuples, as in ``nnx.LinearGeneral``.
+  """
+
+  def __init__(self, layer: nnx.Module, *, in_features: tuple[int, ...], out_features: tuple[int, ...],
+               dtype: Any = None, precision: Any = None):
+    self.layer = layer
+    self.in_features = tuple(in_features)
+    self.out_features = tuple(out_features)
+    self.dtype = dtype
+    self.precision = precision
+
+  def __call__(self, x: jax.Array, out_sharding: Any = None) -> jax.Array:
+    if out_sharding is not None:
+      raise NotImplementedError("SparseLinearGeneral does not take out_sharding.")
+    n_in = len(self.in_features)
+    batch = x.shape[: x.ndim - n_in]
+    y = self.layer(x.reshape(*batch, math.prod(self.in_features)))
+    return y.reshape(*batch, *self.out_features)
+
+  def to_dense(self) -> nnx.LinearGeneral:
+    """The ``nnx.LinearGeneral`` holding the pruned kernel."""
+    lin = self.layer.to_dense()
+    kernel = lin.kernel[...].reshape(*self.in_features, *self.out_features)
+    n_in = len(self.in_features)
+    dense = nnx.LinearGeneral(
+        self.in_features,
+        self.out_features,
+        axis=tuple(range(-n_in, 0)),
+        use_bias=lin.bias is not None,
+        param_dtype=kernel.dtype,
+        kernel_init=lambda *_: kernel,
+        dtype=self.dtype,
+        precision=self.precision,
+        rngs=nnx.Rngs(0),
+    )
+    if lin.bias is not None:
+      dense.bias[...] = lin.bias[...].reshape(self.out_features)
+    return dense

@@ -1,0 +1,379 @@
+"""Unstructured masked layers: NNX ``MaskedLinear`` / ``MaskedConv`` and Linen ``MaskedDense``, over
+:func:`jaxsparse.ops.masked_matmul` (and Flax's own weight-masked convolution).
+
+The boolean mask is fixed at construction (NNX) or ``init`` (Linen) and kept as non-trainable state:
+a :class:`SparsityPattern` variable in NNX, the ``"sparsity"`` collection in Linen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from flax.nnx.nn import dtypes
+from flax.typing import Dtype
+from flax.typing import Initializer
+from jax import lax
+
+from jaxsparse import _utils
+from jaxsparse import ops
+from jaxsparse._utils import check_mask
+from jaxsparse.formats._masks import magnitude_mask
+from jaxsparse.layers._common import SPARSITY
+from jaxsparse.layers._common import SparsityPattern
+from jaxsparse.layers._common import check_input
+from jaxsparse.layers._common import check_kept
+from jaxsparse.layers._common import check_linear
+from jaxsparse.layers._common import check_masked_implementation
+from jaxsparse.layers._common import concrete
+from jaxsparse.layers._common import conv_options
+from jaxsparse.layers._common import default_bias_init
+from jaxsparse.layers._common import dense_linear
+from jaxsparse.layers._common import missing_pattern
+from jaxsparse.layers._common import random_mask
+
+__all__ = ["MaskedConv", "MaskedDense", "MaskedLinear"]
+
+
+def masked_kernel_init(kept: int | jax.Array, size: int) -> Initializer:
+  """Truncated normal for ``(in, out)`` with variance ``1 / (density * in_features)``, ``density = kept / size``."""
+  return nnx.initializers.variance_scaling(size / jnp.maximum(kept, 1), "fan_in", "truncated_normal")
+
+
+def masked_apply(
+    x: jax.Array,
+    kernel: jax.Array,
+    bias: jax.Array | None,
+    mask: jax.Array,
+    *,
+    dtype: Dtype | None,
+    precision: lax.PrecisionLike,
+    implementation: str | None = None,
+) -> jax.Array:
+  x, kernel, bias = dtypes.promote_dtype((x, kernel, bias), dtype=dtype)
+  y = ops.masked_matmul(x, kernel, mask, implementation=implementation, precision=precision)
+  return y if bias is None else y + bias
+
+
+class MaskedLinear(nnx.Module):
+  """A linear layer ``y = x @ (W * mask) + b`` with an unstructured, fixed boolean ``mask``.
+
+  The kernel is stored dense (its pruned entries are zero and get zero gradient, so optimizers
+  without weight decay keep them zero); the product is :func:`jaxsparse.ops.masked_matmul`. On CPU
+  that runs sparse C++ kernels (forward and both gradients, work proportional to the kept weights)
+  which read the kept entries from ``mask`` on every call: replacing ``mask`` (pruning, RigL) needs
+  no rebuild, inside ``jit`` or out, and the number of kept weights may change freely. Masks keeping
+  more than 25% of the weights run masked dense, which is faster there.
+
+  >>> import jax.numpy as jnp
+  >>> from flax import nnx
+  >>> from jaxsparse.layers import MaskedLinear
+  >>> layer = MaskedLinear(64, 96, sparsity=0.75, rngs=nnx.Rngs(0))
+  >>> layer.kernel.shape, int(layer.mask[...].sum()), layer.density
+  ((64, 96), 1536, 0.25)
+  >>> layer(jnp.ones((4, 64))).shape
+  (4, 96)
+
+  Initialisation: by default a truncated normal with variance ``1 / (density * in_features)``, where
+  ``density`` is the kept fraction; each output sums ``density * in_features`` nonzero terms on
+  average, so outputs keep the variance ``nnx.Linear``'s ``lecun_normal`` gives the dense layer.
+
+  Attributes:
+    kernel: ``nnx.Param`` ``(in_features, out_features)``, zero where ``mask`` is False.
+    bias: ``nnx.Param`` ``(out_features,)`` or ``None``.
+    mask: :class:`SparsityPattern` bool ``(in_features, out_features)``.
+
+  Args:
+    in_features: input size.
+    out_features: output size.
+    sparsity: fraction of weights pruned, in [0, 1): a uniformly random mask pruning exactly
+      ``round(sparsity * size)`` weights, drawn from ``rngs.params()``. Give exactly one of
+      ``sparsity`` and ``mask``.
+    mask: bool ``(in_features, out_features)``, True where a weight is kept.
+    use_bias: whether to add a bias.
+    dtype: computation dtype; ``None`` infers it like ``nnx.Linear``.
+    param_dtype: storage dtype of kernel and bias.
+    kernel_init: called as ``kernel_init(key, (in_features, out_features), param_dtype)``; ``None``
+      uses the variance-preserving default above.
+    bias_init: called as ``bias_init(key, (out_features,), param_dtype)``.
+    precision: passed to the matmul.
+    implementation: backend of :func:`jaxsparse.ops.masked_matmul`: ``None`` (sparse C++ kernels on
+      CPU for sparse masks, masked dense elsewhere), ``"cpu"`` or ``"xla"`` (masked dense).
+    rngs: ``nnx.Rngs``; the ``params`` stream draws the mask, kernel and bias.
+  """
+
+  def __init__(
+      self,
+      in_features: int,
+      out_features: int,
+      *,
+      sparsity: float | None = None,
+      mask: jax.typing.ArrayLike | None = None,
+      use_bias: bool = True,
+      dtype: Dtype | None = None,
+      param_dtype: Dtype = jnp.float32,
+      kernel_init: Initializer | None = None,
+      bias_init: Initializer = default_bias_init,
+      precision: lax.PrecisionLike = None,
+      implementation: ops.CpuImplementation | None = None,
+      rngs: nnx.Rngs,
+  ):
+    in_features = _utils.check_positive_int(in_features, name="in_features")
+    out_features = _utils.check_positive_int(out_features, name="out_features")
+    shape = (in_features, out_features)
+    size = in_features * out_features
+    self.implementation = check_masked_implementation(implementation)
+    if (sparsity is None) == (mask is None):
+      raise ValueError(
+          f"Pass exactly one of sparsity= and mask=, got sparsity={sparsity!r} and "
+          f"mask={'None' if mask is None else 'an array'}."
+      )
+    if mask is None:
+      sparsity = _utils.check_sparsity(sparsity)
+      kept = size - _utils.kept_count(sparsity, size)
+      check_kept(kept, size, name="sparsity", value=sparsity, what="weights")
+      mask = random_mask(rngs.params(), shape, kept)
+    else:
+      mask = check_mask(mask, shape, name="mask")
+      kept = jnp.sum(mask)
+    if kernel_init is None:
+      kernel_init = masked_kernel_init(kept, size)
+    kernel = kernel_init(rngs.params(), shape, param_dtype)
+    self.kernel = nnx.Param(jnp.where(mask, kernel, jnp.zeros((), kernel.dtype)))
+    self.mask = SparsityPattern(mask)
+    self.bias: nnx.Param[jax.Array] | None
+    if use_bias:
+      self.bias = nnx.Param(bias_init(rngs.params(), (out_features,), param_dtype))
+    else:
+      self.bias = nnx.data(None)
+    self.in_features = in_features
+    self.out_features = out_features
+    self.use_bias = use_bias
+    self.dtype = dtype
+    self.param_dtype = param_dtype
+    self.precision = precision
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    """Applies the layer to ``x`` of shape ``(..., in_features)``; returns ``(..., out_features)``."""
+    return masked_apply(
+        x,
+        self.kernel[...],
+        None if self.bias is None else self.bias[...],
+        self.mask[...],
+        dtype=self.dtype,
+        precision=self.precision,
+        implementation=self.implementation,
+    )
+
+  @property
+  def density(self) -> float:
+    """Fraction of weights kept."""
+    return float(np.mean(concrete(self.mask[...], name="mask")))
+
+  @property
+  def sparsity(self) -> float:
+    """Fraction of weights pruned, ``1 - density``."""
+    return 1.0 - self.density
+
+  @classmethod
+  def from_dense(
+      cls, linear: nnx.Linear, *, sparsity: float, implementation: ops.CpuImplementation | None = None
+  ) -> MaskedLinear:
+    """Prunes an ``nnx.Linear`` to its largest-magnitude weights, pruning ``round(sparsity * size)``.
+
+    >>> from flax import nnx
+    >>> from jaxsparse.layers import MaskedLinear
+    >>> dense = nnx.Linear(64, 96, rngs=nnx.Rngs(0))
+    >>> MaskedLinear.from_dense(dense, sparsity=0.75).density
+    0.25
+    """
+    linear = check_linear(linear)
+    kernel = linear.kernel[...]
+    mask = magnitude_mask(kernel, sparsity)
+    layer = cls(
+        linear.in_features,
+        linear.out_features,
+        mask=mask,
+        use_bias=linear.bias is not None,
+        dtype=linear.dtype,
+        param_dtype=kernel.dtype,
+        kernel_init=lambda *_: kernel,
+        precision=linear.precision,
+        implementation=implementation,
+        rngs=nnx.Rngs(0),
+    )
+    if linear.bias is not None:
+      layer.bias[...] = linear.bias[...]
+    return layer
+
+  def to_dense(self) -> nnx.Linear:
+    """An ``nnx.Linear`` with kernel ``kernel * mask`` and the same bias."""
+    kernel = self.kernel[...]
+    return dense_linear(
+        jnp.where(self.mask[...], kernel, jnp.zeros((), kernel.dtype)),
+        None if self.bias is None else self.bias[...],
+        dtype=self.dtype,
+        precision=self.precision,
+    )
+
+  def to_linen_variables(self) -> dict[str, dict[str, jax.Array]]:
+    """Variables for :class:`jaxsparse.layers.linen.MaskedDense` holding these weights and mask.
+
+    Returns:
+      ``{"params": {"kernel", "bias"?}, "sparsity": {"mask"}}``.
+    """
+    params = {"kernel": self.kernel[...]}
+    if self.bias is not None:
+      params["bias"] = self.bias[...]
+    return {"params": params, "sparsity": {"mask": self.mask[...]}}
+
+
+class MaskedDense(nn.Module):
+  """Linen version of :class:`jaxsparse.layers.MaskedLinear`: ``y = x @ (W * mask) + b``.
+
+  ``init`` draws a uniformly random bool mask pruning exactly ``round(sparsity * size)`` weights
+  from the ``"params"`` rng and stores it as ``"mask"`` in the ``"sparsity"`` collection; the
+  ``"params"`` kernel is dense ``(in_features, features)`` and zero where the mask is False.
+  Default initialisation, dtypes and the sparse CPU kernels (which read the mask on every call, so
+  it may be replaced between calls) follow ``MaskedLinear``.
+
+  >>> import jax, jax.numpy as jnp
+  >>> from jaxsparse.layers.linen import MaskedDense
+  >>> model = MaskedDense(96, sparsity=0.75)
+  >>> variables = model.init(jax.random.key(0), jnp.ones((1, 64)))
+  >>> variables["params"]["kernel"].shape, int(variables["sparsity"]["mask"].sum())
+  ((64, 96), 1536)
+
+  Attributes:
+    features: output size; the input size is ``x.shape[-1]``.
+    sparsity: fraction of weights pruned, in [0, 1).
+    use_bias: whether to add a bias.
+    dtype: computation dtype (``None``: inferred from input and params).
+    param_dtype: storage dtype of kernel and bias.
+    kernel_init: called as ``kernel_init(key, (in_features, features), param_dtype)``; ``None``
+      draws a truncated normal of variance ``1 / ((1 - sparsity) * in_features)``.
+    bias_init: bias initializer.
+    precision: passed to the matmul.
+    implementation: backend of :func:`jaxsparse.ops.masked_matmul`: ``None``, ``"cpu"`` or ``"xla"``.
+  """
+
+  features: int
+  _: dataclasses.KW_ONLY
+  sparsity: float
+  use_bias: bool = True
+  dtype: Dtype | None = None
+  param_dtype: Dtype = jnp.float32
+  kernel_init: Initializer | None = None
+  bias_init: Initializer = default_bias_init
+  precision: lax.PrecisionLike = None
+  implementation: ops.CpuImplementation | None = None
+
+  def __post_init__(self):
+    _utils.check_positive_int(self.features, name="features")
+    _utils.check_sparsity(self.sparsity)
+    check_masked_implementation(self.implementation)
+    super().__post_init__()
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    """Applies the layer to ``x`` of shape ``(..., in_features)``; returns ``(..., features)``."""
+    x = check_input(x)
+    shape = (x.shape[-1], self.features)
+    size = shape[0] * shape[1]
+    kept = size - _utils.kept_count(self.sparsity, size)
+    check_kept(kept, size, name="sparsity", value=self.sparsity, what="weights")
+    if not (self.has_variable(SPARSITY, "mask") or self.is_initializing()):
+      raise missing_pattern(self)
+    mask = self.variable(SPARSITY, "mask", lambda: random_mask(self.make_rng("params"), shape, kept)).value
+    kernel_init = self.kernel_init or masked_kernel_init(kept, size)
+
+    def masked_init(key, shape, dtype):
+      return jnp.where(mask, kernel_init(key, shape, dtype), jnp.zeros((), dtype))
+
+    kernel = self.param("kernel", masked_init, shape, self.param_dtype)
+    bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
+    return masked_apply(
+        x, kernel, bias, mask, dtype=self.dtype, precision=self.precision, implementation=self.implementation
+    )
+
+
+def _conv_options(conv: nnx.Conv) -> dict[str, Any]:
+  """``conv``'s options for rebuilding it; the caller sets the mask and rngs."""
+  options = conv_options(conv)
+  del options["mask"], options["rngs"]
+  return options
+
+
+class MaskedConv(nnx.Conv):
+  """``nnx.Conv`` with a fixed unstructured weight ``mask`` held as a :class:`SparsityPattern`.
+
+  It is Flax's own weight-masked convolution (``nnx.Conv(mask=...)``) with the mask stored as
+  non-trainable state, so it can be read, saved and filtered like the other layers' patterns.
+  Pruned weights are zero and get zero gradient.
+
+  >>> import jax.numpy as jnp
+  >>> from flax import nnx
+  >>> from jaxsparse.layers import MaskedConv
+  >>> conv = MaskedConv.from_dense(nnx.Conv(8, 16, (3, 3), rngs=nnx.Rngs(0)), sparsity=0.75)
+  >>> conv.density, conv(jnp.ones((2, 6, 6, 8))).shape
+  (0.25, (2, 6, 6, 16))
+  """
+
+  def __init__(self, in_features: int, out_features: int, kernel_size, *, mask: Any, rngs: nnx.Rngs, **kwargs):
+    super().__init__(in_features, out_features, kernel_size, rngs=rngs, **kwargs)
+    mask = check_mask(mask, self.kernel_shape, name="mask")
+    k = self.kernel[...]
+    self.kernel[...] = jnp.where(mask, k, jnp.zeros((), k.dtype))
+    self.mask = nnx.data(SparsityPattern(mask))
+
+  @property
+  def density(self) -> float:
+    """Fraction of weights kept."""
+    return float(np.mean(np.asarray(self.mask[...])))
+
+  @classmethod
+  def from_dense(cls, conv: nnx.Conv, *, sparsity: float | None = None, mask: Any = None) -> MaskedConv:
+    """Prunes ``conv`` to its largest-magnitude weights (``sparsity``) or to ``mask``; copies every option."""
+    if not isinstance(conv, nnx.Conv):
+      raise TypeError(f"conv must be a flax.nnx.Conv, got {type(conv).__name__}.")
+    if conv.mask is not None:
+      raise ValueError("conv already has a weight mask; densify it first.")
+    kernel = conv.kernel[...]
+    if (sparsity is None) == (mask is None):
+      raise ValueError("Pass exactly one of sparsity= and mask=.")
+    if mask is None:
+      mask = magnitude_mask(kernel, sparsity)
+    layer = cls(
+        conv.in_features,
+        conv.out_features,
+        conv.kernel_size,
+        mask=mask,
+        param_dtype=kernel.dtype,
+        kernel_init=lambda *_: kernel,
+        rngs=nnx.Rngs(0),
+        **_conv_options(conv),
+    )
+    if conv.bias is not None:
+      layer.bias[...] = conv.bias[...]
+    return layer
+
+  def to_dense(self) -> nnx.Conv:
+    """An ``nnx.Conv`` with kernel ``kernel * mask`` and the same options and bias."""
+    kernel = jnp.where(self.mask[...], self.kernel[...], jnp.zeros((), self.kernel.dtype))
+    conv = nnx.Conv(
+        self.in_features,
+        self.out_features,
+        self.kernel_size,
+        param_dtype=kernel.dtype,
+        kernel_init=lambda *_: kernel,
+        rngs=nnx.Rngs(0),
+        **_conv_options(self),
+    )
+    if self.bias is not None:
+      conv.bias[...] = self.bias[...]
+    return conv
