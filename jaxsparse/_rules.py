@@ -32,6 +32,7 @@ __all__ = [
     "masks_to_dict",
     "match_rules",
     "path_str",
+    "replace_module",
     "resolve_rules",
     "unwrap_variables",
     "warn_unmatched",
@@ -122,6 +123,17 @@ def flatten_with_paths(tree: Any) -> tuple[list[str], list[Any], Any]:
   paths = [path_str(kp) for kp, _ in pairs]
   leaves = [v.get_value() if _is_variable(v) else v for _, v in pairs]
   return paths, leaves, treedef
+
+
+def replace_module(model: nnx.Module, path: Sequence[Any], new: nnx.Module) -> None:
+  """Puts ``new`` at ``path`` (as from ``nnx.iter_modules``) inside ``model``: attributes, list items, dict keys."""
+  parent = model
+  for k in path[:-1]:
+    parent = parent[k] if hasattr(type(parent), "__getitem__") else getattr(parent, k)
+  if hasattr(type(parent), "__setitem__"):
+    parent[path[-1]] = new
+  else:
+    setattr(parent, path[-1], new)
 
 
 def unwrap_variables(tree: Any) -> Any:

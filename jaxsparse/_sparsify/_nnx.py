@@ -28,6 +28,7 @@ from flax import nnx
 from jaxsparse._rules import masks_to_dict
 from jaxsparse._rules import match_rules
 from jaxsparse._rules import path_str
+from jaxsparse._rules import replace_module
 from jaxsparse._rules import resolve_rules
 from jaxsparse._rules import warn_unmatched
 from jaxsparse._sparsify._report import LayerChange
@@ -160,24 +161,6 @@ def _density(layer: nnx.Module) -> float:
   return float(layer.density)
 
 
-def _child(node: Any, key: Any) -> Any:
-  return node[key] if hasattr(type(node), "__getitem__") else getattr(node, key)
-
-
-def _set_child(node: Any, key: Any, value: Any) -> None:
-  if hasattr(type(node), "__setitem__"):
-    node[key] = value
-  else:
-    setattr(node, key, value)
-
-
-def _replace(model: nnx.Module, path: tuple, new: nnx.Module) -> None:
-  parent = model
-  for k in path[:-1]:
-    parent = _child(parent, k)
-  _set_child(parent, path[-1], new)
-
-
 def _describe(node: nnx.Module) -> str:
   if isinstance(node, nnx.Conv):
     return f"Conv({node.in_features}->{node.out_features}, {tuple(node.kernel_size)})"
@@ -227,12 +210,12 @@ def _record_inputs(model: nnx.Module, layers: list[tuple[tuple, nnx.Module]], ex
     recorder(())(args[0])
     return shapes
   for path, node in layers:
-    _replace(model, path, _Probe(node, recorder(path)))
+    replace_module(model, path, _Probe(node, recorder(path)))
   try:
     nnx.eval_shape(lambda m, *a: m(*a), model, *args)
   finally:
     for path, node in layers:
-      _replace(model, path, node)
+      replace_module(model, path, node)
   return shapes
 
 
@@ -335,7 +318,7 @@ def sparsify(
                                  state_bytes(node), dense_ms, sparse_ms, note))
       continue
     if path:
-      _replace(model, path, new)
+      replace_module(model, path, new)
     else:
       model = new
     changes.append(LayerChange(p, _describe(node), spec.describe(), type(new).__name__, _density(new),
@@ -367,9 +350,7 @@ def densify(model: nnx.Module, *, inplace: bool = False) -> nnx.Module:
     return model.to_dense()
   found = {tuple(path) for path, node in nnx.iter_modules(model) if path and isinstance(node, _SPARSE_NNX)}
   outermost = [p for p in found if not any(p[:i] in found for i in range(1, len(p)))]
+  modules = {tuple(p): m for p, m in nnx.iter_modules(model)}
   for path in outermost:
-    parent = model
-    for k in path[:-1]:
-      parent = _child(parent, k)
-    _set_child(parent, path[-1], _child(parent, path[-1]).to_dense())
+    replace_module(model, path, modules[path].to_dense())
   return model

@@ -97,6 +97,17 @@ def _group_mask(scores: jax.Array, n: int) -> jax.Array:
   return rank < n
 
 
+def _check_operand(w: jax.typing.ArrayLike, n: object, m: object, axis: object) -> tuple[jax.Array, int, int, int]:
+  """``(w, n, m, axis)`` checked for an N:M pattern along ``axis`` of a numeric ``w``."""
+  w = jnp.asarray(w)
+  n, m = check_nm(n, m)
+  axis = check_axis(axis, w.ndim)
+  check_groups(w.shape, axis, m)
+  if not jnp.issubdtype(w.dtype, jnp.number):
+    raise TypeError(f"w must be a numeric array, got dtype {w.dtype}.")
+  return w, n, m, axis
+
+
 def nm_mask(w: jax.typing.ArrayLike, n: int, m: int, *, axis: int = 0) -> jax.Array:
   """Bool mask keeping the ``n`` largest-magnitude entries of every ``m`` consecutive ones along ``axis``.
 
@@ -120,12 +131,7 @@ def nm_mask(w: jax.typing.ArrayLike, n: int, m: int, *, axis: int = 0) -> jax.Ar
   Returns:
     Bool array of ``w.shape`` with ``n`` True per group.
   """
-  w = jnp.asarray(w)
-  n, m = check_nm(n, m)
-  axis = check_axis(axis, w.ndim)
-  check_groups(w.shape, axis, m)
-  if not jnp.issubdtype(w.dtype, jnp.number):
-    raise TypeError(f"w must be a numeric array, got dtype {w.dtype}.")
+  w, n, m, axis = _check_operand(w, n, m, axis)
   return _nm_mask(w, n, m, axis)
 
 
@@ -307,12 +313,7 @@ class NMSparseMatrix:
     Returns:
       An ``NMSparseMatrix`` with ``to_dense() == where(nm_mask(w, n, m, axis=axis), w, 0)``.
     """
-    w = jnp.asarray(w)
-    n, m = check_nm(n, m)
-    axis = check_axis(axis, w.ndim)
-    check_groups(w.shape, axis, m)
-    if not jnp.issubdtype(w.dtype, jnp.number):
-      raise TypeError(f"w must be a numeric array, got dtype {w.dtype}.")
+    w, n, m, axis = _check_operand(w, n, m, axis)
     index_layout(n, m, w.shape[axis] // m)  # Fails early when the positions do not fit 32 bits.
     values, indices = _compress(w, n, m, axis)
     return cls(values, indices, shape=w.shape, n=n, m=m, axis=axis)

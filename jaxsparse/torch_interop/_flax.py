@@ -149,24 +149,6 @@ def _group(params: Mapping[str, TorchParam], name_map: NameMap, ignore: Sequence
   return groups
 
 
-def _linear_types() -> tuple[type, ...]:
-  nm = getattr(jsl, "NMLinear", None)
-  return tuple(t for t in (nm, jsl.MaskedLinear, jsl.BlockSparseLinear, nnx.Linear) if t is not None)
-
-
-def _nm_types() -> tuple[type, type] | None:
-  nm_linear, nm_conv = getattr(jsl, "NMLinear", None), getattr(jsl, "NMConv", None)
-  return None if nm_linear is None else (nm_linear, nm_conv)
-
-
-def _masked_conv_type() -> type | None:
-  try:
-    from jaxsparse.layers import MaskedConv  # noqa: PLC0415 -- optional: present when jaxsparse.sparsify is
-  except ImportError:
-    return None
-  return MaskedConv
-
-
 _NORMS = (nnx.LayerNorm, nnx.RMSNorm, nnx.GroupNorm)
 
 
@@ -220,7 +202,6 @@ def _linear_plan(
   dtype = getattr(module, "param_dtype", jnp.float32)
   kernel = jnp.asarray(flax_layout(w.masked_value), dtype)
   pattern = w.pattern
-  nm_types = _nm_types()
   if sparse and pattern.kind != "dense":
     mask = flax_layout(w.mask)
     common = dict(use_bias=has_bias, dtype=module.dtype, param_dtype=dtype, precision=module.precision)
@@ -235,11 +216,10 @@ def _linear_plan(
       new.kernel[...] = BlockSparseMatrix.from_dense(kernel, (bk, bn), block_mask=block_mask).data
     elif (
         pattern.kind == "nm"
-        and nm_types is not None
         and np.array_equal(nm_mask_torch(w.masked_value, pattern.n, pattern.m), w.mask)
     ):
       # NMLinear recomputes its mask from the kernel on every call: that gives back exactly this mask.
-      new = nm_types[0](in_f, out_f, n=pattern.n, m=pattern.m, kernel_init=lambda *_: kernel, rngs=nnx.Rngs(0),
+      new = jsl.NMLinear(in_f, out_f, n=pattern.n, m=pattern.m, kernel_init=lambda *_: kernel, rngs=nnx.Rngs(0),
                         **common)
     else:
       new = jsl.MaskedLinear(in_f, out_f, mask=jnp.asarray(mask), kernel_init=lambda *_: kernel, rngs=nnx.Rngs(0),
@@ -274,26 +254,22 @@ def _conv_plan(module: nnx.Conv, path: tuple, group: dict, plan: _Plan, *, spars
   has_bias = module.bias is not None
   if has_bias != ("bias" in params):
     raise CheckpointError(f"bias mismatch between torch {group['torch']!r} and Flax {flax_path!r}.")
-  nm_types = _nm_types()
   pattern = w.pattern
   if (
       sparse
       and pattern.kind == "nm"
-      and nm_types is not None
-      and nm_types[1] is not None
-      and not isinstance(module, nm_types[1])
+      and not isinstance(module, jsl.NMConv)
       and np.array_equal(nm_mask_torch(w.masked_value, pattern.n, pattern.m), w.mask)
   ):
-    new = nm_types[1].from_dense(module, n=pattern.n, m=pattern.m)
+    new = jsl.NMConv.from_dense(module, n=pattern.n, m=pattern.m)
     new.kernel[...] = kernel
     if has_bias:
       new.bias[...] = jnp.asarray(params["bias"].value, k.dtype)
     plan.replace.append((path, new))
     return type(new).__name__, w
-  masked_conv = _masked_conv_type()
   plain_conv = type(module) is nnx.Conv and module.mask is None
-  if sparse and pattern.kind != "dense" and masked_conv is not None and plain_conv:
-    new = masked_conv.from_dense(module, mask=jnp.asarray(flax_layout(w.mask)))
+  if sparse and pattern.kind != "dense" and plain_conv:
+    new = jsl.MaskedConv.from_dense(module, mask=jnp.asarray(flax_layout(w.mask)))
     new.kernel[...] = kernel
     if has_bias:
       new.bias[...] = jnp.asarray(params["bias"].value, k.dtype)
@@ -346,17 +322,6 @@ def _generic_plan(module: nnx.Module, group: dict, plan: _Plan, *, flax_path: st
 
 def _join(mod: str, name: str) -> str:
   return f"{mod}.{name}" if mod else name
-
-
-def _set_child(model: nnx.Module, path: tuple, new: nnx.Module) -> None:
-  parent = model
-  for part in path[:-1]:
-    parent = parent[part] if isinstance(part, int) else getattr(parent, part)
-  last = path[-1]
-  if isinstance(last, int):
-    parent[last] = new
-  else:
-    setattr(parent, last, new)
 
 
 def load_nnx(
@@ -413,7 +378,7 @@ def load_nnx(
   groups = _group(params, name_map, ignore)
   plan = _Plan()
   loads, missing = [], []
-  linear_types, seen = _linear_types(), set()
+  linear_types, seen = (jsl.NMLinear, jsl.MaskedLinear, jsl.BlockSparseLinear, nnx.Linear), set()
   targets = []
   for path, node in nnx.iter_graph(model):
     if isinstance(node, nnx.Module) and _owns_params(node) and id(node) not in seen:
@@ -461,7 +426,7 @@ def load_nnx(
   for var, value in plan.assign:
     var[...] = value
   for path, new in plan.replace:
-    _set_child(model, path, new)
+    _rules.replace_module(model, path, new)
   return LoadReport(loads, missing=missing, unexpected=unexpected)
 
 
