@@ -8,6 +8,7 @@ Formats (pytrees: ``BlockSparseMatrix``, ``NMSparseMatrix``, ``CSRMatrix``), mas
 on demand; it needs torch).
 """
 
+from jaxsparse import formats
 from jaxsparse import layers
 from jaxsparse import ops
 from jaxsparse import pruning
@@ -17,14 +18,14 @@ from jaxsparse._sparsify._nnx import densify
 from jaxsparse._sparsify._nnx import sparsify
 from jaxsparse.formats import NM
 from jaxsparse.formats import BlockSparse
+from jaxsparse.formats import BlockSparseMatrix
+from jaxsparse.formats import CSRMatrix
+from jaxsparse.formats import NMSparseMatrix
 from jaxsparse.formats import Unstructured
-from jaxsparse.formats._block_sparse import BlockSparseMatrix
-from jaxsparse.formats._csr import CSRMatrix
-from jaxsparse.formats._masks import block_magnitude_mask
-from jaxsparse.formats._masks import magnitude_mask
-from jaxsparse.formats._masks import random_block_mask
-from jaxsparse.formats._nm import NMSparseMatrix
-from jaxsparse.formats._nm import nm_mask
+from jaxsparse.formats import block_magnitude_mask
+from jaxsparse.formats import magnitude_mask
+from jaxsparse.formats import nm_mask
+from jaxsparse.formats import random_block_mask
 
 __version__ = "0.1.0"
 
@@ -37,6 +38,7 @@ __all__ = [
     "block_magnitude_mask",
     "densify",
     "densify_linen",
+    "formats",
     "layers",
     "magnitude_mask",
     "nm_mask",
