@@ -1,0 +1,22 @@
+"""The end-to-end GPU benchmark script runs (tiny sizes, CPU) and prints its table; no timing is asserted."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).parent.parent
+
+
+def test_train_step_benchmark_runs(tmp_path):
+  out = tmp_path / "table.md"
+  cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_train_step.py"), "--tiny", "--model", "transformer",
+         "--sparse-attention", "--kinds", "block32,unstructured", "--precisions", "f32", "--out", str(out)]
+  env = {**os.environ, "PYTHONPATH": str(ROOT)}
+  proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = out.read_text().splitlines()
+  assert rows[0].startswith("| layer kind | f32 ms")
+  assert [r.split("|")[1].strip() for r in rows[2:]] == ["dense", "block32", "unstructured"]
