@@ -80,3 +80,20 @@ def check_mask(mask: jax.typing.ArrayLike, shape: tuple[int, ...], *, name: str 
   if mask.shape != tuple(shape):
     raise ValueError(f"{name} must have the weight's shape {tuple(shape)}, got {mask.shape}.")
   return mask
+
+
+def check_activations(x: jax.typing.ArrayLike, k: int, *, floating: bool = True) -> jax.Array:
+  """``x`` as an array of shape ``(..., k)`` (with a floating dtype unless ``floating=False``)."""
+  x = jnp.asarray(x)
+  if x.ndim < 1 or x.shape[-1] != k:
+    raise ValueError(f"x must have shape (..., K) with K = w.shape[0] = {k}, got x.shape={x.shape}.")
+  if floating and not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(f"x must have a floating dtype, got {x.dtype}.")
+  return x
+
+
+def dense_reference(x: jax.typing.ArrayLike, w, *, precision, preferred_element_type) -> jax.Array:
+  """``x @ w.to_dense()`` in ``preferred_element_type`` (default ``result_type(x, w)``): the ops' oracle."""
+  x = jnp.asarray(x)
+  out_dtype = preferred_element_type or jnp.result_type(x.dtype, w.dtype)
+  return jnp.matmul(x, w.to_dense(), precision=precision, preferred_element_type=out_dtype)

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxsparse import _utils
 from jaxsparse._cpu import _build as _cpu_build
 from jaxsparse._cpu import _kernels as _cpu_kernels
 from jaxsparse.formats._block_sparse import INDEX_FIELDS
@@ -47,9 +48,7 @@ def block_sparse_matmul_reference(
     preferred_element_type: jax.typing.DTypeLike | None = None,
 ) -> jax.Array:
   """Dense oracle: ``x @ w.to_dense()``. For tests; it builds the dense ``K x N`` weight."""
-  x = jnp.asarray(x)
-  out_dtype = preferred_element_type or jnp.result_type(x.dtype, w.dtype)
-  return jnp.matmul(x, w.to_dense(), precision=precision, preferred_element_type=out_dtype)
+  return _utils.dense_reference(x, w, precision=precision, preferred_element_type=preferred_element_type)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -278,14 +277,8 @@ def block_sparse_matmul(
   """
   if not isinstance(w, BlockSparseMatrix):
     raise TypeError(f"w must be a jaxsparse.BlockSparseMatrix, got {type(w).__name__}.")
-  x = jnp.asarray(x)
+  x = _utils.check_activations(x, w.shape[0])
   impl = _check_implementation(implementation)
-  if x.ndim < 1 or x.shape[-1] != w.shape[0]:
-    raise ValueError(
-        f"x must have shape (..., K) with K = w.shape[0] = {w.shape[0]}, got x.shape={x.shape}."
-    )
-  if not jnp.issubdtype(x.dtype, jnp.floating):
-    raise TypeError(f"x must have a floating dtype, got {x.dtype}.")
   out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(x.dtype, w.dtype))
   cfg = _Config(impl, precision, out_dtype)
   lead = x.shape[:-1]

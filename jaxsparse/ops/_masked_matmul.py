@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxsparse import _utils
 from jaxsparse._cpu import _kernels
 from jaxsparse._utils import check_mask
 from jaxsparse.ops._sparse_matmul import CpuImplementation
@@ -139,8 +140,7 @@ def masked_matmul(
   x, w = jnp.asarray(x), jnp.asarray(w)
   if w.ndim != 2:
     raise ValueError(f"w must be 2-D (K, N), got shape {w.shape}.")
-  if x.ndim < 1 or x.shape[-1] != w.shape[0]:
-    raise ValueError(f"x must have shape (..., K) with K = w.shape[0] = {w.shape[0]}, got x.shape={x.shape}.")
+  x = _utils.check_activations(x, w.shape[0], floating=False)
   mask = check_mask(mask, w.shape)
   impl = check_cpu_implementation(implementation, op="masked_matmul")
   out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(x.dtype, w.dtype))

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxsparse import _utils
 from jaxsparse.formats._nm import NMSparseMatrix
 from jaxsparse.ops import _dispatch
 
@@ -46,9 +47,7 @@ def nm_matmul_reference(
   >>> jaxsparse.ops.nm_matmul_reference(jnp.ones((1, 4)), w)
   Array([[10., 12.]], dtype=float32)
   """
-  x = jnp.asarray(x)
-  out_dtype = preferred_element_type or jnp.result_type(x.dtype, w.dtype)
-  return jnp.matmul(x, w.to_dense(), precision=precision, preferred_element_type=out_dtype)
+  return _utils.dense_reference(x, w, precision=precision, preferred_element_type=preferred_element_type)
 
 
 def _pallas_ops():
@@ -139,12 +138,8 @@ def nm_matmul(
     raise TypeError(f"w must be a jaxsparse.NMSparseMatrix, got {type(w).__name__}.")
   if w.ndim != 2:
     raise ValueError(f"w must be a 2-D (K, N) NMSparseMatrix, got shape {w.shape}.")
-  x = jnp.asarray(x)
+  x = _utils.check_activations(x, w.shape[0])
   impl = _check_implementation(implementation)
-  if x.ndim < 1 or x.shape[-1] != w.shape[0]:
-    raise ValueError(f"x must have shape (..., K) with K = w.shape[0] = {w.shape[0]}, got x.shape={x.shape}.")
-  if not jnp.issubdtype(x.dtype, jnp.floating):
-    raise TypeError(f"x must have a floating dtype, got {x.dtype}.")
   out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(x.dtype, w.dtype))
   cfg = _Config(impl, precision, out_dtype)
   lead = x.shape[:-1]

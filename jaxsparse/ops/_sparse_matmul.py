@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxsparse import _utils
 from jaxsparse._cpu import _build
 from jaxsparse._cpu import _kernels
 from jaxsparse.formats._csr import INDEX_FIELDS
@@ -45,9 +46,7 @@ def sparse_matmul_reference(
     preferred_element_type: jax.typing.DTypeLike | None = None,
 ) -> jax.Array:
   """Dense oracle and XLA path: ``x @ w.to_dense()``. It builds the dense ``K x N`` weight."""
-  x = jnp.asarray(x)
-  out_dtype = preferred_element_type or jnp.result_type(x.dtype, w.dtype)
-  return jnp.matmul(x, w.to_dense(), precision=precision, preferred_element_type=out_dtype)
+  return _utils.dense_reference(x, w, precision=precision, preferred_element_type=preferred_element_type)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -161,11 +160,7 @@ def sparse_matmul(
   """
   if not isinstance(w, CSRMatrix):
     raise TypeError(f"w must be a jaxsparse.CSRMatrix, got {type(w).__name__}.")
-  x = jnp.asarray(x)
-  if x.ndim < 1 or x.shape[-1] != w.shape[0]:
-    raise ValueError(f"x must have shape (..., K) with K = w.shape[0] = {w.shape[0]}, got x.shape={x.shape}.")
-  if not jnp.issubdtype(x.dtype, jnp.floating):
-    raise TypeError(f"x must have a floating dtype, got {x.dtype}.")
+  x = _utils.check_activations(x, w.shape[0])
   impl = check_cpu_implementation(implementation, op="sparse_matmul")
   out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(x.dtype, w.dtype))
   if impl == "xla" or not cpu_supports(x.dtype, w.dtype):
