@@ -7,6 +7,7 @@ the :data:`SPARSITY` collection. The checks raise errors that name the argument 
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 import typing
 from collections.abc import Callable
@@ -15,10 +16,10 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from flax.nnx.nn import dtypes
 
+from jaxsparse import _utils
 from jaxsparse import ops
 from jaxsparse.formats._masks import top_k_mask
 
@@ -33,14 +34,17 @@ __all__ = [
     "check_input",
     "check_kept",
     "check_linear",
+    "check_one_of",
     "check_masked_implementation",
-    "concrete",
     "conv_options",
     "default_bias_init",
     "dense_linear",
+    "init_linear_attributes",
+    "kept_weights",
     "linear_options",
     "missing_pattern",
     "random_mask",
+    "with_weights",
 ]
 
 SPARSITY = "sparsity"
@@ -76,20 +80,27 @@ def check_kept(kept: int, total: int, *, name: str, value: float, what: str) -> 
     raise ValueError(f"{name}={value} keeps 0 of {total} {what}; choose a {name} that keeps at least one.")
 
 
-def concrete(mask: Any, *, name: str) -> np.ndarray:
-  """``mask`` as a NumPy array; the pattern of a layer is fixed on the host when it is built."""
-  try:
-    return np.asarray(mask)
-  except jax.errors.TracerArrayConversionError as e:
-    raise ValueError(
-        f"{name} must be concrete: sparse layers fix their pattern on the host when they are built, "
-        "so build (or Linen-`init`) them outside `jit`."
-    ) from e
-
-
-def random_mask(key: jax.Array, shape: tuple[int, int], kept: int) -> jax.Array:
+def random_mask(key: jax.Array, shape: tuple[int, ...], kept: int) -> jax.Array:
   """A uniformly random bool mask of ``shape`` keeping exactly ``kept`` entries."""
   return top_k_mask(jax.random.uniform(key, shape), kept)
+
+
+def kept_weights(sparsity: object, shape: tuple[int, ...]) -> int:
+  """How many of the weights of ``shape`` a mask pruning ``round(sparsity * size)`` keeps (at least one)."""
+  sparsity = _utils.check_sparsity(sparsity)
+  size = math.prod(shape)
+  kept = size - _utils.kept_count(sparsity, size)
+  check_kept(kept, size, name="sparsity", value=sparsity, what="weights")
+  return kept
+
+
+def check_one_of(name: str, value: object, other: str, other_value: object) -> None:
+  """Raises unless exactly one of the two arguments (a number ``name`` or an array ``other``) is given."""
+  if (value is None) == (other_value is None):
+    raise ValueError(
+        f"Pass exactly one of {name}= and {other}=, got {name}={value!r} and "
+        f"{other}={'None' if other_value is None else 'an array'}."
+    )
 
 
 def check_linear(linear: object) -> nnx.Linear:
@@ -98,21 +109,49 @@ def check_linear(linear: object) -> nnx.Linear:
   return linear
 
 
+M = typing.TypeVar("M")
+
+
+def with_weights(build: Callable[..., M], kernel: jax.Array, bias: jax.Array | None, /, *args: Any, **options) -> M:
+  """``build(*args, **options)`` holding ``kernel`` (its dtype as ``param_dtype``) and, if given, ``bias``.
+
+  Works on concrete and traced weights (under ``jit`` / ``nnx.eval_shape``): the kernel is passed as
+  the initializer's result and the bias copied in.
+  """
+  layer = build(*args, param_dtype=kernel.dtype, kernel_init=lambda *_: kernel, **options)
+  if bias is not None:
+    layer.bias[...] = bias
+  return layer
+
+
 def dense_linear(kernel: jax.Array, bias: jax.Array | None, *, dtype, precision) -> nnx.Linear:
-  linear = nnx.Linear(
-      kernel.shape[0],
-      kernel.shape[1],
-      use_bias=bias is not None,
-      dtype=dtype,
-      param_dtype=kernel.dtype,
-      precision=precision,
-      kernel_init=nnx.initializers.zeros_init(),
+  """An ``nnx.Linear`` holding the ``(in, out)`` ``kernel`` and ``bias``."""
+  return with_weights(
+      nnx.Linear, kernel, bias, *kernel.shape, use_bias=bias is not None, dtype=dtype, precision=precision,
       rngs=nnx.Rngs(0),
   )
-  linear.kernel[...] = kernel
-  if bias is not None:
-    linear.bias[...] = bias
-  return linear
+
+
+def init_linear_attributes(
+    layer: nnx.Module,
+    in_features: int,
+    out_features: int,
+    *,
+    use_bias: bool,
+    bias_init: Any,
+    dtype: Any,
+    param_dtype: Any,
+    precision: Any,
+    rngs: nnx.Rngs,
+) -> None:
+  """Sets the bias parameter (drawn from ``rngs.params()``) and the options every sparse linear layer keeps."""
+  layer.bias = nnx.Param(bias_init(rngs.params(), (out_features,), param_dtype)) if use_bias else nnx.data(None)
+  layer.in_features = in_features
+  layer.out_features = out_features
+  layer.use_bias = use_bias
+  layer.dtype = dtype
+  layer.param_dtype = param_dtype
+  layer.precision = precision
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,8 +39,13 @@ from jaxsparse.layers._common import check_in_features
 from jaxsparse.layers._common import conv_options
 from jaxsparse.layers._common import default_bias_init
 from jaxsparse.layers._common import linear_options
+from jaxsparse.layers._common import with_weights
 
 __all__ = ["CompressedNMLinear", "NMConv", "NMLinear"]
+
+
+def _bias(layer: nnx.Module) -> jax.Array | None:
+  return None if layer.bias is None else layer.bias[...]
 
 
 class _NMMixin:
@@ -161,34 +166,16 @@ class NMLinear(_NMMixin, nnx.Linear):
     """
     if not isinstance(linear, nnx.Linear):
       raise TypeError(f"linear must be a flax.nnx.Linear, got {type(linear).__name__}.")
-    kernel = linear.kernel[...]
-    layer = cls(
-        linear.in_features,
-        linear.out_features,
-        n=n,
-        m=m,
-        sr_ste_decay=sr_ste_decay,
-        param_dtype=kernel.dtype,
-        kernel_init=lambda *_: kernel,
-        **linear_options(linear),
+    return with_weights(
+        cls, linear.kernel[...], _bias(linear), linear.in_features, linear.out_features, n=n, m=m,
+        sr_ste_decay=sr_ste_decay, **linear_options(linear),
     )
-    if linear.bias is not None:
-      layer.bias[...] = linear.bias[...]
-    return layer
 
   def to_dense(self) -> nnx.Linear:
     """An ``nnx.Linear`` holding the pruned kernel: the same function as this layer's forward pass."""
-    kernel = self.pruned_kernel()
-    linear = nnx.Linear(
-        self.in_features,
-        self.out_features,
-        param_dtype=kernel.dtype,
-        kernel_init=lambda *_: kernel,
-        **linear_options(self),
+    return with_weights(
+        nnx.Linear, self.pruned_kernel(), _bias(self), self.in_features, self.out_features, **linear_options(self)
     )
-    if self.bias is not None:
-      linear.bias[...] = self.bias[...]
-    return linear
 
   def to_compressed(self, *, implementation: ops.Implementation | None = None) -> CompressedNMLinear:
     """An inference layer storing the compressed kernel and multiplying with :func:`jaxsparse.ops.nm_matmul`.
@@ -295,22 +282,19 @@ class CompressedNMLinear(nnx.Module):
 
   def to_dense(self) -> nnx.Linear:
     """An ``nnx.Linear`` with the decompressed kernel and the same bias."""
-    kernel = self.weight.to_dense()
-    linear = nnx.Linear(
+    return with_weights(
+        nnx.Linear,
+        self.weight.to_dense(),
+        _bias(self),
         self.in_features,
         self.out_features,
         use_bias=self.bias is not None,
         dtype=self.dtype,
-        param_dtype=kernel.dtype,
         precision=self.precision,
-        kernel_init=lambda *_: kernel,
         promote_dtype=self.promote_dtype,
         preferred_element_type=self.preferred_element_type,
         rngs=nnx.Rngs(0),
     )
-    if self.bias is not None:
-      linear.bias[...] = self.bias[...]
-    return linear
 
 
 class NMConv(_NMMixin, nnx.Conv):
@@ -412,36 +396,17 @@ class NMConv(_NMMixin, nnx.Conv):
     """
     if not isinstance(conv, nnx.Conv):
       raise TypeError(f"conv must be a flax.nnx.Conv, got {type(conv).__name__}.")
-    kernel = conv.kernel[...]
-    layer = cls(
-        conv.in_features,
-        conv.out_features,
-        conv.kernel_size,
-        n=n,
-        m=m,
-        sr_ste_decay=sr_ste_decay,
-        param_dtype=kernel.dtype,
-        kernel_init=lambda *_: kernel,
-        **conv_options(conv),
+    return with_weights(
+        cls, conv.kernel[...], _bias(conv), conv.in_features, conv.out_features, conv.kernel_size, n=n, m=m,
+        sr_ste_decay=sr_ste_decay, **conv_options(conv),
     )
-    if conv.bias is not None:
-      layer.bias[...] = conv.bias[...]
-    return layer
 
   def to_dense(self) -> nnx.Conv:
     """An ``nnx.Conv`` holding the pruned kernel: the same function as this layer's forward pass."""
-    kernel = self.pruned_kernel()
-    conv = nnx.Conv(
-        self.in_features,
-        self.out_features,
-        self.kernel_size,
-        param_dtype=kernel.dtype,
-        kernel_init=lambda *_: kernel,
+    return with_weights(
+        nnx.Conv, self.pruned_kernel(), _bias(self), self.in_features, self.out_features, self.kernel_size,
         **conv_options(self),
     )
-    if self.bias is not None:
-      conv.bias[...] = self.bias[...]
-    return conv
 
   def to_compressed(self) -> NMSparseMatrix:
     """The pruned kernel compressed along ``cin`` (for storage and export; compute with :meth:`to_dense`)."""
