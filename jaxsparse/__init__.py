@@ -15,6 +15,9 @@ from jaxsparse._sparsify._linen import densify_linen
 from jaxsparse._sparsify._linen import sparsify_linen
 from jaxsparse._sparsify._nnx import densify
 from jaxsparse._sparsify._nnx import sparsify
+from jaxsparse._summary import LayerSummary
+from jaxsparse._summary import ModelSummary
+from jaxsparse._summary import summary
 from jaxsparse.formats import NM
 from jaxsparse.formats import BlockSparse
 from jaxsparse.formats import Unstructured
@@ -33,6 +36,8 @@ __all__ = [
     "BlockSparse",
     "BlockSparseMatrix",
     "CSRMatrix",
+    "LayerSummary",
+    "ModelSummary",
     "NMSparseMatrix",
     "block_magnitude_mask",
     "densify",
@@ -45,5 +50,6 @@ __all__ = [
     "random_block_mask",
     "sparsify",
     "sparsify_linen",
+    "summary",
     "Unstructured",
 ]

@@ -80,3 +80,9 @@ def check_mask(mask: jax.typing.ArrayLike, shape: tuple[int, ...], *, name: str 
   if mask.shape != tuple(shape):
     raise ValueError(f"{name} must have the weight's shape {tuple(shape)}, got {mask.shape}.")
   return mask
+
+
+def text_table(rows: Sequence[Sequence[str]]) -> str:
+  """Rows of strings as left-aligned columns two spaces apart (the first row is the header)."""
+  widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+  return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)

@@ -17,6 +17,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.nnx import reprlib
 from flax.nnx.nn import dtypes
 
 from jaxsparse import _utils
@@ -58,7 +59,26 @@ class SparsityPattern(nnx.Variable):
   Being neither an ``nnx.Param`` nor differentiable (integer or bool values), it is left alone by
   ``nnx.Optimizer(model, tx, wrt=nnx.Param)`` and by ``nnx.grad``; filter it with
   ``nnx.split(model, nnx.Param, SparsityPattern)`` or ``nnx.state(model, SparsityPattern)``.
+  Its ``repr`` shows shape and dtype, not the index values (see :func:`jaxsparse.summary` for the
+  pattern in words).
   """
+
+  def __nnx_repr__(self):
+    for item in super().__nnx_repr__():
+      if isinstance(item, reprlib.Attr) and item.key == "value" and math.prod(jnp.shape(item.value)) > 1:
+        item = reprlib.Attr("value", _ArrayRepr(tuple(jnp.shape(item.value)), jnp.result_type(item.value)))
+      yield item
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class _ArrayRepr(reprlib.Representable):
+  shape: tuple[int, ...]
+  dtype: Any
+
+  def __nnx_repr__(self):
+    yield reprlib.Object(type="Array", same_line=True)
+    yield reprlib.Attr("shape", self.shape)
+    yield reprlib.Attr("dtype", self.dtype)
 
 
 def check_implementation(implementation: object) -> str | None:

@@ -85,12 +85,8 @@ def _progress(src, flag: bool | None, label: str) -> _Progress:
   return _Progress(flag, label)
 
 
-def _table(rows: list[tuple[str, ...]]) -> str:
-  widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-  return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
-
-
 def _inspect(args) -> int:
+  from jaxsparse._utils import text_table  # noqa: PLC0415 -- keeps `jaxsparse --help` fast
   from jaxsparse.torch_interop._decode import decode_checkpoint  # noqa: PLC0415 -- lazy: imports torch
   from jaxsparse.torch_interop._load import open_checkpoint  # noqa: PLC0415 -- lazy: imports torch
 
@@ -111,7 +107,7 @@ def _inspect(args) -> int:
       total += p.value.size
       kept += p.value.size if p.mask is None else int(p.mask.sum())
   print(f"{args.file}: {len(params)} parameters")
-  print(_table(rows))
+  print(text_table(rows))
   if total:
     print(f"weights (ndim >= 2): {kept}/{total} kept, density {kept / total:.3f}")
   if problems:
