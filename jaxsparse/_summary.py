@@ -83,33 +83,17 @@ class ModelSummary:
 
   layers: tuple[LayerSummary, ...]
 
-  def _total(self, field: str) -> int | None:
+  def total(self, field: str) -> int | None:
+    """The sum of a :class:`LayerSummary` field over the layers; ``None`` if a layer's value is unknown."""
     values = [getattr(layer, field) for layer in self.layers]
     return None if any(v is None for v in values) else int(sum(values))
 
-  @property
-  def bytes(self) -> int:
-    return self._total("bytes")
-
-  @property
-  def dense_bytes(self) -> int:
-    return self._total("dense_bytes")
-
-  @property
-  def forward_flops(self) -> int | None:
-    return self._total("forward_flops")
-
-  @property
-  def backward_flops(self) -> int | None:
-    return self._total("backward_flops")
-
-  @property
-  def dense_forward_flops(self) -> int:
-    return self._total("dense_forward_flops")
-
-  @property
-  def dense_backward_flops(self) -> int:
-    return self._total("dense_backward_flops")
+  bytes = property(lambda self: self.total("bytes"), doc="Bytes the sparse layers store.")
+  dense_bytes = property(lambda self: self.total("dense_bytes"), doc="Bytes of the dense layers they replace.")
+  forward_flops = property(lambda self: self.total("forward_flops"), doc="Forward FLOPs per input row.")
+  backward_flops = property(lambda self: self.total("backward_flops"), doc="Backward FLOPs per input row.")
+  dense_forward_flops = property(lambda self: self.total("dense_forward_flops"), doc="Dense forward FLOPs.")
+  dense_backward_flops = property(lambda self: self.total("dense_backward_flops"), doc="Dense backward FLOPs.")
 
   def __str__(self) -> str:
     if not self.layers:
