@@ -146,6 +146,6 @@ def plot_pattern(
   ax.set_ylim(height, 0)
   ax.set(xlabel="output feature", ylabel="input feature")
   if fr > 1 or fc > 1:
-    description += f" (each pixel: fraction kept of {fr * bk}x{fc * bn})"
+    description += f", {fr * bk}x{fc * bn} tiles"
   ax.set_title(description if title is None else title)
   return ax

@@ -43,7 +43,7 @@ def test_large_unstructured_pattern_is_a_density_image():
   assert image.shape == (100, 100)  # tiles of 10 x 6
   np.testing.assert_allclose(image[3, 7], mask[30:40, 42:48].mean())
   np.testing.assert_allclose(image.mean(), 0.1, atol=1e-9)
-  assert "fraction kept of 10x6" in ax.get_title()
+  assert ax.get_title() == "unstructured, density 0.100, 10x6 tiles"
 
 
 def test_uneven_tiles_count_only_covered_entries():
