@@ -2,8 +2,9 @@
 
 ``BlockSparseMatrix`` is a ``(K, N)`` matrix in Flax kernel layout (``y = x @ W``, in-features first)
 that stores only its kept ``(bk, bn)`` blocks. The integer block indices every product needs (forward
-``x @ W``, transposed ``dY @ Wᵀ`` and the sampled gradient ``xᵀ dY``) are computed once, on the host,
-when the matrix is built, and travel with it as pytree leaves; the shapes are static aux data.
+``x @ W``, transposed ``dY @ Wᵀ`` and the sampled gradient ``xᵀ dY``) are computed once when the matrix
+is built (on the host for a concrete mask, with ``jnp`` under ``jit`` / ``nnx.eval_shape``) and travel
+with it as pytree leaves; the shapes are static aux data.
 """
 
 from __future__ import annotations
