@@ -33,6 +33,7 @@ from jaxsparse.formats._masks import block_magnitude_mask
 from jaxsparse.formats._masks import random_block_mask
 from jaxsparse.layers._common import SPARSITY
 from jaxsparse.layers._common import SparsityPattern
+from jaxsparse.layers._common import bias_of
 from jaxsparse.layers._common import check_implementation
 from jaxsparse.layers._common import check_input
 from jaxsparse.layers._common import check_kept
@@ -199,7 +200,7 @@ class BlockSparseLinear(nnx.Module):
     return block_sparse_apply(
         x,
         self.kernel[...],
-        None if self.bias is None else self.bias[...],
+        bias_of(self),
         {f: v[...] for f, v in self.pattern.items()},
         shape=(self.in_features, self.out_features),
         block_shape=self.block_shape,
@@ -286,7 +287,7 @@ class BlockSparseLinear(nnx.Module):
     """An ``nnx.Linear`` with the dense kernel (zeros outside the kept blocks) and the same bias."""
     return dense_linear(
         self.sparse_kernel.to_dense(),
-        None if self.bias is None else self.bias[...],
+        bias_of(self),
         dtype=self.dtype,
         precision=self.precision,
     )

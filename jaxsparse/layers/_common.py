@@ -29,6 +29,7 @@ __all__ = [
     "SPARSITY",
     "SparsityPattern",
     "base_promote",
+    "bias_of",
     "check_decay",
     "check_implementation",
     "check_in_features",
@@ -211,36 +212,39 @@ def base_promote(layer: nnx.Module) -> Callable[..., Any]:
   return p.base if isinstance(p, NMPromote) else p
 
 
-def linear_options(linear: nnx.Linear) -> dict[str, Any]:
-  """Keyword arguments that rebuild ``linear``'s options (all but sizes, kernel and N:M settings)."""
+def _shared_options(layer: nnx.Linear | nnx.Conv) -> dict[str, Any]:
   return dict(
-      use_bias=linear.bias is not None,
-      dtype=linear.dtype,
-      precision=linear.precision,
-      dot_general=linear.dot_general,
-      promote_dtype=base_promote(linear),
-      preferred_element_type=linear.preferred_element_type,
+      use_bias=layer.bias is not None,
+      dtype=layer.dtype,
+      precision=layer.precision,
+      promote_dtype=base_promote(layer),
+      preferred_element_type=layer.preferred_element_type,
       rngs=nnx.Rngs(0),
   )
+
+
+def linear_options(linear: nnx.Linear) -> dict[str, Any]:
+  """Keyword arguments that rebuild ``linear``'s options (all but sizes, kernel and N:M settings)."""
+  return dict(_shared_options(linear), dot_general=linear.dot_general)
 
 
 def conv_options(conv: nnx.Conv) -> dict[str, Any]:
   """Keyword arguments that rebuild ``conv``'s options (all but sizes, kernel and N:M settings)."""
   return dict(
+      _shared_options(conv),
       strides=conv.strides,
       padding=conv.padding,
       input_dilation=conv.input_dilation,
       kernel_dilation=conv.kernel_dilation,
       feature_group_count=conv.feature_group_count,
-      use_bias=conv.bias is not None,
       mask=conv.mask,
-      dtype=conv.dtype,
-      precision=conv.precision,
       conv_general_dilated=conv.conv_general_dilated,
-      promote_dtype=base_promote(conv),
-      preferred_element_type=conv.preferred_element_type,
-      rngs=nnx.Rngs(0),
   )
+
+
+def bias_of(layer: nnx.Module) -> jax.Array | None:
+  """The value of ``layer.bias``, or ``None`` for a layer without bias."""
+  return None if layer.bias is None else layer.bias[...]
 
 
 def check_decay(decay: object) -> float:

@@ -25,6 +25,7 @@ from jaxsparse._utils import check_mask
 from jaxsparse.formats._masks import magnitude_mask
 from jaxsparse.layers._common import SPARSITY
 from jaxsparse.layers._common import SparsityPattern
+from jaxsparse.layers._common import bias_of
 from jaxsparse.layers._common import check_input
 from jaxsparse.layers._common import check_linear
 from jaxsparse.layers._common import check_masked_implementation
@@ -153,7 +154,7 @@ class MaskedLinear(nnx.Module):
     return masked_apply(
         x,
         self.kernel[...],
-        None if self.bias is None else self.bias[...],
+        bias_of(self),
         self.mask[...],
         dtype=self.dtype,
         precision=self.precision,
@@ -184,29 +185,26 @@ class MaskedLinear(nnx.Module):
     """
     linear = check_linear(linear)
     kernel = linear.kernel[...]
-    mask = magnitude_mask(kernel, sparsity)
-    layer = cls(
+    return with_weights(
+        cls,
+        kernel,
+        bias_of(linear),
         linear.in_features,
         linear.out_features,
-        mask=mask,
+        mask=magnitude_mask(kernel, sparsity),
         use_bias=linear.bias is not None,
         dtype=linear.dtype,
-        param_dtype=kernel.dtype,
-        kernel_init=lambda *_: kernel,
         precision=linear.precision,
         implementation=implementation,
         rngs=nnx.Rngs(0),
     )
-    if linear.bias is not None:
-      layer.bias[...] = linear.bias[...]
-    return layer
 
   def to_dense(self) -> nnx.Linear:
     """An ``nnx.Linear`` with kernel ``kernel * mask`` and the same bias."""
     kernel = self.kernel[...]
     return dense_linear(
         jnp.where(self.mask[...], kernel, jnp.zeros((), kernel.dtype)),
-        None if self.bias is None else self.bias[...],
+        bias_of(self),
         dtype=self.dtype,
         precision=self.precision,
     )
@@ -362,7 +360,7 @@ class MaskedConv(nnx.Conv):
     if mask is None:
       mask = magnitude_mask(kernel, sparsity)
     return with_weights(
-        cls, kernel, None if conv.bias is None else conv.bias[...], conv.in_features, conv.out_features,
+        cls, kernel, bias_of(conv), conv.in_features, conv.out_features,
         conv.kernel_size, mask=mask, rngs=nnx.Rngs(0), **_conv_options(conv),
     )
 
@@ -370,6 +368,6 @@ class MaskedConv(nnx.Conv):
     """An ``nnx.Conv`` with kernel ``kernel * mask`` and the same options and bias."""
     kernel = jnp.where(self.mask[...], self.kernel[...], jnp.zeros((), self.kernel.dtype))
     return with_weights(
-        nnx.Conv, kernel, None if self.bias is None else self.bias[...], self.in_features, self.out_features,
+        nnx.Conv, kernel, bias_of(self), self.in_features, self.out_features,
         self.kernel_size, rngs=nnx.Rngs(0), **_conv_options(self),
     )

@@ -33,6 +33,7 @@ from jaxsparse.formats._nm import NMSparseMatrix
 from jaxsparse.layers._common import NMPromote
 from jaxsparse.layers._common import SparsityPattern
 from jaxsparse.layers._common import base_promote
+from jaxsparse.layers._common import bias_of
 from jaxsparse.layers._common import check_decay
 from jaxsparse.layers._common import check_implementation
 from jaxsparse.layers._common import check_in_features
@@ -42,10 +43,6 @@ from jaxsparse.layers._common import linear_options
 from jaxsparse.layers._common import with_weights
 
 __all__ = ["CompressedNMLinear", "NMConv", "NMLinear"]
-
-
-def _bias(layer: nnx.Module) -> jax.Array | None:
-  return None if layer.bias is None else layer.bias[...]
 
 
 class _NMMixin:
@@ -167,14 +164,14 @@ class NMLinear(_NMMixin, nnx.Linear):
     if not isinstance(linear, nnx.Linear):
       raise TypeError(f"linear must be a flax.nnx.Linear, got {type(linear).__name__}.")
     return with_weights(
-        cls, linear.kernel[...], _bias(linear), linear.in_features, linear.out_features, n=n, m=m,
+        cls, linear.kernel[...], bias_of(linear), linear.in_features, linear.out_features, n=n, m=m,
         sr_ste_decay=sr_ste_decay, **linear_options(linear),
     )
 
   def to_dense(self) -> nnx.Linear:
     """An ``nnx.Linear`` holding the pruned kernel: the same function as this layer's forward pass."""
     return with_weights(
-        nnx.Linear, self.pruned_kernel(), _bias(self), self.in_features, self.out_features, **linear_options(self)
+        nnx.Linear, self.pruned_kernel(), bias_of(self), self.in_features, self.out_features, **linear_options(self)
     )
 
   def to_compressed(self, *, implementation: ops.Implementation | None = None) -> CompressedNMLinear:
@@ -189,7 +186,7 @@ class NMLinear(_NMMixin, nnx.Linear):
     ((32, 32), True)
     """
     weight = NMSparseMatrix.from_dense(self.kernel[...], self.n, self.m, axis=0)
-    bias = None if self.bias is None else self.bias[...]
+    bias = bias_of(self)
     return CompressedNMLinear(
         weight,
         bias,
@@ -268,7 +265,7 @@ class CompressedNMLinear(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     """Applies the layer to ``x`` of shape ``(..., in_features)``; returns ``(..., out_features)``."""
-    bias = None if self.bias is None else self.bias[...]
+    bias = bias_of(self)
     x, values, bias = self.promote_dtype((x, self.kernel[...], bias), dtype=self.dtype)
     w = self.weight.with_values(values)
     y = ops.nm_matmul(
@@ -285,7 +282,7 @@ class CompressedNMLinear(nnx.Module):
     return with_weights(
         nnx.Linear,
         self.weight.to_dense(),
-        _bias(self),
+        bias_of(self),
         self.in_features,
         self.out_features,
         use_bias=self.bias is not None,
@@ -397,14 +394,14 @@ class NMConv(_NMMixin, nnx.Conv):
     if not isinstance(conv, nnx.Conv):
       raise TypeError(f"conv must be a flax.nnx.Conv, got {type(conv).__name__}.")
     return with_weights(
-        cls, conv.kernel[...], _bias(conv), conv.in_features, conv.out_features, conv.kernel_size, n=n, m=m,
+        cls, conv.kernel[...], bias_of(conv), conv.in_features, conv.out_features, conv.kernel_size, n=n, m=m,
         sr_ste_decay=sr_ste_decay, **conv_options(conv),
     )
 
   def to_dense(self) -> nnx.Conv:
     """An ``nnx.Conv`` holding the pruned kernel: the same function as this layer's forward pass."""
     return with_weights(
-        nnx.Conv, self.pruned_kernel(), _bias(self), self.in_features, self.out_features, self.kernel_size,
+        nnx.Conv, self.pruned_kernel(), bias_of(self), self.in_features, self.out_features, self.kernel_size,
         **conv_options(self),
     )
 
