@@ -1,5 +1,6 @@
 """Orbax round trips of sparse NNX models and Linen variables (patterns included) through the standard idioms:
-a concrete target, an abstract target (``nnx.eval_shape`` / ``jax.eval_shape``) and a sharded abstract target."""
+a concrete target, an abstract target (``nnx.eval_shape`` / ``jax.eval_shape``) and a sharded abstract target;
+and initialisation under ``jit`` with ``out_shardings``."""
 
 from __future__ import annotations
 
@@ -118,6 +119,10 @@ SHARDED = textwrap.dedent(
       x = jax.random.normal(jax.random.key(1), x_shape)
       # A product over sharded weights may sum in another order: equal up to float rounding.
       np.testing.assert_allclose(nnx.merge(graphdef, state)(x), model(x), rtol=1e-5, atol=1e-6)
+      # Sharded initialisation: built under jit straight into the target shardings, equal to the eager build.
+      shardings = jax.tree.map(lambda t: t.sharding, target)
+      built = jax.jit(lambda: nnx.state(build(nnx.Rngs(7))), out_shardings=shardings)()
+      check(built, target, nnx.state(model))
     for name, (model, x_shape) in LINEN_LAYERS.items():
       x = jax.random.normal(jax.random.key(1), x_shape)
       variables = model.init(jax.random.key(7), x)
@@ -127,12 +132,14 @@ SHARDED = textwrap.dedent(
       restored = ckpt.restore(f"{path}/linen_{name}", target)
       check(restored, target, variables)
       np.testing.assert_allclose(model.apply(restored, x), model.apply(variables, x), rtol=1e-5, atol=1e-6)
+      shardings = jax.tree.map(lambda t: t.sharding, target)
+      check(jax.jit(model.init, out_shardings=shardings)(jax.random.key(7), x), target, variables)
     print("sharded restores ok")
     """
 )
 
 
-def test_restore_into_sharded_abstract_targets(tmp_path):
+def test_sharded_init_and_restore_into_sharded_abstract_targets(tmp_path):
   # Two host devices need a fresh process (the device count is fixed when JAX starts).
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
