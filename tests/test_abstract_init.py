@@ -1,5 +1,5 @@
-"""Every layer kind built under ``nnx.jit`` / ``nnx.eval_shape`` (NNX) or ``jit``-ed ``init`` (Linen) is the
-layer an eager build with the same seed gives: same graph, same parameters, same pattern, same outputs."""
+"""Every layer kind built under ``nnx.jit`` / ``jax.jit`` / ``nnx.eval_shape`` (NNX) or ``jit``-ed ``init``
+(Linen) is the layer an eager build with the same seed gives: same graph, parameters, pattern and outputs."""
 
 from __future__ import annotations
 
@@ -64,6 +64,7 @@ def test_nnx_jit_and_eval_shape_build_the_eager_layer(name):
   graphdef, state = nnx.split(eager)
   assert nnx.graphdef(jitted) == graphdef == nnx.graphdef(abstract)
   _assert_trees_equal(nnx.state(jitted), state)
+  _assert_trees_equal(jax.jit(lambda: nnx.state(make()))(), state)  # plain jax.jit over the state
   shapes = lambda s: jax.tree.map(lambda v: (v.shape, v.dtype), s)
   assert shapes(nnx.state(abstract)) == shapes(state)
   x = jax.random.normal(jax.random.key(1), x_shape)
