@@ -164,7 +164,8 @@ class MaskedLinear(nnx.Module):
   @property
   def density(self) -> float:
     """Fraction of weights kept."""
-    return float(jnp.mean(self.mask[...]))
+    mask = self.mask[...]
+    return int(jnp.count_nonzero(mask)) / mask.size
 
   @property
   def sparsity(self) -> float:
@@ -346,7 +347,8 @@ class MaskedConv(nnx.Conv):
   @property
   def density(self) -> float:
     """Fraction of weights kept."""
-    return float(jnp.mean(self.mask[...]))
+    mask = self.mask[...]
+    return int(jnp.count_nonzero(mask)) / mask.size
 
   @classmethod
   def from_dense(cls, conv: nnx.Conv, *, sparsity: float | None = None, mask: Any = None) -> MaskedConv:
