@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -12,6 +13,7 @@ from jaxsparse.formats._block_sparse import BlockSparseMatrix
 from jaxsparse.formats._csr import CSRMatrix
 from jaxsparse.formats._nm import NMSparseMatrix
 from jaxsparse.layers._block_sparse import BlockSparseLinear
+from jaxsparse.layers._common import SPARSITY
 from jaxsparse.layers._linear_general import SparseLinearGeneral
 from jaxsparse.layers._masked import MaskedConv
 from jaxsparse.layers._masked import MaskedLinear
@@ -27,8 +29,22 @@ def _as_2d(mask: np.ndarray) -> np.ndarray:
   return mask.reshape(-1, mask.shape[-1]) if mask.ndim > 2 else mask
 
 
+def _linen_layer(variables: Mapping) -> Any:
+  """A Linen ``BlockSparseDense`` / ``MaskedDense`` layer's ``{"params", "sparsity"}`` as a matrix or mask."""
+  kernel, pattern = variables["params"]["kernel"], variables[SPARSITY]
+  if "row_indices" in pattern:
+    _, bk, bn = kernel.shape
+    shape = ((pattern["row_offsets"].shape[0] - 1) * bk, (pattern["col_offsets"].shape[0] - 1) * bn)
+    return BlockSparseMatrix.from_index_arrays(kernel, pattern, shape=shape, block_shape=(bk, bn))
+  if "mask" in pattern:
+    return np.asarray(pattern["mask"])
+  raise TypeError(f"the {SPARSITY!r} variables hold {sorted(pattern)}, not a block pattern or a mask.")
+
+
 def _pattern(x: Any) -> tuple[np.ndarray, tuple[int, int], str]:
   """``(mask, cell, title)``: a bool mask whose entries stand for ``cell``-shaped tiles of the kernel."""
+  if isinstance(x, Mapping) and "params" in x and SPARSITY in x:
+    x = _linen_layer(x)
   if isinstance(x, SparseLinearGeneral):
     x = x.layer
   if isinstance(x, BlockSparseLinear):
@@ -52,8 +68,8 @@ def _pattern(x: Any) -> tuple[np.ndarray, tuple[int, int], str]:
     return mask, (1, 1), f"density {mask.mean():.3f}"
   raise TypeError(
       "plot_pattern takes a jaxsparse layer (BlockSparseLinear, MaskedLinear, MaskedConv, NMLinear, NMConv, "
-      "CompressedNMLinear, SparseLinearGeneral), a BlockSparseMatrix, CSRMatrix or NMSparseMatrix, or a bool "
-      f"mask of 2 or more dims; got {type(x).__name__}."
+      "CompressedNMLinear, SparseLinearGeneral), a Linen layer's variables {'params': ..., 'sparsity': ...}, a "
+      f"BlockSparseMatrix, CSRMatrix or NMSparseMatrix, or a bool mask of 2 or more dims; got {type(x).__name__}."
   )
 
 
@@ -105,8 +121,10 @@ def plot_pattern(
 
   Args:
     x: a jaxsparse layer (``BlockSparseLinear``, ``MaskedLinear``, ``MaskedConv``, ``NMLinear``,
-      ``NMConv``, ``CompressedNMLinear``, ``SparseLinearGeneral``), a ``BlockSparseMatrix``,
-      ``CSRMatrix`` or ``NMSparseMatrix``, or a bool mask.
+      ``NMConv``, ``CompressedNMLinear``, ``SparseLinearGeneral``), the variables of one Linen
+      ``BlockSparseDense`` / ``MaskedDense`` (``{"params": ..., "sparsity": ...}``), a
+      ``BlockSparseMatrix``, ``CSRMatrix`` or ``NMSparseMatrix``, or a bool mask (for N:M Linen layers:
+      ``jaxsparse.nm_mask(kernel, n, m)``).
     ax: the matplotlib ``Axes`` to draw on; ``None`` makes a new figure.
     crop: ``(rows, cols)``: draw only this top-left corner of the kernel, e.g. ``(32, 32)`` to see
       the 2:4 groups of a large layer.

@@ -10,6 +10,7 @@ from flax import nnx
 
 import jaxsparse
 from jaxsparse import layers
+from jaxsparse.layers import linen
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -63,6 +64,17 @@ def test_nm_crop_and_conv_layout():
   np.testing.assert_array_equal(_pixels(jaxsparse.plot_pattern(conv)), np.asarray(conv.nm_mask, float).reshape(72, 16))
   csr = jaxsparse.CSRMatrix.from_dense(jax.random.normal(jax.random.key(0), (12, 10)), mask=np.eye(12, 10, dtype=bool))
   np.testing.assert_array_equal(_pixels(jaxsparse.plot_pattern(csr)), np.eye(12, 10))
+
+
+def test_linen_layer_variables():
+  x = jax.numpy.ones((1, 64))
+  v = linen.BlockSparseDense(96, density=0.5, block_shape=(16, 32)).init(jax.random.key(0), x)
+  expected = np.zeros((4, 3))  # 64 / 16 block rows, 96 / 32 block columns
+  expected[np.asarray(v["sparsity"]["row_indices"]), np.asarray(v["sparsity"]["col_indices"])] = 1
+  assert expected.sum() == 6
+  np.testing.assert_array_equal(_pixels(jaxsparse.plot_pattern(v)), expected)
+  m = linen.MaskedDense(32, sparsity=0.5).init(jax.random.key(0), x)
+  np.testing.assert_array_equal(_pixels(jaxsparse.plot_pattern(m)), np.asarray(m["sparsity"]["mask"], float))
 
 
 def test_bad_input():
