@@ -4,18 +4,23 @@ Formats (pytrees: ``BlockSparseMatrix``, ``NMSparseMatrix``, ``CSRMatrix``), mas
 ``magnitude_mask``, ...), differentiable ops (:mod:`jaxsparse.ops`), Flax NNX and Linen layers
 (:mod:`jaxsparse.layers`), pruning and sparse training with optax (:mod:`jaxsparse.pruning`),
 ``sparsify`` / ``densify`` for existing models with the rule specs ``BlockSparse``, ``NM`` and
-``Unstructured``, and PyTorch checkpoint import / mask export (:mod:`jaxsparse.torch_interop`, imported
-on demand; it needs torch).
+``Unstructured``, ``summary`` (bytes and FLOPs against dense) and ``plot_pattern`` (matplotlib), and
+PyTorch checkpoint import / mask export (:mod:`jaxsparse.torch_interop`, imported on demand; it needs
+torch).
 """
 
 from jaxsparse import formats
 from jaxsparse import layers
 from jaxsparse import ops
 from jaxsparse import pruning
+from jaxsparse._plot import plot_pattern
 from jaxsparse._sparsify._linen import densify_linen
 from jaxsparse._sparsify._linen import sparsify_linen
 from jaxsparse._sparsify._nnx import densify
 from jaxsparse._sparsify._nnx import sparsify
+from jaxsparse._summary import LayerSummary
+from jaxsparse._summary import ModelSummary
+from jaxsparse._summary import summary
 from jaxsparse.formats import NM
 from jaxsparse.formats import BlockSparse
 from jaxsparse.formats import BlockSparseMatrix
@@ -34,6 +39,8 @@ __all__ = [
     "BlockSparse",
     "BlockSparseMatrix",
     "CSRMatrix",
+    "LayerSummary",
+    "ModelSummary",
     "NMSparseMatrix",
     "block_magnitude_mask",
     "densify",
@@ -43,9 +50,11 @@ __all__ = [
     "magnitude_mask",
     "nm_mask",
     "ops",
+    "plot_pattern",
     "pruning",
     "random_block_mask",
     "sparsify",
     "sparsify_linen",
+    "summary",
     "Unstructured",
 ]

@@ -97,3 +97,9 @@ def dense_reference(x: jax.typing.ArrayLike, w, *, precision, preferred_element_
   x = jnp.asarray(x)
   out_dtype = preferred_element_type or jnp.result_type(x.dtype, w.dtype)
   return jnp.matmul(x, w.to_dense(), precision=precision, preferred_element_type=out_dtype)
+
+
+def text_table(rows: Sequence[Sequence[str]]) -> str:
+  """Rows of strings as left-aligned columns two spaces apart (the first row is the header)."""
+  widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+  return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)

@@ -11,6 +11,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 
 import jaxsparse
+from jaxsparse.formats._block_sparse import block_pattern_indices
 from jaxsparse.ops import masked_matmul
 from tests._util import assert_close
 
@@ -100,6 +101,41 @@ def test_bad_input(call, exc, match):
   w = jax.random.normal(jax.random.key(1), (64, 32))
   with pytest.raises(exc, match=match):
     call(w)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**16), kb=st.integers(1, 7), nb=st.integers(1, 7), p=st.floats(0.0, 1.0))
+def test_traced_block_indices_equal_host_indices(seed, kb, nb, p):
+  # The jnp path (traced mask, static count) must give exactly the host's NumPy index arrays.
+  mask = np.random.default_rng(seed).random((kb, nb)) < p
+  host = block_pattern_indices(mask)
+  traced = jax.jit(lambda m: block_pattern_indices(m, nnz_blocks=int(mask.sum())))(mask)
+  assert set(traced) == set(host) == set(jaxsparse.formats._block_sparse.INDEX_FIELDS)
+  for f, v in host.items():
+    assert v.dtype == np.int32 and traced[f].dtype == jnp.int32
+    np.testing.assert_array_equal(traced[f], v, err_msg=f)
+
+
+def test_from_dense_traced_mask_needs_count():
+  w = jax.random.normal(jax.random.key(0), (64, 48))
+  mask = jaxsparse.block_magnitude_mask(w, (16, 16), 0.5)
+  ref = jaxsparse.BlockSparseMatrix.from_dense(w, (16, 16), block_mask=mask)
+
+  def build(w, nnz_blocks):
+    m = jaxsparse.block_magnitude_mask(w, (16, 16), 0.5)
+    return jaxsparse.BlockSparseMatrix.from_dense(w, (16, 16), m, nnz_blocks=nnz_blocks)
+
+  with pytest.raises(ValueError, match=r"block_mask is traced .* pass its count as a static int"):
+    jax.jit(build, static_argnums=1)(w, None)
+  got = jax.jit(build, static_argnums=1)(w, 6)
+  assert got.shape == ref.shape and got.block_shape == ref.block_shape
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
+    np.testing.assert_array_equal(a, b)
+  # from_block_mask takes the count from data's static shape.
+  again = jax.jit(jaxsparse.BlockSparseMatrix.from_block_mask)(mask, ref.data)
+  np.testing.assert_array_equal(again.transpose_order, ref.transpose_order)
+  with pytest.raises(ValueError, match=r"data holds 5 blocks but block_mask keeps 6"):
+    jaxsparse.BlockSparseMatrix.from_block_mask(mask, ref.data[:5])
 
 
 def test_from_dense_traced_without_mask_explains():

@@ -144,8 +144,12 @@ def test_csr_pytree_jit_and_constructors():
   again = jaxsparse.CSRMatrix.from_index_arrays(ws.data, ws.index_arrays(), shape=ws.shape)
   np.testing.assert_array_equal(again.to_dense(), ws.to_dense())
   np.testing.assert_array_equal(jaxsparse.CSRMatrix.from_mask(mask, ws.data).to_dense(), ws.to_dense())
-  # from_dense accepts a traced w when the mask is concrete.
+  # from_dense accepts a traced w when the mask is concrete, and a traced mask with its static nnz.
   np.testing.assert_array_equal(jax.jit(lambda w: jaxsparse.CSRMatrix.from_dense(w, mask=mask).data)(w), ws.data)
+  traced = jax.jit(lambda w, m: jaxsparse.CSRMatrix.from_dense(w, mask=m, nnz=ws.nnz))(w, mask)
+  for f in jaxsparse.formats._csr.INDEX_FIELDS:
+    np.testing.assert_array_equal(getattr(traced, f), getattr(ws, f), err_msg=f)
+  np.testing.assert_array_equal(jax.jit(jaxsparse.CSRMatrix.from_mask)(mask, ws.data).to_dense(), ws.to_dense())
   assert repr(ws) == f"CSRMatrix(shape=(24, 16), nnz={ws.nnz}, density={ws.density:.3f}, dtype=float32)"
 
 
@@ -159,8 +163,10 @@ def test_csr_bad_input():
     jaxsparse.CSRMatrix.from_mask(np.ones(24, bool), jnp.ones(24))
   with pytest.raises(ValueError, match=r"data must have shape \(nnz,\) = \(24,\) for this mask, got \(3,\)"):
     jaxsparse.CSRMatrix.from_mask(np.ones((4, 6), bool), jnp.ones(3))
-  with pytest.raises(ValueError, match="mask must be concrete"):
+  with pytest.raises(ValueError, match=r"mask is traced .* pass its count as a static int \(nnz="):
     jax.jit(lambda m: jaxsparse.CSRMatrix.from_dense(w, mask=m).data)(np.ones((4, 6), bool))
+  with pytest.raises(ValueError, match=r"mask keeps 24 entries but nnz=3 was given"):
+    jaxsparse.CSRMatrix.from_dense(w, mask=np.ones((4, 6), bool), nnz=3)
   ws = jaxsparse.CSRMatrix.from_dense(w)
   with pytest.raises(ValueError, match=r"data must have shape \(nnz,\) = \(24,\), got \(2, 12\)"):
     ws.with_data(jnp.ones((2, 12)))

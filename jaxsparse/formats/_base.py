@@ -1,4 +1,4 @@
-"""Pytree plumbing shared by the index-array formats (``BlockSparseMatrix``, ``CSRMatrix``)."""
+"""Pytree plumbing and pattern indexing shared by the index-array formats (``BlockSparseMatrix``, ``CSRMatrix``)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,65 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-__all__ = ["IndexedSparseMatrix"]
+__all__ = ["IndexedSparseMatrix", "check_pattern_mask", "is_concrete", "mask_pattern_indices"]
+
+
+def is_concrete(x: Any) -> bool:
+  """True when ``x`` holds values (NumPy, a committed JAX array), False for a tracer or ``ShapeDtypeStruct``."""
+  return not isinstance(x, jax.core.Tracer | jax.ShapeDtypeStruct)
+
+
+def check_pattern_mask(mask: Any, *, name: str, layout: str) -> np.ndarray | jax.Array:
+  """``mask`` as a NumPy array when concrete, else as the traced array, after checking it is a 2-D bool array.
+
+  ``layout`` names the axes in the error message, e.g. ``"(K // bk, N // bn)"``.
+  """
+  mask = np.asarray(mask) if is_concrete(mask) else mask
+  if mask.ndim != 2:
+    raise ValueError(f"{name} must be 2-D {layout}, got shape {mask.shape}.")
+  if mask.dtype != np.bool_:
+    raise TypeError(
+        f"{name} must be a boolean array, got dtype {mask.dtype}; convert 0/1 masks with `.astype(bool)`."
+    )
+  return mask
+
+
+def mask_pattern_indices(mask: Any, nnz: int | None, *, name: str) -> dict[str, Any]:
+  """Row-major coordinates and CSR/CSC offsets of the True entries of a 2-D bool ``mask``.
+
+  A concrete mask is indexed on the host with NumPy. A traced mask (under ``jit``, ``nnx.eval_shape``
+  or a Linen ``init`` in ``jit``) is indexed with ``jnp`` and needs the static count ``nnz`` of its True
+  entries, since array shapes must be known when tracing; both paths give identical arrays.
+
+  Returns:
+    int32 arrays ``row_indices``, ``col_indices`` (``(nnz,)``, row-major order), ``row_offsets``
+    (``(rows + 1,)``), ``col_offsets`` (``(cols + 1,)``) and ``transpose_order`` (``(nnz,)``: positions
+    in row-major order listed in column-major order).
+  """
+  if is_concrete(mask):
+    m = np.asarray(mask)
+    if nnz is not None and int(m.sum()) != nnz:
+      raise ValueError(f"{name} keeps {int(m.sum())} entries but nnz={nnz} was given; they must agree.")
+    xp, (rows, cols) = np, np.nonzero(m)
+  else:
+    if nnz is None:
+      raise ValueError(
+          f"{name} is traced (built under jit or eval_shape), so the number of entries it keeps is not known "
+          "while shapes are fixed: pass its count as a static int (nnz= / nnz_blocks=), or pass a concrete mask."
+      )
+    m = mask
+    xp, (rows, cols) = jnp, jnp.nonzero(mask, size=nnz)
+  i32 = xp.int32
+  return {
+      "row_indices": rows.astype(i32),
+      "col_indices": cols.astype(i32),
+      "row_offsets": xp.concatenate([xp.zeros(1, i32), xp.cumsum(m.sum(axis=1)).astype(i32)]),
+      "col_offsets": xp.concatenate([xp.zeros(1, i32), xp.cumsum(m.sum(axis=0)).astype(i32)]),
+      # Row-major entries sorted stably by column: rows stay ascending within a column.
+      "transpose_order": (np.argsort(cols, kind="stable") if xp is np else jnp.argsort(cols, stable=True)).astype(i32),
+  }
 
 
 class IndexedSparseMatrix:
@@ -61,6 +118,11 @@ class IndexedSparseMatrix:
   def index_arrays(self) -> dict[str, jax.Array]:
     """The integer index arrays of the pattern, keyed by ``INDEX_FIELDS`` names."""
     return {f: getattr(self, f) for f in self.INDEX_FIELDS}
+
+  def _scatter(self, grid: tuple[int, int], values: jax.Array) -> jax.Array:
+    """``(*grid, *values.shape[1:])`` zeros with ``values[i]`` at ``(row_indices[i], col_indices[i])``."""
+    out = jnp.zeros((*grid, *values.shape[1:]), values.dtype)
+    return out.at[self.row_indices, self.col_indices].set(values)
 
   def _with_checked_data(self, data: jax.Array):
     return type(self)(data, **self.index_arrays(), **{f: getattr(self, f) for f in self.STATIC_FIELDS})

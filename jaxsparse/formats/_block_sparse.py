@@ -2,8 +2,9 @@
 
 ``BlockSparseMatrix`` is a ``(K, N)`` matrix in Flax kernel layout (``y = x @ W``, in-features first)
 that stores only its kept ``(bk, bn)`` blocks. The integer block indices every product needs (forward
-``x @ W``, transposed ``dY @ Wᵀ`` and the sampled gradient ``xᵀ dY``) are computed once, on the host,
-when the matrix is built, and travel with it as pytree leaves; the shapes are static aux data.
+``x @ W``, transposed ``dY @ Wᵀ`` and the sampled gradient ``xᵀ dY``) are computed once when the matrix
+is built (on the host for a concrete mask, with ``jnp`` under ``jit`` / ``nnx.eval_shape``) and travel
+with it as pytree leaves; the shapes are static aux data.
 """
 
 from __future__ import annotations
@@ -16,18 +17,29 @@ import numpy as np
 
 from jaxsparse import _utils
 from jaxsparse.formats._base import IndexedSparseMatrix
+from jaxsparse.formats._base import check_pattern_mask
+from jaxsparse.formats._base import is_concrete
+from jaxsparse.formats._base import mask_pattern_indices
 
 __all__ = ["INDEX_FIELDS", "BlockSparseMatrix", "block_pattern_indices"]
 
 
-def block_pattern_indices(block_mask: Any) -> dict[str, np.ndarray]:
-  """Index arrays for a concrete boolean block mask of shape ``(K // bk, N // bn)``.
+def block_pattern_indices(block_mask: Any, *, nnz_blocks: int | None = None) -> dict[str, Any]:
+  """Index arrays for a boolean block mask of shape ``(K // bk, N // bn)``.
 
   Blocks are numbered in row-major order (by block row, then block column); that is the order of
-  ``BlockSparseMatrix.data``.
+  ``BlockSparseMatrix.data``. A concrete mask is indexed on the host (NumPy arrays); a traced one
+  (under ``jit`` or ``nnx.eval_shape``) with ``jnp``, which needs the static ``nnz_blocks`` it keeps.
+  Both give the same arrays.
+
+  >>> import numpy as np
+  >>> from jaxsparse.formats._block_sparse import block_pattern_indices
+  >>> idx = block_pattern_indices(np.array([[True, False], [True, True]]))
+  >>> idx["row_indices"].tolist(), idx["col_indices"].tolist(), idx["transpose_order"].tolist()
+  ([0, 1, 1], [0, 0, 1], [0, 1, 2])
 
   Returns:
-    A dict of int32 NumPy arrays:
+    A dict of int32 arrays:
       ``row_indices``, ``col_indices``: ``(nnz,)`` block row / column of each stored block.
       ``row_offsets``: ``(K // bk + 1,)`` CSR offsets: the blocks of block row ``i`` are
         ``row_offsets[i]:row_offsets[i + 1]``.
@@ -35,31 +47,8 @@ def block_pattern_indices(block_mask: Any) -> dict[str, np.ndarray]:
       ``transpose_order``: ``(nnz,)`` positions in ``data`` listed in column-major order (by block
         column, then block row): the layout of the transposed product ``dY @ Wᵀ``.
   """
-  try:
-    mask = np.asarray(block_mask)
-  except jax.errors.TracerArrayConversionError as e:
-    raise ValueError(
-        "block_mask must be concrete (a NumPy or committed JAX array), not a traced value: the block "
-        "indices are computed once on the host. Build the BlockSparseMatrix outside jit, or use "
-        "`with_data` inside jit to swap the values of an existing pattern."
-    ) from e
-  if mask.ndim != 2:
-    raise ValueError(f"block_mask must be 2-D (K // bk, N // bn), got shape {mask.shape}.")
-  if mask.dtype != np.bool_:
-    raise TypeError(f"block_mask must be a boolean array, got dtype {mask.dtype}.")
-  kb, nb = mask.shape
-  rows, cols = np.nonzero(mask)  # row-major order
-  transpose_order = np.lexsort((rows, cols))
-  row_offsets = np.concatenate([[0], np.cumsum(mask.sum(axis=1))])
-  col_offsets = np.concatenate([[0], np.cumsum(mask.sum(axis=0))])
-  del kb, nb
-  return {
-      "row_indices": rows.astype(np.int32),
-      "col_indices": cols.astype(np.int32),
-      "row_offsets": row_offsets.astype(np.int32),
-      "col_offsets": col_offsets.astype(np.int32),
-      "transpose_order": transpose_order.astype(np.int32),
-  }
+  mask = check_pattern_mask(block_mask, name="block_mask", layout="(K // bk, N // bn)")
+  return mask_pattern_indices(mask, nnz_blocks, name="block_mask")
 
 
 INDEX_FIELDS = ("row_indices", "col_indices", "row_offsets", "col_offsets", "transpose_order")
@@ -104,21 +93,23 @@ class BlockSparseMatrix(IndexedSparseMatrix):
       *,
       shape: tuple[int, int] | None = None,
   ) -> BlockSparseMatrix:
-    """Builds a matrix from a concrete block mask and the values of its kept blocks.
+    """Builds a matrix from a block mask and the values of its kept blocks.
 
     Args:
-      block_mask: concrete bool ``(K // bk, N // bn)``.
+      block_mask: bool ``(K // bk, N // bn)``; concrete, or traced (the block count is then taken
+        from ``data``'s static shape).
       data: ``(nnz_blocks, bk, bn)``, the kept blocks in row-major block order.
       shape: optional ``(K, N)``; checked against ``block_mask.shape * block_shape`` if given.
     """
-    idx = block_pattern_indices(block_mask)
     data = jnp.asarray(data)
     if data.ndim != 3:
       raise ValueError(f"data must be 3-D (nnz_blocks, bk, bn), got shape {data.shape}.")
-    nnz = idx["row_indices"].shape[0]
-    if data.shape[0] != nnz:
-      raise ValueError(f"data holds {data.shape[0]} blocks but block_mask keeps {nnz}.")
-    kb, nb = np.shape(block_mask)
+    mask = check_pattern_mask(block_mask, name="block_mask", layout="(K // bk, N // bn)")
+    nnz = data.shape[0]
+    if is_concrete(mask) and int(mask.sum()) != nnz:
+      raise ValueError(f"data holds {nnz} blocks but block_mask keeps {int(mask.sum())}.")
+    idx = block_pattern_indices(mask, nnz_blocks=nnz)
+    kb, nb = mask.shape
     full = (kb * data.shape[1], nb * data.shape[2])
     if shape is not None and tuple(shape) != full:
       raise ValueError(f"shape={tuple(shape)} does not match block_mask {(kb, nb)} x blocks {data.shape[1:]}.")
@@ -130,14 +121,19 @@ class BlockSparseMatrix(IndexedSparseMatrix):
       w: jax.typing.ArrayLike,
       block_shape: tuple[int, int],
       block_mask: Any = None,
+      *,
+      nnz_blocks: int | None = None,
   ) -> BlockSparseMatrix:
     """Keeps the blocks of ``w`` that ``block_mask`` selects (or, without a mask, its nonzero blocks).
 
     Args:
       w: ``(K, N)`` dense matrix. May be traced when ``block_mask`` is given.
       block_shape: ``(bk, bn)`` dividing ``(K, N)``.
-      block_mask: optional concrete bool ``(K // bk, N // bn)``; ``None`` keeps every block of ``w``
-        that has a nonzero entry (``w`` must then be concrete).
+      block_mask: optional bool ``(K // bk, N // bn)``; ``None`` keeps every block of ``w`` that has a
+        nonzero entry (``w`` must then be concrete). A traced mask needs ``nnz_blocks``.
+      nnz_blocks: the number of blocks ``block_mask`` keeps, a static int; needed only when the mask
+        is traced (e.g. ``block_magnitude_mask(w, ...)`` of a traced ``w`` keeps
+        ``round(density * blocks)``).
 
     Returns:
       A ``BlockSparseMatrix`` with ``to_dense() == w * expanded(block_mask)``.
@@ -147,21 +143,19 @@ class BlockSparseMatrix(IndexedSparseMatrix):
     bk, bn = _utils.check_block_shape(block_shape, w.shape)
     kb, nb = w.shape[0] // bk, w.shape[1] // bn
     if block_mask is None:
-      try:
-        wn = np.asarray(w)
-      except jax.errors.TracerArrayConversionError as e:
+      if not is_concrete(w):
         raise ValueError(
             "from_dense(w, block_shape) without block_mask needs a concrete w to find its nonzero "
             "blocks; pass block_mask= when w is traced."
-        ) from e
-      block_mask = np.any(wn.reshape(kb, bk, nb, bn) != 0, axis=(1, 3))
-    mask_shape = tuple(np.shape(block_mask))
-    if mask_shape != (kb, nb):
+        )
+      block_mask = np.any(np.asarray(w).reshape(kb, bk, nb, bn) != 0, axis=(1, 3))
+    mask = check_pattern_mask(block_mask, name="block_mask", layout="(K // bk, N // bn)")
+    if mask.shape != (kb, nb):
       raise ValueError(
           f"block_mask must have shape (K // bk, N // bn) = {(kb, nb)} for w {w.shape} and "
-          f"block_shape {(bk, bn)}, got {mask_shape}."
+          f"block_shape {(bk, bn)}, got {mask.shape}."
       )
-    idx = block_pattern_indices(block_mask)
+    idx = block_pattern_indices(mask, nnz_blocks=nnz_blocks)
     blocks = w.reshape(kb, bk, nb, bn).transpose(0, 2, 1, 3)
     data = blocks[idx["row_indices"], idx["col_indices"]]
     return cls(data, shape=w.shape, block_shape=(bk, bn), **{k: jnp.asarray(v) for k, v in idx.items()})
@@ -193,16 +187,11 @@ class BlockSparseMatrix(IndexedSparseMatrix):
   @property
   def block_mask(self) -> jax.Array:
     """Bool ``(K // bk, N // bn)``, True where a block is stored."""
-    mask = jnp.zeros(self.grid_shape, dtype=bool)
-    return mask.at[self.row_indices, self.col_indices].set(True)
+    return self._scatter(self.grid_shape, jnp.ones(self.row_indices.shape, bool))
 
   def to_dense(self) -> jax.Array:
     """The dense ``(K, N)`` matrix, zeros outside the kept blocks (for tests and export, not hot paths)."""
-    kb, nb = self.grid_shape
-    bk, bn = self.block_shape
-    blocks = jnp.zeros((kb, nb, bk, bn), self.data.dtype)
-    blocks = blocks.at[self.row_indices, self.col_indices].set(self.data)
-    return blocks.transpose(0, 2, 1, 3).reshape(self.shape)
+    return self._scatter(self.grid_shape, self.data).transpose(0, 2, 1, 3).reshape(self.shape)
 
   def __repr__(self) -> str:
     return (

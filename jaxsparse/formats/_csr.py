@@ -2,8 +2,9 @@
 
 The layout mirrors :class:`jaxsparse.BlockSparseMatrix` with ``1 x 1`` blocks: values in row-major
 order (CSR) plus the index arrays that the forward product ``x @ W`` (by column), the transposed
-product ``dY @ Wᵀ`` and the sampled gradient ``xᵀ dY`` (by row) need. They are computed once, on the
-host, when the matrix is built, and travel with it as pytree leaves; the shape is static aux data.
+product ``dY @ Wᵀ`` and the sampled gradient ``xᵀ dY`` (by row) need. They are computed once when the
+matrix is built (on the host for a concrete mask, with ``jnp`` under ``jit``) and travel with it as
+pytree leaves; the shape is static aux data.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ import numpy as np
 
 from jaxsparse import _utils
 from jaxsparse.formats._base import IndexedSparseMatrix
+from jaxsparse.formats._base import check_pattern_mask
+from jaxsparse.formats._base import is_concrete
+from jaxsparse.formats._base import mask_pattern_indices
 
 __all__ = ["INDEX_FIELDS", "CSRMatrix", "csr_pattern_indices"]
 
@@ -29,27 +33,15 @@ INDEX_FIELDS = (
 )
 
 
-def _concrete_mask(mask: Any, *, name: str = "mask") -> np.ndarray:
-  try:
-    m = np.asarray(mask)
-  except jax.errors.TracerArrayConversionError as e:
-    raise ValueError(
-        f"{name} must be concrete (a NumPy or committed JAX array), not a traced value: the sparse "
-        "indices are computed once on the host. Build the CSRMatrix outside jit, or use `with_data` "
-        "inside jit to swap the values of an existing pattern."
-    ) from e
-  if m.ndim != 2:
-    raise ValueError(f"{name} must be 2-D (K, N), got shape {m.shape}.")
-  if m.dtype != np.bool_:
-    raise TypeError(f"{name} must be a boolean array, got dtype {m.dtype}; convert 0/1 masks with `.astype(bool)`.")
-  return m
+def csr_pattern_indices(mask: Any, *, nnz: int | None = None) -> dict[str, Any]:
+  """Index arrays for a boolean ``(K, N)`` mask; entries are numbered in row-major order.
 
-
-def csr_pattern_indices(mask: Any) -> dict[str, np.ndarray]:
-  """Index arrays for a concrete boolean ``(K, N)`` mask; entries are numbered in row-major order.
+  A concrete mask is indexed on the host (NumPy arrays); a traced one (under ``jit`` or
+  ``nnx.eval_shape``) with ``jnp``, which needs the static count ``nnz`` of its True entries. Both give
+  the same arrays.
 
   Returns:
-    A dict of int32 NumPy arrays:
+    A dict of int32 arrays:
       ``row_indices``, ``col_indices``: ``(nnz,)`` row and column of each stored value.
       ``row_offsets``: ``(K + 1,)`` CSR offsets: row ``i`` holds entries
         ``row_offsets[i]:row_offsets[i + 1]``.
@@ -58,19 +50,12 @@ def csr_pattern_indices(mask: Any) -> dict[str, np.ndarray]:
       ``transpose_row_indices``: ``(nnz,)`` the row of each entry in column-major order, i.e.
         ``row_indices[transpose_order]`` (the forward product reads it sequentially).
   """
-  m = _concrete_mask(mask)
+  m = check_pattern_mask(mask, name="mask", layout="(K, N)")
   if m.size >= 2**31:
     raise ValueError(f"mask has {m.size} entries; CSRMatrix indexes with int32 and holds fewer than 2**31.")
-  rows, cols = np.nonzero(m)  # row-major order
-  transpose_order = np.argsort(cols, kind="stable")  # rows stay ascending within a column
-  return {
-      "row_indices": rows.astype(np.int32),
-      "col_indices": cols.astype(np.int32),
-      "row_offsets": np.concatenate([[0], np.cumsum(m.sum(axis=1))]).astype(np.int32),
-      "col_offsets": np.concatenate([[0], np.cumsum(m.sum(axis=0))]).astype(np.int32),
-      "transpose_order": transpose_order.astype(np.int32),
-      "transpose_row_indices": rows[transpose_order].astype(np.int32),
-  }
+  idx = mask_pattern_indices(m, nnz, name="mask")
+  idx["transpose_row_indices"] = idx["row_indices"][idx["transpose_order"]]
+  return idx
 
 
 @jax.tree_util.register_pytree_node_class
@@ -104,22 +89,26 @@ class CSRMatrix(IndexedSparseMatrix):
   # -- construction ---------------------------------------------------------------------------------
   @classmethod
   def from_mask(cls, mask: Any, data: jax.typing.ArrayLike) -> CSRMatrix:
-    """Builds a matrix from a concrete bool ``(K, N)`` mask and its ``(nnz,)`` kept values in row-major order."""
-    idx = csr_pattern_indices(mask)
+    """Builds a matrix from a bool ``(K, N)`` mask and its ``(nnz,)`` kept values in row-major order.
+
+    The mask may be traced: ``nnz`` is then taken from ``data``'s static shape.
+    """
     data = jnp.asarray(data)
-    nnz = idx["row_indices"].shape[0]
-    if data.shape != (nnz,):
-      raise ValueError(f"data must have shape (nnz,) = ({nnz},) for this mask, got {data.shape}.")
-    return cls(data, shape=np.shape(mask), **{k: jnp.asarray(v) for k, v in idx.items()})
+    m = check_pattern_mask(mask, name="mask", layout="(K, N)")
+    if data.ndim != 1 or (is_concrete(m) and data.shape[0] != int(m.sum())):
+      raise ValueError(f"data must have shape (nnz,) = ({int(m.sum())},) for this mask, got {data.shape}.")
+    idx = csr_pattern_indices(m, nnz=data.shape[0])
+    return cls(data, shape=m.shape, **{k: jnp.asarray(v) for k, v in idx.items()})
 
   @classmethod
-  def from_dense(cls, w: jax.typing.ArrayLike, mask: Any = None) -> CSRMatrix:
+  def from_dense(cls, w: jax.typing.ArrayLike, mask: Any = None, *, nnz: int | None = None) -> CSRMatrix:
     """Keeps the entries of ``w`` that ``mask`` selects (or, without a mask, its nonzeros).
 
     Args:
       w: ``(K, N)`` dense matrix. May be traced when ``mask`` is given.
-      mask: optional concrete bool ``(K, N)``; ``None`` keeps the nonzero entries of ``w`` (which
-        must then be concrete).
+      mask: optional bool ``(K, N)``; ``None`` keeps the nonzero entries of ``w`` (which must then be
+        concrete). A traced mask needs ``nnz``.
+      nnz: the number of entries ``mask`` keeps, a static int; needed only when the mask is traced.
 
     Returns:
       A ``CSRMatrix`` with ``to_dense() == where(mask, w, 0)``.
@@ -127,16 +116,15 @@ class CSRMatrix(IndexedSparseMatrix):
     w = jnp.asarray(w)
     _utils.check_ndim(w.shape, 2, name="w")
     if mask is None:
-      try:
-        mask = np.asarray(w) != 0
-      except jax.errors.TracerArrayConversionError as e:
+      if not is_concrete(w):
         raise ValueError(
             "CSRMatrix.from_dense(w) without mask needs a concrete w to find its nonzeros; pass mask= when w is traced."
-        ) from e
-    m = _concrete_mask(mask)
+        )
+      mask = np.asarray(w) != 0
+    m = check_pattern_mask(mask, name="mask", layout="(K, N)")
     if m.shape != w.shape:
       raise ValueError(f"mask must have the shape of w {w.shape}, got {m.shape}.")
-    idx = csr_pattern_indices(m)
+    idx = csr_pattern_indices(m, nnz=nnz)
     data = w[idx["row_indices"], idx["col_indices"]]
     return cls(data, shape=w.shape, **{k: jnp.asarray(v) for k, v in idx.items()})
 
@@ -161,11 +149,11 @@ class CSRMatrix(IndexedSparseMatrix):
   @property
   def mask(self) -> jax.Array:
     """Bool ``(K, N)``, True where a value is stored."""
-    return jnp.zeros(self.shape, bool).at[self.row_indices, self.col_indices].set(True)
+    return self._scatter(self.shape, jnp.ones(self.row_indices.shape, bool))
 
   def to_dense(self) -> jax.Array:
     """The dense ``(K, N)`` matrix, zeros elsewhere (for tests, export and the XLA fallback)."""
-    return jnp.zeros(self.shape, self.data.dtype).at[self.row_indices, self.col_indices].set(self.data)
+    return self._scatter(self.shape, self.data)
 
   def __repr__(self) -> str:
     return f"CSRMatrix(shape={self.shape}, nnz={self.nnz}, density={self.density:.3f}, dtype={self.data.dtype})"

@@ -26,31 +26,45 @@ from jax import lax
 from jaxsparse import _utils
 from jaxsparse import ops
 from jaxsparse._utils import check_mask
+from jaxsparse.formats._base import is_concrete
 from jaxsparse.formats._block_sparse import INDEX_FIELDS
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
 from jaxsparse.formats._masks import block_magnitude_mask
 from jaxsparse.formats._masks import random_block_mask
 from jaxsparse.layers._common import SPARSITY
 from jaxsparse.layers._common import SparsityPattern
+from jaxsparse.layers._common import bias_of
 from jaxsparse.layers._common import check_implementation
 from jaxsparse.layers._common import check_input
 from jaxsparse.layers._common import check_kept
 from jaxsparse.layers._common import check_linear
-from jaxsparse.layers._common import concrete
+from jaxsparse.layers._common import check_one_of
 from jaxsparse.layers._common import default_bias_init
 from jaxsparse.layers._common import dense_linear
+from jaxsparse.layers._common import init_linear_attributes
 from jaxsparse.layers._common import missing_pattern
 
 __all__ = ["BlockSparseDense", "BlockSparseLinear"]
 
 
 def check_block_mask(block_mask: Any, grid: tuple[int, int]) -> np.ndarray:
-  mask = concrete(block_mask, name="block_mask")
-  if mask.shape != grid:
+  """A user's block mask as a checked NumPy bool array of shape ``grid``."""
+  if not is_concrete(block_mask):
     raise ValueError(
-        f"block_mask must have shape (in_features // bk, out_features // bn) = {grid}, got {mask.shape}."
+        "block_mask is traced (built under jit or eval_shape), so the number of blocks it keeps, which "
+        "fixes the kernel's shape, is unknown: pass density= to draw the pattern from rngs under jit, or "
+        "pass a concrete (NumPy) block_mask."
     )
-  return np.asarray(check_mask(mask, grid, name="block_mask"))
+  if np.shape(block_mask) != grid:
+    raise ValueError(
+        f"block_mask must have shape (in_features // bk, out_features // bn) = {grid}, got {np.shape(block_mask)}."
+    )
+  return np.asarray(check_mask(block_mask, grid, name="block_mask"))
+
+
+def pattern_variables(w: BlockSparseMatrix) -> nnx.Dict:
+  """``w``'s index arrays as :class:`SparsityPattern` variables (the ``pattern`` of a ``BlockSparseLinear``)."""
+  return nnx.Dict({f: SparsityPattern(v) for f, v in w.index_arrays().items()})
 
 
 def block_sparse_kernel_init(nnz_blocks: int, grid: tuple[int, int]) -> Initializer:
@@ -88,7 +102,9 @@ class BlockSparseLinear(nnx.Module):
   """A linear layer ``y = x @ W + b`` whose ``W`` keeps only some ``(bk, bn)`` blocks.
 
   The pattern is fixed when the layer is built: ``round(density * blocks)`` blocks chosen uniformly
-  at random from ``rngs.params()`` (or the blocks of ``block_mask``). Only the kept blocks are
+  at random from ``rngs.params()`` (or the blocks of ``block_mask``). With ``density`` the layer can be
+  built under ``nnx.jit`` / ``nnx.eval_shape`` (the index arrays are then computed with ``jnp``) and is
+  the same layer as one built eagerly with the same seed. Only the kept blocks are
   parameters, and the product runs through :func:`jaxsparse.ops.block_sparse_matmul`, which never
   builds the dense ``(in_features, out_features)`` weight.
 
@@ -128,7 +144,8 @@ class BlockSparseLinear(nnx.Module):
     implementation: backend of :func:`jaxsparse.ops.block_sparse_matmul`: ``None`` (best for the
       platform), ``"xla"`` or ``"pallas"``.
     precision: passed to the products.
-    block_mask: concrete bool ``(in_features // bk, out_features // bn)`` choosing the blocks.
+    block_mask: concrete bool ``(in_features // bk, out_features // bn)`` choosing the blocks (its
+      count fixes the kernel's shape, so it cannot be traced; use ``density`` under ``jit``).
     rngs: ``nnx.Rngs``; the ``params`` stream draws the pattern, kernel and bias.
   """
 
@@ -154,47 +171,36 @@ class BlockSparseLinear(nnx.Module):
     bk, bn = _utils.check_block_shape(block_shape, (in_features, out_features))
     grid = (in_features // bk, out_features // bn)
     self.implementation = check_implementation(implementation)
-    if (density is None) == (block_mask is None):
-      raise ValueError(
-          f"Pass exactly one of density= and block_mask=, got density={density!r} and "
-          f"block_mask={'None' if block_mask is None else 'an array'}."
-      )
+    check_one_of("density", density, "block_mask", block_mask)
     if block_mask is None:
       density = _utils.check_density(density)
       blocks = grid[0] * grid[1]
-      check_kept(_utils.kept_count(density, blocks), blocks, name="density", value=density, what="blocks")
+      nnz = _utils.kept_count(density, blocks)
+      check_kept(nnz, blocks, name="density", value=density, what="blocks")
       block_mask = random_block_mask(rngs.params(), (in_features, out_features), (bk, bn), density)
-      block_mask = concrete(block_mask, name="block_mask")
     else:
       block_mask = check_block_mask(block_mask, grid)
-    nnz = int(np.count_nonzero(block_mask))
-    if nnz == 0:
-      raise ValueError("block_mask keeps no block; keep at least one.")
+      nnz = int(np.count_nonzero(block_mask))
+      if nnz == 0:
+        raise ValueError("block_mask keeps no block; keep at least one.")
     if kernel_init is None:
       kernel_init = block_sparse_kernel_init(nnz, grid)
     kernel = kernel_init(rngs.params(), (nnz, bk, bn), param_dtype)
     w = BlockSparseMatrix.from_block_mask(block_mask, kernel)
     self.kernel = nnx.Param(w.data)
-    self.pattern = nnx.Dict({f: SparsityPattern(v) for f, v in w.index_arrays().items()})
-    self.bias: nnx.Param[jax.Array] | None
-    if use_bias:
-      self.bias = nnx.Param(bias_init(rngs.params(), (out_features,), param_dtype))
-    else:
-      self.bias = nnx.data(None)
-    self.in_features = in_features
-    self.out_features = out_features
+    self.pattern = pattern_variables(w)
     self.block_shape = (bk, bn)
-    self.use_bias = use_bias
-    self.dtype = dtype
-    self.param_dtype = param_dtype
-    self.precision = precision
+    init_linear_attributes(
+        self, in_features, out_features, use_bias=use_bias, bias_init=bias_init, dtype=dtype,
+        param_dtype=param_dtype, precision=precision, rngs=rngs,
+    )
 
   def __call__(self, x: jax.Array) -> jax.Array:
     """Applies the layer to ``x`` of shape ``(..., in_features)``; returns ``(..., out_features)``."""
     return block_sparse_apply(
         x,
         self.kernel[...],
-        None if self.bias is None else self.bias[...],
+        bias_of(self),
         {f: v[...] for f, v in self.pattern.items()},
         shape=(self.in_features, self.out_features),
         block_shape=self.block_shape,
@@ -255,12 +261,11 @@ class BlockSparseLinear(nnx.Module):
     """
     linear = check_linear(linear)
     kernel = linear.kernel[...]
-    mask = block_magnitude_mask(kernel, block_shape, density)
     layer = cls(
         linear.in_features,
         linear.out_features,
+        density=density,
         block_shape=block_shape,
-        block_mask=mask,
         use_bias=linear.bias is not None,
         dtype=linear.dtype,
         param_dtype=kernel.dtype,
@@ -269,7 +274,11 @@ class BlockSparseLinear(nnx.Module):
         precision=linear.precision,
         rngs=nnx.Rngs(0),
     )
-    layer.kernel[...] = BlockSparseMatrix.from_dense(kernel, block_shape, block_mask=mask).data
+    # The largest blocks replace the random pattern; their count is static, so this works under jit.
+    mask = block_magnitude_mask(kernel, block_shape, density)
+    w = BlockSparseMatrix.from_dense(kernel, block_shape, mask, nnz_blocks=layer.nnz_blocks)
+    layer.kernel[...] = w.data
+    layer.pattern = pattern_variables(w)
     if linear.bias is not None:
       layer.bias[...] = linear.bias[...]
     return layer
@@ -278,7 +287,7 @@ class BlockSparseLinear(nnx.Module):
     """An ``nnx.Linear`` with the dense kernel (zeros outside the kept blocks) and the same bias."""
     return dense_linear(
         self.sparse_kernel.to_dense(),
-        None if self.bias is None else self.bias[...],
+        bias_of(self),
         dtype=self.dtype,
         precision=self.precision,
     )
@@ -302,8 +311,9 @@ class BlockSparseDense(nn.Module):
   ``init`` draws ``round(density * blocks)`` blocks uniformly at random from the ``"params"`` rng
   and stores their index arrays in the ``"sparsity"`` collection (keyed like
   :meth:`jaxsparse.BlockSparseMatrix.index_arrays`); the ``"params"`` kernel holds only the kept
-  blocks, shape ``(nnz_blocks, bk, bn)``. ``init`` must run outside ``jit`` (the block indices are
-  computed on the host). Default initialisation and dtypes follow ``BlockSparseLinear``; its
+  blocks, shape ``(nnz_blocks, bk, bn)``. ``init`` may run inside ``jax.jit`` (the block indices are
+  then computed with ``jnp``), giving the same variables as an eager ``init``. Default initialisation
+  and dtypes follow ``BlockSparseLinear``; its
   :meth:`~jaxsparse.layers.BlockSparseLinear.to_linen_variables` gives variables for this module.
 
   >>> import jax, jax.numpy as jnp
@@ -363,7 +373,7 @@ class BlockSparseDense(nn.Module):
       index_arrays = {f: self.get_variable(SPARSITY, f) for f in INDEX_FIELDS}
     elif self.is_initializing():
       mask = random_block_mask(self.make_rng("params"), shape, (bk, bn), self.density)
-      index_arrays = BlockSparseMatrix.from_block_mask(concrete(mask, name="block_mask"), kernel).index_arrays()
+      index_arrays = BlockSparseMatrix.from_block_mask(mask, kernel).index_arrays()
       for f, v in index_arrays.items():
         self.put_variable(SPARSITY, f, v)
     else:

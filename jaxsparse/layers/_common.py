@@ -7,6 +7,7 @@ the :data:`SPARSITY` collection. The checks raise errors that name the argument 
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 import typing
 from collections.abc import Callable
@@ -15,10 +16,11 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
+from flax.nnx import reprlib
 from flax.nnx.nn import dtypes
 
+from jaxsparse import _utils
 from jaxsparse import ops
 from jaxsparse.formats._masks import top_k_mask
 
@@ -27,6 +29,7 @@ __all__ = [
     "SPARSITY",
     "SparsityPattern",
     "base_promote",
+    "bias_of",
     "check_decay",
     "check_implementation",
     "check_in_features",
@@ -34,13 +37,16 @@ __all__ = [
     "check_kept",
     "check_linear",
     "check_masked_implementation",
-    "concrete",
+    "check_one_of",
     "conv_options",
     "default_bias_init",
     "dense_linear",
+    "init_linear_attributes",
+    "kept_weights",
     "linear_options",
     "missing_pattern",
     "random_mask",
+    "with_weights",
 ]
 
 SPARSITY = "sparsity"
@@ -54,7 +60,26 @@ class SparsityPattern(nnx.Variable):
   Being neither an ``nnx.Param`` nor differentiable (integer or bool values), it is left alone by
   ``nnx.Optimizer(model, tx, wrt=nnx.Param)`` and by ``nnx.grad``; filter it with
   ``nnx.split(model, nnx.Param, SparsityPattern)`` or ``nnx.state(model, SparsityPattern)``.
+  Its ``repr`` shows shape and dtype, not the index values (see :func:`jaxsparse.summary` for the
+  pattern in words).
   """
+
+  def __nnx_repr__(self):
+    for item in super().__nnx_repr__():
+      if isinstance(item, reprlib.Attr) and item.key == "value" and math.prod(jnp.shape(item.value)) > 1:
+        item = reprlib.Attr("value", _ArrayRepr(tuple(jnp.shape(item.value)), jnp.result_type(item.value)))
+      yield item
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class _ArrayRepr(reprlib.Representable):
+  shape: tuple[int, ...]
+  dtype: Any
+
+  def __nnx_repr__(self):
+    yield reprlib.Object(type="Array", same_line=True)
+    yield reprlib.Attr("shape", self.shape)
+    yield reprlib.Attr("dtype", self.dtype)
 
 
 def check_implementation(implementation: object) -> str | None:
@@ -76,20 +101,27 @@ def check_kept(kept: int, total: int, *, name: str, value: float, what: str) -> 
     raise ValueError(f"{name}={value} keeps 0 of {total} {what}; choose a {name} that keeps at least one.")
 
 
-def concrete(mask: Any, *, name: str) -> np.ndarray:
-  """``mask`` as a NumPy array; the pattern of a layer is fixed on the host when it is built."""
-  try:
-    return np.asarray(mask)
-  except jax.errors.TracerArrayConversionError as e:
-    raise ValueError(
-        f"{name} must be concrete: sparse layers fix their pattern on the host when they are built, "
-        "so build (or Linen-`init`) them outside `jit`."
-    ) from e
-
-
-def random_mask(key: jax.Array, shape: tuple[int, int], kept: int) -> jax.Array:
+def random_mask(key: jax.Array, shape: tuple[int, ...], kept: int) -> jax.Array:
   """A uniformly random bool mask of ``shape`` keeping exactly ``kept`` entries."""
   return top_k_mask(jax.random.uniform(key, shape), kept)
+
+
+def kept_weights(sparsity: object, shape: tuple[int, ...]) -> int:
+  """How many of the weights of ``shape`` a mask pruning ``round(sparsity * size)`` keeps (at least one)."""
+  sparsity = _utils.check_sparsity(sparsity)
+  size = math.prod(shape)
+  kept = size - _utils.kept_count(sparsity, size)
+  check_kept(kept, size, name="sparsity", value=sparsity, what="weights")
+  return kept
+
+
+def check_one_of(name: str, value: object, other: str, other_value: object) -> None:
+  """Raises unless exactly one of the two arguments (a number ``name`` or an array ``other``) is given."""
+  if (value is None) == (other_value is None):
+    raise ValueError(
+        f"Pass exactly one of {name}= and {other}=, got {name}={value!r} and "
+        f"{other}={'None' if other_value is None else 'an array'}."
+    )
 
 
 def check_linear(linear: object) -> nnx.Linear:
@@ -98,21 +130,49 @@ def check_linear(linear: object) -> nnx.Linear:
   return linear
 
 
+M = typing.TypeVar("M")
+
+
+def with_weights(build: Callable[..., M], kernel: jax.Array, bias: jax.Array | None, /, *args: Any, **options) -> M:
+  """``build(*args, **options)`` holding ``kernel`` (its dtype as ``param_dtype``) and, if given, ``bias``.
+
+  Works on concrete and traced weights (under ``jit`` / ``nnx.eval_shape``): the kernel is passed as
+  the initializer's result and the bias copied in.
+  """
+  layer = build(*args, param_dtype=kernel.dtype, kernel_init=lambda *_: kernel, **options)
+  if bias is not None:
+    layer.bias[...] = bias
+  return layer
+
+
 def dense_linear(kernel: jax.Array, bias: jax.Array | None, *, dtype, precision) -> nnx.Linear:
-  linear = nnx.Linear(
-      kernel.shape[0],
-      kernel.shape[1],
-      use_bias=bias is not None,
-      dtype=dtype,
-      param_dtype=kernel.dtype,
-      precision=precision,
-      kernel_init=nnx.initializers.zeros_init(),
+  """An ``nnx.Linear`` holding the ``(in, out)`` ``kernel`` and ``bias``."""
+  return with_weights(
+      nnx.Linear, kernel, bias, *kernel.shape, use_bias=bias is not None, dtype=dtype, precision=precision,
       rngs=nnx.Rngs(0),
   )
-  linear.kernel[...] = kernel
-  if bias is not None:
-    linear.bias[...] = bias
-  return linear
+
+
+def init_linear_attributes(
+    layer: nnx.Module,
+    in_features: int,
+    out_features: int,
+    *,
+    use_bias: bool,
+    bias_init: Any,
+    dtype: Any,
+    param_dtype: Any,
+    precision: Any,
+    rngs: nnx.Rngs,
+) -> None:
+  """Sets the bias parameter (drawn from ``rngs.params()``) and the options every sparse linear layer keeps."""
+  layer.bias = nnx.Param(bias_init(rngs.params(), (out_features,), param_dtype)) if use_bias else nnx.data(None)
+  layer.in_features = in_features
+  layer.out_features = out_features
+  layer.use_bias = use_bias
+  layer.dtype = dtype
+  layer.param_dtype = param_dtype
+  layer.precision = precision
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,36 +212,39 @@ def base_promote(layer: nnx.Module) -> Callable[..., Any]:
   return p.base if isinstance(p, NMPromote) else p
 
 
-def linear_options(linear: nnx.Linear) -> dict[str, Any]:
-  """Keyword arguments that rebuild ``linear``'s options (all but sizes, kernel and N:M settings)."""
+def _shared_options(layer: nnx.Linear | nnx.Conv) -> dict[str, Any]:
   return dict(
-      use_bias=linear.bias is not None,
-      dtype=linear.dtype,
-      precision=linear.precision,
-      dot_general=linear.dot_general,
-      promote_dtype=base_promote(linear),
-      preferred_element_type=linear.preferred_element_type,
+      use_bias=layer.bias is not None,
+      dtype=layer.dtype,
+      precision=layer.precision,
+      promote_dtype=base_promote(layer),
+      preferred_element_type=layer.preferred_element_type,
       rngs=nnx.Rngs(0),
   )
+
+
+def linear_options(linear: nnx.Linear) -> dict[str, Any]:
+  """Keyword arguments that rebuild ``linear``'s options (all but sizes, kernel and N:M settings)."""
+  return dict(_shared_options(linear), dot_general=linear.dot_general)
 
 
 def conv_options(conv: nnx.Conv) -> dict[str, Any]:
   """Keyword arguments that rebuild ``conv``'s options (all but sizes, kernel and N:M settings)."""
   return dict(
+      _shared_options(conv),
       strides=conv.strides,
       padding=conv.padding,
       input_dilation=conv.input_dilation,
       kernel_dilation=conv.kernel_dilation,
       feature_group_count=conv.feature_group_count,
-      use_bias=conv.bias is not None,
       mask=conv.mask,
-      dtype=conv.dtype,
-      precision=conv.precision,
       conv_general_dilated=conv.conv_general_dilated,
-      promote_dtype=base_promote(conv),
-      preferred_element_type=conv.preferred_element_type,
-      rngs=nnx.Rngs(0),
   )
+
+
+def bias_of(layer: nnx.Module) -> jax.Array | None:
+  """The value of ``layer.bias``, or ``None`` for a layer without bias."""
+  return None if layer.bias is None else layer.bias[...]
 
 
 def check_decay(decay: object) -> float:

@@ -8,6 +8,8 @@ from typing import Any
 import jax
 from flax import nnx
 
+from jaxsparse.layers._common import with_weights
+
 __all__ = ["SparseLinearGeneral"]
 
 
@@ -43,18 +45,15 @@ class SparseLinearGeneral(nnx.Module):
     """The ``nnx.LinearGeneral`` holding the pruned kernel."""
     lin = self.layer.to_dense()
     kernel = lin.kernel[...].reshape(*self.in_features, *self.out_features)
-    n_in = len(self.in_features)
-    dense = nnx.LinearGeneral(
+    return with_weights(
+        nnx.LinearGeneral,
+        kernel,
+        None if lin.bias is None else lin.bias[...].reshape(self.out_features),
         self.in_features,
         self.out_features,
-        axis=tuple(range(-n_in, 0)),
+        axis=tuple(range(-len(self.in_features), 0)),
         use_bias=lin.bias is not None,
-        param_dtype=kernel.dtype,
-        kernel_init=lambda *_: kernel,
         dtype=self.dtype,
         precision=self.precision,
         rngs=nnx.Rngs(0),
     )
-    if lin.bias is not None:
-      dense.bias[...] = lin.bias[...].reshape(self.out_features)
-    return dense

@@ -13,7 +13,6 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from flax.nnx.nn import dtypes
 from flax.typing import Dtype
@@ -26,16 +25,19 @@ from jaxsparse._utils import check_mask
 from jaxsparse.formats._masks import magnitude_mask
 from jaxsparse.layers._common import SPARSITY
 from jaxsparse.layers._common import SparsityPattern
+from jaxsparse.layers._common import bias_of
 from jaxsparse.layers._common import check_input
-from jaxsparse.layers._common import check_kept
 from jaxsparse.layers._common import check_linear
 from jaxsparse.layers._common import check_masked_implementation
-from jaxsparse.layers._common import concrete
+from jaxsparse.layers._common import check_one_of
 from jaxsparse.layers._common import conv_options
 from jaxsparse.layers._common import default_bias_init
 from jaxsparse.layers._common import dense_linear
+from jaxsparse.layers._common import init_linear_attributes
+from jaxsparse.layers._common import kept_weights
 from jaxsparse.layers._common import missing_pattern
 from jaxsparse.layers._common import random_mask
+from jaxsparse.layers._common import with_weights
 
 __all__ = ["MaskedConv", "MaskedDense", "MaskedLinear"]
 
@@ -82,6 +84,8 @@ class MaskedLinear(nnx.Module):
   Initialisation: by default a truncated normal with variance ``1 / (density * in_features)``, where
   ``density`` is the kept fraction; each output sums ``density * in_features`` nonzero terms on
   average, so outputs keep the variance ``nnx.Linear``'s ``lecun_normal`` gives the dense layer.
+  The layer can be built under ``nnx.jit`` / ``nnx.eval_shape``, giving the same layer as an eager
+  build with the same seed.
 
   Attributes:
     kernel: ``nnx.Param`` ``(in_features, out_features)``, zero where ``mask`` is False.
@@ -128,15 +132,9 @@ class MaskedLinear(nnx.Module):
     shape = (in_features, out_features)
     size = in_features * out_features
     self.implementation = check_masked_implementation(implementation)
-    if (sparsity is None) == (mask is None):
-      raise ValueError(
-          f"Pass exactly one of sparsity= and mask=, got sparsity={sparsity!r} and "
-          f"mask={'None' if mask is None else 'an array'}."
-      )
+    check_one_of("sparsity", sparsity, "mask", mask)
     if mask is None:
-      sparsity = _utils.check_sparsity(sparsity)
-      kept = size - _utils.kept_count(sparsity, size)
-      check_kept(kept, size, name="sparsity", value=sparsity, what="weights")
+      kept = kept_weights(sparsity, shape)
       mask = random_mask(rngs.params(), shape, kept)
     else:
       mask = check_mask(mask, shape, name="mask")
@@ -146,24 +144,17 @@ class MaskedLinear(nnx.Module):
     kernel = kernel_init(rngs.params(), shape, param_dtype)
     self.kernel = nnx.Param(jnp.where(mask, kernel, jnp.zeros((), kernel.dtype)))
     self.mask = SparsityPattern(mask)
-    self.bias: nnx.Param[jax.Array] | None
-    if use_bias:
-      self.bias = nnx.Param(bias_init(rngs.params(), (out_features,), param_dtype))
-    else:
-      self.bias = nnx.data(None)
-    self.in_features = in_features
-    self.out_features = out_features
-    self.use_bias = use_bias
-    self.dtype = dtype
-    self.param_dtype = param_dtype
-    self.precision = precision
+    init_linear_attributes(
+        self, in_features, out_features, use_bias=use_bias, bias_init=bias_init, dtype=dtype,
+        param_dtype=param_dtype, precision=precision, rngs=rngs,
+    )
 
   def __call__(self, x: jax.Array) -> jax.Array:
     """Applies the layer to ``x`` of shape ``(..., in_features)``; returns ``(..., out_features)``."""
     return masked_apply(
         x,
         self.kernel[...],
-        None if self.bias is None else self.bias[...],
+        bias_of(self),
         self.mask[...],
         dtype=self.dtype,
         precision=self.precision,
@@ -173,7 +164,8 @@ class MaskedLinear(nnx.Module):
   @property
   def density(self) -> float:
     """Fraction of weights kept."""
-    return float(np.mean(concrete(self.mask[...], name="mask")))
+    mask = self.mask[...]
+    return int(jnp.count_nonzero(mask)) / mask.size
 
   @property
   def sparsity(self) -> float:
@@ -194,29 +186,26 @@ class MaskedLinear(nnx.Module):
     """
     linear = check_linear(linear)
     kernel = linear.kernel[...]
-    mask = magnitude_mask(kernel, sparsity)
-    layer = cls(
+    return with_weights(
+        cls,
+        kernel,
+        bias_of(linear),
         linear.in_features,
         linear.out_features,
-        mask=mask,
+        mask=magnitude_mask(kernel, sparsity),
         use_bias=linear.bias is not None,
         dtype=linear.dtype,
-        param_dtype=kernel.dtype,
-        kernel_init=lambda *_: kernel,
         precision=linear.precision,
         implementation=implementation,
         rngs=nnx.Rngs(0),
     )
-    if linear.bias is not None:
-      layer.bias[...] = linear.bias[...]
-    return layer
 
   def to_dense(self) -> nnx.Linear:
     """An ``nnx.Linear`` with kernel ``kernel * mask`` and the same bias."""
     kernel = self.kernel[...]
     return dense_linear(
         jnp.where(self.mask[...], kernel, jnp.zeros((), kernel.dtype)),
-        None if self.bias is None else self.bias[...],
+        bias_of(self),
         dtype=self.dtype,
         precision=self.precision,
     )
@@ -285,8 +274,7 @@ class MaskedDense(nn.Module):
     x = check_input(x)
     shape = (x.shape[-1], self.features)
     size = shape[0] * shape[1]
-    kept = size - _utils.kept_count(self.sparsity, size)
-    check_kept(kept, size, name="sparsity", value=self.sparsity, what="weights")
+    kept = kept_weights(self.sparsity, shape)
     if not (self.has_variable(SPARSITY, "mask") or self.is_initializing()):
       raise missing_pattern(self)
     mask = self.variable(SPARSITY, "mask", lambda: random_mask(self.make_rng("params"), shape, kept)).value
@@ -322,9 +310,34 @@ class MaskedConv(nnx.Conv):
   >>> conv = MaskedConv.from_dense(nnx.Conv(8, 16, (3, 3), rngs=nnx.Rngs(0)), sparsity=0.75)
   >>> conv.density, conv(jnp.ones((2, 6, 6, 8))).shape
   (0.25, (2, 6, 6, 16))
+  >>> MaskedConv(8, 16, (3, 3), sparsity=0.5, rngs=nnx.Rngs(0)).density
+  0.5
+
+  Args:
+    in_features, out_features, kernel_size, rngs, **kwargs: as ``nnx.Conv``.
+    sparsity: fraction of weights pruned, in [0, 1): a uniformly random mask pruning exactly
+      ``round(sparsity * size)`` weights, drawn from ``rngs.params()`` before the kernel. Give exactly
+      one of ``sparsity`` and ``mask``.
+    mask: bool of the kernel's shape ``(*kernel_size, in_features // feature_group_count, out_features)``.
   """
 
-  def __init__(self, in_features: int, out_features: int, kernel_size, *, mask: Any, rngs: nnx.Rngs, **kwargs):
+  def __init__(
+      self,
+      in_features: int,
+      out_features: int,
+      kernel_size,
+      *,
+      sparsity: float | None = None,
+      mask: Any = None,
+      rngs: nnx.Rngs,
+      **kwargs,
+  ):
+    check_one_of("sparsity", sparsity, "mask", mask)
+    if mask is None:
+      # nnx.Conv's kernel shape; the mask is drawn before nnx.Conv draws the kernel, as in MaskedLinear.
+      ks = (kernel_size,) if isinstance(kernel_size, int) else tuple(kernel_size)
+      shape = (*ks, in_features // kwargs.get("feature_group_count", 1), out_features)
+      mask = random_mask(rngs.params(), shape, kept_weights(sparsity, shape))
     super().__init__(in_features, out_features, kernel_size, rngs=rngs, **kwargs)
     mask = check_mask(mask, self.kernel_shape, name="mask")
     k = self.kernel[...]
@@ -334,7 +347,8 @@ class MaskedConv(nnx.Conv):
   @property
   def density(self) -> float:
     """Fraction of weights kept."""
-    return float(np.mean(np.asarray(self.mask[...])))
+    mask = self.mask[...]
+    return int(jnp.count_nonzero(mask)) / mask.size
 
   @classmethod
   def from_dense(cls, conv: nnx.Conv, *, sparsity: float | None = None, mask: Any = None) -> MaskedConv:
@@ -344,36 +358,18 @@ class MaskedConv(nnx.Conv):
     if conv.mask is not None:
       raise ValueError("conv already has a weight mask; densify it first.")
     kernel = conv.kernel[...]
-    if (sparsity is None) == (mask is None):
-      raise ValueError("Pass exactly one of sparsity= and mask=.")
+    check_one_of("sparsity", sparsity, "mask", mask)
     if mask is None:
       mask = magnitude_mask(kernel, sparsity)
-    layer = cls(
-        conv.in_features,
-        conv.out_features,
-        conv.kernel_size,
-        mask=mask,
-        param_dtype=kernel.dtype,
-        kernel_init=lambda *_: kernel,
-        rngs=nnx.Rngs(0),
-        **_conv_options(conv),
+    return with_weights(
+        cls, kernel, bias_of(conv), conv.in_features, conv.out_features,
+        conv.kernel_size, mask=mask, rngs=nnx.Rngs(0), **_conv_options(conv),
     )
-    if conv.bias is not None:
-      layer.bias[...] = conv.bias[...]
-    return layer
 
   def to_dense(self) -> nnx.Conv:
     """An ``nnx.Conv`` with kernel ``kernel * mask`` and the same options and bias."""
     kernel = jnp.where(self.mask[...], self.kernel[...], jnp.zeros((), self.kernel.dtype))
-    conv = nnx.Conv(
-        self.in_features,
-        self.out_features,
-        self.kernel_size,
-        param_dtype=kernel.dtype,
-        kernel_init=lambda *_: kernel,
-        rngs=nnx.Rngs(0),
-        **_conv_options(self),
+    return with_weights(
+        nnx.Conv, kernel, bias_of(self), self.in_features, self.out_features,
+        self.kernel_size, rngs=nnx.Rngs(0), **_conv_options(self),
     )
-    if self.bias is not None:
-      conv.bias[...] = self.bias[...]
-    return conv

@@ -33,12 +33,14 @@ from jaxsparse.formats._nm import NMSparseMatrix
 from jaxsparse.layers._common import NMPromote
 from jaxsparse.layers._common import SparsityPattern
 from jaxsparse.layers._common import base_promote
+from jaxsparse.layers._common import bias_of
 from jaxsparse.layers._common import check_decay
 from jaxsparse.layers._common import check_implementation
 from jaxsparse.layers._common import check_in_features
 from jaxsparse.layers._common import conv_options
 from jaxsparse.layers._common import default_bias_init
 from jaxsparse.layers._common import linear_options
+from jaxsparse.layers._common import with_weights
 
 __all__ = ["CompressedNMLinear", "NMConv", "NMLinear"]
 
@@ -161,34 +163,16 @@ class NMLinear(_NMMixin, nnx.Linear):
     """
     if not isinstance(linear, nnx.Linear):
       raise TypeError(f"linear must be a flax.nnx.Linear, got {type(linear).__name__}.")
-    kernel = linear.kernel[...]
-    layer = cls(
-        linear.in_features,
-        linear.out_features,
-        n=n,
-        m=m,
-        sr_ste_decay=sr_ste_decay,
-        param_dtype=kernel.dtype,
-        kernel_init=lambda *_: kernel,
-        **linear_options(linear),
+    return with_weights(
+        cls, linear.kernel[...], bias_of(linear), linear.in_features, linear.out_features, n=n, m=m,
+        sr_ste_decay=sr_ste_decay, **linear_options(linear),
     )
-    if linear.bias is not None:
-      layer.bias[...] = linear.bias[...]
-    return layer
 
   def to_dense(self) -> nnx.Linear:
     """An ``nnx.Linear`` holding the pruned kernel: the same function as this layer's forward pass."""
-    kernel = self.pruned_kernel()
-    linear = nnx.Linear(
-        self.in_features,
-        self.out_features,
-        param_dtype=kernel.dtype,
-        kernel_init=lambda *_: kernel,
-        **linear_options(self),
+    return with_weights(
+        nnx.Linear, self.pruned_kernel(), bias_of(self), self.in_features, self.out_features, **linear_options(self)
     )
-    if self.bias is not None:
-      linear.bias[...] = self.bias[...]
-    return linear
 
   def to_compressed(self, *, implementation: ops.Implementation | None = None) -> CompressedNMLinear:
     """An inference layer storing the compressed kernel and multiplying with :func:`jaxsparse.ops.nm_matmul`.
@@ -202,7 +186,7 @@ class NMLinear(_NMMixin, nnx.Linear):
     ((32, 32), True)
     """
     weight = NMSparseMatrix.from_dense(self.kernel[...], self.n, self.m, axis=0)
-    bias = None if self.bias is None else self.bias[...]
+    bias = bias_of(self)
     return CompressedNMLinear(
         weight,
         bias,
@@ -281,7 +265,7 @@ class CompressedNMLinear(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     """Applies the layer to ``x`` of shape ``(..., in_features)``; returns ``(..., out_features)``."""
-    bias = None if self.bias is None else self.bias[...]
+    bias = bias_of(self)
     x, values, bias = self.promote_dtype((x, self.kernel[...], bias), dtype=self.dtype)
     w = self.weight.with_values(values)
     y = ops.nm_matmul(
@@ -295,22 +279,19 @@ class CompressedNMLinear(nnx.Module):
 
   def to_dense(self) -> nnx.Linear:
     """An ``nnx.Linear`` with the decompressed kernel and the same bias."""
-    kernel = self.weight.to_dense()
-    linear = nnx.Linear(
+    return with_weights(
+        nnx.Linear,
+        self.weight.to_dense(),
+        bias_of(self),
         self.in_features,
         self.out_features,
         use_bias=self.bias is not None,
         dtype=self.dtype,
-        param_dtype=kernel.dtype,
         precision=self.precision,
-        kernel_init=lambda *_: kernel,
         promote_dtype=self.promote_dtype,
         preferred_element_type=self.preferred_element_type,
         rngs=nnx.Rngs(0),
     )
-    if self.bias is not None:
-      linear.bias[...] = self.bias[...]
-    return linear
 
 
 class NMConv(_NMMixin, nnx.Conv):
@@ -412,36 +393,17 @@ class NMConv(_NMMixin, nnx.Conv):
     """
     if not isinstance(conv, nnx.Conv):
       raise TypeError(f"conv must be a flax.nnx.Conv, got {type(conv).__name__}.")
-    kernel = conv.kernel[...]
-    layer = cls(
-        conv.in_features,
-        conv.out_features,
-        conv.kernel_size,
-        n=n,
-        m=m,
-        sr_ste_decay=sr_ste_decay,
-        param_dtype=kernel.dtype,
-        kernel_init=lambda *_: kernel,
-        **conv_options(conv),
+    return with_weights(
+        cls, conv.kernel[...], bias_of(conv), conv.in_features, conv.out_features, conv.kernel_size, n=n, m=m,
+        sr_ste_decay=sr_ste_decay, **conv_options(conv),
     )
-    if conv.bias is not None:
-      layer.bias[...] = conv.bias[...]
-    return layer
 
   def to_dense(self) -> nnx.Conv:
     """An ``nnx.Conv`` holding the pruned kernel: the same function as this layer's forward pass."""
-    kernel = self.pruned_kernel()
-    conv = nnx.Conv(
-        self.in_features,
-        self.out_features,
-        self.kernel_size,
-        param_dtype=kernel.dtype,
-        kernel_init=lambda *_: kernel,
+    return with_weights(
+        nnx.Conv, self.pruned_kernel(), bias_of(self), self.in_features, self.out_features, self.kernel_size,
         **conv_options(self),
     )
-    if self.bias is not None:
-      conv.bias[...] = self.bias[...]
-    return conv
 
   def to_compressed(self) -> NMSparseMatrix:
     """The pruned kernel compressed along ``cin`` (for storage and export; compute with :meth:`to_dense`)."""

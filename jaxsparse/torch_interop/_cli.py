@@ -1,8 +1,10 @@
-"""The ``jaxsparse`` command: ``inspect`` a PyTorch checkpoint, ``convert`` it to Flax variables.
+"""The ``jaxsparse`` command: ``inspect`` a PyTorch checkpoint, ``convert`` it to Flax variables, ``bench``
+sparse layers of your shapes against dense ones.
 
     jaxsparse inspect model.safetensors
     jaxsparse convert pruned.pt flax.safetensors --rules '.*intermediate\\.dense=nm:2:4' \\
         --name-map 'attention\\.self\\.=attention.' --ignore 'pooler.*'
+    jaxsparse bench 4096x4096 4096x16384 --patterns block:0.25:64x64 nm:2:4 --batch 2048 --dtype bfloat16
 
 Rules are ``REGEX=SPEC`` (REGEX matches the whole Flax module path; the first matching rule wins) with
 SPEC one of ``block:DENSITY[:BKxBN]`` (Flax ``(in, out)`` block shape, default 32x32),
@@ -16,34 +18,55 @@ import os
 import sys
 from collections.abc import Sequence
 
-__all__ = ["main", "parse_rule"]
+__all__ = ["main", "parse_rule", "parse_spec"]
 
 PROGRESS_MIN_BYTES = 64 * 2**20
 
 
-def parse_rule(text: str):
-  """``"REGEX=SPEC"`` -> ``(regex, jaxsparse structure or None)``."""
+def parse_spec(spec: str, *, dense: bool = True):
+  """``"block:0.5:32x32"``, ``"nm:2:4"``, ``"unstructured:0.9"`` (or ``"dense"``: ``None``) -> a jaxsparse structure."""
   from jaxsparse import formats  # noqa: PLC0415 -- keeps `jaxsparse --help` fast
 
+  kind, *args = spec.split(":")
+  if kind == "dense" and not args and dense:
+    return None
+  if kind == "block" and len(args) in (1, 2):
+    shape = tuple(int(b) for b in args[1].lower().split("x")) if len(args) == 2 else (32, 32)
+    return formats.BlockSparse(density=float(args[0]), block_shape=shape)
+  if kind == "nm" and len(args) == 2:
+    return formats.NM(int(args[0]), int(args[1]))
+  if kind == "unstructured" and len(args) == 1:
+    return formats.Unstructured(sparsity=float(args[0]))
+  allowed = "block:DENSITY[:BKxBN], nm:N:M, unstructured:SPARSITY" + (" or dense" if dense else "")
+  raise ValueError(f"SPEC must be {allowed}, got {spec!r}.")
+
+
+def parse_rule(text: str):
+  """``"REGEX=SPEC"`` -> ``(regex, jaxsparse structure or None)``."""
   regex, sep, spec = text.rpartition("=")
   if not sep or not regex:
     raise argparse.ArgumentTypeError(f"rule {text!r} must look like REGEX=SPEC, e.g. '.*fc1=block:0.5:32x32'.")
-  kind, *args = spec.split(":")
   try:
-    if kind == "dense" and not args:
-      return regex, None
-    if kind == "block" and len(args) in (1, 2):
-      shape = tuple(int(b) for b in args[1].lower().split("x")) if len(args) == 2 else (32, 32)
-      return regex, formats.BlockSparse(density=float(args[0]), block_shape=shape)
-    if kind == "nm" and len(args) == 2:
-      return regex, formats.NM(int(args[0]), int(args[1]))
-    if kind == "unstructured" and len(args) == 1:
-      return regex, formats.Unstructured(sparsity=float(args[0]))
+    return regex, parse_spec(spec)
   except (TypeError, ValueError) as e:
     raise argparse.ArgumentTypeError(f"rule {text!r}: {e}") from e
-  raise argparse.ArgumentTypeError(
-      f"rule {text!r}: SPEC must be block:DENSITY[:BKxBN], nm:N:M, unstructured:SPARSITY or dense, got {spec!r}."
-  )
+
+
+def _parse_pattern(text: str):
+  try:
+    return parse_spec(text, dense=False)
+  except (TypeError, ValueError) as e:
+    raise argparse.ArgumentTypeError(f"pattern {text!r}: {e}") from e
+
+
+def _parse_shape(text: str) -> tuple[int, int]:
+  try:
+    k, n = (int(v) for v in text.lower().split("x"))
+  except ValueError as e:
+    raise argparse.ArgumentTypeError(f"shape must look like INxOUT, e.g. 4096x1024, got {text!r}.") from e
+  if k <= 0 or n <= 0:
+    raise argparse.ArgumentTypeError(f"shape {text!r}: both sizes must be positive.")
+  return k, n
 
 
 def _parse_map(text: str) -> tuple[str, str | None]:
@@ -62,35 +85,31 @@ def _parse_nm(text: str) -> tuple[int, int]:
 
 
 class _Progress:
-  """A one-line progress bar on stderr for large checkpoints."""
+  """A ``progress(done, total)`` callback drawing a tqdm bar on stderr."""
 
-  def __init__(self, enabled: bool, label: str):
-    self.enabled, self.label, self.shown = enabled, label, -1
+  def __init__(self, enabled: bool, label: str, unit: str):
+    self.enabled, self.label, self.unit, self.bar = enabled, label, unit, None
 
   def __call__(self, done: int, total: int) -> None:
-    width = 30
-    filled = width * done // max(total, 1)
-    if not self.enabled or (filled == self.shown and done != total):
+    if not self.enabled:
       return
-    self.shown = filled
-    sys.stderr.write(f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
+    if self.bar is None:
+      from tqdm import tqdm  # noqa: PLC0415 -- keeps `jaxsparse --help` fast
+
+      self.bar = tqdm(total=total, desc=self.label, unit=self.unit, file=sys.stderr)
+    self.bar.update(done - self.bar.n)
     if done == total:
-      sys.stderr.write("\n")
-    sys.stderr.flush()
+      self.bar.close()
 
 
 def _progress(src, flag: bool | None, label: str) -> _Progress:
   if flag is None:  # by default only for large files, and only on a terminal
     flag = src.nbytes >= PROGRESS_MIN_BYTES and sys.stderr.isatty()
-  return _Progress(flag, label)
-
-
-def _table(rows: list[tuple[str, ...]]) -> str:
-  widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-  return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+  return _Progress(flag, label, "param")
 
 
 def _inspect(args) -> int:
+  from jaxsparse._utils import text_table  # noqa: PLC0415 -- keeps `jaxsparse --help` fast
   from jaxsparse.torch_interop._decode import decode_checkpoint  # noqa: PLC0415 -- lazy: imports torch
   from jaxsparse.torch_interop._load import open_checkpoint  # noqa: PLC0415 -- lazy: imports torch
 
@@ -111,7 +130,7 @@ def _inspect(args) -> int:
       total += p.value.size
       kept += p.value.size if p.mask is None else int(p.mask.sum())
   print(f"{args.file}: {len(params)} parameters")
-  print(_table(rows))
+  print(text_table(rows))
   if total:
     print(f"weights (ndim >= 2): {kept}/{total} kept, density {kept / total:.3f}")
   if problems:
@@ -149,6 +168,23 @@ def _convert(args) -> int:
   return 0
 
 
+def _bench(args) -> int:
+  import jax  # noqa: PLC0415 -- keeps `jaxsparse --help` fast
+
+  from jaxsparse._bench import bench  # noqa: PLC0415
+  from jaxsparse._bench import bench_table  # noqa: PLC0415
+
+  modes = args.modes
+  flag = sys.stderr.isatty() if args.progress is None else args.progress
+  device = jax.devices()[0]
+  print(f"backend: {jax.default_backend()} ({device.device_kind}); batch {args.batch}, {args.dtype}; "
+        "median ms per call after warm-up")
+  rows = bench(args.shapes, args.patterns, batch=args.batch, dtype=args.dtype, modes=modes,
+               progress=_Progress(flag, "timing", "layer"))
+  print(bench_table(rows, modes))
+  return 0
+
+
 def _leaves(tree):
   for v in tree.values():
     if isinstance(v, dict):
@@ -158,7 +194,9 @@ def _leaves(tree):
 
 
 def _parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(prog="jaxsparse", description="Bring (sparse) PyTorch checkpoints to jaxsparse.")
+  parser = argparse.ArgumentParser(
+      prog="jaxsparse", description="Bring (sparse) PyTorch checkpoints to jaxsparse; time sparse layers."
+  )
   sub = parser.add_subparsers(dest="command", required=True)
 
   def common(p):
@@ -184,6 +222,20 @@ def _parser() -> argparse.ArgumentParser:
   conv.add_argument("--force", action="store_true", help="overwrite an existing output file")
   common(conv)
   conv.set_defaults(run=_convert)
+
+  ben = sub.add_parser("bench", help="time sparse layers of your shapes against dense (forward, forward+backward)")
+  ben.add_argument("shapes", type=_parse_shape, nargs="+", metavar="INxOUT", help="layer shapes, e.g. 4096x1024")
+  ben.add_argument("--patterns", type=_parse_pattern, nargs="+", metavar="SPEC",
+                   default=[_parse_pattern("block:0.25:32x32"), _parse_pattern("nm:2:4"),
+                            _parse_pattern("unstructured:0.9")],
+                   help="block:DENSITY[:BKxBN], nm:N:M, unstructured:SPARSITY (default: block:0.25:32x32 nm:2:4 "
+                        "unstructured:0.9)")
+  ben.add_argument("--batch", type=int, default=128, help="input rows (tokens), default 128")
+  ben.add_argument("--dtype", default="float32", help="parameter and input dtype, e.g. float32, bfloat16")
+  ben.add_argument("--modes", nargs="+", choices=("fwd", "fwd+bwd"), default=["fwd", "fwd+bwd"])
+  ben.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="progress bar (default: on a terminal)")
+  ben.set_defaults(run=_bench)
   return parser
 
 

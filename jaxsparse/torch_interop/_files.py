@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 import numpy as np
 
 from jaxsparse.torch_interop._decode import to_numpy
@@ -36,8 +36,12 @@ def _flatten(tree: Mapping, prefix: tuple[str, ...] = ()) -> dict[str, Any]:
 def save_flax_variables(variables: Mapping, path: str | os.PathLike, *, format: str | None = None) -> str:
   """Writes nested Flax variables to ``path``; a failure leaves no partial file behind.
 
-  Safetensors keys are the variable paths joined by ``/`` (``"params/encoder/layer/0/kernel"``); orbax
-  writes a ``StandardCheckpointer`` directory.
+  Safetensors keys are the variable paths joined by ``/`` (``"params/encoder/layer/0/kernel"``). Orbax
+  output is the standard idiom, ``orbax.checkpoint.StandardCheckpointer().save(path, variables)`` of the
+  nested variables, so it restores into a Linen target, concrete or abstract::
+
+      abstract = jax.eval_shape(model.init, jax.random.key(0), x)   # no memory, may carry shardings
+      variables = ocp.StandardCheckpointer().restore(path, abstract)
 
   >>> import os, tempfile, numpy as np
   >>> from jaxsparse.torch_interop import load_flax_variables, save_flax_variables
@@ -83,25 +87,27 @@ def save_flax_variables(variables: Mapping, path: str | os.PathLike, *, format: 
 
   if os.path.exists(path):
     raise CheckpointError(f"{path} already exists; orbax output goes to a new directory.")
-  tmp = tempfile.mkdtemp(prefix=".jaxsparse-", suffix=".orbax.tmp", dir=directory)
-  try:
-    target = os.path.join(tmp, "checkpoint")
-    checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(target, {k: np.asarray(v) for k, v in flat.items()})
-    checkpointer.wait_until_finished()
-    os.replace(target, path)
-  finally:
-    shutil.rmtree(tmp, ignore_errors=True)
+  # Orbax writes to a temporary directory and renames it when done: a failure leaves no checkpoint.
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(os.path.abspath(path), jax.tree.map(np.asarray, _nested(flat)))
+  checkpointer.wait_until_finished()
   return path
 
 
 def load_flax_variables(path: str | os.PathLike) -> dict[str, Any]:
-  """Reads variables written by :func:`save_flax_variables` (or ``jaxsparse convert``) as nested NumPy dicts."""
+  """Reads variables written by :func:`save_flax_variables` (or ``jaxsparse convert``) as nested NumPy dicts.
+
+  To restore an orbax directory straight into a (possibly abstract or sharded) Linen target, use
+  ``orbax.checkpoint.StandardCheckpointer().restore(path, target)``.
+  """
   path = os.fspath(path)
   if os.path.isdir(path):
     import orbax.checkpoint as ocp  # noqa: PLC0415 -- optional, only for orbax input
 
-    flat = ocp.StandardCheckpointer().restore(os.path.abspath(path))
+    # Nested dicts; older outputs held one flat dict keyed by "/"-joined paths, which _nested splits.
+    restored = ocp.StandardCheckpointer().restore(os.path.abspath(path))
+    leaves = jax.tree_util.tree_leaves_with_path(restored)
+    flat = {SEP.join(str(getattr(k, "key", k)) for k in kp): v for kp, v in leaves}
   else:
     from safetensors import safe_open  # noqa: PLC0415 -- optional dependency
 
@@ -110,11 +116,16 @@ def load_flax_variables(path: str | os.PathLike) -> dict[str, Any]:
         flat = {k: to_numpy(f.get_tensor(k), key=k) for k in f.keys()}
     except Exception as e:
       raise CheckpointError(f"{path} is not a readable safetensors file: {e}") from e
+  return _nested({k: np.asarray(v) for k, v in flat.items()})
+
+
+def _nested(flat: Mapping[str, Any]) -> dict[str, Any]:
+  """``{"a/b": x}`` -> ``{"a": {"b": x}}``."""
   out: dict[str, Any] = {}
   for k, v in flat.items():
     node = out
     *parents, leaf = k.split(SEP)
     for part in parents:
       node = node.setdefault(part, {})
-    node[leaf] = np.asarray(v)
+    node[leaf] = v
   return out

@@ -1,0 +1,169 @@
+"""``jaxsparse.plot_pattern``: draws the sparsity pattern of a layer or a sparse matrix with matplotlib."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxsparse.formats._block_sparse import BlockSparseMatrix
+from jaxsparse.formats._csr import CSRMatrix
+from jaxsparse.formats._nm import NMSparseMatrix
+from jaxsparse.layers._block_sparse import BlockSparseLinear
+from jaxsparse.layers._common import SPARSITY
+from jaxsparse.layers._linear_general import SparseLinearGeneral
+from jaxsparse.layers._masked import MaskedConv
+from jaxsparse.layers._masked import MaskedLinear
+from jaxsparse.layers._nm import CompressedNMLinear
+from jaxsparse.layers._nm import NMConv
+from jaxsparse.layers._nm import NMLinear
+
+__all__ = ["pattern_image", "plot_pattern"]
+
+
+def _as_2d(mask: np.ndarray) -> np.ndarray:
+  """A conv kernel mask ``(*kernel_size, cin, cout)`` as ``(prod(kernel_size) * cin, cout)``."""
+  return mask.reshape(-1, mask.shape[-1]) if mask.ndim > 2 else mask
+
+
+def _linen_layer(variables: Mapping) -> Any:
+  """A Linen ``BlockSparseDense`` / ``MaskedDense`` layer's ``{"params", "sparsity"}`` as a matrix or mask."""
+  kernel, pattern = variables["params"]["kernel"], variables[SPARSITY]
+  if "row_indices" in pattern:
+    _, bk, bn = kernel.shape
+    shape = ((pattern["row_offsets"].shape[0] - 1) * bk, (pattern["col_offsets"].shape[0] - 1) * bn)
+    return BlockSparseMatrix.from_index_arrays(kernel, pattern, shape=shape, block_shape=(bk, bn))
+  if "mask" in pattern:
+    return np.asarray(pattern["mask"])
+  raise TypeError(f"the {SPARSITY!r} variables hold {sorted(pattern)}, not a block pattern or a mask.")
+
+
+def _pattern(x: Any) -> tuple[np.ndarray, tuple[int, int], str]:
+  """``(mask, cell, title)``: a bool mask whose entries stand for ``cell``-shaped tiles of the kernel."""
+  if isinstance(x, Mapping) and "params" in x and SPARSITY in x:
+    x = _linen_layer(x)
+  if isinstance(x, SparseLinearGeneral):
+    x = x.layer
+  if isinstance(x, BlockSparseLinear):
+    x = x.sparse_kernel
+  if isinstance(x, BlockSparseMatrix):
+    bk, bn = x.block_shape
+    return np.asarray(x.block_mask), (bk, bn), f"block {bk}x{bn}, density {x.density:.3f}"
+  if isinstance(x, CompressedNMLinear):
+    x = x.weight
+  if isinstance(x, NMSparseMatrix):
+    return _as_2d(np.asarray(x.mask())), (1, 1), f"{x.n}:{x.m}, density {x.density:.3f}"
+  if isinstance(x, NMLinear | NMConv):
+    return _as_2d(np.asarray(x.nm_mask)), (1, 1), f"{x.n}:{x.m}, density {x.n / x.m:.3f}"
+  if isinstance(x, MaskedLinear | MaskedConv):
+    mask = _as_2d(np.asarray(x.mask[...]))
+    return mask, (1, 1), f"unstructured, density {mask.mean():.3f}"
+  if isinstance(x, CSRMatrix):
+    return np.asarray(x.mask), (1, 1), f"unstructured, density {x.density:.3f}"
+  if isinstance(x, np.ndarray | jax.Array) and x.dtype == np.bool_ and x.ndim >= 2:
+    mask = _as_2d(np.asarray(x))
+    return mask, (1, 1), f"density {mask.mean():.3f}"
+  raise TypeError(
+      "plot_pattern takes a jaxsparse layer (BlockSparseLinear, MaskedLinear, MaskedConv, NMLinear, NMConv, "
+      "CompressedNMLinear, SparseLinearGeneral), a Linen layer's variables {'params': ..., 'sparsity': ...}, a "
+      f"BlockSparseMatrix, CSRMatrix or NMSparseMatrix, or a bool mask of 2 or more dims; got {type(x).__name__}."
+  )
+
+
+def pattern_image(mask: np.ndarray, max_pixels: int) -> tuple[np.ndarray, tuple[int, int]]:
+  """The fraction of kept entries in each ``(fr, fc)`` tile of ``mask``, with at most ``max_pixels`` a side.
+
+  >>> import numpy as np
+  >>> from jaxsparse._plot import pattern_image
+  >>> image, tile = pattern_image(np.eye(4, dtype=bool), max_pixels=2)
+  >>> image.tolist(), tile
+  ([[0.5, 0.0], [0.0, 0.5]], (2, 2))
+
+  Returns:
+    ``(image, tile)``: float ``(ceil(rows / fr), ceil(cols / fc))`` in [0, 1], and the tile shape.
+    Tiles at the edges that run past ``mask`` count only the entries they cover.
+  """
+  rows, cols = mask.shape
+  fr, fc = max(1, math.ceil(rows / max_pixels)), max(1, math.ceil(cols / max_pixels))
+  pr, pc = -rows % fr, -cols % fc
+  kept = np.pad(mask.astype(np.float64), ((0, pr), (0, pc)))
+  valid = np.pad(np.ones(mask.shape), ((0, pr), (0, pc)))
+  shape = (kept.shape[0] // fr, fr, kept.shape[1] // fc, fc)
+  return kept.reshape(shape).sum(axis=(1, 3)) / valid.reshape(shape).sum(axis=(1, 3)), (fr, fc)
+
+
+def plot_pattern(
+    x: Any,
+    ax: Any = None,
+    *,
+    crop: tuple[int, int] | None = None,
+    max_pixels: int = 256,
+    title: str | None = None,
+):
+  """Draws which weights a layer or sparse matrix keeps (black: kept, white: pruned).
+
+  Rows are input features and columns output features (the Flax ``(in, out)`` kernel layout); a
+  convolution's ``(*kernel_size, cin, cout)`` kernel is drawn as ``(prod(kernel_size) * cin, cout)``.
+  A pattern wider or taller than ``max_pixels`` is drawn as a density image: each pixel is the fraction
+  kept in its tile, so a 4096 x 4096 layer draws as fast as a small one.
+
+  >>> import matplotlib
+  >>> matplotlib.use("Agg")
+  >>> from flax import nnx
+  >>> import jaxsparse
+  >>> layer = jaxsparse.layers.BlockSparseLinear(512, 1024, density=0.25, block_shape=(32, 32), rngs=nnx.Rngs(0))
+  >>> ax = jaxsparse.plot_pattern(layer)
+  >>> ax.get_title()
+  'block 32x32, density 0.250'
+
+  Args:
+    x: a jaxsparse layer (``BlockSparseLinear``, ``MaskedLinear``, ``MaskedConv``, ``NMLinear``,
+      ``NMConv``, ``CompressedNMLinear``, ``SparseLinearGeneral``), the variables of one Linen
+      ``BlockSparseDense`` / ``MaskedDense`` (``{"params": ..., "sparsity": ...}``), a
+      ``BlockSparseMatrix``, ``CSRMatrix`` or ``NMSparseMatrix``, or a bool mask (for N:M Linen layers:
+      ``jaxsparse.nm_mask(kernel, n, m)``).
+    ax: the matplotlib ``Axes`` to draw on; ``None`` makes a new figure.
+    crop: ``(rows, cols)``: draw only this top-left corner of the kernel, e.g. ``(32, 32)`` to see
+      the 2:4 groups of a large layer.
+    max_pixels: the most pixels a side before the pattern is drawn as a density image.
+    title: the axes title; ``None`` describes the pattern.
+
+  Returns:
+    The ``Axes`` drawn on.
+  """
+  try:
+    import matplotlib.pyplot as plt  # noqa: PLC0415 -- matplotlib is optional
+  except ImportError as e:
+    raise ImportError("plot_pattern needs matplotlib: pip install matplotlib") from e
+  if isinstance(max_pixels, bool) or not isinstance(max_pixels, int) or max_pixels < 1:
+    raise ValueError(f"max_pixels must be a positive int, got max_pixels={max_pixels!r}.")
+  mask, (bk, bn), description = _pattern(x)
+  height, width = mask.shape[0] * bk, mask.shape[1] * bn
+  if crop is not None:
+    if len(crop) != 2 or not all(isinstance(c, int) and c > 0 for c in crop):
+      raise ValueError(f"crop must be a pair of positive ints (rows, cols), got crop={crop!r}.")
+    height, width = min(crop[0], height), min(crop[1], width)
+    # Whole tiles (blocks) covering the crop, drawn with the crop's extent.
+    mask = mask[: math.ceil(height / bk), : math.ceil(width / bn)]
+  image, (fr, fc) = pattern_image(mask, max_pixels)
+  if ax is None:
+    _, ax = plt.subplots(figsize=(5, 5 * min(max(height / width, 0.25), 4)))
+  ax.imshow(
+      image,
+      cmap="Greys",
+      vmin=0.0,
+      vmax=1.0,
+      interpolation="nearest",
+      aspect="auto",
+      extent=(0, image.shape[1] * fc * bn, image.shape[0] * fr * bk, 0),
+  )
+  ax.set_xlim(0, width)
+  ax.set_ylim(height, 0)
+  ax.set(xlabel="output feature", ylabel="input feature")
+  if fr > 1 or fc > 1:
+    description += f", {fr * bk}x{fc * bn} tiles"
+  ax.set_title(description if title is None else title)
+  return ax

@@ -1,0 +1,276 @@
+"""``jaxsparse.summary``: per sparse layer its pattern, bytes and FLOPs against the dense layer it replaces.
+
+FLOPs are those of the kernel product for one input row (one token; one output position of a
+convolution), two per multiply-add, bias left out: the forward ``x @ W`` and the backward ``dX = dY @ Wᵀ``
+plus ``dW = xᵀ dY``. A sparse layer needs them only for its kept weights, except the weight gradient of
+the SR-STE layers (``NMLinear``, ``NMConv``), which reaches every dense weight by design. These are the
+arithmetic the pattern needs; how much of it a backend turns into time is what ``jaxsparse bench``
+measures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from collections.abc import Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxsparse import _utils
+from jaxsparse.formats._base import is_concrete
+from jaxsparse.layers import _nm_linen
+from jaxsparse.layers._block_sparse import BlockSparseLinear
+from jaxsparse.layers._common import SPARSITY
+from jaxsparse.layers._masked import MaskedConv
+from jaxsparse.layers._masked import MaskedLinear
+from jaxsparse.layers._nm import CompressedNMLinear
+from jaxsparse.layers._nm import NMConv
+from jaxsparse.layers._nm import NMLinear
+
+__all__ = ["LayerSummary", "ModelSummary", "summary"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSummary:
+  """One sparse layer in a :class:`ModelSummary`.
+
+  Attributes:
+    path: dotted path of the layer in the model (``"blocks.0.fc1"``).
+    kind: class name of the layer (Linen layers found from their variables: ``"BlockSparseDense"``...).
+    shape: shape of the dense kernel the layer stands for, ``(in, out)`` or ``(*kernel_size, cin, cout)``.
+    pattern: the structure in words: ``"block 32x32"``, ``"2:4"``, ``"2:4 compressed"``, ``"unstructured"``.
+    density: fraction of the kernel's weights kept; ``None`` when unknown (the mask of an abstract model).
+    bytes: bytes the layer stores: parameters and pattern.
+    dense_bytes: bytes of the dense layer (kernel and bias, same dtype).
+    forward_flops, backward_flops: per input row; ``None`` when the density is unknown.
+    dense_forward_flops, dense_backward_flops: the same for the dense layer.
+  """
+
+  path: str
+  kind: str
+  shape: tuple[int, ...]
+  pattern: str
+  density: float | None
+  bytes: int
+  dense_bytes: int
+  forward_flops: int | None
+  backward_flops: int | None
+  dense_forward_flops: int
+  dense_backward_flops: int
+
+
+def _ratio(a: int | None, b: int) -> str:
+  return "?" if a is None else f"{a / b:.2f}x"
+
+
+def _human(n: int | None) -> str:
+  if n is None:
+    return "?"
+  for unit, size in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
+    if abs(n) >= size:
+      return f"{n / size:.2f}{unit}"
+  return str(n)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSummary:
+  """What :func:`summary` returns: one :class:`LayerSummary` per sparse layer; ``str()`` is a table."""
+
+  layers: tuple[LayerSummary, ...]
+
+  def total(self, field: str) -> int | None:
+    """The sum of a :class:`LayerSummary` field over the layers; ``None`` if a layer's value is unknown."""
+    values = [getattr(layer, field) for layer in self.layers]
+    return None if any(v is None for v in values) else int(sum(values))
+
+  bytes = property(lambda self: self.total("bytes"), doc="Bytes the sparse layers store.")
+  dense_bytes = property(lambda self: self.total("dense_bytes"), doc="Bytes of the dense layers they replace.")
+  forward_flops = property(lambda self: self.total("forward_flops"), doc="Forward FLOPs per input row.")
+  backward_flops = property(lambda self: self.total("backward_flops"), doc="Backward FLOPs per input row.")
+  dense_forward_flops = property(lambda self: self.total("dense_forward_flops"), doc="Dense forward FLOPs.")
+  dense_backward_flops = property(lambda self: self.total("dense_backward_flops"), doc="Dense backward FLOPs.")
+
+  def __str__(self) -> str:
+    if not self.layers:
+      return "no sparse layers"
+
+    def cell(value: int | None, dense: int) -> str:
+      return f"{_human(value)} ({_ratio(value, dense)})"
+
+    rows = [("path", "layer", "shape", "pattern", "density", "bytes (vs dense)", "fwd FLOPs", "bwd FLOPs")]
+    for s in self.layers:
+      rows.append((
+          s.path or "(model)", s.kind, "x".join(map(str, s.shape)), s.pattern,
+          "?" if s.density is None else f"{s.density:.3f}", cell(s.bytes, s.dense_bytes),
+          cell(s.forward_flops, s.dense_forward_flops), cell(s.backward_flops, s.dense_backward_flops),
+      ))
+    rows.append((
+        "total", f"{len(self.layers)} layers", "", "", "", cell(self.bytes, self.dense_bytes),
+        cell(self.forward_flops, self.dense_forward_flops), cell(self.backward_flops, self.dense_backward_flops),
+    ))
+    return _utils.text_table(rows) + "\nFLOPs per input row (per output position for convolutions), bias excluded."
+
+
+def _bytes(tree: Any) -> int:
+  return int(sum(np.dtype(x.dtype).itemsize * math.prod(x.shape) for x in jax.tree.leaves(tree)))
+
+
+def _layer(
+    path: str,
+    kind: str,
+    shape: tuple[int, ...],
+    pattern: str,
+    kept: int | None,
+    *,
+    stored: Any,
+    param_dtype: Any,
+    bias_size: int,
+    dense_weight_grad: bool = False,
+) -> LayerSummary:
+  """``kept`` weights of a ``shape`` kernel; ``dense_weight_grad`` for SR-STE, whose weight gradient is dense."""
+  size = math.prod(shape)
+  itemsize = np.dtype(param_dtype).itemsize
+  forward = None if kept is None else 2 * kept
+  backward = None if kept is None else 2 * kept + 2 * (size if dense_weight_grad else kept)
+  return LayerSummary(
+      path=path,
+      kind=kind,
+      shape=tuple(int(d) for d in shape),
+      pattern=pattern,
+      density=None if kept is None else kept / size,
+      bytes=_bytes(stored),
+      dense_bytes=(size + bias_size) * itemsize,
+      forward_flops=forward,
+      backward_flops=backward,
+      dense_forward_flops=2 * size,
+      dense_backward_flops=4 * size,
+  )
+
+
+def _count(mask: Any) -> int | None:
+  return int(np.count_nonzero(np.asarray(mask))) if is_concrete(mask) else None
+
+
+def _nnx_layer(path: str, node: nnx.Module) -> LayerSummary | None:
+  kind = type(node).__name__
+  bias = 0 if getattr(node, "bias", None) is None else math.prod(node.bias.shape)
+  common = dict(stored=nnx.state(node), bias_size=bias)
+  if isinstance(node, BlockSparseLinear):
+    bk, bn = node.block_shape
+    return _layer(path, kind, (node.in_features, node.out_features), f"block {bk}x{bn}", math.prod(node.kernel.shape),
+                  param_dtype=node.kernel.dtype, **common)
+  if isinstance(node, MaskedLinear | MaskedConv):
+    return _layer(path, kind, tuple(node.kernel.shape), "unstructured", _count(node.mask.get_value()),
+                  param_dtype=node.kernel.dtype, **common)
+  if isinstance(node, NMLinear | NMConv):
+    shape = tuple(node.kernel.shape)
+    return _layer(path, kind, shape, f"{node.n}:{node.m}", math.prod(shape) * node.n // node.m,
+                  param_dtype=node.kernel.dtype, dense_weight_grad=True, **common)
+  if isinstance(node, CompressedNMLinear):
+    return _layer(path, kind, (node.in_features, node.out_features), f"{node.n}:{node.m} compressed",
+                  math.prod(node.kernel.shape), param_dtype=node.kernel.dtype, **common)
+  return None
+
+
+def _path(parts: Sequence[Any]) -> str:
+  return ".".join(str(p) for p in parts)
+
+
+def _linen_nm_layers(module: nn.Module, variables: Mapping, inputs: Sequence[Any]) -> dict[tuple[str, ...], nn.Module]:
+  """The N:M Linen layers of ``module`` by scope path (their variables alone look like ``nn.Dense``'s)."""
+  found: dict[tuple[str, ...], nn.Module] = {}
+
+  def record(next_fun, args, kwargs, context):
+    if isinstance(context.module, _nm_linen.NMDense | _nm_linen.NMConv) and context.method_name == "__call__":
+      found[tuple(context.module.scope.path)] = context.module
+    return next_fun(*args, **kwargs)
+
+  with nn.intercept_methods(record):
+    jax.eval_shape(lambda v, *a: module.apply(v, *a), dict(variables), *inputs)
+  return found
+
+
+def _linen_layers(variables: Mapping, nm_layers: Mapping[tuple[str, ...], nn.Module]) -> list[LayerSummary]:
+  out = []
+  sparsity = variables.get(SPARSITY, {})
+
+  def walk(params: Mapping, prefix: tuple[str, ...]):
+    if "kernel" in params and not isinstance(params["kernel"], Mapping):
+      kernel = params["kernel"]
+      bias = math.prod(params["bias"].shape) if "bias" in params else 0
+      pattern = sparsity
+      for part in prefix:
+        pattern = pattern.get(part, {}) if isinstance(pattern, Mapping) else {}
+      stored = {"params": params, SPARSITY: pattern}
+      common = dict(stored=stored, param_dtype=kernel.dtype, bias_size=bias)
+      path = _path(prefix)
+      if "row_indices" in pattern:
+        kb, nb = pattern["row_offsets"].shape[0] - 1, pattern["col_offsets"].shape[0] - 1
+        _, bk, bn = kernel.shape
+        out.append(_layer(path, "BlockSparseDense", (kb * bk, nb * bn), f"block {bk}x{bn}", math.prod(kernel.shape),
+                          **common))
+      elif "mask" in pattern:
+        out.append(_layer(path, "MaskedDense", tuple(kernel.shape), "unstructured", _count(pattern["mask"]), **common))
+      elif prefix in nm_layers:
+        layer = nm_layers[prefix]
+        shape = tuple(kernel.shape)
+        out.append(_layer(path, type(layer).__name__, shape, f"{layer.n}:{layer.m}",
+                          math.prod(shape) * layer.n // layer.m, dense_weight_grad=True, **common))
+    for key, value in params.items():
+      if isinstance(value, Mapping):
+        walk(value, (*prefix, str(key)))
+
+  walk(variables.get("params", {}), ())
+  return out
+
+
+def summary(model: nnx.Module | Mapping, /, *example_inputs: Any, module: nn.Module | None = None) -> ModelSummary:
+  """Per sparse layer: path, kind, kernel shape, pattern, density, bytes and FLOPs against the dense layer.
+
+  Works on concrete and abstract (``nnx.eval_shape``, ``jax.eval_shape``) models; an abstract masked
+  layer's density is unknown (``?``) since its mask has no values yet.
+
+  >>> import jax.numpy as jnp, jaxsparse
+  >>> from flax import nnx
+  >>> model = nnx.Sequential(
+  ...     jaxsparse.layers.BlockSparseLinear(256, 512, density=0.25, block_shape=(32, 32), rngs=nnx.Rngs(0)),
+  ...     jaxsparse.layers.NMLinear(512, 256, n=2, m=4, rngs=nnx.Rngs(0)))
+  >>> s = jaxsparse.summary(model)
+  >>> [(layer.path, layer.pattern, layer.forward_flops, layer.dense_forward_flops) for layer in s.layers]
+  [('layers.0', 'block 32x32', 65536, 262144), ('layers.1', '2:4', 131072, 262144)]
+  >>> print(s)
+  path      layer              shape    pattern      density  bytes (vs dense)  fwd FLOPs        bwd FLOPs
+  layers.0  BlockSparseLinear  256x512  block 32x32  0.250    133.61K (0.25x)   65.54K (0.25x)   131.07K (0.25x)
+  layers.1  NMLinear           512x256  2:4          0.500    525.31K (1.00x)   131.07K (0.50x)  393.22K (0.75x)
+  total     2 layers                                          658.92K (0.63x)   196.61K (0.38x)  524.29K (0.50x)
+  FLOPs per input row (per output position for convolutions), bias excluded.
+
+  Args:
+    model: a Flax NNX module, or Linen variables (``{"params": ..., "sparsity": ...}``).
+    *example_inputs: with Linen variables and ``module``: the inputs of ``module.apply`` (arrays or
+      ``jax.ShapeDtypeStruct``; only traced).
+    module: the Linen module of ``model``'s variables. Needed to find ``NMDense`` / ``NMConv``, whose
+      variables are those of ``nn.Dense`` / ``nn.Conv``; block-sparse and masked Linen layers are found
+      from the ``"sparsity"`` collection alone.
+
+  Returns:
+    A :class:`ModelSummary`; ``str()`` of it is a table with totals.
+  """
+  if isinstance(model, nnx.Module):
+    if module is not None or example_inputs:
+      raise TypeError("module and example inputs are for Linen variables; an NNX model needs neither.")
+    layers = []
+    for path, node in nnx.iter_modules(model):
+      layer = _nnx_layer(_path(path), node)
+      if layer is not None:
+        layers.append(layer)
+    return ModelSummary(tuple(layers))
+  if isinstance(model, Mapping):
+    nm = {} if module is None else _linen_nm_layers(module, model, example_inputs)
+    return ModelSummary(tuple(_linen_layers(model, nm)))
+  raise TypeError(f"model must be a flax.nnx.Module or Linen variables (a dict), got {type(model).__name__}.")

@@ -1,0 +1,110 @@
+"""Every layer kind built under ``nnx.jit`` / ``jax.jit`` / ``nnx.eval_shape`` (NNX) or ``jit``-ed ``init``
+(Linen) is the layer an eager build with the same seed gives: same graph, parameters, pattern and outputs."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxsparse import layers
+from jaxsparse.layers import linen
+
+# name -> (builder taking rngs, input shape). Sizes are small: these run on two CPU cores in CI.
+NNX_LAYERS = {
+    "block_sparse": (lambda r: layers.BlockSparseLinear(64, 96, density=0.5, block_shape=(16, 32), rngs=r), (3, 64)),
+    "block_sparse_from_dense": (
+        lambda r: layers.BlockSparseLinear.from_dense(nnx.Linear(64, 32, rngs=r), density=0.25, block_shape=(16, 16)),
+        (3, 64),
+    ),
+    "masked": (lambda r: layers.MaskedLinear(64, 48, sparsity=0.75, rngs=r), (3, 64)),
+    "masked_from_dense": (lambda r: layers.MaskedLinear.from_dense(nnx.Linear(32, 16, rngs=r), sparsity=0.5), (3, 32)),
+    "masked_conv": (lambda r: layers.MaskedConv(8, 16, (3, 3), sparsity=0.5, rngs=r), (2, 6, 6, 8)),
+    "nm": (lambda r: layers.NMLinear(64, 32, n=2, m=4, rngs=r), (3, 64)),
+    "nm_conv": (lambda r: layers.NMConv(8, 16, (3, 3), n=1, m=4, rngs=r), (2, 6, 6, 8)),
+    "compressed_nm": (lambda r: layers.NMLinear(64, 32, rngs=r).to_compressed(), (3, 64)),
+    "linear_general": (
+        lambda r: layers.SparseLinearGeneral(
+            layers.BlockSparseLinear(32, 64, density=0.5, block_shape=(16, 16), rngs=r),
+            in_features=(32,),
+            out_features=(4, 16),
+        ),
+        (3, 32),
+    ),
+}
+
+LINEN_LAYERS = {
+    "block_sparse": (linen.BlockSparseDense(96, density=0.5, block_shape=(16, 32)), (3, 64)),
+    "masked": (linen.MaskedDense(48, sparsity=0.75), (3, 64)),
+    "nm": (linen.NMDense(32, n=2, m=4), (3, 64)),
+    "nm_conv": (linen.NMConv(16, (3, 3), n=1, m=4), (2, 6, 6, 8)),
+}
+
+
+def _assert_trees_equal(a, b):
+  la, ta = jax.tree.flatten(a)
+  lb, tb = jax.tree.flatten(b)
+  assert ta == tb
+  assert la, "empty state"
+  for x, y in zip(la, lb, strict=True):
+    assert x.shape == y.shape and x.dtype == y.dtype
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize("name", NNX_LAYERS)
+def test_nnx_jit_and_eval_shape_build_the_eager_layer(name):
+  build, x_shape = NNX_LAYERS[name]
+  make = lambda: build(nnx.Rngs(7))
+  eager = make()
+  jitted = nnx.jit(make)()
+  abstract = nnx.eval_shape(make)
+  graphdef, state = nnx.split(eager)
+  assert nnx.graphdef(jitted) == graphdef == nnx.graphdef(abstract)
+  _assert_trees_equal(nnx.state(jitted), state)
+  _assert_trees_equal(jax.jit(lambda: nnx.state(make()))(), state)  # plain jax.jit over the state
+  shapes = lambda s: jax.tree.map(lambda v: (v.shape, v.dtype), s)
+  assert shapes(nnx.state(abstract)) == shapes(state)
+  x = jax.random.normal(jax.random.key(1), x_shape)
+  np.testing.assert_array_equal(jitted(x), eager(x))
+  # Another seed gives another layer: the comparison above can fail.
+  other = nnx.state(build(nnx.Rngs(8)))
+  assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(other), jax.tree.leaves(state), strict=True))
+
+
+def test_block_sparse_pattern_is_drawn_under_jit():
+  # The pattern itself (not only the kernel) comes from the rng stream under jit.
+  make = lambda seed: layers.BlockSparseLinear(64, 128, density=0.25, block_shape=(16, 16), rngs=nnx.Rngs(seed))
+  a, b = nnx.jit(lambda: make(0))(), nnx.jit(lambda: make(1))()
+  np.testing.assert_array_equal(a.block_mask, make(0).block_mask)
+  assert int(a.block_mask.sum()) == int(b.block_mask.sum()) == 8
+  assert not np.array_equal(a.block_mask, b.block_mask)
+
+
+@pytest.mark.parametrize("name", LINEN_LAYERS)
+def test_linen_jit_init_equals_eager_init(name):
+  model, x_shape = LINEN_LAYERS[name]
+  x = jax.random.normal(jax.random.key(1), x_shape)
+  key = jax.random.key(3)
+  eager = model.init(key, x)
+  jitted = jax.jit(model.init)(key, x)
+  _assert_trees_equal(jitted, eager)
+  abstract = jax.eval_shape(model.init, key, x)
+  assert jax.tree.map(lambda v: (v.shape, v.dtype), abstract) == jax.tree.map(lambda v: (v.shape, v.dtype), eager)
+  np.testing.assert_array_equal(model.apply(jitted, x), model.apply(eager, x))
+
+
+def test_linen_model_of_sparse_layers_inits_in_jit():
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x = linen.BlockSparseDense(64, density=0.5, block_shape=(16, 16))(x)
+      x = linen.MaskedDense(32, sparsity=0.5)(jax.nn.relu(x))
+      return linen.NMDense(8)(x)
+
+  x = jnp.ones((2, 32))
+  eager = Net().init(jax.random.key(0), x)
+  _assert_trees_equal(jax.jit(Net().init)(jax.random.key(0), x), eager)
+  assert set(eager) == {"params", "sparsity"}

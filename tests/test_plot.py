@@ -1,0 +1,86 @@
+"""``jaxsparse.plot_pattern`` draws the pattern it is given: the pixels are checked against the masks."""
+
+from __future__ import annotations
+
+import jax
+import matplotlib
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxsparse
+from jaxsparse import layers
+from jaxsparse.layers import linen
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+
+@pytest.fixture(autouse=True)
+def _close_figures():
+  yield
+  plt.close("all")
+
+
+def _pixels(ax) -> np.ndarray:
+  return np.asarray(ax.images[0].get_array())
+
+
+def test_block_pattern_is_the_block_mask_at_full_extent():
+  layer = layers.BlockSparseLinear(128, 256, density=0.25, block_shape=(32, 32), rngs=nnx.Rngs(0))
+  ax = jaxsparse.plot_pattern(layer)
+  np.testing.assert_array_equal(_pixels(ax), np.asarray(layer.block_mask, float))
+  assert ax.get_xlim() == (0, 256) and ax.get_ylim() == (128, 0)
+  assert ax.get_title() == "block 32x32, density 0.250"
+  # The matrix itself draws the same.
+  np.testing.assert_array_equal(_pixels(jaxsparse.plot_pattern(layer.sparse_kernel)), _pixels(ax))
+
+
+def test_large_unstructured_pattern_is_a_density_image():
+  layer = layers.MaskedLinear(1000, 600, sparsity=0.9, rngs=nnx.Rngs(0))
+  mask = np.asarray(layer.mask[...])
+  ax = jaxsparse.plot_pattern(layer, max_pixels=100)
+  image = _pixels(ax)
+  assert image.shape == (100, 100)  # tiles of 10 x 6
+  np.testing.assert_allclose(image[3, 7], mask[30:40, 42:48].mean())
+  np.testing.assert_allclose(image.mean(), 0.1, atol=1e-9)
+  assert ax.get_title() == "unstructured, density 0.100, 10x6 tiles"
+
+
+def test_uneven_tiles_count_only_covered_entries():
+  mask = np.ones((5, 3), bool)
+  image = _pixels(jaxsparse.plot_pattern(mask, max_pixels=2))
+  np.testing.assert_array_equal(image, np.ones((2, 2)))  # padded edges do not dilute the density
+
+
+def test_nm_crop_and_conv_layout():
+  nm = layers.NMLinear(64, 32, n=2, m=4, rngs=nnx.Rngs(0))
+  _, ax = plt.subplots()
+  assert jaxsparse.plot_pattern(nm, ax, crop=(8, 4)) is ax
+  np.testing.assert_array_equal(_pixels(ax), np.asarray(nm.nm_mask[:8, :4], float))
+  assert ax.get_title() == "2:4, density 0.500"
+  np.testing.assert_array_equal(_pixels(jaxsparse.plot_pattern(nm.to_compressed())), np.asarray(nm.nm_mask, float))
+  conv = layers.NMConv(8, 16, (3, 3), n=1, m=4, rngs=nnx.Rngs(0))
+  np.testing.assert_array_equal(_pixels(jaxsparse.plot_pattern(conv)), np.asarray(conv.nm_mask, float).reshape(72, 16))
+  csr = jaxsparse.CSRMatrix.from_dense(jax.random.normal(jax.random.key(0), (12, 10)), mask=np.eye(12, 10, dtype=bool))
+  np.testing.assert_array_equal(_pixels(jaxsparse.plot_pattern(csr)), np.eye(12, 10))
+
+
+def test_linen_layer_variables():
+  x = jax.numpy.ones((1, 64))
+  v = linen.BlockSparseDense(96, density=0.5, block_shape=(16, 32)).init(jax.random.key(0), x)
+  expected = np.zeros((4, 3))  # 64 / 16 block rows, 96 / 32 block columns
+  expected[np.asarray(v["sparsity"]["row_indices"]), np.asarray(v["sparsity"]["col_indices"])] = 1
+  assert expected.sum() == 6
+  np.testing.assert_array_equal(_pixels(jaxsparse.plot_pattern(v)), expected)
+  m = linen.MaskedDense(32, sparsity=0.5).init(jax.random.key(0), x)
+  np.testing.assert_array_equal(_pixels(jaxsparse.plot_pattern(m)), np.asarray(m["sparsity"]["mask"], float))
+
+
+def test_bad_input():
+  with pytest.raises(TypeError, match="plot_pattern takes a jaxsparse layer"):
+    jaxsparse.plot_pattern(nnx.Linear(4, 4, rngs=nnx.Rngs(0)))
+  with pytest.raises(ValueError, match=r"crop must be a pair of positive ints \(rows, cols\), got crop=\(0, 4\)"):
+    jaxsparse.plot_pattern(np.ones((4, 4), bool), crop=(0, 4))
+  with pytest.raises(ValueError, match="max_pixels must be a positive int"):
+    jaxsparse.plot_pattern(np.ones((4, 4), bool), max_pixels=0)

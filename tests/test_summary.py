@@ -1,0 +1,112 @@
+"""``jaxsparse.summary`` against bytes and FLOPs counted by hand, and readable layer reprs."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+import jaxsparse
+from jaxsparse import layers
+from jaxsparse.layers import linen
+
+F32 = 4
+
+
+class Model(nnx.Module):
+  def __init__(self, rngs):
+    self.block = layers.BlockSparseLinear(64, 96, density=0.5, block_shape=(16, 32), rngs=rngs)
+    self.masked = layers.MaskedLinear(96, 48, sparsity=0.75, rngs=rngs)
+    self.nm = layers.NMLinear(48, 32, n=2, m=4, rngs=rngs)
+    self.compressed = layers.NMLinear(64, 32, n=2, m=4, rngs=rngs).to_compressed()
+    self.conv = layers.MaskedConv(8, 16, (3, 3), sparsity=0.5, rngs=rngs)
+    self.nm_conv = layers.NMConv(8, 16, (3, 3), n=1, m=4, rngs=rngs)
+    self.dense = nnx.Linear(4, 4, rngs=rngs)  # not sparse: not listed
+
+
+# Hand counts: (path, pattern, kept weights, kernel size, bytes stored, bias size, dense weight gradient).
+# block: 4x3 grid of 16x32 blocks, 6 kept; pattern = 6 + 6 + 5 + 4 + 6 int32.
+# masked: 96x48 f32 kernel + bool mask; nm: dense f32 kernel; compressed: 1024 f32 values + 2 bits each.
+EXPECTED = [
+    ("block", "block 16x32", 6 * 512, 64 * 96, 6 * 512 * F32 + 96 * F32 + 27 * 4, 96, False),
+    ("masked", "unstructured", 96 * 48 // 4, 96 * 48, 96 * 48 * (F32 + 1) + 48 * F32, 48, False),
+    ("nm", "2:4", 48 * 32 // 2, 48 * 32, (48 * 32 + 32) * F32, 32, True),
+    ("compressed", "2:4 compressed", 1024, 64 * 32, 1024 * F32 + 1024 * 2 // 8 + 32 * F32, 32, False),
+    ("conv", "unstructured", 576, 3 * 3 * 8 * 16, 1152 * (F32 + 1) + 16 * F32, 16, False),
+    ("nm_conv", "1:4", 288, 1152, (1152 + 16) * F32, 16, True),
+]
+
+
+def _check(s, expected):
+  by_path = {layer.path: layer for layer in s.layers}
+  assert sorted(by_path) == sorted(e[0] for e in expected) and len(s.layers) == len(expected)
+  for path, pattern, kept, size, stored, bias, dense_grad in expected:
+    layer = by_path[path]
+    assert layer.pattern == pattern, path
+    assert layer.density == pytest.approx(kept / size), path
+    assert layer.forward_flops == 2 * kept and layer.dense_forward_flops == 2 * size, path
+    assert layer.backward_flops == 2 * kept + 2 * (size if dense_grad else kept), path
+    assert layer.dense_backward_flops == 4 * size, path
+    assert layer.bytes == stored and layer.dense_bytes == (size + bias) * F32, path
+  assert s.forward_flops == sum(2 * e[2] for e in expected)
+  assert s.bytes == sum(e[4] for e in expected)
+
+
+def test_nnx_summary_matches_hand_counts():
+  s = jaxsparse.summary(Model(nnx.Rngs(0)))
+  _check(s, EXPECTED)
+  assert {layer.path: layer.kind for layer in s.layers} == {
+      "block": "BlockSparseLinear", "masked": "MaskedLinear", "nm": "NMLinear", "compressed": "CompressedNMLinear",
+      "conv": "MaskedConv", "nm_conv": "NMConv",
+  }
+  text = str(s)
+  assert text.splitlines()[0].split()[:5] == ["path", "layer", "shape", "pattern", "density"]
+  rows = {line.split()[0]: line.split() for line in text.splitlines()[1:-1]}
+  assert rows["block"][:7] == ["block", "BlockSparseLinear", "64x96", "block", "16x32", "0.500", "12.78K"]
+  assert rows["total"][:2] == ["total", "6"]
+
+
+def test_abstract_model_summary():
+  s = jaxsparse.summary(nnx.eval_shape(lambda: Model(nnx.Rngs(0))))
+  by_path = {layer.path: layer for layer in s.layers}
+  # Static patterns are known without values; a mask is not.
+  assert by_path["block"].forward_flops == 2 * 6 * 512 and by_path["nm"].density == 0.5
+  assert by_path["masked"].density is None and by_path["masked"].forward_flops is None
+  assert by_path["masked"].bytes == EXPECTED[1][4]
+  assert s.forward_flops is None and "?" in str(s)
+
+
+def test_linen_summary_from_variables():
+  class LinenModel(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x = linen.BlockSparseDense(96, density=0.5, block_shape=(16, 32), name="block")(x)
+      x = linen.MaskedDense(48, sparsity=0.75, name="masked")(x)
+      x = linen.NMDense(32, n=2, m=4, name="nm")(x)
+      return nn.Dense(4, name="dense")(x)
+
+  x = jnp.ones((2, 64))
+  variables = LinenModel().init(jax.random.key(0), x)
+  # From the variables alone: block-sparse and masked layers (NMDense's variables are nn.Dense's).
+  _check(jaxsparse.summary(variables), EXPECTED[:2])
+  s = jaxsparse.summary(variables, x, module=LinenModel())
+  _check(s, EXPECTED[:3])
+  assert [layer.kind for layer in s.layers] == ["BlockSparseDense", "MaskedDense", "NMDense"]
+
+
+def test_summary_rejects_other_input():
+  with pytest.raises(TypeError, match=r"model must be a flax\.nnx\.Module or Linen variables"):
+    jaxsparse.summary([1, 2])
+  with pytest.raises(TypeError, match="an NNX model needs neither"):
+    jaxsparse.summary(Model(nnx.Rngs(0)), jnp.ones(3))
+
+
+def test_reprs_show_shapes_not_index_values():
+  layer = layers.BlockSparseLinear(256, 256, density=0.5, block_shape=(32, 32), rngs=nnx.Rngs(0))
+  text = repr(layer)
+  assert "Array(shape=(32,), dtype=" in text and "transpose_order" in text
+  assert "[0, 0, 0" not in text and len(text.splitlines()) < 40
+  masked = repr(layers.MaskedLinear(64, 64, sparsity=0.5, rngs=nnx.Rngs(0)))
+  assert "[[" not in masked and "Array(shape=(64, 64), dtype=" in masked
