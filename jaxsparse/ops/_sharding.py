@@ -136,14 +136,15 @@ def _explicit_lead(x: jax.Array, n_lead: int):
   return (mesh, lead) if _flat_axes(lead) else None
 
 
-def _replicated(a: jax.Array, spec: P) -> jax.Array:
-  return a if jax.typeof(a).sharding.spec == spec else jax.reshard(a, spec)
+def _resharded(a: jax.Array, mesh, spec: P) -> jax.Array:
+  """``a`` resharded to ``spec`` (a no-op when it already is); works without a ``jax.set_mesh`` context."""
+  return a if jax.typeof(a).sharding.spec == spec else jax.reshard(a, NamedSharding(mesh, spec))
 
 
 def _explicit_call(fn, n_rows, summed, mesh, lead, args, out_ndims):
   rows_spec = lambda nd: P(*lead, *([None] * (nd - len(lead))))
   specs = tuple(rows_spec(a.ndim) if i < n_rows else P() for i, a in enumerate(args))
-  args = tuple(_replicated(a, s) for a, s in zip(args, specs, strict=True))
+  args = tuple(_resharded(a, mesh, s) for a, s in zip(args, specs, strict=True))
   out_specs = tuple(P() if i in summed else rows_spec(nd) for i, nd in enumerate(out_ndims))
   local = _local(fn, n_rows, summed, lead)
   # No autodiff runs through this map (it sits inside the ops' custom VJPs), and the Pallas kernels,

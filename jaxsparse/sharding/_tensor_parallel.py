@@ -233,7 +233,7 @@ def _to_spec(x: jax.Array, spec: P) -> jax.Array:
   """Reshards ``x`` under explicit axes so that ``shard_map`` accepts it; auto axes reshard by themselves."""
   mesh = getattr(jax.typeof(x).sharding, "mesh", None)
   if mesh is not None and not mesh.empty and AxisType.Explicit in mesh.axis_types:
-    return jax.reshard(x, spec)
+    return jax.reshard(x, NamedSharding(mesh, spec))
   return x
 
 

@@ -124,6 +124,20 @@ def test_explicit_axes():
   assert_close(dt, dt_ref, jnp.float32)
 
 
+def test_default_mesh_without_a_mesh_context():
+  # jax.make_mesh's default axis types are explicit; no jax.set_mesh around the call.
+  f, t, _ = CASES["masked_cpu"]
+  x = jax.random.normal(KEYS[2], (16, K))
+  y_ref, (_, dt_ref) = _single_device(f, x, t)
+  mesh = jax.make_mesh((4,), ("data",))
+  xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+  t_rep = jax.device_put(t, NamedSharding(mesh, P()))
+  grad = jax.grad(_loss(f), argnums=1)
+  assert_close(jax.jit(f)(xs, t_rep), y_ref, jnp.float32)
+  assert_close(jax.jit(grad)(xs, t_rep), dt_ref, jnp.float32)
+  _hlo.assert_no_gather(_hlo.compiled_text(grad, xs, t_rep), "default-mesh gradient")
+
+
 def test_rows_that_do_not_divide_run_replicated():
   f, t, _ = CASES["block_sparse_auto"]
   x = jax.random.normal(KEYS[2], (8, K))
