@@ -43,7 +43,8 @@ def _parse():
 
 ARGS = _parse()
 if ARGS.cpu_devices:
-  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={ARGS.cpu_devices}"
+  flag = f"--xla_force_host_platform_device_count={ARGS.cpu_devices}"
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}"
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -118,7 +119,8 @@ class Stack(nnx.Module):
 
 
 def sparse_stack():
-  model, report = jaxsparse.sparsify(Stack(nnx.Rngs(0)), jaxsparse.BlockSparse(density=DENSITY, block_shape=(BLOCK, BLOCK)))
+  rule = jaxsparse.BlockSparse(density=DENSITY, block_shape=(BLOCK, BLOCK))
+  model, report = jaxsparse.sparsify(Stack(nnx.Rngs(0)), rule)
   log(f"sparsified {len(report.layers)} layers to BlockSparseLinear, blocks {BLOCK}x{BLOCK}, density {DENSITY}")
   return model
 
@@ -165,7 +167,8 @@ def tensor_parallel(model, devices) -> dict:
   ops = jaxsparse.ops
 
   def single(x, d_up, d_down):
-    return ops.block_sparse_matmul(jax.nn.gelu(ops.block_sparse_matmul(x, w_up1.with_data(d_up))), w_down1.with_data(d_down))
+    h = jax.nn.gelu(ops.block_sparse_matmul(x, w_up1.with_data(d_up)))
+    return ops.block_sparse_matmul(h, w_down1.with_data(d_down))
 
   def tp(x, d_up, d_down):
     return megatron_mlp(x, up_tp.with_data(d_up), down_tp.with_data(d_down))
@@ -207,9 +210,8 @@ def main():
       "|---:|---:|---:|---:|---|",
   ]
   for r in rows:
-    lines.append(
-        f"| {r['devices']} | {r['ms']:.2f} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / base:.2f}x | {r['collectives']} |"
-    )
+    scaling = r["tokens_per_s"] / base
+    lines.append(f"| {r['devices']} | {r['ms']:.2f} | {r['tokens_per_s']:,.0f} | {scaling:.2f}x | {r['collectives']} |")
   t = tensor_parallel(model, devices)
   lines += [
       "",
