@@ -25,3 +25,12 @@ def test_on_four_devices(name):
 
 def test_found_the_files():
   assert "md_data_parallel.py" in FILES
+
+
+def test_gpu_sharded_benchmark_runs_on_two_cpu_devices():
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+  cmd = [sys.executable, "benchmarks/gpu_sharded.py", "--tiny", "--cpu-devices", "2", "--iterations", "1"]
+  proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+  assert "| 2 |" in proc.stdout and "0 all-gather" in proc.stdout, proc.stdout
