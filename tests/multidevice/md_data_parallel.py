@@ -184,3 +184,16 @@ def test_gather_detector_sees_a_gather():
   gathered = lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P())) @ W
   with pytest.raises(AssertionError, match="all-gather"):
     _hlo.assert_no_gather(_hlo.compiled_text(gathered, xs), "control")
+
+
+def test_sr_ste_on_a_weight_sharded_across_its_groups():
+  # Groups run along axis 0; splitting axis 1 keeps every group on one device: no communication.
+  mesh = _mesh()
+  ws = jax.device_put(W, NamedSharding(mesh, P(None, "data")))
+  f = lambda w: ops.sr_ste(w, 2, 4, decay=0.1)
+  y = jax.jit(f)(ws)
+  np.testing.assert_array_equal(y, f(W))
+  assert y.sharding.is_equivalent_to(ws.sharding, 2)
+  grad = jax.grad(lambda w: jnp.sum(jnp.sin(f(w))))
+  assert_close(jax.jit(grad)(ws), grad(W), jnp.float32)
+  _hlo.assert_no_gather(_hlo.compiled_text(grad, ws), "sr_ste gradient")
