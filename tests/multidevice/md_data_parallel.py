@@ -197,3 +197,21 @@ def test_sr_ste_on_a_weight_sharded_across_its_groups():
   grad = jax.grad(lambda w: jnp.sum(jnp.sin(f(w))))
   assert_close(jax.jit(grad)(ws), grad(W), jnp.float32)
   _hlo.assert_no_gather(_hlo.compiled_text(grad, ws), "sr_ste gradient")
+
+
+def test_scanned_and_rematerialised_layers():
+  mask = jaxsparse.random_block_mask(KEYS[3], (K, K), (16, 16), 0.3)
+  w = jaxsparse.BlockSparseMatrix.from_dense(jax.random.normal(KEYS[3], (K, K)) / np.sqrt(K), (16, 16), block_mask=mask)
+
+  def f(x, datas):
+    layer = jax.checkpoint(lambda h, d: jnp.tanh(ops.block_sparse_matmul(h, w.with_data(d))))
+    return jnp.sum(jax.lax.scan(lambda h, d: (layer(h, d), None), x, datas)[0])
+
+  datas = jnp.stack([w.data] * 3)
+  x = jax.random.normal(KEYS[2], (32, K))
+  grad = jax.grad(f, argnums=(0, 1))
+  want = grad(x, datas)
+  xs = jax.device_put(x, NamedSharding(_mesh(), P("data")))
+  for a, b in zip(jax.jit(grad)(xs, datas), want, strict=True):
+    assert_close(a, b, jnp.float32)
+  _hlo.assert_no_gather(_hlo.compiled_text(grad, xs, datas), "scanned layers")
