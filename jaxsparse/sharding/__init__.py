@@ -4,6 +4,7 @@ Data parallelism needs nothing from here: every op in :mod:`jaxsparse.ops` parti
 leading dims of its activations under ``jax.jit`` with sharded inputs (see the README).
 """
 
+from jaxsparse.sharding._layers import TensorParallelBlockSparseLinear
 from jaxsparse.sharding._tensor_parallel import ShardedBlockSparseMatrix
 from jaxsparse.sharding._tensor_parallel import column_parallel_matmul
 from jaxsparse.sharding._tensor_parallel import megatron_mlp
@@ -12,6 +13,7 @@ from jaxsparse.sharding._tensor_parallel import shard_block_sparse
 
 __all__ = [
     "ShardedBlockSparseMatrix",
+    "TensorParallelBlockSparseLinear",
     "column_parallel_matmul",
     "megatron_mlp",
     "row_parallel_matmul",

@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
 from jaxsparse.formats._block_sparse import block_pattern_indices
+from jaxsparse.ops._block_sparse_matmul import Implementation
 from jaxsparse.ops._block_sparse_matmul import block_sparse_matmul
 
 __all__ = [
@@ -244,9 +245,9 @@ def _local_matrix(w_local: ShardedBlockSparseMatrix, data: jax.Array) -> tuple[B
   return shard.with_data(jnp.where(valid[:, None, None], data[0], jnp.zeros((), data.dtype))), valid
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _tp_matmul(batch: tuple, reduce: str, x: jax.Array, w: ShardedBlockSparseMatrix) -> jax.Array:
-  return _tp_fwd(batch, reduce, x, w)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _tp_matmul(batch: tuple, reduce: str, options: tuple, x: jax.Array, w: ShardedBlockSparseMatrix) -> jax.Array:
+  return _tp_fwd(batch, reduce, options, x, w)[0]
 
 
 def _specs(w: ShardedBlockSparseMatrix, batch: tuple, reduce: str) -> tuple[P, P]:
@@ -261,11 +262,16 @@ def _smap(w: ShardedBlockSparseMatrix, fn: Callable, in_specs, out_specs) -> Cal
   return jax.shard_map(fn, mesh=w.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 
-def _tp_fwd(batch, reduce, x, w):
+def _local_matmul(options: tuple, x: jax.Array, w: BlockSparseMatrix) -> jax.Array:
+  implementation, precision = options
+  return block_sparse_matmul(x, w, implementation=implementation, precision=precision)
+
+
+def _tp_fwd(batch, reduce, options, x, w):
   x_spec, y_spec = _specs(w, batch, reduce)
 
   def local(xl, wl):
-    y = block_sparse_matmul(xl, _local_matrix(wl, wl.data)[0])
+    y = _local_matmul(options, xl, _local_matrix(wl, wl.data)[0])
     if w.split == "rows" and reduce == "scatter":
       return lax.psum_scatter(y, w.axis, scatter_dimension=y.ndim - 1, tiled=True)
     return lax.psum(y, w.axis) if w.split == "rows" else y
@@ -274,7 +280,7 @@ def _tp_fwd(batch, reduce, x, w):
   return y, (x, w)
 
 
-def _tp_bwd(batch, reduce, res, dy):
+def _tp_bwd(batch, reduce, options, res, dy):
   x, w = res
   x_spec, y_spec = _specs(w, batch, reduce)
   batch_axes = _axes_of(batch)
@@ -283,7 +289,7 @@ def _tp_bwd(batch, reduce, res, dy):
     if w.split == "rows" and reduce == "scatter":
       dyl = lax.all_gather(dyl, w.axis, axis=dyl.ndim - 1, tiled=True)
     shard, valid = _local_matrix(wl, wl.data)
-    _, vjp = jax.vjp(lambda a, d: block_sparse_matmul(a, shard.with_data(d)), xl, shard.data)
+    _, vjp = jax.vjp(lambda a, d: _local_matmul(options, a, shard.with_data(d)), xl, shard.data)
     dx, ddata = vjp(dyl)
     if w.split == "columns":  # x is replicated over the axis: its gradient sums the shards' parts
       dx = lax.psum(dx, w.axis)
@@ -317,7 +323,14 @@ def _check(x, w, split: Split, name: str):
   return x
 
 
-def column_parallel_matmul(x: jax.typing.ArrayLike, w: ShardedBlockSparseMatrix, *, batch_axes: BatchAxes = None):
+def column_parallel_matmul(
+    x: jax.typing.ArrayLike,
+    w: ShardedBlockSparseMatrix,
+    *,
+    batch_axes: BatchAxes = None,
+    implementation: Implementation | None = None,
+    precision: lax.PrecisionLike = None,
+):
   """``x @ w`` for ``w`` split by block columns: ``(..., K)`` -> ``(..., N)`` sharded on ``N``, no communication.
 
   Args:
@@ -326,13 +339,14 @@ def column_parallel_matmul(x: jax.typing.ArrayLike, w: ShardedBlockSparseMatrix,
     batch_axes: mesh axes of ``x``'s leading dims (data parallel), one spec entry per leading dim,
       e.g. ``"data"`` or ``("data", None)``; ``None`` reads them from ``x``'s type under explicit
       axes and otherwise replicates the leading dims.
+    implementation, precision: for :func:`jaxsparse.ops.block_sparse_matmul` on each shard.
 
   Returns:
     ``(..., N)``, sharded on ``N`` over ``w.axis`` and on the leading dims as ``batch_axes``. The
     gradient of ``x`` is reduced over ``w.axis`` and that of ``w.data`` over ``batch_axes``.
   """
   x = _check(x, w, "columns", "column_parallel_matmul")
-  return _tp_matmul(_batch_entries(x, batch_axes, w.mesh), "psum", x, w)
+  return _tp_matmul(_batch_entries(x, batch_axes, w.mesh), "psum", (implementation, precision), x, w)
 
 
 def row_parallel_matmul(
@@ -341,6 +355,8 @@ def row_parallel_matmul(
     *,
     batch_axes: BatchAxes = None,
     reduce: Literal["psum", "scatter"] = "psum",
+    implementation: Implementation | None = None,
+    precision: lax.PrecisionLike = None,
 ):
   """``x @ w`` for ``w`` split by block rows: partial products reduced over ``w.axis``.
 
@@ -352,6 +368,7 @@ def row_parallel_matmul(
     reduce: ``"psum"`` returns ``y`` replicated over ``w.axis`` (all-reduce); ``"scatter"`` returns
       it sharded on ``N`` over ``w.axis`` (reduce-scatter, half the traffic); ``N`` must divide by
       the axis size.
+    implementation, precision: for :func:`jaxsparse.ops.block_sparse_matmul` on each shard.
 
   Returns:
     ``(..., N)``.
@@ -361,7 +378,7 @@ def row_parallel_matmul(
     raise ValueError(f"reduce must be 'psum' or 'scatter', got reduce={reduce!r}.")
   if reduce == "scatter" and w.shape[1] % w.num_shards:
     raise ValueError(f"reduce='scatter' needs N = {w.shape[1]} to divide by the {w.num_shards} devices of {w.axis!r}.")
-  return _tp_matmul(_batch_entries(x, batch_axes, w.mesh), reduce, x, w)
+  return _tp_matmul(_batch_entries(x, batch_axes, w.mesh), reduce, (implementation, precision), x, w)
 
 
 def megatron_mlp(

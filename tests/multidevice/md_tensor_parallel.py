@@ -9,13 +9,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from flax import nnx
 from jax.sharding import AxisType
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxsparse
 from jaxsparse.sharding import ShardedBlockSparseMatrix
+from jaxsparse.sharding import TensorParallelBlockSparseLinear
 from jaxsparse.sharding import column_parallel_matmul
 from jaxsparse.sharding import megatron_mlp
 from jaxsparse.sharding import row_parallel_matmul
@@ -151,3 +154,44 @@ def test_bad_arguments():
     column_parallel_matmul(X, w_rows)
   with pytest.raises(ValueError, match="batch_axes names 'batch'"):
     row_parallel_matmul(X, w_rows, batch_axes="batch")
+
+
+class _MLP(nnx.Module):
+  def __init__(self, up, down):
+    self.up, self.down = up, down
+
+  def __call__(self, x):
+    return self.down(jax.nn.gelu(self.up(x)))
+
+
+def test_tensor_parallel_nnx_layers_train():
+  rngs = nnx.Rngs(0)
+  up = jaxsparse.layers.BlockSparseLinear(D, H, density=0.5, block_shape=BLOCK, rngs=rngs)
+  down = jaxsparse.layers.BlockSparseLinear(H, D, density=0.5, block_shape=BLOCK, rngs=rngs)
+  down.bias[...] = jax.random.normal(KEYS[5], (D,))
+  ref = _MLP(up, down)
+  mesh = _mesh()
+  tp = _MLP(TensorParallelBlockSparseLinear(up, mesh, "model", split="columns", batch_axes="data"),
+            TensorParallelBlockSparseLinear(down, mesh, "model", split="rows", batch_axes="data"))
+  specs = nnx.get_partition_spec(nnx.state(tp, nnx.Param))
+  assert specs["up"]["kernel"].get_value() == P("model", None, None, None)
+  assert specs["up"]["bias"].get_value() == P("model")
+  assert specs["down"]["bias"].get_value() == P(None)
+  state = jax.jit(lambda s: s, out_shardings=nnx.get_named_sharding(nnx.state(tp), mesh))(nnx.state(tp))
+  assert state["down"]["kernel"][...].sharding.spec == P("model", None, None, None)
+
+  xs = jax.device_put(X, NamedSharding(mesh, P("data")))
+  loss = lambda m, x: jnp.sum(jnp.sin(m(x)))
+  assert_close(nnx.jit(lambda m, x: m(x))(tp, xs), ref(X), jnp.float32)
+  g_tp = nnx.jit(nnx.grad(loss))(tp, xs)
+  g_ref = nnx.grad(loss)(ref, X)
+  assert_close(tp.up.sharded_kernel.global_data(g_tp["up"]["kernel"][...]), g_ref["up"]["kernel"][...], jnp.float32)
+  assert_close(tp.down.sharded_kernel.global_data(g_tp["down"]["kernel"][...]), g_ref["down"]["kernel"][...],
+               jnp.float32)
+  assert_close(g_tp["down"]["bias"][...], g_ref["down"]["bias"][...], jnp.float32)
+
+  optimizer = nnx.Optimizer(tp, optax.sgd(0.1), wrt=nnx.Param)
+  nnx.jit(lambda m, o, x: o.update(m, nnx.grad(loss)(m, x)))(tp, optimizer, xs)
+  back = tp.up.to_block_sparse_linear()
+  np.testing.assert_array_equal(back.block_mask, up.block_mask)
+  assert_close(back.kernel[...], up.kernel[...] - 0.1 * g_ref["up"]["kernel"][...], jnp.float32)
