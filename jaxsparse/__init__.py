@@ -11,6 +11,7 @@ on demand; it needs torch).
 from jaxsparse import layers
 from jaxsparse import ops
 from jaxsparse import pruning
+from jaxsparse import sharding
 from jaxsparse._sparsify._linen import densify_linen
 from jaxsparse._sparsify._linen import sparsify_linen
 from jaxsparse._sparsify._nnx import densify
@@ -43,6 +44,7 @@ __all__ = [
     "ops",
     "pruning",
     "random_block_mask",
+    "sharding",
     "sparsify",
     "sparsify_linen",
     "Unstructured",
