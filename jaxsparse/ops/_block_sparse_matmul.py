@@ -230,7 +230,7 @@ def _bsmm_bwd(cfg, res, dy):
   cast = lambda r: (r[0].astype(x.dtype), r[1].astype(w.dtype))
   bwd = lambda x2, dy2, b: _platform_dispatch(cfg, xla_fn, "backward", cast, x2, dy2, b)
   # Data parallel: dX keeps the rows' sharding, dW is summed over the row shards.
-  dx, ddata = _sharding.row_parallel(bwd, (x, dy), w, summed=(1,))
+  dx, ddata = _sharding.row_parallel(bwd, (x, dy), w, summed=(1,), like={0: x, 1: w.data})
   # Integer index leaves get no cotangent.
   dw = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(w), [ddata] + [None] * len(INDEX_FIELDS))
   return dx, dw

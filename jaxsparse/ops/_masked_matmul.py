@@ -101,7 +101,7 @@ def _mm_bwd(cfg, res, dy):
   x, w, mask = res
   # Data parallel: dX keeps the rows' sharding, dW is summed over the row shards.
   bwd = lambda x2, dy2, wm: _local_backward(cfg, x2, dy2, *wm)
-  dx, dw = _sharding.row_parallel(bwd, (x, dy), (w, mask), summed=(1,))
+  dx, dw = _sharding.row_parallel(bwd, (x, dy), (w, mask), summed=(1,), like={0: x, 1: w})
   return dx, dw, None
 
 

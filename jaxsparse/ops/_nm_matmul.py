@@ -100,7 +100,8 @@ def _local_backward(cfg: _Config, x2, dy2, w):
 def _nm_matmul_bwd(cfg, res, dy):
   x, w = res
   # Data parallel: dX keeps the rows' sharding, dvalues is summed over the row shards.
-  dx, dvalues = _sharding.row_parallel(functools.partial(_local_backward, cfg), (x, dy), w, summed=(1,))
+  local = functools.partial(_local_backward, cfg)
+  dx, dvalues = _sharding.row_parallel(local, (x, dy), w, summed=(1,), like={0: x, 1: w.values})
   dw_tree = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(w), [dvalues, None])
   return dx, dw_tree
 

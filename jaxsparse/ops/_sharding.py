@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from collections.abc import Mapping
 from collections.abc import Sequence
 
 import jax
@@ -127,13 +128,12 @@ def _auto_partitioned(fn: Callable, n_rows: int, n_lead: int, summed: frozenset)
 
 
 def _explicit_lead(x: jax.Array, n_lead: int):
-  """``(mesh, lead specs)`` when ``x``'s leading dims are sharded over explicit axes, else ``None``."""
+  """``(mesh, lead specs)`` when ``x`` is typed with explicit mesh axes, else ``None``."""
   sharding = jax.typeof(x).sharding
   mesh = getattr(sharding, "mesh", None)
   if mesh is None or mesh.empty or AxisType.Explicit not in mesh.axis_types:
     return None
-  lead = _lead_specs(sharding.spec, x.shape, n_lead, lambda a: mesh.shape[a])
-  return (mesh, lead) if _flat_axes(lead) else None
+  return mesh, _lead_specs(sharding.spec, x.shape, n_lead, lambda a: mesh.shape[a])
 
 
 def _resharded(a: jax.Array, mesh, spec: P) -> jax.Array:
@@ -166,6 +166,7 @@ def row_parallel(
     rest: object,
     *,
     summed: Sequence[int] = (),
+    like: Mapping[int, jax.Array] | None = None,
 ) -> tuple[jax.Array, ...]:
   """Calls ``fn(*rows2d, rest)`` on each device's rows of ``rows`` (see the module docstring).
 
@@ -176,6 +177,8 @@ def row_parallel(
     rows: arrays ``(*lead, D_i)`` with the same leading dims (``x`` and ``dY``).
     rest: a pytree of weight-side arrays (a sparse matrix, a mask), replicated on every device.
     summed: positions in ``fn``'s outputs that are reduced over the row shards.
+    like: ``{output position: primal}`` for outputs that are cotangents (``dX``, ``dW``): under
+      explicit axes they are resharded to the primal's sharding, as a custom VJP must return.
 
   Returns:
     ``fn``'s outputs, the row outputs reshaped to ``(*lead, D_out)`` and sharded like ``rows[0]``,
@@ -217,4 +220,13 @@ def row_parallel(
       outs = jax.vmap(flat_fn, in_axes=tuple(0 if b else None for b in in_batched))(*args)
     return outs, (True,) * len(outs)
 
-  return call(*rows, *leaves)
+  outs = call(*rows, *leaves)
+  return tuple(_like(o, like[i]) if like and i in like else o for i, o in enumerate(outs))
+
+
+def _like(out: jax.Array, primal: jax.Array) -> jax.Array:
+  sharding = jax.typeof(primal).sharding
+  mesh = getattr(sharding, "mesh", None)
+  if mesh is None or mesh.empty or AxisType.Explicit not in mesh.axis_types:
+    return out
+  return _resharded(out, mesh, sharding.spec)

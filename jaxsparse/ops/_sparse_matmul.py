@@ -117,7 +117,7 @@ def _smm_bwd(cfg, res, dy):
   x, w = res
   bwd = lambda x2, dy2, b: _kernels.csr_backward(f32(x2), f32(b.data), b.row_offsets, b.col_indices, f32(dy2))
   # Data parallel: dX keeps the rows' sharding, dW is summed over the row shards.
-  dx, ddata = _sharding.row_parallel(bwd, (x, dy), w, summed=(1,))
+  dx, ddata = _sharding.row_parallel(bwd, (x, dy), w, summed=(1,), like={0: x, 1: w.data})
   # Integer index leaves get no cotangent.
   dw = jax.tree_util.tree_unflatten(
       jax.tree_util.tree_structure(w), [ddata.astype(w.dtype)] + [None] * len(INDEX_FIELDS)

@@ -215,3 +215,33 @@ def test_scanned_and_rematerialised_layers():
   for a, b in zip(jax.jit(grad)(xs, datas), want, strict=True):
     assert_close(a, b, jnp.float32)
   _hlo.assert_no_gather(_hlo.compiled_text(grad, xs, datas), "scanned layers")
+
+
+def test_explicit_axes_with_a_sharded_weight_and_replicated_rows():
+  # FSDP-like: the weight arrives sharded, x replicated; the op gathers the weight and still agrees.
+  f, t, _ = CASES["masked_cpu"]
+  x = jax.random.normal(KEYS[2], (8, K))
+  y_ref, (_, dt_ref) = _single_device(f, x, t)
+  with jax.set_mesh(_mesh(axis_type=AxisType.Explicit)):
+    xs, ts = jax.device_put(x, P()), jax.device_put(t, P("data", None))
+    y = jax.jit(f)(xs, ts)
+    dt = jax.jit(jax.grad(_loss(f), argnums=1))(xs, ts)
+  assert_close(y, y_ref, jnp.float32)
+  assert_close(dt, dt_ref, jnp.float32)
+
+
+@pytest.mark.parametrize("name", ["block_sparse_auto", "sparse_cpu", "nm"])
+def test_explicit_axes_with_features_sharded_too(name):
+  # x split on rows and features: the op gathers the features, and dX comes back split like x.
+  f, t, _ = CASES[name]
+  x = jax.random.normal(KEYS[2], (8, K))
+  y_ref, (dx_ref, dt_ref) = _single_device(f, x, t)
+  with jax.set_mesh(_mesh((2, 2), ("data", "model"), AxisType.Explicit)):
+    xs = jax.device_put(x, P("data", "model"))
+    y = jax.jit(f)(xs, t)
+    dx, dt = jax.jit(jax.grad(_loss(f), argnums=(0, 1)))(xs, t)
+    assert jax.typeof(dx).sharding.spec == P("data", "model")
+    assert jax.typeof(y).sharding.spec == P("data", None)
+  assert_close(y, y_ref, jnp.float32)
+  assert_close(dx, dx_ref, jnp.float32)
+  assert_close(dt, dt_ref, jnp.float32)
