@@ -32,6 +32,7 @@ from jaxsparse.formats._block_sparse import BlockSparseMatrix
 from jaxsparse.formats._block_sparse import block_pattern_indices
 from jaxsparse.ops._block_sparse_matmul import Implementation
 from jaxsparse.ops._block_sparse_matmul import block_sparse_matmul
+from jaxsparse.ops._sharding import _like
 
 __all__ = [
     "ShardedBlockSparseMatrix",
@@ -99,7 +100,7 @@ class ShardedBlockSparseMatrix:
 
     Also maps a gradient with respect to :attr:`data` to the gradient of the unsplit matrix.
     """
-    data = self.data if data is None else jnp.asarray(data)
+    data = _to_spec(self.data if data is None else jnp.asarray(data), P())
     source = np.asarray(self.source).reshape(-1)
     keep = np.nonzero(source >= 0)[0]
     flat = data.reshape(-1, *data.shape[2:])
@@ -300,7 +301,7 @@ def _tp_bwd(batch, reduce, options, res, dy):
   dx, ddata = _smap(w, local, (x_spec, P(w.axis), y_spec), (x_spec, P(w.axis)))(
       _to_spec(x, x_spec), w, _to_spec(dy, y_spec)
   )
-  return dx, _cotangent(w, ddata)
+  return _like(dx, x), _cotangent(w, _like(ddata, w.data))
 
 
 def _cotangent(w: ShardedBlockSparseMatrix, ddata: jax.Array) -> ShardedBlockSparseMatrix:

@@ -143,6 +143,26 @@ def test_tensor_parallel_only_mesh_and_explicit_axes():
   assert_close(y, jax.nn.gelu(X @ W_IN.to_dense()) @ W_OUT.to_dense(), jnp.float32)
 
 
+def test_explicit_axes_batch_from_the_type_and_gradients():
+  emesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+  w_in = shard_block_sparse(W_IN, emesh, "model", split="columns")
+  w_out = shard_block_sparse(W_OUT, emesh, "model", split="rows")
+
+  def ref(x, a, b):
+    h = jax.nn.gelu(jaxsparse.ops.block_sparse_matmul(x, W_IN.with_data(a)))
+    return jnp.sum(jnp.sin(jaxsparse.ops.block_sparse_matmul(h, W_OUT.with_data(b))))
+
+  want = jax.grad(ref, argnums=(0, 1, 2))(X, W_IN.data, W_OUT.data)
+  with jax.set_mesh(emesh):
+    xs = jax.device_put(X, P("data"))  # batch_axes=None: read from the type
+    loss = lambda x, a, b: jnp.sum(jnp.sin(megatron_mlp(x, w_in.with_data(a), w_out.with_data(b))))
+    dx, da, db = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(xs, w_in.data, w_out.data)
+    assert jax.typeof(dx).sharding.spec == jax.typeof(xs).sharding.spec
+  assert_close(dx, want[0], jnp.float32)
+  assert_close(w_in.global_data(da), want[1], jnp.float32)
+  assert_close(w_out.global_data(db), want[2], jnp.float32)
+
+
 def test_bad_arguments():
   mesh = _mesh()
   with pytest.raises(ValueError, match="must divide by the 2 devices"):
