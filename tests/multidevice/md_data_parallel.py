@@ -245,3 +245,17 @@ def test_explicit_axes_with_features_sharded_too(name):
   assert_close(y, y_ref, jnp.float32)
   assert_close(dx, dx_ref, jnp.float32)
   assert_close(dt, dt_ref, jnp.float32)
+
+
+@pytest.mark.parametrize("name", ["masked_cpu", "block_sparse_auto", "nm"])
+def test_auto_axes_with_a_sharded_weight(name):
+  # FSDP-like under auto axes: weight split over "data" like x; it is gathered for the product, and
+  # its gradient comes back correct.
+  f, t, _ = CASES[name]
+  x = jax.random.normal(KEYS[2], (16, K))
+  y_ref, (_, dt_ref) = _single_device(f, x, t)
+  mesh = _mesh()
+  xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+  ts = jax.device_put(t, NamedSharding(mesh, P(None, "data")))
+  assert_close(jax.jit(f)(xs, ts), y_ref, jnp.float32)
+  assert_close(jax.jit(jax.grad(_loss(f), argnums=1))(xs, ts), dt_ref, jnp.float32)
