@@ -186,7 +186,8 @@ def row_parallel(
 
   Under ``vmap``, mapped ``rows`` with unmapped ``rest`` and no ``summed`` output gain one leading
   dim (one partitioned call); any other mapping runs ``jax.vmap(fn)`` unpartitioned, i.e. the
-  backend's own batching rule.
+  backend's own batching rule. Differentiating the call (a gradient of a gradient) differentiates ``fn`` itself,
+  unpartitioned.
   """
   rows = tuple(rows)
   leaves, treedef = jax.tree.flatten(rest)
@@ -220,7 +221,11 @@ def row_parallel(
       outs = jax.vmap(flat_fn, in_axes=tuple(0 if b else None for b in in_batched))(*args)
     return outs, (True,) * len(outs)
 
-  outs = call(*rows, *leaves)
+  # Higher-order derivatives (the JVP of a backward pass) differentiate the plain product: the
+  # custom_partitioning primitive has no differentiation rule.
+  differentiable = jax.custom_jvp(call)
+  differentiable.defjvp(lambda primals, tangents: jax.jvp(flat_fn, primals, tangents))
+  outs = differentiable(*rows, *leaves)
   return tuple(_like(o, like[i]) if like and i in like else o for i, o in enumerate(outs))
 
 
