@@ -13,6 +13,7 @@ from jaxsparse import formats
 from jaxsparse import layers
 from jaxsparse import ops
 from jaxsparse import pruning
+from jaxsparse import sharding
 from jaxsparse._plot import plot_pattern
 from jaxsparse._sparsify._linen import densify_linen
 from jaxsparse._sparsify._linen import sparsify_linen
@@ -53,6 +54,7 @@ __all__ = [
     "plot_pattern",
     "pruning",
     "random_block_mask",
+    "sharding",
     "sparsify",
     "sparsify_linen",
     "summary",

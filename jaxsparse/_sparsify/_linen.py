@@ -25,6 +25,7 @@ from jaxsparse._rules import resolve_rules
 from jaxsparse._rules import warn_unmatched
 from jaxsparse._sparsify._nnx import block_mask_of
 from jaxsparse._sparsify._nnx import masks_dict
+from jaxsparse._sparsify._partitioning import carry_linen
 from jaxsparse._sparsify._report import LayerChange
 from jaxsparse._sparsify._report import SparsifyReport
 from jaxsparse._sparsify._report import check_speed_mode
@@ -96,6 +97,7 @@ def _linen_sparse_module(layer: _LinenLayer, *, nnz: int | None = None) -> nn.Mo
 
 
 def _linen_apply(layer: _LinenLayer, variables: Mapping, x: jax.Array) -> jax.Array:
+  variables = nn.meta.unbox(variables)  # nn.Partitioned boxes (sharding annotations)
   if layer.kind == "conv" and isinstance(layer.spec, Unstructured):
     mask = variables[sparse_linen.SPARSITY]["mask"]
     return layer.module.clone(parent=None, mask=mask).apply({"params": variables["params"]}, x)
@@ -224,7 +226,8 @@ def sparsify_linen(
     spec = resolved[r][2]
     if spec is None:
       continue
-    dense_params = _nested_get(params, path)
+    boxed_params = _nested_get(params, path)
+    dense_params = nn.meta.unbox(boxed_params)  # nn.with_partitioning boxes, re-applied by carry_linen
     kernel = dense_params["kernel"]
     if kind == "conv" and isinstance(spec, BlockSparse):
       raise ValueError(
@@ -250,9 +253,10 @@ def sparsify_linen(
                                    f"kept dense: sparse not faster ({mode})"))
         continue
     layers[path] = layer
-    _nested_set(params, path, layer_vars["params"])
-    if sparse_linen.SPARSITY in layer_vars:
-      _nested_set(new_vars.setdefault(sparse_linen.SPARSITY, {}), path, layer_vars[sparse_linen.SPARSITY])
+    boxed = carry_linen(boxed_params, layer_vars)
+    _nested_set(params, path, boxed["params"])
+    if sparse_linen.SPARSITY in boxed:
+      _nested_set(new_vars.setdefault(sparse_linen.SPARSITY, {}), path, boxed[sparse_linen.SPARSITY])
     density = _linen_density(spec, layer_vars, kernel)
     changes.append(LayerChange(p, f"{type(m).__name__}({kernel.shape})", spec.describe(),
                                type(_linen_sparse_module(layer, nnz=_nnz(layer_vars, spec))).__name__,

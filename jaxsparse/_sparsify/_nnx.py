@@ -31,6 +31,7 @@ from jaxsparse._rules import path_str
 from jaxsparse._rules import replace_module
 from jaxsparse._rules import resolve_rules
 from jaxsparse._rules import warn_unmatched
+from jaxsparse._sparsify._partitioning import carry_nnx
 from jaxsparse._sparsify._report import LayerChange
 from jaxsparse._sparsify._report import SparsifyReport
 from jaxsparse._sparsify._report import check_speed_mode
@@ -295,7 +296,8 @@ def sparsify(
   for path, node, spec in chosen:
     p = path_str(path)
     mask = mask_dict.get(f"{p}.kernel" if p else "kernel")
-    built.append((path, node, spec, _to_sparse(node, spec, None if mask is None else np.asarray(mask), p)))
+    new = _to_sparse(node, spec, None if mask is None else np.asarray(mask), p)
+    built.append((path, node, spec, carry_nnx(node, new)))  # sharding annotations carried over
 
   shapes = _record_inputs(model, [(p, n) for p, n, _, _ in built], example_input) if mode else {}
   changes = []

@@ -33,6 +33,7 @@ from jaxsparse._cpu import _kernels as _cpu_kernels
 from jaxsparse.formats._block_sparse import INDEX_FIELDS
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
 from jaxsparse.ops import _dispatch
+from jaxsparse.ops import _sharding
 
 __all__ = ["block_sparse_matmul", "block_sparse_matmul_reference", "Implementation"]
 
@@ -204,27 +205,31 @@ def _platform_dispatch(cfg: _Config, xla_fn, pallas_name: str, cast, *args, **pa
   return _dispatch.dispatch("block_sparse_matmul", cfg, kernels, xla, pallas, *args)
 
 
-def _forward(cfg: _Config, x2, w):
+def _forward(cfg: _Config, x, w):
   xla_fn = lambda a, b: xla_forward(a, b, precision=cfg.precision)
   # The kernel writes the output dtype itself: a float32 result of 16-bit inputs is never rounded.
   cast = lambda y: y.astype(cfg.out_dtype)
-  return _platform_dispatch(cfg, xla_fn, "forward", cast, x2, w, out_dtype=cfg.out_dtype)
+  fwd = lambda x2, b: (_platform_dispatch(cfg, xla_fn, "forward", cast, x2, b, out_dtype=cfg.out_dtype),)
+  # Data parallel: each device multiplies its rows of x (ops/_sharding.py).
+  return _sharding.row_parallel(fwd, (x,), w)[0]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _block_sparse_matmul(cfg: _Config, x2: jax.Array, w: BlockSparseMatrix) -> jax.Array:
-  return _forward(cfg, x2, w)
+def _block_sparse_matmul(cfg: _Config, x: jax.Array, w: BlockSparseMatrix) -> jax.Array:
+  return _forward(cfg, x, w)
 
 
-def _bsmm_fwd(cfg, x2, w):
-  return _forward(cfg, x2, w), (x2, w)
+def _bsmm_fwd(cfg, x, w):
+  return _forward(cfg, x, w), (x, w)
 
 
-def _bsmm_bwd(cfg, res, dy2):
-  x2, w = res
+def _bsmm_bwd(cfg, res, dy):
+  x, w = res
   xla_fn = lambda a, b, c: xla_backward(a, b, c, precision=cfg.precision)
-  cast = lambda r: (r[0].astype(x2.dtype), r[1].astype(w.dtype))
-  dx, ddata = _platform_dispatch(cfg, xla_fn, "backward", cast, x2, dy2, w)
+  cast = lambda r: (r[0].astype(x.dtype), r[1].astype(w.dtype))
+  bwd = lambda x2, dy2, b: _platform_dispatch(cfg, xla_fn, "backward", cast, x2, dy2, b)
+  # Data parallel: dX keeps the rows' sharding, dW is summed over the row shards.
+  dx, ddata = _sharding.row_parallel(bwd, (x, dy), w, summed=(1,), like={0: x, 1: w.data})
   # Integer index leaves get no cotangent.
   dw = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(w), [ddata] + [None] * len(INDEX_FIELDS))
   return dx, dw
@@ -281,6 +286,4 @@ def block_sparse_matmul(
   impl = _check_implementation(implementation)
   out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(x.dtype, w.dtype))
   cfg = _Config(impl, precision, out_dtype)
-  lead = x.shape[:-1]
-  y2 = _block_sparse_matmul(cfg, x.reshape(-1, w.shape[0]), w)
-  return y2.reshape(*lead, w.shape[1])
+  return _block_sparse_matmul(cfg, x, w)

@@ -22,6 +22,7 @@ from jax import lax
 from jaxsparse import _utils
 from jaxsparse._cpu import _kernels
 from jaxsparse._utils import check_mask
+from jaxsparse.ops import _sharding
 from jaxsparse.ops._sparse_matmul import CpuImplementation
 from jaxsparse.ops._sparse_matmul import check_cpu_implementation
 from jaxsparse.ops._sparse_matmul import cpu_supports
@@ -62,24 +63,27 @@ def _branch(cfg: _Config, mask, sparse, dense):
   return lax.cond(_sparse_enough(mask), sparse, dense) if cfg.check_density else sparse()
 
 
-def _forward(cfg: _Config, x2, w, mask):
+def _local_forward(cfg: _Config, x2, w, mask):
   sparse = lambda: _kernels.masked_forward(f32(x2), f32(w), mask).astype(cfg.out_dtype)
   dense = lambda: _masked_dense(x2, w, mask, cfg.precision, cfg.out_dtype).astype(cfg.out_dtype)
-  return _branch(cfg, mask, sparse, dense)
+  return (_branch(cfg, mask, sparse, dense),)
+
+
+def _forward(cfg: _Config, x, w, mask):
+  # Data parallel: each device multiplies its rows of x (ops/_sharding.py).
+  return _sharding.row_parallel(lambda x2, wm: _local_forward(cfg, x2, *wm), (x,), (w, mask))[0]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _masked_matmul_cpu(cfg: _Config, x2: jax.Array, w: jax.Array, mask: jax.Array) -> jax.Array:
-  return _forward(cfg, x2, w, mask)
+def _masked_matmul_cpu(cfg: _Config, x: jax.Array, w: jax.Array, mask: jax.Array) -> jax.Array:
+  return _forward(cfg, x, w, mask)
 
 
-def _mm_fwd(cfg, x2, w, mask):
-  return _forward(cfg, x2, w, mask), (x2, w, mask)
+def _mm_fwd(cfg, x, w, mask):
+  return _forward(cfg, x, w, mask), (x, w, mask)
 
 
-def _mm_bwd(cfg, res, dy2):
-  x2, w, mask = res
-
+def _local_backward(cfg: _Config, x2, dy2, w, mask):
   def sparse():
     dx, dw = _kernels.masked_backward(f32(x2), f32(w), mask, f32(dy2))
     return dx.astype(x2.dtype), dw.astype(w.dtype)
@@ -91,7 +95,14 @@ def _mm_bwd(cfg, res, dy2):
     dw = jnp.matmul(x2.T, dy2, precision=cfg.precision, preferred_element_type=acc)
     return dx.astype(x2.dtype), jnp.where(mask, dw, 0).astype(w.dtype)
 
-  dx, dw = _branch(cfg, mask, sparse, dense)
+  return _branch(cfg, mask, sparse, dense)
+
+
+def _mm_bwd(cfg, res, dy):
+  x, w, mask = res
+  # Data parallel: dX keeps the rows' sharding, dW is summed over the row shards.
+  bwd = lambda x2, dy2, wm: _local_backward(cfg, x2, dy2, *wm)
+  dx, dw = _sharding.row_parallel(bwd, (x, dy), (w, mask), summed=(1,), like={0: x, 1: w})
   return dx, dw, None
 
 
@@ -150,6 +161,4 @@ def masked_matmul(
     # d(w * mask)/dw = mask, so autodiff already masks the weight gradient.
     return _masked_dense(x, w, mask, precision, out_dtype)
   cfg = _Config(precision, out_dtype, check_density=implementation is None)
-  lead = x.shape[:-1]
-  y2 = _masked_matmul_cpu(cfg, x.reshape(-1, w.shape[0]), w, mask)
-  return y2.reshape(*lead, w.shape[1])
+  return _masked_matmul_cpu(cfg, x, w, mask)

@@ -26,6 +26,7 @@ from jax import lax
 from jaxsparse import _utils
 from jaxsparse.formats._nm import NMSparseMatrix
 from jaxsparse.ops import _dispatch
+from jaxsparse.ops import _sharding
 
 __all__ = ["nm_matmul", "nm_matmul_reference"]
 
@@ -62,25 +63,29 @@ def _xla_forward(cfg: _Config, x2, w):
   return nm_matmul_reference(x2, w, precision=cfg.precision).astype(cfg.out_dtype)
 
 
-def _forward(cfg: _Config, x2: jax.Array, w: NMSparseMatrix) -> jax.Array:
+def _local_forward(cfg: _Config, x2: jax.Array, w: NMSparseMatrix) -> tuple[jax.Array]:
   kernels = _pallas_ops()
   xla_fn = functools.partial(_xla_forward, cfg)
   pallas_fn = lambda a, b: kernels.forward(a, b, precision=cfg.precision).astype(cfg.out_dtype)
   preferred = None if kernels is None else kernels.preferred
-  return _dispatch.dispatch("nm_matmul", cfg, kernels, xla_fn, pallas_fn, x2, w, preferred=preferred)
+  return (_dispatch.dispatch("nm_matmul", cfg, kernels, xla_fn, pallas_fn, x2, w, preferred=preferred),)
+
+
+def _forward(cfg: _Config, x: jax.Array, w: NMSparseMatrix) -> jax.Array:
+  # Data parallel: each device multiplies its rows of x (ops/_sharding.py).
+  return _sharding.row_parallel(functools.partial(_local_forward, cfg), (x,), w)[0]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _nm_matmul(cfg: _Config, x2: jax.Array, w: NMSparseMatrix) -> jax.Array:
-  return _forward(cfg, x2, w)
+def _nm_matmul(cfg: _Config, x: jax.Array, w: NMSparseMatrix) -> jax.Array:
+  return _forward(cfg, x, w)
 
 
-def _nm_matmul_fwd(cfg, x2, w):
-  return _forward(cfg, x2, w), (x2, w)
+def _nm_matmul_fwd(cfg, x, w):
+  return _forward(cfg, x, w), (x, w)
 
 
-def _nm_matmul_bwd(cfg, res, dy2):
-  x2, w = res
+def _local_backward(cfg: _Config, x2, dy2, w):
   acc = jnp.promote_types(jnp.result_type(x2.dtype, dy2.dtype, w.dtype), jnp.float32)
   wd = w.to_dense()
   dx = lax.dot_general(dy2, wd, (((1,), (1,)), ((), ())), precision=cfg.precision, preferred_element_type=acc)
@@ -88,8 +93,16 @@ def _nm_matmul_bwd(cfg, res, dy2):
   # The gradient of the kept values is dW at the kept positions: the VJP of w.to_dense().
   _, to_dense_vjp = jax.vjp(lambda v: w.with_values(v).to_dense(), w.values)
   (dvalues,) = to_dense_vjp(dw.astype(w.dtype))
+  return dx.astype(x2.dtype), dvalues
+
+
+def _nm_matmul_bwd(cfg, res, dy):
+  x, w = res
+  # Data parallel: dX keeps the rows' sharding, dvalues is summed over the row shards.
+  local = functools.partial(_local_backward, cfg)
+  dx, dvalues = _sharding.row_parallel(local, (x, dy), w, summed=(1,), like={0: x, 1: w.values})
   dw_tree = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(w), [dvalues, None])
-  return dx.astype(x2.dtype), dw_tree
+  return dx, dw_tree
 
 
 _nm_matmul.defvjp(_nm_matmul_fwd, _nm_matmul_bwd)
@@ -142,6 +155,4 @@ def nm_matmul(
   impl = _check_implementation(implementation)
   out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(x.dtype, w.dtype))
   cfg = _Config(impl, precision, out_dtype)
-  lead = x.shape[:-1]
-  y2 = _nm_matmul(cfg, x.reshape(-1, w.shape[0]), w)
-  return y2.reshape(*lead, w.shape[1])
+  return _nm_matmul(cfg, x, w)

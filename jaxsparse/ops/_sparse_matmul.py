@@ -29,6 +29,7 @@ from jaxsparse._cpu import _build
 from jaxsparse._cpu import _kernels
 from jaxsparse.formats._csr import INDEX_FIELDS
 from jaxsparse.formats._csr import CSRMatrix
+from jaxsparse.ops import _sharding
 
 __all__ = ["CpuImplementation", "sparse_matmul", "sparse_matmul_reference"]
 
@@ -93,28 +94,34 @@ class _Config:
   out_dtype: jnp.dtype
 
 
-def _csr_forward(cfg: _Config, x2: jax.Array, w: CSRMatrix) -> jax.Array:
-  y = _kernels.csr_forward(f32(x2), f32(w.data), w.col_offsets, w.transpose_order, w.transpose_row_indices)
-  return y.astype(cfg.out_dtype)
+def _csr_forward(cfg: _Config, x: jax.Array, w: CSRMatrix) -> jax.Array:
+  def fwd(x2, b):
+    y = _kernels.csr_forward(f32(x2), f32(b.data), b.col_offsets, b.transpose_order, b.transpose_row_indices)
+    return (y.astype(cfg.out_dtype),)
+
+  # Data parallel: each device multiplies its rows of x (ops/_sharding.py).
+  return _sharding.row_parallel(fwd, (x,), w)[0]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _sparse_matmul_cpu(cfg: _Config, x2: jax.Array, w: CSRMatrix) -> jax.Array:
-  return _csr_forward(cfg, x2, w)
+def _sparse_matmul_cpu(cfg: _Config, x: jax.Array, w: CSRMatrix) -> jax.Array:
+  return _csr_forward(cfg, x, w)
 
 
-def _smm_fwd(cfg, x2, w):
-  return _csr_forward(cfg, x2, w), (x2, w)
+def _smm_fwd(cfg, x, w):
+  return _csr_forward(cfg, x, w), (x, w)
 
 
-def _smm_bwd(cfg, res, dy2):
-  x2, w = res
-  dx, ddata = _kernels.csr_backward(f32(x2), f32(w.data), w.row_offsets, w.col_indices, f32(dy2))
+def _smm_bwd(cfg, res, dy):
+  x, w = res
+  bwd = lambda x2, dy2, b: _kernels.csr_backward(f32(x2), f32(b.data), b.row_offsets, b.col_indices, f32(dy2))
+  # Data parallel: dX keeps the rows' sharding, dW is summed over the row shards.
+  dx, ddata = _sharding.row_parallel(bwd, (x, dy), w, summed=(1,), like={0: x, 1: w.data})
   # Integer index leaves get no cotangent.
   dw = jax.tree_util.tree_unflatten(
       jax.tree_util.tree_structure(w), [ddata.astype(w.dtype)] + [None] * len(INDEX_FIELDS)
   )
-  return dx.astype(x2.dtype), dw
+  return dx.astype(x.dtype), dw
 
 
 _sparse_matmul_cpu.defvjp(_smm_fwd, _smm_bwd)
@@ -167,6 +174,4 @@ def sparse_matmul(
     if implementation == "cpu":
       raise TypeError(f"implementation='cpu' supports float32, bfloat16 and float16, got {x.dtype} and {w.dtype}.")
     return sparse_matmul_reference(x, w, precision=precision, preferred_element_type=out_dtype)
-  lead = x.shape[:-1]
-  y2 = _sparse_matmul_cpu(_Config(out_dtype), x.reshape(-1, w.shape[0]), w)
-  return y2.reshape(*lead, w.shape[1])
+  return _sparse_matmul_cpu(_Config(out_dtype), x, w)

@@ -1,0 +1,118 @@
+"""Sharding annotations survive ``sparsify``: a dense layer's partitioning goes to its sparse replacement.
+
+A dense kernel annotated with ``nnx.with_partitioning(init, names)`` (NNX ``out_sharding``
+metadata) or ``nn.with_partitioning`` (Linen ``nn.Partitioned`` boxes) passes its names on:
+
+* parameters and masks of the kernel's shape (``MaskedLinear``, ``MaskedConv``, ``NMLinear``,
+  ``NMConv``) take the kernel's names, dim by dim; the bias keeps its own;
+* ``SparseLinearGeneral`` folds the kernel to ``(K, N)``: a group of dims keeps the name of its
+  leading dim when that is the only named one (the merged dim splits the same way), else none;
+* block-sparse values ``(nnz_blocks, bk, bn)`` and their index arrays are replicated, ``(None, ...)``:
+  the data-parallel layout every op partitions over. Splitting a block-sparse weight over devices
+  is tensor parallelism, a layout with per-shard indices (:mod:`jaxsparse.sharding`).
+
+Where the dense kernel's value was already placed on a mesh, the new arrays are placed likewise.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxsparse.layers import BlockSparseLinear
+from jaxsparse.layers import SparseLinearGeneral
+
+__all__ = ["carry_linen", "carry_nnx"]
+
+Names = tuple[Any, ...]
+
+
+def _fold(names: Names, groups: tuple[int, ...]) -> Names:
+  """Names of dims folded into ``len(groups)`` dims of ``groups[i]`` consecutive dims each."""
+  out, start = [], 0
+  for size in groups:
+    group = names[start : start + size]
+    start += size
+    named = [n for n in group if n is not None]
+    out.append(group[0] if len(named) == 1 and group[0] is not None else None)
+  return tuple(out)
+
+
+def _placed(value: jax.Array, names: Names, dense_value: Any, dense_names: Names) -> jax.Array:
+  """``value`` put on the dense value's mesh, its dims split like the dense dims of the same name."""
+  sharding = getattr(dense_value, "sharding", None)
+  if not isinstance(sharding, NamedSharding):
+    return value
+  physical = dict(zip(dense_names, tuple(sharding.spec) + (None,) * len(dense_names), strict=False))
+  spec = []
+  for size, name in zip(value.shape, names, strict=True):
+    axes = physical.get(name) if name is not None else None
+    ways = math.prod(sharding.mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes or ()))
+    spec.append(axes if axes is not None and size % ways == 0 else None)
+  return jax.device_put(value, NamedSharding(sharding.mesh, P(*spec)))
+
+
+def _nnx_names(var: nnx.Variable) -> Names | None:
+  names = var.get_metadata().get("out_sharding")
+  return tuple(names) if names else None
+
+
+def carry_nnx(dense: nnx.Module, sparse: nnx.Module) -> nnx.Module:
+  """Copies the partitioning metadata of ``dense``'s kernel and bias onto ``sparse``'s variables."""
+  kernel_names = _nnx_names(dense.kernel)
+  bias = getattr(dense, "bias", None)
+  bias_names = _nnx_names(bias) if isinstance(bias, nnx.Variable) else None
+  if kernel_names is None and bias_names is None:
+    return sparse
+  extra = {k: v for k, v in dense.kernel.get_metadata().items() if k in ("sharding_rules", "mesh") and v is not None}
+  layer = sparse
+  if isinstance(sparse, SparseLinearGeneral):
+    layer = sparse.layer
+    n_in = len(sparse.in_features)
+    if kernel_names is not None:
+      kernel_names = _fold(kernel_names, (n_in, len(kernel_names) - n_in))
+    if bias_names is not None:
+      bias_names = _fold(bias_names, (len(bias_names),))
+  for path, var in nnx.iter_graph(layer):
+    if not isinstance(var, nnx.Variable) or not hasattr(var, "shape"):
+      continue
+    is_bias = bool(path) and path[-1] == "bias"
+    if is_bias:
+      names, source = bias_names, bias
+    elif isinstance(layer, BlockSparseLinear) or kernel_names is None or var.ndim != len(kernel_names):
+      names, source = (None,) * var.ndim, dense.kernel
+    else:
+      names, source = kernel_names, dense.kernel
+    if names is None:
+      continue
+    var.set_metadata(out_sharding=names, **extra)
+    var[...] = _placed(var[...], names, source[...], _nnx_names(source) or ())
+  return sparse
+
+
+def carry_linen(dense_params: Mapping, layer_vars: dict) -> dict:
+  """Boxes ``layer_vars`` (``{"params": ..., "sparsity": ...}``) in ``nn.Partitioned`` like ``dense_params``."""
+  kernel, bias = dense_params["kernel"], dense_params.get("bias")
+  if not isinstance(kernel, nn.Partitioned) and not isinstance(bias, nn.Partitioned):
+    return layer_vars
+  kernel_names = tuple(kernel.names) if isinstance(kernel, nn.Partitioned) else None
+  mesh = kernel.mesh if isinstance(kernel, nn.Partitioned) else None
+  block_sparse = "row_indices" in layer_vars.get("sparsity", {})
+
+  def box(name: str, value):
+    if name == "bias":
+      return bias.replace_boxed(value) if isinstance(bias, nn.Partitioned) else value
+    if block_sparse or kernel_names is None or value.ndim != len(kernel_names):
+      names = (None,) * value.ndim
+    else:
+      names = kernel_names
+    return nn.Partitioned(value, names=names, mesh=mesh)
+
+  return {col: {k: box(k, v) for k, v in tree.items()} for col, tree in layer_vars.items()}

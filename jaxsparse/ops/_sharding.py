@@ -1,0 +1,237 @@
+"""Data-parallel partitioning of the ops' products: leading dims of the activations split, weights replicated.
+
+Every product of the ops is ``f(rows..., weights)`` where the ``rows`` arrays (``x``, ``dY``) share
+their leading (batch, sequence) dims and the weights do not depend on them. :func:`row_parallel`
+runs such a product under ``jax.sharding`` so that each device computes its own rows and nothing
+of the activations is gathered:
+
+* leading dims sharded over some mesh axes -> each device calls ``f`` on its rows, whatever
+  backend ``f`` dispatches to (Pallas, the C++ FFI kernels, XLA);
+* outputs with those leading dims (``y``, ``dX``) keep their sharding;
+* outputs that sum over the rows (the weight gradient ``dW = xᵀ dY``) are reduced across those
+  axes with one ``psum``, so data-parallel training needs no reduction by the user;
+* the weights, and the last (feature) dim of the activations, are replicated: gathered if they
+  arrive sharded (tensor parallelism is a different layout: :mod:`jaxsparse.sharding`).
+
+How, depends on when the shardings are known:
+
+* auto axes (``jit`` with ``NamedSharding`` inputs): only the compiler knows them, so the product
+  is a :func:`jax.experimental.custom_partitioning` call with a Shardy sharding rule (leading dims
+  pass through, all else replicated); the partition callback sees the shardings Shardy chose and
+  lowers ``f`` per device;
+* explicit axes (``jax.set_mesh`` with ``AxisType.Explicit``): the shardings are in the types, so
+  the product is a ``jax.shard_map`` with those specs;
+* inside ``shard_map`` (all axes manual) and on one device, ``f`` is called directly.
+
+A leading dim that does not divide by its number of shards is gathered (correct, slower): padding
+rows would add garbage to ``dW``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from collections.abc import Mapping
+from collections.abc import Sequence
+
+import jax
+from jax import lax
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import AxisType
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+__all__ = ["row_parallel"]
+
+
+def _axes(entry) -> tuple[str, ...]:
+  """A ``PartitionSpec`` entry as a tuple of mesh axis names."""
+  if entry is None or entry is P.UNCONSTRAINED:
+    return ()
+  return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _lead_specs(spec, shape, n_lead: int, axis_size: Callable[[str], int]) -> tuple:
+  """The usable spec entries of the ``n_lead`` leading dims: ``None`` where a dim does not divide."""
+  spec = tuple(spec) + (None,) * (len(shape) - len(spec))
+  out = []
+  for entry, size in zip(spec[:n_lead], shape[:n_lead], strict=True):
+    axes = _axes(entry)
+    out.append(entry if axes and size % math.prod(axis_size(a) for a in axes) == 0 else None)
+  return tuple(out)
+
+
+def _flat_axes(lead: tuple) -> tuple[str, ...]:
+  return tuple(a for entry in lead for a in _axes(entry))
+
+
+def _local(fn: Callable, n_rows: int, summed: frozenset, lead: tuple) -> Callable:
+  """``fn`` on one device's rows, its ``summed`` outputs reduced over the axes of ``lead``."""
+  axes = _flat_axes(lead)
+
+  def local_fn(*args):
+    outs = fn(*args)
+    if not axes:
+      return outs
+    return tuple(lax.psum(o, axes) if i in summed else o for i, o in enumerate(outs))
+
+  return local_fn
+
+
+# -------------------------------------------------------------------------------------------------
+# Auto axes: custom_partitioning with a Shardy rule.
+# -------------------------------------------------------------------------------------------------
+
+
+def _sharding_rule(n_rows, n_lead, arg_ndims, out_ndims, summed):
+  """``"m0 m1 f0, m0 m1 f1, f2 f3 -> m0 m1 f4, f5 f6"``: ``m*`` pass through, every ``f*`` replicated."""
+  lead = [f"m{i}" for i in range(n_lead)]
+  replicated = []
+
+  def dims(ndim: int, has_lead: bool) -> str:
+    own = [f"f{len(replicated) + i}" for i in range(ndim - (n_lead if has_lead else 0))]
+    replicated.extend(own)
+    return " ".join((lead if has_lead else []) + own)
+
+  ins = [dims(nd, i < n_rows) for i, nd in enumerate(arg_ndims)]
+  outs = [dims(nd, i not in summed) for i, nd in enumerate(out_ndims)]
+  return f"{', '.join(ins)} -> {', '.join(outs)}", {"need_replication_factors": tuple(replicated)}
+
+
+def _auto_partitioned(fn: Callable, n_rows: int, n_lead: int, summed: frozenset) -> Callable:
+  @custom_partitioning
+  def call(*args):
+    return fn(*args)
+
+  def partition(mesh, arg_shapes, result_shape):
+    x = arg_shapes[0]
+    spec = x.sharding.spec if isinstance(x.sharding, NamedSharding) else P()
+    lead = _lead_specs(spec, x.shape, n_lead, lambda a: mesh.shape[a])
+    rows_sharding = lambda nd: NamedSharding(mesh, P(*lead, *([None] * (nd - n_lead))))
+    replicated = NamedSharding(mesh, P())
+    args = tuple(rows_sharding(s.ndim) if i < n_rows else replicated for i, s in enumerate(arg_shapes))
+    outs = tuple(replicated if i in summed else rows_sharding(s.ndim) for i, s in enumerate(result_shape))
+    return mesh, _local(fn, n_rows, summed, lead), outs, args
+
+  def rule(mesh, operand_types, result_types):
+    del mesh
+    ndims = lambda types: [len(t.shape) for t in types]
+    return _sharding_rule(n_rows, n_lead, ndims(operand_types), ndims(result_types), summed)
+
+  call.def_partition(partition, sharding_rule=rule)
+  return call
+
+
+# -------------------------------------------------------------------------------------------------
+# Explicit axes: shard_map with the specs from the types.
+# -------------------------------------------------------------------------------------------------
+
+
+def _explicit_lead(x: jax.Array, n_lead: int):
+  """``(mesh, lead specs)`` when ``x`` is typed with explicit mesh axes, else ``None``."""
+  sharding = jax.typeof(x).sharding
+  mesh = getattr(sharding, "mesh", None)
+  if mesh is None or mesh.empty or AxisType.Explicit not in mesh.axis_types:
+    return None
+  return mesh, _lead_specs(sharding.spec, x.shape, n_lead, lambda a: mesh.shape[a])
+
+
+def _resharded(a: jax.Array, mesh, spec: P) -> jax.Array:
+  """``a`` resharded to ``spec`` (a no-op when it already is); works without a ``jax.set_mesh`` context."""
+  return a if jax.typeof(a).sharding.spec == spec else jax.reshard(a, NamedSharding(mesh, spec))
+
+
+def _explicit_call(fn, n_rows, summed, mesh, lead, args, out_ndims):
+  rows_spec = lambda nd: P(*lead, *([None] * (nd - len(lead))))
+  specs = tuple(rows_spec(a.ndim) if i < n_rows else P() for i, a in enumerate(args))
+  args = tuple(_resharded(a, mesh, s) for a, s in zip(args, specs, strict=True))
+  out_specs = tuple(P() if i in summed else rows_spec(nd) for i, nd in enumerate(out_ndims))
+  local = _local(fn, n_rows, summed, lead)
+  # No autodiff runs through this map (it sits inside the ops' custom VJPs), and the Pallas kernels,
+  # traced on every platform by lax.platform_dependent, do not declare how their outputs vary.
+  smap = jax.shard_map(
+      local, mesh=mesh, in_specs=specs, out_specs=out_specs, axis_names=set(_flat_axes(lead)), check_vma=False
+  )
+  return smap(*args)
+
+
+# -------------------------------------------------------------------------------------------------
+# The entry point.
+# -------------------------------------------------------------------------------------------------
+
+
+def row_parallel(
+    fn: Callable[..., tuple[jax.Array, ...]],
+    rows: Sequence[jax.Array],
+    rest: object,
+    *,
+    summed: Sequence[int] = (),
+    like: Mapping[int, jax.Array] | None = None,
+) -> tuple[jax.Array, ...]:
+  """Calls ``fn(*rows2d, rest)`` on each device's rows of ``rows`` (see the module docstring).
+
+  Args:
+    fn: the product on 2-D rows: takes the ``rows`` arrays flattened to ``(M, D_i)`` positionally,
+      then ``rest``, and returns a tuple of arrays. Outputs listed in ``summed`` are sums over all
+      ``M`` rows (e.g. ``xᵀ dY``); every other output is ``(M, D_out)``.
+    rows: arrays ``(*lead, D_i)`` with the same leading dims (``x`` and ``dY``).
+    rest: a pytree of weight-side arrays (a sparse matrix, a mask), replicated on every device.
+    summed: positions in ``fn``'s outputs that are reduced over the row shards.
+    like: ``{output position: primal}`` for outputs that are cotangents (``dX``, ``dW``): under
+      explicit axes they are resharded to the primal's sharding, as a custom VJP must return.
+
+  Returns:
+    ``fn``'s outputs, the row outputs reshaped to ``(*lead, D_out)`` and sharded like ``rows[0]``,
+    the ``summed`` ones replicated.
+
+  Under ``vmap``, mapped ``rows`` with unmapped ``rest`` and no ``summed`` output gain one leading
+  dim (one partitioned call); any other mapping runs ``jax.vmap(fn)`` unpartitioned, i.e. the
+  backend's own batching rule. Differentiating the call (a gradient of a gradient) differentiates ``fn`` itself,
+  unpartitioned.
+  """
+  rows = tuple(rows)
+  leaves, treedef = jax.tree.flatten(rest)
+  n_rows, summed = len(rows), frozenset(summed)
+
+  def flat_fn(*args):
+    lead = args[0].shape[:-1]
+    rows2d = [a.reshape(-1, a.shape[-1]) for a in args[:n_rows]]
+    outs = tuple(fn(*rows2d, jax.tree.unflatten(treedef, args[n_rows:])))
+    return tuple(o if i in summed else o.reshape(*lead, o.shape[-1]) for i, o in enumerate(outs))
+
+  def partitioned(*args):
+    n_lead = args[0].ndim - 1
+    unsharded = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
+    out_ndims = [o.ndim for o in jax.eval_shape(flat_fn, *unsharded)]
+    explicit = _explicit_lead(args[0], n_lead)
+    if explicit is not None:
+      return _explicit_call(flat_fn, n_rows, summed, *explicit, args, out_ndims)
+    return _auto_partitioned(flat_fn, n_rows, n_lead, summed)(*args)
+
+  @jax.custom_batching.custom_vmap
+  def call(*args):
+    return partitioned(*args)
+
+  @call.def_vmap
+  def _vmap_rule(axis_size, in_batched, *args):
+    del axis_size
+    if all(in_batched[:n_rows]) and not any(in_batched[n_rows:]) and not summed:
+      outs = call(*args)
+    else:
+      outs = jax.vmap(flat_fn, in_axes=tuple(0 if b else None for b in in_batched))(*args)
+    return outs, (True,) * len(outs)
+
+  # Higher-order derivatives (the JVP of a backward pass) differentiate the plain product: the
+  # custom_partitioning primitive has no differentiation rule.
+  differentiable = jax.custom_jvp(call)
+  differentiable.defjvp(lambda primals, tangents: jax.jvp(flat_fn, primals, tangents))
+  outs = differentiable(*rows, *leaves)
+  return tuple(_like(o, like[i]) if like and i in like else o for i, o in enumerate(outs))
+
+
+def _like(out: jax.Array, primal: jax.Array) -> jax.Array:
+  sharding = jax.typeof(primal).sharding
+  mesh = getattr(sharding, "mesh", None)
+  if mesh is None or mesh.empty or AxisType.Explicit not in mesh.axis_types:
+    return out
+  return _resharded(out, mesh, sharding.spec)

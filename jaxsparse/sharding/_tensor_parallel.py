@@ -1,0 +1,411 @@
+"""Tensor parallelism for block-sparse weights: a ``BlockSparseMatrix`` split over one mesh axis.
+
+A column split (``split="columns"``) gives each of the ``S`` devices on ``axis`` the block columns
+``[s N/S, (s+1) N/S)``: ``y = x @ W`` is then computed with no communication and comes out sharded on
+``N`` (column-parallel). A row split gives each device the block rows ``[s K/S, (s+1) K/S)`` and
+expects ``x`` sharded on ``K``: each device computes a partial ``y``, reduced with one ``psum`` (or
+``psum_scatter``) over ``axis`` (row-parallel). A Megatron MLP is column- then row-parallel, with one
+reduction in the forward pass and one in the backward pass.
+
+Each shard is a :class:`jaxsparse.BlockSparseMatrix` of its own, with index arrays built once on the
+host by :func:`shard_block_sparse`. Shards keep different numbers of blocks, so every shard is padded
+to the largest count with zero blocks at free positions of its grid; padding blocks stay zero (their
+gradient is zero) and :meth:`ShardedBlockSparseMatrix.to_block_sparse` drops them.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import AxisType
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxsparse.formats._block_sparse import BlockSparseMatrix
+from jaxsparse.formats._block_sparse import block_pattern_indices
+from jaxsparse.ops._block_sparse_matmul import Implementation
+from jaxsparse.ops._block_sparse_matmul import block_sparse_matmul
+from jaxsparse.ops._sharding import _like
+
+__all__ = [
+    "ShardedBlockSparseMatrix",
+    "column_parallel_matmul",
+    "megatron_mlp",
+    "row_parallel_matmul",
+    "shard_block_sparse",
+]
+
+Split = Literal["columns", "rows"]
+BatchAxes = str | tuple[str | tuple[str, ...] | None, ...] | None
+
+
+@jax.tree_util.register_pytree_node_class
+class ShardedBlockSparseMatrix:
+  """A ``(K, N)`` block-sparse matrix split by block columns or block rows over one mesh axis.
+
+  Build it with :func:`shard_block_sparse`; multiply with :func:`column_parallel_matmul` (column
+  split) or :func:`row_parallel_matmul` (row split).
+
+  Attributes:
+    shards: a :class:`jaxsparse.BlockSparseMatrix` whose array leaves carry a leading shard dimension
+      ``S`` (``data`` is ``(S, nnz_per_shard, bk, bn)``), sharded over ``axis``; its static ``shape``
+      is one shard's ``(K, N / S)`` or ``(K / S, N)``.
+    source: int32 ``(S, nnz_per_shard)``: the position of each shard block in the unsplit matrix's
+      ``data``, ``-1`` for padding.
+    mesh, axis, split: the layout (static).
+    shape: static ``(K, N)`` of the whole matrix.
+  """
+
+  def __init__(self, shards: BlockSparseMatrix, source: jax.Array, *, mesh: Mesh, axis: str, split: Split, shape):
+    self.shards, self.source = shards, source
+    self.mesh, self.axis, self.split, self.shape = mesh, axis, split, tuple(shape)
+
+  def tree_flatten(self):
+    return (self.shards, self.source), (self.mesh, self.axis, self.split, self.shape)
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    mesh, axis, split, shape = aux
+    return cls(*children, mesh=mesh, axis=axis, split=split, shape=shape)
+
+  @property
+  def data(self) -> jax.Array:
+    """``(S, nnz_per_shard, bk, bn)`` block values, sharded over ``axis``."""
+    return self.shards.data
+
+  @property
+  def num_shards(self) -> int:
+    return self.mesh.shape[self.axis]
+
+  def with_data(self, data: jax.typing.ArrayLike) -> ShardedBlockSparseMatrix:
+    """The same layout with new block values (e.g. a traced parameter inside a loss)."""
+    data = jnp.asarray(data)
+    if data.shape != self.data.shape:
+      raise ValueError(f"data must have shape {self.data.shape} (shards, blocks, bk, bn), got {data.shape}.")
+    children, treedef = jax.tree.flatten(self.shards)
+    shards = jax.tree.unflatten(treedef, [data, *children[1:]])
+    return ShardedBlockSparseMatrix(
+        shards, self.source, mesh=self.mesh, axis=self.axis, split=self.split, shape=self.shape
+    )
+
+  def global_data(self, data: jax.typing.ArrayLike | None = None) -> jax.Array:
+    """``data`` (default: the matrix's own) in the unsplit matrix's block order, padding dropped.
+
+    Also maps a gradient with respect to :attr:`data` to the gradient of the unsplit matrix.
+    """
+    data = _to_spec(self.data if data is None else jnp.asarray(data), P())
+    source = np.asarray(self.source).reshape(-1)
+    keep = np.nonzero(source >= 0)[0]
+    flat = data.reshape(-1, *data.shape[2:])
+    return jnp.zeros((keep.size, *data.shape[2:]), data.dtype).at[source[keep]].set(flat[keep])
+
+  def to_block_sparse(self) -> BlockSparseMatrix:
+    """The unsplit :class:`jaxsparse.BlockSparseMatrix` (gathered onto one device)."""
+    kb, nb = self.shape[0] // self.shards.block_shape[0], self.shape[1] // self.shards.block_shape[1]
+    mask = np.zeros((kb, nb), bool)
+    rows, cols = self._global_coords()
+    mask[rows, cols] = True
+    return BlockSparseMatrix.from_block_mask(mask, self.global_data(), shape=self.shape)
+
+  def _global_coords(self) -> tuple[np.ndarray, np.ndarray]:
+    """Block coordinates in the unsplit matrix of the real (non-padding) blocks, in its ``data`` order."""
+    source = np.asarray(self.source)
+    rows, cols = np.asarray(self.shards.row_indices), np.asarray(self.shards.col_indices)
+    kb_local, nb_local = self.shards.grid_shape
+    shard = np.broadcast_to(np.arange(source.shape[0])[:, None], source.shape)
+    if self.split == "columns":
+      cols = cols + shard * nb_local
+    else:
+      rows = rows + shard * kb_local
+    keep = source >= 0
+    order = np.argsort(source[keep])
+    return rows[keep][order], cols[keep][order]
+
+  def __repr__(self) -> str:
+    return (
+        f"ShardedBlockSparseMatrix(shape={self.shape}, block_shape={self.shards.block_shape}, "
+        f"split={self.split!r}, axis={self.axis!r}, shards={self.num_shards}, "
+        f"blocks_per_shard={self.data.shape[1]})"
+    )
+
+
+def shard_block_sparse(w: BlockSparseMatrix, mesh: Mesh, axis: str, *, split: Split) -> ShardedBlockSparseMatrix:
+  """Lays ``w`` out over the mesh axis ``axis``, split by block columns or block rows.
+
+  The per-shard index arrays are computed here, once, on the host.
+
+  >>> import jax, jaxsparse
+  >>> from jaxsparse.sharding import shard_block_sparse
+  >>> k1, k2 = jax.random.split(jax.random.key(0))
+  >>> w = jaxsparse.BlockSparseMatrix.from_dense(
+  ...     jax.random.normal(k1, (64, 128)), (16, 16),
+  ...     block_mask=jaxsparse.random_block_mask(k2, (64, 128), (16, 16), 0.5))
+  >>> mesh = jax.make_mesh((1,), ("model",))
+  >>> ws = shard_block_sparse(w, mesh, "model", split="columns")
+  >>> ws.data.shape, bool((ws.to_block_sparse().to_dense() == w.to_dense()).all())
+  ((1, 16, 16, 16), True)
+
+  Args:
+    w: the whole ``(K, N)`` matrix; its index arrays must be concrete.
+    mesh: the device mesh.
+    axis: the mesh axis to split over; ``N // bn`` (columns) or ``K // bk`` (rows) must divide by
+      its size.
+    split: ``"columns"`` for column-parallel (:func:`column_parallel_matmul`), ``"rows"`` for
+      row-parallel (:func:`row_parallel_matmul`).
+
+  Returns:
+    A :class:`ShardedBlockSparseMatrix` with its leaves sharded over ``axis``.
+  """
+  if not isinstance(w, BlockSparseMatrix):
+    raise TypeError(f"w must be a jaxsparse.BlockSparseMatrix, got {type(w).__name__}.")
+  if split not in ("columns", "rows"):
+    raise ValueError(f"split must be 'columns' or 'rows', got split={split!r}.")
+  if axis not in mesh.shape:
+    raise ValueError(f"axis={axis!r} is not an axis of the mesh, whose axes are {tuple(mesh.shape)}.")
+  s = mesh.shape[axis]
+  kb, nb = w.grid_shape
+  along = nb if split == "columns" else kb
+  if along % s:
+    what = "block columns N // bn" if split == "columns" else "block rows K // bk"
+    raise ValueError(f"{what} = {along} must divide by the {s} devices of mesh axis {axis!r}.")
+  try:
+    rows, cols = np.asarray(w.row_indices), np.asarray(w.col_indices)
+  except jax.errors.TracerArrayConversionError as e:
+    raise ValueError("shard_block_sparse needs w's index arrays to be concrete; call it outside jit.") from e
+  position = np.full((kb, nb), -1, np.int32)
+  position[rows, cols] = np.arange(rows.size, dtype=np.int32)
+  if split == "columns":
+    local = [position[:, i * (nb // s) : (i + 1) * (nb // s)] for i in range(s)]
+  else:
+    local = [position[i * (kb // s) : (i + 1) * (kb // s)] for i in range(s)]
+  per_shard = max(int((p >= 0).sum()) for p in local)
+  masks, sources = [], []
+  for p in local:
+    mask = p >= 0
+    free = np.flatnonzero(~mask)[: per_shard - int(mask.sum())]
+    mask.reshape(-1)[free] = True  # padding blocks, at free positions of this shard's grid
+    masks.append(mask)
+    sources.append(p[mask])  # row-major order, like BlockSparseMatrix.data; -1 marks padding
+  source = np.stack(sources)
+  index = {k: np.stack([block_pattern_indices(m)[k] for m in masks]) for k in block_pattern_indices(masks[0])}
+  data = jnp.where((source >= 0)[..., None, None], w.data[np.maximum(source, 0)], jnp.zeros((), w.dtype))
+  local_shape = (w.shape[0], w.shape[1] // s) if split == "columns" else (w.shape[0] // s, w.shape[1])
+  put = lambda a: jax.device_put(a, NamedSharding(mesh, P(axis)))
+  shards = BlockSparseMatrix(put(data), shape=local_shape, block_shape=w.block_shape, **jax.tree.map(put, index))
+  return ShardedBlockSparseMatrix(shards, put(source), mesh=mesh, axis=axis, split=split, shape=w.shape)
+
+
+# -------------------------------------------------------------------------------------------------
+# Products: shard_map over the whole mesh inside a custom VJP that places every reduction itself.
+# -------------------------------------------------------------------------------------------------
+
+
+def _batch_entries(x: jax.Array, batch_axes: BatchAxes, mesh: Mesh) -> tuple:
+  """Spec entries of ``x``'s leading dims: ``batch_axes`` if given, else those of an explicit sharding."""
+  n_lead = x.ndim - 1
+  if batch_axes is None:
+    sharding = jax.typeof(x).sharding
+    xmesh = getattr(sharding, "mesh", None)
+    if xmesh is None or xmesh.empty or AxisType.Explicit not in xmesh.axis_types:
+      return (None,) * n_lead
+    spec = tuple(sharding.spec) + (None,) * x.ndim
+    return spec[:n_lead]
+  entries = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
+  if len(entries) > n_lead:
+    raise ValueError(f"batch_axes={batch_axes!r} names more dims than the {n_lead} leading dims of x {x.shape}.")
+  for entry in entries:
+    for a in (entry,) if isinstance(entry, str) else entry or ():
+      if a not in mesh.shape:
+        raise ValueError(f"batch_axes names {a!r}, which is not an axis of the mesh {tuple(mesh.shape)}.")
+  return entries + (None,) * (n_lead - len(entries))
+
+
+def _axes_of(entries) -> tuple[str, ...]:
+  return tuple(a for e in entries for a in ((e,) if isinstance(e, str) else e or ()))
+
+
+def _to_spec(x: jax.Array, spec: P) -> jax.Array:
+  """Reshards ``x`` under explicit axes so that ``shard_map`` accepts it; auto axes reshard by themselves."""
+  mesh = getattr(jax.typeof(x).sharding, "mesh", None)
+  if mesh is not None and not mesh.empty and AxisType.Explicit in mesh.axis_types:
+    return jax.reshard(x, NamedSharding(mesh, spec))
+  return x
+
+
+def _local_matrix(w_local: ShardedBlockSparseMatrix, data: jax.Array) -> tuple[BlockSparseMatrix, jax.Array]:
+  """This device's shard, with padding blocks zeroed, and the mask of its real blocks."""
+  shard = jax.tree.map(lambda a: a[0], w_local.shards)
+  valid = w_local.source[0] >= 0
+  return shard.with_data(jnp.where(valid[:, None, None], data[0], jnp.zeros((), data.dtype))), valid
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _tp_matmul(batch: tuple, reduce: str, options: tuple, x: jax.Array, w: ShardedBlockSparseMatrix) -> jax.Array:
+  return _tp_fwd(batch, reduce, options, x, w)[0]
+
+
+def _specs(w: ShardedBlockSparseMatrix, batch: tuple, reduce: str) -> tuple[P, P]:
+  """``(x spec, y spec)``."""
+  if w.split == "columns":
+    return P(*batch, None), P(*batch, w.axis)
+  return P(*batch, w.axis), P(*batch, w.axis if reduce == "scatter" else None)
+
+
+def _smap(w: ShardedBlockSparseMatrix, fn: Callable, in_specs, out_specs) -> Callable:
+  # The custom VJP places every reduction, so no autodiff runs through the map.
+  return jax.shard_map(fn, mesh=w.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+
+def _local_matmul(options: tuple, x: jax.Array, w: BlockSparseMatrix) -> jax.Array:
+  implementation, precision = options
+  return block_sparse_matmul(x, w, implementation=implementation, precision=precision)
+
+
+def _tp_fwd(batch, reduce, options, x, w):
+  x_spec, y_spec = _specs(w, batch, reduce)
+
+  def local(xl, wl):
+    y = _local_matmul(options, xl, _local_matrix(wl, wl.data)[0])
+    if w.split == "rows" and reduce == "scatter":
+      return lax.psum_scatter(y, w.axis, scatter_dimension=y.ndim - 1, tiled=True)
+    return lax.psum(y, w.axis) if w.split == "rows" else y
+
+  y = _smap(w, local, (x_spec, P(w.axis)), y_spec)(_to_spec(x, x_spec), w)
+  return y, (x, w)
+
+
+def _tp_bwd(batch, reduce, options, res, dy):
+  x, w = res
+  x_spec, y_spec = _specs(w, batch, reduce)
+  batch_axes = _axes_of(batch)
+
+  def local(xl, wl, dyl):
+    if w.split == "rows" and reduce == "scatter":
+      dyl = lax.all_gather(dyl, w.axis, axis=dyl.ndim - 1, tiled=True)
+    shard, valid = _local_matrix(wl, wl.data)
+    _, vjp = jax.vjp(lambda a, d: _local_matmul(options, a, shard.with_data(d)), xl, shard.data)
+    dx, ddata = vjp(dyl)
+    if w.split == "columns":  # x is replicated over the axis: its gradient sums the shards' parts
+      dx = lax.psum(dx, w.axis)
+    if batch_axes:
+      ddata = lax.psum(ddata, batch_axes)
+    return dx, jnp.where(valid[:, None, None], ddata, jnp.zeros((), ddata.dtype))[None]
+
+  dx, ddata = _smap(w, local, (x_spec, P(w.axis), y_spec), (x_spec, P(w.axis)))(
+      _to_spec(x, x_spec), w, _to_spec(dy, y_spec)
+  )
+  return _like(dx, x), _cotangent(w, _like(ddata, w.data))
+
+
+def _cotangent(w: ShardedBlockSparseMatrix, ddata: jax.Array) -> ShardedBlockSparseMatrix:
+  """The cotangent of ``w``: ``ddata`` for the block values, ``None`` for the integer index leaves."""
+  leaves, treedef = jax.tree.flatten(w)
+  return jax.tree.unflatten(treedef, [ddata] + [None] * (len(leaves) - 1))
+
+
+_tp_matmul.defvjp(_tp_fwd, _tp_bwd)
+
+
+def _check(x, w, split: Split, name: str):
+  if not isinstance(w, ShardedBlockSparseMatrix):
+    raise TypeError(f"{name}: w must be a ShardedBlockSparseMatrix (from shard_block_sparse), got {type(w).__name__}.")
+  if w.split != split:
+    raise ValueError(f"{name} needs w split by {split} (shard_block_sparse(..., split={split!r})), got {w.split!r}.")
+  x = jnp.asarray(x)
+  if x.ndim < 1 or x.shape[-1] != w.shape[0]:
+    raise ValueError(f"x must have shape (..., K) with K = w.shape[0] = {w.shape[0]}, got x.shape={x.shape}.")
+  return x
+
+
+def column_parallel_matmul(
+    x: jax.typing.ArrayLike,
+    w: ShardedBlockSparseMatrix,
+    *,
+    batch_axes: BatchAxes = None,
+    implementation: Implementation | None = None,
+    precision: lax.PrecisionLike = None,
+):
+  """``x @ w`` for ``w`` split by block columns: ``(..., K)`` -> ``(..., N)`` sharded on ``N``, no communication.
+
+  Args:
+    x: ``(..., K)`` activations, replicated over ``w.axis``.
+    w: from :func:`shard_block_sparse` with ``split="columns"``.
+    batch_axes: mesh axes of ``x``'s leading dims (data parallel), one spec entry per leading dim,
+      e.g. ``"data"`` or ``("data", None)``; ``None`` reads them from ``x``'s type under explicit
+      axes and otherwise replicates the leading dims.
+    implementation, precision: for :func:`jaxsparse.ops.block_sparse_matmul` on each shard.
+
+  Returns:
+    ``(..., N)``, sharded on ``N`` over ``w.axis`` and on the leading dims as ``batch_axes``. The
+    gradient of ``x`` is reduced over ``w.axis`` and that of ``w.data`` over ``batch_axes``.
+  """
+  x = _check(x, w, "columns", "column_parallel_matmul")
+  return _tp_matmul(_batch_entries(x, batch_axes, w.mesh), "psum", (implementation, precision), x, w)
+
+
+def row_parallel_matmul(
+    x: jax.typing.ArrayLike,
+    w: ShardedBlockSparseMatrix,
+    *,
+    batch_axes: BatchAxes = None,
+    reduce: Literal["psum", "scatter"] = "psum",
+    implementation: Implementation | None = None,
+    precision: lax.PrecisionLike = None,
+):
+  """``x @ w`` for ``w`` split by block rows: partial products reduced over ``w.axis``.
+
+  Args:
+    x: ``(..., K)`` activations sharded on ``K`` over ``w.axis`` (the output of
+      :func:`column_parallel_matmul`, after any elementwise function).
+    w: from :func:`shard_block_sparse` with ``split="rows"``.
+    batch_axes: as in :func:`column_parallel_matmul`.
+    reduce: ``"psum"`` returns ``y`` replicated over ``w.axis`` (all-reduce); ``"scatter"`` returns
+      it sharded on ``N`` over ``w.axis`` (reduce-scatter, half the traffic); ``N`` must divide by
+      the axis size.
+    implementation, precision: for :func:`jaxsparse.ops.block_sparse_matmul` on each shard.
+
+  Returns:
+    ``(..., N)``.
+  """
+  x = _check(x, w, "rows", "row_parallel_matmul")
+  if reduce not in ("psum", "scatter"):
+    raise ValueError(f"reduce must be 'psum' or 'scatter', got reduce={reduce!r}.")
+  if reduce == "scatter" and w.shape[1] % w.num_shards:
+    raise ValueError(f"reduce='scatter' needs N = {w.shape[1]} to divide by the {w.num_shards} devices of {w.axis!r}.")
+  return _tp_matmul(_batch_entries(x, batch_axes, w.mesh), reduce, (implementation, precision), x, w)
+
+
+def megatron_mlp(
+    x: jax.typing.ArrayLike,
+    w_in: ShardedBlockSparseMatrix,
+    w_out: ShardedBlockSparseMatrix,
+    *,
+    activation: Callable[[jax.Array], jax.Array] = jax.nn.gelu,
+    batch_axes: BatchAxes = None,
+) -> jax.Array:
+  """``activation(x @ w_in) @ w_out`` with ``w_in`` column- and ``w_out`` row-parallel (Megatron-LM).
+
+  The hidden activations stay sharded on the hidden dim; the forward pass runs one all-reduce (of
+  ``y``) and the backward pass one (of ``dx``), plus the data-parallel reduction of the weight
+  gradients over ``batch_axes``.
+
+  Args:
+    x: ``(..., d)``.
+    w_in: ``(d, hidden)`` split by columns; w_out: ``(hidden, d_out)`` split by rows, over the same axis.
+    activation: elementwise function.
+    batch_axes: as in :func:`column_parallel_matmul`.
+
+  Returns:
+    ``(..., d_out)``, replicated over the tensor-parallel axis.
+  """
+  if w_in.axis != w_out.axis or w_in.mesh != w_out.mesh:
+    raise ValueError(f"w_in and w_out must be split over the same mesh axis, got {w_in.axis!r} and {w_out.axis!r}.")
+  h = column_parallel_matmul(x, w_in, batch_axes=batch_axes)
+  return row_parallel_matmul(activation(h), w_out, batch_axes=batch_axes)

@@ -1,0 +1,120 @@
+"""Flax on 4 devices: sharding annotations survive sparsify; a sparsified model trains data-parallel."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import AxisType
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxsparse
+from tests._util import assert_close
+from tests.multidevice import _hlo
+
+D, H = 64, 128
+RULES = {"up": jaxsparse.BlockSparse(density=0.5, block_shape=(16, 16)), "mid": jaxsparse.NM(2, 4),
+         "down": jaxsparse.Unstructured(sparsity=0.75)}
+
+
+def _mesh():
+  return jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+
+
+class MLP(nnx.Module):
+  def __init__(self, rngs, kernel_names=None):
+    part = (lambda init, names: nnx.with_partitioning(init, names)) if kernel_names else (lambda init, _: init)
+    k_init, b_init = nnx.initializers.lecun_normal(), nnx.initializers.zeros_init()
+    names = kernel_names or {}
+    self.up = nnx.Linear(D, H, kernel_init=part(k_init, names.get("up")), bias_init=part(b_init, ("model",)),
+                         rngs=rngs)
+    self.mid = nnx.Linear(H, H, kernel_init=part(k_init, names.get("mid")), rngs=rngs)
+    self.down = nnx.Linear(H, D, kernel_init=part(k_init, names.get("down")), rngs=rngs)
+
+  def __call__(self, x):
+    return self.down(jax.nn.relu(self.mid(jax.nn.relu(self.up(x)))))
+
+
+def test_nnx_partitioning_survives_sparsify():
+  mesh = _mesh()
+  names = {"up": (None, "model"), "mid": (None, "model"), "down": ("model", None)}
+  with jax.set_mesh(mesh):
+    model = MLP(nnx.Rngs(0), names)
+  sparse, _ = jaxsparse.sparsify(model, RULES)
+  specs = jax.tree.map(lambda v: v.get_value(), nnx.get_partition_spec(nnx.state(sparse)),
+                       is_leaf=lambda v: isinstance(v, nnx.Variable))
+  assert specs["up"]["kernel"] == P(None, None, None)  # block-sparse values: replicated
+  assert specs["up"]["bias"] == P("model")
+  assert specs["up"]["pattern"]["row_indices"] == P(None)
+  assert specs["mid"]["kernel"] == P(None, "model")
+  assert specs["down"]["kernel"] == P("model", None)
+  assert specs["down"]["mask"] == P("model", None)
+  # The arrays are placed like the dense ones were.
+  placed = lambda a, spec: a.sharding.is_equivalent_to(NamedSharding(mesh, spec), a.ndim)
+  assert placed(sparse.mid.kernel[...], P(None, "model"))
+  assert placed(sparse.down.mask[...], P("model", None))
+  assert placed(sparse.up.bias[...], P("model"))
+  assert placed(sparse.up.kernel[...], P())
+
+  shardings = nnx.get_named_sharding(nnx.state(sparse), mesh)
+  state = jax.jit(lambda s: s, out_shardings=shardings)(nnx.state(sparse))
+  assert state["down"]["kernel"][...].sharding.is_equivalent_to(NamedSharding(mesh, P("model", None)), 2)
+  x = jax.random.normal(jax.random.key(1), (8, D))
+  dense_sparse = jaxsparse.densify(sparse)
+  assert_close(jax.jit(lambda m, x: m(x))(sparse, x), dense_sparse(x), jnp.float32)
+
+
+def test_nnx_sparsified_model_trains_data_parallel():
+  mesh = _mesh()
+  model, _ = jaxsparse.sparsify(MLP(nnx.Rngs(0)), RULES)
+  x = jax.random.normal(jax.random.key(1), (16, 8, D))
+  target = jax.random.normal(jax.random.key(2), (16, 8, D))
+
+  def loss_fn(m, x, t):
+    return jnp.mean((m(x) - t) ** 2)
+
+  def step(m, x, t):
+    return nnx.value_and_grad(loss_fn)(m, x, t)
+
+  loss_ref, grads_ref = nnx.jit(step)(model, x, target)
+  xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+  ts = jax.device_put(target, NamedSharding(mesh, P("data")))
+  loss, grads = nnx.jit(step)(model, xs, ts)
+  assert_close(loss, loss_ref, jnp.float32)
+  for g, g_ref in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref), strict=True):
+    assert_close(g, g_ref, jnp.float32)
+
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  pure = lambda p, x, t: jax.grad(lambda p: loss_fn(nnx.merge(graphdef, p, rest), x, t))(p)
+  _hlo.assert_no_gather(_hlo.compiled_text(pure, params, xs, ts), "sparsified MLP train step")
+
+  optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+  nnx.jit(lambda m, o, x, t: o.update(m, step(m, x, t)[1]))(model, optimizer, xs, ts)
+
+
+def test_linen_partitioning_survives_sparsify_linen():
+  class LinenMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      k = nn.initializers.lecun_normal()
+      h = nn.relu(nn.Dense(H, kernel_init=nn.with_partitioning(k, (None, "model")), name="up")(x))
+      h = nn.relu(nn.Dense(H, kernel_init=nn.with_partitioning(k, (None, "model")), name="mid")(h))
+      return nn.Dense(D, kernel_init=nn.with_partitioning(k, ("model", None)), name="down")(h)
+
+  model, x = LinenMLP(), jnp.ones((4, D))
+  variables = model.init(jax.random.key(0), x)
+  sparse, sparse_vars, _ = jaxsparse.sparsify_linen(model, variables, RULES, x)
+  specs = nn.get_partition_spec(sparse_vars)
+  assert specs["params"]["up"]["kernel"] == P(None, None, None)
+  assert specs["params"]["mid"]["kernel"] == P(None, "model")
+  assert specs["params"]["down"]["kernel"] == P("model", None)
+  assert specs["sparsity"]["down"]["mask"] == P("model", None)
+  mesh = _mesh()
+  placed = jax.device_put(nn.meta.unbox(sparse_vars), nn.get_sharding(sparse_vars, mesh))
+  y = jax.jit(sparse.apply)(placed, x)
+  np.testing.assert_allclose(y, sparse.apply(nn.meta.unbox(sparse_vars), x), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(y, sparse.apply(sparse_vars, x), rtol=1e-5, atol=1e-5)
