@@ -33,6 +33,7 @@ import jaxsparse
 from jaxsparse._cuda import _cusparselt as cslt
 
 ROTATE = 4
+SHAPES = [(1, 64, 128), (16, 256, 512), (100, 512, 256), (1024, 1024, 2048)]
 CASES = [  # (M, K, N)
     (8192, 4096, 16384),
     (8192, 4096, 4096),
@@ -53,11 +54,11 @@ def stored(w, layout):
   return w if layout == cslt.LAYOUT_KN else w.T
 
 
-def check() -> list[str]:
+def check(dtypes) -> list[str]:
   failures = []
-  for dtype in (jnp.bfloat16, jnp.float16):
+  for dtype in dtypes:
     for layout in (cslt.LAYOUT_KN, cslt.LAYOUT_NK):
-      for rows, k, n in [(1, 64, 128), (16, 256, 512), (100, 512, 256), (1024, 1024, 2048)]:
+      for rows, k, n in SHAPES:
         kx, kw = jax.random.split(jax.random.key(rows * 7 + k + n + layout))
         w = pruned(kw, k, n, dtype)
         x = jax.random.normal(kx, (rows, k), jnp.float32).astype(dtype)
@@ -133,6 +134,8 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--iterations", type=int, default=20)
   parser.add_argument("--out", default=None)
+  parser.add_argument("--dtypes", nargs="+", default=["bfloat16"], help="dtypes of the correctness check")
+  parser.add_argument("--check-only", action="store_true")
   args = parser.parse_args(argv)
   dev = jax.devices()[0]
   device = getattr(dev, "device_kind", str(dev))
@@ -140,7 +143,10 @@ def main(argv=None):
   if not cslt.available():
     log(f"cuSPARSELt unavailable: {cslt.unavailable_reason()}")
     sys.exit(1)
-  failures = check()
+  failures = check([jnp.dtype(d) for d in args.dtypes])
+  if args.check_only:
+    log(f"correctness failures: {failures or 'none'}")
+    return
   rows = bench(args)
   lines = report(rows, device)
   lines.append("")

@@ -37,7 +37,7 @@ import jaxlib
 
 from jaxsparse._cpu._build import cache_dir
 
-__all__ = ["TARGETS", "CusparseLtFallbackWarning", "library", "load", "unavailable_reason"]
+__all__ = ["TARGETS", "CusparseLtFallbackWarning", "has_cuda_device", "library", "load", "unavailable_reason"]
 
 _SOURCE = "cusparselt_matmul.cc"
 # XLA FFI target name -> exported handler symbol.
@@ -54,7 +54,7 @@ class CusparseLtFallbackWarning(UserWarning):
   """The 2:4 product on sparse tensor cores (cuSPARSELt) cannot run for these operands or on this machine."""
 
 
-def _has_cuda_device() -> bool:
+def has_cuda_device() -> bool:
   try:
     return bool(jax.devices("cuda"))
   except RuntimeError:
@@ -135,7 +135,7 @@ def _compile(cxx: str, cmd_flags: list[str], out: Path) -> str | None:
 def _build() -> tuple[Path | None, str]:
   if os.environ.get("JAXSPARSE_CUSPARSELT", "1").strip().lower() in ("0", "false", "off", "no"):
     return None, "disabled by JAXSPARSE_CUSPARSELT=0"
-  if not _has_cuda_device():
+  if not has_cuda_device():
     return None, "JAX sees no CUDA device"
   cslt = _cusparselt_dir()
   if cslt is None:

@@ -1,12 +1,13 @@
 """JAX wrappers of the cuSPARSELt custom calls: compress a pruned 2:4 weight, multiply by it.
 
 ``y = x @ W`` with ``x`` ``(M, K)`` and ``W`` ``(K, N)`` 2:4-sparse along ``K`` (Flax kernel layout),
-bfloat16 or float16, float32 accumulation, on the sparse tensor cores of compute capability 8.0+
-GPUs. :func:`compress` turns the pruned dense ``W`` (at most 2 nonzeros in every 4 consecutive
-entries along ``K``) into cuSPARSELt's compressed buffer on the device: an opaque ``uint8`` array of
-about 56% of the dense bytes (values plus 2-bit metadata, laid out for the tensor cores). :func:`matmul`
-multiplies by that buffer. Both lower to XLA FFI custom calls for the CUDA platform
-(``cusparselt_matmul.cc``); call them only when :func:`available` is True.
+bfloat16 (float16 only with ``JAXSPARSE_CUSPARSELT_F16=1``, see ``SUPPORTED_DTYPES``), float32
+accumulation, on the sparse tensor cores of compute capability 8.0+ GPUs. :func:`compress` turns
+the pruned dense ``W`` (at most 2 nonzeros in every 4 consecutive entries along ``K``) into
+cuSPARSELt's compressed buffer on the device: an opaque ``uint8`` array of about 56% of the dense
+bytes (values plus 2-bit metadata, laid out for the tensor cores). :func:`matmul` multiplies by that
+buffer. Both lower to XLA FFI custom calls for the CUDA platform (``cusparselt_matmul.cc``); call
+them only when :func:`available` is True.
 
 Layouts (``layout``): ``LAYOUT_KN`` reads ``W`` as stored, ``(K, N)``; ``LAYOUT_NK`` reads ``Wᵀ``
 stored ``(N, K)`` (PyTorch's ``Linear.weight``). A buffer is only valid with the layout it was
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +41,12 @@ __all__ = [
 
 LAYOUT_KN = 0
 LAYOUT_NK = 1
-SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# The custom call handles float16 too, but on an H100 with cuSPARSELt 0.8.0 float16 products hit
+# CUDA_ERROR_ILLEGAL_INSTRUCTION (2026-11-23, benchmarks/gpu_cusparselt.py --dtypes float16), which
+# poisons the whole CUDA context; float16 stays on the other paths unless JAXSPARSE_CUSPARSELT_F16=1.
+_DTYPE_CODES = {jnp.dtype(jnp.bfloat16): 0, jnp.dtype(jnp.float16): 1}
+_F16 = os.environ.get("JAXSPARSE_CUSPARSELT_F16") == "1"
+SUPPORTED_DTYPES = tuple(d for d in _DTYPE_CODES if d == jnp.bfloat16 or _F16)
 # K and N must be multiples of this; M is padded up to one.
 ALIGN = 16
 
@@ -60,7 +67,8 @@ def unsupported_reason(k: int, n: int, dtype, *, n_keep: int = 2, m: int = 4, ax
   if axis != 0:
     return f"the 2:4 groups must run along K (axis 0 of the (K, N) weight), got axis={axis}"
   if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
-    return f"dtype must be bfloat16 or float16 (with the same output dtype), got {jnp.dtype(dtype)}"
+    names = " or ".join(d.name for d in SUPPORTED_DTYPES)
+    return f"dtype must be {names} (with the same output dtype), got {jnp.dtype(dtype)}"
   if k % ALIGN or n % ALIGN:
     return f"K={k} and N={n} must be multiples of {ALIGN}"
   return ""
@@ -71,7 +79,7 @@ def compressed_bytes(n: int, k: int, dtype, layout: int = LAYOUT_KN) -> int:
   """Bytes of the compressed buffer of a ``(k, n)`` 2:4 weight (asks cuSPARSELt)."""
   if not available():
     raise RuntimeError(f"cuSPARSELt is unavailable: {unavailable_reason()}")
-  code = SUPPORTED_DTYPES.index(jnp.dtype(dtype))
+  code = _DTYPE_CODES[jnp.dtype(dtype)]
   error = ctypes.create_string_buffer(512)
   size = _build.library().JaxsparseCsltCompressedSize(-1, n, k, layout, code, error)
   if size < 0:

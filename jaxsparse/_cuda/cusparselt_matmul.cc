@@ -39,6 +39,8 @@ constexpr int64_t kLayoutKN = 0;
 constexpr int64_t kLayoutNK = 1;
 constexpr uint32_t kAlignment = 16;  // bytes; leading dimensions are multiples of 8 elements
 constexpr size_t kSearchWorkspace = size_t{64} << 20;
+// XLA's FFI scratch allocator refuses alignments above 16 bytes (its buffers are more aligned anyway).
+constexpr size_t kScratchAlignment = 16;
 
 std::string StatusText(cusparseStatus_t s) {
   const char* name = cusparseLtGetErrorName(s);
@@ -212,7 +214,7 @@ ffi::Error Compress(cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t 
   }
   void* buffer = nullptr;
   if (entry->buffer_size > 0) {
-    auto b = scratch.Allocate(entry->buffer_size, 256);
+    auto b = scratch.Allocate(entry->buffer_size, kScratchAlignment);
     if (!b.has_value()) return Fail("cusparselt_compress", "could not allocate the compression buffer");
     buffer = *b;
   }
@@ -255,7 +257,7 @@ ffi::Error Matmul(cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t de
   if (search) {
     // Timed on the real operands once per plan; it writes y, which the product below overwrites.
     std::call_once(p->searched, [&] {
-      auto ws = scratch.Allocate(kSearchWorkspace, 256);
+      auto ws = scratch.Allocate(kSearchWorkspace, kScratchAlignment);
       if (!ws.has_value()) {
         p->search_error = "could not allocate the search workspace";
         return;
@@ -281,7 +283,7 @@ ffi::Error Matmul(cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t de
   if (s != CUSPARSE_STATUS_SUCCESS) return Fail("cusparselt_matmul", "cusparseLtMatmulGetWorkspace: " + StatusText(s));
   void* ws = nullptr;
   if (ws_size > 0) {
-    auto w = scratch.Allocate(ws_size, 256);
+    auto w = scratch.Allocate(ws_size, kScratchAlignment);
     if (!w.has_value()) return Fail("cusparselt_matmul", "could not allocate the workspace");
     ws = *w;
   }

@@ -2,6 +2,7 @@
 
 from jaxsparse.layers import linen
 from jaxsparse.layers._nm_nnx import CompressedNMLinear
+from jaxsparse.layers._nm_nnx import CusparseLtWeight
 from jaxsparse.layers._nm_nnx import NMConv
 from jaxsparse.layers._nm_nnx import NMLinear
 from jaxsparse.layers._nnx import BlockSparseLinear
@@ -11,6 +12,7 @@ from jaxsparse.layers._nnx import SparsityPattern
 __all__ = [
     "BlockSparseLinear",
     "CompressedNMLinear",
+    "CusparseLtWeight",
     "MaskedLinear",
     "NMConv",
     "NMLinear",
