@@ -167,12 +167,13 @@ def test_fallback_warning_on_a_cuda_machine_without_cusparselt(monkeypatch):
   monkeypatch.setattr(_build, "has_cuda_device", lambda: True)
   monkeypatch.setattr(cslt, "available", lambda: False)
   monkeypatch.setattr(cslt, "unavailable_reason", lambda: "no library (test)")
-  x, w = jnp.ones((2, 32), jnp.bfloat16), jnp.ones((32, 16))
+  x, w = jnp.ones((_sr_ste.SPARSE_CORE_MIN_ROWS, 32), jnp.bfloat16), jnp.ones((32, 16))
   with pytest.warns(ops.CusparseLtFallbackWarning, match="no library"):
     ops.sr_ste_matmul(x, w, 2, 4, dtype=jnp.bfloat16)
   with warnings.catch_warnings():
-    warnings.simplefilter("error")  # other N:M are not expected on sparse tensor cores: no warning
-    ops.sr_ste_matmul(x, w, 1, 4, dtype=jnp.bfloat16)
+    warnings.simplefilter("error")
+    ops.sr_ste_matmul(x, w, 1, 4, dtype=jnp.bfloat16)  # other N:M are not expected on sparse tensor cores
+    ops.sr_ste_matmul(x[:64], w, 2, 4, dtype=jnp.bfloat16)  # few rows stay dense by choice
 
 
 @on_cpu
@@ -234,8 +235,12 @@ def test_gpu_sr_ste_matmul_forward_on_sparse_cores_and_exact_gradients():
   w = jax.random.normal(kw, (512, 256))  # float32 master weights
   x = jax.random.normal(kx, (4, 64, 512)).astype(jnp.bfloat16)
   dy = jax.random.normal(kg, (4, 64, 256)).astype(jnp.bfloat16)
-  f = lambda x, w: ops.sr_ste_matmul(x, w, 2, 4, decay=0.01, dtype=jnp.bfloat16)
+  f = lambda x, w: ops.sr_ste_matmul(x, w, 2, 4, decay=0.01, dtype=jnp.bfloat16, implementation="cusparselt")
   assert "jaxsparse_cusparselt_matmul" in jax.jit(f).lower(x, w).as_text()
+  auto = lambda x, w: ops.sr_ste_matmul(x, w, 2, 4, dtype=jnp.bfloat16)
+  assert "jaxsparse_cusparselt_matmul" not in jax.jit(auto).lower(x, w).as_text()  # 256 rows: dense
+  big = jnp.zeros((_sr_ste.SPARSE_CORE_MIN_ROWS, 512), jnp.bfloat16)
+  assert "jaxsparse_cusparselt_matmul" in jax.jit(auto).lower(big, w).as_text()
   step = jax.jit(lambda x, w, dy: (lambda y, vjp: (y, *vjp(dy)))(*jax.vjp(f, x, w)))
   ref_step = jax.jit(lambda x, w, dy: (lambda y, vjp: (y, *vjp(dy)))(
       *jax.vjp(lambda x, w: _sr_reference(x, w, 0.01, jnp.bfloat16), x, w)))
@@ -250,9 +255,13 @@ def test_gpu_sr_ste_matmul_forward_on_sparse_cores_and_exact_gradients():
 @needs_gpu
 def test_gpu_nmlinear_and_compressed_layer_use_sparse_cores():
   layer = NMLinear(256, 128, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-  x = jax.random.normal(jax.random.key(9), (200, 256))
-  y = nnx.jit(lambda m, x: m(x))(layer, x)
-  assert _rel(y, nnx.Linear.__call__(layer, x)) < 1e-2
+  x = jax.random.normal(jax.random.key(9), (_sr_ste.SPARSE_CORE_MIN_ROWS, 256))
+  f = nnx.jit(lambda m, x: m(x))
+  graphdef, state = nnx.split(layer)
+  hlo = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x)).lower(state, x).as_text()
+  assert "jaxsparse_cusparselt_matmul" in hlo
+  assert _rel(f(layer, x), nnx.Linear.__call__(layer, x)) < 1e-2
+  x = x[:200]
   comp = NMLinear(256, 128, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(1)).to_compressed()
   assert comp.kernel_cusparselt is not None
   xb = x.astype(jnp.bfloat16)
@@ -266,7 +275,8 @@ def test_gpu_nmlinear_and_compressed_layer_use_sparse_cores():
 @pytest.mark.gpu
 @needs_gpu
 def test_gpu_unsupported_shape_falls_back_with_warning():
-  x, w = jnp.ones((32, 72), jnp.bfloat16), jax.random.normal(jax.random.key(10), (72, 32))
+  x = jnp.ones((_sr_ste.SPARSE_CORE_MIN_ROWS, 72), jnp.bfloat16)
+  w = jax.random.normal(jax.random.key(10), (72, 32))
   with pytest.warns(ops.CusparseLtFallbackWarning, match="multiples of 16"):
     y = ops.sr_ste_matmul(x, w, 2, 4, dtype=jnp.bfloat16)
   np.testing.assert_array_equal(y, _sr_reference(x, w, 2e-4, jnp.bfloat16))

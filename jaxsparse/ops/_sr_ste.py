@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import numbers
 import warnings
 from typing import Any
@@ -28,6 +29,13 @@ from jaxsparse._cuda import _build as _cuda_build
 from jaxsparse._cuda import _cusparselt as cslt
 
 __all__ = ["sr_ste", "sr_ste_matmul"]
+
+# "auto" runs the forward on sparse tensor cores from this many rows of x. Each call pays a prune
+# (one XLA fusion) and a cuSPARSELt compression of the weight, about 8.4 ps per weight on an H100,
+# and saves about 0.29 of the dense product, 0.73 fs per weight and row: the break-even is about
+# 11.5k rows. At 8192 tokens a 4-block MLP train step was 1.12x dense with it and 1.05x without
+# (benchmarks/results/gpu_nm_2026-11-23.md).
+SPARSE_CORE_MIN_ROWS = 16384
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
@@ -181,11 +189,13 @@ def sr_ste_matmul(
   ``lax.dot_general(x, sr_ste(w, n, m, decay=decay).astype(dtype), contract x's last axis with w's 0)``
 
   which is what :class:`jaxsparse.layers.NMLinear` computes. On a CUDA GPU with cuSPARSELt, for 2:4,
-  bfloat16 ``x`` and kernel (and output) and ``K``, ``N`` multiples of 16, the forward
-  product runs on sparse tensor cores: the pruned weight is compressed on the device in every call
-  (so the mask follows ``w`` as it trains) and multiplied; the backward products stay dense (see
-  the module docstring). Elsewhere it is the reference, with a
-  :class:`jaxsparse.ops.CusparseLtFallbackWarning` when a CUDA GPU is present.
+  bfloat16 ``x`` and kernel (and output), ``K``, ``N`` multiples of 16 and at least
+  ``SPARSE_CORE_MIN_ROWS`` (16384) rows of ``x`` (below that the per-call compression costs more
+  than the sparse product saves), the forward product runs on sparse tensor cores: the pruned
+  weight is compressed on the device in every call (so the mask follows ``w`` as it trains) and
+  multiplied; the backward products stay dense (see the module docstring). Elsewhere it is the
+  reference, with a :class:`jaxsparse.ops.CusparseLtFallbackWarning` when a 2:4 product with
+  enough rows cannot run on a CUDA GPU.
 
   >>> import jax, jax.numpy as jnp, jaxsparse
   >>> w = jax.random.normal(jax.random.key(0), (64, 32))
@@ -203,7 +213,7 @@ def sr_ste_matmul(
       before the cast, as ``sr_ste`` followed by a cast does.
     precision, preferred_element_type: passed to the product.
     implementation: ``None`` (auto, see above), ``"xla"`` (the reference) or ``"cusparselt"``
-      (raises when it cannot run).
+      (sparse tensor cores at any number of rows; raises when it cannot run).
 
   Returns:
     ``(..., N)`` array.
@@ -222,6 +232,8 @@ def sr_ste_matmul(
   pet = None if preferred_element_type is None else jnp.dtype(preferred_element_type)
   cfg = _MatmulConfig(n, m, decay, dtype, precision, pet)
   if implementation == "xla":
+    return _reference(cfg, x, w)
+  if implementation is None and math.prod(x.shape[:-1]) < SPARSE_CORE_MIN_ROWS:
     return _reference(cfg, x, w)
   out_dtype = pet or jnp.result_type(x.dtype, dtype)
   reason = sparse_core_unsupported_reason(x.shape, x.dtype, w.shape, n, m, dtype, out_dtype)
