@@ -176,6 +176,19 @@ def test_fallback_warning_on_a_cuda_machine_without_cusparselt(monkeypatch):
     ops.sr_ste_matmul(x[:64], w, 2, 4, dtype=jnp.bfloat16)  # few rows stay dense by choice
 
 
+def test_compressed_layer_warns_on_a_cuda_machine_without_cusparselt(monkeypatch):
+  monkeypatch.setattr(_build, "has_cuda_device", lambda: True)
+  monkeypatch.setattr(cslt, "available", lambda: False)
+  monkeypatch.setattr(cslt, "unavailable_reason", lambda: "no library (test)")
+  layer = NMLinear(64, 32, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16)
+  with pytest.warns(ops.CusparseLtFallbackWarning, match="CompressedNMLinear.*no library"):
+    comp = layer.to_compressed()
+  assert comp.kernel_cusparselt is None
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # 1:4 is not expected on sparse tensor cores
+    NMLinear(64, 32, n=1, m=4, rngs=nnx.Rngs(0)).to_compressed()
+
+
 @on_cpu
 def test_compressed_layer_has_no_cusparselt_copy_off_gpu():
   layer = NMLinear(64, 32, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16).to_compressed()

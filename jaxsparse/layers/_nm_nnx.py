@@ -371,11 +371,13 @@ class CompressedNMLinear(nnx.Module):
     """
     self.kernel_cusparselt = nnx.data(None)
     self.kernel_cusparselt_dtype = None
-    if self.implementation not in (None, "cusparselt") or not ops.cusparselt_available():
+    if self.implementation not in (None, "cusparselt") or (self.n, self.m) != (2, 4):
       return False
     w = self.weight
     w = w.with_values(w.values.astype(self.dtype or w.dtype))
-    if _nm_matmul.cusparselt_unsupported_reason(w):
+    reason = _nm_matmul.cusparselt_unsupported_reason(w)
+    if reason:
+      _nm_matmul.warn_cusparselt_fallback("CompressedNMLinear", reason)
       return False
     self.kernel_cusparselt = CusparseLtWeight(ops.cusparselt_compress(w))
     self.kernel_cusparselt_dtype = w.dtype

@@ -90,6 +90,16 @@ def cusparselt_unsupported_reason(w: NMSparseMatrix, dtype=None) -> str:
   return cslt.unsupported_reason(w.shape[0], w.shape[1], w.dtype, n_keep=w.n, m=w.m, axis=w.axis)
 
 
+def warn_cusparselt_fallback(op: str, reason: str, *, stacklevel: int = 3) -> None:
+  """Warns with :class:`CusparseLtFallbackWarning` that ``op`` skips sparse tensor cores, on CUDA machines only."""
+  if _cuda_build.has_cuda_device():
+    warnings.warn(
+        f"{op}: the 2:4 product on sparse tensor cores cannot run ({reason}); using the other paths.",
+        cslt.CusparseLtFallbackWarning,
+        stacklevel=stacklevel,
+    )
+
+
 def cusparselt_compress(w: NMSparseMatrix) -> jax.Array:
   """``w`` in cuSPARSELt's compressed layout (an opaque ``uint8`` array), built on the GPU.
 
@@ -118,12 +128,7 @@ def _forward(cfg: _Config, x2: jax.Array, w: NMSparseMatrix, blob: jax.Array | N
     if not reason and cfg.out_dtype != x2.dtype:
       reason = f"the output dtype ({cfg.out_dtype}) must be that of x ({x2.dtype})"
     if reason:
-      if _cuda_build.has_cuda_device():
-        warnings.warn(
-            f"nm_matmul: the 2:4 product on sparse tensor cores cannot run ({reason}); using the other paths.",
-            cslt.CusparseLtFallbackWarning,
-            stacklevel=5,
-        )
+      warn_cusparselt_fallback("nm_matmul", reason, stacklevel=6)
     elif x2.shape[0] > MAX_FUSED_ROWS:
       other = lambda x2, w, blob: _forward(cfg, x2, w)
       return lax.platform_dependent(x2, w, blob, cuda=functools.partial(_cslt_forward, cfg), default=other)
