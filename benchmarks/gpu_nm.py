@@ -322,6 +322,7 @@ def main(argv=None):
   parser.add_argument("--torch", action="store_true", help="add torch to_sparse_semi_structured")
   parser.add_argument("--iterations", type=int, default=20)
   parser.add_argument("--skip-large", action="store_true", help="only the decode cases")
+  parser.add_argument("--skip-decode", action="store_true", help="only the M = 8192 cases")
   parser.add_argument("--decode-rows", type=int, nargs="+", default=list(DECODE_ROWS))
   parser.add_argument("--out", default=None, help="write the markdown tables here")
   args = parser.parse_args(argv)
@@ -329,7 +330,7 @@ def main(argv=None):
   device = getattr(dev, "device_kind", str(dev))
   log(f"{device}, jax {jax.__version__}, python {sys.version.split()[0]}")
   t0 = time.perf_counter()
-  dec = decode(args)
+  dec = [] if args.skip_decode else decode(args)
   big = [] if args.skip_large else large(args)
   tor = torch_semi_structured() if args.torch else {}
   lines = report(dec, big, tor, device)

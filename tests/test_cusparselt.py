@@ -20,6 +20,7 @@ import jaxsparse
 from jaxsparse import ops
 from jaxsparse._cuda import _build
 from jaxsparse._cuda import _cusparselt as cslt
+from jaxsparse._cuda import _layout
 from jaxsparse.layers import CompressedNMLinear
 from jaxsparse.layers import NMLinear
 from jaxsparse.ops import _sr_ste
@@ -197,6 +198,43 @@ def test_compressed_layer_has_no_cusparselt_copy_off_gpu():
     CompressedNMLinear(layer.weight, implementation="triton")
 
 
+def _layout_model(w: np.ndarray) -> np.ndarray:
+  """A NumPy model of cuSPARSELt's buffer for a bf16 ``(K, N)`` 2:4 weight (see ``_layout``), loop by loop."""
+  k, n = w.shape
+  g_count = k // 4
+  wg = w.reshape(g_count, 4, n)
+  values = np.zeros((g_count, 2, n), w.dtype)
+  meta = np.zeros(k * n // 8, np.uint8)
+  bit = lambda v, b: (v >> b) & 1
+  for g in range(g_count):
+    for c in range(n):
+      kept = [i for i in range(4) if wg[g, i, c] != 0]
+      kept = (kept + [i for i in range(4) if i not in kept])[:2]  # zeros kept: lowest free positions
+      p0, p1 = sorted(kept)
+      values[g, :, c] = wg[g, [p0, p1], c]
+      within = (bit(c, 3) | bit(g, 2) << 1 | bit(g, 0) << 2 | bit(g, 1) << 3 | bit(c, 0) << 4 | bit(c, 1) << 5
+                | bit(c, 2) << 6 | bit(c, 4) << 7 | bit(c, 5) << 8)
+      j = ((c >> 6) * (g_count // 8) + (g >> 3)) * 512 + within
+      meta[j // 2] |= (p0 | p1 << 2) << (4 * (j % 2))
+  return np.concatenate([values.reshape(k // 2, n).view(np.uint8).reshape(-1), meta])
+
+
+@pytest.mark.parametrize(("k", "n"), [(32, 64), (64, 128), (96, 192)])
+def test_layout_matches_the_numpy_model(k, n):
+  w = jax.random.normal(jax.random.key(k + n), (k, n), jnp.float32).astype(jnp.bfloat16)
+  pruned = np.asarray(jnp.where(jaxsparse.nm_mask(w, 2, 4), w, jnp.zeros((), w.dtype)))
+  want = _layout_model(pruned)
+  np.testing.assert_array_equal(np.asarray(_layout.compress_dense(w)), want)
+  ws = jaxsparse.NMSparseMatrix.from_dense(w, 2, 4)
+  np.testing.assert_array_equal(np.asarray(_layout.compress_values(ws.values, ws.positions())), want)
+  # float32 master weights: the mask is taken before the cast, as sr_ste(w).astype(bf16) does.
+  w32 = jax.random.normal(jax.random.key(k), (k, n), jnp.float32)
+  pruned32 = jnp.where(jaxsparse.nm_mask(w32, 2, 4), w32, 0.0).astype(jnp.bfloat16)
+  np.testing.assert_array_equal(np.asarray(_layout.compress_dense(w32, dtype=jnp.bfloat16)),
+                                _layout_model(np.asarray(pruned32)))
+  assert _layout.supports(k, n) and not _layout.supports(k + 16, n) and not _layout.supports(k, n + 32)
+
+
 # -------------------------------------------------------------------------------------------------
 # GPU: the custom calls against the dense reference.
 # -------------------------------------------------------------------------------------------------
@@ -295,3 +333,14 @@ def test_gpu_unsupported_shape_falls_back_with_warning():
   np.testing.assert_array_equal(y, _sr_reference(x, w, 2e-4, jnp.bfloat16))
   with pytest.raises(RuntimeError, match="multiples of 16"):
     ops.sr_ste_matmul(x, w, 2, 4, dtype=jnp.bfloat16, implementation="cusparselt")
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize(("k", "n"), [(1024, 2048), (2048, 512), (4096, 4096)])
+def test_gpu_xla_layout_is_cusparselts(k, n):
+  assert _layout.matches()
+  w = jax.random.normal(jax.random.key(k * 3 + n), (k, n), jnp.float32)
+  ours = jax.jit(lambda w: _layout.compress_dense(w, dtype=jnp.bfloat16))(w)
+  pruned = jnp.where(jaxsparse.nm_mask(w, 2, 4), w, 0.0).astype(jnp.bfloat16)
+  np.testing.assert_array_equal(ours, jax.jit(cslt.compress)(pruned))

@@ -29,6 +29,7 @@ from jaxsparse._cuda._build import CusparseLtFallbackWarning
 
 __all__ = [
     "LAYOUT_KN",
+    "fast_compress",
     "LAYOUT_NK",
     "CusparseLtFallbackWarning",
     "available",
@@ -117,3 +118,25 @@ def matmul(x: jax.Array, compressed: jax.Array, n: int, *, layout: int = LAYOUT_
       x, compressed, layout=np.int64(layout), search=np.int64(bool(search))
   )
   return y if padded == rows else y[:rows]
+
+
+def fast_compress(k: int, n: int, dtype) -> bool:
+  """Whether XLA can write the compressed buffer itself (``_layout``), checked against cuSPARSELt here."""
+  from jaxsparse._cuda import _layout  # noqa: PLC0415 (imports this module)
+
+  return jnp.dtype(dtype) == jnp.bfloat16 and _layout.supports(k, n) and available() and _layout.matches()
+
+
+def prune_compress(w: jax.Array, dtype) -> jax.Array:
+  """The buffer of ``where(nm_mask(w, 2, 4), w, 0).astype(dtype)`` for a ``(K, N)`` ``w`` (LAYOUT_KN).
+
+  One XLA pass over ``w`` (:func:`jaxsparse._cuda._layout.compress_dense`) where the layout is known
+  here, else an XLA prune followed by cuSPARSELt's compression.
+  """
+  from jaxsparse import _nm  # noqa: PLC0415 (keeps this module free of the package at import)
+  from jaxsparse._cuda import _layout  # noqa: PLC0415 (imports this module)
+
+  if fast_compress(*w.shape, dtype):
+    return _layout.compress_dense(w, dtype=dtype)
+  pruned = jnp.where(_nm.nm_mask(w, 2, 4, axis=0), w, jnp.zeros((), w.dtype)).astype(dtype)
+  return compress(pruned)

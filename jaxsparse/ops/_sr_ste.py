@@ -30,12 +30,14 @@ from jaxsparse._cuda import _cusparselt as cslt
 
 __all__ = ["sr_ste", "sr_ste_matmul"]
 
-# "auto" runs the forward on sparse tensor cores from this many rows of x. Each call pays a prune
-# (one XLA fusion) and a cuSPARSELt compression of the weight, about 8.4 ps per weight on an H100,
-# and saves about 0.29 of the dense product, 0.73 fs per weight and row: the break-even is about
-# 11.5k rows. At 8192 tokens a 4-block MLP train step was 1.12x dense with it and 1.05x without
-# (benchmarks/results/gpu_nm_2026-11-23.md).
+# "auto" runs the forward on sparse tensor cores from this many rows of x. Each call prunes and
+# compresses the weight and saves about 0.29 of the dense product, 0.73 fs per weight and row on an
+# H100. With an XLA prune and cuSPARSELt's compression (8.4 ps per weight) the break-even is about
+# 11.5k rows (a 4-block MLP train step at 8192 tokens: 1.12x dense with it, 1.05x without); where XLA
+# writes cuSPARSELt's layout in one pass (cusparselt.fast_compress, about 1 ps per weight) it is
+# about 1.4k rows (benchmarks/results/gpu_nm_2026-11-23.md).
 SPARSE_CORE_MIN_ROWS = 16384
+SPARSE_CORE_MIN_ROWS_FAST = 2048
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
@@ -128,9 +130,8 @@ def _reference(cfg: _MatmulConfig, x, w):
 
 
 def _sparse_forward(cfg: _MatmulConfig, x, w):
-  """The same value on sparse tensor cores: prune (one fusion), compress on the device, multiply."""
-  pruned = jnp.where(_nm.nm_mask(w, cfg.n, cfg.m, axis=0), w, jnp.zeros((), w.dtype)).astype(cfg.dtype)
-  y = cslt.matmul(x.reshape(-1, w.shape[0]), cslt.compress(pruned), w.shape[1])
+  """The same value on sparse tensor cores: prune + compress on the device, multiply."""
+  y = cslt.matmul(x.reshape(-1, w.shape[0]), cslt.prune_compress(w, cfg.dtype), w.shape[1])
   return y.reshape(*x.shape[:-1], w.shape[1])
 
 
@@ -189,9 +190,10 @@ def sr_ste_matmul(
   ``lax.dot_general(x, sr_ste(w, n, m, decay=decay).astype(dtype), contract x's last axis with w's 0)``
 
   which is what :class:`jaxsparse.layers.NMLinear` computes. On a CUDA GPU with cuSPARSELt, for 2:4,
-  bfloat16 ``x`` and kernel (and output), ``K``, ``N`` multiples of 16 and at least
-  ``SPARSE_CORE_MIN_ROWS`` (16384) rows of ``x`` (below that the per-call compression costs more
-  than the sparse product saves), the forward product runs on sparse tensor cores: the pruned
+  bfloat16 ``x`` and kernel (and output), ``K``, ``N`` multiples of 16 and enough rows of ``x``
+  (``SPARSE_CORE_MIN_ROWS_FAST`` = 2048 where XLA writes cuSPARSELt's layout itself, ``K`` a multiple
+  of 32 and ``N`` of 64; else ``SPARSE_CORE_MIN_ROWS`` = 16384: below that the per-call compression
+  costs more than the sparse product saves), the forward product runs on sparse tensor cores: the pruned
   weight is compressed on the device in every call (so the mask follows ``w`` as it trains) and
   multiplied; the backward products stay dense (see the module docstring). Elsewhere it is the
   reference, with a :class:`jaxsparse.ops.CusparseLtFallbackWarning` when a 2:4 product with
@@ -233,8 +235,10 @@ def sr_ste_matmul(
   cfg = _MatmulConfig(n, m, decay, dtype, precision, pet)
   if implementation == "xla":
     return _reference(cfg, x, w)
-  if implementation is None and math.prod(x.shape[:-1]) < SPARSE_CORE_MIN_ROWS:
-    return _reference(cfg, x, w)
+  if implementation is None:
+    fast = cslt.available() and cslt.fast_compress(*w.shape, dtype)
+    if math.prod(x.shape[:-1]) < (SPARSE_CORE_MIN_ROWS_FAST if fast else SPARSE_CORE_MIN_ROWS):
+      return _reference(cfg, x, w)
   out_dtype = pet or jnp.result_type(x.dtype, dtype)
   reason = sparse_core_unsupported_reason(x.shape, x.dtype, w.shape, n, m, dtype, out_dtype)
   if implementation == "cusparselt" and reason:
