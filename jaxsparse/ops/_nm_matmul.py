@@ -10,10 +10,12 @@ Two backends for the forward product:
   it: 0.79-1.0x the dense time at M = 16 on an H100, 3-4x faster than expanding in XLA first
   (``benchmarks/results/gpu_nm_2026-11-21.md``).
 * cuSPARSELt (CUDA GPUs, 2:4, bfloat16): the sparse tensor cores multiply by the weight in
-  cuSPARSELt's own compressed layout (:func:`cusparselt_compress`, built once, e.g. by
-  :class:`jaxsparse.layers.CompressedNMLinear`): 0.70x the dense time at M = 8192 on an H100
-  (``benchmarks/results/gpu_nm_2026-11-23.md``). Its decode kernels are slower than the Pallas
-  kernel, so "auto" takes it for more than ``MAX_FUSED_ROWS`` rows.
+  cuSPARSELt's own compressed layout: 0.70-0.73x the dense time at M = 8192 on an H100 with the
+  buffer built once (:func:`cusparselt_compress`, kept by :class:`jaxsparse.layers.CompressedNMLinear`),
+  0.78-0.82x when XLA rebuilds it from ``w`` in every call (one pass over the compressed bytes, where
+  ``jaxsparse._cuda._layout`` knows the layout) (``benchmarks/results/gpu_nm_2026-11-23.md``). Its
+  decode kernels are slower than the Pallas kernel, so "auto" takes it for more than
+  ``MAX_FUSED_ROWS`` rows.
 
 The backward pass (both backends) is ``dX = dY @ Wᵀ`` and ``dvalues = (xᵀ dY)`` sampled at the
 kept positions, both through XLA.
@@ -226,7 +228,8 @@ def nm_matmul(
       for the GPU kernel, either axis on the XLA path.
     implementation: ``None`` picks at lowering time: on CUDA GPUs the Pallas kernel for few rows
       (``M <= 64``) when it supports the operands, cuSPARSELt's sparse tensor cores for more rows
-      when ``cusparselt_weight`` is given, the XLA path otherwise; ``"xla"``, ``"pallas"`` or
+      (2:4 bfloat16, with ``cusparselt_weight`` or, where XLA can write cuSPARSELt's layout, a
+      buffer built in the call), the XLA path otherwise; ``"xla"``, ``"pallas"`` or
       ``"cusparselt"`` force one (``"cusparselt"`` compresses ``w`` on every call when no
       ``cusparselt_weight`` is given), and a forced backend that cannot run raises.
     precision: passed to the products.

@@ -31,13 +31,12 @@ from jaxsparse._cuda import _cusparselt as cslt
 __all__ = ["sr_ste", "sr_ste_matmul"]
 
 # "auto" runs the forward on sparse tensor cores from this many rows of x. Each call prunes and
-# compresses the weight and saves about 0.29 of the dense product, 0.73 fs per weight and row on an
-# H100. With an XLA prune and cuSPARSELt's compression (8.4 ps per weight) the break-even is about
-# 11.5k rows (a 4-block MLP train step at 8192 tokens: 1.12x dense with it, 1.05x without); where XLA
-# writes cuSPARSELt's layout in one pass (cusparselt.fast_compress, about 1 ps per weight) it is
-# about 1.4k rows (benchmarks/results/gpu_nm_2026-11-23.md).
+# compresses the weight (one XLA pass where XLA writes cuSPARSELt's layout, `cusparselt.fast_compress`)
+# and the sparse product saves about 0.29 of the dense one. Measured on an H100
+# (benchmarks/results/gpu_nm_2026-11-23.md): the SR-STE step of one 8192 x 4096 x 16384 product
+# went from 1.15 to 1.01 of dense, but the train step of a 4-block MLP at 8192 tokens (2048 <-> 8192
+# layers) was 1.06 of dense with it and 1.03-1.05 without, and 0.98 vs 1.00 at 32768 tokens.
 SPARSE_CORE_MIN_ROWS = 16384
-SPARSE_CORE_MIN_ROWS_FAST = 2048
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
@@ -130,7 +129,8 @@ def _reference(cfg: _MatmulConfig, x, w):
 
 
 def _sparse_forward(cfg: _MatmulConfig, x, w):
-  """The same value on sparse tensor cores: prune + compress on the device, multiply."""
+  """The same value on sparse tensor cores: prune + compress on the device (one XLA pass where XLA
+  knows cuSPARSELt's layout), multiply."""
   y = cslt.matmul(x.reshape(-1, w.shape[0]), cslt.prune_compress(w, cfg.dtype), w.shape[1])
   return y.reshape(*x.shape[:-1], w.shape[1])
 
@@ -190,10 +190,9 @@ def sr_ste_matmul(
   ``lax.dot_general(x, sr_ste(w, n, m, decay=decay).astype(dtype), contract x's last axis with w's 0)``
 
   which is what :class:`jaxsparse.layers.NMLinear` computes. On a CUDA GPU with cuSPARSELt, for 2:4,
-  bfloat16 ``x`` and kernel (and output), ``K``, ``N`` multiples of 16 and enough rows of ``x``
-  (``SPARSE_CORE_MIN_ROWS_FAST`` = 2048 where XLA writes cuSPARSELt's layout itself, ``K`` a multiple
-  of 32 and ``N`` of 64; else ``SPARSE_CORE_MIN_ROWS`` = 16384: below that the per-call compression
-  costs more than the sparse product saves), the forward product runs on sparse tensor cores: the pruned
+  bfloat16 ``x`` and kernel (and output), ``K``, ``N`` multiples of 16 and at least
+  ``SPARSE_CORE_MIN_ROWS`` (16384) rows of ``x`` (below that a measured train step gained nothing
+  from it), the forward product runs on sparse tensor cores: the pruned
   weight is compressed on the device in every call (so the mask follows ``w`` as it trains) and
   multiplied; the backward products stay dense (see the module docstring). Elsewhere it is the
   reference, with a :class:`jaxsparse.ops.CusparseLtFallbackWarning` when a 2:4 product with
@@ -235,10 +234,8 @@ def sr_ste_matmul(
   cfg = _MatmulConfig(n, m, decay, dtype, precision, pet)
   if implementation == "xla":
     return _reference(cfg, x, w)
-  if implementation is None:
-    fast = cslt.available() and cslt.fast_compress(*w.shape, dtype)
-    if math.prod(x.shape[:-1]) < (SPARSE_CORE_MIN_ROWS_FAST if fast else SPARSE_CORE_MIN_ROWS):
-      return _reference(cfg, x, w)
+  if implementation is None and math.prod(x.shape[:-1]) < SPARSE_CORE_MIN_ROWS:
+    return _reference(cfg, x, w)
   out_dtype = pet or jnp.result_type(x.dtype, dtype)
   reason = sparse_core_unsupported_reason(x.shape, x.dtype, w.shape, n, m, dtype, out_dtype)
   if implementation == "cusparselt" and reason:
