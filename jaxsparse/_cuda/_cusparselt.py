@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxsparse import _nm
 from jaxsparse._cuda import _build
 from jaxsparse._cuda._build import CusparseLtFallbackWarning
 
@@ -133,7 +134,6 @@ def prune_compress(w: jax.Array, dtype) -> jax.Array:
   One XLA pass over ``w`` (:func:`jaxsparse._cuda._layout.compress_dense`) where the layout is known
   here, else an XLA prune followed by cuSPARSELt's compression.
   """
-  from jaxsparse import _nm  # noqa: PLC0415 (keeps this module free of the package at import)
   from jaxsparse._cuda import _layout  # noqa: PLC0415 (imports this module)
 
   if fast_compress(*w.shape, dtype):
