@@ -16,6 +16,9 @@ Cases, bf16 throughout, ``y = x @ W`` with ``W`` ``(K, N)`` 2:4 along ``K``:
 * SR-STE training step, M = 8192: forward + backward of ``x @ sr_ste(W)`` (mask recomputed from
   the dense weight, gradient to x and to the dense W) against the same for ``x @ W``.
 * ``--torch``: torch 2:4 ``to_sparse_semi_structured`` (cuSPARSELt / CUTLASS) against ``F.linear``.
+* cuSPARSELt (jaxsparse's custom call, when it can run): decode and M = 8192 products with the weight
+  pre-compressed (``ops.cusparselt_compress``, what ``CompressedNMLinear`` keeps), and the SR-STE step
+  through ``ops.sr_ste_matmul`` (prune + compress + sparse forward each call, dense backward).
 
 Times are device-side: ``jax.experimental.mosaic.gpu.profiler.measure`` (CUPTI) sums the kernel
 times of each call, median of ``--iterations`` calls (falls back to host timing of back-to-back calls
@@ -40,6 +43,8 @@ from _gpu_timing import rel_err
 from _gpu_timing import time_ms
 
 import jaxsparse
+from jaxsparse import ops
+from jaxsparse._cuda import _cusparselt as cslt
 from jaxsparse.ops import nm_matmul
 from jaxsparse.ops import sr_ste
 from jaxsparse.pallas import NMMatmulConfig
@@ -117,11 +122,17 @@ def decode(args) -> list[dict]:
       t_auto = time_ms(lambda x, cs: [nm_matmul(x, c) for c in cs], x, comp, iterations=args.iterations) / ROTATE
       t_expand = time_ms(lambda x, cs: [nm_matmul(x, c, implementation="xla") for c in cs], x, comp,
                          iterations=args.iterations) / ROTATE
+      t_cslt = float("nan")
+      if cslt.available():
+        blobs = tuple(ops.cusparselt_compress(c) for c in comp)
+        t_cslt = time_ms(lambda x, bs, cols=cols: [cslt.matmul(x, b, cols) for b in bs], x, blobs,
+                         iterations=args.iterations) / ROTATE
+        log(f"decode M={rows} N={cols}: cuSPARSELt {t_cslt * 1e3:7.2f} us ratio {t_cslt / t_dense:.3f}")
       best = min(results, key=lambda r: r[0]) if results else (float("nan"), None, float("nan"))
       best_cfg = best_cfg or best[1]
       t_def = results[0][0] if results and results[0][1] == default else float("nan")
       rows_out.append(dict(rows=rows, cols=cols, dense=t_dense, best=best[0], best_cfg=best[1], err=best[2],
-                           default=t_def, auto=t_auto, expand=t_expand))
+                           default=t_def, auto=t_auto, expand=t_expand, cslt=t_cslt))
   return rows_out
 
 
@@ -170,6 +181,22 @@ def large(args) -> list[dict]:
       y, vjp = jax.vjp(lambda x, w: jnp.dot(x, sr_ste(w, 2, 4).astype(jnp.bfloat16)), x, w)
       return y, vjp(dy)
 
+    def train_cslt(x, w, dy):
+      y, vjp = jax.vjp(lambda x, w: ops.sr_ste_matmul(x, w, 2, 4, dtype=jnp.bfloat16), x, w)
+      return y, vjp(dy)
+
+    nan = float("nan")
+    t_cslt_fwd = t_tr_cslt = t_tr_cslt32 = nan
+    if cslt.available():
+      blob = ops.cusparselt_compress(ws)
+      fwd = lambda x, b, ws=ws: nm_matmul(x, ws, cusparselt_weight=b)
+      t_cslt_fwd = time_ms(fwd, x, blob, iterations=args.iterations)
+      t_tr_cslt = time_ms(train_cslt, x, w_dense, dy, iterations=args.iterations)
+      t_tr_cslt32 = time_ms(train_cslt, x, w_dense.astype(jnp.float32), dy, iterations=args.iterations)
+      (_, (dx_c, dw_c)), (_, (dx_s, dw_s)) = jax.jit(train_cslt)(x, w_dense, dy), jax.jit(train_sr)(x, w_dense, dy)
+      log(f"M=8192 N={cols}: cuSPARSELt fwd {t_cslt_fwd:.3f} ms, sr_ste_matmul step {t_tr_cslt:.3f} ms "
+          f"(f32 master {t_tr_cslt32:.3f}); grads equal to x @ sr_ste(w): "
+          f"{bool((dx_c == dx_s).all())} / {bool((dw_c == dw_s).all())}")
     t_tr_dense = time_ms(train_dense, x, w_dense, dy, iterations=args.iterations)
     t_tr_sr = time_ms(train_sr, x, w_dense, dy, iterations=args.iterations)
     w32 = w_dense.astype(jnp.float32)
@@ -185,7 +212,8 @@ def large(args) -> list[dict]:
         f"train dense {t_tr_dense:.3f} sr {t_tr_sr:.3f} (f32 master: {t_tr_dense32:.3f} / {t_tr_sr32:.3f}) "
         f"train err {err_tr:.1e}")
     out.append(dict(cols=cols, dense=t_dense, auto=t_auto, expand_only=t_expand_only, kernel=best_kernel,
-                    tr_dense=t_tr_dense, tr_sr=t_tr_sr, tr_dense32=t_tr_dense32, tr_sr32=t_tr_sr32, err_tr=err_tr))
+                    tr_dense=t_tr_dense, tr_sr=t_tr_sr, tr_dense32=t_tr_dense32, tr_sr32=t_tr_sr32, err_tr=err_tr,
+                    cslt_fwd=t_cslt_fwd, tr_cslt=t_tr_cslt, tr_cslt32=t_tr_cslt32))
   return out
 
 
@@ -265,6 +293,26 @@ def report(dec, big, tor, device: str) -> list[str]:
         f"**{r['tr_sr'] / r['tr_dense']:.2f}** | {r['tr_sr32']:.3f} / {r['tr_dense32']:.3f} "
         f"({r['tr_sr32'] / r['tr_dense32']:.2f}) | {'-' if tr is None else f'{tr[0] / tr[1]:.2f}'} |"
     )
+  lines += [
+      "",
+      "cuSPARSELt (sparse tensor cores, weight pre-compressed for the products; SR-STE step = prune + compress +",
+      "sparse forward, dense backward), time / dense time:",
+      "",
+      "| M | K | N | 2:4 product | target | SR-STE step bf16 weights (ms, ratio) | SR-STE step f32 master "
+      "(ms, ratio) |",
+      "|---|---|---|---|---|---|---|",
+  ]
+  for r in dec:
+    target = 0.65
+    lines.append(f"| {r['rows']} | {K} | {r['cols']} | {r['cslt'] * 1e3:.2f} us (**{r['cslt'] / r['dense']:.2f}**) | "
+                 f"{target} | - | - |")
+  for r in big:
+    target = 0.65 if r["cols"] == 16384 else 0.75
+    lines.append(
+        f"| {M_TRAIN} | {K} | {r['cols']} | {r['cslt_fwd']:.3f} ms (**{r['cslt_fwd'] / r['dense']:.2f}**) | {target} | "
+        f"{r['tr_cslt']:.3f} (**{r['tr_cslt'] / r['tr_dense']:.2f}**) | {r['tr_cslt32']:.3f} "
+        f"({r['tr_cslt32'] / r['tr_dense32']:.2f}) |"
+    )
   return lines
 
 
@@ -274,6 +322,7 @@ def main(argv=None):
   parser.add_argument("--torch", action="store_true", help="add torch to_sparse_semi_structured")
   parser.add_argument("--iterations", type=int, default=20)
   parser.add_argument("--skip-large", action="store_true", help="only the decode cases")
+  parser.add_argument("--skip-decode", action="store_true", help="only the M = 8192 cases")
   parser.add_argument("--decode-rows", type=int, nargs="+", default=list(DECODE_ROWS))
   parser.add_argument("--out", default=None, help="write the markdown tables here")
   args = parser.parse_args(argv)
@@ -281,7 +330,7 @@ def main(argv=None):
   device = getattr(dev, "device_kind", str(dev))
   log(f"{device}, jax {jax.__version__}, python {sys.version.split()[0]}")
   t0 = time.perf_counter()
-  dec = decode(args)
+  dec = [] if args.skip_decode else decode(args)
   big = [] if args.skip_large else large(args)
   tor = torch_semi_structured() if args.torch else {}
   lines = report(dec, big, tor, device)

@@ -7,12 +7,14 @@ from jaxsparse.layers._linear_general import SparseLinearGeneral
 from jaxsparse.layers._masked import MaskedConv
 from jaxsparse.layers._masked import MaskedLinear
 from jaxsparse.layers._nm import CompressedNMLinear
+from jaxsparse.layers._nm import CusparseLtWeight
 from jaxsparse.layers._nm import NMConv
 from jaxsparse.layers._nm import NMLinear
 
 __all__ = [
     "BlockSparseLinear",
     "CompressedNMLinear",
+    "CusparseLtWeight",
     "MaskedConv",
     "MaskedLinear",
     "NMConv",

@@ -14,6 +14,7 @@ Note that ``isinstance(layer, nnx.Linear)`` is True for an ``NMLinear`` (as for 
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Callable
 from typing import Any
 
@@ -35,14 +36,28 @@ from jaxsparse.layers._common import SparsityPattern
 from jaxsparse.layers._common import base_promote
 from jaxsparse.layers._common import bias_of
 from jaxsparse.layers._common import check_decay
-from jaxsparse.layers._common import check_implementation
 from jaxsparse.layers._common import check_in_features
 from jaxsparse.layers._common import conv_options
 from jaxsparse.layers._common import default_bias_init
 from jaxsparse.layers._common import linear_options
 from jaxsparse.layers._common import with_weights
+from jaxsparse.ops import _nm_matmul
 
-__all__ = ["CompressedNMLinear", "NMConv", "NMLinear"]
+__all__ = ["CompressedNMLinear", "CusparseLtWeight", "NMConv", "NMLinear"]
+
+
+class CusparseLtWeight(nnx.Variable):
+  """A 2:4 kernel in cuSPARSELt's compressed layout (``uint8``): a cache, not a parameter."""
+
+
+def check_nm_implementation(implementation: object) -> str | None:
+  """``implementation`` of :func:`jaxsparse.ops.nm_matmul`: ``None``, ``"xla"``, ``"pallas"`` or ``"cusparselt"``."""
+  allowed = (None, *typing.get_args(ops.NMImplementation))
+  if implementation not in allowed:
+    raise ValueError(f"implementation must be one of {allowed}, got implementation={implementation!r}.")
+  return implementation
+
+
 
 
 class _NMMixin:
@@ -150,6 +165,35 @@ class NMLinear(_NMMixin, nnx.Linear):
     """Bool ``(in_features, out_features)``: the current N:M mask (same as :attr:`nm_mask`)."""
     return self.nm_mask
 
+  def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
+    """``nnx.Linear``'s forward with the SR-STE-pruned kernel; 2:4 runs on sparse tensor cores on GPUs.
+
+    For 2:4 with Flax's default ``dot_general`` and ``promote_dtype`` the product goes through
+    :func:`jaxsparse.ops.sr_ste_matmul`: the same value and gradients, with the forward product on
+    cuSPARSELt where it can run (bfloat16 compute, see there).
+    """
+    p = self.promote_dtype
+    fast = (p.n, p.m, p.axis) == (2, 4, 0) and p.base is dtypes.promote_dtype and self.dot_general is lax.dot_general
+    if not fast or out_sharding is not None:
+      return super().__call__(inputs, out_sharding=out_sharding)
+    kernel = self.kernel[...]
+    bias = self.bias[...] if self.bias is not None else None
+    # The compute dtypes as Flax's promotion gives them; the kernel is pruned before its cast.
+    inputs, cast_kernel, bias = p.base((inputs, kernel, bias), dtype=self.dtype)
+    y = ops.sr_ste_matmul(
+        inputs,
+        kernel,
+        p.n,
+        p.m,
+        decay=p.decay,
+        dtype=cast_kernel.dtype,
+        precision=self.precision,
+        preferred_element_type=self.preferred_element_type,
+    )
+    if bias is not None:
+      y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
+    return y
+
   @classmethod
   def from_dense(cls, linear: nnx.Linear, *, n: int = 2, m: int = 4, sr_ste_decay: float = 2e-4) -> NMLinear:
     """An ``NMLinear`` with ``linear``'s dense kernel, bias and options, ready to train with SR-STE.
@@ -174,7 +218,7 @@ class NMLinear(_NMMixin, nnx.Linear):
         nnx.Linear, self.pruned_kernel(), bias_of(self), self.in_features, self.out_features, **linear_options(self)
     )
 
-  def to_compressed(self, *, implementation: ops.Implementation | None = None) -> CompressedNMLinear:
+  def to_compressed(self, *, implementation: ops.NMImplementation | None = None) -> CompressedNMLinear:
     """An inference layer storing the compressed kernel and multiplying with :func:`jaxsparse.ops.nm_matmul`.
 
     >>> import jax.numpy as jnp
@@ -214,6 +258,12 @@ class CompressedNMLinear(nnx.Module):
   non-trainable :class:`SparsityPattern`. On CUDA GPUs with few rows (decode) the product reads
   the compressed weight in a Pallas kernel; elsewhere it expands it and runs a dense product.
 
+  On a CUDA GPU with cuSPARSELt, a 2:4 bfloat16 layer also keeps ``kernel_cusparselt``,
+  the kernel in cuSPARSELt's layout (a non-trainable :class:`CusparseLtWeight`, built when the
+  layer is), and multiplies more than 64 rows on sparse tensor cores with it. It is a copy of
+  ``kernel``: after changing ``kernel`` (fine-tuning) call :meth:`update_cusparselt`, or the
+  forward product keeps using the old values.
+
   >>> import jax, jax.numpy as jnp, jaxsparse
   >>> from jaxsparse.layers import CompressedNMLinear
   >>> w = jaxsparse.NMSparseMatrix.from_dense(jax.random.normal(jax.random.key(0), (64, 32)), 2, 4)
@@ -236,7 +286,7 @@ class CompressedNMLinear(nnx.Module):
       precision: lax.PrecisionLike = None,
       promote_dtype: Callable[..., Any] = dtypes.promote_dtype,
       preferred_element_type: Dtype | None = None,
-      implementation: ops.Implementation | None = None,
+      implementation: ops.NMImplementation | None = None,
   ):
     if not isinstance(weight, NMSparseMatrix) or weight.ndim != 2:
       raise TypeError(f"weight must be a 2-D jaxsparse.NMSparseMatrix, got {weight!r}.")
@@ -249,7 +299,29 @@ class CompressedNMLinear(nnx.Module):
     self.precision = precision
     self.promote_dtype = promote_dtype
     self.preferred_element_type = preferred_element_type
-    self.implementation = check_implementation(implementation)
+    self.implementation = check_nm_implementation(implementation)
+    self.kernel_cusparselt: CusparseLtWeight | None = nnx.data(None)
+    self.update_cusparselt()
+
+  def update_cusparselt(self) -> bool:
+    """(Re)builds ``kernel_cusparselt`` from ``kernel``; returns whether the layer has one.
+
+    Built for 2:4 layers whose compute dtype (``dtype``, else the kernel's) is bfloat16,
+    when cuSPARSELt can run here and ``implementation`` is ``None`` or ``"cusparselt"``.
+    """
+    self.kernel_cusparselt = nnx.data(None)
+    self.kernel_cusparselt_dtype = None
+    if self.implementation not in (None, "cusparselt") or (self.n, self.m) != (2, 4):
+      return False
+    w = self.weight
+    w = w.with_values(w.values.astype(self.dtype or w.dtype))
+    reason = _nm_matmul.cusparselt_unsupported_reason(w)
+    if reason:
+      _nm_matmul.warn_cusparselt_fallback("CompressedNMLinear", reason)
+      return False
+    self.kernel_cusparselt = CusparseLtWeight(ops.cusparselt_compress(w))
+    self.kernel_cusparselt_dtype = w.dtype
+    return True
 
   @property
   def weight(self) -> NMSparseMatrix:
@@ -268,12 +340,16 @@ class CompressedNMLinear(nnx.Module):
     bias = bias_of(self)
     x, values, bias = self.promote_dtype((x, self.kernel[...], bias), dtype=self.dtype)
     w = self.weight.with_values(values)
+    blob = None
+    if self.kernel_cusparselt is not None and x.dtype == values.dtype == self.kernel_cusparselt_dtype:
+      blob = self.kernel_cusparselt[...]
     y = ops.nm_matmul(
         x,
         w,
         implementation=self.implementation,
         precision=self.precision,
         preferred_element_type=self.preferred_element_type,
+        cusparselt_weight=blob,
     )
     return y if bias is None else y + bias
 

@@ -9,6 +9,13 @@ Two backends for the forward product:
   (56% of the dense bytes for 2:4 bf16) and expands it on chip. The expansion, not memory, limits
   it: 0.79-1.0x the dense time at M = 16 on an H100, 3-4x faster than expanding in XLA first
   (``benchmarks/results/gpu_nm_2026-11-21.md``).
+* cuSPARSELt (CUDA GPUs, 2:4, bfloat16): the sparse tensor cores multiply by the weight in
+  cuSPARSELt's own compressed layout: 0.70-0.73x the dense time at M = 8192 on an H100 with the
+  buffer built once (:func:`cusparselt_compress`, kept by :class:`jaxsparse.layers.CompressedNMLinear`),
+  0.78-0.82x when XLA rebuilds it from ``w`` in every call (one pass over the compressed bytes, where
+  ``jaxsparse._cuda._layout`` knows the layout) (``benchmarks/results/gpu_nm_2026-11-23.md``). Its
+  decode kernels are slower than the Pallas kernel, so "auto" takes it for more than
+  ``MAX_FUSED_ROWS`` rows.
 
 The backward pass (both backends) is ``dX = dY @ Wᵀ`` and ``dvalues = (xᵀ dY)`` sampled at the
 kept positions, both through XLA.
@@ -17,6 +24,7 @@ kept positions, both through XLA.
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Literal
 
 import jax
@@ -24,14 +32,19 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxsparse import _utils
+from jaxsparse._cuda import _build as _cuda_build
+from jaxsparse._cuda import _cusparselt as cslt
 from jaxsparse.formats._nm import NMSparseMatrix
 from jaxsparse.ops import _dispatch
 from jaxsparse.ops import _sharding
 
-__all__ = ["nm_matmul", "nm_matmul_reference"]
+__all__ = ["cusparselt_available", "cusparselt_compress", "nm_matmul", "nm_matmul_reference"]
 
-Implementation = Literal["xla", "pallas"]
-_IMPLEMENTATIONS = (None, "xla", "pallas")
+NMImplementation = Literal["xla", "pallas", "cusparselt"]
+_IMPLEMENTATIONS = (None, "xla", "pallas", "cusparselt")
+# "auto" multiplies by a cuSPARSELt weight above this many rows, and uses the Pallas kernel up to it
+# (cuSPARSELt's decode kernels ran 1.1-1.6x dense at M <= 16 on an H100, the Pallas kernel 0.8-1.0x).
+MAX_FUSED_ROWS = 64
 
 
 def nm_matmul_reference(
@@ -63,26 +76,110 @@ def _xla_forward(cfg: _Config, x2, w):
   return nm_matmul_reference(x2, w, precision=cfg.precision).astype(cfg.out_dtype)
 
 
-def _local_forward(cfg: _Config, x2: jax.Array, w: NMSparseMatrix) -> tuple[jax.Array]:
+def cusparselt_available() -> bool:
+  """True when the 2:4 product on sparse tensor cores (cuSPARSELt) can run on the default device."""
+  return cslt.available()
+
+
+def cusparselt_unsupported_reason(w: NMSparseMatrix, dtype=None) -> str:
+  """Why ``x @ w`` with ``x`` of ``dtype`` cannot run on cuSPARSELt here, or ``""``."""
+  if not cslt.available():
+    return cslt.unavailable_reason()
+  if w.ndim != 2:
+    return f"w must be 2-D, got shape {w.shape}"
+  if dtype is not None and jnp.dtype(dtype) != w.dtype:
+    return f"x ({jnp.dtype(dtype)}) and w ({w.dtype}) must have the same dtype"
+  return cslt.unsupported_reason(w.shape[0], w.shape[1], w.dtype, n_keep=w.n, m=w.m, axis=w.axis)
+
+
+def warn_cusparselt_fallback(op: str, reason: str, *, stacklevel: int = 3) -> None:
+  """Warns with :class:`CusparseLtFallbackWarning` that ``op`` skips sparse tensor cores, on CUDA machines only."""
+  if _cuda_build.has_cuda_device():
+    warnings.warn(
+        f"{op}: the 2:4 product on sparse tensor cores cannot run ({reason}); using the other paths.",
+        cslt.CusparseLtFallbackWarning,
+        stacklevel=stacklevel,
+    )
+
+
+def cusparselt_compress(w: NMSparseMatrix) -> jax.Array:
+  """``w`` in cuSPARSELt's compressed layout (an opaque ``uint8`` array), built on the GPU.
+
+  Pass it to :func:`nm_matmul` as ``cusparselt_weight`` to multiply on sparse tensor cores without
+  re-compressing on every call. It is a copy: rebuild it after changing ``w.values``. Needs a CUDA
+  GPU with cuSPARSELt (:func:`cusparselt_available`), a 2:4 ``(K, N)`` bfloat16 ``w``
+  with groups along ``K`` and ``K``, ``N`` multiples of 16.
+  """
+  reason = cusparselt_unsupported_reason(w)
+  if reason:
+    raise ValueError(f"cusparselt_compress cannot run for {w!r}: {reason}.")
+  return _compress(w)
+
+
+def _compress(w: NMSparseMatrix) -> jax.Array:
+  # Where XLA knows cuSPARSELt's layout the buffer is our values plus re-ordered positions.
+  if cslt.fast_compress(*w.shape, w.dtype):
+    from jaxsparse._cuda import _layout  # noqa: PLC0415 (GPU-only path)
+
+    return _layout.compress_values(w.values, w.positions())
+  return cslt.compress(w.to_dense())
+
+
+def _cslt_forward(cfg: _Config, x2, w, blob):
+  if blob is None:
+    blob = _compress(w)
+  return cslt.matmul(x2, blob, w.shape[1]).astype(cfg.out_dtype)
+
+
+def _local_forward(cfg: _Config, x2: jax.Array, w: NMSparseMatrix, blob: jax.Array | None = None) -> jax.Array:
+  """The forward product on 2-D rows; ``blob`` is the cuSPARSELt buffer of ``w`` when the caller has one."""
+  if cfg.implementation == "cusparselt":
+    return _cslt_forward(cfg, x2, w, blob)
+  if cfg.implementation == "auto" and blob is not None:
+    reason = cusparselt_unsupported_reason(w, x2.dtype)
+    if not reason and cfg.out_dtype != x2.dtype:
+      reason = f"the output dtype ({cfg.out_dtype}) must be that of x ({x2.dtype})"
+    if reason:
+      warn_cusparselt_fallback("nm_matmul", reason, stacklevel=6)
+    elif x2.shape[0] > MAX_FUSED_ROWS:
+      other = lambda x2, w, blob: _pallas_or_xla(cfg, x2, w)
+      return lax.platform_dependent(x2, w, blob, cuda=functools.partial(_cslt_forward, cfg), default=other)
+  if (
+      cfg.implementation == "auto"
+      and blob is None
+      and x2.shape[0] > MAX_FUSED_ROWS
+      and cfg.out_dtype == x2.dtype
+      and not cusparselt_unsupported_reason(w, x2.dtype)
+      and cslt.fast_compress(*w.shape, w.dtype)
+  ):
+    # XLA writes cuSPARSELt's buffer from our format in one pass (about 1.1x the compressed bytes):
+    # cheaper per call than expanding W for a dense product.
+    sparse = lambda x2, w: _cslt_forward(cfg, x2, w, None)
+    return lax.platform_dependent(x2, w, cuda=sparse, default=functools.partial(_pallas_or_xla, cfg))
+  return _pallas_or_xla(cfg, x2, w)
+
+
+def _pallas_or_xla(cfg: _Config, x2: jax.Array, w: NMSparseMatrix) -> jax.Array:
   kernels = _pallas_ops()
   xla_fn = functools.partial(_xla_forward, cfg)
   pallas_fn = lambda a, b: kernels.forward(a, b, precision=cfg.precision).astype(cfg.out_dtype)
   preferred = None if kernels is None else kernels.preferred
-  return (_dispatch.dispatch("nm_matmul", cfg, kernels, xla_fn, pallas_fn, x2, w, preferred=preferred),)
+  return _dispatch.dispatch("nm_matmul", cfg, kernels, xla_fn, pallas_fn, x2, w, preferred=preferred)
 
 
-def _forward(cfg: _Config, x: jax.Array, w: NMSparseMatrix) -> jax.Array:
+def _forward(cfg: _Config, x: jax.Array, w: NMSparseMatrix, blob: jax.Array | None) -> jax.Array:
   # Data parallel: each device multiplies its rows of x (ops/_sharding.py).
-  return _sharding.row_parallel(functools.partial(_local_forward, cfg), (x,), w)[0]
+  local = lambda x2, rest: (_local_forward(cfg, x2, *rest),)
+  return _sharding.row_parallel(local, (x,), (w, blob))[0]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _nm_matmul(cfg: _Config, x: jax.Array, w: NMSparseMatrix) -> jax.Array:
-  return _forward(cfg, x, w)
+def _nm_matmul(cfg: _Config, x: jax.Array, w: NMSparseMatrix, blob: jax.Array | None) -> jax.Array:
+  return _forward(cfg, x, w, blob)
 
 
-def _nm_matmul_fwd(cfg, x, w):
-  return _forward(cfg, x, w), (x, w)
+def _nm_matmul_fwd(cfg, x, w, blob):
+  return _forward(cfg, x, w, blob), (x, w)
 
 
 def _local_backward(cfg: _Config, x2, dy2, w):
@@ -102,13 +199,17 @@ def _nm_matmul_bwd(cfg, res, dy):
   local = functools.partial(_local_backward, cfg)
   dx, dvalues = _sharding.row_parallel(local, (x, dy), w, summed=(1,), like={0: x, 1: w.values})
   dw_tree = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(w), [dvalues, None])
-  return dx, dw_tree
+  return dx, dw_tree, None
 
 
 _nm_matmul.defvjp(_nm_matmul_fwd, _nm_matmul_bwd)
 
 
 def _check_implementation(implementation) -> str:
+  if implementation == "cusparselt":
+    if not cslt.available():
+      raise RuntimeError(f"implementation='cusparselt' was requested but cannot run here: {cslt.unavailable_reason()}.")
+    return implementation
   kernels = _pallas_ops() if implementation == "pallas" else None
   return _dispatch.check_implementation(implementation, _IMPLEMENTATIONS, kernels)
 
@@ -117,9 +218,10 @@ def nm_matmul(
     x: jax.typing.ArrayLike,
     w: NMSparseMatrix,
     *,
-    implementation: Implementation | None = None,
+    implementation: NMImplementation | None = None,
     precision: lax.PrecisionLike = None,
     preferred_element_type: jax.typing.DTypeLike | None = None,
+    cusparselt_weight: jax.Array | None = None,
 ) -> jax.Array:
   """Computes ``x @ w`` for an N:M-sparse ``w`` stored compressed.
 
@@ -137,12 +239,19 @@ def nm_matmul(
     x: ``(..., K)`` activations.
     w: a 2-D :class:`jaxsparse.NMSparseMatrix` of shape ``(K, N)``; groups along ``K`` (axis 0)
       for the GPU kernel, either axis on the XLA path.
-    implementation: ``None`` picks at lowering time: the Pallas kernel on CUDA GPUs for few rows
-      (``M <= 64``) when it supports the operands, the XLA path otherwise; ``"xla"`` or
-      ``"pallas"`` force one, and a forced backend that cannot run raises.
+    implementation: ``None`` picks at lowering time: on CUDA GPUs the Pallas kernel for few rows
+      (``M <= 64``) when it supports the operands, cuSPARSELt's sparse tensor cores for more rows
+      (2:4 bfloat16, with ``cusparselt_weight`` or, where XLA can write cuSPARSELt's layout, a
+      buffer built in the call), the XLA path otherwise; ``"xla"``, ``"pallas"`` or
+      ``"cusparselt"`` force one (``"cusparselt"`` compresses ``w`` on every call when no
+      ``cusparselt_weight`` is given), and a forced backend that cannot run raises.
     precision: passed to the products.
     preferred_element_type: output dtype; defaults to ``result_type(x, w.values)``. Products
       accumulate in at least float32.
+    cusparselt_weight: ``cusparselt_compress(w)``, the same weight in cuSPARSELt's layout (2:4,
+      bfloat16, ``x`` and the output of the same dtype). The forward product reads it
+      instead of ``w``; gradients still come from ``w``. When it cannot be used on a CUDA GPU,
+      "auto" warns with :class:`jaxsparse.ops.CusparseLtFallbackWarning`.
 
   Returns:
     ``(..., N)`` array.
@@ -154,5 +263,18 @@ def nm_matmul(
   x = _utils.check_activations(x, w.shape[0])
   impl = _check_implementation(implementation)
   out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(x.dtype, w.dtype))
+  if impl == "cusparselt":
+    reason = cusparselt_unsupported_reason(w, x.dtype)
+    if not reason and out_dtype != x.dtype:
+      reason = f"the output dtype ({out_dtype}) must be that of x ({x.dtype})"
+    if reason:
+      raise ValueError(f"implementation='cusparselt' cannot multiply these operands: {reason}.")
+  if cusparselt_weight is not None:
+    cusparselt_weight = jnp.asarray(cusparselt_weight)
+    if cusparselt_weight.dtype != jnp.uint8 or cusparselt_weight.ndim != 1:
+      raise TypeError(
+          "cusparselt_weight must be the 1-D uint8 array of cusparselt_compress(w), got "
+          f"{cusparselt_weight.dtype}{cusparselt_weight.shape}."
+      )
   cfg = _Config(impl, precision, out_dtype)
-  return _nm_matmul(cfg, x, w)
+  return _nm_matmul(cfg, x, w, cusparselt_weight)

@@ -3,19 +3,40 @@
 Forward: ``w * nm_mask(w)``. Backward: the output cotangent passes straight through to the dense
 ``w`` (the straight-through estimator), plus ``decay * (1 - mask) * w`` on the pruned entries,
 which pulls pruned weights towards zero so that the mask settles (Zhou et al., 2021).
+
+``sr_ste_matmul`` is ``x @ sr_ste(w)`` as one op, so that on CUDA GPUs the forward product of a 2:4
+weight can run on sparse tensor cores (cuSPARSELt): each call prunes the dense weight (one XLA
+fusion), compresses it on the device and multiplies. The backward pass is the reference's own VJP,
+so the gradients are exactly those of ``x @ sr_ste(w)``: both backward products (``dY Wᵀ`` and
+``xᵀ dY``) stay dense, since neither reduces along the axis the 2:4 groups run along.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 import numbers
+import warnings
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
+from jaxsparse._cuda import _build as _cuda_build
+from jaxsparse._cuda import _cusparselt as cslt
 from jaxsparse.formats import _nm
 
-__all__ = ["sr_ste"]
+__all__ = ["sr_ste", "sr_ste_matmul"]
+
+# "auto" runs the forward on sparse tensor cores from this many rows of x. Each call prunes and
+# compresses the weight (one XLA pass where XLA writes cuSPARSELt's layout, `cusparselt.fast_compress`)
+# and the sparse product saves about 0.29 of the dense one. Measured on an H100
+# (benchmarks/results/gpu_nm_2026-11-23.md): the SR-STE step of one 8192 x 4096 x 16384 product
+# went from 1.15 to 1.01 of dense, but the train step of a 4-block MLP at 8192 tokens (2048 <-> 8192
+# layers) was 1.06 of dense with it and 1.03-1.05 without, and 0.98 vs 1.00 at 32768 tokens.
+SPARSE_CORE_MIN_ROWS = 16384
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
@@ -83,3 +104,149 @@ def sr_ste(w: jax.typing.ArrayLike, n: int, m: int, *, decay: float = 2e-4, axis
     raise TypeError(f"w must have a floating dtype to be trained, got {w.dtype}.")
   _nm.check_groups(w.shape, axis, m)
   return _sr_ste(w, n, m, axis, float(decay))
+
+
+def _check_decay(decay) -> float:
+  if isinstance(decay, bool) or not isinstance(decay, numbers.Real) or not decay >= 0:
+    raise ValueError(f"decay must be a float >= 0 (0 gives plain STE), got decay={decay!r}.")
+  return float(decay)
+
+
+@dataclasses.dataclass(frozen=True)
+class _MatmulConfig:
+  n: int
+  m: int
+  decay: float
+  dtype: Any  # the dtype the pruned kernel is cast to before the product
+  precision: Any
+  preferred_element_type: Any
+
+
+def _reference(cfg: _MatmulConfig, x, w):
+  kernel = _sr_ste(w, cfg.n, cfg.m, 0, cfg.decay).astype(cfg.dtype)
+  kwargs = {} if cfg.preferred_element_type is None else {"preferred_element_type": cfg.preferred_element_type}
+  return lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=cfg.precision, **kwargs)
+
+
+def _sparse_forward(cfg: _MatmulConfig, x, w):
+  """The same value on sparse tensor cores: prune + compress on the device (one XLA pass where XLA
+  knows cuSPARSELt's layout), multiply."""
+  y = cslt.matmul(x.reshape(-1, w.shape[0]), cslt.prune_compress(w, cfg.dtype), w.shape[1])
+  return y.reshape(*x.shape[:-1], w.shape[1])
+
+
+def _sparse_or_reference(cfg, x, w):
+  return lax.platform_dependent(x, w, cuda=functools.partial(_sparse_forward, cfg),
+                                default=functools.partial(_reference, cfg))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _sr_ste_matmul(cfg: _MatmulConfig, x, w):
+  return _sparse_or_reference(cfg, x, w)
+
+
+def _sr_ste_matmul_fwd(cfg, x, w):
+  return _sparse_or_reference(cfg, x, w), (x, w)
+
+
+def _sr_ste_matmul_bwd(cfg, res, dy):
+  # The reference's VJP: its forward product is dead code here and XLA drops it.
+  x, w = res
+  _, vjp = jax.vjp(functools.partial(_reference, cfg), x, w)
+  return vjp(dy)
+
+
+_sr_ste_matmul.defvjp(_sr_ste_matmul_fwd, _sr_ste_matmul_bwd)
+
+
+def sparse_core_unsupported_reason(x_shape, x_dtype, w_shape, n, m, dtype, out_dtype) -> str:
+  """Why ``sr_ste_matmul`` cannot run its forward on cuSPARSELt for these operands, or ``""``."""
+  if not cslt.available():
+    return cslt.unavailable_reason()
+  if len(w_shape) != 2:
+    return f"w must be 2-D (K, N), got shape {tuple(w_shape)}"
+  if jnp.dtype(x_dtype) != jnp.dtype(dtype) or jnp.dtype(out_dtype) != jnp.dtype(dtype):
+    return f"x, the kernel and the output must share one dtype, got {jnp.dtype(x_dtype)}, {jnp.dtype(dtype)}, " \
+           f"{jnp.dtype(out_dtype)}"
+  return cslt.unsupported_reason(w_shape[0], w_shape[1], dtype, n_keep=n, m=m)
+
+
+def sr_ste_matmul(
+    x: jax.typing.ArrayLike,
+    w: jax.typing.ArrayLike,
+    n: int,
+    m: int,
+    *,
+    decay: float = 2e-4,
+    dtype: jax.typing.DTypeLike | None = None,
+    precision: lax.PrecisionLike = None,
+    preferred_element_type: jax.typing.DTypeLike | None = None,
+    implementation: str | None = None,
+) -> jax.Array:
+  """``x @ sr_ste(w, n, m, decay=decay).astype(dtype)``, on 2:4 sparse tensor cores where it can.
+
+  The value and the gradients (to ``x`` and to the dense ``w``, SR-STE decay included) are those of
+
+  ``lax.dot_general(x, sr_ste(w, n, m, decay=decay).astype(dtype), contract x's last axis with w's 0)``
+
+  which is what :class:`jaxsparse.layers.NMLinear` computes. On a CUDA GPU with cuSPARSELt, for 2:4,
+  bfloat16 ``x`` and kernel (and output), ``K``, ``N`` multiples of 16 and at least
+  ``SPARSE_CORE_MIN_ROWS`` (16384) rows of ``x`` (below that a measured train step gained nothing
+  from it), the forward product runs on sparse tensor cores: the pruned
+  weight is compressed on the device in every call (so the mask follows ``w`` as it trains) and
+  multiplied; the backward products stay dense (see the module docstring). Elsewhere it is the
+  reference, with a :class:`jaxsparse.ops.CusparseLtFallbackWarning` when a 2:4 product with
+  enough rows cannot run on a CUDA GPU.
+
+  >>> import jax, jax.numpy as jnp, jaxsparse
+  >>> w = jax.random.normal(jax.random.key(0), (64, 32))
+  >>> x = jnp.ones((3, 64))
+  >>> y = jaxsparse.ops.sr_ste_matmul(x, w, 2, 4)
+  >>> bool(jnp.allclose(y, x @ jaxsparse.ops.sr_ste(w, 2, 4), atol=1e-5))
+  True
+
+  Args:
+    x: ``(..., K)`` activations, already in the compute dtype.
+    w: ``(K, N)`` dense weights (e.g. float32 master weights); groups of ``m`` along ``K``.
+    n, m: keep ``n`` of every ``m``.
+    decay: SR-STE's decay of the pruned weights (``>= 0``).
+    dtype: the kernel's compute dtype (defaults to ``w.dtype``); the mask is computed on ``w``
+      before the cast, as ``sr_ste`` followed by a cast does.
+    precision, preferred_element_type: passed to the product.
+    implementation: ``None`` (auto, see above), ``"xla"`` (the reference) or ``"cusparselt"``
+      (sparse tensor cores at any number of rows; raises when it cannot run).
+
+  Returns:
+    ``(..., N)`` array.
+  """
+  x, w = jnp.asarray(x), jnp.asarray(w)
+  n, m = _nm.check_nm(n, m)
+  decay = _check_decay(decay)
+  if implementation not in (None, "xla", "cusparselt"):
+    raise ValueError(f"implementation must be None, 'xla' or 'cusparselt', got implementation={implementation!r}.")
+  if w.ndim != 2 or x.ndim < 1 or x.shape[-1] != w.shape[0]:
+    raise ValueError(f"x must be (..., K) and w (K, N) with the same K, got x.shape={x.shape}, w.shape={w.shape}.")
+  if not jnp.issubdtype(w.dtype, jnp.floating):
+    raise TypeError(f"w must have a floating dtype to be trained, got {w.dtype}.")
+  _nm.check_groups(w.shape, 0, m)
+  dtype = jnp.dtype(dtype or w.dtype)
+  pet = None if preferred_element_type is None else jnp.dtype(preferred_element_type)
+  cfg = _MatmulConfig(n, m, decay, dtype, precision, pet)
+  if implementation == "xla":
+    return _reference(cfg, x, w)
+  if implementation is None and math.prod(x.shape[:-1]) < SPARSE_CORE_MIN_ROWS:
+    return _reference(cfg, x, w)
+  out_dtype = pet or jnp.result_type(x.dtype, dtype)
+  reason = sparse_core_unsupported_reason(x.shape, x.dtype, w.shape, n, m, dtype, out_dtype)
+  if implementation == "cusparselt" and reason:
+    raise RuntimeError(f"implementation='cusparselt' was requested but cannot run: {reason}.")
+  if reason:
+    if (n, m) == (2, 4) and _cuda_build.has_cuda_device():
+      warnings.warn(
+          f"sr_ste_matmul: the 2:4 forward product on sparse tensor cores cannot run ({reason}); "
+          "using the dense product.",
+          cslt.CusparseLtFallbackWarning,
+          stacklevel=2,
+      )
+    return _reference(cfg, x, w)
+  return _sr_ste_matmul(cfg, x, w)

@@ -1,0 +1,346 @@
+"""2:4 on sparse tensor cores (cuSPARSELt custom calls) and the ops and layers that use it.
+
+CPU tests cover the fallbacks, warnings, the build's error paths and the custom-VJP plumbing (whose
+GPU branch is replaced by the reference off CUDA). Tests marked ``gpu`` run the custom calls against
+the dense reference on a CUDA GPU (``pytest -m gpu tests/test_cusparselt.py`` on the device machine,
+see ``benchmarks/gpu_cusparselt.py``); they skip elsewhere.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxsparse
+from jaxsparse import ops
+from jaxsparse._cuda import _build
+from jaxsparse._cuda import _cusparselt as cslt
+from jaxsparse._cuda import _layout
+from jaxsparse.layers import CompressedNMLinear
+from jaxsparse.layers import NMLinear
+from jaxsparse.ops import _sr_ste
+
+needs_gpu = pytest.mark.skipif(not cslt.available(), reason=cslt.unavailable_reason() or "cuSPARSELt available")
+on_cpu = pytest.mark.skipif(cslt.available(), reason="checks the behaviour without cuSPARSELt")
+
+
+def _rel(a, b) -> float:
+  a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def _sr_reference(x, w, decay, dtype):
+  return x @ ops.sr_ste(w, 2, 4, decay=decay).astype(dtype)
+
+
+# -------------------------------------------------------------------------------------------------
+# CPU: support checks, fallbacks, warnings, build errors.
+# -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("k", "n", "dtype", "nm", "axis", "expect"),
+    [
+        (64, 32, jnp.bfloat16, (2, 4), 0, ""),
+        (64, 32, jnp.bfloat16, (1, 4), 0, "2:4 only"),
+        (64, 32, jnp.bfloat16, (2, 4), 1, "along K"),
+        (64, 32, jnp.float32, (2, 4), 0, "dtype must be"),
+        (72, 32, jnp.bfloat16, (2, 4), 0, "multiples of 16"),
+        (64, 40, jnp.bfloat16, (2, 4), 0, "multiples of 16"),
+    ],
+)
+def test_unsupported_reason(k, n, dtype, nm, axis, expect):
+  reason = cslt.unsupported_reason(k, n, dtype, n_keep=nm[0], m=nm[1], axis=axis)
+  assert (expect in reason) if expect else reason == ""
+
+
+@on_cpu
+def test_without_gpu_nothing_is_built_and_forced_backend_raises():
+  assert not ops.cusparselt_available()
+  assert "CUDA" in cslt.unavailable_reason()
+  w = jaxsparse.NMSparseMatrix.from_dense(jnp.ones((32, 16), jnp.bfloat16), 2, 4)
+  with pytest.raises(RuntimeError, match="cusparselt"):
+    ops.nm_matmul(jnp.ones((2, 32), jnp.bfloat16), w, implementation="cusparselt")
+  with pytest.raises(RuntimeError, match="cusparselt"):
+    ops.sr_ste_matmul(jnp.ones((2, 32)), jnp.ones((32, 16)), 2, 4, implementation="cusparselt")
+  with pytest.raises(ValueError, match="cusparselt_compress"):
+    ops.cusparselt_compress(w)
+
+
+def test_build_reports_why(monkeypatch):
+  monkeypatch.setenv("JAXSPARSE_CUSPARSELT", "0")
+  assert _build._build() == (None, "disabled by JAXSPARSE_CUSPARSELT=0")
+  monkeypatch.setenv("JAXSPARSE_CUSPARSELT", "1")
+  monkeypatch.setattr(_build, "has_cuda_device", lambda: True)
+  monkeypatch.setattr(_build, "_cusparselt_dir", lambda: None)
+  lib, reason = _build._build()
+  assert lib is None and "cuSPARSELt not found" in reason
+
+
+def test_header_search_finds_split_toolkit(tmp_path, monkeypatch):
+  a, b = tmp_path / "a" / "include", tmp_path / "b" / "include"
+  (a / "crt").mkdir(parents=True)
+  b.mkdir(parents=True)
+  for f in ("cusparse.h",):
+    (b / f).write_text("")
+  for f in ("driver_types.h", "library_types.h", "crt/host_defines.h"):
+    (a / f).write_text("")
+  monkeypatch.setattr(_build, "_cuda_include_dirs", lambda: [a, b])
+  dirs, reason = _build._header_dirs()
+  assert reason == "" and set(dirs) == {a, b}
+  (b / "cusparse.h").unlink()
+  dirs, reason = _build._header_dirs()
+  assert dirs == [] and "cusparse.h" in reason
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_sr_ste_matmul_is_the_reference(dtype):
+  kx, kw = jax.random.split(jax.random.key(1))
+  w = jax.random.normal(kw, (64, 48))  # float32 master weights
+  x = jax.random.normal(kx, (5, 64)).astype(dtype)
+  f = jax.jit(lambda x, w: ops.sr_ste_matmul(x, w, 2, 4, decay=0.1, dtype=dtype))
+  g = jax.jit(lambda x, w: _sr_reference(x, w, 0.1, dtype))
+  np.testing.assert_array_equal(f(x, w), g(x, w))
+  loss = lambda fn: lambda x, w: (fn(x, w).astype(jnp.float32) ** 2).sum()
+  got = jax.jit(jax.grad(loss(f), argnums=(0, 1)))(x, w)
+  want = jax.jit(jax.grad(loss(g), argnums=(0, 1)))(x, w)
+  for a, b in zip(got, want, strict=True):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_sr_ste_matmul_custom_vjp_gives_the_reference_gradients():
+  # The custom VJP that wraps the sparse-core forward; off CUDA its forward is the reference branch.
+  kx, kw, kg = jax.random.split(jax.random.key(2), 3)
+  w = jax.random.normal(kw, (32, 16))
+  x = jax.random.normal(kx, (3, 7, 32)).astype(jnp.bfloat16)
+  dy = jax.random.normal(kg, (3, 7, 16)).astype(jnp.bfloat16)
+  cfg = _sr_ste._MatmulConfig(2, 4, 0.3, jnp.dtype(jnp.bfloat16), None, None)
+  y, vjp = jax.vjp(lambda x, w: _sr_ste._sr_ste_matmul(cfg, x, w), x, w)
+  y_ref, vjp_ref = jax.vjp(lambda x, w: _sr_reference(x, w, 0.3, jnp.bfloat16), x, w)
+  np.testing.assert_array_equal(y, y_ref)
+  for a, b in zip(vjp(dy), vjp_ref(dy), strict=True):
+    np.testing.assert_array_equal(a, b)
+  # The decay term is there: pruned weights get decay * w on top of the straight-through gradient.
+  _, dw = vjp(dy)
+  cfg0 = _sr_ste._MatmulConfig(2, 4, 0.0, cfg.dtype, None, None)
+  _, dw0 = jax.vjp(lambda x, w: _sr_ste._sr_ste_matmul(cfg0, x, w), x, w)[1](dy)
+  mask = jaxsparse.nm_mask(w, 2, 4)
+  np.testing.assert_allclose(dw - dw0, np.where(mask, 0.0, 0.3 * w), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [None, jnp.bfloat16])
+def test_nmlinear_fast_path_matches_flax_path(dtype):
+  layer = NMLinear(64, 32, dtype=dtype, sr_ste_decay=0.05, rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(3), (4, 64))
+
+  def loss(model, x, slow):
+    y = nnx.Linear.__call__(model, x) if slow else model(x)
+    return (y.astype(jnp.float32) ** 2).sum()
+
+  fast = nnx.grad(lambda m: loss(m, x, False))(layer)
+  slow = nnx.grad(lambda m: loss(m, x, True))(layer)
+  np.testing.assert_array_equal(layer(x), nnx.Linear.__call__(layer, x))
+  np.testing.assert_array_equal(fast.kernel[...], slow.kernel[...])
+  np.testing.assert_array_equal(fast.bias[...], slow.bias[...])
+
+
+def test_nm_matmul_ignores_cusparselt_weight_off_gpu_and_differentiates():
+  w = jaxsparse.NMSparseMatrix.from_dense(jax.random.normal(jax.random.key(4), (32, 16)), 2, 4)
+  x = jax.random.normal(jax.random.key(5), (80, 32))  # more rows than the Pallas limit
+  fake = jnp.zeros((100,), jnp.uint8)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # no CUDA device: no fallback warning either
+    y = ops.nm_matmul(x, w, cusparselt_weight=fake)
+  np.testing.assert_allclose(y, x @ w.to_dense(), rtol=1e-5, atol=1e-5)
+  g = jax.grad(lambda v: ops.nm_matmul(x, w.with_values(v), cusparselt_weight=fake).sum())(w.values)
+  g_ref = jax.grad(lambda v: (x @ w.with_values(v).to_dense()).sum())(w.values)
+  np.testing.assert_allclose(g, g_ref, rtol=1e-5, atol=1e-5)
+  with pytest.raises(TypeError, match="cusparselt_weight"):
+    ops.nm_matmul(x, w, cusparselt_weight=jnp.zeros((4, 4), jnp.uint8))
+
+
+def test_fallback_warning_on_a_cuda_machine_without_cusparselt(monkeypatch):
+  monkeypatch.setattr(_build, "has_cuda_device", lambda: True)
+  monkeypatch.setattr(cslt, "available", lambda: False)
+  monkeypatch.setattr(cslt, "unavailable_reason", lambda: "no library (test)")
+  x, w = jnp.ones((_sr_ste.SPARSE_CORE_MIN_ROWS, 32), jnp.bfloat16), jnp.ones((32, 16))
+  with pytest.warns(ops.CusparseLtFallbackWarning, match="no library"):
+    ops.sr_ste_matmul(x, w, 2, 4, dtype=jnp.bfloat16)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    ops.sr_ste_matmul(x, w, 1, 4, dtype=jnp.bfloat16)  # other N:M are not expected on sparse tensor cores
+    ops.sr_ste_matmul(x[:64], w, 2, 4, dtype=jnp.bfloat16)  # few rows stay dense by choice
+
+
+def test_compressed_layer_warns_on_a_cuda_machine_without_cusparselt(monkeypatch):
+  monkeypatch.setattr(_build, "has_cuda_device", lambda: True)
+  monkeypatch.setattr(cslt, "available", lambda: False)
+  monkeypatch.setattr(cslt, "unavailable_reason", lambda: "no library (test)")
+  layer = NMLinear(64, 32, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16)
+  with pytest.warns(ops.CusparseLtFallbackWarning, match="CompressedNMLinear.*no library"):
+    comp = layer.to_compressed()
+  assert comp.kernel_cusparselt is None
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # 1:4 is not expected on sparse tensor cores
+    NMLinear(64, 32, n=1, m=4, rngs=nnx.Rngs(0)).to_compressed()
+
+
+@on_cpu
+def test_compressed_layer_has_no_cusparselt_copy_off_gpu():
+  layer = NMLinear(64, 32, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16).to_compressed()
+  assert layer.kernel_cusparselt is None and not layer.update_cusparselt()
+  with pytest.raises(ValueError, match="implementation"):
+    CompressedNMLinear(layer.weight, implementation="triton")
+
+
+def _layout_model(w: np.ndarray) -> np.ndarray:
+  """A NumPy model of cuSPARSELt's buffer for a bf16 ``(K, N)`` 2:4 weight (see ``_layout``), loop by loop."""
+  k, n = w.shape
+  g_count = k // 4
+  wg = w.reshape(g_count, 4, n)
+  values = np.zeros((g_count, 2, n), w.dtype)
+  meta = np.zeros(k * n // 8, np.uint8)
+  bit = lambda v, b: (v >> b) & 1
+  for g in range(g_count):
+    for c in range(n):
+      kept = [i for i in range(4) if wg[g, i, c] != 0]
+      kept = (kept + [i for i in range(4) if i not in kept])[:2]  # zeros kept: lowest free positions
+      p0, p1 = sorted(kept)
+      values[g, :, c] = wg[g, [p0, p1], c]
+      within = (bit(c, 3) | bit(g, 2) << 1 | bit(g, 0) << 2 | bit(g, 1) << 3 | bit(c, 0) << 4 | bit(c, 1) << 5
+                | bit(c, 2) << 6 | bit(c, 4) << 7 | bit(c, 5) << 8)
+      j = ((c >> 6) * (g_count // 8) + (g >> 3)) * 512 + within
+      meta[j // 2] |= (p0 | p1 << 2) << (4 * (j % 2))
+  return np.concatenate([values.reshape(k // 2, n).view(np.uint8).reshape(-1), meta])
+
+
+@pytest.mark.parametrize(("k", "n"), [(32, 64), (64, 128), (96, 192)])
+def test_layout_matches_the_numpy_model(k, n):
+  w = jax.random.normal(jax.random.key(k + n), (k, n), jnp.float32).astype(jnp.bfloat16)
+  pruned = np.asarray(jnp.where(jaxsparse.nm_mask(w, 2, 4), w, jnp.zeros((), w.dtype)))
+  want = _layout_model(pruned)
+  np.testing.assert_array_equal(np.asarray(_layout.compress_dense(w)), want)
+  ws = jaxsparse.NMSparseMatrix.from_dense(w, 2, 4)
+  np.testing.assert_array_equal(np.asarray(_layout.compress_values(ws.values, ws.positions())), want)
+  # float32 master weights: the mask is taken before the cast, as sr_ste(w).astype(bf16) does.
+  w32 = jax.random.normal(jax.random.key(k), (k, n), jnp.float32)
+  pruned32 = jnp.where(jaxsparse.nm_mask(w32, 2, 4), w32, 0.0).astype(jnp.bfloat16)
+  np.testing.assert_array_equal(np.asarray(_layout.compress_dense(w32, dtype=jnp.bfloat16)),
+                                _layout_model(np.asarray(pruned32)))
+  assert _layout.supports(k, n) and not _layout.supports(k + 16, n) and not _layout.supports(k, n + 32)
+
+
+# -------------------------------------------------------------------------------------------------
+# GPU: the custom calls against the dense reference.
+# -------------------------------------------------------------------------------------------------
+
+
+def _pruned(key, k, n, dtype=jnp.bfloat16):
+  w = jax.random.normal(key, (k, n), jnp.float32).astype(dtype)
+  return jnp.where(jaxsparse.nm_mask(w, 2, 4), w, jnp.zeros((), dtype))
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("layout", [cslt.LAYOUT_KN, cslt.LAYOUT_NK])
+@pytest.mark.parametrize(("rows", "k", "n"), [(1, 64, 128), (16, 256, 512), (100, 512, 256), (1024, 1024, 2048)])
+def test_gpu_matmul_matches_dense(layout, rows, k, n):
+  kx, kw = jax.random.split(jax.random.key(rows + k + n + layout))
+  w = _pruned(kw, k, n)
+  x = jax.random.normal(kx, (rows, k), jnp.float32).astype(jnp.bfloat16)
+  stored = w if layout == cslt.LAYOUT_KN else w.T
+  y = jax.jit(lambda x, s: cslt.matmul(x, cslt.compress(s, layout=layout), n, layout=layout))(x, stored)
+  assert y.shape == (rows, n) and y.dtype == jnp.bfloat16
+  assert bool(jnp.isfinite(y.astype(jnp.float32)).all())
+  assert _rel(y, jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32))) < 1e-2
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_nm_matmul_with_cusparselt_weight():
+  w = jaxsparse.NMSparseMatrix.from_dense(jax.random.normal(jax.random.key(6), (512, 384)).astype(jnp.bfloat16), 2, 4)
+  blob = ops.cusparselt_compress(w)
+  x = jax.random.normal(jax.random.key(7), (300, 512)).astype(jnp.bfloat16)
+  f = jax.jit(lambda x, v, b: ops.nm_matmul(x, w.with_values(v), cusparselt_weight=b))
+  assert "jaxsparse_cusparselt_matmul" in f.lower(x, w.values, blob).as_text()
+  ref = jnp.dot(x.astype(jnp.float32), w.to_dense().astype(jnp.float32))
+  assert _rel(f(x, w.values, blob), ref) < 1e-2
+  assert _rel(ops.nm_matmul(x, w, implementation="cusparselt"), ref) < 1e-2
+  g = jax.grad(lambda v: f(x, v, blob).astype(jnp.float32).sum())(w.values)
+  g_ref = jax.grad(lambda v: ops.nm_matmul(x, w.with_values(v), implementation="xla").astype(jnp.float32).sum())(
+      w.values)
+  np.testing.assert_array_equal(g, g_ref)  # the same backward (XLA) for both
+  # Decode rows stay on the Pallas kernel.
+  assert "jaxsparse_cusparselt_matmul" not in f.lower(x[:16], w.values, blob).as_text()
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_sr_ste_matmul_forward_on_sparse_cores_and_exact_gradients():
+  kx, kw, kg = jax.random.split(jax.random.key(8), 3)
+  w = jax.random.normal(kw, (512, 256))  # float32 master weights
+  x = jax.random.normal(kx, (4, 64, 512)).astype(jnp.bfloat16)
+  dy = jax.random.normal(kg, (4, 64, 256)).astype(jnp.bfloat16)
+  f = lambda x, w: ops.sr_ste_matmul(x, w, 2, 4, decay=0.01, dtype=jnp.bfloat16, implementation="cusparselt")
+  assert "jaxsparse_cusparselt_matmul" in jax.jit(f).lower(x, w).as_text()
+  auto = lambda x, w: ops.sr_ste_matmul(x, w, 2, 4, dtype=jnp.bfloat16)
+  assert "jaxsparse_cusparselt_matmul" not in jax.jit(auto).lower(x, w).as_text()  # 256 rows: dense
+  big = jnp.zeros((_sr_ste.SPARSE_CORE_MIN_ROWS, 512), jnp.bfloat16)
+  assert "jaxsparse_cusparselt_matmul" in jax.jit(auto).lower(big, w).as_text()
+  step = jax.jit(lambda x, w, dy: (lambda y, vjp: (y, *vjp(dy)))(*jax.vjp(f, x, w)))
+  ref_step = jax.jit(lambda x, w, dy: (lambda y, vjp: (y, *vjp(dy)))(
+      *jax.vjp(lambda x, w: _sr_reference(x, w, 0.01, jnp.bfloat16), x, w)))
+  y, dx, dw = step(x, w, dy)
+  y_ref, dx_ref, dw_ref = ref_step(x, w, dy)
+  assert _rel(y, y_ref) < 1e-2
+  np.testing.assert_array_equal(dx, dx_ref)
+  np.testing.assert_array_equal(dw, dw_ref)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_nmlinear_and_compressed_layer_use_sparse_cores():
+  layer = NMLinear(256, 128, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(9), (_sr_ste.SPARSE_CORE_MIN_ROWS, 256))
+  f = nnx.jit(lambda m, x: m(x))
+  graphdef, state = nnx.split(layer)
+  hlo = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x)).lower(state, x).as_text()
+  assert "jaxsparse_cusparselt_matmul" in hlo
+  assert _rel(f(layer, x), nnx.Linear.__call__(layer, x)) < 1e-2
+  x = x[:200]
+  comp = NMLinear(256, 128, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(1)).to_compressed()
+  assert comp.kernel_cusparselt is not None
+  xb = x.astype(jnp.bfloat16)
+  assert _rel(comp(xb), comp.to_dense()(xb)) < 1e-2
+  # After fine-tuning the kernel, update_cusparselt brings the copy up to date.
+  comp.kernel[...] = comp.kernel[...] * 2
+  assert comp.update_cusparselt()
+  assert _rel(comp(xb), comp.to_dense()(xb)) < 1e-2
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_unsupported_shape_falls_back_with_warning():
+  x = jnp.ones((_sr_ste.SPARSE_CORE_MIN_ROWS, 72), jnp.bfloat16)
+  w = jax.random.normal(jax.random.key(10), (72, 32))
+  with pytest.warns(ops.CusparseLtFallbackWarning, match="multiples of 16"):
+    y = ops.sr_ste_matmul(x, w, 2, 4, dtype=jnp.bfloat16)
+  np.testing.assert_array_equal(y, _sr_reference(x, w, 2e-4, jnp.bfloat16))
+  with pytest.raises(RuntimeError, match="multiples of 16"):
+    ops.sr_ste_matmul(x, w, 2, 4, dtype=jnp.bfloat16, implementation="cusparselt")
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize(("k", "n"), [(1024, 2048), (2048, 512), (4096, 4096)])
+def test_gpu_xla_layout_is_cusparselts(k, n):
+  assert _layout.matches()
+  w = jax.random.normal(jax.random.key(k * 3 + n), (k, n), jnp.float32)
+  ours = jax.jit(lambda w: _layout.compress_dense(w, dtype=jnp.bfloat16))(w)
+  pruned = jnp.where(jaxsparse.nm_mask(w, 2, 4), w, 0.0).astype(jnp.bfloat16)
+  np.testing.assert_array_equal(ours, jax.jit(cslt.compress)(pruned))
