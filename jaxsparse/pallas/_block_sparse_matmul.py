@@ -41,10 +41,11 @@ from jax.experimental.pallas import triton as pltriton
 
 from jaxsparse._formats import BlockSparseMatrix
 
-try:  # Mosaic GPU (Hopper) variants of the forward and dx kernels.
+try:  # Mosaic GPU (Hopper) variants of the forward, dx and dw kernels.
   from jaxsparse.pallas import _block_sparse_matmul_mgpu as mosaic
+  from jaxsparse.pallas import _block_sparse_sdd_mgpu as mosaic_sdd
 except ImportError:  # a jax without Mosaic GPU: the Triton kernels only.
-  mosaic = None
+  mosaic = mosaic_sdd = None
 
 __all__ = [
     "BlockSparseMatmulConfig",
@@ -124,6 +125,7 @@ class BlockSparseMatmulConfig:
   dw: KernelConfig
   mosaic_forward: mosaic.MosaicKernelConfig | None = None
   mosaic_dx: mosaic.MosaicKernelConfig | None = None
+  mosaic_dw: mosaic_sdd.MosaicSddConfig | None = None
 
   @classmethod
   def get_default(
@@ -176,7 +178,14 @@ class BlockSparseMatmulConfig:
       steps = pl.cdiv(m, dw.block_m)
       dw = dataclasses.replace(dw, split=max(1, min(steps, pl.cdiv(_TARGET_PROGRAMS // 2, nnz_blocks))))
     mosaic_fwd, mosaic_dx = _mosaic_defaults(m, block_shape, dtype)
-    return cls(forward=fwd, dx=dx, dw=dw, mosaic_forward=mosaic_fwd, mosaic_dx=mosaic_dx)
+    return cls(
+        forward=fwd,
+        dx=dx,
+        dw=dw,
+        mosaic_forward=mosaic_fwd,
+        mosaic_dx=mosaic_dx,
+        mosaic_dw=_mosaic_dw_default(m, block_shape, dtype),
+    )
 
 
 # Fastest (forward, dx, dw) configs per square block size for bf16 at M = 8192, K = N = 4096,
@@ -217,12 +226,20 @@ MOSAIC_TUNED_CONFIGS: dict = (
 )
 
 
+# Where the Mosaic GPU forward / dX kernels replace the Triton ones, per input itemsize: the smallest
+# M and the smallest block dim. Float32 runs on TF32 wgmma there (Triton's float32 tiles measured
+# 2.6x dense at block 128, M = 8192; see benchmarks/results/gpu_block_sparse_2026-11-23_h100.md).
+MOSAIC_MIN_M_AND_BLOCK = {2: (_MOSAIC_MIN_M, 64), 4: (256, 32)}
+
+
 def _mosaic_defaults(m: int, block_shape: tuple[int, int], dtype) -> tuple:
   """``(forward, dx)`` Mosaic GPU configs, or ``(None, None)`` where the Triton kernels are used."""
   bk, bn = block_shape
-  if mosaic_unavailable_reason() or jnp.dtype(dtype).itemsize != 2 or m < _MOSAIC_MIN_M or min(bk, bn) < 64:
+  itemsize = jnp.dtype(dtype).itemsize
+  min_m, min_block = MOSAIC_MIN_M_AND_BLOCK.get(itemsize, (None, None))
+  if mosaic_unavailable_reason() or min_m is None or m < min_m or min(bk, bn) < min_block:
     return None, None
-  tuned = MOSAIC_TUNED_CONFIGS.get(bk) if bk == bn else None
+  tuned = MOSAIC_TUNED_CONFIGS.get(bk) if bk == bn and itemsize == 2 else None
   if tuned is not None:
     return tuned
   default = mosaic.MosaicBlockSparseMatmulConfig.get_default(m, block_shape, dtype)
@@ -232,6 +249,21 @@ def _mosaic_defaults(m: int, block_shape: tuple[int, int], dtype) -> tuple:
 # -------------------------------------------------------------------------------------------------
 # Availability and support.
 # -------------------------------------------------------------------------------------------------
+
+
+# Where the Mosaic GPU sampled xᵀdY kernel replaces the Triton one: 16-bit inputs, m >= this, and
+# these block shapes (benchmarks/gpu_block_sparse.py --mosaic-sweep, H100).
+_MOSAIC_DW_MIN_M = 1024
+MOSAIC_DW_BLOCKS = ((64, 64), (128, 128), (64, 128), (128, 64))
+
+
+def _mosaic_dw_default(m: int, block_shape: tuple[int, int], dtype):
+  """The Mosaic GPU ``dw`` config, or ``None`` where the Triton SDD kernel is used."""
+  if mosaic_unavailable_reason() or jnp.dtype(dtype).itemsize != 2 or m < _MOSAIC_DW_MIN_M:
+    return None
+  if tuple(block_shape) not in MOSAIC_DW_BLOCKS:
+    return None
+  return mosaic_sdd.MosaicSddConfig.get_default(block_shape, dtype)
 
 
 @functools.cache
@@ -272,10 +304,32 @@ def mosaic_unavailable_reason() -> str:
   return _mosaic_probe() or ""
 
 
-def _use_mosaic(mosaic_cfg, a, w, out_dtype, *, transpose: bool, interpret: bool) -> bool:
+def allows_tf32(precision: lax.PrecisionLike) -> bool:
+  """Whether a float32 product at ``precision`` may run on TF32 tensor cores, as XLA's GPU dots do.
+
+  ``None`` follows ``jax_default_matmul_precision`` (unset: DEFAULT). DEFAULT and HIGH allow TF32;
+  HIGHEST (``"float32"``) and explicit algorithms other than TF32 do not.
+  """
+  if precision is None:
+    precision = jax.config.jax_default_matmul_precision
+    if precision is None:
+      return True
+  if isinstance(precision, (tuple, list)):
+    return all(allows_tf32(p) for p in precision)
+  if isinstance(precision, lax.DotAlgorithmPreset):
+    return precision in (lax.DotAlgorithmPreset.DEFAULT, lax.DotAlgorithmPreset.TF32_TF32_F32)
+  try:
+    return lax.Precision(precision) != lax.Precision.HIGHEST
+  except (TypeError, ValueError):
+    return False
+
+
+def _use_mosaic(mosaic_cfg, a, w, out_dtype, *, transpose: bool, interpret: bool, precision=None) -> bool:
   """Whether this product runs on the Mosaic GPU kernel (in its interpret mode with ``interpret``)."""
   if mosaic_cfg is None or mosaic is None or not (interpret or mosaic_available()):
     return False
+  if jnp.dtype(a.dtype).itemsize == 4 and not allows_tf32(precision):
+    return False  # the Mosaic kernel computes float32 in TF32
   return mosaic.supports(a, w, out_dtype, transpose=transpose)
 
 
@@ -511,7 +565,7 @@ def forward(
   if w.nnz_blocks == 0:
     return jnp.zeros((m, n), out_dtype)
   configs = _config_for(config, x2, w)
-  if _use_mosaic(configs.mosaic_forward, x2, w, out_dtype, transpose=False, interpret=interpret):
+  if _use_mosaic(configs.mosaic_forward, x2, w, out_dtype, transpose=False, interpret=interpret, precision=precision):
     return mosaic.dense_sparse_matmul(x2, w, out_dtype=out_dtype, config=configs.mosaic_forward, interpret=interpret)
   cfg = configs.forward
   # The kernel reads `window` entries of these at a time: pad them to that (a no-op unless the
@@ -675,7 +729,7 @@ def backward(
     return (jnp.zeros(x2.shape, x2.dtype) if need_dx else None), (w.data if need_dw else None)
   cfg = _config_for(config, x2, w)
   dx = ddata = None
-  if need_dx and _use_mosaic(cfg.mosaic_dx, dy2, w, x2.dtype, transpose=True, interpret=interpret):
+  if need_dx and _use_mosaic(cfg.mosaic_dx, dy2, w, x2.dtype, transpose=True, interpret=interpret, precision=precision):
     dx = mosaic.dense_sparse_matmul(
         dy2, w, transpose=True, out_dtype=x2.dtype, config=cfg.mosaic_dx, interpret=interpret
     )
@@ -683,7 +737,15 @@ def backward(
     dx = _dx(
         dy2, w, compute_dtype=compute_dtype, out_dtype=x2.dtype, precision=precision, cfg=cfg.dx, interpret=interpret
     )
-  if need_dw:
+  use_mosaic_dw = (
+      cfg.mosaic_dw is not None
+      and mosaic_sdd is not None
+      and (interpret or mosaic_available())
+      and mosaic_sdd.supports(x2, dy2, w, cfg.mosaic_dw)
+  )
+  if need_dw and use_mosaic_dw:
+    ddata = mosaic_sdd.sampled_dw(x2, dy2, w, config=cfg.mosaic_dw, interpret=interpret)
+  elif need_dw:
     ddata = _dw(x2, dy2, w, compute_dtype=compute_dtype, precision=precision, cfg=cfg.dw, interpret=interpret)
   return dx, ddata
 

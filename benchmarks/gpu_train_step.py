@@ -1,0 +1,174 @@
+"""A full training step of a sparsified Flax model against the dense model, on a GPU.
+
+The case of issue 12: a stack of pre-norm MLP blocks (``d -> hidden -> d``), or of transformer blocks
+(``nnx.MultiHeadAttention`` + MLP), on ``(batch, seq, d)`` activations; the MLP's up / down
+``nnx.Linear`` layers (and with ``--sparse-attention`` the attention's query / key / value / out
+``LinearGeneral`` projections) are replaced by :func:`jaxsparse.sparsify` at ``--density``; one train
+step is ``nnx.value_and_grad`` of a squared-error loss plus an ``optax.adamw`` update through
+``nnx.Optimizer``. Both models run in the same process; the table gives step time / dense step time.
+
+  python benchmarks/gpu_train_step.py --kinds block128,block64,block32 --precisions bf16,f32
+  python benchmarks/gpu_train_step.py --model transformer --sparse-attention --density 0.3
+
+Layer kinds are entries of ``LAYER_KINDS`` (name -> function of the density giving a sparsify rule),
+so other structures (N:M kernels, unstructured) add one line each. Precisions: ``bf16`` (bfloat16
+parameters and compute) and ``f32`` (Flax's defaults: float32 parameters, ``dtype=None``; XLA's dense
+float32 products use TF32 at DEFAULT precision on the GPU, and so do jaxsparse's kernels).
+
+Times are device-side (CUPTI: the sum of the step's kernel times, median of ``--iterations`` steps;
+see ``_gpu_timing.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import warnings
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax
+import jax.numpy as jnp
+import optax
+from _gpu_timing import TIMER
+from _gpu_timing import log
+from _gpu_timing import time_ms
+from flax import nnx
+
+import jaxsparse
+
+warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
+
+LAYER_KINDS = {
+    "dense": lambda d: None,
+    "block128": lambda d: jaxsparse.BlockSparse(density=d, block_shape=(128, 128)),
+    "block64": lambda d: jaxsparse.BlockSparse(density=d, block_shape=(64, 64)),
+    "block32": lambda d: jaxsparse.BlockSparse(density=d, block_shape=(32, 32)),
+    "nm2:4": lambda d: jaxsparse.NM(2, 4),
+    "unstructured": lambda d: jaxsparse.Unstructured(sparsity=1.0 - d),
+}
+PRECISIONS = {"bf16": {"dtype": jnp.bfloat16, "param_dtype": jnp.bfloat16}, "f32": {}}
+
+
+class MLPBlock(nnx.Module):
+  def __init__(self, d: int, hidden: int, *, rngs: nnx.Rngs, **opts):
+    self.norm = nnx.LayerNorm(d, rngs=rngs, **opts)
+    self.up = nnx.Linear(d, hidden, rngs=rngs, **opts)
+    self.down = nnx.Linear(hidden, d, rngs=rngs, **opts)
+
+  def __call__(self, x):
+    return x + self.down(jax.nn.gelu(self.up(self.norm(x))))
+
+
+class TransformerBlock(nnx.Module):
+  def __init__(self, d: int, hidden: int, heads: int, *, rngs: nnx.Rngs, **opts):
+    self.norm = nnx.LayerNorm(d, rngs=rngs, **opts)
+    self.attn = nnx.MultiHeadAttention(heads, d, decode=False, rngs=rngs, **opts)
+    self.mlp = MLPBlock(d, hidden, rngs=rngs, **opts)
+
+  def __call__(self, x):
+    h = self.norm(x)
+    return self.mlp(x + self.attn(h, h, h))
+
+
+class Stack(nnx.Module):
+  def __init__(self, model: str, depth: int, d: int, hidden: int, heads: int, *, rngs: nnx.Rngs, **opts):
+    if model == "mlp":
+      self.blocks = nnx.List([MLPBlock(d, hidden, rngs=rngs, **opts) for _ in range(depth)])
+    else:
+      self.blocks = nnx.List([TransformerBlock(d, hidden, heads, rngs=rngs, **opts) for _ in range(depth)])
+
+  def __call__(self, x):
+    for block in self.blocks:
+      x = block(x)
+    return x
+
+
+def rules(kind: str, density: float, sparse_attention: bool):
+  spec = LAYER_KINDS[kind](density)
+  if spec is None:
+    return None
+  r = {r".*\.(up|down)": spec}
+  if sparse_attention:
+    r[r".*\.attn\.(query|key|value|out)"] = spec
+  r[r".*"] = None
+  return r
+
+
+def train_step_time(model: nnx.Module, x, y, iterations: int) -> float:
+  """Device ms of one value_and_grad + adamw step (functional form: split state, jit, no donation)."""
+  opt = nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
+  graphdef, state = nnx.split((model, opt))
+
+  def step(state, x, y):
+    model, opt = nnx.merge(graphdef, state)
+
+    def loss_fn(model):
+      return jnp.mean(jnp.square(model(x).astype(jnp.float32) - y))
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    opt.update(model, grads)
+    return loss, nnx.state((model, opt))
+
+  loss, _ = jax.jit(step)(state, x, y)
+  if not bool(jnp.isfinite(loss)):
+    raise FloatingPointError(f"non-finite loss {loss}")
+  return time_ms(step, state, x, y, iterations=iterations)
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--model", choices=("mlp", "transformer"), default="mlp")
+  p.add_argument("--depth", type=int, default=4)
+  p.add_argument("--d", type=int, default=2048, help="model width")
+  p.add_argument("--hidden", type=int, default=8192, help="MLP hidden width")
+  p.add_argument("--heads", type=int, default=16)
+  p.add_argument("--batch", type=int, default=4)
+  p.add_argument("--seq", type=int, default=2048, help="tokens = batch * seq")
+  p.add_argument("--density", type=float, default=0.25)
+  p.add_argument("--kinds", default="block128,block64,block32", help=f"comma-separated, of {list(LAYER_KINDS)}")
+  p.add_argument("--precisions", default="bf16,f32", help=f"comma-separated, of {list(PRECISIONS)}")
+  p.add_argument("--sparse-attention", action="store_true", help="also sparsify the attention projections")
+  p.add_argument("--iterations", type=int, default=10)
+  p.add_argument("--out", default=None, help="also write the table (markdown) here")
+  args = p.parse_args(argv)
+  dev = jax.devices()[0]
+  header = (
+      f"device: {dev.device_kind}, jax {jax.__version__}; {args.model} x{args.depth}, d={args.d}, "
+      f"hidden={args.hidden}, x ({args.batch}, {args.seq}, {args.d}), density {args.density}"
+      + (", attention projections sparse too" if args.sparse_attention else "")
+  )
+  log(header)
+  rows = ["| layer kind | precision | step ms | dense step ms | ratio |", "|---|---|---|---|---|"]
+  key = jax.random.key(0)
+  for prec in args.precisions.split(","):
+    opts = PRECISIONS[prec]
+    dtype = opts.get("dtype", jnp.float32)
+    x = jax.random.normal(key, (args.batch, args.seq, args.d), jnp.float32).astype(dtype)
+    y = jax.random.normal(jax.random.fold_in(key, 1), (args.batch, args.seq, args.d), jnp.float32)
+    dense = Stack(args.model, args.depth, args.d, args.hidden, args.heads, rngs=nnx.Rngs(0), **opts)
+    t_dense = train_step_time(dense, x, y, args.iterations)
+    log(f"{prec} dense: {t_dense:.3f} ms")
+    for kind in args.kinds.split(","):
+      r = rules(kind, args.density, args.sparse_attention)
+      try:
+        model = dense
+        if r is not None:
+          model, report = jaxsparse.sparsify(dense, r)
+          log(f"{prec} {kind}: {len(report.layers)} layers sparsified")
+        t = train_step_time(model, x, y, args.iterations)
+      except Exception as e:  # report and go on with the other kinds
+        log(f"{prec} {kind}: FAILED {type(e).__name__}: {str(e)[:300]}")
+        rows.append(f"| {kind} | {prec} | failed | {t_dense:.3f} | - |")
+        continue
+      rows.append(f"| {kind} | {prec} | {t:.3f} | {t_dense:.3f} | **{t / t_dense:.2f}** |")
+      log(rows[-1])
+  text = "\n".join([header, f"timing: {TIMER['how']}, median of {args.iterations} steps", "", *rows])
+  if args.out:
+    with open(args.out, "w") as fh:
+      fh.write(text + "\n")
+  log("\n" + text)
+
+
+if __name__ == "__main__":
+  main()
