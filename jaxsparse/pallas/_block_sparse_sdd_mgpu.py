@@ -16,8 +16,8 @@ repeating its last block: the repeat computes and stores the same values again (
 work, no conditional code). Items all cost the same, so a static round-robin over ``num_ctas``
 thread blocks balances them.
 
-16-bit inputs only (wgmma reads transposed operands only for 16-bit types) and ``bk`` of 64 or 128
-(the wgmma M dimension is a multiple of 64); float32, block rows of 32 and pre-Hopper GPUs use the
+16-bit inputs only (wgmma reads transposed operands only for 16-bit types) and ``bk``, ``bn`` of 64 or
+128 (the wgmma M dimension is a multiple of 64, and both operands need the same 128-byte swizzle); float32, block rows of 32 and pre-Hopper GPUs use the
 Triton SDD kernel. The item logic is plain ``jnp`` (:func:`items_of`), checked on a CPU.
 """
 
@@ -42,7 +42,8 @@ __all__ = ["MosaicSddConfig", "items_of", "sampled_dw", "supports", "unsupported
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SUPPORTED_BK = (64, 128)
-SUPPORTED_BN = (32, 64, 128)
+# bn of 32 would give the dY tiles a 64-byte swizzle against the x tiles' 128: wgmma needs one.
+SUPPORTED_BN = (64, 128)
 _NUM_COMPUTE_WGS = 2
 _MEMORY_REGISTERS = 40
 _COMPUTE_REGISTERS = 232
