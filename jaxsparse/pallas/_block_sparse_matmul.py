@@ -117,7 +117,10 @@ class BlockSparseMatmulConfig:
 
   ``mosaic_forward`` / ``mosaic_dx``, when set, run the forward / ``dx`` product on the Mosaic GPU
   kernel (Hopper only; see :mod:`jaxsparse.pallas._block_sparse_matmul_mgpu`) wherever it supports
-  the operands, and the Triton kernel with ``forward`` / ``dx`` elsewhere.
+  the operands, and the Triton kernel with ``forward`` / ``dx`` elsewhere; ``mosaic_dw`` likewise
+  runs ``dw`` on :mod:`jaxsparse.pallas._block_sparse_sdd_mgpu`. ``dw_dense`` computes ``dw`` as
+  one dense ``xᵀ dY`` product (XLA) with the kept blocks gathered, where small blocks make the
+  per-block kernels slower than that.
   """
 
   forward: KernelConfig
@@ -126,6 +129,7 @@ class BlockSparseMatmulConfig:
   mosaic_forward: mosaic.MosaicKernelConfig | None = None
   mosaic_dx: mosaic.MosaicKernelConfig | None = None
   mosaic_dw: mosaic_sdd.MosaicSddConfig | None = None
+  dw_dense: bool = False
 
   @classmethod
   def get_default(
@@ -184,7 +188,8 @@ class BlockSparseMatmulConfig:
         dw=dw,
         mosaic_forward=mosaic_fwd,
         mosaic_dx=mosaic_dx,
-        mosaic_dw=_mosaic_dw_default(m, block_shape, dtype),
+        mosaic_dw=(mosaic_dw := _mosaic_dw_default(m, block_shape, dtype)),
+        dw_dense=_use_dense_dw(shape, block_shape, nnz_blocks, mosaic_dw),
     )
 
 
@@ -251,19 +256,52 @@ def _mosaic_defaults(m: int, block_shape: tuple[int, int], dtype) -> tuple:
 # -------------------------------------------------------------------------------------------------
 
 
-# Where the Mosaic GPU sampled xᵀdY kernel replaces the Triton one: 16-bit inputs, m >= this, and
-# these block shapes (benchmarks/gpu_block_sparse.py --mosaic-sweep, H100).
-_MOSAIC_DW_MIN_M = 1024
-MOSAIC_DW_BLOCKS = ((64, 64), (128, 128), (64, 128), (128, 64))
+# Where the Mosaic GPU sampled xᵀdY kernel replaces the Triton one (`benchmarks/gpu_block_sparse.py
+# --dw-sweep`, H100, M = 8192, d = 0.25): 16-bit inputs only for 64 x 64 blocks (0.203 ms against
+# Triton's 0.225; at 128 x 128 Triton's 0.106 ms beat the Mosaic 0.177), float32 (TF32) for every
+# block the kernel takes (Triton's float32 SDD ran 1.9-2.9x the dense TF32 product). Smallest M
+# per input itemsize.
+_MOSAIC_DW_MIN_M = {2: 1024, 4: 256}
+MOSAIC_DW_TUNED_16BIT: dict = (
+    {} if mosaic_sdd is None else {(64, 64): mosaic_sdd.MosaicSddConfig(group=2, tile_m=64, num_stages=4)}
+)
 
 
 def _mosaic_dw_default(m: int, block_shape: tuple[int, int], dtype):
   """The Mosaic GPU ``dw`` config, or ``None`` where the Triton SDD kernel is used."""
-  if mosaic_unavailable_reason() or jnp.dtype(dtype).itemsize != 2 or m < _MOSAIC_DW_MIN_M:
+  itemsize = jnp.dtype(dtype).itemsize
+  if mosaic_unavailable_reason() or m < _MOSAIC_DW_MIN_M.get(itemsize, m + 1):
     return None
-  if tuple(block_shape) not in MOSAIC_DW_BLOCKS:
-    return None
-  return mosaic_sdd.MosaicSddConfig.get_default(block_shape, dtype)
+  bk, bn = block_shape
+  if itemsize == 2:
+    return MOSAIC_DW_TUNED_16BIT.get((bk, bn))
+  if bk in mosaic_sdd.SUPPORTED_BK and bn in mosaic_sdd.SUPPORTED_BN[itemsize]:
+    return mosaic_sdd.MosaicSddConfig.get_default(block_shape, dtype)
+  return None
+
+
+# Below this block dim (bk for the Mosaic float32 kernel, either dim otherwise) and at or above this
+# density, dW is one dense xᵀdY product (XLA) with the kept blocks gathered from it: 32 x 32 blocks at
+# d = 0.25 measured 0.84 ms in the Triton SDD kernel against 0.33 ms for the whole dense product
+# (bf16, M = 8192, K = N = 4096, H100) and 1.91 ms against 0.66 in float32.
+DW_DENSE_BELOW_BLOCK = 64
+DW_DENSE_MIN_DENSITY = 0.1
+
+
+def _dw_dense_then_gather(x2, dy2, w, *, precision):
+  """``dW`` as the dense ``x2ᵀ dy2`` with the kept blocks gathered: faster than per-block products
+  where blocks are small and many."""
+  (bk, bn), (kb, nb) = w.block_shape, w.grid_shape
+  full = lax.dot_general(x2, dy2, (((0,), (0,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
+  return full.reshape(kb, bk, nb, bn)[w.row_indices, :, w.col_indices, :].astype(w.dtype)
+
+
+def _use_dense_dw(shape, block_shape, nnz_blocks: int, mosaic_dw_cfg) -> bool:
+  """Whether ``dw`` is the dense product plus a gather (small blocks, not on the Mosaic kernel)."""
+  if mosaic_dw_cfg is not None:
+    return False
+  (k, n), (bk, bn) = shape, block_shape
+  return min(bk, bn) < DW_DENSE_BELOW_BLOCK and nnz_blocks >= DW_DENSE_MIN_DENSITY * (k // bk) * (n // bn)
 
 
 @functools.cache
@@ -741,10 +779,13 @@ def backward(
       cfg.mosaic_dw is not None
       and mosaic_sdd is not None
       and (interpret or mosaic_available())
+      and (jnp.dtype(x2.dtype).itemsize != 4 or allows_tf32(precision))
       and mosaic_sdd.supports(x2, dy2, w, cfg.mosaic_dw)
   )
   if need_dw and use_mosaic_dw:
     ddata = mosaic_sdd.sampled_dw(x2, dy2, w, config=cfg.mosaic_dw, interpret=interpret)
+  elif need_dw and cfg.dw_dense and not interpret:
+    ddata = _dw_dense_then_gather(x2, dy2, w, precision=precision)
   elif need_dw:
     ddata = _dw(x2, dy2, w, compute_dtype=compute_dtype, precision=precision, cfg=cfg.dw, interpret=interpret)
   return dx, ddata

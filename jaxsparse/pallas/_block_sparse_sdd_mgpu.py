@@ -16,9 +16,15 @@ repeating its last block: the repeat computes and stores the same values again (
 work, no conditional code). Items all cost the same, so a static round-robin over ``num_ctas``
 thread blocks balances them.
 
-16-bit inputs only (wgmma reads transposed operands only for 16-bit types) and ``bk``, ``bn`` of 64 or
-128 (the wgmma M dimension is a multiple of 64, and both operands need the same 128-byte swizzle); float32, block rows of 32 and pre-Hopper GPUs use the
-Triton SDD kernel. The item logic is plain ``jnp`` (:func:`items_of`), checked on a CPU.
+Float32 runs on TF32 wgmma (the precision of XLA's float32 products at DEFAULT precision on a GPU),
+which reads both operands K-major only: the wrapper transposes ``x`` and ``dY`` to ``(K, M)`` and
+``(N, M)`` first (one pass over each, in XLA) and the kernel loads ``(bk, tile_m)`` / ``(bn, tile_m)``
+tiles of those. 16-bit inputs are read as they are, wgmma viewing the ``x`` tile transposed.
+
+Needs ``bk`` of 64 or 128 (the wgmma M dimension is a multiple of 64) and, for 16-bit inputs, ``bn``
+of 64 or 128 (both operands need the same 128-byte swizzle; float32 also takes ``bn = 32``); blocks
+with ``bk = 32`` and pre-Hopper GPUs use the Triton SDD kernel. The item logic is plain ``jnp``
+(:func:`items_of`), checked on a CPU.
 """
 
 from __future__ import annotations
@@ -40,10 +46,12 @@ from jaxsparse.pallas._block_sparse_matmul_mgpu import _transposed
 
 __all__ = ["MosaicSddConfig", "items_of", "sampled_dw", "supports", "unsupported_reason"]
 
-SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 SUPPORTED_BK = (64, 128)
-# bn of 32 would give the dY tiles a 64-byte swizzle against the x tiles' 128: wgmma needs one.
-SUPPORTED_BN = (64, 128)
+# 16-bit: bn of 32 would give the dY tiles a 64-byte swizzle against the x tiles' 128 (wgmma needs
+# one). Float32 tiles are tile_m = 32 wide (128 bytes) whatever the block.
+SUPPORTED_BN = {2: (64, 128), 4: (32, 64, 128)}
+_EPI_N = 64
 _NUM_COMPUTE_WGS = 2
 _MEMORY_REGISTERS = 40
 _COMPUTE_REGISTERS = 232
@@ -57,7 +65,8 @@ class MosaicSddConfig:
   Attributes:
     group: kept blocks of one block row per work item (sharing one read of the ``x`` slab); even,
       half of them per compute warpgroup.
-    tile_m: rows of ``x`` / ``dY`` per pipeline step (the wgmma contraction depth): 64 or 128.
+    tile_m: rows of ``x`` / ``dY`` per pipeline step (the wgmma contraction depth): 64 or 128 for
+      16-bit inputs, 32 for float32 (one 128-byte swizzle row).
     num_stages: shared-memory slots in the load ring.
     num_ctas: thread blocks of the persistent grid; ``None`` means one per streaming multiprocessor.
   """
@@ -70,8 +79,8 @@ class MosaicSddConfig:
   def __post_init__(self):
     if self.group < 2 or self.group % 2:
       raise ValueError(f"group must be even and >= 2 (half per compute warpgroup), got group={self.group}.")
-    if self.tile_m not in (64, 128):
-      raise ValueError(f"tile_m must be 64 or 128, got tile_m={self.tile_m}.")
+    if self.tile_m not in (32, 64, 128):
+      raise ValueError(f"tile_m must be 32, 64 or 128, got tile_m={self.tile_m}.")
     if self.num_stages < 1:
       raise ValueError(f"num_stages must be >= 1, got num_stages={self.num_stages}.")
     if self.num_ctas is not None and self.num_ctas < 1:
@@ -81,7 +90,7 @@ class MosaicSddConfig:
     """Shared memory the kernel allocates for ``block_shape`` blocks."""
     bk, bn = block_shape
     ring = self.num_stages * self.tile_m * (bk + self.group * bn) * itemsize
-    return ring + _NUM_COMPUTE_WGS * bk * bn * itemsize
+    return ring + _NUM_COMPUTE_WGS * bk * min(bn, _EPI_N) * itemsize
 
   @classmethod
   def get_default(cls, block_shape: tuple[int, int], dtype) -> MosaicSddConfig:
@@ -89,14 +98,15 @@ class MosaicSddConfig:
     fits 3 or more slots in shared memory (deepest ring first)."""
     bk, bn = block_shape
     itemsize = jnp.dtype(dtype).itemsize
+    tile_m = 32 if itemsize == 4 else 64
     for group in (8, 4, 2):
       if group // _NUM_COMPUTE_WGS * bk * bn > 128 * 128:
         continue
       for stages in (4, 3):
-        cfg = cls(group=group, num_stages=stages)
+        cfg = cls(group=group, tile_m=tile_m, num_stages=stages)
         if cfg.smem_bytes(block_shape, itemsize) <= _SMEM_BYTES:
           return cfg
-    return cls(group=2, num_stages=2)
+    return cls(group=2, tile_m=tile_m, num_stages=2)
 
 
 def items_of(w: BlockSparseMatrix, group: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
@@ -127,14 +137,18 @@ def unsupported_reason(x2, dy2, w, config: MosaicSddConfig | None = None) -> str
     return f"w must be a BlockSparseMatrix, got {type(w).__name__}"
   dtype = jnp.dtype(x2.dtype)
   if dtype not in SUPPORTED_DTYPES or dy2.dtype != dtype or w.dtype != dtype:
-    return f"needs 16-bit inputs of one dtype, got x {x2.dtype}, dy {dy2.dtype}, w {w.dtype}"
+    names = [str(d) for d in SUPPORTED_DTYPES]
+    return f"needs inputs of one dtype in {names}, got {x2.dtype}, {dy2.dtype}, {w.dtype}"
   bk, bn = w.block_shape
-  if bk not in SUPPORTED_BK or bn not in SUPPORTED_BN:
-    return f"block_shape={(bk, bn)}: needs bk in {SUPPORTED_BK} and bn in {SUPPORTED_BN}"
+  bns = SUPPORTED_BN[dtype.itemsize]
+  if bk not in SUPPORTED_BK or bn not in bns:
+    return f"block_shape={(bk, bn)}: needs bk in {SUPPORTED_BK} and bn in {bns} for {dtype}"
   if x2.ndim != 2 or dy2.ndim != 2 or x2.shape[1] != w.shape[0] or dy2.shape != (x2.shape[0], w.shape[1]):
     return f"needs x (M, {w.shape[0]}) and dy (M, {w.shape[1]}), got {x2.shape} and {dy2.shape}"
   if config is not None and config.smem_bytes(w.block_shape, dtype.itemsize) > _SMEM_BYTES:
     return f"{config} needs more than {_SMEM_BYTES} bytes of shared memory"
+  if config is not None and (config.tile_m == 32) != (dtype.itemsize == 4):
+    return f"{config}: tile_m=32 is the float32 (TF32) tile and only it"
   return None
 
 
@@ -156,21 +170,29 @@ def _kernel(
     block_shape: tuple[int, int],
     num_steps: int,
     num_ctas: int,
+    k_major: bool,
 ):
-  """One thread block: warpgroups 0 and 1 compute half of each item's blocks, warpgroup 2 loads."""
+  """One thread block: warpgroups 0 and 1 compute half of each item's blocks, warpgroup 2 loads.
+
+  With ``k_major`` (float32) ``x_ref`` / ``dy_ref`` hold ``xᵀ (K, M)`` / ``dYᵀ (N, M)``, else
+  ``x (M, K)`` / ``dY (M, N)``.
+  """
   bk, bn = block_shape
+  epi_n = min(bn, _EPI_N)
   tm, stages, group = cfg.tile_m, cfg.num_stages, cfg.group
   per_wg = group // _NUM_COMPUTE_WGS
   dtype = x_ref.dtype
   cta = lax.axis_index("cta")
   wg = lax.axis_index("wg")
   my_items = (num_items_ref[0] - cta + num_ctas - 1) // num_ctas
+  x_tile = (stages, bk, tm) if k_major else (stages, tm, bk)
+  dy_tile = (stages, group, bn, tm) if k_major else (stages, group, tm, bn)
 
   @functools.partial(
       pl.run_scoped,
-      x_smem=plgpu.SMEM((stages, tm, bk), dtype, transforms=_smem_transforms(bk, dtype)),
-      dy_smem=plgpu.SMEM((stages, group, tm, bn), dtype, transforms=_smem_transforms(bn, dtype)),
-      o_smem=plgpu.SMEM((_NUM_COMPUTE_WGS, bk, bn), dtype, transforms=_smem_transforms(bn, dtype)),
+      x_smem=plgpu.SMEM(x_tile, dtype, transforms=_smem_transforms(x_tile[-1], dtype)),
+      dy_smem=plgpu.SMEM(dy_tile, dtype, transforms=_smem_transforms(dy_tile[-1], dtype)),
+      o_smem=plgpu.SMEM((_NUM_COMPUTE_WGS, bk, epi_n), dtype, transforms=_smem_transforms(epi_n, dtype)),
       ready=plgpu.Barrier(num_arrivals=1 + group, num_barriers=stages),
       consumed=plgpu.Barrier(num_arrivals=_NUM_COMPUTE_WGS, num_barriers=stages),
       collective_axes="wg",
@@ -193,9 +215,11 @@ def _kernel(
             plgpu.barrier_wait(consumed.at[slot])
 
           r = pl.ds(s * tm, tm)
-          plgpu.copy_gmem_to_smem(x_ref.at[r, pl.ds(k0, bk)], x_smem.at[slot], ready.at[slot])
+          x_src = x_ref.at[pl.ds(k0, bk), r] if k_major else x_ref.at[r, pl.ds(k0, bk)]
+          plgpu.copy_gmem_to_smem(x_src, x_smem.at[slot], ready.at[slot])
           for q in range(group):
-            plgpu.copy_gmem_to_smem(dy_ref.at[r, pl.ds(n0[q], bn)], dy_smem.at[slot, q], ready.at[slot])
+            dy_src = dy_ref.at[pl.ds(n0[q], bn), r] if k_major else dy_ref.at[r, pl.ds(n0[q], bn)]
+            plgpu.copy_gmem_to_smem(dy_src, dy_smem.at[slot, q], ready.at[slot])
           return g + 1
 
         return lax.fori_loop(0, num_steps, step, g)
@@ -218,9 +242,12 @@ def _kernel(
           def step(s, g):
             slot = lax.rem(g, stages)
             plgpu.barrier_wait(ready.at[slot])
-            a = _transposed(x_smem.at[slot])  # (bk, tm): xᵀ
+            # A = xᵀ (bk, tm), B = dY (tm, bn): the K-major tiles as they are and the dY tile viewed
+            # transposed, else the x tile viewed transposed.
+            a = x_smem.at[slot] if k_major else _transposed(x_smem.at[slot])
             for q in range(per_wg):
-              plgpu.wgmma(acc_refs[q], a, dy_smem.at[slot, wg * per_wg + q])
+              b = dy_smem.at[slot, wg * per_wg + q]
+              plgpu.wgmma(acc_refs[q], a, _transposed(b) if k_major else b)
             plgpu.wgmma_wait(0)
             plgpu.barrier_arrive(consumed.at[slot])
             return g + 1
@@ -231,10 +258,11 @@ def _kernel(
         g_end, accs = pl.run_scoped(acc_scope, *[plgpu.ACC((bk, bn), jnp.float32) for _ in range(per_wg)])
         for q in range(per_wg):
           blk = blocks_ref[it * group + wg * per_wg + q]
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-          o_smem[wg] = accs[q].astype(dtype)
-          plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(o_smem.at[wg], out_ref.at[blk])
+          for e in range(bn // epi_n):
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            o_smem[wg] = accs[q][:, e * epi_n : (e + 1) * epi_n].astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem.at[wg], out_ref.at[blk, :, pl.ds(e * epi_n, epi_n)])
         return g_end
 
       lax.fori_loop(0, my_items, item_body, jnp.int32(0))
@@ -252,7 +280,7 @@ def sampled_dw(
   """``ddata[t] = x2[:, i]ᵀ @ dy2[:, j]`` for each kept block ``t = (i, j)``, accumulated in float32.
 
   Args:
-    x2: ``(M, K)`` forward activations, of ``w``'s 16-bit dtype.
+    x2: ``(M, K)`` forward activations, of ``w``'s dtype (bf16, fp16, or float32 computed in TF32).
     dy2: ``(M, N)`` output cotangent, same dtype.
     w: block-sparse ``(K, N)`` weight (only its pattern is read).
     config: tiling; defaults to :meth:`MosaicSddConfig.get_default`.
@@ -272,12 +300,17 @@ def sampled_dw(
     x2, dy2 = jnp.pad(x2, ((0, pad), (0, 0))), jnp.pad(dy2, ((0, pad), (0, 0)))
   num_items, rows, blocks, cols = items_of(w, config.group)
   num_ctas = min(config.num_ctas or _num_sms(), rows.shape[0])
+  k_major = x2.dtype.itemsize == 4
+  num_steps = x2.shape[0] // config.tile_m
+  if k_major:  # TF32 wgmma reads K-major operands only
+    x2, dy2 = x2.T, dy2.T
   kernel = functools.partial(
       _kernel,
       cfg=config,
       block_shape=w.block_shape,
-      num_steps=x2.shape[0] // config.tile_m,
+      num_steps=num_steps,
       num_ctas=num_ctas,
+      k_major=k_major,
   )
   params = {"interpret": _interpret_params()} if interpret else {}
   return plgpu.kernel(
