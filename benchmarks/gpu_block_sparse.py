@@ -333,8 +333,11 @@ def f32_sweep(iterations: int, blocks=(128, 64, 32), densities=(0.25,), shapes=(
   return lines
 
 
-def dw_sweep(iterations: int, block_shapes=((128, 128), (64, 64), (32, 32)), shapes=(SWEEP_SHAPE,)) -> list[str]:
-  """Sampled xᵀdY at M=8192, d=0.25: Mosaic variants against the Triton SDD kernel and dense xᵀdY."""
+def dw_sweep(
+    iterations: int, block_shapes=((128, 128), (64, 64), (32, 32)), shapes=(SWEEP_SHAPE,), dtype=jnp.bfloat16
+) -> list[str]:
+  """Sampled xᵀdY at M=8192, d=0.25: Mosaic variants against the Triton SDD kernel, the dense
+  product plus a gather, and the dense xᵀdY alone."""
   from jaxsparse.pallas import _block_sparse_sdd_mgpu as sdd  # noqa: PLC0415
 
   lines = []
@@ -344,31 +347,38 @@ def dw_sweep(iterations: int, block_shapes=((128, 128), (64, 64), (32, 32)), sha
     log(line)
 
   m = M_TRAIN
+  name = jnp.dtype(dtype).name
   for shape in shapes:
-    x, dy, _, _ = problem(m, *shape, 32, 1.0)
+    x, dy, _, _ = problem(m, *shape, 32, 1.0, dtype=dtype)
     t_dense = time_ms(lambda x, dy: jnp.dot(x.T, dy), x, dy, iterations=iterations)
-    note(f"dw {m}x{shape}: dense xᵀdY {t_dense:.4f} ms")
+    note(f"dw {name} {m}x{shape}: dense xᵀdY {t_dense:.4f} ms")
     for bs in block_shapes:
       k1 = jax.random.key(bs[1])
       mask = np.random.default_rng(bs[0] + bs[1]).random((shape[0] // bs[0], shape[1] // bs[1])) < 0.25
       w = jaxsparse.BlockSparseMatrix.from_dense(
-          jax.random.normal(k1, shape, jnp.float32).astype(jnp.bfloat16), bs, block_mask=mask
+          jax.random.normal(k1, shape, jnp.float32).astype(dtype), bs, block_mask=mask
       )
       default = BlockSparseMatmulConfig.get_default(m, w.shape, w.block_shape, w.nnz_blocks, w.dtype)
-      tri = dataclasses.replace(default, mosaic_dw=None)
+      tri = dataclasses.replace(default, mosaic_dw=None, dw_dense=False)
+      gathered = dataclasses.replace(default, mosaic_dw=None, dw_dense=True)
       f_tri = lambda x, dy, w, tri=tri: kernels.backward(x, dy, w, config=tri, need_dx=False)[1]
+      f_gather = lambda x, dy, w, c=gathered: kernels.backward(x, dy, w, config=c, need_dx=False)[1]
       ref = f_tri(x, dy, w)
       t_tri = time_ms(f_tri, x, dy, w, iterations=iterations)
-      note(f"dw {shape} {bs} triton {t_tri:.4f} ms ({t_tri / t_dense:.2f})")
-      if bs[0] < 64:
+      t_gather = time_ms(f_gather, x, dy, w, iterations=iterations)
+      err = rel_err(jax.jit(f_gather)(x, dy, w), ref)
+      note(f"dw {name} {shape} {bs} triton {t_tri:.4f} ms ({t_tri / t_dense:.2f}) dense+gather {t_gather:.4f} "
+           f"({t_gather / t_dense:.2f}, err vs triton {err:.1e}) default {default.mosaic_dw} dense={default.dw_dense}")
+      if not sdd.supports(x, dy, w):
         continue
-      base = sdd.MosaicSddConfig.get_default(bs, jnp.bfloat16)
+      base = sdd.MosaicSddConfig.get_default(bs, dtype)
+      itemsize = jnp.dtype(dtype).itemsize
       variants = [base]
       for g in (2, 4, 8):
-        for tm in (64, 128):
+        for tm in (32,) if itemsize == 4 else (64, 128):
           for st in (4, 3, 2):
             v = sdd.MosaicSddConfig(group=g, tile_m=tm, num_stages=st)
-            if g // 2 * bs[0] * bs[1] <= 128 * 128 and v.smem_bytes(bs, 2) <= 227 * 1024 and v != base:
+            if g // 2 * bs[0] * bs[1] <= 128 * 128 and v.smem_bytes(bs, itemsize) <= 227 * 1024 and v != base:
               variants.append(v)
               break
       if shape != SWEEP_SHAPE:
@@ -379,9 +389,9 @@ def dw_sweep(iterations: int, block_shapes=((128, 128), (64, 64), (32, 32)), sha
           err = rel_err(jax.jit(f)(x, dy, w), ref)
           t = time_ms(f, x, dy, w, iterations=iterations)
         except Exception as e:
-          note(f"dw {shape} {bs} mosaic {v}: FAILED {type(e).__name__}: {str(e)[:400]}")
+          note(f"dw {name} {shape} {bs} mosaic {v}: FAILED {type(e).__name__}: {str(e)[:400]}")
           continue
-        note(f"dw {shape} {bs} mosaic {t:.4f} ms ({t / t_dense:.2f}) err vs triton {err:.1e} {v}")
+        note(f"dw {name} {shape} {bs} mosaic {t:.4f} ms ({t / t_dense:.2f}) err vs triton {err:.1e} {v}")
   return lines
 
 
@@ -565,7 +575,7 @@ def main(argv=None):
   if args.f32_sweep:
     sweep_lines += f32_sweep(args.iterations)
   if args.dw_sweep:
-    sweep_lines += dw_sweep(args.iterations)
+    sweep_lines += dw_sweep(args.iterations, dtype=jnp.dtype(args.dtype))
   if args.decode_sweep:
     sweep_lines += decode_sweep(args.iterations)
   t0 = time.time()
