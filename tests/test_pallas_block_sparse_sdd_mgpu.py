@@ -65,7 +65,7 @@ def test_config_defaults_fit_and_errors():
                     jnp.float32)] + [((64, 32), jnp.float32), ((128, 32), jnp.float32)]:
     cfg = sdd.MosaicSddConfig.get_default(bs, dtype)
     itemsize = jnp.dtype(dtype).itemsize
-    assert cfg.smem_bytes(bs, itemsize) <= 227 * 1024 and cfg.num_stages >= 3
+    assert cfg.smem_bytes(bs, itemsize) <= 227 * 1024 and cfg.num_stages >= 3 and cfg.group == 2
     assert cfg.group // 2 * bs[0] * bs[1] <= 128 * 128  # accumulator registers per thread
     assert cfg.tile_m * itemsize == 128  # one 128-byte swizzle row of x / dY per step
   with pytest.raises(ValueError, match="group=3"):
@@ -84,6 +84,8 @@ def test_config_defaults_fit_and_errors():
     _, _, w_small = _problem(64, 128, 128, bs, "random", jnp.bfloat16)
     assert "bk" in sdd.unsupported_reason(x, dy, w_small)
   assert "shared memory" in sdd.unsupported_reason(x, dy, w, sdd.MosaicSddConfig(group=8, num_stages=8))
+  x128, dy128, w128 = _problem(64, 256, 256, (128, 128), "random", jnp.bfloat16)
+  assert "registers" in sdd.unsupported_reason(x128, dy128, w128, sdd.MosaicSddConfig(group=4, num_stages=1))
 
 
 def test_dw_defaults_where_they_measured_faster(monkeypatch):
@@ -91,6 +93,7 @@ def test_dw_defaults_where_they_measured_faster(monkeypatch):
   get = BlockSparseMatmulConfig.get_default
   # 16-bit: the Mosaic dW for 64 x 64 blocks only (Triton was faster at 128 x 128).
   assert get(8192, (4096, 4096), (64, 64), 1024, jnp.bfloat16).mosaic_dw == sdd.MosaicSddConfig(group=2)
+  assert get(8192, (4096, 4096), (64, 64), 1024, jnp.float32).mosaic_dw.group == 2
   assert get(8192, (4096, 4096), (128, 128), 256, jnp.bfloat16).mosaic_dw is None
   assert get(64, (4096, 4096), (64, 64), 1024, jnp.bfloat16).mosaic_dw is None
   # Float32 (TF32): every block with bk >= 64, from M = 256.
@@ -132,7 +135,7 @@ GPU_CASES = [
     (512, (64, 128), "random", jnp.bfloat16, None),
     (512, (128, 64), "random", jnp.float16, None),
     (448, (64, 64), "random", jnp.bfloat16, None),
-    (512, (128, 128), "random", jnp.bfloat16, 4),
+    (512, (64, 64), "random", jnp.float16, 4),
     (512, (128, 64), "dense", jnp.float32, 2),
 ]
 

@@ -52,6 +52,8 @@ SUPPORTED_BK = (64, 128)
 # one). Float32 tiles are tile_m = 32 wide (128 bytes) whatever the block.
 SUPPORTED_BN = {2: (64, 128), 4: (32, 64, 128)}
 _EPI_N = 64
+# float32 accumulator elements per compute warpgroup: 128 registers per thread.
+_MAX_ACC_ELEMS = 128 * 128
 _NUM_COMPUTE_WGS = 2
 _MEMORY_REGISTERS = 40
 _COMPUTE_REGISTERS = 232
@@ -94,19 +96,21 @@ class MosaicSddConfig:
 
   @classmethod
   def get_default(cls, block_shape: tuple[int, int], dtype) -> MosaicSddConfig:
-    """The largest ``group`` whose accumulators fit 128 float32 registers per thread and whose ring
-    fits 3 or more slots in shared memory (deepest ring first)."""
-    bk, bn = block_shape
+    """Two blocks per item (one per compute warpgroup), one 128-byte row of ``M`` per step, and the
+    deepest ring that fits.
+
+    Measured on an H100 (M = 8192, K = N = 4096, d = 0.25, ``benchmarks/gpu_block_sparse.py
+    --dw-sweep``): for 64 x 64 blocks, 2 blocks per item took 0.203 ms (bf16) / 0.585 ms (f32)
+    against 0.229 / 0.637 with 4 and 0.301 / 0.793 with 8: fewer, longer items balance worse over
+    the 132 thread blocks than the shared ``x`` reads save.
+    """
     itemsize = jnp.dtype(dtype).itemsize
-    tile_m = 32 if itemsize == 4 else 64
-    for group in (8, 4, 2):
-      if group // _NUM_COMPUTE_WGS * bk * bn > 128 * 128:
-        continue
-      for stages in (4, 3):
-        cfg = cls(group=group, tile_m=tile_m, num_stages=stages)
-        if cfg.smem_bytes(block_shape, itemsize) <= _SMEM_BYTES:
-          return cfg
-    return cls(group=2, tile_m=tile_m, num_stages=2)
+    tile_m = 128 // itemsize if itemsize == 4 else 64
+    for stages in (4, 3, 2):
+      cfg = cls(group=2, tile_m=tile_m, num_stages=stages)
+      if cfg.smem_bytes(block_shape, itemsize) <= _SMEM_BYTES:
+        return cfg
+    return cfg
 
 
 def items_of(w: BlockSparseMatrix, group: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
@@ -147,6 +151,9 @@ def unsupported_reason(x2, dy2, w, config: MosaicSddConfig | None = None) -> str
     return f"needs x (M, {w.shape[0]}) and dy (M, {w.shape[1]}), got {x2.shape} and {dy2.shape}"
   if config is not None and config.smem_bytes(w.block_shape, dtype.itemsize) > _SMEM_BYTES:
     return f"{config} needs more than {_SMEM_BYTES} bytes of shared memory"
+  if config is not None and config.group // _NUM_COMPUTE_WGS * bk * bn > _MAX_ACC_ELEMS:
+    per_wg = config.group // _NUM_COMPUTE_WGS
+    return f"{config}: {per_wg} float32 {bk}x{bn} accumulators per warpgroup exceed its registers"
   if config is not None and (config.tile_m == 32) != (dtype.itemsize == 4):
     return f"{config}: tile_m=32 is the float32 (TF32) tile and only it"
   return None
