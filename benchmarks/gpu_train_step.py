@@ -95,7 +95,29 @@ def rules(kind: str, density: float, sparse_attention: bool):
   return r
 
 
-def train_step_time(model: nnx.Module, x, y, iterations: int) -> float:
+def breakdown(f, *args) -> str:
+  """Device ms of one call of ``f`` per kind of kernel: the sparse kernels (Pallas: Mosaic GPU and
+  Triton), dense matrix products (cuBLAS / XLA GEMMs) and everything else (fusions, copies)."""
+  from jax.experimental.mosaic.gpu import profiler  # noqa: PLC0415 (GPU-only module)
+
+  _, per_call = profiler.measure(jax.jit(f), aggregate=False, iterations=3)(*args)
+  totals, by_name = {"sparse": 0.0, "gemm": 0.0, "other": 0.0}, {}
+  for name, t in per_call[-1]:
+    low = name.lower()
+    by_name[name[:48]] = by_name.get(name[:48], 0.0) + t
+    if any(s in low for s in ("mosaic", "block_sparse", "_kernel", "sampled")):
+      totals["sparse"] += t
+    elif any(s in low for s in ("gemm", "cutlass", "nvjet", "xmma", "matmul", "dot")):
+      totals["gemm"] += t
+    else:
+      totals["other"] += t
+  top = sorted(by_name.items(), key=lambda kv: -kv[1])[:8]
+  return ", ".join(f"{k} {v:.2f} ms" for k, v in totals.items()) + "; top: " + "; ".join(
+      f"{k} {v:.2f}" for k, v in top
+  )
+
+
+def train_step_time(model: nnx.Module, x, y, iterations: int, show_breakdown: bool = False) -> float:
   """Device ms of one value_and_grad + adamw step (functional form: split state, jit, no donation)."""
   opt = nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
   graphdef, state = nnx.split((model, opt))
@@ -113,7 +135,13 @@ def train_step_time(model: nnx.Module, x, y, iterations: int) -> float:
   loss, _ = jax.jit(step)(state, x, y)
   if not bool(jnp.isfinite(loss)):
     raise FloatingPointError(f"non-finite loss {loss}")
-  return time_ms(step, state, x, y, iterations=iterations)
+  t = time_ms(step, state, x, y, iterations=iterations)
+  if show_breakdown:
+    try:
+      log(f"  per kind of kernel: {breakdown(step, state, x, y)}")
+    except Exception as e:  # CUPTI unavailable: the table does not need it
+      log(f"  breakdown failed: {type(e).__name__}: {str(e)[:200]}")
+  return t
 
 
 def main(argv=None):
@@ -130,6 +158,7 @@ def main(argv=None):
   p.add_argument("--precisions", default="bf16,f32", help=f"comma-separated, of {list(PRECISIONS)}")
   p.add_argument("--sparse-attention", action="store_true", help="also sparsify the attention projections")
   p.add_argument("--iterations", type=int, default=10)
+  p.add_argument("--breakdown", action="store_true", help="also print device time per kind of kernel")
   p.add_argument("--out", default=None, help="also write the table (markdown) here")
   args = p.parse_args(argv)
   dev = jax.devices()[0]
@@ -147,7 +176,7 @@ def main(argv=None):
     x = jax.random.normal(key, (args.batch, args.seq, args.d), jnp.float32).astype(dtype)
     y = jax.random.normal(jax.random.fold_in(key, 1), (args.batch, args.seq, args.d), jnp.float32)
     dense = Stack(args.model, args.depth, args.d, args.hidden, args.heads, rngs=nnx.Rngs(0), **opts)
-    t_dense = train_step_time(dense, x, y, args.iterations)
+    t_dense = train_step_time(dense, x, y, args.iterations, args.breakdown)
     log(f"{prec} dense: {t_dense:.3f} ms")
     for kind in args.kinds.split(","):
       r = rules(kind, args.density, args.sparse_attention)
@@ -156,7 +185,7 @@ def main(argv=None):
         if r is not None:
           model, report = jaxsparse.sparsify(dense, r)
           log(f"{prec} {kind}: {len(report.layers)} layers sparsified")
-        t = train_step_time(model, x, y, args.iterations)
+        t = train_step_time(model, x, y, args.iterations, args.breakdown)
       except Exception as e:  # report and go on with the other kinds
         log(f"{prec} {kind}: FAILED {type(e).__name__}: {str(e)[:300]}")
         rows.append(f"| {kind} | {prec} | failed | {t_dense:.3f} | - |")
