@@ -175,3 +175,11 @@ def test_gpu_backward_dispatches_dw_to_mosaic(monkeypatch):
   tri = dataclasses.replace(cfg, mosaic_dw=None, dw=KernelConfig(64))
   _, ddata_tri = kernels.backward(x, dy, w, config=tri)
   _assert_close(ddata, ddata_tri, jnp.bfloat16, "dW vs Triton")
+
+
+def test_small_dense_patterns_run_densely():
+  get = BlockSparseMatmulConfig.get_default
+  blocks = (4096 // 32) ** 2
+  assert get(8192, (4096, 4096), (32, 32), blocks // 2, jnp.bfloat16).dense  # d = 0.5: 1.5x dense measured
+  assert not get(8192, (4096, 4096), (32, 32), blocks // 4, jnp.bfloat16).dense  # d = 0.25: 0.95
+  assert not get(8192, (4096, 4096), (64, 64), (4096 // 64) ** 2 // 2, jnp.float32).dense

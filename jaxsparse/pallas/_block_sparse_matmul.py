@@ -120,7 +120,9 @@ class BlockSparseMatmulConfig:
   the operands, and the Triton kernel with ``forward`` / ``dx`` elsewhere; ``mosaic_dw`` likewise
   runs ``dw`` on :mod:`jaxsparse.pallas._block_sparse_sdd_mgpu`. ``dw_dense`` computes ``dw`` as
   one dense ``xᵀ dY`` product (XLA) with the kept blocks gathered, where small blocks make the
-  per-block kernels slower than that.
+  per-block kernels slower than that; ``dense`` runs all three products densely (the weight
+  scattered into a dense ``K x N`` matrix first), where the pattern is too dense for small blocks
+  to beat the dense product at all.
   """
 
   forward: KernelConfig
@@ -130,6 +132,7 @@ class BlockSparseMatmulConfig:
   mosaic_dx: mosaic.MosaicKernelConfig | None = None
   mosaic_dw: mosaic_sdd.MosaicSddConfig | None = None
   dw_dense: bool = False
+  dense: bool = False
 
   @classmethod
   def get_default(
@@ -190,6 +193,7 @@ class BlockSparseMatmulConfig:
         mosaic_dx=mosaic_dx,
         mosaic_dw=(mosaic_dw := _mosaic_dw_default(m, block_shape, dtype)),
         dw_dense=_use_dense_dw(shape, block_shape, nnz_blocks, mosaic_dw),
+        dense=_use_dense(shape, block_shape, nnz_blocks),
     )
 
 
@@ -286,6 +290,23 @@ def _mosaic_dw_default(m: int, block_shape: tuple[int, int], dtype):
 # (bf16, M = 8192, K = N = 4096, H100) and 1.91 ms against 0.66 in float32.
 DW_DENSE_BELOW_BLOCK = 64
 DW_DENSE_MIN_DENSITY = 0.1
+
+
+# Small blocks whose per-block products are slower than the whole dense product above this density
+# (H100, M = 8192, K = N = 4096; benchmarks/results/gpu_block_sparse_2026-11-23_h100.md): 32 x 32
+# blocks took 0.95 / 0.92 of dense at d = 0.25 and 1.52 / 1.42 at d = 0.5 (bf16 / f32, fwd+bwd).
+# Those patterns run as dense products (the weight scattered first: one K x N write).
+DENSE_ABOVE_DENSITY = {32: 0.3}
+
+
+def _use_dense(shape, block_shape, nnz_blocks: int) -> bool:
+  (k, n), (bk, bn) = shape, block_shape
+  above = DENSE_ABOVE_DENSITY.get(min(bk, bn))
+  return above is not None and nnz_blocks > above * (k // bk) * (n // bn)
+
+
+def _dense_weight(w: BlockSparseMatrix, dtype) -> jax.Array:
+  return w.to_dense().astype(dtype)
 
 
 def _dw_dense_then_gather(x2, dy2, w, *, precision):
@@ -603,6 +624,9 @@ def forward(
   if w.nnz_blocks == 0:
     return jnp.zeros((m, n), out_dtype)
   configs = _config_for(config, x2, w)
+  if configs.dense and not interpret:
+    wd = _dense_weight(w, compute_dtype)
+    return jnp.matmul(x2.astype(compute_dtype), wd, precision=precision, preferred_element_type=out_dtype)
   if _use_mosaic(configs.mosaic_forward, x2, w, out_dtype, transpose=False, interpret=interpret, precision=precision):
     return mosaic.dense_sparse_matmul(x2, w, out_dtype=out_dtype, config=configs.mosaic_forward, interpret=interpret)
   cfg = configs.forward
@@ -767,6 +791,14 @@ def backward(
     return (jnp.zeros(x2.shape, x2.dtype) if need_dx else None), (w.data if need_dw else None)
   cfg = _config_for(config, x2, w)
   dx = ddata = None
+  if cfg.dense and not interpret:
+    if need_dx:
+      wd = _dense_weight(w, compute_dtype)
+      dx = jnp.matmul(dy2.astype(compute_dtype), wd.T, precision=precision, preferred_element_type=jnp.float32)
+      dx = dx.astype(x2.dtype)
+    if need_dw:
+      ddata = _dw_dense_then_gather(x2.astype(compute_dtype), dy2.astype(compute_dtype), w, precision=precision)
+    return dx, ddata
   if need_dx and _use_mosaic(cfg.mosaic_dx, dy2, w, x2.dtype, transpose=True, interpret=interpret, precision=precision):
     dx = mosaic.dense_sparse_matmul(
         dy2, w, transpose=True, out_dtype=x2.dtype, config=cfg.mosaic_dx, interpret=interpret

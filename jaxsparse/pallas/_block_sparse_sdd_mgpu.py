@@ -309,7 +309,11 @@ def sampled_dw(
   num_ctas = min(config.num_ctas or _num_sms(), rows.shape[0])
   k_major = x2.dtype.itemsize == 4
   num_steps = x2.shape[0] // config.tile_m
-  if k_major:  # TF32 wgmma reads K-major operands only
+  if k_major:
+    # TF32 wgmma reads K-major operands only. The barrier keeps XLA from fusing these transposes
+    # with the ops that produce x2 / dy2 (in a training step it recomputed those per transpose):
+    # both are materialised anyway (the forward residual; the dX kernel's input).
+    x2, dy2 = lax.optimization_barrier((x2, dy2))
     x2, dy2 = x2.T, dy2.T
   kernel = functools.partial(
       _kernel,
