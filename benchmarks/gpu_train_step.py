@@ -105,10 +105,10 @@ def breakdown(f, *args) -> str:
   for name, t in per_call[-1]:
     low = name.lower()
     by_name[name[:48]] = by_name.get(name[:48], 0.0) + t
-    if any(s in low for s in ("mosaic", "block_sparse", "_kernel", "sampled")):
-      totals["sparse"] += t
-    elif any(s in low for s in ("gemm", "cutlass", "nvjet", "xmma", "matmul", "dot")):
+    if any(s in low for s in ("gemm", "cutlass", "nvjet", "xmma")):
       totals["gemm"] += t
+    elif any(s in low for s in ("mosaic", "block_sparse", "sampled")):
+      totals["sparse"] += t
     else:
       totals["other"] += t
   top = sorted(by_name.items(), key=lambda kv: -kv[1])[:8]

@@ -310,10 +310,8 @@ def sampled_dw(
   k_major = x2.dtype.itemsize == 4
   num_steps = x2.shape[0] // config.tile_m
   if k_major:
-    # TF32 wgmma reads K-major operands only. The barrier keeps XLA from fusing these transposes
-    # with the ops that produce x2 / dy2 (in a training step it recomputed those per transpose):
-    # both are materialised anyway (the forward residual; the dX kernel's input).
-    x2, dy2 = lax.optimization_barrier((x2, dy2))
+    # TF32 wgmma reads K-major operands only. These XLA transposes measured ~8 ms of a 18 ms float32
+    # training step (benchmarks/results/gpu_train_step_2026-11-23_h100.md): the next thing to fix.
     x2, dy2 = x2.T, dy2.T
   kernel = functools.partial(
       _kernel,
