@@ -17,11 +17,15 @@ over kept blocks have data-dependent trip counts, so the same code also runs in 
 on a CPU, which is how CI tests it. Work and memory traffic are proportional to the kept blocks; the
 dense ``K x N`` weight is never built.
 
-On Hopper GPUs (compute capability 9.x) the forward and ``dx`` products of 16-bit operands with
-blocks of 64 or 128 run instead on the Mosaic GPU kernel of
-:mod:`jaxsparse.pallas._block_sparse_matmul_mgpu` (TMA + wgmma, persistent and warp-specialised),
-which measured 1.1-1.6x faster than these Triton kernels at ``M = 8192`` on an H100; ``dw``, block 32,
-float32, decode-sized ``M`` (where it measured 2x slower) and older GPUs keep the Triton kernels.
+On Hopper GPUs (compute capability 9.x) the forward and ``dx`` products run instead on the Mosaic GPU
+kernel of :mod:`jaxsparse.pallas._block_sparse_matmul_mgpu` (TMA + wgmma, persistent and
+warp-specialised) for 16-bit operands with blocks of 64 or 128 at ``M >= 1024`` (1.1-1.6x faster than
+these Triton kernels at ``M = 8192`` on an H100) and for float32 operands at DEFAULT precision (TF32
+wgmma, as XLA's own float32 products; 4-7x faster than Triton's float32 tiles) from ``M = 256``; ``dw``
+runs on :mod:`jaxsparse.pallas._block_sparse_sdd_mgpu` for float32 and for 16-bit 64 x 64 blocks.
+Blocks of 32 compute ``dw`` as one dense ``xᵀ dY`` plus a gather, and all three products densely above
+density 0.3, where the per-block kernels measured slower than dense. Decode-sized ``M``, the rest of
+the 16-bit cases, ``Precision.HIGHEST`` and older GPUs keep the Triton kernels.
 
 Tile sizes live in :class:`BlockSparseMatmulConfig`; :meth:`BlockSparseMatmulConfig.get_default`
 holds the measured winners and the one heuristic (``benchmarks/gpu_block_sparse.py --sweep`` and
