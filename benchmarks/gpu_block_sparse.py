@@ -288,6 +288,144 @@ def mosaic_sweep(iterations: int, blocks=(128, 64), shapes=((4096, 4096), (4096,
   return lines
 
 
+def f32_sweep(iterations: int, blocks=(128, 64, 32), densities=(0.25,), shapes=(SWEEP_SHAPE,)) -> list[str]:
+  """Float32 at M=8192: dense f32 (DEFAULT precision = TF32), Triton TF32, Mosaic TF32 variants."""
+  lines = []
+
+  def note(line):
+    lines.append(line)
+    log(line)
+
+  m, dtype = M_TRAIN, jnp.float32
+  for shape in shapes:
+    x, dy, _, _ = problem(m, *shape, 32, 1.0, dtype=dtype)
+    wd = jax.random.normal(jax.random.key(1), shape, jnp.float32)
+    t_dense = time_ms(lambda x, wd: jnp.dot(x, wd), x, wd, iterations=iterations)
+    note(f"f32 {m}x{shape}: dense fwd {t_dense:.4f} ms")
+    for b in blocks:
+      for d in densities:
+        x, dy, w, _ = problem(m, *shape, b, d, seed=b, dtype=dtype)
+        wf = w.to_dense()
+        hi = jax.lax.Precision.HIGHEST
+        y_ref, dx_ref = jnp.dot(x, wf, precision=hi), jnp.dot(dy, wf.T, precision=hi)
+        default = BlockSparseMatmulConfig.get_default(m, w.shape, w.block_shape, w.nnz_blocks, w.dtype)
+        tri = dataclasses.replace(default, mosaic_forward=None, mosaic_dx=None)
+        t_tri = time_ms(lambda x, w, tri=tri: kernels.forward(x, w, config=tri), x, w, iterations=iterations)
+        t_tri_dx = time_ms(lambda dy, x, w, tri=tri: kernels.backward(x, dy, w, config=tri, need_dw=False)[0], dy, x, w,
+                           iterations=iterations)
+        t_dw = time_ms(lambda dy, x, w, tri=tri: kernels.backward(x, dy, w, config=tri, need_dx=False)[1], dy, x, w,
+                       iterations=iterations)
+        note(f"f32 {shape} b={b} d={d} triton fwd {t_tri:.4f} ({t_tri / t_dense:.2f}) dx {t_tri_dx:.4f} "
+             f"({t_tri_dx / t_dense:.2f}) dw {t_dw:.4f} ({t_dw / t_dense:.2f})")
+        base = mosaic.MosaicBlockSparseMatmulConfig.get_default(m, w.block_shape, dtype)
+        variants = [{}, {"group_m": 2}] if b == 128 else [{}]
+        for kind, a, ref in (("fwd", x, y_ref), ("dx", dy, dx_ref)):
+          for change in variants:
+            cfg = dataclasses.replace(base.forward if kind == "fwd" else base.dx, **change)
+            f = lambda a, w, cfg=cfg, kind=kind: mosaic.dense_sparse_matmul(a, w, transpose=kind == "dx", config=cfg)
+            try:
+              err = rel_err(jax.jit(f)(a, w), ref)
+              t = time_ms(f, a, w, iterations=iterations)
+            except Exception as e:
+              note(f"f32 {shape} b={b} d={d} mosaic {kind} {change}: FAILED {type(e).__name__}: {str(e)[:400]}")
+              continue
+            note(f"f32 {shape} b={b} d={d} mosaic {kind} {t:.4f} ms ({t / t_dense:.2f}) err {err:.1e} {change} {cfg}")
+  return lines
+
+
+def dw_sweep(
+    iterations: int, block_shapes=((128, 128), (64, 64), (32, 32)), shapes=(SWEEP_SHAPE,), dtype=jnp.bfloat16
+) -> list[str]:
+  """Sampled xᵀdY at M=8192, d=0.25: Mosaic variants against the Triton SDD kernel, the dense
+  product plus a gather, and the dense xᵀdY alone."""
+  from jaxsparse.pallas import _block_sparse_sdd_mgpu as sdd  # noqa: PLC0415
+
+  lines = []
+
+  def note(line):
+    lines.append(line)
+    log(line)
+
+  m = M_TRAIN
+  name = jnp.dtype(dtype).name
+  for shape in shapes:
+    x, dy, _, _ = problem(m, *shape, 32, 1.0, dtype=dtype)
+    t_dense = time_ms(lambda x, dy: jnp.dot(x.T, dy), x, dy, iterations=iterations)
+    note(f"dw {name} {m}x{shape}: dense xᵀdY {t_dense:.4f} ms")
+    for bs in block_shapes:
+      k1 = jax.random.key(bs[1])
+      mask = np.random.default_rng(bs[0] + bs[1]).random((shape[0] // bs[0], shape[1] // bs[1])) < 0.25
+      w = jaxsparse.BlockSparseMatrix.from_dense(
+          jax.random.normal(k1, shape, jnp.float32).astype(dtype), bs, block_mask=mask
+      )
+      default = BlockSparseMatmulConfig.get_default(m, w.shape, w.block_shape, w.nnz_blocks, w.dtype)
+      tri = dataclasses.replace(default, mosaic_dw=None, dw_dense=False)
+      gathered = dataclasses.replace(default, mosaic_dw=None, dw_dense=True)
+      f_tri = lambda x, dy, w, tri=tri: kernels.backward(x, dy, w, config=tri, need_dx=False)[1]
+      f_gather = lambda x, dy, w, c=gathered: kernels.backward(x, dy, w, config=c, need_dx=False)[1]
+      ref = f_tri(x, dy, w)
+      t_tri = time_ms(f_tri, x, dy, w, iterations=iterations)
+      t_gather = time_ms(f_gather, x, dy, w, iterations=iterations)
+      err = rel_err(jax.jit(f_gather)(x, dy, w), ref)
+      note(f"dw {name} {shape} {bs} triton {t_tri:.4f} ms ({t_tri / t_dense:.2f}) dense+gather {t_gather:.4f} "
+           f"({t_gather / t_dense:.2f}, err vs triton {err:.1e}) default {default.mosaic_dw} dense={default.dw_dense}")
+      if not sdd.supports(x, dy, w):
+        continue
+      base = sdd.MosaicSddConfig.get_default(bs, dtype)
+      itemsize = jnp.dtype(dtype).itemsize
+      variants = [base]
+      for g in (2, 4, 8):
+        for tm in (32,) if itemsize == 4 else (64, 128):
+          for st in (4, 3, 2):
+            v = sdd.MosaicSddConfig(group=g, tile_m=tm, num_stages=st)
+            if g // 2 * bs[0] * bs[1] <= 128 * 128 and v.smem_bytes(bs, itemsize) <= 227 * 1024 and v != base:
+              variants.append(v)
+              break
+      if shape != SWEEP_SHAPE:
+        variants = variants[:1]
+      for v in variants:
+        f = lambda x, dy, w, v=v: sdd.sampled_dw(x, dy, w, config=v)
+        try:
+          err = rel_err(jax.jit(f)(x, dy, w), ref)
+          t = time_ms(f, x, dy, w, iterations=iterations)
+        except Exception as e:
+          note(f"dw {name} {shape} {bs} mosaic {v}: FAILED {type(e).__name__}: {str(e)[:400]}")
+          continue
+        note(f"dw {name} {shape} {bs} mosaic {t:.4f} ms ({t / t_dense:.2f}) err vs triton {err:.1e} {v}")
+  return lines
+
+
+def decode_sweep(iterations: int) -> list[str]:
+  """Forward at decode sizes (M = 16, 64): Triton split variants and the Mosaic kernel, d=0.25."""
+  lines = []
+
+  def note(line):
+    lines.append(line)
+    log(line)
+
+  for m in (16,):
+    for shape in (SWEEP_SHAPE,):
+      x, _, _, _ = problem(m, *shape, 32, 1.0)
+      wd = jax.random.normal(jax.random.key(1), shape, jnp.float32).astype(jnp.bfloat16)
+      t_dense = time_ms(lambda x, wd: jnp.dot(x, wd), x, wd, iterations=iterations)
+      note(f"decode {m}x{shape}: dense {t_dense:.4f} ms")
+      for b in (128, 64):
+        x, _, w, _ = problem(m, *shape, b, 0.25, seed=b)
+        default = BlockSparseMatmulConfig.get_default(m, w.shape, w.block_shape, w.nnz_blocks, w.dtype)
+        for change in ({}, {"split": 1}, {"split": 2}, {"split": 8}, {"num_stages": 2}):
+          cfg = dataclasses.replace(default, forward=dataclasses.replace(default.forward, **change))
+          try:
+            t = time_ms(lambda x, w, cfg=cfg: kernels.forward(x, w, config=cfg), x, w, iterations=iterations)
+          except Exception as e:
+            note(f"decode {m}x{shape} b={b} {change}: FAILED {type(e).__name__}: {str(e)[:200]}")
+            continue
+          note(f"decode {m}x{shape} b={b} triton {t:.4f} ms ({t / t_dense:.2f}) {change} -> {cfg.forward}")
+        cfg = mosaic.MosaicKernelConfig(tile_m=128, num_ctas=0, num_stages=3, group_m=1)
+        t = time_ms(lambda x, w, cfg=cfg: mosaic.dense_sparse_matmul(x, w, config=cfg), x, w, iterations=iterations)
+        note(f"decode {m}x{shape} b={b} mosaic plain grid {t:.4f} ms ({t / t_dense:.2f})")
+  return lines
+
+
 # -------------------------------------------------------------------------------------------------
 # torch BSR.
 # -------------------------------------------------------------------------------------------------
@@ -333,7 +471,7 @@ def target(b: int, d: float) -> float:
   return (1.3 if b == 32 else 1.15) * d + 0.05
 
 
-def table(best, best_decode, torch_res, iterations: int, quick: bool) -> list[str]:
+def table(best, best_decode, torch_res, iterations: int, quick: bool, dtype=jnp.bfloat16) -> list[str]:
   rows = [
       "| M | K | N | block | d | fwd sparse / dense ms | fwd ratio | bwd sparse / dense ms | bwd ratio "
       "| fwd+bwd sparse / dense ms | fwd+bwd ratio | target | Triton-only fwd / fwd+bwd ratio | torch BSR fwd ratio "
@@ -343,22 +481,22 @@ def table(best, best_decode, torch_res, iterations: int, quick: bool) -> list[st
   shapes = SHAPES[:1] if quick else SHAPES
   for k, n in shapes:
     m = M_TRAIN
-    x, dy, _, _ = problem(m, k, n, 32, 1.0)
-    wd = jax.random.normal(jax.random.key(1), (k, n), jnp.float32).astype(jnp.bfloat16)
+    x, dy, _, _ = problem(m, k, n, 32, 1.0, dtype=dtype)
+    wd = jax.random.normal(jax.random.key(1), (k, n), jnp.float32).astype(dtype)
     dense = {name: time_ms(f, x, dy, wd, iterations=iterations) for name, f in dense_fns().items()}
     del wd
     log(f"dense {m}x{k}x{n}: {dense}")
     for b in BLOCKS:
       for d in DENSITIES:
-        x, dy, w, _ = problem(m, k, n, b, d, seed=b)
+        x, dy, w, _ = problem(m, k, n, b, d, seed=b, dtype=dtype)
         cfg = best.get(b)
         err = check(x, dy, w, cfg)
         sp = {name: time_ms(f, x, dy, w, iterations=iterations) for name, f in sparse_fns(cfg).items()}
         # The same products with the Triton kernels only (the default uses Mosaic GPU on Hopper).
         used = cfg or BlockSparseMatmulConfig.get_default(m, w.shape, w.block_shape, w.nnz_blocks, w.dtype)
         tri = "-"
-        if used.mosaic_forward is not None or used.mosaic_dx is not None:
-          tri_fns = sparse_fns(dataclasses.replace(used, mosaic_forward=None, mosaic_dx=None))
+        if used.mosaic_forward is not None or used.mosaic_dx is not None or used.mosaic_dw is not None:
+          tri_fns = sparse_fns(dataclasses.replace(used, mosaic_forward=None, mosaic_dx=None, mosaic_dw=None))
           t_tri = {s: time_ms(tri_fns[s], x, dy, w, iterations=iterations) for s in ("fwd", "fwd+bwd")}
           tri = f"{t_tri['fwd'] / dense['fwd']:.2f} / {t_tri['fwd+bwd'] / dense['fwd+bwd']:.2f}"
         tr = torch_res.get((m, k, n, b, d))
@@ -375,12 +513,12 @@ def table(best, best_decode, torch_res, iterations: int, quick: bool) -> list[st
   ]
   for k, n in shapes:
     m = M_DECODE
-    x, dy, _, _ = problem(m, k, n, 32, 1.0)
-    wd = jax.random.normal(jax.random.key(1), (k, n), jnp.float32).astype(jnp.bfloat16)
+    x, dy, _, _ = problem(m, k, n, 32, 1.0, dtype=dtype)
+    wd = jax.random.normal(jax.random.key(1), (k, n), jnp.float32).astype(dtype)
     t_dense = time_ms(dense_fns()["fwd"], x, dy, wd, iterations=iterations)
     for b in BLOCKS:
       for d in DENSITIES:
-        x, dy, w, _ = problem(m, k, n, b, d, seed=b)
+        x, dy, w, _ = problem(m, k, n, b, d, seed=b, dtype=dtype)
         cfg = best.get(b)
         if cfg is not None and b in best_decode:
           cfg = dataclasses.replace(cfg, forward=best_decode[b])
@@ -407,6 +545,13 @@ def main(argv=None):
   p.add_argument("--breakdown", action="store_true", help="per-kernel times of a few cases first")
   p.add_argument("--mosaic-sweep", action="store_true", help="time Mosaic GPU kernel variants first")
   p.add_argument("--iterations", type=int, default=20)
+  p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                 help="input dtype of the table (float32: dense and sparse at DEFAULT precision, i.e. TF32)")
+  p.add_argument("--densities", default=None, help="comma-separated densities of the table (default 0.5,0.25,0.125)")
+  p.add_argument("--blocks", default=None, help="comma-separated block sizes of the table (default 32,64,128)")
+  p.add_argument("--f32-sweep", action="store_true", help="time float32 Mosaic (TF32) against Triton first")
+  p.add_argument("--dw-sweep", action="store_true", help="time Mosaic sampled xᵀdY variants against Triton first")
+  p.add_argument("--decode-sweep", action="store_true", help="time decode (M <= 64) variants first")
   p.add_argument("--out", default=None, help="also write the table (markdown) here")
   args = p.parse_args(argv)
 
@@ -421,8 +566,18 @@ def main(argv=None):
   best, best_decode, sweep_lines = {}, {}, []
   if args.breakdown:
     sweep_lines += breakdown(args.iterations)
+  if args.densities:
+    DENSITIES[:] = [float(v) for v in args.densities.split(",")]
+  if args.blocks:
+    BLOCKS[:] = [int(v) for v in args.blocks.split(",")]
   if args.mosaic_sweep:
     sweep_lines += mosaic_sweep(args.iterations)
+  if args.f32_sweep:
+    sweep_lines += f32_sweep(args.iterations)
+  if args.dw_sweep:
+    sweep_lines += dw_sweep(args.iterations, dtype=jnp.dtype(args.dtype))
+  if args.decode_sweep:
+    sweep_lines += decode_sweep(args.iterations)
   t0 = time.time()
   if args.sweep:
     best, best_decode, sweep_lines = sweep(args.iterations)
@@ -435,8 +590,8 @@ def main(argv=None):
     torch_res = torch_ratios(cases)
   rows = []
   if args.table:
-    rows = table(best, best_decode, torch_res, args.iterations, args.quick)
-  header.append(f"timing: {TIMER['how']}, median of {args.iterations} calls; bf16 inputs, f32 accumulation")
+    rows = table(best, best_decode, torch_res, args.iterations, args.quick, jnp.dtype(args.dtype))
+  header.append(f"timing: {TIMER['how']}, median of {args.iterations} calls; {args.dtype} inputs, f32 accumulation")
   configs = [f"- block {b}: {best[b]}; decode forward: {best_decode.get(b)}" for b in best]
   text = "\n".join([*header, "", *rows, "", "Configs used (sweep winners; default heuristic where empty):", *configs])
   if args.out:

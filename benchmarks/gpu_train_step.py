@@ -1,36 +1,28 @@
-"""End to end: a full optax train step of a sparsified model against the dense model, in one run.
+"""A full training step of a sparsified Flax model against the dense model, on a GPU.
 
-What a user sees who takes a Flax model, calls ``jaxsparse.sparsify`` and trains it: ``value_and_grad`` +
-``optax.adamw`` through ``nnx.Optimizer``, every product, norm, activation and optimizer update included.
+The case of issue 12: a stack of pre-norm MLP blocks (``d -> hidden -> d``), or of transformer blocks
+(``nnx.MultiHeadAttention`` + MLP), on ``(batch, seq, d)`` activations; the MLP's up / down
+``nnx.Linear`` layers (and with ``--sparse-attention`` the attention's query / key / value / out
+``LinearGeneral`` projections) are replaced by :func:`jaxsparse.sparsify` at ``--density``; one train
+step is ``nnx.value_and_grad`` of a squared-error loss plus an ``optax.adamw`` update through
+``nnx.Optimizer``. Both models run in the same process; the table gives step time / dense step time.
 
-    python3 benchmarks/gpu_train_step.py                      # MLP stack, every layer kind, bf16 and f32
-    python3 benchmarks/gpu_train_step.py --model transformer --sparse-attention --kinds block64,nm
-    python3 benchmarks/gpu_train_step.py --tiny               # seconds on a CPU (a smoke test, no timing claim)
+  python benchmarks/gpu_train_step.py --kinds block128,block64,block32 --precisions bf16,f32
+  python benchmarks/gpu_train_step.py --model transformer --sparse-attention --density 0.3
 
-Models (pre-norm residual blocks, ``--depth`` of them):
+Layer kinds are entries of ``LAYER_KINDS`` (name -> function of the density giving a sparsify rule),
+so other structures (N:M kernels, unstructured) add one line each. Precisions: ``bf16`` (bfloat16
+parameters and compute) and ``f32`` (Flax's defaults: float32 parameters, ``dtype=None``; XLA's dense
+float32 products use TF32 at DEFAULT precision on the GPU, and so do jaxsparse's kernels).
 
-* ``mlp``: ``x + down(gelu(up(rmsnorm(x))))`` on ``(tokens, d)``, up ``d -> hidden``, down ``hidden -> d``.
-* ``transformer``: ``x + attn(rmsnorm(x))`` (``nnx.MultiHeadAttention``, causal, its query/key/value/out
-  projections are ``nnx.LinearGeneral``) then the MLP block, on ``(tokens // seq, seq, d)``.
-
-Kinds (``--kinds``): ``dense``, ``block128`` / ``block64`` / ``block32`` (``BlockSparse(density, (b, b))``),
-``nm`` (``NM(2, 4)``, SR-STE), ``unstructured`` (``Unstructured(sparsity=--sparsity)``). The rules sparsify the
-MLP's up/down layers, and with ``--sparse-attention`` the attention projections too.
-
-Precisions (``--precisions``): ``bf16`` (bf16 params and compute) and ``f32`` (Flax's defaults: f32 params,
-``dtype=None``, DEFAULT matmul precision, which is TF32 on Hopper for XLA's dense products).
-
-Times are device-side (``benchmarks/_gpu_timing.py``: CUPTI via ``jax.experimental.mosaic.gpu.profiler``,
-median of ``--iterations`` steps; falls back to host timing and says so) and every ratio is against the dense
-model of the same precision measured in the same run. Warnings raised while compiling a variant (a kernel
-falling back to XLA, say) are listed under the table.
+Times are device-side (CUPTI: the sum of the step's kernel times, median of ``--iterations`` steps;
+see ``_gpu_timing.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 import warnings
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -45,42 +37,46 @@ from flax import nnx
 
 import jaxsparse
 
-DTYPES = {"bf16": jnp.bfloat16, "f32": None}
+warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
+
+LAYER_KINDS = {
+    "dense": lambda d: None,
+    "block128": lambda d: jaxsparse.BlockSparse(density=d, block_shape=(128, 128)),
+    "block64": lambda d: jaxsparse.BlockSparse(density=d, block_shape=(64, 64)),
+    "block32": lambda d: jaxsparse.BlockSparse(density=d, block_shape=(32, 32)),
+    "nm2:4": lambda d: jaxsparse.NM(2, 4),
+    "unstructured": lambda d: jaxsparse.Unstructured(sparsity=1.0 - d),
+}
+PRECISIONS = {"bf16": {"dtype": jnp.bfloat16, "param_dtype": jnp.bfloat16}, "f32": {}}
 
 
 class MLPBlock(nnx.Module):
-  def __init__(self, d: int, hidden: int, *, dtype, rngs: nnx.Rngs):
-    pd = dtype or jnp.float32
-    self.norm = nnx.RMSNorm(d, dtype=dtype, param_dtype=pd, rngs=rngs)
-    self.up = nnx.Linear(d, hidden, dtype=dtype, param_dtype=pd, rngs=rngs)
-    self.down = nnx.Linear(hidden, d, dtype=dtype, param_dtype=pd, rngs=rngs)
+  def __init__(self, d: int, hidden: int, *, rngs: nnx.Rngs, **opts):
+    self.norm = nnx.LayerNorm(d, rngs=rngs, **opts)
+    self.up = nnx.Linear(d, hidden, rngs=rngs, **opts)
+    self.down = nnx.Linear(hidden, d, rngs=rngs, **opts)
 
   def __call__(self, x):
     return x + self.down(jax.nn.gelu(self.up(self.norm(x))))
 
 
-class AttentionBlock(nnx.Module):
-  def __init__(self, d: int, heads: int, *, dtype, rngs: nnx.Rngs):
-    pd = dtype or jnp.float32
-    self.norm = nnx.RMSNorm(d, dtype=dtype, param_dtype=pd, rngs=rngs)
-    self.attn = nnx.MultiHeadAttention(
-        heads, d, dtype=dtype, param_dtype=pd, decode=False, deterministic=True, rngs=rngs
-    )
+class TransformerBlock(nnx.Module):
+  def __init__(self, d: int, hidden: int, heads: int, *, rngs: nnx.Rngs, **opts):
+    self.norm = nnx.LayerNorm(d, rngs=rngs, **opts)
+    self.attn = nnx.MultiHeadAttention(heads, d, decode=False, rngs=rngs, **opts)
+    self.mlp = MLPBlock(d, hidden, rngs=rngs, **opts)
 
   def __call__(self, x):
     h = self.norm(x)
-    mask = nnx.make_causal_mask(jnp.ones(x.shape[:2], jnp.int32))
-    return x + self.attn(h, mask=mask)
+    return self.mlp(x + self.attn(h, h, h))
 
 
-class Model(nnx.Module):
-  def __init__(self, args, *, dtype, rngs: nnx.Rngs):
-    blocks = []
-    for _ in range(args.depth):
-      if args.model == "transformer":
-        blocks.append(AttentionBlock(args.d, args.heads, dtype=dtype, rngs=rngs))
-      blocks.append(MLPBlock(args.d, args.hidden, dtype=dtype, rngs=rngs))
-    self.blocks = nnx.List(blocks) if hasattr(nnx, "List") else blocks
+class Stack(nnx.Module):
+  def __init__(self, model: str, depth: int, d: int, hidden: int, heads: int, *, rngs: nnx.Rngs, **opts):
+    if model == "mlp":
+      self.blocks = nnx.List([MLPBlock(d, hidden, rngs=rngs, **opts) for _ in range(depth)])
+    else:
+      self.blocks = nnx.List([TransformerBlock(d, hidden, heads, rngs=rngs, **opts) for _ in range(depth)])
 
   def __call__(self, x):
     for block in self.blocks:
@@ -88,117 +84,127 @@ class Model(nnx.Module):
     return x
 
 
-def spec(kind: str, args):
-  if kind.startswith("block"):
-    b = int(kind[len("block"):])
-    return jaxsparse.BlockSparse(density=args.density, block_shape=(b, b))
-  if kind == "nm":
-    return jaxsparse.NM(2, 4)
-  if kind == "unstructured":
-    return jaxsparse.Unstructured(sparsity=args.sparsity)
-  raise ValueError(f"unknown kind {kind!r}; use dense, block128, block64, block32, nm or unstructured.")
+def rules(kind: str, density: float, sparse_attention: bool):
+  spec = LAYER_KINDS[kind](density)
+  if spec is None:
+    return None
+  r = {r".*\.(up|down)": spec}
+  if sparse_attention:
+    r[r".*\.attn\.(query|key|value|out)"] = spec
+  r[r".*"] = None
+  return r
 
 
-def build(kind: str, precision: str, args):
-  model = Model(args, dtype=DTYPES[precision], rngs=nnx.Rngs(0))
-  if kind == "dense":
-    return model
-  rules = {r".*\.(up|down)": spec(kind, args)}
-  if args.sparse_attention:
-    rules[r".*\.attn\.(query|key|value|out)"] = spec(kind, args)
-  sparse, _ = jaxsparse.sparsify(model, rules)
-  return sparse
+def breakdown(f, *args) -> str:
+  """Device ms of one call of ``f`` per kind of kernel: the sparse kernels (Pallas: Mosaic GPU and
+  Triton), dense matrix products (cuBLAS / XLA GEMMs) and everything else (fusions, copies)."""
+  from jax.experimental.mosaic.gpu import profiler  # noqa: PLC0415 (GPU-only module)
+
+  _, per_call = profiler.measure(jax.jit(f), aggregate=False, iterations=3)(*args)
+  totals, by_name = {"sparse": 0.0, "gemm": 0.0, "other": 0.0}, {}
+  for name, t in per_call[-1]:
+    low = name.lower()
+    by_name[name[:48]] = by_name.get(name[:48], 0.0) + t
+    if any(s in low for s in ("gemm", "cutlass", "nvjet", "xmma")):
+      totals["gemm"] += t
+    elif any(s in low for s in ("mosaic", "block_sparse", "sampled")):
+      totals["sparse"] += t
+    else:
+      totals["other"] += t
+  top = sorted(by_name.items(), key=lambda kv: -kv[1])[:8]
+  return ", ".join(f"{k} {v:.2f} ms" for k, v in totals.items()) + "; top: " + "; ".join(
+      f"{k} {v:.2f}" for k, v in top
+  )
 
 
-def make_step(model):
-  optimizer = nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
-  graphdef, state = nnx.split((model, optimizer))
+def train_step_time(model: nnx.Module, x, y, iterations: int, show_breakdown: bool = False) -> float:
+  """Device ms of one value_and_grad + adamw step (functional form: split state, jit, no donation)."""
+  opt = nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
+  graphdef, state = nnx.split((model, opt))
 
-  def step(state, x, target):
-    model, optimizer = nnx.merge(graphdef, state)
+  def step(state, x, y):
+    model, opt = nnx.merge(graphdef, state)
 
     def loss_fn(model):
-      return jnp.mean((model(x).astype(jnp.float32) - target) ** 2)
+      return jnp.mean(jnp.square(model(x).astype(jnp.float32) - y))
 
     loss, grads = nnx.value_and_grad(loss_fn)(model)
-    optimizer.update(model, grads)
-    return nnx.state((model, optimizer)), loss
+    opt.update(model, grads)
+    return loss, nnx.state((model, opt))
 
-  return step, state
+  loss, _ = jax.jit(step)(state, x, y)
+  if not bool(jnp.isfinite(loss)):
+    raise FloatingPointError(f"non-finite loss {loss}")
+  t = time_ms(step, state, x, y, iterations=iterations)
+  if show_breakdown:
+    try:
+      log(f"  per kind of kernel: {breakdown(step, state, x, y)}")
+    except Exception as e:  # CUPTI unavailable: the table does not need it
+      log(f"  breakdown failed: {type(e).__name__}: {str(e)[:200]}")
+  return t
 
 
-def inputs(precision: str, args):
-  dtype = DTYPES[precision] or jnp.float32
-  kx, kt = jax.random.split(jax.random.key(1))
-  shape = (args.tokens, args.d) if args.model == "mlp" else (args.tokens // args.seq, args.seq, args.d)
-  return jax.random.normal(kx, shape, dtype), jax.random.normal(kt, shape, jnp.float32)
-
-
-def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--model", choices=("mlp", "transformer"), default="mlp")
-  p.add_argument("--d", type=int, default=2048)
-  p.add_argument("--hidden", type=int, default=8192)
-  p.add_argument("--tokens", type=int, default=8192)
   p.add_argument("--depth", type=int, default=4)
+  p.add_argument("--d", type=int, default=2048, help="model width")
+  p.add_argument("--hidden", type=int, default=8192, help="MLP hidden width")
   p.add_argument("--heads", type=int, default=16)
-  p.add_argument("--seq", type=int, default=1024, help="sequence length (transformer)")
-  p.add_argument("--density", type=float, default=0.25, help="kept fraction of blocks (block kinds)")
-  p.add_argument("--sparsity", type=float, default=0.9, help="pruned fraction (unstructured)")
-  p.add_argument("--kinds", default="block128,block64,block32,nm,unstructured")
-  p.add_argument("--precisions", default="bf16,f32")
-  p.add_argument("--sparse-attention", action="store_true", help="sparsify the attention projections too")
+  p.add_argument("--batch", type=int, default=4)
+  p.add_argument("--seq", type=int, default=2048, help="tokens = batch * seq")
+  p.add_argument("--density", type=float, default=0.25)
+  p.add_argument("--kinds", default="block128,block64,block32", help=f"comma-separated, of {list(LAYER_KINDS)}")
+  p.add_argument("--precisions", default="bf16,f32", help=f"comma-separated, of {list(PRECISIONS)}")
+  p.add_argument("--sparse-attention", action="store_true", help="also sparsify the attention projections")
   p.add_argument("--iterations", type=int, default=10)
+  p.add_argument("--breakdown", action="store_true", help="also print device time per kind of kernel")
+  p.add_argument("--out", default=None, help="also write the table (markdown) here")
   p.add_argument("--tiny", action="store_true", help="tiny sizes: a smoke test that runs in seconds on a CPU")
-  p.add_argument("--out", help="also write the table (markdown) to this file")
   args = p.parse_args(argv)
   if args.tiny:
-    args.d, args.hidden, args.tokens, args.depth, args.heads, args.seq, args.iterations = 128, 256, 64, 2, 2, 16, 2
-    args.kinds = args.kinds.replace("block128", "block32").replace("block64", "block32")
-  kinds = list(dict.fromkeys(k for k in args.kinds.split(",") if k and k != "dense"))
-  precisions = [q for q in args.precisions.split(",") if q]
-  for q in precisions:
-    if q not in DTYPES:
-      p.error(f"--precisions: {q!r} is not one of {sorted(DTYPES)}")
-  log(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}; model={args.model} d={args.d} "
-      f"hidden={args.hidden} tokens={args.tokens} depth={args.depth} density={args.density} "
-      f"sparse_attention={args.sparse_attention}")
-
-  results, notes = {}, []
-  for q in precisions:
-    x, target = inputs(q, args)
-    for kind in ["dense", *kinds]:
-      with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        step, state = make_step(build(kind, q, args))
-        _, loss = jax.jit(step)(state, x, target)
-        if not bool(jnp.isfinite(loss)):
-          raise RuntimeError(f"{kind} {q}: the loss is not finite ({loss})")
-        ms = time_ms(step, state, x, target, iterations=args.iterations)
-      for w in {f"{w.category.__name__}: {str(w.message)[:160]}" for w in caught}:
-        notes.append(f"{kind} {q}: {w}")
-      results[kind, q] = ms
-      ratio = ms / results["dense", q]
-      log(f"{kind:>13} {q}: {ms:9.3f} ms  ({ratio:.2f} of dense)  loss {float(loss):.4f}")
-
-  header = "| layer kind | " + " | ".join(f"{q} ms | {q} / dense" for q in precisions) + " |"
-  lines = [header, "|" + "---|" * (1 + 2 * len(precisions))]
-  for kind in ["dense", *kinds]:
-    cells = []
-    for q in precisions:
-      ms = results[kind, q]
-      cells += [f"{ms:.2f}", f"**{ms / results['dense', q]:.2f}**" if kind != "dense" else "1.00"]
-    lines.append(f"| {kind} | " + " | ".join(cells) + " |")
-  table = "\n".join(lines)
-  log(f"\ntiming: {TIMER['how']}\n")
-  log(table)
-  if notes:
-    log("\nwarnings while compiling:\n" + "\n".join(f"- {n}" for n in notes))
+    args.depth, args.d, args.hidden, args.heads, args.batch, args.seq, args.iterations = 2, 128, 256, 2, 2, 16, 2
+  dev = jax.devices()[0]
+  header = (
+      f"device: {dev.device_kind}, jax {jax.__version__}; {args.model} x{args.depth}, d={args.d}, "
+      f"hidden={args.hidden}, x ({args.batch}, {args.seq}, {args.d}), density {args.density}"
+      + (", attention projections sparse too" if args.sparse_attention else "")
+  )
+  log(header)
+  rows = ["| layer kind | precision | step ms | dense step ms | ratio |", "|---|---|---|---|---|"]
+  key = jax.random.key(0)
+  for prec in args.precisions.split(","):
+    opts = PRECISIONS[prec]
+    dtype = opts.get("dtype", jnp.float32)
+    x = jax.random.normal(key, (args.batch, args.seq, args.d), jnp.float32).astype(dtype)
+    y = jax.random.normal(jax.random.fold_in(key, 1), (args.batch, args.seq, args.d), jnp.float32)
+    dense = Stack(args.model, args.depth, args.d, args.hidden, args.heads, rngs=nnx.Rngs(0), **opts)
+    t_dense = train_step_time(dense, x, y, args.iterations, args.breakdown)
+    log(f"{prec} dense: {t_dense:.3f} ms")
+    for kind in args.kinds.split(","):
+      r = rules(kind, args.density, args.sparse_attention)
+      try:
+        model = dense
+        if r is not None:
+          model, report = jaxsparse.sparsify(dense, r)
+          log(f"{prec} {kind}: {len(report.layers)} layers sparsified")
+        with warnings.catch_warnings(record=True) as caught:  # e.g. a kernel falling back to XLA
+          warnings.simplefilter("always")
+          t = train_step_time(model, x, y, args.iterations, args.breakdown)
+        for w in {f"{w.category.__name__}: {str(w.message)[:200]}" for w in caught}:
+          log(f"{prec} {kind}: warning while compiling: {w}")
+      except Exception as e:  # report and go on with the other kinds
+        log(f"{prec} {kind}: FAILED {type(e).__name__}: {str(e)[:300]}")
+        rows.append(f"| {kind} | {prec} | failed | {t_dense:.3f} | - |")
+        continue
+      rows.append(f"| {kind} | {prec} | {t:.3f} | {t_dense:.3f} | **{t / t_dense:.2f}** |")
+      log(rows[-1])
+  text = "\n".join([header, f"timing: {TIMER['how']}, median of {args.iterations} steps", "", *rows])
   if args.out:
-    with open(args.out, "w") as f:
-      f.write(table + "\n")
-  return 0
+    with open(args.out, "w") as fh:
+      fh.write(text + "\n")
+  log("\n" + text)
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  main()

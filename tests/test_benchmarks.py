@@ -17,6 +17,6 @@ def test_train_step_benchmark_runs(tmp_path):
   env = {**os.environ, "PYTHONPATH": str(ROOT)}
   proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  rows = out.read_text().splitlines()
-  assert rows[0].startswith("| layer kind | f32 ms")
-  assert [r.split("|")[1].strip() for r in rows[2:]] == ["dense", "block32", "unstructured"]
+  rows = [r for r in out.read_text().splitlines() if r.startswith("| ") and "layer kind" not in r]
+  assert [r.split("|")[1].strip() for r in rows] == ["block32", "unstructured"]
+  assert all("failed" not in r for r in rows), rows

@@ -271,7 +271,10 @@ def test_mosaic_interpret_dx_through_dispatch(monkeypatch):
 def test_mosaic_support_and_config_errors():
   x, _, w = _problem(16, 128, 128, (64, 64), "random", jnp.bfloat16)
   assert mosaic.supports(x, w) and mosaic.supports(x, w, jnp.float32)
-  assert "16-bit" in mosaic.unsupported_reason(x.astype(jnp.float32), w)
+  assert "one dtype" in mosaic.unsupported_reason(x.astype(jnp.float32), w)
+  w32 = w.with_data(w.data.astype(jnp.float32))
+  assert mosaic.supports(x.astype(jnp.float32), w32)  # TF32 wgmma
+  assert "tile_k=32" in mosaic.unsupported_reason(x.astype(jnp.float32), w32, None, mosaic.MosaicKernelConfig())
   _, _, w16 = _problem(16, 128, 128, (16, 16), "random", jnp.bfloat16)
   assert "block_shape" in mosaic.unsupported_reason(x, w16)
   assert "features" in mosaic.unsupported_reason(x[:, :64], w)
@@ -281,7 +284,7 @@ def test_mosaic_support_and_config_errors():
     mosaic.MosaicKernelConfig(tile_k=128)
   with pytest.raises(ValueError, match="num_stages=0"):
     mosaic.MosaicKernelConfig(num_stages=0)
-  with pytest.raises(ValueError, match="16-bit"):
+  with pytest.raises(ValueError, match="one dtype"):
     mosaic.dense_sparse_matmul(x.astype(jnp.float32), w)
   # A float32 output needs a larger epilogue buffer than 4 ring slots leave: the ring shrinks.
   cfg = mosaic.MosaicKernelConfig(num_stages=4)
@@ -296,9 +299,38 @@ def test_mosaic_defaults_only_where_they_measured_faster(monkeypatch):
   assert get(8192, (4096, 4096), (64, 128), 256, jnp.float16).mosaic_forward is not None
   for args in [(16, (4096, 4096), (128, 128)), (8192, (4096, 4096), (32, 32))]:  # decode; block 32
     assert get(*args, 256, jnp.bfloat16).mosaic_forward is None
-  assert get(8192, (4096, 4096), (128, 128), 256, jnp.float32).mosaic_dx is None
+  # Float32 (TF32 wgmma) from M = 256 and for every block size; one 128-byte row per pipeline step.
+  for b in (32, 64, 128):
+    cfg = get(8192, (4096, 4096), (b, b), 256, jnp.float32)
+    assert cfg.mosaic_forward.tile_k == cfg.mosaic_dx.tile_k == 32
+  assert get(128, (4096, 4096), (128, 128), 256, jnp.float32).mosaic_forward is None
   monkeypatch.setattr(kernels, "_mosaic_probe", lambda: "no Hopper GPU")
   assert get(8192, (4096, 4096), (128, 128), 256, jnp.bfloat16).mosaic_forward is None
+
+
+@pytest.mark.parametrize(
+    ("precision", "tf32"),
+    [
+        (None, True),
+        (lax.Precision.DEFAULT, True),
+        (lax.Precision.HIGH, True),
+        ("tensorfloat32", True),
+        (lax.Precision.HIGHEST, False),
+        ("float32", False),
+        ((lax.Precision.DEFAULT, lax.Precision.HIGHEST), False),
+        (lax.DotAlgorithmPreset.TF32_TF32_F32, True),
+        (lax.DotAlgorithmPreset.F32_F32_F32, False),
+    ],
+)
+def test_allows_tf32_follows_xla_precision(precision, tf32):
+  assert kernels.allows_tf32(precision) is tf32
+
+
+def test_allows_tf32_follows_default_matmul_precision():
+  with jax.default_matmul_precision("float32"):
+    assert not kernels.allows_tf32(None)
+  with jax.default_matmul_precision("tensorfloat32"):
+    assert kernels.allows_tf32(None)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -424,3 +456,65 @@ def test_gpu_op_float32_output_of_16bit_inputs_is_not_rounded(m):
   assert y.dtype == jnp.float32
   y_ref, _, _ = _dense_reference(x, jnp.zeros((m, 256), jnp.bfloat16), w)
   _assert_close(y, y_ref, jnp.float32, "y", rtol=1e-5)  # bf16 rounding would give ~2e-3
+
+
+# Float32 on the Mosaic kernel: TF32 wgmma. TF32 keeps 10 mantissa bits (unit roundoff 2^-11 = 4.9e-4
+# per rounded input); with random inputs the normwise error of a product is ~3e-4, so RTOL_TF32 = 1e-3
+# passes TF32 and fails a bfloat16 path (2^-8 = 3.9e-3 per input, ~2e-3 normwise); HIGHEST must stay
+# on the exact kernels (RTOL[float32] = 2e-5 fails TF32).
+MOSAIC_F32_CASES = [
+    (m, k, n, b, pattern)
+    for (m, k, n) in [(1024, 512, 768), (300, 256, 384)]
+    for b in [(32, 32), (64, 64), (128, 128)]
+    for pattern in ["random", "single"]
+] + [(512, 256, 512, (64, 128), "random"), (512, 512, 256, (128, 32), "dense")]
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize(("m", "k", "n", "block_shape", "pattern"), MOSAIC_F32_CASES)
+def test_gpu_mosaic_float32_is_tf32(m, k, n, block_shape, pattern):
+  x, dy, w = _problem(m, k, n, block_shape, pattern, jnp.float32, seed=m + n + block_shape[1])
+  default = mosaic.MosaicBlockSparseMatmulConfig.get_default(m, block_shape, jnp.float32)
+  y = jax.jit(lambda a, w: mosaic.forward(a, w, config=default))(x, w)
+  dx = jax.jit(lambda a, w: mosaic.dx(a, w, config=default))(dy, w)
+  assert y.dtype == dx.dtype == jnp.float32
+  y_ref, dx_ref, _ = _dense_reference(x, dy, w)
+  _assert_close(y, y_ref, jnp.float32, "y", RTOL_TF32)
+  _assert_close(dx, dx_ref, jnp.float32, "dX", RTOL_TF32)
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_gpu_op_float32_default_runs_tf32_mosaic_and_highest_stays_exact(monkeypatch):
+  x, dy, w = _problem(1024, 512, 512, (64, 64), "random", jnp.float32, seed=21)
+  calls = _spy_on_mosaic(monkeypatch)
+  _check_all(x, dy, w, jnp.float32, interpret=False)  # TF32 tolerance
+  assert [c.get("transpose", False) for c in calls] == [False, True]
+  calls.clear()
+  _check_all(x, dy, w, jnp.float32, interpret=False, precision=lax.Precision.HIGHEST)  # 2e-5
+  assert calls == []
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize(("dtype", "block"), [(jnp.bfloat16, 64), (jnp.float32, 128), (jnp.float16, 128)])
+def test_gpu_op_batched_gradients_on_mosaic(dtype, block):
+  # Leading batch dims (3, 347, K): M = 1041 is not a multiple of any row tile; default dispatch
+  # (Mosaic forward, dX and, for 16-bit, dW), gradients against the dense reference.
+  x, dy, w = _problem(3 * 347, 512, 768, (block, block), "random", dtype, seed=block)
+  x3, dy3 = x.reshape(3, 347, 512), dy.reshape(3, 347, 768)
+
+  def loss(x3, data):
+    y = block_sparse_matmul(x3, w.with_data(data))
+    return jnp.sum(y.astype(jnp.float32) * dy3.astype(jnp.float32))
+
+  y = jax.jit(lambda a: block_sparse_matmul(a, w))(x3)
+  gx, gdata = jax.jit(jax.grad(loss, argnums=(0, 1)))(x3, w.data)
+  y_ref, dx_ref, ddata_ref = _dense_reference(x, dy, w)
+  rtol = RTOL_TF32 if dtype == jnp.float32 else RTOL[dtype]
+  _assert_close(y.reshape(x.shape[0], 768), y_ref, dtype, "y", rtol)
+  _assert_close(gx.reshape(x.shape), dx_ref, dtype, "dX", rtol)
+  _assert_close(gdata, ddata_ref, dtype, "dW", rtol)
+  hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x3, w.data).as_text()
+  assert "mosaic_gpu" in hlo.lower()

@@ -8,12 +8,14 @@ from jaxsparse.pallas._block_sparse_matmul import BlockSparseMatmulConfig
 from jaxsparse.pallas._block_sparse_matmul import KernelConfig
 from jaxsparse.pallas._block_sparse_matmul import PallasFallbackWarning
 from jaxsparse.pallas._block_sparse_matmul_mgpu import MosaicKernelConfig
+from jaxsparse.pallas._block_sparse_sdd_mgpu import MosaicSddConfig
 from jaxsparse.pallas._nm_matmul import NMMatmulConfig
 
 __all__ = [
     "BlockSparseMatmulConfig",
     "KernelConfig",
     "MosaicKernelConfig",
+    "MosaicSddConfig",
     "NMMatmulConfig",
     "PallasFallbackWarning",
 ]

@@ -17,11 +17,15 @@ over kept blocks have data-dependent trip counts, so the same code also runs in 
 on a CPU, which is how CI tests it. Work and memory traffic are proportional to the kept blocks; the
 dense ``K x N`` weight is never built.
 
-On Hopper GPUs (compute capability 9.x) the forward and ``dx`` products of 16-bit operands with
-blocks of 64 or 128 run instead on the Mosaic GPU kernel of
-:mod:`jaxsparse.pallas._block_sparse_matmul_mgpu` (TMA + wgmma, persistent and warp-specialised),
-which measured 1.1-1.6x faster than these Triton kernels at ``M = 8192`` on an H100; ``dw``, block 32,
-float32, decode-sized ``M`` (where it measured 2x slower) and older GPUs keep the Triton kernels.
+On Hopper GPUs (compute capability 9.x) the forward and ``dx`` products run instead on the Mosaic GPU
+kernel of :mod:`jaxsparse.pallas._block_sparse_matmul_mgpu` (TMA + wgmma, persistent and
+warp-specialised) for 16-bit operands with blocks of 64 or 128 at ``M >= 1024`` (1.1-1.6x faster than
+these Triton kernels at ``M = 8192`` on an H100) and for float32 operands at DEFAULT precision (TF32
+wgmma, as XLA's own float32 products; 4-7x faster than Triton's float32 tiles) from ``M = 256``; ``dw``
+runs on :mod:`jaxsparse.pallas._block_sparse_sdd_mgpu` for float32 and for 16-bit 64 x 64 blocks.
+Blocks of 32 compute ``dw`` as one dense ``xᵀ dY`` plus a gather, and all three products densely above
+density 0.3, where the per-block kernels measured slower than dense. Decode-sized ``M``, the rest of
+the 16-bit cases, ``Precision.HIGHEST`` and older GPUs keep the Triton kernels.
 
 Tile sizes live in :class:`BlockSparseMatmulConfig`; :meth:`BlockSparseMatmulConfig.get_default`
 holds the measured winners and the one heuristic (``benchmarks/gpu_block_sparse.py --sweep`` and
@@ -41,10 +45,11 @@ from jax.experimental.pallas import triton as pltriton
 
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
 
-try:  # Mosaic GPU (Hopper) variants of the forward and dx kernels.
+try:  # Mosaic GPU (Hopper) variants of the forward, dx and dw kernels.
   from jaxsparse.pallas import _block_sparse_matmul_mgpu as mosaic
+  from jaxsparse.pallas import _block_sparse_sdd_mgpu as mosaic_sdd
 except ImportError:  # a jax without Mosaic GPU: the Triton kernels only.
-  mosaic = None
+  mosaic = mosaic_sdd = None
 
 __all__ = [
     "BlockSparseMatmulConfig",
@@ -116,7 +121,12 @@ class BlockSparseMatmulConfig:
 
   ``mosaic_forward`` / ``mosaic_dx``, when set, run the forward / ``dx`` product on the Mosaic GPU
   kernel (Hopper only; see :mod:`jaxsparse.pallas._block_sparse_matmul_mgpu`) wherever it supports
-  the operands, and the Triton kernel with ``forward`` / ``dx`` elsewhere.
+  the operands, and the Triton kernel with ``forward`` / ``dx`` elsewhere; ``mosaic_dw`` likewise
+  runs ``dw`` on :mod:`jaxsparse.pallas._block_sparse_sdd_mgpu`. ``dw_dense`` computes ``dw`` as
+  one dense ``xᵀ dY`` product (XLA) with the kept blocks gathered, where small blocks make the
+  per-block kernels slower than that; ``dense`` runs all three products densely (the weight
+  scattered into a dense ``K x N`` matrix first), where the pattern is too dense for small blocks
+  to beat the dense product at all.
   """
 
   forward: KernelConfig
@@ -124,6 +134,9 @@ class BlockSparseMatmulConfig:
   dw: KernelConfig
   mosaic_forward: mosaic.MosaicKernelConfig | None = None
   mosaic_dx: mosaic.MosaicKernelConfig | None = None
+  mosaic_dw: mosaic_sdd.MosaicSddConfig | None = None
+  dw_dense: bool = False
+  dense: bool = False
 
   @classmethod
   def get_default(
@@ -176,7 +189,16 @@ class BlockSparseMatmulConfig:
       steps = pl.cdiv(m, dw.block_m)
       dw = dataclasses.replace(dw, split=max(1, min(steps, pl.cdiv(_TARGET_PROGRAMS // 2, nnz_blocks))))
     mosaic_fwd, mosaic_dx = _mosaic_defaults(m, block_shape, dtype)
-    return cls(forward=fwd, dx=dx, dw=dw, mosaic_forward=mosaic_fwd, mosaic_dx=mosaic_dx)
+    return cls(
+        forward=fwd,
+        dx=dx,
+        dw=dw,
+        mosaic_forward=mosaic_fwd,
+        mosaic_dx=mosaic_dx,
+        mosaic_dw=(mosaic_dw := _mosaic_dw_default(m, block_shape, dtype)),
+        dw_dense=_use_dense_dw(shape, block_shape, nnz_blocks, mosaic_dw),
+        dense=_use_dense(shape, block_shape, nnz_blocks),
+    )
 
 
 # Fastest (forward, dx, dw) configs per square block size for bf16 at M = 8192, K = N = 4096,
@@ -217,12 +239,20 @@ MOSAIC_TUNED_CONFIGS: dict = (
 )
 
 
+# Where the Mosaic GPU forward / dX kernels replace the Triton ones, per input itemsize: the smallest
+# M and the smallest block dim. Float32 runs on TF32 wgmma there (Triton's float32 tiles measured
+# 2.6x dense at block 128, M = 8192; see benchmarks/results/gpu_block_sparse_2026-11-23_h100.md).
+MOSAIC_MIN_M_AND_BLOCK = {2: (_MOSAIC_MIN_M, 64), 4: (256, 32)}
+
+
 def _mosaic_defaults(m: int, block_shape: tuple[int, int], dtype) -> tuple:
   """``(forward, dx)`` Mosaic GPU configs, or ``(None, None)`` where the Triton kernels are used."""
   bk, bn = block_shape
-  if mosaic_unavailable_reason() or jnp.dtype(dtype).itemsize != 2 or m < _MOSAIC_MIN_M or min(bk, bn) < 64:
+  itemsize = jnp.dtype(dtype).itemsize
+  min_m, min_block = MOSAIC_MIN_M_AND_BLOCK.get(itemsize, (None, None))
+  if mosaic_unavailable_reason() or min_m is None or m < min_m or min(bk, bn) < min_block:
     return None, None
-  tuned = MOSAIC_TUNED_CONFIGS.get(bk) if bk == bn else None
+  tuned = MOSAIC_TUNED_CONFIGS.get(bk) if bk == bn and itemsize == 2 else None
   if tuned is not None:
     return tuned
   default = mosaic.MosaicBlockSparseMatmulConfig.get_default(m, block_shape, dtype)
@@ -232,6 +262,71 @@ def _mosaic_defaults(m: int, block_shape: tuple[int, int], dtype) -> tuple:
 # -------------------------------------------------------------------------------------------------
 # Availability and support.
 # -------------------------------------------------------------------------------------------------
+
+
+# Where the Mosaic GPU sampled xᵀdY kernel replaces the Triton one (`benchmarks/gpu_block_sparse.py
+# --dw-sweep`, H100, M = 8192, d = 0.25): 16-bit inputs only for 64 x 64 blocks (0.203 ms against
+# Triton's 0.225; at 128 x 128 Triton's 0.106 ms beat the Mosaic 0.177), float32 (TF32) for every
+# block the kernel takes (Triton's float32 SDD ran 1.9-2.9x the dense TF32 product). Smallest M
+# per input itemsize.
+_MOSAIC_DW_MIN_M = {2: 1024, 4: 256}
+MOSAIC_DW_TUNED_16BIT: dict = (
+    {} if mosaic_sdd is None else {(64, 64): mosaic_sdd.MosaicSddConfig(group=2, tile_m=64, num_stages=4)}
+)
+
+
+def _mosaic_dw_default(m: int, block_shape: tuple[int, int], dtype):
+  """The Mosaic GPU ``dw`` config, or ``None`` where the Triton SDD kernel is used."""
+  itemsize = jnp.dtype(dtype).itemsize
+  if mosaic_unavailable_reason() or m < _MOSAIC_DW_MIN_M.get(itemsize, m + 1):
+    return None
+  bk, bn = block_shape
+  if itemsize == 2:
+    return MOSAIC_DW_TUNED_16BIT.get((bk, bn))
+  if bk in mosaic_sdd.SUPPORTED_BK and bn in mosaic_sdd.SUPPORTED_BN[itemsize]:
+    return mosaic_sdd.MosaicSddConfig.get_default(block_shape, dtype)
+  return None
+
+
+# Below this block dim (bk for the Mosaic float32 kernel, either dim otherwise) and at or above this
+# density, dW is one dense xᵀdY product (XLA) with the kept blocks gathered from it: 32 x 32 blocks at
+# d = 0.25 measured 0.84 ms in the Triton SDD kernel against 0.33 ms for the whole dense product
+# (bf16, M = 8192, K = N = 4096, H100) and 1.91 ms against 0.66 in float32.
+DW_DENSE_BELOW_BLOCK = 64
+DW_DENSE_MIN_DENSITY = 0.1
+
+
+# Small blocks whose per-block products are slower than the whole dense product above this density
+# (H100, M = 8192, K = N = 4096; benchmarks/results/gpu_block_sparse_2026-11-23_h100.md): 32 x 32
+# blocks took 0.95 / 0.92 of dense at d = 0.25 and 1.52 / 1.42 at d = 0.5 (bf16 / f32, fwd+bwd).
+# Those patterns run as dense products (the weight scattered first: one K x N write).
+DENSE_ABOVE_DENSITY = {32: 0.3}
+
+
+def _use_dense(shape, block_shape, nnz_blocks: int) -> bool:
+  (k, n), (bk, bn) = shape, block_shape
+  above = DENSE_ABOVE_DENSITY.get(min(bk, bn))
+  return above is not None and nnz_blocks > above * (k // bk) * (n // bn)
+
+
+def _dense_weight(w: BlockSparseMatrix, dtype) -> jax.Array:
+  return w.to_dense().astype(dtype)
+
+
+def _dw_dense_then_gather(x2, dy2, w, *, precision):
+  """``dW`` as the dense ``x2ᵀ dy2`` with the kept blocks gathered: faster than per-block products
+  where blocks are small and many."""
+  (bk, bn), (kb, nb) = w.block_shape, w.grid_shape
+  full = lax.dot_general(x2, dy2, (((0,), (0,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
+  return full.reshape(kb, bk, nb, bn)[w.row_indices, :, w.col_indices, :].astype(w.dtype)
+
+
+def _use_dense_dw(shape, block_shape, nnz_blocks: int, mosaic_dw_cfg) -> bool:
+  """Whether ``dw`` is the dense product plus a gather (small blocks, not on the Mosaic kernel)."""
+  if mosaic_dw_cfg is not None:
+    return False
+  (k, n), (bk, bn) = shape, block_shape
+  return min(bk, bn) < DW_DENSE_BELOW_BLOCK and nnz_blocks >= DW_DENSE_MIN_DENSITY * (k // bk) * (n // bn)
 
 
 @functools.cache
@@ -272,10 +367,32 @@ def mosaic_unavailable_reason() -> str:
   return _mosaic_probe() or ""
 
 
-def _use_mosaic(mosaic_cfg, a, w, out_dtype, *, transpose: bool, interpret: bool) -> bool:
+def allows_tf32(precision: lax.PrecisionLike) -> bool:
+  """Whether a float32 product at ``precision`` may run on TF32 tensor cores, as XLA's GPU dots do.
+
+  ``None`` follows ``jax_default_matmul_precision`` (unset: DEFAULT). DEFAULT and HIGH allow TF32;
+  HIGHEST (``"float32"``) and explicit algorithms other than TF32 do not.
+  """
+  if precision is None:
+    precision = jax.config.jax_default_matmul_precision
+    if precision is None:
+      return True
+  if isinstance(precision, (tuple, list)):
+    return all(allows_tf32(p) for p in precision)
+  if isinstance(precision, lax.DotAlgorithmPreset):
+    return precision in (lax.DotAlgorithmPreset.DEFAULT, lax.DotAlgorithmPreset.TF32_TF32_F32)
+  try:
+    return lax.Precision(precision) != lax.Precision.HIGHEST
+  except (TypeError, ValueError):
+    return False
+
+
+def _use_mosaic(mosaic_cfg, a, w, out_dtype, *, transpose: bool, interpret: bool, precision=None) -> bool:
   """Whether this product runs on the Mosaic GPU kernel (in its interpret mode with ``interpret``)."""
   if mosaic_cfg is None or mosaic is None or not (interpret or mosaic_available()):
     return False
+  if jnp.dtype(a.dtype).itemsize == 4 and not allows_tf32(precision):
+    return False  # the Mosaic kernel computes float32 in TF32
   return mosaic.supports(a, w, out_dtype, transpose=transpose)
 
 
@@ -511,7 +628,10 @@ def forward(
   if w.nnz_blocks == 0:
     return jnp.zeros((m, n), out_dtype)
   configs = _config_for(config, x2, w)
-  if _use_mosaic(configs.mosaic_forward, x2, w, out_dtype, transpose=False, interpret=interpret):
+  if configs.dense and not interpret:
+    wd = _dense_weight(w, compute_dtype)
+    return jnp.matmul(x2.astype(compute_dtype), wd, precision=precision, preferred_element_type=out_dtype)
+  if _use_mosaic(configs.mosaic_forward, x2, w, out_dtype, transpose=False, interpret=interpret, precision=precision):
     return mosaic.dense_sparse_matmul(x2, w, out_dtype=out_dtype, config=configs.mosaic_forward, interpret=interpret)
   cfg = configs.forward
   # The kernel reads `window` entries of these at a time: pad them to that (a no-op unless the
@@ -675,7 +795,15 @@ def backward(
     return (jnp.zeros(x2.shape, x2.dtype) if need_dx else None), (w.data if need_dw else None)
   cfg = _config_for(config, x2, w)
   dx = ddata = None
-  if need_dx and _use_mosaic(cfg.mosaic_dx, dy2, w, x2.dtype, transpose=True, interpret=interpret):
+  if cfg.dense and not interpret:
+    if need_dx:
+      wd = _dense_weight(w, compute_dtype)
+      dx = jnp.matmul(dy2.astype(compute_dtype), wd.T, precision=precision, preferred_element_type=jnp.float32)
+      dx = dx.astype(x2.dtype)
+    if need_dw:
+      ddata = _dw_dense_then_gather(x2.astype(compute_dtype), dy2.astype(compute_dtype), w, precision=precision)
+    return dx, ddata
+  if need_dx and _use_mosaic(cfg.mosaic_dx, dy2, w, x2.dtype, transpose=True, interpret=interpret, precision=precision):
     dx = mosaic.dense_sparse_matmul(
         dy2, w, transpose=True, out_dtype=x2.dtype, config=cfg.mosaic_dx, interpret=interpret
     )
@@ -683,7 +811,18 @@ def backward(
     dx = _dx(
         dy2, w, compute_dtype=compute_dtype, out_dtype=x2.dtype, precision=precision, cfg=cfg.dx, interpret=interpret
     )
-  if need_dw:
+  use_mosaic_dw = (
+      cfg.mosaic_dw is not None
+      and mosaic_sdd is not None
+      and (interpret or mosaic_available())
+      and (jnp.dtype(x2.dtype).itemsize != 4 or allows_tf32(precision))
+      and mosaic_sdd.supports(x2, dy2, w, cfg.mosaic_dw)
+  )
+  if need_dw and use_mosaic_dw:
+    ddata = mosaic_sdd.sampled_dw(x2, dy2, w, config=cfg.mosaic_dw, interpret=interpret)
+  elif need_dw and cfg.dw_dense and not interpret:
+    ddata = _dw_dense_then_gather(x2, dy2, w, precision=precision)
+  elif need_dw:
     ddata = _dw(x2, dy2, w, compute_dtype=compute_dtype, precision=precision, cfg=cfg.dw, interpret=interpret)
   return dx, ddata
 

@@ -18,8 +18,14 @@ compute warpgroups (``tile_m / 2`` rows each) accumulate with wgmma in float32 a
 of the tile with TMA. The loops over steps have data-dependent trip counts; work and traffic are
 proportional to the kept blocks.
 
-Needs a Hopper GPU (compute capability 9.x: wgmma), 16-bit inputs of one dtype and blocks of 32, 64 or
-128; :func:`unsupported_reason` says why not otherwise, and :mod:`jaxsparse.pallas._block_sparse_matmul`
+Float32 inputs run on TF32 wgmma, the precision of XLA's own float32 ``dot`` at DEFAULT precision on a
+GPU (callers keep ``Precision.HIGHEST`` on the exact Triton kernels). TF32 wgmma reads both operands
+K-major only, so the float32 forward takes its ``B`` blocks from a transposed copy of ``data``
+(``(nnz, bn, bk)``, one pass over the kept weights) and views them transposed in shared memory, as
+``dX`` does with ``data`` itself.
+
+Needs a Hopper GPU (compute capability 9.x: wgmma), inputs of one dtype (bf16, fp16 or f32) and blocks
+of 32, 64 or 128; :func:`unsupported_reason` says why not otherwise, and :mod:`jaxsparse.pallas._block_sparse_matmul`
 falls back to its Triton kernels. The tile-order and step-order logic is plain ``jnp`` (:func:`tile_of`,
 :func:`steps_of`) so that CPU tests can check it against the dense product; the kernel itself also runs
 in Mosaic GPU interpret mode on a CPU (``interpret=True``): the forward with jax 0.10 (CI), the
@@ -54,7 +60,7 @@ __all__ = [
     "unsupported_reason",
 ]
 
-SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 SUPPORTED_BLOCK_DIMS = (32, 64, 128)
 OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 _NUM_COMPUTE_WGS = 2
@@ -72,7 +78,8 @@ class MosaicKernelConfig:
 
   Attributes:
     tile_m: rows of ``a`` per output tile, split between the two compute warpgroups: 128 or 256.
-    tile_k: contraction depth of one pipeline step (a divisor of the contraction block): 32 or 64.
+    tile_k: contraction depth of one pipeline step (a divisor of the contraction block): 32 or 64
+      (float32 inputs: 32, one 128-byte swizzle row).
     num_stages: shared-memory slots in the load ring (each holds one ``a`` tile and one ``B`` tile).
     group_m: output tiles are visited ``group_m`` row tiles at a time (per block column), so that the
       tiles running together share their ``a`` rows in L2.
@@ -133,7 +140,9 @@ class MosaicBlockSparseMatmulConfig:
 
     def pick(ob: int, cb: int, group_m: int) -> MosaicKernelConfig:
       tile_m = 256 if m > 128 else 128
-      base = MosaicKernelConfig(tile_m=tile_m, tile_k=min(64, cb), group_m=group_m, epi_n=min(64, ob))
+      # One 128-byte swizzle row per step: 64 16-bit or 32 float32 elements.
+      tile_k = min(128 // itemsize, cb)
+      base = MosaicKernelConfig(tile_m=tile_m, tile_k=tile_k, group_m=group_m, epi_n=min(64, ob))
       for stages in (4, 3, 2):
         cfg = dataclasses.replace(base, num_stages=stages)
         if cfg.smem_bytes(ob, itemsize, out_itemsize) <= _SMEM_BYTES:
@@ -187,7 +196,7 @@ def unsupported_reason(a: jax.Array, w: BlockSparseMatrix, out_dtype=None, confi
   if not isinstance(w, BlockSparseMatrix):
     return f"w must be a BlockSparseMatrix, got {type(w).__name__}"
   if jnp.dtype(a.dtype) not in SUPPORTED_DTYPES or a.dtype != w.dtype:
-    return f"needs 16-bit inputs of one dtype ({[str(d) for d in SUPPORTED_DTYPES]}), got {a.dtype} and {w.dtype}"
+    return f"needs inputs of one dtype in {[str(d) for d in SUPPORTED_DTYPES]}, got {a.dtype} and {w.dtype}"
   out_dtype = jnp.dtype(out_dtype or a.dtype)
   if out_dtype not in OUT_DTYPES:
     return f"out_dtype {out_dtype} is not one of {[str(d) for d in OUT_DTYPES]}"
@@ -203,6 +212,8 @@ def unsupported_reason(a: jax.Array, w: BlockSparseMatrix, out_dtype=None, confi
   if config is not None:
     if cb % config.tile_k or ob % min(config.epi_n, ob):
       return f"{config} does not tile blocks {w.block_shape}"
+    if a.dtype.itemsize == 4 and config.tile_k != 32:
+      return f"{config}: float32 (TF32 wgmma) needs tile_k=32"
     if config.smem_bytes(ob, a.dtype.itemsize, out_dtype.itemsize) > _SMEM_BYTES:
       return f"{config} needs more than {_SMEM_BYTES} bytes of shared memory"
   return None
@@ -256,13 +267,18 @@ def _kernel(
     *,
     cfg: MosaicKernelConfig,
     transpose: bool,
+    b_k_major: bool,
     num_m: int,
     num_c: int,
     num_ctas: int,
 ):
-  """One thread block: warpgroups 0 and 1 compute, warpgroup 2 streams the operands."""
-  _, bk, bn = data_ref.shape
-  ob, cb = (bk, bn) if transpose else (bn, bk)
+  """One thread block: warpgroups 0 and 1 compute, warpgroup 2 streams the operands.
+
+  ``data_ref`` holds ``(nnz, ob, cb)`` blocks with ``b_k_major`` (``dX``: ``data``; the float32
+  forward: ``data`` transposed), else ``(nnz, cb, ob)`` (the 16-bit forward: ``data``).
+  """
+  _, d1, d2 = data_ref.shape
+  ob, cb = (d1, d2) if b_k_major else (d2, d1)
   tm, tk, stages = cfg.tile_m, cfg.tile_k, cfg.num_stages
   half = tm // _NUM_COMPUTE_WGS
   ksub = cb // tk
@@ -278,7 +294,7 @@ def _kernel(
     mi, c = tile_of(cta + i * num_ctas, num_m, num_c, cfg.group_m)
     return mi, c, offsets_ref[c], offsets_ref[c + 1]
 
-  b_shape = (ob, tk) if transpose else (tk, ob)
+  b_shape = (ob, tk) if b_k_major else (tk, ob)
 
   @functools.partial(
       pl.run_scoped,
@@ -310,7 +326,7 @@ def _kernel(
             plgpu.copy_gmem_to_smem(
                 a_ref.at[pl.ds(mi * tm, tm), pl.ds(a0 + kk * tk, tk)], a_smem.at[slot], ready.at[slot]
             )
-            if transpose:
+            if b_k_major:
               b_src = data_ref.at[b, :, pl.ds(kk * tk, tk)]
             else:
               b_src = data_ref.at[b, pl.ds(kk * tk, tk), :]
@@ -341,7 +357,7 @@ def _kernel(
               slot = lax.rem(g, stages)
               plgpu.barrier_wait(ready.at[slot])
               b = b_smem.at[slot]
-              plgpu.wgmma(acc_ref, a_smem.at[slot, rows], _transposed(b) if transpose else b)
+              plgpu.wgmma(acc_ref, a_smem.at[slot, rows], _transposed(b) if b_k_major else b)
               plgpu.wgmma_wait(0)
               plgpu.barrier_arrive(consumed.at[slot])
               g = g + 1
@@ -375,7 +391,8 @@ def dense_sparse_matmul(
   """``a (M, K) @ W (K, N)`` or, with ``transpose``, ``a (M, N) @ Wᵀ``, accumulated in float32.
 
   Args:
-    a: ``(M, features)`` activations (``x`` or ``dY``), of ``w``'s 16-bit dtype.
+    a: ``(M, features)`` activations (``x`` or ``dY``), of ``w``'s dtype (bf16, fp16, or float32
+      computed in TF32).
     w: block-sparse ``(K, N)`` weight.
     transpose: multiply by ``Wᵀ`` (the ``dX`` product) instead of ``W``.
     out_dtype: output dtype, ``a.dtype`` by default (float32 keeps the accumulator).
@@ -410,8 +427,10 @@ def dense_sparse_matmul(
   num_ctas = config.num_ctas
   num_ctas = num_tiles if num_ctas == 0 else min(num_tiles, num_ctas or _num_sms())
   offsets, blocks, a_blocks = steps_of(w, transpose=transpose)
+  b_k_major = transpose or a.dtype.itemsize == 4
+  data = w.data if transpose or not b_k_major else jnp.swapaxes(w.data, 1, 2)
   kernel = functools.partial(
-      _kernel, cfg=config, transpose=transpose, num_m=num_m, num_c=num_c, num_ctas=num_ctas
+      _kernel, cfg=config, transpose=transpose, b_k_major=b_k_major, num_m=num_m, num_c=num_c, num_ctas=num_ctas
   )
   params = {"interpret": _interpret_params()} if interpret else {}
   out = plgpu.kernel(
@@ -423,7 +442,7 @@ def dense_sparse_matmul(
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       **params,
-  )(offsets, blocks, a_blocks, ap, w.data)
+  )(offsets, blocks, a_blocks, ap, data)
   return out[:m] if pad else out
 
 

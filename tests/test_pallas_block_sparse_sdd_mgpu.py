@@ -1,0 +1,185 @@
+"""The Mosaic GPU sampled ``xᵀ dY`` kernel (:mod:`jaxsparse.pallas._block_sparse_sdd_mgpu`).
+
+Its work-item logic runs on a CPU (replayed in NumPy against the dense product); the kernel itself
+needs a Hopper GPU (jax 0.10's Mosaic GPU interpreter has no transposed wgmma operands), so the
+kernel tests are marked ``gpu`` (``benchmarks/run_gpu.sh tests``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxsparse.pallas import BlockSparseMatmulConfig
+from jaxsparse.pallas import KernelConfig
+from jaxsparse.pallas import _block_sparse_matmul as kernels
+from jaxsparse.pallas import _block_sparse_sdd_mgpu as sdd
+from tests.test_pallas_block_sparse import RTOL
+from tests.test_pallas_block_sparse import RTOL_TF32
+from tests.test_pallas_block_sparse import _assert_close
+from tests.test_pallas_block_sparse import _dense_reference
+from tests.test_pallas_block_sparse import _problem
+
+needs_hopper = pytest.mark.skipif(not kernels.mosaic_available(), reason=kernels.mosaic_unavailable_reason())
+
+
+@pytest.fixture(autouse=True)
+def _quiet_triton_deprecation():
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
+    yield
+
+
+@pytest.mark.parametrize("group", [2, 4, 8])
+@pytest.mark.parametrize("pattern", ["random", "single", "dense"])
+def test_items_rebuild_the_sampled_product(pattern, group):
+  # The kernel's work items, replayed in NumPy: each item's blocks get x[:, row]ᵀ dY[:, col].
+  x, dy, w = _problem(24, 5 * 32, 7 * 32, (32, 32), pattern, jnp.float32, seed=group)
+  (bk, bn) = w.block_shape
+  num_items, rows, blocks, cols = (np.asarray(a) for a in sdd.items_of(w, group))
+  n = int(num_items[0])
+  assert rows.shape[0] >= n and blocks.shape == cols.shape == (rows.shape[0] * group,)
+  xs, dys = np.asarray(x, np.float64), np.asarray(dy, np.float64)
+  out = np.full(w.data.shape, np.nan)
+  row_of, col_of = np.asarray(w.row_indices), np.asarray(w.col_indices)
+  for it in range(n):
+    i = rows[it]
+    for q in range(group):
+      t, j = blocks[it * group + q], cols[it * group + q]
+      assert row_of[t] == i and col_of[t] == j  # a padded slot repeats a block of the same row
+      out[t] = xs[:, i * bk : (i + 1) * bk].T @ dys[:, j * bn : (j + 1) * bn]
+  _, _, ddata_ref = _dense_reference(x, dy, w)
+  np.testing.assert_allclose(out, np.asarray(ddata_ref, np.float64), rtol=1e-4, atol=1e-4)
+  # Items are as few as runs of `group` allow: sum over block rows of ceil(kept / group).
+  per_row = np.diff(np.asarray(w.row_offsets))
+  assert n == int(np.sum(-(-per_row // group)))
+
+
+def test_config_defaults_fit_and_errors():
+  for bs, dtype in [(bs, dt) for bs in [(64, 64), (128, 128), (64, 128), (128, 64)] for dt in (jnp.bfloat16,
+                    jnp.float32)] + [((64, 32), jnp.float32), ((128, 32), jnp.float32)]:
+    cfg = sdd.MosaicSddConfig.get_default(bs, dtype)
+    itemsize = jnp.dtype(dtype).itemsize
+    assert cfg.smem_bytes(bs, itemsize) <= 227 * 1024 and cfg.num_stages >= 3 and cfg.group == 2
+    assert cfg.group // 2 * bs[0] * bs[1] <= 128 * 128  # accumulator registers per thread
+    assert cfg.tile_m * itemsize == 128  # one 128-byte swizzle row of x / dY per step
+  with pytest.raises(ValueError, match="group=3"):
+    sdd.MosaicSddConfig(group=3)
+  with pytest.raises(ValueError, match="tile_m=16"):
+    sdd.MosaicSddConfig(tile_m=16)
+  x, dy, w = _problem(64, 128, 128, (64, 64), "random", jnp.bfloat16)
+  assert sdd.supports(x, dy, w)
+  assert "one dtype" in sdd.unsupported_reason(x.astype(jnp.float32), dy, w)
+  x32, dy32 = x.astype(jnp.float32), dy.astype(jnp.float32)
+  w32 = w.with_data(w.data.astype(jnp.float32))
+  assert sdd.supports(x32, dy32, w32)
+  assert "tile_m=32" in sdd.unsupported_reason(x32, dy32, w32, sdd.MosaicSddConfig(tile_m=64))
+  assert "tile_m=32" in sdd.unsupported_reason(x, dy, w, sdd.MosaicSddConfig(tile_m=32))
+  for bs in [(32, 64), (64, 32)]:
+    _, _, w_small = _problem(64, 128, 128, bs, "random", jnp.bfloat16)
+    assert "bk" in sdd.unsupported_reason(x, dy, w_small)
+  assert "shared memory" in sdd.unsupported_reason(x, dy, w, sdd.MosaicSddConfig(group=8, num_stages=8))
+  x128, dy128, w128 = _problem(64, 256, 256, (128, 128), "random", jnp.bfloat16)
+  assert "registers" in sdd.unsupported_reason(x128, dy128, w128, sdd.MosaicSddConfig(group=4, num_stages=1))
+
+
+def test_dw_defaults_where_they_measured_faster(monkeypatch):
+  monkeypatch.setattr(kernels, "_mosaic_probe", lambda: None)  # as on a Hopper GPU
+  get = BlockSparseMatmulConfig.get_default
+  # 16-bit: the Mosaic dW for 64 x 64 blocks only (Triton was faster at 128 x 128).
+  assert get(8192, (4096, 4096), (64, 64), 1024, jnp.bfloat16).mosaic_dw == sdd.MosaicSddConfig(group=2)
+  assert get(8192, (4096, 4096), (64, 64), 1024, jnp.float32).mosaic_dw.group == 2
+  assert get(8192, (4096, 4096), (128, 128), 256, jnp.bfloat16).mosaic_dw is None
+  assert get(64, (4096, 4096), (64, 64), 1024, jnp.bfloat16).mosaic_dw is None
+  # Float32 (TF32): every block with bk >= 64, from M = 256.
+  for bs in [(128, 128), (64, 64), (64, 32)]:
+    assert get(8192, (4096, 4096), bs, 256, jnp.float32).mosaic_dw.tile_m == 32
+  assert get(128, (4096, 4096), (128, 128), 256, jnp.float32).mosaic_dw is None
+  # Small blocks elsewhere: one dense xᵀdY plus a gather, unless very sparse.
+  for bs, dtype in [((32, 32), jnp.bfloat16), ((32, 32), jnp.float32), ((64, 32), jnp.bfloat16)]:
+    nnz = (4096 // bs[0]) * (4096 // bs[1]) // 4
+    cfg = get(8192, (4096, 4096), bs, nnz, dtype)
+    assert cfg.dw_dense and cfg.mosaic_dw is None
+    assert not get(8192, (4096, 4096), bs, nnz // 4, dtype).dw_dense  # density 1/16
+  assert not get(8192, (4096, 4096), (64, 64), 1024, jnp.bfloat16).dw_dense
+
+
+def test_dense_then_gather_dw_matches_dense():
+  # The XLA dW path of small blocks (also what the GPU runs for them): rectangular blocks, an
+  # empty block row and column.
+  x, dy, w = _problem(40, 5 * 32, 6 * 16, (32, 16), "random", jnp.float32, seed=9)
+  ddata = kernels._dw_dense_then_gather(x, dy, w, precision=jax.lax.Precision.HIGHEST)
+  _, _, ddata_ref = _dense_reference(x, dy, w)
+  _assert_close(ddata, ddata_ref, jnp.float32, "dW", 1e-5)
+
+
+GPU_CASES = [
+    (m, b, pattern, dtype, group)
+    for m in (1024, 300)
+    for b in [(64, 64), (128, 128)]
+    for pattern, dtype in [("random", jnp.bfloat16), ("random", jnp.float16), ("single", jnp.bfloat16)]
+    for group in (None,)
+] + [
+    (m, b, pattern, jnp.float32, None)
+    for m in (1024, 300)
+    for b in [(64, 64), (128, 128), (64, 32)]
+    for pattern in ("random", "single")
+] + [
+    (512, (64, 64), "random", jnp.bfloat16, 2),
+    (512, (64, 64), "dense", jnp.bfloat16, 8),
+    (512, (64, 128), "random", jnp.bfloat16, None),
+    (512, (128, 64), "random", jnp.float16, None),
+    (448, (64, 64), "random", jnp.bfloat16, None),
+    (512, (64, 64), "random", jnp.float16, 4),
+    (512, (128, 64), "dense", jnp.float32, 2),
+]
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize(("m", "block_shape", "pattern", "dtype", "group"), GPU_CASES)
+def test_gpu_sampled_dw_matches_dense(m, block_shape, pattern, dtype, group):
+  # "random" has an empty block row and column; m = 300 / 448 are not multiples of tile_m = 64 / 128.
+  x, dy, w = _problem(m, 512, 768, block_shape, pattern, dtype, seed=m + block_shape[1])
+  cfg = sdd.MosaicSddConfig.get_default(block_shape, dtype)
+  if group is not None:
+    cfg = dataclasses.replace(cfg, group=group, num_stages=2)
+    if dtype != jnp.float32:
+      cfg = dataclasses.replace(cfg, tile_m=128 if group == 4 else 64)
+  poisoned = jnp.full(w.data.shape, jnp.nan, dtype)
+  w = w.with_data(poisoned)  # the kernel reads only the pattern; every block must be written
+  ddata = jax.jit(lambda x, dy, w: sdd.sampled_dw(x, dy, w, config=cfg))(x, dy, w)
+  _, _, ddata_ref = _dense_reference(x, dy, w.with_data(jnp.zeros_like(poisoned)))
+  assert ddata.dtype == dtype
+  _assert_close(ddata, ddata_ref, dtype, "dW", RTOL_TF32 if dtype == jnp.float32 else RTOL[dtype])
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_gpu_backward_dispatches_dw_to_mosaic(monkeypatch):
+  x, dy, w = _problem(1024, 512, 512, (64, 64), "random", jnp.bfloat16, seed=3)
+  cfg = BlockSparseMatmulConfig.get_default(1024, w.shape, w.block_shape, w.nnz_blocks, w.dtype)
+  assert cfg.mosaic_dw is not None
+  calls, real = [], sdd.sampled_dw
+  monkeypatch.setattr(sdd, "sampled_dw", lambda *a, **k: calls.append(k) or real(*a, **k))
+  _, ddata = kernels.backward(x, dy, w, config=cfg)
+  assert len(calls) == 1
+  _, _, ddata_ref = _dense_reference(x, dy, w)
+  _assert_close(ddata, ddata_ref, jnp.bfloat16, "dW")
+  # The Triton fallback (no Mosaic config) gives the same blocks.
+  tri = dataclasses.replace(cfg, mosaic_dw=None, dw=KernelConfig(64))
+  _, ddata_tri = kernels.backward(x, dy, w, config=tri)
+  _assert_close(ddata, ddata_tri, jnp.bfloat16, "dW vs Triton")
+
+
+def test_small_dense_patterns_run_densely():
+  get = BlockSparseMatmulConfig.get_default
+  blocks = (4096 // 32) ** 2
+  assert get(8192, (4096, 4096), (32, 32), blocks // 2, jnp.bfloat16).dense  # d = 0.5: 1.5x dense measured
+  assert not get(8192, (4096, 4096), (32, 32), blocks // 4, jnp.bfloat16).dense  # d = 0.25: 0.95
+  assert not get(8192, (4096, 4096), (64, 64), (4096 // 64) ** 2 // 2, jnp.float32).dense
