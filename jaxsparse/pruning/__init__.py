@@ -33,6 +33,12 @@ from jaxsparse.pruning._calibration import calibrate_linen
 from jaxsparse.pruning._dst import cosine_drop_fraction
 from jaxsparse.pruning._dst import rigl_pruner
 from jaxsparse.pruning._dst import set_pruner
+from jaxsparse.pruning._oneshot import CalibratedPruneReport
+from jaxsparse.pruning._oneshot import LayerPruned
+from jaxsparse.pruning._oneshot import calibrated_prune
+from jaxsparse.pruning._oneshot import calibrated_prune_linen
+from jaxsparse.pruning._oneshot import sparsegpt
+from jaxsparse.pruning._oneshot import wanda
 from jaxsparse.pruning._optax import Pruner
 from jaxsparse.pruning._optax import PruningState
 from jaxsparse.pruning._optax import apply_masks
@@ -40,12 +46,6 @@ from jaxsparse.pruning._optax import get_masks
 from jaxsparse.pruning._optax import magnitude_pruner
 from jaxsparse.pruning._optax import masks_to_dict
 from jaxsparse.pruning._optax import wrap_optax
-from jaxsparse.pruning._oneshot import CalibratedPruneReport
-from jaxsparse.pruning._oneshot import LayerPruned
-from jaxsparse.pruning._oneshot import calibrated_prune
-from jaxsparse.pruning._oneshot import calibrated_prune_linen
-from jaxsparse.pruning._oneshot import sparsegpt
-from jaxsparse.pruning._oneshot import wanda
 from jaxsparse.pruning._schedules import Schedule
 from jaxsparse.pruning._schedules import gradual
 from jaxsparse.pruning._schedules import one_shot

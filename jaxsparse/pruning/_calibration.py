@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from collections.abc import Callable
 from collections.abc import Mapping
 from collections.abc import Sequence
@@ -114,7 +113,8 @@ def _is_jaxsparse(node: Any) -> bool:
 def nnx_candidates(model: nnx.Module) -> list[tuple[tuple, tuple[int, ...], int]]:
   """``(key, kernel_shape, n_in_axes)`` of every dense ``nnx.Linear`` / ``nnx.LinearGeneral`` in ``model``."""
   if not isinstance(model, nnx.Module):
-    raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}; for Linen use the *_linen functions.")
+    raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}; for Linen use the *_linen "
+                    "functions.")
   sparse_keys, out = [], []
   for key, node in nnx.iter_modules(model):
     key = tuple(key)
@@ -219,8 +219,7 @@ def _zeros(k: int, gram: bool) -> LayerStats:
 
 
 def _check_batches(batches: Any) -> list:
-  if isinstance(batches, (jax.Array, Mapping)) or not isinstance(batches, Sequence) and not hasattr(
-      batches, "__iter__"):
+  if isinstance(batches, (jax.Array, Mapping)) or not hasattr(batches, "__iter__"):
     raise TypeError(f"batches must be a sequence of model inputs (a list of batches), got {type(batches).__name__}.")
   batches = list(batches)
   if not batches:
@@ -380,9 +379,3 @@ def calibrate_linen(module: nn.Module, variables: Mapping, batches: Sequence[Any
   apply_kwargs = dict(apply_kwargs or {})
   layers = resolve_layers(linen_candidates(module, variables, batches[0], apply_kwargs), rules, what="nn.Dense call")
   return linen_layer_stats(module, variables, layers, batches, apply_kwargs=apply_kwargs, gram=gram)
-
-
-def check_fraction(value: object, *, name: str) -> float:
-  if isinstance(value, bool) or not isinstance(value, numbers.Real):
-    raise TypeError(f"{name} must be a float, got {value!r}.")
-  return float(value)

@@ -87,7 +87,8 @@ class CalibratedPruneReport:
 
   def __str__(self) -> str:
     rows = [f"{self.method}: {len(self.layers)} layers",
-            "| path | (K, N) | pattern | group | density | rel. error | tokens | s |", "|---|---|---|---|---|---|---|---|"]
+            "| path | (K, N) | pattern | group | density | rel. error | tokens | s |",
+            "|---|---|---|---|---|---|---|---|"]
     rows += [f"| {r.path} | {r.shape} | {r.pattern} | {r.group} | {r.density:.3f} | {r.error:.4f} | {r.tokens} | "
              f"{r.seconds:.2f} |" for r in self.layers]
     return "\n".join(rows)
@@ -288,7 +289,8 @@ def calibrated_prune(
 
   masks, report = _run(
       layers, batches, method=method, sequential=sequential, damp=damp, block_size=block_size, progress=progress,
-      stats_of=lambda group: nnx_layer_stats(model, group, batches, call=call, gram=method == "sparsegpt" or measure_error),
+      stats_of=lambda group: nnx_layer_stats(model, group, batches, call=call,
+                                             gram=method == "sparsegpt" or measure_error),
       get_kernel=lambda layer: get_module(model, layer.key).kernel[...], set_kernel=set_kernel,
   )
   if to_sparse:

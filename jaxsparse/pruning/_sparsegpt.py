@@ -27,6 +27,7 @@ References:
 from __future__ import annotations
 
 import functools
+import itertools
 import numbers
 from typing import Any
 from typing import NamedTuple
@@ -141,7 +142,7 @@ def _unstructured_prune_counts(sparsity: float, k: int, n: int, block_size: int)
   """Weights pruned per batch of input features: cumulative rounding, so they add up to the layer count."""
   edges = [*range(0, k, block_size), k]
   pruned_until = [int(sparsity * (n * e) + 0.5) for e in edges]  # kept_count() of the first e features
-  return tuple(b - a for a, b in zip(pruned_until[:-1], pruned_until[1:], strict=True))
+  return tuple(b - a for a, b in itertools.pairwise(pruned_until))
 
 
 def _top_count_mask(scores: jax.Array, kept: int) -> jax.Array:

@@ -18,6 +18,7 @@ References:
 from __future__ import annotations
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -92,7 +93,7 @@ def _static(spec, shape: tuple[int, int], per_output: bool) -> dict:
   if isinstance(spec, Unstructured):
     if per_output:  # pruned per output j: cumulative rounding, so the layer total is the spec's count
       edges = [int(spec.sparsity * (k * j) + 0.5) for j in range(n + 1)]
-      kept = tuple(k - (b - a) for a, b in zip(edges[:-1], edges[1:], strict=True))
+      kept = tuple(k - (b - a) for a, b in itertools.pairwise(edges))
     else:
       kept = k * n - _validation.kept_count(spec.sparsity, k * n)
     return {"kind": "unstructured", "options": (per_output, kept)}
