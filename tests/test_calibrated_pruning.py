@@ -379,7 +379,7 @@ def test_sparsity_outside_range():
 def test_singular_hessian_without_damping():
   x = jax.random.normal(jax.random.key(0), (8, 16))  # 8 tokens, 16 features: rank 8
   w = jax.random.normal(jax.random.key(1), (16, 4))
-  with pytest.raises(ValueError, match="not positive definite.*damp > 0"):
+  with pytest.raises(ValueError, match=r"not positive definite.*damp > 0"):
     pruning.sparsegpt_layer(w, x.T @ x, jaxsparse.NM(2, 4), damp=0.0, path="fc1")
   pruning.sparsegpt_layer(w, x.T @ x, jaxsparse.NM(2, 4), damp=0.01)  # damping makes it definite
   model = MLP(nnx.Rngs(0))
