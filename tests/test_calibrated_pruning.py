@@ -229,6 +229,24 @@ def test_calibrate_collects_norms_and_gram():
   assert pruning.calibrate(model, batches, {"fc1": jaxsparse.NM(2, 4)}, gram=False)["fc1"].gram is None
 
 
+def test_token_mask_leaves_padding_out():
+  model = MLP(nnx.Rngs(0))
+  x = correlated_inputs(jax.random.key(20), 12, 16)
+  padded = jnp.zeros((2, 8, 16)).at[0, :7].set(x[:7]).at[1, :5].set(x[7:]) + 3.0 * (jnp.arange(8) >= jnp.array(
+      [[7], [5]]))[..., None]  # padding tokens are not zero: they must be masked, not merely small
+  mask = (jnp.arange(8)[None, :] < jnp.array([[7], [5]])).astype(jnp.int32)
+  rules = {"fc.": jaxsparse.NM(2, 4)}
+  got = pruning.calibrate(model, [{"x": padded, "m": mask}], rules, call=lambda m, b: m(b["x"]),
+                          token_mask=lambda b: b["m"])
+  want = pruning.calibrate(model, [x], rules)
+  for path in ("fc1", "fc2"):
+    assert int(got[path].tokens) == 12
+    np.testing.assert_allclose(np.asarray(got[path].gram), np.asarray(want[path].gram), rtol=1e-5, atol=1e-4)
+  with pytest.raises(ValueError, match="token_mask gives 2 weights"):
+    pruning.calibrate(model, [{"x": padded, "m": mask}], rules, call=lambda m, b: m(b["x"]),
+                      token_mask=lambda b: b["m"][:, 0])
+
+
 def test_sequential_mode_calibrates_on_pruned_inputs():
   model = MLP(nnx.Rngs(1))
   batches = _batches()

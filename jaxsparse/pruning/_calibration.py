@@ -204,12 +204,22 @@ def nnx_call_order(model: nnx.Module, keys: Sequence[tuple], batch: Any, call: C
   return order
 
 
-def _add_stats(acc: LayerStats, xs: list[jax.Array], k: int, gram: bool) -> LayerStats:
-  x = jnp.concatenate([x.reshape(-1, k) for x in xs]).astype(jnp.float32)
+def _add_stats(acc: LayerStats, xs: list[jax.Array], layer: Layer, gram: bool, weights: jax.Array | None) -> LayerStats:
+  rows = []
+  for x in xs:
+    x = x.reshape(-1, layer.k).astype(jnp.float32)
+    if weights is not None:
+      if weights.size != x.shape[0]:
+        raise ValueError(f"{layer.path}: token_mask gives {weights.size} weights per batch but the layer sees "
+                         f"{x.shape[0]} tokens; the mask must have the shape of the layer input without its features.")
+      x = x * weights.reshape(-1, 1).astype(jnp.float32)
+    rows.append(x)
+  x = jnp.concatenate(rows)
+  count = x.shape[0] if weights is None else len(xs) * jnp.sum(weights != 0, dtype=jnp.int32)
   return LayerStats(
       acc.sq_norms + jnp.sum(x * x, axis=0),
       acc.gram + jnp.matmul(x.T, x, precision=_HIGHEST) if gram else None,
-      acc.tokens + x.shape[0],
+      acc.tokens + count,
   )
 
 
@@ -228,7 +238,7 @@ def _check_batches(batches: Any) -> list:
 
 
 def nnx_layer_stats(model: nnx.Module, layers: Sequence[Layer], batches: Sequence[Any], *, call: Callable,
-                    gram: bool) -> dict[str, LayerStats]:
+                    gram: bool, token_mask: Callable[[Any], jax.Array] | None = None) -> dict[str, LayerStats]:
   """Accumulates the :class:`LayerStats` of ``layers`` over ``batches`` (one jitted step per batch)."""
   graphdef, state = nnx.split(model)
 
@@ -239,7 +249,8 @@ def nnx_layer_stats(model: nnx.Module, layers: Sequence[Layer], batches: Sequenc
     for layer in layers:
       if not xs[layer.key]:
         raise ValueError(f"{layer.path}: the model does not call this layer on a calibration batch.")
-    return {layer.path: _add_stats(acc[layer.path], xs[layer.key], layer.k, gram) for layer in layers}
+    weights = None if token_mask is None else jnp.asarray(token_mask(batch))
+    return {layer.path: _add_stats(acc[layer.path], xs[layer.key], layer, gram, weights) for layer in layers}
 
   step = jax.jit(step, donate_argnums=1)
   acc = {layer.path: _zeros(layer.k, gram) for layer in layers}
@@ -249,7 +260,8 @@ def nnx_layer_stats(model: nnx.Module, layers: Sequence[Layer], batches: Sequenc
 
 
 def calibrate(model: nnx.Module, batches: Sequence[Any], rules: Any, *, gram: bool = True,
-              call: Callable[[nnx.Module, Any], Any] | None = None) -> dict[str, LayerStats]:
+              call: Callable[[nnx.Module, Any], Any] | None = None,
+              token_mask: Callable[[Any], jax.typing.ArrayLike] | None = None) -> dict[str, LayerStats]:
   """Runs an NNX model on calibration batches and returns the input statistics of the selected layers.
 
   >>> import jax, jaxsparse
@@ -271,6 +283,9 @@ def calibrate(model: nnx.Module, batches: Sequence[Any], rules: Any, *, gram: bo
     gram: also accumulate ``XᵀX`` (SparseGPT needs it; Wanda only the norms).
     call: ``(model, batch) -> output``; default ``model(*batch)`` for a tuple, ``model(**batch)`` for
       a dict, else ``model(batch)``.
+    token_mask: ``batch -> 0/1 array`` over the tokens of a batch (the shape of a layer input without
+      its feature axes, e.g. ``lambda b: b["attention_mask"]`` for padded ``(B, S)`` text batches):
+      tokens with 0 (padding) are left out of the statistics.
 
   Returns:
     ``{layer path: LayerStats}``, on the device.
@@ -282,7 +297,7 @@ def calibrate(model: nnx.Module, batches: Sequence[Any], rules: Any, *, gram: bo
   layers = resolve_layers(nnx_candidates(model), rules, what="nnx.Linear / nnx.LinearGeneral layer")
   call = default_call if call is None else call
   nnx_call_order(model, [layer.key for layer in layers], batches[0], call)
-  return nnx_layer_stats(model, layers, batches, call=call, gram=gram)
+  return nnx_layer_stats(model, layers, batches, call=call, gram=gram, token_mask=token_mask)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -318,7 +333,8 @@ def linen_candidates(module: nn.Module, variables: Mapping, batch: Any,
 
 
 def linen_layer_stats(module: nn.Module, variables: Mapping, layers: Sequence[Layer], batches: Sequence[Any], *,
-                      apply_kwargs: Mapping, gram: bool) -> dict[str, LayerStats]:
+                      apply_kwargs: Mapping, gram: bool,
+                      token_mask: Callable[[Any], jax.Array] | None = None) -> dict[str, LayerStats]:
   """Linen version of :func:`nnx_layer_stats`: inputs of the ``nn.Dense`` calls at the layers' paths."""
   by_key = {layer.key: layer for layer in layers}
 
@@ -337,7 +353,8 @@ def linen_layer_stats(module: nn.Module, variables: Mapping, layers: Sequence[La
     for layer in layers:
       if not xs[layer.key]:
         raise ValueError(f"{layer.path}: the module does not call this layer on a calibration batch.")
-    return {layer.path: _add_stats(acc[layer.path], xs[layer.key], layer.k, gram) for layer in layers}
+    weights = None if token_mask is None else jnp.asarray(token_mask(batch))
+    return {layer.path: _add_stats(acc[layer.path], xs[layer.key], layer, gram, weights) for layer in layers}
 
   step = jax.jit(step, donate_argnums=1)
   acc = {layer.path: _zeros(layer.k, gram) for layer in layers}
@@ -347,7 +364,8 @@ def linen_layer_stats(module: nn.Module, variables: Mapping, layers: Sequence[La
 
 
 def calibrate_linen(module: nn.Module, variables: Mapping, batches: Sequence[Any], rules: Any, *, gram: bool = True,
-                    apply_kwargs: Mapping[str, Any] | None = None) -> dict[str, LayerStats]:
+                    apply_kwargs: Mapping[str, Any] | None = None,
+                    token_mask: Callable[[Any], jax.typing.ArrayLike] | None = None) -> dict[str, LayerStats]:
   """Linen version of :func:`calibrate`: statistics of the inputs of the selected ``nn.Dense`` calls.
 
   >>> import jax, jaxsparse, flax.linen as nn
@@ -371,6 +389,7 @@ def calibrate_linen(module: nn.Module, variables: Mapping, batches: Sequence[Any
     rules: as :func:`calibrate`, matched against Linen module paths (``"Dense_0"``, ``"mlp.fc1"``).
     gram: also accumulate ``XᵀX``.
     apply_kwargs: extra keyword arguments of ``module.apply`` (e.g. ``{"train": False}``).
+    token_mask: as :func:`calibrate`.
 
   Returns:
     ``{layer path: LayerStats}``.
@@ -378,4 +397,5 @@ def calibrate_linen(module: nn.Module, variables: Mapping, batches: Sequence[Any
   batches = _check_batches(batches)
   apply_kwargs = dict(apply_kwargs or {})
   layers = resolve_layers(linen_candidates(module, variables, batches[0], apply_kwargs), rules, what="nn.Dense call")
-  return linen_layer_stats(module, variables, layers, batches, apply_kwargs=apply_kwargs, gram=gram)
+  return linen_layer_stats(module, variables, layers, batches, apply_kwargs=apply_kwargs, gram=gram,
+                           token_mask=token_mask)

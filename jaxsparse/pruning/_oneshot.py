@@ -218,6 +218,7 @@ def calibrated_prune(
     damp: float = 0.01,
     block_size: int = 128,
     call: Callable[[nnx.Module, Any], Any] | None = None,
+    token_mask: Callable[[Any], jax.typing.ArrayLike] | None = None,
     to_sparse: bool = False,
     inplace: bool = False,
     measure_error: bool = True,
@@ -256,6 +257,8 @@ def calibrated_prune(
     damp: SparseGPT's Hessian damping, a fraction of the mean diagonal.
     block_size: SparseGPT's lazy update batch (input features).
     call: ``(model, batch) -> output``; default ``model(*batch)``, ``model(**batch)`` or ``model(batch)``.
+    token_mask: ``batch -> 0/1 array`` marking the real tokens of a padded batch (see
+      :func:`calibrate`); padding is left out of the statistics.
     to_sparse: return ``jaxsparse.sparsify(pruned, rules, masks=masks)``'s sparse model instead of the
       dense model with pruned weights.
     inplace: prune ``model`` itself.
@@ -289,7 +292,7 @@ def calibrated_prune(
 
   masks, report = _run(
       layers, batches, method=method, sequential=sequential, damp=damp, block_size=block_size, progress=progress,
-      stats_of=lambda group: nnx_layer_stats(model, group, batches, call=call,
+      stats_of=lambda group: nnx_layer_stats(model, group, batches, call=call, token_mask=token_mask,
                                              gram=method == "sparsegpt" or measure_error),
       get_kernel=lambda layer: get_module(model, layer.key).kernel[...], set_kernel=set_kernel,
   )
@@ -352,6 +355,7 @@ def calibrated_prune_linen(
     damp: float = 0.01,
     block_size: int = 128,
     apply_kwargs: Mapping[str, Any] | None = None,
+    token_mask: Callable[[Any], jax.typing.ArrayLike] | None = None,
     measure_error: bool = True,
     progress: bool = True,
 ) -> tuple[dict, dict[str, np.ndarray], CalibratedPruneReport]:
@@ -374,8 +378,8 @@ def calibrated_prune_linen(
   Args:
     module: the Linen module (unchanged).
     variables: its variables; the returned copy has the pruned ``params``.
-    rules, batches, method, sequential, damp, block_size, measure_error, progress: as :func:`calibrated_prune`, with
-      Linen module paths (``"Dense_0"``).
+    rules, batches, method, sequential, damp, block_size, token_mask, measure_error, progress: as
+      :func:`calibrated_prune`, with Linen module paths (``"Dense_0"``).
     apply_kwargs: extra keyword arguments of ``module.apply``.
 
   Returns:
@@ -397,6 +401,7 @@ def calibrated_prune_linen(
   masks, report = _run(
       layers, batches, method=method, sequential=sequential, damp=damp, block_size=block_size, progress=progress,
       stats_of=lambda group: linen_layer_stats(module, new_vars, group, batches, apply_kwargs=apply_kwargs,
+                                               token_mask=token_mask,
                                                gram=method == "sparsegpt" or measure_error),
       get_kernel=lambda layer: jnp.asarray(_nested_get(new_vars["params"], layer.key)["kernel"]), set_kernel=set_kernel,
   )
