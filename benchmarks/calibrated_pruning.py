@@ -148,9 +148,10 @@ def main():
     for name in args.patterns:
       spec = PATTERNS[name]
       solves = {
-          "magnitude": lambda spec=spec: w * pruning.magnitude_layer(w, spec),
-          "wanda": lambda spec=spec: w * pruning.wanda_layer(w, stats.sq_norms, spec),
-          "sparsegpt": lambda spec=spec: pruning.sparsegpt_layer(w, stats.gram, spec, block_size=args.block_size).kernel,
+          "magnitude": lambda w=w, spec=spec: w * pruning.magnitude_layer(w, spec),
+          "wanda": lambda w=w, s=stats, spec=spec: w * pruning.wanda_layer(w, s.sq_norms, spec),
+          "sparsegpt": lambda w=w, s=stats, spec=spec: pruning.sparsegpt_layer(
+              w, s.gram, spec, block_size=args.block_size).kernel,
       }
       for method, fn in solves.items():
         first, steady = timed(fn, args.repeats)
