@@ -124,9 +124,13 @@ def nearest_neighbours(emb: np.ndarray) -> np.ndarray:
   return np.argmax(sim, axis=1)
 
 
-def run(*, calibration: int = 512, held_out: int = 256, patterns: list[str] | None = None,
-        methods: tuple[str, ...] = METHODS, progress: bool = True) -> dict:
-  """Prunes MiniLM with every method and pattern; returns ``{(pattern, method): metrics}`` and the setup."""
+def run(*, calibration: int = 512, held_out: int = 256, patterns: list[str] | dict | None = None,
+        methods: tuple[str, ...] = METHODS, progress: bool = True, **prune_kwargs) -> dict:
+  """Prunes MiniLM with every method and pattern; returns ``{(pattern, method): metrics}`` and the setup.
+
+  ``patterns``: names from ``PATTERNS`` or ``{name: rules}`` (default: all of ``PATTERNS``);
+  ``prune_kwargs`` go to :func:`jaxsparse.pruning.calibrated_prune` (``damp``, ``sequential``, ...).
+  """
   from tokenizers import Tokenizer  # noqa: PLC0415 -- optional example dependency
 
   path = run_minilm.model_dir()
@@ -137,20 +141,22 @@ def run(*, calibration: int = 512, held_out: int = 256, patterns: list[str] | No
   dense = embed(model, held, held_out)
   dense_nn = nearest_neighbours(dense)
   tokens = int(sum(int(b["attention_mask"].sum()) for b in cal))
+  if not isinstance(patterns, dict):
+    patterns = {name: PATTERNS[name] for name in patterns or PATTERNS}
   results = {}
-  for name in patterns or list(PATTERNS):
-    rules = PATTERNS[name]
+  for name, rules in patterns.items():
     for method in methods:
       t0 = time.perf_counter()
       pruned, masks, report = pruning.calibrated_prune(
-          model, rules, cal, method=method, token_mask=lambda b: b["attention_mask"], progress=progress)
+          model, rules, cal, method=method, token_mask=lambda b: b["attention_mask"], progress=progress,
+          **prune_kwargs)
       seconds = time.perf_counter() - t0
       emb = embed(pruned, held, held_out)
       cos = np.sum(emb * dense, axis=-1)  # both L2-normalised
       results[(name, method)] = {
           "cosine": cos, "nn_agreement": float(np.mean(nearest_neighbours(emb) == dense_nn)),
           "layers": len(masks), "density": float(np.mean([m.mean() for m in masks.values()])),
-          "seconds": seconds, "report": report, "pruned": pruned, "masks": masks,
+          "seconds": seconds, "report": report, "pruned": pruned, "masks": masks, "rules": rules,
       }
   return {"results": results, "calibration_sentences": calibration, "calibration_tokens": tokens,
           "held_out": held_out, "held": held, "dense": dense}
@@ -159,7 +165,7 @@ def run(*, calibration: int = 512, held_out: int = 256, patterns: list[str] | No
 def sparse_check(out: dict, pattern: str = "2:4 FFN only", method: str = "sparsegpt") -> float:
   """Max abs difference between the embeddings of the pruned dense model and its ``jaxsparse.sparsify`` version."""
   r = out["results"][(pattern, method)]
-  sparse, _ = jaxsparse.sparsify(r["pruned"], PATTERNS[pattern], masks=r["masks"])
+  sparse, _ = jaxsparse.sparsify(r["pruned"], r["rules"], masks=r["masks"])
   return float(np.max(np.abs(embed(sparse, out["held"], out["held_out"]) - embed(r["pruned"], out["held"],
                                                                                    out["held_out"]))))
 
