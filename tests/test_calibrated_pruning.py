@@ -133,6 +133,24 @@ def test_sparsegpt_dead_inputs_are_zeroed_and_result_is_scale_free():
   np.testing.assert_allclose(np.asarray(out.kernel), np.asarray(scaled.kernel), rtol=1e-4, atol=1e-5)
 
 
+def test_keep_largest_is_a_stable_descending_sort():
+  from jaxsparse.pruning._select import keep_largest  # noqa: PLC0415 -- private helper under test
+
+  rng = np.random.default_rng(0)
+  for scores in (rng.integers(0, 5, (40, 7)).astype(np.float32), rng.random((40, 7), np.float32),
+                 np.zeros((40, 7), np.float32), np.full((40, 7), np.inf, np.float32)):
+    for kept in (0, 1, 13, 140, 279, 280):
+      want = np.zeros(scores.size, bool)
+      want[np.argsort(-scores.reshape(-1), kind="stable")[:kept]] = True
+      np.testing.assert_array_equal(np.asarray(keep_largest(jnp.asarray(scores), kept)), want.reshape(scores.shape))
+    counts = rng.integers(0, 41, 7)
+    got = np.asarray(keep_largest(jnp.asarray(scores), jnp.asarray(counts), axis=0))
+    for j, c in enumerate(counts):
+      want = np.zeros(40, bool)
+      want[np.argsort(-scores[:, j], kind="stable")[:c]] = True
+      np.testing.assert_array_equal(got[:, j], want)
+
+
 @pytest.mark.parametrize("name", ["unstructured 50%", "2:4", "block 8x4"])
 def test_magnitude_layer_is_jaxsparse_magnitude_masks(name):
   spec = SPECS[name]

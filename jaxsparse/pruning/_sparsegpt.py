@@ -40,6 +40,8 @@ from jaxsparse.pruning._calibration import NM
 from jaxsparse.pruning._calibration import BlockSparse
 from jaxsparse.pruning._calibration import Unstructured
 from jaxsparse.pruning._calibration import check_layer_spec
+from jaxsparse.pruning._select import keep_largest
+from jaxsparse.pruning._select import keep_largest_in_groups
 
 __all__ = ["SparseGPTResult", "sparsegpt_layer"]
 
@@ -145,14 +147,6 @@ def _unstructured_prune_counts(sparsity: float, k: int, n: int, block_size: int)
   return tuple(b - a for a, b in itertools.pairwise(pruned_until))
 
 
-def _top_count_mask(scores: jax.Array, kept: int) -> jax.Array:
-  """Keeps the ``kept`` largest entries (static count; ties: lower flat index first)."""
-  flat = scores.reshape(-1)
-  order = jnp.argsort(-flat, stable=True)
-  keep = jnp.zeros(flat.shape, bool).at[order[:kept]].set(True)
-  return keep.reshape(scores.shape)
-
-
 def hessian_factor(gram: jax.Array, damp: float) -> tuple[jax.Array, jax.Array, jax.Array]:
   """``(U, dead, ok)``: upper Cholesky factor of ``(H + λI)⁻¹`` with dead inputs given ``H_kk = 1``.
 
@@ -185,7 +179,7 @@ def _solve(kernel, gram, fixed_mask, damp, *, kind, options, block_size):
     (bk, bn), kept = options
     saliency = (wt / d[None, :]) ** 2  # (N, K)
     block_scores = saliency.T.reshape(k // bk, bk, n // bn, bn).sum(axis=(1, 3))
-    blocks = _top_count_mask(block_scores, kept)
+    blocks = keep_largest(block_scores, kept)
     mask_t = jnp.repeat(jnp.repeat(blocks, bk, axis=0), bn, axis=1).T
   else:
     mask_t = None  # chosen batch by batch below
@@ -196,7 +190,7 @@ def _solve(kernel, gram, fixed_mask, damp, *, kind, options, block_size):
     w1, u1 = wt[:, i1:i2], upper[i1:i2, i1:i2]
     if kind == "unstructured":
       width = i2 - i1
-      m1 = _top_count_mask((w1 / d[None, i1:i2]) ** 2, n * width - options[b])
+      m1 = keep_largest((w1 / d[None, i1:i2]) ** 2, n * width - options[b])
     elif kind == "nm":
       m1 = jnp.zeros(w1.shape, bool)
     else:
@@ -223,9 +217,7 @@ def _batch(w1: jax.Array, u1: jax.Array, m1: jax.Array, *, kind: str, options: A
       wg = jax.lax.dynamic_slice_in_dim(w1, start, group, axis=1)
       dg = jax.lax.dynamic_slice_in_dim(d1, start, group)
       scores = (wg / dg[None, :]) ** 2
-      # rank within the group: the n largest are kept, ties to the lower index (as nm_mask)
-      ranks = jnp.argsort(jnp.argsort(-scores, axis=1, stable=True), axis=1)
-      m1 = jax.lax.dynamic_update_slice_in_dim(m1, ranks < keep_n, start, axis=1)
+      m1 = jax.lax.dynamic_update_slice_in_dim(m1, keep_largest_in_groups(scores, keep_n, axis=1), start, axis=1)
     for j in range(group):
       i = start + j
       w = jax.lax.dynamic_index_in_dim(w1, i, axis=1, keepdims=False)

@@ -28,6 +28,8 @@ from jaxsparse.pruning._calibration import NM
 from jaxsparse.pruning._calibration import BlockSparse
 from jaxsparse.pruning._calibration import Unstructured
 from jaxsparse.pruning._calibration import check_layer_spec
+from jaxsparse.pruning._select import keep_largest
+from jaxsparse.pruning._select import keep_largest_in_groups
 
 __all__ = ["magnitude_layer", "wanda_layer"]
 
@@ -111,22 +113,12 @@ def _mask(kernel, sq_norms, *, kind, options):
   k, n = scores.shape
   if kind == "nm":
     keep_n, m = options
-    g = scores.reshape(k // m, m, n)
-    ranks = jnp.argsort(jnp.argsort(-g, axis=1, stable=True), axis=1)
-    return (ranks < keep_n).reshape(k, n)
+    return keep_largest_in_groups(scores.reshape(k // m, m, n), keep_n, axis=1).reshape(k, n)
   if kind == "block":
     (bk, bn), kept = options
-    block_scores = jnp.sum((scores * scores).reshape(k // bk, bk, n // bn, bn), axis=(1, 3))
-    blocks = _rank(block_scores.reshape(-1)).reshape(block_scores.shape) < kept
+    blocks = keep_largest(jnp.sum((scores * scores).reshape(k // bk, bk, n // bn, bn), axis=(1, 3)), kept)
     return jnp.repeat(jnp.repeat(blocks, bk, axis=0), bn, axis=1)
   per_output, kept = options
   if per_output:
-    ranks = jnp.argsort(jnp.argsort(-scores, axis=0, stable=True), axis=0)
-    return ranks < jnp.asarray(kept, jnp.int32)[None, :]
-  return (_rank(scores.reshape(-1)) < kept).reshape(k, n)
-
-
-def _rank(flat: jax.Array) -> jax.Array:
-  """Rank of each entry in decreasing order (0 = largest; ties: lower index first)."""
-  order = jnp.argsort(-flat, stable=True)
-  return jnp.zeros(flat.shape, jnp.int32).at[order].set(jnp.arange(flat.size, dtype=jnp.int32))
+    return keep_largest(scores, jnp.asarray(kept, jnp.int32), axis=0)
+  return keep_largest(scores, kept)
