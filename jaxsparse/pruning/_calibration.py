@@ -228,7 +228,7 @@ def _zeros(k: int, gram: bool) -> LayerStats:
                     jnp.zeros((), jnp.int32))
 
 
-def _check_batches(batches: Any) -> list:
+def check_batches(batches: Any) -> list:
   if isinstance(batches, (jax.Array, Mapping)) or not hasattr(batches, "__iter__"):
     raise TypeError(f"batches must be a sequence of model inputs (a list of batches), got {type(batches).__name__}.")
   batches = list(batches)
@@ -293,7 +293,7 @@ def calibrate(model: nnx.Module, batches: Sequence[Any], rules: Any, *, gram: bo
   Raises:
     ValueError: no batches, a rule that matches no layer, a selected layer the model never calls.
   """
-  batches = _check_batches(batches)
+  batches = check_batches(batches)
   layers = resolve_layers(nnx_candidates(model), rules, what="nnx.Linear / nnx.LinearGeneral layer")
   call = default_call if call is None else call
   nnx_call_order(model, [layer.key for layer in layers], batches[0], call)
@@ -394,7 +394,7 @@ def calibrate_linen(module: nn.Module, variables: Mapping, batches: Sequence[Any
   Returns:
     ``{layer path: LayerStats}``.
   """
-  batches = _check_batches(batches)
+  batches = check_batches(batches)
   apply_kwargs = dict(apply_kwargs or {})
   layers = resolve_layers(linen_candidates(module, variables, batches[0], apply_kwargs), rules, what="nn.Dense call")
   return linen_layer_stats(module, variables, layers, batches, apply_kwargs=apply_kwargs, gram=gram,

@@ -32,7 +32,7 @@ from flax import nnx
 
 from jaxsparse.pruning._calibration import Layer
 from jaxsparse.pruning._calibration import LayerStats
-from jaxsparse.pruning._calibration import _check_batches
+from jaxsparse.pruning._calibration import check_batches
 from jaxsparse.pruning._calibration import default_call
 from jaxsparse.pruning._calibration import get_module
 from jaxsparse.pruning._calibration import linen_candidates
@@ -278,7 +278,7 @@ def calibrated_prune(
   method = _check_options(method, damp, block_size)
   if batches is None and method != "magnitude":
     raise ValueError(f"method={method!r} needs calibration batches; got batches=None.")
-  batches = None if batches is None else _check_batches(batches)
+  batches = None if batches is None else check_batches(batches)
   layers = resolve_layers(nnx_candidates(model), rules, what="nnx.Linear / nnx.LinearGeneral layer")
   if not inplace:
     model = nnx.clone(model)
@@ -390,7 +390,7 @@ def calibrated_prune_linen(
   if batches is None:
     raise ValueError("calibrated_prune_linen needs calibration batches (they also find the nn.Dense calls); "
                      "got batches=None.")
-  batches = _check_batches(batches)
+  batches = check_batches(batches)
   apply_kwargs = dict(apply_kwargs or {})
   layers = resolve_layers(linen_candidates(module, variables, batches[0], apply_kwargs), rules, what="nn.Dense call")
   new_vars = _to_dict(variables)
