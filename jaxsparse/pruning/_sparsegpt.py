@@ -46,6 +46,7 @@ from jaxsparse.pruning._select import keep_largest_in_groups
 __all__ = ["SparseGPTResult", "sparsegpt_layer"]
 
 _HIGHEST = jax.lax.Precision.HIGHEST
+_UNROLL = 8  # features fixed per loop iteration (a multiple of m for N:M)
 
 
 class SparseGPTResult(NamedTuple):
@@ -160,9 +161,10 @@ def hessian_factor(gram: jax.Array, damp: float) -> tuple[jax.Array, jax.Array, 
   eye = jnp.eye(k, dtype=jnp.float32)
   h = h + eye * jnp.where(dead, 1.0, 0.0)
   h = h + eye * (damp * jnp.mean(jnp.diagonal(h)))
-  lower = jnp.linalg.cholesky(h)
-  hinv = jax.scipy.linalg.cho_solve((lower, True), eye)
-  upper = jnp.linalg.cholesky(hinv).T
+  # With P the reversal permutation and P H P = L Lᵀ, U = P L⁻¹ P is upper triangular and UᵀU = H⁻¹:
+  # one Cholesky factorisation and one triangular inverse, instead of factorising H and then H⁻¹.
+  lower = jnp.linalg.cholesky(h[::-1, ::-1])
+  upper = jax.scipy.linalg.solve_triangular(lower, eye, lower=True)[::-1, ::-1]
   ok = jnp.all(jnp.isfinite(lower)) & jnp.all(jnp.isfinite(upper))
   return upper, dead, ok
 
@@ -208,18 +210,19 @@ def _batch(w1: jax.Array, u1: jax.Array, m1: jax.Array, *, kind: str, options: A
   """Fixes the features of one batch in order; returns (weights, mask, scaled errors) of the batch."""
   width = w1.shape[1]
   d1 = jnp.diagonal(u1)
+  # Several features per loop iteration: fewer iterations, fewer copies of the loop carry on CPU.
+  step = next(s for s in (group * max(1, _UNROLL // group), group) if width % s == 0)
 
-  def fix_group(g, carry):
+  def fix(it, carry):
     w1, m1, err1 = carry
-    start = g * group
-    if kind == "nm":
-      keep_n, _ = options
-      wg = jax.lax.dynamic_slice_in_dim(w1, start, group, axis=1)
-      dg = jax.lax.dynamic_slice_in_dim(d1, start, group)
-      scores = (wg / dg[None, :]) ** 2
-      m1 = jax.lax.dynamic_update_slice_in_dim(m1, keep_largest_in_groups(scores, keep_n, axis=1), start, axis=1)
-    for j in range(group):
+    start = it * step
+    for j in range(step):
       i = start + j
+      if kind == "nm" and j % group == 0:  # the group's mask, from the weights updated so far
+        wg = jax.lax.dynamic_slice_in_dim(w1, i, group, axis=1)
+        dg = jax.lax.dynamic_slice_in_dim(d1, i, group)
+        keep = keep_largest_in_groups((wg / dg[None, :]) ** 2, options[0], axis=1)
+        m1 = jax.lax.dynamic_update_slice_in_dim(m1, keep, i, axis=1)
       w = jax.lax.dynamic_index_in_dim(w1, i, axis=1, keepdims=False)
       q = jnp.where(jax.lax.dynamic_index_in_dim(m1, i, axis=1, keepdims=False), w, 0.0)
       e = (w - q) / d1[i]
@@ -229,7 +232,7 @@ def _batch(w1: jax.Array, u1: jax.Array, m1: jax.Array, *, kind: str, options: A
       err1 = jax.lax.dynamic_update_index_in_dim(err1, e, i, axis=1)
     return w1, m1, err1
 
-  return jax.lax.fori_loop(0, width // group, fix_group, (w1, m1, jnp.zeros_like(w1)))
+  return jax.lax.fori_loop(0, width // step, fix, (w1, m1, jnp.zeros_like(w1)))
 
 
 def reconstruction_error(kernel: jax.typing.ArrayLike, pruned: jax.typing.ArrayLike, gram: jax.typing.ArrayLike):
