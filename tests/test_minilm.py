@@ -18,10 +18,11 @@ import pytest
 pytest.importorskip("torch")  # installed by the Makefile (torch==2.13.0 CPU wheel, then the torch extra)
 
 RUN_MINILM = Path(__file__).resolve().parent.parent / "examples" / "minilm" / "run_minilm.py"
+PRUNE_MINILM = RUN_MINILM.with_name("prune_minilm.py")
 
 
-def _load_example():
-  spec = importlib.util.spec_from_file_location("run_minilm", RUN_MINILM)
+def _load_example(path=RUN_MINILM):
+  spec = importlib.util.spec_from_file_location(path.stem, path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
@@ -42,3 +43,20 @@ def test_minilm_end_to_end(capsys):
     cos = np.asarray(v["cosine"])
     assert cos.shape == (len(example.SENTENCES),) and np.all(np.isfinite(cos)) and np.all(cos <= 1 + 1e-5)
     print(f"{name}: cosine to dense {cos.mean():.4f} (min {cos.min():.4f}), torch vs Flax {v['torch_max_abs']:.2e}")
+
+
+def test_minilm_calibrated_pruning_reduced(capsys):
+  """prune_minilm.py on a reduced setup: 2:4 in the FFN layers of the first two encoder layers."""
+  example = _load_example(PRUNE_MINILM)
+  name = "2:4 FFN of layers 0-1"
+  patterns = {name: {r"encoder\.layer\.[01]\.(intermediate|output)\.dense": example.jaxsparse.NM(2, 4)}}
+  out = example.run(calibration=64, held_out=32, patterns=patterns, progress=False)
+  cos = {m: float(out["results"][(name, m)]["cosine"].mean()) for m in example.METHODS}
+  for m in example.METHODS:
+    r = out["results"][(name, m)]
+    assert r["layers"] == 4 and r["density"] == pytest.approx(0.5), m
+    assert [layer.group for layer in r["report"].layers] == [0, 0, 1, 1], m
+  assert cos["magnitude"] < cos["wanda"] and cos["magnitude"] < cos["sparsegpt"], cos
+  assert cos["sparsegpt"] > 0.95, cos
+  assert example.sparse_check(out, name, "sparsegpt") < 1e-4
+  print(f"{name}, cosine to dense: {cos}")

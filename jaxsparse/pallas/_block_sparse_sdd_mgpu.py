@@ -38,7 +38,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxsparse._formats import BlockSparseMatrix
+from jaxsparse.formats._block_sparse import BlockSparseMatrix
 from jaxsparse.pallas._block_sparse_matmul_mgpu import _interpret_params
 from jaxsparse.pallas._block_sparse_matmul_mgpu import _num_sms
 from jaxsparse.pallas._block_sparse_matmul_mgpu import _smem_transforms

@@ -1,4 +1,5 @@
-"""Pruning and sparse training: scores, masks, schedules, SET/RigL and an optax wrapper.
+"""Pruning and sparse training: scores, masks, schedules, SET/RigL, an optax wrapper, and post-training
+pruning with calibration data (magnitude, Wanda, SparseGPT: :func:`calibrated_prune`).
 
 Train a dense Flax model with ``tx = pruning.wrap_optax(optax.adam(...), pruner)``; the wrapper keeps
 the masks in its state, recomputes them on the pruner's schedule and keeps pruned weights at zero.
@@ -30,9 +31,18 @@ from jaxsparse._rules import masks_to_dict
 from jaxsparse.formats import NM
 from jaxsparse.formats import BlockSparse
 from jaxsparse.formats import Unstructured
+from jaxsparse.pruning._calibration import LayerStats
+from jaxsparse.pruning._calibration import calibrate
+from jaxsparse.pruning._calibration import calibrate_linen
 from jaxsparse.pruning._dst import cosine_drop_fraction
 from jaxsparse.pruning._dst import rigl_pruner
 from jaxsparse.pruning._dst import set_pruner
+from jaxsparse.pruning._oneshot import CalibratedPruneReport
+from jaxsparse.pruning._oneshot import LayerPruned
+from jaxsparse.pruning._oneshot import calibrated_prune
+from jaxsparse.pruning._oneshot import calibrated_prune_linen
+from jaxsparse.pruning._oneshot import sparsegpt
+from jaxsparse.pruning._oneshot import wanda
 from jaxsparse.pruning._optax import Pruner
 from jaxsparse.pruning._optax import PruningState
 from jaxsparse.pruning._optax import apply_masks
@@ -47,19 +57,33 @@ from jaxsparse.pruning._schedules import polynomial_sparsity
 from jaxsparse.pruning._scores import block_magnitude_scores
 from jaxsparse.pruning._scores import magnitude_masks
 from jaxsparse.pruning._scores import magnitude_scores
+from jaxsparse.pruning._sparsegpt import SparseGPTResult
+from jaxsparse.pruning._sparsegpt import reconstruction_error
+from jaxsparse.pruning._sparsegpt import sparsegpt_layer
+from jaxsparse.pruning._wanda import magnitude_layer
+from jaxsparse.pruning._wanda import wanda_layer
 
 __all__ = [
     "NM",
     "BlockSparse",
+    "CalibratedPruneReport",
+    "LayerPruned",
+    "LayerStats",
     "Pruner",
     "PruningState",
     "Schedule",
+    "SparseGPTResult",
     "Unstructured",
     "apply_masks",
     "block_magnitude_scores",
+    "calibrate",
+    "calibrate_linen",
+    "calibrated_prune",
+    "calibrated_prune_linen",
     "cosine_drop_fraction",
     "get_masks",
     "gradual",
+    "magnitude_layer",
     "magnitude_masks",
     "magnitude_pruner",
     "magnitude_scores",
@@ -67,7 +91,12 @@ __all__ = [
     "one_shot",
     "periodic",
     "polynomial_sparsity",
+    "reconstruction_error",
     "rigl_pruner",
     "set_pruner",
+    "sparsegpt",
+    "sparsegpt_layer",
+    "wanda",
+    "wanda_layer",
     "wrap_optax",
 ]

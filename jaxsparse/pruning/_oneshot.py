@@ -1,0 +1,408 @@
+"""Post-training pruning with calibration data: magnitude, Wanda and SparseGPT over a whole model.
+
+:func:`calibrated_prune` (NNX) and :func:`calibrated_prune_linen` calibrate the selected dense layers
+on a few batches (:mod:`jaxsparse.pruning._calibration`), compute each layer's mask (and for
+SparseGPT its updated weights) with the jitted per-layer solvers, write the pruned weights back and
+return the masks, ready for ``jaxsparse.sparsify(model, rules, masks=masks)``.
+
+Sequential mode (SparseGPT's, also used by Wanda's reference code): layers are pruned group by group
+(by default one group per transformer block), in the order the model calls them, and each group is
+calibrated on the model whose earlier groups are already pruned, so a layer is fitted to the inputs
+it will see. Each group costs one pass over the calibration batches up to its last layer (XLA drops
+the rest of the forward pass); a model of ``G`` groups costs about ``G / 2`` full passes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+import re
+import time
+from collections.abc import Callable
+from collections.abc import Hashable
+from collections.abc import Mapping
+from collections.abc import Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxsparse.pruning._calibration import Layer
+from jaxsparse.pruning._calibration import LayerStats
+from jaxsparse.pruning._calibration import check_batches
+from jaxsparse.pruning._calibration import default_call
+from jaxsparse.pruning._calibration import get_module
+from jaxsparse.pruning._calibration import linen_candidates
+from jaxsparse.pruning._calibration import linen_layer_stats
+from jaxsparse.pruning._calibration import nnx_call_order
+from jaxsparse.pruning._calibration import nnx_candidates
+from jaxsparse.pruning._calibration import nnx_layer_stats
+from jaxsparse.pruning._calibration import resolve_layers
+from jaxsparse.pruning._sparsegpt import reconstruction_error
+from jaxsparse.pruning._sparsegpt import sparsegpt_layer
+from jaxsparse.pruning._wanda import magnitude_layer
+from jaxsparse.pruning._wanda import wanda_layer
+
+__all__ = ["CalibratedPruneReport", "LayerPruned", "calibrated_prune", "calibrated_prune_linen", "sparsegpt",
+           "wanda"]
+
+METHODS = ("magnitude", "wanda", "sparsegpt")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPruned:
+  """What :func:`calibrated_prune` did to one layer.
+
+  Attributes:
+    path: dotted path of the layer.
+    shape: ``(K, N)``, the kernel viewed as (inputs, outputs).
+    pattern: the structure, e.g. ``"2:4"``.
+    group: index of the sequential group the layer was pruned in.
+    density: fraction of weights kept.
+    error: ``||X w - X ŵ|| / ||X w||`` on the layer's calibration inputs (the pruned model's, in
+      sequential mode).
+    tokens: calibration tokens ``X`` has.
+    seconds: wall time of the layer's solve.
+  """
+
+  path: str
+  shape: tuple[int, int]
+  pattern: str
+  group: int
+  density: float
+  error: float
+  tokens: int
+  seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class CalibratedPruneReport:
+  """The pruned layers in pruning order; ``str(report)`` is a Markdown table."""
+
+  method: str
+  layers: tuple[LayerPruned, ...]
+
+  def __str__(self) -> str:
+    rows = [f"{self.method}: {len(self.layers)} layers",
+            "| path | (K, N) | pattern | group | density | rel. error | tokens | s |",
+            "|---|---|---|---|---|---|---|---|"]
+    rows += [f"| {r.path} | {r.shape} | {r.pattern} | {r.group} | {r.density:.3f} | {r.error:.4f} | {r.tokens} | "
+             f"{r.seconds:.2f} |" for r in self.layers]
+    return "\n".join(rows)
+
+
+def block_group(path: str) -> str:
+  """Default sequential group: the path up to its first numeric part (``"encoder.layer.3"``), else the path."""
+  parts = path.split(".")
+  for i, part in enumerate(parts):
+    if part.isdigit():
+      return ".".join(parts[: i + 1])
+  return path
+
+
+def _groups(ordered: Sequence[Layer], sequential: Any) -> list[list[Layer]]:
+  if sequential is False:
+    return [list(ordered)]
+  key_of = block_group if sequential is True else sequential
+  if not callable(key_of):
+    raise TypeError(f"sequential must be True, False or a callable path -> group key, got {sequential!r}.")
+  groups: dict[Hashable, list[Layer]] = {}
+  for layer in ordered:
+    groups.setdefault(key_of(layer.path), []).append(layer)
+  return list(groups.values())
+
+
+def _check_options(method: object, damp: object, block_size: object) -> str:
+  if method not in METHODS:
+    raise ValueError(f"method must be one of {METHODS}, got method={method!r}.")
+  if isinstance(damp, bool) or not isinstance(damp, numbers.Real) or not damp >= 0:
+    raise ValueError(f"damp must be a float >= 0 (fraction of the mean Hessian diagonal), got damp={damp!r}.")
+  if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral) or block_size <= 0:
+    raise ValueError(f"block_size must be a positive int, got block_size={block_size!r}.")
+  return method
+
+
+def _progress(total: int, enabled: bool, desc: str):
+  if not enabled:
+    return _NoBar()
+  try:
+    from tqdm.auto import tqdm  # noqa: PLC0415 -- optional: a plain counter without it
+  except ImportError:
+    return _PlainBar(total, desc)
+  return tqdm(total=total, desc=desc, unit="layer")
+
+
+class _NoBar:
+  def update(self, n: int = 1) -> None:
+    del n
+
+  def set_postfix_str(self, s: str) -> None:
+    del s
+
+  def close(self) -> None:
+    pass
+
+
+class _PlainBar(_NoBar):
+  def __init__(self, total: int, desc: str):
+    self.total, self.done, self.desc = total, 0, desc
+
+  def update(self, n: int = 1) -> None:
+    self.done += n
+    print(f"\r{self.desc}: {self.done}/{self.total} layers", end="" if self.done < self.total else "\n", flush=True)
+
+
+def _solve(method: str, layer: Layer, kernel2: jax.Array, stats: LayerStats | None, *, damp: float,
+           block_size: int) -> tuple[jax.Array, jax.Array]:
+  if method == "magnitude":
+    mask = magnitude_layer(kernel2, layer.spec, path=layer.path)
+    return jnp.where(mask, kernel2, jnp.zeros((), kernel2.dtype)), mask
+  if method == "wanda":
+    mask = wanda_layer(kernel2, stats.sq_norms, layer.spec, path=layer.path)
+    return jnp.where(mask, kernel2, jnp.zeros((), kernel2.dtype)), mask
+  out = sparsegpt_layer(kernel2, stats.gram, layer.spec, damp=damp, block_size=block_size, path=layer.path)
+  return out.kernel, out.mask
+
+
+def _run(
+    layers: Sequence[Layer],
+    batches: Sequence[Any] | None,
+    *,
+    method: str,
+    sequential: Any,
+    damp: float,
+    block_size: int,
+    progress: bool,
+    stats_of: Callable[[Sequence[Layer]], dict[str, LayerStats]],
+    get_kernel: Callable[[Layer], jax.Array],
+    set_kernel: Callable[[Layer, jax.Array], None],
+) -> tuple[dict[str, np.ndarray], CalibratedPruneReport]:
+  masks, rows = {}, []
+  groups = _groups(layers, sequential)
+  bar = _progress(len(layers), progress, method)
+  try:
+    for g, group in enumerate(groups):
+      bar.set_postfix_str(f"group {g + 1}/{len(groups)}: calibrating")
+      stats = stats_of(group) if batches is not None else {}
+      for layer in group:
+        bar.set_postfix_str(layer.path)
+        kernel = get_kernel(layer)
+        kernel2 = kernel.reshape(layer.k, layer.n)
+        s = stats.get(layer.path)
+        t0 = time.perf_counter()
+        new2, mask2 = _solve(method, layer, kernel2, s, damp=damp, block_size=block_size)
+        jax.block_until_ready(new2)
+        seconds = time.perf_counter() - t0
+        error = float("nan") if s is None or s.gram is None else float(reconstruction_error(kernel2, new2, s.gram))
+        set_kernel(layer, new2.reshape(kernel.shape).astype(kernel.dtype))
+        mask = np.asarray(mask2).reshape(layer.kernel_shape)
+        masks[f"{layer.path}.kernel" if layer.path else "kernel"] = mask
+        rows.append(LayerPruned(layer.path, (layer.k, layer.n), layer.spec.describe(), g, float(mask.mean()), error,
+                                -1 if s is None else int(s.tokens), seconds))
+        bar.update(1)
+  finally:
+    bar.close()
+  return masks, CalibratedPruneReport(method, tuple(rows))
+
+
+def calibrated_prune(
+    model: nnx.Module,
+    rules: Any,
+    batches: Sequence[Any] | None,
+    *,
+    method: str = "sparsegpt",
+    sequential: bool | Callable[[str], Hashable] = True,
+    damp: float = 0.01,
+    block_size: int = 128,
+    call: Callable[[nnx.Module, Any], Any] | None = None,
+    token_mask: Callable[[Any], jax.typing.ArrayLike] | None = None,
+    to_sparse: bool = False,
+    inplace: bool = False,
+    measure_error: bool = True,
+    progress: bool = True,
+) -> tuple[nnx.Module, dict[str, np.ndarray], CalibratedPruneReport]:
+  """Prunes the dense layers of an NNX model with calibration data: magnitude, Wanda or SparseGPT.
+
+  >>> import jax, jaxsparse
+  >>> from flax import nnx
+  >>> from jaxsparse import pruning
+  >>> model = nnx.Sequential(nnx.Linear(32, 64, rngs=nnx.Rngs(0)), jax.nn.relu, nnx.Linear(64, 8, rngs=nnx.Rngs(1)))
+  >>> batches = [jax.random.normal(jax.random.key(i), (64, 32)) for i in range(4)]
+  >>> rules = {r"layers\\.0": jaxsparse.NM(2, 4), r"layers\\.2": jaxsparse.Unstructured(sparsity=0.5)}
+  >>> pruned, masks, report = pruning.calibrated_prune(model, rules, batches, method="sparsegpt", progress=False)
+  >>> {path: float(m.mean()) for path, m in masks.items()}
+  {'layers.0.kernel': 0.5, 'layers.2.kernel': 0.5}
+  >>> [round(r.error, 2) < 0.6 for r in report.layers]
+  [True, True]
+  >>> sparse, _ = jaxsparse.sparsify(pruned, rules, masks=masks)
+  >>> type(sparse.layers[0]).__name__, type(sparse.layers[2]).__name__
+  ('NMLinear', 'MaskedLinear')
+
+  Args:
+    model: an ``nnx.Module``; copied unless ``inplace``.
+    rules: ``{regex: structure or None}`` or one structure, as :func:`jaxsparse.sparsify`: every
+      ``nnx.Linear`` / ``nnx.LinearGeneral`` (trailing contracting axes) whose dotted path a rule fully
+      matches is pruned to its structure (``Unstructured``, ``NM`` along the inputs, ``BlockSparse``).
+    batches: a list of calibration inputs (array, tuple of positional args or dict of keyword args
+      each; see ``call``); may be ``None`` for ``method="magnitude"`` (the report then has no errors).
+    method: ``"sparsegpt"`` (masks and OBS weight updates), ``"wanda"`` (masks by ``|w| * ||x||``) or
+      ``"magnitude"`` (masks by ``|w|``, the baseline).
+    sequential: ``True``: prune group by group in call order, each group calibrated on the model with
+      the earlier groups pruned; groups are the path up to its first number (one transformer block,
+      ``"encoder.layer.3"``). A callable ``path -> key`` gives other groups (``lambda p: p``: one layer
+      at a time); ``False``: one calibration pass on the dense model for all layers.
+    damp: SparseGPT's Hessian damping, a fraction of the mean diagonal.
+    block_size: SparseGPT's lazy update batch (input features).
+    call: ``(model, batch) -> output``; default ``model(*batch)``, ``model(**batch)`` or ``model(batch)``.
+    token_mask: ``batch -> 0/1 array`` marking the real tokens of a padded batch (see
+      :func:`calibrate`); padding is left out of the statistics.
+    to_sparse: return ``jaxsparse.sparsify(pruned, rules, masks=masks)``'s sparse model instead of the
+      dense model with pruned weights.
+    inplace: prune ``model`` itself.
+    measure_error: also collect ``XᵀX`` for Wanda and magnitude, to report each layer's reconstruction
+      error (SparseGPT always has it); without it their errors are NaN.
+    progress: show a progress bar over layers (tqdm if installed, else a line of text).
+
+  Returns:
+    ``(model, masks, report)``: the model with pruned (and, for SparseGPT, updated) weights, or its
+    sparse version with ``to_sparse``; ``{"path.kernel": bool mask}`` for
+    ``jaxsparse.sparsify(..., masks=masks)``; a :class:`CalibratedPruneReport`.
+
+  Raises:
+    ValueError: no batches (Wanda, SparseGPT), a rule that matches no layer, a structure that does
+      not fit a layer, a layer the model never calls, a Hessian that is not positive definite.
+  """
+  method = _check_options(method, damp, block_size)
+  if batches is None and method != "magnitude":
+    raise ValueError(f"method={method!r} needs calibration batches; got batches=None.")
+  batches = None if batches is None else check_batches(batches)
+  layers = resolve_layers(nnx_candidates(model), rules, what="nnx.Linear / nnx.LinearGeneral layer")
+  if not inplace:
+    model = nnx.clone(model)
+  call = default_call if call is None else call
+  by_key = {layer.key: layer for layer in layers}
+  if batches is not None:
+    layers = [by_key[key] for key in nnx_call_order(model, list(by_key), batches[0], call)]
+
+  def set_kernel(layer: Layer, kernel: jax.Array) -> None:
+    get_module(model, layer.key).kernel[...] = kernel
+
+  masks, report = _run(
+      layers, batches, method=method, sequential=sequential, damp=damp, block_size=block_size, progress=progress,
+      stats_of=lambda group: nnx_layer_stats(model, group, batches, call=call, token_mask=token_mask,
+                                             gram=method == "sparsegpt" or measure_error),
+      get_kernel=lambda layer: get_module(model, layer.key).kernel[...], set_kernel=set_kernel,
+  )
+  if to_sparse:
+    from jaxsparse import sparsify  # noqa: PLC0415 -- jaxsparse imports this package before sparsify
+
+    model, _ = sparsify(model, {re.escape(layer.path): layer.spec for layer in layers}, masks=masks, inplace=True)
+  return model, masks, report
+
+
+def wanda(model: nnx.Module, rules: Any, batches: Sequence[Any], **kwargs: Any):
+  """Wanda pruning of an NNX model: :func:`calibrated_prune` with ``method="wanda"``.
+
+  >>> import jax, jaxsparse
+  >>> from flax import nnx
+  >>> from jaxsparse import pruning
+  >>> model = nnx.Linear(16, 8, rngs=nnx.Rngs(0))
+  >>> _, masks, _ = pruning.wanda(model, jaxsparse.NM(2, 4), [jax.numpy.ones((4, 16))], progress=False)
+  >>> masks["kernel"].shape, float(masks["kernel"].mean())
+  ((16, 8), 0.5)
+  """
+  return calibrated_prune(model, rules, batches, method="wanda", **kwargs)
+
+
+def sparsegpt(model: nnx.Module, rules: Any, batches: Sequence[Any], **kwargs: Any):
+  """SparseGPT pruning of an NNX model: :func:`calibrated_prune` with ``method="sparsegpt"``.
+
+  >>> import jax, jaxsparse
+  >>> from flax import nnx
+  >>> from jaxsparse import pruning
+  >>> model = nnx.Linear(16, 8, rngs=nnx.Rngs(0))
+  >>> x = jax.random.normal(jax.random.key(0), (64, 16))
+  >>> pruned, masks, _ = pruning.sparsegpt(model, jaxsparse.Unstructured(sparsity=0.5), [x], progress=False)
+  >>> int(masks["kernel"].sum()), bool(((pruned.kernel[...] != 0) == masks["kernel"]).all())
+  (64, True)
+  """
+  return calibrated_prune(model, rules, batches, method="sparsegpt", **kwargs)
+
+
+def _nested_get(tree: Mapping, path: tuple) -> Any:
+  for k in path:
+    tree = tree[k]
+  return tree
+
+
+def _to_dict(tree: Any) -> Any:
+  if isinstance(tree, Mapping):
+    return {k: _to_dict(v) for k, v in tree.items()}
+  return tree
+
+
+def calibrated_prune_linen(
+    module: nn.Module,
+    variables: Mapping,
+    rules: Any,
+    batches: Sequence[Any] | None,
+    *,
+    method: str = "sparsegpt",
+    sequential: bool | Callable[[str], Hashable] = True,
+    damp: float = 0.01,
+    block_size: int = 128,
+    apply_kwargs: Mapping[str, Any] | None = None,
+    token_mask: Callable[[Any], jax.typing.ArrayLike] | None = None,
+    measure_error: bool = True,
+    progress: bool = True,
+) -> tuple[dict, dict[str, np.ndarray], CalibratedPruneReport]:
+  """Linen version of :func:`calibrated_prune` for the ``nn.Dense`` layers a module calls.
+
+  >>> import jax, jaxsparse, flax.linen as nn
+  >>> from jaxsparse import pruning
+  >>> class MLP(nn.Module):
+  ...   @nn.compact
+  ...   def __call__(self, x):
+  ...     h = nn.relu(nn.Dense(64)(x))
+  ...     return nn.Dense(8)(h)
+  >>> batches = [jax.random.normal(jax.random.key(i), (64, 32)) for i in range(2)]
+  >>> variables = MLP().init(jax.random.key(0), batches[0])
+  >>> new_vars, masks, _ = pruning.calibrated_prune_linen(MLP(), variables, jaxsparse.NM(2, 4), batches, progress=False)
+  >>> sparse, sparse_vars, _ = jaxsparse.sparsify_linen(MLP(), new_vars, jaxsparse.NM(2, 4), batches[0], masks=masks)
+  >>> bool(jax.numpy.allclose(sparse.apply(sparse_vars, batches[0]), MLP().apply(new_vars, batches[0]), atol=1e-5))
+  True
+
+  Args:
+    module: the Linen module (unchanged).
+    variables: its variables; the returned copy has the pruned ``params``.
+    rules, batches, method, sequential, damp, block_size, token_mask, measure_error, progress: as
+      :func:`calibrated_prune`, with Linen module paths (``"Dense_0"``).
+    apply_kwargs: extra keyword arguments of ``module.apply``.
+
+  Returns:
+    ``(variables, masks, report)``; ``jaxsparse.sparsify_linen(module, variables, rules, x, masks=masks)``
+    makes the sparse layers.
+  """
+  method = _check_options(method, damp, block_size)
+  if batches is None:
+    raise ValueError("calibrated_prune_linen needs calibration batches (they also find the nn.Dense calls); "
+                     "got batches=None.")
+  batches = check_batches(batches)
+  apply_kwargs = dict(apply_kwargs or {})
+  layers = resolve_layers(linen_candidates(module, variables, batches[0], apply_kwargs), rules, what="nn.Dense call")
+  new_vars = _to_dict(variables)
+
+  def set_kernel(layer: Layer, kernel: jax.Array) -> None:
+    _nested_get(new_vars["params"], layer.key)["kernel"] = kernel
+
+  masks, report = _run(
+      layers, batches, method=method, sequential=sequential, damp=damp, block_size=block_size, progress=progress,
+      stats_of=lambda group: linen_layer_stats(module, new_vars, group, batches, apply_kwargs=apply_kwargs,
+                                               token_mask=token_mask,
+                                               gram=method == "sparsegpt" or measure_error),
+      get_kernel=lambda layer: jnp.asarray(_nested_get(new_vars["params"], layer.key)["kernel"]), set_kernel=set_kernel,
+  )
+  return new_vars, masks, report

@@ -1,0 +1,124 @@
+"""Wanda (Sun et al., 2023) and magnitude masks for one layer: |w| times the input-feature norm.
+
+Wanda scores weight ``w[k, j]`` of a layer ``y = x @ w`` by ``|w[k, j]| * ||X[:, k]||``, the norm of
+input feature ``k`` over the calibration tokens: the error that removing it adds to output ``j``
+when the features are uncorrelated. Unstructured masks compare the weights of each output (the
+paper's per-output groups); the per-output counts add up exactly to the layer count of
+:class:`jaxsparse.Unstructured`. N:M keeps the ``n`` best of every ``m`` inputs of an output; blocks
+are ranked by the sum of their squared scores (their Frobenius norm), over the whole layer.
+
+Magnitude pruning is the same with all norms equal and one threshold per layer: the masks of
+:func:`jaxsparse.magnitude_mask`, :func:`jaxsparse.nm_mask` and :func:`jaxsparse.block_magnitude_mask`.
+
+References:
+  Sun, Liu, Bair & Kolter, "A Simple and Effective Pruning Approach for Large Language Models",
+  ICLR 2024, https://arxiv.org/abs/2306.11695.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+
+from jaxsparse import _utils
+from jaxsparse.formats._specs import NM
+from jaxsparse.formats._specs import BlockSparse
+from jaxsparse.formats._specs import Unstructured
+from jaxsparse.pruning._calibration import check_layer_spec
+from jaxsparse.pruning._select import keep_largest
+from jaxsparse.pruning._select import keep_largest_in_groups
+
+__all__ = ["magnitude_layer", "wanda_layer"]
+
+
+def wanda_layer(
+    kernel: jax.typing.ArrayLike,
+    sq_norms: jax.typing.ArrayLike,
+    spec: Unstructured | NM | BlockSparse,
+    *,
+    per_output: bool = True,
+    path: str = "kernel",
+) -> jax.Array:
+  """The Wanda mask of one ``(K, N)`` kernel: keeps the largest ``|w[k, j]| * ||X[:, k]||``.
+
+  >>> import jax, jax.numpy as jnp, jaxsparse
+  >>> from jaxsparse import pruning
+  >>> w = jnp.ones((4, 2))
+  >>> norms2 = jnp.array([1.0, 9.0, 4.0, 0.0])  # feature 1 is the largest, feature 3 always zero
+  >>> pruning.wanda_layer(w, norms2, jaxsparse.NM(2, 4))[:, 0]
+  Array([False,  True,  True, False], dtype=bool)
+
+  Args:
+    kernel: ``(K, N)`` weights (the 2-D view of a ``LinearGeneral`` kernel).
+    sq_norms: ``(K,)`` sums of squares of the input features over the calibration tokens
+      (``LayerStats.sq_norms``).
+    spec: ``jaxsparse.Unstructured``, ``jaxsparse.NM`` (groups along ``K``) or ``jaxsparse.BlockSparse``.
+    per_output: unstructured only: compare the weights of each output (Wanda) rather than the whole
+      layer.
+    path: the layer's name, for error messages.
+
+  Returns:
+    Bool ``(K, N)``, True where kept.
+  """
+  kernel = jnp.asarray(kernel)
+  sq_norms = jnp.asarray(sq_norms)
+  if kernel.ndim != 2:
+    raise ValueError(f"{path}: kernel must be 2-D (K, N), got shape {kernel.shape}; pass kernel.reshape(K, N).")
+  if sq_norms.shape != kernel.shape[:1]:
+    raise ValueError(f"{path}: sq_norms must have shape (K,) = {kernel.shape[:1]}, got {sq_norms.shape}.")
+  check_layer_spec(spec, kernel.shape, path=path)
+  return _mask(kernel, sq_norms, **_static(spec, kernel.shape, per_output))
+
+
+def magnitude_layer(kernel: jax.typing.ArrayLike, spec: Unstructured | NM | BlockSparse, *,
+                    path: str = "kernel") -> jax.Array:
+  """The magnitude mask of one ``(K, N)`` kernel, as :func:`jaxsparse.sparsify` prunes without masks.
+
+  >>> import jax.numpy as jnp, jaxsparse
+  >>> from jaxsparse import pruning
+  >>> pruning.magnitude_layer(jnp.array([[0.5, -2.0], [1.0, 0.1]]), jaxsparse.Unstructured(sparsity=0.5))
+  Array([[False,  True],
+         [ True, False]], dtype=bool)
+  """
+  kernel = jnp.asarray(kernel)
+  if kernel.ndim != 2:
+    raise ValueError(f"{path}: kernel must be 2-D (K, N), got shape {kernel.shape}; pass kernel.reshape(K, N).")
+  check_layer_spec(spec, kernel.shape, path=path)
+  return _mask(kernel, None, **_static(spec, kernel.shape, False))
+
+
+def _static(spec, shape: tuple[int, int], per_output: bool) -> dict:
+  k, n = shape
+  if isinstance(spec, Unstructured):
+    if per_output:  # pruned per output j: cumulative rounding, so the layer total is the spec's count
+      edges = [int(spec.sparsity * (k * j) + 0.5) for j in range(n + 1)]
+      kept = tuple(k - (b - a) for a, b in itertools.pairwise(edges))
+    else:
+      kept = k * n - _utils.kept_count(spec.sparsity, k * n)
+    return {"kind": "unstructured", "options": (per_output, kept)}
+  if isinstance(spec, NM):
+    return {"kind": "nm", "options": (spec.n, spec.m)}
+  (bk, bn) = spec.block_shape
+  return {"kind": "block", "options": ((bk, bn), _utils.kept_count(spec.density, (k // bk) * (n // bn)))}
+
+
+@functools.partial(jax.jit, static_argnames=("kind", "options"))
+def _mask(kernel, sq_norms, *, kind, options):
+  scores = jnp.abs(kernel.astype(jnp.float32))
+  if sq_norms is not None:
+    scores = scores * jnp.sqrt(sq_norms.astype(jnp.float32))[:, None]
+  k, n = scores.shape
+  if kind == "nm":
+    keep_n, m = options
+    return keep_largest_in_groups(scores.reshape(k // m, m, n), keep_n, axis=1).reshape(k, n)
+  if kind == "block":
+    (bk, bn), kept = options
+    blocks = keep_largest(jnp.sum((scores * scores).reshape(k // bk, bk, n // bn, bn), axis=(1, 3)), kept)
+    return jnp.repeat(jnp.repeat(blocks, bk, axis=0), bn, axis=1)
+  per_output, kept = options
+  if per_output:
+    return keep_largest(scores, jnp.asarray(kept, jnp.int32), axis=0)
+  return keep_largest(scores, kept)
