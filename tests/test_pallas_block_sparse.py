@@ -23,6 +23,7 @@ from jaxsparse.ops import block_sparse_matmul
 from jaxsparse.pallas import BlockSparseMatmulConfig
 from jaxsparse.pallas import KernelConfig
 from jaxsparse.pallas import PallasFallbackWarning
+from jaxsparse.pallas import _block_sparse_config as kernel_config
 from jaxsparse.pallas import _block_sparse_matmul as kernels
 from jaxsparse.pallas import _block_sparse_matmul_mgpu as mosaic
 
@@ -292,10 +293,10 @@ def test_mosaic_support_and_config_errors():
 
 
 def test_mosaic_defaults_only_where_they_measured_faster(monkeypatch):
-  monkeypatch.setattr(kernels, "_mosaic_probe", lambda: None)  # as on a Hopper GPU
+  monkeypatch.setattr(kernel_config, "_mosaic_probe", lambda: None)  # as on a Hopper GPU
   get = BlockSparseMatmulConfig.get_default
   cfg = get(8192, (4096, 4096), (128, 128), 256, jnp.bfloat16)
-  assert (cfg.mosaic_forward, cfg.mosaic_dx) == kernels.MOSAIC_TUNED_CONFIGS[128]
+  assert (cfg.mosaic_forward, cfg.mosaic_dx) == kernel_config.MOSAIC_TUNED_CONFIGS[128]
   assert get(8192, (4096, 4096), (64, 128), 256, jnp.float16).mosaic_forward is not None
   for args in [(16, (4096, 4096), (128, 128)), (8192, (4096, 4096), (32, 32))]:  # decode; block 32
     assert get(*args, 256, jnp.bfloat16).mosaic_forward is None
@@ -304,7 +305,7 @@ def test_mosaic_defaults_only_where_they_measured_faster(monkeypatch):
     cfg = get(8192, (4096, 4096), (b, b), 256, jnp.float32)
     assert cfg.mosaic_forward.tile_k == cfg.mosaic_dx.tile_k == 32
   assert get(128, (4096, 4096), (128, 128), 256, jnp.float32).mosaic_forward is None
-  monkeypatch.setattr(kernels, "_mosaic_probe", lambda: "no Hopper GPU")
+  monkeypatch.setattr(kernel_config, "_mosaic_probe", lambda: "no Hopper GPU")
   assert get(8192, (4096, 4096), (128, 128), 256, jnp.bfloat16).mosaic_forward is None
 
 

@@ -17,6 +17,7 @@ import pytest
 
 from jaxsparse.pallas import BlockSparseMatmulConfig
 from jaxsparse.pallas import KernelConfig
+from jaxsparse.pallas import _block_sparse_config as kernel_config
 from jaxsparse.pallas import _block_sparse_matmul as kernels
 from jaxsparse.pallas import _block_sparse_sdd_mgpu as sdd
 from tests.test_pallas_block_sparse import RTOL
@@ -89,7 +90,7 @@ def test_config_defaults_fit_and_errors():
 
 
 def test_dw_defaults_where_they_measured_faster(monkeypatch):
-  monkeypatch.setattr(kernels, "_mosaic_probe", lambda: None)  # as on a Hopper GPU
+  monkeypatch.setattr(kernel_config, "_mosaic_probe", lambda: None)  # as on a Hopper GPU
   get = BlockSparseMatmulConfig.get_default
   # 16-bit: the Mosaic dW for 64 x 64 blocks only (Triton was faster at 128 x 128).
   assert get(8192, (4096, 4096), (64, 64), 1024, jnp.bfloat16).mosaic_dw == sdd.MosaicSddConfig(group=2)
@@ -113,7 +114,7 @@ def test_dense_then_gather_dw_matches_dense():
   # The XLA dW path of small blocks (also what the GPU runs for them): rectangular blocks, an
   # empty block row and column.
   x, dy, w = _problem(40, 5 * 32, 6 * 16, (32, 16), "random", jnp.float32, seed=9)
-  ddata = kernels._dw_dense_then_gather(x, dy, w, precision=jax.lax.Precision.HIGHEST)
+  ddata = kernel_config.dw_dense_then_gather(x, dy, w, precision=jax.lax.Precision.HIGHEST)
   _, _, ddata_ref = _dense_reference(x, dy, w)
   _assert_close(ddata, ddata_ref, jnp.float32, "dW", 1e-5)
 

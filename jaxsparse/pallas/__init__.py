@@ -4,11 +4,11 @@
 pick a tile config or to run them in interpret mode.
 """
 
-from jaxsparse.pallas._block_sparse_matmul import BlockSparseMatmulConfig
-from jaxsparse.pallas._block_sparse_matmul import KernelConfig
-from jaxsparse.pallas._block_sparse_matmul import PallasFallbackWarning
+from jaxsparse.pallas._block_sparse_config import BlockSparseMatmulConfig
+from jaxsparse.pallas._block_sparse_config import KernelConfig
 from jaxsparse.pallas._block_sparse_matmul_mgpu import MosaicKernelConfig
 from jaxsparse.pallas._block_sparse_sdd_mgpu import MosaicSddConfig
+from jaxsparse.pallas._common import PallasFallbackWarning
 from jaxsparse.pallas._nm_matmul import NMMatmulConfig
 
 __all__ = [

@@ -44,6 +44,18 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
+from jaxsparse.pallas._block_sparse_config import BlockSparseMatmulConfig
+from jaxsparse.pallas._block_sparse_config import KernelConfig
+from jaxsparse.pallas._block_sparse_config import dense_weight
+from jaxsparse.pallas._block_sparse_config import dw_dense_then_gather
+from jaxsparse.pallas._block_sparse_config import mosaic_available
+from jaxsparse.pallas._block_sparse_config import mosaic_unavailable_reason
+from jaxsparse.pallas._common import PallasFallbackWarning
+from jaxsparse.pallas._common import allows_tf32
+from jaxsparse.pallas._common import available
+from jaxsparse.pallas._common import dot
+from jaxsparse.pallas._common import grouped_tile
+from jaxsparse.pallas._common import unavailable_reason
 
 try:  # Mosaic GPU (Hopper) variants of the forward, dx and dw kernels.
   from jaxsparse.pallas import _block_sparse_matmul_mgpu as mosaic
@@ -67,324 +79,11 @@ __all__ = [
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 SUPPORTED_BLOCK_DIMS = (16, 32, 64, 128)
-_MIN_COMPUTE_CAPABILITY = 8.0
-# Programs wanted in flight at once: two per streaming multiprocessor of an H100 or H200 (132 of them).
-_TARGET_PROGRAMS = 264
-
-
-class PallasFallbackWarning(UserWarning):
-  """The Pallas GPU kernels do not support these dtypes or shapes; the XLA path runs instead."""
-
-
-# -------------------------------------------------------------------------------------------------
-# Tile configuration.
-# -------------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelConfig:
-  """Tiling of one kernel.
-
-  Attributes:
-    block_m: rows of ``x`` / ``dY`` per program (forward and ``dx``), or per reduction step (``dw``).
-      A power of two, at least 16.
-    num_warps: Triton warps per program.
-    num_stages: Triton software-pipelining depth of the loop over blocks.
-    group_m: output tiles are visited in groups of ``group_m`` row tiles so that programs running
-      together share their ``x`` rows and ``W`` columns in L2 (forward and ``dx``).
-    split: split the loop over kept blocks (forward, ``dx``) or over ``M`` (``dw``) into this many
-      programs whose partial sums are added afterwards; for small ``M`` (decode) or few kept blocks.
-    index_window: forward and ``dx`` load the block indices of their column / row once, as one
-      vector, and pick each step's index from registers, so that the addresses of the next blocks do
-      not wait on memory and the loads can be pipelined.
-  """
-
-  block_m: int
-  num_warps: int = 4
-  num_stages: int = 3
-  group_m: int = 8
-  split: int = 1
-  index_window: bool = True
-
-  def __post_init__(self):
-    bm = self.block_m
-    if bm < 16 or bm & (bm - 1):
-      raise ValueError(f"block_m must be a power of two >= 16, got block_m={bm}.")
-    for name in ("num_warps", "num_stages", "group_m", "split"):
-      if getattr(self, name) < 1:
-        raise ValueError(f"{name} must be >= 1, got {name}={getattr(self, name)}.")
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockSparseMatmulConfig:
-  """Tile configs of the three kernels of one block-sparse product.
-
-  ``mosaic_forward`` / ``mosaic_dx``, when set, run the forward / ``dx`` product on the Mosaic GPU
-  kernel (Hopper only; see :mod:`jaxsparse.pallas._block_sparse_matmul_mgpu`) wherever it supports
-  the operands, and the Triton kernel with ``forward`` / ``dx`` elsewhere; ``mosaic_dw`` likewise
-  runs ``dw`` on :mod:`jaxsparse.pallas._block_sparse_sdd_mgpu`. ``dw_dense`` computes ``dw`` as
-  one dense ``xᵀ dY`` product (XLA) with the kept blocks gathered, where small blocks make the
-  per-block kernels slower than that; ``dense`` runs all three products densely (the weight
-  scattered into a dense ``K x N`` matrix first), where the pattern is too dense for small blocks
-  to beat the dense product at all.
-  """
-
-  forward: KernelConfig
-  dx: KernelConfig
-  dw: KernelConfig
-  mosaic_forward: mosaic.MosaicKernelConfig | None = None
-  mosaic_dx: mosaic.MosaicKernelConfig | None = None
-  mosaic_dw: mosaic_sdd.MosaicSddConfig | None = None
-  dw_dense: bool = False
-  dense: bool = False
-
-  @classmethod
-  def get_default(
-      cls,
-      m: int,
-      shape: tuple[int, int],
-      block_shape: tuple[int, int],
-      nnz_blocks: int,
-      dtype: jax.typing.DTypeLike,
-  ) -> BlockSparseMatmulConfig:
-    """The config for ``x (m, K) @ W (K, N)`` with ``nnz_blocks`` kept ``block_shape`` blocks.
-
-    16-bit square blocks at large ``m`` take the measured winners in ``TUNED_CONFIGS``; everything
-    else a heuristic. Small ``m`` (decode) splits the loop over a column's blocks across programs.
-    Where a Hopper GPU is present, 16-bit blocks of 64 and 128 at ``m >= 1024`` also get Mosaic GPU
-    configs for the forward and ``dx`` products (``MOSAIC_TUNED_CONFIGS``).
-    """
-    (k, n), (bk, bn) = shape, block_shape
-    itemsize = jnp.dtype(dtype).itemsize
-    kb, nb = k // bk, n // bn
-
-    def rows_tile(out_cols: int, in_cols: int) -> KernelConfig:
-      # 128-row tiles, fewer where the f32 accumulator or the staged operands would not fit one SM.
-      bm = min(128, max(16, pl.next_power_of_2(m)))
-      while bm > 16 and bm * out_cols * 4 > 128 * 128 * 4 // (2 if itemsize == 4 else 1):
-        bm //= 2
-      warps = 8 if bm * out_cols >= 128 * 128 else 4
-      stages = 2 if itemsize == 4 and in_cols * out_cols >= 64 * 128 else 3
-      return KernelConfig(bm, num_warps=warps, num_stages=stages)
-
-    tuned = TUNED_CONFIGS.get(bk) if bk == bn and itemsize == 2 and m >= _TUNED_MIN_M else None
-    if tuned is not None:
-      fwd, dx, dw = tuned
-    else:
-      fwd, dx = rows_tile(bn, bk), rows_tile(bk, bn)
-      dw_bm = min(64 if itemsize == 4 else 128, max(16, pl.next_power_of_2(m)))
-      dw = KernelConfig(dw_bm, num_warps=8 if bk * bn >= 128 * 128 else 4, num_stages=3 if itemsize < 4 else 2)
-
-    def split_blocks(cfg: KernelConfig, num_cols: int) -> KernelConfig:
-      # Too few programs to fill the GPU (decode): about two kept blocks per program (measured best
-      # on an H200 at M = 16 against one, four and eight).
-      if pl.cdiv(m, cfg.block_m) * num_cols >= _TARGET_PROGRAMS:
-        return cfg
-      return dataclasses.replace(cfg, split=max(1, min(8, pl.cdiv(nnz_blocks, 2 * num_cols))))
-
-    fwd, dx = split_blocks(fwd, nb), split_blocks(dx, kb)
-    if nnz_blocks < _TARGET_PROGRAMS // 4:
-      # Kept blocks for under half the SMs: split the reduction over M too. (At 128 blocks and
-      # M = 8192 a split of 3 measured 50% slower than none on an H200.)
-      steps = pl.cdiv(m, dw.block_m)
-      dw = dataclasses.replace(dw, split=max(1, min(steps, pl.cdiv(_TARGET_PROGRAMS // 2, nnz_blocks))))
-    mosaic_fwd, mosaic_dx = _mosaic_defaults(m, block_shape, dtype)
-    return cls(
-        forward=fwd,
-        dx=dx,
-        dw=dw,
-        mosaic_forward=mosaic_fwd,
-        mosaic_dx=mosaic_dx,
-        mosaic_dw=(mosaic_dw := _mosaic_dw_default(m, block_shape, dtype)),
-        dw_dense=_use_dense_dw(shape, block_shape, nnz_blocks, mosaic_dw),
-        dense=_use_dense(shape, block_shape, nnz_blocks),
-    )
-
-
-# Fastest (forward, dx, dw) configs per square block size for bf16 at M = 8192, K = N = 4096,
-# density 0.25, from the sweep of benchmarks/gpu_block_sparse.py on an H200 (2026-11-21; see
-# benchmarks/results/). Used for 16-bit inputs and m >= _TUNED_MIN_M.
-_TUNED_MIN_M = 1024
-TUNED_CONFIGS: dict[int, tuple[KernelConfig, KernelConfig, KernelConfig]] = {
-    32: (
-        KernelConfig(256, num_warps=4, num_stages=5, index_window=False),
-        KernelConfig(256, num_warps=4, num_stages=5, index_window=False),
-        KernelConfig(128, num_warps=4, num_stages=2),
-    ),
-    64: (
-        KernelConfig(128, num_warps=4, num_stages=3),
-        KernelConfig(128, num_warps=4, num_stages=3, group_m=16),
-        KernelConfig(32, num_warps=4, num_stages=3),
-    ),
-    128: (
-        KernelConfig(128, num_warps=8, num_stages=3, group_m=4),
-        KernelConfig(128, num_warps=4, num_stages=3, group_m=4),
-        KernelConfig(64, num_warps=4, num_stages=3),
-    ),
-}
-
-
-# Mosaic GPU configs per square block size for 16-bit inputs and m >= _MOSAIC_MIN_M, from
-# `benchmarks/gpu_block_sparse.py --mosaic-sweep` on an H100 (2026-11-21; see benchmarks/results/).
-# Below that m, or for block 32, the Triton kernels measured as fast or faster.
-_MOSAIC_MIN_M = 1024
-MOSAIC_TUNED_CONFIGS: dict = (
-    {}
-    if mosaic is None
-    else {
-        # dx visits fewer row tiles at a time: its dY rows (M x N) are the larger operand in L2.
-        64: (mosaic.MosaicKernelConfig(group_m=4), mosaic.MosaicKernelConfig(group_m=2)),
-        128: (mosaic.MosaicKernelConfig(group_m=4), mosaic.MosaicKernelConfig(group_m=2)),
-    }
-)
-
-
-# Where the Mosaic GPU forward / dX kernels replace the Triton ones, per input itemsize: the smallest
-# M and the smallest block dim. Float32 runs on TF32 wgmma there (Triton's float32 tiles measured
-# 2.6x dense at block 128, M = 8192; see benchmarks/results/gpu_block_sparse_2026-11-23_h100.md).
-MOSAIC_MIN_M_AND_BLOCK = {2: (_MOSAIC_MIN_M, 64), 4: (256, 32)}
-
-
-def _mosaic_defaults(m: int, block_shape: tuple[int, int], dtype) -> tuple:
-  """``(forward, dx)`` Mosaic GPU configs, or ``(None, None)`` where the Triton kernels are used."""
-  bk, bn = block_shape
-  itemsize = jnp.dtype(dtype).itemsize
-  min_m, min_block = MOSAIC_MIN_M_AND_BLOCK.get(itemsize, (None, None))
-  if mosaic_unavailable_reason() or min_m is None or m < min_m or min(bk, bn) < min_block:
-    return None, None
-  tuned = MOSAIC_TUNED_CONFIGS.get(bk) if bk == bn and itemsize == 2 else None
-  if tuned is not None:
-    return tuned
-  default = mosaic.MosaicBlockSparseMatmulConfig.get_default(m, block_shape, dtype)
-  return default.forward, default.dx
 
 
 # -------------------------------------------------------------------------------------------------
 # Availability and support.
 # -------------------------------------------------------------------------------------------------
-
-
-# Where the Mosaic GPU sampled xᵀdY kernel replaces the Triton one (`benchmarks/gpu_block_sparse.py
-# --dw-sweep`, H100, M = 8192, d = 0.25): 16-bit inputs only for 64 x 64 blocks (0.203 ms against
-# Triton's 0.225; at 128 x 128 Triton's 0.106 ms beat the Mosaic 0.177), float32 (TF32) for every
-# block the kernel takes (Triton's float32 SDD ran 1.9-2.9x the dense TF32 product). Smallest M
-# per input itemsize.
-_MOSAIC_DW_MIN_M = {2: 1024, 4: 256}
-MOSAIC_DW_TUNED_16BIT: dict = (
-    {} if mosaic_sdd is None else {(64, 64): mosaic_sdd.MosaicSddConfig(group=2, tile_m=64, num_stages=4)}
-)
-
-
-def _mosaic_dw_default(m: int, block_shape: tuple[int, int], dtype):
-  """The Mosaic GPU ``dw`` config, or ``None`` where the Triton SDD kernel is used."""
-  itemsize = jnp.dtype(dtype).itemsize
-  if mosaic_unavailable_reason() or m < _MOSAIC_DW_MIN_M.get(itemsize, m + 1):
-    return None
-  bk, bn = block_shape
-  if itemsize == 2:
-    return MOSAIC_DW_TUNED_16BIT.get((bk, bn))
-  if bk in mosaic_sdd.SUPPORTED_BK and bn in mosaic_sdd.SUPPORTED_BN[itemsize]:
-    return mosaic_sdd.MosaicSddConfig.get_default(block_shape, dtype)
-  return None
-
-
-# Below this block dim (bk for the Mosaic float32 kernel, either dim otherwise) and at or above this
-# density, dW is one dense xᵀdY product (XLA) with the kept blocks gathered from it: 32 x 32 blocks at
-# d = 0.25 measured 0.84 ms in the Triton SDD kernel against 0.33 ms for the whole dense product
-# (bf16, M = 8192, K = N = 4096, H100) and 1.91 ms against 0.66 in float32.
-DW_DENSE_BELOW_BLOCK = 64
-DW_DENSE_MIN_DENSITY = 0.1
-
-
-# Small blocks whose per-block products are slower than the whole dense product above this density
-# (H100, M = 8192, K = N = 4096; benchmarks/results/gpu_block_sparse_2026-11-23_h100.md): 32 x 32
-# blocks took 0.95 / 0.92 of dense at d = 0.25 and 1.52 / 1.42 at d = 0.5 (bf16 / f32, fwd+bwd).
-# Those patterns run as dense products (the weight scattered first: one K x N write).
-DENSE_ABOVE_DENSITY = {32: 0.3}
-
-
-def _use_dense(shape, block_shape, nnz_blocks: int) -> bool:
-  (k, n), (bk, bn) = shape, block_shape
-  above = DENSE_ABOVE_DENSITY.get(min(bk, bn))
-  return above is not None and nnz_blocks > above * (k // bk) * (n // bn)
-
-
-def _dense_weight(w: BlockSparseMatrix, dtype) -> jax.Array:
-  return w.to_dense().astype(dtype)
-
-
-def _dw_dense_then_gather(x2, dy2, w, *, precision):
-  """``dW`` as the dense ``x2ᵀ dy2`` with the kept blocks gathered: faster than per-block products
-  where blocks are small and many."""
-  (bk, bn), (kb, nb) = w.block_shape, w.grid_shape
-  full = lax.dot_general(x2, dy2, (((0,), (0,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
-  return full.reshape(kb, bk, nb, bn)[w.row_indices, :, w.col_indices, :].astype(w.dtype)
-
-
-def _use_dense_dw(shape, block_shape, nnz_blocks: int, mosaic_dw_cfg) -> bool:
-  """Whether ``dw`` is the dense product plus a gather (small blocks, not on the Mosaic kernel)."""
-  if mosaic_dw_cfg is not None:
-    return False
-  (k, n), (bk, bn) = shape, block_shape
-  return min(bk, bn) < DW_DENSE_BELOW_BLOCK and nnz_blocks >= DW_DENSE_MIN_DENSITY * (k // bk) * (n // bn)
-
-
-@functools.cache
-def _probe() -> str | None:
-  """``None`` when the kernels can run on this process's devices, else why not."""
-  try:
-    gpus = jax.devices("cuda")
-  except RuntimeError as e:
-    return f"no CUDA GPU backend is present ({e})"
-  caps = [float(getattr(d, "compute_capability", "0")) for d in gpus]
-  if not caps or max(caps) < _MIN_COMPUTE_CAPABILITY:
-    return f"the Triton-lowered Pallas kernels need compute capability >= 8.0, found {caps}"
-  return None
-
-
-@functools.cache
-def _mosaic_probe() -> str | None:
-  """``None`` when the Mosaic GPU kernels can run on this process's devices, else why not."""
-  if mosaic is None:
-    return "this jax has no Mosaic GPU (jax.experimental.pallas.mosaic_gpu)"
-  try:
-    gpus = jax.devices("cuda")
-  except RuntimeError as e:
-    return f"no CUDA GPU backend is present ({e})"
-  caps = [float(getattr(d, "compute_capability", "0")) for d in gpus]
-  if not caps or not all(9.0 <= c < 10.0 for c in caps):
-    return f"the Mosaic GPU kernels use wgmma, which needs compute capability 9.x (Hopper), found {caps}"
-  return None
-
-
-def mosaic_available() -> bool:
-  """True when the Mosaic GPU (Hopper) forward and ``dx`` kernels can run here."""
-  return _mosaic_probe() is None
-
-
-def mosaic_unavailable_reason() -> str:
-  """Why :func:`mosaic_available` is False (empty when it is True)."""
-  return _mosaic_probe() or ""
-
-
-def allows_tf32(precision: lax.PrecisionLike) -> bool:
-  """Whether a float32 product at ``precision`` may run on TF32 tensor cores, as XLA's GPU dots do.
-
-  ``None`` follows ``jax_default_matmul_precision`` (unset: DEFAULT). DEFAULT and HIGH allow TF32;
-  HIGHEST (``"float32"``) and explicit algorithms other than TF32 do not.
-  """
-  if precision is None:
-    precision = jax.config.jax_default_matmul_precision
-    if precision is None:
-      return True
-  if isinstance(precision, (tuple, list)):
-    return all(allows_tf32(p) for p in precision)
-  if isinstance(precision, lax.DotAlgorithmPreset):
-    return precision in (lax.DotAlgorithmPreset.DEFAULT, lax.DotAlgorithmPreset.TF32_TF32_F32)
-  try:
-    return lax.Precision(precision) != lax.Precision.HIGHEST
-  except (TypeError, ValueError):
-    return False
 
 
 def _use_mosaic(mosaic_cfg, a, w, out_dtype, *, transpose: bool, interpret: bool, precision=None) -> bool:
@@ -394,16 +93,6 @@ def _use_mosaic(mosaic_cfg, a, w, out_dtype, *, transpose: bool, interpret: bool
   if jnp.dtype(a.dtype).itemsize == 4 and not allows_tf32(precision):
     return False  # the Mosaic kernel computes float32 in TF32
   return mosaic.supports(a, w, out_dtype, transpose=transpose)
-
-
-def available() -> bool:
-  """True when a CUDA GPU of compute capability 8.0 or later is present."""
-  return _probe() is None
-
-
-def unavailable_reason() -> str:
-  """Why :func:`available` is False (empty when it is True)."""
-  return _probe() or ""
 
 
 def unsupported_reason(*args) -> str | None:
@@ -447,15 +136,6 @@ def _check_supported(*args) -> None:
 # -------------------------------------------------------------------------------------------------
 
 
-def _grouped_tile(pid, num_m: int, num_n: int, group_m: int):
-  """Program id -> ``(row tile, column)``, walking ``group_m`` row tiles per column before moving on."""
-  width = group_m * num_n
-  first_m = (pid // width) * group_m
-  size = jnp.minimum(num_m - first_m, group_m)
-  r = pid % width
-  return first_m + r % size, r // size
-
-
 def _split_range(start, end, split: int):
   """The part of ``[start, end)`` that split program ``pl.program_id(1)`` handles."""
   if split == 1:
@@ -463,16 +143,6 @@ def _split_range(start, end, split: int):
   chunk = pl.cdiv(end - start, split)
   lo = start + pl.program_id(1) * chunk
   return lo, jnp.minimum(lo + chunk, end)
-
-
-def _dot(a, b, contract, *, compute_dtype, precision):
-  return lax.dot_general(
-      a.astype(compute_dtype),
-      b.astype(compute_dtype),
-      (contract, ((), ())),
-      precision=precision,
-      preferred_element_type=jnp.float32,
-  )
 
 
 class _BlockIndex:
@@ -509,7 +179,7 @@ def _dsd_kernel(
   ``rows_ref[b]``, or, from registers, the number of block rows ``r >= 1`` that start at or before
   ``b`` (``row_offsets`` is sorted).
   """
-  _, j = _grouped_tile(pl.program_id(0), num_m, num_n, cfg.group_m)
+  _, j = grouped_tile(pl.program_id(0), num_m, num_n, cfg.group_m)
   bk = data_ref.shape[1]
   start, end = col_offsets_ref[j], col_offsets_ref[j + 1]
   index = _BlockIndex((order_ref,), start, window, cfg)
@@ -535,7 +205,7 @@ def _dsd_kernel(
 
 def _dst_kernel(offsets_ref, cols_ref, dy_ref, data_ref, dx_ref, *, num_m, num_k, window, cfg, dot):
   """``dx[m tile, i] = sum over kept (i, j): dy[m tile, j] @ data[(i, j)]ᵀ``."""
-  _, i = _grouped_tile(pl.program_id(0), num_m, num_k, cfg.group_m)
+  _, i = grouped_tile(pl.program_id(0), num_m, num_k, cfg.group_m)
   bn = data_ref.shape[2]
   start, end = offsets_ref[i], offsets_ref[i + 1]
   index = _BlockIndex((cols_ref,), start, window, cfg)
@@ -629,7 +299,7 @@ def forward(
     return jnp.zeros((m, n), out_dtype)
   configs = _config_for(config, x2, w)
   if configs.dense and not interpret:
-    wd = _dense_weight(w, compute_dtype)
+    wd = dense_weight(w, compute_dtype)
     return jnp.matmul(x2.astype(compute_dtype), wd, precision=precision, preferred_element_type=out_dtype)
   if _use_mosaic(configs.mosaic_forward, x2, w, out_dtype, transpose=False, interpret=interpret, precision=precision):
     return mosaic.dense_sparse_matmul(x2, w, out_dtype=out_dtype, config=configs.mosaic_forward, interpret=interpret)
@@ -641,7 +311,7 @@ def forward(
   row_offsets = _pad_to(w.row_offsets, window)
   xp = _pad_rows(x2, cfg.block_m)
   num_m = xp.shape[0] // cfg.block_m
-  tile = functools.partial(_grouped_tile, num_m=num_m, num_n=nb, group_m=cfg.group_m)
+  tile = functools.partial(grouped_tile, num_m=num_m, num_n=nb, group_m=cfg.group_m)
   grid = (num_m * nb, cfg.split)
   x_spec = pl.BlockSpec((cfg.block_m, xp.shape[1]), lambda p, s: (tile(p)[0], 0))
   if cfg.split == 1:
@@ -656,7 +326,7 @@ def forward(
       num_n=nb,
       window=window,
       cfg=cfg,
-      dot=functools.partial(_dot, compute_dtype=compute_dtype, precision=precision),
+      dot=functools.partial(dot, compute_dtype=compute_dtype, precision=precision),
   )
   y = pl.pallas_call(
       kernel,
@@ -687,7 +357,7 @@ def _dx(dy2, w, *, compute_dtype, out_dtype, precision, cfg: KernelConfig, inter
   cols = _pad_to(w.col_indices, window)
   dyp = _pad_rows(dy2, cfg.block_m)
   num_m = dyp.shape[0] // cfg.block_m
-  tile = functools.partial(_grouped_tile, num_m=num_m, num_n=kb, group_m=cfg.group_m)
+  tile = functools.partial(grouped_tile, num_m=num_m, num_n=kb, group_m=cfg.group_m)
   if cfg.split == 1:
     out_shape = jax.ShapeDtypeStruct((dyp.shape[0], w.shape[0]), out_dtype)
     out_spec = pl.BlockSpec((cfg.block_m, bk), lambda p, s: tile(p))
@@ -700,7 +370,7 @@ def _dx(dy2, w, *, compute_dtype, out_dtype, precision, cfg: KernelConfig, inter
       num_k=kb,
       window=window,
       cfg=cfg,
-      dot=functools.partial(_dot, compute_dtype=compute_dtype, precision=precision),
+      dot=functools.partial(dot, compute_dtype=compute_dtype, precision=precision),
   )
   dx = pl.pallas_call(
       kernel,
@@ -743,7 +413,7 @@ def _dw(x2, dy2, w, *, compute_dtype, precision, cfg: KernelConfig, interpret):
       block_shape=(bk, bn),
       steps=steps,
       cfg=cfg,
-      dot=functools.partial(_dot, compute_dtype=compute_dtype, precision=precision),
+      dot=functools.partial(dot, compute_dtype=compute_dtype, precision=precision),
   )
   ddata = pl.pallas_call(
       kernel,
@@ -797,11 +467,11 @@ def backward(
   dx = ddata = None
   if cfg.dense and not interpret:
     if need_dx:
-      wd = _dense_weight(w, compute_dtype)
+      wd = dense_weight(w, compute_dtype)
       dx = jnp.matmul(dy2.astype(compute_dtype), wd.T, precision=precision, preferred_element_type=jnp.float32)
       dx = dx.astype(x2.dtype)
     if need_dw:
-      ddata = _dw_dense_then_gather(x2.astype(compute_dtype), dy2.astype(compute_dtype), w, precision=precision)
+      ddata = dw_dense_then_gather(x2.astype(compute_dtype), dy2.astype(compute_dtype), w, precision=precision)
     return dx, ddata
   if need_dx and _use_mosaic(cfg.mosaic_dx, dy2, w, x2.dtype, transpose=True, interpret=interpret, precision=precision):
     dx = mosaic.dense_sparse_matmul(
@@ -821,7 +491,7 @@ def backward(
   if need_dw and use_mosaic_dw:
     ddata = mosaic_sdd.sampled_dw(x2, dy2, w, config=cfg.mosaic_dw, interpret=interpret)
   elif need_dw and cfg.dw_dense and not interpret:
-    ddata = _dw_dense_then_gather(x2, dy2, w, precision=precision)
+    ddata = dw_dense_then_gather(x2, dy2, w, precision=precision)
   elif need_dw:
     ddata = _dw(x2, dy2, w, compute_dtype=compute_dtype, precision=precision, cfg=cfg.dw, interpret=interpret)
   return dx, ddata

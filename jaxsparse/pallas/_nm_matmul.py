@@ -34,9 +34,11 @@ from jax.experimental.pallas import triton as pltriton
 from jaxsparse.formats._nm import NMSparseMatrix
 from jaxsparse.formats._nm import index_layout
 from jaxsparse.formats._nm import position_bits
-from jaxsparse.pallas._block_sparse_matmul import PallasFallbackWarning
-from jaxsparse.pallas._block_sparse_matmul import available
-from jaxsparse.pallas._block_sparse_matmul import unavailable_reason
+from jaxsparse.pallas._common import PallasFallbackWarning
+from jaxsparse.pallas._common import available
+from jaxsparse.pallas._common import dot
+from jaxsparse.pallas._common import grouped_tile
+from jaxsparse.pallas._common import unavailable_reason
 
 __all__ = [
     "NMMatmulConfig",
@@ -190,15 +192,6 @@ def preferred(x2: jax.Array, w: NMSparseMatrix) -> bool:
 # -------------------------------------------------------------------------------------------------
 
 
-def _tile(pid, num_m: int, num_n: int, group_m: int):
-  """Program id -> ``(row tile, column tile)``, ``group_m`` row tiles per column before moving on."""
-  width = group_m * num_n
-  first_m = (pid // width) * group_m
-  size = jnp.minimum(num_m - first_m, group_m)
-  r = pid % width
-  return first_m + r % size, r // size
-
-
 def _nm_kernel(x_ref, v_ref, idx_ref, y_ref, *, n, m, per_word, rows, steps, cfg: NMMatmulConfig, dot):
   """``y[i, j] = sum over steps: x[i, run] @ expand(values[run, :, j], positions[run, j])``.
 
@@ -227,16 +220,6 @@ def _nm_kernel(x_ref, v_ref, idx_ref, y_ref, *, n, m, per_word, rows, steps, cfg
 
   acc = lax.fori_loop(0, steps, step, jnp.zeros(y_ref.shape, jnp.float32))
   y_ref[...] = acc.astype(y_ref.dtype)
-
-
-def _dot(a, b, *, compute_dtype, precision):
-  return lax.dot_general(
-      a.astype(compute_dtype),
-      b.astype(compute_dtype),
-      (((1,), (0,)), ((), ())),
-      precision=precision,
-      preferred_element_type=jnp.float32,
-  )
 
 
 def forward(
@@ -276,7 +259,7 @@ def forward(
   xp = jnp.pad(x2, ((0, pad), (0, 0))) if pad else x2
   num_m, num_n = xp.shape[0] // bm, cols // bn
   steps = rows // cfg.block_groups // split
-  tile = functools.partial(_tile, num_m=num_m, num_n=num_n, group_m=cfg.group_m)
+  tile = functools.partial(grouped_tile, num_m=num_m, num_n=num_n, group_m=cfg.group_m)
   values = w.values.reshape(groups, n, cols)  # free: rows g*n + j -> (g, j)
   if split == 1:
     out_shape = jax.ShapeDtypeStruct((xp.shape[0], cols), out_dtype)
@@ -292,7 +275,7 @@ def forward(
       rows=rows,
       steps=steps,
       cfg=cfg,
-      dot=functools.partial(_dot, compute_dtype=compute_dtype, precision=precision),
+      dot=functools.partial(dot, contract=((1,), (0,)), compute_dtype=compute_dtype, precision=precision),
   )
   y = pl.pallas_call(
       kernel,

@@ -1,0 +1,305 @@
+"""Tile configs of the Triton block-sparse kernels and the measured rules that choose between kernels.
+
+The defaults are data (tuned tables per block shape / M, thresholds with the measurement that set
+them); each decision is one function: ``BlockSparseMatmulConfig.get_default``, ``mosaic_defaults``,
+``mosaic_dw_default``, ``use_dense``, ``use_dense_dw``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jaxsparse.formats._block_sparse import BlockSparseMatrix
+
+try:  # Mosaic GPU (Hopper) configs.
+  from jaxsparse.pallas import _block_sparse_matmul_mgpu as mosaic
+  from jaxsparse.pallas import _block_sparse_sdd_mgpu as mosaic_sdd
+except ImportError:  # a jax without Mosaic GPU: the Triton kernels only.
+  mosaic = mosaic_sdd = None
+
+@functools.cache
+def _mosaic_probe() -> str | None:
+  """``None`` when the Mosaic GPU kernels can run on this process's devices, else why not."""
+  if mosaic is None:
+    return "this jax has no Mosaic GPU (jax.experimental.pallas.mosaic_gpu)"
+  try:
+    gpus = jax.devices("cuda")
+  except RuntimeError as e:
+    return f"no CUDA GPU backend is present ({e})"
+  caps = [float(getattr(d, "compute_capability", "0")) for d in gpus]
+  if not caps or not all(9.0 <= c < 10.0 for c in caps):
+    return f"the Mosaic GPU kernels use wgmma, which needs compute capability 9.x (Hopper), found {caps}"
+  return None
+
+
+def mosaic_available() -> bool:
+  """True when the Mosaic GPU (Hopper) forward and ``dx`` kernels can run here."""
+  return _mosaic_probe() is None
+
+
+def mosaic_unavailable_reason() -> str:
+  """Why :func:`mosaic_available` is False (empty when it is True)."""
+  return _mosaic_probe() or ""
+
+
+
+# Programs wanted in flight at once: two per streaming multiprocessor of an H100 or H200 (132 of them).
+_TARGET_PROGRAMS = 264
+
+
+# -------------------------------------------------------------------------------------------------
+# Tile configuration.
+# -------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+  """Tiling of one kernel.
+
+  Attributes:
+    block_m: rows of ``x`` / ``dY`` per program (forward and ``dx``), or per reduction step (``dw``).
+      A power of two, at least 16.
+    num_warps: Triton warps per program.
+    num_stages: Triton software-pipelining depth of the loop over blocks.
+    group_m: output tiles are visited in groups of ``group_m`` row tiles so that programs running
+      together share their ``x`` rows and ``W`` columns in L2 (forward and ``dx``).
+    split: split the loop over kept blocks (forward, ``dx``) or over ``M`` (``dw``) into this many
+      programs whose partial sums are added afterwards; for small ``M`` (decode) or few kept blocks.
+    index_window: forward and ``dx`` load the block indices of their column / row once, as one
+      vector, and pick each step's index from registers, so that the addresses of the next blocks do
+      not wait on memory and the loads can be pipelined.
+  """
+
+  block_m: int
+  num_warps: int = 4
+  num_stages: int = 3
+  group_m: int = 8
+  split: int = 1
+  index_window: bool = True
+
+  def __post_init__(self):
+    bm = self.block_m
+    if bm < 16 or bm & (bm - 1):
+      raise ValueError(f"block_m must be a power of two >= 16, got block_m={bm}.")
+    for name in ("num_warps", "num_stages", "group_m", "split"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name} must be >= 1, got {name}={getattr(self, name)}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSparseMatmulConfig:
+  """Tile configs of the three kernels of one block-sparse product.
+
+  ``mosaic_forward`` / ``mosaic_dx``, when set, run the forward / ``dx`` product on the Mosaic GPU
+  kernel (Hopper only; see :mod:`jaxsparse.pallas._block_sparse_matmul_mgpu`) wherever it supports
+  the operands, and the Triton kernel with ``forward`` / ``dx`` elsewhere; ``mosaic_dw`` likewise
+  runs ``dw`` on :mod:`jaxsparse.pallas._block_sparse_sdd_mgpu`. ``dw_dense`` computes ``dw`` as
+  one dense ``xᵀ dY`` product (XLA) with the kept blocks gathered, where small blocks make the
+  per-block kernels slower than that; ``dense`` runs all three products densely (the weight
+  scattered into a dense ``K x N`` matrix first), where the pattern is too dense for small blocks
+  to beat the dense product at all.
+  """
+
+  forward: KernelConfig
+  dx: KernelConfig
+  dw: KernelConfig
+  mosaic_forward: mosaic.MosaicKernelConfig | None = None
+  mosaic_dx: mosaic.MosaicKernelConfig | None = None
+  mosaic_dw: mosaic_sdd.MosaicSddConfig | None = None
+  dw_dense: bool = False
+  dense: bool = False
+
+  @classmethod
+  def get_default(
+      cls,
+      m: int,
+      shape: tuple[int, int],
+      block_shape: tuple[int, int],
+      nnz_blocks: int,
+      dtype: jax.typing.DTypeLike,
+  ) -> BlockSparseMatmulConfig:
+    """The config for ``x (m, K) @ W (K, N)`` with ``nnz_blocks`` kept ``block_shape`` blocks.
+
+    16-bit square blocks at large ``m`` take the measured winners in ``TUNED_CONFIGS``; everything
+    else a heuristic. Small ``m`` (decode) splits the loop over a column's blocks across programs.
+    Where a Hopper GPU is present, 16-bit blocks of 64 and 128 at ``m >= 1024`` also get Mosaic GPU
+    configs for the forward and ``dx`` products (``MOSAIC_TUNED_CONFIGS``).
+    """
+    (k, n), (bk, bn) = shape, block_shape
+    itemsize = jnp.dtype(dtype).itemsize
+    kb, nb = k // bk, n // bn
+
+    def rows_tile(out_cols: int, in_cols: int) -> KernelConfig:
+      # 128-row tiles, fewer where the f32 accumulator or the staged operands would not fit one SM.
+      bm = min(128, max(16, pl.next_power_of_2(m)))
+      while bm > 16 and bm * out_cols * 4 > 128 * 128 * 4 // (2 if itemsize == 4 else 1):
+        bm //= 2
+      warps = 8 if bm * out_cols >= 128 * 128 else 4
+      stages = 2 if itemsize == 4 and in_cols * out_cols >= 64 * 128 else 3
+      return KernelConfig(bm, num_warps=warps, num_stages=stages)
+
+    tuned = TUNED_CONFIGS.get(bk) if bk == bn and itemsize == 2 and m >= _TUNED_MIN_M else None
+    if tuned is not None:
+      fwd, dx, dw = tuned
+    else:
+      fwd, dx = rows_tile(bn, bk), rows_tile(bk, bn)
+      dw_bm = min(64 if itemsize == 4 else 128, max(16, pl.next_power_of_2(m)))
+      dw = KernelConfig(dw_bm, num_warps=8 if bk * bn >= 128 * 128 else 4, num_stages=3 if itemsize < 4 else 2)
+
+    def split_blocks(cfg: KernelConfig, num_cols: int) -> KernelConfig:
+      # Too few programs to fill the GPU (decode): about two kept blocks per program (measured best
+      # on an H200 at M = 16 against one, four and eight).
+      if pl.cdiv(m, cfg.block_m) * num_cols >= _TARGET_PROGRAMS:
+        return cfg
+      return dataclasses.replace(cfg, split=max(1, min(8, pl.cdiv(nnz_blocks, 2 * num_cols))))
+
+    fwd, dx = split_blocks(fwd, nb), split_blocks(dx, kb)
+    if nnz_blocks < _TARGET_PROGRAMS // 4:
+      # Kept blocks for under half the SMs: split the reduction over M too. (At 128 blocks and
+      # M = 8192 a split of 3 measured 50% slower than none on an H200.)
+      steps = pl.cdiv(m, dw.block_m)
+      dw = dataclasses.replace(dw, split=max(1, min(steps, pl.cdiv(_TARGET_PROGRAMS // 2, nnz_blocks))))
+    mosaic_fwd, mosaic_dx = mosaic_defaults(m, block_shape, dtype)
+    return cls(
+        forward=fwd,
+        dx=dx,
+        dw=dw,
+        mosaic_forward=mosaic_fwd,
+        mosaic_dx=mosaic_dx,
+        mosaic_dw=(mosaic_dw := mosaic_dw_default(m, block_shape, dtype)),
+        dw_dense=use_dense_dw(shape, block_shape, nnz_blocks, mosaic_dw),
+        dense=use_dense(shape, block_shape, nnz_blocks),
+    )
+
+
+# Fastest (forward, dx, dw) configs per square block size for bf16 at M = 8192, K = N = 4096,
+# density 0.25, from the sweep of benchmarks/gpu_block_sparse.py on an H200 (2026-11-21; see
+# benchmarks/results/). Used for 16-bit inputs and m >= _TUNED_MIN_M.
+_TUNED_MIN_M = 1024
+TUNED_CONFIGS: dict[int, tuple[KernelConfig, KernelConfig, KernelConfig]] = {
+    32: (
+        KernelConfig(256, num_warps=4, num_stages=5, index_window=False),
+        KernelConfig(256, num_warps=4, num_stages=5, index_window=False),
+        KernelConfig(128, num_warps=4, num_stages=2),
+    ),
+    64: (
+        KernelConfig(128, num_warps=4, num_stages=3),
+        KernelConfig(128, num_warps=4, num_stages=3, group_m=16),
+        KernelConfig(32, num_warps=4, num_stages=3),
+    ),
+    128: (
+        KernelConfig(128, num_warps=8, num_stages=3, group_m=4),
+        KernelConfig(128, num_warps=4, num_stages=3, group_m=4),
+        KernelConfig(64, num_warps=4, num_stages=3),
+    ),
+}
+
+
+# Mosaic GPU configs per square block size for 16-bit inputs and m >= _MOSAIC_MIN_M, from
+# `benchmarks/gpu_block_sparse.py --mosaic-sweep` on an H100 (2026-11-21; see benchmarks/results/).
+# Below that m, or for block 32, the Triton kernels measured as fast or faster.
+_MOSAIC_MIN_M = 1024
+MOSAIC_TUNED_CONFIGS: dict = (
+    {}
+    if mosaic is None
+    else {
+        # dx visits fewer row tiles at a time: its dY rows (M x N) are the larger operand in L2.
+        64: (mosaic.MosaicKernelConfig(group_m=4), mosaic.MosaicKernelConfig(group_m=2)),
+        128: (mosaic.MosaicKernelConfig(group_m=4), mosaic.MosaicKernelConfig(group_m=2)),
+    }
+)
+
+
+# Where the Mosaic GPU forward / dX kernels replace the Triton ones, per input itemsize: the smallest
+# M and the smallest block dim. Float32 runs on TF32 wgmma there (Triton's float32 tiles measured
+# 2.6x dense at block 128, M = 8192; see benchmarks/results/gpu_block_sparse_2026-11-23_h100.md).
+MOSAIC_MIN_M_AND_BLOCK = {2: (_MOSAIC_MIN_M, 64), 4: (256, 32)}
+
+
+def mosaic_defaults(m: int, block_shape: tuple[int, int], dtype) -> tuple:
+  """``(forward, dx)`` Mosaic GPU configs, or ``(None, None)`` where the Triton kernels are used."""
+  bk, bn = block_shape
+  itemsize = jnp.dtype(dtype).itemsize
+  min_m, min_block = MOSAIC_MIN_M_AND_BLOCK.get(itemsize, (None, None))
+  if mosaic_unavailable_reason() or min_m is None or m < min_m or min(bk, bn) < min_block:
+    return None, None
+  tuned = MOSAIC_TUNED_CONFIGS.get(bk) if bk == bn and itemsize == 2 else None
+  if tuned is not None:
+    return tuned
+  default = mosaic.MosaicBlockSparseMatmulConfig.get_default(m, block_shape, dtype)
+  return default.forward, default.dx
+
+
+
+
+# Where the Mosaic GPU sampled xᵀdY kernel replaces the Triton one (`benchmarks/gpu_block_sparse.py
+# --dw-sweep`, H100, M = 8192, d = 0.25): 16-bit inputs only for 64 x 64 blocks (0.203 ms against
+# Triton's 0.225; at 128 x 128 Triton's 0.106 ms beat the Mosaic 0.177), float32 (TF32) for every
+# block the kernel takes (Triton's float32 SDD ran 1.9-2.9x the dense TF32 product). Smallest M
+# per input itemsize.
+_MOSAIC_DW_MIN_M = {2: 1024, 4: 256}
+MOSAIC_DW_TUNED_16BIT: dict = (
+    {} if mosaic_sdd is None else {(64, 64): mosaic_sdd.MosaicSddConfig(group=2, tile_m=64, num_stages=4)}
+)
+
+
+def mosaic_dw_default(m: int, block_shape: tuple[int, int], dtype):
+  """The Mosaic GPU ``dw`` config, or ``None`` where the Triton SDD kernel is used."""
+  itemsize = jnp.dtype(dtype).itemsize
+  if mosaic_unavailable_reason() or m < _MOSAIC_DW_MIN_M.get(itemsize, m + 1):
+    return None
+  bk, bn = block_shape
+  if itemsize == 2:
+    return MOSAIC_DW_TUNED_16BIT.get((bk, bn))
+  if bk in mosaic_sdd.SUPPORTED_BK and bn in mosaic_sdd.SUPPORTED_BN[itemsize]:
+    return mosaic_sdd.MosaicSddConfig.get_default(block_shape, dtype)
+  return None
+
+
+# Below this block dim (bk for the Mosaic float32 kernel, either dim otherwise) and at or above this
+# density, dW is one dense xᵀdY product (XLA) with the kept blocks gathered from it: 32 x 32 blocks at
+# d = 0.25 measured 0.84 ms in the Triton SDD kernel against 0.33 ms for the whole dense product
+# (bf16, M = 8192, K = N = 4096, H100) and 1.91 ms against 0.66 in float32.
+DW_DENSE_BELOW_BLOCK = 64
+DW_DENSE_MIN_DENSITY = 0.1
+
+
+# Small blocks whose per-block products are slower than the whole dense product above this density
+# (H100, M = 8192, K = N = 4096; benchmarks/results/gpu_block_sparse_2026-11-23_h100.md): 32 x 32
+# blocks took 0.95 / 0.92 of dense at d = 0.25 and 1.52 / 1.42 at d = 0.5 (bf16 / f32, fwd+bwd).
+# Those patterns run as dense products (the weight scattered first: one K x N write).
+DENSE_ABOVE_DENSITY = {32: 0.3}
+
+
+def use_dense(shape, block_shape, nnz_blocks: int) -> bool:
+  (k, n), (bk, bn) = shape, block_shape
+  above = DENSE_ABOVE_DENSITY.get(min(bk, bn))
+  return above is not None and nnz_blocks > above * (k // bk) * (n // bn)
+
+
+def dense_weight(w: BlockSparseMatrix, dtype) -> jax.Array:
+  return w.to_dense().astype(dtype)
+
+
+def dw_dense_then_gather(x2, dy2, w, *, precision):
+  """``dW`` as the dense ``x2ᵀ dy2`` with the kept blocks gathered: faster than per-block products
+  where blocks are small and many."""
+  (bk, bn), (kb, nb) = w.block_shape, w.grid_shape
+  full = lax.dot_general(x2, dy2, (((0,), (0,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
+  return full.reshape(kb, bk, nb, bn)[w.row_indices, :, w.col_indices, :].astype(w.dtype)
+
+
+def use_dense_dw(shape, block_shape, nnz_blocks: int, mosaic_dw_cfg) -> bool:
+  """Whether ``dw`` is the dense product plus a gather (small blocks, not on the Mosaic kernel)."""
+  if mosaic_dw_cfg is not None:
+    return False
+  (k, n), (bk, bn) = shape, block_shape
+  return min(bk, bn) < DW_DENSE_BELOW_BLOCK and nnz_blocks >= DW_DENSE_MIN_DENSITY * (k // bk) * (n // bn)
+
+

@@ -1,0 +1,80 @@
+"""What the Pallas GPU kernels share: availability on this process's devices, the float32 / TF32 rule,
+the tile walk of a 2-D program grid and the float32-accumulating dot."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+__all__ = ["PallasFallbackWarning", "allows_tf32", "available", "dot", "grouped_tile", "unavailable_reason"]
+
+_MIN_COMPUTE_CAPABILITY = 8.0
+
+
+class PallasFallbackWarning(UserWarning):
+  """The Pallas GPU kernels do not support these dtypes or shapes; the XLA path runs instead."""
+
+
+@functools.cache
+def _probe() -> str | None:
+  """``None`` when the kernels can run on this process's devices, else why not."""
+  try:
+    gpus = jax.devices("cuda")
+  except RuntimeError as e:
+    return f"no CUDA GPU backend is present ({e})"
+  caps = [float(getattr(d, "compute_capability", "0")) for d in gpus]
+  if not caps or max(caps) < _MIN_COMPUTE_CAPABILITY:
+    return f"the Triton-lowered Pallas kernels need compute capability >= 8.0, found {caps}"
+  return None
+
+
+def available() -> bool:
+  """True when a CUDA GPU of compute capability 8.0 or later is present."""
+  return _probe() is None
+
+
+def unavailable_reason() -> str:
+  """Why :func:`available` is False (empty when it is True)."""
+  return _probe() or ""
+
+
+def allows_tf32(precision: lax.PrecisionLike) -> bool:
+  """Whether a float32 product at ``precision`` may run on TF32 tensor cores, as XLA's GPU dots do.
+
+  ``None`` follows ``jax_default_matmul_precision`` (unset: DEFAULT). DEFAULT and HIGH allow TF32;
+  HIGHEST (``"float32"``) and explicit algorithms other than TF32 do not.
+  """
+  if precision is None:
+    precision = jax.config.jax_default_matmul_precision
+    if precision is None:
+      return True
+  if isinstance(precision, (tuple, list)):
+    return all(allows_tf32(p) for p in precision)
+  if isinstance(precision, lax.DotAlgorithmPreset):
+    return precision in (lax.DotAlgorithmPreset.DEFAULT, lax.DotAlgorithmPreset.TF32_TF32_F32)
+  try:
+    return lax.Precision(precision) != lax.Precision.HIGHEST
+  except (TypeError, ValueError):
+    return False
+
+
+def grouped_tile(pid, num_m: int, num_n: int, group_m: int):
+  """Program id -> ``(row tile, column)``, walking ``group_m`` row tiles per column before moving on."""
+  width = group_m * num_n
+  first_m = (pid // width) * group_m
+  size = jnp.minimum(num_m - first_m, group_m)
+  r = pid % width
+  return first_m + r % size, r // size
+
+
+def dot(a, b, contract, *, compute_dtype, precision):
+  return lax.dot_general(
+      a.astype(compute_dtype),
+      b.astype(compute_dtype),
+      (contract, ((), ())),
+      precision=precision,
+      preferred_element_type=jnp.float32,
+  )
