@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import jax
@@ -58,7 +59,7 @@ def cache_dir() -> Path:
   return Path(base) / "jaxsparse"
 
 
-def _compiler() -> str | None:
+def compiler() -> str | None:
   for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
     if name and shutil.which(name):
       return shutil.which(name)
@@ -82,12 +83,18 @@ def _compiler_version(cxx: str) -> str:
     return ""
 
 
-def _compile(cxx: str, sources: list[Path], flags: tuple[str, ...], out: Path) -> str | None:
-  """Compiles into ``out`` atomically; returns the compiler's error output on failure."""
+def compile_library(
+    cxx: str, sources: list[Path], flags: Sequence[str], out: Path, *, libraries: Sequence[str] = ()
+) -> str | None:
+  """Compiles ``sources`` with jaxlib's FFI headers into ``out`` atomically; the compiler's error on failure.
+
+  Shared by the CPU kernels and the cuSPARSELt calls (``jaxsparse._cuda``). ``libraries`` (``-L`` / ``-l``
+  flags) go after the sources: linkers with ``--as-needed`` drop libraries named before their users.
+  """
   out.parent.mkdir(parents=True, exist_ok=True)
   fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=out.stem + ".", suffix=".tmp")
   os.close(fd)
-  cmd = [cxx, *flags, "-I", jax.ffi.include_dir(), *map(str, sources), "-o", tmp]
+  cmd = [cxx, *flags, "-I", jax.ffi.include_dir(), *map(str, sources), "-o", tmp, *libraries]
   try:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_COMPILE_TIMEOUT_S)
     if proc.returncode != 0:
@@ -105,7 +112,7 @@ def _build() -> tuple[Path | None, str]:
   """Returns ``(library path, "")`` or ``(None, reason)``."""
   if os.environ.get("JAXSPARSE_CPU_KERNELS", "1").strip().lower() in ("0", "false", "off", "no"):
     return None, "disabled by JAXSPARSE_CPU_KERNELS=0"
-  cxx = _compiler()
+  cxx = compiler()
   if cxx is None:
     return None, "no C++ compiler found (set $CXX or install g++)"
   here = Path(__file__).parent
@@ -124,7 +131,7 @@ def _build() -> tuple[Path | None, str]:
       if lib.exists():
         return lib, ""
       try:
-        error = _compile(cxx, sources, flags, lib)
+        error = compile_library(cxx, sources, flags, lib)
       except OSError as e:  # cache directory not writable: try the next one
         errors.append(f"cannot write to {directory}: {e}")
         continue

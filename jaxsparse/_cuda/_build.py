@@ -26,7 +26,6 @@ import ctypes
 import hashlib
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
@@ -36,6 +35,8 @@ import jax
 import jaxlib
 
 from jaxsparse._cpu._build import cache_dir
+from jaxsparse._cpu._build import compile_library
+from jaxsparse._cpu._build import compiler
 
 __all__ = ["TARGETS", "CusparseLtFallbackWarning", "has_cuda_device", "library", "load", "unavailable_reason"]
 
@@ -112,26 +113,6 @@ def _header_dirs() -> tuple[list[Path], str]:
   return dirs, ""
 
 
-def _compile(cxx: str, cmd_flags: list[str], out: Path) -> str | None:
-  out.parent.mkdir(parents=True, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=out.stem + ".", suffix=".tmp")
-  os.close(fd)
-  here = Path(__file__).parent
-  # Libraries after the source: linkers with --as-needed drop libraries named before their users.
-  cmd = [cxx, *_FLAGS, "-I", jax.ffi.include_dir(), *cmd_flags[0], str(here / _SOURCE), "-o", tmp, *cmd_flags[1]]
-  try:
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_COMPILE_TIMEOUT_S)
-    if proc.returncode != 0:
-      return f"`{' '.join(cmd)}` failed:\n{proc.stderr[-2000:]}"
-    os.replace(tmp, out)
-    return None
-  except (OSError, subprocess.SubprocessError) as e:
-    return f"`{' '.join(cmd)}` could not run: {e}"
-  finally:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-
-
 def _build() -> tuple[Path | None, str]:
   if os.environ.get("JAXSPARSE_CUSPARSELT", "1").strip().lower() in ("0", "false", "off", "no"):
     return None, "disabled by JAXSPARSE_CUSPARSELT=0"
@@ -145,9 +126,8 @@ def _build() -> tuple[Path | None, str]:
   dirs, reason = _header_dirs()
   if not dirs:
     return None, reason
-  from jaxsparse._cpu._build import _compiler  # noqa: PLC0415 (shared helper, private)
 
-  cxx = _compiler()
+  cxx = compiler()
   if cxx is None:
     return None, "no C++ compiler found (set $CXX or install g++)"
   include_dir, lib_dir = cslt
@@ -164,7 +144,7 @@ def _build() -> tuple[Path | None, str]:
     if lib.exists():
       return lib, ""
     try:
-      error = _compile(cxx, [compile_flags, link_flags], lib)
+      error = compile_library(cxx, [src], [*_FLAGS, *compile_flags], lib, libraries=link_flags)
     except OSError as e:
       errors.append(f"cannot write to {directory}: {e}")
       continue
