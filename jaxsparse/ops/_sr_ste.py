@@ -27,6 +27,7 @@ from jax import lax
 from jaxsparse._cuda import _build as _cuda_build
 from jaxsparse._cuda import _cusparselt as cslt
 from jaxsparse.formats import _nm
+from jaxsparse.ops import _sharding
 
 __all__ = ["sr_ste", "sr_ste_matmul"]
 
@@ -131,8 +132,10 @@ def _reference(cfg: _MatmulConfig, x, w):
 def _sparse_forward(cfg: _MatmulConfig, x, w):
   """The same value on sparse tensor cores: prune + compress on the device (one XLA pass where XLA
   knows cuSPARSELt's layout), multiply."""
-  y = cslt.matmul(x.reshape(-1, w.shape[0]), cslt.prune_compress(w, cfg.dtype), w.shape[1])
-  return y.reshape(*x.shape[:-1], w.shape[1])
+  blob = cslt.prune_compress(w, cfg.dtype)
+  # Data parallel: each device multiplies its rows of x by the (replicated) compressed weight.
+  local = lambda x2, b: (cslt.matmul(x2, b, w.shape[1]),)
+  return _sharding.row_parallel(local, (x,), blob)[0]
 
 
 def _sparse_or_reference(cfg, x, w):
