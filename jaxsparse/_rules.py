@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 import warnings
+from collections.abc import Callable
 from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
@@ -26,9 +27,11 @@ from jaxsparse.formats._specs import SPECS
 from jaxsparse.formats._specs import Spec
 
 __all__ = [
+    "Probe",
     "Rules",
     "as_numpy_bool",
     "flatten_with_paths",
+    "get_module",
     "masks_to_dict",
     "match_rules",
     "path_str",
@@ -125,15 +128,36 @@ def flatten_with_paths(tree: Any) -> tuple[list[str], list[Any], Any]:
   return paths, leaves, treedef
 
 
+def _child(node: Any, key: Any) -> Any:
+  return node[key] if hasattr(type(node), "__getitem__") else getattr(node, key)
+
+
+def get_module(model: nnx.Module, path: Sequence[Any]) -> Any:
+  """The module at ``path`` (as from ``nnx.iter_modules``) inside ``model``; ``model`` for ``()``."""
+  for k in path:
+    model = _child(model, k)
+  return model
+
+
 def replace_module(model: nnx.Module, path: Sequence[Any], new: nnx.Module) -> None:
   """Puts ``new`` at ``path`` (as from ``nnx.iter_modules``) inside ``model``: attributes, list items, dict keys."""
-  parent = model
-  for k in path[:-1]:
-    parent = parent[k] if hasattr(type(parent), "__getitem__") else getattr(parent, k)
+  parent = get_module(model, path[:-1])
   if hasattr(type(parent), "__setitem__"):
     parent[path[-1]] = new
   else:
     setattr(parent, path[-1], new)
+
+
+class Probe(nnx.Module):
+  """Stands in for a layer (see :func:`replace_module`) and hands each input it gets to ``record``."""
+
+  def __init__(self, inner: nnx.Module, record: Callable[[jax.Array], None]):
+    self.inner = inner
+    self.record = record
+
+  def __call__(self, x, *args, **kwargs):
+    self.record(x)
+    return self.inner(x, *args, **kwargs)
 
 
 def unwrap_variables(tree: Any) -> Any:

@@ -17,7 +17,6 @@ rule                          ``nnx.Linear``               ``nnx.Conv``         
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -25,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxsparse._rules import Probe
 from jaxsparse._rules import masks_to_dict
 from jaxsparse._rules import match_rules
 from jaxsparse._rules import path_str
@@ -186,18 +186,6 @@ def masks_dict(masks: Any) -> dict[str, np.ndarray]:
   return masks_to_dict(masks)
 
 
-class _Probe(nnx.Module):
-  """Stands in for a layer while :func:`sparsify` records the input it gets from ``example_input``."""
-
-  def __init__(self, inner: nnx.Module, record: Callable[[jax.Array], None]):
-    self.inner = inner
-    self.record = record
-
-  def __call__(self, x, *args, **kwargs):
-    self.record(x)
-    return self.inner(x, *args, **kwargs)
-
-
 def _record_inputs(model: nnx.Module, layers: list[tuple[tuple, nnx.Module]], example_input: Any) -> dict:
   shapes: dict[tuple, jax.ShapeDtypeStruct] = {}
 
@@ -211,7 +199,7 @@ def _record_inputs(model: nnx.Module, layers: list[tuple[tuple, nnx.Module]], ex
     recorder(())(args[0])
     return shapes
   for path, node in layers:
-    replace_module(model, path, _Probe(node, recorder(path)))
+    replace_module(model, path, Probe(node, recorder(path)))
   try:
     nnx.eval_shape(lambda m, *a: m(*a), model, *args)
   finally:

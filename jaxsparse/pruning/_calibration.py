@@ -23,7 +23,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxsparse._rules import Probe
+from jaxsparse._rules import get_module
 from jaxsparse._rules import match_rules
+from jaxsparse._rules import replace_module
 from jaxsparse._rules import resolve_rules
 from jaxsparse.formats._specs import NM
 from jaxsparse.formats._specs import BlockSparse
@@ -139,35 +142,6 @@ def nnx_candidates(model: nnx.Module) -> list[tuple[tuple, tuple[int, ...], int]
   return out
 
 
-def get_child(node: Any, key: Any) -> Any:
-  return node[key] if hasattr(type(node), "__getitem__") else getattr(node, key)
-
-
-def set_child(node: Any, key: Any, value: Any) -> None:
-  if hasattr(type(node), "__setitem__"):
-    node[key] = value
-  else:
-    setattr(node, key, value)
-
-
-def get_module(model: Any, key: tuple) -> Any:
-  for k in key:
-    model = get_child(model, k)
-  return model
-
-
-class _Probe(nnx.Module):
-  """Stands in for a layer inside a traced call and hands its input to ``record``."""
-
-  def __init__(self, inner: nnx.Module, record: Callable[[jax.Array], None]):
-    self.inner = inner
-    self.record = record
-
-  def __call__(self, x, *args, **kwargs):
-    self.record(x)
-    return self.inner(x, *args, **kwargs)
-
-
 def default_call(model: Any, batch: Any) -> Any:
   """``model(*batch)`` for a tuple, ``model(**batch)`` for a mapping, else ``model(batch)``."""
   if isinstance(batch, tuple):
@@ -180,10 +154,10 @@ def default_call(model: Any, batch: Any) -> Any:
 def _with_probes(model: nnx.Module, keys: Sequence[tuple], record: Callable[[tuple, jax.Array], None]) -> nnx.Module:
   """Replaces the layers at ``keys`` by probes (in place); returns the model (a probe if a key is ``()``)."""
   for key in keys:
-    probe = _Probe(get_module(model, key), lambda x, key=key: record(key, x))
+    probe = Probe(get_module(model, key), lambda x, key=key: record(key, x))
     if not key:
       return probe
-    set_child(get_module(model, key[:-1]), key[-1], probe)
+    replace_module(model, key, probe)
   return model
 
 

@@ -30,11 +30,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxsparse._rules import get_module
 from jaxsparse.pruning._calibration import Layer
 from jaxsparse.pruning._calibration import LayerStats
 from jaxsparse.pruning._calibration import check_batches
 from jaxsparse.pruning._calibration import default_call
-from jaxsparse.pruning._calibration import get_module
 from jaxsparse.pruning._calibration import linen_candidates
 from jaxsparse.pruning._calibration import linen_layer_stats
 from jaxsparse.pruning._calibration import nnx_call_order
