@@ -25,9 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import statistics
 import sys
-import time
 
 
 def _parse():
@@ -50,7 +48,9 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+from _gpu_timing import host_ms  # noqa: E402
+from _gpu_timing import log  # noqa: E402
+from _gpu_timing import rel_err  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
@@ -66,31 +66,9 @@ else:
 DENSITY, DTYPE, LR = 0.25, jnp.bfloat16, 1e-3
 
 
-def log(*a):
-  print(*a, flush=True)
-
-
-def wall_ms(f, *args, iterations: int) -> float:
-  """Median wall time of one call of the jitted ``f`` in ms (5 repeats of ``iterations`` calls)."""
-  jax.block_until_ready(f(*args))
-  reps = []
-  for _ in range(5):
-    t0 = time.perf_counter()
-    for _ in range(iterations):
-      out = f(*args)
-    jax.block_until_ready(out)
-    reps.append((time.perf_counter() - t0) * 1e3 / iterations)
-  return float(statistics.median(reps))
-
-
 def collectives(compiled_text: str) -> str:
   counts = {op: len(re.findall(rf"[ )]{op}(?:-start)?\(", compiled_text)) for op in ("all-gather", "all-reduce")}
   return ", ".join(f"{n} {op}" for op, n in counts.items())
-
-
-def rel_err(a, b) -> float:
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 # -------------------------------------------------------------------------------------------------
@@ -150,7 +128,7 @@ def data_parallel(model, devices) -> dict:
       train_step_fn(graphdef, rest), in_shardings=(replicated, batch, batch), out_shardings=(replicated, replicated)
   )
   text = step.lower(params, x, y).compile().as_text()
-  ms = wall_ms(step, params, x, y, iterations=ARGS.iterations)
+  ms = host_ms(step, params, x, y, iterations=ARGS.iterations)
   return {"devices": n, "ms": ms, "tokens_per_s": n * BATCH / ms * 1e3, "collectives": collectives(text)}
 
 
@@ -183,10 +161,10 @@ def tensor_parallel(model, devices) -> dict:
   return {
       "devices": n,
       "rel_err": rel_err(ytp, y1),
-      "fwd_1": wall_ms(jax.jit(single), x1, w_up1.data, w_down1.data, iterations=it),
-      "fwd_tp": wall_ms(jax.jit(tp), xs, up_tp.data, down_tp.data, iterations=it),
-      "train_1": wall_ms(grad(single), x1, w_up1.data, w_down1.data, iterations=it),
-      "train_tp": wall_ms(grad(tp), xs, up_tp.data, down_tp.data, iterations=it),
+      "fwd_1": host_ms(jax.jit(single), x1, w_up1.data, w_down1.data, iterations=it),
+      "fwd_tp": host_ms(jax.jit(tp), xs, up_tp.data, down_tp.data, iterations=it),
+      "train_1": host_ms(grad(single), x1, w_up1.data, w_down1.data, iterations=it),
+      "train_tp": host_ms(grad(tp), xs, up_tp.data, down_tp.data, iterations=it),
       "collectives_fwd": collectives(f_text),
       "collectives_train": collectives(b_text),
   }
