@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from tqdm.auto import tqdm
 
 from jaxsparse._rules import get_module
 from jaxsparse.pruning._calibration import Layer
@@ -125,34 +126,8 @@ def _check_options(method: object, damp: object, block_size: object) -> str:
   return method
 
 
-def _progress(total: int, enabled: bool, desc: str):
-  if not enabled:
-    return _NoBar()
-  try:
-    from tqdm.auto import tqdm  # noqa: PLC0415 -- optional: a plain counter without it
-  except ImportError:
-    return _PlainBar(total, desc)
-  return tqdm(total=total, desc=desc, unit="layer")
-
-
-class _NoBar:
-  def update(self, n: int = 1) -> None:
-    del n
-
-  def set_postfix_str(self, s: str) -> None:
-    del s
-
-  def close(self) -> None:
-    pass
-
-
-class _PlainBar(_NoBar):
-  def __init__(self, total: int, desc: str):
-    self.total, self.done, self.desc = total, 0, desc
-
-  def update(self, n: int = 1) -> None:
-    self.done += n
-    print(f"\r{self.desc}: {self.done}/{self.total} layers", end="" if self.done < self.total else "\n", flush=True)
+def _progress(total: int, enabled: bool, desc: str) -> tqdm:
+  return tqdm(total=total, desc=desc, unit="layer", disable=not enabled)
 
 
 def _solve(method: str, layer: Layer, kernel2: jax.Array, stats: LayerStats | None, *, damp: float,
@@ -264,7 +239,7 @@ def calibrated_prune(
     inplace: prune ``model`` itself.
     measure_error: also collect ``XᵀX`` for Wanda and magnitude, to report each layer's reconstruction
       error (SparseGPT always has it); without it their errors are NaN.
-    progress: show a progress bar over layers (tqdm if installed, else a line of text).
+    progress: show a progress bar over layers (tqdm).
 
   Returns:
     ``(model, masks, report)``: the model with pruned (and, for SparseGPT, updated) weights, or its
