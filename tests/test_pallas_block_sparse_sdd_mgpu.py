@@ -20,6 +20,8 @@ from jaxsparse.pallas import KernelConfig
 from jaxsparse.pallas import _block_sparse_config as kernel_config
 from jaxsparse.pallas import _block_sparse_matmul as kernels
 from jaxsparse.pallas import _block_sparse_sdd_mgpu as sdd
+from jaxsparse.pallas import _common
+from jaxsparse.pallas import _transpose
 from tests.test_pallas_block_sparse import RTOL
 from tests.test_pallas_block_sparse import RTOL_TF32
 from tests.test_pallas_block_sparse import _assert_close
@@ -184,3 +186,22 @@ def test_small_dense_patterns_run_densely():
   assert get(8192, (4096, 4096), (32, 32), blocks // 2, jnp.bfloat16).dense  # d = 0.5: 1.5x dense measured
   assert not get(8192, (4096, 4096), (32, 32), blocks // 4, jnp.bfloat16).dense  # d = 0.25: 0.95
   assert not get(8192, (4096, 4096), (64, 64), (4096 // 64) ** 2 // 2, jnp.float32).dense
+
+
+@pytest.mark.parametrize(("m", "k", "dtype"), [(128, 192, jnp.float32), (64, 64, jnp.bfloat16), (96, 128, jnp.float32)])
+def test_transpose_kernel_is_exact(m, k, dtype):
+  # The float32 dW operands' transpose, in Pallas interpret mode; (96, 128) is not tiled: XLA's x.T.
+  x = jax.random.normal(jax.random.key(m + k), (m, k), dtype)
+  out = _transpose.transpose(x, interpret=True)
+  assert out.shape == (k, m) and out.dtype == dtype
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(x, np.float32).T)
+  with pytest.raises(ValueError, match="x must be 2-D"):
+    _transpose.transpose(x[None])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _common.available(), reason=_common.unavailable_reason())
+@pytest.mark.parametrize("shape", [(8192, 2048), (320, 4096), (2048, 8192 + 64)])
+def test_gpu_transpose_kernel_is_exact(shape):
+  x = jax.random.normal(jax.random.key(shape[1]), shape, jnp.float32)
+  np.testing.assert_array_equal(np.asarray(jax.jit(_transpose.transpose)(x)), np.asarray(x).T)

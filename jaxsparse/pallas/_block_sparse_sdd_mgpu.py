@@ -18,8 +18,9 @@ thread blocks balances them.
 
 Float32 runs on TF32 wgmma (the precision of XLA's float32 products at DEFAULT precision on a GPU),
 which reads both operands K-major only: the wrapper transposes ``x`` and ``dY`` to ``(K, M)`` and
-``(N, M)`` first (one pass over each, in XLA) and the kernel loads ``(bk, tile_m)`` / ``(bn, tile_m)``
-tiles of those. 16-bit inputs are read as they are, wgmma viewing the ``x`` tile transposed.
+``(N, M)`` first (one pass over each, :mod:`jaxsparse.pallas._transpose`) and the kernel loads
+``(bk, tile_m)`` / ``(bn, tile_m)`` tiles of those. 16-bit inputs are read as they are, wgmma viewing
+the ``x`` tile transposed.
 
 Needs ``bk`` of 64 or 128 (the wgmma M dimension is a multiple of 64) and, for 16-bit inputs, ``bn``
 of 64 or 128 (both operands need the same 128-byte swizzle; float32 also takes ``bn = 32``); blocks
@@ -39,6 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
+from jaxsparse.pallas import _transpose
 from jaxsparse.pallas._block_sparse_matmul_mgpu import _interpret_params
 from jaxsparse.pallas._block_sparse_matmul_mgpu import _num_sms
 from jaxsparse.pallas._block_sparse_matmul_mgpu import _smem_transforms
@@ -310,9 +312,8 @@ def sampled_dw(
   k_major = x2.dtype.itemsize == 4
   num_steps = x2.shape[0] // config.tile_m
   if k_major:
-    # TF32 wgmma reads K-major operands only. These XLA transposes measured ~8 ms of a 18 ms float32
-    # training step (benchmarks/results/gpu_train_step_2026-11-23_h100.md): the next thing to fix.
-    x2, dy2 = x2.T, dy2.T
+    # TF32 wgmma reads K-major operands only.
+    x2, dy2 = _transpose.transpose(x2), _transpose.transpose(dy2)
   kernel = functools.partial(
       _kernel,
       cfg=config,
