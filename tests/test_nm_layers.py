@@ -14,8 +14,10 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax import lax
 
 import jaxsparse
+from jaxsparse import ops
 from jaxsparse.layers import CompressedNMLinear
 from jaxsparse.layers import NMConv
 from jaxsparse.layers import NMLinear
@@ -337,3 +339,24 @@ def test_sr_ste_digits_reduced_within_one_point_of_dense():
   assert acc["sr_ste"] >= acc["dense"] - 0.01, acc  # 2:4 on every layer, trained from scratch
   assert acc["ste"] > 0.9, acc
   assert results["sr_ste"][0]["late_mask_flips"] is not None
+
+
+@pytest.mark.parametrize("dtype", [None, jnp.bfloat16])
+def test_nm_dense_linen_2_4_goes_through_sr_ste_matmul(monkeypatch, dtype):
+  # 2:4 NMDense with Flax's defaults uses ops.sr_ste_matmul (sparse tensor cores on a GPU), with the value
+  # and gradients of the nn.Dense path (a custom dot_general keeps the layer on that path).
+  calls, real = [], ops.sr_ste_matmul
+  monkeypatch.setattr(ops, "sr_ste_matmul", lambda *a, **k: calls.append(k) or real(*a, **k))
+  model = jlinen.NMDense(N, n=2, m=4, sr_ste_decay=0.1, dtype=dtype)
+  plain = jlinen.NMDense(N, n=2, m=4, sr_ste_decay=0.1, dtype=dtype, dot_general=lax.dot_general)
+  x = _normal(2, (2, 3, K))
+  variables = model.init(jax.random.key(0), x)
+  variables = jax.tree.map(lambda v: v + _normal(3, v.shape), variables)  # a non-zero bias
+  assert not calls  # init builds nn.Dense's parameters
+  loss = lambda mdl: lambda v: jnp.sum(jnp.sin(mdl.apply(v, x).astype(jnp.float32)))
+  (y, g), (y_ref, g_ref) = (jax.value_and_grad(loss(mdl))(variables) for mdl in (model, plain))
+  assert len(calls) == 1 and calls[0]["dtype"] == (dtype or jnp.float32)
+  np.testing.assert_allclose(y, y_ref, rtol=1e-6 if dtype is None else 1e-2)
+  for name in ("kernel", "bias"):
+    atol = 1e-6 if dtype is None else 1e-2
+    np.testing.assert_allclose(g["params"][name], g_ref["params"][name], rtol=1e-5, atol=atol)

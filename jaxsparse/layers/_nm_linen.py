@@ -24,6 +24,7 @@ from flax.typing import Initializer
 from flax.typing import PaddingLike
 from jax import lax
 
+from jaxsparse import ops
 from jaxsparse.formats import _nm
 from jaxsparse.layers._common import NMPromote
 from jaxsparse.layers._common import check_decay
@@ -90,9 +91,25 @@ class NMDense(nn.Module):
     nn.share_scope(self, self.dense)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    """Applies the layer to ``x`` of shape ``(..., in_features)``; returns ``(..., features)``."""
+    """Applies the layer to ``x`` of shape ``(..., in_features)``; returns ``(..., features)``.
+
+    For 2:4 with Flax's default ``dot_general`` and ``promote_dtype`` the product goes through
+    :func:`jaxsparse.ops.sr_ste_matmul`, as ``NMLinear``'s does: the same value and gradients, with the
+    forward product on cuSPARSELt where it can run.
+    """
     check_in_features(jnp.shape(x)[-1], self.m, name="x.shape[-1]")
-    return self.dense(x)
+    fast = (self.n, self.m) == (2, 4) and self.promote_dtype is linen_promote_dtype
+    if not fast or self.dot_general is not None or self.dot_general_cls is not None or self.is_initializing():
+      return self.dense(x)
+    kernel = self.get_variable("params", "kernel")
+    bias = self.get_variable("params", "bias") if self.use_bias else None
+    # The compute dtypes as Flax's promotion gives them; the kernel is pruned before its cast.
+    x, cast_kernel, bias = self.promote_dtype(x, kernel, bias, dtype=self.dtype)
+    y = ops.sr_ste_matmul(x, kernel, 2, 4, decay=float(self.sr_ste_decay), dtype=cast_kernel.dtype,
+                          precision=self.precision)
+    if bias is not None:
+      y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
+    return y
 
 
 class NMConv(nn.Module):
