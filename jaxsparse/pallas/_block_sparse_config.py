@@ -74,6 +74,10 @@ class KernelConfig:
     index_window: forward and ``dx`` load the block indices of their column / row once, as one
       vector, and pick each step's index from registers, so that the addresses of the next blocks do
       not wait on memory and the loads can be pipelined.
+    sub_cols: forward and ``dx`` programs own this many output columns of their block (of ``bn``
+      in the forward, of ``bk`` in ``dx``), so that a block column feeds ``bn // sub_cols``
+      programs without a reduction afterwards; ``None`` for the whole block. For decode, where
+      there are too few block columns to fill the GPU. A power of two >= 16.
   """
 
   block_m: int
@@ -82,11 +86,15 @@ class KernelConfig:
   group_m: int = 8
   split: int = 1
   index_window: bool = True
+  sub_cols: int | None = None
 
   def __post_init__(self):
     bm = self.block_m
     if bm < 16 or bm & (bm - 1):
       raise ValueError(f"block_m must be a power of two >= 16, got block_m={bm}.")
+    sc = self.sub_cols
+    if sc is not None and (sc < 16 or sc & (sc - 1)):
+      raise ValueError(f"sub_cols must be None or a power of two >= 16, got sub_cols={sc}.")
     for name in ("num_warps", "num_stages", "group_m", "split"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {name}={getattr(self, name)}.")

@@ -80,6 +80,10 @@ class NMMatmulConfig:
       sums, added afterwards); for decode shapes with too few output tiles to fill the GPU.
     group_m: output tiles are visited ``group_m`` row tiles per column at a time, so that programs
       running together share their weight tile in L2.
+    by_position: expand the weights into ``m`` separate ``(block_groups, block_n)`` tiles, one per
+      position in the group (``n`` selects each, all in 2-D), and run ``m`` dots against the
+      matching strided columns of ``x``; otherwise one ``(block_groups, m, block_n)`` tile reshaped
+      to rows for a single dot. Needs ``block_groups >= 16`` (the dots contract over it).
   """
 
   block_m: int = 16
@@ -89,6 +93,7 @@ class NMMatmulConfig:
   num_stages: int = 3
   split_k: int = 1
   group_m: int = 8
+  by_position: bool = False
 
   def __post_init__(self):
     for name in ("block_m", "block_n"):
@@ -143,7 +148,8 @@ def _fit(cfg: NMMatmulConfig, w: NMSparseMatrix) -> NMMatmulConfig | str:
     bn //= 2
   if cols % bn:
     return f"N={cols} must be a multiple of 16"
-  min_bg = max(1, 16 // w.m)  # the dot's contraction, block_groups * m, must be at least 16
+  # The dots' contraction (block_groups * m, or block_groups by position) must be at least 16.
+  min_bg = 16 if cfg.by_position else max(1, 16 // w.m)
   bg = cfg.block_groups
   while bg > min_bg and rows % bg:
     bg //= 2
@@ -204,6 +210,21 @@ def _nm_kernel(x_ref, v_ref, idx_ref, y_ref, *, n, m, per_word, rows, steps, cfg
   lanes = lax.broadcasted_iota(jnp.int32, (1, m, 1), 1)
   first = pl.program_id(1) * (steps * bg) if cfg.split_k > 1 else 0
 
+  def step_by_position(t, acc):
+    r0 = pl.multiple_of(first + t * bg, bg)
+    words = idx_ref[pl.ds(r0, bg), :].astype(jnp.uint32)
+    for s in range(per_word):
+      g0 = r0 + s * rows
+      vals = [v_ref[pl.ds(g0, bg), j, :] for j in range(n)]
+      pos = [(words >> jnp.uint32((s * n + j) * bits)) & field for j in range(n)]
+      for p in range(m):
+        # Row g of tile p is dense row g * m + p: it pairs with x column (g0 + g) * m + p.
+        tile = jnp.where(pos[0] == jnp.uint32(p), vals[0], jnp.zeros_like(vals[0]))
+        for j in range(1, n):
+          tile = jnp.where(pos[j] == jnp.uint32(p), vals[j], tile)
+        acc = acc + dot(x_ref[:, pl.ds(g0 * m + p, bg, stride=m)], tile)
+    return acc
+
   def step(t, acc):
     r0 = pl.multiple_of(first + t * bg, bg)
     words = idx_ref[pl.ds(r0, bg), :].astype(jnp.uint32)
@@ -218,7 +239,8 @@ def _nm_kernel(x_ref, v_ref, idx_ref, y_ref, *, n, m, per_word, rows, steps, cfg
       acc = acc + dot(x_ref[:, pl.ds(k0, bg * m)], tile.reshape(bg * m, bn))
     return acc
 
-  acc = lax.fori_loop(0, steps, step, jnp.zeros(y_ref.shape, jnp.float32))
+  body = step_by_position if cfg.by_position else step
+  acc = lax.fori_loop(0, steps, body, jnp.zeros(y_ref.shape, jnp.float32))
   y_ref[...] = acc.astype(y_ref.dtype)
 
 
