@@ -164,33 +164,39 @@ def block_sparse(args, rows: list[str]) -> None:
 # N:M (2:4).
 # -------------------------------------------------------------------------------------------------
 
-# (block_n, block_groups, num_warps, num_stages, split_k, by_position) per N.
+# (block_n, block_groups, num_warps, num_stages, split_k, expansion) per N; expansion "grp" (one
+# (groups, m, block_n) tile), "pos" (by_position) or "pre" (by_position with prefetch).
 NM_TILINGS = {
     4096: [
-        (128, 8, 4, 3, 2, False),
-        (64, 8, 4, 3, 1, False),
-        (128, 16, 4, 3, 8, True),
-        (128, 32, 4, 3, 4, True),
-        (64, 32, 4, 3, 4, True),
-        (64, 32, 4, 4, 2, True),
-        (64, 64, 4, 3, 2, True),
-        (32, 32, 4, 3, 1, True),
-        (32, 64, 4, 3, 1, True),
-        (32, 32, 2, 4, 1, True),
-        (16, 64, 2, 3, 1, True),
-        (32, 32, 4, 3, 2, True),
+        (128, 8, 4, 3, 2, "grp"),
+        (64, 8, 4, 3, 1, "grp"),
+        (128, 16, 4, 3, 8, "pos"),
+        (64, 32, 4, 3, 4, "pos"),
+        (64, 32, 4, 4, 2, "pos"),
+        (32, 32, 4, 3, 1, "pos"),
+        (32, 64, 4, 3, 1, "pos"),
+        (16, 64, 2, 3, 1, "pos"),
+        (128, 16, 4, 3, 8, "pre"),
+        (64, 32, 4, 3, 4, "pre"),
+        (64, 32, 4, 3, 2, "pre"),
+        (32, 32, 4, 3, 1, "pre"),
+        (32, 64, 4, 3, 1, "pre"),
+        (32, 32, 2, 3, 2, "pre"),
     ],
     16384: [
-        (128, 8, 4, 3, 1, False),
-        (64, 8, 4, 3, 1, False),
-        (128, 32, 4, 3, 1, True),
-        (128, 16, 4, 3, 4, True),
-        (128, 32, 4, 3, 2, True),
-        (64, 32, 4, 3, 1, True),
-        (64, 64, 4, 3, 1, True),
-        (64, 32, 4, 4, 2, True),
-        (32, 32, 4, 3, 1, True),
-        (32, 64, 4, 4, 1, True),
+        (128, 8, 4, 3, 1, "grp"),
+        (64, 8, 4, 3, 1, "grp"),
+        (128, 32, 4, 3, 1, "pos"),
+        (128, 16, 4, 3, 4, "pos"),
+        (64, 32, 4, 3, 1, "pos"),
+        (64, 64, 4, 3, 1, "pos"),
+        (32, 32, 4, 3, 1, "pos"),
+        (128, 32, 4, 3, 1, "pre"),
+        (128, 16, 4, 3, 2, "pre"),
+        (64, 32, 4, 3, 1, "pre"),
+        (64, 32, 4, 3, 2, "pre"),
+        (32, 32, 4, 3, 1, "pre"),
+        (32, 64, 2, 3, 1, "pre"),
     ],
 }
 
@@ -219,10 +225,10 @@ def nm(args, rows: list[str]) -> None:
       configs = [("default", default)]
       if args.sweep and m == NM_ROWS[0]:
         configs += [
-            (f"{'pos' if p else 'grp'} bn{bn} bg{bg} w{wa} st{st} sp{sp}",
+            (f"{e} bn{bn} bg{bg} w{wa} st{st} sp{sp}",
              NMMatmulConfig(block_m=bm, block_n=bn, block_groups=bg, num_warps=wa, num_stages=st, split_k=sp,
-                            by_position=p))
-            for bn, bg, wa, st, sp, p in NM_TILINGS[cols]
+                            by_position=e != "grp", prefetch=e == "pre"))
+            for bn, bg, wa, st, sp, e in NM_TILINGS[cols]
         ]
       for label, cfg in configs:
         f = lambda x, w, cfg=cfg: nm_kernels.forward(x, w, config=cfg)

@@ -75,6 +75,9 @@ INTERPRET_CASES = [
     (20, 256, 32, 2, 4, jnp.bfloat16, NMMatmulConfig(block_n=16, block_groups=16, split_k=2, by_position=True)),
     (3, 256, 48, 4, 8, jnp.float32, NMMatmulConfig(block_n=32, block_groups=16, by_position=True)),
     (7, 256, 16, 1, 2, jnp.bfloat16, NMMatmulConfig(block_n=16, block_groups=32, by_position=True)),
+    (9, 512, 32, 2, 4, jnp.float32, NMMatmulConfig(block_n=32, block_groups=16, by_position=True, prefetch=True)),
+    (16, 512, 32, 4, 8, jnp.float32, NMMatmulConfig(block_n=16, block_groups=16, split_k=2, by_position=True,
+                                                    prefetch=True)),
 ]
 
 
@@ -163,6 +166,7 @@ def test_gpu_matches_dense(rows, k, cols, n, m, dtype):
         NMMatmulConfig(block_n=32, block_groups=32, by_position=True),
         NMMatmulConfig(block_n=64, block_groups=64, num_stages=4, split_k=2, by_position=True),
         NMMatmulConfig(block_n=128, block_groups=16, num_warps=8, by_position=True),
+        NMMatmulConfig(block_n=64, block_groups=32, split_k=2, by_position=True, prefetch=True),
     ],
 )
 def test_gpu_configs(config):
