@@ -98,30 +98,23 @@ def _block_weight(b: int, seed: int) -> jaxsparse.BlockSparseMatrix:
   return jaxsparse.BlockSparseMatrix.from_dense(_bf16(seed, (K, BS_N)), (b, b), block_mask=flat.reshape(kb, nb))
 
 
-# (label, changes to the default forward config) per block size.
+# (label, changes to the default forward config) per block size. "win": block indices picked from
+# a register window (index_window=True), else read from memory each step.
+_OLD = dict(sub_cols=None, index_window=True, num_stages=3)  # the split default before 2026-11-23
 BS_VARIANTS = {
-    128: [
-        ("split 1", dict(split=1, sub_cols=None)),
-        ("sub 64 split 2", dict(split=2, sub_cols=64)),
-        ("sub 32", dict(split=1, sub_cols=32)),
-        ("sub 32 st4", dict(split=1, sub_cols=32, num_stages=4)),
-        ("sub 32 w2 st4", dict(split=1, sub_cols=32, num_warps=2, num_stages=4)),
-        ("sub 16", dict(split=1, sub_cols=16)),
-        ("sub 16 w2 st4", dict(split=1, sub_cols=16, num_warps=2, num_stages=4)),
-        ("sub 32 split 2", dict(split=2, sub_cols=32)),
-        ("sub 16 split 2", dict(split=2, sub_cols=16)),
-    ],
-    64: [
-        ("split 1", dict(split=1, sub_cols=None)),
-        ("sub 32", dict(split=1, sub_cols=32)),
-        ("sub 32 st4", dict(split=1, sub_cols=32, num_stages=4)),
-        ("sub 16", dict(split=1, sub_cols=16)),
-        ("sub 16 st4", dict(split=1, sub_cols=16, num_stages=4)),
-        ("sub 16 w2 st4", dict(split=1, sub_cols=16, num_warps=2, num_stages=4)),
-        ("sub 32 split 2", dict(split=2, sub_cols=32)),
-        ("sub 16 split 2", dict(split=2, sub_cols=16)),
-        ("split 2", dict(split=2, sub_cols=None)),
-    ],
+    b: [
+        ("old default: split 4" if b == 128 else "old default: split 8", dict(_OLD, split=4 if b == 128 else 8)),
+        ("split 4", dict(sub_cols=None, split=4)),
+        ("sub 32 st3", dict(num_stages=3)),
+        ("sub 32 st5", dict(num_stages=5)),
+        ("sub 32 w2", dict(num_warps=2)),
+        ("sub 32 win", dict(index_window=True)),
+        ("sub 16", dict(sub_cols=16)),
+        ("sub 16 w2", dict(sub_cols=16, num_warps=2)),
+        ("sub 64", dict(sub_cols=64)),
+        ("sub 32 split 2", dict(split=2)),
+    ]
+    for b in (128, 64)
 }
 
 
@@ -164,39 +157,23 @@ def block_sparse(args, rows: list[str]) -> None:
 # N:M (2:4).
 # -------------------------------------------------------------------------------------------------
 
-# (block_n, block_groups, num_warps, num_stages, split_k, expansion) per N; expansion "grp" (one
-# (groups, m, block_n) tile), "pos" (by_position) or "pre" (by_position with prefetch).
+# (block_n, block_groups, num_warps, num_stages, split_k) per N.
 NM_TILINGS = {
     4096: [
-        (128, 8, 4, 3, 2, "grp"),
-        (64, 8, 4, 3, 1, "grp"),
-        (128, 16, 4, 3, 8, "pos"),
-        (64, 32, 4, 3, 4, "pos"),
-        (64, 32, 4, 4, 2, "pos"),
-        (32, 32, 4, 3, 1, "pos"),
-        (32, 64, 4, 3, 1, "pos"),
-        (16, 64, 2, 3, 1, "pos"),
-        (128, 16, 4, 3, 8, "pre"),
-        (64, 32, 4, 3, 4, "pre"),
-        (64, 32, 4, 3, 2, "pre"),
-        (32, 32, 4, 3, 1, "pre"),
-        (32, 64, 4, 3, 1, "pre"),
-        (32, 32, 2, 3, 2, "pre"),
+        (128, 8, 8, 3, 8),
+        (128, 8, 4, 3, 16),
+        (64, 8, 4, 3, 8),
+        (64, 16, 4, 3, 4),
+        (128, 16, 8, 3, 8),
+        (128, 4, 4, 3, 16),
+        (128, 8, 4, 2, 8),
     ],
     16384: [
-        (128, 8, 4, 3, 1, "grp"),
-        (64, 8, 4, 3, 1, "grp"),
-        (128, 32, 4, 3, 1, "pos"),
-        (128, 16, 4, 3, 4, "pos"),
-        (64, 32, 4, 3, 1, "pos"),
-        (64, 64, 4, 3, 1, "pos"),
-        (32, 32, 4, 3, 1, "pos"),
-        (128, 32, 4, 3, 1, "pre"),
-        (128, 16, 4, 3, 2, "pre"),
-        (64, 32, 4, 3, 1, "pre"),
-        (64, 32, 4, 3, 2, "pre"),
-        (32, 32, 4, 3, 1, "pre"),
-        (32, 64, 2, 3, 1, "pre"),
+        (128, 8, 8, 3, 4),
+        (128, 8, 4, 3, 8),
+        (64, 8, 4, 3, 4),
+        (128, 16, 8, 3, 4),
+        (64, 8, 2, 3, 4),
     ],
 }
 
@@ -225,10 +202,9 @@ def nm(args, rows: list[str]) -> None:
       configs = [("default", default)]
       if args.sweep and m == NM_ROWS[0]:
         configs += [
-            (f"{e} bn{bn} bg{bg} w{wa} st{st} sp{sp}",
-             NMMatmulConfig(block_m=bm, block_n=bn, block_groups=bg, num_warps=wa, num_stages=st, split_k=sp,
-                            by_position=e != "grp", prefetch=e == "pre"))
-            for bn, bg, wa, st, sp, e in NM_TILINGS[cols]
+            (f"bn{bn} bg{bg} w{wa} st{st} sp{sp}",
+             NMMatmulConfig(block_m=bm, block_n=bn, block_groups=bg, num_warps=wa, num_stages=st, split_k=sp))
+            for bn, bg, wa, st, sp in NM_TILINGS[cols]
         ]
       for label, cfg in configs:
         f = lambda x, w, cfg=cfg: nm_kernels.forward(x, w, config=cfg)

@@ -194,7 +194,11 @@ def test_config_validation():
   with pytest.raises(ValueError, match="split"):
     KernelConfig(16, split=0)
   cfg = BlockSparseMatmulConfig.get_default(16, (4096, 4096), (64, 64), 1024, jnp.bfloat16)
-  assert cfg.forward.block_m == 16 and cfg.forward.split > 1  # decode: split the block loop
+  # Decode: forward programs own 32 columns of a block column (no split); dX splits the block loop.
+  assert (cfg.forward.block_m, cfg.forward.sub_cols, cfg.forward.split) == (16, 32, 1)
+  assert cfg.dx.split > 1
+  with pytest.raises(ValueError, match="sub_cols must be None or a power of two >= 16, got sub_cols=24"):
+    KernelConfig(16, sub_cols=24)
 
 
 @pytest.mark.skipif(kernels.available(), reason="checks the CPU-only behaviour")

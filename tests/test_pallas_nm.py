@@ -70,14 +70,6 @@ INTERPRET_CASES = [
     (16, 128, 48, 4, 8, jnp.float32, NMMatmulConfig(block_n=32, block_groups=8)),  # block_n shrinks to 16
     (7, 256, 16, 1, 2, jnp.bfloat16, NMMatmulConfig(block_n=16, block_groups=8)),
     (2, 128, 16, 3, 16, jnp.float32, NMMatmulConfig(block_n=16, block_groups=4, split_k=2)),
-    # Expansion by position: m tiles of (block_groups, block_n), x read with stride m.
-    (5, 128, 32, 2, 4, jnp.float32, NMMatmulConfig(block_n=32, block_groups=16, by_position=True)),
-    (20, 256, 32, 2, 4, jnp.bfloat16, NMMatmulConfig(block_n=16, block_groups=16, split_k=2, by_position=True)),
-    (3, 256, 48, 4, 8, jnp.float32, NMMatmulConfig(block_n=32, block_groups=16, by_position=True)),
-    (7, 256, 16, 1, 2, jnp.bfloat16, NMMatmulConfig(block_n=16, block_groups=32, by_position=True)),
-    (9, 512, 32, 2, 4, jnp.float32, NMMatmulConfig(block_n=32, block_groups=16, by_position=True, prefetch=True)),
-    (16, 512, 32, 4, 8, jnp.float32, NMMatmulConfig(block_n=16, block_groups=16, split_k=2, by_position=True,
-                                                    prefetch=True)),
 ]
 
 
@@ -163,10 +155,6 @@ def test_gpu_matches_dense(rows, k, cols, n, m, dtype):
         NMMatmulConfig(block_n=128, block_groups=16, num_warps=8),
         NMMatmulConfig(block_n=128, block_groups=8, num_stages=4, split_k=8),
         NMMatmulConfig(block_m=64, block_n=128, block_groups=16, num_warps=8, group_m=4),
-        NMMatmulConfig(block_n=32, block_groups=32, by_position=True),
-        NMMatmulConfig(block_n=64, block_groups=64, num_stages=4, split_k=2, by_position=True),
-        NMMatmulConfig(block_n=128, block_groups=16, num_warps=8, by_position=True),
-        NMMatmulConfig(block_n=64, block_groups=32, split_k=2, by_position=True, prefetch=True),
     ],
 )
 def test_gpu_configs(config):
@@ -186,15 +174,6 @@ def test_gpu_decode_default_config(rows, cols):
   _assert_close(jax.jit(kernels.forward)(x, w), _reference(x, w), RTOL[jnp.bfloat16])
   y = jax.jit(nm_matmul)(x.reshape(rows, 1, 4096), w)
   _assert_close(y.reshape(rows, cols), _reference(x, w), RTOL[jnp.bfloat16])
-
-
-@pytest.mark.gpu
-@needs_gpu
-@pytest.mark.parametrize(("n", "m"), [(2, 4), (1, 4), (4, 8), (1, 2)])
-def test_gpu_by_position_matches_dense(n, m):
-  x, w = _problem(7, 1024, 512, n, m, jnp.bfloat16, seed=n * m)
-  cfg = NMMatmulConfig(block_n=32, block_groups=16, by_position=True)
-  _assert_close(jax.jit(functools.partial(kernels.forward, config=cfg))(x, w), _reference(x, w), RTOL[jnp.bfloat16])
 
 
 @pytest.mark.gpu

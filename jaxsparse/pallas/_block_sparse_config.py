@@ -135,7 +135,8 @@ class BlockSparseMatmulConfig:
     """The config for ``x (m, K) @ W (K, N)`` with ``nnz_blocks`` kept ``block_shape`` blocks.
 
     16-bit square blocks at large ``m`` take the measured winners in ``TUNED_CONFIGS``; everything
-    else a heuristic. Small ``m`` (decode) splits the loop over a column's blocks across programs.
+    else a heuristic. Small ``m`` (decode) gives each program a slice of a block column's outputs
+    (blocks of 64 and 128, 16-bit) or splits the loop over a column's blocks across programs.
     Where a Hopper GPU is present, 16-bit blocks of 64 and 128 at ``m >= 1024`` also get Mosaic GPU
     configs for the forward and ``dx`` products (``MOSAIC_TUNED_CONFIGS``).
     """
@@ -167,7 +168,16 @@ class BlockSparseMatmulConfig:
         return cfg
       return dataclasses.replace(cfg, split=max(1, min(8, pl.cdiv(nnz_blocks, 2 * num_cols))))
 
-    fwd, dx = split_blocks(fwd, nb), split_blocks(dx, kb)
+    def sub_column_programs(cfg: KernelConfig, num_cols: int, block_dim: int) -> KernelConfig:
+      # Decode with blocks of at least DECODE_SUB_COLS_MIN_BLOCK: instead of a split and a second
+      # launch that adds the partial sums, programs own DECODE_SUB_COLS columns of a block column,
+      # with the block indices read from memory each step (see DECODE_SUB_COLS).
+      num_m = pl.cdiv(m, cfg.block_m)
+      if num_m * num_cols >= _TARGET_PROGRAMS or block_dim < DECODE_SUB_COLS_MIN_BLOCK or itemsize != 2:
+        return split_blocks(cfg, num_cols)
+      return dataclasses.replace(cfg, **DECODE_SUB_COLS)
+
+    fwd, dx = sub_column_programs(fwd, nb, bn), split_blocks(dx, kb)
     if nnz_blocks < _TARGET_PROGRAMS // 4:
       # Kept blocks for under half the SMs: split the reduction over M too. (At 128 blocks and
       # M = 8192 a split of 3 measured 50% slower than none on an H200.)
@@ -184,6 +194,15 @@ class BlockSparseMatmulConfig:
         dw_dense=use_dense_dw(shape, block_shape, nnz_blocks, mosaic_dw),
         dense=use_dense(shape, block_shape, nnz_blocks),
     )
+
+
+# The forward at decode (16-bit, M <= 16 rows per tile, fewer than _TARGET_PROGRAMS output tiles),
+# blocks of 64 and larger: 32 output columns per program, no split, block indices read from memory
+# each step (L1 hits) rather than picked from a register window by a cross-thread reduction, 4
+# pipeline stages. `benchmarks/gpu_decode.py --sweep`, H100, M = 16, K = N = 4096, d = 0.25:
+# see benchmarks/results/gpu_decode_2026-11-23_h100.md.
+DECODE_SUB_COLS_MIN_BLOCK = 64
+DECODE_SUB_COLS = dict(sub_cols=32, split=1, index_window=False, num_stages=4)
 
 
 # Fastest (forward, dx, dw) configs per square block size for bf16 at M = 8192, K = N = 4096,

@@ -80,13 +80,6 @@ class NMMatmulConfig:
       sums, added afterwards); for decode shapes with too few output tiles to fill the GPU.
     group_m: output tiles are visited ``group_m`` row tiles per column at a time, so that programs
       running together share their weight tile in L2.
-    by_position: expand the weights into ``m`` separate ``(block_groups, block_n)`` tiles, one per
-      position in the group (``n`` selects each, all in 2-D), and run ``m`` dots against the
-      matching strided columns of ``x``; otherwise one ``(block_groups, m, block_n)`` tile reshaped
-      to rows for a single dot. Needs ``block_groups >= 16`` (the dots contract over it).
-    prefetch: with ``by_position``, load the next step's positions, values and ``x`` columns into
-      registers before expanding the current step's (Triton pipelines only loads that feed a dot
-      directly; these feed selects, and ``x``'s strided columns are too narrow for async copies).
   """
 
   block_m: int = 16
@@ -96,8 +89,6 @@ class NMMatmulConfig:
   num_stages: int = 3
   split_k: int = 1
   group_m: int = 8
-  by_position: bool = False
-  prefetch: bool = False
 
   def __post_init__(self):
     for name in ("block_m", "block_n"):
@@ -152,8 +143,7 @@ def _fit(cfg: NMMatmulConfig, w: NMSparseMatrix) -> NMMatmulConfig | str:
     bn //= 2
   if cols % bn:
     return f"N={cols} must be a multiple of 16"
-  # The dots' contraction (block_groups * m, or block_groups by position) must be at least 16.
-  min_bg = 16 if cfg.by_position else max(1, 16 // w.m)
+  min_bg = max(1, 16 // w.m)  # the dot's contraction, block_groups * m, must be at least 16
   bg = cfg.block_groups
   while bg > min_bg and rows % bg:
     bg //= 2
@@ -214,28 +204,6 @@ def _nm_kernel(x_ref, v_ref, idx_ref, y_ref, *, n, m, per_word, rows, steps, cfg
   lanes = lax.broadcasted_iota(jnp.int32, (1, m, 1), 1)
   first = pl.program_id(1) * (steps * bg) if cfg.split_k > 1 else 0
 
-  def load_by_position(t):
-    r0 = pl.multiple_of(first + t * bg, bg)
-    words = idx_ref[pl.ds(r0, bg), :]
-    # Slot s holds groups g0 .. g0 + bg - 1 (g0 = r0 + s * rows); row g of position p's tile is dense
-    # row g * m + p, which pairs with x column g * m + p.
-    g0s = [r0 + s * rows for s in range(per_word)]
-    vals = tuple(v_ref[pl.ds(g0, bg), j, :] for g0 in g0s for j in range(n))
-    xs = tuple(x_ref[:, pl.ds(g0 * m + p, bg, stride=m)] for g0 in g0s for p in range(m))
-    return words, vals, xs
-
-  def step_by_position(acc, words, vals, xs):
-    words = words.astype(jnp.uint32)
-    for s in range(per_word):
-      pos = [(words >> jnp.uint32((s * n + j) * bits)) & field for j in range(n)]
-      v = vals[s * n : (s + 1) * n]
-      for p in range(m):
-        tile = jnp.where(pos[0] == jnp.uint32(p), v[0], jnp.zeros_like(v[0]))
-        for j in range(1, n):
-          tile = jnp.where(pos[j] == jnp.uint32(p), v[j], tile)
-        acc = acc + dot(xs[s * m + p], tile)
-    return acc
-
   def step(t, acc):
     r0 = pl.multiple_of(first + t * bg, bg)
     words = idx_ref[pl.ds(r0, bg), :].astype(jnp.uint32)
@@ -250,18 +218,7 @@ def _nm_kernel(x_ref, v_ref, idx_ref, y_ref, *, n, m, per_word, rows, steps, cfg
       acc = acc + dot(x_ref[:, pl.ds(k0, bg * m)], tile.reshape(bg * m, bn))
     return acc
 
-  acc = jnp.zeros(y_ref.shape, jnp.float32)
-  if cfg.by_position and cfg.prefetch:
-    # Loads of step t + 1 are issued before the expansion and dots of step t, into registers.
-    def body(t, carry):
-      nxt = load_by_position(jnp.minimum(t + 1, steps - 1))
-      return (step_by_position(*carry), *nxt)
-
-    acc = lax.fori_loop(0, steps, body, (acc, *load_by_position(0)))[0]
-  elif cfg.by_position:
-    acc = lax.fori_loop(0, steps, lambda t, acc: step_by_position(acc, *load_by_position(t)), acc)
-  else:
-    acc = lax.fori_loop(0, steps, step, acc)
+  acc = lax.fori_loop(0, steps, step, jnp.zeros(y_ref.shape, jnp.float32))
   y_ref[...] = acc.astype(y_ref.dtype)
 
 
