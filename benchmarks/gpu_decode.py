@@ -98,21 +98,22 @@ def _block_weight(b: int, seed: int) -> jaxsparse.BlockSparseMatrix:
   return jaxsparse.BlockSparseMatrix.from_dense(_bf16(seed, (K, BS_N)), (b, b), block_mask=flat.reshape(kb, nb))
 
 
-# (label, changes to the default forward config) per block size. "win": block indices picked from
-# a register window (index_window=True), else read from memory each step.
-_OLD = dict(sub_cols=None, index_window=True, num_stages=3)  # the split default before 2026-11-23
+# (label, forward config fields) per block size, on top of the default's block_m / group_m.
+_OLD = dict(sub_cols=None, index_window=True, num_stages=3, num_warps=4)  # split: the default before 2026-11-23
+_SUB = dict(sub_cols=32, split=1, index_window=False, num_stages=4, num_warps=4)  # "mem": indices from memory
 BS_VARIANTS = {
     b: [
-        ("old default: split 4" if b == 128 else "old default: split 8", dict(_OLD, split=4 if b == 128 else 8)),
-        ("split 4", dict(sub_cols=None, split=4)),
-        ("sub 32 st3", dict(num_stages=3)),
-        ("sub 32 st5", dict(num_stages=5)),
-        ("sub 32 w2", dict(num_warps=2)),
-        ("sub 32 win", dict(index_window=True)),
-        ("sub 16", dict(sub_cols=16)),
-        ("sub 16 w2", dict(sub_cols=16, num_warps=2)),
-        ("sub 64", dict(sub_cols=64)),
-        ("sub 32 split 2", dict(split=2)),
+        (f"old default: split {4 if b == 128 else 8}", dict(_OLD, split=4 if b == 128 else 8)),
+        ("split 4", dict(_SUB, sub_cols=None, split=4)),
+        ("sub 32 mem", _SUB),
+        ("sub 32 mem st3", dict(_SUB, num_stages=3)),
+        ("sub 32 mem st5", dict(_SUB, num_stages=5)),
+        ("sub 32 mem w2", dict(_SUB, num_warps=2)),
+        ("sub 32", dict(_SUB, index_window=True)),
+        ("sub 16 mem", dict(_SUB, sub_cols=16)),
+        ("sub 16 mem w2", dict(_SUB, sub_cols=16, num_warps=2)),
+        ("sub 64 mem", dict(_SUB, sub_cols=64)),
+        ("sub 32 mem split 2", dict(_SUB, split=2)),
     ]
     for b in (128, 64)
 }
@@ -133,7 +134,8 @@ def block_sparse(args, rows: list[str]) -> None:
     ws = [w0] + [_block_weight(b, seed=b + 1000 * i) for i in range(1, _rotation(nbytes))]
     ref = jnp.dot(x.astype(jnp.float32), w0.to_dense().astype(jnp.float32))
     default = BlockSparseMatmulConfig.get_default(m, w0.shape, w0.block_shape, w0.nnz_blocks, w0.dtype)
-    variants = [("default", {})] + (BS_VARIANTS[b] if args.sweep else [])
+    # Without --sweep: the default and the split default it replaced at block 128 (before 2026-11-23).
+    variants = [("default", {})] + (BS_VARIANTS[b] if args.sweep else BS_VARIANTS[b][:1] if b == 128 else [])
     for label, change in variants:
       cfg = dataclasses.replace(default, forward=dataclasses.replace(default.forward, **change))
       f = lambda x, w, cfg=cfg: bs_kernels.forward(x, w, config=cfg)

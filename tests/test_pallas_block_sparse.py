@@ -194,9 +194,12 @@ def test_config_validation():
   with pytest.raises(ValueError, match="split"):
     KernelConfig(16, split=0)
   cfg = BlockSparseMatmulConfig.get_default(16, (4096, 4096), (64, 64), 1024, jnp.bfloat16)
-  # Decode: forward programs own 32 columns of a block column (no split); dX splits the block loop.
+  # Decode: 64 x 64 blocks split the block loop; 128 x 128 forward programs own 32 columns of a
+  # block column instead (no split), their dX splits.
+  assert cfg.forward.block_m == 16 and cfg.forward.split > 1 and cfg.forward.sub_cols is None
+  cfg = BlockSparseMatmulConfig.get_default(16, (4096, 4096), (128, 128), 256, jnp.bfloat16)
   assert (cfg.forward.block_m, cfg.forward.sub_cols, cfg.forward.split) == (16, 32, 1)
-  assert cfg.dx.split > 1
+  assert cfg.dx.split > 1 and cfg.dx.sub_cols is None
   with pytest.raises(ValueError, match="sub_cols must be None or a power of two >= 16, got sub_cols=24"):
     KernelConfig(16, sub_cols=24)
 
@@ -412,10 +415,11 @@ def test_gpu_sub_column_configs(m, block_shape, sub_cols, split, dtype):
 @needs_gpu
 @pytest.mark.parametrize("block", [64, 128])
 def test_gpu_decode_default_batched(block):
-  # The default decode config (sub-column programs) through the op, with leading batch dims on x.
+  # The default decode config (block 128: sub-column programs; 64: split) through the op, with
+  # leading batch dims on x.
   x, dy, w = _problem(16, 4096, 4096, (block, block), "random", jnp.bfloat16, seed=block)
   cfg = BlockSparseMatmulConfig.get_default(16, w.shape, w.block_shape, w.nnz_blocks, w.dtype)
-  assert cfg.forward.sub_cols is not None and cfg.forward.split == 1, cfg.forward
+  assert (cfg.forward.sub_cols, cfg.forward.split) == ((32, 1) if block == 128 else (None, 8)), cfg.forward
   y = jax.jit(block_sparse_matmul)(x.reshape(2, 8, 4096), w)
   y_ref, _, _ = _dense_reference(x, dy, w)
   _assert_close(y.reshape(16, 4096), y_ref, jnp.bfloat16, "y")

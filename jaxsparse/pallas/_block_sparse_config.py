@@ -136,7 +136,7 @@ class BlockSparseMatmulConfig:
 
     16-bit square blocks at large ``m`` take the measured winners in ``TUNED_CONFIGS``; everything
     else a heuristic. Small ``m`` (decode) gives each program a slice of a block column's outputs
-    (blocks of 64 and 128, 16-bit) or splits the loop over a column's blocks across programs.
+    (16-bit, blocks of 128) or splits the loop over a column's blocks across programs.
     Where a Hopper GPU is present, 16-bit blocks of 64 and 128 at ``m >= 1024`` also get Mosaic GPU
     configs for the forward and ``dx`` products (``MOSAIC_TUNED_CONFIGS``).
     """
@@ -170,8 +170,7 @@ class BlockSparseMatmulConfig:
 
     def sub_column_programs(cfg: KernelConfig, num_cols: int, block_dim: int) -> KernelConfig:
       # Decode with blocks of at least DECODE_SUB_COLS_MIN_BLOCK: instead of a split and a second
-      # launch that adds the partial sums, programs own DECODE_SUB_COLS columns of a block column,
-      # with the block indices read from memory each step (see DECODE_SUB_COLS).
+      # launch that adds the partial sums, programs own DECODE_SUB_COLS columns of a block column.
       num_m = pl.cdiv(m, cfg.block_m)
       if num_m * num_cols >= _TARGET_PROGRAMS or block_dim < DECODE_SUB_COLS_MIN_BLOCK or itemsize != 2:
         return split_blocks(cfg, num_cols)
@@ -196,13 +195,14 @@ class BlockSparseMatmulConfig:
     )
 
 
-# The forward at decode (16-bit, M <= 16 rows per tile, fewer than _TARGET_PROGRAMS output tiles),
-# blocks of 64 and larger: 32 output columns per program, no split, block indices read from memory
-# each step (L1 hits) rather than picked from a register window by a cross-thread reduction, 4
-# pipeline stages. `benchmarks/gpu_decode.py --sweep`, H100, M = 16, K = N = 4096, d = 0.25:
-# see benchmarks/results/gpu_decode_2026-11-23_h100.md.
-DECODE_SUB_COLS_MIN_BLOCK = 64
-DECODE_SUB_COLS = dict(sub_cols=32, split=1, index_window=False, num_stages=4)
+# The forward at decode (16-bit, fewer than _TARGET_PROGRAMS output tiles) for blocks of 128: 32
+# output columns per program, no split (one launch), 4 pipeline stages. `benchmarks/gpu_decode.py
+# --sweep`, H100, M = 16, K = N = 4096, d = 0.25 (benchmarks/results/gpu_decode_2026-11-23_h100.md):
+# 5.57 / 7.55 µs (weight in L2 / from HBM) against 5.63 / 8.01 for a split of 4 plus the sum; with
+# 64 x 64 blocks (16 steps per program) 8.46 / 9.66 against 6.03 / 8.21 for the split, which stays.
+# Indices read from memory each step (index_window=False) measured 7.9 / 13.7 µs at block 128.
+DECODE_SUB_COLS_MIN_BLOCK = 128
+DECODE_SUB_COLS = dict(sub_cols=32, split=1, num_stages=4)
 
 
 # Fastest (forward, dx, dw) configs per square block size for bf16 at M = 8192, K = N = 4096,
