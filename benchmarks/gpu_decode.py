@@ -43,7 +43,6 @@ from _gpu_timing import time_ms
 
 import jaxsparse
 from jaxsparse.pallas import BlockSparseMatmulConfig
-from jaxsparse.pallas import KernelConfig
 from jaxsparse.pallas import NMMatmulConfig
 from jaxsparse.pallas import _block_sparse_matmul as bs_kernels
 from jaxsparse.pallas import _nm_matmul as nm_kernels
@@ -82,7 +81,7 @@ def _breakdown(f, *args) -> str:
       for name, t in run:
         per.setdefault(name, []).append(t * 1e3)
     return ", ".join(f"{n[:40]} {np.median(v):.2f}" for n, v in per.items())
-  except Exception as e:  # noqa: BLE001 (diagnostics only)
+  except Exception as e:
     return f"(no breakdown: {type(e).__name__})"
 
 
@@ -142,7 +141,7 @@ def block_sparse(args, rows: list[str]) -> None:
       try:
         err = rel_err(jax.jit(f)(x, w0), ref)
         hot, hbm = _time(f, x, ws, args.iterations)
-      except Exception as e:  # noqa: BLE001 (a variant that does not compile is reported, not fatal)
+      except Exception as e:
         log(f"block-sparse b={b} {label}: FAILED {type(e).__name__}: {str(e)[:300]}")
         continue
       line = (
@@ -213,7 +212,7 @@ def nm(args, rows: list[str]) -> None:
         try:
           err = rel_err(jax.jit(f)(x, w0), ref)
           hot, hbm = _time(f, x, ws, args.iterations)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
           log(f"2:4 {m}x{cols} {label}: FAILED {type(e).__name__}: {str(e)[:300]}")
           continue
         line = (

@@ -146,7 +146,9 @@ def test_interpret_split_and_grouped_tiles(split, index_window):
   _check_all(x, dy, w, jnp.float32, config=BlockSparseMatmulConfig(cfg, cfg, cfg), interpret=True)
 
 
-@pytest.mark.parametrize(("block_shape", "sub_cols", "split"), [((64, 64), 16, 1), ((32, 64), 32, 2), ((64, 32), 16, 1)])
+@pytest.mark.parametrize(
+    ("block_shape", "sub_cols", "split"), [((64, 64), 16, 1), ((32, 64), 32, 2), ((64, 32), 16, 1)]
+)
 def test_interpret_sub_column_programs(block_shape, sub_cols, split):
   # Decode tiling: programs own sub_cols output columns of a block (of bn forward, of bk in dX),
   # M = 5 is not a multiple of the row tile, and block row 0 / block column 1 are empty.

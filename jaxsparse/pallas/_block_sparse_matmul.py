@@ -3,9 +3,9 @@
 The three products of a block-sparse layer (``W`` is ``(K, N)`` with kept ``(bk, bn)`` blocks, see
 :class:`jaxsparse.BlockSparseMatrix`):
 
-* ``forward``:  ``y = x @ W``. One program per ``(block_m, bn)`` output tile; it walks the kept
-  blocks of block column ``j`` (``col_offsets`` / ``transpose_order``) and accumulates
-  ``x[:, i-th K slab] @ data[b]``.
+* ``forward``:  ``y = x @ W``. One program per ``(block_m, bn)`` output tile (at decode, per
+  ``(block_m, sub_cols)`` slice of it: ``KernelConfig.sub_cols``); it walks the kept blocks of block
+  column ``j`` (``col_offsets`` / ``transpose_order``) and accumulates ``x[:, i-th K slab] @ data[b]``.
 * ``dx``:  ``dX = dY @ Wᵀ``. One program per ``(block_m, bk)`` tile; it walks the kept blocks of
   block row ``i`` (``row_offsets``), contracting ``dY[:, j-th N slab]`` with ``data[t]`` on ``bn``.
 * ``dw``:  ``dW[t] = x[:, i slab]ᵀ @ dY[:, j slab]`` for each kept block ``t``: one program per kept
