@@ -146,6 +146,17 @@ def test_interpret_split_and_grouped_tiles(split, index_window):
   _check_all(x, dy, w, jnp.float32, config=BlockSparseMatmulConfig(cfg, cfg, cfg), interpret=True)
 
 
+@pytest.mark.parametrize(
+    ("block_shape", "sub_cols", "split"), [((64, 64), 16, 1), ((32, 64), 32, 2), ((64, 32), 16, 1)]
+)
+def test_interpret_sub_column_programs(block_shape, sub_cols, split):
+  # Decode tiling: programs own sub_cols output columns of a block (of bn forward, of bk in dX),
+  # M = 5 is not a multiple of the row tile, and block row 0 / block column 1 are empty.
+  x, dy, w = _problem(5, 128, 192, block_shape, "random", jnp.float32, seed=4)
+  cfg = KernelConfig(16, split=split, sub_cols=sub_cols)
+  _check_all(x, dy, w, jnp.float32, config=BlockSparseMatmulConfig(cfg, cfg, KernelConfig(16)), interpret=True)
+
+
 def test_interpret_block_grid_not_a_power_of_two():
   # 5 x 3 blocks: the index windows (8 and 4 entries) are wider than the grid.
   x, dy, w = _problem(24, 160, 96, (32, 32), "random", jnp.float32, seed=2)
@@ -185,7 +196,14 @@ def test_config_validation():
   with pytest.raises(ValueError, match="split"):
     KernelConfig(16, split=0)
   cfg = BlockSparseMatmulConfig.get_default(16, (4096, 4096), (64, 64), 1024, jnp.bfloat16)
-  assert cfg.forward.block_m == 16 and cfg.forward.split > 1  # decode: split the block loop
+  # Decode: 64 x 64 blocks split the block loop; 128 x 128 forward programs own 32 columns of a
+  # block column instead (no split), their dX splits.
+  assert cfg.forward.block_m == 16 and cfg.forward.split > 1 and cfg.forward.sub_cols is None
+  cfg = BlockSparseMatmulConfig.get_default(16, (4096, 4096), (128, 128), 256, jnp.bfloat16)
+  assert (cfg.forward.block_m, cfg.forward.sub_cols, cfg.forward.split) == (16, 32, 1)
+  assert cfg.dx.split > 1 and cfg.dx.sub_cols is None
+  with pytest.raises(ValueError, match="sub_cols must be None or a power of two >= 16, got sub_cols=24"):
+    KernelConfig(16, sub_cols=24)
 
 
 @pytest.mark.skipif(kernels.available(), reason="checks the CPU-only behaviour")
@@ -372,6 +390,41 @@ def test_gpu_split_configs(split, index_window):
   x, dy, w = _problem(320, 512, 512, (64, 64), "random", jnp.bfloat16, seed=7)
   cfg = KernelConfig(32, group_m=4, split=split, index_window=index_window)
   _check_all(x, dy, w, jnp.bfloat16, config=BlockSparseMatmulConfig(cfg, cfg, cfg), interpret=False)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize(
+    ("m", "block_shape", "sub_cols", "split", "dtype"),
+    [
+        (16, (128, 128), 32, 1, jnp.bfloat16),
+        (16, (64, 64), 16, 1, jnp.bfloat16),
+        (5, (128, 128), 16, 2, jnp.float16),
+        (37, (64, 128), 32, 1, jnp.bfloat16),
+        (1, (128, 64), 16, 1, jnp.float32),
+    ],
+)
+def test_gpu_sub_column_configs(m, block_shape, sub_cols, split, dtype):
+  # Decode tiling: programs own sub_cols columns of a block; M below or not a multiple of the row
+  # tile; the random pattern has an empty block row and an empty block column. Tolerances as in
+  # test_gpu_matches_dense (float32: TF32 tensor cores).
+  x, dy, w = _problem(m, 1024, 768, block_shape, "random", dtype, seed=m + sub_cols)
+  cfg = KernelConfig(16, split=split, sub_cols=sub_cols)
+  _check_all(x, dy, w, dtype, config=BlockSparseMatmulConfig(cfg, cfg, KernelConfig(16)), interpret=False)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("block", [64, 128])
+def test_gpu_decode_default_batched(block):
+  # The default decode config (block 128: sub-column programs; 64: split) through the op, with
+  # leading batch dims on x.
+  x, dy, w = _problem(16, 4096, 4096, (block, block), "random", jnp.bfloat16, seed=block)
+  cfg = BlockSparseMatmulConfig.get_default(16, w.shape, w.block_shape, w.nnz_blocks, w.dtype)
+  assert (cfg.forward.sub_cols, cfg.forward.split) == ((32, 1) if block == 128 else (None, 8)), cfg.forward
+  y = jax.jit(block_sparse_matmul)(x.reshape(2, 8, 4096), w)
+  y_ref, _, _ = _dense_reference(x, dy, w)
+  _assert_close(y.reshape(16, 4096), y_ref, jnp.bfloat16, "y")
 
 
 @pytest.mark.gpu

@@ -165,6 +165,19 @@ def test_gpu_configs(config):
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize("cols", [4096, 16384])
+def test_gpu_decode_default_config(rows, cols):
+  # The default decode tiling at the benchmarked shapes (K = 4096), rows below the 16-row tile,
+  # and through the op with leading batch dims on x.
+  x, w = _problem(rows, 4096, cols, 2, 4, jnp.bfloat16, seed=rows + cols)
+  _assert_close(jax.jit(kernels.forward)(x, w), _reference(x, w), RTOL[jnp.bfloat16])
+  y = jax.jit(nm_matmul)(x.reshape(rows, 1, 4096), w)
+  _assert_close(y.reshape(rows, cols), _reference(x, w), RTOL[jnp.bfloat16])
+
+
+@pytest.mark.gpu
+@needs_gpu
 def test_gpu_float32_highest_precision():
   x, w = _problem(16, 1024, 256, 2, 4, jnp.float32, seed=4)
   y = jax.jit(functools.partial(kernels.forward, precision=lax.Precision.HIGHEST))(x, w)

@@ -74,6 +74,10 @@ class KernelConfig:
     index_window: forward and ``dx`` load the block indices of their column / row once, as one
       vector, and pick each step's index from registers, so that the addresses of the next blocks do
       not wait on memory and the loads can be pipelined.
+    sub_cols: forward and ``dx`` programs own this many output columns of their block (of ``bn``
+      in the forward, of ``bk`` in ``dx``), so that a block column feeds ``bn // sub_cols``
+      programs without a reduction afterwards; ``None`` for the whole block. For decode, where
+      there are too few block columns to fill the GPU. A power of two >= 16.
   """
 
   block_m: int
@@ -82,11 +86,15 @@ class KernelConfig:
   group_m: int = 8
   split: int = 1
   index_window: bool = True
+  sub_cols: int | None = None
 
   def __post_init__(self):
     bm = self.block_m
     if bm < 16 or bm & (bm - 1):
       raise ValueError(f"block_m must be a power of two >= 16, got block_m={bm}.")
+    sc = self.sub_cols
+    if sc is not None and (sc < 16 or sc & (sc - 1)):
+      raise ValueError(f"sub_cols must be None or a power of two >= 16, got sub_cols={sc}.")
     for name in ("num_warps", "num_stages", "group_m", "split"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {name}={getattr(self, name)}.")
@@ -127,7 +135,8 @@ class BlockSparseMatmulConfig:
     """The config for ``x (m, K) @ W (K, N)`` with ``nnz_blocks`` kept ``block_shape`` blocks.
 
     16-bit square blocks at large ``m`` take the measured winners in ``TUNED_CONFIGS``; everything
-    else a heuristic. Small ``m`` (decode) splits the loop over a column's blocks across programs.
+    else a heuristic. Small ``m`` (decode) gives each program a slice of a block column's outputs
+    (16-bit, blocks of 128) or splits the loop over a column's blocks across programs.
     Where a Hopper GPU is present, 16-bit blocks of 64 and 128 at ``m >= 1024`` also get Mosaic GPU
     configs for the forward and ``dx`` products (``MOSAIC_TUNED_CONFIGS``).
     """
@@ -159,7 +168,15 @@ class BlockSparseMatmulConfig:
         return cfg
       return dataclasses.replace(cfg, split=max(1, min(8, pl.cdiv(nnz_blocks, 2 * num_cols))))
 
-    fwd, dx = split_blocks(fwd, nb), split_blocks(dx, kb)
+    def sub_column_programs(cfg: KernelConfig, num_cols: int, block_dim: int) -> KernelConfig:
+      # Decode with blocks of at least DECODE_SUB_COLS_MIN_BLOCK: instead of a split and a second
+      # launch that adds the partial sums, programs own DECODE_SUB_COLS columns of a block column.
+      num_m = pl.cdiv(m, cfg.block_m)
+      if num_m * num_cols >= _TARGET_PROGRAMS or block_dim < DECODE_SUB_COLS_MIN_BLOCK or itemsize != 2:
+        return split_blocks(cfg, num_cols)
+      return dataclasses.replace(cfg, **DECODE_SUB_COLS)
+
+    fwd, dx = sub_column_programs(fwd, nb, bn), split_blocks(dx, kb)
     if nnz_blocks < _TARGET_PROGRAMS // 4:
       # Kept blocks for under half the SMs: split the reduction over M too. (At 128 blocks and
       # M = 8192 a split of 3 measured 50% slower than none on an H200.)
@@ -176,6 +193,16 @@ class BlockSparseMatmulConfig:
         dw_dense=use_dense_dw(shape, block_shape, nnz_blocks, mosaic_dw),
         dense=use_dense(shape, block_shape, nnz_blocks),
     )
+
+
+# The forward at decode (16-bit, fewer than _TARGET_PROGRAMS output tiles) for blocks of 128: 32
+# output columns per program, no split (one launch), 4 pipeline stages. `benchmarks/gpu_decode.py
+# --sweep`, H100, M = 16, K = N = 4096, d = 0.25 (benchmarks/results/gpu_decode_2026-11-23_h100.md):
+# 5.57 / 7.55 µs (weight in L2 / from HBM) against 5.63 / 8.01 for a split of 4 plus the sum; with
+# 64 x 64 blocks (16 steps per program) 8.46 / 9.66 against 6.03 / 8.21 for the split, which stays.
+# Indices read from memory each step (index_window=False) measured 7.9 / 13.7 µs at block 128.
+DECODE_SUB_COLS_MIN_BLOCK = 128
+DECODE_SUB_COLS = dict(sub_cols=32, split=1, num_stages=4)
 
 
 # Fastest (forward, dx, dw) configs per square block size for bf16 at M = 8192, K = N = 4096,

@@ -3,9 +3,9 @@
 The three products of a block-sparse layer (``W`` is ``(K, N)`` with kept ``(bk, bn)`` blocks, see
 :class:`jaxsparse.BlockSparseMatrix`):
 
-* ``forward``:  ``y = x @ W``. One program per ``(block_m, bn)`` output tile; it walks the kept
-  blocks of block column ``j`` (``col_offsets`` / ``transpose_order``) and accumulates
-  ``x[:, i-th K slab] @ data[b]``.
+* ``forward``:  ``y = x @ W``. One program per ``(block_m, bn)`` output tile (at decode, per
+  ``(block_m, sub_cols)`` slice of it: ``KernelConfig.sub_cols``); it walks the kept blocks of block
+  column ``j`` (``col_offsets`` / ``transpose_order``) and accumulates ``x[:, i-th K slab] @ data[b]``.
 * ``dx``:  ``dX = dY @ Wᵀ``. One program per ``(block_m, bk)`` tile; it walks the kept blocks of
   block row ``i`` (``row_offsets``), contracting ``dY[:, j-th N slab]`` with ``data[t]`` on ``bn``.
 * ``dw``:  ``dW[t] = x[:, i slab]ᵀ @ dY[:, j slab]`` for each kept block ``t``: one program per kept
@@ -170,16 +170,31 @@ class _BlockIndex:
 
 
 def _dsd_kernel(
-    col_offsets_ref, order_ref, row_offsets_ref, rows_ref, x_ref, data_ref, y_ref, *, num_m, num_n, window, cfg, dot
+    col_offsets_ref,
+    order_ref,
+    row_offsets_ref,
+    rows_ref,
+    x_ref,
+    data_ref,
+    y_ref,
+    *,
+    num_m,
+    num_n,
+    subs,
+    window,
+    cfg,
+    dot,
 ):
   """``y[m tile, j] = sum over kept (i, j): x[m tile, i] @ data[(i, j)]``.
 
   ``order_ref`` lists the positions in ``data`` of the kept blocks in column-major order; column
   ``j`` owns entries ``col_offsets[j]:col_offsets[j + 1]``. The block row of position ``b`` is
   ``rows_ref[b]``, or, from registers, the number of block rows ``r >= 1`` that start at or before
-  ``b`` (``row_offsets`` is sorted).
+  ``b`` (``row_offsets`` is sorted). With ``subs > 1`` programs own ``bn // subs`` columns of a
+  block column (``data_ref`` holds just those columns of every block).
   """
-  _, j = grouped_tile(pl.program_id(0), num_m, num_n, cfg.group_m)
+  _, jj = grouped_tile(pl.program_id(0), num_m, num_n * subs, cfg.group_m)
+  j = jj // subs
   bk = data_ref.shape[1]
   start, end = col_offsets_ref[j], col_offsets_ref[j + 1]
   index = _BlockIndex((order_ref,), start, window, cfg)
@@ -203,9 +218,11 @@ def _dsd_kernel(
   y_ref[...] = acc.astype(y_ref.dtype)
 
 
-def _dst_kernel(offsets_ref, cols_ref, dy_ref, data_ref, dx_ref, *, num_m, num_k, window, cfg, dot):
-  """``dx[m tile, i] = sum over kept (i, j): dy[m tile, j] @ data[(i, j)]ᵀ``."""
-  _, i = grouped_tile(pl.program_id(0), num_m, num_k, cfg.group_m)
+def _dst_kernel(offsets_ref, cols_ref, dy_ref, data_ref, dx_ref, *, num_m, num_k, subs, window, cfg, dot):
+  """``dx[m tile, i] = sum over kept (i, j): dy[m tile, j] @ data[(i, j)]ᵀ`` (``bk // subs`` columns
+  of block row ``i`` per program, as in :func:`_dsd_kernel`)."""
+  _, ii = grouped_tile(pl.program_id(0), num_m, num_k * subs, cfg.group_m)
+  i = ii // subs
   bn = data_ref.shape[2]
   start, end = offsets_ref[i], offsets_ref[i + 1]
   index = _BlockIndex((cols_ref,), start, window, cfg)
@@ -256,6 +273,12 @@ def _whole(shape: tuple[int, ...], grid_rank: int) -> pl.BlockSpec:
   """A BlockSpec that hands the kernel the whole array (index arrays, block data)."""
   zeros = (0,) * len(shape)
   return pl.BlockSpec(shape, lambda *_: zeros) if grid_rank else pl.BlockSpec(shape, lambda: zeros)
+
+
+def _sub_cols(cfg: KernelConfig, block_dim: int) -> tuple[int, int]:
+  """``(columns per program, programs per block column)`` for output blocks ``block_dim`` wide."""
+  sub = min(cfg.sub_cols or block_dim, block_dim)
+  return sub, block_dim // sub
 
 
 def _params(cfg: KernelConfig) -> pltriton.CompilerParams:
@@ -311,19 +334,22 @@ def forward(
   row_offsets = _pad_to(w.row_offsets, window)
   xp = _pad_rows(x2, cfg.block_m)
   num_m = xp.shape[0] // cfg.block_m
-  tile = functools.partial(grouped_tile, num_m=num_m, num_n=nb, group_m=cfg.group_m)
-  grid = (num_m * nb, cfg.split)
+  sub, subs = _sub_cols(cfg, bn)
+  tile = functools.partial(grouped_tile, num_m=num_m, num_n=nb * subs, group_m=cfg.group_m)
+  grid = (num_m * nb * subs, cfg.split)
   x_spec = pl.BlockSpec((cfg.block_m, xp.shape[1]), lambda p, s: (tile(p)[0], 0))
+  data_spec = pl.BlockSpec((w.nnz_blocks, bk, sub), lambda p, s: (0, 0, tile(p)[1] % subs))
   if cfg.split == 1:
     out_shape = jax.ShapeDtypeStruct((xp.shape[0], n), out_dtype)
-    out_spec = pl.BlockSpec((cfg.block_m, bn), lambda p, s: tile(p))
+    out_spec = pl.BlockSpec((cfg.block_m, sub), lambda p, s: tile(p))
   else:
     out_shape = jax.ShapeDtypeStruct((cfg.split, xp.shape[0], n), jnp.float32)
-    out_spec = pl.BlockSpec((None, cfg.block_m, bn), lambda p, s: (s, *tile(p)))
+    out_spec = pl.BlockSpec((None, cfg.block_m, sub), lambda p, s: (s, *tile(p)))
   kernel = functools.partial(
       _dsd_kernel,
       num_m=num_m,
       num_n=nb,
+      subs=subs,
       window=window,
       cfg=cfg,
       dot=functools.partial(dot, compute_dtype=compute_dtype, precision=precision),
@@ -338,7 +364,7 @@ def forward(
           _whole(row_offsets.shape, 2),
           _whole(w.row_indices.shape, 2),
           x_spec,
-          _whole(w.data.shape, 2),
+          data_spec,
       ],
       out_specs=out_spec,
       compiler_params=_params(cfg),
@@ -357,17 +383,19 @@ def _dx(dy2, w, *, compute_dtype, out_dtype, precision, cfg: KernelConfig, inter
   cols = _pad_to(w.col_indices, window)
   dyp = _pad_rows(dy2, cfg.block_m)
   num_m = dyp.shape[0] // cfg.block_m
-  tile = functools.partial(grouped_tile, num_m=num_m, num_n=kb, group_m=cfg.group_m)
+  sub, subs = _sub_cols(cfg, bk)
+  tile = functools.partial(grouped_tile, num_m=num_m, num_n=kb * subs, group_m=cfg.group_m)
   if cfg.split == 1:
     out_shape = jax.ShapeDtypeStruct((dyp.shape[0], w.shape[0]), out_dtype)
-    out_spec = pl.BlockSpec((cfg.block_m, bk), lambda p, s: tile(p))
+    out_spec = pl.BlockSpec((cfg.block_m, sub), lambda p, s: tile(p))
   else:
     out_shape = jax.ShapeDtypeStruct((cfg.split, dyp.shape[0], w.shape[0]), jnp.float32)
-    out_spec = pl.BlockSpec((None, cfg.block_m, bk), lambda p, s: (s, *tile(p)))
+    out_spec = pl.BlockSpec((None, cfg.block_m, sub), lambda p, s: (s, *tile(p)))
   kernel = functools.partial(
       _dst_kernel,
       num_m=num_m,
       num_k=kb,
+      subs=subs,
       window=window,
       cfg=cfg,
       dot=functools.partial(dot, compute_dtype=compute_dtype, precision=precision),
@@ -375,12 +403,12 @@ def _dx(dy2, w, *, compute_dtype, out_dtype, precision, cfg: KernelConfig, inter
   dx = pl.pallas_call(
       kernel,
       out_shape=out_shape,
-      grid=(num_m * kb, cfg.split),
+      grid=(num_m * kb * subs, cfg.split),
       in_specs=[
           _whole(w.row_offsets.shape, 2),
           _whole(cols.shape, 2),
           pl.BlockSpec((cfg.block_m, dyp.shape[1]), lambda p, s: (tile(p)[0], 0)),
-          _whole(w.data.shape, 2),
+          pl.BlockSpec((w.nnz_blocks, sub, bn), lambda p, s: (0, tile(p)[1] % subs, 0)),
       ],
       out_specs=out_spec,
       compiler_params=_params(cfg),

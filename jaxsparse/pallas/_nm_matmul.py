@@ -7,7 +7,8 @@ cores is that of the dense product (Hopper has no sparse tensor-core instruction
 Pallas); what shrinks is the weight traffic (a 2:4 bfloat16 weight is 56% of the dense bytes), which
 matters when ``M`` is small (decode). The expansion itself, a select per weight and a trip through
 shared memory into the tensor cores' operand layout, then limits the speed: 0.79-1.0x the dense time
-at M = 16 on an H100 (``benchmarks/results/gpu_nm_2026-11-21.md``).
+at M = 16 on an H100 with the weights read from HBM, and no faster with them in L2 (1.5x dense there;
+``benchmarks/results/gpu_nm_2026-11-21.md``, ``gpu_decode_2026-11-23_h100.md``).
 
 One program computes one ``(block_m, block_n)`` output tile. Each loop step loads one
 ``(block_groups, block_n)`` tile of packed position words; word ``r`` packs ``per_word`` groups
