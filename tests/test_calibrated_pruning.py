@@ -122,6 +122,31 @@ def test_sparsegpt_fixed_mask_and_tail_batch_match_reference():
   np.testing.assert_allclose(np.asarray(out.kernel), ref_w, atol=2e-4 * np.abs(ref_w).max())
 
 
+@pytest.mark.parametrize("name", ["unstructured 50%", "2:4", "block 8x4"])
+def test_sparsegpt_tail_batch_matches_reference(name):
+  spec = SPECS[name]
+  k, n = 56, 16  # block_size 16: three full batches in the scan and a tail of 8
+  x = correlated_inputs(jax.random.key(7), 160, k)
+  w = jax.random.normal(jax.random.key(8), (k, n))
+  out = pruning.sparsegpt_layer(w, x.T @ x, spec, block_size=16)
+  ref_w, ref_mask = obs_reference(w, x.T @ x, spec, block_size=16)
+  np.testing.assert_array_equal(np.asarray(out.mask), ref_mask)
+  np.testing.assert_allclose(np.asarray(out.kernel), ref_w, atol=2e-4 * np.abs(ref_w).max())
+  check_pattern(out.mask, spec, (k, n))
+
+
+def test_sparsegpt_program_size_does_not_grow_with_batches():
+  from jaxsparse.pruning import _sparsegpt  # noqa: PLC0415
+
+  def hlo_size(k):
+    w, g = jnp.ones((k, 8)), jnp.eye(k)
+    counts = jnp.zeros((k // 16,), jnp.int32)
+    lowered = _sparsegpt._solve.lower(w, g, None, 0.01, counts, kind="unstructured", options=(), block_size=16)
+    return len(lowered.as_text())
+
+  assert hlo_size(256) < 1.05 * hlo_size(32)
+
+
 def test_sparsegpt_dead_inputs_are_zeroed_and_result_is_scale_free():
   k, n = 16, 8
   x = correlated_inputs(jax.random.key(5), 64, k).at[:, 3].set(0.0)
