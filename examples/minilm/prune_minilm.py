@@ -180,15 +180,11 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--damp", type=float, default=0.01, help="SparseGPT's Hessian damping")
   parser.add_argument("--sequential", choices=["block", "layer"], default="block",
                       help="groups of the sequential mode: one encoder layer (block) or one linear layer")
-  parser.add_argument("--target", choices=["layer", "dense"], default="layer",
-                      help="SparseGPT fits each layer to its own dense weights on its inputs (layer) or to the dense "
-                           "model's layer output (dense)")
   parser.add_argument("--no-progress", action="store_true")
   args = parser.parse_args(argv)
   sequential = True if args.sequential == "block" else (lambda path: path)
   out = run(calibration=args.calibration, held_out=args.held_out, patterns=args.patterns, methods=tuple(args.methods),
-            progress=not args.no_progress, damp=args.damp, sequential=sequential,
-            **({"target": args.target} if args.target != "layer" else {}))
+            progress=not args.no_progress, damp=args.damp, sequential=sequential)
   print(f"\nall-MiniLM-L6-v2, float32, CPU. Calibration: {out['calibration_sentences']} sentences "
         f"({out['calibration_tokens']} tokens) from stdlib docstrings; held-out: {out['held_out']} sentences "
         f"from other stdlib modules. Sequential groups: {args.sequential}, damp {args.damp}, block size 128.\n")

@@ -46,17 +46,11 @@ class LayerStats(NamedTuple):
     sq_norms: float32 ``(K,)``, ``sum_t X[t, k]²``; Wanda's activation norm is its square root.
     gram: float32 ``(K, K)``, ``XᵀX`` (SparseGPT's Hessian up to a factor), or ``None`` when not collected.
     tokens: int32 scalar ``T``.
-    cross: float32 ``(K, K)``, ``XᵀX_ref`` with ``X_ref`` the same layer's inputs in a reference (dense)
-      model on the same tokens, or ``None`` (only :func:`calibrated_prune` with ``target="dense"``
-      collects it).
-    ref_out_sq: float32 scalar ``||X_ref W_ref||²`` (Frobenius) with the reference layer's kernel, or ``None``.
   """
 
   sq_norms: jax.Array
   gram: jax.Array | None
   tokens: jax.Array
-  cross: jax.Array | None = None
-  ref_out_sq: jax.Array | None = None
 
 
 def check_layer_spec(spec: Any, shape: tuple[int, int], *, path: str) -> None:
@@ -184,8 +178,7 @@ def nnx_call_order(model: nnx.Module, keys: Sequence[tuple], batch: Any, call: C
   return order
 
 
-def _rows(xs: list[jax.Array], layer: Layer, weights: jax.Array | None) -> jax.Array:
-  """The ``(T, K)`` float32 inputs of a layer's calls on one batch, padding tokens zeroed."""
+def _add_stats(acc: LayerStats, xs: list[jax.Array], layer: Layer, gram: bool, weights: jax.Array | None) -> LayerStats:
   rows = []
   for x in xs:
     x = x.reshape(-1, layer.k).astype(jnp.float32)
@@ -195,36 +188,18 @@ def _rows(xs: list[jax.Array], layer: Layer, weights: jax.Array | None) -> jax.A
                          f"{x.shape[0]} tokens; the mask must have the shape of the layer input without its features.")
       x = x * weights.reshape(-1, 1).astype(jnp.float32)
     rows.append(x)
-  return jnp.concatenate(rows)
-
-
-def _add_stats(acc: LayerStats, xs: list[jax.Array], layer: Layer, gram: bool, weights: jax.Array | None,
-               ref: tuple[list[jax.Array], jax.Array] | None = None) -> LayerStats:
-  """Adds one batch to ``acc``; ``ref``: the reference model's inputs of the layer and its kernel."""
-  x = _rows(xs, layer, weights)
+  x = jnp.concatenate(rows)
   count = x.shape[0] if weights is None else len(xs) * jnp.sum(weights != 0, dtype=jnp.int32)
-  cross = ref_out_sq = None
-  if ref is not None:
-    x_ref = _rows(ref[0], layer, weights)
-    if x_ref.shape != x.shape:
-      raise ValueError(f"{layer.path}: the reference model calls this layer on {x_ref.shape[0]} tokens per batch, "
-                       f"the pruned model on {x.shape[0]}; they must see the same tokens.")
-    y_ref = jnp.matmul(x_ref, ref[1].reshape(layer.k, layer.n).astype(jnp.float32), precision=_HIGHEST)
-    cross = acc.cross + jnp.matmul(x.T, x_ref, precision=_HIGHEST)
-    ref_out_sq = acc.ref_out_sq + jnp.sum(y_ref * y_ref)
   return LayerStats(
       acc.sq_norms + jnp.sum(x * x, axis=0),
       acc.gram + jnp.matmul(x.T, x, precision=_HIGHEST) if gram else None,
       acc.tokens + count,
-      cross,
-      ref_out_sq,
   )
 
 
-def _zeros(k: int, gram: bool, ref: bool = False) -> LayerStats:
+def _zeros(k: int, gram: bool) -> LayerStats:
   return LayerStats(jnp.zeros((k,), jnp.float32), jnp.zeros((k, k), jnp.float32) if gram else None,
-                    jnp.zeros((), jnp.int32), jnp.zeros((k, k), jnp.float32) if ref else None,
-                    jnp.zeros((), jnp.float32) if ref else None)
+                    jnp.zeros((), jnp.int32))
 
 
 def check_batches(batches: Any) -> list:
@@ -237,40 +212,24 @@ def check_batches(batches: Any) -> list:
 
 
 def nnx_layer_stats(model: nnx.Module, layers: Sequence[Layer], batches: Sequence[Any], *, call: Callable,
-                    gram: bool, token_mask: Callable[[Any], jax.Array] | None = None,
-                    reference: nnx.Module | None = None) -> dict[str, LayerStats]:
-  """Accumulates the :class:`LayerStats` of ``layers`` over ``batches`` (one jitted step per batch).
-
-  With a ``reference`` model (same structure, e.g. the dense model), also ``cross`` and ``ref_out_sq``.
-  """
+                    gram: bool, token_mask: Callable[[Any], jax.Array] | None = None) -> dict[str, LayerStats]:
+  """Accumulates the :class:`LayerStats` of ``layers`` over ``batches`` (one jitted step per batch)."""
   graphdef, state = nnx.split(model)
-  ref_graphdef, ref_state = nnx.split(reference) if reference is not None else (None, None)
 
-  def inputs(graphdef, state, batch):
+  def step(state, acc, batch):
     xs: dict[tuple, list] = {layer.key: [] for layer in layers}
     m = _with_probes(nnx.merge(graphdef, state), list(xs), lambda key, x: xs[key].append(x))
     call(m, batch)
     for layer in layers:
       if not xs[layer.key]:
         raise ValueError(f"{layer.path}: the model does not call this layer on a calibration batch.")
-    return xs
-
-  def step(state, ref_state, acc, batch):
-    xs = inputs(graphdef, state, batch)
-    refs = {layer.key: None for layer in layers}
-    if ref_state is not None:
-      ref_model = nnx.merge(ref_graphdef, ref_state)
-      kernels = {layer.key: get_module(ref_model, layer.key).kernel[...] for layer in layers}
-      ref_xs = inputs(ref_graphdef, ref_state, batch)
-      refs = {key: (ref_xs[key], kernels[key]) for key in refs}
     weights = None if token_mask is None else jnp.asarray(token_mask(batch))
-    return {layer.path: _add_stats(acc[layer.path], xs[layer.key], layer, gram, weights, refs[layer.key])
-            for layer in layers}
+    return {layer.path: _add_stats(acc[layer.path], xs[layer.key], layer, gram, weights) for layer in layers}
 
-  step = jax.jit(step, donate_argnums=2)
-  acc = {layer.path: _zeros(layer.k, gram, reference is not None) for layer in layers}
+  step = jax.jit(step, donate_argnums=1)
+  acc = {layer.path: _zeros(layer.k, gram) for layer in layers}
   for batch in batches:
-    acc = step(state, ref_state, acc, batch)
+    acc = step(state, acc, batch)
   return acc
 
 
@@ -349,15 +308,11 @@ def linen_candidates(module: nn.Module, variables: Mapping, batch: Any,
 
 def linen_layer_stats(module: nn.Module, variables: Mapping, layers: Sequence[Layer], batches: Sequence[Any], *,
                       apply_kwargs: Mapping, gram: bool,
-                      token_mask: Callable[[Any], jax.Array] | None = None,
-                      reference: Mapping | None = None) -> dict[str, LayerStats]:
-  """Linen version of :func:`nnx_layer_stats`: inputs of the ``nn.Dense`` calls at the layers' paths.
-
-  ``reference``: the variables of a reference (dense) model, for ``cross`` and ``ref_out_sq``.
-  """
+                      token_mask: Callable[[Any], jax.Array] | None = None) -> dict[str, LayerStats]:
+  """Linen version of :func:`nnx_layer_stats`: inputs of the ``nn.Dense`` calls at the layers' paths."""
   by_key = {layer.key: layer for layer in layers}
 
-  def inputs(variables, batch):
+  def step(variables, acc, batch):
     xs: dict[tuple, list] = {key: [] for key in by_key}
 
     def interceptor(next_fun, args, kwargs, context):
@@ -372,28 +327,13 @@ def linen_layer_stats(module: nn.Module, variables: Mapping, layers: Sequence[La
     for layer in layers:
       if not xs[layer.key]:
         raise ValueError(f"{layer.path}: the module does not call this layer on a calibration batch.")
-    return xs
-
-  def kernel(variables, key):
-    tree = variables["params"]
-    for k in key:
-      tree = tree[k]
-    return tree["kernel"]
-
-  def step(variables, ref_vars, acc, batch):
-    xs = inputs(variables, batch)
-    refs = {layer.key: None for layer in layers}
-    if ref_vars is not None:
-      ref_xs = inputs(ref_vars, batch)
-      refs = {key: (ref_xs[key], kernel(ref_vars, key)) for key in refs}
     weights = None if token_mask is None else jnp.asarray(token_mask(batch))
-    return {layer.path: _add_stats(acc[layer.path], xs[layer.key], layer, gram, weights, refs[layer.key])
-            for layer in layers}
+    return {layer.path: _add_stats(acc[layer.path], xs[layer.key], layer, gram, weights) for layer in layers}
 
-  step = jax.jit(step, donate_argnums=2)
-  acc = {layer.path: _zeros(layer.k, gram, reference is not None) for layer in layers}
+  step = jax.jit(step, donate_argnums=1)
+  acc = {layer.path: _zeros(layer.k, gram) for layer in layers}
   for batch in batches:
-    acc = step(variables, reference, acc, batch)
+    acc = step(variables, acc, batch)
   return acc
 
 

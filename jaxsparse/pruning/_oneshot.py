@@ -43,8 +43,6 @@ from jaxsparse.pruning._calibration import nnx_candidates
 from jaxsparse.pruning._calibration import nnx_layer_stats
 from jaxsparse.pruning._calibration import resolve_layers
 from jaxsparse.pruning._sparsegpt import reconstruction_error
-from jaxsparse.pruning._sparsegpt import reference_error
-from jaxsparse.pruning._sparsegpt import refit_to_reference
 from jaxsparse.pruning._sparsegpt import sparsegpt_layer
 from jaxsparse.pruning._wanda import magnitude_layer
 from jaxsparse.pruning._wanda import wanda_layer
@@ -53,7 +51,6 @@ __all__ = ["CalibratedPruneReport", "LayerPruned", "calibrated_prune", "calibrat
            "wanda"]
 
 METHODS = ("magnitude", "wanda", "sparsegpt")
-TARGETS = ("layer", "dense")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,14 +116,9 @@ def _groups(ordered: Sequence[Layer], sequential: Any) -> list[list[Layer]]:
   return list(groups.values())
 
 
-def _check_options(method: object, damp: object, block_size: object, target: object = "layer") -> str:
+def _check_options(method: object, damp: object, block_size: object) -> str:
   if method not in METHODS:
     raise ValueError(f"method must be one of {METHODS}, got method={method!r}.")
-  if target not in TARGETS:
-    raise ValueError(f"target must be one of {TARGETS}, got target={target!r}.")
-  if target == "dense" and method != "sparsegpt":
-    raise ValueError(f"target='dense' refits the weights, which only method='sparsegpt' updates; "
-                     f"got method={method!r}.")
   if isinstance(damp, bool) or not isinstance(damp, numbers.Real) or not damp >= 0:
     raise ValueError(f"damp must be a float >= 0 (fraction of the mean Hessian diagonal), got damp={damp!r}.")
   if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral) or block_size <= 0:
@@ -146,8 +138,6 @@ def _solve(method: str, layer: Layer, kernel2: jax.Array, stats: LayerStats | No
   if method == "wanda":
     mask = wanda_layer(kernel2, stats.sq_norms, layer.spec, path=layer.path)
     return jnp.where(mask, kernel2, jnp.zeros((), kernel2.dtype)), mask
-  if stats.cross is not None:  # target="dense": prune the least-squares refit towards the dense output
-    kernel2 = refit_to_reference(kernel2, stats.gram, stats.cross, float(damp))
   out = sparsegpt_layer(kernel2, stats.gram, layer.spec, damp=damp, block_size=block_size, path=layer.path)
   return out.kernel, out.mask
 
@@ -181,10 +171,7 @@ def _run(
         new2, mask2 = _solve(method, layer, kernel2, s, damp=damp, block_size=block_size)
         jax.block_until_ready(new2)
         seconds = time.perf_counter() - t0
-        if s is not None and s.cross is not None:
-          error = float(reference_error(new2, kernel2, s.gram, s.cross, s.ref_out_sq))
-        else:
-          error = float("nan") if s is None or s.gram is None else float(reconstruction_error(kernel2, new2, s.gram))
+        error = float("nan") if s is None or s.gram is None else float(reconstruction_error(kernel2, new2, s.gram))
         set_kernel(layer, new2.reshape(kernel.shape).astype(kernel.dtype))
         mask = np.asarray(mask2).reshape(layer.kernel_shape)
         masks[f"{layer.path}.kernel" if layer.path else "kernel"] = mask
@@ -203,7 +190,6 @@ def calibrated_prune(
     *,
     method: str = "sparsegpt",
     sequential: bool | Callable[[str], Hashable] = True,
-    target: str = "layer",
     damp: float = 0.01,
     block_size: int = 128,
     call: Callable[[nnx.Module, Any], Any] | None = None,
@@ -243,18 +229,7 @@ def calibrated_prune(
       the earlier groups pruned; groups are the path up to its first number (one transformer block,
       ``"encoder.layer.3"``). A callable ``path -> key`` gives other groups (``lambda p: p``: one layer
       at a time); ``False``: one calibration pass on the dense model for all layers.
-    target: what SparseGPT fits each layer's output to. ``"layer"`` (SparseGPT's): the layer's own
-      dense weights on the inputs ``X̃`` it sees, ``||X̃ w - X̃ ŵ||``. ``"dense"``: the dense model's
-      output of the layer, ``||X̃ ŵ - X w||`` (``X``: the layer's inputs in the dense model, run
-      alongside during calibration): SparseGPT runs on the least-squares refit
-      ``W* = (X̃ᵀX̃ + λI)⁻¹ X̃ᵀX w``, so each layer also corrects the error the pruned earlier layers
-      pass on (the error-feedback idea of GPTAQ, Li et al., ICML 2025, https://arxiv.org/abs/2504.02692).
-      It costs one more ``(K, K)`` matrix per layer of a group and a dense copy of the model, and
-      only changes anything in sequential mode. It fits more parameters to the calibration data:
-      on MiniLM with 10k calibration tokens it lowers the calibration error but raises the held-out
-      one (``examples/minilm/README.md``), hence not the default. ``method="sparsegpt"`` only; the
-      report's errors are then against the dense outputs.
-    damp: SparseGPT's Hessian damping, a fraction of the mean diagonal (also the refit's ridge ``λ``).
+    damp: SparseGPT's Hessian damping, a fraction of the mean diagonal.
     block_size: SparseGPT's lazy update batch (input features).
     call: ``(model, batch) -> output``; default ``model(*batch)``, ``model(**batch)`` or ``model(batch)``.
     token_mask: ``batch -> 0/1 array`` marking the real tokens of a padded batch (see
@@ -275,12 +250,11 @@ def calibrated_prune(
     ValueError: no batches (Wanda, SparseGPT), a rule that matches no layer, a structure that does
       not fit a layer, a layer the model never calls, a Hessian that is not positive definite.
   """
-  method = _check_options(method, damp, block_size, target)
+  method = _check_options(method, damp, block_size)
   if batches is None and method != "magnitude":
     raise ValueError(f"method={method!r} needs calibration batches; got batches=None.")
   batches = None if batches is None else check_batches(batches)
   layers = resolve_layers(nnx_candidates(model), rules, what="nnx.Linear / nnx.LinearGeneral layer")
-  reference = nnx.clone(model) if target == "dense" else None
   if not inplace:
     model = nnx.clone(model)
   call = default_call if call is None else call
@@ -294,7 +268,7 @@ def calibrated_prune(
   masks, report = _run(
       layers, batches, method=method, sequential=sequential, damp=damp, block_size=block_size, progress=progress,
       stats_of=lambda group: nnx_layer_stats(model, group, batches, call=call, token_mask=token_mask,
-                                             gram=method == "sparsegpt" or measure_error, reference=reference),
+                                             gram=method == "sparsegpt" or measure_error),
       get_kernel=lambda layer: get_module(model, layer.key).kernel[...], set_kernel=set_kernel,
   )
   if to_sparse:
@@ -353,7 +327,6 @@ def calibrated_prune_linen(
     *,
     method: str = "sparsegpt",
     sequential: bool | Callable[[str], Hashable] = True,
-    target: str = "layer",
     damp: float = 0.01,
     block_size: int = 128,
     apply_kwargs: Mapping[str, Any] | None = None,
@@ -380,7 +353,7 @@ def calibrated_prune_linen(
   Args:
     module: the Linen module (unchanged).
     variables: its variables; the returned copy has the pruned ``params``.
-    rules, batches, method, sequential, target, damp, block_size, token_mask, measure_error, progress: as
+    rules, batches, method, sequential, damp, block_size, token_mask, measure_error, progress: as
       :func:`calibrated_prune`, with Linen module paths (``"Dense_0"``).
     apply_kwargs: extra keyword arguments of ``module.apply``.
 
@@ -388,7 +361,7 @@ def calibrated_prune_linen(
     ``(variables, masks, report)``; ``jaxsparse.sparsify_linen(module, variables, rules, x, masks=masks)``
     makes the sparse layers.
   """
-  method = _check_options(method, damp, block_size, target)
+  method = _check_options(method, damp, block_size)
   if batches is None:
     raise ValueError("calibrated_prune_linen needs calibration batches (they also find the nn.Dense calls); "
                      "got batches=None.")
@@ -396,7 +369,6 @@ def calibrated_prune_linen(
   apply_kwargs = dict(apply_kwargs or {})
   layers = resolve_layers(linen_candidates(module, variables, batches[0], apply_kwargs), rules, what="nn.Dense call")
   new_vars = _to_dict(variables)
-  reference = _to_dict(variables) if target == "dense" else None
 
   def set_kernel(layer: Layer, kernel: jax.Array) -> None:
     _nested_get(new_vars["params"], layer.key)["kernel"] = kernel
@@ -404,7 +376,7 @@ def calibrated_prune_linen(
   masks, report = _run(
       layers, batches, method=method, sequential=sequential, damp=damp, block_size=block_size, progress=progress,
       stats_of=lambda group: linen_layer_stats(module, new_vars, group, batches, apply_kwargs=apply_kwargs,
-                                               token_mask=token_mask, reference=reference,
+                                               token_mask=token_mask,
                                                gram=method == "sparsegpt" or measure_error),
       get_kernel=lambda layer: jnp.asarray(_nested_get(new_vars["params"], layer.key)["kernel"]), set_kernel=set_kernel,
   )

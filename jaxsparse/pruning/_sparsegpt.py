@@ -285,31 +285,3 @@ def _relative_error(w, w_hat, gram):
   den = jnp.sum(jnp.matmul(g, w, precision=_HIGHEST) * w)
   return jnp.sqrt(jnp.maximum(num, 0.0) / den)
 
-
-
-@jax.jit
-def refit_to_reference(kernel: jax.Array, gram: jax.Array, cross: jax.Array, damp: float) -> jax.Array:
-  """``W* = (X̃ᵀX̃ + λI)⁻¹ X̃ᵀX W``: the least-squares weights that map the inputs ``X̃`` to ``X W``.
-
-  ``||X̃ ŵ - X W||² = ||X̃ (ŵ - W*)||² + const`` (for ``λ = 0``), so SparseGPT run on ``W*`` with the
-  Gram ``X̃ᵀX̃`` prunes towards the reference output ``X W`` instead of ``X̃ W``. ``λ`` and dead
-  features as in :func:`hessian_factor`; float32.
-  """
-  h = gram.astype(jnp.float32)
-  k = h.shape[0]
-  dead = jnp.diagonal(h) == 0
-  eye = jnp.eye(k, dtype=jnp.float32)
-  h = h + eye * jnp.where(dead, 1.0, 0.0)
-  h = h + eye * (damp * jnp.mean(jnp.diagonal(h)))
-  rhs = jnp.matmul(cross.astype(jnp.float32), kernel.astype(jnp.float32), precision=_HIGHEST)
-  return jax.scipy.linalg.cho_solve(jax.scipy.linalg.cho_factor(h, lower=True), rhs).astype(kernel.dtype)
-
-
-@jax.jit
-def reference_error(w_hat: jax.Array, kernel: jax.Array, gram: jax.Array, cross: jax.Array,
-                    ref_out_sq: jax.Array) -> jax.Array:
-  """``||X̃ ŵ - X W|| / ||X W||`` from ``X̃ᵀX̃``, ``X̃ᵀX`` and ``||X W||²``, float32."""
-  w_hat = w_hat.astype(jnp.float32)
-  own = jnp.sum(jnp.matmul(gram.astype(jnp.float32), w_hat, precision=_HIGHEST) * w_hat)
-  mixed = jnp.sum(jnp.matmul(cross.astype(jnp.float32), kernel.astype(jnp.float32), precision=_HIGHEST) * w_hat)
-  return jnp.sqrt(jnp.maximum(own - 2 * mixed + ref_out_sq, 0.0) / ref_out_sq)
