@@ -9,6 +9,8 @@ from flax import nnx
 
 import jaxsparse
 from jaxsparse import pruning
+from jaxsparse.pruning._calibration import nnx_candidates
+from jaxsparse.pruning._calibration import resolve_layers
 
 # -------------------------------------------------------------------------------------------------
 # A float64 NumPy reference of SparseGPT: the OBS update written with explicit inverses.
@@ -120,6 +122,31 @@ def test_sparsegpt_fixed_mask_and_tail_batch_match_reference():
   ref_w, _ = obs_reference(w, x.T @ x, None, mask=mask, damp=0.0)
   np.testing.assert_array_equal(np.asarray(out.mask), np.asarray(mask))
   np.testing.assert_allclose(np.asarray(out.kernel), ref_w, atol=2e-4 * np.abs(ref_w).max())
+
+
+@pytest.mark.parametrize("name", ["unstructured 50%", "2:4", "block 8x4"])
+def test_sparsegpt_tail_batch_matches_reference(name):
+  spec = SPECS[name]
+  k, n = 56, 16  # block_size 16: three full batches in the scan and a tail of 8
+  x = correlated_inputs(jax.random.key(7), 160, k)
+  w = jax.random.normal(jax.random.key(8), (k, n))
+  out = pruning.sparsegpt_layer(w, x.T @ x, spec, block_size=16)
+  ref_w, ref_mask = obs_reference(w, x.T @ x, spec, block_size=16)
+  np.testing.assert_array_equal(np.asarray(out.mask), ref_mask)
+  np.testing.assert_allclose(np.asarray(out.kernel), ref_w, atol=2e-4 * np.abs(ref_w).max())
+  check_pattern(out.mask, spec, (k, n))
+
+
+def test_sparsegpt_program_size_does_not_grow_with_batches():
+  from jaxsparse.pruning import _sparsegpt  # noqa: PLC0415
+
+  def hlo_size(k):
+    w, g = jnp.ones((k, 8)), jnp.eye(k)
+    counts = jnp.zeros((k // 16,), jnp.int32)
+    lowered = _sparsegpt._solve.lower(w, g, None, 0.01, counts, kind="unstructured", options=(), block_size=16)
+    return len(lowered.as_text())
+
+  assert hlo_size(256) < 1.05 * hlo_size(32)
 
 
 def test_sparsegpt_dead_inputs_are_zeroed_and_result_is_scale_free():
@@ -381,6 +408,236 @@ def test_linen_calibration_and_pruning_match_nnx():
   sparse, sparse_vars, _ = jaxsparse.sparsify_linen(LinenMLP(), new_vars, rules, batches[0], masks=masks)
   np.testing.assert_allclose(np.asarray(sparse.apply(sparse_vars, batches[0])), np.asarray(pruned(batches[0])),
                              atol=1e-4)
+
+
+# -------------------------------------------------------------------------------------------------
+# Linen DenseGeneral (attention projections) and convolutions (im2col).
+# -------------------------------------------------------------------------------------------------
+
+
+class NNXAttn(nnx.Module):
+  def __init__(self, rngs):
+    self.qkv = nnx.LinearGeneral(16, (2, 8), rngs=rngs)
+    self.out = nnx.LinearGeneral((2, 8), 16, axis=(-2, -1), rngs=rngs)
+
+  def __call__(self, x):
+    return self.out(jnp.tanh(self.qkv(x)))
+
+
+class LinenAttn(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h = jnp.tanh(nn.DenseGeneral((2, 8), name="qkv")(x))
+    return nn.DenseGeneral(16, axis=(-2, -1), name="out")(h)
+
+
+@pytest.mark.parametrize("name", ["unstructured 50%", "2:4", "block 8x4"])
+@pytest.mark.parametrize("sequential", [True, False])
+def test_linen_dense_general_matches_nnx_linear_general(name, sequential):
+  spec = SPECS[name]
+  model = NNXAttn(nnx.Rngs(5))
+  params = {path: {"kernel": getattr(model, path).kernel[...], "bias": getattr(model, path).bias[...]}
+            for path in ("qkv", "out")}
+  batches = [b.reshape(4, 16, 16) for b in _batches()]
+  stats = pruning.calibrate_linen(LinenAttn(), {"params": params}, batches, spec)
+  want = pruning.calibrate(model, batches, spec)
+  for path in ("qkv", "out"):
+    assert stats[path].gram.shape == (16, 16) and int(stats[path].tokens) == 3 * 4 * 16
+    np.testing.assert_allclose(np.asarray(stats[path].gram), np.asarray(want[path].gram), rtol=1e-5, atol=1e-3)
+  new_vars, masks, _ = pruning.calibrated_prune_linen(LinenAttn(), {"params": params}, spec, batches,
+                                                      sequential=sequential, progress=False)
+  pruned, nnx_masks, _ = pruning.calibrated_prune(model, spec, batches, sequential=sequential, progress=False)
+  assert masks["qkv.kernel"].shape == (16, 2, 8) and masks["out.kernel"].shape == (2, 8, 16)
+  for path in ("qkv", "out"):
+    check_pattern(masks[f"{path}.kernel"].reshape(16, 16), spec, (16, 16))
+    np.testing.assert_array_equal(masks[f"{path}.kernel"], nnx_masks[f"{path}.kernel"])
+    kernel = np.asarray(new_vars["params"][path]["kernel"])
+    np.testing.assert_allclose(kernel, np.asarray(getattr(pruned, path).kernel[...]), atol=1e-5)
+    assert np.all(kernel[~masks[f"{path}.kernel"]] == 0)
+  # Sequential mode: "out" is fitted to the inputs of the pruned "qkv" (SparseGPT on their Gram).
+  h = jnp.concatenate([jnp.tanh(nn.DenseGeneral((2, 8)).apply({"params": new_vars["params"]["qkv"] if sequential
+                                                                else params["qkv"]}, b)) for b in batches])
+  h = h.reshape(-1, 16)
+  out = pruning.sparsegpt_layer(params["out"]["kernel"].reshape(16, 16), h.T @ h, spec)
+  np.testing.assert_array_equal(masks["out.kernel"].reshape(16, 16), np.asarray(out.mask))
+
+
+def test_linen_multi_head_attention_is_pruned():
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      h = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=16, name="attn")(x)
+      return nn.Dense(16, name="fc")(jax.nn.gelu(h))
+
+  batches = [b.reshape(4, 16, 16) for b in _batches()]
+  variables = Block().init(jax.random.key(0), batches[0])
+  new_vars, masks, report = pruning.calibrated_prune_linen(Block(), variables, jaxsparse.NM(2, 4), batches,
+                                                           progress=False)
+  shapes = {"attn.query.kernel": (16, 2, 8), "attn.key.kernel": (16, 2, 8), "attn.value.kernel": (16, 2, 8),
+            "attn.out.kernel": (2, 8, 16), "fc.kernel": (16, 16)}
+  assert {path: m.shape for path, m in masks.items()} == shapes
+  assert [r.path for r in report.layers] == ["attn.query", "attn.key", "attn.value", "attn.out", "fc"]
+  for path, m in masks.items():
+    check_pattern(m.reshape(16, 16), jaxsparse.NM(2, 4), (16, 16))
+    kernel = np.asarray(_param(new_vars, path))
+    assert kernel.shape == m.shape and np.all(kernel[~m] == 0)
+  # sparsify_linen makes sparse layers of nn.Dense / nn.Conv only: "fc" becomes NMDense, the attention
+  # projections stay nn.DenseGeneral with their pruned kernels; the function is unchanged.
+  sparse, sparse_vars, sparse_report = jaxsparse.sparsify_linen(Block(), new_vars, jaxsparse.NM(2, 4), batches[0],
+                                                                masks=masks)
+  assert [c.path for c in sparse_report.replaced] == ["fc"]
+  np.testing.assert_allclose(np.asarray(sparse.apply(sparse_vars, batches[0])),
+                             np.asarray(Block().apply(new_vars, batches[0])), atol=1e-5)
+
+
+def _param(variables, dotted):
+  tree = variables["params"]
+  for part in dotted.split("."):
+    tree = tree[part]
+  return tree
+
+
+def im2col_reference(x, kernel_size, strides, pads, dilation):
+  """float64 ``(T, kh*kw*cin)`` patches of an NHWC ``x``, features in the kernel's ``(kh, kw, cin)`` order."""
+  x = np.pad(np.asarray(x, np.float64), [(0, 0), *pads, (0, 0)])
+  (kh, kw), (sh, sw), (dh, dw) = kernel_size, strides, dilation
+  oh = (x.shape[1] - (kh - 1) * dh - 1) // sh + 1
+  ow = (x.shape[2] - (kw - 1) * dw - 1) // sw + 1
+  return np.array([[x[b, i * sh + a * dh, j * sw + c * dw, f] for a in range(kh) for c in range(kw)
+                    for f in range(x.shape[3])] for b in range(x.shape[0]) for i in range(oh) for j in range(ow)])
+
+
+CONV = {"kernel_size": (2, 3), "strides": (2, 1), "padding": ((1, 0), (2, 1)), "kernel_dilation": (1, 2)}
+
+
+def _conv_batches(count=3):
+  return [correlated_inputs(jax.random.key(200 + i), 2 * 7 * 9, 8).reshape(2, 7, 9, 8) for i in range(count)]
+
+
+@pytest.mark.parametrize("name", ["unstructured 50%", "2:4", "4:8"])
+def test_conv_statistics_and_sparsegpt_match_numpy_im2col(name):
+  spec = SPECS[name]
+  conv = nnx.Conv(8, 6, **CONV, rngs=nnx.Rngs(3))
+  batches = _conv_batches()
+  x = np.concatenate([im2col_reference(b, CONV["kernel_size"], CONV["strides"], CONV["padding"],
+                                       CONV["kernel_dilation"]) for b in batches])
+  stats = pruning.calibrate(conv, batches, spec)[""]
+  assert int(stats.tokens) == x.shape[0] == 3 * 2 * 4 * 8 and stats.gram.shape == (48, 48)
+  np.testing.assert_allclose(np.asarray(stats.gram), x.T @ x, rtol=1e-5, atol=1e-3)
+  np.testing.assert_allclose(np.asarray(stats.sq_norms), np.sum(x * x, axis=0), rtol=1e-5)
+  # the rows times the kernel viewed as (kh*kw*cin, cout) are the convolution
+  kernel = np.asarray(conv.kernel[...], np.float64)
+  y = np.concatenate([np.asarray(conv(b) - conv.bias[...]).reshape(-1, 6) for b in batches])
+  np.testing.assert_allclose(x @ kernel.reshape(48, 6), y, atol=1e-4)
+  pruned, masks, _ = pruning.calibrated_prune(conv, spec, batches, progress=False)
+  ref_w, ref_mask = obs_reference(kernel.reshape(48, 6), x.T @ x, spec, damp=0.01)
+  mask = masks["kernel"]
+  assert mask.shape == (2, 3, 8, 6)
+  np.testing.assert_array_equal(mask.reshape(48, 6), ref_mask)
+  np.testing.assert_allclose(np.asarray(pruned.kernel[...]).reshape(48, 6), ref_w, atol=2e-4 * np.abs(ref_w).max())
+  if isinstance(spec, jaxsparse.NM):  # groups of m consecutive input channels at each kernel position
+    np.testing.assert_array_equal(mask.reshape(2, 3, 8 // spec.m, spec.m, 6).sum(axis=3), spec.n)
+    np.testing.assert_array_equal(mask, np.asarray(jaxsparse.nm_mask(pruned.kernel[...], spec.n, spec.m, axis=-2)))
+
+
+@pytest.mark.parametrize("options", [
+    {"padding": "SAME", "strides": 2},
+    {"padding": ((1, 1), (0, 2)), "input_dilation": 2},
+    {"padding": "CIRCULAR", "kernel_dilation": 2},
+    {"padding": "REFLECT"},
+    {"padding": 1, "kernel_size": (3, 1)},
+])
+def test_conv_patches_are_the_convolution(options):
+  options = {"kernel_size": (3, 3), **options}
+  conv = nnx.Conv(8, 4, **options, rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (2, 3, 7, 6, 8))  # two batch axes, as Flax allows
+  (layer,) = resolve_layers(nnx_candidates(conv), jaxsparse.NM(2, 4), what="conv")
+  rows = layer.rows(x)
+  np.testing.assert_allclose(np.asarray(rows @ conv.kernel[...].reshape(-1, 4)),
+                             np.asarray(conv(x) - conv.bias[...]).reshape(-1, 4), atol=1e-5)
+
+
+def test_conv_pruning_beats_magnitude_and_sparsifies():
+  class CNN(nnx.Module):
+    def __init__(self, rngs):
+      self.conv1 = nnx.Conv(8, 16, (3, 3), strides=2, rngs=rngs)
+      self.conv2 = nnx.Conv(16, 8, (3, 3), padding="VALID", rngs=rngs)
+
+    def __call__(self, x):
+      return self.conv2(jax.nn.gelu(self.conv1(x)))
+
+  class LinenCNN(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      h = jax.nn.gelu(nn.Conv(16, (3, 3), strides=2, name="conv1")(x))
+      return nn.Conv(8, (3, 3), padding="VALID", name="conv2")(h)
+
+  model = CNN(nnx.Rngs(2))
+  batches = [correlated_inputs(jax.random.key(300 + i), 4 * 12 * 12, 8).reshape(4, 12, 12, 8) for i in range(3)]
+  x = jnp.concatenate(batches)
+  rules = {"conv1": jaxsparse.NM(2, 4), "conv2": jaxsparse.Unstructured(sparsity=0.6)}
+  errors, results = {}, {}
+  for method in ("magnitude", "wanda", "sparsegpt"):
+    pruned, masks, report = pruning.calibrated_prune(model, rules, batches, method=method, progress=False)
+    errors[method] = float(jnp.linalg.norm(pruned(x) - model(x)) / jnp.linalg.norm(model(x)))
+    results[method] = pruned, masks
+    assert [r.shape for r in report.layers] == [(72, 16), (144, 8)]
+  assert errors["sparsegpt"] < errors["wanda"] < errors["magnitude"], errors
+  pruned, masks = results["sparsegpt"]
+  sparse, _ = jaxsparse.sparsify(pruned, rules, masks=masks)
+  assert (type(sparse.conv1).__name__, type(sparse.conv2).__name__) == ("NMConv", "MaskedConv")
+  np.testing.assert_allclose(np.asarray(sparse(x)), np.asarray(pruned(x)), atol=1e-5)
+  # Linen nn.Conv gives the same masks and weights; sparsify_linen accepts them.
+  params = {path: {"kernel": getattr(model, path).kernel[...], "bias": getattr(model, path).bias[...]}
+            for path in ("conv1", "conv2")}
+  new_vars, linen_masks, _ = pruning.calibrated_prune_linen(LinenCNN(), {"params": params}, rules, batches,
+                                                            progress=False)
+  for path in ("conv1", "conv2"):
+    np.testing.assert_array_equal(linen_masks[f"{path}.kernel"], masks[f"{path}.kernel"])
+    np.testing.assert_allclose(np.asarray(new_vars["params"][path]["kernel"]),
+                               np.asarray(getattr(pruned, path).kernel[...]), atol=1e-5)
+  sparse_linen, sparse_vars, _ = jaxsparse.sparsify_linen(LinenCNN(), new_vars, rules, batches[0], masks=linen_masks)
+  np.testing.assert_allclose(np.asarray(sparse_linen.apply(sparse_vars, batches[0])), np.asarray(pruned(batches[0])),
+                             atol=1e-4)
+
+
+def test_unsupported_layers_fail_only_when_selected():
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.depthwise = nnx.Conv(8, 8, (3, 3), feature_group_count=8, rngs=rngs)
+      self.conv = nnx.Conv(8, 8, (3, 3), rngs=rngs)
+
+    def __call__(self, x):
+      return self.conv(self.depthwise(x))
+
+  batches = _conv_batches(1)
+  with pytest.raises(ValueError, match=r"depthwise: nnx.Conv with feature_group_count=8 .* not supported"):
+    pruning.calibrated_prune(Net(nnx.Rngs(0)), jaxsparse.NM(2, 4), batches, progress=False)
+  _, masks, _ = pruning.calibrated_prune(Net(nnx.Rngs(0)), {"depthwise": None, "conv": jaxsparse.NM(2, 4)}, batches,
+                                         progress=False)
+  assert set(masks) == {"conv.kernel"}
+  with pytest.raises(ValueError, match="conv: BlockSparse does not apply to convolutions"):
+    pruning.calibrated_prune(Net(nnx.Rngs(0)), {"depthwise": None, "conv": SPECS["block 8x4"]}, batches,
+                             progress=False)
+  with pytest.raises(ValueError, match=r"m=16 to divide the input size 8"):
+    pruning.calibrated_prune(Net(nnx.Rngs(0)), {"depthwise": None, "conv": jaxsparse.NM(2, 16)}, batches,
+                             progress=False)
+
+  class LinenNet(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      h = nn.DenseGeneral(8, axis=(1, 2), name="batched")(x)  # contracts (7, 9), not the trailing axes
+      h = nn.Conv(8, (3,), feature_group_count=2, name="grouped")(h)
+      return nn.Dense(8, name="fc")(h)
+
+  variables = LinenNet().init(jax.random.key(0), batches[0])
+  for path, message in (("batched", r"nn.DenseGeneral with axis=\(1, 2\)"),
+                        ("grouped", "nn.Conv with feature_group_count=2")):
+    with pytest.raises(ValueError, match=f"{path}: {message}"):
+      pruning.calibrated_prune_linen(LinenNet(), variables, {path: jaxsparse.NM(2, 4)}, batches, progress=False)
+  _, masks, _ = pruning.calibrated_prune_linen(LinenNet(), variables, {"fc": jaxsparse.NM(2, 4)}, batches,
+                                               progress=False)
+  assert set(masks) == {"fc.kernel"}
 
 
 # -------------------------------------------------------------------------------------------------

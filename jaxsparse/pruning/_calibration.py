@@ -1,11 +1,18 @@
 """Calibration: the input statistics of a model's dense layers on a few batches, accumulated on the device.
 
-For each selected ``nnx.Linear`` / ``nnx.LinearGeneral`` (Linen: ``nn.Dense``) a layer's inputs ``X``
-(all tokens of all batches, ``(T, K)``, ``K`` the flattened input features) give a :class:`LayerStats`:
-the per-feature sums of squares (Wanda's activation norms are their square roots) and the Gram matrix
-``XᵀX`` (SparseGPT's Hessian, up to a factor), in float32. One jitted function per set of layers
-records the inputs during the forward pass and adds their statistics to the running sums; the rest
-of the forward pass, whose output is unused, is dead code for XLA.
+For each selected ``nnx.Linear`` / ``nnx.LinearGeneral`` / ``nnx.Conv`` (Linen: ``nn.Dense`` /
+``nn.DenseGeneral`` / ``nn.Conv``) a layer's inputs ``X`` (all tokens of all batches, ``(T, K)``, ``K``
+the flattened input features) give a :class:`LayerStats`: the per-feature sums of squares (Wanda's
+activation norms are their square roots) and the Gram matrix ``XᵀX`` (SparseGPT's Hessian, up to a
+factor), in float32. A general layer contracting its trailing input axes has its kernel viewed as
+``(K, N)`` over the flattened input and output axes. A convolution is a dense layer on its im2col
+patches: ``X`` has one row per output position, ``K = prod(kernel_size) * cin`` in the kernel's own
+``(*kernel_size, cin)`` order, so ``kernel.reshape(K, cout)`` is its ``(K, N)`` view and N:M groups of
+``K`` are groups of consecutive input channels at one kernel position, as in ``NMConv``.
+
+One jitted function per set of layers records the inputs during the forward pass and adds their
+statistics to the running sums; the rest of the forward pass, whose output is unused, is dead code
+for XLA.
 """
 
 from __future__ import annotations
@@ -33,6 +40,9 @@ from jaxsparse.formats._specs import BlockSparse
 from jaxsparse.formats._specs import Unstructured
 from jaxsparse.formats._specs import check_spec_applies
 
+NNX_LAYERS = "nnx.Linear / nnx.LinearGeneral / nnx.Conv layer"
+LINEN_LAYERS = "nn.Dense / nn.DenseGeneral / nn.Conv call"
+
 __all__ = ["LayerStats", "calibrate", "calibrate_linen"]
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -53,8 +63,12 @@ class LayerStats(NamedTuple):
   tokens: jax.Array
 
 
-def check_layer_spec(spec: Any, shape: tuple[int, int], *, path: str) -> None:
-  """Raises naming ``path`` when ``spec`` is not a structure or cannot apply to a ``(K, N)`` kernel."""
+def check_layer_spec(spec: Any, shape: tuple[int, ...], *, path: str) -> None:
+  """Raises naming ``path`` when ``spec`` is not a structure or cannot apply to a kernel of ``shape``.
+
+  ``shape`` is ``(K, N)`` for a dense layer, the kernel's own shape for a convolution (N:M groups run
+  along its input channels, axis -2).
+  """
   if not isinstance(spec, _SPECS):
     raise TypeError(
         f"{path}: spec must be jaxsparse.Unstructured(...), jaxsparse.NM(...) or jaxsparse.BlockSparse(...), "
@@ -69,8 +83,77 @@ def check_layer_spec(spec: Any, shape: tuple[int, int], *, path: str) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
+class ConvPatches:
+  """How a convolution sees its input: im2col rows ``(T, prod(kernel_size) * cin)``, channels innermost.
+
+  Row ``t`` holds the input window of output position ``t`` in the order of the kernel's leading axes
+  ``(*kernel_size, cin)``, so ``rows @ kernel.reshape(-1, cout)`` is the convolution (bias aside).
+  Fields as in ``nnx.Conv`` / ``nn.Conv``, canonical (tuples; padding a string or ``(low, high)`` pairs).
+  """
+
+  kernel_size: tuple[int, ...]
+  strides: tuple[int, ...]
+  padding: str | tuple[tuple[int, int], ...]
+  input_dilation: tuple[int, ...]
+  kernel_dilation: tuple[int, ...]
+
+  @classmethod
+  def of(cls, conv: Any) -> ConvPatches:
+    """The patches of an ``nnx.Conv`` or ``nn.Conv`` (same field names), before any call."""
+    size = (conv.kernel_size,) if isinstance(conv.kernel_size, int) else tuple(conv.kernel_size)
+
+    def each(v: Any) -> tuple[int, ...]:
+      v = 1 if v is None else v
+      return (int(v),) * len(size) if isinstance(v, int) else tuple(int(d) for d in v)
+
+    padding = conv.padding
+    if isinstance(padding, int):
+      padding = ((padding, padding),) * len(size)
+    elif not isinstance(padding, str):
+      padding = tuple((p, p) if isinstance(p, int) else tuple(p) for p in padding)
+    return cls(size, each(conv.strides), padding, each(conv.input_dilation), each(conv.kernel_dilation))
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    nd = len(self.kernel_size)
+    cin = x.shape[-1]
+    x = x.reshape((-1, *x.shape[-(nd + 1):])).astype(jnp.float32)  # batch dims as one, as Flax does
+    padding = self.padding
+    if padding in ("CIRCULAR", "REFLECT"):  # Flax pads the input itself for these, then runs VALID
+      dilated = [(k - 1) * d + 1 for k, d in zip(self.kernel_size, self.kernel_dilation, strict=True)]
+      pads = [(0, 0), *(((k - 1) // 2, k // 2) for k in dilated), (0, 0)]
+      x = jnp.pad(x, pads, mode={"CIRCULAR": "wrap", "REFLECT": "reflect"}[padding])
+      padding = "VALID"
+    elif padding == "CAUSAL":
+      x = jnp.pad(x, [(0, 0), (self.kernel_dilation[0] * (self.kernel_size[0] - 1), 0), (0, 0)])
+      padding = "VALID"
+    spec = (0, nd + 1, *range(1, nd + 1))  # channels last, as Flax's convolutions
+    dims = jax.lax.ConvDimensionNumbers(spec, (nd + 1, nd, *range(nd)), spec)
+    p = jax.lax.conv_general_dilated_patches(
+        x, self.kernel_size, self.strides, padding if isinstance(padding, str) else list(padding),
+        lhs_dilation=self.input_dilation, rhs_dilation=self.kernel_dilation, dimension_numbers=dims,
+        precision=_HIGHEST)
+    # The patches' features run (cin, *kernel_size); the kernel's leading axes (*kernel_size, cin).
+    window = math.prod(self.kernel_size)
+    return p.reshape(-1, cin, window).transpose(0, 2, 1).reshape(-1, window * cin)
+
+
+class Candidate(NamedTuple):
+  """A layer a rule may select: key in the module tree, kernel shape, number of its input axes.
+
+  ``patches``: a convolution's im2col (``None`` for dense layers); ``unsupported``: why the layer
+  cannot be calibrated, raised only if a rule selects it.
+  """
+
+  key: tuple
+  kernel_shape: tuple[int, ...]
+  n_in: int
+  patches: ConvPatches | None = None
+  unsupported: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class Layer:
-  """A selected dense layer: dotted path, its key in the module tree, structure and kernel shapes."""
+  """A selected layer: dotted path, its key in the module tree, structure and kernel shapes."""
 
   path: str
   key: tuple
@@ -78,32 +161,45 @@ class Layer:
   kernel_shape: tuple[int, ...]
   k: int  # flattened input features
   n: int  # flattened output features
+  patches: ConvPatches | None = None  # a convolution's im2col
+
+  def rows(self, x: jax.Array) -> jax.Array:
+    """The layer's float32 ``(T, K)`` inputs from one call's input ``x``."""
+    if self.patches is not None:
+      return self.patches(x)
+    return x.reshape(-1, self.k).astype(jnp.float32)
 
 
 def _dotted(key: Sequence[Any]) -> str:
   return ".".join(str(k) for k in key)
 
 
-def resolve_layers(candidates: Sequence[tuple[tuple, tuple[int, ...], int]], rules: Any, *, what: str) -> list[Layer]:
-  """The candidates ``(key, kernel_shape, n_in_axes)`` that a non-``None`` rule selects, checked.
+def resolve_layers(candidates: Sequence[Candidate], rules: Any, *, what: str) -> list[Layer]:
+  """The candidates that a non-``None`` rule selects, checked.
 
   Raises ``ValueError`` when a rule matches none of the candidates (a typo would otherwise leave
-  layers dense without notice) or when nothing is selected.
+  layers dense without notice), when a selected layer is not supported, or when nothing is selected.
   """
   resolved = resolve_rules(rules)
-  paths = [_dotted(key) for key, _, _ in candidates]
+  paths = [_dotted(c.key) for c in candidates]
   unused = [pattern for pattern, compiled, _ in resolved if not any(compiled.fullmatch(p) for p in paths)]
   if unused:
     raise ValueError(f"rule(s) {unused} match no {what}; its layers are: {', '.join(paths) or '(none)'}.")
   layers = []
-  for (key, shape, n_in), path in zip(candidates, paths, strict=True):
+  for c, path in zip(candidates, paths, strict=True):
     r = match_rules(resolved, path)
     spec = None if r is None else resolved[r][2]
     if spec is None:
       continue
-    k, n = math.prod(shape[:n_in]), math.prod(shape[n_in:])
-    check_layer_spec(spec, (k, n), path=path)
-    layers.append(Layer(path, tuple(key), spec, tuple(shape), k, n))
+    if c.unsupported is not None:
+      raise ValueError(f"{path or '(model)'}: {c.unsupported}; exclude it with a None rule.")
+    shape = c.kernel_shape
+    k, n = math.prod(shape[: c.n_in]), math.prod(shape[c.n_in:])
+    if c.patches is not None and isinstance(spec, BlockSparse):
+      raise ValueError(f"{path}: BlockSparse does not apply to convolutions (as in jaxsparse.sparsify); use "
+                       "jaxsparse.NM(...) or jaxsparse.Unstructured(...), or give this path another rule.")
+    check_layer_spec(spec, shape if c.patches is not None else (k, n), path=path)
+    layers.append(Layer(path, tuple(c.key), spec, tuple(shape), k, n, c.patches))
   if not layers:
     raise ValueError(f"rules select no {what} (every match maps to None); nothing to prune.")
   return layers
@@ -113,8 +209,19 @@ def _is_jaxsparse(node: Any) -> bool:
   return type(node).__module__.startswith("jaxsparse.")
 
 
-def nnx_candidates(model: nnx.Module) -> list[tuple[tuple, tuple[int, ...], int]]:
-  """``(key, kernel_shape, n_in_axes)`` of every dense ``nnx.Linear`` / ``nnx.LinearGeneral`` in ``model``."""
+def _conv_candidate(key: tuple, conv: Any, kernel_shape: tuple[int, ...], what: str) -> Candidate:
+  if conv.feature_group_count != 1:
+    return Candidate(key, kernel_shape, len(kernel_shape) - 1, unsupported=(
+        f"{what} with feature_group_count={conv.feature_group_count} (a grouped convolution) is not supported; "
+        "only feature_group_count=1"))
+  if conv.mask is not None:
+    return Candidate(key, kernel_shape, len(kernel_shape) - 1, unsupported=(
+        f"{what} with a Flax weight mask is not supported; fold the mask into the kernel first"))
+  return Candidate(key, kernel_shape, len(kernel_shape) - 1, patches=ConvPatches.of(conv))
+
+
+def nnx_candidates(model: nnx.Module) -> list[Candidate]:
+  """Every dense ``nnx.Linear`` / ``nnx.LinearGeneral`` / ``nnx.Conv`` in ``model``."""
   if not isinstance(model, nnx.Module):
     raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}; for Linen use the *_linen "
                     "functions.")
@@ -126,19 +233,19 @@ def nnx_candidates(model: nnx.Module) -> list[tuple[tuple, tuple[int, ...], int]
     if _is_jaxsparse(node):
       sparse_keys.append(key)
       continue
-    path = _dotted(key) or "(model)"
     if isinstance(node, nnx.Conv):
-      continue  # convolutions are not calibrated (yet); a rule naming one is reported as matching nothing
-    if isinstance(node, nnx.LinearGeneral):
+      out.append(_conv_candidate(key, node, tuple(node.kernel.shape), "nnx.Conv"))
+    elif isinstance(node, nnx.LinearGeneral):
       n_in = len(node.in_features)
+      shape = tuple(node.kernel.shape)
       if node.batch_axis or tuple(node.axis) != tuple(range(-n_in, 0)):
-        raise ValueError(
-            f"{path}: nnx.LinearGeneral with axis={node.axis} and batch_axis={dict(node.batch_axis)} is not supported; "
-            "only trailing contracting axes and no batch axes (as in nnx.MultiHeadAttention)."
-        )
-      out.append((key, tuple(node.kernel.shape), n_in))
+        out.append(Candidate(key, shape, n_in, unsupported=(
+            f"nnx.LinearGeneral with axis={node.axis} and batch_axis={dict(node.batch_axis)} is not supported; "
+            "only trailing contracting axes and no batch axes (as in nnx.MultiHeadAttention)")))
+      else:
+        out.append(Candidate(key, shape, n_in))
     elif isinstance(node, nnx.Linear):
-      out.append((key, tuple(node.kernel.shape), 1))
+      out.append(Candidate(key, tuple(node.kernel.shape), 1))
   return out
 
 
@@ -181,7 +288,7 @@ def nnx_call_order(model: nnx.Module, keys: Sequence[tuple], batch: Any, call: C
 def _add_stats(acc: LayerStats, xs: list[jax.Array], layer: Layer, gram: bool, weights: jax.Array | None) -> LayerStats:
   rows = []
   for x in xs:
-    x = x.reshape(-1, layer.k).astype(jnp.float32)
+    x = layer.rows(x)
     if weights is not None:
       if weights.size != x.shape[0]:
         raise ValueError(f"{layer.path}: token_mask gives {weights.size} weights per batch but the layer sees "
@@ -252,8 +359,9 @@ def calibrate(model: nnx.Module, batches: Sequence[Any], rules: Any, *, gram: bo
     batches: a list of model inputs: an array, a tuple of positional arguments or a dict of keyword
       arguments each (see ``call``). Batches of one shape compile once.
     rules: ``{regex: structure or None}`` or one structure, as :func:`jaxsparse.sparsify`; the
-      ``nnx.Linear`` and ``nnx.LinearGeneral`` (trailing contracting axes) layers whose dotted path a
-      rule with a structure fully matches are calibrated.
+      ``nnx.Linear``, ``nnx.LinearGeneral`` (trailing contracting axes) and ``nnx.Conv`` (no feature
+      groups; statistics of its im2col patches, ``K = prod(kernel_size) * cin``) layers whose dotted
+      path a rule with a structure fully matches are calibrated.
     gram: also accumulate ``XᵀX`` (SparseGPT needs it; Wanda only the norms).
     call: ``(model, batch) -> output``; default ``model(*batch)`` for a tuple, ``model(**batch)`` for
       a dict, else ``model(batch)``.
@@ -268,7 +376,7 @@ def calibrate(model: nnx.Module, batches: Sequence[Any], rules: Any, *, gram: bo
     ValueError: no batches, a rule that matches no layer, a selected layer the model never calls.
   """
   batches = check_batches(batches)
-  layers = resolve_layers(nnx_candidates(model), rules, what="nnx.Linear / nnx.LinearGeneral layer")
+  layers = resolve_layers(nnx_candidates(model), rules, what=NNX_LAYERS)
   call = default_call if call is None else call
   nnx_call_order(model, [layer.key for layer in layers], batches[0], call)
   return nnx_layer_stats(model, layers, batches, call=call, gram=gram, token_mask=token_mask)
@@ -287,29 +395,53 @@ def _linen_args(batch: Any) -> tuple[tuple, dict]:
   return (batch,), {}
 
 
-def linen_candidates(module: nn.Module, variables: Mapping, batch: Any,
-                     apply_kwargs: Mapping) -> list[tuple[tuple, tuple[int, ...], int]]:
-  """``(path, kernel_shape, 1)`` of every ``nn.Dense`` that ``module`` calls on ``batch``, in call order."""
+_LINEN_TYPES = (nn.Dense, nn.DenseGeneral, nn.Conv)
+
+
+def _as_tuple(v: int | Sequence[int]) -> tuple[int, ...]:
+  return (int(v),) if isinstance(v, int) else tuple(int(a) for a in v)
+
+
+def _linen_candidate(m: nn.Module, x: jax.Array) -> Candidate:
+  """The candidate of a Linen layer called on ``x``: shapes from the input, as the layer makes them."""
+  key = tuple(m.path)
+  if type(m) is nn.Dense:
+    return Candidate(key, (int(x.shape[-1]), int(m.features)), 1)
+  if type(m) is nn.Conv:
+    size = _as_tuple(m.kernel_size)
+    cin = int(x.shape[-1])
+    return _conv_candidate(key, m, (*size, cin // max(int(m.feature_group_count), 1), int(m.features)), "nn.Conv")
+  axis, features = _as_tuple(m.axis), _as_tuple(m.features)
+  shape = tuple(int(x.shape[a]) for a in axis) + features
+  if _as_tuple(m.batch_dims) or tuple(a % x.ndim for a in axis) != tuple(range(x.ndim - len(axis), x.ndim)):
+    return Candidate(key, shape, len(axis), unsupported=(
+        f"nn.DenseGeneral with axis={m.axis} and batch_dims={m.batch_dims} is not supported; only the trailing "
+        "axes in order as contracting axes and no batch dims (as in nn.MultiHeadDotProductAttention)"))
+  return Candidate(key, shape, len(axis))
+
+
+def linen_candidates(module: nn.Module, variables: Mapping, batch: Any, apply_kwargs: Mapping) -> list[Candidate]:
+  """Every ``nn.Dense`` / ``nn.DenseGeneral`` / ``nn.Conv`` that ``module`` calls on ``batch``, in call order."""
   if not isinstance(module, nn.Module):
     raise TypeError(f"module must be a flax.linen.Module, got {type(module).__name__}.")
-  found: dict[tuple, tuple[int, ...]] = {}
+  found: dict[tuple, Candidate] = {}
 
   def interceptor(next_fun, args, kwargs, context):
     m = context.module
-    if context.method_name == "__call__" and type(m) is nn.Dense and args:
-      found.setdefault(tuple(m.path), (int(args[0].shape[-1]), int(m.features)))
+    if context.method_name == "__call__" and type(m) in _LINEN_TYPES and args and tuple(m.path) not in found:
+      found[tuple(m.path)] = _linen_candidate(m, args[0])
     return next_fun(*args, **kwargs)
 
   args, kwargs = _linen_args(batch)
   with nn.intercept_methods(interceptor):
     jax.eval_shape(lambda v, *a: module.apply(v, *a, **kwargs, **apply_kwargs), variables, *args)
-  return [(path, shape, 1) for path, shape in found.items()]
+  return list(found.values())
 
 
 def linen_layer_stats(module: nn.Module, variables: Mapping, layers: Sequence[Layer], batches: Sequence[Any], *,
                       apply_kwargs: Mapping, gram: bool,
                       token_mask: Callable[[Any], jax.Array] | None = None) -> dict[str, LayerStats]:
-  """Linen version of :func:`nnx_layer_stats`: inputs of the ``nn.Dense`` calls at the layers' paths."""
+  """Linen version of :func:`nnx_layer_stats`: inputs of the layer calls at the layers' paths."""
   by_key = {layer.key: layer for layer in layers}
 
   def step(variables, acc, batch):
@@ -317,7 +449,7 @@ def linen_layer_stats(module: nn.Module, variables: Mapping, layers: Sequence[La
 
     def interceptor(next_fun, args, kwargs, context):
       key = tuple(context.module.path)
-      if context.method_name == "__call__" and key in xs and type(context.module) is nn.Dense:
+      if context.method_name == "__call__" and key in xs and type(context.module) in _LINEN_TYPES:
         xs[key].append(args[0])
       return next_fun(*args, **kwargs)
 
@@ -340,7 +472,11 @@ def linen_layer_stats(module: nn.Module, variables: Mapping, layers: Sequence[La
 def calibrate_linen(module: nn.Module, variables: Mapping, batches: Sequence[Any], rules: Any, *, gram: bool = True,
                     apply_kwargs: Mapping[str, Any] | None = None,
                     token_mask: Callable[[Any], jax.typing.ArrayLike] | None = None) -> dict[str, LayerStats]:
-  """Linen version of :func:`calibrate`: statistics of the inputs of the selected ``nn.Dense`` calls.
+  """Linen version of :func:`calibrate`: the selected ``nn.Dense`` / ``DenseGeneral`` / ``Conv`` calls.
+
+  ``nn.DenseGeneral`` (trailing contracting axes, no batch dims: the projections of
+  ``nn.MultiHeadDotProductAttention``) and ``nn.Conv`` (no feature groups) are handled as their NNX
+  twins in :func:`calibrate`.
 
   >>> import jax, jaxsparse, flax.linen as nn
   >>> from jaxsparse import pruning
@@ -370,6 +506,6 @@ def calibrate_linen(module: nn.Module, variables: Mapping, batches: Sequence[Any
   """
   batches = check_batches(batches)
   apply_kwargs = dict(apply_kwargs or {})
-  layers = resolve_layers(linen_candidates(module, variables, batches[0], apply_kwargs), rules, what="nn.Dense call")
+  layers = resolve_layers(linen_candidates(module, variables, batches[0], apply_kwargs), rules, what=LINEN_LAYERS)
   return linen_layer_stats(module, variables, layers, batches, apply_kwargs=apply_kwargs, gram=gram,
                            token_mask=token_mask)

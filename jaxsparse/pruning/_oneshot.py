@@ -32,6 +32,8 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from jaxsparse._rules import get_module
+from jaxsparse.pruning._calibration import LINEN_LAYERS
+from jaxsparse.pruning._calibration import NNX_LAYERS
 from jaxsparse.pruning._calibration import Layer
 from jaxsparse.pruning._calibration import LayerStats
 from jaxsparse.pruning._calibration import check_batches
@@ -220,7 +222,10 @@ def calibrated_prune(
     model: an ``nnx.Module``; copied unless ``inplace``.
     rules: ``{regex: structure or None}`` or one structure, as :func:`jaxsparse.sparsify`: every
       ``nnx.Linear`` / ``nnx.LinearGeneral`` (trailing contracting axes) whose dotted path a rule fully
-      matches is pruned to its structure (``Unstructured``, ``NM`` along the inputs, ``BlockSparse``).
+      matches is pruned to its structure (``Unstructured``, ``NM`` along the inputs, ``BlockSparse``),
+      as is every ``nnx.Conv`` without feature groups (``Unstructured``, or ``NM`` along its input
+      channels as ``NMConv``; solved on its im2col patches, kernel viewed as
+      ``(prod(kernel_size) * cin, cout)``).
     batches: a list of calibration inputs (array, tuple of positional args or dict of keyword args
       each; see ``call``); may be ``None`` for ``method="magnitude"`` (the report then has no errors).
     method: ``"sparsegpt"`` (masks and OBS weight updates), ``"wanda"`` (masks by ``|w| * ||x||``) or
@@ -254,7 +259,7 @@ def calibrated_prune(
   if batches is None and method != "magnitude":
     raise ValueError(f"method={method!r} needs calibration batches; got batches=None.")
   batches = None if batches is None else check_batches(batches)
-  layers = resolve_layers(nnx_candidates(model), rules, what="nnx.Linear / nnx.LinearGeneral layer")
+  layers = resolve_layers(nnx_candidates(model), rules, what=NNX_LAYERS)
   if not inplace:
     model = nnx.clone(model)
   call = default_call if call is None else call
@@ -334,7 +339,12 @@ def calibrated_prune_linen(
     measure_error: bool = True,
     progress: bool = True,
 ) -> tuple[dict, dict[str, np.ndarray], CalibratedPruneReport]:
-  """Linen version of :func:`calibrated_prune` for the ``nn.Dense`` layers a module calls.
+  """Linen version of :func:`calibrated_prune` for the ``nn.Dense`` / ``DenseGeneral`` / ``Conv`` layers called.
+
+  ``nn.DenseGeneral`` (trailing contracting axes, no batch dims: ``nn.MultiHeadDotProductAttention``'s
+  projections) and ``nn.Conv`` (no feature groups) are pruned as their NNX twins. ``sparsify_linen``
+  makes sparse layers of the ``nn.Dense`` and ``nn.Conv`` results only; it leaves ``nn.DenseGeneral``
+  dense (their pruned kernels stay in the returned variables, their masks in ``masks``).
 
   >>> import jax, jaxsparse, flax.linen as nn
   >>> from jaxsparse import pruning
@@ -363,11 +373,11 @@ def calibrated_prune_linen(
   """
   method = _check_options(method, damp, block_size)
   if batches is None:
-    raise ValueError("calibrated_prune_linen needs calibration batches (they also find the nn.Dense calls); "
+    raise ValueError("calibrated_prune_linen needs calibration batches (they also find the layer calls); "
                      "got batches=None.")
   batches = check_batches(batches)
   apply_kwargs = dict(apply_kwargs or {})
-  layers = resolve_layers(linen_candidates(module, variables, batches[0], apply_kwargs), rules, what="nn.Dense call")
+  layers = resolve_layers(linen_candidates(module, variables, batches[0], apply_kwargs), rules, what=LINEN_LAYERS)
   new_vars = _to_dict(variables)
 
   def set_kernel(layer: Layer, kernel: jax.Array) -> None:

@@ -119,19 +119,21 @@ def sparsegpt_layer(
   block_size = _utils.check_positive_int(block_size, name="block_size")
   if isinstance(spec, NM) and block_size % spec.m:
     raise ValueError(f"block_size={block_size} must be a multiple of m={spec.m} for N:M sparsity.")
+  counts = jnp.zeros((-(-k // block_size),), jnp.int32)
   if mask is not None:
     mask = jnp.asarray(mask)
     if mask.shape != (k, n) or mask.dtype != jnp.bool_:
       raise ValueError(f"{path}: mask must be a bool array of shape {(k, n)}, got {mask.dtype} {mask.shape}.")
     kind, options = "fixed", ()
   elif isinstance(spec, Unstructured):
-    kind, options = "unstructured", _unstructured_prune_counts(spec.sparsity, k, n, block_size)
+    kind, options = "unstructured", ()
+    counts = jnp.asarray(_unstructured_prune_counts(spec.sparsity, k, n, block_size), jnp.int32)
   elif isinstance(spec, NM):
     kind, options = "nm", (spec.n, spec.m)
   else:
     kind, options = "block", (spec.block_shape, _utils.kept_count(spec.density, (k // spec.block_shape[0]) * (
         n // spec.block_shape[1])))
-  new, kept, ok = _solve(kernel, gram, mask, float(damp), kind=kind, options=options, block_size=block_size)
+  new, kept, ok = _solve(kernel, gram, mask, float(damp), counts, kind=kind, options=options, block_size=block_size)
   if not bool(ok):
     raise ValueError(
         f"{path}: the Hessian XᵀX + damp * mean(diag) * I (damp={damp}) is not positive definite, so its "
@@ -170,7 +172,9 @@ def hessian_factor(gram: jax.Array, damp: float) -> tuple[jax.Array, jax.Array, 
 
 
 @functools.partial(jax.jit, static_argnames=("kind", "options", "block_size"))
-def _solve(kernel, gram, fixed_mask, damp, *, kind, options, block_size):
+def _solve(kernel, gram, fixed_mask, damp, prune_counts, *, kind, options, block_size):
+  # The full batches run in one lax.scan (the compiled program does not grow with K / block_size); a last
+  # partial batch, if any, runs once after it with its own static width.
   k, n = kernel.shape
   upper, dead, ok = hessian_factor(gram, damp)
   d = jnp.diagonal(upper)
@@ -184,26 +188,43 @@ def _solve(kernel, gram, fixed_mask, damp, *, kind, options, block_size):
     blocks = keep_largest(block_scores, kept)
     mask_t = jnp.repeat(jnp.repeat(blocks, bk, axis=0), bn, axis=1).T
   else:
-    mask_t = None  # chosen batch by batch below
+    mask_t = jnp.zeros((n, k), bool)  # chosen batch by batch below
   group = options[1] if kind == "nm" else 1
-  kept_blocks = []
-  for b, i1 in enumerate(range(0, k, block_size)):
-    i2 = min(i1 + block_size, k)
-    w1, u1 = wt[:, i1:i2], upper[i1:i2, i1:i2]
+  full, tail = divmod(k, block_size)
+  columns = jnp.arange(k)
+
+  def one_batch(wt, mask_t, i1, width, pruned):
+    w1 = jax.lax.dynamic_slice_in_dim(wt, i1, width, axis=1)
+    u1 = jax.lax.dynamic_slice(upper, (i1, i1), (width, width))
     if kind == "unstructured":
-      width = i2 - i1
-      m1 = keep_largest((w1 / d[None, i1:i2]) ** 2, n * width - options[b])
-    elif kind == "nm":
-      m1 = jnp.zeros(w1.shape, bool)
+      d1 = jax.lax.dynamic_slice_in_dim(d, i1, width)
+      m1 = keep_largest((w1 / d1[None, :]) ** 2, n * width - pruned)
     else:
-      m1 = mask_t[:, i1:i2]
+      m1 = jax.lax.dynamic_slice_in_dim(mask_t, i1, width, axis=1)
     w1, m1, err1 = _batch(w1, u1, m1, kind=kind, options=options, group=group)
-    wt = wt.at[:, i1:i2].set(w1)
-    if i2 < k:
-      wt = wt.at[:, i2:].add(-jnp.matmul(err1, upper[i1:i2, i2:], precision=_HIGHEST))
-    kept_blocks.append(m1)
-  kept = jnp.concatenate(kept_blocks, axis=1).T
-  return wt.T.astype(kernel.dtype), kept, ok
+    return w1, m1, err1
+
+  def scan_step(carry, xs):
+    wt, mask_t = carry
+    b, pruned = xs
+    i1 = b * block_size
+    w1, m1, err1 = one_batch(wt, mask_t, i1, block_size, pruned)
+    # Lazy update of the features after the batch, over the full width: U is upper triangular, so the
+    # rows i1..i2 of U are zero left of i1, and the batch's own columns i1..i2 are masked out.
+    rows = jax.lax.dynamic_slice_in_dim(upper, i1, block_size, axis=0) * (columns >= i1 + block_size)
+    wt = wt - jnp.matmul(err1, rows, precision=_HIGHEST)
+    wt = jax.lax.dynamic_update_slice_in_dim(wt, w1, i1, axis=1)
+    mask_t = jax.lax.dynamic_update_slice_in_dim(mask_t, m1, i1, axis=1)
+    return (wt, mask_t), None
+
+  if full:
+    (wt, mask_t), _ = jax.lax.scan(scan_step, (wt, mask_t), (jnp.arange(full), prune_counts[:full]))
+  if tail:
+    i1 = full * block_size
+    w1, m1, _ = one_batch(wt, mask_t, i1, tail, prune_counts[full])
+    wt = wt.at[:, i1:].set(w1)
+    mask_t = mask_t.at[:, i1:].set(m1)
+  return wt.T.astype(kernel.dtype), mask_t.T, ok
 
 
 def _batch(w1: jax.Array, u1: jax.Array, m1: jax.Array, *, kind: str, options: Any, group: int):
