@@ -94,16 +94,8 @@ def timed(fn, repeats: int) -> tuple[float, float]:
 
 def sparsegpt_plan_bytes(w, gram, spec, block_size: int) -> int:
   """Bytes XLA plans for the jitted SparseGPT solve: arguments + outputs + temporaries."""
-  k, n = w.shape
-  if isinstance(spec, jaxsparse.Unstructured):
-    kind, options = "unstructured", _sparsegpt._unstructured_prune_counts(spec.sparsity, k, n, block_size)
-  elif isinstance(spec, jaxsparse.NM):
-    kind, options = "nm", (spec.n, spec.m)
-  else:
-    bk, bn = spec.block_shape
-    kind, options = "block", (spec.block_shape, int(spec.density * (k // bk) * (n // bn) + 0.5))
-  compiled = _sparsegpt._solve.lower(w, gram, None, 0.01, kind=kind, options=options,
-                                     block_size=block_size).compile()
+  args, static = _sparsegpt.solve_inputs(w, gram, spec, damp=0.01, block_size=block_size)
+  compiled = _sparsegpt._solve.lower(*args, **static).compile()
   m = compiled.memory_analysis()
   return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes)
 

@@ -1,4 +1,4 @@
-"""The end-to-end GPU benchmark script runs (tiny sizes, CPU) and prints its table; no timing is asserted."""
+"""The benchmark scripts run (tiny sizes, CPU) and write their tables; no timing is asserted."""
 
 from __future__ import annotations
 
@@ -20,3 +20,13 @@ def test_train_step_benchmark_runs(tmp_path):
   rows = [r for r in out.read_text().splitlines() if r.startswith("| ") and "layer kind" not in r]
   assert [r.split("|")[1].strip() for r in rows] == ["block32", "unstructured"]
   assert all("failed" not in r for r in rows), rows
+
+
+def test_calibrated_pruning_benchmark_runs(tmp_path):
+  out = tmp_path / "table.md"
+  cmd = [sys.executable, str(ROOT / "benchmarks" / "calibrated_pruning.py"), "--quick", "--out", str(out)]
+  env = {**os.environ, "PYTHONPATH": str(ROOT)}
+  proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = [r for r in out.read_text().splitlines() if r.startswith("| ") and "method" not in r]
+  assert {r.split("|")[3].strip() for r in rows} == {"magnitude", "wanda", "sparsegpt"}, rows

@@ -106,6 +106,20 @@ def sparsegpt_layer(
     ValueError: on shapes that do not fit, ``damp < 0``, or a Hessian that is not positive definite
       (with ``damp=0`` or data with NaNs).
   """
+  args, static = solve_inputs(kernel, gram, spec, damp=damp, block_size=block_size, mask=mask, path=path)
+  new, kept, ok = _solve(*args, **static)
+  k = args[0].shape[0]
+  if not bool(ok):
+    raise ValueError(
+        f"{path}: the Hessian XᵀX + damp * mean(diag) * I (damp={damp}) is not positive definite, so its "
+        "Cholesky factorisation failed: the calibration inputs span fewer than all input features (fewer tokens "
+        f"than K={k}, or collinear features) or contain NaN/inf. Use damp > 0 (0.01 is usual) or more data."
+    )
+  return SparseGPTResult(new, kept)
+
+
+def solve_inputs(kernel, gram, spec, *, damp: float, block_size: int, mask=None, path: str = "kernel"):
+  """Checks :func:`sparsegpt_layer`'s arguments; returns ``(args, static)`` of its jitted solve ``_solve``."""
   kernel = jnp.asarray(kernel)
   gram = jnp.asarray(gram)
   if kernel.ndim != 2:
@@ -133,14 +147,8 @@ def sparsegpt_layer(
   else:
     kind, options = "block", (spec.block_shape, _utils.kept_count(spec.density, (k // spec.block_shape[0]) * (
         n // spec.block_shape[1])))
-  new, kept, ok = _solve(kernel, gram, mask, float(damp), counts, kind=kind, options=options, block_size=block_size)
-  if not bool(ok):
-    raise ValueError(
-        f"{path}: the Hessian XᵀX + damp * mean(diag) * I (damp={damp}) is not positive definite, so its "
-        "Cholesky factorisation failed: the calibration inputs span fewer than all input features (fewer tokens "
-        f"than K={k}, or collinear features) or contain NaN/inf. Use damp > 0 (0.01 is usual) or more data."
-    )
-  return SparseGPTResult(new, kept)
+  static = dict(kind=kind, options=options, block_size=block_size)
+  return (kernel, gram, mask, float(damp), counts), static
 
 
 def _unstructured_prune_counts(sparsity: float, k: int, n: int, block_size: int) -> tuple[int, ...]:
