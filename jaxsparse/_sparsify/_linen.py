@@ -2,8 +2,24 @@
 
 Linen: :func:`sparsify_linen` rewrites the variables (sparse parameters, patterns in the
 ``"sparsity"`` collection) and returns a :class:`SparsifiedLinen` whose ``apply`` runs the user's
-unchanged module with its ``nn.Dense`` / ``nn.Conv`` calls redirected (``nn.intercept_methods``) to
-the Linen sparse layers.
+unchanged module with its ``nn.Dense`` / ``nn.DenseGeneral`` / ``nn.Conv`` calls redirected
+(``nn.intercept_methods``) to the Linen sparse layers:
+
+============================  ====================  ======================  ==================================
+rule                          ``nn.Dense``          ``nn.Conv``             ``nn.DenseGeneral``
+============================  ====================  ======================  ==================================
+``BlockSparse(density, bs)``  ``BlockSparseDense``  error                   ``BlockSparseDense`` on ``(K, N)``
+``NM(n, m)``                  ``NMDense`` (SR-STE)  ``NMConv`` (SR-STE)     ``NMDense`` on ``(K, N)``
+``Unstructured(sparsity)``    ``MaskedDense``       masked ``nn.Conv``      ``MaskedDense`` on ``(K, N)``
+============================  ====================  ======================  ==================================
+
+An ``nn.DenseGeneral`` contracting its input's trailing axes in order, without ``batch_dims`` (the
+projections of ``nn.MultiHeadDotProductAttention``: ``(d,) -> (heads, head_dim)`` and back), is the
+2-D layer on flattened features, as ``SparseLinearGeneral`` is in NNX: its kernel
+``(*in_dims, *features)`` is viewed as ``(K, N) = (prod(in_dims), prod(features))``, the input
+``(..., *in_dims)`` as ``(..., K)`` and the output ``(..., N)`` as ``(..., *features)``. Its sparse
+variables are those of the 2-D layer (kernel ``(K, N)`` or block values, bias ``(N,)``, mask
+``(K, N)``); :func:`densify_linen` gives back the ``nn.DenseGeneral`` shapes.
 """
 
 
@@ -48,10 +64,16 @@ __all__ = ["SparsifiedLinen", "densify_linen", "sparsify_linen"]
 
 @dataclasses.dataclass(frozen=True)
 class _LinenLayer:
-  kind: str  # "dense" or "conv"
+  kind: str  # "dense", "general" (nn.DenseGeneral over trailing axes) or "conv"
   spec: Spec
   module: nn.Module  # the original layer, unbound (its configuration)
-  in_features: int
+  in_dims: tuple[int, ...]  # the contracted input dims: (K,), or nn.DenseGeneral's (*in_dims)
+  features: tuple[int, ...]  # (N,), or nn.DenseGeneral's (*features)
+
+  @property
+  def shape_2d(self) -> tuple[int, int]:
+    """``(K, N)``: the kernel as the 2-D sparse layer holds it (dense and general layers)."""
+    return math.prod(self.in_dims), math.prod(self.features)
 
 
 def _nested_get(tree: Mapping, path: tuple) -> Any:
@@ -78,17 +100,17 @@ def _to_dict(tree: Any) -> Any:
 
 def _linen_sparse_module(layer: _LinenLayer, *, nnz: int | None = None) -> nn.Module:
   m, spec = layer.module, layer.spec
-  if layer.kind == "dense":
+  if layer.kind in ("dense", "general"):
+    k, n = layer.shape_2d
     common = dict(use_bias=m.use_bias, dtype=m.dtype, param_dtype=m.param_dtype, precision=m.precision)
     if isinstance(spec, BlockSparse):
-      k, n = layer.in_features, m.features
       blocks = (k // spec.block_shape[0]) * (n // spec.block_shape[1])
       density = spec.density if nnz is None else nnz / blocks
-      return sparse_linen.BlockSparseDense(m.features, density=density, block_shape=spec.block_shape, **common)
+      return sparse_linen.BlockSparseDense(n, density=density, block_shape=spec.block_shape, **common)
     if isinstance(spec, NM):
-      return sparse_linen.NMDense(m.features, n=spec.n, m=spec.m, promote_dtype=m.promote_dtype,
+      return sparse_linen.NMDense(n, n=spec.n, m=spec.m, promote_dtype=m.promote_dtype,
                                   dot_general=m.dot_general, dot_general_cls=m.dot_general_cls, **common)
-    return sparse_linen.MaskedDense(m.features, sparsity=spec.sparsity, **common)
+    return sparse_linen.MaskedDense(n, sparsity=spec.sparsity, **common)
   if isinstance(spec, NM):
     fields = {f.name: getattr(m, f.name) for f in dataclasses.fields(sparse_linen.NMConv)
               if f.name not in ("n", "m", "sr_ste_decay", "parent", "name", "_") and hasattr(m, f.name)}
@@ -104,7 +126,12 @@ def _linen_apply(layer: _LinenLayer, variables: Mapping, x: jax.Array) -> jax.Ar
   nnz = None
   if isinstance(layer.spec, BlockSparse):
     nnz = variables["params"]["kernel"].shape[0]
-  return _linen_sparse_module(layer, nnz=nnz).apply(variables, x)
+  module = _linen_sparse_module(layer, nnz=nnz)
+  if layer.kind != "general":
+    return module.apply(variables, x)
+  batch = x.shape[: x.ndim - len(layer.in_dims)]
+  y = module.apply(variables, x.reshape(*batch, layer.shape_2d[0]))
+  return y.reshape(*batch, *layer.features)
 
 
 _IN_SPARSE_LAYER: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxsparse_in_sparse_layer", default=False)
@@ -112,11 +139,12 @@ _IN_SPARSE_LAYER: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxspar
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class SparsifiedLinen:
-  """A Linen module whose matched ``nn.Dense`` / ``nn.Conv`` calls run as sparse layers.
+  """A Linen module whose matched ``nn.Dense`` / ``nn.DenseGeneral`` / ``nn.Conv`` calls run as sparse layers.
 
   ``apply(variables, *args, **kwargs)`` is ``module.apply`` with those calls redirected
-  (``nn.intercept_methods``) to ``BlockSparseDense``, ``MaskedDense``, ``NMDense``, ``NMConv`` or a
-  masked ``nn.Conv`` on the variables of the same scope. Use it as ``apply_fn`` of a ``TrainState``.
+  (``nn.intercept_methods``) to ``BlockSparseDense``, ``MaskedDense``, ``NMDense`` (on flattened
+  features for ``nn.DenseGeneral``), ``NMConv`` or a masked ``nn.Conv`` on the variables of the same
+  scope. Use it as ``apply_fn`` of a ``TrainState``.
 
   Attributes:
     module: the user's Linen module, unchanged.
@@ -144,15 +172,48 @@ class SparsifiedLinen:
       return self.module.apply(variables, *args, **kwargs)
 
 
-def _linen_layers(module: nn.Module, variables: Mapping, example_input: Any, kwargs: Mapping) -> dict:
-  found: dict[tuple, tuple[str, nn.Module, jax.ShapeDtypeStruct]] = {}
+_LINEN_KINDS = {nn.Dense: "dense", nn.DenseGeneral: "general", nn.Conv: "conv"}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Found:
+  """A layer call found on the example input."""
+
+  kind: str
+  module: nn.Module  # unbound
+  x: jax.ShapeDtypeStruct
+  in_dims: tuple[int, ...]
+  features: tuple[int, ...]
+  unsupported: str = ""  # why a rule may not select it
+
+
+def _as_tuple(v: int | Any) -> tuple[int, ...]:
+  return (int(v),) if isinstance(v, (int, np.integer)) else tuple(int(a) for a in v)
+
+
+def _found(m: nn.Module, x: jax.Array) -> _Found:
+  kind = _LINEN_KINDS[type(m)]
+  spec = jax.ShapeDtypeStruct(x.shape, x.dtype)
+  if kind != "general":
+    return _Found(kind, m.clone(parent=None), spec, (int(x.shape[-1]),), (int(m.features),))
+  axis, features = _as_tuple(m.axis), _as_tuple(m.features)
+  in_dims = tuple(int(x.shape[a]) for a in axis)
+  unsupported = ""
+  if _as_tuple(m.batch_dims) or tuple(a % x.ndim for a in axis) != tuple(range(x.ndim - len(axis), x.ndim)):
+    unsupported = (
+        f"nn.DenseGeneral with axis={m.axis} and batch_dims={m.batch_dims} is not supported; only the trailing "
+        "axes in order as contracting axes and no batch_dims (as in nn.MultiHeadDotProductAttention)."
+    )
+  return _Found(kind, m.clone(parent=None), spec, in_dims, features, unsupported)
+
+
+def _linen_layers(module: nn.Module, variables: Mapping, example_input: Any, kwargs: Mapping) -> dict[tuple, _Found]:
+  found: dict[tuple, _Found] = {}
 
   def interceptor(next_fun, args, kw, context):
     m = context.module
-    if context.method_name == "__call__" and type(m) in (nn.Dense, nn.Conv) and args:
-      x = args[0]
-      found.setdefault(tuple(m.path), ("dense" if type(m) is nn.Dense else "conv", m.clone(parent=None),
-                                      jax.ShapeDtypeStruct(x.shape, x.dtype)))
+    if context.method_name == "__call__" and type(m) in _LINEN_KINDS and args and tuple(m.path) not in found:
+      found[tuple(m.path)] = _found(m, args[0])
     return next_fun(*args, **kw)
 
   args = example_input if isinstance(example_input, tuple) else (example_input,)
@@ -173,10 +234,11 @@ def sparsify_linen(
 ) -> tuple[SparsifiedLinen, dict, SparsifyReport]:
   """Linen version of :func:`sparsify`: sparse variables plus a module that applies them.
 
-  The ``nn.Dense`` and ``nn.Conv`` layers that ``module`` calls on ``example_input`` are found by
-  path (``"Dense_0"``, ``"mlp.fc1"``); each one a rule matches gets the variables of the Linen
-  sparse layer for its structure (``BlockSparseDense``, ``MaskedDense``, ``NMDense``, ``NMConv``, or
-  a masked ``nn.Conv`` for unstructured convs), pruned by magnitude from its dense kernel (or to
+  The ``nn.Dense``, ``nn.DenseGeneral`` and ``nn.Conv`` layers that ``module`` calls on
+  ``example_input`` are found by path (``"Dense_0"``, ``"mlp.fc1"``, ``"attn.query"``); each one a
+  rule matches gets the variables of the Linen sparse layer for its structure (``BlockSparseDense``,
+  ``MaskedDense``, ``NMDense``, ``NMConv``, or a masked ``nn.Conv`` for unstructured convs; see the
+  module docstring for ``nn.DenseGeneral``), pruned by magnitude from its dense kernel (or to
   ``masks``). Patterns go into the ``"sparsity"`` collection.
 
   >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxsparse
@@ -203,12 +265,19 @@ def sparsify_linen(
     example_input: an input (or tuple of positional inputs) for ``module.apply``, used to find the
       layers and their input shapes.
     masks: as :func:`sparsify`, with paths like ``"Dense_0.kernel"`` (``get_masks`` of a
-      ``TrainState`` trained with :func:`jaxsparse.pruning.wrap_optax` gives them).
+      ``TrainState`` trained with :func:`jaxsparse.pruning.wrap_optax`, or
+      :func:`jaxsparse.pruning.calibrated_prune_linen`, gives them); each of the kernel's own shape,
+      ``(*in_dims, *features)`` for an ``nn.DenseGeneral``.
     check_speed: as :func:`sparsify`.
     apply_kwargs: keyword arguments for ``module.apply`` (e.g. ``{"train": False}``).
 
   Returns:
     ``(sparse_module, sparse_variables, report)``: call ``sparse_module.apply(sparse_variables, x)``.
+
+  Raises:
+    ValueError: naming the layer path, when a structure cannot apply (``m`` does not divide the
+      input size, blocks do not divide the kernel, ``BlockSparse`` on a conv, an ``nn.DenseGeneral``
+      over other than its input's trailing axes or with ``batch_dims``, a bad mask).
   """
   resolved = resolve_rules(rules)
   mode = check_speed_mode(check_speed, example_input)
@@ -218,7 +287,8 @@ def sparsify_linen(
   new_vars = _to_dict(variables)
   params = new_vars.setdefault("params", {})
   layers, changes = {}, []
-  for path, (kind, m, x_spec) in found.items():
+  for path, f in found.items():
+    kind, m = f.kind, f.module
     p = ".".join(path)
     r = match_rules(resolved, p)
     if r is None:
@@ -226,6 +296,8 @@ def sparsify_linen(
     spec = resolved[r][2]
     if spec is None:
       continue
+    if f.unsupported:
+      raise ValueError(f"{p}: {f.unsupported}")
     boxed_params = _nested_get(params, path)
     dense_params = nn.meta.unbox(boxed_params)  # nn.with_partitioning boxes, re-applied by carry_linen
     kernel = dense_params["kernel"]
@@ -233,14 +305,21 @@ def sparsify_linen(
       raise ValueError(
           f"{p}: BlockSparse does not apply to nn.Conv layers; use jaxsparse.NM or jaxsparse.Unstructured."
       )
-    check_spec_applies(spec, kernel.shape, path=p)
+    layer = _LinenLayer(kind, spec, m, f.in_dims, f.features)
     mask = mask_dict.get(f"{p}.kernel")
-    layer_vars = _linen_variables(kind, spec, dense_params, None if mask is None else np.asarray(mask), p)
-    layer = _LinenLayer(kind, spec, m, int(x_spec.shape[-1]))
+    mask = None if mask is None else np.asarray(mask)
+    if mask is not None and mask.shape != kernel.shape:
+      raise ValueError(f"{p}: the given mask has shape {mask.shape}, the kernel {kernel.shape}.")
+    params_2d = dense_params
+    if kind == "general":  # the 2-D layer on flattened features
+      params_2d = {k: v.reshape(layer.shape_2d if k == "kernel" else -1) for k, v in dense_params.items()}
+      mask = None if mask is None else mask.reshape(layer.shape_2d)
+    check_spec_applies(spec, params_2d["kernel"].shape, path=p)
+    layer_vars = _linen_variables(spec, params_2d, mask, p)
     dense_ms = sparse_ms = None
     note = ""
     if mode:
-      x = random_input(x_spec)
+      x = random_input(f.x)
       rest = {k: v for k, v in layer_vars.items() if k != "params"}
       dense_ms = timed(lambda q, x, m=m: m.apply({"params": q}, x), dense_params, x, mode)
       sparse_ms = timed(
@@ -253,15 +332,15 @@ def sparsify_linen(
                                    f"kept dense: sparse not faster ({mode})"))
         continue
     layers[path] = layer
-    boxed = carry_linen(boxed_params, layer_vars)
+    boxed = carry_linen(boxed_params, layer_vars, in_ndim=len(f.in_dims) if kind == "general" else None)
     _nested_set(params, path, boxed["params"])
     if sparse_linen.SPARSITY in boxed:
       _nested_set(new_vars.setdefault(sparse_linen.SPARSITY, {}), path, boxed[sparse_linen.SPARSITY])
-    density = _linen_density(spec, layer_vars, kernel)
+    density = _linen_density(spec, layer_vars, params_2d["kernel"].shape)
     changes.append(LayerChange(p, f"{type(m).__name__}({kernel.shape})", spec.describe(),
                                type(_linen_sparse_module(layer, nnz=_nnz(layer_vars, spec))).__name__,
                                density, nbytes(dense_params), nbytes(layer_vars), dense_ms, sparse_ms, note))
-  warn_unmatched(resolved, [".".join(p) for p in found], what="nn.Dense / nn.Conv")
+  warn_unmatched(resolved, [".".join(p) for p in found], what="nn.Dense / nn.DenseGeneral / nn.Conv")
   changes.sort(key=lambda c: c.path)
   return SparsifiedLinen(module, layers), new_vars, SparsifyReport(tuple(changes))
 
@@ -270,19 +349,17 @@ def _nnz(layer_vars: Mapping, spec: Spec) -> int | None:
   return layer_vars["params"]["kernel"].shape[0] if isinstance(spec, BlockSparse) else None
 
 
-def _linen_density(spec: Spec, layer_vars: Mapping, kernel: jax.Array) -> float:
+def _linen_density(spec: Spec, layer_vars: Mapping, kernel_shape: tuple[int, ...]) -> float:
   if isinstance(spec, NM):
     return spec.n / spec.m
   if isinstance(spec, BlockSparse):
-    k2 = (math.prod(kernel.shape[:-1]), kernel.shape[-1])
-    return layer_vars["params"]["kernel"].shape[0] / ((k2[0] // spec.block_shape[0]) * (k2[1] // spec.block_shape[1]))
+    k, n = kernel_shape
+    return layer_vars["params"]["kernel"].shape[0] / ((k // spec.block_shape[0]) * (n // spec.block_shape[1]))
   return float(np.mean(np.asarray(layer_vars[sparse_linen.SPARSITY]["mask"])))
 
 
-def _linen_variables(kind: str, spec: Spec, dense_params: Mapping, mask: np.ndarray | None, path: str) -> dict:
+def _linen_variables(spec: Spec, dense_params: Mapping, mask: np.ndarray | None, path: str) -> dict:
   kernel = jnp.asarray(dense_params["kernel"])
-  if mask is not None and mask.shape != kernel.shape:
-    raise ValueError(f"{path}: the given mask has shape {mask.shape}, the kernel {kernel.shape}.")
   bias = {"bias": dense_params["bias"]} if "bias" in dense_params else {}
   if isinstance(spec, BlockSparse):
     if mask is None:
@@ -305,6 +382,9 @@ def _linen_variables(kind: str, spec: Spec, dense_params: Mapping, mask: np.ndar
 def densify_linen(sparse: SparsifiedLinen, variables: Mapping) -> tuple[nn.Module, dict]:
   """Inverse of :func:`sparsify_linen`: the original module and dense variables (zeros where pruned).
 
+  An ``nn.DenseGeneral``'s kernel and bias get back their own shapes, ``(*in_dims, *features)`` and
+  ``features``.
+
   >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxsparse
   >>> model = nn.Dense(8)
   >>> x = jnp.ones((2, 8))
@@ -322,14 +402,17 @@ def densify_linen(sparse: SparsifiedLinen, variables: Mapping) -> tuple[nn.Modul
     kernel = p["kernel"]
     if isinstance(layer.spec, BlockSparse):
       idx = _nested_get(pattern, path)
-      k2 = (layer.in_features, layer.module.features)
-      dense = BlockSparseMatrix.from_index_arrays(kernel, dict(idx), shape=k2, block_shape=layer.spec.block_shape)
+      dense = BlockSparseMatrix.from_index_arrays(kernel, dict(idx), shape=layer.shape_2d,
+                                                  block_shape=layer.spec.block_shape)
       kernel = dense.to_dense()
     elif isinstance(layer.spec, NM):
       kernel = jnp.where(nm_mask(kernel, layer.spec.n, layer.spec.m, axis=-2), kernel, jnp.zeros((), kernel.dtype))
     else:
       kernel = jnp.where(_nested_get(pattern, path)["mask"], kernel, jnp.zeros((), kernel.dtype))
-    _nested_set(params, path, {**p, "kernel": kernel})
+    p = {**p, "kernel": kernel}
+    if layer.kind == "general":
+      p = {k: v.reshape((*layer.in_dims, *layer.features) if k == "kernel" else layer.features) for k, v in p.items()}
+    _nested_set(params, path, p)
     _drop(pattern, path)
   if sparse_linen.SPARSITY in new_vars and not jax.tree.leaves(new_vars[sparse_linen.SPARSITY]):
     del new_vars[sparse_linen.SPARSITY]

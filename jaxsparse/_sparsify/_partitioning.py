@@ -5,8 +5,9 @@ metadata) or ``nn.with_partitioning`` (Linen ``nn.Partitioned`` boxes) passes it
 
 * parameters and masks of the kernel's shape (``MaskedLinear``, ``MaskedConv``, ``NMLinear``,
   ``NMConv``) take the kernel's names, dim by dim; the bias keeps its own;
-* ``SparseLinearGeneral`` folds the kernel to ``(K, N)``: a group of dims keeps the name of its
-  leading dim when that is the only named one (the merged dim splits the same way), else none;
+* ``SparseLinearGeneral`` (and the sparse layer of a Linen ``nn.DenseGeneral``) folds the kernel
+  to ``(K, N)`` and the bias to ``(N,)``: a group of dims keeps the name of its leading dim when
+  that is the only named one (the merged dim splits the same way), else none;
 * block-sparse values ``(nnz_blocks, bk, bn)`` and their index arrays are replicated, ``(None, ...)``:
   the data-parallel layout every op partitions over. Splitting a block-sparse weight over devices
   is tensor parallelism, a layout with per-shard indices (:mod:`jaxsparse.sharding`).
@@ -97,18 +98,28 @@ def carry_nnx(dense: nnx.Module, sparse: nnx.Module) -> nnx.Module:
   return sparse
 
 
-def carry_linen(dense_params: Mapping, layer_vars: dict) -> dict:
-  """Boxes ``layer_vars`` (``{"params": ..., "sparsity": ...}``) in ``nn.Partitioned`` like ``dense_params``."""
+def carry_linen(dense_params: Mapping, layer_vars: dict, *, in_ndim: int | None = None) -> dict:
+  """Boxes ``layer_vars`` (``{"params": ..., "sparsity": ...}``) in ``nn.Partitioned`` like ``dense_params``.
+
+  ``in_ndim``: for an ``nn.DenseGeneral`` whose kernel ``(*in_dims, *features)`` the sparse layer
+  holds as ``(K, N)``, ``len(in_dims)``; its names are folded as ``SparseLinearGeneral``'s are.
+  """
   kernel, bias = dense_params["kernel"], dense_params.get("bias")
   if not isinstance(kernel, nn.Partitioned) and not isinstance(bias, nn.Partitioned):
     return layer_vars
   kernel_names = tuple(kernel.names) if isinstance(kernel, nn.Partitioned) else None
+  bias_names = tuple(bias.names) if isinstance(bias, nn.Partitioned) else None
+  if in_ndim is not None:
+    if kernel_names is not None:
+      kernel_names = _fold(kernel_names, (in_ndim, len(kernel_names) - in_ndim))
+    if bias_names is not None:
+      bias_names = _fold(bias_names, (len(bias_names),))
   mesh = kernel.mesh if isinstance(kernel, nn.Partitioned) else None
   block_sparse = "row_indices" in layer_vars.get("sparsity", {})
 
   def box(name: str, value):
     if name == "bias":
-      return bias.replace_boxed(value) if isinstance(bias, nn.Partitioned) else value
+      return bias.replace(value=value, names=bias_names) if isinstance(bias, nn.Partitioned) else value
     if block_sparse or kernel_names is None or value.ndim != len(kernel_names):
       names = (None,) * value.ndim
     else:
