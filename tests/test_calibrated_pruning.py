@@ -481,11 +481,12 @@ def test_linen_multi_head_attention_is_pruned():
     check_pattern(m.reshape(16, 16), jaxsparse.NM(2, 4), (16, 16))
     kernel = np.asarray(_param(new_vars, path))
     assert kernel.shape == m.shape and np.all(kernel[~m] == 0)
-  # sparsify_linen makes sparse layers of nn.Dense / nn.Conv only: "fc" becomes NMDense, the attention
-  # projections stay nn.DenseGeneral with their pruned kernels; the function is unchanged.
+  # sparsify_linen makes NMDense layers of all five, the attention projections on their (K, N) views; the
+  # function is unchanged.
   sparse, sparse_vars, sparse_report = jaxsparse.sparsify_linen(Block(), new_vars, jaxsparse.NM(2, 4), batches[0],
                                                                 masks=masks)
-  assert [c.path for c in sparse_report.replaced] == ["fc"]
+  assert [(c.path, c.replaced_by) for c in sparse_report.replaced] == [
+      (path, "NMDense") for path in ("attn.key", "attn.out", "attn.query", "attn.value", "fc")]
   np.testing.assert_allclose(np.asarray(sparse.apply(sparse_vars, batches[0])),
                              np.asarray(Block().apply(new_vars, batches[0])), atol=1e-5)
 

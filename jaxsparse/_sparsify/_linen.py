@@ -69,6 +69,8 @@ class _LinenLayer:
   module: nn.Module  # the original layer, unbound (its configuration)
   in_dims: tuple[int, ...]  # the contracted input dims: (K,), or nn.DenseGeneral's (*in_dims)
   features: tuple[int, ...]  # (N,), or nn.DenseGeneral's (*features)
+  # The dense parameters' nn.Partitioned boxes (values dropped), which densify_linen puts back.
+  boxes: Mapping[str, nn.meta.AxisMetadata] = dataclasses.field(default_factory=dict, compare=False)
 
   @property
   def shape_2d(self) -> tuple[int, int]:
@@ -305,7 +307,8 @@ def sparsify_linen(
       raise ValueError(
           f"{p}: BlockSparse does not apply to nn.Conv layers; use jaxsparse.NM or jaxsparse.Unstructured."
       )
-    layer = _LinenLayer(kind, spec, m, f.in_dims, f.features)
+    boxes = {k: v.replace_boxed(None) for k, v in boxed_params.items() if isinstance(v, nn.meta.AxisMetadata)}
+    layer = _LinenLayer(kind, spec, m, f.in_dims, f.features, boxes)
     mask = mask_dict.get(f"{p}.kernel")
     mask = None if mask is None else np.asarray(mask)
     if mask is not None and mask.shape != kernel.shape:
@@ -383,7 +386,7 @@ def densify_linen(sparse: SparsifiedLinen, variables: Mapping) -> tuple[nn.Modul
   """Inverse of :func:`sparsify_linen`: the original module and dense variables (zeros where pruned).
 
   An ``nn.DenseGeneral``'s kernel and bias get back their own shapes, ``(*in_dims, *features)`` and
-  ``features``.
+  ``features``; dense parameters that had ``nn.Partitioned`` boxes get them back.
 
   >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxsparse
   >>> model = nn.Dense(8)
@@ -398,21 +401,22 @@ def densify_linen(sparse: SparsifiedLinen, variables: Mapping) -> tuple[nn.Modul
   params = new_vars["params"]
   pattern = new_vars.get(sparse_linen.SPARSITY, {})
   for path, layer in sparse.layers.items():
-    p = _nested_get(params, path)
+    p = nn.meta.unbox(_nested_get(params, path))
     kernel = p["kernel"]
     if isinstance(layer.spec, BlockSparse):
-      idx = _nested_get(pattern, path)
+      idx = nn.meta.unbox(_nested_get(pattern, path))
       dense = BlockSparseMatrix.from_index_arrays(kernel, dict(idx), shape=layer.shape_2d,
                                                   block_shape=layer.spec.block_shape)
       kernel = dense.to_dense()
     elif isinstance(layer.spec, NM):
       kernel = jnp.where(nm_mask(kernel, layer.spec.n, layer.spec.m, axis=-2), kernel, jnp.zeros((), kernel.dtype))
     else:
-      kernel = jnp.where(_nested_get(pattern, path)["mask"], kernel, jnp.zeros((), kernel.dtype))
+      mask = nn.meta.unbox(_nested_get(pattern, path)["mask"])
+      kernel = jnp.where(mask, kernel, jnp.zeros((), kernel.dtype))
     p = {**p, "kernel": kernel}
     if layer.kind == "general":
       p = {k: v.reshape((*layer.in_dims, *layer.features) if k == "kernel" else layer.features) for k, v in p.items()}
-    _nested_set(params, path, p)
+    _nested_set(params, path, {k: layer.boxes[k].replace_boxed(v) if k in layer.boxes else v for k, v in p.items()})
     _drop(pattern, path)
   if sparse_linen.SPARSITY in new_vars and not jax.tree.leaves(new_vars[sparse_linen.SPARSITY]):
     del new_vars[sparse_linen.SPARSITY]

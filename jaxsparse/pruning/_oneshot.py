@@ -342,9 +342,8 @@ def calibrated_prune_linen(
   """Linen version of :func:`calibrated_prune` for the ``nn.Dense`` / ``DenseGeneral`` / ``Conv`` layers called.
 
   ``nn.DenseGeneral`` (trailing contracting axes, no batch dims: ``nn.MultiHeadDotProductAttention``'s
-  projections) and ``nn.Conv`` (no feature groups) are pruned as their NNX twins. ``sparsify_linen``
-  makes sparse layers of the ``nn.Dense`` and ``nn.Conv`` results only; it leaves ``nn.DenseGeneral``
-  dense (their pruned kernels stay in the returned variables, their masks in ``masks``).
+  projections) and ``nn.Conv`` (no feature groups) are pruned as their NNX twins; their masks have
+  the kernel's own shape, as :func:`jaxsparse.sparsify_linen` takes them.
 
   >>> import jax, jaxsparse, flax.linen as nn
   >>> from jaxsparse import pruning
