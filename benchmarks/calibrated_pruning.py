@@ -100,6 +100,11 @@ def sparsegpt_plan_bytes(w, gram, spec, block_size: int) -> int:
   return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes)
 
 
+def sparsegpt_refit(w, gram, spec, block_size: int, iterations: int) -> jax.Array:
+  out = pruning.sparsegpt_layer(w, gram, spec, block_size=block_size)
+  return pruning.refit_layer(w, gram, out.mask, start=out.kernel, iterations=iterations)
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--shapes", nargs="+", default=["4096x4096", "4096x11008"], help="KxN layer shapes")
@@ -109,6 +114,8 @@ def main():
   parser.add_argument("--held-out", type=int, default=16, help="held-out sequences (0: none)")
   parser.add_argument("--block-size", type=int, default=128)
   parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--refit-iterations", type=int, default=0,
+                      help="also time Wanda and SparseGPT followed by pruning.refit_layer (0: not)")
   parser.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
   parser.add_argument("--out", help="also write the table to this file")
   args = parser.parse_args()
@@ -145,6 +152,11 @@ def main():
           "sparsegpt": lambda w=w, s=stats, spec=spec: pruning.sparsegpt_layer(
               w, s.gram, spec, block_size=args.block_size).kernel,
       }
+      if args.refit_iterations:
+        solves["wanda + refit"] = lambda w=w, s=stats, spec=spec: pruning.refit_layer(
+            w, s.gram, pruning.wanda_layer(w, s.sq_norms, spec), iterations=args.refit_iterations)
+        solves["sparsegpt + refit"] = lambda w=w, s=stats, spec=spec: sparsegpt_refit(
+            w, s.gram, spec, args.block_size, args.refit_iterations)
       for method, fn in solves.items():
         first, steady = timed(fn, args.repeats)
         w_hat = fn()

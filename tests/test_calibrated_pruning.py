@@ -235,6 +235,74 @@ def test_solver_error_ordering_on_lm_like_data():
     assert errors["sparsegpt"] < errors["wanda"] < errors["magnitude"], (spec, errors)
 
 
+def exact_refit(w, gram, mask, *, damp=0.01):
+  """float64 least squares per output: ``H_SS ŵ_S = (H w)_S`` with SparseGPT's damped ``H``."""
+  h = np.array(gram, np.float64)
+  w = np.array(w, np.float64)
+  mask = np.asarray(mask)
+  dead = np.diag(h) == 0
+  h[dead, dead] = 1.0
+  h += damp * np.mean(np.diag(h)) * np.eye(len(h))
+  out = np.zeros_like(w)
+  for j in range(w.shape[1]):
+    s = mask[:, j]
+    out[s, j] = np.linalg.solve(h[np.ix_(s, s)], (h @ w)[s, j])
+  return out
+
+
+@pytest.mark.parametrize("start", ["sparsegpt", "wanda"])
+@pytest.mark.parametrize("name", list(SPECS))
+def test_refit_matches_float64_least_squares(name, start):
+  spec = SPECS[name]
+  k, n = 64, 16
+  x = correlated_inputs(jax.random.key(20), 256, k).at[:, 5].set(0.0)  # one dead input
+  w = jax.random.normal(jax.random.key(21), (k, n)) / np.sqrt(k)
+  gram = x.T @ x
+  if start == "sparsegpt":
+    w0, mask = pruning.sparsegpt_layer(w, gram, spec, block_size=16)
+  else:
+    mask = pruning.wanda_layer(w, jnp.diagonal(gram), spec)
+    w0 = w * mask
+  out = pruning.refit_layer(w, gram, mask, start=w0, iterations=64)
+  ref = exact_refit(w, gram, mask)
+  np.testing.assert_allclose(np.asarray(out), ref, atol=1e-4 * np.abs(ref).max())
+  assert not np.any(np.asarray(out)[~np.asarray(mask)])
+  err = lambda v: float(pruning.reconstruction_error(w, v, gram))
+  assert err(out) < 0.95 * err(w0), (err(out), err(w0))
+
+
+def test_refit_never_raises_an_outputs_error():
+  k, n = 48, 32
+  x = correlated_inputs(jax.random.key(22), 200, k, outliers=4)
+  w = jax.random.normal(jax.random.key(23), (k, n))
+  gram = x.T @ x
+  w0, mask = pruning.sparsegpt_layer(w, gram, jaxsparse.NM(2, 4), block_size=16)
+  exact = jnp.asarray(exact_refit(w, gram, mask, damp=0.0), jnp.float32)
+
+  def column_errors(v):
+    d = np.asarray(w, np.float64) - np.asarray(v, np.float64)
+    return np.sum(d * (np.asarray(gram, np.float64) @ d), axis=0)
+
+  for start in (w0, w * mask, exact):
+    for iterations in (1, 3, 30):
+      out = pruning.refit_layer(w, gram, mask, start=start, damp=0.0, iterations=iterations)
+      assert np.all(column_errors(out) <= column_errors(start) * (1 + 1e-5) + 1e-6), (iterations,)
+
+
+def test_refit_bad_arguments():
+  w, g, mask = jnp.ones((16, 4)), jnp.eye(16), jnp.ones((16, 4), bool)
+  with pytest.raises(ValueError, match="mask must be a bool array of shape"):
+    pruning.refit_layer(w, g, jnp.ones((16, 4)))
+  with pytest.raises(ValueError, match=r"gram must be \(K, K\)"):
+    pruning.refit_layer(w, jnp.eye(8), mask)
+  with pytest.raises(ValueError, match="start must have the kernel's shape"):
+    pruning.refit_layer(w, g, mask, start=jnp.ones((4, 16)))
+  with pytest.raises(ValueError, match="iterations must be a positive int"):
+    pruning.refit_layer(w, g, mask, iterations=0)
+  with pytest.raises(ValueError, match="damp must be a float >= 0"):
+    pruning.refit_layer(w, g, mask, damp=-0.1)
+
+
 def test_reconstruction_error_matches_direct_computation():
   x = jax.random.normal(jax.random.key(12), (50, 12))
   w = jax.random.normal(jax.random.key(13), (12, 6))

@@ -49,6 +49,7 @@ from jaxsparse.pruning._optax import apply_masks
 from jaxsparse.pruning._optax import get_masks
 from jaxsparse.pruning._optax import magnitude_pruner
 from jaxsparse.pruning._optax import wrap_optax
+from jaxsparse.pruning._refit import refit_layer
 from jaxsparse.pruning._schedules import Schedule
 from jaxsparse.pruning._schedules import gradual
 from jaxsparse.pruning._schedules import one_shot
@@ -92,6 +93,7 @@ __all__ = [
     "periodic",
     "polynomial_sparsity",
     "reconstruction_error",
+    "refit_layer",
     "rigl_pruner",
     "set_pruner",
     "sparsegpt",
