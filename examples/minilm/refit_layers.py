@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from flax import nnx
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
   token_mask = lambda b: b["attention_mask"]
   cal = pruning.calibrate(model, prune_minilm.batches(tokenizer, cal_text), rules, token_mask=token_mask)
   held = pruning.calibrate(model, prune_minilm.batches(tokenizer, held_text), rules, token_mask=token_mask)
-  modules = {".".join(map(str, p)): m for p, m in model.iter_modules()}
+  modules = {".".join(map(str, p)): m for p, m in nnx.iter_modules(model)}
   kernels = {p: np.asarray(modules[p].kernel[...]) for p in cal}
   its = args.iterations
   print(f"calibration {int(next(iter(cal.values())).tokens)} tokens, held-out {int(next(iter(held.values())).tokens)} "

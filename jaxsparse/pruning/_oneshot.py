@@ -2,8 +2,9 @@
 
 :func:`calibrated_prune` (NNX) and :func:`calibrated_prune_linen` calibrate the selected dense layers
 on a few batches (:mod:`jaxsparse.pruning._calibration`), compute each layer's mask (and for
-SparseGPT its updated weights) with the jitted per-layer solvers, write the pruned weights back and
-return the masks, ready for ``jaxsparse.sparsify(model, rules, masks=masks)``.
+SparseGPT its updated weights) with the jitted per-layer solvers, optionally refit the kept weights
+by least squares (:func:`jaxsparse.pruning.refit_layer`; by default after SparseGPT), write the pruned
+weights back and return the masks, ready for ``jaxsparse.sparsify(model, rules, masks=masks)``.
 
 Sequential mode (SparseGPT's, also used by Wanda's reference code): layers are pruned group by group
 (by default one group per transformer block), in the order the model calls them, and each group is
@@ -54,6 +55,7 @@ __all__ = ["CalibratedPruneReport", "LayerPruned", "calibrated_prune", "calibrat
            "wanda"]
 
 METHODS = ("magnitude", "wanda", "sparsegpt")
+SPARSEGPT_REFIT_ITERATIONS = 50  # refit_iterations=None for SparseGPT; examples/minilm/README.md has the measurements
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,9 +69,9 @@ class LayerPruned:
     group: index of the sequential group the layer was pruned in.
     density: fraction of weights kept.
     error: ``||X w - X ŵ|| / ||X w||`` on the layer's calibration inputs (the pruned model's, in
-      sequential mode).
+      sequential mode), after the refit if any.
     tokens: calibration tokens ``X`` has.
-    seconds: wall time of the layer's solve.
+    seconds: wall time of the layer's solve (and refit).
   """
 
   path: str
@@ -119,16 +121,18 @@ def _groups(ordered: Sequence[Layer], sequential: Any) -> list[list[Layer]]:
   return list(groups.values())
 
 
-def _check_options(method: object, damp: object, block_size: object, refit_iterations: object = 0) -> str:
-  if isinstance(refit_iterations, bool) or not isinstance(refit_iterations, numbers.Integral) or refit_iterations < 0:
-    raise ValueError(f"refit_iterations must be an int >= 0 (0: no refit), got refit_iterations={refit_iterations!r}.")
+def _check_options(method: object, damp: object, block_size: object, refit_iterations: object) -> tuple[str, int]:
   if method not in METHODS:
     raise ValueError(f"method must be one of {METHODS}, got method={method!r}.")
+  if refit_iterations is None:
+    refit_iterations = SPARSEGPT_REFIT_ITERATIONS if method == "sparsegpt" else 0
+  if isinstance(refit_iterations, bool) or not isinstance(refit_iterations, numbers.Integral) or refit_iterations < 0:
+    raise ValueError(f"refit_iterations must be None or an int >= 0 (0: no refit), got {refit_iterations=}.")
   if isinstance(damp, bool) or not isinstance(damp, numbers.Real) or not damp >= 0:
     raise ValueError(f"damp must be a float >= 0 (fraction of the mean Hessian diagonal), got damp={damp!r}.")
   if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral) or block_size <= 0:
     raise ValueError(f"block_size must be a positive int, got block_size={block_size!r}.")
-  return method
+  return method, int(refit_iterations)
 
 
 def _progress(total: int, enabled: bool, desc: str) -> tqdm:
@@ -145,7 +149,7 @@ def _solve(method: str, layer: Layer, kernel2: jax.Array, stats: LayerStats | No
     new = jnp.where(mask, kernel2, jnp.zeros((), kernel2.dtype))
   else:
     new, mask = sparsegpt_layer(kernel2, stats.gram, layer.spec, damp=damp, block_size=block_size, path=layer.path)
-  if refit_iterations and stats is not None and stats.gram is not None:
+  if refit_iterations:
     new = refit_layer(kernel2, stats.gram, mask, start=new, damp=damp, iterations=refit_iterations, path=layer.path)
   return new, mask
 
@@ -202,7 +206,7 @@ def calibrated_prune(
     sequential: bool | Callable[[str], Hashable] = True,
     damp: float = 0.01,
     block_size: int = 128,
-    refit_iterations: int = 0,
+    refit_iterations: int | None = None,
     call: Callable[[nnx.Module, Any], Any] | None = None,
     token_mask: Callable[[Any], jax.typing.ArrayLike] | None = None,
     to_sparse: bool = False,
@@ -245,6 +249,12 @@ def calibrated_prune(
       at a time); ``False``: one calibration pass on the dense model for all layers.
     damp: SparseGPT's Hessian damping, a fraction of the mean diagonal.
     block_size: SparseGPT's lazy update batch (input features).
+    refit_iterations: conjugate-gradient iterations of the least-squares refit of each layer's kept
+      weights for its final mask (:func:`refit_layer`, same ``damp``), after the method's solve; 0: no
+      refit. ``None``: 50 for SparseGPT (its greedy updates leave the kept weights short of the
+      optimum for its mask), 0 for Wanda and magnitude (a refit needs ``XᵀX``, which they otherwise
+      do without). On all-MiniLM-L6-v2 (``examples/minilm/README.md``) the refit raises the held-out
+      embedding cosine of SparseGPT 2:4 on the FFN from 0.935 to 0.950 and of Wanda from 0.853 to 0.943.
     call: ``(model, batch) -> output``; default ``model(*batch)``, ``model(**batch)`` or ``model(batch)``.
     token_mask: ``batch -> 0/1 array`` marking the real tokens of a padded batch (see
       :func:`calibrate`); padding is left out of the statistics.
@@ -264,9 +274,12 @@ def calibrated_prune(
     ValueError: no batches (Wanda, SparseGPT), a rule that matches no layer, a structure that does
       not fit a layer, a layer the model never calls, a Hessian that is not positive definite.
   """
-  method = _check_options(method, damp, block_size, refit_iterations)
+  method, refit_iterations = _check_options(method, damp, block_size, refit_iterations)
   if batches is None and method != "magnitude":
     raise ValueError(f"method={method!r} needs calibration batches; got batches=None.")
+  if batches is None and refit_iterations:
+    raise ValueError(f"the refit needs calibration batches (XᵀX); got batches=None with {refit_iterations=}. "
+                     "Pass batches or refit_iterations=0.")
   batches = None if batches is None else check_batches(batches)
   layers = resolve_layers(nnx_candidates(model), rules, what=NNX_LAYERS)
   if not inplace:
@@ -344,7 +357,7 @@ def calibrated_prune_linen(
     sequential: bool | Callable[[str], Hashable] = True,
     damp: float = 0.01,
     block_size: int = 128,
-    refit_iterations: int = 0,
+    refit_iterations: int | None = None,
     apply_kwargs: Mapping[str, Any] | None = None,
     token_mask: Callable[[Any], jax.typing.ArrayLike] | None = None,
     measure_error: bool = True,
@@ -373,7 +386,7 @@ def calibrated_prune_linen(
   Args:
     module: the Linen module (unchanged).
     variables: its variables; the returned copy has the pruned ``params``.
-    rules, batches, method, sequential, damp, block_size, token_mask, measure_error, progress: as
+    rules, batches, method, sequential, damp, block_size, refit_iterations, token_mask, measure_error, progress: as
       :func:`calibrated_prune`, with Linen module paths (``"Dense_0"``).
     apply_kwargs: extra keyword arguments of ``module.apply``.
 
@@ -381,7 +394,7 @@ def calibrated_prune_linen(
     ``(variables, masks, report)``; ``jaxsparse.sparsify_linen(module, variables, rules, x, masks=masks)``
     makes the sparse layers.
   """
-  method = _check_options(method, damp, block_size, refit_iterations)
+  method, refit_iterations = _check_options(method, damp, block_size, refit_iterations)
   if batches is None:
     raise ValueError("calibrated_prune_linen needs calibration batches (they also find the layer calls); "
                      "got batches=None.")
