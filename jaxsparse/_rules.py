@@ -29,7 +29,9 @@ from jaxsparse.formats._specs import Spec
 __all__ = [
     "Probe",
     "Rules",
+    "as_int_tuple",
     "as_numpy_bool",
+    "dense_general_dims",
     "flatten_with_paths",
     "get_module",
     "masks_to_dict",
@@ -184,3 +186,27 @@ def as_numpy_bool(mask: Any, *, name: str) -> np.ndarray:
   if m.dtype != np.bool_:
     raise TypeError(f"{name} must be a boolean array, got dtype {m.dtype}.")
   return m
+
+
+def as_int_tuple(v: int | Sequence[int]) -> tuple[int, ...]:
+  """``v`` (an int or a sequence of ints, as Flax layer fields take them) as a tuple of ints."""
+  return (int(v),) if isinstance(v, (int, np.integer)) else tuple(int(a) for a in v)
+
+
+def dense_general_dims(m: Any, x_shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...], str]:
+  """``(in_dims, features, unsupported)`` of a Linen ``nn.DenseGeneral`` ``m`` called on an input of ``x_shape``.
+
+  ``in_dims`` are the contracted input dims, ``features`` the output dims; ``unsupported`` is why the
+  layer cannot be handled as a 2-D ``(prod(in_dims), prod(features))`` product (empty when it can:
+  trailing contracting axes in order, no batch dims, as in ``nn.MultiHeadDotProductAttention``).
+  """
+  axis, features = as_int_tuple(m.axis), as_int_tuple(m.features)
+  ndim = len(x_shape)
+  in_dims = tuple(int(x_shape[a]) for a in axis)
+  unsupported = ""
+  if as_int_tuple(m.batch_dims) or tuple(a % ndim for a in axis) != tuple(range(ndim - len(axis), ndim)):
+    unsupported = (
+        f"nn.DenseGeneral with axis={m.axis} and batch_dims={m.batch_dims} is not supported; only the trailing "
+        "axes in order as contracting axes and no batch dims (as in nn.MultiHeadDotProductAttention)"
+    )
+  return in_dims, features, unsupported

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxsparse._rules import dense_general_dims
 from jaxsparse._rules import match_rules
 from jaxsparse._rules import resolve_rules
 from jaxsparse._rules import warn_unmatched
@@ -189,23 +190,13 @@ class _Found:
   unsupported: str = ""  # why a rule may not select it
 
 
-def _as_tuple(v: int | Any) -> tuple[int, ...]:
-  return (int(v),) if isinstance(v, (int, np.integer)) else tuple(int(a) for a in v)
-
-
 def _found(m: nn.Module, x: jax.Array) -> _Found:
   kind = _LINEN_KINDS[type(m)]
   spec = jax.ShapeDtypeStruct(x.shape, x.dtype)
   if kind != "general":
     return _Found(kind, m.clone(parent=None), spec, (int(x.shape[-1]),), (int(m.features),))
-  axis, features = _as_tuple(m.axis), _as_tuple(m.features)
-  in_dims = tuple(int(x.shape[a]) for a in axis)
-  unsupported = ""
-  if _as_tuple(m.batch_dims) or tuple(a % x.ndim for a in axis) != tuple(range(x.ndim - len(axis), x.ndim)):
-    unsupported = (
-        f"nn.DenseGeneral with axis={m.axis} and batch_dims={m.batch_dims} is not supported; only the trailing "
-        "axes in order as contracting axes and no batch_dims (as in nn.MultiHeadDotProductAttention)."
-    )
+  in_dims, features, unsupported = dense_general_dims(m, x.shape)
+  unsupported = unsupported and unsupported + "."
   return _Found(kind, m.clone(parent=None), spec, in_dims, features, unsupported)
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Callable
 from collections.abc import Mapping
 from collections.abc import Sequence
@@ -31,6 +32,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxsparse._rules import Probe
+from jaxsparse._rules import as_int_tuple
+from jaxsparse._rules import dense_general_dims
 from jaxsparse._rules import get_module
 from jaxsparse._rules import match_rules
 from jaxsparse._rules import replace_module
@@ -61,6 +64,24 @@ class LayerStats(NamedTuple):
   sq_norms: jax.Array
   gram: jax.Array | None
   tokens: jax.Array
+
+
+def check_damp(damp: Any) -> float:
+  """``damp`` as a float; raises unless it is a real number ``>= 0``."""
+  if isinstance(damp, bool) or not isinstance(damp, numbers.Real) or not damp >= 0:
+    raise ValueError(f"damp must be a float >= 0 (fraction of the mean Hessian diagonal), got damp={damp!r}.")
+  return float(damp)
+
+
+def check_kernel_and_gram(kernel: Any, gram: Any, *, path: str) -> tuple[jax.Array, jax.Array]:
+  """``(kernel, gram)`` as arrays; raises naming ``path`` unless they are ``(K, N)`` and ``(K, K)``."""
+  kernel, gram = jnp.asarray(kernel), jnp.asarray(gram)
+  if kernel.ndim != 2:
+    raise ValueError(f"{path}: kernel must be 2-D (K, N), got shape {kernel.shape}; pass kernel.reshape(K, N).")
+  k = kernel.shape[0]
+  if gram.shape != (k, k):
+    raise ValueError(f"{path}: gram must be (K, K) = {(k, k)} for a kernel of shape {kernel.shape}, got {gram.shape}.")
+  return kernel, gram
 
 
 def check_layer_spec(spec: Any, shape: tuple[int, ...], *, path: str) -> None:
@@ -398,26 +419,17 @@ def _linen_args(batch: Any) -> tuple[tuple, dict]:
 _LINEN_TYPES = (nn.Dense, nn.DenseGeneral, nn.Conv)
 
 
-def _as_tuple(v: int | Sequence[int]) -> tuple[int, ...]:
-  return (int(v),) if isinstance(v, int) else tuple(int(a) for a in v)
-
-
 def _linen_candidate(m: nn.Module, x: jax.Array) -> Candidate:
   """The candidate of a Linen layer called on ``x``: shapes from the input, as the layer makes them."""
   key = tuple(m.path)
   if type(m) is nn.Dense:
     return Candidate(key, (int(x.shape[-1]), int(m.features)), 1)
   if type(m) is nn.Conv:
-    size = _as_tuple(m.kernel_size)
+    size = as_int_tuple(m.kernel_size)
     cin = int(x.shape[-1])
     return _conv_candidate(key, m, (*size, cin // max(int(m.feature_group_count), 1), int(m.features)), "nn.Conv")
-  axis, features = _as_tuple(m.axis), _as_tuple(m.features)
-  shape = tuple(int(x.shape[a]) for a in axis) + features
-  if _as_tuple(m.batch_dims) or tuple(a % x.ndim for a in axis) != tuple(range(x.ndim - len(axis), x.ndim)):
-    return Candidate(key, shape, len(axis), unsupported=(
-        f"nn.DenseGeneral with axis={m.axis} and batch_dims={m.batch_dims} is not supported; only the trailing "
-        "axes in order as contracting axes and no batch dims (as in nn.MultiHeadDotProductAttention)"))
-  return Candidate(key, shape, len(axis))
+  in_dims, features, unsupported = dense_general_dims(m, x.shape)
+  return Candidate(key, in_dims + features, len(in_dims), unsupported=unsupported or None)
 
 
 def linen_candidates(module: nn.Module, variables: Mapping, batch: Any, apply_kwargs: Mapping) -> list[Candidate]:

@@ -38,6 +38,7 @@ from jaxsparse.pruning._calibration import NNX_LAYERS
 from jaxsparse.pruning._calibration import Layer
 from jaxsparse.pruning._calibration import LayerStats
 from jaxsparse.pruning._calibration import check_batches
+from jaxsparse.pruning._calibration import check_damp
 from jaxsparse.pruning._calibration import default_call
 from jaxsparse.pruning._calibration import linen_candidates
 from jaxsparse.pruning._calibration import linen_layer_stats
@@ -128,8 +129,7 @@ def _check_options(method: object, damp: object, block_size: object, refit_itera
     refit_iterations = SPARSEGPT_REFIT_ITERATIONS if method == "sparsegpt" else 0
   if isinstance(refit_iterations, bool) or not isinstance(refit_iterations, numbers.Integral) or refit_iterations < 0:
     raise ValueError(f"refit_iterations must be None or an int >= 0 (0: no refit), got {refit_iterations=}.")
-  if isinstance(damp, bool) or not isinstance(damp, numbers.Real) or not damp >= 0:
-    raise ValueError(f"damp must be a float >= 0 (fraction of the mean Hessian diagonal), got damp={damp!r}.")
+  check_damp(damp)
   if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral) or block_size <= 0:
     raise ValueError(f"block_size must be a positive int, got block_size={block_size!r}.")
   return method, int(refit_iterations)

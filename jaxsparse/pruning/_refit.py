@@ -17,12 +17,13 @@ References:
 from __future__ import annotations
 
 import functools
-import numbers
 
 import jax
 import jax.numpy as jnp
 
 from jaxsparse import _utils
+from jaxsparse.pruning._calibration import check_damp
+from jaxsparse.pruning._calibration import check_kernel_and_gram
 
 __all__ = ["refit_layer"]
 
@@ -69,23 +70,17 @@ def refit_layer(
     float32 with ``HIGHEST`` precision products). Each output's reconstruction error on ``gram`` is
     never above ``start``'s.
   """
-  kernel = jnp.asarray(kernel)
-  gram = jnp.asarray(gram)
+  kernel, gram = check_kernel_and_gram(kernel, gram, path=path)
   mask = jnp.asarray(mask)
-  if kernel.ndim != 2:
-    raise ValueError(f"{path}: kernel must be 2-D (K, N), got shape {kernel.shape}; pass kernel.reshape(K, N).")
   k, n = kernel.shape
-  if gram.shape != (k, k):
-    raise ValueError(f"{path}: gram must be (K, K) = {(k, k)} for a kernel of shape {kernel.shape}, got {gram.shape}.")
   if mask.shape != (k, n) or mask.dtype != jnp.bool_:
     raise ValueError(f"{path}: mask must be a bool array of shape {(k, n)}, got {mask.dtype} {mask.shape}.")
   start = kernel * mask if start is None else jnp.asarray(start)
   if start.shape != (k, n):
     raise ValueError(f"{path}: start must have the kernel's shape {(k, n)}, got {start.shape}.")
-  if isinstance(damp, bool) or not isinstance(damp, numbers.Real) or not damp >= 0:
-    raise ValueError(f"damp must be a float >= 0 (fraction of the mean Hessian diagonal), got damp={damp!r}.")
+  damp = check_damp(damp)
   iterations = _utils.check_positive_int(iterations, name="iterations")
-  return _refit(kernel, gram, mask, start, float(damp), iterations).astype(kernel.dtype)
+  return _refit(kernel, gram, mask, start, damp, iterations).astype(kernel.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("iterations",))

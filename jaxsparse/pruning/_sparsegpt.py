@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import numbers
 from typing import Any
 from typing import NamedTuple
 
@@ -39,6 +38,8 @@ from jaxsparse import _utils
 from jaxsparse.formats._specs import NM
 from jaxsparse.formats._specs import BlockSparse
 from jaxsparse.formats._specs import Unstructured
+from jaxsparse.pruning._calibration import check_damp
+from jaxsparse.pruning._calibration import check_kernel_and_gram
 from jaxsparse.pruning._calibration import check_layer_spec
 from jaxsparse.pruning._select import keep_largest
 from jaxsparse.pruning._select import keep_largest_in_groups
@@ -120,16 +121,10 @@ def sparsegpt_layer(
 
 def solve_inputs(kernel, gram, spec, *, damp: float, block_size: int, mask=None, path: str = "kernel"):
   """Checks :func:`sparsegpt_layer`'s arguments; returns ``(args, static)`` of its jitted solve ``_solve``."""
-  kernel = jnp.asarray(kernel)
-  gram = jnp.asarray(gram)
-  if kernel.ndim != 2:
-    raise ValueError(f"{path}: kernel must be 2-D (K, N), got shape {kernel.shape}; pass kernel.reshape(K, N).")
+  kernel, gram = check_kernel_and_gram(kernel, gram, path=path)
   k, n = kernel.shape
-  if gram.shape != (k, k):
-    raise ValueError(f"{path}: gram must be (K, K) = {(k, k)} for a kernel of shape {kernel.shape}, got {gram.shape}.")
   check_layer_spec(spec, (k, n), path=path)
-  if isinstance(damp, bool) or not isinstance(damp, numbers.Real) or not damp >= 0:
-    raise ValueError(f"damp must be a float >= 0 (fraction of the mean Hessian diagonal), got damp={damp!r}.")
+  damp = check_damp(damp)
   block_size = _utils.check_positive_int(block_size, name="block_size")
   if isinstance(spec, NM) and block_size % spec.m:
     raise ValueError(f"block_size={block_size} must be a multiple of m={spec.m} for N:M sparsity.")
