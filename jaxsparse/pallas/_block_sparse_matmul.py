@@ -231,8 +231,9 @@ def _dsd_grouped_kernel(offsets_ref, rows_ref, blocks_ref, x_ref, data_ref, y_re
   num_sub = cfg.group_cols
 
   def kept_blocks(t):
+    """Whether entry ``t`` keeps a block in each sub-column, and its position (0 where not kept)."""
     blocks = [blocks_ref[t * num_sub + s] for s in range(num_sub)]
-    return blocks, [b >= 0 for b in blocks], [jnp.maximum(b, 0) for b in blocks]
+    return [b >= 0 for b in blocks], [jnp.maximum(b, 0) for b in blocks]
 
   def x_slab(t):
     return x_ref[:, pl.ds(pl.multiple_of(rows_ref[t] * bk, bk), bk)]
@@ -247,7 +248,7 @@ def _dsd_grouped_kernel(offsets_ref, rows_ref, blocks_ref, x_ref, data_ref, y_re
     row = lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
 
     def step(t, acc):
-      _, valid, safe = kept_blocks(t)
+      valid, safe = kept_blocks(t)
       block, mask = jnp.zeros((1, width), jnp.int32), jnp.zeros((1, width), jnp.bool_)
       for s in range(num_sub):
         block = jnp.where(sub == s, safe[s], block)
@@ -261,9 +262,9 @@ def _dsd_grouped_kernel(offsets_ref, rows_ref, blocks_ref, x_ref, data_ref, y_re
 
   def step(t, accs):
     xs = x_slab(t)
-    _, valid, safe = kept_blocks(t)
+    valid, safe = kept_blocks(t)
     out = []
-    for acc, ok, b in zip(accs, valid, safe):
+    for acc, ok, b in zip(accs, valid, safe, strict=True):
       if cfg.grouped_variant == "cond":
         acc = lax.cond(ok, lambda acc, b=b: acc + dot(xs, data_ref[b], ((1,), (0,))), lambda acc: acc, acc)
       else:  # "masked": the dot runs on zeros where the block is not kept.
