@@ -462,7 +462,7 @@ def grouped_name(v: KernelConfig) -> str:
   return f"G={v.group_cols} {v.grouped_variant} bm={v.block_m} w={v.num_warps} s={v.num_stages} gm={v.group_m}"
 
 
-def grouped_sweep(iterations: int, blocks=(32, 64), densities=(0.25, 0.5), deadline_s: float = 240.0) -> list[str]:
+def grouped_sweep(iterations: int, blocks=(32, 64), densities=(0.25, 0.5), deadline_s: float = 200.0) -> list[str]:
   """The grouped-column forward (issue 12) at M = 8192, K = N = 4096, bf16: every variant of
   ``grouped_variants`` at the first density, the four fastest at the others, against dense, the
   default dispatch and the plain Triton kernel; relative errors against a float32 dense product.
