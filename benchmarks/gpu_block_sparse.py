@@ -431,30 +431,28 @@ def decode_sweep(iterations: int) -> list[str]:
   return lines
 
 
-def grouped_variants(b: int) -> list[KernelConfig]:
-  """Grouped-column forward tilings screened at d = 0.25 (``KernelConfig.group_cols``): the slab
-  variant over tile shapes, the per-column variants at the usual 128-row tile."""
+# (block_m, num_warps, num_stages) of the one-dot grouped variants ("slab", "packed").
+GROUPED_SLAB_TILES = [(64, 4, 3), (128, 4, 3), (128, 4, 4), (128, 8, 3), (128, 8, 4), (256, 8, 3)]
+
+
+def grouped_variants(b: int, kinds=("slab", "cond", "masked", "packed")) -> list[KernelConfig]:
+  """Grouped-column forward tilings screened at d = 0.25 (``KernelConfig.group_cols``): the one-dot
+  variants over tile shapes, the per-column ones at the usual 128-row tile."""
   out = []
   for g in (2, 4, 8):
-    if g * b > 256:
-      continue
     width = g * b
-    for bm in (64, 128, 256):
-      for warps in (4, 8):
-        for stages in (2, 3, 4):
-          # The pipelined x and W slabs of a stage must fit shared memory; a (bm, width) float32
-          # accumulator of 256 x 256 does not fit the registers.
-          if stages * (bm * b + b * width) * 2 > 200 * 1024 or bm * width > 256 * 128:
-            continue
-          if (g == 2 and b == 32) or (bm == 256 and (warps, stages) != (8, 3)) or (bm == 64 and warps == 8):
-            continue  # a 64-wide slab is the plain kernel's shape; big tiles want 8 warps
-          if b == 64 and stages == 4:
-            continue
-          out.append(KernelConfig(bm, num_warps=warps, num_stages=stages, group_cols=g))
-    if g <= 4:
-      for variant in ("cond", "masked"):
+    if width > 256:
+      continue
+    for kind in kinds:
+      if kind in ("slab", "packed"):
+        for bm, warps, stages in GROUPED_SLAB_TILES:
+          # The pipelined x and W slabs must fit shared memory, the float32 accumulator at most
+          # 128 registers a thread.
+          if stages * (bm * b + b * width) * 2 <= 200 * 1024 and bm * width <= 4096 * warps:
+            out.append(KernelConfig(bm, num_warps=warps, num_stages=stages, group_cols=g, grouped_variant=kind))
+      elif g <= 4:
         for warps in (4, 8):
-          out.append(KernelConfig(128, num_warps=warps, num_stages=3, group_cols=g, grouped_variant=variant))
+          out.append(KernelConfig(128, num_warps=warps, num_stages=3, group_cols=g, grouped_variant=kind))
   return out
 
 
@@ -462,13 +460,16 @@ def grouped_name(v: KernelConfig) -> str:
   return f"G={v.group_cols} {v.grouped_variant} bm={v.block_m} w={v.num_warps} s={v.num_stages} gm={v.group_m}"
 
 
-def grouped_sweep(iterations: int, blocks=(32, 64), densities=(0.25, 0.5), deadline_s: float = 200.0) -> list[str]:
+def grouped_sweep(
+    iterations: int, kinds, blocks=(32, 64), densities=(0.25, 0.5), deadline_s: float = 200.0
+) -> list[str]:
   """The grouped-column forward (issue 12) at M = 8192, K = N = 4096, bf16: every variant of
   ``grouped_variants`` at the first density, the four fastest at the others, against dense, the
   default dispatch and the plain Triton kernel; relative errors against a float32 dense product.
   Stops screening new variants after ``deadline_s`` seconds (the compiles dominate) and prints the
   table."""
   from jaxsparse.pallas._block_sparse_matmul import column_groups  # noqa: PLC0415
+  from jaxsparse.pallas._block_sparse_matmul import pack_column_groups  # noqa: PLC0415
 
   lines, rows, t0 = [], [], time.time()
 
@@ -491,7 +492,7 @@ def grouped_sweep(iterations: int, blocks=(32, 64), densities=(0.25, 0.5), deadl
       if b in screened:
         variants = [v for _, v in sorted(screened[b], key=lambda r: r[0])[:4]]
       else:
-        variants = grouped_variants(b)
+        variants = grouped_variants(b, kinds)
       named = [("default", default), ("triton", triton)]
       named += [(grouped_name(v), dataclasses.replace(triton, forward=v)) for v in variants]
       for name, cfg in named:
@@ -509,9 +510,11 @@ def grouped_sweep(iterations: int, blocks=(32, 64), densities=(0.25, 0.5), deadl
         if name not in ("default", "triton") and d == densities[0]:
           screened.setdefault(b, []).append((t, cfg.forward))
         note(f"b={b} d={d} {t:.4f} ms ({t / t_dense:.2f}) err {err:.1e} {name} [{time.time() - t0:.0f} s]")
-      # The pattern's column groups alone (in the timed forward above): cacheable per pattern.
+      # Parts of the timed grouped forwards above: the pattern's column groups (cacheable per
+      # pattern) and the "packed" variant's copy of the slabs (per weight).
       t_idx = time_ms(lambda w: column_groups(w, 4), w, iterations=iterations)
-      note(f"b={b} d={d} column_groups(w, 4) alone: {t_idx:.4f} ms")
+      t_pack = time_ms(lambda w: pack_column_groups(w.data, column_groups(w, 4)[2], 4), w, iterations=iterations)
+      note(f"b={b} d={d} alone: column_groups(w, 4) {t_idx:.4f} ms, with the packed slabs {t_pack:.4f} ms")
   out = ["", f"| block | d | forward | ms | / dense ({t_dense:.4f} ms) | max rel err |", "|---|---|---|---|---|---|"]
   for b in blocks:
     for d in densities:
@@ -652,6 +655,7 @@ def main(argv=None):
   p.add_argument("--dw-sweep", action="store_true", help="time Mosaic sampled xᵀdY variants against Triton first")
   p.add_argument("--decode-sweep", action="store_true", help="time decode (M <= 64) variants first")
   p.add_argument("--grouped-sweep", action="store_true", help="time the grouped-column forward variants first")
+  p.add_argument("--grouped-variants", default="slab,cond,masked,packed", help="grouped_variant values of that sweep")
   p.add_argument("--out", default=None, help="also write the table (markdown) here")
   args = p.parse_args(argv)
 
@@ -679,7 +683,7 @@ def main(argv=None):
   if args.decode_sweep:
     sweep_lines += decode_sweep(args.iterations)
   if args.grouped_sweep:
-    sweep_lines += grouped_sweep(args.iterations)
+    sweep_lines += grouped_sweep(args.iterations, args.grouped_variants.split(","))
   t0 = time.time()
   if args.sweep:
     best, best_decode, sweep_lines = sweep(args.iterations)

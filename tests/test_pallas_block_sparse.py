@@ -166,6 +166,8 @@ GROUPED_CASES = [
     ((64, 32), 4, "slab", jnp.bfloat16),
     ((64, 32), 2, "cond", jnp.float32),
     ((16, 16), 8, "slab", jnp.float32),
+    ((32, 32), 4, "packed", jnp.float32),
+    ((64, 32), 2, "packed", jnp.bfloat16),
 ]
 
 
@@ -488,6 +490,8 @@ def test_gpu_sub_column_configs(m, block_shape, sub_cols, split, dtype):
         ((64, 64), 2, "cond", jnp.float32, None),
         ((32, 64), 2, "masked", jnp.bfloat16, None),
         ((64, 32), 4, "slab", jnp.float32, lax.Precision.HIGHEST),
+        ((32, 32), 4, "packed", jnp.bfloat16, None),
+        ((64, 32), 2, "packed", jnp.float16, None),
     ],
 )
 def test_gpu_grouped_columns(block_shape, group_cols, variant, dtype, precision):

@@ -50,7 +50,7 @@ def mosaic_unavailable_reason() -> str:
 
 
 # How a program of several block columns (KernelConfig.group_cols) multiplies by their kept blocks.
-GROUPED_VARIANTS = ("slab", "cond", "masked")
+GROUPED_VARIANTS = ("slab", "cond", "masked", "packed")
 
 # Programs wanted in flight at once: two per streaming multiprocessor of an H100 or H200 (132 of them).
 _TARGET_PROGRAMS = 264
@@ -90,7 +90,8 @@ class KernelConfig:
       its block row: ``"slab"`` loads the ``group_cols`` blocks (zeros where not kept, without
       reading memory) as one ``(bk, group_cols * bn)`` slab and runs one dot; ``"cond"`` keeps an
       accumulator per block column and runs a ``(block_m, bk) x (bk, bn)`` dot only for kept blocks;
-      ``"masked"`` does the same dots unconditionally on masked (zero) loads.
+      ``"masked"`` does the same dots unconditionally on masked (zero) loads; ``"packed"`` copies
+      the slabs (zeros included) into one array before the kernel, which then reads them whole.
   """
 
   block_m: int

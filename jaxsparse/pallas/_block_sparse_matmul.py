@@ -218,16 +218,17 @@ def _dsd_kernel(
   y_ref[...] = acc.astype(y_ref.dtype)
 
 
-def _dsd_grouped_kernel(offsets_ref, rows_ref, blocks_ref, x_ref, data_ref, y_ref, *, num_m, num_g, cfg, dot):
+def _dsd_grouped_kernel(offsets_ref, rows_ref, blocks_ref, x_ref, data_ref, y_ref, *, num_m, num_g, bn, cfg, dot):
   """``y[m tile, group g] = sum over block rows i of group g: x[m tile, i] @ [data[(i, j)] for j in g]``.
 
   Group ``g`` owns ``cfg.group_cols`` (``G``) consecutive block columns. Entries
   ``offsets[g]:offsets[g + 1]`` of ``rows_ref`` are the block rows with a kept block in any of
   them, ascending; ``blocks_ref[t * G + s]`` is the position in ``data`` of entry ``t``'s block in
   sub-column ``s``, or -1. Each step loads its ``x`` slab once and multiplies it by the kept blocks.
+  With ``"packed"`` ``data_ref`` holds instead entry ``t``'s ``(bk, G * bn)`` slab at ``t``.
   """
   _, g = grouped_tile(pl.program_id(0), num_m, num_g, cfg.group_m)
-  _, bk, bn = data_ref.shape
+  bk = data_ref.shape[1]
   num_sub = cfg.group_cols
 
   def kept_blocks(t):
@@ -237,6 +238,15 @@ def _dsd_grouped_kernel(offsets_ref, rows_ref, blocks_ref, x_ref, data_ref, y_re
 
   def x_slab(t):
     return x_ref[:, pl.ds(pl.multiple_of(rows_ref[t] * bk, bk), bk)]
+
+  if cfg.grouped_variant == "packed":
+
+    def step(t, acc):
+      return acc + dot(x_slab(t), data_ref[t], ((1,), (0,)))
+
+    acc = lax.fori_loop(offsets_ref[g], offsets_ref[g + 1], step, jnp.zeros(y_ref.shape, jnp.float32))
+    y_ref[...] = acc.astype(y_ref.dtype)
+    return
 
   if cfg.grouped_variant == "slab":
     # One (bk, G * bn) slab of W, read through a pointer per element: a block that is not kept is
@@ -380,6 +390,16 @@ def column_groups(w: BlockSparseMatrix, group_cols: int) -> tuple[jax.Array, jax
   return offsets, rows, blocks.reshape(-1)
 
 
+def pack_column_groups(data: jax.Array, blocks: jax.Array, group_cols: int) -> jax.Array:
+  """``(nnz, bk, group_cols * bn)``: each union entry's blocks side by side, zeros where not kept
+  (``blocks`` from :func:`column_groups`; entries past the union count are all zeros). ``group_cols``
+  times the size of ``data``."""
+  nnz, bk, bn = data.shape
+  slot = blocks.reshape(-1, group_cols)
+  slabs = jnp.where((slot >= 0)[:, :, None, None], data[jnp.maximum(slot, 0)], 0)
+  return slabs.transpose(0, 2, 1, 3).reshape(nnz, bk, group_cols * bn)
+
+
 def _forward_grouped(x2, w, *, compute_dtype, out_dtype, precision, cfg: KernelConfig, interpret, groups=None):
   """The forward with programs of ``cfg.group_cols`` block columns (``groups``: :func:`column_groups`)."""
   m, n = x2.shape[0], w.shape[1]
@@ -389,10 +409,12 @@ def _forward_grouped(x2, w, *, compute_dtype, out_dtype, precision, cfg: KernelC
   num_m, num_g = xp.shape[0] // cfg.block_m, pl.cdiv(nb, cfg.group_cols)
   width = cfg.group_cols * bn
   tile = functools.partial(grouped_tile, num_m=num_m, num_n=num_g, group_m=cfg.group_m)
+  data = pack_column_groups(w.data, blocks, cfg.group_cols) if cfg.grouped_variant == "packed" else w.data
   kernel = functools.partial(
       _dsd_grouped_kernel,
       num_m=num_m,
       num_g=num_g,
+      bn=bn,
       cfg=cfg,
       dot=functools.partial(dot, compute_dtype=compute_dtype, precision=precision),
   )
@@ -406,13 +428,13 @@ def _forward_grouped(x2, w, *, compute_dtype, out_dtype, precision, cfg: KernelC
           _whole(rows.shape, 1),
           _whole(blocks.shape, 1),
           pl.BlockSpec((cfg.block_m, xp.shape[1]), lambda p: (tile(p)[0], 0)),
-          _whole(w.data.shape, 1),
+          _whole(data.shape, 1),
       ],
       out_specs=pl.BlockSpec((cfg.block_m, width), tile),
       compiler_params=_params(cfg),
       interpret=interpret,
       name=f"block_sparse_dsd_{bk}x{bn}_cols{cfg.group_cols}_{cfg.grouped_variant}",
-  )(offsets, rows, blocks, xp, w.data)
+  )(offsets, rows, blocks, xp, data)
   return y[:m, :n]
 
 
