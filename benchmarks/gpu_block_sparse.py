@@ -11,8 +11,6 @@ Run on a CUDA GPU (``benchmarks/run_gpu.sh`` runs it on the device machine):
 * ``--torch`` adds ``torch.sparse._triton_ops.bsr_dense_mm`` (forward only) against ``torch.mm``.
 * ``--mosaic-sweep`` times Mosaic GPU (Hopper) forward / dX variants against the Triton kernels at
   M=8192, density 0.25, blocks 64 and 128, and the Mosaic forward at decode (M=16).
-* ``--grouped-sweep`` times the grouped-column forward (``KernelConfig.group_cols``: programs of
-  several block columns that load each ``x`` slab once) at M=8192, blocks 32 and 64, d=0.25 / 0.5.
 
 On Hopper the default configs run the forward and dX of blocks 64 / 128 at M >= 1024 on the Mosaic GPU
 kernel; the table's "Triton-only" column times the same products with the Triton kernels.
@@ -431,103 +429,6 @@ def decode_sweep(iterations: int) -> list[str]:
   return lines
 
 
-# (block_m, num_warps, num_stages) of the one-dot grouped variants ("slab", "packed").
-GROUPED_SLAB_TILES = [(64, 4, 3), (128, 4, 3), (128, 4, 4), (128, 8, 3), (128, 8, 4), (256, 8, 3)]
-
-
-def grouped_variants(b: int, kinds=("slab", "cond", "masked", "packed")) -> list[KernelConfig]:
-  """Grouped-column forward tilings screened at d = 0.25 (``KernelConfig.group_cols``): the one-dot
-  variants over tile shapes, the per-column ones at the usual 128-row tile."""
-  out = []
-  for g in (2, 4, 8):
-    width = g * b
-    if width > 256:
-      continue
-    for kind in kinds:
-      if kind in ("slab", "packed"):
-        for bm, warps, stages in GROUPED_SLAB_TILES:
-          # The pipelined x and W slabs must fit shared memory, the float32 accumulator at most
-          # 128 registers a thread.
-          if stages * (bm * b + b * width) * 2 <= 200 * 1024 and bm * width <= 4096 * warps:
-            out.append(KernelConfig(bm, num_warps=warps, num_stages=stages, group_cols=g, grouped_variant=kind))
-      elif g <= 4:
-        for warps in (4, 8):
-          out.append(KernelConfig(128, num_warps=warps, num_stages=3, group_cols=g, grouped_variant=kind))
-  return out
-
-
-def grouped_name(v: KernelConfig) -> str:
-  return f"G={v.group_cols} {v.grouped_variant} bm={v.block_m} w={v.num_warps} s={v.num_stages} gm={v.group_m}"
-
-
-def grouped_sweep(
-    iterations: int, kinds, blocks=(32, 64), densities=(0.25, 0.5), deadline_s: float = 200.0
-) -> list[str]:
-  """The grouped-column forward (issue 12) at M = 8192, K = N = 4096, bf16: every variant of
-  ``grouped_variants`` at the first density, the four fastest at the others, against dense, the
-  default dispatch and the plain Triton kernel; relative errors against a float32 dense product.
-  Stops screening new variants after ``deadline_s`` seconds (the compiles dominate) and prints the
-  table."""
-  from jaxsparse.pallas._block_sparse_matmul import column_groups  # noqa: PLC0415
-  from jaxsparse.pallas._block_sparse_matmul import pack_column_groups  # noqa: PLC0415
-
-  lines, rows, t0 = [], [], time.time()
-
-  def note(line):
-    lines.append(line)
-    log(line)
-
-  m, (k, n) = M_TRAIN, SWEEP_SHAPE
-  x, _, _, _ = problem(m, k, n, 32, 1.0)
-  wd = jax.random.normal(jax.random.key(1), (k, n), jnp.float32).astype(jnp.bfloat16)
-  t_dense = time_ms(lambda x, wd: jnp.dot(x, wd), x, wd, iterations=iterations)
-  note(f"grouped sweep {m}x{(k, n)} bf16: dense fwd {t_dense:.4f} ms")
-  screened: dict[int, list[tuple[float, KernelConfig]]] = {}
-  for d in densities:
-    for b in blocks:
-      x, _, w, _ = problem(m, k, n, b, d, seed=b)
-      y_ref = jnp.dot(x.astype(jnp.float32), w.to_dense().astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
-      default = BlockSparseMatmulConfig.get_default(m, w.shape, w.block_shape, w.nnz_blocks, w.dtype)
-      triton = dataclasses.replace(default, mosaic_forward=None, dense=False)
-      if b in screened:
-        variants = [v for _, v in sorted(screened[b], key=lambda r: r[0])[:4]]
-      else:
-        variants = grouped_variants(b, kinds)
-      named = [("default", default), ("triton", triton)]
-      named += [(grouped_name(v), dataclasses.replace(triton, forward=v)) for v in variants]
-      for name, cfg in named:
-        if d == densities[0] and time.time() - t0 > deadline_s and name not in ("default", "triton"):
-          note(f"b={b} d={d}: deadline, skipping the remaining variants")
-          break
-        f = jax.jit(lambda x, w, cfg=cfg: kernels.forward(x, w, config=cfg))
-        try:
-          err = rel_err(f(x, w), y_ref)
-          t = time_ms(f, x, w, iterations=iterations)
-        except Exception as e:
-          note(f"b={b} d={d} {name}: FAILED {type(e).__name__}: {str(e)[:300]}")
-          continue
-        rows.append((b, d, t, name, err))
-        if name not in ("default", "triton") and d == densities[0]:
-          screened.setdefault(b, []).append((t, cfg.forward))
-        note(f"b={b} d={d} {t:.4f} ms ({t / t_dense:.2f}) err {err:.1e} {name} [{time.time() - t0:.0f} s]")
-      # Parts of the timed grouped forwards above: the pattern's column groups (cacheable per
-      # pattern) and the "packed" variant's copy of the slabs (per weight).
-      t_idx = time_ms(lambda w: column_groups(w, 4), w, iterations=iterations)
-      t_pack = time_ms(lambda w: pack_column_groups(w.data, column_groups(w, 4)[2], 4), w, iterations=iterations)
-      note(f"b={b} d={d} alone: column_groups(w, 4) {t_idx:.4f} ms, with the packed slabs {t_pack:.4f} ms")
-  out = ["", f"| block | d | forward | ms | / dense ({t_dense:.4f} ms) | max rel err |", "|---|---|---|---|---|---|"]
-  for b in blocks:
-    for d in densities:
-      case = sorted((r for r in rows if r[:2] == (b, d)), key=lambda r: r[2])
-      baselines = [r for r in case if r[3] in ("default", "triton")]
-      keep = baselines + [r for r in case if r not in baselines][:6]  # the six fastest grouped ones
-      for _, _, t, name, err in sorted(keep, key=lambda r: r[2]):
-        out.append(f"| {b} | {d} | {name} | {t:.4f} | {t / t_dense:.2f} | {err:.1e} |")
-  for line in out:
-    note(line)
-  return lines
-
-
 # -------------------------------------------------------------------------------------------------
 # torch BSR.
 # -------------------------------------------------------------------------------------------------
@@ -654,8 +555,6 @@ def main(argv=None):
   p.add_argument("--f32-sweep", action="store_true", help="time float32 Mosaic (TF32) against Triton first")
   p.add_argument("--dw-sweep", action="store_true", help="time Mosaic sampled xᵀdY variants against Triton first")
   p.add_argument("--decode-sweep", action="store_true", help="time decode (M <= 64) variants first")
-  p.add_argument("--grouped-sweep", action="store_true", help="time the grouped-column forward variants first")
-  p.add_argument("--grouped-variants", default="slab,cond,masked,packed", help="grouped_variant values of that sweep")
   p.add_argument("--out", default=None, help="also write the table (markdown) here")
   args = p.parse_args(argv)
 
@@ -682,8 +581,6 @@ def main(argv=None):
     sweep_lines += dw_sweep(args.iterations, dtype=jnp.dtype(args.dtype))
   if args.decode_sweep:
     sweep_lines += decode_sweep(args.iterations)
-  if args.grouped_sweep:
-    sweep_lines += grouped_sweep(args.iterations, args.grouped_variants.split(","))
   t0 = time.time()
   if args.sweep:
     best, best_decode, sweep_lines = sweep(args.iterations)

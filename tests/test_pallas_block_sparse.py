@@ -157,65 +157,6 @@ def test_interpret_sub_column_programs(block_shape, sub_cols, split):
   _check_all(x, dy, w, jnp.float32, config=BlockSparseMatmulConfig(cfg, cfg, KernelConfig(16)), interpret=True)
 
 
-GROUPED_CASES = [
-    # (block_shape, group_cols, grouped_variant, dtype); N = 160 or 192 leaves the last group partial.
-    ((32, 32), 2, "slab", jnp.float32),
-    ((32, 32), 4, "cond", jnp.bfloat16),
-    ((32, 32), 4, "masked", jnp.float32),
-    ((32, 64), 2, "masked", jnp.float16),
-    ((64, 32), 4, "slab", jnp.bfloat16),
-    ((64, 32), 2, "cond", jnp.float32),
-    ((16, 16), 8, "slab", jnp.float32),
-    ((32, 32), 4, "packed", jnp.float32),
-    ((64, 32), 2, "packed", jnp.bfloat16),
-]
-
-
-def _grouped_problem(m, k, n, block_shape, group_cols, dtype, seed):
-  """``_problem``'s random pattern (empty block row 0 and block column 1) with the whole second
-  column group empty too."""
-  x, dy, w = _problem(m, k, n, block_shape, "random", dtype, seed=seed)
-  mask = np.array(w.block_mask)
-  mask[:, group_cols : 2 * group_cols] = False
-  w = jaxsparse.BlockSparseMatrix.from_dense(w.to_dense(), block_shape, block_mask=mask)
-  return x, dy, w
-
-
-def _grouped_config(block_m, group_cols, variant, **kw) -> BlockSparseMatmulConfig:
-  fwd = KernelConfig(block_m, group_cols=group_cols, grouped_variant=variant, **kw)
-  return BlockSparseMatmulConfig(fwd, KernelConfig(block_m), KernelConfig(block_m))
-
-
-@pytest.mark.parametrize(("block_shape", "group_cols", "variant", "dtype"), GROUPED_CASES)
-def test_interpret_grouped_columns(block_shape, group_cols, variant, dtype):
-  # Programs of group_cols block columns: M = 40 is not a multiple of the row tile and the last
-  # column group is partial (5, 3 or 10 block columns).
-  n = 192 if block_shape[1] == 64 else 160
-  x, dy, w = _grouped_problem(40, 128, n, block_shape, group_cols, dtype, seed=group_cols)
-  cfg = _grouped_config(16, group_cols, variant, group_m=2)
-  y = jax.jit(functools.partial(kernels.forward, config=cfg, interpret=True))(x, w)
-  assert y.dtype == dtype
-  _assert_close(y, _dense_reference(x, dy, w)[0], dtype, "y")
-
-
-def test_column_groups_index_the_union_of_kept_rows():
-  _, _, w = _grouped_problem(8, 160, 160, (32, 32), 2, jnp.float32, seed=5)
-  offsets, rows, blocks = (np.asarray(a) for a in kernels.column_groups(w, 2))
-  mask, data = np.asarray(w.block_mask), np.asarray(w.data)
-  dense_blocks = np.asarray(w.to_dense()).reshape(5, 32, 5, 32).transpose(0, 2, 1, 3)
-  blocks = blocks.reshape(-1, 2)
-  for g in range(3):  # 5 block columns: groups (0, 1), (2, 3), (4, past the end)
-    cols = mask[:, 2 * g : 2 * g + 2]
-    entries = range(offsets[g], offsets[g + 1])
-    assert rows[entries].tolist() == np.flatnonzero(cols.any(axis=1)).tolist()
-    for t in entries:
-      for s in range(2):
-        b, kept = blocks[t, s], s < cols.shape[1] and cols[rows[t], s]
-        assert (b >= 0) == kept
-        assert not kept or np.array_equal(data[b], dense_blocks[rows[t], 2 * g + s])
-  assert offsets[1] == offsets[2]  # the second group is empty
-
-
 def test_interpret_block_grid_not_a_power_of_two():
   # 5 x 3 blocks: the index windows (8 and 4 entries) are wider than the grid.
   x, dy, w = _problem(24, 160, 96, (32, 32), "random", jnp.float32, seed=2)
@@ -263,12 +204,6 @@ def test_config_validation():
   assert cfg.dx.split > 1 and cfg.dx.sub_cols is None
   with pytest.raises(ValueError, match="sub_cols must be None or a power of two >= 16, got sub_cols=24"):
     KernelConfig(16, sub_cols=24)
-  with pytest.raises(ValueError, match="group_cols must be a power of two >= 1, got group_cols=3"):
-    KernelConfig(16, group_cols=3)
-  with pytest.raises(ValueError, match="group_cols=2 cannot be combined with split=2"):
-    KernelConfig(16, group_cols=2, split=2)
-  with pytest.raises(ValueError, match="grouped_variant must be one of"):
-    KernelConfig(16, group_cols=2, grouped_variant="fast")
 
 
 @pytest.mark.skipif(kernels.available(), reason="checks the CPU-only behaviour")
@@ -476,33 +411,6 @@ def test_gpu_sub_column_configs(m, block_shape, sub_cols, split, dtype):
   x, dy, w = _problem(m, 1024, 768, block_shape, "random", dtype, seed=m + sub_cols)
   cfg = KernelConfig(16, split=split, sub_cols=sub_cols)
   _check_all(x, dy, w, dtype, config=BlockSparseMatmulConfig(cfg, cfg, KernelConfig(16)), interpret=False)
-
-
-@pytest.mark.gpu
-@needs_gpu
-@pytest.mark.parametrize(
-    ("block_shape", "group_cols", "variant", "dtype", "precision"),
-    [
-        ((32, 32), 8, "slab", jnp.bfloat16, None),
-        ((32, 32), 4, "cond", jnp.bfloat16, None),
-        ((32, 32), 4, "masked", jnp.float16, None),
-        ((64, 64), 4, "slab", jnp.bfloat16, None),
-        ((64, 64), 2, "cond", jnp.float32, None),
-        ((32, 64), 2, "masked", jnp.bfloat16, None),
-        ((64, 32), 4, "slab", jnp.float32, lax.Precision.HIGHEST),
-        ((32, 32), 4, "packed", jnp.bfloat16, None),
-        ((64, 32), 2, "packed", jnp.float16, None),
-    ],
-)
-def test_gpu_grouped_columns(block_shape, group_cols, variant, dtype, precision):
-  # As test_interpret_grouped_columns, compiled: M = 300 is not a multiple of the row tile, the last
-  # column group is partial (N = 640) and the second one empty.
-  x, dy, w = _grouped_problem(300, 512, 640, block_shape, group_cols, dtype, seed=group_cols)
-  cfg = _grouped_config(64, group_cols, variant)
-  y = jax.jit(functools.partial(kernels.forward, config=cfg, precision=precision))(x, w)
-  assert y.dtype == dtype
-  rtol = RTOL_TF32 if dtype == jnp.float32 and precision is None else RTOL[dtype]
-  _assert_close(y, _dense_reference(x, dy, w)[0], dtype, "y", rtol)
 
 
 @pytest.mark.gpu

@@ -49,9 +49,6 @@ def mosaic_unavailable_reason() -> str:
 
 
 
-# How a program of several block columns (KernelConfig.group_cols) multiplies by their kept blocks.
-GROUPED_VARIANTS = ("slab", "cond", "masked", "packed")
-
 # Programs wanted in flight at once: two per streaming multiprocessor of an H100 or H200 (132 of them).
 _TARGET_PROGRAMS = 264
 
@@ -81,17 +78,6 @@ class KernelConfig:
       in the forward, of ``bk`` in ``dx``), so that a block column feeds ``bn // sub_cols``
       programs without a reduction afterwards; ``None`` for the whole block. For decode, where
       there are too few block columns to fill the GPU. A power of two >= 16.
-    group_cols: forward only: with ``group_cols > 1`` a program owns ``group_cols`` consecutive
-      block columns (a ``(block_m, group_cols * bn)`` output tile) and walks the union of their kept
-      block rows, so that it loads each ``x`` slab once for all of them: small ``bn`` otherwise
-      re-reads ``x`` from L2 once per block column. A power of two; not with ``split`` or
-      ``sub_cols``.
-    grouped_variant: how a ``group_cols`` program multiplies an ``x`` slab by the kept blocks of
-      its block row: ``"slab"`` loads the ``group_cols`` blocks (zeros where not kept, without
-      reading memory) as one ``(bk, group_cols * bn)`` slab and runs one dot; ``"cond"`` keeps an
-      accumulator per block column and runs a ``(block_m, bk) x (bk, bn)`` dot only for kept blocks;
-      ``"masked"`` does the same dots unconditionally on masked (zero) loads; ``"packed"`` copies
-      the slabs (zeros included) into one array before the kernel, which then reads them whole.
   """
 
   block_m: int
@@ -101,8 +87,6 @@ class KernelConfig:
   split: int = 1
   index_window: bool = True
   sub_cols: int | None = None
-  group_cols: int = 1
-  grouped_variant: str = "slab"
 
   def __post_init__(self):
     bm = self.block_m
@@ -114,15 +98,6 @@ class KernelConfig:
     for name in ("num_warps", "num_stages", "group_m", "split"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {name}={getattr(self, name)}.")
-    gc = self.group_cols
-    if gc < 1 or gc & (gc - 1):
-      raise ValueError(f"group_cols must be a power of two >= 1, got group_cols={gc}.")
-    if gc > 1 and (self.split > 1 or sc is not None):
-      raise ValueError(
-          f"group_cols={gc} cannot be combined with split={self.split} or sub_cols={sc}; set them to 1 / None."
-      )
-    if self.grouped_variant not in GROUPED_VARIANTS:
-      raise ValueError(f"grouped_variant must be one of {GROUPED_VARIANTS}, got {self.grouped_variant!r}.")
 
 
 @dataclasses.dataclass(frozen=True)

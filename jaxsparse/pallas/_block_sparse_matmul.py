@@ -218,77 +218,6 @@ def _dsd_kernel(
   y_ref[...] = acc.astype(y_ref.dtype)
 
 
-def _dsd_grouped_kernel(offsets_ref, rows_ref, blocks_ref, x_ref, data_ref, y_ref, *, num_m, num_g, bn, cfg, dot):
-  """``y[m tile, group g] = sum over block rows i of group g: x[m tile, i] @ [data[(i, j)] for j in g]``.
-
-  Group ``g`` owns ``cfg.group_cols`` (``G``) consecutive block columns. Entries
-  ``offsets[g]:offsets[g + 1]`` of ``rows_ref`` are the block rows with a kept block in any of
-  them, ascending; ``blocks_ref[t * G + s]`` is the position in ``data`` of entry ``t``'s block in
-  sub-column ``s``, or -1. Each step loads its ``x`` slab once and multiplies it by the kept blocks.
-  With ``"packed"`` ``data_ref`` holds instead entry ``t``'s ``(bk, G * bn)`` slab at ``t``.
-  """
-  _, g = grouped_tile(pl.program_id(0), num_m, num_g, cfg.group_m)
-  bk = data_ref.shape[1]
-  num_sub = cfg.group_cols
-
-  def kept_blocks(t):
-    """Whether entry ``t`` keeps a block in each sub-column, and its position (0 where not kept)."""
-    blocks = [blocks_ref[t * num_sub + s] for s in range(num_sub)]
-    return [b >= 0 for b in blocks], [jnp.maximum(b, 0) for b in blocks]
-
-  def x_slab(t):
-    return x_ref[:, pl.ds(pl.multiple_of(rows_ref[t] * bk, bk), bk)]
-
-  if cfg.grouped_variant == "packed":
-
-    def step(t, acc):
-      return acc + dot(x_slab(t), data_ref[t], ((1,), (0,)))
-
-    acc = lax.fori_loop(offsets_ref[g], offsets_ref[g + 1], step, jnp.zeros(y_ref.shape, jnp.float32))
-    y_ref[...] = acc.astype(y_ref.dtype)
-    return
-
-  if cfg.grouped_variant == "slab":
-    # One (bk, G * bn) slab of W, read through a pointer per element: a block that is not kept is
-    # masked (zeros, no memory traffic), so one dot covers all G block columns.
-    # The block index and mask are per column: (1, G * bn) vectors broadcast over the bk rows.
-    width = num_sub * bn
-    sub = lax.broadcasted_iota(jnp.int32, (1, width), 1) // bn
-    col = lax.broadcasted_iota(jnp.int32, (1, width), 1) % bn
-    row = lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
-
-    def step(t, acc):
-      valid, safe = kept_blocks(t)
-      block, mask = jnp.zeros((1, width), jnp.int32), jnp.zeros((1, width), jnp.bool_)
-      for s in range(num_sub):
-        block = jnp.where(sub == s, safe[s], block)
-        mask = jnp.where(sub == s, valid[s], mask)
-      w = pltriton.load(data_ref.at[block, row, col], mask=jnp.broadcast_to(mask, (bk, width)), other=0)
-      return acc + dot(x_slab(t), w, ((1,), (0,)))
-
-    acc = lax.fori_loop(offsets_ref[g], offsets_ref[g + 1], step, jnp.zeros(y_ref.shape, jnp.float32))
-    y_ref[...] = acc.astype(y_ref.dtype)
-    return
-
-  def step(t, accs):
-    xs = x_slab(t)
-    valid, safe = kept_blocks(t)
-    out = []
-    for acc, ok, b in zip(accs, valid, safe, strict=True):
-      if cfg.grouped_variant == "cond":
-        acc = lax.cond(ok, lambda acc, b=b: acc + dot(xs, data_ref[b], ((1,), (0,))), lambda acc: acc, acc)
-      else:  # "masked": the dot runs on zeros where the block is not kept.
-        w = pltriton.load(data_ref.at[b], mask=jnp.full((bk, bn), ok), other=0)
-        acc = acc + dot(xs, w, ((1,), (0,)))
-      out.append(acc)
-    return tuple(out)
-
-  accs = tuple(jnp.zeros((y_ref.shape[0], bn), jnp.float32) for _ in range(num_sub))
-  accs = lax.fori_loop(offsets_ref[g], offsets_ref[g + 1], step, accs)
-  for s, acc in enumerate(accs):
-    y_ref[:, pl.ds(s * bn, bn)] = acc.astype(y_ref.dtype)
-
-
 def _dst_kernel(offsets_ref, cols_ref, dy_ref, data_ref, dx_ref, *, num_m, num_k, subs, window, cfg, dot):
   """``dx[m tile, i] = sum over kept (i, j): dy[m tile, j] @ data[(i, j)]ᵀ`` (``bk // subs`` columns
   of block row ``i`` per program, as in :func:`_dsd_kernel`)."""
@@ -362,82 +291,6 @@ def _config_for(config, x2, w) -> BlockSparseMatmulConfig:
   return BlockSparseMatmulConfig.get_default(x2.shape[0], w.shape, w.block_shape, w.nnz_blocks, w.dtype)
 
 
-def column_groups(w: BlockSparseMatrix, group_cols: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """The kept blocks of ``w`` by groups of ``group_cols`` consecutive block columns.
-
-  Plain ``jnp`` on the index arrays (a few small kernels; the same for every product with this
-  pattern).
-
-  Returns:
-    ``(offsets, rows, blocks)``: group ``g`` owns entries ``offsets[g]:offsets[g + 1]`` of ``rows``
-    ``(nnz_blocks,)``, the block rows with a kept block in any of its columns, ascending;
-    ``blocks`` ``(nnz_blocks * group_cols,)`` holds at ``t * group_cols + s`` the position in
-    ``w.data`` of entry ``t``'s block in the group's ``s``-th column, or -1. The last group may
-    reach past the last block column (-1 there).
-  """
-  (kb, nb), nnz = w.grid_shape, w.nnz_blocks
-  num_g = pl.cdiv(nb, group_cols)
-  index = jnp.full((kb, num_g * group_cols), -1, jnp.int32)
-  index = index.at[w.row_indices, w.col_indices].set(jnp.arange(nnz, dtype=jnp.int32))
-  index = index.reshape(kb, num_g, group_cols).transpose(1, 0, 2).reshape(num_g * kb, group_cols)
-  kept = jnp.any(index >= 0, axis=1)
-  # Each kept entry goes to its rank among the kept ones (at most nnz of them); the rest are dropped.
-  dest = jnp.where(kept, jnp.cumsum(kept) - 1, nnz)
-  rows = jnp.zeros(nnz, jnp.int32).at[dest].set(jnp.tile(jnp.arange(kb, dtype=jnp.int32), num_g), mode="drop")
-  blocks = jnp.full((nnz, group_cols), -1, jnp.int32).at[dest].set(index, mode="drop")
-  counts = kept.reshape(num_g, kb).sum(axis=1, dtype=jnp.int32)
-  offsets = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(counts, dtype=jnp.int32)])
-  return offsets, rows, blocks.reshape(-1)
-
-
-def pack_column_groups(data: jax.Array, blocks: jax.Array, group_cols: int) -> jax.Array:
-  """``(nnz, bk, group_cols * bn)``: each union entry's blocks side by side, zeros where not kept
-  (``blocks`` from :func:`column_groups`; entries past the union count are all zeros). ``group_cols``
-  times the size of ``data``."""
-  nnz, bk, bn = data.shape
-  slot = blocks.reshape(-1, group_cols)
-  slabs = jnp.where((slot >= 0)[:, :, None, None], data[jnp.maximum(slot, 0)], 0)
-  return slabs.transpose(0, 2, 1, 3).reshape(nnz, bk, group_cols * bn)
-
-
-def _forward_grouped(x2, w, *, compute_dtype, out_dtype, precision, cfg: KernelConfig, interpret, groups=None):
-  """The forward with programs of ``cfg.group_cols`` block columns (``groups``: :func:`column_groups`)."""
-  m, n = x2.shape[0], w.shape[1]
-  (bk, bn), (_, nb) = w.block_shape, w.grid_shape
-  offsets, rows, blocks = groups if groups is not None else column_groups(w, cfg.group_cols)
-  xp = _pad_rows(x2, cfg.block_m)
-  num_m, num_g = xp.shape[0] // cfg.block_m, pl.cdiv(nb, cfg.group_cols)
-  width = cfg.group_cols * bn
-  tile = functools.partial(grouped_tile, num_m=num_m, num_n=num_g, group_m=cfg.group_m)
-  data = pack_column_groups(w.data, blocks, cfg.group_cols) if cfg.grouped_variant == "packed" else w.data
-  kernel = functools.partial(
-      _dsd_grouped_kernel,
-      num_m=num_m,
-      num_g=num_g,
-      bn=bn,
-      cfg=cfg,
-      dot=functools.partial(dot, compute_dtype=compute_dtype, precision=precision),
-  )
-  y = pl.pallas_call(
-      kernel,
-      # A partial last group writes whole tiles: pad the columns and slice them off.
-      out_shape=jax.ShapeDtypeStruct((xp.shape[0], num_g * width), out_dtype),
-      grid=(num_m * num_g,),
-      in_specs=[
-          _whole(offsets.shape, 1),
-          _whole(rows.shape, 1),
-          _whole(blocks.shape, 1),
-          pl.BlockSpec((cfg.block_m, xp.shape[1]), lambda p: (tile(p)[0], 0)),
-          _whole(data.shape, 1),
-      ],
-      out_specs=pl.BlockSpec((cfg.block_m, width), tile),
-      compiler_params=_params(cfg),
-      interpret=interpret,
-      name=f"block_sparse_dsd_{bk}x{bn}_cols{cfg.group_cols}_{cfg.grouped_variant}",
-  )(offsets, rows, blocks, xp, data)
-  return y[:m, :n]
-
-
 def forward(
     x2: jax.Array,
     w: BlockSparseMatrix,
@@ -474,10 +327,6 @@ def forward(
   if _use_mosaic(configs.mosaic_forward, x2, w, out_dtype, transpose=False, interpret=interpret, precision=precision):
     return mosaic.dense_sparse_matmul(x2, w, out_dtype=out_dtype, config=configs.mosaic_forward, interpret=interpret)
   cfg = configs.forward
-  if cfg.group_cols > 1:
-    return _forward_grouped(
-        x2, w, compute_dtype=compute_dtype, out_dtype=out_dtype, precision=precision, cfg=cfg, interpret=interpret
-    )
   # The kernel reads `window` entries of these at a time: pad them to that (a no-op unless the
   # pattern is tiny or K // bk is far from a power of two).
   window = pl.next_power_of_2(w.grid_shape[0])
