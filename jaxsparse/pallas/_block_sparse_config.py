@@ -205,6 +205,12 @@ DECODE_SUB_COLS_MIN_BLOCK = 128
 DECODE_SUB_COLS = dict(sub_cols=32, split=1, num_stages=4)
 
 
+# Forward programs spanning G block columns (each x slab loaded once for the union of their kept block
+# rows) measured slower than these for blocks 32 and 64 at d = 0.25 / 0.5 in all four variants tried
+# (best 1.17 / 0.75 of dense against 0.92-0.96 / 0.51-0.53 at d = 0.25; H100, M = 8192): the union of
+# G random block columns holds 1 - (1 - d)^G of the dense MMA work. See
+# benchmarks/results/gpu_grouped_forward_2026-11-23_h100.md.
+
 # Fastest (forward, dx, dw) configs per square block size for bf16 at M = 8192, K = N = 4096,
 # density 0.25, from the sweep of benchmarks/gpu_block_sparse.py on an H200 (2026-11-21; see
 # benchmarks/results/). Used for 16-bit inputs and m >= _TUNED_MIN_M.
