@@ -30,3 +30,12 @@ def test_calibrated_pruning_benchmark_runs(tmp_path):
   assert proc.returncode == 0, proc.stderr[-3000:]
   rows = [r for r in out.read_text().splitlines() if r.startswith("| ") and "method" not in r]
   assert {r.split("|")[3].strip() for r in rows} == {"magnitude", "wanda", "sparsegpt"}, rows
+
+
+def test_ncu_block_sparse_script_runs():
+  cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_ncu_block_sparse.py"), "--m", "64", "--k", "128", "--n", "128",
+         "--blocks", "32,64"]
+  env = {**os.environ, "PYTHONPATH": str(ROOT)}
+  proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert proc.stdout.splitlines() == ["block 32: 4 kept blocks, done", "block 64: 1 kept blocks, done", "dense: done"]
