@@ -180,6 +180,19 @@ def test_interpret_no_kept_blocks():
   assert np.all(np.asarray(dx) == 0) and ddata.shape == (0, 32, 32)
 
 
+@pytest.mark.parametrize("block_shape", [(32, 32), (32, 64), (64, 32)])
+@pytest.mark.parametrize("pattern", ["random", "single", "dense"])
+def test_dense_weight_equals_to_dense(block_shape, pattern):
+  """The one-pass dense weight of the dense-product route (blocks 32 above d = 0.3) is ``to_dense``."""
+  _, _, w = _problem(16, 128, 192, block_shape, pattern, jnp.float32, seed=3)
+  got = jax.jit(kernel_config.dense_weight, static_argnums=1)(w, jnp.bfloat16)
+  assert got.dtype == jnp.bfloat16 and got.shape == w.shape
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(w.to_dense().astype(jnp.bfloat16), np.float32))
+  grid = (64 // block_shape[0], 64 // block_shape[1])
+  empty = jaxsparse.BlockSparseMatrix.from_dense(jnp.ones((64, 64)), block_shape, block_mask=np.zeros(grid, bool))
+  np.testing.assert_array_equal(np.asarray(kernel_config.dense_weight(empty, jnp.float32)), np.zeros((64, 64)))
+
+
 def test_supports():
   x, dy, w = _problem(16, 64, 64, (32, 32), "random", jnp.bfloat16)
   assert kernels.supports(x, w) and kernels.supports(x, dy, w)

@@ -306,7 +306,7 @@ DW_DENSE_MIN_DENSITY = 0.1
 # Small blocks whose per-block products are slower than the whole dense product above this density
 # (H100, M = 8192, K = N = 4096; benchmarks/results/gpu_block_sparse_2026-11-23_h100.md): 32 x 32
 # blocks took 0.95 / 0.92 of dense at d = 0.25 and 1.52 / 1.42 at d = 0.5 (bf16 / f32, fwd+bwd).
-# Those patterns run as dense products (the weight scattered first: one K x N write).
+# Those patterns run as dense products (the weight built first by `dense_weight`: one K x N gather pass).
 DENSE_ABOVE_DENSITY = {32: 0.3}
 
 
@@ -317,7 +317,17 @@ def use_dense(shape, block_shape, nnz_blocks: int) -> bool:
 
 
 def dense_weight(w: BlockSparseMatrix, dtype) -> jax.Array:
-  return w.to_dense().astype(dtype)
+  """The dense ``(K, N)`` weight of ``w`` in ``dtype``, built in one pass for the dense-product route.
+
+  A gather of each output block from ``w.data`` (a zero block where none is kept), transposed into
+  ``(K, N)`` order in the same fusion; :meth:`BlockSparseMatrix.to_dense` instead zero-fills, scatters
+  and then transposes (three passes over the ``K x N`` output).
+  """
+  (bk, bn), (kb, nb) = w.block_shape, w.grid_shape
+  nnz = w.nnz_blocks
+  slot = jnp.full((kb, nb), nnz, jnp.int32).at[w.row_indices, w.col_indices].set(jnp.arange(nnz, dtype=jnp.int32))
+  data = jnp.concatenate([w.data.astype(dtype), jnp.zeros((1, bk, bn), dtype)])
+  return data[slot].transpose(0, 2, 1, 3).reshape(w.shape)
 
 
 def dw_dense_then_gather(x2, dy2, w, *, precision):
