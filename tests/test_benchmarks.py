@@ -39,3 +39,13 @@ def test_ncu_block_sparse_script_runs():
   proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert proc.stdout.splitlines() == ["block 32: 4 kept blocks, done", "block 64: 1 kept blocks, done", "dense: done"]
+
+
+def test_dense_route_script_runs():
+  cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_dense_route.py"), "--m", "64", "--k", "128", "--n", "128",
+         "--densities", "0.5", "--iterations", "1"]
+  env = {**os.environ, "PYTHONPATH": str(ROOT)}
+  proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  row = proc.stdout.splitlines()[-1].split("|")
+  assert row[1].strip() == "0.5" and float(row[-2]) < 1e-2, proc.stdout
