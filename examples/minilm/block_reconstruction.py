@@ -19,6 +19,7 @@ References:
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Mapping
 from collections.abc import Sequence
@@ -102,6 +103,15 @@ def reconstruct(pruned: bert.Bert, dense: bert.Bert, masks: Mapping[str, np.ndar
     The reconstructed model; ``pruned`` is not modified.
   """
   rng = random.Random(seed)
+  tx = optax.adam(optax.cosine_decay_schedule(learning_rate, epochs * len(fit)))
+  loss = jax.jit(_squared_error, static_argnums=0)
+
+  @functools.partial(jax.jit, static_argnums=0)  # the blocks' graphdefs are equal: one compilation per shape
+  def step(graphdef, params, opt_state, masks, x, attention_mask, y):
+    grads = jax.grad(_squared_error, argnums=1)(graphdef, params, masks, x, attention_mask, y)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
   model = nnx.clone(pruned)
   x_fit = [_embed(model, ids, types) for ids, _, types in fit]  # embeddings are not pruned
   x_val = [_embed(model, ids, types) for ids, _, types in val]
@@ -113,17 +123,10 @@ def reconstruct(pruned: bert.Bert, dense: bert.Bert, masks: Mapping[str, np.ndar
     prefix = f"encoder.layer.{index}."
     layer_masks = {k[len(prefix):]: jnp.asarray(m, jnp.float32) for k, m in masks.items() if k.startswith(prefix)}
     graphdef, params = nnx.split(layer)
-    tx = optax.adam(optax.cosine_decay_schedule(learning_rate, epochs * len(fit)))
-    loss = jax.jit(lambda p, x, am, y, graphdef=graphdef, m=layer_masks: _squared_error(graphdef, p, m, x, am, y))
 
-    @jax.jit
-    def step(params, opt_state, x, am, y, loss=loss, tx=tx):
-      value, grads = jax.value_and_grad(loss)(params, x, am, y)
-      updates, opt_state = tx.update(grads, opt_state, params)
-      return optax.apply_updates(params, updates), opt_state, value
-
-    def error(params, xs, ys, bs, loss=loss):
-      return float(np.mean([loss(params, x, b[1], y) for x, b, y in zip(xs, bs, ys, strict=True)]))
+    def error(params, xs, ys, bs, graphdef=graphdef, layer_masks=layer_masks):
+      errors = [loss(graphdef, params, layer_masks, x, b[1], y) for x, b, y in zip(xs, bs, ys, strict=True)]
+      return float(np.mean(errors))
 
     opt_state = tx.init(params)
     best = (error(params, x_val, d_val, val), params)
@@ -132,7 +135,7 @@ def reconstruct(pruned: bert.Bert, dense: bert.Bert, masks: Mapping[str, np.ndar
     for _ in range(epochs):
       rng.shuffle(order)
       for i in order:
-        params, opt_state, _ = step(params, opt_state, x_fit[i], fit[i][1], d_fit[i])
+        params, opt_state = step(graphdef, params, opt_state, layer_masks, x_fit[i], fit[i][1], d_fit[i])
       entry["val"].append(error(params, x_val, d_val, val))
       if entry["val"][-1] < best[0]:
         best = (entry["val"][-1], params)
