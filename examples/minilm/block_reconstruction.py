@@ -82,7 +82,7 @@ def _squared_error(graphdef, params, masks, x, attention_mask, y):
 
 
 def reconstruct(pruned: bert.Bert, dense: bert.Bert, masks: Mapping[str, np.ndarray], fit: Sequence[Batch],
-                val: Sequence[Batch], *, epochs: int = 4, learning_rate: float = 1e-3, seed: int = 0,
+                val: Sequence[Batch], *, epochs: int = 8, learning_rate: float = 1e-3, seed: int = 0,
                 log: list | None = None) -> bert.Bert:
   """A copy of ``pruned`` with each encoder layer fitted to ``dense``'s output of that layer, masks fixed.
 

