@@ -118,6 +118,25 @@ BS_VARIANTS = {
 }
 
 
+def _variant_row(name, cfg, f, x, w0, ws, ref, dense_us, nbytes, iterations, rows: list[str]) -> None:
+  """Checks ``f(x, w0)`` against ``ref``, times it hot and from HBM over ``ws``, appends its table row."""
+  d_hot, d_hbm = dense_us
+  try:
+    err = rel_err(jax.jit(f)(x, w0), ref)
+    hot, hbm = _time(f, x, ws, iterations)
+  except Exception as e:
+    log(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}")
+    return
+  line = (
+      f"| {name} | {cfg} | {err:.1e} | {hot:.2f} | **{hot / d_hot:.2f}** | {hbm:.2f} | **{hbm / d_hbm:.2f}** | "
+      f"{nbytes / hbm / 1e3:.0f} | {len(ws)} |"
+  )
+  rows.append(line)
+  log(line)
+  if name.endswith(" default"):
+    log(f"  kernels: {_breakdown(f, x, w0)}")
+
+
 def block_sparse(args, rows: list[str]) -> None:
   m = BS_M
   x = _bf16(100, (m, K))
@@ -138,20 +157,7 @@ def block_sparse(args, rows: list[str]) -> None:
     for label, change in variants:
       cfg = dataclasses.replace(default, forward=dataclasses.replace(default.forward, **change))
       f = lambda x, w, cfg=cfg: bs_kernels.forward(x, w, config=cfg)
-      try:
-        err = rel_err(jax.jit(f)(x, w0), ref)
-        hot, hbm = _time(f, x, ws, args.iterations)
-      except Exception as e:
-        log(f"block-sparse b={b} {label}: FAILED {type(e).__name__}: {str(e)[:300]}")
-        continue
-      line = (
-          f"| b={b} {label} | {cfg.forward} | {err:.1e} | {hot:.2f} | **{hot / d_hot:.2f}** | {hbm:.2f} | "
-          f"**{hbm / d_hbm:.2f}** | {nbytes / hbm / 1e3:.0f} | {len(ws)} |"
-      )
-      rows.append(line)
-      log(line)
-      if label == "default":
-        log(f"  kernels: {_breakdown(f, x, w0)}")
+      _variant_row(f"b={b} {label}", cfg.forward, f, x, w0, ws, ref, (d_hot, d_hbm), nbytes, args.iterations, rows)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -209,20 +215,7 @@ def nm(args, rows: list[str]) -> None:
         ]
       for label, cfg in configs:
         f = lambda x, w, cfg=cfg: nm_kernels.forward(x, w, config=cfg)
-        try:
-          err = rel_err(jax.jit(f)(x, w0), ref)
-          hot, hbm = _time(f, x, ws, args.iterations)
-        except Exception as e:
-          log(f"2:4 {m}x{cols} {label}: FAILED {type(e).__name__}: {str(e)[:300]}")
-          continue
-        line = (
-            f"| {m}x{cols} {label} | {cfg} | {err:.1e} | {hot:.2f} | **{hot / d_hot:.2f}** | {hbm:.2f} | "
-            f"**{hbm / d_hbm:.2f}** | {nbytes / hbm / 1e3:.0f} | {len(ws)} |"
-        )
-        rows.append(line)
-        log(line)
-        if label == "default":
-          log(f"  kernels: {_breakdown(f, x, w0)}")
+        _variant_row(f"{m}x{cols} {label}", cfg, f, x, w0, ws, ref, (d_hot, d_hbm), nbytes, args.iterations, rows)
     del dense, ws
 
 
