@@ -483,15 +483,7 @@ def test_refit_in_calibrated_prune_linen_matches_nnx():
 
 
 def test_linear_general_layers():
-  class Attn(nnx.Module):
-    def __init__(self, rngs):
-      self.qkv = nnx.LinearGeneral(16, (2, 8), rngs=rngs)
-      self.out = nnx.LinearGeneral((2, 8), 16, axis=(-2, -1), rngs=rngs)
-
-    def __call__(self, x):
-      return self.out(jnp.tanh(self.qkv(x)))
-
-  model = Attn(nnx.Rngs(5))
+  model = NNXAttn(nnx.Rngs(5))
   batches = [b.reshape(4, 16, 16) for b in _batches()]
   sparse, masks, _ = pruning.calibrated_prune(model, jaxsparse.NM(2, 4), batches, to_sparse=True, progress=False)
   assert masks["qkv.kernel"].shape == (16, 2, 8) and masks["out.kernel"].shape == (2, 8, 16)
