@@ -87,7 +87,6 @@ class KernelConfig:
   split: int = 1
   index_window: bool = True
   sub_cols: int | None = None
-  unroll: int = 1
 
   def __post_init__(self):
     bm = self.block_m

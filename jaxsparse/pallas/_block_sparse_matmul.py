@@ -208,25 +208,13 @@ def _dsd_kernel(
   else:
     block_row = lambda b: rows_ref[b]
 
-  def load(t):
+  def step(t):
     (b,) = index(t)
     k0 = pl.multiple_of(block_row(b) * bk, bk)
-    return x_ref[:, pl.ds(k0, bk)], data_ref[b]
+    return dot(x_ref[:, pl.ds(k0, bk)], data_ref[b], ((1,), (0,)))
 
-  lo, hi = _split_range(start, end, cfg.split)
   acc = jnp.zeros(y_ref.shape, jnp.float32)
-  if cfg.unroll == 1:
-    acc = lax.fori_loop(lo, hi, lambda t, acc: acc + dot(*load(t), ((1,), (0,))), acc)
-  else:
-
-    def body(i, acc):
-      ts = [lo + i * cfg.unroll + u for u in range(cfg.unroll)]
-      tiles = [load(jnp.minimum(t, hi - 1)) for t in ts]
-      for t, (xs, ws) in zip(ts, tiles, strict=True):
-        acc = acc + jnp.where(t < hi, dot(xs, ws, ((1,), (0,))), 0.0)
-      return acc
-
-    acc = lax.fori_loop(0, pl.cdiv(hi - lo, cfg.unroll), body, acc)
+  acc = lax.fori_loop(*_split_range(start, end, cfg.split), lambda t, acc: acc + step(t), acc)
   y_ref[...] = acc.astype(y_ref.dtype)
 
 

@@ -90,15 +90,12 @@ class NMMatmulConfig:
   num_stages: int = 3
   split_k: int = 1
   group_m: int = 8
-  fma: bool = False
 
   def __post_init__(self):
-    if not _pow2(self.block_m) or (self.block_m < 16 and not self.fma):
-      raise ValueError(
-          f"block_m must be a power of two >= 16 (any power of two with fma=True), got block_m={self.block_m}."
-      )
-    if self.block_n < 16 or not _pow2(self.block_n):
-      raise ValueError(f"block_n must be a power of two >= 16, got block_n={self.block_n}.")
+    for name in ("block_m", "block_n"):
+      v = getattr(self, name)
+      if v < 16 or not _pow2(v):
+        raise ValueError(f"{name} must be a power of two >= 16, got {name}={v}.")
     if not _pow2(self.block_groups):
       raise ValueError(f"block_groups must be a power of two, got block_groups={self.block_groups}.")
     for name in ("num_warps", "num_stages", "split_k", "group_m"):
@@ -226,31 +223,6 @@ def _nm_kernel(x_ref, v_ref, idx_ref, y_ref, *, n, m, per_word, rows, steps, cfg
   y_ref[...] = acc.astype(y_ref.dtype)
 
 
-def _nm_fma_kernel(x_ref, v_ref, idx_ref, y_ref, *, n, m, per_word, rows, steps, cfg: NMMatmulConfig):
-  """The product on the CUDA cores: each kept weight selects its x entry and is multiply-added."""
-  bg, bn = cfg.block_groups, cfg.block_n
-  bits = position_bits(m)
-  field = jnp.uint32((1 << bits) - 1)
-  first = pl.program_id(1) * (steps * bg) if cfg.split_k > 1 else 0
-
-  def step(t, acc):
-    r0 = pl.multiple_of(first + t * bg, bg)
-    words = idx_ref[pl.ds(r0, bg), :].astype(jnp.uint32)
-    for s in range(per_word):
-      g0 = r0 + s * rows
-      xs = [x_ref[:, pl.ds(g0 * m + a, bg, stride=m)].astype(jnp.float32)[:, :, None] for a in range(m)]
-      for j in range(n):
-        pos = ((words >> jnp.uint32((s * n + j) * bits)) & field).astype(jnp.int32)[None]
-        picked = jnp.broadcast_to(xs[m - 1], acc.shape)
-        for a in range(m - 2, -1, -1):
-          picked = jnp.where(pos == a, xs[a], picked)
-        acc = acc + picked * v_ref[pl.ds(g0, bg), j, :].astype(jnp.float32)[None]
-    return acc
-
-  acc = lax.fori_loop(0, steps, step, jnp.zeros((y_ref.shape[-2], bg, bn), jnp.float32))
-  y_ref[...] = acc.sum(axis=1).astype(y_ref.dtype)
-
-
 def forward(
     x2: jax.Array,
     w: NMSparseMatrix,
@@ -296,12 +268,16 @@ def forward(
   else:
     out_shape = jax.ShapeDtypeStruct((split, xp.shape[0], cols), jnp.float32)
     out_spec = pl.BlockSpec((None, bm, bn), lambda p, s: (s, *tile(p)))
-  common = dict(n=n, m=m, per_word=per_word, rows=rows, steps=steps, cfg=cfg)
-  if cfg.fma:
-    kernel = functools.partial(_nm_fma_kernel, **common)
-  else:
-    mma_dot = functools.partial(dot, contract=((1,), (0,)), compute_dtype=compute_dtype, precision=precision)
-    kernel = functools.partial(_nm_kernel, dot=mma_dot, **common)
+  kernel = functools.partial(
+      _nm_kernel,
+      n=n,
+      m=m,
+      per_word=per_word,
+      rows=rows,
+      steps=steps,
+      cfg=cfg,
+      dot=functools.partial(dot, contract=((1,), (0,)), compute_dtype=compute_dtype, precision=precision),
+  )
   y = pl.pallas_call(
       kernel,
       out_shape=out_shape,
