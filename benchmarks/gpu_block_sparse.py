@@ -552,6 +552,7 @@ def main(argv=None):
                  help="input dtype of the table (float32: dense and sparse at DEFAULT precision, i.e. TF32)")
   p.add_argument("--densities", default=None, help="comma-separated densities of the table (default 0.5,0.25,0.125)")
   p.add_argument("--blocks", default=None, help="comma-separated block sizes of the table (default 32,64,128)")
+  p.add_argument("--ns", default=None, help="comma-separated N of the table, K = 4096 (default 4096,16384)")
   p.add_argument("--f32-sweep", action="store_true", help="time float32 Mosaic (TF32) against Triton first")
   p.add_argument("--dw-sweep", action="store_true", help="time Mosaic sampled xᵀdY variants against Triton first")
   p.add_argument("--decode-sweep", action="store_true", help="time decode (M <= 64) variants first")
@@ -573,6 +574,8 @@ def main(argv=None):
     DENSITIES[:] = [float(v) for v in args.densities.split(",")]
   if args.blocks:
     BLOCKS[:] = [int(v) for v in args.blocks.split(",")]
+  if args.ns:
+    SHAPES[:] = [(4096, int(v)) for v in args.ns.split(",")]
   if args.mosaic_sweep:
     sweep_lines += mosaic_sweep(args.iterations)
   if args.f32_sweep:

@@ -180,6 +180,35 @@ def test_interpret_no_kept_blocks():
   assert np.all(np.asarray(dx) == 0) and ddata.shape == (0, 32, 32)
 
 
+@pytest.mark.parametrize("on_hopper", [False, True])
+def test_dense_routes_where_they_measured_faster(monkeypatch, on_hopper):
+  # The per-product rules of gpu_product_routes_2026-11-23_h100.md, with and without the Mosaic kernels.
+  if on_hopper:
+    monkeypatch.setattr(kernel_config, "_mosaic_probe", lambda: None)
+  bf16, f32 = jnp.bfloat16, jnp.float32
+
+  def routes(m, n, b, d, dtype):
+    cfg = BlockSparseMatmulConfig.get_default(m, (4096, n), (b, b), round(d * (4096 // b) * (n // b)), dtype)
+    return cfg.dense, cfg.dx_dense, cfg.dw_dense
+
+  # Blocks of 32 above d = 0.3: all three products dense, from M = 1024 only; dW alone from 256 rows;
+  # decode keeps the kernels.
+  assert routes(8192, 4096, 32, 0.5, bf16)[0] and routes(1024, 16384, 32, 0.5, f32)[0]
+  assert routes(512, 4096, 32, 0.5, bf16) == (False, False, True)
+  assert routes(16, 16384, 32, 0.5, bf16) == (False, False, False)
+  # dX dense for long contractions (N >= 16384): blocks of 32, float32 64-blocks from d = 0.4.
+  assert routes(8192, 16384, 32, 0.25, bf16) == (False, True, True)
+  assert routes(8192, 4096, 32, 0.25, bf16) == (False, False, True)
+  assert routes(8192, 16384, 64, 0.5, f32) == (False, True, True)
+  assert routes(8192, 16384, 64, 0.5, bf16) == (False, False, True)
+  assert routes(8192, 16384, 64, 0.25, f32) == (False, False, False)
+  assert routes(512, 16384, 64, 0.5, f32) == (False, False, True)
+  # dW dense for 64-blocks from d = 0.4 (whichever kernel would run it), never for 128-blocks.
+  assert routes(8192, 4096, 64, 0.5, bf16) == (False, False, True)
+  assert routes(8192, 4096, 64, 0.25, bf16) == (False, False, False)
+  assert routes(8192, 16384, 128, 0.5, f32) == (False, False, False)
+
+
 @pytest.mark.parametrize("block_shape", [(32, 32), (32, 64), (64, 32)])
 @pytest.mark.parametrize("pattern", ["random", "single", "dense"])
 def test_dense_weight_equals_to_dense(block_shape, pattern):
@@ -385,6 +414,18 @@ GPU_CASES = [
 def test_gpu_matches_dense(m, k, n, block_shape, pattern, dtype):
   x, dy, w = _problem(m, k, n, block_shape, pattern, dtype, seed=m + k)
   _check_all(x, dy, w, dtype, interpret=False)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("route", ["dense", "dx_dense", "dw_dense"])
+@pytest.mark.parametrize(("block_shape", "dtype"), [((64, 64), jnp.bfloat16), ((32, 64), jnp.float32)])
+def test_gpu_dense_routes(route, block_shape, dtype):
+  # Each dense route forced on a pattern with an empty block row / column (the defaults take them
+  # at large M and N only).
+  x, dy, w = _problem(300, 512, 768, block_shape, "random", dtype, seed=11)
+  base = BlockSparseMatmulConfig.get_default(300, w.shape, w.block_shape, w.nnz_blocks, w.dtype)
+  _check_all(x, dy, w, dtype, config=dataclasses.replace(base, **{route: True}), interpret=False)
 
 
 @pytest.mark.gpu

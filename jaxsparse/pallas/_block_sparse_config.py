@@ -2,7 +2,7 @@
 
 The defaults are data (tuned tables per block shape / M, thresholds with the measurement that set
 them); each decision is one function: ``BlockSparseMatmulConfig.get_default``, ``mosaic_defaults``,
-``mosaic_dw_default``, ``use_dense``, ``use_dense_dw``.
+``mosaic_dw_default``, ``use_dense``, ``use_dense_dx``, ``use_dense_dw``.
 """
 
 from __future__ import annotations
@@ -109,9 +109,9 @@ class BlockSparseMatmulConfig:
   the operands, and the Triton kernel with ``forward`` / ``dx`` elsewhere; ``mosaic_dw`` likewise
   runs ``dw`` on :mod:`jaxsparse.pallas._block_sparse_sdd_mgpu`. ``dw_dense`` computes ``dw`` as
   one dense ``xᵀ dY`` product (XLA) with the kept blocks gathered, where small blocks make the
-  per-block kernels slower than that; ``dense`` runs all three products densely (the weight
-  scattered into a dense ``K x N`` matrix first), where the pattern is too dense for small blocks
-  to beat the dense product at all.
+  per-block kernels slower than that; ``dx_dense`` computes ``dx`` as one dense ``dY Wᵀ`` product
+  of the weight built dense first (:func:`dense_weight`); ``dense`` runs all three products
+  densely, where the pattern is too dense for small blocks to beat the dense product at all.
   """
 
   forward: KernelConfig
@@ -121,6 +121,7 @@ class BlockSparseMatmulConfig:
   mosaic_dx: mosaic.MosaicKernelConfig | None = None
   mosaic_dw: mosaic_sdd.MosaicSddConfig | None = None
   dw_dense: bool = False
+  dx_dense: bool = False
   dense: bool = False
 
   @classmethod
@@ -190,8 +191,9 @@ class BlockSparseMatmulConfig:
         mosaic_forward=mosaic_fwd,
         mosaic_dx=mosaic_dx,
         mosaic_dw=(mosaic_dw := mosaic_dw_default(m, block_shape, dtype)),
-        dw_dense=use_dense_dw(shape, block_shape, nnz_blocks, mosaic_dw),
-        dense=use_dense(shape, block_shape, nnz_blocks),
+        dw_dense=use_dense_dw(m, shape, block_shape, nnz_blocks, mosaic_dw),
+        dx_dense=use_dense_dx(m, shape, block_shape, nnz_blocks, dtype),
+        dense=use_dense(m, shape, block_shape, nnz_blocks),
     )
 
 
@@ -295,13 +297,34 @@ def mosaic_dw_default(m: int, block_shape: tuple[int, int], dtype):
   return None
 
 
-# Below this block dim (bk for the Mosaic float32 kernel, either dim otherwise) and at or above this
-# density, dW is one dense xᵀdY product (XLA) with the kept blocks gathered from it: 32 x 32 blocks at
-# d = 0.25 measured 0.84 ms in the Triton SDD kernel against 0.33 ms for the whole dense product
-# (bf16, M = 8192, K = N = 4096, H100) and 1.91 ms against 0.66 in float32.
+# The dense routes (a product of the whole K x N weight instead of the per-block kernels) measured by
+# `benchmarks/gpu_product_routes.py` on an H100 (benchmarks/results/gpu_product_routes_2026-11-23_h100.md),
+# K = 4096, N in {4096, 16384}, ratios to the dense product of the same run: per-block kernel / route.
+#
+# Smallest M for each route. The routes build or write a K x N array whatever M is, so they lose at
+# small M: blocks of 32 at d = 0.5 (the `dense` route) at M = 1024: 1.84-1.93 / 1.50-1.62 for the three
+# products; M = 256: forward and dX 1.75-2.23 / 2.15-2.94, dW 3.87-3.97 / 2.91-3.06; decode (M = 16)
+# forward 1.22 / 2.6-3.0 (gpu_block_sparse_2026-11-23_h100.md).
+DENSE_ROUTE_MIN_M = 1024
+DW_DENSE_MIN_M = 256
+
+# dW: below this block dim (bk for the Mosaic float32 kernel, either dim otherwise) and at or above
+# this density, one dense xᵀdY product (XLA) with the kept blocks gathered from it: 32 x 32 blocks at
+# d = 0.25, M = 8192: 2.41 / 1.02 (bf16, N = 4096), 2.98 / 1.05 (N = 16384); float32 1.92 / 1.03, 1.84 / 1.01.
 DW_DENSE_BELOW_BLOCK = 64
 DW_DENSE_MIN_DENSITY = 0.1
+# ... and for blocks of this size (either kernel) from this density: 64 x 64 at d = 0.5, M = 8192:
+# 1.12 / 1.05 (bf16, N = 4096), 2.04 / 1.07 (N = 16384); float32 1.01 / 1.04, 1.43 / 1.01; at d = 0.25 the
+# kernels win everywhere (0.63-0.91 / 1.02-1.05). The crossover lies between; 0.4 was not measured.
+DW_DENSE_ABOVE_DENSITY = {64: 0.4}
 
+# dX: the per-block kernels read dY (M x N) once per kept block of a block row; where N (the length of
+# dX's contraction) is large they fall out of L2 and lose to the dense route: M = 8192, N = 16384, blocks
+# of 32 at d = 0.25: 1.74 / 1.05 (bf16), 1.23 / 0.95 (float32); 64 x 64 float32 at d = 0.5: 1.42 / 0.98
+# (d = 0.25: 0.73 / 0.95; bf16 at d = 0.5: 0.98 / 1.07). At N = 4096 the kernels win in all of these
+# (0.81-0.95 / 1.08-1.12). {min block dim: (min density, min itemsize)}, from DX_DENSE_MIN_N.
+DX_DENSE_MIN_N = 16384
+DX_DENSE_ABOVE = {32: (0.1, 2), 64: (0.4, 4)}
 
 # Small blocks whose per-block products are slower than the whole dense product above this density
 # (H100, M = 8192, K = N = 4096; benchmarks/results/gpu_block_sparse_2026-11-23_h100.md): 32 x 32
@@ -310,10 +333,24 @@ DW_DENSE_MIN_DENSITY = 0.1
 DENSE_ABOVE_DENSITY = {32: 0.3}
 
 
-def use_dense(shape, block_shape, nnz_blocks: int) -> bool:
+def _density(shape, block_shape, nnz_blocks: int) -> float:
   (k, n), (bk, bn) = shape, block_shape
-  above = DENSE_ABOVE_DENSITY.get(min(bk, bn))
-  return above is not None and nnz_blocks > above * (k // bk) * (n // bn)
+  return nnz_blocks / ((k // bk) * (n // bn))
+
+
+def use_dense(m: int, shape, block_shape, nnz_blocks: int) -> bool:
+  """Whether all three products run dense (small blocks, dense patterns, large M)."""
+  above = DENSE_ABOVE_DENSITY.get(min(block_shape))
+  return m >= DENSE_ROUTE_MIN_M and above is not None and _density(shape, block_shape, nnz_blocks) > above
+
+
+def use_dense_dx(m: int, shape, block_shape, nnz_blocks: int, dtype) -> bool:
+  """Whether ``dx`` is the dense product of the weight built dense (large N, see DX_DENSE_ABOVE)."""
+  rule = DX_DENSE_ABOVE.get(min(block_shape))
+  if rule is None or m < DENSE_ROUTE_MIN_M or shape[1] < DX_DENSE_MIN_N:
+    return False
+  min_density, min_itemsize = rule
+  return jnp.dtype(dtype).itemsize >= min_itemsize and _density(shape, block_shape, nnz_blocks) >= min_density
 
 
 def dense_weight(w: BlockSparseMatrix, dtype) -> jax.Array:
@@ -338,11 +375,12 @@ def dw_dense_then_gather(x2, dy2, w, *, precision):
   return full.reshape(kb, bk, nb, bn)[w.row_indices, :, w.col_indices, :].astype(w.dtype)
 
 
-def use_dense_dw(shape, block_shape, nnz_blocks: int, mosaic_dw_cfg) -> bool:
-  """Whether ``dw`` is the dense product plus a gather (small blocks, not on the Mosaic kernel)."""
-  if mosaic_dw_cfg is not None:
+def use_dense_dw(m: int, shape, block_shape, nnz_blocks: int, mosaic_dw_cfg) -> bool:
+  """Whether ``dw`` is the dense product plus a gather (small blocks, or 64-blocks at high density)."""
+  if m < DW_DENSE_MIN_M:
     return False
-  (k, n), (bk, bn) = shape, block_shape
-  return min(bk, bn) < DW_DENSE_BELOW_BLOCK and nnz_blocks >= DW_DENSE_MIN_DENSITY * (k // bk) * (n // bn)
-
-
+  density, small = _density(shape, block_shape, nnz_blocks), min(block_shape)
+  if small < DW_DENSE_BELOW_BLOCK and mosaic_dw_cfg is None:
+    return density >= DW_DENSE_MIN_DENSITY
+  above = DW_DENSE_ABOVE_DENSITY.get(small)
+  return above is not None and density >= above

@@ -493,15 +493,15 @@ def backward(
     return (jnp.zeros(x2.shape, x2.dtype) if need_dx else None), (w.data if need_dw else None)
   cfg = _config_for(config, x2, w)
   dx = ddata = None
-  if cfg.dense and not interpret:
-    if need_dx:
-      wd = dense_weight(w, compute_dtype)
-      dx = jnp.matmul(dy2.astype(compute_dtype), wd.T, precision=precision, preferred_element_type=jnp.float32)
-      dx = dx.astype(x2.dtype)
-    if need_dw:
-      ddata = dw_dense_then_gather(x2.astype(compute_dtype), dy2.astype(compute_dtype), w, precision=precision)
-    return dx, ddata
-  if need_dx and _use_mosaic(cfg.mosaic_dx, dy2, w, x2.dtype, transpose=True, interpret=interpret, precision=precision):
+  # The dense routes are XLA products: interpret mode (CPU tests of the kernels) keeps the kernels.
+  dense_dx = (cfg.dense or cfg.dx_dense) and not interpret
+  dense_dw = (cfg.dense or cfg.dw_dense) and not interpret
+  mosaic_dx = _use_mosaic(cfg.mosaic_dx, dy2, w, x2.dtype, transpose=True, interpret=interpret, precision=precision)
+  if need_dx and dense_dx:
+    wd = dense_weight(w, compute_dtype)
+    dx = jnp.matmul(dy2.astype(compute_dtype), wd.T, precision=precision, preferred_element_type=jnp.float32)
+    dx = dx.astype(x2.dtype)
+  elif need_dx and mosaic_dx:
     dx = mosaic.dense_sparse_matmul(
         dy2, w, transpose=True, out_dtype=x2.dtype, config=cfg.mosaic_dx, interpret=interpret
     )
@@ -516,10 +516,10 @@ def backward(
       and (jnp.dtype(x2.dtype).itemsize != 4 or allows_tf32(precision))
       and mosaic_sdd.supports(x2, dy2, w, cfg.mosaic_dw)
   )
-  if need_dw and use_mosaic_dw:
+  if need_dw and dense_dw:
+    ddata = dw_dense_then_gather(x2.astype(compute_dtype), dy2.astype(compute_dtype), w, precision=precision)
+  elif need_dw and use_mosaic_dw:
     ddata = mosaic_sdd.sampled_dw(x2, dy2, w, config=cfg.mosaic_dw, interpret=interpret)
-  elif need_dw and cfg.dw_dense and not interpret:
-    ddata = dw_dense_then_gather(x2, dy2, w, precision=precision)
   elif need_dw:
     ddata = _dw(x2, dy2, w, compute_dtype=compute_dtype, precision=precision, cfg=cfg.dw, interpret=interpret)
   return dx, ddata
