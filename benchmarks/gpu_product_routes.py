@@ -1,16 +1,17 @@
 """Each product of a block-sparse layer on its two routes: the per-block kernels and the dense product.
 
     python benchmarks/gpu_product_routes.py [--ns 4096,16384 --blocks 32,64 --densities 0.25,0.5
-                                             --dtypes bfloat16,float32 --m 8192]
+                                             --dtypes bfloat16,float32 --m 8192 --variants]
 
-For ``x (M, 4096) @ W (4096, N)`` with a random block pattern, times (device-side, median of
+For ``x (M, K) @ W (K, N)`` (K = 4096 by default) with a random block pattern, times (device-side, median of
 ``--iterations`` calls) the forward, ``dX = dY Wᵀ`` and ``dW = xᵀ dY`` (kept blocks) three ways: the
 per-block kernels (Mosaic GPU / Triton, as the default config picks them), the dense route (forward
 and ``dX``: ``dense_weight`` then one dense product; ``dW``: the dense ``xᵀ dY`` then a gather of the
 kept blocks) and the plain dense product of a dense weight; "default route" is what
 ``BlockSparseMatmulConfig.get_default`` picks. This is the data behind ``DENSE_ABOVE_DENSITY``,
 ``DX_DENSE_*``, ``DW_DENSE_*`` and the ``*_MIN_M`` thresholds in ``jaxsparse/pallas/_block_sparse_config.py``.
-Prints one table, last.
+``--variants`` also times the dX kernel in other tile orders (``group_m``) and dW on the other per-block
+kernel (Triton where Mosaic is the default). Prints the table(s) last.
 """
 
 from __future__ import annotations
@@ -29,10 +30,12 @@ from jaxsparse.pallas import _block_sparse_matmul as kernels
 
 
 def _products(cfg):
+  # Off the GPU (the CPU smoke test) the kernels run in interpret mode, which keeps them on every route.
+  kw = dict(config=cfg, interpret=jax.default_backend() != "gpu")
   return {
-      "fwd": lambda x, dy, w: kernels.forward(x, w, config=cfg),
-      "dX": lambda x, dy, w: kernels.backward(x, dy, w, config=cfg, need_dw=False)[0],
-      "dW": lambda x, dy, w: kernels.backward(x, dy, w, config=cfg, need_dx=False)[1],
+      "fwd": lambda x, dy, w: kernels.forward(x, w, **kw),
+      "dX": lambda x, dy, w: kernels.backward(x, dy, w, need_dw=False, **kw)[0],
+      "dW": lambda x, dy, w: kernels.backward(x, dy, w, need_dx=False, **kw)[1],
   }
 
 
@@ -44,30 +47,55 @@ def _dense_products():
   }
 
 
+def _variants(kern):
+  """``(label, product, config)``: other tile orders of the dX kernel and the other dW kernel (--variants)."""
+  out = []
+  if kern.mosaic_dx is not None:
+    mdx = kern.mosaic_dx
+    out += [
+        (f"dX Mosaic group_m={g}", "dX", dataclasses.replace(kern, mosaic_dx=dataclasses.replace(mdx, group_m=g)))
+        for g in (1, 2, 8, 16, 32)
+        if g != mdx.group_m
+    ]
+  else:
+    out += [
+        (f"dX Triton group_m={g}", "dX", dataclasses.replace(kern, dx=dataclasses.replace(kern.dx, group_m=g)))
+        for g in (1, 2, 4, 16, 32)
+        if g != kern.dx.group_m
+    ]
+  if kern.mosaic_dw is not None:
+    out.append(("dW Triton", "dW", dataclasses.replace(kern, mosaic_dw=None)))
+  return out
+
+
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--m", default="8192", help="comma-separated M")
+  p.add_argument("--k", type=int, default=4096)
   p.add_argument("--ns", default="4096,16384")
   p.add_argument("--blocks", default="32,64")
   p.add_argument("--densities", default="0.25,0.5")
   p.add_argument("--dtypes", default="bfloat16,float32")
   p.add_argument("--iterations", type=int, default=10)
+  p.add_argument("--variants", action="store_true", help="also time other dX tile orders and the other dW kernel")
   args = p.parse_args(argv)
   ints = lambda s: [int(v) for v in s.split(",")]
   head = ["dtype", "M", "N", "block", "d", "default route"]
   for prod in ("fwd", "dX", "dW"):
     head += [f"{prod} dense ms", f"{prod} kernels ms (ratio)", f"{prod} dense route ms (ratio)"]
   rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  variant_head = "| dtype | M | N | block | d | variant | ms | ratio to dense | default kernels ratio |"
+  variant_rows = [variant_head, "|" + "---|" * 9]
   for dtype in (jnp.dtype(v) for v in args.dtypes.split(",")):
     for m in ints(args.m):
       for n in ints(args.ns):
-        x, dy, _, _ = problem(m, 4096, n, 32, 1.0, dtype=dtype)
-        wd = jax.random.normal(jax.random.key(1), (4096, n), jnp.float32).astype(dtype)
+        x, dy, _, _ = problem(m, args.k, n, 32, 1.0, dtype=dtype)
+        wd = jax.random.normal(jax.random.key(1), (args.k, n), jnp.float32).astype(dtype)
         dense = {k: time_ms(f, x, dy, wd, iterations=args.iterations) for k, f in _dense_products().items()}
         del wd
         for b in ints(args.blocks):
           for d in (float(v) for v in args.densities.split(",")):
-            x, dy, w, _ = problem(m, 4096, n, b, d, seed=b, dtype=dtype)
+            x, dy, w, _ = problem(m, args.k, n, b, d, seed=b, dtype=dtype)
             default = BlockSparseMatmulConfig.get_default(m, w.shape, w.block_shape, w.nnz_blocks, w.dtype)
             kern = dataclasses.replace(default, dense=False, dx_dense=False, dw_dense=False)
             route = dataclasses.replace(default, dense=True)
@@ -76,13 +104,21 @@ def main(argv=None) -> None:
                 [f"{p} dense" for p, on in (("dX", default.dx_dense), ("dW", default.dw_dense)) if on] or ["kernels"]
             )
             cells = [dtype.name, str(m), str(n), str(b), str(d), used]
+            base = {}
             for prod in ("fwd", "dX", "dW"):
               t = {name: time_ms(fs[prod], x, dy, w, iterations=args.iterations) for name, fs in routes.items()}
+              base[prod] = t["kernels"] / dense[prod]
               cells += [f"{dense[prod]:.4f}"] + [f"{t[r]:.4f} ({t[r] / dense[prod]:.2f})" for r in ("kernels", "route")]
             rows.append("| " + " | ".join(cells) + " |")
             log(rows[-1])
-  log(f"\n{jax.devices()[0].device_kind}, K = 4096, density = kept blocks / blocks")
-  print("\n".join(rows), flush=True)
+            for label, prod, cfg in _variants(kern) if args.variants else []:
+              t = time_ms(_products(cfg)[prod], x, dy, w, iterations=args.iterations)
+              variant_rows.append(
+                  f"| {' | '.join(cells[:5])} | {label} | {t:.4f} | {t / dense[prod]:.2f} | {base[prod]:.2f} |"
+              )
+              log(variant_rows[-1])
+  log(f"\n{jax.devices()[0].device_kind}, K = {args.k}, density = kept blocks / blocks")
+  print("\n".join(rows + (["", *variant_rows] if args.variants else [])), flush=True)
 
 
 if __name__ == "__main__":

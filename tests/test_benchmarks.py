@@ -42,10 +42,24 @@ def test_ncu_block_sparse_script_runs():
 
 
 def test_dense_route_script_runs():
-  cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_dense_route.py"), "--m", "64", "--k", "128", "--n", "128",
+  # M = 1024: the dense route starts there (DENSE_ROUTE_MIN_M).
+  cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_dense_route.py"), "--m", "1024", "--k", "128", "--n", "128",
          "--densities", "0.5", "--iterations", "1"]
   env = {**os.environ, "PYTHONPATH": str(ROOT)}
   proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
   row = proc.stdout.splitlines()[-1].split("|")
   assert row[1].strip() == "0.5" and float(row[-2]) < 1e-2, proc.stdout
+
+
+def test_product_routes_script_runs():
+  cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_product_routes.py"), "--m", "64", "--k", "128", "--ns", "128",
+         "--blocks", "32,64", "--densities", "0.5", "--dtypes", "float32", "--iterations", "1", "--variants"]
+  env = {**os.environ, "PYTHONPATH": str(ROOT)}
+  proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = [r.split("|") for r in proc.stdout.splitlines() if r.startswith("| float32")]
+  routes = {(r[4].strip(), r[6].strip()) for r in rows if len(r) > 12}  # M = 64: no dense route by default
+  variants = {r[6].strip() for r in rows if len(r) <= 12}
+  assert routes == {("32", "kernels"), ("64", "kernels")}, proc.stdout
+  assert variants == {f"dX Triton group_m={g}" for g in (1, 2, 4, 16, 32)}, proc.stdout
