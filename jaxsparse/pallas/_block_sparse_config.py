@@ -303,8 +303,8 @@ def mosaic_dw_default(m: int, block_shape: tuple[int, int], dtype):
 #
 # Smallest M for each route. The routes build or write a K x N array whatever M is, so they lose at
 # small M: blocks of 32 at d = 0.5 (the `dense` route) at M = 1024: 1.84-1.93 / 1.50-1.62 for the three
-# products; M = 256: forward and dX 1.75-2.23 / 2.15-2.94, dW 3.87-3.97 / 2.91-3.06; decode (M = 16)
-# forward 1.22 / 2.6-3.0 (gpu_block_sparse_2026-11-23_h100.md).
+# products; M = 256: forward and dX 1.75-2.23 / 2.15-2.94, dW 3.87-3.97 / 2.91-3.06; decode (M = 16,
+# N = 16384) forward 0.59-0.73 / 2.6-3.0 (the kernels at N = 4096: 1.19).
 DENSE_ROUTE_MIN_M = 1024
 DW_DENSE_MIN_M = 256
 
