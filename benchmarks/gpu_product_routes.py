@@ -10,8 +10,8 @@ and ``dX``: ``dense_weight`` then one dense product; ``dW``: the dense ``xᵀ dY
 kept blocks) and the plain dense product of a dense weight; "default route" is what
 ``BlockSparseMatmulConfig.get_default`` picks. This is the data behind ``DENSE_ABOVE_DENSITY``,
 ``DX_DENSE_*``, ``DW_DENSE_*`` and the ``*_MIN_M`` thresholds in ``jaxsparse/pallas/_block_sparse_config.py``.
-``--variants`` also times the dX kernel in other tile orders (``group_m``) and dW on the other per-block
-kernel (Triton where Mosaic is the default). Prints the table(s) last.
+``--variants`` also times the forward and dX kernels in other tile orders (``group_m``) and dW on the other
+per-block kernel (Triton where Mosaic is the default). Prints the table(s) last.
 """
 
 from __future__ import annotations
@@ -48,20 +48,16 @@ def _dense_products():
 
 
 def _variants(kern):
-  """``(label, product, config)``: other tile orders of the dX kernel and the other dW kernel (--variants)."""
+  """``(label, product, config)``: other tile orders (``group_m``) of the forward and dX kernels, and dW on the
+  other per-block kernel (--variants)."""
   out = []
-  if kern.mosaic_dx is not None:
-    mdx = kern.mosaic_dx
+  for prod, triton, mosaic in (("fwd", "forward", "mosaic_forward"), ("dX", "dx", "mosaic_dx")):
+    name = mosaic if getattr(kern, mosaic) is not None else triton
+    cfg, kind = getattr(kern, name), "Mosaic" if name == mosaic else "Triton"
     out += [
-        (f"dX Mosaic group_m={g}", "dX", dataclasses.replace(kern, mosaic_dx=dataclasses.replace(mdx, group_m=g)))
-        for g in (1, 2, 8, 16, 32)
-        if g != mdx.group_m
-    ]
-  else:
-    out += [
-        (f"dX Triton group_m={g}", "dX", dataclasses.replace(kern, dx=dataclasses.replace(kern.dx, group_m=g)))
-        for g in (1, 2, 4, 16, 32)
-        if g != kern.dx.group_m
+        (f"{prod} {kind} group_m={g}", prod, dataclasses.replace(kern, **{name: dataclasses.replace(cfg, group_m=g)}))
+        for g in (1, 2, 4, 8, 16)
+        if g != cfg.group_m
     ]
   if kern.mosaic_dw is not None:
     out.append(("dW Triton", "dW", dataclasses.replace(kern, mosaic_dw=None)))
