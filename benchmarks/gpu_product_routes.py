@@ -9,9 +9,10 @@ per-block kernels (Mosaic GPU / Triton, as the default config picks them), the d
 and ``dX``: ``dense_weight`` then one dense product; ``dW``: the dense ``xᵀ dY`` then a gather of the
 kept blocks) and the plain dense product of a dense weight; "default route" is what
 ``BlockSparseMatmulConfig.get_default`` picks. This is the data behind ``DENSE_ABOVE_DENSITY``,
-``DX_DENSE_*``, ``DW_DENSE_*`` and the ``*_MIN_M`` thresholds in ``jaxsparse/pallas/_block_sparse_config.py``.
-``--variants`` also times the forward and dX kernels in other tile orders (``group_m``) and dW on the other
-per-block kernel (Triton where Mosaic is the default). Prints the table(s) last.
+``LONG_CONTRACTION_*``, ``DW_DENSE_*`` and the ``*_MIN_M`` thresholds in ``jaxsparse/pallas/_block_sparse_config.py``.
+``--variants`` also times the forward and dX kernels in other tile orders (``group_m``), and dW on the other
+per-block kernel (Triton where Mosaic is the default) and in both item orders of the Mosaic kernel. Prints the
+table(s) last.
 """
 
 from __future__ import annotations
@@ -61,6 +62,9 @@ def _variants(kern):
     ]
   if kern.mosaic_dw is not None:
     out.append(("dW Triton", "dW", dataclasses.replace(kern, mosaic_dw=None)))
+    for o in ("rows", "cols"):
+      dw = dataclasses.replace(kern.mosaic_dw, order=o)
+      out.append((f"dW Mosaic order={o}", "dW", dataclasses.replace(kern, mosaic_dw=dw)))
   return out
 
 
@@ -93,12 +97,11 @@ def main(argv=None) -> None:
           for d in (float(v) for v in args.densities.split(",")):
             x, dy, w, _ = problem(m, args.k, n, b, d, seed=b, dtype=dtype)
             default = BlockSparseMatmulConfig.get_default(m, w.shape, w.block_shape, w.nnz_blocks, w.dtype)
-            kern = dataclasses.replace(default, dense=False, dx_dense=False, dw_dense=False)
+            kern = dataclasses.replace(default, dense=False, forward_dense=False, dx_dense=False, dw_dense=False)
             route = dataclasses.replace(default, dense=True)
             routes = {name: _products(c) for name, c in (("kernels", kern), ("route", route))}
-            used = "dense" if default.dense else " + ".join(
-                [f"{p} dense" for p, on in (("dX", default.dx_dense), ("dW", default.dw_dense)) if on] or ["kernels"]
-            )
+            on = {"fwd": default.forward_dense, "dX": default.dx_dense, "dW": default.dw_dense}
+            used = "dense" if default.dense else " + ".join([f"{p} dense" for p in on if on[p]] or ["kernels"])
             cells = [dtype.name, str(m), str(n), str(b), str(d), used]
             base = {}
             for prod in ("fwd", "dX", "dW"):

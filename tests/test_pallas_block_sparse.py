@@ -187,8 +187,8 @@ def test_dense_routes_where_they_measured_faster(monkeypatch, on_hopper):
     monkeypatch.setattr(kernel_config, "_mosaic_probe", lambda: None)
   bf16, f32 = jnp.bfloat16, jnp.float32
 
-  def routes(m, n, b, d, dtype):
-    cfg = BlockSparseMatmulConfig.get_default(m, (4096, n), (b, b), round(d * (4096 // b) * (n // b)), dtype)
+  def routes(m, n, b, d, dtype, k=4096):
+    cfg = BlockSparseMatmulConfig.get_default(m, (k, n), (b, b), round(d * (k // b) * (n // b)), dtype)
     return cfg.dense, cfg.dx_dense, cfg.dw_dense
 
   # Blocks of 32 above d = 0.3: all three products dense, from M = 1024 only; dW alone from 256 rows;
@@ -196,9 +196,10 @@ def test_dense_routes_where_they_measured_faster(monkeypatch, on_hopper):
   assert routes(8192, 4096, 32, 0.5, bf16)[0] and routes(1024, 16384, 32, 0.5, f32)[0]
   assert routes(512, 4096, 32, 0.5, bf16) == (False, False, True)
   assert routes(16, 16384, 32, 0.5, bf16) == (False, False, False)
-  # dX dense for long contractions (N >= 16384): blocks of 32, float32 64-blocks from d = 0.4.
-  assert routes(8192, 16384, 32, 0.25, bf16) == (False, True, True)
-  assert routes(8192, 4096, 32, 0.25, bf16) == (False, False, True)
+  # dX dense for long contractions (N >= 16384) of float32 inputs: blocks of 32, 64-blocks from d = 0.4.
+  assert routes(8192, 16384, 32, 0.25, f32) == (False, True, True)
+  assert routes(8192, 16384, 32, 0.25, bf16) == (False, False, True)
+  assert routes(8192, 8192, 32, 0.25, f32) == (False, False, True)
   assert routes(8192, 16384, 64, 0.5, f32) == (False, True, True)
   assert routes(8192, 16384, 64, 0.5, bf16) == (False, False, True)
   assert routes(8192, 16384, 64, 0.25, f32) == (False, False, False)
@@ -207,6 +208,16 @@ def test_dense_routes_where_they_measured_faster(monkeypatch, on_hopper):
   assert routes(8192, 4096, 64, 0.5, bf16) == (False, False, True)
   assert routes(8192, 4096, 64, 0.25, bf16) == (False, False, False)
   assert routes(8192, 16384, 128, 0.5, f32) == (False, False, False)
+
+  # The forward on the same rule over K (its contraction); dX then contracts over N = 4096.
+  def forward_dense(m, k, b, d, dtype):
+    cfg = BlockSparseMatmulConfig.get_default(m, (k, 4096), (b, b), round(d * (k // b) * (4096 // b)), dtype)
+    return cfg.forward_dense, cfg.dx_dense
+
+  assert forward_dense(8192, 16384, 32, 0.25, f32) == (True, False)
+  assert forward_dense(8192, 16384, 64, 0.5, f32) == (True, False)
+  assert not any(forward_dense(8192, 16384, 32, 0.25, bf16) + forward_dense(8192, 8192, 32, 0.25, f32))
+  assert not any(forward_dense(512, 16384, 32, 0.25, f32) + forward_dense(8192, 16384, 64, 0.25, f32))
 
 
 @pytest.mark.parametrize("block_shape", [(32, 32), (32, 64), (64, 32)])
@@ -418,7 +429,7 @@ def test_gpu_matches_dense(m, k, n, block_shape, pattern, dtype):
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("route", ["dense", "dx_dense", "dw_dense"])
+@pytest.mark.parametrize("route", ["dense", "forward_dense", "dx_dense", "dw_dense"])
 @pytest.mark.parametrize(("block_shape", "dtype"), [((64, 64), jnp.bfloat16), ((32, 64), jnp.float32)])
 def test_gpu_dense_routes(route, block_shape, dtype):
   # Each dense route forced on a pattern with an empty block row / column (the defaults take them

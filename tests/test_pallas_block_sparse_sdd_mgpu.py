@@ -38,13 +38,14 @@ def _quiet_triton_deprecation():
     yield
 
 
+@pytest.mark.parametrize("order", ["rows", "cols"])
 @pytest.mark.parametrize("group", [2, 4, 8])
 @pytest.mark.parametrize("pattern", ["random", "single", "dense"])
-def test_items_rebuild_the_sampled_product(pattern, group):
+def test_items_rebuild_the_sampled_product(pattern, group, order):
   # The kernel's work items, replayed in NumPy: each item's blocks get x[:, row]ᵀ dY[:, col].
   x, dy, w = _problem(24, 5 * 32, 7 * 32, (32, 32), pattern, jnp.float32, seed=group)
   (bk, bn) = w.block_shape
-  num_items, rows, blocks, cols = (np.asarray(a) for a in sdd.items_of(w, group))
+  num_items, rows, blocks, cols = (np.asarray(a) for a in sdd.items_of(w, group, order))
   n = int(num_items[0])
   assert rows.shape[0] >= n and blocks.shape == cols.shape == (rows.shape[0] * group,)
   xs, dys = np.asarray(x, np.float64), np.asarray(dy, np.float64)
@@ -61,6 +62,13 @@ def test_items_rebuild_the_sampled_product(pattern, group):
   # Items are as few as runs of `group` allow: sum over block rows of ceil(kept / group).
   per_row = np.diff(np.asarray(w.row_offsets))
   assert n == int(np.sum(-(-per_row // group)))
+  # The order the thread blocks take them in: by (row, first column) or by (first column, row).
+  firsts = cols[: n * group : group]
+  pairs = np.stack([rows[:n], firsts], 1) if order == "rows" else np.stack([firsts, rows[:n]], 1)
+  keys = [tuple(p) for p in pairs.tolist()]
+  assert keys == sorted(keys)
+  with pytest.raises(ValueError, match="order='diagonal'"):
+    sdd.items_of(w, group, "diagonal")
 
 
 def test_config_defaults_fit_and_errors():
@@ -75,6 +83,8 @@ def test_config_defaults_fit_and_errors():
     sdd.MosaicSddConfig(group=3)
   with pytest.raises(ValueError, match="tile_m=16"):
     sdd.MosaicSddConfig(tile_m=16)
+  with pytest.raises(ValueError, match="order='diagonal'"):
+    sdd.MosaicSddConfig(order="diagonal")
   x, dy, w = _problem(64, 128, 128, (64, 64), "random", jnp.bfloat16)
   assert sdd.supports(x, dy, w)
   assert "one dtype" in sdd.unsupported_reason(x.astype(jnp.float32), dy, w)
@@ -148,8 +158,22 @@ GPU_CASES = [
 @pytest.mark.parametrize(("m", "block_shape", "pattern", "dtype", "group"), GPU_CASES)
 def test_gpu_sampled_dw_matches_dense(m, block_shape, pattern, dtype, group):
   # "random" has an empty block row and column; m = 300 / 448 are not multiples of tile_m = 64 / 128.
-  x, dy, w = _problem(m, 512, 768, block_shape, pattern, dtype, seed=m + block_shape[1])
-  cfg = sdd.MosaicSddConfig.get_default(block_shape, dtype)
+  # N > K: the items run in column order ("auto").
+  _check_sampled_dw(m, 512, 768, block_shape, pattern, dtype, group)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("order", ["auto", "rows", "cols"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_gpu_sampled_dw_item_orders(order, dtype):
+  # K > N: "auto" is the row order.
+  _check_sampled_dw(320, 768, 512, (64, 64), "random", dtype, None, order=order)
+
+
+def _check_sampled_dw(m, k, n, block_shape, pattern, dtype, group, order="auto"):
+  x, dy, w = _problem(m, k, n, block_shape, pattern, dtype, seed=m + block_shape[1])
+  cfg = dataclasses.replace(sdd.MosaicSddConfig.get_default(block_shape, dtype), order=order)
   if group is not None:
     cfg = dataclasses.replace(cfg, group=group, num_stages=2)
     if dtype != jnp.float32:

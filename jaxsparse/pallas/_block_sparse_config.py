@@ -2,7 +2,7 @@
 
 The defaults are data (tuned tables per block shape / M, thresholds with the measurement that set
 them); each decision is one function: ``BlockSparseMatmulConfig.get_default``, ``mosaic_defaults``,
-``mosaic_dw_default``, ``use_dense``, ``use_dense_dx``, ``use_dense_dw``.
+``mosaic_dw_default``, ``use_dense``, ``use_dense_long_contraction``, ``use_dense_dw``.
 """
 
 from __future__ import annotations
@@ -109,8 +109,9 @@ class BlockSparseMatmulConfig:
   the operands, and the Triton kernel with ``forward`` / ``dx`` elsewhere; ``mosaic_dw`` likewise
   runs ``dw`` on :mod:`jaxsparse.pallas._block_sparse_sdd_mgpu`. ``dw_dense`` computes ``dw`` as
   one dense ``xᵀ dY`` product (XLA) with the kept blocks gathered, where small blocks make the
-  per-block kernels slower than that; ``dx_dense`` computes ``dx`` as one dense ``dY Wᵀ`` product
-  of the weight built dense first (:func:`dense_weight`); ``dense`` runs all three products
+  per-block kernels slower than that; ``forward_dense`` / ``dx_dense`` compute the forward / ``dx`` as
+  one dense ``x W`` / ``dY Wᵀ`` product of the weight built dense first (:func:`dense_weight`), where a
+  long contraction makes the kernels re-read their operands from HBM; ``dense`` runs all three products
   densely, where the pattern is too dense for small blocks to beat the dense product at all.
   """
 
@@ -122,6 +123,7 @@ class BlockSparseMatmulConfig:
   mosaic_dw: mosaic_sdd.MosaicSddConfig | None = None
   dw_dense: bool = False
   dx_dense: bool = False
+  forward_dense: bool = False
   dense: bool = False
 
   @classmethod
@@ -192,7 +194,8 @@ class BlockSparseMatmulConfig:
         mosaic_dx=mosaic_dx,
         mosaic_dw=(mosaic_dw := mosaic_dw_default(m, block_shape, dtype)),
         dw_dense=use_dense_dw(m, shape, block_shape, nnz_blocks, mosaic_dw),
-        dx_dense=use_dense_dx(m, shape, block_shape, nnz_blocks, dtype),
+        dx_dense=use_dense_long_contraction(m, shape[1], shape, block_shape, nnz_blocks, dtype),
+        forward_dense=use_dense_long_contraction(m, shape[0], shape, block_shape, nnz_blocks, dtype),
         dense=use_dense(m, shape, block_shape, nnz_blocks),
     )
 
@@ -216,11 +219,15 @@ DECODE_SUB_COLS = dict(sub_cols=32, split=1, num_stages=4)
 # Fastest (forward, dx, dw) configs per square block size for bf16 at M = 8192, K = N = 4096,
 # density 0.25, from the sweep of benchmarks/gpu_block_sparse.py on an H200 (2026-11-21; see
 # benchmarks/results/). Used for 16-bit inputs and m >= _TUNED_MIN_M.
+# Blocks of 32 visit one row tile at a time (group_m=1): each program reads a 256-row slab of x / dY
+# as long as the contraction, and 8 such slabs in flight left L2 once the contraction grew (H100,
+# `gpu_product_routes.py --variants`, d = 0.25, ratio to dense, group_m 8 -> 1: forward K = 16384
+# 1.49 -> 0.94; dX N = 8192 1.12 -> 0.90, N = 16384 1.75 -> 0.92; at K = N = 4096 0.92-0.95 -> 0.88-0.92).
 _TUNED_MIN_M = 1024
 TUNED_CONFIGS: dict[int, tuple[KernelConfig, KernelConfig, KernelConfig]] = {
     32: (
-        KernelConfig(256, num_warps=4, num_stages=5, index_window=False),
-        KernelConfig(256, num_warps=4, num_stages=5, index_window=False),
+        KernelConfig(256, num_warps=4, num_stages=5, group_m=1, index_window=False),
+        KernelConfig(256, num_warps=4, num_stages=5, group_m=1, index_window=False),
         KernelConfig(128, num_warps=4, num_stages=2),
     ),
     64: (
@@ -237,7 +244,10 @@ TUNED_CONFIGS: dict[int, tuple[KernelConfig, KernelConfig, KernelConfig]] = {
 
 
 # Mosaic GPU configs per square block size for 16-bit inputs and m >= _MOSAIC_MIN_M, from
-# `benchmarks/gpu_block_sparse.py --mosaic-sweep` on an H100 (2026-11-21; see benchmarks/results/).
+# `benchmarks/gpu_block_sparse.py --mosaic-sweep` on an H100 (2026-11-21; see benchmarks/results/);
+# the forward's group_m from `gpu_product_routes.py --variants` (2026-11-23): 2 row tiles per group
+# took 0.94-0.95 against 0.98-1.00 for 4 at d = 0.5 (64-blocks, N = 4096-16384), 0.40 against 0.43
+# (128-blocks, K = 16384), and no more elsewhere.
 # Below that m, or for block 32, the Triton kernels measured as fast or faster.
 _MOSAIC_MIN_M = 1024
 MOSAIC_TUNED_CONFIGS: dict = (
@@ -245,8 +255,8 @@ MOSAIC_TUNED_CONFIGS: dict = (
     if mosaic is None
     else {
         # dx visits fewer row tiles at a time: its dY rows (M x N) are the larger operand in L2.
-        64: (mosaic.MosaicKernelConfig(group_m=4), mosaic.MosaicKernelConfig(group_m=2)),
-        128: (mosaic.MosaicKernelConfig(group_m=4), mosaic.MosaicKernelConfig(group_m=2)),
+        64: (mosaic.MosaicKernelConfig(group_m=2), mosaic.MosaicKernelConfig(group_m=2)),
+        128: (mosaic.MosaicKernelConfig(group_m=2), mosaic.MosaicKernelConfig(group_m=2)),
     }
 )
 
@@ -318,13 +328,16 @@ DW_DENSE_MIN_DENSITY = 0.1
 # kernels win everywhere (0.63-0.91 / 1.02-1.05). The crossover lies between; 0.4 was not measured.
 DW_DENSE_ABOVE_DENSITY = {64: 0.4}
 
-# dX: the per-block kernels read dY (M x N) once per kept block of a block row; where N (the length of
-# dX's contraction) is large they fall out of L2 and lose to the dense route: M = 8192, N = 16384, blocks
-# of 32 at d = 0.25: 1.74 / 1.05 (bf16), 1.23 / 0.95 (float32); 64 x 64 float32 at d = 0.5: 1.42 / 0.98
-# (d = 0.25: 0.73 / 0.95; bf16 at d = 0.5: 0.98 / 1.07). At N = 4096 the kernels win in all of these
-# (0.81-0.95 / 1.08-1.12). {min block dim: (min density, min itemsize)}, from DX_DENSE_MIN_N.
-DX_DENSE_MIN_N = 16384
-DX_DENSE_ABOVE = {32: (0.1, 2), 64: (0.4, 4)}
+# Forward and dX on long contractions (K for the forward, N for dX; both are the same "dense x sparse"
+# kernel): the per-block kernels read a row slab of x / dY as long as the contraction once per kept
+# block of an output block column; where that is long, float32 slabs fall out of L2 and the kernels lose
+# to the dense route. M = 8192, d = 0.25, blocks of 32, float32: dX (N = 16384) 1.18-1.26 / 0.96, forward
+# (K = 16384) 1.28 / 0.98; 64 x 64 float32 at d = 0.5: dX 1.48 / 0.99 (d = 0.25: 0.79 / 0.96). 16-bit
+# inputs keep the kernels (blocks of 32 at d = 0.25: dX 0.92 / 1.05, forward 0.94 / 0.98; 64 x 64 at
+# d = 0.5: dX 1.00 / 1.07), and so does a contraction of 4096-8192 (float32 blocks of 32: 0.81-0.99 /
+# 0.97-1.06). {min block dim: (min density, min itemsize)}, from LONG_CONTRACTION_MIN.
+LONG_CONTRACTION_MIN = 16384
+LONG_CONTRACTION_DENSE_ABOVE = {32: (0.1, 4), 64: (0.4, 4)}
 
 # Small blocks whose per-block products are slower than the whole dense product above this density
 # (H100, M = 8192, K = N = 4096; benchmarks/results/gpu_block_sparse_2026-11-23_h100.md): 32 x 32
@@ -344,10 +357,11 @@ def use_dense(m: int, shape, block_shape, nnz_blocks: int) -> bool:
   return m >= DENSE_ROUTE_MIN_M and above is not None and _density(shape, block_shape, nnz_blocks) > above
 
 
-def use_dense_dx(m: int, shape, block_shape, nnz_blocks: int, dtype) -> bool:
-  """Whether ``dx`` is the dense product of the weight built dense (large N, see DX_DENSE_ABOVE)."""
-  rule = DX_DENSE_ABOVE.get(min(block_shape))
-  if rule is None or m < DENSE_ROUTE_MIN_M or shape[1] < DX_DENSE_MIN_N:
+def use_dense_long_contraction(m: int, contraction: int, shape, block_shape, nnz_blocks: int, dtype) -> bool:
+  """Whether a product contracting over ``contraction`` (K for the forward, N for ``dx``) runs on the
+  weight built dense (see LONG_CONTRACTION_DENSE_ABOVE)."""
+  rule = LONG_CONTRACTION_DENSE_ABOVE.get(min(block_shape))
+  if rule is None or m < DENSE_ROUTE_MIN_M or contraction < LONG_CONTRACTION_MIN:
     return False
   min_density, min_itemsize = rule
   return jnp.dtype(dtype).itemsize >= min_itemsize and _density(shape, block_shape, nnz_blocks) >= min_density

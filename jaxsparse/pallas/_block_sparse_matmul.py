@@ -321,7 +321,7 @@ def forward(
   if w.nnz_blocks == 0:
     return jnp.zeros((m, n), out_dtype)
   configs = _config_for(config, x2, w)
-  if configs.dense and not interpret:
+  if (configs.dense or configs.forward_dense) and not interpret:
     wd = dense_weight(w, compute_dtype)
     return jnp.matmul(x2.astype(compute_dtype), wd, precision=precision, preferred_element_type=out_dtype)
   if _use_mosaic(configs.mosaic_forward, x2, w, out_dtype, transpose=False, interpret=interpret, precision=precision):
