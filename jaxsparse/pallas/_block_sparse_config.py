@@ -193,7 +193,7 @@ class BlockSparseMatmulConfig:
         mosaic_forward=mosaic_fwd,
         mosaic_dx=mosaic_dx,
         mosaic_dw=(mosaic_dw := mosaic_dw_default(m, block_shape, dtype)),
-        dw_dense=use_dense_dw(m, shape, block_shape, nnz_blocks, mosaic_dw),
+        dw_dense=use_dense_dw(m, shape, block_shape, nnz_blocks, mosaic_dw, dtype),
         dx_dense=use_dense_long_contraction(m, shape[1], shape, block_shape, nnz_blocks, dtype),
         forward_dense=use_dense_long_contraction(m, shape[0], shape, block_shape, nnz_blocks, dtype),
         dense=use_dense(m, shape, block_shape, nnz_blocks),
@@ -323,9 +323,11 @@ DW_DENSE_MIN_M = 256
 # d = 0.25, M = 8192: 2.41 / 1.02 (bf16, N = 4096), 2.98 / 1.05 (N = 16384); float32 1.92 / 1.03, 1.84 / 1.01.
 DW_DENSE_BELOW_BLOCK = 64
 DW_DENSE_MIN_DENSITY = 0.1
-# ... and for blocks of this size (either kernel) from this density: 64 x 64 at d = 0.5, M = 8192:
-# 1.12 / 1.05 (bf16, N = 4096), 2.04 / 1.07 (N = 16384); float32 1.01 / 1.04, 1.43 / 1.01; at d = 0.25 the
-# kernels win everywhere (0.63-0.91 / 1.02-1.05). The crossover lies between; 0.4 was not measured.
+# ... and for blocks of this size from this density, except on the Mosaic float32 kernel: 64 x 64 at
+# d = 0.5, M = 8192, kernel / route: bf16 1.07-1.15 / 1.07 (N = 4096, both item orders), 1.07 / 1.08
+# (N = 16384, items by column), 1.18 / 1.07 (K = 16384, N = 4096); float32 on the Mosaic kernel 0.95-0.97
+# / 1.02 (N = 4096, K = 4096 or 16384), 0.85 / 1.02 (N = 16384); Triton's float32 kernel 2.6 / 1.02-1.06.
+# At d = 0.25 the kernels win everywhere (0.52-0.67 / 1.02-1.05). 0.4 itself was not measured.
 DW_DENSE_ABOVE_DENSITY = {64: 0.4}
 
 # Forward and dX on long contractions (K for the forward, N for dX; both are the same "dense x sparse"
@@ -389,7 +391,7 @@ def dw_dense_then_gather(x2, dy2, w, *, precision):
   return full.reshape(kb, bk, nb, bn)[w.row_indices, :, w.col_indices, :].astype(w.dtype)
 
 
-def use_dense_dw(m: int, shape, block_shape, nnz_blocks: int, mosaic_dw_cfg) -> bool:
+def use_dense_dw(m: int, shape, block_shape, nnz_blocks: int, mosaic_dw_cfg, dtype) -> bool:
   """Whether ``dw`` is the dense product plus a gather (small blocks, or 64-blocks at high density)."""
   if m < DW_DENSE_MIN_M:
     return False
@@ -397,4 +399,6 @@ def use_dense_dw(m: int, shape, block_shape, nnz_blocks: int, mosaic_dw_cfg) -> 
   if small < DW_DENSE_BELOW_BLOCK and mosaic_dw_cfg is None:
     return density >= DW_DENSE_MIN_DENSITY
   above = DW_DENSE_ABOVE_DENSITY.get(small)
+  if mosaic_dw_cfg is not None and jnp.dtype(dtype).itemsize == 4:
+    return False
   return above is not None and density >= above

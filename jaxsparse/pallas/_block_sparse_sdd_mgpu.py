@@ -77,10 +77,12 @@ class MosaicSddConfig:
     order: the order in which the thread blocks take the items: ``"rows"`` (by block row, the items
       in flight share few ``x`` slabs and many ``dY`` slabs), ``"cols"`` (by the block column of an
       item's first block: few ``dY`` slabs, many ``x`` slabs), or ``"auto"``: by columns where
-      ``N > K``. Every wave of items streams all ``M`` rows of the slabs it touches, and a slab left
+      ``N >= K``. Every wave of items streams all ``M`` rows of the slabs it touches, and a slab left
       out of L2 is read again by the next wave that needs it, so the side with more slabs should be
-      the one the wave shares: H100, M = 8192, K = 4096, N = 16384, bf16 64 x 64 blocks, d = 0.25,
-      rows: 1.23 ms (0.92 of the dense ``xᵀ dY``, the ``dY`` slabs read about once per kept block).
+      the one the wave shares. H100, M = 8192, K = 4096, 64 x 64 blocks, ratio to the dense ``xᵀ dY``,
+      rows -> cols (``benchmarks/gpu_product_routes.py --variants``): N = 16384 bf16 d = 0.25 0.91 ->
+      0.59, d = 0.5 2.01 -> 1.07, float32 0.67 -> 0.52, 1.43 -> 0.85; N = 4096 0.64-0.66 -> 0.64-0.68
+      at d = 0.25, 1.02-1.16 -> 0.97-1.07 at d = 0.5.
   """
 
   group: int = 2
@@ -327,7 +329,7 @@ def sampled_dw(
   pad = -x2.shape[0] % config.tile_m
   if pad:  # zero rows add nothing to xᵀ dY
     x2, dy2 = jnp.pad(x2, ((0, pad), (0, 0))), jnp.pad(dy2, ((0, pad), (0, 0)))
-  order = config.order if config.order != "auto" else ("cols" if w.shape[1] > w.shape[0] else "rows")
+  order = config.order if config.order != "auto" else ("cols" if w.shape[1] >= w.shape[0] else "rows")
   num_items, rows, blocks, cols = items_of(w, config.group, order)
   num_ctas = min(config.num_ctas or _num_sms(), rows.shape[0])
   k_major = x2.dtype.itemsize == 4
