@@ -24,8 +24,12 @@ these Triton kernels at ``M = 8192`` on an H100) and for float32 operands at DEF
 wgmma, as XLA's own float32 products; 4-7x faster than Triton's float32 tiles) from ``M = 256``; ``dw``
 runs on :mod:`jaxsparse.pallas._block_sparse_sdd_mgpu` for float32 and for 16-bit 64 x 64 blocks.
 Blocks of 32 compute ``dw`` as one dense ``xᵀ dY`` plus a gather, and all three products densely above
-density 0.3, where the per-block kernels measured slower than dense. Decode-sized ``M``, the rest of
-the 16-bit cases, ``Precision.HIGHEST`` and older GPUs keep the Triton kernels.
+density 0.3, where the per-block kernels measured slower than dense; float32 forward / ``dx`` products
+contracting over 16384 or more (K / N) with blocks of 32, or of 64 from density 0.4, also run on the
+weight built dense (``forward_dense`` / ``dx_dense``), as does the 16-bit ``dw`` of 64-blocks from
+density 0.4 (the rules and their measurements: :mod:`jaxsparse.pallas._block_sparse_config`).
+Decode-sized ``M``, the rest of the 16-bit cases, ``Precision.HIGHEST`` and older GPUs keep the Triton
+kernels.
 
 Tile sizes live in :class:`BlockSparseMatmulConfig`; :meth:`BlockSparseMatmulConfig.get_default`
 holds the measured winners and the one heuristic (``benchmarks/gpu_block_sparse.py --sweep`` and
