@@ -26,8 +26,9 @@ runs on :mod:`jaxsparse.pallas._block_sparse_sdd_mgpu` for float32 and for 16-bi
 Blocks of 32 compute ``dw`` as one dense ``xᵀ dY`` plus a gather, and all three products densely above
 density 0.3, where the per-block kernels measured slower than dense; float32 forward / ``dx`` products
 contracting over 16384 or more (K / N) with blocks of 32, or of 64 from density 0.4, also run on the
-weight built dense (``forward_dense`` / ``dx_dense``), as does the 16-bit ``dw`` of 64-blocks from
-density 0.4 (the rules and their measurements: :mod:`jaxsparse.pallas._block_sparse_config`).
+weight built dense (``forward_dense`` / ``dx_dense``), and ``dw`` of 64-blocks from density 0.4 is
+the dense ``xᵀ dY`` plus a gather except on the Mosaic float32 kernel (the rules and their measurements:
+:mod:`jaxsparse.pallas._block_sparse_config`).
 Decode-sized ``M``, the rest of the 16-bit cases, ``Precision.HIGHEST`` and older GPUs keep the Triton
 kernels.
 
