@@ -11,8 +11,8 @@ kept blocks) and the plain dense product of a dense weight; "default route" is w
 ``BlockSparseMatmulConfig.get_default`` picks. This is the data behind ``DENSE_ABOVE_DENSITY``,
 ``LONG_CONTRACTION_*``, ``DW_DENSE_*`` and the ``*_MIN_M`` thresholds in ``jaxsparse/pallas/_block_sparse_config.py``.
 ``--variants`` also times the forward and dX kernels in other tile orders (``group_m``), and dW on the other
-per-block kernel (Triton where Mosaic is the default) and in both item orders of the Mosaic kernel. Prints the
-table(s) last.
+per-block kernel (Triton where Mosaic is the default), the Triton dW with its blocks taken by column, and
+both item orders of the Mosaic kernel. Prints the table(s) last.
 """
 
 from __future__ import annotations
@@ -60,6 +60,8 @@ def _variants(kern):
         for g in (1, 2, 4, 8, 16)
         if g != cfg.group_m
     ]
+  triton_dw_cols = dataclasses.replace(kern.dw, block_order="cols")
+  out.append(("dW Triton order=cols", "dW", dataclasses.replace(kern, mosaic_dw=None, dw=triton_dw_cols)))
   if kern.mosaic_dw is not None:
     out.append(("dW Triton", "dW", dataclasses.replace(kern, mosaic_dw=None)))
     for o in ("rows", "cols"):

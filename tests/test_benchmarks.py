@@ -62,4 +62,5 @@ def test_product_routes_script_runs():
   routes = {(r[4].strip(), r[6].strip()) for r in rows if len(r) > 12}  # M = 64: no dense route by default
   variants = {r[6].strip() for r in rows if len(r) <= 12}
   assert routes == {("32", "kernels"), ("64", "kernels")}, proc.stdout
-  assert variants == {f"{p} Triton group_m={g}" for p in ("fwd", "dX") for g in (1, 2, 4, 16)}, proc.stdout
+  expected = {f"{p} Triton group_m={g}" for p in ("fwd", "dX") for g in (1, 2, 4, 16)} | {"dW Triton order=cols"}
+  assert variants == expected, proc.stdout

@@ -137,12 +137,14 @@ def test_interpret_matches_dense(block_shape, pattern, dtype):
   _check_all(x, dy, w, dtype, interpret=True)
 
 
-@pytest.mark.parametrize(("split", "index_window"), [(3, True), (1, False)])
-def test_interpret_split_and_grouped_tiles(split, index_window):
+@pytest.mark.parametrize(
+    ("split", "index_window", "block_order"), [(3, True, "cols"), (1, False, "rows"), (1, True, "cols")]
+)
+def test_interpret_split_and_grouped_tiles(split, index_window, block_order):
   # Row tiles visited in groups of 2, block loops split over programs, block indices from a
-  # window or from memory.
+  # window or from memory, dW blocks taken by row or by column.
   x, dy, w = _problem(72, 128, 192, (32, 32), "random", jnp.float32, seed=3)
-  cfg = KernelConfig(16, group_m=2, split=split, index_window=index_window)
+  cfg = KernelConfig(16, group_m=2, split=split, index_window=index_window, block_order=block_order)
   _check_all(x, dy, w, jnp.float32, config=BlockSparseMatmulConfig(cfg, cfg, cfg), interpret=True)
 
 
@@ -249,6 +251,8 @@ def test_config_validation():
     KernelConfig(24)
   with pytest.raises(ValueError, match="split"):
     KernelConfig(16, split=0)
+  with pytest.raises(ValueError, match="block_order='diagonal'"):
+    KernelConfig(16, block_order="diagonal")
   cfg = BlockSparseMatmulConfig.get_default(16, (4096, 4096), (64, 64), 1024, jnp.bfloat16)
   # Decode: 64 x 64 blocks split the block loop; 128 x 128 forward programs own 32 columns of a
   # block column instead (no split), their dX splits.
@@ -451,10 +455,10 @@ def test_gpu_float32_highest_precision(block):
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("split", [1, 4])
-@pytest.mark.parametrize("index_window", [True, False])
-def test_gpu_split_configs(split, index_window):
+@pytest.mark.parametrize(("index_window", "block_order"), [(True, "rows"), (False, "cols")])
+def test_gpu_split_configs(split, index_window, block_order):
   x, dy, w = _problem(320, 512, 512, (64, 64), "random", jnp.bfloat16, seed=7)
-  cfg = KernelConfig(32, group_m=4, split=split, index_window=index_window)
+  cfg = KernelConfig(32, group_m=4, split=split, index_window=index_window, block_order=block_order)
   _check_all(x, dy, w, jnp.bfloat16, config=BlockSparseMatmulConfig(cfg, cfg, cfg), interpret=False)
 
 

@@ -78,6 +78,10 @@ class KernelConfig:
       in the forward, of ``bk`` in ``dx``), so that a block column feeds ``bn // sub_cols``
       programs without a reduction afterwards; ``None`` for the whole block. For decode, where
       there are too few block columns to fill the GPU. A power of two >= 16.
+    block_order: the order in which ``dw`` programs take the kept blocks: ``"rows"`` (as stored, by
+      block row) or ``"cols"`` (by block column: the programs in flight share ``dY`` slabs rather than
+      ``x`` slabs; the Mosaic ``dw`` kernel measured faster so where ``N >= K``, see
+      :class:`~jaxsparse.pallas._block_sparse_sdd_mgpu.MosaicSddConfig`; not yet measured here).
   """
 
   block_m: int
@@ -87,6 +91,7 @@ class KernelConfig:
   split: int = 1
   index_window: bool = True
   sub_cols: int | None = None
+  block_order: str = "rows"
 
   def __post_init__(self):
     bm = self.block_m
@@ -98,6 +103,8 @@ class KernelConfig:
     for name in ("num_warps", "num_stages", "group_m", "split"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {name}={getattr(self, name)}.")
+    if self.block_order not in ("rows", "cols"):
+      raise ValueError(f"block_order must be 'rows' or 'cols', got block_order={self.block_order!r}.")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -435,6 +435,9 @@ def _dw(x2, dy2, w, *, compute_dtype, precision, cfg: KernelConfig, interpret):
   xp, dyp = _pad_rows(xp, steps * split * bm), _pad_rows(dyp, steps * split * bm)
   cfg = dataclasses.replace(cfg, split=split)
   nnz, (bk, bn) = w.nnz_blocks, w.block_shape
+  rows, cols = w.row_indices, w.col_indices
+  if cfg.block_order == "cols":  # program t computes block transpose_order[t]; un-permuted below
+    rows, cols = rows[w.transpose_order], cols[w.transpose_order]
   if split == 1:
     out_shape = jax.ShapeDtypeStruct(w.data.shape, w.dtype)
     out_spec = pl.BlockSpec((None, bk, bn), lambda t, s: (t, 0, 0))
@@ -453,8 +456,8 @@ def _dw(x2, dy2, w, *, compute_dtype, precision, cfg: KernelConfig, interpret):
       out_shape=out_shape,
       grid=(nnz, split),
       in_specs=[
-          _whole(w.row_indices.shape, 2),
-          _whole(w.col_indices.shape, 2),
+          _whole(rows.shape, 2),
+          _whole(cols.shape, 2),
           _whole(xp.shape, 2),
           _whole(dyp.shape, 2),
       ],
@@ -462,7 +465,10 @@ def _dw(x2, dy2, w, *, compute_dtype, precision, cfg: KernelConfig, interpret):
       compiler_params=_params(cfg),
       interpret=interpret,
       name=f"block_sparse_sdd_{bk}x{bn}",
-  )(w.row_indices, w.col_indices, xp, dyp)
+  )(rows, cols, xp, dyp)
+  if cfg.block_order == "cols":
+    inverse = jnp.zeros_like(w.transpose_order).at[w.transpose_order].set(jnp.arange(nnz, dtype=jnp.int32))
+    ddata = ddata[..., inverse, :, :]
   if split > 1:
     ddata = ddata.sum(axis=0).astype(w.dtype)
   return ddata
