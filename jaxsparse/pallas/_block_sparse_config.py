@@ -80,8 +80,9 @@ class KernelConfig:
       there are too few block columns to fill the GPU. A power of two >= 16.
     block_order: the order in which ``dw`` programs take the kept blocks: ``"rows"`` (as stored, by
       block row) or ``"cols"`` (by block column: the programs in flight share ``dY`` slabs rather than
-      ``x`` slabs; the Mosaic ``dw`` kernel measured faster so where ``N >= K``, see
-      :class:`~jaxsparse.pallas._block_sparse_sdd_mgpu.MosaicSddConfig`; not yet measured here).
+      ``x`` slabs). The Mosaic ``dw`` kernel measured faster in that order where ``N >= K`` (see
+      :class:`~jaxsparse.pallas._block_sparse_sdd_mgpu.MosaicSddConfig`); this kernel has not been
+      measured in it yet, so the default stays ``"rows"``.
   """
 
   block_m: int
@@ -261,7 +262,6 @@ MOSAIC_TUNED_CONFIGS: dict = (
     {}
     if mosaic is None
     else {
-        # dx visits fewer row tiles at a time: its dY rows (M x N) are the larger operand in L2.
         64: (mosaic.MosaicKernelConfig(group_m=2), mosaic.MosaicKernelConfig(group_m=2)),
         128: (mosaic.MosaicKernelConfig(group_m=2), mosaic.MosaicKernelConfig(group_m=2)),
     }
@@ -399,13 +399,14 @@ def dw_dense_then_gather(x2, dy2, w, *, precision):
 
 
 def use_dense_dw(m: int, shape, block_shape, nnz_blocks: int, mosaic_dw_cfg, dtype) -> bool:
-  """Whether ``dw`` is the dense product plus a gather (small blocks, or 64-blocks at high density)."""
+  """Whether ``dw`` is the dense product plus a gather (small blocks, or 64-blocks at high density
+  unless the Mosaic float32 kernel runs them)."""
   if m < DW_DENSE_MIN_M:
     return False
   density, small = _density(shape, block_shape, nnz_blocks), min(block_shape)
   if small < DW_DENSE_BELOW_BLOCK and mosaic_dw_cfg is None:
     return density >= DW_DENSE_MIN_DENSITY
-  above = DW_DENSE_ABOVE_DENSITY.get(small)
   if mosaic_dw_cfg is not None and jnp.dtype(dtype).itemsize == 4:
     return False
+  above = DW_DENSE_ABOVE_DENSITY.get(small)
   return above is not None and density >= above
