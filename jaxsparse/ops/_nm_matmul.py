@@ -34,6 +34,7 @@ from jax import lax
 from jaxsparse import _utils
 from jaxsparse._cuda import _build as _cuda_build
 from jaxsparse._cuda import _cusparselt as cslt
+from jaxsparse._cuda import _kernels as cuda_kernels
 from jaxsparse.formats._nm import NMSparseMatrix
 from jaxsparse.ops import _dispatch
 from jaxsparse.ops import _sharding
@@ -45,6 +46,9 @@ _IMPLEMENTATIONS = (None, "xla", "pallas", "cusparselt")
 # "auto" multiplies by a cuSPARSELt weight above this many rows, and uses the Pallas kernel up to it
 # (cuSPARSELt's decode kernels ran 1.1-1.6x dense at M <= 16 on an H100, the Pallas kernel 0.8-1.0x).
 MAX_FUSED_ROWS = 64
+# "auto" takes the sparse tensor-core decode kernel for W at least this wide (H100, 2026-11-23,
+# benchmarks/results/gpu_nm_decode_2026-11-23_h100.md).
+NM24_MIN_COLS = 4096
 
 
 def nm_matmul_reference(
@@ -131,10 +135,30 @@ def _cslt_forward(cfg: _Config, x2, w, blob):
   return cslt.matmul(x2, blob, w.shape[1]).astype(cfg.out_dtype)
 
 
+def _use_sparse_mma(cfg: _Config, x2: jax.Array, w: NMSparseMatrix) -> bool:
+  """Whether "auto" multiplies on the sparse tensor cores with our decode kernel (2:4 bf16, few rows)."""
+  if cfg.implementation != "auto" or (w.n, w.m, w.axis, w.ndim) != (2, 4, 0, 2):
+    return False
+  if not (x2.dtype == w.dtype == cfg.out_dtype == jnp.bfloat16):
+    return False
+  k, n = w.shape
+  if cuda_kernels.nm24_unsupported_reason(x2.shape[0], k, n, x2.dtype):
+    return False
+  return n >= NM24_MIN_COLS and cuda_kernels.available()
+
+
+def _sparse_mma_forward(cfg: _Config, x2: jax.Array, w: NMSparseMatrix) -> jax.Array:
+  del cfg
+  return cuda_kernels.nm24_decode(x2, w.values, w.indices)
+
+
 def _local_forward(cfg: _Config, x2: jax.Array, w: NMSparseMatrix, blob: jax.Array | None = None) -> jax.Array:
   """The forward product on 2-D rows; ``blob`` is the cuSPARSELt buffer of ``w`` when the caller has one."""
   if cfg.implementation == "cusparselt":
     return _cslt_forward(cfg, x2, w, blob)
+  if _use_sparse_mma(cfg, x2, w):
+    other = functools.partial(_pallas_or_xla, cfg)
+    return lax.platform_dependent(x2, w, cuda=functools.partial(_sparse_mma_forward, cfg), default=other)
   if cfg.implementation == "auto" and blob is not None:
     reason = cusparselt_unsupported_reason(w, x2.dtype)
     if not reason and cfg.out_dtype != x2.dtype:

@@ -1,0 +1,327 @@
+"""CUDA kernels of our own, compiled at run time with NVRTC and launched as XLA FFI custom calls.
+
+Pallas cannot reach every instruction of the GPU: the sparse tensor cores of Hopper (``mma.sp``,
+``wgmma.sp``) are one. The kernels here are CUDA C++ sources next to this file (``*.cu``, no
+includes), compiled on first use by NVRTC — ``libnvrtc``, which the CUDA wheels of jaxlib install
+(``nvidia-cuda-nvrtc``), or a CUDA toolkit — into a cubin for the GPU at hand (cached on disk by source
+hash, options, NVRTC version and architecture), and launched by ``kernel_launch.cc``, host C++ built
+with the system compiler like the other custom calls (it opens the CUDA driver with ``dlopen``; no CUDA
+headers are needed).
+
+Kernels:
+
+* :func:`nm24_decode`: ``x @ W`` for a 2:4 bfloat16 ``W`` (``NMSparseMatrix`` values and packed
+  positions, as stored) and ``M <= 16`` rows, on the sparse tensor cores (``nm24_decode.cu``).
+
+When NVRTC, the driver, a compiler or a Hopper-class GPU is missing, or ``JAXSPARSE_CUDA_KERNELS=0``
+is set, :func:`available` is False and :func:`unavailable_reason` says why; callers keep their other
+kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import dataclasses
+import functools
+import hashlib
+import os
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+import numpy as np
+
+from jaxsparse._cpu._build import cache_dir
+from jaxsparse._cpu._build import compile_library
+from jaxsparse._cpu._build import compiler
+
+__all__ = ["Nm24DecodeConfig", "available", "nm24_decode", "nm24_unsupported_reason", "unavailable_reason"]
+
+_HERE = Path(__file__).parent
+_LAUNCHER = "kernel_launch.cc"
+_FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-w")
+# Compute capability the kernels need: mma.sp::ordered_metadata and thread block clusters (9.0).
+_MIN_CAPABILITY = (9, 0)
+NM24_SPAN = 128  # columns of W per thread block
+NM24_MAX_ROWS = 16
+
+
+def _disabled() -> bool:
+  return os.environ.get("JAXSPARSE_CUDA_KERNELS", "1").strip().lower() in ("0", "false", "off", "no")
+
+
+def _capability() -> tuple[int, int] | None:
+  try:
+    devices = jax.devices("cuda")
+  except RuntimeError:
+    return None
+  if not devices:
+    return None
+  cc = getattr(devices[0], "compute_capability", None)
+  if not cc:
+    return None
+  major, minor = str(cc).split(".")
+  return int(major), int(minor)
+
+
+def _is_nvrtc(path: Path) -> bool:
+  return "builtins" not in path.name and ".alt." not in path.name
+
+
+def _nvrtc_candidates() -> list[str]:
+  found = []
+  for p in sys.path:
+    nvidia = Path(p) / "nvidia" if p else None
+    if nvidia is not None and nvidia.is_dir():
+      found += [str(f) for f in sorted(nvidia.glob("*/lib/libnvrtc.so*")) if _is_nvrtc(f)]
+  for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+    if root:
+      found += [str(f) for f in sorted(Path(root, "lib64").glob("libnvrtc.so*")) if _is_nvrtc(f)]
+  name = ctypes.util.find_library("nvrtc")
+  if name:
+    found.append(name)
+  return found
+
+
+@functools.cache
+def _nvrtc() -> ctypes.CDLL | None:
+  for path in _nvrtc_candidates():
+    try:
+      return ctypes.CDLL(path)
+    except OSError:
+      continue
+  return None
+
+
+def _nvrtc_version(lib: ctypes.CDLL) -> str:
+  major, minor = ctypes.c_int(), ctypes.c_int()
+  lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
+  return f"{major.value}.{minor.value}"
+
+
+def _compile_cubin(source: str, name: str, options: list[str]) -> tuple[bytes | None, str]:
+  """NVRTC: ``source`` -> ``(cubin, "")`` or ``(None, log)``, cached on disk."""
+  lib = _nvrtc()
+  if lib is None:
+    return None, "libnvrtc not found (jax[cuda12] / jax[cuda13] install it as nvidia-cuda-nvrtc, or a CUDA toolkit)"
+  key = hashlib.sha256("\0".join([source, name, *options, _nvrtc_version(lib)]).encode()).hexdigest()[:24]
+  path = cache_dir() / f"jaxsparse_{name}-{key}.cubin"
+  if path.exists():
+    return path.read_bytes(), ""
+  prog = ctypes.c_void_p()
+  check = lambda r, what: None if r == 0 else f"{what} failed with NVRTC error {r}"
+  created = lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{name}.cu".encode(), 0, None, None)
+  err = check(created, "nvrtcCreateProgram")
+  if err:
+    return None, err
+  try:
+    opts = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
+    result = lib.nvrtcCompileProgram(prog, len(options), opts)
+    if result != 0:
+      size = ctypes.c_size_t()
+      lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+      log = ctypes.create_string_buffer(size.value)
+      lib.nvrtcGetProgramLog(prog, log)
+      text = log.value.decode(errors="replace")[-3000:]
+      return None, f"NVRTC could not compile {name}.cu ({' '.join(options)}):\n{text}"
+    size = ctypes.c_size_t()
+    err = check(lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "nvrtcGetCUBINSize")
+    if err:
+      return None, err
+    cubin = ctypes.create_string_buffer(size.value)
+    err = check(lib.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+    if err:
+      return None, err
+  finally:
+    lib.nvrtcDestroyProgram(ctypes.byref(prog))
+  data = cubin.raw
+  try:  # write atomically: a concurrent process may be writing the same file
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    with os.fdopen(fd, "wb") as f:
+      f.write(data)
+    os.replace(tmp, path)
+  except OSError:
+    pass
+  return data, ""
+
+
+def _build_launcher() -> tuple[Path | None, str]:
+  cxx = compiler()
+  if cxx is None:
+    return None, "no C++ compiler found (set $CXX or install g++)"
+  src = _HERE / _LAUNCHER
+  parts = [src.read_bytes(), " ".join(_FLAGS).encode(), jaxlib.__version__.encode(), cxx.encode()]
+  key = hashlib.sha256(b"\0".join(parts))
+  errors = []
+  for directory in (cache_dir(), Path(tempfile.gettempdir()) / f"jaxsparse-{os.getuid()}"):
+    lib = directory / f"jaxsparse_kernel_launch-{key.hexdigest()[:20]}.so"
+    if lib.exists():
+      return lib, ""
+    try:
+      error = compile_library(cxx, [src], list(_FLAGS), lib, libraries=["-ldl"])
+    except OSError as e:
+      errors.append(f"cannot write to {directory}: {e}")
+      continue
+    if error is None:
+      return lib, ""
+    errors.append(error)
+    break
+  return None, "compiling the kernel launcher failed: " + "\n".join(errors)
+
+
+_LOCK = threading.Lock()
+_STATE: dict = {}
+
+
+def _load() -> dict:
+  with _LOCK:
+    if not _STATE:
+      _STATE.update(_setup())
+    return _STATE
+
+
+def _setup() -> dict:
+  if _disabled():
+    return {"reason": "disabled by JAXSPARSE_CUDA_KERNELS=0"}
+  cc = _capability()
+  if cc is None:
+    return {"reason": "JAX sees no CUDA device"}
+  if cc < _MIN_CAPABILITY:
+    need = ".".join(map(str, _MIN_CAPABILITY))
+    return {"reason": f"the kernels need compute capability >= {need}, got {cc[0]}.{cc[1]}"}
+  if _nvrtc() is None:
+    return {"reason": _compile_cubin("", "probe", [])[1]}
+  path, reason = _build_launcher()
+  if path is None:
+    return {"reason": reason}
+  try:
+    lib = ctypes.CDLL(str(path))
+    register = lib.JaxsparseKernelRegister
+    register.restype = ctypes.c_int64
+    register.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int64, ctypes.c_char_p]
+    jax.ffi.register_ffi_target("jaxsparse_nm24_decode", jax.ffi.pycapsule(lib.JaxsparseNm24Decode), platform="CUDA")
+  except (OSError, AttributeError) as e:
+    return {"reason": f"loading {path} failed: {e}"}
+  return {"reason": "", "lib": lib, "register": register, "arch": f"sm_{cc[0]}{cc[1]}", "kernels": {}}
+
+
+def available() -> bool:
+  """True when the kernels can be compiled and launched on the default CUDA device."""
+  return not _load()["reason"]
+
+
+def unavailable_reason() -> str:
+  return _load()["reason"]
+
+
+def _kernel_id(source_name: str, name: str, defines: tuple[tuple[str, int], ...]) -> int:
+  """Compiles (once per process) and registers kernel ``name`` of ``source_name`` with ``defines``."""
+  state = _load()
+  if state["reason"]:
+    raise RuntimeError(f"the CUDA kernels cannot run here: {state['reason']}")
+  key = (source_name, name, defines)
+  with _LOCK:
+    if key in state["kernels"]:
+      return state["kernels"][key]
+    source = (_HERE / source_name).read_text()
+    options = [f"--gpu-architecture={state['arch']}", "-std=c++17", *(f"-D{k}={v}" for k, v in defines)]
+    cubin, log = _compile_cubin(source, name, options)
+    if cubin is None:
+      raise RuntimeError(log)
+    error = ctypes.create_string_buffer(512)
+    kid = state["register"](name.encode(), cubin, len(cubin), error)
+    if kid < 0:
+      raise RuntimeError(f"registering {name} failed: {error.value.decode(errors='replace')}")
+    state["kernels"][key] = kid
+    return kid
+
+
+@dataclasses.dataclass(frozen=True)
+class Nm24DecodeConfig:
+  """Work split of :func:`nm24_decode`.
+
+  Attributes:
+    split: thread blocks per 128 columns of ``W`` (1, 2, 4 or 8), each a slice of ``K``; the blocks of a
+      column span form a cluster and add their partial sums through distributed shared memory.
+    warps: warps per thread block (they split the block's slice of ``K``).
+  """
+
+  split: int = 1
+  warps: int = 8
+
+  def __post_init__(self):
+    if self.split not in (1, 2, 4, 8):
+      raise ValueError(f"split must be 1, 2, 4 or 8, got split={self.split}.")
+    if self.warps not in (2, 4, 8):
+      raise ValueError(f"warps must be 2, 4 or 8, got warps={self.warps}.")
+
+  @classmethod
+  def get_default(cls, m: int, k: int, n: int) -> Nm24DecodeConfig:
+    """About 1024 warps in 128-256 thread blocks, measured on an H100 (2026-11-23, K = 4096).
+
+    N = 16384 (128 column spans): one block of 8 warps per span (0.61-0.63 of dense; 2 blocks of 4
+    warps: 0.63-0.65). N = 4096 (32 spans): clusters of 8 blocks of 4 warps for M <= 8 (0.85), of 2
+    warps for M > 8 (0.99; 4 warps: 1.24). ``benchmarks/results/gpu_nm_decode_2026-11-23_h100.md``.
+    """
+    spans = n // NM24_SPAN
+    pairs = k // 64
+    if spans >= 128:
+      split, warps = 1, 8
+    else:
+      split = 8
+      while split > 1 and spans * split > 256:
+        split //= 2
+      warps = 2 if m > 8 else 4
+    # Every warp should get at least one pair of steps of K.
+    while split > 1 and pairs < split * warps:
+      split //= 2
+    while warps > 2 and pairs < split * warps:
+      warps //= 2
+    return cls(split=split, warps=warps)
+
+
+def nm24_unsupported_reason(m: int, k: int, n: int, dtype) -> str:
+  """Why :func:`nm24_decode` cannot take an ``(m, k) @ (k, n)`` product, or ``""``."""
+  if jnp.dtype(dtype) != jnp.bfloat16:
+    return f"dtype must be bfloat16, got {jnp.dtype(dtype)}"
+  if not 1 <= m <= NM24_MAX_ROWS:
+    return f"M must be between 1 and {NM24_MAX_ROWS}, got M={m}"
+  if k % 64 or n % NM24_SPAN:
+    return f"K must be a multiple of 64 and N of {NM24_SPAN}, got K={k}, N={n}"
+  return ""
+
+
+def nm24_decode(
+    x: jax.Array, values: jax.Array, indices: jax.Array, *, config: Nm24DecodeConfig | None = None
+) -> jax.Array:
+  """``x (M, K) @ W`` -> ``(M, N)`` bfloat16 for a 2:4 ``W`` given as stored by ``NMSparseMatrix``.
+
+  Args:
+    x: ``(M, K)`` bfloat16, ``M <= 16``.
+    values: ``(K / 2, N)`` bfloat16 kept values (``NMSparseMatrix.values``).
+    indices: ``(K / 8, N)`` uint8 packed positions (``NMSparseMatrix.indices``, 2:4 along ``K``).
+    config: work split; default :meth:`Nm24DecodeConfig.get_default`.
+  """
+  m, k = x.shape
+  n = values.shape[1]
+  reason = nm24_unsupported_reason(m, k, n, x.dtype)
+  if reason:
+    raise ValueError(f"nm24_decode cannot run for x {x.shape} and W ({k}, {n}): {reason}.")
+  if (values.shape, values.dtype, indices.shape, indices.dtype) != ((k // 2, n), jnp.bfloat16, (k // 8, n), jnp.uint8):
+    raise ValueError(
+        f"nm24_decode needs values ({k // 2}, {n}) bfloat16 and indices ({k // 8}, {n}) uint8, got values "
+        f"{values.shape} {values.dtype} and indices {indices.shape} {indices.dtype}."
+    )
+  cfg = config or Nm24DecodeConfig.get_default(m, k, n)
+  mt = 1 if m <= 8 else 2
+  kid = _kernel_id("nm24_decode.cu", "nm24_decode", (("NM_MT", mt), ("NM_SPLIT", cfg.split), ("NM_WARPS", cfg.warps)))
+  out = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
+  return jax.ffi.ffi_call("jaxsparse_nm24_decode", out, vmap_method="sequential")(
+      x, values, indices, kernel=np.int64(kid), split=np.int64(cfg.split), warps=np.int64(cfg.warps)
+  )

@@ -1,0 +1,235 @@
+// y (M, N) = x (M, K) @ W for M <= 16 (decode), W a 2:4 bfloat16 (K, N) weight (groups of 4 along K) stored
+// as jaxsparse.NMSparseMatrix stores it, on the sparse tensor cores (mma.sp, compute capability 8.0+).
+// Compiled at run time by NVRTC (no includes), one build per (NM_MT, NM_SPLIT, NM_WARPS).
+//
+// Operands, all row-major as JAX stores them:
+//   x       (M, K) bf16;
+//   values  (K/2, N) bf16: row 2g+s = the s-th kept entry (in increasing position) of group g;
+//   idx     (K/8, N) uint8: word r = code(group r) | code(group r + K/8) << 4, code = p0 | p1 << 2
+//           with p0 < p1 the positions of the two kept entries inside their group;
+//   y       (M, N) bf16.
+// Needs N % 128 == 0 and K % 64 == 0.
+//
+// The product runs transposed, yᵀ = Wᵀ xᵀ, so that the structured operand is mma.sp's A (16 rows = 16
+// columns of W, 32 K = 8 groups per instruction, 16 kept values per row) and xᵀ is B (K x 8 tokens).
+// A warp owns a 128-column span of W and walks pairs of 8-group steps (p, p + K/64): one load of the
+// position bytes serves both (low and high nibbles). The 16 A rows of an instruction are not 16
+// consecutive columns: lane group g (lane / 4) loads 16 consecutive columns 16g..16g+15 of a values row
+// with two 16-byte loads, and instruction i (0..7) takes column 16g + i as its row g and 16g + 8 + i as
+// its row g + 8, so every load is a full 16 bytes and no data moves between lanes. Any order of the
+// rows is as good as another: each row's output column is tracked. The warps of a thread block split
+// the steps; their partial sums meet in shared memory, and with NM_SPLIT > 1 the NM_SPLIT blocks of a
+// cluster (each a slice of K) add them through distributed shared memory and each writes a slice of
+// the 128 columns (no second kernel, no atomics in global memory).
+
+#ifndef NM_MT
+#define NM_MT 2  // token tiles of 8 rows: 1 for M <= 8, 2 for M <= 16
+#endif
+#ifndef NM_SPLIT
+#define NM_SPLIT 1  // thread blocks per 128-column span, each a slice of K (a cluster)
+#endif
+#ifndef NM_WARPS
+#define NM_WARPS 8
+#endif
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+
+#define NM_SPAN 128
+
+// Element w (0..3) of a uint4, w known at compile time after unrolling.
+__device__ __forceinline__ u32 word_of(const uint4& v, int w) {
+  return w == 0 ? v.x : (w == 1 ? v.y : (w == 2 ? v.z : v.w));
+}
+
+// Byte b (0..15) of a 16-byte vector.
+__device__ __forceinline__ u32 byte_of(const uint4& v, int b) { return (word_of(v, b >> 2) >> (8 * (b & 3))) & 0xffu; }
+
+// (lo, hi) bf16 pair: column j of `lo_row` and column j of `hi_row`, each row 16 columns in two uint4
+// (h = j / 8).
+__device__ __forceinline__ u32 pair_of(const uint4* lo_row, const uint4* hi_row, int j) {
+  const u32 a = word_of(lo_row[j >> 3], (j & 7) >> 1);
+  const u32 b = word_of(hi_row[j >> 3], (j & 7) >> 1);
+  return __byte_perm(a, b, (j & 1) ? 0x7632 : 0x5410);
+}
+
+// Metadata registers (mma.sp m16n8k32, 16-bit types, sparsity selector 0; measured on an H100 with a
+// probe that flips one nibble at a time): lane (g, t), t < 2, gives nibble u (0..3) = the code of A row
+// g and group 4t + u of the step, nibble 4 + u = that of A row g + 8; lanes t = 2, 3 give none.
+// meta[u] holds the position bytes of group 4t + u for the lane's 16 columns (A row g + 8h of
+// instruction i is column 8h + i). A 4 x 4 byte transpose per 4 instructions gathers, for column
+// (h, i), the bytes of the 4 groups in one word: tr[h][i] byte u.
+__device__ __forceinline__ void transpose_meta(const uint4* meta, u32 (*tr)[8]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const u32 a0 = word_of(meta[0], 2 * h + c), a1 = word_of(meta[1], 2 * h + c);
+      const u32 a2 = word_of(meta[2], 2 * h + c), a3 = word_of(meta[3], 2 * h + c);
+      const u32 p0 = __byte_perm(a0, a1, 0x5140), p1 = __byte_perm(a0, a1, 0x7362);
+      const u32 p2 = __byte_perm(a2, a3, 0x5140), p3 = __byte_perm(a2, a3, 0x7362);
+      tr[h][4 * c + 0] = __byte_perm(p0, p2, 0x5410);
+      tr[h][4 * c + 1] = __byte_perm(p0, p2, 0x7632);
+      tr[h][4 * c + 2] = __byte_perm(p1, p3, 0x5410);
+      tr[h][4 * c + 3] = __byte_perm(p1, p3, 0x7632);
+    }
+}
+
+// The register of instruction i: q picks the nibble (0: first step of the pair, 1: second).
+__device__ __forceinline__ u32 meta_word(const u32 (*tr)[8], int i, int q) {
+  u32 x[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const u32 nib = (q ? (tr[h][i] >> 4) : tr[h][i]) & 0x0f0f0f0fu;  // byte u = code of group 4t + u
+    x[h] = nib | (nib >> 4);                                           // bytes 0, 2: two codes each
+  }
+  return __byte_perm(x[0], x[1], 0x6420);
+}
+
+__device__ __forceinline__ void mma_sp(float* c, const u32* a, const u32* b, u32 e) {
+  asm volatile(
+      "mma.sp::ordered_metadata.sync.aligned.m16n8k32.row.col.f32.bf16.bf16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9, %10, %11}, {%0, %1, %2, %3}, %12, 0x0;\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(b[2]), "r"(b[3]), "r"(e));
+}
+
+__device__ __forceinline__ u16 to_bf16(float f) {
+  u16 r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+  return r;
+}
+
+#if NM_SPLIT > 1
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+
+__device__ __forceinline__ float load_peer(const float* p, u32 rank) {
+  u32 local = (u32)__cvta_generic_to_shared(p), remote;
+  float v;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+  return v;
+}
+#endif
+
+extern "C" __global__ void __launch_bounds__(NM_WARPS * 32)
+#if NM_SPLIT > 1
+    __cluster_dims__(1, NM_SPLIT, 1)
+#endif
+    nm24_decode(const u16* __restrict__ x, const u16* __restrict__ values, const u8* __restrict__ idx,
+                u16* __restrict__ y, int m, int k, int n) {
+  __shared__ float red[NM_WARPS < 4 ? NM_WARPS : 4][32 * NM_MT][32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int span0 = blockIdx.x * NM_SPAN;
+  const int col = span0 + 16 * g;
+  const int pairs = k >> 6;  // step pairs; a step is 8 groups (32 of K)
+  const int per_block = (pairs + NM_SPLIT - 1) / NM_SPLIT;
+  const int p_begin = blockIdx.y * per_block;
+  const int p_end = min(pairs, p_begin + per_block);
+
+  float acc[8][NM_MT][4];
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+#pragma unroll
+    for (int mt = 0; mt < NM_MT; ++mt)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc[i][mt][r] = 0.f;
+
+  for (int p = p_begin + warp; p < p_end; p += NM_WARPS) {
+    uint4 meta[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+      meta[u] = t < 2 ? __ldg(reinterpret_cast<const uint4*>(idx + (size_t)(8 * p + 4 * t + u) * n + col))
+                      : uint4{0u, 0u, 0u, 0u};
+    u32 tr[2][8];
+    transpose_meta(meta, tr);
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+      const int step = p + q * pairs;
+      // Compressed rows 2t, 2t+1, 2t+8, 2t+9 of the step, 16 columns each.
+      uint4 v[4][2];
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int row = 16 * step + 2 * t + (r & 1) + 8 * (r >> 1);
+        const uint4* src = reinterpret_cast<const uint4*>(values + (size_t)row * n + col);
+        v[r][0] = __ldg(src);
+        v[r][1] = __ldg(src + 1);
+      }
+      u32 b[NM_MT][4];
+#pragma unroll
+      for (int mt = 0; mt < NM_MT; ++mt) {
+        const int tok = g + 8 * mt;
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          b[mt][j] = tok < m ? __ldg(reinterpret_cast<const u32*>(x + (size_t)tok * k + 32 * step + 8 * j + 2 * t)) : 0u;
+      }
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        u32 a[4];
+        a[0] = pair_of(v[0], v[1], i);      // row g, compressed columns 2t, 2t+1
+        a[1] = pair_of(v[0], v[1], 8 + i);  // row g + 8
+        a[2] = pair_of(v[2], v[3], i);      // row g, compressed columns 2t+8, 2t+9
+        a[3] = pair_of(v[2], v[3], 8 + i);
+        const u32 e = meta_word(tr, i, q);  // zero on lanes t >= 2 (meta is zero there)
+#pragma unroll
+        for (int mt = 0; mt < NM_MT; ++mt) mma_sp(acc[i][mt], a, b[mt], e);
+      }
+    }
+  }
+  // Partial sums meet in shared memory in fragment order, red[slot][e][lane] (no bank conflicts): warps
+  // 0..3 write their slot, the others add into slot warp % 4 one group of four at a time.
+  constexpr int kSlots = NM_WARPS < 4 ? NM_WARPS : 4;
+  for (int round = 0; round < NM_WARPS / kSlots; ++round) {
+    if (warp / kSlots == round) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int mt = 0; mt < NM_MT; ++mt)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            float* dst = &red[warp % kSlots][(i * NM_MT + mt) * 4 + r][lane];
+            *dst = round == 0 ? acc[i][mt][r] : *dst + acc[i][mt][r];
+          }
+    }
+    __syncthreads();
+  }
+  // Entry e = (i, mt, r) of lane (g, t): token 8 mt + 2 t + (r & 1), column 16 g + i + 8 (r >> 1) of the span
+  // (D fragment: c0, c1 = A row g, c2, c3 = A row g + 8; A row g + 8 h of instruction i = column 16 g + 8 h + i).
+  constexpr int kEntries = 32 * NM_MT;
+#if NM_SPLIT > 1
+  for (int j = threadIdx.x; j < kEntries * 32; j += NM_WARPS * 32) {
+    const int e = j >> 5, l = j & 31;
+    float s = 0.f;
+#pragma unroll
+    for (int slot = 0; slot < kSlots; ++slot) s += red[slot][e][l];
+    red[0][e][l] = s;
+  }
+  cluster_sync();
+  // Block `rank` of the cluster adds entries [rank, rank + 1) * kEntries / NM_SPLIT of every block.
+  constexpr int kPer = kEntries / NM_SPLIT;
+  for (int j = threadIdx.x; j < kPer * 32; j += NM_WARPS * 32) {
+    const int e = blockIdx.y * kPer + (j >> 5), l = j & 31;
+    const int i = e / (4 * NM_MT), mt = (e >> 2) % NM_MT, r = e & 3;
+    const int tok = 8 * mt + 2 * (l & 3) + (r & 1), c = 16 * (l >> 2) + i + 8 * (r >> 1);
+    float s = 0.f;
+#pragma unroll
+    for (int rank = 0; rank < NM_SPLIT; ++rank) s += load_peer(&red[0][e][l], (u32)rank);
+    if (tok < m) y[(size_t)tok * n + span0 + c] = to_bf16(s);
+  }
+  cluster_sync();
+#else
+  for (int j = threadIdx.x; j < kEntries * 32; j += NM_WARPS * 32) {
+    const int e = j >> 5, l = j & 31;
+    const int i = e / (4 * NM_MT), mt = (e >> 2) % NM_MT, r = e & 3;
+    const int tok = 8 * mt + 2 * (l & 3) + (r & 1), c = 16 * (l >> 2) + i + 8 * (r >> 1);
+    float s = 0.f;
+#pragma unroll
+    for (int slot = 0; slot < kSlots; ++slot) s += red[slot][e][l];
+    if (tok < m) y[(size_t)tok * n + span0 + c] = to_bf16(s);
+  }
+#endif
+}

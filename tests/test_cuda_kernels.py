@@ -1,0 +1,175 @@
+"""Our own CUDA kernels (NVRTC-compiled, ``jaxsparse/_cuda/_kernels.py``): the 2:4 decode product on sparse
+tensor cores.
+
+CPU tests cover the argument checks, the config and the dispatch of ``nm_matmul`` off CUDA. Tests marked
+``gpu`` run the kernel against a float32 dense product of the same bf16 operands on a GPU of compute
+capability 9.0+ (``pytest -m gpu tests/test_cuda_kernels.py`` on the device machine); they skip elsewhere.
+Tolerance: bf16 output rounding (relative 2^-8 per element) on top of float32 accumulation in another
+order, so the relative Frobenius error of the whole output stays near 1.7e-3; we allow 5e-3.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import settings
+from hypothesis import strategies as st
+
+import jaxsparse
+from jaxsparse._cuda import _kernels as ck
+from jaxsparse.ops import _nm_matmul
+
+needs_gpu = pytest.mark.skipif(not ck.available(), reason=ck.unavailable_reason() or "CUDA kernels available")
+on_cpu = pytest.mark.skipif(ck.available(), reason="checks the behaviour without the CUDA kernels")
+TOL = 5e-3
+
+
+def _rel(a, b) -> float:
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def _problem(seed, m, k, n, empty_cols=False):
+  kx, kw = jax.random.split(jax.random.key(seed))
+  w = jax.random.normal(kw, (k, n), jnp.float32)
+  if empty_cols:  # whole columns of zeros: every group keeps two zeros there
+    w = w.at[:, : n // 4].set(0.0)
+  w = jaxsparse.NMSparseMatrix.from_dense(w.astype(jnp.bfloat16), 2, 4)
+  x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
+  ref = jnp.dot(x.astype(jnp.float32), w.to_dense().astype(jnp.float32))
+  return x, w, ref
+
+
+# -------------------------------------------------------------------------------------------------
+# CPU.
+# -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("m", "k", "n", "dtype", "expect"),
+    [
+        (16, 4096, 4096, jnp.bfloat16, ""),
+        (1, 64, 128, jnp.bfloat16, ""),
+        (17, 4096, 4096, jnp.bfloat16, "M must be between 1 and 16"),
+        (0, 4096, 4096, jnp.bfloat16, "M must be between 1 and 16"),
+        (4, 96, 128, jnp.bfloat16, "K must be a multiple of 64"),
+        (4, 128, 192, jnp.bfloat16, "N of 128"),
+        (4, 128, 128, jnp.float16, "dtype must be bfloat16"),
+    ],
+)
+def test_nm24_unsupported_reason(m, k, n, dtype, expect):
+  reason = ck.nm24_unsupported_reason(m, k, n, dtype)
+  assert (expect in reason) if expect else reason == ""
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"split": 3}, "split must be 1, 2, 4 or 8, got split=3"),
+        ({"warps": 16}, "warps must be 2, 4 or 8, got warps=16"),
+    ],
+)
+def test_nm24_config_errors(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    ck.Nm24DecodeConfig(**kwargs)
+
+
+@pytest.mark.parametrize(("k", "n"), [(4096, 4096), (4096, 16384), (11008, 4096), (64, 128), (4096, 128)])
+def test_nm24_default_config_fits(k, n):
+  cfg = ck.Nm24DecodeConfig.get_default(16, k, n)
+  # Every block of a cluster gets at least one step pair per warp.
+  assert (k // 64) // cfg.split >= 1
+  assert ck.NM24_SPAN % cfg.split == 0
+
+
+def test_nm24_rejects_bad_operands():
+  x, w, _ = _problem(0, 4, 128, 128)
+  with pytest.raises(ValueError, match="M must be between 1 and 16"):
+    ck.nm24_decode(jnp.zeros((17, 128), jnp.bfloat16), w.values, w.indices)
+  with pytest.raises(ValueError, match=r"indices \(16, 128\) uint8"):
+    ck.nm24_decode(x, w.values, w.indices.astype(jnp.uint16))
+
+
+@on_cpu
+def test_unavailable_off_cuda_and_nm_matmul_unchanged():
+  assert not ck.available() and ck.unavailable_reason()
+  x, w, ref = _problem(1, 5, 256, 128)
+  y = jax.jit(jaxsparse.ops.nm_matmul)(x, w)
+  assert y.dtype == jnp.bfloat16 and _rel(y, ref) < TOL
+  assert "jaxsparse_nm24_decode" not in str(jax.jit(jaxsparse.ops.nm_matmul).lower(x, w).as_text())
+
+
+def test_use_sparse_mma_rules():
+  """The dispatch rule itself (the kernel's availability aside)."""
+  cfg = _nm_matmul._Config(implementation="auto", precision=None, out_dtype=jnp.dtype(jnp.bfloat16))
+  x, w, _ = _problem(2, 16, 256, 4096)
+  expected = ck.available()
+  assert _nm_matmul._use_sparse_mma(cfg, x, w) == expected
+  assert not _nm_matmul._use_sparse_mma(cfg, jnp.zeros((17, 256), jnp.bfloat16), w)  # too many rows
+  forced = _nm_matmul._Config(implementation="pallas", precision=None, out_dtype=jnp.dtype(jnp.bfloat16))
+  assert not _nm_matmul._use_sparse_mma(forced, x, w)
+  f32 = _nm_matmul._Config(implementation="auto", precision=None, out_dtype=jnp.dtype(jnp.float32))
+  assert not _nm_matmul._use_sparse_mma(f32, x, w)
+  w14 = jaxsparse.NMSparseMatrix.from_dense(jnp.ones((256, 4096), jnp.bfloat16), 1, 4)
+  assert not _nm_matmul._use_sparse_mma(cfg, x, w14)
+
+
+# -------------------------------------------------------------------------------------------------
+# GPU.
+# -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize(
+    ("m", "k", "n"),
+    [
+        (16, 4096, 4096), (1, 4096, 4096), (5, 256, 384), (9, 128, 128), (16, 4096, 16384), (8, 1024, 2048),
+        (3, 11008, 512),
+    ],
+)
+@pytest.mark.parametrize(
+    "config",
+    [None, ck.Nm24DecodeConfig(1, 8), ck.Nm24DecodeConfig(2, 4), ck.Nm24DecodeConfig(8, 8), ck.Nm24DecodeConfig(4, 2)],
+)
+def test_gpu_nm24_decode(m, k, n, config):
+  x, w, ref = _problem(m * 7 + n, m, k, n, empty_cols=(m == 5))
+  y = jax.jit(lambda x, v, i: ck.nm24_decode(x, v, i, config=config))(x, w.values, w.indices)
+  assert y.shape == (m, n) and y.dtype == jnp.bfloat16
+  assert _rel(y, ref) < TOL
+
+
+@pytest.mark.gpu
+@needs_gpu
+@settings(max_examples=12, deadline=None)
+@given(
+    m=st.integers(1, 16),
+    k=st.sampled_from([64, 192, 1024]),
+    n=st.sampled_from([128, 256, 640]),
+    split=st.sampled_from([1, 2, 4, 8]),
+    seed=st.integers(0, 2**16),
+)
+def test_gpu_nm24_decode_random(m, k, n, split, seed):
+  x, w, ref = _problem(seed, m, k, n)
+  y = ck.nm24_decode(x, w.values, w.indices, config=ck.Nm24DecodeConfig(split=split, warps=4))
+  assert _rel(y, ref) < TOL
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_nm_matmul_takes_sparse_mma_at_decode():
+  """``nm_matmul`` ("auto") with leading batch dims and its gradients, on the sparse tensor-core kernel."""
+  _, w, _ = _problem(3, 1, 4096, 4096)
+  x = jax.random.normal(jax.random.key(4), (2, 3, 4096), jnp.float32).astype(jnp.bfloat16)
+  f = jax.jit(lambda x, w: jaxsparse.ops.nm_matmul(x, w))
+  assert "jaxsparse_nm24_decode" in f.lower(x, w).as_text()
+  y = f(x, w)
+  ref = jnp.einsum("abk,kn->abn", x.astype(jnp.float32), w.to_dense().astype(jnp.float32))
+  assert y.shape == (2, 3, 4096) and _rel(y, ref) < TOL
+  # The backward is the XLA one; the forward kernel only has to be differentiable through the custom VJP.
+  gx = jax.grad(lambda x: jaxsparse.ops.nm_matmul(x, w).astype(jnp.float32).sum())(x)
+  gref = jnp.broadcast_to(w.to_dense().astype(jnp.float32).sum(axis=1), x.shape)
+  assert _rel(gx, gref) < TOL
