@@ -8,9 +8,10 @@ Cases, bf16, ``y = x @ W``, ``x`` ``(M, 4096)``:
 
 * block-sparse ``W`` ``(4096, 4096)``, blocks 64 and 128, density 0.25, M = 16: tile variants of the
   Triton forward (``KernelConfig.split``, ``sub_cols``, warps, stages) and the default.
-* 2:4 ``W`` ``(4096, N)`` along ``K``, N in {4096, 16384}, M in {16, 1}: tilings of the Pallas N:M
-  kernel (``NMMatmulConfig``: expansion by group or by position, ``block_n``, ``block_groups``,
-  ``split_k``) and the default.
+* 2:4 ``W`` ``(4096, N)`` along ``K``, N in {4096, 16384}, M in {16, 8, 1}: the Pallas N:M kernel
+  (default; ``--sweep``: its tilings, ``NMMatmulConfig``), the CUDA kernel on the sparse tensor cores
+  (``jaxsparse/_cuda/nm24_decode.cu``: default; ``--sweep``: its work splits, ``Nm24DecodeConfig``),
+  and what ``ops.nm_matmul`` picks.
 
 Two timings per case, as device time (CUPTI, ``benchmarks/_gpu_timing.py``) per product:
 
@@ -42,6 +43,8 @@ from _gpu_timing import rel_err
 from _gpu_timing import time_ms
 
 import jaxsparse
+from jaxsparse import ops
+from jaxsparse._cuda import _kernels as cuda_kernels
 from jaxsparse.pallas import BlockSparseMatmulConfig
 from jaxsparse.pallas import NMMatmulConfig
 from jaxsparse.pallas import _block_sparse_matmul as bs_kernels
@@ -52,7 +55,9 @@ warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated
 K = 4096
 HBM_BYTES = 128 << 20  # weights per timed call in the "hbm" timing: 2.5x the L2 of an H100
 BS_N, BS_BLOCKS, BS_DENSITY, BS_M = 4096, (128, 64), 0.25, 16
-NM_COLS, NM_ROWS = (4096, 16384), (16, 1)
+NM_COLS, NM_ROWS = (4096, 16384), (16, 8, 1)
+# (split, warps) of the sparse tensor-core kernel timed by --sweep.
+NM24_SPLITS = [(1, 8), (1, 4), (2, 8), (2, 4), (4, 4), (4, 2), (8, 8), (8, 4), (8, 2)]
 
 
 def _bf16(key, shape):
@@ -216,6 +221,18 @@ def nm(args, rows: list[str]) -> None:
       for label, cfg in configs:
         f = lambda x, w, cfg=cfg: nm_kernels.forward(x, w, config=cfg)
         _variant_row(f"{m}x{cols} {label}", cfg, f, x, w0, ws, ref, (d_hot, d_hbm), nbytes, args.iterations, rows)
+      if cuda_kernels.available():
+        sparse = [("mma.sp default", cuda_kernels.Nm24DecodeConfig.get_default(m, K, cols))]
+        if args.sweep:
+          sparse += [(f"mma.sp split {sp} warps {wa}", cuda_kernels.Nm24DecodeConfig(sp, wa)) for sp, wa in NM24_SPLITS]
+        for label, cfg in sparse:
+          f = lambda x, w, cfg=cfg: cuda_kernels.nm24_decode(x, w.values, w.indices, config=cfg)
+          _variant_row(f"{m}x{cols} {label}", cfg, f, x, w0, ws, ref, (d_hot, d_hbm), nbytes, args.iterations, rows)
+      else:
+        log(f"CUDA kernels unavailable: {cuda_kernels.unavailable_reason()}")
+      f = lambda x, w: ops.nm_matmul(x, w)
+      picked = "mma.sp" if "nm24_decode" in jax.jit(f).lower(x, w0).as_text() else "Pallas / XLA"
+      _variant_row(f"{m}x{cols} nm_matmul", picked, f, x, w0, ws, ref, (d_hot, d_hbm), nbytes, args.iterations, rows)
     del dense, ws
 
 

@@ -193,6 +193,8 @@ class BlockSparseMatmulConfig:
       # M = 8192 a split of 3 measured 50% slower than none on an H200.)
       steps = pl.cdiv(m, dw.block_m)
       dw = dataclasses.replace(dw, split=max(1, min(steps, pl.cdiv(_TARGET_PROGRAMS // 2, nnz_blocks))))
+    if itemsize == 2 and n >= DW_COLS_ORDER_MIN_RATIO * k:
+      dw = dataclasses.replace(dw, block_order="cols")
     mosaic_fwd, mosaic_dx = mosaic_defaults(m, block_shape, dtype)
     return cls(
         forward=fwd,
@@ -207,6 +209,12 @@ class BlockSparseMatmulConfig:
         dense=use_dense(m, shape, block_shape, nnz_blocks),
     )
 
+
+# The Triton dW takes its kept blocks by block column where N >= 4 K (16-bit): `gpu_product_routes.py
+# --variants`, H100, M = 8192, K = 4096, bf16 (benchmarks/results/gpu_nm_decode_2026-11-23_h100.md):
+# N = 16384 d = 0.5 1.62 -> 1.41 (block 64) and 0.84 -> 0.75 (block 128) of dense dW, d = 0.25 equal;
+# at N = K = 4096 column order was 2-10% slower.
+DW_COLS_ORDER_MIN_RATIO = 4
 
 # The forward at decode (16-bit, fewer than _TARGET_PROGRAMS output tiles) for blocks of 128: 32
 # output columns per program, no split (one launch), 4 pipeline stages. `benchmarks/gpu_decode.py
