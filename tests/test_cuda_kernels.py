@@ -102,6 +102,13 @@ def test_unavailable_off_cuda_and_nm_matmul_unchanged():
   assert "jaxsparse_nm24_decode" not in str(jax.jit(jaxsparse.ops.nm_matmul).lower(x, w).as_text())
 
 
+@on_cpu
+def test_no_fallback_warning_without_a_gpu_that_could_run_it(recwarn):
+  assert ck.nm24_prepare(16, 256, 4096) == ck.unavailable_reason()
+  ck.warn_fallback("nm_matmul", "some reason")
+  assert not [w for w in recwarn if issubclass(w.category, ck.CudaKernelFallbackWarning)]
+
+
 def test_use_sparse_mma_rules():
   """The dispatch rule itself (the kernel's availability aside)."""
   cfg = _nm_matmul._Config(implementation="auto", precision=None, out_dtype=jnp.dtype(jnp.bfloat16))
@@ -173,3 +180,18 @@ def test_gpu_nm_matmul_takes_sparse_mma_at_decode():
   gx = jax.grad(lambda x: jaxsparse.ops.nm_matmul(x, w).astype(jnp.float32).sum())(x)
   gref = jnp.broadcast_to(w.to_dense().astype(jnp.float32).sum(axis=1), x.shape)
   assert _rel(gx, gref) < TOL
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_nm_matmul_falls_back_with_a_warning_when_the_kernel_cannot_build(monkeypatch):
+  def broken(*args, **kwargs):
+    raise RuntimeError("NVRTC could not compile nm24_decode.cu (test)")
+
+  monkeypatch.setattr(ck, "_kernel_id", broken)
+  monkeypatch.setattr(ck, "_WARNED", set())
+  x, w, ref = _problem(5, 4, 4096, 4096)
+  with pytest.warns(ck.CudaKernelFallbackWarning, match="NVRTC could not compile"):
+    text = jax.jit(jaxsparse.ops.nm_matmul).lower(x, w).as_text()
+  assert "jaxsparse_nm24_decode" not in text
+  assert _rel(jaxsparse.ops.nm_matmul(x, w), ref) < TOL

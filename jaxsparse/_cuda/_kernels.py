@@ -15,7 +15,8 @@ Kernels:
 
 When NVRTC, the driver, a compiler or a Hopper-class GPU is missing, or ``JAXSPARSE_CUDA_KERNELS=0``
 is set, :func:`available` is False and :func:`unavailable_reason` says why; callers keep their other
-kernels.
+kernels, with a :class:`CudaKernelFallbackWarning` (once per reason) where a GPU that could run them is
+present but something else is missing.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import os
 import sys
 import tempfile
 import threading
+import warnings
 from pathlib import Path
 
 import jax
@@ -40,7 +42,16 @@ from jaxsparse._cpu._build import cache_dir
 from jaxsparse._cpu._build import compile_library
 from jaxsparse._cpu._build import compiler
 
-__all__ = ["Nm24DecodeConfig", "available", "nm24_decode", "nm24_unsupported_reason", "unavailable_reason"]
+__all__ = [
+    "CudaKernelFallbackWarning",
+    "Nm24DecodeConfig",
+    "available",
+    "nm24_decode",
+    "nm24_prepare",
+    "nm24_unsupported_reason",
+    "unavailable_reason",
+    "warn_fallback",
+]
 
 _HERE = Path(__file__).parent
 _LAUNCHER = "kernel_launch.cc"
@@ -49,6 +60,10 @@ _FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-w")
 _MIN_CAPABILITY = (9, 0)
 NM24_SPAN = 128  # columns of W per thread block
 NM24_MAX_ROWS = 16
+
+
+class CudaKernelFallbackWarning(UserWarning):
+  """A jaxsparse CUDA kernel cannot be built or run on this GPU; the op takes its other path."""
 
 
 def _disabled() -> bool:
@@ -220,6 +235,19 @@ def unavailable_reason() -> str:
   return _load()["reason"]
 
 
+_WARNED: set[str] = set()
+
+
+def warn_fallback(op: str, reason: str) -> None:
+  """Warns once per ``reason`` that ``op`` skips our CUDA kernels, where a GPU that could run them is present."""
+  cc = _capability()
+  if _disabled() or cc is None or cc < _MIN_CAPABILITY or reason in _WARNED:
+    return
+  _WARNED.add(reason)
+  warnings.warn(f"{op}: jaxsparse's CUDA kernel cannot run ({reason}); using the other GPU path.",
+                CudaKernelFallbackWarning, stacklevel=3)
+
+
 def _kernel_id(source_name: str, name: str, defines: tuple[tuple[str, int], ...]) -> int:
   """Compiles (once per process) and registers kernel ``name`` of ``source_name`` with ``defines``."""
   state = _load()
@@ -297,6 +325,22 @@ def nm24_unsupported_reason(m: int, k: int, n: int, dtype) -> str:
   return ""
 
 
+def _nm24_defines(m: int, cfg: Nm24DecodeConfig) -> tuple[tuple[str, int], ...]:
+  return (("NM_MT", 1 if m <= 8 else 2), ("NM_SPLIT", cfg.split), ("NM_WARPS", cfg.warps))
+
+
+def nm24_prepare(m: int, k: int, n: int) -> str:
+  """Builds the default kernel for an ``(m, k) @ (k, n)`` product (once); why it cannot run, or ``""``."""
+  reason = unavailable_reason() or nm24_unsupported_reason(m, k, n, jnp.bfloat16)
+  if reason:
+    return reason
+  try:
+    _kernel_id("nm24_decode.cu", "nm24_decode", _nm24_defines(m, Nm24DecodeConfig.get_default(m, k, n)))
+  except RuntimeError as e:
+    return str(e)
+  return ""
+
+
 def nm24_decode(
     x: jax.Array, values: jax.Array, indices: jax.Array, *, config: Nm24DecodeConfig | None = None
 ) -> jax.Array:
@@ -319,8 +363,7 @@ def nm24_decode(
         f"{values.shape} {values.dtype} and indices {indices.shape} {indices.dtype}."
     )
   cfg = config or Nm24DecodeConfig.get_default(m, k, n)
-  mt = 1 if m <= 8 else 2
-  kid = _kernel_id("nm24_decode.cu", "nm24_decode", (("NM_MT", mt), ("NM_SPLIT", cfg.split), ("NM_WARPS", cfg.warps)))
+  kid = _kernel_id("nm24_decode.cu", "nm24_decode", _nm24_defines(m, cfg))
   out = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
   return jax.ffi.ffi_call("jaxsparse_nm24_decode", out, vmap_method="sequential")(
       x, values, indices, kernel=np.int64(kid), split=np.int64(cfg.split), warps=np.int64(cfg.warps)

@@ -142,9 +142,12 @@ def _use_sparse_mma(cfg: _Config, x2: jax.Array, w: NMSparseMatrix) -> bool:
   if not (x2.dtype == w.dtype == cfg.out_dtype == jnp.bfloat16):
     return False
   k, n = w.shape
-  if cuda_kernels.nm24_unsupported_reason(x2.shape[0], k, n, x2.dtype):
+  if cuda_kernels.nm24_unsupported_reason(x2.shape[0], k, n, x2.dtype) or n < NM24_MIN_COLS:
     return False
-  return n >= NM24_MIN_COLS and cuda_kernels.available()
+  reason = cuda_kernels.nm24_prepare(x2.shape[0], k, n)
+  if reason:
+    cuda_kernels.warn_fallback("nm_matmul", reason)
+  return not reason
 
 
 def _sparse_mma_forward(cfg: _Config, x2: jax.Array, w: NMSparseMatrix) -> jax.Array:
