@@ -195,3 +195,106 @@ def test_gpu_nm_matmul_falls_back_with_a_warning_when_the_kernel_cannot_build(mo
     text = jax.jit(jaxsparse.ops.nm_matmul).lower(x, w).as_text()
   assert "jaxsparse_nm24_decode" not in text
   assert _rel(jaxsparse.ops.nm_matmul(x, w), ref) < TOL
+
+
+# -------------------------------------------------------------------------------------------------
+# Block-sparse decode.
+# -------------------------------------------------------------------------------------------------
+
+
+def _bs_problem(seed, m, k, n, block, density, dtype=jnp.bfloat16, empty_col=True):
+  rng = np.random.default_rng(seed)
+  kb, nb = k // block[0], n // block[1]
+  mask = rng.random((kb, nb)) < density
+  if empty_col:
+    mask[:, 0] = False  # an empty block column: its outputs are zeros
+  mask[0, -1] = True
+  kx, kw = jax.random.split(jax.random.key(seed))
+  w = jaxsparse.BlockSparseMatrix.from_dense(
+      jax.random.normal(kw, (k, n), jnp.float32).astype(dtype), block, block_mask=mask
+  )
+  x = jax.random.normal(kx, (m, k), jnp.float32).astype(dtype)
+  ref = jnp.dot(x.astype(jnp.float32), w.to_dense().astype(jnp.float32))
+  return x, w, ref
+
+
+@pytest.mark.parametrize(
+    ("m", "block", "dtype", "out_dtype", "expect"),
+    [
+        (16, (128, 128), jnp.bfloat16, None, ""),
+        (1, (32, 64), jnp.float16, jnp.float16, ""),
+        (17, (64, 64), jnp.bfloat16, None, "M must be between 1 and 16"),
+        (4, (64, 16), jnp.bfloat16, None, "blocks must be 32, 64 or 128"),
+        (4, (64, 64), jnp.float32, None, "dtype must be bfloat16 or float16"),
+        (4, (64, 64), jnp.bfloat16, jnp.float32, "output dtype (float32) must be that of x"),
+    ],
+)
+def test_bs_unsupported_reason(m, block, dtype, out_dtype, expect):
+  reason = ck.bs_unsupported_reason(m, block, dtype, out_dtype)
+  assert (expect in reason) if expect else reason == ""
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [({"split": 16}, "split must be 1, 2, 4 or 8"), ({"warps": 1}, "warps")])
+def test_bs_config_errors(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    ck.BsDecodeConfig(**kwargs)
+
+
+@pytest.mark.parametrize(("block", "grid", "nnz"), [((128, 128), (32, 32), 256), ((64, 64), (64, 64), 1024),
+                                                   ((32, 32), (4, 4), 1), ((128, 64), (32, 256), 2048)])
+def test_bs_default_config(block, grid, nnz):
+  cfg = ck.BsDecodeConfig.get_default(16, block, grid, nnz)
+  assert grid[1] * cfg.split <= 256 or cfg.split == 1
+
+
+def test_bs_decode_rejects_mixed_dtypes():
+  x, w, _ = _bs_problem(0, 4, 256, 256, (64, 64), 0.5)
+  with pytest.raises(ValueError, match=r"x \(float16\) and w \(bfloat16\)"):
+    ck.bs_decode(x.astype(jnp.float16), w)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("block", [(128, 128), (64, 64), (32, 32), (64, 128), (128, 32), (32, 64)])
+@pytest.mark.parametrize("m", [16, 1, 5, 9])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_gpu_bs_decode(block, m, dtype):
+  x, w, ref = _bs_problem(m + block[0] + block[1], m, 1024, 768, block, 0.3, dtype)
+  for config in (None, ck.BsDecodeConfig(1, 2), ck.BsDecodeConfig(8, 8)):
+    y = jax.jit(lambda x, w, config=config: ck.bs_decode(x, w, config=config))(x, w)
+    assert y.shape == (m, 768) and y.dtype == dtype
+    assert _rel(y, ref) < TOL
+    assert not np.asarray(y[:, : block[1]], np.float32).any()  # the empty block column
+
+
+@pytest.mark.gpu
+@needs_gpu
+@settings(max_examples=12, deadline=None)
+@given(
+    m=st.integers(1, 16),
+    bk=st.sampled_from([32, 64, 128]),
+    bn=st.sampled_from([32, 64, 128]),
+    kb=st.integers(1, 12),
+    nb=st.integers(1, 6),
+    density=st.sampled_from([0.1, 0.5, 1.0]),
+    split=st.sampled_from([1, 2, 4, 8]),
+    seed=st.integers(0, 2**16),
+)
+def test_gpu_bs_decode_random(m, bk, bn, kb, nb, density, split, seed):
+  x, w, ref = _bs_problem(seed, m, kb * bk, nb * bn, (bk, bn), density, empty_col=False)
+  y = ck.bs_decode(x, w, config=ck.BsDecodeConfig(split=split, warps=4))
+  assert _rel(y, ref) < TOL
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_block_sparse_matmul_takes_the_decode_kernel():
+  x, w, ref = _bs_problem(7, 6, 4096, 4096, (128, 128), 0.25)
+  xb = jnp.broadcast_to(x, (2, 6, 4096))
+  f = jax.jit(lambda x, w: jaxsparse.ops.block_sparse_matmul(x, w))
+  assert "jaxsparse_bs_decode" in f.lower(xb, w).as_text()
+  assert _rel(f(xb, w)[1], ref) < TOL
+  # Training-size rows keep the Pallas kernels; the gradient is unchanged.
+  g = jax.grad(lambda x: jaxsparse.ops.block_sparse_matmul(x, w).astype(jnp.float32).sum())(x)
+  gref = jnp.broadcast_to(w.to_dense().astype(jnp.float32).sum(axis=1), x.shape)
+  assert _rel(g, gref) < TOL
