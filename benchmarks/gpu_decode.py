@@ -6,7 +6,7 @@ Run on a CUDA GPU (the device tool's H100), from the repository root:
 
 Cases, bf16, ``y = x @ W``, ``x`` ``(M, 4096)``:
 
-* block-sparse ``W`` ``(4096, 4096)``, blocks 128, 64 and 32, density 0.25, M = 16: the Triton forward
+* block-sparse ``W`` ``(4096, 4096)``, blocks 64 and 128, density 0.25, M = 16: the Triton forward
   (default; ``--sweep``: its tile variants, ``KernelConfig.split``, ``sub_cols``, warps, stages), our CUDA
   decode kernel (``jaxsparse/_cuda/bs_decode.cu``: "tc" default; ``--sweep``: ``BsDecodeConfig`` splits),
   and what ``ops.block_sparse_matmul`` picks.
@@ -56,7 +56,7 @@ warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated
 
 K = 4096
 HBM_BYTES = 128 << 20  # weights per timed call in the "hbm" timing: 2.5x the L2 of an H100
-BS_N, BS_BLOCKS, BS_DENSITY, BS_M = 4096, (128, 64, 32), 0.25, 16
+BS_N, BS_BLOCKS, BS_DENSITY, BS_M = 4096, (128, 64), 0.25, 16
 NM_COLS, NM_ROWS = (4096, 16384), (16, 8, 1)
 # (split, warps) of the block-sparse CUDA decode kernel timed by --sweep.
 BS_CUDA_SPLITS = [(1, 4), (2, 4), (4, 4), (4, 2), (8, 4), (8, 2), (8, 8), (2, 8)]
@@ -162,7 +162,7 @@ def block_sparse(args, rows: list[str]) -> None:
     ref = jnp.dot(x.astype(jnp.float32), w0.to_dense().astype(jnp.float32))
     default = BlockSparseMatmulConfig.get_default(m, w0.shape, w0.block_shape, w0.nnz_blocks, w0.dtype)
     # Without --sweep: the default and the split default it replaced at block 128 (before 2026-11-23).
-    variants = [("default", {})] + (BS_VARIANTS.get(b, []) if args.sweep else BS_VARIANTS[b][:1] if b == 128 else [])
+    variants = [("default", {})] + (BS_VARIANTS[b] if args.sweep else BS_VARIANTS[b][:1] if b == 128 else [])
     for label, change in variants:
       cfg = dataclasses.replace(default, forward=dataclasses.replace(default.forward, **change))
       f = lambda x, w, cfg=cfg: bs_kernels.forward(x, w, config=cfg)
