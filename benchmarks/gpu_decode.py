@@ -6,10 +6,8 @@ Run on a CUDA GPU (the device tool's H100), from the repository root:
 
 Cases, bf16, ``y = x @ W``, ``x`` ``(M, 4096)``:
 
-* block-sparse ``W`` ``(4096, 4096)``, blocks 64 and 128, density 0.25, M = 16: the Triton forward
-  (default; ``--sweep``: its tile variants, ``KernelConfig.split``, ``sub_cols``, warps, stages), our CUDA
-  decode kernel (``jaxsparse/_cuda/bs_decode.cu``: "tc" default; ``--sweep``: ``BsDecodeConfig`` splits),
-  and what ``ops.block_sparse_matmul`` picks.
+* block-sparse ``W`` ``(4096, 4096)``, blocks 64 and 128, density 0.25, M = 16: tile variants of the
+  Triton forward (``KernelConfig.split``, ``sub_cols``, warps, stages) and the default.
 * 2:4 ``W`` ``(4096, N)`` along ``K``, N in {4096, 16384}, M in {16, 8, 1}: the Pallas N:M kernel
   (default; ``--sweep``: its tilings, ``NMMatmulConfig``), the CUDA kernel on the sparse tensor cores
   (``jaxsparse/_cuda/nm24_decode.cu``: default; ``--sweep``: its work splits, ``Nm24DecodeConfig``),
@@ -58,8 +56,6 @@ K = 4096
 HBM_BYTES = 128 << 20  # weights per timed call in the "hbm" timing: 2.5x the L2 of an H100
 BS_N, BS_BLOCKS, BS_DENSITY, BS_M = 4096, (128, 64), 0.25, 16
 NM_COLS, NM_ROWS = (4096, 16384), (16, 8, 1)
-# (split, warps) of the block-sparse CUDA decode kernel timed by --sweep.
-BS_CUDA_SPLITS = [(1, 4), (2, 4), (4, 4), (4, 2), (8, 4), (8, 2), (8, 8), (2, 8)]
 # (split, warps) of the sparse tensor-core kernel timed by --sweep.
 NM24_SPLITS = [(1, 8), (1, 4), (2, 8), (2, 4), (4, 4), (4, 2), (8, 8), (8, 4), (8, 2)]
 
@@ -167,17 +163,6 @@ def block_sparse(args, rows: list[str]) -> None:
       cfg = dataclasses.replace(default, forward=dataclasses.replace(default.forward, **change))
       f = lambda x, w, cfg=cfg: bs_kernels.forward(x, w, config=cfg)
       _variant_row(f"b={b} {label}", cfg.forward, f, x, w0, ws, ref, (d_hot, d_hbm), nbytes, args.iterations, rows)
-    if cuda_kernels.available():
-      cfg = cuda_kernels.BsDecodeConfig.get_default(m, w0.block_shape, w0.grid_shape, w0.nnz_blocks)
-      cuda_cfgs = [("tc default", cfg)]
-      if args.cuda_sweep:
-        cuda_cfgs += [(f"tc split {sp} warps {wa}", cuda_kernels.BsDecodeConfig(sp, wa)) for sp, wa in BS_CUDA_SPLITS]
-      for label, cfg in cuda_cfgs:
-        f = lambda x, w, cfg=cfg: cuda_kernels.bs_decode(x, w, config=cfg)
-        _variant_row(f"b={b} {label}", cfg, f, x, w0, ws, ref, (d_hot, d_hbm), nbytes, args.iterations, rows)
-    f = lambda x, w: ops.block_sparse_matmul(x, w)
-    picked = "CUDA kernel" if "bs_decode" in jax.jit(f).lower(x, w0).as_text() else "Pallas / XLA"
-    _variant_row(f"b={b} block_sparse_matmul", picked, f, x, w0, ws, ref, (d_hot, d_hbm), nbytes, args.iterations, rows)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -238,7 +223,7 @@ def nm(args, rows: list[str]) -> None:
         _variant_row(f"{m}x{cols} {label}", cfg, f, x, w0, ws, ref, (d_hot, d_hbm), nbytes, args.iterations, rows)
       if cuda_kernels.available():
         sparse = [("mma.sp default", cuda_kernels.Nm24DecodeConfig.get_default(m, K, cols))]
-        if args.cuda_sweep:
+        if args.sweep:
           sparse += [(f"mma.sp split {sp} warps {wa}", cuda_kernels.Nm24DecodeConfig(sp, wa)) for sp, wa in NM24_SPLITS]
         for label, cfg in sparse:
           f = lambda x, w, cfg=cfg: cuda_kernels.nm24_decode(x, w.values, w.indices, config=cfg)
@@ -260,8 +245,7 @@ def memory_rate(iterations: int) -> str:
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--sweep", action="store_true", help="time the Pallas kernels' tile variants besides the default")
-  p.add_argument("--cuda-sweep", action="store_true", help="time the CUDA kernels' work splits besides the default")
+  p.add_argument("--sweep", action="store_true", help="time tile variants besides the default")
   p.add_argument("--quick", action="store_true", help="N:M at M = 16 only")
   p.add_argument("--skip-block-sparse", action="store_true")
   p.add_argument("--skip-nm", action="store_true")

@@ -12,8 +12,6 @@ Kernels:
 
 * :func:`nm24_decode`: ``x @ W`` for a 2:4 bfloat16 ``W`` (``NMSparseMatrix`` values and packed
   positions, as stored) and ``M <= 16`` rows, on the sparse tensor cores (``nm24_decode.cu``).
-* :func:`bs_decode`: ``x @ W`` for a block-sparse 16-bit ``W`` (``BlockSparseMatrix`` as stored) and
-  ``M <= 16`` rows, streaming only the kept blocks into ``mma.sync`` (``bs_decode.cu``).
 
 When NVRTC, the driver, a compiler or a Hopper-class GPU is missing, or ``JAXSPARSE_CUDA_KERNELS=0``
 is set, :func:`available` is False and :func:`unavailable_reason` says why; callers keep their other
@@ -45,11 +43,7 @@ from jaxsparse._cpu._build import compile_library
 from jaxsparse._cpu._build import compiler
 
 __all__ = [
-    "BsDecodeConfig",
     "CudaKernelFallbackWarning",
-    "bs_decode",
-    "bs_prepare",
-    "bs_unsupported_reason",
     "Nm24DecodeConfig",
     "available",
     "nm24_decode",
@@ -61,9 +55,6 @@ __all__ = [
 
 _HERE = Path(__file__).parent
 _LAUNCHER = "kernel_launch.cc"
-_COMMON = "cuda_common.cuh"  # compiled in front of every kernel source
-# XLA FFI target name -> handler symbol of the launcher.
-_TARGETS = {"jaxsparse_nm24_decode": "JaxsparseNm24Decode", "jaxsparse_bs_decode": "JaxsparseBsDecode"}
 _FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-w")
 # Compute capability the kernels need: mma.sp::ordered_metadata and thread block clusters (9.0).
 _MIN_CAPABILITY = (9, 0)
@@ -229,8 +220,7 @@ def _setup() -> dict:
     register = lib.JaxsparseKernelRegister
     register.restype = ctypes.c_int64
     register.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int64, ctypes.c_char_p]
-    for target, symbol in _TARGETS.items():
-      jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="CUDA")
+    jax.ffi.register_ffi_target("jaxsparse_nm24_decode", jax.ffi.pycapsule(lib.JaxsparseNm24Decode), platform="CUDA")
   except (OSError, AttributeError) as e:
     return {"reason": f"loading {path} failed: {e}"}
   return {"reason": "", "lib": lib, "register": register, "arch": f"sm_{cc[0]}{cc[1]}", "kernels": {}}
@@ -267,7 +257,7 @@ def _kernel_id(source_name: str, name: str, defines: tuple[tuple[str, int], ...]
   with _LOCK:
     if key in state["kernels"]:
       return state["kernels"][key]
-    source = (_HERE / _COMMON).read_text() + "\n" + (_HERE / source_name).read_text()
+    source = (_HERE / source_name).read_text()
     options = [f"--gpu-architecture={state['arch']}", "-std=c++17", *(f"-D{k}={v}" for k, v in defines)]
     cubin, log = _compile_cubin(source, name, options)
     if cubin is None:
@@ -377,112 +367,4 @@ def nm24_decode(
   out = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
   return jax.ffi.ffi_call("jaxsparse_nm24_decode", out, vmap_method="sequential")(
       x, values, indices, kernel=np.int64(kid), split=np.int64(cfg.split), warps=np.int64(cfg.warps)
-  )
-
-
-# -------------------------------------------------------------------------------------------------
-# Block-sparse decode.
-# -------------------------------------------------------------------------------------------------
-
-BS_BLOCK_DIMS = (32, 64, 128)
-BS_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-
-
-@dataclasses.dataclass(frozen=True)
-class BsDecodeConfig:
-  """Work split of :func:`bs_decode`.
-
-  Attributes:
-    split: thread blocks per block column (1, 2, 4 or 8, a cluster), each a share of its kept blocks.
-    warps: warps per thread block (2, 4 or 8).
-  """
-
-  split: int = 4
-  warps: int = 4
-
-  def __post_init__(self):
-    if self.split not in (1, 2, 4, 8):
-      raise ValueError(f"split must be 1, 2, 4 or 8, got split={self.split}.")
-    if self.warps not in (2, 4, 8):
-      raise ValueError(f"warps must be 2, 4 or 8, got warps={self.warps}.")
-
-  @classmethod
-  def get_default(
-      cls, m: int, block_shape: tuple[int, int], grid: tuple[int, int], nnz_blocks: int
-  ) -> BsDecodeConfig:
-    """About 256 thread blocks and one 16-row step per warp or more."""
-    del m
-    bk, _ = block_shape
-    kb, nb = grid
-    items = max(1, nnz_blocks * (bk // 16) // nb)  # work items per block column, on average
-    split = 8
-    while split > 1 and (nb * split > 256 or items < split * 2):
-      split //= 2
-    warps = 4
-    while warps > 2 and items < split * warps:
-      warps //= 2
-    del kb
-    return cls(split=split, warps=warps)
-
-
-def bs_unsupported_reason(m: int, block_shape: tuple[int, int], dtype, out_dtype=None) -> str:
-  """Why :func:`bs_decode` cannot take ``x (m, K)`` with ``block_shape`` blocks, or ``""``."""
-  dt = jnp.dtype(dtype)
-  if dt not in BS_DTYPES:
-    return f"dtype must be bfloat16 or float16, got {dt}"
-  if out_dtype is not None and jnp.dtype(out_dtype) != dt:
-    return f"the output dtype ({jnp.dtype(out_dtype)}) must be that of x ({dt})"
-  if not 1 <= m <= NM24_MAX_ROWS:
-    return f"M must be between 1 and {NM24_MAX_ROWS}, got M={m}"
-  if any(b not in BS_BLOCK_DIMS for b in block_shape):
-    return f"blocks must be 32, 64 or 128 on each side, got {tuple(block_shape)}"
-  return ""
-
-
-def _bs_defines(m: int, block_shape, dtype, cfg: BsDecodeConfig) -> tuple[tuple[str, int], ...]:
-  bk, bn = block_shape
-  return (
-      ("BS_BK", bk), ("BS_BN", bn), ("BS_MT", 1 if m <= 8 else 2), ("BS_SPLIT", cfg.split), ("BS_WARPS", cfg.warps),
-      ("BS_F16", int(jnp.dtype(dtype) == jnp.float16)),
-  )
-
-
-def bs_prepare(m: int, block_shape: tuple[int, int], dtype, cfg: BsDecodeConfig) -> str:
-  """Builds the kernel for these rows, blocks, dtype and config (once); why it cannot run, or ``""``."""
-  reason = unavailable_reason() or bs_unsupported_reason(m, block_shape, dtype)
-  if reason:
-    return reason
-  try:
-    _kernel_id("bs_decode.cu", "bs_decode", _bs_defines(m, block_shape, dtype, cfg))
-  except RuntimeError as e:
-    return str(e)
-  return ""
-
-
-def bs_decode(x: jax.Array, w, *, config: BsDecodeConfig | None = None) -> jax.Array:
-  """``x (M, K) @ W`` -> ``(M, N)`` in ``x.dtype`` for a block-sparse ``W`` (``BlockSparseMatrix``), ``M <= 16``.
-
-  Args:
-    x: ``(M, K)`` bfloat16 or float16, the dtype of ``w``.
-    w: :class:`jaxsparse.BlockSparseMatrix` ``(K, N)`` with blocks of 32, 64 or 128 on each side.
-    config: work split; default :meth:`BsDecodeConfig.get_default`.
-  """
-  m = x.shape[0]
-  reason = bs_unsupported_reason(m, w.block_shape, x.dtype)
-  if not reason and w.dtype != x.dtype:
-    reason = f"x ({x.dtype}) and w ({w.dtype}) must have the same dtype"
-  if reason:
-    raise ValueError(f"bs_decode cannot run for x {x.shape} and W {w.shape} with blocks {w.block_shape}: {reason}.")
-  cfg = config or BsDecodeConfig.get_default(m, w.block_shape, w.grid_shape, w.nnz_blocks)
-  kid = _kernel_id("bs_decode.cu", "bs_decode", _bs_defines(m, w.block_shape, x.dtype, cfg))
-  out = jax.ShapeDtypeStruct((m, w.shape[1]), x.dtype)
-  return jax.ffi.ffi_call("jaxsparse_bs_decode", out, vmap_method="sequential")(
-      x,
-      w.data,
-      w.row_indices.astype(jnp.int32),
-      w.col_offsets.astype(jnp.int32),
-      w.transpose_order.astype(jnp.int32),
-      kernel=np.int64(kid),
-      split=np.int64(cfg.split),
-      warps=np.int64(cfg.warps),
   )

@@ -12,9 +12,6 @@
 //     (K/2, N) and packed positions (K/8, N) uint8, M <= 16 (nm24_decode.cu). Attributes: kernel (the id
 //     of the registered cubin), split (thread blocks per 128 columns = the cluster size of the cubin),
 //     warps (per thread block, as compiled).
-//   JaxsparseBsDecode: y (M, N) = x (M, K) @ W for a block-sparse 16-bit W given as BlockSparseMatrix data
-//     (nnz, BK, BN), row_indices, col_offsets and transpose_order, M <= 16 (bs_decode.cu). Attributes as
-//     above; the grid is (N / BN, split).
 
 #include <dlfcn.h>
 
@@ -142,9 +139,6 @@ std::string Function(const Driver& d, int64_t id, CUcontext ctx, CUfunction* out
   return "";
 }
 
-ffi::Error Launch(const char* what, CUstream stream, int64_t kernel, unsigned gx, unsigned gy, int64_t warps,
-                  void** args);
-
 ffi::Error Nm24Decode(CUstream stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> values,
                       ffi::Buffer<ffi::U8> idx, ffi::ResultBuffer<ffi::BF16> y, int64_t kernel, int64_t split,
                       int64_t warps) {
@@ -157,55 +151,23 @@ ffi::Error Nm24Decode(CUstream stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi
     return ffi::Error::InvalidArgument("nm24_decode: shapes x (" + std::to_string(m) + ", " + std::to_string(k) +
                                        "), values (" + std::to_string(vd[0]) + ", " + std::to_string(n) +
                                        ") are not those the kernel supports (M <= 16, K % 64 == 0, N % 128 == 0)");
-  const void* xp = x.untyped_data();
-  const void* vp = values.untyped_data();
-  const void* ip = idx.untyped_data();
-  void* yp = y->untyped_data();
-  int mi = static_cast<int>(m), ki = static_cast<int>(k), ni = static_cast<int>(n);
-  void* args[] = {&xp, &vp, &ip, &yp, &mi, &ki, &ni};
-  return Launch("nm24_decode", stream, kernel, static_cast<unsigned>(n / 128), static_cast<unsigned>(split), warps,
-                args);
-}
-
-// Launches `f` on `stream` with grid (gx, gy) and `warps` warps per block.
-ffi::Error Launch(const char* what, CUstream stream, int64_t kernel, unsigned gx, unsigned gy, int64_t warps,
-                  void** args) {
   const Driver& d = GetDriver();
   if (!d.error.empty()) return ffi::Error::Internal(d.error);
   ScopedContext scope(d, stream);
   if (!scope.error().empty()) return ffi::Error::Internal(scope.error());
   CUfunction f;
   std::string error = Function(d, kernel, scope.context(), &f);
-  if (!error.empty()) return ffi::Error::Internal(std::string(what) + ": " + error);
-  CUresult r = d.LaunchKernel(f, gx, gy, 1, static_cast<unsigned>(warps * 32), 1, 1, 0, stream, args, nullptr);
-  if (r != 0) return ffi::Error::Internal(CudaError(d, (std::string(what) + ": cuLaunchKernel").c_str(), r));
-  return ffi::Error::Success();
-}
-
-ffi::Error BsDecode(CUstream stream, ffi::AnyBuffer x, ffi::AnyBuffer data, ffi::Buffer<ffi::S32> row_indices,
-                    ffi::Buffer<ffi::S32> col_offsets, ffi::Buffer<ffi::S32> transpose_order,
-                    ffi::Result<ffi::AnyBuffer> y, int64_t kernel, int64_t split, int64_t warps) {
-  const auto xd = x.dimensions(), dd = data.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || dd.size() != 3 || yd.size() != 2)
-    return ffi::Error::InvalidArgument("bs_decode: x and y must be 2-D and data 3-D");
-  const int64_t m = xd[0], k = xd[1], nnz = dd[0], bk = dd[1], bn = dd[2], n = yd[1];
-  const bool is16 = x.element_type() == data.element_type() && x.element_type() == y->element_type() &&
-                    (x.element_type() == ffi::DataType::BF16 || x.element_type() == ffi::DataType::F16);
-  if (!is16 || m < 1 || m > 16 || yd[0] != m || bk < 16 || k % bk != 0 || n % bn != 0 ||
-      col_offsets.element_count() != n / bn + 1 || row_indices.element_count() != nnz ||
-      transpose_order.element_count() != nnz || split < 1 || warps < 1 || warps > 32)
-    return ffi::Error::InvalidArgument("bs_decode: operands x (" + std::to_string(m) + ", " + std::to_string(k) +
-                                       "), data (" + std::to_string(nnz) + ", " + std::to_string(bk) + ", " +
-                                       std::to_string(bn) + ") are not those the kernel supports");
+  if (!error.empty()) return ffi::Error::Internal("nm24_decode: " + error);
   const void* xp = x.untyped_data();
-  const void* dp = data.untyped_data();
-  const void* rp = row_indices.untyped_data();
-  const void* cp = col_offsets.untyped_data();
-  const void* tp = transpose_order.untyped_data();
+  const void* vp = values.untyped_data();
+  const void* ip = idx.untyped_data();
   void* yp = y->untyped_data();
   int mi = static_cast<int>(m), ki = static_cast<int>(k), ni = static_cast<int>(n);
-  void* args[] = {&xp, &dp, &rp, &cp, &tp, &yp, &mi, &ki, &ni};
-  return Launch("bs_decode", stream, kernel, static_cast<unsigned>(n / bn), static_cast<unsigned>(split), warps, args);
+  void* args[] = {&xp, &vp, &ip, &yp, &mi, &ki, &ni};
+  CUresult r = d.LaunchKernel(f, static_cast<unsigned>(n / 128), static_cast<unsigned>(split), 1,
+                              static_cast<unsigned>(warps * 32), 1, 1, 0, stream, args, nullptr);
+  if (r != 0) return ffi::Error::Internal(CudaError(d, "nm24_decode: cuLaunchKernel", r));
+  return ffi::Error::Success();
 }
 
 }  // namespace
@@ -233,19 +195,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseNm24Decode, Nm24Decode,
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Ret<ffi::Buffer<ffi::BF16>>()
-                                  .Attr<int64_t>("kernel")
-                                  .Attr<int64_t>("split")
-                                  .Attr<int64_t>("warps"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseBsDecode, BsDecode,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<CUstream>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("kernel")
                                   .Attr<int64_t>("split")
                                   .Attr<int64_t>("warps"));

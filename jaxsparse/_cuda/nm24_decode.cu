@@ -1,6 +1,6 @@
 // y (M, N) = x (M, K) @ W for M <= 16 (decode), W a 2:4 bfloat16 (K, N) weight (groups of 4 along K) stored
 // as jaxsparse.NMSparseMatrix stores it, on the sparse tensor cores (mma.sp, compute capability 8.0+).
-// Compiled at run time by NVRTC after cuda_common.cuh (no includes), one build per (NM_MT, NM_SPLIT, NM_WARPS).
+// Compiled at run time by NVRTC (no includes), one build per (NM_MT, NM_SPLIT, NM_WARPS).
 //
 // Operands, all row-major as JAX stores them:
 //   x       (M, K) bf16;
@@ -31,6 +31,28 @@
 #ifndef NM_WARPS
 #define NM_WARPS 8
 #endif
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+
+#define NM_SPAN 128
+
+// Element w (0..3) of a uint4, w known at compile time after unrolling.
+__device__ __forceinline__ u32 word_of(const uint4& v, int w) {
+  return w == 0 ? v.x : (w == 1 ? v.y : (w == 2 ? v.z : v.w));
+}
+
+// Byte b (0..15) of a 16-byte vector.
+__device__ __forceinline__ u32 byte_of(const uint4& v, int b) { return (word_of(v, b >> 2) >> (8 * (b & 3))) & 0xffu; }
+
+// (lo, hi) bf16 pair: column j of `lo_row` and column j of `hi_row`, each row 16 columns in two uint4
+// (h = j / 8).
+__device__ __forceinline__ u32 pair_of(const uint4* lo_row, const uint4* hi_row, int j) {
+  const u32 a = word_of(lo_row[j >> 3], (j & 7) >> 1);
+  const u32 b = word_of(hi_row[j >> 3], (j & 7) >> 1);
+  return __byte_perm(a, b, (j & 1) ? 0x7632 : 0x5410);
+}
 
 // Metadata registers (mma.sp m16n8k32, 16-bit types, sparsity selector 0; measured on an H100 with a
 // probe that flips one nibble at a time): lane (g, t), t < 2, gives nibble u (0..3) = the code of A row
@@ -73,6 +95,26 @@ __device__ __forceinline__ void mma_sp(float* c, const u32* a, const u32* b, u32
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(b[2]), "r"(b[3]), "r"(e));
 }
 
+__device__ __forceinline__ u16 to_bf16(float f) {
+  u16 r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+  return r;
+}
+
+#if NM_SPLIT > 1
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+
+__device__ __forceinline__ float load_peer(const float* p, u32 rank) {
+  u32 local = (u32)__cvta_generic_to_shared(p), remote;
+  float v;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+  return v;
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(NM_WARPS * 32)
 #if NM_SPLIT > 1
     __cluster_dims__(1, NM_SPLIT, 1)
@@ -82,7 +124,7 @@ extern "C" __global__ void __launch_bounds__(NM_WARPS * 32)
   __shared__ float red[NM_WARPS < 4 ? NM_WARPS : 4][32 * NM_MT][32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int span0 = blockIdx.x * 128;
+  const int span0 = blockIdx.x * NM_SPAN;
   const int col = span0 + 16 * g;
   const int pairs = k >> 6;  // step pairs; a step is 8 groups (32 of K)
   const int per_block = (pairs + NM_SPLIT - 1) / NM_SPLIT;

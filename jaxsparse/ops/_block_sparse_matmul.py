@@ -14,9 +14,7 @@ cost more than the products themselves; see ``benchmarks/results/``). On CPU, ``
 ``xla_backward`` run C++ kernels instead (:mod:`jaxsparse._cpu`, XLA FFI custom calls built on first
 use: register-blocked small GEMMs per kept block on all cores) when block sizes are multiples of 8,
 and fall back to the loop otherwise or when the kernels cannot be built. The Pallas GPU kernels
-live in ``jaxsparse.pallas`` and are chosen on CUDA devices; at decode (``M <= 16``, 16-bit) the forward
-runs on our own CUDA kernel where it can (:mod:`jaxsparse._cuda._kernels`, ``bs_decode.cu``: only the kept
-blocks streamed into the tensor cores, one launch).
+live in ``jaxsparse.pallas`` and are chosen on CUDA devices.
 """
 
 from __future__ import annotations
@@ -32,7 +30,6 @@ from jax import lax
 from jaxsparse import _utils
 from jaxsparse._cpu import _build as _cpu_build
 from jaxsparse._cpu import _kernels as _cpu_kernels
-from jaxsparse._cuda import _kernels as cuda_kernels
 from jaxsparse.formats._block_sparse import INDEX_FIELDS
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
 from jaxsparse.ops import _dispatch
@@ -42,9 +39,6 @@ __all__ = ["block_sparse_matmul", "block_sparse_matmul_reference", "Implementati
 
 Implementation = Literal["xla", "pallas"]
 _IMPLEMENTATIONS = (None, "xla", "pallas")
-# Block shapes whose forward "auto" runs at decode (M <= 16, 16-bit, compute capability 9.0+) on our CUDA
-# kernel (jaxsparse/_cuda/bs_decode.cu) instead of the Pallas one.
-DECODE_KERNEL_BLOCKS = frozenset((bk, bn) for bk in (32, 64, 128) for bn in (32, 64, 128))
 
 
 def block_sparse_matmul_reference(
@@ -211,31 +205,11 @@ def _platform_dispatch(cfg: _Config, xla_fn, pallas_name: str, cast, *args, **pa
   return _dispatch.dispatch("block_sparse_matmul", cfg, kernels, xla, pallas, *args)
 
 
-def _use_tensor_core_decode(cfg: _Config, x2: jax.Array, w: BlockSparseMatrix) -> bool:
-  """Whether "auto" runs the forward at decode on our CUDA kernel (``jaxsparse/_cuda/bs_decode.cu``)."""
-  if cfg.implementation != "auto" or x2.dtype != w.dtype or tuple(w.block_shape) not in DECODE_KERNEL_BLOCKS:
-    return False
-  m = x2.shape[0]
-  if cuda_kernels.bs_unsupported_reason(m, w.block_shape, x2.dtype, cfg.out_dtype):
-    return False
-  config = cuda_kernels.BsDecodeConfig.get_default(m, w.block_shape, w.grid_shape, w.nnz_blocks)
-  reason = cuda_kernels.bs_prepare(m, w.block_shape, x2.dtype, config)
-  if reason:
-    cuda_kernels.warn_fallback("block_sparse_matmul", reason)
-  return not reason
-
-
 def _forward(cfg: _Config, x, w):
   xla_fn = lambda a, b: xla_forward(a, b, precision=cfg.precision)
   # The kernel writes the output dtype itself: a float32 result of 16-bit inputs is never rounded.
   cast = lambda y: y.astype(cfg.out_dtype)
-
-  def fwd(x2, b):
-    other = lambda x2, b: _platform_dispatch(cfg, xla_fn, "forward", cast, x2, b, out_dtype=cfg.out_dtype)
-    if _use_tensor_core_decode(cfg, x2, b):
-      return (lax.platform_dependent(x2, b, cuda=cuda_kernels.bs_decode, default=other),)
-    return (other(x2, b),)
-
+  fwd = lambda x2, b: (_platform_dispatch(cfg, xla_fn, "forward", cast, x2, b, out_dtype=cfg.out_dtype),)
   # Data parallel: each device multiplies its rows of x (ops/_sharding.py).
   return _sharding.row_parallel(fwd, (x,), w)[0]
 
