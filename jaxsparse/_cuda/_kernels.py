@@ -2,9 +2,10 @@
 
 Pallas cannot reach every instruction of the GPU: the sparse tensor cores of Hopper (``mma.sp``,
 ``wgmma.sp``) are one. The kernels here are CUDA C++ sources next to this file (``*.cu``, no
-includes), compiled on first use by NVRTC — ``libnvrtc``, which the CUDA wheels of jaxlib install
-(``nvidia-cuda-nvrtc``), or a CUDA toolkit — into a cubin for the GPU at hand (cached on disk by source
-hash, options, NVRTC version and architecture), and launched by ``kernel_launch.cc``, host C++ built
+includes), compiled on first use by NVRTC — ``libnvrtc`` from the ``nvidia-cuda-nvrtc`` wheel (the
+``jaxsparse[cuda13]`` / ``[cuda12]`` extras install it; CUDA installs of jax or torch usually have it
+already), or from a CUDA toolkit — into a cubin for the GPU at hand (cached on disk by source, options,
+NVRTC version and architecture), and launched by ``kernel_launch.cc``, host C++ built
 with the system compiler like the other custom calls (it opens the CUDA driver with ``dlopen``; no CUDA
 headers are needed).
 
@@ -58,6 +59,7 @@ _LAUNCHER = "kernel_launch.cc"
 _FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-w")
 # Compute capability the kernels need: mma.sp::ordered_metadata and thread block clusters (9.0).
 _MIN_CAPABILITY = (9, 0)
+_NO_NVRTC = "libnvrtc not found (pip install 'jaxsparse[cuda13]' or '[cuda12]', or set $CUDA_HOME to a CUDA toolkit)"
 NM24_SPAN = 128  # columns of W per thread block
 NM24_MAX_ROWS = 16
 
@@ -123,7 +125,7 @@ def _compile_cubin(source: str, name: str, options: list[str]) -> tuple[bytes | 
   """NVRTC: ``source`` -> ``(cubin, "")`` or ``(None, log)``, cached on disk."""
   lib = _nvrtc()
   if lib is None:
-    return None, "libnvrtc not found (jax[cuda12] / jax[cuda13] install it as nvidia-cuda-nvrtc, or a CUDA toolkit)"
+    return None, _NO_NVRTC
   key = hashlib.sha256("\0".join([source, name, *options, _nvrtc_version(lib)]).encode()).hexdigest()[:24]
   path = cache_dir() / f"jaxsparse_{name}-{key}.cubin"
   if path.exists():
@@ -211,7 +213,7 @@ def _setup() -> dict:
     need = ".".join(map(str, _MIN_CAPABILITY))
     return {"reason": f"the kernels need compute capability >= {need}, got {cc[0]}.{cc[1]}"}
   if _nvrtc() is None:
-    return {"reason": _compile_cubin("", "probe", [])[1]}
+    return {"reason": _NO_NVRTC}
   path, reason = _build_launcher()
   if path is None:
     return {"reason": reason}

@@ -1,5 +1,6 @@
 // y (M, N) = x (M, K) @ W for M <= 16 (decode), W a 2:4 bfloat16 (K, N) weight (groups of 4 along K) stored
-// as jaxsparse.NMSparseMatrix stores it, on the sparse tensor cores (mma.sp, compute capability 8.0+).
+// as jaxsparse.NMSparseMatrix stores it, on the sparse tensor cores (mma.sp; compute capability 9.0+ for the
+// thread block clusters).
 // Compiled at run time by NVRTC (no includes), one build per (NM_MT, NM_SPLIT, NM_WARPS).
 //
 // Operands, all row-major as JAX stores them:
@@ -19,8 +20,8 @@
 // its row g + 8, so every load is a full 16 bytes and no data moves between lanes. Any order of the
 // rows is as good as another: each row's output column is tracked. The warps of a thread block split
 // the steps; their partial sums meet in shared memory, and with NM_SPLIT > 1 the NM_SPLIT blocks of a
-// cluster (each a slice of K) add them through distributed shared memory and each writes a slice of
-// the 128 columns (no second kernel, no atomics in global memory).
+// cluster (each a slice of K) add them through distributed shared memory, each block writing a share of
+// the span's outputs (no second kernel, no atomics in global memory).
 
 #ifndef NM_MT
 #define NM_MT 2  // token tiles of 8 rows: 1 for M <= 8, 2 for M <= 16

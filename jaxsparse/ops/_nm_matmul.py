@@ -150,8 +150,7 @@ def _use_sparse_mma(cfg: _Config, x2: jax.Array, w: NMSparseMatrix) -> bool:
   return not reason
 
 
-def _sparse_mma_forward(cfg: _Config, x2: jax.Array, w: NMSparseMatrix) -> jax.Array:
-  del cfg
+def _sparse_mma_forward(x2: jax.Array, w: NMSparseMatrix) -> jax.Array:
   return cuda_kernels.nm24_decode(x2, w.values, w.indices)
 
 
@@ -161,7 +160,7 @@ def _local_forward(cfg: _Config, x2: jax.Array, w: NMSparseMatrix, blob: jax.Arr
     return _cslt_forward(cfg, x2, w, blob)
   if _use_sparse_mma(cfg, x2, w):
     other = functools.partial(_pallas_or_xla, cfg)
-    return lax.platform_dependent(x2, w, cuda=functools.partial(_sparse_mma_forward, cfg), default=other)
+    return lax.platform_dependent(x2, w, cuda=_sparse_mma_forward, default=other)
   if cfg.implementation == "auto" and blob is not None:
     reason = cusparselt_unsupported_reason(w, x2.dtype)
     if not reason and cfg.out_dtype != x2.dtype:
