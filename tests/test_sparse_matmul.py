@@ -346,6 +346,32 @@ def test_build_reports_compiler_failure(monkeypatch, tmp_path):
   assert _build._build() == (None, "disabled by JAXSPARSE_CPU_KERNELS=0")
 
 
+def test_build_cached_reuses_and_falls_back(monkeypatch, tmp_path):
+  """One cached library per key; an unwritable cache falls back to the temporary directory."""
+  src = tmp_path / "k.cc"
+  src.write_text('extern "C" int jaxsparse_test_answer() { return 42; }\n')
+  monkeypatch.setenv("JAXSPARSE_CACHE_DIR", str(tmp_path / "cache"))
+  cxx = _build.compiler()
+  if cxx is None:
+    pytest.skip("no C++ compiler")
+  flags = ["-O1", "-shared", "-fPIC"]
+  lib, error = _build.build_cached("jaxsparse_test", ("v1",), cxx, [src], flags)
+  assert error == "" and lib.parent == tmp_path / "cache" and lib.exists()
+  mtime = lib.stat().st_mtime_ns
+  assert _build.build_cached("jaxsparse_test", ("v1",), cxx, [src], flags) == (lib, "")
+  assert lib.stat().st_mtime_ns == mtime  # not rebuilt
+  other, _ = _build.build_cached("jaxsparse_test", ("v2",), cxx, [src], flags)
+  assert other != lib
+  (tmp_path / "file").write_text("")
+  monkeypatch.setenv("JAXSPARSE_CACHE_DIR", str(tmp_path / "file" / "sub"))  # cannot be created
+  monkeypatch.setattr(_build.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+  fallback, error = _build.build_cached("jaxsparse_test", ("v3",), cxx, [src], flags)
+  assert error == "" and fallback.is_relative_to(tmp_path / "tmp")
+  src.write_text("not C++")
+  failed, error = _build.build_cached("jaxsparse_test", ("v4",), cxx, [src], flags)
+  assert failed is None and "failed" in error
+
+
 def test_build_cache_dir(monkeypatch, tmp_path):
   monkeypatch.setenv("JAXSPARSE_CACHE_DIR", str(tmp_path / "c"))
   assert _build.cache_dir() == tmp_path / "c"

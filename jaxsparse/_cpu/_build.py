@@ -108,6 +108,37 @@ def compile_library(
       os.remove(tmp)
 
 
+def build_cached(
+    stem: str, key_parts: Sequence[bytes | str], cxx: str, sources: list[Path], flags: Sequence[str], *,
+    libraries: Sequence[str] = (),
+) -> tuple[Path | None, str]:
+  """``<cache>/<stem>-<hash of key_parts>.so``, compiled from ``sources`` unless it is there already.
+
+  Shared by the CPU kernels and the CUDA custom calls. Tries the user cache directory, then a per-user
+  folder in the temporary directory when the first is not writable; a compile error ends the search
+  (it does not depend on the directory). Returns ``(path, "")`` or ``(None, the errors)``.
+  """
+  key = hashlib.sha256()
+  for part in key_parts:
+    key.update(part if isinstance(part, bytes) else part.encode())
+    key.update(b"\0")
+  errors = []
+  for directory in (cache_dir(), Path(tempfile.gettempdir()) / f"jaxsparse-{os.getuid()}"):
+    lib = directory / f"{stem}-{key.hexdigest()[:20]}.so"
+    if lib.exists():
+      return lib, ""
+    try:
+      error = compile_library(cxx, sources, flags, lib, libraries=libraries)
+    except OSError as e:  # not writable: try the next directory
+      errors.append(f"cannot write to {directory}: {e}")
+      continue
+    if error is None:
+      return lib, ""
+    errors.append(error)
+    break
+  return None, "\n".join(errors)
+
+
 def _build() -> tuple[Path | None, str]:
   """Returns ``(library path, "")`` or ``(None, reason)``."""
   if os.environ.get("JAXSPARSE_CPU_KERNELS", "1").strip().lower() in ("0", "false", "off", "no"):
@@ -121,24 +152,12 @@ def _build() -> tuple[Path | None, str]:
   cpu, version = _cpu_signature(), _compiler_version(cxx)
   for arch in _ARCH_FLAGS:
     flags = (*_FLAGS, *arch)
-    key = hashlib.sha256()
     texts = [f.read_bytes() for f in [*sources, *(here / h for h in _HEADERS)]]
-    for part in (*texts, " ".join(flags), version, jaxlib.__version__, platform.machine(), cpu):
-      key.update(part if isinstance(part, bytes) else part.encode())
-      key.update(b"\0")
-    for directory in (cache_dir(), Path(tempfile.gettempdir()) / f"jaxsparse-{os.getuid()}"):
-      lib = directory / f"jaxsparse_cpu-{key.hexdigest()[:20]}.so"
-      if lib.exists():
-        return lib, ""
-      try:
-        error = compile_library(cxx, sources, flags, lib)
-      except OSError as e:  # cache directory not writable: try the next one
-        errors.append(f"cannot write to {directory}: {e}")
-        continue
-      if error is None:
-        return lib, ""
-      errors.append(error)
-      break  # a compile error does not depend on the directory
+    parts = (*texts, " ".join(flags), version, jaxlib.__version__, platform.machine(), cpu)
+    lib, error = build_cached("jaxsparse_cpu", parts, cxx, sources, flags)
+    if lib is not None:
+      return lib, ""
+    errors.append(error)
   return None, "compiling the CPU kernels failed: " + "\n".join(errors)
 
 

@@ -23,19 +23,16 @@ why, and the ops keep their other GPU paths (with a :class:`CusparseLtFallbackWa
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 import shutil
 import sys
-import tempfile
 import threading
 from pathlib import Path
 
 import jax
 import jaxlib
 
-from jaxsparse._cpu._build import cache_dir
-from jaxsparse._cpu._build import compile_library
+from jaxsparse._cpu._build import build_cached
 from jaxsparse._cpu._build import compiler
 
 __all__ = ["TARGETS", "CusparseLtFallbackWarning", "has_cuda_device", "library", "load", "unavailable_reason"]
@@ -133,26 +130,12 @@ def _build() -> tuple[Path | None, str]:
   include_dir, lib_dir = cslt
   compile_flags = ["-I", str(include_dir), *(f"-I{d}" for d in dirs)]
   link_flags = [f"-L{lib_dir}", "-l:libcusparseLt.so.0", f"-Wl,-rpath,{lib_dir}"]
-  key = hashlib.sha256()
   src = Path(__file__).parent / _SOURCE
-  for part in (src.read_bytes(), " ".join(_FLAGS + tuple(compile_flags) + tuple(link_flags)), jaxlib.__version__, cxx):
-    key.update(part if isinstance(part, bytes) else part.encode())
-    key.update(b"\0")
-  errors = []
-  for directory in (cache_dir(), Path(tempfile.gettempdir()) / f"jaxsparse-{os.getuid()}"):
-    lib = directory / f"jaxsparse_cusparselt-{key.hexdigest()[:20]}.so"
-    if lib.exists():
-      return lib, ""
-    try:
-      error = compile_library(cxx, [src], [*_FLAGS, *compile_flags], lib, libraries=link_flags)
-    except OSError as e:
-      errors.append(f"cannot write to {directory}: {e}")
-      continue
-    if error is None:
-      return lib, ""
-    errors.append(error)
-    break
-  return None, "compiling the cuSPARSELt custom calls failed: " + "\n".join(errors)
+  parts = (src.read_bytes(), " ".join(_FLAGS + tuple(compile_flags) + tuple(link_flags)), jaxlib.__version__, cxx)
+  lib, error = build_cached("jaxsparse_cusparselt", parts, cxx, [src], [*_FLAGS, *compile_flags], libraries=link_flags)
+  if lib is not None:
+    return lib, ""
+  return None, "compiling the cuSPARSELt custom calls failed: " + error
 
 
 _LOCK = threading.Lock()

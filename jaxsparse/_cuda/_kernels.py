@@ -39,8 +39,8 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
+from jaxsparse._cpu._build import build_cached
 from jaxsparse._cpu._build import cache_dir
-from jaxsparse._cpu._build import compile_library
 from jaxsparse._cpu._build import compiler
 
 __all__ = [
@@ -173,23 +173,11 @@ def _build_launcher() -> tuple[Path | None, str]:
   if cxx is None:
     return None, "no C++ compiler found (set $CXX or install g++)"
   src = _HERE / _LAUNCHER
-  parts = [src.read_bytes(), " ".join(_FLAGS).encode(), jaxlib.__version__.encode(), cxx.encode()]
-  key = hashlib.sha256(b"\0".join(parts))
-  errors = []
-  for directory in (cache_dir(), Path(tempfile.gettempdir()) / f"jaxsparse-{os.getuid()}"):
-    lib = directory / f"jaxsparse_kernel_launch-{key.hexdigest()[:20]}.so"
-    if lib.exists():
-      return lib, ""
-    try:
-      error = compile_library(cxx, [src], list(_FLAGS), lib, libraries=["-ldl"])
-    except OSError as e:
-      errors.append(f"cannot write to {directory}: {e}")
-      continue
-    if error is None:
-      return lib, ""
-    errors.append(error)
-    break
-  return None, "compiling the kernel launcher failed: " + "\n".join(errors)
+  parts = (src.read_bytes(), " ".join(_FLAGS), jaxlib.__version__, cxx)
+  lib, error = build_cached("jaxsparse_kernel_launch", parts, cxx, [src], _FLAGS, libraries=["-ldl"])
+  if lib is not None:
+    return lib, ""
+  return None, "compiling the kernel launcher failed: " + error
 
 
 _LOCK = threading.Lock()
