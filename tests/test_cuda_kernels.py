@@ -77,7 +77,9 @@ def test_nm24_config_errors(kwargs, match):
     ck.Nm24DecodeConfig(**kwargs)
 
 
-@pytest.mark.parametrize(("k", "n"), [(4096, 4096), (4096, 16384), (11008, 4096), (64, 128), (4096, 128)])
+@pytest.mark.parametrize(
+    ("k", "n"), [(4096, 4096), (4096, 16384), (11008, 4096), (64, 128), (4096, 128), (4096, 8192), (2048, 11008)]
+)
 def test_nm24_default_config_fits(k, n):
   cfg = ck.Nm24DecodeConfig.get_default(16, k, n)
   # Every block of a cluster gets at least one step pair per warp.
@@ -140,7 +142,10 @@ def test_use_sparse_mma_rules():
 )
 @pytest.mark.parametrize(
     "config",
-    [None, ck.Nm24DecodeConfig(1, 8), ck.Nm24DecodeConfig(2, 4), ck.Nm24DecodeConfig(8, 8), ck.Nm24DecodeConfig(4, 2)],
+    [
+        None, ck.Nm24DecodeConfig(1, 8), ck.Nm24DecodeConfig(2, 8), ck.Nm24DecodeConfig(2, 4), ck.Nm24DecodeConfig(8, 8),
+        ck.Nm24DecodeConfig(4, 2),
+    ],
 )
 def test_gpu_nm24_decode(m, k, n, config):
   x, w, ref = _problem(m * 7 + n, m, k, n, empty_cols=(m == 5))

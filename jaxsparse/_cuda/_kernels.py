@@ -281,16 +281,19 @@ class Nm24DecodeConfig:
 
   @classmethod
   def get_default(cls, m: int, k: int, n: int) -> Nm24DecodeConfig:
-    """About 1024 warps in 128-256 thread blocks, measured on an H100 (2026-11-23, K = 4096).
+    """Measured on an H100 (2026-11-23, ``benchmarks/results/gpu_nm_decode_2026-11-23_h100.md``).
 
-    N = 16384 (128 column spans): one block of 8 warps per span (0.61-0.63 of dense; 2 blocks of 4
-    warps: 0.63-0.65). N = 4096 (32 spans): clusters of 8 blocks of 4 warps for M <= 8 (0.85), of 2
-    warps for M > 8 (0.99; 4 warps: 1.24). ``benchmarks/results/gpu_nm_decode_2026-11-23_h100.md``.
+    From 64 column spans of 128 (N >= 8192): blocks of 8 warps, about 1024 warps in all (N = 8192: 2
+    blocks per span; N = 11008, 14336, 16384: one), 0.62-0.75 of dense at M = 16 and 0.63-0.70 at M = 1
+    for K = 2048-4096 (0.92 / 0.78 at K = 2048, N = 8192). Fewer spans (N = 4096): clusters of 8 blocks of
+    4 warps for M <= 8 (0.80-0.85), of 2 warps for M > 8 (0.99-1.02; 4 warps: 1.24).
     """
     spans = n // NM24_SPAN
     pairs = k // 64
-    if spans >= 128:
+    if spans >= 64:
       split, warps = 1, 8
+      while split < 8 and spans * 8 * split * 2 <= 1024:
+        split *= 2
     else:
       split = 8
       while split > 1 and spans * split > 256:
