@@ -143,8 +143,8 @@ def test_use_sparse_mma_rules():
 @pytest.mark.parametrize(
     "config",
     [
-        None, ck.Nm24DecodeConfig(1, 8), ck.Nm24DecodeConfig(2, 8), ck.Nm24DecodeConfig(2, 4), ck.Nm24DecodeConfig(8, 8),
-        ck.Nm24DecodeConfig(4, 2),
+        None, ck.Nm24DecodeConfig(1, 8), ck.Nm24DecodeConfig(2, 8), ck.Nm24DecodeConfig(2, 4),
+        ck.Nm24DecodeConfig(8, 8), ck.Nm24DecodeConfig(4, 2),
     ],
 )
 def test_gpu_nm24_decode(m, k, n, config):
