@@ -157,14 +157,16 @@ def _compile_cubin(source: str, name: str, options: list[str]) -> tuple[bytes | 
   finally:
     lib.nvrtcDestroyProgram(ctypes.byref(prog))
   data = cubin.raw
-  try:  # write atomically: a concurrent process may be writing the same file
+  tmp = None
+  try:  # write atomically (a concurrent process may write the same file); an unwritable cache only costs time
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
     with os.fdopen(fd, "wb") as f:
       f.write(data)
     os.replace(tmp, path)
   except OSError:
-    pass
+    if tmp is not None and os.path.exists(tmp):
+      os.remove(tmp)
   return data, ""
 
 
