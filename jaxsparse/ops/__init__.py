@@ -2,6 +2,7 @@
 
 from jaxsparse._cpu._build import CpuKernelFallbackWarning
 from jaxsparse._cuda._build import CusparseLtFallbackWarning
+from jaxsparse._cuda._kernels import CudaKernelFallbackWarning
 from jaxsparse.ops._block_sparse_matmul import Implementation
 from jaxsparse.ops._block_sparse_matmul import block_sparse_matmul
 from jaxsparse.ops._block_sparse_matmul import block_sparse_matmul_reference
@@ -20,6 +21,7 @@ from jaxsparse.ops._sr_ste import sr_ste_matmul
 __all__ = [
     "CpuImplementation",
     "CpuKernelFallbackWarning",
+    "CudaKernelFallbackWarning",
     "CusparseLtFallbackWarning",
     "Implementation",
     "NMImplementation",
