@@ -87,6 +87,29 @@ def test_nm24_default_config_fits(k, n):
   assert ck.NM24_SPAN % cfg.split == 0
 
 
+@pytest.mark.parametrize("token_tiles", [1, 2])
+@pytest.mark.parametrize("split", [1, 2, 4, 8])
+@pytest.mark.parametrize("warps", [2, 4, 8])
+def test_nm24_source_compiles_for_hopper(token_tiles, split, warps, monkeypatch, tmp_path):
+  """NVRTC (the dev extra's nvidia-cuda-nvrtc; no GPU needed) compiles every variant of the kernel for sm_90."""
+  assert ck._nvrtc() is not None, "libnvrtc not found: install the dev extra (nvidia-cuda-nvrtc)"
+  monkeypatch.setenv("JAXSPARSE_CACHE_DIR", str(tmp_path))
+  source = (ck._HERE / "nm24_decode.cu").read_text()
+  defines = (("NM_MT", token_tiles), ("NM_SPLIT", split), ("NM_WARPS", warps))
+  options = ["--gpu-architecture=sm_90", "-std=c++17", *(f"-D{k}={v}" for k, v in defines)]
+  cubin, log = ck._compile_cubin(source, "nm24_decode", options)
+  assert cubin is not None, log
+  assert cubin[:4] == b"\x7fELF"
+  assert ck._compile_cubin(source, "nm24_decode", options) == (cubin, "")  # from the disk cache
+
+
+def test_nvrtc_errors_are_reported(monkeypatch, tmp_path):
+  monkeypatch.setenv("JAXSPARSE_CACHE_DIR", str(tmp_path))
+  cubin, log = ck._compile_cubin("this is not CUDA", "broken", ["--gpu-architecture=sm_90"])
+  assert cubin is None and "NVRTC could not compile broken.cu" in log and "error" in log
+  assert not list(tmp_path.iterdir())
+
+
 def test_nm24_rejects_bad_operands():
   x, w, _ = _problem(0, 4, 128, 128)
   with pytest.raises(ValueError, match="M must be between 1 and 16"):
