@@ -87,16 +87,15 @@ def test_nm24_default_config_fits(k, n):
   assert ck.NM24_SPAN % cfg.split == 0
 
 
-@pytest.mark.parametrize("token_tiles", [1, 2])
+@pytest.mark.parametrize("rows", [1, 16])  # one and two token tiles
 @pytest.mark.parametrize("split", [1, 2, 4, 8])
 @pytest.mark.parametrize("warps", [2, 4, 8])
-def test_nm24_source_compiles_for_hopper(token_tiles, split, warps, monkeypatch, tmp_path):
+def test_nm24_source_compiles_for_hopper(rows, split, warps, monkeypatch, tmp_path):
   """NVRTC (the dev extra's nvidia-cuda-nvrtc; no GPU needed) compiles every variant of the kernel for sm_90."""
   assert ck._nvrtc() is not None, "libnvrtc not found: install the dev extra (nvidia-cuda-nvrtc)"
   monkeypatch.setenv("JAXSPARSE_CACHE_DIR", str(tmp_path))
   source = (ck._HERE / "nm24_decode.cu").read_text()
-  defines = (("NM_MT", token_tiles), ("NM_SPLIT", split), ("NM_WARPS", warps))
-  options = ["--gpu-architecture=sm_90", "-std=c++17", *(f"-D{k}={v}" for k, v in defines)]
+  options = ck._nvrtc_options("sm_90", ck._nm24_defines(rows, ck.Nm24DecodeConfig(split, warps)))
   cubin, log = ck._compile_cubin(source, "nm24_decode", options)
   assert cubin is not None, log
   assert cubin[:4] == b"\x7fELF"

@@ -240,6 +240,10 @@ def warn_fallback(op: str, reason: str) -> None:
                 CudaKernelFallbackWarning, stacklevel=3)
 
 
+def _nvrtc_options(arch: str, defines: tuple[tuple[str, int], ...]) -> list[str]:
+  return [f"--gpu-architecture={arch}", "-std=c++17", *(f"-D{k}={v}" for k, v in defines)]
+
+
 def _kernel_id(source_name: str, name: str, defines: tuple[tuple[str, int], ...]) -> int:
   """Compiles (once per process) and registers kernel ``name`` of ``source_name`` with ``defines``."""
   state = _load()
@@ -250,8 +254,7 @@ def _kernel_id(source_name: str, name: str, defines: tuple[tuple[str, int], ...]
     if key in state["kernels"]:
       return state["kernels"][key]
     source = (_HERE / source_name).read_text()
-    options = [f"--gpu-architecture={state['arch']}", "-std=c++17", *(f"-D{k}={v}" for k, v in defines)]
-    cubin, log = _compile_cubin(source, name, options)
+    cubin, log = _compile_cubin(source, name, _nvrtc_options(state["arch"], defines))
     if cubin is None:
       raise RuntimeError(log)
     error = ctypes.create_string_buffer(512)

@@ -44,9 +44,6 @@ __device__ __forceinline__ u32 word_of(const uint4& v, int w) {
   return w == 0 ? v.x : (w == 1 ? v.y : (w == 2 ? v.z : v.w));
 }
 
-// Byte b (0..15) of a 16-byte vector.
-__device__ __forceinline__ u32 byte_of(const uint4& v, int b) { return (word_of(v, b >> 2) >> (8 * (b & 3))) & 0xffu; }
-
 // (lo, hi) bf16 pair: column j of `lo_row` and column j of `hi_row`, each row 16 columns in two uint4
 // (h = j / 8).
 __device__ __forceinline__ u32 pair_of(const uint4* lo_row, const uint4* hi_row, int j) {
