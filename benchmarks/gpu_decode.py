@@ -56,8 +56,9 @@ K = 4096
 HBM_BYTES = 128 << 20  # weights per timed call in the "hbm" timing: 2.5x the L2 of an H100
 BS_N, BS_BLOCKS, BS_DENSITY, BS_M = 4096, (128, 64), 0.25, 16
 NM_COLS, NM_ROWS = (4096, 16384), (16, 8, 1)
-# (split, warps) of the sparse tensor-core kernel timed by --sweep.
-NM24_SPLITS = [(1, 8), (1, 4), (2, 8), (2, 4), (4, 4), (4, 2), (8, 8), (8, 4), (8, 2)]
+# (split, warps) of the sparse tensor-core kernel timed by --sweep, each with these L2 prefetch depths.
+NM24_SPLITS = [(1, 8), (2, 8), (2, 4), (4, 4), (8, 4), (8, 2)]
+NM24_PREFETCH = (0, 1, 2, 4)
 
 
 def _bf16(key, shape):
@@ -211,8 +212,8 @@ def nm(args, rows: list[str]) -> None:
       ref = jnp.dot(x.astype(jnp.float32), w0.to_dense().astype(jnp.float32))
       default = NMMatmulConfig.get_default(m, (K, cols), 2, 4, jnp.bfloat16)
       bm = max(16, 1 << (m - 1).bit_length())
-      configs = [("default", default)]
-      if args.sweep and m == NM_ROWS[0]:
+      configs = [] if args.mma_only else [("default", default)]
+      if args.sweep and m == NM_ROWS[0] and not args.mma_only:
         configs += [
             (f"bn{bn} bg{bg} w{wa} st{st} sp{sp}",
              NMMatmulConfig(block_m=bm, block_n=bn, block_groups=bg, num_warps=wa, num_stages=st, split_k=sp))
@@ -224,7 +225,11 @@ def nm(args, rows: list[str]) -> None:
       if cuda_kernels.available():
         sparse = [("mma.sp default", cuda_kernels.Nm24DecodeConfig.get_default(m, K, cols))]
         if args.sweep:
-          sparse += [(f"mma.sp split {sp} warps {wa}", cuda_kernels.Nm24DecodeConfig(sp, wa)) for sp, wa in NM24_SPLITS]
+          sparse += [
+              (f"mma.sp split {sp} warps {wa} prefetch {pf}", cuda_kernels.Nm24DecodeConfig(sp, wa, pf))
+              for sp, wa in NM24_SPLITS
+              for pf in NM24_PREFETCH
+          ]
         for label, cfg in sparse:
           f = lambda x, w, cfg=cfg: cuda_kernels.nm24_decode(x, w.values, w.indices, config=cfg)
           _variant_row(f"{m}x{cols} {label}", cfg, f, x, w0, ws, ref, (d_hot, d_hbm), nbytes, args.iterations, rows)
@@ -249,6 +254,7 @@ def main(argv=None):
   p.add_argument("--quick", action="store_true", help="N:M at M = 16 only")
   p.add_argument("--skip-block-sparse", action="store_true")
   p.add_argument("--skip-nm", action="store_true")
+  p.add_argument("--mma-only", action="store_true", help="N:M: time only the sparse tensor-core kernel and nm_matmul")
   p.add_argument("--iterations", type=int, default=50)
   p.add_argument("--out", help="also write the table to this file")
   args = p.parse_args(argv)

@@ -70,6 +70,7 @@ def test_nm24_unsupported_reason(m, k, n, dtype, expect):
     [
         ({"split": 3}, "split must be 1, 2, 4 or 8, got split=3"),
         ({"warps": 16}, "warps must be 2, 4 or 8, got warps=16"),
+        ({"prefetch": 3}, "prefetch must be 0, 1, 2 or 4, got prefetch=3"),
     ],
 )
 def test_nm24_config_errors(kwargs, match):
@@ -89,13 +90,13 @@ def test_nm24_default_config_fits(k, n):
 
 @pytest.mark.parametrize("rows", [1, 16])  # one and two token tiles
 @pytest.mark.parametrize("split", [1, 2, 4, 8])
-@pytest.mark.parametrize("warps", [2, 4, 8])
-def test_nm24_source_compiles_for_hopper(rows, split, warps, monkeypatch, tmp_path):
+@pytest.mark.parametrize(("warps", "prefetch"), [(2, 0), (4, 2), (8, 4)])
+def test_nm24_source_compiles_for_hopper(rows, split, warps, prefetch, monkeypatch, tmp_path):
   """NVRTC (the dev extra's nvidia-cuda-nvrtc; no GPU needed) compiles every variant of the kernel for sm_90."""
   assert ck._nvrtc() is not None, "libnvrtc not found: install the dev extra (nvidia-cuda-nvrtc)"
   monkeypatch.setenv("JAXSPARSE_CACHE_DIR", str(tmp_path))
   source = (ck._HERE / "nm24_decode.cu").read_text()
-  options = ck._nvrtc_options("sm_90", ck._nm24_defines(rows, ck.Nm24DecodeConfig(split, warps)))
+  options = ck._nvrtc_options("sm_90", ck._nm24_defines(rows, ck.Nm24DecodeConfig(split, warps, prefetch)))
   cubin, log = ck._compile_cubin(source, "nm24_decode", options)
   assert cubin is not None, log
   assert cubin[:4] == b"\x7fELF"
@@ -166,7 +167,8 @@ def test_use_sparse_mma_rules():
     "config",
     [
         None, ck.Nm24DecodeConfig(1, 8), ck.Nm24DecodeConfig(2, 8), ck.Nm24DecodeConfig(2, 4),
-        ck.Nm24DecodeConfig(8, 8), ck.Nm24DecodeConfig(4, 2),
+        ck.Nm24DecodeConfig(8, 8), ck.Nm24DecodeConfig(4, 2), ck.Nm24DecodeConfig(1, 8, 2),
+        ck.Nm24DecodeConfig(8, 2, 4), ck.Nm24DecodeConfig(2, 4, 1),
     ],
 )
 def test_gpu_nm24_decode(m, k, n, config):
@@ -184,11 +186,13 @@ def test_gpu_nm24_decode(m, k, n, config):
     k=st.sampled_from([64, 192, 1024]),
     n=st.sampled_from([128, 256, 640]),
     split=st.sampled_from([1, 2, 4, 8]),
+    prefetch=st.sampled_from([0, 1, 2, 4]),
     seed=st.integers(0, 2**16),
 )
-def test_gpu_nm24_decode_random(m, k, n, split, seed):
+def test_gpu_nm24_decode_random(m, k, n, split, prefetch, seed):
   x, w, ref = _problem(seed, m, k, n)
-  y = ck.nm24_decode(x, w.values, w.indices, config=ck.Nm24DecodeConfig(split=split, warps=4))
+  cfg = ck.Nm24DecodeConfig(split=split, warps=4, prefetch=prefetch)
+  y = ck.nm24_decode(x, w.values, w.indices, config=cfg)
   assert _rel(y, ref) < TOL
 
 

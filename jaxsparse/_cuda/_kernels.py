@@ -273,16 +273,20 @@ class Nm24DecodeConfig:
     split: thread blocks per 128 columns of ``W`` (1, 2, 4 or 8), each a slice of ``K``; the blocks of a
       column span form a cluster and add their partial sums through distributed shared memory.
     warps: warps per thread block (they split the block's slice of ``K``).
+    prefetch: pairs of ``K`` steps each warp has L2 fetch ahead of its own loads (0: none).
   """
 
   split: int = 1
   warps: int = 8
+  prefetch: int = 0
 
   def __post_init__(self):
     if self.split not in (1, 2, 4, 8):
       raise ValueError(f"split must be 1, 2, 4 or 8, got split={self.split}.")
     if self.warps not in (2, 4, 8):
       raise ValueError(f"warps must be 2, 4 or 8, got warps={self.warps}.")
+    if self.prefetch not in (0, 1, 2, 4):
+      raise ValueError(f"prefetch must be 0, 1, 2 or 4, got prefetch={self.prefetch}.")
 
   @classmethod
   def get_default(cls, m: int, k: int, n: int) -> Nm24DecodeConfig:
@@ -324,7 +328,9 @@ def nm24_unsupported_reason(m: int, k: int, n: int, dtype) -> str:
 
 
 def _nm24_defines(m: int, cfg: Nm24DecodeConfig) -> tuple[tuple[str, int], ...]:
-  return (("NM_MT", 1 if m <= 8 else 2), ("NM_SPLIT", cfg.split), ("NM_WARPS", cfg.warps))
+  return (
+      ("NM_MT", 1 if m <= 8 else 2), ("NM_SPLIT", cfg.split), ("NM_WARPS", cfg.warps), ("NM_PREFETCH", cfg.prefetch)
+  )
 
 
 def nm24_prepare(m: int, k: int, n: int) -> str:

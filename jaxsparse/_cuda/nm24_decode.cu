@@ -32,6 +32,9 @@
 #ifndef NM_WARPS
 #define NM_WARPS 8
 #endif
+#ifndef NM_PREFETCH
+#define NM_PREFETCH 0  // step pairs each warp has L2 fetch ahead of its own loads
+#endif
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -83,6 +86,19 @@ __device__ __forceinline__ u32 meta_word(const u32 (*tr)[8], int i, int q) {
     x[h] = nib | (nib >> 4);                                           // bytes 0, 2: two codes each
   }
   return __byte_perm(x[0], x[1], 0x6420);
+}
+
+// Asks L2 for the 72 lines of 128 bytes that the warp reads for pair p: 32 values rows of 256 bytes (the
+// two steps' 16 rows each) and 8 position rows of 128 bytes. No registers are held while they arrive.
+__device__ __forceinline__ void prefetch_pair(const u16* values, const u8* idx, int p, int pairs, int n, int span0,
+                                              int lane) {
+#pragma unroll
+  for (int l = lane; l < 72; l += 32) {
+    const void* a = l < 64 ? (const void*)(values + (size_t)(16 * (p + (l >> 5) * pairs) + ((l >> 1) & 15)) * n +
+                                           span0 + 64 * (l & 1))
+                           : (const void*)(idx + (size_t)(8 * p + l - 64) * n + span0);
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
+  }
 }
 
 __device__ __forceinline__ void mma_sp(float* c, const u32* a, const u32* b, u32 e) {
@@ -137,7 +153,16 @@ extern "C" __global__ void __launch_bounds__(NM_WARPS * 32)
 #pragma unroll
       for (int r = 0; r < 4; ++r) acc[i][mt][r] = 0.f;
 
+#if NM_PREFETCH > 0
+#pragma unroll
+  for (int d = 0; d < NM_PREFETCH; ++d)
+    if (p_begin + warp + d * NM_WARPS < p_end)
+      prefetch_pair(values, idx, p_begin + warp + d * NM_WARPS, pairs, n, span0, lane);
+#endif
   for (int p = p_begin + warp; p < p_end; p += NM_WARPS) {
+#if NM_PREFETCH > 0
+    if (p + NM_PREFETCH * NM_WARPS < p_end) prefetch_pair(values, idx, p + NM_PREFETCH * NM_WARPS, pairs, n, span0, lane);
+#endif
     uint4 meta[4];
 #pragma unroll
     for (int u = 0; u < 4; ++u)
