@@ -88,6 +88,12 @@ def test_nm24_default_config_fits(k, n):
   assert ck.NM24_SPAN % cfg.split == 0
 
 
+def test_nm24_default_prefetches_only_in_blocks_of_two_warps():
+  assert ck.Nm24DecodeConfig.get_default(16, 4096, 4096) == ck.Nm24DecodeConfig(split=8, warps=2, prefetch=1)
+  assert ck.Nm24DecodeConfig.get_default(8, 4096, 4096) == ck.Nm24DecodeConfig(split=8, warps=4, prefetch=0)
+  assert ck.Nm24DecodeConfig.get_default(16, 4096, 16384).prefetch == 0
+
+
 @pytest.mark.parametrize("rows", [1, 16])  # one and two token tiles
 @pytest.mark.parametrize("split", [1, 2, 4, 8])
 @pytest.mark.parametrize(("warps", "prefetch"), [(2, 0), (4, 2), (8, 4)])

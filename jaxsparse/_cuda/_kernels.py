@@ -295,7 +295,9 @@ class Nm24DecodeConfig:
     From 64 column spans of 128 (N >= 8192): blocks of 8 warps, about 1024 warps in all (N = 8192: 2
     blocks per span; N = 11008, 14336, 16384: one), 0.62-0.75 of dense at M = 16 and 0.63-0.70 at M = 1
     for K = 2048-4096 (0.92 / 0.78 at K = 2048, N = 8192). Fewer spans (N = 4096): clusters of 8 blocks of
-    4 warps for M <= 8 (0.80-0.85), of 2 warps for M > 8 (0.99-1.02; 4 warps: 1.24).
+    4 warps for M <= 8 (0.80-0.85), of 2 warps for M > 8 (0.99-1.02; 4 warps: 1.24). Blocks of 2 warps keep
+    too few loads in flight: they prefetch their next pair into L2 (0.96 instead of 1.02 at M = 16; deeper
+    prefetch, or prefetch in blocks of 4-8 warps, measured 2-40% slower).
     """
     spans = n // NM24_SPAN
     pairs = k // 64
@@ -313,7 +315,7 @@ class Nm24DecodeConfig:
       split //= 2
     while warps > 2 and pairs < split * warps:
       warps //= 2
-    return cls(split=split, warps=warps)
+    return cls(split=split, warps=warps, prefetch=1 if warps == 2 else 0)
 
 
 def nm24_unsupported_reason(m: int, k: int, n: int, dtype) -> str:
