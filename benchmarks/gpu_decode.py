@@ -119,17 +119,6 @@ BS_VARIANTS = {
         ("sub 16 mem w2", dict(_SUB, sub_cols=16, num_warps=2)),
         ("sub 64 mem", dict(_SUB, sub_cols=64)),
         ("sub 32 mem split 2", dict(_SUB, split=2)),
-        ("sub 32 unroll 2", dict(_SUB, index_window=True, unroll=2)),
-        ("sub 32 unroll 4", dict(_SUB, index_window=True, unroll=4)),
-        ("sub 32 unroll 4 st2", dict(_SUB, index_window=True, unroll=4, num_stages=2)),
-        ("sub 32 unroll 4 st3", dict(_SUB, index_window=True, unroll=4, num_stages=3)),
-        ("sub 32 mem unroll 4", dict(_SUB, unroll=4)),
-        ("sub 32 unroll 4 w2", dict(_SUB, index_window=True, unroll=4, num_warps=2)),
-        ("sub 16 unroll 4 w2", dict(_SUB, index_window=True, sub_cols=16, unroll=4, num_warps=2)),
-        ("sub 64 unroll 4", dict(_SUB, index_window=True, sub_cols=64, unroll=4)),
-        ("sub 32 unroll 2 split 2", dict(_SUB, index_window=True, unroll=2, split=2)),
-        (f"split {4 if b == 128 else 8} unroll 2", dict(_OLD, split=4 if b == 128 else 8, unroll=2)),
-        (f"split {2 if b == 128 else 4} unroll 4", dict(_OLD, split=2 if b == 128 else 4, unroll=4)),
     ]
     for b in (128, 64)
 }
@@ -171,8 +160,6 @@ def block_sparse(args, rows: list[str]) -> None:
     default = BlockSparseMatmulConfig.get_default(m, w0.shape, w0.block_shape, w0.nnz_blocks, w0.dtype)
     # Without --sweep: the default and the split default it replaced at block 128 (before 2026-11-23).
     variants = [("default", {})] + (BS_VARIANTS[b] if args.sweep else BS_VARIANTS[b][:1] if b == 128 else [])
-    if args.only:
-      variants = [(label, change) for label, change in variants if label == "default" or args.only in label]
     for label, change in variants:
       cfg = dataclasses.replace(default, forward=dataclasses.replace(default.forward, **change))
       f = lambda x, w, cfg=cfg: bs_kernels.forward(x, w, config=cfg)
@@ -267,7 +254,6 @@ def main(argv=None):
   p.add_argument("--quick", action="store_true", help="N:M at M = 16 only")
   p.add_argument("--skip-block-sparse", action="store_true")
   p.add_argument("--skip-nm", action="store_true")
-  p.add_argument("--only", help="block-sparse --sweep: only the variants whose label contains this")
   p.add_argument("--mma-only", action="store_true", help="N:M: time only the sparse tensor-core kernel and nm_matmul")
   p.add_argument("--iterations", type=int, default=50)
   p.add_argument("--out", help="also write the table to this file")

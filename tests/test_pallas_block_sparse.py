@@ -149,15 +149,13 @@ def test_interpret_split_and_grouped_tiles(split, index_window, block_order):
 
 
 @pytest.mark.parametrize(
-    ("block_shape", "sub_cols", "split", "unroll"),
-    [((64, 64), 16, 1, 1), ((32, 64), 32, 2, 2), ((64, 32), 16, 1, 4), ((32, 32), 32, 3, 4)],
+    ("block_shape", "sub_cols", "split"), [((64, 64), 16, 1), ((32, 64), 32, 2), ((64, 32), 16, 1)]
 )
-def test_interpret_sub_column_programs(block_shape, sub_cols, split, unroll):
-  # Decode tiling: programs own sub_cols output columns of a block (of bn forward, of bk in dX) and
-  # walk their blocks `unroll` at a time (walks of 0-4 blocks: masked repeats of the last block),
+def test_interpret_sub_column_programs(block_shape, sub_cols, split):
+  # Decode tiling: programs own sub_cols output columns of a block (of bn forward, of bk in dX),
   # M = 5 is not a multiple of the row tile, and block row 0 / block column 1 are empty.
   x, dy, w = _problem(5, 128, 192, block_shape, "random", jnp.float32, seed=4)
-  cfg = KernelConfig(16, split=split, sub_cols=sub_cols, unroll=unroll)
+  cfg = KernelConfig(16, split=split, sub_cols=sub_cols)
   _check_all(x, dy, w, jnp.float32, config=BlockSparseMatmulConfig(cfg, cfg, KernelConfig(16)), interpret=True)
 
 
@@ -264,8 +262,6 @@ def test_config_validation():
   assert cfg.dx.split > 1 and cfg.dx.sub_cols is None
   with pytest.raises(ValueError, match="sub_cols must be None or a power of two >= 16, got sub_cols=24"):
     KernelConfig(16, sub_cols=24)
-  with pytest.raises(ValueError, match="unroll must be 1, 2 or 4, got unroll=3"):
-    KernelConfig(16, unroll=3)
 
 
 @pytest.mark.skipif(kernels.available(), reason="checks the CPU-only behaviour")
@@ -469,22 +465,21 @@ def test_gpu_split_configs(split, index_window, block_order):
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize(
-    ("m", "block_shape", "sub_cols", "split", "unroll", "dtype"),
+    ("m", "block_shape", "sub_cols", "split", "dtype"),
     [
-        (16, (128, 128), 32, 1, 1, jnp.bfloat16),
-        (16, (128, 128), 32, 1, 2, jnp.bfloat16),
-        (16, (64, 64), 16, 1, 4, jnp.bfloat16),
-        (5, (128, 128), 16, 2, 4, jnp.float16),
-        (37, (64, 128), 32, 1, 2, jnp.bfloat16),
-        (1, (128, 64), 16, 1, 1, jnp.float32),
+        (16, (128, 128), 32, 1, jnp.bfloat16),
+        (16, (64, 64), 16, 1, jnp.bfloat16),
+        (5, (128, 128), 16, 2, jnp.float16),
+        (37, (64, 128), 32, 1, jnp.bfloat16),
+        (1, (128, 64), 16, 1, jnp.float32),
     ],
 )
-def test_gpu_sub_column_configs(m, block_shape, sub_cols, split, unroll, dtype):
-  # Decode tiling: programs own sub_cols columns of a block and walk their blocks `unroll` at a time;
-  # M below or not a multiple of the row tile; the random pattern has an empty block row and an empty
-  # block column. Tolerances as in test_gpu_matches_dense (float32: TF32 tensor cores).
+def test_gpu_sub_column_configs(m, block_shape, sub_cols, split, dtype):
+  # Decode tiling: programs own sub_cols columns of a block; M below or not a multiple of the row
+  # tile; the random pattern has an empty block row and an empty block column. Tolerances as in
+  # test_gpu_matches_dense (float32: TF32 tensor cores).
   x, dy, w = _problem(m, 1024, 768, block_shape, "random", dtype, seed=m + sub_cols)
-  cfg = KernelConfig(16, split=split, sub_cols=sub_cols, unroll=unroll)
+  cfg = KernelConfig(16, split=split, sub_cols=sub_cols)
   _check_all(x, dy, w, dtype, config=BlockSparseMatmulConfig(cfg, cfg, KernelConfig(16)), interpret=False)
 
 

@@ -78,10 +78,6 @@ class KernelConfig:
       in the forward, of ``bk`` in ``dx``), so that a block column feeds ``bn // sub_cols``
       programs without a reduction afterwards; ``None`` for the whole block. For decode, where
       there are too few block columns to fill the GPU. A power of two >= 16.
-    unroll: forward and ``dx`` walk their kept blocks this many at a time (1, 2 or 4): the loads of
-      the blocks of one step are issued together, so that a short walk (decode) waits for memory once
-      per step rather than once per block. A walk not a multiple of ``unroll`` repeats its last block
-      (a cache hit) with its product masked out.
     block_order: the order in which ``dw`` programs take the kept blocks: ``"rows"`` (as stored, by
       block row) or ``"cols"`` (by block column: the programs in flight share ``dY`` slabs rather than
       ``x`` slabs). The Mosaic ``dw`` kernel measured faster in that order where ``N >= K`` (see
@@ -97,7 +93,6 @@ class KernelConfig:
   index_window: bool = True
   sub_cols: int | None = None
   block_order: str = "rows"
-  unroll: int = 1
 
   def __post_init__(self):
     bm = self.block_m
@@ -109,8 +104,6 @@ class KernelConfig:
     for name in ("num_warps", "num_stages", "group_m", "split"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {name}={getattr(self, name)}.")
-    if self.unroll not in (1, 2, 4):
-      raise ValueError(f"unroll must be 1, 2 or 4, got unroll={self.unroll}.")
     if self.block_order not in ("rows", "cols"):
       raise ValueError(f"block_order must be 'rows' or 'cols', got block_order={self.block_order!r}.")
 

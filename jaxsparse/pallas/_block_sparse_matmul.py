@@ -174,22 +174,6 @@ class _BlockIndex:
     return [jnp.sum(jnp.where(hit, v, 0)) for v in self.vectors]
 
 
-def _walk(step, start, end, acc, cfg: KernelConfig):
-  """``acc + sum of step(t)`` over this program's part of ``[start, end)``, ``cfg.unroll`` steps at a time."""
-  lo, hi = _split_range(start, end, cfg.split)
-  if cfg.unroll == 1:
-    return lax.fori_loop(lo, hi, lambda t, acc: acc + step(t), acc)
-
-  def body(c, acc):
-    for u in range(cfg.unroll):
-      t = lo + c * cfg.unroll + u
-      # Past the end: the last block again (its loads hit the cache), its product masked out.
-      acc = acc + jnp.where(t < hi, step(jnp.minimum(t, hi - 1)), 0.0)
-    return acc
-
-  return lax.fori_loop(0, pl.cdiv(jnp.maximum(hi - lo, 0), cfg.unroll), body, acc)
-
-
 def _dsd_kernel(
     col_offsets_ref,
     order_ref,
@@ -234,7 +218,9 @@ def _dsd_kernel(
     k0 = pl.multiple_of(block_row(b) * bk, bk)
     return dot(x_ref[:, pl.ds(k0, bk)], data_ref[b], ((1,), (0,)))
 
-  y_ref[...] = _walk(step, start, end, jnp.zeros(y_ref.shape, jnp.float32), cfg).astype(y_ref.dtype)
+  acc = jnp.zeros(y_ref.shape, jnp.float32)
+  acc = lax.fori_loop(*_split_range(start, end, cfg.split), lambda t, acc: acc + step(t), acc)
+  y_ref[...] = acc.astype(y_ref.dtype)
 
 
 def _dst_kernel(offsets_ref, cols_ref, dy_ref, data_ref, dx_ref, *, num_m, num_k, subs, window, cfg, dot):
@@ -251,7 +237,9 @@ def _dst_kernel(offsets_ref, cols_ref, dy_ref, data_ref, dx_ref, *, num_m, num_k
     n0 = pl.multiple_of(j * bn, bn)
     return dot(dy_ref[:, pl.ds(n0, bn)], data_ref[t], ((1,), (1,)))
 
-  dx_ref[...] = _walk(step, start, end, jnp.zeros(dx_ref.shape, jnp.float32), cfg).astype(dx_ref.dtype)
+  acc = jnp.zeros(dx_ref.shape, jnp.float32)
+  acc = lax.fori_loop(*_split_range(start, end, cfg.split), lambda t, acc: acc + step(t), acc)
+  dx_ref[...] = acc.astype(dx_ref.dtype)
 
 
 def _sdd_kernel(rows_ref, cols_ref, x_ref, dy_ref, ddata_ref, *, block_shape, steps, cfg, dot):
