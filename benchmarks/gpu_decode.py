@@ -56,9 +56,12 @@ K = 4096
 HBM_BYTES = 128 << 20  # weights per timed call in the "hbm" timing: 2.5x the L2 of an H100
 BS_N, BS_BLOCKS, BS_DENSITY, BS_M = 4096, (128, 64), 0.25, 16
 NM_COLS, NM_ROWS = (4096, 16384), (16, 8, 1)
-# (split, warps) of the sparse tensor-core kernel timed by --sweep, each with these L2 prefetch depths.
-NM24_SPLITS = [(1, 8), (2, 8), (2, 4), (4, 4), (8, 4), (8, 2)]
-NM24_PREFETCH = (0, 1, 2, 4)
+# (split, warps, prefetch, span) of the sparse tensor-core kernel timed by --sweep (span 128: M <= 16 only).
+NM24_SWEEP = [
+    (1, 8, 0, 128), (2, 8, 0, 128), (4, 4, 0, 128), (8, 4, 0, 128), (8, 2, 1, 128),
+    (1, 4, 0, 64), (2, 4, 0, 64), (4, 4, 0, 64), (8, 4, 0, 64), (1, 8, 0, 64), (2, 8, 0, 64), (4, 8, 0, 64),
+    (4, 2, 0, 64), (8, 2, 0, 64), (8, 2, 1, 64), (4, 4, 1, 64),
+]
 
 
 def _bf16(key, shape):
@@ -201,7 +204,7 @@ def nm(args, rows: list[str]) -> None:
     w0 = _nm_weight(cols, seed=7)
     nbytes = w0.values.size * 2 + w0.indices.size * w0.indices.dtype.itemsize
     ws = [w0] + [_nm_weight(cols, seed=7 + i) for i in range(1, _rotation(nbytes))]
-    for m in NM_ROWS if not args.quick else NM_ROWS[:1]:
+    for m in args.rows if not args.quick else args.rows[:1]:
       x = _bf16(400 + m, (m, K))
       d_hot, d_hbm = _time(jnp.dot, x, dense, args.iterations)
       log(f"2:4 decode {m}x{K}x{cols}: dense hot {d_hot:.2f} us, hbm {d_hbm:.2f} us ({len(dense)} weights)")
@@ -213,7 +216,7 @@ def nm(args, rows: list[str]) -> None:
       default = NMMatmulConfig.get_default(m, (K, cols), 2, 4, jnp.bfloat16)
       bm = max(16, 1 << (m - 1).bit_length())
       configs = [] if args.mma_only else [("default", default)]
-      if args.sweep and m == NM_ROWS[0] and not args.mma_only:
+      if args.sweep and m == args.rows[0] and not args.mma_only:
         configs += [
             (f"bn{bn} bg{bg} w{wa} st{st} sp{sp}",
              NMMatmulConfig(block_m=bm, block_n=bn, block_groups=bg, num_warps=wa, num_stages=st, split_k=sp))
@@ -226,9 +229,9 @@ def nm(args, rows: list[str]) -> None:
         sparse = [("mma.sp default", cuda_kernels.Nm24DecodeConfig.get_default(m, K, cols))]
         if args.sweep:
           sparse += [
-              (f"mma.sp split {sp} warps {wa} prefetch {pf}", cuda_kernels.Nm24DecodeConfig(sp, wa, pf))
-              for sp, wa in NM24_SPLITS
-              for pf in NM24_PREFETCH
+              (f"mma.sp split {sp} warps {wa} prefetch {pf} span {sn}", cuda_kernels.Nm24DecodeConfig(sp, wa, pf, sn))
+              for sp, wa, pf, sn in NM24_SWEEP
+              if sn == 64 or m <= 16
           ]
         for label, cfg in sparse:
           f = lambda x, w, cfg=cfg: cuda_kernels.nm24_decode(x, w.values, w.indices, config=cfg)
@@ -254,6 +257,8 @@ def main(argv=None):
   p.add_argument("--quick", action="store_true", help="N:M at M = 16 only")
   p.add_argument("--skip-block-sparse", action="store_true")
   p.add_argument("--skip-nm", action="store_true")
+  p.add_argument("--rows", type=lambda v: [int(r) for r in v.split(",")], default=list(NM_ROWS),
+                 help="N:M: comma-separated M values (the mma.sp kernel takes M <= 64)")
   p.add_argument("--mma-only", action="store_true", help="N:M: time only the sparse tensor-core kernel and nm_matmul")
   p.add_argument("--iterations", type=int, default=50)
   p.add_argument("--out", help="also write the table to this file")

@@ -12,7 +12,7 @@ headers are needed).
 Kernels:
 
 * :func:`nm24_decode`: ``x @ W`` for a 2:4 bfloat16 ``W`` (``NMSparseMatrix`` values and packed
-  positions, as stored) and ``M <= 16`` rows, on the sparse tensor cores (``nm24_decode.cu``).
+  positions, as stored) and ``M <= 64`` rows, on the sparse tensor cores (``nm24_decode.cu``).
 
 When NVRTC, the driver, a compiler or a Hopper-class GPU is missing, or ``JAXSPARSE_CUDA_KERNELS=0``
 is set, :func:`available` is False and :func:`unavailable_reason` says why; callers keep their other
@@ -60,8 +60,8 @@ _FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-w")
 # Compute capability the kernels need: mma.sp::ordered_metadata and thread block clusters (9.0).
 _MIN_CAPABILITY = (9, 0)
 _NO_NVRTC = "libnvrtc not found (pip install 'jaxsparse[cuda13]' or '[cuda12]', or set $CUDA_HOME to a CUDA toolkit)"
-NM24_SPAN = 128  # columns of W per thread block
-NM24_MAX_ROWS = 16
+NM24_SPANS = (128, 64)  # columns of W per thread block
+NM24_MAX_ROWS = 64
 
 
 class CudaKernelFallbackWarning(UserWarning):
@@ -270,15 +270,18 @@ class Nm24DecodeConfig:
   """Work split of :func:`nm24_decode`.
 
   Attributes:
-    split: thread blocks per 128 columns of ``W`` (1, 2, 4 or 8), each a slice of ``K``; the blocks of a
+    split: thread blocks per column span of ``W`` (1, 2, 4 or 8), each a slice of ``K``; the blocks of a
       column span form a cluster and add their partial sums through distributed shared memory.
     warps: warps per thread block (they split the block's slice of ``K``).
     prefetch: pairs of ``K`` steps each warp has L2 fetch ahead of its own loads (0: none).
+    span: columns of ``W`` per thread block, 128 or 64 (each lane holds 16 or 8 columns of a row, and
+      accumulators for that many columns: 64 keeps the registers of up to 64 rows of ``x`` in bounds).
   """
 
   split: int = 1
   warps: int = 8
   prefetch: int = 0
+  span: int = 128
 
   def __post_init__(self):
     if self.split not in (1, 2, 4, 8):
@@ -287,6 +290,8 @@ class Nm24DecodeConfig:
       raise ValueError(f"warps must be 2, 4 or 8, got warps={self.warps}.")
     if self.prefetch not in (0, 1, 2, 4):
       raise ValueError(f"prefetch must be 0, 1, 2 or 4, got prefetch={self.prefetch}.")
+    if self.span not in NM24_SPANS:
+      raise ValueError(f"span must be one of {NM24_SPANS}, got span={self.span}.")
 
   @classmethod
   def get_default(cls, m: int, k: int, n: int) -> Nm24DecodeConfig:
@@ -299,9 +304,14 @@ class Nm24DecodeConfig:
     too few loads in flight: they prefetch their next pair into L2 (0.96 instead of 1.02 at M = 16; deeper
     prefetch, or prefetch in blocks of 4-8 warps, measured 2-40% slower).
     """
-    spans = n // NM24_SPAN
+    span = 128 if m <= 16 and n % 128 == 0 else 64
+    spans = n // span
     pairs = k // 64
-    if spans >= 64:
+    if span == 64:
+      split, warps = 1, 4
+      while split < 8 and spans * split * warps < 1024:
+        split *= 2
+    elif spans >= 64:
       split, warps = 1, 8
       while split < 8 and spans * 8 * split * 2 <= 1024:
         split *= 2
@@ -315,7 +325,7 @@ class Nm24DecodeConfig:
       split //= 2
     while warps > 2 and pairs < split * warps:
       warps //= 2
-    return cls(split=split, warps=warps, prefetch=1 if warps == 2 else 0)
+    return cls(split=split, warps=warps, prefetch=1 if warps == 2 and span == 128 else 0, span=span)
 
 
 def nm24_unsupported_reason(m: int, k: int, n: int, dtype) -> str:
@@ -324,14 +334,18 @@ def nm24_unsupported_reason(m: int, k: int, n: int, dtype) -> str:
     return f"dtype must be bfloat16, got {jnp.dtype(dtype)}"
   if not 1 <= m <= NM24_MAX_ROWS:
     return f"M must be between 1 and {NM24_MAX_ROWS}, got M={m}"
-  if k % 64 or n % NM24_SPAN:
-    return f"K must be a multiple of 64 and N of {NM24_SPAN}, got K={k}, N={n}"
+  if k % 64 or n % NM24_SPANS[-1]:
+    return f"K must be a multiple of 64 and N of {NM24_SPANS[-1]}, got K={k}, N={n}"
   return ""
 
 
 def _nm24_defines(m: int, cfg: Nm24DecodeConfig) -> tuple[tuple[str, int], ...]:
   return (
-      ("NM_MT", 1 if m <= 8 else 2), ("NM_SPLIT", cfg.split), ("NM_WARPS", cfg.warps), ("NM_PREFETCH", cfg.prefetch)
+      ("NM_MT", -(-m // 8)),
+      ("NM_CPL", cfg.span // 8),
+      ("NM_SPLIT", cfg.split),
+      ("NM_WARPS", cfg.warps),
+      ("NM_PREFETCH", cfg.prefetch),
   )
 
 
@@ -353,7 +367,7 @@ def nm24_decode(
   """``x (M, K) @ W`` -> ``(M, N)`` bfloat16 for a 2:4 ``W`` given as stored by ``NMSparseMatrix``.
 
   Args:
-    x: ``(M, K)`` bfloat16, ``M <= 16``.
+    x: ``(M, K)`` bfloat16, ``M <= 64``.
     values: ``(K / 2, N)`` bfloat16 kept values (``NMSparseMatrix.values``).
     indices: ``(K / 8, N)`` uint8 packed positions (``NMSparseMatrix.indices``, 2:4 along ``K``).
     config: work split; default :meth:`Nm24DecodeConfig.get_default`.
@@ -369,8 +383,11 @@ def nm24_decode(
         f"{values.shape} {values.dtype} and indices {indices.shape} {indices.dtype}."
     )
   cfg = config or Nm24DecodeConfig.get_default(m, k, n)
+  if n % cfg.span:
+    raise ValueError(f"nm24_decode: N={n} is not a multiple of the config's span={cfg.span}.")
   kid = _kernel_id("nm24_decode.cu", "nm24_decode", _nm24_defines(m, cfg))
   out = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
   return jax.ffi.ffi_call("jaxsparse_nm24_decode", out, vmap_method="sequential")(
-      x, values, indices, kernel=np.int64(kid), split=np.int64(cfg.split), warps=np.int64(cfg.warps)
+      x, values, indices, kernel=np.int64(kid), split=np.int64(cfg.split), warps=np.int64(cfg.warps),
+      span=np.int64(cfg.span)
   )

@@ -9,9 +9,9 @@
 //
 // Handler:
 //   JaxsparseNm24Decode: y (M, N) = x (M, K) @ W for a 2:4 bfloat16 W given as NMSparseMatrix values
-//     (K/2, N) and packed positions (K/8, N) uint8, M <= 16 (nm24_decode.cu). Attributes: kernel (the id
-//     of the registered cubin), split (thread blocks per 128 columns = the cluster size of the cubin),
-//     warps (per thread block, as compiled).
+//     (K/2, N) and packed positions (K/8, N) uint8, M <= 64 (nm24_decode.cu). Attributes: kernel (the id
+//     of the registered cubin), split (thread blocks per column span = the cluster size of the cubin),
+//     warps (per thread block), span (columns per thread block), as compiled.
 
 #include <dlfcn.h>
 
@@ -141,16 +141,18 @@ std::string Function(const Driver& d, int64_t id, CUcontext ctx, CUfunction* out
 
 ffi::Error Nm24Decode(CUstream stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> values,
                       ffi::Buffer<ffi::U8> idx, ffi::ResultBuffer<ffi::BF16> y, int64_t kernel, int64_t split,
-                      int64_t warps) {
+                      int64_t warps, int64_t span) {
   const auto xd = x.dimensions(), vd = values.dimensions(), id = idx.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || vd.size() != 2 || id.size() != 2 || yd.size() != 2)
     return ffi::Error::InvalidArgument("nm24_decode: x, values, idx and y must be 2-D");
   const int64_t m = xd[0], k = xd[1], n = vd[1];
-  if (m < 1 || m > 16 || k % 64 != 0 || n % 128 != 0 || vd[0] != k / 2 || id[0] != k / 8 || id[1] != n ||
-      yd[0] != m || yd[1] != n || split < 1 || (128 % split) != 0 || warps < 1 || warps > 32)
+  if (m < 1 || m > 64 || k % 64 != 0 || (span != 64 && span != 128) || n % span != 0 || vd[0] != k / 2 ||
+      id[0] != k / 8 || id[1] != n || yd[0] != m || yd[1] != n || split < 1 || (128 % split) != 0 || warps < 1 ||
+      warps > 32)
     return ffi::Error::InvalidArgument("nm24_decode: shapes x (" + std::to_string(m) + ", " + std::to_string(k) +
                                        "), values (" + std::to_string(vd[0]) + ", " + std::to_string(n) +
-                                       ") are not those the kernel supports (M <= 16, K % 64 == 0, N % 128 == 0)");
+                                       "), span " + std::to_string(span) +
+                                       " are not those the kernel supports (M <= 64, K % 64 == 0, N % span == 0)");
   const Driver& d = GetDriver();
   if (!d.error.empty()) return ffi::Error::Internal(d.error);
   ScopedContext scope(d, stream);
@@ -164,7 +166,7 @@ ffi::Error Nm24Decode(CUstream stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi
   void* yp = y->untyped_data();
   int mi = static_cast<int>(m), ki = static_cast<int>(k), ni = static_cast<int>(n);
   void* args[] = {&xp, &vp, &ip, &yp, &mi, &ki, &ni};
-  CUresult r = d.LaunchKernel(f, static_cast<unsigned>(n / 128), static_cast<unsigned>(split), 1,
+  CUresult r = d.LaunchKernel(f, static_cast<unsigned>(n / span), static_cast<unsigned>(split), 1,
                               static_cast<unsigned>(warps * 32), 1, 1, 0, stream, args, nullptr);
   if (r != 0) return ffi::Error::Internal(CudaError(d, "nm24_decode: cuLaunchKernel", r));
   return ffi::Error::Success();
@@ -197,6 +199,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseNm24Decode, Nm24Decode,
                                   .Ret<ffi::Buffer<ffi::BF16>>()
                                   .Attr<int64_t>("kernel")
                                   .Attr<int64_t>("split")
-                                  .Attr<int64_t>("warps"));
+                                  .Attr<int64_t>("warps")
+                                  .Attr<int64_t>("span"));
 
 #pragma GCC visibility pop

@@ -1,7 +1,7 @@
-// y (M, N) = x (M, K) @ W for M <= 16 (decode), W a 2:4 bfloat16 (K, N) weight (groups of 4 along K) stored
+// y (M, N) = x (M, K) @ W for M <= 64 (decode), W a 2:4 bfloat16 (K, N) weight (groups of 4 along K) stored
 // as jaxsparse.NMSparseMatrix stores it, on the sparse tensor cores (mma.sp; compute capability 9.0+ for the
 // thread block clusters).
-// Compiled at run time by NVRTC (no includes), one build per (NM_MT, NM_SPLIT, NM_WARPS).
+// Compiled at run time by NVRTC (no includes), one build per (NM_MT, NM_CPL, NM_SPLIT, NM_WARPS, NM_PREFETCH).
 //
 // Operands, all row-major as JAX stores them:
 //   x       (M, K) bf16;
@@ -9,22 +9,26 @@
 //   idx     (K/8, N) uint8: word r = code(group r) | code(group r + K/8) << 4, code = p0 | p1 << 2
 //           with p0 < p1 the positions of the two kept entries inside their group;
 //   y       (M, N) bf16.
-// Needs N % 128 == 0 and K % 64 == 0.
+// Needs N % (8 NM_CPL) == 0 and K % 64 == 0.
 //
 // The product runs transposed, yᵀ = Wᵀ xᵀ, so that the structured operand is mma.sp's A (16 rows = 16
 // columns of W, 32 K = 8 groups per instruction, 16 kept values per row) and xᵀ is B (K x 8 tokens).
-// A warp owns a 128-column span of W and walks pairs of 8-group steps (p, p + K/64): one load of the
-// position bytes serves both (low and high nibbles). The 16 A rows of an instruction are not 16
-// consecutive columns: lane group g (lane / 4) loads 16 consecutive columns 16g..16g+15 of a values row
-// with two 16-byte loads, and instruction i (0..7) takes column 16g + i as its row g and 16g + 8 + i as
-// its row g + 8, so every load is a full 16 bytes and no data moves between lanes. Any order of the
+// A warp owns a span of 8 NM_CPL columns of W and walks pairs of 8-group steps (p, p + K/64): one load
+// of the position bytes serves both (low and high nibbles). The 16 A rows of an instruction are not 16
+// consecutive columns: lane group g (lane / 4) loads NM_CPL (16 or 8) consecutive columns of a values row
+// with NM_CPL / 8 16-byte loads, and instruction i (0 .. NI - 1, NI = NM_CPL / 2) takes column
+// NM_CPL g + i as its row g and NM_CPL g + NI + i as its row g + 8, so every load is a full 16 bytes and
+// no data moves between lanes. Token tiles of 8 rows (NM_MT of them) share each A fragment. Any order of the
 // rows is as good as another: each row's output column is tracked. The warps of a thread block split
 // the steps; their partial sums meet in shared memory, and with NM_SPLIT > 1 the NM_SPLIT blocks of a
 // cluster (each a slice of K) add them through distributed shared memory, each block writing a share of
 // the span's outputs (no second kernel, no atomics in global memory).
 
 #ifndef NM_MT
-#define NM_MT 2  // token tiles of 8 rows: 1 for M <= 8, 2 for M <= 16
+#define NM_MT 2  // token tiles of 8 rows: ceil(M / 8), at most 8
+#endif
+#ifndef NM_CPL
+#define NM_CPL 16  // columns per lane group: 16 (spans of 128) or 8 (spans of 64: half the accumulators)
 #endif
 #ifndef NM_SPLIT
 #define NM_SPLIT 1  // thread blocks per 128-column span, each a slice of K (a cluster)
@@ -40,15 +44,16 @@ typedef unsigned int u32;
 typedef unsigned short u16;
 typedef unsigned char u8;
 
-#define NM_SPAN 128
+#define NM_SPAN (8 * NM_CPL)
+#define NM_NI (NM_CPL / 2)  // instructions per step and token tile
 
 // Element w (0..3) of a uint4, w known at compile time after unrolling.
 __device__ __forceinline__ u32 word_of(const uint4& v, int w) {
   return w == 0 ? v.x : (w == 1 ? v.y : (w == 2 ? v.z : v.w));
 }
 
-// (lo, hi) bf16 pair: column j of `lo_row` and column j of `hi_row`, each row 16 columns in two uint4
-// (h = j / 8).
+// (lo, hi) bf16 pair: column j of `lo_row` and column j of `hi_row`, each row NM_CPL columns in uint4s
+// (j / 8 picks the uint4).
 __device__ __forceinline__ u32 pair_of(const uint4* lo_row, const uint4* hi_row, int j) {
   const u32 a = word_of(lo_row[j >> 3], (j & 7) >> 1);
   const u32 b = word_of(hi_row[j >> 3], (j & 7) >> 1);
@@ -58,16 +63,16 @@ __device__ __forceinline__ u32 pair_of(const uint4* lo_row, const uint4* hi_row,
 // Metadata registers (mma.sp m16n8k32, 16-bit types, sparsity selector 0; measured on an H100 with a
 // probe that flips one nibble at a time): lane (g, t), t < 2, gives nibble u (0..3) = the code of A row
 // g and group 4t + u of the step, nibble 4 + u = that of A row g + 8; lanes t = 2, 3 give none.
-// meta[u] holds the position bytes of group 4t + u for the lane's 16 columns (A row g + 8h of
-// instruction i is column 8h + i). A 4 x 4 byte transpose per 4 instructions gathers, for column
-// (h, i), the bytes of the 4 groups in one word: tr[h][i] byte u.
-__device__ __forceinline__ void transpose_meta(const uint4* meta, u32 (*tr)[8]) {
+// meta[u] holds the position bytes of group 4t + u for the lane's NM_CPL columns, word w = columns
+// 4w .. 4w + 3 (A row g + 8h of instruction i is column NI h + i). A 4 x 4 byte transpose per 4
+// instructions gathers, for column (h, i), the bytes of the 4 groups in one word: tr[h][i] byte u.
+__device__ __forceinline__ void transpose_meta(const u32 (*meta)[NM_CPL / 4], u32 (*tr)[NM_NI]) {
 #pragma unroll
   for (int h = 0; h < 2; ++h)
 #pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      const u32 a0 = word_of(meta[0], 2 * h + c), a1 = word_of(meta[1], 2 * h + c);
-      const u32 a2 = word_of(meta[2], 2 * h + c), a3 = word_of(meta[3], 2 * h + c);
+    for (int c = 0; c < NM_NI / 4; ++c) {
+      const int w = h * (NM_NI / 4) + c;
+      const u32 a0 = meta[0][w], a1 = meta[1][w], a2 = meta[2][w], a3 = meta[3][w];
       const u32 p0 = __byte_perm(a0, a1, 0x5140), p1 = __byte_perm(a0, a1, 0x7362);
       const u32 p2 = __byte_perm(a2, a3, 0x5140), p3 = __byte_perm(a2, a3, 0x7362);
       tr[h][4 * c + 0] = __byte_perm(p0, p2, 0x5410);
@@ -78,7 +83,7 @@ __device__ __forceinline__ void transpose_meta(const uint4* meta, u32 (*tr)[8]) 
 }
 
 // The register of instruction i: q picks the nibble (0: first step of the pair, 1: second).
-__device__ __forceinline__ u32 meta_word(const u32 (*tr)[8], int i, int q) {
+__device__ __forceinline__ u32 meta_word(const u32 (*tr)[NM_NI], int i, int q) {
   u32 x[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -88,15 +93,18 @@ __device__ __forceinline__ u32 meta_word(const u32 (*tr)[8], int i, int q) {
   return __byte_perm(x[0], x[1], 0x6420);
 }
 
-// Asks L2 for the 72 lines of 128 bytes that the warp reads for pair p: 32 values rows of 256 bytes (the
-// two steps' 16 rows each) and 8 position rows of 128 bytes. No registers are held while they arrive.
+// Asks L2 for the lines that the warp reads for pair p: 32 values rows (the two steps' 16 rows each) of
+// NM_SPAN / 64 lines of 128 bytes and 8 position rows of one line (the first NM_SPAN bytes). No registers
+// are held while they arrive.
 __device__ __forceinline__ void prefetch_pair(const u16* values, const u8* idx, int p, int pairs, int n, int span0,
                                               int lane) {
+  constexpr int kPerRow = NM_SPAN / 64, kValues = 32 * kPerRow;
 #pragma unroll
-  for (int l = lane; l < 72; l += 32) {
-    const void* a = l < 64 ? (const void*)(values + (size_t)(16 * (p + (l >> 5) * pairs) + ((l >> 1) & 15)) * n +
-                                           span0 + 64 * (l & 1))
-                           : (const void*)(idx + (size_t)(8 * p + l - 64) * n + span0);
+  for (int l = lane; l < kValues + 8; l += 32) {
+    const int row = l / kPerRow;
+    const void* a = l < kValues ? (const void*)(values + (size_t)(16 * (p + (row >> 4) * pairs) + (row & 15)) * n +
+                                                span0 + 64 * (l % kPerRow))
+                                : (const void*)(idx + (size_t)(8 * p + l - kValues) * n + span0);
     asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
   }
 }
@@ -135,19 +143,24 @@ extern "C" __global__ void __launch_bounds__(NM_WARPS * 32)
 #endif
     nm24_decode(const u16* __restrict__ x, const u16* __restrict__ values, const u8* __restrict__ idx,
                 u16* __restrict__ y, int m, int k, int n) {
-  __shared__ float red[NM_WARPS < 4 ? NM_WARPS : 4][32 * NM_MT][32];
+  // Partial-sum slots: up to 4, within the 48 KB of static shared memory.
+  constexpr int kEntries = 4 * NM_NI * NM_MT;  // accumulator registers per lane
+  constexpr int kSlots = (NM_WARPS < 4 ? NM_WARPS : 4) * kEntries * 128 <= 49152 ? (NM_WARPS < 4 ? NM_WARPS : 4)
+                         : 2 * kEntries * 128 <= 49152                          ? 2
+                                                                                : 1;
+  __shared__ float red[kSlots][kEntries][32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int span0 = blockIdx.x * NM_SPAN;
-  const int col = span0 + 16 * g;
+  const int col = span0 + NM_CPL * g;
   const int pairs = k >> 6;  // step pairs; a step is 8 groups (32 of K)
   const int per_block = (pairs + NM_SPLIT - 1) / NM_SPLIT;
   const int p_begin = blockIdx.y * per_block;
   const int p_end = min(pairs, p_begin + per_block);
 
-  float acc[8][NM_MT][4];
+  float acc[NM_NI][NM_MT][4];
 #pragma unroll
-  for (int i = 0; i < 8; ++i)
+  for (int i = 0; i < NM_NI; ++i)
 #pragma unroll
     for (int mt = 0; mt < NM_MT; ++mt)
 #pragma unroll
@@ -163,24 +176,31 @@ extern "C" __global__ void __launch_bounds__(NM_WARPS * 32)
 #if NM_PREFETCH > 0
     if (p + NM_PREFETCH * NM_WARPS < p_end) prefetch_pair(values, idx, p + NM_PREFETCH * NM_WARPS, pairs, n, span0, lane);
 #endif
-    uint4 meta[4];
+    u32 meta[4][NM_CPL / 4];
 #pragma unroll
-    for (int u = 0; u < 4; ++u)
-      meta[u] = t < 2 ? __ldg(reinterpret_cast<const uint4*>(idx + (size_t)(8 * p + 4 * t + u) * n + col))
-                      : uint4{0u, 0u, 0u, 0u};
-    u32 tr[2][8];
+    for (int u = 0; u < 4; ++u) {
+      const u8* src = idx + (size_t)(8 * p + 4 * t + u) * n + col;
+#if NM_CPL == 16
+      const uint4 q = t < 2 ? __ldg(reinterpret_cast<const uint4*>(src)) : uint4{0u, 0u, 0u, 0u};
+      meta[u][0] = q.x, meta[u][1] = q.y, meta[u][2] = q.z, meta[u][3] = q.w;
+#else
+      const uint2 q = t < 2 ? __ldg(reinterpret_cast<const uint2*>(src)) : uint2{0u, 0u};
+      meta[u][0] = q.x, meta[u][1] = q.y;
+#endif
+    }
+    u32 tr[2][NM_NI];
     transpose_meta(meta, tr);
 #pragma unroll
     for (int q = 0; q < 2; ++q) {
       const int step = p + q * pairs;
-      // Compressed rows 2t, 2t+1, 2t+8, 2t+9 of the step, 16 columns each.
-      uint4 v[4][2];
+      // Compressed rows 2t, 2t+1, 2t+8, 2t+9 of the step, NM_CPL columns each.
+      uint4 v[4][NM_CPL / 8];
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
         const int row = 16 * step + 2 * t + (r & 1) + 8 * (r >> 1);
         const uint4* src = reinterpret_cast<const uint4*>(values + (size_t)row * n + col);
-        v[r][0] = __ldg(src);
-        v[r][1] = __ldg(src + 1);
+#pragma unroll
+        for (int h = 0; h < NM_CPL / 8; ++h) v[r][h] = __ldg(src + h);
       }
       u32 b[NM_MT][4];
 #pragma unroll
@@ -191,12 +211,12 @@ extern "C" __global__ void __launch_bounds__(NM_WARPS * 32)
           b[mt][j] = tok < m ? __ldg(reinterpret_cast<const u32*>(x + (size_t)tok * k + 32 * step + 8 * j + 2 * t)) : 0u;
       }
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
+      for (int i = 0; i < NM_NI; ++i) {
         u32 a[4];
-        a[0] = pair_of(v[0], v[1], i);      // row g, compressed columns 2t, 2t+1
-        a[1] = pair_of(v[0], v[1], 8 + i);  // row g + 8
-        a[2] = pair_of(v[2], v[3], i);      // row g, compressed columns 2t+8, 2t+9
-        a[3] = pair_of(v[2], v[3], 8 + i);
+        a[0] = pair_of(v[0], v[1], i);          // row g, compressed columns 2t, 2t+1
+        a[1] = pair_of(v[0], v[1], NM_NI + i);  // row g + 8
+        a[2] = pair_of(v[2], v[3], i);          // row g, compressed columns 2t+8, 2t+9
+        a[3] = pair_of(v[2], v[3], NM_NI + i);
         const u32 e = meta_word(tr, i, q);  // zero on lanes t >= 2 (meta is zero there)
 #pragma unroll
         for (int mt = 0; mt < NM_MT; ++mt) mma_sp(acc[i][mt], a, b[mt], e);
@@ -204,12 +224,11 @@ extern "C" __global__ void __launch_bounds__(NM_WARPS * 32)
     }
   }
   // Partial sums meet in shared memory in fragment order, red[slot][e][lane] (no bank conflicts): warps
-  // 0..3 write their slot, the others add into slot warp % 4 one group of four at a time.
-  constexpr int kSlots = NM_WARPS < 4 ? NM_WARPS : 4;
+  // 0 .. kSlots - 1 write their slot, the others add into slot warp % kSlots, kSlots warps at a time.
   for (int round = 0; round < NM_WARPS / kSlots; ++round) {
     if (warp / kSlots == round) {
 #pragma unroll
-      for (int i = 0; i < 8; ++i)
+      for (int i = 0; i < NM_NI; ++i)
 #pragma unroll
         for (int mt = 0; mt < NM_MT; ++mt)
 #pragma unroll
@@ -220,9 +239,9 @@ extern "C" __global__ void __launch_bounds__(NM_WARPS * 32)
     }
     __syncthreads();
   }
-  // Entry e = (i, mt, r) of lane (g, t): token 8 mt + 2 t + (r & 1), column 16 g + i + 8 (r >> 1) of the span
-  // (D fragment: c0, c1 = A row g, c2, c3 = A row g + 8; A row g + 8 h of instruction i = column 16 g + 8 h + i).
-  constexpr int kEntries = 32 * NM_MT;
+  // Entry e = (i, mt, r) of lane (g, t): token 8 mt + 2 t + (r & 1), column NM_CPL g + i + NI (r >> 1) of the
+  // span (D fragment: c0, c1 = A row g, c2, c3 = A row g + 8; A row g + 8 h of instruction i = column
+  // NM_CPL g + NI h + i).
 #if NM_SPLIT > 1
   for (int j = threadIdx.x; j < kEntries * 32; j += NM_WARPS * 32) {
     const int e = j >> 5, l = j & 31;
@@ -237,7 +256,7 @@ extern "C" __global__ void __launch_bounds__(NM_WARPS * 32)
   for (int j = threadIdx.x; j < kPer * 32; j += NM_WARPS * 32) {
     const int e = blockIdx.y * kPer + (j >> 5), l = j & 31;
     const int i = e / (4 * NM_MT), mt = (e >> 2) % NM_MT, r = e & 3;
-    const int tok = 8 * mt + 2 * (l & 3) + (r & 1), c = 16 * (l >> 2) + i + 8 * (r >> 1);
+    const int tok = 8 * mt + 2 * (l & 3) + (r & 1), c = NM_CPL * (l >> 2) + i + NM_NI * (r >> 1);
     float s = 0.f;
 #pragma unroll
     for (int rank = 0; rank < NM_SPLIT; ++rank) s += load_peer(&red[0][e][l], (u32)rank);
@@ -248,7 +267,7 @@ extern "C" __global__ void __launch_bounds__(NM_WARPS * 32)
   for (int j = threadIdx.x; j < kEntries * 32; j += NM_WARPS * 32) {
     const int e = j >> 5, l = j & 31;
     const int i = e / (4 * NM_MT), mt = (e >> 2) % NM_MT, r = e & 3;
-    const int tok = 8 * mt + 2 * (l & 3) + (r & 1), c = 16 * (l >> 2) + i + 8 * (r >> 1);
+    const int tok = 8 * mt + 2 * (l & 3) + (r & 1), c = NM_CPL * (l >> 2) + i + NM_NI * (r >> 1);
     float s = 0.f;
 #pragma unroll
     for (int slot = 0; slot < kSlots; ++slot) s += red[slot][e][l];
