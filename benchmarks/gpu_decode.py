@@ -56,11 +56,10 @@ K = 4096
 HBM_BYTES = 128 << 20  # weights per timed call in the "hbm" timing: 2.5x the L2 of an H100
 BS_N, BS_BLOCKS, BS_DENSITY, BS_M = 4096, (128, 64), 0.25, 16
 NM_COLS, NM_ROWS = (4096, 16384), (16, 8, 1)
-# (split, warps, prefetch, span) of the sparse tensor-core kernel timed by --sweep (span 128: M <= 16 only).
+# (split, warps, span) of the sparse tensor-core kernel timed by --sweep (span 128: M <= 16 only).
 NM24_SWEEP = [
-    (1, 8, 0, 128), (2, 8, 0, 128), (4, 4, 0, 128), (8, 4, 0, 128), (8, 2, 1, 128),
-    (1, 4, 0, 64), (2, 4, 0, 64), (4, 4, 0, 64), (8, 4, 0, 64), (1, 8, 0, 64), (2, 8, 0, 64), (4, 8, 0, 64),
-    (4, 2, 0, 64), (8, 2, 0, 64), (8, 2, 1, 64), (4, 4, 1, 64),
+    (1, 8, 128), (2, 8, 128), (4, 4, 128), (8, 4, 128), (8, 2, 128),
+    (1, 4, 64), (2, 4, 64), (4, 4, 64), (8, 4, 64), (1, 8, 64), (2, 8, 64), (4, 8, 64), (4, 2, 64), (8, 2, 64),
 ]
 
 
@@ -194,16 +193,17 @@ NM_TILINGS = {
 }
 
 
-def _nm_weight(cols: int, seed: int) -> jaxsparse.NMSparseMatrix:
-  return jaxsparse.NMSparseMatrix.from_dense(_bf16(seed, (K, cols)), 2, 4)
+def _nm_weight(k: int, cols: int, seed: int) -> jaxsparse.NMSparseMatrix:
+  return jaxsparse.NMSparseMatrix.from_dense(_bf16(seed, (k, cols)), 2, 4)
 
 
 def nm(args, rows: list[str]) -> None:
-  for cols in NM_COLS:
+  K = args.nm_k
+  for cols in args.nm_cols:
     dense = [_bf16(300 + i, (K, cols)) for i in range(_rotation(K * cols * 2))]
-    w0 = _nm_weight(cols, seed=7)
+    w0 = _nm_weight(K, cols, seed=7)
     nbytes = w0.values.size * 2 + w0.indices.size * w0.indices.dtype.itemsize
-    ws = [w0] + [_nm_weight(cols, seed=7 + i) for i in range(1, _rotation(nbytes))]
+    ws = [w0] + [_nm_weight(K, cols, seed=7 + i) for i in range(1, _rotation(nbytes))]
     for m in args.rows if not args.quick else args.rows[:1]:
       x = _bf16(400 + m, (m, K))
       d_hot, d_hbm = _time(jnp.dot, x, dense, args.iterations)
@@ -229,8 +229,8 @@ def nm(args, rows: list[str]) -> None:
         sparse = [("mma.sp default", cuda_kernels.Nm24DecodeConfig.get_default(m, K, cols))]
         if args.sweep:
           sparse += [
-              (f"mma.sp split {sp} warps {wa} prefetch {pf} span {sn}", cuda_kernels.Nm24DecodeConfig(sp, wa, pf, sn))
-              for sp, wa, pf, sn in NM24_SWEEP
+              (f"mma.sp split {sp} warps {wa} span {sn}", cuda_kernels.Nm24DecodeConfig(sp, wa, sn))
+              for sp, wa, sn in NM24_SWEEP
               if sn == 64 or m <= 16
           ]
         for label, cfg in sparse:
@@ -258,7 +258,10 @@ def main(argv=None):
   p.add_argument("--skip-block-sparse", action="store_true")
   p.add_argument("--skip-nm", action="store_true")
   p.add_argument("--rows", type=lambda v: [int(r) for r in v.split(",")], default=list(NM_ROWS),
-                 help="N:M: comma-separated M values (the mma.sp kernel takes M <= 64)")
+                 help="N:M: comma-separated M values (the mma.sp kernel takes M <= 32)")
+  p.add_argument("--nm-cols", type=lambda v: [int(c) for c in v.split(",")], default=list(NM_COLS),
+                 help="N:M: comma-separated N values")
+  p.add_argument("--nm-k", type=int, default=K, help="N:M: K")
   p.add_argument("--mma-only", action="store_true", help="N:M: time only the sparse tensor-core kernel and nm_matmul")
   p.add_argument("--iterations", type=int, default=50)
   p.add_argument("--out", help="also write the table to this file")

@@ -12,7 +12,7 @@ headers are needed).
 Kernels:
 
 * :func:`nm24_decode`: ``x @ W`` for a 2:4 bfloat16 ``W`` (``NMSparseMatrix`` values and packed
-  positions, as stored) and ``M <= 64`` rows, on the sparse tensor cores (``nm24_decode.cu``).
+  positions, as stored) and ``M <= 32`` rows, on the sparse tensor cores (``nm24_decode.cu``).
 
 When NVRTC, the driver, a compiler or a Hopper-class GPU is missing, or ``JAXSPARSE_CUDA_KERNELS=0``
 is set, :func:`available` is False and :func:`unavailable_reason` says why; callers keep their other
@@ -61,7 +61,7 @@ _FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-w")
 _MIN_CAPABILITY = (9, 0)
 _NO_NVRTC = "libnvrtc not found (pip install 'jaxsparse[cuda13]' or '[cuda12]', or set $CUDA_HOME to a CUDA toolkit)"
 NM24_SPANS = (128, 64)  # columns of W per thread block
-NM24_MAX_ROWS = 64
+NM24_MAX_ROWS = 32
 
 
 class CudaKernelFallbackWarning(UserWarning):
@@ -273,14 +273,12 @@ class Nm24DecodeConfig:
     split: thread blocks per column span of ``W`` (1, 2, 4 or 8), each a slice of ``K``; the blocks of a
       column span form a cluster and add their partial sums through distributed shared memory.
     warps: warps per thread block (they split the block's slice of ``K``).
-    prefetch: pairs of ``K`` steps each warp has L2 fetch ahead of its own loads (0: none).
     span: columns of ``W`` per thread block, 128 or 64 (each lane holds 16 or 8 columns of a row, and
-      accumulators for that many columns: 64 keeps the registers of up to 64 rows of ``x`` in bounds).
+      accumulators for that many columns: 64 halves the registers, for more warps or more rows of ``x``).
   """
 
   split: int = 1
   warps: int = 8
-  prefetch: int = 0
   span: int = 128
 
   def __post_init__(self):
@@ -288,28 +286,28 @@ class Nm24DecodeConfig:
       raise ValueError(f"split must be 1, 2, 4 or 8, got split={self.split}.")
     if self.warps not in (2, 4, 8):
       raise ValueError(f"warps must be 2, 4 or 8, got warps={self.warps}.")
-    if self.prefetch not in (0, 1, 2, 4):
-      raise ValueError(f"prefetch must be 0, 1, 2 or 4, got prefetch={self.prefetch}.")
     if self.span not in NM24_SPANS:
       raise ValueError(f"span must be one of {NM24_SPANS}, got span={self.span}.")
 
   @classmethod
   def get_default(cls, m: int, k: int, n: int) -> Nm24DecodeConfig:
-    """Measured on an H100 (2026-11-23, ``benchmarks/results/gpu_nm_decode_2026-11-23_h100.md``).
+    """Measured on an H100 (2026-11-23/24, ``benchmarks/results/gpu_nm_decode_2026-11-23_h100.md``).
 
-    From 64 column spans of 128 (N >= 8192): blocks of 8 warps, about 1024 warps in all (N = 8192: 2
-    blocks per span; N = 11008, 14336, 16384: one), 0.62-0.75 of dense at M = 16 and 0.63-0.70 at M = 1
-    for K = 2048-4096 (0.92 / 0.78 at K = 2048, N = 8192). Fewer spans (N = 4096): clusters of 8 blocks of
-    4 warps for M <= 8 (0.80-0.85), of 2 warps for M > 8 (0.99-1.02; 4 warps: 1.24). Blocks of 2 warps keep
-    too few loads in flight: they prefetch their next pair into L2 (0.96 instead of 1.02 at M = 16; deeper
-    prefetch, or prefetch in blocks of 4-8 warps, measured 2-40% slower).
+    ``M <= 8``: spans of 128 columns. From 64 spans (N >= 8192) blocks of 8 warps, about 1024 warps in
+    all (N = 8192: 2 blocks per span; N = 11008, 14336, 16384: one), 0.63-0.70 of dense at M = 1 for
+    K = 2048-4096; fewer spans (N = 4096): clusters of 8 blocks of 4 warps (0.78-0.80).
+    ``8 < M <= 32``: spans of 64 columns (half the accumulators per lane), about 2048 warps in all for
+    M <= 16 in blocks of 8 warps from 128 spans (N >= 8192) and of 4 below (N = 4096: 0.85 of dense,
+    against 0.95 for the best split of 128-column spans; N = 16384: 0.59), about 1024 for M <= 32 in
+    blocks of 4 warps from 128 spans and of 8 below (N = 16384: 0.73; N = 4096: 0.95).
     """
-    span = 128 if m <= 16 and n % 128 == 0 else 64
+    span = 128 if m <= 8 and n % 128 == 0 else 64
     spans = n // span
     pairs = k // 64
     if span == 64:
-      split, warps = 1, 4
-      while split < 8 and spans * split * warps < 1024:
+      target, warps = (2048, 8 if spans >= 128 else 4) if m <= 16 else (1024, 4 if spans >= 128 else 8)
+      split = 1
+      while split < 8 and spans * 2 * split * warps <= target:
         split *= 2
     elif spans >= 64:
       split, warps = 1, 8
@@ -319,13 +317,13 @@ class Nm24DecodeConfig:
       split = 8
       while split > 1 and spans * split > 256:
         split //= 2
-      warps = 2 if m > 8 else 4
+      warps = 4
     # Every warp should get at least one pair of steps of K.
     while split > 1 and pairs < split * warps:
       split //= 2
     while warps > 2 and pairs < split * warps:
       warps //= 2
-    return cls(split=split, warps=warps, prefetch=1 if warps == 2 and span == 128 else 0, span=span)
+    return cls(split=split, warps=warps, span=span)
 
 
 def nm24_unsupported_reason(m: int, k: int, n: int, dtype) -> str:
@@ -345,7 +343,6 @@ def _nm24_defines(m: int, cfg: Nm24DecodeConfig) -> tuple[tuple[str, int], ...]:
       ("NM_CPL", cfg.span // 8),
       ("NM_SPLIT", cfg.split),
       ("NM_WARPS", cfg.warps),
-      ("NM_PREFETCH", cfg.prefetch),
   )
 
 
@@ -367,7 +364,7 @@ def nm24_decode(
   """``x (M, K) @ W`` -> ``(M, N)`` bfloat16 for a 2:4 ``W`` given as stored by ``NMSparseMatrix``.
 
   Args:
-    x: ``(M, K)`` bfloat16, ``M <= 64``.
+    x: ``(M, K)`` bfloat16, ``M <= 32``.
     values: ``(K / 2, N)`` bfloat16 kept values (``NMSparseMatrix.values``).
     indices: ``(K / 8, N)`` uint8 packed positions (``NMSparseMatrix.indices``, 2:4 along ``K``).
     config: work split; default :meth:`Nm24DecodeConfig.get_default`.

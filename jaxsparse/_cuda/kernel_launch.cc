@@ -9,7 +9,7 @@
 //
 // Handler:
 //   JaxsparseNm24Decode: y (M, N) = x (M, K) @ W for a 2:4 bfloat16 W given as NMSparseMatrix values
-//     (K/2, N) and packed positions (K/8, N) uint8, M <= 64 (nm24_decode.cu). Attributes: kernel (the id
+//     (K/2, N) and packed positions (K/8, N) uint8, M <= 32 (nm24_decode.cu). Attributes: kernel (the id
 //     of the registered cubin), split (thread blocks per column span = the cluster size of the cubin),
 //     warps (per thread block), span (columns per thread block), as compiled.
 
@@ -146,13 +146,13 @@ ffi::Error Nm24Decode(CUstream stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi
   if (xd.size() != 2 || vd.size() != 2 || id.size() != 2 || yd.size() != 2)
     return ffi::Error::InvalidArgument("nm24_decode: x, values, idx and y must be 2-D");
   const int64_t m = xd[0], k = xd[1], n = vd[1];
-  if (m < 1 || m > 64 || k % 64 != 0 || (span != 64 && span != 128) || n % span != 0 || vd[0] != k / 2 ||
+  if (m < 1 || m > 32 || k % 64 != 0 || (span != 64 && span != 128) || n % span != 0 || vd[0] != k / 2 ||
       id[0] != k / 8 || id[1] != n || yd[0] != m || yd[1] != n || split < 1 || (128 % split) != 0 || warps < 1 ||
       warps > 32)
     return ffi::Error::InvalidArgument("nm24_decode: shapes x (" + std::to_string(m) + ", " + std::to_string(k) +
                                        "), values (" + std::to_string(vd[0]) + ", " + std::to_string(n) +
                                        "), span " + std::to_string(span) +
-                                       " are not those the kernel supports (M <= 64, K % 64 == 0, N % span == 0)");
+                                       " are not those the kernel supports (M <= 32, K % 64 == 0, N % span == 0)");
   const Driver& d = GetDriver();
   if (!d.error.empty()) return ffi::Error::Internal(d.error);
   ScopedContext scope(d, stream);

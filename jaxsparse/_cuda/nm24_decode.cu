@@ -1,7 +1,7 @@
-// y (M, N) = x (M, K) @ W for M <= 64 (decode), W a 2:4 bfloat16 (K, N) weight (groups of 4 along K) stored
+// y (M, N) = x (M, K) @ W for M <= 32 (decode), W a 2:4 bfloat16 (K, N) weight (groups of 4 along K) stored
 // as jaxsparse.NMSparseMatrix stores it, on the sparse tensor cores (mma.sp; compute capability 9.0+ for the
 // thread block clusters).
-// Compiled at run time by NVRTC (no includes), one build per (NM_MT, NM_CPL, NM_SPLIT, NM_WARPS, NM_PREFETCH).
+// Compiled at run time by NVRTC (no includes), one build per (NM_MT, NM_CPL, NM_SPLIT, NM_WARPS).
 //
 // Operands, all row-major as JAX stores them:
 //   x       (M, K) bf16;
@@ -25,7 +25,7 @@
 // the span's outputs (no second kernel, no atomics in global memory).
 
 #ifndef NM_MT
-#define NM_MT 2  // token tiles of 8 rows: ceil(M / 8), at most 8
+#define NM_MT 2  // token tiles of 8 rows: ceil(M / 8), at most 4
 #endif
 #ifndef NM_CPL
 #define NM_CPL 16  // columns per lane group: 16 (spans of 128) or 8 (spans of 64: half the accumulators)
@@ -35,9 +35,6 @@
 #endif
 #ifndef NM_WARPS
 #define NM_WARPS 8
-#endif
-#ifndef NM_PREFETCH
-#define NM_PREFETCH 0  // step pairs each warp has L2 fetch ahead of its own loads
 #endif
 
 typedef unsigned int u32;
@@ -91,22 +88,6 @@ __device__ __forceinline__ u32 meta_word(const u32 (*tr)[NM_NI], int i, int q) {
     x[h] = nib | (nib >> 4);                                           // bytes 0, 2: two codes each
   }
   return __byte_perm(x[0], x[1], 0x6420);
-}
-
-// Asks L2 for the lines that the warp reads for pair p: 32 values rows (the two steps' 16 rows each) of
-// NM_SPAN / 64 lines of 128 bytes and 8 position rows of one line (the first NM_SPAN bytes). No registers
-// are held while they arrive.
-__device__ __forceinline__ void prefetch_pair(const u16* values, const u8* idx, int p, int pairs, int n, int span0,
-                                              int lane) {
-  constexpr int kPerRow = NM_SPAN / 64, kValues = 32 * kPerRow;
-#pragma unroll
-  for (int l = lane; l < kValues + 8; l += 32) {
-    const int row = l / kPerRow;
-    const void* a = l < kValues ? (const void*)(values + (size_t)(16 * (p + (row >> 4) * pairs) + (row & 15)) * n +
-                                                span0 + 64 * (l % kPerRow))
-                                : (const void*)(idx + (size_t)(8 * p + l - kValues) * n + span0);
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
-  }
 }
 
 __device__ __forceinline__ void mma_sp(float* c, const u32* a, const u32* b, u32 e) {
@@ -166,16 +147,7 @@ extern "C" __global__ void __launch_bounds__(NM_WARPS * 32)
 #pragma unroll
       for (int r = 0; r < 4; ++r) acc[i][mt][r] = 0.f;
 
-#if NM_PREFETCH > 0
-#pragma unroll
-  for (int d = 0; d < NM_PREFETCH; ++d)
-    if (p_begin + warp + d * NM_WARPS < p_end)
-      prefetch_pair(values, idx, p_begin + warp + d * NM_WARPS, pairs, n, span0, lane);
-#endif
   for (int p = p_begin + warp; p < p_end; p += NM_WARPS) {
-#if NM_PREFETCH > 0
-    if (p + NM_PREFETCH * NM_WARPS < p_end) prefetch_pair(values, idx, p + NM_PREFETCH * NM_WARPS, pairs, n, span0, lane);
-#endif
     u32 meta[4][NM_CPL / 4];
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
