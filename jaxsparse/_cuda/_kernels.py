@@ -27,6 +27,7 @@ import ctypes.util
 import dataclasses
 import functools
 import hashlib
+import math
 import os
 import sys
 import tempfile
@@ -306,9 +307,8 @@ class Nm24DecodeConfig:
     pairs = k // 64
     if span == 64:
       target, warps = (2048, 8 if spans >= 128 else 4) if m <= 16 else (1024, 4 if spans >= 128 else 8)
-      split = 1
-      while split < 8 and spans * 2 * split * warps <= target:
-        split *= 2
+      # The split that brings the warps nearest the target (by ratio).
+      split = min((1, 2, 4, 8), key=lambda s: abs(math.log(spans * s * warps / target)))
     elif spans >= 64:
       split, warps = 1, 8
       while split < 8 and spans * 8 * split * 2 <= 1024:
