@@ -297,16 +297,18 @@ class Nm24DecodeConfig:
     ``M <= 8``: spans of 128 columns. From 64 spans (N >= 8192) blocks of 8 warps, about 1024 warps in
     all (N = 8192: 2 blocks per span; N = 11008, 14336, 16384: one), 0.63-0.70 of dense at M = 1 for
     K = 2048-4096; fewer spans (N = 4096): clusters of 8 blocks of 4 warps (0.78-0.80).
-    ``8 < M <= 32``: spans of 64 columns (half the accumulators per lane), about 2048 warps in all for
-    M <= 16 in blocks of 8 warps from 128 spans (N >= 8192) and of 4 below (N = 4096: 0.85 of dense,
-    against 0.95 for the best split of 128-column spans; N = 16384: 0.59), about 1024 for M <= 32 in
-    blocks of 4 warps from 128 spans and of 8 below (N = 16384: 0.73; N = 4096: 0.95).
+    ``8 < M <= 32``: spans of 64 columns (half the accumulators per lane), in blocks of 8 warps from 128
+    spans (N >= 8192) and of 4 below for M <= 16, of 4 and of 8 for M <= 32; the split brings the warps
+    nearest 1536 (M <= 16) or 1152 (M <= 32), the best of the splits measured at N = 4096-16384: 0.59-0.85
+    of dense at M = 12-16 (N = 4096: 0.85, against 0.95 for the best split of 128-column spans; N = 11008:
+    0.71 with 1376 warps, 0.88 with 2752) and 0.73-0.95 at M = 24-32 (N = 11008: 0.79 with 1376 warps, 0.98
+    with 688).
     """
     span = 128 if m <= 8 and n % 128 == 0 else 64
     spans = n // span
     pairs = k // 64
     if span == 64:
-      target, warps = (2048, 8 if spans >= 128 else 4) if m <= 16 else (1024, 4 if spans >= 128 else 8)
+      target, warps = (1536, 8 if spans >= 128 else 4) if m <= 16 else (1152, 4 if spans >= 128 else 8)
       # The split that brings the warps nearest the target (by ratio).
       split = min((1, 2, 4, 8), key=lambda s: abs(math.log(spans * s * warps / target)))
     elif spans >= 64:
