@@ -1,6 +1,6 @@
 """``nm_matmul``: ``x @ W`` for a compressed N:M-sparse ``W``, differentiable in ``x`` and the kept values.
 
-Two backends for the forward product:
+Backends for the forward product:
 
 * XLA: expand ``W`` to dense (one fused pass over the compressed bytes) and run a dense ``dot``.
   This is the reference, the CPU path, and on a GPU the faster choice for many rows, where the
@@ -16,6 +16,10 @@ Two backends for the forward product:
   ``jaxsparse._cuda._layout`` knows the layout) (``benchmarks/results/gpu_nm_2026-11-23.md``). Its
   decode kernels are slower than the Pallas kernel, so "auto" takes it for more than
   ``MAX_FUSED_ROWS`` rows.
+* Our CUDA kernel on ``mma.sp`` (Hopper, 2:4 bfloat16, ``M <= 32``, ``N >= NM24_MIN_COLS``;
+  :mod:`jaxsparse._cuda._kernels`): reads ``w`` as stored, on the sparse tensor cores: 0.61-0.84x the
+  dense time at M = 1-16 and 0.73-0.95x at M = 32 for K = 4096, N = 4096-16384, weights from device
+  memory (``benchmarks/results/gpu_nm_decode_2026-11-24_h100.md``). "auto" takes it where it applies.
 
 The backward pass (both backends) is ``dX = dY @ Wᵀ`` and ``dvalues = (xᵀ dY)`` sampled at the
 kept positions, both through XLA.
@@ -46,8 +50,8 @@ _IMPLEMENTATIONS = (None, "xla", "pallas", "cusparselt")
 # "auto" multiplies by a cuSPARSELt weight above this many rows, and uses the Pallas kernel up to it
 # (cuSPARSELt's decode kernels ran 1.1-1.6x dense at M <= 16 on an H100, the Pallas kernel 0.8-1.0x).
 MAX_FUSED_ROWS = 64
-# "auto" takes the sparse tensor-core decode kernel for W at least this wide (H100, 2026-11-23,
-# benchmarks/results/gpu_nm_decode_2026-11-23_h100.md).
+# "auto" takes the sparse tensor-core decode kernel (M <= 32) for W at least this wide (H100,
+# benchmarks/results/gpu_nm_decode_2026-11-24_h100.md).
 NM24_MIN_COLS = 4096
 
 
