@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import os
 import statistics
 import sys
@@ -474,7 +475,9 @@ def target(b: int, d: float) -> float:
   return (1.3 if b == 32 else 1.15) * d + 0.05
 
 
-def table(best, best_decode, torch_res, iterations: int, quick: bool, dtype=jnp.bfloat16) -> list[str]:
+def table(
+    best, best_decode, torch_res, iterations: int, quick: bool, dtype=jnp.bfloat16, ms=(M_TRAIN,), decode=True
+) -> list[str]:
   rows = [
       "| M | K | N | block | d | fwd sparse / dense ms | fwd ratio | bwd sparse / dense ms | bwd ratio "
       "| fwd+bwd sparse / dense ms | fwd+bwd ratio | target | Triton-only fwd / fwd+bwd ratio | torch BSR fwd ratio "
@@ -482,8 +485,7 @@ def table(best, best_decode, torch_res, iterations: int, quick: bool, dtype=jnp.
       "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   shapes = SHAPES[:1] if quick else SHAPES
-  for k, n in shapes:
-    m = M_TRAIN
+  for (k, n), m in itertools.product(shapes, ms):
     x, dy, _, _ = problem(m, k, n, 32, 1.0, dtype=dtype)
     wd = jax.random.normal(jax.random.key(1), (k, n), jnp.float32).astype(dtype)
     dense = {name: time_ms(f, x, dy, wd, iterations=iterations) for name, f in dense_fns().items()}
@@ -509,6 +511,8 @@ def table(best, best_decode, torch_res, iterations: int, quick: bool, dtype=jnp.
         )
         rows.append(f"| {m} | {k} | {n} | {b} | {d} | {cells} | {target(b, d):.2f} | {tri} | {trs} | {err} |")
         log(rows[-1])
+  if not decode:
+    return rows
   rows += [
       "",
       "| decode M | K | N | block | d | fwd sparse / dense ms | fwd ratio | target | torch BSR fwd ratio | rel err y |",
@@ -556,6 +560,8 @@ def main(argv=None):
   p.add_argument("--f32-sweep", action="store_true", help="time float32 Mosaic (TF32) against Triton first")
   p.add_argument("--dw-sweep", action="store_true", help="time Mosaic sampled xᵀdY variants against Triton first")
   p.add_argument("--decode-sweep", action="store_true", help="time decode (M <= 64) variants first")
+  p.add_argument("--ms", default=None, help=f"comma-separated M of the table (default {M_TRAIN})")
+  p.add_argument("--skip-decode", action="store_true", help="no decode rows in the table")
   p.add_argument("--out", default=None, help="also write the table (markdown) here")
   args = p.parse_args(argv)
 
@@ -596,7 +602,10 @@ def main(argv=None):
     torch_res = torch_ratios(cases)
   rows = []
   if args.table:
-    rows = table(best, best_decode, torch_res, args.iterations, args.quick, jnp.dtype(args.dtype))
+    ms = [int(v) for v in args.ms.split(",")] if args.ms else [M_TRAIN]
+    rows = table(
+        best, best_decode, torch_res, args.iterations, args.quick, jnp.dtype(args.dtype), ms, not args.skip_decode
+    )
   header.append(f"timing: {TIMER['how']}, median of {args.iterations} calls; {args.dtype} inputs, f32 accumulation")
   configs = [f"- block {b}: {best[b]}; decode forward: {best_decode.get(b)}" for b in best]
   text = "\n".join([*header, "", *rows, "", "Configs used (sweep winners; default heuristic where empty):", *configs])
