@@ -430,6 +430,48 @@ def decode_sweep(iterations: int) -> list[str]:
   return lines
 
 
+def mid_sweep(iterations: int, ms=(256, 512)) -> list[str]:
+  """Forward and backward at mid-size M (K = N = 4096): Triton row tiles without a split, and the Mosaic
+  kernel with 128 / 256-row tiles, against the default config."""
+  lines = []
+
+  def note(line):
+    lines.append(line)
+    log(line)
+
+  k, n = SWEEP_SHAPE
+  for m in ms:
+    x, dy, _, _ = problem(m, k, n, 32, 1.0)
+    wd = jax.random.normal(jax.random.key(1), (k, n), jnp.float32).astype(jnp.bfloat16)
+    dense = {s: time_ms(dense_fns()[s], x, dy, wd, iterations=iterations) for s in ("fwd", "bwd")}
+    note(f"mid {m}x{k}x{n}: dense fwd {dense['fwd']:.4f} ms bwd {dense['bwd']:.4f} ms")
+    for b, d in ((64, 0.25), (64, 0.5), (128, 0.25), (128, 0.5), (32, 0.25)):
+      x, dy, w, _ = problem(m, k, n, b, d, seed=b)
+      y_ref = jnp.dot(x.astype(jnp.float32), w.to_dense().astype(jnp.float32))
+      default = BlockSparseMatmulConfig.get_default(m, w.shape, w.block_shape, w.nnz_blocks, w.dtype)
+      plain = dict(mosaic_forward=None, mosaic_dx=None)
+      variants = {"default": default}
+      for bm in (32, 64, 128):
+        tri = KernelConfig(bm, num_warps=4 if bm * b < 128 * 128 else 8, num_stages=3)
+        variants[f"triton bm{bm}"] = dataclasses.replace(default, forward=tri, dx=tri, **plain)
+      if b >= 64:
+        for tm, ctas in ((128, None), (256, None), (128, 0)):
+          mc = mosaic.MosaicKernelConfig(tile_m=tm, num_ctas=ctas, group_m=2)
+          variants[f"mosaic tm{tm} ctas{ctas}"] = dataclasses.replace(default, mosaic_forward=mc, mosaic_dx=mc)
+      for name, cfg in variants.items():
+        try:
+          err = rel_err(kernels.forward(x, w, config=cfg), y_ref)
+          t = {s: time_ms(sparse_fns(cfg)[s], x, dy, w, iterations=iterations) for s in ("fwd", "bwd")}
+        except Exception as e:
+          note(f"mid {m} b={b} d={d} {name}: FAILED {type(e).__name__}: {str(e)[:200]}")
+          continue
+        note(
+            f"mid {m} b={b} d={d} {name}: fwd {t['fwd']:.4f} ms ({t['fwd'] / dense['fwd']:.2f}) "
+            f"bwd {t['bwd']:.4f} ms ({t['bwd'] / dense['bwd']:.2f}) err {err:.1e}"
+        )
+  return lines
+
+
 # -------------------------------------------------------------------------------------------------
 # torch BSR.
 # -------------------------------------------------------------------------------------------------
@@ -560,6 +602,7 @@ def main(argv=None):
   p.add_argument("--f32-sweep", action="store_true", help="time float32 Mosaic (TF32) against Triton first")
   p.add_argument("--dw-sweep", action="store_true", help="time Mosaic sampled xᵀdY variants against Triton first")
   p.add_argument("--decode-sweep", action="store_true", help="time decode (M <= 64) variants first")
+  p.add_argument("--mid-sweep", default=None, help="comma-separated mid-size M: time row-tile variants first")
   p.add_argument("--ms", default=None, help=f"comma-separated M of the table (default {M_TRAIN})")
   p.add_argument("--skip-decode", action="store_true", help="no decode rows in the table")
   p.add_argument("--out", default=None, help="also write the table (markdown) here")
@@ -590,6 +633,8 @@ def main(argv=None):
     sweep_lines += dw_sweep(args.iterations, dtype=jnp.dtype(args.dtype))
   if args.decode_sweep:
     sweep_lines += decode_sweep(args.iterations)
+  if args.mid_sweep:
+    sweep_lines += mid_sweep(args.iterations, [int(v) for v in args.mid_sweep.split(",")])
   t0 = time.time()
   if args.sweep:
     best, best_decode, sweep_lines = sweep(args.iterations)
