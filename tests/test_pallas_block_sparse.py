@@ -260,6 +260,11 @@ def test_config_validation():
   cfg = BlockSparseMatmulConfig.get_default(16, (4096, 4096), (128, 128), 256, jnp.bfloat16)
   assert (cfg.forward.block_m, cfg.forward.sub_cols, cfg.forward.split) == (16, 32, 1)
   assert cfg.dx.split > 1 and cfg.dx.sub_cols is None
+  # Mid-size M: no split, no sub-columns; 16-bit row tiles of 64 up to 256 rows, then 128.
+  for m, bm in ((65, 64), (256, 64), (512, 128)):
+    cfg = BlockSparseMatmulConfig.get_default(m, (4096, 4096), (128, 128), 256, jnp.bfloat16)
+    assert (cfg.forward.block_m, cfg.forward.split, cfg.forward.sub_cols, cfg.dx.split) == (bm, 1, None, 1), m
+  assert BlockSparseMatmulConfig.get_default(64, (4096, 4096), (64, 64), 1024, jnp.bfloat16).forward.split > 1
   with pytest.raises(ValueError, match="sub_cols must be None or a power of two >= 16, got sub_cols=24"):
     KernelConfig(16, sub_cols=24)
 
@@ -381,6 +386,14 @@ def test_mosaic_defaults_only_where_they_measured_faster(monkeypatch):
     cfg = get(8192, (4096, 4096), (b, b), 256, jnp.float32)
     assert cfg.mosaic_forward.tile_k == cfg.mosaic_dx.tile_k == 32
   assert get(128, (4096, 4096), (128, 128), 256, jnp.float32).mosaic_forward is None
+  # Mid-size M (16-bit): blocks of 64 from 128 rows, of 128 from 512; 256-row tiles where they still
+  # give about one output tile per SM.
+  assert get(64, (4096, 4096), (64, 64), 1024, jnp.bfloat16).mosaic_forward is None
+  assert get(128, (4096, 4096), (64, 64), 1024, jnp.bfloat16).mosaic_forward.tile_m == 128
+  assert get(512, (4096, 4096), (64, 64), 1024, jnp.bfloat16).mosaic_forward.tile_m == 256
+  assert get(256, (4096, 4096), (128, 128), 256, jnp.bfloat16).mosaic_forward is None
+  cfg = get(512, (4096, 16384), (128, 128), 1024, jnp.bfloat16)
+  assert (cfg.mosaic_forward.tile_m, cfg.mosaic_dx.tile_m) == (256, 128)  # 128 / 32 output block columns
   monkeypatch.setattr(kernel_config, "_mosaic_probe", lambda: "no Hopper GPU")
   assert get(8192, (4096, 4096), (128, 128), 256, jnp.bfloat16).mosaic_forward is None
 

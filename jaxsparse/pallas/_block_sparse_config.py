@@ -156,8 +156,10 @@ class BlockSparseMatmulConfig:
     kb, nb = k // bk, n // bn
 
     def rows_tile(out_cols: int, in_cols: int) -> KernelConfig:
-      # 128-row tiles, fewer where the f32 accumulator or the staged operands would not fit one SM.
-      bm = min(128, max(16, pl.next_power_of_2(m)))
+      # 128-row tiles (16-bit mid-size M up to MID_SMALL_TILE_MAX_M: 64), fewer where the f32
+      # accumulator or the staged operands would not fit one SM.
+      top = 64 if itemsize == 2 and DECODE_MAX_M < m <= MID_SMALL_TILE_MAX_M else 128
+      bm = min(top, max(16, pl.next_power_of_2(m)))
       while bm > 16 and bm * out_cols * 4 > 128 * 128 * 4 // (2 if itemsize == 4 else 1):
         bm //= 2
       warps = 8 if bm * out_cols >= 128 * 128 else 4
@@ -174,8 +176,9 @@ class BlockSparseMatmulConfig:
 
     def split_blocks(cfg: KernelConfig, num_cols: int) -> KernelConfig:
       # Too few programs to fill the GPU (decode): about two kept blocks per program (measured best
-      # on an H200 at M = 16 against one, four and eight).
-      if pl.cdiv(m, cfg.block_m) * num_cols >= _TARGET_PROGRAMS:
+      # on an H200 at M = 16 against one, four and eight). Not above DECODE_MAX_M rows, where the
+      # partial sums cost more than the idle SMs.
+      if m > DECODE_MAX_M or pl.cdiv(m, cfg.block_m) * num_cols >= _TARGET_PROGRAMS:
         return cfg
       return dataclasses.replace(cfg, split=max(1, min(8, pl.cdiv(nnz_blocks, 2 * num_cols))))
 
@@ -183,7 +186,8 @@ class BlockSparseMatmulConfig:
       # Decode with blocks of at least DECODE_SUB_COLS_MIN_BLOCK: instead of a split and a second
       # launch that adds the partial sums, programs own DECODE_SUB_COLS columns of a block column.
       num_m = pl.cdiv(m, cfg.block_m)
-      if num_m * num_cols >= _TARGET_PROGRAMS or block_dim < DECODE_SUB_COLS_MIN_BLOCK or itemsize != 2:
+      small = m <= DECODE_MAX_M and num_m * num_cols < _TARGET_PROGRAMS
+      if not small or block_dim < DECODE_SUB_COLS_MIN_BLOCK or itemsize != 2:
         return split_blocks(cfg, num_cols)
       return dataclasses.replace(cfg, **DECODE_SUB_COLS)
 
@@ -195,7 +199,7 @@ class BlockSparseMatmulConfig:
       dw = dataclasses.replace(dw, split=max(1, min(steps, pl.cdiv(_TARGET_PROGRAMS // 2, nnz_blocks))))
     if itemsize == 2 and n >= DW_COLS_ORDER_MIN_RATIO * k:
       dw = dataclasses.replace(dw, block_order="cols")
-    mosaic_fwd, mosaic_dx = mosaic_defaults(m, block_shape, dtype)
+    mosaic_fwd, mosaic_dx = mosaic_defaults(m, shape, block_shape, dtype)
     return cls(
         forward=fwd,
         dx=dx,
@@ -215,6 +219,17 @@ class BlockSparseMatmulConfig:
 # N = 16384 d = 0.5 1.62 -> 1.41 (block 64) and 0.84 -> 0.75 (block 128) of dense dW, d = 0.25 equal;
 # at N = K = 4096 column order was 2-10% slower.
 DW_COLS_ORDER_MIN_RATIO = 4
+
+# Decode and mid-size M. Up to DECODE_MAX_M rows, where the output tiles cannot fill the GPU, the forward
+# and dx split their block loops (or give programs a slice of a block's columns, below); above, a split
+# and the pass that adds its partial sums measured up to 3.7x slower than no split, and 16-bit row
+# tiles of 64 up to MID_SMALL_TILE_MAX_M rows beat 128 (`gpu_block_sparse.py --mid-sweep 256,512,128`,
+# H100, K = N = 4096, bf16, forward / backward time over dense; benchmarks/results/
+# gpu_block_sparse_mid_2026-11-24_h100.md): M = 512, blocks 64, d = 0.25: split 2.58 / 1.48 -> 0.69 / 0.65
+# (128-row tiles, no split); M = 256, blocks 128, d = 0.25: 0.73 / 0.73 (split) -> 0.42 / 0.49 with 64-row
+# tiles (0.69 / 0.60 with 128); d = 0.5: 1.13 / 1.41 -> 0.66 / 0.92.
+DECODE_MAX_M = 64
+MID_SMALL_TILE_MAX_M = 256
 
 # The forward at decode (16-bit, fewer than _TARGET_PROGRAMS output tiles) for blocks of 128: 32
 # output columns per program, no split (one launch), 4 pipeline stages. `benchmarks/gpu_decode.py
@@ -266,6 +281,16 @@ TUNED_CONFIGS: dict[int, tuple[KernelConfig, KernelConfig, KernelConfig]] = {
 # (128-blocks, K = 16384), and no more elsewhere.
 # Below that m, or for block 32, the Triton kernels measured as fast or faster.
 _MOSAIC_MIN_M = 1024
+# Mid-size M (16-bit): from 128 rows for blocks whose smaller side is 64, from 512 for blocks of 128
+# (`gpu_block_sparse.py --mid-sweep`, H100, K = N = 4096, forward / backward over dense, against the
+# best Triton config): blocks 64, d = 0.25, M = 128 / 256 / 512: 0.47 / 0.52, 0.47 / 0.59, 0.62 / 0.63
+# (Triton 0.55 / 0.49, 0.56 / 0.61, 0.69 / 0.65); d = 0.5, M = 256: 0.68 / 1.63 (0.87 / 1.77). Blocks 128:
+# M = 512, d = 0.25 / 0.5: 0.52 / 0.49 and 0.79 / 0.89 (Triton 0.62 / 0.53, 1.00 / 0.94); at M = 256
+# Triton's 64-row tiles won (0.42 / 0.49 against 0.54 / 0.53). Row tiles of 256 where they still give
+# about one output tile per SM (MOSAIC_MID_TILES), else 128: blocks 64, M = 512: 0.62 / 0.63 against
+# 0.70 / 0.66; blocks 128, M = 512: 128-row tiles 0.52 against 0.79.
+MOSAIC_16BIT_MIN_M = {64: 128, 128: 512}
+MOSAIC_MID_TILES = 128
 MOSAIC_TUNED_CONFIGS: dict = (
     {}
     if mosaic is None
@@ -282,17 +307,34 @@ MOSAIC_TUNED_CONFIGS: dict = (
 MOSAIC_MIN_M_AND_BLOCK = {2: (_MOSAIC_MIN_M, 64), 4: (256, 32)}
 
 
-def mosaic_defaults(m: int, block_shape: tuple[int, int], dtype) -> tuple:
+def _mosaic_min_m(block_shape: tuple[int, int], itemsize: int) -> int | None:
+  """The smallest M at which the Mosaic GPU forward / dx kernels take these blocks, or ``None``."""
+  min_m, min_block = MOSAIC_MIN_M_AND_BLOCK.get(itemsize, (None, None))
+  if min_m is None or min(block_shape) < min_block:
+    return None
+  if itemsize == 2:
+    return MOSAIC_16BIT_MIN_M.get(min(block_shape), min_m)
+  return min_m
+
+
+def mosaic_defaults(m: int, shape: tuple[int, int], block_shape: tuple[int, int], dtype) -> tuple:
   """``(forward, dx)`` Mosaic GPU configs, or ``(None, None)`` where the Triton kernels are used."""
   bk, bn = block_shape
   itemsize = jnp.dtype(dtype).itemsize
-  min_m, min_block = MOSAIC_MIN_M_AND_BLOCK.get(itemsize, (None, None))
-  if mosaic_unavailable_reason() or min_m is None or m < min_m or min(bk, bn) < min_block:
+  min_m = _mosaic_min_m(block_shape, itemsize)
+  if mosaic_unavailable_reason() or min_m is None or m < min_m:
     return None, None
-  tuned = MOSAIC_TUNED_CONFIGS.get(bk) if bk == bn and itemsize == 2 else None
+  tuned = MOSAIC_TUNED_CONFIGS.get(bk) if bk == bn and itemsize == 2 and m >= _MOSAIC_MIN_M else None
   if tuned is not None:
     return tuned
   default = mosaic.MosaicBlockSparseMatmulConfig.get_default(m, block_shape, dtype)
+  if itemsize == 2:
+    # Mid-size M: 256-row tiles only where they still give about one output tile per SM.
+    def rows(cfg, num_cols):
+      tile_m = 256 if pl.cdiv(m, 256) * num_cols >= MOSAIC_MID_TILES else 128
+      return dataclasses.replace(cfg, tile_m=tile_m, group_m=2)
+
+    return rows(default.forward, shape[1] // bn), rows(default.dx, shape[0] // bk)
   return default.forward, default.dx
 
 
