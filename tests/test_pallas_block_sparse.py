@@ -211,6 +211,9 @@ def test_dense_routes_where_they_measured_faster(monkeypatch, on_hopper):
   assert routes(8192, 4096, 64, 0.5, f32) == (False, False, not on_hopper)
   assert routes(8192, 4096, 64, 0.25, bf16) == (False, False, False)
   assert routes(8192, 16384, 128, 0.5, f32) == (False, False, False)
+  # ... from M = 1024 for 16-bit inputs (the K x N float32 product costs too much at mid-size M).
+  assert routes(1024, 4096, 64, 0.5, bf16) == (False, False, True)
+  assert routes(512, 4096, 64, 0.5, bf16) == (False, False, False)
 
   # The forward on the same rule over K (its contraction); dX then contracts over N = 4096.
   def forward_dense(m, k, b, d, dtype):

@@ -287,8 +287,9 @@ _MOSAIC_MIN_M = 1024
 # (Triton 0.55 / 0.49, 0.56 / 0.61, 0.69 / 0.65); d = 0.5, M = 256: 0.68 / 1.63 (0.87 / 1.77). Blocks 128:
 # M = 512, d = 0.25 / 0.5: 0.52 / 0.49 and 0.79 / 0.89 (Triton 0.62 / 0.53, 1.00 / 0.94); at M = 256
 # Triton's 64-row tiles won (0.42 / 0.49 against 0.54 / 0.53). Row tiles of 256 where they still give
-# about one output tile per SM (MOSAIC_MID_TILES), else 128: blocks 64, M = 512: 0.62 / 0.63 against
-# 0.70 / 0.66; blocks 128, M = 512: 128-row tiles 0.52 against 0.79.
+# about one output tile per SM (MOSAIC_MID_TILES) and M needs no padding, else 128: blocks 64, M = 512:
+# 0.62 / 0.63 against 0.70 / 0.66; blocks 128, M = 512: 128-row tiles 0.52 against 0.79; blocks 64,
+# M = 384 / 768 padded to 256-row tiles: 0.69 / 0.70 forward against Triton's 0.57 / 0.63.
 MOSAIC_16BIT_MIN_M = {64: 128, 128: 512}
 MOSAIC_MID_TILES = 128
 MOSAIC_TUNED_CONFIGS: dict = (
@@ -331,7 +332,7 @@ def mosaic_defaults(m: int, shape: tuple[int, int], block_shape: tuple[int, int]
   if itemsize == 2:
     # Mid-size M: 256-row tiles only where they still give about one output tile per SM.
     def rows(cfg, num_cols):
-      tile_m = 256 if pl.cdiv(m, 256) * num_cols >= MOSAIC_MID_TILES else 128
+      tile_m = 256 if m % 256 == 0 and m // 256 * num_cols >= MOSAIC_MID_TILES else 128
       return dataclasses.replace(cfg, tile_m=tile_m, group_m=2)
 
     return rows(default.forward, shape[1] // bn), rows(default.dx, shape[0] // bk)
@@ -386,6 +387,10 @@ DW_DENSE_MIN_DENSITY = 0.1
 # / 1.02 (N = 4096, K = 4096 or 16384), 0.85 / 1.02 (N = 16384); Triton's float32 kernel 2.6 / 1.02-1.06.
 # At d = 0.25 the kernels win everywhere (0.52-0.67 / 1.02-1.05). 0.4 itself was not measured.
 DW_DENSE_ABOVE_DENSITY = {64: 0.4}
+# ... from this many rows for 16-bit inputs: the route writes a K x N float32 product whatever M is, and
+# at mid-size M the backward of 64-blocks at d = 0.5 on it ran 1.38-1.68x the dense backward (M = 256-768,
+# K = N = 4096, H100, `gpu_block_sparse.py --table --ms`; the per-block dW at M = 128: 0.83 for dX + dW).
+DW_DENSE_ABOVE_DENSITY_MIN_M = 1024
 
 # Forward and dX on long contractions (K for the forward, N for dX; both are the same "dense x sparse"
 # kernel): the per-block kernels read a row slab of x / dY as long as the contraction once per kept
@@ -459,4 +464,5 @@ def use_dense_dw(m: int, shape, block_shape, nnz_blocks: int, mosaic_dw_cfg, dty
   if mosaic_dw_cfg is not None and jnp.dtype(dtype).itemsize == 4:
     return False
   above = DW_DENSE_ABOVE_DENSITY.get(small)
-  return above is not None and density >= above
+  wide = jnp.dtype(dtype).itemsize == 4  # float32 off the Mosaic kernel: Triton's SDD, 2.6x dense at M = 8192
+  return above is not None and density >= above and (wide or m >= DW_DENSE_ABOVE_DENSITY_MIN_M)
