@@ -290,7 +290,10 @@ _MOSAIC_MIN_M = 1024
 # about one output tile per SM (MOSAIC_MID_TILES) and M needs no padding, else 128: blocks 64, M = 512:
 # 0.62 / 0.63 against 0.70 / 0.66; blocks 128, M = 512: 128-row tiles 0.52 against 0.79; blocks 64,
 # M = 384 / 768 padded to 256-row tiles: 0.69 / 0.70 forward against Triton's 0.57 / 0.63.
-MOSAIC_16BIT_MIN_M = {64: 128, 128: 512}
+# Blocks of 64 between 256 and 1024 rows keep Triton's 128-row tiles: M = 384 / 768, d = 0.25: 0.56 / 0.65
+# forward against the Mosaic kernel's 0.59 / 0.73 (d = 0.5: 0.93 / 1.08 against 0.99 / 1.25); M = 512 was
+# a tie (0.67 against 0.64). (min rows, max rows or None) per smaller block side:
+MOSAIC_16BIT_ROWS = {64: ((128, 256), (_MOSAIC_MIN_M, None)), 128: ((512, None),)}
 MOSAIC_MID_TILES = 128
 MOSAIC_TUNED_CONFIGS: dict = (
     {}
@@ -308,22 +311,20 @@ MOSAIC_TUNED_CONFIGS: dict = (
 MOSAIC_MIN_M_AND_BLOCK = {2: (_MOSAIC_MIN_M, 64), 4: (256, 32)}
 
 
-def _mosaic_min_m(block_shape: tuple[int, int], itemsize: int) -> int | None:
-  """The smallest M at which the Mosaic GPU forward / dx kernels take these blocks, or ``None``."""
+def _mosaic_rows(m: int, block_shape: tuple[int, int], itemsize: int) -> bool:
+  """Whether the Mosaic GPU forward / dx kernels take ``m`` rows of these blocks."""
   min_m, min_block = MOSAIC_MIN_M_AND_BLOCK.get(itemsize, (None, None))
   if min_m is None or min(block_shape) < min_block:
-    return None
-  if itemsize == 2:
-    return MOSAIC_16BIT_MIN_M.get(min(block_shape), min_m)
-  return min_m
+    return False
+  bands = MOSAIC_16BIT_ROWS.get(min(block_shape), ((min_m, None),)) if itemsize == 2 else ((min_m, None),)
+  return any(lo <= m and (hi is None or m <= hi) for lo, hi in bands)
 
 
 def mosaic_defaults(m: int, shape: tuple[int, int], block_shape: tuple[int, int], dtype) -> tuple:
   """``(forward, dx)`` Mosaic GPU configs, or ``(None, None)`` where the Triton kernels are used."""
   bk, bn = block_shape
   itemsize = jnp.dtype(dtype).itemsize
-  min_m = _mosaic_min_m(block_shape, itemsize)
-  if mosaic_unavailable_reason() or min_m is None or m < min_m:
+  if mosaic_unavailable_reason() or not _mosaic_rows(m, block_shape, itemsize):
     return None, None
   tuned = MOSAIC_TUNED_CONFIGS.get(bk) if bk == bn and itemsize == 2 and m >= _MOSAIC_MIN_M else None
   if tuned is not None:
