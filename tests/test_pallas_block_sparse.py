@@ -389,12 +389,13 @@ def test_mosaic_defaults_only_where_they_measured_faster(monkeypatch):
     cfg = get(8192, (4096, 4096), (b, b), 256, jnp.float32)
     assert cfg.mosaic_forward.tile_k == cfg.mosaic_dx.tile_k == 32
   assert get(128, (4096, 4096), (128, 128), 256, jnp.float32).mosaic_forward is None
-  # Mid-size M (16-bit): blocks of 64 at 128-256 rows, of 128 from 512; 256-row tiles where they still
+  # Mid-size M (16-bit): blocks of 64 at 128-512 rows, of 128 from 512; 256-row tiles where they still
   # give about one output tile per SM.
   assert get(64, (4096, 4096), (64, 64), 1024, jnp.bfloat16).mosaic_forward is None
   assert get(128, (4096, 4096), (64, 64), 1024, jnp.bfloat16).mosaic_forward.tile_m == 128
   assert get(256, (4096, 4096), (64, 64), 1024, jnp.bfloat16).mosaic_forward.tile_m == 128
-  assert get(512, (4096, 4096), (64, 64), 1024, jnp.bfloat16).mosaic_forward is None  # Triton up to 1024
+  assert get(512, (4096, 4096), (64, 64), 1024, jnp.bfloat16).mosaic_forward.tile_m == 256
+  assert get(768, (4096, 4096), (64, 64), 1024, jnp.bfloat16).mosaic_forward is None  # Triton up to 1024
   assert get(1024, (4096, 4096), (64, 64), 1024, jnp.bfloat16).mosaic_forward is not None
   assert get(256, (4096, 4096), (128, 128), 256, jnp.bfloat16).mosaic_forward is None
   cfg = get(512, (4096, 16384), (128, 128), 1024, jnp.bfloat16)

@@ -290,10 +290,11 @@ _MOSAIC_MIN_M = 1024
 # about one output tile per SM (MOSAIC_MID_TILES) and M needs no padding, else 128: blocks 64, M = 512:
 # 0.62 / 0.63 against 0.70 / 0.66; blocks 128, M = 512: 128-row tiles 0.52 against 0.79; blocks 64,
 # M = 384 / 768 padded to 256-row tiles: 0.69 / 0.70 forward against Triton's 0.57 / 0.63.
-# Blocks of 64 between 256 and 1024 rows keep Triton's 128-row tiles: M = 384 / 768, d = 0.25: 0.56 / 0.65
-# forward against the Mosaic kernel's 0.59 / 0.73 (d = 0.5: 0.93 / 1.08 against 0.99 / 1.25); M = 512 was
-# a tie (0.67 against 0.64). (min rows, max rows or None) per smaller block side:
-MOSAIC_16BIT_ROWS = {64: ((128, 256), (_MOSAIC_MIN_M, None)), 128: ((512, None),)}
+# Blocks of 64 between 512 and 1024 rows keep Triton's 128-row tiles: M = 768, d = 0.25 / 0.5: 0.65 /
+# 1.08 forward against the Mosaic kernel's 0.73 / 1.25 (192 output tiles of 256 rows: 1.45 waves). At
+# M = 512 the Mosaic kernel won (0.64 / 0.94 against 0.67 / 1.11), at 384 Triton by 5% (0.56 / 0.93
+# against 0.59 / 0.99; kept on Mosaic, one band). (min rows, max rows or None) per smaller block side:
+MOSAIC_16BIT_ROWS = {64: ((128, 512), (_MOSAIC_MIN_M, None)), 128: ((512, None),)}
 MOSAIC_MID_TILES = 128
 MOSAIC_TUNED_CONFIGS: dict = (
     {}
