@@ -292,7 +292,7 @@ class Nm24DecodeConfig:
 
   @classmethod
   def get_default(cls, m: int, k: int, n: int) -> Nm24DecodeConfig:
-    """Measured on an H100 (2026-11-23/24, ``benchmarks/results/gpu_nm_decode_2026-11-23_h100.md``).
+    """Measured on an H100 (``benchmarks/results/gpu_nm_decode_2026-11-23_h100.md`` and ``..._2026-11-24_h100.md``).
 
     ``M <= 8``: spans of 128 columns. From 64 spans (N >= 8192) blocks of 8 warps, about 1024 warps in
     all (N = 8192: 2 blocks per span; N = 11008, 14336, 16384: one), 0.63-0.70 of dense at M = 1 for

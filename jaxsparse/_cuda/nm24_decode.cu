@@ -31,7 +31,7 @@
 #define NM_CPL 16  // columns per lane group: 16 (spans of 128) or 8 (spans of 64: half the accumulators)
 #endif
 #ifndef NM_SPLIT
-#define NM_SPLIT 1  // thread blocks per 128-column span, each a slice of K (a cluster)
+#define NM_SPLIT 1  // thread blocks per column span, each a slice of K (a cluster)
 #endif
 #ifndef NM_WARPS
 #define NM_WARPS 8

@@ -146,10 +146,12 @@ class BlockSparseMatmulConfig:
     """The config for ``x (m, K) @ W (K, N)`` with ``nnz_blocks`` kept ``block_shape`` blocks.
 
     16-bit square blocks at large ``m`` take the measured winners in ``TUNED_CONFIGS``; everything
-    else a heuristic. Small ``m`` (decode) gives each program a slice of a block column's outputs
-    (16-bit, blocks of 128) or splits the loop over a column's blocks across programs.
+    else a heuristic. Small ``m`` (decode, ``m <= DECODE_MAX_M``) gives each program a slice of a block
+    column's outputs (16-bit, blocks of 128) or splits the loop over a column's blocks across programs;
+    mid-size ``m`` takes 64-row tiles up to ``MID_SMALL_TILE_MAX_M`` (16-bit) and never splits.
     Where a Hopper GPU is present, 16-bit blocks of 64 and 128 at ``m >= 1024`` also get Mosaic GPU
-    configs for the forward and ``dx`` products (``MOSAIC_TUNED_CONFIGS``).
+    configs for the forward and ``dx`` products (``MOSAIC_TUNED_CONFIGS``), and so do the mid-size rows
+    of ``MOSAIC_16BIT_ROWS``.
     """
     (k, n), (bk, bn) = shape, block_shape
     itemsize = jnp.dtype(dtype).itemsize
@@ -331,7 +333,7 @@ def mosaic_defaults(m: int, shape: tuple[int, int], block_shape: tuple[int, int]
   if tuned is not None:
     return tuned
   default = mosaic.MosaicBlockSparseMatmulConfig.get_default(m, block_shape, dtype)
-  if itemsize == 2:
+  if itemsize == 2 and m < _MOSAIC_MIN_M:
     # Mid-size M: 256-row tiles only where they still give about one output tile per SM.
     def rows(cfg, num_cols):
       tile_m = 256 if m % 256 == 0 and m // 256 * num_cols >= MOSAIC_MID_TILES else 128
