@@ -1,4 +1,5 @@
-"""Decode (M <= 16) speed of the block-sparse and N:M Pallas kernels against dense, L2-hot and from HBM.
+"""Decode speed (M <= 16; 2:4 also up to M = 32 with --rows) of the block-sparse and N:M kernels against dense,
+L2-hot and from HBM.
 
 Run on a CUDA GPU (the device tool's H100), from the repository root:
 
@@ -198,22 +199,22 @@ def _nm_weight(k: int, cols: int, seed: int) -> jaxsparse.NMSparseMatrix:
 
 
 def nm(args, rows: list[str]) -> None:
-  K = args.nm_k
+  k = args.nm_k
   for cols in args.nm_cols:
-    dense = [_bf16(300 + i, (K, cols)) for i in range(_rotation(K * cols * 2))]
-    w0 = _nm_weight(K, cols, seed=7)
+    dense = [_bf16(300 + i, (k, cols)) for i in range(_rotation(k * cols * 2))]
+    w0 = _nm_weight(k, cols, seed=7)
     nbytes = w0.values.size * 2 + w0.indices.size * w0.indices.dtype.itemsize
-    ws = [w0] + [_nm_weight(K, cols, seed=7 + i) for i in range(1, _rotation(nbytes))]
+    ws = [w0] + [_nm_weight(k, cols, seed=7 + i) for i in range(1, _rotation(nbytes))]
     for m in args.rows if not args.quick else args.rows[:1]:
-      x = _bf16(400 + m, (m, K))
+      x = _bf16(400 + m, (m, k))
       d_hot, d_hbm = _time(jnp.dot, x, dense, args.iterations)
-      log(f"2:4 decode {m}x{K}x{cols}: dense hot {d_hot:.2f} us, hbm {d_hbm:.2f} us ({len(dense)} weights)")
+      log(f"2:4 decode {m}x{k}x{cols}: dense hot {d_hot:.2f} us, hbm {d_hbm:.2f} us ({len(dense)} weights)")
       rows.append(
           f"| {m}x{cols} dense | - | - | {d_hot:.2f} | 1.00 | {d_hbm:.2f} | 1.00 | "
-          f"{K * cols * 2 / d_hbm / 1e3:.0f} | {len(dense)} |"
+          f"{k * cols * 2 / d_hbm / 1e3:.0f} | {len(dense)} |"
       )
       ref = jnp.dot(x.astype(jnp.float32), w0.to_dense().astype(jnp.float32))
-      default = NMMatmulConfig.get_default(m, (K, cols), 2, 4, jnp.bfloat16)
+      default = NMMatmulConfig.get_default(m, (k, cols), 2, 4, jnp.bfloat16)
       bm = max(16, 1 << (m - 1).bit_length())
       configs = [] if args.mma_only else [("default", default)]
       if args.sweep and m == args.rows[0] and not args.mma_only:
@@ -226,7 +227,7 @@ def nm(args, rows: list[str]) -> None:
         f = lambda x, w, cfg=cfg: nm_kernels.forward(x, w, config=cfg)
         _variant_row(f"{m}x{cols} {label}", cfg, f, x, w0, ws, ref, (d_hot, d_hbm), nbytes, args.iterations, rows)
       if cuda_kernels.available():
-        sparse = [("mma.sp default", cuda_kernels.Nm24DecodeConfig.get_default(m, K, cols))]
+        sparse = [("mma.sp default", cuda_kernels.Nm24DecodeConfig.get_default(m, k, cols))]
         if args.sweep:
           sparse += [
               (f"mma.sp split {sp} warps {wa} span {sn}", cuda_kernels.Nm24DecodeConfig(sp, wa, sn))

@@ -91,7 +91,7 @@ def test_nm24_default_config_fits(m, k, n):
 
 
 def test_nm24_default_spans_by_rows():
-  # The measured winners (benchmarks/results/gpu_nm_decode_2026-11-23_h100.md).
+  # The measured winners (benchmarks/results/gpu_nm_decode_2026-11-24_h100.md).
   assert ck.Nm24DecodeConfig.get_default(8, 4096, 4096) == ck.Nm24DecodeConfig(split=8, warps=4, span=128)
   assert ck.Nm24DecodeConfig.get_default(1, 4096, 16384) == ck.Nm24DecodeConfig(split=1, warps=8, span=128)
   assert ck.Nm24DecodeConfig.get_default(16, 4096, 4096) == ck.Nm24DecodeConfig(split=8, warps=4, span=64)
