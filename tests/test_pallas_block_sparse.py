@@ -159,6 +159,15 @@ def test_interpret_sub_column_programs(block_shape, sub_cols, split):
   _check_all(x, dy, w, jnp.float32, config=BlockSparseMatmulConfig(cfg, cfg, KernelConfig(16)), interpret=True)
 
 
+@pytest.mark.parametrize(("m", "dtype"), [(96, jnp.bfloat16), (200, jnp.float32)])
+def test_interpret_mid_size_default_config(m, dtype):
+  # Mid-size M takes the default config's 64- / 128-row tiles without a split (M not a multiple of them).
+  x, dy, w = _problem(m, 128, 192, (32, 64), "random", dtype, seed=m)
+  cfg = BlockSparseMatmulConfig.get_default(m, w.shape, w.block_shape, w.nnz_blocks, w.dtype)
+  assert cfg.forward.split == cfg.dx.split == 1 and cfg.forward.sub_cols is None
+  _check_all(x, dy, w, dtype, config=cfg, interpret=True)
+
+
 def test_interpret_block_grid_not_a_power_of_two():
   # 5 x 3 blocks: the index windows (8 and 4 entries) are wider than the grid.
   x, dy, w = _problem(24, 160, 96, (32, 32), "random", jnp.float32, seed=2)
