@@ -81,8 +81,8 @@ class KernelConfig:
     block_order: the order in which ``dw`` programs take the kept blocks: ``"rows"`` (as stored, by
       block row) or ``"cols"`` (by block column: the programs in flight share ``dY`` slabs rather than
       ``x`` slabs). The Mosaic ``dw`` kernel measured faster in that order where ``N >= K`` (see
-      :class:`~jaxsparse.pallas._block_sparse_sdd_mgpu.MosaicSddConfig`); this kernel has not been
-      measured in it yet, so the default stays ``"rows"``.
+      :class:`~jaxsparse.pallas._block_sparse_sdd_mgpu.MosaicSddConfig`); this kernel where ``N >= 4 K``
+      (16-bit, ``DW_COLS_ORDER_MIN_RATIO``), ``"rows"`` elsewhere.
   """
 
   block_m: int
