@@ -28,6 +28,9 @@ from gpu_block_sparse import problem
 
 from jaxsparse.pallas import BlockSparseMatmulConfig
 from jaxsparse.pallas import _block_sparse_matmul as kernels
+from jaxsparse.pallas import _block_sparse_matmul_mgpu as mgpu
+from jaxsparse.pallas import _block_sparse_sdd_mgpu as mgpu_sdd
+from jaxsparse.pallas._block_sparse_config import mosaic_available
 
 
 def _products(cfg):
@@ -48,7 +51,7 @@ def _dense_products():
   }
 
 
-def _variants(kern):
+def _variants(kern, m, w, group_ms):
   """``(label, product, config)``: other tile orders (``group_m``) of the forward and dX kernels, and dW on the
   other per-block kernel (--variants)."""
   out = []
@@ -57,11 +60,23 @@ def _variants(kern):
     cfg, kind = getattr(kern, name), "Mosaic" if name == mosaic else "Triton"
     out += [
         (f"{prod} {kind} group_m={g}", prod, dataclasses.replace(kern, **{name: dataclasses.replace(cfg, group_m=g)}))
-        for g in (1, 2, 4, 8, 16)
+        for g in group_ms
         if g != cfg.group_m
     ]
+  # The other kernel family of the forward and dX: Triton where the default is Mosaic GPU, and the
+  # reverse where Mosaic GPU can run these blocks.
+  mosaic_cfg = mgpu.MosaicBlockSparseMatmulConfig.get_default(m, w.block_shape, w.dtype) if mosaic_available() else None
+  for prod, field in (("fwd", "mosaic_forward"), ("dX", "mosaic_dx")):
+    if getattr(kern, field) is not None:
+      out.append((f"{prod} Triton", prod, dataclasses.replace(kern, **{field: None})))
+    elif mosaic_cfg is not None:
+      cfg = getattr(mosaic_cfg, "forward" if prod == "fwd" else "dx")
+      out.append((f"{prod} Mosaic", prod, dataclasses.replace(kern, **{field: cfg})))
   triton_dw_cols = dataclasses.replace(kern.dw, block_order="cols")
   out.append(("dW Triton order=cols", "dW", dataclasses.replace(kern, mosaic_dw=None, dw=triton_dw_cols)))
+  if kern.mosaic_dw is None and mosaic_cfg is not None:
+    dw = mgpu_sdd.MosaicSddConfig.get_default(w.block_shape, w.dtype)
+    out.append(("dW Mosaic", "dW", dataclasses.replace(kern, mosaic_dw=dw)))
   if kern.mosaic_dw is not None:
     out.append(("dW Triton", "dW", dataclasses.replace(kern, mosaic_dw=None)))
     for o in ("rows", "cols"):
@@ -80,6 +95,7 @@ def main(argv=None) -> None:
   p.add_argument("--dtypes", default="bfloat16,float32")
   p.add_argument("--iterations", type=int, default=10)
   p.add_argument("--variants", action="store_true", help="also time other dX tile orders and the other dW kernel")
+  p.add_argument("--group-ms", default="1,2,4,8,16", help="--variants: the group_m values of the tile orders")
   args = p.parse_args(argv)
   ints = lambda s: [int(v) for v in s.split(",")]
   head = ["dtype", "M", "N", "block", "d", "default route"]
@@ -112,8 +128,12 @@ def main(argv=None) -> None:
               cells += [f"{dense[prod]:.4f}"] + [f"{t[r]:.4f} ({t[r] / dense[prod]:.2f})" for r in ("kernels", "route")]
             rows.append("| " + " | ".join(cells) + " |")
             log(rows[-1])
-            for label, prod, cfg in _variants(kern) if args.variants else []:
-              t = time_ms(_products(cfg)[prod], x, dy, w, iterations=args.iterations)
+            for label, prod, cfg in _variants(kern, m, w, ints(args.group_ms)) if args.variants else []:
+              try:
+                t = time_ms(_products(cfg)[prod], x, dy, w, iterations=args.iterations)
+              except Exception as e:  # a variant the kernel does not support: say so, go on
+                log(f"{' '.join(cells[:5])} {label}: FAILED {type(e).__name__}: {str(e)[:200]}")
+                continue
               variant_rows.append(
                   f"| {' | '.join(cells[:5])} | {label} | {t:.4f} | {t / dense[prod]:.2f} | {base[prod]:.2f} |"
               )

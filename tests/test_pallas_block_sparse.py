@@ -220,8 +220,9 @@ def test_dense_routes_where_they_measured_faster(monkeypatch, on_hopper):
   assert routes(8192, 4096, 64, 0.5, f32) == (False, False, not on_hopper)
   assert routes(8192, 4096, 64, 0.25, bf16) == (False, False, False)
   assert routes(8192, 16384, 128, 0.5, f32) == (False, False, False)
-  # ... from M = 1024 for 16-bit inputs (the K x N float32 product costs too much at mid-size M).
-  assert routes(1024, 4096, 64, 0.5, bf16) == (False, False, True)
+  # ... from M = 8192 for 16-bit inputs (the K x N float32 product costs too much below).
+  assert routes(8192, 16384, 64, 0.5, bf16) == (False, False, True)
+  assert routes(4096, 4096, 64, 0.5, bf16) == (False, False, False)
   assert routes(512, 4096, 64, 0.5, bf16) == (False, False, False)
 
   # The forward on the same rule over K (its contraction); dX then contracts over N = 4096.
@@ -409,8 +410,21 @@ def test_mosaic_defaults_only_where_they_measured_faster(monkeypatch):
   assert get(256, (4096, 4096), (128, 128), 256, jnp.bfloat16).mosaic_forward is None
   cfg = get(512, (4096, 16384), (128, 128), 1024, jnp.bfloat16)
   assert (cfg.mosaic_forward.tile_m, cfg.mosaic_dx.tile_m) == (256, 128)  # 128 / 32 output block columns
+  # dW (16-bit): 64-blocks on Mosaic for long weights, from 8192 rows, or from 4096 at d >= 0.4 or N >= 2 K;
+  # by block row below 2048 rows. 128-blocks with many kept blocks.
+  def dw(m, k, n, b, d):
+    return get(m, (k, n), (b, b), round(d * (k // b) * (n // b)), jnp.bfloat16).mosaic_dw
+
+  assert dw(1024, 4096, 16384, 64, 0.25).order == "rows" and dw(2048, 4096, 16384, 64, 0.25).order == "auto"
+  assert dw(1024, 16384, 4096, 64, 0.25) is not None and dw(8192, 4096, 4096, 64, 0.25) is not None
+  assert dw(4096, 4096, 4096, 64, 0.25) is None and dw(4096, 4096, 4096, 64, 0.5) is not None
+  assert dw(4096, 4096, 8192, 64, 0.25) is not None and dw(2048, 4096, 8192, 64, 0.5) is None
+  assert dw(1024, 4096, 16384, 128, 0.25) is not None and dw(1024, 4096, 8192, 128, 0.25) is None
+  assert dw(8192, 4096, 8192, 128, 0.25) is not None and dw(8192, 4096, 4096, 128, 0.25) is None
+  assert dw(512, 4096, 16384, 128, 0.5) is None
   monkeypatch.setattr(kernel_config, "_mosaic_probe", lambda: "no Hopper GPU")
   assert get(8192, (4096, 4096), (128, 128), 256, jnp.bfloat16).mosaic_forward is None
+  assert dw(8192, 4096, 16384, 128, 0.25) is None
 
 
 @pytest.mark.parametrize(

@@ -208,7 +208,7 @@ class BlockSparseMatmulConfig:
         dw=dw,
         mosaic_forward=mosaic_fwd,
         mosaic_dx=mosaic_dx,
-        mosaic_dw=(mosaic_dw := mosaic_dw_default(m, block_shape, dtype)),
+        mosaic_dw=(mosaic_dw := mosaic_dw_default(m, shape, block_shape, nnz_blocks, dtype)),
         dw_dense=use_dense_dw(m, shape, block_shape, nnz_blocks, mosaic_dw, dtype),
         dx_dense=use_dense_long_contraction(m, shape[1], shape, block_shape, nnz_blocks, dtype),
         forward_dense=use_dense_long_contraction(m, shape[0], shape, block_shape, nnz_blocks, dtype),
@@ -345,26 +345,52 @@ def mosaic_defaults(m: int, shape: tuple[int, int], block_shape: tuple[int, int]
 
 
 
-# Where the Mosaic GPU sampled xᵀdY kernel replaces the Triton one (`benchmarks/gpu_block_sparse.py
-# --dw-sweep`, H100, M = 8192, d = 0.25): 16-bit inputs only for 64 x 64 blocks (0.203 ms against
-# Triton's 0.225; at 128 x 128 Triton's 0.106 ms beat the Mosaic 0.177), float32 (TF32) for every
-# block the kernel takes (Triton's float32 SDD ran 1.9-2.9x the dense TF32 product). Smallest M
-# per input itemsize.
+# Where the Mosaic GPU sampled xᵀdY kernel replaces the Triton one. Float32 (TF32): for every block the
+# kernel takes, from 256 rows (Triton's float32 SDD ran 1.9-2.9x the dense TF32 product; `gpu_block_sparse.py
+# --dw-sweep`, H100, M = 8192). 16-bit inputs, from 1024 rows, by `gpu_product_routes.py --variants` on an H100
+# (bf16, K or N = 4096, d = 0.25 / 0.5, dW time over the dense xᵀdY; benchmarks/results/
+# gpu_dw_kernels_2026-11-24_h100.md), Mosaic against Triton:
+# * 64 x 64 blocks: Mosaic where the weight is long (N >= 4 K or K >= 4 N: M = 1024-8192, 0.58-0.64 against
+#   0.64-0.78 at d = 0.25, 1.07-1.17 against 1.24-1.52 at d = 0.5), else from 8192 rows (N = K: 0.65 against 0.65,
+#   N = 2 K: 0.61 against 0.70), and from 4096 rows at d >= 0.4 or N >= 2 K (N = K, d = 0.5: 1.13 against 1.28;
+#   N = 2 K, d = 0.25: 0.60 against 0.64). Triton below: N = K, d = 0.25, M = 1024 / 2048 / 4096: 0.54 / 0.55 /
+#   0.59 against 0.87 / 0.75 / 0.68. Items by block row below 2048 rows (N = 4 K, M = 1024: 0.64 against 0.70
+#   by column), else as `MosaicSddConfig.order="auto"` says.
+# * 128 x 128 blocks: Mosaic where there are many kept blocks (two per item, 132 thread blocks): from 1024
+#   kept blocks at any M >= 1024 (N = 4 K: 0.28-0.40 against 0.38-0.55 at d = 0.25, 0.53-0.71 against 0.74-1.04
+#   at d = 0.5; K = 4 N, N = 2 K: 0.33-0.79 against 0.37-0.71, equal or better from 2048 rows), from 512 at
+#   8192 rows (N = K, d = 0.5: 0.56 against 0.62; N = 2 K, d = 0.25: 0.30 against 0.35). Triton with fewer:
+#   N = K, d = 0.25 (256 blocks), M = 1024-8192: 0.31-0.37 against 0.53-0.86.
 _MOSAIC_DW_MIN_M = {2: 1024, 4: 256}
 MOSAIC_DW_TUNED_16BIT: dict = (
     {} if mosaic_sdd is None else {(64, 64): mosaic_sdd.MosaicSddConfig(group=2, tile_m=64, num_stages=4)}
 )
+MOSAIC_DW_64_LONG_RATIO = 4  # max(K, N) / min(K, N) from which 64-blocks always take the Mosaic kernel
+MOSAIC_DW_64_MIN_M = 8192  # ... else from this M,
+MOSAIC_DW_64_MIN_M_DENSE_OR_WIDE = 4096  # ... or this one at d >= MOSAIC_DW_64_DENSITY or N >= 2 K,
+MOSAIC_DW_64_DENSITY = 0.4
+MOSAIC_DW_64_ROWS_ORDER_BELOW_M = 2048  # items by block row below this M.
+MOSAIC_DW_128_MIN_BLOCKS = ((1024, 1024), (8192, 512))  # (min M, min kept blocks) for 128-blocks
 
 
-def mosaic_dw_default(m: int, block_shape: tuple[int, int], dtype):
+def mosaic_dw_default(m: int, shape: tuple[int, int], block_shape: tuple[int, int], nnz_blocks: int, dtype):
   """The Mosaic GPU ``dw`` config, or ``None`` where the Triton SDD kernel is used."""
   itemsize = jnp.dtype(dtype).itemsize
   if mosaic_unavailable_reason() or m < _MOSAIC_DW_MIN_M.get(itemsize, m + 1):
     return None
-  bk, bn = block_shape
-  if itemsize == 2:
-    return MOSAIC_DW_TUNED_16BIT.get((bk, bn))
-  if bk in mosaic_sdd.SUPPORTED_BK and bn in mosaic_sdd.SUPPORTED_BN[itemsize]:
+  (k, n), (bk, bn) = shape, block_shape
+  if itemsize == 4:
+    if bk in mosaic_sdd.SUPPORTED_BK and bn in mosaic_sdd.SUPPORTED_BN[itemsize]:
+      return mosaic_sdd.MosaicSddConfig.get_default(block_shape, dtype)
+    return None
+  if (bk, bn) == (64, 64):
+    long = max(k, n) >= MOSAIC_DW_64_LONG_RATIO * min(k, n)
+    dense_or_wide = _density(shape, block_shape, nnz_blocks) >= MOSAIC_DW_64_DENSITY or n >= 2 * k
+    if not (long or m >= MOSAIC_DW_64_MIN_M or (dense_or_wide and m >= MOSAIC_DW_64_MIN_M_DENSE_OR_WIDE)):
+      return None
+    cfg = MOSAIC_DW_TUNED_16BIT[(64, 64)]
+    return dataclasses.replace(cfg, order="rows") if m < MOSAIC_DW_64_ROWS_ORDER_BELOW_M else cfg
+  if (bk, bn) == (128, 128) and any(m >= lo and nnz_blocks >= nb for lo, nb in MOSAIC_DW_128_MIN_BLOCKS):
     return mosaic_sdd.MosaicSddConfig.get_default(block_shape, dtype)
   return None
 
@@ -391,10 +417,12 @@ DW_DENSE_MIN_DENSITY = 0.1
 # / 1.02 (N = 4096, K = 4096 or 16384), 0.85 / 1.02 (N = 16384); Triton's float32 kernel 2.6 / 1.02-1.06.
 # At d = 0.25 the kernels win everywhere (0.52-0.67 / 1.02-1.05). 0.4 itself was not measured.
 DW_DENSE_ABOVE_DENSITY = {64: 0.4}
-# ... from this many rows for 16-bit inputs: the route writes a K x N float32 product whatever M is, and
-# at mid-size M the backward of 64-blocks at d = 0.5 on it ran 1.38-1.68x the dense backward (M = 256-768,
-# K = N = 4096, H100, `gpu_block_sparse.py --table --ms`; the per-block dW at M = 128: 0.83 for dX + dW).
-DW_DENSE_ABOVE_DENSITY_MIN_M = 1024
+# ... from this many rows for 16-bit inputs: the route writes a K x N float32 product whatever M is. 64 x 64
+# blocks at d = 0.5, dW over the dense xᵀdY, route / best per-block kernel (`gpu_product_routes.py --variants`,
+# H100, K or N = 4096; benchmarks/results/gpu_dw_kernels_2026-11-24_h100.md): M = 1024: 1.52-1.56 / 1.10-1.14;
+# 2048: 1.24-1.29 / 1.13-1.19; 4096: 1.13-1.15 / 1.07-1.13; 8192: 1.04-1.08 / 1.02-1.17 (route faster for
+# K = 4 N: 1.07 / 1.17, N = 4 K: 1.07 / 1.10). At M = 256-768 the route ran 1.38-1.68x the dense backward.
+DW_DENSE_ABOVE_DENSITY_MIN_M = 8192
 
 # Forward and dX on long contractions (K for the forward, N for dX; both are the same "dense x sparse"
 # kernel): the per-block kernels read a row slab of x / dY as long as the contraction once per kept
