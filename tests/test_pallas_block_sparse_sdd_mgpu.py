@@ -189,9 +189,10 @@ def _check_sampled_dw(m, k, n, block_shape, pattern, dtype, group, order="auto")
 @pytest.mark.gpu
 @needs_hopper
 def test_gpu_backward_dispatches_dw_to_mosaic(monkeypatch):
-  x, dy, w = _problem(1024, 512, 512, (64, 64), "random", jnp.bfloat16, seed=3)
+  # A long weight (N = 4 K): 64-blocks take the Mosaic dW from 1024 rows, items by block row below 2048.
+  x, dy, w = _problem(1024, 256, 1024, (64, 64), "random", jnp.bfloat16, seed=3)
   cfg = BlockSparseMatmulConfig.get_default(1024, w.shape, w.block_shape, w.nnz_blocks, w.dtype)
-  assert cfg.mosaic_dw is not None
+  assert cfg.mosaic_dw is not None and cfg.mosaic_dw.order == "rows"
   calls, real = [], sdd.sampled_dw
   monkeypatch.setattr(sdd, "sampled_dw", lambda *a, **k: calls.append(k) or real(*a, **k))
   _, ddata = kernels.backward(x, dy, w, config=cfg)
