@@ -49,6 +49,7 @@ from jaxsparse.pallas import BlockSparseMatmulConfig
 from jaxsparse.pallas import KernelConfig
 from jaxsparse.pallas import _block_sparse_matmul as kernels
 from jaxsparse.pallas import _block_sparse_matmul_mgpu as mosaic
+from jaxsparse.pallas._block_sparse_config import mosaic_available
 
 warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
 
@@ -431,8 +432,8 @@ def decode_sweep(iterations: int) -> list[str]:
 
 
 def mid_sweep(iterations: int, ms=(256, 512)) -> list[str]:
-  """Forward and backward at mid-size M (K = N = 4096): Triton row tiles without a split, and the Mosaic
-  kernel with 128 / 256-row tiles, against the default config."""
+  """Forward and backward at mid-size M (K = N = 4096, blocks of ``--blocks``, d = 0.25 and 0.5): Triton row
+  tiles without a split, and the Mosaic kernel with 128 / 256-row tiles, against the default config."""
   lines = []
 
   def note(line):
@@ -445,7 +446,7 @@ def mid_sweep(iterations: int, ms=(256, 512)) -> list[str]:
     wd = jax.random.normal(jax.random.key(1), (k, n), jnp.float32).astype(jnp.bfloat16)
     dense = {s: time_ms(dense_fns()[s], x, dy, wd, iterations=iterations) for s in ("fwd", "bwd")}
     note(f"mid {m}x{k}x{n}: dense fwd {dense['fwd']:.4f} ms bwd {dense['bwd']:.4f} ms")
-    for b, d in ((64, 0.25), (64, 0.5), (128, 0.25), (128, 0.5), (32, 0.25)):
+    for b, d in itertools.product(BLOCKS, (0.25, 0.5)):
       x, dy, w, _ = problem(m, k, n, b, d, seed=b)
       y_ref = jnp.dot(x.astype(jnp.float32), w.to_dense().astype(jnp.float32))
       default = BlockSparseMatmulConfig.get_default(m, w.shape, w.block_shape, w.nnz_blocks, w.dtype)
@@ -454,9 +455,9 @@ def mid_sweep(iterations: int, ms=(256, 512)) -> list[str]:
       for bm in (32, 64, 128):
         tri = KernelConfig(bm, num_warps=4 if bm * b < 128 * 128 else 8, num_stages=3)
         variants[f"triton bm{bm}"] = dataclasses.replace(default, forward=tri, dx=tri, **plain)
-      if b >= 64:
+      if mosaic_available():
         for tm, ctas in ((128, None), (256, None), (128, 0)):
-          mc = mosaic.MosaicKernelConfig(tile_m=tm, num_ctas=ctas, group_m=2)
+          mc = mosaic.MosaicKernelConfig(tile_m=tm, tile_k=min(64, b), num_ctas=ctas, group_m=2)
           variants[f"mosaic tm{tm} ctas{ctas}"] = dataclasses.replace(default, mosaic_forward=mc, mosaic_dx=mc)
       for name, cfg in variants.items():
         try:

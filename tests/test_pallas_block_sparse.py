@@ -408,6 +408,13 @@ def test_mosaic_defaults_only_where_they_measured_faster(monkeypatch):
   assert get(768, (4096, 4096), (64, 64), 1024, jnp.bfloat16).mosaic_forward is None  # Triton up to 1024
   assert get(1024, (4096, 4096), (64, 64), 1024, jnp.bfloat16).mosaic_forward is not None
   assert get(256, (4096, 4096), (128, 128), 256, jnp.bfloat16).mosaic_forward is None
+  # ... and blocks of 32 at 128-256 rows (not from 512).
+  assert get(128, (4096, 4096), (32, 32), 4096, jnp.bfloat16).mosaic_forward.tile_m == 128
+  cfg = get(256, (4096, 4096), (32, 32), 4096, jnp.bfloat16)
+  assert (cfg.mosaic_forward.tile_m, cfg.mosaic_forward.tile_k, cfg.mosaic_dx.tile_m) == (256, 32, 256)
+  assert get(512, (4096, 4096), (32, 32), 4096, jnp.bfloat16).mosaic_forward is None
+  assert get(192, (4096, 4096), (32, 32), 4096, jnp.bfloat16).mosaic_forward is None  # a padded row tile
+  assert get(256, (4096, 4096), (32, 64), 2048, jnp.bfloat16).mosaic_forward is None  # square blocks only
   cfg = get(512, (4096, 16384), (128, 128), 1024, jnp.bfloat16)
   assert (cfg.mosaic_forward.tile_m, cfg.mosaic_dx.tile_m) == (256, 128)  # 128 / 32 output block columns
   # dW (16-bit): 64-blocks on Mosaic for long weights, from 8192 rows, or from 4096 at d >= 0.4 or N >= 2 K;
@@ -583,6 +590,8 @@ MOSAIC_GPU_CASES = [
     (300, 256, 384, (128, 128), "random", jnp.bfloat16, jnp.float32, "plain"),
     (512, 256, 512, (64, 128), "random", jnp.bfloat16, None, "persistent"),
     (512, 512, 256, (128, 64), "random", jnp.bfloat16, None, "plain"),
+    (200, 256, 384, (32, 32), "random", jnp.bfloat16, None, "persistent"),
+    (256, 256, 384, (32, 32), "random", jnp.float16, None, "plain"),
 ]
 
 
@@ -591,7 +600,10 @@ MOSAIC_GPU_CASES = [
 @pytest.mark.parametrize(("m", "k", "n", "block_shape", "pattern", "dtype", "out_dtype", "grid"), MOSAIC_GPU_CASES)
 def test_gpu_mosaic_matches_dense(m, k, n, block_shape, pattern, dtype, out_dtype, grid):
   x, dy, w = _problem(m, k, n, block_shape, pattern, dtype, seed=m + n)
-  cfg = mosaic.MosaicKernelConfig(num_ctas=None if grid == "persistent" else 0, tile_m=256 if m > 300 else 128)
+  tile_k = min(64, *block_shape)
+  cfg = mosaic.MosaicKernelConfig(
+      num_ctas=None if grid == "persistent" else 0, tile_m=256 if m > 300 else 128, tile_k=tile_k
+  )
   y = jax.jit(lambda a, w: mosaic.dense_sparse_matmul(a, w, out_dtype=out_dtype, config=cfg))(x, w)
   dx = jax.jit(lambda a, w: mosaic.dense_sparse_matmul(a, w, transpose=True, out_dtype=out_dtype, config=cfg))(dy, w)
   assert y.dtype == (out_dtype or dtype) and dx.dtype == (out_dtype or dtype)
@@ -603,9 +615,10 @@ def test_gpu_mosaic_matches_dense(m, k, n, block_shape, pattern, dtype, out_dtyp
 
 @pytest.mark.gpu
 @needs_hopper
-def test_gpu_default_config_runs_mosaic_at_large_m(monkeypatch):
-  x, dy, w = _problem(1024, 512, 512, (128, 128), "random", jnp.bfloat16, seed=12)
-  cfg = BlockSparseMatmulConfig.get_default(1024, w.shape, w.block_shape, w.nnz_blocks, w.dtype)
+@pytest.mark.parametrize(("m", "b"), [(1024, 128), (256, 32)])  # large M; the mid-size band of 32-blocks
+def test_gpu_default_config_runs_mosaic(monkeypatch, m, b):
+  x, dy, w = _problem(m, 512, 512, (b, b), "random", jnp.bfloat16, seed=12)
+  cfg = BlockSparseMatmulConfig.get_default(m, w.shape, w.block_shape, w.nnz_blocks, w.dtype)
   assert cfg.mosaic_forward is not None and cfg.mosaic_dx is not None
   calls = _spy_on_mosaic(monkeypatch)
   _check_all(x, dy, w, jnp.bfloat16, interpret=False)

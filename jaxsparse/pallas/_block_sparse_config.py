@@ -281,7 +281,8 @@ TUNED_CONFIGS: dict[int, tuple[KernelConfig, KernelConfig, KernelConfig]] = {
 # the forward's group_m from `gpu_product_routes.py --variants` (2026-11-23): 2 row tiles per group
 # took 0.94-0.95 against 0.98-1.00 for 4 at d = 0.5 (64-blocks, N = 4096-16384), 0.40 against 0.43
 # (128-blocks, K = 16384), and no more elsewhere.
-# Below that m, or for block 32, the Triton kernels measured as fast or faster.
+# Below that m (outside the mid-size bands below), or for blocks of 32 from it, the Triton kernels measured as
+# fast or faster.
 _MOSAIC_MIN_M = 1024
 # Mid-size M (16-bit): from 128 rows for blocks whose smaller side is 64, from 512 for blocks of 128
 # (`gpu_block_sparse.py --mid-sweep`, H100, K = N = 4096, forward / backward over dense, against the
@@ -295,8 +296,14 @@ _MOSAIC_MIN_M = 1024
 # Blocks of 64 between 512 and 1024 rows keep Triton's 128-row tiles: M = 768, d = 0.25 / 0.5: 0.65 /
 # 1.08 forward against the Mosaic kernel's 0.73 / 1.25 (192 output tiles of 256 rows: 1.45 waves). At
 # M = 512 the Mosaic kernel won (0.64 / 0.94 against 0.67 / 1.11), at 384 Triton by 5% (0.56 / 0.93
-# against 0.59 / 0.99; kept on Mosaic, one band). (min rows, max rows or None) per smaller block side:
-MOSAIC_16BIT_ROWS = {64: ((128, 512), (_MOSAIC_MIN_M, None)), 128: ((512, None),)}
+# against 0.59 / 0.99; kept on Mosaic, one band). Blocks of 32 at 128-256 rows (session 10, same sweep with
+# `--blocks 32`; benchmarks/results/gpu_dw_kernels_2026-11-24_h100.md): d = 0.25, M = 128 / 256: forward 0.75 / 0.77,
+# backward 0.78 / 1.31 against Triton's best 0.99 / 1.08 and 0.82 / 1.41 (d = 0.5: 1.07 / 1.22 forward against
+# 1.47 / 1.66); at M = 512 128-row tiles lost (1.58 against 1.23), and from 1024 rows Triton equals it. Only
+# square 32 x 32 blocks (a 32 x 64 float16 product failed Mosaic's layout inference) and M a multiple of 128
+# (M = 192, one 128-row tile half padding: 1.36 fwd+bwd against Triton's 1.27).
+# (min rows, max rows or None) per smaller block side:
+MOSAIC_16BIT_ROWS = {32: ((128, 256),), 64: ((128, 512), (_MOSAIC_MIN_M, None)), 128: ((512, None),)}
 MOSAIC_MID_TILES = 128
 MOSAIC_TUNED_CONFIGS: dict = (
     {}
@@ -309,15 +316,18 @@ MOSAIC_TUNED_CONFIGS: dict = (
 
 
 # Where the Mosaic GPU forward / dX kernels replace the Triton ones, per input itemsize: the smallest
-# M and the smallest block dim. Float32 runs on TF32 wgmma there (Triton's float32 tiles measured
-# 2.6x dense at block 128, M = 8192; see benchmarks/results/gpu_block_sparse_2026-11-23_h100.md).
-MOSAIC_MIN_M_AND_BLOCK = {2: (_MOSAIC_MIN_M, 64), 4: (256, 32)}
+# M and the smallest block dim (16-bit: within the bands of MOSAIC_16BIT_ROWS). Float32 runs on TF32 wgmma
+# there (Triton's float32 tiles measured 2.6x dense at block 128, M = 8192; see
+# benchmarks/results/gpu_block_sparse_2026-11-23_h100.md).
+MOSAIC_MIN_M_AND_BLOCK = {2: (128, 32), 4: (256, 32)}
 
 
 def _mosaic_rows(m: int, block_shape: tuple[int, int], itemsize: int) -> bool:
   """Whether the Mosaic GPU forward / dx kernels take ``m`` rows of these blocks."""
   min_m, min_block = MOSAIC_MIN_M_AND_BLOCK.get(itemsize, (None, None))
   if min_m is None or min(block_shape) < min_block:
+    return False
+  if itemsize == 2 and min(block_shape) == 32 and (block_shape != (32, 32) or m % 128):
     return False
   bands = MOSAIC_16BIT_ROWS.get(min(block_shape), ((min_m, None),)) if itemsize == 2 else ((min_m, None),)
   return any(lo <= m and (hi is None or m <= hi) for lo, hi in bands)
