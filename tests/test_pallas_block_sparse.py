@@ -373,6 +373,17 @@ def test_mosaic_support_and_config_errors():
   _, _, w16 = _problem(16, 128, 128, (16, 16), "random", jnp.bfloat16)
   assert "block_shape" in mosaic.unsupported_reason(x, w16)
   assert "features" in mosaic.unsupported_reason(x[:, :64], w)
+  # 16-bit forward B tiles 32 on one side only fail Mosaic's layout inference (measured on an H100):
+  # tile_k x bn = 32 x 64 (blocks 32 x 64) or 64 x 32 (blocks 64 x 32 with tile_k=64); dX takes them all.
+  cfg = lambda tile_k: mosaic.MosaicKernelConfig(tile_k=tile_k)
+  cases = [((32, 64), 32, False), ((64, 32), 64, False), ((64, 32), 32, True), ((32, 32), 32, True)]
+  for (bk, bn), tile_k, ok in cases:
+    xr, dyr, wr = _problem(16, 128, 128, (bk, bn), "random", jnp.bfloat16)
+    assert (mosaic.unsupported_reason(xr, wr, None, cfg(tile_k)) is None) is ok, (bk, bn, tile_k)
+    assert mosaic.unsupported_reason(dyr, wr, None, cfg(min(tile_k, bn)), transpose=True) is None
+  default = mosaic.MosaicBlockSparseMatmulConfig.get_default(1024, (64, 32), jnp.bfloat16)
+  assert (default.forward.tile_k, default.dx.tile_k) == (32, 32)
+  assert mosaic.MosaicBlockSparseMatmulConfig.get_default(1024, (128, 64), jnp.bfloat16).forward.tile_k == 64
   with pytest.raises(ValueError, match="tile_m=96"):
     mosaic.MosaicKernelConfig(tile_m=96)
   with pytest.raises(ValueError, match="tile_k=128"):
@@ -592,6 +603,7 @@ MOSAIC_GPU_CASES = [
     (512, 512, 256, (128, 64), "random", jnp.bfloat16, None, "plain"),
     (200, 256, 384, (32, 32), "random", jnp.bfloat16, None, "persistent"),
     (256, 256, 384, (32, 32), "random", jnp.float16, None, "plain"),
+    (512, 256, 256, (64, 32), "random", jnp.bfloat16, None, "persistent"),
 ]
 
 
