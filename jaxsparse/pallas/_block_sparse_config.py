@@ -300,7 +300,8 @@ _MOSAIC_MIN_M = 1024
 # `--blocks 32`; benchmarks/results/gpu_dw_kernels_2026-11-24_h100.md): d = 0.25, M = 128 / 256: forward 0.75 / 0.77,
 # backward 0.78 / 1.31 against Triton's best 0.99 / 1.08 and 0.82 / 1.41 (d = 0.5: 1.07 / 1.22 forward against
 # 1.47 / 1.66); at M = 512 128-row tiles lost (1.58 against 1.23), and from 1024 rows Triton equals it. Only
-# square 32 x 32 blocks (a 32 x 64 float16 product failed Mosaic's layout inference) and M a multiple of 128
+# square 32 x 32 blocks (the 16-bit forward of 32 x 64 blocks fails Mosaic's layout inference; see
+# `_block_sparse_matmul_mgpu.unsupported_reason`) and M a multiple of 128
 # (M = 192, one 128-row tile half padding: 1.36 fwd+bwd against Triton's 1.27).
 # (min rows, max rows or None) per smaller block side:
 MOSAIC_16BIT_ROWS = {32: ((128, 256),), 64: ((128, 512), (_MOSAIC_MIN_M, None)), 128: ((512, None),)}
