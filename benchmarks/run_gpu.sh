@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs the GPU tests (block-sparse and N:M kernels) and the block-sparse GPU benchmark on a CUDA machine
+# Runs the GPU tests (block-sparse, N:M, cuSPARSELt and CUDA kernels) and the block-sparse GPU benchmark on a CUDA machine
 # (the device tool's H100 or H200: `run` with command `bash benchmarks/run_gpu.sh`). Logs go to $OUT (or
 # ./gpu_logs), the benchmark table to $OUT/gpu_block_sparse.md.
 #
@@ -27,7 +27,7 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
   if "$py" -c 'import xdist' 2>/dev/null; then workers=(-n "${PYTEST_WORKERS:-4}"); fi
   timeout "${TEST_TIMEOUT:-3600}" "$py" -m pytest -q -m gpu -p no:cacheprovider -o addopts="" "${workers[@]}" \
     tests/test_pallas_block_sparse.py tests/test_pallas_block_sparse_sdd_mgpu.py tests/test_pallas_nm.py \
-    tests/test_cusparselt.py 2>&1 | tee "$out/gpu_tests.log"
+    tests/test_cusparselt.py tests/test_cuda_kernels.py 2>&1 | tee "$out/gpu_tests.log"
   status=${PIPESTATUS[0]}
 fi
 if [ "$what" = all ]; then
