@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Runs the GPU tests (block-sparse, N:M, cuSPARSELt and CUDA kernels) and the block-sparse GPU benchmark on a CUDA machine
-# (the device tool's H100 or H200: `run` with command `bash benchmarks/run_gpu.sh`). Logs go to $OUT (or
+# Runs the GPU tests (block-sparse, N:M, cuSPARSELt and CUDA kernels) and the block-sparse GPU benchmark on a
+# CUDA machine (the device tool's H100 or H200: `run` with command `bash benchmarks/run_gpu.sh`). Logs go to $OUT (or
 # ./gpu_logs), the benchmark table to $OUT/gpu_block_sparse.md.
 #
 #   bash benchmarks/run_gpu.sh            # tests, then the table (default configs) + torch BSR
