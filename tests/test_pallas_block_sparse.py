@@ -352,6 +352,20 @@ def test_mosaic_interpret_forward_through_dispatch(monkeypatch):
   _assert_close(y, y_ref, jnp.float32, "y", rtol=1e-5)
 
 
+def test_mosaic_interpret_default_config_of_32_blocks(monkeypatch):
+  # The default config of 16-bit 32 x 32 blocks at M = 128 (as on a Hopper GPU) runs the forward on the Mosaic
+  # kernel with 32-deep steps; interpret mode on the CPU.
+  monkeypatch.setattr(kernel_config, "_mosaic_probe", lambda: None)
+  x, dy, w = _problem(128, 128, 192, (32, 32), "random", jnp.bfloat16, seed=9)
+  cfg = BlockSparseMatmulConfig.get_default(128, w.shape, w.block_shape, w.nnz_blocks, w.dtype)
+  assert (cfg.mosaic_forward.tile_m, cfg.mosaic_forward.tile_k) == (128, 32)
+  calls = _spy_on_mosaic(monkeypatch)
+  y = kernels.forward(x, w, config=cfg, interpret=True)
+  assert [c.get("transpose", False) for c in calls] == [False]
+  y_ref, _, _ = _dense_reference(x, dy, w)
+  _assert_close(y, y_ref, jnp.bfloat16, "y")
+
+
 @needs_transposed_wgmma_interpreter
 def test_mosaic_interpret_dx_through_dispatch(monkeypatch):
   x, dy, w = _problem(200, 128, 192, (64, 32), "random", jnp.bfloat16, seed=8)
