@@ -341,11 +341,13 @@ def _spy_on_mosaic(monkeypatch) -> list:
 
 
 def test_mosaic_interpret_forward_through_dispatch(monkeypatch):
-  # Two thread blocks over 3 row tiles x 4 columns (one of them empty), 2 steps per 64-wide block,
+  # Two thread blocks over 3 row tiles x 4 columns (one of them empty), 2 steps per 128-deep block,
   # M = 300 padded to the row tile, and a float32 output of bfloat16 inputs (not rounded to bf16).
-  x, dy, w = _problem(300, 128, 256, (64, 64), "random", jnp.bfloat16, seed=6)
+  # (B tiles of 64 x 64: 16-bit B tiles 32 on one side only are unsupported, see the next test.)
+  x, dy, w = _problem(300, 256, 256, (128, 64), "random", jnp.bfloat16, seed=6)
   calls = _spy_on_mosaic(monkeypatch)
-  y = kernels.forward(x, w, out_dtype=jnp.float32, config=_mosaic_config(num_ctas=2), interpret=True)
+  cfg = _mosaic_config(num_ctas=2, tile_k=64)
+  y = kernels.forward(x, w, out_dtype=jnp.float32, config=cfg, interpret=True)
   assert [c.get("transpose", False) for c in calls] == [False]
   y_ref, _, _ = _dense_reference(x, dy, w)
   assert y.dtype == jnp.float32
