@@ -131,6 +131,26 @@ def test_dense_then_gather_dw_matches_dense():
   _assert_close(ddata, ddata_ref, jnp.float32, "dW", 1e-5)
 
 
+@pytest.mark.parametrize(("x_dtype", "w_dtype", "product"), [("bfloat16",) * 3, ("float32", "bfloat16", "float32")])
+def test_dense_then_gather_dw_product_in_the_weight_dtype(x_dtype, w_dtype, product):
+  # 16-bit operands: the dense xᵀdY is written in 16 bits (no K x N float32 array: half the bytes), and
+  # rounds as the float32 product cast afterwards; wider operands keep a float32 product.
+  x, dy, w = _problem(48, 4 * 32, 3 * 32, (32, 32), "random", jnp.dtype(x_dtype), seed=3)
+  w = w.with_data(w.data.astype(w_dtype))
+  route = jax.jit(lambda x, dy: kernel_config.dw_dense_then_gather(x, dy, w, precision=None))
+  hlo = route.lower(x, dy).as_text()
+  dots = [line for line in hlo.splitlines() if "dot_general" in line]
+  assert len(dots) == 1 and f"tensor<128x96x{jnp.dtype(product).name.replace('float', 'f')}>" in dots[0], dots
+  ddata = route(x, dy)
+  assert ddata.dtype == jnp.dtype(w_dtype)
+  _, _, ddata_ref = _dense_reference(x, dy, w)
+  _assert_close(ddata, ddata_ref, getattr(jnp, w_dtype), "dW")
+  # The same values as the float32 product gathered and cast.
+  full = jax.lax.dot_general(x, dy, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+  blocks = full.reshape(4, 32, 3, 32)[w.row_indices, :, w.col_indices, :].astype(w_dtype)
+  np.testing.assert_array_equal(np.asarray(ddata), np.asarray(blocks))
+
+
 GPU_CASES = [
     (m, b, pattern, dtype, group)
     for m in (1024, 300)

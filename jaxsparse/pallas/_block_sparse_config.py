@@ -428,11 +428,14 @@ DW_DENSE_MIN_DENSITY = 0.1
 # / 1.02 (N = 4096, K = 4096 or 16384), 0.85 / 1.02 (N = 16384); Triton's float32 kernel 2.6 / 1.02-1.06.
 # At d = 0.25 the kernels win everywhere (0.52-0.67 / 1.02-1.05). 0.4 itself was not measured.
 DW_DENSE_ABOVE_DENSITY = {64: 0.4}
-# ... from this many rows for 16-bit inputs: the route writes a K x N float32 product whatever M is. 64 x 64
+# ... from this many rows for 16-bit inputs: the route writes a K x N product whatever M is. 64 x 64
 # blocks at d = 0.5, dW over the dense xᵀdY, route / best per-block kernel (`gpu_product_routes.py --variants`,
 # H100, K or N = 4096; benchmarks/results/gpu_dw_kernels_2026-11-24_h100.md): M = 1024: 1.52-1.56 / 1.10-1.14;
 # 2048: 1.24-1.29 / 1.13-1.19; 4096: 1.13-1.15 / 1.07-1.13; 8192: 1.04-1.08 / 1.02-1.17 (route faster for
 # K = 4 N: 1.07 / 1.17, N = 4 K: 1.07 / 1.10). At M = 256-768 the route ran 1.38-1.68x the dense backward.
+# (These were measured with a float32 K x N product; since 2026-11-25 a 16-bit route writes its product in
+# 16 bits (`dense_product_dtype`), half the bytes, so the route should lose by less at small M. Not yet
+# re-measured: `gpu_product_routes.py --m 256,1024,2048 --variants` is the run that would move this rule.)
 DW_DENSE_ABOVE_DENSITY_MIN_M = 8192
 
 # Forward and dX on long contractions (K for the forward, N for dX; both are the same "dense x sparse"
@@ -488,11 +491,23 @@ def dense_weight(w: BlockSparseMatrix, dtype) -> jax.Array:
   return data[slot].transpose(0, 2, 1, 3).reshape(w.shape)
 
 
+def dense_product_dtype(operand_dtype, out_dtype) -> jnp.dtype:
+  """The result dtype of a dense-route product whose result is cast to ``out_dtype``.
+
+  ``out_dtype`` itself where the operands have it: XLA's GPU products accumulate in float32 and round
+  once in their epilogue, as a float32 result cast afterwards would, but write half the bytes (at
+  M = 256, K = N = 4096 the ``K x N`` float32 result of the dense ``dW`` is twice the bytes of its
+  16-bit inputs and output together). Float32 where the operands are wider than ``out_dtype``.
+  """
+  return jnp.dtype(out_dtype) if jnp.dtype(operand_dtype) == jnp.dtype(out_dtype) else jnp.dtype(jnp.float32)
+
+
 def dw_dense_then_gather(x2, dy2, w, *, precision):
   """``dW`` as the dense ``x2ᵀ dy2`` with the kept blocks gathered: faster than per-block products
   where blocks are small and many."""
   (bk, bn), (kb, nb) = w.block_shape, w.grid_shape
-  full = lax.dot_general(x2, dy2, (((0,), (0,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
+  acc = dense_product_dtype(jnp.result_type(x2, dy2), w.dtype)
+  full = lax.dot_general(x2, dy2, (((0,), (0,)), ((), ())), precision=precision, preferred_element_type=acc)
   return full.reshape(kb, bk, nb, bn)[w.row_indices, :, w.col_indices, :].astype(w.dtype)
 
 

@@ -52,6 +52,7 @@ from jax.experimental.pallas import triton as pltriton
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
 from jaxsparse.pallas._block_sparse_config import BlockSparseMatmulConfig
 from jaxsparse.pallas._block_sparse_config import KernelConfig
+from jaxsparse.pallas._block_sparse_config import dense_product_dtype
 from jaxsparse.pallas._block_sparse_config import dense_weight
 from jaxsparse.pallas._block_sparse_config import dw_dense_then_gather
 from jaxsparse.pallas._block_sparse_config import mosaic_available
@@ -511,7 +512,8 @@ def backward(
   mosaic_dx = _use_mosaic(cfg.mosaic_dx, dy2, w, x2.dtype, transpose=True, interpret=interpret, precision=precision)
   if need_dx and dense_dx:
     wd = dense_weight(w, compute_dtype)
-    dx = jnp.matmul(dy2.astype(compute_dtype), wd.T, precision=precision, preferred_element_type=jnp.float32)
+    acc = dense_product_dtype(compute_dtype, x2.dtype)
+    dx = jnp.matmul(dy2.astype(compute_dtype), wd.T, precision=precision, preferred_element_type=acc)
     dx = dx.astype(x2.dtype)
   elif need_dx and mosaic_dx:
     dx = mosaic.dense_sparse_matmul(
