@@ -11,11 +11,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import settings
+from hypothesis import strategies as st
 from jax import lax
 
 import jaxsparse
@@ -26,6 +30,7 @@ from jaxsparse.pallas import PallasFallbackWarning
 from jaxsparse.pallas import _block_sparse_config as kernel_config
 from jaxsparse.pallas import _block_sparse_matmul as kernels
 from jaxsparse.pallas import _block_sparse_matmul_mgpu as mosaic
+from jaxsparse.pallas import _block_sparse_sdd_mgpu as mosaic_sdd
 
 # Relative error ‖out - ref‖ / ‖ref‖ allowed per input dtype: float32 dots run in full float32 in
 # interpret mode and with precision=HIGHEST on the GPU; 16-bit inputs round the output once more.
@@ -411,6 +416,42 @@ def test_mosaic_support_and_config_errors():
   # A float32 output needs a larger epilogue buffer than 4 ring slots leave: the ring shrinks.
   cfg = mosaic.MosaicKernelConfig(num_stages=4)
   assert cfg.smem_bytes(128, 2, 4) > 227 * 1024 >= dataclasses.replace(cfg, num_stages=3).smem_bytes(128, 2, 4)
+
+
+@functools.cache
+def _tiny_weight(block_shape: tuple[int, int], dtype: str) -> jaxsparse.BlockSparseMatrix:
+  bk, bn = block_shape
+  return jaxsparse.BlockSparseMatrix.from_dense(jnp.ones((2 * bk, 2 * bn), dtype), block_shape)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    m=st.integers(1, 16384),
+    block_shape=st.tuples(st.sampled_from([32, 64, 128]), st.sampled_from([32, 64, 128])),
+    grid=st.tuples(st.integers(1, 512), st.integers(1, 512)),
+    density=st.floats(0.0, 1.0),
+    dtype=st.sampled_from(["bfloat16", "float16", "float32"]),
+    out_f32=st.booleans(),
+)
+def test_default_mosaic_configs_are_ones_the_kernels_run(m, block_shape, grid, density, dtype, out_f32):
+  # Whatever the default dispatch gives the Mosaic GPU kernels (as on a Hopper GPU), they accept: a default
+  # config they reject would raise on the GPU (forward / dX) or silently fall back to Triton (dW). The
+  # constraints depend on the block shape, dtypes and config only, so a tiny weight of that block shape stands
+  # in for the large one the rules see.
+  (bk, bn), (kb, nb) = block_shape, grid
+  nnz = max(1, round(density * kb * nb))
+  with mock.patch.object(kernel_config, "_mosaic_probe", lambda: None):
+    cfg = BlockSparseMatmulConfig.get_default(m, (kb * bk, nb * bn), block_shape, nnz, dtype)
+  w = _tiny_weight(block_shape, dtype)
+  out_dtype = "float32" if out_f32 else dtype
+  x = jax.ShapeDtypeStruct((m, w.shape[0]), jnp.dtype(dtype))
+  dy = jax.ShapeDtypeStruct((m, w.shape[1]), jnp.dtype(dtype))
+  for a, config, transpose in [(x, cfg.mosaic_forward, False), (dy, cfg.mosaic_dx, True)]:
+    if config is not None:
+      run = mosaic.resolve_config(a, w, out_dtype, config, transpose=transpose)
+      assert mosaic.unsupported_reason(a, w, out_dtype, run, transpose=transpose) is None, (run, transpose)
+  if cfg.mosaic_dw is not None:
+    assert mosaic_sdd.unsupported_reason(x, dy, w, cfg.mosaic_dw) is None, cfg.mosaic_dw
 
 
 def test_mosaic_defaults_only_where_they_measured_faster(monkeypatch):

@@ -54,6 +54,7 @@ __all__ = [
     "dense_sparse_matmul",
     "dx",
     "forward",
+    "resolve_config",
     "steps_of",
     "supports",
     "tile_of",
@@ -227,6 +228,25 @@ def unsupported_reason(a: jax.Array, w: BlockSparseMatrix, out_dtype=None, confi
 def supports(a, w, out_dtype=None, config=None, *, transpose=False) -> bool:
   """Whether :func:`dense_sparse_matmul` handles these operands (see :func:`unsupported_reason`)."""
   return unsupported_reason(a, w, out_dtype, config, transpose=transpose) is None
+
+
+def resolve_config(a, w, out_dtype=None, config=None, *, transpose=False) -> MosaicKernelConfig:
+  """The config :func:`dense_sparse_matmul` runs for these operands.
+
+  ``config`` (by default :meth:`MosaicBlockSparseMatmulConfig.get_default`) with ring slots given up,
+  down to 2, until the epilogue buffer of a wider output (float32 of 16-bit inputs) fits shared memory.
+  :func:`unsupported_reason` with the result says whether the kernel can run it.
+  """
+  out_dtype = jnp.dtype(out_dtype or a.dtype)
+  if not isinstance(w, BlockSparseMatrix):
+    return config or MosaicKernelConfig()
+  if config is None:
+    default = MosaicBlockSparseMatmulConfig.get_default(a.shape[0], w.block_shape, a.dtype, out_dtype)
+    config = default.dx if transpose else default.forward
+  ob = w.block_shape[0] if transpose else w.block_shape[1]
+  while config.num_stages > 2 and config.smem_bytes(ob, a.dtype.itemsize, out_dtype.itemsize) > _SMEM_BYTES:
+    config = dataclasses.replace(config, num_stages=config.num_stages - 1)
+  return config
 
 
 # -------------------------------------------------------------------------------------------------
@@ -408,14 +428,7 @@ def dense_sparse_matmul(
     ``(M, N)`` (or ``(M, K)`` with ``transpose``) array of ``out_dtype``.
   """
   out_dtype = jnp.dtype(out_dtype or a.dtype)
-  if config is None:
-    default = MosaicBlockSparseMatmulConfig.get_default(a.shape[0], w.block_shape, a.dtype, out_dtype)
-    config = default.dx if transpose else default.forward
-  if isinstance(w, BlockSparseMatrix):
-    # A float32 output needs a larger epilogue buffer: give up ring slots until it fits.
-    ob = w.block_shape[0] if transpose else w.block_shape[1]
-    while config.num_stages > 2 and config.smem_bytes(ob, a.dtype.itemsize, out_dtype.itemsize) > _SMEM_BYTES:
-      config = dataclasses.replace(config, num_stages=config.num_stages - 1)
+  config = resolve_config(a, w, out_dtype, config, transpose=transpose)
   reason = unsupported_reason(a, w, out_dtype, config, transpose=transpose)
   if reason is not None:
     raise ValueError(f"The Mosaic GPU block-sparse kernel does not support these operands: {reason}.")
