@@ -496,8 +496,8 @@ def dense_product_dtype(operand_dtype, out_dtype) -> jnp.dtype:
 
   ``out_dtype`` itself where the operands have it: XLA's GPU products accumulate in float32 and round
   once in their epilogue, as a float32 result cast afterwards would, but write half the bytes (at
-  M = 256, K = N = 4096 the ``K x N`` float32 result of the dense ``dW`` is twice the bytes of its
-  16-bit inputs and output together). Float32 where the operands are wider than ``out_dtype``.
+  M = 256, K = N = 4096 the ``K x N`` float32 result of the dense ``dW``, 64 MB, is 1.8x the bytes of
+  its 16-bit inputs and 16-bit output together). Float32 where the operands are wider than ``out_dtype``.
   """
   return jnp.dtype(out_dtype) if jnp.dtype(operand_dtype) == jnp.dtype(out_dtype) else jnp.dtype(jnp.float32)
 
