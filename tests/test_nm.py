@@ -141,6 +141,84 @@ def test_nm_mask_rejects_non_numeric():
 # -------------------------------------------------------------------------------------------------
 
 
+@functools.cache
+def _np_doubly_nm_tiles(n: int, m: int) -> np.ndarray:
+  """Brute force over all ``2^(m*m)`` 0/1 tiles: those with ``n`` per row and per column, ``(P, m, m)``."""
+  bits = (np.arange(1 << (m * m))[:, None] >> np.arange(m * m)) & 1
+  tiles = bits.astype(bool).reshape(-1, m, m)
+  return tiles[(tiles.sum(1) == n).all(1) & (tiles.sum(2) == n).all(1)]
+
+
+def _np_transposable_best(tile: np.ndarray, n: int) -> float:
+  """The largest kept ``sum |w|`` of a tile over every pattern with ``n`` per row and per column."""
+  return float((np.abs(tile)[None] * _np_doubly_nm_tiles(n, tile.shape[0])).sum((1, 2)).max())
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    nm=st.sampled_from([(2, 4), (1, 4), (3, 4), (1, 2)]),
+    tiles=st.tuples(st.integers(1, 3), st.integers(1, 3)),
+    axis=st.sampled_from([0, -2]),
+    seed=st.integers(0, 2**16),
+)
+def test_transposable_mask_is_nm_both_ways_and_keeps_the_most(nm, tiles, axis, seed):
+  (n, m), (rows, cols) = nm, tiles
+  lead = (2,) if axis == -2 else ()
+  w = _normal(seed, (*lead, rows * m, cols * m))
+  mask = np.asarray(nm_mask(w, n, m, axis=axis, transposable=True))
+  assert mask.shape == w.shape
+  t = mask.reshape(*lead, rows, m, cols, m)
+  assert (t.sum(-3) == n).all() and (t.sum(-1) == n).all()  # n per group along axis and along the last axis
+  a = np.abs(np.asarray(w, np.float64)).reshape(*lead, rows, m, cols, m)
+  for idx in np.ndindex(*lead, rows, cols):
+    *b, i, j = idx
+    kept = float(a[(*b, i, slice(None), j, slice(None))][t[(*b, i, slice(None), j, slice(None))]].sum())
+    best = _np_transposable_best(a[(*b, i, slice(None), j, slice(None))], n)
+    np.testing.assert_allclose(kept, best, rtol=1e-6)
+  # It is also a plain N:M mask along axis (what the compressed format and the forward's sparse cores need),
+  # and never keeps more magnitude than the unconstrained plain mask.
+  plain = np.asarray(nm_mask(w, n, m, axis=axis))
+  assert np.abs(np.asarray(w))[mask].sum() <= np.abs(np.asarray(w))[plain].sum() * (1 + 1e-6)
+
+
+def test_transposable_mask_ties_nan_dtypes_and_jit():
+  # Ties: a constant tile keeps the first pattern of the fixed order, whatever the dtype or jit.
+  first = np.asarray(nm_mask(jnp.ones((4, 4)), 2, 4, transposable=True))
+  for w in (jnp.ones((4, 4), jnp.bfloat16), 3 * jnp.ones((4, 4), jnp.int32)):
+    np.testing.assert_array_equal(np.asarray(nm_mask(w, 2, 4, transposable=True)), first)
+  jitted = jax.jit(lambda w: nm_mask(w, 2, 4, transposable=True))
+  np.testing.assert_array_equal(np.asarray(jitted(jnp.ones((4, 4)))), first)
+  # NaN counts as the largest magnitude; the tile still keeps exactly 2 per row and column.
+  w = np.array(_normal(3, (4, 8)))
+  w[1, 6] = np.nan
+  w[2, 0] = np.inf
+  mask = np.asarray(nm_mask(jnp.asarray(w), 2, 4, transposable=True))
+  assert mask[1, 6] and mask[2, 0]
+  assert (mask.reshape(4, 2, 4).sum(-1) == 2).all() and (mask.sum(0) == 2).all()
+  # vmap over a leading axis equals the mask of each slice.
+  ws = _normal(4, (3, 8, 8))
+  np.testing.assert_array_equal(
+      np.asarray(jax.vmap(lambda w: nm_mask(w, 2, 4, transposable=True))(ws)),
+      np.stack([np.asarray(nm_mask(w, 2, 4, transposable=True)) for w in ws]),
+  )
+
+
+@pytest.mark.parametrize(
+    ("shape", "kwargs", "error", "match"),
+    [
+        ((16, 10), {}, ValueError, "divide w.shape\\[-1\\]=10"),
+        ((16, 16), {"axis": 1}, ValueError, "second axis"),
+        ((16,), {}, ValueError, "second axis"),
+        ((16, 16), {"m": 8, "n": 4}, ValueError, "m <= 4"),
+        ((16, 16), {"transposable": 1}, TypeError, "transposable must be a bool"),
+    ],
+)
+def test_transposable_mask_bad_arguments(shape, kwargs, error, match):
+  args = {"n": 2, "m": 4, "transposable": True, **kwargs}
+  with pytest.raises(error, match=match):
+    nm_mask(jnp.ones(shape), args.pop("n"), args.pop("m"), **args)
+
+
 @st.composite
 def _format_problems(draw):
   n, m = draw(st.sampled_from([*NM_PAIRS, (8, 16), (2, 64)]))
@@ -257,6 +335,31 @@ def test_sr_ste_forward_and_gradient_formula(dtype, n, m, axis, shape, decay):
   assert_close(g, expected, dtype)
   # Kept entries see exactly the straight-through gradient.
   np.testing.assert_array_equal(np.asarray(g)[np.asarray(mask)], np.asarray(c)[np.asarray(mask)])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_sr_ste_transposable_forward_gradient_and_matmul(dtype):
+  w = _normal(5, (16, 12), dtype)
+  x = _normal(6, (2, 3, 16), dtype)
+  mask = nm_mask(w, 2, 4, transposable=True)
+  pruned = jnp.where(mask, w, jnp.zeros((), dtype))
+  np.testing.assert_array_equal(np.asarray(sr_ste(w, 2, 4, transposable=True)), np.asarray(pruned))
+  g = jax.grad(lambda w: jnp.sum(sr_ste(w, 2, 4, decay=0.1, transposable=True).astype(jnp.float32) ** 2))(w)
+  expect = (2 * pruned.astype(jnp.float32) + jnp.where(mask, 0.0, 0.1 * w.astype(jnp.float32))).astype(dtype)
+  assert_close(g, expect, dtype)
+  # sr_ste_matmul: the value and gradients of x @ sr_ste(w, transposable=True), on the dense product.
+  def ref(x, w):
+    return jnp.sum(jnp.matmul(x, sr_ste(w, 2, 4, transposable=True)).astype(jnp.float32) ** 2)
+
+  def fast(x, w):
+    return jnp.sum(jaxsparse.ops.sr_ste_matmul(x, w, 2, 4, transposable=True).astype(jnp.float32) ** 2)
+
+  for got, want in zip(jax.grad(fast, (0, 1))(x, w), jax.grad(ref, (0, 1))(x, w), strict=True):
+    assert_close(got, want, dtype)
+  with pytest.raises(RuntimeError, match="transposable=True has no sparse-core path"):
+    jaxsparse.ops.sr_ste_matmul(x, w, 2, 4, transposable=True, implementation="cusparselt")
+  with pytest.raises(ValueError, match=r"divide w\.shape"):
+    sr_ste(jnp.ones((16, 10)), 2, 4, transposable=True)
 
 
 def test_sr_ste_decay_zero_is_plain_ste_and_jit_vmap():

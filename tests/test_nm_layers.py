@@ -273,6 +273,42 @@ def test_linen_layers_train_inside_a_model():
   assert all(np.all(np.isfinite(np.asarray(g))) for g in jax.tree.leaves(grads))
 
 
+def test_transposable_layers_nnx_linen_and_conversions():
+  # The kernel is pruned with the transposable mask (N:M along the inputs and the outputs); value, SR-STE
+  # gradients, the Linen twin, and the dense / compressed conversions all follow that mask.
+  layer = NMLinear(K, N, sr_ste_decay=0.1, transposable=True, rngs=nnx.Rngs(0))
+  _randomize_bias(layer, 1)
+  kernel = layer.kernel[...]
+  mask = np.asarray(layer.nm_mask)
+  assert layer.transposable and (mask.reshape(K // 4, 4, N).sum(1) == 2).all()
+  assert (mask.reshape(K, N // 4, 4).sum(2) == 2).all()
+  np.testing.assert_array_equal(mask, np.asarray(jaxsparse.nm_mask(kernel, 2, 4, transposable=True)))
+  x = _normal(2, (3, K))
+  pruned = jnp.where(mask, kernel, 0.0)
+  assert_close(layer(x), x @ pruned + layer.bias[...], jnp.float32)
+  g = nnx.grad(lambda mdl: jnp.sum(mdl(x) ** 2))(layer).kernel[...]
+  dy = 2 * (x @ pruned + layer.bias[...])
+  assert_close(g, x.T @ dy + jnp.where(mask, 0.0, 0.1 * kernel), jnp.float32)
+  model = jlinen.NMDense(N, sr_ste_decay=0.1, transposable=True)
+  variables = layer.to_linen_variables()
+  np.testing.assert_array_equal(np.asarray(model.apply(variables, x)), np.asarray(layer(x)))
+  g_linen = jax.grad(lambda v: jnp.sum(model.apply(v, x) ** 2))(variables)["params"]["kernel"]
+  np.testing.assert_array_equal(np.asarray(g_linen), np.asarray(g))
+  assert_close(layer.to_dense()(x), layer(x), jnp.float32)
+  assert_close(layer.to_compressed()(x), layer(x), jnp.float32)  # the transposable mask is N:M along K too
+  assert NMLinear.from_dense(layer.to_dense(), transposable=True).transposable
+  # Conv: N:M along cin and cout, NNX and Linen alike.
+  conv = NMConv(8, 12, (3, 3), transposable=True, kernel_init=FAST_INIT, rngs=nnx.Rngs(0))
+  cmask = np.asarray(conv.nm_mask)
+  assert (cmask.reshape(3, 3, 2, 4, 12).sum(3) == 2).all() and (cmask.reshape(3, 3, 8, 3, 4).sum(4) == 2).all()
+  xc = _normal(3, (2, 7, 7, 8))
+  assert_close(conv(xc), conv.to_dense()(xc), jnp.float32)
+  linen_conv = jlinen.NMConv(12, (3, 3), transposable=True, kernel_init=FAST_INIT)
+  np.testing.assert_array_equal(np.asarray(linen_conv.apply(conv.to_linen_variables(), xc)), np.asarray(conv(xc)))
+  plain = NMConv(8, 12, (3, 3), kernel_init=FAST_INIT, rngs=nnx.Rngs(0))
+  assert not np.array_equal(np.asarray(plain.nm_mask), cmask)
+
+
 # -------------------------------------------------------------------------------------------------
 # Bad input.
 # -------------------------------------------------------------------------------------------------
@@ -286,6 +322,9 @@ def test_linen_layers_train_inside_a_model():
         ({"n": 2.5}, TypeError, r"n must be an int, got n=2.5"),
         ({"m": True}, TypeError, r"m must be an int, got m=True"),
         ({"sr_ste_decay": -0.1}, ValueError, r"sr_ste_decay must be a float >= 0.*sr_ste_decay=-0.1"),
+        ({"out_features": 10, "transposable": True}, ValueError, r"out_features=10 a multiple of m=4"),
+        ({"n": 4, "m": 8, "transposable": True}, ValueError, r"transposable=True needs m <= 4"),
+        ({"transposable": "yes"}, TypeError, r"transposable must be a bool, got transposable='yes'"),
     ],
 )
 def test_nm_linear_bad_arguments(kwargs, error, match):
@@ -312,6 +351,10 @@ def test_linen_bad_arguments():
     jlinen.NMDense(4, n=4, m=4)
   with pytest.raises(ValueError, match=r"sr_ste_decay=-1"):
     jlinen.NMConv(4, (3, 3), sr_ste_decay=-1)
+  with pytest.raises(ValueError, match=r"features=10 a multiple of m=4"):
+    jlinen.NMDense(10, transposable=True)
+  with pytest.raises(ValueError, match=r"out_features=6 a multiple of m=4"):
+    NMConv(8, 6, (3, 3), transposable=True, kernel_init=FAST_INIT, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match=r"x.shape\[-1\]=6 must be a multiple of m=4"):
     jlinen.NMDense(4).init(jax.random.key(0), jnp.ones((1, 6)))
   with pytest.raises(ValueError, match=r"in_channels // feature_group_count=6 must be a multiple of m=4"):

@@ -116,7 +116,7 @@ def _linen_sparse_module(layer: _LinenLayer, *, nnz: int | None = None) -> nn.Mo
     return sparse_linen.MaskedDense(n, sparsity=spec.sparsity, **common)
   if isinstance(spec, NM):
     fields = {f.name: getattr(m, f.name) for f in dataclasses.fields(sparse_linen.NMConv)
-              if f.name not in ("n", "m", "sr_ste_decay", "parent", "name", "_") and hasattr(m, f.name)}
+              if f.name not in ("n", "m", "sr_ste_decay", "transposable", "parent", "name", "_") and hasattr(m, f.name)}
     return sparse_linen.NMConv(n=spec.n, m=spec.m, **fields)
   return m  # unstructured conv: the original conv, given its mask at call time
 

@@ -14,12 +14,15 @@ bytes, the same as the cuSPARSELt layout.
 from __future__ import annotations
 
 import functools
+import itertools
 import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 
-__all__ = ["NMSparseMatrix", "check_nm", "nm_mask"]
+__all__ = ["NMSparseMatrix", "check_nm", "check_transposable", "nm_mask"]
 
 # Above this group size the mask ranks entries with a stable argsort instead of m pairwise passes.
 _PAIRWISE_MAX_M = 32
@@ -108,12 +111,20 @@ def _check_operand(w: jax.typing.ArrayLike, n: object, m: object, axis: object) 
   return w, n, m, axis
 
 
-def nm_mask(w: jax.typing.ArrayLike, n: int, m: int, *, axis: int = 0) -> jax.Array:
+def nm_mask(w: jax.typing.ArrayLike, n: int, m: int, *, axis: int = 0, transposable: bool = False) -> jax.Array:
   """Bool mask keeping the ``n`` largest-magnitude entries of every ``m`` consecutive ones along ``axis``.
 
   Groups are ``w[..., g*m:(g+1)*m, ...]`` along ``axis``. Ties go to the lower index, so the mask is
   deterministic; NaN counts as the largest magnitude. Works under ``jit`` with static ``n``, ``m``,
   ``axis``; every group keeps exactly ``n`` entries.
+
+  With ``transposable=True`` the mask is N:M along the last axis too (the output features of a
+  kernel): in every ``m x m`` tile of ``(axis, last axis)`` each row and each column keeps ``n``
+  entries, the pattern of largest total magnitude among all such (90 for 2:4; ties to the first in a
+  fixed order). Both ``W`` and ``Wᵀ`` are then N:M along their contraction axis, so the backward product
+  ``dY Wᵀ`` can run on 2:4 sparse tensor cores as the forward does (Hubara et al., "Accelerated Sparse
+  Neural Training: A Provable and Efficient Method to Find N:M Transposable Masks", NeurIPS 2021). It
+  keeps less magnitude than the plain mask (2:4 of Gaussian weights: 70% against 74% of ``sum |w|``).
 
   >>> import jax.numpy as jnp, jaxsparse
   >>> w = jnp.array([[0.1, -3.0, 2.0, 0.5], [1.0, 1.0, 1.0, 1.0]])
@@ -127,12 +138,74 @@ def nm_mask(w: jax.typing.ArrayLike, n: int, m: int, *, axis: int = 0) -> jax.Ar
     m: group size.
     axis: the axis the groups run along: 0 (input features) for a ``(in, out)`` Dense kernel, -2
       (``cin``) for a ``(kh, kw, cin, cout)`` Conv kernel.
+    transposable: also N:M along the last axis (``w.ndim >= 2``, ``axis`` not the last axis, ``m``
+      dividing ``w.shape[-1]``, ``m <= 4``).
 
   Returns:
     Bool array of ``w.shape`` with ``n`` True per group.
   """
   w, n, m, axis = _check_operand(w, n, m, axis)
+  if transposable is not False and transposable is not True:
+    raise TypeError(f"transposable must be a bool, got transposable={transposable!r}.")
+  if transposable:
+    check_transposable(w.shape, m, axis)
+    return _transposable_mask(w, n, m, axis)
   return _nm_mask(w, n, m, axis)
+
+
+# Transposable masks enumerate the m x m tiles with n per row and column: 90 for 2:4, 24 for 1:4 and 3:4;
+# beyond m = 4 there are far too many (1.2e11 for 4:8).
+TRANSPOSABLE_MAX_M = 4
+
+
+def check_transposable(shape: tuple[int, ...], m: int, axis: int, *, name: str = "w") -> None:
+  """Raises naming the argument where a transposable N:M mask cannot apply to ``shape`` along ``axis``."""
+  if len(shape) < 2 or axis % len(shape) == len(shape) - 1:
+    raise ValueError(
+        f"transposable=True needs a second axis besides the grouped one: the last axis of {name}, got "
+        f"{name}.shape={shape} grouped along axis={axis}."
+    )
+  if m > TRANSPOSABLE_MAX_M:
+    raise ValueError(f"transposable=True supports m <= {TRANSPOSABLE_MAX_M}, got m={m}.")
+  if shape[-1] % m:
+    raise ValueError(
+        f"transposable=True needs m={m} to divide {name}.shape[-1]={shape[-1]} (the groups of the transposed "
+        f"weight); {name}.shape={shape}."
+    )
+
+
+@functools.cache
+def _tile_patterns(n: int, m: int) -> np.ndarray:
+  """``(P, m, m)`` bool: every ``m x m`` pattern with ``n`` True per row and per column, in a fixed order."""
+  rows = list(itertools.combinations(range(m), n))
+  patterns = []
+  for choice in itertools.product(rows, repeat=m):
+    tile = np.zeros((m, m), bool)
+    for r, cols in enumerate(choice):
+      tile[r, list(cols)] = True
+    if (tile.sum(axis=0) == n).all():
+      patterns.append(tile)
+  return np.stack(patterns)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _transposable_mask(w: jax.Array, n: int, m: int, axis: int) -> jax.Array:
+  patterns = _tile_patterns(n, m)
+  # Scores in float32, finite (NaN and inf the largest) so that a 0 / 1 product cannot make a NaN.
+  big = np.float32(np.finfo(np.float32).max / (m * m))
+  a = jnp.minimum(_scores(w).astype(jnp.float32), big)
+  a = jnp.moveaxis(a, axis, -2)
+  *lead, rows, cols = a.shape
+  tiles = a.reshape(*lead, rows // m, m, cols // m, m)
+  tiles = jnp.swapaxes(tiles, -3, -2).reshape(*lead, rows // m, cols // m, m * m)
+  # Total kept magnitude of every pattern (exact selection sums: HIGHEST keeps TF32 out), then the best.
+  totals = lax.dot_general(
+      tiles, jnp.asarray(patterns.reshape(len(patterns), m * m), jnp.float32),
+      (((tiles.ndim - 1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
+  )
+  mask = jnp.asarray(patterns)[jnp.argmax(totals, axis=-1)]  # (..., rows / m, cols / m, m, m)
+  mask = jnp.swapaxes(mask, -3, -2).reshape(*lead, rows, cols)
+  return jnp.moveaxis(mask, -2, axis)
 
 
 # One compiled function per shape instead of many small eager ops (the pairwise ranking unrolls m

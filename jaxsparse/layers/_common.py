@@ -22,6 +22,7 @@ from flax.nnx.nn import dtypes
 
 from jaxsparse import _utils
 from jaxsparse import ops
+from jaxsparse.formats import _nm
 from jaxsparse.formats._masks import top_k_mask
 
 __all__ = [
@@ -190,6 +191,7 @@ class NMPromote:
     axis: kernel axis of the groups (0 for Dense, -2 for Conv).
     base: the promotion to run afterwards.
     linen: Linen calls ``promote_dtype(*arrays, dtype=...)``, NNX ``promote_dtype(arrays, dtype=...)``.
+    transposable: prune with the transposable mask (N:M along the output features too).
   """
 
   n: int
@@ -198,10 +200,11 @@ class NMPromote:
   axis: int
   base: Callable[..., Any] = dtypes.promote_dtype
   linen: bool = False
+  transposable: bool = False
 
   def __call__(self, *args, dtype=None):
     inputs, kernel, bias = args if self.linen else args[0]
-    kernel = ops.sr_ste(kernel, self.n, self.m, decay=self.decay, axis=self.axis)
+    kernel = ops.sr_ste(kernel, self.n, self.m, decay=self.decay, axis=self.axis, transposable=self.transposable)
     if self.linen:
       return self.base(inputs, kernel, bias, dtype=dtype)
     return self.base((inputs, kernel, bias), dtype=dtype)
@@ -251,6 +254,18 @@ def check_decay(decay: object) -> float:
   if isinstance(decay, bool) or not isinstance(decay, numbers.Real) or not decay >= 0:
     raise ValueError(f"sr_ste_decay must be a float >= 0 (0 gives plain STE), got sr_ste_decay={decay!r}.")
   return float(decay)
+
+
+def check_transposable(transposable: object, out_features: int, m: int, *, name: str = "out_features") -> bool:
+  """``transposable`` of an N:M layer, checked: a bool; if True, ``m <= 4`` and dividing ``out_features``."""
+  if transposable is not False and transposable is not True:
+    raise TypeError(f"transposable must be a bool, got transposable={transposable!r}.")
+  if transposable and (m > _nm.TRANSPOSABLE_MAX_M or out_features % m):
+    raise ValueError(
+        f"transposable=True needs m <= {_nm.TRANSPOSABLE_MAX_M} and {name}={out_features} a multiple of m={m} "
+        "(the transposed kernel is N:M along the output features)."
+    )
+  return transposable
 
 
 def check_in_features(in_features: int, m: int, *, name: str = "in_features") -> None:

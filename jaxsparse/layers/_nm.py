@@ -37,6 +37,7 @@ from jaxsparse.layers._common import base_promote
 from jaxsparse.layers._common import bias_of
 from jaxsparse.layers._common import check_decay
 from jaxsparse.layers._common import check_in_features
+from jaxsparse.layers._common import check_transposable
 from jaxsparse.layers._common import conv_options
 from jaxsparse.layers._common import default_bias_init
 from jaxsparse.layers._common import linear_options
@@ -78,13 +79,18 @@ class _NMMixin:
   def sr_ste_decay(self) -> float:
     return self.promote_dtype.decay
 
+  @property
+  def transposable(self) -> bool:
+    return self.promote_dtype.transposable
+
   def _masked_input_kernel(self) -> jax.Array:
     return self.kernel[...]
 
   @property
   def nm_mask(self) -> jax.Array:
     """Bool mask of the kernel's shape: the N:M pattern the next call will use."""
-    return _nm.nm_mask(self._masked_input_kernel(), self.n, self.m, axis=self.promote_dtype.axis)
+    p = self.promote_dtype
+    return _nm.nm_mask(self._masked_input_kernel(), self.n, self.m, axis=p.axis, transposable=p.transposable)
 
   def pruned_kernel(self) -> jax.Array:
     """The kernel as the forward pass sees it: zero outside :attr:`nm_mask`."""
@@ -115,6 +121,9 @@ class NMLinear(_NMMixin, nnx.Linear):
     out_features: output size.
     n, m: keep ``n`` of every ``m`` input features, ``0 < n < m`` (2:4 by default).
     sr_ste_decay: SR-STE's decay of the pruned weights, ``>= 0``; ``0`` gives plain STE.
+    transposable: prune with a mask that is N:M along the output features too (``m <= 4``,
+      ``out_features`` a multiple of ``m``; :func:`jaxsparse.nm_mask`), so that the backward ``dY Wᵀ``
+      could run on 2:4 sparse tensor cores; its products are dense for now.
     use_bias, dtype, param_dtype, precision, kernel_init, bias_init, dot_general,
       preferred_element_type, rngs: as ``nnx.Linear``.
     promote_dtype: as ``nnx.Linear``; it runs after the N:M pruning.
@@ -129,6 +138,7 @@ class NMLinear(_NMMixin, nnx.Linear):
       n: int = 2,
       m: int = 4,
       sr_ste_decay: float = 2e-4,
+      transposable: bool = False,
       use_bias: bool = True,
       dtype: Dtype | None = None,
       param_dtype: Dtype = jnp.float32,
@@ -143,7 +153,8 @@ class NMLinear(_NMMixin, nnx.Linear):
   ):
     n, m = _nm.check_nm(n, m)
     check_in_features(in_features, m)
-    nm_promote = NMPromote(n, m, check_decay(sr_ste_decay), 0, promote_dtype)
+    transposable = check_transposable(transposable, out_features, m)
+    nm_promote = NMPromote(n, m, check_decay(sr_ste_decay), 0, promote_dtype, transposable=transposable)
     super().__init__(
         in_features,
         out_features,
@@ -189,13 +200,16 @@ class NMLinear(_NMMixin, nnx.Linear):
         dtype=cast_kernel.dtype,
         precision=self.precision,
         preferred_element_type=self.preferred_element_type,
+        transposable=p.transposable,
     )
     if bias is not None:
       y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
     return y
 
   @classmethod
-  def from_dense(cls, linear: nnx.Linear, *, n: int = 2, m: int = 4, sr_ste_decay: float = 2e-4) -> NMLinear:
+  def from_dense(
+      cls, linear: nnx.Linear, *, n: int = 2, m: int = 4, sr_ste_decay: float = 2e-4, transposable: bool = False
+  ) -> NMLinear:
     """An ``NMLinear`` with ``linear``'s dense kernel, bias and options, ready to train with SR-STE.
 
     >>> from flax import nnx
@@ -209,7 +223,7 @@ class NMLinear(_NMMixin, nnx.Linear):
       raise TypeError(f"linear must be a flax.nnx.Linear, got {type(linear).__name__}.")
     return with_weights(
         cls, linear.kernel[...], bias_of(linear), linear.in_features, linear.out_features, n=n, m=m,
-        sr_ste_decay=sr_ste_decay, **linear_options(linear),
+        sr_ste_decay=sr_ste_decay, transposable=transposable, **linear_options(linear),
     )
 
   def to_dense(self) -> nnx.Linear:
@@ -229,7 +243,7 @@ class NMLinear(_NMMixin, nnx.Linear):
     >>> small.weight.values.shape, bool(jnp.allclose(small(jnp.ones((2, 64))), layer(jnp.ones((2, 64))), atol=1e-5))
     ((32, 32), True)
     """
-    weight = NMSparseMatrix.from_dense(self.kernel[...], self.n, self.m, axis=0)
+    weight = NMSparseMatrix.from_dense(self.pruned_kernel(), self.n, self.m, axis=0)
     bias = bias_of(self)
     return CompressedNMLinear(
         weight,
@@ -393,6 +407,8 @@ class NMConv(_NMMixin, nnx.Conv):
       conv_general_dilated, preferred_element_type, rngs: as ``nnx.Conv``.
     n, m: keep ``n`` of every ``m`` input channels, ``0 < n < m``.
     sr_ste_decay: SR-STE's decay of the pruned weights, ``>= 0``; ``0`` gives plain STE.
+    transposable: prune with a mask that is N:M along the output channels too (``m <= 4``,
+      ``out_features`` a multiple of ``m``; see :class:`NMLinear`).
     promote_dtype: as ``nnx.Conv``; it runs after the N:M pruning.
     **kwargs: other ``nnx.Conv`` keyword arguments (e.g. ``kernel_metadata``).
   """
@@ -407,6 +423,7 @@ class NMConv(_NMMixin, nnx.Conv):
       n: int = 2,
       m: int = 4,
       sr_ste_decay: float = 2e-4,
+      transposable: bool = False,
       padding: PaddingLike = "SAME",
       input_dilation: int | tuple[int, ...] | None = 1,
       kernel_dilation: int | tuple[int, ...] | None = 1,
@@ -430,7 +447,8 @@ class NMConv(_NMMixin, nnx.Conv):
           f"feature_group_count={feature_group_count} must be >= 1 and divide in_features={in_features}."
       )
     check_in_features(in_features // feature_group_count, m, name="in_features // feature_group_count")
-    nm_promote = NMPromote(n, m, check_decay(sr_ste_decay), -2, promote_dtype)
+    transposable = check_transposable(transposable, out_features, m)
+    nm_promote = NMPromote(n, m, check_decay(sr_ste_decay), -2, promote_dtype, transposable=transposable)
     super().__init__(
         in_features,
         out_features,
@@ -459,7 +477,9 @@ class NMConv(_NMMixin, nnx.Conv):
     return k if self.mask is None else k * self.mask
 
   @classmethod
-  def from_dense(cls, conv: nnx.Conv, *, n: int = 2, m: int = 4, sr_ste_decay: float = 2e-4) -> NMConv:
+  def from_dense(
+      cls, conv: nnx.Conv, *, n: int = 2, m: int = 4, sr_ste_decay: float = 2e-4, transposable: bool = False
+  ) -> NMConv:
     """An ``NMConv`` with ``conv``'s dense kernel, bias and every option, ready to train with SR-STE.
 
     >>> from flax import nnx
@@ -471,7 +491,7 @@ class NMConv(_NMMixin, nnx.Conv):
       raise TypeError(f"conv must be a flax.nnx.Conv, got {type(conv).__name__}.")
     return with_weights(
         cls, conv.kernel[...], bias_of(conv), conv.in_features, conv.out_features, conv.kernel_size, n=n, m=m,
-        sr_ste_decay=sr_ste_decay, **conv_options(conv),
+        sr_ste_decay=sr_ste_decay, transposable=transposable, **conv_options(conv),
     )
 
   def to_dense(self) -> nnx.Conv:
@@ -483,7 +503,7 @@ class NMConv(_NMMixin, nnx.Conv):
 
   def to_compressed(self) -> NMSparseMatrix:
     """The pruned kernel compressed along ``cin`` (for storage and export; compute with :meth:`to_dense`)."""
-    return NMSparseMatrix.from_dense(self._masked_input_kernel(), self.n, self.m, axis=-2)
+    return NMSparseMatrix.from_dense(self.pruned_kernel(), self.n, self.m, axis=-2)
 
   def to_linen_variables(self) -> dict[str, dict[str, jax.Array]]:
     """``{"params": {"kernel", "bias"?}}`` for :class:`jaxsparse.layers.linen.NMConv` with the same settings."""

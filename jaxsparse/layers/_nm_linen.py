@@ -29,6 +29,7 @@ from jaxsparse.formats import _nm
 from jaxsparse.layers._common import NMPromote
 from jaxsparse.layers._common import check_decay
 from jaxsparse.layers._common import check_in_features
+from jaxsparse.layers._common import check_transposable
 
 __all__ = ["NMConv", "NMDense"]
 
@@ -36,13 +37,17 @@ __all__ = ["NMConv", "NMDense"]
 def _check_fields(module: nn.Module) -> None:
   _nm.check_nm(module.n, module.m)
   check_decay(module.sr_ste_decay)
+  check_transposable(module.transposable, module.features, module.m, name="features")
 
 
 def _wrap(module: nn.Module, cls: type[nn.Module], *, axis: int) -> nn.Module:
   """``cls`` built from ``module``'s fields of the same names, its ``promote_dtype`` N:M-pruning first."""
   names = {f.name for f in dataclasses.fields(cls) if f.init} - {"parent", "name", "promote_dtype"}
   options = {f.name: getattr(module, f.name) for f in dataclasses.fields(module) if f.name in names}
-  promote = NMPromote(module.n, module.m, float(module.sr_ste_decay), axis, module.promote_dtype, linen=True)
+  promote = NMPromote(
+      module.n, module.m, float(module.sr_ste_decay), axis, module.promote_dtype, linen=True,
+      transposable=module.transposable,
+  )
   return cls(**options, promote_dtype=promote)
 
 
@@ -62,6 +67,7 @@ class NMDense(nn.Module):
     features: output size; the input size ``x.shape[-1]`` must be a multiple of ``m``.
     n, m: keep ``n`` of every ``m`` input features, ``0 < n < m``.
     sr_ste_decay: SR-STE's decay of the pruned weights, ``>= 0``; ``0`` gives plain STE.
+    transposable: prune with a mask that is N:M along the output features too (see ``NMLinear``).
     use_bias, dtype, param_dtype, precision, kernel_init, bias_init, dot_general,
       dot_general_cls: as ``nn.Dense``.
     promote_dtype: as ``nn.Dense``; it runs after the N:M pruning.
@@ -72,6 +78,7 @@ class NMDense(nn.Module):
   n: int = 2
   m: int = 4
   sr_ste_decay: float = 2e-4
+  transposable: bool = False
   use_bias: bool = True
   dtype: Dtype | None = None
   param_dtype: Dtype = jnp.float32
@@ -106,7 +113,7 @@ class NMDense(nn.Module):
     # The compute dtypes as Flax's promotion gives them; the kernel is pruned before its cast.
     x, cast_kernel, bias = self.promote_dtype(x, kernel, bias, dtype=self.dtype)
     y = ops.sr_ste_matmul(x, kernel, 2, 4, decay=float(self.sr_ste_decay), dtype=cast_kernel.dtype,
-                          precision=self.precision)
+                          precision=self.precision, transposable=self.transposable)
     if bias is not None:
       y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
     return y
@@ -132,6 +139,7 @@ class NMConv(nn.Module):
     n, m: keep ``n`` of every ``m`` input channels; ``in_channels // feature_group_count`` must be
       a multiple of ``m``.
     sr_ste_decay: SR-STE's decay of the pruned weights, ``>= 0``; ``0`` gives plain STE.
+    transposable: prune with a mask that is N:M along the output channels too (see ``NMLinear``).
     promote_dtype: as ``nn.Conv``; it runs after the N:M pruning.
   """
 
@@ -141,6 +149,7 @@ class NMConv(nn.Module):
   n: int = 2
   m: int = 4
   sr_ste_decay: float = 2e-4
+  transposable: bool = False
   strides: int | Sequence[int] | None = 1
   padding: PaddingLike = "SAME"
   input_dilation: int | Sequence[int] | None = 1

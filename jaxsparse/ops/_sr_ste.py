@@ -40,18 +40,18 @@ __all__ = ["sr_ste", "sr_ste_matmul"]
 SPARSE_CORE_MIN_ROWS = 16384
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
-def _sr_ste(w: jax.Array, n: int, m: int, axis: int, decay: float) -> jax.Array:
-  return jnp.where(_nm.nm_mask(w, n, m, axis=axis), w, jnp.zeros((), w.dtype))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
+def _sr_ste(w: jax.Array, n: int, m: int, axis: int, decay: float, transposable: bool) -> jax.Array:
+  return jnp.where(_nm.nm_mask(w, n, m, axis=axis, transposable=transposable), w, jnp.zeros((), w.dtype))
 
 
-def _sr_ste_fwd(w, n, m, axis, decay):
-  mask = _nm.nm_mask(w, n, m, axis=axis)
+def _sr_ste_fwd(w, n, m, axis, decay, transposable):
+  mask = _nm.nm_mask(w, n, m, axis=axis, transposable=transposable)
   residuals = (w, mask) if decay else (None, None)
   return jnp.where(mask, w, jnp.zeros((), w.dtype)), residuals
 
 
-def _sr_ste_bwd(n, m, axis, decay, res, g):
+def _sr_ste_bwd(n, m, axis, decay, transposable, res, g):
   w, mask = res
   if not decay:
     return (g,)
@@ -62,7 +62,9 @@ def _sr_ste_bwd(n, m, axis, decay, res, g):
 _sr_ste.defvjp(_sr_ste_fwd, _sr_ste_bwd)
 
 
-def sr_ste(w: jax.typing.ArrayLike, n: int, m: int, *, decay: float = 2e-4, axis: int = 0) -> jax.Array:
+def sr_ste(
+    w: jax.typing.ArrayLike, n: int, m: int, *, decay: float = 2e-4, axis: int = 0, transposable: bool = False
+) -> jax.Array:
   """N:M-prunes ``w`` in the forward pass; passes gradients to the dense ``w`` (SR-STE).
 
   The forward value is ``w`` with all but the ``n`` largest-magnitude entries of every ``m``
@@ -92,6 +94,8 @@ def sr_ste(w: jax.typing.ArrayLike, n: int, m: int, *, decay: float = 2e-4, axis
     decay: SR-STE's ``lambda_W`` (>= 0); ``0`` gives plain STE.
     axis: the axis the groups run along (0: input features of a Dense kernel; -2: ``cin`` of a
       Conv kernel).
+    transposable: prune with a mask that is N:M along the last axis too (``nm_mask(...,
+      transposable=True)``), so that ``Wᵀ`` is N:M along its contraction axis as well.
 
   Returns:
     The N:M-pruned ``w``, same shape and dtype.
@@ -104,7 +108,16 @@ def sr_ste(w: jax.typing.ArrayLike, n: int, m: int, *, decay: float = 2e-4, axis
   if not jnp.issubdtype(w.dtype, jnp.floating):
     raise TypeError(f"w must have a floating dtype to be trained, got {w.dtype}.")
   _nm.check_groups(w.shape, axis, m)
-  return _sr_ste(w, n, m, axis, float(decay))
+  transposable = _check_transposable(transposable, w.shape, m, axis)
+  return _sr_ste(w, n, m, axis, float(decay), transposable)
+
+
+def _check_transposable(transposable, shape, m: int, axis: int) -> bool:
+  if transposable is not False and transposable is not True:
+    raise TypeError(f"transposable must be a bool, got transposable={transposable!r}.")
+  if transposable:
+    _nm.check_transposable(shape, m, axis)
+  return transposable
 
 
 def _check_decay(decay) -> float:
@@ -121,10 +134,11 @@ class _MatmulConfig:
   dtype: Any  # the dtype the pruned kernel is cast to before the product
   precision: Any
   preferred_element_type: Any
+  transposable: bool = False
 
 
 def _reference(cfg: _MatmulConfig, x, w):
-  kernel = _sr_ste(w, cfg.n, cfg.m, 0, cfg.decay).astype(cfg.dtype)
+  kernel = _sr_ste(w, cfg.n, cfg.m, 0, cfg.decay, cfg.transposable).astype(cfg.dtype)
   kwargs = {} if cfg.preferred_element_type is None else {"preferred_element_type": cfg.preferred_element_type}
   return lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=cfg.precision, **kwargs)
 
@@ -185,6 +199,7 @@ def sr_ste_matmul(
     precision: lax.PrecisionLike = None,
     preferred_element_type: jax.typing.DTypeLike | None = None,
     implementation: str | None = None,
+    transposable: bool = False,
 ) -> jax.Array:
   """``x @ sr_ste(w, n, m, decay=decay).astype(dtype)``, on 2:4 sparse tensor cores where it can.
 
@@ -218,6 +233,9 @@ def sr_ste_matmul(
     precision, preferred_element_type: passed to the product.
     implementation: ``None`` (auto, see above), ``"xla"`` (the reference) or ``"cusparselt"``
       (sparse tensor cores at any number of rows; raises when it cannot run).
+    transposable: prune with the transposable mask (``sr_ste(..., transposable=True)``). Its products
+      run as the reference (the dense product) for now: the sparse-core path prunes with the plain
+      mask, and using the transposable one for ``dY Wᵀ`` on sparse tensor cores is not written yet.
 
   Returns:
     ``(..., N)`` array.
@@ -232,10 +250,14 @@ def sr_ste_matmul(
   if not jnp.issubdtype(w.dtype, jnp.floating):
     raise TypeError(f"w must have a floating dtype to be trained, got {w.dtype}.")
   _nm.check_groups(w.shape, 0, m)
+  transposable = _check_transposable(transposable, w.shape, m, 0)
   dtype = jnp.dtype(dtype or w.dtype)
   pet = None if preferred_element_type is None else jnp.dtype(preferred_element_type)
-  cfg = _MatmulConfig(n, m, decay, dtype, precision, pet)
-  if implementation == "xla":
+  cfg = _MatmulConfig(n, m, decay, dtype, precision, pet, transposable)
+  if transposable and implementation == "cusparselt":
+    raise RuntimeError("implementation='cusparselt' was requested but cannot run: transposable=True has no "
+                       "sparse-core path yet.")
+  if implementation == "xla" or transposable:
     return _reference(cfg, x, w)
   if implementation is None and math.prod(x.shape[:-1]) < SPARSE_CORE_MIN_ROWS:
     return _reference(cfg, x, w)
