@@ -2,12 +2,15 @@
 
     python examples/sr_ste_digits.py [--steps 1500] [--seeds 0 1 2]
 
-Trains the same MLP (64-256-256-10, ReLU) three ways with Adam, every layer 2:4 in the sparse runs
+Trains the same MLP (64-256-256-10, ReLU) four ways with Adam, every layer 2:4 in the sparse runs
 (groups of 4 input features):
   * dense: ``nnx.Linear`` layers;
   * SR-STE: ``NMLinear(n=2, m=4, sr_ste_decay=2e-4)``: the mask is recomputed from the dense
     weights every step; gradients reach all weights, plus the SR-STE decay on the pruned ones;
-  * STE: the same with ``sr_ste_decay=0``.
+  * transposable SR-STE: the same with ``transposable=True`` where the outputs allow it (the two hidden
+    layers; the 10-way head keeps the plain mask): 2:4 along the outputs too, so that ``Wᵀ`` is 2:4
+    along its contraction axis as well (what a 2:4 ``dY Wᵀ`` on sparse tensor cores needs);
+  * STE: the same as SR-STE with ``sr_ste_decay=0``.
 Prints the mean test accuracy over seeds and the fraction of mask entries that still flipped over
 the last 10% of training (SR-STE's decay is meant to settle the mask). The digits data ships with
 scikit-learn: nothing is downloaded. ``tests/test_nm_layers.py`` runs a reduced version through
@@ -30,7 +33,7 @@ from sklearn.model_selection import train_test_split
 
 from jaxsparse.layers import NMLinear
 
-KINDS = ("dense", "sr_ste", "ste")
+KINDS = ("dense", "sr_ste", "sr_ste_t", "ste")
 SR_STE_DECAY = 2e-4
 
 
@@ -40,8 +43,10 @@ class MLP(nnx.Module):
     if kind == "dense":
       make = lambda i, o: nnx.Linear(i, o, rngs=rngs)
     else:
-      decay = SR_STE_DECAY if kind == "sr_ste" else 0.0
-      make = lambda i, o: NMLinear(i, o, n=2, m=4, sr_ste_decay=decay, rngs=rngs)
+      decay = 0.0 if kind == "ste" else SR_STE_DECAY
+      make = lambda i, o: NMLinear(
+          i, o, n=2, m=4, sr_ste_decay=decay, transposable=kind == "sr_ste_t" and o % 4 == 0, rngs=rngs
+      )
     self.layers = nnx.List([make(i, o) for i, o in itertools.pairwise(sizes)])
 
   def __call__(self, x):
@@ -138,7 +143,12 @@ def main():
   print()
   print("| model | test accuracy (mean over seeds) | per seed | vs dense (points) | mask flips, last 10% of steps |")
   print("|---|---|---|---|---|")
-  names = {"dense": "dense", "sr_ste": f"2:4 SR-STE (decay {SR_STE_DECAY:g})", "ste": "2:4 plain STE (decay 0)"}
+  names = {
+      "dense": "dense",
+      "sr_ste": f"2:4 SR-STE (decay {SR_STE_DECAY:g})",
+      "sr_ste_t": "2:4 SR-STE, transposable masks (hidden layers)",
+      "ste": "2:4 plain STE (decay 0)",
+  }
   for kind in KINDS:
     rs = results[kind]
     acc = mean_accuracy(rs)

@@ -380,6 +380,7 @@ def test_sr_ste_digits_reduced_within_one_point_of_dense():
   acc = {kind: example.mean_accuracy(rs) for kind, rs in results.items()}
   assert acc["dense"] > 0.95, acc
   assert acc["sr_ste"] >= acc["dense"] - 0.01, acc  # 2:4 on every layer, trained from scratch
+  assert acc["sr_ste_t"] >= acc["dense"] - 0.01, acc  # ... with transposable masks on the hidden layers
   assert acc["ste"] > 0.9, acc
   assert results["sr_ste"][0]["late_mask_flips"] is not None
 
