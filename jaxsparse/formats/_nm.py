@@ -147,10 +147,7 @@ def nm_mask(w: jax.typing.ArrayLike, n: int, m: int, *, axis: int = 0, transposa
     Bool array of ``w.shape`` with ``n`` True per group.
   """
   w, n, m, axis = _check_operand(w, n, m, axis)
-  if transposable is not False and transposable is not True:
-    raise TypeError(f"transposable must be a bool, got transposable={transposable!r}.")
-  if transposable:
-    check_transposable(w.shape, m, axis)
+  if check_transposable(transposable, w.shape, m, axis):
     return _transposable_mask(w, n, m, axis)
   return _nm_mask(w, n, m, axis)
 
@@ -160,8 +157,12 @@ def nm_mask(w: jax.typing.ArrayLike, n: int, m: int, *, axis: int = 0, transposa
 TRANSPOSABLE_MAX_M = 4
 
 
-def check_transposable(shape: tuple[int, ...], m: int, axis: int, *, name: str = "w") -> None:
-  """Raises naming the argument where a transposable N:M mask cannot apply to ``shape`` along ``axis``."""
+def check_transposable(transposable: object, shape: tuple[int, ...], m: int, axis: int, *, name: str = "w") -> bool:
+  """``transposable`` as a bool; raises naming the argument where it is True and cannot apply to ``shape``."""
+  if transposable is not False and transposable is not True:
+    raise TypeError(f"transposable must be a bool, got transposable={transposable!r}.")
+  if not transposable:
+    return False
   if len(shape) < 2 or axis % len(shape) == len(shape) - 1:
     raise ValueError(
         f"transposable=True needs a second axis besides the grouped one: the last axis of {name}, got "
@@ -174,6 +175,7 @@ def check_transposable(shape: tuple[int, ...], m: int, axis: int, *, name: str =
         f"transposable=True needs m={m} to divide {name}.shape[-1]={shape[-1]} (the groups of the transposed "
         f"weight); {name}.shape={shape}."
     )
+  return True
 
 
 @functools.cache

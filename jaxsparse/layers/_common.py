@@ -256,7 +256,7 @@ def check_decay(decay: object) -> float:
   return float(decay)
 
 
-def check_transposable(transposable: object, out_features: int, m: int, *, name: str = "out_features") -> bool:
+def check_transposable_layer(transposable: object, out_features: int, m: int, *, name: str = "out_features") -> bool:
   """``transposable`` of an N:M layer, checked: a bool; if True, ``m <= 4`` and dividing ``out_features``."""
   if transposable is not False and transposable is not True:
     raise TypeError(f"transposable must be a bool, got transposable={transposable!r}.")

@@ -37,7 +37,7 @@ from jaxsparse.layers._common import base_promote
 from jaxsparse.layers._common import bias_of
 from jaxsparse.layers._common import check_decay
 from jaxsparse.layers._common import check_in_features
-from jaxsparse.layers._common import check_transposable
+from jaxsparse.layers._common import check_transposable_layer
 from jaxsparse.layers._common import conv_options
 from jaxsparse.layers._common import default_bias_init
 from jaxsparse.layers._common import linear_options
@@ -153,7 +153,7 @@ class NMLinear(_NMMixin, nnx.Linear):
   ):
     n, m = _nm.check_nm(n, m)
     check_in_features(in_features, m)
-    transposable = check_transposable(transposable, out_features, m)
+    transposable = check_transposable_layer(transposable, out_features, m)
     nm_promote = NMPromote(n, m, check_decay(sr_ste_decay), 0, promote_dtype, transposable=transposable)
     super().__init__(
         in_features,
@@ -447,7 +447,7 @@ class NMConv(_NMMixin, nnx.Conv):
           f"feature_group_count={feature_group_count} must be >= 1 and divide in_features={in_features}."
       )
     check_in_features(in_features // feature_group_count, m, name="in_features // feature_group_count")
-    transposable = check_transposable(transposable, out_features, m)
+    transposable = check_transposable_layer(transposable, out_features, m)
     nm_promote = NMPromote(n, m, check_decay(sr_ste_decay), -2, promote_dtype, transposable=transposable)
     super().__init__(
         in_features,

@@ -29,7 +29,7 @@ from jaxsparse.formats import _nm
 from jaxsparse.layers._common import NMPromote
 from jaxsparse.layers._common import check_decay
 from jaxsparse.layers._common import check_in_features
-from jaxsparse.layers._common import check_transposable
+from jaxsparse.layers._common import check_transposable_layer
 
 __all__ = ["NMConv", "NMDense"]
 
@@ -37,7 +37,7 @@ __all__ = ["NMConv", "NMDense"]
 def _check_fields(module: nn.Module) -> None:
   _nm.check_nm(module.n, module.m)
   check_decay(module.sr_ste_decay)
-  check_transposable(module.transposable, module.features, module.m, name="features")
+  check_transposable_layer(module.transposable, module.features, module.m, name="features")
 
 
 def _wrap(module: nn.Module, cls: type[nn.Module], *, axis: int) -> nn.Module:

@@ -113,16 +113,8 @@ def sr_ste(
   if not jnp.issubdtype(w.dtype, jnp.floating):
     raise TypeError(f"w must have a floating dtype to be trained, got {w.dtype}.")
   _nm.check_groups(w.shape, axis, m)
-  transposable = _check_transposable(transposable, w.shape, m, axis)
+  transposable = _nm.check_transposable(transposable, w.shape, m, axis)
   return _sr_ste(w, n, m, axis, float(decay), transposable)
-
-
-def _check_transposable(transposable, shape, m: int, axis: int) -> bool:
-  if transposable is not False and transposable is not True:
-    raise TypeError(f"transposable must be a bool, got transposable={transposable!r}.")
-  if transposable:
-    _nm.check_transposable(shape, m, axis)
-  return transposable
 
 
 def _check_decay(decay) -> float:
@@ -255,7 +247,7 @@ def sr_ste_matmul(
   if not jnp.issubdtype(w.dtype, jnp.floating):
     raise TypeError(f"w must have a floating dtype to be trained, got {w.dtype}.")
   _nm.check_groups(w.shape, 0, m)
-  transposable = _check_transposable(transposable, w.shape, m, 0)
+  transposable = _nm.check_transposable(transposable, w.shape, m, 0)
   dtype = jnp.dtype(dtype or w.dtype)
   pet = None if preferred_element_type is None else jnp.dtype(preferred_element_type)
   cfg = _MatmulConfig(n, m, decay, dtype, precision, pet, transposable)
