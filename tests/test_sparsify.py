@@ -314,6 +314,42 @@ def test_nm_that_cannot_apply_names_the_layer():
     jaxsparse.sparsify(CNN(rngs=nnx.Rngs(0)), {"head": jaxsparse.NM(2, 3)})
 
 
+def test_transposable_nm_rules_nnx_linen_and_where_they_do_not_apply():
+  # NM(2, 4, transposable=True): the SR-STE layers prune 2:4 along the inputs and the outputs.
+  spec = jaxsparse.NM(2, 4, transposable=True)
+  assert repr(spec) == "NM(n=2, m=4, transposable=True)" and spec.describe() == "2:4 transposable"
+  model = CNN(rngs=nnx.Rngs(0))
+  x = _normal(1, (2, 8, 8, 4))
+  sparse, report = jaxsparse.sparsify(model, {"conv.*": spec, "head": None})
+  assert isinstance(sparse.conv1, NMConv) and sparse.conv1.transposable and sparse.conv2.transposable
+  assert "| conv1 | Conv(4->16, (3, 3)) | 2:4 transposable | NMConv |" in str(report)
+  mask = np.asarray(sparse.conv2.nm_mask)  # (3, 3, 16, 16)
+  assert (mask.reshape(3, 3, 4, 4, 16).sum(3) == 2).all() and (mask.reshape(3, 3, 16, 4, 4).sum(4) == 2).all()
+  assert_close(sparse(x), jaxsparse.densify(sparse)(x), jnp.float32)
+  # Linen: NMDense with the transposable mask, and densify_linen keeps it.
+  dense = nn.Dense(8)
+  xl = _normal(2, (2, 16))
+  variables = dense.init(jax.random.key(0), xl)
+  linen_sparse, linen_vars, _ = jaxsparse.sparsify_linen(dense, variables, spec, xl)
+  module, dense_vars = jaxsparse.densify_linen(linen_sparse, linen_vars)
+  kernel = np.asarray(dense_vars["params"]["kernel"])
+  np.testing.assert_array_equal(kernel != 0, np.asarray(jaxsparse.nm_mask(variables["params"]["kernel"], 2, 4,
+                                                                          transposable=True)))
+  assert_close(module.apply(dense_vars, xl), linen_sparse.apply(linen_vars, xl), jnp.float32)
+  # Where it cannot apply: 10 outputs, m > 4, and the pruning algorithms (plain N:M masks only).
+  with pytest.raises(ValueError, match=r"head: transposable N:M sparsity 2:4 needs m=4 to divide the output size 10"):
+    jaxsparse.sparsify(CNN(rngs=nnx.Rngs(0)), {"head": spec})
+  with pytest.raises(ValueError, match=r"NM\(transposable=True\) needs n < m <= 4, got n=4, m=8"):
+    jaxsparse.NM(4, 8, transposable=True)
+  with pytest.raises(TypeError, match="transposable must be a bool"):
+    jaxsparse.NM(2, 4, transposable=1)
+  pruner = pruning.magnitude_pruner(spec, pruning.gradual(begin_step=0, end_step=10, update_every=1))
+  with pytest.raises(ValueError, match=r"w: jaxsparse.pruning computes plain N:M masks, got NM\(n=2, m=4, trans"):
+    pruner.init({"w": jnp.ones((8, 8))}, jax.random.key(0))
+  with pytest.raises(ValueError, match=r"layers\.0: calibrated pruning computes plain N:M masks"):
+    pruning.calibrated_prune(nnx.Sequential(nnx.Linear(16, 8, rngs=nnx.Rngs(0))), spec, [jnp.ones((4, 16))])
+
+
 def test_block_sparse_conv_and_bad_blocks_name_the_layer():
   with pytest.raises(ValueError, match=r"conv2: BlockSparse does not apply to nnx.Conv layers"):
     jaxsparse.sparsify(CNN(rngs=nnx.Rngs(0)), {"conv2": jaxsparse.BlockSparse(density=0.5)})

@@ -111,13 +111,13 @@ def _linen_sparse_module(layer: _LinenLayer, *, nnz: int | None = None) -> nn.Mo
       density = spec.density if nnz is None else nnz / blocks
       return sparse_linen.BlockSparseDense(n, density=density, block_shape=spec.block_shape, **common)
     if isinstance(spec, NM):
-      return sparse_linen.NMDense(n, n=spec.n, m=spec.m, promote_dtype=m.promote_dtype,
+      return sparse_linen.NMDense(n, n=spec.n, m=spec.m, transposable=spec.transposable, promote_dtype=m.promote_dtype,
                                   dot_general=m.dot_general, dot_general_cls=m.dot_general_cls, **common)
     return sparse_linen.MaskedDense(n, sparsity=spec.sparsity, **common)
   if isinstance(spec, NM):
     fields = {f.name: getattr(m, f.name) for f in dataclasses.fields(sparse_linen.NMConv)
               if f.name not in ("n", "m", "sr_ste_decay", "transposable", "parent", "name", "_") and hasattr(m, f.name)}
-    return sparse_linen.NMConv(n=spec.n, m=spec.m, **fields)
+    return sparse_linen.NMConv(n=spec.n, m=spec.m, transposable=spec.transposable, **fields)
   return m  # unstructured conv: the original conv, given its mask at call time
 
 
@@ -400,7 +400,9 @@ def densify_linen(sparse: SparsifiedLinen, variables: Mapping) -> tuple[nn.Modul
                                                   block_shape=layer.spec.block_shape)
       kernel = dense.to_dense()
     elif isinstance(layer.spec, NM):
-      kernel = jnp.where(nm_mask(kernel, layer.spec.n, layer.spec.m, axis=-2), kernel, jnp.zeros((), kernel.dtype))
+      spec = layer.spec
+      mask = nm_mask(kernel, spec.n, spec.m, axis=-2, transposable=spec.transposable)
+      kernel = jnp.where(mask, kernel, jnp.zeros((), kernel.dtype))
     else:
       mask = nn.meta.unbox(_nested_get(pattern, path)["mask"])
       kernel = jnp.where(mask, kernel, jnp.zeros((), kernel.dtype))

@@ -111,7 +111,7 @@ def _sparse_linear(lin: nnx.Linear, spec: Spec, mask: np.ndarray | None, path: s
     if mask is not None:  # the N:M pattern follows the weights: zero the pruned ones so it is the given mask
       lin = _linear(jnp.where(mask, kernel, jnp.zeros((), kernel.dtype)), None if lin.bias is None else lin.bias[...],
                     dtype=lin.dtype, precision=lin.precision)
-    return NMLinear.from_dense(lin, n=spec.n, m=spec.m)
+    return NMLinear.from_dense(lin, n=spec.n, m=spec.m, transposable=spec.transposable)
   if mask is None:
     return MaskedLinear.from_dense(lin, sparsity=spec.sparsity)
   layer = MaskedLinear(
@@ -140,7 +140,7 @@ def _to_sparse(node: nnx.Module, spec: Spec, mask: np.ndarray | None, path: str)
       conv = node
       if mask is not None:
         conv = MaskedConv.from_dense(node, mask=mask).to_dense()
-      return NMConv.from_dense(conv, n=spec.n, m=spec.m)
+      return NMConv.from_dense(conv, n=spec.n, m=spec.m, transposable=spec.transposable)
     return MaskedConv.from_dense(node, sparsity=None if mask is not None else spec.sparsity, mask=mask)
   if isinstance(node, nnx.LinearGeneral):
     lin = _general_as_linear(node, path)

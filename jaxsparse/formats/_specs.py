@@ -14,8 +14,9 @@ from collections.abc import Sequence
 from typing import TypeAlias
 
 from jaxsparse import _utils
+from jaxsparse.formats._nm import TRANSPOSABLE_MAX_M
 
-__all__ = ["NM", "BlockSparse", "Spec", "Unstructured", "check_spec_applies", "matrix_shape"]
+__all__ = ["NM", "BlockSparse", "Spec", "Unstructured", "check_plain_nm", "check_spec_applies", "matrix_shape"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +83,7 @@ class BlockSparse:
     return f"block {self.block_shape[0]}x{self.block_shape[1]} {self.density:.0%} kept"
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class NM:
   """N:M sparsity: in every group of ``m`` consecutive inputs of an output, keep the ``n`` largest.
 
@@ -97,10 +98,15 @@ class NM:
   Attributes:
     n: weights kept per group, ``1 <= n <= m``.
     m: group size.
+    transposable: N:M along the outputs too (:func:`jaxsparse.nm_mask` with ``transposable=True``;
+      ``n < m <= 4``, ``m`` dividing the output size): the SR-STE layers :func:`jaxsparse.sparsify` builds
+      (``NMLinear`` / ``NMConv``, Linen ``NMDense`` / ``NMConv``) prune with it, and PyTorch imports mask
+      with it. The pruning algorithms of :mod:`jaxsparse.pruning` compute plain N:M masks and reject it.
   """
 
   n: int
   m: int
+  transposable: bool = False
 
   def __post_init__(self):
     for name in ("n", "m"):
@@ -109,6 +115,16 @@ class NM:
         raise ValueError(f"{name} must be a positive int, got {name}={v!r}.")
     if self.n > self.m:
       raise ValueError(f"NM needs n <= m, got n={self.n}, m={self.m}.")
+    if self.transposable is not False and self.transposable is not True:
+      raise TypeError(f"transposable must be a bool, got transposable={self.transposable!r}.")
+    if self.transposable and not self.n < self.m <= TRANSPOSABLE_MAX_M:
+      raise ValueError(
+          f"NM(transposable=True) needs n < m <= {TRANSPOSABLE_MAX_M}, got n={self.n}, m={self.m}."
+      )
+
+  def __repr__(self) -> str:
+    extra = ", transposable=True" if self.transposable else ""
+    return f"NM(n={self.n}, m={self.m}{extra})"
 
   @property
   def target_sparsity(self) -> float:
@@ -116,7 +132,7 @@ class NM:
     return 1.0 - self.n / self.m
 
   def describe(self) -> str:
-    return f"{self.n}:{self.m}"
+    return f"{self.n}:{self.m}" + (" transposable" if self.transposable else "")
 
 
 Spec: TypeAlias = Unstructured | BlockSparse | NM
@@ -158,5 +174,19 @@ def check_spec_applies(spec: Spec, shape: Sequence[int], *, path: str) -> None:
           f"{path}: N:M sparsity {spec.n}:{spec.m} needs m={spec.m} to divide the input size {c} of its "
           f"{shape} kernel ({c} % {spec.m} = {c % spec.m}); choose another m or give this path another rule."
       )
+    if spec.transposable and shape[-1] % spec.m:
+      raise ValueError(
+          f"{path}: transposable N:M sparsity {spec.n}:{spec.m} needs m={spec.m} to divide the output size "
+          f"{shape[-1]} of its {shape} kernel; use NM({spec.n}, {spec.m}) or give this path another rule."
+      )
+
+
+def check_plain_nm(spec: Spec, *, path: str, what: str) -> None:
+  """Raises naming ``path`` where ``what`` (which computes plain N:M masks) is given a transposable NM rule."""
+  if isinstance(spec, NM) and spec.transposable:
+    raise ValueError(
+        f"{path}: {what} computes plain N:M masks, got {spec!r}; transposable masks are for the SR-STE layers "
+        "of jaxsparse.sparsify (or use NM(n, m) here)."
+    )
 
 

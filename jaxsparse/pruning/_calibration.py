@@ -41,6 +41,7 @@ from jaxsparse._rules import resolve_rules
 from jaxsparse.formats._specs import NM
 from jaxsparse.formats._specs import BlockSparse
 from jaxsparse.formats._specs import Unstructured
+from jaxsparse.formats._specs import check_plain_nm
 from jaxsparse.formats._specs import check_spec_applies
 
 NNX_LAYERS = "nnx.Linear / nnx.LinearGeneral / nnx.Conv layer"
@@ -96,6 +97,7 @@ def check_layer_spec(spec: Any, shape: tuple[int, ...], *, path: str) -> None:
         f"got {spec!r}."
     )
   check_spec_applies(spec, shape, path=path)
+  check_plain_nm(spec, path=path, what="calibrated pruning")
 
 
 # -------------------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from jaxsparse._rules import warn_unmatched
 from jaxsparse.formats._specs import NM
 from jaxsparse.formats._specs import BlockSparse
 from jaxsparse.formats._specs import Spec
+from jaxsparse.formats._specs import check_plain_nm
 from jaxsparse.formats._specs import check_spec_applies
 from jaxsparse.formats._specs import matrix_shape
 
@@ -178,6 +179,7 @@ def plan(tree: Any, rules: Any, *, warn: bool = True) -> tuple[list[str], list[A
     if spec is None:
       continue
     check_spec_applies(spec, shape, path=path)
+    check_plain_nm(spec, path=path, what="jaxsparse.pruning")
     targets.append(Target(i, path, shape, spec, r))
   if warn:
     warn_unmatched(resolved, available, what="parameter with 2 or more axes (nor the layer holding it)")
