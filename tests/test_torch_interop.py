@@ -570,6 +570,14 @@ def test_load_nnx_errors_leave_model_untouched():
     torch_interop.load_nnx(big, {k: v for k, v in net.state_dict().items() if k.startswith("0.")}, name_map=SEQ)
 
 
+def test_import_rules_reject_transposable_nm():
+  # Import rules compute plain N:M masks; transposable ones are for the SR-STE layers of jaxsparse.sparsify.
+  params = torch_interop.decode_checkpoint(torch.nn.Sequential(torch.nn.Linear(16, 8)).state_dict())
+  with pytest.raises(CheckpointError, match=r"'0\.weight'.*a PyTorch import rule computes plain N:M masks"):
+    torch_interop.apply_rules(params, jaxsparse.NM(2, 4, transposable=True))
+  assert torch_interop.apply_rules(params, jaxsparse.NM(2, 4))["0.weight"].mask.mean() == 0.5
+
+
 def test_map_name_forms():
   assert torch_interop.map_name(None, "a.b") == "a.b"
   assert torch_interop.map_name({"a.b": "c"}, "a.b") == "c"

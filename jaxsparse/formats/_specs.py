@@ -100,8 +100,8 @@ class NM:
     m: group size.
     transposable: N:M along the outputs too (:func:`jaxsparse.nm_mask` with ``transposable=True``;
       ``n < m <= 4``, ``m`` dividing the output size): the SR-STE layers :func:`jaxsparse.sparsify` builds
-      (``NMLinear`` / ``NMConv``, Linen ``NMDense`` / ``NMConv``) prune with it, and PyTorch imports mask
-      with it. The pruning algorithms of :mod:`jaxsparse.pruning` compute plain N:M masks and reject it.
+      (``NMLinear`` / ``NMConv``, Linen ``NMDense`` / ``NMConv``) prune with it. The pruning algorithms of
+      :mod:`jaxsparse.pruning` and the rules of PyTorch imports compute plain N:M masks and reject it.
   """
 
   n: int

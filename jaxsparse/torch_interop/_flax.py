@@ -27,8 +27,8 @@ from jaxsparse import _rules
 from jaxsparse import formats
 from jaxsparse import layers as jsl
 from jaxsparse.formats import _masks
-from jaxsparse.formats import _nm
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
+from jaxsparse.formats._specs import check_plain_nm
 from jaxsparse.torch_interop._decode import NMSpec
 from jaxsparse.torch_interop._decode import TorchParam
 from jaxsparse.torch_interop._decode import decode_checkpoint
@@ -479,11 +479,9 @@ def apply_rules(
         bm = np.asarray(_masks.block_magnitude_mask(kernel, (bk, bn), spec.density))
         mask = np.repeat(np.repeat(bm, bk, 0), bn, 1)
       elif isinstance(spec, formats.NM):
+        check_plain_nm(spec, path=flax_path, what="a PyTorch import rule")
         full = spec.n == spec.m
-        if spec.transposable:  # Flax layout (in, out): groups along the inputs and the outputs
-          mask = np.asarray(_nm.nm_mask(kernel, spec.n, spec.m, transposable=True))
-        else:
-          mask = np.ones_like(kernel, bool) if full else flax_layout(nm_mask_torch(p.masked_value, spec.n, spec.m))
+        mask = np.ones_like(kernel, bool) if full else flax_layout(nm_mask_torch(p.masked_value, spec.n, spec.m))
       else:
         mask = np.asarray(_masks.magnitude_mask(kernel, spec.sparsity))
     except ValueError as e:
