@@ -45,6 +45,7 @@ LAYER_KINDS = {
     "block64": lambda d: jaxsparse.BlockSparse(density=d, block_shape=(64, 64)),
     "block32": lambda d: jaxsparse.BlockSparse(density=d, block_shape=(32, 32)),
     "nm2:4": lambda d: jaxsparse.NM(2, 4),
+    "nm2:4t": lambda d: jaxsparse.NM(2, 4, transposable=True),  # 2:4 along the outputs too
     "unstructured": lambda d: jaxsparse.Unstructured(sparsity=1.0 - d),
 }
 PRECISIONS = {"bf16": {"dtype": jnp.bfloat16, "param_dtype": jnp.bfloat16}, "f32": {}}

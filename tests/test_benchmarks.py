@@ -13,12 +13,12 @@ ROOT = pathlib.Path(__file__).parent.parent
 def test_train_step_benchmark_runs(tmp_path):
   out = tmp_path / "table.md"
   cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_train_step.py"), "--tiny", "--model", "transformer",
-         "--sparse-attention", "--kinds", "block32,unstructured", "--precisions", "f32", "--out", str(out)]
+         "--sparse-attention", "--kinds", "block32,unstructured,nm2:4t", "--precisions", "f32", "--out", str(out)]
   env = {**os.environ, "PYTHONPATH": str(ROOT)}
   proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
   rows = [r for r in out.read_text().splitlines() if r.startswith("| ") and "layer kind" not in r]
-  assert [r.split("|")[1].strip() for r in rows] == ["block32", "unstructured"]
+  assert [r.split("|")[1].strip() for r in rows] == ["block32", "unstructured", "nm2:4t"]
   assert all("failed" not in r for r in rows), rows
 
 
