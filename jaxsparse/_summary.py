@@ -169,7 +169,8 @@ def _nnx_layer(path: str, node: nnx.Module) -> LayerSummary | None:
                   param_dtype=node.kernel.dtype, **common)
   if isinstance(node, NMLinear | NMConv):
     shape = tuple(node.kernel.shape)
-    return _layer(path, kind, shape, f"{node.n}:{node.m}", math.prod(shape) * node.n // node.m,
+    pattern = f"{node.n}:{node.m}" + (" transposable" if node.transposable else "")
+    return _layer(path, kind, shape, pattern, math.prod(shape) * node.n // node.m,
                   param_dtype=node.kernel.dtype, dense_weight_grad=True, **common)
   if isinstance(node, CompressedNMLinear):
     return _layer(path, kind, (node.in_features, node.out_features), f"{node.n}:{node.m} compressed",
@@ -219,7 +220,8 @@ def _linen_layers(variables: Mapping, nm_layers: Mapping[tuple[str, ...], nn.Mod
       elif prefix in nm_layers:
         layer = nm_layers[prefix]
         shape = tuple(kernel.shape)
-        out.append(_layer(path, type(layer).__name__, shape, f"{layer.n}:{layer.m}",
+        nm = f"{layer.n}:{layer.m}" + (" transposable" if layer.transposable else "")
+        out.append(_layer(path, type(layer).__name__, shape, nm,
                           math.prod(shape) * layer.n // layer.m, dense_weight_grad=True, **common))
     for key, value in params.items():
       if isinstance(value, Mapping):

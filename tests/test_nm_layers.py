@@ -297,6 +297,8 @@ def test_transposable_layers_nnx_linen_and_conversions():
   assert_close(layer.to_dense()(x), layer(x), jnp.float32)
   assert_close(layer.to_compressed()(x), layer(x), jnp.float32)  # the transposable mask is N:M along K too
   assert NMLinear.from_dense(layer.to_dense(), transposable=True).transposable
+  assert [entry.pattern for entry in jaxsparse.summary(layer).layers] == ["2:4 transposable"]
+  assert [entry.pattern for entry in jaxsparse.summary(variables, x, module=model).layers] == ["2:4 transposable"]
   # Conv: N:M along cin and cout, NNX and Linen alike.
   conv = NMConv(8, 12, (3, 3), transposable=True, kernel_init=FAST_INIT, rngs=nnx.Rngs(0))
   cmask = np.asarray(conv.nm_mask)
