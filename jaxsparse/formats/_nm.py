@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["NMSparseMatrix", "check_nm", "check_transposable", "nm_mask"]
+__all__ = ["NMSparseMatrix", "check_nm", "check_transposable", "check_transposable_flag", "nm_mask"]
 
 # Above this group size the mask ranks entries with a stable argsort instead of m pairwise passes.
 _PAIRWISE_MAX_M = 32
@@ -157,19 +157,24 @@ def nm_mask(w: jax.typing.ArrayLike, n: int, m: int, *, axis: int = 0, transposa
 TRANSPOSABLE_MAX_M = 4
 
 
-def check_transposable(transposable: object, shape: tuple[int, ...], m: int, axis: int, *, name: str = "w") -> bool:
-  """``transposable`` as a bool; raises naming the argument where it is True and cannot apply to ``shape``."""
+def check_transposable_flag(transposable: object, m: int) -> bool:
+  """``transposable`` as a bool; raises where it is not one, or is True for groups larger than enumerable."""
   if transposable is not False and transposable is not True:
     raise TypeError(f"transposable must be a bool, got transposable={transposable!r}.")
-  if not transposable:
+  if transposable and m > TRANSPOSABLE_MAX_M:
+    raise ValueError(f"transposable=True needs m <= {TRANSPOSABLE_MAX_M}, got m={m}.")
+  return transposable
+
+
+def check_transposable(transposable: object, shape: tuple[int, ...], m: int, axis: int, *, name: str = "w") -> bool:
+  """``transposable`` as a bool; raises naming the argument where it is True and cannot apply to ``shape``."""
+  if not check_transposable_flag(transposable, m):
     return False
   if len(shape) < 2 or axis % len(shape) == len(shape) - 1:
     raise ValueError(
         f"transposable=True needs a second axis besides the grouped one: the last axis of {name}, got "
         f"{name}.shape={shape} grouped along axis={axis}."
     )
-  if m > TRANSPOSABLE_MAX_M:
-    raise ValueError(f"transposable=True supports m <= {TRANSPOSABLE_MAX_M}, got m={m}.")
   if shape[-1] % m:
     raise ValueError(
         f"transposable=True needs m={m} to divide {name}.shape[-1]={shape[-1]} (the groups of the transposed "

@@ -258,12 +258,10 @@ def check_decay(decay: object) -> float:
 
 def check_transposable_layer(transposable: object, out_features: int, m: int, *, name: str = "out_features") -> bool:
   """``transposable`` of an N:M layer, checked: a bool; if True, ``m <= 4`` and dividing ``out_features``."""
-  if transposable is not False and transposable is not True:
-    raise TypeError(f"transposable must be a bool, got transposable={transposable!r}.")
-  if transposable and (m > _nm.TRANSPOSABLE_MAX_M or out_features % m):
+  if _nm.check_transposable_flag(transposable, m) and out_features % m:
     raise ValueError(
-        f"transposable=True needs m <= {_nm.TRANSPOSABLE_MAX_M} and {name}={out_features} a multiple of m={m} "
-        "(the transposed kernel is N:M along the output features)."
+        f"transposable=True needs {name}={out_features} a multiple of m={m} (the transposed kernel is N:M along "
+        "the output features)."
     )
   return transposable
 
