@@ -185,8 +185,27 @@ def large(args) -> list[dict]:
       y, vjp = jax.vjp(lambda x, w: ops.sr_ste_matmul(x, w, 2, 4, dtype=jnp.bfloat16), x, w)
       return y, vjp(dy)
 
+    def train_t(implementation):
+      # Transposable 2:4 from float32 master weights: "cusparselt" = forward and dY Wᵀ on sparse tensor cores,
+      # None (8192 rows) = pruned by our kernel, dense products, "xla" = the reference (XLA pattern search).
+      def step(x, w, g):
+        f = lambda x, w: ops.sr_ste_matmul(x, w, 2, 4, dtype=jnp.bfloat16, transposable=True,
+                                           implementation=implementation)
+        y, vjp = jax.vjp(f, x, w)
+        return y, vjp(g)
+      return step
+
     nan = float("nan")
     t_cslt_fwd = t_tr_cslt = t_tr_cslt32 = nan
+    t_tr_t = {}
+    for impl in ("cusparselt", None, "xla"):
+      try:
+        t_tr_t[impl] = time_ms(train_t(impl), x, w_dense.astype(jnp.float32), dy, iterations=args.iterations)
+      except Exception as e:
+        log(f"M=8192 N={cols}: transposable step ({impl}) FAILED {type(e).__name__}: {str(e)[:300]}")
+        t_tr_t[impl] = nan
+    log(f"M=8192 N={cols}: transposable SR-STE step (f32 master) sparse cores {t_tr_t['cusparselt']:.3f} ms, "
+        f"kernel-pruned dense {t_tr_t[None]:.3f} ms, XLA reference {t_tr_t['xla']:.3f} ms")
     if cslt.available():
       blob = ops.cusparselt_compress(ws)
       fwd = lambda x, b, ws=ws: nm_matmul(x, ws, cusparselt_weight=b)
@@ -213,7 +232,7 @@ def large(args) -> list[dict]:
         f"train err {err_tr:.1e}")
     out.append(dict(cols=cols, dense=t_dense, auto=t_auto, expand_only=t_expand_only, kernel=best_kernel,
                     tr_dense=t_tr_dense, tr_sr=t_tr_sr, tr_dense32=t_tr_dense32, tr_sr32=t_tr_sr32, err_tr=err_tr,
-                    cslt_fwd=t_cslt_fwd, tr_cslt=t_tr_cslt, tr_cslt32=t_tr_cslt32))
+                    cslt_fwd=t_cslt_fwd, tr_cslt=t_tr_cslt, tr_cslt32=t_tr_cslt32, tr_t=t_tr_t))
   return out
 
 
@@ -299,19 +318,21 @@ def report(dec, big, tor, device: str) -> list[str]:
       "sparse forward, dense backward), time / dense time:",
       "",
       "| M | K | N | 2:4 product | target | SR-STE step bf16 weights (ms, ratio) | SR-STE step f32 master "
-      "(ms, ratio) |",
-      "|---|---|---|---|---|---|---|",
+      "(ms, ratio) | transposable step f32 master: sparse fwd + dX / kernel-pruned dense / XLA reference "
+      "(ratios) |",
+      "|---|---|---|---|---|---|---|---|",
   ]
   for r in dec:
     target = 0.65
     lines.append(f"| {r['rows']} | {K} | {r['cols']} | {r['cslt'] * 1e3:.2f} us (**{r['cslt'] / r['dense']:.2f}**) | "
-                 f"{target} | - | - |")
+                 f"{target} | - | - | - |")
   for r in big:
     target = 0.65 if r["cols"] == 16384 else 0.75
     lines.append(
         f"| {M_TRAIN} | {K} | {r['cols']} | {r['cslt_fwd']:.3f} ms (**{r['cslt_fwd'] / r['dense']:.2f}**) | {target} | "
         f"{r['tr_cslt']:.3f} (**{r['tr_cslt'] / r['tr_dense']:.2f}**) | {r['tr_cslt32']:.3f} "
-        f"({r['tr_cslt32'] / r['tr_dense32']:.2f}) |"
+        f"({r['tr_cslt32'] / r['tr_dense32']:.2f}) | "
+        + " / ".join(f"{r['tr_t'][i] / r['tr_dense32']:.2f}" for i in ("cusparselt", None, "xla")) + " |"
     )
   return lines
 

@@ -36,6 +36,7 @@ from _gpu_timing import time_ms
 from flax import nnx
 
 import jaxsparse
+from jaxsparse.ops import _sr_ste
 
 warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
 
@@ -161,10 +162,15 @@ def main(argv=None):
   p.add_argument("--iterations", type=int, default=10)
   p.add_argument("--breakdown", action="store_true", help="also print device time per kind of kernel")
   p.add_argument("--out", default=None, help="also write the table (markdown) here")
+  p.add_argument("--sparse-core-min-rows", type=int, default=None,
+                 help="N:M kinds: rows of x from which 2:4 SR-STE products run on sparse tensor cores "
+                      "(ops._sr_ste.SPARSE_CORE_MIN_ROWS and TRANSPOSABLE_SPARSE_CORE_MIN_ROWS; default theirs)")
   p.add_argument("--tiny", action="store_true", help="tiny sizes: a smoke test that runs in seconds on a CPU")
   args = p.parse_args(argv)
   if args.tiny:
     args.depth, args.d, args.hidden, args.heads, args.batch, args.seq, args.iterations = 2, 128, 256, 2, 2, 16, 2
+  if args.sparse_core_min_rows is not None:
+    _sr_ste.SPARSE_CORE_MIN_ROWS = _sr_ste.TRANSPOSABLE_SPARSE_CORE_MIN_ROWS = args.sparse_core_min_rows
   dev = jax.devices()[0]
   header = (
       f"device: {dev.device_kind}, jax {jax.__version__}; {args.model} x{args.depth}, d={args.d}, "

@@ -247,3 +247,97 @@ def test_gpu_nm_matmul_falls_back_with_a_warning_when_the_kernel_cannot_build(mo
     text = jax.jit(jaxsparse.ops.nm_matmul).lower(x, w).as_text()
   assert "jaxsparse_nm24_decode" not in text
   assert _rel(jaxsparse.ops.nm_matmul(x, w), ref) < TOL
+
+
+# -------------------------------------------------------------------------------------------------
+# Transposable 2:4 pruning (nm24_transposable.cu).
+# -------------------------------------------------------------------------------------------------
+
+
+def test_transposable_kernel_pattern_table_is_tile_patterns():
+  # The kernel's literal table must list _tile_patterns(2, 4) in its order (the tie rule and the pattern
+  # indices the backward pass expands depend on it).
+  import itertools  # noqa: PLC0415
+  import re  # noqa: PLC0415
+
+  from jaxsparse.formats import _nm  # noqa: PLC0415
+
+  src = (ck._HERE / "nm24_transposable.cu").read_text()
+  table = src[src.index("#define NM_PATTERNS(P)") :].split("\n//")[0]
+  entries = [(int(i), int(c, 16)) for i, c in re.findall(r"P\((\d+), (0x[0-9a-f]+)\)", table)]
+  assert [i for i, _ in entries] == list(range(90))
+  pairs = list(itertools.combinations(range(4), 2))
+  tiles = np.zeros((90, 4, 4), bool)
+  for i, code in entries:
+    for r in range(4):
+      tiles[i, r, list(pairs[(code >> 3 * r) & 7])] = True
+  np.testing.assert_array_equal(tiles, _nm._tile_patterns(2, 4))
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype", "out", "expect"),
+    [
+        ((64, 32), jnp.float32, jnp.bfloat16, ""),
+        ((4, 4), jnp.bfloat16, jnp.float32, ""),
+        ((64, 30), jnp.float32, jnp.bfloat16, "multiples of 4"),
+        ((64, 32, 4), jnp.float32, jnp.bfloat16, "2-D"),
+        ((64, 32), jnp.float16, jnp.float16, "float32 or bfloat16"),
+    ],
+)
+def test_transposable_unsupported_reason(shape, dtype, out, expect):
+  reason = ck.nm24_transposable_unsupported_reason(shape, dtype, out)
+  assert (expect in reason) if expect else reason == ""
+
+
+def _check_transposable(w, out_dtype):
+  """The kernel's pruning of ``w`` against nm_mask(transposable=True): same pattern except near-ties."""
+  from jaxsparse.formats import _nm  # noqa: PLC0415
+
+  pruned, pattern = jax.jit(lambda w: ck.nm24_transposable(w, out_dtype))(w)
+  k, n = w.shape
+  assert pruned.shape == (k, n) and pruned.dtype == out_dtype and pattern.shape == (k // 4, n // 4)
+  mask = np.asarray(_nm.tile_mask(pattern, 2, 4))
+  # Whatever the pattern, it is one of the 90 and the values are w's kept entries, rounded once.
+  np.testing.assert_array_equal(np.asarray(pruned), np.asarray(jnp.where(mask, w, 0).astype(out_dtype)))
+  want = np.asarray(_nm.transposable_pattern(w, 2, 4))
+  differ = np.asarray(pattern) != want
+  if differ.any():  # only where the two patterns' totals agree to float32 rounding
+    scores = np.minimum(np.nan_to_num(np.abs(np.asarray(w, np.float32)), nan=np.inf), np.finfo(np.float32).max / 16)
+    tiles = scores.reshape(k // 4, 4, n // 4, 4).swapaxes(1, 2).reshape(k // 4, n // 4, 16).astype(np.float64)
+    flat = _nm._tile_patterns(2, 4).reshape(90, 16)
+    totals = tiles @ flat.T
+    got = np.take_along_axis(totals, np.asarray(pattern, np.int64)[..., None], -1)[..., 0]
+    best = totals.max(-1)
+    np.testing.assert_allclose(got[differ], best[differ], rtol=1e-6)
+  return differ.mean()
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize(("w_dtype", "out_dtype"), [(jnp.float32, jnp.bfloat16), (jnp.float32, jnp.float32),
+                                                    (jnp.bfloat16, jnp.bfloat16), (jnp.bfloat16, jnp.float32)])
+@pytest.mark.parametrize("shape", [(4, 4), (64, 132), (1024, 2048)])
+def test_gpu_nm24_transposable(shape, w_dtype, out_dtype):
+  w = jax.random.normal(jax.random.key(shape[0] + shape[1]), shape).astype(w_dtype)
+  assert _check_transposable(w, jnp.dtype(out_dtype)) < 1e-3
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_nm24_transposable_ties_nan_inf_zeros():
+  # Small integers (many exact ties: the first pattern in order must win, as in nm_mask), whole zero tiles,
+  # NaN and inf (the largest scores).
+  w = jax.random.randint(jax.random.key(5), (128, 256), -3, 4).astype(jnp.float32)
+  w = w.at[:4, :4].set(0.0).at[8, 9].set(jnp.nan).at[17, 3].set(jnp.inf).at[18, 3].set(-jnp.inf)
+  assert _check_transposable(w, jnp.dtype(jnp.float32)) == 0.0
+  pruned, _ = ck.nm24_transposable(w, jnp.float32)
+  assert np.isnan(np.asarray(pruned)[8, 9]) and np.isinf(np.asarray(pruned)[[17, 18], 3]).all()
+
+
+@pytest.mark.gpu
+@needs_gpu
+@settings(max_examples=10, deadline=None)
+@given(k=st.integers(1, 40), n=st.integers(1, 40), seed=st.integers(0, 2**16))
+def test_gpu_nm24_transposable_random_shapes(k, n, seed):
+  w = jax.random.normal(jax.random.key(seed), (4 * k, 4 * n)) * jax.random.uniform(jax.random.key(seed + 1), (1, 4 * n))
+  assert _check_transposable(w, jnp.dtype(jnp.bfloat16)) < 1e-2

@@ -8,6 +8,7 @@ see ``benchmarks/gpu_cusparselt.py``); they skip elsewhere.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import jax
@@ -131,6 +132,39 @@ def test_sr_ste_matmul_custom_vjp_gives_the_reference_gradients():
   _, dw0 = jax.vjp(lambda x, w: _sr_ste._sr_ste_matmul(cfg0, x, w), x, w)[1](dy)
   mask = jaxsparse.nm_mask(w, 2, 4)
   np.testing.assert_allclose(dw - dw0, np.where(mask, 0.0, 0.3 * w), rtol=1e-6, atol=1e-6)
+
+
+def _sr_t_reference(x, w, decay, dtype):
+  return x @ ops.sr_ste(w, 2, 4, decay=decay, transposable=True).astype(dtype)
+
+
+@pytest.mark.parametrize("blob_bytes", [0, 96])
+@pytest.mark.parametrize(("w_dtype", "dtype"), [(jnp.float32, jnp.bfloat16), (jnp.float32, jnp.float32),
+                                                (jnp.bfloat16, jnp.bfloat16)])
+def test_transposable_custom_vjp_gives_the_reference_gradients(blob_bytes, w_dtype, dtype):
+  # The custom VJP of the transposable path (kernel pruning, products on sparse tensor cores when blob_bytes);
+  # off CUDA its branches are the XLA ones, which must give the reference's value and gradients bit for bit.
+  # Eagerly: under jit lax.platform_dependent traces the CUDA branches too, which need a GPU to trace.
+  kx, kw, kg = jax.random.split(jax.random.key(blob_bytes + 3), 3)
+  w = jax.random.normal(kw, (32, 16)).astype(w_dtype)
+  x = jax.random.normal(kx, (3, 7, 32)).astype(dtype)
+  dy = jax.random.normal(kg, (3, 7, 16)).astype(dtype)
+  cfg = _sr_ste._MatmulConfig(2, 4, 0.3, jnp.dtype(dtype), None, None, transposable=True)
+  f = lambda x, w: jax.vjp(lambda x, w: _sr_ste._sr_ste_matmul_t(cfg, blob_bytes, x, w), x, w)[1](dy)
+  ref = lambda x, w: jax.vjp(lambda x, w: _sr_t_reference(x, w, 0.3, dtype), x, w)[1](dy)
+  np.testing.assert_array_equal(_sr_ste._sr_ste_matmul_t(cfg, blob_bytes, x, w), _sr_t_reference(x, w, 0.3, dtype))
+  for a, b in zip(f(x, w), ref(x, w), strict=True):
+    np.testing.assert_array_equal(a, b)
+  # The decay is there, on the entries the transposable mask prunes (not the plain mask's). With float32 w:
+  # a bfloat16 difference of two gradients would lose the decay term in rounding.
+  if w_dtype != jnp.float32:
+    return
+  cfg0 = dataclasses.replace(cfg, decay=0.0)
+  dw0 = jax.vjp(lambda w: _sr_ste._sr_ste_matmul_t(cfg0, blob_bytes, x, w), w)[1](dy)[0]
+  mask = jaxsparse.nm_mask(w, 2, 4, transposable=True)
+  assert (mask != jaxsparse.nm_mask(w, 2, 4)).any()
+  np.testing.assert_allclose(np.asarray(f(x, w)[1] - dw0, np.float32),
+                             np.where(mask, 0.0, np.asarray(0.3 * w, np.float32)), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [None, jnp.bfloat16])
@@ -300,6 +334,41 @@ def test_gpu_sr_ste_matmul_forward_on_sparse_cores_and_exact_gradients():
   assert _rel(y, y_ref) < 1e-2
   np.testing.assert_array_equal(dx, dx_ref)
   np.testing.assert_array_equal(dw, dw_ref)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("w_dtype", [jnp.float32, jnp.bfloat16])
+def test_gpu_sr_ste_matmul_transposable_on_sparse_cores(w_dtype):
+  # Forward and dY Wᵀ on sparse tensor cores, pruned by our kernel: the value and gradients of
+  # x @ sr_ste(w, transposable=True) with the kernel's mask (the same as nm_mask's but for near-ties, which
+  # random normal weights of this size do not have: checked).
+  from jaxsparse._cuda import _kernels as ck  # noqa: PLC0415
+
+  kx, kw, kg = jax.random.split(jax.random.key(11), 3)
+  w = jax.random.normal(kw, (512, 256)).astype(w_dtype)
+  x = jax.random.normal(kx, (4, 64, 512)).astype(jnp.bfloat16)
+  dy = jax.random.normal(kg, (4, 64, 256)).astype(jnp.bfloat16)
+  np.testing.assert_array_equal(ck.nm24_transposable(w)[1], jaxsparse.formats._nm.transposable_pattern(w, 2, 4))
+  f = lambda x, w: ops.sr_ste_matmul(x, w, 2, 4, decay=0.01, dtype=jnp.bfloat16, transposable=True,
+                                     implementation="cusparselt")
+  hlo = jax.jit(jax.grad(lambda x, w: f(x, w).astype(jnp.float32).sum(), (0, 1))).lower(x, w).as_text()
+  assert hlo.count("jaxsparse_cusparselt_matmul") == 2 and "jaxsparse_nm24_transposable" in hlo
+  auto = lambda x, w: ops.sr_ste_matmul(x, w, 2, 4, dtype=jnp.bfloat16, transposable=True)
+  small = jax.jit(auto).lower(x, w).as_text()  # 256 rows: pruned by the kernel, dense products
+  assert "jaxsparse_cusparselt_matmul" not in small and "jaxsparse_nm24_transposable" in small
+  big = jnp.zeros((_sr_ste.TRANSPOSABLE_SPARSE_CORE_MIN_ROWS, 512), jnp.bfloat16)
+  assert "jaxsparse_cusparselt_matmul" in jax.jit(auto).lower(big, w).as_text()
+  step = lambda fn: jax.jit(lambda x, w, dy: (lambda y, vjp: (y, *vjp(dy)))(*jax.vjp(fn, x, w)))
+  y, dx, dw = step(f)(x, w, dy)
+  y_ref, dx_ref, dw_ref = step(lambda x, w: _sr_t_reference(x, w, 0.01, jnp.bfloat16))(x, w, dy)
+  assert _rel(y, y_ref) < 1e-2 and _rel(dx, dx_ref) < 1e-2
+  np.testing.assert_array_equal(dw, dw_ref)
+  # The kernel-pruned dense path gives the reference bit for bit.
+  y2, dx2, dw2 = step(lambda x, w: ops.sr_ste_matmul(x, w, 2, 4, decay=0.01, dtype=jnp.bfloat16,
+                                                      transposable=True))(x, w, dy)
+  for a, b in ((y2, y_ref), (dx2, dx_ref), (dw2, dw_ref)):
+    np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.gpu

@@ -13,6 +13,8 @@ Kernels:
 
 * :func:`nm24_decode`: ``x @ W`` for a 2:4 bfloat16 ``W`` (``NMSparseMatrix`` values and packed
   positions, as stored) and ``M <= 32`` rows, on the sparse tensor cores (``nm24_decode.cu``).
+* :func:`nm24_transposable`: transposable 2:4 pruning of a ``(K, N)`` weight in one pass, the pruned
+  weight and each ``4 x 4`` tile's pattern (``nm24_transposable.cu``).
 
 When NVRTC, the driver, a compiler or a Hopper-class GPU is missing, or ``JAXSPARSE_CUDA_KERNELS=0``
 is set, :func:`available` is False and :func:`unavailable_reason` says why; callers keep their other
@@ -50,6 +52,8 @@ __all__ = [
     "available",
     "nm24_decode",
     "nm24_prepare",
+    "nm24_transposable",
+    "nm24_transposable_unsupported_reason",
     "nm24_unsupported_reason",
     "unavailable_reason",
     "warn_fallback",
@@ -214,6 +218,8 @@ def _setup() -> dict:
     register.restype = ctypes.c_int64
     register.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int64, ctypes.c_char_p]
     jax.ffi.register_ffi_target("jaxsparse_nm24_decode", jax.ffi.pycapsule(lib.JaxsparseNm24Decode), platform="CUDA")
+    jax.ffi.register_ffi_target("jaxsparse_nm24_transposable", jax.ffi.pycapsule(lib.JaxsparseNm24Transposable),
+                                platform="CUDA")
   except (OSError, AttributeError) as e:
     return {"reason": f"loading {path} failed: {e}"}
   return {"reason": "", "lib": lib, "register": register, "arch": f"sm_{cc[0]}{cc[1]}", "kernels": {}}
@@ -389,4 +395,50 @@ def nm24_decode(
   return jax.ffi.ffi_call("jaxsparse_nm24_decode", out, vmap_method="sequential")(
       x, values, indices, kernel=np.int64(kid), split=np.int64(cfg.split), warps=np.int64(cfg.warps),
       span=np.int64(cfg.span)
+  )
+
+
+TRANSPOSABLE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
+def nm24_transposable_unsupported_reason(shape: tuple[int, ...], dtype, out_dtype) -> str:
+  """Why :func:`nm24_transposable` cannot prune a ``shape`` ``dtype`` weight into ``out_dtype``, or ``""``."""
+  names = " or ".join(d.name for d in TRANSPOSABLE_DTYPES)
+  if jnp.dtype(dtype) not in TRANSPOSABLE_DTYPES or jnp.dtype(out_dtype) not in TRANSPOSABLE_DTYPES:
+    return f"w and the output must be {names}, got {jnp.dtype(dtype)} and {jnp.dtype(out_dtype)}"
+  if len(shape) != 2 or shape[0] % 4 or shape[1] % 4:
+    return f"w must be 2-D (K, N) with K and N multiples of 4, got shape {tuple(shape)}"
+  if max(shape) > 1 << 30:
+    return f"K and N must be at most 2**30, got shape {tuple(shape)}"
+  return ""
+
+
+def nm24_transposable(w: jax.Array, out_dtype=None) -> tuple[jax.Array, jax.Array]:
+  """Transposable 2:4 pruning of ``w`` on the GPU: ``(pruned, pattern)``.
+
+  The mask is :func:`jaxsparse.nm_mask` ``(w, 2, 4, transposable=True)``'s (2 kept entries in every row and
+  every column of each ``4 x 4`` tile, the pattern of largest kept magnitude), up to float32 rounding: the
+  kernel adds a pattern's scores in another order than XLA's product there, so where two patterns' totals
+  agree to within rounding the two may keep different ones (of the same magnitude to that rounding).
+
+  Args:
+    w: ``(K, N)`` float32 or bfloat16 weight, ``K`` and ``N`` multiples of 4.
+    out_dtype: the dtype of ``pruned`` (float32 or bfloat16; default ``w.dtype``), rounded to nearest even.
+
+  Returns:
+    ``pruned``: ``(K, N)`` ``where(mask, w, 0)`` in ``out_dtype``; ``pattern``: ``(K / 4, N / 4)`` uint8, each
+    tile's index into ``jaxsparse.formats._nm._tile_patterns(2, 4)`` (:func:`jaxsparse.formats._nm.tile_mask`
+    expands it).
+  """
+  out_dtype = jnp.dtype(out_dtype or w.dtype)
+  reason = nm24_transposable_unsupported_reason(w.shape, w.dtype, out_dtype)
+  if reason:
+    raise ValueError(f"nm24_transposable cannot run: {reason}.")
+  w_bf16, out_bf16 = w.dtype == jnp.bfloat16, out_dtype == jnp.bfloat16
+  kid = _kernel_id("nm24_transposable.cu", "nm24_transposable", (("NM_IN_BF16", int(w_bf16)),
+                                                                  ("NM_OUT_BF16", int(out_bf16))))
+  k, n = w.shape
+  out = (jax.ShapeDtypeStruct((k, n), out_dtype), jax.ShapeDtypeStruct((k // 4, n // 4), jnp.uint8))
+  return jax.ffi.ffi_call("jaxsparse_nm24_transposable", out, vmap_method="sequential")(
+      w, kernel=np.int64(kid), w_bf16=bool(w_bf16), out_bf16=bool(out_bf16)
   )

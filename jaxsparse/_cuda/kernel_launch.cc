@@ -12,6 +12,10 @@
 //     (K/2, N) and packed positions (K/8, N) uint8, M <= 32 (nm24_decode.cu). Attributes: kernel (the id
 //     of the registered cubin), split (thread blocks per column span = the cluster size of the cubin),
 //     warps (per thread block), span (columns per thread block), as compiled.
+//   JaxsparseNm24Transposable: transposable 2:4 pruning of a (K, N) float32 / bfloat16 weight: the pruned
+//     weight (float32 / bfloat16) and each 4 x 4 tile's pattern index (K/4, N/4) uint8
+//     (nm24_transposable.cu). Attributes: kernel (the id of the cubin), w_bf16 and out_bf16 (the dtypes it
+//     was built for: bfloat16, else float32).
 
 #include <dlfcn.h>
 
@@ -139,6 +143,21 @@ std::string Function(const Driver& d, int64_t id, CUcontext ctx, CUfunction* out
   return "";
 }
 
+// Launches registered kernel `id` on `stream` (grid x, y; `threads` per block; no dynamic shared memory).
+ffi::Error Launch(CUstream stream, int64_t id, const char* what, unsigned grid_x, unsigned grid_y, unsigned threads,
+                  void** args) {
+  const Driver& d = GetDriver();
+  if (!d.error.empty()) return ffi::Error::Internal(d.error);
+  ScopedContext scope(d, stream);
+  if (!scope.error().empty()) return ffi::Error::Internal(scope.error());
+  CUfunction f;
+  std::string error = Function(d, id, scope.context(), &f);
+  if (!error.empty()) return ffi::Error::Internal(std::string(what) + ": " + error);
+  CUresult r = d.LaunchKernel(f, grid_x, grid_y, 1, threads, 1, 1, 0, stream, args, nullptr);
+  if (r != 0) return ffi::Error::Internal(CudaError(d, (std::string(what) + ": cuLaunchKernel").c_str(), r));
+  return ffi::Error::Success();
+}
+
 ffi::Error Nm24Decode(CUstream stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> values,
                       ffi::Buffer<ffi::U8> idx, ffi::ResultBuffer<ffi::BF16> y, int64_t kernel, int64_t split,
                       int64_t warps, int64_t span) {
@@ -153,22 +172,38 @@ ffi::Error Nm24Decode(CUstream stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi
                                        "), values (" + std::to_string(vd[0]) + ", " + std::to_string(n) +
                                        "), span " + std::to_string(span) +
                                        " are not those the kernel supports (M <= 32, K % 64 == 0, N % span == 0)");
-  const Driver& d = GetDriver();
-  if (!d.error.empty()) return ffi::Error::Internal(d.error);
-  ScopedContext scope(d, stream);
-  if (!scope.error().empty()) return ffi::Error::Internal(scope.error());
-  CUfunction f;
-  std::string error = Function(d, kernel, scope.context(), &f);
-  if (!error.empty()) return ffi::Error::Internal("nm24_decode: " + error);
   const void* xp = x.untyped_data();
   const void* vp = values.untyped_data();
   const void* ip = idx.untyped_data();
   void* yp = y->untyped_data();
   int mi = static_cast<int>(m), ki = static_cast<int>(k), ni = static_cast<int>(n);
   void* args[] = {&xp, &vp, &ip, &yp, &mi, &ki, &ni};
-  CUresult r = d.LaunchKernel(f, static_cast<unsigned>(n / span), static_cast<unsigned>(split), 1,
-                              static_cast<unsigned>(warps * 32), 1, 1, 0, stream, args, nullptr);
-  if (r != 0) return ffi::Error::Internal(CudaError(d, "nm24_decode: cuLaunchKernel", r));
+  return Launch(stream, kernel, "nm24_decode", static_cast<unsigned>(n / span), static_cast<unsigned>(split),
+                static_cast<unsigned>(warps * 32), args);
+}
+
+ffi::Error Nm24Transposable(CUstream stream, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> pruned,
+                            ffi::ResultBuffer<ffi::U8> pattern, int64_t kernel, bool w_bf16, bool out_bf16) {
+  const auto wd = w.dimensions(), pd = pruned->dimensions(), td = pattern->dimensions();
+  if (wd.size() != 2 || pd.size() != 2 || td.size() != 2)
+    return ffi::Error::InvalidArgument("nm24_transposable: w, pruned and pattern must be 2-D");
+  const int64_t k = wd[0], n = wd[1];
+  // The kernel was compiled for these element types (NM_IN_BF16, NM_OUT_BF16).
+  const bool types = w.element_type() == (w_bf16 ? ffi::BF16 : ffi::F32) &&
+                     pruned->element_type() == (out_bf16 ? ffi::BF16 : ffi::F32);
+  if (!types || k % 4 != 0 || n % 4 != 0 || pd[0] != k || pd[1] != n || td[0] != k / 4 || td[1] != n / 4 ||
+      k > (int64_t{1} << 30) || n > (int64_t{1} << 30))
+    return ffi::Error::InvalidArgument("nm24_transposable: w (" + std::to_string(k) + ", " + std::to_string(n) +
+                                       ") needs w and pruned of its shape in the dtypes the kernel was built for, K and N multiples "
+                                       "of 4, and pattern (K / 4, N / 4)");
+  const int64_t tiles = (k / 4) * (n / 4);
+  if (tiles == 0) return ffi::Error::Success();
+  const void* wp = w.untyped_data();
+  void* pp = pruned->untyped_data();
+  void* tp = pattern->untyped_data();
+  int ki = static_cast<int>(k), ni = static_cast<int>(n);
+  void* args[] = {&wp, &pp, &tp, &ki, &ni};
+  return Launch(stream, kernel, "nm24_transposable", static_cast<unsigned>((tiles + 255) / 256), 1, 256, args);
   return ffi::Error::Success();
 }
 
@@ -201,5 +236,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseNm24Decode, Nm24Decode,
                                   .Attr<int64_t>("split")
                                   .Attr<int64_t>("warps")
                                   .Attr<int64_t>("span"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseNm24Transposable, Nm24Transposable,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<CUstream>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::U8>>()
+                                  .Attr<int64_t>("kernel")
+                                  .Attr<bool>("w_bf16")
+                                  .Attr<bool>("out_bf16"));
 
 #pragma GCC visibility pop

@@ -22,7 +22,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["NMSparseMatrix", "check_nm", "check_transposable", "check_transposable_flag", "nm_mask"]
+__all__ = [
+    "NMSparseMatrix",
+    "check_nm",
+    "check_transposable",
+    "check_transposable_flag",
+    "nm_mask",
+    "tile_mask",
+    "transposable_pattern",
+]
 
 # Above this group size the mask ranks entries with a stable argsort instead of m pairwise passes.
 _PAIRWISE_MAX_M = 32
@@ -197,13 +205,13 @@ def _tile_patterns(n: int, m: int) -> np.ndarray:
   return np.stack(patterns)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def _transposable_mask(w: jax.Array, n: int, m: int, axis: int) -> jax.Array:
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def transposable_pattern(w: jax.Array, n: int, m: int) -> jax.Array:
+  """``(..., R m, C m)`` -> ``(..., R, C)``: each ``m x m`` tile's best pattern (index into :func:`_tile_patterns`)."""
   patterns = _tile_patterns(n, m)
   # Scores in float32, finite (NaN and inf the largest) so that a 0 / 1 product cannot make a NaN.
   big = np.float32(np.finfo(np.float32).max / (m * m))
   a = jnp.minimum(_scores(w).astype(jnp.float32), big)
-  a = jnp.moveaxis(a, axis, -2)
   *lead, rows, cols = a.shape
   tiles = a.reshape(*lead, rows // m, m, cols // m, m)
   tiles = jnp.swapaxes(tiles, -3, -2).reshape(*lead, rows // m, cols // m, m * m)
@@ -212,9 +220,19 @@ def _transposable_mask(w: jax.Array, n: int, m: int, axis: int) -> jax.Array:
       tiles, jnp.asarray(patterns.reshape(len(patterns), m * m), jnp.float32),
       (((tiles.ndim - 1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
   )
-  mask = jnp.asarray(patterns)[jnp.argmax(totals, axis=-1)]  # (..., rows / m, cols / m, m, m)
-  mask = jnp.swapaxes(mask, -3, -2).reshape(*lead, rows, cols)
-  return jnp.moveaxis(mask, -2, axis)
+  return jnp.argmax(totals, axis=-1)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _transposable_mask(w: jax.Array, n: int, m: int, axis: int) -> jax.Array:
+  return jnp.moveaxis(tile_mask(transposable_pattern(jnp.moveaxis(w, axis, -2), n, m), n, m), -2, axis)
+
+
+def tile_mask(pattern: jax.Array, n: int, m: int) -> jax.Array:
+  """``(..., R, C)`` indices into :func:`_tile_patterns` ``(n, m)`` -> the ``(..., R m, C m)`` bool mask they pick."""
+  *lead, rows, cols = pattern.shape
+  mask = jnp.asarray(_tile_patterns(n, m))[pattern]  # (..., R, C, m, m)
+  return jnp.swapaxes(mask, -3, -2).reshape(*lead, rows * m, cols * m)
 
 
 # One compiled function per shape instead of many small eager ops (the pairwise ranking unrolls m

@@ -11,9 +11,12 @@ so the gradients are exactly those of ``x @ sr_ste(w)``: both backward products 
 ``xᵀ dY``) stay dense, since neither reduces along the axis the 2:4 groups run along.
 
 ``transposable=True`` prunes with a mask that is N:M along the output axis too (:func:`jaxsparse.nm_mask`),
-so that ``Wᵀ`` is N:M along the axis ``dY Wᵀ`` reduces over and that product could run on sparse tensor
-cores as well (the mask costs about 4 points of kept magnitude; on digits it trains as well as the plain
-one, ``examples/sr_ste_digits.py``). For now its products are the dense reference's.
+so that ``Wᵀ`` is N:M along the axis ``dY Wᵀ`` reduces over and that product runs on sparse tensor cores as
+well (the mask costs about 4 points of kept magnitude; on digits it trains as well as the plain one,
+``examples/sr_ste_digits.py``). On a CUDA GPU a kernel of ours prunes the weight in one pass
+(``jaxsparse/_cuda/nm24_transposable.cu``), cuSPARSELt compresses it twice (as ``W`` for the forward and as
+``Wᵀ`` for ``dY Wᵀ``), and only ``xᵀ dY`` stays dense: two of the step's three products on sparse tensor
+cores. Below ``TRANSPOSABLE_SPARSE_CORE_MIN_ROWS`` rows the kernel still prunes, for the dense products.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from jax import lax
 
 from jaxsparse._cuda import _build as _cuda_build
 from jaxsparse._cuda import _cusparselt as cslt
+from jaxsparse._cuda import _kernels as cuda_kernels
 from jaxsparse.formats import _nm
 from jaxsparse.ops import _sharding
 
@@ -43,6 +47,8 @@ __all__ = ["sr_ste", "sr_ste_matmul"]
 # went from 1.15 to 1.01 of dense, but the train step of a 4-block MLP at 8192 tokens (2048 <-> 8192
 # layers) was 1.06 of dense with it and 1.03-1.05 without, and 0.98 vs 1.00 at 32768 tokens.
 SPARSE_CORE_MIN_ROWS = 16384
+# The same for transposable masks, whose backward dY Wᵀ runs on sparse tensor cores too.
+TRANSPOSABLE_SPARSE_CORE_MIN_ROWS = 16384
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
@@ -134,10 +140,13 @@ class _MatmulConfig:
   transposable: bool = False
 
 
-def _reference(cfg: _MatmulConfig, x, w):
-  kernel = _sr_ste(w, cfg.n, cfg.m, 0, cfg.decay, cfg.transposable).astype(cfg.dtype)
+def _product(cfg: _MatmulConfig, x, kernel):
   kwargs = {} if cfg.preferred_element_type is None else {"preferred_element_type": cfg.preferred_element_type}
   return lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=cfg.precision, **kwargs)
+
+
+def _reference(cfg: _MatmulConfig, x, w):
+  return _product(cfg, x, _sr_ste(w, cfg.n, cfg.m, 0, cfg.decay, cfg.transposable).astype(cfg.dtype))
 
 
 def _sparse_forward(cfg: _MatmulConfig, x, w):
@@ -173,6 +182,66 @@ def _sr_ste_matmul_bwd(cfg, res, dy):
 _sr_ste_matmul.defvjp(_sr_ste_matmul_fwd, _sr_ste_matmul_bwd)
 
 
+# Transposable 2:4 with our pruning kernel. The residuals are the same on every platform (so that
+# lax.platform_dependent can pick the branch when lowering): x, w, each 4 x 4 tile's pattern, and the
+# compressed Wᵀ, ``blob_bytes`` of it (on the CUDA branch; zeros elsewhere; 0 bytes when the products are dense).
+
+
+def _t_forward_cuda(cfg: _MatmulConfig, blob_bytes: int, x, w):
+  pruned, pattern = cuda_kernels.nm24_transposable(w, cfg.dtype)
+  if not blob_bytes:
+    return _product(cfg, x, pruned), pattern, jnp.zeros((0,), jnp.uint8)
+  local = lambda x2, b: (cslt.matmul(x2, b, w.shape[1]),)
+  y = _sharding.row_parallel(local, (x,), cslt.compress(pruned))[0]
+  return y, pattern, cslt.compress(pruned, layout=cslt.LAYOUT_NK)
+
+
+def _t_forward_xla(cfg: _MatmulConfig, blob_bytes: int, x, w):
+  pattern = _nm.transposable_pattern(w, cfg.n, cfg.m).astype(jnp.uint8)
+  kernel = jnp.where(_nm.tile_mask(pattern, cfg.n, cfg.m), w, jnp.zeros((), w.dtype)).astype(cfg.dtype)
+  return _product(cfg, x, kernel), pattern, jnp.zeros((blob_bytes,), jnp.uint8)
+
+
+def _t_forward(cfg, blob_bytes, x, w):
+  return lax.platform_dependent(x, w, cuda=functools.partial(_t_forward_cuda, cfg, blob_bytes),
+                                default=functools.partial(_t_forward_xla, cfg, blob_bytes))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _sr_ste_matmul_t(cfg: _MatmulConfig, blob_bytes: int, x, w):
+  """``x @ sr_ste(w, transposable=True)`` pruned by our kernel on CUDA; products on sparse tensor cores there
+  when ``blob_bytes`` (the size of the compressed ``Wᵀ``) is not 0."""
+  return _t_forward(cfg, blob_bytes, x, w)[0]
+
+
+def _sr_ste_matmul_t_fwd(cfg, blob_bytes, x, w):
+  y, pattern, blob_t = _t_forward(cfg, blob_bytes, x, w)
+  return y, (x, w, pattern, blob_t)
+
+
+def _sr_ste_matmul_t_bwd(cfg, blob_bytes, res, dy):
+  # The reference's VJP with the forward's mask: dX = dY Wᵀ, dW = xᵀ dY passed straight to the dense w
+  # plus the decay of the pruned entries.
+  x, w, pattern, blob_t = res
+  mask = _nm.tile_mask(pattern, cfg.n, cfg.m)
+  kernel = jnp.where(mask, w, jnp.zeros((), w.dtype)).astype(cfg.dtype)
+  dkernel = jax.vjp(lambda k: _product(cfg, x, k), kernel)[1](dy)[0]
+  dense_dx = lambda dy, b: jax.vjp(lambda x: _product(cfg, x, kernel), x)[1](dy)[0]
+  if blob_bytes:
+    local = lambda dy2, b: (cslt.matmul(dy2, b, w.shape[0], layout=cslt.LAYOUT_NK),)
+    sparse_dx = lambda dy, b: _sharding.row_parallel(local, (dy,), b, like={0: x})[0]
+    dx = lax.platform_dependent(dy, blob_t, cuda=sparse_dx, default=dense_dx)
+  else:
+    dx = dense_dx(dy, blob_t)
+  dw = dkernel.astype(w.dtype)
+  if cfg.decay:
+    dw = dw + jnp.where(mask, jnp.zeros((), dw.dtype), (cfg.decay * w).astype(dw.dtype))
+  return dx, dw
+
+
+_sr_ste_matmul_t.defvjp(_sr_ste_matmul_t_fwd, _sr_ste_matmul_t_bwd)
+
+
 def sparse_core_unsupported_reason(x_shape, x_dtype, w_shape, n, m, dtype, out_dtype) -> str:
   """Why ``sr_ste_matmul`` cannot run its forward on cuSPARSELt for these operands, or ``""``."""
   if not cslt.available():
@@ -183,6 +252,13 @@ def sparse_core_unsupported_reason(x_shape, x_dtype, w_shape, n, m, dtype, out_d
     return f"x, the kernel and the output must share one dtype, got {jnp.dtype(x_dtype)}, {jnp.dtype(dtype)}, " \
            f"{jnp.dtype(out_dtype)}"
   return cslt.unsupported_reason(w_shape[0], w_shape[1], dtype, n_keep=n, m=m)
+
+
+def _transposable_kernel_unsupported_reason(w_shape, w_dtype, n, m, dtype) -> str:
+  """Why our kernel cannot prune ``w`` with a transposable 2:4 mask into ``dtype`` here, or ``""``."""
+  if (n, m) != (2, 4):
+    return f"the pruning kernel takes 2:4 only, got {n}:{m}"
+  return cuda_kernels.unavailable_reason() or cuda_kernels.nm24_transposable_unsupported_reason(w_shape, w_dtype, dtype)
 
 
 def sr_ste_matmul(
@@ -251,24 +327,33 @@ def sr_ste_matmul(
   dtype = jnp.dtype(dtype or w.dtype)
   pet = None if preferred_element_type is None else jnp.dtype(preferred_element_type)
   cfg = _MatmulConfig(n, m, decay, dtype, precision, pet, transposable)
-  if transposable and implementation == "cusparselt":
-    raise RuntimeError("implementation='cusparselt' was requested but cannot run: transposable=True has no "
-                       "sparse-core path yet.")
-  if implementation == "xla" or transposable:
+  if implementation == "xla":
     return _reference(cfg, x, w)
-  if implementation is None and math.prod(x.shape[:-1]) < SPARSE_CORE_MIN_ROWS:
-    return _reference(cfg, x, w)
+  rows = math.prod(x.shape[:-1])
+  sparse = implementation == "cusparselt" or rows >= (TRANSPOSABLE_SPARSE_CORE_MIN_ROWS if transposable
+                                                      else SPARSE_CORE_MIN_ROWS)
+  if transposable:
+    prune_reason = _transposable_kernel_unsupported_reason(w.shape, w.dtype, n, m, dtype)
+    if implementation == "cusparselt" and prune_reason:
+      raise RuntimeError(f"implementation='cusparselt' was requested but cannot run: {prune_reason}.")
+    if prune_reason:
+      if (n, m) == (2, 4):
+        cuda_kernels.warn_fallback("sr_ste_matmul(transposable=True)", prune_reason)
+      return _reference(cfg, x, w)
   out_dtype = pet or jnp.result_type(x.dtype, dtype)
-  reason = sparse_core_unsupported_reason(x.shape, x.dtype, w.shape, n, m, dtype, out_dtype)
+  reason = sparse_core_unsupported_reason(x.shape, x.dtype, w.shape, n, m, dtype, out_dtype) if sparse else ""
   if implementation == "cusparselt" and reason:
     raise RuntimeError(f"implementation='cusparselt' was requested but cannot run: {reason}.")
-  if reason:
-    if (n, m) == (2, 4) and _cuda_build.has_cuda_device():
-      warnings.warn(
-          f"sr_ste_matmul: the 2:4 forward product on sparse tensor cores cannot run ({reason}); "
-          "using the dense product.",
-          cslt.CusparseLtFallbackWarning,
-          stacklevel=2,
-      )
+  if reason and (n, m) == (2, 4) and _cuda_build.has_cuda_device():
+    warnings.warn(
+        f"sr_ste_matmul: the 2:4 {'products' if transposable else 'forward product'} on sparse tensor cores "
+        f"cannot run ({reason}); using the dense product.",
+        cslt.CusparseLtFallbackWarning,
+        stacklevel=2,
+    )
+  if transposable:
+    blob_bytes = cslt.compressed_bytes(w.shape[0], w.shape[1], dtype, cslt.LAYOUT_NK) if sparse and not reason else 0
+    return _sr_ste_matmul_t(cfg, blob_bytes, x, w)
+  if not sparse or reason:
     return _reference(cfg, x, w)
   return _sr_ste_matmul(cfg, x, w)

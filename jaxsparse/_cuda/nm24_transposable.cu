@@ -1,0 +1,134 @@
+// Transposable 2:4 pruning of a (K, N) weight in one pass: for every 4 x 4 tile (rows 4 r .. 4 r + 3,
+// columns 4 c .. 4 c + 3) the pattern with 2 kept entries in every row and every column (90 of them) whose
+// kept scores have the largest total, the first in jaxsparse.formats._nm._tile_patterns(2, 4) order on
+// ties; scores are min(|w| with NaN as inf, FLT_MAX / 16), as jaxsparse.nm_mask(w, 2, 4, transposable=True)
+// computes them. Compiled at run time by NVRTC (no includes), one build per (NM_IN_BF16, NM_OUT_BF16).
+//
+// Operands, row-major as JAX stores them:
+//   w        (K, N) float32, or bfloat16 with NM_IN_BF16;
+//   pruned   (K, N) float32, or bfloat16 with NM_OUT_BF16 (round to nearest even): where(mask, w, 0);
+//   pattern  (K/4, N/4) uint8: the index of each tile's pattern in _tile_patterns(2, 4).
+// Needs K % 4 == 0 and N % 4 == 0. One thread per tile; consecutive threads take consecutive tiles of a
+// row of tiles, so each of the four row loads of a warp is one contiguous 512-byte (f32) span.
+//
+// The sum of a pattern is that of its rows' pair sums, ((r0 + r1) + r2) + r3: another order than XLA's
+// product of the reference, so the two can pick different patterns where two totals agree to within
+// float32 rounding (both then keep the same magnitude, to that rounding).
+
+#ifndef NM_IN_BF16
+#define NM_IN_BF16 0
+#endif
+#ifndef NM_OUT_BF16
+#define NM_OUT_BF16 1
+#endif
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+
+// The 90 patterns of _tile_patterns(2, 4), in its order, as P(index, code): row r keeps the pair number
+// (code >> 3 r) & 7 of kPairs. Literal codes, so that every pattern's total is 3 adds of registers (the
+// compiler shares the row 0 + row 1 sums). tests/test_cuda_kernels.py checks this table against _tile_patterns.
+#define NM_PATTERNS(P) \
+  P(0, 0xb40) P(1, 0xb08) P(2, 0x948) P(3, 0xad0) P(4, 0x750) P(5, 0xa98) \
+  P(6, 0x558) P(7, 0xa60) P(8, 0x360) P(9, 0xa28) P(10, 0x868) P(11, 0x6a8) \
+  P(12, 0x4e8) P(13, 0x328) P(14, 0x168) P(15, 0xb01) P(16, 0x941) P(17, 0x909) \
+  P(18, 0x8d1) P(19, 0x711) P(20, 0x899) P(21, 0x519) P(22, 0xa21) P(23, 0x861) \
+  P(24, 0x6a1) P(25, 0x4e1) P(26, 0x321) P(27, 0x161) P(28, 0x829) P(29, 0x129) \
+  P(30, 0xac2) P(31, 0x742) P(32, 0x8ca) P(33, 0x70a) P(34, 0x6d2) P(35, 0xa1a) \
+  P(36, 0x85a) P(37, 0x69a) P(38, 0x4da) P(39, 0x31a) P(40, 0x15a) P(41, 0x662) \
+  P(42, 0x2e2) P(43, 0x62a) P(44, 0x0ea) P(45, 0xa83) P(46, 0x543) P(47, 0x88b) \
+  P(48, 0x50b) P(49, 0xa13) P(50, 0x853) P(51, 0x693) P(52, 0x4d3) P(53, 0x313) \
+  P(54, 0x153) P(55, 0x49b) P(56, 0x463) P(57, 0x2a3) P(58, 0x42b) P(59, 0x0ab) \
+  P(60, 0xa44) P(61, 0x344) P(62, 0xa0c) P(63, 0x84c) P(64, 0x68c) P(65, 0x4cc) \
+  P(66, 0x30c) P(67, 0x14c) P(68, 0x654) P(69, 0x2d4) P(70, 0x45c) P(71, 0x29c) \
+  P(72, 0x264) P(73, 0x22c) P(74, 0x06c) P(75, 0xa05) P(76, 0x845) P(77, 0x685) \
+  P(78, 0x4c5) P(79, 0x305) P(80, 0x145) P(81, 0x80d) P(82, 0x10d) P(83, 0x615) \
+  P(84, 0x0d5) P(85, 0x41d) P(86, 0x09d) P(87, 0x225) P(88, 0x065) P(89, 0x02d)
+// itertools.combinations(range(4), 2) as column bit masks: (0,1) (0,2) (0,3) (1,2) (1,3) (2,3).
+__constant__ u8 kPairs[6] = {0x3, 0x5, 0x9, 0x6, 0xa, 0xc};
+
+__device__ __forceinline__ float bf16_to_float(u16 h) { return __uint_as_float(static_cast<u32>(h) << 16); }
+
+__device__ __forceinline__ u16 float_to_bf16(float f) {
+  u16 h;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+}
+
+// The 4 entries of one tile row.
+__device__ __forceinline__ void load_row(const void* w, long long offset, float v[4]) {
+#if NM_IN_BF16
+  const uint2 q = *reinterpret_cast<const uint2*>(static_cast<const u16*>(w) + offset);
+  v[0] = bf16_to_float(q.x & 0xffff);
+  v[1] = bf16_to_float(q.x >> 16);
+  v[2] = bf16_to_float(q.y & 0xffff);
+  v[3] = bf16_to_float(q.y >> 16);
+#else
+  const float4 q = *reinterpret_cast<const float4*>(static_cast<const float*>(w) + offset);
+  v[0] = q.x;
+  v[1] = q.y;
+  v[2] = q.z;
+  v[3] = q.w;
+#endif
+}
+
+__device__ __forceinline__ void store_row(void* out, long long offset, const float v[4], u32 keep) {
+  float k[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) k[j] = (keep >> j) & 1 ? v[j] : 0.0f;
+#if NM_OUT_BF16
+  uint2 q;
+  q.x = static_cast<u32>(float_to_bf16(k[0])) | (static_cast<u32>(float_to_bf16(k[1])) << 16);
+  q.y = static_cast<u32>(float_to_bf16(k[2])) | (static_cast<u32>(float_to_bf16(k[3])) << 16);
+  *reinterpret_cast<uint2*>(static_cast<u16*>(out) + offset) = q;
+#else
+  *reinterpret_cast<float4*>(static_cast<float*>(out) + offset) = make_float4(k[0], k[1], k[2], k[3]);
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(256) nm24_transposable(const void* __restrict__ w,
+                                                                    void* __restrict__ pruned,
+                                                                    u8* __restrict__ pattern, int k, int n) {
+  const int tiles_per_row = n >> 2;
+  const long long tile = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (tile >= static_cast<long long>(k >> 2) * tiles_per_row) return;
+  const long long tr = tile / tiles_per_row, tc = tile - tr * tiles_per_row;
+  const long long base = 4 * tr * n + 4 * tc;
+  const float big = 3.4028234663852886e38f / 16.0f;
+  float v[4][4], pair[4][6];
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    load_row(w, base + r * static_cast<long long>(n), v[r]);
+    float a[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float s = fabsf(v[r][j]);
+      a[j] = fminf(s != s ? __int_as_float(0x7f800000) : s, big);
+    }
+    pair[r][0] = a[0] + a[1];
+    pair[r][1] = a[0] + a[2];
+    pair[r][2] = a[0] + a[3];
+    pair[r][3] = a[1] + a[2];
+    pair[r][4] = a[1] + a[3];
+    pair[r][5] = a[2] + a[3];
+  }
+  float best = -1.0f;
+  int best_p = 0;
+  u32 best_code = 0;
+#define NM_TRY(index, code)                                                                          \
+  {                                                                                                  \
+    const float total = ((pair[0][(code) & 7] + pair[1][((code) >> 3) & 7]) + pair[2][((code) >> 6) & 7]) + \
+                        pair[3][(code) >> 9];                                                        \
+    if (total > best) {                                                                              \
+      best = total;                                                                                  \
+      best_p = index;                                                                                \
+      best_code = code;                                                                              \
+    }                                                                                                \
+  }
+  NM_PATTERNS(NM_TRY)
+#undef NM_TRY
+#pragma unroll
+  for (int r = 0; r < 4; ++r) store_row(pruned, base + r * static_cast<long long>(n), v[r], kPairs[(best_code >> (3 * r)) & 7]);
+  pattern[tile] = static_cast<u8>(best_p);
+}
