@@ -123,7 +123,7 @@ class NMLinear(_NMMixin, nnx.Linear):
     sr_ste_decay: SR-STE's decay of the pruned weights, ``>= 0``; ``0`` gives plain STE.
     transposable: prune with a mask that is N:M along the output features too (``m <= 4``,
       ``out_features`` a multiple of ``m``; :func:`jaxsparse.nm_mask`), so that the backward ``dY Wᵀ``
-      could run on 2:4 sparse tensor cores; its products are dense for now.
+      runs on 2:4 sparse tensor cores too (see :func:`jaxsparse.ops.sr_ste_matmul`).
     use_bias, dtype, param_dtype, precision, kernel_init, bias_init, dot_general,
       preferred_element_type, rngs: as ``nnx.Linear``.
     promote_dtype: as ``nnx.Linear``; it runs after the N:M pruning.
@@ -180,8 +180,8 @@ class NMLinear(_NMMixin, nnx.Linear):
     """``nnx.Linear``'s forward with the SR-STE-pruned kernel; 2:4 runs on sparse tensor cores on GPUs.
 
     For 2:4 with Flax's default ``dot_general`` and ``promote_dtype`` the product goes through
-    :func:`jaxsparse.ops.sr_ste_matmul`: the same value and gradients, with the forward product on
-    cuSPARSELt where it can run (bfloat16 compute, see there).
+    :func:`jaxsparse.ops.sr_ste_matmul`: the same value and gradients, with the forward product (and
+    with ``transposable=True`` also ``dY Wᵀ``) on cuSPARSELt where it can run (bfloat16 compute, see there).
     """
     p = self.promote_dtype
     fast = (p.n, p.m, p.axis) == (2, 4, 0) and p.base is dtypes.promote_dtype and self.dot_general is lax.dot_general

@@ -306,9 +306,13 @@ def sr_ste_matmul(
     precision, preferred_element_type: passed to the product.
     implementation: ``None`` (auto, see above), ``"xla"`` (the reference) or ``"cusparselt"``
       (sparse tensor cores at any number of rows; raises when it cannot run).
-    transposable: prune with the transposable mask (``sr_ste(..., transposable=True)``). Its products
-      run as the reference (the dense product) for now: the sparse-core path prunes with the plain
-      mask, and using the transposable one for ``dY Wᵀ`` on sparse tensor cores is not written yet.
+    transposable: prune with the transposable mask (``sr_ste(..., transposable=True)``). For 2:4 on a
+      CUDA GPU of compute capability 9.0+ with float32 / bfloat16 ``w`` and kernel, our kernel prunes ``w``
+      in one pass, and from ``TRANSPOSABLE_SPARSE_CORE_MIN_ROWS`` rows (or with
+      ``implementation="cusparselt"``) both the forward and ``dY Wᵀ`` run on sparse tensor cores (the
+      conditions above); ``xᵀ dY`` stays dense. The kernel's mask is ``nm_mask``'s except where two
+      patterns' totals agree to within float32 rounding (it adds in another order), and the gradients are
+      those of ``x @ sr_ste(w, transposable=True)`` with that mask.
 
   Returns:
     ``(..., N)`` array.
