@@ -352,14 +352,14 @@ def test_gpu_sr_ste_matmul_transposable_on_sparse_cores(w_dtype):
   np.testing.assert_array_equal(ck.nm24_transposable(w)[1], jaxsparse.formats._nm.transposable_pattern(w, 2, 4))
   f = lambda x, w: ops.sr_ste_matmul(x, w, 2, 4, decay=0.01, dtype=jnp.bfloat16, transposable=True,
                                      implementation="cusparselt")
-  hlo = jax.jit(jax.grad(lambda x, w: f(x, w).astype(jnp.float32).sum(), (0, 1))).lower(x, w).as_text()
+  step = lambda fn: jax.jit(lambda x, w, dy: (lambda y, vjp: (y, *vjp(dy)))(*jax.vjp(fn, x, w)))
+  hlo = step(f).lower(x, w, dy).as_text()  # the forward and dY Wᵀ
   assert hlo.count("jaxsparse_cusparselt_matmul") == 2 and "jaxsparse_nm24_transposable" in hlo
   auto = lambda x, w: ops.sr_ste_matmul(x, w, 2, 4, dtype=jnp.bfloat16, transposable=True)
   small = jax.jit(auto).lower(x, w).as_text()  # 256 rows: pruned by the kernel, dense products
   assert "jaxsparse_cusparselt_matmul" not in small and "jaxsparse_nm24_transposable" in small
   big = jnp.zeros((_sr_ste.TRANSPOSABLE_SPARSE_CORE_MIN_ROWS, 512), jnp.bfloat16)
   assert "jaxsparse_cusparselt_matmul" in jax.jit(auto).lower(big, w).as_text()
-  step = lambda fn: jax.jit(lambda x, w, dy: (lambda y, vjp: (y, *vjp(dy)))(*jax.vjp(fn, x, w)))
   y, dx, dw = step(f)(x, w, dy)
   y_ref, dx_ref, dw_ref = step(lambda x, w: _sr_t_reference(x, w, 0.01, jnp.bfloat16))(x, w, dy)
   assert _rel(y, y_ref) < 1e-2 and _rel(dx, dx_ref) < 1e-2
