@@ -4,8 +4,9 @@
 
 For ``x (M, K) @ W (K, N)``, bf16 ``x`` / ``dY`` and a float32 master ``W``: the dense forward, ``dY Wᵀ`` and
 ``xᵀ dY``; pruning (plain 2:4 pruned and compressed by one XLA pass, ``cusparselt.prune_compress``; the
-transposable mask by our kernel, ``nm24_transposable``, and by XLA's pattern search); cuSPARSELt's compression
-of the pruned weight as ``W`` (``LAYOUT_KN``) and as ``Wᵀ`` (``LAYOUT_NK``); the sparse forward and ``dY Wᵀ``;
+transposable mask by our kernel, ``nm24_transposable``, alone and writing both compressed buffers, and by XLA's
+pattern search); cuSPARSELt's compression of the pruned weight as ``W`` and as ``Wᵀ`` (read transposed,
+``LAYOUT_NK``, or a transposed copy); the sparse forward and ``dY Wᵀ``;
 and whole steps (value and both gradients of ``sr_ste_matmul``) on each path. Device-side times (median of
 ``--iterations`` calls), ratios to the dense forward product; the table prints last.
 """
@@ -46,18 +47,20 @@ def parts(m: int, k: int, n: int, iterations: int) -> list[tuple[str, float]]:
   w = jax.random.normal(kw, (k, n), jnp.float32)
   wb = w.astype(jnp.bfloat16)
   pruned = jnp.where(_nm.nm_mask(w, 2, 4, transposable=True), w, 0).astype(jnp.bfloat16)
-  blob, blob_t = cslt.compress(pruned), cslt.compress(pruned, layout=cslt.LAYOUT_NK)
+  blob, blob_t = cslt.compress(pruned), cslt.compress(pruned.T)
   cases = {
       "dense fwd x W": (lambda x, w: x @ w, x, wb),
       "dense dX dY Wᵀ": (lambda dy, w: dy @ w.T, dy, wb),
       "dense dW xᵀ dY": (lambda x, dy: x.T @ dy, x, dy),
       "plain prune + compress (XLA, one pass)": (lambda w: cslt.prune_compress(w, jnp.bfloat16), w),
       "transposable prune (our kernel)": (lambda w: ck.nm24_transposable(w, jnp.bfloat16), w),
+      "transposable prune into both compressed buffers (our kernel)": (ck.nm24_transposable_compress, w),
       "transposable pattern (XLA search)": (lambda w: _nm.transposable_pattern(w, 2, 4), w),
       "compress W (cuSPARSELt, KN)": (lambda p: cslt.compress(p), pruned),
       "compress Wᵀ (cuSPARSELt, NK)": (lambda p: cslt.compress(p, layout=cslt.LAYOUT_NK), pruned),
+      "transpose + compress Wᵀ (cuSPARSELt, KN)": (lambda p: cslt.compress(p.T), pruned),
       "sparse fwd x W": (lambda x, b: cslt.matmul(x, b, n), x, blob),
-      "sparse dX dY Wᵀ (NK)": (lambda dy, b: cslt.matmul(dy, b, k, layout=cslt.LAYOUT_NK), dy, blob_t),
+      "sparse dX dY Wᵀ": (lambda dy, b: cslt.matmul(dy, b, k), dy, blob_t),
       "step dense": (_dense_step, x, w, dy),
       "step SR-STE, dense products": (_step(implementation="xla"), x, w, dy),
       "step SR-STE, sparse fwd": (_step(implementation="cusparselt"), x, w, dy),

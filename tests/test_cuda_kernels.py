@@ -341,3 +341,29 @@ def test_gpu_nm24_transposable_ties_nan_inf_zeros():
 def test_gpu_nm24_transposable_random_shapes(k, n, seed):
   w = jax.random.normal(jax.random.key(seed), (4 * k, 4 * n)) * jax.random.uniform(jax.random.key(seed + 1), (1, 4 * n))
   assert _check_transposable(w, jnp.dtype(jnp.bfloat16)) < 1e-2
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("w_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("shape", [(64, 64), (128, 320), (1024, 2048)])
+def test_gpu_nm24_transposable_compress_writes_cusparselts_buffers(shape, w_dtype):
+  # The kernel's buffers of W and Wᵀ are those of cuSPARSELt's layout (as _layout writes it, itself checked
+  # against cuSPARSELt's own compression), and the products by them are those of the pruned weight.
+  from jaxsparse._cuda import _cusparselt as cslt  # noqa: PLC0415
+  from jaxsparse._cuda import _layout  # noqa: PLC0415
+  from jaxsparse.formats import _nm  # noqa: PLC0415
+
+  if not _layout.matches():
+    pytest.skip("cuSPARSELt's layout here is not the one _layout writes")
+  k, n = shape
+  w = jax.random.normal(jax.random.key(k + n), shape).astype(w_dtype)
+  pattern, blob, blob_t = jax.jit(ck.nm24_transposable_compress)(w)
+  np.testing.assert_array_equal(pattern, ck.nm24_transposable(w)[1])
+  pruned = jnp.where(_nm.tile_mask(pattern, 2, 4), w, 0).astype(jnp.bfloat16)
+  np.testing.assert_array_equal(blob, _layout.compress_dense(pruned))
+  np.testing.assert_array_equal(blob_t, _layout.compress_dense(pruned.T))
+  x = jax.random.normal(jax.random.key(1), (48, k)).astype(jnp.bfloat16)
+  dy = jax.random.normal(jax.random.key(2), (48, n)).astype(jnp.bfloat16)
+  assert _rel(cslt.matmul(x, blob, n), jnp.dot(x, pruned, preferred_element_type=jnp.float32)) < TOL
+  assert _rel(cslt.matmul(dy, blob_t, k), jnp.dot(dy, pruned.T, preferred_element_type=jnp.float32)) < TOL

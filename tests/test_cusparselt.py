@@ -339,16 +339,19 @@ def test_gpu_sr_ste_matmul_forward_on_sparse_cores_and_exact_gradients():
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("w_dtype", [jnp.float32, jnp.bfloat16])
-def test_gpu_sr_ste_matmul_transposable_on_sparse_cores(w_dtype):
+@pytest.mark.parametrize("shape", [(512, 256), (528, 272)])  # buffers written by our kernel / by cuSPARSELt
+def test_gpu_sr_ste_matmul_transposable_on_sparse_cores(shape, w_dtype):
   # Forward and dY Wᵀ on sparse tensor cores, pruned by our kernel: the value and gradients of
   # x @ sr_ste(w, transposable=True) with the kernel's mask (the same as nm_mask's but for near-ties, which
   # random normal weights of this size do not have: checked).
   from jaxsparse._cuda import _kernels as ck  # noqa: PLC0415
 
+  k, n = shape
+  assert _sr_ste._direct_compress(k, n) == (shape == (512, 256))
   kx, kw, kg = jax.random.split(jax.random.key(11), 3)
-  w = jax.random.normal(kw, (512, 256)).astype(w_dtype)
-  x = jax.random.normal(kx, (4, 64, 512)).astype(jnp.bfloat16)
-  dy = jax.random.normal(kg, (4, 64, 256)).astype(jnp.bfloat16)
+  w = jax.random.normal(kw, (k, n)).astype(w_dtype)
+  x = jax.random.normal(kx, (4, 64, k)).astype(jnp.bfloat16)
+  dy = jax.random.normal(kg, (4, 64, n)).astype(jnp.bfloat16)
   np.testing.assert_array_equal(ck.nm24_transposable(w)[1], jaxsparse.formats._nm.transposable_pattern(w, 2, 4))
   f = lambda x, w: ops.sr_ste_matmul(x, w, 2, 4, decay=0.01, dtype=jnp.bfloat16, transposable=True,
                                      implementation="cusparselt")
@@ -358,7 +361,7 @@ def test_gpu_sr_ste_matmul_transposable_on_sparse_cores(w_dtype):
   auto = lambda x, w: ops.sr_ste_matmul(x, w, 2, 4, dtype=jnp.bfloat16, transposable=True)
   small = jax.jit(auto).lower(x, w).as_text()  # 256 rows: pruned by the kernel, dense products
   assert "jaxsparse_cusparselt_matmul" not in small and "jaxsparse_nm24_transposable" in small
-  big = jnp.zeros((_sr_ste.TRANSPOSABLE_SPARSE_CORE_MIN_ROWS, 512), jnp.bfloat16)
+  big = jnp.zeros((_sr_ste.TRANSPOSABLE_SPARSE_CORE_MIN_ROWS, k), jnp.bfloat16)
   assert "jaxsparse_cusparselt_matmul" in jax.jit(auto).lower(big, w).as_text()
   y, dx, dw = step(f)(x, w, dy)
   y_ref, dx_ref, dw_ref = step(lambda x, w: _sr_t_reference(x, w, 0.01, jnp.bfloat16))(x, w, dy)

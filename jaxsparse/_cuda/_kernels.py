@@ -14,7 +14,8 @@ Kernels:
 * :func:`nm24_decode`: ``x @ W`` for a 2:4 bfloat16 ``W`` (``NMSparseMatrix`` values and packed
   positions, as stored) and ``M <= 32`` rows, on the sparse tensor cores (``nm24_decode.cu``).
 * :func:`nm24_transposable`: transposable 2:4 pruning of a ``(K, N)`` weight in one pass, the pruned
-  weight and each ``4 x 4`` tile's pattern (``nm24_transposable.cu``).
+  weight and each ``4 x 4`` tile's pattern (``nm24_transposable.cu``); :func:`nm24_transposable_compress`
+  writes it as cuSPARSELt's compressed buffers of ``W`` and ``Wᵀ`` instead.
 
 When NVRTC, the driver, a compiler or a Hopper-class GPU is missing, or ``JAXSPARSE_CUDA_KERNELS=0``
 is set, :func:`available` is False and :func:`unavailable_reason` says why; callers keep their other
@@ -53,6 +54,7 @@ __all__ = [
     "nm24_decode",
     "nm24_prepare",
     "nm24_transposable",
+    "nm24_transposable_compress",
     "nm24_transposable_unsupported_reason",
     "nm24_unsupported_reason",
     "unavailable_reason",
@@ -220,6 +222,8 @@ def _setup() -> dict:
     jax.ffi.register_ffi_target("jaxsparse_nm24_decode", jax.ffi.pycapsule(lib.JaxsparseNm24Decode), platform="CUDA")
     jax.ffi.register_ffi_target("jaxsparse_nm24_transposable", jax.ffi.pycapsule(lib.JaxsparseNm24Transposable),
                                 platform="CUDA")
+    jax.ffi.register_ffi_target("jaxsparse_nm24_transposable_compress",
+                                jax.ffi.pycapsule(lib.JaxsparseNm24TransposableCompress), platform="CUDA")
   except (OSError, AttributeError) as e:
     return {"reason": f"loading {path} failed: {e}"}
   return {"reason": "", "lib": lib, "register": register, "arch": f"sm_{cc[0]}{cc[1]}", "kernels": {}}
@@ -441,4 +445,34 @@ def nm24_transposable(w: jax.Array, out_dtype=None) -> tuple[jax.Array, jax.Arra
   out = (jax.ShapeDtypeStruct((k, n), out_dtype), jax.ShapeDtypeStruct((k // 4, n // 4), jnp.uint8))
   return jax.ffi.ffi_call("jaxsparse_nm24_transposable", out, vmap_method="sequential")(
       w, kernel=np.int64(kid), w_bf16=bool(w_bf16), out_bf16=bool(out_bf16)
+  )
+
+
+def nm24_transposable_compress(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """:func:`nm24_transposable` written as cuSPARSELt's compressed bfloat16 buffers: ``(pattern, blob, blob_t)``.
+
+  ``blob`` is the buffer of the pruned ``W`` and ``blob_t`` that of ``Wᵀ`` (an ``(N, K)`` weight whose 2:4
+  groups run along ``N``), both in cuSPARSELt's ``LAYOUT_KN`` form as :mod:`jaxsparse._cuda._layout` maps
+  it: valid only where ``_layout.matches()`` (checked against cuSPARSELt on the device) is True.
+
+  Args:
+    w: ``(K, N)`` float32 or bfloat16 weight, ``K`` and ``N`` multiples of 64.
+
+  Returns:
+    ``pattern`` ``(K / 4, N / 4)`` uint8 as :func:`nm24_transposable`'s; ``blob`` and ``blob_t``, ``K N 9 / 8``
+    bytes each (uint8): for ``cusparselt.matmul(x, blob, N)`` and ``cusparselt.matmul(dy, blob_t, K)``.
+  """
+  reason = nm24_transposable_unsupported_reason(w.shape, w.dtype, jnp.bfloat16)
+  if not reason and (w.shape[0] % 64 or w.shape[1] % 64):
+    reason = f"K and N must be multiples of 64, got shape {tuple(w.shape)}"
+  if reason:
+    raise ValueError(f"nm24_transposable_compress cannot run: {reason}.")
+  w_bf16 = w.dtype == jnp.bfloat16
+  kid = _kernel_id("nm24_transposable.cu", "nm24_transposable_compress", (("NM_IN_BF16", int(w_bf16)),))
+  k, n = w.shape
+  size = k * n // 8 * 9
+  out = (jax.ShapeDtypeStruct((k // 4, n // 4), jnp.uint8), jax.ShapeDtypeStruct((size,), jnp.uint8),
+         jax.ShapeDtypeStruct((size,), jnp.uint8))
+  return jax.ffi.ffi_call("jaxsparse_nm24_transposable_compress", out, vmap_method="sequential")(
+      w, kernel=np.int64(kid), w_bf16=bool(w_bf16)
   )

@@ -16,6 +16,8 @@
 //     weight (float32 / bfloat16) and each 4 x 4 tile's pattern index (K/4, N/4) uint8
 //     (nm24_transposable.cu). Attributes: kernel (the id of the cubin), w_bf16 and out_bf16 (the dtypes it
 //     was built for: bfloat16, else float32).
+//   JaxsparseNm24TransposableCompress: the same pruning written as cuSPARSELt's compressed bf16 buffers of W
+//     and of Wᵀ (K N 9 / 8 bytes each), and the patterns; K, N multiples of 64. Attributes: kernel, w_bf16.
 
 #include <dlfcn.h>
 
@@ -204,7 +206,31 @@ ffi::Error Nm24Transposable(CUstream stream, ffi::AnyBuffer w, ffi::Result<ffi::
   int ki = static_cast<int>(k), ni = static_cast<int>(n);
   void* args[] = {&wp, &pp, &tp, &ki, &ni};
   return Launch(stream, kernel, "nm24_transposable", static_cast<unsigned>((tiles + 255) / 256), 1, 256, args);
-  return ffi::Error::Success();
+}
+
+ffi::Error Nm24TransposableCompress(CUstream stream, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::U8> pattern,
+                                    ffi::ResultBuffer<ffi::U8> blob, ffi::ResultBuffer<ffi::U8> blob_t,
+                                    int64_t kernel, bool w_bf16) {
+  const auto wd = w.dimensions(), td = pattern->dimensions(), bd = blob->dimensions(), btd = blob_t->dimensions();
+  if (wd.size() != 2 || td.size() != 2 || bd.size() != 1 || btd.size() != 1)
+    return ffi::Error::InvalidArgument("nm24_transposable_compress: w and pattern must be 2-D, the buffers 1-D");
+  const int64_t k = wd[0], n = wd[1];
+  if (w.element_type() != (w_bf16 ? ffi::BF16 : ffi::F32) || k % 64 != 0 || n % 64 != 0 || td[0] != k / 4 ||
+      td[1] != n / 4 || bd[0] != k * n / 8 * 9 || btd[0] != k * n / 8 * 9 || k > (int64_t{1} << 30) ||
+      n > (int64_t{1} << 30))
+    return ffi::Error::InvalidArgument("nm24_transposable_compress: w (" + std::to_string(k) + ", " +
+                                       std::to_string(n) + ") needs the dtype the kernel was built for, K and N "
+                                       "multiples of 64, pattern (K / 4, N / 4) and buffers of K N 9 / 8 bytes");
+  const int64_t threads = (k / 16) * (n / 4);
+  if (threads == 0) return ffi::Error::Success();
+  const void* wp = w.untyped_data();
+  void* tp = pattern->untyped_data();
+  void* bp = blob->untyped_data();
+  void* btp = blob_t->untyped_data();
+  int ki = static_cast<int>(k), ni = static_cast<int>(n);
+  void* args[] = {&wp, &tp, &bp, &btp, &ki, &ni};
+  return Launch(stream, kernel, "nm24_transposable_compress", static_cast<unsigned>((threads + 255) / 256), 1, 256,
+                args);
 }
 
 }  // namespace
@@ -246,5 +272,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseNm24Transposable, Nm24Transposable,
                                   .Attr<int64_t>("kernel")
                                   .Attr<bool>("w_bf16")
                                   .Attr<bool>("out_bf16"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseNm24TransposableCompress, Nm24TransposableCompress,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<CUstream>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::U8>>()
+                                  .Attr<int64_t>("kernel")
+                                  .Attr<bool>("w_bf16"));
 
 #pragma GCC visibility pop

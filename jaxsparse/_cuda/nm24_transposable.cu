@@ -87,16 +87,13 @@ __device__ __forceinline__ void store_row(void* out, long long offset, const flo
 #endif
 }
 
-extern "C" __global__ void __launch_bounds__(256) nm24_transposable(const void* __restrict__ w,
-                                                                    void* __restrict__ pruned,
-                                                                    u8* __restrict__ pattern, int k, int n) {
-  const int tiles_per_row = n >> 2;
-  const long long tile = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (tile >= static_cast<long long>(k >> 2) * tiles_per_row) return;
-  const long long tr = tile / tiles_per_row, tc = tile - tr * tiles_per_row;
+// Loads tile (rows 4 tr .., columns 4 tc ..) of w into v and returns the index of its best pattern; *code = the
+// pattern's code (row r keeps pair (code >> 3 r) & 7 of kPairs).
+__device__ __forceinline__ int best_pattern(const void* w, long long tr, long long tc, int n, float v[4][4],
+                                            u32* code) {
   const long long base = 4 * tr * n + 4 * tc;
   const float big = 3.4028234663852886e38f / 16.0f;
-  float v[4][4], pair[4][6];
+  float pair[4][6];
 #pragma unroll
   for (int r = 0; r < 4; ++r) {
     load_row(w, base + r * static_cast<long long>(n), v[r]);
@@ -116,19 +113,128 @@ extern "C" __global__ void __launch_bounds__(256) nm24_transposable(const void* 
   float best = -1.0f;
   int best_p = 0;
   u32 best_code = 0;
-#define NM_TRY(index, code)                                                                          \
-  {                                                                                                  \
-    const float total = ((pair[0][(code) & 7] + pair[1][((code) >> 3) & 7]) + pair[2][((code) >> 6) & 7]) + \
-                        pair[3][(code) >> 9];                                                        \
-    if (total > best) {                                                                              \
-      best = total;                                                                                  \
-      best_p = index;                                                                                \
-      best_code = code;                                                                              \
-    }                                                                                                \
+#define NM_TRY(index, c)                                                                                  \
+  {                                                                                                       \
+    const float total = ((pair[0][(c) & 7] + pair[1][((c) >> 3) & 7]) + pair[2][((c) >> 6) & 7]) + \
+                        pair[3][(c) >> 9];                                                                \
+    if (total > best) {                                                                                   \
+      best = total;                                                                                       \
+      best_p = index;                                                                                     \
+      best_code = c;                                                                                      \
+    }                                                                                                     \
   }
   NM_PATTERNS(NM_TRY)
 #undef NM_TRY
+  *code = best_code;
+  return best_p;
+}
+
+extern "C" __global__ void __launch_bounds__(256) nm24_transposable(const void* __restrict__ w,
+                                                                    void* __restrict__ pruned,
+                                                                    u8* __restrict__ pattern, int k, int n) {
+  const int tiles_per_row = n >> 2;
+  const long long tile = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (tile >= static_cast<long long>(k >> 2) * tiles_per_row) return;
+  const long long tr = tile / tiles_per_row, tc = tile - tr * tiles_per_row;
+  float v[4][4];
+  u32 code;
+  const int p = best_pattern(w, tr, tc, n, v, &code);
+  const long long base = 4 * tr * n + 4 * tc;
 #pragma unroll
-  for (int r = 0; r < 4; ++r) store_row(pruned, base + r * static_cast<long long>(n), v[r], kPairs[(best_code >> (3 * r)) & 7]);
-  pattern[tile] = static_cast<u8>(best_p);
+  for (int r = 0; r < 4; ++r) store_row(pruned, base + r * static_cast<long long>(n), v[r], kPairs[(code >> (3 * r)) & 7]);
+  pattern[tile] = static_cast<u8>(p);
+}
+
+// cuSPARSELt's compressed layout of a bfloat16 (K, N) 2:4 weight read as stored (LAYOUT_KN; mapped on an H100
+// with cuSPARSELt 0.8, jaxsparse/_cuda/_layout.py, and checked against cuSPARSELt at run time before use):
+// values (K/2, N) bf16, row 2 g + s = the s-th kept entry of group g (4 rows), then one 4-bit code
+// p0 | p1 << 2 per (group, column), two a byte, at byte meta_byte(g, n) (low nibble for bit 3 of n clear).
+__device__ __forceinline__ long long meta_byte(long long g, long long n, long long groups) {
+  return ((n >> 6) * (groups >> 3) + (g >> 3)) * 256 + (((n >> 5) & 1) << 7) + (((n >> 4) & 1) << 6) +
+         (((n >> 2) & 1) << 5) + (((n >> 1) & 1) << 4) + ((n & 1) << 3) + (((g >> 1) & 1) << 2) + ((g & 1) << 1) +
+         ((g >> 2) & 1);
+}
+
+// Entry i (0..3, known only at run time) of four registers.
+__device__ __forceinline__ float pick(float a, float b, float c, float d, int i) {
+  return i == 0 ? a : (i == 1 ? b : (i == 2 ? c : d));
+}
+
+// The positions (p0 < p1) of the two set bits of a 4-bit mask, as the code p0 | p1 << 2.
+__device__ __forceinline__ u32 pair_code(u32 bits) {
+  const u32 p0 = __ffs(bits) - 1, p1 = 31 - __clz(bits);
+  return p0 | (p1 << 2);
+}
+
+// The same pruning, written straight into cuSPARSELt's compressed buffers of W (K, N) and of Wᵀ (N, K), both
+// in the LAYOUT_KN form (Wᵀ as a weight of contraction N: the transposable mask is 2:4 along N too), for
+// bfloat16 products. Needs K % 64 == 0 and N % 64 == 0. A thread takes 4 tiles down a column of tiles
+// (tile rows 4 q .. 4 q + 3): its 4 tiles hold both nibbles of each metadata byte of Wᵀ; the two nibbles of a
+// byte of W come from the tiles of lanes l and l ^ 2 (tile columns tc and tc ^ 2), exchanged by a shuffle.
+extern "C" __global__ void __launch_bounds__(256) nm24_transposable_compress(const void* __restrict__ w,
+                                                                             u8* __restrict__ pattern,
+                                                                             u8* __restrict__ blob,
+                                                                             u8* __restrict__ blob_t, int k, int n) {
+  const int tiles_per_row = n >> 2;
+  const long long t = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  // k / 16 * n / 4 threads, a multiple of 64: whole warps are in or out (the shuffle needs all 32 lanes).
+  if (t >= static_cast<long long>(k >> 4) * tiles_per_row) return;
+  const long long q = t / tiles_per_row, tc = t - q * tiles_per_row;
+  u16* values = reinterpret_cast<u16*>(blob);      // (K / 2, N)
+  u16* values_t = reinterpret_cast<u16*>(blob_t);  // (N / 2, K)
+  u8* meta = blob + static_cast<long long>(k) * n;
+  u8* meta_t = blob_t + static_cast<long long>(k) * n;
+  u32 codes_t[4][4];  // [tile][row of the tile]: the codes of Wᵀ's groups (tc) in columns 4 tr + row
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const long long tr = 4 * q + i;
+    float v[4][4];
+    u32 code;
+    pattern[tr * tiles_per_row + tc] = static_cast<u8>(best_pattern(w, tr, tc, n, v, &code));
+    u32 rows[4];  // kept columns of each row
+#pragma unroll
+    for (int r = 0; r < 4; ++r) rows[r] = kPairs[(code >> (3 * r)) & 7];
+    // W: group tr, columns 4 tc + j. Column j keeps the rows whose bit j is set.
+    u16 lo[4], hi[4];
+    u32 codes[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      u32 bits = 0;
+#pragma unroll
+      for (int r = 0; r < 4; ++r) bits |= ((rows[r] >> j) & 1) << r;
+      codes[j] = pair_code(bits);
+      lo[j] = float_to_bf16(pick(v[0][j], v[1][j], v[2][j], v[3][j], __ffs(bits) - 1));
+      hi[j] = float_to_bf16(pick(v[0][j], v[1][j], v[2][j], v[3][j], 31 - __clz(bits)));
+    }
+    const long long col = 4 * tc;
+    *reinterpret_cast<uint2*>(values + (2 * tr) * n + col) =
+        make_uint2(lo[0] | (static_cast<u32>(lo[1]) << 16), lo[2] | (static_cast<u32>(lo[3]) << 16));
+    *reinterpret_cast<uint2*>(values + (2 * tr + 1) * n + col) =
+        make_uint2(hi[0] | (static_cast<u32>(hi[1]) << 16), hi[2] | (static_cast<u32>(hi[3]) << 16));
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const u32 other = __shfl_xor_sync(0xffffffffu, codes[j], 2);
+      if (!(tc & 2)) meta[meta_byte(tr, col + j, k >> 2)] = static_cast<u8>(codes[j] | (other << 4));
+    }
+    // Wᵀ: group tc, columns 4 tr + r. Row r of the tile keeps the columns whose bit is set in rows[r].
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const u32 bits = rows[r];
+      codes_t[i][r] = pair_code(bits);
+      lo[r] = float_to_bf16(pick(v[r][0], v[r][1], v[r][2], v[r][3], __ffs(bits) - 1));
+      hi[r] = float_to_bf16(pick(v[r][0], v[r][1], v[r][2], v[r][3], 31 - __clz(bits)));
+    }
+    const long long col_t = 4 * tr;
+    *reinterpret_cast<uint2*>(values_t + (2 * tc) * k + col_t) =
+        make_uint2(lo[0] | (static_cast<u32>(lo[1]) << 16), lo[2] | (static_cast<u32>(lo[3]) << 16));
+    *reinterpret_cast<uint2*>(values_t + (2 * tc + 1) * k + col_t) =
+        make_uint2(hi[0] | (static_cast<u32>(hi[1]) << 16), hi[2] | (static_cast<u32>(hi[3]) << 16));
+  }
+  // Wᵀ's metadata: columns 4 tr + r with tr = 4 q + i; bit 3 of the column is bit 1 of i.
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+      meta_t[meta_byte(tc, 4 * (4 * q + i) + r, n >> 2)] = static_cast<u8>(codes_t[i][r] | (codes_t[i + 2][r] << 4));
+  }
 }

@@ -14,9 +14,11 @@ so the gradients are exactly those of ``x @ sr_ste(w)``: both backward products 
 so that ``Wᵀ`` is N:M along the axis ``dY Wᵀ`` reduces over and that product runs on sparse tensor cores as
 well (the mask costs about 4 points of kept magnitude; on digits it trains as well as the plain one,
 ``examples/sr_ste_digits.py``). On a CUDA GPU a kernel of ours prunes the weight in one pass
-(``jaxsparse/_cuda/nm24_transposable.cu``), cuSPARSELt compresses it twice (as ``W`` for the forward and as
-``Wᵀ`` for ``dY Wᵀ``), and only ``xᵀ dY`` stays dense: two of the step's three products on sparse tensor
-cores. Below ``TRANSPOSABLE_SPARSE_CORE_MIN_ROWS`` rows the kernel still prunes, for the dense products.
+(``jaxsparse/_cuda/nm24_transposable.cu``) and writes it straight into cuSPARSELt's compressed buffers of
+``W`` (for the forward) and ``Wᵀ`` (for ``dY Wᵀ``) where it knows their layout (K, N multiples of 64,
+``_layout.matches()``; else cuSPARSELt compresses the kernel's pruned weight); only ``xᵀ dY`` stays dense:
+two of the step's three products on sparse tensor cores. Below ``TRANSPOSABLE_SPARSE_CORE_MIN_ROWS`` rows the
+kernel still prunes, for the dense products.
 """
 
 from __future__ import annotations
@@ -184,16 +186,29 @@ _sr_ste_matmul.defvjp(_sr_ste_matmul_fwd, _sr_ste_matmul_bwd)
 
 # Transposable 2:4 with our pruning kernel. The residuals are the same on every platform (so that
 # lax.platform_dependent can pick the branch when lowering): x, w, each 4 x 4 tile's pattern, and the
-# compressed Wᵀ, ``blob_bytes`` of it (on the CUDA branch; zeros elsewhere; 0 bytes when the products are dense).
+# compressed Wᵀ (an (N, K) weight in LAYOUT_KN), ``blob_bytes`` of it (on the CUDA branch; zeros elsewhere; 0
+# bytes when the products are dense).
+
+
+def _direct_compress(k: int, n: int) -> bool:
+  """Whether our kernel can write cuSPARSELt's buffers of a ``(k, n)`` weight and of its transpose itself."""
+  size = k * n // 8 * 9
+  return (k % 64 == 0 and n % 64 == 0 and cslt.fast_compress(k, n, jnp.bfloat16) and
+          cslt.fast_compress(n, k, jnp.bfloat16) and cslt.compressed_bytes(n, k, jnp.bfloat16) == size and
+          cslt.compressed_bytes(k, n, jnp.bfloat16) == size)
 
 
 def _t_forward_cuda(cfg: _MatmulConfig, blob_bytes: int, x, w):
-  pruned, pattern = cuda_kernels.nm24_transposable(w, cfg.dtype)
   if not blob_bytes:
+    pruned, pattern = cuda_kernels.nm24_transposable(w, cfg.dtype)
     return _product(cfg, x, pruned), pattern, jnp.zeros((0,), jnp.uint8)
+  if _direct_compress(*w.shape):
+    pattern, blob, blob_t = cuda_kernels.nm24_transposable_compress(w)
+  else:  # prune with the kernel, compress with cuSPARSELt (Wᵀ as a (N, K) weight in LAYOUT_KN)
+    pruned, pattern = cuda_kernels.nm24_transposable(w, cfg.dtype)
+    blob, blob_t = cslt.compress(pruned), cslt.compress(pruned.T)
   local = lambda x2, b: (cslt.matmul(x2, b, w.shape[1]),)
-  y = _sharding.row_parallel(local, (x,), cslt.compress(pruned))[0]
-  return y, pattern, cslt.compress(pruned, layout=cslt.LAYOUT_NK)
+  return _sharding.row_parallel(local, (x,), blob)[0], pattern, blob_t
 
 
 def _t_forward_xla(cfg: _MatmulConfig, blob_bytes: int, x, w):
@@ -228,7 +243,7 @@ def _sr_ste_matmul_t_bwd(cfg, blob_bytes, res, dy):
   dkernel = jax.vjp(lambda k: _product(cfg, x, k), kernel)[1](dy)[0]
   dense_dx = lambda dy, b: jax.vjp(lambda x: _product(cfg, x, kernel), x)[1](dy)[0]
   if blob_bytes:
-    local = lambda dy2, b: (cslt.matmul(dy2, b, w.shape[0], layout=cslt.LAYOUT_NK),)
+    local = lambda dy2, b: (cslt.matmul(dy2, b, w.shape[0]),)
     sparse_dx = lambda dy, b: _sharding.row_parallel(local, (dy,), b, like={0: x})[0]
     dx = lax.platform_dependent(dy, blob_t, cuda=sparse_dx, default=dense_dx)
   else:
@@ -356,7 +371,8 @@ def sr_ste_matmul(
         stacklevel=2,
     )
   if transposable:
-    blob_bytes = cslt.compressed_bytes(w.shape[0], w.shape[1], dtype, cslt.LAYOUT_NK) if sparse and not reason else 0
+    # The buffer of Wᵀ, an (N, K) weight read in LAYOUT_KN (compressed_bytes takes the output size first).
+    blob_bytes = cslt.compressed_bytes(w.shape[0], w.shape[1], dtype) if sparse and not reason else 0
     return _sr_ste_matmul_t(cfg, blob_bytes, x, w)
   if not sparse or reason:
     return _reference(cfg, x, w)
