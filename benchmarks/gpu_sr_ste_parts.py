@@ -3,7 +3,7 @@
     python benchmarks/gpu_sr_ste_parts.py [--shapes 8192x2048x8192,8192x8192x2048 --iterations 20]
 
 For ``x (M, K) @ W (K, N)``, bf16 ``x`` / ``dY`` and a float32 master ``W``: the dense forward, ``dY Wᵀ`` and
-``xᵀ dY``; pruning (plain 2:4 pruned and compressed by one XLA pass, ``cusparselt.prune_compress``; the
+``xᵀ dY``; pruning (plain 2:4 pruned and compressed in one pass by XLA and by our kernel; the
 transposable mask by our kernel, ``nm24_transposable``, alone and writing both compressed buffers, and by XLA's
 pattern search); cuSPARSELt's compression of the pruned weight as ``W`` and as ``Wᵀ`` (read transposed,
 ``LAYOUT_NK``, or a transposed copy); the sparse forward and ``dY Wᵀ``;
@@ -24,6 +24,7 @@ from _gpu_timing import time_ms
 from jaxsparse import ops
 from jaxsparse._cuda import _cusparselt as cslt
 from jaxsparse._cuda import _kernels as ck
+from jaxsparse._cuda import _layout
 from jaxsparse.formats import _nm
 
 
@@ -52,7 +53,8 @@ def parts(m: int, k: int, n: int, iterations: int) -> list[tuple[str, float]]:
       "dense fwd x W": (lambda x, w: x @ w, x, wb),
       "dense dX dY Wᵀ": (lambda dy, w: dy @ w.T, dy, wb),
       "dense dW xᵀ dY": (lambda x, dy: x.T @ dy, x, dy),
-      "plain prune + compress (XLA, one pass)": (lambda w: cslt.prune_compress(w, jnp.bfloat16), w),
+      "plain prune + compress (XLA, one pass)": (lambda w: _layout.compress_dense(w, dtype=jnp.bfloat16), w),
+      "plain prune + compress (our kernel)": (ck.nm24_prune_compress, w),
       "transposable prune (our kernel)": (lambda w: ck.nm24_transposable(w, jnp.bfloat16), w),
       "transposable prune into both compressed buffers (our kernel)": (ck.nm24_transposable_compress, w),
       "transposable pattern (XLA search)": (lambda w: _nm.transposable_pattern(w, 2, 4), w),

@@ -250,7 +250,7 @@ def test_gpu_nm_matmul_falls_back_with_a_warning_when_the_kernel_cannot_build(mo
 
 
 # -------------------------------------------------------------------------------------------------
-# Transposable 2:4 pruning (nm24_transposable.cu).
+# Transposable 2:4 pruning (nm24_prune.cu).
 # -------------------------------------------------------------------------------------------------
 
 
@@ -262,7 +262,7 @@ def test_transposable_kernel_pattern_table_is_tile_patterns():
 
   from jaxsparse.formats import _nm  # noqa: PLC0415
 
-  src = (ck._HERE / "nm24_transposable.cu").read_text()
+  src = (ck._HERE / "nm24_prune.cu").read_text()
   table = src[src.index("#define NM_PATTERNS(P)") :].split("\n//")[0]
   entries = [(int(i), int(c, 16)) for i, c in re.findall(r"P\((\d+), (0x[0-9a-f]+)\)", table)]
   assert [i for i, _ in entries] == list(range(90))
@@ -367,3 +367,22 @@ def test_gpu_nm24_transposable_compress_writes_cusparselts_buffers(shape, w_dtyp
   dy = jax.random.normal(jax.random.key(2), (48, n)).astype(jnp.bfloat16)
   assert _rel(cslt.matmul(x, blob, n), jnp.dot(x, pruned, preferred_element_type=jnp.float32)) < TOL
   assert _rel(cslt.matmul(dy, blob_t, k), jnp.dot(dy, pruned.T, preferred_element_type=jnp.float32)) < TOL
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("w_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("shape", [(32, 64), (96, 192), (1024, 2048)])
+def test_gpu_nm24_prune_compress_is_the_xla_layout(shape, w_dtype):
+  # Plain 2:4 pruned and compressed by our kernel: byte for byte the XLA pass's buffer (nm_mask's mask, with
+  # its ties to the lower index and NaN as the largest), which the _layout tests check against cuSPARSELt.
+  from jaxsparse._cuda import _layout  # noqa: PLC0415
+
+  if not _layout.matches():
+    pytest.skip("cuSPARSELt's layout here is not the one _layout writes")
+  key = jax.random.key(shape[0])
+  w = jax.random.normal(key, shape)
+  ties = jax.random.randint(jax.random.fold_in(key, 1), shape, -2, 3).astype(jnp.float32)
+  w = jnp.where(jnp.arange(shape[1]) % 3 == 0, ties, w).at[5, 7].set(jnp.nan).astype(w_dtype)
+  got = jax.jit(ck.nm24_prune_compress)(w)
+  np.testing.assert_array_equal(got, _layout.compress_dense(w, dtype=jnp.bfloat16))

@@ -14,8 +14,9 @@ Kernels:
 * :func:`nm24_decode`: ``x @ W`` for a 2:4 bfloat16 ``W`` (``NMSparseMatrix`` values and packed
   positions, as stored) and ``M <= 32`` rows, on the sparse tensor cores (``nm24_decode.cu``).
 * :func:`nm24_transposable`: transposable 2:4 pruning of a ``(K, N)`` weight in one pass, the pruned
-  weight and each ``4 x 4`` tile's pattern (``nm24_transposable.cu``); :func:`nm24_transposable_compress`
-  writes it as cuSPARSELt's compressed buffers of ``W`` and ``Wᵀ`` instead.
+  weight and each ``4 x 4`` tile's pattern (``nm24_prune.cu``); :func:`nm24_transposable_compress`
+  writes it as cuSPARSELt's compressed buffers of ``W`` and ``Wᵀ`` instead; :func:`nm24_prune_compress`, the
+  plain 2:4 mask written as cuSPARSELt's buffer of ``W``.
 
 When NVRTC, the driver, a compiler or a Hopper-class GPU is missing, or ``JAXSPARSE_CUDA_KERNELS=0``
 is set, :func:`available` is False and :func:`unavailable_reason` says why; callers keep their other
@@ -53,6 +54,7 @@ __all__ = [
     "available",
     "nm24_decode",
     "nm24_prepare",
+    "nm24_prune_compress",
     "nm24_transposable",
     "nm24_transposable_compress",
     "nm24_transposable_unsupported_reason",
@@ -224,6 +226,8 @@ def _setup() -> dict:
                                 platform="CUDA")
     jax.ffi.register_ffi_target("jaxsparse_nm24_transposable_compress",
                                 jax.ffi.pycapsule(lib.JaxsparseNm24TransposableCompress), platform="CUDA")
+    jax.ffi.register_ffi_target("jaxsparse_nm24_prune_compress", jax.ffi.pycapsule(lib.JaxsparseNm24PruneCompress),
+                                platform="CUDA")
   except (OSError, AttributeError) as e:
     return {"reason": f"loading {path} failed: {e}"}
   return {"reason": "", "lib": lib, "register": register, "arch": f"sm_{cc[0]}{cc[1]}", "kernels": {}}
@@ -439,7 +443,7 @@ def nm24_transposable(w: jax.Array, out_dtype=None) -> tuple[jax.Array, jax.Arra
   if reason:
     raise ValueError(f"nm24_transposable cannot run: {reason}.")
   w_bf16, out_bf16 = w.dtype == jnp.bfloat16, out_dtype == jnp.bfloat16
-  kid = _kernel_id("nm24_transposable.cu", "nm24_transposable", (("NM_IN_BF16", int(w_bf16)),
+  kid = _kernel_id("nm24_prune.cu", "nm24_transposable", (("NM_IN_BF16", int(w_bf16)),
                                                                   ("NM_OUT_BF16", int(out_bf16))))
   k, n = w.shape
   out = (jax.ShapeDtypeStruct((k, n), out_dtype), jax.ShapeDtypeStruct((k // 4, n // 4), jnp.uint8))
@@ -468,11 +472,37 @@ def nm24_transposable_compress(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.
   if reason:
     raise ValueError(f"nm24_transposable_compress cannot run: {reason}.")
   w_bf16 = w.dtype == jnp.bfloat16
-  kid = _kernel_id("nm24_transposable.cu", "nm24_transposable_compress", (("NM_IN_BF16", int(w_bf16)),))
+  kid = _kernel_id("nm24_prune.cu", "nm24_transposable_compress", (("NM_IN_BF16", int(w_bf16)),))
   k, n = w.shape
   size = k * n // 8 * 9
   out = (jax.ShapeDtypeStruct((k // 4, n // 4), jnp.uint8), jax.ShapeDtypeStruct((size,), jnp.uint8),
          jax.ShapeDtypeStruct((size,), jnp.uint8))
   return jax.ffi.ffi_call("jaxsparse_nm24_transposable_compress", out, vmap_method="sequential")(
+      w, kernel=np.int64(kid), w_bf16=bool(w_bf16)
+  )
+
+
+def nm24_prune_compress(w: jax.Array) -> jax.Array:
+  """cuSPARSELt's compressed bfloat16 buffer of ``where(nm_mask(w, 2, 4), w, 0)``, in one pass over ``w``.
+
+  The buffer is in cuSPARSELt's ``LAYOUT_KN`` form as :mod:`jaxsparse._cuda._layout` maps it (valid where
+  ``_layout.matches()``); the mask is exactly :func:`jaxsparse.nm_mask`'s (comparisons only).
+
+  Args:
+    w: ``(K, N)`` float32 or bfloat16 weight, ``K`` a multiple of 32 and ``N`` of 64.
+
+  Returns:
+    ``K N 9 / 8`` bytes (uint8), for ``cusparselt.matmul(x, blob, N)``.
+  """
+  reason = nm24_transposable_unsupported_reason(w.shape, w.dtype, jnp.bfloat16)
+  if not reason and (w.shape[0] % 32 or w.shape[1] % 64):
+    reason = f"K must be a multiple of 32 and N of 64, got shape {tuple(w.shape)}"
+  if reason:
+    raise ValueError(f"nm24_prune_compress cannot run: {reason}.")
+  w_bf16 = w.dtype == jnp.bfloat16
+  kid = _kernel_id("nm24_prune.cu", "nm24_prune_compress", (("NM_IN_BF16", int(w_bf16)),))
+  k, n = w.shape
+  out = jax.ShapeDtypeStruct((k * n // 8 * 9,), jnp.uint8)
+  return jax.ffi.ffi_call("jaxsparse_nm24_prune_compress", out, vmap_method="sequential")(
       w, kernel=np.int64(kid), w_bf16=bool(w_bf16)
   )

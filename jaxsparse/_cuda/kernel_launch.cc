@@ -14,10 +14,12 @@
 //     warps (per thread block), span (columns per thread block), as compiled.
 //   JaxsparseNm24Transposable: transposable 2:4 pruning of a (K, N) float32 / bfloat16 weight: the pruned
 //     weight (float32 / bfloat16) and each 4 x 4 tile's pattern index (K/4, N/4) uint8
-//     (nm24_transposable.cu). Attributes: kernel (the id of the cubin), w_bf16 and out_bf16 (the dtypes it
+//     (nm24_prune.cu). Attributes: kernel (the id of the cubin), w_bf16 and out_bf16 (the dtypes it
 //     was built for: bfloat16, else float32).
 //   JaxsparseNm24TransposableCompress: the same pruning written as cuSPARSELt's compressed bf16 buffers of W
 //     and of Wᵀ (K N 9 / 8 bytes each), and the patterns; K, N multiples of 64. Attributes: kernel, w_bf16.
+//   JaxsparseNm24PruneCompress: plain 2:4 pruning along K written as cuSPARSELt's compressed bf16 buffer of W;
+//     K a multiple of 32, N of 64. Attributes: kernel, w_bf16.
 
 #include <dlfcn.h>
 
@@ -233,6 +235,26 @@ ffi::Error Nm24TransposableCompress(CUstream stream, ffi::AnyBuffer w, ffi::Resu
                 args);
 }
 
+ffi::Error Nm24PruneCompress(CUstream stream, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::U8> blob, int64_t kernel,
+                             bool w_bf16) {
+  const auto wd = w.dimensions(), bd = blob->dimensions();
+  if (wd.size() != 2 || bd.size() != 1)
+    return ffi::Error::InvalidArgument("nm24_prune_compress: w must be 2-D, the buffer 1-D");
+  const int64_t k = wd[0], n = wd[1];
+  if (w.element_type() != (w_bf16 ? ffi::BF16 : ffi::F32) || k % 32 != 0 || n % 64 != 0 ||
+      bd[0] != k * n / 8 * 9 || k > (int64_t{1} << 30) || n > (int64_t{1} << 30))
+    return ffi::Error::InvalidArgument("nm24_prune_compress: w (" + std::to_string(k) + ", " + std::to_string(n) +
+                                       ") needs the dtype the kernel was built for, K a multiple of 32, N of 64 "
+                                       "and a buffer of K N 9 / 8 bytes");
+  const int64_t tiles = (k / 4) * (n / 4);
+  if (tiles == 0) return ffi::Error::Success();
+  const void* wp = w.untyped_data();
+  void* bp = blob->untyped_data();
+  int ki = static_cast<int>(k), ni = static_cast<int>(n);
+  void* args[] = {&wp, &bp, &ki, &ni};
+  return Launch(stream, kernel, "nm24_prune_compress", static_cast<unsigned>((tiles + 255) / 256), 1, 256, args);
+}
+
 }  // namespace
 
 #pragma GCC visibility push(default)
@@ -279,6 +301,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseNm24TransposableCompress, Nm24Transposabl
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::U8>>()
                                   .Ret<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::U8>>()
+                                  .Attr<int64_t>("kernel")
+                                  .Attr<bool>("w_bf16"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseNm24PruneCompress, Nm24PruneCompress,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<CUstream>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::U8>>()
                                   .Attr<int64_t>("kernel")
                                   .Attr<bool>("w_bf16"));

@@ -14,7 +14,7 @@ so the gradients are exactly those of ``x @ sr_ste(w)``: both backward products 
 so that ``Wᵀ`` is N:M along the axis ``dY Wᵀ`` reduces over and that product runs on sparse tensor cores as
 well (the mask costs about 4 points of kept magnitude; on digits it trains as well as the plain one,
 ``examples/sr_ste_digits.py``). On a CUDA GPU a kernel of ours prunes the weight in one pass
-(``jaxsparse/_cuda/nm24_transposable.cu``) and writes it straight into cuSPARSELt's compressed buffers of
+(``jaxsparse/_cuda/nm24_prune.cu``) and writes it straight into cuSPARSELt's compressed buffers of
 ``W`` (for the forward) and ``Wᵀ`` (for ``dY Wᵀ``) where it knows their layout (K, N multiples of 64,
 ``_layout.matches()``; else cuSPARSELt compresses the kernel's pruned weight); only ``xᵀ dY`` stays dense:
 two of the step's three products on sparse tensor cores. Below ``TRANSPOSABLE_SPARSE_CORE_MIN_ROWS`` rows the

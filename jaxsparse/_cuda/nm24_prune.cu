@@ -1,19 +1,21 @@
-// Transposable 2:4 pruning of a (K, N) weight in one pass: for every 4 x 4 tile (rows 4 r .. 4 r + 3,
-// columns 4 c .. 4 c + 3) the pattern with 2 kept entries in every row and every column (90 of them) whose
-// kept scores have the largest total, the first in jaxsparse.formats._nm._tile_patterns(2, 4) order on
-// ties; scores are min(|w| with NaN as inf, FLT_MAX / 16), as jaxsparse.nm_mask(w, 2, 4, transposable=True)
-// computes them. Compiled at run time by NVRTC (no includes), one build per (NM_IN_BF16, NM_OUT_BF16).
+// 2:4 pruning of a (K, N) weight in one pass, for SR-STE training (jaxsparse/ops/_sr_ste.py). Compiled at run
+// time by NVRTC (no includes), one build per (NM_IN_BF16, NM_OUT_BF16). Kernels:
 //
-// Operands, row-major as JAX stores them:
-//   w        (K, N) float32, or bfloat16 with NM_IN_BF16;
-//   pruned   (K, N) float32, or bfloat16 with NM_OUT_BF16 (round to nearest even): where(mask, w, 0);
-//   pattern  (K/4, N/4) uint8: the index of each tile's pattern in _tile_patterns(2, 4).
-// Needs K % 4 == 0 and N % 4 == 0. One thread per tile; consecutive threads take consecutive tiles of a
-// row of tiles, so each of the four row loads of a warp is one contiguous 512-byte (f32) span.
-//
-// The sum of a pattern is that of its rows' pair sums, ((r0 + r1) + r2) + r3: another order than XLA's
-// product of the reference, so the two can pick different patterns where two totals agree to within
-// float32 rounding (both then keep the same magnitude, to that rounding).
+// nm24_transposable: transposable 2:4: for every 4 x 4 tile (rows 4 r .. 4 r + 3, columns 4 c .. 4 c + 3)
+//   the pattern with 2 kept entries in every row and every column (90 of them) whose kept scores have the
+//   largest total, the first in jaxsparse.formats._nm._tile_patterns(2, 4) order on ties; scores are
+//   min(|w| with NaN as inf, FLT_MAX / 16), as jaxsparse.nm_mask(w, 2, 4, transposable=True) computes them.
+//   Operands, row-major as JAX stores them:
+//     w        (K, N) float32, or bfloat16 with NM_IN_BF16;
+//     pruned   (K, N) float32, or bfloat16 with NM_OUT_BF16 (round to nearest even): where(mask, w, 0);
+//     pattern  (K/4, N/4) uint8: the index of each tile's pattern in _tile_patterns(2, 4).
+//   Needs K % 4 == 0 and N % 4 == 0. One thread per tile; consecutive threads take consecutive tiles of a
+//   row of tiles, so each of the four row loads of a warp is one contiguous 512-byte (f32) span.
+//   The sum of a pattern is that of its rows' pair sums, ((r0 + r1) + r2) + r3: another order than XLA's
+//   product of the reference, so the two can pick different patterns where two totals agree to within
+//   float32 rounding (both then keep the same magnitude, to that rounding).
+// nm24_transposable_compress: the same, written as cuSPARSELt's compressed buffers of W and Wᵀ.
+// nm24_prune_compress: plain 2:4 along K (nm_mask(w, 2, 4) exactly), written as cuSPARSELt's buffer of W.
 
 #ifndef NM_IN_BF16
 #define NM_IN_BF16 0
@@ -166,6 +168,33 @@ __device__ __forceinline__ u32 pair_code(u32 bits) {
   return p0 | (p1 << 2);
 }
 
+// Writes tile (tr, tc) of a 2:4 (along K) bfloat16 weight into its compressed buffer (LAYOUT_KN): column j of the
+// tile keeps the rows set in cols[j] (two of them). Lanes l and l ^ 2 must hold tile columns tc and tc ^ 2 of
+// the same tile row (they share metadata bytes), and all 32 lanes must call it.
+__device__ __forceinline__ void write_groups(u8* blob, long long tr, long long tc, int k, int n, const float v[4][4],
+                                             const u32 cols[4]) {
+  u16* values = reinterpret_cast<u16*>(blob);  // (K / 2, N)
+  u8* meta = blob + static_cast<long long>(k) * n;
+  u16 lo[4], hi[4];
+  u32 codes[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    codes[j] = pair_code(cols[j]);
+    lo[j] = float_to_bf16(pick(v[0][j], v[1][j], v[2][j], v[3][j], __ffs(cols[j]) - 1));
+    hi[j] = float_to_bf16(pick(v[0][j], v[1][j], v[2][j], v[3][j], 31 - __clz(cols[j])));
+  }
+  const long long col = 4 * tc;
+  *reinterpret_cast<uint2*>(values + (2 * tr) * n + col) =
+      make_uint2(lo[0] | (static_cast<u32>(lo[1]) << 16), lo[2] | (static_cast<u32>(lo[3]) << 16));
+  *reinterpret_cast<uint2*>(values + (2 * tr + 1) * n + col) =
+      make_uint2(hi[0] | (static_cast<u32>(hi[1]) << 16), hi[2] | (static_cast<u32>(hi[3]) << 16));
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const u32 other = __shfl_xor_sync(0xffffffffu, codes[j], 2);
+    if (!(tc & 2)) meta[meta_byte(tr, col + j, k >> 2)] = static_cast<u8>(codes[j] | (other << 4));
+  }
+}
+
 // The same pruning, written straight into cuSPARSELt's compressed buffers of W (K, N) and of Wᵀ (N, K), both
 // in the LAYOUT_KN form (Wᵀ as a weight of contraction N: the transposable mask is 2:4 along N too), for
 // bfloat16 products. Needs K % 64 == 0 and N % 64 == 0. A thread takes 4 tiles down a column of tiles
@@ -180,9 +209,7 @@ extern "C" __global__ void __launch_bounds__(256) nm24_transposable_compress(con
   // k / 16 * n / 4 threads, a multiple of 64: whole warps are in or out (the shuffle needs all 32 lanes).
   if (t >= static_cast<long long>(k >> 4) * tiles_per_row) return;
   const long long q = t / tiles_per_row, tc = t - q * tiles_per_row;
-  u16* values = reinterpret_cast<u16*>(blob);      // (K / 2, N)
   u16* values_t = reinterpret_cast<u16*>(blob_t);  // (N / 2, K)
-  u8* meta = blob + static_cast<long long>(k) * n;
   u8* meta_t = blob_t + static_cast<long long>(k) * n;
   u32 codes_t[4][4];  // [tile][row of the tile]: the codes of Wᵀ's groups (tc) in columns 4 tr + row
 #pragma unroll
@@ -195,27 +222,15 @@ extern "C" __global__ void __launch_bounds__(256) nm24_transposable_compress(con
 #pragma unroll
     for (int r = 0; r < 4; ++r) rows[r] = kPairs[(code >> (3 * r)) & 7];
     // W: group tr, columns 4 tc + j. Column j keeps the rows whose bit j is set.
+    u32 cols[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      cols[j] = 0;
+#pragma unroll
+      for (int r = 0; r < 4; ++r) cols[j] |= ((rows[r] >> j) & 1) << r;
+    }
+    write_groups(blob, tr, tc, k, n, v, cols);
     u16 lo[4], hi[4];
-    u32 codes[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      u32 bits = 0;
-#pragma unroll
-      for (int r = 0; r < 4; ++r) bits |= ((rows[r] >> j) & 1) << r;
-      codes[j] = pair_code(bits);
-      lo[j] = float_to_bf16(pick(v[0][j], v[1][j], v[2][j], v[3][j], __ffs(bits) - 1));
-      hi[j] = float_to_bf16(pick(v[0][j], v[1][j], v[2][j], v[3][j], 31 - __clz(bits)));
-    }
-    const long long col = 4 * tc;
-    *reinterpret_cast<uint2*>(values + (2 * tr) * n + col) =
-        make_uint2(lo[0] | (static_cast<u32>(lo[1]) << 16), lo[2] | (static_cast<u32>(lo[3]) << 16));
-    *reinterpret_cast<uint2*>(values + (2 * tr + 1) * n + col) =
-        make_uint2(hi[0] | (static_cast<u32>(hi[1]) << 16), hi[2] | (static_cast<u32>(hi[3]) << 16));
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const u32 other = __shfl_xor_sync(0xffffffffu, codes[j], 2);
-      if (!(tc & 2)) meta[meta_byte(tr, col + j, k >> 2)] = static_cast<u8>(codes[j] | (other << 4));
-    }
     // Wᵀ: group tc, columns 4 tr + r. Row r of the tile keeps the columns whose bit is set in rows[r].
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
@@ -237,4 +252,37 @@ extern "C" __global__ void __launch_bounds__(256) nm24_transposable_compress(con
     for (int r = 0; r < 4; ++r)
       meta_t[meta_byte(tc, 4 * (4 * q + i) + r, n >> 2)] = static_cast<u8>(codes_t[i][r] | (codes_t[i + 2][r] << 4));
   }
+}
+
+// Plain 2:4 pruning along K (jaxsparse.nm_mask(w, 2, 4): the 2 largest |w| of each group of 4, NaN the largest,
+// the lower index first on ties) written as cuSPARSELt's compressed bfloat16 buffer of W (LAYOUT_KN).
+// Needs K % 32 == 0 and N % 64 == 0 (whole warps). One thread per 4 x 4 tile, as nm24_transposable.
+extern "C" __global__ void __launch_bounds__(256) nm24_prune_compress(const void* __restrict__ w,
+                                                                      u8* __restrict__ blob, int k, int n) {
+  const int tiles_per_row = n >> 2;
+  const long long tile = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (tile >= static_cast<long long>(k >> 2) * tiles_per_row) return;
+  const long long tr = tile / tiles_per_row, tc = tile - tr * tiles_per_row;
+  float v[4][4];
+#pragma unroll
+  for (int r = 0; r < 4; ++r) load_row(w, 4 * tr * n + 4 * tc + r * static_cast<long long>(n), v[r]);
+  u32 cols[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    float a[4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const float s = fabsf(v[r][j]);
+      a[r] = s != s ? __int_as_float(0x7f800000) : s;
+    }
+    cols[j] = 0;
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      int rank = 0;  // entries that beat entry r: larger, or equal and earlier
+#pragma unroll
+      for (int o = 0; o < 4; ++o) rank += o != r && (a[o] > a[r] || (a[o] == a[r] && o < r));
+      cols[j] |= static_cast<u32>(rank < 2) << r;
+    }
+  }
+  write_groups(blob, tr, tc, k, n, v, cols);
 }
