@@ -89,16 +89,20 @@ __device__ __forceinline__ void store_row(void* out, long long offset, const flo
 #endif
 }
 
-// Loads tile (rows 4 tr .., columns 4 tc ..) of w into v and returns the index of its best pattern; *code = the
-// pattern's code (row r keeps pair (code >> 3 r) & 7 of kPairs).
-__device__ __forceinline__ int best_pattern(const void* w, long long tr, long long tc, int n, float v[4][4],
-                                            u32* code) {
+// Tile (rows 4 tr .., columns 4 tc ..) of w.
+__device__ __forceinline__ void load_tile(const void* w, long long tr, long long tc, int n, float v[4][4]) {
   const long long base = 4 * tr * n + 4 * tc;
+#pragma unroll
+  for (int r = 0; r < 4; ++r) load_row(w, base + r * static_cast<long long>(n), v[r]);
+}
+
+// The index of the best pattern of tile v; *code = the pattern's code (row r keeps pair (code >> 3 r) & 7 of
+// kPairs).
+__device__ __forceinline__ int best_pattern(const float v[4][4], u32* code) {
   const float big = 3.4028234663852886e38f / 16.0f;
   float pair[4][6];
 #pragma unroll
   for (int r = 0; r < 4; ++r) {
-    load_row(w, base + r * static_cast<long long>(n), v[r]);
     float a[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -139,8 +143,9 @@ extern "C" __global__ void __launch_bounds__(256) nm24_transposable(const void* 
   if (tile >= static_cast<long long>(k >> 2) * tiles_per_row) return;
   const long long tr = tile / tiles_per_row, tc = tile - tr * tiles_per_row;
   float v[4][4];
+  load_tile(w, tr, tc, n, v);
   u32 code;
-  const int p = best_pattern(w, tr, tc, n, v, &code);
+  const int p = best_pattern(v, &code);
   const long long base = 4 * tr * n + 4 * tc;
 #pragma unroll
   for (int r = 0; r < 4; ++r) store_row(pruned, base + r * static_cast<long long>(n), v[r], kPairs[(code >> (3 * r)) & 7]);
@@ -212,12 +217,15 @@ extern "C" __global__ void __launch_bounds__(256) nm24_transposable_compress(con
   u16* values_t = reinterpret_cast<u16*>(blob_t);  // (N / 2, K)
   u8* meta_t = blob_t + static_cast<long long>(k) * n;
   u32 codes_t[4][4];  // [tile][row of the tile]: the codes of Wᵀ's groups (tc) in columns 4 tr + row
+  float tiles[4][4][4];  // all four tiles' loads first: they overlap, instead of one tile's latency per step
+#pragma unroll
+  for (int i = 0; i < 4; ++i) load_tile(w, 4 * q + i, tc, n, tiles[i]);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const long long tr = 4 * q + i;
-    float v[4][4];
+    const float(&v)[4][4] = tiles[i];
     u32 code;
-    pattern[tr * tiles_per_row + tc] = static_cast<u8>(best_pattern(w, tr, tc, n, v, &code));
+    pattern[tr * tiles_per_row + tc] = static_cast<u8>(best_pattern(v, &code));
     u32 rows[4];  // kept columns of each row
 #pragma unroll
     for (int r = 0; r < 4; ++r) rows[r] = kPairs[(code >> (3 * r)) & 7];
@@ -264,8 +272,7 @@ extern "C" __global__ void __launch_bounds__(256) nm24_prune_compress(const void
   if (tile >= static_cast<long long>(k >> 2) * tiles_per_row) return;
   const long long tr = tile / tiles_per_row, tc = tile - tr * tiles_per_row;
   float v[4][4];
-#pragma unroll
-  for (int r = 0; r < 4; ++r) load_row(w, 4 * tr * n + 4 * tc + r * static_cast<long long>(n), v[r]);
+  load_tile(w, tr, tc, n, v);
   u32 cols[4];
 #pragma unroll
   for (int j = 0; j < 4; ++j) {

@@ -229,11 +229,24 @@ def _transposable_mask(w: jax.Array, n: int, m: int, axis: int) -> jax.Array:
   return jnp.moveaxis(tile_mask(transposable_pattern(jnp.moveaxis(w, axis, -2), n, m), n, m), -2, axis)
 
 
+@functools.cache
+def _pattern_bits(n: int, m: int) -> np.ndarray:
+  """:func:`_tile_patterns` as ``(P,)`` int32 bit masks: bit ``r m + c`` is entry ``(r, c)`` of the tile."""
+  patterns = _tile_patterns(n, m)
+  return (patterns.reshape(len(patterns), m * m) << np.arange(m * m)).sum(-1).astype(np.int32)
+
+
 def tile_mask(pattern: jax.Array, n: int, m: int) -> jax.Array:
-  """``(..., R, C)`` indices into :func:`_tile_patterns` ``(n, m)`` -> the ``(..., R m, C m)`` bool mask they pick."""
+  """``(..., R, C)`` indices into :func:`_tile_patterns` ``(n, m)`` -> the ``(..., R m, C m)`` bool mask they pick.
+
+  Broadcasts each tile's bit mask over its ``m x m`` entries and shifts: elementwise, so XLA fuses it into
+  its consumer (no gathered ``(R, C, m, m)`` array and no transpose).
+  """
   *lead, rows, cols = pattern.shape
-  mask = jnp.asarray(_tile_patterns(n, m))[pattern]  # (..., R, C, m, m)
-  return jnp.swapaxes(mask, -3, -2).reshape(*lead, rows * m, cols * m)
+  bits = jnp.asarray(_pattern_bits(n, m))[pattern]
+  full = jnp.broadcast_to(bits[..., :, None, :, None], (*lead, rows, m, cols, m)).reshape(*lead, rows * m, cols * m)
+  shift = (jnp.arange(rows * m) % m)[:, None] * m + (jnp.arange(cols * m) % m)[None, :]
+  return ((full >> shift) & 1).astype(bool)
 
 
 # One compiled function per shape instead of many small eager ops (the pairwise ranking unrolls m
