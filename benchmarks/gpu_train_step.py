@@ -99,7 +99,8 @@ def rules(kind: str, density: float, sparse_attention: bool):
 
 def breakdown(f, *args) -> str:
   """Device ms of one call of ``f`` per kind of kernel: the sparse kernels (Pallas: Mosaic GPU and
-  Triton), dense matrix products (cuBLAS / XLA GEMMs) and everything else (fusions, copies)."""
+  Triton; cuSPARSELt's sparse GEMMs; our CUDA kernels), dense matrix products (cuBLAS / XLA GEMMs) and
+  everything else (fusions, copies)."""
   from jax.experimental.mosaic.gpu import profiler  # noqa: PLC0415 (GPU-only module)
 
   _, per_call = profiler.measure(jax.jit(f), aggregate=False, iterations=3)(*args)
@@ -107,10 +108,10 @@ def breakdown(f, *args) -> str:
   for name, t in per_call[-1]:
     low = name.lower()
     by_name[name[:48]] = by_name.get(name[:48], 0.0) + t
-    if any(s in low for s in ("gemm", "cutlass", "nvjet", "xmma")):
-      totals["gemm"] += t
-    elif any(s in low for s in ("mosaic", "block_sparse", "sampled")):
+    if any(s in low for s in ("mosaic", "block_sparse", "sampled", "sparse_gemm", "cusparselt", "nm24")):
       totals["sparse"] += t
+    elif any(s in low for s in ("gemm", "cutlass", "nvjet", "xmma")):
+      totals["gemm"] += t
     else:
       totals["other"] += t
   top = sorted(by_name.items(), key=lambda kv: -kv[1])[:8]
