@@ -376,6 +376,26 @@ def test_gpu_sr_ste_matmul_transposable_on_sparse_cores(shape, w_dtype):
 
 @pytest.mark.gpu
 @needs_gpu
+def test_gpu_sr_ste_matmul_transposable_vmap_and_layer():
+  # vmap over x (the weight shared) and over x and w (one weight per example), and NMLinear(transposable=True)
+  # under nnx.jit: the sparse-core path where it has enough rows, with the values of the reference.
+  kx, kw = jax.random.split(jax.random.key(12))
+  w = jax.random.normal(kw, (3, 256, 128))
+  x = jax.random.normal(kx, (3, 64, 256)).astype(jnp.bfloat16)
+  f = lambda x, w: ops.sr_ste_matmul(x, w, 2, 4, dtype=jnp.bfloat16, transposable=True, implementation="cusparselt")
+  ref = lambda x, w: _sr_t_reference(x, w, 2e-4, jnp.bfloat16)
+  assert _rel(jax.jit(jax.vmap(f, in_axes=(0, None)))(x, w[0]), jax.vmap(ref, in_axes=(0, None))(x, w[0])) < 1e-2
+  assert _rel(jax.jit(jax.vmap(f))(x, w), jax.vmap(ref)(x, w)) < 1e-2
+  layer = NMLinear(256, 128, dtype=jnp.bfloat16, transposable=True, rngs=nnx.Rngs(0))
+  rows = jnp.ones((_sr_ste.TRANSPOSABLE_SPARSE_CORE_MIN_ROWS, 256), jnp.bfloat16)
+  assert "jaxsparse_cusparselt_matmul" in jax.jit(lambda x: layer(x)).lower(rows).as_text()
+  y = nnx.jit(lambda m, x: m(x))(layer, rows)
+  want = rows @ ops.sr_ste(layer.kernel[...], 2, 4, transposable=True).astype(jnp.bfloat16) + layer.bias[...]
+  assert _rel(y, want) < 1e-2
+
+
+@pytest.mark.gpu
+@needs_gpu
 def test_gpu_nmlinear_and_compressed_layer_use_sparse_cores():
   layer = NMLinear(256, 128, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
   x = jax.random.normal(jax.random.key(9), (_sr_ste.SPARSE_CORE_MIN_ROWS, 256))
