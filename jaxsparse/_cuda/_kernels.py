@@ -407,6 +407,7 @@ def nm24_decode(
 
 
 TRANSPOSABLE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+TRANSPOSABLE_COMPRESS_MAX_K = 64 * 65535  # a thread block per 64 rows, in the grid's y dimension
 
 
 def nm24_transposable_unsupported_reason(shape: tuple[int, ...], dtype, out_dtype) -> str:
@@ -460,15 +461,15 @@ def nm24_transposable_compress(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.
   it: valid only where ``_layout.matches()`` (checked against cuSPARSELt on the device) is True.
 
   Args:
-    w: ``(K, N)`` float32 or bfloat16 weight, ``K`` and ``N`` multiples of 64.
+    w: ``(K, N)`` float32 or bfloat16 weight, ``K`` and ``N`` multiples of 64, ``K <= TRANSPOSABLE_COMPRESS_MAX_K``.
 
   Returns:
     ``pattern`` ``(K / 4, N / 4)`` uint8 as :func:`nm24_transposable`'s; ``blob`` and ``blob_t``, ``K N 9 / 8``
     bytes each (uint8): for ``cusparselt.matmul(x, blob, N)`` and ``cusparselt.matmul(dy, blob_t, K)``.
   """
   reason = nm24_transposable_unsupported_reason(w.shape, w.dtype, jnp.bfloat16)
-  if not reason and (w.shape[0] % 64 or w.shape[1] % 64):
-    reason = f"K and N must be multiples of 64, got shape {tuple(w.shape)}"
+  if not reason and (w.shape[0] % 64 or w.shape[1] % 64 or w.shape[0] > TRANSPOSABLE_COMPRESS_MAX_K):
+    reason = f"K and N must be multiples of 64 and K at most {TRANSPOSABLE_COMPRESS_MAX_K}, got shape {tuple(w.shape)}"
   if reason:
     raise ValueError(f"nm24_transposable_compress cannot run: {reason}.")
   w_bf16 = w.dtype == jnp.bfloat16

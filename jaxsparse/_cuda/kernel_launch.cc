@@ -217,22 +217,23 @@ ffi::Error Nm24TransposableCompress(CUstream stream, ffi::AnyBuffer w, ffi::Resu
   if (wd.size() != 2 || td.size() != 2 || bd.size() != 1 || btd.size() != 1)
     return ffi::Error::InvalidArgument("nm24_transposable_compress: w and pattern must be 2-D, the buffers 1-D");
   const int64_t k = wd[0], n = wd[1];
-  if (w.element_type() != (w_bf16 ? ffi::BF16 : ffi::F32) || k % 64 != 0 || n % 64 != 0 || td[0] != k / 4 ||
-      td[1] != n / 4 || bd[0] != k * n / 8 * 9 || btd[0] != k * n / 8 * 9 || k > (int64_t{1} << 30) ||
+  if (w.element_type() != (w_bf16 ? ffi::BF16 : ffi::F32) || k % 64 != 0 || n % 64 != 0 || k / 64 > 65535 ||
+      td[0] != k / 4 || td[1] != n / 4 || bd[0] != k * n / 8 * 9 || btd[0] != k * n / 8 * 9 || k > (int64_t{1} << 30) ||
       n > (int64_t{1} << 30))
     return ffi::Error::InvalidArgument("nm24_transposable_compress: w (" + std::to_string(k) + ", " +
                                        std::to_string(n) + ") needs the dtype the kernel was built for, K and N "
-                                       "multiples of 64, pattern (K / 4, N / 4) and buffers of K N 9 / 8 bytes");
-  const int64_t threads = (k / 16) * (n / 4);
-  if (threads == 0) return ffi::Error::Success();
+                                       "multiples of 64, K <= 64 * 65535, pattern (K / 4, N / 4) and buffers "
+                                       "of K N 9 / 8 bytes");
+  if (k == 0 || n == 0) return ffi::Error::Success();
   const void* wp = w.untyped_data();
   void* tp = pattern->untyped_data();
   void* bp = blob->untyped_data();
   void* btp = blob_t->untyped_data();
   int ki = static_cast<int>(k), ni = static_cast<int>(n);
   void* args[] = {&wp, &tp, &bp, &btp, &ki, &ni};
-  return Launch(stream, kernel, "nm24_transposable_compress", static_cast<unsigned>((threads + 255) / 256), 1, 256,
-                args);
+  // A block of 256 threads per 64 x 64 region.
+  return Launch(stream, kernel, "nm24_transposable_compress", static_cast<unsigned>(n / 64),
+                static_cast<unsigned>(k / 64), 256, args);
 }
 
 ffi::Error Nm24PruneCompress(CUstream stream, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::U8> blob, int64_t kernel,

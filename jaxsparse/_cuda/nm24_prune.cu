@@ -200,66 +200,77 @@ __device__ __forceinline__ void write_groups(u8* blob, long long tr, long long t
   }
 }
 
+// Writes the 512 metadata bytes of a 64 x 64 region (16 groups from g0, 64 columns from n0; g0 % 16 == 0,
+// n0 % 64 == 0): two runs of 256 consecutive bytes. codes[gl][nl] is the 4-bit code of group g0 + gl, column
+// n0 + nl. All 256 threads of the block call it.
+__device__ __forceinline__ void write_meta_region(u8* meta, const u8 (*codes)[64], long long g0, long long n0,
+                                                  long long groups, int t) {
+#pragma unroll
+  for (int idx = t; idx < 512; idx += 256) {
+    const int b = idx & 255;
+    const int gl = (idx >> 8) * 8 + (((b >> 2) & 1) << 1) + ((b >> 1) & 1) + ((b & 1) << 2);
+    const int nl = (((b >> 7) & 1) << 5) + (((b >> 6) & 1) << 4) + (((b >> 5) & 1) << 2) + (((b >> 4) & 1) << 1) +
+                   ((b >> 3) & 1);  // bit 3 (the nibble) clear
+    meta[meta_byte(g0 + gl, n0 + nl, groups)] = static_cast<u8>(codes[gl][nl] | (codes[gl][nl | 8] << 4));
+  }
+}
+
 // The same pruning, written straight into cuSPARSELt's compressed buffers of W (K, N) and of Wᵀ (N, K), both
 // in the LAYOUT_KN form (Wᵀ as a weight of contraction N: the transposable mask is 2:4 along N too), for
-// bfloat16 products. Needs K % 64 == 0 and N % 64 == 0. A thread takes 4 tiles down a column of tiles
-// (tile rows 4 q .. 4 q + 3): its 4 tiles hold both nibbles of each metadata byte of Wᵀ; the two nibbles of a
-// byte of W come from the tiles of lanes l and l ^ 2 (tile columns tc and tc ^ 2), exchanged by a shuffle.
+// bfloat16 products. Needs K % 64 == 0, N % 64 == 0 and K / 64 <= 65535. A block of 256 threads takes a 64 x 64 region (16 x 16
+// tiles, one a thread; grid (N / 64, K / 64)); the metadata of both buffers and Wᵀ's values go through shared
+// memory, so that every global write of the block is a contiguous run.
 extern "C" __global__ void __launch_bounds__(256) nm24_transposable_compress(const void* __restrict__ w,
                                                                              u8* __restrict__ pattern,
                                                                              u8* __restrict__ blob,
                                                                              u8* __restrict__ blob_t, int k, int n) {
+  __shared__ u8 codes_w[16][64];    // [group tr][column 4 tc + j] of W
+  __shared__ u8 codes_t[16][64];    // [group tc][column 4 tr + r] of Wᵀ
+  __shared__ __align__(16) u16 values_sh[32][64];  // Wᵀ's values: [2 tc + s][4 tr + r]
+  const int t = threadIdx.x, tcl = t & 15, trl = t >> 4;
+  const long long tc = blockIdx.x * 16LL + tcl, tr = blockIdx.y * 16LL + trl;
   const int tiles_per_row = n >> 2;
-  const long long t = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
-  // k / 16 * n / 4 threads, a multiple of 64: whole warps are in or out (the shuffle needs all 32 lanes).
-  if (t >= static_cast<long long>(k >> 4) * tiles_per_row) return;
-  const long long q = t / tiles_per_row, tc = t - q * tiles_per_row;
+  float v[4][4];
+  load_tile(w, tr, tc, n, v);
+  u32 code;
+  pattern[tr * tiles_per_row + tc] = static_cast<u8>(best_pattern(v, &code));
+  u32 rows[4];  // kept columns of each row
+#pragma unroll
+  for (int r = 0; r < 4; ++r) rows[r] = kPairs[(code >> (3 * r)) & 7];
+  // W: group tr, columns 4 tc + j; column j keeps the rows whose bit j is set. Values straight to memory (the
+  // 16 threads of a tile row write 128 consecutive bytes of each values row).
+  u16* values = reinterpret_cast<u16*>(blob);  // (K / 2, N)
+  u16 lo[4], hi[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    u32 bits = 0;
+#pragma unroll
+    for (int r = 0; r < 4; ++r) bits |= ((rows[r] >> j) & 1) << r;
+    codes_w[trl][4 * tcl + j] = static_cast<u8>(pair_code(bits));
+    lo[j] = float_to_bf16(pick(v[0][j], v[1][j], v[2][j], v[3][j], __ffs(bits) - 1));
+    hi[j] = float_to_bf16(pick(v[0][j], v[1][j], v[2][j], v[3][j], 31 - __clz(bits)));
+  }
+  *reinterpret_cast<uint2*>(values + (2 * tr) * n + 4 * tc) =
+      make_uint2(lo[0] | (static_cast<u32>(lo[1]) << 16), lo[2] | (static_cast<u32>(lo[3]) << 16));
+  *reinterpret_cast<uint2*>(values + (2 * tr + 1) * n + 4 * tc) =
+      make_uint2(hi[0] | (static_cast<u32>(hi[1]) << 16), hi[2] | (static_cast<u32>(hi[3]) << 16));
+  // Wᵀ: group tc, columns 4 tr + r; row r of the tile keeps the columns set in rows[r].
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    codes_t[tcl][4 * trl + r] = static_cast<u8>(pair_code(rows[r]));
+    values_sh[2 * tcl][4 * trl + r] = float_to_bf16(pick(v[r][0], v[r][1], v[r][2], v[r][3], __ffs(rows[r]) - 1));
+    values_sh[2 * tcl + 1][4 * trl + r] =
+        float_to_bf16(pick(v[r][0], v[r][1], v[r][2], v[r][3], 31 - __clz(rows[r])));
+  }
+  __syncthreads();
+  // Wᵀ's values: 32 rows of 64 columns (128 bytes), a 16-byte piece a thread.
   u16* values_t = reinterpret_cast<u16*>(blob_t);  // (N / 2, K)
-  u8* meta_t = blob_t + static_cast<long long>(k) * n;
-  u32 codes_t[4][4];  // [tile][row of the tile]: the codes of Wᵀ's groups (tc) in columns 4 tr + row
-  float tiles[4][4][4];  // all four tiles' loads first: they overlap, instead of one tile's latency per step
-#pragma unroll
-  for (int i = 0; i < 4; ++i) load_tile(w, 4 * q + i, tc, n, tiles[i]);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const long long tr = 4 * q + i;
-    const float(&v)[4][4] = tiles[i];
-    u32 code;
-    pattern[tr * tiles_per_row + tc] = static_cast<u8>(best_pattern(v, &code));
-    u32 rows[4];  // kept columns of each row
-#pragma unroll
-    for (int r = 0; r < 4; ++r) rows[r] = kPairs[(code >> (3 * r)) & 7];
-    // W: group tr, columns 4 tc + j. Column j keeps the rows whose bit j is set.
-    u32 cols[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      cols[j] = 0;
-#pragma unroll
-      for (int r = 0; r < 4; ++r) cols[j] |= ((rows[r] >> j) & 1) << r;
-    }
-    write_groups(blob, tr, tc, k, n, v, cols);
-    u16 lo[4], hi[4];
-    // Wᵀ: group tc, columns 4 tr + r. Row r of the tile keeps the columns whose bit is set in rows[r].
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const u32 bits = rows[r];
-      codes_t[i][r] = pair_code(bits);
-      lo[r] = float_to_bf16(pick(v[r][0], v[r][1], v[r][2], v[r][3], __ffs(bits) - 1));
-      hi[r] = float_to_bf16(pick(v[r][0], v[r][1], v[r][2], v[r][3], 31 - __clz(bits)));
-    }
-    const long long col_t = 4 * tr;
-    *reinterpret_cast<uint2*>(values_t + (2 * tc) * k + col_t) =
-        make_uint2(lo[0] | (static_cast<u32>(lo[1]) << 16), lo[2] | (static_cast<u32>(lo[3]) << 16));
-    *reinterpret_cast<uint2*>(values_t + (2 * tc + 1) * k + col_t) =
-        make_uint2(hi[0] | (static_cast<u32>(hi[1]) << 16), hi[2] | (static_cast<u32>(hi[3]) << 16));
-  }
-  // Wᵀ's metadata: columns 4 tr + r with tr = 4 q + i; bit 3 of the column is bit 1 of i.
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-#pragma unroll
-    for (int r = 0; r < 4; ++r)
-      meta_t[meta_byte(tc, 4 * (4 * q + i) + r, n >> 2)] = static_cast<u8>(codes_t[i][r] | (codes_t[i + 2][r] << 4));
-  }
+  const int row = t >> 3, piece = t & 7;
+  *reinterpret_cast<uint4*>(values_t + (blockIdx.x * 32LL + row) * k + blockIdx.y * 64LL + piece * 8) =
+      *reinterpret_cast<const uint4*>(&values_sh[row][piece * 8]);
+  const long long kn = static_cast<long long>(k) * n;
+  write_meta_region(blob + kn, codes_w, blockIdx.y * 16LL, blockIdx.x * 64LL, k >> 2, t);
+  write_meta_region(blob_t + kn, codes_t, blockIdx.x * 16LL, blockIdx.y * 64LL, n >> 2, t);
 }
 
 // Plain 2:4 pruning along K (jaxsparse.nm_mask(w, 2, 4): the 2 largest |w| of each group of 4, NaN the largest,

@@ -195,7 +195,8 @@ _sr_ste_matmul.defvjp(_sr_ste_matmul_fwd, _sr_ste_matmul_bwd)
 def _direct_compress(k: int, n: int) -> bool:
   """Whether our kernel can write cuSPARSELt's buffers of a ``(k, n)`` weight and of its transpose itself."""
   size = k * n // 8 * 9
-  return (k % 64 == 0 and n % 64 == 0 and cslt.fast_compress(k, n, jnp.bfloat16) and
+  return (k % 64 == 0 and n % 64 == 0 and k <= cuda_kernels.TRANSPOSABLE_COMPRESS_MAX_K and
+          cslt.fast_compress(k, n, jnp.bfloat16) and
           cslt.fast_compress(n, k, jnp.bfloat16) and cslt.compressed_bytes(n, k, jnp.bfloat16) == size and
           cslt.compressed_bytes(k, n, jnp.bfloat16) == size)
 
