@@ -26,12 +26,22 @@ from jaxsparse._cuda import _cusparselt as cslt
 from jaxsparse._cuda import _kernels as ck
 from jaxsparse._cuda import _layout
 from jaxsparse.formats import _nm
+from jaxsparse.ops import _sr_ste
 
 
-def _step(**kw):
+def _step(dense_products=False, **kw):
+  """One SR-STE step; ``dense_products``: the automatic path with its sparse-core threshold out of reach
+  while tracing (the transposable layers' kernel-pruned dense products)."""
+
   def step(x, w, dy):
-    y, vjp = jax.vjp(lambda x, w: ops.sr_ste_matmul(x, w, 2, 4, dtype=jnp.bfloat16, **kw), x, w)
-    return y, vjp(dy)
+    saved = _sr_ste.TRANSPOSABLE_SPARSE_CORE_MIN_ROWS
+    if dense_products:
+      _sr_ste.TRANSPOSABLE_SPARSE_CORE_MIN_ROWS = x.shape[0] + 1
+    try:
+      y, vjp = jax.vjp(lambda x, w: ops.sr_ste_matmul(x, w, 2, 4, dtype=jnp.bfloat16, **kw), x, w)
+      return y, vjp(dy)
+    finally:
+      _sr_ste.TRANSPOSABLE_SPARSE_CORE_MIN_ROWS = saved
 
   return step
 
@@ -66,7 +76,7 @@ def parts(m: int, k: int, n: int, iterations: int) -> list[tuple[str, float]]:
       "step dense": (_dense_step, x, w, dy),
       "step SR-STE, dense products": (_step(implementation="xla"), x, w, dy),
       "step SR-STE, sparse fwd": (_step(implementation="cusparselt"), x, w, dy),
-      "step transposable, kernel-pruned dense": (_step(transposable=True), x, w, dy),
+      "step transposable, kernel-pruned dense": (_step(dense_products=True, transposable=True), x, w, dy),
       "step transposable, sparse fwd + dX": (_step(transposable=True, implementation="cusparselt"), x, w, dy),
   }
   out = []
