@@ -386,3 +386,21 @@ def test_gpu_nm24_prune_compress_is_the_xla_layout(shape, w_dtype):
   w = jnp.where(jnp.arange(shape[1]) % 3 == 0, ties, w).at[5, 7].set(jnp.nan).astype(w_dtype)
   got = jax.jit(ck.nm24_prune_compress)(w)
   np.testing.assert_array_equal(got, _layout.compress_dense(w, dtype=jnp.bfloat16))
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize(("shape", "axis"), [((256, 128), 0), ((3, 3, 64, 32), -2), ((32, 48, 8), 1)])
+def test_gpu_sr_ste_transposable_mask_by_the_kernel(shape, axis):
+  # ops.sr_ste (NMConv's and the Flax path's pruning) takes the transposable mask from our kernel on the GPU,
+  # for any axis and leading dims: the mask of nm_mask (random normal weights have no near-ties), and the
+  # SR-STE gradient with it.
+  from jaxsparse import ops  # noqa: PLC0415
+
+  w = jax.random.normal(jax.random.key(len(shape)), shape)
+  f = jax.jit(lambda w: ops.sr_ste(w, 2, 4, axis=axis, decay=0.1, transposable=True))
+  assert "jaxsparse_nm24_transposable" in f.lower(w).as_text()
+  mask = jaxsparse.nm_mask(w, 2, 4, axis=axis, transposable=True)
+  np.testing.assert_array_equal(f(w), jnp.where(mask, w, 0.0))
+  g = jax.jit(jax.grad(lambda w: ops.sr_ste(w, 2, 4, axis=axis, decay=0.1, transposable=True).sum()))(w)
+  np.testing.assert_allclose(g, 1.0 + np.where(mask, 0.0, 0.1 * np.asarray(w)), rtol=1e-6)
