@@ -285,7 +285,7 @@ def test_transposable_kernel_pattern_table_is_tile_patterns():
     ],
 )
 def test_transposable_unsupported_reason(shape, dtype, out, expect):
-  reason = ck.nm24_transposable_unsupported_reason(shape, dtype, out)
+  reason = ck.nm24_prune_unsupported_reason(shape, dtype, out)
   assert (expect in reason) if expect else reason == ""
 
 

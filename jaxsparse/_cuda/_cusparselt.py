@@ -139,7 +139,7 @@ def prune_compress(w: jax.Array, dtype) -> jax.Array:
   from jaxsparse._cuda import _layout  # noqa: PLC0415 (imports this module)
 
   if fast_compress(*w.shape, dtype):
-    if _kernels.available() and not _kernels.nm24_transposable_unsupported_reason(w.shape, w.dtype, dtype):
+    if _kernels.available() and not _kernels.nm24_prune_unsupported_reason(w.shape, w.dtype, dtype):
       return _kernels.nm24_prune_compress(w)
     return _layout.compress_dense(w, dtype=dtype)
   pruned = jnp.where(_nm.nm_mask(w, 2, 4, axis=0), w, jnp.zeros((), w.dtype)).astype(dtype)

@@ -57,7 +57,7 @@ __all__ = [
     "nm24_prune_compress",
     "nm24_transposable",
     "nm24_transposable_compress",
-    "nm24_transposable_unsupported_reason",
+    "nm24_prune_unsupported_reason",
     "nm24_unsupported_reason",
     "unavailable_reason",
     "warn_fallback",
@@ -406,14 +406,15 @@ def nm24_decode(
   )
 
 
-TRANSPOSABLE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+PRUNE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 TRANSPOSABLE_COMPRESS_MAX_K = 64 * 65535  # a thread block per 64 rows, in the grid's y dimension
 
 
-def nm24_transposable_unsupported_reason(shape: tuple[int, ...], dtype, out_dtype) -> str:
-  """Why :func:`nm24_transposable` cannot prune a ``shape`` ``dtype`` weight into ``out_dtype``, or ``""``."""
-  names = " or ".join(d.name for d in TRANSPOSABLE_DTYPES)
-  if jnp.dtype(dtype) not in TRANSPOSABLE_DTYPES or jnp.dtype(out_dtype) not in TRANSPOSABLE_DTYPES:
+def nm24_prune_unsupported_reason(shape: tuple[int, ...], dtype, out_dtype) -> str:
+  """Why the pruning kernels cannot prune a ``shape`` ``dtype`` weight into ``out_dtype``, or ``""`` (the
+  compressing ones need more of the shape: see each)."""
+  names = " or ".join(d.name for d in PRUNE_DTYPES)
+  if jnp.dtype(dtype) not in PRUNE_DTYPES or jnp.dtype(out_dtype) not in PRUNE_DTYPES:
     return f"w and the output must be {names}, got {jnp.dtype(dtype)} and {jnp.dtype(out_dtype)}"
   if len(shape) != 2 or shape[0] % 4 or shape[1] % 4:
     return f"w must be 2-D (K, N) with K and N multiples of 4, got shape {tuple(shape)}"
@@ -440,12 +441,12 @@ def nm24_transposable(w: jax.Array, out_dtype=None) -> tuple[jax.Array, jax.Arra
     expands it).
   """
   out_dtype = jnp.dtype(out_dtype or w.dtype)
-  reason = nm24_transposable_unsupported_reason(w.shape, w.dtype, out_dtype)
+  reason = nm24_prune_unsupported_reason(w.shape, w.dtype, out_dtype)
   if reason:
     raise ValueError(f"nm24_transposable cannot run: {reason}.")
   w_bf16, out_bf16 = w.dtype == jnp.bfloat16, out_dtype == jnp.bfloat16
-  kid = _kernel_id("nm24_prune.cu", "nm24_transposable", (("NM_IN_BF16", int(w_bf16)),
-                                                                  ("NM_OUT_BF16", int(out_bf16))))
+  defines = (("NM_IN_BF16", int(w_bf16)), ("NM_OUT_BF16", int(out_bf16)))
+  kid = _kernel_id("nm24_prune.cu", "nm24_transposable", defines)
   k, n = w.shape
   out = (jax.ShapeDtypeStruct((k, n), out_dtype), jax.ShapeDtypeStruct((k // 4, n // 4), jnp.uint8))
   return jax.ffi.ffi_call("jaxsparse_nm24_transposable", out, vmap_method="sequential")(
@@ -467,7 +468,7 @@ def nm24_transposable_compress(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.
     ``pattern`` ``(K / 4, N / 4)`` uint8 as :func:`nm24_transposable`'s; ``blob`` and ``blob_t``, ``K N 9 / 8``
     bytes each (uint8): for ``cusparselt.matmul(x, blob, N)`` and ``cusparselt.matmul(dy, blob_t, K)``.
   """
-  reason = nm24_transposable_unsupported_reason(w.shape, w.dtype, jnp.bfloat16)
+  reason = nm24_prune_unsupported_reason(w.shape, w.dtype, jnp.bfloat16)
   if not reason and (w.shape[0] % 64 or w.shape[1] % 64 or w.shape[0] > TRANSPOSABLE_COMPRESS_MAX_K):
     reason = f"K and N must be multiples of 64 and K at most {TRANSPOSABLE_COMPRESS_MAX_K}, got shape {tuple(w.shape)}"
   if reason:
@@ -495,7 +496,7 @@ def nm24_prune_compress(w: jax.Array) -> jax.Array:
   Returns:
     ``K N 9 / 8`` bytes (uint8), for ``cusparselt.matmul(x, blob, N)``.
   """
-  reason = nm24_transposable_unsupported_reason(w.shape, w.dtype, jnp.bfloat16)
+  reason = nm24_prune_unsupported_reason(w.shape, w.dtype, jnp.bfloat16)
   if not reason and (w.shape[0] % 32 or w.shape[1] % 64):
     reason = f"K must be a multiple of 32 and N of 64, got shape {tuple(w.shape)}"
   if reason:

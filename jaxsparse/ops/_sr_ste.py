@@ -292,7 +292,7 @@ def _transposable_kernel_unsupported_reason(w_shape, w_dtype, n, m, dtype) -> st
   """Why our kernel cannot prune ``w`` with a transposable 2:4 mask into ``dtype`` here, or ``""``."""
   if (n, m) != (2, 4):
     return f"the pruning kernel takes 2:4 only, got {n}:{m}"
-  return cuda_kernels.unavailable_reason() or cuda_kernels.nm24_transposable_unsupported_reason(w_shape, w_dtype, dtype)
+  return cuda_kernels.unavailable_reason() or cuda_kernels.nm24_prune_unsupported_reason(w_shape, w_dtype, dtype)
 
 
 def sr_ste_matmul(
