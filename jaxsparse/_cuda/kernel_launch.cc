@@ -198,8 +198,8 @@ ffi::Error Nm24Transposable(CUstream stream, ffi::AnyBuffer w, ffi::Result<ffi::
   if (!types || k % 4 != 0 || n % 4 != 0 || pd[0] != k || pd[1] != n || td[0] != k / 4 || td[1] != n / 4 ||
       k > (int64_t{1} << 30) || n > (int64_t{1} << 30))
     return ffi::Error::InvalidArgument("nm24_transposable: w (" + std::to_string(k) + ", " + std::to_string(n) +
-                                       ") needs w and pruned of its shape in the dtypes the kernel was built for, K and N multiples "
-                                       "of 4, and pattern (K / 4, N / 4)");
+                                       ") needs w and pruned of its shape in the dtypes the kernel was built "
+                                       "for, K and N multiples of 4, and pattern (K / 4, N / 4)");
   const int64_t tiles = (k / 4) * (n / 4);
   if (tiles == 0) return ffi::Error::Success();
   const void* wp = w.untyped_data();

@@ -148,7 +148,8 @@ extern "C" __global__ void __launch_bounds__(256) nm24_transposable(const void* 
   const int p = best_pattern(v, &code);
   const long long base = 4 * tr * n + 4 * tc;
 #pragma unroll
-  for (int r = 0; r < 4; ++r) store_row(pruned, base + r * static_cast<long long>(n), v[r], kPairs[(code >> (3 * r)) & 7]);
+  for (int r = 0; r < 4; ++r)
+    store_row(pruned, base + r * static_cast<long long>(n), v[r], kPairs[(code >> (3 * r)) & 7]);
   pattern[tile] = static_cast<u8>(p);
 }
 
@@ -215,11 +216,11 @@ __device__ __forceinline__ void write_meta_region(u8* meta, const u8 (*codes)[64
   }
 }
 
-// The same pruning, written straight into cuSPARSELt's compressed buffers of W (K, N) and of Wᵀ (N, K), both
-// in the LAYOUT_KN form (Wᵀ as a weight of contraction N: the transposable mask is 2:4 along N too), for
-// bfloat16 products. Needs K % 64 == 0, N % 64 == 0 and K / 64 <= 65535. A block of 256 threads takes a 64 x 64 region (16 x 16
-// tiles, one a thread; grid (N / 64, K / 64)); the metadata of both buffers and Wᵀ's values go through shared
-// memory, so that every global write of the block is a contiguous run.
+// The same pruning, written straight into cuSPARSELt's compressed buffers of W (K, N) and of Wᵀ (N, K), both in the
+// LAYOUT_KN form (Wᵀ as a weight of contraction N: the transposable mask is 2:4 along N too), for bfloat16 products.
+// Needs K % 64 == 0, N % 64 == 0 and K / 64 <= 65535. A block of 256 threads takes a 64 x 64 region (16 x 16 tiles,
+// one a thread; grid (N / 64, K / 64)); the metadata of both buffers and Wᵀ's values go through shared memory, so
+// that every global write of the block is a contiguous run.
 extern "C" __global__ void __launch_bounds__(256) nm24_transposable_compress(const void* __restrict__ w,
                                                                              u8* __restrict__ pattern,
                                                                              u8* __restrict__ blob,
