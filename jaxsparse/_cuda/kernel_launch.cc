@@ -7,7 +7,7 @@
 // with the system C++ compiler: the CUDA driver API (libcuda.so.1, part of the driver) is opened with
 // dlopen, so no CUDA headers or toolkit are needed to build it.
 //
-// Handler:
+// Handlers:
 //   JaxsparseNm24Decode: y (M, N) = x (M, K) @ W for a 2:4 bfloat16 W given as NMSparseMatrix values
 //     (K/2, N) and packed positions (K/8, N) uint8, M <= 32 (nm24_decode.cu). Attributes: kernel (the id
 //     of the registered cubin), split (thread blocks per column span = the cluster size of the cubin),
