@@ -468,20 +468,16 @@ def nm24_transposable_compress(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.
     ``pattern`` ``(K / 4, N / 4)`` uint8 as :func:`nm24_transposable`'s; ``blob`` and ``blob_t``, ``K N 9 / 8``
     bytes each (uint8): for ``cusparselt.matmul(x, blob, N)`` and ``cusparselt.matmul(dy, blob_t, K)``.
   """
-  reason = nm24_prune_unsupported_reason(w.shape, w.dtype, jnp.bfloat16)
-  if not reason and (w.shape[0] % 64 or w.shape[1] % 64 or w.shape[0] > TRANSPOSABLE_COMPRESS_MAX_K):
-    reason = f"K and N must be multiples of 64 and K at most {TRANSPOSABLE_COMPRESS_MAX_K}, got shape {tuple(w.shape)}"
-  if reason:
-    raise ValueError(f"nm24_transposable_compress cannot run: {reason}.")
-  w_bf16 = w.dtype == jnp.bfloat16
-  kid = _kernel_id("nm24_prune.cu", "nm24_transposable_compress", (("NM_IN_BF16", int(w_bf16)),))
-  k, n = w.shape
-  size = k * n // 8 * 9
-  out = (jax.ShapeDtypeStruct((k // 4, n // 4), jnp.uint8), jax.ShapeDtypeStruct((size,), jnp.uint8),
-         jax.ShapeDtypeStruct((size,), jnp.uint8))
-  return jax.ffi.ffi_call("jaxsparse_nm24_transposable_compress", out, vmap_method="sequential")(
-      w, kernel=np.int64(kid), w_bf16=bool(w_bf16)
-  )
+  def shape_reason(k, n):
+    if k % 64 == 0 and n % 64 == 0 and k <= TRANSPOSABLE_COMPRESS_MAX_K:
+      return ""
+    return f"K and N must be multiples of 64 and K at most {TRANSPOSABLE_COMPRESS_MAX_K}, got shape {(k, n)}"
+
+  def out(k, n):
+    buffer = jax.ShapeDtypeStruct((k * n // 8 * 9,), jnp.uint8)
+    return jax.ShapeDtypeStruct((k // 4, n // 4), jnp.uint8), buffer, buffer
+
+  return _compressing_call("nm24_transposable_compress", w, shape_reason, out)
 
 
 def nm24_prune_compress(w: jax.Array) -> jax.Array:
@@ -496,15 +492,21 @@ def nm24_prune_compress(w: jax.Array) -> jax.Array:
   Returns:
     ``K N 9 / 8`` bytes (uint8), for ``cusparselt.matmul(x, blob, N)``.
   """
-  reason = nm24_prune_unsupported_reason(w.shape, w.dtype, jnp.bfloat16)
-  if not reason and (w.shape[0] % 32 or w.shape[1] % 64):
-    reason = f"K must be a multiple of 32 and N of 64, got shape {tuple(w.shape)}"
+  return _compressing_call(
+      "nm24_prune_compress", w,
+      lambda k, n: "" if k % 32 == 0 and n % 64 == 0 else f"K must be a multiple of 32 and N of 64, got shape {(k, n)}",
+      lambda k, n: jax.ShapeDtypeStruct((k * n // 8 * 9,), jnp.uint8),
+  )
+
+
+def _compressing_call(name: str, w: jax.Array, shape_reason, out):
+  """Runs kernel ``name`` of ``nm24_prune.cu``, which writes cuSPARSELt's bfloat16 buffers of ``w``, or raises
+  why it cannot: the common checks, then ``shape_reason(K, N)``; ``out(K, N)`` gives the results' shapes."""
+  reason = nm24_prune_unsupported_reason(w.shape, w.dtype, jnp.bfloat16) or shape_reason(*w.shape)
   if reason:
-    raise ValueError(f"nm24_prune_compress cannot run: {reason}.")
+    raise ValueError(f"{name} cannot run: {reason}.")
   w_bf16 = w.dtype == jnp.bfloat16
-  kid = _kernel_id("nm24_prune.cu", "nm24_prune_compress", (("NM_IN_BF16", int(w_bf16)),))
-  k, n = w.shape
-  out = jax.ShapeDtypeStruct((k * n // 8 * 9,), jnp.uint8)
-  return jax.ffi.ffi_call("jaxsparse_nm24_prune_compress", out, vmap_method="sequential")(
+  kid = _kernel_id("nm24_prune.cu", name, (("NM_IN_BF16", int(w_bf16)),))
+  return jax.ffi.ffi_call(f"jaxsparse_{name}", out(*w.shape), vmap_method="sequential")(
       w, kernel=np.int64(kid), w_bf16=bool(w_bf16)
   )

@@ -89,11 +89,27 @@ __device__ __forceinline__ void store_row(void* out, long long offset, const flo
 #endif
 }
 
+// |v| with NaN as the largest (inf), as jaxsparse.formats._nm._scores.
+__device__ __forceinline__ float score(float v) {
+  const float s = fabsf(v);
+  return s != s ? __int_as_float(0x7f800000) : s;
+}
+
 // Tile (rows 4 tr .., columns 4 tc ..) of w.
 __device__ __forceinline__ void load_tile(const void* w, long long tr, long long tc, int n, float v[4][4]) {
   const long long base = 4 * tr * n + 4 * tc;
 #pragma unroll
   for (int r = 0; r < 4; ++r) load_row(w, base + r * static_cast<long long>(n), v[r]);
+}
+
+// The tile of this thread in a one-thread-per-tile grid over the (K / 4, N / 4) tiles, tile columns fastest;
+// false for the threads past the last tile.
+__device__ __forceinline__ bool thread_tile(int k, int n, long long* tr, long long* tc) {
+  const long long tiles_per_row = n >> 2;
+  const long long tile = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  *tr = tile / tiles_per_row;
+  *tc = tile - *tr * tiles_per_row;
+  return tile < (k >> 2) * tiles_per_row;
 }
 
 // The index of the best pattern of tile v; *code = the pattern's code (row r keeps pair (code >> 3 r) & 7 of
@@ -106,8 +122,7 @@ __device__ __forceinline__ int best_pattern(const float v[4][4], u32* code) {
     float a[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const float s = fabsf(v[r][j]);
-      a[j] = fminf(s != s ? __int_as_float(0x7f800000) : s, big);
+      a[j] = fminf(score(v[r][j]), big);
     }
     pair[r][0] = a[0] + a[1];
     pair[r][1] = a[0] + a[2];
@@ -138,10 +153,8 @@ __device__ __forceinline__ int best_pattern(const float v[4][4], u32* code) {
 extern "C" __global__ void __launch_bounds__(256) nm24_transposable(const void* __restrict__ w,
                                                                     void* __restrict__ pruned,
                                                                     u8* __restrict__ pattern, int k, int n) {
-  const int tiles_per_row = n >> 2;
-  const long long tile = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (tile >= static_cast<long long>(k >> 2) * tiles_per_row) return;
-  const long long tr = tile / tiles_per_row, tc = tile - tr * tiles_per_row;
+  long long tr, tc;
+  if (!thread_tile(k, n, &tr, &tc)) return;
   float v[4][4];
   load_tile(w, tr, tc, n, v);
   u32 code;
@@ -150,7 +163,7 @@ extern "C" __global__ void __launch_bounds__(256) nm24_transposable(const void* 
 #pragma unroll
   for (int r = 0; r < 4; ++r)
     store_row(pruned, base + r * static_cast<long long>(n), v[r], kPairs[(code >> (3 * r)) & 7]);
-  pattern[tile] = static_cast<u8>(p);
+  pattern[tr * (n >> 2) + tc] = static_cast<u8>(p);
 }
 
 // cuSPARSELt's compressed layout of a bfloat16 (K, N) 2:4 weight read as stored (LAYOUT_KN; mapped on an H100
@@ -174,6 +187,19 @@ __device__ __forceinline__ u32 pair_code(u32 bits) {
   return p0 | (p1 << 2);
 }
 
+// Column j of tile v with kept rows `bits` (two set) for a compressed buffer of W: the code p0 | p1 << 2 and
+// the two kept values (bfloat16), *lo of row p0 and *hi of row p1.
+__device__ __forceinline__ u32 kept_pair(const float v[4][4], int j, u32 bits, u16* lo, u16* hi) {
+  *lo = float_to_bf16(pick(v[0][j], v[1][j], v[2][j], v[3][j], __ffs(bits) - 1));
+  *hi = float_to_bf16(pick(v[0][j], v[1][j], v[2][j], v[3][j], 31 - __clz(bits)));
+  return pair_code(bits);
+}
+
+// Four bfloat16 values as one 8-byte store.
+__device__ __forceinline__ uint2 pack4(const u16 h[4]) {
+  return make_uint2(h[0] | (static_cast<u32>(h[1]) << 16), h[2] | (static_cast<u32>(h[3]) << 16));
+}
+
 // Writes tile (tr, tc) of a 2:4 (along K) bfloat16 weight into its compressed buffer (LAYOUT_KN): column j of the
 // tile keeps the rows set in cols[j] (two of them). Lanes l and l ^ 2 must hold tile columns tc and tc ^ 2 of
 // the same tile row (they share metadata bytes), and all 32 lanes must call it.
@@ -184,16 +210,10 @@ __device__ __forceinline__ void write_groups(u8* blob, long long tr, long long t
   u16 lo[4], hi[4];
   u32 codes[4];
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    codes[j] = pair_code(cols[j]);
-    lo[j] = float_to_bf16(pick(v[0][j], v[1][j], v[2][j], v[3][j], __ffs(cols[j]) - 1));
-    hi[j] = float_to_bf16(pick(v[0][j], v[1][j], v[2][j], v[3][j], 31 - __clz(cols[j])));
-  }
+  for (int j = 0; j < 4; ++j) codes[j] = kept_pair(v, j, cols[j], &lo[j], &hi[j]);
   const long long col = 4 * tc;
-  *reinterpret_cast<uint2*>(values + (2 * tr) * n + col) =
-      make_uint2(lo[0] | (static_cast<u32>(lo[1]) << 16), lo[2] | (static_cast<u32>(lo[3]) << 16));
-  *reinterpret_cast<uint2*>(values + (2 * tr + 1) * n + col) =
-      make_uint2(hi[0] | (static_cast<u32>(hi[1]) << 16), hi[2] | (static_cast<u32>(hi[3]) << 16));
+  *reinterpret_cast<uint2*>(values + (2 * tr) * n + col) = pack4(lo);
+  *reinterpret_cast<uint2*>(values + (2 * tr + 1) * n + col) = pack4(hi);
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const u32 other = __shfl_xor_sync(0xffffffffu, codes[j], 2);
@@ -247,14 +267,10 @@ extern "C" __global__ void __launch_bounds__(256) nm24_transposable_compress(con
     u32 bits = 0;
 #pragma unroll
     for (int r = 0; r < 4; ++r) bits |= ((rows[r] >> j) & 1) << r;
-    codes_w[trl][4 * tcl + j] = static_cast<u8>(pair_code(bits));
-    lo[j] = float_to_bf16(pick(v[0][j], v[1][j], v[2][j], v[3][j], __ffs(bits) - 1));
-    hi[j] = float_to_bf16(pick(v[0][j], v[1][j], v[2][j], v[3][j], 31 - __clz(bits)));
+    codes_w[trl][4 * tcl + j] = static_cast<u8>(kept_pair(v, j, bits, &lo[j], &hi[j]));
   }
-  *reinterpret_cast<uint2*>(values + (2 * tr) * n + 4 * tc) =
-      make_uint2(lo[0] | (static_cast<u32>(lo[1]) << 16), lo[2] | (static_cast<u32>(lo[3]) << 16));
-  *reinterpret_cast<uint2*>(values + (2 * tr + 1) * n + 4 * tc) =
-      make_uint2(hi[0] | (static_cast<u32>(hi[1]) << 16), hi[2] | (static_cast<u32>(hi[3]) << 16));
+  *reinterpret_cast<uint2*>(values + (2 * tr) * n + 4 * tc) = pack4(lo);
+  *reinterpret_cast<uint2*>(values + (2 * tr + 1) * n + 4 * tc) = pack4(hi);
   // Wᵀ: group tc, columns 4 tr + r; row r of the tile keeps the columns set in rows[r].
 #pragma unroll
   for (int r = 0; r < 4; ++r) {
@@ -279,10 +295,8 @@ extern "C" __global__ void __launch_bounds__(256) nm24_transposable_compress(con
 // Needs K % 32 == 0 and N % 64 == 0 (whole warps). One thread per 4 x 4 tile, as nm24_transposable.
 extern "C" __global__ void __launch_bounds__(256) nm24_prune_compress(const void* __restrict__ w,
                                                                       u8* __restrict__ blob, int k, int n) {
-  const int tiles_per_row = n >> 2;
-  const long long tile = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (tile >= static_cast<long long>(k >> 2) * tiles_per_row) return;
-  const long long tr = tile / tiles_per_row, tc = tile - tr * tiles_per_row;
+  long long tr, tc;
+  if (!thread_tile(k, n, &tr, &tc)) return;
   float v[4][4];
   load_tile(w, tr, tc, n, v);
   u32 cols[4];
@@ -290,10 +304,7 @@ extern "C" __global__ void __launch_bounds__(256) nm24_prune_compress(const void
   for (int j = 0; j < 4; ++j) {
     float a[4];
 #pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const float s = fabsf(v[r][j]);
-      a[r] = s != s ? __int_as_float(0x7f800000) : s;
-    }
+    for (int r = 0; r < 4; ++r) a[r] = score(v[r][j]);
     cols[j] = 0;
 #pragma unroll
     for (int r = 0; r < 4; ++r) {

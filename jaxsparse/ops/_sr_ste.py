@@ -134,13 +134,12 @@ def sr_ste(
   w = jnp.asarray(w)
   n, m = _nm.check_nm(n, m)
   axis = _nm.check_axis(axis, w.ndim)
-  if isinstance(decay, bool) or not isinstance(decay, numbers.Real) or not decay >= 0:
-    raise ValueError(f"decay must be a float >= 0 (0 gives plain STE), got decay={decay!r}.")
+  decay = _check_decay(decay)
   if not jnp.issubdtype(w.dtype, jnp.floating):
     raise TypeError(f"w must have a floating dtype to be trained, got {w.dtype}.")
   _nm.check_groups(w.shape, axis, m)
   transposable = _nm.check_transposable(transposable, w.shape, m, axis)
-  return _sr_ste(w, n, m, axis, float(decay), transposable)
+  return _sr_ste(w, n, m, axis, decay, transposable)
 
 
 def _check_decay(decay) -> float:
