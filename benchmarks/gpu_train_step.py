@@ -114,7 +114,7 @@ def breakdown(f, *args) -> str:
       totals["gemm"] += t
     else:
       totals["other"] += t
-  top = sorted(by_name.items(), key=lambda kv: -kv[1])[:8]
+  top = sorted(by_name.items(), key=lambda kv: -kv[1])[:14]
   return ", ".join(f"{k} {v:.2f} ms" for k, v in totals.items()) + "; top: " + "; ".join(
       f"{k} {v:.2f}" for k, v in top
   )
