@@ -11,7 +11,6 @@ Run on a CUDA GPU (``benchmarks/run_gpu.sh`` runs it on the device machine):
 * ``--torch`` adds ``torch.sparse._triton_ops.bsr_dense_mm`` (forward only) against ``torch.mm``.
 * ``--mosaic-sweep`` times Mosaic GPU (Hopper) forward / dX variants against the Triton kernels at
   M=8192, density 0.25, blocks 64 and 128, and the Mosaic forward at decode (M=16).
-* ``--lag-sweep`` times the Mosaic forward, dX and sampled dW with ``wgmma_lag`` 0 and 1 (M=8192).
 
 On Hopper the default configs run the forward and dX of blocks 64 / 128 at M >= 1024 on the Mosaic GPU
 kernel; the table's "Triton-only" column times the same products with the Triton kernels.
@@ -401,69 +400,6 @@ def dw_sweep(
   return lines
 
 
-def lag_sweep(iterations: int, blocks=(128, 64, 32), densities=(0.25, 0.5), dtypes=("bfloat16", "float32")):
-  """The Mosaic kernels (forward, dX, sampled dW) with ``wgmma_lag`` 0 and 1, against the dense product, at
-  M=8192, K=N=4096: a compute warpgroup waiting for each wgmma before the next against one left in flight."""
-  from jaxsparse.pallas import _block_sparse_sdd_mgpu as sdd  # noqa: PLC0415
-
-  lines, table_rows = [], ["| dtype | block | d | product | lag 0 ratio | lag 1 ratio | lag 1 / lag 0 |", "|---|" * 7]
-
-  def note(line):
-    lines.append(line)
-    log(line)
-
-  m, (k, n) = M_TRAIN, SWEEP_SHAPE
-  for name in dtypes:
-    dtype = jnp.dtype(name)
-    x, dy, _, _ = problem(m, k, n, 32, 1.0, dtype=dtype)
-    wd = jax.random.normal(jax.random.key(1), (k, n), jnp.float32).astype(dtype)
-    t_fwd = time_ms(lambda x, wd: jnp.dot(x, wd), x, wd, iterations=iterations)
-    t_dw = time_ms(lambda x, dy: jnp.dot(x.T, dy), x, dy, iterations=iterations)
-    note(f"lag {name}: dense fwd {t_fwd:.4f} ms, dense xᵀdY {t_dw:.4f} ms")
-    for b, d in itertools.product(blocks, densities):
-      x, dy, w, _ = problem(m, k, n, b, d, seed=b, dtype=dtype)
-      hi = jax.lax.Precision.HIGHEST
-      wf = w.to_dense().astype(jnp.float32)
-      refs = {"fwd": jnp.dot(x.astype(jnp.float32), wf, precision=hi),
-              "dx": jnp.dot(dy.astype(jnp.float32), wf.T, precision=hi)}
-      base = mosaic.MosaicBlockSparseMatmulConfig.get_default(m, w.block_shape, dtype)
-      times = {}
-      for kind, a in (("fwd", x), ("dx", dy)):
-        for lag in (0, 1):
-          cfg = dataclasses.replace(base.forward if kind == "fwd" else base.dx, wgmma_lag=lag)
-          f = lambda a, w, cfg=cfg, kind=kind: mosaic.dense_sparse_matmul(a, w, transpose=kind == "dx", config=cfg)
-          try:
-            err = rel_err(jax.jit(f)(a, w), refs[kind])
-            times[kind, lag] = time_ms(f, a, w, iterations=iterations)
-          except Exception as e:
-            note(f"lag {name} b={b} d={d} {kind} lag={lag}: FAILED {type(e).__name__}: {str(e)[:300]}")
-            continue
-          note(f"lag {name} b={b} d={d} {kind} lag={lag}: {times[kind, lag]:.4f} ms "
-               f"({times[kind, lag] / t_fwd:.2f}) err {err:.1e}")
-      if sdd.supports(x, dy, w):
-        dw_ref = None
-        for lag in (0, 1):
-          cfg = dataclasses.replace(sdd.MosaicSddConfig.get_default(w.block_shape, dtype), wgmma_lag=lag)
-          f = lambda x, dy, w, cfg=cfg: sdd.sampled_dw(x, dy, w, config=cfg)
-          try:
-            out = jax.jit(f)(x, dy, w)
-            dw_ref = out if dw_ref is None else dw_ref
-            err = rel_err(out, dw_ref)
-            times["dw", lag] = time_ms(f, x, dy, w, iterations=iterations)
-          except Exception as e:
-            note(f"lag {name} b={b} d={d} dw lag={lag}: FAILED {type(e).__name__}: {str(e)[:300]}")
-            continue
-          note(f"lag {name} b={b} d={d} dw lag={lag}: {times['dw', lag]:.4f} ms ({times['dw', lag] / t_dw:.2f})"
-               f" diff vs lag 0 {err:.1e}")
-      for kind, t_dense in (("fwd", t_fwd), ("dx", t_fwd), ("dw", t_dw)):
-        if (kind, 0) in times and (kind, 1) in times:
-          t0, t1 = times[kind, 0], times[kind, 1]
-          ratios = f"{t0 / t_dense:.3f} | {t1 / t_dense:.3f} | {t1 / t0:.3f}"
-          table_rows.append(f"| {name} | {b} | {d} | {kind} | {ratios} |")
-  note("\n".join(table_rows))
-  return lines
-
-
 def decode_sweep(iterations: int) -> list[str]:
   """Forward at decode sizes (M = 16, 64): Triton split variants and the Mosaic kernel, d=0.25."""
   lines = []
@@ -667,7 +603,6 @@ def main(argv=None):
   p.add_argument("--f32-sweep", action="store_true", help="time float32 Mosaic (TF32) against Triton first")
   p.add_argument("--dw-sweep", action="store_true", help="time Mosaic sampled xᵀdY variants against Triton first")
   p.add_argument("--decode-sweep", action="store_true", help="time decode (M <= 64) variants first")
-  p.add_argument("--lag-sweep", action="store_true", help="time the Mosaic kernels with wgmma_lag 0 and 1 first")
   p.add_argument("--mid-sweep", default=None, help="comma-separated mid-size M: time row-tile variants first")
   p.add_argument("--ms", default=None, help=f"comma-separated M of the table (default {M_TRAIN})")
   p.add_argument("--skip-decode", action="store_true", help="no decode rows in the table")
@@ -699,8 +634,6 @@ def main(argv=None):
     sweep_lines += dw_sweep(args.iterations, dtype=jnp.dtype(args.dtype))
   if args.decode_sweep:
     sweep_lines += decode_sweep(args.iterations)
-  if args.lag_sweep:
-    sweep_lines += lag_sweep(args.iterations)
   if args.mid_sweep:
     sweep_lines += mid_sweep(args.iterations, [int(v) for v in args.mid_sweep.split(",")])
   t0 = time.time()

@@ -87,8 +87,6 @@ class MosaicKernelConfig:
     num_ctas: thread blocks of the persistent grid; ``None`` means one per streaming multiprocessor,
       ``0`` one per output tile (a plain grid, scheduled by the hardware).
     epi_n: output columns stored per epilogue step (a divisor of the output block width).
-    wgmma_lag: wgmma groups a compute warpgroup leaves in flight when it issues the next step's (0 or 1);
-      with 1 a step's ring slot is released once the following step's product is issued.
   """
 
   tile_m: int = 256
@@ -97,7 +95,6 @@ class MosaicKernelConfig:
   group_m: int = 4
   num_ctas: int | None = None
   epi_n: int = 64
-  wgmma_lag: int = 0
 
   def __post_init__(self):
     if self.tile_m not in (128, 256):
@@ -106,8 +103,6 @@ class MosaicKernelConfig:
       raise ValueError(f"tile_k must be 32 or 64, got tile_k={self.tile_k}.")
     if self.epi_n not in (32, 64, 128):
       raise ValueError(f"epi_n must be 32, 64 or 128, got epi_n={self.epi_n}.")
-    if self.wgmma_lag not in (0, 1):
-      raise ValueError(f"wgmma_lag must be 0 or 1, got wgmma_lag={self.wgmma_lag}.")
     for name in ("num_stages", "group_m"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {name}={getattr(self, name)}.")
@@ -382,31 +377,18 @@ def _kernel(
         mi, c, start, end = tile(i)
 
         def acc_scope(acc_ref):
-          def step(t, g_step):
+          def step(t, g):
             for _ in range(ksub):
-              slot = lax.rem(g_step, stages)
+              slot = lax.rem(g, stages)
               plgpu.barrier_wait(ready.at[slot])
               b = b_smem.at[slot]
               plgpu.wgmma(acc_ref, a_smem.at[slot, rows], _transposed(b) if b_k_major else b)
-              plgpu.wgmma_wait(cfg.wgmma_lag)
-              if cfg.wgmma_lag:
-                # The previous step's product is done: release its slot (this tile's steps only; the
-                # previous tile released its own last slot).
-                prev = lax.rem(g_step + stages - 1, stages)
-                pl.when(g_step > g)(lambda prev=prev: plgpu.barrier_arrive(consumed.at[prev]))
-              else:
-                plgpu.barrier_arrive(consumed.at[slot])
-              g_step = g_step + 1
-            return g_step
+              plgpu.wgmma_wait(0)
+              plgpu.barrier_arrive(consumed.at[slot])
+              g = g + 1
+            return g
 
           g_end = lax.fori_loop(start, end, step, g)
-          if cfg.wgmma_lag:
-            plgpu.wgmma_wait(0)
-
-            @pl.when(g_end > g)
-            def _():
-              plgpu.barrier_arrive(consumed.at[lax.rem(g_end + stages - 1, stages)])
-
           return g_end, acc_ref[...]
 
         g_end, acc = pl.run_scoped(acc_scope, plgpu.ACC((half, ob), jnp.float32))

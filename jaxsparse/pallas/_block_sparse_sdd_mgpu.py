@@ -83,8 +83,6 @@ class MosaicSddConfig:
       rows -> cols (``benchmarks/gpu_product_routes.py --variants``): N = 16384 bf16 d = 0.25 0.91 ->
       0.59, d = 0.5 2.01 -> 1.07, float32 0.67 -> 0.52, 1.43 -> 0.85; N = 4096 0.64-0.66 -> 0.64-0.68
       at d = 0.25, 1.02-1.16 -> 0.97-1.07 at d = 0.5.
-    wgmma_lag: wgmma groups a compute warpgroup leaves in flight when it issues the next step's (0 or 1);
-      with 1 a step's ring slot is released once the following step's products are issued.
   """
 
   group: int = 2
@@ -92,7 +90,6 @@ class MosaicSddConfig:
   num_stages: int = 4
   num_ctas: int | None = None
   order: str = "auto"
-  wgmma_lag: int = 0
 
   def __post_init__(self):
     if self.group < 2 or self.group % 2:
@@ -105,8 +102,6 @@ class MosaicSddConfig:
       raise ValueError(f"num_ctas must be None or positive, got num_ctas={self.num_ctas}.")
     if self.order not in _ORDERS:
       raise ValueError(f"order must be one of {_ORDERS}, got order={self.order!r}.")
-    if self.wgmma_lag not in (0, 1):
-      raise ValueError(f"wgmma_lag must be 0 or 1, got wgmma_lag={self.wgmma_lag}.")
 
   def smem_bytes(self, block_shape: tuple[int, int], itemsize: int) -> int:
     """Shared memory the kernel allocates for ``block_shape`` blocks."""
@@ -284,19 +279,11 @@ def _kernel(
             for q in range(per_wg):
               b = dy_smem.at[slot, wg * per_wg + q]
               plgpu.wgmma(acc_refs[q], a, _transposed(b) if k_major else b)
-            plgpu.wgmma_wait(cfg.wgmma_lag)
-            if cfg.wgmma_lag:  # the previous step's products are done: release its slot (this item's)
-              @pl.when(s > 0)
-              def _():
-                plgpu.barrier_arrive(consumed.at[lax.rem(g + stages - 1, stages)])
-            else:
-              plgpu.barrier_arrive(consumed.at[slot])
+            plgpu.wgmma_wait(0)
+            plgpu.barrier_arrive(consumed.at[slot])
             return g + 1
 
           g_end = lax.fori_loop(0, num_steps, step, g)
-          if cfg.wgmma_lag and num_steps:
-            plgpu.wgmma_wait(0)
-            plgpu.barrier_arrive(consumed.at[lax.rem(g_end + stages - 1, stages)])
           return g_end, [acc[...] for acc in acc_refs]
 
         g_end, accs = pl.run_scoped(acc_scope, *[plgpu.ACC((bk, bn), jnp.float32) for _ in range(per_wg)])
