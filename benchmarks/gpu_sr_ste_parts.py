@@ -64,7 +64,7 @@ def parts(m: int, k: int, n: int, iterations: int) -> list[tuple[str, float]]:
       "dense dX dY Wᵀ": (lambda dy, w: dy @ w.T, dy, wb),
       "dense dW xᵀ dY": (lambda x, dy: x.T @ dy, x, dy),
       "plain prune + compress (XLA, one pass)": (lambda w: _layout.compress_dense(w, dtype=jnp.bfloat16), w),
-      "plain prune + compress (our kernel)": (ck.nm24_prune_compress, w),
+      "plain prune + compress (our kernel)": (lambda w: ck.nm24_prune(w, jnp.bfloat16, compress=True), w),
       "transposable prune (our kernel)": (lambda w: ck.nm24_transposable(w, jnp.bfloat16), w),
       "transposable prune into both compressed buffers (our kernel)": (ck.nm24_transposable_compress, w),
       "transposable pattern (XLA search)": (lambda w: _nm.transposable_pattern(w, 2, 4), w),

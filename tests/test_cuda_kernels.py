@@ -10,6 +10,8 @@ order, so the relative Frobenius error of the whole output stays near 1.7e-3; we
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,6 +22,7 @@ from hypothesis import strategies as st
 
 import jaxsparse
 from jaxsparse._cuda import _kernels as ck
+from jaxsparse.formats import _nm
 from jaxsparse.ops import _nm_matmul
 
 needs_gpu = pytest.mark.skipif(not ck.available(), reason=ck.unavailable_reason() or "CUDA kernels available")
@@ -260,7 +263,7 @@ def test_transposable_kernel_pattern_table_is_tile_patterns():
   import itertools  # noqa: PLC0415
   import re  # noqa: PLC0415
 
-  from jaxsparse.formats import _nm  # noqa: PLC0415
+
 
   src = (ck._HERE / "nm24_prune.cu").read_text()
   table = src[src.index("#define NM_PATTERNS(P)") :].split("\n//")[0]
@@ -289,9 +292,26 @@ def test_transposable_unsupported_reason(shape, dtype, out, expect):
   assert (expect in reason) if expect else reason == ""
 
 
+def test_nm24_prune_says_what_it_cannot_do():
+  with pytest.raises(ValueError, match="bfloat16, got out_dtype=float32"):
+    ck.nm24_prune(jnp.zeros((64, 64)), jnp.float32, compress=True)
+  with pytest.raises(ValueError, match=r"K a multiple of 32 and N of 64, got shape \(36, 64\)"):
+    ck.nm24_prune(jnp.zeros((36, 64)), jnp.bfloat16, compress=True)
+  with pytest.raises(ValueError, match="multiples of 4"):
+    ck.nm24_prune(jnp.zeros((64, 30)))
+
+
+def test_group_bits_round_trip():
+  mask = jaxsparse.nm_mask(jax.random.normal(jax.random.key(0), (64, 24)), 2, 4)
+  bits = _nm.group_bits(mask, 4)
+  assert bits.shape == (16, 24) and bits.dtype == jnp.uint8
+  np.testing.assert_array_equal(bits, (np.asarray(mask).reshape(16, 4, 24) << np.arange(4)[:, None]).sum(1))
+  np.testing.assert_array_equal(_nm.group_mask(bits, 4), mask)
+
+
 def _check_transposable(w, out_dtype):
   """The kernel's pruning of ``w`` against nm_mask(transposable=True): same pattern except near-ties."""
-  from jaxsparse.formats import _nm  # noqa: PLC0415
+
 
   pruned, pattern = jax.jit(lambda w: ck.nm24_transposable(w, out_dtype))(w)
   k, n = w.shape
@@ -352,7 +372,7 @@ def test_gpu_nm24_transposable_compress_writes_cusparselts_buffers(shape, w_dtyp
   # against cuSPARSELt's own compression), and the products by them are those of the pruned weight.
   from jaxsparse._cuda import _cusparselt as cslt  # noqa: PLC0415
   from jaxsparse._cuda import _layout  # noqa: PLC0415
-  from jaxsparse.formats import _nm  # noqa: PLC0415
+
 
   if not _layout.matches():
     pytest.skip("cuSPARSELt's layout here is not the one _layout writes")
@@ -373,19 +393,40 @@ def test_gpu_nm24_transposable_compress_writes_cusparselts_buffers(shape, w_dtyp
 @needs_gpu
 @pytest.mark.parametrize("w_dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("shape", [(32, 64), (96, 192), (1024, 2048)])
-def test_gpu_nm24_prune_compress_is_the_xla_layout(shape, w_dtype):
-  # Plain 2:4 pruned and compressed by our kernel: byte for byte the XLA pass's buffer (nm_mask's mask, with
-  # its ties to the lower index and NaN as the largest), which the _layout tests check against cuSPARSELt.
+def test_gpu_nm24_prune_is_nm_mask_and_the_xla_layout(shape, w_dtype):
+  # Plain 2:4 pruned by our kernel: exactly nm_mask's mask (its ties to the lower index, NaN the largest), the
+  # pruned weight, its group bits, and the compressed buffer byte for byte the XLA pass's (which the _layout
+  # tests check against cuSPARSELt).
   from jaxsparse._cuda import _layout  # noqa: PLC0415
 
-  if not _layout.matches():
-    pytest.skip("cuSPARSELt's layout here is not the one _layout writes")
   key = jax.random.key(shape[0])
   w = jax.random.normal(key, shape)
   ties = jax.random.randint(jax.random.fold_in(key, 1), shape, -2, 3).astype(jnp.float32)
   w = jnp.where(jnp.arange(shape[1]) % 3 == 0, ties, w).at[5, 7].set(jnp.nan).astype(w_dtype)
-  got = jax.jit(ck.nm24_prune_compress)(w)
-  np.testing.assert_array_equal(got, _layout.compress_dense(w, dtype=jnp.bfloat16))
+  mask = _nm.nm_mask(w, 2, 4)
+  for out_dtype in (jnp.float32, jnp.bfloat16):
+    pruned, bits, blob = jax.jit(functools.partial(ck.nm24_prune, out_dtype=out_dtype))(w)
+    np.testing.assert_array_equal(bits, _nm.group_bits(mask, 4))
+    np.testing.assert_array_equal(pruned, jnp.where(mask, w, 0).astype(out_dtype))
+    assert pruned.dtype == out_dtype and blob.shape == (0,)
+  if not _layout.matches():
+    pytest.skip("cuSPARSELt's layout here is not the one _layout writes")
+  pruned, bits, blob = jax.jit(functools.partial(ck.nm24_prune, out_dtype=jnp.bfloat16, compress=True))(w)
+  np.testing.assert_array_equal(blob, _layout.compress_dense(w, dtype=jnp.bfloat16))
+  np.testing.assert_array_equal(bits, _nm.group_bits(mask, 4))
+
+
+@pytest.mark.gpu
+@needs_gpu
+@settings(max_examples=15, deadline=None)
+@given(k4=st.integers(1, 40), n4=st.integers(1, 40), bf16=st.booleans(), seed=st.integers(0, 2**16))
+def test_gpu_nm24_prune_random_shapes(k4, n4, bf16, seed):
+  # Any K, N multiple of 4 (a partial last thread block), uncompressed: nm_mask's mask exactly.
+  w = jax.random.normal(jax.random.key(seed), (4 * k4, 4 * n4)).astype(jnp.bfloat16 if bf16 else jnp.float32)
+  pruned, bits, _ = ck.nm24_prune(w)
+  mask = _nm.nm_mask(w, 2, 4)
+  np.testing.assert_array_equal(pruned, jnp.where(mask, w, 0))
+  np.testing.assert_array_equal(bits, _nm.group_bits(mask, 4))
 
 
 @pytest.mark.gpu

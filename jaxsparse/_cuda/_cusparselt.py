@@ -25,9 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsparse._cuda import _build
-from jaxsparse._cuda import _kernels
 from jaxsparse._cuda._build import CusparseLtFallbackWarning
-from jaxsparse.formats import _nm
 
 __all__ = [
     "LAYOUT_KN",
@@ -127,20 +125,3 @@ def fast_compress(k: int, n: int, dtype) -> bool:
   from jaxsparse._cuda import _layout  # noqa: PLC0415 (imports this module)
 
   return jnp.dtype(dtype) == jnp.bfloat16 and _layout.supports(k, n) and available() and _layout.matches()
-
-
-def prune_compress(w: jax.Array, dtype) -> jax.Array:
-  """The buffer of ``where(nm_mask(w, 2, 4), w, 0).astype(dtype)`` for a ``(K, N)`` ``w`` (LAYOUT_KN).
-
-  Where the layout is known here: one pass over ``w`` by our kernel (``_kernels.nm24_prune_compress``)
-  where it can run, else by XLA (:func:`jaxsparse._cuda._layout.compress_dense`); elsewhere an XLA prune
-  followed by cuSPARSELt's compression.
-  """
-  from jaxsparse._cuda import _layout  # noqa: PLC0415 (imports this module)
-
-  if fast_compress(*w.shape, dtype):
-    if _kernels.available() and not _kernels.nm24_prune_unsupported_reason(w.shape, w.dtype, dtype):
-      return _kernels.nm24_prune_compress(w)
-    return _layout.compress_dense(w, dtype=dtype)
-  pruned = jnp.where(_nm.nm_mask(w, 2, 4, axis=0), w, jnp.zeros((), w.dtype)).astype(dtype)
-  return compress(pruned)

@@ -15,8 +15,8 @@ Kernels:
   positions, as stored) and ``M <= 32`` rows, on the sparse tensor cores (``nm24_decode.cu``).
 * :func:`nm24_transposable`: transposable 2:4 pruning of a ``(K, N)`` weight in one pass, the pruned
   weight and each ``4 x 4`` tile's pattern (``nm24_prune.cu``); :func:`nm24_transposable_compress`
-  writes it as cuSPARSELt's compressed buffers of ``W`` and ``Wᵀ`` instead; :func:`nm24_prune_compress`, the
-  plain 2:4 mask written as cuSPARSELt's buffer of ``W``.
+  writes it as cuSPARSELt's compressed buffers of ``W`` and ``Wᵀ`` instead; :func:`nm24_prune`, plain 2:4
+  pruning (the pruned weight, each group's mask bits, optionally cuSPARSELt's buffer of ``W``).
 
 When NVRTC, the driver, a compiler or a Hopper-class GPU is missing, or ``JAXSPARSE_CUDA_KERNELS=0``
 is set, :func:`available` is False and :func:`unavailable_reason` says why; callers keep their other
@@ -54,7 +54,7 @@ __all__ = [
     "available",
     "nm24_decode",
     "nm24_prepare",
-    "nm24_prune_compress",
+    "nm24_prune",
     "nm24_transposable",
     "nm24_transposable_compress",
     "nm24_prune_unsupported_reason",
@@ -226,8 +226,7 @@ def _setup() -> dict:
                                 platform="CUDA")
     jax.ffi.register_ffi_target("jaxsparse_nm24_transposable_compress",
                                 jax.ffi.pycapsule(lib.JaxsparseNm24TransposableCompress), platform="CUDA")
-    jax.ffi.register_ffi_target("jaxsparse_nm24_prune_compress", jax.ffi.pycapsule(lib.JaxsparseNm24PruneCompress),
-                                platform="CUDA")
+    jax.ffi.register_ffi_target("jaxsparse_nm24_prune", jax.ffi.pycapsule(lib.JaxsparseNm24Prune), platform="CUDA")
   except (OSError, AttributeError) as e:
     return {"reason": f"loading {path} failed: {e}"}
   return {"reason": "", "lib": lib, "register": register, "arch": f"sm_{cc[0]}{cc[1]}", "kernels": {}}
@@ -468,45 +467,59 @@ def nm24_transposable_compress(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.
     ``pattern`` ``(K / 4, N / 4)`` uint8 as :func:`nm24_transposable`'s; ``blob`` and ``blob_t``, ``K N 9 / 8``
     bytes each (uint8): for ``cusparselt.matmul(x, blob, N)`` and ``cusparselt.matmul(dy, blob_t, K)``.
   """
-  def shape_reason(k, n):
-    if k % 64 == 0 and n % 64 == 0 and k <= TRANSPOSABLE_COMPRESS_MAX_K:
-      return ""
-    return f"K and N must be multiples of 64 and K at most {TRANSPOSABLE_COMPRESS_MAX_K}, got shape {(k, n)}"
-
-  def out(k, n):
-    buffer = jax.ShapeDtypeStruct((k * n // 8 * 9,), jnp.uint8)
-    return jax.ShapeDtypeStruct((k // 4, n // 4), jnp.uint8), buffer, buffer
-
-  return _compressing_call("nm24_transposable_compress", w, shape_reason, out)
-
-
-def nm24_prune_compress(w: jax.Array) -> jax.Array:
-  """cuSPARSELt's compressed bfloat16 buffer of ``where(nm_mask(w, 2, 4), w, 0)``, in one pass over ``w``.
-
-  The buffer is in cuSPARSELt's ``LAYOUT_KN`` form as :mod:`jaxsparse._cuda._layout` maps it (valid where
-  ``_layout.matches()``); the mask is exactly :func:`jaxsparse.nm_mask`'s (comparisons only).
-
-  Args:
-    w: ``(K, N)`` float32 or bfloat16 weight, ``K`` a multiple of 32 and ``N`` of 64.
-
-  Returns:
-    ``K N 9 / 8`` bytes (uint8), for ``cusparselt.matmul(x, blob, N)``.
-  """
-  return _compressing_call(
-      "nm24_prune_compress", w,
-      lambda k, n: "" if k % 32 == 0 and n % 64 == 0 else f"K must be a multiple of 32 and N of 64, got shape {(k, n)}",
-      lambda k, n: jax.ShapeDtypeStruct((k * n // 8 * 9,), jnp.uint8),
+  k, n = w.shape
+  reason = nm24_prune_unsupported_reason(w.shape, w.dtype, jnp.bfloat16)
+  if not reason and (k % 64 or n % 64 or k > TRANSPOSABLE_COMPRESS_MAX_K):
+    reason = f"K and N must be multiples of 64 and K at most {TRANSPOSABLE_COMPRESS_MAX_K}, got shape {(k, n)}"
+  if reason:
+    raise ValueError(f"nm24_transposable_compress cannot run: {reason}.")
+  w_bf16 = w.dtype == jnp.bfloat16
+  kid = _kernel_id("nm24_prune.cu", "nm24_transposable_compress", (("NM_IN_BF16", int(w_bf16)),))
+  buffer = jax.ShapeDtypeStruct((k * n // 8 * 9,), jnp.uint8)
+  out = (jax.ShapeDtypeStruct((k // 4, n // 4), jnp.uint8), buffer, buffer)
+  return jax.ffi.ffi_call("jaxsparse_nm24_transposable_compress", out, vmap_method="sequential")(
+      w, kernel=np.int64(kid), w_bf16=bool(w_bf16)
   )
 
 
-def _compressing_call(name: str, w: jax.Array, shape_reason, out):
-  """Runs kernel ``name`` of ``nm24_prune.cu``, which writes cuSPARSELt's bfloat16 buffers of ``w``, or raises
-  why it cannot: the common checks, then ``shape_reason(K, N)``; ``out(K, N)`` gives the results' shapes."""
-  reason = nm24_prune_unsupported_reason(w.shape, w.dtype, jnp.bfloat16) or shape_reason(*w.shape)
+PRUNE_COMPRESS_SHAPES = "K a multiple of 32 and N of 64"
+
+
+def nm24_prune(w: jax.Array, out_dtype=None, *, compress: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Plain 2:4 pruning of ``w`` along ``K`` on the GPU in one pass: ``(pruned, bits, blob)``.
+
+  The mask is exactly :func:`jaxsparse.nm_mask` ``(w, 2, 4)``'s (comparisons only).
+
+  Args:
+    w: ``(K, N)`` float32 or bfloat16 weight, ``K`` and ``N`` multiples of 4.
+    out_dtype: the dtype of ``pruned`` (float32 or bfloat16; default ``w.dtype``), rounded to nearest even.
+    compress: also write cuSPARSELt's compressed buffer of the pruned weight (bfloat16 ``out_dtype``, ``K`` a
+      multiple of 32 and ``N`` of 64), in its ``LAYOUT_KN`` form as :mod:`jaxsparse._cuda._layout` maps it
+      (valid where ``_layout.matches()``).
+
+  Returns:
+    ``pruned``: ``(K, N)`` ``where(mask, w, 0)`` in ``out_dtype``; ``bits``: ``(K / 4, N)`` uint8, bit ``r`` of
+    ``bits[g, j]`` set where ``w[4 g + r, j]`` is kept (:func:`jaxsparse.formats._nm.group_mask` expands it);
+    ``blob``: ``K N 9 / 8`` bytes (uint8) for ``cusparselt.matmul(x, blob, N)`` with ``compress``, else empty.
+  """
+  out_dtype = jnp.dtype(out_dtype or w.dtype)
+  reason = nm24_prune_unsupported_reason(w.shape, w.dtype, out_dtype)
+  if not reason and compress:
+    k, n = w.shape
+    if out_dtype != jnp.bfloat16:
+      reason = f"the compressed buffer holds bfloat16, got out_dtype={out_dtype}"
+    elif k % 32 or n % 64:
+      reason = f"compressing needs {PRUNE_COMPRESS_SHAPES}, got shape {(k, n)}"
   if reason:
-    raise ValueError(f"{name} cannot run: {reason}.")
-  w_bf16 = w.dtype == jnp.bfloat16
-  kid = _kernel_id("nm24_prune.cu", name, (("NM_IN_BF16", int(w_bf16)),))
-  return jax.ffi.ffi_call(f"jaxsparse_{name}", out(*w.shape), vmap_method="sequential")(
-      w, kernel=np.int64(kid), w_bf16=bool(w_bf16)
+    raise ValueError(f"nm24_prune cannot run: {reason}.")
+  w_bf16, out_bf16 = w.dtype == jnp.bfloat16, out_dtype == jnp.bfloat16
+  kid = _kernel_id("nm24_prune.cu", "nm24_prune", (("NM_IN_BF16", int(w_bf16)), ("NM_OUT_BF16", int(out_bf16))))
+  k, n = w.shape
+  out = (
+      jax.ShapeDtypeStruct((k, n), out_dtype),
+      jax.ShapeDtypeStruct((k // 4, n), jnp.uint8),
+      jax.ShapeDtypeStruct((k * n // 8 * 9 if compress else 0,), jnp.uint8),
+  )
+  return jax.ffi.ffi_call("jaxsparse_nm24_prune", out, vmap_method="sequential")(
+      w, kernel=np.int64(kid), w_bf16=bool(w_bf16), out_bf16=bool(out_bf16)
   )

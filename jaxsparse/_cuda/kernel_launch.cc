@@ -18,8 +18,9 @@
 //     was built for: bfloat16, else float32).
 //   JaxsparseNm24TransposableCompress: the same pruning written as cuSPARSELt's compressed bf16 buffers of W
 //     and of Wᵀ (K N 9 / 8 bytes each), and the patterns; K, N multiples of 64. Attributes: kernel, w_bf16.
-//   JaxsparseNm24PruneCompress: plain 2:4 pruning along K written as cuSPARSELt's compressed bf16 buffer of W;
-//     K a multiple of 32, N of 64. Attributes: kernel, w_bf16.
+//   JaxsparseNm24Prune: plain 2:4 pruning along K: the pruned weight, each group's mask bits (K/4, N) uint8 and,
+//     where the third result is not empty, cuSPARSELt's compressed bf16 buffer of W (K a multiple of 32, N
+//     of 64). Attributes: kernel, w_bf16, out_bf16.
 
 #include <dlfcn.h>
 
@@ -236,24 +237,33 @@ ffi::Error Nm24TransposableCompress(CUstream stream, ffi::AnyBuffer w, ffi::Resu
                 static_cast<unsigned>(k / 64), 256, args);
 }
 
-ffi::Error Nm24PruneCompress(CUstream stream, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::U8> blob, int64_t kernel,
-                             bool w_bf16) {
-  const auto wd = w.dimensions(), bd = blob->dimensions();
-  if (wd.size() != 2 || bd.size() != 1)
-    return ffi::Error::InvalidArgument("nm24_prune_compress: w must be 2-D, the buffer 1-D");
+ffi::Error Nm24Prune(CUstream stream, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> pruned,
+                     ffi::ResultBuffer<ffi::U8> bits, ffi::ResultBuffer<ffi::U8> blob, int64_t kernel, bool w_bf16,
+                     bool out_bf16) {
+  const auto wd = w.dimensions(), pd = pruned->dimensions(), gd = bits->dimensions(), bd = blob->dimensions();
+  if (wd.size() != 2 || pd.size() != 2 || gd.size() != 2 || bd.size() != 1)
+    return ffi::Error::InvalidArgument("nm24_prune: w, pruned and bits must be 2-D, the buffer 1-D");
   const int64_t k = wd[0], n = wd[1];
-  if (w.element_type() != (w_bf16 ? ffi::BF16 : ffi::F32) || k % 32 != 0 || n % 64 != 0 ||
-      bd[0] != k * n / 8 * 9 || k > (int64_t{1} << 30) || n > (int64_t{1} << 30))
-    return ffi::Error::InvalidArgument("nm24_prune_compress: w (" + std::to_string(k) + ", " + std::to_string(n) +
-                                       ") needs the dtype the kernel was built for, K a multiple of 32, N of 64 "
-                                       "and a buffer of K N 9 / 8 bytes");
+  const bool compress = bd[0] != 0;
+  // The kernel was compiled for these element types (NM_IN_BF16, NM_OUT_BF16); the buffer holds bfloat16.
+  const bool types = w.element_type() == (w_bf16 ? ffi::BF16 : ffi::F32) &&
+                     pruned->element_type() == (out_bf16 ? ffi::BF16 : ffi::F32) && (!compress || out_bf16);
+  if (!types || k % 4 != 0 || n % 4 != 0 || pd[0] != k || pd[1] != n || gd[0] != k / 4 || gd[1] != n ||
+      (compress && (k % 32 != 0 || n % 64 != 0 || bd[0] != k * n / 8 * 9)) || k > (int64_t{1} << 30) ||
+      n > (int64_t{1} << 30))
+    return ffi::Error::InvalidArgument("nm24_prune: w (" + std::to_string(k) + ", " + std::to_string(n) +
+                                       ") needs w and pruned of its shape in the dtypes the kernel was built for, "
+                                       "K and N multiples of 4, bits (K / 4, N), and a buffer of 0 bytes or (K a "
+                                       "multiple of 32, N of 64, bfloat16 pruned) K N 9 / 8 bytes");
   const int64_t tiles = (k / 4) * (n / 4);
   if (tiles == 0) return ffi::Error::Success();
   const void* wp = w.untyped_data();
-  void* bp = blob->untyped_data();
+  void* pp = pruned->untyped_data();
+  void* gp = bits->untyped_data();
+  void* bp = compress ? blob->untyped_data() : nullptr;
   int ki = static_cast<int>(k), ni = static_cast<int>(n);
-  void* args[] = {&wp, &bp, &ki, &ni};
-  return Launch(stream, kernel, "nm24_prune_compress", static_cast<unsigned>((tiles + 255) / 256), 1, 256, args);
+  void* args[] = {&wp, &pp, &gp, &bp, &ki, &ni};
+  return Launch(stream, kernel, "nm24_prune", static_cast<unsigned>((tiles + 255) / 256), 1, 256, args);
 }
 
 }  // namespace
@@ -306,12 +316,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseNm24TransposableCompress, Nm24Transposabl
                                   .Attr<int64_t>("kernel")
                                   .Attr<bool>("w_bf16"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseNm24PruneCompress, Nm24PruneCompress,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseNm24Prune, Nm24Prune,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<CUstream>>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::U8>>()
                                   .Ret<ffi::Buffer<ffi::U8>>()
                                   .Attr<int64_t>("kernel")
-                                  .Attr<bool>("w_bf16"));
+                                  .Attr<bool>("w_bf16")
+                                  .Attr<bool>("out_bf16"));
 
 #pragma GCC visibility pop

@@ -15,7 +15,8 @@
 //   product of the reference, so the two can pick different patterns where two totals agree to within
 //   float32 rounding (both then keep the same magnitude, to that rounding).
 // nm24_transposable_compress: the same, written as cuSPARSELt's compressed buffers of W and Wᵀ.
-// nm24_prune_compress: plain 2:4 along K (nm_mask(w, 2, 4) exactly), written as cuSPARSELt's buffer of W.
+// nm24_prune: plain 2:4 along K (nm_mask(w, 2, 4) exactly): the pruned weight, each group's mask bits and,
+//   optionally, cuSPARSELt's buffer of W.
 
 #ifndef NM_IN_BF16
 #define NM_IN_BF16 0
@@ -291,15 +292,18 @@ extern "C" __global__ void __launch_bounds__(256) nm24_transposable_compress(con
 }
 
 // Plain 2:4 pruning along K (jaxsparse.nm_mask(w, 2, 4): the 2 largest |w| of each group of 4, NaN the largest,
-// the lower index first on ties) written as cuSPARSELt's compressed bfloat16 buffer of W (LAYOUT_KN).
-// Needs K % 32 == 0 and N % 64 == 0 (whole warps). One thread per 4 x 4 tile, as nm24_transposable.
-extern "C" __global__ void __launch_bounds__(256) nm24_prune_compress(const void* __restrict__ w,
-                                                                      u8* __restrict__ blob, int k, int n) {
+// the lower index first on ties): the pruned weight (as nm24_transposable's), each group's mask bits
+// (bits (K/4, N) uint8: bit r set where row 4 g + r of the group is kept), and, where blob is not null,
+// cuSPARSELt's compressed bfloat16 buffer of W (LAYOUT_KN; needs K % 32 == 0 and N % 64 == 0: whole warps).
+// One thread per 4 x 4 tile, as nm24_transposable.
+extern "C" __global__ void __launch_bounds__(256) nm24_prune(const void* __restrict__ w, void* __restrict__ pruned,
+                                                             u8* __restrict__ bits, u8* __restrict__ blob, int k,
+                                                             int n) {
   long long tr, tc;
   if (!thread_tile(k, n, &tr, &tc)) return;
   float v[4][4];
   load_tile(w, tr, tc, n, v);
-  u32 cols[4];
+  u32 cols[4];  // kept rows of each column
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     float a[4];
@@ -314,5 +318,14 @@ extern "C" __global__ void __launch_bounds__(256) nm24_prune_compress(const void
       cols[j] |= static_cast<u32>(rank < 2) << r;
     }
   }
-  write_groups(blob, tr, tc, k, n, v, cols);
+  const long long base = 4 * tr * n + 4 * tc;
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    u32 keep = 0;  // kept columns of row r
+#pragma unroll
+    for (int j = 0; j < 4; ++j) keep |= ((cols[j] >> r) & 1) << j;
+    store_row(pruned, base + r * static_cast<long long>(n), v[r], keep);
+  }
+  *reinterpret_cast<u32*>(bits + tr * n + 4 * tc) = cols[0] | (cols[1] << 8) | (cols[2] << 16) | (cols[3] << 24);
+  if (blob) write_groups(blob, tr, tc, k, n, v, cols);
 }

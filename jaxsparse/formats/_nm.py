@@ -249,6 +249,21 @@ def tile_mask(pattern: jax.Array, n: int, m: int) -> jax.Array:
   return ((full >> shift) & 1).astype(bool)
 
 
+def group_bits(mask: jax.Array, m: int) -> jax.Array:
+  """``(R m, C)`` bool mask -> ``(R, C)`` uint8: bit ``r`` of entry ``(g, j)`` is ``mask[m g + r, j]`` (``m <= 8``)."""
+  rows, cols = mask.shape
+  grouped = mask.reshape(rows // m, m, cols).astype(jnp.uint8)
+  return (grouped << jnp.arange(m, dtype=jnp.uint8)[:, None]).sum(1, dtype=jnp.uint8)
+
+
+def group_mask(bits: jax.Array, m: int) -> jax.Array:
+  """Inverse of :func:`group_bits`: ``(R, C)`` uint8 -> the ``(R m, C)`` bool mask. Elementwise after a
+  broadcast, so XLA fuses it into its consumer."""
+  rows, cols = bits.shape
+  full = jnp.broadcast_to(bits[:, None, :], (rows, m, cols)).reshape(rows * m, cols)
+  return ((full >> (jnp.arange(rows * m, dtype=jnp.uint8) % m)[:, None]) & 1).astype(bool)
+
+
 # One compiled function per shape instead of many small eager ops (the pairwise ranking unrolls m
 # passes); under an outer jit these inline.
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))

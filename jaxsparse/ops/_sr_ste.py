@@ -5,10 +5,11 @@ Forward: ``w * nm_mask(w)``. Backward: the output cotangent passes straight thro
 which pulls pruned weights towards zero so that the mask settles (Zhou et al., 2021).
 
 ``sr_ste_matmul`` is ``x @ sr_ste(w)`` as one op, so that on CUDA GPUs the forward product of a 2:4
-weight can run on sparse tensor cores (cuSPARSELt): each call prunes the dense weight (one XLA
-fusion), compresses it on the device and multiplies. The backward pass is the reference's own VJP,
-so the gradients are exactly those of ``x @ sr_ste(w)``: both backward products (``dY Wᵀ`` and
-``xᵀ dY``) stay dense, since neither reduces along the axis the 2:4 groups run along.
+weight can run on sparse tensor cores (cuSPARSELt): each call prunes the dense weight and writes it
+compressed in one pass (``jaxsparse/_cuda/nm24_prune.cu``: the pruned kernel, each group's mask bits and
+cuSPARSELt's buffer), and multiplies. The backward pass is the reference's VJP with the forward's pruned
+kernel and mask, so the gradients are exactly those of ``x @ sr_ste(w)``: both backward products (``dY Wᵀ``
+and ``xᵀ dY``) stay dense, since neither reduces along the axis the 2:4 groups run along.
 
 ``transposable=True`` prunes with a mask that is N:M along the output axis too (:func:`jaxsparse.nm_mask`),
 so that ``Wᵀ`` is N:M along the axis ``dY Wᵀ`` reduces over and that product runs on sparse tensor cores as
@@ -43,7 +44,7 @@ from jaxsparse.ops import _sharding
 __all__ = ["sr_ste", "sr_ste_matmul"]
 
 # "auto" runs the forward on sparse tensor cores from this many rows of x. Each call prunes and
-# compresses the weight in one pass (our kernel, `_kernels.nm24_prune_compress`) and the sparse product
+# compresses the weight in one pass (our kernel, `_kernels.nm24_prune`) and the sparse product
 # saves about 0.25 of the dense one. Measured on an H200 (benchmarks/results/gpu_sr_ste_2026-11-25_h200.md,
 # `gpu_sr_ste_parts.py`), one layer's SR-STE step (float32 master weights, bf16 compute) sparse forward /
 # dense products, 2048 <-> 8192 layers: M = 8192: 0.99-1.00 / 1.04-1.07 of the dense step; 4096: 1.11 / 1.12;
@@ -61,7 +62,7 @@ def _mask(w: jax.Array, n: int, m: int, axis: int, transposable: bool) -> jax.Ar
   # The tiles run over (axis, last axis); the other axes flatten into rows of whole tiles.
   moved = jnp.moveaxis(w, axis, -2)
   w2 = moved.reshape(-1, moved.shape[-1])
-  if not transposable or _transposable_kernel_unsupported_reason(w2.shape, w.dtype, n, m, w.dtype):
+  if not transposable or _prune_kernel_unsupported_reason(w2.shape, w.dtype, n, m, w.dtype):
     return _nm.nm_mask(w, n, m, axis=axis, transposable=transposable)
   cuda = lambda w2: cuda_kernels.nm24_transposable(w2)[1]
   default = lambda w2: _nm.transposable_pattern(w2, n, m).astype(jnp.uint8)
@@ -168,37 +169,73 @@ def _reference(cfg: _MatmulConfig, x, w):
   return _product(cfg, x, _sr_ste(w, cfg.n, cfg.m, 0, cfg.decay, cfg.transposable).astype(cfg.dtype))
 
 
-def _sparse_forward(cfg: _MatmulConfig, x, w):
-  """The same value on sparse tensor cores: prune + compress on the device in one pass
-  (``cusparselt.prune_compress``), multiply."""
-  blob = cslt.prune_compress(w, cfg.dtype)
+# Plain 2:4 with the forward product on sparse tensor cores, the weight pruned (and compressed) by our kernel where
+# it runs, else by XLA's mask (and cuSPARSELt). The residuals are the same on every platform (so that
+# lax.platform_dependent can pick the branch when lowering): x, w, the pruned kernel in the compute dtype (which
+# dY Wᵀ multiplies by, as the reference's product keeps it) and each group's mask bits (for the decay): the
+# backward pass neither prunes again nor builds the kernel again.
+
+
+def _p_prune_xla(cfg: _MatmulConfig, w):
+  mask = _nm.nm_mask(w, cfg.n, cfg.m, axis=0)
+  return jnp.where(mask, w, jnp.zeros((), w.dtype)).astype(cfg.dtype), _nm.group_bits(mask, cfg.m)
+
+
+def _p_forward_cuda(cfg: _MatmulConfig, x, w):
+  k, n = w.shape
+  if _prune_kernel_unsupported_reason(w.shape, w.dtype, cfg.n, cfg.m, cfg.dtype):
+    pruned, bits = _p_prune_xla(cfg, w)
+    blob = cslt.compress(pruned)
+  else:
+    direct = k % 32 == 0 and n % 64 == 0 and cslt.fast_compress(k, n, cfg.dtype)
+    pruned, bits, blob = cuda_kernels.nm24_prune(w, cfg.dtype, compress=direct)
+    if not direct:
+      blob = cslt.compress(pruned)
   # Data parallel: each device multiplies its rows of x by the (replicated) compressed weight.
-  local = lambda x2, b: (cslt.matmul(x2, b, w.shape[1]),)
-  return _sharding.row_parallel(local, (x,), blob)[0]
+  local = lambda x2, b: (cslt.matmul(x2, b, n),)
+  return _sharding.row_parallel(local, (x,), blob)[0], pruned, bits
 
 
-def _sparse_or_reference(cfg, x, w):
-  return lax.platform_dependent(x, w, cuda=functools.partial(_sparse_forward, cfg),
-                                default=functools.partial(_reference, cfg))
+def _p_forward_xla(cfg: _MatmulConfig, x, w):
+  pruned, bits = _p_prune_xla(cfg, w)
+  return _product(cfg, x, pruned), pruned, bits
+
+
+def _p_forward(cfg, x, w):
+  return lax.platform_dependent(x, w, cuda=functools.partial(_p_forward_cuda, cfg),
+                                default=functools.partial(_p_forward_xla, cfg))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _sr_ste_matmul(cfg: _MatmulConfig, x, w):
-  return _sparse_or_reference(cfg, x, w)
+  """``x @ sr_ste(w)`` (2:4) with the forward product on sparse tensor cores on CUDA."""
+  return _p_forward(cfg, x, w)[0]
 
 
 def _sr_ste_matmul_fwd(cfg, x, w):
-  return _sparse_or_reference(cfg, x, w), (x, w)
+  y, pruned, bits = _p_forward(cfg, x, w)
+  return y, (x, w, pruned, bits)
 
 
 def _sr_ste_matmul_bwd(cfg, res, dy):
-  # The reference's VJP: its forward product is dead code here and XLA drops it.
-  x, w = res
-  _, vjp = jax.vjp(functools.partial(_reference, cfg), x, w)
-  return vjp(dy)
+  # The reference's VJP with the forward's kernel and mask: dX = dY kernelᵀ, dW = xᵀ dY passed straight to the
+  # dense w plus the decay of the pruned entries.
+  x, w, pruned, bits = res
+  dx = jax.vjp(lambda x: _product(cfg, x, pruned), x)[1](dy)[0]
+  return dx, _dense_w_grad(cfg, x, w, pruned, dy, lambda: _nm.group_mask(bits, cfg.m))
 
 
 _sr_ste_matmul.defvjp(_sr_ste_matmul_fwd, _sr_ste_matmul_bwd)
+
+
+def _dense_w_grad(cfg: _MatmulConfig, x, w, kernel, dy, mask):
+  """``sr_ste``'s gradient of the dense ``w`` given the product's cotangent ``dy``: ``xᵀ dY`` (through the cast to
+  the compute dtype) plus the decay of the entries ``mask()`` prunes."""
+  dkernel = jax.vjp(lambda k: _product(cfg, x, k), kernel)[1](dy)[0]
+  dw = dkernel.astype(w.dtype)
+  if cfg.decay:
+    dw = dw + jnp.where(mask(), jnp.zeros((), dw.dtype), (cfg.decay * w).astype(dw.dtype))
+  return dw
 
 
 # Transposable 2:4 with our pruning kernel. The residuals are the same on every platform (so that
@@ -258,7 +295,6 @@ def _sr_ste_matmul_t_bwd(cfg, blob_bytes, res, dy):
   x, w, pattern, blob_t = res
   mask = _nm.tile_mask(pattern, cfg.n, cfg.m)
   kernel = jnp.where(mask, w, jnp.zeros((), w.dtype)).astype(cfg.dtype)
-  dkernel = jax.vjp(lambda k: _product(cfg, x, k), kernel)[1](dy)[0]
   dense_dx = lambda dy, b: jax.vjp(lambda x: _product(cfg, x, kernel), x)[1](dy)[0]
   if blob_bytes:
     local = lambda dy2, b: (cslt.matmul(dy2, b, w.shape[0]),)
@@ -266,10 +302,7 @@ def _sr_ste_matmul_t_bwd(cfg, blob_bytes, res, dy):
     dx = lax.platform_dependent(dy, blob_t, cuda=sparse_dx, default=dense_dx)
   else:
     dx = dense_dx(dy, blob_t)
-  dw = dkernel.astype(w.dtype)
-  if cfg.decay:
-    dw = dw + jnp.where(mask, jnp.zeros((), dw.dtype), (cfg.decay * w).astype(dw.dtype))
-  return dx, dw
+  return dx, _dense_w_grad(cfg, x, w, kernel, dy, lambda: mask)
 
 
 _sr_ste_matmul_t.defvjp(_sr_ste_matmul_t_fwd, _sr_ste_matmul_t_bwd)
@@ -287,8 +320,8 @@ def sparse_core_unsupported_reason(x_shape, x_dtype, w_shape, n, m, dtype, out_d
   return cslt.unsupported_reason(w_shape[0], w_shape[1], dtype, n_keep=n, m=m)
 
 
-def _transposable_kernel_unsupported_reason(w_shape, w_dtype, n, m, dtype) -> str:
-  """Why our kernel cannot prune ``w`` with a transposable 2:4 mask into ``dtype`` here, or ``""``."""
+def _prune_kernel_unsupported_reason(w_shape, w_dtype, n, m, dtype) -> str:
+  """Why our kernels cannot prune ``w`` (2:4, plain or transposable) into ``dtype`` here, or ``""``."""
   if (n, m) != (2, 4):
     return f"the pruning kernel takes 2:4 only, got {n}:{m}"
   return cuda_kernels.unavailable_reason() or cuda_kernels.nm24_prune_unsupported_reason(w_shape, w_dtype, dtype)
@@ -370,7 +403,7 @@ def sr_ste_matmul(
   sparse = implementation == "cusparselt" or rows >= (TRANSPOSABLE_SPARSE_CORE_MIN_ROWS if transposable
                                                       else SPARSE_CORE_MIN_ROWS)
   if transposable:
-    prune_reason = _transposable_kernel_unsupported_reason(w.shape, w.dtype, n, m, dtype)
+    prune_reason = _prune_kernel_unsupported_reason(w.shape, w.dtype, n, m, dtype)
     if implementation == "cusparselt" and prune_reason:
       raise RuntimeError(f"implementation='cusparselt' was requested but cannot run: {prune_reason}.")
     if prune_reason:
