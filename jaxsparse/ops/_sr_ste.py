@@ -44,12 +44,12 @@ from jaxsparse.ops import _sharding
 __all__ = ["sr_ste", "sr_ste_matmul"]
 
 # "auto" runs the forward on sparse tensor cores from this many rows of x. Each call prunes and
-# compresses the weight in one pass (our kernel, `_kernels.nm24_prune`) and the sparse product
-# saves about 0.25 of the dense one. Measured on an H200 (benchmarks/results/gpu_sr_ste_2026-11-25_h200.md,
-# `gpu_sr_ste_parts.py`), one layer's SR-STE step (float32 master weights, bf16 compute) sparse forward /
-# dense products, 2048 <-> 8192 layers: M = 8192: 0.99-1.00 / 1.04-1.07 of the dense step; 4096: 1.11 / 1.12;
-# 2048: 1.30 / 1.25 (and 1.58 / 1.46 at M = 1024, K = N = 4096).
-SPARSE_CORE_MIN_ROWS = 8192
+# compresses the weight in one pass (our kernel, `_kernels.nm24_prune`, which also keeps the pruned kernel and
+# the mask bits for the backward pass) and the sparse product saves about 0.25 of the dense one. Measured on an
+# H200 (benchmarks/results/gpu_sr_ste_2026-11-25_h200.md, `gpu_sr_ste_parts.py`), one layer's SR-STE step
+# (float32 master weights, bf16 compute), sparse forward / the reference's dense products, 2048 <-> 8192
+# layers: M = 8192: 0.92-0.93 / 1.04-1.07 of the dense step; 4096: 0.98 / 1.12; 2048: 1.06 / 1.26.
+SPARSE_CORE_MIN_ROWS = 2048
 # The same for transposable masks, whose backward dY Wᵀ runs on sparse tensor cores too; against our kernel's
 # pruning with dense products: M = 8192: 0.85-0.87 / 1.00-1.03 of the dense step; 4096: 0.91 / 1.06; 2048:
 # 1.04 / 1.14; 1024 (K = N = 4096): 1.25 / 1.25.
@@ -348,10 +348,10 @@ def sr_ste_matmul(
 
   which is what :class:`jaxsparse.layers.NMLinear` computes. On a CUDA GPU with cuSPARSELt, for 2:4,
   bfloat16 ``x`` and kernel (and output), ``K``, ``N`` multiples of 16 and at least
-  ``SPARSE_CORE_MIN_ROWS`` (8192) rows of ``x`` (below that a measured train step gained nothing
-  from it), the forward product runs on sparse tensor cores: the pruned
-  weight is compressed on the device in every call (so the mask follows ``w`` as it trains) and
-  multiplied; the backward products stay dense (see the module docstring). Elsewhere it is the
+  ``SPARSE_CORE_MIN_ROWS`` (2048) rows of ``x`` (fewer rows were not measured to gain), the forward
+  product runs on sparse tensor cores: the pruned weight is compressed on the device in every call (so the
+  mask follows ``w`` as it trains) and multiplied; the backward products stay dense (see the module
+  docstring). Elsewhere it is the
   reference, with a :class:`jaxsparse.ops.CusparseLtFallbackWarning` when a 2:4 product with
   enough rows cannot run on a CUDA GPU.
 
