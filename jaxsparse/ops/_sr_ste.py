@@ -48,12 +48,13 @@ __all__ = ["sr_ste", "sr_ste_matmul"]
 # the mask bits for the backward pass) and the sparse product saves about 0.25 of the dense one. Measured on an
 # H200 (benchmarks/results/gpu_sr_ste_2026-11-25_h200.md, `gpu_sr_ste_parts.py`), one layer's SR-STE step
 # (float32 master weights, bf16 compute), sparse forward / the reference's dense products, 2048 <-> 8192
-# layers: M = 8192: 0.92-0.93 / 1.04-1.07 of the dense step; 4096: 0.98 / 1.12; 2048: 1.06 / 1.26.
-SPARSE_CORE_MIN_ROWS = 2048
+# layers: M = 8192: 0.92-0.93 / 1.04-1.07 of the dense step; 4096: 0.98 / 1.12; 2048: 1.06 / 1.26; 4096 <-> 4096
+# layers: 2048: 1.04 / 1.25, 1024: 1.19 / 1.46 (fewer rows not measured).
+SPARSE_CORE_MIN_ROWS = 1024
 # The same for transposable masks, whose backward dY Wᵀ runs on sparse tensor cores too; against our kernel's
-# pruning with dense products: M = 8192: 0.85-0.87 / 1.00-1.03 of the dense step; 4096: 0.91 / 1.06; 2048:
-# 1.04 / 1.14; 1024 (K = N = 4096): 1.25 / 1.25.
-TRANSPOSABLE_SPARSE_CORE_MIN_ROWS = 2048
+# pruning with dense products: M = 8192: 0.84-0.87 / 1.00-1.03 of the dense step; 4096: 0.90 / 1.06; 2048:
+# 1.02 / 1.14; 1024 (K = N = 4096): 1.17 / 1.24.
+TRANSPOSABLE_SPARSE_CORE_MIN_ROWS = 1024
 
 
 def _mask(w: jax.Array, n: int, m: int, axis: int, transposable: bool) -> jax.Array:
@@ -348,7 +349,7 @@ def sr_ste_matmul(
 
   which is what :class:`jaxsparse.layers.NMLinear` computes. On a CUDA GPU with cuSPARSELt, for 2:4,
   bfloat16 ``x`` and kernel (and output), ``K``, ``N`` multiples of 16 and at least
-  ``SPARSE_CORE_MIN_ROWS`` (2048) rows of ``x`` (fewer rows were not measured to gain), the forward
+  ``SPARSE_CORE_MIN_ROWS`` (1024) rows of ``x`` (fewer rows were not measured to gain), the forward
   product runs on sparse tensor cores: the pruned weight is compressed on the device in every call (so the
   mask follows ``w`` as it trains) and multiplied; the backward products stay dense (see the module
   docstring). Elsewhere it is the
