@@ -7,8 +7,10 @@ Run on a CUDA GPU (the device tool's H100), from the repository root:
 
 Cases, bf16, ``y = x @ W``, ``x`` ``(M, 4096)``:
 
-* block-sparse ``W`` ``(4096, 4096)``, blocks 64 and 128, density 0.25, M = 16: tile variants of the
-  Triton forward (``KernelConfig.split``, ``sub_cols``, warps, stages) and the default.
+* block-sparse ``W`` ``(4096, 4096)``, blocks 64 and 128, density 0.25, M = 16 (``--bs-rows``, ``--bs-blocks``,
+  ``--bs-densities``): tile variants of the Triton forward (``KernelConfig.split``, ``sub_cols``, warps, stages)
+  and the default, and the CUDA kernel on the tensor cores (``jaxsparse/_cuda/bsr_decode.cu``: default;
+  ``--bsr-sweep``: its work splits, ``BsrDecodeConfig``).
 * 2:4 ``W`` ``(4096, N)`` along ``K``, N in {4096, 16384}, M in {16, 8, 1}: the Pallas N:M kernel
   (default; ``--sweep``: its tilings, ``NMMatmulConfig``), the CUDA kernel on the sparse tensor cores
   (``jaxsparse/_cuda/nm24_decode.cu``: default; ``--sweep``: its work splits, ``Nm24DecodeConfig``),
@@ -99,10 +101,10 @@ def _breakdown(f, *args) -> str:
 # -------------------------------------------------------------------------------------------------
 
 
-def _block_weight(b: int, seed: int) -> jaxsparse.BlockSparseMatrix:
+def _block_weight(b: int, seed: int, density: float = BS_DENSITY) -> jaxsparse.BlockSparseMatrix:
   kb, nb = K // b, BS_N // b
   flat = np.zeros(kb * nb, bool)
-  flat[np.random.default_rng(seed).permutation(kb * nb)[: round(BS_DENSITY * kb * nb)]] = True
+  flat[np.random.default_rng(seed).permutation(kb * nb)[: round(density * kb * nb)]] = True
   return jaxsparse.BlockSparseMatrix.from_dense(_bf16(seed, (K, BS_N)), (b, b), block_mask=flat.reshape(kb, nb))
 
 
@@ -146,27 +148,45 @@ def _variant_row(name, cfg, f, x, w0, ws, ref, dense_us, nbytes, iterations, row
     log(f"  kernels: {_breakdown(f, x, w0)}")
 
 
+# (split, warps) of the CUDA block-sparse decode kernel timed by --bsr-sweep.
+BSR_SWEEP = [(1, 8), (2, 8), (4, 4), (8, 4), (2, 4), (4, 8), (8, 2)]
+
+
 def block_sparse(args, rows: list[str]) -> None:
-  m = BS_M
-  x = _bf16(100, (m, K))
-  dense = [_bf16(200 + i, (K, BS_N)) for i in range(_rotation(K * BS_N * 2))]
-  d_hot, d_hbm = _time(jnp.dot, x, dense, args.iterations)
-  log(f"block-sparse decode {m}x{K}x{BS_N}: dense hot {d_hot:.2f} us, hbm {d_hbm:.2f} us ({len(dense)} weights)")
-  log(f"  dense kernels: {_breakdown(jnp.dot, x, dense[0])}")
-  rows.append(f"| dense | - | - | {d_hot:.2f} | 1.00 | {d_hbm:.2f} | 1.00 | {K * BS_N * 2 / d_hbm / 1e3:.0f} | - |")
-  del dense
-  for b in BS_BLOCKS:
-    w0 = _block_weight(b, seed=b)
-    nbytes = w0.data.size * 2
-    ws = [w0] + [_block_weight(b, seed=b + 1000 * i) for i in range(1, _rotation(nbytes))]
-    ref = jnp.dot(x.astype(jnp.float32), w0.to_dense().astype(jnp.float32))
-    default = BlockSparseMatmulConfig.get_default(m, w0.shape, w0.block_shape, w0.nnz_blocks, w0.dtype)
-    # Without --sweep: the default and the split default it replaced at block 128 (before 2026-11-23).
-    variants = [("default", {})] + (BS_VARIANTS[b] if args.sweep else BS_VARIANTS[b][:1] if b == 128 else [])
-    for label, change in variants:
-      cfg = dataclasses.replace(default, forward=dataclasses.replace(default.forward, **change))
-      f = lambda x, w, cfg=cfg: bs_kernels.forward(x, w, config=cfg)
-      _variant_row(f"b={b} {label}", cfg.forward, f, x, w0, ws, ref, (d_hot, d_hbm), nbytes, args.iterations, rows)
+  for m in args.bs_rows:
+    x = _bf16(100 + m, (m, K))
+    dense = [_bf16(200 + i, (K, BS_N)) for i in range(_rotation(K * BS_N * 2))]
+    d_hot, d_hbm = _time(jnp.dot, x, dense, args.iterations)
+    log(f"block-sparse decode {m}x{K}x{BS_N}: dense hot {d_hot:.2f} us, hbm {d_hbm:.2f} us ({len(dense)} weights)")
+    log(f"  dense kernels: {_breakdown(jnp.dot, x, dense[0])}")
+    rate = K * BS_N * 2 / d_hbm / 1e3
+    rows.append(f"| M={m} dense | - | - | {d_hot:.2f} | 1.00 | {d_hbm:.2f} | 1.00 | {rate:.0f} | - |")
+    del dense
+    for b in args.bs_blocks:
+      for density in args.bs_densities:
+        _block_sparse_cases(args, rows, m, x, b, density, (d_hot, d_hbm))
+
+
+def _block_sparse_cases(args, rows, m, x, b, density, dense_us) -> None:
+  w0 = _block_weight(b, b, density)
+  nbytes = w0.data.size * 2
+  ws = [w0] + [_block_weight(b, b + 1000 * i, density) for i in range(1, _rotation(nbytes))]
+  ref = jnp.dot(x.astype(jnp.float32), w0.to_dense().astype(jnp.float32))
+  tag = f"M={m} b={b} d={density}"
+  default = BlockSparseMatmulConfig.get_default(m, w0.shape, w0.block_shape, w0.nnz_blocks, w0.dtype)
+  # Without --sweep: the default and the split default it replaced at block 128 (before 2026-11-23).
+  variants = [("default", {})] + (BS_VARIANTS[b] if args.sweep else BS_VARIANTS[b][:1] if b == 128 else [])
+  for label, change in variants:
+    cfg = dataclasses.replace(default, forward=dataclasses.replace(default.forward, **change))
+    f = lambda x, w, cfg=cfg: bs_kernels.forward(x, w, config=cfg)
+    _variant_row(f"{tag} Triton {label}", cfg.forward, f, x, w0, ws, ref, dense_us, nbytes, args.iterations, rows)
+  if cuda_kernels.unavailable_reason():
+    return
+  splits = [None] + ([cuda_kernels.BsrDecodeConfig(*v) for v in BSR_SWEEP] if args.bsr_sweep else [])
+  for cfg in splits:
+    f = lambda x, w, cfg=cfg: cuda_kernels.bsr_decode(x, w, config=cfg)
+    label = "CUDA default" if cfg is None else f"CUDA split {cfg.split} warps {cfg.warps}"
+    _variant_row(f"{tag} {label}", cfg, f, x, w0, ws, ref, dense_us, nbytes, args.iterations, rows)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -258,6 +278,7 @@ def main(argv=None):
   p.add_argument("--quick", action="store_true", help="N:M at M = 16 only")
   p.add_argument("--skip-block-sparse", action="store_true")
   p.add_argument("--skip-nm", action="store_true")
+  p.add_argument("--bsr-sweep", action="store_true", help="block-sparse: time the CUDA kernel's work splits too")
   p.add_argument("--rows", type=lambda v: [int(r) for r in v.split(",")], default=list(NM_ROWS),
                  help="N:M: comma-separated M values (the mma.sp kernel takes M <= 32)")
   p.add_argument("--nm-cols", type=lambda v: [int(c) for c in v.split(",")], default=list(NM_COLS),
@@ -265,6 +286,11 @@ def main(argv=None):
   p.add_argument("--nm-k", type=int, default=K, help="N:M: K")
   p.add_argument("--mma-only", action="store_true", help="N:M: time only the sparse tensor-core kernel and nm_matmul")
   p.add_argument("--iterations", type=int, default=50)
+  p.add_argument("--bs-rows", type=lambda v: [int(r) for r in v.split(",")], default=[BS_M], help="block-sparse: M")
+  p.add_argument("--bs-blocks", type=lambda v: [int(r) for r in v.split(",")], default=list(BS_BLOCKS),
+                 help="block-sparse: square block sizes")
+  p.add_argument("--bs-densities", type=lambda v: [float(r) for r in v.split(",")], default=[BS_DENSITY],
+                 help="block-sparse: densities")
   p.add_argument("--out", help="also write the table to this file")
   args = p.parse_args(argv)
   log(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")

@@ -447,3 +447,71 @@ def test_gpu_sr_ste_transposable_mask_by_the_kernel(shape, axis):
   np.testing.assert_array_equal(f(w), jnp.where(mask, w, 0.0))
   g = jax.jit(jax.grad(lambda w: ops.sr_ste(w, 2, 4, axis=axis, decay=0.1, transposable=True).sum()))(w)
   np.testing.assert_allclose(g, 1.0 + np.where(mask, 0.0, 0.1 * np.asarray(w)), rtol=1e-6)
+
+
+# -------------------------------------------------------------------------------------------------
+# Block-sparse decode (bsr_decode.cu).
+# -------------------------------------------------------------------------------------------------
+
+
+def test_bsr_decode_support_and_config():
+  bf16 = jnp.bfloat16
+  assert ck.bsr_decode_unsupported_reason(16, (128, 128), bf16, bf16) == ""
+  assert ck.bsr_decode_unsupported_reason(32, (16, 64), jnp.float16, jnp.float16) == ""
+  assert "M must be" in ck.bsr_decode_unsupported_reason(33, (64, 64), bf16, bf16)
+  assert "share one dtype" in ck.bsr_decode_unsupported_reason(8, (64, 64), jnp.float32, jnp.float32)
+  assert "share one dtype" in ck.bsr_decode_unsupported_reason(8, (64, 64), bf16, jnp.float32)
+  assert "block_shape=(32, 32)" in ck.bsr_decode_unsupported_reason(8, (32, 32), bf16, bf16)
+  assert "block_shape=(24, 64)" in ck.bsr_decode_unsupported_reason(8, (24, 64), bf16, bf16)
+  with pytest.raises(ValueError, match="split=3"):
+    ck.BsrDecodeConfig(split=3)
+  with pytest.raises(ValueError, match="warps=16"):
+    ck.BsrDecodeConfig(warps=16)
+  # Every warp gets at least two steps; about 1024 warps where the columns have the steps.
+  for cols, steps in [(32, 64), (64, 32), (128, 8), (8, 4), (256, 512)]:
+    cfg = ck.BsrDecodeConfig.get_default(cols, steps)
+    assert steps >= 2 * cfg.split * cfg.warps or (cfg.split, cfg.warps) == (1, 2), (cols, steps, cfg)
+  assert ck.BsrDecodeConfig.get_default(32, 64) == ck.BsrDecodeConfig(split=8, warps=4)
+
+
+def test_bsr_decode_says_what_it_cannot_do():
+  w = jaxsparse.BlockSparseMatrix.from_dense(jnp.ones((64, 64), jnp.bfloat16), (32, 32))
+  with pytest.raises(ValueError, match="block_shape"):
+    ck.bsr_decode(jnp.ones((4, 64), jnp.bfloat16), w)
+  with pytest.raises(ValueError, match="has 32 features"):
+    ck.bsr_decode(jnp.ones((4, 32), jnp.bfloat16), w)
+
+
+def _bsr_weight(k, n, block_shape, density, dtype, seed):
+  rng = np.random.default_rng(seed)
+  kb, nb = k // block_shape[0], n // block_shape[1]
+  mask = rng.random((kb, nb)) < density
+  mask[:, 0] = False  # an empty block column: its outputs must be written as zeros
+  w = jax.random.normal(jax.random.key(seed), (k, n), jnp.float32).astype(dtype)
+  return jaxsparse.BlockSparseMatrix.from_dense(w, block_shape, block_mask=mask)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@settings(max_examples=25, deadline=None)
+@given(
+    m=st.integers(1, 32),
+    bk=st.sampled_from([16, 32, 64, 128]),
+    bn=st.sampled_from([64, 128]),
+    kb=st.integers(1, 6),
+    nb=st.integers(2, 6),
+    density=st.sampled_from([0.2, 0.5, 1.0]),
+    f16=st.booleans(),
+    split=st.sampled_from([None, 1, 2, 4, 8]),
+    seed=st.integers(0, 2**16),
+)
+def test_gpu_bsr_decode_matches_dense(m, bk, bn, kb, nb, density, f16, split, seed):
+  dtype = jnp.float16 if f16 else jnp.bfloat16
+  w = _bsr_weight(kb * bk, nb * bn, (bk, bn), density, dtype, seed)
+  x = jax.random.normal(jax.random.key(seed + 1), (m, kb * bk), jnp.float32).astype(dtype)
+  cfg = None if split is None else ck.BsrDecodeConfig(split=split, warps=4)
+  y = jax.jit(lambda x, w: ck.bsr_decode(x, w, config=cfg))(x, w)
+  ref = jnp.dot(x.astype(jnp.float32), w.to_dense().astype(jnp.float32))
+  assert y.dtype == dtype and y.shape == (m, nb * bn)
+  assert np.all(np.asarray(y[:, :bn], np.float32) == 0)
+  assert _rel(y, ref) < (1e-2 if dtype == jnp.bfloat16 else 2e-3)
