@@ -9,8 +9,7 @@ Cases, bf16, ``y = x @ W``, ``x`` ``(M, 4096)``:
 
 * block-sparse ``W`` ``(4096, 4096)``, blocks 64 and 128, density 0.25, M = 16 (``--bs-rows``, ``--bs-blocks``,
   ``--bs-densities``): tile variants of the Triton forward (``KernelConfig.split``, ``sub_cols``, warps, stages)
-  and the default, and the CUDA kernel on the tensor cores (``jaxsparse/_cuda/bsr_decode.cu``: default;
-  ``--bsr-sweep``: its work splits, ``BsrDecodeConfig``).
+  and the default.
 * 2:4 ``W`` ``(4096, N)`` along ``K``, N in {4096, 16384}, M in {16, 8, 1}: the Pallas N:M kernel
   (default; ``--sweep``: its tilings, ``NMMatmulConfig``), the CUDA kernel on the sparse tensor cores
   (``jaxsparse/_cuda/nm24_decode.cu``: default; ``--sweep``: its work splits, ``Nm24DecodeConfig``),
@@ -148,10 +147,6 @@ def _variant_row(name, cfg, f, x, w0, ws, ref, dense_us, nbytes, iterations, row
     log(f"  kernels: {_breakdown(f, x, w0)}")
 
 
-# (split, warps) of the CUDA block-sparse decode kernel timed by --bsr-sweep.
-BSR_SWEEP = [(1, 8), (2, 8), (4, 4), (8, 4), (2, 4), (4, 8), (8, 2)]
-
-
 def block_sparse(args, rows: list[str]) -> None:
   for m in args.bs_rows:
     x = _bf16(100 + m, (m, K))
@@ -174,19 +169,13 @@ def _block_sparse_cases(args, rows, m, x, b, density, dense_us) -> None:
   ref = jnp.dot(x.astype(jnp.float32), w0.to_dense().astype(jnp.float32))
   tag = f"M={m} b={b} d={density}"
   default = BlockSparseMatmulConfig.get_default(m, w0.shape, w0.block_shape, w0.nnz_blocks, w0.dtype)
-  # Without --sweep: the default and the split default it replaced at block 128 (before 2026-11-23).
-  variants = [("default", {})] + (BS_VARIANTS[b] if args.sweep else BS_VARIANTS[b][:1] if b == 128 else [])
+  # Without --sweep: the default, and at block 128 the split default of 2026-11-23 and the 32-column programs.
+  quick = [v for v in BS_VARIANTS.get(b, []) if v[0].startswith("old default") or v[0] == "sub 32"]
+  variants = [("default", {})] + (BS_VARIANTS.get(b, []) if args.sweep else quick if b == 128 else [])
   for label, change in variants:
     cfg = dataclasses.replace(default, forward=dataclasses.replace(default.forward, **change))
     f = lambda x, w, cfg=cfg: bs_kernels.forward(x, w, config=cfg)
     _variant_row(f"{tag} Triton {label}", cfg.forward, f, x, w0, ws, ref, dense_us, nbytes, args.iterations, rows)
-  if cuda_kernels.unavailable_reason():
-    return
-  splits = [None] + ([cuda_kernels.BsrDecodeConfig(*v) for v in BSR_SWEEP] if args.bsr_sweep else [])
-  for cfg in splits:
-    f = lambda x, w, cfg=cfg: cuda_kernels.bsr_decode(x, w, config=cfg)
-    label = "CUDA default" if cfg is None else f"CUDA split {cfg.split} warps {cfg.warps}"
-    _variant_row(f"{tag} {label}", cfg, f, x, w0, ws, ref, dense_us, nbytes, args.iterations, rows)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -278,7 +267,6 @@ def main(argv=None):
   p.add_argument("--quick", action="store_true", help="N:M at M = 16 only")
   p.add_argument("--skip-block-sparse", action="store_true")
   p.add_argument("--skip-nm", action="store_true")
-  p.add_argument("--bsr-sweep", action="store_true", help="block-sparse: time the CUDA kernel's work splits too")
   p.add_argument("--rows", type=lambda v: [int(r) for r in v.split(",")], default=list(NM_ROWS),
                  help="N:M: comma-separated M values (the mma.sp kernel takes M <= 32)")
   p.add_argument("--nm-cols", type=lambda v: [int(c) for c in v.split(",")], default=list(NM_COLS),

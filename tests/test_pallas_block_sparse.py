@@ -278,6 +278,9 @@ def test_config_validation():
   cfg = BlockSparseMatmulConfig.get_default(16, (4096, 4096), (128, 128), 256, jnp.bfloat16)
   assert (cfg.forward.block_m, cfg.forward.sub_cols, cfg.forward.split) == (16, 32, 1)
   assert cfg.dx.split > 1 and cfg.dx.sub_cols is None
+  # ... while a block column keeps at most 8 blocks (here 8); at 16 (d = 0.5) the forward splits again.
+  cfg = BlockSparseMatmulConfig.get_default(16, (4096, 4096), (128, 128), 512, jnp.bfloat16)
+  assert cfg.forward.sub_cols is None and cfg.forward.split > 1
   # Mid-size M: no split, no sub-columns; 16-bit row tiles of 64 up to 256 rows, then 128.
   for m, bm in ((65, 64), (256, 64), (512, 128)):
     cfg = BlockSparseMatmulConfig.get_default(m, (4096, 4096), (128, 128), 256, jnp.bfloat16)

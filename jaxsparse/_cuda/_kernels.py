@@ -13,8 +13,6 @@ Kernels:
 
 * :func:`nm24_decode`: ``x @ W`` for a 2:4 bfloat16 ``W`` (``NMSparseMatrix`` values and packed
   positions, as stored) and ``M <= 32`` rows, on the sparse tensor cores (``nm24_decode.cu``).
-* :func:`bsr_decode`: ``x @ W`` for a block-sparse ``W`` (blocks of 64 or 128 columns) and ``M <= 32``
-  rows, on the tensor cores (``bsr_decode.cu``).
 * :func:`nm24_transposable`: transposable 2:4 pruning of a ``(K, N)`` weight in one pass, the pruned
   weight and each ``4 x 4`` tile's pattern (``nm24_prune.cu``); :func:`nm24_transposable_compress`
   writes it as cuSPARSELt's compressed buffers of ``W`` and ``Wᵀ`` instead; :func:`nm24_prune`, plain 2:4
@@ -51,10 +49,7 @@ from jaxsparse._cpu._build import cache_dir
 from jaxsparse._cpu._build import compiler
 
 __all__ = [
-    "BsrDecodeConfig",
     "CudaKernelFallbackWarning",
-    "bsr_decode",
-    "bsr_decode_unsupported_reason",
     "Nm24DecodeConfig",
     "available",
     "nm24_decode",
@@ -227,7 +222,6 @@ def _setup() -> dict:
     register.restype = ctypes.c_int64
     register.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int64, ctypes.c_char_p]
     jax.ffi.register_ffi_target("jaxsparse_nm24_decode", jax.ffi.pycapsule(lib.JaxsparseNm24Decode), platform="CUDA")
-    jax.ffi.register_ffi_target("jaxsparse_bsr_decode", jax.ffi.pycapsule(lib.JaxsparseBsrDecode), platform="CUDA")
     jax.ffi.register_ffi_target("jaxsparse_nm24_transposable", jax.ffi.pycapsule(lib.JaxsparseNm24Transposable),
                                 platform="CUDA")
     jax.ffi.register_ffi_target("jaxsparse_nm24_transposable_compress",
@@ -408,92 +402,6 @@ def nm24_decode(
   return jax.ffi.ffi_call("jaxsparse_nm24_decode", out, vmap_method="sequential")(
       x, values, indices, kernel=np.int64(kid), split=np.int64(cfg.split), warps=np.int64(cfg.warps),
       span=np.int64(cfg.span)
-  )
-
-
-BSR_DECODE_MAX_ROWS = 32
-BSR_DECODE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-BSR_DECODE_BLOCK_COLS = (64, 128)
-
-
-@dataclasses.dataclass(frozen=True)
-class BsrDecodeConfig:
-  """Work split of :func:`bsr_decode`.
-
-  Attributes:
-    split: thread blocks per block column of ``W`` (1, 2, 4 or 8), a cluster that adds its partial sums
-      through distributed shared memory.
-    warps: warps per thread block (2, 4 or 8). The column's steps (16 rows of one kept block each) go to its
-      ``split * warps`` warps in turn.
-  """
-
-  split: int = 1
-  warps: int = 8
-
-  def __post_init__(self):
-    if self.split not in (1, 2, 4, 8):
-      raise ValueError(f"split must be 1, 2, 4 or 8, got split={self.split}.")
-    if self.warps not in (2, 4, 8):
-      raise ValueError(f"warps must be 2, 4 or 8, got warps={self.warps}.")
-
-  @classmethod
-  def get_default(cls, num_cols: int, col_steps: int) -> BsrDecodeConfig:
-    """For ``num_cols`` block columns of at most ``col_steps`` steps each: about 1024 warps in all (8 a block
-    from 64 columns, else 4), each with at least two steps."""
-    warps = 8 if num_cols >= 64 else 4
-    split = min((1, 2, 4, 8), key=lambda s: abs(math.log(num_cols * s * warps / 1024)))
-    while split > 1 and col_steps < 2 * split * warps:
-      split //= 2
-    while warps > 2 and col_steps < 2 * split * warps:
-      warps //= 2
-    return cls(split=split, warps=warps)
-
-
-def bsr_decode_unsupported_reason(m: int, block_shape: tuple[int, int], dtype, out_dtype) -> str:
-  """Why :func:`bsr_decode` cannot take ``m`` rows times a block-sparse weight of ``block_shape`` blocks, or ``""``."""
-  names = " or ".join(d.name for d in BSR_DECODE_DTYPES)
-  if jnp.dtype(dtype) not in BSR_DECODE_DTYPES or jnp.dtype(out_dtype) != jnp.dtype(dtype):
-    return f"x, W and the output must share one dtype, {names}; got {jnp.dtype(dtype)} -> {jnp.dtype(out_dtype)}"
-  if not 1 <= m <= BSR_DECODE_MAX_ROWS:
-    return f"M must be between 1 and {BSR_DECODE_MAX_ROWS}, got M={m}"
-  bk, bn = block_shape
-  if bk % 16 or bn not in BSR_DECODE_BLOCK_COLS:
-    return f"blocks need a multiple of 16 rows and {BSR_DECODE_BLOCK_COLS} columns, got block_shape={block_shape}"
-  return ""
-
-
-def bsr_decode(x: jax.Array, w, *, config: BsrDecodeConfig | None = None) -> jax.Array:
-  """``x (M, K) @ W -> (M, N)`` for a block-sparse ``W`` (a :class:`jaxsparse.BlockSparseMatrix`) and ``M <= 32``.
-
-  One pass over the kept blocks on the tensor cores (``bsr_decode.cu``), float32 accumulation, the output in
-  ``x``'s dtype.
-
-  Args:
-    x: ``(M, K)`` bfloat16 or float16, ``M <= BSR_DECODE_MAX_ROWS``.
-    w: ``(K, N)`` block-sparse weight of ``x``'s dtype, blocks of a multiple of 16 rows and 64 or 128 columns.
-    config: work split; default :meth:`BsrDecodeConfig.get_default`.
-  """
-  m, k = x.shape
-  if k != w.shape[0]:
-    raise ValueError(f"bsr_decode: x has {k} features but W has {w.shape[0]} rows.")
-  reason = bsr_decode_unsupported_reason(m, w.block_shape, x.dtype, w.dtype)
-  if reason:
-    raise ValueError(f"bsr_decode cannot run for x {x.shape} {x.dtype} and W {w.shape} {w.dtype}: {reason}.")
-  (bk, bn), (_, nb) = w.block_shape, w.grid_shape
-  cfg = config or BsrDecodeConfig.get_default(nb, -(-w.nnz_blocks // max(nb, 1)) * (bk // 16))
-  defines = (
-      ("BS_F16", int(x.dtype == jnp.float16)),
-      ("BS_BK", bk),
-      ("BS_BN", bn),
-      ("BS_MT", -(-m // 8)),
-      ("BS_SPLIT", cfg.split),
-      ("BS_WARPS", cfg.warps),
-  )
-  kid = _kernel_id("bsr_decode.cu", "bsr_decode", defines)
-  out = jax.ShapeDtypeStruct((m, w.shape[1]), x.dtype)
-  return jax.ffi.ffi_call("jaxsparse_bsr_decode", out, vmap_method="sequential")(
-      x, w.data, w.col_offsets, w.transpose_order, w.row_indices, kernel=np.int64(kid), split=np.int64(cfg.split),
-      warps=np.int64(cfg.warps)
   )
 
 

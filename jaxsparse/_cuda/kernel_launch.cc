@@ -12,9 +12,6 @@
 //     (K/2, N) and packed positions (K/8, N) uint8, M <= 32 (nm24_decode.cu). Attributes: kernel (the id
 //     of the registered cubin), split (thread blocks per column span = the cluster size of the cubin),
 //     warps (per thread block), span (columns per thread block), as compiled.
-//   JaxsparseBsrDecode: y (M, N) = x (M, K) @ W for a block-sparse bf16 / fp16 W (BlockSparseMatrix data, column
-//     offsets, transpose order, row indices), M <= 32 (bsr_decode.cu). Attributes: kernel, split (thread blocks
-//     per block column = the cluster size of the cubin), warps (per thread block), as compiled.
 //   JaxsparseNm24Transposable: transposable 2:4 pruning of a (K, N) float32 / bfloat16 weight: the pruned
 //     weight (float32 / bfloat16) and each 4 x 4 tile's pattern index (K/4, N/4) uint8
 //     (nm24_prune.cu). Attributes: kernel (the id of the cubin), w_bf16 and out_bf16 (the dtypes it
@@ -190,36 +187,6 @@ ffi::Error Nm24Decode(CUstream stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi
                 static_cast<unsigned>(warps * 32), args);
 }
 
-ffi::Error BsrDecode(CUstream stream, ffi::AnyBuffer x, ffi::AnyBuffer data, ffi::Buffer<ffi::S32> col_offsets,
-                     ffi::Buffer<ffi::S32> order, ffi::Buffer<ffi::S32> rows, ffi::Result<ffi::AnyBuffer> y,
-                     int64_t kernel, int64_t split, int64_t warps) {
-  const auto xd = x.dimensions(), dd = data.dimensions(), od = col_offsets.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || dd.size() != 3 || od.size() != 1 || yd.size() != 2 || order.dimensions().size() != 1 ||
-      rows.dimensions().size() != 1)
-    return ffi::Error::InvalidArgument("bsr_decode: x and y must be 2-D, data 3-D, the indices 1-D");
-  const int64_t m = xd[0], k = xd[1], nnz = dd[0], bk = dd[1], bn = dd[2], n = yd[1];
-  const bool types = x.element_type() == data.element_type() && x.element_type() == y->element_type() &&
-                     (x.element_type() == ffi::BF16 || x.element_type() == ffi::F16);
-  if (!types || m < 1 || m > 32 || yd[0] != m || bk % 16 != 0 || (bn != 64 && bn != 128) || k % bk != 0 ||
-      n % bn != 0 || od[0] != n / bn + 1 || order.dimensions()[0] != nnz || rows.dimensions()[0] != nnz ||
-      split < 1 || split > 8 || warps < 1 || warps > 32 || k > (int64_t{1} << 30) || n > (int64_t{1} << 30))
-    return ffi::Error::InvalidArgument("bsr_decode: x (" + std::to_string(m) + ", " + std::to_string(k) +
-                                       "), blocks (" + std::to_string(bk) + ", " + std::to_string(bn) +
-                                       "), N " + std::to_string(n) +
-                                       " are not what the kernel supports (bf16 / fp16 throughout, M <= 32, block "
-                                       "rows a multiple of 16, block columns 64 or 128)");
-  const void* xp = x.untyped_data();
-  const void* dp = data.untyped_data();
-  const void* op = col_offsets.untyped_data();
-  const void* tp = order.untyped_data();
-  const void* rp = rows.untyped_data();
-  void* yp = y->untyped_data();
-  int mi = static_cast<int>(m), ki = static_cast<int>(k), ni = static_cast<int>(n);
-  void* args[] = {&xp, &dp, &op, &tp, &rp, &yp, &mi, &ki, &ni};
-  return Launch(stream, kernel, "bsr_decode", static_cast<unsigned>(n / bn), static_cast<unsigned>(split),
-                static_cast<unsigned>(warps * 32), args);
-}
-
 ffi::Error Nm24Transposable(CUstream stream, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> pruned,
                             ffi::ResultBuffer<ffi::U8> pattern, int64_t kernel, bool w_bf16, bool out_bf16) {
   const auto wd = w.dimensions(), pd = pruned->dimensions(), td = pattern->dimensions();
@@ -328,19 +295,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseNm24Decode, Nm24Decode,
                                   .Attr<int64_t>("split")
                                   .Attr<int64_t>("warps")
                                   .Attr<int64_t>("span"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseBsrDecode, BsrDecode,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<CUstream>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("kernel")
-                                  .Attr<int64_t>("split")
-                                  .Attr<int64_t>("warps"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseNm24Transposable, Nm24Transposable,
                               ffi::Ffi::Bind()

@@ -185,11 +185,13 @@ class BlockSparseMatmulConfig:
       return dataclasses.replace(cfg, split=max(1, min(8, pl.cdiv(nnz_blocks, 2 * num_cols))))
 
     def sub_column_programs(cfg: KernelConfig, num_cols: int, block_dim: int) -> KernelConfig:
-      # Decode with blocks of at least DECODE_SUB_COLS_MIN_BLOCK: instead of a split and a second
-      # launch that adds the partial sums, programs own DECODE_SUB_COLS columns of a block column.
+      # Decode with blocks of at least DECODE_SUB_COLS_MIN_BLOCK and at most DECODE_SUB_COLS_MAX_BLOCKS kept blocks
+      # a column: instead of a split and a second launch that adds the partial sums, programs own
+      # DECODE_SUB_COLS columns of a block column.
       num_m = pl.cdiv(m, cfg.block_m)
       small = m <= DECODE_MAX_M and num_m * num_cols < _TARGET_PROGRAMS
-      if not small or block_dim < DECODE_SUB_COLS_MIN_BLOCK or itemsize != 2:
+      few = pl.cdiv(nnz_blocks, max(num_cols, 1)) <= DECODE_SUB_COLS_MAX_BLOCKS
+      if not small or not few or block_dim < DECODE_SUB_COLS_MIN_BLOCK or itemsize != 2:
         return split_blocks(cfg, num_cols)
       return dataclasses.replace(cfg, **DECODE_SUB_COLS)
 
@@ -239,7 +241,13 @@ MID_SMALL_TILE_MAX_M = 256
 # 5.57 / 7.55 µs (weight in L2 / from HBM) against 5.63 / 8.01 for a split of 4 plus the sum; with
 # 64 x 64 blocks (16 steps per program) 8.46 / 9.66 against 6.03 / 8.21 for the split, which stays.
 # Indices read from memory each step (index_window=False) measured 7.9 / 13.7 µs at block 128.
+# Only while a block column keeps few blocks: each program walks all of its column's blocks. H200, M = 16 / 1,
+# blocks of 128, d = 0.5 (16 blocks a column; `gpu_decode.py --skip-nm --bs-rows 16,1 --bs-densities 0.25,0.5`,
+# benchmarks/results/gpu_decode_2026-11-25_h200.md): 32-column programs 1.05 / 1.24 of dense (hot), 1.00 / 1.04
+# (HBM), slower than dense, against 0.87 / 1.03 and 0.90 / 0.95 for a split of 4; at d = 0.25 (8 blocks a column)
+# 0.72 / 0.89 and 0.71 / 0.73 against 0.67 / 0.84 and 0.73 / 0.75.
 DECODE_SUB_COLS_MIN_BLOCK = 128
+DECODE_SUB_COLS_MAX_BLOCKS = 8
 DECODE_SUB_COLS = dict(sub_cols=32, split=1, num_stages=4)
 
 
