@@ -352,9 +352,8 @@ def sr_ste_matmul(
   ``SPARSE_CORE_MIN_ROWS`` (1024) rows of ``x`` (fewer rows were not measured to gain), the forward
   product runs on sparse tensor cores: the pruned weight is compressed on the device in every call (so the
   mask follows ``w`` as it trains) and multiplied; the backward products stay dense (see the module
-  docstring). Elsewhere it is the
-  reference, with a :class:`jaxsparse.ops.CusparseLtFallbackWarning` when a 2:4 product with
-  enough rows cannot run on a CUDA GPU.
+  docstring). Elsewhere it is the reference, with a :class:`jaxsparse.ops.CusparseLtFallbackWarning` when a
+  2:4 product with enough rows cannot run on a CUDA GPU.
 
   >>> import jax, jax.numpy as jnp, jaxsparse
   >>> w = jax.random.normal(jax.random.key(0), (64, 32))
