@@ -29,6 +29,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from _gpu_timing import TIMER
 from _gpu_timing import log
@@ -97,26 +98,39 @@ def rules(kind: str, density: float, sparse_attention: bool):
   return r
 
 
-def breakdown(f, *args) -> str:
+def breakdown(f, *args, iterations: int = 10) -> str:
   """Device ms of one call of ``f`` per kind of kernel: the sparse kernels (Pallas: Mosaic GPU and
   Triton; cuSPARSELt's sparse GEMMs; our CUDA kernels), dense matrix products (cuBLAS / XLA GEMMs) and
-  everything else (fusions, copies)."""
+  everything else (fusions, copies): medians over ``iterations`` calls, with the spread of the calls' totals
+  and the kernels whose time varies most between calls."""
   from jax.experimental.mosaic.gpu import profiler  # noqa: PLC0415 (GPU-only module)
 
-  _, per_call = profiler.measure(jax.jit(f), aggregate=False, iterations=3)(*args)
-  totals, by_name = {"sparse": 0.0, "gemm": 0.0, "other": 0.0}, {}
-  for name, t in per_call[-1]:
-    low = name.lower()
-    by_name[name[:48]] = by_name.get(name[:48], 0.0) + t
-    if any(s in low for s in ("mosaic", "block_sparse", "sampled", "sparse_gemm", "cusparselt", "nm24")):
-      totals["sparse"] += t
-    elif any(s in low for s in ("gemm", "cutlass", "nvjet", "xmma")):
-      totals["gemm"] += t
-    else:
-      totals["other"] += t
-  top = sorted(by_name.items(), key=lambda kv: -kv[1])[:14]
-  return ", ".join(f"{k} {v:.2f} ms" for k, v in totals.items()) + "; top: " + "; ".join(
-      f"{k} {v:.2f}" for k, v in top
+  _, per_call = profiler.measure(jax.jit(f), aggregate=False, iterations=iterations)(*args)
+  kinds, names, totals = [], {}, []
+  for call in per_call:
+    kind = {"sparse": 0.0, "gemm": 0.0, "other": 0.0}
+    by_name = {}
+    for name, t in call:
+      low = name.lower()
+      by_name[name[:48]] = by_name.get(name[:48], 0.0) + t
+      if any(s in low for s in ("mosaic", "block_sparse", "sampled", "sparse_gemm", "cusparselt", "nm24")):
+        kind["sparse"] += t
+      elif any(s in low for s in ("gemm", "cutlass", "nvjet", "xmma")):
+        kind["gemm"] += t
+      else:
+        kind["other"] += t
+    kinds.append(kind)
+    totals.append(sum(kind.values()))
+    for k, v in by_name.items():
+      names.setdefault(k, []).append(v)
+  med = lambda v: float(np.median(v))
+  kind_text = ", ".join(f"{k} {med([c[k] for c in kinds]):.2f} ms" for k in ("sparse", "gemm", "other"))
+  top = sorted(names.items(), key=lambda kv: -med(kv[1]))[:14]
+  spread = sorted(names.items(), key=lambda kv: -(max(kv[1]) - min(kv[1])))[:3]
+  return (
+      f"{kind_text}; calls {min(totals):.2f}-{max(totals):.2f} ms (median {med(totals):.2f}); top: "
+      + "; ".join(f"{k} {med(v):.2f}" for k, v in top)
+      + "; most varying: " + "; ".join(f"{k} {min(v):.2f}-{max(v):.2f}" for k, v in spread)
   )
 
 
