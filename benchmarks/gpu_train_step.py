@@ -5,7 +5,9 @@ The case of issue 12: a stack of pre-norm MLP blocks (``d -> hidden -> d``), or 
 ``nnx.Linear`` layers (and with ``--sparse-attention`` the attention's query / key / value / out
 ``LinearGeneral`` projections) are replaced by :func:`jaxsparse.sparsify` at ``--density``; one train
 step is ``nnx.value_and_grad`` of a squared-error loss plus an ``optax.adamw`` update through
-``nnx.Optimizer``. Both models run in the same process; the table gives step time / dense step time.
+``nnx.Optimizer``. All models run in the same process, timed in interleaved rounds (dense, then each kind,
+again and again: the GPU's clocks drift over a run); the table gives the median over rounds of step time /
+the dense step time of the same round, and its range.
 
   python benchmarks/gpu_train_step.py --kinds block128,block64,block32 --precisions bf16,f32
   python benchmarks/gpu_train_step.py --model transformer --sparse-attention --density 0.3
@@ -134,8 +136,9 @@ def breakdown(f, *args, iterations: int = 10) -> str:
   )
 
 
-def train_step_time(model: nnx.Module, x, y, iterations: int, show_breakdown: bool = False) -> float:
-  """Device ms of one value_and_grad + adamw step (functional form: split state, jit, no donation)."""
+def train_step(model: nnx.Module, x, y):
+  """One value_and_grad + adamw step in functional form (split state, jit, no donation): ``(step, state)``,
+  after one checked call."""
   opt = nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
   graphdef, state = nnx.split((model, opt))
 
@@ -152,13 +155,7 @@ def train_step_time(model: nnx.Module, x, y, iterations: int, show_breakdown: bo
   loss, _ = jax.jit(step)(state, x, y)
   if not bool(jnp.isfinite(loss)):
     raise FloatingPointError(f"non-finite loss {loss}")
-  t = time_ms(step, state, x, y, iterations=iterations)
-  if show_breakdown:
-    try:
-      log(f"  per kind of kernel: {breakdown(step, state, x, y)}")
-    except Exception as e:  # CUPTI unavailable: the table does not need it
-      log(f"  breakdown failed: {type(e).__name__}: {str(e)[:200]}")
-  return t
+  return step, state
 
 
 def main(argv=None):
@@ -174,7 +171,10 @@ def main(argv=None):
   p.add_argument("--kinds", default="block128,block64,block32", help=f"comma-separated, of {list(LAYER_KINDS)}")
   p.add_argument("--precisions", default="bf16,f32", help=f"comma-separated, of {list(PRECISIONS)}")
   p.add_argument("--sparse-attention", action="store_true", help="also sparsify the attention projections")
-  p.add_argument("--iterations", type=int, default=10)
+  p.add_argument("--iterations", type=int, default=10, help="steps per timing")
+  p.add_argument("--rounds", type=int, default=3,
+                 help="timings of every model, interleaved (dense, kind 1, kind 2, ..., dense, ...): each kind's "
+                      "ratio is the median over rounds of its time over the dense time of the same round")
   p.add_argument("--breakdown", action="store_true", help="also print device time per kind of kernel")
   p.add_argument("--out", default=None, help="also write the table (markdown) here")
   p.add_argument("--sparse-core-min-rows", type=int, default=None,
@@ -184,6 +184,7 @@ def main(argv=None):
   args = p.parse_args(argv)
   if args.tiny:
     args.depth, args.d, args.hidden, args.heads, args.batch, args.seq, args.iterations = 2, 128, 256, 2, 2, 16, 2
+    args.rounds = 2
   if args.sparse_core_min_rows is not None:
     _sr_ste.SPARSE_CORE_MIN_ROWS = _sr_ste.TRANSPOSABLE_SPARSE_CORE_MIN_ROWS = args.sparse_core_min_rows
   dev = jax.devices()[0]
@@ -193,7 +194,7 @@ def main(argv=None):
       + (", attention projections sparse too" if args.sparse_attention else "")
   )
   log(header)
-  rows = ["| layer kind | precision | step ms | dense step ms | ratio |", "|---|---|---|---|---|"]
+  rows = ["| layer kind | precision | step ms | dense step ms | ratio (range over rounds) |", "|---|---|---|---|---|"]
   key = jax.random.key(0)
   for prec in args.precisions.split(","):
     opts = PRECISIONS[prec]
@@ -201,8 +202,7 @@ def main(argv=None):
     x = jax.random.normal(key, (args.batch, args.seq, args.d), jnp.float32).astype(dtype)
     y = jax.random.normal(jax.random.fold_in(key, 1), (args.batch, args.seq, args.d), jnp.float32)
     dense = Stack(args.model, args.depth, args.d, args.hidden, args.heads, rngs=nnx.Rngs(0), **opts)
-    t_dense = train_step_time(dense, x, y, args.iterations, args.breakdown)
-    log(f"{prec} dense: {t_dense:.3f} ms")
+    steps = {"dense": train_step(dense, x, y)}
     for kind in args.kinds.split(","):
       r = rules(kind, args.density, args.sparse_attention)
       try:
@@ -212,16 +212,37 @@ def main(argv=None):
           log(f"{prec} {kind}: {len(report.layers)} layers sparsified")
         with warnings.catch_warnings(record=True) as caught:  # e.g. a kernel falling back to XLA
           warnings.simplefilter("always")
-          t = train_step_time(model, x, y, args.iterations, args.breakdown)
+          steps[kind] = train_step(model, x, y)
         for w in {f"{w.category.__name__}: {str(w.message)[:200]}" for w in caught}:
           log(f"{prec} {kind}: warning while compiling: {w}")
       except Exception as e:  # report and go on with the other kinds
         log(f"{prec} {kind}: FAILED {type(e).__name__}: {str(e)[:300]}")
-        rows.append(f"| {kind} | {prec} | failed | {t_dense:.3f} | - |")
+        rows.append(f"| {kind} | {prec} | failed | - | - |")
+    times = {name: [] for name in steps}
+    for rnd in range(args.rounds):
+      for name, (step, state) in steps.items():
+        times[name].append(time_ms(step, state, x, y, iterations=args.iterations))
+      log(f"{prec} round {rnd}: " + ", ".join(f"{name} {t[-1]:.3f} ms" for name, t in times.items()))
+    if args.breakdown:
+      for name, (step, state) in steps.items():
+        try:
+          log(f"{prec} {name} per kind of kernel: {breakdown(step, state, x, y)}")
+        except Exception as e:  # CUPTI unavailable: the table does not need it
+          log(f"  breakdown failed: {type(e).__name__}: {str(e)[:200]}")
+    t_dense = float(np.median(times["dense"]))
+    for name, t in times.items():
+      if name == "dense":
         continue
-      rows.append(f"| {kind} | {prec} | {t:.3f} | {t_dense:.3f} | **{t / t_dense:.2f}** |")
+      ratios = [a / b for a, b in zip(t, times["dense"], strict=True)]
+      spread = f"{min(ratios):.2f}-{max(ratios):.2f}"
+      rows.append(f"| {name} | {prec} | {np.median(t):.3f} | {t_dense:.3f} | **{np.median(ratios):.2f}** ({spread}) |")
       log(rows[-1])
-  text = "\n".join([header, f"timing: {TIMER['how']}, median of {args.iterations} steps", "", *rows])
+  text = "\n".join([
+      header,
+      f"timing: {TIMER['how']}, median of {args.iterations} steps per timing, {args.rounds} interleaved rounds",
+      "",
+      *rows,
+  ])
   if args.out:
     with open(args.out, "w") as fh:
       fh.write(text + "\n")
