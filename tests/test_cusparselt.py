@@ -320,16 +320,20 @@ def test_gpu_nm_matmul_with_cusparselt_weight():
 
 @pytest.mark.gpu
 @needs_gpu
-def test_gpu_sr_ste_matmul_forward_on_sparse_cores_and_exact_gradients():
+@pytest.mark.parametrize("w_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("shape", [(512, 256), (528, 272)])  # buffer written by our kernel / by cuSPARSELt
+def test_gpu_sr_ste_matmul_forward_on_sparse_cores_and_exact_gradients(shape, w_dtype):
+  # The backward pass takes the pruned kernel and the mask bits from the forward's pruning kernel.
+  k, n = shape
   kx, kw, kg = jax.random.split(jax.random.key(8), 3)
-  w = jax.random.normal(kw, (512, 256))  # float32 master weights
-  x = jax.random.normal(kx, (4, 64, 512)).astype(jnp.bfloat16)
-  dy = jax.random.normal(kg, (4, 64, 256)).astype(jnp.bfloat16)
+  w = jax.random.normal(kw, shape).astype(w_dtype)  # master weights
+  x = jax.random.normal(kx, (4, 64, k)).astype(jnp.bfloat16)
+  dy = jax.random.normal(kg, (4, 64, n)).astype(jnp.bfloat16)
   f = lambda x, w: ops.sr_ste_matmul(x, w, 2, 4, decay=0.01, dtype=jnp.bfloat16, implementation="cusparselt")
   assert "jaxsparse_cusparselt_matmul" in jax.jit(f).lower(x, w).as_text()
   auto = lambda x, w: ops.sr_ste_matmul(x, w, 2, 4, dtype=jnp.bfloat16)
   assert "jaxsparse_cusparselt_matmul" not in jax.jit(auto).lower(x, w).as_text()  # 256 rows: dense
-  big = jnp.zeros((_sr_ste.SPARSE_CORE_MIN_ROWS, 512), jnp.bfloat16)
+  big = jnp.zeros((_sr_ste.SPARSE_CORE_MIN_ROWS, k), jnp.bfloat16)
   assert "jaxsparse_cusparselt_matmul" in jax.jit(auto).lower(big, w).as_text()
   step = jax.jit(lambda x, w, dy: (lambda y, vjp: (y, *vjp(dy)))(*jax.vjp(f, x, w)))
   ref_step = jax.jit(lambda x, w, dy: (lambda y, vjp: (y, *vjp(dy)))(
