@@ -343,6 +343,8 @@ def test_gpu_sr_ste_matmul_forward_on_sparse_cores_and_exact_gradients(shape, w_
   assert _rel(y, y_ref) < 1e-2
   np.testing.assert_array_equal(dx, dx_ref)
   np.testing.assert_array_equal(dw, dw_ref)
+  # vmap over the leading dim of x (the pruning and the product run once per slice).
+  assert _rel(jax.jit(jax.vmap(f, in_axes=(0, None)))(x, w), y_ref) < 1e-2
 
 
 @pytest.mark.gpu
