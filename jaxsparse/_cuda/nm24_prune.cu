@@ -132,23 +132,23 @@ __device__ __forceinline__ int best_pattern(const float v[4][4], u32* code) {
     pair[r][4] = a[1] + a[3];
     pair[r][5] = a[2] + a[3];
   }
+  // The index and the code of the best pattern so far travel as one word, (index << 12) | code: one select per
+  // pattern for both (the search is the kernel's bottleneck).
   float best = -1.0f;
-  int best_p = 0;
-  u32 best_code = 0;
+  u32 best_pc = 0;
 #define NM_TRY(index, c)                                                                                  \
   {                                                                                                       \
     const float total = ((pair[0][(c) & 7] + pair[1][((c) >> 3) & 7]) + pair[2][((c) >> 6) & 7]) + \
                         pair[3][(c) >> 9];                                                                \
     if (total > best) {                                                                                   \
       best = total;                                                                                       \
-      best_p = index;                                                                                     \
-      best_code = c;                                                                                      \
+      best_pc = ((index) << 12) | (c);                                                                    \
     }                                                                                                     \
   }
   NM_PATTERNS(NM_TRY)
 #undef NM_TRY
-  *code = best_code;
-  return best_p;
+  *code = best_pc & 0xfff;
+  return static_cast<int>(best_pc >> 12);
 }
 
 extern "C" __global__ void __launch_bounds__(256) nm24_transposable(const void* __restrict__ w,
