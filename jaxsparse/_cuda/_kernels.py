@@ -482,9 +482,6 @@ def nm24_transposable_compress(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.
   )
 
 
-PRUNE_COMPRESS_SHAPES = "K a multiple of 32 and N of 64"
-
-
 def nm24_prune(w: jax.Array, out_dtype=None, *, compress: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Plain 2:4 pruning of ``w`` along ``K`` on the GPU in one pass: ``(pruned, bits, blob)``.
 
@@ -509,7 +506,7 @@ def nm24_prune(w: jax.Array, out_dtype=None, *, compress: bool = False) -> tuple
     if out_dtype != jnp.bfloat16:
       reason = f"the compressed buffer holds bfloat16, got out_dtype={out_dtype}"
     elif k % 32 or n % 64:
-      reason = f"compressing needs {PRUNE_COMPRESS_SHAPES}, got shape {(k, n)}"
+      reason = f"compressing needs K a multiple of 32 and N of 64, got shape {(k, n)}"
   if reason:
     raise ValueError(f"nm24_prune cannot run: {reason}.")
   w_bf16, out_bf16 = w.dtype == jnp.bfloat16, out_dtype == jnp.bfloat16
