@@ -318,28 +318,36 @@ def test_gpu_nm_matmul_with_cusparselt_weight():
   assert "jaxsparse_cusparselt_matmul" not in f.lower(x[:16], w.values, blob).as_text()
 
 
+def _sr_ste_problem(shape, w_dtype, seed):
+  """``(x, w, dy)``: (4, 64, K) bf16 activations, (K, N) master weights of ``w_dtype``, (4, 64, N) bf16 cotangent."""
+  k, n = shape
+  kx, kw, kg = jax.random.split(jax.random.key(seed), 3)
+  w = jax.random.normal(kw, shape).astype(w_dtype)
+  x = jax.random.normal(kx, (4, 64, k)).astype(jnp.bfloat16)
+  dy = jax.random.normal(kg, (4, 64, n)).astype(jnp.bfloat16)
+  return x, w, dy
+
+
+def _value_and_grads(fn):
+  """Jitted ``(x, w, dy) -> (fn(x, w), dX, dW)``."""
+  return jax.jit(lambda x, w, dy: (lambda y, vjp: (y, *vjp(dy)))(*jax.vjp(fn, x, w)))
+
+
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("w_dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("shape", [(512, 256), (528, 272)])  # buffer written by our kernel / by cuSPARSELt
 def test_gpu_sr_ste_matmul_forward_on_sparse_cores_and_exact_gradients(shape, w_dtype):
   # The backward pass takes the pruned kernel and the mask bits from the forward's pruning kernel.
-  k, n = shape
-  kx, kw, kg = jax.random.split(jax.random.key(8), 3)
-  w = jax.random.normal(kw, shape).astype(w_dtype)  # master weights
-  x = jax.random.normal(kx, (4, 64, k)).astype(jnp.bfloat16)
-  dy = jax.random.normal(kg, (4, 64, n)).astype(jnp.bfloat16)
+  x, w, dy = _sr_ste_problem(shape, w_dtype, seed=8)
   f = lambda x, w: ops.sr_ste_matmul(x, w, 2, 4, decay=0.01, dtype=jnp.bfloat16, implementation="cusparselt")
   assert "jaxsparse_cusparselt_matmul" in jax.jit(f).lower(x, w).as_text()
   auto = lambda x, w: ops.sr_ste_matmul(x, w, 2, 4, dtype=jnp.bfloat16)
   assert "jaxsparse_cusparselt_matmul" not in jax.jit(auto).lower(x, w).as_text()  # 256 rows: dense
-  big = jnp.zeros((_sr_ste.SPARSE_CORE_MIN_ROWS, k), jnp.bfloat16)
+  big = jnp.zeros((_sr_ste.SPARSE_CORE_MIN_ROWS, shape[0]), jnp.bfloat16)
   assert "jaxsparse_cusparselt_matmul" in jax.jit(auto).lower(big, w).as_text()
-  step = jax.jit(lambda x, w, dy: (lambda y, vjp: (y, *vjp(dy)))(*jax.vjp(f, x, w)))
-  ref_step = jax.jit(lambda x, w, dy: (lambda y, vjp: (y, *vjp(dy)))(
-      *jax.vjp(lambda x, w: _sr_reference(x, w, 0.01, jnp.bfloat16), x, w)))
-  y, dx, dw = step(x, w, dy)
-  y_ref, dx_ref, dw_ref = ref_step(x, w, dy)
+  y, dx, dw = _value_and_grads(f)(x, w, dy)
+  y_ref, dx_ref, dw_ref = _value_and_grads(lambda x, w: _sr_reference(x, w, 0.01, jnp.bfloat16))(x, w, dy)
   assert _rel(y, y_ref) < 1e-2
   np.testing.assert_array_equal(dx, dx_ref)
   np.testing.assert_array_equal(dw, dw_ref)
@@ -359,27 +367,23 @@ def test_gpu_sr_ste_matmul_transposable_on_sparse_cores(shape, w_dtype):
 
   k, n = shape
   assert _sr_ste._direct_compress(k, n) == (shape == (512, 256))
-  kx, kw, kg = jax.random.split(jax.random.key(11), 3)
-  w = jax.random.normal(kw, (k, n)).astype(w_dtype)
-  x = jax.random.normal(kx, (4, 64, k)).astype(jnp.bfloat16)
-  dy = jax.random.normal(kg, (4, 64, n)).astype(jnp.bfloat16)
+  x, w, dy = _sr_ste_problem(shape, w_dtype, seed=11)
   np.testing.assert_array_equal(ck.nm24_transposable(w)[1], jaxsparse.formats._nm.transposable_pattern(w, 2, 4))
   f = lambda x, w: ops.sr_ste_matmul(x, w, 2, 4, decay=0.01, dtype=jnp.bfloat16, transposable=True,
                                      implementation="cusparselt")
-  step = lambda fn: jax.jit(lambda x, w, dy: (lambda y, vjp: (y, *vjp(dy)))(*jax.vjp(fn, x, w)))
-  hlo = step(f).lower(x, w, dy).as_text()  # the forward and dY Wᵀ
+  hlo = _value_and_grads(f).lower(x, w, dy).as_text()  # the forward and dY Wᵀ
   assert hlo.count("jaxsparse_cusparselt_matmul") == 2 and "jaxsparse_nm24_transposable" in hlo
   auto = lambda x, w: ops.sr_ste_matmul(x, w, 2, 4, dtype=jnp.bfloat16, transposable=True)
   small = jax.jit(auto).lower(x, w).as_text()  # 256 rows: pruned by the kernel, dense products
   assert "jaxsparse_cusparselt_matmul" not in small and "jaxsparse_nm24_transposable" in small
   big = jnp.zeros((_sr_ste.TRANSPOSABLE_SPARSE_CORE_MIN_ROWS, k), jnp.bfloat16)
   assert "jaxsparse_cusparselt_matmul" in jax.jit(auto).lower(big, w).as_text()
-  y, dx, dw = step(f)(x, w, dy)
-  y_ref, dx_ref, dw_ref = step(lambda x, w: _sr_t_reference(x, w, 0.01, jnp.bfloat16))(x, w, dy)
+  y, dx, dw = _value_and_grads(f)(x, w, dy)
+  y_ref, dx_ref, dw_ref = _value_and_grads(lambda x, w: _sr_t_reference(x, w, 0.01, jnp.bfloat16))(x, w, dy)
   assert _rel(y, y_ref) < 1e-2 and _rel(dx, dx_ref) < 1e-2
   np.testing.assert_array_equal(dw, dw_ref)
   # The kernel-pruned dense path gives the reference bit for bit.
-  y2, dx2, dw2 = step(lambda x, w: ops.sr_ste_matmul(x, w, 2, 4, decay=0.01, dtype=jnp.bfloat16,
+  y2, dx2, dw2 = _value_and_grads(lambda x, w: ops.sr_ste_matmul(x, w, 2, 4, decay=0.01, dtype=jnp.bfloat16,
                                                       transposable=True))(x, w, dy)
   for a, b in ((y2, y_ref), (dx2, dx_ref), (dw2, dw_ref)):
     np.testing.assert_array_equal(a, b)
