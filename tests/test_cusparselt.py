@@ -383,8 +383,8 @@ def test_gpu_sr_ste_matmul_transposable_on_sparse_cores(shape, w_dtype):
   assert _rel(y, y_ref) < 1e-2 and _rel(dx, dx_ref) < 1e-2
   np.testing.assert_array_equal(dw, dw_ref)
   # The kernel-pruned dense path gives the reference bit for bit.
-  y2, dx2, dw2 = _value_and_grads(lambda x, w: ops.sr_ste_matmul(x, w, 2, 4, decay=0.01, dtype=jnp.bfloat16,
-                                                      transposable=True))(x, w, dy)
+  kernel_pruned = lambda x, w: ops.sr_ste_matmul(x, w, 2, 4, decay=0.01, dtype=jnp.bfloat16, transposable=True)
+  y2, dx2, dw2 = _value_and_grads(kernel_pruned)(x, w, dy)
   for a, b in ((y2, y_ref), (dx2, dx_ref), (dw2, dw_ref)):
     np.testing.assert_array_equal(a, b)
 
