@@ -290,6 +290,35 @@ def test_config_validation():
     KernelConfig(16, sub_cols=24)
 
 
+def test_dispatch_rules_per_device_kind(monkeypatch):
+  hopper = kernel_config.HOPPER_RULES
+  for kind in ("NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA H100 PCIe"):
+    assert kernel_config.dispatch_rules(kind) is hopper
+  # The SM count replaces the table's: the H100 PCIe has 114 SMs.
+  pcie = kernel_config.dispatch_rules("NVIDIA H100 PCIe", 114)
+  assert pcie.target_programs == 228 and pcie.measured_on == hopper.measured_on
+  borrowed = kernel_config.dispatch_rules("NVIDIA A100-SXM4-80GB", 108)
+  assert "borrowed for 'NVIDIA A100-SXM4-80GB'" in borrowed.measured_on and borrowed.num_sms == 108
+  with pytest.raises(ValueError, match="num_sms must be None or a positive int, got num_sms=0"):
+    kernel_config.dispatch_rules("NVIDIA H200", 0)
+  # Decode splits its loops below the device's program target: 256 block columns of 32 fill 100 SMs
+  # (200 programs) but not 132 (264).
+  args = (16, (4096, 8192), (32, 32), 8192, jnp.bfloat16)
+  assert BlockSparseMatmulConfig.get_default(*args, rules=hopper).forward.split > 1
+  assert BlockSparseMatmulConfig.get_default(*args, rules=kernel_config.dispatch_rules("x", 100)).forward.split == 1
+  # get_default reads the table of the first device's kind (here the CPU's, a table of its own).
+  cpu = dataclasses.replace(hopper, measured_on="test", decode_max_m=8)
+  monkeypatch.setattr(kernel_config, "DISPATCH_TABLES", ((("cpu",), cpu),))
+  kernel_config._dispatch_rules.cache_clear()
+  try:
+    assert kernel_config.dispatch_rules() is cpu
+    assert BlockSparseMatmulConfig.get_default(*args).forward.split == 1  # 16 rows are above decode_max_m
+  finally:
+    monkeypatch.undo()
+    kernel_config._dispatch_rules.cache_clear()
+  assert BlockSparseMatmulConfig.get_default(*args).forward.split > 1
+
+
 @pytest.mark.skipif(kernels.available(), reason="checks the CPU-only behaviour")
 def test_pallas_implementation_raises_without_gpu():
   assert kernels.unavailable_reason()
@@ -461,7 +490,7 @@ def test_mosaic_defaults_only_where_they_measured_faster(monkeypatch):
   monkeypatch.setattr(kernel_config, "_mosaic_probe", lambda: None)  # as on a Hopper GPU
   get = BlockSparseMatmulConfig.get_default
   cfg = get(8192, (4096, 4096), (128, 128), 256, jnp.bfloat16)
-  assert (cfg.mosaic_forward, cfg.mosaic_dx) == kernel_config.MOSAIC_TUNED_CONFIGS[128]
+  assert (cfg.mosaic_forward, cfg.mosaic_dx) == kernel_config.HOPPER_RULES.mosaic_tuned_configs[128]
   assert get(8192, (4096, 4096), (64, 128), 256, jnp.float16).mosaic_forward is not None
   for args in [(16, (4096, 4096), (128, 128)), (8192, (4096, 4096), (32, 32))]:  # decode; block 32
     assert get(*args, 256, jnp.bfloat16).mosaic_forward is None

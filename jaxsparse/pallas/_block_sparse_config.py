@@ -1,8 +1,10 @@
 """Tile configs of the Triton block-sparse kernels and the measured rules that choose between kernels.
 
-The defaults are data (tuned tables per block shape / M, thresholds with the measurement that set
-them); each decision is one function: ``BlockSparseMatmulConfig.get_default``, ``mosaic_defaults``,
-``mosaic_dw_default``, ``use_dense``, ``use_dense_long_contraction``, ``use_dense_dw``.
+The defaults are data: one :class:`DispatchRules` table per GPU kind (tuned tiles per block shape / M,
+thresholds with the measurement that set them), picked by :func:`dispatch_rules` from the device's
+``device_kind`` and SM count. One function turns a product and a table into a config,
+``BlockSparseMatmulConfig.get_default``; its parts are ``mosaic_defaults``, ``mosaic_dw_default``,
+``use_dense``, ``use_dense_long_contraction`` and ``use_dense_dw``.
 """
 
 from __future__ import annotations
@@ -48,11 +50,6 @@ def mosaic_unavailable_reason() -> str:
   return _mosaic_probe() or ""
 
 
-
-# Programs wanted in flight at once: two per streaming multiprocessor of an H100 or H200 (132 of them).
-_TARGET_PROGRAMS = 264
-
-
 # -------------------------------------------------------------------------------------------------
 # Tile configuration.
 # -------------------------------------------------------------------------------------------------
@@ -82,7 +79,7 @@ class KernelConfig:
       block row) or ``"cols"`` (by block column: the programs in flight share ``dY`` slabs rather than
       ``x`` slabs). The Mosaic ``dw`` kernel measured faster in that order where ``N >= K`` (see
       :class:`~jaxsparse.pallas._block_sparse_sdd_mgpu.MosaicSddConfig`); this kernel where ``N >= 4 K``
-      (16-bit, ``DW_COLS_ORDER_MIN_RATIO``), ``"rows"`` elsewhere.
+      (16-bit, ``DispatchRules.dw_cols_order_min_ratio``), ``"rows"`` elsewhere.
   """
 
   block_m: int
@@ -142,25 +139,29 @@ class BlockSparseMatmulConfig:
       block_shape: tuple[int, int],
       nnz_blocks: int,
       dtype: jax.typing.DTypeLike,
+      rules: DispatchRules | None = None,
   ) -> BlockSparseMatmulConfig:
     """The config for ``x (m, K) @ W (K, N)`` with ``nnz_blocks`` kept ``block_shape`` blocks.
 
-    16-bit square blocks at large ``m`` take the measured winners in ``TUNED_CONFIGS``; everything
-    else a heuristic. Small ``m`` (decode, ``m <= DECODE_MAX_M``) gives each program a slice of a block
-    column's outputs (16-bit, blocks of 128) or splits the loop over a column's blocks across programs;
-    mid-size ``m`` takes 64-row tiles up to ``MID_SMALL_TILE_MAX_M`` (16-bit) and never splits.
-    Where a Hopper GPU is present, 16-bit blocks of 64 and 128 at ``m >= 1024`` also get Mosaic GPU
-    configs for the forward and ``dx`` products (``MOSAIC_TUNED_CONFIGS``), and so do the mid-size rows
-    of ``MOSAIC_16BIT_ROWS``.
+    All choices are read from ``rules`` (by default :func:`dispatch_rules` of the first device: the
+    measured table of its GPU kind). 16-bit square blocks at large ``m`` take the measured winners in
+    ``rules.tuned_configs``; everything else a heuristic. Small ``m`` (decode, ``m <= rules.decode_max_m``)
+    gives each program a slice of a block column's outputs (16-bit, blocks of 128) or splits the loop
+    over a column's blocks across programs; mid-size ``m`` takes 64-row tiles up to
+    ``rules.mid_small_tile_max_m`` (16-bit) and never splits. Where a Hopper GPU is present, 16-bit
+    blocks of 64 and 128 at ``m >= rules.mosaic_min_m`` also get Mosaic GPU configs for the forward and
+    ``dx`` products (``rules.mosaic_tuned_configs``), and so do the mid-size rows of
+    ``rules.mosaic_16bit_rows``.
     """
+    r = dispatch_rules() if rules is None else rules
     (k, n), (bk, bn) = shape, block_shape
     itemsize = jnp.dtype(dtype).itemsize
     kb, nb = k // bk, n // bn
 
     def rows_tile(out_cols: int, in_cols: int) -> KernelConfig:
-      # 128-row tiles (16-bit mid-size M up to MID_SMALL_TILE_MAX_M: 64), fewer where the f32
+      # 128-row tiles (16-bit mid-size M up to r.mid_small_tile_max_m: 64), fewer where the f32
       # accumulator or the staged operands would not fit one SM.
-      top = 64 if itemsize == 2 and DECODE_MAX_M < m <= MID_SMALL_TILE_MAX_M else 128
+      top = 64 if itemsize == 2 and r.decode_max_m < m <= r.mid_small_tile_max_m else 128
       bm = min(top, max(16, pl.next_power_of_2(m)))
       while bm > 16 and bm * out_cols * 4 > 128 * 128 * 4 // (2 if itemsize == 4 else 1):
         bm //= 2
@@ -168,7 +169,7 @@ class BlockSparseMatmulConfig:
       stages = 2 if itemsize == 4 and in_cols * out_cols >= 64 * 128 else 3
       return KernelConfig(bm, num_warps=warps, num_stages=stages)
 
-    tuned = TUNED_CONFIGS.get(bk) if bk == bn and itemsize == 2 and m >= _TUNED_MIN_M else None
+    tuned = r.tuned_configs.get(bk) if bk == bn and itemsize == 2 and m >= r.tuned_min_m else None
     if tuned is not None:
       fwd, dx, dw = tuned
     else:
@@ -178,224 +179,388 @@ class BlockSparseMatmulConfig:
 
     def split_blocks(cfg: KernelConfig, num_cols: int) -> KernelConfig:
       # Too few programs to fill the GPU (decode): about two kept blocks per program (measured best
-      # on an H200 at M = 16 against one, four and eight). Not above DECODE_MAX_M rows, where the
+      # on an H200 at M = 16 against one, four and eight). Not above r.decode_max_m rows, where the
       # partial sums cost more than the idle SMs.
-      if m > DECODE_MAX_M or pl.cdiv(m, cfg.block_m) * num_cols >= _TARGET_PROGRAMS:
+      if m > r.decode_max_m or pl.cdiv(m, cfg.block_m) * num_cols >= r.target_programs:
         return cfg
       return dataclasses.replace(cfg, split=max(1, min(8, pl.cdiv(nnz_blocks, 2 * num_cols))))
 
     def sub_column_programs(cfg: KernelConfig, num_cols: int, block_dim: int) -> KernelConfig:
-      # Decode with blocks of at least DECODE_SUB_COLS_MIN_BLOCK and at most DECODE_SUB_COLS_MAX_BLOCKS kept blocks
+      # Decode with blocks of at least r.decode_sub_cols_min_block and at most r.decode_sub_cols_max_blocks kept blocks
       # a column: instead of a split and a second launch that adds the partial sums, programs own
-      # DECODE_SUB_COLS columns of a block column.
+      # r.decode_sub_cols columns of a block column.
       num_m = pl.cdiv(m, cfg.block_m)
-      small = m <= DECODE_MAX_M and num_m * num_cols < _TARGET_PROGRAMS
-      few = pl.cdiv(nnz_blocks, max(num_cols, 1)) <= DECODE_SUB_COLS_MAX_BLOCKS
-      if not small or not few or block_dim < DECODE_SUB_COLS_MIN_BLOCK or itemsize != 2:
+      small = m <= r.decode_max_m and num_m * num_cols < r.target_programs
+      few = pl.cdiv(nnz_blocks, max(num_cols, 1)) <= r.decode_sub_cols_max_blocks
+      if not small or not few or block_dim < r.decode_sub_cols_min_block or itemsize != 2:
         return split_blocks(cfg, num_cols)
-      return dataclasses.replace(cfg, **DECODE_SUB_COLS)
+      return dataclasses.replace(cfg, **r.decode_sub_cols)
 
     fwd, dx = sub_column_programs(fwd, nb, bn), split_blocks(dx, kb)
-    if nnz_blocks < _TARGET_PROGRAMS // 4:
+    if nnz_blocks < r.target_programs // 4:
       # Kept blocks for under half the SMs: split the reduction over M too. (At 128 blocks and
       # M = 8192 a split of 3 measured 50% slower than none on an H200.)
       steps = pl.cdiv(m, dw.block_m)
-      dw = dataclasses.replace(dw, split=max(1, min(steps, pl.cdiv(_TARGET_PROGRAMS // 2, nnz_blocks))))
-    if itemsize == 2 and n >= DW_COLS_ORDER_MIN_RATIO * k:
+      dw = dataclasses.replace(dw, split=max(1, min(steps, pl.cdiv(r.target_programs // 2, nnz_blocks))))
+    if itemsize == 2 and n >= r.dw_cols_order_min_ratio * k:
       dw = dataclasses.replace(dw, block_order="cols")
-    mosaic_fwd, mosaic_dx = mosaic_defaults(m, shape, block_shape, dtype)
+    mosaic_fwd, mosaic_dx = mosaic_defaults(m, shape, block_shape, dtype, r)
     return cls(
         forward=fwd,
         dx=dx,
         dw=dw,
         mosaic_forward=mosaic_fwd,
         mosaic_dx=mosaic_dx,
-        mosaic_dw=(mosaic_dw := mosaic_dw_default(m, shape, block_shape, nnz_blocks, dtype)),
-        dw_dense=use_dense_dw(m, shape, block_shape, nnz_blocks, mosaic_dw, dtype),
-        dx_dense=use_dense_long_contraction(m, shape[1], shape, block_shape, nnz_blocks, dtype),
-        forward_dense=use_dense_long_contraction(m, shape[0], shape, block_shape, nnz_blocks, dtype),
-        dense=use_dense(m, shape, block_shape, nnz_blocks),
+        mosaic_dw=(mosaic_dw := mosaic_dw_default(m, shape, block_shape, nnz_blocks, dtype, r)),
+        dw_dense=use_dense_dw(m, shape, block_shape, nnz_blocks, mosaic_dw, dtype, r),
+        dx_dense=use_dense_long_contraction(m, shape[1], shape, block_shape, nnz_blocks, dtype, r),
+        forward_dense=use_dense_long_contraction(m, shape[0], shape, block_shape, nnz_blocks, dtype, r),
+        dense=use_dense(m, shape, block_shape, nnz_blocks, r),
     )
 
 
-# The Triton dW takes its kept blocks by block column where N >= 4 K (16-bit): `gpu_product_routes.py
-# --variants`, H100, M = 8192, K = 4096, bf16 (benchmarks/results/gpu_nm_decode_2026-11-23_h100.md):
-# N = 16384 d = 0.5 1.62 -> 1.41 (block 64) and 0.84 -> 0.75 (block 128) of dense dW, d = 0.25 equal;
-# at N = K = 4096 column order was 2-10% slower.
-DW_COLS_ORDER_MIN_RATIO = 4
-
-# Decode and mid-size M. Up to DECODE_MAX_M rows, where the output tiles cannot fill the GPU, the forward
-# and dx split their block loops (or give programs a slice of a block's columns, below); above, a split
-# and the pass that adds its partial sums measured up to 3.7x slower than no split, and 16-bit row
-# tiles of 64 up to MID_SMALL_TILE_MAX_M rows beat 128 (`gpu_block_sparse.py --mid-sweep 256,512,128`,
-# H100, K = N = 4096, bf16, forward / backward time over dense; benchmarks/results/
-# gpu_block_sparse_mid_2026-11-24_h100.md): M = 512, blocks 64, d = 0.25: split 2.58 / 1.48 -> 0.69 / 0.65
-# (128-row tiles, no split); M = 256, blocks 128, d = 0.25: 0.73 / 0.73 (split) -> 0.42 / 0.49 with 64-row
-# tiles (0.69 / 0.60 with 128); d = 0.5: 1.13 / 1.41 -> 0.66 / 0.92.
-DECODE_MAX_M = 64
-MID_SMALL_TILE_MAX_M = 256
-
-# The forward at decode (16-bit, fewer than _TARGET_PROGRAMS output tiles) for blocks of 128: 32
-# output columns per program, no split (one launch), 4 pipeline stages. `benchmarks/gpu_decode.py
-# --sweep`, H100, M = 16, K = N = 4096, d = 0.25 (benchmarks/results/gpu_decode_2026-11-23_h100.md):
-# 5.57 / 7.55 µs (weight in L2 / from HBM) against 5.63 / 8.01 for a split of 4 plus the sum; with
-# 64 x 64 blocks (16 steps per program) 8.46 / 9.66 against 6.03 / 8.21 for the split, which stays.
-# Indices read from memory each step (index_window=False) measured 7.9 / 13.7 µs at block 128.
-# Only while a block column keeps few blocks: each program walks all of its column's blocks. H200, M = 16 / 1,
-# blocks of 128, d = 0.5 (16 blocks a column; `gpu_decode.py --skip-nm --bs-rows 16,1 --bs-densities 0.25,0.5`,
-# benchmarks/results/gpu_decode_2026-11-25_h200.md): 32-column programs 1.05 / 1.24 of dense (hot), 1.00 / 1.04
-# (HBM), slower than dense, against 0.87 / 1.03 and 0.90 / 0.95 for a split of 4; at d = 0.25 (8 blocks a column)
-# 0.72 / 0.89 and 0.71 / 0.73 against 0.67 / 0.84 and 0.73 / 0.75.
-DECODE_SUB_COLS_MIN_BLOCK = 128
-DECODE_SUB_COLS_MAX_BLOCKS = 8
-DECODE_SUB_COLS = dict(sub_cols=32, split=1, num_stages=4)
+# -------------------------------------------------------------------------------------------------
+# Dispatch rules: measured data, one table per GPU kind.
+# -------------------------------------------------------------------------------------------------
 
 
-# Forward programs spanning G block columns (each x slab loaded once for the union of their kept block
-# rows) measured slower than these for blocks 32 and 64 at d = 0.25 / 0.5 in all four variants tried
-# (best 1.17 / 0.75 of dense against 0.92-0.96 / 0.51-0.53 at d = 0.25; H100, M = 8192): the union of
-# G random block columns holds 1 - (1 - d)^G of the dense MMA work. See
-# benchmarks/results/gpu_grouped_forward_2026-11-23_h100.md.
+@dataclasses.dataclass(frozen=True)
+class DispatchRules:
+  """The measured thresholds and tuned tiles that choose the block-sparse kernels on one GPU kind.
 
-# Fastest (forward, dx, dw) configs per square block size for bf16 at M = 8192, K = N = 4096,
-# density 0.25, from the sweep of benchmarks/gpu_block_sparse.py on an H200 (2026-11-21; see
-# benchmarks/results/). Used for 16-bit inputs and m >= _TUNED_MIN_M.
-# Blocks of 32 visit one row tile at a time (group_m=1): each program reads a 256-row slab of x / dY
-# as long as the contraction, and 8 such slabs in flight left L2 once the contraction grew (H100,
-# `gpu_product_routes.py --variants`, d = 0.25, ratio to dense, group_m 8 -> 1: forward K = 16384
-# 1.49 -> 0.94; dX N = 8192 1.12 -> 0.90, N = 16384 1.75 -> 0.92; at K = N = 4096 0.92-0.95 -> 0.88-0.92).
-_TUNED_MIN_M = 1024
-TUNED_CONFIGS: dict[int, tuple[KernelConfig, KernelConfig, KernelConfig]] = {
-    32: (
-        KernelConfig(256, num_warps=4, num_stages=5, group_m=1, index_window=False),
-        KernelConfig(256, num_warps=4, num_stages=5, group_m=1, index_window=False),
-        KernelConfig(128, num_warps=4, num_stages=2),
+  :func:`dispatch_rules` picks the table of the device that runs the product from
+  :data:`DISPATCH_TABLES`; :meth:`BlockSparseMatmulConfig.get_default` (and the rule functions below
+  it) read only this data. Each value of :data:`HOPPER_RULES` sits beside the run that set it. Ratios
+  quoted there are time over the dense product of the same run.
+
+  Attributes:
+    measured_on: the GPUs the values were measured on (or why a table borrows another's values).
+    num_sms: streaming multiprocessors of the device; with ``programs_per_sm`` the number of
+      programs wanted in flight (``target_programs``), below which decode splits its loops.
+    programs_per_sm: programs in flight per SM that fill the GPU.
+    dw_cols_order_min_ratio: the Triton ``dw`` visits kept blocks by block column from ``N >= ratio K``.
+    decode_max_m: rows up to which the forward / ``dx`` split their loops or use ``decode_sub_cols``.
+    mid_small_tile_max_m: 16-bit rows up to which the Triton kernels take 64-row tiles.
+    decode_sub_cols_min_block, decode_sub_cols_max_blocks, decode_sub_cols: decode forward programs
+      own a slice of a block column (``decode_sub_cols`` fields of :class:`KernelConfig`) for blocks
+      at least this wide with at most this many kept blocks per column.
+    tuned_min_m, tuned_configs: ``{block: (forward, dx, dw)}`` Triton tiles for 16-bit square blocks
+      from ``tuned_min_m`` rows.
+    mosaic_min_m, mosaic_16bit_rows, mosaic_mid_tiles, mosaic_tuned_configs, mosaic_min_m_and_block:
+      where the Mosaic GPU forward / ``dx`` kernels replace Triton's, and their tiles.
+    mosaic_dw_*: where the Mosaic GPU sampled ``dw`` kernel replaces Triton's.
+    dense_route_min_m, dw_dense_*, long_contraction_*, dense_above_density: where products run as
+      dense XLA products instead of per-block kernels.
+  """
+
+  measured_on: str
+  num_sms: int
+  programs_per_sm: int
+  dw_cols_order_min_ratio: int
+  decode_max_m: int
+  mid_small_tile_max_m: int
+  decode_sub_cols_min_block: int
+  decode_sub_cols_max_blocks: int
+  decode_sub_cols: dict
+  tuned_min_m: int
+  tuned_configs: dict
+  mosaic_min_m: int
+  mosaic_16bit_rows: dict
+  mosaic_mid_tiles: int
+  mosaic_tuned_configs: dict
+  mosaic_min_m_and_block: dict
+  mosaic_dw_min_m: dict
+  mosaic_dw_tuned_16bit: dict
+  mosaic_dw_64_long_ratio: int
+  mosaic_dw_64_min_m: int
+  mosaic_dw_64_min_m_dense_or_wide: int
+  mosaic_dw_64_density: float
+  mosaic_dw_64_rows_order_below_m: int
+  mosaic_dw_128_min_blocks: tuple
+  dense_route_min_m: int
+  dw_dense_min_m: int
+  dw_dense_below_block: int
+  dw_dense_min_density: float
+  dw_dense_above_density: dict
+  dw_dense_above_density_min_m: int
+  long_contraction_min: int
+  long_contraction_dense_above: dict
+  dense_above_density: dict
+
+  @property
+  def target_programs(self) -> int:
+    """Programs wanted in flight at once."""
+    return self.programs_per_sm * self.num_sms
+
+
+# The H100 and H200 (SXM, 132 SMs each; same SM, the H200 with more and faster HBM): the points re-measured
+# on the H200 agreed with the H100's, except the decode rule of 2026-11-25 (decode_sub_cols_max_blocks,
+# measured on the H200 only: at d = 0.25 it keeps what the H100 measured).
+HOPPER_RULES = DispatchRules(
+    measured_on="NVIDIA H100 and H200 (SXM)",
+    num_sms=132,
+    # Two programs per SM in flight.
+    programs_per_sm=2,
+
+    # The Triton dW takes its kept blocks by block column where N >= 4 K (16-bit): `gpu_product_routes.py
+    # --variants`, H100, M = 8192, K = 4096, bf16 (benchmarks/results/gpu_nm_decode_2026-11-23_h100.md):
+    # N = 16384 d = 0.5 1.62 -> 1.41 (block 64) and 0.84 -> 0.75 (block 128) of dense dW, d = 0.25 equal;
+    # at N = K = 4096 column order was 2-10% slower.
+    dw_cols_order_min_ratio=4,
+
+    # Decode and mid-size M. Up to decode_max_m rows, where the output tiles cannot fill the GPU, the forward
+    # and dx split their block loops (or give programs a slice of a block's columns, below); above, a split
+    # and the pass that adds its partial sums measured up to 3.7x slower than no split, and 16-bit row
+    # tiles of 64 up to mid_small_tile_max_m rows beat 128 (`gpu_block_sparse.py --mid-sweep 256,512,128`,
+    # H100, K = N = 4096, bf16, forward / backward time over dense; benchmarks/results/
+    # gpu_block_sparse_mid_2026-11-24_h100.md): M = 512, blocks 64, d = 0.25: split 2.58 / 1.48 -> 0.69 / 0.65
+    # (128-row tiles, no split); M = 256, blocks 128, d = 0.25: 0.73 / 0.73 (split) -> 0.42 / 0.49 with 64-row
+    # tiles (0.69 / 0.60 with 128); d = 0.5: 1.13 / 1.41 -> 0.66 / 0.92.
+    decode_max_m=64,
+    mid_small_tile_max_m=256,
+
+    # The forward at decode (16-bit, fewer than target_programs output tiles) for blocks of 128: 32
+    # output columns per program, no split (one launch), 4 pipeline stages. `benchmarks/gpu_decode.py
+    # --sweep`, H100, M = 16, K = N = 4096, d = 0.25 (benchmarks/results/gpu_decode_2026-11-23_h100.md):
+    # 5.57 / 7.55 µs (weight in L2 / from HBM) against 5.63 / 8.01 for a split of 4 plus the sum; with
+    # 64 x 64 blocks (16 steps per program) 8.46 / 9.66 against 6.03 / 8.21 for the split, which stays.
+    # Indices read from memory each step (index_window=False) measured 7.9 / 13.7 µs at block 128.
+    # Only while a block column keeps few blocks: each program walks all of its column's blocks. H200, M = 16 / 1,
+    # blocks of 128, d = 0.5 (16 blocks a column; `gpu_decode.py --skip-nm --bs-rows 16,1 --bs-densities 0.25,0.5`,
+    # benchmarks/results/gpu_decode_2026-11-25_h200.md): 32-column programs 1.05 / 1.24 of dense (hot), 1.00 / 1.04
+    # (HBM), slower than dense, against 0.87 / 1.03 and 0.90 / 0.95 for a split of 4; at d = 0.25 (8 blocks a column)
+    # 0.72 / 0.89 and 0.71 / 0.73 against 0.67 / 0.84 and 0.73 / 0.75.
+    decode_sub_cols_min_block=128,
+    decode_sub_cols_max_blocks=8,
+    decode_sub_cols=dict(sub_cols=32, split=1, num_stages=4),
+
+    # Forward programs spanning G block columns (each x slab loaded once for the union of their kept block
+    # rows) measured slower than these for blocks 32 and 64 at d = 0.25 / 0.5 in all four variants tried
+    # (best 1.17 / 0.75 of dense against 0.92-0.96 / 0.51-0.53 at d = 0.25; H100, M = 8192): the union of
+    # G random block columns holds 1 - (1 - d)^G of the dense MMA work. See
+    # benchmarks/results/gpu_grouped_forward_2026-11-23_h100.md.
+
+    # Fastest (forward, dx, dw) configs per square block size for bf16 at M = 8192, K = N = 4096,
+    # density 0.25, from the sweep of benchmarks/gpu_block_sparse.py on an H200 (2026-11-21; see
+    # benchmarks/results/). Used for 16-bit inputs and m >= tuned_min_m.
+    # Blocks of 32 visit one row tile at a time (group_m=1): each program reads a 256-row slab of x / dY
+    # as long as the contraction, and 8 such slabs in flight left L2 once the contraction grew (H100,
+    # `gpu_product_routes.py --variants`, d = 0.25, ratio to dense, group_m 8 -> 1: forward K = 16384
+    # 1.49 -> 0.94; dX N = 8192 1.12 -> 0.90, N = 16384 1.75 -> 0.92; at K = N = 4096 0.92-0.95 -> 0.88-0.92).
+    tuned_min_m=1024,
+    tuned_configs={
+        32: (
+            KernelConfig(256, num_warps=4, num_stages=5, group_m=1, index_window=False),
+            KernelConfig(256, num_warps=4, num_stages=5, group_m=1, index_window=False),
+            KernelConfig(128, num_warps=4, num_stages=2),
+        ),
+        64: (
+            KernelConfig(128, num_warps=4, num_stages=3),
+            KernelConfig(128, num_warps=4, num_stages=3, group_m=16),
+            KernelConfig(32, num_warps=4, num_stages=3),
+        ),
+        128: (
+            KernelConfig(128, num_warps=8, num_stages=3, group_m=4),
+            KernelConfig(128, num_warps=4, num_stages=3, group_m=4),
+            KernelConfig(64, num_warps=4, num_stages=3),
+        ),
+    },
+
+    # Mosaic GPU configs per square block size for 16-bit inputs and m >= mosaic_min_m, from
+    # `benchmarks/gpu_block_sparse.py --mosaic-sweep` on an H100 (2026-11-21; see benchmarks/results/);
+    # the forward's group_m from `gpu_product_routes.py --variants` (2026-11-23): 2 row tiles per group
+    # took 0.94-0.95 against 0.98-1.00 for 4 at d = 0.5 (64-blocks, N = 4096-16384), 0.40 against 0.43
+    # (128-blocks, K = 16384), and no more elsewhere.
+    # Below that m (outside the mid-size bands below), or for blocks of 32 from it, the Triton kernels measured as
+    # fast or faster.
+    mosaic_min_m=1024,
+    # Mid-size M (16-bit): from 128 rows for blocks whose smaller side is 64, from 512 for blocks of 128
+    # (`gpu_block_sparse.py --mid-sweep`, H100, K = N = 4096, forward / backward over dense, against the
+    # best Triton config): blocks 64, d = 0.25, M = 128 / 256 / 512: 0.47 / 0.52, 0.47 / 0.59, 0.62 / 0.63
+    # (Triton 0.55 / 0.49, 0.56 / 0.61, 0.69 / 0.65); d = 0.5, M = 256: 0.68 / 1.63 (0.87 / 1.77). Blocks 128:
+    # M = 512, d = 0.25 / 0.5: 0.52 / 0.49 and 0.79 / 0.89 (Triton 0.62 / 0.53, 1.00 / 0.94); at M = 256
+    # Triton's 64-row tiles won (0.42 / 0.49 against 0.54 / 0.53). Row tiles of 256 where they still give
+    # about one output tile per SM (mosaic_mid_tiles) and M needs no padding, else 128: blocks 64, M = 512:
+    # 0.62 / 0.63 against 0.70 / 0.66; blocks 128, M = 512: 128-row tiles 0.52 against 0.79; blocks 64,
+    # M = 384 / 768 padded to 256-row tiles: 0.69 / 0.70 forward against Triton's 0.57 / 0.63.
+    # Blocks of 64 between 512 and 1024 rows keep Triton's 128-row tiles: M = 768, d = 0.25 / 0.5: 0.65 /
+    # 1.08 forward against the Mosaic kernel's 0.73 / 1.25 (192 output tiles of 256 rows: 1.45 waves). At
+    # M = 512 the Mosaic kernel won (0.64 / 0.94 against 0.67 / 1.11), at 384 Triton by 5% (0.56 / 0.93
+    # against 0.59 / 0.99; kept on Mosaic, one band). Blocks of 32 at 128-256 rows (session 10, same sweep
+    # with `--blocks 32`; benchmarks/results/gpu_dw_kernels_2026-11-24_h100.md): d = 0.25, M = 128 / 256:
+    # forward 0.75 / 0.77, backward 0.78 / 1.31 against Triton's best 0.99 / 1.08 and 0.82 / 1.41 (d = 0.5:
+    # 1.07 / 1.22 forward against 1.47 / 1.66); at M = 512 128-row tiles lost (1.58 against 1.23), and from
+    # 1024 rows Triton equals it. Only
+    # square 32 x 32 blocks (the 16-bit forward of 32 x 64 blocks fails Mosaic's layout inference; see
+    # `_block_sparse_matmul_mgpu.unsupported_reason`) and M a multiple of 128
+    # (M = 192, one 128-row tile half padding: 1.36 fwd+bwd against Triton's 1.27).
+    # (min rows, max rows or None) per smaller block side:
+    mosaic_16bit_rows={32: ((128, 256),), 64: ((128, 512), (1024, None)), 128: ((512, None),)},
+    mosaic_mid_tiles=128,
+    mosaic_tuned_configs=(
+        {}
+        if mosaic is None
+        else {
+            64: (mosaic.MosaicKernelConfig(group_m=2), mosaic.MosaicKernelConfig(group_m=2)),
+            128: (mosaic.MosaicKernelConfig(group_m=2), mosaic.MosaicKernelConfig(group_m=2)),
+        }
     ),
-    64: (
-        KernelConfig(128, num_warps=4, num_stages=3),
-        KernelConfig(128, num_warps=4, num_stages=3, group_m=16),
-        KernelConfig(32, num_warps=4, num_stages=3),
-    ),
-    128: (
-        KernelConfig(128, num_warps=8, num_stages=3, group_m=4),
-        KernelConfig(128, num_warps=4, num_stages=3, group_m=4),
-        KernelConfig(64, num_warps=4, num_stages=3),
-    ),
-}
 
+    # Where the Mosaic GPU forward / dX kernels replace the Triton ones, per input itemsize: the smallest
+    # M and the smallest block dim (16-bit: within the bands of mosaic_16bit_rows). Float32 runs on TF32 wgmma
+    # there (Triton's float32 tiles measured 2.6x dense at block 128, M = 8192; see
+    # benchmarks/results/gpu_block_sparse_2026-11-23_h100.md).
+    mosaic_min_m_and_block={2: (128, 32), 4: (256, 32)},
 
-# Mosaic GPU configs per square block size for 16-bit inputs and m >= _MOSAIC_MIN_M, from
-# `benchmarks/gpu_block_sparse.py --mosaic-sweep` on an H100 (2026-11-21; see benchmarks/results/);
-# the forward's group_m from `gpu_product_routes.py --variants` (2026-11-23): 2 row tiles per group
-# took 0.94-0.95 against 0.98-1.00 for 4 at d = 0.5 (64-blocks, N = 4096-16384), 0.40 against 0.43
-# (128-blocks, K = 16384), and no more elsewhere.
-# Below that m (outside the mid-size bands below), or for blocks of 32 from it, the Triton kernels measured as
-# fast or faster.
-_MOSAIC_MIN_M = 1024
-# Mid-size M (16-bit): from 128 rows for blocks whose smaller side is 64, from 512 for blocks of 128
-# (`gpu_block_sparse.py --mid-sweep`, H100, K = N = 4096, forward / backward over dense, against the
-# best Triton config): blocks 64, d = 0.25, M = 128 / 256 / 512: 0.47 / 0.52, 0.47 / 0.59, 0.62 / 0.63
-# (Triton 0.55 / 0.49, 0.56 / 0.61, 0.69 / 0.65); d = 0.5, M = 256: 0.68 / 1.63 (0.87 / 1.77). Blocks 128:
-# M = 512, d = 0.25 / 0.5: 0.52 / 0.49 and 0.79 / 0.89 (Triton 0.62 / 0.53, 1.00 / 0.94); at M = 256
-# Triton's 64-row tiles won (0.42 / 0.49 against 0.54 / 0.53). Row tiles of 256 where they still give
-# about one output tile per SM (MOSAIC_MID_TILES) and M needs no padding, else 128: blocks 64, M = 512:
-# 0.62 / 0.63 against 0.70 / 0.66; blocks 128, M = 512: 128-row tiles 0.52 against 0.79; blocks 64,
-# M = 384 / 768 padded to 256-row tiles: 0.69 / 0.70 forward against Triton's 0.57 / 0.63.
-# Blocks of 64 between 512 and 1024 rows keep Triton's 128-row tiles: M = 768, d = 0.25 / 0.5: 0.65 /
-# 1.08 forward against the Mosaic kernel's 0.73 / 1.25 (192 output tiles of 256 rows: 1.45 waves). At
-# M = 512 the Mosaic kernel won (0.64 / 0.94 against 0.67 / 1.11), at 384 Triton by 5% (0.56 / 0.93
-# against 0.59 / 0.99; kept on Mosaic, one band). Blocks of 32 at 128-256 rows (session 10, same sweep with
-# `--blocks 32`; benchmarks/results/gpu_dw_kernels_2026-11-24_h100.md): d = 0.25, M = 128 / 256: forward 0.75 / 0.77,
-# backward 0.78 / 1.31 against Triton's best 0.99 / 1.08 and 0.82 / 1.41 (d = 0.5: 1.07 / 1.22 forward against
-# 1.47 / 1.66); at M = 512 128-row tiles lost (1.58 against 1.23), and from 1024 rows Triton equals it. Only
-# square 32 x 32 blocks (the 16-bit forward of 32 x 64 blocks fails Mosaic's layout inference; see
-# `_block_sparse_matmul_mgpu.unsupported_reason`) and M a multiple of 128
-# (M = 192, one 128-row tile half padding: 1.36 fwd+bwd against Triton's 1.27).
-# (min rows, max rows or None) per smaller block side:
-MOSAIC_16BIT_ROWS = {32: ((128, 256),), 64: ((128, 512), (_MOSAIC_MIN_M, None)), 128: ((512, None),)}
-MOSAIC_MID_TILES = 128
-MOSAIC_TUNED_CONFIGS: dict = (
-    {}
-    if mosaic is None
-    else {
-        64: (mosaic.MosaicKernelConfig(group_m=2), mosaic.MosaicKernelConfig(group_m=2)),
-        128: (mosaic.MosaicKernelConfig(group_m=2), mosaic.MosaicKernelConfig(group_m=2)),
-    }
+    # Where the Mosaic GPU sampled xᵀdY kernel replaces the Triton one. Float32 (TF32): for every block the
+    # kernel takes, from 256 rows (Triton's float32 SDD ran 1.9-2.9x the dense TF32 product; `gpu_block_sparse.py
+    # --dw-sweep`, H100, M = 8192). 16-bit inputs, from 1024 rows, by `gpu_product_routes.py --variants` on an H100
+    # (bf16, K or N = 4096, d = 0.25 / 0.5, dW time over the dense xᵀdY; benchmarks/results/
+    # gpu_dw_kernels_2026-11-24_h100.md), Mosaic against Triton:
+    # * 64 x 64 blocks: Mosaic where the weight is long (N >= 4 K or K >= 4 N: M = 1024-8192, 0.58-0.64 against
+    #   0.64-0.78 at d = 0.25, 1.07-1.17 against 1.24-1.52 at d = 0.5), else from 8192 rows (N = K: 0.65 against 0.65,
+    #   N = 2 K: 0.61 against 0.70), and from 4096 rows at d >= 0.4 or N >= 2 K (N = K, d = 0.5: 1.13 against 1.28;
+    #   N = 2 K, d = 0.25: 0.60 against 0.64). Triton below: N = K, d = 0.25, M = 1024 / 2048 / 4096: 0.54 / 0.55 /
+    #   0.59 against 0.87 / 0.75 / 0.68. Items by block row below 2048 rows (N = 4 K, M = 1024: 0.64 against 0.70
+    #   by column), else as `MosaicSddConfig.order="auto"` says.
+    # * 128 x 128 blocks: Mosaic where there are many kept blocks (two per item, 132 thread blocks): from 1024
+    #   kept blocks at any M >= 1024 (N = 4 K: 0.28-0.40 against 0.38-0.55 at d = 0.25, 0.53-0.71 against 0.74-1.04
+    #   at d = 0.5; K = 4 N, N = 2 K: 0.33-0.79 against 0.37-0.71, equal or better from 2048 rows), from 512 at
+    #   8192 rows (N = K, d = 0.5: 0.56 against 0.62; N = 2 K, d = 0.25: 0.30 against 0.35). Triton with fewer:
+    #   N = K, d = 0.25 (256 blocks), M = 1024-8192: 0.31-0.37 against 0.53-0.86.
+    mosaic_dw_min_m={2: 1024, 4: 256},
+    mosaic_dw_tuned_16bit=(
+        {} if mosaic_sdd is None else {(64, 64): mosaic_sdd.MosaicSddConfig(group=2, tile_m=64, num_stages=4)}
+    ),
+    mosaic_dw_64_long_ratio=4,  # max(K, N) / min(K, N) from which 64-blocks always take the Mosaic kernel
+    mosaic_dw_64_min_m=8192,  # ... else from this M,
+    mosaic_dw_64_min_m_dense_or_wide=4096,  # ... or this one at d >= mosaic_dw_64_density or N >= 2 K,
+    mosaic_dw_64_density=0.4,
+    mosaic_dw_64_rows_order_below_m=2048,  # items by block row below this M.
+    mosaic_dw_128_min_blocks=((1024, 1024), (8192, 512)),  # (min M, min kept blocks) for 128-blocks
+
+    # The dense routes (a product of the whole K x N weight instead of the per-block kernels) measured by
+    # `benchmarks/gpu_product_routes.py` on an H100 (benchmarks/results/gpu_product_routes_2026-11-23_h100.md),
+    # K = 4096, N in {4096, 16384}, ratios to the dense product of the same run: per-block kernel / route.
+    #
+    # Smallest M for each route. The routes build or write a K x N array whatever M is, so they lose at
+    # small M: blocks of 32 at d = 0.5 (the `dense` route) at M = 1024: 1.84-1.93 / 1.50-1.62 for the three
+    # products; M = 256: forward and dX 1.75-2.23 / 2.15-2.94, dW 3.87-3.97 / 2.91-3.06; decode (M = 16,
+    # N = 16384) forward 0.59-0.73 / 2.6-3.0 (the kernels at N = 4096: 1.19).
+    dense_route_min_m=1024,
+    dw_dense_min_m=256,
+
+    # dW: below this block dim (bk for the Mosaic float32 kernel, either dim otherwise) and at or above
+    # this density, one dense xᵀdY product (XLA) with the kept blocks gathered from it: 32 x 32 blocks at
+    # d = 0.25, M = 8192: 2.41 / 1.02 (bf16, N = 4096), 2.98 / 1.05 (N = 16384); float32 1.92 / 1.03, 1.84 / 1.01.
+    dw_dense_below_block=64,
+    dw_dense_min_density=0.1,
+    # ... and for blocks of this size from this density, except on the Mosaic float32 kernel: 64 x 64 at
+    # d = 0.5, M = 8192, kernel / route: bf16 1.07-1.15 / 1.07 (N = 4096, both item orders), 1.07 / 1.08
+    # (N = 16384, items by column), 1.18 / 1.07 (K = 16384, N = 4096); float32 on the Mosaic kernel 0.95-0.97
+    # / 1.02 (N = 4096, K = 4096 or 16384), 0.85 / 1.02 (N = 16384); Triton's float32 kernel 2.6 / 1.02-1.06.
+    # At d = 0.25 the kernels win everywhere (0.52-0.67 / 1.02-1.05). 0.4 itself was not measured.
+    dw_dense_above_density={64: 0.4},
+    # ... from this many rows for 16-bit inputs: the route writes a K x N product whatever M is. 64 x 64
+    # blocks at d = 0.5, dW over the dense xᵀdY, route / best per-block kernel (`gpu_product_routes.py --variants`,
+    # H100, K or N = 4096; benchmarks/results/gpu_dw_kernels_2026-11-24_h100.md): M = 1024: 1.52-1.56 / 1.10-1.14;
+    # 2048: 1.24-1.29 / 1.13-1.19; 4096: 1.13-1.15 / 1.07-1.13; 8192: 1.04-1.08 / 1.02-1.17 (route faster for
+    # K = 4 N: 1.07 / 1.17, N = 4 K: 1.07 / 1.10). At M = 256-768 the route ran 1.38-1.68x the dense backward.
+    # (These were measured with a float32 K x N product; since 2026-11-25 a 16-bit route writes its product in
+    # 16 bits (`dense_product_dtype`), half the bytes, so the route should lose by less at small M. Not yet
+    # re-measured: `gpu_product_routes.py --m 256,1024,2048 --variants` is the run that would move this rule.)
+    dw_dense_above_density_min_m=8192,
+
+    # Forward and dX on long contractions (K for the forward, N for dX; both are the same "dense x sparse"
+    # kernel): the per-block kernels read a row slab of x / dY as long as the contraction once per kept
+    # block of an output block column; where that is long, float32 slabs fall out of L2 and the kernels lose
+    # to the dense route. M = 8192, d = 0.25, blocks of 32, float32: dX (N = 16384) 1.18-1.26 / 0.96, forward
+    # (K = 16384) 1.28 / 0.98; 64 x 64 float32 at d = 0.5: dX 1.48 / 0.99 (d = 0.25: 0.79 / 0.96). 16-bit
+    # inputs keep the kernels (blocks of 32 at d = 0.25: dX 0.92 / 1.05, forward 0.94 / 0.98; 64 x 64 at
+    # d = 0.5: dX 1.00 / 1.07), and so does a contraction of 4096-8192 (float32 blocks of 32: 0.81-0.99 /
+    # 0.97-1.06). {min block dim: (min density, min itemsize)}, from long_contraction_min.
+    long_contraction_min=16384,
+    long_contraction_dense_above={32: (0.1, 4), 64: (0.4, 4)},
+
+    # Small blocks whose per-block products are slower than the whole dense product above this density
+    # (H100, M = 8192, K = N = 4096; benchmarks/results/gpu_block_sparse_2026-11-23_h100.md): 32 x 32
+    # blocks took 0.95 / 0.92 of dense at d = 0.25 and 1.52 / 1.42 at d = 0.5 (bf16 / f32, fwd+bwd).
+    # Those patterns run as dense products (the weight built first by `dense_weight`: one K x N gather pass).
+    dense_above_density={32: 0.3},
 )
 
-
-# Where the Mosaic GPU forward / dX kernels replace the Triton ones, per input itemsize: the smallest
-# M and the smallest block dim (16-bit: within the bands of MOSAIC_16BIT_ROWS). Float32 runs on TF32 wgmma
-# there (Triton's float32 tiles measured 2.6x dense at block 128, M = 8192; see
-# benchmarks/results/gpu_block_sparse_2026-11-23_h100.md).
-MOSAIC_MIN_M_AND_BLOCK = {2: (128, 32), 4: (256, 32)}
+# ``(substrings of jax's device_kind, rules)``; the first whose substring is in the device's kind wins.
+DISPATCH_TABLES: tuple[tuple[tuple[str, ...], DispatchRules], ...] = ((("H100", "H200"), HOPPER_RULES),)
 
 
-def _mosaic_rows(m: int, block_shape: tuple[int, int], itemsize: int) -> bool:
+def dispatch_rules(device_kind: str | None = None, num_sms: int | None = None) -> DispatchRules:
+  """The dispatch table of a GPU kind (by default the first device's), with its SM count.
+
+  Args:
+    device_kind: ``jax.Device.device_kind``, e.g. ``"NVIDIA H100 80GB HBM3"``; ``None``: the first device's.
+    num_sms: the device's streaming multiprocessors; ``None``: the device's ``core_count`` where
+      ``device_kind`` is also ``None``, else the table's.
+
+  Returns:
+    The table in :data:`DISPATCH_TABLES` whose kind matches. A kind without a table (measured on
+    none of our machines) gets :data:`HOPPER_RULES`, marked as borrowed; ``num_sms`` replaces the
+    table's SM count, so that the program counts of decode follow the device.
+  """
+  if device_kind is None:
+    device = jax.devices()[0]
+    device_kind = device.device_kind
+    if num_sms is None:
+      num_sms = getattr(device, "core_count", None)
+  if num_sms is not None and (not isinstance(num_sms, int) or num_sms < 1):
+    raise ValueError(f"num_sms must be None or a positive int, got num_sms={num_sms!r}.")
+  return _dispatch_rules(device_kind, num_sms)
+
+
+@functools.cache
+def _dispatch_rules(device_kind: str, num_sms: int | None) -> DispatchRules:
+  rules = next((r for kinds, r in DISPATCH_TABLES if any(k in device_kind for k in kinds)), None)
+  if rules is None:
+    rules = dataclasses.replace(HOPPER_RULES, measured_on=f"{HOPPER_RULES.measured_on}; borrowed for {device_kind!r}")
+  return rules if num_sms in (None, rules.num_sms) else dataclasses.replace(rules, num_sms=num_sms)
+
+
+def _mosaic_rows(m: int, block_shape: tuple[int, int], itemsize: int, rules: DispatchRules) -> bool:
   """Whether the Mosaic GPU forward / dx kernels take ``m`` rows of these blocks."""
-  min_m, min_block = MOSAIC_MIN_M_AND_BLOCK.get(itemsize, (None, None))
+  min_m, min_block = rules.mosaic_min_m_and_block.get(itemsize, (None, None))
   if min_m is None or min(block_shape) < min_block:
     return False
   if itemsize == 2 and min(block_shape) == 32 and (block_shape != (32, 32) or m % 128):
     return False
-  bands = MOSAIC_16BIT_ROWS.get(min(block_shape), ((min_m, None),)) if itemsize == 2 else ((min_m, None),)
+  bands = rules.mosaic_16bit_rows.get(min(block_shape), ((min_m, None),)) if itemsize == 2 else ((min_m, None),)
   return any(lo <= m and (hi is None or m <= hi) for lo, hi in bands)
 
 
-def mosaic_defaults(m: int, shape: tuple[int, int], block_shape: tuple[int, int], dtype) -> tuple:
+def mosaic_defaults(m: int, shape: tuple[int, int], block_shape: tuple[int, int], dtype, rules: DispatchRules) -> tuple:
   """``(forward, dx)`` Mosaic GPU configs, or ``(None, None)`` where the Triton kernels are used."""
   bk, bn = block_shape
   itemsize = jnp.dtype(dtype).itemsize
-  if mosaic_unavailable_reason() or not _mosaic_rows(m, block_shape, itemsize):
+  if mosaic_unavailable_reason() or not _mosaic_rows(m, block_shape, itemsize, rules):
     return None, None
-  tuned = MOSAIC_TUNED_CONFIGS.get(bk) if bk == bn and itemsize == 2 and m >= _MOSAIC_MIN_M else None
+  tuned = rules.mosaic_tuned_configs.get(bk) if bk == bn and itemsize == 2 and m >= rules.mosaic_min_m else None
   if tuned is not None:
     return tuned
   default = mosaic.MosaicBlockSparseMatmulConfig.get_default(m, block_shape, dtype)
-  if itemsize == 2 and m < _MOSAIC_MIN_M:
+  if itemsize == 2 and m < rules.mosaic_min_m:
     # Mid-size M: 256-row tiles only where they still give about one output tile per SM.
     def rows(cfg, num_cols):
-      tile_m = 256 if m % 256 == 0 and m // 256 * num_cols >= MOSAIC_MID_TILES else 128
+      tile_m = 256 if m % 256 == 0 and m // 256 * num_cols >= rules.mosaic_mid_tiles else 128
       return dataclasses.replace(cfg, tile_m=tile_m, group_m=2)
 
     return rows(default.forward, shape[1] // bn), rows(default.dx, shape[0] // bk)
   return default.forward, default.dx
 
 
-
-
-# Where the Mosaic GPU sampled xᵀdY kernel replaces the Triton one. Float32 (TF32): for every block the
-# kernel takes, from 256 rows (Triton's float32 SDD ran 1.9-2.9x the dense TF32 product; `gpu_block_sparse.py
-# --dw-sweep`, H100, M = 8192). 16-bit inputs, from 1024 rows, by `gpu_product_routes.py --variants` on an H100
-# (bf16, K or N = 4096, d = 0.25 / 0.5, dW time over the dense xᵀdY; benchmarks/results/
-# gpu_dw_kernels_2026-11-24_h100.md), Mosaic against Triton:
-# * 64 x 64 blocks: Mosaic where the weight is long (N >= 4 K or K >= 4 N: M = 1024-8192, 0.58-0.64 against
-#   0.64-0.78 at d = 0.25, 1.07-1.17 against 1.24-1.52 at d = 0.5), else from 8192 rows (N = K: 0.65 against 0.65,
-#   N = 2 K: 0.61 against 0.70), and from 4096 rows at d >= 0.4 or N >= 2 K (N = K, d = 0.5: 1.13 against 1.28;
-#   N = 2 K, d = 0.25: 0.60 against 0.64). Triton below: N = K, d = 0.25, M = 1024 / 2048 / 4096: 0.54 / 0.55 /
-#   0.59 against 0.87 / 0.75 / 0.68. Items by block row below 2048 rows (N = 4 K, M = 1024: 0.64 against 0.70
-#   by column), else as `MosaicSddConfig.order="auto"` says.
-# * 128 x 128 blocks: Mosaic where there are many kept blocks (two per item, 132 thread blocks): from 1024
-#   kept blocks at any M >= 1024 (N = 4 K: 0.28-0.40 against 0.38-0.55 at d = 0.25, 0.53-0.71 against 0.74-1.04
-#   at d = 0.5; K = 4 N, N = 2 K: 0.33-0.79 against 0.37-0.71, equal or better from 2048 rows), from 512 at
-#   8192 rows (N = K, d = 0.5: 0.56 against 0.62; N = 2 K, d = 0.25: 0.30 against 0.35). Triton with fewer:
-#   N = K, d = 0.25 (256 blocks), M = 1024-8192: 0.31-0.37 against 0.53-0.86.
-_MOSAIC_DW_MIN_M = {2: 1024, 4: 256}
-MOSAIC_DW_TUNED_16BIT: dict = (
-    {} if mosaic_sdd is None else {(64, 64): mosaic_sdd.MosaicSddConfig(group=2, tile_m=64, num_stages=4)}
-)
-MOSAIC_DW_64_LONG_RATIO = 4  # max(K, N) / min(K, N) from which 64-blocks always take the Mosaic kernel
-MOSAIC_DW_64_MIN_M = 8192  # ... else from this M,
-MOSAIC_DW_64_MIN_M_DENSE_OR_WIDE = 4096  # ... or this one at d >= MOSAIC_DW_64_DENSITY or N >= 2 K,
-MOSAIC_DW_64_DENSITY = 0.4
-MOSAIC_DW_64_ROWS_ORDER_BELOW_M = 2048  # items by block row below this M.
-MOSAIC_DW_128_MIN_BLOCKS = ((1024, 1024), (8192, 512))  # (min M, min kept blocks) for 128-blocks
-
-
-def mosaic_dw_default(m: int, shape: tuple[int, int], block_shape: tuple[int, int], nnz_blocks: int, dtype):
+def mosaic_dw_default(
+    m: int, shape: tuple[int, int], block_shape: tuple[int, int], nnz_blocks: int, dtype, rules: DispatchRules
+):
   """The Mosaic GPU ``dw`` config, or ``None`` where the Triton SDD kernel is used."""
   itemsize = jnp.dtype(dtype).itemsize
-  if mosaic_unavailable_reason() or m < _MOSAIC_DW_MIN_M.get(itemsize, m + 1):
+  if mosaic_unavailable_reason() or m < rules.mosaic_dw_min_m.get(itemsize, m + 1):
     return None
   (k, n), (bk, bn) = shape, block_shape
   if itemsize == 4:
@@ -403,65 +568,15 @@ def mosaic_dw_default(m: int, shape: tuple[int, int], block_shape: tuple[int, in
       return mosaic_sdd.MosaicSddConfig.get_default(block_shape, dtype)
     return None
   if (bk, bn) == (64, 64):
-    long = max(k, n) >= MOSAIC_DW_64_LONG_RATIO * min(k, n)
-    dense_or_wide = _density(shape, block_shape, nnz_blocks) >= MOSAIC_DW_64_DENSITY or n >= 2 * k
-    if not (long or m >= MOSAIC_DW_64_MIN_M or (dense_or_wide and m >= MOSAIC_DW_64_MIN_M_DENSE_OR_WIDE)):
+    long = max(k, n) >= rules.mosaic_dw_64_long_ratio * min(k, n)
+    dense_or_wide = _density(shape, block_shape, nnz_blocks) >= rules.mosaic_dw_64_density or n >= 2 * k
+    if not (long or m >= rules.mosaic_dw_64_min_m or (dense_or_wide and m >= rules.mosaic_dw_64_min_m_dense_or_wide)):
       return None
-    cfg = MOSAIC_DW_TUNED_16BIT[(64, 64)]
-    return dataclasses.replace(cfg, order="rows") if m < MOSAIC_DW_64_ROWS_ORDER_BELOW_M else cfg
-  if (bk, bn) == (128, 128) and any(m >= lo and nnz_blocks >= nb for lo, nb in MOSAIC_DW_128_MIN_BLOCKS):
+    cfg = rules.mosaic_dw_tuned_16bit[(64, 64)]
+    return dataclasses.replace(cfg, order="rows") if m < rules.mosaic_dw_64_rows_order_below_m else cfg
+  if (bk, bn) == (128, 128) and any(m >= lo and nnz_blocks >= nb for lo, nb in rules.mosaic_dw_128_min_blocks):
     return mosaic_sdd.MosaicSddConfig.get_default(block_shape, dtype)
   return None
-
-
-# The dense routes (a product of the whole K x N weight instead of the per-block kernels) measured by
-# `benchmarks/gpu_product_routes.py` on an H100 (benchmarks/results/gpu_product_routes_2026-11-23_h100.md),
-# K = 4096, N in {4096, 16384}, ratios to the dense product of the same run: per-block kernel / route.
-#
-# Smallest M for each route. The routes build or write a K x N array whatever M is, so they lose at
-# small M: blocks of 32 at d = 0.5 (the `dense` route) at M = 1024: 1.84-1.93 / 1.50-1.62 for the three
-# products; M = 256: forward and dX 1.75-2.23 / 2.15-2.94, dW 3.87-3.97 / 2.91-3.06; decode (M = 16,
-# N = 16384) forward 0.59-0.73 / 2.6-3.0 (the kernels at N = 4096: 1.19).
-DENSE_ROUTE_MIN_M = 1024
-DW_DENSE_MIN_M = 256
-
-# dW: below this block dim (bk for the Mosaic float32 kernel, either dim otherwise) and at or above
-# this density, one dense xᵀdY product (XLA) with the kept blocks gathered from it: 32 x 32 blocks at
-# d = 0.25, M = 8192: 2.41 / 1.02 (bf16, N = 4096), 2.98 / 1.05 (N = 16384); float32 1.92 / 1.03, 1.84 / 1.01.
-DW_DENSE_BELOW_BLOCK = 64
-DW_DENSE_MIN_DENSITY = 0.1
-# ... and for blocks of this size from this density, except on the Mosaic float32 kernel: 64 x 64 at
-# d = 0.5, M = 8192, kernel / route: bf16 1.07-1.15 / 1.07 (N = 4096, both item orders), 1.07 / 1.08
-# (N = 16384, items by column), 1.18 / 1.07 (K = 16384, N = 4096); float32 on the Mosaic kernel 0.95-0.97
-# / 1.02 (N = 4096, K = 4096 or 16384), 0.85 / 1.02 (N = 16384); Triton's float32 kernel 2.6 / 1.02-1.06.
-# At d = 0.25 the kernels win everywhere (0.52-0.67 / 1.02-1.05). 0.4 itself was not measured.
-DW_DENSE_ABOVE_DENSITY = {64: 0.4}
-# ... from this many rows for 16-bit inputs: the route writes a K x N product whatever M is. 64 x 64
-# blocks at d = 0.5, dW over the dense xᵀdY, route / best per-block kernel (`gpu_product_routes.py --variants`,
-# H100, K or N = 4096; benchmarks/results/gpu_dw_kernels_2026-11-24_h100.md): M = 1024: 1.52-1.56 / 1.10-1.14;
-# 2048: 1.24-1.29 / 1.13-1.19; 4096: 1.13-1.15 / 1.07-1.13; 8192: 1.04-1.08 / 1.02-1.17 (route faster for
-# K = 4 N: 1.07 / 1.17, N = 4 K: 1.07 / 1.10). At M = 256-768 the route ran 1.38-1.68x the dense backward.
-# (These were measured with a float32 K x N product; since 2026-11-25 a 16-bit route writes its product in
-# 16 bits (`dense_product_dtype`), half the bytes, so the route should lose by less at small M. Not yet
-# re-measured: `gpu_product_routes.py --m 256,1024,2048 --variants` is the run that would move this rule.)
-DW_DENSE_ABOVE_DENSITY_MIN_M = 8192
-
-# Forward and dX on long contractions (K for the forward, N for dX; both are the same "dense x sparse"
-# kernel): the per-block kernels read a row slab of x / dY as long as the contraction once per kept
-# block of an output block column; where that is long, float32 slabs fall out of L2 and the kernels lose
-# to the dense route. M = 8192, d = 0.25, blocks of 32, float32: dX (N = 16384) 1.18-1.26 / 0.96, forward
-# (K = 16384) 1.28 / 0.98; 64 x 64 float32 at d = 0.5: dX 1.48 / 0.99 (d = 0.25: 0.79 / 0.96). 16-bit
-# inputs keep the kernels (blocks of 32 at d = 0.25: dX 0.92 / 1.05, forward 0.94 / 0.98; 64 x 64 at
-# d = 0.5: dX 1.00 / 1.07), and so does a contraction of 4096-8192 (float32 blocks of 32: 0.81-0.99 /
-# 0.97-1.06). {min block dim: (min density, min itemsize)}, from LONG_CONTRACTION_MIN.
-LONG_CONTRACTION_MIN = 16384
-LONG_CONTRACTION_DENSE_ABOVE = {32: (0.1, 4), 64: (0.4, 4)}
-
-# Small blocks whose per-block products are slower than the whole dense product above this density
-# (H100, M = 8192, K = N = 4096; benchmarks/results/gpu_block_sparse_2026-11-23_h100.md): 32 x 32
-# blocks took 0.95 / 0.92 of dense at d = 0.25 and 1.52 / 1.42 at d = 0.5 (bf16 / f32, fwd+bwd).
-# Those patterns run as dense products (the weight built first by `dense_weight`: one K x N gather pass).
-DENSE_ABOVE_DENSITY = {32: 0.3}
 
 
 def _density(shape, block_shape, nnz_blocks: int) -> float:
@@ -469,17 +584,19 @@ def _density(shape, block_shape, nnz_blocks: int) -> float:
   return nnz_blocks / ((k // bk) * (n // bn))
 
 
-def use_dense(m: int, shape, block_shape, nnz_blocks: int) -> bool:
+def use_dense(m: int, shape, block_shape, nnz_blocks: int, rules: DispatchRules) -> bool:
   """Whether all three products run dense (small blocks, dense patterns, large M)."""
-  above = DENSE_ABOVE_DENSITY.get(min(block_shape))
-  return m >= DENSE_ROUTE_MIN_M and above is not None and _density(shape, block_shape, nnz_blocks) > above
+  above = rules.dense_above_density.get(min(block_shape))
+  return m >= rules.dense_route_min_m and above is not None and _density(shape, block_shape, nnz_blocks) > above
 
 
-def use_dense_long_contraction(m: int, contraction: int, shape, block_shape, nnz_blocks: int, dtype) -> bool:
+def use_dense_long_contraction(
+    m: int, contraction: int, shape, block_shape, nnz_blocks: int, dtype, rules: DispatchRules
+) -> bool:
   """Whether a product contracting over ``contraction`` (K for the forward, N for ``dx``) runs on the
-  weight built dense (see LONG_CONTRACTION_DENSE_ABOVE)."""
-  rule = LONG_CONTRACTION_DENSE_ABOVE.get(min(block_shape))
-  if rule is None or m < DENSE_ROUTE_MIN_M or contraction < LONG_CONTRACTION_MIN:
+  weight built dense (see ``DispatchRules.long_contraction_dense_above``)."""
+  rule = rules.long_contraction_dense_above.get(min(block_shape))
+  if rule is None or m < rules.dense_route_min_m or contraction < rules.long_contraction_min:
     return False
   min_density, min_itemsize = rule
   return jnp.dtype(dtype).itemsize >= min_itemsize and _density(shape, block_shape, nnz_blocks) >= min_density
@@ -519,16 +636,16 @@ def dw_dense_then_gather(x2, dy2, w, *, precision):
   return full.reshape(kb, bk, nb, bn)[w.row_indices, :, w.col_indices, :].astype(w.dtype)
 
 
-def use_dense_dw(m: int, shape, block_shape, nnz_blocks: int, mosaic_dw_cfg, dtype) -> bool:
+def use_dense_dw(m: int, shape, block_shape, nnz_blocks: int, mosaic_dw_cfg, dtype, rules: DispatchRules) -> bool:
   """Whether ``dw`` is the dense product plus a gather (small blocks, or 64-blocks at high density
   unless the Mosaic float32 kernel runs them)."""
-  if m < DW_DENSE_MIN_M:
+  if m < rules.dw_dense_min_m:
     return False
   density, small = _density(shape, block_shape, nnz_blocks), min(block_shape)
-  if small < DW_DENSE_BELOW_BLOCK and mosaic_dw_cfg is None:
-    return density >= DW_DENSE_MIN_DENSITY
+  if small < rules.dw_dense_below_block and mosaic_dw_cfg is None:
+    return density >= rules.dw_dense_min_density
   if mosaic_dw_cfg is not None and jnp.dtype(dtype).itemsize == 4:
     return False
-  above = DW_DENSE_ABOVE_DENSITY.get(small)
+  above = rules.dw_dense_above_density.get(small)
   wide = jnp.dtype(dtype).itemsize == 4  # float32 off the Mosaic kernel: Triton's SDD, 2.6x dense at M = 8192
-  return above is not None and density >= above and (wide or m >= DW_DENSE_ABOVE_DENSITY_MIN_M)
+  return above is not None and density >= above and (wide or m >= rules.dw_dense_above_density_min_m)
