@@ -7,9 +7,9 @@ Run on a CUDA GPU (the device tool's H100), from the repository root:
 
 Cases, bf16, ``y = x @ W``, ``x`` ``(M, 4096)``:
 
-* block-sparse ``W`` ``(4096, 4096)``, blocks 64 and 128, density 0.25, M = 16 (``--bs-rows``, ``--bs-blocks``,
-  ``--bs-densities``): tile variants of the Triton forward (``KernelConfig.split``, ``sub_cols``, warps, stages)
-  and the default.
+* block-sparse ``W`` ``(4096, 4096)``, blocks 64 and 128, density 0.25, M = 16 (``--bs-rows``, ``--bs-blocks``
+  (also 32), ``--bs-densities``): the default and, with ``--sweep``, tile variants of the Triton forward
+  (``KernelConfig.split``, ``sub_cols``, warps, stages).
 * 2:4 ``W`` ``(4096, N)`` along ``K``, N in {4096, 16384}, M in {16, 8, 1}: the Pallas N:M kernel
   (default; ``--sweep``: its tilings, ``NMMatmulConfig``), the CUDA kernel on the sparse tensor cores
   (``jaxsparse/_cuda/nm24_decode.cu``: default; ``--sweep``: its work splits, ``Nm24DecodeConfig``),
@@ -126,6 +126,22 @@ BS_VARIANTS = {
     ]
     for b in (128, 64)
 }
+# Blocks of 32 (2 KB a step; default: split 8, 4 warps, 3 stages): more or fewer programs, fewer warps for the
+# 16 x 32 output tile, deeper pipelines, and 16-column programs.
+BS_VARIANTS[32] = [
+    ("split 4", dict(split=4)),
+    ("split 16", dict(split=16)),
+    ("split 8 w2", dict(split=8, num_warps=2)),
+    ("split 8 w1", dict(split=8, num_warps=1)),
+    ("split 16 w2", dict(split=16, num_warps=2)),
+    ("split 16 w1", dict(split=16, num_warps=1)),
+    ("split 4 w2", dict(split=4, num_warps=2)),
+    ("split 8 st5", dict(split=8, num_stages=5)),
+    ("split 8 w2 st5", dict(split=8, num_warps=2, num_stages=5)),
+    ("split 8 mem", dict(split=8, index_window=False)),
+    ("sub 16 split 4", dict(sub_cols=16, split=4)),
+    ("sub 16 split 8 w2", dict(sub_cols=16, split=8, num_warps=2)),
+]
 
 
 def _variant_row(name, cfg, f, x, w0, ws, ref, dense_us, nbytes, iterations, rows: list[str]) -> None:
