@@ -341,28 +341,39 @@ def test_mosaic_tile_schedule_visits_every_tile_once(num_m, num_c, group_m):
     assert tiles[:2] == [(0, 0), (1, 0)]
 
 
+@pytest.mark.parametrize("group", [1, 2, 4])
 @pytest.mark.parametrize("transpose", [False, True])
 @pytest.mark.parametrize("pattern", ["random", "single", "dense"])
-def test_mosaic_step_lists_rebuild_the_product(pattern, transpose):
-  # The kernel's schedule, replayed in NumPy: for every output tile, sum its steps' block products.
+def test_mosaic_step_lists_rebuild_the_product(pattern, transpose, group):
+  # The kernel's schedule, replayed in NumPy: for every output tile (of `group` output block columns), sum its
+  # steps' block products where the column keeps the block. 3 x 5 blocks: the last column group is partial.
   x, dy, w = _problem(48, 96, 160, (32, 32), pattern, jnp.float32, seed=4)
   a = np.asarray(dy if transpose else x, np.float64)
   data = np.asarray(w.data, np.float64)
-  offsets, blocks, a_blocks = (np.asarray(v) for v in mosaic.steps_of(w, transpose=transpose))
+  offsets, blocks, a_blocks = (np.asarray(v) for v in mosaic.steps_of(w, transpose=transpose, group=group))
   (bk, bn), (kb, nb) = w.block_shape, w.grid_shape
-  ob, cb, num_c = (bk, bn, kb) if transpose else (bn, bk, nb)
+  ob, cb, num_out = (bk, bn, kb) if transpose else (bn, bk, nb)
+  num_c = -(-num_out // group)
+  assert blocks.shape[1] == group and len(offsets) == num_c + 1
+  if group == 1:
+    assert offsets[-1] == w.nnz_blocks and np.all(blocks >= 0)  # exactly the kept blocks
   tm = 16
   num_m = a.shape[0] // tm
-  out = np.full((a.shape[0], num_c * ob), np.nan)
+  out = np.full((a.shape[0], num_c * group * ob), np.nan)
+  products = 0
   for t in range(num_m * num_c):
     mi, c = (int(v) for v in mosaic.tile_of(t, num_m, num_c, 2))
-    acc = np.zeros((tm, ob))
+    acc = np.zeros((tm, group, ob))
     for s in range(offsets[c], offsets[c + 1]):
-      blk = data[blocks[s]].T if transpose else data[blocks[s]]
-      acc += a[mi * tm : (mi + 1) * tm, a_blocks[s] * cb : (a_blocks[s] + 1) * cb] @ blk
-    out[mi * tm : (mi + 1) * tm, c * ob : (c + 1) * ob] = acc
+      assert np.any(blocks[s] >= 0)  # a step only where some column of the group keeps a block
+      for j in np.flatnonzero(blocks[s] >= 0):
+        blk = data[blocks[s, j]].T if transpose else data[blocks[s, j]]
+        acc[:, j] += a[mi * tm : (mi + 1) * tm, a_blocks[s] * cb : (a_blocks[s] + 1) * cb] @ blk
+        products += 1
+    out[mi * tm : (mi + 1) * tm, c * group * ob : (c + 1) * group * ob] = acc.reshape(tm, -1)
+  assert products == num_m * w.nnz_blocks  # every kept block once per row tile
   wd = np.asarray(w.to_dense(), np.float64)
-  np.testing.assert_allclose(out, a @ (wd.T if transpose else wd), rtol=1e-10, atol=1e-10)
+  np.testing.assert_allclose(out[:, : num_out * ob], a @ (wd.T if transpose else wd), rtol=1e-10, atol=1e-10)
 
 
 def _mosaic_config(**kw) -> BlockSparseMatmulConfig:
@@ -405,6 +416,29 @@ def test_mosaic_interpret_default_config_of_32_blocks(monkeypatch):
   _assert_close(y, y_ref, jnp.bfloat16, "y")
 
 
+@pytest.mark.parametrize(("block", "group", "dtype", "out_dtype"), [
+    (32, 4, jnp.bfloat16, jnp.float32), (32, 8, jnp.float16, None), (64, 2, jnp.bfloat16, None),
+])
+def test_mosaic_interpret_grouped_columns(block, group, dtype, out_dtype):
+  # Tiles of `group` output block columns: 320 columns = 10 blocks of 32 / 5 of 64, so the last group is
+  # partial; the random pattern leaves some columns (and column groups' rows) empty; M = 200 is padded.
+  x, dy, w = _problem(200, 128, 320, (block, block), "random", dtype, seed=block + group)
+  cfg = mosaic.MosaicKernelConfig(tile_m=128, tile_k=block, num_stages=2, group_m=2, num_ctas=2, group_cols=group)
+  y = mosaic.dense_sparse_matmul(x, w, out_dtype=out_dtype, config=cfg, interpret=True)
+  y_ref, _, _ = _dense_reference(x, dy, w)
+  assert y.dtype == (out_dtype or dtype)
+  _assert_close(y, y_ref, dtype, "y", 1e-5 if out_dtype == jnp.float32 else None)
+
+
+@needs_transposed_wgmma_interpreter
+def test_mosaic_interpret_grouped_columns_dx():
+  x, dy, w = _problem(200, 320, 128, (32, 32), "random", jnp.bfloat16, seed=21)
+  cfg = mosaic.MosaicKernelConfig(tile_m=128, tile_k=32, num_stages=2, num_ctas=0, group_cols=4)
+  dx = mosaic.dense_sparse_matmul(dy, w, transpose=True, config=cfg, interpret=True)
+  _, dx_ref, _ = _dense_reference(x, dy, w)
+  _assert_close(dx, dx_ref, jnp.bfloat16, "dX")
+
+
 @needs_transposed_wgmma_interpreter
 def test_mosaic_interpret_dx_through_dispatch(monkeypatch):
   x, dy, w = _problem(200, 128, 192, (64, 32), "random", jnp.bfloat16, seed=8)
@@ -418,6 +452,12 @@ def test_mosaic_interpret_dx_through_dispatch(monkeypatch):
 
 def test_mosaic_support_and_config_errors():
   x, _, w = _problem(16, 128, 128, (64, 64), "random", jnp.bfloat16)
+  with pytest.raises(ValueError, match="group_cols must be 1, 2, 4 or 8, got group_cols=3"):
+    mosaic.MosaicKernelConfig(group_cols=3)
+  # 128 rows a warpgroup x 4 columns of 64: 32768 float32 accumulators, twice what fits the registers.
+  wide = mosaic.MosaicKernelConfig(tile_m=256, group_cols=4, num_stages=2)
+  assert "32768 float32 accumulator elements" in mosaic.unsupported_reason(x, w, None, wide)
+  assert mosaic.supports(x, w, None, dataclasses.replace(wide, group_cols=2, tile_m=128))
   assert mosaic.supports(x, w) and mosaic.supports(x, w, jnp.float32)
   assert "one dtype" in mosaic.unsupported_reason(x.astype(jnp.float32), w)
   w32 = w.with_data(w.data.astype(jnp.float32))
@@ -711,6 +751,33 @@ def test_gpu_mosaic_matches_dense(m, k, n, block_shape, pattern, dtype, out_dtyp
   assert y.dtype == (out_dtype or dtype) and dx.dtype == (out_dtype or dtype)
   y_ref, dx_ref, _ = _dense_reference(x, dy, w)
   rtol = 1e-5 if out_dtype == jnp.float32 else RTOL[dtype]
+  _assert_close(y, y_ref, dtype, "y", rtol)
+  _assert_close(dx, dx_ref, dtype, "dX", rtol)
+
+
+# Grouped-column tiles (MosaicKernelConfig.group_cols) on the GPU: forward and dX, 16-bit and float32 (TF32),
+# partial last groups (10 / 5 / 6 output block columns), empty columns, M not a multiple of the tile.
+MOSAIC_GROUPED_CASES = [
+    (1024, 512, 320, (32, 32), 8, jnp.bfloat16),
+    (300, 320, 320, (32, 32), 4, jnp.float16),
+    (1024, 384, 320, (64, 64), 2, jnp.bfloat16),
+    (300, 256, 384, (64, 64), 4, jnp.bfloat16),
+    (512, 320, 320, (32, 32), 4, jnp.float32),
+]
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize(("m", "k", "n", "block_shape", "group", "dtype"), MOSAIC_GROUPED_CASES)
+def test_gpu_mosaic_grouped_columns_match_dense(m, k, n, block_shape, group, dtype):
+  x, dy, w = _problem(m, k, n, block_shape, "random", dtype, seed=m + group)
+  tile_m = 128 if group * block_shape[1] > 128 or m <= 300 else 256
+  tile_k = 32 if dtype == jnp.float32 else block_shape[0]  # 16-bit forward B tiles: 32 x 32 or 64 x 64
+  cfg = mosaic.MosaicKernelConfig(tile_m=tile_m, tile_k=tile_k, num_stages=3, group_cols=group)
+  y = jax.jit(lambda a, w: mosaic.dense_sparse_matmul(a, w, config=cfg))(x, w)
+  dx = jax.jit(lambda a, w: mosaic.dense_sparse_matmul(a, w, transpose=True, config=cfg))(dy, w)
+  y_ref, dx_ref, _ = _dense_reference(x, dy, w)
+  rtol = RTOL_TF32 if dtype == jnp.float32 else RTOL[dtype]
   _assert_close(y, y_ref, dtype, "y", rtol)
   _assert_close(dx, dx_ref, dtype, "dX", rtol)
 

@@ -69,6 +69,7 @@ _NUM_COMPUTE_WGS = 2
 # whose float32 accumulators take up to 128 per thread (a 128 x 128 tile).
 _MEMORY_REGISTERS = 40
 _COMPUTE_REGISTERS = 232
+_MAX_ACC_ELEMENTS = 128 * 128
 _SMEM_BYTES = 227 * 1024
 _DEFAULT_NUM_SMS = 132
 
@@ -87,6 +88,12 @@ class MosaicKernelConfig:
     num_ctas: thread blocks of the persistent grid; ``None`` means one per streaming multiprocessor,
       ``0`` one per output tile (a plain grid, scheduled by the hardware).
     epi_n: output columns stored per epilogue step (a divisor of the output block width).
+    group_cols: output block columns per output tile. With ``group_cols = G > 1`` a tile covers ``G``
+      neighbouring output block columns, walks the union of their kept blocks' ``a`` blocks, loads
+      each ``a`` tile once for all ``G`` columns and runs the MMA of each column only where that
+      column keeps the block (``G`` float32 accumulators): fewer ``a`` reads from L2 for small blocks,
+      the limit of blocks of 32 and 64 (see the module docstring). Not chosen by the default configs
+      (not yet measured on a GPU: ``benchmarks/gpu_block_sparse.py --group-cols-sweep``).
   """
 
   tile_m: int = 256
@@ -95,6 +102,7 @@ class MosaicKernelConfig:
   group_m: int = 4
   num_ctas: int | None = None
   epi_n: int = 64
+  group_cols: int = 1
 
   def __post_init__(self):
     if self.tile_m not in (128, 256):
@@ -108,11 +116,17 @@ class MosaicKernelConfig:
         raise ValueError(f"{name} must be >= 1, got {name}={getattr(self, name)}.")
     if self.num_ctas is not None and self.num_ctas < 0:
       raise ValueError(f"num_ctas must be None, 0 or positive, got num_ctas={self.num_ctas}.")
+    if self.group_cols not in (1, 2, 4, 8):
+      raise ValueError(f"group_cols must be 1, 2, 4 or 8, got group_cols={self.group_cols}.")
 
   def smem_bytes(self, ob: int, itemsize: int, out_itemsize: int) -> int:
     """Shared memory the kernel allocates for output blocks ``ob`` wide."""
-    ring = self.num_stages * (self.tile_m * self.tile_k + self.tile_k * ob) * itemsize
+    ring = self.num_stages * (self.tile_m * self.tile_k + self.group_cols * self.tile_k * ob) * itemsize
     return ring + self.tile_m * min(self.epi_n, ob) * out_itemsize
+
+  def acc_elements(self, ob: int) -> int:
+    """Float32 accumulator elements per compute warpgroup for output blocks ``ob`` wide."""
+    return self.tile_m // _NUM_COMPUTE_WGS * self.group_cols * ob
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,17 +190,36 @@ def tile_of(tile, num_m: int, num_c: int, group_m: int):
   return first_m + r % size, r // size
 
 
-def steps_of(w: BlockSparseMatrix, *, transpose: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Per-output-column step lists of ``x @ W`` (``transpose=False``) or ``dY @ Wᵀ`` (``True``).
+def steps_of(w: BlockSparseMatrix, *, transpose: bool, group: int = 1) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Per-tile-column step lists of ``x @ W`` (``transpose=False``) or ``dY @ Wᵀ`` (``True``).
+
+  Tile column ``c`` covers the ``group`` output block columns ``c * group + j`` (block columns of ``W``,
+  block rows for ``dY @ Wᵀ``), ``0 <= j < group``.
 
   Returns:
-    ``(offsets, blocks, a_blocks)``: output column ``c`` sums steps ``offsets[c]:offsets[c + 1]``;
-    step ``t`` multiplies block ``a_blocks[t]`` (a block column of ``x`` or of ``dY``) of the dense
-    operand with ``data[blocks[t]]`` (transposed for ``dY @ Wᵀ``).
+    ``(offsets, blocks, a_blocks)``: tile column ``c`` sums steps ``offsets[c]:offsets[c + 1]``; step
+    ``t`` multiplies block ``a_blocks[t]`` (a block column of ``x`` or of ``dY``) of the dense operand
+    with ``data[blocks[t, j]]`` (transposed for ``dY @ Wᵀ``) into output block column ``c * group + j``
+    wherever ``blocks[t, j] >= 0`` (``-1``: that column keeps no block there). ``blocks`` is
+    ``(steps, group)``; with ``group = 1`` the steps are exactly the kept blocks, else the union of
+    the kept blocks' ``a`` blocks over the group's columns (padded to a static length).
   """
-  if transpose:
-    return w.row_offsets, jnp.arange(w.nnz_blocks, dtype=jnp.int32), w.col_indices
-  return w.col_offsets, w.transpose_order, w.row_indices[w.transpose_order]
+  if group == 1:
+    if transpose:
+      return w.row_offsets, jnp.arange(w.nnz_blocks, dtype=jnp.int32)[:, None], w.col_indices
+    return w.col_offsets, w.transpose_order[:, None], w.row_indices[w.transpose_order]
+  kb, nb = w.grid_shape
+  num_out, num_a = (kb, nb) if transpose else (nb, kb)
+  num_tc = -(-num_out // group)
+  where = jnp.arange(w.nnz_blocks, dtype=jnp.int32)
+  slot = jnp.full((kb, nb), -1, jnp.int32).at[w.row_indices, w.col_indices].set(where)
+  by_out = jnp.pad(slot if transpose else slot.T, ((0, num_tc * group - num_out), (0, 0)), constant_values=-1)
+  grouped = by_out.reshape(num_tc, group, num_a).transpose(0, 2, 1).reshape(num_tc * num_a, group)
+  present = jnp.any(grouped >= 0, axis=1)
+  counts = jnp.sum(present.reshape(num_tc, num_a), axis=1, dtype=jnp.int32)
+  offsets = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(counts, dtype=jnp.int32)])
+  (steps,) = jnp.nonzero(present, size=num_tc * num_a, fill_value=0)
+  return offsets, grouped[steps], (steps % num_a).astype(jnp.int32)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -222,6 +255,11 @@ def unsupported_reason(a: jax.Array, w: BlockSparseMatrix, out_dtype=None, confi
       return f"{config}: 16-bit blocks {w.block_shape} need B tiles of tile_k x {ob} with both 32 or neither"
     if config.smem_bytes(ob, a.dtype.itemsize, out_dtype.itemsize) > _SMEM_BYTES:
       return f"{config} needs more than {_SMEM_BYTES} bytes of shared memory"
+    if config.acc_elements(ob) > _MAX_ACC_ELEMENTS:
+      return (
+          f"{config}: (tile_m / 2) x group_cols x {ob} = {config.acc_elements(ob)} float32 accumulator elements per"
+          f" warpgroup, more than {_MAX_ACC_ELEMENTS} (128 registers a thread)"
+      )
   return None
 
 
@@ -295,16 +333,19 @@ def _kernel(
     b_k_major: bool,
     num_m: int,
     num_c: int,
+    num_out: int,
     num_ctas: int,
 ):
   """One thread block: warpgroups 0 and 1 compute, warpgroup 2 streams the operands.
 
   ``data_ref`` holds ``(nnz, ob, cb)`` blocks with ``b_k_major`` (``dX``: ``data``; the float32
-  forward: ``data`` transposed), else ``(nnz, cb, ob)`` (the 16-bit forward: ``data``).
+  forward: ``data`` transposed), else ``(nnz, cb, ob)`` (the 16-bit forward: ``data``). ``num_c`` tile
+  columns of ``cfg.group_cols`` output block columns each cover the ``num_out`` output block columns
+  (the last tile column may cover fewer).
   """
   _, d1, d2 = data_ref.shape
   ob, cb = (d1, d2) if b_k_major else (d2, d1)
-  tm, tk, stages = cfg.tile_m, cfg.tile_k, cfg.num_stages
+  tm, tk, stages, group = cfg.tile_m, cfg.tile_k, cfg.num_stages, cfg.group_cols
   half = tm // _NUM_COMPUTE_WGS
   ksub = cb // tk
   epi_n = min(cfg.epi_n, ob)
@@ -319,14 +360,27 @@ def _kernel(
     mi, c = tile_of(cta + i * num_ctas, num_m, num_c, cfg.group_m)
     return mi, c, offsets_ref[c], offsets_ref[c + 1]
 
+  def step_blocks(t):
+    # The data index of each column's block at step t (-1: none; only where group > 1).
+    return [t] if transpose and group == 1 else [blocks_ref[t, j] for j in range(group)]
+
+  def when_kept(b, body):
+    # Runs body() where the column keeps its block; unconditionally for one column (always kept).
+    if group == 1:
+      body()
+    else:
+      pl.when(b >= 0)(body)
+
   b_shape = (ob, tk) if b_k_major else (tk, ob)
 
   @functools.partial(
       pl.run_scoped,
       a_smem=plgpu.SMEM((stages, tm, tk), dtype, transforms=_smem_transforms(tk, dtype)),
-      b_smem=plgpu.SMEM((stages, *b_shape), dtype, transforms=_smem_transforms(b_shape[1], dtype)),
+      b_smem=plgpu.SMEM((stages, group, *b_shape), dtype, transforms=_smem_transforms(b_shape[1], dtype)),
       o_smem=plgpu.SMEM((_NUM_COMPUTE_WGS, half, epi_n), out_dtype, transforms=_smem_transforms(epi_n, out_dtype)),
-      ready=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      # One arrival per copy: the a tile and each column's B tile (a column without a block arrives
+      # without a copy).
+      ready=plgpu.Barrier(num_arrivals=1 + group, num_barriers=stages),
       consumed=plgpu.Barrier(num_arrivals=_NUM_COMPUTE_WGS, num_barriers=stages),
       collective_axes="wg",
   )
@@ -339,7 +393,7 @@ def _kernel(
         mi, _, start, end = tile(i)
 
         def step(t, g):
-          b = t if transpose else blocks_ref[t]
+          bs = step_blocks(t)
           a0 = a_blocks_ref[t] * cb
           for kk in range(ksub):
             slot = lax.rem(g, stages)
@@ -351,11 +405,22 @@ def _kernel(
             plgpu.copy_gmem_to_smem(
                 a_ref.at[pl.ds(mi * tm, tm), pl.ds(a0 + kk * tk, tk)], a_smem.at[slot], ready.at[slot]
             )
-            if b_k_major:
-              b_src = data_ref.at[b, :, pl.ds(kk * tk, tk)]
-            else:
-              b_src = data_ref.at[b, pl.ds(kk * tk, tk), :]
-            plgpu.copy_gmem_to_smem(b_src, b_smem.at[slot], ready.at[slot])
+            for j, b in enumerate(bs):
+
+              def copy_b(b=b, j=j, kk=kk, slot=slot):
+                if b_k_major:
+                  b_src = data_ref.at[b, :, pl.ds(kk * tk, tk)]
+                else:
+                  b_src = data_ref.at[b, pl.ds(kk * tk, tk), :]
+                plgpu.copy_gmem_to_smem(b_src, b_smem.at[slot, j], ready.at[slot])
+
+              when_kept(b, copy_b)
+              if group > 1:
+
+                @pl.when(b < 0)
+                def _(slot=slot):
+                  plgpu.barrier_arrive(ready.at[slot])
+
             g = g + 1
           return g
 
@@ -376,28 +441,43 @@ def _kernel(
       def tile_body(i, g):
         mi, c, start, end = tile(i)
 
-        def acc_scope(acc_ref):
+        def acc_scope(*acc_refs):
           def step(t, g):
+            bs = step_blocks(t)
             for _ in range(ksub):
               slot = lax.rem(g, stages)
               plgpu.barrier_wait(ready.at[slot])
-              b = b_smem.at[slot]
-              plgpu.wgmma(acc_ref, a_smem.at[slot, rows], _transposed(b) if b_k_major else b)
+              for j, (b, acc_ref) in enumerate(zip(bs, acc_refs, strict=True)):
+                b_tile = b_smem.at[slot, j]
+
+                def mma(acc_ref=acc_ref, b_tile=b_tile, slot=slot):
+                  plgpu.wgmma(acc_ref, a_smem.at[slot, rows], _transposed(b_tile) if b_k_major else b_tile)
+
+                when_kept(b, mma)
               plgpu.wgmma_wait(0)
               plgpu.barrier_arrive(consumed.at[slot])
               g = g + 1
             return g
 
           g_end = lax.fori_loop(start, end, step, g)
-          return g_end, acc_ref[...]
+          return g_end, [acc_ref[...] for acc_ref in acc_refs]
 
-        g_end, acc = pl.run_scoped(acc_scope, plgpu.ACC((half, ob), jnp.float32))
+        g_end, accs = pl.run_scoped(acc_scope, *[plgpu.ACC((half, ob), jnp.float32) for _ in range(group)])
         out_rows = pl.ds(mi * tm + wg * half, half)
-        for e in range(ob // epi_n):
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-          o_smem[wg] = acc[:, e * epi_n : (e + 1) * epi_n].astype(out_dtype)
-          plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(o_smem.at[wg], out_ref.at[out_rows, pl.ds(c * ob + e * epi_n, epi_n)])
+        for j, acc in enumerate(accs):
+          col = c * group + j
+
+          def store(acc=acc, col=col):
+            for e in range(ob // epi_n):
+              plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+              o_smem[wg] = acc[:, e * epi_n : (e + 1) * epi_n].astype(out_dtype)
+              plgpu.commit_smem()
+              plgpu.copy_smem_to_gmem(o_smem.at[wg], out_ref.at[out_rows, pl.ds(col * ob + e * epi_n, epi_n)])
+
+          if num_out % group and j >= num_out % group:
+            pl.when(col < num_out)(store)  # the last tile column covers fewer output block columns
+          else:
+            store()
         return g_end
 
       lax.fori_loop(0, my_tiles, tile_body, jnp.int32(0))
@@ -434,21 +514,29 @@ def dense_sparse_matmul(
     raise ValueError(f"The Mosaic GPU block-sparse kernel does not support these operands: {reason}.")
   m = a.shape[0]
   (bk, bn), (kb, nb) = w.block_shape, w.grid_shape
-  ob, num_c = (bk, kb) if transpose else (bn, nb)
-  out_cols = num_c * ob
+  ob, num_out = (bk, kb) if transpose else (bn, nb)
+  out_cols = num_out * ob
   if w.nnz_blocks == 0:
     return jnp.zeros((m, out_cols), out_dtype)
   pad = -m % config.tile_m
   ap = jnp.pad(a, ((0, pad), (0, 0))) if pad else a
   num_m = ap.shape[0] // config.tile_m
+  num_c = -(-num_out // config.group_cols)
   num_tiles = num_m * num_c
   num_ctas = config.num_ctas
   num_ctas = num_tiles if num_ctas == 0 else min(num_tiles, num_ctas or _num_sms())
-  offsets, blocks, a_blocks = steps_of(w, transpose=transpose)
+  offsets, blocks, a_blocks = steps_of(w, transpose=transpose, group=config.group_cols)
   b_k_major = transpose or a.dtype.itemsize == 4
   data = w.data if transpose or not b_k_major else jnp.swapaxes(w.data, 1, 2)
   kernel = functools.partial(
-      _kernel, cfg=config, transpose=transpose, b_k_major=b_k_major, num_m=num_m, num_c=num_c, num_ctas=num_ctas
+      _kernel,
+      cfg=config,
+      transpose=transpose,
+      b_k_major=b_k_major,
+      num_m=num_m,
+      num_c=num_c,
+      num_out=num_out,
+      num_ctas=num_ctas,
   )
   params = {"interpret": _interpret_params()} if interpret else {}
   out = plgpu.kernel(
