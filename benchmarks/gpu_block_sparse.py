@@ -11,6 +11,8 @@ Run on a CUDA GPU (``benchmarks/run_gpu.sh`` runs it on the device machine):
 * ``--torch`` adds ``torch.sparse._triton_ops.bsr_dense_mm`` (forward only) against ``torch.mm``.
 * ``--mosaic-sweep`` times Mosaic GPU (Hopper) forward / dX variants against the Triton kernels at
   M=8192, density 0.25, blocks 64 and 128, and the Mosaic forward at decode (M=16).
+* ``--group-cols-sweep`` times the Mosaic kernel's grouped-column tiles (``group_cols`` 1-8) for blocks 32
+  and 64 at M=8192, densities 0.25 and 0.5, forward and dX, against the default route and dense.
 
 On Hopper the default configs run the forward and dX of blocks 64 / 128 at M >= 1024 on the Mosaic GPU
 kernel; the table's "Triton-only" column times the same products with the Triton kernels.
@@ -290,6 +292,71 @@ def mosaic_sweep(iterations: int, blocks=(128, 64), shapes=((4096, 4096), (4096,
     t_tri = time_ms(lambda x, w: kernels.forward(x, w), x, w, iterations=iterations)
     t_mos = time_ms(lambda x, w: mosaic.dense_sparse_matmul(x, w), x, w, iterations=iterations)
     note(f"decode {M_DECODE}x{SWEEP_SHAPE} b={b}: triton fwd {t_tri:.4f} ms, mosaic fwd {t_mos:.4f} ms")
+  return lines
+
+
+def group_cols_sweep(iterations: int, dtype, shapes=(SWEEP_SHAPE,), blocks=(32, 64), densities=(0.25, 0.5)):
+  """Grouped-column tiles of the Mosaic kernel (``MosaicKernelConfig.group_cols``) at M=8192.
+
+  Per block size, density and product (forward, dX): the default route's time and the Mosaic kernel's with
+  ``group_cols`` 1, 2, 4, 8 (the largest row tile whose accumulators fit), as ratios to the dense product of
+  the same run. The timed call includes building the step lists (``steps_of``), as a layer's call would.
+  """
+  lines, table_rows = [], []
+
+  def note(line):
+    lines.append(line)
+    log(line)
+
+  m = M_TRAIN
+  for shape in shapes:
+    x, dy, _, _ = problem(m, *shape, 32, 1.0, dtype=dtype)
+    wd = jax.random.normal(jax.random.key(1), shape, jnp.float32).astype(dtype)
+    t_dense = {
+        "fwd": time_ms(lambda x, wd: jnp.dot(x, wd), x, wd, iterations=iterations),
+        "dx": time_ms(lambda dy, wd: jnp.dot(dy, wd.T), dy, wd, iterations=iterations),
+    }
+    note(f"{dtype.name} {m}x{shape}: dense fwd {t_dense['fwd']:.4f} ms, dx {t_dense['dx']:.4f} ms")
+    for b, d in itertools.product(blocks, densities):
+      x, dy, w, _ = problem(m, *shape, b, d, seed=b, dtype=dtype)
+      hi = jax.lax.Precision.HIGHEST
+      wf = w.to_dense().astype(jnp.float32)
+      refs = {
+          "fwd": (x, jnp.dot(x.astype(jnp.float32), wf, precision=hi)),
+          "dx": (dy, jnp.dot(dy.astype(jnp.float32), wf.T, precision=hi)),
+      }
+      default = BlockSparseMatmulConfig.get_default(m, w.shape, w.block_shape, w.nnz_blocks, w.dtype)
+      base = mosaic.MosaicBlockSparseMatmulConfig.get_default(m, w.block_shape, dtype)
+      for kind, (a, ref) in refs.items():
+        if kind == "fwd":
+          f_def = lambda x, w, c=default: kernels.forward(x, w, config=c)
+        else:
+          f_def = lambda dy, w, x=x, c=default: kernels.backward(x, dy, w, config=c, need_dw=False)[0]
+        t_def = time_ms(f_def, a, w, iterations=iterations)
+        cells = [f"{t_def / t_dense[kind]:.2f}"]
+        for group in (1, 2, 4, 8):
+          cfg = dataclasses.replace(base.forward if kind == "fwd" else base.dx, group_cols=group)
+          if cfg.acc_elements(b) > 128 * 128:
+            cfg = dataclasses.replace(cfg, tile_m=128)
+          f = lambda a, w, cfg=cfg, kind=kind: mosaic.dense_sparse_matmul(a, w, transpose=kind == "dx", config=cfg)
+          try:
+            err = rel_err(jax.jit(f)(a, w), ref)
+            t = time_ms(f, a, w, iterations=iterations)
+          except Exception as e:
+            note(f"{shape} b={b} d={d} {kind} group_cols={group}: FAILED {type(e).__name__}: {str(e)[:400]}")
+            cells.append("failed")
+            continue
+          ratio = t / t_dense[kind]
+          note(f"{shape} b={b} d={d} {kind} group_cols={group} {t:.4f} ms ({ratio:.2f}) err {err:.1e} {cfg}")
+          cells.append(f"{ratio:.2f}")
+        table_rows.append(f"| {shape[0]}x{shape[1]} | {b} | {d} | {kind} | " + " | ".join(cells) + " |")
+  header = [
+      f"group_cols sweep, M = {m}, {dtype.name}, time / dense time:",
+      "| K x N | block | d | product | default route | G=1 | G=2 | G=4 | G=8 |",
+      "|---|---|---|---|---|---|---|---|---|",
+  ]
+  for line in header + table_rows:
+    note(line)
   return lines
 
 
@@ -601,6 +668,8 @@ def main(argv=None):
   p.add_argument("--blocks", default=None, help="comma-separated block sizes of the table (default 32,64,128)")
   p.add_argument("--ns", default=None, help="comma-separated N of the table, K = 4096 (default 4096,16384)")
   p.add_argument("--f32-sweep", action="store_true", help="time float32 Mosaic (TF32) against Triton first")
+  p.add_argument("--group-cols-sweep", action="store_true",
+                 help="time the Mosaic kernel's grouped-column tiles (blocks 32 / 64, --dtype, --ns) first")
   p.add_argument("--dw-sweep", action="store_true", help="time Mosaic sampled xᵀdY variants against Triton first")
   p.add_argument("--decode-sweep", action="store_true", help="time decode (M <= 64) variants first")
   p.add_argument("--mid-sweep", default=None, help="comma-separated mid-size M: time row-tile variants first")
@@ -630,6 +699,9 @@ def main(argv=None):
     sweep_lines += mosaic_sweep(args.iterations)
   if args.f32_sweep:
     sweep_lines += f32_sweep(args.iterations)
+  if args.group_cols_sweep:
+    shapes = SHAPES if args.ns else (SWEEP_SHAPE,)
+    sweep_lines += group_cols_sweep(args.iterations, jnp.dtype(args.dtype), shapes=shapes)
   if args.dw_sweep:
     sweep_lines += dw_sweep(args.iterations, dtype=jnp.dtype(args.dtype))
   if args.decode_sweep:
