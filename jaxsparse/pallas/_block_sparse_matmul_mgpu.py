@@ -369,7 +369,9 @@ def _kernel(
 
   def step_blocks(t):
     # The data index of each column's block at step t (-1: none; only where group > 1).
-    return [t] if transpose and group == 1 else [blocks_ref[t, j] for j in range(group)]
+    if group == 1:
+      return [t if transpose else blocks_ref[t]]
+    return [blocks_ref[t, j] for j in range(group)]
 
   def when_kept(b, body):
     # Runs body() where the column keeps its block; unconditionally for one column (always kept).
@@ -383,7 +385,12 @@ def _kernel(
   @functools.partial(
       pl.run_scoped,
       a_smem=plgpu.SMEM((stages, tm, tk), dtype, transforms=_smem_transforms(tk, dtype)),
-      b_smem=plgpu.SMEM((stages, group, *b_shape), dtype, transforms=_smem_transforms(b_shape[1], dtype)),
+      # One B tile a slot (and column, where group > 1).
+      b_smem=plgpu.SMEM(
+          (stages, *b_shape) if group == 1 else (stages, group, *b_shape),
+          dtype,
+          transforms=_smem_transforms(b_shape[1], dtype),
+      ),
       o_smem=plgpu.SMEM((_NUM_COMPUTE_WGS, half, epi_n), out_dtype, transforms=_smem_transforms(epi_n, out_dtype)),
       # One arrival per copy: the a tile and each column's B tile (a column without a block arrives
       # without a copy).
@@ -392,6 +399,9 @@ def _kernel(
       collective_axes="wg",
   )
   def _scope(a_smem, b_smem, o_smem, ready, consumed):
+    def b_tile(slot, j):
+      return b_smem.at[slot] if group == 1 else b_smem.at[slot, j]
+
     @pl.when(wg == _NUM_COMPUTE_WGS)
     def _memory():
       plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
@@ -419,7 +429,7 @@ def _kernel(
                   b_src = data_ref.at[b, :, pl.ds(kk * tk, tk)]
                 else:
                   b_src = data_ref.at[b, pl.ds(kk * tk, tk), :]
-                plgpu.copy_gmem_to_smem(b_src, b_smem.at[slot, j], ready.at[slot])
+                plgpu.copy_gmem_to_smem(b_src, b_tile(slot, j), ready.at[slot])
 
               when_kept(b, copy_b)
               if group > 1:
@@ -450,15 +460,15 @@ def _kernel(
 
         def acc_scope(*acc_refs):
           def step(t, g):
-            bs = step_blocks(t)
+            bs = step_blocks(t) if group > 1 else [None]  # one column: always kept
             for _ in range(ksub):
               slot = lax.rem(g, stages)
               plgpu.barrier_wait(ready.at[slot])
               for j, (b, acc_ref) in enumerate(zip(bs, acc_refs, strict=True)):
-                b_tile = b_smem.at[slot, j]
 
-                def mma(acc_ref=acc_ref, b_tile=b_tile, slot=slot):
-                  plgpu.wgmma(acc_ref, a_smem.at[slot, rows], _transposed(b_tile) if b_k_major else b_tile)
+                def mma(acc_ref=acc_ref, j=j, slot=slot):
+                  b_ref = b_tile(slot, j)
+                  plgpu.wgmma(acc_ref, a_smem.at[slot, rows], _transposed(b_ref) if b_k_major else b_ref)
 
                 when_kept(b, mma)
               plgpu.wgmma_wait(0)
@@ -533,6 +543,8 @@ def dense_sparse_matmul(
   num_ctas = config.num_ctas
   num_ctas = num_tiles if num_ctas == 0 else min(num_tiles, num_ctas or _num_sms())
   offsets, blocks, a_blocks = steps_of(w, transpose=transpose, group=config.group_cols)
+  if config.group_cols == 1:
+    blocks = blocks[:, 0]
   b_k_major = transpose or a.dtype.itemsize == 4
   data = w.data if transpose or not b_k_major else jnp.swapaxes(w.data, 1, 2)
   kernel = functools.partial(
