@@ -335,10 +335,11 @@ def group_cols_sweep(iterations: int, dtype, shapes=(SWEEP_SHAPE,), blocks=(32, 
         t_def = time_ms(f_def, a, w, iterations=iterations)
         cells = [f"{t_def / t_dense[kind]:.2f}"]
         for group in (1, 2, 4, 8):
-          cfg = dataclasses.replace(base.forward if kind == "fwd" else base.dx, group_cols=group)
+          fit = lambda c, kind=kind, a=a, w=w: mosaic.resolve_config(a, w, None, c, transpose=kind == "dx")
+          cfg = fit(dataclasses.replace(base.forward if kind == "fwd" else base.dx, group_cols=group))
           reason = mosaic.unsupported_reason(a, w, None, cfg, transpose=kind == "dx")
-          if reason:  # too many accumulators for 256-row tiles: 128 rows
-            cfg = dataclasses.replace(cfg, tile_m=128)
+          if reason:  # too many accumulators (or too much shared memory) for 256-row tiles: 128 rows
+            cfg = fit(dataclasses.replace(cfg, tile_m=128, num_stages=base.forward.num_stages))
             reason = mosaic.unsupported_reason(a, w, None, cfg, transpose=kind == "dx")
           if reason:
             note(f"{shape} b={b} d={d} {kind} group_cols={group}: not run, {reason}")
