@@ -510,7 +510,10 @@ def dispatch_rules(device_kind: str | None = None, num_sms: int | None = None) -
     device = jax.devices()[0]
     device_kind = device.device_kind
     if num_sms is None:
-      num_sms = getattr(device, "core_count", None)
+      try:
+        num_sms = int(device.core_count)
+      except (AttributeError, RuntimeError, TypeError, ValueError):  # not every backend reports it
+        num_sms = None
   if num_sms is not None and (not isinstance(num_sms, int) or num_sms < 1):
     raise ValueError(f"num_sms must be None or a positive int, got num_sms={num_sms!r}.")
   return _dispatch_rules(device_kind, num_sms)
