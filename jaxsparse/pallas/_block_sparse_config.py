@@ -511,7 +511,7 @@ def dispatch_rules(device_kind: str | None = None, num_sms: int | None = None) -
     device_kind = device.device_kind
     if num_sms is None:
       try:
-        num_sms = int(device.core_count)
+        num_sms = int(device.core_count) or None
       except (AttributeError, RuntimeError, TypeError, ValueError):  # not every backend reports it
         num_sms = None
   if num_sms is not None and (not isinstance(num_sms, int) or num_sms < 1):
