@@ -376,6 +376,35 @@ def test_mosaic_step_lists_rebuild_the_product(pattern, transpose, group):
   np.testing.assert_allclose(out[:, : num_out * ob], a @ (wd.T if transpose else wd), rtol=1e-10, atol=1e-10)
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    grid=st.tuples(st.integers(1, 9), st.integers(1, 9)),
+    group=st.sampled_from([2, 4, 8]),
+    transpose=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_grouped_step_lists_are_the_union_of_kept_rows(grid, group, transpose, seed):
+  # Grouped step lists against a NumPy construction: per group of `group` output block columns, the sorted
+  # a-blocks any of its columns keeps, and per column the data index there or -1.
+  rng = np.random.default_rng(seed)
+  mask = rng.random(grid) < rng.random()
+  w = jaxsparse.BlockSparseMatrix.from_dense(jnp.ones((grid[0] * 16, grid[1] * 16)), (16, 16), block_mask=mask)
+  offsets, blocks, a_blocks = (np.asarray(v) for v in mosaic.steps_of(w, transpose=transpose, group=group))
+  slot = np.full(grid, -1)
+  slot[np.asarray(w.row_indices), np.asarray(w.col_indices)] = np.arange(w.nnz_blocks)
+  by_out = slot if transpose else slot.T  # (output block columns, a-blocks)
+  num_c = -(-by_out.shape[0] // group)
+  assert offsets.tolist()[0] == 0 and len(offsets) == num_c + 1
+  for c in range(num_c):
+    cols = by_out[c * group : (c + 1) * group]
+    rows = np.flatnonzero((cols >= 0).any(axis=0))
+    t = slice(offsets[c], offsets[c + 1])
+    np.testing.assert_array_equal(a_blocks[t], rows)
+    want = np.full((len(rows), group), -1)
+    want[:, : len(cols)] = cols[:, rows].T
+    np.testing.assert_array_equal(blocks[t], want)
+
+
 def _mosaic_config(**kw) -> BlockSparseMatmulConfig:
   tri = KernelConfig(16)
   cfg = mosaic.MosaicKernelConfig(**{"tile_m": 128, "tile_k": 32, "num_stages": 2, "group_m": 2, **kw})
