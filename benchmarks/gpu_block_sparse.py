@@ -295,8 +295,10 @@ def mosaic_sweep(iterations: int, blocks=(128, 64), shapes=((4096, 4096), (4096,
   return lines
 
 
-def group_cols_sweep(iterations: int, dtype, shapes=(SWEEP_SHAPE,), blocks=(32, 64), densities=(0.25, 0.5)):
-  """Grouped-column tiles of the Mosaic kernel (``MosaicKernelConfig.group_cols``) at M=8192.
+def group_cols_sweep(
+    iterations: int, dtype, shapes=(SWEEP_SHAPE,), blocks=(32, 64), densities=(0.25, 0.5), ms=(M_TRAIN,)
+):
+  """Grouped-column tiles of the Mosaic kernel (``MosaicKernelConfig.group_cols``) at each M of ``ms``.
 
   Per block size, density and product (forward, dX): the default route's time and the Mosaic kernel's with
   ``group_cols`` 1, 2, 4, 8 (the largest row tile whose accumulators fit), as ratios to the dense product of
@@ -308,8 +310,7 @@ def group_cols_sweep(iterations: int, dtype, shapes=(SWEEP_SHAPE,), blocks=(32, 
     lines.append(line)
     log(line)
 
-  m = M_TRAIN
-  for shape in shapes:
+  for m, shape in itertools.product(ms, shapes):
     x, dy, _, _ = problem(m, *shape, 32, 1.0, dtype=dtype)
     wd = jax.random.normal(jax.random.key(1), shape, jnp.float32).astype(dtype)
     t_dense = {
@@ -342,7 +343,7 @@ def group_cols_sweep(iterations: int, dtype, shapes=(SWEEP_SHAPE,), blocks=(32, 
             cfg = fit(dataclasses.replace(cfg, tile_m=128, num_stages=base.forward.num_stages))
             reason = mosaic.unsupported_reason(a, w, None, cfg, transpose=kind == "dx")
           if reason:
-            note(f"{shape} b={b} d={d} {kind} group_cols={group}: not run, {reason}")
+            note(f"M={m} {shape} b={b} d={d} {kind} group_cols={group}: not run, {reason}")
             cells.append("-")
             continue
           f = lambda a, w, cfg=cfg, kind=kind: mosaic.dense_sparse_matmul(a, w, transpose=kind == "dx", config=cfg)
@@ -350,17 +351,17 @@ def group_cols_sweep(iterations: int, dtype, shapes=(SWEEP_SHAPE,), blocks=(32, 
             err = rel_err(jax.jit(f)(a, w), ref)
             t = time_ms(f, a, w, iterations=iterations)
           except Exception as e:
-            note(f"{shape} b={b} d={d} {kind} group_cols={group}: FAILED {type(e).__name__}: {str(e)[:400]}")
+            note(f"M={m} {shape} b={b} d={d} {kind} group_cols={group}: FAILED {type(e).__name__}: {str(e)[:400]}")
             cells.append("failed")
             continue
           ratio = t / t_dense[kind]
-          note(f"{shape} b={b} d={d} {kind} group_cols={group} {t:.4f} ms ({ratio:.2f}) err {err:.1e} {cfg}")
+          note(f"M={m} {shape} b={b} d={d} {kind} group_cols={group} {t:.4f} ms ({ratio:.2f}) err {err:.1e} {cfg}")
           cells.append(f"{ratio:.2f}")
-        table_rows.append(f"| {shape[0]}x{shape[1]} | {b} | {d} | {kind} | " + " | ".join(cells) + " |")
+        table_rows.append(f"| {m} | {shape[0]}x{shape[1]} | {b} | {d} | {kind} | " + " | ".join(cells) + " |")
   header = [
-      f"group_cols sweep, M = {m}, {dtype.name}, time / dense time:",
-      "| K x N | block | d | product | default route | G=1 | G=2 | G=4 | G=8 |",
-      "|---|---|---|---|---|---|---|---|---|",
+      f"group_cols sweep, {dtype.name}, time / dense time:",
+      "| M | K x N | block | d | product | default route | G=1 | G=2 | G=4 | G=8 |",
+      "|---|---|---|---|---|---|---|---|---|---|",
   ]
   for line in header + table_rows:
     note(line)
@@ -676,7 +677,8 @@ def main(argv=None):
   p.add_argument("--ns", default=None, help="comma-separated N of the table, K = 4096 (default 4096,16384)")
   p.add_argument("--f32-sweep", action="store_true", help="time float32 Mosaic (TF32) against Triton first")
   p.add_argument("--group-cols-sweep", action="store_true",
-                 help="time the Mosaic kernel's grouped-column tiles (blocks 32 / 64, --dtype, --ns) first")
+                 help="time the Mosaic kernel's grouped-column tiles first (with --dtype, --ns, --ms, --blocks, "
+                 "--densities)")
   p.add_argument("--dw-sweep", action="store_true", help="time Mosaic sampled xᵀdY variants against Triton first")
   p.add_argument("--decode-sweep", action="store_true", help="time decode (M <= 64) variants first")
   p.add_argument("--mid-sweep", default=None, help="comma-separated mid-size M: time row-tile variants first")
@@ -707,8 +709,14 @@ def main(argv=None):
   if args.f32_sweep:
     sweep_lines += f32_sweep(args.iterations)
   if args.group_cols_sweep:
-    shapes = SHAPES if args.ns else (SWEEP_SHAPE,)
-    sweep_lines += group_cols_sweep(args.iterations, jnp.dtype(args.dtype), shapes=shapes)
+    sweep_lines += group_cols_sweep(
+        args.iterations,
+        jnp.dtype(args.dtype),
+        shapes=SHAPES if args.ns else (SWEEP_SHAPE,),
+        blocks=BLOCKS if args.blocks else (32, 64),
+        densities=DENSITIES if args.densities else (0.25, 0.5),
+        ms=[int(v) for v in args.ms.split(",")] if args.ms else (M_TRAIN,),
+    )
   if args.dw_sweep:
     sweep_lines += dw_sweep(args.iterations, dtype=jnp.dtype(args.dtype))
   if args.decode_sweep:
