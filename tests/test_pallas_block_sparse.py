@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import warnings
 from unittest import mock
 
@@ -207,16 +208,19 @@ def test_dense_routes_where_they_measured_faster(monkeypatch, on_hopper):
     cfg = BlockSparseMatmulConfig.get_default(m, (k, n), (b, b), round(d * (k // b) * (n // b)), dtype)
     return cfg.dense, cfg.dx_dense, cfg.dw_dense
 
-  # Blocks of 32 above d = 0.3: all three products dense, from M = 1024 only; dW alone from 256 rows;
-  # decode keeps the kernels.
-  assert routes(8192, 4096, 32, 0.5, bf16)[0] and routes(1024, 16384, 32, 0.5, f32)[0]
+  # Blocks of 32 above d = 0.3 (16-bit) / 0.5 (float32): all three products dense, from M = 1024 only; dW
+  # alone from 256 rows; decode keeps the kernels.
+  assert routes(8192, 4096, 32, 0.5, bf16)[0] and routes(1024, 16384, 32, 0.625, f32)[0]
+  assert not routes(8192, 4096, 32, 0.5, f32)[0] and routes(8192, 4096, 32, 0.375, bf16)[0]
   assert routes(512, 4096, 32, 0.5, bf16) == (False, False, True)
   assert routes(16, 16384, 32, 0.5, bf16) == (False, False, False)
-  # dX dense for long contractions (N >= 16384) of float32 inputs: blocks of 32, 64-blocks from d = 0.4.
-  assert routes(8192, 16384, 32, 0.25, f32) == (False, True, True)
+  # dX dense for long contractions (N >= 16384) of float32 inputs: blocks of 32, 64-blocks from d = 0.4, except
+  # where the grouped-column Mosaic tiles run them (float32 blocks of 32 from d = 0.2, of 64 from 0.3).
+  assert routes(8192, 16384, 32, 0.25, f32) == (False, not on_hopper, True)
+  assert routes(8192, 16384, 32, 0.125, f32) == (False, True, True)
   assert routes(8192, 16384, 32, 0.25, bf16) == (False, False, True)
   assert routes(8192, 8192, 32, 0.25, f32) == (False, False, True)
-  assert routes(8192, 16384, 64, 0.5, f32) == (False, True, not on_hopper)
+  assert routes(8192, 16384, 64, 0.5, f32) == (False, not on_hopper, not on_hopper)
   assert routes(8192, 16384, 64, 0.5, bf16) == (False, False, True)
   assert routes(8192, 16384, 64, 0.25, f32) == (False, False, False)
   assert routes(512, 16384, 64, 0.5, f32) == (False, False, not on_hopper)
@@ -235,8 +239,9 @@ def test_dense_routes_where_they_measured_faster(monkeypatch, on_hopper):
     cfg = BlockSparseMatmulConfig.get_default(m, (k, 4096), (b, b), round(d * (k // b) * (4096 // b)), dtype)
     return cfg.forward_dense, cfg.dx_dense
 
-  assert forward_dense(8192, 16384, 32, 0.25, f32) == (True, False)
-  assert forward_dense(8192, 16384, 64, 0.5, f32) == (True, False)
+  assert forward_dense(8192, 16384, 32, 0.25, f32) == (not on_hopper, False)
+  assert forward_dense(8192, 16384, 32, 0.125, f32) == (True, False)
+  assert forward_dense(8192, 16384, 64, 0.5, f32) == (not on_hopper, False)
   assert not any(forward_dense(8192, 16384, 32, 0.25, bf16) + forward_dense(8192, 8192, 32, 0.25, f32))
   assert not any(forward_dense(512, 16384, 32, 0.25, f32) + forward_dense(8192, 16384, 64, 0.25, f32))
 
@@ -603,6 +608,43 @@ def test_mosaic_defaults_only_where_they_measured_faster(monkeypatch):
   assert dw(8192, 4096, 16384, 128, 0.25) is None
 
 
+def test_mosaic_grouped_columns_where_they_measured_faster(monkeypatch):
+  # DispatchRules.mosaic_group_cols: float32 blocks of 32 (G = 4) from d = 0.2 and of 64 (G = 2) from d = 0.3,
+  # 16-bit blocks of 64 (G = 2) from d = 0.3 where 4 grouped tiles a SM remain; 16-bit blocks of 32 never.
+  monkeypatch.setattr(kernel_config, "_mosaic_probe", lambda: None)
+  rules = kernel_config.dispatch_rules("NVIDIA H200")
+
+  def groups(m, k, n, block_shape, d, dtype):
+    kb, nb = k // block_shape[0], n // block_shape[1]
+    cfg = BlockSparseMatmulConfig.get_default(m, (k, n), block_shape, round(d * kb * nb), dtype, rules=rules)
+    return cfg.mosaic_forward.group_cols, cfg.mosaic_dx.group_cols
+
+  f32, bf16, f16 = jnp.float32, jnp.bfloat16, jnp.float16
+  assert groups(8192, 4096, 4096, (32, 32), 0.25, f32) == (4, 4)
+  assert groups(8192, 4096, 4096, (32, 32), 0.125, f32) == (1, 1)
+  assert groups(8192, 4096, 4096, (64, 64), 0.25, f32) == (1, 1)
+  assert groups(8192, 4096, 16384, (64, 64), 0.5, f32) == (2, 2)
+  assert groups(8192, 4096, 4096, (64, 64), 0.5, bf16) == (2, 2)
+  assert groups(8192, 4096, 4096, (64, 64), 0.5, f16) == (2, 2)
+  assert groups(8192, 4096, 4096, (64, 64), 0.25, bf16) == (1, 1)
+  assert groups(256, 4096, 4096, (32, 32), 0.25, bf16) == (1, 1)
+  # Rectangular blocks: each product by its output block width (forward: bn, dX: bk).
+  assert groups(8192, 4096, 4096, (64, 32), 0.5, f32) == (4, 2)
+  # Too few grouped tiles: 16-bit at M = 2048 (256 tiles of 256 rows, under 4 a SM); float32 at M = 512 (64 tiles).
+  assert groups(2048, 4096, 4096, (64, 64), 0.5, bf16) == (1, 1)
+  assert groups(2048, 4096, 4096, (32, 32), 0.25, f32) == (4, 4)
+  assert groups(512, 4096, 4096, (32, 32), 0.25, f32) == (1, 1)
+  # Fewer SMs: the same M has enough tiles.
+  small = kernel_config.dispatch_rules("NVIDIA H200", num_sms=60)
+  cfg = BlockSparseMatmulConfig.get_default(2048, (4096, 4096), (64, 64), 2048, bf16, rules=small)
+  assert cfg.mosaic_forward.group_cols == 2
+  # Every config fits the accumulator registers (256-row tiles: 4 columns of 32 or 2 of 64, not more).
+  for dtype, b, m in itertools.product((f32, bf16), ((32, 32), (64, 64), (32, 64), (64, 32), (128, 32)), (256, 8192)):
+    cfg = BlockSparseMatmulConfig.get_default(m, (4096, 4096), b, 2048 * 4096 // (b[0] * b[1]), dtype, rules=rules)
+    for c, ob in ((cfg.mosaic_forward, b[1]), (cfg.mosaic_dx, b[0])):
+      assert c is None or c.acc_elements(ob) <= mosaic.MAX_ACC_ELEMENTS, (dtype, b, m, c)
+
+
 @pytest.mark.parametrize(
     ("precision", "tf32"),
     [
@@ -821,6 +863,27 @@ def test_gpu_default_config_runs_mosaic(monkeypatch, m, b):
   calls = _spy_on_mosaic(monkeypatch)
   _check_all(x, dy, w, jnp.bfloat16, interpret=False)
   assert len(calls) == 2
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize(
+    ("m", "k", "n", "block_shape", "pattern", "dtype", "groups"),
+    [
+        (4096, 2048, 2048, (32, 32), "quarter", jnp.float32, (4, 4)),  # empty row and column; > 1 tile a SM
+        (8192, 4096, 4096, (64, 64), "random", jnp.bfloat16, (2, 2)),  # > 4 tiles a SM
+        (2048, 4096, 512, (64, 32), "random", jnp.float32, (1, 2)),  # rectangular: only dX has enough tiles
+    ],
+)
+def test_gpu_default_config_groups_columns(monkeypatch, m, k, n, block_shape, pattern, dtype, groups):
+  # The default dispatch picks grouped-column tiles (DispatchRules.mosaic_group_cols); forward and all gradients
+  # against the dense reference through the kernels' entry points.
+  x, dy, w = _problem(m, k, n, block_shape, pattern, dtype, seed=m + n)
+  cfg = BlockSparseMatmulConfig.get_default(m, w.shape, w.block_shape, w.nnz_blocks, w.dtype)
+  assert (cfg.mosaic_forward.group_cols, cfg.mosaic_dx.group_cols) == groups
+  calls = _spy_on_mosaic(monkeypatch)
+  _check_all(x, dy, w, dtype, interpret=False)
+  assert [c["config"].group_cols for c in calls] == list(groups)
 
 
 @pytest.mark.gpu

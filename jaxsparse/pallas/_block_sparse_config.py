@@ -204,7 +204,7 @@ class BlockSparseMatmulConfig:
       dw = dataclasses.replace(dw, split=max(1, min(steps, pl.cdiv(r.target_programs // 2, nnz_blocks))))
     if itemsize == 2 and n >= r.dw_cols_order_min_ratio * k:
       dw = dataclasses.replace(dw, block_order="cols")
-    mosaic_fwd, mosaic_dx = mosaic_defaults(m, shape, block_shape, dtype, r)
+    mosaic_fwd, mosaic_dx = mosaic_defaults(m, shape, block_shape, nnz_blocks, dtype, r)
     return cls(
         forward=fwd,
         dx=dx,
@@ -213,9 +213,9 @@ class BlockSparseMatmulConfig:
         mosaic_dx=mosaic_dx,
         mosaic_dw=(mosaic_dw := mosaic_dw_default(m, shape, block_shape, nnz_blocks, dtype, r)),
         dw_dense=use_dense_dw(m, shape, block_shape, nnz_blocks, mosaic_dw, dtype, r),
-        dx_dense=use_dense_long_contraction(m, shape[1], shape, block_shape, nnz_blocks, dtype, r),
-        forward_dense=use_dense_long_contraction(m, shape[0], shape, block_shape, nnz_blocks, dtype, r),
-        dense=use_dense(m, shape, block_shape, nnz_blocks, r),
+        dx_dense=use_dense_long_contraction(m, shape[1], shape, block_shape, nnz_blocks, dtype, r, mosaic_dx),
+        forward_dense=use_dense_long_contraction(m, shape[0], shape, block_shape, nnz_blocks, dtype, r, mosaic_fwd),
+        dense=use_dense(m, shape, block_shape, nnz_blocks, dtype, r),
     )
 
 
@@ -248,6 +248,9 @@ class DispatchRules:
       from ``tuned_min_m`` rows.
     mosaic_min_m, mosaic_16bit_rows, mosaic_mid_tiles, mosaic_tuned_configs, mosaic_min_m_and_block:
       where the Mosaic GPU forward / ``dx`` kernels replace Triton's, and their tiles.
+    mosaic_group_cols: ``{(itemsize, output block dim): (min density, G, min tiles per SM)}``: the Mosaic
+      forward / ``dx`` tiles span ``G`` output block columns (``MosaicKernelConfig.group_cols``) from this
+      density where that still leaves this many output tiles per SM.
     mosaic_dw_*: where the Mosaic GPU sampled ``dw`` kernel replaces Triton's.
     dense_route_min_m, dw_dense_*, long_contraction_*, dense_above_density: where products run as
       dense XLA products instead of per-block kernels.
@@ -269,6 +272,7 @@ class DispatchRules:
   mosaic_mid_tiles: int
   mosaic_tuned_configs: dict
   mosaic_min_m_and_block: dict
+  mosaic_group_cols: dict
   mosaic_dw_min_m: dict
   mosaic_dw_tuned_16bit: dict
   mosaic_dw_64_long_ratio: int
@@ -412,6 +416,28 @@ HOPPER_RULES = DispatchRules(
     # benchmarks/results/gpu_block_sparse_2026-11-23_h100.md).
     mosaic_min_m_and_block={2: (128, 32), 4: (256, 32)},
 
+    # Grouped-column tiles (one a tile loaded for G output block columns, each column's wgmma only where it keeps
+    # the block): `gpu_block_sparse.py --group-cols-sweep` on an H200 (2026-11-25; benchmarks/results/
+    # gpu_group_cols_2026-11-25_h200.md), forward / dX time over dense, G = 1 against the G below, M = 8192,
+    # K = 4096, N = 4096 unless said:
+    # * float32, 32-wide outputs, G = 4: d = 0.125 0.40 / 0.37 against 0.41 / 0.38 (a tie, hence 0.2); d = 0.25
+    #   0.77 / 0.73 against 0.64 / 0.59 (N = 16384: 0.76 / 0.91 against 0.60 / 0.58); d = 0.375 1.14 / 1.08
+    #   against 0.82 / 0.75; d = 0.5 1.52 / 1.43 against 0.94 / 0.88 (N = 16384: 0.91 / 0.87). M = 2048
+    #   (256 tiles, 1.9 a SM), d = 0.25: 0.84 / 0.80 against 0.79 / 0.76. G = 2 and 8 lost to 4 everywhere.
+    # * float32, 64-wide outputs, G = 2: d = 0.125 0.26 / 0.27 against 0.31 / 0.30; d = 0.25 0.44 / 0.44 against
+    #   0.45 / 0.42 (N = 16384: 0.42 / 0.54 against 0.41 / 0.42; M = 2048: 0.55 / 0.53 against 0.61 / 0.59);
+    #   d = 0.375 0.65 / 0.62 against 0.60 / 0.56; d = 0.5 0.84 / 0.80 against 0.74 / 0.70 (N = 16384: 0.83 /
+    #   1.00 against 0.73 / 0.70; M = 2048: 0.97 / 0.92 against 0.95 / 0.87). G = 4 (128-row tiles): as G = 2
+    #   at d = 0.5, worse below.
+    # * 16-bit, 64-wide outputs, G = 2: d = 0.125 0.24 / 0.24 against 0.30 / 0.29; d = 0.25 0.42 / 0.43 against
+    #   0.44 / 0.44 (N = 16384: 0.40 / 0.42 against 0.39 / 0.40); d = 0.375 0.62 / 0.64 against 0.59 / 0.57;
+    #   d = 0.5 0.82 / 0.83 against 0.70 / 0.73 (N = 16384: 0.78 / 0.80 against 0.68 / 0.69), but at M = 2048
+    #   (256 grouped tiles, 1.9 a SM) 0.87 / 0.86 against 0.90 / 0.90: from 4 tiles a SM (7.8 won).
+    # * 16-bit, 32-wide outputs: no G won (d = 0.25: 0.87 / 0.87 against 0.97-1.78; d = 0.5: 1.69 / 1.68 against
+    #   1.49-2.27); the short wgmma steps (N = 32) are not bound by the a reads alone.
+    # Rectangular blocks take the rule of their output block dim (not measured).
+    mosaic_group_cols={(4, 32): (0.2, 4, 1), (4, 64): (0.3, 2, 1), (2, 64): (0.3, 2, 4)},
+
     # Where the Mosaic GPU sampled xᵀdY kernel replaces the Triton one. Float32 (TF32): for every block the
     # kernel takes, from 256 rows (Triton's float32 SDD ran 1.9-2.9x the dense TF32 product; `gpu_block_sparse.py
     # --dw-sweep`, H100, M = 8192). 16-bit inputs, from 1024 rows, by `gpu_product_routes.py --variants` on an H100
@@ -478,7 +504,9 @@ HOPPER_RULES = DispatchRules(
     # (K = 16384) 1.28 / 0.98; 64 x 64 float32 at d = 0.5: dX 1.48 / 0.99 (d = 0.25: 0.79 / 0.96). 16-bit
     # inputs keep the kernels (blocks of 32 at d = 0.25: dX 0.92 / 1.05, forward 0.94 / 0.98; 64 x 64 at
     # d = 0.5: dX 1.00 / 1.07), and so does a contraction of 4096-8192 (float32 blocks of 32: 0.81-0.99 /
-    # 0.97-1.06). {min block dim: (min density, min itemsize)}, from long_contraction_min.
+    # 0.97-1.06). {min block dim: (min density, min itemsize)}, from long_contraction_min. Products on
+    # grouped-column tiles (mosaic_group_cols) keep their kernel: float32 dX, N = 16384, d = 0.25 / 0.5, blocks of 32
+    # (G = 4) 0.58 / 0.87, of 64 (G = 2) 0.42 / 0.70, against this route's 0.92 / 0.94 (H200, 2026-11-25).
     long_contraction_min=16384,
     long_contraction_dense_above={32: (0.1, 4), 64: (0.4, 4)},
 
@@ -486,7 +514,10 @@ HOPPER_RULES = DispatchRules(
     # (H100, M = 8192, K = N = 4096; benchmarks/results/gpu_block_sparse_2026-11-23_h100.md): 32 x 32
     # blocks took 0.95 / 0.92 of dense at d = 0.25 and 1.52 / 1.42 at d = 0.5 (bf16 / f32, fwd+bwd).
     # Those patterns run as dense products (the weight built first by `dense_weight`: one K x N gather pass).
-    dense_above_density={32: 0.3},
+    # Float32 since the grouped-column tiles above (H200, 2026-11-25): forward / dX at d = 0.375 0.82 / 0.75,
+    # d = 0.5 0.94 / 0.88 (N = 16384: 0.91 / 0.87) against the dense route's 0.99-1.00 / 0.94-0.99 (dW runs
+    # dense for these blocks either way); above 0.5 not measured. {(min block dim, itemsize): density}.
+    dense_above_density={(32, 2): 0.3, (32, 4): 0.5},
 )
 
 # ``(substrings of jax's device_kind, rules)``; the first whose substring is in the device's kind wins.
@@ -538,24 +569,41 @@ def _mosaic_rows(m: int, block_shape: tuple[int, int], itemsize: int, rules: Dis
   return any(lo <= m and (hi is None or m <= hi) for lo, hi in bands)
 
 
-def mosaic_defaults(m: int, shape: tuple[int, int], block_shape: tuple[int, int], dtype, rules: DispatchRules) -> tuple:
+def mosaic_defaults(
+    m: int, shape: tuple[int, int], block_shape: tuple[int, int], nnz_blocks: int, dtype, rules: DispatchRules
+) -> tuple:
   """``(forward, dx)`` Mosaic GPU configs, or ``(None, None)`` where the Triton kernels are used."""
-  bk, bn = block_shape
+  (k, n), (bk, bn) = shape, block_shape
   itemsize = jnp.dtype(dtype).itemsize
   if mosaic_unavailable_reason() or not _mosaic_rows(m, block_shape, itemsize, rules):
     return None, None
   tuned = rules.mosaic_tuned_configs.get(bk) if bk == bn and itemsize == 2 and m >= rules.mosaic_min_m else None
   if tuned is not None:
-    return tuned
-  default = mosaic.MosaicBlockSparseMatmulConfig.get_default(m, block_shape, dtype)
-  if itemsize == 2 and m < rules.mosaic_min_m:
-    # Mid-size M: 256-row tiles only where they still give about one output tile per SM.
-    def rows(cfg, num_cols):
-      tile_m = 256 if m % 256 == 0 and m // 256 * num_cols >= rules.mosaic_mid_tiles else 128
-      return dataclasses.replace(cfg, tile_m=tile_m, group_m=2)
+    fwd, dx = tuned
+  else:
+    default = mosaic.MosaicBlockSparseMatmulConfig.get_default(m, block_shape, dtype)
+    fwd, dx = default.forward, default.dx
+    if itemsize == 2 and m < rules.mosaic_min_m:
+      # Mid-size M: 256-row tiles only where they still give about one output tile per SM.
+      def rows(cfg, num_cols):
+        tile_m = 256 if m % 256 == 0 and m // 256 * num_cols >= rules.mosaic_mid_tiles else 128
+        return dataclasses.replace(cfg, tile_m=tile_m, group_m=2)
 
-    return rows(default.forward, shape[1] // bn), rows(default.dx, shape[0] // bk)
-  return default.forward, default.dx
+      fwd, dx = rows(fwd, n // bn), rows(dx, k // bk)
+  density = _density(shape, block_shape, nnz_blocks)
+
+  def group_cols(cfg, num_out: int, ob: int):
+    rule = rules.mosaic_group_cols.get((itemsize, ob))
+    if rule is None or density < rule[0]:
+      return cfg
+    _, group, min_tiles_per_sm = rule
+    grouped = dataclasses.replace(cfg, group_cols=group)
+    tiles = pl.cdiv(m, cfg.tile_m) * pl.cdiv(num_out, group)
+    if tiles < min_tiles_per_sm * rules.num_sms or grouped.acc_elements(ob) > mosaic.MAX_ACC_ELEMENTS:
+      return cfg
+    return grouped
+
+  return group_cols(fwd, n // bn, bn), group_cols(dx, k // bk, bk)
 
 
 def mosaic_dw_default(
@@ -587,19 +635,21 @@ def _density(shape, block_shape, nnz_blocks: int) -> float:
   return nnz_blocks / ((k // bk) * (n // bn))
 
 
-def use_dense(m: int, shape, block_shape, nnz_blocks: int, rules: DispatchRules) -> bool:
+def use_dense(m: int, shape, block_shape, nnz_blocks: int, dtype, rules: DispatchRules) -> bool:
   """Whether all three products run dense (small blocks, dense patterns, large M)."""
-  above = rules.dense_above_density.get(min(block_shape))
+  above = rules.dense_above_density.get((min(block_shape), jnp.dtype(dtype).itemsize))
   return m >= rules.dense_route_min_m and above is not None and _density(shape, block_shape, nnz_blocks) > above
 
 
 def use_dense_long_contraction(
-    m: int, contraction: int, shape, block_shape, nnz_blocks: int, dtype, rules: DispatchRules
+    m: int, contraction: int, shape, block_shape, nnz_blocks: int, dtype, rules: DispatchRules, mosaic_cfg=None
 ) -> bool:
   """Whether a product contracting over ``contraction`` (K for the forward, N for ``dx``) runs on the
-  weight built dense (see ``DispatchRules.long_contraction_dense_above``)."""
+  weight built dense (see ``DispatchRules.long_contraction_dense_above``); never on the grouped-column
+  Mosaic tiles ``mosaic_cfg`` (``group_cols > 1``), which read each slab once per group of columns."""
   rule = rules.long_contraction_dense_above.get(min(block_shape))
-  if rule is None or m < rules.dense_route_min_m or contraction < rules.long_contraction_min:
+  grouped = mosaic_cfg is not None and mosaic_cfg.group_cols > 1
+  if rule is None or grouped or m < rules.dense_route_min_m or contraction < rules.long_contraction_min:
     return False
   min_density, min_itemsize = rule
   return jnp.dtype(dtype).itemsize >= min_itemsize and _density(shape, block_shape, nnz_blocks) >= min_density

@@ -57,6 +57,7 @@ from jaxsparse.formats._block_sparse import BlockSparseMatrix
 
 __all__ = [
     "MosaicBlockSparseMatmulConfig",
+    "MAX_ACC_ELEMENTS",
     "MosaicKernelConfig",
     "dense_sparse_matmul",
     "dx",
@@ -76,7 +77,7 @@ _NUM_COMPUTE_WGS = 2
 # whose float32 accumulators take up to 128 per thread (a 128 x 128 tile).
 _MEMORY_REGISTERS = 40
 _COMPUTE_REGISTERS = 232
-_MAX_ACC_ELEMENTS = 128 * 128
+MAX_ACC_ELEMENTS = 128 * 128
 _SMEM_BYTES = 227 * 1024
 _DEFAULT_NUM_SMS = 132
 
@@ -99,8 +100,9 @@ class MosaicKernelConfig:
       neighbouring output block columns, walks the union of their kept blocks' ``a`` blocks, loads
       each ``a`` tile once for all ``G`` columns and runs the MMA of each column only where that
       column keeps the block (``G`` float32 accumulators): fewer ``a`` reads from L2 for small blocks,
-      the limit of blocks of 32 and 64 (see the module docstring). Not chosen by the default configs
-      (not yet measured on a GPU: ``benchmarks/gpu_block_sparse.py --group-cols-sweep``).
+      the limit of blocks of 32 and 64 (see the module docstring). The default configs choose it where it
+      measured faster (``DispatchRules.mosaic_group_cols``: float32 blocks of 32 and 64, 16-bit blocks of 64
+      at higher densities).
   """
 
   tile_m: int = 256
@@ -262,10 +264,10 @@ def unsupported_reason(a: jax.Array, w: BlockSparseMatrix, out_dtype=None, confi
       return f"{config}: 16-bit blocks {w.block_shape} need B tiles of tile_k x {ob} with both 32 or neither"
     if config.smem_bytes(ob, a.dtype.itemsize, out_dtype.itemsize) > _SMEM_BYTES:
       return f"{config} needs more than {_SMEM_BYTES} bytes of shared memory"
-    if config.acc_elements(ob) > _MAX_ACC_ELEMENTS:
+    if config.acc_elements(ob) > MAX_ACC_ELEMENTS:
       return (
           f"{config}: (tile_m / 2) x group_cols x {ob} = {config.acc_elements(ob)} float32 accumulator elements per"
-          f" warpgroup, more than {_MAX_ACC_ELEMENTS} (128 registers a thread)"
+          f" warpgroup, more than {MAX_ACC_ELEMENTS} (128 registers a thread)"
       )
   return None
 
