@@ -291,6 +291,12 @@ def test_config_validation():
     cfg = BlockSparseMatmulConfig.get_default(m, (4096, 4096), (128, 128), 256, jnp.bfloat16)
     assert (cfg.forward.block_m, cfg.forward.split, cfg.forward.sub_cols, cfg.dx.split) == (bm, 1, None, 1), m
   assert BlockSparseMatmulConfig.get_default(64, (4096, 4096), (64, 64), 1024, jnp.bfloat16).forward.split > 1
+  # Decode forward of 16-bit blocks 32 wide: 2 warps (DispatchRules.decode_warps); float32, dX and M > 64 keep 4.
+  warps = lambda m, bs, dt: BlockSparseMatmulConfig.get_default(m, (4096, 4096), bs, 4096, dt).forward.num_warps
+  assert warps(16, (32, 32), jnp.bfloat16) == 2 and warps(1, (64, 32), jnp.float16) == 2
+  assert warps(16, (32, 32), jnp.float32) == 4 and warps(65, (32, 32), jnp.bfloat16) == 4
+  assert warps(16, (32, 64), jnp.bfloat16) == 4
+  assert BlockSparseMatmulConfig.get_default(16, (4096, 4096), (32, 32), 4096, jnp.bfloat16).dx.num_warps == 4
   with pytest.raises(ValueError, match="sub_cols must be None or a power of two >= 16, got sub_cols=24"):
     KernelConfig(16, sub_cols=24)
 
@@ -746,10 +752,10 @@ def test_gpu_sub_column_configs(m, block_shape, sub_cols, split, dtype):
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize(("block", "pattern", "sub_cols"), [(64, "random", None), (128, "quarter", 32),
-                                                           (128, "random", None)])
+                                                           (128, "random", None), (32, "random", None)])
 def test_gpu_decode_default_batched(block, pattern, sub_cols):
   # The default decode config (block 128 with at most 8 kept blocks a column: sub-column programs; else a
-  # split) through the op, with leading batch dims on x.
+  # split; block 32: 2 warps) through the op, with leading batch dims on x.
   x, dy, w = _problem(16, 4096, 4096, (block, block), pattern, jnp.bfloat16, seed=block)
   cfg = BlockSparseMatmulConfig.get_default(16, w.shape, w.block_shape, w.nnz_blocks, w.dtype)
   assert cfg.forward.sub_cols == sub_cols and (cfg.forward.split == 1) == (sub_cols is not None), cfg.forward

@@ -197,6 +197,8 @@ class BlockSparseMatmulConfig:
       return dataclasses.replace(cfg, **r.decode_sub_cols)
 
     fwd, dx = sub_column_programs(fwd, nb, bn), split_blocks(dx, kb)
+    if m <= r.decode_max_m and (warps := r.decode_warps.get((itemsize, bn))) is not None:
+      fwd = dataclasses.replace(fwd, num_warps=warps)
     if nnz_blocks < r.target_programs // 4:
       # Kept blocks for under half the SMs: split the reduction over M too. (At 128 blocks and
       # M = 8192 a split of 3 measured 50% slower than none on an H200.)
@@ -244,6 +246,7 @@ class DispatchRules:
     decode_sub_cols_min_block, decode_sub_cols_max_blocks, decode_sub_cols: decode forward programs
       own a slice of a block column (``decode_sub_cols`` fields of :class:`KernelConfig`) for blocks
       at least this wide with at most this many kept blocks per column.
+    decode_warps: ``{(itemsize, output block width): num_warps}`` of the decode forward.
     tuned_min_m, tuned_configs: ``{block: (forward, dx, dw)}`` Triton tiles for 16-bit square blocks
       from ``tuned_min_m`` rows.
     mosaic_min_m, mosaic_16bit_rows, mosaic_mid_tiles, mosaic_tuned_configs, mosaic_min_m_and_block:
@@ -265,6 +268,7 @@ class DispatchRules:
   decode_sub_cols_min_block: int
   decode_sub_cols_max_blocks: int
   decode_sub_cols: dict
+  decode_warps: dict
   tuned_min_m: int
   tuned_configs: dict
   mosaic_min_m: int
@@ -337,6 +341,13 @@ HOPPER_RULES = DispatchRules(
     decode_sub_cols_min_block=128,
     decode_sub_cols_max_blocks=8,
     decode_sub_cols=dict(sub_cols=32, split=1, num_stages=4),
+    # ... and for 16-bit blocks 32 wide (a 16 x 32 output tile a program), 2 warps instead of 4: H200, K = N = 4096,
+    # split 8, time over dense with the weight in L2 / from HBM (`gpu_decode.py --skip-nm --sweep --bs-blocks 32
+    # --bs-rows 16,1 --bs-densities 0.25,0.5`; benchmarks/results/gpu_decode_32_2026-11-25_h200.md): M = 16, d = 0.25
+    # 0.91 / 0.78 -> 0.71 / 0.71, d = 0.5 1.22 / 1.03 -> 0.90 / 0.92; M = 1, d = 0.25 1.09 / 0.76 -> 0.87 / 0.68,
+    # d = 0.5 1.43 / 1.03 -> 1.07 / 0.90 (1 warp: within 3%; other splits, stages and sub-column programs: slower).
+    # {(itemsize, output block width): num_warps}.
+    decode_warps={(2, 32): 2},
 
     # Forward programs spanning G block columns (each x slab loaded once for the union of their kept block
     # rows) measured slower than these for blocks 32 and 64 at d = 0.25 / 0.5 in all four variants tried
