@@ -296,13 +296,7 @@ def mosaic_sweep(iterations: int, blocks=(128, 64), shapes=((4096, 4096), (4096,
 
 
 def group_cols_sweep(
-    iterations: int,
-    dtype,
-    shapes=(SWEEP_SHAPE,),
-    blocks=(32, 64),
-    densities=(0.25, 0.5),
-    ms=(M_TRAIN,),
-    mma_absent=False,
+    iterations: int, dtype, shapes=(SWEEP_SHAPE,), blocks=(32, 64), densities=(0.25, 0.5), ms=(M_TRAIN,)
 ):
   """Grouped-column tiles of the Mosaic kernel (``MosaicKernelConfig.group_cols``) at each M of ``ms``.
 
@@ -343,8 +337,7 @@ def group_cols_sweep(
         cells = [f"{t_def / t_dense[kind]:.2f}"]
         for group in (1, 2, 4, 8):
           fit = lambda c, kind=kind, a=a, w=w: mosaic.resolve_config(a, w, None, c, transpose=kind == "dx")
-          cfg = base.forward if kind == "fwd" else base.dx
-          cfg = fit(dataclasses.replace(cfg, group_cols=group, mma_absent=mma_absent))
+          cfg = fit(dataclasses.replace(base.forward if kind == "fwd" else base.dx, group_cols=group))
           reason = mosaic.unsupported_reason(a, w, None, cfg, transpose=kind == "dx")
           if reason:  # too many accumulators (or too much shared memory) for 256-row tiles: 128 rows
             cfg = fit(dataclasses.replace(cfg, tile_m=128, num_stages=base.forward.num_stages))
@@ -366,7 +359,7 @@ def group_cols_sweep(
           cells.append(f"{ratio:.2f}")
         table_rows.append(f"| {m} | {shape[0]}x{shape[1]} | {b} | {d} | {kind} | " + " | ".join(cells) + " |")
   header = [
-      f"group_cols sweep, {dtype.name}, mma_absent={mma_absent}, time / dense time:",
+      f"group_cols sweep, {dtype.name}, time / dense time:",
       "| M | K x N | block | d | product | default route | G=1 | G=2 | G=4 | G=8 |",
       "|---|---|---|---|---|---|---|---|---|---|",
   ]
@@ -686,8 +679,6 @@ def main(argv=None):
   p.add_argument("--group-cols-sweep", action="store_true",
                  help="time the Mosaic kernel's grouped-column tiles first (with --dtype, --ns, --ms, --blocks, "
                  "--densities)")
-  p.add_argument("--mma-absent", action="store_true",
-                 help="--group-cols-sweep: every column's wgmma at every step (zero tiles), no branch")
   p.add_argument("--dw-sweep", action="store_true", help="time Mosaic sampled xᵀdY variants against Triton first")
   p.add_argument("--decode-sweep", action="store_true", help="time decode (M <= 64) variants first")
   p.add_argument("--mid-sweep", default=None, help="comma-separated mid-size M: time row-tile variants first")
@@ -725,7 +716,6 @@ def main(argv=None):
         blocks=BLOCKS if args.blocks else (32, 64),
         densities=DENSITIES if args.densities else (0.25, 0.5),
         ms=[int(v) for v in args.ms.split(",")] if args.ms else (M_TRAIN,),
-        mma_absent=args.mma_absent,
     )
   if args.dw_sweep:
     sweep_lines += dw_sweep(args.iterations, dtype=jnp.dtype(args.dtype))

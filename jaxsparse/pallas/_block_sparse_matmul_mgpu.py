@@ -103,8 +103,6 @@ class MosaicKernelConfig:
       the limit of blocks of 32 and 64 (see the module docstring). The default configs choose it where it
       measured faster (``DispatchRules.mosaic_group_cols``: float32 blocks of 32 and 64, 16-bit blocks of 64
       at higher densities).
-    mma_absent: with ``group_cols > 1``, run every column's wgmma at every step, against a zero tile where the
-      column keeps no block, instead of branching around it (more MMA work, no branch).
   """
 
   tile_m: int = 256
@@ -114,7 +112,6 @@ class MosaicKernelConfig:
   num_ctas: int | None = None
   epi_n: int = 64
   group_cols: int = 1
-  mma_absent: bool = False
 
   def __post_init__(self):
     if self.tile_m not in (128, 256):
@@ -134,8 +131,6 @@ class MosaicKernelConfig:
   def smem_bytes(self, ob: int, itemsize: int, out_itemsize: int) -> int:
     """Shared memory the kernel allocates for output blocks ``ob`` wide."""
     ring = self.num_stages * (self.tile_m * self.tile_k + self.group_cols * self.tile_k * ob) * itemsize
-    if self.mma_absent and self.group_cols > 1:
-      ring += self.group_cols * self.tile_k * ob * itemsize  # the zero tile's slot
     return ring + self.tile_m * min(self.epi_n, ob) * out_itemsize
 
   def acc_elements(self, ob: int) -> int:
@@ -388,14 +383,13 @@ def _kernel(
       pl.when(b >= 0)(body)
 
   b_shape = (ob, tk) if b_k_major else (tk, ob)
-  zero_slot = int(cfg.mma_absent and group > 1)  # an extra ring slot whose first tile holds zeros
 
   @functools.partial(
       pl.run_scoped,
       a_smem=plgpu.SMEM((stages, tm, tk), dtype, transforms=_smem_transforms(tk, dtype)),
       # One B tile a slot (and column, where group > 1).
       b_smem=plgpu.SMEM(
-          (stages, *b_shape) if group == 1 else (stages + zero_slot, group, *b_shape),
+          (stages, *b_shape) if group == 1 else (stages, group, *b_shape),
           dtype,
           transforms=_smem_transforms(b_shape[1], dtype),
       ),
@@ -462,9 +456,6 @@ def _kernel(
     def _compute():
       plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
       rows = pl.ds(wg * half, half)
-      if zero_slot:  # both warpgroups write the same zeros; each sees its own writes after the commit
-        b_smem[stages, 0] = jnp.zeros(b_shape, dtype)
-        plgpu.commit_smem()
 
       def tile_body(i, g):
         mi, c, start, end = tile(i)
@@ -477,17 +468,11 @@ def _kernel(
               plgpu.barrier_wait(ready.at[slot])
               for j, (b, acc_ref) in enumerate(zip(bs, acc_refs, strict=True)):
 
-                def mma(acc_ref=acc_ref, j=j, slot=slot, b=b):
-                  if zero_slot:
-                    b_ref = b_smem.at[jnp.where(b >= 0, slot, stages), jnp.where(b >= 0, j, 0)]
-                  else:
-                    b_ref = b_tile(slot, j)
+                def mma(acc_ref=acc_ref, j=j, slot=slot):
+                  b_ref = b_tile(slot, j)
                   plgpu.wgmma(acc_ref, a_smem.at[slot, rows], _transposed(b_ref) if b_k_major else b_ref)
 
-                if zero_slot:
-                  mma()
-                else:
-                  when_kept(b, mma)
+                when_kept(b, mma)
               plgpu.wgmma_wait(0)
               plgpu.barrier_arrive(consumed.at[slot])
               g = g + 1
