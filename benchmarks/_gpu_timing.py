@@ -31,6 +31,17 @@ def time_ms(f, *args, iterations: int = 20) -> float:
   return host_ms(f, *args, iterations=iterations)
 
 
+def kernel_split_ms(f, *args, iterations: int = 20) -> tuple[float, float, int]:
+  """``(longest kernel, all other kernels, how many others)`` of one call of ``f(*args)``: median device ms (CUPTI)."""
+  from jax.experimental.mosaic.gpu import profiler  # noqa: PLC0415 (GPU-only module)
+
+  f = jax.jit(f)
+  jax.block_until_ready(f(*args))
+  _, runs = profiler.measure(f, aggregate=False, iterations=iterations)(*args)
+  times = [statistics.median(run[i][1] for run in runs) for i in range(len(runs[0]))]
+  return max(times), sum(times) - max(times), len(times) - 1
+
+
 def host_ms(f, *args, iterations: int = 20) -> float:
   """Median wall time of one call of the jitted ``f`` in ms (5 repeats of ``iterations`` back-to-back calls)."""
   jax.block_until_ready(f(*args))

@@ -12,7 +12,9 @@ Run on a CUDA GPU (``benchmarks/run_gpu.sh`` runs it on the device machine):
 * ``--mosaic-sweep`` times Mosaic GPU (Hopper) forward / dX variants against the Triton kernels at
   M=8192, density 0.25, blocks 64 and 128, and the Mosaic forward at decode (M=16).
 * ``--group-cols-sweep`` times the Mosaic kernel's grouped-column tiles (``group_cols`` 1-8) for blocks 32
-  and 64 at M=8192, densities 0.25 and 0.5, forward and dX, against the default route and dense.
+  and 64 at M=8192, densities 0.25 and 0.5 (or ``--ms`` / ``--ns`` / ``--blocks`` / ``--densities``), forward
+  and dX, against the default route and dense; its log splits each call into the kernel and the small
+  kernels around it (the step lists).
 
 On Hopper the default configs run the forward and dX of blocks 64 / 128 at M >= 1024 on the Mosaic GPU
 kernel; the table's "Triton-only" column times the same products with the Triton kernels.
@@ -42,6 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from _gpu_timing import TIMER
+from _gpu_timing import kernel_split_ms
 from _gpu_timing import log
 from _gpu_timing import rel_err
 from _gpu_timing import time_ms
@@ -355,7 +358,12 @@ def group_cols_sweep(
             cells.append("failed")
             continue
           ratio = t / t_dense[kind]
-          note(f"M={m} {shape} b={b} d={d} {kind} group_cols={group} {t:.4f} ms ({ratio:.2f}) err {err:.1e} {cfg}")
+          split = ""
+          if TIMER["how"] == "cupti":  # the kernel alone, and what the step lists cost around it
+            k_ms, rest_ms, others = kernel_split_ms(f, a, w, iterations=iterations)
+            split = f" (kernel {k_ms / t_dense[kind]:.2f}, {others} other kernels {rest_ms * 1e3:.1f} us)"
+          case = f"M={m} {shape} b={b} d={d} {kind} group_cols={group}"
+          note(f"{case} {t:.4f} ms ({ratio:.2f}){split} err {err:.1e} {cfg}")
           cells.append(f"{ratio:.2f}")
         table_rows.append(f"| {m} | {shape[0]}x{shape[1]} | {b} | {d} | {kind} | " + " | ".join(cells) + " |")
   header = [

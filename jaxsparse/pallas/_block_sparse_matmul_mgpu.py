@@ -224,11 +224,14 @@ def steps_of(w: BlockSparseMatrix, *, transpose: bool, group: int = 1) -> tuple[
   slot = jnp.full((kb, nb), -1, jnp.int32).at[w.row_indices, w.col_indices].set(where)
   by_out = jnp.pad(slot if transpose else slot.T, ((0, num_tc * group - num_out), (0, 0)), constant_values=-1)
   grouped = by_out.reshape(num_tc, group, num_a).transpose(0, 2, 1).reshape(num_tc * num_a, group)
+  # Compaction with one running count: step i (of the tile columns' a blocks in order) goes to position
+  # count[i] - 1 where some column keeps a block; the count at each tile column's end is its offset.
   present = jnp.any(grouped >= 0, axis=1)
-  counts = jnp.sum(present.reshape(num_tc, num_a), axis=1, dtype=jnp.int32)
-  offsets = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(counts, dtype=jnp.int32)])
-  (steps,) = jnp.nonzero(present, size=num_tc * num_a, fill_value=0)
-  return offsets, grouped[steps], (steps % num_a).astype(jnp.int32)
+  count = jnp.cumsum(present, dtype=jnp.int32)
+  offsets = jnp.concatenate([jnp.zeros(1, jnp.int32), count[num_a - 1 :: num_a]])
+  size = num_tc * num_a
+  steps = jnp.zeros(size, jnp.int32).at[jnp.where(present, count - 1, size)].set(jnp.arange(size), mode="drop")
+  return offsets, grouped[steps], steps % num_a
 
 
 # -------------------------------------------------------------------------------------------------
