@@ -246,6 +246,14 @@ MOSAIC_VARIANTS = [
 ]
 
 
+def time_mosaic(a, w, cfg, kind: str, ref, iterations: int):
+  """``(ms, rel err, f)`` of the Mosaic kernel's ``kind`` product with ``cfg`` (``"fwd"``: ``a @ W``, ``"dx"``:
+  ``a @ Wᵀ``; ``f`` is the timed function). Raises where the kernel cannot compile or run this config."""
+  f = lambda a, w: mosaic.dense_sparse_matmul(a, w, transpose=kind == "dx", config=cfg)
+  err = rel_err(jax.jit(f)(a, w), ref)
+  return time_ms(f, a, w, iterations=iterations), err, f
+
+
 def mosaic_sweep(iterations: int, blocks=(128, 64), shapes=((4096, 4096), (4096, 16384))) -> list[str]:
   """Mosaic GPU forward / dX variants against the Triton kernels at M=8192, d=0.25 (and one decode case)."""
   lines = []
@@ -281,10 +289,8 @@ def mosaic_sweep(iterations: int, blocks=(128, 64), shapes=((4096, 4096), (4096,
       for kind, a, ref in (("fwd", x, y_ref), ("dx", dy, dx_ref)):
         for change in variants:
           cfg = dataclasses.replace(base.forward if kind == "fwd" else base.dx, **change)
-          f = lambda a, w, cfg=cfg, kind=kind: mosaic.dense_sparse_matmul(a, w, transpose=kind == "dx", config=cfg)
           try:
-            err = rel_err(jax.jit(f)(a, w), ref)
-            t = time_ms(f, a, w, iterations=iterations)
+            t, err, _ = time_mosaic(a, w, cfg, kind, ref, iterations)
           except Exception as e:
             note(f"{shape} b={b} mosaic {kind} {change}: FAILED {type(e).__name__}: {str(e)[:400]}")
             continue
@@ -349,10 +355,8 @@ def group_cols_sweep(
             note(f"M={m} {shape} b={b} d={d} {kind} group_cols={group}: not run, {reason}")
             cells.append("-")
             continue
-          f = lambda a, w, cfg=cfg, kind=kind: mosaic.dense_sparse_matmul(a, w, transpose=kind == "dx", config=cfg)
           try:
-            err = rel_err(jax.jit(f)(a, w), ref)
-            t = time_ms(f, a, w, iterations=iterations)
+            t, err, f = time_mosaic(a, w, cfg, kind, ref, iterations)
           except Exception as e:
             note(f"M={m} {shape} b={b} d={d} {kind} group_cols={group}: FAILED {type(e).__name__}: {str(e)[:400]}")
             cells.append("failed")
@@ -410,10 +414,8 @@ def f32_sweep(iterations: int, blocks=(128, 64, 32), densities=(0.25,), shapes=(
         for kind, a, ref in (("fwd", x, y_ref), ("dx", dy, dx_ref)):
           for change in variants:
             cfg = dataclasses.replace(base.forward if kind == "fwd" else base.dx, **change)
-            f = lambda a, w, cfg=cfg, kind=kind: mosaic.dense_sparse_matmul(a, w, transpose=kind == "dx", config=cfg)
             try:
-              err = rel_err(jax.jit(f)(a, w), ref)
-              t = time_ms(f, a, w, iterations=iterations)
+              t, err, _ = time_mosaic(a, w, cfg, kind, ref, iterations)
             except Exception as e:
               note(f"f32 {shape} b={b} d={d} mosaic {kind} {change}: FAILED {type(e).__name__}: {str(e)[:400]}")
               continue
