@@ -75,9 +75,9 @@ SWEEP_SHAPE = (4096, 4096)
 # -------------------------------------------------------------------------------------------------
 
 
-def block_mask(k: int, n: int, b: int, density: float, seed: int) -> np.ndarray:
-  """Exactly ``round(density * blocks)`` kept blocks, uniformly at random."""
-  kb, nb = k // b, n // b
+def block_mask(k: int, n: int, b: int, density: float, seed: int, bn: int | None = None) -> np.ndarray:
+  """Exactly ``round(density * blocks)`` kept blocks of ``(b, bn or b)``, uniformly at random."""
+  kb, nb = k // b, n // (bn or b)
   keep = max(1, round(density * kb * nb))
   flat = np.zeros(kb * nb, bool)
   flat[np.random.default_rng(seed).permutation(kb * nb)[:keep]] = True
