@@ -85,10 +85,12 @@ def block_mask(k: int, n: int, b: int, density: float, seed: int, bn: int | None
 
 
 def problem(m, k, n, b, density, seed=0, dtype=jnp.bfloat16):
+  """``x (m, k)``, ``dY (m, n)``, a ``(k, n)`` weight of ``b`` (an int: square; or ``(bk, bn)``) blocks and its mask."""
   k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
-  mask = block_mask(k, n, b, density, seed)
+  bk, bn = (b, b) if isinstance(b, int) else b
+  mask = block_mask(k, n, bk, density, seed, bn=bn)
   w = jaxsparse.BlockSparseMatrix.from_dense(
-      jax.random.normal(k1, (k, n), jnp.float32).astype(dtype), (b, b), block_mask=mask
+      jax.random.normal(k1, (k, n), jnp.float32).astype(dtype), (bk, bn), block_mask=mask
   )
   x = jax.random.normal(k2, (m, k), jnp.float32).astype(dtype)
   dy = jax.random.normal(k3, (m, n), jnp.float32).astype(dtype)

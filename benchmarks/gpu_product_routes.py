@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -89,9 +90,9 @@ def _variants(kern, m, w, group_ms):
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--m", default="8192", help="comma-separated M")
-  p.add_argument("--k", type=int, default=4096)
+  p.add_argument("--k", default="4096", help="comma-separated K")
   p.add_argument("--ns", default="4096,16384")
-  p.add_argument("--blocks", default="32,64")
+  p.add_argument("--blocks", default="32,64", help="comma-separated block sizes: 64 (square) or 64x32 (bk x bn)")
   p.add_argument("--densities", default="0.25,0.5")
   p.add_argument("--dtypes", default="bfloat16,float32")
   p.add_argument("--iterations", type=int, default=10)
@@ -99,47 +100,47 @@ def main(argv=None) -> None:
   p.add_argument("--group-ms", default="1,2,4,8,16", help="--variants: the group_m values of the tile orders")
   args = p.parse_args(argv)
   ints = lambda s: [int(v) for v in s.split(",")]
-  head = ["dtype", "M", "N", "block", "d", "default route"]
+  head = ["dtype", "M", "K x N", "block", "d", "default route"]
   for prod in ("fwd", "dX", "dW"):
     head += [f"{prod} dense ms", f"{prod} kernels ms (ratio)", f"{prod} dense route ms (ratio)"]
   rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-  variant_head = "| dtype | M | N | block | d | variant | ms | ratio to dense | default kernels ratio |"
+  variant_head = "| dtype | M | K x N | block | d | variant | ms | ratio to dense | default kernels ratio |"
   variant_rows = [variant_head, "|" + "---|" * 9]
-  for dtype in (jnp.dtype(v) for v in args.dtypes.split(",")):
-    for m in ints(args.m):
-      for n in ints(args.ns):
-        x, dy, _, _ = problem(m, args.k, n, 32, 1.0, dtype=dtype)
-        wd = jax.random.normal(jax.random.key(1), (args.k, n), jnp.float32).astype(dtype)
-        dense = {k: time_ms(f, x, dy, wd, iterations=args.iterations) for k, f in _dense_products().items()}
-        del wd
-        for b in ints(args.blocks):
-          for d in (float(v) for v in args.densities.split(",")):
-            x, dy, w, _ = problem(m, args.k, n, b, d, seed=b, dtype=dtype)
-            default = BlockSparseMatmulConfig.get_default(m, w.shape, w.block_shape, w.nnz_blocks, w.dtype)
-            kern = dataclasses.replace(default, dense=False, forward_dense=False, dx_dense=False, dw_dense=False)
-            route = dataclasses.replace(default, dense=True)
-            routes = {name: _products(c) for name, c in (("kernels", kern), ("route", route))}
-            on = {"fwd": default.forward_dense, "dX": default.dx_dense, "dW": default.dw_dense}
-            used = "dense" if default.dense else " + ".join([f"{p} dense" for p in on if on[p]] or ["kernels"])
-            cells = [dtype.name, str(m), str(n), str(b), str(d), used]
-            base = {}
-            for prod in ("fwd", "dX", "dW"):
-              t = {name: time_ms(fs[prod], x, dy, w, iterations=args.iterations) for name, fs in routes.items()}
-              base[prod] = t["kernels"] / dense[prod]
-              cells += [f"{dense[prod]:.4f}"] + [f"{t[r]:.4f} ({t[r] / dense[prod]:.2f})" for r in ("kernels", "route")]
-            rows.append("| " + " | ".join(cells) + " |")
-            log(rows[-1])
-            for label, prod, cfg in _variants(kern, m, w, ints(args.group_ms)) if args.variants else []:
-              try:
-                t = time_ms(_products(cfg)[prod], x, dy, w, iterations=args.iterations)
-              except Exception as e:  # a variant the kernel does not support: say so, go on
-                log(f"{' '.join(cells[:5])} {label}: FAILED {type(e).__name__}: {str(e)[:200]}")
-                continue
-              variant_rows.append(
-                  f"| {' | '.join(cells[:5])} | {label} | {t:.4f} | {t / dense[prod]:.2f} | {base[prod]:.2f} |"
-              )
-              log(variant_rows[-1])
-  log(f"\n{jax.devices()[0].device_kind}, K = {args.k}, density = kept blocks / blocks")
+  blocks = [tuple(int(v) for v in b.split("x")) if "x" in b else int(b) for b in args.blocks.split(",")]
+  for dtype, m, k, n in itertools.product((jnp.dtype(v) for v in args.dtypes.split(",")), ints(args.m), ints(args.k),
+                                          ints(args.ns)):
+    x, dy, _, _ = problem(m, k, n, 32, 1.0, dtype=dtype)
+    wd = jax.random.normal(jax.random.key(1), (k, n), jnp.float32).astype(dtype)
+    dense = {prod: time_ms(f, x, dy, wd, iterations=args.iterations) for prod, f in _dense_products().items()}
+    del wd
+    for b in blocks:
+      for d in (float(v) for v in args.densities.split(",")):
+        x, dy, w, _ = problem(m, k, n, b, d, seed=1, dtype=dtype)
+        default = BlockSparseMatmulConfig.get_default(m, w.shape, w.block_shape, w.nnz_blocks, w.dtype)
+        kern = dataclasses.replace(default, dense=False, forward_dense=False, dx_dense=False, dw_dense=False)
+        route = dataclasses.replace(default, dense=True)
+        routes = {name: _products(c) for name, c in (("kernels", kern), ("route", route))}
+        on = {"fwd": default.forward_dense, "dX": default.dx_dense, "dW": default.dw_dense}
+        used = "dense" if default.dense else " + ".join([f"{p} dense" for p in on if on[p]] or ["kernels"])
+        cells = [dtype.name, str(m), f"{k}x{n}", "x".join(map(str, w.block_shape)), str(d), used]
+        base = {}
+        for prod in ("fwd", "dX", "dW"):
+          t = {name: time_ms(fs[prod], x, dy, w, iterations=args.iterations) for name, fs in routes.items()}
+          base[prod] = t["kernels"] / dense[prod]
+          cells += [f"{dense[prod]:.4f}"] + [f"{t[r]:.4f} ({t[r] / dense[prod]:.2f})" for r in ("kernels", "route")]
+        rows.append("| " + " | ".join(cells) + " |")
+        log(rows[-1])
+        for label, prod, cfg in _variants(kern, m, w, ints(args.group_ms)) if args.variants else []:
+          try:
+            t = time_ms(_products(cfg)[prod], x, dy, w, iterations=args.iterations)
+          except Exception as e:  # a variant the kernel does not support: say so, go on
+            log(f"{' '.join(cells[:5])} {label}: FAILED {type(e).__name__}: {str(e)[:200]}")
+            continue
+          variant_rows.append(
+              f"| {' | '.join(cells[:5])} | {label} | {t:.4f} | {t / dense[prod]:.2f} | {base[prod]:.2f} |"
+          )
+          log(variant_rows[-1])
+  log(f"\n{jax.devices()[0].device_kind}, density = kept blocks / blocks")
   print("\n".join(rows + (["", *variant_rows] if args.variants else [])), flush=True)
 
 
