@@ -53,14 +53,14 @@ def test_dense_route_script_runs():
 
 
 def test_product_routes_script_runs():
-  cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_product_routes.py"), "--m", "64", "--k", "128", "--ns", "128",
-         "--blocks", "32,64", "--densities", "0.5", "--dtypes", "float32", "--iterations", "1", "--variants"]
+  cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_product_routes.py"), "--m", "64", "--k", "128,256", "--ns", "128",
+         "--blocks", "32,64x32", "--densities", "0.5", "--dtypes", "float32", "--iterations", "1", "--variants"]
   env = {**os.environ, "PYTHONPATH": str(ROOT)}
   proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
   rows = [r.split("|") for r in proc.stdout.splitlines() if r.startswith("| float32")]
-  routes = {(r[4].strip(), r[6].strip()) for r in rows if len(r) > 12}  # M = 64: no dense route by default
+  routes = {(r[3].strip(), r[4].strip(), r[6].strip()) for r in rows if len(r) > 12}  # M = 64: no dense route
   variants = {r[6].strip() for r in rows if len(r) <= 12}
-  assert routes == {("32", "kernels"), ("64", "kernels")}, proc.stdout
+  assert routes == {(kn, b, "kernels") for kn in ("128x128", "256x128") for b in ("32x32", "64x32")}, proc.stdout
   expected = {f"{p} Triton group_m={g}" for p in ("fwd", "dX") for g in (1, 2, 4, 16)} | {"dW Triton order=cols"}
   assert variants == expected, proc.stdout
