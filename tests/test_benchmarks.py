@@ -53,8 +53,9 @@ def test_dense_route_script_runs():
 
 
 def test_product_routes_script_runs():
-  cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_product_routes.py"), "--m", "64", "--k", "128,256", "--ns", "128",
-         "--blocks", "32,64x32", "--densities", "0.5", "--dtypes", "float32", "--iterations", "1", "--variants"]
+  cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_product_routes.py"), "--m", "64", "--k", "128,256",
+         "--ns", "128", "--blocks", "32,64x32", "--densities", "0.5", "--dtypes", "float32", "--iterations", "1",
+         "--variants"]
   env = {**os.environ, "PYTHONPATH": str(ROOT)}
   proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]

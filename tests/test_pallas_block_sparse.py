@@ -233,6 +233,13 @@ def test_dense_routes_where_they_measured_faster(monkeypatch, on_hopper):
   assert routes(8192, 16384, 64, 0.5, bf16) == (False, False, True)
   assert routes(4096, 4096, 64, 0.5, bf16) == (False, False, False)
   assert routes(512, 4096, 64, 0.5, bf16) == (False, False, False)
+  # dW dense wherever the whole grid of blocks fits one wave of the SMs (132 on Hopper), from 256 rows, whatever
+  # the density or the kernel: 1536 x 768 in 128-blocks is 72 blocks, in 64-blocks 288.
+  for m, d, dtype in itertools.product((256, 12288), (0.14, 0.45), (bf16, f32)):
+    assert routes(m, 768, 128, d, dtype, k=1536) == (False, False, True), (m, d, dtype)
+  assert routes(12288, 768, 64, 0.14, f32, k=1536)[2] is False
+  assert routes(12288, 768, 64, 0.14, bf16, k=1536)[2] is False
+  assert routes(255, 768, 128, 0.14, bf16, k=1536)[2] is False
 
   # The forward on the same rule over K (its contraction); dX then contracts over N = 4096.
   def forward_dense(m, k, b, d, dtype):
@@ -574,11 +581,16 @@ def test_mosaic_defaults_only_where_they_measured_faster(monkeypatch):
   assert get(8192, (4096, 4096), (64, 128), 256, jnp.float16).mosaic_forward is not None
   for args in [(16, (4096, 4096), (128, 128)), (8192, (4096, 4096), (32, 32))]:  # decode; block 32
     assert get(*args, 256, jnp.bfloat16).mosaic_forward is None
-  # Float32 (TF32 wgmma) from M = 256 and for every block size; one 128-byte row per pipeline step.
+  # Float32 (TF32 wgmma) from M = 128 and for every block size, rectangular ones too; one 128-byte row per
+  # pipeline step; the sampled dW kernel from the same M.
   for b in (32, 64, 128):
     cfg = get(8192, (4096, 4096), (b, b), 256, jnp.float32)
     assert cfg.mosaic_forward.tile_k == cfg.mosaic_dx.tile_k == 32
-  assert get(128, (4096, 4096), (128, 128), 256, jnp.float32).mosaic_forward is None
+  for m, b in itertools.product((128, 200), ((128, 128), (64, 128), (64, 32))):
+    cfg = get(m, (4096, 2560), b, 300, jnp.float32)
+    assert None not in (cfg.mosaic_forward, cfg.mosaic_dx, cfg.mosaic_dw), (m, b)
+  cfg = get(127, (4096, 4096), (128, 128), 256, jnp.float32)
+  assert (cfg.mosaic_forward, cfg.mosaic_dw) == (None, None)
   # Mid-size M (16-bit): blocks of 64 at 128-512 rows, of 128 from 512; 256-row tiles where they still
   # give about one output tile per SM.
   assert get(64, (4096, 4096), (64, 64), 1024, jnp.bfloat16).mosaic_forward is None
@@ -687,7 +699,14 @@ GPU_CASES = [
     for pattern in ["random", "single", "dense"]
     for dtype in [jnp.bfloat16, jnp.float16, jnp.float32]
     if pattern == "random" or dtype == jnp.bfloat16
-] + [(256, 256, 512, (16, 64), "random", jnp.bfloat16), (256, 512, 256, (128, 32), "random", jnp.float32)]
+] + [(256, 256, 512, (16, 64), "random", jnp.bfloat16), (256, 512, 256, (128, 32), "random", jnp.float32)] + [
+    # Float32 on the Mosaic kernels from 128 rows (M not a multiple of the tile), rectangular blocks; dW on the dense
+    # route where the grid of blocks fits one wave of the SMs (1536 x 768 in 128-blocks: 72).
+    (200, 512, 768, (64, 128), "random", jnp.float32),
+    (136, 512, 768, (64, 32), "random", jnp.float32),
+    (300, 1536, 768, (128, 128), "random", jnp.bfloat16),
+    (300, 1536, 768, (128, 128), "random", jnp.float32),
+]
 
 
 @pytest.mark.gpu

@@ -256,7 +256,8 @@ class DispatchRules:
       density where that still leaves this many output tiles per SM.
     mosaic_dw_*: where the Mosaic GPU sampled ``dw`` kernel replaces Triton's.
     dense_route_min_m, dw_dense_*, long_contraction_*, dense_above_density: where products run as
-      dense XLA products instead of per-block kernels.
+      dense XLA products instead of per-block kernels (``dw_dense_max_grid_per_sm``: ``dw`` runs dense
+      where the weight's whole grid of blocks is at most this many blocks per SM).
   """
 
   measured_on: str
@@ -291,6 +292,7 @@ class DispatchRules:
   dw_dense_min_density: float
   dw_dense_above_density: dict
   dw_dense_above_density_min_m: int
+  dw_dense_max_grid_per_sm: float
   long_contraction_min: int
   long_contraction_dense_above: dict
   dense_above_density: dict
@@ -424,8 +426,11 @@ HOPPER_RULES = DispatchRules(
     # Where the Mosaic GPU forward / dX kernels replace the Triton ones, per input itemsize: the smallest
     # M and the smallest block dim (16-bit: within the bands of mosaic_16bit_rows). Float32 runs on TF32 wgmma
     # there (Triton's float32 tiles measured 2.6x dense at block 128, M = 8192; see
-    # benchmarks/results/gpu_block_sparse_2026-11-23_h100.md).
-    mosaic_min_m_and_block={2: (128, 32), 4: (256, 32)},
+    # benchmarks/results/gpu_block_sparse_2026-11-23_h100.md), from 128 rows: M = 200, K = 4096, N = 2560,
+    # d = 0.3, forward / dX over dense (`gpu_product_routes.py --m 200 --blocks 64x128,64x32 --variants`, H200,
+    # benchmarks/results/gpu_unseen_shapes_2026-11-25_h200.md): 64 x 128 blocks 0.99 / 0.49 against Triton's
+    # 2.09 / 1.05, 64 x 32 blocks 0.63 / 0.41 against 0.87 / 0.64 (it started at 256 rows before).
+    mosaic_min_m_and_block={2: (128, 32), 4: (128, 32)},
 
     # Grouped-column tiles (one a tile loaded for G output block columns, each column's wgmma only where it keeps
     # the block): `gpu_block_sparse.py --group-cols-sweep` on an H200 (2026-11-25; benchmarks/results/
@@ -465,7 +470,9 @@ HOPPER_RULES = DispatchRules(
     #   at d = 0.5; K = 4 N, N = 2 K: 0.33-0.79 against 0.37-0.71, equal or better from 2048 rows), from 512 at
     #   8192 rows (N = K, d = 0.5: 0.56 against 0.62; N = 2 K, d = 0.25: 0.30 against 0.35). Triton with fewer:
     #   N = K, d = 0.25 (256 blocks), M = 1024-8192: 0.31-0.37 against 0.53-0.86.
-    mosaic_dw_min_m={2: 1024, 4: 256},
+    # Float32 from 128 rows: M = 200, K = 4096, N = 2560, d = 0.3 (H200, as for mosaic_min_m_and_block): 64 x 128
+    # blocks 0.78 against Triton's 1.56, 64 x 32 blocks 0.98 against 1.45.
+    mosaic_dw_min_m={2: 1024, 4: 128},
     mosaic_dw_tuned_16bit=(
         {} if mosaic_sdd is None else {(64, 64): mosaic_sdd.MosaicSddConfig(group=2, tile_m=64, num_stages=4)}
     ),
@@ -507,6 +514,14 @@ HOPPER_RULES = DispatchRules(
     # 16 bits (`dense_product_dtype`), half the bytes, so the route should lose by less at small M. Not yet
     # re-measured: `gpu_product_routes.py --m 256,1024,2048 --variants` is the run that would move this rule.)
     dw_dense_above_density_min_m=8192,
+    # ... and wherever the weight's whole grid of blocks fits one wave of the SMs: the per-block kernels then run
+    # one block's full xᵀdY per SM (or split it over a few programs) while the dense product spreads the same
+    # rows over the whole GPU. K = 1536, N = 768, 128 x 128 blocks (72 in the grid, 0.55 a SM), dW over the dense
+    # xᵀdY, per-block kernel / route (`gpu_product_routes.py --m 1000,12288 --k 1536 --ns 768 --blocks 128
+    # --densities 0.14,0.45 --variants`, H200, benchmarks/results/gpu_unseen_shapes_2026-11-25_h200.md): float32
+    # M = 12288 1.36-1.37 / 1.00 (Triton with its split 0.95 at d = 0.14, 2.07 at 0.45), M = 1000 1.55-1.62 /
+    # 1.08; bf16 M = 12288 1.37-1.77 / 0.97-0.99, M = 1000 1.75-2.95 / 1.28-1.29.
+    dw_dense_max_grid_per_sm=1.0,
 
     # Forward and dX on long contractions (K for the forward, N for dX; both are the same "dense x sparse"
     # kernel): the per-block kernels read a row slab of x / dY as long as the contraction once per kept
@@ -701,10 +716,13 @@ def dw_dense_then_gather(x2, dy2, w, *, precision):
 
 
 def use_dense_dw(m: int, shape, block_shape, nnz_blocks: int, mosaic_dw_cfg, dtype, rules: DispatchRules) -> bool:
-  """Whether ``dw`` is the dense product plus a gather (small blocks, or 64-blocks at high density
-  unless the Mosaic float32 kernel runs them)."""
+  """Whether ``dw`` is the dense product plus a gather (a grid of blocks that fits one wave of the SMs, small
+  blocks, or 64-blocks at high density unless the Mosaic float32 kernel runs them)."""
   if m < rules.dw_dense_min_m:
     return False
+  (k, n), (bk, bn) = shape, block_shape
+  if (k // bk) * (n // bn) <= rules.dw_dense_max_grid_per_sm * rules.num_sms:
+    return True
   density, small = _density(shape, block_shape, nnz_blocks), min(block_shape)
   if small < rules.dw_dense_below_block and mosaic_dw_cfg is None:
     return density >= rules.dw_dense_min_density
