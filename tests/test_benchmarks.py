@@ -65,3 +65,14 @@ def test_product_routes_script_runs():
   assert routes == {(kn, b, "kernels") for kn in ("128x128", "256x128") for b in ("32x32", "64x32")}, proc.stdout
   expected = {f"{p} Triton group_m={g}" for p in ("fwd", "dX") for g in (1, 2, 4, 16)} | {"dW Triton order=cols"}
   assert variants == expected, proc.stdout
+
+
+def test_unseen_shapes_script_runs(tmp_path):
+  out = tmp_path / "table.md"
+  cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_unseen_shapes.py"), "--tiny", "--cases", "3",
+         "--iterations", "1", "--out", str(out)]
+  env = {**os.environ, "PYTHONPATH": str(ROOT)}
+  proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = [r for r in out.read_text().splitlines() if r.startswith("| ") and "route" not in r]
+  assert len(rows) == 3 and all("failed" not in r for r in rows), rows
