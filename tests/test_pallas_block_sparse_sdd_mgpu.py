@@ -109,10 +109,11 @@ def test_dw_defaults_where_they_measured_faster(monkeypatch):
   assert get(8192, (4096, 4096), (64, 64), 1024, jnp.float32).mosaic_dw.group == 2
   assert get(8192, (4096, 4096), (128, 128), 256, jnp.bfloat16).mosaic_dw is None
   assert get(64, (4096, 4096), (64, 64), 1024, jnp.bfloat16).mosaic_dw is None
-  # Float32 (TF32): every block with bk >= 64, from M = 256.
+  # Float32 (TF32): every block with bk >= 64, from M = 128.
   for bs in [(128, 128), (64, 64), (64, 32)]:
     assert get(8192, (4096, 4096), bs, 256, jnp.float32).mosaic_dw.tile_m == 32
-  assert get(128, (4096, 4096), (128, 128), 256, jnp.float32).mosaic_dw is None
+  assert get(128, (4096, 4096), (128, 128), 256, jnp.float32).mosaic_dw.tile_m == 32
+  assert get(127, (4096, 4096), (128, 128), 256, jnp.float32).mosaic_dw is None
   # Small blocks elsewhere: one dense xᵀdY plus a gather, unless very sparse.
   for bs, dtype in [((32, 32), jnp.bfloat16), ((32, 32), jnp.float32), ((64, 32), jnp.bfloat16)]:
     nnz = (4096 // bs[0]) * (4096 // bs[1]) // 4
