@@ -656,9 +656,14 @@ def mosaic_dw_default(
   return None
 
 
-def _density(shape, block_shape, nnz_blocks: int) -> float:
+def _grid_blocks(shape, block_shape) -> int:
+  """Blocks in the weight's whole grid, kept or not."""
   (k, n), (bk, bn) = shape, block_shape
-  return nnz_blocks / ((k // bk) * (n // bn))
+  return (k // bk) * (n // bn)
+
+
+def _density(shape, block_shape, nnz_blocks: int) -> float:
+  return nnz_blocks / _grid_blocks(shape, block_shape)
 
 
 def use_dense(m: int, shape, block_shape, nnz_blocks: int, dtype, rules: DispatchRules) -> bool:
@@ -720,8 +725,7 @@ def use_dense_dw(m: int, shape, block_shape, nnz_blocks: int, mosaic_dw_cfg, dty
   blocks, or 64-blocks at high density unless the Mosaic float32 kernel runs them)."""
   if m < rules.dw_dense_min_m:
     return False
-  (k, n), (bk, bn) = shape, block_shape
-  if (k // bk) * (n // bn) <= rules.dw_dense_max_grid_per_sm * rules.num_sms:
+  if _grid_blocks(shape, block_shape) <= rules.dw_dense_max_grid_per_sm * rules.num_sms:
     return True
   density, small = _density(shape, block_shape, nnz_blocks), min(block_shape)
   if small < rules.dw_dense_below_block and mosaic_dw_cfg is None:
