@@ -32,6 +32,7 @@ from jaxsparse.pallas import _block_sparse_config as kernel_config
 from jaxsparse.pallas import _block_sparse_matmul as kernels
 from jaxsparse.pallas import _block_sparse_matmul_mgpu as mosaic
 from jaxsparse.pallas import _block_sparse_sdd_mgpu as mosaic_sdd
+from jaxsparse.pallas import _common
 
 # Relative error ‖out - ref‖ / ‖ref‖ allowed per input dtype: float32 dots run in full float32 in
 # interpret mode and with precision=HIGHEST on the GPU; 16-bit inputs round the output once more.
@@ -325,7 +326,7 @@ def test_dispatch_rules_per_device_kind(monkeypatch):
   assert BlockSparseMatmulConfig.get_default(*args, rules=hopper).forward.split > 1
   assert BlockSparseMatmulConfig.get_default(*args, rules=kernel_config.dispatch_rules("x", 100)).forward.split == 1
   # get_default reads the table of the first device's kind (given a table of its own here).
-  own = dataclasses.replace(hopper, measured_on="test", decode_max_m=8)
+  own = dataclasses.replace(hopper, measured_on="test", decode_max_m=8, split_max=1)  # no split above decode
   monkeypatch.setattr(kernel_config, "DISPATCH_TABLES", (((jax.devices()[0].device_kind,), own),))
   kernel_config._dispatch_rules.cache_clear()
   try:
@@ -475,6 +476,29 @@ def test_mosaic_interpret_grouped_columns(block, group, dtype, out_dtype):
   y_ref, _, _ = _dense_reference(x, dy, w)
   assert y.dtype == (out_dtype or dtype)
   _assert_close(y, y_ref, dtype, "y", 1e-5 if out_dtype == jnp.float32 else None)
+
+
+@pytest.mark.parametrize(("split", "group", "dtype"), [(2, 1, jnp.bfloat16), (3, 1, jnp.float32), (4, 2, jnp.bfloat16)])
+def test_mosaic_interpret_split_contraction(split, group, dtype):
+  # Each output tile's steps in `split` parts, each its own grid tile writing a float32 partial sum: 4 x 8 blocks of
+  # 32 with a random pattern leave some tiles fewer steps than parts (empty parts); M = 200 is padded.
+  x, dy, w = _problem(200, 128, 256, (32, 32), "random", dtype, seed=30 + split)
+  cfg = mosaic.MosaicKernelConfig(tile_m=128, tile_k=32, num_stages=2, num_ctas=3, group_cols=group, split=split)
+  y = mosaic.dense_sparse_matmul(x, w, config=cfg, interpret=True)
+  y_ref, _, _ = _dense_reference(x, dy, w)
+  assert y.dtype == dtype
+  _assert_close(y, y_ref, dtype, "y")
+
+
+@settings(max_examples=100, deadline=None)
+@given(start=st.integers(0, 50), length=st.integers(0, 40), parts=st.integers(1, 9))
+def test_chunks_partition_the_range(start, length, parts):
+  # The split contraction of the forward / dX kernels: the parts tile [start, end) in order, none longer than
+  # ceil(length / parts).
+  got = [tuple(int(v) for v in _common.chunk(start, start + length, p, parts)) for p in range(parts)]
+  assert got[0][0] == start and got[-1][1] == start + length
+  assert all(lo <= hi and hi - lo <= -(-length // parts) for lo, hi in got)
+  assert all(a[1] == b[0] for a, b in itertools.pairwise(got))
 
 
 @needs_transposed_wgmma_interpreter
@@ -661,6 +685,43 @@ def test_mosaic_grouped_columns_where_they_measured_faster(monkeypatch):
     cfg = BlockSparseMatmulConfig.get_default(m, (4096, 4096), b, 2048 * 4096 // (b[0] * b[1]), dtype, rules=rules)
     for c, ob in ((cfg.mosaic_forward, b[1]), (cfg.mosaic_dx, b[0])):
       assert c is None or c.acc_elements(ob) <= mosaic.MAX_ACC_ELEMENTS, (dtype, b, m, c)
+
+
+def test_contraction_split_where_it_measured_faster(monkeypatch):
+  # DispatchRules.split_*: above decode size, tiles x parts within one tile a SM (Mosaic) / 8 programs a SM
+  # (Triton), at least 8 pipeline steps (Mosaic) / 4 kept blocks (Triton) a part, partial sums at most 1.5x the
+  # kept weight's bytes. The cases are the sweep's (gpu_split_sweep.py).
+  monkeypatch.setattr(kernel_config, "_mosaic_probe", lambda: None)
+  rules = kernel_config.dispatch_rules("NVIDIA H200")
+
+  def splits(m, k, n, block_shape, d, dtype, rules=rules):
+    kb, nb = k // block_shape[0], n // block_shape[1]
+    cfg = BlockSparseMatmulConfig.get_default(m, (k, n), block_shape, round(d * kb * nb), dtype, rules=rules)
+    fwd = cfg.mosaic_forward.split if cfg.mosaic_forward else cfg.forward.split
+    dx = cfg.mosaic_dx.split if cfg.mosaic_dx else cfg.dx.split
+    return fwd, dx
+
+  f32, bf16 = jnp.float32, jnp.bfloat16
+  assert splits(200, 5120, 768, (128, 64), 0.38, f32) == (4, 1)  # Mosaic: 24 forward tiles of 60 steps; 80 dX tiles
+  assert splits(200, 6144, 2560, (32, 64), 0.42, bf16) == (4, 1)  # Triton: 160 forward programs of 81 blocks
+  assert splits(200, 1024, 5120, (64, 32), 0.32, bf16) == (1, 4)  # Triton dX: 64 programs; 8 parts: sums 2x
+  assert splits(256, 768, 2560, (32, 32), 0.44, bf16) == (1, 2)  # Mosaic dX: 48 tiles of 35 steps
+  assert splits(1000, 1024, 2560, (64, 32), 0.46, bf16) == (1, 1)  # partial sums 3.4x the weight
+  assert splits(200, 4096, 8192, (64, 128), 0.41, f32) == (1, 1)  # 128 tiles
+  assert splits(640, 2048, 1024, (128, 128), 0.3, f32) == (1, 1)  # 40 forward tiles, sums 2.1x
+  for m in (8192, 1024):  # training-size M: tiles enough
+    assert splits(m, 4096, 4096, (64, 64), 0.25, bf16) == (1, 1)
+    assert splits(m, 4096, 4096, (32, 32), 0.25, f32) == (1, 1)
+  # Decode keeps its own split (DispatchRules.decode_*); fewer SMs make fewer parts.
+  assert kernel_config.contraction_split(64, 1, 100, 128, 1 << 30, "mosaic", rules) == 1
+  assert kernel_config.contraction_split(65, 1, 100, 128, 1 << 30, "mosaic", rules) == 8
+  few = kernel_config.dispatch_rules("NVIDIA H200", num_sms=60)
+  assert splits(200, 5120, 768, (128, 64), 0.38, f32, rules=few) == (2, 1)
+  # Mid-size float32 row tiles: 256 only with enough tiles and at most 1/8 padding.
+  get = lambda m, n: BlockSparseMatmulConfig.get_default(m, (3072, n), (32, 64), 1000, f32, rules=rules)
+  assert (get(1000, 6144).mosaic_dx.tile_m, get(640, 6144).mosaic_dx.tile_m, get(200, 6144).mosaic_dx.tile_m) == (
+      256, 128, 128)
+  assert get(512, 1024).mosaic_dx.tile_m == 256 and get(512, 1024).mosaic_forward.tile_m == 128  # 96 / 32 cols
 
 
 @pytest.mark.parametrize(
@@ -876,6 +937,51 @@ def test_gpu_mosaic_grouped_columns_match_dense(m, k, n, block_shape, group, dty
   rtol = RTOL_TF32 if dtype == jnp.float32 else RTOL[dtype]
   _assert_close(y, y_ref, dtype, "y", rtol)
   _assert_close(dx, dx_ref, dtype, "dX", rtol)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize(
+    ("m", "k", "n", "block_shape", "pattern", "group", "split", "dtype"),
+    [
+        (200, 640, 384, (128, 64), "random", 1, 4, jnp.float32),
+        (300, 512, 640, (32, 32), "quarter", 2, 3, jnp.bfloat16),  # empty block rows / columns, uneven parts
+        (136, 1024, 320, (32, 32), "random", 4, 8, jnp.float32),  # more parts than some tiles have steps
+    ],
+)
+def test_gpu_mosaic_split_matches_dense(m, k, n, block_shape, pattern, group, split, dtype):
+  x, dy, w = _problem(m, k, n, block_shape, pattern, dtype, seed=m + split)
+  tile_k = 32 if dtype == jnp.float32 else min(block_shape)
+  cfg = mosaic.MosaicKernelConfig(tile_m=128, tile_k=tile_k, num_stages=3, group_cols=group, split=split)
+  y = jax.jit(lambda a, w: mosaic.dense_sparse_matmul(a, w, config=cfg))(x, w)
+  dx = jax.jit(lambda a, w: mosaic.dense_sparse_matmul(a, w, transpose=True, config=cfg))(dy, w)
+  assert y.dtype == dtype and dx.dtype == dtype
+  y_ref, dx_ref, _ = _dense_reference(x, dy, w)
+  rtol = RTOL_TF32 if dtype == jnp.float32 else RTOL[dtype]
+  _assert_close(y, y_ref, dtype, "y", rtol)
+  _assert_close(dx, dx_ref, dtype, "dX", rtol)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize(
+    ("m", "k", "n", "block_shape", "dtype", "splits"),
+    [
+        (200, 5120, 768, (128, 64), jnp.float32, {"mosaic_forward": 4}),  # 24 forward tiles
+        (200, 1024, 5120, (64, 32), jnp.bfloat16, {"dx": 8}),  # Triton dX: 64 programs of 72 blocks
+        (256, 768, 2560, (32, 32), jnp.bfloat16, {"mosaic_dx": 2}),
+    ],
+)
+def test_gpu_default_config_splits_contraction(m, k, n, block_shape, dtype, splits):
+  # Narrow outputs at mid-size M: the default splits each output tile's steps (DispatchRules.split_*); forward and
+  # all gradients against the dense reference.
+  x, dy, w = _problem(m, k, n, block_shape, "random", dtype, seed=m + n)
+  cfg = BlockSparseMatmulConfig.get_default(m, w.shape, w.block_shape, w.nnz_blocks, w.dtype)
+  for field, parts in splits.items():
+    if field.startswith("mosaic") and not kernels.mosaic_available():
+      continue
+    assert getattr(cfg, field).split == parts, field
+  _check_all(x, dy, w, dtype, interpret=False)
 
 
 @pytest.mark.gpu

@@ -197,6 +197,15 @@ class BlockSparseMatmulConfig:
       return dataclasses.replace(cfg, **r.decode_sub_cols)
 
     fwd, dx = sub_column_programs(fwd, nb, bn), split_blocks(dx, kb)
+    weight_bytes = nnz_blocks * bk * bn * itemsize
+
+    def mid_split(cfg: KernelConfig, num_out: int, ob: int) -> KernelConfig:
+      # Above decode size: contraction_split (few output tiles, many steps each).
+      tiles = pl.cdiv(m, cfg.block_m) * num_out * (ob // (cfg.sub_cols or ob))
+      parts = contraction_split(m, tiles, nnz_blocks / num_out, num_out * ob, weight_bytes, "triton", r)
+      return cfg if parts == 1 else dataclasses.replace(cfg, split=parts)
+
+    fwd, dx = mid_split(fwd, nb, bn), mid_split(dx, kb, bk)
     if m <= r.decode_max_m and (warps := r.decode_warps.get((itemsize, bn))) is not None:
       fwd = dataclasses.replace(fwd, num_warps=warps)
     if nnz_blocks < r.target_programs // 4:
@@ -249,12 +258,13 @@ class DispatchRules:
     decode_warps: ``{(itemsize, output block width): num_warps}`` of the decode forward.
     tuned_min_m, tuned_configs: ``{block: (forward, dx, dw)}`` Triton tiles for 16-bit square blocks
       from ``tuned_min_m`` rows.
-    mosaic_min_m, mosaic_16bit_rows, mosaic_mid_tiles, mosaic_tuned_configs, mosaic_min_m_and_block:
+    mosaic_min_m, mosaic_16bit_rows, mosaic_mid_tiles, mosaic_mid_max_pad, mosaic_tuned_configs, mosaic_min_m_and_block:
       where the Mosaic GPU forward / ``dx`` kernels replace Triton's, and their tiles.
     mosaic_group_cols: ``{(itemsize, output block dim): (min density, G, min tiles per SM)}``: the Mosaic
       forward / ``dx`` tiles span ``G`` output block columns (``MosaicKernelConfig.group_cols``) from this
       density where that still leaves this many output tiles per SM.
     mosaic_dw_*: where the Mosaic GPU sampled ``dw`` kernel replaces Triton's.
+    split_*: where the forward / ``dx`` kernels split each output tile's steps (:func:`contraction_split`).
     dense_route_min_m, dw_dense_*, long_contraction_*, dense_above_density: where products run as
       dense XLA products instead of per-block kernels (``dw_dense_max_grid_per_sm``: ``dw`` runs dense
       where the weight's whole grid of blocks is at most this many blocks per SM).
@@ -275,6 +285,7 @@ class DispatchRules:
   mosaic_min_m: int
   mosaic_16bit_rows: dict
   mosaic_mid_tiles: int
+  mosaic_mid_max_pad: float
   mosaic_tuned_configs: dict
   mosaic_min_m_and_block: dict
   mosaic_group_cols: dict
@@ -296,6 +307,10 @@ class DispatchRules:
   long_contraction_min: int
   long_contraction_dense_above: dict
   dense_above_density: dict
+  split_max: int
+  split_programs_per_sm: dict
+  split_min_steps: dict
+  split_max_sum_bytes: float
 
   @property
   def target_programs(self) -> int:
@@ -414,6 +429,13 @@ HOPPER_RULES = DispatchRules(
     # (min rows, max rows or None) per smaller block side:
     mosaic_16bit_rows={32: ((128, 256),), 64: ((128, 512), (1024, None)), 128: ((512, None),)},
     mosaic_mid_tiles=128,
+    # ... for float32 as well (it took 256-row tiles from 129 rows before), and M padded by at most 1/8 of it (was:
+    # not at all). Float32 forward / dX over dense, 128- against 256-row tiles (`gpu_split_sweep.py`, H200,
+    # benchmarks/results/gpu_split_2026-11-25_h200.md): M = 200, K = 5120, N = 768, 128 x 64 blocks (12 / 40 output
+    # block columns): 0.99 / 0.90 against 1.35 / 1.39; M = 640, 2048 x 1024, 128-blocks: 0.57 / 0.65 against 1.05 /
+    # 1.22; M = 200, 4096 x 8192, 64 x 128: 1.28 / 0.52 against 1.47 / 0.62. M = 1000, 3072 x 6144, 32 x 64
+    # (384 dX tiles of 256 rows, 2.4% padding): dX 1.18 against 1.06, forward 1.06 against 1.09.
+    mosaic_mid_max_pad=0.125,
     mosaic_tuned_configs=(
         {}
         if mosaic is None
@@ -544,6 +566,26 @@ HOPPER_RULES = DispatchRules(
     # d = 0.5 0.94 / 0.88 (N = 16384: 0.91 / 0.87) against the dense route's 0.99-1.00 / 0.94-0.99 (dW runs
     # dense for these blocks either way); above 0.5 not measured. {(min block dim, itemsize): density}.
     dense_above_density={(32, 2): 0.3, (32, 4): 0.5},
+
+    # The forward / dX tiles' steps split into parts (`contraction_split`) above decode size, where the output has
+    # too few tiles and each walks many steps: `gpu_split_sweep.py` (H200, benchmarks/results/
+    # gpu_split_2026-11-25_h200.md), time over dense, no split -> the split the rule picks (best measured):
+    # * Mosaic (one tile a SM, >= 8 pipeline steps a part): float32 M = 200, K = 5120, N = 768, 128 x 64 blocks,
+    #   d = 0.38, forward (24 tiles of 128 rows, 60 steps) 0.99 -> 0.66 (split 4; 2: 0.78, 8: 0.74); bf16
+    #   M = 200, 1024 x 5120, 64 x 32, d = 0.32, dX (32 tiles, 51 steps) 2.08 -> 1.29 (4); bf16 M = 200,
+    #   768 x 2560, 32 x 32, d = 0.44, dX (48 tiles, 35 steps) 1.24 -> 1.00 (2; 4: 1.05). With 80-128 tiles
+    #   or under 10 steps every split lost (float32 dX at M = 200 / 640: 0.90 -> 1.23, 0.65 -> 0.94).
+    # * Triton (programs of 4 warps, several a SM; >= 4 blocks a part): bf16 M = 200, 6144 x 2560, 32 x 64,
+    #   d = 0.42, forward (160 programs, 81 blocks each) 2.67 -> 1.55 (4); the dX above (64 programs) 2.02 ->
+    #   1.33 (4), (96 programs) 1.22 -> 0.92 (4); bf16 M = 384, 4096 x 1024, 64-blocks, d = 0.25, forward
+    #   (48 programs, 16 blocks) 1.27 -> 0.99 (2; 4: 0.96).
+    # * The partial sums (split x M x output columns, float32, written and read again) at most 1.5x the kept
+    #   weight's bytes: bf16 M = 1000, 1024 x 2560, 64 x 32, d = 0.46, dX (128 programs, 37 blocks) lost with
+    #   every split, 1.46 -> 1.57 / 1.63 / 2.25 (2 / 4 / 8; sums 3.4x the weight at 2).
+    split_max=8,
+    split_programs_per_sm={"mosaic": 1, "triton": 8},
+    split_min_steps={"mosaic": 8, "triton": 4},
+    split_max_sum_bytes=1.5,
 )
 
 # ``(substrings of jax's device_kind, rules)``; the first whose substring is in the device's kind wins.
@@ -609,11 +651,13 @@ def mosaic_defaults(
   else:
     default = mosaic.MosaicBlockSparseMatmulConfig.get_default(m, block_shape, dtype)
     fwd, dx = default.forward, default.dx
-    if itemsize == 2 and m < rules.mosaic_min_m:
-      # Mid-size M: 256-row tiles only where they still give about one output tile per SM.
+    if m < rules.mosaic_min_m:
+      # Mid-size M: 256-row tiles only where they still give about one output tile per SM and pad M by at
+      # most rules.mosaic_mid_max_pad of it.
       def rows(cfg, num_cols):
-        tile_m = 256 if m % 256 == 0 and m // 256 * num_cols >= rules.mosaic_mid_tiles else 128
-        return dataclasses.replace(cfg, tile_m=tile_m, group_m=2)
+        padded = pl.cdiv(m, 256)
+        big = padded * num_cols >= rules.mosaic_mid_tiles and padded * 256 - m <= rules.mosaic_mid_max_pad * m
+        return dataclasses.replace(cfg, tile_m=256 if big else 128, group_m=2)
 
       fwd, dx = rows(fwd, n // bn), rows(dx, k // bk)
   density = _density(shape, block_shape, nnz_blocks)
@@ -629,7 +673,51 @@ def mosaic_defaults(
       return cfg
     return grouped
 
-  return group_cols(fwd, n // bn, bn), group_cols(dx, k // bk, bk)
+  fwd, dx = group_cols(fwd, n // bn, bn), group_cols(dx, k // bk, bk)
+
+  def split(cfg, num_out: int, ob: int, num_a: int, cb: int):
+    # Steps of a tile: its column's kept blocks (the union over G columns) times the pipeline steps of a block.
+    kept = num_a * (1 - (1 - density) ** cfg.group_cols) if cfg.group_cols > 1 else nnz_blocks / num_out
+    tiles = pl.cdiv(m, cfg.tile_m) * pl.cdiv(num_out, cfg.group_cols)
+    weight_bytes = nnz_blocks * bk * bn * itemsize
+    parts = contraction_split(m, tiles, kept * (cb // cfg.tile_k), num_out * ob, weight_bytes, "mosaic", rules)
+    return dataclasses.replace(cfg, split=parts)
+
+  return split(fwd, n // bn, bn, k // bk, bk), split(dx, k // bk, bk, n // bn, bn)
+
+
+def contraction_split(
+    m: int, tiles: int, steps: float, out_cols: int, weight_bytes: int, kernel: str, rules: DispatchRules
+) -> int:
+  """Parts to split the steps of each forward / ``dx`` output tile into (``split`` of the kernel configs).
+
+  Above decode size, where the output has too few tiles for the GPU and each walks many steps (narrow layers,
+  mid-size ``m``): the largest power of two up to ``rules.split_max`` that keeps ``tiles x split`` within
+  ``rules.split_programs_per_sm[kernel]`` a SM, at least ``rules.split_min_steps[kernel]`` steps a part, and the
+  float32 partial sums (``split x m x out_cols``) at most ``rules.split_max_sum_bytes`` times the kept weight's bytes.
+
+  Args:
+    m: rows of the product.
+    tiles: output tiles of the kernel without a split.
+    steps: average steps (pipeline steps of the Mosaic kernel, kept blocks of Triton's) an output tile walks.
+    out_cols: columns of the output.
+    weight_bytes: bytes of the kept blocks.
+    kernel: ``"mosaic"`` or ``"triton"``.
+    rules: the dispatch table.
+  """
+  if m <= rules.decode_max_m:
+    return 1
+  programs = rules.split_programs_per_sm[kernel] * rules.num_sms
+  min_steps = rules.split_min_steps[kernel]
+  parts = 1
+  while (
+      parts * 2 <= rules.split_max
+      and tiles * parts * 2 <= programs
+      and steps / (parts * 2) >= min_steps
+      and parts * 2 * m * out_cols * 4 <= rules.split_max_sum_bytes * weight_bytes
+  ):
+    parts *= 2
+  return parts
 
 
 def mosaic_dw_default(

@@ -60,6 +60,7 @@ from jaxsparse.pallas._block_sparse_config import mosaic_unavailable_reason
 from jaxsparse.pallas._common import PallasFallbackWarning
 from jaxsparse.pallas._common import allows_tf32
 from jaxsparse.pallas._common import available
+from jaxsparse.pallas._common import chunk
 from jaxsparse.pallas._common import dot
 from jaxsparse.pallas._common import grouped_tile
 from jaxsparse.pallas._common import unavailable_reason
@@ -145,11 +146,7 @@ def _check_supported(*args) -> None:
 
 def _split_range(start, end, split: int):
   """The part of ``[start, end)`` that split program ``pl.program_id(1)`` handles."""
-  if split == 1:
-    return start, end
-  chunk = pl.cdiv(end - start, split)
-  lo = start + pl.program_id(1) * chunk
-  return lo, jnp.minimum(lo + chunk, end)
+  return chunk(start, end, pl.program_id(1) if split > 1 else 0, split)
 
 
 class _BlockIndex:

@@ -54,6 +54,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
+from jaxsparse.pallas._common import chunk
 
 __all__ = [
     "MosaicBlockSparseMatmulConfig",
@@ -103,6 +104,10 @@ class MosaicKernelConfig:
       the limit of blocks of 32 and 64 (see the module docstring). The default configs choose it where it
       measured faster (``DispatchRules.mosaic_group_cols``: float32 blocks of 32 and 64, 16-bit blocks of 64
       at higher densities).
+    split: parts the steps of each output tile are split into, each run by its own tile of the grid into its
+      own float32 partial sum (added afterwards, one XLA pass over ``split x M x`` output columns): more tiles
+      where the output has too few to fill the GPU and each walks many steps (narrow layers and mid-size
+      ``M``; ``DispatchRules.split_*``).
   """
 
   tile_m: int = 256
@@ -112,6 +117,7 @@ class MosaicKernelConfig:
   num_ctas: int | None = None
   epi_n: int = 64
   group_cols: int = 1
+  split: int = 1
 
   def __post_init__(self):
     if self.tile_m not in (128, 256):
@@ -127,11 +133,13 @@ class MosaicKernelConfig:
       raise ValueError(f"num_ctas must be None, 0 or positive, got num_ctas={self.num_ctas}.")
     if self.group_cols not in (1, 2, 4, 8):
       raise ValueError(f"group_cols must be 1, 2, 4 or 8, got group_cols={self.group_cols}.")
+    if not 1 <= self.split <= 16:
+      raise ValueError(f"split must be between 1 and 16, got split={self.split}.")
 
   def smem_bytes(self, ob: int, itemsize: int, out_itemsize: int) -> int:
-    """Shared memory the kernel allocates for output blocks ``ob`` wide."""
+    """Shared memory the kernel allocates for output blocks ``ob`` wide (a split stores float32 partial sums)."""
     ring = self.num_stages * (self.tile_m * self.tile_k + self.group_cols * self.tile_k * ob) * itemsize
-    return ring + self.tile_m * min(self.epi_n, ob) * out_itemsize
+    return ring + self.tile_m * min(self.epi_n, ob) * (4 if self.split > 1 else out_itemsize)
 
   def acc_elements(self, ob: int) -> int:
     """Float32 accumulator elements per compute warpgroup for output blocks ``ob`` wide."""
@@ -365,12 +373,15 @@ def _kernel(
 
   cta = lax.axis_index("cta")
   wg = lax.axis_index("wg")
-  num_tiles = num_m * num_c
+  split = cfg.split
+  num_tiles = num_m * num_c * split
   my_tiles = (num_tiles - cta + num_ctas - 1) // num_ctas
 
   def tile(i):
-    mi, c = tile_of(cta + i * num_ctas, num_m, num_c, cfg.group_m)
-    return mi, c, offsets_ref[c], offsets_ref[c + 1]
+    # Part s of the split runs after all tiles of part s - 1 (the same tile order in each part).
+    s, rest = divmod(cta + i * num_ctas, num_m * num_c)
+    mi, c = tile_of(rest, num_m, num_c, cfg.group_m)
+    return mi, c, s, *chunk(offsets_ref[c], offsets_ref[c + 1], s, split)
 
   def step_blocks(t):
     # The data index of each column's block at step t (-1: none; only where group > 1).
@@ -412,7 +423,7 @@ def _kernel(
       plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
 
       def tile_body(i, g):
-        mi, _, start, end = tile(i)
+        mi, _, _, start, end = tile(i)
 
         def step(t, g):
           bs = step_blocks(t)
@@ -461,7 +472,7 @@ def _kernel(
       rows = pl.ds(wg * half, half)
 
       def tile_body(i, g):
-        mi, c, start, end = tile(i)
+        mi, c, part, start, end = tile(i)
 
         def acc_scope(*acc_refs):
           def step(t, g):
@@ -494,7 +505,9 @@ def _kernel(
               plgpu.wait_smem_to_gmem(0, wait_read_only=True)
               o_smem[wg] = acc[:, e * epi_n : (e + 1) * epi_n].astype(out_dtype)
               plgpu.commit_smem()
-              plgpu.copy_smem_to_gmem(o_smem.at[wg], out_ref.at[out_rows, pl.ds(col * ob + e * epi_n, epi_n)])
+              cols = pl.ds(col * ob + e * epi_n, epi_n)
+              dst = out_ref.at[out_rows, cols] if split == 1 else out_ref.at[part, out_rows, cols]
+              plgpu.copy_smem_to_gmem(o_smem.at[wg], dst)
 
           if num_out % group and j >= num_out % group:
             pl.when(col < num_out)(store)  # the last tile column covers fewer output block columns
@@ -544,7 +557,7 @@ def dense_sparse_matmul(
   ap = jnp.pad(a, ((0, pad), (0, 0))) if pad else a
   num_m = ap.shape[0] // config.tile_m
   num_c = -(-num_out // config.group_cols)
-  num_tiles = num_m * num_c
+  num_tiles = num_m * num_c * config.split
   num_ctas = config.num_ctas
   num_ctas = num_tiles if num_ctas == 0 else min(num_tiles, num_ctas or _num_sms())
   offsets, blocks, a_blocks = steps_of(w, transpose=transpose, group=config.group_cols)
@@ -563,9 +576,11 @@ def dense_sparse_matmul(
       num_ctas=num_ctas,
   )
   params = {"interpret": _interpret_params()} if interpret else {}
+  # A split writes float32 partial sums, one (M, out_cols) slab a part.
+  out_shape = (ap.shape[0], out_cols) if config.split == 1 else (config.split, ap.shape[0], out_cols)
   out = plgpu.kernel(
       kernel,
-      out_type=jax.ShapeDtypeStruct((ap.shape[0], out_cols), out_dtype),
+      out_type=jax.ShapeDtypeStruct(out_shape, out_dtype if config.split == 1 else jnp.float32),
       grid=(num_ctas,),
       grid_names=("cta",),
       num_threads=_NUM_COMPUTE_WGS + 1,
@@ -573,6 +588,8 @@ def dense_sparse_matmul(
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       **params,
   )(offsets, blocks, a_blocks, ap, data)
+  if config.split > 1:
+    out = out.sum(axis=0).astype(out_dtype)
   return out[:m] if pad else out
 
 

@@ -9,7 +9,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["PallasFallbackWarning", "allows_tf32", "available", "dot", "grouped_tile", "unavailable_reason"]
+__all__ = [
+    "PallasFallbackWarning",
+    "allows_tf32",
+    "available",
+    "chunk",
+    "dot",
+    "grouped_tile",
+    "unavailable_reason",
+]
 
 _MIN_COMPUTE_CAPABILITY = 8.0
 
@@ -68,6 +76,19 @@ def grouped_tile(pid, num_m: int, num_n: int, group_m: int):
   size = jnp.minimum(num_m - first_m, group_m)
   r = pid % width
   return first_m + r % size, r // size
+
+
+def chunk(start, end, part, parts: int):
+  """The part ``part`` (of ``parts`` equal parts, the last ones shorter or empty) of the range ``[start, end)``.
+
+  Plain ``jnp`` on scalars: the split contraction of the forward / ``dx`` kernels (Triton and Mosaic GPU),
+  shared with the CPU tests. The parts partition the range; an empty part has ``lo == hi``.
+  """
+  if parts == 1:
+    return start, end
+  size = (end - start + parts - 1) // parts
+  lo = jnp.minimum(start + part * size, end)
+  return lo, jnp.minimum(lo + size, end)
 
 
 def dot(a, b, contract, *, compute_dtype, precision):
