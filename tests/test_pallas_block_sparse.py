@@ -722,6 +722,9 @@ def test_contraction_split_where_it_measured_faster(monkeypatch):
   assert (get(1000, 6144).mosaic_dx.tile_m, get(640, 6144).mosaic_dx.tile_m, get(200, 6144).mosaic_dx.tile_m) == (
       256, 128, 128)
   assert get(512, 1024).mosaic_dx.tile_m == 256 and get(512, 1024).mosaic_forward.tile_m == 128  # 96 / 32 cols
+  # ... 16-bit: no padding at all (bf16 M = 1000, 128-blocks: 128-row tiles measured faster).
+  cfg = BlockSparseMatmulConfig.get_default(1000, (2048, 5120), (128, 128), 256, bf16, rules=rules)
+  assert cfg.mosaic_forward.tile_m == 128
 
 
 @pytest.mark.parametrize(

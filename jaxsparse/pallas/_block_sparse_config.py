@@ -429,13 +429,15 @@ HOPPER_RULES = DispatchRules(
     # (min rows, max rows or None) per smaller block side:
     mosaic_16bit_rows={32: ((128, 256),), 64: ((128, 512), (1024, None)), 128: ((512, None),)},
     mosaic_mid_tiles=128,
-    # ... for float32 as well (it took 256-row tiles from 129 rows before), and M padded by at most 1/8 of it (was:
-    # not at all). Float32 forward / dX over dense, 128- against 256-row tiles (`gpu_split_sweep.py`, H200,
+    # ... for float32 as well (it took 256-row tiles from 129 rows before), there with M padded by at most 1/8 of
+    # it. Float32 forward / dX over dense, 128- against 256-row tiles (`gpu_split_sweep.py`, H200,
     # benchmarks/results/gpu_split_2026-11-25_h200.md): M = 200, K = 5120, N = 768, 128 x 64 blocks (12 / 40 output
     # block columns): 0.99 / 0.90 against 1.35 / 1.39; M = 640, 2048 x 1024, 128-blocks: 0.57 / 0.65 against 1.05 /
     # 1.22; M = 200, 4096 x 8192, 64 x 128: 1.28 / 0.52 against 1.47 / 0.62. M = 1000, 3072 x 6144, 32 x 64
-    # (384 dX tiles of 256 rows, 2.4% padding): dX 1.18 against 1.06, forward 1.06 against 1.09.
-    mosaic_mid_max_pad=0.125,
+    # (384 dX tiles of 256 rows, 2.4% padding): dX 1.18 against 1.06, forward 1.06 against 1.09. 16-bit keeps
+    # no padding: bf16 M = 1000, 2048 x 5120, 128-blocks, d = 0.4 (`gpu_unseen_shapes.py --seed 11`) forward 1.06
+    # with 256-row tiles against 0.87 with 128. {itemsize: largest padding / M}.
+    mosaic_mid_max_pad={2: 0.0, 4: 0.125},
     mosaic_tuned_configs=(
         {}
         if mosaic is None
@@ -653,10 +655,11 @@ def mosaic_defaults(
     fwd, dx = default.forward, default.dx
     if m < rules.mosaic_min_m:
       # Mid-size M: 256-row tiles only where they still give about one output tile per SM and pad M by at
-      # most rules.mosaic_mid_max_pad of it.
+      # most rules.mosaic_mid_max_pad[itemsize] of it.
       def rows(cfg, num_cols):
         padded = pl.cdiv(m, 256)
-        big = padded * num_cols >= rules.mosaic_mid_tiles and padded * 256 - m <= rules.mosaic_mid_max_pad * m
+        max_pad = rules.mosaic_mid_max_pad[itemsize] * m
+        big = padded * num_cols >= rules.mosaic_mid_tiles and padded * 256 - m <= max_pad
         return dataclasses.replace(cfg, tile_m=256 if big else 128, group_m=2)
 
       fwd, dx = rows(fwd, n // bn), rows(dx, k // bk)
