@@ -76,3 +76,17 @@ def test_unseen_shapes_script_runs(tmp_path):
   assert proc.returncode == 0, proc.stderr[-3000:]
   rows = [r for r in out.read_text().splitlines() if r.startswith("| ") and "route" not in r]
   assert len(rows) == 3 and all("failed" not in r for r in rows), rows
+
+
+def test_split_sweep_script_runs():
+  # On the CPU: the Triton variants in interpret mode (no Mosaic GPU here), each checked against dense.
+  cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_split_sweep.py"), "--cases",
+         "float32:80x256x128:64x32:0.5,bfloat16:70x128x256:32x32:0.5", "--iterations", "1"]
+  env = {**os.environ, "PYTHONPATH": str(ROOT)}
+  proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = [r.split("|") for r in proc.stdout.splitlines() if r.startswith("| float32:") or r.startswith("| bfloat16:")]
+  assert [(r[1].strip().split(":")[0], r[2].strip()) for r in rows] == [
+      ("float32", "fwd"), ("float32", "dX"), ("bfloat16", "fwd"), ("bfloat16", "dX")], proc.stdout
+  assert all("triton" in r[5] and float(r[7]) < 2e-2 for r in rows), proc.stdout
+  assert "FAILED" not in proc.stdout, proc.stdout
