@@ -3,8 +3,8 @@
 The defaults are data: one :class:`DispatchRules` table per GPU kind (tuned tiles per block shape / M,
 thresholds with the measurement that set them), picked by :func:`dispatch_rules` from the device's
 ``device_kind`` and SM count. One function turns a product and a table into a config,
-``BlockSparseMatmulConfig.get_default``; its parts are ``mosaic_defaults``, ``mosaic_dw_default``,
-``use_dense``, ``use_dense_long_contraction`` and ``use_dense_dw``.
+``BlockSparseMatmulConfig.get_default``; its parts are ``mosaic_defaults``, ``contraction_split``,
+``mosaic_dw_default``, ``use_dense``, ``use_dense_long_contraction`` and ``use_dense_dw``.
 """
 
 from __future__ import annotations
@@ -148,7 +148,8 @@ class BlockSparseMatmulConfig:
     ``rules.tuned_configs``; everything else a heuristic. Small ``m`` (decode, ``m <= rules.decode_max_m``)
     gives each program a slice of a block column's outputs (16-bit, blocks of 128) or splits the loop
     over a column's blocks across programs; mid-size ``m`` takes 64-row tiles up to
-    ``rules.mid_small_tile_max_m`` (16-bit) and never splits. Where a Hopper GPU is present, 16-bit
+    ``rules.mid_small_tile_max_m`` (16-bit); above decode size the forward / ``dx`` split each output tile's
+    steps only where the output has too few tiles (:func:`contraction_split`). Where a Hopper GPU is present, 16-bit
     blocks of 64 and 128 at ``m >= rules.mosaic_min_m`` also get Mosaic GPU configs for the forward and
     ``dx`` products (``rules.mosaic_tuned_configs``), and so do the mid-size rows of
     ``rules.mosaic_16bit_rows``.

@@ -22,7 +22,7 @@ kernel of :mod:`jaxsparse.pallas._block_sparse_matmul_mgpu` (TMA + wgmma, persis
 warp-specialised) for 16-bit operands with blocks of 64 or 128 at ``M >= 1024`` (1.1-1.6x faster than
 these Triton kernels at ``M = 8192`` on an H100) and at the mid-size ``M`` where it measured faster
 (blocks of 64 at 128-512 rows, of 128 from 512) and for float32 operands at DEFAULT precision (TF32
-wgmma, as XLA's own float32 products; 4-7x faster than Triton's float32 tiles) from ``M = 256``; ``dw``
+wgmma, as XLA's own float32 products; 4-7x faster than Triton's float32 tiles) from ``M = 128``; ``dw``
 runs on :mod:`jaxsparse.pallas._block_sparse_sdd_mgpu` for float32 and for 16-bit 64 x 64 blocks.
 Blocks of 32 compute ``dw`` as one dense ``xᵀ dY`` plus a gather, and all three products densely above
 density 0.3, where the per-block kernels measured slower than dense; float32 forward / ``dx`` products

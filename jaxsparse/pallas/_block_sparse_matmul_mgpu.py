@@ -16,7 +16,9 @@ the output tiles (every ``num_ctas``-th tile of a grouped order that keeps ``gro
 a ring of ``num_stages`` shared-memory slots with TMA, continuing across tile boundaries, and two
 compute warpgroups (``tile_m / 2`` rows each) accumulate with wgmma in float32 and store their half
 of the tile with TMA. The loops over steps have data-dependent trip counts; work and traffic are
-proportional to the kept blocks.
+proportional to the kept blocks. With ``MosaicKernelConfig.split = S > 1`` each output tile's steps are cut
+into ``S`` parts (:func:`jaxsparse.pallas._common.chunk`), each a tile of the grid of its own that stores a
+float32 partial sum, added by one XLA pass afterwards: more tiles for outputs with too few to fill the GPU.
 
 With ``MosaicKernelConfig.group_cols = G > 1`` an output tile spans ``G`` neighbouring output block columns
 (``G`` float32 accumulators): its steps are the union of the ``a`` blocks its columns keep a block in
