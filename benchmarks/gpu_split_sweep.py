@@ -51,11 +51,11 @@ def parse(case: str):
   return jnp.dtype(dtype), m, k, n, (bk, bn), float(d)
 
 
-def variants(default: BlockSparseMatmulConfig, m: int, w, transpose: bool):
-  """``(label, config)`` of one product: the default, Mosaic (tile_m x split) and Triton (split)."""
+def variants(default: BlockSparseMatmulConfig, m: int, w, transpose: bool, kinds=("mosaic", "triton")):
+  """``(label, config)`` of one product: the default, Mosaic (tile_m x split) and Triton (split), of ``kinds``."""
   field, tri_field = ("mosaic_dx", "dx") if transpose else ("mosaic_forward", "forward")
   out = [("default", default)]
-  if mosaic_available():
+  if mosaic_available() and "mosaic" in kinds:
     base = getattr(default, field) or getattr(mgpu.MosaicBlockSparseMatmulConfig.get_default(m, w.block_shape, w.dtype),
                                              "dx" if transpose else "forward")
     for tm in (128, 256):
@@ -63,7 +63,7 @@ def variants(default: BlockSparseMatmulConfig, m: int, w, transpose: bool):
         cfg = dataclasses.replace(base, tile_m=tm, split=s)
         out.append((f"mosaic tm{tm} G{cfg.group_cols} split{s}", dataclasses.replace(default, **{field: cfg})))
   tri = getattr(default, tri_field)
-  for s in SPLITS:
+  for s in SPLITS if "triton" in kinds else ():
     cfg = dataclasses.replace(tri, split=s)
     out.append((f"triton bm{tri.block_m} split{s}", dataclasses.replace(default, **{field: None, tri_field: cfg})))
   return out
@@ -87,6 +87,7 @@ def main(argv=None) -> None:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--cases", default=",".join(CASES), help="comma-separated dtype:MxKxN:BKxBN:density")
   p.add_argument("--iterations", type=int, default=10)
+  p.add_argument("--kernels", default="mosaic,triton", help="comma-separated kernel families of the variants")
   args = p.parse_args(argv)
   interpret = jax.default_backend() != "gpu"  # the CPU smoke test: interpret mode
   table = ["| case | product | dense ms | default (ratio) | best variant | best ms (ratio) | max rel err |",
@@ -105,7 +106,7 @@ def main(argv=None) -> None:
       ref = dense(f32(x), f32(dy), f32(wd), precision=hi)
       t_dense = time_ms(dense, x, dy, wd, iterations=args.iterations)
       results, errs = {}, []
-      for label, cfg in variants(default, m, w, transpose):
+      for label, cfg in variants(default, m, w, transpose, args.kernels.split(",")):
         run = functools.partial(_sparse, config=cfg, transpose=transpose, interpret=interpret)
         try:
           errs.append(rel_err(jax.jit(run)(x, dy, w), ref))
