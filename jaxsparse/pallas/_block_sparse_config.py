@@ -573,21 +573,25 @@ HOPPER_RULES = DispatchRules(
     # The forward / dX tiles' steps split into parts (`contraction_split`) above decode size, where the output has
     # too few tiles and each walks many steps: `gpu_split_sweep.py` (H200, benchmarks/results/
     # gpu_split_2026-11-25_h200.md), time over dense, no split -> the split the rule picks (best measured):
-    # * Mosaic (one tile a SM, >= 8 pipeline steps a part): float32 M = 200, K = 5120, N = 768, 128 x 64 blocks,
+    # * Mosaic (one tile a SM, >= 12 pipeline steps a part): float32 M = 200, K = 5120, N = 768, 128 x 64 blocks,
     #   d = 0.38, forward (24 tiles of 128 rows, 60 steps) 0.99 -> 0.66 (split 4; 2: 0.78, 8: 0.74); bf16
     #   M = 200, 1024 x 5120, 64 x 32, d = 0.32, dX (32 tiles, 51 steps) 2.08 -> 1.29 (4); bf16 M = 200,
     #   768 x 2560, 32 x 32, d = 0.44, dX (48 tiles, 35 steps) 1.24 -> 1.00 (2; 4: 1.05). With 80-128 tiles
     #   or under 10 steps every split lost (float32 dX at M = 200 / 640: 0.90 -> 1.23, 0.65 -> 0.94).
-    # * Triton (programs of 4 warps, several a SM; >= 4 blocks a part): bf16 M = 200, 6144 x 2560, 32 x 64,
+    # * Triton (programs of 4 warps, several a SM; >= 10 blocks a part): bf16 M = 200, 6144 x 2560, 32 x 64,
     #   d = 0.42, forward (160 programs, 81 blocks each) 2.67 -> 1.55 (4); the dX above (64 programs) 2.02 ->
-    #   1.33 (4), (96 programs) 1.22 -> 0.92 (4); bf16 M = 384, 4096 x 1024, 64-blocks, d = 0.25, forward
-    #   (48 programs, 16 blocks) 1.27 -> 0.99 (2; 4: 0.96).
+    #   1.33 (4), (96 programs of 35 blocks) 1.22 -> 1.03 (2; 4: 0.92); bf16 M = 384, 4096 x 1024, 64-blocks,
+    #   d = 0.25, forward (48 programs, 16 blocks) 1.27 -> 0.99 with 2 parts (4: 0.96; the Mosaic kernel runs it).
+    # * The step minimums keep the large wins above and no split where no run measured one: the Mosaic forward of
+    #   16 steps a tile was even (bf16 M = 384 above, 0.91 split in 2 or not), and the mid-size rows of
+    #   K = N = 4096 (8 blocks of 128 or 16 of 64 a column, tuned unsplit at M = 65-512; see
+    #   mid_small_tile_max_m and mosaic_16bit_rows) stay unsplit.
     # * The partial sums (split x M x output columns, float32, written and read again) at most 1.5x the kept
     #   weight's bytes: bf16 M = 1000, 1024 x 2560, 64 x 32, d = 0.46, dX (128 programs, 37 blocks) lost with
     #   every split, 1.46 -> 1.57 / 1.63 / 2.25 (2 / 4 / 8; sums 3.4x the weight at 2).
     split_max=8,
     split_programs_per_sm={"mosaic": 1, "triton": 8},
-    split_min_steps={"mosaic": 8, "triton": 4},
+    split_min_steps={"mosaic": 12, "triton": 10},
     split_max_sum_bytes=1.5,
 )
 

@@ -35,7 +35,7 @@ K-major only, so the float32 forward takes its ``B`` blocks from a transposed co
 
 Needs a Hopper GPU (compute capability 9.x: wgmma), inputs of one dtype (bf16, fp16 or f32) and blocks
 of 32, 64 or 128; :func:`unsupported_reason` says why not otherwise, and :mod:`jaxsparse.pallas._block_sparse_matmul`
-falls back to its Triton kernels. The tile-order and step-order logic is plain ``jnp`` (:func:`tile_of`,
+falls back to its Triton kernels. The tile-order and step-order logic is plain ``jnp`` (``_common.grouped_tile``,
 :func:`steps_of`) so that CPU tests can check it against the dense product; the kernel itself also runs
 in Mosaic GPU interpret mode on a CPU (``interpret=True``): the forward with jax 0.10 (CI), the
 transposed ``dX`` product only from jax 0.11 (0.10's interpreter lacks transposed wgmma operands).
@@ -57,6 +57,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
 from jaxsparse.pallas._common import chunk
+from jaxsparse.pallas._common import grouped_tile
 
 __all__ = [
     "MosaicBlockSparseMatmulConfig",
@@ -68,7 +69,6 @@ __all__ = [
     "resolve_config",
     "steps_of",
     "supports",
-    "tile_of",
     "unsupported_reason",
 ]
 
@@ -190,23 +190,9 @@ class MosaicBlockSparseMatmulConfig:
 
 
 # -------------------------------------------------------------------------------------------------
-# Schedule: which output tile a thread block handles, and which blocks each output column sums.
-# Plain jnp on scalars, shared by the kernel and the CPU tests.
+# Schedule: which blocks each output column sums (which output tile a thread block handles is
+# `_common.grouped_tile`). Plain jnp, shared by the kernel and the CPU tests.
 # -------------------------------------------------------------------------------------------------
-
-
-def tile_of(tile, num_m: int, num_c: int, group_m: int):
-  """Output tile number -> ``(row tile, output block column)``.
-
-  Tiles are numbered ``group_m`` row tiles at a time: within a group, row tiles vary fastest, then
-  columns; the last group may be shorter. Every ``(row tile, column)`` pair gets exactly one number
-  in ``[0, num_m * num_c)``.
-  """
-  width = group_m * num_c
-  first_m = (tile // width) * group_m
-  size = jnp.minimum(num_m - first_m, group_m)
-  r = tile % width
-  return first_m + r % size, r // size
 
 
 def steps_of(w: BlockSparseMatrix, *, transpose: bool, group: int = 1) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -382,7 +368,7 @@ def _kernel(
   def tile(i):
     # Part s of the split runs after all tiles of part s - 1 (the same tile order in each part).
     s, rest = divmod(cta + i * num_ctas, num_m * num_c)
-    mi, c = tile_of(rest, num_m, num_c, cfg.group_m)
+    mi, c = grouped_tile(rest, num_m, num_c, cfg.group_m)
     return mi, c, s, *chunk(offsets_ref[c], offsets_ref[c + 1], s, split)
 
   def step_blocks(t):

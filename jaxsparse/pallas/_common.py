@@ -70,7 +70,11 @@ def allows_tf32(precision: lax.PrecisionLike) -> bool:
 
 
 def grouped_tile(pid, num_m: int, num_n: int, group_m: int):
-  """Program id -> ``(row tile, column)``, walking ``group_m`` row tiles per column before moving on."""
+  """Program (or output tile) number -> ``(row tile, column)``, walking ``group_m`` row tiles per column first.
+
+  Within a group of ``group_m`` row tiles, row tiles vary fastest, then columns; the last group may be shorter.
+  Every ``(row tile, column)`` pair gets exactly one number in ``[0, num_m * num_n)``.
+  """
   width = group_m * num_n
   first_m = (pid // width) * group_m
   size = jnp.minimum(num_m - first_m, group_m)
