@@ -682,12 +682,12 @@ def mosaic_defaults(
     return grouped
 
   fwd, dx = group_cols(fwd, n // bn, bn), group_cols(dx, k // bk, bk)
+  weight_bytes = nnz_blocks * bk * bn * itemsize
 
   def split(cfg, num_out: int, ob: int, num_a: int, cb: int):
     # Steps of a tile: its column's kept blocks (the union over G columns) times the pipeline steps of a block.
     kept = num_a * (1 - (1 - density) ** cfg.group_cols) if cfg.group_cols > 1 else nnz_blocks / num_out
     tiles = pl.cdiv(m, cfg.tile_m) * pl.cdiv(num_out, cfg.group_cols)
-    weight_bytes = nnz_blocks * bk * bn * itemsize
     parts = contraction_split(m, tiles, kept * (cb // cfg.tile_k), num_out * ob, weight_bytes, "mosaic", rules)
     return dataclasses.replace(cfg, split=parts)
 
