@@ -31,14 +31,19 @@ def time_ms(f, *args, iterations: int = 20) -> float:
   return host_ms(f, *args, iterations=iterations)
 
 
-def kernel_split_ms(f, *args, iterations: int = 20) -> tuple[float, float, int]:
-  """``(longest kernel, all other kernels, how many others)`` of one call of ``f(*args)``: median device ms (CUPTI)."""
+def kernel_times_ms(f, *args, iterations: int = 20) -> list[tuple[str, float]]:
+  """``(kernel name, median device ms)`` of each kernel one call of ``f(*args)`` launches, in order (CUPTI)."""
   from jax.experimental.mosaic.gpu import profiler  # noqa: PLC0415 (GPU-only module)
 
   f = jax.jit(f)
   jax.block_until_ready(f(*args))
   _, runs = profiler.measure(f, aggregate=False, iterations=iterations)(*args)
-  times = [statistics.median(run[i][1] for run in runs) for i in range(len(runs[0]))]
+  return [(name, statistics.median(run[i][1] for run in runs)) for i, (name, _) in enumerate(runs[0])]
+
+
+def kernel_split_ms(f, *args, iterations: int = 20) -> tuple[float, float, int]:
+  """``(longest kernel, all other kernels, how many others)`` of one call of ``f(*args)``: median device ms (CUPTI)."""
+  times = [t for _, t in kernel_times_ms(f, *args, iterations=iterations)]
   return max(times), sum(times) - max(times), len(times) - 1
 
 

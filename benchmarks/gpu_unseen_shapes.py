@@ -20,6 +20,7 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _gpu_timing import kernel_times_ms
 from _gpu_timing import log
 from _gpu_timing import rel_err
 from _gpu_timing import time_ms
@@ -56,7 +57,7 @@ def route(f, *args) -> str:
   return "+".join(sorted({short.get(t, t) for t in targets})) or "xla"
 
 
-def run_case(c: dict, iterations: int) -> dict:
+def run_case(c: dict, iterations: int, breakdown: bool = False) -> dict:
   k, n, (bk, bn), d, dtype = c["k"], c["n"], c["block"], c["density"], c["dtype"]
   keys = jax.random.split(jax.random.key(hash((c["batch"], k, n, bk, bn)) % 2**31), 3)
   mask = block_mask(k, n, bk, d, seed=1, bn=bn)
@@ -81,6 +82,15 @@ def run_case(c: dict, iterations: int) -> dict:
   if m > 64:
     row["fwd+bwd"] = (time_ms(both(sparse), x, w, dy, iterations=iterations)
                       / time_ms(both(dense), x, wd, dy, iterations=iterations))
+  if breakdown:  # where the time goes: every kernel of each timed call, device µs
+    calls = {"fwd": ((sparse, x, w), (dense, x, wd))}
+    if m > 64:
+      calls["fwd+bwd"] = ((both(sparse), x, w, dy), (both(dense), x, wd, dy))
+    for mode, ((fs, *sargs), (fd, *dargs)) in calls.items():
+      for name, f, args in (("sparse", fs, sargs), ("dense", fd, dargs)):
+        ks = kernel_times_ms(f, *args, iterations=iterations)
+        log(f"  {mode} {name} {sum(t for _, t in ks) * 1e3:.1f}us: "
+            + ", ".join(f"{k[:48]} {t * 1e3:.1f}" for k, t in ks))
   return row
 
 
@@ -99,6 +109,8 @@ def main(argv=None) -> None:
   p.add_argument("--seed", type=int, default=7)
   p.add_argument("--iterations", type=int, default=10)
   p.add_argument("--skip", type=int, default=0, help="skip the first SKIP cases (to resume a run)")
+  p.add_argument("--only", default="", help="comma-separated case numbers of the draw to run (default: all)")
+  p.add_argument("--breakdown", action="store_true", help="also log each kernel's device time (CUPTI)")
   p.add_argument("--tiny", action="store_true", help="tiny sizes: a smoke test that runs in seconds on a CPU")
   args = p.parse_args(argv)
   if args.tiny:
@@ -108,11 +120,12 @@ def main(argv=None) -> None:
   header = ["| x | K | N | block | d | dtype | route | rel err | fwd / dense | fwd+bwd / dense |",
             "|---|---|---|---|---|---|---|---|---|---|"]
   rows = []
+  only = {int(v) for v in args.only.split(",") if v}
   for i, c in enumerate(cases(args.cases, args.seed)):
-    if i < args.skip:
+    if i < args.skip or (only and i not in only):
       continue
     try:
-      rows.append(fmt(run_case(c, args.iterations)))
+      rows.append(fmt(run_case(c, args.iterations, args.breakdown)))
     except Exception as e:  # report and go on: one failing shape should not hide the others
       rows.append(f"| {c} | failed: {type(e).__name__}: {str(e)[:160]} |")
     log(f"case {i}: {rows[-1]}")

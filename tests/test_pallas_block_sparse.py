@@ -438,9 +438,9 @@ def _spy_on_mosaic(monkeypatch) -> list:
 
 def test_mosaic_interpret_forward_through_dispatch(monkeypatch):
   # Two thread blocks over 3 row tiles x 4 columns (one of them empty), 2 steps per 128-deep block,
-  # M = 300 padded to the row tile, and a float32 output of bfloat16 inputs (not rounded to bf16).
+  # M = 264 (the last row tile reads past it), and a float32 output of bfloat16 inputs (not rounded to bf16).
   # (B tiles of 64 x 64: 16-bit B tiles 32 on one side only are unsupported, see the next test.)
-  x, dy, w = _problem(300, 256, 256, (128, 64), "random", jnp.bfloat16, seed=6)
+  x, dy, w = _problem(264, 256, 256, (128, 64), "random", jnp.bfloat16, seed=6)
   calls = _spy_on_mosaic(monkeypatch)
   cfg = _mosaic_config(num_ctas=2, tile_k=64)
   y = kernels.forward(x, w, out_dtype=jnp.float32, config=cfg, interpret=True)
@@ -469,7 +469,7 @@ def test_mosaic_interpret_default_config_of_32_blocks(monkeypatch):
 ])
 def test_mosaic_interpret_grouped_columns(block, group, dtype, out_dtype):
   # Tiles of `group` output block columns: 320 columns = 10 blocks of 32 / 5 of 64, so the last group is
-  # partial; the random pattern leaves some columns (and column groups' rows) empty; M = 200 is padded.
+  # partial; the random pattern leaves some columns (and column groups' rows) empty; M = 200 is a ragged tile.
   x, dy, w = _problem(200, 128, 320, (block, block), "random", dtype, seed=block + group)
   cfg = mosaic.MosaicKernelConfig(tile_m=128, tile_k=block, num_stages=2, group_m=2, num_ctas=2, group_cols=group)
   y = mosaic.dense_sparse_matmul(x, w, out_dtype=out_dtype, config=cfg, interpret=True)
@@ -487,13 +487,48 @@ def test_mosaic_interpret_grouped_columns(block, group, dtype, out_dtype):
 ])
 def test_mosaic_interpret_split_contraction(split, group, dtype):
   # Each output tile's steps in `split` parts, each its own grid tile writing a float32 partial sum: 4 x 8 blocks of
-  # 32 with a random pattern leave some tiles fewer steps than parts (empty parts); M = 200 is padded.
+  # 32 with a random pattern leave some tiles fewer steps than parts (empty parts); M = 200 is a ragged tile.
   x, dy, w = _problem(200, 128, 256, (32, 32), "random", dtype, seed=30 + split)
   cfg = mosaic.MosaicKernelConfig(tile_m=128, tile_k=32, num_stages=2, num_ctas=3, group_cols=group, split=split)
   y = mosaic.dense_sparse_matmul(x, w, config=cfg, interpret=True)
   y_ref, _, _ = _dense_reference(x, dy, w)
   assert y.dtype == dtype
   _assert_close(y, y_ref, dtype, "y")
+
+
+def _primitives(f, *args) -> set[str]:
+  """Primitive names of ``f``'s jaxpr and of the ``jit``s in it (the wrapper's XLA work around its kernel)."""
+  names = set()
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      names.add(eqn.primitive.name)
+      if eqn.primitive.name in ("jit", "pjit"):
+        walk(eqn.params["jaxpr"].jaxpr)
+
+  walk(jax.make_jaxpr(f)(*args).jaxpr)
+  return names
+
+
+@pytest.mark.parametrize(("m", "padded"), [(456, False), (512, False), (300, True), (100, True)])
+@pytest.mark.parametrize("product", ["forward", "dx", "dw"])
+def test_mosaic_kernels_read_a_ragged_last_row_tile_without_padding(m, padded, product):
+  # M not a multiple of the row tile: the Mosaic kernels' last row tile reads past row M (TMA fills zeros; the
+  # interpreter is set to do the same) instead of padding a copy of x / dY, a full pass over the activations.
+  # Padded only where Mosaic needs it: M not a multiple of 8 (its SMEM tiling; 300) or shorter than one tile
+  # (100 < 128). Traced here; the numerics are checked in interpret mode (M = 200, 456) and on the GPU
+  # (test_gpu_mosaic_*, test_gpu_sampled_dw_*, M = 456).
+  x, dy, w = _problem(m, 256, 128, (64, 64), "random", jnp.bfloat16, seed=m)
+  cfg = mosaic.MosaicKernelConfig(tile_m=128, tile_k=64)
+  f = {
+      "forward": lambda x, dy, w: mosaic.dense_sparse_matmul(x, w, config=cfg, interpret=True),
+      "dx": lambda x, dy, w: mosaic.dense_sparse_matmul(dy, w, transpose=True, config=cfg, interpret=True),
+      "dw": lambda x, dy, w: mosaic_sdd.sampled_dw(
+          x, dy, w, config=mosaic_sdd.MosaicSddConfig(tile_m=128), interpret=True
+      ),
+  }[product]
+  prims = _primitives(f, x, dy, w)
+  assert ("pad" in prims) == padded, sorted(prims)
 
 
 @settings(max_examples=100, deadline=None)
@@ -903,6 +938,9 @@ MOSAIC_GPU_CASES = [
     (200, 256, 384, (32, 32), "random", jnp.bfloat16, None, "persistent"),
     (256, 256, 384, (32, 32), "random", jnp.float16, None, "plain"),
     (512, 256, 256, (64, 32), "random", jnp.bfloat16, None, "persistent"),
+    # 456 rows: a multiple of 8 but not of the 256-row tile, read without padding (tma_rows).
+    (456, 256, 384, (64, 64), "random", jnp.bfloat16, None, "persistent"),
+    (456, 512, 256, (128, 64), "random", jnp.float16, jnp.float32, "plain"),
 ]
 
 
@@ -1051,7 +1089,7 @@ MOSAIC_F32_CASES = [
     for (m, k, n) in [(1024, 512, 768), (300, 256, 384)]
     for b in [(32, 32), (64, 64), (128, 128)]
     for pattern in ["random", "single"]
-] + [(512, 256, 512, (64, 128), "random"), (512, 512, 256, (128, 32), "dense")]
+] + [(512, 256, 512, (64, 128), "random"), (512, 512, 256, (128, 32), "dense"), (456, 256, 384, (64, 64), "random")]
 
 
 @pytest.mark.gpu

@@ -171,6 +171,10 @@ GPU_CASES = [
     (448, (64, 64), "random", jnp.bfloat16, None),
     (512, (64, 64), "random", jnp.float16, 4),
     (512, (128, 64), "dense", jnp.float32, 2),
+    # 456 rows: a multiple of 8, not of tile_m; the 16-bit kernel reads the last step past row M (zero fill).
+    (456, (64, 64), "random", jnp.bfloat16, None),
+    (456, (128, 128), "random", jnp.float16, None),
+    (456, (64, 64), "random", jnp.float32, None),
 ]
 
 
@@ -178,7 +182,8 @@ GPU_CASES = [
 @needs_hopper
 @pytest.mark.parametrize(("m", "block_shape", "pattern", "dtype", "group"), GPU_CASES)
 def test_gpu_sampled_dw_matches_dense(m, block_shape, pattern, dtype, group):
-  # "random" has an empty block row and column; m = 300 / 448 are not multiples of tile_m = 64 / 128.
+  # "random" has an empty block row and column; m = 300 / 448 / 456 are not multiples of tile_m = 64 / 128 (300:
+  # nor of 8, padded; 448 / 456: read without padding where 16-bit).
   # N > K: the items run in column order ("auto").
   _check_sampled_dw(m, 512, 768, block_shape, pattern, dtype, group)
 
@@ -210,8 +215,9 @@ def _check_sampled_dw(m, k, n, block_shape, pattern, dtype, group, order="auto")
 @pytest.mark.gpu
 @needs_hopper
 def test_gpu_backward_dispatches_dw_to_mosaic(monkeypatch):
-  # A long weight (N = 4 K): 64-blocks take the Mosaic dW from 1024 rows, items by block row below 2048.
-  x, dy, w = _problem(1024, 256, 1024, (64, 64), "random", jnp.bfloat16, seed=3)
+  # A long weight (N = 4 K): 64-blocks take the Mosaic dW from 1024 rows, items by block row below 2048. (A grid of
+  # more blocks than SMs: one that fits a wave runs dense, DispatchRules.dw_dense_max_grid_per_sm.)
+  x, dy, w = _problem(1024, 512, 2048, (64, 64), "random", jnp.bfloat16, seed=3)
   cfg = BlockSparseMatmulConfig.get_default(1024, w.shape, w.block_shape, w.nnz_blocks, w.dtype)
   assert cfg.mosaic_dw is not None and cfg.mosaic_dw.order == "rows"
   calls, real = [], sdd.sampled_dw

@@ -45,6 +45,7 @@ from jaxsparse.pallas._block_sparse_matmul_mgpu import _interpret_params
 from jaxsparse.pallas._block_sparse_matmul_mgpu import _num_sms
 from jaxsparse.pallas._block_sparse_matmul_mgpu import _smem_transforms
 from jaxsparse.pallas._block_sparse_matmul_mgpu import _transposed
+from jaxsparse.pallas._block_sparse_matmul_mgpu import tma_rows
 
 __all__ = ["MosaicSddConfig", "items_of", "sampled_dw", "supports", "unsupported_reason"]
 
@@ -326,14 +327,18 @@ def sampled_dw(
     raise ValueError(f"The Mosaic GPU sampled xᵀdY kernel does not support these operands: {reason}.")
   if w.nnz_blocks == 0:
     return jnp.zeros(w.data.shape, w.dtype)
-  pad = -x2.shape[0] % config.tile_m
-  if pad:  # zero rows add nothing to xᵀ dY
-    x2, dy2 = jnp.pad(x2, ((0, pad), (0, 0))), jnp.pad(dy2, ((0, pad), (0, 0)))
+  m, tm = x2.shape[0], config.tile_m
+  k_major = x2.dtype.itemsize == 4
+  # Zero rows add nothing to xᵀ dY. 16-bit: the last step reads past row m, zero-filled by TMA
+  # (`tma_rows`). Float32 pads before its transposes, after which M is the minor dimension.
+  if k_major and m % tm:
+    x2, dy2 = jnp.pad(x2, ((0, -m % tm), (0, 0))), jnp.pad(dy2, ((0, -m % tm), (0, 0)))
+  elif not k_major:
+    x2, dy2 = tma_rows(x2, dy2, tile_m=tm)
   order = config.order if config.order != "auto" else ("cols" if w.shape[1] >= w.shape[0] else "rows")
   num_items, rows, blocks, cols = items_of(w, config.group, order)
   num_ctas = min(config.num_ctas or _num_sms(), rows.shape[0])
-  k_major = x2.dtype.itemsize == 4
-  num_steps = x2.shape[0] // config.tile_m
+  num_steps = -(-m // tm)
   if k_major:
     # TF32 wgmma reads K-major operands only.
     x2, dy2 = _transpose.transpose(x2), _transpose.transpose(dy2)
