@@ -307,12 +307,14 @@ def _num_sms() -> int:
     return _DEFAULT_NUM_SMS
 
 
-def _interpret_params():
+def _interpret_params(uninitialized: str = "nan"):
   """Mosaic GPU interpret-mode parameters (public from jax 0.11; private in 0.10).
 
-  Reads past the end of a GMEM array return zeros, as TMA's zero fill does on the GPU: the kernels
-  load the last row tile of an activation whose rows are not a multiple of the tile that way instead
-  of padding a copy of it.
+  The kernels load the last row tile of an activation whose rows are not a multiple of the tile past
+  its end (:func:`tma_rows`; TMA fills zeros on the GPU). The interpreter returns ``uninitialized``
+  values there, as for uninitialized memory: NaN for the forward / ``dX`` kernel, whose rows past ``M``
+  are dropped (a NaN reaching a kept row fails the tests), zeros for the ``dW`` kernel, which sums over
+  the rows as TMA's zero fill lets it.
   """
   if hasattr(plgpu, "InterpretGPUParams"):
     cls = plgpu.InterpretGPUParams
@@ -320,7 +322,7 @@ def _interpret_params():
     from jax._src.pallas.mosaic_gpu.interpret import params  # noqa: PLC0415 -- jax 0.10 has no public name
 
     cls = params.InterpretGPUParams
-  return cls(out_of_bounds_reads="uninitialized", uninitialized_memory="zero")
+  return cls(out_of_bounds_reads="uninitialized", uninitialized_memory=uninitialized)
 
 
 def tma_rows(*arrays: jax.Array, tile_m: int) -> tuple[jax.Array, ...]:

@@ -350,7 +350,7 @@ def sampled_dw(
       num_ctas=num_ctas,
       k_major=k_major,
   )
-  params = {"interpret": _interpret_params()} if interpret else {}
+  params = {"interpret": _interpret_params("zero")} if interpret else {}
   return plgpu.kernel(
       kernel,
       out_type=jax.ShapeDtypeStruct(w.data.shape, w.dtype),
