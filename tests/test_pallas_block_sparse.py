@@ -728,6 +728,23 @@ def test_mosaic_grouped_columns_where_they_measured_faster(monkeypatch):
       assert c is None or c.acc_elements(ob) <= mosaic.MAX_ACC_ELEMENTS, (dtype, b, m, c)
 
 
+@pytest.mark.parametrize(("m", "k", "n", "block", "nnz", "dtype", "fwd", "dx"), [
+    # (forward, dX) split where the sweep of gpu_split_sweep.py --kernels triton measured each fastest, or within
+    # 0.05 of dense of it (benchmarks/results/gpu_decode_split_2026-11-25_h200.md).
+    (16, 768, 3072, 128, 29, jnp.float32, 4, 8),  # 24 / 6 output columns: at least a program an SM
+    (1, 5120, 768, 128, 34, jnp.bfloat16, None, 1),  # dX: under one block a column, no split
+    (16, 4096, 4096, 64, 1024, jnp.bfloat16, 4, 4),
+    (16, 4096, 4096, 128, 256, jnp.bfloat16, None, 4),  # 5 programs an SM rounds down to 4
+    (16, 4096, 4096, 128, 256, jnp.float32, 8, 8),  # float32 blocks: twice the bytes, twice the parts
+    (16, 4096, 14336, 64, 3584, jnp.bfloat16, 4, 8),
+])
+def test_decode_split_where_it_measured_faster(m, k, n, block, nnz, dtype, fwd, dx):
+  # DispatchRules.decode_split_*: parts of about 512 bytes of contraction an output column, at least one program an
+  # SM, a power of two up to 8 (None: the forward's 32-column programs, decode_sub_cols, no split).
+  cfg = BlockSparseMatmulConfig.get_default(m, (k, n), (block, block), nnz, dtype, rules=kernel_config.HOPPER_RULES)
+  assert (cfg.forward.split if cfg.forward.sub_cols is None else None, cfg.dx.split) == (fwd, dx)
+
+
 def test_contraction_split_where_it_measured_faster(monkeypatch):
   # DispatchRules.split_*: above decode size, tiles x parts within one tile a SM (Mosaic) / 8 programs a SM
   # (Triton), at least 12 pipeline steps (Mosaic) / 10 kept blocks (Triton) a part, partial sums at most 1.5x the

@@ -178,13 +178,21 @@ class BlockSparseMatmulConfig:
       dw_bm = min(64 if itemsize == 4 else 128, max(16, pl.next_power_of_2(m)))
       dw = KernelConfig(dw_bm, num_warps=8 if bk * bn >= 128 * 128 else 4, num_stages=3 if itemsize < 4 else 2)
 
-    def split_blocks(cfg: KernelConfig, num_cols: int) -> KernelConfig:
-      # Too few programs to fill the GPU (decode): about two kept blocks per program (measured best
-      # on an H200 at M = 16 against one, four and eight). Not above r.decode_max_m rows, where the
-      # partial sums cost more than the idle SMs.
-      if m > r.decode_max_m or pl.cdiv(m, cfg.block_m) * num_cols >= r.target_programs:
+    def split_blocks(cfg: KernelConfig, num_cols: int, depth: int) -> KernelConfig:
+      # Too few programs to fill the GPU (decode): each output tile's blocks (of `depth` contraction rows) in
+      # parts of about r.decode_split_depth_bytes of contraction, and at least one program an SM; at most
+      # r.decode_split_max parts (DispatchRules.decode_split_*). Not where a column keeps under one block on
+      # average (most parts would be empty), nor above r.decode_max_m rows, where the partial sums cost more
+      # than the idle SMs.
+      programs = pl.cdiv(m, cfg.block_m) * num_cols
+      if m > r.decode_max_m or programs >= r.target_programs or nnz_blocks < num_cols:
         return cfg
-      return dataclasses.replace(cfg, split=max(1, min(8, pl.cdiv(nnz_blocks, 2 * num_cols))))
+      by_sms = pl.cdiv(r.num_sms, programs)
+      by_depth = pl.cdiv(nnz_blocks * depth * itemsize, num_cols * r.decode_split_depth_bytes)
+      # A power of two at most: 5 parts of a column of 8 blocks are as long as 4 (2 blocks) but cost more
+      # programs and partial sums (bf16 128-blocks dX: 0.86 of dense against 0.77).
+      split = 1 << (min(r.decode_split_max, max(by_sms, by_depth)).bit_length() - 1)
+      return dataclasses.replace(cfg, split=split)
 
     def sub_column_programs(cfg: KernelConfig, num_cols: int, block_dim: int) -> KernelConfig:
       # Decode with blocks of at least r.decode_sub_cols_min_block and at most r.decode_sub_cols_max_blocks kept blocks
@@ -194,10 +202,10 @@ class BlockSparseMatmulConfig:
       small = m <= r.decode_max_m and num_m * num_cols < r.target_programs
       few = pl.cdiv(nnz_blocks, max(num_cols, 1)) <= r.decode_sub_cols_max_blocks
       if not small or not few or block_dim < r.decode_sub_cols_min_block or itemsize != 2:
-        return split_blocks(cfg, num_cols)
+        return split_blocks(cfg, num_cols, bk)
       return dataclasses.replace(cfg, **r.decode_sub_cols)
 
-    fwd, dx = sub_column_programs(fwd, nb, bn), split_blocks(dx, kb)
+    fwd, dx = sub_column_programs(fwd, nb, bn), split_blocks(dx, kb, bn)
     weight_bytes = nnz_blocks * bk * bn * itemsize
 
     def mid_split(cfg: KernelConfig, num_out: int, ob: int) -> KernelConfig:
@@ -252,6 +260,8 @@ class DispatchRules:
     programs_per_sm: programs in flight per SM that fill the GPU.
     dw_cols_order_min_ratio: the Triton ``dw`` visits kept blocks by block column from ``N >= ratio K``.
     decode_max_m: rows up to which the forward / ``dx`` split their loops or use ``decode_sub_cols``.
+    decode_split_depth_bytes, decode_split_max: that split's parts cover about ``decode_split_depth_bytes`` of
+      contraction an output column, with at least one program an SM; at most ``decode_split_max`` parts.
     mid_small_tile_max_m: 16-bit rows up to which the Triton kernels take 64-row tiles.
     decode_sub_cols_min_block, decode_sub_cols_max_blocks, decode_sub_cols: decode forward programs
       own a slice of a block column (``decode_sub_cols`` fields of :class:`KernelConfig`) for blocks
@@ -276,6 +286,8 @@ class DispatchRules:
   programs_per_sm: int
   dw_cols_order_min_ratio: int
   decode_max_m: int
+  decode_split_depth_bytes: int
+  decode_split_max: int
   mid_small_tile_max_m: int
   decode_sub_cols_min_block: int
   decode_sub_cols_max_blocks: int
@@ -344,6 +356,18 @@ HOPPER_RULES = DispatchRules(
     # tiles (0.69 / 0.60 with 128); d = 0.5: 1.13 / 1.41 -> 0.66 / 0.92.
     decode_max_m=64,
     mid_small_tile_max_m=256,
+    # Decode's split (Triton forward / dX, where the output tiles are fewer than target_programs): parts of about
+    # this many bytes of contraction an output column (256 rows at 16 bits, 128 at float32) and at least one
+    # program an SM, at most decode_split_max parts. It replaced "about two kept blocks a program", which left
+    # float32 blocks (twice the bytes) and narrow outputs with too few programs. `gpu_split_sweep.py --kernels
+    # triton` (H200, 22 products: M = 1 / 16, K x N from 768 x 3072 to 4096 x 14336, blocks 64 / 128, d =
+    # 0.14-0.5, bf16 / float32; benchmarks/results/gpu_decode_split_2026-11-25_h200.md): summed over the products,
+    # (time of the default - time of the best of splits 1 / 2 / 4 / 8) / dense time went from 1.75 to 0.18, the
+    # worst from 0.76 to 0.05 (the rule, rounded down to a power of two, picks measured points). Float32 16 x 768
+    # x 3072 (128-blocks) forward / dX 1.86 / 1.43 -> 1.12 / 0.99 of dense, float32 16 x 4096 x 4096 (128-blocks)
+    # forward 0.67 -> 0.51, bf16 16 x 4096 x 14336 (64-blocks) forward 0.40 -> 0.31.
+    decode_split_depth_bytes=512,
+    decode_split_max=8,
 
     # The forward at decode (16-bit, fewer than target_programs output tiles) for blocks of 128: 32
     # output columns per program, no split (one launch), 4 pipeline stages. `benchmarks/gpu_decode.py
