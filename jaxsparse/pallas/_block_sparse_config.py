@@ -364,7 +364,7 @@ HOPPER_RULES = DispatchRules(
     # 0.14-0.5, bf16 / float32; benchmarks/results/gpu_decode_split_2026-11-25_h200.md): summed over the products,
     # (time of the default - time of the best of splits 1 / 2 / 4 / 8) / dense time went from 1.75 to 0.18, the
     # worst from 0.76 to 0.05 (the rule, rounded down to a power of two, picks measured points). Float32 16 x 768
-    # x 3072 (128-blocks) forward / dX 1.86 / 1.43 -> 1.12 / 0.99 of dense, float32 16 x 4096 x 4096 (128-blocks)
+    # x 3072 (128-blocks) forward / dX 1.86 / 1.43 -> 1.11 / 1.01 of dense, float32 16 x 4096 x 4096 (128-blocks)
     # forward 0.67 -> 0.51, bf16 16 x 4096 x 14336 (64-blocks) forward 0.40 -> 0.31.
     decode_split_depth_bytes=512,
     decode_split_max=8,
