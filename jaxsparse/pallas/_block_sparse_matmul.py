@@ -63,6 +63,7 @@ from jaxsparse.pallas._common import available
 from jaxsparse.pallas._common import chunk
 from jaxsparse.pallas._common import dot
 from jaxsparse.pallas._common import grouped_tile
+from jaxsparse.pallas._common import pad_rows
 from jaxsparse.pallas._common import unavailable_reason
 
 try:  # Mosaic GPU (Hopper) variants of the forward, dx and dw kernels.
@@ -262,11 +263,6 @@ def _sdd_kernel(rows_ref, cols_ref, x_ref, dy_ref, ddata_ref, *, block_shape, st
 # -------------------------------------------------------------------------------------------------
 
 
-def _pad_rows(a: jax.Array, multiple: int) -> jax.Array:
-  pad = -a.shape[0] % multiple
-  return a if pad == 0 else jnp.pad(a, ((0, pad), (0, 0)))
-
-
 def _pad_to(index: jax.Array, size: int) -> jax.Array:
   """Pads a 1-D index array with zeros to at least ``size`` entries (only tiny patterns need it)."""
   pad = size - index.shape[0]
@@ -336,7 +332,7 @@ def forward(
   window = pl.next_power_of_2(w.grid_shape[0])
   order = _pad_to(w.transpose_order, window)
   row_offsets = _pad_to(w.row_offsets, window)
-  xp = _pad_rows(x2, cfg.block_m)
+  xp = pad_rows(x2, cfg.block_m)
   num_m = xp.shape[0] // cfg.block_m
   sub, subs = _sub_cols(cfg, bn)
   tile = functools.partial(grouped_tile, num_m=num_m, num_n=nb * subs, group_m=cfg.group_m)
@@ -385,7 +381,7 @@ def _dx(dy2, w, *, compute_dtype, out_dtype, precision, cfg: KernelConfig, inter
   (bk, bn), (kb, _) = w.block_shape, w.grid_shape
   window = pl.next_power_of_2(w.grid_shape[1])
   cols = _pad_to(w.col_indices, window)
-  dyp = _pad_rows(dy2, cfg.block_m)
+  dyp = pad_rows(dy2, cfg.block_m)
   num_m = dyp.shape[0] // cfg.block_m
   sub, subs = _sub_cols(cfg, bk)
   tile = functools.partial(grouped_tile, num_m=num_m, num_n=kb * subs, group_m=cfg.group_m)
@@ -426,12 +422,12 @@ def _dx(dy2, w, *, compute_dtype, out_dtype, precision, cfg: KernelConfig, inter
 
 def _dw(x2, dy2, w, *, compute_dtype, precision, cfg: KernelConfig, interpret):
   bm = cfg.block_m
-  xp, dyp = _pad_rows(x2, bm), _pad_rows(dy2, bm)
+  xp, dyp = pad_rows(x2, bm), pad_rows(dy2, bm)
   total_steps = xp.shape[0] // bm
   split = min(cfg.split, total_steps)
   # Pad so that every split program runs the same number of steps over zero rows at worst.
   steps = pl.cdiv(total_steps, split)
-  xp, dyp = _pad_rows(xp, steps * split * bm), _pad_rows(dyp, steps * split * bm)
+  xp, dyp = pad_rows(xp, steps * split * bm), pad_rows(dyp, steps * split * bm)
   cfg = dataclasses.replace(cfg, split=split)
   nnz, (bk, bn) = w.nnz_blocks, w.block_shape
   rows, cols = w.row_indices, w.col_indices

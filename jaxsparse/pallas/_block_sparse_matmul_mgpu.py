@@ -58,6 +58,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
 from jaxsparse.pallas._common import chunk
 from jaxsparse.pallas._common import grouped_tile
+from jaxsparse.pallas._common import pad_rows
 
 __all__ = [
     "MosaicBlockSparseMatmulConfig",
@@ -337,7 +338,7 @@ def tma_rows(*arrays: jax.Array, tile_m: int) -> tuple[jax.Array, ...]:
   m = arrays[0].shape[0]
   if m >= tile_m and m % 8 == 0:
     return arrays
-  return tuple(jnp.pad(a, ((0, -m % tile_m), (0, 0))) for a in arrays)
+  return tuple(pad_rows(a, tile_m) for a in arrays)
 
 
 def _transposed(ref):

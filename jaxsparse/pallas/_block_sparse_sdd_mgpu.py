@@ -46,6 +46,7 @@ from jaxsparse.pallas._block_sparse_matmul_mgpu import _num_sms
 from jaxsparse.pallas._block_sparse_matmul_mgpu import _smem_transforms
 from jaxsparse.pallas._block_sparse_matmul_mgpu import _transposed
 from jaxsparse.pallas._block_sparse_matmul_mgpu import tma_rows
+from jaxsparse.pallas._common import pad_rows
 
 __all__ = ["MosaicSddConfig", "items_of", "sampled_dw", "supports", "unsupported_reason"]
 
@@ -331,10 +332,7 @@ def sampled_dw(
   k_major = x2.dtype.itemsize == 4
   # Zero rows add nothing to xᵀ dY. 16-bit: the last step reads past row m, zero-filled by TMA
   # (`tma_rows`). Float32 pads before its transposes, after which M is the minor dimension.
-  if k_major and m % tm:
-    x2, dy2 = jnp.pad(x2, ((0, -m % tm), (0, 0))), jnp.pad(dy2, ((0, -m % tm), (0, 0)))
-  elif not k_major:
-    x2, dy2 = tma_rows(x2, dy2, tile_m=tm)
+  x2, dy2 = (pad_rows(x2, tm), pad_rows(dy2, tm)) if k_major else tma_rows(x2, dy2, tile_m=tm)
   order = config.order if config.order != "auto" else ("cols" if w.shape[1] >= w.shape[0] else "rows")
   num_items, rows, blocks, cols = items_of(w, config.group, order)
   num_ctas = min(config.num_ctas or _num_sms(), rows.shape[0])

@@ -16,6 +16,7 @@ __all__ = [
     "chunk",
     "dot",
     "grouped_tile",
+    "pad_rows",
     "unavailable_reason",
 ]
 
@@ -93,6 +94,12 @@ def chunk(start, end, part, parts: int):
   size = (end - start + parts - 1) // parts
   lo = jnp.minimum(start + part * size, end)
   return lo, jnp.minimum(lo + size, end)
+
+
+def pad_rows(a: jax.Array, multiple: int) -> jax.Array:
+  """``a`` with zero rows appended up to a multiple of ``multiple`` rows (``a`` itself if it is one)."""
+  pad = -a.shape[0] % multiple
+  return a if pad == 0 else jnp.pad(a, ((0, pad), (0, 0)))
 
 
 def dot(a, b, contract, *, compute_dtype, precision):

@@ -39,6 +39,7 @@ from jaxsparse.pallas._common import PallasFallbackWarning
 from jaxsparse.pallas._common import available
 from jaxsparse.pallas._common import dot
 from jaxsparse.pallas._common import grouped_tile
+from jaxsparse.pallas._common import pad_rows
 from jaxsparse.pallas._common import unavailable_reason
 
 __all__ = [
@@ -256,8 +257,7 @@ def forward(
   compute_dtype = jnp.result_type(x2.dtype, w.dtype)
   out_dtype = jnp.dtype(out_dtype or compute_dtype)
   bm, bn, split = cfg.block_m, cfg.block_n, cfg.split_k
-  pad = -mrows % bm
-  xp = jnp.pad(x2, ((0, pad), (0, 0))) if pad else x2
+  xp = pad_rows(x2, bm)
   num_m, num_n = xp.shape[0] // bm, cols // bn
   steps = rows // cfg.block_groups // split
   tile = functools.partial(grouped_tile, num_m=num_m, num_n=num_n, group_m=cfg.group_m)
