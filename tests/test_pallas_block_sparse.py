@@ -514,10 +514,10 @@ def _primitives(f, *args) -> set[str]:
 @pytest.mark.parametrize("product", ["forward", "dx", "dw"])
 def test_mosaic_kernels_read_a_ragged_last_row_tile_without_padding(m, padded, product):
   # M not a multiple of the row tile: the Mosaic kernels' last row tile reads past row M (TMA fills zeros; the
-  # interpreter is set to do the same) instead of padding a copy of x / dY, a full pass over the activations.
-  # Padded only where Mosaic needs it: M not a multiple of 8 (its SMEM tiling; 300) or shorter than one tile
-  # (100 < 128). Traced here; the numerics are checked in interpret mode (M = 200, 456) and on the GPU
-  # (test_gpu_mosaic_*, test_gpu_sampled_dw_*, M = 456).
+  # interpreter returns NaN there for forward / dX, zeros for dW) instead of padding a copy of x / dY, a full pass
+  # over the activations. Padded only where Mosaic needs it: M not a multiple of 8 (its SMEM tiling; 300) or shorter
+  # than one tile (100 < 128). Traced here; the numerics are checked in interpret mode (M = 200, 264) and on the
+  # GPU (test_gpu_mosaic_*, test_gpu_sampled_dw_*, M = 456).
   x, dy, w = _problem(m, 256, 128, (64, 64), "random", jnp.bfloat16, seed=m)
   cfg = mosaic.MosaicKernelConfig(tile_m=128, tile_k=64)
   f = {
