@@ -684,14 +684,14 @@ def mosaic_defaults(
     fwd, dx = default.forward, default.dx
     if m < rules.mosaic_min_m:
       # Mid-size M: 256-row tiles only where they still give about one output tile per SM and pad M by at
-      # most rules.mosaic_mid_max_pad[itemsize] of it.
-      def rows(cfg, num_cols):
+      # most rules.mosaic_mid_max_pad[itemsize] of it; the ring as deep as the row tile leaves room for.
+      def rows(cfg, num_cols, ob):
         padded = pl.cdiv(m, 256)
         max_pad = rules.mosaic_mid_max_pad[itemsize] * m
         big = padded * num_cols >= rules.mosaic_mid_tiles and padded * 256 - m <= max_pad
-        return dataclasses.replace(cfg, tile_m=256 if big else 128, group_m=2)
+        return dataclasses.replace(cfg, tile_m=256 if big else 128, group_m=2).deepest_ring(ob, itemsize, itemsize)
 
-      fwd, dx = rows(fwd, n // bn), rows(dx, k // bk)
+      fwd, dx = rows(fwd, n // bn, bn), rows(dx, k // bk, bk)
   density = _density(shape, block_shape, nnz_blocks)
 
   def group_cols(cfg, num_out: int, ob: int):

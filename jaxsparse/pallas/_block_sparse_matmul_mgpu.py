@@ -63,6 +63,7 @@ from jaxsparse.pallas._common import pad_rows
 __all__ = [
     "MosaicBlockSparseMatmulConfig",
     "MAX_ACC_ELEMENTS",
+    "MAX_STAGES",
     "MosaicKernelConfig",
     "dense_sparse_matmul",
     "dx",
@@ -82,6 +83,10 @@ _NUM_COMPUTE_WGS = 2
 _MEMORY_REGISTERS = 40
 _COMPUTE_REGISTERS = 232
 MAX_ACC_ELEMENTS = 128 * 128
+# The deepest load ring the default configs take (where shared memory allows). Against 4 slots on an H200
+# (benchmarks/results/gpu_mosaic_stages_2026-11-26_h200.md), 6-8 slots took 5-20% off the 128-row tiles of 32- and
+# 64-blocks and 4-7% off the 256-row tiles of 32-blocks; 8 was within 1-2% of 6; more than 8 was not measured.
+MAX_STAGES = 8
 _SMEM_BYTES = 227 * 1024
 _DEFAULT_NUM_SMS = 132
 
@@ -144,6 +149,14 @@ class MosaicKernelConfig:
     ring = self.num_stages * (self.tile_m * self.tile_k + self.group_cols * self.tile_k * ob) * itemsize
     return ring + self.tile_m * min(self.epi_n, ob) * (4 if self.split > 1 else out_itemsize)
 
+  def deepest_ring(self, ob: int, itemsize: int, out_itemsize: int) -> MosaicKernelConfig:
+    """This config with the most ring slots, up to :data:`MAX_STAGES` (at least 2), that fit shared memory."""
+    for stages in range(MAX_STAGES, 2, -1):
+      cfg = dataclasses.replace(self, num_stages=stages)
+      if cfg.smem_bytes(ob, itemsize, out_itemsize) <= _SMEM_BYTES:
+        return cfg
+    return dataclasses.replace(self, num_stages=2)
+
   def acc_elements(self, ob: int) -> int:
     """Float32 accumulator elements per compute warpgroup for output blocks ``ob`` wide."""
     return self.tile_m // _NUM_COMPUTE_WGS * self.group_cols * ob
@@ -166,9 +179,10 @@ class MosaicBlockSparseMatmulConfig:
   ) -> MosaicBlockSparseMatmulConfig:
     """The config for ``m`` rows and ``block_shape`` blocks: the deepest ring that fits shared memory.
 
-    Measured on an H100 at ``M = 8192`` (``benchmarks/gpu_block_sparse.py --mosaic-sweep``): 4 ring
-    slots, 256-row tiles, a persistent grid, and 2 row tiles per group (``gpu_product_routes.py
-    --variants``: 4 measured up to 0.3x slower for the forward of float32 blocks of 32 at K = 16384).
+    Measured on an H100 at ``M = 8192`` (``benchmarks/gpu_block_sparse.py --mosaic-sweep``): 256-row tiles, a
+    persistent grid, and 2 row tiles per group (``gpu_product_routes.py --variants``: 4 measured up to 0.3x slower
+    for the forward of float32 blocks of 32 at K = 16384); the ring as deep as shared memory allows, up to
+    :data:`MAX_STAGES` slots (``benchmarks/gpu_mosaic_stages.py``, H200).
     """
     bk, bn = block_shape
     itemsize = jnp.dtype(dtype).itemsize
@@ -181,11 +195,7 @@ class MosaicBlockSparseMatmulConfig:
       if itemsize == 2 and not transpose and ob == 32:
         tile_k = 32  # 16-bit forward B tiles with one side of 32 need the other 32 too (see unsupported_reason)
       base = MosaicKernelConfig(tile_m=tile_m, tile_k=tile_k, group_m=group_m, epi_n=min(64, ob))
-      for stages in (4, 3, 2):
-        cfg = dataclasses.replace(base, num_stages=stages)
-        if cfg.smem_bytes(ob, itemsize, out_itemsize) <= _SMEM_BYTES:
-          return cfg
-      return dataclasses.replace(base, num_stages=2)
+      return base.deepest_ring(ob, itemsize, out_itemsize)
 
     return cls(forward=pick(bn, bk, 2, False), dx=pick(bk, bn, 2, True))
 
