@@ -7,6 +7,10 @@ peak, yet runs 10% longer)? Times the kernel (CUPTI, the step-list kernels aroun
 
     python3 gpu_mosaic_stages.py [--blocks 32,64 --densities 0.25,0.5 --dtype bfloat16 --products fwd,dx]
 
+``--products dw`` times the sampled ``dW = xᵀ dY`` kernel (:mod:`jaxsparse.pallas._block_sparse_sdd_mgpu`) over the
+dense ``xᵀ dY``, its ``group`` (``--groups``) and ``tile_m`` (``--tile-ms``) in place of ``group_cols`` and the row
+tile.
+
 ``--ab-seeds 7,23`` instead times the default route (``jaxsparse.ops.block_sparse_matmul``, forward and
 forward + both gradients) on the draws of ``gpu_unseen_shapes.py`` whose route runs a Mosaic kernel, with the
 default configs' ring capped at 4 slots (the cap before ``MAX_STAGES``) and at ``MAX_STAGES``, interleaved.
@@ -33,6 +37,7 @@ from gpu_unseen_shapes import run_case
 
 import jaxsparse
 from jaxsparse.pallas import _block_sparse_matmul_mgpu as mosaic
+from jaxsparse.pallas import _block_sparse_sdd_mgpu as sdd
 
 
 def main(argv=None) -> None:
@@ -61,23 +66,34 @@ def main(argv=None) -> None:
   x, dy, _, _ = problem(args.m, args.k, args.n, 32, 1.0, dtype=dtype)
   wd = jax.random.normal(jax.random.key(1), (args.k, args.n), jnp.float32).astype(dtype)
   t_dense = {"fwd": time_ms(jnp.dot, x, wd, iterations=args.iterations),
-             "dx": time_ms(lambda dy, wd: jnp.dot(dy, wd.T), dy, wd, iterations=args.iterations)}
+             "dx": time_ms(lambda dy, wd: jnp.dot(dy, wd.T), dy, wd, iterations=args.iterations),
+             "dw": time_ms(lambda x, dy: jnp.dot(x.T, dy), x, dy, iterations=args.iterations)}
   log(f"{dtype.name} {args.m}x{args.k}x{args.n}: dense {t_dense}, timer {TIMER['how']}")
   for b, d, kind in itertools.product(ints(args.blocks), [float(v) for v in args.densities.split(",")],
                                       args.products.split(",")):
-    x, dy, w, _ = problem(args.m, args.k, args.n, b, d, seed=b, dtype=dtype)
-    a = x if kind == "fwd" else dy
+    x, dy, w, mask = problem(args.m, args.k, args.n, b, d, seed=b, dtype=dtype)
+    a = dy if kind == "dx" else x
     wf = w.to_dense().astype(jnp.float32)
-    ref = jnp.dot(a.astype(jnp.float32), wf if kind == "fwd" else wf.T, precision=hi)
-    base = mosaic.MosaicBlockSparseMatmulConfig.get_default(args.m, w.block_shape, dtype)
-    base = base.forward if kind == "fwd" else base.dx
+    if kind == "dw":
+      dense_dw = jnp.dot(x.astype(jnp.float32).T, dy.astype(jnp.float32), precision=hi)
+      ref = jaxsparse.BlockSparseMatrix.from_dense(dense_dw, w.block_shape, block_mask=mask).data
+      base = sdd.MosaicSddConfig.get_default(w.block_shape, dtype)
+    else:
+      ref = jnp.dot(a.astype(jnp.float32), wf if kind == "fwd" else wf.T, precision=hi)
+      base = mosaic.MosaicBlockSparseMatmulConfig.get_default(args.m, w.block_shape, dtype)
+      base = base.forward if kind == "fwd" else base.dx
     best = {}
     for g, tm, s in itertools.product(ints(args.groups), ints(args.tile_ms), ints(args.stages)):
-      cfg = dataclasses.replace(base, group_cols=g, tile_m=tm, num_stages=s)
-      reason = mosaic.unsupported_reason(a, w, None, cfg, transpose=kind == "dx")
+      if kind == "dw":
+        cfg = dataclasses.replace(base, group=g, tile_m=tm, num_stages=s)
+        reason = sdd.unsupported_reason(x, dy, w, cfg)
+        f = lambda a, w, cfg=cfg, dy=dy: sdd.sampled_dw(a, dy, w, config=cfg)
+      else:
+        cfg = dataclasses.replace(base, group_cols=g, tile_m=tm, num_stages=s)
+        reason = mosaic.unsupported_reason(a, w, None, cfg, transpose=kind == "dx")
+        f = lambda a, w, cfg=cfg, t=kind == "dx": mosaic.dense_sparse_matmul(a, w, transpose=t, config=cfg)
       if reason:
         continue
-      f = lambda a, w, cfg=cfg, t=kind == "dx": mosaic.dense_sparse_matmul(a, w, transpose=t, config=cfg)
       try:
         err = rel_err(jax.jit(f)(a, w), ref)
         k_ms, rest_ms, _ = kernel_split_ms(f, a, w, iterations=args.iterations)

@@ -77,6 +77,9 @@ def test_config_defaults_fit_and_errors():
     cfg = sdd.MosaicSddConfig.get_default(bs, dtype)
     itemsize = jnp.dtype(dtype).itemsize
     assert cfg.smem_bytes(bs, itemsize) <= 227 * 1024 and cfg.num_stages >= 3 and cfg.group == 2
+    # The deepest ring that fits, up to MAX_STAGES (6: 8 measured slower).
+    deeper = dataclasses.replace(cfg, num_stages=cfg.num_stages + 1)
+    assert cfg.num_stages == sdd.MAX_STAGES or deeper.smem_bytes(bs, itemsize) > 227 * 1024, (bs, dtype, cfg)
     assert cfg.group // 2 * bs[0] * bs[1] <= 128 * 128  # accumulator registers per thread
     assert cfg.tile_m * itemsize == 128  # one 128-byte swizzle row of x / dY per step
   with pytest.raises(ValueError, match="group=3"):
@@ -105,7 +108,7 @@ def test_dw_defaults_where_they_measured_faster(monkeypatch):
   monkeypatch.setattr(kernel_config, "_mosaic_probe", lambda: None)  # as on a Hopper GPU
   get = BlockSparseMatmulConfig.get_default
   # 16-bit: the Mosaic dW for 64 x 64 blocks only (Triton was faster at 128 x 128).
-  assert get(8192, (4096, 4096), (64, 64), 1024, jnp.bfloat16).mosaic_dw == sdd.MosaicSddConfig(group=2)
+  assert get(8192, (4096, 4096), (64, 64), 1024, jnp.bfloat16).mosaic_dw == sdd.MosaicSddConfig(group=2, num_stages=6)
   assert get(8192, (4096, 4096), (64, 64), 1024, jnp.float32).mosaic_dw.group == 2
   assert get(8192, (4096, 4096), (128, 128), 256, jnp.bfloat16).mosaic_dw is None
   assert get(64, (4096, 4096), (64, 64), 1024, jnp.bfloat16).mosaic_dw is None

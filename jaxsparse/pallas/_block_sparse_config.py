@@ -522,8 +522,10 @@ HOPPER_RULES = DispatchRules(
     # Float32 from 128 rows: M = 200, K = 4096, N = 2560, d = 0.3 (H200, as for mosaic_min_m_and_block): 64 x 128
     # blocks 0.78 against Triton's 1.56, 64 x 32 blocks 0.98 against 1.45.
     mosaic_dw_min_m={2: 1024, 4: 128},
+    # 6 ring slots (was 4): 0.56 -> 0.52 of the dense xᵀdY at d = 0.25, 0.90 -> 0.85 at 0.5 (bf16, M = 8192, H200;
+    # `gpu_mosaic_stages.py --products dw`, benchmarks/results/gpu_mosaic_stages_2026-11-26_h200.md).
     mosaic_dw_tuned_16bit=(
-        {} if mosaic_sdd is None else {(64, 64): mosaic_sdd.MosaicSddConfig(group=2, tile_m=64, num_stages=4)}
+        {} if mosaic_sdd is None else {(64, 64): mosaic_sdd.MosaicSddConfig(group=2, tile_m=64, num_stages=6)}
     ),
     mosaic_dw_64_long_ratio=4,  # max(K, N) / min(K, N) from which 64-blocks always take the Mosaic kernel
     mosaic_dw_64_min_m=8192,  # ... else from this M,

@@ -62,6 +62,9 @@ _NUM_COMPUTE_WGS = 2
 _MEMORY_REGISTERS = 40
 _COMPUTE_REGISTERS = 232
 _SMEM_BYTES = 227 * 1024
+# The deepest ring the default configs take: 6 slots against 4 took 5-8% off 64-blocks, 8 was slower than 6
+# (H200, M = 8192; benchmarks/results/gpu_mosaic_stages_2026-11-26_h200.md).
+MAX_STAGES = 6
 _ORDERS = ("auto", "rows", "cols")
 
 
@@ -119,11 +122,13 @@ class MosaicSddConfig:
     Measured on an H100 (M = 8192, K = N = 4096, d = 0.25, ``benchmarks/gpu_block_sparse.py
     --dw-sweep``): for 64 x 64 blocks, 2 blocks per item took 0.203 ms (bf16) / 0.585 ms (f32)
     against 0.229 / 0.637 with 4 and 0.301 / 0.793 with 8: fewer, longer items balance worse over
-    the 132 thread blocks than the shared ``x`` reads save.
+    the 132 thread blocks than the shared ``x`` reads save. The ring: up to :data:`MAX_STAGES` slots (H200,
+    ``benchmarks/gpu_mosaic_stages.py --products dw``: bf16 64-blocks 0.56 -> 0.52 of the dense ``xᵀ dY`` at
+    d = 0.25 and 0.90 -> 0.85 at d = 0.5 with 6 slots against 4; 8 slots 0.56 / 0.89).
     """
     itemsize = jnp.dtype(dtype).itemsize
     tile_m = 128 // itemsize if itemsize == 4 else 64
-    for stages in (4, 3, 2):
+    for stages in range(MAX_STAGES, 1, -1):
       cfg = cls(group=2, tile_m=tile_m, num_stages=stages)
       if cfg.smem_bytes(block_shape, itemsize) <= _SMEM_BYTES:
         return cfg
