@@ -1,4 +1,4 @@
-"""Mosaic GPU forward / dX: ring depth (``num_stages``) against output block columns a tile (``group_cols``).
+"""Mosaic GPU kernels: ring depth (``num_stages``) against output block columns a tile (``group_cols``), and for dW.
 
 Question: are the grouped-column tiles of small blocks bound by the latency of the load ring rather than by L2
 bandwidth (Nsight Compute on the 32-block forward: G = 4 moves 26% fewer L2 bytes than G = 1 at 58% of the L2's
@@ -13,7 +13,8 @@ tile.
 
 ``--ab-seeds 7,23`` instead times the default route (``jaxsparse.ops.block_sparse_matmul``, forward and
 forward + both gradients) on the draws of ``gpu_unseen_shapes.py`` whose route runs a Mosaic kernel, with the
-default configs' ring capped at 4 slots (the cap before ``MAX_STAGES``) and at ``MAX_STAGES``, interleaved.
+default forward / dX configs' ring capped at 4 slots (the cap before ``MAX_STAGES``) and at ``MAX_STAGES``,
+interleaved (the dW kernel's ring keeps its default).
 """
 
 from __future__ import annotations
