@@ -58,16 +58,16 @@ def main(argv=None) -> None:
   for b in (int(v) for v in args.blocks.split(",")):
     x, _, w, _ = problem(args.m, args.k, args.n, b, args.density, dtype=dtype)
     if args.mosaic_group_cols is None:
-      runs = [("default", sparse)]
+      runs = [("", sparse)]
     else:
       runs = []
       for g in (int(v) for v in args.mosaic_group_cols.split(",")):
         cfg = mosaic_config(x, w, g)
-        runs.append((str(cfg), jax.jit(lambda x, w, cfg=cfg: mosaic.dense_sparse_matmul(x, w, config=cfg))))
+        runs.append((f", {cfg}", jax.jit(lambda x, w, cfg=cfg: mosaic.dense_sparse_matmul(x, w, config=cfg))))
     for name, f in runs:
       for _ in range(2):
         jax.block_until_ready(f(x, w))
-      print(f"block {b}, {name}: {w.data.shape[0]} kept blocks, done", flush=True)
+      print(f"block {b}{name}: {w.data.shape[0]} kept blocks, done", flush=True)
   wd = jnp.ones((args.k, args.n), dtype)
   for _ in range(2):
     jax.block_until_ready(dense(x, wd))
