@@ -19,7 +19,6 @@ live in ``jaxsparse.pallas`` and are chosen on CUDA devices.
 
 from __future__ import annotations
 
-import functools
 import warnings
 from typing import Literal
 
@@ -30,8 +29,8 @@ from jax import lax
 from jaxsparse import _utils
 from jaxsparse._cpu import _build as _cpu_build
 from jaxsparse._cpu import _kernels as _cpu_kernels
-from jaxsparse.formats._block_sparse import INDEX_FIELDS
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
+from jaxsparse.ops import _bilinear
 from jaxsparse.ops import _dispatch
 from jaxsparse.ops import _sharding
 
@@ -214,28 +213,16 @@ def _forward(cfg: _Config, x, w):
   return _sharding.row_parallel(fwd, (x,), w)[0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _block_sparse_matmul(cfg: _Config, x: jax.Array, w: BlockSparseMatrix) -> jax.Array:
-  return _forward(cfg, x, w)
-
-
-def _bsmm_fwd(cfg, x, w):
-  return _forward(cfg, x, w), (x, w)
-
-
-def _bsmm_bwd(cfg, res, dy):
-  x, w = res
+def _backward(cfg: _Config, x, dy, w):
   xla_fn = lambda a, b, c: xla_backward(a, b, c, precision=cfg.precision)
   cast = lambda r: (r[0].astype(x.dtype), r[1].astype(w.dtype))
   bwd = lambda x2, dy2, b: _platform_dispatch(cfg, xla_fn, "backward", cast, x2, dy2, b)
   # Data parallel: dX keeps the rows' sharding, dW is summed over the row shards.
-  dx, ddata = _sharding.row_parallel(bwd, (x, dy), w, summed=(1,), like={0: x, 1: w.data})
-  # Integer index leaves get no cotangent.
-  dw = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(w), [ddata] + [None] * len(INDEX_FIELDS))
-  return dx, dw
+  return _sharding.row_parallel(bwd, (x, dy), w, summed=(1,), like={0: x, 1: w.data})
 
 
-_block_sparse_matmul.defvjp(_bsmm_fwd, _bsmm_bwd)
+# The custom VJP, differentiable again (grad of grad) on the same kernels; the index leaves get no cotangent.
+_block_sparse_matmul = _bilinear.bilinear_product(_forward, _backward)
 
 
 def _check_implementation(implementation) -> str:
@@ -256,7 +243,8 @@ def block_sparse_matmul(
   Equal to ``x @ w.to_dense()`` but neither the forward nor the backward builds the dense ``K x N``
   weight or its gradient: ``dX = dY @ Wᵀ`` runs on the sparse pattern and ``dW`` is ``xᵀ dY``
   evaluated on the kept blocks only. Differentiable with respect to ``x`` and ``w.data``; works under
-  ``jit``, ``vmap`` and ``grad``.
+  ``jit``, ``vmap`` and ``grad``, to any order in reverse mode (``grad`` of ``grad``: every derivative runs on
+  the same kernels); forward mode (``jvp``, ``jax.hessian``) is not supported: use ``jax.jacrev`` twice.
 
   >>> import jax, jax.numpy as jnp, jaxsparse
   >>> k1, k2 = jax.random.split(jax.random.key(0))

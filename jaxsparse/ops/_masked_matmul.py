@@ -13,7 +13,6 @@ weight gradient that this dense storage implies. Densely masked weights (density
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +21,7 @@ from jax import lax
 from jaxsparse import _utils
 from jaxsparse._cpu import _kernels
 from jaxsparse._utils import check_mask
+from jaxsparse.ops import _bilinear
 from jaxsparse.ops import _sharding
 from jaxsparse.ops._sparse_matmul import CpuImplementation
 from jaxsparse.ops._sparse_matmul import check_cpu_implementation
@@ -69,18 +69,9 @@ def _local_forward(cfg: _Config, x2, w, mask):
   return (_branch(cfg, mask, sparse, dense),)
 
 
-def _forward(cfg: _Config, x, w, mask):
+def _forward(cfg: _Config, x, wm):
   # Data parallel: each device multiplies its rows of x (ops/_sharding.py).
-  return _sharding.row_parallel(lambda x2, wm: _local_forward(cfg, x2, *wm), (x,), (w, mask))[0]
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _masked_matmul_cpu(cfg: _Config, x: jax.Array, w: jax.Array, mask: jax.Array) -> jax.Array:
-  return _forward(cfg, x, w, mask)
-
-
-def _mm_fwd(cfg, x, w, mask):
-  return _forward(cfg, x, w, mask), (x, w, mask)
+  return _sharding.row_parallel(lambda x2, wm: _local_forward(cfg, x2, *wm), (x,), wm)[0]
 
 
 def _local_backward(cfg: _Config, x2, dy2, w, mask):
@@ -98,15 +89,15 @@ def _local_backward(cfg: _Config, x2, dy2, w, mask):
   return _branch(cfg, mask, sparse, dense)
 
 
-def _mm_bwd(cfg, res, dy):
-  x, w, mask = res
+def _backward(cfg: _Config, x, dy, wm):
   # Data parallel: dX keeps the rows' sharding, dW is summed over the row shards.
   bwd = lambda x2, dy2, wm: _local_backward(cfg, x2, dy2, *wm)
-  dx, dw = _sharding.row_parallel(bwd, (x, dy), (w, mask), summed=(1,), like={0: x, 1: w})
-  return dx, dw, None
+  return _sharding.row_parallel(bwd, (x, dy), wm, summed=(1,), like={0: x, 1: wm[0]})
 
 
-_masked_matmul_cpu.defvjp(_mm_fwd, _mm_bwd)
+# The custom VJP over the kernels, on the weight (w, mask), differentiable again (grad of grad); the mask gets
+# no cotangent.
+_masked_matmul_cpu = _bilinear.bilinear_product(_forward, _backward)
 
 
 def masked_matmul(
@@ -123,7 +114,7 @@ def masked_matmul(
   On CPU the product and both gradients run in sparse C++ kernels that read the kept entries from
   ``mask`` on every call, so ``mask`` may change between calls (also inside ``jit``) at no cost;
   masks keeping more than :data:`CPU_MAX_DENSITY` of the weights run as a masked dense product.
-  Works under ``jit``, ``grad`` (reverse mode) and ``vmap``: leading dimensions of ``x`` and a
+  Works under ``jit``, ``grad`` (reverse mode, to any order) and ``vmap``: leading dimensions of ``x`` and a
   mapped ``x`` fold into one kernel call; a mapped backward runs once per mapped element.
 
   >>> import jax.numpy as jnp, jaxsparse
@@ -161,4 +152,4 @@ def masked_matmul(
     # d(w * mask)/dw = mask, so autodiff already masks the weight gradient.
     return _masked_dense(x, w, mask, precision, out_dtype)
   cfg = _Config(precision, out_dtype, check_density=implementation is None)
-  return _masked_matmul_cpu(cfg, x, w, mask)
+  return _masked_matmul_cpu(cfg, x, (w, mask))

@@ -16,7 +16,6 @@ The helpers below the op also serve :func:`jaxsparse.ops.masked_matmul`.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import warnings
 from typing import Literal
 
@@ -27,8 +26,8 @@ from jax import lax
 from jaxsparse import _utils
 from jaxsparse._cpu import _build
 from jaxsparse._cpu import _kernels
-from jaxsparse.formats._csr import INDEX_FIELDS
 from jaxsparse.formats._csr import CSRMatrix
+from jaxsparse.ops import _bilinear
 from jaxsparse.ops import _sharding
 
 __all__ = ["CpuImplementation", "sparse_matmul", "sparse_matmul_reference"]
@@ -103,28 +102,15 @@ def _csr_forward(cfg: _Config, x: jax.Array, w: CSRMatrix) -> jax.Array:
   return _sharding.row_parallel(fwd, (x,), w)[0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _sparse_matmul_cpu(cfg: _Config, x: jax.Array, w: CSRMatrix) -> jax.Array:
-  return _csr_forward(cfg, x, w)
-
-
-def _smm_fwd(cfg, x, w):
-  return _csr_forward(cfg, x, w), (x, w)
-
-
-def _smm_bwd(cfg, res, dy):
-  x, w = res
+def _csr_backward(cfg: _Config, x: jax.Array, dy: jax.Array, w: CSRMatrix) -> tuple[jax.Array, jax.Array]:
   bwd = lambda x2, dy2, b: _kernels.csr_backward(f32(x2), f32(b.data), b.row_offsets, b.col_indices, f32(dy2))
   # Data parallel: dX keeps the rows' sharding, dW is summed over the row shards.
   dx, ddata = _sharding.row_parallel(bwd, (x, dy), w, summed=(1,), like={0: x, 1: w.data})
-  # Integer index leaves get no cotangent.
-  dw = jax.tree_util.tree_unflatten(
-      jax.tree_util.tree_structure(w), [ddata.astype(w.dtype)] + [None] * len(INDEX_FIELDS)
-  )
-  return dx.astype(x.dtype), dw
+  return dx.astype(x.dtype), ddata.astype(w.dtype)
 
 
-_sparse_matmul_cpu.defvjp(_smm_fwd, _smm_bwd)
+# The custom VJP over the kernels, differentiable again (grad of grad); the index leaves get no cotangent.
+_sparse_matmul_cpu = _bilinear.bilinear_product(_csr_forward, _csr_backward)
 
 
 def sparse_matmul(
@@ -140,9 +126,9 @@ def sparse_matmul(
   Equal to ``x @ w.to_dense()``. On CPU (``implementation`` ``None`` or ``"cpu"``) the forward
   product, ``dX = dY @ Wᵀ`` and ``dW = xᵀ dY`` at the stored entries run in C++ kernels whose work
   and memory are proportional to ``w.nnz``, split over the cores. Differentiable with respect to
-  ``x`` and ``w.data`` (reverse mode); works under ``jit`` and ``vmap`` (a mapped ``x`` folds into
-  the batch dimension; a mapped backward runs once per mapped element). Float32, and bfloat16 /
-  float16 converted to float32 and back.
+  ``x`` and ``w.data`` in reverse mode, to any order (``grad`` of ``grad``); works under ``jit`` and
+  ``vmap`` (a mapped ``x`` folds into the batch dimension; a mapped backward runs once per mapped
+  element). Float32, and bfloat16 / float16 converted to float32 and back.
 
   >>> import jax, jax.numpy as jnp, jaxsparse
   >>> w = jax.random.normal(jax.random.key(0), (64, 128))
