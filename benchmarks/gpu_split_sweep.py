@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -51,21 +52,39 @@ def parse(case: str):
   return jnp.dtype(dtype), m, k, n, (bk, bn), float(d)
 
 
-def variants(default: BlockSparseMatmulConfig, m: int, w, transpose: bool, kinds=("mosaic", "triton")):
-  """``(label, config)`` of one product: the default, Mosaic (tile_m x split) and Triton (split), of ``kinds``."""
+def variants(
+    default: BlockSparseMatmulConfig,
+    m: int,
+    w,
+    transpose: bool,
+    kinds=("mosaic", "triton"),
+    block_ms=(),
+    splits=SPLITS,
+    index_windows=(None,),
+    stages=(None,),
+):
+  """``(label, config)`` of one product: the default, Mosaic (tile_m x split) and Triton (split; and row tiles
+  ``block_ms`` besides the default's, index windows and pipeline stages, ``None``: the default's), of ``kinds``."""
   field, tri_field = ("mosaic_dx", "dx") if transpose else ("mosaic_forward", "forward")
   out = [("default", default)]
   if mosaic_available() and "mosaic" in kinds:
     base = getattr(default, field) or getattr(mgpu.MosaicBlockSparseMatmulConfig.get_default(m, w.block_shape, w.dtype),
                                              "dx" if transpose else "forward")
     for tm in (128, 256):
-      for s in SPLITS:
+      for s in splits:
         cfg = dataclasses.replace(base, tile_m=tm, split=s)
         out.append((f"mosaic tm{tm} G{cfg.group_cols} split{s}", dataclasses.replace(default, **{field: cfg})))
   tri = getattr(default, tri_field)
-  for s in SPLITS if "triton" in kinds else ():
-    cfg = dataclasses.replace(tri, split=s)
-    out.append((f"triton bm{tri.block_m} split{s}", dataclasses.replace(default, **{field: None, tri_field: cfg})))
+  ob = w.block_shape[0] if transpose else w.block_shape[1]
+  for bm in dict.fromkeys((tri.block_m, *block_ms)) if "triton" in kinds else ():
+    # 8 warps where the float32 accumulator is 128 x 128 or more (as the default configs).
+    warps = 8 if bm * ob >= 128 * 128 else tri.num_warps
+    for s, window, st in itertools.product(splits, index_windows, stages):
+      window = tri.index_window if window is None else window
+      cfg = dataclasses.replace(tri, block_m=bm, num_warps=warps, split=s, index_window=window,
+                                num_stages=st or tri.num_stages)
+      label = f"triton bm{bm} w{warps} split{s} st{cfg.num_stages}" + ("" if window else " mem")
+      out.append((label, dataclasses.replace(default, **{field: None, tri_field: cfg})))
   return out
 
 
@@ -88,6 +107,11 @@ def main(argv=None) -> None:
   p.add_argument("--cases", default=",".join(CASES), help="comma-separated dtype:MxKxN:BKxBN:density")
   p.add_argument("--iterations", type=int, default=10)
   p.add_argument("--kernels", default="mosaic,triton", help="comma-separated kernel families of the variants")
+  p.add_argument("--triton-block-ms", default="", help="comma-separated Triton row tiles to time besides the default's")
+  p.add_argument("--splits", default=",".join(map(str, SPLITS)), help="comma-separated splits of the variants")
+  p.add_argument("--triton-index-memory", action="store_true",
+                 help="also time the Triton variants with their indices read from memory (index_window=False)")
+  p.add_argument("--triton-stages", default="", help="comma-separated Triton pipeline stages (default: the config's)")
   args = p.parse_args(argv)
   interpret = jax.default_backend() != "gpu"  # the CPU smoke test: interpret mode
   table = ["| case | product | dense ms | default (ratio) | best variant | best ms (ratio) | max rel err |",
@@ -106,7 +130,11 @@ def main(argv=None) -> None:
       ref = dense(f32(x), f32(dy), f32(wd), precision=hi)
       t_dense = time_ms(dense, x, dy, wd, iterations=args.iterations)
       results, errs = {}, []
-      for label, cfg in variants(default, m, w, transpose, args.kernels.split(",")):
+      ints = lambda v: [int(x) for x in v.split(",") if x]
+      for label, cfg in variants(
+          default, m, w, transpose, args.kernels.split(","), ints(args.triton_block_ms), ints(args.splits),
+          (None, False) if args.triton_index_memory else (None,), ints(args.triton_stages) or (None,),
+      ):
         run = functools.partial(_sparse, config=cfg, transpose=transpose, interpret=interpret)
         try:
           errs.append(rel_err(jax.jit(run)(x, dy, w), ref))
