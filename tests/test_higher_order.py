@@ -26,10 +26,10 @@ SETTINGS = settings(max_examples=8, deadline=None, suppress_health_check=[Health
 OPS = ("block", "block_xla", "csr", "masked", "masked_dense", "nm")
 
 
-def _problem(op: str, seed: int, m: int, k: int, n: int, block: tuple[int, int], density: float, dtype, precision=None):
-  """``(f, f_ref, x, values)``: the op and its dense reference (a plain product of ``precision``) as functions
-  of ``x`` and the kept values."""
-  mm = lambda x, wd: jnp.matmul(x, wd, precision=precision)
+def _problem(op: str, seed: int, m: int, k: int, n: int, block: tuple[int, int], density: float, dtype):
+  """``(f, f_ref, x, values)``: the op and its dense reference on the same pattern (a plain product, of an optional
+  ``precision``) as functions of ``x`` and the kept values."""
+  mm = lambda x, wd, precision: jnp.matmul(x, wd, precision=precision)
   rng = np.random.default_rng(seed)
   kw, kx = jax.random.split(jax.random.key(seed))
   w = jax.random.normal(kw, (k, n), jnp.float32).astype(dtype)
@@ -39,19 +39,19 @@ def _problem(op: str, seed: int, m: int, k: int, n: int, block: tuple[int, int],
     ws = jaxsparse.BlockSparseMatrix.from_dense(w, block, block_mask=mask)
     impl = "xla" if op == "block_xla" else None
     f = lambda x, v: ops.block_sparse_matmul(x, ws.with_data(v), implementation=impl)
-    return f, lambda x, v: mm(x, ws.with_data(v).to_dense()), x, ws.data
+    return f, lambda x, v, precision=None: mm(x, ws.with_data(v).to_dense(), precision), x, ws.data
   if op == "csr":
     ws = jaxsparse.CSRMatrix.from_dense(w, mask=rng.random((k, n)) < density)
     f = lambda x, v: ops.sparse_matmul(x, ws.with_data(v))
-    return f, lambda x, v: mm(x, ws.with_data(v).to_dense()), x, ws.data
+    return f, lambda x, v, precision=None: mm(x, ws.with_data(v).to_dense(), precision), x, ws.data
   if op == "nm":
     ws = jaxsparse.NMSparseMatrix.from_dense(w, 2, 4)
     f = lambda x, v: ops.nm_matmul(x, ws.with_values(v))
-    return f, lambda x, v: mm(x, ws.with_values(v).to_dense()), x, ws.values
+    return f, lambda x, v, precision=None: mm(x, ws.with_values(v).to_dense(), precision), x, ws.values
   # masked: the C++ kernels below CPU_MAX_DENSITY, the masked dense branch above it.
   mask = jnp.asarray(rng.random((k, n)) < (0.1 if op == "masked" else 0.6))
   f = lambda x, v: ops.masked_matmul(x, v, mask)
-  return f, lambda x, v: mm(x, jnp.where(mask, v, 0)), x, w
+  return f, lambda x, v, precision=None: mm(x, jnp.where(mask, v, 0), precision), x, w
 
 
 def _second_order(f, x, v, u, t):
@@ -115,12 +115,11 @@ def test_third_order_and_vmap(op):
 
 
 def test_forward_mode_is_refused_with_jax_message():
-  f, _, x, v = _problem("block", 0, 4, 32, 32, (16, 16), 0.5, jnp.float32)
+  f, f_ref, x, v = _problem("block", 0, 4, 32, 32, (16, 16), 0.5, jnp.float32)
   with pytest.raises(TypeError, match="forward-mode"):
     jax.jvp(lambda x: f(x, v), (x,), (x,))
   # jacrev of jacrev gives the Hessian where jax.hessian (forward over reverse) cannot.
   h = jax.jacrev(jax.jacrev(lambda x: jnp.sum(f(x, v) ** 2)))(x[:1])
-  _, f_ref, _, _ = _problem("block", 0, 4, 32, 32, (16, 16), 0.5, jnp.float32)
   assert_close(h, jax.hessian(lambda x: jnp.sum(f_ref(x, v) ** 2))(x[:1]), jnp.float32, factor=10)
 
 
@@ -130,18 +129,16 @@ def test_forward_mode_is_refused_with_jax_message():
 @pytest.mark.parametrize(("op", "dtype"), [("block", jnp.float32), ("block", jnp.bfloat16), ("nm", jnp.bfloat16)])
 def test_gpu_second_order(op, dtype, m):
   # The GPU kernels (Pallas Mosaic GPU / Triton, cuSPARSELt, mma.sp, by the default dispatch) in every derivative.
-  f, _, x, v = _problem(op, 5, m, 256, 384, (64, 64), 0.4, dtype)
+  f, f_ref, x, v = _problem(op, 5, m, 256, 384, (64, 64), 0.4, dtype)
   u = jax.random.normal(jax.random.key(6), x.shape)
   t = jax.random.normal(jax.random.key(7), v.shape)
   got = jax.jit(_second_order, static_argnums=0)(f, x, v, u, t)
-  hi = jax.lax.Precision.HIGHEST
-  _, ref, _, _ = _problem(op, 5, m, 256, 384, (64, 64), 0.4, jnp.float32, precision=hi)
-  _, ref_default, _, _ = _problem(op, 5, m, 256, 384, (64, 64), 0.4, jnp.float32)
+  # References in float32 on the same inputs and pattern (an N:M pattern from float32 weights could differ).
   x32, v32 = x.astype(jnp.float32), v.astype(jnp.float32)
-  want = _second_order(ref, x32, v32, u, t)
+  want = _second_order(lambda x, v: f_ref(x, v, jax.lax.Precision.HIGHEST), x32, v32, u, t)
   # float32 runs at DEFAULT precision on the GPU (TF32, 10 mantissa bits), as XLA's own float32 products: as
   # accurate as the dense products at DEFAULT precision, against HIGHEST, within 3x; bf16 to its rounding.
-  dense = _second_order(ref_default, x32, v32, u, t)
+  dense = _second_order(f_ref, x32, v32, u, t)
   for g, r, d in zip(got, want, dense, strict=True):
     if dtype == jnp.float32:
       assert rel_err(g, r) <= max(3 * rel_err(d, r), 1e-5), (rel_err(g, r), rel_err(d, r))
