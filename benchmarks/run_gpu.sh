@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Runs the GPU tests (block-sparse, N:M, cuSPARSELt and CUDA kernels) and the block-sparse GPU benchmark on a
-# CUDA machine (the device tool's H100 or H200: `run` with command `bash benchmarks/run_gpu.sh`). Logs go to $OUT (or
-# ./gpu_logs), the benchmark table to $OUT/gpu_block_sparse.md.
+# Runs the GPU tests (block-sparse, N:M, cuSPARSELt, CUDA kernels, grad of grad) and the block-sparse GPU benchmark
+# on a CUDA machine (the device tool's H100 or H200: `run` with command `bash benchmarks/run_gpu.sh`). Logs go to
+# $OUT (or ./gpu_logs), the benchmark table to $OUT/gpu_block_sparse.md.
 #
 #   bash benchmarks/run_gpu.sh            # tests, then the table (default configs) + torch BSR
 #   bash benchmarks/run_gpu.sh tests      # only the GPU tests
+#   bash benchmarks/run_gpu.sh tests ARGS # only the GPU tests, with pytest ARGS (e.g. files, or -k): on an H100 the
+#                                         # whole set takes about 10 minutes with 15 workers, one device call's limit
 #   bash benchmarks/run_gpu.sh bench ARGS # only the benchmark, with its ARGS (e.g. --sweep --mosaic-sweep)
 #
 # TEST_TIMEOUT / BENCH_TIMEOUT (seconds) bound each part so that a device call keeps the logs of both;
@@ -25,9 +27,11 @@ status=0
 if [ "$what" = all ] || [ "$what" = tests ]; then
   workers=()
   if "$py" -c 'import xdist' 2>/dev/null; then workers=(-n "${PYTEST_WORKERS:-4}"); fi
+  files=(tests/test_pallas_block_sparse.py tests/test_pallas_block_sparse_sdd_mgpu.py tests/test_pallas_nm.py
+    tests/test_cusparselt.py tests/test_cuda_kernels.py tests/test_higher_order.py)
+  [ "$what" = tests ] && [ $# -gt 0 ] && files=("$@")
   timeout "${TEST_TIMEOUT:-3600}" "$py" -m pytest -q -m gpu -p no:cacheprovider -o addopts="" "${workers[@]}" \
-    tests/test_pallas_block_sparse.py tests/test_pallas_block_sparse_sdd_mgpu.py tests/test_pallas_nm.py \
-    tests/test_cusparselt.py tests/test_cuda_kernels.py 2>&1 | tee "$out/gpu_tests.log"
+    "${files[@]}" 2>&1 | tee "$out/gpu_tests.log"
   status=${PIPESTATUS[0]}
 fi
 if [ "$what" = all ]; then

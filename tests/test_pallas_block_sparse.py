@@ -721,8 +721,8 @@ def test_mosaic_default_rings_are_the_deepest_that_fit(monkeypatch):
 
 
 def test_mosaic_grouped_columns_where_they_measured_faster(monkeypatch):
-  # DispatchRules.mosaic_group_cols: float32 blocks of 32 (G = 4) from d = 0.2 and of 64 (G = 2) from d = 0.3,
-  # 16-bit blocks of 64 (G = 2) from d = 0.3 where 4 grouped tiles a SM remain; 16-bit blocks of 32 never.
+  # DispatchRules.mosaic_group_cols: float32 blocks of 32 (G = 4) from d = 0.2, blocks of 64 (G = 2) from d = 0.2
+  # where 2 (float32) / 4 (16-bit) grouped tiles a SM remain; 16-bit blocks of 32 never.
   monkeypatch.setattr(kernel_config, "_mosaic_probe", lambda: None)
   rules = kernel_config.dispatch_rules("NVIDIA H200")
 
@@ -734,11 +734,20 @@ def test_mosaic_grouped_columns_where_they_measured_faster(monkeypatch):
   f32, bf16, f16 = jnp.float32, jnp.bfloat16, jnp.float16
   assert groups(8192, 4096, 4096, (32, 32), 0.25, f32) == (4, 4)
   assert groups(8192, 4096, 4096, (32, 32), 0.125, f32) == (1, 1)
-  assert groups(8192, 4096, 4096, (64, 64), 0.25, f32) == (1, 1)
+  assert groups(8192, 4096, 4096, (64, 64), 0.25, f32) == (2, 2)
+  assert groups(8192, 4096, 4096, (64, 64), 0.125, f32) == (1, 1)
   assert groups(8192, 4096, 16384, (64, 64), 0.5, f32) == (2, 2)
   assert groups(8192, 4096, 4096, (64, 64), 0.5, bf16) == (2, 2)
   assert groups(8192, 4096, 4096, (64, 64), 0.5, f16) == (2, 2)
-  assert groups(8192, 4096, 4096, (64, 64), 0.25, bf16) == (1, 1)
+  assert groups(8192, 4096, 4096, (64, 64), 0.25, bf16) == (2, 2)
+  assert groups(8192, 4096, 4096, (64, 64), 0.125, bf16) == (1, 1)
+  # The MLP of gpu_train_step.py: float32 groups both products of both layers (512 grouped tiles, 3.9 a SM); 16-bit
+  # only where 4 a SM remain (the up projection's forward, the down projection's dX).
+  assert groups(8192, 8192, 2048, (64, 64), 0.25, f32) == (2, 2)
+  assert groups(8192, 2048, 8192, (64, 64), 0.25, bf16) == (2, 1)
+  assert groups(8192, 8192, 2048, (64, 64), 0.25, bf16) == (1, 2)
+  # float32 64-blocks at M = 2048 (128 grouped tiles, under 2 a SM) keep one column a tile.
+  assert groups(2048, 4096, 4096, (64, 64), 0.25, f32) == (1, 1)
   assert groups(256, 4096, 4096, (32, 32), 0.25, bf16) == (1, 1)
   # Rectangular blocks: each product by its output block width (forward: bn, dX: bk).
   assert groups(8192, 4096, 4096, (64, 32), 0.5, f32) == (4, 2)
@@ -1101,6 +1110,9 @@ def test_gpu_default_config_runs_mosaic(monkeypatch, m, b):
         (4096, 2048, 2048, (32, 32), "quarter", jnp.float32, (4, 4)),  # empty row and column; > 1 tile a SM
         (8192, 4096, 4096, (64, 64), "random", jnp.bfloat16, (2, 2)),  # > 4 tiles a SM
         (2048, 4096, 512, (64, 32), "random", jnp.float32, (1, 2)),  # rectangular: only dX has enough tiles
+        # d ~ 0.24 (below 0.3 since 2026-11-26): float32 down projection (long contraction), bf16 up projection.
+        (8192, 8192, 2048, (64, 64), "quarter", jnp.float32, (2, 2)),
+        (8192, 2048, 8192, (64, 64), "quarter", jnp.bfloat16, (2, 1)),  # dX: 512 grouped tiles, under 4 a SM
     ],
 )
 def test_gpu_default_config_groups_columns(monkeypatch, m, k, n, block_shape, pattern, dtype, groups):

@@ -500,8 +500,16 @@ HOPPER_RULES = DispatchRules(
     #   (256 grouped tiles, 1.9 a SM) 0.87 / 0.86 against 0.90 / 0.90: from 4 tiles a SM (7.8 won).
     # * 16-bit, 32-wide outputs: no G won (d = 0.25: 0.87 / 0.87 against 0.97-1.78; d = 0.5: 1.69 / 1.68 against
     #   1.49-2.27); the short wgmma steps (N = 32) are not bound by the a reads alone.
+    # * 64-wide outputs at d = 0.25 on an H100 (2026-11-26, benchmarks/results/gpu_h100_state_2026-11-26.md; same
+    #   sweep with --ns 8192,16384, and `gpu_mosaic_stages.py` for K = 8192): G = 2 won where the contraction or the
+    #   output is long. float32: forward K = 4096, N = 8192 / 16384 0.52 / 0.50 -> 0.47 / 0.45; forward K = 8192,
+    #   N = 2048 (kernel only, best ring) 0.64 -> 0.48; dX over N = 8192 / 16384 0.56 / 0.75 -> 0.48 / 0.52. bf16:
+    #   0.49 / 0.47 -> 0.45 / 0.43 (forward), 0.49 / 0.53 -> 0.46 / 0.46 (dX). At d = 0.125 a tie or G = 1 (H200),
+    #   hence 0.2; K = N = 4096 at d = 0.25 on the H200 (above) within 0.02 either way. Float32 keeps one column a tile
+    #   under 2 grouped tiles a SM (M = 2048 above: 0.55 / 0.53 against 0.61 / 0.59). With it the float32 block-64
+    #   MLP train step (`gpu_train_step.py`) went from 15.53 to 14.91 ms (H100).
     # Rectangular blocks take the rule of their output block dim (not measured).
-    mosaic_group_cols={(4, 32): (0.2, 4, 1), (4, 64): (0.3, 2, 1), (2, 64): (0.3, 2, 4)},
+    mosaic_group_cols={(4, 32): (0.2, 4, 1), (4, 64): (0.2, 2, 2), (2, 64): (0.2, 2, 4)},
 
     # Where the Mosaic GPU sampled xᵀdY kernel replaces the Triton one. Float32 (TF32): for every block the
     # kernel takes, from 256 rows (Triton's float32 SDD ran 1.9-2.9x the dense TF32 product; `gpu_block_sparse.py
