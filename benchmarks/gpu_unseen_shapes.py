@@ -1,6 +1,6 @@
 """Block-sparse layers on shapes no tuning run used: is the default dispatch ever slower than dense?
 
-    python benchmarks/gpu_unseen_shapes.py [--cases 24 --seed 7 --iterations 10]
+    python benchmarks/gpu_unseen_shapes.py [--cases 24 --seed 7 --iterations 10] [--space wide] [--modes off,tune]
 
 Draws ``--cases`` random problems (seeded): ``x`` of shape ``(B, S, K)`` or ``(M, K)`` with M from decode to
 training sizes, K and N multiples of 256 from 768 to 8192, square and rectangular blocks of 32 / 64 / 128,
@@ -9,13 +9,22 @@ device-side, ``jaxsparse.ops.block_sparse_matmul(x, w)`` (the default route, wha
 ``x @ W`` of the same shapes: the forward, and for M > 64 the forward plus both gradients (``jax.vjp``, to x
 and to the kept blocks / the dense weight). Prints one row per case as it goes and the table last; a ratio
 above 1 is a shape where the default is slower than dense.
+
+``--space wide`` draws from the wider space of issue 35 (M 1-12288, K and N 512-16384, blocks 16-256 square and
+rectangular, density 0.05-0.6, bf16 / fp16 / f32). ``--modes off,tune`` times each case once per measured-dispatch
+mode (``jaxsparse.autotune_mode``; ``off`` is the shipped rules alone, ``tune`` measures each product's candidate
+routes on its first trace, into a fresh cache under ``$OUT``), with the first-trace tuning cost of the forward and
+of forward + backward, and checks that a second trace of a tuned signature measures nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
+import os
 import re
+import time
 
 import jax
 import jax.numpy as jnp
@@ -31,22 +40,34 @@ import jaxsparse
 MS = [1, 16, 48, 200, 384, 640, 1000, 1536, 3000, 4096, 6144, 12288]
 DIMS = [768, 1024, 1536, 2048, 2560, 3072, 4096, 5120, 6144, 8192]
 BLOCKS = ((32, 32), (64, 64), (128, 128), (64, 128), (128, 64), (32, 64), (64, 32))
+# --space wide (issue 35): decode to training rows, wider layers, blocks 16-256, density 0.05-0.6, fp16 too.
+WIDE = {
+    "ms": [1, 2, 4, 16, 48, 200, 384, 640, 1000, 1536, 3000, 4096, 6144, 8192, 12288],
+    "dims": [512, 768, 1024, 1536, 2048, 3072, 4096, 5120, 6144, 8192, 11008, 14336, 16384],
+    "blocks": ((16, 16), (32, 32), (64, 64), (128, 128), (256, 128), (128, 256), (256, 256), (32, 64), (64, 32),
+               (128, 64), (64, 128), (16, 64)),
+    "density": (0.05, 0.6),
+    "dtypes": (jnp.bfloat16, jnp.float16, jnp.float32),
+}
 
 
-def cases(count: int, seed: int) -> list[dict]:
+def cases(count: int, seed: int, space: str = "default") -> list[dict]:
   rng = np.random.default_rng(seed)
   out = []
   for _ in range(count):
-    m = int(rng.choice(MS))
+    if space == "wide":
+      m = int(rng.choice(WIDE["ms"]))
+      block = tuple(int(v) for v in WIDE["blocks"][rng.integers(len(WIDE["blocks"]))])
+      k, n = (int(rng.choice([d for d in WIDE["dims"] if d % b == 0])) for b in block)
+      density, dtype = round(float(rng.uniform(*WIDE["density"])), 2), WIDE["dtypes"][rng.integers(3)]
+    else:
+      m = int(rng.choice(MS))
+      k, n = int(rng.choice(DIMS)), int(rng.choice(DIMS))
+      block = tuple(int(v) for v in BLOCKS[rng.integers(len(BLOCKS))])
+      density = round(float(rng.uniform(0.1, 0.5)), 2)
+      dtype = jnp.bfloat16 if rng.random() < 0.6 else jnp.float32
     batch = (2, m // 2) if m > 64 and m % 2 == 0 and rng.random() < 0.5 else (m,)
-    out.append({
-        "batch": batch,
-        "k": int(rng.choice(DIMS)),
-        "n": int(rng.choice(DIMS)),
-        "block": tuple(int(v) for v in BLOCKS[rng.integers(len(BLOCKS))]),
-        "density": round(float(rng.uniform(0.1, 0.5)), 2),
-        "dtype": jnp.dtype(jnp.bfloat16 if rng.random() < 0.6 else jnp.float32),
-    })
+    out.append({"batch": batch, "k": k, "n": n, "block": block, "density": density, "dtype": jnp.dtype(dtype)})
   return out
 
 
@@ -57,7 +78,7 @@ def route(f, *args) -> str:
   return "+".join(sorted({short.get(t, t) for t in targets})) or "xla"
 
 
-def run_case(c: dict, iterations: int, breakdown: bool = False) -> dict:
+def run_case(c: dict, iterations: int, breakdown: bool = False, modes: tuple[str, ...] = ()) -> dict:
   k, n, (bk, bn), d, dtype = c["k"], c["n"], c["block"], c["density"], c["dtype"]
   keys = jax.random.split(jax.random.key(hash((c["batch"], k, n, bk, bn)) % 2**31), 3)
   mask = block_mask(k, n, bk, d, seed=1, bn=bn)
@@ -76,12 +97,27 @@ def run_case(c: dict, iterations: int, breakdown: bool = False) -> dict:
     return g
 
   ref = jnp.dot(x.astype(jnp.float32), wd.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
-  row = dict(c, route=route(sparse, x, w), err=rel_err(jax.jit(sparse)(x, w), ref))
-  row["fwd"] = time_ms(sparse, x, w, iterations=iterations) / time_ms(dense, x, wd, iterations=iterations)
   m = math.prod(c["batch"])
-  if m > 64:
-    row["fwd+bwd"] = (time_ms(both(sparse), x, w, dy, iterations=iterations)
-                      / time_ms(both(dense), x, wd, dy, iterations=iterations))
+  row = dict(c)
+  dense_fwd = time_ms(dense, x, wd, iterations=iterations)
+  dense_both = time_ms(both(dense), x, wd, dy, iterations=iterations) if m > 64 else None
+  for mode in modes or (None,):
+    tag = "" if mode is None else f"[{mode}]"
+    scope = contextlib.nullcontext() if mode is None else jaxsparse.autotune_mode(mode)
+    with scope:
+      fresh = lambda x, w: sparse(x, w)  # a new function: its own trace in this mode
+      t0 = time.perf_counter()
+      jax.jit(fresh).lower(x, w)
+      row["tune_s_fwd" + tag] = time.perf_counter() - t0
+      row["route" + tag] = route(fresh, x, w)
+      row["err" + tag] = rel_err(jax.jit(fresh)(x, w), ref)
+      row["fwd" + tag] = time_ms(fresh, x, w, iterations=iterations) / dense_fwd
+      if m > 64:
+        fresh_both = both(lambda x, w: sparse(x, w))
+        t0 = time.perf_counter()
+        jax.jit(fresh_both).lower(x, w, dy)
+        row["tune_s_both" + tag] = time.perf_counter() - t0
+        row["fwd+bwd" + tag] = time_ms(fresh_both, x, w, dy, iterations=iterations) / dense_both
   if breakdown:  # where the time goes: every kernel of each timed call, device µs
     calls = {"fwd": ((sparse, x, w), (dense, x, wd))}
     if m > 64:
@@ -94,12 +130,30 @@ def run_case(c: dict, iterations: int, breakdown: bool = False) -> dict:
   return row
 
 
-def fmt(r: dict) -> str:
+def fmt(r: dict, modes: tuple[str, ...] = ()) -> str:
   shape = "x".join(str(v) for v in r["batch"])
-  fb = r.get("fwd+bwd")
-  flag = " **slower**" if max(r["fwd"], fb or 0) > 1.0 else ""
-  return (f"| {shape} | {r['k']} | {r['n']} | {r['block'][0]}x{r['block'][1]} | {r['density']} | {r['dtype'].name} | "
-          f"{r['route']} | {r['err']:.1e} | {r['fwd']:.2f} | {'-' if fb is None else f'{fb:.2f}'} |{flag}")
+  cells = [shape, r["k"], r["n"], f"{r['block'][0]}x{r['block'][1]}", r["density"], r["dtype"].name]
+  worst = 0.0
+  for mode in modes or (None,):
+    tag = "" if mode is None else f"[{mode}]"
+    fb = r.get("fwd+bwd" + tag)
+    worst = max(worst, r["fwd" + tag], fb or 0)
+    cells += [r["route" + tag], f"{r['err' + tag]:.1e}", f"{r['fwd' + tag]:.2f}", "-" if fb is None else f"{fb:.2f}"]
+    if mode == "tune":
+      both = r.get("tune_s_both" + tag)
+      cells.append(f"{r['tune_s_fwd' + tag]:.1f} / {'-' if both is None else f'{both:.1f}'}")
+  flag = " **slower**" if worst > 1.0 else ""
+  return "| " + " | ".join(str(v) for v in cells) + f" |{flag}"
+
+
+def header(modes: tuple[str, ...] = ()) -> list[str]:
+  cols = ["x", "K", "N", "block", "d", "dtype"]
+  for mode in modes or (None,):
+    tag = "" if mode is None else f" ({mode})"
+    cols += [f"route{tag}", f"rel err{tag}", f"fwd / dense{tag}", f"fwd+bwd / dense{tag}"]
+    if mode == "tune":
+      cols.append("first trace s (fwd / fwd+bwd)")
+  return ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
 
 
 def main(argv=None) -> None:
@@ -112,24 +166,29 @@ def main(argv=None) -> None:
   p.add_argument("--only", default="", help="comma-separated case numbers of the draw to run (default: all)")
   p.add_argument("--breakdown", action="store_true", help="also log each kernel's device time (CUPTI)")
   p.add_argument("--tiny", action="store_true", help="tiny sizes: a smoke test that runs in seconds on a CPU")
+  p.add_argument("--space", choices=("default", "wide"), default="default", help="the space the shapes are drawn from")
+  p.add_argument("--modes", default="", help="comma-separated autotune modes to time each case in (off, cached, tune)")
   args = p.parse_args(argv)
+  modes = tuple(v for v in args.modes.split(",") if v)
+  if "tune" in modes and not os.environ.get("JAXSPARSE_AUTOTUNE_CACHE"):
+    # A fresh cache: every signature of the draw is measured here, the first-trace cost included.
+    os.environ["JAXSPARSE_AUTOTUNE_CACHE"] = os.path.join(os.environ.get("OUT", "."), "autotune_unseen.json")
   if args.tiny:
     MS[:], DIMS[:] = [3, 70, 130], [256, 384]
+    WIDE.update(ms=[3, 70, 130], dims=[256, 512])
   dev = jax.devices()[0]
   log(f"device: {dev.device_kind}, jax {jax.__version__}; {args.cases} cases, seed {args.seed}")
-  header = ["| x | K | N | block | d | dtype | route | rel err | fwd / dense | fwd+bwd / dense |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
   rows = []
   only = {int(v) for v in args.only.split(",") if v}
-  for i, c in enumerate(cases(args.cases, args.seed)):
+  for i, c in enumerate(cases(args.cases, args.seed, args.space)):
     if i < args.skip or (only and i not in only):
       continue
     try:
-      rows.append(fmt(run_case(c, args.iterations, args.breakdown)))
+      rows.append(fmt(run_case(c, args.iterations, args.breakdown, modes), modes))
     except Exception as e:  # report and go on: one failing shape should not hide the others
       rows.append(f"| {c} | failed: {type(e).__name__}: {str(e)[:160]} |")
     log(f"case {i}: {rows[-1]}")
-  table = "\n".join([*header, *rows])
+  table = "\n".join([*header(modes), *rows])
   log("\n" + table)
   if args.out:
     with open(args.out, "w") as f:

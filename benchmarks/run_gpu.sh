@@ -28,7 +28,7 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
   workers=()
   if "$py" -c 'import xdist' 2>/dev/null; then workers=(-n "${PYTEST_WORKERS:-4}"); fi
   files=(tests/test_pallas_block_sparse.py tests/test_pallas_block_sparse_sdd_mgpu.py tests/test_pallas_nm.py
-    tests/test_cusparselt.py tests/test_cuda_kernels.py tests/test_higher_order.py)
+    tests/test_cusparselt.py tests/test_cuda_kernels.py tests/test_higher_order.py tests/test_tuning.py)
   [ "$what" = tests ] && [ $# -gt 0 ] && files=("$@")
   timeout "${TEST_TIMEOUT:-3600}" "$py" -m pytest -q -m gpu -p no:cacheprovider -o addopts="" "${workers[@]}" \
     "${files[@]}" 2>&1 | tee "$out/gpu_tests.log"

@@ -22,6 +22,12 @@ from jaxsparse._sparsify._nnx import sparsify
 from jaxsparse._summary import LayerSummary
 from jaxsparse._summary import ModelSummary
 from jaxsparse._summary import summary
+from jaxsparse._tuning import AutotuneCacheWarning
+from jaxsparse._tuning import autotune
+from jaxsparse._tuning import autotune_mode
+from jaxsparse._tuning import export_cache as export_tuning_cache
+from jaxsparse._tuning import import_cache as import_tuning_cache
+from jaxsparse._tuning import set_autotune_mode
 from jaxsparse.formats import NM
 from jaxsparse.formats import BlockSparse
 from jaxsparse.formats import BlockSparseMatrix
@@ -36,6 +42,7 @@ from jaxsparse.formats import random_block_mask
 __version__ = "0.1.0"
 
 __all__ = [
+    "AutotuneCacheWarning",
     "NM",
     "BlockSparse",
     "BlockSparseMatrix",
@@ -44,9 +51,13 @@ __all__ = [
     "ModelSummary",
     "NMSparseMatrix",
     "block_magnitude_mask",
+    "autotune",
+    "autotune_mode",
     "densify",
     "densify_linen",
+    "export_tuning_cache",
     "formats",
+    "import_tuning_cache",
     "layers",
     "magnitude_mask",
     "nm_mask",
@@ -54,6 +65,7 @@ __all__ = [
     "plot_pattern",
     "pruning",
     "random_block_mask",
+    "set_autotune_mode",
     "sharding",
     "sparsify",
     "sparsify_linen",

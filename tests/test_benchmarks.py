@@ -7,6 +7,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).parent.parent
 
 
@@ -67,11 +69,12 @@ def test_product_routes_script_runs():
   assert variants == expected, proc.stdout
 
 
-def test_unseen_shapes_script_runs(tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--space", "wide", "--modes", "off,tune"]])
+def test_unseen_shapes_script_runs(tmp_path, extra):
   out = tmp_path / "table.md"
   cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_unseen_shapes.py"), "--tiny", "--cases", "3",
-         "--iterations", "1", "--out", str(out)]
-  env = {**os.environ, "PYTHONPATH": str(ROOT)}
+         "--iterations", "1", "--out", str(out), *extra]
+  env = {**os.environ, "PYTHONPATH": str(ROOT), "OUT": str(tmp_path)}
   proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
   rows = [r for r in out.read_text().splitlines() if r.startswith("| ") and "route" not in r]

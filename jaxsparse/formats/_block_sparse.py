@@ -21,7 +21,7 @@ from jaxsparse.formats._base import check_pattern_mask
 from jaxsparse.formats._base import is_concrete
 from jaxsparse.formats._base import mask_pattern_indices
 
-__all__ = ["INDEX_FIELDS", "BlockSparseMatrix", "block_pattern_indices"]
+__all__ = ["INDEX_FIELDS", "BlockSparseMatrix", "block_pattern_indices", "merge_block_data", "split_blocks"]
 
 
 def block_pattern_indices(block_mask: Any, *, nnz_blocks: int | None = None) -> dict[str, Any]:
@@ -198,3 +198,94 @@ class BlockSparseMatrix(IndexedSparseMatrix):
         f"BlockSparseMatrix(shape={self.shape}, block_shape={self.block_shape}, "
         f"nnz_blocks={self.nnz_blocks}, density={self.density:.3f}, dtype={self.data.dtype})"
     )
+
+
+def _sub_indices(r: int, c: int) -> tuple[jax.Array, jax.Array]:
+  """Sub-block row ``a`` and column ``b`` within a block, broadcastable against ``(nnz, 1, 1)``."""
+  return jnp.arange(r, dtype=jnp.int32)[None, :, None], jnp.arange(c, dtype=jnp.int32)[None, None, :]
+
+
+def _split_positions(w: BlockSparseMatrix, r: int, c: int) -> jax.Array:
+  """Row-major position of sub-block ``(t, a, b)`` (flattened ``(nnz, r, c)``) among ``r x c`` sub-blocks.
+
+  Sub-row ``rows[t] * r + a`` holds, in order, sub-blocks ``b`` of the kept blocks of block row ``rows[t]``.
+  """
+  start = w.row_offsets.astype(jnp.int32)
+  rows = w.row_indices.astype(jnp.int32)
+  rs, rn = start[rows][:, None, None], jnp.diff(start)[rows][:, None, None]
+  t = jnp.arange(w.nnz_blocks, dtype=jnp.int32)[:, None, None]
+  a, b = _sub_indices(r, c)
+  return (rs * r * c + a * rn * c + (t - rs) * c + b).reshape(-1)
+
+
+def split_blocks(w: BlockSparseMatrix, block_shape: tuple[int, int]) -> BlockSparseMatrix:
+  """``w`` with each kept block cut into ``block_shape`` sub-blocks: the same matrix, finer blocks.
+
+  Exact (``split_blocks(w, b).to_dense() == w.to_dense()``) and traceable: the sub-blocks' index arrays are
+  closed-form functions of ``w``'s (a few elementwise passes over ``nnz_blocks * r * c`` entries, no sort), and
+  the values are one gather of ``w.data``. The kernels run blocks they do not support natively (``256 x 128``)
+  as their supported sub-blocks (``128 x 128``); :func:`merge_block_data` maps sub-block values back.
+
+  >>> import jax, jaxsparse
+  >>> from jaxsparse.formats._block_sparse import split_blocks
+  >>> w = jaxsparse.BlockSparseMatrix.from_dense(jax.random.normal(jax.random.key(0), (8, 8)), (4, 8))
+  >>> s = split_blocks(w, (2, 4))
+  >>> s.block_shape, s.nnz_blocks, bool((s.to_dense() == w.to_dense()).all())
+  ((2, 4), 8, True)
+
+  Args:
+    w: a ``(K, N)`` block-sparse matrix with ``(bk, bn)`` blocks.
+    block_shape: ``(sbk, sbn)`` dividing ``(bk, bn)``.
+
+  Returns:
+    A ``BlockSparseMatrix`` of ``(sbk, sbn)`` blocks, ``nnz_blocks * (bk // sbk) * (bn // sbn)`` of them.
+  """
+  (bk, bn), (sbk, sbn) = w.block_shape, tuple(int(v) for v in block_shape)
+  if sbk < 1 or sbn < 1 or bk % sbk or bn % sbn:
+    raise ValueError(f"block_shape={block_shape} must divide the matrix's block shape {w.block_shape}.")
+  if (sbk, sbn) == (bk, bn):
+    return w
+  r, c = bk // sbk, bn // sbn
+  i32 = jnp.int32
+  rows, cols = w.row_indices.astype(i32), w.col_indices.astype(i32)
+  col_start = w.col_offsets.astype(i32)
+  row_count, col_count = jnp.diff(w.row_offsets.astype(i32)), jnp.diff(col_start)
+  t = jnp.arange(w.nnz_blocks, dtype=i32)
+  a, b = _sub_indices(r, c)
+  new_pos = _split_positions(w, r, c)
+  # Column-major position: sub-column cols[t] * c + b holds sub-rows a of the kept blocks of block column
+  # cols[t], those blocks in w's column-major order (rank s of t in transpose_order).
+  rank = jnp.zeros(w.nnz_blocks, i32).at[w.transpose_order].set(t)
+  cs, cn = col_start[cols][:, None, None], col_count[cols][:, None, None]
+  t_pos = (cs * r * c + b * cn * r + (rank[:, None, None] - cs) * r + a).reshape(-1)
+  nnz = w.nnz_blocks * r * c
+  sub = w.data.reshape(w.nnz_blocks, r, sbk, c, sbn).transpose(0, 1, 3, 2, 4).reshape(nnz, sbk, sbn)
+  by_pos = jnp.zeros(nnz, i32).at[new_pos].set(jnp.arange(nnz, dtype=i32))  # sub-block (t, a, b) at each position
+  sub_rows = jnp.broadcast_to(rows[:, None, None] * r + a, (w.nnz_blocks, r, c)).reshape(-1)
+  sub_cols = jnp.broadcast_to(cols[:, None, None] * c + b, (w.nnz_blocks, r, c)).reshape(-1)
+  row_offsets = jnp.concatenate([jnp.zeros(1, i32), jnp.cumsum(jnp.repeat(row_count * c, r))]).astype(i32)
+  col_offsets = jnp.concatenate([jnp.zeros(1, i32), jnp.cumsum(jnp.repeat(col_count * r, c))]).astype(i32)
+  return BlockSparseMatrix(
+      sub[by_pos],
+      row_indices=sub_rows[by_pos],
+      col_indices=sub_cols[by_pos],
+      row_offsets=row_offsets,
+      col_offsets=col_offsets,
+      transpose_order=jnp.zeros(nnz, i32).at[t_pos].set(new_pos),
+      shape=w.shape,
+      block_shape=(sbk, sbn),
+  )
+
+
+def merge_block_data(sub_data: jax.Array, w: BlockSparseMatrix, block_shape: tuple[int, int]) -> jax.Array:
+  """The inverse of :func:`split_blocks` on values: ``(nnz * r * c, sbk, sbn)`` -> ``(nnz, bk, bn)`` of ``w``.
+
+  ``merge_block_data(split_blocks(w, b).data, w, b) == w.data``; the weight gradient of the kernels' sub-block
+  product comes back to ``w``'s blocks this way.
+  """
+  (bk, bn), (sbk, sbn) = w.block_shape, tuple(block_shape)
+  if (sbk, sbn) == (bk, bn):
+    return sub_data
+  r, c = bk // sbk, bn // sbn
+  blocks = sub_data[_split_positions(w, r, c)].reshape(w.nnz_blocks, r, c, sbk, sbn)
+  return blocks.transpose(0, 1, 3, 2, 4).reshape(w.nnz_blocks, bk, bn)

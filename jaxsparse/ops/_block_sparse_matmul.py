@@ -19,17 +19,22 @@ live in ``jaxsparse.pallas`` and are chosen on CUDA devices.
 
 from __future__ import annotations
 
+import copy
 import warnings
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
+from jaxsparse import _tuning
 from jaxsparse import _utils
 from jaxsparse._cpu import _build as _cpu_build
 from jaxsparse._cpu import _kernels as _cpu_kernels
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
+from jaxsparse.formats._block_sparse import merge_block_data
+from jaxsparse.formats._block_sparse import split_blocks
 from jaxsparse.ops import _bilinear
 from jaxsparse.ops import _dispatch
 from jaxsparse.ops import _sharding
@@ -192,31 +197,135 @@ def _pallas_ops():
   return _dispatch.import_kernels("_block_sparse_matmul")
 
 
-def _platform_dispatch(cfg: _Config, xla_fn, pallas_name: str, cast, *args, **pallas_kwargs):
-  """Runs ``xla_fn`` or the Pallas function ``pallas_name`` for the configured backend.
+def _kernel_block_shape(kernels, block_shape: tuple[int, int]) -> tuple[int, int] | None:
+  """The largest sub-block shape the GPU kernels run that divides ``block_shape`` (itself if supported), or
+  ``None`` where no supported dim divides one of its dims (those blocks run on the dense route)."""
+  dims = sorted(kernels.SUPPORTED_BLOCK_DIMS, reverse=True)
+  sub = tuple(next((d for d in dims if b % d == 0), None) for b in block_shape)
+  return None if None in sub else sub
 
-  ``cast`` maps either backend's result to the op's output dtypes, so both branches of the
-  platform-dependent choice agree. ``pallas_kwargs`` go to the Pallas function only.
-  """
+
+def _row_bucket(m: int) -> int:
+  """Rows of products that share a tuning decision: powers of two up to 16, then steps of a quarter octave."""
+  if m <= 16:
+    return 1 << max(0, m - 1).bit_length()
+  step = (1 << (m.bit_length() - 1)) // 4
+  return -(-m // step) * step
+
+
+def _random_like(key: np.random.Generator, shape, dtype) -> jax.Array:
+  return jnp.asarray(key.standard_normal(shape, np.float32), dtype)
+
+
+def _random_weight(w: BlockSparseMatrix, seed: int = 0) -> BlockSparseMatrix:
+  """A random matrix with the shape, block shape, block count and dtype of ``w`` (for timing its products)."""
+  rng = np.random.default_rng(seed)
+  kb, nb = w.grid_shape
+  mask = np.zeros(kb * nb, bool)
+  mask[rng.choice(kb * nb, w.nnz_blocks, replace=False)] = True
+  return BlockSparseMatrix.from_block_mask(mask.reshape(kb, nb), _random_like(rng, w.data.shape, w.dtype))
+
+
+def _tuned_config(kernels, direction: str, x2, w: BlockSparseMatrix, *, precision, out_dtype):
+  """The kernel config of one direction of ``x2 @ w`` on the GPU: measured (:mod:`jaxsparse._tuning`) or default."""
+  m, (k, n) = x2.shape[0], w.shape
+  options = kernels.candidates(direction, x2, w, out_dtype=out_dtype, precision=precision)
+
+  def run(cfg):
+    if direction == "fwd":
+      return lambda a, b: kernels.forward(a, b, precision=precision, out_dtype=out_dtype, config=cfg)
+    need_dx = direction == "dx"
+    pick = 0 if need_dx else 1
+    return lambda a, dy, b: kernels.backward(
+        a, dy, b, precision=precision, config=cfg, need_dx=need_dx, need_dw=not need_dx
+    )[pick]
+
+  def make_args():
+    rng = np.random.default_rng(1)
+    a, wr = _random_like(rng, (m, k), x2.dtype), _random_weight(w)
+    return (a, wr) if direction == "fwd" else (a, _random_like(rng, (m, n), x2.dtype), wr)
+
+  chosen = _tuning.choose(
+      "block_sparse_matmul",
+      direction,
+      [_tuning.Candidate(name, run(cfg), cfg) for name, cfg in options],
+      make_args,
+      platform="cuda",
+      fields={
+          "rows": _row_bucket(m),
+          "shape": w.shape,
+          "block": w.block_shape,
+          "density": round(w.density * 50) / 50,
+          "dtypes": (str(x2.dtype), str(w.dtype), str(jnp.dtype(out_dtype))),
+          "precision": precision,
+      },
+  )
+  return chosen.value
+
+
+def _gpu_forward(x2, w: BlockSparseMatrix, *, precision, out_dtype):
+  """``x2 @ w`` on the GPU: the kernels, on sub-blocks where ``w``'s blocks are multiples of theirs."""
+  kernels = _pallas_ops()
+  sub = _kernel_block_shape(kernels, w.block_shape)
+  if sub is None or w.nnz_blocks == 0:
+    return kernels.dense_forward(x2, w, precision=precision, out_dtype=out_dtype)
+  ws = split_blocks(w, sub)
+  cfg = _tuned_config(kernels, "fwd", x2, ws, precision=precision, out_dtype=out_dtype)
+  return kernels.forward(x2, ws, precision=precision, out_dtype=out_dtype, config=cfg)
+
+
+def _gpu_backward(x2, dy2, w: BlockSparseMatrix, *, precision):
+  """``(dX, dW)`` on the GPU, each direction on its own measured route; sub-blocks as in :func:`_gpu_forward`."""
+  kernels = _pallas_ops()
+  sub = _kernel_block_shape(kernels, w.block_shape)
+  if sub is None or w.nnz_blocks == 0:
+    compute = jnp.result_type(x2.dtype, dy2.dtype, w.dtype)
+    dx = kernels.dense_dx(dy2, w, precision=precision, out_dtype=x2.dtype)
+    ddata = kernels.dw_dense_then_gather(x2.astype(compute), dy2.astype(compute), w, precision=precision)
+    return dx, ddata.astype(w.dtype)
+  ws = split_blocks(w, sub)
+  tuned = {d: _tuned_config(kernels, d, x2, ws, precision=precision, out_dtype=x2.dtype) for d in ("dx", "dw")}
+  cfg = kernels.combine(tuned["dx"], tuned["dx"], tuned["dw"])
+  dx, ddata = kernels.backward(x2, dy2, ws, precision=precision, config=cfg)
+  return dx, merge_block_data(ddata, w, sub)
+
+
+def _gpu_unsupported_reason(*args) -> str | None:
+  """Why the GPU route cannot run these operands, or ``None``: the kernels' checks, except that any block shape
+  runs (blocks the kernels do not take are cut into ones they do, or run on the dense route)."""
+  *arrays, w = args
+  kernels = _pallas_ops()
+  view = copy.copy(w)
+  view.block_shape = _kernel_block_shape(kernels, w.block_shape) or (kernels.SUPPORTED_BLOCK_DIMS[0],) * 2
+  return kernels.unsupported_reason(*arrays, view)
+
+
+def _platform_dispatch(cfg: _Config, xla_fn, gpu_fn, cast, *args):
+  """Runs ``xla_fn`` or the GPU route ``gpu_fn`` for the configured backend; ``cast`` maps either result to the
+  op's output dtypes, so both branches of the platform-dependent choice agree."""
   kernels = _pallas_ops()
   xla = lambda *a: cast(xla_fn(*a))
-  pallas = lambda *a: cast(getattr(kernels, pallas_name)(*a, precision=cfg.precision, **pallas_kwargs))
-  return _dispatch.dispatch("block_sparse_matmul", cfg, kernels, xla, pallas, *args)
+  pallas = lambda *a: cast(gpu_fn(*a))
+  return _dispatch.dispatch(
+      "block_sparse_matmul", cfg, kernels, xla, pallas, *args, unsupported_reason=_gpu_unsupported_reason
+  )
 
 
 def _forward(cfg: _Config, x, w):
   xla_fn = lambda a, b: xla_forward(a, b, precision=cfg.precision)
+  gpu_fn = lambda a, b: _gpu_forward(a, b, precision=cfg.precision, out_dtype=cfg.out_dtype)
   # The kernel writes the output dtype itself: a float32 result of 16-bit inputs is never rounded.
   cast = lambda y: y.astype(cfg.out_dtype)
-  fwd = lambda x2, b: (_platform_dispatch(cfg, xla_fn, "forward", cast, x2, b, out_dtype=cfg.out_dtype),)
+  fwd = lambda x2, b: (_platform_dispatch(cfg, xla_fn, gpu_fn, cast, x2, b),)
   # Data parallel: each device multiplies its rows of x (ops/_sharding.py).
   return _sharding.row_parallel(fwd, (x,), w)[0]
 
 
 def _backward(cfg: _Config, x, dy, w):
   xla_fn = lambda a, b, c: xla_backward(a, b, c, precision=cfg.precision)
+  gpu_fn = lambda a, b, c: _gpu_backward(a, b, c, precision=cfg.precision)
   cast = lambda r: (r[0].astype(x.dtype), r[1].astype(w.dtype))
-  bwd = lambda x2, dy2, b: _platform_dispatch(cfg, xla_fn, "backward", cast, x2, dy2, b)
+  bwd = lambda x2, dy2, b: _platform_dispatch(cfg, xla_fn, gpu_fn, cast, x2, dy2, b)
   # Data parallel: dX keeps the rows' sharding, dW is summed over the row shards.
   return _sharding.row_parallel(bwd, (x, dy), w, summed=(1,), like={0: x, 1: w.data})
 

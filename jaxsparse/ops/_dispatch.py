@@ -55,21 +55,23 @@ def dispatch(
     pallas_fn: Callable,
     *args,
     preferred: Callable[..., bool] | None = None,
+    unsupported_reason: Callable[..., str | None] | None = None,
 ):
   """Runs ``xla_fn(*args)`` or ``pallas_fn(*args)`` for ``cfg.implementation`` (see the module docstring).
 
   ``preferred(*args)``, if given, can keep supported operands on XLA in "auto" mode where the kernel is
-  known to be slower (no warning then).
+  known to be slower (no warning then). ``unsupported_reason(*args)`` replaces the kernels' own support check
+  where the op's GPU route takes more than its kernels (e.g. re-tiled blocks).
   """
   if cfg.implementation == "xla":
     return xla_fn(*args)
   if cfg.implementation == "pallas":
     return pallas_fn(*args)
-  if kernels is None or not kernels.supports(*args):
+  reason = None if kernels is None else (unsupported_reason or kernels.unsupported_reason)(*args)
+  if kernels is None or reason is not None:
     if kernels is not None and kernels.available():
       warnings.warn(
-          f"{op}: the Pallas GPU kernels do not support these operands "
-          f"({kernels.unsupported_reason(*args)}); using the slower XLA path.",
+          f"{op}: the Pallas GPU kernels do not support these operands ({reason}); using the slower XLA path.",
           kernels.PallasFallbackWarning,
           stacklevel=4,
       )

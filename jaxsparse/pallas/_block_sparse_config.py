@@ -841,6 +841,20 @@ def dense_product_dtype(operand_dtype, out_dtype) -> jnp.dtype:
   return jnp.dtype(out_dtype) if jnp.dtype(operand_dtype) == jnp.dtype(out_dtype) else jnp.dtype(jnp.float32)
 
 
+def dense_forward(x2, w: BlockSparseMatrix, *, precision, out_dtype) -> jax.Array:
+  """The dense route of ``x2 @ W``: the weight built dense (:func:`dense_weight`) and one XLA product."""
+  compute = jnp.result_type(x2.dtype, w.dtype)
+  return jnp.matmul(x2.astype(compute), dense_weight(w, compute), precision=precision, preferred_element_type=out_dtype)
+
+
+def dense_dx(dy2, w: BlockSparseMatrix, *, precision, out_dtype) -> jax.Array:
+  """The dense route of ``dX = dY @ Wᵀ``, in ``out_dtype``."""
+  compute = jnp.result_type(dy2.dtype, w.dtype)
+  acc = dense_product_dtype(compute, out_dtype)
+  dx = jnp.matmul(dy2.astype(compute), dense_weight(w, compute).T, precision=precision, preferred_element_type=acc)
+  return dx.astype(out_dtype)
+
+
 def dw_dense_then_gather(x2, dy2, w, *, precision):
   """``dW`` as the dense ``x2ᵀ dy2`` with the kept blocks gathered: faster than per-block products
   where blocks are small and many."""

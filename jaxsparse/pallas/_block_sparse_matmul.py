@@ -50,10 +50,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
+from jaxsparse.pallas._block_sparse_candidates import candidates
+from jaxsparse.pallas._block_sparse_candidates import combine
 from jaxsparse.pallas._block_sparse_config import BlockSparseMatmulConfig
 from jaxsparse.pallas._block_sparse_config import KernelConfig
-from jaxsparse.pallas._block_sparse_config import dense_product_dtype
-from jaxsparse.pallas._block_sparse_config import dense_weight
+from jaxsparse.pallas._block_sparse_config import dense_dx
+from jaxsparse.pallas._block_sparse_config import dense_forward
 from jaxsparse.pallas._block_sparse_config import dw_dense_then_gather
 from jaxsparse.pallas._block_sparse_config import mosaic_available
 from jaxsparse.pallas._block_sparse_config import mosaic_unavailable_reason
@@ -78,6 +80,11 @@ __all__ = [
     "PallasFallbackWarning",
     "available",
     "backward",
+    "candidates",
+    "combine",
+    "dense_dx",
+    "dense_forward",
+    "dw_dense_then_gather",
     "forward",
     "mosaic_available",
     "mosaic_unavailable_reason",
@@ -322,8 +329,7 @@ def forward(
     return jnp.zeros((m, n), out_dtype)
   configs = _config_for(config, x2, w)
   if (configs.dense or configs.forward_dense) and not interpret:
-    wd = dense_weight(w, compute_dtype)
-    return jnp.matmul(x2.astype(compute_dtype), wd, precision=precision, preferred_element_type=out_dtype)
+    return dense_forward(x2, w, precision=precision, out_dtype=out_dtype)
   if _use_mosaic(configs.mosaic_forward, x2, w, out_dtype, transpose=False, interpret=interpret, precision=precision):
     return mosaic.dense_sparse_matmul(x2, w, out_dtype=out_dtype, config=configs.mosaic_forward, interpret=interpret)
   cfg = configs.forward
@@ -500,14 +506,11 @@ def backward(
   cfg = _config_for(config, x2, w)
   dx = ddata = None
   # The dense routes are XLA products: interpret mode (CPU tests of the kernels) keeps the kernels.
-  dense_dx = (cfg.dense or cfg.dx_dense) and not interpret
+  route_dense_dx = (cfg.dense or cfg.dx_dense) and not interpret
   dense_dw = (cfg.dense or cfg.dw_dense) and not interpret
   mosaic_dx = _use_mosaic(cfg.mosaic_dx, dy2, w, x2.dtype, transpose=True, interpret=interpret, precision=precision)
-  if need_dx and dense_dx:
-    wd = dense_weight(w, compute_dtype)
-    acc = dense_product_dtype(compute_dtype, x2.dtype)
-    dx = jnp.matmul(dy2.astype(compute_dtype), wd.T, precision=precision, preferred_element_type=acc)
-    dx = dx.astype(x2.dtype)
+  if need_dx and route_dense_dx:
+    dx = dense_dx(dy2, w, precision=precision, out_dtype=x2.dtype)
   elif need_dx and mosaic_dx:
     dx = mosaic.dense_sparse_matmul(
         dy2, w, transpose=True, out_dtype=x2.dtype, config=cfg.mosaic_dx, interpret=interpret

@@ -1,0 +1,260 @@
+"""Where measured dispatch decisions live: the tuning mode, an in-process memo and a persistent JSON cache.
+
+A decision is keyed by a product's *signature* (op, direction, row bucket, shapes, block shape, density
+bucket, dtypes, precision, device kind, jaxsparse and jax versions) and records the name of the candidate
+route that measured fastest, with the times measured. The file (``$JAXSPARSE_AUTOTUNE_CACHE``, else
+``autotune.json`` in jaxsparse's per-user cache directory) is written atomically: under an exclusive lock
+the current file is read, merged with the new entries and replaced by a complete temporary file, so two
+processes tuning at once never leave a torn file and neither loses the other's entries. A file that is not
+JSON, not ours or of another format version is ignored with an :class:`AutotuneCacheWarning` (and replaced
+on the next write).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import json
+import os
+import tempfile
+import threading
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from typing import Literal
+
+try:  # POSIX advisory locks; elsewhere writes stay atomic but concurrent writers may drop each other's entries.
+  import fcntl
+except ImportError:  # pragma: no cover (Windows)
+  fcntl = None
+
+__all__ = [
+    "AutotuneCacheWarning",
+    "Mode",
+    "autotune_mode",
+    "cache_path",
+    "current_mode",
+    "export_cache",
+    "import_cache",
+    "lookup",
+    "record",
+    "set_autotune_mode",
+]
+
+Mode = Literal["off", "cached", "tune", "auto"]
+MODES = ("off", "cached", "tune", "auto")
+FORMAT = "jaxsparse-autotune"
+VERSION = 1
+ENV_MODE = "JAXSPARSE_AUTOTUNE"
+ENV_PATH = "JAXSPARSE_AUTOTUNE_CACHE"
+
+
+class AutotuneCacheWarning(UserWarning):
+  """A tuning cache file was unreadable, foreign or of another version and is ignored."""
+
+
+def _check_mode(mode: Any, name: str) -> str:
+  if mode not in MODES:
+    raise ValueError(f"{name} must be one of {MODES}, got {mode!r}.")
+  return mode
+
+
+_global_mode: str | None = None  # set_autotune_mode; None: the environment's, else "auto"
+_scoped_mode: contextvars.ContextVar[str | None] = contextvars.ContextVar("jaxsparse_autotune_mode", default=None)
+
+
+def set_autotune_mode(mode: Mode | None) -> None:
+  """Sets the process-wide tuning mode (``None``: back to ``$JAXSPARSE_AUTOTUNE``, else ``"auto"``).
+
+  Modes: ``"off"`` uses the shipped defaults only; ``"cached"`` uses cached decisions where present and the
+  defaults elsewhere, never measuring; ``"tune"`` measures a product's candidate routes the first time its
+  signature is traced and caches the winner; ``"auto"`` (the default) is ``"tune"`` for products that run on a
+  GPU and ``"cached"`` on CPU. The mode is read when a product is traced: functions already compiled keep the
+  routes they were traced with.
+
+  >>> import jaxsparse
+  >>> jaxsparse.set_autotune_mode("off"); jaxsparse.set_autotune_mode(None)
+  """
+  global _global_mode
+  _global_mode = None if mode is None else _check_mode(mode, "mode")
+
+
+@contextlib.contextmanager
+def autotune_mode(mode: Mode) -> Iterator[None]:
+  """Context manager: products traced inside it use ``mode`` (see :func:`set_autotune_mode`).
+
+  >>> import jax.numpy as jnp, jaxsparse
+  >>> w = jaxsparse.BlockSparseMatrix.from_dense(jnp.ones((64, 64)), (32, 32))
+  >>> with jaxsparse.autotune_mode("off"):
+  ...   y = jaxsparse.ops.block_sparse_matmul(jnp.ones((2, 64)), w)
+  >>> y.shape
+  (2, 64)
+  """
+  token = _scoped_mode.set(_check_mode(mode, "mode"))
+  try:
+    yield
+  finally:
+    _scoped_mode.reset(token)
+
+
+def current_mode(platform: str) -> str:
+  """The effective mode (``"off"``, ``"cached"`` or ``"tune"``) for a product running on ``platform``."""
+  mode = _scoped_mode.get() or _global_mode or os.environ.get(ENV_MODE) or "auto"
+  _check_mode(mode, f"${ENV_MODE}")
+  if mode == "auto":
+    return "tune" if platform in ("cuda", "gpu", "rocm") else "cached"
+  return mode
+
+
+def cache_path() -> Path:
+  """The cache file: ``$JAXSPARSE_AUTOTUNE_CACHE``, else ``autotune.json`` in jaxsparse's cache directory."""
+  if os.environ.get(ENV_PATH):
+    return Path(os.environ[ENV_PATH])
+  if os.environ.get("JAXSPARSE_CACHE_DIR"):
+    return Path(os.environ["JAXSPARSE_CACHE_DIR"]) / "autotune.json"
+  return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxsparse" / "autotune.json"
+
+
+_lock = threading.Lock()
+_memo: dict[str, dict] = {}
+_loaded_from: Path | None = None
+
+
+def _read(path: Path) -> dict[str, dict]:
+  """The entries of the file at ``path``; ``{}`` (with a warning) for a corrupt, foreign or other-version file."""
+  try:
+    text = path.read_text()
+  except FileNotFoundError:
+    return {}
+  except OSError as e:
+    warnings.warn(f"jaxsparse: cannot read the tuning cache {path} ({e}); ignoring it.", AutotuneCacheWarning, 2)
+    return {}
+  try:
+    doc = json.loads(text)
+  except ValueError as e:
+    warnings.warn(f"jaxsparse: the tuning cache {path} is not valid JSON ({e}); ignoring it.", AutotuneCacheWarning, 2)
+    return {}
+  if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("entries"), dict):
+    warnings.warn(f"jaxsparse: {path} is not a jaxsparse tuning cache; ignoring it.", AutotuneCacheWarning, 2)
+    return {}
+  if doc.get("version") != VERSION:
+    warnings.warn(
+        f"jaxsparse: the tuning cache {path} has format version {doc.get('version')!r}, this jaxsparse reads "
+        f"version {VERSION}; ignoring it (it is rewritten on the next tuning).",
+        AutotuneCacheWarning,
+        2,
+    )
+    return {}
+  return {k: v for k, v in doc["entries"].items() if isinstance(v, dict) and isinstance(v.get("choice"), str)}
+
+
+def _load() -> None:
+  """Fills the memo from the cache file, once per process and file location (called under ``_lock``)."""
+  global _loaded_from
+  path = cache_path()
+  if _loaded_from != path:
+    _memo.clear()
+    _memo.update(_read(path))
+    _loaded_from = path
+
+
+def lookup(key: str) -> dict | None:
+  """The cached decision for ``key`` (``{"choice": name, ...}``), or ``None``."""
+  with _lock:
+    _load()
+    return _memo.get(key)
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+  path.parent.mkdir(parents=True, exist_ok=True)
+  if fcntl is None:
+    yield
+    return
+  with open(f"{path}.lock", "a") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+      yield
+    finally:
+      fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _write(path: Path, entries: dict[str, dict]) -> None:
+  """Merges ``entries`` into the file at ``path``: read, merge and atomic replace under the lock."""
+  with _locked(path), warnings.catch_warnings():
+    warnings.simplefilter("ignore", AutotuneCacheWarning)  # already reported when it was loaded
+    merged = {**_read(path), **entries}
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+      with os.fdopen(fd, "w") as f:
+        json.dump({"format": FORMAT, "version": VERSION, "entries": merged}, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+      os.replace(tmp, path)
+    except BaseException:
+      with contextlib.suppress(OSError):
+        os.unlink(tmp)
+      raise
+
+
+def record(key: str, entry: dict) -> None:
+  """Stores a decision in the memo and the cache file (a file that cannot be written only warns)."""
+  with _lock:
+    _load()
+    _memo[key] = entry
+    try:
+      _write(cache_path(), {key: entry})
+    except OSError as e:
+      warnings.warn(
+          f"jaxsparse: cannot write the tuning cache {cache_path()} ({e}); the decision is kept for this "
+          "process only.",
+          AutotuneCacheWarning,
+          3,
+      )
+
+
+def export_cache(path: str | os.PathLike) -> int:
+  """Writes every decision this process knows (its memo and the cache file) to ``path``; returns how many.
+
+  With :func:`import_cache`, a cluster tunes once: tune on one machine, export, import on the others.
+  """
+  with _lock:
+    _load()
+    entries = dict(_memo)
+  _write(Path(path), entries)
+  return len(entries)
+
+
+def import_cache(path: str | os.PathLike) -> int:
+  """Merges the decisions of the cache file at ``path`` into this process and its cache file; returns how many.
+
+  Raises:
+    ValueError: ``path`` is not a readable jaxsparse tuning cache of this format version.
+  """
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always", AutotuneCacheWarning)
+    entries = _read(Path(path))
+  if caught or not Path(path).exists():
+    why = str(caught[0].message) if caught else f"{path} does not exist"
+    raise ValueError(f"import_cache: cannot import {path}: {why}")
+  with _lock:
+    _load()
+    _memo.update(entries)
+    _write(cache_path(), entries)
+  return len(entries)
+
+
+def known_keys() -> set[str]:
+  """The keys of every decision this process knows (memo and cache file)."""
+  with _lock:
+    _load()
+    return set(_memo)
+
+
+def clear_memo() -> None:
+  """Forgets the in-process decisions (the next lookup re-reads the file). For tests."""
+  global _loaded_from
+  with _lock:
+    _memo.clear()
+    _loaded_from = None

@@ -1,0 +1,194 @@
+"""Measured dispatch: time a product's candidate routes once per signature and keep the fastest.
+
+An op's router lists its candidates for one product (the shipped default first, the dense route always among
+them) and calls :func:`choose` while the op is traced. In ``"tune"`` mode, the first trace of a signature that
+no cache holds compiles every candidate on random operands of the product's shapes (a random pattern of the
+same block count), times them on the device and records the winner (:mod:`._cache`); later traces, and other
+processes sharing the cache file, read it back without measuring. The shipped default keeps its place unless
+a candidate beats it by more than :data:`MARGIN`, so noise does not flip routes and tuning never picks a
+route measurably slower than the default.
+
+Measuring runs eagerly inside the trace (``jax.ensure_compile_time_eval``) on concrete data, so it works
+under ``jit``, ``grad``, ``vmap``, ``shard_map`` (each shard's shape), ``jax.export`` and the partition callback
+of ``custom_partitioning``. GPU times are device times from CUPTI (Mosaic GPU's profiler); elsewhere, or when
+CUPTI is busy (another profiler attached), the median wall time of back-to-back calls.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+from jaxsparse._tuning import _cache
+
+__all__ = ["MARGIN", "Candidate", "choose", "signature_key"]
+
+logger = logging.getLogger("jaxsparse.autotune")
+
+# A candidate replaces the shipped default only if it is faster by more than this fraction.
+MARGIN = 0.03
+# Each candidate is timed over about this much device time (at least 3 and at most 100 calls).
+_TARGET_MS = 20.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+  """One way to compute a product.
+
+  Attributes:
+    name: stable identifier stored in the cache (e.g. ``"mosaic/g2"``, ``"dense"``).
+    run: ``(*operands) -> outputs``, traceable by ``jax.jit``.
+    value: what the router uses when this candidate wins (e.g. a kernel config).
+  """
+
+  name: str
+  run: Callable[..., Any]
+  value: Any = None
+
+
+def signature_key(op: str, direction: str, platform: str, **fields: Any) -> str:
+  """The cache key of one product: its fields plus the device kind and the jaxsparse and jax versions."""
+  from jaxsparse import __version__  # noqa: PLC0415 (the package imports this module)
+
+  try:
+    device_kind = jax.devices(platform)[0].device_kind
+  except RuntimeError:
+    device_kind = platform
+  doc = {"op": op, "dir": direction, "device": device_kind, "jaxsparse": __version__, "jax": jax.__version__}
+  return json.dumps({**doc, **{k: _plain(v) for k, v in fields.items()}}, sort_keys=True)
+
+
+def _plain(v: Any) -> Any:
+  if isinstance(v, (tuple, list)):
+    return [_plain(x) for x in v]
+  if v is None or isinstance(v, (bool, int, float, str)):
+    return v
+  return str(v)
+
+
+def _has_device(platform: str) -> bool:
+  try:
+    return bool(jax.devices(platform))
+  except RuntimeError:
+    return False
+
+
+def _cupti_ms(exe, args, iterations: int) -> float | None:
+  try:
+    from jax.experimental.mosaic.gpu import profiler  # noqa: PLC0415 (GPU-only module, absent on some jaxlibs)
+
+    _, times = profiler.measure(exe, iterations=iterations)(*args)
+  except Exception as e:  # CUPTI missing or held by another profiler: host timing instead
+    logger.debug("CUPTI timing unavailable (%s: %s); timing from the host", type(e).__name__, e)
+    return None
+  if times is None:
+    return 0.0
+  return float(statistics.median(times if isinstance(times, list) else [times]))
+
+
+def _host_ms(exe, args, iterations: int) -> float:
+  reps = []
+  for _ in range(3):
+    t0 = time.perf_counter()
+    for _ in range(iterations):
+      out = exe(*args)
+    jax.block_until_ready(out)
+    reps.append((time.perf_counter() - t0) * 1e3 / iterations)
+  return float(statistics.median(reps))
+
+
+def _time_ms(exe, args, platform: str) -> float:
+  t0 = time.perf_counter()
+  jax.block_until_ready(exe(*args))  # warm-up, and a first estimate of one call
+  estimate = max((time.perf_counter() - t0) * 1e3, 1e-3)
+  iterations = int(min(100, max(3, _TARGET_MS / estimate)))
+  if platform == "cuda":
+    ms = _cupti_ms(exe, args, iterations)
+    if ms is not None:
+      return ms
+  return _host_ms(exe, args, iterations)
+
+
+def _measure(candidates: Sequence[Candidate], make_args: Callable[[], tuple], platform: str) -> dict[str, float]:
+  """``{name: ms}`` of the candidates that compile and run (the others are logged and left out)."""
+  # Operands and runs are eager (concrete, on the device) even inside the caller's trace; the candidates are
+  # traced on their own, outside that eager scope (a kernel body must be staged, not evaluated).
+  with jax.ensure_compile_time_eval():
+    args = make_args()
+  lowered = {}
+  for c in candidates:
+    try:
+      lowered[c.name] = jax.jit(c.run).lower(*args)
+    except Exception as e:  # a candidate that cannot trace is not a candidate
+      logger.info("autotune: candidate %s does not trace: %s: %s", c.name, type(e).__name__, e)
+  # Compilation releases the GIL: compile the candidates side by side.
+  with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, max(1, len(lowered)))) as pool:
+    futures = {name: pool.submit(low.compile) for name, low in lowered.items()}
+  times = {}
+  with jax.ensure_compile_time_eval():
+    for name, fut in futures.items():
+      try:
+        times[name] = _time_ms(fut.result(), args, platform)
+      except Exception as e:  # a candidate that fails to compile or run loses
+        logger.info("autotune: candidate %s failed: %s: %s", name, type(e).__name__, e)
+  return times
+
+
+def choose(
+    op: str,
+    direction: str,
+    candidates: Sequence[Candidate],
+    make_args: Callable[[], tuple],
+    *,
+    platform: str,
+    fields: dict[str, Any],
+) -> Candidate:
+  """The candidate to run for one product: cached, measured now, or the shipped default (``candidates[0]``).
+
+  Args:
+    op: the op's name, e.g. ``"block_sparse_matmul"``.
+    direction: ``"fwd"``, ``"dx"`` or ``"dw"``.
+    candidates: the routes to choose from, the shipped default first; names unique.
+    make_args: builds concrete random operands of the product's shapes on the device (called only to measure).
+    platform: ``"cuda"`` or ``"cpu"``: where the product runs.
+    fields: the rest of the signature (row bucket, shapes, block shape, density bucket, dtypes, precision).
+
+  Returns:
+    One of ``candidates``.
+  """
+  prior = candidates[0]
+  mode = _cache.current_mode(platform)
+  if mode == "off" or len(candidates) == 1:
+    return prior
+  by_name = {c.name: c for c in candidates}
+  key = signature_key(op, direction, platform, **fields)
+  hit = _cache.lookup(key)
+  if hit is not None and hit["choice"] in by_name:
+    return by_name[hit["choice"]]
+  if mode != "tune" or not _has_device(platform):
+    return prior
+  t0 = time.perf_counter()
+  times = _measure(candidates, make_args, platform)
+  if not times:
+    return prior
+  best = min(times, key=times.get)
+  if prior.name in times and times[prior.name] <= times[best] * (1 + MARGIN):
+    best = prior.name
+  entry = {
+      "choice": best,
+      "default": prior.name,
+      "times_us": {k: round(v * 1e3, 2) for k, v in sorted(times.items())},
+      "tuning_s": round(time.perf_counter() - t0, 3),
+  }
+  _cache.record(key, entry)
+  logger.info("autotune %s %s %s: %s", op, direction, fields, entry)
+  return by_name[best]

@@ -1,0 +1,140 @@
+"""The routes and tiles measured dispatch chooses from for one block-sparse product on a GPU.
+
+:func:`candidates` starts from the shipped default (:meth:`BlockSparseMatmulConfig.get_default`, the measured
+rules of :mod:`._block_sparse_config`) and adds, for one direction of the product (``"fwd"``, ``"dx"`` or
+``"dw"``): the dense route (the weight built dense and one XLA product; for ``dw`` the dense ``xᵀ dY`` and a
+gather), the Triton kernel with its default tiles and with split contractions / smaller row tiles, and the Mosaic
+GPU kernel (Hopper) with one or two block columns a tile and split contractions. Only configs the kernels
+support for these operands are listed; duplicates of the default are dropped. The other directions' fields keep
+the default's values, so a winner of each direction combines into one config (:func:`combine`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxsparse.formats._block_sparse import BlockSparseMatrix
+from jaxsparse.pallas._block_sparse_config import BlockSparseMatmulConfig
+from jaxsparse.pallas._block_sparse_config import mosaic_unavailable_reason
+from jaxsparse.pallas._common import allows_tf32
+
+try:  # Mosaic GPU (Hopper).
+  from jaxsparse.pallas import _block_sparse_matmul_mgpu as mosaic
+  from jaxsparse.pallas import _block_sparse_sdd_mgpu as mosaic_sdd
+except ImportError:  # a jax without Mosaic GPU: the Triton kernels only.
+  mosaic = mosaic_sdd = None
+
+__all__ = ["DIRECTIONS", "candidates", "combine"]
+
+DIRECTIONS = ("fwd", "dx", "dw")
+# The fields of BlockSparseMatmulConfig each direction reads (besides `dense`, which candidates never set).
+_FIELDS = {
+    "fwd": ("forward", "mosaic_forward", "forward_dense"),
+    "dx": ("dx", "mosaic_dx", "dx_dense"),
+    "dw": ("dw", "mosaic_dw", "dw_dense"),
+}
+
+
+def _own(cfg: BlockSparseMatmulConfig, direction: str) -> tuple:
+  return tuple(getattr(cfg, f) for f in _FIELDS[direction])
+
+
+def combine(fwd: BlockSparseMatmulConfig, dx: BlockSparseMatmulConfig, dw: BlockSparseMatmulConfig):
+  """One config running each direction as the config chosen for it."""
+  parts = {}
+  for direction, cfg in zip(DIRECTIONS, (fwd, dx, dw), strict=True):
+    parts.update(zip(_FIELDS[direction], _own(cfg, direction), strict=True))
+  return dataclasses.replace(fwd, dense=False, **parts)
+
+
+def _mosaic_ok(a, w, out_dtype, cfg, *, transpose: bool, precision) -> bool:
+  if mosaic is None or mosaic_unavailable_reason():
+    return False
+  if jnp.dtype(a.dtype).itemsize == 4 and not allows_tf32(precision):
+    return False
+  return mosaic.supports(a, w, out_dtype, mosaic.resolve_config(a, w, out_dtype, cfg, transpose=transpose),
+                         transpose=transpose)
+
+
+def candidates(
+    direction: str,
+    x2: jax.Array,
+    w: BlockSparseMatrix,
+    *,
+    out_dtype,
+    precision=None,
+) -> list[tuple[str, BlockSparseMatmulConfig]]:
+  """``[(name, config), ...]`` for one direction of ``x2 @ w``, the shipped default first.
+
+  Args:
+    direction: ``"fwd"`` (``x2 @ W``), ``"dx"`` (``dY @ Wᵀ``) or ``"dw"`` (sampled ``x2ᵀ dY``).
+    x2: ``(M, K)`` activations (any array or tracer; only the shape and dtype are read).
+    w: the ``(K, N)`` weight, of blocks the kernels support.
+    out_dtype: the product's output dtype (the forward's; ``dx`` writes ``x2.dtype``).
+    precision: the product's precision (float32 runs on the Mosaic kernel only where TF32 is allowed).
+
+  Returns:
+    Named configs; each differs from the default only in the fields of ``direction``.
+  """
+  if direction not in DIRECTIONS:
+    raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}.")
+  m, (k, n) = x2.shape[0], w.shape
+  default = BlockSparseMatmulConfig.get_default(m, w.shape, w.block_shape, w.nnz_blocks, w.dtype)
+  base = dataclasses.replace(default, dense=False)
+  out: list[tuple[str, BlockSparseMatmulConfig]] = []
+  seen = set()
+
+  def add(name: str, cfg: BlockSparseMatmulConfig) -> None:
+    own = _own(cfg, direction)
+    if own not in seen:
+      seen.add(own)
+      out.append((name, cfg))
+
+  f_kernel, f_mosaic, f_dense = _FIELDS[direction]
+  add("default", dataclasses.replace(base, **{f_dense: default.dense or getattr(default, f_dense)}))
+  add("dense", dataclasses.replace(base, **{f_dense: True}))
+  triton = dataclasses.replace(base, **{f_dense: False, f_mosaic: None})
+  tk = getattr(triton, f_kernel)
+  add("triton", triton)
+  if direction == "dw":
+    if tk.split == 1:
+      add("triton/s4", dataclasses.replace(triton, dw=dataclasses.replace(tk, split=4)))
+    if mosaic_sdd is not None and not mosaic_unavailable_reason():
+      dy = jax.ShapeDtypeStruct((m, n), x2.dtype)
+      msd = mosaic_sdd.MosaicSddConfig.get_default(w.block_shape, w.dtype)
+      if (jnp.dtype(x2.dtype).itemsize != 4 or allows_tf32(precision)) and mosaic_sdd.supports(x2, dy, w, msd):
+        mos = dataclasses.replace(triton, mosaic_dw=msd)
+        add("mosaic", mos)
+        add("mosaic/rows", dataclasses.replace(mos, mosaic_dw=dataclasses.replace(msd, order="rows")))
+        add("mosaic/cols", dataclasses.replace(mos, mosaic_dw=dataclasses.replace(msd, order="cols")))
+    return out
+
+  for split in (2, 4):
+    add(f"triton/s{split}", dataclasses.replace(triton, **{f_kernel: dataclasses.replace(tk, split=split)}))
+  if tk.block_m > 32 and m > tk.block_m // 2:
+    add("triton/bm_half", dataclasses.replace(triton, **{f_kernel: dataclasses.replace(tk, block_m=tk.block_m // 2)}))
+  transpose = direction == "dx"
+  a = jax.ShapeDtypeStruct((m, n if transpose else k), x2.dtype)
+  o_dtype = x2.dtype if transpose else out_dtype
+  if mosaic is None or mosaic_unavailable_reason() or not set(w.block_shape) <= set(mosaic.SUPPORTED_BLOCK_DIMS):
+    return out
+  prior_m = getattr(default, f_mosaic)
+  if prior_m is None:
+    defaults = mosaic.MosaicBlockSparseMatmulConfig.get_default(m, w.block_shape, w.dtype, o_dtype)
+    prior_m = defaults.dx if transpose else defaults.forward
+  variants = {"mosaic": dataclasses.replace(prior_m, split=1, group_cols=1)}
+  ob = w.block_shape[0] if transpose else w.block_shape[1]
+  if ob <= 64:
+    variants["mosaic/g2"] = dataclasses.replace(prior_m, split=1, group_cols=2)
+  for split in (2, 4):
+    variants[f"mosaic/s{split}"] = dataclasses.replace(prior_m, split=split, group_cols=1)
+  if prior_m.tile_m == 256:
+    variants["mosaic/t128"] = dataclasses.replace(prior_m, tile_m=128, split=1, group_cols=1)
+  variants = {"mosaic/default": prior_m, **variants}
+  for name, cfg in variants.items():
+    if _mosaic_ok(a, w, o_dtype, cfg, transpose=transpose, precision=precision):
+      add(name, dataclasses.replace(base, **{f_dense: False, f_mosaic: cfg}))
+  return out

@@ -1,0 +1,442 @@
+"""Measured dispatch: the tuning cache, the modes, ``choose``, and the GPU route's candidates and re-tiled blocks.
+
+The GPU route (``ops._block_sparse_matmul._gpu_forward`` / ``_gpu_backward``) runs here with the Pallas kernels in
+interpret mode, and its tuning with host timing, so CI exercises the same code as a GPU; the ``gpu`` tests at the
+end run it on a real device.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import settings
+from hypothesis import strategies as st
+from jax import lax
+
+import jaxsparse
+from jaxsparse import _tuning
+from jaxsparse._tuning import _cache
+from jaxsparse._tuning import _measure
+from jaxsparse.formats._block_sparse import merge_block_data
+from jaxsparse.formats._block_sparse import split_blocks
+from jaxsparse.ops import _block_sparse_matmul as op
+from jaxsparse.pallas import _block_sparse_matmul as kernels
+
+
+@pytest.fixture(autouse=True)
+def _fresh_cache(tmp_path, monkeypatch):
+  """Each test: its own cache file, an empty memo, the environment's mode (tests/conftest.py: off) unless set."""
+  monkeypatch.setenv(_cache.ENV_PATH, str(tmp_path / "autotune.json"))
+  _cache.clear_memo()
+  _tuning.set_autotune_mode(None)
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
+    yield
+  _cache.clear_memo()
+  _tuning.set_autotune_mode(None)
+
+
+def _candidates(log: list, times: dict[str, float] | None = None):
+  """Three candidates computing ``2 x`` (their ``value`` is their name); ``log`` records what was measured."""
+
+  def make(name):
+    def run(x):
+      log.append(name)
+      return 2 * x
+
+    return _tuning.Candidate(name, run, name)
+
+  return [make("default"), make("a"), make("dense")]
+
+
+def _choose(cands, make_args=lambda: (jnp.ones(4),), platform="cpu", **fields):
+  return _tuning.choose("op", "fwd", cands, make_args, platform=platform, fields={"rows": 4, **fields})
+
+
+# -------------------------------------------------------------------------------------------------
+# Modes.
+# -------------------------------------------------------------------------------------------------
+
+
+def test_mode_precedence(monkeypatch):
+  monkeypatch.setenv(_cache.ENV_MODE, "cached")
+  assert _cache.current_mode("cuda") == "cached"
+  _tuning.set_autotune_mode("tune")
+  assert _cache.current_mode("cpu") == "tune"
+  with _tuning.autotune_mode("off"):
+    assert _cache.current_mode("cuda") == "off"
+  assert _cache.current_mode("cpu") == "tune"
+  _tuning.set_autotune_mode("auto")
+  assert (_cache.current_mode("cuda"), _cache.current_mode("cpu")) == ("tune", "cached")
+
+
+@pytest.mark.parametrize("bad", ["fast", "", None, 1])
+def test_bad_modes_are_named(bad, monkeypatch):
+  if bad is not None:
+    with pytest.raises(ValueError, match="mode must be one of"):
+      _tuning.set_autotune_mode(bad)
+  with pytest.raises(ValueError, match="mode must be one of"):
+    with _tuning.autotune_mode(bad):
+      pass
+  monkeypatch.setenv(_cache.ENV_MODE, "sometimes")
+  with pytest.raises(ValueError, match=r"\$JAXSPARSE_AUTOTUNE must be one of .* got 'sometimes'"):
+    _cache.current_mode("cpu")
+
+
+# -------------------------------------------------------------------------------------------------
+# choose().
+# -------------------------------------------------------------------------------------------------
+
+
+def test_off_and_cached_modes_never_measure():
+  log = []
+  calls = []
+  make_args = lambda: calls.append(1) or (jnp.ones(4),)
+  with _tuning.autotune_mode("off"):
+    assert _choose(_candidates(log), make_args).name == "default"
+  with _tuning.autotune_mode("cached"):
+    assert _choose(_candidates(log), make_args).name == "default"
+  assert log == [] and calls == [] and not _cache.cache_path().exists()
+
+
+def test_tune_measures_once_then_reads_the_cache(monkeypatch):
+  times = {"default": 2.0, "a": 1.0, "dense": 1.5}
+  measured = []
+  monkeypatch.setattr(_measure, "_measure", lambda cands, make_args, platform: measured.append(1) or dict(times))
+  cands = _candidates([])
+  with _tuning.autotune_mode("tune"):
+    assert _choose(cands).name == "a"
+  assert measured == [1]
+  doc = json.loads(_cache.cache_path().read_text())
+  (entry,) = doc["entries"].values()
+  assert entry["choice"] == "a" and entry["default"] == "default" and set(entry["times_us"]) == set(times)
+  # A second trace, and a new process (memo cleared), read the decision without measuring.
+  monkeypatch.setattr(_measure, "_measure", lambda *a: pytest.fail("measured again"))
+  with _tuning.autotune_mode("tune"):
+    assert _choose(cands).name == "a"
+  _cache.clear_memo()
+  with _tuning.autotune_mode("cached"):
+    assert _choose(cands).name == "a"
+  # Another signature is not the same decision.
+  with _tuning.autotune_mode("cached"):
+    assert _choose(cands, rows=8).name == "default"
+
+
+@pytest.mark.parametrize(("times", "winner"), [
+    ({"default": 1.0, "a": 0.98, "dense": 1.2}, "default"),  # within the 3% margin: the default stays
+    ({"default": 1.0, "a": 0.90, "dense": 1.2}, "a"),
+    ({"default": 1.0, "dense": 0.5}, "dense"),  # "a" failed to compile: left out
+    ({}, "default"),  # nothing ran: the default
+])
+def test_margin_and_failures(monkeypatch, times, winner):
+  monkeypatch.setattr(_measure, "_measure", lambda cands, make_args, platform: dict(times))
+  with _tuning.autotune_mode("tune"):
+    assert _choose(_candidates([])).name == winner
+
+
+def test_no_device_of_the_platform_means_the_default(monkeypatch):
+  monkeypatch.setattr(_measure, "_measure", lambda *a: pytest.fail("measured without a device"))
+  with _tuning.autotune_mode("tune"):
+    assert _choose(_candidates([]), platform="cuda").name == "default"
+
+
+def test_real_measurement_on_cpu_under_jit_vmap_and_grad():
+  # The candidates really run (host timing); the choice happens while the caller is traced.
+  log = []
+  cands = _candidates(log)
+
+  def f(x):
+    c = _choose(cands, make_args=lambda: (jnp.ones(4),))
+    return c.run(x).sum()
+
+  with _tuning.autotune_mode("tune"):
+    jax.jit(f)(jnp.ones(4))
+    jax.jit(jax.vmap(f))(jnp.ones((2, 4)))
+    jax.grad(f)(jnp.ones(4))
+  assert {"default", "a", "dense"} <= set(log)
+  assert len(json.loads(_cache.cache_path().read_text())["entries"]) == 1
+
+
+# -------------------------------------------------------------------------------------------------
+# The cache file.
+# -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("content", "why"), [
+    ("{not json", "not valid JSON"),
+    ('{"hello": 1}', "not a jaxsparse tuning cache"),
+    ('[1, 2]', "not a jaxsparse tuning cache"),
+    ('{"format": "jaxsparse-autotune", "version": 0, "entries": {}}', "format version 0"),
+])
+def test_bad_cache_files_are_ignored_with_a_named_warning(content, why, monkeypatch):
+  _cache.cache_path().write_text(content)
+  monkeypatch.setattr(_measure, "_measure", lambda *a: {"default": 1.0, "a": 0.5})
+  with pytest.warns(_tuning.AutotuneCacheWarning, match=why), _tuning.autotune_mode("tune"):
+    assert _choose(_candidates([])).name == "a"
+  doc = json.loads(_cache.cache_path().read_text())  # rewritten whole, in the current format
+  assert doc["version"] == _cache.VERSION and len(doc["entries"]) == 1
+
+
+def test_stale_entries_of_other_versions_do_not_match(monkeypatch):
+  monkeypatch.setattr(_measure, "_measure", lambda *a: {"default": 1.0, "a": 0.5})
+  with _tuning.autotune_mode("tune"):
+    _choose(_candidates([]))
+  doc = json.loads(_cache.cache_path().read_text())
+  (key,) = doc["entries"]
+  assert json.loads(key)["jaxsparse"] == jaxsparse.__version__ and json.loads(key)["jax"] == jax.__version__
+  stale = {json.dumps({**json.loads(key), "jaxsparse": "0.0.1"}, sort_keys=True): doc["entries"][key]}
+  _cache.cache_path().write_text(json.dumps({**doc, "entries": stale}))
+  _cache.clear_memo()
+  with _tuning.autotune_mode("cached"):
+    assert _choose(_candidates([])).name == "default"
+
+
+def test_an_entry_naming_an_unknown_candidate_is_not_used(monkeypatch):
+  monkeypatch.setattr(_measure, "_measure", lambda *a: {"default": 1.0, "a": 0.5})
+  with _tuning.autotune_mode("tune"):
+    _choose(_candidates([]))
+  cands = [c for c in _candidates([]) if c.name != "a"]
+  with _tuning.autotune_mode("cached"):
+    assert _choose(cands).name == "default"
+
+
+_WRITER = textwrap.dedent("""
+    import sys
+    from jaxsparse._tuning import _cache
+    for i in range(int(sys.argv[2])):
+      _cache.record(f"{sys.argv[1]}-{i}", {"choice": "x"})
+""")
+
+
+def test_two_writers_lose_nothing_and_never_tear_the_file(tmp_path):
+  env = {**os.environ, _cache.ENV_PATH: str(tmp_path / "shared.json")}
+  procs = [subprocess.Popen([sys.executable, "-c", _WRITER, name, "40"], env=env) for name in ("p", "q")]
+  assert all(p.wait(timeout=120) == 0 for p in procs)
+  entries = json.loads((tmp_path / "shared.json").read_text())["entries"]
+  assert set(entries) == {f"{n}-{i}" for n in "pq" for i in range(40)}
+  assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_export_and_import(tmp_path, monkeypatch):
+  monkeypatch.setattr(_measure, "_measure", lambda *a: {"default": 1.0, "a": 0.5})
+  with _tuning.autotune_mode("tune"):
+    _choose(_candidates([]))
+  assert _tuning.export_cache(tmp_path / "shipped.json") == 1
+  monkeypatch.setenv(_cache.ENV_PATH, str(tmp_path / "other.json"))
+  _cache.clear_memo()
+  assert _tuning.import_cache(tmp_path / "shipped.json") == 1
+  with _tuning.autotune_mode("cached"):
+    assert _choose(_candidates([])).name == "a"
+  (tmp_path / "junk.json").write_text("nope")
+  with pytest.raises(ValueError, match=r"cannot import .*junk.json.*not valid JSON"):
+    _tuning.import_cache(tmp_path / "junk.json")
+  with pytest.raises(ValueError, match="does not exist"):
+    _tuning.import_cache(tmp_path / "missing.json")
+
+
+def test_unwritable_cache_warns_and_keeps_the_decision(tmp_path, monkeypatch):
+  blocker = tmp_path / "file"
+  blocker.write_text("")
+  monkeypatch.setenv(_cache.ENV_PATH, str(blocker / "sub" / "autotune.json"))
+  monkeypatch.setattr(_measure, "_measure", lambda *a: {"default": 1.0, "a": 0.5})
+  with pytest.warns(_tuning.AutotuneCacheWarning, match="cannot write"), _tuning.autotune_mode("tune"):
+    assert _choose(_candidates([])).name == "a"
+  with _tuning.autotune_mode("cached"):
+    assert _choose(_candidates([])).name == "a"
+
+
+# -------------------------------------------------------------------------------------------------
+# Re-tiled blocks.
+# -------------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    st.sampled_from([1, 2, 4]), st.sampled_from([1, 2, 4]), st.sampled_from([1, 2]), st.sampled_from([1, 2]),
+    st.integers(1, 4), st.integers(1, 4), st.floats(0.0, 1.0), st.integers(0, 2**16),
+)
+def test_split_blocks_is_the_same_matrix(sub_k, sub_n, r, c, kb, nb, density, seed):
+  rng = np.random.default_rng(seed)
+  bk, bn = sub_k * r * 2, sub_n * c * 2
+  mask = rng.random((kb, nb)) < density
+  w = jaxsparse.BlockSparseMatrix.from_dense(rng.standard_normal((kb * bk, nb * bn), np.float32), (bk, bn),
+                                             block_mask=mask)
+  sub = (bk // r, bn // c)
+  s = jax.jit(split_blocks, static_argnums=1)(w, sub)
+  expected = jaxsparse.BlockSparseMatrix.from_dense(
+      np.asarray(w.to_dense()), sub, block_mask=np.repeat(np.repeat(mask, r, 0), c, 1))
+  for field in ("data", *jaxsparse.BlockSparseMatrix.INDEX_FIELDS):
+    np.testing.assert_array_equal(getattr(s, field), getattr(expected, field), err_msg=field)
+  np.testing.assert_array_equal(merge_block_data(s.data, w, sub), w.data)
+
+
+def test_split_blocks_rejects_shapes_that_do_not_divide():
+  w = jaxsparse.BlockSparseMatrix.from_dense(np.ones((64, 64), np.float32), (32, 32))
+  with pytest.raises(ValueError, match=r"block_shape=\(24, 32\) must divide the matrix's block shape \(32, 32\)"):
+    split_blocks(w, (24, 32))
+
+
+def test_kernel_block_shapes():
+  assert op._kernel_block_shape(kernels, (256, 128)) == (128, 128)
+  assert op._kernel_block_shape(kernels, (96, 48)) == (32, 16)
+  assert op._kernel_block_shape(kernels, (64, 64)) == (64, 64)
+  assert op._kernel_block_shape(kernels, (8, 64)) is None
+  assert op._kernel_block_shape(kernels, (64, 24)) is None
+
+
+# -------------------------------------------------------------------------------------------------
+# The GPU route in interpret mode: every candidate, re-tiled and dense-routed blocks, forward and gradients.
+# -------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def interpreted(monkeypatch):
+  """The op's GPU route with the Pallas kernels in interpret mode (the Mosaic kernels are unavailable on CPU)."""
+  monkeypatch.setattr(kernels, "forward", functools.partial(kernels.forward, interpret=True))
+  monkeypatch.setattr(kernels, "backward", functools.partial(kernels.backward, interpret=True))
+  return kernels
+
+
+def _problem(m, block_shape, grid, dtype, seed):
+  rng = np.random.default_rng(seed)
+  mask = rng.random(grid) < 0.5
+  mask[0, 0] = True
+  k, n = grid[0] * block_shape[0], grid[1] * block_shape[1]
+  w = jaxsparse.BlockSparseMatrix.from_dense(
+      jnp.asarray(rng.standard_normal((k, n), np.float32), dtype), block_shape, block_mask=mask)
+  x = jnp.asarray(rng.standard_normal((m, k), np.float32), dtype)
+  dy = jnp.asarray(rng.standard_normal((m, n), np.float32), dtype)
+  return x, dy, w
+
+
+def _reference(x, dy, w):
+  f32 = lambda a: a.astype(jnp.float32)
+  dense = lambda x, d: jnp.matmul(x, w.with_data(d).to_dense(), precision=lax.Precision.HIGHEST)
+  y, vjp = jax.vjp(dense, f32(x), f32(w.data))
+  return (y, *vjp(f32(dy)))
+
+
+def _close(out, ref, rtol):
+  out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+  assert out.shape == ref.shape
+  assert np.linalg.norm(out - ref) <= rtol * max(np.linalg.norm(ref), 1e-30)
+
+
+@pytest.mark.parametrize(("block_shape", "grid", "dtype"), [
+    ((64, 32), (2, 3), jnp.float32),  # natively supported
+    ((128, 64), (2, 2), jnp.float32),  # 128 x 64 -> itself; and below, multiples of supported blocks
+    ((256, 128), (1, 2), jnp.float32),
+    ((64, 256), (2, 1), jnp.bfloat16),
+    ((96, 48), (2, 2), jnp.float32),  # -> 32 x 16
+    ((8, 8), (4, 6), jnp.float32),  # below the kernels' minimum: the dense route
+    ((24, 64), (2, 2), jnp.bfloat16),
+])
+def test_gpu_route_retiles_and_matches_the_reference(interpreted, block_shape, grid, dtype):
+  x, dy, w = _problem(40, block_shape, grid, dtype, seed=sum(block_shape))
+  rtol = 2e-5 if dtype == jnp.float32 else 1.5e-2
+  y = jax.jit(lambda a, b: op._gpu_forward(a, b, precision=None, out_dtype=dtype))(x, w)
+  dx, ddata = jax.jit(lambda a, d, b: op._gpu_backward(a, d, b, precision=None))(x, dy, w)
+  assert (y.dtype, dx.dtype, ddata.dtype) == (dtype, dtype, dtype)
+  for out, ref in zip((y, dx, ddata), _reference(x, dy, w), strict=True):
+    _close(out, ref, rtol)
+
+
+@pytest.mark.parametrize("direction", ["fwd", "dx", "dw"])
+@pytest.mark.parametrize(("m", "block_shape", "dtype"), [(40, (32, 32), jnp.float32), (7, (64, 32), jnp.bfloat16)])
+def test_every_candidate_matches_the_reference(interpreted, direction, m, block_shape, dtype):
+  x, dy, w = _problem(m, block_shape, (3, 2), dtype, seed=m)
+  options = kernels.candidates(direction, x, w, out_dtype=dtype)
+  names = [name for name, _ in options]
+  assert names[0] == "default" and "dense" in names and len(names) == len(set(names)) >= 3
+  y_ref, dx_ref, dw_ref = _reference(x, dy, w)
+  rtol = 2e-5 if dtype == jnp.float32 else 1.5e-2
+  for name, cfg in options:
+    if direction == "fwd":
+      out, ref = kernels.forward(x, w, config=cfg, interpret=True), y_ref
+    else:
+      dx, ddata = kernels.backward(x, dy, w, config=cfg, interpret=True, need_dx=direction == "dx",
+                                   need_dw=direction == "dw")
+      out, ref = (dx, dx_ref) if direction == "dx" else (ddata, dw_ref)
+    try:
+      _close(out, ref, rtol)
+    except AssertionError as e:
+      raise AssertionError(f"candidate {name}: {cfg}") from e
+
+
+def test_tuned_gpu_route_records_each_direction(interpreted, monkeypatch):
+  # A CPU stands in for the GPU: the route measures its candidates (interpret mode, host timing) and caches them.
+  monkeypatch.setattr(_measure, "_has_device", lambda platform: True)
+  x, dy, w = _problem(40, (256, 128), (1, 2), jnp.float32, seed=3)
+  def step(a, d, dy):
+    y, vjp = jax.vjp(lambda a, d: jaxsparse.ops.block_sparse_matmul(a, w.with_data(d)), a, d)
+    return y, *vjp(dy)
+
+  with _tuning.autotune_mode("tune"):
+    # Under jit the GPU route is traced too (lax.platform_dependent), and tunes; the CPU runs the XLA branch.
+    y, dx, ddata = jax.jit(step)(x, w.data, dy)
+  entries = json.loads(_cache.cache_path().read_text())["entries"]
+  dirs = sorted(json.loads(k)["dir"] for k in entries)
+  assert dirs == ["dw", "dx", "fwd"]
+  assert all(json.loads(k)["block"] == [128, 128] for k in entries)
+  for out, ref in zip((y, dx, ddata), _reference(x, dy, w), strict=True):
+    _close(out, ref, 2e-5)
+
+
+def test_autotune_ahead_of_time_then_a_second_process_only_reads(interpreted, monkeypatch, tmp_path):
+  monkeypatch.setattr(_measure, "_has_device", lambda platform: True)
+  x, _, w = _problem(24, (64, 64), (2, 2), jnp.float32, seed=5)
+
+  def step(x):
+    return jax.grad(lambda x: jaxsparse.ops.block_sparse_matmul(x, w).sum())(x)
+
+  added = jaxsparse.autotune(step, jax.ShapeDtypeStruct(x.shape, x.dtype))
+  assert added == 3  # fwd, dx, dw
+  assert jaxsparse.autotune(step, jax.ShapeDtypeStruct(x.shape, x.dtype)) == 0  # all cached now
+  monkeypatch.setattr(_measure, "_measure", lambda *a: pytest.fail("measured again"))
+  _cache.clear_memo()
+  with _tuning.autotune_mode("tune"):
+    jax.jit(step).lower(x)
+
+
+# -------------------------------------------------------------------------------------------------
+# GPU (benchmarks/run_gpu.sh).
+# -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not kernels.available(), reason=kernels.unavailable_reason())
+@pytest.mark.parametrize(("m", "k", "n", "block_shape", "dtype", "density"), [
+    (2048, 4096, 512, (256, 128), jnp.bfloat16, 0.25),
+    (1000, 1536, 2048, (16, 16), jnp.float32, 0.53),
+    (4, 2048, 512, (32, 32), jnp.float32, 0.3),
+    (1, 8192, 1024, (64, 64), jnp.bfloat16, 0.2),
+    (4096, 1024, 2048, (32, 64), jnp.float16, 0.4),
+    (384, 2048, 6144, (128, 256), jnp.bfloat16, 0.5),
+])
+def test_gpu_tuning_picks_a_runnable_route(m, k, n, block_shape, dtype, density):
+  rng = np.random.default_rng(m)
+  grid = (k // block_shape[0], n // block_shape[1])
+  mask = rng.random(grid) < density
+  w = jaxsparse.BlockSparseMatrix.from_dense(jnp.asarray(rng.standard_normal((k, n), np.float32), dtype),
+                                             block_shape, block_mask=mask)
+  x = jnp.asarray(rng.standard_normal((m, k), np.float32), dtype)
+  dy = jnp.asarray(rng.standard_normal((m, n), np.float32), dtype)
+  with _tuning.autotune_mode("tune"):
+    y, vjp = jax.vjp(lambda a, d: jaxsparse.ops.block_sparse_matmul(a, w.with_data(d)), x, w.data)
+    dx, ddata = vjp(dy)
+  entries = json.loads(_cache.cache_path().read_text())["entries"]
+  assert sorted(json.loads(key)["dir"] for key in entries) == ["dw", "dx", "fwd"]
+  rtol = 1e-3 if dtype == jnp.float32 else 1.5e-2
+  for out, ref in zip((y, dx, ddata), _reference(x, dy, w), strict=True):
+    _close(out, ref, rtol)
