@@ -226,8 +226,11 @@ def _random_weight(w: BlockSparseMatrix, seed: int = 0) -> BlockSparseMatrix:
   return BlockSparseMatrix.from_block_mask(mask.reshape(kb, nb), _random_like(rng, w.data.shape, w.dtype))
 
 
-def _tuned_config(kernels, direction: str, x2, w: BlockSparseMatrix, *, precision, out_dtype):
-  """The kernel config of one direction of ``x2 @ w`` on the GPU: measured (:mod:`jaxsparse._tuning`) or default."""
+def _tuned_config(kernels, direction: str, x2, w: BlockSparseMatrix, *, precision, out_dtype, dy_dtype=None):
+  """The kernel config of one direction of ``x2 @ w`` on the GPU: measured (:mod:`jaxsparse._tuning`) or default.
+
+  ``dy_dtype``: the dtype of ``dY`` (``dx`` and ``dw``); ``out_dtype``: the forward's output dtype.
+  """
   m, (k, n) = x2.shape[0], w.shape
   options = kernels.candidates(direction, x2, w, out_dtype=out_dtype, precision=precision)
 
@@ -243,7 +246,7 @@ def _tuned_config(kernels, direction: str, x2, w: BlockSparseMatrix, *, precisio
   def make_args():
     rng = np.random.default_rng(1)
     a, wr = _random_like(rng, (m, k), x2.dtype), _random_weight(w)
-    return (a, wr) if direction == "fwd" else (a, _random_like(rng, (m, n), x2.dtype), wr)
+    return (a, wr) if direction == "fwd" else (a, _random_like(rng, (m, n), dy_dtype), wr)
 
   chosen = _tuning.choose(
       "block_sparse_matmul",
@@ -256,7 +259,7 @@ def _tuned_config(kernels, direction: str, x2, w: BlockSparseMatrix, *, precisio
           "shape": w.shape,
           "block": w.block_shape,
           "density": round(w.density * 50) / 50,
-          "dtypes": (str(x2.dtype), str(w.dtype), str(jnp.dtype(out_dtype))),
+          "dtypes": (str(x2.dtype), str(w.dtype), str(jnp.dtype(out_dtype if direction == "fwd" else dy_dtype))),
           "precision": precision,
       },
   )
@@ -284,7 +287,10 @@ def _gpu_backward(x2, dy2, w: BlockSparseMatrix, *, precision):
     ddata = kernels.dw_dense_then_gather(x2.astype(compute), dy2.astype(compute), w, precision=precision)
     return dx, ddata.astype(w.dtype)
   ws = split_blocks(w, sub)
-  tuned = {d: _tuned_config(kernels, d, x2, ws, precision=precision, out_dtype=x2.dtype) for d in ("dx", "dw")}
+  tuned = {
+      d: _tuned_config(kernels, d, x2, ws, precision=precision, out_dtype=x2.dtype, dy_dtype=dy2.dtype)
+      for d in ("dx", "dw")
+  }
   cfg = kernels.combine(tuned["dx"], tuned["dx"], tuned["dw"])
   dx, ddata = kernels.backward(x2, dy2, ws, precision=precision, config=cfg)
   return dx, merge_block_data(ddata, w, sub)
