@@ -353,31 +353,36 @@ def test_gpu_route_retiles_and_matches_the_reference(interpreted, block_shape, g
 
 
 @pytest.mark.parametrize("direction", ["fwd", "dx", "dw"])
-@pytest.mark.parametrize(("m", "block_shape", "dtype"), [(40, (32, 32), jnp.float32), (7, (64, 32), jnp.bfloat16)])
-def test_every_candidate_matches_the_reference(interpreted, direction, m, block_shape, dtype):
-  x, dy, w = _problem(m, block_shape, (3, 2), dtype, seed=m)
-  options = kernels.candidates(direction, x, w, out_dtype=dtype)
-  names = [name for name, _ in options]
-  assert names[0] == "default" and "dense" in names and len(names) == len(set(names)) >= 3
+@pytest.mark.parametrize(("m", "block_shape", "grid", "dtype"), [
+    (40, (32, 32), (3, 2), jnp.float32),
+    (7, (64, 32), (3, 2), jnp.bfloat16),
+    (5, (256, 128), (2, 2), jnp.float32),  # split into 128 x 128, or native on Triton
+])
+def test_every_route_matches_the_reference(interpreted, direction, m, block_shape, grid, dtype):
+  x, dy, w = _problem(m, block_shape, grid, dtype, seed=m)
+  routes = op._gpu_routes(kernels, direction, x, w, precision=None, out_dtype=dtype)
+  names = [name for name, _ in routes]
+  assert "dense" in names and len(names) == len(set(names)) >= 3
+  assert names[0] == ("default" if block_shape[0] <= 128 else "split:default")
+  if block_shape == (256, 128):
+    assert any(n.startswith("native:") for n in names) and any(n.startswith("split:") for n in names)
   y_ref, dx_ref, dw_ref = _reference(x, dy, w)
+  ref, args = {"fwd": (y_ref, (x, w)), "dx": (dx_ref, (x, dy, w)), "dw": (dw_ref, (x, dy, w))}[direction]
   rtol = 2e-5 if dtype == jnp.float32 else 1.5e-2
-  for name, cfg in options:
-    if direction == "fwd":
-      out, ref = kernels.forward(x, w, config=cfg, interpret=True), y_ref
-    else:
-      dx, ddata = kernels.backward(x, dy, w, config=cfg, interpret=True, need_dx=direction == "dx",
-                                   need_dw=direction == "dw")
-      out, ref = (dx, dx_ref) if direction == "dx" else (ddata, dw_ref)
+  for name, route in routes:
+    out = op._gpu_run(kernels, direction, route, precision=None, out_dtype=dtype)(*args)
     try:
+      assert out.dtype == dtype
       _close(out, ref, rtol)
     except AssertionError as e:
-      raise AssertionError(f"candidate {name}: {cfg}") from e
+      raise AssertionError(f"route {name}: {route}") from e
 
 
 def test_tuned_gpu_route_records_each_direction(interpreted, monkeypatch):
   # A CPU stands in for the GPU: the route measures its candidates (interpret mode, host timing) and caches them.
   monkeypatch.setattr(_measure, "_has_device", lambda platform: True)
   x, dy, w = _problem(40, (256, 128), (1, 2), jnp.float32, seed=3)
+
   def step(a, d, dy):
     y, vjp = jax.vjp(lambda a, d: jaxsparse.ops.block_sparse_matmul(a, w.with_data(d)), a, d)
     return y, *vjp(dy)
@@ -388,7 +393,10 @@ def test_tuned_gpu_route_records_each_direction(interpreted, monkeypatch):
   entries = json.loads(_cache.cache_path().read_text())["entries"]
   dirs = sorted(json.loads(k)["dir"] for k in entries)
   assert dirs == ["dw", "dx", "fwd"]
-  assert all(json.loads(k)["block"] == [128, 128] for k in entries)
+  assert all(json.loads(k)["block"] == [256, 128] for k in entries)
+  routes = lambda d: op._gpu_routes(kernels, d, x, w, precision=None, out_dtype=x.dtype)
+  names = {n for d in ("fwd", "dx", "dw") for n, _ in routes(d)}
+  assert all(e["choice"] in names and e["default"] == "split:default" for e in entries.values())
   for out, ref in zip((y, dx, ddata), _reference(x, dy, w), strict=True):
     _close(out, ref, 2e-5)
 

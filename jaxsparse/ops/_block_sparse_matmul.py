@@ -20,6 +20,7 @@ live in ``jaxsparse.pallas`` and are chosen on CUDA devices.
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 from typing import Literal
 
@@ -226,22 +227,67 @@ def _random_weight(w: BlockSparseMatrix, seed: int = 0) -> BlockSparseMatrix:
   return BlockSparseMatrix.from_block_mask(mask.reshape(kb, nb), _random_like(rng, w.data.shape, w.dtype))
 
 
-def _tuned_config(kernels, direction: str, x2, w: BlockSparseMatrix, *, precision, out_dtype, dy_dtype=None):
-  """The kernel config of one direction of ``x2 @ w`` on the GPU: measured (:mod:`jaxsparse._tuning`) or default.
+def _gpu_routes(kernels, direction: str, x2, w: BlockSparseMatrix, *, precision, out_dtype):
+  """``[(name, (sub, config))]`` for one direction of ``x2 @ w`` on the GPU, the shipped default first.
 
-  ``dy_dtype``: the dtype of ``dY`` (``dx`` and ``dw``); ``out_dtype``: the forward's output dtype.
+  ``sub`` is the block shape the kernels run ``w`` as (``split_blocks``), or ``None`` for ``w`` as it is: blocks the
+  kernels take run as they are; multiples of those run as their sub-blocks (the default), or, up to
+  ``WIDE_BLOCK_DIMS``, as they are on the Triton kernels (names ``"native:..."``); other blocks on the dense route.
   """
-  m, (k, n) = x2.shape[0], w.shape
-  options = kernels.candidates(direction, x2, w, out_dtype=out_dtype, precision=precision)
+  sub = _kernel_block_shape(kernels, w.block_shape)
+  if sub is None or w.nnz_blocks == 0:
+    return [("dense", (None, None))]
+  same = sub == w.block_shape
+  routes = [
+      (name, (None, None)) if name == "dense" else (name if same else f"split:{name}", (None if same else sub, cfg))
+      for name, cfg in kernels.candidates(direction, x2, split_blocks(w, sub), out_dtype=out_dtype, precision=precision)
+  ]
+  wide = kernels.SUPPORTED_BLOCK_DIMS + kernels.WIDE_BLOCK_DIMS
+  if not same and set(w.block_shape) <= set(wide):
+    native = kernels.candidates(direction, x2, w, out_dtype=out_dtype, precision=precision)
+    routes += [(f"native:{name}", (None, cfg)) for name, cfg in native if name != "dense"]
+  return routes
 
-  def run(cfg):
+
+def _gpu_run(kernels, direction: str, route, *, precision, out_dtype):
+  """``(operands) -> result`` of one direction on one route of :func:`_gpu_routes`."""
+  sub, cfg = route
+
+  def weight(b):
+    return b if sub is None else split_blocks(b, sub)
+
+  if cfg is None:  # the dense route (any block shape)
     if direction == "fwd":
-      return lambda a, b: kernels.forward(a, b, precision=precision, out_dtype=out_dtype, config=cfg)
-    need_dx = direction == "dx"
-    pick = 0 if need_dx else 1
-    return lambda a, dy, b: kernels.backward(
-        a, dy, b, precision=precision, config=cfg, need_dx=need_dx, need_dw=not need_dx
-    )[pick]
+      return lambda a, b: kernels.dense_forward(a, b, precision=precision, out_dtype=out_dtype)
+    if direction == "dx":
+      return lambda a, dy, b: kernels.dense_dx(dy, b, precision=precision, out_dtype=a.dtype)
+    compute = lambda *v: jnp.result_type(*(u.dtype for u in v))
+    return lambda a, dy, b: kernels.dw_dense_then_gather(
+        a.astype(compute(a, dy, b)), dy.astype(compute(a, dy, b)), b, precision=precision
+    )
+  if direction == "fwd":
+    return lambda a, b: kernels.forward(a, weight(b), precision=precision, out_dtype=out_dtype, config=cfg)
+  if direction == "dx":
+    return lambda a, dy, b: kernels.backward(a, dy, weight(b), precision=precision, config=cfg, need_dw=False)[0]
+
+  def dw(a, dy, b):
+    ddata = kernels.backward(a, dy, weight(b), precision=precision, config=cfg, need_dx=False)[1]
+    return ddata if sub is None else merge_block_data(ddata, b, sub)
+
+  return dw
+
+
+def _gpu_product(direction: str, *args, precision, out_dtype):
+  """One direction of the product on the GPU, on the route measured fastest for its signature (or the default).
+
+  ``args``: ``(x2, w)`` for ``"fwd"``, ``(x2, dy2, w)`` for ``"dx"`` / ``"dw"``; ``out_dtype`` the forward's.
+  """
+  kernels = _pallas_ops()
+  x2, w = args[0], args[-1]
+  m, (k, n) = x2.shape[0], w.shape
+  dy_dtype = args[1].dtype if direction != "fwd" else None
+  routes = _gpu_routes(kernels, direction, x2, w, precision=precision, out_dtype=out_dtype)
+  run = functools.partial(_gpu_run, kernels, direction, precision=precision, out_dtype=out_dtype)
 
   def make_args():
     rng = np.random.default_rng(1)
@@ -251,7 +297,7 @@ def _tuned_config(kernels, direction: str, x2, w: BlockSparseMatrix, *, precisio
   chosen = _tuning.choose(
       "block_sparse_matmul",
       direction,
-      [_tuning.Candidate(name, run(cfg), cfg) for name, cfg in options],
+      [_tuning.Candidate(name, run(route), route) for name, route in routes],
       make_args,
       platform="cuda",
       fields={
@@ -263,37 +309,18 @@ def _tuned_config(kernels, direction: str, x2, w: BlockSparseMatrix, *, precisio
           "precision": precision,
       },
   )
-  return chosen.value
+  return chosen.run(*args)
 
 
 def _gpu_forward(x2, w: BlockSparseMatrix, *, precision, out_dtype):
-  """``x2 @ w`` on the GPU: the kernels, on sub-blocks where ``w``'s blocks are multiples of theirs."""
-  kernels = _pallas_ops()
-  sub = _kernel_block_shape(kernels, w.block_shape)
-  if sub is None or w.nnz_blocks == 0:
-    return kernels.dense_forward(x2, w, precision=precision, out_dtype=out_dtype)
-  ws = split_blocks(w, sub)
-  cfg = _tuned_config(kernels, "fwd", x2, ws, precision=precision, out_dtype=out_dtype)
-  return kernels.forward(x2, ws, precision=precision, out_dtype=out_dtype, config=cfg)
+  """``x2 @ w`` on the GPU (:func:`_gpu_product`)."""
+  return _gpu_product("fwd", x2, w, precision=precision, out_dtype=out_dtype)
 
 
 def _gpu_backward(x2, dy2, w: BlockSparseMatrix, *, precision):
-  """``(dX, dW)`` on the GPU, each direction on its own measured route; sub-blocks as in :func:`_gpu_forward`."""
-  kernels = _pallas_ops()
-  sub = _kernel_block_shape(kernels, w.block_shape)
-  if sub is None or w.nnz_blocks == 0:
-    compute = jnp.result_type(x2.dtype, dy2.dtype, w.dtype)
-    dx = kernels.dense_dx(dy2, w, precision=precision, out_dtype=x2.dtype)
-    ddata = kernels.dw_dense_then_gather(x2.astype(compute), dy2.astype(compute), w, precision=precision)
-    return dx, ddata.astype(w.dtype)
-  ws = split_blocks(w, sub)
-  tuned = {
-      d: _tuned_config(kernels, d, x2, ws, precision=precision, out_dtype=x2.dtype, dy_dtype=dy2.dtype)
-      for d in ("dx", "dw")
-  }
-  cfg = kernels.combine(tuned["dx"], tuned["dx"], tuned["dw"])
-  dx, ddata = kernels.backward(x2, dy2, ws, precision=precision, config=cfg)
-  return dx, merge_block_data(ddata, w, sub)
+  """``(dX, dW)`` on the GPU, each on its own measured route (:func:`_gpu_product`)."""
+  dx = _gpu_product("dx", x2, dy2, w, precision=precision, out_dtype=x2.dtype)
+  return dx, _gpu_product("dw", x2, dy2, w, precision=precision, out_dtype=x2.dtype)
 
 
 def _gpu_unsupported_reason(*args) -> str | None:

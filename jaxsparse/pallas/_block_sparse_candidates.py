@@ -6,7 +6,7 @@ rules of :mod:`._block_sparse_config`) and adds, for one direction of the produc
 gather), the Triton kernel with its default tiles and with split contractions / smaller row tiles, and the Mosaic
 GPU kernel (Hopper) with one or two block columns a tile and split contractions. Only configs the kernels
 support for these operands are listed; duplicates of the default are dropped. The other directions' fields keep
-the default's values, so a winner of each direction combines into one config (:func:`combine`).
+the default's values.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ try:  # Mosaic GPU (Hopper).
 except ImportError:  # a jax without Mosaic GPU: the Triton kernels only.
   mosaic = mosaic_sdd = None
 
-__all__ = ["DIRECTIONS", "candidates", "combine"]
+__all__ = ["DIRECTIONS", "candidates"]
 
 DIRECTIONS = ("fwd", "dx", "dw")
 # The fields of BlockSparseMatmulConfig each direction reads (besides `dense`, which candidates never set).
@@ -40,14 +40,6 @@ _FIELDS = {
 
 def _own(cfg: BlockSparseMatmulConfig, direction: str) -> tuple:
   return tuple(getattr(cfg, f) for f in _FIELDS[direction])
-
-
-def combine(fwd: BlockSparseMatmulConfig, dx: BlockSparseMatmulConfig, dw: BlockSparseMatmulConfig):
-  """One config running each direction as the config chosen for it."""
-  parts = {}
-  for direction, cfg in zip(DIRECTIONS, (fwd, dx, dw), strict=True):
-    parts.update(zip(_FIELDS[direction], _own(cfg, direction), strict=True))
-  return dataclasses.replace(fwd, dense=False, **parts)
 
 
 def _mosaic_ok(a, w, out_dtype, cfg, *, transpose: bool, precision) -> bool:
@@ -112,9 +104,14 @@ def candidates(
         add("mosaic/cols", dataclasses.replace(mos, mosaic_dw=dataclasses.replace(msd, order="cols")))
     return out
 
-  for split in (2, 4):
+  # Split contractions pay where the output has few tiles: small M (H100: they lost at every M >= 1024 tried).
+  for split in (2, 4) if m <= 512 else ():
     add(f"triton/s{split}", dataclasses.replace(triton, **{f_kernel: dataclasses.replace(tk, split=split)}))
-  if tk.block_m > 32 and m > tk.block_m // 2:
+  if m <= 64 and tk.sub_cols is None:
+    for sub in (32, 64):
+      if sub < (w.block_shape[1] if direction == "fwd" else w.block_shape[0]):
+        add(f"triton/sub{sub}", dataclasses.replace(triton, **{f_kernel: dataclasses.replace(tk, sub_cols=sub)}))
+  if tk.block_m > 32 and 2 * tk.block_m <= m < 4096:
     add("triton/bm_half", dataclasses.replace(triton, **{f_kernel: dataclasses.replace(tk, block_m=tk.block_m // 2)}))
   transpose = direction == "dx"
   a = jax.ShapeDtypeStruct((m, n if transpose else k), x2.dtype)
@@ -129,7 +126,7 @@ def candidates(
   ob = w.block_shape[0] if transpose else w.block_shape[1]
   if ob <= 64:
     variants["mosaic/g2"] = dataclasses.replace(prior_m, split=1, group_cols=2)
-  for split in (2, 4):
+  for split in (2, 4) if m <= 1024 else ():
     variants[f"mosaic/s{split}"] = dataclasses.replace(prior_m, split=split, group_cols=1)
   if prior_m.tile_m == 256:
     variants["mosaic/t128"] = dataclasses.replace(prior_m, tile_m=128, split=1, group_cols=1)

@@ -51,7 +51,6 @@ from jax.experimental.pallas import triton as pltriton
 
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
 from jaxsparse.pallas._block_sparse_candidates import candidates
-from jaxsparse.pallas._block_sparse_candidates import combine
 from jaxsparse.pallas._block_sparse_config import BlockSparseMatmulConfig
 from jaxsparse.pallas._block_sparse_config import KernelConfig
 from jaxsparse.pallas._block_sparse_config import dense_dx
@@ -81,7 +80,6 @@ __all__ = [
     "available",
     "backward",
     "candidates",
-    "combine",
     "dense_dx",
     "dense_forward",
     "dw_dense_then_gather",
@@ -95,6 +93,9 @@ __all__ = [
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 SUPPORTED_BLOCK_DIMS = (16, 32, 64, 128)
+# Block dims the Triton kernels also take when a config is given explicitly (measured dispatch tries them against
+# the supported sub-blocks; the shipped defaults never pick them).
+WIDE_BLOCK_DIMS = (256,)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -111,7 +112,7 @@ def _use_mosaic(mosaic_cfg, a, w, out_dtype, *, transpose: bool, interpret: bool
   return mosaic.supports(a, w, out_dtype, transpose=transpose)
 
 
-def unsupported_reason(*args) -> str | None:
+def unsupported_reason(*args, block_dims: tuple[int, ...] = SUPPORTED_BLOCK_DIMS) -> str | None:
   """Why :func:`supports` is False for these operands, or ``None`` when they are supported."""
   *arrays, w = args
   if not isinstance(w, BlockSparseMatrix):
@@ -123,8 +124,8 @@ def unsupported_reason(*args) -> str | None:
     if a.ndim != 2:
       return f"activations must be 2-D (M, features), got shape {a.shape}"
   bk, bn = w.block_shape
-  if bk not in SUPPORTED_BLOCK_DIMS or bn not in SUPPORTED_BLOCK_DIMS:
-    return f"block_shape={(bk, bn)}: each block dim must be one of {SUPPORTED_BLOCK_DIMS}"
+  if bk not in block_dims or bn not in block_dims:
+    return f"block_shape={(bk, bn)}: each block dim must be one of {block_dims}"
   if arrays[0].shape[1] != w.shape[0]:
     return f"x has {arrays[0].shape[1]} features but W has K={w.shape[0]} rows"
   if len(arrays) == 2 and arrays[1].shape != (arrays[0].shape[0], w.shape[1]):
@@ -136,13 +137,14 @@ def supports(*args) -> bool:
   """Whether the kernels handle these operands: ``(x2, w)`` (forward) or ``(x2, dy2, w)`` (backward).
 
   Supported: 2-D activations, dtypes bfloat16 / float16 / float32 (mixed dtypes compute in the
-  promoted one), block dims in ``SUPPORTED_BLOCK_DIMS``.
+  promoted one), block dims in ``SUPPORTED_BLOCK_DIMS`` (and ``WIDE_BLOCK_DIMS`` with an explicit config).
   """
   return unsupported_reason(*args) is None
 
 
-def _check_supported(*args) -> None:
-  reason = unsupported_reason(*args)
+def _check_supported(*args, config=None) -> None:
+  dims = SUPPORTED_BLOCK_DIMS if config is None else SUPPORTED_BLOCK_DIMS + WIDE_BLOCK_DIMS
+  reason = unsupported_reason(*args, block_dims=dims)
   if reason is not None:
     raise ValueError(f"The Pallas block-sparse kernels do not support these operands: {reason}.")
 
@@ -320,7 +322,7 @@ def forward(
   Returns:
     ``(M, N)`` array of ``out_dtype``.
   """
-  _check_supported(x2, w)
+  _check_supported(x2, w, config=config)
   (m, _), (_, n) = x2.shape, w.shape
   (bk, bn), (_, nb) = w.block_shape, w.grid_shape
   compute_dtype = jnp.result_type(x2.dtype, w.dtype)
@@ -499,7 +501,7 @@ def backward(
     ``(dx, ddata)``: ``dx`` ``(M, K)`` of ``x2.dtype``, ``ddata`` ``(nnz_blocks, bk, bn)`` of
     ``w.dtype``.
   """
-  _check_supported(x2, dy2, w)
+  _check_supported(x2, dy2, w, config=config)
   compute_dtype = jnp.result_type(x2.dtype, dy2.dtype, w.dtype)
   if w.nnz_blocks == 0:
     return (jnp.zeros(x2.shape, x2.dtype) if need_dx else None), (w.data if need_dw else None)
