@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import math
 import os
 import re
@@ -36,6 +37,7 @@ from _gpu_timing import time_ms
 from gpu_block_sparse import block_mask
 
 import jaxsparse
+from jaxsparse._tuning import _cache as _tuning_cache
 
 MS = [1, 16, 48, 200, 384, 640, 1000, 1536, 3000, 4096, 6144, 12288]
 DIMS = [768, 1024, 1536, 2048, 2560, 3072, 4096, 5120, 6144, 8192]
@@ -118,6 +120,23 @@ def run_case(c: dict, iterations: int, breakdown: bool = False, modes: tuple[str
         jax.jit(fresh_both).lower(x, w, dy)
         row["tune_s_both" + tag] = time.perf_counter() - t0
         row["fwd+bwd" + tag] = time_ms(fresh_both, x, w, dy, iterations=iterations) / dense_both
+  if "tune" in modes:
+    # A second process with the cache (the memo dropped, the file read back): no measurement, and compile time
+    # against mode off (best of 2 fresh compiles each, forward + backward where timed).
+    f = both(lambda x, w: sparse(x, w)) if m > 64 else (lambda x, w: sparse(x, w))
+    operands = (x, w, dy) if m > 64 else (x, w)
+    compile_s = {}
+    for mode in ("off", "cached"):
+      runs = []
+      for _ in range(2):
+        _tuning_cache.clear_memo()
+        with jaxsparse.autotune_mode(mode):
+          g = lambda *a: f(*a)
+          t0 = time.perf_counter()
+          jax.jit(g).lower(*operands).compile()
+          runs.append(time.perf_counter() - t0)
+      compile_s[mode] = min(runs)
+    row["compile cached / off"] = compile_s["cached"] / compile_s["off"]
   if breakdown:  # where the time goes: every kernel of each timed call, device µs
     calls = {"fwd": ((sparse, x, w), (dense, x, wd))}
     if m > 64:
@@ -142,6 +161,7 @@ def fmt(r: dict, modes: tuple[str, ...] = ()) -> str:
     if mode == "tune":
       both = r.get("tune_s_both" + tag)
       cells.append(f"{r['tune_s_fwd' + tag]:.1f} / {'-' if both is None else f'{both:.1f}'}")
+      cells.append(f"{r['compile cached / off']:.2f}")
   flag = " **slower**" if worst > 1.0 else ""
   return "| " + " | ".join(str(v) for v in cells) + f" |{flag}"
 
@@ -152,7 +172,7 @@ def header(modes: tuple[str, ...] = ()) -> list[str]:
     tag = "" if mode is None else f" ({mode})"
     cols += [f"route{tag}", f"rel err{tag}", f"fwd / dense{tag}", f"fwd+bwd / dense{tag}"]
     if mode == "tune":
-      cols.append("first trace s (fwd / fwd+bwd)")
+      cols += ["first trace s (fwd / fwd+bwd)", "compile cached / off"]
   return ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
 
 
@@ -170,6 +190,9 @@ def main(argv=None) -> None:
   p.add_argument("--modes", default="", help="comma-separated autotune modes to time each case in (off, cached, tune)")
   args = p.parse_args(argv)
   modes = tuple(v for v in args.modes.split(",") if v)
+  if "tune" in modes:  # what each tuning measured goes to the log
+    logging.basicConfig(format="%(name)s: %(message)s")
+    logging.getLogger("jaxsparse.autotune").setLevel(logging.INFO)
   if "tune" in modes and not os.environ.get("JAXSPARSE_AUTOTUNE_CACHE"):
     # A fresh cache: every signature of the draw is measured here, the first-trace cost included.
     os.environ["JAXSPARSE_AUTOTUNE_CACHE"] = os.path.join(os.environ.get("OUT", "."), "autotune_unseen.json")

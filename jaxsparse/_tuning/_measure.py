@@ -122,6 +122,7 @@ def _measure(candidates: Sequence[Candidate], make_args: Callable[[], tuple], pl
   """``{name: ms}`` of the candidates that compile and run (the others are logged and left out)."""
   # Operands and runs are eager (concrete, on the device) even inside the caller's trace; the candidates are
   # traced on their own, outside that eager scope (a kernel body must be staged, not evaluated).
+  t0 = time.perf_counter()
   with jax.ensure_compile_time_eval():
     args = make_args()
   lowered = {}
@@ -131,8 +132,11 @@ def _measure(candidates: Sequence[Candidate], make_args: Callable[[], tuple], pl
     except Exception as e:  # a candidate that cannot trace is not a candidate
       logger.info("autotune: candidate %s does not trace: %s: %s", c.name, type(e).__name__, e)
   # Compilation releases the GIL: compile the candidates side by side.
+  t1 = time.perf_counter()
   with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, max(1, len(lowered)))) as pool:
     futures = {name: pool.submit(low.compile) for name, low in lowered.items()}
+    concurrent.futures.wait(futures.values())
+  t2 = time.perf_counter()
   times = {}
   with jax.ensure_compile_time_eval():
     for name, fut in futures.items():
@@ -140,6 +144,7 @@ def _measure(candidates: Sequence[Candidate], make_args: Callable[[], tuple], pl
         times[name] = _time_ms(fut.result(), args, platform)
       except Exception as e:  # a candidate that fails to compile or run loses
         logger.info("autotune: candidate %s failed: %s: %s", name, type(e).__name__, e)
+  logger.info("autotune: traced %.2f s, compiled %.2f s, timed %.2f s", t1 - t0, t2 - t1, time.perf_counter() - t2)
   return times
 
 

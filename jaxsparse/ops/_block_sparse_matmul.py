@@ -244,8 +244,12 @@ def _gpu_routes(kernels, direction: str, x2, w: BlockSparseMatrix, *, precision,
   ]
   wide = kernels.SUPPORTED_BLOCK_DIMS + kernels.WIDE_BLOCK_DIMS
   if not same and set(w.block_shape) <= set(wide):
+    # Wide blocks as they are (no per-call copy into sub-blocks) won every case measured (H100, 2026-11-26:
+    # benchmarks/results/gpu_unseen_shapes_2026-11-26_h100_tuned.md); of the sub-block routes, the default and the
+    # three next ones are kept, to bound the tuning time.
     native = kernels.candidates(direction, x2, w, out_dtype=out_dtype, precision=precision)
-    routes += [(f"native:{name}", (None, cfg)) for name, cfg in native if name != "dense"]
+    routes = routes[:4] + [(f"native:{name}", (None, cfg)) for name, cfg in native if name != "dense"]
+    routes += [r for r in routes[4:] if r[0] == "dense"]
   return routes
 
 

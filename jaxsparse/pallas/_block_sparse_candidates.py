@@ -108,9 +108,12 @@ def candidates(
   for split in (2, 4) if m <= 512 else ():
     add(f"triton/s{split}", dataclasses.replace(triton, **{f_kernel: dataclasses.replace(tk, split=split)}))
   if m <= 64 and tk.sub_cols is None:
+    # Decode: more programs a block column (slices of its outputs), with or without a split contraction.
     for sub in (32, 64):
       if sub < (w.block_shape[1] if direction == "fwd" else w.block_shape[0]):
-        add(f"triton/sub{sub}", dataclasses.replace(triton, **{f_kernel: dataclasses.replace(tk, sub_cols=sub)}))
+        for split in (1, 4):
+          cfg = dataclasses.replace(tk, sub_cols=sub, split=split)
+          add(f"triton/sub{sub}" + (f"s{split}" if split > 1 else ""), dataclasses.replace(triton, **{f_kernel: cfg}))
   if tk.block_m > 32 and 2 * tk.block_m <= m < 4096:
     add("triton/bm_half", dataclasses.replace(triton, **{f_kernel: dataclasses.replace(tk, block_m=tk.block_m // 2)}))
   transpose = direction == "dx"
