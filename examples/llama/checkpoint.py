@@ -104,7 +104,7 @@ def load_pretrained(directory: str | os.PathLike, *, dtype: Any = None, param_dt
     if value.shape != var.shape:
       raise ValueError(f"{directory}: {name} has shape {tensors[name].shape}, the model expects "
                        f"{var.shape[::-1] if transposed else var.shape} (config.json does not match the weights?).")
-    var.value = jnp.asarray(value, param_dtype)
+    var.set_value(jnp.asarray(value, param_dtype))
     used.add(name)
   unexpected = sorted(n for n in set(tensors) - used if not n.endswith(IGNORED_SUFFIXES)
                       and not (cfg.tie_word_embeddings and n == "lm_head.weight"))
