@@ -36,6 +36,9 @@ Weight bytes: every array of the model's state (parameters, masks, index arrays,
 the 2:4 values that ``CompressedNMLinear`` keeps next to ``kernel`` on a GPU, counted separately too), at the
 measured depth and extrapolated the same way.
 
+``--kernels 1`` also logs the device time per kernel name of one decode call at batch 1 (CUPTI): where a
+decode step's time goes (projections, attention, LM head, the cache update).
+
 The Markdown table is printed last; with ``$OUT`` set, ``llm_decode.md`` (table) and ``llm_decode.log`` (the
 run) are written there as the run goes.
 """
@@ -132,11 +135,11 @@ def prefill_seconds(model, tokens: int, *, repeats: int) -> float:
   return timed(prefill, state, ids, repeats=repeats)
 
 
-def decode_seconds(model, batch: int, context: int, steps: int, *, repeats: int) -> float:
-  """Seconds for ``steps`` greedy decode steps of ``batch`` rows after ``context`` cached tokens."""
+def decode_call(model, batch: int, context: int, steps: int):
+  """``(decode, state, start, cache, token)``: ``decode(state, cache, token)`` runs ``steps`` greedy decode steps
+  of ``batch`` rows after ``context`` cached tokens (the cache is donated); ``start(cache)`` resets a cache."""
   cfg = model.config
   graphdef, state = nnx.split(model)
-  cache = init_cache(cfg, batch, context + steps, dtype=model.dtype)
 
   def start(cache):  # new arrays each time: the previous ones were donated
     filled = jnp.zeros(cache.filled.shape, bool).at[:, :context].set(True)
@@ -153,9 +156,31 @@ def decode_seconds(model, batch: int, context: int, steps: int, *, repeats: int)
 
     return jax.lax.fori_loop(0, steps, body, (token, cache))
 
+  cache = start(init_cache(cfg, batch, context + steps, dtype=model.dtype))
+  return decode, state, start, cache, jnp.zeros((batch,), jnp.int32)
+
+
+def decode_seconds(model, batch: int, context: int, steps: int, *, repeats: int) -> float:
+  """Seconds for ``steps`` greedy decode steps of ``batch`` rows after ``context`` cached tokens."""
+  decode, state, start, cache, token = decode_call(model, batch, context, steps)
   decode = jax.jit(decode, donate_argnums=1)
-  token = jnp.zeros((batch,), jnp.int32)
-  return timed(decode, state, start(cache), token, repeats=repeats, reset=lambda out: (state, start(out[1]), out[0]))
+  return timed(decode, state, cache, token, repeats=repeats, reset=lambda out: (state, start(out[1]), out[0]))
+
+
+def kernel_breakdown(model, batch: int, context: int, steps: int, *, top: int = 12) -> list[str]:
+  """Device time per kernel name of one decode call (CUPTI, GPU only), largest first, per decode step."""
+  sys.path.insert(0, str(Path(__file__).resolve().parent))
+  from _gpu_timing import kernel_times_ms  # noqa: PLC0415 -- GPU-only helper next to this script
+
+  decode, state, _, cache, token = decode_call(model, batch, context, steps)
+  by_name: dict[str, float] = {}
+  for name, ms in kernel_times_ms(decode, state, cache, token, iterations=3):
+    by_name[name] = by_name.get(name, 0.0) + ms
+  total = sum(by_name.values())
+  lines = [f"    {total / steps:.3f} ms/step on the device in {len(by_name)} kernel names"]
+  for name, ms in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]:
+    lines.append(f"    {ms / steps:8.4f} ms/step {100 * ms / total:5.1f}%  {name[:110]}")
+  return lines
 
 
 @dataclasses.dataclass
@@ -184,6 +209,12 @@ def measure(model, args, label: str) -> tuple[float | None, dict[int, float]]:
     decode[b] = decode_seconds(model, b, args.context, args.steps, repeats=args.repeats)
     log(f"  {label}: decode batch {b}: {decode[b] / args.steps * 1e3:.3f} ms/step, "
         f"{b * args.steps / decode[b]:.1f} tokens/s")
+    if args.kernels and b in args.kernels:
+      try:
+        for line in kernel_breakdown(model, b, args.context, args.steps):
+          log(line)
+      except Exception as e:  # CUPTI missing (CPU) or busy: the timings above stand
+        log(f"    kernel breakdown failed: {type(e).__name__}: {str(e)[:200]}")
   log(f"  {label}: done in {time.perf_counter() - t0:.1f} s (compiles included)")
   return prefill, decode
 
@@ -280,6 +311,8 @@ def main(argv: list[str] | None = None) -> None:
   p.add_argument("--prefill", type=int, help="prefill tokens, 0 skips (default 2048; --tiny: 32)")
   p.add_argument("--repeats", type=int, help="timed calls per case (default 3; --tiny: 1)")
   p.add_argument("--dtype", default="bfloat16")
+  p.add_argument("--kernels", type=lambda v: [int(b) for b in v.split(",")], default=[],
+                 help="batches whose decode call gets a per-kernel device-time breakdown (CUPTI, GPU), e.g. 1")
   p.add_argument("--tiny", action="store_true", help="the tiny shape, small sizes: a CPU check in seconds")
   args = p.parse_args(argv)
   defaults = {"batches": [1, 2], "context": 16, "steps": 4, "prefill": 32, "repeats": 1} if args.tiny else {
