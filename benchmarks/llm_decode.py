@@ -98,6 +98,7 @@ def log(*args) -> None:
   LOG.append(line)
   out = os.environ.get("OUT")
   if out:
+    Path(out).mkdir(parents=True, exist_ok=True)
     Path(out, "llm_decode.log").write_text("\n".join(LOG) + "\n")
 
 
