@@ -194,15 +194,28 @@ def test_pruning_by_layer_and_masks_back_to_torch(hf_dir, ids, tmp_path):
 
 
 def test_llm_decode_benchmark_tiny(tmp_path, monkeypatch, capsys):
-  """benchmarks/llm_decode.py --tiny; --layers 1 of the tiny shape's 2 also runs the 0-layer model and the
-  extrapolation to full depth."""
+  """benchmarks/llm_decode.py --tiny, dense and 2:4 (the other structures generate in the test above); --layers 1
+  of the tiny shape's 2 also runs the 0-layer model and the extrapolation to full depth."""
   sys.path.insert(0, str(ROOT / "benchmarks"))
   import llm_decode  # noqa: PLC0415
 
   monkeypatch.setenv("OUT", str(tmp_path))
   llm_decode.ROWS.clear()
-  llm_decode.main(["--tiny", "--layers", "1", "--batches", "2"])
+  llm_decode.main(["--tiny", "--layers", "1", "--batches", "2", "--patterns", "2:4,dense"])
   rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| tiny")]
-  assert [r.split("|")[2].strip() for r in rows] == list(llm_decode.PATTERNS), rows
+  assert [r.split("|")[2].strip() for r in rows] == ["dense", "2:4"], rows
   assert all("(extrapolated)" in r for r in rows)
   assert "| tiny | dense |" in (tmp_path / "llm_decode.md").read_text()
+
+
+def test_llm_prune_benchmark_tiny(tmp_path, monkeypatch, capsys):
+  """benchmarks/llm_prune.py --tiny, one layer, the two methods that compile fast (SparseGPT runs above)."""
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  import llm_prune  # noqa: PLC0415
+
+  monkeypatch.setenv("OUT", str(tmp_path))
+  llm_prune.main(["--tiny", "--layers", "1", "--methods", "magnitude,wanda", "--no-progress"])
+  rows = [r for r in (tmp_path / "llm_prune.md").read_text().splitlines() if r.startswith("| ") and "method" not in r]
+  assert [r.split("|")[1].strip() for r in rows] == ["magnitude", "wanda"], rows
+  errors = [float(r.split("|")[3]) for r in rows]
+  assert 0 < errors[1] < errors[0] < 1, errors
