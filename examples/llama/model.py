@@ -210,8 +210,8 @@ class RMSNorm(nnx.Module):
     return self.weight[...] * y.astype(x.dtype)
 
 
-def _linear(cfg_init: dict, in_features: int, out_features: int, *, use_bias: bool, rngs: nnx.Rngs) -> nnx.Linear:
-  return nnx.Linear(in_features, out_features, use_bias=use_bias, rngs=rngs, **cfg_init)
+def _linear(init: dict, in_features: int, out_features: int, *, use_bias: bool, rngs: nnx.Rngs) -> nnx.Linear:
+  return nnx.Linear(in_features, out_features, use_bias=use_bias, rngs=rngs, **init)
 
 
 class Attention(nnx.Module):
