@@ -1,0 +1,341 @@
+"""Whole-model LLM speed, dense vs sparse: prefill and KV-cache decode of random-weight Llama models (examples/llama).
+
+Run on a CUDA GPU (the device tool's H100), from the repository root, one shape per command to stay within
+10 minutes:
+
+  PYTHONPATH=.:examples python3 benchmarks/llm_decode.py --shapes 8b
+  PYTHONPATH=.:examples python3 benchmarks/llm_decode.py --shapes 1.1b
+  PYTHONPATH=.:examples python3 benchmarks/llm_decode.py --tiny          # CPU, seconds: the CI check
+
+Models (``examples/llama/model.py``: RMSNorm, RoPE, grouped-query attention, SwiGLU, static KV cache),
+random weights, bfloat16 weights and compute:
+
+* ``8b``: the Llama-3-8B shape, d = 4096, MLP 14336, 32 layers, 32 query / 8 KV heads of 128, vocab 128256;
+* ``1.1b``: the TinyLlama-1.1B shape, d = 2048, MLP 5632, 22 layers, 32 / 4 heads of 64, vocab 32000;
+* ``tiny``: d = 128, MLP 256, 2 layers, 4 / 2 heads of 32, vocab 256 (``--tiny``).
+
+Patterns of the seven projections of every layer (``jaxsparse.sparsify`` by magnitude, the embedding and LM
+head stay dense): ``dense``; ``2:4`` (``CompressedNMLinear``: cuSPARSELt for prefill, the ``mma.sp`` kernel
+for decode); ``block 64x64 50%`` (``BlockSparseLinear``, Pallas kernels); ``unstructured 50%``
+(``MaskedLinear``: a dense kernel and a mask, multiplied masked-dense; no sparse GPU kernel).
+
+Timings, each the median of ``--repeats`` calls after a compiling call, wall time around one jitted call
+that is blocked on once (so each call holds many device steps, and the host's dispatch cost is amortised):
+
+* prefill: ``--prefill`` tokens (2048) of one sequence into an empty cache, logits of the last position;
+* decode: ``--steps`` greedy decode steps in one ``lax.fori_loop`` at batch ``--batches`` (1, 8, 32), each
+  step attending to a cache holding ``--context`` (1024) tokens before it; tokens/s = batch * steps / time.
+
+``--layers N`` builds the models with N decoder layers instead of the shape's full depth (the default for
+``8b`` and ``1.1b`` is 8, to fit the 10 minutes). Then a model with 0 layers (embedding, final norm, LM head,
+the loop) is timed too, and the full-depth time is extrapolated as ``t0 + (tN - t0) * depth / N``: the
+decoder layers are identical, so their time is linear in their count. Both the measured and the
+extrapolated numbers are printed; the ratios to dense use the extrapolated ones.
+
+Weight bytes: every array of the model's state (parameters, masks, index arrays, and the cuSPARSELt copy of
+the 2:4 values that ``CompressedNMLinear`` keeps next to ``kernel`` on a GPU, counted separately too), at the
+measured depth and extrapolated the same way.
+
+``--kernels 1`` also logs the device time per kernel name of one decode call at batch 1 (CUPTI): where a
+decode step's time goes (projections, attention, LM head, the cache update).
+
+The Markdown table is printed last; with ``$OUT`` set, ``llm_decode.md`` (table) and ``llm_decode.log`` (the
+run) are written there as the run goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import os
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from llama.model import LlamaConfig
+from llama.model import LlamaForCausalLM
+from llama.model import init_cache
+from llama.prune import to_inference
+
+import jaxsparse
+from jaxsparse.layers._nm import CusparseLtWeight  # the cuSPARSELt copy of 2:4 values, counted apart
+
+warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
+
+SHAPES = {
+    "8b": LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=500000.0,
+                      max_position_embeddings=8192),
+    "1.1b": LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                        num_attention_heads=32, num_key_value_heads=4, head_dim=64),
+    "tiny": LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=32),
+}
+DEFAULT_LAYERS = {"8b": 8, "1.1b": 8, "tiny": None}
+PATTERNS = {
+    "dense": None,
+    "2:4": jaxsparse.NM(2, 4),
+    "block 64x64 50%": jaxsparse.BlockSparse(density=0.5, block_shape=(64, 64)),
+    "unstructured 50%": jaxsparse.Unstructured(sparsity=0.5),
+}
+PATTERN_ALIASES = {"dense": "dense", "2:4": "2:4", "nm": "2:4", "block64": "block 64x64 50%",
+                   "block": "block 64x64 50%", "unstructured": "unstructured 50%", "u50": "unstructured 50%"}
+LOG: list[str] = []
+
+
+def log(*args) -> None:
+  line = " ".join(str(a) for a in args)
+  print(line, flush=True)
+  LOG.append(line)
+  out = os.environ.get("OUT")
+  if out:
+    Path(out).mkdir(parents=True, exist_ok=True)
+    Path(out, "llm_decode.log").write_text("\n".join(LOG) + "\n")
+
+
+def state_bytes(model: nnx.Module) -> tuple[int, int]:
+  """``(all bytes of the model's arrays, bytes of cuSPARSELt copies among them)``."""
+  total = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
+  cusparselt = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, CusparseLtWeight)))
+  return total, cusparselt
+
+
+def timed(f, *args, repeats: int, reset=None) -> float:
+  """Median seconds of ``f(*args)`` (after one compiling call); ``reset(out) -> args`` feeds donated buffers back."""
+  out = jax.block_until_ready(f(*args))
+  times = []
+  for _ in range(repeats):
+    if reset is not None:
+      args = reset(out)
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(f(*args))
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times)
+
+
+def prefill_seconds(model, tokens: int, *, repeats: int) -> float:
+  cfg = model.config
+  graphdef, state = nnx.split(model)
+
+  @jax.jit
+  def prefill(state, ids):
+    m = nnx.merge(graphdef, state)
+    cache = init_cache(cfg, 1, tokens, dtype=m.dtype)
+    return m.step(ids, cache, last_only=True)[0]
+
+  ids = jax.random.randint(jax.random.key(1), (1, tokens), 0, cfg.vocab_size, jnp.int32)
+  return timed(prefill, state, ids, repeats=repeats)
+
+
+def decode_call(model, batch: int, context: int, steps: int):
+  """``(decode, state, start, cache, token)``: ``decode(state, cache, token)`` runs ``steps`` greedy decode steps
+  of ``batch`` rows after ``context`` cached tokens (the cache is donated); ``start(cache)`` resets a cache."""
+  cfg = model.config
+  graphdef, state = nnx.split(model)
+
+  def start(cache):  # new arrays each time: the previous ones were donated
+    filled = jnp.zeros(cache.filled.shape, bool).at[:, :context].set(True)
+    return cache._replace(filled=filled, positions=jnp.full((batch,), context, jnp.int32),
+                          index=jnp.asarray(context, jnp.int32))
+
+  def decode(state, cache, token):
+    m = nnx.merge(graphdef, state)
+
+    def body(_, carry):
+      token, cache = carry
+      logits, cache = m.step(token[:, None], cache)
+      return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32), cache
+
+    return jax.lax.fori_loop(0, steps, body, (token, cache))
+
+  cache = start(init_cache(cfg, batch, context + steps, dtype=model.dtype))
+  return decode, state, start, cache, jnp.zeros((batch,), jnp.int32)
+
+
+def decode_seconds(model, batch: int, context: int, steps: int, *, repeats: int) -> float:
+  """Seconds for ``steps`` greedy decode steps of ``batch`` rows after ``context`` cached tokens."""
+  decode, state, start, cache, token = decode_call(model, batch, context, steps)
+  decode = jax.jit(decode, donate_argnums=1)
+  return timed(decode, state, cache, token, repeats=repeats, reset=lambda out: (state, start(out[1]), out[0]))
+
+
+def kernel_breakdown(model, batch: int, context: int, steps: int, *, top: int = 12) -> list[str]:
+  """Device time per kernel name of one decode call (CUPTI, GPU only), largest first, per decode step."""
+  sys.path.insert(0, str(Path(__file__).resolve().parent))
+  from _gpu_timing import kernel_times_ms  # noqa: PLC0415 -- GPU-only helper next to this script
+
+  decode, state, _, cache, token = decode_call(model, batch, context, steps)
+  by_name: dict[str, float] = {}
+  for name, ms in kernel_times_ms(decode, state, cache, token, iterations=3):
+    by_name[name] = by_name.get(name, 0.0) + ms
+  total = sum(by_name.values())
+  lines = [f"    {total / steps:.3f} ms/step on the device in {len(by_name)} kernel names"]
+  for name, ms in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]:
+    lines.append(f"    {ms / steps:8.4f} ms/step {100 * ms / total:5.1f}%  {name[:110]}")
+  return lines
+
+
+@dataclasses.dataclass
+class Row:
+  shape: str
+  pattern: str
+  layers: int
+  depth: int
+  weight_bytes: float
+  cusparselt_bytes: float
+  prefill_s: float | None
+  decode_s: dict[int, float]
+
+
+def build_dense(cfg: LlamaConfig, dtype) -> LlamaForCausalLM:
+  return nnx.jit(lambda: LlamaForCausalLM(cfg, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0)))()
+
+
+def measure(model, args, label: str) -> tuple[float | None, dict[int, float]]:
+  t0 = time.perf_counter()
+  prefill = prefill_seconds(model, args.prefill, repeats=args.repeats) if args.prefill else None
+  if prefill is not None:
+    log(f"  {label}: prefill {args.prefill} tokens {prefill * 1e3:.2f} ms")
+  decode = {}
+  for b in args.batches:
+    decode[b] = decode_seconds(model, b, args.context, args.steps, repeats=args.repeats)
+    log(f"  {label}: decode batch {b}: {decode[b] / args.steps * 1e3:.3f} ms/step, "
+        f"{b * args.steps / decode[b]:.1f} tokens/s")
+    if args.kernels and b in args.kernels:
+      try:
+        for line in kernel_breakdown(model, b, args.context, args.steps):
+          log(line)
+      except Exception as e:  # CUPTI missing (CPU) or busy: the timings above stand
+        log(f"    kernel breakdown failed: {type(e).__name__}: {str(e)[:200]}")
+  log(f"  {label}: done in {time.perf_counter() - t0:.1f} s (compiles included)")
+  return prefill, decode
+
+
+def run_shape(name: str, args) -> list[Row]:
+  full = SHAPES[name]
+  layers = args.layers if args.layers is not None else DEFAULT_LAYERS[name]
+  layers = full.num_hidden_layers if layers is None else min(layers, full.num_hidden_layers)
+  cfg = dataclasses.replace(full, num_hidden_layers=layers)
+  dtype = jnp.dtype(args.dtype)
+  rows = []
+  base = None
+  if layers != full.num_hidden_layers:  # the 0-layer model, for the extrapolation to full depth
+    log(f"{name}: 0-layer model (embedding, norm, LM head)")
+    head = build_dense(dataclasses.replace(full, num_hidden_layers=0), dtype)
+    base = (state_bytes(head), *measure(head, args, f"{name} 0 layers"))
+    del head
+    gc.collect()
+  log(f"{name}: {layers} of {full.num_hidden_layers} layers, {args.dtype}")
+  dense = build_dense(cfg, dtype)
+  for pattern in args.patterns:
+    t0 = time.perf_counter()
+    model = dense if PATTERNS[pattern] is None else to_inference(dense, PATTERNS[pattern])[0]
+    log(f"{name} {pattern}: built in {time.perf_counter() - t0:.1f} s")
+    total, cusparselt = state_bytes(model)
+    prefill, decode = measure(model, args, f"{name} {pattern}")
+    if base is not None:  # extrapolate: t0 + (tN - t0) * depth / N
+      scale = full.num_hidden_layers / layers
+      (b_total, b_cus), b_prefill, b_decode = base
+      total = b_total + (total - b_total) * scale
+      cusparselt = b_cus + (cusparselt - b_cus) * scale
+      prefill = None if prefill is None else b_prefill + (prefill - b_prefill) * scale
+      decode = {b: b_decode[b] + (decode[b] - b_decode[b]) * scale for b in decode}
+    rows.append(Row(name, pattern, layers, full.num_hidden_layers, total, cusparselt, prefill, decode))
+    write_table(args, ROWS + rows)
+    if model is not dense:
+      del model
+      gc.collect()
+  return rows
+
+
+ROWS: list[Row] = []
+
+
+def table(args, rows: list[Row]) -> str:
+  batches = args.batches
+  unit, scale = ("GB", 1e9) if max(r.weight_bytes for r in rows) >= 1e9 else ("MB", 1e6)
+  head = ["shape", "pattern", "layers timed", f"weight {unit} (cuSPARSELt copy)", "vs dense",
+          f"prefill {args.prefill} ms", "vs dense"]
+  for b in batches:
+    head += [f"decode b={b} tok/s", "vs dense"]
+  lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  dense = {r.shape: r for r in rows if r.pattern == "dense"}
+  for r in rows:
+    d = dense.get(r.shape)
+    layers = f"{r.layers} of {r.depth}" + (" (extrapolated)" if r.layers != r.depth else "")
+    cells = [r.shape, r.pattern, layers, f"{r.weight_bytes / scale:.3f} ({r.cusparselt_bytes / scale:.3f})",
+             f"{r.weight_bytes / d.weight_bytes:.3f}x" if d else "-"]
+    if r.prefill_s is None:
+      cells += ["-", "-"]
+    else:
+      cells += [f"{r.prefill_s * 1e3:.2f}", f"{d.prefill_s / r.prefill_s:.2f}x" if d and d.prefill_s else "-"]
+    for b in batches:
+      tps = b * args.steps / r.decode_s[b]
+      cells += [f"{tps:.1f}", f"{d.decode_s[b] / r.decode_s[b]:.2f}x" if d else "-"]
+    lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+def write_table(args, rows: list[Row]) -> None:
+  out = os.environ.get("OUT")
+  if out:
+    Path(out).mkdir(parents=True, exist_ok=True)
+    Path(out, "llm_decode.md").write_text(header(args) + "\n\n" + table(args, rows) + "\n")
+
+
+def header(args) -> str:
+  dev = jax.devices()[0]
+  return (f"{getattr(dev, 'device_kind', dev.platform)}, {args.dtype}, jax {jax.__version__}; prefill {args.prefill} "
+          f"tokens at batch 1; decode {args.steps} steps after {args.context} cached tokens; median of "
+          f"{args.repeats} calls; speed ratios are tokens/s (or 1/time) over dense's, > 1 is faster")
+
+
+def main(argv: list[str] | None = None) -> None:
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--shapes", type=lambda v: v.split(","), default=["8b", "1.1b"], help="8b,1.1b (and tiny)")
+  p.add_argument("--batches", type=lambda v: [int(b) for b in v.split(",")], help="default 1,8,32 (--tiny: 1,2)")
+  p.add_argument("--patterns", type=lambda v: [PATTERN_ALIASES.get(x, x) for x in v.split(",")],
+                 default=list(PATTERNS), help="dense,2:4,block64,unstructured")
+  p.add_argument("--layers", type=int, default=None,
+                 help="decoder layers to build (default: 8 for 8b and 1.1b, extrapolated to full depth)")
+  p.add_argument("--context", type=int, help="cached tokens before the decode steps (default 1024; --tiny: 16)")
+  p.add_argument("--steps", type=int, help="decode steps per timed call (default 64; --tiny: 4)")
+  p.add_argument("--prefill", type=int, help="prefill tokens, 0 skips (default 2048; --tiny: 32)")
+  p.add_argument("--repeats", type=int, help="timed calls per case (default 3; --tiny: 1)")
+  p.add_argument("--dtype", default="bfloat16")
+  p.add_argument("--kernels", type=lambda v: [int(b) for b in v.split(",")], default=[],
+                 help="batches whose decode call gets a per-kernel device-time breakdown (CUPTI, GPU), e.g. 1")
+  p.add_argument("--tiny", action="store_true", help="the tiny shape, small sizes: a CPU check in seconds")
+  args = p.parse_args(argv)
+  defaults = {"batches": [1, 2], "context": 16, "steps": 4, "prefill": 32, "repeats": 1} if args.tiny else {
+      "batches": [1, 8, 32], "context": 1024, "steps": 64, "prefill": 2048, "repeats": 3}
+  for k, v in defaults.items():
+    if getattr(args, k) is None:
+      setattr(args, k, v)
+  if args.tiny:
+    args.shapes = ["tiny"]
+  unknown = [x for x in args.patterns if x not in PATTERNS] + [s for s in args.shapes if s not in SHAPES]
+  if unknown:
+    p.error(f"unknown pattern or shape {unknown}; patterns {list(PATTERN_ALIASES)}, shapes {list(SHAPES)}")
+  if "dense" in args.patterns:  # ratios need dense first
+    args.patterns = ["dense"] + [x for x in args.patterns if x != "dense"]
+  log(header(args))
+  t0 = time.perf_counter()
+  for name in args.shapes:
+    ROWS.extend(run_shape(name, args))
+  log(f"total {time.perf_counter() - t0:.1f} s\n")
+  write_table(args, ROWS)
+  print(table(args, ROWS))
+
+
+if __name__ == "__main__":
+  main()

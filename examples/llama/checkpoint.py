@@ -1,0 +1,168 @@
+"""Hugging Face Llama-format directories in and out, without torch.
+
+A directory holds ``config.json`` and ``model.safetensors``, or shards listed in
+``model.safetensors.index.json``. Tensors are read and written with ``safetensors``' NumPy API (bfloat16
+through ``ml_dtypes``), so neither direction needs torch. Names map one to one, since the Flax model has
+Hugging Face's module paths (``model.py``): ``<module>.weight`` is ``kernel`` transposed for a linear layer,
+``embedding`` for the embedding and ``weight`` for the norms.
+
+Sparse checkpoints the other way round (a pruned torch model, ``torch.nn.utils.prune`` masks, 2:4
+semi-structured weights) load with :func:`jaxsparse.torch_interop.load_nnx` into the same model, which
+turns their layers into jaxsparse layers: ``torch_interop.load_nnx(model, hf_model_or_state_dict)``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import jaxsparse
+from llama.model import LlamaConfig
+from llama.model import LlamaForCausalLM
+
+__all__ = ["hf_name", "load_pretrained", "read_tensors", "save_pretrained"]
+
+# Checkpoint entries with no parameter here: RoPE buffers some older exports saved.
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def hf_name(path: tuple) -> tuple[str, bool]:
+  """``(Hugging Face tensor name, transposed?)`` of a Flax parameter path like ``("lm_head", "kernel")``."""
+  *module, leaf = (str(p) for p in path)
+  name = {"kernel": "weight", "embedding": "weight"}.get(leaf, leaf)
+  return ".".join((*module, name)), leaf == "kernel"
+
+
+def _shards(directory: Path) -> dict[str, Path]:
+  """``{tensor name: file}`` of a single-file or sharded safetensors checkpoint."""
+  index = directory / "model.safetensors.index.json"
+  if index.exists():
+    with open(index) as f:
+      weight_map = json.load(f)["weight_map"]
+    return {name: directory / file for name, file in weight_map.items()}
+  single = directory / "model.safetensors"
+  if not single.exists():
+    raise FileNotFoundError(f"{directory} has neither model.safetensors nor model.safetensors.index.json.")
+  from safetensors import safe_open  # noqa: PLC0415 -- optional dependency of the example
+
+  with safe_open(str(single), framework="numpy") as f:
+    return dict.fromkeys(f.keys(), single)
+
+
+def read_tensors(directory: str | os.PathLike) -> Iterator[tuple[str, np.ndarray]]:
+  """Yields ``(name, NumPy array)`` for every tensor of a checkpoint directory, one shard open at a time."""
+  from safetensors import safe_open  # noqa: PLC0415
+
+  by_file: dict[Path, list[str]] = {}
+  for name, file in _shards(Path(directory)).items():
+    by_file.setdefault(file, []).append(name)
+  for file, names in by_file.items():
+    with safe_open(str(file), framework="numpy") as f:
+      for name in names:
+        yield name, f.get_tensor(name)
+
+
+def load_pretrained(directory: str | os.PathLike, *, dtype: Any = None, param_dtype: Any = None,
+                    config: LlamaConfig | None = None) -> LlamaForCausalLM:
+  """Builds the Flax model of a Hugging Face Llama directory and loads its weights.
+
+  The model is built abstractly (``nnx.eval_shape``: no random weights are drawn) and every parameter is
+  filled from the checkpoint; a missing or unexpected tensor, or a shape that does not match, raises.
+
+  Args:
+    directory: holds ``config.json`` and ``model.safetensors`` (or ``model.safetensors.index.json`` + shards).
+    dtype: compute dtype (``None``: the parameters').
+    param_dtype: storage dtype; ``None`` keeps the checkpoint's dtype (of its embedding).
+    config: overrides ``config.json``.
+
+  Returns:
+    A :class:`~llama.model.LlamaForCausalLM`.
+  """
+  directory = Path(directory)
+  cfg = config or LlamaConfig.from_json(directory / "config.json")
+  tensors = dict(read_tensors(directory))
+  if param_dtype is None:
+    param_dtype = tensors["model.embed_tokens.weight"].dtype
+  model = nnx.eval_shape(lambda: LlamaForCausalLM(cfg, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0)))
+  used, missing = set(), []
+  for path, var in nnx.iter_graph(model):
+    if not isinstance(var, nnx.Param):
+      continue
+    name, transposed = hf_name(path)
+    if name not in tensors:
+      missing.append(name)
+      continue
+    value = tensors[name].T if transposed else tensors[name]
+    if value.shape != var.shape:
+      raise ValueError(f"{directory}: {name} has shape {tensors[name].shape}, the model expects "
+                       f"{var.shape[::-1] if transposed else var.shape} (config.json does not match the weights?).")
+    var.set_value(jnp.asarray(value, param_dtype))
+    used.add(name)
+  unexpected = sorted(n for n in set(tensors) - used if not n.endswith(IGNORED_SUFFIXES)
+                      and not (cfg.tie_word_embeddings and n == "lm_head.weight"))
+  if missing or unexpected:
+    raise ValueError(f"{directory}: tensors missing from the checkpoint: {missing[:8]}; tensors the model has no "
+                     f"place for: {unexpected[:8]}.")
+  return model
+
+
+def save_pretrained(model: LlamaForCausalLM, directory: str | os.PathLike, *, dtype: Any = None,
+                    max_shard_bytes: int | None = None) -> Path:
+  """Writes ``config.json`` and ``model.safetensors`` that ``transformers.LlamaForCausalLM.from_pretrained`` loads.
+
+  Sparse layers (from ``jaxsparse.sparsify`` or pruning) are written densely, pruned weights as zeros
+  (:func:`jaxsparse.densify`); their masks go to torch separately with
+  :func:`jaxsparse.torch_interop.export_masks`.
+
+  Args:
+    model: a dense or sparsified :class:`~llama.model.LlamaForCausalLM`.
+    directory: created if needed.
+    dtype: dtype of the written tensors (``None``: each parameter's own).
+    max_shard_bytes: split into ``model-0000i-of-0000n.safetensors`` shards with an index above this size.
+
+  Returns:
+    ``directory``.
+  """
+  from safetensors.numpy import save_file  # noqa: PLC0415
+
+  directory = Path(directory)
+  directory.mkdir(parents=True, exist_ok=True)
+  dense = jaxsparse.densify(model)
+  tensors = {}
+  for path, var in nnx.iter_graph(dense):
+    if isinstance(var, nnx.Param):
+      name, transposed = hf_name(path)
+      value = np.asarray(jax.device_get(var[...] if dtype is None else var[...].astype(dtype)))
+      tensors[name] = np.ascontiguousarray(value.T if transposed else value)
+  cfg = model.config.to_dict()
+  cfg["torch_dtype"] = str(np.dtype(next(iter(tensors.values())).dtype))
+  with open(directory / "config.json", "w") as f:
+    json.dump(cfg, f, indent=2)
+  metadata = {"format": "pt"}  # transformers checks it
+  if max_shard_bytes is None or sum(v.nbytes for v in tensors.values()) <= max_shard_bytes:
+    save_file(tensors, str(directory / "model.safetensors"), metadata=metadata)
+    return directory
+  shards, size = [{}], 0
+  for name, value in tensors.items():
+    if shards[-1] and size + value.nbytes > max_shard_bytes:
+      shards.append({})
+      size = 0
+    shards[-1][name] = value
+    size += value.nbytes
+  weight_map = {}
+  for i, shard in enumerate(shards):
+    file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+    save_file(shard, str(directory / file), metadata=metadata)
+    weight_map.update(dict.fromkeys(shard, file))
+  index = {"metadata": {"total_size": sum(v.nbytes for v in tensors.values())}, "weight_map": weight_map}
+  with open(directory / "model.safetensors.index.json", "w") as f:
+    json.dump(index, f, indent=2)
+  return directory

@@ -1,0 +1,391 @@
+"""A Llama-architecture decoder in Flax NNX: RMSNorm, RoPE, grouped-query attention, SwiGLU, a static KV cache.
+
+An example, not jaxsparse API. Module and parameter paths follow Hugging Face's ``LlamaForCausalLM``
+(``model.layers.3.self_attn.q_proj``, ``model.layers.3.mlp.down_proj``, ``model.norm``, ``lm_head``), so
+checkpoints map one to one (``checkpoint.py``), :func:`jaxsparse.torch_interop.export_masks` writes torch
+names without a name map, and sparsity rules select the seven projections of every decoder layer by path
+(:data:`PROJECTIONS`). Inference only: no dropout, no training.
+
+RoPE uses Hugging Face's ``rotate_half`` convention (the two halves of each head are the pairs), the layout
+HF checkpoints store ``q_proj`` / ``k_proj`` in, so no permutation of the weights is needed. Rope types:
+``"default"`` and ``"llama3"`` (Llama 3.1 / 3.2 frequency scaling).
+
+KV cache (:class:`KVCache`): one ``(B, S, kv_heads, head_dim)`` key and value array per layer, ``S``
+fixed when the cache is made, so prefill and every decode step have static shapes under ``jit``; a
+``(B, S)`` mask of filled slots (left padding stays masked) and per-row positions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+# The seven projections of every decoder layer, as paths for jaxsparse rules (re.fullmatch).
+PROJECTIONS = r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)"
+ATTENTION_PROJECTIONS = r"model\.layers\.\d+\.self_attn\.[qkvo]_proj"
+MLP_PROJECTIONS = r"model\.layers\.\d+\.mlp\.(gate|up|down)_proj"
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+  """The fields of a Hugging Face Llama ``config.json`` this model uses.
+
+  ``rope_scaling`` is ``None`` or a dict with ``rope_type`` ``"default"`` or ``"llama3"`` (then also
+  ``factor``, ``low_freq_factor``, ``high_freq_factor``, ``original_max_position_embeddings``).
+  """
+
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_hidden_layers: int
+  num_attention_heads: int
+  num_key_value_heads: int
+  head_dim: int
+  rms_norm_eps: float = 1e-6
+  rope_theta: float = 10000.0
+  rope_scaling: tuple[tuple[str, Any], ...] | None = None  # a dict is accepted and stored as sorted items
+  max_position_embeddings: int = 2048
+  tie_word_embeddings: bool = False
+  attention_bias: bool = False
+  mlp_bias: bool = False
+  bos_token_id: int | None = None
+  eos_token_id: int | list[int] | None = None
+
+  def __post_init__(self):
+    # Hashable fields: the config is static data of the NNX module (part of its graphdef under jit).
+    if isinstance(self.rope_scaling, dict):
+      object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
+    if isinstance(self.eos_token_id, list):
+      object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+    if self.num_attention_heads % self.num_key_value_heads:
+      raise ValueError(f"num_attention_heads={self.num_attention_heads} must be a multiple of "
+                       f"num_key_value_heads={self.num_key_value_heads}.")
+    rope_type = self.rope.get("rope_type", "default")
+    if rope_type not in ("default", "llama3"):
+      raise ValueError(f"rope_scaling type {rope_type!r} is not implemented; only 'default' and 'llama3'.")
+
+  @property
+  def rope(self) -> dict[str, Any]:
+    """``rope_scaling`` as a dict (empty for plain RoPE)."""
+    return dict(self.rope_scaling or ())
+
+  @classmethod
+  def from_dict(cls, cfg: dict[str, Any]) -> LlamaConfig:
+    """From a ``config.json`` dict: transformers 4 (``rope_theta`` + ``rope_scaling``) or 5 (``rope_parameters``)."""
+    if cfg.get("hidden_act", "silu") != "silu":
+      raise ValueError(f"hidden_act={cfg['hidden_act']!r}: only 'silu' (Llama's SwiGLU) is implemented.")
+    if cfg.get("pretraining_tp", 1) not in (1, None):
+      raise ValueError(f"pretraining_tp={cfg['pretraining_tp']} is not implemented; only 1.")
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    if "type" in rope and "rope_type" not in rope:
+      rope["rope_type"] = rope.pop("type")
+    theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+    scaling = rope if rope.get("rope_type", "default") != "default" else None
+    heads = cfg["num_attention_heads"]
+    return cls(
+        vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
+        num_hidden_layers=cfg["num_hidden_layers"], num_attention_heads=heads,
+        num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads, rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=float(theta), rope_scaling=scaling,
+        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=bool(cfg.get("attention_bias", False)), mlp_bias=bool(cfg.get("mlp_bias", False)),
+        bos_token_id=cfg.get("bos_token_id"), eos_token_id=cfg.get("eos_token_id"),
+    )
+
+  @classmethod
+  def from_json(cls, path: str | os.PathLike) -> LlamaConfig:
+    with open(path) as f:
+      return cls.from_dict(json.load(f))
+
+  def to_dict(self) -> dict[str, Any]:
+    """A ``config.json`` dict that transformers 4 and 5 read as ``LlamaForCausalLM``."""
+    out = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+           **dataclasses.asdict(self)}
+    out["rope_scaling"] = None if self.rope_scaling is None else self.rope
+    if isinstance(self.eos_token_id, tuple):
+      out["eos_token_id"] = list(self.eos_token_id)
+    return out
+
+
+# -------------------------------------------------------------------------------------------------
+# Rotary position embeddings.
+# -------------------------------------------------------------------------------------------------
+
+
+def rope_frequencies(cfg: LlamaConfig) -> np.ndarray:
+  """Inverse frequencies ``(head_dim // 2,)`` float32, with Llama 3's scaling when ``rope_scaling`` asks for it."""
+  dim = cfg.head_dim
+  inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+  inv_freq = inv_freq.astype(np.float32)
+  scaling = cfg.rope
+  if scaling.get("rope_type", "default") != "llama3":
+    return inv_freq
+  factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+  old_context = scaling["original_max_position_embeddings"]
+  low_wavelen, high_wavelen = old_context / low, old_context / high
+  wavelen = 2 * math.pi / inv_freq
+  scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+  smooth = (old_context / wavelen - low) / (high - low)
+  smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+  medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+  return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def rope_cos_sin(inv_freq: np.ndarray, positions: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
+  """``cos, sin`` of shape ``(B, T, head_dim)`` for int ``positions`` ``(B, T)``, computed in float32."""
+  freqs = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)
+  emb = jnp.concatenate([freqs, freqs], axis=-1)
+  return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+  """``x * cos + rotate_half(x) * sin`` for ``x`` ``(B, T, heads, head_dim)``, ``cos, sin`` ``(B, T, head_dim)``."""
+  half = x.shape[-1] // 2
+  rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+  return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+
+
+# -------------------------------------------------------------------------------------------------
+# KV cache.
+# -------------------------------------------------------------------------------------------------
+
+
+class KVCache(NamedTuple):
+  """A static-size KV cache: a pytree, carried through ``jit`` and ``lax.scan``.
+
+  Attributes:
+    keys: one ``(B, S, kv_heads, head_dim)`` array per decoder layer (RoPE already applied).
+    values: the same for values.
+    filled: bool ``(B, S)``, slots holding a real token (left padding and unused slots are False).
+    positions: int32 ``(B,)``, the RoPE position the next token of each row gets (its real tokens so far).
+    index: int32 scalar, the next slot to write (the same for every row).
+  """
+
+  keys: tuple[jax.Array, ...]
+  values: tuple[jax.Array, ...]
+  filled: jax.Array
+  positions: jax.Array
+  index: jax.Array
+
+  @property
+  def size(self) -> int:
+    """``S``, the number of slots."""
+    return self.filled.shape[1]
+
+
+def init_cache(cfg: LlamaConfig, batch: int, size: int, *, dtype: Any = jnp.float32) -> KVCache:
+  """An empty cache for ``batch`` rows of at most ``size`` tokens (prompt and generated)."""
+  shape = (batch, size, cfg.num_key_value_heads, cfg.head_dim)
+  zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_hidden_layers))
+  return KVCache(zeros, tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_hidden_layers)),
+                 jnp.zeros((batch, size), bool), jnp.zeros((batch,), jnp.int32), jnp.zeros((), jnp.int32))
+
+
+# -------------------------------------------------------------------------------------------------
+# Layers.
+# -------------------------------------------------------------------------------------------------
+
+
+class RMSNorm(nnx.Module):
+  """Llama's RMSNorm: normalised in float32, cast back to the input dtype, then scaled by ``weight`` ``(d,)``."""
+
+  def __init__(self, features: int, *, eps: float, param_dtype: Any = jnp.float32):
+    self.weight = nnx.Param(jnp.ones((features,), param_dtype))
+    self.eps = eps
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return self.weight[...] * y.astype(x.dtype)
+
+
+def _linear(init: dict, in_features: int, out_features: int, *, use_bias: bool, rngs: nnx.Rngs) -> nnx.Linear:
+  return nnx.Linear(in_features, out_features, use_bias=use_bias, rngs=rngs, **init)
+
+
+class Attention(nnx.Module):
+  """Grouped-query self-attention with RoPE: ``q_proj`` ``(d, heads * head_dim)``, ``k_proj`` / ``v_proj``
+  ``(d, kv_heads * head_dim)``, ``o_proj`` ``(heads * head_dim, d)``."""
+
+  def __init__(self, cfg: LlamaConfig, init: dict, rngs: nnx.Rngs):
+    d, hd = cfg.hidden_size, cfg.head_dim
+    self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
+    bias = cfg.attention_bias
+    self.q_proj = _linear(init, d, self.heads * hd, use_bias=bias, rngs=rngs)
+    self.k_proj = _linear(init, d, self.kv_heads * hd, use_bias=bias, rngs=rngs)
+    self.v_proj = _linear(init, d, self.kv_heads * hd, use_bias=bias, rngs=rngs)
+    self.o_proj = _linear(init, self.heads * hd, d, use_bias=bias, rngs=rngs)
+
+  def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array,
+               kv: tuple[jax.Array, jax.Array, jax.Array] | None = None):
+    """Args: ``x`` ``(B, T, d)``; ``cos, sin`` ``(B, T, head_dim)``; ``mask`` bool ``(B, T, S)`` (query may see
+    key); ``kv``: ``(keys, values, index)`` of the cache, ``(B, S, kv_heads, head_dim)`` each, the new keys
+    written at slots ``index .. index + T - 1``; ``None``: attend to the ``T`` new keys (``S = T``).
+
+    Returns ``(y (B, T, d), (keys, values) or None)``.
+    """
+    b, t, _ = x.shape
+    q = apply_rope(self.q_proj(x).reshape(b, t, self.heads, self.head_dim), cos, sin)
+    k = apply_rope(self.k_proj(x).reshape(b, t, self.kv_heads, self.head_dim), cos, sin)
+    v = self.v_proj(x).reshape(b, t, self.kv_heads, self.head_dim)
+    new_kv = None
+    if kv is not None:
+      keys, values, index = kv
+      keys = jax.lax.dynamic_update_slice(keys, k.astype(keys.dtype), (0, index, 0, 0))
+      values = jax.lax.dynamic_update_slice(values, v.astype(values.dtype), (0, index, 0, 0))
+      k, v, new_kv = keys.astype(q.dtype), values.astype(q.dtype), (keys, values)
+    groups = self.heads // self.kv_heads
+    q = q.reshape(b, t, self.kv_heads, groups, self.head_dim)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) / math.sqrt(self.head_dim)
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)  # as HF: fully masked rows uniform
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, self.heads * self.head_dim)
+    return self.o_proj(out), new_kv
+
+
+class MLP(nnx.Module):
+  """SwiGLU: ``down_proj(silu(gate_proj(x)) * up_proj(x))``; ``gate_proj``, ``up_proj`` ``(d, hidden)``."""
+
+  def __init__(self, cfg: LlamaConfig, init: dict, rngs: nnx.Rngs):
+    d, h, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+    self.gate_proj = _linear(init, d, h, use_bias=bias, rngs=rngs)
+    self.up_proj = _linear(init, d, h, use_bias=bias, rngs=rngs)
+    self.down_proj = _linear(init, h, d, use_bias=bias, rngs=rngs)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+  """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
+  def __init__(self, cfg: LlamaConfig, init: dict, rngs: nnx.Rngs):
+    pdt = init["param_dtype"]
+    self.self_attn = Attention(cfg, init, rngs)
+    self.mlp = MLP(cfg, init, rngs)
+    self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=pdt)
+    self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=pdt)
+
+  def __call__(self, x, cos, sin, mask, kv=None):
+    h, new_kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, kv)
+    x = x + h
+    return x + self.mlp(self.post_attention_layernorm(x)), new_kv
+
+
+class LlamaModel(nnx.Module):
+  """Embedding, decoder layers, final norm (Hugging Face's ``LlamaModel``)."""
+
+  def __init__(self, cfg: LlamaConfig, init: dict, rngs: nnx.Rngs):
+    self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=init["dtype"],
+                                  param_dtype=init["param_dtype"], embedding_init=init["kernel_init"], rngs=rngs)
+    self.layers = nnx.List([DecoderLayer(cfg, init, rngs) for _ in range(cfg.num_hidden_layers)])
+    self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=init["param_dtype"])
+
+
+class LlamaForCausalLM(nnx.Module):
+  """A Llama decoder with its LM head; paths as Hugging Face's ``LlamaForCausalLM``.
+
+  >>> cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+  ...                   num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+  >>> model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
+  >>> model(jnp.zeros((2, 5), jnp.int32)).shape
+  (2, 5, 128)
+  >>> cache = init_cache(cfg, 2, 8)
+  >>> logits, cache = model.step(jnp.zeros((2, 5), jnp.int32), cache)   # prefill
+  >>> logits, cache = model.step(jnp.zeros((2, 1), jnp.int32), cache)   # one decode step
+  >>> logits.shape, int(cache.index)
+  ((2, 1, 128), 6)
+
+  Args:
+    cfg: the architecture.
+    dtype: compute dtype (``None``: the parameters').
+    param_dtype: storage dtype of every parameter.
+    init_std: standard deviation of the normal initialisation (HF's ``initializer_range``); norms are ones.
+    rngs: ``nnx.Rngs``.
+  """
+
+  def __init__(self, cfg: LlamaConfig, *, dtype: Any = None, param_dtype: Any = jnp.float32, init_std: float = 0.02,
+               rngs: nnx.Rngs):
+    self.config = cfg
+    init = {"dtype": dtype, "param_dtype": param_dtype, "kernel_init": nnx.initializers.normal(init_std)}
+    self.model = LlamaModel(cfg, init, rngs)
+    self.lm_head = None if cfg.tie_word_embeddings else _linear(init, cfg.hidden_size, cfg.vocab_size,
+                                                                use_bias=False, rngs=rngs)
+
+  @property
+  def dtype(self) -> Any:
+    """The compute dtype: the embedding's ``dtype``, else its parameters'."""
+    emb = self.model.embed_tokens
+    return emb.dtype or emb.embedding.dtype
+
+  def _logits(self, x: jax.Array) -> jax.Array:
+    x = self.model.norm(x)
+    if self.lm_head is None:
+      return self.model.embed_tokens.attend(x)
+    return self.lm_head(x)
+
+  def _layers(self, x, positions, mask, cache: KVCache | None):
+    cos, sin = rope_cos_sin(rope_frequencies(self.config), positions, x.dtype)
+    keys, values = [], []
+    for i, layer in enumerate(self.model.layers):
+      kv = None if cache is None else (cache.keys[i], cache.values[i], cache.index)
+      x, new_kv = layer(x, cos, sin, mask, kv)
+      if new_kv is not None:
+        keys.append(new_kv[0])
+        values.append(new_kv[1])
+    return x, tuple(keys), tuple(values)
+
+  def __call__(self, input_ids: jax.Array, *, attention_mask: jax.Array | None = None) -> jax.Array:
+    """Logits ``(B, T, vocab)`` of a whole sequence, no cache.
+
+    Args:
+      input_ids: int ``(B, T)``.
+      attention_mask: 0/1 ``(B, T)``, 0 for padding (positions count only real tokens, as in HF).
+    """
+    x = self.model.embed_tokens(input_ids)
+    b, t = input_ids.shape
+    real = jnp.ones((b, t), bool) if attention_mask is None else jnp.asarray(attention_mask) != 0
+    positions = jnp.maximum(jnp.cumsum(real, axis=1, dtype=jnp.int32) - 1, 0)
+    causal = jnp.tril(jnp.ones((t, t), bool))
+    x, _, _ = self._layers(x, positions, causal[None] & real[:, None, :], None)
+    return self._logits(x)
+
+  def step(self, input_ids: jax.Array, cache: KVCache, *, attention_mask: jax.Array | None = None,
+           last_only: bool = False) -> tuple[jax.Array, KVCache]:
+    """Runs ``T`` new tokens against the cache (prefill: the prompt; decode: ``T = 1``).
+
+    Args:
+      input_ids: int ``(B, T)``, written at cache slots ``cache.index .. cache.index + T - 1``.
+      cache: a :class:`KVCache` with room for ``T`` more slots (not checked under ``jit``: a full cache
+        overwrites its last slots).
+      attention_mask: 0/1 ``(B, T)``, 0 for padding tokens (left padding of a prompt); default all real.
+      last_only: compute the logits of the last position only (prefill before generation).
+
+    Returns:
+      ``(logits, cache)``: logits ``(B, T, vocab)`` (``(B, 1, vocab)`` with ``last_only``) and the updated cache.
+    """
+    b, t = input_ids.shape
+    real = jnp.ones((b, t), bool) if attention_mask is None else jnp.asarray(attention_mask) != 0
+    positions = cache.positions[:, None] + jnp.maximum(jnp.cumsum(real, axis=1, dtype=jnp.int32) - 1, 0)
+    filled = jax.lax.dynamic_update_slice(cache.filled, real, (0, cache.index))
+    slots = jnp.arange(cache.size)
+    causal = slots[None, :] <= cache.index + jnp.arange(t)[:, None]  # (T, S)
+    mask = causal[None] & filled[:, None, :]
+    x = self.model.embed_tokens(input_ids)
+    x, keys, values = self._layers(x, positions, mask, cache)
+    if last_only:
+      x = x[:, -1:]
+    new = KVCache(keys, values, filled, cache.positions + jnp.sum(real, axis=1, dtype=jnp.int32),
+                  cache.index + t)
+    return self._logits(x), new

@@ -1,0 +1,221 @@
+"""A sparse Llama-format LLM end to end (examples/llama), on a tiny random transformers.LlamaForCausalLM (CPU, f32).
+
+  * the Hugging Face directory loads into the Flax model with logits within 1e-4; written back, transformers
+    loads it with the same logits (plain and sharded, untied and tied embeddings, llama3 RoPE scaling);
+  * KV-cache decode gives the full-sequence logits; greedy ``generate`` gives transformers' greedy tokens,
+    with left padding;
+  * pruning by decoder layer (magnitude / Wanda / SparseGPT): reconstruction errors order SparseGPT < Wanda
+    < magnitude; the sparse inference model generates the pruned dense model's tokens; its masks, exported
+    and applied in torch, give the Flax sparse model's logits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples"))
+
+import llama  # noqa: E402
+from llama.checkpoint import load_pretrained  # noqa: E402
+from llama.checkpoint import save_pretrained  # noqa: E402
+from llama.generation import generate  # noqa: E402
+from llama.prune import layer_errors  # noqa: E402
+from llama.prune import prune  # noqa: E402
+from llama.prune import to_inference  # noqa: E402
+
+import jaxsparse  # noqa: E402
+from jaxsparse import torch_interop  # noqa: E402
+
+VOCAB = 128
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+
+
+def _hf_model(seed: int, *, tie: bool = False, rope: dict | None = None):
+  """A tiny random LlamaForCausalLM: hidden 64, 2 layers, 4 heads / 2 KV heads, vocab 128.
+
+  Weights have std 0.1 (logits spread enough that greedy ties do not occur) and the RMSNorm weights are
+  random too, so the projections' input features differ in scale as in trained LLMs (Wanda relies on it).
+  """
+  torch.manual_seed(seed)
+  cfg = transformers.LlamaConfig(
+      vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+      num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.1, tie_word_embeddings=tie,
+      rope_parameters=rope or {"rope_type": "default", "rope_theta": 10000.0},
+      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+  model = transformers.LlamaForCausalLM(cfg).eval()
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if "norm" in name:
+        p.copy_(torch.exp(0.5 * torch.randn_like(p)))
+  return model
+
+
+def _logits(hf, ids, mask=None) -> np.ndarray:
+  with torch.no_grad():
+    return hf(torch.tensor(np.asarray(ids)), attention_mask=None if mask is None else torch.tensor(mask)).logits.numpy()
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+  hf = _hf_model(0, rope=LLAMA3_ROPE)
+  path = tmp_path_factory.mktemp("hf_llama")
+  hf.save_pretrained(path)
+  return hf, path
+
+
+@pytest.fixture(scope="module")
+def ids():
+  return np.random.default_rng(0).integers(0, VOCAB, (2, 12)).astype(np.int32)
+
+
+def test_load_and_export_match_transformers(hf_dir, ids, tmp_path):
+  hf, path = hf_dir
+  model = load_pretrained(path)
+  ref = _logits(hf, ids)
+  np.testing.assert_allclose(np.asarray(model(jnp.asarray(ids))), ref, atol=1e-4, rtol=0)
+  # llama3 scaling matters at these positions (original context 16): plain RoPE gives other logits.
+  plain = load_pretrained(path, config=dataclasses.replace(model.config, rope_scaling=None))
+  assert np.abs(np.asarray(plain(jnp.asarray(ids))) - ref).max() > 1e-3
+  out = save_pretrained(model, tmp_path / "plain")
+  back = transformers.LlamaForCausalLM.from_pretrained(out).eval()
+  np.testing.assert_allclose(_logits(back, ids), ref, atol=1e-5, rtol=0)
+  sharded = save_pretrained(model, tmp_path / "sharded", max_shard_bytes=100_000)
+  assert (sharded / "model.safetensors.index.json").exists()
+  np.testing.assert_array_equal(np.asarray(load_pretrained(sharded)(jnp.asarray(ids))),
+                                np.asarray(model(jnp.asarray(ids))))
+  back = transformers.LlamaForCausalLM.from_pretrained(sharded).eval()
+  np.testing.assert_allclose(_logits(back, ids), ref, atol=1e-5, rtol=0)
+
+
+def test_tied_embeddings_and_torch_interop_load(ids, tmp_path):
+  hf = _hf_model(1, tie=True)
+  hf.save_pretrained(tmp_path / "tied", max_shard_size="50KB")  # sharded by transformers itself
+  assert (tmp_path / "tied" / "model.safetensors.index.json").exists()
+  model = load_pretrained(tmp_path / "tied")
+  assert model.lm_head is None
+  ref = _logits(hf, ids)
+  np.testing.assert_allclose(np.asarray(model(jnp.asarray(ids))), ref, atol=1e-4, rtol=0)
+  back = transformers.LlamaForCausalLM.from_pretrained(save_pretrained(model, tmp_path / "out")).eval()
+  np.testing.assert_allclose(_logits(back, ids), ref, atol=1e-5, rtol=0)
+  # The same paths as torch: torch_interop.load_nnx fills the model from the torch module with no name map.
+  other = llama.LlamaForCausalLM(model.config, rngs=nnx.Rngs(1))
+  torch_interop.load_nnx(other, hf, ignore=("lm_head.weight",))
+  np.testing.assert_allclose(np.asarray(other(jnp.asarray(ids))), ref, atol=1e-4, rtol=0)
+
+
+def test_kv_cache_decode_matches_full_sequence(hf_dir, ids):
+  model = load_pretrained(hf_dir[1])
+  full = np.asarray(model(jnp.asarray(ids)))
+  cache = llama.init_cache(model.config, 2, 16)
+  step = jax.jit(lambda graphdef, state, x, c: nnx.merge(graphdef, state).step(x, c))
+  graphdef, state = nnx.split(model)
+  logits, cache = step(graphdef, state, jnp.asarray(ids[:, :7]), cache)
+  np.testing.assert_allclose(np.asarray(logits), full[:, :7], atol=1e-5, rtol=0)
+  for t in range(7, 12):
+    logits, cache = step(graphdef, state, jnp.asarray(ids[:, t:t + 1]), cache)
+    np.testing.assert_allclose(np.asarray(logits[:, 0]), full[:, t], atol=1e-5, rtol=0)
+  assert int(cache.index) == 12 and cache.positions.tolist() == [12, 12]
+
+
+def test_greedy_generate_matches_transformers(hf_dir):
+  hf, path = hf_dir
+  model = load_pretrained(path)
+  rng = np.random.default_rng(1)
+  prompt = rng.integers(0, VOCAB, (3, 6)).astype(np.int32)
+  mask = np.ones_like(prompt)
+  mask[1, :2] = mask[2, :4] = 0  # left padding
+  prompt[mask == 0] = 0
+  out = np.asarray(generate(model, prompt, 12, attention_mask=mask))
+  with torch.no_grad():
+    ref = hf.generate(torch.tensor(prompt), attention_mask=torch.tensor(mask), max_new_tokens=12,
+                      do_sample=False)[:, 6:].numpy()
+  np.testing.assert_array_equal(out, ref)
+  np.testing.assert_array_equal(np.asarray(generate(model, prompt[2:, 4:], 12)), ref[2:])  # the row alone
+  sampled = generate(model, prompt, 5, attention_mask=mask, temperature=0.8, top_k=4, key=jax.random.key(0))
+  assert sampled.shape == (3, 5) and np.all((np.asarray(sampled) >= 0) & (np.asarray(sampled) < VOCAB))
+
+
+@pytest.mark.parametrize("name", ["2:4", "unstructured 50%", "block 32x32 50%"])
+def test_sparse_model_generates_dense_tokens(hf_dir, name):
+  structure = {"2:4": jaxsparse.NM(2, 4), "unstructured 50%": jaxsparse.Unstructured(sparsity=0.5),
+               "block 32x32 50%": jaxsparse.BlockSparse(density=0.5, block_shape=(32, 32))}[name]
+  model = load_pretrained(hf_dir[1])
+  sparse, report = to_inference(model, structure)
+  assert len(report.replaced) == 14
+  expected = {"2:4": "CompressedNMLinear", "unstructured 50%": "MaskedLinear",
+              "block 32x32 50%": "BlockSparseLinear"}[name]
+  assert type(sparse.model.layers[1].mlp.down_proj).__name__ == expected
+  dense = jaxsparse.densify(sparse)  # the same weights, nnx.Linear layers
+  prompt = np.random.default_rng(2).integers(0, VOCAB, (2, 5))
+  np.testing.assert_array_equal(np.asarray(generate(sparse, prompt, 10)), np.asarray(generate(dense, prompt, 10)))
+
+
+def test_pruning_by_layer_and_masks_back_to_torch(hf_dir, ids, tmp_path):
+  path = hf_dir[1]
+  model = load_pretrained(path)
+  calibration = np.random.default_rng(3).integers(0, VOCAB, (16, 32))
+  errors, results = {}, {}
+  for method in ("magnitude", "wanda", "sparsegpt"):
+    pruned, masks, report = prune(model, calibration, jaxsparse.NM(2, 4), method=method, progress=False)
+    assert [r.group for r in report.layers] == [0] * 7 + [1] * 7  # sequential, one decoder layer per group
+    assert all(m.mean() == 0.5 for m in masks.values()) and len(masks) == 14
+    errors[method] = layer_errors(report)
+    results[method] = pruned, masks
+  total = {m: sum(e.values()) for m, e in errors.items()}
+  assert total["sparsegpt"] < total["wanda"] < total["magnitude"], errors
+  assert all(errors["sparsegpt"][i] < errors["magnitude"][i] for i in range(2)), errors
+
+  for method in ("wanda", "sparsegpt"):
+    pruned, masks = results[method]
+    sparse, _ = to_inference(pruned, jaxsparse.NM(2, 4), masks=masks)
+    flax_logits = np.asarray(sparse(jnp.asarray(ids)))
+    np.testing.assert_allclose(flax_logits, np.asarray(pruned(jnp.asarray(ids))), atol=1e-5, rtol=0)
+    torch_masks = torch_interop.export_masks(sparse)
+    assert sorted(torch_masks)[0] == "model.layers.0.mlp.down_proj.weight_mask"
+    if method == "wanda":  # kept weights unchanged: the original torch model pruned with the masks
+      target = transformers.LlamaForCausalLM.from_pretrained(path).eval()
+    else:  # SparseGPT updated the kept weights: write them, then prune the loaded copy with the masks
+      target = transformers.LlamaForCausalLM.from_pretrained(save_pretrained(sparse, tmp_path / method)).eval()
+    torch_interop.apply_masks(target, torch_masks)
+    np.testing.assert_allclose(_logits(target, ids), flax_logits, atol=1e-4, rtol=0)
+
+
+def test_llm_decode_benchmark_tiny(tmp_path, monkeypatch, capsys):
+  """benchmarks/llm_decode.py --tiny, dense and 2:4 (the other structures generate in the test above); --layers 1
+  of the tiny shape's 2 also runs the 0-layer model and the extrapolation to full depth."""
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  import llm_decode  # noqa: PLC0415
+
+  monkeypatch.setenv("OUT", str(tmp_path))
+  llm_decode.ROWS.clear()
+  llm_decode.main(["--tiny", "--layers", "1", "--batches", "2", "--patterns", "2:4,dense"])
+  rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| tiny")]
+  assert [r.split("|")[2].strip() for r in rows] == ["dense", "2:4"], rows
+  assert all("(extrapolated)" in r for r in rows)
+  assert "| tiny | dense |" in (tmp_path / "llm_decode.md").read_text()
+
+
+def test_llm_prune_benchmark_tiny(tmp_path, monkeypatch, capsys):
+  """benchmarks/llm_prune.py --tiny, one layer, the two methods that compile fast (SparseGPT runs above)."""
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  import llm_prune  # noqa: PLC0415
+
+  monkeypatch.setenv("OUT", str(tmp_path))
+  llm_prune.main(["--tiny", "--layers", "1", "--methods", "magnitude,wanda", "--no-progress"])
+  rows = [r for r in (tmp_path / "llm_prune.md").read_text().splitlines() if r.startswith("| ") and "method" not in r]
+  assert [r.split("|")[1].strip() for r in rows] == ["magnitude", "wanda"], rows
+  errors = [float(r.split("|")[3]) for r in rows]
+  assert 0 < errors[1] < errors[0] < 1, errors
