@@ -17,7 +17,8 @@ random weights, bfloat16 weights and compute:
 Patterns of the seven projections of every layer (``jaxsparse.sparsify`` by magnitude, the embedding and LM
 head stay dense): ``dense``; ``2:4`` (``CompressedNMLinear``: cuSPARSELt for prefill, the ``mma.sp`` kernel
 for decode); ``block 64x64 50%`` (``BlockSparseLinear``, Pallas kernels); ``unstructured 50%``
-(``MaskedLinear``: a dense kernel and a mask, multiplied masked-dense; no sparse GPU kernel).
+(routed to dense: ``nnx.Linear`` with the pruned weights zero, ``to_inference(dense_unstructured=True)``, since no
+GPU kernel beats the dense product at 50% unstructured and ``MaskedLinear`` ran at 0.36-0.42x).
 
 Timings, each the median of ``--repeats`` calls after a compiling call, wall time around one jitted call
 that is blocked on once (so each call holds many device steps, and the host's dispatch cost is amortised):

@@ -102,15 +102,22 @@ def compress_nm(model: nnx.Module) -> nnx.Module:
 
 
 def to_inference(model: LlamaForCausalLM, structure: Any, *, masks: Mapping[str, Any] | None = None,
-                 compress: bool = True) -> tuple[LlamaForCausalLM, jaxsparse.SparsifyReport]:
+                 compress: bool = True, dense_unstructured: bool = True
+                 ) -> tuple[LlamaForCausalLM, jaxsparse.SparsifyReport]:
   """The sparse inference model: :func:`jaxsparse.sparsify` with ``masks`` (or by magnitude without), 2:4
   layers compressed.
+
+  An unstructured model is routed to dense by default: no kernel multiplies a 50%-unstructured weight faster than
+  the dense product on a GPU, and a ``MaskedLinear`` re-applies its mask in every call (0.36-0.42x the dense
+  decode tokens/s for the Llama-3-8B shape on an H100, ``benchmarks/results/llm_decode_2026-11-26_h100.md``), so
+  they become ``nnx.Linear`` with the pruned weights zero (:func:`jaxsparse.densify`: the same outputs, dense speed).
 
   Args:
     model: a (pruned) dense model; copied.
     structure: as in :func:`prune`.
     masks: :func:`prune`'s masks; ``None`` prunes by magnitude (random-weight benchmarks).
     compress: turn ``NMLinear`` (SR-STE training layer, dense kernel) into ``CompressedNMLinear``.
+    dense_unstructured: with an ``Unstructured`` structure, route the masked layers to dense ``nnx.Linear`` (see above).
 
   Returns:
     ``(sparse_model, report)``.
@@ -118,4 +125,6 @@ def to_inference(model: LlamaForCausalLM, structure: Any, *, masks: Mapping[str,
   sparse, report = jaxsparse.sparsify(model, rules_for(structure), masks=masks)
   if compress:
     compress_nm(sparse)
+  if dense_unstructured and isinstance(structure, jaxsparse.Unstructured):
+    sparse = jaxsparse.densify(sparse)
   return sparse, report

@@ -602,7 +602,10 @@ HOPPER_RULES = DispatchRules(
     # Float32 since the grouped-column tiles above (H200, 2026-11-25): forward / dX at d = 0.375 0.82 / 0.75,
     # d = 0.5 0.94 / 0.88 (N = 16384: 0.91 / 0.87) against the dense route's 0.99-1.00 / 0.94-0.99 (dW runs
     # dense for these blocks either way); above 0.5 not measured. {(min block dim, itemsize): density}.
-    dense_above_density={(32, 2): 0.3, (32, 4): 0.5},
+    # Blocks of 16: the dense route won the forward and dX at every density measured, 0.28-0.37 at M = 1000-12288
+    # (H100, measured dispatch: benchmarks/results/gpu_unseen_shapes_2026-11-26_h100_tuned.md; the Triton kernels
+    # took 2.5-4x the dense route's time).
+    dense_above_density={(16, 2): 0.0, (16, 4): 0.0, (32, 2): 0.3, (32, 4): 0.5},
 
     # The forward / dX tiles' steps split into parts (`contraction_split`) above decode size, where the output has
     # too few tiles and each walks many steps: `gpu_split_sweep.py` (H200, benchmarks/results/
