@@ -212,3 +212,31 @@ def init_signature(app, what, name, obj, options, signature, return_annotation):
   init = inspect.signature(obj.__init__)
   params = list(init.parameters.values())[1:]
   return str(init.replace(parameters=params, return_annotation=inspect.Signature.empty)), return_annotation
+
+
+# The machine kind a results file was measured on, from the end of its name.
+_MACHINES = {"h100": "NVIDIA H100", "h200": "NVIDIA H200", "h200x2": "2 x NVIDIA H200", "cpu": "CPU"}
+
+
+def write_results_pages(results: pathlib.Path, directory: pathlib.Path) -> None:
+  """One page per current results file (``benchmarks/results/*.md``) that includes it, and an index of them."""
+  directory.mkdir(exist_ok=True)
+  files = sorted(p for p in results.glob("*.md") if p.name != "README.md")
+  for stale in directory.glob("*.md"):
+    if stale.name != "index.md" and not (results / stale.name).exists():
+      stale.unlink()
+  rows = []
+  for path in files:
+    _write(directory / path.name, f"```{{include}} ../../benchmarks/results/{path.name}\n:heading-offset: 0\n```\n")
+    title = path.read_text().splitlines()[0].lstrip("# ").strip()
+    tags = [tag for tag in path.stem.split("_") if tag in _MACHINES]
+    machine = _MACHINES[tags[-1]] if tags else "GPU (see the file)" if path.name.startswith("gpu_") else "CPU"
+    rows.append(f"| [{path.stem}]({path.stem}) | {machine} | {title.replace('|', '/')} |")
+  index = [
+      "# Recorded results", "",
+      "Every current file of `benchmarks/results/`, as the benchmark scripts wrote it (with the command, the machine",
+      "and the commit). Older runs and one-off investigations are kept in `benchmarks/results/archive/`.", "",
+      "```{toctree}", ":hidden:", "", *[p.stem for p in files], "```", "",
+      "| file | machine | what it measures |", "|---|---|---|", *rows, "",
+  ]
+  _write(directory / "index.md", "\n".join(index))

@@ -3,6 +3,7 @@
 The API pages are written at build time from each public module's ``__all__`` (``_api.py``), so a name added
 to an ``__all__`` gets its reference entry without editing the docs. The notebooks are copied from
 ``notebooks/`` and rendered from their stored outputs (``nb_execution_mode = "off"``: the tests execute them).
+Each current file of ``benchmarks/results/`` gets a page that includes it as written (no number is copied by hand).
 """
 
 from __future__ import annotations
@@ -117,6 +118,7 @@ def _prepare(app):
     if not target.exists() or target.read_bytes() != nb.read_bytes():
       shutil.copyfile(nb, target)
   _api.write_pages(DOCS / "api")
+  _api.write_results_pages(ROOT / "benchmarks" / "results", DOCS / "results")
 
 
 # Before autosummary reads the API pages (its builder-inited handler runs before any registered here).
