@@ -203,15 +203,19 @@ def split_attribute_names(app, what, name, obj, options, lines):
 
 
 def init_signature(app, what, name, obj, options, signature, return_annotation):
-  """``autodoc-process-signature``: a Flax NNX layer's signature from its ``__init__``.
+  """``autodoc-process-signature``: a Flax NNX layer's signature from its ``__init__`` (names and defaults).
 
   NNX's metaclass defines ``__call__(cls, *args, **kwargs)``, which autodoc would show instead.
   """
   if what != "class" or not signature or not signature.startswith("(*args"):
     return None
+  from sphinx.util.inspect import stringify_signature  # noqa: PLC0415 -- only under Sphinx
+
   init = inspect.signature(obj.__init__)
   params = list(init.parameters.values())[1:]
-  return str(init.replace(parameters=params, return_annotation=inspect.Signature.empty)), return_annotation
+  # Without annotations: Flax's own (``A``, ``VariableMetadata``) name its private aliases, and the Args section
+  # says what each argument is.
+  return stringify_signature(init.replace(parameters=params), show_annotation=False), return_annotation
 
 
 # The machine kind a results file was measured on, from the end of its name.
@@ -231,7 +235,7 @@ def write_results_pages(results: pathlib.Path, directory: pathlib.Path) -> None:
     title = path.read_text().splitlines()[0].lstrip("# ").strip()
     tags = [tag for tag in path.stem.split("_") if tag in _MACHINES]
     machine = _MACHINES[tags[-1]] if tags else "GPU (see the file)" if path.name.startswith("gpu_") else "CPU"
-    rows.append(f"| [{path.stem}]({path.stem}) | {machine} | {title.replace('|', '/')} |")
+    rows.append(f"| [{path.stem}]({path.name}) | {machine} | {title.replace('|', '/')} |")
   index = [
       "# Recorded results", "",
       "Every current file of `benchmarks/results/`, as the benchmark scripts wrote it (with the command, the machine",
