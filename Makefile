@@ -1,11 +1,12 @@
-# Quick start: `make demo` runs the main demo, `make test` runs the test suite. Each target creates or
-# updates the virtualenv in .venv first, so both work from a fresh clone.
+# Quick start: `make demo` runs the main demo, `make test` runs ruff, the fast test suite and the docs build
+# (`make test-slow`: the long tests; CI runs both). Each target creates or updates the virtualenv in .venv
+# first, so every target works from a fresh clone.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow docs lint bench-cpu bench-cpu-quick bench-cpu-unstructured clean
+.PHONY: demo test test-slow notebooks docs lint bench-cpu bench-cpu-quick bench-cpu-unstructured clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,9 +21,23 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(PY) examples/demo.py
 
+# Tests run in parallel, one worker per core, each test file on one worker (shared compiled kernels and fixtures).
+# The fast set includes tests/test_docs.py, which builds the docs as `make docs` does.
+PYTEST := $(PY) -m pytest -q -n auto --dist loadfile
+
 test: $(STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q -m "not gpu"
+	$(PYTEST) -m "not gpu and not slow"
+
+# The tests marked `slow` (notebooks, multi-device runs, benchmark scripts, long parametrizations).
+test-slow: $(STAMP)
+	$(PYTEST) -m "slow and not gpu"
+
+# Re-executes the notebooks and stores their outputs (the docs render those; tests/test_notebooks.py runs them).
+notebooks: $(STAMP)
+	$(PY) -c "import glob, nbformat; from nbclient import NotebookClient; \
+	[nbformat.write(NotebookClient(nbformat.read(p, as_version=4), timeout=900, kernel_name='python3', \
+	resources={'metadata': {'path': 'notebooks'}}).execute(), p) for p in sorted(glob.glob('notebooks/*.ipynb'))]"
 
 # The docs site (Sphinx): warnings, and broken cross references (-n), fail the build.
 docs: $(STAMP)

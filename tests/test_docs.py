@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -37,3 +39,37 @@ def test_every_public_name_has_a_reference_entry():
     assert names == set(sys.modules[module].__all__), module
     for name, kind, owner in rows:
       assert kind == "module" or name in sys.modules[owner].__all__, (module, name, owner)
+
+
+GUIDES = sorted((ROOT / "docs" / "guides").glob("*.md"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("guide", GUIDES, ids=[p.stem for p in GUIDES])
+def test_guide_code_runs(guide, tmp_path):
+  # Each guide's ```python blocks run in order in one process, as a reader would paste them; blocks that are not
+  # meant to run (shell commands, fragments) are ```{code-block} or ```text.
+  blocks = re.findall(r"^```python\n(.*?)^```", guide.read_text(), re.S | re.M)
+  if not blocks:
+    pytest.skip("no python blocks")
+  script = tmp_path / f"{guide.stem}.py"
+  script.write_text("\n\n".join(blocks))
+  env = {**os.environ, "PYTHONPATH": str(ROOT), "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+  result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=900)
+  assert result.returncode == 0, result.stderr[-5000:]
+
+
+def test_cited_results_files_exist():
+  # A results file cited as benchmarks/results/NAME.md may have moved to benchmarks/results/archive/NAME.md.
+  results = ROOT / "benchmarks" / "results"
+  cited = set()
+  for folder, pattern in [("docs", "**/*.md"), ("benchmarks", "**/*.py"), ("benchmarks", "*.md"), (".", "README.md"),
+                          ("examples", "**/*.md"), ("jaxsparse", "**/*.py"), ("tests", "*.py")]:
+    for path in (ROOT / folder).glob(pattern):
+      if "_build" in path.parts:
+        continue
+      cited |= set(re.findall(r"benchmarks/results/(?:archive/)?([\w.-]+_20\d\d-[\w.-]+\.md)", path.read_text()))
+  folders = (results, results / "archive")
+  missing = sorted(name for name in cited if not any((folder / name).exists() for folder in folders))
+  assert not missing, missing
