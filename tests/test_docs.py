@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import pathlib
 import re
@@ -73,3 +74,58 @@ def test_cited_results_files_exist():
   folders = (results, results / "archive")
   missing = sorted(name for name in cited if not any((folder / name).exists() for folder in folders))
   assert not missing, missing
+
+
+# Public docstrings that still lack a `>>>` example, or (functions) an Args / Returns section, on 2026-11-26. The
+# lists may only shrink: a new public name comes with both (STYLE.md), and fixing one means deleting it here.
+WITHOUT_EXAMPLE = {
+    "jaxsparse.LayerSummary", "jaxsparse.ModelSummary", "jaxsparse.layers.CusparseLtWeight",
+    "jaxsparse.layers.SparseLinearGeneral", "jaxsparse.layers.SparsityPattern", "jaxsparse.layers.linen.SPARSITY",
+    "jaxsparse.ops.CpuImplementation", "jaxsparse.ops.CpuKernelFallbackWarning",
+    "jaxsparse.ops.CudaKernelFallbackWarning", "jaxsparse.ops.CusparseLtFallbackWarning",
+    "jaxsparse.ops.Implementation", "jaxsparse.ops.NMImplementation", "jaxsparse.ops.block_sparse_matmul_reference",
+    "jaxsparse.ops.cusparselt_available", "jaxsparse.ops.cusparselt_compress",
+    "jaxsparse.ops.sparse_matmul_reference", "jaxsparse.pallas.BlockSparseMatmulConfig",
+    "jaxsparse.pallas.DispatchRules", "jaxsparse.pallas.KernelConfig", "jaxsparse.pallas.MosaicKernelConfig",
+    "jaxsparse.pallas.MosaicSddConfig", "jaxsparse.pallas.NMMatmulConfig", "jaxsparse.pallas.PallasFallbackWarning",
+    "jaxsparse.pallas.dispatch_rules", "jaxsparse.pruning.CalibratedPruneReport", "jaxsparse.pruning.LayerPruned",
+    "jaxsparse.pruning.LayerStats", "jaxsparse.pruning.Pruner", "jaxsparse.pruning.PruningState",
+    "jaxsparse.pruning.Schedule", "jaxsparse.pruning.SparseGPTResult", "jaxsparse.pruning.get_masks",
+    "jaxsparse.sharding.ShardedBlockSparseMatrix", "jaxsparse.sharding.column_parallel_matmul",
+    "jaxsparse.sharding.megatron_mlp", "jaxsparse.sharding.row_parallel_matmul",
+    "jaxsparse.torch_interop.CheckpointError", "jaxsparse.torch_interop.LayerLoad",
+    "jaxsparse.torch_interop.LoadReport", "jaxsparse.torch_interop.Pattern", "jaxsparse.torch_interop.TorchParam",
+    "jaxsparse.torch_interop.apply_rules", "jaxsparse.torch_interop.load_flax_variables",
+}
+WITHOUT_ARGS_RETURNS = {
+    "jaxsparse.densify", "jaxsparse.densify_linen", "jaxsparse.ops.CpuImplementation",
+    "jaxsparse.ops.Implementation", "jaxsparse.ops.NMImplementation", "jaxsparse.ops.block_sparse_matmul_reference",
+    "jaxsparse.ops.cusparselt_available", "jaxsparse.ops.cusparselt_compress", "jaxsparse.ops.nm_matmul_reference",
+    "jaxsparse.ops.sparse_matmul_reference", "jaxsparse.pruning.apply_masks",
+    "jaxsparse.pruning.cosine_drop_fraction", "jaxsparse.pruning.get_masks", "jaxsparse.pruning.gradual",
+    "jaxsparse.pruning.magnitude_layer", "jaxsparse.pruning.magnitude_pruner", "jaxsparse.pruning.magnitude_scores",
+    "jaxsparse.pruning.masks_to_dict", "jaxsparse.pruning.one_shot", "jaxsparse.pruning.periodic",
+    "jaxsparse.pruning.polynomial_sparsity", "jaxsparse.pruning.rigl_pruner", "jaxsparse.pruning.set_pruner",
+    "jaxsparse.pruning.sparsegpt", "jaxsparse.pruning.wanda", "jaxsparse.torch_interop.apply_rules",
+    "jaxsparse.torch_interop.load_flax_variables", "jaxsparse.torch_interop.map_name",
+}
+
+
+def test_public_docstrings_have_examples_and_args():
+  sys.path.insert(0, str(ROOT / "docs"))
+  try:
+    import _api  # noqa: PLC0415 -- docs/ is not a package
+  finally:
+    sys.path.remove(str(ROOT / "docs"))
+  without_example, without_args = set(), set()
+  for module, rows in _api.entries().items():
+    for name, kind, owner in rows:
+      if kind == "module" or owner != module:
+        continue
+      doc = inspect.getdoc(getattr(sys.modules[module], name)) or ""
+      if ">>>" not in doc:
+        without_example.add(f"{module}.{name}")
+      if kind == "function" and ("Args:" not in doc or not ("Returns:" in doc or "Yields:" in doc)):
+        without_args.add(f"{module}.{name}")
+  assert without_example <= WITHOUT_EXAMPLE, sorted(without_example - WITHOUT_EXAMPLE)
+  assert without_args <= WITHOUT_ARGS_RETURNS, sorted(without_args - WITHOUT_ARGS_RETURNS)
