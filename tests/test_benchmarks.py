@@ -54,6 +54,7 @@ def test_dense_route_script_runs():
   assert row[1].strip() == "0.5" and float(row[-2]) < 1e-2, proc.stdout
 
 
+@pytest.mark.slow  # ~35 s on 2 cores
 def test_product_routes_script_runs():
   cmd = [sys.executable, str(ROOT / "benchmarks" / "sweeps" / "gpu_product_routes.py"), "--m", "64", "--k", "128,256",
          "--ns", "128", "--blocks", "32,64x32", "--densities", "0.5", "--dtypes", "float32", "--iterations", "1",
@@ -80,6 +81,7 @@ def test_unseen_shapes_script_runs(tmp_path):
   assert len(rows) == 3 and all("failed" not in r for r in rows), rows
 
 
+@pytest.mark.slow  # ~30 s on 2 cores
 def test_split_sweep_script_runs():
   # On the CPU: the Triton variants in interpret mode (no Mosaic GPU here), each checked against dense.
   cmd = [sys.executable, str(ROOT / "benchmarks" / "sweeps" / "gpu_split_sweep.py"), "--cases",

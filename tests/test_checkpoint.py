@@ -141,6 +141,7 @@ SHARDED = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # ~45 s on 2 cores
 def test_sharded_init_and_restore_into_sharded_abstract_targets(tmp_path):
   # Two host devices need a fresh process (the device count is fixed when JAX starts).
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
