@@ -90,7 +90,8 @@ SHARDED = textwrap.dedent(
 
     assert jax.device_count() == 2, jax.devices()
     # Auto axes (jit's sharding propagation), the mode of the Flax/orbax sharded-checkpoint guides. Under
-    # explicit axes, weights split over an axis that x is not split over are a known limit (large_models.md).
+    # explicit axes, weights split over an axis that x is not split over are a known limit
+    # (docs/guides/large_models.md).
     mesh = jax.make_mesh((2,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
     path = sys.argv[1]
 
