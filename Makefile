@@ -34,8 +34,9 @@ test-slow: $(STAMP)
 	$(PYTEST) -m "slow and not gpu"
 
 # Re-executes the notebooks and stores their outputs (the docs render those; tests/test_notebooks.py runs them).
+# tqdm's notebook bar needs ipywidgets; its warning is not an output worth storing.
 notebooks: $(STAMP)
-	$(PY) -c "import glob, nbformat; from nbclient import NotebookClient; \
+	PYTHONWARNINGS="ignore:IProgress not found" $(PY) -c "import glob, nbformat; from nbclient import NotebookClient; \
 	[nbformat.write(NotebookClient(nbformat.read(p, as_version=4), timeout=900, kernel_name='python3', \
 	resources={'metadata': {'path': 'notebooks'}}).execute(), p) for p in sorted(glob.glob('notebooks/*.ipynb'))]"
 
