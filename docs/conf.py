@@ -100,7 +100,6 @@ suppress_warnings = ["myst.xref_missing", "myst.header"]
 # -- HTML --------------------------------------------------------------------------------------------------------
 html_theme = "sphinx_book_theme"
 html_title = "jaxsparse"
-html_static_path = ["_static"]
 html_theme_options = {
     "repository_url": "https://github.com/jaxsparse/jaxsparse",
     "use_repository_button": True,
