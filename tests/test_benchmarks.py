@@ -35,8 +35,8 @@ def test_calibrated_pruning_benchmark_runs(tmp_path):
 
 
 def test_ncu_block_sparse_script_runs():
-  cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_ncu_block_sparse.py"), "--m", "64", "--k", "128", "--n", "128",
-         "--blocks", "32,64"]
+  cmd = [sys.executable, str(ROOT / "benchmarks" / "sweeps" / "gpu_ncu_block_sparse.py"), "--m", "64", "--k", "128",
+         "--n", "128", "--blocks", "32,64"]
   env = {**os.environ, "PYTHONPATH": str(ROOT)}
   proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -45,8 +45,8 @@ def test_ncu_block_sparse_script_runs():
 
 def test_dense_route_script_runs():
   # M = 1024: the dense route starts there (DispatchRules.dense_route_min_m).
-  cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_dense_route.py"), "--m", "1024", "--k", "128", "--n", "128",
-         "--densities", "0.5", "--iterations", "1"]
+  cmd = [sys.executable, str(ROOT / "benchmarks" / "sweeps" / "gpu_dense_route.py"), "--m", "1024", "--k", "128",
+         "--n", "128", "--densities", "0.5", "--iterations", "1"]
   env = {**os.environ, "PYTHONPATH": str(ROOT)}
   proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -54,8 +54,9 @@ def test_dense_route_script_runs():
   assert row[1].strip() == "0.5" and float(row[-2]) < 1e-2, proc.stdout
 
 
+@pytest.mark.slow  # ~35 s on 2 cores
 def test_product_routes_script_runs():
-  cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_product_routes.py"), "--m", "64", "--k", "128,256",
+  cmd = [sys.executable, str(ROOT / "benchmarks" / "sweeps" / "gpu_product_routes.py"), "--m", "64", "--k", "128,256",
          "--ns", "128", "--blocks", "32,64x32", "--densities", "0.5", "--dtypes", "float32", "--iterations", "1",
          "--variants"]
   env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -81,9 +82,10 @@ def test_unseen_shapes_script_runs(tmp_path, extra):
   assert len(rows) == 3 and all("failed" not in r for r in rows), rows
 
 
+@pytest.mark.slow  # ~30 s on 2 cores
 def test_split_sweep_script_runs():
   # On the CPU: the Triton variants in interpret mode (no Mosaic GPU here), each checked against dense.
-  cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_split_sweep.py"), "--cases",
+  cmd = [sys.executable, str(ROOT / "benchmarks" / "sweeps" / "gpu_split_sweep.py"), "--cases",
          "float32:80x256x128:64x32:0.5,bfloat16:70x128x256:32x32:0.5", "--iterations", "1"]
   env = {**os.environ, "PYTHONPATH": str(ROOT)}
   proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
@@ -93,3 +95,21 @@ def test_split_sweep_script_runs():
       ("float32", "fwd"), ("float32", "dX"), ("bfloat16", "fwd"), ("bfloat16", "dX")], proc.stdout
   assert all("triton" in r[5] and float(r[7]) < 2e-2 for r in rows), proc.stdout
   assert "FAILED" not in proc.stdout, proc.stdout
+
+
+# One script per question a user asks (benchmarks/README.md); tuning sweeps live in benchmarks/sweeps/.
+SCRIPTS = sorted(p for p in (ROOT / "benchmarks").glob("*.py") if not p.name.startswith("_"))
+
+
+def test_benchmarks_folder_stays_curated():
+  assert len(SCRIPTS) + len(list((ROOT / "benchmarks").glob("*.sh"))) <= 10, [p.name for p in SCRIPTS]
+  readme = (ROOT / "benchmarks" / "README.md").read_text()
+  assert all(f"`{p.name}`" in readme for p in SCRIPTS), "benchmarks/README.md lists every script"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", SCRIPTS, ids=[p.stem for p in SCRIPTS])
+def test_benchmark_script_help(script):
+  env = {**os.environ, "PYTHONPATH": str(ROOT)}
+  result = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, env=env, timeout=300)
+  assert result.returncode == 0 and "usage:" in result.stdout, result.stderr[-3000:]

@@ -90,7 +90,8 @@ SHARDED = textwrap.dedent(
 
     assert jax.device_count() == 2, jax.devices()
     # Auto axes (jit's sharding propagation), the mode of the Flax/orbax sharded-checkpoint guides. Under
-    # explicit axes, weights split over an axis that x is not split over are a known limit (README).
+    # explicit axes, weights split over an axis that x is not split over are a known limit
+    # (docs/guides/large_models.md).
     mesh = jax.make_mesh((2,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
     path = sys.argv[1]
 
@@ -141,6 +142,7 @@ SHARDED = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # ~45 s on 2 cores
 def test_sharded_init_and_restore_into_sharded_abstract_targets(tmp_path):
   # Two host devices need a fresh process (the device count is fixed when JAX starts).
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -3,7 +3,7 @@
 CPU tests cover the fallbacks, warnings, the build's error paths and the custom-VJP plumbing (whose
 GPU branch is replaced by the reference off CUDA). Tests marked ``gpu`` run the custom calls against
 the dense reference on a CUDA GPU (``pytest -m gpu tests/test_cusparselt.py`` on the device machine,
-see ``benchmarks/gpu_cusparselt.py``); they skip elsewhere.
+see ``benchmarks/sweeps/gpu_cusparselt.py``); they skip elsewhere.
 """
 
 from __future__ import annotations

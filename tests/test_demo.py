@@ -5,9 +5,12 @@ from __future__ import annotations
 import importlib.util
 import pathlib
 
+import pytest
+
 DEMO = pathlib.Path(__file__).parent.parent / "examples" / "demo.py"
 
 
+@pytest.mark.slow  # ~50 s on 2 cores
 def test_demo_runs(tmp_path):
   spec = importlib.util.spec_from_file_location("jaxsparse_demo", DEMO)
   demo = importlib.util.module_from_spec(spec)

@@ -28,6 +28,7 @@ def _load_example(path=RUN_MINILM):
   return module
 
 
+@pytest.mark.slow  # ~40 s on 2 cores
 def test_minilm_end_to_end(capsys):
   example = _load_example()
   r = example.run(example.SENTENCES)
@@ -45,6 +46,7 @@ def test_minilm_end_to_end(capsys):
     print(f"{name}: cosine to dense {cos.mean():.4f} (min {cos.min():.4f}), torch vs Flax {v['torch_max_abs']:.2e}")
 
 
+@pytest.mark.slow  # ~60 s on 2 cores
 def test_minilm_calibrated_pruning_reduced(capsys):
   """prune_minilm.py on a reduced setup: 2:4 in the FFN layers of the first two encoder layers."""
   example = _load_example(PRUNE_MINILM)

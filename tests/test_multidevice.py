@@ -13,6 +13,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 FILES = sorted(p.name for p in (ROOT / "tests" / "multidevice").glob("md_*.py"))
 
 
+@pytest.mark.slow  # 45-60 s each on 2 cores
 @pytest.mark.parametrize("name", FILES)
 def test_on_four_devices(name):
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
@@ -27,6 +28,7 @@ def test_found_the_files():
   assert "md_data_parallel.py" in FILES
 
 
+@pytest.mark.slow
 def test_gpu_sharded_benchmark_runs_on_two_cpu_devices():
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])

@@ -395,6 +395,7 @@ def test_mosaic_step_lists_rebuild_the_product(pattern, transpose, group):
   np.testing.assert_allclose(out[:, : num_out * ob], a @ (wd.T if transpose else wd), rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.slow  # 60 examples, ~33 s on 2 cores
 @settings(max_examples=60, deadline=None)
 @given(
     grid=st.tuples(st.integers(1, 9), st.integers(1, 9)),

@@ -1,7 +1,7 @@
 """Block-sparse layers past one device: tensor-parallel layouts of a ``BlockSparseMatrix``.
 
 Data parallelism needs nothing from here: every op in :mod:`jaxsparse.ops` partitions over the
-leading dims of its activations under ``jax.jit`` with sharded inputs (see the README).
+leading dims of its activations under ``jax.jit`` with sharded inputs (see ``docs/guides/large_models.md``).
 """
 
 from jaxsparse.sharding._layers import TensorParallelBlockSparseLinear

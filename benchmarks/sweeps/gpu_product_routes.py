@@ -1,6 +1,6 @@
 """Each product of a block-sparse layer on its two routes: the per-block kernels and the dense product.
 
-    python benchmarks/gpu_product_routes.py [--ns 4096,16384 --blocks 32,64 --densities 0.25,0.5
+    python benchmarks/sweeps/gpu_product_routes.py [--ns 4096,16384 --blocks 32,64 --densities 0.25,0.5
                                              --dtypes bfloat16,float32 --m 8192 --variants]
 
 For ``x (M, K) @ W (K, N)`` (K = 4096 by default) with a random block pattern, times (device-side, median of
@@ -22,6 +22,7 @@ import argparse
 import dataclasses
 import itertools
 
+import _benchmarks_path  # noqa: F401 -- benchmarks/ on sys.path (_gpu_timing, gpu_block_sparse)
 import jax
 import jax.numpy as jnp
 from _gpu_timing import log

@@ -1,6 +1,6 @@
 """The pieces of a 2:4 SR-STE step on sparse tensor cores, each timed on its own, against the dense products.
 
-    python benchmarks/gpu_sr_ste_parts.py [--shapes 8192x2048x8192,8192x8192x2048 --iterations 20]
+    python benchmarks/sweeps/gpu_sr_ste_parts.py [--shapes 8192x2048x8192,8192x8192x2048 --iterations 20]
 
 For ``x (M, K) @ W (K, N)``, bf16 ``x`` / ``dY`` and a float32 master ``W``: the dense forward, ``dY Wᵀ`` and
 ``xᵀ dY``; pruning (plain 2:4 pruned and compressed in one pass by XLA and by our kernel; the
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 
+import _benchmarks_path  # noqa: F401 -- benchmarks/ on sys.path (_gpu_timing, gpu_block_sparse)
 import jax
 import jax.numpy as jnp
 from _gpu_timing import TIMER

@@ -6,7 +6,7 @@ fraction of peak)::
     ncu --clock-control none --target-processes all --section SpeedOfLight \\
         --metrics lts__t_bytes.sum,dram__bytes_read.sum,lts__t_sectors_srcunit_tex_op_read.sum \\
         --kernel-name regex:"mosaic|block_sparse|gemm|nvjet|cutlass" \\
-        python benchmarks/gpu_ncu_block_sparse.py [--m 8192 --k 4096 --n 4096 --density 0.25]
+        python benchmarks/sweeps/gpu_ncu_block_sparse.py [--m 8192 --k 4096 --n 4096 --density 0.25]
 
 Each product runs twice (the first call compiles); the kernels of the second call are the ones to read.
 The operands are the op table's (``gpu_block_sparse.py``): exactly ``round(d * blocks)`` kept blocks at
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+import _benchmarks_path  # noqa: F401 -- benchmarks/ on sys.path (_gpu_timing, gpu_block_sparse)
 import jax
 import jax.numpy as jnp
 from gpu_block_sparse import problem

@@ -1,6 +1,6 @@
 """The dense-product route of small blocks (block 32 above d = 0.3): building the dense weight, and the products.
 
-    python benchmarks/gpu_dense_route.py [--m 8192 --k 4096 --n 4096 --densities 0.5,0.4]
+    python benchmarks/sweeps/gpu_dense_route.py [--m 8192 --k 4096 --n 4096 --densities 0.5,0.4]
 
 Times (device-side, median of ``--iterations`` calls) for bf16 32 x 32 blocks: dense ``jnp.dot``; the
 dense ``(K, N)`` weight built by ``BlockSparseMatrix.to_dense`` (zero fill, scatter, transpose) and by
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 
+import _benchmarks_path  # noqa: F401 -- benchmarks/ on sys.path (_gpu_timing, gpu_block_sparse)
 import jax
 import jax.numpy as jnp
 from _gpu_timing import rel_err

@@ -2,7 +2,7 @@
 
 Run on a CUDA GPU from the repository root (about 15 s); writes ``$OUT/probe.npz`` (or ``--out``):
 
-  PYTHONPATH=. python3 benchmarks/gpu_cusparselt_layout_probe.py
+  PYTHONPATH=. python3 benchmarks/sweeps/gpu_cusparselt_layout_probe.py
 
 For bf16 ``(K, N)`` weights in the ``LAYOUT_KN`` orientation, 2:4 along ``K``:
 

@@ -1,6 +1,6 @@
 """The forward and dX kernels with their contraction split, on layers whose output has too few tiles to fill the GPU.
 
-    python benchmarks/gpu_split_sweep.py [--cases float32:200x5120x768:128x64:0.38,... --iterations 10]
+    python benchmarks/sweeps/gpu_split_sweep.py [--cases float32:200x5120x768:128x64:0.38,... --iterations 10]
 
 A case is ``dtype:MxKxN:BKxBN:density``. For each, times (device-side, median of ``--iterations`` calls) the
 forward ``x @ W`` and ``dX = dY Wᵀ`` of the default config, and of the Mosaic GPU kernel (row tiles of 128 and
@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import itertools
 
+import _benchmarks_path  # noqa: F401 -- benchmarks/ on sys.path (_gpu_timing, gpu_block_sparse)
 import jax
 import jax.numpy as jnp
 from _gpu_timing import log

@@ -2,7 +2,7 @@
 
 Run on a CUDA GPU from the repository root:
 
-  PYTHONPATH=. python3 benchmarks/gpu_cusparselt.py --out gpu_cusparselt.md
+  PYTHONPATH=. python3 benchmarks/sweeps/gpu_cusparselt.py --out gpu_cusparselt.md
 
 Checks ``jaxsparse._cuda._cusparselt.matmul(x, compress(W))`` against a float32 product of the
 same (rounded) inputs for both weight layouts, both 16-bit dtypes and several row counts (including
@@ -22,6 +22,7 @@ import sys
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
+import _benchmarks_path  # noqa: F401 -- benchmarks/ on sys.path (_gpu_timing, gpu_block_sparse)
 import jax
 import jax.numpy as jnp
 from _gpu_timing import TIMER

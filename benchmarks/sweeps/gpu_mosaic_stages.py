@@ -5,7 +5,7 @@ bandwidth (Nsight Compute on the 32-block forward: G = 4 moves 26% fewer L2 byte
 peak, yet runs 10% longer)? Times the kernel (CUPTI, the step-list kernels around it reported apart) for each
 ``(group_cols, tile_m, num_stages)`` that fits shared memory and the registers, as ratios to the dense product.
 
-    python3 gpu_mosaic_stages.py [--blocks 32,64 --densities 0.25,0.5 --dtype bfloat16 --products fwd,dx]
+    python3 sweeps/gpu_mosaic_stages.py [--blocks 32,64 --densities 0.25,0.5 --dtype bfloat16 --products fwd,dx]
 
 ``--products dw`` times the sampled ``dW = xᵀ dY`` kernel (:mod:`jaxsparse.pallas._block_sparse_sdd_mgpu`) over the
 dense ``xᵀ dY``, its ``group`` (``--groups``) and ``tile_m`` (``--tile-ms``) in place of ``group_cols`` and the row
@@ -23,6 +23,7 @@ import argparse
 import dataclasses
 import itertools
 
+import _benchmarks_path  # noqa: F401 -- benchmarks/ on sys.path (_gpu_timing, gpu_block_sparse)
 import jax
 import jax.numpy as jnp
 from _gpu_timing import TIMER
