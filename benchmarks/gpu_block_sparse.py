@@ -20,7 +20,7 @@ On Hopper the default configs run the forward and dX of blocks 64 / 128 at M >= 
 kernel; the table's "Triton-only" column times the same products with the Triton kernels.
 
 The decode rows here multiply by one weight per call, which then stays in L2 ("hot");
-``benchmarks/gpu_decode.py`` times decode both that way and with the weights read from HBM.
+``benchmarks/sweeps/gpu_decode.py`` times decode both that way and with the weights read from HBM.
 
 Times are device-side: ``jax.experimental.mosaic.gpu.profiler.measure`` (CUPTI) sums the kernel
 times of each call; the median over ``--iterations`` calls is reported. Where CUPTI is unavailable

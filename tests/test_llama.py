@@ -209,12 +209,11 @@ def test_llm_decode_benchmark_tiny(tmp_path, monkeypatch, capsys):
 
 
 def test_llm_prune_benchmark_tiny(tmp_path, monkeypatch, capsys):
-  """benchmarks/llm_prune.py --tiny, one layer, the two methods that compile fast (SparseGPT runs above)."""
-  sys.path.insert(0, str(ROOT / "benchmarks"))
-  import llm_prune  # noqa: PLC0415
+  """examples/llama/prune_timing.py --tiny, one layer, the two methods that compile fast (SparseGPT runs above)."""
+  from llama import prune_timing  # noqa: PLC0415
 
   monkeypatch.setenv("OUT", str(tmp_path))
-  llm_prune.main(["--tiny", "--layers", "1", "--methods", "magnitude,wanda", "--no-progress"])
+  prune_timing.main(["--tiny", "--layers", "1", "--methods", "magnitude,wanda", "--no-progress"])
   rows = [r for r in (tmp_path / "llm_prune.md").read_text().splitlines() if r.startswith("| ") and "method" not in r]
   assert [r.split("|")[1].strip() for r in rows] == ["magnitude", "wanda"], rows
   errors = [float(r.split("|")[3]) for r in rows]

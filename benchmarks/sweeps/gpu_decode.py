@@ -37,6 +37,7 @@ import warnings
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
+import _benchmarks_path  # noqa: F401 -- benchmarks/ on sys.path (_gpu_timing)
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -2,8 +2,8 @@
 
 Run on a CUDA GPU (the device tool's H100), from the repository root:
 
-  PYTHONPATH=.:examples python3 benchmarks/llm_prune.py --shape 1.1b
-  python benchmarks/llm_prune.py --tiny          # CPU, seconds: the CI check
+  PYTHONPATH=.:examples python3 examples/llama/prune_timing.py --shape 1.1b
+  python examples/llama/prune_timing.py --tiny          # CPU, seconds: the CI check
 
 The model is ``examples/llama``'s ``LlamaForCausalLM`` with the shape of ``benchmarks/llm_decode.py``
 (``1.1b``: TinyLlama-1.1B, 22 layers; ``8b``; ``tiny``), random weights (normal, std 0.02) and RMSNorm
@@ -28,19 +28,21 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# examples/ (the llama package) and benchmarks/ (llm_decode's model shapes).
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from llm_decode import SHAPES
+
 from llama.model import LlamaForCausalLM
 from llama.model import RMSNorm
 from llama.prune import PATTERNS
 from llama.prune import layer_errors
 from llama.prune import prune
-from llm_decode import SHAPES
 
 METHODS = ("magnitude", "wanda", "sparsegpt")
 
