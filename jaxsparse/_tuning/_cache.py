@@ -51,7 +51,12 @@ ENV_PATH = "JAXSPARSE_AUTOTUNE_CACHE"
 
 
 class AutotuneCacheWarning(UserWarning):
-  """A tuning cache file was unreadable, foreign or of another version and is ignored."""
+  """A tuning cache file was unreadable, foreign or of another version and is ignored (rewritten on the next tuning).
+
+  >>> import warnings, jaxsparse
+  >>> warnings.simplefilter("error", jaxsparse.AutotuneCacheWarning)  # make a broken cache file an error
+  >>> warnings.resetwarnings()
+  """
 
 
 def _check_mode(mode: Any, name: str) -> str:
@@ -74,7 +79,17 @@ def set_autotune_mode(mode: Mode | None) -> None:
   routes they were traced with.
 
   >>> import jaxsparse
-  >>> jaxsparse.set_autotune_mode("off"); jaxsparse.set_autotune_mode(None)
+  >>> jaxsparse.set_autotune_mode("off")  # the shipped defaults only, from now on
+  >>> jaxsparse.set_autotune_mode(None)  # back to $JAXSPARSE_AUTOTUNE, else "auto"
+
+  Args:
+    mode: ``"off"``, ``"cached"``, ``"tune"``, ``"auto"`` or ``None``.
+
+  Returns:
+    ``None``.
+
+  Raises:
+    ValueError: ``mode`` is none of those.
   """
   global _global_mode
   _global_mode = None if mode is None else _check_mode(mode, "mode")
@@ -90,6 +105,12 @@ def autotune_mode(mode: Mode) -> Iterator[None]:
   ...   y = jaxsparse.ops.block_sparse_matmul(jnp.ones((2, 64)), w)
   >>> y.shape
   (2, 64)
+
+  Args:
+    mode: ``"off"``, ``"cached"``, ``"tune"`` or ``"auto"`` (see :func:`set_autotune_mode`).
+
+  Yields:
+    ``None``; the mode applies to products traced inside the ``with`` block (in this thread or task).
   """
   token = _scoped_mode.set(_check_mode(mode, "mode"))
   try:
@@ -218,6 +239,17 @@ def export_cache(path: str | os.PathLike) -> int:
   """Writes every decision this process knows (its memo and the cache file) to ``path``; returns how many.
 
   With :func:`import_cache`, a cluster tunes once: tune on one machine, export, import on the others.
+
+  >>> import os, tempfile, jaxsparse
+  >>> path = os.path.join(tempfile.mkdtemp(), "tuned.json")
+  >>> jaxsparse.export_tuning_cache(path) >= 0 and jaxsparse.import_tuning_cache(path) >= 0
+  True
+
+  Args:
+    path: the file to write (merged into, if it is already a tuning cache).
+
+  Returns:
+    The number of decisions written.
   """
   with _lock:
     _load()
@@ -228,6 +260,18 @@ def export_cache(path: str | os.PathLike) -> int:
 
 def import_cache(path: str | os.PathLike) -> int:
   """Merges the decisions of the cache file at ``path`` into this process and its cache file; returns how many.
+
+  >>> import os, tempfile, jaxsparse
+  >>> path = os.path.join(tempfile.mkdtemp(), "tuned.json")
+  >>> _ = jaxsparse.export_tuning_cache(path)
+  >>> jaxsparse.import_tuning_cache(path) >= 0
+  True
+
+  Args:
+    path: a file written by :func:`export_cache` (or any jaxsparse tuning cache of this format version).
+
+  Returns:
+    The number of decisions imported.
 
   Raises:
     ValueError: ``path`` is not a readable jaxsparse tuning cache of this format version.
