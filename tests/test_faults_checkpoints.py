@@ -1,56 +1,30 @@
-"""The fault set: malformed inputs that must fail with a clear error, never crash, hang or compute garbage.
+"""The fault set for untrusted PyTorch checkpoints and the ``jaxsparse`` command line (see tests/test_faults.py).
 
-Each case is one bad input and the error it must raise; the message must name the argument or key. Inputs
-that could crash the process (crafted torch sparse tensors, native kernels) run in a child process, so a
-segfault fails the cases it hits instead of killing pytest.
+Crafted torch sparse tensors could crash the process (torch's ``to_dense()`` trusts their indices), so every
+entry point reads them in a child process: a segfault fails the cases it hits instead of killing pytest.
 """
 
 import functools
-import json
 import os
 import re
-import subprocess
-import sys
-import textwrap
 import warnings
 
+import numpy as np
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _child_env() -> dict:
-  env = dict(os.environ)
-  env["PYTHONPATH"] = os.pathsep.join([REPO, *filter(None, [env.get("PYTHONPATH")])])
-  env.setdefault("JAX_PLATFORMS", "cpu")
-  return env
-
-
-def _run_child(script: str, *args: str, timeout: float = 240) -> tuple[dict, subprocess.CompletedProcess]:
-  """Runs ``script`` in a fresh interpreter; it prints one JSON object per case: ``{"case", ...}``."""
-  proc = subprocess.run(
-      [sys.executable, "-c", textwrap.dedent(script), *args],
-      capture_output=True, text=True, timeout=timeout, env=_child_env(), check=False,
-  )
-  results = {}
-  for line in proc.stdout.splitlines():
-    if line.startswith("{"):
-      entry = json.loads(line)
-      results[entry["case"]] = entry
-  return results, proc
-
-
-def _missing(results: dict, case: str, proc: subprocess.CompletedProcess) -> str:
-  return (f"case {case!r} reported nothing: the child process exited with {proc.returncode} (a negative code is a "
-          f"signal, e.g. -11 a segfault) while running it.\nstderr tail:\n{proc.stderr[-3000:]}")
-
+from tests._faults_util import missing_report
+from tests._faults_util import run_child
 
 # -------------------------------------------------------------------------------------------------
 # Untrusted torch checkpoints: crafted sparse tensors (torch.load does not check their invariants, and
 # torch's to_dense() trusts them). Each is saved to a file and read by every entry point.
 # -------------------------------------------------------------------------------------------------
 
-torch = pytest.importorskip("torch")
+torch = pytest.importorskip("torch")  # the torch extra is installed in CI; see the Makefile
+
+import jaxsparse  # noqa: E402
+from jaxsparse import torch_interop  # noqa: E402
+from jaxsparse.torch_interop._cli import main as cli_main  # noqa: E402
 
 
 def _coo(indices, values, size):
@@ -137,7 +111,7 @@ import contextlib, io, json, os, sys, warnings
 warnings.simplefilter("ignore")
 from flax import nnx
 from jaxsparse import torch_interop
-from jaxsparse.torch_interop._cli import main
+from jaxsparse.torch_interop._cli import main as cli_main
 
 directory, cases, paths = sys.argv[1], sys.argv[2].split(","), sys.argv[3].split(",")
 
@@ -156,9 +130,9 @@ def run(case, path):
       elif path == "load_nnx":
         torch_interop.load_nnx(Model(), src)
       elif path == "inspect":
-        return {"rc": main(["inspect", src]), "message": err.getvalue()}
+        return {"rc": cli_main(["inspect", src]), "message": err.getvalue()}
       else:
-        rc = main(["convert", src, out])
+        rc = cli_main(["convert", src, out])
         leftovers = [p for p in os.listdir(directory) if p.startswith(f"{case}.{path}") or p.endswith(".tmp")]
         return {"rc": rc, "message": err.getvalue(), "files": leftovers}
   except Exception as e:
@@ -178,7 +152,7 @@ def checkpoint_results(tmp_path_factory):
     warnings.simplefilter("ignore")  # torch warns that invariant checks are off: that is the point
     for case, (build, _, _) in SPARSE_CASES.items():
       torch.save(build(), directory / f"{case}.pt")
-  results, proc = _run_child(_CHECKPOINT_CHILD, str(directory), ",".join(SPARSE_CASES), ",".join(PATHS))
+  results, proc = run_child(_CHECKPOINT_CHILD, str(directory), ",".join(SPARSE_CASES), ",".join(PATHS))
   return results, proc
 
 
@@ -188,7 +162,7 @@ def test_crafted_sparse_checkpoint(checkpoint_results, case, path):
   results, proc = checkpoint_results
   _, key, pattern = SPARSE_CASES[case]
   r = results.get(f"{case}/{path}")
-  assert r is not None, _missing(results, f"{case}/{path}", proc)
+  assert r is not None, missing_report(results, f"{case}/{path}", proc)
   if path in ("inspect", "convert"):
     assert r["rc"] == 1, r
     assert "jaxsparse: error" in r["message"] or "could not be decoded" in r["message"], r
@@ -202,9 +176,6 @@ def test_crafted_sparse_checkpoint(checkpoint_results, case, path):
 
 def test_valid_torch_sparse_layouts_match_torch():
   """The NumPy densification agrees with torch's own on valid tensors (batch, hybrid, blocked, duplicates)."""
-  import numpy as np  # noqa: PLC0415
-
-  from jaxsparse import torch_interop  # noqa: PLC0415
 
   g = torch.Generator().manual_seed(0)
   d = torch.randn(16, 32, generator=g) * (torch.rand(16, 32, generator=g) < 0.3)
@@ -227,3 +198,67 @@ def test_valid_torch_sparse_layouts_match_torch():
       np.testing.assert_array_equal(params[k].mask, ones_t.to_dense().numpy() != 0, err_msg=k)
   assert params["duplicates"].value[0, 1] == 3.0 and params["duplicates"].mask.sum() == 2
   assert params["bsr"].mask.sum() % 64 == 0 and params["bsr"].pattern.kind in ("block", "dense")
+
+
+# -------------------------------------------------------------------------------------------------
+# The command line: bad arguments and rules that do not apply.
+# -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["convert", "a", "b", "--name-map", "(=x"], "name map '(=x'"),
+        (["convert", "a", "b", "--name-map", r"a=\3"], "bad replacement"),
+        (["convert", "a", "b", "--rules", "[=nm:2:4"], "not a valid regular expression"),
+        (["convert", "a", "b", "--rules", "x=block:lots"], "rule 'x=block:lots'"),
+        (["convert", "a", "b", "--rules", "x=nm:2"], "rule 'x=nm:2'"),
+        (["convert", "a", "b", "--rules", "=nm:2:4"], "must look like REGEX=SPEC"),
+        (["inspect", "a", "--nm", "2:x"], "--nm must look like N:M"),
+        (["bench", "0x5"], "both sizes must be positive"),
+        (["bench", "64x64", "--patterns", "nm:2"], "pattern 'nm:2'"),
+    ],
+)
+def test_cli_bad_arguments(capsys, args, fragment):
+  with pytest.raises(SystemExit) as e:
+    cli_main(args)
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert fragment in err and "Traceback" not in err, err
+
+
+def _pruned_conv_net_file(tmp_path):
+  net = torch.nn.Sequential(torch.nn.Conv2d(4, 8, 3), torch.nn.Flatten(), torch.nn.Linear(8, 16))
+  sd = {"conv.weight": net[0].weight.detach(), "conv.bias": net[0].bias.detach(),
+        "fc.weight": net[2].weight.detach(), "fc.bias": net[2].bias.detach(), "embed.weight": torch.randn(10, 4)}
+  torch.save(sd, tmp_path / "in.pt")
+  return tmp_path / "in.pt"
+
+
+@pytest.mark.parametrize(
+    "rules, fragment",
+    [
+        (["nothing=nm:2:4"], r"rule(s) ['nothing'] matched no Linear weight"),
+        (["fc=nm:2:4", "fcc?x=dense"], r"rule(s) ['fcc?x'] matched no Linear weight"),
+        (["conv=nm:2:4"], "'conv.weight' (Flax 'conv'), a 4-D (convolution) weight"),
+        (["embed=unstructured:0.5"], "'embed.weight' (Flax 'embed'), an embedding"),
+        ([".*=block:0.5:4x4"], "a 4-D (convolution) weight"),
+    ],
+)
+def test_cli_convert_rules_that_do_not_apply(tmp_path, capsys, rules, fragment):
+  src = _pruned_conv_net_file(tmp_path)
+  out = tmp_path / "out.safetensors"
+  assert cli_main(["convert", str(src), str(out), "--rules", *rules]) == 1
+  err = capsys.readouterr().err
+  assert fragment in err, err
+  assert not out.exists() and not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
+
+
+def test_rules_keep_working_where_they_apply(tmp_path, capsys):
+  src = _pruned_conv_net_file(tmp_path)
+  out = tmp_path / "out.safetensors"
+  # a None rule may name a conv (keep it dense); a lone structure applies to Linear weights only
+  assert cli_main(["convert", str(src), str(out), "--rules", "conv=dense", "fc=nm:2:4"]) == 0, capsys.readouterr().err
+  assert torch_interop.load_flax_variables(out)["sparsity"]["fc"]["mask"].mean() == 0.5
+  params = torch_interop.decode_checkpoint(src)
+  assert torch_interop.apply_rules(params, jaxsparse.NM(2, 4))["fc.weight"].mask.mean() == 0.5
