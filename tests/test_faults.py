@@ -6,8 +6,18 @@ line have their own file, tests/test_faults_checkpoints.py. Cases that could cra
 kernels fed bad index arrays) run in a child interpreter, so a segfault fails them instead of killing pytest.
 """
 
-import pytest
+import re
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import checkify
+
+from jaxsparse import BlockSparseMatrix
+from jaxsparse import CSRMatrix
+from jaxsparse import NMSparseMatrix
+from jaxsparse.formats import _nm as nm_format
 from tests._faults_util import missing_report
 from tests._faults_util import run_child
 
@@ -165,3 +175,175 @@ def test_native_kernel_faults(native_results, case):
     assert r["error"] is None and r["max_err"] < 1e-4, r
   else:
     assert r["error"] is not None and fragment in r["message"], r
+
+
+# -------------------------------------------------------------------------------------------------
+# Hand-built formats: validate() on concrete arrays in the constructors, checkify under jit.
+# -------------------------------------------------------------------------------------------------
+
+def _csr():
+  rng = np.random.default_rng(1)
+  mask = rng.random((6, 10)) < 0.4
+  mask[0, :2] = True  # entries 0 and 1 share row 0
+  return CSRMatrix.from_dense(rng.standard_normal((6, 10)).astype(np.float32), mask=mask)
+
+
+def _block():
+  rng = np.random.default_rng(2)
+  mask = rng.random((4, 5)) < 0.5
+  mask[0, :2] = True
+  return BlockSparseMatrix.from_dense(rng.standard_normal((32, 40)).astype(np.float32), (8, 8), block_mask=mask)
+
+
+def _set(field, i, value):
+  def edit(idx):
+    idx[field][i] = value(idx) if callable(value) else value
+  return edit
+
+
+def _replace(field, fn):
+  def edit(idx):
+    idx[field] = np.asarray(fn(idx), np.int32)
+  return edit
+
+
+def _swap_first_two(idx):
+  for f in ("row_indices", "col_indices"):
+    idx[f][[0, 1]] = idx[f][[1, 0]]
+
+
+# case -> (edit of the index dict, message fragment); each applies to both CSRMatrix and BlockSparseMatrix
+INDEX_CASES = {
+    "row_index_past_grid": (_set("row_indices", 0, 10**6), "row_indices is invalid at position 0 (value 1000000"),
+    "row_index_negative": (_set("row_indices", 2, -1), "row_indices is invalid at position 2 (value -1"),
+    "col_index_past_grid": (_set("col_indices", 1, 99), "col_indices is invalid at position 1 (value 99"),
+    "col_index_negative": (_set("col_indices", 0, -7), "col_indices is invalid at position 0"),
+    "duplicate_entry": (_set("col_indices", 1, lambda idx: idx["col_indices"][0]), "each stored once"),
+    "unsorted_entries": (_swap_first_two, "row-major order"),
+    "row_offsets_decreasing": (_set("row_offsets", 1, lambda idx: idx["row_offsets"][-1]), "row_offsets is invalid"),
+    "row_offsets_wrong_total": (_set("row_offsets", -1, 10**5), "row_offsets is invalid"),
+    "col_offsets_shifted": (_replace("col_offsets", lambda idx: np.maximum(idx["col_offsets"] - 1, 0)),
+                            "col_offsets is invalid"),
+    "transpose_order_reversed": (_replace("transpose_order", lambda idx: idx["transpose_order"][::-1]),
+                                 "transpose_order is invalid"),
+    "transpose_order_past_nnz": (_set("transpose_order", 0, 10**6), "transpose_order is invalid"),
+    "row_offsets_too_short": (_replace("row_offsets", lambda idx: idx["row_offsets"][:-1]),
+                              "row_offsets must be an int32 array of shape"),
+    "col_indices_float": (lambda idx: idx.__setitem__("col_indices", idx["col_indices"].astype(np.float32)),
+                          "col_indices must be an int32 array"),
+    "col_indices_too_long": (_replace("col_indices", lambda idx: np.append(idx["col_indices"], 0)),
+                             "col_indices must be an int32 array of shape"),
+}
+CSR_ONLY_CASES = {
+    "transpose_row_indices_inconsistent": (_set("transpose_row_indices", 0, lambda idx: idx["transpose_row_indices"][0]
+                                                + 1), "transpose_row_indices is invalid at position 0"),
+}
+FORMATS = {"csr": _csr, "block": _block}
+
+
+def _index_dict(w):
+  return {k: np.array(v) for k, v in w.index_arrays().items()}
+
+
+def _rebuild(w, idx, **kw):
+  static = {f: getattr(w, f) for f in w.STATIC_FIELDS}
+  return type(w).from_index_arrays(w.data, idx, **static, **kw)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("case", list(INDEX_CASES) + list(CSR_ONLY_CASES))
+def test_hand_built_index_arrays_are_validated(fmt, case):
+  if case in CSR_ONLY_CASES and fmt != "csr":
+    pytest.skip("CSRMatrix only")
+  edit, fragment = {**INDEX_CASES, **CSR_ONLY_CASES}[case]
+  w = FORMATS[fmt]()
+  idx = _index_dict(w)
+  edit(idx)
+  with pytest.raises(ValueError, match=type(w).__name__) as e:
+    _rebuild(w, idx)
+  assert fragment in str(e.value)
+  # The raw constructor validates as well; validate=False is the explicit opt-out for hot paths.
+  with pytest.raises(ValueError, match=re.escape(fragment)):
+    type(w)(w.data, **idx, **{f: getattr(w, f) for f in w.STATIC_FIELDS})
+  if "int32 array" not in fragment:
+    assert _rebuild(w, idx, validate=False) is not None
+    # Under jit the arrays are traced: validate() stages checkify checks that report the field.
+    jitted = jax.jit(lambda data, idx: _rebuild(w, {**idx}, validate=False).validate().data.sum())
+    err, _ = checkify.checkify(jitted)(w.data, idx)
+    field = fragment.split(" ")[0]
+    assert err.get() is not None and field.split("/")[0] in err.get(), err.get()
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_valid_formats_pass_validation_everywhere(fmt):
+  w = FORMATS[fmt]()
+  assert w.validate() is w
+  idx = _index_dict(w)
+  assert _rebuild(w, idx).nnz == w.data.shape[0] if fmt == "csr" else True
+  err, _ = checkify.checkify(jax.jit(lambda d, i: _rebuild(w, i, validate=False).validate().data.sum()))(w.data, idx)
+  assert err.get() is None
+  # traced index arrays skip the value checks in the constructor (no host sync under jit)
+  assert jax.jit(lambda d, i: _rebuild(w, i).data.sum())(w.data, idx).shape == ()
+
+
+def test_block_data_shape_is_checked():
+  w = _block()
+  with pytest.raises(ValueError, match=r"BlockSparseMatrix.data must have shape \(\d+, 8, 8\)"):
+    BlockSparseMatrix.from_index_arrays(w.data[:, :4], _index_dict(w), shape=w.shape, block_shape=(8, 8))
+  with pytest.raises(ValueError, match=r"block_shape=.* must divide shape"):
+    BlockSparseMatrix.from_index_arrays(w.data, _index_dict(w), shape=(30, 40), block_shape=(8, 8))
+  c = _csr()
+  with pytest.raises(ValueError, match=r"CSRMatrix.data must have shape \(\d+,\)"):
+    CSRMatrix.from_index_arrays(c.data[:, None], _index_dict(c), shape=c.shape)
+  with pytest.raises(ValueError, match=r"CSRMatrix.row_indices must be an int32 array of shape \(\d+,\)"):
+    CSRMatrix.from_index_arrays(c.data[:-1], _index_dict(c), shape=c.shape)
+
+
+def _nm(shape=(16, 6), n=2, m=4, axis=0):
+  w = np.random.default_rng(3).standard_normal(shape).astype(np.float32)
+  return NMSparseMatrix.from_dense(w, n, m, axis=axis)
+
+
+def _nm_positions(w, edit):
+  """``w``'s indices re-packed after ``edit(positions)`` of its ``(G, n, *rest)`` positions."""
+  pos = np.array(nm_format._positions(w.indices, w.n, w.m, w.axis, w.groups))
+  edit(pos)
+  return np.moveaxis(np.asarray(nm_format._pack(jnp.asarray(pos), w.n, w.m)), 0, w.axis)
+
+
+NM_CASES = {
+    "duplicate_position": (dict(), lambda p: p.__setitem__((0, 1, 0), p[0, 0, 0]), "no position twice"),
+    "decreasing_positions": (dict(), lambda p: p.__setitem__((1, slice(None), 2), [3, 1]), "strictly increasing"),
+    "position_past_m": (dict(n=1, m=3, shape=(12, 4)), lambda p: p.__setitem__((2, 0, 1), 3), "positions in [0, 3)"),
+    "all_positions_equal": (dict(n=4, m=8, shape=(16, 8)), lambda p: p.__setitem__((0, slice(None), 0), 5),
+                            "no position twice"),
+    "duplicate_axis1": (dict(shape=(6, 16), axis=1), lambda p: p.__setitem__((3, 1, 4), p[3, 0, 4]),
+                        "group 3 along axis 1"),
+}
+
+
+@pytest.mark.parametrize("case", list(NM_CASES))
+def test_nm_positions_are_validated(case):
+  kw, edit, fragment = NM_CASES[case]
+  w = _nm(**kw)
+  bad = _nm_positions(w, edit)
+  with pytest.raises(ValueError, match=r"NMSparseMatrix\.positions is invalid") as e:
+    NMSparseMatrix(w.values, bad, shape=w.shape, n=w.n, m=w.m, axis=w.axis)
+  assert fragment in str(e.value)
+  # Under jit (traced indices) the checks are staged with checkify.
+  build = lambda v, i: NMSparseMatrix(v, i, shape=w.shape, n=w.n, m=w.m, axis=w.axis)  # noqa: E731
+  err, _ = checkify.checkify(jax.jit(lambda v, i: build(v, i).validate().values.sum()))(w.values, bad)
+  assert err.get() is not None and "NMSparseMatrix.positions" in err.get()
+  err, _ = checkify.checkify(jax.jit(lambda v, i: build(v, i).validate().values.sum()))(w.values, w.indices)
+  assert err.get() is None
+
+
+def test_nm_spare_bits_and_valid_matrices():
+  w = _nm(n=1, m=4, shape=(12, 4))  # 3 groups of 2 bits: uint8 words with spare bits
+  words = np.array(w.indices)
+  words[0, 0] |= 0x80
+  with pytest.raises(ValueError, match=r"NMSparseMatrix.indices is invalid in word \(0, 0\)"):
+    NMSparseMatrix(w.values, words, shape=w.shape, n=1, m=4)
+  for kw in (dict(), dict(n=1, m=3, shape=(12, 4)), dict(n=4, m=8, shape=(16, 8)), dict(shape=(6, 16), axis=1)):
+    v = _nm(**kw)
+    assert NMSparseMatrix(v.values, v.indices, shape=v.shape, n=v.n, m=v.m, axis=v.axis).validate() is not None

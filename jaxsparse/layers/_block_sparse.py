@@ -93,7 +93,9 @@ def block_sparse_apply(
     precision: lax.PrecisionLike,
 ) -> jax.Array:
   x, kernel, bias = dtypes.promote_dtype((x, kernel, bias), dtype=dtype)
-  w = BlockSparseMatrix.from_index_arrays(kernel, dict(index_arrays), shape=shape, block_shape=block_shape)
+  # The hot path: the layer built its own pattern, so it is not re-validated on every call.
+  w = BlockSparseMatrix.from_index_arrays(kernel, dict(index_arrays), shape=shape, block_shape=block_shape,
+                                          validate=False)
   y = ops.block_sparse_matmul(x, w, implementation=implementation, precision=precision)
   return y if bias is None else y + bias
 

@@ -347,6 +347,7 @@ class CompressedNMLinear(nnx.Module):
         n=self.n,
         m=self.m,
         axis=self.axis,
+        validate=False,  # read on every call; the layer built its positions (validate() checks loaded ones)
     )
 
   def __call__(self, x: jax.Array) -> jax.Array:
