@@ -331,7 +331,7 @@ def test_nm_positions_are_validated(case):
     NMSparseMatrix(w.values, bad, shape=w.shape, n=w.n, m=w.m, axis=w.axis)
   assert fragment in str(e.value)
   # Under jit (traced indices) the checks are staged with checkify.
-  build = lambda v, i: NMSparseMatrix(v, i, shape=w.shape, n=w.n, m=w.m, axis=w.axis)  # noqa: E731
+  build = lambda v, i: NMSparseMatrix(v, i, shape=w.shape, n=w.n, m=w.m, axis=w.axis)
   err, _ = checkify.checkify(jax.jit(lambda v, i: build(v, i).validate().values.sum()))(w.values, bad)
   assert err.get() is not None and "NMSparseMatrix.positions" in err.get()
   err, _ = checkify.checkify(jax.jit(lambda v, i: build(v, i).validate().values.sum()))(w.values, w.indices)
