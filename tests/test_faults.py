@@ -12,12 +12,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax.experimental import checkify
 
 from jaxsparse import BlockSparseMatrix
 from jaxsparse import CSRMatrix
 from jaxsparse import NMSparseMatrix
+from jaxsparse import layers
+from jaxsparse import ops
 from jaxsparse.formats import _nm as nm_format
+from jaxsparse.layers import linen as jl
 from tests._faults_util import missing_report
 from tests._faults_util import run_child
 
@@ -347,3 +351,89 @@ def test_nm_spare_bits_and_valid_matrices():
   for kw in (dict(), dict(n=1, m=3, shape=(12, 4)), dict(n=4, m=8, shape=(16, 8)), dict(shape=(6, 16), axis=1)):
     v = _nm(**kw)
     assert NMSparseMatrix(v.values, v.indices, shape=v.shape, n=v.n, m=v.m, axis=v.axis).validate() is not None
+
+
+# -------------------------------------------------------------------------------------------------
+# Ops on empty shapes; layers with bad sizes.
+# -------------------------------------------------------------------------------------------------
+
+def _op(kind, w, mask):
+  """``x -> op(x, weight)`` for one op kind on a dense ``w`` / ``mask``, and the weight's differentiable leaf."""
+  if kind == "masked":
+    return (lambda x, d: ops.masked_matmul(x, d, mask)), w
+  if kind == "csr":
+    mat = CSRMatrix.from_dense(w, mask=mask)
+    return (lambda x, d: ops.sparse_matmul(x, mat.with_data(d))), mat.data
+  if kind == "nm":
+    mat = NMSparseMatrix.from_dense(w, 2, 4)
+    return (lambda x, d: ops.nm_matmul(x, mat.with_values(d))), mat.values
+  grid = (w.shape[0] // 8, w.shape[1] // 8)
+  mat = BlockSparseMatrix.from_dense(w, (8, 8), block_mask=np.ones(grid, bool))
+  return (lambda x, d: ops.block_sparse_matmul(x, mat.with_data(d))), mat.data
+
+
+OP_KINDS = ("masked", "csr", "nm", "block")
+
+
+@pytest.mark.parametrize("kind", OP_KINDS)
+def test_empty_contraction_is_a_clear_error(kind):
+  f, d = _op(kind, jnp.ones((0, 8)), jnp.ones((0, 8), bool))
+  with pytest.raises(ValueError, match=r"the contraction is empty: w has K = w.shape\[0\] = 0"):
+    f(jnp.ones((3, 0)), d)
+
+
+@pytest.mark.parametrize("kind", OP_KINDS)
+@pytest.mark.parametrize("shape", [(0, 8, 8), (3, 8, 0)], ids=["no_rows", "no_outputs"])
+def test_empty_outputs_are_empty_with_gradients(kind, shape):
+  b, k, n = shape
+  f, d = _op(kind, jnp.ones((k, n)), jnp.ones((k, n), bool))
+  x = jnp.ones((b, k))
+  assert f(x, d).shape == (b, n)
+  gx, gd = jax.grad(lambda x, d: f(x, d).sum(), argnums=(0, 1))(x, d)
+  assert gx.shape == x.shape and gd.shape == d.shape
+  assert not np.asarray(gx).any() and not np.asarray(gd).any()
+
+
+LAYER_CASES = {
+    "NMLinear(0, 8)": (lambda: layers.NMLinear(0, 8, rngs=nnx.Rngs(0)), "in_features must be a positive int, got 0"),
+    "NMLinear(8, 0)": (lambda: layers.NMLinear(8, 0, rngs=nnx.Rngs(0)), "out_features must be a positive int, got 0"),
+    "NMConv(0, 8)": (lambda: layers.NMConv(0, 8, (3, 3), rngs=nnx.Rngs(0)), "in_features must be a positive int"),
+    "NMConv(8, 0)": (lambda: layers.NMConv(8, 0, (3, 3), rngs=nnx.Rngs(0)), "out_features must be a positive int"),
+    "NMLinear(-4, 8)": (lambda: layers.NMLinear(-4, 8, rngs=nnx.Rngs(0)), "in_features must be a positive int, got -4"),
+    "CompressedNMLinear bias": (
+        lambda: layers.CompressedNMLinear(NMSparseMatrix.from_dense(jnp.ones((8, 4)), 2, 4), jnp.ones(5)),
+        "bias must have shape (out_features,) = (4,) for weight of shape (8, 4), got (5,)"),
+    "CompressedNMLinear bias 2-D": (
+        lambda: layers.CompressedNMLinear(NMSparseMatrix.from_dense(jnp.ones((8, 4)), 2, 4), jnp.ones((1, 4))),
+        "got (1, 4)"),
+    "NMDense(0)": (lambda: jl.NMDense(0).init(jax.random.key(0), jnp.ones((2, 8))), "features must be a positive int"),
+    "NMDense on 0 features": (lambda: jl.NMDense(4).init(jax.random.key(0), jnp.ones((2, 0))),
+                              "x.shape[-1] must be a positive int, got 0"),
+}
+
+
+@pytest.mark.parametrize("case", list(LAYER_CASES))
+def test_layer_sizes_are_checked(case):
+  build, fragment = LAYER_CASES[case]
+  with pytest.raises(ValueError) as e:
+    build()
+  assert fragment in str(e.value)
+
+
+LINEN_LAYERS = {
+    "BlockSparseDense": (lambda: jl.BlockSparseDense(32, density=0.5, block_shape=(8, 8)), (2, 64), (2, 32)),
+    "MaskedDense": (lambda: jl.MaskedDense(32, sparsity=0.5), (2, 64), (2, 32)),
+    "NMDense": (lambda: jl.NMDense(32), (2, 64), (2, 32)),
+    "NMConv": (lambda: jl.NMConv(16, (3, 3)), (1, 6, 6, 8), (1, 6, 6, 16)),
+}
+
+
+@pytest.mark.parametrize("name", list(LINEN_LAYERS))
+def test_linen_layer_called_with_other_feature_count(name):
+  build, good, bad = LINEN_LAYERS[name]
+  module = build()
+  variables = module.init(jax.random.key(0), jnp.ones(good))
+  with pytest.raises(ValueError, match=rf"{name} holds variables for {good[-1]} input features, but "
+                     rf"x.shape\[-1\] = {bad[-1]}"):
+    module.apply(variables, jnp.ones(bad))
+  assert module.apply(variables, jnp.ones(good)).shape[-1] in (16, 32)

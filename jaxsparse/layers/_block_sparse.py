@@ -37,10 +37,12 @@ from jaxsparse.layers._common import bias_of
 from jaxsparse.layers._common import check_implementation
 from jaxsparse.layers._common import check_input
 from jaxsparse.layers._common import check_kept
+from jaxsparse.layers._common import check_known_in_features
 from jaxsparse.layers._common import check_linear
 from jaxsparse.layers._common import check_one_of
 from jaxsparse.layers._common import default_bias_init
 from jaxsparse.layers._common import dense_linear
+from jaxsparse.layers._common import existing_shape
 from jaxsparse.layers._common import init_linear_attributes
 from jaxsparse.layers._common import missing_pattern
 
@@ -363,6 +365,9 @@ class BlockSparseDense(nn.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     """Applies the layer to ``x`` of shape ``(..., in_features)``; returns ``(..., features)``."""
     x = check_input(x)
+    offsets = existing_shape(self, SPARSITY, "row_offsets")
+    if offsets is not None and isinstance(self.block_shape, tuple | list) and len(self.block_shape) == 2:
+      check_known_in_features(self, x.shape, (offsets[0] - 1) * int(self.block_shape[0]))
     shape = (x.shape[-1], self.features)
     bk, bn = _utils.check_block_shape(self.block_shape, shape)
     grid = (shape[0] // bk, shape[1] // bn)
