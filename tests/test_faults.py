@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 from jax.experimental import checkify
 
+import jaxsparse
 from jaxsparse import BlockSparseMatrix
 from jaxsparse import CSRMatrix
 from jaxsparse import NMSparseMatrix
@@ -437,3 +438,77 @@ def test_linen_layer_called_with_other_feature_count(name):
                      rf"x.shape\[-1\] = {bad[-1]}"):
     module.apply(variables, jnp.ones(bad))
   assert module.apply(variables, jnp.ones(good)).shape[-1] in (16, 32)
+
+
+# -------------------------------------------------------------------------------------------------
+# sparsify: masks that match nothing or do not fit the rule say so.
+# -------------------------------------------------------------------------------------------------
+
+
+class _Net(nnx.Module):
+  def __init__(self, rngs):
+    self.up = nnx.Linear(16, 32, rngs=rngs)
+    self.down = nnx.Linear(32, 16, rngs=rngs)
+    self.conv = nnx.Conv(8, 8, (3, 3), rngs=rngs)
+
+
+def _nm24(shape, axis=0):
+  return np.asarray(jaxsparse.nm_mask(np.random.default_rng(4).standard_normal(shape), 2, 4, axis=axis))
+
+
+def _random_mask(shape, p=0.6):
+  return np.random.default_rng(5).random(shape) < p
+
+
+SPARSIFY_MASK_CASES = {
+    "key_without_kernel": ({"up": jaxsparse.Unstructured(0.5)}, {"up": _random_mask((16, 32))},
+                           "masks has key(s) ['up'] that match no layer the rules sparsify"),
+    "key_of_dense_layer": ({"up": jaxsparse.NM(2, 4), "down": None}, {"up.kernel": _nm24((16, 32)),
+                                                                      "down.kernel": _random_mask((32, 16))},
+                           "masks has key(s) ['down.kernel']"),
+    "key_of_unmatched_layer": ({"up": jaxsparse.NM(2, 4)}, {"up.kernel": _nm24((16, 32)), "upp.kernel": True},
+                               "['upp.kernel']"),
+    "nm_rule_random_mask": ({"up": jaxsparse.NM(2, 4)}, {"up.kernel": _random_mask((16, 32))},
+                            "up: the given mask is not 2:4 along the input features (axis 0)"),
+    "nm_rule_mask_along_outputs": ({"up": jaxsparse.NM(2, 4)}, {"up.kernel": _nm24((16, 32), axis=1)},
+                                   "up: the given mask is not 2:4"),
+    "nm_rule_conv_random_mask": ({"conv": jaxsparse.NM(2, 4)}, {"conv.kernel": _random_mask((3, 3, 8, 8))},
+                                 "conv: the given mask is not 2:4 along the input features (axis 2)"),
+    "transposable_rule_plain_mask": ({"up": jaxsparse.NM(2, 4, transposable=True)}, {"up.kernel": _nm24((16, 32))},
+                                     "not 2:4 along the output features (transposable)"),
+}
+
+
+@pytest.mark.parametrize("case", list(SPARSIFY_MASK_CASES))
+def test_sparsify_masks_that_do_not_fit(case):
+  rules, masks, fragment = SPARSIFY_MASK_CASES[case]
+  model = _Net(nnx.Rngs(0))
+  with pytest.raises(ValueError) as e:
+    jaxsparse.sparsify(model, rules, masks=masks)
+  assert fragment in str(e.value)
+
+
+def test_sparsify_keeps_masks_that_fit():
+  model = _Net(nnx.Rngs(0))
+  fewer = _nm24((16, 32)) & _random_mask((16, 32), 0.7)  # at most 2 of 4: kept as given
+  sparse, _ = jaxsparse.sparsify(model, {"up": jaxsparse.NM(2, 4)}, masks={"up.kernel": fewer})
+  kept = np.asarray(sparse.up.nm_mask) & (np.asarray(sparse.up.kernel[...]) != 0)
+  np.testing.assert_array_equal(kept, fewer & (np.asarray(model.up.kernel[...]) != 0))
+
+
+def test_sparsify_linen_masks_that_do_not_fit():
+  import flax.linen as nn  # noqa: PLC0415
+
+  class Mlp(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(16, name="down")(nn.Dense(32, name="up")(x))
+
+  x = jnp.ones((2, 16))
+  variables = Mlp().init(jax.random.key(0), x)
+  rules = {"up": jaxsparse.NM(2, 4)}
+  with pytest.raises(ValueError, match=re.escape("masks has key(s) ['up'] that match no layer")):
+    jaxsparse.sparsify_linen(Mlp(), variables, rules, x, masks={"up": _nm24((16, 32))})
+  with pytest.raises(ValueError, match=re.escape("up: the given mask is not 2:4")):
+    jaxsparse.sparsify_linen(Mlp(), variables, rules, x, masks={"up.kernel": _random_mask((16, 32))})
+  assert jaxsparse.sparsify_linen(Mlp(), variables, rules, x, masks={"up.kernel": _nm24((16, 32))})[1]

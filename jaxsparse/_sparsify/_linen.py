@@ -41,6 +41,8 @@ from jaxsparse._rules import match_rules
 from jaxsparse._rules import resolve_rules
 from jaxsparse._rules import warn_unmatched
 from jaxsparse._sparsify._nnx import block_mask_of
+from jaxsparse._sparsify._nnx import check_masks_used
+from jaxsparse._sparsify._nnx import check_nm_mask
 from jaxsparse._sparsify._nnx import masks_dict
 from jaxsparse._sparsify._partitioning import carry_linen
 from jaxsparse._sparsify._report import LayerChange
@@ -280,6 +282,9 @@ def sparsify_linen(
   new_vars = _to_dict(variables)
   params = new_vars.setdefault("params", {})
   layers, changes = {}, []
+  chosen = [".".join(path) for path in found if (r := match_rules(resolved, ".".join(path))) is not None
+            and resolved[r][2] is not None]
+  check_masks_used(mask_dict, {f"{p}.kernel" for p in chosen}, [f"{p}.kernel" for p in chosen])
   for path, f in found.items():
     kind, m = f.kind, f.module
     p = ".".join(path)
@@ -364,6 +369,7 @@ def _linen_variables(spec: Spec, dense_params: Mapping, mask: np.ndarray | None,
     return {"params": {"kernel": w.data, **bias}, sparse_linen.SPARSITY: dict(w.index_arrays())}
   if isinstance(spec, NM):
     if mask is not None:
+      check_nm_mask(mask, spec, mask.ndim - 2 if mask.ndim > 2 else 0, path)
       kernel = jnp.where(mask, kernel, jnp.zeros((), kernel.dtype))
     return {"params": {"kernel": kernel, **bias}}
   if mask is None:

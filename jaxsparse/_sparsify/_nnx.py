@@ -52,7 +52,7 @@ from jaxsparse.layers import NMConv
 from jaxsparse.layers import NMLinear
 from jaxsparse.layers import SparseLinearGeneral
 
-__all__ = ["densify", "sparsify"]
+__all__ = ["check_masks_used", "check_nm_mask", "densify", "sparsify"]
 
 
 _SPARSE_NNX = (BlockSparseLinear, MaskedLinear, NMLinear, NMConv, CompressedNMLinear, MaskedConv, SparseLinearGeneral)
@@ -92,6 +92,39 @@ def block_mask_of(mask: np.ndarray, block_shape: tuple[int, int], path: str) -> 
   return anyb
 
 
+def check_nm_mask(mask: np.ndarray, spec: NM, axis: int, path: str) -> None:
+  """Raises unless ``mask`` keeps at most ``n`` of every ``m`` along ``axis`` (and the last axis, if transposable).
+
+  An N:M layer built from a mask keeps the mask's weights only when the mask is N:M; anything else
+  would be re-pruned by magnitude without a word.
+  """
+  axes = [(axis, "the input features")]
+  if spec.transposable and mask.shape[-1] % spec.m == 0:
+    axes.append((mask.ndim - 1, "the output features (transposable)"))
+  for ax, what in axes:
+    moved = np.moveaxis(np.asarray(mask, bool), ax, 0)
+    counts = moved.reshape(moved.shape[0] // spec.m, spec.m, *moved.shape[1:]).sum(1)
+    if counts.size and counts.max() > spec.n:
+      group = tuple(int(i) for i in np.unravel_index(np.argmax(counts), counts.shape))
+      raise ValueError(
+          f"{path}: the given mask is not {spec.n}:{spec.m} along {what} (axis {ax}): group {group} keeps "
+          f"{int(counts.max())} of {spec.m} ({int((counts > spec.n).sum())} groups keep more than {spec.n}). An "
+          f"NM({spec.n}, {spec.m}) rule keeps a mask only if it is {spec.n}:{spec.m}; prune with the same NM rule, "
+          "or map this layer to jaxsparse.Unstructured to keep the mask as it is."
+      )
+
+
+def check_masks_used(mask_dict: dict, used: set[str], path_of_kernel: list[str]) -> None:
+  """Raises for mask keys that no sparsified layer's kernel takes (a typo, or a layer the rules keep dense)."""
+  unused = sorted(set(mask_dict) - used)
+  if unused:
+    listing = ", ".join(path_of_kernel[:12]) + (" ..." if len(path_of_kernel) > 12 else "") or "(none)"
+    raise ValueError(
+        f"masks has key(s) {unused[:10]}{' ...' if len(unused) > 10 else ''} that match no layer the rules "
+        f"sparsify; keys are '<layer path>.kernel' of a layer a rule maps to a structure: {listing}."
+    )
+
+
 def _sparse_linear(lin: nnx.Linear, spec: Spec, mask: np.ndarray | None, path: str) -> nnx.Module:
   kernel = lin.kernel[...]
   if isinstance(spec, BlockSparse):
@@ -109,6 +142,7 @@ def _sparse_linear(lin: nnx.Linear, spec: Spec, mask: np.ndarray | None, path: s
     return layer
   if isinstance(spec, NM):
     if mask is not None:  # the N:M pattern follows the weights: zero the pruned ones so it is the given mask
+      check_nm_mask(mask, spec, 0, path)
       lin = _linear(jnp.where(mask, kernel, jnp.zeros((), kernel.dtype)), None if lin.bias is None else lin.bias[...],
                     dtype=lin.dtype, precision=lin.precision)
     return NMLinear.from_dense(lin, n=spec.n, m=spec.m, transposable=spec.transposable)
@@ -139,6 +173,7 @@ def _to_sparse(node: nnx.Module, spec: Spec, mask: np.ndarray | None, path: str)
     if isinstance(spec, NM):
       conv = node
       if mask is not None:
+        check_nm_mask(mask, spec, mask.ndim - 2, path)
         conv = MaskedConv.from_dense(node, mask=mask).to_dense()
       return NMConv.from_dense(conv, n=spec.n, m=spec.m, transposable=spec.transposable)
     return MaskedConv.from_dense(node, sparsity=None if mask is not None else spec.sparsity, mask=mask)
@@ -279,6 +314,8 @@ def sparsify(
     if r is not None and resolved[r][2] is not None:
       chosen.append((path, node, resolved[r][2]))
   warn_unmatched(resolved, [path_str(p) for p, _ in layers], what="nnx.Linear / nnx.Conv / nnx.LinearGeneral")
+  kernel_keys = [f"{path_str(p)}.kernel" if p else "kernel" for p, _, _ in chosen]
+  check_masks_used(mask_dict, set(kernel_keys), kernel_keys)
 
   built = []
   for path, node, spec in chosen:
