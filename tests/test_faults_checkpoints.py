@@ -262,3 +262,32 @@ def test_rules_keep_working_where_they_apply(tmp_path, capsys):
   assert torch_interop.load_flax_variables(out)["sparsity"]["fc"]["mask"].mean() == 0.5
   params = torch_interop.decode_checkpoint(src)
   assert torch_interop.apply_rules(params, jaxsparse.NM(2, 4))["fc.weight"].mask.mean() == 0.5
+
+
+def test_linen_variables_keep_a_pruned_conv_mask(tmp_path):
+  import flax.linen as nn  # noqa: PLC0415
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+  import torch.nn.utils.prune as prune  # noqa: PLC0415
+
+  torch.manual_seed(0)
+  conv = torch.nn.Conv2d(4, 8, 3)
+  prune.l1_unstructured(conv, "weight", amount=0.7)
+  variables = torch_interop.to_linen_variables({f"conv.{k}": v for k, v in conv.state_dict().items()})
+  mask = np.asarray(variables["sparsity"]["conv"]["mask"])
+  assert mask.shape == (3, 3, 4, 8) and mask.mean() == pytest.approx(0.3, abs=0.01)
+  np.testing.assert_array_equal(mask, conv.weight_mask.numpy().astype(bool).transpose(2, 3, 1, 0))
+  # The mask keeps pruned weights at zero through Flax's masked conv, as torch computes.
+  x = np.random.default_rng(0).standard_normal((1, 4, 6, 6)).astype(np.float32)
+  flax_conv = nn.Conv(8, (3, 3), padding="VALID", mask=jnp.asarray(mask))
+  y = flax_conv.apply({"params": variables["params"]["conv"]}, jnp.asarray(x.transpose(0, 2, 3, 1)))
+  with torch.no_grad():
+    expected = conv(torch.from_numpy(x)).numpy().transpose(0, 2, 3, 1)
+  np.testing.assert_allclose(np.asarray(y), expected, atol=1e-5)
+  grads = jax.grad(lambda p: flax_conv.apply({"params": p}, jnp.ones((1, 6, 6, 4))).sum())(variables["params"]["conv"])
+  assert not np.asarray(grads["kernel"])[~mask].any()
+  # and through the CLI
+  torch.save({f"conv.{k}": v for k, v in conv.state_dict().items()}, tmp_path / "conv.pt")
+  assert cli_main(["convert", str(tmp_path / "conv.pt"), str(tmp_path / "out.safetensors")]) == 0
+  np.testing.assert_array_equal(torch_interop.load_flax_variables(tmp_path / "out.safetensors")["sparsity"]["conv"]
+                                ["mask"], mask)

@@ -541,7 +541,9 @@ def to_linen_variables(
   go to ``"batch_stats"`` as ``mean``/``var``. Sparse Linear weights take the variables of
   :class:`~jaxsparse.layers.linen.BlockSparseDense` (block patterns: ``params.kernel`` of the kept
   blocks and the index arrays in ``"sparsity"``) or :class:`~jaxsparse.layers.linen.MaskedDense`
-  (other masks, N:M included: ``params.kernel`` zero where pruned and ``sparsity.mask``).
+  (other masks, N:M included: ``params.kernel`` zero where pruned and ``sparsity.mask``). A pruned
+  Conv weight keeps its mask too: ``params.kernel`` zero where pruned and ``sparsity.mask`` in Flax
+  layout ``(*kernel_size, in, out)``, for ``nn.Conv(..., mask=mask)``.
 
   >>> import torch
   >>> from jaxsparse import torch_interop
@@ -581,8 +583,11 @@ def _linen_param(out: dict, flax_path: str, torch_mod: str, name: str, p: TorchP
   elif name == "weight" and value.ndim >= 2:
     kernel = flax_layout(value)
     pattern = p.pattern
-    if not sparse or pattern.kind == "dense" or value.ndim != 2:
+    if not sparse or pattern.kind == "dense":
       _nest(out["params"], flax_path, "kernel", kernel)
+    elif value.ndim != 2:  # a pruned conv: its mask in Flax layout (*kernel, in, out), as sparsify_linen's convs
+      _nest(out["params"], flax_path, "kernel", kernel)
+      _nest(out.setdefault("sparsity", {}), flax_path, "mask", flax_layout(p.mask))
     elif pattern.kind == "block":
       bs = (pattern.block_shape[1], pattern.block_shape[0])
       mat = BlockSparseMatrix.from_dense(kernel, bs, block_mask=flax_layout(p.mask)[:: bs[0], :: bs[1]])
