@@ -512,3 +512,15 @@ def test_sparsify_linen_masks_that_do_not_fit():
   with pytest.raises(ValueError, match=re.escape("up: the given mask is not 2:4")):
     jaxsparse.sparsify_linen(Mlp(), variables, rules, x, masks={"up.kernel": _random_mask((16, 32))})
   assert jaxsparse.sparsify_linen(Mlp(), variables, rules, x, masks={"up.kernel": _nm24((16, 32))})[1]
+
+
+@pytest.mark.parametrize("spec", [jaxsparse.Unstructured(0.8), jaxsparse.NM(2, 4),
+                                  jaxsparse.BlockSparse(density=0.5, block_shape=(8, 8))], ids=str)
+def test_sparsify_under_eval_shape(spec):
+  model = _Net(nnx.Rngs(0))
+  rules = {"up|down": spec, "conv": None if isinstance(spec, jaxsparse.BlockSparse) else spec}
+  abstract = nnx.eval_shape(lambda: jaxsparse.sparsify(model, rules)[0])
+  concrete = jaxsparse.sparsify(model, rules)[0]
+  shapes = lambda m: jax.tree.map(lambda a: (a.shape, a.dtype), nnx.state(m))
+  assert shapes(abstract) == shapes(concrete)
+  assert type(abstract.up) is type(concrete.up) and type(abstract.conv) is type(concrete.conv)

@@ -38,6 +38,7 @@ from jaxsparse._sparsify._report import check_speed_mode
 from jaxsparse._sparsify._report import random_input
 from jaxsparse._sparsify._report import state_bytes
 from jaxsparse._sparsify._report import time_nnx_layer
+from jaxsparse.formats._base import is_concrete
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
 from jaxsparse.formats._specs import NM
 from jaxsparse.formats._specs import BlockSparse
@@ -194,6 +195,8 @@ def _density(layer: nnx.Module) -> float:
     return _density(layer.layer)
   if isinstance(layer, (NMLinear, NMConv)):
     return layer.n / layer.m
+  if isinstance(layer, (MaskedLinear, MaskedConv)) and not is_concrete(layer.mask[...]):
+    return float("nan")  # traced (under nnx.eval_shape or jit): the kept count is not known
   return float(layer.density)
 
 
