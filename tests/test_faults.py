@@ -524,3 +524,20 @@ def test_sparsify_under_eval_shape(spec):
   shapes = lambda m: jax.tree.map(lambda a: (a.shape, a.dtype), nnx.state(m))
   assert shapes(abstract) == shapes(concrete)
   assert type(abstract.up) is type(concrete.up) and type(abstract.conv) is type(concrete.conv)
+
+
+def test_summary_lists_the_layers_of_a_sparsify_linen_model():
+  import flax.linen as nn  # noqa: PLC0415
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      h = nn.Conv(8, (3, 3), name="conv")(x).reshape(x.shape[0], -1)
+      return nn.Dense(16, name="down")(nn.Dense(32, name="up")(h))
+
+  x = jnp.ones((2, 4, 4, 8))
+  variables = Net().init(jax.random.key(0), x)
+  rules = {"up|down": jaxsparse.NM(2, 4), "conv": jaxsparse.Unstructured(0.5)}
+  sparse, sparse_vars, _ = jaxsparse.sparsify_linen(Net(), variables, rules, x)
+  rows = {layer.path: (layer.kind, layer.pattern) for layer in jaxsparse.summary(sparse_vars, x, module=sparse).layers}
+  assert rows == {"conv": ("MaskedConv", "unstructured"), "up": ("NMDense", "2:4"), "down": ("NMDense", "2:4")}
