@@ -541,3 +541,24 @@ def test_summary_lists_the_layers_of_a_sparsify_linen_model():
   sparse, sparse_vars, _ = jaxsparse.sparsify_linen(Net(), variables, rules, x)
   rows = {layer.path: (layer.kind, layer.pattern) for layer in jaxsparse.summary(sparse_vars, x, module=sparse).layers}
   assert rows == {"conv": ("MaskedConv", "unstructured"), "up": ("NMDense", "2:4"), "down": ("NMDense", "2:4")}
+
+
+@pytest.mark.parametrize("spec", [jaxsparse.Unstructured(0.75), jaxsparse.NM(2, 4),
+                                  jaxsparse.BlockSparse(density=0.5, block_shape=(8, 8))], ids=str)
+def test_sparsified_linen_init_and_abstract_init(spec):
+  import flax.linen as nn  # noqa: PLC0415
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      h = nn.DenseGeneral((2, 16), name="heads")(x).reshape(x.shape[0], -1)
+      return nn.Dense(16, name="out")(nn.relu(h))
+
+  x = jnp.ones((2, 32))
+  variables = Net().init(jax.random.key(0), x)
+  sparse, sparse_vars, _ = jaxsparse.sparsify_linen(Net(), variables, {"heads|out": spec}, x)
+  fresh = sparse.init(jax.random.key(0), x)
+  abstract = jax.eval_shape(sparse.init, jax.random.key(1), x)
+  shapes = lambda t: jax.tree.map(lambda a: (a.shape, jnp.dtype(a.dtype)), t)
+  assert shapes(abstract) == shapes(sparse_vars) == shapes(fresh)
+  np.testing.assert_allclose(sparse.apply(fresh, x), sparse.apply(sparse_vars, x), rtol=1e-5, atol=1e-5)
