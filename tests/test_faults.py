@@ -562,3 +562,43 @@ def test_sparsified_linen_init_and_abstract_init(spec):
   shapes = lambda t: jax.tree.map(lambda a: (a.shape, jnp.dtype(a.dtype)), t)
   assert shapes(abstract) == shapes(sparse_vars) == shapes(fresh)
   np.testing.assert_allclose(sparse.apply(fresh, x), sparse.apply(sparse_vars, x), rtol=1e-5, atol=1e-5)
+
+
+# -------------------------------------------------------------------------------------------------
+# Gradual pruning -> get_masks -> sparsify on attention (multi-axis kernels, 2-D biases).
+# -------------------------------------------------------------------------------------------------
+
+
+def _pruned_attention(rules):
+  import optax  # noqa: PLC0415
+
+  from jaxsparse import pruning  # noqa: PLC0415
+
+  class Block(nnx.Module):
+    def __init__(self, rngs):
+      self.attn = nnx.MultiHeadAttention(4, 64, qkv_features=64, decode=False, rngs=rngs)
+
+  model = Block(nnx.Rngs(0))
+  opt = nnx.Optimizer(model, pruning.wrap_optax(optax.sgd(1e-3), pruning.magnitude_pruner(rules)), wrt=nnx.Param)
+  x = jax.random.normal(jax.random.key(1), (2, 8, 64))
+  opt.update(model, nnx.grad(lambda m: jnp.sum(m.attn(x) ** 2))(model))
+  return model, pruning.get_masks(opt), x
+
+
+def test_pruner_never_prunes_biases_and_unstructured_masks_round_trip():
+  rules = {r"attn\..*": jaxsparse.Unstructured(0.5)}
+  model, masks, x = _pruned_attention(rules)
+  flat = jaxsparse.pruning.masks_to_dict(masks)
+  assert sorted(flat) == [f"attn.{p}.kernel" for p in ("key", "out", "query", "value")]  # (4, 16) biases skipped
+  sparse, _ = jaxsparse.sparsify(model, rules, masks=masks)
+  np.testing.assert_allclose(sparse.attn(x), model.attn(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("spec", [jaxsparse.NM(2, 4), jaxsparse.BlockSparse(density=0.5, block_shape=(16, 16))],
+                         ids=str)
+def test_pruner_view_of_qkv_kernels_is_explained(spec):
+  rules = {r"attn\.(query|key|value)": spec}
+  model, masks, _ = _pruned_attention(rules)
+  with pytest.raises(ValueError, match=r"attn\.(query|key|value): the given mask fits .* in jaxsparse.pruning's view "
+                     r"of this \(64, 4, 16\) kernel \(every axis but the last an input: \(256, 16\)\)"):
+    jaxsparse.sparsify(model, rules, masks=masks)

@@ -42,6 +42,7 @@ from jaxsparse._rules import match_rules
 from jaxsparse._rules import resolve_rules
 from jaxsparse._rules import warn_unmatched
 from jaxsparse._sparsify._nnx import block_mask_of
+from jaxsparse._sparsify._nnx import check_general_mask_view
 from jaxsparse._sparsify._nnx import check_masks_used
 from jaxsparse._sparsify._nnx import check_nm_mask
 from jaxsparse._sparsify._nnx import masks_dict
@@ -346,8 +347,9 @@ def sparsify_linen(
     if mask is not None and mask.shape != kernel.shape:
       raise ValueError(f"{p}: the given mask has shape {mask.shape}, the kernel {kernel.shape}.")
     params_2d = _params_2d(layer, dense_params)
-    if kind == "general":  # the 2-D layer on flattened features
-      mask = None if mask is None else mask.reshape(layer.shape_2d)
+    if kind == "general" and mask is not None:  # the 2-D layer on flattened features
+      check_general_mask_view(mask, spec, len(f.in_dims), p)
+      mask = mask.reshape(layer.shape_2d)
     check_spec_applies(spec, params_2d["kernel"].shape, path=p)
     layer_vars = _linen_variables(spec, params_2d, mask, p)
     dense_ms = sparse_ms = None

@@ -53,7 +53,7 @@ from jaxsparse.layers import NMConv
 from jaxsparse.layers import NMLinear
 from jaxsparse.layers import SparseLinearGeneral
 
-__all__ = ["check_masks_used", "check_nm_mask", "densify", "sparsify"]
+__all__ = ["check_general_mask_view", "check_masks_used", "check_nm_mask", "densify", "sparsify"]
 
 
 _SPARSE_NNX = (BlockSparseLinear, MaskedLinear, NMLinear, NMConv, CompressedNMLinear, MaskedConv, SparseLinearGeneral)
@@ -113,6 +113,43 @@ def check_nm_mask(mask: np.ndarray, spec: NM, axis: int, path: str) -> None:
           f"NM({spec.n}, {spec.m}) rule keeps a mask only if it is {spec.n}:{spec.m}; prune with the same NM rule, "
           "or map this layer to jaxsparse.Unstructured to keep the mask as it is."
       )
+
+
+def check_general_mask_view(mask: np.ndarray, spec: Spec, in_ndim: int, path: str) -> None:
+  """Explains a mask that fits the layer's kernel only in the view of :mod:`jaxsparse.pruning`.
+
+  A multi-axis kernel (``nn.MultiHeadAttention``'s q/k/v ``(in, heads, head_dim)``) is the 2-D
+  ``(prod(in axes), prod(out axes))`` matrix here, while the pruner, which sees parameters without
+  their layers, treats every axis but the last as an input axis (conv layout).
+  """
+  if mask.ndim < 3 or in_ndim == mask.ndim - 1:
+    return
+  k, n = math.prod(mask.shape[:in_ndim]), math.prod(mask.shape[in_ndim:])
+  mask2, pruner2 = mask.reshape(k, n), mask.reshape(-1, mask.shape[-1])
+  if isinstance(spec, NM):
+    def fits(m, axis):
+      if m.shape[axis] % spec.m:
+        return False
+      groups = np.moveaxis(m, axis, 0).reshape(m.shape[axis] // spec.m, spec.m, -1)
+      return groups.sum(1).max(initial=0) <= spec.n
+    ok_here, ok_pruner = fits(mask2, 0), fits(mask, mask.ndim - 2)
+  elif isinstance(spec, BlockSparse):
+    def fits(m):
+      bk, bn = spec.block_shape
+      if m.shape[0] % bk or m.shape[1] % bn:
+        return False
+      blocks = m.reshape(m.shape[0] // bk, bk, m.shape[1] // bn, bn)
+      return np.array_equal(blocks.any(axis=(1, 3)), blocks.all(axis=(1, 3)))
+    ok_here, ok_pruner = fits(mask2), fits(pruner2)
+  else:
+    return
+  if not ok_here and ok_pruner:
+    raise ValueError(
+        f"{path}: the given mask fits {spec.describe()} in jaxsparse.pruning's view of this {mask.shape} kernel "
+        f"(every axis but the last an input: {pruner2.shape}), but this layer contracts its first {in_ndim} axis(es): "
+        f"sparsify views it as {(k, n)}, where the mask does not fit. Prune q/k/v-style kernels (several output "
+        "axes) with jaxsparse.Unstructured, or sparsify them without masks=."
+    )
 
 
 def check_masks_used(mask_dict: dict, used: set[str], path_of_kernel: list[str]) -> None:
@@ -181,6 +218,8 @@ def _to_sparse(node: nnx.Module, spec: Spec, mask: np.ndarray | None, path: str)
   if isinstance(node, nnx.LinearGeneral):
     lin = _general_as_linear(node, path)
     check_spec_applies(spec, lin.kernel.shape, path=path)
+    if mask is not None:
+      check_general_mask_view(mask, spec, len(node.in_features), path)
     mask2 = None if mask is None else mask.reshape(lin.kernel.shape)
     return SparseLinearGeneral(
         _sparse_linear(lin, spec, mask2, path), in_features=node.in_features, out_features=node.out_features,
