@@ -11,18 +11,21 @@ import textwrap
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def child_env() -> dict:
-  env = dict(os.environ)
+def child_env(extra: dict | None = None) -> dict:
+  env = {**os.environ, **(extra or {})}
   env["PYTHONPATH"] = os.pathsep.join([REPO, *filter(None, [env.get("PYTHONPATH")])])
   env.setdefault("JAX_PLATFORMS", "cpu")
   return env
 
 
-def run_child(script: str, *args: str, timeout: float = 240) -> tuple[dict, subprocess.CompletedProcess]:
-  """Runs ``script`` in a fresh interpreter; it prints one JSON object per case: ``{"case", ...}``."""
+def run_child(
+    script: str, *args: str, timeout: float = 240, env: dict | None = None
+) -> tuple[dict, subprocess.CompletedProcess]:
+  """Runs ``script`` in a fresh interpreter (``env`` added to the environment); it prints one JSON object per
+  case: ``{"case", ...}``."""
   proc = subprocess.run(
       [sys.executable, "-c", textwrap.dedent(script), *args],
-      capture_output=True, text=True, timeout=timeout, env=child_env(), check=False,
+      capture_output=True, text=True, timeout=timeout, env=child_env(env), check=False,
   )
   results = {}
   for line in proc.stdout.splitlines():

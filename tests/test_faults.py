@@ -48,6 +48,7 @@ NATIVE_CASES = {
     "block_forward_order_negative": "transpose_order has entries outside",
     "block_backward_row_offsets_past_nnz": "row_offsets is not an offset array",
     "block_backward_col_index_past_grid": "col_indices has entries outside",
+    "valid_shapes_sweep": None,  # every kernel on edge shapes against NumPy (under ASan: no stray access)
 }
 
 _NATIVE_CHILD = """
@@ -95,9 +96,39 @@ def spoil(arr, where, value):
   arr[where] = value
   return arr
 
+def sweep():
+  err = 0.0
+  for b, k, n, density in [(1, 3, 5, 0.5), (7, 40, 9, 0.2), (70, 16, 300, 0.1), (9, 1100, 24, 0.05), (2, 8, 1, 1.0),
+                           (3, 12, 7, 0.0)]:
+    x, w, dy = f32(b, k), f32(k, n), f32(b, n)
+    mask = rng.random((k, n)) < density
+    wm = np.where(mask, w, 0)
+    err = max(err, np.abs(np.asarray(_kernels.masked_forward(x, w, mask)) - x @ wm).max())
+    dx, dw = _kernels.masked_backward(x, w, mask, dy)
+    err = max(err, np.abs(np.asarray(dx) - dy @ wm.T).max(), np.abs(np.asarray(dw) - np.where(mask, x.T @ dy, 0)).max())
+    c = CSRMatrix.from_dense(w, mask=mask)
+    y = _kernels.csr_forward(x, c.data, c.col_offsets, c.transpose_order, c.transpose_row_indices)
+    dx, dd = _kernels.csr_backward(x, c.data, c.row_offsets, c.col_indices, dy)
+    err = max(err, np.abs(np.asarray(y) - x @ wm).max(), np.abs(np.asarray(dx) - dy @ wm.T).max(),
+              np.abs(np.asarray(dd) - (x.T @ dy)[mask]).max(initial=0))
+  for b, kb, nb, bs in [(1, 1, 1, 8), (5, 3, 2, 8), (70, 2, 3, 16), (3, 4, 4, 8)]:
+    k, n = kb * bs, nb * bs
+    x, dy = f32(b, k), f32(b, n)
+    grid = rng.random((kb, nb)) < 0.5
+    w = BlockSparseMatrix.from_dense(f32(k, n), (bs, bs), block_mask=grid)
+    dense = np.asarray(w.to_dense())
+    y = _kernels.block_forward(x, w.data, w.row_indices, w.col_offsets, w.transpose_order)
+    dx, dd = _kernels.block_backward(x, w.data, w.row_offsets, w.col_indices, dy)
+    full = (x.T @ dy).reshape(kb, bs, nb, bs).transpose(0, 2, 1, 3)[grid]
+    err = max(err, np.abs(np.asarray(y) - x @ dense).max(), np.abs(np.asarray(dx) - dy @ dense.T).max(),
+              np.abs(np.asarray(dd) - full).max(initial=0))
+  return {"error": None, "max_err": float(err)}
+
 def run(case):
   if case.startswith("masked_"):
     return masked("backward" in case)
+  if case == "valid_shapes_sweep":
+    return sweep()
   x = f32(4, 16)
   if case.startswith("csr_"):
     w = csr_parts()
@@ -177,7 +208,7 @@ def test_native_kernel_faults(native_results, case):
   assert r is not None, missing_report(results, case, proc)
   fragment = NATIVE_CASES[case]
   if fragment is None:
-    assert r["error"] is None and r["max_err"] < 1e-4, r
+    assert r["error"] is None and r["max_err"] < 1e-3, r
   else:
     assert r["error"] is not None and fragment in r["message"], r
 
