@@ -5,8 +5,11 @@ entry point reads them in a child process: a segfault fails the cases it hits in
 """
 
 import functools
+import io
+import json
 import os
 import re
+import struct
 import warnings
 
 import numpy as np
@@ -104,6 +107,54 @@ SPARSE_CASES = {
                             "fc.weight", r"col_indices.*outside \[0, 4\)"),
 }
 
+
+
+def _safetensors(header: dict, data: bytes) -> bytes:
+  """A safetensors file with a hand-written header (the library refuses to write bad ones)."""
+  raw = json.dumps(header).encode()
+  return struct.pack("<Q", len(raw)) + raw + data
+
+
+def _saved(obj) -> bytes:
+  buffer = io.BytesIO()
+  torch.save(obj, buffer)
+  return buffer.getvalue()
+
+
+F32 = {"dtype": "F32"}
+# Whole files: case -> (file suffix, bytes builder, what the message must name, regex it must match)
+FILE_CASES = {
+    "st_offsets_past_end": (".safetensors", lambda: _safetensors(
+        {"fc.weight": {**F32, "shape": [4, 4], "data_offsets": [0, 64]}}, bytes(16)), ".safetensors", "not a valid"),
+    "st_shape_vs_offsets": (".safetensors", lambda: _safetensors(
+        {"fc.weight": {**F32, "shape": [4, 4], "data_offsets": [0, 32]}}, bytes(32)), ".safetensors", "not a valid"),
+    "st_unknown_dtype": (".safetensors", lambda: _safetensors(
+        {"fc.weight": {"dtype": "F99", "shape": [2], "data_offsets": [0, 8]}}, bytes(8)), ".safetensors", "F99"),
+    "st_header_not_json": (".safetensors", lambda: struct.pack("<Q", 8) + b"notjson!" + bytes(8), ".safetensors",
+                           "not a valid"),
+    "st_overlapping_tensors": (".safetensors", lambda: _safetensors(
+        {"fc.weight": {**F32, "shape": [2], "data_offsets": [0, 8]},
+         "fc.bias": {**F32, "shape": [2], "data_offsets": [4, 12]}}, bytes(12)), ".safetensors", "offset"),
+    "st_negative_shape": (".safetensors", lambda: _safetensors(
+        {"fc.weight": {**F32, "shape": [-1, 4], "data_offsets": [0, 16]}}, bytes(16)), ".safetensors", "not a valid"),
+    "st_header_longer_than_file": (".safetensors", lambda: struct.pack("<Q", 10**9) + b"{}", ".safetensors",
+                                   "header claims"),
+    "pt_prune_mask_nan": (".pt", lambda: _saved({"fc.weight_orig": torch.ones(8, 8),
+                                                 "fc.weight_mask": torch.full((8, 8), float("nan"))}),
+                          "fc.weight_mask", "must hold only 0 and 1"),
+    "pt_prune_mask_shape": (".pt", lambda: _saved({"fc.weight_orig": torch.ones(8, 8),
+                                                   "fc.weight_mask": torch.ones(8, 5)}),
+                            "fc.weight_mask", r"has shape \(8, 5\) but its weight has shape \(8, 8\)"),
+    "pt_sparseprop_index_past_shape": (".pt", lambda: _saved({
+        "fc.W_val": torch.ones(3), "fc.W_idx.indptr": torch.tensor([0, 1, 2, 3]),
+        "fc.W_idx.indices": torch.tensor([0, 1, 50]), "fc.W_shape": torch.tensor([3, 8])}),
+        "fc.W_idx.indices", r"outside \[0, 8\)"),
+    "pt_sparsifier_mask_shape": (".pt", lambda: _saved({
+        "model": {"fc.parametrizations.weight.original": torch.ones(8, 8)},
+        "sparsifier": {"state": {"fc.weight": {"mask": torch.ones(8, 5)}}}}), "fc", r"has shape \(8, 5\)"),
+    "pt_truncated": (".pt", lambda: _saved({"fc.weight": torch.ones(64, 64)})[:3000], ".pt", "not a readable"),
+}
+
 PATHS = ("decode", "load_nnx", "inspect", "convert")
 
 _CHECKPOINT_CHILD = """
@@ -120,7 +171,8 @@ class Model(nnx.Module):
     self.fc = nnx.Linear(8, 8, rngs=nnx.Rngs(0))
 
 def run(case, path):
-  src = os.path.join(directory, case + ".pt")
+  src = next(os.path.join(directory, case + ext) for ext in (".pt", ".safetensors")
+             if os.path.exists(os.path.join(directory, case + ext)))
   out = os.path.join(directory, f"{case}.{path}.safetensors")
   err = io.StringIO()
   try:
@@ -152,15 +204,18 @@ def checkpoint_results(tmp_path_factory):
     warnings.simplefilter("ignore")  # torch warns that invariant checks are off: that is the point
     for case, (build, _, _) in SPARSE_CASES.items():
       torch.save(build(), directory / f"{case}.pt")
-  results, proc = run_child(_CHECKPOINT_CHILD, str(directory), ",".join(SPARSE_CASES), ",".join(PATHS))
+    for case, (suffix, build, _, _) in FILE_CASES.items():
+      (directory / f"{case}{suffix}").write_bytes(build())
+  cases = [*SPARSE_CASES, *FILE_CASES]
+  results, proc = run_child(_CHECKPOINT_CHILD, str(directory), ",".join(cases), ",".join(PATHS))
   return results, proc
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("case", list(SPARSE_CASES))
-def test_crafted_sparse_checkpoint(checkpoint_results, case, path):
+@pytest.mark.parametrize("case", [*SPARSE_CASES, *FILE_CASES])
+def test_crafted_checkpoint(checkpoint_results, case, path):
   results, proc = checkpoint_results
-  _, key, pattern = SPARSE_CASES[case]
+  key, pattern = SPARSE_CASES[case][1:] if case in SPARSE_CASES else FILE_CASES[case][2:]
   r = results.get(f"{case}/{path}")
   assert r is not None, missing_report(results, f"{case}/{path}", proc)
   if path in ("inspect", "convert"):
