@@ -27,6 +27,7 @@ torch = pytest.importorskip("torch")  # the torch extra is installed in CI; see 
 
 import jaxsparse  # noqa: E402
 from jaxsparse import torch_interop  # noqa: E402
+from jaxsparse.torch_interop import CheckpointError  # noqa: E402
 from jaxsparse.torch_interop._cli import main as cli_main  # noqa: E402
 
 
@@ -346,3 +347,22 @@ def test_linen_variables_keep_a_pruned_conv_mask(tmp_path):
   assert cli_main(["convert", str(tmp_path / "conv.pt"), str(tmp_path / "out.safetensors")]) == 0
   np.testing.assert_array_equal(torch_interop.load_flax_variables(tmp_path / "out.safetensors")["sparsity"]["conv"]
                                 ["mask"], mask)
+
+
+def test_corrupt_flax_variable_files(tmp_path):
+  good = torch_interop.save_flax_variables({"params": {"fc": {"kernel": np.ones((4, 4), np.float32)}}},
+                                           tmp_path / "ckpt", format="orbax")
+  (tmp_path / "empty").mkdir()
+  (tmp_path / "junk.safetensors").write_bytes(b"junk")
+  corrupt = tmp_path / "corrupt"
+  corrupt.mkdir()
+  for name in os.listdir(good):
+    src = os.path.join(good, name)
+    if os.path.isfile(src):
+      (corrupt / name).write_bytes(b"garbage" if name.startswith(("manifest", "_METADATA")) else open(src, "rb").read())
+  cases = {"empty": "is not a readable orbax checkpoint", "corrupt": "is not a readable orbax checkpoint",
+           "junk.safetensors": "is not a readable safetensors file", "missing.safetensors": "is not a readable"}
+  for name, fragment in cases.items():
+    with pytest.raises(CheckpointError, match=re.escape(f"{tmp_path / name} {fragment}")):
+      torch_interop.load_flax_variables(tmp_path / name)
+  assert torch_interop.load_flax_variables(good)["params"]["fc"]["kernel"].shape == (4, 4)
