@@ -607,11 +607,11 @@ def _pruned_attention(rules):
 
   class Block(nnx.Module):
     def __init__(self, rngs):
-      self.attn = nnx.MultiHeadAttention(4, 64, qkv_features=64, decode=False, rngs=rngs)
+      self.attn = nnx.MultiHeadAttention(4, 16, qkv_features=16, decode=False, rngs=rngs)
 
   model = Block(nnx.Rngs(0))
   opt = nnx.Optimizer(model, pruning.wrap_optax(optax.sgd(1e-3), pruning.magnitude_pruner(rules)), wrt=nnx.Param)
-  x = jax.random.normal(jax.random.key(1), (2, 8, 64))
+  x = jax.random.normal(jax.random.key(1), (2, 3, 16))
   opt.update(model, nnx.grad(lambda m: jnp.sum(m.attn(x) ** 2))(model))
   return model, pruning.get_masks(opt), x
 
@@ -625,11 +625,11 @@ def test_pruner_never_prunes_biases_and_unstructured_masks_round_trip():
   np.testing.assert_allclose(sparse.attn(x), model.attn(x), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("spec", [jaxsparse.NM(2, 4), jaxsparse.BlockSparse(density=0.5, block_shape=(16, 16))],
+@pytest.mark.parametrize("spec", [jaxsparse.NM(2, 4), jaxsparse.BlockSparse(density=0.5, block_shape=(4, 4))],
                          ids=str)
 def test_pruner_view_of_qkv_kernels_is_explained(spec):
   rules = {r"attn\.(query|key|value)": spec}
   model, masks, _ = _pruned_attention(rules)
   with pytest.raises(ValueError, match=r"attn\.(query|key|value): the given mask fits .* in jaxsparse.pruning's view "
-                     r"of this \(64, 4, 16\) kernel \(every axis but the last an input: \(256, 16\)\)"):
+                     r"of this \(16, 4, 4\) kernel \(every axis but the last an input: \(64, 4\)\)"):
     jaxsparse.sparsify(model, rules, masks=masks)
