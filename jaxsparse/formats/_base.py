@@ -175,8 +175,8 @@ class IndexedSparseMatrix:
     :class:`CSRMatrix`, ``transpose_row_indices``) equal to those the indices imply. A matrix that
     passes gives the same product on every backend and in both directions.
 
-    Cost: a device-to-host copy of the index arrays and O(nnz log nnz + rows + cols) NumPy work,
-    ~1 ms per million stored entries or blocks. Constructors run it on concrete arrays (pass
+    Cost: a device-to-host copy of the index arrays and O(nnz log nnz + rows + cols) NumPy work on
+    one CPU core (a sort of the column indices dominates). Constructors run it on concrete arrays (pass
     ``validate=False`` on hot paths; the ``from_dense`` / ``from_mask`` / ``from_block_mask``
     constructors build valid arrays and skip it). Under ``jit`` the arrays are traced: the shape checks
     still run, and the value checks are ``jax.experimental.checkify`` checks: call it inside a function

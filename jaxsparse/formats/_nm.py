@@ -460,8 +460,8 @@ class NMSparseMatrix:
     """Checks the packed positions; returns ``self``, or raises ``ValueError`` naming the bad group.
 
     Every position must be in ``[0, m)``, the ``n`` positions of a group strictly increasing (so no
-    two kept values claim one entry), and the spare bits of each packed word zero. Cost: one unpack of
-    ``indices`` (``n / m`` bytes per dense entry) and a device-to-host copy. The constructor runs it on
+    two kept values claim one entry), and the spare bits of each packed word zero. Cost: a device-to-host
+    copy of ``indices`` and one NumPy unpack of them (O(size of ``values``)). The constructor runs it on
     concrete indices (``validate=False`` skips it; :meth:`from_dense` builds valid positions). Under
     ``jit`` the checks are ``jax.experimental.checkify`` checks: call it inside a function wrapped in
     ``checkify.checkify`` (without one, JAX refuses to stage the checks).
