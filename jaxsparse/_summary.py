@@ -182,13 +182,30 @@ def _path(parts: Sequence[Any]) -> str:
   return ".".join(str(p) for p in parts)
 
 
-def _linen_nm_layers(module: nn.Module, variables: Mapping, inputs: Sequence[Any]) -> dict[tuple[str, ...], nn.Module]:
-  """The N:M Linen layers of ``module`` by scope path (their variables alone look like ``nn.Dense``'s)."""
-  found: dict[tuple[str, ...], nn.Module] = {}
+# An N:M Linen layer as the summary needs it: (layer name, n, m, transposable).
+_NMInfo = tuple[str, int, int, bool]
+
+
+def _linen_nm_layers(module: Any, variables: Mapping, inputs: Sequence[Any]) -> dict[tuple[str, ...], _NMInfo]:
+  """The N:M Linen layers of ``module`` by scope path (their variables alone look like ``nn.Dense``'s).
+
+  For a :func:`jaxsparse.sparsify_linen` model they are the layers its plan maps to an ``NM`` rule.
+  """
+  from jaxsparse._sparsify._linen import SparsifiedLinen  # noqa: PLC0415 -- _sparsify imports this module's peers
+  from jaxsparse.formats._specs import NM  # noqa: PLC0415
+
+  if isinstance(module, SparsifiedLinen):
+    return {
+        tuple(str(p) for p in path): ("NMConv" if plan.kind == "conv" else "NMDense", plan.spec.n, plan.spec.m,
+                                      plan.spec.transposable)
+        for path, plan in module.layers.items() if isinstance(plan.spec, NM)
+    }
+  found: dict[tuple[str, ...], _NMInfo] = {}
 
   def record(next_fun, args, kwargs, context):
-    if isinstance(context.module, _nm_linen.NMDense | _nm_linen.NMConv) and context.method_name == "__call__":
-      found[tuple(context.module.scope.path)] = context.module
+    m = context.module
+    if isinstance(m, _nm_linen.NMDense | _nm_linen.NMConv) and context.method_name == "__call__":
+      found[tuple(m.scope.path)] = (type(m).__name__, m.n, m.m, m.transposable)
     return next_fun(*args, **kwargs)
 
   with nn.intercept_methods(record):
@@ -196,7 +213,7 @@ def _linen_nm_layers(module: nn.Module, variables: Mapping, inputs: Sequence[Any
   return found
 
 
-def _linen_layers(variables: Mapping, nm_layers: Mapping[tuple[str, ...], nn.Module]) -> list[LayerSummary]:
+def _linen_layers(variables: Mapping, nm_layers: Mapping[tuple[str, ...], _NMInfo]) -> list[LayerSummary]:
   out = []
   sparsity = variables.get(SPARSITY, {})
 
@@ -216,13 +233,13 @@ def _linen_layers(variables: Mapping, nm_layers: Mapping[tuple[str, ...], nn.Mod
         out.append(_layer(path, "BlockSparseDense", (kb * bk, nb * bn), f"block {bk}x{bn}", math.prod(kernel.shape),
                           **common))
       elif "mask" in pattern:
-        out.append(_layer(path, "MaskedDense", tuple(kernel.shape), "unstructured", _count(pattern["mask"]), **common))
+        name = "MaskedConv" if len(kernel.shape) > 2 else "MaskedDense"  # a masked nn.Conv (sparsify_linen, convert)
+        out.append(_layer(path, name, tuple(kernel.shape), "unstructured", _count(pattern["mask"]), **common))
       elif prefix in nm_layers:
-        layer = nm_layers[prefix]
+        name, n, m, transposable = nm_layers[prefix]
         shape = tuple(kernel.shape)
-        nm = f"{layer.n}:{layer.m}" + (" transposable" if layer.transposable else "")
-        out.append(_layer(path, type(layer).__name__, shape, nm,
-                          math.prod(shape) * layer.n // layer.m, dense_weight_grad=True, **common))
+        nm = f"{n}:{m}" + (" transposable" if transposable else "")
+        out.append(_layer(path, name, shape, nm, math.prod(shape) * n // m, dense_weight_grad=True, **common))
     for key, value in params.items():
       if isinstance(value, Mapping):
         walk(value, (*prefix, str(key)))
@@ -256,7 +273,8 @@ def summary(model: nnx.Module | Mapping, /, *example_inputs: Any, module: nn.Mod
     model: a Flax NNX module, or Linen variables (``{"params": ..., "sparsity": ...}``).
     *example_inputs: with Linen variables and ``module``: the inputs of ``module.apply`` (arrays or
       ``jax.ShapeDtypeStruct``; only traced).
-    module: the Linen module of ``model``'s variables. Needed to find ``NMDense`` / ``NMConv``, whose
+    module: the Linen module of ``model``'s variables, or the ``SparsifiedLinen`` that
+      :func:`jaxsparse.sparsify_linen` returned. Needed to find ``NMDense`` / ``NMConv``, whose
       variables are those of ``nn.Dense`` / ``nn.Conv``; block-sparse and masked Linen layers are found
       from the ``"sparsity"`` collection alone.
 

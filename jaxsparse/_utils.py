@@ -87,6 +87,11 @@ def check_activations(x: jax.typing.ArrayLike, k: int, *, floating: bool = True)
   x = jnp.asarray(x)
   if x.ndim < 1 or x.shape[-1] != k:
     raise ValueError(f"x must have shape (..., K) with K = w.shape[0] = {k}, got x.shape={x.shape}.")
+  if k == 0:
+    raise ValueError(
+        f"the contraction is empty: w has K = w.shape[0] = 0 input features (x.shape={x.shape}). The sparse ops "
+        "need K >= 1; an empty product is all zeros: jnp.zeros((*x.shape[:-1], w.shape[1]))."
+    )
   if floating and not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(f"x must have a floating dtype, got {x.dtype}.")
   return x

@@ -8,6 +8,10 @@ when one of those changes. Compilation takes a few seconds once; later imports l
 library. Concurrent processes may build at the same time: each writes a private temporary file and
 renames it into place.
 
+``JAXSPARSE_CPU_SANITIZE=address`` builds them with AddressSanitizer (a separate cached library) for
+tests that run them on bad inputs; the process must then preload the ASan runtime
+(``LD_PRELOAD=$(g++ -print-file-name=libasan.so)``, see ``tests/test_faults.py``).
+
 When no compiler is found, compilation fails or ``JAXSPARSE_CPU_KERNELS=0`` is set, :func:`load`
 returns ``False`` and :func:`unavailable_reason` says why; the ops then run their pure-XLA path and
 emit a :class:`CpuKernelFallbackWarning`.
@@ -150,8 +154,12 @@ def _build() -> tuple[Path | None, str]:
   sources = [here / s for s in _SOURCES]
   errors = []
   cpu, version = _cpu_signature(), _compiler_version(cxx)
+  sanitize = os.environ.get("JAXSPARSE_CPU_SANITIZE", "").strip()
+  if sanitize not in ("", "address"):
+    return None, f"JAXSPARSE_CPU_SANITIZE must be 'address' or empty, got {sanitize!r}"
+  extra = ("-fsanitize=address", "-fno-omit-frame-pointer", "-g") if sanitize else ()
   for arch in _ARCH_FLAGS:
-    flags = (*_FLAGS, *arch)
+    flags = (*_FLAGS, *arch, *extra)
     texts = [f.read_bytes() for f in [*sources, *(here / h for h in _HEADERS)]]
     parts = (*texts, " ".join(flags), version, jaxlib.__version__, platform.machine(), cpu)
     lib, error = build_cached("jaxsparse_cpu", parts, cxx, sources, flags)

@@ -276,7 +276,9 @@ void MaskedForwardKernel(const Scheduler& pool, const float* x, const float* w, 
         for (int64_t q = 0; q < cn; q += 64) __builtin_prefetch(m + 4 * kPrefetchRows * n + q);
       }
       int32_t* cnt = s.counts.data() + (r / kBlockRows) * cn;
-      for (int64_t j = 0; j < cn; ++j) cnt[j] += m[j];
+      // A mask byte is kept when nonzero, as MaskBits reads it below: a bool array viewed from other
+      // bytes (e.g. 255) must count as many entries as the fill writes, or the chunk reads stale scratch.
+      for (int64_t j = 0; j < cn; ++j) cnt[j] += m[j] != 0;
     }
     s.seg.resize(cn * nblocks + 1);
     int32_t total = 0;
@@ -433,10 +435,17 @@ std::string CsrBackwardKernel(const Scheduler& pool, const float* x, const float
 // FFI handlers: shape checks, then the kernels above on XLA's intra-op thread pool.
 // ------------------------------------------------------------------------------------------------
 
+// The masked kernels number a chunk's kept entries with int32: a forward chunk holds up to k * kColChunk of
+// them, a backward chunk kRowChunk * n.
+constexpr int64_t kMaxChunkEntries = (int64_t{1} << 31) - 1;
+
 ffi::Error MaskedForward(ffi::ThreadPool pool, F32Matrix x, F32Matrix w, BoolMatrix mask, F32MatrixOut y) {
   const int64_t b = Dim(x, 0), k = Dim(x, 1), n = Dim(w, 1);
   if (Dim(w, 0) != k || Dim(mask, 0) != k || Dim(mask, 1) != n || Dim(*y, 0) != b || Dim(*y, 1) != n) {
     return ShapeError("masked forward");
+  }
+  if (k > kMaxChunkEntries / kColChunk) {
+    return Status("masked forward", "k=" + std::to_string(k) + " rows exceed the kernel's int32 chunk indexing");
   }
   MaskedForwardKernel(PoolScheduler(pool), x.typed_data(), w.typed_data(), mask.typed_data(), b, k, n,
                       y->typed_data());
@@ -449,6 +458,9 @@ ffi::Error MaskedBackward(ffi::ThreadPool pool, F32Matrix x, F32Matrix w, BoolMa
   if (Dim(w, 0) != k || Dim(mask, 0) != k || Dim(mask, 1) != n || Dim(dy, 0) != b || Dim(dy, 1) != n ||
       Dim(*dx, 0) != b || Dim(*dx, 1) != k || Dim(*dw, 0) != k || Dim(*dw, 1) != n) {
     return ShapeError("masked backward");
+  }
+  if (n > kMaxChunkEntries / kRowChunk) {
+    return Status("masked backward", "n=" + std::to_string(n) + " columns exceed the kernel's int32 chunk indexing");
   }
   MaskedBackwardKernel(PoolScheduler(pool), x.typed_data(), w.typed_data(), mask.typed_data(), dy.typed_data(), b,
                        k, n, dx->typed_data(), dw->typed_data());

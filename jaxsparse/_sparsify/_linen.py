@@ -36,11 +36,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxsparse import _utils
 from jaxsparse._rules import dense_general_dims
 from jaxsparse._rules import match_rules
 from jaxsparse._rules import resolve_rules
 from jaxsparse._rules import warn_unmatched
 from jaxsparse._sparsify._nnx import block_mask_of
+from jaxsparse._sparsify._nnx import check_general_mask_view
+from jaxsparse._sparsify._nnx import check_masks_used
+from jaxsparse._sparsify._nnx import check_nm_mask
 from jaxsparse._sparsify._nnx import masks_dict
 from jaxsparse._sparsify._partitioning import carry_linen
 from jaxsparse._sparsify._report import LayerChange
@@ -49,6 +53,7 @@ from jaxsparse._sparsify._report import check_speed_mode
 from jaxsparse._sparsify._report import nbytes
 from jaxsparse._sparsify._report import random_input
 from jaxsparse._sparsify._report import timed
+from jaxsparse.formats._base import is_concrete
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
 from jaxsparse.formats._masks import block_magnitude_mask
 from jaxsparse.formats._masks import magnitude_mask
@@ -174,6 +179,40 @@ class SparsifiedLinen:
     with nn.intercept_methods(self._intercept):
       return self.module.apply(variables, *args, **kwargs)
 
+  def init(self, rngs: Any, *args: Any, **kwargs: Any) -> dict:
+    """Fresh sparse variables: ``module.init(rngs, *args, **kwargs)``, each planned layer then pruned by
+    magnitude to its structure, as :func:`sparsify_linen` does (given masks are not part of the plan).
+
+    Works under ``jax.eval_shape``, so a checkpoint of the sparse variables restores into an abstract
+    target with no dense model in memory::
+
+        abstract = jax.eval_shape(sparse.init, jax.random.key(0), x)
+        variables = ocp.StandardCheckpointer().restore(path, abstract)
+    """
+    variables = _to_dict(self.module.init(rngs, *args, **kwargs))
+    params = variables.setdefault("params", {})
+    for path, layer in self.layers.items():
+      boxed_params = _nested_get(params, path)
+      layer_vars = _linen_variables(layer.spec, _params_2d(layer, nn.meta.unbox(boxed_params)), None,
+                                    ".".join(path))
+      _store(variables, path, layer, boxed_params, layer_vars)
+    return variables
+
+
+def _params_2d(layer: _LinenLayer, dense_params: Mapping) -> Mapping:
+  """The parameters of the 2-D sparse layer: an ``nn.DenseGeneral``'s flattened to ``(K, N)`` and ``(N,)``."""
+  if layer.kind != "general":
+    return dense_params
+  return {k: v.reshape(layer.shape_2d if k == "kernel" else -1) for k, v in dense_params.items()}
+
+
+def _store(variables: dict, path: tuple, layer: _LinenLayer, boxed_params: Mapping, layer_vars: dict) -> None:
+  """Puts a sparse layer's variables at ``path``, with the dense parameters' partitioning boxes."""
+  boxed = carry_linen(boxed_params, layer_vars, in_ndim=len(layer.in_dims) if layer.kind == "general" else None)
+  _nested_set(variables["params"], path, boxed["params"])
+  if sparse_linen.SPARSITY in boxed:
+    _nested_set(variables.setdefault(sparse_linen.SPARSITY, {}), path, boxed[sparse_linen.SPARSITY])
+
 
 _LINEN_KINDS = {nn.Dense: "dense", nn.DenseGeneral: "general", nn.Conv: "conv"}
 
@@ -280,6 +319,9 @@ def sparsify_linen(
   new_vars = _to_dict(variables)
   params = new_vars.setdefault("params", {})
   layers, changes = {}, []
+  chosen = [".".join(path) for path in found if (r := match_rules(resolved, ".".join(path))) is not None
+            and resolved[r][2] is not None]
+  check_masks_used(mask_dict, {f"{p}.kernel" for p in chosen}, [f"{p}.kernel" for p in chosen])
   for path, f in found.items():
     kind, m = f.kind, f.module
     p = ".".join(path)
@@ -304,10 +346,10 @@ def sparsify_linen(
     mask = None if mask is None else np.asarray(mask)
     if mask is not None and mask.shape != kernel.shape:
       raise ValueError(f"{p}: the given mask has shape {mask.shape}, the kernel {kernel.shape}.")
-    params_2d = dense_params
-    if kind == "general":  # the 2-D layer on flattened features
-      params_2d = {k: v.reshape(layer.shape_2d if k == "kernel" else -1) for k, v in dense_params.items()}
-      mask = None if mask is None else mask.reshape(layer.shape_2d)
+    params_2d = _params_2d(layer, dense_params)
+    if kind == "general" and mask is not None:  # the 2-D layer on flattened features
+      check_general_mask_view(mask, spec, len(f.in_dims), p)
+      mask = mask.reshape(layer.shape_2d)
     check_spec_applies(spec, params_2d["kernel"].shape, path=p)
     layer_vars = _linen_variables(spec, params_2d, mask, p)
     dense_ms = sparse_ms = None
@@ -326,10 +368,7 @@ def sparsify_linen(
                                    f"kept dense: sparse not faster ({mode})"))
         continue
     layers[path] = layer
-    boxed = carry_linen(boxed_params, layer_vars, in_ndim=len(f.in_dims) if kind == "general" else None)
-    _nested_set(params, path, boxed["params"])
-    if sparse_linen.SPARSITY in boxed:
-      _nested_set(new_vars.setdefault(sparse_linen.SPARSITY, {}), path, boxed[sparse_linen.SPARSITY])
+    _store(new_vars, path, layer, boxed_params, layer_vars)
     density = _linen_density(spec, layer_vars, params_2d["kernel"].shape)
     changes.append(LayerChange(p, f"{type(m).__name__}({kernel.shape})", spec.describe(),
                                type(_linen_sparse_module(layer, nnz=_nnz(layer_vars, spec))).__name__,
@@ -356,14 +395,21 @@ def _linen_variables(spec: Spec, dense_params: Mapping, mask: np.ndarray | None,
   kernel = jnp.asarray(dense_params["kernel"])
   bias = {"bias": dense_params["bias"]} if "bias" in dense_params else {}
   if isinstance(spec, BlockSparse):
+    nnz_blocks = None
     if mask is None:
-      block_mask = np.asarray(block_magnitude_mask(kernel, spec.block_shape, spec.density))
+      block_mask = block_magnitude_mask(kernel, spec.block_shape, spec.density)
+      if is_concrete(block_mask):
+        block_mask = np.asarray(block_mask)
+      else:  # traced (SparsifiedLinen.init under jax.eval_shape): the block count is the rule's
+        kb, nb = kernel.shape[0] // spec.block_shape[0], kernel.shape[1] // spec.block_shape[1]
+        nnz_blocks = _utils.kept_count(spec.density, kb * nb)
     else:
       block_mask = block_mask_of(mask, spec.block_shape, path)
-    w = BlockSparseMatrix.from_dense(kernel, spec.block_shape, block_mask=block_mask)
+    w = BlockSparseMatrix.from_dense(kernel, spec.block_shape, block_mask=block_mask, nnz_blocks=nnz_blocks)
     return {"params": {"kernel": w.data, **bias}, sparse_linen.SPARSITY: dict(w.index_arrays())}
   if isinstance(spec, NM):
     if mask is not None:
+      check_nm_mask(mask, spec, mask.ndim - 2 if mask.ndim > 2 else 0, path)
       kernel = jnp.where(mask, kernel, jnp.zeros((), kernel.dtype))
     return {"params": {"kernel": kernel, **bias}}
   if mask is None:

@@ -38,6 +38,7 @@ from jaxsparse._sparsify._report import check_speed_mode
 from jaxsparse._sparsify._report import random_input
 from jaxsparse._sparsify._report import state_bytes
 from jaxsparse._sparsify._report import time_nnx_layer
+from jaxsparse.formats._base import is_concrete
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
 from jaxsparse.formats._specs import NM
 from jaxsparse.formats._specs import BlockSparse
@@ -52,7 +53,7 @@ from jaxsparse.layers import NMConv
 from jaxsparse.layers import NMLinear
 from jaxsparse.layers import SparseLinearGeneral
 
-__all__ = ["densify", "sparsify"]
+__all__ = ["check_general_mask_view", "check_masks_used", "check_nm_mask", "densify", "sparsify"]
 
 
 _SPARSE_NNX = (BlockSparseLinear, MaskedLinear, NMLinear, NMConv, CompressedNMLinear, MaskedConv, SparseLinearGeneral)
@@ -92,6 +93,76 @@ def block_mask_of(mask: np.ndarray, block_shape: tuple[int, int], path: str) -> 
   return anyb
 
 
+def check_nm_mask(mask: np.ndarray, spec: NM, axis: int, path: str) -> None:
+  """Raises unless ``mask`` keeps at most ``n`` of every ``m`` along ``axis`` (and the last axis, if transposable).
+
+  An N:M layer built from a mask keeps the mask's weights only when the mask is N:M; anything else
+  would be re-pruned by magnitude without a word.
+  """
+  axes = [(axis, "the input features")]
+  if spec.transposable and mask.shape[-1] % spec.m == 0:
+    axes.append((mask.ndim - 1, "the output features (transposable)"))
+  for ax, what in axes:
+    moved = np.moveaxis(np.asarray(mask, bool), ax, 0)
+    counts = moved.reshape(moved.shape[0] // spec.m, spec.m, *moved.shape[1:]).sum(1)
+    if counts.size and counts.max() > spec.n:
+      group = tuple(int(i) for i in np.unravel_index(np.argmax(counts), counts.shape))
+      raise ValueError(
+          f"{path}: the given mask is not {spec.n}:{spec.m} along {what} (axis {ax}): group {group} keeps "
+          f"{int(counts.max())} of {spec.m} ({int((counts > spec.n).sum())} groups keep more than {spec.n}). An "
+          f"NM({spec.n}, {spec.m}) rule keeps a mask only if it is {spec.n}:{spec.m}; prune with the same NM rule, "
+          "or map this layer to jaxsparse.Unstructured to keep the mask as it is."
+      )
+
+
+def check_general_mask_view(mask: np.ndarray, spec: Spec, in_ndim: int, path: str) -> None:
+  """Explains a mask that fits the layer's kernel only in the view of :mod:`jaxsparse.pruning`.
+
+  A multi-axis kernel (``nn.MultiHeadAttention``'s q/k/v ``(in, heads, head_dim)``) is the 2-D
+  ``(prod(in axes), prod(out axes))`` matrix here, while the pruner, which sees parameters without
+  their layers, treats every axis but the last as an input axis (conv layout).
+  """
+  if mask.ndim < 3 or in_ndim == mask.ndim - 1:
+    return
+  k, n = math.prod(mask.shape[:in_ndim]), math.prod(mask.shape[in_ndim:])
+  mask2, pruner2 = mask.reshape(k, n), mask.reshape(-1, mask.shape[-1])
+  if isinstance(spec, NM):
+    def fits(m, axis):
+      if m.shape[axis] % spec.m:
+        return False
+      groups = np.moveaxis(m, axis, 0).reshape(m.shape[axis] // spec.m, spec.m, -1)
+      return groups.sum(1).max(initial=0) <= spec.n
+    ok_here, ok_pruner = fits(mask2, 0), fits(mask, mask.ndim - 2)
+  elif isinstance(spec, BlockSparse):
+    def fits(m):
+      bk, bn = spec.block_shape
+      if m.shape[0] % bk or m.shape[1] % bn:
+        return False
+      blocks = m.reshape(m.shape[0] // bk, bk, m.shape[1] // bn, bn)
+      return np.array_equal(blocks.any(axis=(1, 3)), blocks.all(axis=(1, 3)))
+    ok_here, ok_pruner = fits(mask2), fits(pruner2)
+  else:
+    return
+  if not ok_here and ok_pruner:
+    raise ValueError(
+        f"{path}: the given mask fits {spec.describe()} in jaxsparse.pruning's view of this {mask.shape} kernel "
+        f"(every axis but the last an input: {pruner2.shape}), but this layer contracts its first {in_ndim} axis(es): "
+        f"sparsify views it as {(k, n)}, where the mask does not fit. Prune q/k/v-style kernels (several output "
+        "axes) with jaxsparse.Unstructured, or sparsify them without masks=."
+    )
+
+
+def check_masks_used(mask_dict: dict, used: set[str], path_of_kernel: list[str]) -> None:
+  """Raises for mask keys that no sparsified layer's kernel takes (a typo, or a layer the rules keep dense)."""
+  unused = sorted(set(mask_dict) - used)
+  if unused:
+    listing = ", ".join(path_of_kernel[:12]) + (" ..." if len(path_of_kernel) > 12 else "") or "(none)"
+    raise ValueError(
+        f"masks has key(s) {unused[:10]}{' ...' if len(unused) > 10 else ''} that match no layer the rules "
+        f"sparsify; keys are '<layer path>.kernel' of a layer a rule maps to a structure: {listing}."
+    )
+
+
 def _sparse_linear(lin: nnx.Linear, spec: Spec, mask: np.ndarray | None, path: str) -> nnx.Module:
   kernel = lin.kernel[...]
   if isinstance(spec, BlockSparse):
@@ -109,6 +180,7 @@ def _sparse_linear(lin: nnx.Linear, spec: Spec, mask: np.ndarray | None, path: s
     return layer
   if isinstance(spec, NM):
     if mask is not None:  # the N:M pattern follows the weights: zero the pruned ones so it is the given mask
+      check_nm_mask(mask, spec, 0, path)
       lin = _linear(jnp.where(mask, kernel, jnp.zeros((), kernel.dtype)), None if lin.bias is None else lin.bias[...],
                     dtype=lin.dtype, precision=lin.precision)
     return NMLinear.from_dense(lin, n=spec.n, m=spec.m, transposable=spec.transposable)
@@ -139,12 +211,15 @@ def _to_sparse(node: nnx.Module, spec: Spec, mask: np.ndarray | None, path: str)
     if isinstance(spec, NM):
       conv = node
       if mask is not None:
+        check_nm_mask(mask, spec, mask.ndim - 2, path)
         conv = MaskedConv.from_dense(node, mask=mask).to_dense()
       return NMConv.from_dense(conv, n=spec.n, m=spec.m, transposable=spec.transposable)
     return MaskedConv.from_dense(node, sparsity=None if mask is not None else spec.sparsity, mask=mask)
   if isinstance(node, nnx.LinearGeneral):
     lin = _general_as_linear(node, path)
     check_spec_applies(spec, lin.kernel.shape, path=path)
+    if mask is not None:
+      check_general_mask_view(mask, spec, len(node.in_features), path)
     mask2 = None if mask is None else mask.reshape(lin.kernel.shape)
     return SparseLinearGeneral(
         _sparse_linear(lin, spec, mask2, path), in_features=node.in_features, out_features=node.out_features,
@@ -159,6 +234,8 @@ def _density(layer: nnx.Module) -> float:
     return _density(layer.layer)
   if isinstance(layer, (NMLinear, NMConv)):
     return layer.n / layer.m
+  if isinstance(layer, (MaskedLinear, MaskedConv)) and not is_concrete(layer.mask[...]):
+    return float("nan")  # traced (under nnx.eval_shape or jit): the kept count is not known
   return float(layer.density)
 
 
@@ -279,6 +356,8 @@ def sparsify(
     if r is not None and resolved[r][2] is not None:
       chosen.append((path, node, resolved[r][2]))
   warn_unmatched(resolved, [path_str(p) for p, _ in layers], what="nnx.Linear / nnx.Conv / nnx.LinearGeneral")
+  kernel_keys = [f"{path_str(p)}.kernel" if p else "kernel" for p, _, _ in chosen]
+  check_masks_used(mask_dict, set(kernel_keys), kernel_keys)
 
   built = []
   for path, node, spec in chosen:

@@ -68,18 +68,27 @@ def mask_pattern_indices(mask: Any, nnz: int | None, *, name: str) -> dict[str, 
   }
 
 
+def _first_false(ok: np.ndarray) -> int:
+  return int(np.flatnonzero(~ok)[0])
+
+
 class IndexedSparseMatrix:
   """A sparse matrix held as ``data`` plus integer index arrays (children) and static int tuples (aux).
 
   Subclasses name their index arrays in ``INDEX_FIELDS`` and their static metadata (tuples of ints,
-  e.g. ``shape``) in ``STATIC_FIELDS``, and register themselves as pytree node classes.
+  e.g. ``shape``) in ``STATIC_FIELDS``, give the ``(rows, cols)`` the indices address as ``grid_shape``
+  and the shape ``data`` must have in ``_data_shape``, and register themselves as pytree node classes.
   """
 
   INDEX_FIELDS: ClassVar[tuple[str, ...]] = ()
   STATIC_FIELDS: ClassVar[tuple[str, ...]] = ("shape",)
 
-  def __init__(self, data: jax.Array, **fields: Any):
-    """Assembles a matrix from its parts; use the ``from_*`` constructors instead."""
+  def __init__(self, data: jax.Array, *, validate: bool = True, **fields: Any):
+    """Assembles a matrix from its parts; use the ``from_*`` constructors instead.
+
+    With ``validate=True`` (the default) the parts are checked by :meth:`validate` when they are concrete
+    (skipped for traced arrays).
+    """
     expected = set(self.INDEX_FIELDS) | set(self.STATIC_FIELDS)
     if set(fields) != expected:
       raise TypeError(f"{type(self).__name__} takes data and exactly {sorted(expected)}, got {sorted(fields)}.")
@@ -88,6 +97,117 @@ class IndexedSparseMatrix:
       setattr(self, f, fields[f])
     for f in self.STATIC_FIELDS:
       setattr(self, f, tuple(int(v) for v in fields[f]))
+    if validate and all(is_concrete(a) for a in self.tree_flatten()[0]):
+      self.validate()
+
+  # -- validation -----------------------------------------------------------------------------------
+  @property
+  def grid_shape(self) -> tuple[int, int]:
+    """``(rows, cols)`` of the grid the indices address."""
+    raise NotImplementedError
+
+  def _data_shape(self, nnz: int) -> tuple[int, ...]:
+    raise NotImplementedError
+
+  def _check_static(self) -> int:
+    """Checks the shapes and dtypes of data and the index arrays (static, so also under ``jit``); returns nnz."""
+    name = type(self).__name__
+    data = self.data
+    if getattr(data, "ndim", 0) < 1:
+      raise ValueError(f"{name}.data must be an array with a leading nnz axis, got {type(data).__name__}.")
+    nnz = int(data.shape[0])
+    if tuple(data.shape) != self._data_shape(nnz):
+      raise ValueError(f"{name}.data must have shape {self._data_shape(nnz)} for shape={self.shape}, got "
+                       f"{tuple(data.shape)}.")
+    rows, cols = self.grid_shape
+    lengths = {"row_offsets": rows + 1, "col_offsets": cols + 1}
+    for f in self.INDEX_FIELDS:
+      a = getattr(self, f)
+      want = (lengths.get(f, nnz),)
+      if tuple(getattr(a, "shape", ())) != want or np.dtype(getattr(a, "dtype", None)) != np.int32:
+        raise ValueError(
+            f"{name}.{f} must be an int32 array of shape {want} (nnz={nnz}, grid {self.grid_shape}), got "
+            f"{getattr(a, 'dtype', type(a).__name__)} {tuple(getattr(a, 'shape', ()))}."
+        )
+    return nnz
+
+  def _checks(self, xp) -> list[tuple[str, Any, str, Any]]:
+    """``[(field, ok, what is allowed, values)]``, elementwise ``ok`` over ``values``, computed with ``xp``.
+
+    The pattern is fully determined by ``row_indices`` / ``col_indices`` in row-major order: every
+    derived array must equal the one computed from them.
+    """
+    rows, cols = self.grid_shape
+    r, c = xp.asarray(self.row_indices), xp.asarray(self.col_indices)
+    nnz = r.shape[0]
+    i32 = xp.int32
+    checks = [
+        ("row_indices", (r >= 0) & (r < rows), f"values in [0, {rows})", r),
+        ("col_indices", (c >= 0) & (c < cols), f"values in [0, {cols})", c),
+    ]
+    if nnz > 1:
+      ordered = (r[1:] > r[:-1]) | ((r[1:] == r[:-1]) & (c[1:] > c[:-1]))
+      checks.append(("row_indices/col_indices", ordered, "entries in row-major order (by row, then column), each "
+                     "stored once; the value is the (row, col) after the previous entry", xp.stack([r[1:], c[1:]], -1)))
+    rc, cc = xp.clip(r, 0, rows), xp.clip(c, 0, cols)
+    if xp is np:
+      row_offsets = np.concatenate([[0], np.cumsum(np.bincount(rc, minlength=rows + 1)[:rows])]).astype(i32)
+      col_offsets = np.concatenate([[0], np.cumsum(np.bincount(cc, minlength=cols + 1)[:cols])]).astype(i32)
+      order = np.argsort(c, kind="stable").astype(i32)
+    else:
+      row_offsets = jnp.concatenate([jnp.zeros(1, i32), jnp.cumsum(jnp.zeros(rows + 1, i32).at[rc].add(1)[:rows])])
+      col_offsets = jnp.concatenate([jnp.zeros(1, i32), jnp.cumsum(jnp.zeros(cols + 1, i32).at[cc].add(1)[:cols])])
+      order = jnp.argsort(c, stable=True).astype(i32)
+    derived = {"row_offsets": row_offsets, "col_offsets": col_offsets, "transpose_order": order}
+    if "transpose_row_indices" in self.INDEX_FIELDS:
+      derived["transpose_row_indices"] = r[order]
+    for f, want in derived.items():
+      got = xp.asarray(getattr(self, f))
+      checks.append((f, got == want, f"the {f} that row_indices/col_indices imply ({want[:8].tolist()}...)"
+                     if xp is np else f"the {f} that row_indices/col_indices imply", got))
+    return checks
+
+  def validate(self):
+    """Checks the index arrays against the shape and each other; returns ``self``, or raises ``ValueError``.
+
+    Checks: shapes and int32 dtypes; ``row_indices`` / ``col_indices`` in range, in row-major order
+    with no entry twice; ``row_offsets``, ``col_offsets``, ``transpose_order`` (and, for
+    :class:`CSRMatrix`, ``transpose_row_indices``) equal to those the indices imply. A matrix that
+    passes gives the same product on every backend and in both directions.
+
+    Cost: a device-to-host copy of the index arrays and O(nnz log nnz + rows + cols) NumPy work on
+    one CPU core (a sort of the column indices dominates). Constructors run it on concrete arrays (pass
+    ``validate=False`` on hot paths; the ``from_dense`` / ``from_mask`` / ``from_block_mask``
+    constructors build valid arrays and skip it). Under ``jit`` the arrays are traced: the shape checks
+    still run, and the value checks are ``jax.experimental.checkify`` checks: call it inside a function
+    wrapped in ``checkify.checkify`` (without one, JAX refuses to stage the checks).
+
+    >>> import numpy as np, jaxsparse
+    >>> w = jaxsparse.CSRMatrix.from_dense(np.eye(3, dtype=np.float32))
+    >>> idx = {k: np.array(v) for k, v in w.index_arrays().items()}
+    >>> idx["col_indices"][1] = 7
+    >>> jaxsparse.CSRMatrix.from_index_arrays(w.data, idx, shape=(3, 3))
+    Traceback (most recent call last):
+    ValueError: CSRMatrix.col_indices is invalid at position 1 (value 7; 1 bad): expected values in [0, 3).
+    """
+    name = type(self).__name__
+    self._check_static()
+    arrays = [getattr(self, f) for f in self.INDEX_FIELDS]
+    if all(is_concrete(a) for a in arrays):
+      for field, ok, allowed, values in self._checks(np):
+        ok = np.asarray(ok)
+        if not ok.all():
+          i = _first_false(ok)
+          raise ValueError(
+              f"{name}.{field} is invalid at position {i} (value {np.asarray(values)[i].tolist()}; "
+              f"{int((~ok).sum())} bad): expected {allowed}."
+          )
+      return self
+    from jax.experimental import checkify  # noqa: PLC0415 -- only for traced matrices
+
+    for field, ok, allowed, _ in self._checks(jnp):
+      checkify.check(jnp.all(ok), f"{name}.{field} is invalid: expected {allowed}.")
+    return self
 
   def tree_flatten(self):
     children = (self.data, *(getattr(self, f) for f in self.INDEX_FIELDS))
@@ -104,16 +224,21 @@ class IndexedSparseMatrix:
     return obj
 
   @classmethod
-  def from_index_arrays(cls, data: jax.typing.ArrayLike, index_arrays: dict[str, jax.Array], **static: Any):
+  def from_index_arrays(
+      cls, data: jax.typing.ArrayLike, index_arrays: dict[str, jax.Array], *, validate: bool = True, **static: Any
+  ):
     """Reassembles a matrix from ``data`` and the dict returned by :meth:`index_arrays`.
 
     Layers keep the index arrays as non-trainable state and rebuild the matrix on each call with
-    this; nothing is recomputed. ``static`` gives the subclass's ``STATIC_FIELDS`` (``shape=...``).
+    this (with ``validate=False``); nothing is recomputed. ``static`` gives the subclass's
+    ``STATIC_FIELDS`` (``shape=...``). Concrete arrays are checked by :meth:`validate` unless
+    ``validate=False``.
     """
     missing = set(cls.INDEX_FIELDS) - set(index_arrays)
     if missing:
       raise ValueError(f"index_arrays is missing {sorted(missing)}; expected the keys {cls.INDEX_FIELDS}.")
-    return cls(jnp.asarray(data), **{f: jnp.asarray(index_arrays[f]) for f in cls.INDEX_FIELDS}, **static)
+    fields = {f: jnp.asarray(index_arrays[f]) for f in cls.INDEX_FIELDS}
+    return cls(jnp.asarray(data), validate=validate, **fields, **static)
 
   def index_arrays(self) -> dict[str, jax.Array]:
     """The integer index arrays of the pattern, keyed by ``INDEX_FIELDS`` names."""
@@ -125,7 +250,8 @@ class IndexedSparseMatrix:
     return out.at[self.row_indices, self.col_indices].set(values)
 
   def _with_checked_data(self, data: jax.Array):
-    return type(self)(data, **self.index_arrays(), **{f: getattr(self, f) for f in self.STATIC_FIELDS})
+    static = {f: getattr(self, f) for f in self.STATIC_FIELDS}
+    return type(self)(data, validate=False, **self.index_arrays(), **static)
 
   @property
   def dtype(self):

@@ -113,7 +113,8 @@ class BlockSparseMatrix(IndexedSparseMatrix):
     full = (kb * data.shape[1], nb * data.shape[2])
     if shape is not None and tuple(shape) != full:
       raise ValueError(f"shape={tuple(shape)} does not match block_mask {(kb, nb)} x blocks {data.shape[1:]}.")
-    return cls(data, shape=full, block_shape=data.shape[1:], **{k: jnp.asarray(v) for k, v in idx.items()})
+    idx = {k: jnp.asarray(v) for k, v in idx.items()}
+    return cls(data, validate=False, shape=full, block_shape=data.shape[1:], **idx)
 
   @classmethod
   def from_dense(
@@ -158,7 +159,8 @@ class BlockSparseMatrix(IndexedSparseMatrix):
     idx = block_pattern_indices(mask, nnz_blocks=nnz_blocks)
     blocks = w.reshape(kb, bk, nb, bn).transpose(0, 2, 1, 3)
     data = blocks[idx["row_indices"], idx["col_indices"]]
-    return cls(data, shape=w.shape, block_shape=(bk, bn), **{k: jnp.asarray(v) for k, v in idx.items()})
+    idx = {k: jnp.asarray(v) for k, v in idx.items()}
+    return cls(data, validate=False, shape=w.shape, block_shape=(bk, bn), **idx)
 
   def with_data(self, data: jax.typing.ArrayLike) -> BlockSparseMatrix:
     """The same pattern with new block values ``data`` of shape ``(nnz_blocks, bk, bn)``."""
@@ -177,6 +179,12 @@ class BlockSparseMatrix(IndexedSparseMatrix):
   def grid_shape(self) -> tuple[int, int]:
     """``(K // bk, N // bn)``: the shape of :attr:`block_mask`."""
     return self.shape[0] // self.block_shape[0], self.shape[1] // self.block_shape[1]
+
+  def _data_shape(self, nnz: int) -> tuple[int, ...]:
+    bk, bn = self.block_shape
+    if bk <= 0 or bn <= 0 or self.shape[0] % bk or self.shape[1] % bn:
+      raise ValueError(f"BlockSparseMatrix.block_shape={self.block_shape} must divide shape={self.shape}.")
+    return (nnz, bk, bn)
 
   @property
   def density(self) -> float:

@@ -98,7 +98,7 @@ class CSRMatrix(IndexedSparseMatrix):
     if data.ndim != 1 or (is_concrete(m) and data.shape[0] != int(m.sum())):
       raise ValueError(f"data must have shape (nnz,) = ({int(m.sum())},) for this mask, got {data.shape}.")
     idx = csr_pattern_indices(m, nnz=data.shape[0])
-    return cls(data, shape=m.shape, **{k: jnp.asarray(v) for k, v in idx.items()})
+    return cls(data, validate=False, shape=m.shape, **{k: jnp.asarray(v) for k, v in idx.items()})
 
   @classmethod
   def from_dense(cls, w: jax.typing.ArrayLike, mask: Any = None, *, nnz: int | None = None) -> CSRMatrix:
@@ -126,7 +126,7 @@ class CSRMatrix(IndexedSparseMatrix):
       raise ValueError(f"mask must have the shape of w {w.shape}, got {m.shape}.")
     idx = csr_pattern_indices(m, nnz=nnz)
     data = w[idx["row_indices"], idx["col_indices"]]
-    return cls(data, shape=w.shape, **{k: jnp.asarray(v) for k, v in idx.items()})
+    return cls(data, validate=False, shape=w.shape, **{k: jnp.asarray(v) for k, v in idx.items()})
 
   def with_data(self, data: jax.typing.ArrayLike) -> CSRMatrix:
     """The same pattern with new values ``data`` of shape ``(nnz,)``."""
@@ -136,6 +136,14 @@ class CSRMatrix(IndexedSparseMatrix):
     return self._with_checked_data(data)
 
   # -- properties -----------------------------------------------------------------------------------
+  @property
+  def grid_shape(self) -> tuple[int, int]:
+    """``(K, N)``: the grid the indices address, the shape itself."""
+    return self.shape
+
+  def _data_shape(self, nnz: int) -> tuple[int, ...]:
+    return (nnz,)
+
   @property
   def nnz(self) -> int:
     """Number of stored values."""

@@ -16,11 +16,14 @@ from __future__ import annotations
 import functools
 import itertools
 import numbers
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from jaxsparse.formats._base import is_concrete
 
 __all__ = [
     "NMSparseMatrix",
@@ -317,14 +320,14 @@ def _pack(positions: jax.Array, n: int, m: int) -> jax.Array:
   return words.astype(dtype)
 
 
-def _unpack(words: jax.Array, n: int, m: int, groups: int) -> jax.Array:
+def _unpack(words: jax.Array, n: int, m: int, groups: int, xp=jnp) -> jax.Array:
   """Inverse of :func:`_pack`: ``(G // per_word, *rest)`` words -> ``(G, n, *rest)`` uint8 positions."""
   _, per_word = index_layout(n, m, groups)
   b = position_bits(m)
-  w32 = words.astype(jnp.uint32)
-  field = jnp.uint32((1 << b) - 1)
-  planes = [jnp.stack([(w32 >> ((s * n + j) * b)) & field for j in range(n)], axis=1) for s in range(per_word)]
-  return jnp.concatenate(planes, axis=0).astype(jnp.uint8)
+  w32 = words.astype(xp.uint32)
+  field = xp.uint32((1 << b) - 1)
+  planes = [xp.stack([(w32 >> ((s * n + j) * b)) & field for j in range(n)], axis=1) for s in range(per_word)]
+  return xp.concatenate(planes, axis=0).astype(xp.uint8)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
@@ -398,8 +401,22 @@ class NMSparseMatrix:
     axis: static, non-negative axis the groups run along.
   """
 
-  def __init__(self, values: jax.Array, indices: jax.Array, *, shape: tuple[int, ...], n: int, m: int, axis: int = 0):
-    """Assembles a matrix from its parts (checked); use :meth:`from_dense` to compress an array."""
+  def __init__(
+      self,
+      values: jax.Array,
+      indices: jax.Array,
+      *,
+      shape: tuple[int, ...],
+      n: int,
+      m: int,
+      axis: int = 0,
+      validate: bool = True,
+  ):
+    """Assembles a matrix from its parts; use :meth:`from_dense` to compress an array.
+
+    Shapes and dtypes are always checked; with ``validate=True`` (the default) concrete ``indices`` are
+    also checked by :meth:`validate` (skipped for traced arrays).
+    """
     n, m = check_nm(n, m)
     shape = tuple(int(d) for d in shape)
     axis = check_axis(axis, len(shape))
@@ -417,6 +434,58 @@ class NMSparseMatrix:
       )
     self.values, self.indices = values, indices
     self.shape, self.n, self.m, self.axis = shape, n, m, axis
+    if validate and is_concrete(indices):
+      self.validate()
+
+  def _checks(self, xp) -> list[tuple[str, Any, str, Any]]:
+    """``[(what, ok, what is allowed, values)]``: elementwise ``ok`` over ``values``, computed with ``xp``."""
+    n, m = self.n, self.m
+    words = xp.asarray(self.indices)
+    _, per_word = index_layout(n, m, self.groups)
+    used_bits = per_word * n * position_bits(m)
+    checks = []
+    if used_bits < words.dtype.itemsize * 8:  # bits past the packed fields must be zero
+      spare = words.astype(xp.uint32) >> used_bits
+      checks.append(("indices", spare == 0, f"the bits from {used_bits} up of each word zero", words))
+    # NumPy on the host for concrete indices (also inside an outer jit, where a jitted unpack would trace).
+    pos = _unpack(xp.moveaxis(words, self.axis, 0), n, m, self.groups, xp=xp)
+    pos = xp.moveaxis(pos, 1, -1)  # (G, *rest, n)
+    checks.append(("positions", pos < m, f"positions in [0, {m})", pos))
+    if n > 1:
+      checks.append(("positions", pos[..., 1:] > pos[..., :-1],
+                     "positions strictly increasing within each group (no position twice)", pos))
+    return checks
+
+  def validate(self) -> NMSparseMatrix:
+    """Checks the packed positions; returns ``self``, or raises ``ValueError`` naming the bad group.
+
+    Every position must be in ``[0, m)``, the ``n`` positions of a group strictly increasing (so no
+    two kept values claim one entry), and the spare bits of each packed word zero. Cost: a device-to-host
+    copy of ``indices`` and one NumPy unpack of them (O(size of ``values``)). The constructor runs it on
+    concrete indices (``validate=False`` skips it; :meth:`from_dense` builds valid positions). Under
+    ``jit`` the checks are ``jax.experimental.checkify`` checks: call it inside a function wrapped in
+    ``checkify.checkify`` (without one, JAX refuses to stage the checks).
+    """
+    if is_concrete(self.indices):
+      for what, ok, allowed, values in self._checks(np):
+        ok = np.asarray(ok)
+        if not ok.all():
+          where = tuple(int(i) for i in np.argwhere(~ok)[0])
+          if what == "indices":
+            at, got = f"word {where}", np.asarray(values)[where].item()
+          else:  # (group, *other axes, slot)
+            at = f"group {where[0]} along axis {self.axis}" + (f" at {where[1:-1]}" if len(where) > 2 else "")
+            got = np.asarray(values)[where[:-1]].tolist()
+          raise ValueError(
+              f"NMSparseMatrix.{what} is invalid in {at}: got {got} ({int((~ok).sum())} bad); expected {allowed} "
+              f"for {self.n}:{self.m}."
+          )
+      return self
+    from jax.experimental import checkify  # noqa: PLC0415 -- only for traced matrices
+
+    for what, ok, allowed, _ in self._checks(jnp):
+      checkify.check(jnp.all(ok), f"NMSparseMatrix.{what} is invalid: expected {allowed} for {self.n}:{self.m}.")
+    return self
 
   # -- pytree ---------------------------------------------------------------------------------------
   def tree_flatten(self):
@@ -445,14 +514,14 @@ class NMSparseMatrix:
     w, n, m, axis = _check_operand(w, n, m, axis)
     index_layout(n, m, w.shape[axis] // m)  # Fails early when the positions do not fit 32 bits.
     values, indices = _compress(w, n, m, axis)
-    return cls(values, indices, shape=w.shape, n=n, m=m, axis=axis)
+    return cls(values, indices, shape=w.shape, n=n, m=m, axis=axis, validate=False)
 
   def with_values(self, values: jax.typing.ArrayLike) -> NMSparseMatrix:
     """The same positions with new kept ``values`` of shape ``self.values.shape``."""
     values = jnp.asarray(values)
     if values.shape != self.values.shape:
       raise ValueError(f"values must have shape {self.values.shape}, got {values.shape}.")
-    return NMSparseMatrix(values, self.indices, shape=self.shape, n=self.n, m=self.m, axis=self.axis)
+    return NMSparseMatrix(values, self.indices, shape=self.shape, n=self.n, m=self.m, axis=self.axis, validate=False)
 
   # -- views ----------------------------------------------------------------------------------------
   @property

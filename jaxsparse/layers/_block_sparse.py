@@ -37,10 +37,12 @@ from jaxsparse.layers._common import bias_of
 from jaxsparse.layers._common import check_implementation
 from jaxsparse.layers._common import check_input
 from jaxsparse.layers._common import check_kept
+from jaxsparse.layers._common import check_known_in_features
 from jaxsparse.layers._common import check_linear
 from jaxsparse.layers._common import check_one_of
 from jaxsparse.layers._common import default_bias_init
 from jaxsparse.layers._common import dense_linear
+from jaxsparse.layers._common import existing_shape
 from jaxsparse.layers._common import init_linear_attributes
 from jaxsparse.layers._common import missing_pattern
 
@@ -93,7 +95,9 @@ def block_sparse_apply(
     precision: lax.PrecisionLike,
 ) -> jax.Array:
   x, kernel, bias = dtypes.promote_dtype((x, kernel, bias), dtype=dtype)
-  w = BlockSparseMatrix.from_index_arrays(kernel, dict(index_arrays), shape=shape, block_shape=block_shape)
+  # The hot path: the layer built its own pattern, so it is not re-validated on every call.
+  w = BlockSparseMatrix.from_index_arrays(kernel, dict(index_arrays), shape=shape, block_shape=block_shape,
+                                          validate=False)
   y = ops.block_sparse_matmul(x, w, implementation=implementation, precision=precision)
   return y if bias is None else y + bias
 
@@ -361,6 +365,9 @@ class BlockSparseDense(nn.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     """Applies the layer to ``x`` of shape ``(..., in_features)``; returns ``(..., features)``."""
     x = check_input(x)
+    offsets = existing_shape(self, SPARSITY, "row_offsets")
+    if offsets is not None and isinstance(self.block_shape, tuple | list) and len(self.block_shape) == 2:
+      check_known_in_features(self, x.shape, (offsets[0] - 1) * int(self.block_shape[0]))
     shape = (x.shape[-1], self.features)
     bk, bn = _utils.check_block_shape(self.block_shape, shape)
     grid = (shape[0] // bk, shape[1] // bn)

@@ -267,6 +267,7 @@ def check_transposable_layer(transposable: object, out_features: int, m: int, *,
 
 
 def check_in_features(in_features: int, m: int, *, name: str = "in_features") -> None:
+  _utils.check_positive_int(in_features, name=name)
   if in_features % m:
     raise ValueError(
         f"{name}={in_features} must be a multiple of m={m}: the N:M groups run along the input features."
@@ -285,3 +286,20 @@ def check_input(x: jax.typing.ArrayLike) -> jax.Array:
   if x.ndim < 1:
     raise ValueError(f"x must have shape (..., in_features), got x.shape={x.shape}.")
   return x
+
+
+def existing_shape(module: nn.Module, collection: str, name: str) -> tuple[int, ...] | None:
+  """The shape of a Linen variable the module already holds (``None`` while it is being created)."""
+  if not module.has_variable(collection, name):
+    return None
+  return tuple(jnp.shape(nn.meta.unbox(module.get_variable(collection, name))))
+
+
+def check_known_in_features(module: nn.Module, x_shape: tuple[int, ...], expected: int | None) -> None:
+  """Raises, naming both counts, when a Linen layer built for ``expected`` input features gets another."""
+  if expected is not None and x_shape[-1] != expected:
+    raise ValueError(
+        f"{type(module).__name__}{f' {module.name!r}' if module.name else ''} holds variables for {expected} input "
+        f"features, but "
+        f"x.shape[-1] = {x_shape[-1]} (x.shape={tuple(x_shape)}); pass inputs of shape (..., {expected})."
+    )

@@ -27,12 +27,14 @@ from jaxsparse.layers._common import SPARSITY
 from jaxsparse.layers._common import SparsityPattern
 from jaxsparse.layers._common import bias_of
 from jaxsparse.layers._common import check_input
+from jaxsparse.layers._common import check_known_in_features
 from jaxsparse.layers._common import check_linear
 from jaxsparse.layers._common import check_masked_implementation
 from jaxsparse.layers._common import check_one_of
 from jaxsparse.layers._common import conv_options
 from jaxsparse.layers._common import default_bias_init
 from jaxsparse.layers._common import dense_linear
+from jaxsparse.layers._common import existing_shape
 from jaxsparse.layers._common import init_linear_attributes
 from jaxsparse.layers._common import kept_weights
 from jaxsparse.layers._common import missing_pattern
@@ -272,6 +274,8 @@ class MaskedDense(nn.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     """Applies the layer to ``x`` of shape ``(..., in_features)``; returns ``(..., features)``."""
     x = check_input(x)
+    kernel_shape = existing_shape(self, "params", "kernel")
+    check_known_in_features(self, x.shape, None if kernel_shape is None else kernel_shape[0])
     shape = (x.shape[-1], self.features)
     size = shape[0] * shape[1]
     kept = kept_weights(self.sparsity, shape)

@@ -28,6 +28,7 @@ from flax.typing import Initializer
 from flax.typing import PaddingLike
 from jax import lax
 
+from jaxsparse import _utils
 from jaxsparse import ops
 from jaxsparse.formats import _nm
 from jaxsparse.formats._nm import NMSparseMatrix
@@ -153,6 +154,7 @@ class NMLinear(_NMMixin, nnx.Linear):
   ):
     n, m = _nm.check_nm(n, m)
     check_in_features(in_features, m)
+    _utils.check_positive_int(out_features, name="out_features")
     transposable = check_transposable_layer(transposable, out_features, m)
     nm_promote = NMPromote(n, m, check_decay(sr_ste_decay), 0, promote_dtype, transposable=transposable)
     super().__init__(
@@ -304,6 +306,11 @@ class CompressedNMLinear(nnx.Module):
   ):
     if not isinstance(weight, NMSparseMatrix) or weight.ndim != 2:
       raise TypeError(f"weight must be a 2-D jaxsparse.NMSparseMatrix, got {weight!r}.")
+    if bias is not None and jnp.shape(bias) != (weight.shape[1],):
+      raise ValueError(
+          f"bias must have shape (out_features,) = ({weight.shape[1]},) for weight of shape {weight.shape}, got "
+          f"{jnp.shape(bias)}."
+      )
     self.kernel = nnx.Param(weight.values)
     self.kernel_positions = SparsityPattern(weight.indices)
     self.bias: nnx.Param[jax.Array] | None = nnx.data(None) if bias is None else nnx.Param(jnp.asarray(bias))
@@ -347,6 +354,7 @@ class CompressedNMLinear(nnx.Module):
         n=self.n,
         m=self.m,
         axis=self.axis,
+        validate=False,  # read on every call; the layer built its positions (validate() checks loaded ones)
     )
 
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -442,6 +450,8 @@ class NMConv(_NMMixin, nnx.Conv):
       **kwargs: Any,
   ):
     n, m = _nm.check_nm(n, m)
+    _utils.check_positive_int(in_features, name="in_features")
+    _utils.check_positive_int(out_features, name="out_features")
     if feature_group_count < 1 or in_features % feature_group_count:
       raise ValueError(
           f"feature_group_count={feature_group_count} must be >= 1 and divide in_features={in_features}."

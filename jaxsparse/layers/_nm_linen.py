@@ -24,18 +24,22 @@ from flax.typing import Initializer
 from flax.typing import PaddingLike
 from jax import lax
 
+from jaxsparse import _utils
 from jaxsparse import ops
 from jaxsparse.formats import _nm
 from jaxsparse.layers._common import NMPromote
 from jaxsparse.layers._common import check_decay
 from jaxsparse.layers._common import check_in_features
+from jaxsparse.layers._common import check_known_in_features
 from jaxsparse.layers._common import check_transposable_layer
+from jaxsparse.layers._common import existing_shape
 
 __all__ = ["NMConv", "NMDense"]
 
 
 def _check_fields(module: nn.Module) -> None:
   _nm.check_nm(module.n, module.m)
+  _utils.check_positive_int(module.features, name="features")
   check_decay(module.sr_ste_decay)
   check_transposable_layer(module.transposable, module.features, module.m, name="features")
 
@@ -104,6 +108,8 @@ class NMDense(nn.Module):
     :func:`jaxsparse.ops.sr_ste_matmul`, as ``NMLinear``'s does: the same value and gradients, with the
     forward product on cuSPARSELt where it can run.
     """
+    kernel_shape = existing_shape(self, "params", "kernel")
+    check_known_in_features(self, jnp.shape(x), None if kernel_shape is None else kernel_shape[0])
     check_in_features(jnp.shape(x)[-1], self.m, name="x.shape[-1]")
     fast = (self.n, self.m) == (2, 4) and self.promote_dtype is linen_promote_dtype
     if not fast or self.dot_general is not None or self.dot_general_cls is not None or self.is_initializing():
@@ -177,5 +183,8 @@ class NMConv(nn.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     """Applies the convolution to channels-last ``x``; returns channels-last ``features`` outputs."""
     cin = jnp.shape(x)[-1]
+    kernel_shape = existing_shape(self, "params", "kernel")
+    expected = None if kernel_shape is None else kernel_shape[-2] * self.feature_group_count
+    check_known_in_features(self, jnp.shape(x), expected)
     check_in_features(cin // self.feature_group_count, self.m, name="in_channels // feature_group_count")
     return self.conv(x)

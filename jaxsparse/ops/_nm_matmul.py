@@ -192,6 +192,8 @@ def _local_forward(cfg: _Config, x2: jax.Array, w: NMSparseMatrix, blob: jax.Arr
 def _pallas_or_xla(cfg: _Config, x2: jax.Array, w: NMSparseMatrix) -> jax.Array:
   kernels = _pallas_ops()
   xla_fn = functools.partial(_xla_forward, cfg)
+  if x2.shape[0] == 0 or w.shape[1] == 0:  # an empty output: nothing for a kernel to tile
+    return xla_fn(x2, w)
   pallas_fn = lambda a, b: kernels.forward(a, b, precision=cfg.precision).astype(cfg.out_dtype)
   preferred = None if kernels is None else kernels.preferred
   return _dispatch.dispatch("nm_matmul", cfg, kernels, xla_fn, pallas_fn, x2, w, preferred=preferred)

@@ -195,7 +195,8 @@ def row_parallel(
 
   def flat_fn(*args):
     lead = args[0].shape[:-1]
-    rows2d = [a.reshape(-1, a.shape[-1]) for a in args[:n_rows]]
+    # Not reshape(-1, d): that cannot infer the row count when d == 0 (an empty output, N = 0).
+    rows2d = [a.reshape(math.prod(a.shape[:-1]), a.shape[-1]) for a in args[:n_rows]]
     outs = tuple(fn(*rows2d, jax.tree.unflatten(treedef, args[n_rows:])))
     return tuple(o if i in summed else o.reshape(*lead, o.shape[-1]) for i, o in enumerate(outs))
 

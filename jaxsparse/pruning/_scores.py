@@ -5,8 +5,9 @@ Every mask keeps an exact count and breaks ties by the lower flat index, like
 inside ``jit``), so selection ranks the scores instead of slicing a sorted list.
 
 A mask tree has the structure of the parameter tree; a leaf is a bool array of the parameter's
-shape for a pruned parameter and ``None`` for one that is never pruned (biases, norms: only
-parameters with two or more axes are pruned).
+shape for a pruned parameter and ``None`` for one that is never pruned: only parameters with two or
+more axes are pruned, and never a ``bias`` (``nn.MultiHeadAttention``'s q/k/v biases are 2-D), as
+:func:`jaxsparse.sparsify` never sparsifies one.
 """
 
 from __future__ import annotations
@@ -158,7 +159,7 @@ class Target:
 
 
 def plan(tree: Any, rules: Any, *, warn: bool = True) -> tuple[list[str], list[Any], Any, list[Target]]:
-  """Flattens ``tree`` and assigns each leaf with ``ndim >= 2`` the structure of its first matching rule.
+  """Flattens ``tree`` and gives each leaf with ``ndim >= 2`` (not a ``bias``) the structure of its first matching rule.
 
   Raises ``ValueError`` naming the path when a structure cannot apply to a leaf, and (``warn``) warns
   about rules that matched no leaf.
@@ -168,9 +169,9 @@ def plan(tree: Any, rules: Any, *, warn: bool = True) -> tuple[list[str], list[A
   targets, available = [], []
   for i, (path, leaf) in enumerate(zip(paths, leaves, strict=True)):
     shape = tuple(getattr(leaf, "shape", ()))
-    if len(shape) < 2:
+    owner, _, name = path.rpartition(".")
+    if len(shape) < 2 or name == "bias":  # biases are not kernels (a 2-D attention bias neither)
       continue
-    owner = path.rpartition(".")[0]
     available += [owner, path] if owner else [path]
     r = match_rules(resolved, path, owner=owner)
     if r is None:

@@ -198,7 +198,9 @@ def shard_block_sparse(w: BlockSparseMatrix, mesh: Mesh, axis: str, *, split: Sp
   data = jnp.where((source >= 0)[..., None, None], w.data[np.maximum(source, 0)], jnp.zeros((), w.dtype))
   local_shape = (w.shape[0], w.shape[1] // s) if split == "columns" else (w.shape[0] // s, w.shape[1])
   put = lambda a: jax.device_put(a, NamedSharding(mesh, P(axis)))
-  shards = BlockSparseMatrix(put(data), shape=local_shape, block_shape=w.block_shape, **jax.tree.map(put, index))
+  # One pattern per shard, stacked along a leading axis: the index arrays are 2-D, so no 2-D validation.
+  shards = BlockSparseMatrix(put(data), validate=False, shape=local_shape, block_shape=w.block_shape,
+                             **jax.tree.map(put, index))
   return ShardedBlockSparseMatrix(shards, put(source), mesh=mesh, axis=axis, split=split, shape=w.shape)
 
 

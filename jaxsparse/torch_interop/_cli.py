@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from collections.abc import Sequence
 
@@ -46,6 +47,7 @@ def parse_rule(text: str):
   regex, sep, spec = text.rpartition("=")
   if not sep or not regex:
     raise argparse.ArgumentTypeError(f"rule {text!r} must look like REGEX=SPEC, e.g. '.*fc1=block:0.5:32x32'.")
+  _check_regex(regex, what=f"rule {text!r}")
   try:
     return regex, parse_spec(spec)
   except (TypeError, ValueError) as e:
@@ -69,10 +71,23 @@ def _parse_shape(text: str) -> tuple[int, int]:
   return k, n
 
 
+def _check_regex(regex: str, *, what: str) -> None:
+  try:
+    re.compile(regex)
+  except re.error as e:
+    raise argparse.ArgumentTypeError(f"{what}: {regex!r} is not a valid regular expression ({e}).") from e
+
+
 def _parse_map(text: str) -> tuple[str, str | None]:
   regex, sep, repl = text.partition("=")
   if not sep:
     raise argparse.ArgumentTypeError(f"name map {text!r} must look like REGEX=REPLACEMENT (empty: drop).")
+  _check_regex(regex, what=f"name map {text!r}")
+  if repl:
+    try:
+      re.compile(regex).sub(repl, "")  # a bad group reference in REPLACEMENT fails here, not mid-conversion
+    except (re.error, IndexError) as e:
+      raise argparse.ArgumentTypeError(f"name map {text!r}: bad replacement {repl!r} ({e}).") from e
   return regex, (repl if repl != "" else None)
 
 

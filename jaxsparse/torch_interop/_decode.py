@@ -8,7 +8,8 @@ sparse parameter, a bool mask, both in torch layout. Recognised (the key names a
   mask from ``sparsifier.state_dict()["state"][fqn]["mask"]`` stored beside the model);
 * apex ASP: ``{mod}.{p}`` + ``{mod}.__{p}_mma_mask`` (``__{p}_mma_pruned_p`` is ignored);
 * a masked dense state dict: ``{p}`` + ``{p}_mask`` (what :func:`export_masks` writes);
-* torch sparse tensors (COO, CSR, CSC, BSR, BSC): the specified entries are the mask; 2:4
+* torch sparse tensors (COO, CSR, CSC, BSR, BSC; their indices are checked with NumPy before anything is
+  densified, since torch.load does not check them): the specified entries are the mask; 2:4
   ``SparseSemiStructuredTensor`` via its dense form with the 2:4 mask recomputed;
 * huggingface ``pytorch_block_sparse`` ``BlockSparseLinear``: ``{mod}.weight.data`` holds the kept
   ``(b0, b1)`` blocks of the ``(out, in)`` weight, each stored transposed, stacked to ``(nnz * b0, b1)``;
@@ -106,6 +107,8 @@ class TorchParam:
 def to_numpy(t: Any, *, key: str) -> np.ndarray:
   """A dense CPU torch tensor as a NumPy array (bfloat16 through ``ml_dtypes``)."""
   torch = import_torch()
+  if getattr(t, "layout", torch.strided) != torch.strided:
+    raise CheckpointError(f"{key!r} is a {t.layout} tensor; expected a dense (strided) tensor here.")
   t = t.detach().cpu()
   if t.dtype == torch.bfloat16:
     import ml_dtypes  # noqa: PLC0415 -- only for bfloat16 checkpoints; installed with jax
@@ -174,21 +177,129 @@ def _decode_dense_tensor(t: Any, *, key: str) -> tuple[np.ndarray, np.ndarray | 
   if layout == torch.strided:
     return to_numpy(t, key=key), None, "dense"
   if layout == torch.sparse_coo:
-    t = t.coalesce()
-    ones = torch.ones(t.values().shape, dtype=torch.uint8)
-    mask_t = torch.sparse_coo_tensor(t.indices(), ones, t.shape).to_dense() != 0
-    fmt = "torch sparse_coo"
+    dense, mask = _coo_to_numpy(t, key=key)
   elif layout in (torch.sparse_csr, torch.sparse_bsr, torch.sparse_csc, torch.sparse_bsc):
-    if layout in (torch.sparse_csr, torch.sparse_bsr):
-      compressed, plain = t.crow_indices(), t.col_indices()
-    else:
-      compressed, plain = t.ccol_indices(), t.row_indices()
-    ones = torch.ones(t.values().shape, dtype=torch.uint8)
-    mask_t = torch.sparse_compressed_tensor(compressed, plain, ones, t.shape, layout=layout).to_dense() != 0
-    fmt = f"torch {str(layout).removeprefix('torch.')}"
+    dense, mask = _compressed_to_numpy(t, str(layout).removeprefix("torch."), key=key)
   else:
     raise CheckpointError(f"{key!r} has layout {layout}, which jaxsparse does not read.")
-  return to_numpy(t.to_dense(), key=key), to_numpy(mask_t, key=key), fmt
+  return dense, mask, f"torch {str(layout).removeprefix('torch.')}"
+
+
+# Torch sparse tensors are checked and densified with NumPy, never with torch: ``to_dense()`` and
+# ``coalesce()`` trust the indices, and a file with an index past the shape (``torch.load`` does not
+# check them) writes out of bounds and kills the process.
+
+
+def _sparse_part(t: Any, *, key: str, what: str, integer: bool = False) -> np.ndarray:
+  """One stored part of a sparse tensor (an index or the values tensor) as NumPy, type-checked."""
+  arr = to_numpy(t, key=f"{key} ({what})")
+  if integer and arr.dtype.kind not in "iu":
+    raise CheckpointError(f"{key!r}: {what} must be an integer tensor, got dtype {arr.dtype}.")
+  return arr.astype(np.int64) if integer else arr
+
+
+def _zeros(shape: tuple[int, ...], dtype: Any, *, key: str) -> np.ndarray:
+  try:
+    return np.zeros(shape, dtype)
+  except (MemoryError, ValueError) as e:
+    raise CheckpointError(f"{key!r}: its dense shape {shape} ({dtype}) does not fit in memory: {e}") from e
+
+
+def _coo_to_numpy(t: Any, *, key: str) -> tuple[np.ndarray, np.ndarray]:
+  """A COO tensor's dense values and mask of specified entries; duplicate entries sum, as ``coalesce`` does."""
+  shape = tuple(int(d) for d in t.shape)
+  indices = _sparse_part(t._indices(), key=key, what="COO indices", integer=True)
+  values = _sparse_part(t._values(), key=key, what="COO values")
+  if indices.ndim != 2 or not 1 <= indices.shape[0] <= len(shape):
+    raise CheckpointError(
+        f"{key!r}: COO indices must be (sparse_dim, nnz) with 1 <= sparse_dim <= {len(shape)} (the tensor is "
+        f"{len(shape)}-D), got shape {indices.shape}."
+    )
+  sparse_dim, nnz = indices.shape
+  if values.shape != (nnz, *shape[sparse_dim:]):
+    raise CheckpointError(
+        f"{key!r}: COO values must have shape (nnz, *dense dims) = {(nnz, *shape[sparse_dim:])} for {nnz} "
+        f"indices and shape {shape}, got {values.shape}."
+    )
+  for d in range(sparse_dim):
+    _check_index(indices[d], shape[d], key=f"{key} (COO indices of dim {d})")
+  dense = _zeros(shape, values.dtype, key=key)
+  mask = _zeros(shape, bool, key=key)
+  if nnz == 0:
+    return dense, mask
+  flat = np.ravel_multi_index(tuple(indices), shape[:sparse_dim])
+  unique, inverse = np.unique(flat, return_inverse=True)
+  where = np.unravel_index(unique, shape[:sparse_dim])
+  if unique.size == nnz:
+    dense[tuple(indices)] = values
+  elif values.dtype == np.bool_:
+    summed = np.zeros((unique.size, *values.shape[1:]), bool)
+    np.logical_or.at(summed, inverse, values)
+    dense[where] = summed
+  else:
+    acc = np.float64 if values.dtype.kind not in "iu" else np.int64
+    summed = np.zeros((unique.size, *values.shape[1:]), acc)
+    np.add.at(summed, inverse, values.astype(acc))
+    dense[where] = summed.astype(values.dtype)
+  mask[where] = True
+  return dense, mask
+
+
+def _compressed_to_numpy(t: Any, layout: str, *, key: str) -> tuple[np.ndarray, np.ndarray]:
+  """A CSR / CSC / BSR / BSC tensor (with batch and dense dims) as its dense values and mask, after checking
+  every invariant torch states for it: offsets from 0 to nnz, non-decreasing; indices in range, no entry twice."""
+  by_row = layout in ("sparse_csr", "sparse_bsr")
+  blocked = layout in ("sparse_bsr", "sparse_bsc")
+  comp_name, plain_name = ("crow_indices", "col_indices") if by_row else ("ccol_indices", "row_indices")
+  compressed = _sparse_part(getattr(t, comp_name)(), key=key, what=comp_name, integer=True)
+  plain = _sparse_part(getattr(t, plain_name)(), key=key, what=plain_name, integer=True)
+  values = _sparse_part(t.values(), key=key, what="values")
+  shape = tuple(int(d) for d in t.shape)
+  nb = compressed.ndim - 1  # batch dims
+  if nb < 0 or plain.ndim != nb + 1 or compressed.shape[:nb] != plain.shape[:nb] or len(shape) < nb + 2:
+    raise CheckpointError(
+        f"{key!r}: {comp_name} {compressed.shape} and {plain_name} {plain.shape} do not describe a {layout} "
+        f"tensor of shape {shape} (both (*batch, ...) with the same batch dims, then 2 sparse dims)."
+    )
+  batch, (rows, cols), dense_dims = shape[:nb], shape[nb : nb + 2], shape[nb + 2 :]
+  nnz = plain.shape[-1]
+  block = tuple(values.shape[nb + 1 : nb + 3]) if blocked else (1, 1)
+  tail = (*block, *dense_dims) if blocked else dense_dims
+  if values.shape != (*batch, nnz, *tail) or min(block, default=0) <= 0 or rows % block[0] or cols % block[1]:
+    raise CheckpointError(
+        f"{key!r}: {layout} values must have shape (*batch, nnz, {'block rows, block cols, ' if blocked else ''}"
+        f"*dense dims) = {(*batch, nnz, *tail)} with blocks dividing ({rows}, {cols}); got {values.shape} "
+        f"for shape {shape}."
+    )
+  grid = (rows // block[0], cols // block[1])
+  n_comp, n_plain = grid if by_row else grid[::-1]
+  if compressed.shape[-1] != n_comp + 1:
+    raise CheckpointError(
+        f"{key!r}: {comp_name} must have {n_comp + 1} entries per batch (one more than the "
+        f"{'block ' if blocked else ''}{'rows' if by_row else 'columns'}), got {compressed.shape[-1]}."
+    )
+  count = int(np.prod(batch, dtype=np.int64))
+  compressed, plain = compressed.reshape(count, n_comp + 1), plain.reshape(count, nnz)
+  values = values.reshape(count, nnz, *block, *dense_dims)
+  grid_values = _zeros((count, *grid, *block, *dense_dims), values.dtype, key=key)
+  grid_mask = _zeros((count, *grid), bool, key=key)
+  for b in range(count):
+    where = f"{key} ({comp_name}{f' of batch {b}' if batch else ''})"
+    _check_offsets(compressed[b], nnz, key=where)
+    _check_index(plain[b], n_plain, key=f"{key} ({plain_name}{f' of batch {b}' if batch else ''})")
+    major = np.repeat(np.arange(n_comp), np.diff(compressed[b]))
+    r, c = (major, plain[b]) if by_row else (plain[b], major)
+    if np.unique(r * grid[1] + c).size != nnz:
+      raise CheckpointError(f"{where}: an entry is stored twice in one {'row' if by_row else 'column'}.")
+    grid_values[b, r, c] = values[b]
+    grid_mask[b, r, c] = True
+  # (count, R, C, bh, bw, *dense) -> (*batch, R bh, C bw, *dense)
+  order = (0, 1, 3, 2, 4, *range(5, 5 + len(dense_dims)))
+  dense = grid_values.transpose(order).reshape(shape)
+  mask = np.broadcast_to(grid_mask[:, :, None, :, None], (count, grid[0], block[0], grid[1], block[1]))
+  mask = mask.reshape(*batch, rows, cols)
+  mask = np.broadcast_to(mask.reshape(*mask.shape, *(1,) * len(dense_dims)), shape).copy()
+  return dense, mask
 
 
 def _decode_hf_block_sparse(src: Mapping, mod: str) -> tuple[np.ndarray, np.ndarray, str]:

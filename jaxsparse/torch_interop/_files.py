@@ -105,7 +105,11 @@ def load_flax_variables(path: str | os.PathLike) -> dict[str, Any]:
     import orbax.checkpoint as ocp  # noqa: PLC0415 -- optional, only for orbax input
 
     # Nested dicts; older outputs held one flat dict keyed by "/"-joined paths, which _nested splits.
-    restored = ocp.StandardCheckpointer().restore(os.path.abspath(path))
+    try:
+      restored = ocp.StandardCheckpointer().restore(os.path.abspath(path))
+    except Exception as e:  # untrusted directory: orbax / tensorstore fail in many ways
+      first = str(e).splitlines()[0] if str(e) else type(e).__name__
+      raise CheckpointError(f"{path} is not a readable orbax checkpoint (missing or corrupt files?): {first}") from e
     leaves = jax.tree_util.tree_leaves_with_path(restored)
     flat = {SEP.join(str(getattr(k, "key", k)) for k in kp): v for kp, v in leaves}
   else:

@@ -461,15 +461,38 @@ def apply_rules(
   :class:`jaxsparse.BlockSparse` (largest-norm blocks, ``block_shape`` in Flax ``(in, out)`` layout),
   :class:`jaxsparse.NM` (``n`` largest of every ``m`` inputs) and :class:`jaxsparse.Unstructured`. The
   new mask replaces any mask the weight had (pruned weights are zero, so they rank last).
+
+  Raises:
+    CheckpointError: a rule that matches no Linear weight (listing the Linear paths there are), or a
+      ``{regex: structure}`` rule that matches a convolution or embedding weight, which import rules
+      cannot sparsify.
   """
   resolved = _rules.resolve_rules(rules)
+  lone = not isinstance(rules, Mapping)  # one structure for every Linear weight: others are not its target
   out = dict(params)
+  used: set[int] = set()
+  linear_paths: list[str] = []
   for name, p in params.items():
-    if p.param != "weight" or p.value is None or p.value.ndim != 2 or re.search(embeddings, p.module):
+    if p.param != "weight" or p.value is None or p.value.ndim < 2:
       continue
     flax_path = map_name(name_map, p.module)
     i = None if flax_path is None else _rules.match_rules(resolved, flax_path)
-    if i is None or resolved[i][2] is None:
+    if p.value.ndim != 2 or re.search(embeddings, p.module):
+      if i is not None and resolved[i][2] is None:
+        used.add(i)
+      elif i is not None and not lone:
+        kind = "an embedding" if p.value.ndim == 2 else f"a {p.value.ndim}-D (convolution) weight"
+        raise CheckpointError(
+            f"rule {resolved[i][0]!r} matches {name!r} (Flax {flax_path!r}), {kind} of shape {p.shape}; import "
+            "rules sparsify Linear (2-D) weights only. Narrow the rule, or map it to None (keep dense)."
+        )
+      continue
+    if flax_path is not None:
+      linear_paths.append(flax_path)
+    if i is None:
+      continue
+    used.add(i)
+    if resolved[i][2] is None:
       continue
     spec = resolved[i][2]
     kernel = flax_layout(p.masked_value).astype(np.float32)
@@ -488,6 +511,13 @@ def apply_rules(
       raise CheckpointError(f"rule {resolved[i][0]!r} cannot sparsify {name!r} (Flax {flax_path!r}): {e}") from e
     mask_t = np.ascontiguousarray(mask.T)
     out[name] = TorchParam(name, p.masked_value, mask_t, f"{p.format} + {spec.describe()}", p.keys)
+  unused = [pattern for i, (pattern, _, _) in enumerate(resolved) if i not in used]
+  if unused:
+    listing = ", ".join(linear_paths[:20]) + (" ..." if len(linear_paths) > 20 else "") if linear_paths else "(none)"
+    raise CheckpointError(
+        f"rule(s) {unused} matched no Linear weight (rules fully match Flax module paths, after name_map); "
+        f"the Linear paths are: {listing}."
+    )
   return out
 
 
@@ -511,7 +541,9 @@ def to_linen_variables(
   go to ``"batch_stats"`` as ``mean``/``var``. Sparse Linear weights take the variables of
   :class:`~jaxsparse.layers.linen.BlockSparseDense` (block patterns: ``params.kernel`` of the kept
   blocks and the index arrays in ``"sparsity"``) or :class:`~jaxsparse.layers.linen.MaskedDense`
-  (other masks, N:M included: ``params.kernel`` zero where pruned and ``sparsity.mask``).
+  (other masks, N:M included: ``params.kernel`` zero where pruned and ``sparsity.mask``). A pruned
+  Conv weight keeps its mask too: ``params.kernel`` zero where pruned and ``sparsity.mask`` in Flax
+  layout ``(*kernel_size, in, out)``, for ``nn.Conv(..., mask=mask)``.
 
   >>> import torch
   >>> from jaxsparse import torch_interop
@@ -551,8 +583,11 @@ def _linen_param(out: dict, flax_path: str, torch_mod: str, name: str, p: TorchP
   elif name == "weight" and value.ndim >= 2:
     kernel = flax_layout(value)
     pattern = p.pattern
-    if not sparse or pattern.kind == "dense" or value.ndim != 2:
+    if not sparse or pattern.kind == "dense":
       _nest(out["params"], flax_path, "kernel", kernel)
+    elif value.ndim != 2:  # a pruned conv: its mask in Flax layout (*kernel, in, out), as sparsify_linen's convs
+      _nest(out["params"], flax_path, "kernel", kernel)
+      _nest(out.setdefault("sparsity", {}), flax_path, "mask", flax_layout(p.mask))
     elif pattern.kind == "block":
       bs = (pattern.block_shape[1], pattern.block_shape[0])
       mat = BlockSparseMatrix.from_dense(kernel, bs, block_mask=flax_layout(p.mask)[:: bs[0], :: bs[1]])
