@@ -273,8 +273,9 @@ def split_blocks(w: BlockSparseMatrix, block_shape: tuple[int, int]) -> BlockSpa
   sub_cols = jnp.broadcast_to(cols[:, None, None] * c + b, (w.nnz_blocks, r, c)).reshape(-1)
   row_offsets = jnp.concatenate([jnp.zeros(1, i32), jnp.cumsum(jnp.repeat(row_count * c, r))]).astype(i32)
   col_offsets = jnp.concatenate([jnp.zeros(1, i32), jnp.cumsum(jnp.repeat(col_count * r, c))]).astype(i32)
-  return BlockSparseMatrix(
+  return BlockSparseMatrix(  # derived from a valid w: no validation (this runs in every call of the GPU route)
       sub[by_pos],
+      validate=False,
       row_indices=sub_rows[by_pos],
       col_indices=sub_cols[by_pos],
       row_offsets=row_offsets,
