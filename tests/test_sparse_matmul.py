@@ -291,9 +291,12 @@ def test_invalid_csr_indices_fail_at_run_time():
   ws = jaxsparse.CSRMatrix.from_dense(w, mask=mask)
   bad = dict(ws.index_arrays(), transpose_row_indices=ws.transpose_row_indices + 16)
   with pytest.raises(Exception, match=r"transpose_row_indices has entries outside \[0, 16\)"):
-    jax.block_until_ready(sparse_matmul(x, jaxsparse.CSRMatrix.from_index_arrays(ws.data, bad, shape=ws.shape)))
+    # validate=False: past the constructor's check (tests/test_faults.py), the kernel's own check at run time.
+    csr = jaxsparse.CSRMatrix.from_index_arrays(ws.data, bad, shape=ws.shape, validate=False)
+    jax.block_until_ready(sparse_matmul(x, csr))
   bad = dict(ws.index_arrays(), col_indices=ws.col_indices - 100)
-  grad = jax.grad(lambda d: jnp.sum(sparse_matmul(x, jaxsparse.CSRMatrix.from_index_arrays(d, bad, shape=ws.shape))))
+  grad = jax.grad(lambda d: jnp.sum(
+      sparse_matmul(x, jaxsparse.CSRMatrix.from_index_arrays(d, bad, shape=ws.shape, validate=False))))
   with pytest.raises(Exception, match=r"col_indices has entries outside \[0, 8\)"):
     jax.block_until_ready(grad(ws.data))
 

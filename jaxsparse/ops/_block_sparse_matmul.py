@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 import warnings
 from typing import Literal
 
@@ -313,7 +314,7 @@ def _gpu_product(direction: str, *args, precision, out_dtype):
           "rows": _row_bucket(m),
           "shape": w.shape,
           "block": w.block_shape,
-          "density": round(w.density * 50) / 50,
+          "density": round(w.nnz_blocks / max(1, math.prod(w.grid_shape)) * 50) / 50,
           "dtypes": (str(x2.dtype), str(w.dtype), str(jnp.dtype(out_dtype if direction == "fwd" else dy_dtype))),
           "precision": precision,
       },
