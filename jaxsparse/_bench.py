@@ -19,11 +19,12 @@ from flax import nnx
 from jaxsparse import _utils
 from jaxsparse._sparsify._nnx import sparsify
 from jaxsparse._sparsify._report import time_nnx_layer
+from jaxsparse._tuning import autotune
 from jaxsparse.formats._specs import NM
 from jaxsparse.formats._specs import Spec
 from jaxsparse.formats._specs import check_spec_applies
 
-__all__ = ["BenchRow", "bench", "bench_table"]
+__all__ = ["BenchRow", "bench", "bench_table", "tune"]
 
 MODES = {"fwd": "forward", "fwd+bwd": "train"}
 
@@ -106,6 +107,52 @@ def bench(
         rows.append(BenchRow((k, n), type(layer).__name__, spec.describe(), dense_ms, sparse_ms))
       step()
   return rows
+
+
+def tune(
+    shapes: Sequence[tuple[int, int]],
+    specs: Sequence[Spec],
+    *,
+    rows: Sequence[int] = (128,),
+    dtype: str = "float32",
+) -> list[tuple[tuple[int, int], str, int, int]]:
+  """Measured dispatch ahead of time: tunes the forward and backward products of each sparse layer of each shape.
+
+  For each ``(in, out)`` shape, pattern and row count, :func:`jaxsparse.autotune` traces a train step of the
+  sparsified ``nnx.Linear`` (gradients of its parameters and its input) on ``(rows, in)`` inputs; products met for
+  the first time are measured and cached (on a GPU; elsewhere, and for products without measured dispatch, it
+  records nothing).
+
+  >>> import jaxsparse
+  >>> from jaxsparse._bench import tune
+  >>> tune([(64, 64)], [jaxsparse.BlockSparse(density=0.5, block_shape=(16, 16))], rows=(8,))
+  [((64, 64), 'block 16x16 50% kept', 8, 0)]
+
+  Args:
+    shapes: ``(in_features, out_features)`` pairs.
+    specs: ``jaxsparse.BlockSparse`` / ``NM`` / ``Unstructured`` patterns.
+    rows: input row counts (tokens) to tune for, e.g. ``(1, 8, 4096)`` for decode and training.
+    dtype: parameter and input dtype.
+
+  Returns:
+    ``[(shape, pattern, rows, decisions added to the cache)]``.
+  """
+  dtype = jnp.dtype(dtype)
+  out = []
+  for k, n in shapes:
+    lin = nnx.Linear(k, n, param_dtype=dtype, rngs=nnx.Rngs(0))
+    for spec in specs:
+      check_spec_applies(spec, (k, n), path=f"shape {k}x{n}, pattern {spec.describe()}")
+      layer, _ = sparsify(lin, {".*": spec})
+      graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+
+      def step(p, x, graphdef=graphdef, rest=rest):
+        return jax.grad(lambda p, x: nnx.merge(graphdef, p, rest)(x).sum(), argnums=(0, 1))(p, x)
+
+      for m in rows:
+        x = jax.ShapeDtypeStruct((_utils.check_positive_int(m, name="rows"), k), dtype)
+        out.append(((k, n), spec.describe(), m, autotune(step, params, x)))
+  return out
 
 
 def bench_table(rows: Sequence[BenchRow], modes: Sequence[str]) -> str:

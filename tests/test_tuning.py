@@ -261,7 +261,7 @@ def test_unwritable_cache_warns_and_keeps_the_decision(tmp_path, monkeypatch):
 # -------------------------------------------------------------------------------------------------
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(
     st.sampled_from([1, 2, 4]), st.sampled_from([1, 2, 4]), st.sampled_from([1, 2]), st.sampled_from([1, 2]),
     st.integers(1, 4), st.integers(1, 4), st.floats(0.0, 1.0), st.integers(0, 2**16),
@@ -418,6 +418,19 @@ def test_autotune_ahead_of_time_then_a_second_process_only_reads(interpreted, mo
   _cache.clear_memo()
   with _tuning.autotune_mode("tune"):
     jax.jit(step).lower(x)
+
+
+def test_tune_command_tunes_shapes_and_exports(interpreted, monkeypatch, tmp_path, capsys):
+  from jaxsparse.torch_interop._cli import main  # noqa: PLC0415 -- the `jaxsparse` console script
+
+  monkeypatch.setattr(_measure, "_has_device", lambda platform: True)
+  out = tmp_path / "shared.json"
+  assert main(["tune", "128x64", "--patterns", "block:0.5:32x32", "--rows", "16", "--export", str(out)]) == 0
+  printed = capsys.readouterr().out
+  assert "128x64 block 32x32 50% kept, 16 rows: 3 new decisions" in printed, printed
+  assert len(json.loads(out.read_text())["entries"]) == 3
+  assert main(["tune", "128x64", "--patterns", "block:0.5:32x32", "--rows", "16", "--import", str(out)]) == 0
+  assert "16 rows: 0 new decisions" in capsys.readouterr().out
 
 
 # -------------------------------------------------------------------------------------------------

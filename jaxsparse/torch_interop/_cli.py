@@ -200,6 +200,29 @@ def _bench(args) -> int:
   return 0
 
 
+def _tune(args) -> int:
+  import jax  # noqa: PLC0415 -- keeps `jaxsparse --help` fast
+
+  import jaxsparse  # noqa: PLC0415
+  from jaxsparse._bench import tune  # noqa: PLC0415
+  from jaxsparse._tuning import cache_path  # noqa: PLC0415
+
+  if args.import_cache:
+    print(f"imported {jaxsparse.import_tuning_cache(args.import_cache)} decisions from {args.import_cache}")
+  device = jax.devices()[0]
+  print(f"backend: {jax.default_backend()} ({device.device_kind}); {args.dtype}; cache: "
+        f"{cache_path()}")
+  added = 0
+  for shape, pattern, rows, n in tune(args.shapes, args.patterns, rows=args.rows, dtype=args.dtype):
+    print(f"{shape[0]}x{shape[1]} {pattern}, {rows} rows: {n} new decisions")
+    added += n
+  if added == 0 and jax.default_backend() != "gpu":
+    print("nothing measured: measured dispatch times the GPU routes; run this on the GPU machine")
+  if args.export:
+    print(f"exported {jaxsparse.export_tuning_cache(args.export)} decisions to {args.export}")
+  return 0
+
+
 def _leaves(tree):
   for v in tree.values():
     if isinstance(v, dict):
@@ -251,6 +274,17 @@ def _parser() -> argparse.ArgumentParser:
   ben.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bar (default: on a terminal)")
   ben.set_defaults(run=_bench)
+
+  tun = sub.add_parser("tune", help="measured dispatch ahead of time: tune sparse layers of your shapes, on a GPU")
+  tun.add_argument("shapes", type=_parse_shape, nargs="+", metavar="INxOUT", help="layer shapes, e.g. 4096x1024")
+  tun.add_argument("--patterns", type=_parse_pattern, nargs="+", metavar="SPEC",
+                   default=[_parse_pattern("block:0.25:64x64")],
+                   help="block:DENSITY[:BKxBN], nm:N:M, unstructured:SPARSITY (default: block:0.25:64x64)")
+  tun.add_argument("--rows", type=int, nargs="+", default=[128], help="input rows (tokens) to tune for, default 128")
+  tun.add_argument("--dtype", default="float32", help="parameter and input dtype, e.g. float32, bfloat16")
+  tun.add_argument("--export", metavar="FILE", help="then write every known decision to FILE (for other machines)")
+  tun.add_argument("--import", dest="import_cache", metavar="FILE", help="first merge the decisions of FILE")
+  tun.set_defaults(run=_tune)
   return parser
 
 
