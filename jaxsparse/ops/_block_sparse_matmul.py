@@ -13,13 +13,17 @@ stay in cache, so its work is proportional to the kept blocks and it never mater
 cost more than the products themselves; see ``benchmarks/results/``). On CPU, ``xla_forward`` and
 ``xla_backward`` run C++ kernels instead (:mod:`jaxsparse._cpu`, XLA FFI custom calls built on first
 use: register-blocked small GEMMs per kept block on all cores) when block sizes are multiples of 8,
-and fall back to the loop otherwise or when the kernels cannot be built. The Pallas GPU kernels
-live in ``jaxsparse.pallas`` and are chosen on CUDA devices.
+and fall back to the loop otherwise or when the kernels cannot be built.
+
+On CUDA devices each of the three products runs on its GPU route (``_gpu_product``): the Pallas kernels of
+``jaxsparse.pallas`` with a tile config, or the dense route, chosen per product signature by measured dispatch
+(:mod:`jaxsparse._tuning`: the candidates timed on the first trace, then cached) or, with tuning off, the shipped
+default. Blocks the kernels do not take run as their supported sub-blocks (``split_blocks``), as they are on Triton
+up to ``WIDE_BLOCK_DIMS``, or on the dense route; never on the XLA loop.
 """
 
 from __future__ import annotations
 
-import copy
 import functools
 import math
 import warnings
@@ -250,12 +254,11 @@ def _gpu_routes(kernels, direction: str, x2, w: BlockSparseMatrix, *, precision,
     # three next ones are kept, to bound the tuning time.
     native = kernels.candidates(direction, x2, w, out_dtype=out_dtype, precision=precision)
     native = [(f"native:{name}", (None, cfg)) for name, cfg in native if name != "dense"]
-    dense = [r for r in routes[4:] if r[0] == "dense"]
     # The default: as they are for decode-size forward / dX products, where the copy into sub-blocks costs as much
     # as the product (H100: 256 x 128 bf16 at M = 2, 0.60 of dense against 2.33; 256 x 256 float32 at M = 48,
-    # 0.50 / 0.85 against 1.62 / 2.86); sub-blocks elsewhere.
+    # 0.50 / 0.85 against 1.62 / 2.86); sub-blocks elsewhere. (The first four sub-block routes hold the dense one.)
     native_first = x2.shape[0] <= 64 and direction != "dw"
-    routes = native + routes[:4] + dense if native_first else routes[:4] + native + dense
+    routes = native + routes[:4] if native_first else routes[:4] + native
   return routes
 
 
@@ -336,11 +339,9 @@ def _gpu_backward(x2, dy2, w: BlockSparseMatrix, *, precision):
 def _gpu_unsupported_reason(*args) -> str | None:
   """Why the GPU route cannot run these operands, or ``None``: the kernels' checks, except that any block shape
   runs (blocks the kernels do not take are cut into ones they do, or run on the dense route)."""
-  *arrays, w = args
-  kernels = _pallas_ops()
-  view = copy.copy(w)
-  view.block_shape = _kernel_block_shape(kernels, w.block_shape) or (kernels.SUPPORTED_BLOCK_DIMS[0],) * 2
-  return kernels.unsupported_reason(*arrays, view)
+  w = args[-1]
+  block_dims = tuple(w.block_shape) if isinstance(w, BlockSparseMatrix) else ()
+  return _pallas_ops().unsupported_reason(*args, block_dims=block_dims)
 
 
 def _platform_dispatch(cfg: _Config, xla_fn, gpu_fn, cast, *args):
@@ -410,9 +411,10 @@ def block_sparse_matmul(
   Args:
     x: ``(..., K)`` activations.
     w: a :class:`jaxsparse.BlockSparseMatrix` of shape ``(K, N)``.
-    implementation: ``None`` picks the best backend for the platform at lowering time (the Pallas
-      kernels on CUDA GPUs when they support the shapes and dtypes, the XLA path elsewhere);
-      ``"xla"`` or ``"pallas"`` force one, and a forced backend that cannot run raises.
+    implementation: ``None`` picks the best backend for the platform at lowering time (on CUDA GPUs the
+      route measured fastest for this product, among the Pallas kernels and the dense product: see
+      :func:`jaxsparse.set_autotune_mode`; the XLA path elsewhere); ``"xla"`` or ``"pallas"`` force one (the
+      latter: the GPU route), and a forced backend that cannot run raises.
     precision: passed to the underlying ``dot_general`` calls.
     preferred_element_type: output dtype; defaults to ``result_type(x, w.data)``. Products
       accumulate in at least float32.
