@@ -28,6 +28,7 @@ from jaxsparse._tuning import autotune_mode
 from jaxsparse._tuning import export_cache as export_tuning_cache
 from jaxsparse._tuning import import_cache as import_tuning_cache
 from jaxsparse._tuning import set_autotune_mode
+from jaxsparse._utils import FallbackWarning
 from jaxsparse.formats import NM
 from jaxsparse.formats import BlockSparse
 from jaxsparse.formats import BlockSparseMatrix
@@ -47,6 +48,7 @@ __all__ = [
     "BlockSparse",
     "BlockSparseMatrix",
     "CSRMatrix",
+    "FallbackWarning",
     "LayerSummary",
     "ModelSummary",
     "NMSparseMatrix",

@@ -12,7 +12,6 @@ its layer's path, so one rule set serves :func:`jaxsparse.sparsify`, :mod:`jaxsp
 from __future__ import annotations
 
 import re
-import warnings
 from collections.abc import Callable
 from collections.abc import Mapping
 from collections.abc import Sequence
@@ -23,6 +22,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jaxsparse import _utils
 from jaxsparse.formats._specs import SPECS
 from jaxsparse.formats._specs import Spec
 
@@ -89,11 +89,7 @@ def warn_unmatched(resolved: list[tuple[str, re.Pattern, Spec | None]], availabl
   unused = [pattern for pattern, compiled, _ in resolved if not any(compiled.fullmatch(p) for p in available)]
   if unused:
     listing = ", ".join(available) if available else "(none)"
-    warnings.warn(
-        f"rule(s) {unused} matched no {what}; available paths: {listing}.",
-        UserWarning,
-        stacklevel=3,
-    )
+    _utils.warn_at_caller(f"rule(s) {unused} matched no {what}; available paths: {listing}.", UserWarning)
 
 
 def path_str(keypath: Sequence[Any]) -> str:

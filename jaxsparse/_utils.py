@@ -7,6 +7,8 @@ is allowed, so bad input fails early and readably.
 from __future__ import annotations
 
 import numbers
+import sys
+import warnings
 from collections.abc import Sequence
 
 import jax
@@ -108,3 +110,30 @@ def text_table(rows: Sequence[Sequence[str]]) -> str:
   """Rows of strings as left-aligned columns two spaces apart (the first row is the header)."""
   widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
   return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+
+
+class FallbackWarning(UserWarning):
+  """Base class of jaxsparse's fallback warnings: a faster path cannot run these operands here, another one runs.
+
+  Each backend has its subclass (``PallasFallbackWarning``, ``CpuKernelFallbackWarning``,
+  ``CusparseLtFallbackWarning``, ``CudaKernelFallbackWarning``); filter them all at once with this class.
+
+  >>> import warnings, jaxsparse
+  >>> warnings.simplefilter("ignore", jaxsparse.FallbackWarning)  # or "error", to make every fallback fail
+  >>> warnings.resetwarnings()
+  """
+
+
+_INTERNAL_MODULES = ("jaxsparse", "jax", "jaxlib", "flax", "functools", "contextlib")
+
+
+def warn_at_caller(message: str, category: type[Warning] = FallbackWarning) -> None:
+  """``warnings.warn`` attributed to the first frame outside jaxsparse, jax and flax: the user's call.
+
+  No hand-counted ``stacklevel``: the same warning raised from different depths (an op called directly, inside
+  ``jit``, ``grad`` or a layer) points at the user's line each time.
+  """
+  frame, level = sys._getframe(1), 1
+  while frame is not None and (frame.f_globals.get("__name__") or "").split(".")[0] in _INTERNAL_MODULES:
+    frame, level = frame.f_back, level + 1
+  warnings.warn(message, category, stacklevel=level + 1)

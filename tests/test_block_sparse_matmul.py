@@ -12,6 +12,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 
 import jaxsparse
+from jaxsparse._cpu import _build as _cpu_build
 from jaxsparse.ops import block_sparse_matmul
 from jaxsparse.ops import block_sparse_matmul_reference
 from tests._util import assert_close
@@ -158,3 +159,17 @@ def test_bad_input(kwargs, exc, match):
   w = ws.to_dense() if kwargs.get("w") == "dense" else ws
   with pytest.raises(exc, match=match):
     block_sparse_matmul(x, w, implementation=kwargs.get("implementation"))
+
+
+@pytest.mark.parametrize("wrap", ["eager", "jit", "grad"])
+def test_fallback_warnings_point_at_the_callers_line(monkeypatch, wrap):
+  # One base class for every fallback, and the warning names the user's line however deep the op was called from.
+  monkeypatch.setattr(_cpu_build, "load", lambda: False)
+  monkeypatch.setattr(_cpu_build, "unavailable_reason", lambda: "disabled by the test")
+  w = jaxsparse.BlockSparseMatrix.from_dense(jnp.ones((32, 32)), (16, 16))
+  f = lambda x: block_sparse_matmul(x, w).sum()
+  g = {"eager": f, "jit": jax.jit(f), "grad": jax.jit(jax.grad(f))}[wrap]
+  with pytest.warns(jaxsparse.FallbackWarning) as record:
+    g(jnp.ones((2, 32)))
+  assert all(isinstance(r.message, _cpu_build.CpuKernelFallbackWarning) for r in record)
+  assert {r.filename for r in record} == {__file__}, [(r.filename, r.lineno) for r in record]

@@ -33,6 +33,8 @@ from pathlib import Path
 import jax
 import jaxlib
 
+from jaxsparse._utils import FallbackWarning
+
 __all__ = ["TARGETS", "CpuKernelFallbackWarning", "cache_dir", "load", "unavailable_reason"]
 
 _SOURCES = ("sparse_matmul.cc", "block_sparse_matmul.cc")
@@ -51,7 +53,7 @@ _ARCH_FLAGS = (("-march=native",), ())  # the second is tried when the compiler 
 _COMPILE_TIMEOUT_S = 300
 
 
-class CpuKernelFallbackWarning(UserWarning):
+class CpuKernelFallbackWarning(FallbackWarning):
   """The C++ CPU kernels are unavailable (no compiler, build failure or disabled); XLA runs instead."""
 
 

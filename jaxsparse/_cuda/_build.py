@@ -34,6 +34,7 @@ import jaxlib
 
 from jaxsparse._cpu._build import build_cached
 from jaxsparse._cpu._build import compiler
+from jaxsparse._utils import FallbackWarning
 
 __all__ = ["TARGETS", "CusparseLtFallbackWarning", "has_cuda_device", "library", "load", "unavailable_reason"]
 
@@ -48,7 +49,7 @@ _HEADERS = ("cusparse.h", "driver_types.h", "library_types.h")
 _COMPILE_TIMEOUT_S = 300
 
 
-class CusparseLtFallbackWarning(UserWarning):
+class CusparseLtFallbackWarning(FallbackWarning):
   """The 2:4 product on sparse tensor cores (cuSPARSELt) cannot run for these operands or on this machine."""
 
 

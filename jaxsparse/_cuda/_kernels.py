@@ -36,7 +36,6 @@ import os
 import sys
 import tempfile
 import threading
-import warnings
 from pathlib import Path
 
 import jax
@@ -44,9 +43,11 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
+from jaxsparse import _utils
 from jaxsparse._cpu._build import build_cached
 from jaxsparse._cpu._build import cache_dir
 from jaxsparse._cpu._build import compiler
+from jaxsparse._utils import FallbackWarning
 
 __all__ = [
     "CudaKernelFallbackWarning",
@@ -73,7 +74,7 @@ NM24_SPANS = (128, 64)  # columns of W per thread block
 NM24_MAX_ROWS = 32
 
 
-class CudaKernelFallbackWarning(UserWarning):
+class CudaKernelFallbackWarning(FallbackWarning):
   """A jaxsparse CUDA kernel cannot be built or run on this GPU; the op takes its other path."""
 
 
@@ -250,8 +251,8 @@ def warn_fallback(op: str, reason: str) -> None:
   if _disabled() or cc is None or cc < _MIN_CAPABILITY or reason in _WARNED:
     return
   _WARNED.add(reason)
-  warnings.warn(f"{op}: jaxsparse's CUDA kernel cannot run ({reason}); using the other GPU path.",
-                CudaKernelFallbackWarning, stacklevel=3)
+  _utils.warn_at_caller(f"{op}: jaxsparse's CUDA kernel cannot run ({reason}); using the other GPU path.",
+                        CudaKernelFallbackWarning)
 
 
 def _nvrtc_options(arch: str, defines: tuple[tuple[str, int], ...]) -> list[str]:

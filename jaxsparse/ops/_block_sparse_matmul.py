@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import functools
 import math
-import warnings
 from typing import Literal
 
 import jax
@@ -148,11 +147,10 @@ def _use_cpu_kernels(w: BlockSparseMatrix, *arrays: jax.Array) -> bool:
     return False
   if _cpu_build.load():
     return True
-  warnings.warn(
+  _utils.warn_at_caller(
       f"block_sparse_matmul: the C++ CPU kernels are unavailable "
       f"({_cpu_build.unavailable_reason().splitlines()[0]}); running the slower XLA loop.",
       _cpu_build.CpuKernelFallbackWarning,
-      stacklevel=5,
   )
   return False
 

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import warnings
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 import jax.numpy as jnp
 from jax import lax
+
+from jaxsparse import _utils
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,10 +71,9 @@ def dispatch(
   reason = None if kernels is None else (unsupported_reason or kernels.unsupported_reason)(*args)
   if kernels is None or reason is not None:
     if kernels is not None and kernels.available():
-      warnings.warn(
+      _utils.warn_at_caller(
           f"{op}: the Pallas GPU kernels do not support these operands ({reason}); using the slower XLA path.",
           kernels.PallasFallbackWarning,
-          stacklevel=4,
       )
     return xla_fn(*args)
   if preferred is not None and not preferred(*args):

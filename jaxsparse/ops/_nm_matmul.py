@@ -28,7 +28,6 @@ kept positions, both through XLA.
 from __future__ import annotations
 
 import functools
-import warnings
 from typing import Literal
 
 import jax
@@ -100,13 +99,12 @@ def cusparselt_unsupported_reason(w: NMSparseMatrix, dtype=None) -> str:
   return cslt.unsupported_reason(w.shape[0], w.shape[1], w.dtype, n_keep=w.n, m=w.m, axis=w.axis)
 
 
-def warn_cusparselt_fallback(op: str, reason: str, *, stacklevel: int = 3) -> None:
+def warn_cusparselt_fallback(op: str, reason: str) -> None:
   """Warns with :class:`CusparseLtFallbackWarning` that ``op`` skips sparse tensor cores, on CUDA machines only."""
   if _cuda_build.has_cuda_device():
-    warnings.warn(
+    _utils.warn_at_caller(
         f"{op}: the 2:4 product on sparse tensor cores cannot run ({reason}); using the other paths.",
         cslt.CusparseLtFallbackWarning,
-        stacklevel=stacklevel,
     )
 
 
@@ -170,7 +168,7 @@ def _local_forward(cfg: _Config, x2: jax.Array, w: NMSparseMatrix, blob: jax.Arr
     if not reason and cfg.out_dtype != x2.dtype:
       reason = f"the output dtype ({cfg.out_dtype}) must be that of x ({x2.dtype})"
     if reason:
-      warn_cusparselt_fallback("nm_matmul", reason, stacklevel=6)
+      warn_cusparselt_fallback("nm_matmul", reason)
     elif x2.shape[0] > MAX_FUSED_ROWS:
       other = lambda x2, w, blob: _pallas_or_xla(cfg, x2, w)
       return lax.platform_dependent(x2, w, blob, cuda=functools.partial(_cslt_forward, cfg), default=other)

@@ -16,7 +16,6 @@ The helpers below the op also serve :func:`jaxsparse.ops.masked_matmul`.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Literal
 
 import jax
@@ -66,11 +65,10 @@ def check_cpu_implementation(implementation: object, *, op: str) -> str:
     return "xla"
   if _build.load():
     return "cpu"
-  warnings.warn(
+  _utils.warn_at_caller(
       f"{op}: the C++ CPU kernels are unavailable ({_build.unavailable_reason().splitlines()[0]}); "
       "running the slower XLA path.",
       _build.CpuKernelFallbackWarning,
-      stacklevel=3,
   )
   return "xla"
 

@@ -28,13 +28,13 @@ import dataclasses
 import functools
 import math
 import numbers
-import warnings
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxsparse import _utils
 from jaxsparse._cuda import _build as _cuda_build
 from jaxsparse._cuda import _cusparselt as cslt
 from jaxsparse._cuda import _kernels as cuda_kernels
@@ -415,11 +415,10 @@ def sr_ste_matmul(
   if implementation == "cusparselt" and reason:
     raise RuntimeError(f"implementation='cusparselt' was requested but cannot run: {reason}.")
   if reason and (n, m) == (2, 4) and _cuda_build.has_cuda_device():
-    warnings.warn(
+    _utils.warn_at_caller(
         f"sr_ste_matmul: the 2:4 {'products' if transposable else 'forward product'} on sparse tensor cores "
         f"cannot run ({reason}); using the dense product.",
         cslt.CusparseLtFallbackWarning,
-        stacklevel=2,
     )
   if transposable:
     # The buffer of Wᵀ, an (N, K) weight read in LAYOUT_KN (compressed_bytes takes the output size first).

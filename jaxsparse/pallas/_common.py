@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxsparse._utils import FallbackWarning
+
 __all__ = [
     "PallasFallbackWarning",
     "allows_tf32",
@@ -23,7 +25,7 @@ __all__ = [
 _MIN_COMPUTE_CAPABILITY = 8.0
 
 
-class PallasFallbackWarning(UserWarning):
+class PallasFallbackWarning(FallbackWarning):
   """The Pallas GPU kernels do not support these dtypes or shapes; the XLA path runs instead."""
 
 
