@@ -35,7 +35,9 @@ kernels.
 
 Tile sizes live in :class:`BlockSparseMatmulConfig`; :meth:`BlockSparseMatmulConfig.get_default`
 holds the measured winners and the one heuristic (``benchmarks/gpu_block_sparse.py --sweep`` and
-``--mosaic-sweep``).
+``--mosaic-sweep``). Measured dispatch (``jaxsparse.ops.block_sparse_matmul`` on a GPU) times the configs of
+:func:`candidates` (:mod:`._block_sparse_candidates`) per product and passes the winner as ``config``; with an
+explicit config the Triton kernels also take blocks of ``WIDE_BLOCK_DIMS``.
 """
 
 from __future__ import annotations
@@ -509,7 +511,7 @@ def backward(
   dx = ddata = None
   # The dense routes are XLA products: interpret mode (CPU tests of the kernels) keeps the kernels.
   route_dense_dx = (cfg.dense or cfg.dx_dense) and not interpret
-  dense_dw = (cfg.dense or cfg.dw_dense) and not interpret
+  route_dense_dw = (cfg.dense or cfg.dw_dense) and not interpret
   mosaic_dx = _use_mosaic(cfg.mosaic_dx, dy2, w, x2.dtype, transpose=True, interpret=interpret, precision=precision)
   if need_dx and route_dense_dx:
     dx = dense_dx(dy2, w, precision=precision, out_dtype=x2.dtype)
@@ -528,7 +530,7 @@ def backward(
       and (jnp.dtype(x2.dtype).itemsize != 4 or allows_tf32(precision))
       and mosaic_sdd.supports(x2, dy2, w, cfg.mosaic_dw)
   )
-  if need_dw and dense_dw:
+  if need_dw and route_dense_dw:
     ddata = dw_dense_then_gather(x2.astype(compute_dtype), dy2.astype(compute_dtype), w, precision=precision)
   elif need_dw and use_mosaic_dw:
     ddata = mosaic_sdd.sampled_dw(x2, dy2, w, config=cfg.mosaic_dw, interpret=interpret)
