@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Literal
 
 import jax
@@ -155,35 +156,86 @@ def _use_cpu_kernels(w: BlockSparseMatrix, *arrays: jax.Array) -> bool:
   return False
 
 
+def _cpu_kernel_forward(x2, w: BlockSparseMatrix, out_dtype):
+  f32 = jnp.float32
+  y = _cpu_kernels.block_forward(x2.astype(f32), w.data.astype(f32), w.row_indices, w.col_offsets, w.transpose_order)
+  return y.astype(out_dtype)
+
+
+def _cpu_kernel_backward(x2, dy2, w: BlockSparseMatrix):
+  f32 = jnp.float32
+  dx, ddata = _cpu_kernels.block_backward(
+      x2.astype(f32), w.data.astype(f32), w.row_offsets, w.col_indices, dy2.astype(f32)
+  )
+  return dx.astype(x2.dtype), ddata.astype(w.dtype)
+
+
+def _cpu_routes(direction: str, w: BlockSparseMatrix, *arrays, precision, out_dtype) -> list[tuple[str, Callable]]:
+  """``[(name, run)]`` for one direction on a CPU, the shipped default first: the C++ kernel where it applies, the
+  block loop, and the dense route (the weight built dense, one XLA product) where the Pallas module imports."""
+  routes = []
+  if _use_cpu_kernels(w, *arrays):
+    kernel = {
+        "fwd": lambda a, b: _cpu_kernel_forward(a, b, out_dtype),
+        "dx": lambda a, dy, b: _cpu_kernel_backward(a, dy, b)[0],
+        "dw": lambda a, dy, b: _cpu_kernel_backward(a, dy, b)[1],
+    }
+    routes.append(("cpu_kernel", kernel[direction]))
+  loop = {
+      "fwd": lambda a, b: _loop_forward(a, b, precision=precision, out_dtype=out_dtype),
+      "dx": lambda a, dy, b: _loop_backward(a, dy, b, precision=precision, need_dw=False)[0],
+      "dw": lambda a, dy, b: _loop_backward(a, dy, b, precision=precision, need_dx=False)[1],
+  }
+  routes.append(("loop", loop[direction]))
+  kernels = _pallas_ops()
+  if kernels is not None:
+    routes.append(("dense", _gpu_run(kernels, direction, (None, None), precision=precision, out_dtype=out_dtype)))
+  return routes
+
+
+def _cpu_choice(direction: str, *args, precision, out_dtype) -> tuple[str, Callable]:
+  """The CPU route of one direction: the default, or the one measured fastest (``tune`` mode; ``auto`` reads the
+  cache on a CPU but does not measure: timings on a few shared cores are noisy)."""
+  x2, w = args[0], args[-1]
+  routes = _cpu_routes(direction, w, *args[:-1], precision=precision, out_dtype=out_dtype)
+  m, (k, n) = x2.shape[0], w.shape
+  dy_dtype = args[1].dtype if direction != "fwd" else None
+
+  def make_args():
+    rng = np.random.default_rng(1)
+    a, wr = _random_like(rng, (m, k), x2.dtype), _random_weight(w)
+    return (a, wr) if direction == "fwd" else (a, _random_like(rng, (m, n), dy_dtype), wr)
+
+  chosen = _tuning.choose(
+      "block_sparse_matmul", direction, [_tuning.Candidate(name, run, name) for name, run in routes], make_args,
+      platform="cpu", fields=_signature(x2, w, out_dtype if direction == "fwd" else dy_dtype, precision),
+  )
+  return chosen.name, chosen.run
+
+
 def xla_forward(x2: jax.Array, w: BlockSparseMatrix, *, precision=None, out_dtype=None) -> jax.Array:
-  """``x2 (M, K) @ W -> (M, N)``: the C++ kernel on CPU when it applies, else the block loop."""
-  loop = lambda a, b: _loop_forward(a, b, precision=precision, out_dtype=out_dtype)
-  if not _use_cpu_kernels(w, x2):
-    return loop(x2, w)
+  """``x2 (M, K) @ W -> (M, N)``: on a CPU the C++ kernel where it applies (or the route measured fastest), else the
+  block loop."""
   out = out_dtype or _acc_dtype(jnp.result_type(x2.dtype, w.dtype))
-
-  def cpu(a, b):
-    f32 = jnp.float32
-    y = _cpu_kernels.block_forward(a.astype(f32), b.data.astype(f32), b.row_indices, b.col_offsets, b.transpose_order)
-    return y.astype(out)
-
+  loop = lambda a, b: _loop_forward(a, b, precision=precision, out_dtype=out)
+  cpu = lambda a, b: _cpu_choice("fwd", a, b, precision=precision, out_dtype=out)[1](a, b)
   return lax.platform_dependent(x2, w, cpu=cpu, default=loop)
 
 
 def xla_backward(
     x2: jax.Array, dy2: jax.Array, w: BlockSparseMatrix, *, precision=None, need_dx=True, need_dw=True
 ) -> tuple[jax.Array | None, jax.Array | None]:
-  """``dX = dY @ Wᵀ`` and ``dW = (xᵀ dY)`` on the kept blocks: the C++ kernel on CPU when it applies."""
+  """``dX = dY @ Wᵀ`` and ``dW = (xᵀ dY)`` on the kept blocks: on a CPU as :func:`xla_forward` chooses, else the
+  block loop."""
   loop = lambda a, dy, b: _loop_backward(a, dy, b, precision=precision, need_dx=need_dx, need_dw=need_dw)
-  if not _use_cpu_kernels(w, x2, dy2):
-    return loop(x2, dy2, w)
 
   def cpu(a, dy, b):
-    f32 = jnp.float32
-    dx, ddata = _cpu_kernels.block_backward(
-        a.astype(f32), b.data.astype(f32), b.row_offsets, b.col_indices, dy.astype(f32)
+    (dx_name, dx_run), (dw_name, dw_run) = (
+        _cpu_choice(d, a, dy, b, precision=precision, out_dtype=a.dtype) for d in ("dx", "dw")
     )
-    return (dx.astype(a.dtype) if need_dx else None), (ddata.astype(b.dtype) if need_dw else None)
+    if need_dx and need_dw and dx_name == dw_name == "cpu_kernel":
+      return _cpu_kernel_backward(a, dy, b)  # one kernel computes both
+    return (dx_run(a, dy, b) if need_dx else None), (dw_run(a, dy, b) if need_dw else None)
 
   return lax.platform_dependent(x2, dy2, w, cpu=cpu, default=loop)
 
@@ -215,6 +267,18 @@ def _row_bucket(m: int) -> int:
     return 1 << max(0, m - 1).bit_length()
   step = (1 << (m.bit_length() - 1)) // 4
   return -(-m // step) * step
+
+
+def _signature(x2, w: BlockSparseMatrix, result_dtype, precision) -> dict:
+  """The fields of a product's tuning key besides op, direction and device: rows, shapes, density, dtypes."""
+  return {
+      "rows": _row_bucket(x2.shape[0]),
+      "shape": w.shape,
+      "block": w.block_shape,
+      "density": round(w.nnz_blocks / max(1, math.prod(w.grid_shape)) * 50) / 50,
+      "dtypes": (str(x2.dtype), str(w.dtype), str(jnp.dtype(result_dtype))),
+      "precision": precision,
+  }
 
 
 def _random_like(key: np.random.Generator, shape, dtype) -> jax.Array:
@@ -311,14 +375,7 @@ def _gpu_product(direction: str, *args, precision, out_dtype):
       [_tuning.Candidate(name, run(route), route) for name, route in routes],
       make_args,
       platform="cuda",
-      fields={
-          "rows": _row_bucket(m),
-          "shape": w.shape,
-          "block": w.block_shape,
-          "density": round(w.nnz_blocks / max(1, math.prod(w.grid_shape)) * 50) / 50,
-          "dtypes": (str(x2.dtype), str(w.dtype), str(jnp.dtype(out_dtype if direction == "fwd" else dy_dtype))),
-          "precision": precision,
-      },
+      fields=_signature(x2, w, out_dtype if direction == "fwd" else dy_dtype, precision),
   )
   return chosen.run(*args)
 
