@@ -74,7 +74,16 @@ NM24_MAX_ROWS = 32
 
 
 class CudaKernelFallbackWarning(UserWarning):
-  """A jaxsparse CUDA kernel cannot be built or run on this GPU; the op takes its other path."""
+  """A jaxsparse CUDA kernel cannot be built or run on this GPU; the op takes its other path.
+
+  Issued on CUDA machines only. To make it an error (in a benchmark, say):
+
+  >>> import warnings, jaxsparse
+  >>> with warnings.catch_warnings():
+  ...   warnings.simplefilter("error", jaxsparse.ops.CudaKernelFallbackWarning)
+  >>> issubclass(jaxsparse.ops.CudaKernelFallbackWarning, UserWarning)
+  True
+  """
 
 
 def _disabled() -> bool:
