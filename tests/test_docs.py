@@ -84,8 +84,7 @@ WITHOUT_EXAMPLE = {
     "jaxsparse.pallas.BlockSparseMatmulConfig", "jaxsparse.pallas.DispatchRules", "jaxsparse.pallas.KernelConfig",
     "jaxsparse.pallas.MosaicKernelConfig", "jaxsparse.pallas.MosaicSddConfig", "jaxsparse.pallas.NMMatmulConfig",
     "jaxsparse.pallas.dispatch_rules", "jaxsparse.pruning.CalibratedPruneReport", "jaxsparse.pruning.LayerPruned",
-    "jaxsparse.pruning.LayerStats", "jaxsparse.pruning.Pruner", "jaxsparse.pruning.PruningState",
-    "jaxsparse.pruning.Schedule", "jaxsparse.pruning.SparseGPTResult", "jaxsparse.pruning.get_masks",
+    "jaxsparse.pruning.LayerStats", "jaxsparse.pruning.Schedule", "jaxsparse.pruning.SparseGPTResult",
     "jaxsparse.sharding.ShardedBlockSparseMatrix", "jaxsparse.sharding.column_parallel_matmul",
     "jaxsparse.sharding.megatron_mlp", "jaxsparse.sharding.row_parallel_matmul",
     "jaxsparse.torch_interop.CheckpointError", "jaxsparse.torch_interop.LayerLoad",
@@ -94,12 +93,9 @@ WITHOUT_EXAMPLE = {
 }
 WITHOUT_ARGS_RETURNS = {
     "jaxsparse.densify", "jaxsparse.densify_linen", "jaxsparse.ops.CpuImplementation", "jaxsparse.ops.Implementation",
-    "jaxsparse.ops.NMImplementation", "jaxsparse.pruning.apply_masks", "jaxsparse.pruning.cosine_drop_fraction",
-    "jaxsparse.pruning.get_masks", "jaxsparse.pruning.gradual", "jaxsparse.pruning.magnitude_layer",
-    "jaxsparse.pruning.magnitude_pruner", "jaxsparse.pruning.magnitude_scores", "jaxsparse.pruning.masks_to_dict",
-    "jaxsparse.pruning.one_shot", "jaxsparse.pruning.periodic", "jaxsparse.pruning.polynomial_sparsity",
-    "jaxsparse.pruning.rigl_pruner", "jaxsparse.pruning.set_pruner", "jaxsparse.pruning.sparsegpt",
-    "jaxsparse.pruning.wanda", "jaxsparse.torch_interop.apply_rules", "jaxsparse.torch_interop.load_flax_variables",
+    "jaxsparse.ops.NMImplementation", "jaxsparse.pruning.magnitude_layer", "jaxsparse.pruning.magnitude_scores",
+    "jaxsparse.pruning.masks_to_dict", "jaxsparse.pruning.sparsegpt", "jaxsparse.pruning.wanda",
+    "jaxsparse.torch_interop.apply_rules", "jaxsparse.torch_interop.load_flax_variables",
     "jaxsparse.torch_interop.map_name",
 }
 
