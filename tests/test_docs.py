@@ -83,20 +83,17 @@ WITHOUT_EXAMPLE = {
     "jaxsparse.layers.SparseLinearGeneral", "jaxsparse.layers.SparsityPattern", "jaxsparse.layers.linen.SPARSITY",
     "jaxsparse.pallas.BlockSparseMatmulConfig", "jaxsparse.pallas.DispatchRules", "jaxsparse.pallas.KernelConfig",
     "jaxsparse.pallas.MosaicKernelConfig", "jaxsparse.pallas.MosaicSddConfig", "jaxsparse.pallas.NMMatmulConfig",
-    "jaxsparse.pallas.dispatch_rules", "jaxsparse.pruning.CalibratedPruneReport", "jaxsparse.pruning.LayerPruned",
-    "jaxsparse.pruning.LayerStats", "jaxsparse.pruning.Schedule", "jaxsparse.pruning.SparseGPTResult",
-    "jaxsparse.sharding.ShardedBlockSparseMatrix", "jaxsparse.sharding.column_parallel_matmul",
-    "jaxsparse.sharding.megatron_mlp", "jaxsparse.sharding.row_parallel_matmul",
-    "jaxsparse.torch_interop.CheckpointError", "jaxsparse.torch_interop.LayerLoad",
-    "jaxsparse.torch_interop.LoadReport", "jaxsparse.torch_interop.Pattern", "jaxsparse.torch_interop.TorchParam",
-    "jaxsparse.torch_interop.apply_rules", "jaxsparse.torch_interop.load_flax_variables",
+    "jaxsparse.pallas.dispatch_rules", "jaxsparse.sharding.ShardedBlockSparseMatrix",
+    "jaxsparse.sharding.column_parallel_matmul", "jaxsparse.sharding.megatron_mlp",
+    "jaxsparse.sharding.row_parallel_matmul", "jaxsparse.torch_interop.CheckpointError",
+    "jaxsparse.torch_interop.LayerLoad", "jaxsparse.torch_interop.LoadReport", "jaxsparse.torch_interop.Pattern",
+    "jaxsparse.torch_interop.TorchParam", "jaxsparse.torch_interop.apply_rules",
+    "jaxsparse.torch_interop.load_flax_variables",
 }
 WITHOUT_ARGS_RETURNS = {
     "jaxsparse.densify", "jaxsparse.densify_linen", "jaxsparse.ops.CpuImplementation", "jaxsparse.ops.Implementation",
-    "jaxsparse.ops.NMImplementation", "jaxsparse.pruning.magnitude_layer", "jaxsparse.pruning.magnitude_scores",
-    "jaxsparse.pruning.masks_to_dict", "jaxsparse.pruning.sparsegpt", "jaxsparse.pruning.wanda",
-    "jaxsparse.torch_interop.apply_rules", "jaxsparse.torch_interop.load_flax_variables",
-    "jaxsparse.torch_interop.map_name",
+    "jaxsparse.ops.NMImplementation", "jaxsparse.torch_interop.apply_rules",
+    "jaxsparse.torch_interop.load_flax_variables", "jaxsparse.torch_interop.map_name",
 }
 
 

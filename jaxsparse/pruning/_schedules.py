@@ -27,6 +27,19 @@ class Schedule(NamedTuple):
       when the structure's target is ``final``; 0 before pruning begins and exactly ``final`` once
       it is reached.
     is_update_step: ``step -> bool`` scalar: whether masks are recomputed at ``step``.
+
+  :func:`one_shot`, :func:`gradual` and :func:`periodic` make them; a custom one, here pruning in two steps
+  (half the target at step 10, all of it at step 20):
+
+  >>> import jax.numpy as jnp
+  >>> from jaxsparse import pruning
+  >>> two_steps = pruning.Schedule(
+  ...     sparsity=lambda t, final: jnp.float32(final) * jnp.clip(jnp.asarray(t) // 10, 0, 2) / 2,
+  ...     is_update_step=lambda t: (jnp.asarray(t) == 10) | (jnp.asarray(t) == 20))
+  >>> [round(float(two_steps.sparsity(t, 0.8)), 3) for t in (0, 10, 15, 20, 30)], bool(two_steps.is_update_step(15))
+  ([0.0, 0.4, 0.4, 0.8, 0.8], False)
+  >>> import jaxsparse
+  >>> pruner = pruning.magnitude_pruner(jaxsparse.Unstructured(sparsity=0.8), two_steps)
   """
 
   sparsity: Callable[[jax.typing.ArrayLike, float], jax.Array]
