@@ -79,21 +79,20 @@ def test_cited_results_files_exist():
 # Public docstrings that still lack a `>>>` example, or (functions) an Args / Returns section, on 2026-11-26. The
 # lists may only shrink: a new public name comes with both (STYLE.md), and fixing one means deleting it here.
 WITHOUT_EXAMPLE = {
-    "jaxsparse.LayerSummary", "jaxsparse.ModelSummary", "jaxsparse.layers.CusparseLtWeight",
-    "jaxsparse.layers.SparseLinearGeneral", "jaxsparse.layers.SparsityPattern", "jaxsparse.layers.linen.SPARSITY",
-    "jaxsparse.pallas.BlockSparseMatmulConfig", "jaxsparse.pallas.DispatchRules", "jaxsparse.pallas.KernelConfig",
-    "jaxsparse.pallas.MosaicKernelConfig", "jaxsparse.pallas.MosaicSddConfig", "jaxsparse.pallas.NMMatmulConfig",
-    "jaxsparse.pallas.dispatch_rules", "jaxsparse.sharding.ShardedBlockSparseMatrix",
-    "jaxsparse.sharding.column_parallel_matmul", "jaxsparse.sharding.megatron_mlp",
-    "jaxsparse.sharding.row_parallel_matmul", "jaxsparse.torch_interop.CheckpointError",
-    "jaxsparse.torch_interop.LayerLoad", "jaxsparse.torch_interop.LoadReport", "jaxsparse.torch_interop.Pattern",
-    "jaxsparse.torch_interop.TorchParam", "jaxsparse.torch_interop.apply_rules",
-    "jaxsparse.torch_interop.load_flax_variables",
+    "jaxsparse.layers.CusparseLtWeight", "jaxsparse.layers.SparseLinearGeneral", "jaxsparse.layers.SparsityPattern",
+    "jaxsparse.layers.linen.SPARSITY", "jaxsparse.pallas.BlockSparseMatmulConfig", "jaxsparse.pallas.DispatchRules",
+    "jaxsparse.pallas.KernelConfig", "jaxsparse.pallas.MosaicKernelConfig", "jaxsparse.pallas.MosaicSddConfig",
+    "jaxsparse.pallas.NMMatmulConfig", "jaxsparse.pallas.dispatch_rules",
+    "jaxsparse.sharding.ShardedBlockSparseMatrix", "jaxsparse.sharding.column_parallel_matmul",
+    "jaxsparse.sharding.megatron_mlp", "jaxsparse.sharding.row_parallel_matmul",
+    "jaxsparse.torch_interop.CheckpointError", "jaxsparse.torch_interop.LayerLoad",
+    "jaxsparse.torch_interop.LoadReport", "jaxsparse.torch_interop.Pattern", "jaxsparse.torch_interop.TorchParam",
+    "jaxsparse.torch_interop.apply_rules", "jaxsparse.torch_interop.load_flax_variables",
 }
 WITHOUT_ARGS_RETURNS = {
-    "jaxsparse.densify", "jaxsparse.densify_linen", "jaxsparse.ops.CpuImplementation", "jaxsparse.ops.Implementation",
-    "jaxsparse.ops.NMImplementation", "jaxsparse.torch_interop.apply_rules",
-    "jaxsparse.torch_interop.load_flax_variables", "jaxsparse.torch_interop.map_name",
+    "jaxsparse.ops.CpuImplementation", "jaxsparse.ops.Implementation", "jaxsparse.ops.NMImplementation",
+    "jaxsparse.torch_interop.apply_rules", "jaxsparse.torch_interop.load_flax_variables",
+    "jaxsparse.torch_interop.map_name",
 }
 
 
