@@ -84,14 +84,9 @@ WITHOUT_EXAMPLE = {
     "jaxsparse.pallas.NMMatmulConfig", "jaxsparse.pallas.dispatch_rules",
     "jaxsparse.sharding.ShardedBlockSparseMatrix", "jaxsparse.sharding.column_parallel_matmul",
     "jaxsparse.sharding.megatron_mlp", "jaxsparse.sharding.row_parallel_matmul",
-    "jaxsparse.torch_interop.CheckpointError", "jaxsparse.torch_interop.LayerLoad",
-    "jaxsparse.torch_interop.LoadReport", "jaxsparse.torch_interop.Pattern", "jaxsparse.torch_interop.TorchParam",
-    "jaxsparse.torch_interop.apply_rules", "jaxsparse.torch_interop.load_flax_variables",
 }
 WITHOUT_ARGS_RETURNS = {
     "jaxsparse.ops.CpuImplementation", "jaxsparse.ops.Implementation", "jaxsparse.ops.NMImplementation",
-    "jaxsparse.torch_interop.apply_rules", "jaxsparse.torch_interop.load_flax_variables",
-    "jaxsparse.torch_interop.map_name",
 }
 
 
