@@ -171,6 +171,14 @@ def masks_to_dict(masks: Any) -> dict[str, np.ndarray]:
   >>> pruning.masks_to_dict({"fc": {"kernel": jnp.ones((2, 2), bool), "bias": None}})
   {'fc.kernel': array([[ True,  True],
          [ True,  True]])}
+
+  Args:
+    masks: a tree of bool arrays (and ``None`` for unpruned parameters), as :func:`get_masks` or
+      :func:`magnitude_masks` return it; NNX variables in it are read as their values.
+
+  Returns:
+    A dict from each mask's dotted path (``"fc.kernel"``) to a NumPy bool array of its shape; ``None`` leaves
+    are left out.
   """
   pairs = jax.tree_util.tree_flatten_with_path(unwrap_variables(masks))[0]
   return {path_str(kp): np.asarray(m) for kp, m in pairs}

@@ -49,6 +49,14 @@ class LayerSummary:
     dense_bytes: bytes of the dense layer (kernel and bias, same dtype).
     forward_flops, backward_flops: per input row; ``None`` when the density is unknown.
     dense_forward_flops, dense_backward_flops: the same for the dense layer.
+
+  >>> import jaxsparse
+  >>> from flax import nnx
+  >>> layer = jaxsparse.summary(jaxsparse.layers.NMLinear(8, 4, n=2, m=4, rngs=nnx.Rngs(0))).layers[0]
+  >>> layer.kind, layer.shape, layer.pattern, layer.density
+  ('NMLinear', (8, 4), '2:4', 0.5)
+  >>> layer.forward_flops, layer.dense_forward_flops, layer.backward_flops, layer.dense_backward_flops
+  (32, 64, 96, 128)
   """
 
   path: str
@@ -79,7 +87,24 @@ def _human(n: int | None) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class ModelSummary:
-  """What :func:`summary` returns: one :class:`LayerSummary` per sparse layer; ``str()`` is a table."""
+  """What :func:`summary` returns: one :class:`LayerSummary` per sparse layer; ``str()`` is a table.
+
+  The properties (``bytes``, ``forward_flops``, ...) sum a field over the layers.
+
+  >>> import jaxsparse
+  >>> from flax import nnx
+  >>> s = jaxsparse.summary(jaxsparse.layers.NMLinear(8, 4, n=2, m=4, rngs=nnx.Rngs(0)))
+  >>> len(s.layers), s.forward_flops, s.dense_forward_flops, s.total("bytes") == s.bytes
+  (1, 32, 64, True)
+  >>> print(s)
+  path     layer     shape  pattern  density  bytes (vs dense)  fwd FLOPs   bwd FLOPs
+  (model)  NMLinear  8x4    2:4      0.500    144 (1.00x)       32 (0.50x)  96 (0.75x)
+  total    1 layers                           144 (1.00x)       32 (0.50x)  96 (0.75x)
+  FLOPs per input row (per output position for convolutions), bias excluded.
+
+  Attributes:
+    layers: a :class:`LayerSummary` per sparse layer of the model.
+  """
 
   layers: tuple[LayerSummary, ...]
 

@@ -54,7 +54,17 @@ _COMPILE_TIMEOUT_S = 300
 
 
 class CpuKernelFallbackWarning(FallbackWarning):
-  """The C++ CPU kernels are unavailable (no compiler, build failure or disabled); XLA runs instead."""
+  """The C++ CPU kernels are unavailable (no compiler, build failure or disabled); XLA runs instead.
+
+  Issued on a CPU backend when a product with ``implementation=None`` cannot use the kernels. To make it an error
+  (in a benchmark, say):
+
+  >>> import warnings, jaxsparse
+  >>> with warnings.catch_warnings():
+  ...   warnings.simplefilter("error", jaxsparse.ops.CpuKernelFallbackWarning)
+  >>> issubclass(jaxsparse.ops.CpuKernelFallbackWarning, jaxsparse.FallbackWarning)
+  True
+  """
 
 
 def cache_dir() -> Path:

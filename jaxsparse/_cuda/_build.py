@@ -50,7 +50,16 @@ _COMPILE_TIMEOUT_S = 300
 
 
 class CusparseLtFallbackWarning(FallbackWarning):
-  """The 2:4 product on sparse tensor cores (cuSPARSELt) cannot run for these operands or on this machine."""
+  """The 2:4 product on sparse tensor cores (cuSPARSELt) cannot run for these operands or on this machine.
+
+  Issued on CUDA machines only, when a product that could use cuSPARSELt takes another path. To silence it:
+
+  >>> import warnings, jaxsparse
+  >>> with warnings.catch_warnings():
+  ...   warnings.simplefilter("ignore", jaxsparse.ops.CusparseLtFallbackWarning)
+  >>> issubclass(jaxsparse.ops.CusparseLtFallbackWarning, jaxsparse.FallbackWarning)
+  True
+  """
 
 
 def has_cuda_device() -> bool:

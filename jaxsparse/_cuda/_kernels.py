@@ -75,7 +75,16 @@ NM24_MAX_ROWS = 32
 
 
 class CudaKernelFallbackWarning(FallbackWarning):
-  """A jaxsparse CUDA kernel cannot be built or run on this GPU; the op takes its other path."""
+  """A jaxsparse CUDA kernel cannot be built or run on this GPU; the op takes its other path.
+
+  Issued on CUDA machines only. To make it an error (in a benchmark, say):
+
+  >>> import warnings, jaxsparse
+  >>> with warnings.catch_warnings():
+  ...   warnings.simplefilter("error", jaxsparse.ops.CudaKernelFallbackWarning)
+  >>> issubclass(jaxsparse.ops.CudaKernelFallbackWarning, jaxsparse.FallbackWarning)
+  True
+  """
 
 
 def _disabled() -> bool:

@@ -433,6 +433,15 @@ def densify_linen(sparse: SparsifiedLinen, variables: Mapping) -> tuple[nn.Modul
   >>> module, dense_vars = jaxsparse.densify_linen(sparse, sparse_vars)
   >>> bool(jnp.allclose(module.apply(dense_vars, x), sparse.apply(sparse_vars, x)))
   True
+
+  Args:
+    sparse: the ``SparsifiedLinen`` that :func:`sparsify_linen` returned.
+    variables: its variables (``params`` and the ``"sparsity"`` collection), e.g. after training; not modified.
+
+  Returns:
+    ``(module, variables)``: ``sparse.module``, the original Linen module, and a new dict of dense variables
+    for it, the kernels with their own shapes and dtypes and zeros where pruned; the ``"sparsity"`` collection
+    is dropped once empty.
   """
   new_vars = _to_dict(variables)
   params = new_vars["params"]

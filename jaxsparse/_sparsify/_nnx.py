@@ -410,6 +410,15 @@ def densify(model: nnx.Module, *, inplace: bool = False) -> nnx.Module:
   >>> dense = jaxsparse.densify(sparse)
   >>> type(dense.layers[0]).__name__, float(jnp.mean(dense.layers[0].kernel[...] == 0))
   ('Linear', 0.5)
+
+  Args:
+    model: an ``nnx.Module``: a jaxsparse layer itself or a model containing some.
+    inplace: replace the layers of ``model`` itself instead of a copy (``nnx.clone``). A ``model`` that is
+      itself a jaxsparse layer cannot be replaced in place: its dense twin is returned either way.
+
+  Returns:
+    The model with dense layers (``model`` itself with ``inplace``, else a copy); the kernels have the dense
+    layers' shapes and the sparse layers' dtypes, with zeros at the pruned weights.
   """
   if not isinstance(model, nnx.Module):
     raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}.")

@@ -63,6 +63,14 @@ class SparsityPattern(nnx.Variable):
   ``nnx.split(model, nnx.Param, SparsityPattern)`` or ``nnx.state(model, SparsityPattern)``.
   Its ``repr`` shows shape and dtype, not the index values (see :func:`jaxsparse.summary` for the
   pattern in words).
+
+  >>> from flax import nnx
+  >>> from jaxsparse.layers import MaskedLinear, SparsityPattern
+  >>> layer = MaskedLinear(8, 4, sparsity=0.5, rngs=nnx.Rngs(0))
+  >>> isinstance(layer.mask, SparsityPattern), layer.mask[...].dtype
+  (True, dtype('bool'))
+  >>> sorted(nnx.state(layer, SparsityPattern).keys()), sorted(nnx.state(layer, nnx.Param).keys())
+  (['mask'], ['bias', 'kernel'])
   """
 
   def __nnx_repr__(self):

@@ -23,6 +23,22 @@ class SparseLinearGeneral(nnx.Module):
   Attributes:
     layer: the 2-D sparse layer (``BlockSparseLinear``, ``MaskedLinear`` or ``NMLinear``).
     in_features, out_features: tuples, as in ``nnx.LinearGeneral``.
+
+  >>> import jax.numpy as jnp
+  >>> from flax import nnx
+  >>> from jaxsparse.layers import MaskedLinear, SparseLinearGeneral
+  >>> inner = MaskedLinear(16, 8, sparsity=0.5, rngs=nnx.Rngs(0))  # (16,) -> (2, 4): two heads of 4
+  >>> layer = SparseLinearGeneral(inner, in_features=(16,), out_features=(2, 4))
+  >>> layer(jnp.ones((3, 16))).shape
+  (3, 2, 4)
+  >>> dense = layer.to_dense()
+  >>> type(dense).__name__, dense.kernel.shape
+  ('LinearGeneral', (16, 2, 4))
+
+  Args:
+    layer: the 2-D sparse layer, ``(prod(in_features), prod(out_features))``.
+    in_features, out_features: tuples of the trailing input axes and of the output axes.
+    dtype, precision: kept for :meth:`to_dense` (the product itself uses ``layer``'s).
   """
 
   def __init__(self, layer: nnx.Module, *, in_features: tuple[int, ...], out_features: tuple[int, ...],

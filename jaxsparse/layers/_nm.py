@@ -49,7 +49,25 @@ __all__ = ["CompressedNMLinear", "CusparseLtWeight", "NMConv", "NMLinear"]
 
 
 class CusparseLtWeight(nnx.Variable):
-  """A 2:4 kernel in cuSPARSELt's compressed layout (``uint8``): a cache, not a parameter."""
+  """A 2:4 kernel in cuSPARSELt's compressed layout (``uint8``): a cache, not a parameter.
+
+  :class:`CompressedNMLinear` keeps one as ``kernel_cusparselt`` on a CUDA GPU with cuSPARSELt (2:4, bfloat16);
+  elsewhere that attribute is ``None``. Being no ``nnx.Param``, it is not trained; leave it out of checkpoints
+  with ``nnx.state(model, nnx.Not(CusparseLtWeight))`` (it is rebuilt with the layer). The lines that read it
+  need such a GPU and are skipped in the doctests (which run on CPU).
+
+  >>> import jax, jax.numpy as jnp, jaxsparse
+  >>> from flax import nnx
+  >>> from jaxsparse.layers import CompressedNMLinear, CusparseLtWeight
+  >>> issubclass(CusparseLtWeight, nnx.Param)
+  False
+  >>> w = jaxsparse.NMSparseMatrix.from_dense(jax.random.normal(jax.random.key(0), (64, 32), jnp.bfloat16), 2, 4)
+  >>> layer = CompressedNMLinear(w)
+  >>> sorted(nnx.state(layer, nnx.Not(CusparseLtWeight)).keys())
+  ['kernel', 'kernel_positions']
+  >>> isinstance(layer.kernel_cusparselt, CusparseLtWeight), layer.kernel_cusparselt[...].dtype  # doctest: +SKIP
+  (True, dtype('uint8'))
+  """
 
 
 def check_nm_implementation(implementation: object) -> str | None:

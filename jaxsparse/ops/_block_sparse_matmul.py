@@ -48,6 +48,15 @@ from jaxsparse.ops import _sharding
 __all__ = ["block_sparse_matmul", "block_sparse_matmul_reference", "Implementation"]
 
 Implementation = Literal["xla", "pallas"]
+Implementation.__doc__ = """The backends of :func:`jaxsparse.ops.block_sparse_matmul`: ``"xla"`` or ``"pallas"``.
+
+A type alias for annotations (``implementation: Implementation | None``, where ``None`` picks one per product);
+``"pallas"`` is the GPU route (Pallas kernels or the dense product), ``"xla"`` the block loop (C++ kernels on CPU).
+
+>>> import typing, jaxsparse
+>>> typing.get_args(jaxsparse.ops.Implementation)
+('xla', 'pallas')
+"""
 _IMPLEMENTATIONS = (None, "xla", "pallas")
 
 
@@ -58,7 +67,24 @@ def block_sparse_matmul_reference(
     precision: lax.PrecisionLike = None,
     preferred_element_type: jax.typing.DTypeLike | None = None,
 ) -> jax.Array:
-  """Dense oracle: ``x @ w.to_dense()``. For tests; it builds the dense ``K x N`` weight."""
+  """Dense oracle: ``x @ w.to_dense()``. For tests; it builds the dense ``K x N`` weight.
+
+  >>> import jax.numpy as jnp, jaxsparse
+  >>> w = jaxsparse.BlockSparseMatrix.from_dense(jnp.ones((4, 4)), (2, 2),
+  ...                                            block_mask=jnp.array([[True, False], [False, True]]))
+  >>> jaxsparse.ops.block_sparse_matmul_reference(jnp.ones((1, 4)), w)
+  Array([[2., 2., 2., 2.]], dtype=float32)
+
+  Args:
+    x: ``(..., K)`` activations.
+    w: a :class:`jaxsparse.BlockSparseMatrix` of shape ``(K, N)``.
+    precision: passed to ``jnp.matmul``.
+    preferred_element_type: output dtype; defaults to ``result_type(x, w.data)``.
+
+  Returns:
+    ``(..., N)`` array of ``preferred_element_type``, equal to :func:`block_sparse_matmul`'s result up to
+    rounding.
+  """
   return _utils.dense_reference(x, w, precision=precision, preferred_element_type=preferred_element_type)
 
 

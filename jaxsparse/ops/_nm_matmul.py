@@ -45,6 +45,14 @@ from jaxsparse.ops import _sharding
 __all__ = ["cusparselt_available", "cusparselt_compress", "nm_matmul", "nm_matmul_reference"]
 
 NMImplementation = Literal["xla", "pallas", "cusparselt"]
+NMImplementation.__doc__ = """The backends of :func:`jaxsparse.ops.nm_matmul`: ``"xla"``, ``"pallas"`` or cuSPARSELt.
+
+A type alias for annotations; ``None`` picks one per product (see :func:`jaxsparse.ops.nm_matmul`).
+
+>>> import typing, jaxsparse
+>>> typing.get_args(jaxsparse.ops.NMImplementation)
+('xla', 'pallas', 'cusparselt')
+"""
 _IMPLEMENTATIONS = (None, "xla", "pallas", "cusparselt")
 # "auto" multiplies by a cuSPARSELt weight above this many rows, and uses the Pallas kernel up to it
 # (cuSPARSELt's decode kernels ran 1.1-1.6x dense at M <= 16 on an H100, the Pallas kernel 0.8-1.0x).
@@ -67,6 +75,15 @@ def nm_matmul_reference(
   >>> w = jaxsparse.NMSparseMatrix.from_dense(jnp.arange(8.0).reshape(4, 2), 2, 4)
   >>> jaxsparse.ops.nm_matmul_reference(jnp.ones((1, 4)), w)
   Array([[10., 12.]], dtype=float32)
+
+  Args:
+    x: ``(..., K)`` activations.
+    w: a :class:`jaxsparse.NMSparseMatrix` of shape ``(K, N)``.
+    precision: passed to ``jnp.matmul``.
+    preferred_element_type: output dtype; defaults to ``result_type(x, w.values)``.
+
+  Returns:
+    ``(..., N)`` array of ``preferred_element_type``, equal to :func:`nm_matmul`'s result up to rounding.
   """
   return _utils.dense_reference(x, w, precision=precision, preferred_element_type=preferred_element_type)
 
@@ -84,7 +101,21 @@ def _xla_forward(cfg: _Config, x2, w):
 
 
 def cusparselt_available() -> bool:
-  """True when the 2:4 product on sparse tensor cores (cuSPARSELt) can run on the default device."""
+  """True when the 2:4 product on sparse tensor cores (cuSPARSELt) can run on the default device.
+
+  It needs a CUDA GPU of compute capability 8.0 or later with cuSPARSELt, and builds jaxsparse's custom calls on
+  first use (at most once per process); on a machine without a CUDA GPU it is ``False``.
+
+  >>> import jaxsparse
+  >>> isinstance(jaxsparse.ops.cusparselt_available(), bool)
+  True
+
+  Args:
+    None.
+
+  Returns:
+    A ``bool``, whether :func:`cusparselt_compress` and ``nm_matmul(..., implementation="cusparselt")`` can run.
+  """
   return cslt.available()
 
 
@@ -114,7 +145,27 @@ def cusparselt_compress(w: NMSparseMatrix) -> jax.Array:
   Pass it to :func:`nm_matmul` as ``cusparselt_weight`` to multiply on sparse tensor cores without
   re-compressing on every call. It is a copy: rebuild it after changing ``w.values``. Needs a CUDA
   GPU with cuSPARSELt (:func:`cusparselt_available`), a 2:4 ``(K, N)`` bfloat16 ``w``
-  with groups along ``K`` and ``K``, ``N`` multiples of 16.
+  with groups along ``K`` and ``K``, ``N`` multiples of 16. The example needs such a GPU, so it is skipped in the
+  doctests (which run on CPU).
+
+  >>> import jax, jax.numpy as jnp, jaxsparse
+  >>> w = jaxsparse.NMSparseMatrix.from_dense(jax.random.normal(jax.random.key(0), (64, 32), jnp.bfloat16), 2, 4)
+  >>> blob = jaxsparse.ops.cusparselt_compress(w)  # doctest: +SKIP
+  >>> blob.dtype  # doctest: +SKIP
+  dtype('uint8')
+  >>> y = jaxsparse.ops.nm_matmul(jnp.ones((8, 64), jnp.bfloat16), w, cusparselt_weight=blob)  # doctest: +SKIP
+  >>> y.shape, y.dtype  # doctest: +SKIP
+  ((8, 32), dtype(bfloat16))
+
+  Args:
+    w: a 2:4 :class:`jaxsparse.NMSparseMatrix` of shape ``(K, N)``, bfloat16, groups along ``K`` (``axis=0``).
+
+  Returns:
+    A 1-D ``uint8`` array, the compressed weight and its metadata in cuSPARSELt's layout (its size is
+    cuSPARSELt's, about ``K * N`` bytes for bfloat16).
+
+  Raises:
+    ValueError: cuSPARSELt cannot run here or does not support ``w`` (the message says why).
   """
   reason = cusparselt_unsupported_reason(w)
   if reason:

@@ -32,6 +32,15 @@ from jaxsparse.ops import _sharding
 __all__ = ["CpuImplementation", "sparse_matmul", "sparse_matmul_reference"]
 
 CpuImplementation = Literal["xla", "cpu"]
+CpuImplementation.__doc__ = """The backends of :func:`jaxsparse.ops.sparse_matmul` and of ``masked_matmul``.
+
+A type alias for annotations: ``"cpu"`` runs the C++ CPU kernels, ``"xla"`` the dense XLA path; ``None`` picks
+``"cpu"`` when the default backend is the CPU.
+
+>>> import typing, jaxsparse
+>>> typing.get_args(jaxsparse.ops.CpuImplementation)
+('xla', 'cpu')
+"""
 _IMPLEMENTATIONS = (None, "xla", "cpu")
 # The C++ kernels compute in float32; these input dtypes are converted to it and back.
 _CPU_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -44,7 +53,24 @@ def sparse_matmul_reference(
     precision: lax.PrecisionLike = None,
     preferred_element_type: jax.typing.DTypeLike | None = None,
 ) -> jax.Array:
-  """Dense oracle and XLA path: ``x @ w.to_dense()``. It builds the dense ``K x N`` weight."""
+  """Dense oracle and XLA path: ``x @ w.to_dense()``. It builds the dense ``K x N`` weight.
+
+  >>> import jax.numpy as jnp, jaxsparse
+  >>> w = jaxsparse.CSRMatrix.from_dense(jnp.array([[1.0, 0.0], [0.0, 2.0], [3.0, 0.0]]))
+  >>> w.nnz
+  3
+  >>> jaxsparse.ops.sparse_matmul_reference(jnp.ones((1, 3)), w)
+  Array([[4., 2.]], dtype=float32)
+
+  Args:
+    x: ``(..., K)`` activations.
+    w: a :class:`jaxsparse.CSRMatrix` of shape ``(K, N)``.
+    precision: passed to ``jnp.matmul``.
+    preferred_element_type: output dtype; defaults to ``result_type(x, w.data)``.
+
+  Returns:
+    ``(..., N)`` array of ``preferred_element_type``, equal to :func:`sparse_matmul`'s result up to rounding.
+  """
   return _utils.dense_reference(x, w, precision=precision, preferred_element_type=preferred_element_type)
 
 

@@ -80,6 +80,17 @@ class KernelConfig:
       ``x`` slabs). The Mosaic ``dw`` kernel measured faster in that order where ``N >= K`` (see
       :class:`~jaxsparse.pallas._block_sparse_sdd_mgpu.MosaicSddConfig`); this kernel where ``N >= 4 K``
       (16-bit, ``DispatchRules.dw_cols_order_min_ratio``), ``"rows"`` elsewhere.
+
+  Built and checked on any machine (the kernels it tiles need a CUDA GPU):
+
+  >>> from jaxsparse import pallas
+  >>> cfg = pallas.KernelConfig(block_m=64, num_warps=8)
+  >>> cfg.block_m, cfg.num_warps, cfg.split, cfg.block_order
+  (64, 8, 1, 'rows')
+  >>> pallas.KernelConfig(block_m=48)
+  Traceback (most recent call last):
+  ...
+  ValueError: block_m must be a power of two >= 16, got block_m=48.
   """
 
   block_m: int
@@ -118,6 +129,21 @@ class BlockSparseMatmulConfig:
   one dense ``x W`` / ``dY Wᵀ`` product of the weight built dense first (:func:`dense_weight`), where a
   long contraction makes the kernels re-read their operands from HBM; ``dense`` runs all three products
   densely, where the pattern is too dense for small blocks to beat the dense product at all.
+
+  :meth:`get_default` chooses one from the measured :class:`DispatchRules`; any config can be given to the
+  Pallas kernels instead. The Mosaic fields are set only where a Hopper GPU is present, so the example (on CPU)
+  reads the Triton tiles:
+
+  >>> import jax.numpy as jnp
+  >>> from jaxsparse import pallas
+  >>> rules = pallas.dispatch_rules("NVIDIA H100 80GB HBM3", num_sms=132)
+  >>> cfg = pallas.BlockSparseMatmulConfig.get_default(4096, (4096, 4096), (64, 64), 1024, jnp.bfloat16, rules=rules)
+  >>> cfg.forward.block_m, cfg.dx.block_m, cfg.dw.block_m, cfg.dense
+  (128, 128, 32, False)
+  >>> custom = pallas.BlockSparseMatmulConfig(forward=pallas.KernelConfig(block_m=64),
+  ...                                         dx=pallas.KernelConfig(block_m=64), dw=pallas.KernelConfig(block_m=32))
+  >>> custom.mosaic_forward is None, custom.dw_dense
+  (True, False)
   """
 
   forward: KernelConfig
@@ -279,6 +305,20 @@ class DispatchRules:
     dense_route_min_m, dw_dense_*, long_contraction_*, dense_above_density: where products run as
       dense XLA products instead of per-block kernels (``dw_dense_max_grid_per_sm``: ``dw`` runs dense
       where the weight's whole grid of blocks is at most this many blocks per SM).
+
+  A frozen dataclass: to try other thresholds, change a copy and pass it as ``rules``.
+
+  >>> import dataclasses, jax.numpy as jnp
+  >>> from jaxsparse import pallas
+  >>> rules = pallas.dispatch_rules("NVIDIA H100 80GB HBM3", num_sms=132)
+  >>> rules.num_sms, rules.target_programs
+  (132, 264)
+  >>> fewer = dataclasses.replace(rules, num_sms=66)
+  >>> fewer.target_programs
+  132
+  >>> cfg = pallas.BlockSparseMatmulConfig.get_default(16, (4096, 4096), (64, 64), 1024, jnp.bfloat16, rules=fewer)
+  >>> type(cfg).__name__
+  'BlockSparseMatmulConfig'
   """
 
   measured_on: str
@@ -648,6 +688,13 @@ def dispatch_rules(device_kind: str | None = None, num_sms: int | None = None) -
     The table in :data:`DISPATCH_TABLES` whose kind matches. A kind without a table (measured on
     none of our machines) gets :data:`HOPPER_RULES`, marked as borrowed; ``num_sms`` replaces the
     table's SM count, so that the program counts of decode follow the device.
+
+  >>> from jaxsparse import pallas
+  >>> rules = pallas.dispatch_rules("NVIDIA H100 80GB HBM3", num_sms=132)
+  >>> rules.measured_on, rules.num_sms
+  ('NVIDIA H100 and H200 (SXM)', 132)
+  >>> pallas.dispatch_rules("NVIDIA A100-SXM4-80GB", num_sms=108).measured_on
+  "NVIDIA H100 and H200 (SXM); borrowed for 'NVIDIA A100-SXM4-80GB'"
   """
   if device_kind is None:
     device = jax.devices()[0]

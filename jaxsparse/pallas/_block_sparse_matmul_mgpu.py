@@ -116,6 +116,19 @@ class MosaicKernelConfig:
       own float32 partial sum (added afterwards, one XLA pass over ``split x M x`` output columns): more tiles
       where the output has too few to fill the GPU and each walks many steps (narrow layers and mid-size
       ``M``; ``DispatchRules.split_*``).
+
+  Used as ``mosaic_forward`` / ``mosaic_dx`` of a :class:`~jaxsparse.pallas.BlockSparseMatmulConfig`; the
+  kernel needs a Hopper GPU, the config does not:
+
+  >>> from jaxsparse import pallas
+  >>> cfg = pallas.MosaicKernelConfig(tile_m=128, group_cols=2)
+  >>> cfg.tile_m, cfg.tile_k, cfg.group_cols, cfg.num_ctas
+  (128, 64, 2, None)
+  >>> tiles = pallas.BlockSparseMatmulConfig(forward=pallas.KernelConfig(block_m=128),
+  ...                                        dx=pallas.KernelConfig(block_m=128), dw=pallas.KernelConfig(block_m=32),
+  ...                                        mosaic_forward=cfg)
+  >>> tiles.mosaic_forward.group_cols
+  2
   """
 
   tile_m: int = 256

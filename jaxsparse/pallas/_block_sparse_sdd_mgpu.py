@@ -88,6 +88,18 @@ class MosaicSddConfig:
       rows -> cols (``benchmarks/gpu_product_routes.py --variants``): N = 16384 bf16 d = 0.25 0.91 ->
       0.59, d = 0.5 2.01 -> 1.07, float32 0.67 -> 0.52, 1.43 -> 0.85; N = 4096 0.64-0.66 -> 0.64-0.68
       at d = 0.25, 1.02-1.16 -> 0.97-1.07 at d = 0.5.
+
+  Used as ``mosaic_dw`` of a :class:`~jaxsparse.pallas.BlockSparseMatmulConfig`; the kernel needs a Hopper
+  GPU, the config does not:
+
+  >>> from jaxsparse import pallas
+  >>> cfg = pallas.MosaicSddConfig(group=4, order="cols")
+  >>> cfg.group, cfg.tile_m, cfg.order
+  (4, 64, 'cols')
+  >>> pallas.MosaicSddConfig(group=3)
+  Traceback (most recent call last):
+  ...
+  ValueError: group must be even and >= 2 (half per compute warpgroup), got group=3.
   """
 
   group: int = 2

@@ -26,7 +26,17 @@ _MIN_COMPUTE_CAPABILITY = 8.0
 
 
 class PallasFallbackWarning(FallbackWarning):
-  """The Pallas GPU kernels do not support these dtypes or shapes; the XLA path runs instead."""
+  """The Pallas GPU kernels do not support these dtypes or shapes; the XLA path runs instead.
+
+  Issued on a GPU where the kernels run, when a product with ``implementation=None`` gets operands they do not
+  support. To make it an error:
+
+  >>> import warnings, jaxsparse.pallas
+  >>> with warnings.catch_warnings():
+  ...   warnings.simplefilter("error", jaxsparse.pallas.PallasFallbackWarning)
+  >>> issubclass(jaxsparse.pallas.PallasFallbackWarning, jaxsparse.FallbackWarning)
+  True
+  """
 
 
 @functools.cache

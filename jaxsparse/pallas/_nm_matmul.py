@@ -82,6 +82,16 @@ class NMMatmulConfig:
       sums, added afterwards); for decode shapes with too few output tiles to fill the GPU.
     group_m: output tiles are visited ``group_m`` row tiles per column at a time, so that programs
       running together share their weight tile in L2.
+
+  :meth:`get_default` chooses one per shape (computed on any machine; the kernel needs a CUDA GPU):
+
+  >>> import jax.numpy as jnp
+  >>> from jaxsparse import pallas
+  >>> cfg = pallas.NMMatmulConfig.get_default(16, (4096, 4096), 2, 4, jnp.bfloat16)  # decode: 16 rows
+  >>> cfg.block_m, cfg.block_n, cfg.split_k
+  (16, 128, 8)
+  >>> pallas.NMMatmulConfig(block_m=32, block_n=64).num_warps
+  4
   """
 
   block_m: int = 16

@@ -60,6 +60,15 @@ class LayerStats(NamedTuple):
     sq_norms: float32 ``(K,)``, ``sum_t X[t, k]²``; Wanda's activation norm is its square root.
     gram: float32 ``(K, K)``, ``XᵀX`` (SparseGPT's Hessian up to a factor), or ``None`` when not collected.
     tokens: int32 scalar ``T``.
+
+  :func:`calibrate` returns one per layer; the fields can also be computed directly:
+
+  >>> import jax.numpy as jnp
+  >>> from jaxsparse import pruning
+  >>> x = jnp.array([[1.0, 2.0], [3.0, 0.0]])
+  >>> s = pruning.LayerStats(sq_norms=(x**2).sum(0), gram=x.T @ x, tokens=jnp.int32(x.shape[0]))
+  >>> s.sq_norms.tolist(), s.gram.tolist(), int(s.tokens)
+  ([10.0, 4.0], [[10.0, 2.0], [2.0, 4.0]], 2)
   """
 
   sq_norms: jax.Array

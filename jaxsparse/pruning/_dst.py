@@ -38,6 +38,15 @@ def cosine_drop_fraction(
   >>> [round(float(pruning.cosine_drop_fraction(t, drop_fraction=0.3, begin_step=0, end_step=100)), 3)
   ...  for t in (0, 50, 100, 101)]
   [0.3, 0.15, 0.0, 0.0]
+
+  Args:
+    step: the step ``t``, an int or a scalar array (may be traced).
+    drop_fraction: ``alpha``, the fraction at ``begin_step``.
+    begin_step: ``t0``.
+    end_step: ``t1``; the fraction is 0 at ``end_step`` and after it.
+
+  Returns:
+    A float32 scalar array in ``[0, drop_fraction]``: the fraction of each layer's kept units moved at ``step``.
   """
   t = jnp.asarray(step, jnp.float32)
   frac = jnp.clip((t - begin_step) / max(end_step - begin_step, 1), 0.0, 1.0)
@@ -132,6 +141,10 @@ def set_pruner(
     drop_fraction: fraction of kept units moved at ``begin_step``; it decays to 0 at ``end_step`` on
       a cosine (:func:`cosine_drop_fraction`).
 
+  Returns:
+    A :class:`Pruner` for :func:`wrap_optax`; its ``init`` draws a uniformly random mask per matched parameter
+    (from the key that :func:`wrap_optax` seeds with its ``seed``).
+
   References:
     Mocanu et al., "Scalable training of artificial neural networks with adaptive sparse
     connectivity inspired by network science", Nature Communications 2018.
@@ -162,6 +175,18 @@ def rigl_pruner(
   >>> _, state = tx.update(grads, state, params)
   >>> pruning.get_masks(state)["w"][::4, ::4].astype(int).tolist()
   [[0, 0], [1, 0]]
+
+  Args:
+    rules: ``jaxsparse.Unstructured`` / ``jaxsparse.BlockSparse`` structures (or ``{regex: ...}``);
+      each matched parameter keeps its target count throughout.
+    update_every: steps between mask updates.
+    end_step: last step with a mask update (RigL uses 75% of training).
+    begin_step: first update step.
+    drop_fraction: fraction of kept units moved at ``begin_step``, decaying to 0 at ``end_step`` on a cosine
+      (:func:`cosine_drop_fraction`).
+
+  Returns:
+    A :class:`Pruner` for :func:`wrap_optax`; it starts from a uniformly random mask per matched parameter.
 
   References:
     Evci et al., "Rigging the Lottery: Making All Tickets Winners", ICML 2020,

@@ -73,6 +73,16 @@ class LayerPruned:
       sequential mode), after the refit if any.
     tokens: calibration tokens ``X`` has.
     seconds: wall time of the layer's solve (and refit).
+
+  >>> import jax, jaxsparse
+  >>> from flax import nnx
+  >>> from jaxsparse import pruning
+  >>> model = nnx.Linear(16, 8, rngs=nnx.Rngs(0))
+  >>> x = jax.random.normal(jax.random.key(0), (32, 16))
+  >>> _, _, report = pruning.wanda(model, jaxsparse.NM(2, 4), [x], progress=False)
+  >>> row = report.layers[0]
+  >>> row.path, row.shape, row.pattern, row.group, row.density, row.tokens, 0 < row.error < 1
+  ('', (16, 8), '2:4', 0, 0.5, 32, True)
   """
 
   path: str
@@ -87,7 +97,25 @@ class LayerPruned:
 
 @dataclasses.dataclass(frozen=True)
 class CalibratedPruneReport:
-  """The pruned layers in pruning order; ``str(report)`` is a Markdown table."""
+  """The pruned layers in pruning order; ``str(report)`` is a Markdown table.
+
+  The third result of :func:`calibrated_prune`, :func:`calibrated_prune_linen`, :func:`wanda` and
+  :func:`sparsegpt`.
+
+  >>> import jax, jaxsparse
+  >>> from flax import nnx
+  >>> from jaxsparse import pruning
+  >>> model = nnx.Sequential(nnx.Linear(16, 8, rngs=nnx.Rngs(0)), nnx.Linear(8, 4, rngs=nnx.Rngs(1)))
+  >>> _, _, report = pruning.calibrated_prune(model, jaxsparse.NM(2, 4), None, method="magnitude", progress=False)
+  >>> report.method, [layer.path for layer in report.layers]
+  ('magnitude', ['layers.0', 'layers.1'])
+  >>> print(str(report).splitlines()[0])
+  magnitude: 2 layers
+
+  Attributes:
+    method: ``"magnitude"``, ``"wanda"`` or ``"sparsegpt"``.
+    layers: a :class:`LayerPruned` per pruned layer.
+  """
 
   method: str
   layers: tuple[LayerPruned, ...]
@@ -316,6 +344,17 @@ def wanda(model: nnx.Module, rules: Any, batches: Sequence[Any], **kwargs: Any):
   >>> _, masks, _ = pruning.wanda(model, jaxsparse.NM(2, 4), [jax.numpy.ones((4, 16))], progress=False)
   >>> masks["kernel"].shape, float(masks["kernel"].mean())
   ((16, 8), 0.5)
+
+  Args:
+    model: an ``nnx.Module``; copied unless ``inplace=True`` is passed.
+    rules: ``{regex: structure or None}`` or one structure, as :func:`calibrated_prune`.
+    batches: a list of calibration inputs, as :func:`calibrated_prune`.
+    **kwargs: the other options of :func:`calibrated_prune` (``sequential``, ``refit_iterations``,
+      ``call``, ``token_mask``, ``to_sparse``, ``inplace``, ``measure_error``, ``progress``).
+
+  Returns:
+    ``(model, masks, report)`` as :func:`calibrated_prune`: the pruned model, ``{"path.kernel": bool mask}``
+    (NumPy, each of its kernel's shape) and a :class:`CalibratedPruneReport`.
   """
   return calibrated_prune(model, rules, batches, method="wanda", **kwargs)
 
@@ -331,6 +370,17 @@ def sparsegpt(model: nnx.Module, rules: Any, batches: Sequence[Any], **kwargs: A
   >>> pruned, masks, _ = pruning.sparsegpt(model, jaxsparse.Unstructured(sparsity=0.5), [x], progress=False)
   >>> int(masks["kernel"].sum()), bool(((pruned.kernel[...] != 0) == masks["kernel"]).all())
   (64, True)
+
+  Args:
+    model: an ``nnx.Module``; copied unless ``inplace=True`` is passed.
+    rules: ``{regex: structure or None}`` or one structure, as :func:`calibrated_prune`.
+    batches: a list of calibration inputs, as :func:`calibrated_prune`.
+    **kwargs: the other options of :func:`calibrated_prune` (``sequential``, ``damp``, ``block_size``,
+      ``refit_iterations``, ``call``, ``token_mask``, ``to_sparse``, ``inplace``, ``progress``).
+
+  Returns:
+    ``(model, masks, report)`` as :func:`calibrated_prune`: the model with pruned and updated weights,
+    ``{"path.kernel": bool mask}`` (NumPy, each of its kernel's shape) and a :class:`CalibratedPruneReport`.
   """
   return calibrated_prune(model, rules, batches, method="sparsegpt", **kwargs)
 

@@ -54,6 +54,22 @@ class Pruner(NamedTuple):
     update: ``(masks, params, grads, step, key) -> masks``: the mask-update step; ``grads`` are the
       dense gradients of this step. Called by :func:`wrap_optax` only where ``is_update_step``.
     is_update_step: ``step -> bool`` scalar.
+
+  A custom policy, here a fixed mask that keeps the diagonal, set at step 0 and never updated:
+
+  >>> import jax, jax.numpy as jnp, optax
+  >>> from jaxsparse import pruning
+  >>> diagonal = pruning.Pruner(
+  ...     init=lambda params, key: jax.tree.map(lambda p: jnp.eye(*p.shape, dtype=bool), params),
+  ...     update=lambda masks, params, grads, step, key: masks,
+  ...     is_update_step=lambda step: jnp.asarray(False))
+  >>> tx = pruning.wrap_optax(optax.sgd(0.1), diagonal)
+  >>> params = {"w": jnp.ones((3, 3))}
+  >>> updates, state = tx.update({"w": jnp.ones((3, 3))}, tx.init(params), params)
+  >>> optax.apply_updates(params, updates)["w"]
+  Array([[0.9, 0. , 0. ],
+         [0. , 0.9, 0. ],
+         [0. , 0. , 0.9]], dtype=float32)
   """
 
   init: Callable[[Any, jax.Array], Any]
@@ -62,7 +78,23 @@ class Pruner(NamedTuple):
 
 
 class PruningState(NamedTuple):
-  """State of :func:`wrap_optax`: step count, PRNG key, the masks and the inner optimizer's state."""
+  """State of :func:`wrap_optax`: step count, PRNG key, the masks and the inner optimizer's state.
+
+  >>> import jax.numpy as jnp, optax, jaxsparse
+  >>> from jaxsparse import pruning
+  >>> tx = pruning.wrap_optax(optax.adam(1e-3), pruning.magnitude_pruner(jaxsparse.Unstructured(sparsity=0.5)))
+  >>> state = tx.init({"w": jnp.arange(4.0).reshape(2, 2)})
+  >>> isinstance(state, pruning.PruningState), int(state.count)
+  (True, 0)
+  >>> state.masks["w"].tolist()
+  [[False, False], [True, True]]
+
+  Attributes:
+    count: int32 scalar, the number of ``update`` calls so far (the step).
+    key: the PRNG key for the pruner's random choices, split at every step.
+    masks: a tree with the parameters' structure: a bool array per pruned parameter, ``None`` elsewhere.
+    inner_state: the state of the wrapped optimizer.
+  """
 
   count: jax.Array
   key: jax.Array
@@ -96,6 +128,9 @@ def magnitude_pruner(rules: Any, schedule: Schedule | None = None, *, scope: str
       :func:`magnitude_masks`).
     schedule: :func:`one_shot`, :func:`gradual` or :func:`periodic`.
     scope: ``"layer"`` or ``"global"`` thresholds (see :func:`magnitude_masks`).
+
+  Returns:
+    A :class:`Pruner` for :func:`wrap_optax`.
   """
   schedule = one_shot() if schedule is None else schedule
   if not isinstance(schedule, Schedule):
@@ -229,6 +264,22 @@ def get_masks(state: Any) -> Any:
   Accepts the raw optax state, an ``nnx.Optimizer`` or its ``opt_state``, or a Linen ``TrainState``;
   the :class:`PruningState` may be nested in other optax states (``optax.chain``).
 
+  >>> import jax.numpy as jnp, optax, jaxsparse
+  >>> from jaxsparse import pruning
+  >>> tx = optax.chain(optax.clip_by_global_norm(1.0),
+  ...                  pruning.wrap_optax(optax.sgd(0.1), pruning.magnitude_pruner(jaxsparse.Unstructured(0.75))))
+  >>> masks = pruning.get_masks(tx.init({"w": jnp.arange(8.0).reshape(2, 4), "b": jnp.zeros(4)}))
+  >>> masks["w"].astype(int).tolist(), masks["b"]
+  ([[0, 0, 0, 0], [0, 0, 1, 1]], None)
+
+  Args:
+    state: the state of an optimizer that contains :func:`wrap_optax`: a raw optax state, an ``nnx.Optimizer``
+      or its ``opt_state``, or an object with an ``opt_state`` attribute (a Linen ``TrainState``).
+
+  Returns:
+    The masks, a tree with the parameters' structure: a bool array of each pruned parameter's shape, ``None``
+    for the parameters no rule matched.
+
   Raises:
     ValueError: when there is no :class:`PruningState` in ``state``.
   """
@@ -263,6 +314,10 @@ def apply_masks(target: Any, masks: Any) -> Any:
     target: a parameter tree with the masks' structure, or an ``nnx.Module`` whose ``nnx.Param``
       state has it.
     masks: from :func:`get_masks` or :func:`magnitude_masks`.
+
+  Returns:
+    For a parameter tree, a new tree with the pruned entries set to zero (same shapes and dtypes; a leaf
+    whose mask is ``None`` is kept as it is); for an ``nnx.Module``, ``target`` itself, updated in place.
   """
   if isinstance(target, nnx.Module):
     params = nnx.as_pure(nnx.state(target, nnx.Param))

@@ -27,6 +27,19 @@ class Schedule(NamedTuple):
       when the structure's target is ``final``; 0 before pruning begins and exactly ``final`` once
       it is reached.
     is_update_step: ``step -> bool`` scalar: whether masks are recomputed at ``step``.
+
+  :func:`one_shot`, :func:`gradual` and :func:`periodic` make them; a custom one, here pruning in two steps
+  (half the target at step 10, all of it at step 20):
+
+  >>> import jax.numpy as jnp
+  >>> from jaxsparse import pruning
+  >>> two_steps = pruning.Schedule(
+  ...     sparsity=lambda t, final: jnp.float32(final) * jnp.clip(jnp.asarray(t) // 10, 0, 2) / 2,
+  ...     is_update_step=lambda t: (jnp.asarray(t) == 10) | (jnp.asarray(t) == 20))
+  >>> [round(float(two_steps.sparsity(t, 0.8)), 3) for t in (0, 10, 15, 20, 30)], bool(two_steps.is_update_step(15))
+  ([0.0, 0.4, 0.4, 0.8, 0.8], False)
+  >>> import jaxsparse
+  >>> pruner = pruning.magnitude_pruner(jaxsparse.Unstructured(sparsity=0.8), two_steps)
   """
 
   sparsity: Callable[[jax.typing.ArrayLike, float], jax.Array]
@@ -46,6 +59,13 @@ def one_shot(*, step: int = 0) -> Schedule:
   >>> s = pruning.one_shot(step=10)
   >>> round(float(s.sparsity(9, 0.9)), 3), round(float(s.sparsity(10, 0.9)), 3), bool(s.is_update_step(10))
   (0.0, 0.9, True)
+
+  Args:
+    step: the one step at which masks are computed, an int ``>= 0``.
+
+  Returns:
+    A :class:`Schedule` whose sparsity is 0 before ``step`` and the structure's target from ``step`` on, with
+    ``step`` its only update step.
   """
   step = _check_step(step, name="step")
 
@@ -71,7 +91,17 @@ def polynomial_sparsity(
   ...  for t in (0, 50, 100, 200)]
   [0.0, 0.7875, 0.9, 0.9]
 
-  Returns 0 before ``begin_step``.
+  Args:
+    step: the step ``t``, an int or a scalar array (may be traced).
+    final_sparsity: ``s_f``, reached at ``end_step`` and kept after it.
+    begin_step: ``t0``, the first step of the ramp.
+    end_step: ``t1``, the step at which ``final_sparsity`` is reached.
+    initial_sparsity: ``s_i``, the sparsity at ``begin_step``.
+    power: the exponent of the ramp; 3 (the paper's) prunes fast early and slowly near the end.
+
+  Returns:
+    A float32 scalar array, the sparsity at ``step``: 0 before ``begin_step`` and exactly ``final_sparsity``
+    from ``end_step`` on.
   """
   t = jnp.asarray(step, jnp.float32)
   frac = jnp.clip((t - begin_step) / max(end_step - begin_step, 1), 0.0, 1.0)
@@ -95,6 +125,16 @@ def gradual(
   [0.0, 0.0, 0.787, 0.9]
   >>> [bool(s.is_update_step(t)) for t in (50, 100, 150, 200, 1000, 1100)]
   [False, True, False, True, True, False]
+
+  Args:
+    begin_step: the first step at which masks are computed (at ``initial_sparsity``).
+    end_step: the step at which the target sparsity is reached (``>= begin_step``); the last update step.
+    update_every: steps between mask updates, ``>= 1``.
+    initial_sparsity: ``s_i`` in ``[0, 1)``, capped at each structure's target.
+    power: the exponent of the ramp, ``> 0``.
+
+  Returns:
+    A :class:`Schedule` for :func:`magnitude_pruner` (or any :class:`Pruner` whose masks follow a sparsity).
 
   References:
     Zhu & Gupta, "To prune, or not to prune: exploring the efficacy of pruning for model
@@ -138,6 +178,15 @@ def periodic(*, update_every: int, begin_step: int = 0, end_step: int | None = N
   >>> s = pruning.periodic(update_every=10, begin_step=5, end_step=30)
   >>> [bool(s.is_update_step(t)) for t in (0, 5, 15, 35)], float(s.sparsity(0, 0.5)), float(s.sparsity(5, 0.5))
   ([False, True, True, False], 0.0, 0.5)
+
+  Args:
+    update_every: steps between mask updates, ``>= 1``.
+    begin_step: the first update step; the sparsity is 0 before it.
+    end_step: the last step that may be an update step; ``None``: no end.
+
+  Returns:
+    A :class:`Schedule` at the structure's target sparsity from ``begin_step`` on, updating at ``begin_step``,
+    ``begin_step + update_every``, ... up to ``end_step``.
   """
   begin_step = _check_step(begin_step, name="begin_step")
   update_every = _check_step(update_every, name="update_every", minimum=1)

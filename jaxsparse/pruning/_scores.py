@@ -43,6 +43,12 @@ def magnitude_scores(w: jax.typing.ArrayLike) -> jax.Array:
   >>> from jaxsparse import pruning
   >>> pruning.magnitude_scores(jnp.array([-2.0, 0.5]))
   Array([2. , 0.5], dtype=float32)
+
+  Args:
+    w: weights of any shape and dtype.
+
+  Returns:
+    A float32 array of ``w``'s shape.
   """
   return jnp.abs(jnp.asarray(w).astype(jnp.float32))
 

@@ -56,6 +56,15 @@ class SparseGPTResult(NamedTuple):
   Attributes:
     kernel: the updated weights, zero where pruned, shape and dtype of the input kernel.
     mask: bool, shape of the kernel, True where kept.
+
+  >>> import jax.numpy as jnp, jaxsparse
+  >>> from jaxsparse import pruning
+  >>> out = pruning.sparsegpt_layer(jnp.ones((4, 2)), jnp.eye(4), jaxsparse.NM(2, 4))
+  >>> isinstance(out, pruning.SparseGPTResult), out.kernel.shape, out.kernel.dtype, out.mask.dtype
+  (True, (4, 2), dtype('float32'), dtype('bool'))
+  >>> kernel, mask = out  # a NamedTuple
+  >>> mask.sum(axis=0).tolist()
+  [2, 2]
   """
 
   kernel: jax.Array

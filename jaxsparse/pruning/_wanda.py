@@ -82,6 +82,15 @@ def magnitude_layer(kernel: jax.typing.ArrayLike, spec: Unstructured | NM | Bloc
   >>> pruning.magnitude_layer(jnp.array([[0.5, -2.0], [1.0, 0.1]]), jaxsparse.Unstructured(sparsity=0.5))
   Array([[False,  True],
          [ True, False]], dtype=bool)
+
+  Args:
+    kernel: ``(K, N)`` weights (the 2-D view of a ``LinearGeneral`` kernel).
+    spec: ``jaxsparse.Unstructured`` (the layer's largest ``|w|``), ``jaxsparse.NM`` (groups along ``K``) or
+      ``jaxsparse.BlockSparse`` (blocks by Frobenius norm).
+    path: the layer's name, for error messages.
+
+  Returns:
+    Bool ``(K, N)``, True where kept.
   """
   kernel = jnp.asarray(kernel)
   if kernel.ndim != 2:

@@ -61,6 +61,16 @@ class ShardedBlockSparseMatrix:
       ``data``, ``-1`` for padding.
     mesh, axis, split: the layout (static).
     shape: static ``(K, N)`` of the whole matrix.
+
+  >>> import jax, jax.numpy as jnp, jaxsparse
+  >>> from jaxsparse import sharding
+  >>> mesh = jax.make_mesh((1,), ("model",))  # one device here; a "model" axis of S devices on a multi-GPU host
+  >>> w = jaxsparse.BlockSparseMatrix.from_dense(jnp.ones((64, 128)), (16, 16))
+  >>> ws = sharding.shard_block_sparse(w, mesh, "model", split="rows")
+  >>> ws.shape, ws.split, ws.axis, ws.source.shape, ws.source.dtype
+  ((64, 128), 'rows', 'model', (1, 32), dtype('int32'))
+  >>> bool((ws.to_block_sparse().to_dense() == w.to_dense()).all())
+  True
   """
 
   def __init__(self, shards: BlockSparseMatrix, source: jax.Array, *, mesh: Mesh, axis: str, split: Split, shape):
@@ -336,6 +346,15 @@ def column_parallel_matmul(
 ):
   """``x @ w`` for ``w`` split by block columns: ``(..., K)`` -> ``(..., N)`` sharded on ``N``, no communication.
 
+  >>> import jax, jax.numpy as jnp, jaxsparse
+  >>> from jaxsparse import sharding
+  >>> mesh = jax.make_mesh((1,), ("model",))  # one device here; a "model" axis of S devices on a multi-GPU host
+  >>> w = jaxsparse.BlockSparseMatrix.from_dense(jnp.ones((64, 128)), (16, 16))
+  >>> y = sharding.column_parallel_matmul(jnp.ones((2, 64)), sharding.shard_block_sparse(w, mesh, "model",
+  ...                                                                                    split="columns"))
+  >>> y.shape, y.dtype, bool(jnp.allclose(y, 64.0))
+  ((2, 128), dtype('float32'), True)
+
   Args:
     x: ``(..., K)`` activations, replicated over ``w.axis``.
     w: from :func:`shard_block_sparse` with ``split="columns"``.
@@ -362,6 +381,15 @@ def row_parallel_matmul(
     precision: lax.PrecisionLike = None,
 ):
   """``x @ w`` for ``w`` split by block rows: partial products reduced over ``w.axis``.
+
+  >>> import jax, jax.numpy as jnp, jaxsparse
+  >>> from jaxsparse import sharding
+  >>> mesh = jax.make_mesh((1,), ("model",))  # one device here; a "model" axis of S devices on a multi-GPU host
+  >>> w = jaxsparse.BlockSparseMatrix.from_dense(jnp.ones((64, 128)), (16, 16))
+  >>> x = jax.device_put(jnp.ones((2, 64)), jax.NamedSharding(mesh, jax.P(None, "model")))  # sharded on K
+  >>> y = sharding.row_parallel_matmul(x, sharding.shard_block_sparse(w, mesh, "model", split="rows"))
+  >>> y.shape, y.dtype, bool(jnp.allclose(y, 64.0))
+  ((2, 128), dtype('float32'), True)
 
   Args:
     x: ``(..., K)`` activations sharded on ``K`` over ``w.axis`` (the output of
@@ -397,6 +425,17 @@ def megatron_mlp(
   The hidden activations stay sharded on the hidden dim; the forward pass runs one all-reduce (of
   ``y``) and the backward pass one (of ``dx``), plus the data-parallel reduction of the weight
   gradients over ``batch_axes``.
+
+  >>> import jax, jax.numpy as jnp, jaxsparse
+  >>> from jaxsparse import sharding
+  >>> mesh = jax.make_mesh((1,), ("model",))  # one device here; a "model" axis of S devices on a multi-GPU host
+  >>> w_in = jaxsparse.BlockSparseMatrix.from_dense(jnp.ones((32, 64)), (16, 16))
+  >>> w_out = jaxsparse.BlockSparseMatrix.from_dense(jnp.ones((64, 32)), (16, 16))
+  >>> y = sharding.megatron_mlp(jnp.ones((4, 32)), sharding.shard_block_sparse(w_in, mesh, "model", split="columns"),
+  ...                           sharding.shard_block_sparse(w_out, mesh, "model", split="rows"),
+  ...                           activation=jax.nn.relu)
+  >>> y.shape, bool(jnp.allclose(y, 32.0 * 64.0))
+  ((4, 32), True)
 
   Args:
     x: ``(..., d)``.

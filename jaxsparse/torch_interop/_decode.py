@@ -68,6 +68,16 @@ class TorchParam:
     format: where it came from, e.g. ``"dense"``, ``"torch.nn.utils.prune"``, ``"apex ASP"``.
     keys: the checkpoint keys it was decoded from.
     problem: with ``on_error="collect"``, why it could not be decoded (``value`` is then ``None``).
+
+  >>> import torch, torch.nn.utils.prune as prune
+  >>> from jaxsparse import torch_interop
+  >>> net = torch.nn.Sequential(torch.nn.Linear(8, 4))
+  >>> _ = prune.custom_from_mask(net[0], "weight", torch.eye(4, 8, dtype=torch.bool))
+  >>> p = torch_interop.decode_checkpoint(net.state_dict())["0.weight"]
+  >>> p.module, p.param, p.shape, p.format, p.keys
+  ('0', 'weight', (4, 8), 'torch.nn.utils.prune', ('0.weight_orig', '0.weight_mask'))
+  >>> int(p.mask.sum()), int((p.masked_value != 0).sum()), str(p.pattern)  # one of every 8 inputs kept
+  (4, 4, '1:8')
   """
 
   name: str

@@ -99,6 +99,23 @@ def load_flax_variables(path: str | os.PathLike) -> dict[str, Any]:
 
   To restore an orbax directory straight into a (possibly abstract or sharded) Linen target, use
   ``orbax.checkpoint.StandardCheckpointer().restore(path, target)``.
+
+  >>> import os, tempfile, numpy as np
+  >>> from jaxsparse.torch_interop import load_flax_variables, save_flax_variables
+  >>> path = save_flax_variables({"params": {"fc": {"kernel": np.ones((2, 3), np.float32), "bias": np.zeros(3)}}},
+  ...                            os.path.join(tempfile.mkdtemp(), "model.safetensors"))
+  >>> variables = load_flax_variables(path)
+  >>> {k: (v.shape, v.dtype) for k, v in sorted(variables["params"]["fc"].items())}
+  {'bias': ((3,), dtype('float64')), 'kernel': ((2, 3), dtype('float32'))}
+
+  Args:
+    path: a safetensors file or an orbax checkpoint directory.
+
+  Returns:
+    Nested dicts (``{"params": {"fc": {"kernel": ...}}}``) of NumPy arrays with the shapes and dtypes stored.
+
+  Raises:
+    CheckpointError: ``path`` is not a readable safetensors file or orbax checkpoint.
   """
   path = os.fspath(path)
   if os.path.isdir(path):

@@ -56,6 +56,16 @@ def map_name(name_map: NameMap, torch_path: str) -> str | None:
   >>> from jaxsparse.torch_interop import map_name
   >>> map_name([(r"attention\\.self\\.", "attention.")], "encoder.layer.0.attention.self.query")
   'encoder.layer.0.attention.query'
+  >>> map_name([(r"^pooler\\.", None)], "pooler.dense") is None
+  True
+
+  Args:
+    name_map: ``None``, a callable ``torch path -> Flax path or None``, a dict of exact paths, or a sequence
+      of ``(regex, replacement or None)`` rules.
+    torch_path: the dotted torch module path, e.g. ``"encoder.layer.0.attention.self.query"``.
+
+  Returns:
+    The dotted Flax module path (a ``str``), or ``None`` when the module is dropped.
   """
   if name_map is None:
     return torch_path
@@ -86,6 +96,16 @@ class LayerLoad:
     layer: class name of the Flax module that holds the weights now.
     format: the torch format of its weight (``"dense"``, ``"torch.nn.utils.prune"``, ...).
     pattern: the sparsity :class:`Pattern` of the weight (``"dense"`` without a mask).
+
+  >>> import torch, torch.nn.utils.prune as prune
+  >>> from flax import nnx
+  >>> from jaxsparse import torch_interop
+  >>> net = torch.nn.Sequential(torch.nn.Linear(16, 8))
+  >>> _ = prune.l1_unstructured(net[0], "weight", amount=0.5)
+  >>> model = nnx.Sequential(nnx.Linear(16, 8, rngs=nnx.Rngs(0)))
+  >>> row = torch_interop.load_nnx(model, net.state_dict(), name_map=[(r"^", "layers.")]).layers[0]
+  >>> row.flax_path, row.torch_module, row.layer, row.format, str(row.pattern), row.pattern.density
+  ('layers.0', '0', 'MaskedLinear', 'torch.nn.utils.prune', 'unstructured', 0.5)
   """
 
   flax_path: str
@@ -103,6 +123,18 @@ class LoadReport:
     layers: one :class:`LayerLoad` per Flax module that received weights.
     missing: Flax parameters nothing was loaded into (only with ``strict=False``).
     unexpected: torch parameters that were not used (only with ``strict=False``).
+
+  ``str(report)`` is a table of the layers, then the missing and unexpected names.
+
+  >>> import torch
+  >>> from flax import nnx
+  >>> from jaxsparse import torch_interop
+  >>> state = {**torch.nn.Linear(16, 8).state_dict(), "extra.weight": torch.zeros(2, 2)}
+  >>> report = torch_interop.load_nnx(nnx.Linear(16, 8, rngs=nnx.Rngs(0)), state, strict=False)
+  >>> [layer.layer for layer in report.layers], report.missing, report.unexpected
+  (['Linear'], [], ['extra.weight'])
+  >>> report.torch_names
+  {'': ''}
   """
 
   layers: list[LayerLoad]
@@ -461,6 +493,25 @@ def apply_rules(
   :class:`jaxsparse.BlockSparse` (largest-norm blocks, ``block_shape`` in Flax ``(in, out)`` layout),
   :class:`jaxsparse.NM` (``n`` largest of every ``m`` inputs) and :class:`jaxsparse.Unstructured`. The
   new mask replaces any mask the weight had (pruned weights are zero, so they rank last).
+
+  >>> import torch, jaxsparse
+  >>> from jaxsparse import torch_interop
+  >>> params = torch_interop.decode_checkpoint(torch.nn.Linear(8, 4).state_dict())
+  >>> w = torch_interop.apply_rules(params, jaxsparse.NM(2, 4))["weight"]
+  >>> w.format, str(w.pattern), w.mask.shape, w.mask.dtype
+  ('dense + 2:4', '2:4', (4, 8), dtype('bool'))
+
+  Args:
+    params: ``{name: TorchParam}`` from :func:`decode_checkpoint`.
+    rules: one structure or ``{regex: structure or None}`` over Flax module paths (after ``name_map``).
+    name_map: how torch module paths become Flax ones (see :func:`map_name`).
+    embeddings: regex (``re.search`` on the torch module path) of the 2-D weights that are embedding tables,
+      not Linear weights.
+
+  Returns:
+    A new ``{name: TorchParam}``: the matched Linear weights get a bool mask of their torch ``(out, in)``
+    shape (with zeros at the dropped entries of ``value`` and ``format`` ending in the structure), every other
+    parameter is passed through unchanged.
 
   Raises:
     CheckpointError: a rule that matches no Linear weight (listing the Linear paths there are), or a

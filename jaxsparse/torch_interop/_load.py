@@ -29,7 +29,17 @@ _SAFETENSORS_MAX_HEADER = 100 * 2**20
 
 
 class CheckpointError(ValueError):
-  """A checkpoint that cannot be read or decoded; the message names the file or key and what was expected."""
+  """A checkpoint that cannot be read or decoded; the message names the file or key and what was expected.
+
+  A subclass of ``ValueError``:
+
+  >>> from jaxsparse import torch_interop
+  >>> try:
+  ...   torch_interop.load_state_dict("/nonexistent/model.safetensors")
+  ... except torch_interop.CheckpointError as e:
+  ...   print(e)
+  /nonexistent/model.safetensors does not exist.
+  """
 
 
 def import_torch():

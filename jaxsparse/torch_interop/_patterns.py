@@ -27,6 +27,16 @@ class Pattern:
     block_shape: for ``"block"``: ``(rows, cols)`` of one block in torch layout ``(out, in)``; the Flax
       ``(in, out)`` block shape is ``block_shape[::-1]``.
     n, m: for ``"nm"``: ``n`` of every ``m`` consecutive input features kept.
+
+  :func:`detect_pattern` makes them; ``str()`` is the structure in words.
+
+  >>> import numpy as np
+  >>> from jaxsparse.torch_interop import detect_pattern
+  >>> p = detect_pattern(np.tile([True, False, False, True], (8, 2)))
+  >>> p.kind, p.density, p.n, p.m, str(p)
+  ('nm', 0.5, 2, 4, '2:4')
+  >>> str(detect_pattern(None)), detect_pattern(None).density
+  ('dense', 1.0)
   """
 
   kind: str
