@@ -120,13 +120,14 @@ def tune(
 
   For each ``(in, out)`` shape, pattern and row count, :func:`jaxsparse.autotune` traces a train step of the
   sparsified ``nnx.Linear`` (gradients of its parameters and its input) on ``(rows, in)`` inputs; products met for
-  the first time are measured and cached (on a GPU; elsewhere, and for products without measured dispatch, it
-  records nothing).
+  the first time are measured and cached (block-sparse products, on the GPU or CPU routes of the backend; products
+  without measured dispatch record nothing).
 
   >>> import jaxsparse
   >>> from jaxsparse._bench import tune
-  >>> tune([(64, 64)], [jaxsparse.BlockSparse(density=0.5, block_shape=(16, 16))], rows=(8,))
-  [((64, 64), 'block 16x16 50% kept', 8, 0)]
+  >>> rows = tune([(64, 64)], [jaxsparse.BlockSparse(density=0.5, block_shape=(16, 16))], rows=(8,))
+  >>> [(shape, pattern, m) for shape, pattern, m, added in rows]
+  [((64, 64), 'block 16x16 50% kept', 8)]
 
   Args:
     shapes: ``(in_features, out_features)`` pairs.

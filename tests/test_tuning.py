@@ -420,6 +420,40 @@ def test_autotune_ahead_of_time_then_a_second_process_only_reads(interpreted, mo
     jax.jit(step).lower(x)
 
 
+@pytest.mark.parametrize("block_shape", [(16, 16), (12, 8)])  # the C++ kernel's blocks, and the loop's only
+def test_cpu_routes_match_the_reference_and_tune_on_request(block_shape, monkeypatch):
+  x, dy, w = _problem(24, block_shape, (4, 3), jnp.float32, seed=7)
+  refs = dict(zip(("fwd", "dx", "dw"), _reference(x, dy, w), strict=True))
+  for direction, ref in refs.items():
+    args = (x, w) if direction == "fwd" else (x, dy, w)
+    routes = op._cpu_routes(direction, w, *args[:-1], precision=None, out_dtype=jnp.float32)
+    names = [name for name, _ in routes]
+    assert names == (["cpu_kernel", "loop", "dense"] if block_shape == (16, 16) else ["loop", "dense"])
+    for name, run in routes:
+      try:
+        _close(run(*args), ref, 2e-5)
+      except AssertionError as e:
+        raise AssertionError(f"{direction} on {name}") from e
+
+  def step(a, d, dy):
+    y, vjp = jax.vjp(lambda a, d: jaxsparse.ops.block_sparse_matmul(a, w.with_data(d)), a, d)
+    return y, *vjp(dy)
+
+  # "auto" on a CPU reads the cache and never measures; "tune" measures each direction once.
+  with monkeypatch.context() as patch, _tuning.autotune_mode("auto"):
+    patch.setattr(_measure, "_measure", lambda *a: pytest.fail("auto measured on a CPU"))
+    jax.jit(step)(x, w.data, dy)
+  assert not _cache.cache_path().exists()
+  with _tuning.autotune_mode("tune"):
+    outs = jax.jit(lambda *a: step(*a))(x, w.data, dy)  # a new function: traced again, in this mode
+  entries = json.loads(_cache.cache_path().read_text())["entries"]
+  assert sorted(json.loads(k)["dir"] for k in entries) == ["dw", "dx", "fwd"]
+  assert all(json.loads(k)["device"] == "cpu" and e["choice"] in ("cpu_kernel", "loop", "dense")
+             for k, e in entries.items())
+  for out, ref in zip(outs, refs.values(), strict=True):
+    _close(out, ref, 2e-5)
+
+
 def test_tune_command_tunes_shapes_and_exports(interpreted, monkeypatch, tmp_path, capsys):
   from jaxsparse.torch_interop._cli import main  # noqa: PLC0415 -- the `jaxsparse` console script
 
@@ -427,8 +461,9 @@ def test_tune_command_tunes_shapes_and_exports(interpreted, monkeypatch, tmp_pat
   out = tmp_path / "shared.json"
   assert main(["tune", "128x64", "--patterns", "block:0.5:32x32", "--rows", "16", "--export", str(out)]) == 0
   printed = capsys.readouterr().out
-  assert "128x64 block 32x32 50% kept, 16 rows: 3 new decisions" in printed, printed
-  assert len(json.loads(out.read_text())["entries"]) == 3
+  # 3 products (fwd, dX, dW) on the GPU route (a CPU standing in for the GPU) and on the CPU routes.
+  assert "128x64 block 32x32 50% kept, 16 rows: 6 new decisions" in printed, printed
+  assert len(json.loads(out.read_text())["entries"]) == 6
   assert main(["tune", "128x64", "--patterns", "block:0.5:32x32", "--rows", "16", "--import", str(out)]) == 0
   assert "16 rows: 0 new decisions" in capsys.readouterr().out
 
