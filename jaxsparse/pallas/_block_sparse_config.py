@@ -1,7 +1,8 @@
 """Tile configs of the Triton block-sparse kernels and the measured rules that choose between kernels.
 
 The defaults are data: one :class:`DispatchRules` table per GPU kind (tuned tiles per block shape / M,
-thresholds with the measurement that set them), picked by :func:`dispatch_rules` from the device's
+thresholds; the measurement behind each value is in ``benchmarks/results/dispatch_rules_notes_2026-11-26.md``),
+picked by :func:`dispatch_rules` from the device's
 ``device_kind`` and SM count. One function turns a product and a table into a config,
 ``BlockSparseMatmulConfig.get_default``; its parts are ``mosaic_defaults``, ``contraction_split``,
 ``mosaic_dw_default``, ``use_dense``, ``use_dense_long_contraction`` and ``use_dense_dw``.
@@ -276,8 +277,9 @@ class DispatchRules:
 
   :func:`dispatch_rules` picks the table of the device that runs the product from
   :data:`DISPATCH_TABLES`; :meth:`BlockSparseMatmulConfig.get_default` (and the rule functions below
-  it) read only this data. Each value of :data:`HOPPER_RULES` sits beside the run that set it. Ratios
-  quoted there are time over the dense product of the same run.
+  it) read only this data. The run that set each value of :data:`HOPPER_RULES` is told, field by field, in
+  ``benchmarks/results/dispatch_rules_notes_2026-11-26.md``. On a GPU these are the defaults that measured
+  dispatch starts from (:func:`jaxsparse.set_autotune_mode`).
 
   Attributes:
     measured_on: the GPUs the values were measured on (or why a table borrows another's values).
@@ -375,75 +377,23 @@ class DispatchRules:
 # on the H200 agreed with the H100's, except the decode rule of 2026-11-25 (decode_sub_cols_max_blocks,
 # measured on the H200 only: at d = 0.25 it keeps what the H100 measured).
 HOPPER_RULES = DispatchRules(
+    # What measured each value, and why: benchmarks/results/dispatch_rules_notes_2026-11-26.md (one section a field).
     measured_on="NVIDIA H100 and H200 (SXM)",
     num_sms=132,
-    # Two programs per SM in flight.
     programs_per_sm=2,
 
-    # The Triton dW takes its kept blocks by block column where N >= 4 K (16-bit): `gpu_product_routes.py
-    # --variants`, H100, M = 8192, K = 4096, bf16 (benchmarks/results/gpu_nm_decode_2026-11-23_h100.md):
-    # N = 16384 d = 0.5 1.62 -> 1.41 (block 64) and 0.84 -> 0.75 (block 128) of dense dW, d = 0.25 equal;
-    # at N = K = 4096 column order was 2-10% slower.
     dw_cols_order_min_ratio=4,
 
-    # Decode and mid-size M. Up to decode_max_m rows, where the output tiles cannot fill the GPU, the forward
-    # and dx split their block loops (or give programs a slice of a block's columns, below); above, a split
-    # and the pass that adds its partial sums measured up to 3.7x slower than no split, and 16-bit row
-    # tiles of 64 up to mid_small_tile_max_m rows beat 128 (`gpu_block_sparse.py --mid-sweep 256,512,128`,
-    # H100, K = N = 4096, bf16, forward / backward time over dense; benchmarks/results/
-    # gpu_block_sparse_mid_2026-11-24_h100.md): M = 512, blocks 64, d = 0.25: split 2.58 / 1.48 -> 0.69 / 0.65
-    # (128-row tiles, no split); M = 256, blocks 128, d = 0.25: 0.73 / 0.73 (split) -> 0.42 / 0.49 with 64-row
-    # tiles (0.69 / 0.60 with 128); d = 0.5: 1.13 / 1.41 -> 0.66 / 0.92.
     decode_max_m=64,
     mid_small_tile_max_m=256,
-    # Decode's split (Triton forward / dX, where the output tiles are fewer than target_programs): parts of about
-    # this many bytes of contraction an output column (256 rows at 16 bits, 128 at float32) and at least one
-    # program an SM, at most decode_split_max parts. It replaced "about two kept blocks a program", which left
-    # float32 blocks (twice the bytes) and narrow outputs with too few programs. `gpu_split_sweep.py --kernels
-    # triton` (H200, 22 products: M = 1 / 16, K x N from 768 x 3072 to 4096 x 14336, blocks 64 / 128, d =
-    # 0.14-0.5, bf16 / float32; benchmarks/results/gpu_decode_split_2026-11-25_h200.md): summed over the products,
-    # (time of the default - time of the best of splits 1 / 2 / 4 / 8) / dense time went from 1.75 to 0.18, the
-    # worst from 0.76 to 0.05 (the rule, rounded down to a power of two, picks measured points). Float32 16 x 768
-    # x 3072 (128-blocks) forward / dX 1.86 / 1.43 -> 1.11 / 1.01 of dense, float32 16 x 4096 x 4096 (128-blocks)
-    # forward 0.67 -> 0.51, bf16 16 x 4096 x 14336 (64-blocks) forward 0.40 -> 0.31.
     decode_split_depth_bytes=512,
     decode_split_max=8,
 
-    # The forward at decode (16-bit, fewer than target_programs output tiles) for blocks of 128: 32
-    # output columns per program, no split (one launch), 4 pipeline stages. `benchmarks/gpu_decode.py
-    # --sweep`, H100, M = 16, K = N = 4096, d = 0.25 (benchmarks/results/gpu_decode_2026-11-23_h100.md):
-    # 5.57 / 7.55 µs (weight in L2 / from HBM) against 5.63 / 8.01 for a split of 4 plus the sum; with
-    # 64 x 64 blocks (16 steps per program) 8.46 / 9.66 against 6.03 / 8.21 for the split, which stays.
-    # Indices read from memory each step (index_window=False) measured 7.9 / 13.7 µs at block 128.
-    # Only while a block column keeps few blocks: each program walks all of its column's blocks. H200, M = 16 / 1,
-    # blocks of 128, d = 0.5 (16 blocks a column; `gpu_decode.py --skip-nm --bs-rows 16,1 --bs-densities 0.25,0.5`,
-    # benchmarks/results/gpu_decode_2026-11-25_h200.md): 32-column programs 1.05 / 1.24 of dense (hot), 1.00 / 1.04
-    # (HBM), slower than dense, against 0.87 / 1.03 and 0.90 / 0.95 for a split of 4; at d = 0.25 (8 blocks a column)
-    # 0.72 / 0.89 and 0.71 / 0.73 against 0.67 / 0.84 and 0.73 / 0.75.
     decode_sub_cols_min_block=128,
     decode_sub_cols_max_blocks=8,
     decode_sub_cols=dict(sub_cols=32, split=1, num_stages=4),
-    # ... and for 16-bit blocks 32 wide (a 16 x 32 output tile a program), 2 warps instead of 4: H200, K = N = 4096,
-    # split 8, time over dense with the weight in L2 / from HBM (`gpu_decode.py --skip-nm --sweep --bs-blocks 32
-    # --bs-rows 16,1 --bs-densities 0.25,0.5`; benchmarks/results/gpu_decode_32_2026-11-25_h200.md): M = 16, d = 0.25
-    # 0.91 / 0.78 -> 0.71 / 0.71, d = 0.5 1.22 / 1.03 -> 0.90 / 0.92; M = 1, d = 0.25 1.09 / 0.76 -> 0.87 / 0.68,
-    # d = 0.5 1.43 / 1.03 -> 1.07 / 0.90 (1 warp: within 3%; other splits, stages and sub-column programs: slower).
-    # {(itemsize, output block width): num_warps}.
     decode_warps={(2, 32): 2},
 
-    # Forward programs spanning G block columns (each x slab loaded once for the union of their kept block
-    # rows) measured slower than these for blocks 32 and 64 at d = 0.25 / 0.5 in all four variants tried
-    # (best 1.17 / 0.75 of dense against 0.92-0.96 / 0.51-0.53 at d = 0.25; H100, M = 8192): the union of
-    # G random block columns holds 1 - (1 - d)^G of the dense MMA work. See
-    # benchmarks/results/gpu_grouped_forward_2026-11-23_h100.md.
-
-    # Fastest (forward, dx, dw) configs per square block size for bf16 at M = 8192, K = N = 4096,
-    # density 0.25, from the sweep of benchmarks/gpu_block_sparse.py on an H200 (2026-11-21; see
-    # benchmarks/results/). Used for 16-bit inputs and m >= tuned_min_m.
-    # Blocks of 32 visit one row tile at a time (group_m=1): each program reads a 256-row slab of x / dY
-    # as long as the contraction, and 8 such slabs in flight left L2 once the contraction grew (H100,
-    # `gpu_product_routes.py --variants`, d = 0.25, ratio to dense, group_m 8 -> 1: forward K = 16384
-    # 1.49 -> 0.94; dX N = 8192 1.12 -> 0.90, N = 16384 1.75 -> 0.92; at K = N = 4096 0.92-0.95 -> 0.88-0.92).
     tuned_min_m=1024,
     tuned_configs={
         32: (
@@ -463,45 +413,9 @@ HOPPER_RULES = DispatchRules(
         ),
     },
 
-    # Mosaic GPU configs per square block size for 16-bit inputs and m >= mosaic_min_m, from
-    # `benchmarks/gpu_block_sparse.py --mosaic-sweep` on an H100 (2026-11-21; see benchmarks/results/);
-    # the forward's group_m from `gpu_product_routes.py --variants` (2026-11-23): 2 row tiles per group
-    # took 0.94-0.95 against 0.98-1.00 for 4 at d = 0.5 (64-blocks, N = 4096-16384), 0.40 against 0.43
-    # (128-blocks, K = 16384), and no more elsewhere.
-    # Below that m (outside the mid-size bands below), or for blocks of 32 from it, the Triton kernels measured as
-    # fast or faster.
     mosaic_min_m=1024,
-    # Mid-size M (16-bit): from 128 rows for blocks whose smaller side is 64, from 512 for blocks of 128
-    # (`gpu_block_sparse.py --mid-sweep`, H100, K = N = 4096, forward / backward over dense, against the
-    # best Triton config): blocks 64, d = 0.25, M = 128 / 256 / 512: 0.47 / 0.52, 0.47 / 0.59, 0.62 / 0.63
-    # (Triton 0.55 / 0.49, 0.56 / 0.61, 0.69 / 0.65); d = 0.5, M = 256: 0.68 / 1.63 (0.87 / 1.77). Blocks 128:
-    # M = 512, d = 0.25 / 0.5: 0.52 / 0.49 and 0.79 / 0.89 (Triton 0.62 / 0.53, 1.00 / 0.94); at M = 256
-    # Triton's 64-row tiles won (0.42 / 0.49 against 0.54 / 0.53). Row tiles of 256 where they still give
-    # about one output tile per SM (mosaic_mid_tiles) and M needs no padding, else 128: blocks 64, M = 512:
-    # 0.62 / 0.63 against 0.70 / 0.66; blocks 128, M = 512: 128-row tiles 0.52 against 0.79; blocks 64,
-    # M = 384 / 768 padded to 256-row tiles: 0.69 / 0.70 forward against Triton's 0.57 / 0.63.
-    # Blocks of 64 between 512 and 1024 rows keep Triton's 128-row tiles: M = 768, d = 0.25 / 0.5: 0.65 /
-    # 1.08 forward against the Mosaic kernel's 0.73 / 1.25 (192 output tiles of 256 rows: 1.45 waves). At
-    # M = 512 the Mosaic kernel won (0.64 / 0.94 against 0.67 / 1.11), at 384 Triton by 5% (0.56 / 0.93
-    # against 0.59 / 0.99; kept on Mosaic, one band). Blocks of 32 at 128-256 rows (session 10, same sweep
-    # with `--blocks 32`; benchmarks/results/gpu_dw_kernels_2026-11-24_h100.md): d = 0.25, M = 128 / 256:
-    # forward 0.75 / 0.77, backward 0.78 / 1.31 against Triton's best 0.99 / 1.08 and 0.82 / 1.41 (d = 0.5:
-    # 1.07 / 1.22 forward against 1.47 / 1.66); at M = 512 128-row tiles lost (1.58 against 1.23), and from
-    # 1024 rows Triton equals it. Only
-    # square 32 x 32 blocks (the 16-bit forward of 32 x 64 blocks fails Mosaic's layout inference; see
-    # `_block_sparse_matmul_mgpu.unsupported_reason`) and M a multiple of 128
-    # (M = 192, one 128-row tile half padding: 1.36 fwd+bwd against Triton's 1.27).
-    # (min rows, max rows or None) per smaller block side:
     mosaic_16bit_rows={32: ((128, 256),), 64: ((128, 512), (1024, None)), 128: ((512, None),)},
     mosaic_mid_tiles=128,
-    # ... for float32 as well (it took 256-row tiles from 129 rows before), there with M padded by at most 1/8 of
-    # it. Float32 forward / dX over dense, 128- against 256-row tiles (`gpu_split_sweep.py`, H200,
-    # benchmarks/results/gpu_split_2026-11-25_h200.md): M = 200, K = 5120, N = 768, 128 x 64 blocks (12 / 40 output
-    # block columns): 0.99 / 0.90 against 1.35 / 1.39; M = 640, 2048 x 1024, 128-blocks: 0.57 / 0.65 against 1.05 /
-    # 1.22; M = 200, 4096 x 8192, 64 x 128: 1.28 / 0.52 against 1.47 / 0.62. M = 1000, 3072 x 6144, 32 x 64
-    # (384 dX tiles of 256 rows, 2.4% padding): dX 1.18 against 1.06, forward 1.06 against 1.09. 16-bit keeps
-    # no padding: bf16 M = 1000, 2048 x 5120, 128-blocks, d = 0.4 (`gpu_unseen_shapes.py --seed 11`) forward 1.06
-    # with 256-row tiles against 0.87 with 128. {itemsize: largest padding / M}.
     mosaic_mid_max_pad={2: 0.0, 4: 0.125},
     mosaic_tuned_configs=(
         {}
@@ -512,66 +426,11 @@ HOPPER_RULES = DispatchRules(
         }
     ),
 
-    # Where the Mosaic GPU forward / dX kernels replace the Triton ones, per input itemsize: the smallest
-    # M and the smallest block dim (16-bit: within the bands of mosaic_16bit_rows). Float32 runs on TF32 wgmma
-    # there (Triton's float32 tiles measured 2.6x dense at block 128, M = 8192; see
-    # benchmarks/results/gpu_block_sparse_2026-11-23_h100.md), from 128 rows: M = 200, K = 4096, N = 2560,
-    # d = 0.3, forward / dX over dense (`gpu_product_routes.py --m 200 --blocks 64x128,64x32 --variants`, H200,
-    # benchmarks/results/gpu_unseen_shapes_2026-11-25_h200.md): 64 x 128 blocks 0.99 / 0.49 against Triton's
-    # 2.09 / 1.05, 64 x 32 blocks 0.63 / 0.41 against 0.87 / 0.64 (it started at 256 rows before).
     mosaic_min_m_and_block={2: (128, 32), 4: (128, 32)},
 
-    # Grouped-column tiles (one a tile loaded for G output block columns, each column's wgmma only where it keeps
-    # the block): `gpu_block_sparse.py --group-cols-sweep` on an H200 (2026-11-25; benchmarks/results/
-    # gpu_group_cols_2026-11-25_h200.md), forward / dX time over dense, G = 1 against the G below, M = 8192,
-    # K = 4096, N = 4096 unless said:
-    # * float32, 32-wide outputs, G = 4: d = 0.125 0.40 / 0.37 against 0.41 / 0.38 (a tie, hence 0.2); d = 0.25
-    #   0.77 / 0.73 against 0.64 / 0.59 (N = 16384: 0.76 / 0.91 against 0.60 / 0.58); d = 0.375 1.14 / 1.08
-    #   against 0.82 / 0.75; d = 0.5 1.52 / 1.43 against 0.94 / 0.88 (N = 16384: 0.91 / 0.87). M = 2048
-    #   (256 tiles, 1.9 a SM), d = 0.25: 0.84 / 0.80 against 0.79 / 0.76. G = 2 and 8 lost to 4 everywhere.
-    # * float32, 64-wide outputs, G = 2: d = 0.125 0.26 / 0.27 against 0.31 / 0.30; d = 0.25 0.44 / 0.44 against
-    #   0.45 / 0.42 (N = 16384: 0.42 / 0.54 against 0.41 / 0.42; M = 2048: 0.55 / 0.53 against 0.61 / 0.59);
-    #   d = 0.375 0.65 / 0.62 against 0.60 / 0.56; d = 0.5 0.84 / 0.80 against 0.74 / 0.70 (N = 16384: 0.83 /
-    #   1.00 against 0.73 / 0.70; M = 2048: 0.97 / 0.92 against 0.95 / 0.87). G = 4 (128-row tiles): as G = 2
-    #   at d = 0.5, worse below.
-    # * 16-bit, 64-wide outputs, G = 2: d = 0.125 0.24 / 0.24 against 0.30 / 0.29; d = 0.25 0.42 / 0.43 against
-    #   0.44 / 0.44 (N = 16384: 0.40 / 0.42 against 0.39 / 0.40); d = 0.375 0.62 / 0.64 against 0.59 / 0.57;
-    #   d = 0.5 0.82 / 0.83 against 0.70 / 0.73 (N = 16384: 0.78 / 0.80 against 0.68 / 0.69), but at M = 2048
-    #   (256 grouped tiles, 1.9 a SM) 0.87 / 0.86 against 0.90 / 0.90: from 4 tiles a SM (7.8 won).
-    # * 16-bit, 32-wide outputs: no G won (d = 0.25: 0.87 / 0.87 against 0.97-1.78; d = 0.5: 1.69 / 1.68 against
-    #   1.49-2.27); the short wgmma steps (N = 32) are not bound by the a reads alone.
-    # * 64-wide outputs at d = 0.25 on an H100 (2026-11-26, benchmarks/results/gpu_h100_state_2026-11-26.md; same
-    #   sweep with --ns 8192,16384, and `gpu_mosaic_stages.py` for K = 8192): G = 2 won where the contraction or the
-    #   output is long. float32: forward K = 4096, N = 8192 / 16384 0.52 / 0.50 -> 0.47 / 0.45; forward K = 8192,
-    #   N = 2048 (kernel only, best ring) 0.64 -> 0.48; dX over N = 8192 / 16384 0.56 / 0.75 -> 0.48 / 0.52. bf16:
-    #   0.49 / 0.47 -> 0.45 / 0.43 (forward), 0.49 / 0.53 -> 0.46 / 0.46 (dX). At d = 0.125 a tie or G = 1 (H200),
-    #   hence 0.2; K = N = 4096 at d = 0.25 on the H200 (above) within 0.02 either way. Float32 keeps one column a tile
-    #   under 2 grouped tiles a SM (M = 2048 above: 0.55 / 0.53 against 0.61 / 0.59). With it the float32 block-64
-    #   MLP train step (`gpu_train_step.py`) went from 15.53 to 14.91 ms (H100).
-    # Rectangular blocks take the rule of their output block dim (not measured).
     mosaic_group_cols={(4, 32): (0.2, 4, 1), (4, 64): (0.2, 2, 2), (2, 64): (0.2, 2, 4)},
 
-    # Where the Mosaic GPU sampled xᵀdY kernel replaces the Triton one. Float32 (TF32): for every block the
-    # kernel takes, from 256 rows (Triton's float32 SDD ran 1.9-2.9x the dense TF32 product; `gpu_block_sparse.py
-    # --dw-sweep`, H100, M = 8192). 16-bit inputs, from 1024 rows, by `gpu_product_routes.py --variants` on an H100
-    # (bf16, K or N = 4096, d = 0.25 / 0.5, dW time over the dense xᵀdY; benchmarks/results/
-    # gpu_dw_kernels_2026-11-24_h100.md), Mosaic against Triton:
-    # * 64 x 64 blocks: Mosaic where the weight is long (N >= 4 K or K >= 4 N: M = 1024-8192, 0.58-0.64 against
-    #   0.64-0.78 at d = 0.25, 1.07-1.17 against 1.24-1.52 at d = 0.5), else from 8192 rows (N = K: 0.65 against 0.65,
-    #   N = 2 K: 0.61 against 0.70), and from 4096 rows at d >= 0.4 or N >= 2 K (N = K, d = 0.5: 1.13 against 1.28;
-    #   N = 2 K, d = 0.25: 0.60 against 0.64). Triton below: N = K, d = 0.25, M = 1024 / 2048 / 4096: 0.54 / 0.55 /
-    #   0.59 against 0.87 / 0.75 / 0.68. Items by block row below 2048 rows (N = 4 K, M = 1024: 0.64 against 0.70
-    #   by column), else as `MosaicSddConfig.order="auto"` says.
-    # * 128 x 128 blocks: Mosaic where there are many kept blocks (two per item, 132 thread blocks): from 1024
-    #   kept blocks at any M >= 1024 (N = 4 K: 0.28-0.40 against 0.38-0.55 at d = 0.25, 0.53-0.71 against 0.74-1.04
-    #   at d = 0.5; K = 4 N, N = 2 K: 0.33-0.79 against 0.37-0.71, equal or better from 2048 rows), from 512 at
-    #   8192 rows (N = K, d = 0.5: 0.56 against 0.62; N = 2 K, d = 0.25: 0.30 against 0.35). Triton with fewer:
-    #   N = K, d = 0.25 (256 blocks), M = 1024-8192: 0.31-0.37 against 0.53-0.86.
-    # Float32 from 128 rows: M = 200, K = 4096, N = 2560, d = 0.3 (H200, as for mosaic_min_m_and_block): 64 x 128
-    # blocks 0.78 against Triton's 1.56, 64 x 32 blocks 0.98 against 1.45.
     mosaic_dw_min_m={2: 1024, 4: 128},
-    # 6 ring slots (was 4): 0.56 -> 0.52 of the dense xᵀdY at d = 0.25, 0.90 -> 0.85 at 0.5 (bf16, M = 8192, H200;
-    # `gpu_mosaic_stages.py --products dw`, benchmarks/results/gpu_mosaic_stages_2026-11-26_h200.md).
     mosaic_dw_tuned_16bit=(
         {} if mosaic_sdd is None else {(64, 64): mosaic_sdd.MosaicSddConfig(group=2, tile_m=64, num_stages=6)}
     ),
@@ -582,90 +441,20 @@ HOPPER_RULES = DispatchRules(
     mosaic_dw_64_rows_order_below_m=2048,  # items by block row below this M.
     mosaic_dw_128_min_blocks=((1024, 1024), (8192, 512)),  # (min M, min kept blocks) for 128-blocks
 
-    # The dense routes (a product of the whole K x N weight instead of the per-block kernels) measured by
-    # `benchmarks/gpu_product_routes.py` on an H100 (benchmarks/results/gpu_product_routes_2026-11-23_h100.md),
-    # K = 4096, N in {4096, 16384}, ratios to the dense product of the same run: per-block kernel / route.
-    #
-    # Smallest M for each route. The routes build or write a K x N array whatever M is, so they lose at
-    # small M: blocks of 32 at d = 0.5 (the `dense` route) at M = 1024: 1.84-1.93 / 1.50-1.62 for the three
-    # products; M = 256: forward and dX 1.75-2.23 / 2.15-2.94, dW 3.87-3.97 / 2.91-3.06; decode (M = 16,
-    # N = 16384) forward 0.59-0.73 / 2.6-3.0 (the kernels at N = 4096: 1.19).
     dense_route_min_m=1024,
     dw_dense_min_m=256,
 
-    # dW: below this block dim (bk for the Mosaic float32 kernel, either dim otherwise) and at or above
-    # this density, one dense xᵀdY product (XLA) with the kept blocks gathered from it: 32 x 32 blocks at
-    # d = 0.25, M = 8192: 2.41 / 1.02 (bf16, N = 4096), 2.98 / 1.05 (N = 16384); float32 1.92 / 1.03, 1.84 / 1.01.
     dw_dense_below_block=64,
     dw_dense_min_density=0.1,
-    # ... and for blocks of this size from this density, except on the Mosaic float32 kernel: 64 x 64 at
-    # d = 0.5, M = 8192, kernel / route: bf16 1.07-1.15 / 1.07 (N = 4096, both item orders), 1.07 / 1.08
-    # (N = 16384, items by column), 1.18 / 1.07 (K = 16384, N = 4096); float32 on the Mosaic kernel 0.95-0.97
-    # / 1.02 (N = 4096, K = 4096 or 16384), 0.85 / 1.02 (N = 16384); Triton's float32 kernel 2.6 / 1.02-1.06.
-    # At d = 0.25 the kernels win everywhere (0.52-0.67 / 1.02-1.05). 0.4 itself was not measured.
     dw_dense_above_density={64: 0.4},
-    # ... from this many rows for 16-bit inputs: the route writes a K x N product whatever M is. 64 x 64
-    # blocks at d = 0.5, dW over the dense xᵀdY, route / best per-block kernel (`gpu_product_routes.py --variants`,
-    # H100, K or N = 4096; benchmarks/results/gpu_dw_kernels_2026-11-24_h100.md): M = 1024: 1.52-1.56 / 1.10-1.14;
-    # 2048: 1.24-1.29 / 1.13-1.19; 4096: 1.13-1.15 / 1.07-1.13; 8192: 1.04-1.08 / 1.02-1.17 (route faster for
-    # K = 4 N: 1.07 / 1.17, N = 4 K: 1.07 / 1.10). At M = 256-768 the route ran 1.38-1.68x the dense backward.
-    # (These were measured with a float32 K x N product; since 2026-11-25 a 16-bit route writes its product in
-    # 16 bits (`dense_product_dtype`), half the bytes, so the route should lose by less at small M. Not yet
-    # re-measured: `gpu_product_routes.py --m 256,1024,2048 --variants` is the run that would move this rule.)
     dw_dense_above_density_min_m=8192,
-    # ... and wherever the weight's whole grid of blocks fits one wave of the SMs: the per-block kernels then run
-    # one block's full xᵀdY per SM (or split it over a few programs) while the dense product spreads the same
-    # rows over the whole GPU. K = 1536, N = 768, 128 x 128 blocks (72 in the grid, 0.55 a SM), dW over the dense
-    # xᵀdY, per-block kernel / route (`gpu_product_routes.py --m 1000,12288 --k 1536 --ns 768 --blocks 128
-    # --densities 0.14,0.45 --variants`, H200, benchmarks/results/gpu_unseen_shapes_2026-11-25_h200.md): float32
-    # M = 12288 1.36-1.37 / 1.00 (Triton with its split 0.95 at d = 0.14, 2.07 at 0.45), M = 1000 1.55-1.62 /
-    # 1.08; bf16 M = 12288 1.37-1.77 / 0.97-0.99, M = 1000 1.75-2.95 / 1.28-1.29.
     dw_dense_max_grid_per_sm=1.0,
 
-    # Forward and dX on long contractions (K for the forward, N for dX; both are the same "dense x sparse"
-    # kernel): the per-block kernels read a row slab of x / dY as long as the contraction once per kept
-    # block of an output block column; where that is long, float32 slabs fall out of L2 and the kernels lose
-    # to the dense route. M = 8192, d = 0.25, blocks of 32, float32: dX (N = 16384) 1.18-1.26 / 0.96, forward
-    # (K = 16384) 1.28 / 0.98; 64 x 64 float32 at d = 0.5: dX 1.48 / 0.99 (d = 0.25: 0.79 / 0.96). 16-bit
-    # inputs keep the kernels (blocks of 32 at d = 0.25: dX 0.92 / 1.05, forward 0.94 / 0.98; 64 x 64 at
-    # d = 0.5: dX 1.00 / 1.07), and so does a contraction of 4096-8192 (float32 blocks of 32: 0.81-0.99 /
-    # 0.97-1.06). {min block dim: (min density, min itemsize)}, from long_contraction_min. Products on
-    # grouped-column tiles (mosaic_group_cols) keep their kernel: float32 dX, N = 16384, d = 0.25 / 0.5, blocks of 32
-    # (G = 4) 0.58 / 0.87, of 64 (G = 2) 0.42 / 0.70, against this route's 0.92 / 0.94 (H200, 2026-11-25).
     long_contraction_min=16384,
     long_contraction_dense_above={32: (0.1, 4), 64: (0.4, 4)},
 
-    # Small blocks whose per-block products are slower than the whole dense product above this density
-    # (H100, M = 8192, K = N = 4096; benchmarks/results/gpu_block_sparse_2026-11-23_h100.md): 32 x 32
-    # blocks took 0.95 / 0.92 of dense at d = 0.25 and 1.52 / 1.42 at d = 0.5 (bf16 / f32, fwd+bwd).
-    # Those patterns run as dense products (the weight built first by `dense_weight`: one K x N gather pass).
-    # Float32 since the grouped-column tiles above (H200, 2026-11-25): forward / dX at d = 0.375 0.82 / 0.75,
-    # d = 0.5 0.94 / 0.88 (N = 16384: 0.91 / 0.87) against the dense route's 0.99-1.00 / 0.94-0.99 (dW runs
-    # dense for these blocks either way); above 0.5 not measured. {(min block dim, itemsize): density}.
-    # Blocks of 16: the dense route won the forward and dX at every density measured, 0.28-0.37 at M = 1000-12288
-    # (H100, measured dispatch: benchmarks/results/gpu_unseen_shapes_2026-11-26_h100_tuned.md; the Triton kernels
-    # took 2.5-4x the dense route's time).
     dense_above_density={(16, 2): 0.0, (16, 4): 0.0, (32, 2): 0.3, (32, 4): 0.5},
 
-    # The forward / dX tiles' steps split into parts (`contraction_split`) above decode size, where the output has
-    # too few tiles and each walks many steps: `gpu_split_sweep.py` (H200, benchmarks/results/
-    # gpu_split_2026-11-25_h200.md), time over dense, no split -> the split the rule picks (best measured):
-    # * Mosaic (one tile a SM, >= 12 pipeline steps a part): float32 M = 200, K = 5120, N = 768, 128 x 64 blocks,
-    #   d = 0.38, forward (24 tiles of 128 rows, 60 steps) 0.99 -> 0.66 (split 4; 2: 0.78, 8: 0.74); bf16
-    #   M = 200, 1024 x 5120, 64 x 32, d = 0.32, dX (32 tiles, 51 steps) 2.08 -> 1.29 (4); bf16 M = 200,
-    #   768 x 2560, 32 x 32, d = 0.44, dX (48 tiles, 35 steps) 1.24 -> 1.00 (2; 4: 1.05). With 80-128 tiles
-    #   or under 10 steps every split lost (float32 dX at M = 200 / 640: 0.90 -> 1.23, 0.65 -> 0.94).
-    # * Triton (programs of 4 warps, several a SM; >= 10 blocks a part): bf16 M = 200, 6144 x 2560, 32 x 64,
-    #   d = 0.42, forward (160 programs, 81 blocks each) 2.67 -> 1.55 (4); the dX above (64 programs) 2.02 ->
-    #   1.33 (4), (96 programs of 35 blocks) 1.22 -> 1.03 (2; 4: 0.92); bf16 M = 384, 4096 x 1024, 64-blocks,
-    #   d = 0.25, forward (48 programs, 16 blocks) 1.27 -> 0.99 with 2 parts (4: 0.96; the Mosaic kernel runs it).
-    # * The step minimums keep the large wins above and no split where no run measured one: the Mosaic forward of
-    #   16 steps a tile was even (bf16 M = 384 above, 0.91 split in 2 or not), and the mid-size rows of
-    #   K = N = 4096 (8 blocks of 128 or 16 of 64 a column, tuned unsplit at M = 65-512; see
-    #   mid_small_tile_max_m and mosaic_16bit_rows) stay unsplit.
-    # * The partial sums (split x M x output columns, float32, written and read again) at most 1.5x the kept
-    #   weight's bytes: bf16 M = 1000, 1024 x 2560, 64 x 32, d = 0.46, dX (128 programs, 37 blocks) lost with
-    #   every split, 1.46 -> 1.57 / 1.63 / 2.25 (2 / 4 / 8; sums 3.4x the weight at 2).
     split_max=8,
     split_programs_per_sm={"mosaic": 1, "triton": 8},
     split_min_steps={"mosaic": 12, "triton": 10},
