@@ -76,8 +76,12 @@ def _plain(v: Any) -> Any:
 
 
 def _has_device(platform: str) -> bool:
+  """Whether products traced now run on ``platform``: its devices exist and it is the default backend. Under
+  ``jit`` both branches of ``lax.platform_dependent`` are traced (a GPU machine traces the CPU routes too); only
+  the branch of the backend that runs is measured."""
+  backend = {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
   try:
-    return bool(jax.devices(platform))
+    return bool(jax.devices(platform)) and jax.default_backend() == backend
   except RuntimeError:
     return False
 
