@@ -151,6 +151,13 @@ def test_no_device_of_the_platform_means_the_default(monkeypatch):
     assert _choose(_candidates([]), platform="cuda").name == "default"
 
 
+def test_only_the_running_backend_is_measured(monkeypatch):
+  # Under jit both branches of lax.platform_dependent are traced: a GPU machine must not time the CPU routes.
+  assert _measure._has_device("cpu") and not _measure._has_device("cuda")
+  monkeypatch.setattr(_measure.jax, "default_backend", lambda: "gpu")
+  assert not _measure._has_device("cpu")
+
+
 def test_real_measurement_on_cpu_under_jit_vmap_and_grad():
   # The candidates really run (host timing); the choice happens while the caller is traced.
   log = []
