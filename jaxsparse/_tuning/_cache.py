@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any
 from typing import Literal
 
+from jaxsparse import _utils
+
 try:  # POSIX advisory locks; elsewhere writes stay atomic but concurrent writers may drop each other's entries.
   import fcntl
 except ImportError:  # pragma: no cover (Windows)
@@ -149,22 +151,23 @@ def _read(path: Path) -> dict[str, dict]:
   except FileNotFoundError:
     return {}
   except OSError as e:
-    warnings.warn(f"jaxsparse: cannot read the tuning cache {path} ({e}); ignoring it.", AutotuneCacheWarning, 2)
+    _utils.warn_at_caller(f"jaxsparse: cannot read the tuning cache {path} ({e}); ignoring it.", AutotuneCacheWarning)
     return {}
   try:
     doc = json.loads(text)
   except ValueError as e:
-    warnings.warn(f"jaxsparse: the tuning cache {path} is not valid JSON ({e}); ignoring it.", AutotuneCacheWarning, 2)
+    _utils.warn_at_caller(
+        f"jaxsparse: the tuning cache {path} is not valid JSON ({e}); ignoring it.", AutotuneCacheWarning
+    )
     return {}
   if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("entries"), dict):
-    warnings.warn(f"jaxsparse: {path} is not a jaxsparse tuning cache; ignoring it.", AutotuneCacheWarning, 2)
+    _utils.warn_at_caller(f"jaxsparse: {path} is not a jaxsparse tuning cache; ignoring it.", AutotuneCacheWarning)
     return {}
   if doc.get("version") != VERSION:
-    warnings.warn(
+    _utils.warn_at_caller(
         f"jaxsparse: the tuning cache {path} has format version {doc.get('version')!r}, this jaxsparse reads "
         f"version {VERSION}; ignoring it (it is rewritten on the next tuning).",
         AutotuneCacheWarning,
-        2,
     )
     return {}
   return {k: v for k, v in doc["entries"].items() if isinstance(v, dict) and isinstance(v.get("choice"), str)}
@@ -227,11 +230,10 @@ def record(key: str, entry: dict) -> None:
     try:
       _write(cache_path(), {key: entry})
     except OSError as e:
-      warnings.warn(
+      _utils.warn_at_caller(
           f"jaxsparse: cannot write the tuning cache {cache_path()} ({e}); the decision is kept for this "
           "process only.",
           AutotuneCacheWarning,
-          3,
       )
 
 
