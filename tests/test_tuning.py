@@ -23,6 +23,7 @@ from hypothesis import given
 from hypothesis import settings
 from hypothesis import strategies as st
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 import jaxsparse
 from jaxsparse import _tuning
@@ -173,6 +174,16 @@ def test_real_measurement_on_cpu_under_jit_vmap_and_grad():
     jax.grad(f)(jnp.ones(4))
   assert {"default", "a", "dense"} <= set(log)
   assert len(json.loads(_cache.cache_path().read_text())["entries"]) == 1
+  # Inside shard_map (the shard's operands) and jax.export, on another signature each.
+  mesh = jax.make_mesh((1,), ("d",))
+  shard = lambda x: jax.shard_map(
+      lambda x: _choose(cands, make_args=lambda: (jnp.ones(4),), rows=1).run(x), mesh=mesh, in_specs=P(), out_specs=P()
+  )(x)
+  exported = lambda x: _choose(cands, make_args=lambda: (jnp.ones(4),), rows=2).run(x)
+  with _tuning.autotune_mode("tune"):
+    jax.jit(shard)(jnp.ones(4))
+    jax.export.export(jax.jit(exported))(jnp.ones(4))
+  assert len(json.loads(_cache.cache_path().read_text())["entries"]) == 3
 
 
 # -------------------------------------------------------------------------------------------------
