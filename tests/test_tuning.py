@@ -1,6 +1,6 @@
 """Measured dispatch: the tuning cache, the modes, ``choose``, and the GPU route's candidates and re-tiled blocks.
 
-The GPU route (``ops._block_sparse_matmul._gpu_forward`` / ``_gpu_backward``) runs here with the Pallas kernels in
+The GPU route (``ops._block_sparse_matmul``'s ``_GpuRoute`` backend, through ``ops._router.route``) runs here with the Pallas kernels in
 interpret mode, and its tuning with host timing, so CI exercises the same code as a GPU; the ``gpu`` tests at the
 end run it on a real device.
 """
@@ -363,8 +363,9 @@ def _close(out, ref, rtol):
 def test_gpu_route_retiles_and_matches_the_reference(interpreted, block_shape, grid, dtype):
   x, dy, w = _problem(40, block_shape, grid, dtype, seed=sum(block_shape))
   rtol = 2e-5 if dtype == jnp.float32 else 1.5e-2
-  y = jax.jit(lambda a, b: op._gpu_forward(a, b, precision=None, out_dtype=dtype))(x, w)
-  dx, ddata = jax.jit(lambda a, d, b: op._gpu_backward(a, d, b, precision=None))(x, dy, w)
+  cfg = op._Config("pallas", None, jnp.dtype(dtype))  # the GPU route only, as implementation="pallas" on a GPU
+  y = jax.jit(lambda a, b: op._forward(cfg, a, b))(x, w)
+  dx, ddata = jax.jit(lambda a, d, b: op._backward(cfg, a, d, b))(x, dy, w)
   assert (y.dtype, dx.dtype, ddata.dtype) == (dtype, dtype, dtype)
   for out, ref in zip((y, dx, ddata), _reference(x, dy, w), strict=True):
     _close(out, ref, rtol)
@@ -444,7 +445,10 @@ def test_cpu_routes_match_the_reference_and_tune_on_request(block_shape, monkeyp
   refs = dict(zip(("fwd", "dx", "dw"), _reference(x, dy, w), strict=True))
   for direction, ref in refs.items():
     args = (x, w) if direction == "fwd" else (x, dy, w)
-    routes = op._cpu_routes(direction, w, *args[:-1], precision=None, out_dtype=jnp.float32)
+    product = op._product(direction, args, jnp.float32, None)
+    cpu = [b for b in op._backends(op._Config("auto", None, jnp.dtype(jnp.float32)), jnp.float32)
+           if "cpu" in b.platforms and b.unsupported_reason(product) is None]
+    routes = [(c.name, c.run) for b in cpu for c in b.candidates(product)]
     names = [name for name, _ in routes]
     assert names == (["cpu_kernel", "loop", "dense"] if block_shape == (16, 16) else ["loop", "dense"])
     for name, run in routes:

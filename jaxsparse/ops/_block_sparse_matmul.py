@@ -15,7 +15,7 @@ cost more than the products themselves; see ``benchmarks/results/``). On CPU, ``
 use: register-blocked small GEMMs per kept block on all cores) when block sizes are multiples of 8,
 and fall back to the loop otherwise or when the kernels cannot be built.
 
-On CUDA devices each of the three products runs on its GPU route (``_gpu_product``): the Pallas kernels of
+On CUDA devices each of the three products runs on its GPU route (``_GpuRoute``): the Pallas kernels of
 ``jaxsparse.pallas`` with a tile config, or the dense route, chosen per product signature by measured dispatch
 (:mod:`jaxsparse._tuning`: the candidates timed on the first trace, then cached) or, with tuning off, the shipped
 default. Blocks the kernels do not take run as their supported sub-blocks (``split_blocks``), as they are on Triton
@@ -24,9 +24,12 @@ up to ``WIDE_BLOCK_DIMS``, or on the dense route; never on the XLA loop.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
+from typing import Any
+from typing import ClassVar
 from typing import Literal
 
 import jax
@@ -38,12 +41,14 @@ from jaxsparse import _tuning
 from jaxsparse import _utils
 from jaxsparse._cpu import _build as _cpu_build
 from jaxsparse._cpu import _kernels as _cpu_kernels
+from jaxsparse._utils import FallbackWarning
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
 from jaxsparse.formats._block_sparse import merge_block_data
 from jaxsparse.formats._block_sparse import split_blocks
 from jaxsparse.ops import _bilinear
-from jaxsparse.ops import _dispatch
+from jaxsparse.ops import _router
 from jaxsparse.ops import _sharding
+from jaxsparse.pallas._common import PallasFallbackWarning
 
 __all__ = ["block_sparse_matmul", "block_sparse_matmul_reference", "Implementation"]
 
@@ -165,23 +170,6 @@ def _loop_backward(
 _CPU_KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
-def _use_cpu_kernels(w: BlockSparseMatrix, *arrays: jax.Array) -> bool:
-  """Whether the C++ CPU kernels can run this product (on a CPU backend; warns when they cannot be built)."""
-  bk, bn = w.block_shape
-  if jax.default_backend() != "cpu" or bk % 8 or bn % 8:
-    return False
-  if any(jnp.dtype(a.dtype) not in _CPU_KERNEL_DTYPES for a in (*arrays, w.data)):
-    return False
-  if _cpu_build.load():
-    return True
-  _utils.warn_at_caller(
-      f"block_sparse_matmul: the C++ CPU kernels are unavailable "
-      f"({_cpu_build.unavailable_reason().splitlines()[0]}); running the slower XLA loop.",
-      _cpu_build.CpuKernelFallbackWarning,
-  )
-  return False
-
-
 def _cpu_kernel_forward(x2, w: BlockSparseMatrix, out_dtype):
   f32 = jnp.float32
   y = _cpu_kernels.block_forward(x2.astype(f32), w.data.astype(f32), w.row_indices, w.col_offsets, w.transpose_order)
@@ -196,87 +184,17 @@ def _cpu_kernel_backward(x2, dy2, w: BlockSparseMatrix):
   return dx.astype(x2.dtype), ddata.astype(w.dtype)
 
 
-def _cpu_routes(direction: str, w: BlockSparseMatrix, *arrays, precision, out_dtype) -> list[tuple[str, Callable]]:
-  """``[(name, run)]`` for one direction on a CPU, the shipped default first: the C++ kernel where it applies, the
-  block loop, and the dense route (the weight built dense, one XLA product) where the Pallas module imports."""
-  routes = []
-  if _use_cpu_kernels(w, *arrays):
-    kernel = {
-        "fwd": lambda a, b: _cpu_kernel_forward(a, b, out_dtype),
-        "dx": lambda a, dy, b: _cpu_kernel_backward(a, dy, b)[0],
-        "dw": lambda a, dy, b: _cpu_kernel_backward(a, dy, b)[1],
-    }
-    routes.append(("cpu_kernel", kernel[direction]))
-  loop = {
-      "fwd": lambda a, b: _loop_forward(a, b, precision=precision, out_dtype=out_dtype),
-      "dx": lambda a, dy, b: _loop_backward(a, dy, b, precision=precision, need_dw=False)[0],
-      "dw": lambda a, dy, b: _loop_backward(a, dy, b, precision=precision, need_dx=False)[1],
-  }
-  routes.append(("loop", loop[direction]))
-  kernels = _pallas_ops()
-  if kernels is not None:
-    routes.append(("dense", _gpu_run(kernels, direction, (None, None), precision=precision, out_dtype=out_dtype)))
-  return routes
-
-
-def _cpu_choice(direction: str, *args, precision, out_dtype) -> tuple[str, Callable]:
-  """The CPU route of one direction: the default, or the one measured fastest (``tune`` mode; ``auto`` reads the
-  cache on a CPU but does not measure: timings on a few shared cores are noisy)."""
-  x2, w = args[0], args[-1]
-  routes = _cpu_routes(direction, w, *args[:-1], precision=precision, out_dtype=out_dtype)
-  m, (k, n) = x2.shape[0], w.shape
-  dy_dtype = args[1].dtype if direction != "fwd" else None
-
-  def make_args():
-    rng = np.random.default_rng(1)
-    a, wr = _random_like(rng, (m, k), x2.dtype), _random_weight(w)
-    return (a, wr) if direction == "fwd" else (a, _random_like(rng, (m, n), dy_dtype), wr)
-
-  chosen = _tuning.choose(
-      "block_sparse_matmul", direction, [_tuning.Candidate(name, run, name) for name, run in routes], make_args,
-      platform="cpu", fields=_signature(x2, w, out_dtype if direction == "fwd" else dy_dtype, precision),
-  )
-  return chosen.name, chosen.run
-
-
-def xla_forward(x2: jax.Array, w: BlockSparseMatrix, *, precision=None, out_dtype=None) -> jax.Array:
-  """``x2 (M, K) @ W -> (M, N)``: on a CPU the C++ kernel where it applies (or the route measured fastest), else the
-  block loop."""
-  out = out_dtype or _acc_dtype(jnp.result_type(x2.dtype, w.dtype))
-  loop = lambda a, b: _loop_forward(a, b, precision=precision, out_dtype=out)
-  cpu = lambda a, b: _cpu_choice("fwd", a, b, precision=precision, out_dtype=out)[1](a, b)
-  return lax.platform_dependent(x2, w, cpu=cpu, default=loop)
-
-
-def xla_backward(
-    x2: jax.Array, dy2: jax.Array, w: BlockSparseMatrix, *, precision=None, need_dx=True, need_dw=True
-) -> tuple[jax.Array | None, jax.Array | None]:
-  """``dX = dY @ Wᵀ`` and ``dW = (xᵀ dY)`` on the kept blocks: on a CPU as :func:`xla_forward` chooses, else the
-  block loop."""
-  loop = lambda a, dy, b: _loop_backward(a, dy, b, precision=precision, need_dx=need_dx, need_dw=need_dw)
-
-  def cpu(a, dy, b):
-    (dx_name, dx_run), (dw_name, dw_run) = (
-        _cpu_choice(d, a, dy, b, precision=precision, out_dtype=a.dtype) for d in ("dx", "dw")
-    )
-    if need_dx and need_dw and dx_name == dw_name == "cpu_kernel":
-      return _cpu_kernel_backward(a, dy, b)  # one kernel computes both
-    return (dx_run(a, dy, b) if need_dx else None), (dw_run(a, dy, b) if need_dw else None)
-
-  return lax.platform_dependent(x2, dy2, w, cpu=cpu, default=loop)
-
-
 # -------------------------------------------------------------------------------------------------
 # Backend choice and the custom VJP.
 # -------------------------------------------------------------------------------------------------
 
 
-_Config = _dispatch.Config
+_Config = _router.Config
 
 
 def _pallas_ops():
   """The Pallas kernels module, or ``None`` when it cannot be imported here."""
-  return _dispatch.import_kernels("_block_sparse_matmul")
+  return _router.import_kernels("_block_sparse_matmul")
 
 
 def _kernel_block_shape(kernels, block_shape: tuple[int, int]) -> tuple[int, int] | None:
@@ -378,79 +296,165 @@ def _gpu_run(kernels, direction: str, route, *, precision, out_dtype):
   return dw
 
 
-def _gpu_product(direction: str, *args, precision, out_dtype):
-  """One direction of the product on the GPU, on the route measured fastest for its signature (or the default).
-
-  ``args``: ``(x2, w)`` for ``"fwd"``, ``(x2, dy2, w)`` for ``"dx"`` / ``"dw"``; ``out_dtype`` the forward's.
-  """
-  kernels = _pallas_ops()
+def _product(direction: str, args: tuple, result_dtype, precision) -> _router.Product:
+  """One direction as the router sees it: ``args`` are ``(x2, w)`` for ``"fwd"``, ``(x2, dy2, w)`` otherwise."""
   x2, w = args[0], args[-1]
   m, (k, n) = x2.shape[0], w.shape
   dy_dtype = args[1].dtype if direction != "fwd" else None
-  routes = _gpu_routes(kernels, direction, x2, w, precision=precision, out_dtype=out_dtype)
-  run = functools.partial(_gpu_run, kernels, direction, precision=precision, out_dtype=out_dtype)
 
   def make_args():
     rng = np.random.default_rng(1)
     a, wr = _random_like(rng, (m, k), x2.dtype), _random_weight(w)
     return (a, wr) if direction == "fwd" else (a, _random_like(rng, (m, n), dy_dtype), wr)
 
-  chosen = _tuning.choose(
-      "block_sparse_matmul",
-      direction,
-      [_tuning.Candidate(name, run(route), route) for name, route in routes],
-      make_args,
-      platform="cuda",
-      fields=_signature(x2, w, out_dtype if direction == "fwd" else dy_dtype, precision),
-  )
-  return chosen.run(*args)
+  fields = _signature(x2, w, result_dtype, precision)
+  return _router.Product("block_sparse_matmul", direction, tuple(args), fields, make_args)
 
 
-def _gpu_forward(x2, w: BlockSparseMatrix, *, precision, out_dtype):
-  """``x2 @ w`` on the GPU (:func:`_gpu_product`)."""
-  return _gpu_product("fwd", x2, w, precision=precision, out_dtype=out_dtype)
+@dataclasses.dataclass(frozen=True)
+class _GpuRoute:
+  """CUDA GPUs: the Pallas kernels (Triton, Mosaic GPU) with their tile configs, on the blocks as they are or
+  re-tiled into sub-blocks, and the dense route (:func:`_gpu_routes`)."""
+
+  precision: Any
+  out_dtype: Any  # the forward's
+  name: ClassVar[str] = "pallas"
+  title: ClassVar[str] = "the Pallas GPU kernels"
+  platforms: ClassVar[tuple[str, ...]] = ("cuda",)
+  fallback_warning: ClassVar[type[Warning]] = PallasFallbackWarning
+
+  def unsupported_reason(self, p: _router.Product) -> _router.Unsupported | None:
+    kernels = _pallas_ops()
+    if kernels is None:
+      return _router.Unsupported("jaxsparse.pallas could not be imported")
+    # The kernels' checks, except that any block shape runs (blocks the kernels do not take are cut into ones
+    # they do, or run on the dense route).
+    w = p.args[-1]
+    block_dims = tuple(w.block_shape) if isinstance(w, BlockSparseMatrix) else ()
+    reason = kernels.unsupported_reason(*p.args, block_dims=block_dims)
+    return None if reason is None else _router.Unsupported(reason, warn=True)
+
+  def candidates(self, p: _router.Product) -> list[_tuning.Candidate]:
+    kernels, x2, w = _pallas_ops(), p.args[0], p.args[-1]
+    out_dtype = self.out_dtype if p.direction == "fwd" else x2.dtype
+    routes = _gpu_routes(kernels, p.direction, x2, w, precision=self.precision, out_dtype=out_dtype)
+    run = functools.partial(_gpu_run, kernels, p.direction, precision=self.precision, out_dtype=out_dtype)
+    return [_tuning.Candidate(name, _cast(run(r), p.direction, x2, w, out_dtype), r) for name, r in routes]
 
 
-def _gpu_backward(x2, dy2, w: BlockSparseMatrix, *, precision):
-  """``(dX, dW)`` on the GPU, each on its own measured route (:func:`_gpu_product`)."""
-  dx = _gpu_product("dx", x2, dy2, w, precision=precision, out_dtype=x2.dtype)
-  return dx, _gpu_product("dw", x2, dy2, w, precision=precision, out_dtype=x2.dtype)
+@dataclasses.dataclass(frozen=True)
+class _CpuKernel:
+  """CPU: the C++ kernels of :mod:`jaxsparse._cpu` (block dims multiples of 8; float32 / bfloat16 / float16)."""
+
+  out_dtype: Any
+  name: ClassVar[str] = "cpu_kernel"
+  title: ClassVar[str] = "the C++ CPU kernels"
+  platforms: ClassVar[tuple[str, ...]] = ("cpu",)
+  fallback_warning: ClassVar[type[Warning]] = _cpu_build.CpuKernelFallbackWarning
+
+  def unsupported_reason(self, p: _router.Product) -> _router.Unsupported | None:
+    w = p.args[-1]
+    if jax.default_backend() != "cpu":
+      return _router.Unsupported("the default backend is not the CPU")
+    if w.block_shape[0] % 8 or w.block_shape[1] % 8:
+      return _router.Unsupported(f"block dims must be multiples of 8, got {w.block_shape}")
+    if any(jnp.dtype(a.dtype) not in _CPU_KERNEL_DTYPES for a in (*p.args[:-1], w.data)):
+      return _router.Unsupported(f"dtypes must be among {[str(d) for d in _CPU_KERNEL_DTYPES]}")
+    if not _cpu_build.load():
+      return _router.Unsupported(f"unavailable: {_cpu_build.unavailable_reason().splitlines()[0]}", warn=True)
+    return None
+
+  def candidates(self, p: _router.Product) -> list[_tuning.Candidate]:
+    if p.direction == "fwd":
+      return [_tuning.Candidate(self.name, lambda a, b: _cpu_kernel_forward(a, b, self.out_dtype))]
+    i = ("dx", "dw").index(p.direction)
+    # dX and dW come from one kernel call when both directions choose it.
+    return [_tuning.Candidate(self.name, lambda a, dy, b: _cpu_kernel_backward(a, dy, b)[i],
+                              _router.Joint(_cpu_kernel_backward, i))]
 
 
-def _gpu_unsupported_reason(*args) -> str | None:
-  """Why the GPU route cannot run these operands, or ``None``: the kernels' checks, except that any block shape
-  runs (blocks the kernels do not take are cut into ones they do, or run on the dense route)."""
-  w = args[-1]
-  block_dims = tuple(w.block_shape) if isinstance(w, BlockSparseMatrix) else ()
-  return _pallas_ops().unsupported_reason(*args, block_dims=block_dims)
+@dataclasses.dataclass(frozen=True)
+class _Loop:
+  """Every platform: the XLA loop over the kept blocks (the reference of the kernels' products)."""
+
+  precision: Any
+  out_dtype: Any
+  name: ClassVar[str] = "loop"
+  title: ClassVar[str] = "the XLA block loop"
+  platforms: ClassVar[tuple[str, ...]] = ("cpu", "default")
+  fallback_warning: ClassVar[type[Warning]] = FallbackWarning
+
+  def unsupported_reason(self, p: _router.Product) -> None:
+    return None
+
+  def candidates(self, p: _router.Product) -> list[_tuning.Candidate]:
+    prec = self.precision
+    run = {
+        "fwd": lambda a, b: _loop_forward(a, b, precision=prec, out_dtype=self.out_dtype),
+        "dx": lambda a, dy, b: _loop_backward(a, dy, b, precision=prec, need_dw=False)[0],
+        "dw": lambda a, dy, b: _loop_backward(a, dy, b, precision=prec, need_dx=False)[1],
+    }[p.direction]
+    joint = lambda a, dy, b: _loop_backward(a, dy, b, precision=prec)
+    value = None if p.direction == "fwd" else _router.Joint(joint, ("dx", "dw").index(p.direction))
+    return [_tuning.Candidate(self.name, run, value)]
 
 
-def _platform_dispatch(cfg: _Config, xla_fn, gpu_fn, cast, *args):
-  """Runs ``xla_fn`` or the GPU route ``gpu_fn`` for the configured backend; ``cast`` maps either result to the
-  op's output dtypes, so both branches of the platform-dependent choice agree."""
-  kernels = _pallas_ops()
-  xla = lambda *a: cast(xla_fn(*a))
-  pallas = lambda *a: cast(gpu_fn(*a))
-  return _dispatch.dispatch(
-      "block_sparse_matmul", cfg, kernels, xla, pallas, *args, unsupported_reason=_gpu_unsupported_reason
-  )
+@dataclasses.dataclass(frozen=True)
+class _Dense:
+  """CPU: the dense route (the weight built dense, one XLA product), measured against the others on request."""
+
+  precision: Any
+  out_dtype: Any
+  name: ClassVar[str] = "dense"
+  title: ClassVar[str] = "the dense product"
+  platforms: ClassVar[tuple[str, ...]] = ("cpu",)
+  fallback_warning: ClassVar[type[Warning]] = FallbackWarning
+
+  def unsupported_reason(self, p: _router.Product) -> _router.Unsupported | None:
+    return _router.Unsupported("jaxsparse.pallas could not be imported") if _pallas_ops() is None else None
+
+  def candidates(self, p: _router.Product) -> list[_tuning.Candidate]:
+    x2, w = p.args[0], p.args[-1]
+    out_dtype = self.out_dtype if p.direction == "fwd" else x2.dtype
+    run = _gpu_run(_pallas_ops(), p.direction, (None, None), precision=self.precision, out_dtype=out_dtype)
+    return [_tuning.Candidate(self.name, _cast(run, p.direction, x2, w, out_dtype))]
+
+
+def _cast(run: Callable, direction: str, x2, w, out_dtype) -> Callable:
+  """``run`` with its result in the op's dtype for ``direction`` (every platform's branch must agree)."""
+  dtype = {"fwd": out_dtype, "dx": x2.dtype, "dw": w.dtype}[direction]
+  return lambda *a: run(*a).astype(dtype)
+
+
+# ``implementation=`` -> the backends it allows, in priority order.
+_BACKENDS = {"auto": ("pallas", "cpu_kernel", "loop", "dense"), "pallas": ("pallas",), "xla": ("cpu_kernel", "loop")}
+
+
+def _backends(cfg: _Config, out_dtype) -> list[_router.Backend]:
+  every = {
+      "pallas": _GpuRoute(cfg.precision, out_dtype),
+      "cpu_kernel": _CpuKernel(out_dtype),
+      "loop": _Loop(cfg.precision, out_dtype),
+      "dense": _Dense(cfg.precision, out_dtype),
+  }
+  return [every[name] for name in _BACKENDS[cfg.implementation]]
 
 
 def _forward(cfg: _Config, x, w):
-  xla_fn = lambda a, b: xla_forward(a, b, precision=cfg.precision)
-  gpu_fn = lambda a, b: _gpu_forward(a, b, precision=cfg.precision, out_dtype=cfg.out_dtype)
-  # The kernel writes the output dtype itself: a float32 result of 16-bit inputs is never rounded.
-  cast = lambda y: y.astype(cfg.out_dtype)
-  fwd = lambda x2, b: (_platform_dispatch(cfg, xla_fn, gpu_fn, cast, x2, b),)
+  def fwd(x2, b):
+    # The kernels write the output dtype themselves: a float32 result of 16-bit inputs is never rounded.
+    product = _product("fwd", (x2, b), cfg.out_dtype, cfg.precision)
+    return _router.route([product], _backends(cfg, cfg.out_dtype))
+
   # Data parallel: each device multiplies its rows of x (ops/_sharding.py).
   return _sharding.row_parallel(fwd, (x,), w)[0]
 
 
 def _backward(cfg: _Config, x, dy, w):
-  xla_fn = lambda a, b, c: xla_backward(a, b, c, precision=cfg.precision)
-  gpu_fn = lambda a, b, c: _gpu_backward(a, b, c, precision=cfg.precision)
-  cast = lambda r: (r[0].astype(x.dtype), r[1].astype(w.dtype))
-  bwd = lambda x2, dy2, b: _platform_dispatch(cfg, xla_fn, gpu_fn, cast, x2, dy2, b)
+  def bwd(x2, dy2, b):
+    products = [_product(d, (x2, dy2, b), dy2.dtype, cfg.precision) for d in ("dx", "dw")]
+    return _router.route(products, _backends(cfg, x2.dtype))
+
   # Data parallel: dX keeps the rows' sharding, dW is summed over the row shards.
   return _sharding.row_parallel(bwd, (x, dy), w, summed=(1,), like={0: x, 1: w.data})
 
@@ -461,7 +465,7 @@ _block_sparse_matmul = _bilinear.bilinear_product(_forward, _backward)
 
 def _check_implementation(implementation) -> str:
   kernels = _pallas_ops() if implementation == "pallas" else None
-  return _dispatch.check_implementation(implementation, _IMPLEMENTATIONS, kernels)
+  return _router.check_implementation(implementation, _IMPLEMENTATIONS, kernels)
 
 
 def block_sparse_matmul(

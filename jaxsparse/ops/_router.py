@@ -1,0 +1,226 @@
+"""One backend interface and one routing function for every op's products.
+
+Each kernel family (the Pallas GPU route, cuSPARSELt, the CUDA ``mma.sp`` decode kernel, the C++ CPU kernels, the
+XLA block loop, the dense products, the XLA reference) is a :class:`Backend`: the lowering platforms it serves,
+whether it can run here, whether it supports one product (with a reason), and its candidate configs. An op
+describes one product (:class:`Product`: op, direction, operands, tuning signature) and lists its backends in
+priority order; :func:`route` does the rest:
+
+* per lowering platform (``"cuda"``, ``"cpu"``, and ``"default"`` for every other), the candidates of the backends
+  that serve it and support the product, the op's shipped default first;
+* on each platform the candidate measured fastest for the product's signature, or the default
+  (:func:`jaxsparse._tuning.choose`: modes off / cached / tune);
+* ``lax.platform_dependent`` over the platforms, so the choice is made when lowering (``jit``, ``jax.export``);
+* a :class:`jaxsparse.FallbackWarning` subclass, named by the backend, where a backend that could run on this
+  machine does not support the operands and another one runs instead.
+
+``implementation=`` of the ops maps to a subset of the backends (e.g. ``"xla"``: the block loop and the C++ kernels
+it calls on CPU; ``"pallas"``: the GPU route); a forced subset that cannot run any product raises.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+from typing import Protocol
+from typing import runtime_checkable
+
+import jax.numpy as jnp
+from jax import lax
+
+from jaxsparse import _tuning
+from jaxsparse import _utils
+from jaxsparse._tuning import _measure
+
+__all__ = ["Backend", "Config", "Joint", "Product", "Unsupported", "check_implementation", "import_kernels", "route"]
+
+PLATFORMS = ("cuda", "cpu", "default")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Static (non-differentiable) configuration of one op call."""
+
+  implementation: str  # "auto" or a name the op maps to a subset of its backends
+  precision: lax.PrecisionLike
+  out_dtype: jnp.dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class Product:
+  """One product of an op, as the router sees it.
+
+  Attributes:
+    op: the op's name, e.g. ``"nm_matmul"`` (in warnings and tuning keys).
+    direction: ``"fwd"``, ``"dx"`` or ``"dw"``.
+    args: the operands (arrays or pytrees of them, traced or concrete); every candidate takes them.
+    fields: the rest of the tuning signature (row bucket, shapes, block shape, density, dtypes, precision).
+    make_args: builds concrete random operands of the same shapes and dtypes (called only to measure).
+  """
+
+  op: str
+  direction: str
+  args: tuple
+  fields: dict[str, Any]
+  make_args: Callable[[], tuple]
+
+
+@dataclasses.dataclass(frozen=True)
+class Unsupported:
+  """Why a backend does not run a product; ``warn``: say so with the backend's fallback warning (a backend that
+  should have run here, e.g. a kernel that failed to build or a GPU kernel that does not take these operands)."""
+
+  reason: str
+  warn: bool = False
+
+
+@runtime_checkable
+class Backend(Protocol):
+  """One kernel family.
+
+  Attributes:
+    name: stable identifier (``implementation=`` subsets and warnings use it).
+    title: how messages name it, e.g. ``"the Pallas GPU kernels"``.
+    platforms: the lowering platforms it serves (``"cuda"``, ``"cpu"``, ``"default"``: every other).
+    fallback_warning: the :class:`jaxsparse.FallbackWarning` subclass of its fallbacks.
+  """
+
+  name: str
+  title: str
+  platforms: tuple[str, ...]
+  fallback_warning: type[Warning]
+
+  def unsupported_reason(self, product: Product) -> Unsupported | None:
+    """Why this backend cannot run ``product`` here (unavailable, or the operands), or ``None``."""
+    ...
+
+  def candidates(self, product: Product) -> Sequence[_tuning.Candidate]:
+    """The ways this backend computes ``product`` (its shipped default first); each ``run(*product.args)``."""
+    ...
+
+
+def import_kernels(module: str) -> ModuleType | None:
+  """``jaxsparse.pallas.<module>``, or ``None`` when it cannot be imported here (no Triton/Mosaic bits)."""
+  try:
+    return importlib.import_module(f"jaxsparse.pallas.{module}")
+  except ImportError:
+    return None
+
+
+def check_implementation(implementation: Any, allowed: tuple, kernels: ModuleType | None = None) -> str:
+  """Validates ``implementation``; returns ``"auto"`` for ``None``, else the name. ``"pallas"`` needs ``kernels``
+  that can run here (else a ``RuntimeError`` saying why)."""
+  if implementation not in allowed:
+    raise ValueError(f"implementation must be one of {allowed}, got implementation={implementation!r}.")
+  if implementation is None:
+    return "auto"
+  if implementation == "pallas" and (kernels is None or not kernels.available()):
+    reason = "jaxsparse.pallas could not be imported" if kernels is None else kernels.unavailable_reason()
+    raise RuntimeError(f"implementation='pallas' was requested but cannot run here: {reason}.")
+  return implementation
+
+
+def _platform_of(backend: Backend) -> str:
+  return next((p for p in backend.platforms if p != "default"), "cpu")
+
+
+def _candidates(product: Product, backends: Sequence[Backend], platform: str) -> list[_tuning.Candidate]:
+  """The candidates of ``backends`` that serve ``platform`` and support ``product``, in the backends' order; warns
+  for a backend that should have run here (naming the one that runs instead)."""
+  out, skipped = [], []
+  for b in backends:
+    if platform not in b.platforms:
+      continue
+    why = b.unsupported_reason(product)
+    if why is None:
+      _warn(product, skipped, b.title)
+      skipped = []
+      out.extend(c for c in b.candidates(product) if c.name not in {o.name for o in out})
+    elif why.warn and _measure._has_device(_platform_of(b)):
+      skipped.append((b, why.reason))
+  _warn(product, skipped, "the XLA path")  # nothing of this platform runs it: the default branch does
+  return out
+
+
+def _warn(product: Product, skipped: list, instead: str) -> None:
+  for b, reason in skipped:
+    _utils.warn_at_caller(
+        f"{product.op}: {b.title} cannot run these operands ({reason}); using {instead} instead.", b.fallback_warning
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Joint:
+  """A candidate's ``value`` saying it is output ``index`` of ``run_all(*args)``: when every product of one
+  :func:`route` call picks a ``Joint`` of the same ``run_all``, it runs once for all (e.g. one C++ kernel that
+  writes both ``dX`` and ``dW``)."""
+
+  run_all: Callable
+  index: int
+
+
+def route(
+    products: Sequence[Product],
+    backends: Sequence[Backend],
+    *,
+    default: Callable[[Product, list[_tuning.Candidate]], str] | None = None,
+) -> tuple:
+  """Runs each product on the candidate chosen for the platform it is lowered for (see the module docstring).
+
+  Args:
+    products: products of one op on the same operands (e.g. its ``dX`` and ``dW``), each routed on its own, all
+      under one platform choice.
+    backends: their backends in priority order (the op has already narrowed them to ``implementation=``'s subset).
+    default: picks the shipped default's name among a product's candidates on a platform (default: the first).
+
+  Returns:
+    A tuple: for each product, what its chosen candidate's ``run(*product.args)`` returns.
+
+  Raises:
+    RuntimeError: no backend supports a product on any platform (e.g. under a forced ``implementation=``).
+  """
+  args = products[0].args
+  runs = {}
+  for platform in PLATFORMS:
+    per_product = [_candidates(p, backends, platform) for p in products]
+    if not all(per_product):
+      continue
+    if default is not None:
+      per_product = [_default_first(c, default(p, c)) for p, c in zip(products, per_product, strict=True)]
+    runs[platform] = _platform_run(products, per_product, platform)
+  if not runs:
+    names = ", ".join(b.name for b in backends)
+    raise RuntimeError(f"{products[0].op}: no backend ({names}) can run these operands here.")
+  if len(runs) == 1:
+    return next(iter(runs.values()))(*args)
+  default_run = runs.pop("default", None) or runs.pop("cuda", None) or runs.pop("cpu")
+  return lax.platform_dependent(*args, default=default_run, **runs)
+
+
+def _default_first(cands: list[_tuning.Candidate], name: str) -> list[_tuning.Candidate]:
+  return sorted(cands, key=lambda c: c.name != name)
+
+
+def _platform_run(products: Sequence[Product], per_product: list[list[_tuning.Candidate]], platform: str) -> Callable:
+  """The products' runs on one platform: each product's candidate chosen when this platform's branch is traced (the
+  shipped default on ``"default"``), and candidates of one :class:`Joint` run once."""
+
+  def run(*args):
+    if platform == "default":
+      chosen = [c[0] for c in per_product]
+    else:
+      chosen = [
+          _tuning.choose(p.op, p.direction, c, p.make_args, platform=platform, fields=p.fields)
+          for p, c in zip(products, per_product, strict=True)
+      ]
+    joint = {c.value.run_all for c in chosen if isinstance(c.value, Joint)}
+    if len(joint) == 1 and all(isinstance(c.value, Joint) for c in chosen):
+      out = joint.pop()(*args)
+      return tuple(out[c.value.index] for c in chosen)
+    return tuple(c.run(*args) for c in chosen)
+
+  return run
