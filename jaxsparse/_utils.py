@@ -106,6 +106,14 @@ def dense_reference(x: jax.typing.ArrayLike, w, *, precision, preferred_element_
   return jnp.matmul(x, w.to_dense(), precision=precision, preferred_element_type=out_dtype)
 
 
+def row_bucket(m: int) -> int:
+  """Rows of products that share a tuning decision: powers of two up to 16, then steps of a quarter octave."""
+  if m <= 16:
+    return 1 << max(0, m - 1).bit_length()
+  step = (1 << (m.bit_length() - 1)) // 4
+  return -(-m // step) * step
+
+
 def text_table(rows: Sequence[Sequence[str]]) -> str:
   """Rows of strings as left-aligned columns two spaces apart (the first row is the header)."""
   widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

@@ -21,6 +21,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 
 import jaxsparse
+from jaxsparse import _tuning
 from jaxsparse._cuda import _kernels as ck
 from jaxsparse.formats import _nm
 from jaxsparse.ops import _nm_matmul
@@ -154,19 +155,30 @@ def test_no_fallback_warning_without_a_gpu_that_could_run_it(recwarn):
   assert not [w for w in recwarn if issubclass(w.category, ck.CudaKernelFallbackWarning)]
 
 
-def test_use_sparse_mma_rules():
-  """The dispatch rule itself (the kernel's availability aside)."""
-  cfg = _nm_matmul._Config(implementation="auto", precision=None, out_dtype=jnp.dtype(jnp.bfloat16))
+def test_sparse_mma_backend_and_default_rules():
+  """Where the mma.sp backend may run (the kernel's availability aside), and where it is the shipped default."""
+  bf16 = jnp.dtype(jnp.bfloat16)
+  cfg = _nm_matmul._Config(implementation="auto", precision=None, out_dtype=bf16)
   x, w, _ = _problem(2, 16, 256, 4096)
-  expected = ck.available()
-  assert _nm_matmul._use_sparse_mma(cfg, x, w) == expected
-  assert not _nm_matmul._use_sparse_mma(cfg, jnp.zeros((17, 256), jnp.bfloat16), w)  # too many rows
-  forced = _nm_matmul._Config(implementation="pallas", precision=None, out_dtype=jnp.dtype(jnp.bfloat16))
-  assert not _nm_matmul._use_sparse_mma(forced, x, w)
+  supported = lambda x2, w, c=cfg: _nm_matmul._SparseMma(c).unsupported_reason(_nm_matmul._product(c, x2, w, None))
+  assert (supported(x, w) is None) == ck.available()
+  assert "M must be" in supported(jnp.zeros((33, 256), jnp.bfloat16), w).reason  # too many rows
   f32 = _nm_matmul._Config(implementation="auto", precision=None, out_dtype=jnp.dtype(jnp.float32))
-  assert not _nm_matmul._use_sparse_mma(f32, x, w)
+  assert "bfloat16" in supported(x, w, f32).reason
   w14 = jaxsparse.NMSparseMatrix.from_dense(jnp.ones((256, 4096), jnp.bfloat16), 1, 4)
-  assert not _nm_matmul._use_sparse_mma(cfg, x, w14)
+  assert "2:4" in supported(x, w14).reason
+  assert [b.name for b in _nm_matmul._BACKENDS["pallas"]] == ["pallas"]  # a forced backend never takes mma.sp
+  # The default takes it for a wide W only; a narrower one is a candidate that tuning may pick.
+  cands = lambda names: [_tuning.Candidate(n, None) for n in names]
+  product = _nm_matmul._product(cfg, x, w, None)
+  assert _nm_matmul._shipped_default(product, cands(["mma_sp", "pallas", "xla"])) == "mma_sp"
+  narrow = jaxsparse.NMSparseMatrix.from_dense(jnp.ones((256, 2048), jnp.bfloat16), 2, 4)
+  assert _nm_matmul._shipped_default(_nm_matmul._product(cfg, x, narrow, None),
+                                     cands(["mma_sp", "pallas", "xla"])) == "pallas"
+  many = jnp.zeros((128, 256), jnp.bfloat16)
+  assert _nm_matmul._shipped_default(_nm_matmul._product(cfg, many, w, None),
+                                     cands(["cusparselt", "pallas", "xla"])) == "cusparselt"
+  assert _nm_matmul._shipped_default(_nm_matmul._product(cfg, many, w, None), cands(["pallas", "xla"])) == "xla"
 
 
 # -------------------------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """Measured dispatch: the tuning cache, the modes, ``choose``, and the GPU route's candidates and re-tiled blocks.
 
-The GPU route (``ops._block_sparse_matmul``'s ``_GpuRoute`` backend, through ``ops._router.route``) runs here with the Pallas kernels in
-interpret mode, and its tuning with host timing, so CI exercises the same code as a GPU; the ``gpu`` tests at the
-end run it on a real device.
+The GPU route (``ops._block_sparse_matmul``'s ``_GpuRoute`` backend, through ``ops._router.route``) runs here with
+the Pallas kernels in interpret mode, and its tuning with host timing, so CI exercises the same code as a GPU; the
+``gpu`` tests at the end run it on a real device.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from jaxsparse._tuning._cache import import_cache
 from jaxsparse._tuning._cache import set_autotune_mode
 from jaxsparse._tuning._measure import Candidate
 from jaxsparse._tuning._measure import choose
+from jaxsparse._tuning._measure import will_measure
 
 __all__ = [
     "AutotuneCacheWarning",
@@ -25,4 +26,5 @@ __all__ = [
     "export_cache",
     "import_cache",
     "set_autotune_mode",
+    "will_measure",
 ]

@@ -30,7 +30,7 @@ import jax
 
 from jaxsparse._tuning import _cache
 
-__all__ = ["MARGIN", "Candidate", "choose", "signature_key"]
+__all__ = ["MARGIN", "Candidate", "choose", "signature_key", "will_measure"]
 
 logger = logging.getLogger("jaxsparse.autotune")
 
@@ -48,11 +48,14 @@ class Candidate:
     name: stable identifier stored in the cache (e.g. ``"mosaic/g2"``, ``"dense"``).
     run: ``(*operands) -> outputs``, traceable by ``jax.jit``.
     value: what the router uses when this candidate wins (e.g. a kernel config).
+    measure: what is timed instead of ``run``, on the same operands, where ``run`` alone would mislead (e.g. a
+      whole train step's products, when the candidates differ in their backward passes too); ``None``: ``run``.
   """
 
   name: str
   run: Callable[..., Any]
   value: Any = None
+  measure: Callable[..., Any] | None = None
 
 
 def signature_key(op: str, direction: str, platform: str, **fields: Any) -> str:
@@ -132,7 +135,7 @@ def _measure(candidates: Sequence[Candidate], make_args: Callable[[], tuple], pl
   lowered = {}
   for c in candidates:
     try:
-      lowered[c.name] = jax.jit(c.run).lower(*args)
+      lowered[c.name] = jax.jit(c.measure or c.run).lower(*args)
     except Exception as e:  # a candidate that cannot trace is not a candidate
       logger.info("autotune: candidate %s does not trace: %s: %s", c.name, type(e).__name__, e)
   # Compilation releases the GIL: compile the candidates side by side.
@@ -150,6 +153,11 @@ def _measure(candidates: Sequence[Candidate], make_args: Callable[[], tuple], pl
         logger.info("autotune: candidate %s failed: %s: %s", name, type(e).__name__, e)
   logger.info("autotune: traced %.2f s, compiled %.2f s, timed %.2f s", t1 - t0, t2 - t1, time.perf_counter() - t2)
   return times
+
+
+def will_measure(platform: str) -> bool:
+  """Whether a product traced now for ``platform`` may be measured (``"tune"`` mode, on that platform's device)."""
+  return _cache.current_mode(platform) == "tune" and _has_device(platform)
 
 
 def choose(

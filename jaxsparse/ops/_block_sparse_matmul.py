@@ -205,18 +205,10 @@ def _kernel_block_shape(kernels, block_shape: tuple[int, int]) -> tuple[int, int
   return None if None in sub else sub
 
 
-def _row_bucket(m: int) -> int:
-  """Rows of products that share a tuning decision: powers of two up to 16, then steps of a quarter octave."""
-  if m <= 16:
-    return 1 << max(0, m - 1).bit_length()
-  step = (1 << (m.bit_length() - 1)) // 4
-  return -(-m // step) * step
-
-
 def _signature(x2, w: BlockSparseMatrix, result_dtype, precision) -> dict:
   """The fields of a product's tuning key besides op, direction and device: rows, shapes, density, dtypes."""
   return {
-      "rows": _row_bucket(x2.shape[0]),
+      "rows": _utils.row_bucket(x2.shape[0]),
       "shape": w.shape,
       "block": w.block_shape,
       "density": round(w.nnz_blocks / max(1, math.prod(w.grid_shape)) * 50) / 50,

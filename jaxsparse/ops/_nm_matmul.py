@@ -27,20 +27,26 @@ kept positions, both through XLA.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import ClassVar
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
+from jaxsparse import _tuning
 from jaxsparse import _utils
 from jaxsparse._cuda import _build as _cuda_build
 from jaxsparse._cuda import _cusparselt as cslt
 from jaxsparse._cuda import _kernels as cuda_kernels
+from jaxsparse._utils import FallbackWarning
 from jaxsparse.formats._nm import NMSparseMatrix
-from jaxsparse.ops import _dispatch
+from jaxsparse.ops import _router
 from jaxsparse.ops import _sharding
+from jaxsparse.pallas._common import PallasFallbackWarning
 
 __all__ = ["cusparselt_available", "cusparselt_compress", "nm_matmul", "nm_matmul_reference"]
 
@@ -90,10 +96,10 @@ def nm_matmul_reference(
 
 def _pallas_ops():
   """The Pallas kernel module, or ``None`` when it cannot be imported here."""
-  return _dispatch.import_kernels("_nm_matmul")
+  return _router.import_kernels("_nm_matmul")
 
 
-_Config = _dispatch.Config
+_Config = _router.Config
 
 
 def _xla_forward(cfg: _Config, x2, w):
@@ -188,64 +194,160 @@ def _cslt_forward(cfg: _Config, x2, w, blob):
   return cslt.matmul(x2, blob, w.shape[1]).astype(cfg.out_dtype)
 
 
-def _use_sparse_mma(cfg: _Config, x2: jax.Array, w: NMSparseMatrix) -> bool:
-  """Whether "auto" multiplies on the sparse tensor cores with our decode kernel (2:4 bf16, few rows)."""
-  if cfg.implementation != "auto" or (w.n, w.m, w.axis, w.ndim) != (2, 4, 0, 2):
-    return False
-  if not (x2.dtype == w.dtype == cfg.out_dtype == jnp.bfloat16):
-    return False
-  k, n = w.shape
-  if cuda_kernels.nm24_unsupported_reason(x2.shape[0], k, n, x2.dtype) or n < NM24_MIN_COLS:
-    return False
-  reason = cuda_kernels.nm24_prepare(x2.shape[0], k, n)
-  if reason:
-    cuda_kernels.warn_fallback("nm_matmul", reason)
-  return not reason
+# -------------------------------------------------------------------------------------------------
+# The forward product's backends (ops/_router.py), in priority order.
+# -------------------------------------------------------------------------------------------------
 
 
-def _sparse_mma_forward(x2: jax.Array, w: NMSparseMatrix) -> jax.Array:
-  return cuda_kernels.nm24_decode(x2, w.values, w.indices)
+@dataclasses.dataclass(frozen=True)
+class _SparseMma:
+  """CUDA (Hopper): our decode kernel on the sparse tensor cores (``mma.sp``): 2:4 bfloat16, ``M <= 32``."""
+
+  cfg: _Config
+  name: ClassVar[str] = "mma_sp"
+  title: ClassVar[str] = "jaxsparse's CUDA kernel (mma.sp)"
+  platforms: ClassVar[tuple[str, ...]] = ("cuda",)
+  fallback_warning: ClassVar[type[Warning]] = cuda_kernels.CudaKernelFallbackWarning
+
+  def unsupported_reason(self, p: _router.Product) -> _router.Unsupported | None:
+    x2, w, _ = p.args
+    if (w.n, w.m, w.axis) != (2, 4, 0):
+      return _router.Unsupported(f"the kernel takes 2:4 with groups along K, got {w.n}:{w.m}, axis={w.axis}")
+    if not (x2.dtype == w.dtype == self.cfg.out_dtype == jnp.bfloat16):
+      return _router.Unsupported("x, w and the output must be bfloat16")
+    k, n = w.shape
+    reason = cuda_kernels.nm24_unsupported_reason(x2.shape[0], k, n, x2.dtype)
+    if reason:
+      return _router.Unsupported(reason)
+    reason = cuda_kernels.unavailable_reason()
+    if not reason and (n >= NM24_MIN_COLS or _tuning.will_measure("cuda")):
+      # Builds the kernel (once per shape class) where it may run: a GPU that fails to build it says so.
+      reason = cuda_kernels.nm24_prepare(x2.shape[0], k, n)
+      return _router.Unsupported(reason, warn=True) if reason else None
+    return _router.Unsupported(reason) if reason else None
+
+  def candidates(self, p: _router.Product) -> list[_tuning.Candidate]:
+    return [_tuning.Candidate(self.name, lambda x2, w, blob: cuda_kernels.nm24_decode(x2, w.values, w.indices))]
+
+
+@dataclasses.dataclass(frozen=True)
+class _CuSparseLt:
+  """CUDA: cuSPARSELt's 2:4 product on the sparse tensor cores, on ``cusparselt_weight`` or a buffer written from
+  ``w`` in the call (where XLA knows cuSPARSELt's layout, or when forced)."""
+
+  cfg: _Config
+  name: ClassVar[str] = "cusparselt"
+  title: ClassVar[str] = "the 2:4 product on sparse tensor cores"
+  platforms: ClassVar[tuple[str, ...]] = ("cuda",)
+  fallback_warning: ClassVar[type[Warning]] = cslt.CusparseLtFallbackWarning
+
+  def unsupported_reason(self, p: _router.Product) -> _router.Unsupported | None:
+    x2, w, blob = p.args
+    reason = cusparselt_unsupported_reason(w, x2.dtype)
+    if not reason and self.cfg.out_dtype != x2.dtype:
+      reason = f"the output dtype ({self.cfg.out_dtype}) must be that of x ({x2.dtype})"
+    if reason:  # a cuSPARSELt weight that cannot be used: say so
+      return _router.Unsupported(reason, warn=blob is not None)
+    forced = self.cfg.implementation == "cusparselt"
+    if blob is None and not forced and not cslt.fast_compress(*w.shape, w.dtype):
+      return _router.Unsupported("compressing w with cuSPARSELt in every call costs more than it saves")
+    return None
+
+  def candidates(self, p: _router.Product) -> list[_tuning.Candidate]:
+    return [_tuning.Candidate(self.name, functools.partial(_cslt_forward, self.cfg))]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pallas:
+  """CUDA: the Pallas kernel that expands the compressed weight on chip (:mod:`jaxsparse.pallas._nm_matmul`)."""
+
+  cfg: _Config
+  name: ClassVar[str] = "pallas"
+  title: ClassVar[str] = "the Pallas GPU kernels"
+  platforms: ClassVar[tuple[str, ...]] = ("cuda",)
+  fallback_warning: ClassVar[type[Warning]] = PallasFallbackWarning
+
+  def unsupported_reason(self, p: _router.Product) -> _router.Unsupported | None:
+    x2, w, _ = p.args
+    kernels = _pallas_ops()
+    if kernels is None:
+      return _router.Unsupported("jaxsparse.pallas could not be imported")
+    if x2.shape[0] == 0 or w.shape[1] == 0:
+      return _router.Unsupported("an empty output: nothing for a kernel to tile")
+    reason = kernels.unsupported_reason(x2, w)
+    return None if reason is None else _router.Unsupported(reason, warn=True)
+
+  def candidates(self, p: _router.Product) -> list[_tuning.Candidate]:
+    kernels, cfg = _pallas_ops(), self.cfg
+    run = lambda x2, w, blob: kernels.forward(x2, w, precision=cfg.precision).astype(cfg.out_dtype)
+    return [_tuning.Candidate(self.name, run)]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Expand:
+  """Every platform: ``W`` expanded to dense in one fused pass and one dense product (the reference)."""
+
+  cfg: _Config
+  name: ClassVar[str] = "xla"
+  title: ClassVar[str] = "the XLA path"
+  platforms: ClassVar[tuple[str, ...]] = ("cuda", "cpu", "default")
+  fallback_warning: ClassVar[type[Warning]] = FallbackWarning
+
+  def unsupported_reason(self, p: _router.Product) -> None:
+    return None
+
+  def candidates(self, p: _router.Product) -> list[_tuning.Candidate]:
+    return [_tuning.Candidate(self.name, lambda x2, w, blob: _xla_forward(self.cfg, x2, w))]
+
+
+# ``implementation=`` -> its backends, in priority order.
+_BACKENDS = {
+    "auto": (_SparseMma, _CuSparseLt, _Pallas, _Expand),
+    "pallas": (_Pallas,),
+    "cusparselt": (_CuSparseLt,),
+    "xla": (_Expand,),
+}
+
+
+def _shipped_default(p: _router.Product, cands: list[_tuning.Candidate]) -> str:
+  """The route with tuning off (measurements in the module docstring): the ``mma.sp`` kernel for few rows of a wide
+  ``W``, cuSPARSELt for many rows, the Pallas kernel for few, else the XLA path."""
+  x2, w, _ = p.args
+  names, rows = {c.name for c in cands}, x2.shape[0]
+  if "mma_sp" in names and w.shape[1] >= NM24_MIN_COLS:
+    return "mma_sp"
+  if "cusparselt" in names and rows > MAX_FUSED_ROWS:
+    return "cusparselt"
+  if "pallas" in names and rows <= MAX_FUSED_ROWS:
+    return "pallas"
+  return "xla" if "xla" in names else cands[0].name
+
+
+def _product(cfg: _Config, x2: jax.Array, w: NMSparseMatrix, blob: jax.Array | None) -> _router.Product:
+  (m, k), n = x2.shape, w.shape[1]
+
+  def make_args():
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((m, k), np.float32), x2.dtype)
+    dense = jnp.asarray(rng.standard_normal(w.shape, np.float32), w.dtype)
+    wr = NMSparseMatrix.from_dense(dense, w.n, w.m, axis=w.axis)
+    return x, wr, None if blob is None else _compress(wr)
+
+  fields = {
+      "rows": _utils.row_bucket(m),
+      "shape": (k, n),
+      "nm": (w.n, w.m, w.axis),
+      "dtypes": (str(x2.dtype), str(w.dtype), str(cfg.out_dtype)),
+      "precision": cfg.precision,
+      "weight": "values" if blob is None else "cusparselt",
+  }
+  return _router.Product("nm_matmul", "fwd", (x2, w, blob), fields, make_args)
 
 
 def _local_forward(cfg: _Config, x2: jax.Array, w: NMSparseMatrix, blob: jax.Array | None = None) -> jax.Array:
   """The forward product on 2-D rows; ``blob`` is the cuSPARSELt buffer of ``w`` when the caller has one."""
-  if cfg.implementation == "cusparselt":
-    return _cslt_forward(cfg, x2, w, blob)
-  if _use_sparse_mma(cfg, x2, w):
-    other = functools.partial(_pallas_or_xla, cfg)
-    return lax.platform_dependent(x2, w, cuda=_sparse_mma_forward, default=other)
-  if cfg.implementation == "auto" and blob is not None:
-    reason = cusparselt_unsupported_reason(w, x2.dtype)
-    if not reason and cfg.out_dtype != x2.dtype:
-      reason = f"the output dtype ({cfg.out_dtype}) must be that of x ({x2.dtype})"
-    if reason:
-      warn_cusparselt_fallback("nm_matmul", reason)
-    elif x2.shape[0] > MAX_FUSED_ROWS:
-      other = lambda x2, w, blob: _pallas_or_xla(cfg, x2, w)
-      return lax.platform_dependent(x2, w, blob, cuda=functools.partial(_cslt_forward, cfg), default=other)
-  if (
-      cfg.implementation == "auto"
-      and blob is None
-      and x2.shape[0] > MAX_FUSED_ROWS
-      and cfg.out_dtype == x2.dtype
-      and not cusparselt_unsupported_reason(w, x2.dtype)
-      and cslt.fast_compress(*w.shape, w.dtype)
-  ):
-    # XLA writes cuSPARSELt's buffer from our format in one pass (about 1.1x the compressed bytes):
-    # cheaper per call than expanding W for a dense product.
-    sparse = lambda x2, w: _cslt_forward(cfg, x2, w, None)
-    return lax.platform_dependent(x2, w, cuda=sparse, default=functools.partial(_pallas_or_xla, cfg))
-  return _pallas_or_xla(cfg, x2, w)
-
-
-def _pallas_or_xla(cfg: _Config, x2: jax.Array, w: NMSparseMatrix) -> jax.Array:
-  kernels = _pallas_ops()
-  xla_fn = functools.partial(_xla_forward, cfg)
-  if x2.shape[0] == 0 or w.shape[1] == 0:  # an empty output: nothing for a kernel to tile
-    return xla_fn(x2, w)
-  pallas_fn = lambda a, b: kernels.forward(a, b, precision=cfg.precision).astype(cfg.out_dtype)
-  preferred = None if kernels is None else kernels.preferred
-  return _dispatch.dispatch("nm_matmul", cfg, kernels, xla_fn, pallas_fn, x2, w, preferred=preferred)
+  backends = [b(cfg) for b in _BACKENDS[cfg.implementation]]
+  return _router.route([_product(cfg, x2, w, blob)], backends, default=_shipped_default)[0]
 
 
 def _forward(cfg: _Config, x: jax.Array, w: NMSparseMatrix, blob: jax.Array | None) -> jax.Array:
@@ -294,7 +396,7 @@ def _check_implementation(implementation) -> str:
       raise RuntimeError(f"implementation='cusparselt' was requested but cannot run here: {cslt.unavailable_reason()}.")
     return implementation
   kernels = _pallas_ops() if implementation == "pallas" else None
-  return _dispatch.check_implementation(implementation, _IMPLEMENTATIONS, kernels)
+  return _router.check_implementation(implementation, _IMPLEMENTATIONS, kernels)
 
 
 def nm_matmul(
