@@ -22,6 +22,8 @@ from jaxsparse import ops
 from jaxsparse._cuda import _build
 from jaxsparse._cuda import _cusparselt as cslt
 from jaxsparse._cuda import _layout
+from jaxsparse._tuning import _measure
+from jaxsparse.formats import _nm
 from jaxsparse.layers import CompressedNMLinear
 from jaxsparse.layers import NMLinear
 from jaxsparse.ops import _sr_ste
@@ -116,9 +118,15 @@ def test_sr_ste_matmul_is_the_reference(dtype):
 
 @pytest.mark.parametrize(("w_dtype", "dtype"), [(jnp.float32, jnp.bfloat16), (jnp.float32, jnp.float32),
                                                 (jnp.bfloat16, jnp.bfloat16)])
-def test_sr_ste_matmul_custom_vjp_gives_the_reference_gradients(w_dtype, dtype):
-  # The custom VJP that wraps the sparse-core forward (residuals: the pruned kernel and the group mask bits);
-  # off CUDA its forward is the XLA branch, which must give the reference's value and gradients bit for bit.
+def test_sr_ste_matmul_custom_vjp_gives_the_reference_gradients(w_dtype, dtype, monkeypatch):
+  # The custom VJP that wraps the sparse-core forward (residuals: the pruned kernel and the group mask bits), with
+  # an XLA stand-in for the CUDA forward (prune, compress, multiply): its value and gradients are the reference's,
+  # bit for bit. (The GPU tests below run the real one.)
+  def xla_forward(cfg, x, w):
+    pruned, bits = _sr_ste._p_prune_xla(cfg, w)
+    return _sr_ste._product(cfg, x, pruned), pruned, bits
+
+  monkeypatch.setattr(_sr_ste, "_p_forward", xla_forward)
   kx, kw, kg = jax.random.split(jax.random.key(2), 3)
   w = jax.random.normal(kw, (32, 16)).astype(w_dtype)
   x = jax.random.normal(kx, (3, 7, 32)).astype(dtype)
@@ -143,13 +151,18 @@ def _sr_t_reference(x, w, decay, dtype):
   return x @ ops.sr_ste(w, 2, 4, decay=decay, transposable=True).astype(dtype)
 
 
-@pytest.mark.parametrize("blob_bytes", [0, 96])
 @pytest.mark.parametrize(("w_dtype", "dtype"), [(jnp.float32, jnp.bfloat16), (jnp.float32, jnp.float32),
                                                 (jnp.bfloat16, jnp.bfloat16)])
-def test_transposable_custom_vjp_gives_the_reference_gradients(blob_bytes, w_dtype, dtype):
-  # The custom VJP of the transposable path (kernel pruning, products on sparse tensor cores when blob_bytes);
-  # off CUDA its branches are the XLA ones, which must give the reference's value and gradients bit for bit.
-  # Eagerly: under jit lax.platform_dependent traces the CUDA branches too, which need a GPU to trace.
+def test_transposable_custom_vjp_gives_the_reference_gradients(w_dtype, dtype, monkeypatch):
+  # The custom VJP of the transposable path with our pruning kernel and dense products, the kernel replaced by an XLA
+  # stand-in: value and gradients are the reference's, bit for bit. (The GPU tests run the real kernel, and the
+  # products on sparse tensor cores.)
+  def xla_prune(w, dtype):
+    pattern = _nm.transposable_pattern(w, 2, 4).astype(jnp.uint8)
+    return jnp.where(_nm.tile_mask(pattern, 2, 4), w, jnp.zeros((), w.dtype)).astype(dtype), pattern
+
+  monkeypatch.setattr(_sr_ste.cuda_kernels, "nm24_transposable", xla_prune)
+  blob_bytes = 0
   kx, kw, kg = jax.random.split(jax.random.key(blob_bytes + 3), 3)
   w = jax.random.normal(kw, (32, 16)).astype(w_dtype)
   x = jax.random.normal(kx, (3, 7, 32)).astype(dtype)
@@ -204,7 +217,7 @@ def test_nm_matmul_ignores_cusparselt_weight_off_gpu_and_differentiates():
 
 
 def test_fallback_warning_on_a_cuda_machine_without_cusparselt(monkeypatch):
-  monkeypatch.setattr(_build, "has_cuda_device", lambda: True)
+  monkeypatch.setattr(_measure, "_has_device", lambda platform: platform == "cuda")  # the router's view of a GPU
   monkeypatch.setattr(cslt, "available", lambda: False)
   monkeypatch.setattr(cslt, "unavailable_reason", lambda: "no library (test)")
   x, w = jnp.ones((_sr_ste.SPARSE_CORE_MIN_ROWS, 32), jnp.bfloat16), jnp.ones((32, 16))

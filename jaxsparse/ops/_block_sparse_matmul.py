@@ -1,19 +1,19 @@
 """``block_sparse_matmul``: ``x @ W`` with a block-sparse ``W``, differentiable in ``x`` and ``W.data``.
 
-One op, three products, two backends:
+One op, three products, four backends (:mod:`jaxsparse.ops._router`, in priority order):
 
 * forward ``y = x @ W`` (dense x sparse),
 * ``dX = dY @ Wᵀ`` (dense x sparse-transposed),
 * ``dW = (xᵀ dY)`` sampled on the kept blocks only (an SDD product).
 
-The XLA path below is both the reference implementation of those three products and the CPU path:
-it walks the kept blocks in a ``lax.fori_loop`` whose body is one small ``dot_general`` on slabs that
+The XLA loop (``_Loop``) is both the reference implementation of those three products and the path of other
+platforms: it walks the kept blocks in a ``lax.fori_loop`` whose body is one small ``dot_general`` on slabs that
 stay in cache, so its work is proportional to the kept blocks and it never materialises a dense
 ``K x N`` weight or gradient, nor a gathered copy of ``x`` per block (on a 2-core CPU such gathers
-cost more than the products themselves; see ``benchmarks/results/``). On CPU, ``xla_forward`` and
-``xla_backward`` run C++ kernels instead (:mod:`jaxsparse._cpu`, XLA FFI custom calls built on first
-use: register-blocked small GEMMs per kept block on all cores) when block sizes are multiples of 8,
-and fall back to the loop otherwise or when the kernels cannot be built.
+cost more than the products themselves; see ``benchmarks/results/``). On CPU, C++ kernels (``_CpuKernel``:
+:mod:`jaxsparse._cpu`, XLA FFI custom calls built on first use: register-blocked small GEMMs per kept block on all
+cores) run instead when block sizes are multiples of 8 (one call computes both gradients), the loop otherwise or
+when the kernels cannot be built; the dense route (``_Dense``) is measured against them on request.
 
 On CUDA devices each of the three products runs on its GPU route (``_GpuRoute``): the Pallas kernels of
 ``jaxsparse.pallas`` with a tile config, or the dense route, chosen per product signature by measured dispatch

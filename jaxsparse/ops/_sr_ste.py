@@ -29,16 +29,20 @@ import functools
 import math
 import numbers
 from typing import Any
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
+from jaxsparse import _tuning
 from jaxsparse import _utils
-from jaxsparse._cuda import _build as _cuda_build
 from jaxsparse._cuda import _cusparselt as cslt
 from jaxsparse._cuda import _kernels as cuda_kernels
+from jaxsparse._utils import FallbackWarning
 from jaxsparse.formats import _nm
+from jaxsparse.ops import _router
 from jaxsparse.ops import _sharding
 
 __all__ = ["sr_ste", "sr_ste_matmul"]
@@ -60,15 +64,56 @@ TRANSPOSABLE_SPARSE_CORE_MIN_ROWS = 1024
 def _mask(w: jax.Array, n: int, m: int, axis: int, transposable: bool) -> jax.Array:
   """``nm_mask(w, n, m, axis=axis, transposable=transposable)``; a transposable 2:4 mask by our kernel on CUDA
   GPUs where it runs (one pass instead of XLA's search over the 90 patterns of every tile)."""
+  if not transposable:
+    return _nm.nm_mask(w, n, m, axis=axis)
   # The tiles run over (axis, last axis); the other axes flatten into rows of whole tiles.
   moved = jnp.moveaxis(w, axis, -2)
   w2 = moved.reshape(-1, moved.shape[-1])
-  if not transposable or _prune_kernel_unsupported_reason(w2.shape, w.dtype, n, m, w.dtype):
-    return _nm.nm_mask(w, n, m, axis=axis, transposable=transposable)
-  cuda = lambda w2: cuda_kernels.nm24_transposable(w2)[1]
-  default = lambda w2: _nm.transposable_pattern(w2, n, m).astype(jnp.uint8)
-  mask = _nm.tile_mask(lax.platform_dependent(w2, cuda=cuda, default=default), n, m)
+  product = _router.Product("sr_ste", "mask", (w2,), {"shape": w2.shape, "nm": (n, m), "dtype": str(w.dtype)},
+                            lambda: (jnp.asarray(np.random.default_rng(0).standard_normal(w2.shape), w2.dtype),))
+  (pattern,) = _router.route([product], [_PruneKernel(n, m, w.dtype, transposable=True), _XlaPattern(n, m)])
+  mask = _nm.tile_mask(pattern, n, m)
   return jnp.moveaxis(mask.reshape(moved.shape), -2, axis)
+
+
+@dataclasses.dataclass(frozen=True)
+class _PruneKernel:
+  """CUDA: our 2:4 pruning kernel (``nm24_prune.cu``): each 4 x 4 tile's transposable pattern in one pass."""
+
+  n: int
+  m: int
+  dtype: Any  # the pruned kernel's
+  transposable: bool
+  name: ClassVar[str] = "prune_kernel"
+  title: ClassVar[str] = "jaxsparse's CUDA pruning kernel"
+  platforms: ClassVar[tuple[str, ...]] = ("cuda",)
+  fallback_warning: ClassVar[type[Warning]] = cuda_kernels.CudaKernelFallbackWarning
+
+  def unsupported_reason(self, p: _router.Product) -> _router.Unsupported | None:
+    w = p.args[-1]
+    reason = _prune_kernel_unsupported_reason(w.shape, w.dtype, self.n, self.m, self.dtype)
+    return _router.Unsupported(reason, warn=(self.n, self.m) == (2, 4)) if reason else None
+
+  def candidates(self, p: _router.Product) -> list[_tuning.Candidate]:
+    return [_tuning.Candidate(self.name, lambda w2: cuda_kernels.nm24_transposable(w2)[1])]
+
+
+@dataclasses.dataclass(frozen=True)
+class _XlaPattern:
+  """Every platform: the transposable pattern by XLA (the reference)."""
+
+  n: int
+  m: int
+  name: ClassVar[str] = "xla"
+  title: ClassVar[str] = "the XLA path"
+  platforms: ClassVar[tuple[str, ...]] = ("cuda", "cpu", "default")
+  fallback_warning: ClassVar[type[Warning]] = FallbackWarning
+
+  def unsupported_reason(self, p: _router.Product) -> None:
+    return None
+
+  def candidates(self, p: _router.Product) -> list[_tuning.Candidate]:
+    return [_tuning.Candidate(self.name, lambda w2: _nm.transposable_pattern(w2, self.n, self.m).astype(jnp.uint8))]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
@@ -170,11 +215,10 @@ def _reference(cfg: _MatmulConfig, x, w):
   return _product(cfg, x, _sr_ste(w, cfg.n, cfg.m, 0, cfg.decay, cfg.transposable).astype(cfg.dtype))
 
 
-# Plain 2:4 with the forward product on sparse tensor cores, the weight pruned (and compressed) by our kernel where
-# it runs, else by XLA's mask (and cuSPARSELt). The residuals are the same on every platform (so that
-# lax.platform_dependent can pick the branch when lowering): x, w, the pruned kernel in the compute dtype (which
-# dY Wᵀ multiplies by, as the reference's product keeps it) and each group's mask bits (for the decay): the
-# backward pass neither prunes again nor builds the kernel again.
+# Plain 2:4 with the forward product on sparse tensor cores (a CUDA-only backend), the weight pruned (and compressed)
+# by our kernel where it runs, else by XLA's mask (and cuSPARSELt). The residuals: x, w, the pruned kernel in the
+# compute dtype (which dY Wᵀ multiplies by, as the reference's product keeps it) and each group's mask bits (for the
+# decay): the backward pass neither prunes again nor builds the kernel again.
 
 
 def _p_prune_xla(cfg: _MatmulConfig, w):
@@ -182,7 +226,7 @@ def _p_prune_xla(cfg: _MatmulConfig, w):
   return jnp.where(mask, w, jnp.zeros((), w.dtype)).astype(cfg.dtype), _nm.group_bits(mask, cfg.m)
 
 
-def _p_forward_cuda(cfg: _MatmulConfig, x, w):
+def _p_forward(cfg: _MatmulConfig, x, w):
   k, n = w.shape
   if _prune_kernel_unsupported_reason(w.shape, w.dtype, cfg.n, cfg.m, cfg.dtype):
     pruned, bits = _p_prune_xla(cfg, w)
@@ -197,19 +241,9 @@ def _p_forward_cuda(cfg: _MatmulConfig, x, w):
   return _sharding.row_parallel(local, (x,), blob)[0], pruned, bits
 
 
-def _p_forward_xla(cfg: _MatmulConfig, x, w):
-  pruned, bits = _p_prune_xla(cfg, w)
-  return _product(cfg, x, pruned), pruned, bits
-
-
-def _p_forward(cfg, x, w):
-  return lax.platform_dependent(x, w, cuda=functools.partial(_p_forward_cuda, cfg),
-                                default=functools.partial(_p_forward_xla, cfg))
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _sr_ste_matmul(cfg: _MatmulConfig, x, w):
-  """``x @ sr_ste(w)`` (2:4) with the forward product on sparse tensor cores on CUDA."""
+  """``x @ sr_ste(w)`` (2:4) with the forward product on sparse tensor cores (CUDA)."""
   return _p_forward(cfg, x, w)[0]
 
 
@@ -239,10 +273,8 @@ def _dense_w_grad(cfg: _MatmulConfig, x, w, kernel, dy, mask):
   return dw
 
 
-# Transposable 2:4 with our pruning kernel. The residuals are the same on every platform (so that
-# lax.platform_dependent can pick the branch when lowering): x, w, each 4 x 4 tile's pattern, and the
-# compressed Wᵀ (an (N, K) weight in LAYOUT_KN), ``blob_bytes`` of it (on the CUDA branch; zeros elsewhere; 0
-# bytes when the products are dense).
+# Transposable 2:4 with our pruning kernel (CUDA-only backends). The residuals: x, w, each 4 x 4 tile's pattern, and
+# the compressed Wᵀ (an (N, K) weight in LAYOUT_KN), ``blob_bytes`` of it (0 bytes when the products are dense).
 
 
 def _direct_compress(k: int, n: int) -> bool:
@@ -254,7 +286,7 @@ def _direct_compress(k: int, n: int) -> bool:
           cslt.compressed_bytes(k, n, jnp.bfloat16) == size)
 
 
-def _t_forward_cuda(cfg: _MatmulConfig, blob_bytes: int, x, w):
+def _t_forward(cfg: _MatmulConfig, blob_bytes: int, x, w):
   if not blob_bytes:
     pruned, pattern = cuda_kernels.nm24_transposable(w, cfg.dtype)
     return _product(cfg, x, pruned), pattern, jnp.zeros((0,), jnp.uint8)
@@ -267,21 +299,10 @@ def _t_forward_cuda(cfg: _MatmulConfig, blob_bytes: int, x, w):
   return _sharding.row_parallel(local, (x,), blob)[0], pattern, blob_t
 
 
-def _t_forward_xla(cfg: _MatmulConfig, blob_bytes: int, x, w):
-  pattern = _nm.transposable_pattern(w, cfg.n, cfg.m).astype(jnp.uint8)
-  kernel = jnp.where(_nm.tile_mask(pattern, cfg.n, cfg.m), w, jnp.zeros((), w.dtype)).astype(cfg.dtype)
-  return _product(cfg, x, kernel), pattern, jnp.zeros((blob_bytes,), jnp.uint8)
-
-
-def _t_forward(cfg, blob_bytes, x, w):
-  return lax.platform_dependent(x, w, cuda=functools.partial(_t_forward_cuda, cfg, blob_bytes),
-                                default=functools.partial(_t_forward_xla, cfg, blob_bytes))
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _sr_ste_matmul_t(cfg: _MatmulConfig, blob_bytes: int, x, w):
-  """``x @ sr_ste(w, transposable=True)`` pruned by our kernel on CUDA; products on sparse tensor cores there
-  when ``blob_bytes`` (the size of the compressed ``Wᵀ``) is not 0."""
+  """``x @ sr_ste(w, transposable=True)`` pruned by our kernel (CUDA); products on sparse tensor cores when
+  ``blob_bytes`` (the size of the compressed ``Wᵀ``) is not 0."""
   return _t_forward(cfg, blob_bytes, x, w)[0]
 
 
@@ -296,17 +317,118 @@ def _sr_ste_matmul_t_bwd(cfg, blob_bytes, res, dy):
   x, w, pattern, blob_t = res
   mask = _nm.tile_mask(pattern, cfg.n, cfg.m)
   kernel = jnp.where(mask, w, jnp.zeros((), w.dtype)).astype(cfg.dtype)
-  dense_dx = lambda dy, b: jax.vjp(lambda x: _product(cfg, x, kernel), x)[1](dy)[0]
   if blob_bytes:
     local = lambda dy2, b: (cslt.matmul(dy2, b, w.shape[0]),)
-    sparse_dx = lambda dy, b: _sharding.row_parallel(local, (dy,), b, like={0: x})[0]
-    dx = lax.platform_dependent(dy, blob_t, cuda=sparse_dx, default=dense_dx)
+    dx = _sharding.row_parallel(local, (dy,), blob_t, like={0: x})[0]
   else:
-    dx = dense_dx(dy, blob_t)
+    dx = jax.vjp(lambda x: _product(cfg, x, kernel), x)[1](dy)[0]
   return dx, _dense_w_grad(cfg, x, w, kernel, dy, lambda: mask)
 
 
 _sr_ste_matmul_t.defvjp(_sr_ste_matmul_t_fwd, _sr_ste_matmul_t_bwd)
+
+
+# -------------------------------------------------------------------------------------------------
+# The backends of sr_ste_matmul (ops/_router.py). Each candidate is a whole differentiable op (its own custom VJP),
+# timed as a train step's products: the forward and both gradients.
+# -------------------------------------------------------------------------------------------------
+
+
+def _step(run):
+  """What a candidate is timed on: ``run``'s value and its gradients to ``x`` and ``w`` (a train step's products)."""
+  return jax.value_and_grad(lambda x, w: run(x, w).astype(jnp.float32).sum(), argnums=(0, 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class _SparseCores:
+  """CUDA: the forward product (and for transposable masks ``dY Wᵀ``) on cuSPARSELt's sparse tensor cores, the
+  weight pruned and compressed in every call."""
+
+  cfg: _MatmulConfig
+  name: ClassVar[str] = "cusparselt"
+  title: ClassVar[str] = "the 2:4 products on sparse tensor cores"
+  platforms: ClassVar[tuple[str, ...]] = ("cuda",)
+  fallback_warning: ClassVar[type[Warning]] = cslt.CusparseLtFallbackWarning
+
+  def unsupported_reason(self, p: _router.Product) -> _router.Unsupported | None:
+    x, w = p.args
+    cfg = self.cfg
+    if cfg.transposable:
+      reason = _prune_kernel_unsupported_reason(w.shape, w.dtype, cfg.n, cfg.m, cfg.dtype)
+      if reason:
+        return _router.Unsupported(reason)  # the pruning kernel's backend says so
+    out_dtype = cfg.preferred_element_type or jnp.result_type(x.dtype, cfg.dtype)
+    reason = sparse_core_unsupported_reason(x.shape, x.dtype, w.shape, cfg.n, cfg.m, cfg.dtype, out_dtype)
+    # Where the shipped default would take it (enough rows) and it cannot run on a CUDA GPU, say so.
+    warn = (cfg.n, cfg.m) == (2, 4) and _rows(p) >= _min_rows(cfg)
+    return _router.Unsupported(reason, warn=warn) if reason else None
+
+  def candidates(self, p: _router.Product) -> list[_tuning.Candidate]:
+    cfg = self.cfg
+    if cfg.transposable:
+      # The buffer of Wᵀ, an (N, K) weight read in LAYOUT_KN (compressed_bytes takes the output size first).
+      blob_bytes = cslt.compressed_bytes(p.args[1].shape[0], p.args[1].shape[1], cfg.dtype)
+      run = functools.partial(_sr_ste_matmul_t, cfg, blob_bytes)
+    else:
+      run = functools.partial(_sr_ste_matmul, cfg)
+    return [_tuning.Candidate(self.name, run, measure=_step(run))]
+
+
+@dataclasses.dataclass(frozen=True)
+class _PruneThenDense:
+  """CUDA, transposable masks: our kernel prunes in one pass; the products are dense."""
+
+  cfg: _MatmulConfig
+  name: ClassVar[str] = "prune_kernel"
+  title: ClassVar[str] = "jaxsparse's CUDA pruning kernel"
+  platforms: ClassVar[tuple[str, ...]] = ("cuda",)
+  fallback_warning: ClassVar[type[Warning]] = cuda_kernels.CudaKernelFallbackWarning
+
+  def unsupported_reason(self, p: _router.Product) -> _router.Unsupported | None:
+    cfg, w = self.cfg, p.args[1]
+    if not cfg.transposable:
+      return _router.Unsupported("plain masks are pruned by XLA")
+    reason = _prune_kernel_unsupported_reason(w.shape, w.dtype, cfg.n, cfg.m, cfg.dtype)
+    return _router.Unsupported(reason, warn=(cfg.n, cfg.m) == (2, 4)) if reason else None
+
+  def candidates(self, p: _router.Product) -> list[_tuning.Candidate]:
+    run = functools.partial(_sr_ste_matmul_t, self.cfg, 0)
+    return [_tuning.Candidate(self.name, run, measure=_step(run))]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Reference:
+  """Every platform: ``x @ sr_ste(w).astype(dtype)`` with XLA's dense products."""
+
+  cfg: _MatmulConfig
+  name: ClassVar[str] = "xla"
+  title: ClassVar[str] = "the dense product"
+  platforms: ClassVar[tuple[str, ...]] = ("cuda", "cpu", "default")
+  fallback_warning: ClassVar[type[Warning]] = FallbackWarning
+
+  def unsupported_reason(self, p: _router.Product) -> None:
+    return None
+
+  def candidates(self, p: _router.Product) -> list[_tuning.Candidate]:
+    run = functools.partial(_reference, self.cfg)
+    return [_tuning.Candidate(self.name, run, measure=_step(run))]
+
+
+def _rows(p: _router.Product) -> int:
+  return math.prod(p.args[0].shape[:-1])
+
+
+def _min_rows(cfg: _MatmulConfig) -> int:
+  return TRANSPOSABLE_SPARSE_CORE_MIN_ROWS if cfg.transposable else SPARSE_CORE_MIN_ROWS
+
+
+def _shipped_default(p: _router.Product, cands: list[_tuning.Candidate]) -> str:
+  """With tuning off: sparse tensor cores from ``SPARSE_CORE_MIN_ROWS`` rows (measured, see above), below that our
+  pruning kernel with dense products for transposable masks, else the dense product."""
+  names = [c.name for c in cands]
+  if "cusparselt" in names and _rows(p) >= _min_rows(p.fields["cfg"]):
+    return "cusparselt"
+  return "prune_kernel" if "prune_kernel" in names else names[-1]
 
 
 def sparse_core_unsupported_reason(x_shape, x_dtype, w_shape, n, m, dtype, out_dtype) -> str:
@@ -399,31 +521,30 @@ def sr_ste_matmul(
   cfg = _MatmulConfig(n, m, decay, dtype, precision, pet, transposable)
   if implementation == "xla":
     return _reference(cfg, x, w)
-  rows = math.prod(x.shape[:-1])
-  sparse = implementation == "cusparselt" or rows >= (TRANSPOSABLE_SPARSE_CORE_MIN_ROWS if transposable
-                                                      else SPARSE_CORE_MIN_ROWS)
-  if transposable:
-    prune_reason = _prune_kernel_unsupported_reason(w.shape, w.dtype, n, m, dtype)
-    if implementation == "cusparselt" and prune_reason:
-      raise RuntimeError(f"implementation='cusparselt' was requested but cannot run: {prune_reason}.")
-    if prune_reason:
-      if (n, m) == (2, 4):
-        cuda_kernels.warn_fallback("sr_ste_matmul(transposable=True)", prune_reason)
-      return _reference(cfg, x, w)
-  out_dtype = pet or jnp.result_type(x.dtype, dtype)
-  reason = sparse_core_unsupported_reason(x.shape, x.dtype, w.shape, n, m, dtype, out_dtype) if sparse else ""
-  if implementation == "cusparselt" and reason:
-    raise RuntimeError(f"implementation='cusparselt' was requested but cannot run: {reason}.")
-  if reason and (n, m) == (2, 4) and _cuda_build.has_cuda_device():
-    _utils.warn_at_caller(
-        f"sr_ste_matmul: the 2:4 {'products' if transposable else 'forward product'} on sparse tensor cores "
-        f"cannot run ({reason}); using the dense product.",
-        cslt.CusparseLtFallbackWarning,
-    )
-  if transposable:
-    # The buffer of Wᵀ, an (N, K) weight read in LAYOUT_KN (compressed_bytes takes the output size first).
-    blob_bytes = cslt.compressed_bytes(w.shape[0], w.shape[1], dtype) if sparse and not reason else 0
-    return _sr_ste_matmul_t(cfg, blob_bytes, x, w)
-  if not sparse or reason:
-    return _reference(cfg, x, w)
-  return _sr_ste_matmul(cfg, x, w)
+  backends = [_SparseCores(cfg), _PruneThenDense(cfg), _Reference(cfg)]
+  if implementation == "cusparselt":
+    out_dtype = pet or jnp.result_type(x.dtype, dtype)
+    reason = sparse_core_unsupported_reason(x.shape, x.dtype, w.shape, n, m, dtype, out_dtype)
+    if transposable:
+      reason = _prune_kernel_unsupported_reason(w.shape, w.dtype, n, m, dtype) or reason
+    if reason:
+      raise RuntimeError(f"implementation='cusparselt' was requested but cannot run: {reason}.")
+    backends = backends[:1]
+  return _router.route([_routed(cfg, x, w)], backends, default=_shipped_default)[0]
+
+
+def _routed(cfg: _MatmulConfig, x: jax.Array, w: jax.Array) -> _router.Product:
+  """The product as the router sees it: one train step's products of ``x @ sr_ste(w)``."""
+
+  def make_args():
+    rng = np.random.default_rng(1)
+    return (jnp.asarray(rng.standard_normal(x.shape, np.float32), x.dtype),
+            jnp.asarray(rng.standard_normal(w.shape, np.float32), w.dtype))
+
+  fields = {
+      "rows": _utils.row_bucket(math.prod(x.shape[:-1])),
+      "shape": w.shape,
+      "cfg": cfg,
+      "dtypes": (str(x.dtype), str(w.dtype)),
+  }
+  return _router.Product("sr_ste_matmul", "step", (x, w), fields, make_args)
