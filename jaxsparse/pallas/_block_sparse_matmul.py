@@ -54,10 +54,6 @@ from jax.experimental.pallas import triton as pltriton
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
 from jaxsparse.pallas._block_sparse_candidates import candidates
 from jaxsparse.pallas._block_sparse_config import BlockSparseMatmulConfig
-from jaxsparse.pallas._block_sparse_config import KernelConfig
-from jaxsparse.pallas._block_sparse_config import dense_dx
-from jaxsparse.pallas._block_sparse_config import dense_forward
-from jaxsparse.pallas._block_sparse_config import dw_dense_then_gather
 from jaxsparse.pallas._block_sparse_config import mosaic_available
 from jaxsparse.pallas._block_sparse_config import mosaic_unavailable_reason
 from jaxsparse.pallas._common import PallasFallbackWarning
@@ -68,6 +64,10 @@ from jaxsparse.pallas._common import dot
 from jaxsparse.pallas._common import grouped_tile
 from jaxsparse.pallas._common import pad_rows
 from jaxsparse.pallas._common import unavailable_reason
+from jaxsparse.pallas._dense_route import dense_dx
+from jaxsparse.pallas._dense_route import dense_forward
+from jaxsparse.pallas._dense_route import dw_dense_then_gather
+from jaxsparse.pallas._kernel_config import KernelConfig
 
 try:  # Mosaic GPU (Hopper) variants of the forward, dx and dw kernels.
   from jaxsparse.pallas import _block_sparse_matmul_mgpu as mosaic
