@@ -59,6 +59,7 @@ from jaxsparse.pallas._block_sparse_config import mosaic_unavailable_reason
 from jaxsparse.pallas._common import PallasFallbackWarning
 from jaxsparse.pallas._common import allows_tf32
 from jaxsparse.pallas._common import available
+from jaxsparse.pallas._common import check_pattern
 from jaxsparse.pallas._common import chunk
 from jaxsparse.pallas._common import dot
 from jaxsparse.pallas._common import grouped_tile
@@ -325,6 +326,7 @@ def forward(
     ``(M, N)`` array of ``out_dtype``.
   """
   _check_supported(x2, w, config=config)
+  check_pattern(w, op="block_sparse_matmul forward")
   (m, _), (_, n) = x2.shape, w.shape
   (bk, bn), (_, nb) = w.block_shape, w.grid_shape
   compute_dtype = jnp.result_type(x2.dtype, w.dtype)
@@ -504,6 +506,7 @@ def backward(
     ``w.dtype``.
   """
   _check_supported(x2, dy2, w, config=config)
+  check_pattern(w, op="block_sparse_matmul backward")
   compute_dtype = jnp.result_type(x2.dtype, dy2.dtype, w.dtype)
   if w.nnz_blocks == 0:
     return (jnp.zeros(x2.shape, x2.dtype) if need_dx else None), (w.data if need_dw else None)

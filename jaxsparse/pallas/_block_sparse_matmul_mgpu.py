@@ -56,6 +56,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
+from jaxsparse.pallas._common import check_pattern
 from jaxsparse.pallas._common import chunk
 from jaxsparse.pallas._common import grouped_tile
 from jaxsparse.pallas._common import pad_rows
@@ -583,6 +584,7 @@ def dense_sparse_matmul(
   reason = unsupported_reason(a, w, out_dtype, config, transpose=transpose)
   if reason is not None:
     raise ValueError(f"The Mosaic GPU block-sparse kernel does not support these operands: {reason}.")
+  check_pattern(w, op="Mosaic GPU block-sparse " + ("dx" if transpose else "forward"))
   m = a.shape[0]
   (bk, bn), (kb, nb) = w.block_shape, w.grid_shape
   ob, num_out = (bk, kb) if transpose else (bn, nb)
