@@ -44,7 +44,7 @@ def test_ncu_block_sparse_script_runs():
 
 
 def test_dense_route_script_runs():
-  # M = 1024: the dense route starts there (DispatchRules.dense_route_min_m).
+  # M = 1024: the dense route starts there (DispatchRules.dense.min_m).
   cmd = [sys.executable, str(ROOT / "benchmarks" / "sweeps" / "gpu_dense_route.py"), "--m", "1024", "--k", "128",
          "--n", "128", "--densities", "0.5", "--iterations", "1"]
   env = {**os.environ, "PYTHONPATH": str(ROOT)}

@@ -33,6 +33,8 @@ from jaxsparse.pallas import _block_sparse_matmul as kernels
 from jaxsparse.pallas import _block_sparse_matmul_mgpu as mosaic
 from jaxsparse.pallas import _block_sparse_sdd_mgpu as mosaic_sdd
 from jaxsparse.pallas import _common
+from jaxsparse.pallas import _dense_route as dense_route
+from jaxsparse.pallas import _dispatch_rules as rules_lib
 
 # Relative error ‖out - ref‖ / ‖ref‖ allowed per input dtype: float32 dots run in full float32 in
 # interpret mode and with precision=HIGHEST on the GPU; 16-bit inputs round the output once more.
@@ -259,12 +261,12 @@ def test_dense_routes_where_they_measured_faster(monkeypatch, on_hopper):
 def test_dense_weight_equals_to_dense(block_shape, pattern):
   """The one-pass dense weight of the dense-product route (blocks 32 above d = 0.3) is ``to_dense``."""
   _, _, w = _problem(16, 128, 192, block_shape, pattern, jnp.float32, seed=3)
-  got = jax.jit(kernel_config.dense_weight, static_argnums=1)(w, jnp.bfloat16)
+  got = jax.jit(dense_route.dense_weight, static_argnums=1)(w, jnp.bfloat16)
   assert got.dtype == jnp.bfloat16 and got.shape == w.shape
   np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(w.to_dense().astype(jnp.bfloat16), np.float32))
   grid = (64 // block_shape[0], 64 // block_shape[1])
   empty = jaxsparse.BlockSparseMatrix.from_dense(jnp.ones((64, 64)), block_shape, block_mask=np.zeros(grid, bool))
-  np.testing.assert_array_equal(np.asarray(kernel_config.dense_weight(empty, jnp.float32)), np.zeros((64, 64)))
+  np.testing.assert_array_equal(np.asarray(dense_route.dense_weight(empty, jnp.float32)), np.zeros((64, 64)))
 
 
 def test_supports():
@@ -299,7 +301,7 @@ def test_config_validation():
     cfg = BlockSparseMatmulConfig.get_default(m, (4096, 4096), (128, 128), 256, jnp.bfloat16)
     assert (cfg.forward.block_m, cfg.forward.split, cfg.forward.sub_cols, cfg.dx.split) == (bm, 1, None, 1), m
   assert BlockSparseMatmulConfig.get_default(64, (4096, 4096), (64, 64), 1024, jnp.bfloat16).forward.split > 1
-  # Decode forward of 16-bit blocks 32 wide: 2 warps (DispatchRules.decode_warps); float32, dX and M > 64 keep 4.
+  # Decode forward of 16-bit blocks 32 wide: 2 warps (TritonDecodeRules.forward_warps); float32, dX and M > 64 keep 4.
   warps = lambda m, bs, dt: BlockSparseMatmulConfig.get_default(m, (4096, 4096), bs, 4096, dt).forward.num_warps
   assert warps(16, (32, 32), jnp.bfloat16) == 2 and warps(1, (64, 32), jnp.float16) == 2
   assert warps(16, (32, 32), jnp.float32) == 4 and warps(65, (32, 32), jnp.bfloat16) == 4
@@ -310,32 +312,35 @@ def test_config_validation():
 
 
 def test_dispatch_rules_per_device_kind(monkeypatch):
-  hopper = kernel_config.HOPPER_RULES
+  hopper = rules_lib.HOPPER_RULES
   for kind in ("NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA H100 PCIe"):
-    assert kernel_config.dispatch_rules(kind) is hopper
+    assert rules_lib.dispatch_rules(kind) is hopper
   # The SM count replaces the table's: the H100 PCIe has 114 SMs.
-  pcie = kernel_config.dispatch_rules("NVIDIA H100 PCIe", 114)
+  pcie = rules_lib.dispatch_rules("NVIDIA H100 PCIe", 114)
   assert pcie.target_programs == 228 and pcie.measured_on == hopper.measured_on
-  borrowed = kernel_config.dispatch_rules("NVIDIA A100-SXM4-80GB", 108)
+  borrowed = rules_lib.dispatch_rules("NVIDIA A100-SXM4-80GB", 108)
   assert "borrowed for 'NVIDIA A100-SXM4-80GB'" in borrowed.measured_on and borrowed.num_sms == 108
   with pytest.raises(ValueError, match="num_sms must be None or a positive int, got num_sms=0"):
-    kernel_config.dispatch_rules("NVIDIA H200", 0)
+    rules_lib.dispatch_rules("NVIDIA H200", 0)
   # Decode splits its loops below the device's program target: 256 block columns of 32 fill 100 SMs
   # (200 programs) but not 132 (264).
   args = (16, (4096, 8192), (32, 32), 8192, jnp.bfloat16)
   assert BlockSparseMatmulConfig.get_default(*args, rules=hopper).forward.split > 1
-  assert BlockSparseMatmulConfig.get_default(*args, rules=kernel_config.dispatch_rules("x", 100)).forward.split == 1
+  assert BlockSparseMatmulConfig.get_default(*args, rules=rules_lib.dispatch_rules("x", 100)).forward.split == 1
   # get_default reads the table of the first device's kind (given a table of its own here).
-  own = dataclasses.replace(hopper, measured_on="test", decode_max_m=8, split_max=1)  # no split above decode
-  monkeypatch.setattr(kernel_config, "DISPATCH_TABLES", (((jax.devices()[0].device_kind,), own),))
-  kernel_config._dispatch_rules.cache_clear()
+  no_split = dataclasses.replace(hopper.triton.split, max_parts=1)  # no split above decode
+  own = dataclasses.replace(
+      hopper, measured_on="test", decode_max_m=8, triton=dataclasses.replace(hopper.triton, split=no_split)
+  )
+  monkeypatch.setattr(rules_lib, "DISPATCH_TABLES", (((jax.devices()[0].device_kind,), own),))
+  rules_lib._dispatch_rules.cache_clear()
   try:
-    assert kernel_config.dispatch_rules().measured_on == "test"  # the SM count may be the device's
+    assert rules_lib.dispatch_rules().measured_on == "test"  # the SM count may be the device's
     assert BlockSparseMatmulConfig.get_default(*args).forward.split == 1  # 16 rows are above decode_max_m
   finally:
     monkeypatch.undo()
-    kernel_config._dispatch_rules.cache_clear()
-  assert kernel_config.dispatch_rules().measured_on != "test"
+    rules_lib._dispatch_rules.cache_clear()
+  assert rules_lib.dispatch_rules().measured_on != "test"
 
 
 @pytest.mark.skipif(kernels.available(), reason="checks the CPU-only behaviour")
@@ -643,7 +648,7 @@ def test_mosaic_defaults_only_where_they_measured_faster(monkeypatch):
   monkeypatch.setattr(kernel_config, "_mosaic_probe", lambda: None)  # as on a Hopper GPU
   get = BlockSparseMatmulConfig.get_default
   cfg = get(8192, (4096, 4096), (128, 128), 256, jnp.bfloat16)
-  assert (cfg.mosaic_forward, cfg.mosaic_dx) == kernel_config.HOPPER_RULES.mosaic_tuned_configs[128]
+  assert (cfg.mosaic_forward, cfg.mosaic_dx) == rules_lib.HOPPER_RULES.mosaic.tuned[128]
   assert get(8192, (4096, 4096), (64, 128), 256, jnp.float16).mosaic_forward is not None
   for args in [(16, (4096, 4096), (128, 128)), (8192, (4096, 4096), (32, 32))]:  # decode; block 32
     assert get(*args, 256, jnp.bfloat16).mosaic_forward is None
@@ -722,10 +727,10 @@ def test_mosaic_default_rings_are_the_deepest_that_fit(monkeypatch):
 
 
 def test_mosaic_grouped_columns_where_they_measured_faster(monkeypatch):
-  # DispatchRules.mosaic_group_cols: float32 blocks of 32 (G = 4) from d = 0.2, blocks of 64 (G = 2) from d = 0.2
+  # MosaicRules.group_cols: float32 blocks of 32 (G = 4) from d = 0.2, blocks of 64 (G = 2) from d = 0.2
   # where 2 (float32) / 4 (16-bit) grouped tiles a SM remain; 16-bit blocks of 32 never.
   monkeypatch.setattr(kernel_config, "_mosaic_probe", lambda: None)
-  rules = kernel_config.dispatch_rules("NVIDIA H200")
+  rules = rules_lib.dispatch_rules("NVIDIA H200")
 
   def groups(m, k, n, block_shape, d, dtype):
     kb, nb = k // block_shape[0], n // block_shape[1]
@@ -757,7 +762,7 @@ def test_mosaic_grouped_columns_where_they_measured_faster(monkeypatch):
   assert groups(2048, 4096, 4096, (32, 32), 0.25, f32) == (4, 4)
   assert groups(512, 4096, 4096, (32, 32), 0.25, f32) == (1, 1)
   # Fewer SMs: the same M has enough tiles.
-  small = kernel_config.dispatch_rules("NVIDIA H200", num_sms=60)
+  small = rules_lib.dispatch_rules("NVIDIA H200", num_sms=60)
   cfg = BlockSparseMatmulConfig.get_default(2048, (4096, 4096), (64, 64), 2048, bf16, rules=small)
   assert cfg.mosaic_forward.group_cols == 2
   # Every config fits the accumulator registers (256-row tiles: 4 columns of 32 or 2 of 64, not more).
@@ -778,18 +783,18 @@ def test_mosaic_grouped_columns_where_they_measured_faster(monkeypatch):
     (16, 4096, 14336, 64, 3584, jnp.bfloat16, 4, 8),
 ])
 def test_decode_split_where_it_measured_faster(m, k, n, block, nnz, dtype, fwd, dx):
-  # DispatchRules.decode_split_*: parts of about 512 bytes of contraction an output column, at least one program an
-  # SM, a power of two up to 8 (None: the forward's 32-column programs, decode_sub_cols, no split).
-  cfg = BlockSparseMatmulConfig.get_default(m, (k, n), (block, block), nnz, dtype, rules=kernel_config.HOPPER_RULES)
+  # TritonDecodeRules.split_*: parts of about 512 bytes of contraction an output column, at least one program an
+  # SM, a power of two up to 8 (None: the forward's 32-column programs, TritonDecodeRules.sub_cols, no split).
+  cfg = BlockSparseMatmulConfig.get_default(m, (k, n), (block, block), nnz, dtype, rules=rules_lib.HOPPER_RULES)
   assert (cfg.forward.split if cfg.forward.sub_cols is None else None, cfg.dx.split) == (fwd, dx)
 
 
 def test_contraction_split_where_it_measured_faster(monkeypatch):
-  # DispatchRules.split_*: above decode size, tiles x parts within one tile a SM (Mosaic) / 8 programs a SM
-  # (Triton), at least 12 pipeline steps (Mosaic) / 10 kept blocks (Triton) a part, partial sums at most 1.5x the
-  # kept weight's bytes. The cases are the sweep's (gpu_split_sweep.py).
+  # SplitRules (rules.mosaic.split, rules.triton.split): above decode size, tiles x parts within one tile a SM
+  # (Mosaic) / 8 programs a SM (Triton), at least 12 pipeline steps (Mosaic) / 10 kept blocks (Triton) a part,
+  # partial sums at most 1.5x the kept weight's bytes. The cases are the sweep's (gpu_split_sweep.py).
   monkeypatch.setattr(kernel_config, "_mosaic_probe", lambda: None)
-  rules = kernel_config.dispatch_rules("NVIDIA H200")
+  rules = rules_lib.dispatch_rules("NVIDIA H200")
 
   def splits(m, k, n, block_shape, d, dtype, rules=rules):
     kb, nb = k // block_shape[0], n // block_shape[1]
@@ -812,10 +817,10 @@ def test_contraction_split_where_it_measured_faster(monkeypatch):
   for m, b in itertools.product((65, 128, 256, 512), (64, 128)):  # the tuned mid-size rows: 8-16 blocks a column
     assert splits(m, 4096, 4096, (b, b), 0.25, bf16) == (1, 1), (m, b)
   assert splits(384, 4096, 1024, (64, 64), 0.25, bf16) == (1, 1)  # 16 steps a tile: split or not, even
-  # Decode keeps its own split (DispatchRules.decode_*); fewer SMs make fewer parts.
+  # Decode keeps its own split (DispatchRules.decode_max_m); fewer SMs make fewer parts.
   assert kernel_config.contraction_split(64, 1, 100, 128, 1 << 30, "mosaic", rules) == 1
   assert kernel_config.contraction_split(65, 1, 100, 128, 1 << 30, "mosaic", rules) == 8
-  few = kernel_config.dispatch_rules("NVIDIA H200", num_sms=60)
+  few = rules_lib.dispatch_rules("NVIDIA H200", num_sms=60)
   assert splits(200, 5120, 768, (128, 64), 0.38, f32, rules=few) == (2, 1)
   # Mid-size float32 row tiles: 256 only with enough tiles and at most 1/8 padding.
   get = lambda m, n: BlockSparseMatmulConfig.get_default(m, (3072, n), (32, 64), 1000, f32, rules=rules)
@@ -1085,7 +1090,7 @@ def test_gpu_mosaic_split_matches_dense(m, k, n, block_shape, pattern, group, sp
     ],
 )
 def test_gpu_default_config_splits_contraction(m, k, n, block_shape, dtype, splits):
-  # Narrow outputs at mid-size M: the default splits each output tile's steps (DispatchRules.split_*); forward and
+  # Narrow outputs at mid-size M: the default splits each output tile's steps (SplitRules); forward and
   # all gradients against the dense reference.
   x, dy, w = _problem(m, k, n, block_shape, "random", dtype, seed=m + n)
   cfg = BlockSparseMatmulConfig.get_default(m, w.shape, w.block_shape, w.nnz_blocks, w.dtype)
@@ -1125,7 +1130,7 @@ def test_gpu_default_config_runs_mosaic(monkeypatch, m, b):
     ],
 )
 def test_gpu_default_config_groups_columns(monkeypatch, m, k, n, block_shape, pattern, dtype, groups):
-  # The default dispatch picks grouped-column tiles (DispatchRules.mosaic_group_cols); forward and all gradients
+  # The default dispatch picks grouped-column tiles (MosaicRules.group_cols); forward and all gradients
   # against the dense reference through the kernels' entry points.
   x, dy, w = _problem(m, k, n, block_shape, pattern, dtype, seed=m + n)
   cfg = BlockSparseMatmulConfig.get_default(m, w.shape, w.block_shape, w.nnz_blocks, w.dtype)

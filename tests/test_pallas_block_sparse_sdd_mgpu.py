@@ -21,6 +21,7 @@ from jaxsparse.pallas import _block_sparse_config as kernel_config
 from jaxsparse.pallas import _block_sparse_matmul as kernels
 from jaxsparse.pallas import _block_sparse_sdd_mgpu as sdd
 from jaxsparse.pallas import _common
+from jaxsparse.pallas import _dense_route as dense_route
 from jaxsparse.pallas import _transpose
 from tests.test_pallas_block_sparse import RTOL
 from tests.test_pallas_block_sparse import RTOL_TF32
@@ -130,7 +131,7 @@ def test_dense_then_gather_dw_matches_dense():
   # The XLA dW path of small blocks (also what the GPU runs for them): rectangular blocks, an
   # empty block row and column.
   x, dy, w = _problem(40, 5 * 32, 6 * 16, (32, 16), "random", jnp.float32, seed=9)
-  ddata = kernel_config.dw_dense_then_gather(x, dy, w, precision=jax.lax.Precision.HIGHEST)
+  ddata = dense_route.dw_dense_then_gather(x, dy, w, precision=jax.lax.Precision.HIGHEST)
   _, _, ddata_ref = _dense_reference(x, dy, w)
   _assert_close(ddata, ddata_ref, jnp.float32, "dW", 1e-5)
 
@@ -141,7 +142,7 @@ def test_dense_then_gather_dw_product_in_the_weight_dtype(x_dtype, w_dtype, prod
   # rounds as the float32 product cast afterwards; wider operands keep a float32 product.
   x, dy, w = _problem(48, 4 * 32, 3 * 32, (32, 32), "random", jnp.dtype(x_dtype), seed=3)
   w = w.with_data(w.data.astype(w_dtype))
-  route = jax.jit(lambda x, dy: kernel_config.dw_dense_then_gather(x, dy, w, precision=None))
+  route = jax.jit(lambda x, dy: dense_route.dw_dense_then_gather(x, dy, w, precision=None))
   hlo = route.lower(x, dy).as_text()
   dots = [line for line in hlo.splitlines() if "dot_general" in line]
   assert len(dots) == 1 and f"tensor<128x96x{jnp.dtype(product).name.replace('float', 'f')}>" in dots[0], dots
@@ -219,7 +220,7 @@ def _check_sampled_dw(m, k, n, block_shape, pattern, dtype, group, order="auto")
 @needs_hopper
 def test_gpu_backward_dispatches_dw_to_mosaic(monkeypatch):
   # A long weight (N = 4 K): 64-blocks take the Mosaic dW from 1024 rows, items by block row below 2048. (A grid of
-  # more blocks than SMs: one that fits a wave runs dense, DispatchRules.dw_dense_max_grid_per_sm.)
+  # more blocks than SMs: one that fits a wave runs dense, DenseRules.dw_max_grid_per_sm.)
   x, dy, w = _problem(1024, 512, 2048, (64, 64), "random", jnp.bfloat16, seed=3)
   cfg = BlockSparseMatmulConfig.get_default(1024, w.shape, w.block_shape, w.nnz_blocks, w.dtype)
   assert cfg.mosaic_dw is not None and cfg.mosaic_dw.order == "rows"

@@ -21,7 +21,7 @@ from gpu_block_sparse import dense_fns
 from gpu_block_sparse import problem
 from gpu_block_sparse import sparse_fns
 
-from jaxsparse.pallas import _block_sparse_config as kernel_config
+from jaxsparse.pallas import _dense_route as dense_route
 
 
 def main(argv=None) -> None:
@@ -42,7 +42,7 @@ def main(argv=None) -> None:
     t_dense = time_ms(dense["fwd"], x, dy, wd, iterations=args.iterations)
     t_dense_both = time_ms(dense["fwd+bwd"], x, dy, wd, iterations=args.iterations)
     t_old = time_ms(lambda w: w.to_dense().astype(jnp.bfloat16), w, iterations=args.iterations)
-    t_new = time_ms(lambda w: kernel_config.dense_weight(w, jnp.bfloat16), w, iterations=args.iterations)
+    t_new = time_ms(lambda w: dense_route.dense_weight(w, jnp.bfloat16), w, iterations=args.iterations)
     t_fwd = time_ms(sparse["fwd"], x, dy, w, iterations=args.iterations)
     t_both = time_ms(sparse["fwd+bwd"], x, dy, w, iterations=args.iterations)
     err = rel_err(jax.jit(sparse["fwd"])(x, dy, w), jnp.dot(x.astype(jnp.float32), wd.astype(jnp.float32)))

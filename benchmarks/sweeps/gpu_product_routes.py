@@ -8,9 +8,9 @@ For ``x (M, K) @ W (K, N)`` (K = 4096 by default) with a random block pattern, t
 per-block kernels (Mosaic GPU / Triton, as the default config picks them), the dense route (forward
 and ``dX``: ``dense_weight`` then one dense product; ``dW``: the dense ``xᵀ dY`` then a gather of the
 kept blocks) and the plain dense product of a dense weight; "default route" is what
-``BlockSparseMatmulConfig.get_default`` picks. This is the data behind ``dense_above_density``,
-``long_contraction_*``, ``dw_dense_*`` and the ``*_min_m`` thresholds of ``DispatchRules`` in
-``jaxsparse/pallas/_block_sparse_config.py``.
+``BlockSparseMatmulConfig.get_default`` picks. This is the data behind the ``DenseRules`` of ``DispatchRules.dense``
+(``above_density``, ``long_contraction*``, ``dw_*``, ``min_m``) and the ``min_m`` thresholds of the other routes
+in ``jaxsparse/pallas/_dispatch_rules.py``.
 ``--variants`` also times the forward and dX kernels in other tile orders (``group_m``), and dW on the other
 per-block kernel (Triton where Mosaic is the default), the Triton dW with its blocks taken by column, and
 both item orders of the Mosaic kernel. Prints the table(s) last.

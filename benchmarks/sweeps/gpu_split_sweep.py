@@ -8,7 +8,8 @@ forward ``x @ W`` and ``dX = dY Wᵀ`` of the default config, and of the Mosaic 
 (``MosaicKernelConfig.split`` / ``KernelConfig.split``), each against the dense product of the same run, and
 checks each result against the dense product. The default cases are the rows of
 ``benchmarks/results/gpu_unseen_shapes_2026-11-25_h200.md`` still slower than dense, narrow or mid-size; this is
-the data behind ``DispatchRules.split_*``. Prints one line per variant as it goes and a table of the best last.
+the data behind ``SplitRules`` (``DispatchRules.mosaic.split`` / ``.triton.split``). Prints one line per variant
+as it goes and a table of the best last.
 """
 
 from __future__ import annotations

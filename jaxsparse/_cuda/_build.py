@@ -141,7 +141,9 @@ def _build() -> tuple[Path | None, str]:
   compile_flags = ["-I", str(include_dir), *(f"-I{d}" for d in dirs)]
   link_flags = [f"-L{lib_dir}", "-l:libcusparseLt.so.0", f"-Wl,-rpath,{lib_dir}"]
   src = Path(__file__).parent / _SOURCE
-  parts = (src.read_bytes(), " ".join(_FLAGS + tuple(compile_flags) + tuple(link_flags)), jaxlib.__version__, cxx)
+  checks = (src.parent / "launch_checks.h").read_bytes()
+  parts = (src.read_bytes(), checks, " ".join(_FLAGS + tuple(compile_flags) + tuple(link_flags)), jaxlib.__version__,
+           cxx)
   lib, error = build_cached("jaxsparse_cusparselt", parts, cxx, [src], [*_FLAGS, *compile_flags], libraries=link_flags)
   if lib is not None:
     return lib, ""

@@ -75,9 +75,27 @@ def unsupported_reason(k: int, n: int, dtype, *, n_keep: int = 2, m: int = 4, ax
   return ""
 
 
+def _check_layout(layout) -> int:
+  if isinstance(layout, bool) or not isinstance(layout, (int, np.integer)) or layout not in (LAYOUT_KN, LAYOUT_NK):
+    raise ValueError(f"layout must be LAYOUT_KN ({LAYOUT_KN}) or LAYOUT_NK ({LAYOUT_NK}), got layout={layout!r}.")
+  return int(layout)
+
+
+def _check_weight(op: str, k, n, dtype) -> None:
+  """The structured operand's sizes and dtype, before they reach the custom calls (``launch_checks.h`` again)."""
+  for name, v in (("K", k), ("N", n)):
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < ALIGN or v % ALIGN or v > 1 << 30:
+      raise ValueError(f"{op}: {name} must be a positive multiple of {ALIGN} up to 2**30, got {name}={v!r}.")
+  if jnp.dtype(dtype) not in _DTYPE_CODES:
+    names = " or ".join(d.name for d in _DTYPE_CODES)
+    raise ValueError(f"{op}: the weight's dtype must be {names}, got {jnp.dtype(dtype)}.")
+
+
 @functools.cache
 def compressed_bytes(n: int, k: int, dtype, layout: int = LAYOUT_KN) -> int:
   """Bytes of the compressed buffer of a ``(k, n)`` 2:4 weight (asks cuSPARSELt)."""
+  layout = _check_layout(layout)
+  _check_weight("compressed_bytes", k, n, dtype)
   if not available():
     raise RuntimeError(f"cuSPARSELt is unavailable: {unavailable_reason()}")
   code = _DTYPE_CODES[jnp.dtype(dtype)]
@@ -97,7 +115,11 @@ def compress(w: jax.Array, *, layout: int = LAYOUT_KN) -> jax.Array:
       keeps 2 of each 4 by position, so a weight that is not 2:4 gives wrong products).
     layout: how ``w`` is stored.
   """
+  layout = _check_layout(layout)
+  if getattr(w, "ndim", None) != 2:
+    raise ValueError(f"compress: w must be a 2-D weight, got shape {getattr(w, 'shape', type(w).__name__)}.")
   k, n = w.shape if layout == LAYOUT_KN else w.shape[::-1]
+  _check_weight("compress", k, n, w.dtype)
   out = jax.ShapeDtypeStruct((compressed_bytes(n, k, w.dtype, layout),), jnp.uint8)
   return jax.ffi.ffi_call("jaxsparse_cusparselt_compress", out, vmap_method="sequential")(w, layout=np.int64(layout))
 
@@ -109,6 +131,15 @@ def matmul(x: jax.Array, compressed: jax.Array, n: int, *, layout: int = LAYOUT_
   ``search=True`` picks the fastest cuSPARSELt algorithm for the shape on its first call (timed on
   the device, then cached for the process); ``False`` takes cuSPARSELt's default.
   """
+  layout = _check_layout(layout)
+  if getattr(x, "ndim", None) != 2:
+    raise ValueError(f"matmul: x must be 2-D (M, K), got shape {getattr(x, 'shape', type(x).__name__)}.")
+  if getattr(compressed, "ndim", None) != 1 or jnp.dtype(compressed.dtype) != jnp.uint8:
+    raise ValueError(
+        "matmul: compressed must be the 1-D uint8 buffer of compress(), got "
+        f"{getattr(compressed, 'dtype', type(compressed).__name__)} {getattr(compressed, 'shape', '')}."
+    )
+  _check_weight("matmul", x.shape[1], n, x.dtype)
   rows = x.shape[0]
   padded = max(ALIGN, -(-rows // ALIGN) * ALIGN)
   if padded != rows:

@@ -72,6 +72,8 @@ _MIN_CAPABILITY = (9, 0)
 _NO_NVRTC = "libnvrtc not found (pip install 'jaxsparse[cuda13]' or '[cuda12]', or set $CUDA_HOME to a CUDA toolkit)"
 NM24_SPANS = (128, 64)  # columns of W per thread block
 NM24_MAX_ROWS = 32
+MAX_DIM = 1 << 30  # the kernels take K and N as int
+_MAX_GRID_X = (1 << 31) - 1
 
 
 class CudaKernelFallbackWarning(FallbackWarning):
@@ -194,7 +196,7 @@ def _build_launcher() -> tuple[Path | None, str]:
   if cxx is None:
     return None, "no C++ compiler found (set $CXX or install g++)"
   src = _HERE / _LAUNCHER
-  parts = (src.read_bytes(), " ".join(_FLAGS), jaxlib.__version__, cxx)
+  parts = (src.read_bytes(), (_HERE / "launch_checks.h").read_bytes(), " ".join(_FLAGS), jaxlib.__version__, cxx)
   lib, error = build_cached("jaxsparse_kernel_launch", parts, cxx, [src], _FLAGS, libraries=["-ldl"])
   if lib is not None:
     return lib, ""
@@ -359,6 +361,8 @@ def nm24_unsupported_reason(m: int, k: int, n: int, dtype) -> str:
     return f"M must be between 1 and {NM24_MAX_ROWS}, got M={m}"
   if k % 64 or n % NM24_SPANS[-1]:
     return f"K must be a multiple of 64 and N of {NM24_SPANS[-1]}, got K={k}, N={n}"
+  if k > MAX_DIM or n > MAX_DIM:
+    return f"K and N must be at most 2**30, got K={k}, N={n}"
   return ""
 
 
@@ -394,6 +398,11 @@ def nm24_decode(
     indices: ``(K / 8, N)`` uint8 packed positions (``NMSparseMatrix.indices``, 2:4 along ``K``).
     config: work split; default :meth:`Nm24DecodeConfig.get_default`.
   """
+  for name, a in (("x", x), ("values", values), ("indices", indices)):
+    if getattr(a, "ndim", None) != 2:
+      raise ValueError(f"nm24_decode: {name} must be a 2-D array, got shape {getattr(a, 'shape', type(a).__name__)}.")
+  if config is not None and not isinstance(config, Nm24DecodeConfig):
+    raise TypeError(f"nm24_decode: config must be an Nm24DecodeConfig or None, got {type(config).__name__}.")
   m, k = x.shape
   n = values.shape[1]
   reason = nm24_unsupported_reason(m, k, n, x.dtype)
@@ -427,8 +436,10 @@ def nm24_prune_unsupported_reason(shape: tuple[int, ...], dtype, out_dtype) -> s
     return f"w and the output must be {names}, got {jnp.dtype(dtype)} and {jnp.dtype(out_dtype)}"
   if len(shape) != 2 or shape[0] % 4 or shape[1] % 4:
     return f"w must be 2-D (K, N) with K and N multiples of 4, got shape {tuple(shape)}"
-  if max(shape) > 1 << 30:
+  if max(shape) > MAX_DIM:
     return f"K and N must be at most 2**30, got shape {tuple(shape)}"
+  if -(-(shape[0] // 4) * (shape[1] // 4) // 256) > _MAX_GRID_X:
+    return f"w has more 4 x 4 tiles than one launch covers (256 * (2**31 - 1)), got shape {tuple(shape)}"
   return ""
 
 
@@ -477,8 +488,8 @@ def nm24_transposable_compress(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.
     ``pattern`` ``(K / 4, N / 4)`` uint8 as :func:`nm24_transposable`'s; ``blob`` and ``blob_t``, ``K N 9 / 8``
     bytes each (uint8): for ``cusparselt.matmul(x, blob, N)`` and ``cusparselt.matmul(dy, blob_t, K)``.
   """
-  k, n = w.shape
   reason = nm24_prune_unsupported_reason(w.shape, w.dtype, jnp.bfloat16)
+  k, n = w.shape if not reason else (0, 0)
   if not reason and (k % 64 or n % 64 or k > TRANSPOSABLE_COMPRESS_MAX_K):
     reason = f"K and N must be multiples of 64 and K at most {TRANSPOSABLE_COMPRESS_MAX_K}, got shape {(k, n)}"
   if reason:

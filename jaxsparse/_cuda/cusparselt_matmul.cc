@@ -29,6 +29,7 @@
 
 #include <cusparseLt.h>
 
+#include "launch_checks.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -206,6 +207,12 @@ ffi::Error Compress(cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t 
   }
   const int64_t k = layout == kLayoutKN ? dims[0] : dims[1];
   const int64_t n = layout == kLayoutKN ? dims[1] : dims[0];
+  if (std::string e = jaxsparse_cuda::CheckCslt("cusparselt_compress", k, n, layout, 0); !e.empty()) {
+    return ffi::Error::InvalidArgument(e);
+  }
+  if (out->element_type() != ffi::DataType::U8 || out->dimensions().size() != 1) {
+    return Fail("cusparselt_compress", "the compressed buffer must be 1-D uint8");
+  }
   SparseEntry* entry;
   cusparseLtHandle_t* h;
   {
@@ -243,6 +250,12 @@ ffi::Error Matmul(cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t de
   const auto yd = y->dimensions();
   if (xd.size() != 2 || yd.size() != 2 || xd[0] != yd[0]) return Fail("cusparselt_matmul", "shape mismatch");
   const int64_t m = xd[0], k = xd[1], n = yd[1];
+  if (std::string e = jaxsparse_cuda::CheckCsltMatmul(m, k, n, yd[0], layout); !e.empty()) {
+    return ffi::Error::InvalidArgument(e);
+  }
+  if (compressed.element_type() != ffi::DataType::U8 || compressed.dimensions().size() != 1) {
+    return Fail("cusparselt_matmul", "the compressed weight must be 1-D uint8");
+  }
   PlanEntry* p;
   SparseEntry* entry;
   cusparseLtHandle_t* h;
@@ -309,6 +322,10 @@ ffi::Error Matmul(cudaStream_t stream, ffi::ScratchAllocator scratch, int32_t de
 // from Python (ctypes) when tracing, to size the compression's output.
 extern "C" int64_t JaxsparseCsltCompressedSize(int32_t device, int64_t n, int64_t k, int64_t layout, int32_t dtype,
                                                char* error) {
+  if (std::string e = jaxsparse_cuda::CheckCslt("cusparselt compressed size", k, n, layout, dtype); !e.empty()) {
+    if (error != nullptr) std::snprintf(error, 512, "%s", e.c_str());
+    return -1;
+  }
   std::lock_guard<std::mutex> lock(g_mu);
   SparseEntry* entry;
   std::string e = Sparse({device, n, k, layout, dtype == 0 ? CUDA_R_16BF : CUDA_R_16F}, &entry);

@@ -33,6 +33,7 @@
 #include <utility>
 #include <vector>
 
+#include "launch_checks.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -170,13 +171,10 @@ ffi::Error Nm24Decode(CUstream stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi
   if (xd.size() != 2 || vd.size() != 2 || id.size() != 2 || yd.size() != 2)
     return ffi::Error::InvalidArgument("nm24_decode: x, values, idx and y must be 2-D");
   const int64_t m = xd[0], k = xd[1], n = vd[1];
-  if (m < 1 || m > 32 || k % 64 != 0 || (span != 64 && span != 128) || n % span != 0 || vd[0] != k / 2 ||
-      id[0] != k / 8 || id[1] != n || yd[0] != m || yd[1] != n || split < 1 || (128 % split) != 0 || warps < 1 ||
-      warps > 32)
-    return ffi::Error::InvalidArgument("nm24_decode: shapes x (" + std::to_string(m) + ", " + std::to_string(k) +
-                                       "), values (" + std::to_string(vd[0]) + ", " + std::to_string(n) +
-                                       "), span " + std::to_string(span) +
-                                       " are not those the kernel supports (M <= 32, K % 64 == 0, N % span == 0)");
+  if (std::string e = jaxsparse_cuda::CheckNm24Decode(m, k, n, vd[0], vd[1], id[0], id[1], yd[0], yd[1], split, warps,
+                                                       span);
+      !e.empty())
+    return ffi::Error::InvalidArgument(e);
   const void* xp = x.untyped_data();
   const void* vp = values.untyped_data();
   const void* ip = idx.untyped_data();
@@ -196,11 +194,8 @@ ffi::Error Nm24Transposable(CUstream stream, ffi::AnyBuffer w, ffi::Result<ffi::
   // The kernel was compiled for these element types (NM_IN_BF16, NM_OUT_BF16).
   const bool types = w.element_type() == (w_bf16 ? ffi::BF16 : ffi::F32) &&
                      pruned->element_type() == (out_bf16 ? ffi::BF16 : ffi::F32);
-  if (!types || k % 4 != 0 || n % 4 != 0 || pd[0] != k || pd[1] != n || td[0] != k / 4 || td[1] != n / 4 ||
-      k > (int64_t{1} << 30) || n > (int64_t{1} << 30))
-    return ffi::Error::InvalidArgument("nm24_transposable: w (" + std::to_string(k) + ", " + std::to_string(n) +
-                                       ") needs w and pruned of its shape in the dtypes the kernel was built "
-                                       "for, K and N multiples of 4, and pattern (K / 4, N / 4)");
+  if (std::string e = jaxsparse_cuda::CheckNm24Transposable(k, n, types, pd[0], pd[1], td[0], td[1]); !e.empty())
+    return ffi::Error::InvalidArgument(e);
   const int64_t tiles = (k / 4) * (n / 4);
   if (tiles == 0) return ffi::Error::Success();
   const void* wp = w.untyped_data();
@@ -218,13 +213,10 @@ ffi::Error Nm24TransposableCompress(CUstream stream, ffi::AnyBuffer w, ffi::Resu
   if (wd.size() != 2 || td.size() != 2 || bd.size() != 1 || btd.size() != 1)
     return ffi::Error::InvalidArgument("nm24_transposable_compress: w and pattern must be 2-D, the buffers 1-D");
   const int64_t k = wd[0], n = wd[1];
-  if (w.element_type() != (w_bf16 ? ffi::BF16 : ffi::F32) || k % 64 != 0 || n % 64 != 0 || k / 64 > 65535 ||
-      td[0] != k / 4 || td[1] != n / 4 || bd[0] != k * n / 8 * 9 || btd[0] != k * n / 8 * 9 || k > (int64_t{1} << 30) ||
-      n > (int64_t{1} << 30))
-    return ffi::Error::InvalidArgument("nm24_transposable_compress: w (" + std::to_string(k) + ", " +
-                                       std::to_string(n) + ") needs the dtype the kernel was built for, K and N "
-                                       "multiples of 64, K <= 64 * 65535, pattern (K / 4, N / 4) and buffers "
-                                       "of K N 9 / 8 bytes");
+  const bool types = w.element_type() == (w_bf16 ? ffi::BF16 : ffi::F32);
+  if (std::string e = jaxsparse_cuda::CheckNm24TransposableCompress(k, n, types, td[0], td[1], bd[0], btd[0]);
+      !e.empty())
+    return ffi::Error::InvalidArgument(e);
   if (k == 0 || n == 0) return ffi::Error::Success();
   const void* wp = w.untyped_data();
   void* tp = pattern->untyped_data();
@@ -247,14 +239,10 @@ ffi::Error Nm24Prune(CUstream stream, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuff
   const bool compress = bd[0] != 0;
   // The kernel was compiled for these element types (NM_IN_BF16, NM_OUT_BF16); the buffer holds bfloat16.
   const bool types = w.element_type() == (w_bf16 ? ffi::BF16 : ffi::F32) &&
-                     pruned->element_type() == (out_bf16 ? ffi::BF16 : ffi::F32) && (!compress || out_bf16);
-  if (!types || k % 4 != 0 || n % 4 != 0 || pd[0] != k || pd[1] != n || gd[0] != k / 4 || gd[1] != n ||
-      (compress && (k % 32 != 0 || n % 64 != 0 || bd[0] != k * n / 8 * 9)) || k > (int64_t{1} << 30) ||
-      n > (int64_t{1} << 30))
-    return ffi::Error::InvalidArgument("nm24_prune: w (" + std::to_string(k) + ", " + std::to_string(n) +
-                                       ") needs w and pruned of its shape in the dtypes the kernel was built for, "
-                                       "K and N multiples of 4, bits (K / 4, N), and a buffer of 0 bytes or (K a "
-                                       "multiple of 32, N of 64, bfloat16 pruned) K N 9 / 8 bytes");
+                     pruned->element_type() == (out_bf16 ? ffi::BF16 : ffi::F32);
+  if (std::string e = jaxsparse_cuda::CheckNm24Prune(k, n, types, pd[0], pd[1], gd[0], gd[1], bd[0], out_bf16);
+      !e.empty())
+    return ffi::Error::InvalidArgument(e);
   const int64_t tiles = (k / 4) * (n / 4);
   if (tiles == 0) return ffi::Error::Success();
   const void* wp = w.untyped_data();
@@ -273,6 +261,10 @@ ffi::Error Nm24Prune(CUstream stream, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuff
 // Registers a kernel (a cubin holding the extern "C" function `name`); returns its id, or -1 with the reason
 // in `error` (512 bytes).
 extern "C" int64_t JaxsparseKernelRegister(const char* name, const void* cubin, int64_t size, char* error) {
+  if (std::string e = jaxsparse_cuda::CheckRegister(name, cubin, size); !e.empty()) {
+    if (error != nullptr) std::snprintf(error, 512, "%s", e.c_str());
+    return -1;
+  }
   const Driver& d = GetDriver();
   if (!d.error.empty()) {
     std::snprintf(error, 512, "%s", d.error.c_str());

@@ -6,12 +6,12 @@ per-GPU-kind tables (:class:`DispatchRules`, :func:`dispatch_rules`).
 """
 
 from jaxsparse.pallas._block_sparse_config import BlockSparseMatmulConfig
-from jaxsparse.pallas._block_sparse_config import DispatchRules
-from jaxsparse.pallas._block_sparse_config import KernelConfig
-from jaxsparse.pallas._block_sparse_config import dispatch_rules
 from jaxsparse.pallas._block_sparse_matmul_mgpu import MosaicKernelConfig
 from jaxsparse.pallas._block_sparse_sdd_mgpu import MosaicSddConfig
 from jaxsparse.pallas._common import PallasFallbackWarning
+from jaxsparse.pallas._dispatch_rules import DispatchRules
+from jaxsparse.pallas._dispatch_rules import dispatch_rules
+from jaxsparse.pallas._kernel_config import KernelConfig
 from jaxsparse.pallas._nm_matmul import NMMatmulConfig
 
 __all__ = [

@@ -20,6 +20,7 @@ from jaxsparse.formats._block_sparse import BlockSparseMatrix
 from jaxsparse.pallas._block_sparse_config import BlockSparseMatmulConfig
 from jaxsparse.pallas._block_sparse_config import mosaic_unavailable_reason
 from jaxsparse.pallas._common import allows_tf32
+from jaxsparse.pallas._dispatch_rules import dispatch_rules
 
 try:  # Mosaic GPU (Hopper).
   from jaxsparse.pallas import _block_sparse_matmul_mgpu as mosaic
@@ -74,7 +75,8 @@ def candidates(
   if direction not in DIRECTIONS:
     raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}.")
   m, (k, n) = x2.shape[0], w.shape
-  default = BlockSparseMatmulConfig.get_default(m, w.shape, w.block_shape, w.nnz_blocks, w.dtype)
+  rules = dispatch_rules()
+  default = BlockSparseMatmulConfig.get_default(m, w.shape, w.block_shape, w.nnz_blocks, w.dtype, rules=rules)
   base = dataclasses.replace(default, dense=False)
   out: list[tuple[str, BlockSparseMatmulConfig]] = []
   seen = set()
@@ -107,7 +109,7 @@ def candidates(
   # Split contractions pay where the output has few tiles: small M (H100: they lost at every M >= 1024 tried).
   for split in (2, 4) if m <= 512 else ():
     add(f"triton/s{split}", dataclasses.replace(triton, **{f_kernel: dataclasses.replace(tk, split=split)}))
-  if m <= 64 and tk.sub_cols is None:
+  if m <= rules.decode_max_m and tk.sub_cols is None:
     # Decode: more programs a block column (slices of its outputs), with or without a split contraction.
     for sub in (32, 64):
       if sub < (w.block_shape[1] if direction == "fwd" else w.block_shape[0]):

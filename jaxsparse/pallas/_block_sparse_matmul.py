@@ -54,20 +54,21 @@ from jax.experimental.pallas import triton as pltriton
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
 from jaxsparse.pallas._block_sparse_candidates import candidates
 from jaxsparse.pallas._block_sparse_config import BlockSparseMatmulConfig
-from jaxsparse.pallas._block_sparse_config import KernelConfig
-from jaxsparse.pallas._block_sparse_config import dense_dx
-from jaxsparse.pallas._block_sparse_config import dense_forward
-from jaxsparse.pallas._block_sparse_config import dw_dense_then_gather
 from jaxsparse.pallas._block_sparse_config import mosaic_available
 from jaxsparse.pallas._block_sparse_config import mosaic_unavailable_reason
 from jaxsparse.pallas._common import PallasFallbackWarning
 from jaxsparse.pallas._common import allows_tf32
 from jaxsparse.pallas._common import available
+from jaxsparse.pallas._common import check_pattern
 from jaxsparse.pallas._common import chunk
 from jaxsparse.pallas._common import dot
 from jaxsparse.pallas._common import grouped_tile
 from jaxsparse.pallas._common import pad_rows
 from jaxsparse.pallas._common import unavailable_reason
+from jaxsparse.pallas._dense_route import dense_dx
+from jaxsparse.pallas._dense_route import dense_forward
+from jaxsparse.pallas._dense_route import dw_dense_then_gather
+from jaxsparse.pallas._kernel_config import KernelConfig
 
 try:  # Mosaic GPU (Hopper) variants of the forward, dx and dw kernels.
   from jaxsparse.pallas import _block_sparse_matmul_mgpu as mosaic
@@ -325,6 +326,7 @@ def forward(
     ``(M, N)`` array of ``out_dtype``.
   """
   _check_supported(x2, w, config=config)
+  check_pattern(w, op="block_sparse_matmul forward")
   (m, _), (_, n) = x2.shape, w.shape
   (bk, bn), (_, nb) = w.block_shape, w.grid_shape
   compute_dtype = jnp.result_type(x2.dtype, w.dtype)
@@ -504,6 +506,7 @@ def backward(
     ``w.dtype``.
   """
   _check_supported(x2, dy2, w, config=config)
+  check_pattern(w, op="block_sparse_matmul backward")
   compute_dtype = jnp.result_type(x2.dtype, dy2.dtype, w.dtype)
   if w.nnz_blocks == 0:
     return (jnp.zeros(x2.shape, x2.dtype) if need_dx else None), (w.data if need_dw else None)

@@ -56,6 +56,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
+from jaxsparse.pallas._common import check_pattern
 from jaxsparse.pallas._common import chunk
 from jaxsparse.pallas._common import grouped_tile
 from jaxsparse.pallas._common import pad_rows
@@ -110,12 +111,12 @@ class MosaicKernelConfig:
       each ``a`` tile once for all ``G`` columns and runs the MMA of each column only where that
       column keeps the block (``G`` float32 accumulators): fewer ``a`` reads from L2 for small blocks,
       the limit of blocks of 32 and 64 (see the module docstring). The default configs choose it where it
-      measured faster (``DispatchRules.mosaic_group_cols``: float32 blocks of 32 and 64, 16-bit blocks of 64,
+      measured faster (``MosaicRules.group_cols``: float32 blocks of 32 and 64, 16-bit blocks of 64,
       from density 0.2 where enough grouped tiles remain to fill the GPU).
     split: parts the steps of each output tile are split into, each run by its own tile of the grid into its
       own float32 partial sum (added afterwards, one XLA pass over ``split x M x`` output columns): more tiles
       where the output has too few to fill the GPU and each walks many steps (narrow layers and mid-size
-      ``M``; ``DispatchRules.split_*``).
+      ``M``; ``SplitRules``).
 
   Used as ``mosaic_forward`` / ``mosaic_dx`` of a :class:`~jaxsparse.pallas.BlockSparseMatmulConfig`; the
   kernel needs a Hopper GPU, the config does not:
@@ -583,6 +584,7 @@ def dense_sparse_matmul(
   reason = unsupported_reason(a, w, out_dtype, config, transpose=transpose)
   if reason is not None:
     raise ValueError(f"The Mosaic GPU block-sparse kernel does not support these operands: {reason}.")
+  check_pattern(w, op="Mosaic GPU block-sparse " + ("dx" if transpose else "forward"))
   m = a.shape[0]
   (bk, bn), (kb, nb) = w.block_shape, w.grid_shape
   ob, num_out = (bk, kb) if transpose else (bn, nb)

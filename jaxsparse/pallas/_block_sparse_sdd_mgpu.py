@@ -46,6 +46,7 @@ from jaxsparse.pallas._block_sparse_matmul_mgpu import _num_sms
 from jaxsparse.pallas._block_sparse_matmul_mgpu import _smem_transforms
 from jaxsparse.pallas._block_sparse_matmul_mgpu import _transposed
 from jaxsparse.pallas._block_sparse_matmul_mgpu import tma_rows
+from jaxsparse.pallas._common import check_pattern
 from jaxsparse.pallas._common import pad_rows
 
 __all__ = ["MosaicSddConfig", "items_of", "sampled_dw", "supports", "unsupported_reason"]
@@ -343,6 +344,7 @@ def sampled_dw(
   reason = unsupported_reason(x2, dy2, w, config)
   if reason is not None:
     raise ValueError(f"The Mosaic GPU sampled xᵀdY kernel does not support these operands: {reason}.")
+  check_pattern(w, op="Mosaic GPU sampled dw")
   if w.nnz_blocks == 0:
     return jnp.zeros(w.data.shape, w.dtype)
   m, tm = x2.shape[0], config.tile_m

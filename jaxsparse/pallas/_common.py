@@ -10,11 +10,16 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxsparse._utils import FallbackWarning
+from jaxsparse.formats._base import IndexedSparseMatrix
+from jaxsparse.formats._base import is_concrete
+from jaxsparse.formats._nm import NMSparseMatrix
+from jaxsparse.formats._nm import index_layout
 
 __all__ = [
     "PallasFallbackWarning",
     "allows_tf32",
     "available",
+    "check_pattern",
     "chunk",
     "dot",
     "grouped_tile",
@@ -122,3 +127,33 @@ def dot(a, b, contract, *, compute_dtype, precision):
       precision=precision,
       preferred_element_type=jnp.float32,
   )
+
+
+def check_pattern(w, *, op: str) -> None:
+  """Rejects a weight whose index arrays a kernel would read out of bounds, before it is launched.
+
+  The kernels index ``x`` / ``dY`` / the output with the stored pattern and check nothing on the device. A
+  hand-built or tree-mapped matrix (``validate=False``, ``jax.tree.map``) skips the constructors' checks, so the
+  entry points check again: the shapes and dtypes of the index arrays always (static), and, when they are concrete,
+  their values (:meth:`~jaxsparse.BlockSparseMatrix.validate`: indices inside the grid, row-major order, offsets
+  and transpose order as the indices imply; for :class:`~jaxsparse.NMSparseMatrix`, positions inside their group).
+  Traced arrays are checked by the constructors that built them.
+
+  Raises:
+    ValueError: naming ``op``, the field and the bad value.
+  """
+  try:
+    if isinstance(w, IndexedSparseMatrix):
+      w._check_static()
+      if all(is_concrete(getattr(w, f)) for f in w.INDEX_FIELDS):
+        w.validate()
+    elif isinstance(w, NMSparseMatrix):
+      dtype, per_word = index_layout(w.n, w.m, w.groups)
+      want = (*w.shape[: w.axis], w.groups // per_word, *w.shape[w.axis + 1 :])
+      if tuple(w.indices.shape) != want or w.indices.dtype != dtype:
+        raise ValueError(f"NMSparseMatrix.indices must be {dtype} of shape {want}, got {w.indices.dtype} "
+                         f"{tuple(w.indices.shape)}.")
+      if is_concrete(w.indices):
+        w.validate()
+  except ValueError as e:
+    raise ValueError(f"{op}: the weight's pattern is invalid: {e}") from None

@@ -37,6 +37,7 @@ from jaxsparse.formats._nm import index_layout
 from jaxsparse.formats._nm import position_bits
 from jaxsparse.pallas._common import PallasFallbackWarning
 from jaxsparse.pallas._common import available
+from jaxsparse.pallas._common import check_pattern
 from jaxsparse.pallas._common import dot
 from jaxsparse.pallas._common import grouped_tile
 from jaxsparse.pallas._common import pad_rows
@@ -259,6 +260,7 @@ def forward(
   reason = unsupported_reason(x2, w, config)
   if reason is not None:
     raise ValueError(f"The Pallas N:M kernel does not support these operands: {reason}.")
+  check_pattern(w, op="Pallas N:M forward")
   (mrows, k), (_, cols) = x2.shape, w.shape
   n, m, groups = w.n, w.m, w.groups
   _, per_word = index_layout(n, m, groups)

@@ -39,7 +39,7 @@ from jaxsparse.torch_interop._flax import LoadReport
 from jaxsparse.torch_interop._flax import apply_rules
 from jaxsparse.torch_interop._flax import load_nnx
 from jaxsparse.torch_interop._flax import map_name
-from jaxsparse.torch_interop._flax import to_linen_variables
+from jaxsparse.torch_interop._linen import to_linen_variables
 from jaxsparse.torch_interop._load import CheckpointError
 from jaxsparse.torch_interop._load import load_state_dict
 from jaxsparse.torch_interop._patterns import Pattern

@@ -158,7 +158,7 @@ def _inspect(args) -> int:
 
 def _convert(args) -> int:
   from jaxsparse.torch_interop._files import save_flax_variables  # noqa: PLC0415 -- lazy: imports torch
-  from jaxsparse.torch_interop._flax import to_linen_variables  # noqa: PLC0415 -- lazy: imports torch
+  from jaxsparse.torch_interop._linen import to_linen_variables  # noqa: PLC0415 -- lazy: imports torch
   from jaxsparse.torch_interop._load import open_checkpoint  # noqa: PLC0415 -- lazy: imports torch
 
   if os.path.exists(args.output) and not args.force:

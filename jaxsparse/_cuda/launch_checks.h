@@ -1,0 +1,125 @@
+// Host-side checks of the CUDA custom calls' operands: every size, dim and attribute a handler reads is checked
+// here before anything is launched, with the values in the message. Plain C++ (no XLA, no CUDA), so that
+// tests/test_faults_cuda_entry.py compiles and runs the checks on any machine. Each returns "" or the error.
+#ifndef JAXSPARSE_CUDA_LAUNCH_CHECKS_H_
+#define JAXSPARSE_CUDA_LAUNCH_CHECKS_H_
+
+#include <cstdint>
+#include <string>
+
+namespace jaxsparse_cuda {
+
+constexpr int64_t kMaxDim = int64_t{1} << 30;           // the kernels take K and N as int
+constexpr int64_t kMaxGridX = (int64_t{1} << 31) - 1;  // CUDA's grid.x limit
+constexpr int64_t kMaxGridY = 65535;                    // CUDA's grid.y limit
+
+inline std::string Shape(int64_t a, int64_t b) { return "(" + std::to_string(a) + ", " + std::to_string(b) + ")"; }
+
+// K and N inside [0, 2**30] (checked first: the size products below then cannot overflow int64).
+inline std::string CheckKN(const char* op, int64_t k, int64_t n) {
+  if (k < 0 || n < 0 || k > kMaxDim || n > kMaxDim)
+    return std::string(op) + ": w " + Shape(k, n) + " needs K and N in [0, 2**30]";
+  return "";
+}
+
+// nm24_decode: x (M, K), values (K/2, N) bf16, idx (K/8, N) u8, y (M, N); split / warps / span as the cubin
+// was compiled (Nm24DecodeConfig: split 1, 2, 4 or 8; warps 2, 4 or 8; span 64 or 128).
+inline std::string CheckNm24Decode(int64_t m, int64_t k, int64_t n, int64_t v0, int64_t v1, int64_t i0, int64_t i1,
+                                   int64_t y0, int64_t y1, int64_t split, int64_t warps, int64_t span) {
+  const std::string op = "nm24_decode";
+  if (std::string e = CheckKN(op.c_str(), k, n); !e.empty()) return e;
+  if (m < 1 || m > 32) return op + ": x has M=" + std::to_string(m) + " rows, needs 1 <= M <= 32";
+  if (span != 64 && span != 128) return op + ": span=" + std::to_string(span) + ", needs 64 or 128";
+  if (split != 1 && split != 2 && split != 4 && split != 8)
+    return op + ": split=" + std::to_string(split) + ", needs 1, 2, 4 or 8";
+  if (warps != 2 && warps != 4 && warps != 8) return op + ": warps=" + std::to_string(warps) + ", needs 2, 4 or 8";
+  if (k % 64 != 0 || n % span != 0)
+    return op + ": W " + Shape(k, n) + " needs K a multiple of 64 and N of span=" + std::to_string(span);
+  if (v0 != k / 2 || v1 != n) return op + ": values " + Shape(v0, v1) + ", needs (K / 2, N) = " + Shape(k / 2, n);
+  if (i0 != k / 8 || i1 != n) return op + ": idx " + Shape(i0, i1) + ", needs (K / 8, N) = " + Shape(k / 8, n);
+  if (y0 != m || y1 != n) return op + ": y " + Shape(y0, y1) + ", needs (M, N) = " + Shape(m, n);
+  return "";
+}
+
+// nm24_transposable / nm24_prune: one thread a 4 x 4 tile (a group of 4 for nm24_prune), 256 a block.
+inline std::string CheckPruneGrid(const char* op, int64_t k, int64_t n) {
+  if (std::string e = CheckKN(op, k, n); !e.empty()) return e;
+  if (k % 4 != 0 || n % 4 != 0) return std::string(op) + ": w " + Shape(k, n) + " needs K and N multiples of 4";
+  if (((k / 4) * (n / 4) + 255) / 256 > kMaxGridX)
+    return std::string(op) + ": w " + Shape(k, n) + " has more 4 x 4 tiles than one launch covers (256 * (2**31 - 1))";
+  return "";
+}
+
+inline std::string CheckNm24Transposable(int64_t k, int64_t n, bool types, int64_t p0, int64_t p1, int64_t t0,
+                                         int64_t t1) {
+  const char* op = "nm24_transposable";
+  if (std::string e = CheckPruneGrid(op, k, n); !e.empty()) return e;
+  if (!types) return std::string(op) + ": w or pruned is not of the dtype the kernel was built for";
+  if (p0 != k || p1 != n) return std::string(op) + ": pruned " + Shape(p0, p1) + ", needs w's shape " + Shape(k, n);
+  if (t0 != k / 4 || t1 != n / 4)
+    return std::string(op) + ": pattern " + Shape(t0, t1) + ", needs (K / 4, N / 4) = " + Shape(k / 4, n / 4);
+  return "";
+}
+
+inline std::string CheckNm24TransposableCompress(int64_t k, int64_t n, bool types, int64_t t0, int64_t t1, int64_t b,
+                                                 int64_t bt) {
+  const char* op = "nm24_transposable_compress";
+  if (std::string e = CheckKN(op, k, n); !e.empty()) return e;
+  if (!types) return std::string(op) + ": w is not of the dtype the kernel was built for";
+  if (k % 64 != 0 || n % 64 != 0 || k / 64 > kMaxGridY)
+    return std::string(op) + ": w " + Shape(k, n) + " needs K and N multiples of 64 and K <= 64 * 65535";
+  if (t0 != k / 4 || t1 != n / 4)
+    return std::string(op) + ": pattern " + Shape(t0, t1) + ", needs (K / 4, N / 4) = " + Shape(k / 4, n / 4);
+  const int64_t bytes = k * n / 8 * 9;
+  if (b != bytes || bt != bytes)
+    return std::string(op) + ": buffers of " + std::to_string(b) + " and " + std::to_string(bt) +
+           " bytes, need K N 9 / 8 = " + std::to_string(bytes) + " each";
+  return "";
+}
+
+inline std::string CheckNm24Prune(int64_t k, int64_t n, bool types, int64_t p0, int64_t p1, int64_t g0, int64_t g1,
+                                  int64_t b, bool out_bf16) {
+  const char* op = "nm24_prune";
+  if (std::string e = CheckPruneGrid(op, k, n); !e.empty()) return e;
+  if (!types) return std::string(op) + ": w or pruned is not of the dtype the kernel was built for";
+  if (p0 != k || p1 != n) return std::string(op) + ": pruned " + Shape(p0, p1) + ", needs w's shape " + Shape(k, n);
+  if (g0 != k / 4 || g1 != n) return std::string(op) + ": bits " + Shape(g0, g1) + ", needs (K / 4, N) = " + Shape(k / 4, n);
+  if (b != 0) {
+    if (!out_bf16) return std::string(op) + ": the compressed buffer holds bfloat16, pruned is not";
+    if (k % 32 != 0 || n % 64 != 0 || b != k * n / 8 * 9)
+      return std::string(op) + ": a buffer of " + std::to_string(b) + " bytes for w " + Shape(k, n) +
+             ", needs 0 or (K a multiple of 32, N of 64) K N 9 / 8 = " + std::to_string(k * n / 8 * 9);
+  }
+  return "";
+}
+
+// JaxsparseKernelRegister's arguments (from Python, ctypes).
+inline std::string CheckRegister(const char* name, const void* cubin, int64_t size) {
+  if (name == nullptr || name[0] == '\0') return "kernel name is empty";
+  if (cubin == nullptr || size <= 0) return "cubin is empty (size " + std::to_string(size) + ")";
+  return "";
+}
+
+// cuSPARSELt: the structured operand (K, N) in layout 0 (KN) or 1 (NK), dtype 0 (bf16) or 1 (f16); K and N positive
+// multiples of 16 (ALIGN in _cusparselt.py).
+inline std::string CheckCslt(const char* op, int64_t k, int64_t n, int64_t layout, int64_t dtype) {
+  if (layout != 0 && layout != 1) return std::string(op) + ": layout=" + std::to_string(layout) + ", needs 0 or 1";
+  if (dtype != 0 && dtype != 1) return std::string(op) + ": dtype code " + std::to_string(dtype) + ", needs 0 or 1";
+  if (std::string e = CheckKN(op, k, n); !e.empty()) return e;
+  if (k < 16 || n < 16 || k % 16 != 0 || n % 16 != 0)
+    return std::string(op) + ": W (K, N) = " + Shape(k, n) + " needs K and N positive multiples of 16";
+  return "";
+}
+
+// cusparselt_matmul: x (M, K) and y (M, N), M a positive multiple of 16 (the wrapper pads it).
+inline std::string CheckCsltMatmul(int64_t m, int64_t k, int64_t n, int64_t y0, int64_t layout) {
+  if (std::string e = CheckCslt("cusparselt_matmul", k, n, layout, 0); !e.empty()) return e;
+  if (m < 16 || m % 16 != 0 || m > kMaxDim)
+    return "cusparselt_matmul: x has M=" + std::to_string(m) + " rows, needs a positive multiple of 16";
+  if (y0 != m) return "cusparselt_matmul: y has " + std::to_string(y0) + " rows, x " + std::to_string(m);
+  return "";
+}
+
+}  // namespace jaxsparse_cuda
+
+#endif  // JAXSPARSE_CUDA_LAUNCH_CHECKS_H_
