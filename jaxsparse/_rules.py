@@ -34,6 +34,7 @@ __all__ = [
     "dense_general_dims",
     "flatten_with_paths",
     "get_module",
+    "kernel_in_ndim",
     "masks_to_dict",
     "match_rules",
     "path_str",
@@ -214,3 +215,18 @@ def dense_general_dims(m: Any, x_shape: tuple[int, ...]) -> tuple[tuple[int, ...
         "axes in order as contracting axes and no batch dims (as in nn.MultiHeadDotProductAttention)"
     )
   return in_dims, features, unsupported
+
+
+def kernel_in_ndim(kernel_shape: Sequence[int], bias_shape: Sequence[int] | None) -> int | None:
+  """The input axes of a kernel seen without its layer (by :mod:`jaxsparse.pruning`), from its layer's bias.
+
+  A bias holds the output axes: a ``LinearGeneral`` q/k/v kernel ``(in, heads, head_dim)`` next to a
+  ``(heads, head_dim)`` bias has 1 input axis. ``None`` (every axis but the last an input, the conv
+  layout) when there is no bias or it has one axis.
+  """
+  if bias_shape is None or len(bias_shape) < 2:
+    return None
+  kernel_shape, bias_shape = tuple(kernel_shape), tuple(bias_shape)
+  if len(bias_shape) < len(kernel_shape) and kernel_shape[-len(bias_shape):] == bias_shape:
+    return len(kernel_shape) - len(bias_shape)
+  return None

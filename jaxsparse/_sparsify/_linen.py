@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -63,6 +62,7 @@ from jaxsparse.formats._specs import BlockSparse
 from jaxsparse.formats._specs import Spec
 from jaxsparse.formats._specs import Unstructured
 from jaxsparse.formats._specs import check_spec_applies
+from jaxsparse.formats._specs import matrix_shape
 from jaxsparse.layers import linen as sparse_linen
 
 __all__ = ["SparsifiedLinen", "densify_linen", "sparsify_linen"]
@@ -81,7 +81,7 @@ class _LinenLayer:
   @property
   def shape_2d(self) -> tuple[int, int]:
     """``(K, N)``: the kernel as the 2-D sparse layer holds it (dense and general layers)."""
-    return math.prod(self.in_dims), math.prod(self.features)
+    return matrix_shape((*self.in_dims, *self.features), len(self.in_dims))
 
 
 def _nested_get(tree: Mapping, path: tuple) -> Any:
