@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx
 
 from jaxsparse._rules import Probe
+from jaxsparse._rules import check_unsupported
 from jaxsparse._rules import masks_to_dict
 from jaxsparse._rules import match_rules
 from jaxsparse._rules import path_str
@@ -357,6 +358,9 @@ def sparsify(
     r = match_rules(resolved, path_str(path))
     if r is not None and resolved[r][2] is not None:
       chosen.append((path, node, resolved[r][2]))
+  embeds = {path_str(p): f"nnx.{type(n).__name__}" for p, n in nnx.iter_modules(model) if isinstance(n, nnx.Embed)}
+  check_unsupported(resolved, [path_str(p) for p, _ in layers], embeds,
+                    supported="nnx.Linear, nnx.LinearGeneral (trailing axes), nnx.Conv")
   warn_unmatched(resolved, [path_str(p) for p, _ in layers], what="nnx.Linear / nnx.Conv / nnx.LinearGeneral")
   kernel_keys = [f"{path_str(p)}.kernel" if p else "kernel" for p, _, _ in chosen]
   check_masks_used(mask_dict, set(kernel_keys), kernel_keys)
