@@ -406,8 +406,11 @@ def load_nnx(
   Every ``nnx.Linear`` (or jaxsparse linear layer) whose torch weight carries a mask is replaced, in
   place, by the layer its pattern calls for: a block pattern by :class:`~jaxsparse.layers.BlockSparseLinear`
   with the detected block shape, an N:M pattern by ``NMLinear`` (N:M convolutions by ``NMConv``), any
-  other mask by :class:`~jaxsparse.layers.MaskedLinear`. Dense torch weights fill the layer that is
-  there (a sparse layer keeps its own pattern). Nothing changes unless every check passes.
+  other mask by :class:`~jaxsparse.layers.MaskedLinear`. An ``nnx.LinearGeneral`` over trailing axes (the
+  projections of ``nnx.MultiHeadAttention``) takes a torch ``Linear`` whose weight is its kernel's 2-D view
+  ``(prod(in axes), prod(out axes))`` transposed, and becomes a :class:`~jaxsparse.layers.SparseLinearGeneral`
+  when that weight is sparse. Dense torch weights fill the layer that is there (a sparse layer keeps its own
+  pattern). Nothing changes unless every check passes.
 
   >>> import torch, torch.nn.utils.prune as prune
   >>> from flax import nnx
