@@ -31,9 +31,11 @@ __all__ = [
     "Rules",
     "as_int_tuple",
     "as_numpy_bool",
+    "check_unsupported",
     "dense_general_dims",
     "flatten_with_paths",
     "get_module",
+    "kernel_in_ndim",
     "masks_to_dict",
     "match_rules",
     "path_str",
@@ -90,6 +92,35 @@ def warn_unmatched(resolved: list[tuple[str, re.Pattern, Spec | None]], availabl
   if unused:
     listing = ", ".join(available) if available else "(none)"
     _utils.warn_at_caller(f"rule(s) {unused} matched no {what}; available paths: {listing}.", UserWarning)
+
+
+def check_unsupported(
+    resolved: list[tuple[str, re.Pattern, Spec | None]],
+    available: Sequence[str],
+    unsupported: Mapping[str, str],
+    *,
+    supported: str,
+) -> None:
+  """Raises for a rule that matches none of the ``available`` layers but an ``unsupported`` one (an embedding).
+
+  A catch-all rule that also covers supported layers passes the unsupported ones by; a rule aimed at one of them
+  only would otherwise do nothing but warn.
+
+  Args:
+    resolved: from :func:`resolve_rules`.
+    available: the dotted paths of the layers that can take a structure.
+    unsupported: ``{dotted path: layer type}`` of the layers that cannot (``{"embed": "nnx.Embed"}``).
+    supported: the layer types that can, for the message.
+  """
+  for pattern, compiled, spec in resolved:
+    if spec is None or any(compiled.fullmatch(p) for p in available):
+      continue
+    hit = [p for p in unsupported if compiled.fullmatch(p)]
+    if hit:
+      raise ValueError(
+          f"{hit[0]} ({unsupported[hit[0]]}): rule {pattern!r} gives it {spec.describe()}, but there is no sparse "
+          f"version of this layer; supported: {supported}. Map it to None or narrow the rule."
+      )
 
 
 def path_str(keypath: Sequence[Any]) -> str:
@@ -214,3 +245,18 @@ def dense_general_dims(m: Any, x_shape: tuple[int, ...]) -> tuple[tuple[int, ...
         "axes in order as contracting axes and no batch dims (as in nn.MultiHeadDotProductAttention)"
     )
   return in_dims, features, unsupported
+
+
+def kernel_in_ndim(kernel_shape: Sequence[int], bias_shape: Sequence[int] | None) -> int | None:
+  """The input axes of a kernel seen without its layer (by :mod:`jaxsparse.pruning`), from its layer's bias.
+
+  A bias holds the output axes: a ``LinearGeneral`` q/k/v kernel ``(in, heads, head_dim)`` next to a
+  ``(heads, head_dim)`` bias has 1 input axis. ``None`` (every axis but the last an input, the conv
+  layout) when there is no bias or it has one axis.
+  """
+  if bias_shape is None or len(bias_shape) < 2:
+    return None
+  kernel_shape, bias_shape = tuple(kernel_shape), tuple(bias_shape)
+  if len(bias_shape) < len(kernel_shape) and kernel_shape[-len(bias_shape):] == bias_shape:
+    return len(kernel_shape) - len(bias_shape)
+  return None

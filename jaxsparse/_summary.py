@@ -26,6 +26,7 @@ from jaxsparse.formats._base import is_concrete
 from jaxsparse.layers import _nm_linen
 from jaxsparse.layers._block_sparse import BlockSparseLinear
 from jaxsparse.layers._common import SPARSITY
+from jaxsparse.layers._linear_general import SparseLinearGeneral
 from jaxsparse.layers._masked import MaskedConv
 from jaxsparse.layers._masked import MaskedLinear
 from jaxsparse.layers._nm import CompressedNMLinear
@@ -310,7 +311,14 @@ def summary(model: nnx.Module | Mapping, /, *example_inputs: Any, module: nn.Mod
     if module is not None or example_inputs:
       raise TypeError("module and example inputs are for Linen variables; an NNX model needs neither.")
     layers = []
-    for path, node in nnx.iter_modules(model):
+    modules = list(nnx.iter_modules(model))
+    # A SparseLinearGeneral is its 2-D layer, reported under the SparseLinearGeneral's own path (the layer the
+    # model, sparsify, pruning masks and torch names know).
+    general = {tuple(path) for path, node in modules if isinstance(node, SparseLinearGeneral)}
+    for path, node in modules:
+      path = tuple(path)
+      if path[:-1] in general and path[-1:] == ("layer",):
+        path = path[:-1]
       layer = _nnx_layer(_path(path), node)
       if layer is not None:
         layers.append(layer)

@@ -600,14 +600,14 @@ def test_sparsified_linen_init_and_abstract_init(spec):
 # -------------------------------------------------------------------------------------------------
 
 
-def _pruned_attention(rules):
+def _pruned_attention(rules, use_bias=True):
   import optax  # noqa: PLC0415
 
   from jaxsparse import pruning  # noqa: PLC0415
 
   class Block(nnx.Module):
     def __init__(self, rngs):
-      self.attn = nnx.MultiHeadAttention(4, 16, qkv_features=16, decode=False, rngs=rngs)
+      self.attn = nnx.MultiHeadAttention(4, 16, qkv_features=16, decode=False, use_bias=use_bias, rngs=rngs)
 
   model = Block(nnx.Rngs(0))
   opt = nnx.Optimizer(model, pruning.wrap_optax(optax.sgd(1e-3), pruning.magnitude_pruner(rules)), wrt=nnx.Param)
@@ -627,9 +627,25 @@ def test_pruner_never_prunes_biases_and_unstructured_masks_round_trip():
 
 @pytest.mark.parametrize("spec", [jaxsparse.NM(2, 4), jaxsparse.BlockSparse(density=0.5, block_shape=(4, 4))],
                          ids=str)
-def test_pruner_view_of_qkv_kernels_is_explained(spec):
+def test_pruner_view_of_qkv_kernels_is_sparsifys(spec):
+  # The pruner takes blocks and N:M groups on the view sparsify uses: q/k/v (16, 4, 4) as (16, 16), as the
+  # layers' (4, 4) biases tell it (issue 36: block pruning of attention then sparsify raised "not constant").
+  rules = {r"attn\.(query|key|value|out)": spec}
+  model, masks, x = _pruned_attention(rules)
+  sparse, _ = jaxsparse.sparsify(model, rules, masks=masks)
+  np.testing.assert_allclose(sparse.attn(x), model.attn(x), rtol=1e-5, atol=1e-5)
+  for name in ("query", "key", "value", "out"):
+    np.testing.assert_array_equal(jaxsparse.densify(getattr(sparse.attn, name)).kernel[...] != 0,
+                                  masks["attn"][name]["kernel"])
+
+
+@pytest.mark.parametrize("spec", [jaxsparse.NM(2, 4), jaxsparse.BlockSparse(density=0.5, block_shape=(4, 4))],
+                         ids=str)
+def test_pruner_view_of_bias_free_qkv_kernels_is_explained(spec):
+  # Without a bias the pruner cannot tell a q/k/v kernel's output axes: it takes the conv layout, and sparsify
+  # says so.
   rules = {r"attn\.(query|key|value)": spec}
-  model, masks, _ = _pruned_attention(rules)
-  with pytest.raises(ValueError, match=r"attn\.(query|key|value): the given mask fits .* in jaxsparse.pruning's view "
-                     r"of this \(16, 4, 4\) kernel \(every axis but the last an input: \(64, 4\)\)"):
+  model, masks, _ = _pruned_attention(rules, use_bias=False)
+  with pytest.raises(ValueError, match=r"attn\.(query|key|value): the given mask fits .* in the conv-layout view "
+                     r"of this \(16, 4, 4\) kernel \(every axis but the last an input: \(64, 4\)\).*bias"):
     jaxsparse.sparsify(model, rules, masks=masks)

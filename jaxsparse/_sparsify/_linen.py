@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -37,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsparse import _utils
+from jaxsparse._rules import check_unsupported
 from jaxsparse._rules import dense_general_dims
 from jaxsparse._rules import match_rules
 from jaxsparse._rules import resolve_rules
@@ -63,6 +63,7 @@ from jaxsparse.formats._specs import BlockSparse
 from jaxsparse.formats._specs import Spec
 from jaxsparse.formats._specs import Unstructured
 from jaxsparse.formats._specs import check_spec_applies
+from jaxsparse.formats._specs import matrix_shape
 from jaxsparse.layers import linen as sparse_linen
 
 __all__ = ["SparsifiedLinen", "densify_linen", "sparsify_linen"]
@@ -81,7 +82,7 @@ class _LinenLayer:
   @property
   def shape_2d(self) -> tuple[int, int]:
     """``(K, N)``: the kernel as the 2-D sparse layer holds it (dense and general layers)."""
-    return math.prod(self.in_dims), math.prod(self.features)
+    return matrix_shape((*self.in_dims, *self.features), len(self.in_dims))
 
 
 def _nested_get(tree: Mapping, path: tuple) -> Any:
@@ -319,6 +320,9 @@ def sparsify_linen(
   new_vars = _to_dict(variables)
   params = new_vars.setdefault("params", {})
   layers, changes = {}, []
+  embeds = {p: "nn.Embed" for p, leaves in _param_groups(nn.meta.unbox(params)).items() if "embedding" in leaves}
+  check_unsupported(resolved, [".".join(p) for p in found], embeds,
+                    supported="nn.Dense, nn.DenseGeneral (trailing axes), nn.Conv")
   chosen = [".".join(path) for path in found if (r := match_rules(resolved, ".".join(path))) is not None
             and resolved[r][2] is not None]
   check_masks_used(mask_dict, {f"{p}.kernel" for p in chosen}, [f"{p}.kernel" for p in chosen])
@@ -376,6 +380,17 @@ def sparsify_linen(
   warn_unmatched(resolved, [".".join(p) for p in found], what="nn.Dense / nn.DenseGeneral / nn.Conv")
   changes.sort(key=lambda c: c.path)
   return SparsifiedLinen(module, layers), new_vars, SparsifyReport(tuple(changes))
+
+
+def _param_groups(tree: Mapping, prefix: str = "") -> dict[str, set[str]]:
+  """``{dotted module path: names of its leaves}`` of a nested params dict."""
+  out: dict[str, set[str]] = {}
+  for k, v in tree.items():
+    if isinstance(v, Mapping):
+      out.update(_param_groups(v, f"{prefix}.{k}" if prefix else str(k)))
+    else:
+      out.setdefault(prefix, set()).add(str(k))
+  return out
 
 
 def _nnz(layer_vars: Mapping, spec: Spec) -> int | None:

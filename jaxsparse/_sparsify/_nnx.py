@@ -16,7 +16,6 @@ rule                          ``nnx.Linear``               ``nnx.Conv``         
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import jax
@@ -25,6 +24,7 @@ import numpy as np
 from flax import nnx
 
 from jaxsparse._rules import Probe
+from jaxsparse._rules import check_unsupported
 from jaxsparse._rules import masks_to_dict
 from jaxsparse._rules import match_rules
 from jaxsparse._rules import path_str
@@ -45,6 +45,7 @@ from jaxsparse.formats._specs import BlockSparse
 from jaxsparse.formats._specs import Spec
 from jaxsparse.formats._specs import Unstructured
 from jaxsparse.formats._specs import check_spec_applies
+from jaxsparse.formats._specs import matrix_shape
 from jaxsparse.layers import BlockSparseLinear
 from jaxsparse.layers import CompressedNMLinear
 from jaxsparse.layers import MaskedConv
@@ -66,7 +67,7 @@ def _general_as_linear(layer: nnx.LinearGeneral, path: str) -> nnx.Linear:
         f"{path}: nnx.LinearGeneral with axis={layer.axis} and batch_axis={dict(layer.batch_axis)} is not "
         "supported; only trailing contracting axes and no batch axes (as in nnx.MultiHeadAttention)."
     )
-  k, n = math.prod(layer.in_features), math.prod(layer.out_features)
+  k, n = matrix_shape(layer.kernel.shape, n_in)
   bias = None if layer.bias is None else layer.bias[...].reshape(n)
   return _linear(layer.kernel[...].reshape(k, n), bias, dtype=layer.dtype, precision=layer.precision)
 
@@ -116,16 +117,17 @@ def check_nm_mask(mask: np.ndarray, spec: NM, axis: int, path: str) -> None:
 
 
 def check_general_mask_view(mask: np.ndarray, spec: Spec, in_ndim: int, path: str) -> None:
-  """Explains a mask that fits the layer's kernel only in the view of :mod:`jaxsparse.pruning`.
+  """Explains a mask that fits the layer's kernel only in the conv-layout view of a multi-axis kernel.
 
   A multi-axis kernel (``nn.MultiHeadAttention``'s q/k/v ``(in, heads, head_dim)``) is the 2-D
-  ``(prod(in axes), prod(out axes))`` matrix here, while the pruner, which sees parameters without
-  their layers, treats every axis but the last as an input axis (conv layout).
+  ``matrix_shape(shape, in_ndim)`` matrix here and in :mod:`jaxsparse.pruning`, which tells its
+  output axes from the layer's bias; a layer without a bias gives the pruner no way to tell, so it
+  takes every axis but the last as an input (conv layout), where such a mask fits.
   """
   if mask.ndim < 3 or in_ndim == mask.ndim - 1:
     return
-  k, n = math.prod(mask.shape[:in_ndim]), math.prod(mask.shape[in_ndim:])
-  mask2, pruner2 = mask.reshape(k, n), mask.reshape(-1, mask.shape[-1])
+  k, n = matrix_shape(mask.shape, in_ndim)
+  mask2, pruner2 = mask.reshape(k, n), mask.reshape(matrix_shape(mask.shape))
   if isinstance(spec, NM):
     def fits(m, axis):
       if m.shape[axis] % spec.m:
@@ -145,10 +147,11 @@ def check_general_mask_view(mask: np.ndarray, spec: Spec, in_ndim: int, path: st
     return
   if not ok_here and ok_pruner:
     raise ValueError(
-        f"{path}: the given mask fits {spec.describe()} in jaxsparse.pruning's view of this {mask.shape} kernel "
+        f"{path}: the given mask fits {spec.describe()} in the conv-layout view of this {mask.shape} kernel "
         f"(every axis but the last an input: {pruner2.shape}), but this layer contracts its first {in_ndim} axis(es): "
-        f"sparsify views it as {(k, n)}, where the mask does not fit. Prune q/k/v-style kernels (several output "
-        "axes) with jaxsparse.Unstructured, or sparsify them without masks=."
+        f"sparsify views it as {(k, n)}, where the mask does not fit. jaxsparse.pruning tells a kernel's output axes "
+        "from its layer's bias: give the layer a bias (use_bias=True), prune it with jaxsparse.Unstructured, or "
+        "sparsify it without masks=."
     )
 
 
@@ -355,6 +358,9 @@ def sparsify(
     r = match_rules(resolved, path_str(path))
     if r is not None and resolved[r][2] is not None:
       chosen.append((path, node, resolved[r][2]))
+  embeds = {path_str(p): f"nnx.{type(n).__name__}" for p, n in nnx.iter_modules(model) if isinstance(n, nnx.Embed)}
+  check_unsupported(resolved, [path_str(p) for p, _ in layers], embeds,
+                    supported="nnx.Linear, nnx.LinearGeneral (trailing axes), nnx.Conv")
   warn_unmatched(resolved, [path_str(p) for p, _ in layers], what="nnx.Linear / nnx.Conv / nnx.LinearGeneral")
   kernel_keys = [f"{path_str(p)}.kernel" if p else "kernel" for p, _, _ in chosen]
   check_masks_used(mask_dict, set(kernel_keys), kernel_keys)

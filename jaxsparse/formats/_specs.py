@@ -139,15 +139,35 @@ Spec: TypeAlias = Unstructured | BlockSparse | NM
 SPECS = (Unstructured, BlockSparse, NM)
 
 
-def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
-  """A kernel of ``shape`` viewed as ``(in, out)``: every axis but the last is an input axis (conv layout)."""
-  return (math.prod(shape[:-1]), shape[-1])
+def matrix_shape(shape: Sequence[int], in_ndim: int | None = None) -> tuple[int, int]:
+  """The 2-D ``(in, out)`` view of a kernel of ``shape``: its first ``in_ndim`` axes are inputs, the rest outputs.
 
+  The one view of a multi-axis kernel that :mod:`jaxsparse.pruning`, :func:`jaxsparse.sparsify` and
+  :mod:`jaxsparse.torch_interop` share: blocks and N:M groups are taken on it. ``in_ndim=None`` (a
+  ``Linear`` or conv kernel ``(*kernel_size, cin, cout)``) makes every axis but the last an input; a
+  ``LinearGeneral`` contracting ``k`` trailing axes has ``in_ndim=k``, so ``nnx.MultiHeadAttention``'s
+  q/k/v kernels ``(in, heads, head_dim)`` are ``(in, heads * head_dim)`` and its out kernel
+  ``(heads, head_dim, out)`` is ``(heads * head_dim, out)``.
 
-def check_spec_applies(spec: Spec, shape: Sequence[int], *, path: str) -> None:
-  """Raises a ``ValueError`` naming ``path`` when ``spec`` cannot apply to a kernel of ``shape``."""
+  >>> from jaxsparse.formats._specs import matrix_shape
+  >>> matrix_shape((3, 3, 16, 32)), matrix_shape((256, 4, 64), in_ndim=1), matrix_shape((4, 64, 256), in_ndim=2)
+  ((144, 32), (256, 256), (256, 256))
+  """
   shape = tuple(int(s) for s in shape)
-  k, n = matrix_shape(shape)
+  in_ndim = len(shape) - 1 if in_ndim is None else int(in_ndim)
+  if not 0 < in_ndim < len(shape):
+    raise ValueError(f"in_ndim={in_ndim} must leave at least one input and one output axis of a {shape} kernel.")
+  return (math.prod(shape[:in_ndim]), math.prod(shape[in_ndim:]))
+
+
+def check_spec_applies(spec: Spec, shape: Sequence[int], *, path: str, in_ndim: int | None = None) -> None:
+  """Raises a ``ValueError`` naming ``path`` when ``spec`` cannot apply to a kernel of ``shape``.
+
+  The kernel is taken in the view of :func:`matrix_shape` with ``in_ndim`` input axes.
+  """
+  shape = tuple(int(s) for s in shape)
+  k, n = matrix_shape(shape, in_ndim)
+  in_ndim = len(shape) - 1 if in_ndim is None else in_ndim
   if isinstance(spec, Unstructured):
     size = k * n
     kept = size - _utils.kept_count(spec.sparsity, size)
@@ -168,16 +188,16 @@ def check_spec_applies(spec: Spec, shape: Sequence[int], *, path: str) -> None:
           f"{path}: density={spec.density} keeps 0 of its {blocks} blocks of {spec.block_shape}; raise the density."
       )
   elif isinstance(spec, NM):
-    c = shape[-2]  # groups run along the innermost input axis (in-channels of a conv kernel)
+    c = shape[in_ndim - 1]  # groups run along the innermost input axis (in-channels of a conv kernel)
     if c % spec.m:
       raise ValueError(
           f"{path}: N:M sparsity {spec.n}:{spec.m} needs m={spec.m} to divide the input size {c} of its "
           f"{shape} kernel ({c} % {spec.m} = {c % spec.m}); choose another m or give this path another rule."
       )
-    if spec.transposable and shape[-1] % spec.m:
+    if spec.transposable and n % spec.m:
       raise ValueError(
           f"{path}: transposable N:M sparsity {spec.n}:{spec.m} needs m={spec.m} to divide the output size "
-          f"{shape[-1]} of its {shape} kernel; use NM({spec.n}, {spec.m}) or give this path another rule."
+          f"{n} of its {shape} kernel; use NM({spec.n}, {spec.m}) or give this path another rule."
       )
 
 

@@ -43,6 +43,7 @@ from jaxsparse.formats._specs import BlockSparse
 from jaxsparse.formats._specs import Unstructured
 from jaxsparse.formats._specs import check_plain_nm
 from jaxsparse.formats._specs import check_spec_applies
+from jaxsparse.formats._specs import matrix_shape
 
 NNX_LAYERS = "nnx.Linear / nnx.LinearGeneral / nnx.Conv layer"
 LINEN_LAYERS = "nn.Dense / nn.DenseGeneral / nn.Conv call"
@@ -226,7 +227,7 @@ def resolve_layers(candidates: Sequence[Candidate], rules: Any, *, what: str) ->
     if c.unsupported is not None:
       raise ValueError(f"{path or '(model)'}: {c.unsupported}; exclude it with a None rule.")
     shape = c.kernel_shape
-    k, n = math.prod(shape[: c.n_in]), math.prod(shape[c.n_in:])
+    k, n = matrix_shape(shape, c.n_in)
     if c.patches is not None and isinstance(spec, BlockSparse):
       raise ValueError(f"{path}: BlockSparse does not apply to convolutions (as in jaxsparse.sparsify); use "
                        "jaxsparse.NM(...) or jaxsparse.Unstructured(...), or give this path another rule.")

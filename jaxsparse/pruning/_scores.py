@@ -8,6 +8,11 @@ A mask tree has the structure of the parameter tree; a leaf is a bool array of t
 shape for a pruned parameter and ``None`` for one that is never pruned: only parameters with two or
 more axes are pruned, and never a ``bias`` (``nn.MultiHeadAttention``'s q/k/v biases are 2-D), as
 :func:`jaxsparse.sparsify` never sparsifies one.
+
+Blocks and N:M groups are taken on the kernel's 2-D view (``jaxsparse.formats._specs.matrix_shape``),
+the one :func:`jaxsparse.sparsify` and :mod:`jaxsparse.torch_interop` use: a kernel whose layer has a bias
+of ``d`` axes has ``d`` output axes (``LinearGeneral`` q/k/v ``(in, heads, head_dim)`` with its
+``(heads, head_dim)`` bias is ``(in, heads * head_dim)``); any other kernel is ``(prod(shape[:-1]), shape[-1])``.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from flax import nnx
 
 from jaxsparse import _utils
 from jaxsparse._rules import flatten_with_paths
+from jaxsparse._rules import kernel_in_ndim
 from jaxsparse._rules import match_rules
 from jaxsparse._rules import resolve_rules
 from jaxsparse._rules import warn_unmatched
@@ -53,8 +59,10 @@ def magnitude_scores(w: jax.typing.ArrayLike) -> jax.Array:
   return jnp.abs(jnp.asarray(w).astype(jnp.float32))
 
 
-def block_magnitude_scores(w: jax.typing.ArrayLike, block_shape: tuple[int, int]) -> jax.Array:
-  """Frobenius norm of every ``(bk, bn)`` block of ``w``, viewed as ``(prod(shape[:-1]), shape[-1])``.
+def block_magnitude_scores(
+    w: jax.typing.ArrayLike, block_shape: tuple[int, int], *, in_ndim: int | None = None
+) -> jax.Array:
+  """Frobenius norm of every ``(bk, bn)`` block of ``w``, viewed as ``(prod(shape[:in_ndim]), prod(shape[in_ndim:]))``.
 
   >>> import jax.numpy as jnp
   >>> from jaxsparse import pruning
@@ -65,6 +73,7 @@ def block_magnitude_scores(w: jax.typing.ArrayLike, block_shape: tuple[int, int]
   Args:
     w: weights with at least 2 axes.
     block_shape: ``(bk, bn)`` dividing the ``(in, out)`` view.
+    in_ndim: the number of leading input axes; default every axis but the last (see ``matrix_shape``).
 
   Returns:
     float32 ``(in // bk, out // bn)``.
@@ -72,7 +81,7 @@ def block_magnitude_scores(w: jax.typing.ArrayLike, block_shape: tuple[int, int]
   w = jnp.asarray(w)
   if w.ndim < 2:
     raise ValueError(f"w must have at least 2 axes, got shape {w.shape}.")
-  k, n = matrix_shape(w.shape)
+  k, n = matrix_shape(w.shape, in_ndim)
   bk, bn = _utils.check_block_shape(block_shape, (k, n))
   return _block_reduce(w.reshape(k, n).astype(jnp.float32) ** 2, (bk, bn)) ** 0.5
 
@@ -119,12 +128,18 @@ class Target:
   shape: tuple[int, ...]
   spec: Spec
   rule: int
+  in_ndim: int | None = None  # leading input axes of the 2-D view (matrix_shape); None: all but the last
+
+  @property
+  def shape_2d(self) -> tuple[int, int]:
+    """The leaf viewed as ``(in, out)``, as sparsify and torch_interop view its layer's kernel."""
+    return matrix_shape(self.shape, self.in_ndim)
 
   @property
   def units(self) -> int:
     """Number of units that are kept or pruned together: weights, or blocks."""
     if isinstance(self.spec, BlockSparse):
-      k, n = matrix_shape(self.shape)
+      k, n = self.shape_2d
       bk, bn = self.spec.block_shape
       return (k // bk) * (n // bn)
     return math.prod(self.shape)
@@ -141,7 +156,7 @@ class Target:
   def unit_scores(self, scores: jax.Array, *, blockwise: str = "norm") -> jax.Array:
     """Flat scores per unit. ``blockwise``: ``"norm"`` (Frobenius norm of the block) or ``"sum"``."""
     if isinstance(self.spec, BlockSparse):
-      x2 = scores.reshape(matrix_shape(self.shape)).astype(jnp.float32)
+      x2 = scores.reshape(self.shape_2d).astype(jnp.float32)
       if blockwise == "norm":
         return (_block_reduce(x2 * x2, self.spec.block_shape) ** 0.5).reshape(-1)
       return _block_reduce(x2, self.spec.block_shape).reshape(-1)
@@ -150,14 +165,14 @@ class Target:
   def unit_mask(self, mask: jax.Array) -> jax.Array:
     """Flat bool per unit of an element mask (a block is kept if any of its weights is)."""
     if isinstance(self.spec, BlockSparse):
-      m2 = mask.reshape(matrix_shape(self.shape)).astype(jnp.int32)
+      m2 = mask.reshape(self.shape_2d).astype(jnp.int32)
       return (_block_reduce(m2, self.spec.block_shape) > 0).reshape(-1)
     return mask.reshape(-1)
 
   def expand(self, units: jax.Array) -> jax.Array:
     """Element mask of the leaf's shape from a flat unit mask."""
     if isinstance(self.spec, BlockSparse):
-      k, n = matrix_shape(self.shape)
+      k, n = self.shape_2d
       bk, bn = self.spec.block_shape
       blocks = units.reshape(k // bk, n // bn)
       return jnp.repeat(jnp.repeat(blocks, bk, axis=0), bn, axis=1).reshape(self.shape)
@@ -172,6 +187,8 @@ def plan(tree: Any, rules: Any, *, warn: bool = True) -> tuple[list[str], list[A
   """
   resolved = resolve_rules(rules)
   paths, leaves, treedef = flatten_with_paths(tree)
+  biases = {path.rpartition(".")[0]: tuple(getattr(leaf, "shape", ())) for path, leaf in zip(paths, leaves, strict=True)
+            if path.rpartition(".")[2] == "bias"}
   targets, available = [], []
   for i, (path, leaf) in enumerate(zip(paths, leaves, strict=True)):
     shape = tuple(getattr(leaf, "shape", ()))
@@ -185,9 +202,10 @@ def plan(tree: Any, rules: Any, *, warn: bool = True) -> tuple[list[str], list[A
     spec = resolved[r][2]
     if spec is None:
       continue
-    check_spec_applies(spec, shape, path=path)
+    in_ndim = kernel_in_ndim(shape, biases.get(owner))
+    check_spec_applies(spec, shape, path=path, in_ndim=in_ndim)
     check_plain_nm(spec, path=path, what="jaxsparse.pruning")
-    targets.append(Target(i, path, shape, spec, r))
+    targets.append(Target(i, path, shape, spec, r, in_ndim))
   if warn:
     warn_unmatched(resolved, available, what="parameter with 2 or more axes (nor the layer holding it)")
   return paths, leaves, treedef, targets
@@ -259,7 +277,7 @@ def _nm_at(t: Target, unit_scores: jax.Array, sparsity: jax.typing.ArrayLike) ->
   n, m = t.spec.n, t.spec.m
   s = jnp.asarray(sparsity, jnp.float32)
   n_t = jnp.where(s >= jnp.float32(t.spec.target_sparsity), n, jnp.clip(m - jnp.floor(s * m + 0.5), n, m))
-  return group_rank_mask(unit_scores.reshape(matrix_shape(t.shape)), n_t, m).reshape(t.shape)
+  return group_rank_mask(unit_scores.reshape(t.shape_2d), n_t, m).reshape(t.shape)
 
 
 def check_scope(scope: object) -> str:

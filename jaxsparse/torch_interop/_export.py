@@ -20,6 +20,9 @@ from flax import nnx
 from jaxsparse import layers as jsl
 from jaxsparse.formats._block_sparse import INDEX_FIELDS
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
+from jaxsparse.formats._nm import nm_mask
+from jaxsparse.formats._specs import NM
+from jaxsparse.formats._specs import matrix_shape
 from jaxsparse.torch_interop._load import CheckpointError
 from jaxsparse.torch_interop._load import import_torch
 from jaxsparse.torch_interop._load import to_torch
@@ -56,12 +59,18 @@ def _nnx_entries(model: nnx.Module) -> list[_Entry]:
   nm_linear, nm_conv = getattr(jsl, "NMLinear", None), getattr(jsl, "NMConv", None)
   compressed = getattr(jsl, "CompressedNMLinear", None)
   entries, seen = [], set()
-  for path, node in nnx.iter_graph(model):
+  nodes = [(tuple(path), node) for path, node in nnx.iter_graph(model)]
+  # A SparseLinearGeneral's 2-D layer is the torch Linear of the SparseLinearGeneral's own path: its weight is the
+  # kernel's 2-D view (matrix_shape) in torch layout, as a torch attention projection holds it.
+  general = {path for path, node in nodes if isinstance(node, jsl.SparseLinearGeneral)}
+  for path, node in nodes:
     if not isinstance(node, nnx.Module) or id(node) in seen:
       continue
     if not any(isinstance(v, nnx.Variable) for v in vars(node).values()):
       continue
     seen.add(id(node))
+    if path[:-1] in general and path[-1:] == ("layer",):
+      path = path[:-1]
     fp = ".".join(str(p) for p in path)
     bias = getattr(node, "bias", None)
     bias = None if not isinstance(bias, nnx.Variable) else _np(bias[...])
@@ -86,6 +95,10 @@ def _nnx_entries(model: nnx.Module) -> list[_Entry]:
       entries.append(_Entry(fp, "weight", torch_layout(_masked(_np(node.kernel[...]), mask)), torch_layout(mask)))
     elif isinstance(node, nnx.Linear | nnx.Conv):
       entries.append(_Entry(fp, "weight", torch_layout(_np(node.kernel[...]))))
+    elif isinstance(node, nnx.LinearGeneral):  # a torch Linear on the kernel's 2-D view
+      k = _np(node.kernel[...])
+      entries.append(_Entry(fp, "weight", torch_layout(k.reshape(matrix_shape(k.shape, len(node.in_features))))))
+      bias = None if bias is None else bias.reshape(-1)
     elif isinstance(node, nnx.Embed):
       entries.append(_Entry(fp, "weight", _np(node.embedding[...])))
     elif isinstance(node, nnx.BatchNorm):
@@ -117,7 +130,19 @@ def _flatten(tree: Mapping, prefix: str = "") -> dict[str, dict]:
   return out
 
 
-def _linen_entries(variables: Mapping) -> list[_Entry]:
+def _linen_nm(module: Any) -> dict[str, tuple[int, int]]:
+  """``{path: (n, m)}`` of the N:M layers of a ``SparsifiedLinen`` (their masks follow the kernels: no variable)."""
+  if module is None:
+    return {}
+  found = getattr(module, "layers", None)
+  if not isinstance(found, Mapping):
+    raise TypeError(f"module must be the SparsifiedLinen that jaxsparse.sparsify_linen returned, got {module!r}.")
+  return {".".join(path): (layer.spec.n, layer.spec.m) for path, layer in found.items()
+          if isinstance(layer.spec, NM)}
+
+
+def _linen_entries(variables: Mapping, module: Any = None) -> list[_Entry]:
+  nm = _linen_nm(module)
   if "params" not in variables:
     raise TypeError(f"variables must hold a 'params' collection (Linen variables), got {sorted(variables)}.")
   params = _flatten(variables["params"])
@@ -139,6 +164,9 @@ def _linen_entries(variables: Mapping) -> list[_Entry]:
         mask = np.repeat(np.repeat(_np(mat.block_mask), bk, 0), bn, 1)
         entries.append(_Entry(fp, "weight", torch_layout(_np(mat.to_dense())), torch_layout(mask),
                               block_shape=(bn, bk)))
+      elif name == "kernel" and fp in nm:  # NMDense / NMConv of sparsify_linen: the N:M mask of the kernel
+        mask = _np(nm_mask(value, *nm[fp], axis=-2))
+        entries.append(_Entry(fp, "weight", torch_layout(_masked(value, mask)), torch_layout(mask), nm=nm[fp]))
       elif name == "kernel":
         entries.append(_Entry(fp, "weight", torch_layout(value)))
       elif name in ("embedding", "scale"):
@@ -151,11 +179,13 @@ def _linen_entries(variables: Mapping) -> list[_Entry]:
   return entries
 
 
-def _entries(model: Any) -> list[_Entry]:
+def _entries(model: Any, module: Any = None) -> list[_Entry]:
   if isinstance(model, nnx.Module):
+    if module is not None:
+      raise TypeError("module= is for Linen variables (the SparsifiedLinen of sparsify_linen), not an NNX model.")
     return _nnx_entries(model)
   if isinstance(model, Mapping):
-    return _linen_entries(model)
+    return _linen_entries(model, module)
   raise TypeError(f"model must be a flax.nnx.Module or Linen variables (a dict), got {type(model).__name__}.")
 
 
@@ -176,7 +206,9 @@ def _fqn(mod: str, name: str) -> str:
   return f"{mod}.{name}" if mod else name
 
 
-def export_masks(model: Any, *, torch_names: TorchNames = None, dtype: Any = None) -> dict[str, Any]:
+def export_masks(
+    model: Any, *, torch_names: TorchNames = None, dtype: Any = None, module: Any = None
+) -> dict[str, Any]:
   """The masks of a jaxsparse model as ``{"{torch module}.weight_mask": tensor}`` in torch layout.
 
   Covers ``MaskedLinear``, ``BlockSparseLinear`` (its blocks expanded), ``NMLinear``/``NMConv`` (the
@@ -196,13 +228,16 @@ def export_masks(model: Any, *, torch_names: TorchNames = None, dtype: Any = Non
       or ``None`` (same dotted names).
     dtype: torch dtype of the masks; ``None`` gives bool (``torch.nn.utils.prune`` stores masks in the
       weight's dtype: pass ``torch.float32`` to match its ``weight_mask`` bit for bit).
+    module: for Linen variables from :func:`jaxsparse.sparsify_linen`, the ``SparsifiedLinen`` it returned: its
+      ``NMDense`` / ``NMConv`` layers keep no mask variable (the mask follows the kernel), so without it they are
+      written as dense weights.
 
   Returns:
     ``{name: torch.Tensor}``, ready for :func:`apply_masks`.
   """
   torch = import_torch()
   out = {}
-  for e in _entries(model):
+  for e in _entries(model, module):
     if e.mask is None:
       continue
     t = torch.from_numpy(np.ascontiguousarray(e.mask))
@@ -279,6 +314,7 @@ def export_state_dict(
     format: str = "dense",
     torch_names: TorchNames = None,
     dtype: Any = None,
+    module: Any = None,
 ) -> dict[str, Any]:
   """A torch state dict of a whole jaxsparse model, its sparse layers written in ``format``.
 
@@ -308,6 +344,8 @@ def export_state_dict(
     format: one of ``"dense"``, ``"prune"``, ``"ao"``, ``"bsr"``, ``"semi_structured"``.
     torch_names: Flax module path -> torch module path (see :func:`export_masks`).
     dtype: torch dtype for floating-point tensors (e.g. ``torch.float16``); ``None`` keeps them.
+    module: for Linen variables, the ``SparsifiedLinen`` of :func:`jaxsparse.sparsify_linen` (see
+      :func:`export_masks`).
 
   Returns:
     ``{name: torch.Tensor}``.
@@ -321,7 +359,7 @@ def export_state_dict(
     return out.to(dtype) if dtype is not None and out.is_floating_point() else out
 
   out = {}
-  for e in _entries(model):
+  for e in _entries(model, module):
     mod = _torch_module(torch_names, e.flax_path)
     fqn = _fqn(mod, e.name)
     if e.mask is None:

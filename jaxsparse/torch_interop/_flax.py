@@ -28,6 +28,7 @@ from jaxsparse import layers as jsl
 from jaxsparse.formats import _masks
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
 from jaxsparse.formats._specs import check_plain_nm
+from jaxsparse.formats._specs import matrix_shape
 from jaxsparse.torch_interop._decode import NMSpec
 from jaxsparse.torch_interop._decode import TorchParam
 from jaxsparse.torch_interop._decode import decode_checkpoint
@@ -273,6 +274,38 @@ def _linear_plan(
   return type(module).__name__, w
 
 
+def _general_plan(
+    module: nnx.LinearGeneral, path: tuple, group: dict, plan: _Plan, *, sparse: bool, flax_path: str
+) -> tuple[str, TorchParam]:
+  """A torch Linear into an ``nnx.LinearGeneral``: its weight is the kernel's 2-D view (``matrix_shape``) transposed.
+
+  The q/k/v projections of ``nnx.MultiHeadAttention`` (kernel ``(in, heads, head_dim)``) take a torch
+  ``Linear(in, heads * head_dim)``, the out projection ``(heads, head_dim, out)`` a ``Linear(heads * head_dim,
+  out)``; a sparse torch weight makes a :class:`~jaxsparse.layers.SparseLinearGeneral`.
+  """
+  n_in = len(module.in_features)
+  if module.batch_axis or tuple(module.axis) != tuple(range(-n_in, 0)):
+    raise CheckpointError(
+        f"{flax_path}: nnx.LinearGeneral with axis={module.axis} and batch_axis={dict(module.batch_axis)} has no torch "
+        "Linear counterpart; only trailing contracting axes and no batch axes (as in nnx.MultiHeadAttention) load."
+    )
+  k, n = matrix_shape(module.kernel.shape, n_in)
+  lin = nnx.Linear(k, n, use_bias=module.bias is not None, dtype=module.dtype, param_dtype=module.param_dtype,
+                   precision=module.precision, rngs=nnx.Rngs(0))
+  sub = _Plan()
+  _, w = _linear_plan(lin, path, group, sub, sparse=sparse, flax_path=flax_path)
+  if sub.replace:
+    ((_, new),) = sub.replace
+    plan.replace.append((path, jsl.SparseLinearGeneral(new, in_features=module.in_features,
+                                                       out_features=module.out_features, dtype=module.dtype,
+                                                       precision=module.precision)))
+    return "SparseLinearGeneral", w
+  for var, value in sub.assign:
+    target = module.kernel if var is lin.kernel else module.bias
+    plan.assign.append((target, jnp.reshape(value, target.shape)))
+  return type(module).__name__, w
+
+
 def _conv_plan(module: nnx.Conv, path: tuple, group: dict, plan: _Plan, *, sparse: bool, flax_path: str):
   params = group["params"]
   _check_extra(group, ("weight", "bias"), flax_path=flax_path, layer="Conv")
@@ -372,8 +405,11 @@ def load_nnx(
   Every ``nnx.Linear`` (or jaxsparse linear layer) whose torch weight carries a mask is replaced, in
   place, by the layer its pattern calls for: a block pattern by :class:`~jaxsparse.layers.BlockSparseLinear`
   with the detected block shape, an N:M pattern by ``NMLinear`` (N:M convolutions by ``NMConv``), any
-  other mask by :class:`~jaxsparse.layers.MaskedLinear`. Dense torch weights fill the layer that is
-  there (a sparse layer keeps its own pattern). Nothing changes unless every check passes.
+  other mask by :class:`~jaxsparse.layers.MaskedLinear`. An ``nnx.LinearGeneral`` over trailing axes (the
+  projections of ``nnx.MultiHeadAttention``) takes a torch ``Linear`` whose weight is its kernel's 2-D view
+  ``(prod(in axes), prod(out axes))`` transposed, and becomes a :class:`~jaxsparse.layers.SparseLinearGeneral`
+  when that weight is sparse. Dense torch weights fill the layer that is there (a sparse layer keeps its own
+  pattern). Nothing changes unless every check passes.
 
   >>> import torch, torch.nn.utils.prune as prune
   >>> from flax import nnx
@@ -429,6 +465,8 @@ def load_nnx(
       layer, w = _linear_plan(module, path, group, plan, sparse=sparse, flax_path=flax_path)
     elif isinstance(module, nnx.Conv):
       layer, w = _conv_plan(module, path, group, plan, sparse=sparse, flax_path=flax_path)
+    elif isinstance(module, nnx.LinearGeneral):
+      layer, w = _general_plan(module, path, group, plan, sparse=sparse, flax_path=flax_path)
     else:
       layer, w = _generic_plan(module, group, plan, flax_path=flax_path)
     fmt, pattern = (w.format, w.pattern) if w is not None else ("dense", Pattern("dense", 1.0))
