@@ -122,7 +122,7 @@ def test_sr_ste_matmul_custom_vjp_gives_the_reference_gradients(w_dtype, dtype, 
   # The custom VJP that wraps the sparse-core forward (residuals: the pruned kernel and the group mask bits), with
   # an XLA stand-in for the CUDA forward (prune, compress, multiply): its value and gradients are the reference's,
   # bit for bit. (The GPU tests below run the real one.)
-  def xla_forward(cfg, x, w):
+  def xla_forward(cfg, sparse, x, w):
     pruned, bits = _sr_ste._p_prune_xla(cfg, w)
     return _sr_ste._product(cfg, x, pruned), pruned, bits
 
@@ -132,7 +132,7 @@ def test_sr_ste_matmul_custom_vjp_gives_the_reference_gradients(w_dtype, dtype, 
   x = jax.random.normal(kx, (3, 7, 32)).astype(dtype)
   dy = jax.random.normal(kg, (3, 7, 16)).astype(dtype)
   cfg = _sr_ste._MatmulConfig(2, 4, 0.3, jnp.dtype(dtype), None, None)
-  y, vjp = jax.vjp(lambda x, w: _sr_ste._sr_ste_matmul(cfg, x, w), x, w)
+  y, vjp = jax.vjp(lambda x, w: _sr_ste._sr_ste_matmul(cfg, True, x, w), x, w)
   y_ref, vjp_ref = jax.vjp(lambda x, w: _sr_reference(x, w, 0.3, dtype), x, w)
   np.testing.assert_array_equal(y, y_ref)
   for a, b in zip(vjp(dy), vjp_ref(dy), strict=True):
@@ -142,7 +142,7 @@ def test_sr_ste_matmul_custom_vjp_gives_the_reference_gradients(w_dtype, dtype, 
   # The decay term is there: pruned weights get decay * w on top of the straight-through gradient.
   _, dw = vjp(dy)
   cfg0 = _sr_ste._MatmulConfig(2, 4, 0.0, cfg.dtype, None, None)
-  _, dw0 = jax.vjp(lambda x, w: _sr_ste._sr_ste_matmul(cfg0, x, w), x, w)[1](dy)
+  _, dw0 = jax.vjp(lambda x, w: _sr_ste._sr_ste_matmul(cfg0, True, x, w), x, w)[1](dy)
   mask = jaxsparse.nm_mask(w, 2, 4)
   np.testing.assert_allclose(dw - dw0, np.where(mask, 0.0, 0.3 * w), rtol=1e-5, atol=1e-6)
 

@@ -226,33 +226,39 @@ def _p_prune_xla(cfg: _MatmulConfig, w):
   return jnp.where(mask, w, jnp.zeros((), w.dtype)).astype(cfg.dtype), _nm.group_bits(mask, cfg.m)
 
 
-def _p_forward(cfg: _MatmulConfig, x, w):
+def _p_forward(cfg: _MatmulConfig, sparse: bool, x, w):
+  """``(y, pruned, bits)``: ``w`` pruned by our kernel where it runs (else XLA's mask); ``y`` on sparse tensor cores
+  (the pruned weight compressed in the same pass where the kernel knows cuSPARSELt's layout) or, without ``sparse``,
+  the dense product."""
   k, n = w.shape
   if _prune_kernel_unsupported_reason(w.shape, w.dtype, cfg.n, cfg.m, cfg.dtype):
     pruned, bits = _p_prune_xla(cfg, w)
-    blob = cslt.compress(pruned)
+    blob = cslt.compress(pruned) if sparse else None
   else:
-    direct = k % 32 == 0 and n % 64 == 0 and cslt.fast_compress(k, n, cfg.dtype)
+    direct = sparse and k % 32 == 0 and n % 64 == 0 and cslt.fast_compress(k, n, cfg.dtype)
     pruned, bits, blob = cuda_kernels.nm24_prune(w, cfg.dtype, compress=direct)
-    if not direct:
+    if sparse and not direct:
       blob = cslt.compress(pruned)
+  if not sparse:
+    return _product(cfg, x, pruned), pruned, bits
   # Data parallel: each device multiplies its rows of x by the (replicated) compressed weight.
   local = lambda x2, b: (cslt.matmul(x2, b, n),)
   return _sharding.row_parallel(local, (x,), blob)[0], pruned, bits
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _sr_ste_matmul(cfg: _MatmulConfig, x, w):
-  """``x @ sr_ste(w)`` (2:4) with the forward product on sparse tensor cores (CUDA)."""
-  return _p_forward(cfg, x, w)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _sr_ste_matmul(cfg: _MatmulConfig, sparse: bool, x, w):
+  """``x @ sr_ste(w)`` (2:4) pruned by our kernel (CUDA); the forward product on sparse tensor cores with
+  ``sparse``."""
+  return _p_forward(cfg, sparse, x, w)[0]
 
 
-def _sr_ste_matmul_fwd(cfg, x, w):
-  y, pruned, bits = _p_forward(cfg, x, w)
+def _sr_ste_matmul_fwd(cfg, sparse, x, w):
+  y, pruned, bits = _p_forward(cfg, sparse, x, w)
   return y, (x, w, pruned, bits)
 
 
-def _sr_ste_matmul_bwd(cfg, res, dy):
+def _sr_ste_matmul_bwd(cfg, sparse, res, dy):
   # The reference's VJP with the forward's kernel and mask: dX = dY kernelᵀ, dW = xᵀ dY passed straight to the
   # dense w plus the decay of the pruned entries.
   x, w, pruned, bits = res
@@ -370,13 +376,14 @@ class _SparseCores:
       blob_bytes = cslt.compressed_bytes(p.args[1].shape[0], p.args[1].shape[1], cfg.dtype)
       run = functools.partial(_sr_ste_matmul_t, cfg, blob_bytes)
     else:
-      run = functools.partial(_sr_ste_matmul, cfg)
+      run = functools.partial(_sr_ste_matmul, cfg, True)
     return [_tuning.Candidate(self.name, run, measure=_step(run))]
 
 
 @dataclasses.dataclass(frozen=True)
 class _PruneThenDense:
-  """CUDA, transposable masks: our kernel prunes in one pass; the products are dense."""
+  """CUDA, 2:4: our kernel prunes in one pass (the transposable mask, or the plain one and its bits); the products
+  are dense."""
 
   cfg: _MatmulConfig
   name: ClassVar[str] = "prune_kernel"
@@ -386,13 +393,14 @@ class _PruneThenDense:
 
   def unsupported_reason(self, p: _router.Product) -> _router.Unsupported | None:
     cfg, w = self.cfg, p.args[1]
-    if not cfg.transposable:
-      return _router.Unsupported("plain masks are pruned by XLA")
     reason = _prune_kernel_unsupported_reason(w.shape, w.dtype, cfg.n, cfg.m, cfg.dtype)
-    return _router.Unsupported(reason, warn=(cfg.n, cfg.m) == (2, 4)) if reason else None
+    # Transposable masks have no other fast way to prune on the GPU: say so where it cannot run.
+    return _router.Unsupported(reason, warn=cfg.transposable and (cfg.n, cfg.m) == (2, 4)) if reason else None
 
   def candidates(self, p: _router.Product) -> list[_tuning.Candidate]:
-    run = functools.partial(_sr_ste_matmul_t, self.cfg, 0)
+    cfg = self.cfg
+    run = functools.partial(_sr_ste_matmul_t, cfg, 0) if cfg.transposable else functools.partial(_sr_ste_matmul, cfg,
+                                                                                                  False)
     return [_tuning.Candidate(self.name, run, measure=_step(run))]
 
 
@@ -425,10 +433,10 @@ def _min_rows(cfg: _MatmulConfig) -> int:
 def _shipped_default(p: _router.Product, cands: list[_tuning.Candidate]) -> str:
   """With tuning off: sparse tensor cores from ``SPARSE_CORE_MIN_ROWS`` rows (measured, see above), below that our
   pruning kernel with dense products for transposable masks, else the dense product."""
-  names = [c.name for c in cands]
-  if "cusparselt" in names and _rows(p) >= _min_rows(p.fields["cfg"]):
+  names, cfg = [c.name for c in cands], p.fields["cfg"]
+  if "cusparselt" in names and _rows(p) >= _min_rows(cfg):
     return "cusparselt"
-  return "prune_kernel" if "prune_kernel" in names else names[-1]
+  return "prune_kernel" if "prune_kernel" in names and cfg.transposable else names[-1]
 
 
 def sparse_core_unsupported_reason(x_shape, x_dtype, w_shape, n, m, dtype, out_dtype) -> str:
