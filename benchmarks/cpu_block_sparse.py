@@ -2,18 +2,28 @@
 
     python benchmarks/cpu_block_sparse.py            # the issue's case: f32, K=N=4096, batch 256
     python benchmarks/cpu_block_sparse.py --quick    # small sizes, a smoke run
+    python benchmarks/cpu_block_sparse.py --draw 35  # random shapes: is a default route ever slower than dense?
 
 Dense is ``x @ w`` with its gradients (w.r.t. x and w), jitted. Sparse is
 ``jaxsparse.ops.block_sparse_matmul`` (XLA path) with gradients w.r.t. x and the kept blocks.
 Each variant is timed ``--repeats`` times, interleaved with the others so that machine noise hits all
 of them alike; the table shows medians and the speedup over dense (higher is better).
+
+``--draw SEED`` instead draws ``--cases`` random problems (seeded; issue 35's CPU target): a third each
+``block_sparse_matmul`` (square blocks of 16, 32 or 64), ``sparse_matmul`` on a ``CSRMatrix`` and
+``masked_matmul`` (unstructured), sparsity 50-95%, M 64-1024 rows, K and N 256-2048, f32, each op with its
+default route (``implementation=None``). Each case times the op and dense ``x @ w`` (the dense weight, jitted)
+interleaved in the same process, forward and forward + backward (gradients to x and to the weight: the kept
+blocks / entries, or masked ``w``), and prints time / dense: above 1 the default is slower than dense.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import platform
+import re
 import time
 
 import jax
@@ -22,12 +32,112 @@ import numpy as np
 
 import jaxsparse
 from jaxsparse.ops import block_sparse_matmul
+from jaxsparse.ops import masked_matmul
+from jaxsparse.ops import sparse_matmul
+
+# --draw: the space random problems come from.
+DRAW_MS = [64, 96, 128, 192, 256, 384, 512, 768, 1024]
+DRAW_DIMS = [256, 384, 512, 768, 1024, 1536, 2048]
+DRAW_BLOCKS = (16, 32, 64)
+DRAW_OPS = ("block", "csr", "masked")
 
 
 def _timed(fn, *args) -> float:
   t0 = time.perf_counter()
   jax.block_until_ready(fn(*args))
   return time.perf_counter() - t0
+
+
+def draw_cases(seed: int, count: int) -> list[dict]:
+  """``count`` random problems, the ops in turn so that each gets a third of the draw."""
+  rng = np.random.default_rng(seed)
+  out = []
+  for i in range(count):
+    op = DRAW_OPS[i % len(DRAW_OPS)]
+    m, k, n = int(rng.choice(DRAW_MS)), int(rng.choice(DRAW_DIMS)), int(rng.choice(DRAW_DIMS))
+    block = int(rng.choice(DRAW_BLOCKS)) if op == "block" else None
+    out.append({"op": op, "m": m, "k": k, "n": n, "block": block, "sparsity": round(float(rng.uniform(0.5, 0.95)), 2)})
+  return out
+
+
+def _route(fn, *args) -> str:
+  """What a jitted function runs: our C++ kernels, the XLA block loop, or dense XLA (``dense``)."""
+  text = fn.lower(*args).compile().as_text()
+  kernels = sorted({t.removeprefix("jaxsparse_") for t in re.findall(r'custom_call_target="(jaxsparse_\w+)"', text)})
+  route = "+".join(kernels) or ("loop" if " while(" in text else "dense")
+  return f"{route} or dense (by density at run time)" if kernels and " conditional(" in text else route
+
+
+def _samples(variants: dict, repeats: int) -> dict:
+  """Median seconds per call of each ``(fn, args)``, the variants interleaved; calls are batched so that one
+  sample lasts about 20 ms (small problems take tens of microseconds)."""
+  for fn, a in variants.values():  # compile and warm up
+    jax.block_until_ready(fn(*a))
+  inner = {key: max(1, int(0.02 / max(_timed(fn, *a), 1e-6))) for key, (fn, a) in variants.items()}
+  times = {key: [] for key in variants}
+  for _ in range(repeats):
+    for key, (fn, a) in variants.items():
+      t0 = time.perf_counter()
+      for _ in range(inner[key]):
+        r = fn(*a)
+      jax.block_until_ready(r)
+      times[key].append((time.perf_counter() - t0) / inner[key])
+  return {key: float(np.median(v)) for key, v in times.items()}
+
+
+def run_draw_case(c: dict, repeats: int) -> dict:
+  kx, kw, km = jax.random.split(jax.random.key(hash((c["m"], c["k"], c["n"])) % 2**31), 3)
+  x = jax.random.normal(kx, (c["m"], c["k"]), jnp.float32)
+  w = jax.random.normal(kw, (c["k"], c["n"]), jnp.float32) / np.sqrt(c["k"])
+  density = 1.0 - c["sparsity"]
+  loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))
+  if c["op"] == "block":
+    b = c["block"]
+    ws = jaxsparse.BlockSparseMatrix.from_dense(w, (b, b), block_mask=jaxsparse.random_block_mask(km, w.shape, (b, b),
+                                                                                                   density))
+    fwd, fwd_args = jax.jit(lambda x, ws: block_sparse_matmul(x, ws)), (x, ws)
+    both = jax.jit(jax.value_and_grad(loss(lambda x, d: block_sparse_matmul(x, ws.with_data(d))), argnums=(0, 1)))
+    both_args = (x, ws.data)
+  elif c["op"] == "csr":
+    ws = jaxsparse.CSRMatrix.from_dense(w, mask=jax.random.uniform(km, w.shape) < density)
+    fwd, fwd_args = jax.jit(lambda x, ws: sparse_matmul(x, ws)), (x, ws)
+    both = jax.jit(jax.value_and_grad(loss(lambda x, d: sparse_matmul(x, ws.with_data(d))), argnums=(0, 1)))
+    both_args = (x, ws.data)
+  else:
+    mask = jax.random.uniform(km, w.shape) < density
+    fwd, fwd_args = jax.jit(lambda x, w, m: masked_matmul(x, w, m)), (x, w, mask)
+    both = jax.jit(jax.value_and_grad(loss(lambda x, w: masked_matmul(x, w, mask)), argnums=(0, 1)))
+    both_args = (x, w)
+  med = _samples({
+      "dense": (jax.jit(lambda x, w: x @ w), (x, w)),
+      "fwd": (fwd, fwd_args),
+      "dense fwd+bwd": (jax.jit(jax.value_and_grad(loss(lambda x, w: x @ w), argnums=(0, 1))), (x, w)),
+      "fwd+bwd": (both, both_args),
+  }, repeats)
+  return {**c, "route": _route(fwd, *fwd_args), "route fwd+bwd": _route(both, *both_args),
+          "dense ms": med["dense"] * 1e3, "fwd": med["fwd"] / med["dense"],
+          "dense fwd+bwd ms": med["dense fwd+bwd"] * 1e3, "fwd+bwd": med["fwd+bwd"] / med["dense fwd+bwd"]}
+
+
+def main_draw(args) -> None:
+  print(f"# jaxsparse CPU random shapes, seed {args.draw}, {args.cases} cases, {datetime.date.today()}")
+  print(f"# {platform.processor() or platform.machine()}, jax {jax.__version__}, cores available: "
+        f"{len(os.sched_getaffinity(0))}, f32, medians of {args.repeats} interleaved samples, time / dense "
+        f"(above 1.05: **slower**)", flush=True)
+  rows = ["| # | op | M | K | N | block | sparsity | route (fwd; fwd+bwd) | dense fwd ms | fwd / dense "
+          "| dense fwd+bwd ms | fwd+bwd / dense |", "|" + "---|" * 12]
+  for i, c in enumerate(draw_cases(args.draw, args.cases)):
+    r = run_draw_case(c, args.repeats)
+    slow = " **slower**" if max(r["fwd"], r["fwd+bwd"]) > 1.05 else ""
+    rows.append(f"| {i} | {r['op']} | {r['m']} | {r['k']} | {r['n']} | {r['block'] or '-'} | {r['sparsity']:.0%} "
+                f"| {r['route']}; {r['route fwd+bwd']} | {r['dense ms']:.2f} | {r['fwd']:.2f} "
+                f"| {r['dense fwd+bwd ms']:.2f} | {r['fwd+bwd']:.2f} |{slow}")
+    print(rows[-1], flush=True)
+  table = "\n".join(rows)
+  print(f"# load average at the end: {', '.join(f'{v:.1f}' for v in os.getloadavg())}\n\n{table}")
+  if args.out:
+    with open(args.out, "w") as f:
+      f.write(table + "\n")
 
 
 def main():
@@ -39,7 +149,15 @@ def main():
   parser.add_argument("--sparsities", type=float, nargs="+", default=[0.8, 0.9, 0.95, 0.98])
   parser.add_argument("--repeats", type=int, default=7)
   parser.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
+  parser.add_argument("--draw", type=int, default=None, metavar="SEED", help="time random problems (see above)")
+  parser.add_argument("--cases", type=int, default=12, help="with --draw: how many problems")
+  parser.add_argument("--out", default=None, help="with --draw: also write the table (markdown) here")
   args = parser.parse_args()
+  if args.draw is not None:
+    if args.quick:
+      DRAW_MS[:], DRAW_DIMS[:] = [16, 40], [128, 192]
+    main_draw(args)
+    return
   if args.quick:
     args.batch, args.k, args.n, args.blocks, args.repeats = 64, 512, 512, [32], 3
 

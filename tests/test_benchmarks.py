@@ -82,6 +82,17 @@ def test_unseen_shapes_script_runs(tmp_path, extra):
   assert len(rows) == 3 and all("failed" not in r for r in rows), rows
 
 
+def test_cpu_draw_script_runs(tmp_path):
+  out = tmp_path / "table.md"
+  cmd = [sys.executable, str(ROOT / "benchmarks" / "cpu_block_sparse.py"), "--draw", "1", "--quick", "--cases", "3",
+         "--repeats", "1", "--out", str(out)]
+  env = {**os.environ, "PYTHONPATH": str(ROOT)}
+  proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = [r.split("|") for r in out.read_text().splitlines() if r.startswith("| ") and "route" not in r]
+  assert [r[2].strip() for r in rows] == ["block", "csr", "masked"], rows
+
+
 @pytest.mark.slow  # ~30 s on 2 cores
 def test_split_sweep_script_runs():
   # On the CPU: the Triton variants in interpret mode (no Mosaic GPU here), each checked against dense.

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 import jaxsparse
 from jaxsparse._cpu import _build
+from jaxsparse._cpu import _kernels
 from jaxsparse.layers import MaskedLinear
 from jaxsparse.layers.linen import MaskedDense
 from jaxsparse.ops import CpuKernelFallbackWarning
@@ -192,6 +193,7 @@ def test_csr_bad_input():
 def test_sparse_matmul_matches_dense_f32(seed, b, k, n, p):
   x, w, mask = _data(seed, b, k, n, lambda rng, s: rng.random(s) < p)
   _check_sparse_matmul(x, w, mask, jnp.float32)
+  _check_sparse_matmul(x, w, mask, jnp.float32, implementation=None)  # the dense route above 30% density
 
 
 @SETTINGS
@@ -273,8 +275,42 @@ def test_masked_matmul_auto_picks_kernels_by_density():
     assert "jaxsparse_masked_forward" in hlo and "dot" in hlo
     _check_masked_matmul(x, w, mask, jnp.float32, implementation=None)
     assert_close(masked_matmul(x, w, mask), masked_matmul(x, w, mask, implementation="xla"), jnp.float32)
-  hlo = jax.jit(lambda x: sparse_matmul(x, jaxsparse.CSRMatrix.from_dense(w, mask=mask))).lower(x).as_text()
-  assert "jaxsparse_csr_forward" in hlo
+
+
+@pytest.mark.parametrize("p", [0.1, 0.9])
+def test_sparse_matmul_auto_picks_the_dense_route_by_density(p):
+  """implementation=None runs dense-ish CSR patterns on the dense route (the entries written dense by a kernel,
+  XLA's matmuls, dW taken at the entries by a kernel), sparse ones on the sparse kernels; "cpu" always the latter."""
+  x, w, _ = _data(4, 9, 64, 48, MASKS["random"])
+  mask = np.random.default_rng(0).random(w.shape) < p
+  ws = jaxsparse.CSRMatrix.from_dense(w, mask=mask)
+  dense = ws.density > jaxsparse.ops._sparse_matmul.CPU_DENSE_FORWARD_MIN_DENSITY
+  assert dense == (p > 0.5) and dense == (ws.density > jaxsparse.ops._sparse_matmul.CPU_DENSE_BACKWARD_MIN_DENSITY)
+  loss = lambda x, d, impl=None: jnp.sum(jnp.sin(sparse_matmul(x, ws.with_data(d), implementation=impl)))
+  hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, ws.data).as_text()
+  routes = ("jaxsparse_csr_to_dense", "jaxsparse_csr_take"), ("jaxsparse_csr_forward", "jaxsparse_csr_backward")
+  assert all(t in hlo for t in routes[not dense]) and not any(t in hlo for t in routes[dense])
+  hlo = jax.jit(jax.grad(lambda x, d: loss(x, d, "cpu"), argnums=(0, 1))).lower(x, ws.data).as_text()
+  assert all(t in hlo for t in routes[1]) and not any(t in hlo for t in routes[0])
+  _check_sparse_matmul(x, w, mask, jnp.float32, implementation=None)
+  # grad of grad on the dense route against autodiff of the dense product.
+  ref = lambda x, d: jnp.sum(jnp.sin(x @ ws.with_data(d).to_dense()))
+  hvp = lambda f: jax.grad(lambda x: jnp.sum(jax.grad(f, argnums=1)(x, ws.data) ** 2))(x)
+  assert_close(hvp(loss), hvp(ref), jnp.float32)
+
+
+def test_csr_dense_route_kernels():
+  """csr_to_dense / csr_take against NumPy, and their index checks at run time."""
+  assert _build.load(), _build.unavailable_reason()  # registers the kernels' FFI targets
+  _, w, mask = _data(7, 1, 40, 24, MASKS["random"])
+  ws = jaxsparse.CSRMatrix.from_dense(w, mask=mask)
+  np.testing.assert_array_equal(_kernels.csr_to_dense(ws.data, ws.row_offsets, ws.col_indices, 24), ws.to_dense())
+  rows, cols = np.asarray(ws.row_indices), np.asarray(ws.col_indices)
+  np.testing.assert_array_equal(_kernels.csr_take(w, ws.row_offsets, ws.col_indices), np.asarray(w)[rows, cols])
+  with pytest.raises(Exception, match=r"col_indices has entries outside \[0, 24\)"):
+    jax.block_until_ready(_kernels.csr_take(w, ws.row_offsets, ws.col_indices + 24))
+  with pytest.raises(Exception, match="row_offsets is not an offset array"):
+    jax.block_until_ready(_kernels.csr_to_dense(ws.data, ws.row_offsets[::-1], ws.col_indices, 24))
 
 
 def test_mask_may_change_inside_jit():
@@ -293,7 +329,7 @@ def test_invalid_csr_indices_fail_at_run_time():
   with pytest.raises(Exception, match=r"transpose_row_indices has entries outside \[0, 16\)"):
     # validate=False: past the constructor's check (tests/test_faults.py), the kernel's own check at run time.
     csr = jaxsparse.CSRMatrix.from_index_arrays(ws.data, bad, shape=ws.shape, validate=False)
-    jax.block_until_ready(sparse_matmul(x, csr))
+    jax.block_until_ready(sparse_matmul(x, csr, implementation="cpu"))
   bad = dict(ws.index_arrays(), col_indices=ws.col_indices - 100)
   grad = jax.grad(lambda d: jnp.sum(
       sparse_matmul(x, jaxsparse.CSRMatrix.from_index_arrays(d, bad, shape=ws.shape, validate=False))))

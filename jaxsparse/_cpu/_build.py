@@ -45,6 +45,8 @@ TARGETS = {
     "jaxsparse_masked_backward": "JaxsparseMaskedBackward",
     "jaxsparse_csr_forward": "JaxsparseCsrForward",
     "jaxsparse_csr_backward": "JaxsparseCsrBackward",
+    "jaxsparse_csr_to_dense": "JaxsparseCsrToDense",
+    "jaxsparse_csr_take": "JaxsparseCsrTake",
     "jaxsparse_block_forward": "JaxsparseBlockForward",
     "jaxsparse_block_backward": "JaxsparseBlockBackward",
 }

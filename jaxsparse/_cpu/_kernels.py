@@ -16,7 +16,16 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["block_backward", "block_forward", "csr_backward", "csr_forward", "masked_backward", "masked_forward"]
+__all__ = [
+    "block_backward",
+    "block_forward",
+    "csr_backward",
+    "csr_forward",
+    "csr_take",
+    "csr_to_dense",
+    "masked_backward",
+    "masked_forward",
+]
 
 _F32 = jnp.float32
 
@@ -90,6 +99,18 @@ def csr_backward(x, data, row_offsets, col_indices, dy):
 
 
 csr_backward.def_vmap(_map_all(csr_backward, 2))
+
+
+def csr_to_dense(data, row_offsets, col_indices, n: int) -> jax.Array:
+  """The ``(K, N)`` dense matrix of a :class:`jaxsparse.CSRMatrix`'s entries (``K = len(row_offsets) - 1``)."""
+  out = jax.ShapeDtypeStruct((row_offsets.shape[0] - 1, n), _F32)
+  return jax.ffi.ffi_call("jaxsparse_csr_to_dense", out, vmap_method="sequential")(data, row_offsets, col_indices)
+
+
+def csr_take(w, row_offsets, col_indices) -> jax.Array:
+  """``(nnz,)``: the dense ``w (K, N)`` at the entries of a :class:`jaxsparse.CSRMatrix`'s pattern."""
+  out = jax.ShapeDtypeStruct(col_indices.shape, _F32)
+  return jax.ffi.ffi_call("jaxsparse_csr_take", out, vmap_method="sequential")(w, row_offsets, col_indices)
 
 
 @jax.custom_batching.custom_vmap

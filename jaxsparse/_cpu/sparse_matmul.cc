@@ -431,6 +431,39 @@ std::string CsrBackwardKernel(const Scheduler& pool, const float* x, const float
   return "";
 }
 
+// The dense route of dense-ish patterns (x @ W in XLA beats the sparse kernels there) needs W dense, and dW at
+// the entries from a dense x.T @ dY; XLA's scatter / gather of the entries cost about as much as the product.
+// w (k, n) = the entries at their places, zeros elsewhere.
+std::string CsrToDenseKernel(const Scheduler& pool, const float* data, const int32_t* row_offsets,
+                             const int32_t* col_indices, int64_t k, int64_t n, int64_t nnz, float* w) {
+  if (!ValidOffsets(row_offsets, k, nnz)) return "row_offsets is not an offset array for nnz=" + std::to_string(nnz);
+  if (!InRange(col_indices, nnz, n)) return "col_indices has entries outside [0, " + std::to_string(n) + ")";
+  ParallelFor(pool, CeilDiv(k, kRowChunk), [&](int64_t chunk) {
+    const int64_t r0 = chunk * kRowChunk, r1 = std::min(k, r0 + kRowChunk);
+    std::memset(w + r0 * n, 0, sizeof(float) * (r1 - r0) * n);
+    for (int64_t r = r0; r < r1; ++r) {
+      float* row = w + r * n;
+      for (int32_t e = row_offsets[r]; e < row_offsets[r + 1]; ++e) row[col_indices[e]] = data[e];
+    }
+  });
+  return "";
+}
+
+// values (nnz,) = w (k, n) at the entries.
+std::string CsrTakeKernel(const Scheduler& pool, const float* w, const int32_t* row_offsets,
+                          const int32_t* col_indices, int64_t k, int64_t n, int64_t nnz, float* values) {
+  if (!ValidOffsets(row_offsets, k, nnz)) return "row_offsets is not an offset array for nnz=" + std::to_string(nnz);
+  if (!InRange(col_indices, nnz, n)) return "col_indices has entries outside [0, " + std::to_string(n) + ")";
+  ParallelFor(pool, CeilDiv(k, kRowChunk), [&](int64_t chunk) {
+    const int64_t r0 = chunk * kRowChunk, r1 = std::min(k, r0 + kRowChunk);
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* row = w + r * n;
+      for (int32_t e = row_offsets[r]; e < row_offsets[r + 1]; ++e) values[e] = row[col_indices[e]];
+    }
+  });
+  return "";
+}
+
 // ------------------------------------------------------------------------------------------------
 // FFI handlers: shape checks, then the kernels above on XLA's intra-op thread pool.
 // ------------------------------------------------------------------------------------------------
@@ -493,6 +526,22 @@ ffi::Error CsrBackward(ffi::ThreadPool pool, F32Matrix x, F32Vector data, I32Vec
                                                   ddata->typed_data()));
 }
 
+ffi::Error CsrToDense(ffi::ThreadPool pool, F32Vector data, I32Vector row_offsets, I32Vector col_indices,
+                      F32MatrixOut w) {
+  const int64_t k = Dim(*w, 0), n = Dim(*w, 1), nnz = Dim(data, 0);
+  if (Dim(row_offsets, 0) != k + 1 || Dim(col_indices, 0) != nnz) return ShapeError("csr to dense");
+  return Status("csr to dense", CsrToDenseKernel(PoolScheduler(pool), data.typed_data(), row_offsets.typed_data(),
+                                                 col_indices.typed_data(), k, n, nnz, w->typed_data()));
+}
+
+ffi::Error CsrTake(ffi::ThreadPool pool, F32Matrix w, I32Vector row_offsets, I32Vector col_indices,
+                   F32VectorOut values) {
+  const int64_t k = Dim(w, 0), n = Dim(w, 1), nnz = Dim(*values, 0);
+  if (Dim(row_offsets, 0) != k + 1 || Dim(col_indices, 0) != nnz) return ShapeError("csr take");
+  return Status("csr take", CsrTakeKernel(PoolScheduler(pool), w.typed_data(), row_offsets.typed_data(),
+                                          col_indices.typed_data(), k, n, nnz, values->typed_data()));
+}
+
 }  // namespace
 
 // Built with -fvisibility=hidden: only the handlers are exported.
@@ -535,6 +584,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseCsrBackward, CsrBackward,
                                   .Arg<I32Vector>()
                                   .Arg<F32Matrix>()
                                   .Ret<F32Matrix>()
+                                  .Ret<F32Vector>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseCsrToDense, CsrToDense,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<F32Vector>()
+                                  .Arg<I32Vector>()
+                                  .Arg<I32Vector>()
+                                  .Ret<F32Matrix>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseCsrTake, CsrTake,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<F32Matrix>()
+                                  .Arg<I32Vector>()
+                                  .Arg<I32Vector>()
                                   .Ret<F32Vector>());
 
 #pragma GCC visibility pop

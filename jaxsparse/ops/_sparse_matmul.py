@@ -5,7 +5,10 @@ One op, three products, two backends:
 * forward ``y = x @ W``; ``dX = dY @ Wᵀ``; ``dW = (xᵀ dY)`` at the stored entries only.
 * ``"cpu"``: C++ kernels (XLA FFI custom calls, built on first use by :mod:`jaxsparse._cpu`) whose
   work is proportional to the nonzeros, on both cores: per nonzero, an axpy of a 64-wide batch
-  tile held in registers. Chosen by default on CPU.
+  tile held in registers. Chosen by default on CPU, except that patterns denser than
+  :data:`CPU_DENSE_FORWARD_MIN_DENSITY` (:data:`CPU_DENSE_BACKWARD_MIN_DENSITY` for the backward) run on the
+  dense route: a C++ kernel writes the entries into a dense weight, XLA multiplies, and ``dW`` is taken at the
+  entries by another kernel.
 * ``"xla"``: ``x @ W.to_dense()`` with autodiff. It builds the dense ``K x N`` weight, which on
   accelerators (and on CPU without a C++ compiler) is still the fastest XLA formulation: gather /
   segment-sum versions measured 5-10x slower than dense on CPU.
@@ -29,7 +32,13 @@ from jaxsparse.formats._csr import CSRMatrix
 from jaxsparse.ops import _bilinear
 from jaxsparse.ops import _sharding
 
-__all__ = ["CpuImplementation", "sparse_matmul", "sparse_matmul_reference"]
+__all__ = [
+    "CPU_DENSE_BACKWARD_MIN_DENSITY",
+    "CPU_DENSE_FORWARD_MIN_DENSITY",
+    "CpuImplementation",
+    "sparse_matmul",
+    "sparse_matmul_reference",
+]
 
 CpuImplementation = Literal["xla", "cpu"]
 CpuImplementation.__doc__ = """The backends of :func:`jaxsparse.ops.sparse_matmul` and of ``masked_matmul``.
@@ -112,13 +121,29 @@ def f32(a: jax.Array) -> jax.Array:
 # -------------------------------------------------------------------------------------------------
 
 
+# Above these fractions of stored entries the default (implementation=None) runs a direction on the dense route:
+# the entries written into a dense weight by a C++ kernel, then XLA's matmuls, which beat the sparse kernels
+# there (2-core CPU, random shapes: benchmarks/results/cpu_random_shapes_2026-11-26.md).
+CPU_DENSE_FORWARD_MIN_DENSITY = 0.3
+CPU_DENSE_BACKWARD_MIN_DENSITY = 0.3
+
+
 @dataclasses.dataclass(frozen=True)
 class _Config:
   out_dtype: jnp.dtype
+  precision: lax.PrecisionLike = None
+  dense_forward: bool = False  # the dense route (see CPU_DENSE_FORWARD_MIN_DENSITY)
+  dense_backward: bool = False
+
+
+def _dense_weight(w: CSRMatrix) -> jax.Array:
+  return _kernels.csr_to_dense(f32(w.data), w.row_offsets, w.col_indices, w.shape[1]).astype(w.dtype)
 
 
 def _csr_forward(cfg: _Config, x: jax.Array, w: CSRMatrix) -> jax.Array:
   def fwd(x2, b):
+    if cfg.dense_forward:
+      return (jnp.matmul(x2, _dense_weight(b), precision=cfg.precision, preferred_element_type=cfg.out_dtype),)
     y = _kernels.csr_forward(f32(x2), f32(b.data), b.col_offsets, b.transpose_order, b.transpose_row_indices)
     return (y.astype(cfg.out_dtype),)
 
@@ -127,7 +152,14 @@ def _csr_forward(cfg: _Config, x: jax.Array, w: CSRMatrix) -> jax.Array:
 
 
 def _csr_backward(cfg: _Config, x: jax.Array, dy: jax.Array, w: CSRMatrix) -> tuple[jax.Array, jax.Array]:
-  bwd = lambda x2, dy2, b: _kernels.csr_backward(f32(x2), f32(b.data), b.row_offsets, b.col_indices, f32(dy2))
+  def bwd(x2, dy2, b):
+    if not cfg.dense_backward:
+      return _kernels.csr_backward(f32(x2), f32(b.data), b.row_offsets, b.col_indices, f32(dy2))
+    acc = jnp.promote_types(jnp.result_type(x2.dtype, dy2.dtype, b.dtype), jnp.float32)
+    dx = jnp.matmul(dy2, _dense_weight(b).T, precision=cfg.precision, preferred_element_type=acc)
+    dw = jnp.matmul(x2.T, dy2, precision=cfg.precision, preferred_element_type=acc)
+    return dx, _kernels.csr_take(f32(dw), b.row_offsets, b.col_indices)
+
   # Data parallel: dX keeps the rows' sharding, dW is summed over the row shards.
   dx, ddata = _sharding.row_parallel(bwd, (x, dy), w, summed=(1,), like={0: x, 1: w.data})
   return dx.astype(x.dtype), ddata.astype(w.dtype)
@@ -167,8 +199,9 @@ def sparse_matmul(
     w: a :class:`jaxsparse.CSRMatrix` of shape ``(K, N)``.
     implementation: ``None`` runs the C++ kernels when the default backend is the CPU (building
       them on first use; if that is impossible it warns with
-      :class:`jaxsparse.ops.CpuKernelFallbackWarning` and runs the XLA path), the XLA path
-      elsewhere; ``"cpu"`` or ``"xla"`` force one, and a forced backend that cannot run raises.
+      :class:`jaxsparse.ops.CpuKernelFallbackWarning` and runs the XLA path), the dense route on
+      them for patterns denser than :data:`CPU_DENSE_FORWARD_MIN_DENSITY`, the XLA path elsewhere;
+      ``"cpu"`` (always the sparse kernels) or ``"xla"`` force one, and a forced backend that cannot run raises.
     precision: passed to the XLA path's matmul (the C++ kernels always compute in float32).
     preferred_element_type: output dtype; defaults to ``result_type(x, w.data)``.
 
@@ -184,4 +217,7 @@ def sparse_matmul(
     if implementation == "cpu":
       raise TypeError(f"implementation='cpu' supports float32, bfloat16 and float16, got {x.dtype} and {w.dtype}.")
     return sparse_matmul_reference(x, w, precision=precision, preferred_element_type=out_dtype)
-  return _sparse_matmul_cpu(_Config(out_dtype), x, w)
+  # The default runs dense-ish patterns on the dense route; implementation="cpu" always runs the sparse kernels.
+  dense = lambda min_density: implementation is None and w.density > min_density
+  cfg = _Config(out_dtype, precision, dense(CPU_DENSE_FORWARD_MIN_DENSITY), dense(CPU_DENSE_BACKWARD_MIN_DENSITY))
+  return _sparse_matmul_cpu(cfg, x, w)
