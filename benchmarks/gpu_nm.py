@@ -4,6 +4,7 @@ Run on a CUDA GPU (the device tool's H100 / H200), from the repository root:
 
   PYTHONPATH=. python3 -m pytest -q -m gpu -o addopts="" tests/test_pallas_nm.py
   PYTHONPATH=. python3 benchmarks/gpu_nm.py --sweep --torch --out gpu_nm.md
+  PYTHONPATH=. python3 benchmarks/gpu_nm.py --tuned --help   # measured dispatch off / tune (benchmarks/_nm_tuned.py)
 
 Cases, bf16 throughout, ``y = x @ W`` with ``W`` ``(K, N)`` 2:4 along ``K``:
 
@@ -339,7 +340,15 @@ def report(dec, big, tor, device: str) -> list[str]:
 
 
 def main(argv=None):
+  argv = sys.argv[1:] if argv is None else list(argv)
+  if "--tuned" in argv:  # the measured-dispatch comparison: its own options
+    import _nm_tuned  # noqa: PLC0415 (a sibling module, only for this mode)
+
+    argv.remove("--tuned")
+    return _nm_tuned.main(argv)
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--tuned", action="store_true",
+                      help="instead: 2:4 vs dense with measured dispatch off / tune (see --tuned --help)")
   parser.add_argument("--sweep", action="store_true", help="time several kernel tilings")
   parser.add_argument("--torch", action="store_true", help="add torch to_sparse_semi_structured")
   parser.add_argument("--iterations", type=int, default=20)

@@ -1,6 +1,7 @@
 """2:4 against dense on the GPU, with measured dispatch off and on: products, a decode loop, the SR-STE step.
 
-    PYTHONPATH=. python3 benchmarks/gpu_nm_tuned.py [--cases 12 --seed 35] [--out gpu_nm_tuned.md]
+    PYTHONPATH=. python3 benchmarks/gpu_nm.py --tuned [--cases 12 --seed 35] [--parts products,decode,sr_ste] \
+        [--out gpu_nm_tuned.md]
 
 Three questions of issue 35, bf16 throughout, ratios to dense measured in the same run (< 1 is faster):
 
@@ -166,7 +167,8 @@ def _table(rows, cols) -> str:
 
 
 def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(prog="gpu_nm.py --tuned", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--cases", type=int, default=8, help="random product shapes besides the Llama ones")
   parser.add_argument("--seed", type=int, default=35)
   parser.add_argument("--layers", type=int, default=4)
