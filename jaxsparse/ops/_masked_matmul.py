@@ -16,6 +16,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxsparse import _utils
@@ -27,6 +28,7 @@ from jaxsparse.ops._sparse_matmul import CpuImplementation
 from jaxsparse.ops._sparse_matmul import check_cpu_implementation
 from jaxsparse.ops._sparse_matmul import cpu_supports
 from jaxsparse.ops._sparse_matmul import f32
+from jaxsparse.ops._sparse_matmul import route
 
 __all__ = ["CPU_MAX_DENSITY", "masked_matmul"]
 
@@ -146,10 +148,15 @@ def masked_matmul(
   mask = check_mask(mask, w.shape)
   impl = check_cpu_implementation(implementation, op="masked_matmul")
   out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(x.dtype, w.dtype))
-  if impl == "xla" or not cpu_supports(x.dtype, w.dtype):
-    if implementation == "cpu":
-      raise TypeError(f"implementation='cpu' supports float32, bfloat16 and float16, got {x.dtype} and {w.dtype}.")
-    # d(w * mask)/dw = mask, so autodiff already masks the weight gradient.
-    return _masked_dense(x, w, mask, precision, out_dtype)
+  if impl == "cpu" and not cpu_supports(x.dtype, w.dtype):
+    raise TypeError(f"implementation='cpu' supports float32, bfloat16 and float16, got {x.dtype} and {w.dtype}.")
   cfg = _Config(precision, out_dtype, check_density=implementation is None)
-  return _masked_matmul_cpu(cfg, x, (w, mask))
+  cpu_run = lambda x, wm: _masked_matmul_cpu(cfg, x, wm)
+  # d(w * mask)/dw = mask, so autodiff already masks the weight gradient.
+  xla_run = lambda x, wm: _masked_dense(x, *wm, precision, out_dtype)
+
+  def make_w(rng):
+    keep = mask if not isinstance(mask, jax.core.Tracer) else jnp.asarray(rng.random(w.shape) < CPU_MAX_DENSITY)
+    return jnp.asarray(rng.standard_normal(w.shape, np.float32), w.dtype), keep
+
+  return route("masked_matmul", impl, x, (w, mask), cpu_run, xla_run, make_w)

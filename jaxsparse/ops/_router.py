@@ -184,7 +184,7 @@ def route(
     RuntimeError: no backend supports a product on any platform (e.g. under a forced ``implementation=``).
   """
   args = products[0].args
-  runs = {}
+  runs, names = {}, {}
   for platform in PLATFORMS:
     per_product = [_candidates(p, backends, platform) for p in products]
     if not all(per_product):
@@ -192,10 +192,12 @@ def route(
     if default is not None:
       per_product = [_default_first(c, default(p, c)) for p, c in zip(products, per_product, strict=True)]
     runs[platform] = _platform_run(products, per_product, platform)
+    names[platform] = tuple(tuple(c.name for c in cands) for cands in per_product) if all(
+        len(c) == 1 for c in per_product) else platform
   if not runs:
-    names = ", ".join(b.name for b in backends)
-    raise RuntimeError(f"{products[0].op}: no backend ({names}) can run these operands here.")
-  if len(runs) == 1:
+    tried = ", ".join(b.name for b in backends)
+    raise RuntimeError(f"{products[0].op}: no backend ({tried}) can run these operands here.")
+  if len(runs) == 1 or len(set(names.values())) == 1:  # one platform, or the same single route on every one
     return next(iter(runs.values()))(*args)
   default_run = runs.pop("default", None) or runs.pop("cuda", None) or runs.pop("cpu")
   return lax.platform_dependent(*args, default=default_run, **runs)

@@ -19,17 +19,24 @@ The helpers below the op also serve :func:`jaxsparse.ops.masked_matmul`.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from typing import ClassVar
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
+from jaxsparse import _tuning
 from jaxsparse import _utils
 from jaxsparse._cpu import _build
 from jaxsparse._cpu import _kernels
 from jaxsparse.formats._csr import CSRMatrix
 from jaxsparse.ops import _bilinear
+from jaxsparse.ops import _router
 from jaxsparse.ops import _sharding
 
 __all__ = [
@@ -89,23 +96,88 @@ def sparse_matmul_reference(
 
 
 def check_cpu_implementation(implementation: object, *, op: str) -> str:
-  """``implementation`` checked and resolved to ``"xla"`` or ``"cpu"`` for this process."""
+  """``implementation`` checked: ``"auto"`` for ``None``, else ``"xla"`` or ``"cpu"`` (which must be able to run)."""
   if implementation not in _IMPLEMENTATIONS:
     raise ValueError(f"implementation must be one of {_IMPLEMENTATIONS}, got implementation={implementation!r}.")
-  if implementation == "cpu":
+  if implementation == "cpu" and not _build.load():
+    raise RuntimeError(f"{op}: implementation='cpu' was requested but cannot run: {_build.unavailable_reason()}")
+  return implementation or "auto"
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuKernels:
+  """CPU: the op's C++ kernels, as one differentiable candidate ``run(x, w)`` (its own custom VJP); a backend of
+  :mod:`jaxsparse.ops._router` shared by ``sparse_matmul`` and ``masked_matmul``."""
+
+  run: Callable[..., jax.Array]
+  forced: bool = False
+  name: ClassVar[str] = "cpu_kernel"
+  title: ClassVar[str] = "the C++ CPU kernels"
+  platforms: ClassVar[tuple[str, ...]] = ("cpu",)
+  fallback_warning: ClassVar[type[Warning]] = _build.CpuKernelFallbackWarning
+
+  def unsupported_reason(self, p: _router.Product) -> _router.Unsupported | None:
+    if not self.forced and jax.default_backend() != "cpu":
+      return _router.Unsupported("the default backend is not the CPU")
+    if not cpu_supports(*p.fields["dtypes"]):
+      return _router.Unsupported(f"the kernels take float32, bfloat16 and float16, got {p.fields['dtypes']}")
     if not _build.load():
-      raise RuntimeError(f"{op}: implementation='cpu' was requested but cannot run: {_build.unavailable_reason()}")
-    return "cpu"
-  if implementation == "xla" or jax.default_backend() != "cpu":
-    return "xla"
-  if _build.load():
-    return "cpu"
-  _utils.warn_at_caller(
-      f"{op}: the C++ CPU kernels are unavailable ({_build.unavailable_reason().splitlines()[0]}); "
-      "running the slower XLA path.",
-      _build.CpuKernelFallbackWarning,
-  )
-  return "xla"
+      return _router.Unsupported(f"unavailable: {_build.unavailable_reason().splitlines()[0]}", warn=True)
+    return None
+
+  def candidates(self, p: _router.Product) -> list[_tuning.Candidate]:
+    return [_tuning.Candidate(self.name, self.run, measure=_train_step(self.run))]
+
+
+@dataclasses.dataclass(frozen=True)
+class Xla:
+  """Every platform: the op's XLA formulation with plain autodiff (the dense weight built in the call)."""
+
+  run: Callable[..., jax.Array]
+  name: ClassVar[str] = "xla"
+  title: ClassVar[str] = "the XLA path"
+  platforms: ClassVar[tuple[str, ...]] = ("cuda", "cpu", "default")
+  fallback_warning: ClassVar[type[Warning]] = _utils.FallbackWarning
+
+  def unsupported_reason(self, p: _router.Product) -> None:
+    return None
+
+  def candidates(self, p: _router.Product) -> list[_tuning.Candidate]:
+    return [_tuning.Candidate(self.name, self.run, measure=_train_step(self.run))]
+
+
+def _train_step(run):
+  """What a candidate is timed on: its value and gradients to both operands (the kernels differ in both passes)."""
+  return jax.value_and_grad(lambda x, w: run(x, w).astype(jnp.float32).sum(), argnums=(0, 1), allow_int=True)
+
+
+def route(op: str, implementation: str, x: jax.Array, w, cpu_run, xla_run, make_w) -> jax.Array:
+  """Runs ``op`` on the C++ kernels (``cpu_run``) or the XLA path (``xla_run``), each ``(x, w) -> y``: by
+  ``implementation``, or per platform, measured (:mod:`jaxsparse._tuning`) on request on CPU."""
+  backends = {
+      "auto": [CpuKernels(cpu_run), Xla(xla_run)],
+      "cpu": [CpuKernels(cpu_run, forced=True)],
+      "xla": [Xla(xla_run)],
+  }[implementation]
+  leaves = [leaf for leaf in jax.tree_util.tree_leaves(w) if jnp.issubdtype(leaf.dtype, jnp.inexact)]
+
+  def make_args():
+    rng = np.random.default_rng(1)
+    return jnp.asarray(rng.standard_normal(x.shape, np.float32), x.dtype), make_w(rng)
+
+  fields = {
+      "rows": _utils.row_bucket(math.prod(x.shape[:-1])),
+      "shape": tuple(jax.tree_util.tree_leaves(w)[0].shape) if not isinstance(w, CSRMatrix) else w.shape,
+      "density": round(_density(w) * 50) / 50,
+      "dtypes": (str(x.dtype), *(str(leaf.dtype) for leaf in leaves)),
+  }
+  return _router.route([_router.Product(op, "step", (x, w), fields, make_args)], backends)[0]
+
+
+def _density(w) -> float:
+  if isinstance(w, CSRMatrix):
+    return w.density
+  return 0.0  # a traced mask has no static density: one decision for all
 
 
 def cpu_supports(*dtypes) -> bool:
@@ -213,11 +285,17 @@ def sparse_matmul(
   x = _utils.check_activations(x, w.shape[0])
   impl = check_cpu_implementation(implementation, op="sparse_matmul")
   out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(x.dtype, w.dtype))
-  if impl == "xla" or not cpu_supports(x.dtype, w.dtype):
-    if implementation == "cpu":
-      raise TypeError(f"implementation='cpu' supports float32, bfloat16 and float16, got {x.dtype} and {w.dtype}.")
-    return sparse_matmul_reference(x, w, precision=precision, preferred_element_type=out_dtype)
+  if impl == "cpu" and not cpu_supports(x.dtype, w.dtype):
+    raise TypeError(f"implementation='cpu' supports float32, bfloat16 and float16, got {x.dtype} and {w.dtype}.")
   # The default runs dense-ish patterns on the dense route; implementation="cpu" always runs the sparse kernels.
   dense = lambda min_density: implementation is None and w.density > min_density
   cfg = _Config(out_dtype, precision, dense(CPU_DENSE_FORWARD_MIN_DENSITY), dense(CPU_DENSE_BACKWARD_MIN_DENSITY))
-  return _sparse_matmul_cpu(cfg, x, w)
+  cpu_run = functools.partial(_sparse_matmul_cpu, cfg)
+  xla_run = functools.partial(sparse_matmul_reference, precision=precision, preferred_element_type=out_dtype)
+
+  def make_w(rng):
+    keep = rng.random(w.shape) < max(w.density, 1 / math.prod(w.shape))
+    values = jnp.asarray(rng.standard_normal(w.shape, np.float32), w.dtype)
+    return CSRMatrix.from_dense(values, mask=jnp.asarray(keep))
+
+  return route("sparse_matmul", impl, x, w, cpu_run, xla_run, make_w)
