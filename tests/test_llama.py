@@ -8,7 +8,7 @@
     < magnitude; the sparse inference model generates the pruned dense model's tokens; its masks, exported
     and applied in torch, give the Flax sparse model's logits;
   * ``to_inference(dense_if_slower_at=...)`` routes the layers of a signature timed slower than dense to
-    ``nnx.Linear`` with the same weights (timings injected).
+    ``nnx.Linear`` with the same weights (timings injected), and ``llm_decode.py --dense-if-slower`` says which.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -248,17 +249,25 @@ def test_pruning_by_layer_and_masks_back_to_torch(hf_dir, ids, tmp_path):
 
 def test_llm_decode_benchmark_tiny(tmp_path, monkeypatch, capsys):
   """benchmarks/llm_decode.py --tiny, dense and 2:4 (the other structures generate in the test above); --layers 1
-  of the tiny shape's 2 also runs the 0-layer model and the extrapolation to full depth."""
+  of the tiny shape's 2 also runs the 0-layer model and the extrapolation to full depth; --dense-if-slower (timings
+  injected: the gate / up projections, 256 outputs, slower) adds the column of the projections routed to dense."""
   sys.path.insert(0, str(ROOT / "benchmarks"))
   import llm_decode  # noqa: PLC0415
+  from llama import prune as prune_module  # noqa: PLC0415
 
+  monkeypatch.setattr(prune_module, "time_forward_ms", _timer_slower_where(256))
   monkeypatch.setenv("OUT", str(tmp_path))
   llm_decode.ROWS.clear()
-  llm_decode.main(["--tiny", "--layers", "1", "--batches", "2", "--patterns", "2:4,dense"])
+  llm_decode.main(["--tiny", "--layers", "1", "--batches", "8", "--patterns", "2:4,dense", "--dense-if-slower"])
   rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| tiny")]
-  assert [r.split("|")[2].strip() for r in rows] == ["dense", "2:4"], rows
+  assert [(r.split("|")[2].strip(), r.split("|")[-2].strip()) for r in rows] == [
+      ("dense", "-"), ("2:4", "gate_proj 1, up_proj 1")], rows
   assert all("(extrapolated)" in r for r in rows)
   assert "| tiny | dense |" in (tmp_path / "llm_decode.md").read_text()
+  assert "layers routed to dense" in (tmp_path / "llm_decode.md").read_text()
+  # Without the option: the table as before, no such column.
+  args = SimpleNamespace(batches=[8], prefill=32, steps=4, dense_if_slower=False)
+  assert "routed" not in llm_decode.table(args, llm_decode.ROWS)
 
 
 def test_llm_prune_benchmark_tiny(tmp_path, monkeypatch, capsys):
