@@ -5,6 +5,7 @@ Run on a CUDA GPU (the device tool's H100), from the repository root, one shape 
 
   PYTHONPATH=.:examples python3 benchmarks/llm_decode.py --shapes 8b
   PYTHONPATH=.:examples python3 benchmarks/llm_decode.py --shapes 1.1b
+  PYTHONPATH=.:examples python3 benchmarks/llm_decode.py --shapes 1.1b --dense-if-slower  # slower layers -> dense
   PYTHONPATH=.:examples python3 benchmarks/llm_decode.py --tiny          # CPU, seconds: the CI check
 
 Models (``examples/llama/model.py``: RMSNorm, RoPE, grouped-query attention, SwiGLU, static KV cache),
@@ -36,6 +37,15 @@ extrapolated numbers are printed; the ratios to dense use the extrapolated ones.
 Weight bytes: every array of the model's state (parameters, masks, index arrays, and the cuSPARSELt copy of
 the 2:4 values that ``CompressedNMLinear`` keeps next to ``kernel`` on a GPU, counted separately too), at the
 measured depth and extrapolated the same way.
+
+``--dense-if-slower`` routes sparse layers slower than dense to dense: ``to_inference(dense_if_slower_at=--batches)``
+times, on this device, each distinct sparse projection (class, shape, pattern, density, dtype) against the
+``nnx.Linear`` of the same pruned weights, its jitted forward on a ``(batch, in_features)`` input at every decode
+batch (measured dispatch tuning the sparse product first; CUPTI device time on a GPU), and every projection of a
+signature slower by more than 3% at any batch becomes that ``nnx.Linear``. The log gets the per-signature times;
+the table a column "layers routed to dense" with the count per projection kind among the layers built (``all``:
+every projection, as ``unstructured 50%`` always is). Build times then include this timing. Without the option,
+no layer is timed and the table has no such column.
 
 ``--kernels 1`` also logs the device time per kernel name of one decode call at batch 1 (CUPTI): where a
 decode step's time goes (projections, attention, LM head, the cache update).
@@ -195,10 +205,28 @@ class Row:
   cusparselt_bytes: float
   prefill_s: float | None
   decode_s: dict[int, float]
+  routed: str = "-"  # projections routed to dense, with --dense-if-slower
 
 
 def build_dense(cfg: LlamaConfig, dtype) -> LlamaForCausalLM:
   return nnx.jit(lambda: LlamaForCausalLM(cfg, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0)))()
+
+
+def routed_to_dense(model, report) -> str:
+  """The sparsified projections that are dense ``nnx.Linear`` in ``model``, counted per kind: ``"gate_proj 8, up_proj
+  8"``, ``"all 56"`` or ``"none"``."""
+  modules = {".".join(map(str, p)): node for p, node in nnx.iter_graph(model)}
+  counts: dict[str, int] = {}
+  for change in report.replaced:
+    if type(modules[change.path]) is nnx.Linear:
+      kind = change.path.rsplit(".", 1)[-1]
+      counts[kind] = counts.get(kind, 0) + 1
+  total = sum(counts.values())
+  if not total:
+    return "none"
+  if total == len(report.replaced):
+    return f"all {total}"
+  return ", ".join(f"{kind} {n}" for kind, n in sorted(counts.items()))
 
 
 def measure(model, args, label: str) -> tuple[float | None, dict[int, float]]:
@@ -239,7 +267,17 @@ def run_shape(name: str, args) -> list[Row]:
   dense = build_dense(cfg, dtype)
   for pattern in args.patterns:
     t0 = time.perf_counter()
-    model = dense if PATTERNS[pattern] is None else to_inference(dense, PATTERNS[pattern])[0]
+    routed = "-"
+    if PATTERNS[pattern] is None:
+      model = dense
+    else:
+      model, report = to_inference(dense, PATTERNS[pattern],
+                                   dense_if_slower_at=args.batches if args.dense_if_slower else None)
+      if args.dense_if_slower:
+        routed = routed_to_dense(model, report)
+        log(f"{name} {pattern}: layers routed to dense: {routed}")
+        if report.timings:
+          log(report.timing_table())
     log(f"{name} {pattern}: built in {time.perf_counter() - t0:.1f} s")
     total, cusparselt = state_bytes(model)
     prefill, decode = measure(model, args, f"{name} {pattern}")
@@ -250,7 +288,7 @@ def run_shape(name: str, args) -> list[Row]:
       cusparselt = b_cus + (cusparselt - b_cus) * scale
       prefill = None if prefill is None else b_prefill + (prefill - b_prefill) * scale
       decode = {b: b_decode[b] + (decode[b] - b_decode[b]) * scale for b in decode}
-    rows.append(Row(name, pattern, layers, full.num_hidden_layers, total, cusparselt, prefill, decode))
+    rows.append(Row(name, pattern, layers, full.num_hidden_layers, total, cusparselt, prefill, decode, routed))
     write_table(args, ROWS + rows)
     if model is not dense:
       del model
@@ -268,6 +306,8 @@ def table(args, rows: list[Row]) -> str:
           f"prefill {args.prefill} ms", "vs dense"]
   for b in batches:
     head += [f"decode b={b} tok/s", "vs dense"]
+  if args.dense_if_slower:
+    head.append("layers routed to dense")
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   dense = {r.shape: r for r in rows if r.pattern == "dense"}
   for r in rows:
@@ -282,6 +322,8 @@ def table(args, rows: list[Row]) -> str:
     for b in batches:
       tps = b * args.steps / r.decode_s[b]
       cells += [f"{tps:.1f}", f"{d.decode_s[b] / r.decode_s[b]:.2f}x" if d else "-"]
+    if args.dense_if_slower:
+      cells.append(r.routed)
     lines.append("| " + " | ".join(cells) + " |")
   return "\n".join(lines)
 
@@ -295,9 +337,11 @@ def write_table(args, rows: list[Row]) -> None:
 
 def header(args) -> str:
   dev = jax.devices()[0]
+  routing = (f"; --dense-if-slower: projections slower than dense (> 3%, jitted layer forward) at a decode batch of "
+             f"{args.batches} run dense" if args.dense_if_slower else "")
   return (f"{getattr(dev, 'device_kind', dev.platform)}, {args.dtype}, jax {jax.__version__}; prefill {args.prefill} "
           f"tokens at batch 1; decode {args.steps} steps after {args.context} cached tokens; median of "
-          f"{args.repeats} calls; speed ratios are tokens/s (or 1/time) over dense's, > 1 is faster")
+          f"{args.repeats} calls; speed ratios are tokens/s (or 1/time) over dense's, > 1 is faster{routing}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -315,6 +359,8 @@ def main(argv: list[str] | None = None) -> None:
   p.add_argument("--dtype", default="bfloat16")
   p.add_argument("--kernels", type=lambda v: [int(b) for b in v.split(",")], default=[],
                  help="batches whose decode call gets a per-kernel device-time breakdown (CUPTI, GPU), e.g. 1")
+  p.add_argument("--dense-if-slower", action="store_true",
+                 help="time each sparse projection against dense at the --batches and run the slower ones dense")
   p.add_argument("--tiny", action="store_true", help="the tiny shape, small sizes: a CPU check in seconds")
   args = p.parse_args(argv)
   defaults = {"batches": [1, 2], "context": 16, "steps": 4, "prefill": 32, "repeats": 1} if args.tiny else {

@@ -6,7 +6,9 @@
     with left padding;
   * pruning by decoder layer (magnitude / Wanda / SparseGPT): reconstruction errors order SparseGPT < Wanda
     < magnitude; the sparse inference model generates the pruned dense model's tokens; its masks, exported
-    and applied in torch, give the Flax sparse model's logits.
+    and applied in torch, give the Flax sparse model's logits;
+  * ``to_inference(dense_if_slower_at=...)`` routes the layers of a signature timed slower than dense to
+    ``nnx.Linear`` with the same weights (timings injected), and ``llm_decode.py --dense-if-slower`` says which.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +35,9 @@ from llama.checkpoint import load_pretrained  # noqa: E402
 from llama.checkpoint import save_pretrained  # noqa: E402
 from llama.generation import generate  # noqa: E402
 from llama.prune import layer_errors  # noqa: E402
+from llama.prune import layer_signature  # noqa: E402
 from llama.prune import prune  # noqa: E402
+from llama.prune import time_forward_ms  # noqa: E402
 from llama.prune import to_inference  # noqa: E402
 
 import jaxsparse  # noqa: E402
@@ -163,6 +168,55 @@ def test_sparse_model_generates_dense_tokens(hf_dir, name):
   np.testing.assert_array_equal(np.asarray(generate(sparse, prompt, 10)), np.asarray(generate(dense, prompt, 10)))
 
 
+def _timer_slower_where(out_features: int, calls: list | None = None):
+  """A fake ``(layer, x) -> ms``: dense layers 1.0; sparse ones with ``out_features`` 1.5 at batch 8 (faster, 0.9, at
+  batch 1: slower at one batch is enough), those of 64 outputs (down, q, o) 1.02 (within the 3% margin), others 0.5."""
+
+  def timer(layer, x):
+    if calls is not None:
+      calls.append((type(layer).__name__, layer.in_features, layer.out_features, x.shape[0]))
+    if type(layer) is nnx.Linear:
+      return 1.0
+    if layer.out_features == out_features:
+      return 1.5 if x.shape[0] == 8 else 0.9
+    return 1.02 if layer.out_features == 64 else 0.5
+
+  return timer
+
+
+def test_dense_if_slower_routes_slower_signatures_to_dense(hf_dir):
+  model = load_pretrained(hf_dir[1])
+  reference, _ = to_inference(model, jaxsparse.NM(2, 4))
+  calls = []
+  sparse, report = to_inference(model, jaxsparse.NM(2, 4), dense_if_slower_at=(1, 8),
+                                timer=_timer_slower_where(128, calls))
+  assert len(report.replaced) == 14  # sparsify's report as before
+  # One sparse and one dense timing per signature and batch: q / o, k / v, gate / up, down.
+  assert len(report.timings) == 4 and len(calls) == 16
+  assert [str(s) for s in report.routed_to_dense] == ["CompressedNMLinear 64x128 2:4 50% kept float32"]
+  assert report.dense_paths == tuple(f"model.layers.{i}.mlp.{p}_proj" for i in (0, 1) for p in ("gate", "up"))
+  x = jax.random.normal(jax.random.key(0), (3, 64))
+  for i in (0, 1):
+    layer, ref = sparse.model.layers[i], reference.model.layers[i]
+    for name in ("gate_proj", "up_proj"):  # slower at batch 8: dense, holding exactly the pruned weights
+      routed, before = getattr(layer.mlp, name), getattr(ref.mlp, name)
+      assert type(routed) is nnx.Linear
+      np.testing.assert_array_equal(np.asarray(routed.kernel[...]), np.asarray(before.to_dense().kernel[...]))
+      np.testing.assert_array_equal(np.asarray(routed(x)), np.asarray(before(x)))
+    assert type(layer.mlp.down_proj).__name__ == "CompressedNMLinear"  # 2% slower: within the margin
+    assert type(layer.self_attn.k_proj).__name__ == "CompressedNMLinear"  # faster
+  assert "| dense |" in str(report) and layer_signature(reference.model.layers[0].mlp.up_proj) in report.routed_to_dense
+  with pytest.raises(ValueError, match="batches must be positive ints"):
+    to_inference(model, jaxsparse.NM(2, 4), dense_if_slower_at=0, timer=_timer_slower_where(128))
+
+
+def test_time_forward_ms_times_sparse_layer_and_dense_twin():
+  w = jaxsparse.NMSparseMatrix.from_dense(jax.random.normal(jax.random.key(0), (64, 32)), 2, 4)
+  layer = jaxsparse.layers.CompressedNMLinear(w)
+  x = jnp.ones((4, 64))
+  assert time_forward_ms(layer, x) > 0 and time_forward_ms(layer.to_dense(), x) > 0
+
+
 def test_pruning_by_layer_and_masks_back_to_torch(hf_dir, ids, tmp_path):
   path = hf_dir[1]
   model = load_pretrained(path)
@@ -195,17 +249,25 @@ def test_pruning_by_layer_and_masks_back_to_torch(hf_dir, ids, tmp_path):
 
 def test_llm_decode_benchmark_tiny(tmp_path, monkeypatch, capsys):
   """benchmarks/llm_decode.py --tiny, dense and 2:4 (the other structures generate in the test above); --layers 1
-  of the tiny shape's 2 also runs the 0-layer model and the extrapolation to full depth."""
+  of the tiny shape's 2 also runs the 0-layer model and the extrapolation to full depth; --dense-if-slower (timings
+  injected: the gate / up projections, 256 outputs, slower) adds the column of the projections routed to dense."""
   sys.path.insert(0, str(ROOT / "benchmarks"))
   import llm_decode  # noqa: PLC0415
+  from llama import prune as prune_module  # noqa: PLC0415
 
+  monkeypatch.setattr(prune_module, "time_forward_ms", _timer_slower_where(256))
   monkeypatch.setenv("OUT", str(tmp_path))
   llm_decode.ROWS.clear()
-  llm_decode.main(["--tiny", "--layers", "1", "--batches", "2", "--patterns", "2:4,dense"])
+  llm_decode.main(["--tiny", "--layers", "1", "--batches", "8", "--patterns", "2:4,dense", "--dense-if-slower"])
   rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| tiny")]
-  assert [r.split("|")[2].strip() for r in rows] == ["dense", "2:4"], rows
+  assert [(r.split("|")[2].strip(), r.split("|")[-2].strip()) for r in rows] == [
+      ("dense", "-"), ("2:4", "gate_proj 1, up_proj 1")], rows
   assert all("(extrapolated)" in r for r in rows)
   assert "| tiny | dense |" in (tmp_path / "llm_decode.md").read_text()
+  assert "layers routed to dense" in (tmp_path / "llm_decode.md").read_text()
+  # Without the option: the table as before, no such column.
+  args = SimpleNamespace(batches=[8], prefill=32, steps=4, dense_if_slower=False)
+  assert "routed" not in llm_decode.table(args, llm_decode.ROWS)
 
 
 def test_llm_prune_benchmark_tiny(tmp_path, monkeypatch, capsys):
