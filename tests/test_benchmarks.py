@@ -12,6 +12,7 @@ import pytest
 ROOT = pathlib.Path(__file__).parent.parent
 
 
+@pytest.mark.slow  # long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs it
 def test_train_step_benchmark_runs(tmp_path):
   out = tmp_path / "table.md"
   cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_train_step.py"), "--tiny", "--model", "transformer",
@@ -24,6 +25,7 @@ def test_train_step_benchmark_runs(tmp_path):
   assert all("failed" not in r for r in rows), rows
 
 
+@pytest.mark.slow  # long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs it
 def test_calibrated_pruning_benchmark_runs(tmp_path):
   out = tmp_path / "table.md"
   cmd = [sys.executable, str(ROOT / "benchmarks" / "calibrated_pruning.py"), "--quick", "--out", str(out)]
@@ -70,6 +72,7 @@ def test_product_routes_script_runs():
   assert variants == expected, proc.stdout
 
 
+@pytest.mark.slow  # long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs it
 @pytest.mark.parametrize("extra", [[], ["--space", "wide", "--modes", "off,tune"]])
 def test_unseen_shapes_script_runs(tmp_path, extra):
   out = tmp_path / "table.md"
@@ -82,6 +85,7 @@ def test_unseen_shapes_script_runs(tmp_path, extra):
   assert len(rows) == 3 and all("failed" not in r for r in rows), rows
 
 
+@pytest.mark.slow  # long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs it
 def test_cpu_draw_script_runs(tmp_path):
   out = tmp_path / "table.md"
   cmd = [sys.executable, str(ROOT / "benchmarks" / "cpu_block_sparse.py"), "--draw", "1", "--quick", "--cases", "3",

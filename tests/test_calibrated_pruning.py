@@ -667,6 +667,7 @@ def test_conv_patches_are_the_convolution(options):
                              np.asarray(conv(x) - conv.bias[...]).reshape(-1, 4), atol=1e-5)
 
 
+@pytest.mark.slow  # long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs it
 def test_conv_pruning_beats_magnitude_and_sparsifies():
   class CNN(nnx.Module):
     def __init__(self, rngs):

@@ -63,6 +63,7 @@ def _second_order(f, x, v, u, t):
   return jax.grad(gx, (0, 1))(x, v) + jax.grad(gv, (0, 1))(x, v)
 
 
+@pytest.mark.slow  # long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs it
 @SETTINGS
 @given(
     seed=st.integers(0, 2**16),

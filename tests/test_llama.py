@@ -217,6 +217,7 @@ def test_time_forward_ms_times_sparse_layer_and_dense_twin():
   assert time_forward_ms(layer, x) > 0 and time_forward_ms(layer.to_dense(), x) > 0
 
 
+@pytest.mark.slow  # long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs it
 def test_pruning_by_layer_and_masks_back_to_torch(hf_dir, ids, tmp_path):
   path = hf_dir[1]
   model = load_pretrained(path)
@@ -247,6 +248,7 @@ def test_pruning_by_layer_and_masks_back_to_torch(hf_dir, ids, tmp_path):
     np.testing.assert_allclose(_logits(target, ids), flax_logits, atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow  # long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs it
 def test_llm_decode_benchmark_tiny(tmp_path, monkeypatch, capsys):
   """benchmarks/llm_decode.py --tiny, dense and 2:4 (the other structures generate in the test above); --layers 1
   of the tiny shape's 2 also runs the 0-layer model and the extrapolation to full depth; --dense-if-slower (timings

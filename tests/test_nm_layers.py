@@ -376,6 +376,7 @@ def _load_example():
   return module
 
 
+@pytest.mark.slow  # long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs it
 def test_sr_ste_digits_reduced_within_one_point_of_dense():
   example = _load_example()
   results = example.run(steps=300, seeds=(0,), hidden=128)

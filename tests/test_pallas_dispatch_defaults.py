@@ -99,6 +99,7 @@ def _check(key: str, got: dict[str, str]) -> None:
   assert not changed, f"{len(changed)} of {len(expected)} groups changed their default configs: {changed[:10]}"
 
 
+@pytest.mark.slow  # long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs it
 def test_default_configs_unchanged():
   got = _default_hashes()
   assert len(got) == len(RULES) * 2 * len(SHAPES) * len(BLOCKS) * len(DTYPES)

@@ -566,6 +566,7 @@ def _load_example(name):
   return module
 
 
+@pytest.mark.slow  # long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs it
 def test_pruning_digits_reduced():
   results = {r.name: r for r in _load_example("pruning_digits").run(steps=300, hidden=64, batch=64, lr=3e-3)}
   dense = results.pop("dense")

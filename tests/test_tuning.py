@@ -398,6 +398,7 @@ def test_every_route_matches_the_reference(interpreted, direction, m, block_shap
       raise AssertionError(f"route {name}: {route}") from e
 
 
+@pytest.mark.slow  # long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs it
 def test_tuned_gpu_route_records_each_direction(interpreted, monkeypatch):
   # A CPU stands in for the GPU: the route measures its candidates (interpret mode, host timing) and caches them.
   monkeypatch.setattr(_measure, "_has_device", lambda platform: platform == "cuda")  # the CPU stands in for a GPU

@@ -424,10 +424,13 @@ def nm_matmul(
     x: ``(..., K)`` activations.
     w: a 2-D :class:`jaxsparse.NMSparseMatrix` of shape ``(K, N)``; groups along ``K`` (axis 0)
       for the GPU kernel, either axis on the XLA path.
-    implementation: ``None`` picks at lowering time: on CUDA GPUs the Pallas kernel for few rows
-      (``M <= 64``) when it supports the operands, cuSPARSELt's sparse tensor cores for more rows
-      (2:4 bfloat16, with ``cusparselt_weight`` or, where XLA can write cuSPARSELt's layout, a
-      buffer built in the call), the XLA path otherwise; ``"xla"``, ``"pallas"`` or
+    implementation: ``None`` picks at lowering time, on CUDA GPUs among every backend that supports the
+      operands (our ``mma.sp`` decode kernel, cuSPARSELt, the Pallas kernel, the XLA path) the one measured
+      fastest for this product (:func:`jaxsparse.set_autotune_mode`), or with tuning off the shipped rule:
+      the ``mma.sp`` kernel for ``M <= 32`` rows of a 2:4 bfloat16 ``W`` at least ``NM24_MIN_COLS`` wide, the
+      Pallas kernel for few rows (``M <= 64``), cuSPARSELt's sparse tensor cores for more rows (2:4
+      bfloat16, with ``cusparselt_weight`` or, where XLA can write cuSPARSELt's layout, a buffer built in the
+      call), the XLA path otherwise; elsewhere the XLA path; ``"xla"``, ``"pallas"`` or
       ``"cusparselt"`` force one (``"cusparselt"`` compresses ``w`` on every call when no
       ``cusparselt_weight`` is given), and a forced backend that cannot run raises.
     precision: passed to the products.
