@@ -477,13 +477,15 @@ def sr_ste_matmul(
 
   ``lax.dot_general(x, sr_ste(w, n, m, decay=decay).astype(dtype), contract x's last axis with w's 0)``
 
-  which is what :class:`jaxsparse.layers.NMLinear` computes. On a CUDA GPU with cuSPARSELt, for 2:4,
-  bfloat16 ``x`` and kernel (and output), ``K``, ``N`` multiples of 16 and at least
-  ``SPARSE_CORE_MIN_ROWS`` (1024) rows of ``x`` (fewer rows were not measured to gain), the forward
-  product runs on sparse tensor cores: the pruned weight is compressed on the device in every call (so the
-  mask follows ``w`` as it trains) and multiplied; the backward products stay dense (see the module
-  docstring). Elsewhere it is the reference, with a :class:`jaxsparse.ops.CusparseLtFallbackWarning` when a
-  2:4 product with enough rows cannot run on a CUDA GPU.
+  which is what :class:`jaxsparse.layers.NMLinear` computes. On a CUDA GPU, ``implementation=None`` takes
+  the way measured fastest for the whole train step's products (:func:`jaxsparse.set_autotune_mode`) among:
+  the forward product on sparse tensor cores (cuSPARSELt; 2:4, bfloat16 ``x`` and kernel (and output),
+  ``K``, ``N`` multiples of 16: the pruned weight is compressed on the device in every call, so the mask
+  follows ``w`` as it trains, and multiplied; the backward products stay dense, see the module docstring),
+  our 2:4 pruning kernel with dense products, and the reference. With tuning off, sparse tensor cores from
+  ``SPARSE_CORE_MIN_ROWS`` (1024) rows of ``x``, the reference below. Elsewhere it is the reference, with a
+  :class:`jaxsparse.ops.CusparseLtFallbackWarning` when a 2:4 product with enough rows cannot run on a CUDA
+  GPU.
 
   >>> import jax, jax.numpy as jnp, jaxsparse
   >>> w = jax.random.normal(jax.random.key(0), (64, 32))
