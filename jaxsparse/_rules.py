@@ -36,6 +36,7 @@ __all__ = [
     "flatten_with_paths",
     "get_module",
     "kernel_in_ndim",
+    "linear_general_unsupported",
     "masks_to_dict",
     "match_rules",
     "path_str",
@@ -245,6 +246,19 @@ def dense_general_dims(m: Any, x_shape: tuple[int, ...]) -> tuple[tuple[int, ...
         "axes in order as contracting axes and no batch dims (as in nn.MultiHeadDotProductAttention)"
     )
   return in_dims, features, unsupported
+
+
+def linear_general_unsupported(layer: Any) -> str | None:
+  """Why an ``nnx.LinearGeneral`` has no 2-D ``(in, out)`` view of its kernel (``matrix_shape``), or ``None``.
+
+  Only trailing contracting axes and no batch axes have one, as in ``nnx.MultiHeadAttention``; one check for
+  sparsify, calibration and torch interop.
+  """
+  n_in = len(layer.in_features)
+  if layer.batch_axis or tuple(layer.axis) != tuple(range(-n_in, 0)):
+    return (f"nnx.LinearGeneral with axis={layer.axis} and batch_axis={dict(layer.batch_axis)} is not supported; "
+            "only trailing contracting axes and no batch axes (as in nnx.MultiHeadAttention)")
+  return None
 
 
 def kernel_in_ndim(kernel_shape: Sequence[int], bias_shape: Sequence[int] | None) -> int | None:

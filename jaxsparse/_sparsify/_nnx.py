@@ -25,6 +25,7 @@ from flax import nnx
 
 from jaxsparse._rules import Probe
 from jaxsparse._rules import check_unsupported
+from jaxsparse._rules import linear_general_unsupported
 from jaxsparse._rules import masks_to_dict
 from jaxsparse._rules import match_rules
 from jaxsparse._rules import path_str
@@ -61,13 +62,10 @@ _SPARSE_NNX = (BlockSparseLinear, MaskedLinear, NMLinear, NMConv, CompressedNMLi
 
 
 def _general_as_linear(layer: nnx.LinearGeneral, path: str) -> nnx.Linear:
-  n_in = len(layer.in_features)
-  if layer.batch_axis or tuple(layer.axis) != tuple(range(-n_in, 0)):
-    raise ValueError(
-        f"{path}: nnx.LinearGeneral with axis={layer.axis} and batch_axis={dict(layer.batch_axis)} is not "
-        "supported; only trailing contracting axes and no batch axes (as in nnx.MultiHeadAttention)."
-    )
-  k, n = matrix_shape(layer.kernel.shape, n_in)
+  reason = linear_general_unsupported(layer)
+  if reason:
+    raise ValueError(f"{path}: {reason}.")
+  k, n = matrix_shape(layer.kernel.shape, len(layer.in_features))
   bias = None if layer.bias is None else layer.bias[...].reshape(n)
   return _linear(layer.kernel[...].reshape(k, n), bias, dtype=layer.dtype, precision=layer.precision)
 

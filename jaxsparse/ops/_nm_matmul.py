@@ -42,7 +42,6 @@ from jaxsparse import _utils
 from jaxsparse._cuda import _build as _cuda_build
 from jaxsparse._cuda import _cusparselt as cslt
 from jaxsparse._cuda import _kernels as cuda_kernels
-from jaxsparse._utils import FallbackWarning
 from jaxsparse.formats._nm import NMSparseMatrix
 from jaxsparse.ops import _router
 from jaxsparse.ops import _sharding
@@ -283,29 +282,17 @@ class _Pallas:
     return [_tuning.Candidate(self.name, run)]
 
 
-@dataclasses.dataclass(frozen=True)
-class _Expand:
+def _expand(cfg: _Config) -> _router.Reference:
   """Every platform: ``W`` expanded to dense in one fused pass and one dense product (the reference)."""
-
-  cfg: _Config
-  name: ClassVar[str] = "xla"
-  title: ClassVar[str] = "the XLA path"
-  platforms: ClassVar[tuple[str, ...]] = ("cuda", "cpu", "default")
-  fallback_warning: ClassVar[type[Warning]] = FallbackWarning
-
-  def unsupported_reason(self, p: _router.Product) -> None:
-    return None
-
-  def candidates(self, p: _router.Product) -> list[_tuning.Candidate]:
-    return [_tuning.Candidate(self.name, lambda x2, w, blob: _xla_forward(self.cfg, x2, w))]
+  return _router.Reference("xla", "the XLA path", lambda x2, w, blob: _xla_forward(cfg, x2, w))
 
 
 # ``implementation=`` -> its backends, in priority order.
 _BACKENDS = {
-    "auto": (_SparseMma, _CuSparseLt, _Pallas, _Expand),
+    "auto": (_SparseMma, _CuSparseLt, _Pallas, _expand),
     "pallas": (_Pallas,),
     "cusparselt": (_CuSparseLt,),
-    "xla": (_Expand,),
+    "xla": (_expand,),
 }
 
 

@@ -36,7 +36,17 @@ from jaxsparse import _tuning
 from jaxsparse import _utils
 from jaxsparse._tuning import _measure
 
-__all__ = ["Backend", "Config", "Joint", "Product", "Unsupported", "check_implementation", "import_kernels", "route"]
+__all__ = [
+    "Backend",
+    "Config",
+    "Joint",
+    "Product",
+    "Reference",
+    "Unsupported",
+    "check_implementation",
+    "import_kernels",
+    "route",
+]
 
 PLATFORMS = ("cuda", "cpu", "default")
 
@@ -101,6 +111,31 @@ class Backend(Protocol):
   def candidates(self, product: Product) -> Sequence[_tuning.Candidate]:
     """The ways this backend computes ``product`` (its shipped default first); each ``run(*product.args)``."""
     ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Reference:
+  """A backend that runs every product on every platform with one candidate: an op's XLA formulation (its
+  reference), so each platform has a route and the dense product is always measured against the kernels.
+
+  Attributes:
+    name, title: as :class:`Backend`'s.
+    run: ``(*product.args) -> outputs``.
+    measure: what tuning times instead of ``run`` (see :class:`jaxsparse._tuning.Candidate`), or ``None``.
+  """
+
+  name: str
+  title: str
+  run: Callable[..., Any]
+  measure: Callable[..., Any] | None = None
+  platforms: tuple[str, ...] = PLATFORMS
+  fallback_warning: type[Warning] = _utils.FallbackWarning
+
+  def unsupported_reason(self, product: Product) -> None:
+    return None
+
+  def candidates(self, product: Product) -> list[_tuning.Candidate]:
+    return [_tuning.Candidate(self.name, self.run, measure=self.measure)]
 
 
 def import_kernels(module: str) -> ModuleType | None:

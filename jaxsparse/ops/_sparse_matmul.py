@@ -129,35 +129,20 @@ class CpuKernels:
     return [_tuning.Candidate(self.name, self.run, measure=_train_step(self.run))]
 
 
-@dataclasses.dataclass(frozen=True)
-class Xla:
-  """Every platform: the op's XLA formulation with plain autodiff (the dense weight built in the call)."""
-
-  run: Callable[..., jax.Array]
-  name: ClassVar[str] = "xla"
-  title: ClassVar[str] = "the XLA path"
-  platforms: ClassVar[tuple[str, ...]] = ("cuda", "cpu", "default")
-  fallback_warning: ClassVar[type[Warning]] = _utils.FallbackWarning
-
-  def unsupported_reason(self, p: _router.Product) -> None:
-    return None
-
-  def candidates(self, p: _router.Product) -> list[_tuning.Candidate]:
-    return [_tuning.Candidate(self.name, self.run, measure=_train_step(self.run))]
-
-
 def _train_step(run):
   """What a candidate is timed on: its value and gradients to both operands (the kernels differ in both passes)."""
   return jax.value_and_grad(lambda x, w: run(x, w).astype(jnp.float32).sum(), argnums=(0, 1), allow_int=True)
 
 
 def route(op: str, implementation: str, x: jax.Array, w, cpu_run, xla_run, make_w) -> jax.Array:
-  """Runs ``op`` on the C++ kernels (``cpu_run``) or the XLA path (``xla_run``), each ``(x, w) -> y``: by
-  ``implementation``, or per platform, measured (:mod:`jaxsparse._tuning`) on request on CPU."""
+  """Runs ``op`` on the C++ kernels (``cpu_run``) or the XLA path (``xla_run``, every platform: plain autodiff, the
+  dense weight built in the call), each ``(x, w) -> y``: by ``implementation``, or per platform, measured
+  (:mod:`jaxsparse._tuning`) on request on CPU."""
+  xla = _router.Reference("xla", "the XLA path", xla_run, measure=_train_step(xla_run))
   backends = {
-      "auto": [CpuKernels(cpu_run), Xla(xla_run)],
+      "auto": [CpuKernels(cpu_run), xla],
       "cpu": [CpuKernels(cpu_run, forced=True)],
-      "xla": [Xla(xla_run)],
+      "xla": [xla],
   }[implementation]
   leaves = [leaf for leaf in jax.tree_util.tree_leaves(w) if jnp.issubdtype(leaf.dtype, jnp.inexact)]
 

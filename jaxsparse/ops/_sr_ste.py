@@ -40,7 +40,6 @@ from jaxsparse import _tuning
 from jaxsparse import _utils
 from jaxsparse._cuda import _cusparselt as cslt
 from jaxsparse._cuda import _kernels as cuda_kernels
-from jaxsparse._utils import FallbackWarning
 from jaxsparse.formats import _nm
 from jaxsparse.ops import _router
 from jaxsparse.ops import _sharding
@@ -71,7 +70,8 @@ def _mask(w: jax.Array, n: int, m: int, axis: int, transposable: bool) -> jax.Ar
   w2 = moved.reshape(-1, moved.shape[-1])
   product = _router.Product("sr_ste", "mask", (w2,), {"shape": w2.shape, "nm": (n, m), "dtype": str(w.dtype)},
                             lambda: (jnp.asarray(np.random.default_rng(0).standard_normal(w2.shape), w2.dtype),))
-  (pattern,) = _router.route([product], [_PruneKernel(n, m, w.dtype, transposable=True), _XlaPattern(n, m)])
+  xla = _router.Reference("xla", "the XLA path", lambda w2: _nm.transposable_pattern(w2, n, m).astype(jnp.uint8))
+  (pattern,) = _router.route([product], [_PruneKernel(n, m, w.dtype), xla])
   mask = _nm.tile_mask(pattern, n, m)
   return jnp.moveaxis(mask.reshape(moved.shape), -2, axis)
 
@@ -83,7 +83,6 @@ class _PruneKernel:
   n: int
   m: int
   dtype: Any  # the pruned kernel's
-  transposable: bool
   name: ClassVar[str] = "prune_kernel"
   title: ClassVar[str] = "jaxsparse's CUDA pruning kernel"
   platforms: ClassVar[tuple[str, ...]] = ("cuda",)
@@ -96,24 +95,6 @@ class _PruneKernel:
 
   def candidates(self, p: _router.Product) -> list[_tuning.Candidate]:
     return [_tuning.Candidate(self.name, lambda w2: cuda_kernels.nm24_transposable(w2)[1])]
-
-
-@dataclasses.dataclass(frozen=True)
-class _XlaPattern:
-  """Every platform: the transposable pattern by XLA (the reference)."""
-
-  n: int
-  m: int
-  name: ClassVar[str] = "xla"
-  title: ClassVar[str] = "the XLA path"
-  platforms: ClassVar[tuple[str, ...]] = ("cuda", "cpu", "default")
-  fallback_warning: ClassVar[type[Warning]] = FallbackWarning
-
-  def unsupported_reason(self, p: _router.Product) -> None:
-    return None
-
-  def candidates(self, p: _router.Product) -> list[_tuning.Candidate]:
-    return [_tuning.Candidate(self.name, lambda w2: _nm.transposable_pattern(w2, self.n, self.m).astype(jnp.uint8))]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
@@ -404,22 +385,10 @@ class _PruneThenDense:
     return [_tuning.Candidate(self.name, run, measure=_step(run))]
 
 
-@dataclasses.dataclass(frozen=True)
-class _Reference:
+def _reference_backend(cfg: _MatmulConfig) -> _router.Reference:
   """Every platform: ``x @ sr_ste(w).astype(dtype)`` with XLA's dense products."""
-
-  cfg: _MatmulConfig
-  name: ClassVar[str] = "xla"
-  title: ClassVar[str] = "the dense product"
-  platforms: ClassVar[tuple[str, ...]] = ("cuda", "cpu", "default")
-  fallback_warning: ClassVar[type[Warning]] = FallbackWarning
-
-  def unsupported_reason(self, p: _router.Product) -> None:
-    return None
-
-  def candidates(self, p: _router.Product) -> list[_tuning.Candidate]:
-    run = functools.partial(_reference, self.cfg)
-    return [_tuning.Candidate(self.name, run, measure=_step(run))]
+  run = functools.partial(_reference, cfg)
+  return _router.Reference("xla", "the dense product", run, measure=_step(run))
 
 
 def _rows(p: _router.Product) -> int:
@@ -531,7 +500,7 @@ def sr_ste_matmul(
   cfg = _MatmulConfig(n, m, decay, dtype, precision, pet, transposable)
   if implementation == "xla":
     return _reference(cfg, x, w)
-  backends = [_SparseCores(cfg), _PruneThenDense(cfg), _Reference(cfg)]
+  backends = [_SparseCores(cfg), _PruneThenDense(cfg), _reference_backend(cfg)]
   if implementation == "cusparselt":
     out_dtype = pet or jnp.result_type(x.dtype, dtype)
     reason = sparse_core_unsupported_reason(x.shape, x.dtype, w.shape, n, m, dtype, out_dtype)

@@ -35,6 +35,7 @@ from jaxsparse._rules import Probe
 from jaxsparse._rules import as_int_tuple
 from jaxsparse._rules import dense_general_dims
 from jaxsparse._rules import get_module
+from jaxsparse._rules import linear_general_unsupported
 from jaxsparse._rules import match_rules
 from jaxsparse._rules import replace_module
 from jaxsparse._rules import resolve_rules
@@ -269,14 +270,8 @@ def nnx_candidates(model: nnx.Module) -> list[Candidate]:
     if isinstance(node, nnx.Conv):
       out.append(_conv_candidate(key, node, tuple(node.kernel.shape), "nnx.Conv"))
     elif isinstance(node, nnx.LinearGeneral):
-      n_in = len(node.in_features)
-      shape = tuple(node.kernel.shape)
-      if node.batch_axis or tuple(node.axis) != tuple(range(-n_in, 0)):
-        out.append(Candidate(key, shape, n_in, unsupported=(
-            f"nnx.LinearGeneral with axis={node.axis} and batch_axis={dict(node.batch_axis)} is not supported; "
-            "only trailing contracting axes and no batch axes (as in nnx.MultiHeadAttention)")))
-      else:
-        out.append(Candidate(key, shape, n_in))
+      out.append(Candidate(key, tuple(node.kernel.shape), len(node.in_features),
+                           unsupported=linear_general_unsupported(node)))
     elif isinstance(node, nnx.Linear):
       out.append(Candidate(key, tuple(node.kernel.shape), 1))
   return out

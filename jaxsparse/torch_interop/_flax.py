@@ -283,13 +283,10 @@ def _general_plan(
   ``Linear(in, heads * head_dim)``, the out projection ``(heads, head_dim, out)`` a ``Linear(heads * head_dim,
   out)``; a sparse torch weight makes a :class:`~jaxsparse.layers.SparseLinearGeneral`.
   """
-  n_in = len(module.in_features)
-  if module.batch_axis or tuple(module.axis) != tuple(range(-n_in, 0)):
-    raise CheckpointError(
-        f"{flax_path}: nnx.LinearGeneral with axis={module.axis} and batch_axis={dict(module.batch_axis)} has no torch "
-        "Linear counterpart; only trailing contracting axes and no batch axes (as in nnx.MultiHeadAttention) load."
-    )
-  k, n = matrix_shape(module.kernel.shape, n_in)
+  reason = _rules.linear_general_unsupported(module)
+  if reason:
+    raise CheckpointError(f"{flax_path}: {reason}: it has no torch Linear counterpart.")
+  k, n = matrix_shape(module.kernel.shape, len(module.in_features))
   lin = nnx.Linear(k, n, use_bias=module.bias is not None, dtype=module.dtype, param_dtype=module.param_dtype,
                    precision=module.precision, rngs=nnx.Rngs(0))
   sub = _Plan()
