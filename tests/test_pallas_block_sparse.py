@@ -141,7 +141,7 @@ CASES = [
 
 @pytest.mark.parametrize(("block_shape", "pattern", "dtype"), CASES)
 def test_interpret_matches_dense(block_shape, pattern, dtype):
-  # M = 40 is not a multiple of the row tile: exercises the row padding.
+  # M = 40 is not a multiple of the row tile: the last row tile is masked.
   x, dy, w = _problem(40, 128, 128, block_shape, pattern, dtype)
   _check_all(x, dy, w, dtype, interpret=True)
 

@@ -157,6 +157,36 @@ def _check_supported(*args, config=None) -> None:
 # -------------------------------------------------------------------------------------------------
 
 
+def _masked_window(ref, start, window: int):
+  """``ref[start:start + window]`` of a 1-D index array, its entries past the end read as 0."""
+  lane = lax.broadcasted_iota(jnp.int32, (window,), 0)
+  return pltriton.load(ref.at[pl.ds(start, window)], mask=start + lane < ref.shape[0], other=0)
+
+
+class _Rows:
+  """The rows of one program's ``(block_m, ...)`` tile of ``x`` / ``dY`` and of the output.
+
+  ``m`` (static) is the number of rows of the unpadded operands: a tile that reaches past it (decode, or ``M`` not a
+  multiple of ``block_m``) loads zeros there and stores only its rows below ``m``, so that the wrapper neither pads
+  the operands nor slices the result (each an extra kernel: 0.7-1.8 us at decode on an H200, as long as the
+  product itself).
+  """
+
+  def __init__(self, tile_row, block_m: int, m: int):
+    self.ragged = m % block_m != 0
+    if self.ragged:
+      self.ok = (tile_row * block_m + lax.broadcasted_iota(jnp.int32, (block_m, 1), 0)) < m
+
+  def load(self, ref):
+    return pltriton.load(ref, mask=self.ok, other=0) if self.ragged else ref[...]
+
+  def store(self, ref, value):
+    if self.ragged:
+      pltriton.store(ref, value, mask=self.ok)
+    else:
+      ref[...] = value
+
+
 def _split_range(start, end, split: int):
   """The part of ``[start, end)`` that split program ``pl.program_id(1)`` handles."""
   return chunk(start, end, pl.program_id(1) if split > 1 else 0, split)
@@ -167,17 +197,16 @@ class _BlockIndex:
 
   With ``cfg.index_window`` the ``window`` entries starting at ``start`` (a power of two covering the
   row / column) are loaded once and step ``t`` picks its entry from registers; otherwise each step
-  loads its entries from memory.
+  loads its entries from memory. The window's entries past the end of the arrays are masked (read as 0,
+  never picked).
   """
 
   def __init__(self, refs, start, window: int, cfg: KernelConfig):
     self.refs, self.windowed = refs, cfg.index_window
     if self.windowed:
-      size = refs[0].shape[0]
-      # The wrapper pads the arrays to at least `window` entries; keep the window in bounds.
-      self.start = jnp.minimum(start, size - window)
+      self.start = start
       self.lane = lax.broadcasted_iota(jnp.int32, (window,), 0)
-      self.vectors = [r[pl.ds(self.start, window)] for r in refs]
+      self.vectors = [_masked_window(r, start, window) for r in refs]
 
   def __call__(self, t):
     if not self.windowed:
@@ -199,6 +228,7 @@ def _dsd_kernel(
     num_n,
     subs,
     window,
+    m,
     cfg,
     dot,
 ):
@@ -210,16 +240,17 @@ def _dsd_kernel(
   ``b`` (``row_offsets`` is sorted). With ``subs > 1`` programs own ``bn // subs`` columns of a
   block column (``data_ref`` holds just those columns of every block).
   """
-  _, jj = grouped_tile(pl.program_id(0), num_m, num_n * subs, cfg.group_m)
+  ii, jj = grouped_tile(pl.program_id(0), num_m, num_n * subs, cfg.group_m)
+  rows = _Rows(ii, x_ref.shape[0], m)
   j = jj // subs
   bk = data_ref.shape[1]
   start, end = col_offsets_ref[j], col_offsets_ref[j + 1]
   index = _BlockIndex((order_ref,), start, window, cfg)
   if cfg.index_window:
     num_rows = x_ref.shape[1] // bk
-    # window >= num_rows: the starts of all block rows, in bounds (the wrapper pads if needed).
+    # window >= num_rows: the starts of all block rows.
     lane = lax.broadcasted_iota(jnp.int32, (window,), 0)
-    starts = row_offsets_ref[pl.ds(0, window)]
+    starts = _masked_window(row_offsets_ref, 0, window)
     row_starts = jnp.where((lane >= 1) & (lane < num_rows), starts, jnp.iinfo(jnp.int32).max)
     block_row = lambda b: jnp.sum((row_starts <= b).astype(jnp.int32))
   else:
@@ -228,17 +259,18 @@ def _dsd_kernel(
   def step(t):
     (b,) = index(t)
     k0 = pl.multiple_of(block_row(b) * bk, bk)
-    return dot(x_ref[:, pl.ds(k0, bk)], data_ref[b], ((1,), (0,)))
+    return dot(rows.load(x_ref.at[:, pl.ds(k0, bk)]), data_ref[b], ((1,), (0,)))
 
   acc = jnp.zeros(y_ref.shape, jnp.float32)
   acc = lax.fori_loop(*_split_range(start, end, cfg.split), lambda t, acc: acc + step(t), acc)
-  y_ref[...] = acc.astype(y_ref.dtype)
+  rows.store(y_ref, acc.astype(y_ref.dtype))
 
 
-def _dst_kernel(offsets_ref, cols_ref, dy_ref, data_ref, dx_ref, *, num_m, num_k, subs, window, cfg, dot):
+def _dst_kernel(offsets_ref, cols_ref, dy_ref, data_ref, dx_ref, *, num_m, num_k, subs, window, m, cfg, dot):
   """``dx[m tile, i] = sum over kept (i, j): dy[m tile, j] @ data[(i, j)]ᵀ`` (``bk // subs`` columns
   of block row ``i`` per program, as in :func:`_dsd_kernel`)."""
-  _, ii = grouped_tile(pl.program_id(0), num_m, num_k * subs, cfg.group_m)
+  mm, ii = grouped_tile(pl.program_id(0), num_m, num_k * subs, cfg.group_m)
+  rows = _Rows(mm, dy_ref.shape[0], m)
   i = ii // subs
   bn = data_ref.shape[2]
   start, end = offsets_ref[i], offsets_ref[i + 1]
@@ -247,11 +279,11 @@ def _dst_kernel(offsets_ref, cols_ref, dy_ref, data_ref, dx_ref, *, num_m, num_k
   def step(t):
     (j,) = index(t)
     n0 = pl.multiple_of(j * bn, bn)
-    return dot(dy_ref[:, pl.ds(n0, bn)], data_ref[t], ((1,), (1,)))
+    return dot(rows.load(dy_ref.at[:, pl.ds(n0, bn)]), data_ref[t], ((1,), (1,)))
 
   acc = jnp.zeros(dx_ref.shape, jnp.float32)
   acc = lax.fori_loop(*_split_range(start, end, cfg.split), lambda t, acc: acc + step(t), acc)
-  dx_ref[...] = acc.astype(dx_ref.dtype)
+  rows.store(dx_ref, acc.astype(dx_ref.dtype))
 
 
 def _sdd_kernel(rows_ref, cols_ref, x_ref, dy_ref, ddata_ref, *, block_shape, steps, cfg, dot):
@@ -273,12 +305,6 @@ def _sdd_kernel(rows_ref, cols_ref, x_ref, dy_ref, ddata_ref, *, block_shape, st
 # -------------------------------------------------------------------------------------------------
 # Wrappers.
 # -------------------------------------------------------------------------------------------------
-
-
-def _pad_to(index: jax.Array, size: int) -> jax.Array:
-  """Pads a 1-D index array with zeros to at least ``size`` entries (only tiny patterns need it)."""
-  pad = size - index.shape[0]
-  return index if pad <= 0 else jnp.pad(index, (0, pad))
 
 
 def _whole(shape: tuple[int, ...], grid_rank: int) -> pl.BlockSpec:
@@ -339,23 +365,19 @@ def forward(
   if _use_mosaic(configs.mosaic_forward, x2, w, out_dtype, transpose=False, interpret=interpret, precision=precision):
     return mosaic.dense_sparse_matmul(x2, w, out_dtype=out_dtype, config=configs.mosaic_forward, interpret=interpret)
   cfg = configs.forward
-  # The kernel reads `window` entries of these at a time: pad them to that (a no-op unless the
-  # pattern is tiny or K // bk is far from a power of two).
+  # The kernel reads `window` entries of the index arrays at a time (masked past their ends).
   window = pl.next_power_of_2(w.grid_shape[0])
-  order = _pad_to(w.transpose_order, window)
-  row_offsets = _pad_to(w.row_offsets, window)
-  xp = pad_rows(x2, cfg.block_m)
-  num_m = xp.shape[0] // cfg.block_m
+  num_m = pl.cdiv(m, cfg.block_m)  # the last row tile is masked where M is not a multiple (_Rows)
   sub, subs = _sub_cols(cfg, bn)
   tile = functools.partial(grouped_tile, num_m=num_m, num_n=nb * subs, group_m=cfg.group_m)
   grid = (num_m * nb * subs, cfg.split)
-  x_spec = pl.BlockSpec((cfg.block_m, xp.shape[1]), lambda p, s: (tile(p)[0], 0))
+  x_spec = pl.BlockSpec((cfg.block_m, x2.shape[1]), lambda p, s: (tile(p)[0], 0))
   data_spec = pl.BlockSpec((w.nnz_blocks, bk, sub), lambda p, s: (0, 0, tile(p)[1] % subs))
   if cfg.split == 1:
-    out_shape = jax.ShapeDtypeStruct((xp.shape[0], n), out_dtype)
+    out_shape = jax.ShapeDtypeStruct((m, n), out_dtype)
     out_spec = pl.BlockSpec((cfg.block_m, sub), lambda p, s: tile(p))
   else:
-    out_shape = jax.ShapeDtypeStruct((cfg.split, xp.shape[0], n), jnp.float32)
+    out_shape = jax.ShapeDtypeStruct((cfg.split, m, n), jnp.float32)
     out_spec = pl.BlockSpec((None, cfg.block_m, sub), lambda p, s: (s, *tile(p)))
   kernel = functools.partial(
       _dsd_kernel,
@@ -363,6 +385,7 @@ def forward(
       num_n=nb,
       subs=subs,
       window=window,
+      m=m,
       cfg=cfg,
       dot=functools.partial(dot, compute_dtype=compute_dtype, precision=precision),
   )
@@ -372,8 +395,8 @@ def forward(
       grid=grid,
       in_specs=[
           _whole(w.col_offsets.shape, 2),
-          _whole(order.shape, 2),
-          _whole(row_offsets.shape, 2),
+          _whole(w.transpose_order.shape, 2),
+          _whole(w.row_offsets.shape, 2),
           _whole(w.row_indices.shape, 2),
           x_spec,
           data_spec,
@@ -382,26 +405,24 @@ def forward(
       compiler_params=_params(cfg),
       interpret=interpret,
       name=f"block_sparse_dsd_{bk}x{bn}",
-  )(w.col_offsets, order, row_offsets, w.row_indices, xp, w.data)
+  )(w.col_offsets, w.transpose_order, w.row_offsets, w.row_indices, x2, w.data)
   if cfg.split > 1:
     y = y.sum(axis=0).astype(out_dtype)
-  return y[:m]
+  return y
 
 
 def _dx(dy2, w, *, compute_dtype, out_dtype, precision, cfg: KernelConfig, interpret):
   m = dy2.shape[0]
   (bk, bn), (kb, _) = w.block_shape, w.grid_shape
   window = pl.next_power_of_2(w.grid_shape[1])
-  cols = _pad_to(w.col_indices, window)
-  dyp = pad_rows(dy2, cfg.block_m)
-  num_m = dyp.shape[0] // cfg.block_m
+  num_m = pl.cdiv(m, cfg.block_m)
   sub, subs = _sub_cols(cfg, bk)
   tile = functools.partial(grouped_tile, num_m=num_m, num_n=kb * subs, group_m=cfg.group_m)
   if cfg.split == 1:
-    out_shape = jax.ShapeDtypeStruct((dyp.shape[0], w.shape[0]), out_dtype)
+    out_shape = jax.ShapeDtypeStruct((m, w.shape[0]), out_dtype)
     out_spec = pl.BlockSpec((cfg.block_m, sub), lambda p, s: tile(p))
   else:
-    out_shape = jax.ShapeDtypeStruct((cfg.split, dyp.shape[0], w.shape[0]), jnp.float32)
+    out_shape = jax.ShapeDtypeStruct((cfg.split, m, w.shape[0]), jnp.float32)
     out_spec = pl.BlockSpec((None, cfg.block_m, sub), lambda p, s: (s, *tile(p)))
   kernel = functools.partial(
       _dst_kernel,
@@ -409,6 +430,7 @@ def _dx(dy2, w, *, compute_dtype, out_dtype, precision, cfg: KernelConfig, inter
       num_k=kb,
       subs=subs,
       window=window,
+      m=m,
       cfg=cfg,
       dot=functools.partial(dot, compute_dtype=compute_dtype, precision=precision),
   )
@@ -418,18 +440,18 @@ def _dx(dy2, w, *, compute_dtype, out_dtype, precision, cfg: KernelConfig, inter
       grid=(num_m * kb * subs, cfg.split),
       in_specs=[
           _whole(w.row_offsets.shape, 2),
-          _whole(cols.shape, 2),
-          pl.BlockSpec((cfg.block_m, dyp.shape[1]), lambda p, s: (tile(p)[0], 0)),
+          _whole(w.col_indices.shape, 2),
+          pl.BlockSpec((cfg.block_m, dy2.shape[1]), lambda p, s: (tile(p)[0], 0)),
           pl.BlockSpec((w.nnz_blocks, sub, bn), lambda p, s: (0, tile(p)[1] % subs, 0)),
       ],
       out_specs=out_spec,
       compiler_params=_params(cfg),
       interpret=interpret,
       name=f"block_sparse_dst_{bk}x{bn}",
-  )(w.row_offsets, cols, dyp, w.data)
+  )(w.row_offsets, w.col_indices, dy2, w.data)
   if cfg.split > 1:
     dx = dx.sum(axis=0).astype(out_dtype)
-  return dx[:m]
+  return dx
 
 
 def _dw(x2, dy2, w, *, compute_dtype, precision, cfg: KernelConfig, interpret):
