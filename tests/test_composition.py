@@ -27,7 +27,7 @@ from jaxsparse import layers
 from jaxsparse import pruning
 from jaxsparse.layers import linen as sparse_linen
 
-KINDS = ("linear", "attention", "conv", "embed")
+KINDS = ("linear", "attention", "attention_nobias", "conv", "embed")
 PATTERNS = ("block", "nm", "unstructured")
 FRAMEWORKS = ("nnx", "linen")
 PATHS = ("build", "sparsify", "prune", "dst", "calibrated", "torch", "orbax", "summary", "export")
@@ -35,6 +35,7 @@ PATHS = ("build", "sparsify", "prune", "dst", "calibrated", "torch", "orbax", "s
 KIND_NAMES = {
     "linear": "Linear / Dense",
     "attention": "MultiHeadAttention q/k/v/out (LinearGeneral / DenseGeneral)",
+    "attention_nobias": "MultiHeadAttention without biases (use_bias=False), pruned with views=kernel_views(model)",
     "conv": "Conv",
     "embed": "Embed",
 }
@@ -98,6 +99,8 @@ NOT_A_CELL = {
     ("embed", "*", "*", "orbax"): "no sparse embedding layer to save",
     ("embed", "*", "*", "summary"): "no sparse embedding layer to describe",
     ("embed", "*", "*", "export"): "no sparse embedding layer to export",
+    **{("attention_nobias", "*", "*", path): "the bias plays no part in this path: see MultiHeadAttention above"
+       for path in ("build", "sparsify", "calibrated", "torch", "orbax", "summary", "export")},
 }
 
 
@@ -129,11 +132,15 @@ def cell_result(cell) -> str:
 
 def rules_for(kind, pattern):
   spec = SPECS[pattern]
-  return {r"layer\.(query|key|value|out)": spec} if kind == "attention" else {"layer": spec}
+  return {r"layer\.(query|key|value|out)": spec} if _attention(kind) else {"layer": spec}
 
 
 def sparse_paths(kind):
-  return [f"layer.{p}" for p in ("key", "out", "query", "value")] if kind == "attention" else ["layer"]
+  return [f"layer.{p}" for p in ("key", "out", "query", "value")] if _attention(kind) else ["layer"]
+
+
+def _attention(kind):
+  return kind in ("attention", "attention_nobias")
 
 
 def x_for(kind, seed=1):
@@ -142,15 +149,16 @@ def x_for(kind, seed=1):
     return jax.random.normal(key, (2, 6, 6, 8))
   if kind == "embed":
     return jax.random.randint(key, (2, 5), 0, VOCAB)
-  return jax.random.normal(key, (2, 3, D) if kind == "attention" else (3, D))
+  return jax.random.normal(key, (2, 3, D) if _attention(kind) else (3, D))
 
 
 class NNXNet(nnx.Module):
   def __init__(self, kind, rngs):
     if kind == "linear":
       self.layer = nnx.Linear(D, D, rngs=rngs)
-    elif kind == "attention":
-      self.layer = nnx.MultiHeadAttention(HEADS, D, qkv_features=D, decode=False, rngs=rngs)
+    elif _attention(kind):
+      self.layer = nnx.MultiHeadAttention(HEADS, D, qkv_features=D, decode=False, use_bias=kind == "attention",
+                                          rngs=rngs)
     elif kind == "conv":
       self.layer = nnx.Conv(8, 16, (3, 3), rngs=rngs)
     else:
@@ -167,8 +175,9 @@ class LinenNet(nn.Module):
   def __call__(self, x):
     if self.kind == "linear":
       return nn.Dense(D, name="layer")(x)
-    if self.kind == "attention":
-      return nn.MultiHeadDotProductAttention(HEADS, qkv_features=D, name="layer")(x)
+    if _attention(self.kind):
+      return nn.MultiHeadDotProductAttention(HEADS, qkv_features=D, use_bias=self.kind == "attention",
+                                             name="layer")(x)
     if self.kind == "conv":
       return nn.Conv(16, (3, 3), name="layer")(x)
     return nn.Embed(VOCAB, D, name="layer")(x)
@@ -292,21 +301,28 @@ def path_sparsify(kind, pattern, fw):
 
 
 def _train(kind, pattern, fw, path):
-  """Three masked optimizer steps: the model (NNX) or ``(module, variables)`` (Linen), and the masks."""
+  """Three masked optimizer steps: the model (NNX) or ``(module, variables)`` (Linen), and the masks.
+
+  Bias-free attention is pruned with ``views=kernel_views(model)``; the other kinds without views.
+  """
   rules = rules_for(kind, pattern)
-  pruner = (pruning.rigl_pruner(rules, update_every=1, end_step=2) if path == "dst" and fw == "nnx"
-            else pruning.set_pruner(rules, update_every=1, end_step=2) if path == "dst"
-            else pruning.magnitude_pruner(rules, pruning.gradual(begin_step=0, end_step=2, update_every=1)))
-  tx = pruning.wrap_optax(optax.sgd(1e-2), pruner)
   x = x_for(kind)
+  model = nnx_model(kind) if fw == "nnx" else None
+  module, variables = (None, None) if fw == "nnx" else linen_model(kind)
+  views = None
+  if kind == "attention_nobias":
+    views = pruning.kernel_views(model) if fw == "nnx" else pruning.kernel_views(module, variables, x)
+  pruner = (pruning.rigl_pruner(rules, update_every=1, end_step=2, views=views) if path == "dst" and fw == "nnx"
+            else pruning.set_pruner(rules, update_every=1, end_step=2, views=views) if path == "dst"
+            else pruning.magnitude_pruner(rules, pruning.gradual(begin_step=0, end_step=2, update_every=1),
+                                          views=views))
+  tx = pruning.wrap_optax(optax.sgd(1e-2), pruner)
   loss = lambda y: jnp.mean(y.astype(jnp.float32) ** 2)
   if fw == "nnx":
-    model = nnx_model(kind)
     opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
     for _ in range(3):
       opt.update(model, nnx.grad(lambda m: loss(m(x)))(model))
     return model, pruning.get_masks(opt)
-  module, variables = linen_model(kind)
   params = variables["params"]
   state = tx.init(params)
   for _ in range(3):
