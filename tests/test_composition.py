@@ -82,10 +82,6 @@ RAISES = {
     ("embed", "*", "*", "dst"): (EMBED, "the pruner masks the table; sparsify: no sparse Embed"),
     ("embed", "*", "*", "calibrated"): (r"rule\(s\) \['layer'\] match no .*(Linear|Dense)", "calibrated pruning covers "
                                         "Linear, LinearGeneral and Conv layers only"),
-    ("attention", "*", "linen", "torch"): (r"\"kernel\" in \"/layer/(query|key|value)\".*expected to generate "
-                                           r"shape \(32, 2, 16\)",
-                                           "CLI convert writes 2-D (in, out) kernels; nn.DenseGeneral wants "
-                                           "(in, heads, head_dim) (Flax's shape error)"),
 }
 
 # (kind, pattern, framework, path) -> why there is nothing to run. "*" matches any.
@@ -436,24 +432,32 @@ def path_torch(kind, pattern, fw, tmp_path):
     assert all(type(_get_module(model, p)).__name__ != type(_get_module(dense, p)).__name__
                for p in sparse_paths(kind)), "sparse torch layers become jaxsparse layers"
     close(model(x), dense(x))
-    if kind != "attention":  # the torch net's forward is the layer's
-      close(model(x), _torch_forward(net, kind, x))
+    close(model(x), _torch_forward(net, kind, x))
     return
   from jaxsparse.torch_interop import _cli  # noqa: PLC0415
 
   src = tmp_path / "model.pt"
   torch.save(state, src)
   out = tmp_path / "model.safetensors"
-  assert _cli.main(["convert", str(src), str(out), "--no-progress"]) == 0
-  variables = torch_interop.load_flax_variables(out)
-  module, _ = linen_model(kind)
+  module, init_vars = linen_model(kind)
+  target = []
+  if kind == "attention":  # the Linen model's own variables give the (in, heads, head_dim) kernel shapes
+    target = ["--target", torch_interop.save_flax_variables(init_vars, tmp_path / "init.safetensors")]
+  assert _cli.main(["convert", str(src), str(out), "--no-progress", *target]) == 0
+  variables = jax.tree.map(jnp.asarray, torch_interop.load_flax_variables(out))
+  if kind == "attention":
+    masks = variables.pop("masks")
+    close(module.apply(variables, x), _torch_forward(net, kind, x))  # the masked dense model
+    sparse, sparse_vars, _ = jaxsparse.sparsify_linen(module, variables, rules_for(kind, pattern), x, masks=masks)
+    check_linen_sparse(sparse, sparse_vars, module, variables, kind, pruning.masks_to_dict(masks))
+    close(sparse.apply(sparse_vars, x), _torch_forward(net, kind, x))
+    return
   if kind == "linear":
     spec = SPECS[pattern]
     module = (sparse_linen.BlockSparseDense(D, density=spec.density, block_shape=spec.block_shape)
               if pattern == "block" else sparse_linen.MaskedDense(D, sparsity=0.5))
-    variables = jax.tree.map(jnp.asarray, {k: v["layer"] for k, v in variables.items()})
-  y = module.apply(variables, x)  # attention: raises, its kernels are 2-D
-  close(y, _torch_forward(net, kind, x))
+    variables = {k: v["layer"] for k, v in variables.items()}
+  close(module.apply(variables, x), _torch_forward(net, kind, x))
 
 
 def _get_module(model, dotted):
@@ -464,10 +468,16 @@ def _get_module(model, dotted):
 
 def _torch_forward(net, kind, x):
   torch = _torch()
+  t = torch.from_numpy(np.array(x))
   with torch.no_grad():
     if kind == "conv":
-      return net.layer(torch.from_numpy(np.asarray(x)).permute(0, 3, 1, 2)).permute(0, 2, 3, 1).numpy()
-    return net.layer(torch.from_numpy(np.asarray(x))).numpy()
+      return net.layer(t.permute(0, 3, 1, 2)).permute(0, 2, 3, 1).numpy()
+    if kind == "attention":  # self-attention over the q/k/v/out Linears, heads split as Flax does
+      b, n, _ = t.shape
+      q, k, v = (net.layer[p](t).reshape(b, n, HEADS, D // HEADS).transpose(1, 2) for p in ("query", "key", "value"))
+      y = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+      return net.layer["out"](y.transpose(1, 2).reshape(b, n, D)).numpy()
+    return net.layer(t).numpy()
 
 
 # --- orbax, summary, export ------------------------------------------------------------------------
