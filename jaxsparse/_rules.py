@@ -29,6 +29,7 @@ from jaxsparse.formats._specs import Spec
 __all__ = [
     "Probe",
     "Rules",
+    "Views",
     "as_int_tuple",
     "as_numpy_bool",
     "check_unsupported",
@@ -42,11 +43,13 @@ __all__ = [
     "path_str",
     "replace_module",
     "resolve_rules",
+    "resolve_views",
     "unwrap_variables",
     "warn_unmatched",
 ]
 
 Rules: TypeAlias = Spec | Mapping[str, Spec | None]
+Views: TypeAlias = Mapping[str, int]
 
 
 def resolve_rules(rules: Any) -> list[tuple[str, re.Pattern, Spec | None]]:
@@ -77,9 +80,34 @@ def resolve_rules(rules: Any) -> list[tuple[str, re.Pattern, Spec | None]]:
   return out
 
 
-def match_rules(
-    resolved: list[tuple[str, re.Pattern, Spec | None]], path: str, *, owner: str | None = None
-) -> int | None:
+def resolve_views(views: Any) -> list[tuple[str, re.Pattern, int]]:
+  """``views`` (``{regex: input axes}``, or ``None``) as ``[(pattern, compiled, in_ndim)]``, checked.
+
+  A view is the number of leading input axes of a kernel's 2-D view (``matrix_shape``); its patterns
+  match paths as rules do (:func:`match_rules`).
+  """
+  if views is None:
+    return []
+  if not isinstance(views, Mapping):
+    raise TypeError(
+        f"views must be a mapping from regex to a kernel's number of input axes (as pruning.kernel_views returns "
+        f"it), got {type(views).__name__}."
+    )
+  out = []
+  for pattern, in_ndim in views.items():
+    if not isinstance(pattern, str):
+      raise TypeError(f"views keys must be regex strings, got {pattern!r}.")
+    if isinstance(in_ndim, bool) or not isinstance(in_ndim, (int, np.integer)) or in_ndim < 1:
+      raise TypeError(f"views[{pattern!r}] must be a positive int (the kernel's input axes), got {in_ndim!r}.")
+    try:
+      compiled = re.compile(pattern)
+    except re.error as e:
+      raise ValueError(f"views key {pattern!r} is not a valid regular expression: {e}.") from e
+    out.append((pattern, compiled, int(in_ndim)))
+  return out
+
+
+def match_rules(resolved: list[tuple[str, re.Pattern, Any]], path: str, *, owner: str | None = None) -> int | None:
   """Index of the first rule whose pattern fully matches ``path`` (or ``owner``, when given), or ``None``."""
   for i, (_, compiled, _) in enumerate(resolved):
     if compiled.fullmatch(path) or (owner is not None and compiled.fullmatch(owner)):
@@ -87,12 +115,14 @@ def match_rules(
   return None
 
 
-def warn_unmatched(resolved: list[tuple[str, re.Pattern, Spec | None]], available: Sequence[str], *, what: str) -> None:
-  """Warns about the rules whose pattern fully matches none of the ``available`` paths, listing them."""
+def warn_unmatched(
+    resolved: list[tuple[str, re.Pattern, Any]], available: Sequence[str], *, what: str, kind: str = "rule(s)"
+) -> None:
+  """Warns about the rules (or views: ``kind``) whose pattern fully matches none of the ``available`` paths."""
   unused = [pattern for pattern, compiled, _ in resolved if not any(compiled.fullmatch(p) for p in available)]
   if unused:
     listing = ", ".join(available) if available else "(none)"
-    _utils.warn_at_caller(f"rule(s) {unused} matched no {what}; available paths: {listing}.", UserWarning)
+    _utils.warn_at_caller(f"{kind} {unused} matched no {what}; available paths: {listing}.", UserWarning)
 
 
 def check_unsupported(
@@ -266,7 +296,8 @@ def kernel_in_ndim(kernel_shape: Sequence[int], bias_shape: Sequence[int] | None
 
   A bias holds the output axes: a ``LinearGeneral`` q/k/v kernel ``(in, heads, head_dim)`` next to a
   ``(heads, head_dim)`` bias has 1 input axis. ``None`` (every axis but the last an input, the conv
-  layout) when there is no bias or it has one axis.
+  layout) when there is no bias or it has one axis; the pruners' ``views=`` (from
+  ``pruning.kernel_views``) say it for a bias-free layer and win over this guess.
   """
   if bias_shape is None or len(bias_shape) < 2:
     return None

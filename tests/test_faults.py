@@ -600,7 +600,7 @@ def test_sparsified_linen_init_and_abstract_init(spec):
 # -------------------------------------------------------------------------------------------------
 
 
-def _pruned_attention(rules, use_bias=True):
+def _pruned_attention(rules, use_bias=True, with_views=False):
   import optax  # noqa: PLC0415
 
   from jaxsparse import pruning  # noqa: PLC0415
@@ -610,7 +610,9 @@ def _pruned_attention(rules, use_bias=True):
       self.attn = nnx.MultiHeadAttention(4, 16, qkv_features=16, decode=False, use_bias=use_bias, rngs=rngs)
 
   model = Block(nnx.Rngs(0))
-  opt = nnx.Optimizer(model, pruning.wrap_optax(optax.sgd(1e-3), pruning.magnitude_pruner(rules)), wrt=nnx.Param)
+  views = pruning.kernel_views(model) if with_views else None
+  pruner = pruning.magnitude_pruner(rules, views=views)
+  opt = nnx.Optimizer(model, pruning.wrap_optax(optax.sgd(1e-3), pruner), wrt=nnx.Param)
   x = jax.random.normal(jax.random.key(1), (2, 3, 16))
   opt.update(model, nnx.grad(lambda m: jnp.sum(m.attn(x) ** 2))(model))
   return model, pruning.get_masks(opt), x
@@ -647,5 +649,19 @@ def test_pruner_view_of_bias_free_qkv_kernels_is_explained(spec):
   rules = {r"attn\.(query|key|value)": spec}
   model, masks, _ = _pruned_attention(rules, use_bias=False)
   with pytest.raises(ValueError, match=r"attn\.(query|key|value): the given mask fits .* in the conv-layout view "
-                     r"of this \(16, 4, 4\) kernel \(every axis but the last an input: \(64, 4\)\).*bias"):
+                     r"of this \(16, 4, 4\) kernel \(every axis but the last an input: \(64, 4\)\).*bias.*"
+                     r"views=jaxsparse\.pruning\.kernel_views\(model\)"):
     jaxsparse.sparsify(model, rules, masks=masks)
+
+
+@pytest.mark.parametrize("spec", [jaxsparse.NM(2, 4), jaxsparse.BlockSparse(density=0.5, block_shape=(4, 4))],
+                         ids=str)
+def test_pruner_with_kernel_views_prunes_bias_free_qkv_kernels_as_sparsify_views_them(spec):
+  # issue 36: with views=kernel_views(model) the pruner takes q/k/v (16, 4, 4) as (16, 16) without biases too.
+  rules = {r"attn\.(query|key|value|out)": spec}
+  model, masks, x = _pruned_attention(rules, use_bias=False, with_views=True)
+  sparse, _ = jaxsparse.sparsify(model, rules, masks=masks)
+  np.testing.assert_allclose(sparse.attn(x), model.attn(x), rtol=1e-5, atol=1e-5)
+  for name in ("query", "key", "value", "out"):
+    np.testing.assert_array_equal(jaxsparse.densify(getattr(sparse.attn, name)).kernel[...] != 0,
+                                  masks["attn"][name]["kernel"])

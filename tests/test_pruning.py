@@ -553,6 +553,62 @@ def test_bad_rules_and_scope():
 
 
 # -------------------------------------------------------------------------------------------------
+# Views of multi-axis kernels (issue 36): the pruner takes the 2-D view sparsify uses.
+# -------------------------------------------------------------------------------------------------
+
+
+class _LinenAttention(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.MultiHeadDotProductAttention(2, qkv_features=16, use_bias=False, name="attn")(x)
+
+
+def test_kernel_views_of_nnx_and_linen_attention():
+  model = nnx.Sequential(nnx.Linear(16, 16, rngs=nnx.Rngs(0)),
+                         nnx.MultiHeadAttention(2, 16, decode=False, use_bias=False, rngs=nnx.Rngs(1)))
+  assert pruning.kernel_views(model) == {f"layers.1.{p}.kernel": 2 if p == "out" else 1
+                                         for p in ("key", "out", "query", "value")}
+  x = jnp.ones((1, 3, 16))
+  module = _LinenAttention()
+  variables = module.init(jax.random.key(0), x)
+  assert pruning.kernel_views(module, variables, x) == {f"attn.{p}.kernel": 2 if p == "out" else 1
+                                                        for p in ("key", "out", "query", "value")}
+  with pytest.raises(TypeError, match="needs its variables and an example_input"):
+    pruning.kernel_views(module)
+  with pytest.raises(TypeError, match="takes the model only"):
+    pruning.kernel_views(model, variables)
+
+
+def test_views_set_the_blocks_and_groups_and_win_over_the_bias():
+  w = _normal(0, (8, 2, 4))  # (in, heads, head_dim): (8, 8) with one input axis, (16, 4) in the conv layout
+  block = jaxsparse.BlockSparse(density=0.5, block_shape=(4, 4))
+  for bias, views, view in [(None, None, (16, 4)), ((2, 4), None, (8, 8)), (None, {"q": 1}, (8, 8)),
+                            ((2, 4), {r"q\.kernel": 2}, (16, 4))]:
+    params = {"q": {"kernel": w} | ({} if bias is None else {"bias": jnp.zeros(bias)})}
+    mask = np.asarray(pruning.magnitude_masks(params, {"q": block}, views=views)["q"]["kernel"]).reshape(view)
+    blocks = mask.reshape(view[0] // 4, 4, view[1] // 4, 4)
+    np.testing.assert_array_equal(blocks.all(axis=(1, 3)), blocks.any(axis=(1, 3)), err_msg=str(views))
+  nm = pruning.magnitude_masks({"q": {"kernel": w}}, {"q": jaxsparse.NM(2, 4)}, views={"q": 1})["q"]["kernel"]
+  assert np.asarray(nm).reshape(2, 4, 8).sum(axis=1).tolist() == [[2] * 8] * 2  # groups along the 8 inputs
+
+
+def test_bad_views_name_the_path_or_the_argument():
+  params = {"q": {"kernel": _normal(0, (8, 2, 4))}}
+  rules = {"q": jaxsparse.Unstructured(sparsity=0.5)}
+  with pytest.raises(ValueError, match=r"q\.kernel: views\['q'\] = 3 input axes do not fit its \(8, 2, 4\) kernel.*"
+                     r"1 to 2 here"):
+    pruning.magnitude_masks(params, rules, views={"q": 3})
+  with pytest.raises(TypeError, match=r"views\['q'\] must be a positive int"):
+    pruning.magnitude_pruner(rules, views={"q": 0})
+  with pytest.raises(TypeError, match="views must be a mapping from regex"):
+    pruning.set_pruner(rules, update_every=1, end_step=2, views=[1])
+  with pytest.raises(ValueError, match=r"views key '\(' is not a valid regular expression"):
+    pruning.rigl_pruner(rules, update_every=1, end_step=2, views={"(": 1})
+  with pytest.warns(UserWarning, match=r"view\(s\) \['attn'\] matched no .*available paths: q, q.kernel"):
+    pruning.magnitude_masks(params, rules, views={"attn": 1})
+
+
+# -------------------------------------------------------------------------------------------------
 # The digits demonstration, reduced.
 # -------------------------------------------------------------------------------------------------
 

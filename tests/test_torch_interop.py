@@ -719,3 +719,76 @@ def test_linen_variables_run_in_jaxsparse_linen_layers():
   with torch.no_grad():
     expected = net(torch.from_numpy(np.array(x))).numpy()
   np.testing.assert_allclose(np.asarray(y), expected, atol=1e-5)
+
+
+def _half_blocks(rows, cols, block, seed):
+  grid = np.random.default_rng(seed).permutation((rows // block[0]) * (cols // block[1])) % 2 == 0
+  return np.kron(grid.reshape(rows // block[0], cols // block[1]), np.ones(block, bool))
+
+
+def test_linen_attention_from_torch_with_target(tmp_path):
+  """Pruned torch q/k/v/out Linears -> variables shaped by a Linen attention target -> masked and sparse == torch."""
+  import flax.linen as nn  # noqa: PLC0415
+
+  d, heads = 64, 4
+  torch.manual_seed(0)
+  net = torch.nn.ModuleDict({"attn": torch.nn.ModuleDict({p: torch.nn.Linear(d, d) for p in
+                                                          ("query", "key", "value", "out")})})
+  for i, p in enumerate(("query", "key", "value")):
+    prune.custom_from_mask(net["attn"][p], "weight", torch.from_numpy(_half_blocks(d, d, (16, 16), seed=i)))
+  prune.custom_from_mask(net["attn"]["out"], "weight", torch.from_numpy(_nm_mask((d, d))))
+
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.MultiHeadDotProductAttention(heads, qkv_features=d, name="attn")(x)
+
+  model = Model()
+  x = jax.random.normal(jax.random.key(0), (2, 5, d))
+  target = jax.eval_shape(model.init, jax.random.key(1), x)
+  v = torch_interop.to_linen_variables(net.state_dict(), target=target)
+  masks = v.pop("masks")
+  assert "sparsity" not in v
+  assert jax.tree.map(jnp.shape, v) == jax.tree.map(jnp.shape, target)  # (in, heads, head_dim), (heads, head_dim)
+  for p in ("query", "key", "value", "out"):  # the masks reshape with their kernels
+    np.testing.assert_array_equal(np.asarray(masks["attn"][p]["kernel"]).reshape(d, d),
+                                  net["attn"][p].weight_mask.numpy().T.astype(bool), err_msg=p)
+  t = torch.from_numpy(np.array(x))
+  with torch.no_grad():
+    q, k, w = (net["attn"][p](t).reshape(2, 5, heads, d // heads).transpose(1, 2) for p in ("query", "key", "value"))
+    y = torch.nn.functional.scaled_dot_product_attention(q, k, w)
+    expected = net["attn"]["out"](y.transpose(1, 2).reshape(2, 5, d)).numpy()
+  np.testing.assert_allclose(np.asarray(model.apply(v, x)), expected, atol=1e-5, rtol=1e-5)
+  rules = {r"attn\.(query|key|value)": jaxsparse.BlockSparse(density=0.5, block_shape=(16, 16)),
+           r"attn\.out": jaxsparse.NM(2, 4)}
+  sparse, sparse_vars, report = jaxsparse.sparsify_linen(model, v, rules, x, masks=masks)
+  assert len(report.layers) == 4
+  np.testing.assert_allclose(np.asarray(sparse.apply(sparse_vars, x)), expected, atol=1e-5, rtol=1e-5)
+
+  # The command line takes the target as a file of Flax variables and writes the same.
+  torch.save(net.state_dict(), tmp_path / "attn.pt")
+  init = torch_interop.save_flax_variables(model.init(jax.random.key(1), x), tmp_path / "init.safetensors")
+  assert cli_main(["convert", str(tmp_path / "attn.pt"), str(tmp_path / "out.safetensors"), "--target", init]) == 0
+  back = torch_interop.load_flax_variables(tmp_path / "out.safetensors")
+  jax.tree.map(np.testing.assert_array_equal, back, {**v, "masks": masks})
+
+
+def test_target_that_does_not_fit_names_the_variable():
+  f32 = jnp.float32
+  target = {"params": {"fc": {"kernel": jax.ShapeDtypeStruct((16, 8), f32), "bias": jax.ShapeDtypeStruct((2, 4), f32)}}}
+  sd = {"fc.weight": torch.ones(16, 8), "fc.bias": torch.ones(8)}  # kernel (8, 16): the size, not a view, of (16, 8)
+  with pytest.raises(CheckpointError, match=r"params\.fc\.kernel: the checkpoint gives shape \(8, 16\), the target "
+                     r"\(16, 8\)"):
+    torch_interop.to_linen_variables(sd, target=target)
+  sd = {"fc.weight": torch.ones(8, 16), "fc.bias": torch.ones(16)}
+  with pytest.raises(CheckpointError, match=r"params\.fc\.bias: the checkpoint gives shape \(16,\), the target "
+                     r"\(2, 4\)"):
+    torch_interop.to_linen_variables(sd, target=target)
+  with pytest.raises(CheckpointError, match=r"params\.head\.kernel: the checkpoint has this variable but the target "
+                     r"does not.*The target has: params\.fc\.bias, params\.fc\.kernel"):
+    torch_interop.to_linen_variables({"fc.weight": torch.ones(8, 16), "fc.bias": torch.ones(8),
+                                      "head.weight": torch.ones(2, 2)}, target=target)
+  with pytest.raises(CheckpointError, match=r"target variable\(s\) not in the checkpoint: params\.fc\.bias"):
+    torch_interop.to_linen_variables({"fc.weight": torch.ones(8, 16)}, target=target)
+  with pytest.raises(TypeError, match="target must be Linen variables"):
+    torch_interop.to_linen_variables({"fc.weight": torch.ones(8, 16)}, target=[1])

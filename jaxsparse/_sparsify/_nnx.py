@@ -118,9 +118,10 @@ def check_general_mask_view(mask: np.ndarray, spec: Spec, in_ndim: int, path: st
   """Explains a mask that fits the layer's kernel only in the conv-layout view of a multi-axis kernel.
 
   A multi-axis kernel (``nn.MultiHeadAttention``'s q/k/v ``(in, heads, head_dim)``) is the 2-D
-  ``matrix_shape(shape, in_ndim)`` matrix here and in :mod:`jaxsparse.pruning`, which tells its
-  output axes from the layer's bias; a layer without a bias gives the pruner no way to tell, so it
-  takes every axis but the last as an input (conv layout), where such a mask fits.
+  ``matrix_shape(shape, in_ndim)`` matrix here and in :mod:`jaxsparse.pruning`, which takes its
+  input axes from ``views=`` (``pruning.kernel_views``) or else tells its output axes from the layer's
+  bias; without either, the pruner takes every axis but the last as an input (conv layout), where such
+  a mask fits.
   """
   if mask.ndim < 3 or in_ndim == mask.ndim - 1:
     return
@@ -147,9 +148,9 @@ def check_general_mask_view(mask: np.ndarray, spec: Spec, in_ndim: int, path: st
     raise ValueError(
         f"{path}: the given mask fits {spec.describe()} in the conv-layout view of this {mask.shape} kernel "
         f"(every axis but the last an input: {pruner2.shape}), but this layer contracts its first {in_ndim} axis(es): "
-        f"sparsify views it as {(k, n)}, where the mask does not fit. jaxsparse.pruning tells a kernel's output axes "
-        "from its layer's bias: give the layer a bias (use_bias=True), prune it with jaxsparse.Unstructured, or "
-        "sparsify it without masks=."
+        f"sparsify views it as {(k, n)}, where the mask does not fit. The pruners of jaxsparse.pruning tell a "
+        "kernel's output axes from its layer's bias, and this layer has none: prune with "
+        "views=jaxsparse.pruning.kernel_views(model) (the same view as sparsify), or sparsify it without masks=."
     )
 
 

@@ -61,6 +61,7 @@ from jaxsparse.pruning._scores import magnitude_scores
 from jaxsparse.pruning._sparsegpt import SparseGPTResult
 from jaxsparse.pruning._sparsegpt import reconstruction_error
 from jaxsparse.pruning._sparsegpt import sparsegpt_layer
+from jaxsparse.pruning._views import kernel_views
 from jaxsparse.pruning._wanda import magnitude_layer
 from jaxsparse.pruning._wanda import wanda_layer
 
@@ -84,6 +85,7 @@ __all__ = [
     "cosine_drop_fraction",
     "get_masks",
     "gradual",
+    "kernel_views",
     "magnitude_layer",
     "magnitude_masks",
     "magnitude_pruner",

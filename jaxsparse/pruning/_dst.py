@@ -16,6 +16,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxsparse._rules import Views
+from jaxsparse._rules import resolve_views
 from jaxsparse.formats._specs import NM
 from jaxsparse.pruning._optax import Pruner
 from jaxsparse.pruning._schedules import periodic
@@ -67,12 +69,14 @@ def _check_args(drop_fraction: object, update_every: object, end_step: object, b
   periodic(update_every=update_every, begin_step=begin_step, end_step=end_step)  # checks the steps
 
 
-def _dst_pruner(rules: Any, *, grow: str, update_every: int, end_step: int, begin_step: int, drop_fraction: float):
+def _dst_pruner(rules: Any, *, grow: str, update_every: int, end_step: int, begin_step: int, drop_fraction: float,
+                views: Views | None):
   _check_args(drop_fraction, update_every, end_step, begin_step)
   schedule = periodic(update_every=update_every, begin_step=begin_step, end_step=end_step)
+  resolve_views(views)  # bad views fail here, not at init
 
   def targets_of(params, *, warn):
-    _, leaves, treedef, targets = plan(params, rules, warn=warn)
+    _, leaves, treedef, targets = plan(params, rules, views=views, warn=warn)
     for t in targets:
       if isinstance(t.spec, NM):
         raise ValueError(
@@ -114,7 +118,8 @@ def _grow_scores(t: Target, grow: str, grad: Any, key: jax.Array) -> jax.Array:
 
 
 def set_pruner(
-    rules: Any, *, update_every: int, end_step: int, begin_step: int = 0, drop_fraction: float = 0.3
+    rules: Any, *, update_every: int, end_step: int, begin_step: int = 0, drop_fraction: float = 0.3,
+    views: Views | None = None,
 ) -> Pruner:
   """SET (Mocanu et al., 2018): drop the smallest-magnitude kept weights, regrow as many at random.
 
@@ -140,6 +145,8 @@ def set_pruner(
     begin_step: first update step.
     drop_fraction: fraction of kept units moved at ``begin_step``; it decays to 0 at ``end_step`` on
       a cosine (:func:`cosine_drop_fraction`).
+    views: ``{regex: input axes}`` of multi-axis kernels, for blocks (see :func:`magnitude_masks`); pass
+      :func:`kernel_views` of the model for bias-free attention projections.
 
   Returns:
     A :class:`Pruner` for :func:`wrap_optax`; its ``init`` draws a uniformly random mask per matched parameter
@@ -151,12 +158,13 @@ def set_pruner(
   """
   return _dst_pruner(
       rules, grow="random", update_every=update_every, end_step=end_step, begin_step=begin_step,
-      drop_fraction=drop_fraction,
+      drop_fraction=drop_fraction, views=views,
   )
 
 
 def rigl_pruner(
-    rules: Any, *, update_every: int, end_step: int, begin_step: int = 0, drop_fraction: float = 0.3
+    rules: Any, *, update_every: int, end_step: int, begin_step: int = 0, drop_fraction: float = 0.3,
+    views: Views | None = None,
 ) -> Pruner:
   """RigL (Evci et al., 2020): drop the smallest-magnitude kept weights, grow where the dense gradient is largest.
 
@@ -184,6 +192,7 @@ def rigl_pruner(
     begin_step: first update step.
     drop_fraction: fraction of kept units moved at ``begin_step``, decaying to 0 at ``end_step`` on a cosine
       (:func:`cosine_drop_fraction`).
+    views: as :func:`set_pruner`.
 
   Returns:
     A :class:`Pruner` for :func:`wrap_optax`; it starts from a uniformly random mask per matched parameter.
@@ -194,6 +203,6 @@ def rigl_pruner(
   """
   return _dst_pruner(
       rules, grow="gradient", update_every=update_every, end_step=end_step, begin_step=begin_step,
-      drop_fraction=drop_fraction,
+      drop_fraction=drop_fraction, views=views,
   )
 

@@ -26,7 +26,9 @@ import optax
 from flax import nnx
 from jax import lax
 
+from jaxsparse._rules import Views
 from jaxsparse._rules import flatten_with_paths
+from jaxsparse._rules import resolve_views
 from jaxsparse._rules import unwrap_variables
 from jaxsparse.pruning._schedules import Schedule
 from jaxsparse.pruning._schedules import one_shot
@@ -102,7 +104,9 @@ class PruningState(NamedTuple):
   inner_state: Any
 
 
-def magnitude_pruner(rules: Any, schedule: Schedule | None = None, *, scope: str = "layer") -> Pruner:
+def magnitude_pruner(
+    rules: Any, schedule: Schedule | None = None, *, scope: str = "layer", views: Views | None = None
+) -> Pruner:
   """Magnitude pruning to the structures in ``rules`` on ``schedule`` (default: one-shot at step 0).
 
   At each update step the masks keep the largest-magnitude weights (blocks by Frobenius norm, N of
@@ -128,6 +132,8 @@ def magnitude_pruner(rules: Any, schedule: Schedule | None = None, *, scope: str
       :func:`magnitude_masks`).
     schedule: :func:`one_shot`, :func:`gradual` or :func:`periodic`.
     scope: ``"layer"`` or ``"global"`` thresholds (see :func:`magnitude_masks`).
+    views: ``{regex: input axes}`` of multi-axis kernels, for blocks and N:M groups (see
+      :func:`magnitude_masks`); pass :func:`kernel_views` of the model for bias-free attention projections.
 
   Returns:
     A :class:`Pruner` for :func:`wrap_optax`.
@@ -136,9 +142,10 @@ def magnitude_pruner(rules: Any, schedule: Schedule | None = None, *, scope: str
   if not isinstance(schedule, Schedule):
     raise TypeError(f"schedule must be a pruning.Schedule (one_shot, gradual, periodic), got {schedule!r}.")
   check_scope(scope)
+  resolve_views(views)  # bad views fail here, not at the first step
 
   def at_step(masks, params, step, *, warn):
-    _, leaves, treedef, targets = plan(params, rules, warn=warn)
+    _, leaves, treedef, targets = plan(params, rules, views=views, warn=warn)
     prior = None if masks is None else target_masks(masks, treedef, targets)
     new = masks_at(
         leaves, targets, lambda spec: schedule.sparsity(step, spec.target_sparsity), scope=scope, prior=prior

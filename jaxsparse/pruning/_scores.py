@@ -10,9 +10,11 @@ more axes are pruned, and never a ``bias`` (``nn.MultiHeadAttention``'s q/k/v bi
 :func:`jaxsparse.sparsify` never sparsifies one.
 
 Blocks and N:M groups are taken on the kernel's 2-D view (``jaxsparse.formats._specs.matrix_shape``),
-the one :func:`jaxsparse.sparsify` and :mod:`jaxsparse.torch_interop` use: a kernel whose layer has a bias
-of ``d`` axes has ``d`` output axes (``LinearGeneral`` q/k/v ``(in, heads, head_dim)`` with its
-``(heads, head_dim)`` bias is ``(in, heads * head_dim)``); any other kernel is ``(prod(shape[:-1]), shape[-1])``.
+the one :func:`jaxsparse.sparsify` and :mod:`jaxsparse.torch_interop` use. Its input axes are the ones
+``views`` gives (:func:`~jaxsparse.pruning.kernel_views` reads them off a model); otherwise a kernel whose
+layer has a bias of ``d`` axes has ``d`` output axes (``LinearGeneral`` q/k/v ``(in, heads, head_dim)`` with
+its ``(heads, head_dim)`` bias is ``(in, heads * head_dim)``), and any other kernel is
+``(prod(shape[:-1]), shape[-1])``.
 """
 
 from __future__ import annotations
@@ -27,10 +29,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxsparse import _utils
+from jaxsparse._rules import Views
 from jaxsparse._rules import flatten_with_paths
 from jaxsparse._rules import kernel_in_ndim
 from jaxsparse._rules import match_rules
 from jaxsparse._rules import resolve_rules
+from jaxsparse._rules import resolve_views
 from jaxsparse._rules import warn_unmatched
 from jaxsparse.formats._specs import NM
 from jaxsparse.formats._specs import BlockSparse
@@ -179,13 +183,18 @@ class Target:
     return units.reshape(self.shape)
 
 
-def plan(tree: Any, rules: Any, *, warn: bool = True) -> tuple[list[str], list[Any], Any, list[Target]]:
+def plan(
+    tree: Any, rules: Any, *, views: Views | None = None, warn: bool = True
+) -> tuple[list[str], list[Any], Any, list[Target]]:
   """Flattens ``tree`` and gives each leaf with ``ndim >= 2`` (not a ``bias``) the structure of its first matching rule.
 
-  Raises ``ValueError`` naming the path when a structure cannot apply to a leaf, and (``warn``) warns
-  about rules that matched no leaf.
+  A leaf's 2-D view takes its input axes from the first pattern of ``views`` that matches it (as rules
+  match), else from its layer's bias (:func:`~jaxsparse._rules.kernel_in_ndim`). Raises ``ValueError``
+  naming the path when a structure (or a given view) cannot apply to a leaf, and (``warn``) warns about
+  rules and views that matched no leaf.
   """
   resolved = resolve_rules(rules)
+  resolved_views = resolve_views(views)
   paths, leaves, treedef = flatten_with_paths(tree)
   biases = {path.rpartition(".")[0]: tuple(getattr(leaf, "shape", ())) for path, leaf in zip(paths, leaves, strict=True)
             if path.rpartition(".")[2] == "bias"}
@@ -202,12 +211,23 @@ def plan(tree: Any, rules: Any, *, warn: bool = True) -> tuple[list[str], list[A
     spec = resolved[r][2]
     if spec is None:
       continue
-    in_ndim = kernel_in_ndim(shape, biases.get(owner))
+    v = match_rules(resolved_views, path, owner=owner)
+    if v is None:
+      in_ndim = kernel_in_ndim(shape, biases.get(owner))
+    else:
+      pattern, _, in_ndim = resolved_views[v]
+      if not 0 < in_ndim < len(shape):
+        raise ValueError(
+            f"{path}: views[{pattern!r}] = {in_ndim} input axes do not fit its {shape} kernel; a view needs at "
+            f"least one input and one output axis (1 to {len(shape) - 1} here)."
+        )
     check_spec_applies(spec, shape, path=path, in_ndim=in_ndim)
     check_plain_nm(spec, path=path, what="jaxsparse.pruning")
     targets.append(Target(i, path, shape, spec, r, in_ndim))
   if warn:
     warn_unmatched(resolved, available, what="parameter with 2 or more axes (nor the layer holding it)")
+    warn_unmatched(resolved_views, available, what="parameter with 2 or more axes (nor the layer holding it)",
+                   kind="view(s)")
   return paths, leaves, treedef, targets
 
 
@@ -300,7 +320,9 @@ def target_masks(masks: Any, treedef: Any, targets: Sequence[Target]) -> list[ja
   return [None if flat[t.index] is None else jnp.asarray(flat[t.index]) for t in targets]
 
 
-def magnitude_masks(params: Any, rules: Any, *, scope: str = "layer", scores: Any = None) -> Any:
+def magnitude_masks(
+    params: Any, rules: Any, *, scope: str = "layer", scores: Any = None, views: Views | None = None
+) -> Any:
   """Masks keeping the largest-magnitude weights (or blocks, or N of every M) of matched parameters.
 
   >>> import jax, jaxsparse
@@ -315,8 +337,8 @@ def magnitude_masks(params: Any, rules: Any, *, scope: str = "layer", scores: An
 
   Args:
     params: a parameter pytree (Linen ``params``, an NNX ``nnx.State``, or an ``nnx.Module``, whose
-      ``nnx.Param`` state is used). Only leaves with 2 or more axes are pruned; a leaf of shape
-      ``(..., out)`` is viewed as ``(prod(...), out)`` for blocks and N:M groups (the conv layout).
+      ``nnx.Param`` state is used). Only leaves with 2 or more axes are pruned; blocks and N:M groups
+      are taken on a leaf's 2-D ``(in, out)`` view (see ``views``).
     rules: one structure (``jaxsparse.Unstructured``, ``BlockSparse`` or ``NM``) for every such leaf,
       or ``{regex: structure or None}``. A pattern matches a leaf when it fully matches its dotted
       path (``"layers.0.kernel"``) or the path of the layer holding it (``"layers.0"``), so the
@@ -326,13 +348,19 @@ def magnitude_masks(params: Any, rules: Any, *, scope: str = "layer", scores: An
       leaves of the same rule, so layers end up with different sparsities (``NM`` is per group).
     scores: optional tree like ``params`` of per-weight scores (higher is kept) used instead of
       ``|w|``; a block then scores the sum of its weights' scores.
+    views: ``{regex: input axes}``: the number of leading input axes of the kernels a pattern matches
+      (matched like ``rules``, first match wins), so that blocks and N:M groups are taken on the 2-D view
+      :func:`jaxsparse.sparsify` uses. Without one, a kernel whose layer has a bias of ``d`` axes has ``d``
+      output axes (an attention q/k/v ``(in, heads, head_dim)`` with its ``(heads, head_dim)`` bias), any
+      other every axis but the last as inputs; a bias-free ``MultiHeadAttention`` needs
+      :func:`kernel_views` of the model here. A given view wins over the bias.
 
   Returns:
     A tree with the structure of ``params``: bool masks (True = kept) for pruned leaves, ``None``
     for the others.
   """
   params = _params_of(params)
-  _, leaves, treedef, targets = plan(params, rules)
+  _, leaves, treedef, targets = plan(params, rules, views=views)
   score_list = None
   if scores is not None:
     _, score_leaves, _ = flatten_with_paths(_params_of(scores))

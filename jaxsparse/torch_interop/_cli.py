@@ -4,6 +4,7 @@ sparse layers of your shapes against dense ones.
     jaxsparse inspect model.safetensors
     jaxsparse convert pruned.pt flax.safetensors --rules '.*intermediate\\.dense=nm:2:4' \\
         --name-map 'attention\\.self\\.=attention.' --ignore 'pooler.*'
+    jaxsparse convert pruned.pt flax.safetensors --target init_variables.safetensors
     jaxsparse bench 4096x4096 4096x16384 --patterns block:0.25:64x64 nm:2:4 --batch 2048 --dtype bfloat16
 
 Rules are ``REGEX=SPEC`` (REGEX matches the whole Flax module path; the first matching rule wins) with
@@ -157,6 +158,7 @@ def _inspect(args) -> int:
 
 
 def _convert(args) -> int:
+  from jaxsparse.torch_interop._files import load_flax_variables  # noqa: PLC0415 -- lazy: imports torch
   from jaxsparse.torch_interop._files import save_flax_variables  # noqa: PLC0415 -- lazy: imports torch
   from jaxsparse.torch_interop._linen import to_linen_variables  # noqa: PLC0415 -- lazy: imports torch
   from jaxsparse.torch_interop._load import open_checkpoint  # noqa: PLC0415 -- lazy: imports torch
@@ -168,6 +170,7 @@ def _convert(args) -> int:
   if fmt == "orbax" and os.path.exists(args.output):
     print(f"jaxsparse: error: orbax output {args.output} must not exist yet.", file=sys.stderr)
     return 1
+  target = None if args.target is None else load_flax_variables(args.target)
   src = open_checkpoint(args.input, key=args.key)
   variables = to_linen_variables(
       src,
@@ -176,6 +179,7 @@ def _convert(args) -> int:
       nm=args.nm,
       rules=dict(args.rules) if args.rules else None,
       progress=_progress(src, args.progress, "converting"),
+      target=target,
   )
   save_flax_variables(variables, args.output, format=fmt)
   n = sum(1 for _ in _leaves(variables))
@@ -255,6 +259,10 @@ def _parser() -> argparse.ArgumentParser:
   conv.add_argument("--name-map", type=_parse_map, nargs="+", default=[], metavar="REGEX=REPL",
                     help="rename torch module paths (re.sub, in order); an empty REPL drops matching modules")
   conv.add_argument("--ignore", nargs="+", default=[], metavar="GLOB", help="torch parameter names to skip")
+  conv.add_argument("--target", metavar="VARIABLES",
+                    help="Flax variables of the Linen model (a file save_flax_variables wrote): the output takes their "
+                         "shapes ((in, heads, head_dim) attention kernels), with masks under 'masks' for "
+                         "sparsify_linen(masks=...)")
   conv.add_argument("--format", choices=("safetensors", "orbax"), help="default: from the output name")
   conv.add_argument("--force", action="store_true", help="overwrite an existing output file")
   common(conv)

@@ -1,4 +1,4 @@
-"""Flax Linen variables from a PyTorch checkpoint, without a target model (layers recognised by their parameters).
+"""Flax Linen variables from a PyTorch checkpoint: layers recognised by their parameters, shapes from a target's.
 
 The name mapping and the sparsifying rules are those of :mod:`._flax` (:func:`~._flax.map_name`,
 :func:`~._flax.apply_rules`).
@@ -6,16 +6,21 @@ The name mapping and the sparsifying rules are those of :mod:`._flax` (:func:`~.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
+from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxsparse._rules import path_str
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
+from jaxsparse.formats._specs import matrix_shape
 from jaxsparse.torch_interop._decode import NMSpec
 from jaxsparse.torch_interop._decode import TorchParam
 from jaxsparse.torch_interop._decode import decode_checkpoint
@@ -40,6 +45,7 @@ def to_linen_variables(
     embeddings: str = DEFAULT_EMBEDDINGS,
     key: str | None = None,
     progress: Callable[[int, int], None] | None = None,
+    target: Mapping | None = None,
 ) -> dict[str, dict]:
   r"""Flax Linen variables for a PyTorch checkpoint, with jaxsparse layouts for its sparse layers.
 
@@ -59,6 +65,24 @@ def to_linen_variables(
   >>> v["params"]["fc"]["kernel"].shape, v["sparsity"]["fc"]["mask"].shape
   ((8, 4), (8, 4))
 
+  With ``target``, the variables take the target's shapes, so a Linen ``nn.MultiHeadDotProductAttention``
+  (whose ``nn.DenseGeneral`` q/k/v kernels are ``(in, heads, head_dim)``) applies them, and its masks come
+  in the form :func:`jaxsparse.sparsify_linen` takes:
+
+  >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxsparse
+  >>> attn = nn.MultiHeadDotProductAttention(2, qkv_features=8, use_bias=False)
+  >>> x = jnp.ones((1, 3, 8))
+  >>> state = {f"{p}.weight": torch.ones(8, 8) for p in ("query", "key", "value", "out")}
+  >>> state["query.weight_mask"] = torch.eye(8)
+  >>> v = torch_interop.to_linen_variables(state, target=jax.eval_shape(attn.init, jax.random.key(0), x))
+  >>> v["params"]["query"]["kernel"].shape, v["params"]["out"]["kernel"].shape, v["masks"]["query"]["kernel"].shape
+  ((8, 2, 4), (2, 4, 8), (8, 2, 4))
+  >>> masks = v.pop("masks")
+  >>> sparse, sparse_vars, _ = jaxsparse.sparsify_linen(attn, v, {"query": jaxsparse.Unstructured(0.875)}, x,
+  ...                                                   masks=masks)
+  >>> bool(jnp.allclose(sparse.apply(sparse_vars, x), attn.apply(v, x)))
+  True
+
   Args:
     source: anything :func:`load_state_dict` takes.
     name_map: torch module path -> Flax module path (see :func:`map_name`).
@@ -70,9 +94,19 @@ def to_linen_variables(
     embeddings: regex (``re.search``) of module paths whose 2-D weight is an embedding table.
     key: path of the state dict inside a nested checkpoint.
     progress: called as ``progress(done, total)`` while decoding.
+    target: the variables of the Linen model the checkpoint is for (concrete, or abstract from
+      ``jax.eval_shape(model.init, key, x)``; only shapes are read). Each variable then takes the shape of the
+      target's: a torch ``Linear``'s kernel ``(in, out)`` and its mask become a kernel whose 2-D view
+      (``matrix_shape``: its first axes inputs, the rest outputs) is ``(in, out)``, such as the
+      ``(in, heads, head_dim)`` q/k/v and ``(heads, head_dim, out)`` out kernels of Linen attention, and a
+      1-D bias one of the same size; pruned weights are written as dense kernels (zero where pruned) with
+      their masks under ``"masks"``. A variable the target lacks, one of the target's ``"params"`` the
+      checkpoint lacks, or a shape that does not fit raises a :class:`CheckpointError` naming it.
 
   Returns:
-    ``{"params": ..., "sparsity"?: ..., "batch_stats"?: ...}`` nested by Flax path.
+    ``{"params": ..., "sparsity"?: ..., "batch_stats"?: ...}`` nested by Flax path. With ``target``, no
+    ``"sparsity"`` but ``"masks"``: a tree like ``"params"`` with a bool mask of its kernel's shape for each
+    pruned kernel (not a Linen collection: pop it and pass it as ``masks=`` to :func:`jaxsparse.sparsify_linen`).
   """
   params = decode_checkpoint(source, nm=nm, key=key, progress=progress)
   if rules is not None:
@@ -80,11 +114,59 @@ def to_linen_variables(
   out: dict[str, dict] = {"params": {}}
   for flax_path, group in _group(params, name_map, ignore).items():
     for name, p in group["params"].items():
-      _linen_param(out, flax_path, group["torch"], name, p, sparse=sparse, embeddings=embeddings)
-  return jax.tree.map(jnp.asarray, {k: v for k, v in out.items() if v})
+      _linen_param(out, flax_path, group["torch"], name, p, sparse=sparse, embeddings=embeddings,
+                   masks=target is not None)
+  out = {k: v for k, v in out.items() if v}
+  if target is not None:
+    out = _fit_to_target(out, target)
+  return jax.tree.map(jnp.asarray, out)
 
 
-def _linen_param(out: dict, flax_path: str, torch_mod: str, name: str, p: TorchParam, *, sparse, embeddings) -> None:
+def _fit_to_target(out: dict[str, dict], target: Mapping) -> dict[str, dict]:
+  """``out`` with each variable in the shape of the target's (a mask in its kernel's); raises where none fits."""
+  if not isinstance(target, Mapping):
+    raise TypeError(f"target must be Linen variables ({{'params': ...}}, e.g. jax.eval_shape(model.init, key, x)), "
+                    f"got {type(target).__name__}.")
+  pairs = jax.tree_util.tree_flatten_with_path(nn.meta.unbox(target))[0]
+  shapes = {path_str(kp): tuple(int(d) for d in np.shape(leaf)) for kp, leaf in pairs}
+  flat = {f"{coll}.{path_str(kp)}": v for coll, tree in out.items()
+          for kp, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+  fitted: dict[str, dict] = {}
+  for name, value in flat.items():
+    coll, _, path = name.partition(".")
+    at = f"params.{path}" if coll == "masks" else name
+    if at not in shapes:
+      raise CheckpointError(
+          f"{at}: the checkpoint has this variable but the target does not; rename its torch module (name_map=) or "
+          f"skip it (ignore=). The target has: {', '.join(shapes) or '(nothing)'}."
+      )
+    parent, _, leaf = path.rpartition(".")
+    _nest(fitted.setdefault(coll, {}), parent, leaf, _fit(value, shapes[at], name))
+  missing = [k for k in shapes if k.partition(".")[0] in ("params", *out) and k not in flat]
+  if missing:
+    raise CheckpointError(f"target variable(s) not in the checkpoint: {', '.join(missing)}; map a torch module to "
+                          "them (name_map=) or leave them out of the target.")
+  return fitted
+
+
+def _fit(value: np.ndarray, shape: tuple[int, ...], name: str) -> np.ndarray:
+  """``value`` in ``shape``: a 1-D leaf of the same size, a 2-D kernel ``(in, out)`` whose view ``shape`` has."""
+  value = np.asarray(value)
+  if value.shape == shape:
+    return value
+  if value.ndim == 1 and value.size == math.prod(shape):
+    return value.reshape(shape)
+  if value.ndim == 2 and any(matrix_shape(shape, n) == value.shape for n in range(1, len(shape))):
+    return value.reshape(shape)
+  raise CheckpointError(
+      f"{name}: the checkpoint gives shape {value.shape}, the target {shape}; a 1-D variable takes any shape of its "
+      "size, a 2-D kernel (in, out) one whose leading axes hold in and the rest out (nn.DenseGeneral), any other "
+      "the same shape."
+  )
+
+
+def _linen_param(out: dict, flax_path: str, torch_mod: str, name: str, p: TorchParam, *, sparse, embeddings,
+                 masks: bool) -> None:
   value = p.masked_value
   if name == "weight" and value.ndim == 2 and re.search(embeddings, torch_mod):
     _nest(out["params"], flax_path, "embedding", value)
@@ -93,6 +175,9 @@ def _linen_param(out: dict, flax_path: str, torch_mod: str, name: str, p: TorchP
     pattern = p.pattern
     if not sparse or pattern.kind == "dense":
       _nest(out["params"], flax_path, "kernel", kernel)
+    elif masks:  # for a target's dense layers: the kernel and its mask, as sparsify_linen(masks=...) takes them
+      _nest(out["params"], flax_path, "kernel", kernel)
+      _nest(out.setdefault("masks", {}), flax_path, "kernel", flax_layout(p.mask))
     elif value.ndim != 2:  # a pruned conv: its mask in Flax layout (*kernel, in, out), as sparsify_linen's convs
       _nest(out["params"], flax_path, "kernel", kernel)
       _nest(out.setdefault("sparsity", {}), flax_path, "mask", flax_layout(p.mask))
