@@ -168,6 +168,35 @@ def test_interpret_sub_column_programs(block_shape, sub_cols, split):
   _check_all(x, dy, w, jnp.float32, config=BlockSparseMatmulConfig(cfg, cfg, KernelConfig(16)), interpret=True)
 
 
+@pytest.mark.parametrize(("product", "split"), [("forward", 1), ("forward", 4), ("dx", 1), ("dx", 4)])
+def test_ragged_rows_are_masked_in_the_kernel(product, split):
+  # A ragged M is masked in the kernel: no pad of x / dY before it, no slice of the result after it (each an extra
+  # kernel launch on a GPU, as long as a decode product itself); a split contraction adds its partial sums after.
+  x, dy, w = _problem(5, 128, 192, (32, 64), "random", jnp.float32, seed=9)
+  cfg = KernelConfig(16, split=split)
+  config = BlockSparseMatmulConfig(cfg, cfg, KernelConfig(16))
+  if product == "forward":
+    jaxpr = jax.make_jaxpr(lambda x: kernels.forward(x, w, config=config))(x)
+  else:
+    jaxpr = jax.make_jaxpr(lambda dy: kernels.backward(x, dy, w, config=config, need_dw=False)[0])(dy)
+  prims = [str(e.primitive) for e in jaxpr.jaxpr.eqns]
+  assert prims.count("pallas_call") == 1, prims
+  assert not {"pad", "slice", "dynamic_slice"} & set(prims), prims
+  assert ("reduce_sum" in prims) == (split > 1), prims
+
+
+@pytest.mark.parametrize(("m", "split", "sub_cols"), [(5, 4, None), (40, 1, None), (1, 8, 32), (64, 2, None)])
+def test_triton_kernels_lower_for_cuda(m, split, sub_cols):
+  # The Pallas -> Triton lowering runs on any machine: what interpret mode cannot check (the Triton ops, e.g. the
+  # masked loads and stores of a ragged row tile) fails here, not on a GPU.
+  x, dy, w = _problem(m, 128, 192, (32, 64), "random", jnp.bfloat16, seed=m)
+  cfg = KernelConfig(16, split=split, sub_cols=sub_cols)
+  config = BlockSparseMatmulConfig(cfg, cfg, KernelConfig(16, split=split))
+  f = lambda x, dy, w: (kernels.forward(x, w, config=config), *kernels.backward(x, dy, w, config=config))
+  text = jax.jit(f).trace(x, dy, w).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("__gpu$xla.gpu.triton") == 3
+
+
 @pytest.mark.parametrize(("m", "dtype"), [(96, jnp.bfloat16), (200, jnp.float32)])
 def test_interpret_mid_size_default_config(m, dtype):
   # Mid-size M takes the default config's 64- / 128-row tiles without a split (M not a multiple of them).
