@@ -4,7 +4,7 @@
 rules of :mod:`._block_sparse_config`) and adds, for one direction of the product (``"fwd"``, ``"dx"`` or
 ``"dw"``): the dense route (the weight built dense and one XLA product; for ``dw`` the dense ``xᵀ dY`` and a
 gather), the Triton kernel with its default tiles and with split contractions / smaller row tiles, and the Mosaic
-GPU kernel (Hopper) with one or two block columns a tile and split contractions. Only configs the kernels
+GPU kernel (Hopper, from 64 rows) with one or two block columns a tile and split contractions. Only configs the kernels
 support for these operands are listed; duplicates of the default are dropped. The other directions' fields keep
 the default's values.
 """
@@ -106,8 +106,12 @@ def candidates(
         add("mosaic/cols", dataclasses.replace(mos, mosaic_dw=dataclasses.replace(msd, order="cols")))
     return out
 
-  # Split contractions pay where the output has few tiles: small M (H100: they lost at every M >= 1024 tried).
-  for split in (2, 4) if m <= 512 else ():
+  # Split contractions pay where the output has few tiles: small M (H100: they lost at every M >= 1024 tried). At
+  # decode size the best split of the forward ranged over 1-32 (a column's blocks over 1-32 programs) with the shape
+  # (gpu_decode_masked_rows_2026-11-26_h200.md): 1, 4, 16 and 32 programs, at most one a step of a column / row.
+  steps = (k // w.block_shape[0]) if direction == "fwd" else (n // w.block_shape[1])
+  splits = sorted({min(s, steps) for s in (1, 4, 16, 32)}) if m <= rules.decode_max_m else (2, 4) if m <= 512 else ()
+  for split in splits:
     add(f"triton/s{split}", dataclasses.replace(triton, **{f_kernel: dataclasses.replace(tk, split=split)}))
   if m <= rules.decode_max_m and tk.sub_cols is None:
     # Decode: more programs a block column (slices of its outputs), with or without a split contraction.
@@ -122,6 +126,10 @@ def candidates(
   a = jax.ShapeDtypeStruct((m, n if transpose else k), x2.dtype)
   o_dtype = x2.dtype if transpose else out_dtype
   if mosaic is None or mosaic_unavailable_reason() or not set(w.block_shape) <= set(mosaic.SUPPORTED_BLOCK_DIMS):
+    return out
+  if m < 64 and getattr(default, f_mosaic) is None:
+    # Fewer rows than the Mosaic kernel's smallest row tile: measured 1.5-6.6x the Triton default's time at M = 1-48
+    # (the tuning cache of gpu_decode_masked_rows_2026-11-26_h200.md), and its compiles are the slowest to tune.
     return out
   prior_m = getattr(default, f_mosaic)
   if prior_m is None:
