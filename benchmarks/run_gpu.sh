@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Runs the GPU tests (block-sparse, N:M, cuSPARSELt, CUDA kernels, grad of grad) and the block-sparse GPU benchmark
+# Runs the GPU tests (block-sparse, N:M, cuSPARSELt, CUDA kernels, grad of grad; then every cell of the composition
+# matrix, tests/test_composition.py, on the GPU's kernels) and the block-sparse GPU benchmark
 # on a CUDA machine (the device tool's H100 or H200: `run` with command `bash benchmarks/run_gpu.sh`). Logs go to
 # $OUT (or ./gpu_logs), the benchmark table to $OUT/gpu_block_sparse.md.
 #
@@ -33,6 +34,11 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
   timeout "${TEST_TIMEOUT:-3600}" "$py" -m pytest -q -m gpu -p no:cacheprovider -o addopts="" "${workers[@]}" \
     "${files[@]}" 2>&1 | tee "$out/gpu_tests.log"
   status=${PIPESTATUS[0]}
+  if [ $# -eq 0 ]; then  # the composition matrix's cells (tests/test_composition.py) on the GPU's kernels
+    timeout "${TEST_TIMEOUT:-3600}" "$py" -m pytest -q -p no:cacheprovider -o addopts="" "${workers[@]}" \
+      tests/test_composition.py 2>&1 | tee "$out/gpu_composition.log"
+    status=$(( status || PIPESTATUS[0] ))
+  fi
 fi
 if [ "$what" = all ]; then
   set -- --table --torch

@@ -188,8 +188,13 @@ def linen_model(kind, seed=0):
   return module, module.init(jax.random.key(seed), x_for(kind))
 
 
+# A GPU computes float32 products at jax's default precision in TF32 (10-bit mantissa; dense, sparse kernels and torch
+# each round differently): the same cells run there with `benchmarks/run_gpu.sh tests` at that precision's tolerance.
+TOL = 1e-5 if jax.default_backend() == "cpu" else 2e-3
+
+
 def close(a, b):
-  np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=TOL, atol=TOL)
 
 
 def _get(tree, dotted):
