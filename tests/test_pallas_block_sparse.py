@@ -489,7 +489,7 @@ def test_mosaic_interpret_grouped_columns(block, group, dtype, out_dtype):
 
 @pytest.mark.parametrize(("split", "group", "dtype"), [
     pytest.param(2, 1, jnp.bfloat16, marks=slow),
-    (3, 1, jnp.float16),
+    pytest.param(3, 1, jnp.float16, marks=slow),
     (4, 2, jnp.bfloat16),
     # The float32 forward views its B tiles transposed (TF32 wgmma is K-major only): jax 0.11's interpreter.
     pytest.param(3, 1, jnp.float32, marks=needs_transposed_wgmma_interpreter),
