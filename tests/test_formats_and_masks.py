@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 import jaxsparse
 from jaxsparse.formats._block_sparse import block_pattern_indices
 from jaxsparse.ops import masked_matmul
+from tests._util import SPLIT_EXAMPLES
 from tests._util import assert_close
 
 
@@ -20,7 +21,8 @@ def _expand(mask, block_shape):
   return np.repeat(np.repeat(np.asarray(mask), block_shape[0], 0), block_shape[1], 1)
 
 
-@settings(max_examples=25, deadline=None)
+@SPLIT_EXAMPLES  # 13 examples in the fast set, 13 more with `make test-slow`
+@settings(max_examples=13, deadline=None)
 @given(
     seed=st.integers(0, 2**16),
     kb=st.integers(1, 6),
@@ -29,7 +31,7 @@ def _expand(mask, block_shape):
     bn=st.sampled_from([8, 16, 32]),
     p=st.floats(0.0, 1.0),
 )
-def test_from_dense_roundtrip_and_indices(seed, kb, nb, bk, bn, p):
+def test_from_dense_roundtrip_and_indices(examples, seed, kb, nb, bk, bn, p):
   rng = np.random.default_rng(seed)
   mask = rng.random((kb, nb)) < p
   w = rng.standard_normal((kb * bk, nb * bn)).astype(np.float32)
@@ -103,9 +105,10 @@ def test_bad_input(call, exc, match):
     call(w)
 
 
-@settings(max_examples=25, deadline=None)
+@SPLIT_EXAMPLES  # 13 examples in the fast set, 13 more with `make test-slow`
+@settings(max_examples=13, deadline=None)
 @given(seed=st.integers(0, 2**16), kb=st.integers(1, 7), nb=st.integers(1, 7), p=st.floats(0.0, 1.0))
-def test_traced_block_indices_equal_host_indices(seed, kb, nb, p):
+def test_traced_block_indices_equal_host_indices(examples, seed, kb, nb, p):
   # The jnp path (traced mask, static count) must give exactly the host's NumPy index arrays.
   mask = np.random.default_rng(seed).random((kb, nb)) < p
   host = block_pattern_indices(mask)
@@ -143,9 +146,10 @@ def test_from_dense_traced_without_mask_explains():
     jax.jit(lambda w: jaxsparse.BlockSparseMatrix.from_dense(w, (16, 16)).data)(jnp.ones((32, 32)))
 
 
-@settings(max_examples=20, deadline=None)
+@SPLIT_EXAMPLES  # 10 examples in the fast set, 10 more with `make test-slow`
+@settings(max_examples=10, deadline=None)
 @given(seed=st.integers(0, 2**16), kb=st.integers(1, 8), nb=st.integers(1, 8), density=st.floats(0.01, 1.0))
-def test_block_magnitude_mask_keeps_largest_blocks(seed, kb, nb, density):
+def test_block_magnitude_mask_keeps_largest_blocks(examples, seed, kb, nb, density):
   rng = np.random.default_rng(seed)
   w = rng.standard_normal((kb * 8, nb * 4)).astype(np.float32)
   mask = np.asarray(jaxsparse.block_magnitude_mask(w, (8, 4), density))
@@ -166,9 +170,10 @@ def test_masks_are_deterministic_on_ties():
   np.testing.assert_array_equal(bm, [[True, True], [False, False]])
 
 
-@settings(max_examples=20, deadline=None)
+@SPLIT_EXAMPLES  # 10 examples in the fast set, 10 more with `make test-slow`
+@settings(max_examples=10, deadline=None)
 @given(seed=st.integers(0, 2**16), size=st.integers(1, 300), sparsity=st.floats(0.0, 0.99))
-def test_magnitude_mask_exact_count(seed, size, sparsity):
+def test_magnitude_mask_exact_count(examples, seed, size, sparsity):
   w = np.random.default_rng(seed).standard_normal(size).astype(np.float32)
   mask = np.asarray(jaxsparse.magnitude_mask(w, sparsity))
   kept = size - int(sparsity * size + 0.5)

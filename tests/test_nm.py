@@ -21,6 +21,7 @@ from jaxsparse.ops import nm_matmul
 from jaxsparse.ops import nm_matmul_reference
 from jaxsparse.ops import sr_ste
 from jaxsparse.pallas import _nm_matmul as kernels
+from tests._util import SPLIT_EXAMPLES
 from tests._util import assert_close
 
 NM_PAIRS = [(1, 2), (1, 4), (2, 4), (3, 4), (2, 8), (4, 8), (1, 8), (3, 16)]
@@ -63,9 +64,10 @@ def _mask_problems(draw):
   return n, m, axis, tuple(shape), draw(st.integers(0, 2**16))
 
 
-@settings(max_examples=25, deadline=None)
+@SPLIT_EXAMPLES  # 13 examples in the fast set, 13 more with `make test-slow`
+@settings(max_examples=13, deadline=None)
 @given(_mask_problems())
-def test_nm_mask_matches_numpy_reference(problem):
+def test_nm_mask_matches_numpy_reference(examples, problem):
   n, m, axis, shape, seed = problem
   w = _with_ties(_normal(seed, shape), seed)
   mask = np.asarray(nm_mask(w, n, m, axis=axis))
@@ -154,14 +156,15 @@ def _np_transposable_best(tile: np.ndarray, n: int) -> float:
   return float((np.abs(tile)[None] * _np_doubly_nm_tiles(n, tile.shape[0])).sum((1, 2)).max())
 
 
-@settings(max_examples=10, deadline=None)
+@SPLIT_EXAMPLES  # 5 examples in the fast set, 5 more with `make test-slow`
+@settings(max_examples=5, deadline=None)
 @given(
     nm=st.sampled_from([(2, 4), (1, 4), (3, 4), (1, 2)]),
     tiles=st.tuples(st.integers(1, 3), st.integers(1, 3)),
     axis=st.sampled_from([0, -2]),
     seed=st.integers(0, 2**16),
 )
-def test_transposable_mask_is_nm_both_ways_and_keeps_the_most(nm, tiles, axis, seed):
+def test_transposable_mask_is_nm_both_ways_and_keeps_the_most(examples, nm, tiles, axis, seed):
   (n, m), (rows, cols) = nm, tiles
   lead = (2,) if axis == -2 else ()
   w = _normal(seed, (*lead, rows * m, cols * m))
@@ -229,9 +232,10 @@ def _format_problems(draw):
   return n, m, axis, tuple(shape), draw(st.integers(0, 2**16))
 
 
-@settings(max_examples=10, deadline=None)
+@SPLIT_EXAMPLES  # 5 examples in the fast set, 5 more with `make test-slow`
+@settings(max_examples=5, deadline=None)
 @given(_format_problems())
-def test_format_round_trip(problem):
+def test_format_round_trip(examples, problem):
   n, m, axis, shape, seed = problem
   w = _with_ties(_normal(seed, shape), seed)
   ws = NMSparseMatrix.from_dense(w, n, m, axis=axis)

@@ -124,17 +124,20 @@ def _check_all(x, dy, w, dtype, *, config=None, interpret, precision=None):
 # Interpret mode (CPU CI): small shapes.
 # -------------------------------------------------------------------------------------------------
 
+# long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs it
+slow = pytest.mark.slow
+
 CASES = [
     # (block_shape, pattern, dtype)
     ((16, 16), "random", jnp.float32),
     ((32, 32), "random", jnp.float32),
     ((32, 32), "random", jnp.bfloat16),
-    ((32, 32), "dense", jnp.float32),
+    pytest.param((32, 32), "dense", jnp.float32, marks=slow),
     ((32, 32), "single", jnp.bfloat16),
     ((64, 64), "random", jnp.float32),
-    ((64, 64), "single", jnp.float32),
+    pytest.param((64, 64), "single", jnp.float32, marks=slow),
     ((64, 64), "dense", jnp.bfloat16),
-    ((32, 16), "random", jnp.float32),
+    pytest.param((32, 16), "random", jnp.float32, marks=slow),
     ((16, 64), "random", jnp.bfloat16),
 ]
 
@@ -500,7 +503,7 @@ def test_mosaic_interpret_default_config_of_32_blocks(monkeypatch):
 
 
 @pytest.mark.parametrize(("block", "group", "dtype", "out_dtype"), [
-    (32, 4, jnp.bfloat16, jnp.float32), (32, 8, jnp.float16, None), (64, 2, jnp.bfloat16, None),
+    (32, 4, jnp.bfloat16, jnp.float32), pytest.param(32, 8, jnp.float16, None, marks=slow), (64, 2, jnp.bfloat16, None),
 ])
 def test_mosaic_interpret_grouped_columns(block, group, dtype, out_dtype):
   # Tiles of `group` output block columns: 320 columns = 10 blocks of 32 / 5 of 64, so the last group is
@@ -514,8 +517,8 @@ def test_mosaic_interpret_grouped_columns(block, group, dtype, out_dtype):
 
 
 @pytest.mark.parametrize(("split", "group", "dtype"), [
-    (2, 1, jnp.bfloat16),
-    (3, 1, jnp.float16),
+    pytest.param(2, 1, jnp.bfloat16, marks=slow),
+    pytest.param(3, 1, jnp.float16, marks=slow),
     (4, 2, jnp.bfloat16),
     # The float32 forward views its B tiles transposed (TF32 wgmma is K-major only): jax 0.11's interpreter.
     pytest.param(3, 1, jnp.float32, marks=needs_transposed_wgmma_interpreter),

@@ -33,6 +33,7 @@ from jaxsparse.formats._block_sparse import merge_block_data
 from jaxsparse.formats._block_sparse import split_blocks
 from jaxsparse.ops import _block_sparse_matmul as op
 from jaxsparse.pallas import _block_sparse_matmul as kernels
+from tests._util import SPLIT_EXAMPLES
 
 
 @pytest.fixture(autouse=True)
@@ -279,12 +280,13 @@ def test_unwritable_cache_warns_and_keeps_the_decision(tmp_path, monkeypatch):
 # -------------------------------------------------------------------------------------------------
 
 
-@settings(max_examples=12, deadline=None)
+@SPLIT_EXAMPLES  # 6 examples in the fast set, 6 more with `make test-slow`
+@settings(max_examples=6, deadline=None)
 @given(
     st.sampled_from([1, 2, 4]), st.sampled_from([1, 2, 4]), st.sampled_from([1, 2]), st.sampled_from([1, 2]),
     st.integers(1, 4), st.integers(1, 4), st.floats(0.0, 1.0), st.integers(0, 2**16),
 )
-def test_split_blocks_is_the_same_matrix(sub_k, sub_n, r, c, kb, nb, density, seed):
+def test_split_blocks_is_the_same_matrix(examples, sub_k, sub_n, r, c, kb, nb, density, seed):
   rng = np.random.default_rng(seed)
   bk, bn = sub_k * r * 2, sub_n * c * 2
   mask = rng.random((kb, nb)) < density
@@ -351,11 +353,16 @@ def _close(out, ref, rtol):
   assert np.linalg.norm(out - ref) <= rtol * max(np.linalg.norm(ref), 1e-30)
 
 
+# long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs it
+slow = pytest.mark.slow
+
+
 @pytest.mark.parametrize(("block_shape", "grid", "dtype"), [
     ((64, 32), (2, 3), jnp.float32),  # natively supported
-    ((128, 64), (2, 2), jnp.float32),  # 128 x 64 -> itself; and below, multiples of supported blocks
+    # 128 x 64 -> itself; and below, multiples of supported blocks
+    pytest.param((128, 64), (2, 2), jnp.float32, marks=slow),
     ((256, 128), (1, 2), jnp.float32),
-    ((64, 256), (2, 1), jnp.bfloat16),
+    pytest.param((64, 256), (2, 1), jnp.bfloat16, marks=slow),
     ((96, 48), (2, 2), jnp.float32),  # -> 32 x 16
     ((8, 8), (4, 6), jnp.float32),  # below the kernels' minimum: the dense route
     ((24, 64), (2, 2), jnp.bfloat16),
@@ -371,13 +378,21 @@ def test_gpu_route_retiles_and_matches_the_reference(interpreted, block_shape, g
     _close(out, ref, rtol)
 
 
-@pytest.mark.parametrize("direction", ["fwd", "dx", "dw"])
-@pytest.mark.parametrize(("m", "block_shape", "grid", "dtype"), [
+ROUTE_PROBLEMS = [
     (40, (32, 32), (3, 2), jnp.float32),
     (7, (64, 32), (3, 2), jnp.bfloat16),
     (5, (256, 128), (2, 2), jnp.float32),  # split into 128 x 128, or native on Triton
+]
+# In the fast set: every direction of the first problem, dW of the 16-bit one and of the wide blocks (whose native and
+# split routes also run forward and backward in test_gpu_route_retiles_and_matches_the_reference).
+FAST_ROUTES = {(40, "fwd"), (40, "dx"), (40, "dw"), (7, "dw"), (5, "dw")}
+
+
+@pytest.mark.parametrize(("m", "block_shape", "grid", "dtype", "direction"), [
+    (*p, d) if (p[0], d) in FAST_ROUTES else pytest.param(*p, d, marks=slow)
+    for p in ROUTE_PROBLEMS for d in ("fwd", "dx", "dw")
 ])
-def test_every_route_matches_the_reference(interpreted, direction, m, block_shape, grid, dtype):
+def test_every_route_matches_the_reference(interpreted, m, block_shape, grid, dtype, direction):
   x, dy, w = _problem(m, block_shape, grid, dtype, seed=m)
   routes = op._gpu_routes(kernels, direction, x, w, precision=None, out_dtype=dtype)
   names = [name for name, _ in routes]
