@@ -17,6 +17,7 @@ pytest.importorskip("sphinx")
 pytest.importorskip("myst_nb")
 
 
+@pytest.mark.slow  # long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs it
 def test_docs_build(tmp_path):
   cmd = [sys.executable, "-m", "sphinx", "-b", "html", "-n", "-W", "--keep-going", "-q", "-E",
          "-d", str(tmp_path / "doctrees"), str(ROOT / "docs"), str(tmp_path / "html")]

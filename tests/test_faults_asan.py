@@ -47,6 +47,7 @@ def asan_results():
   return results, proc
 
 
+@pytest.mark.slow  # long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs it
 @pytest.mark.parametrize("case", list(test_faults.NATIVE_CASES))
 def test_native_kernel_faults_under_asan(asan_results, case):
   results, proc = asan_results

@@ -86,6 +86,7 @@ def ids():
   return np.random.default_rng(0).integers(0, VOCAB, (2, 12)).astype(np.int32)
 
 
+@pytest.mark.slow  # long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs it
 def test_load_and_export_match_transformers(hf_dir, ids, tmp_path):
   hf, path = hf_dir
   model = load_pretrained(path)

@@ -488,6 +488,7 @@ def test_mosaic_interpret_forward_through_dispatch(monkeypatch):
   _assert_close(y, y_ref, jnp.float32, "y", rtol=1e-5)
 
 
+@pytest.mark.slow  # long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs it
 def test_mosaic_interpret_default_config_of_32_blocks(monkeypatch):
   # The default config of 16-bit 32 x 32 blocks at M = 128 (as on a Hopper GPU) runs the forward on the Mosaic
   # kernel with 32-deep steps; interpret mode on the CPU.

@@ -8,6 +8,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 
@@ -20,6 +22,7 @@ def test_readme_is_short():
   assert len(README.splitlines()) <= 150
 
 
+@pytest.mark.slow  # long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs it
 def test_readme_python_runs(tmp_path):
   blocks = python_blocks(README)
   assert blocks

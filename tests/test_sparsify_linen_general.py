@@ -79,6 +79,7 @@ def _setup():
   return x, variables
 
 
+@pytest.mark.slow  # long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs it
 @pytest.mark.parametrize("name", list(SPECS))
 def test_attention_block_matches_the_pruned_dense_block(name):
   spec = SPECS[name]
