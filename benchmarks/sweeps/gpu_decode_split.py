@@ -24,6 +24,7 @@ from _gpu_timing import log
 from _gpu_timing import rel_err
 from _gpu_timing import time_ms
 from gpu_block_sparse import problem
+from gpu_split_sweep import parse  # the same case syntax
 
 from jaxsparse import ops
 from jaxsparse.pallas import BlockSparseMatmulConfig
@@ -39,13 +40,6 @@ CASES = (
     "float32:4x6144x6144:64x32:0.09",
     "bfloat16:2x8192x3072:64x128:0.47",
 )
-
-
-def parse(case: str):
-  dtype, mkn, blk, d = case.split(":")
-  m, k, n = (int(v) for v in mkn.split("x"))
-  bk, bn = (int(v) for v in blk.split("x"))
-  return jnp.dtype(dtype), m, k, n, (bk, bn), float(d)
 
 
 def variants(default: BlockSparseMatmulConfig, kb: int, bn: int):
