@@ -35,6 +35,7 @@ from jaxsparse.pallas import _block_sparse_sdd_mgpu as mosaic_sdd
 from jaxsparse.pallas import _common
 from jaxsparse.pallas import _dense_route as dense_route
 from jaxsparse.pallas import _dispatch_rules as rules_lib
+from jaxsparse.pallas import _kernel_config as kernel_config_lib
 
 # Relative error ‖out - ref‖ / ‖ref‖ allowed per input dtype: float32 dots run in full float32 in
 # interpret mode and with precision=HIGHEST on the GPU; 16-bit inputs round the output once more.
@@ -373,6 +374,77 @@ def test_dispatch_rules_per_device_kind(monkeypatch):
     monkeypatch.undo()
     rules_lib._dispatch_rules.cache_clear()
   assert rules_lib.dispatch_rules().measured_on != "test"
+
+
+# Triton compiles of one program each on an H100 (2026-11-27; limit 232448 bytes): (direction, block shape, bytes per
+# element, KernelConfig(block_m, num_stages, sub_cols), compiled). The failures asked for 262144-884736 bytes.
+_H100_COMPILES = [
+    *[("fwd", (256, 256), 4, (32, st, sub), ok) for st, sub, ok in (
+        (1, None, False), (1, 128, True), (1, 64, True), (2, None, False), (2, 128, True), (2, 64, True),
+        (3, None, False), (3, 128, False), (3, 64, True))],
+    *[("fwd", (128, 128), 4, (64, st, None), st == 2) for st in (2, 3, 4)],
+    *[("fwd", (128, 256), 2, (16, st, None), True) for st in (2, 3, 4)],
+    *[("fwd", (128, 256), 2, (128, st, None), st == 2) for st in (2, 3, 4)],
+    *[("fwd", (128, 128), 2, (128, st, None), st < 4) for st in (2, 3, 4)],
+    *[("dx", (256, 256), 4, (32, st, None), False) for st in (2, 3, 4)],
+    *[("dx", (128, 128), 4, (64, st, None), st == 2) for st in (2, 3, 4)],
+    *[("dw", (256, 256), 4, (64, st, None), st == 2) for st in (2, 3, 4)],
+    *[("dw", (128, 128), 4, (64, st, None), True) for st in (2, 3, 4)],
+    *[("dw", (256, 256), 2, (128, st, None), False) for st in (2, 3, 4)],
+]
+
+
+@pytest.mark.parametrize(("direction", "block", "itemsize", "tiles", "compiled"), _H100_COMPILES)
+def test_shared_memory_model_rejects_every_config_that_failed_to_compile(direction, block, itemsize, tiles, compiled):
+  bm, stages, sub = tiles
+  cfg = KernelConfig(bm, num_stages=stages, sub_cols=sub)
+  fits = kernel_config_lib.staged_bytes(cfg, direction, block, itemsize) <= rules_lib.HOPPER_RULES.shared_memory_bytes
+  if not compiled:
+    assert not fits  # the model may be conservative, never optimistic
+  fitted = kernel_config_lib.fit_shared_memory(cfg, direction, block, itemsize, 232448)
+  assert fitted is not None and kernel_config_lib.staged_bytes(fitted, direction, block, itemsize) <= 232448
+
+
+@pytest.mark.parametrize("kind", ["NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB", "NVIDIA L4"])
+def test_default_triton_tiles_fit_shared_memory(kind):
+  # Every default Triton tile (and every Triton candidate measured dispatch times) fits the device's shared
+  # memory: float32 blocks of 256 at 48 rows asked for 294912 bytes of the H100's 232448 before (a crash).
+  rules = rules_lib.dispatch_rules(kind, 100)
+  for m, block, dtype, d in itertools.product(
+      (1, 48, 64, 200, 1024, 8192), ((256, 256), (256, 128), (128, 256), (128, 128), (64, 128), (32, 32)),
+      (jnp.bfloat16, jnp.float32), (0.1, 0.5)):
+    shape = (1024, 2048)
+    nnz = max(1, int(d * (shape[0] // block[0]) * (shape[1] // block[1])))
+    cfg = BlockSparseMatmulConfig.get_default(m, shape, block, nnz, dtype, rules=rules)
+    itemsize = jnp.dtype(dtype).itemsize
+    on_triton = {
+        "fwd": not (cfg.dense or cfg.forward_dense) and cfg.mosaic_forward is None,
+        "dx": not (cfg.dense or cfg.dx_dense) and cfg.mosaic_dx is None,
+        "dw": not (cfg.dense or cfg.dw_dense) and cfg.mosaic_dw is None,
+    }
+    for direction, kc in (("fwd", cfg.forward), ("dx", cfg.dx), ("dw", cfg.dw)):
+      used = kernel_config_lib.staged_bytes(kc, direction, block, itemsize)
+      assert used <= rules.shared_memory_bytes or not on_triton[direction], (kind, m, block, dtype, direction, kc)
+  assert rules_lib.dispatch_rules("NVIDIA A100-SXM4-80GB").shared_memory_bytes == 166912
+  assert rules_lib.dispatch_rules("cpu").shared_memory_bytes == rules_lib.HOPPER_RULES.shared_memory_bytes
+
+
+def test_triton_candidates_fit_shared_memory(monkeypatch):
+  monkeypatch.setattr(kernel_config, "_mosaic_probe", lambda: None)
+  limit = rules_lib.dispatch_rules().shared_memory_bytes
+  for m, block, dtype in itertools.product((2, 48, 512), ((256, 256), (128, 128)), (jnp.bfloat16, jnp.float32)):
+    _, _, w = _problem(1, 512, 1024, block, "random", dtype, seed=m)
+    x2 = jax.ShapeDtypeStruct((m, 512), dtype)
+    for direction in ("fwd", "dx", "dw"):
+      found = kernels.candidates(direction, x2, w, out_dtype=dtype)
+      assert found
+      for name, cfg in found:
+        field = {"fwd": "forward", "dx": "dx", "dw": "dw"}[direction]
+        mos = {"fwd": cfg.mosaic_forward, "dx": cfg.mosaic_dx, "dw": cfg.mosaic_dw}[direction]
+        dense = cfg.dense or {"fwd": cfg.forward_dense, "dx": cfg.dx_dense, "dw": cfg.dw_dense}[direction]
+        if mos is None and not dense:
+          used = kernel_config_lib.staged_bytes(getattr(cfg, field), direction, block, jnp.dtype(dtype).itemsize)
+          assert used <= limit, (name, m, block, dtype, direction)
 
 
 @pytest.mark.skipif(kernels.available(), reason="checks the CPU-only behaviour")
@@ -1020,6 +1092,22 @@ def test_gpu_blocks_the_kernels_do_not_take_run_on_the_dense_route():
     hlo = jax.jit(lambda a: block_sparse_matmul(a, w)).lower(x).as_text()
   np.testing.assert_allclose(np.asarray(y), 96.0)
   assert "while" not in hlo
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize(("m", "block_shape"), [(48, (256, 256)), (48, (128, 128)), (2, (256, 128))])
+def test_gpu_default_tiles_of_wide_float32_blocks_compile(m, block_shape):
+  # The op's default route at these shapes ran Triton tiles over the H100's shared memory (RESOURCE_EXHAUSTED:
+  # requested 294912, available 232448) before the tiles were cut to fit; forward and both gradients.
+  x, dy, w = _problem(m, 1024, 2048, block_shape, "random", jnp.float32, seed=m)
+  with jaxsparse.autotune_mode("off"):
+    y, vjp = jax.vjp(lambda a, d: block_sparse_matmul(a, w.with_data(d)), x, w.data)
+    dx, ddata = vjp(dy)
+  y_ref, dx_ref, ddata_ref = _dense_reference(x, dy, w)
+  _assert_close(y, y_ref, jnp.float32, "y", RTOL_TF32)
+  _assert_close(dx, dx_ref, jnp.float32, "dX", RTOL_TF32)
+  _assert_close(ddata, ddata_ref, jnp.float32, "dW", RTOL_TF32)
 
 
 MOSAIC_GPU_CASES = [

@@ -247,16 +247,22 @@ def _gpu_routes(kernels, direction: str, x2, w: BlockSparseMatrix, *, precision,
   ]
   wide = kernels.SUPPORTED_BLOCK_DIMS + kernels.WIDE_BLOCK_DIMS
   if not same and set(w.block_shape) <= set(wide):
-    # Wide blocks as they are (no per-call copy into sub-blocks) won every case measured (H100, 2026-11-26:
-    # benchmarks/results/gpu_unseen_shapes_2026-11-26_h100_tuned.md); of the sub-block routes, the default and the
-    # three next ones are kept, to bound the tuning time.
+    # Wide blocks as they are (no per-call copy into sub-blocks) won most cases measured (H100, 2026-11-26:
+    # benchmarks/results/gpu_unseen_shapes_2026-11-26_h100_tuned.md); of the sub-block routes, the default, the
+    # dense route and the first of each kernel family (Triton, Mosaic GPU) are kept, to bound the tuning time.
     native = kernels.candidates(direction, x2, w, out_dtype=out_dtype, precision=precision)
     native = [(f"native:{name}", (None, cfg)) for name, cfg in native if name != "dense"]
+    families, kept = set(), []
+    for name, route in routes:
+      family = name.removeprefix("split:").split("/")[0]
+      if family not in families:
+        families.add(family)
+        kept.append((name, route))
     # The default: as they are for decode-size forward / dX products, where the copy into sub-blocks costs as much
     # as the product (H100: 256 x 128 bf16 at M = 2, 0.60 of dense against 2.33; 256 x 256 float32 at M = 48,
-    # 0.50 / 0.85 against 1.62 / 2.86); sub-blocks elsewhere. (The first four sub-block routes hold the dense one.)
+    # 0.50 / 0.85 against 1.62 / 2.86); sub-blocks elsewhere.
     native_first = x2.shape[0] <= 64 and direction != "dw"
-    routes = native + routes[:4] if native_first else routes[:4] + native
+    routes = native + kept if native_first else kept + native
   return routes
 
 

@@ -21,6 +21,7 @@ from jaxsparse.pallas._block_sparse_config import BlockSparseMatmulConfig
 from jaxsparse.pallas._block_sparse_config import mosaic_unavailable_reason
 from jaxsparse.pallas._common import allows_tf32
 from jaxsparse.pallas._dispatch_rules import dispatch_rules
+from jaxsparse.pallas._kernel_config import staged_bytes
 
 try:  # Mosaic GPU (Hopper).
   from jaxsparse.pallas import _block_sparse_matmul_mgpu as mosaic
@@ -81,8 +82,13 @@ def candidates(
   out: list[tuple[str, BlockSparseMatmulConfig]] = []
   seen = set()
 
+  itemsize = jnp.result_type(x2.dtype, w.dtype).itemsize
+
   def add(name: str, cfg: BlockSparseMatmulConfig) -> None:
     own = _own(cfg, direction)
+    on_triton = not getattr(cfg, f_dense) and getattr(cfg, f_mosaic) is None
+    if on_triton and staged_bytes(own[0], direction, w.block_shape, itemsize) > rules.shared_memory_bytes:
+      return  # would not compile
     if own not in seen:
       seen.add(own)
       out.append((name, cfg))

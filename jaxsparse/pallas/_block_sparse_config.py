@@ -19,6 +19,7 @@ from jax.experimental import pallas as pl
 from jaxsparse.pallas._dispatch_rules import DispatchRules
 from jaxsparse.pallas._dispatch_rules import dispatch_rules
 from jaxsparse.pallas._kernel_config import KernelConfig
+from jaxsparse.pallas._kernel_config import fit_shared_memory
 
 try:  # Mosaic GPU (Hopper) configs.
   from jaxsparse.pallas import _block_sparse_matmul_mgpu as mosaic
@@ -186,6 +187,11 @@ class BlockSparseMatmulConfig:
       dw = dataclasses.replace(dw, split=max(1, min(steps, pl.cdiv(r.target_programs // 2, nnz_blocks))))
     if itemsize == 2 and n >= r.triton.dw_cols_order_min_ratio * k:
       dw = dataclasses.replace(dw, block_order="cols")
+    # Tiles over the device's shared memory fail to compile (float32 blocks of 256 staged whole, say): cut to fit,
+    # and where nothing fits (no supported block shape measured so), the product runs on the dense route.
+    fits = {d: fit_shared_memory(c, d, block_shape, itemsize, r.shared_memory_bytes)
+            for d, c in (("fwd", fwd), ("dx", dx), ("dw", dw))}
+    fwd, dx, dw = (fits[d] or c for d, c in (("fwd", fwd), ("dx", dx), ("dw", dw)))
     mosaic_fwd, mosaic_dx = mosaic_defaults(m, shape, block_shape, nnz_blocks, dtype, r)
     return cls(
         forward=fwd,
@@ -194,9 +200,12 @@ class BlockSparseMatmulConfig:
         mosaic_forward=mosaic_fwd,
         mosaic_dx=mosaic_dx,
         mosaic_dw=(mosaic_dw := mosaic_dw_default(m, shape, block_shape, nnz_blocks, dtype, r)),
-        dw_dense=use_dense_dw(m, shape, block_shape, nnz_blocks, mosaic_dw, dtype, r),
-        dx_dense=use_dense_long_contraction(m, shape[1], shape, block_shape, nnz_blocks, dtype, r, mosaic_dx),
-        forward_dense=use_dense_long_contraction(m, shape[0], shape, block_shape, nnz_blocks, dtype, r, mosaic_fwd),
+        dw_dense=use_dense_dw(m, shape, block_shape, nnz_blocks, mosaic_dw, dtype, r)
+        or (fits["dw"] is None and mosaic_dw is None),
+        dx_dense=use_dense_long_contraction(m, shape[1], shape, block_shape, nnz_blocks, dtype, r, mosaic_dx)
+        or (fits["dx"] is None and mosaic_dx is None),
+        forward_dense=use_dense_long_contraction(m, shape[0], shape, block_shape, nnz_blocks, dtype, r, mosaic_fwd)
+        or (fits["fwd"] is None and mosaic_fwd is None),
         dense=use_dense(m, shape, block_shape, nnz_blocks, dtype, r),
     )
 

@@ -204,6 +204,8 @@ class DispatchRules:
     mosaic: where the Mosaic GPU forward / ``dx`` kernels run, and their tiles (:class:`MosaicRules`).
     mosaic_dw: where the Mosaic GPU ``dw`` kernel runs, and its tiles (:class:`MosaicDwRules`).
     dense: where products run as dense XLA products (:class:`DenseRules`).
+    shared_memory_bytes: shared memory one thread block may use on the device; the Triton tiles are cut to fit it
+      (:func:`~jaxsparse.pallas._kernel_config.fit_shared_memory`).
 
   A frozen dataclass of frozen per-route dataclasses: to try other thresholds, change a copy and pass it as
   ``rules``.
@@ -231,6 +233,7 @@ class DispatchRules:
   mosaic: MosaicRules
   mosaic_dw: MosaicDwRules
   dense: DenseRules
+  shared_memory_bytes: int
 
   @property
   def target_programs(self) -> int:
@@ -348,7 +351,17 @@ HOPPER_RULES = DispatchRules(
         dw_above_density={64: 0.4},  # archive/gpu_product_routes_2026-11-23_h100.md
         dw_above_density_min_m=8192,  # archive/gpu_dw_kernels_2026-11-24_h100.md
     ),
+    shared_memory_bytes=232448,  # compute capability 9.0's opt-in maximum (227 KiB; the H100's compile errors say so)
 )
+
+# Shared memory a thread block may use (the opt-in maximum), by substrings of jax's device_kind: compute capability
+# 8.0 / 8.7 (A100, A30, Orin) 163 KiB, 9.0 / 10.x (H100, H200, B200) 227 KiB; other kinds (8.6, 8.9, 12.x: 99 KiB)
+# get the smallest.
+_SHARED_MEMORY: tuple[tuple[tuple[str, ...], int], ...] = (
+    (("H100", "H200", "H800", "H20", "GH200", "B100", "B200", "GB200"), 232448),
+    (("A100", "A800", "A30", "Orin"), 166912),
+)
+_SHARED_MEMORY_OTHER = 101376
 
 # ``(substrings of jax's device_kind, rules)``; the first whose substring is in the device's kind wins.
 DISPATCH_TABLES: tuple[tuple[tuple[str, ...], DispatchRules], ...] = ((("H100", "H200"), HOPPER_RULES),)
@@ -391,5 +404,10 @@ def dispatch_rules(device_kind: str | None = None, num_sms: int | None = None) -
 def _dispatch_rules(device_kind: str, num_sms: int | None) -> DispatchRules:
   rules = next((r for kinds, r in DISPATCH_TABLES if any(k in device_kind for k in kinds)), None)
   if rules is None:
-    rules = dataclasses.replace(HOPPER_RULES, measured_on=f"{HOPPER_RULES.measured_on}; borrowed for {device_kind!r}")
+    # The CPU (interpret mode: no shared memory limit) keeps the borrowed table's value.
+    other = HOPPER_RULES.shared_memory_bytes if device_kind == "cpu" else _SHARED_MEMORY_OTHER
+    smem = next((b for kinds, b in _SHARED_MEMORY if any(k in device_kind for k in kinds)), other)
+    rules = dataclasses.replace(
+        HOPPER_RULES, measured_on=f"{HOPPER_RULES.measured_on}; borrowed for {device_kind!r}", shared_memory_bytes=smem
+    )
   return rules if num_sms in (None, rules.num_sms) else dataclasses.replace(rules, num_sms=num_sms)

@@ -1,4 +1,4 @@
-"""Tiles of the Triton block-sparse kernels (forward, ``dx`` and the sampled ``dw``)."""
+"""Tiles of the Triton block-sparse kernels (forward, ``dx`` and the sampled ``dw``) and the shared memory they use."""
 
 from __future__ import annotations
 
@@ -64,3 +64,63 @@ class KernelConfig:
         raise ValueError(f"{name} must be >= 1, got {name}={getattr(self, name)}.")
     if self.block_order not in ("rows", "cols"):
       raise ValueError(f"block_order must be 'rows' or 'cols', got block_order={self.block_order!r}.")
+
+
+def staged_bytes(cfg: KernelConfig, direction: str, block_shape: tuple[int, int], itemsize: int) -> int:
+  """Shared memory (bytes) one program of a Triton block-sparse kernel asks for, as an upper bound.
+
+  Each step of the kernels stages one operand tile of ``x`` / ``dY`` and one of the weight (``dw``: of ``x`` and
+  ``dY``). Measured on an H100 (2026-11-27, ``benchmarks/results/gpu_unseen_shapes_2026-11-27_h100.md``): 16-bit
+  operands ask for ``num_stages`` copies of those tiles, float32 ones for ``num_stages - 1`` (at least one) and up to
+  64 KiB of layout scratch. A config over the device's shared memory fails to compile (RESOURCE_EXHAUSTED).
+
+  Args:
+    cfg: the kernel's tiles.
+    direction: ``"fwd"``, ``"dx"`` or ``"dw"``.
+    block_shape: ``(bk, bn)`` of the weight's blocks.
+    itemsize: bytes per element of the operands.
+
+  Returns:
+    The bytes, an int.
+
+  >>> staged_bytes(KernelConfig(block_m=32, num_stages=2), "fwd", (256, 256), 4)  # over an H100's 232448
+  360448
+  >>> staged_bytes(KernelConfig(block_m=32, num_stages=2, sub_cols=128), "fwd", (256, 256), 4)
+  229376
+  """
+  bk, bn = block_shape
+  if direction == "fwd":
+    tiles = cfg.block_m * bk + bk * min(cfg.sub_cols or bn, bn)
+  elif direction == "dx":
+    tiles = cfg.block_m * bn + min(cfg.sub_cols or bk, bk) * bn
+  elif direction == "dw":
+    tiles = cfg.block_m * (bk + bn)
+  else:
+    raise ValueError(f"direction must be 'fwd', 'dx' or 'dw', got {direction!r}.")
+  if itemsize == 2:
+    return cfg.num_stages * tiles * itemsize
+  return max(cfg.num_stages - 1, 1) * tiles * itemsize + 64 * 1024
+
+
+def fit_shared_memory(
+    cfg: KernelConfig, direction: str, block_shape: tuple[int, int], itemsize: int, limit: int
+) -> KernelConfig | None:
+  """``cfg`` with fewer stages, narrower programs or fewer rows until :func:`staged_bytes` fits ``limit``.
+
+  In that order: stages down to 2, then (forward / ``dx``) sub-column programs down to 16 columns, then rows down
+  to 16, then one stage. ``None`` where even that does not fit.
+  """
+  ob = block_shape[1] if direction == "fwd" else block_shape[0]
+  while staged_bytes(cfg, direction, block_shape, itemsize) > limit:
+    sub = min(cfg.sub_cols or ob, ob)
+    if cfg.num_stages > 2:
+      cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
+    elif direction != "dw" and sub > 16:
+      cfg = dataclasses.replace(cfg, sub_cols=sub // 2)
+    elif cfg.block_m > 16:
+      cfg = dataclasses.replace(cfg, block_m=cfg.block_m // 2)
+    elif cfg.num_stages > 1:
+      cfg = dataclasses.replace(cfg, num_stages=1)
+    else:
+      return None
+  return cfg
