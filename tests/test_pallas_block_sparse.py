@@ -250,6 +250,11 @@ def test_dense_routes_where_they_measured_faster(monkeypatch, on_hopper):
   assert not routes(8192, 4096, 32, 0.5, f32)[0] and routes(8192, 4096, 32, 0.375, bf16)[0]
   assert routes(512, 4096, 32, 0.5, bf16) == (False, False, True)
   assert routes(16, 16384, 32, 0.5, bf16) == (False, False, False)
+  # Blocks of 16: dense at any density; 16 x 64 (16-bit) only above d = 0.15 (the kernels took 0.45 / 0.69 / 0.92
+  # of the dense route's forward / dX / dW at d = 0.12, M = 1536; 1.18 / 1.97 / 1.97 at d = 0.28, M = 8192).
+  rect = lambda d, dtype: BlockSparseMatmulConfig.get_default(
+      1536, (11008, 8192), (16, 64), round(d * 688 * 128), dtype).dense
+  assert not rect(0.12, bf16) and rect(0.28, bf16) and rect(0.12, f32) and routes(8192, 4096, 16, 0.05, bf16)[0]
   # dX dense for long contractions (N >= 16384) of float32 inputs: blocks of 32, 64-blocks from d = 0.4, except
   # where the grouped-column Mosaic tiles run them (float32 blocks of 32 from d = 0.2, of 64 from 0.3).
   assert routes(8192, 16384, 32, 0.25, f32) == (False, not on_hopper, True)

@@ -342,7 +342,9 @@ def _density(shape, block_shape, nnz_blocks: int) -> float:
 
 def use_dense(m: int, shape, block_shape, nnz_blocks: int, dtype, rules: DispatchRules) -> bool:
   """Whether all three products run dense (small blocks, dense patterns, large M)."""
-  above = rules.dense.above_density.get((min(block_shape), jnp.dtype(dtype).itemsize))
+  key = (min(block_shape), jnp.dtype(dtype).itemsize)
+  long = max(block_shape) >= 4 * min(block_shape) and key in rules.dense.above_density_long
+  above = (rules.dense.above_density_long if long else rules.dense.above_density).get(key)
   return m >= rules.dense.min_m and above is not None and _density(shape, block_shape, nnz_blocks) > above
 
 

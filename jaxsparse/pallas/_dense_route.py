@@ -16,19 +16,15 @@ from jaxsparse.formats._block_sparse import BlockSparseMatrix
 def dense_weight(w: BlockSparseMatrix, dtype) -> jax.Array:
   """The dense ``(K, N)`` weight of ``w`` in ``dtype``, built in one pass for the dense-product route.
 
-  One gather of each output block from ``w.data`` (a zero block where none is kept) whose window dimensions are
-  placed between its block-row and block-column dimensions, so that it writes the ``(K / bk, bk, N / bn, bn)``
-  layout of the ``(K, N)`` weight directly: one pass over the output, no transpose after it (a gather into
-  ``(K / bk, N / bn, bk, bn)`` and a transpose are two). :meth:`BlockSparseMatrix.to_dense` instead zero-fills,
-  scatters and then transposes.
+  A gather of each output block from ``w.data`` (a zero block where none is kept), transposed into
+  ``(K, N)`` order in the same fusion; :meth:`BlockSparseMatrix.to_dense` instead zero-fills, scatters
+  and then transposes (three passes over the ``K x N`` output).
   """
   (bk, bn), (kb, nb) = w.block_shape, w.grid_shape
   nnz = w.nnz_blocks
   slot = jnp.full((kb, nb), nnz, jnp.int32).at[w.row_indices, w.col_indices].set(jnp.arange(nnz, dtype=jnp.int32))
   data = jnp.concatenate([w.data.astype(dtype), jnp.zeros((1, bk, bn), dtype)])
-  dims = lax.GatherDimensionNumbers(offset_dims=(1, 3), collapsed_slice_dims=(0,), start_index_map=(0,))
-  blocks = lax.gather(data, slot[..., None], dims, (1, bk, bn), mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS)
-  return blocks.reshape(w.shape)
+  return data[slot].transpose(0, 2, 1, 3).reshape(w.shape)
 
 
 def dense_product_dtype(operand_dtype, out_dtype) -> jnp.dtype:

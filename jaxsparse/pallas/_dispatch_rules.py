@@ -172,6 +172,7 @@ class DenseRules:
 
   min_m: int  # the all-dense and long-contraction routes from this M
   above_density: Mapping[tuple[int, int], float]  # all three dense: {(min block dim, itemsize): above density}
+  above_density_long: Mapping[tuple[int, int], float]  # ... instead, for blocks at least 4x as long as they are wide
   long_contraction_min: int  # forward / dx on the weight built dense from this contraction
   long_contraction: Mapping[int, LongContraction]  # ... {min block dim: (from density, from itemsize)}
   dw_min_m: int  # dw as the dense xᵀdY plus a gather: from this M
@@ -339,6 +340,7 @@ HOPPER_RULES = DispatchRules(
             (32, 2): 0.3,
             (32, 4): 0.5,
         },
+        above_density_long={(16, 2): 0.15},  # gpu_unseen_shapes_2026-11-27_h100.md
         long_contraction_min=16384,  # archive/gpu_product_routes_2026-11-23_h100.md
         long_contraction={  # archive/gpu_product_routes_2026-11-23_h100.md
             32: LongContraction(0.1, 4),
