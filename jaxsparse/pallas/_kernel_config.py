@@ -108,7 +108,20 @@ def fit_shared_memory(
   """``cfg`` with fewer stages, narrower programs or fewer rows until :func:`staged_bytes` fits ``limit``.
 
   In that order: stages down to 2, then (forward / ``dx``) sub-column programs down to 16 columns, then rows down
-  to 16, then one stage. ``None`` where even that does not fit.
+  to 16, then one stage.
+
+  Args:
+    cfg: the kernel's tiles.
+    direction: ``"fwd"``, ``"dx"`` or ``"dw"``.
+    block_shape: ``(bk, bn)`` of the weight's blocks.
+    itemsize: bytes per element of the operands.
+    limit: the device's shared memory per thread block, in bytes (``DispatchRules.shared_memory_bytes``).
+
+  Returns:
+    The fitted :class:`KernelConfig` (``cfg`` itself where it fits), or ``None`` where even the smallest does not.
+
+  >>> fit_shared_memory(KernelConfig(block_m=32, num_stages=2), "fwd", (256, 256), 4, 232448).sub_cols
+  128
   """
   ob = block_shape[1] if direction == "fwd" else block_shape[0]
   while staged_bytes(cfg, direction, block_shape, itemsize) > limit:
