@@ -510,5 +510,7 @@ def block_sparse_matmul(
   x = _utils.check_activations(x, w.shape[0])
   impl = _check_implementation(implementation)
   out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(x.dtype, w.dtype))
+  if math.prod(x.shape[:-1]) == 0:  # no rows (an empty batch): nothing to multiply, and no kernel tiles zero rows
+    return jnp.zeros((*x.shape[:-1], w.shape[1]), out_dtype)
   cfg = _Config(impl, precision, out_dtype)
   return _block_sparse_matmul(cfg, x, w)
