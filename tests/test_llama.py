@@ -154,7 +154,11 @@ def test_greedy_generate_matches_transformers(hf_dir):
   assert sampled.shape == (3, 5) and np.all((np.asarray(sampled) >= 0) & (np.asarray(sampled) < VOCAB))
 
 
-@pytest.mark.parametrize("name", ["2:4", "unstructured 50%", "block 32x32 50%"])
+@pytest.mark.parametrize("name", [
+    "2:4", "unstructured 50%",
+    # long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs it
+    pytest.param("block 32x32 50%", marks=pytest.mark.slow),
+])
 def test_sparse_model_generates_dense_tokens(hf_dir, name):
   structure = {"2:4": jaxsparse.NM(2, 4), "unstructured 50%": jaxsparse.Unstructured(sparsity=0.5),
                "block 32x32 50%": jaxsparse.BlockSparse(density=0.5, block_shape=(32, 32))}[name]
