@@ -1104,8 +1104,9 @@ def test_gpu_blocks_the_kernels_do_not_take_run_on_the_dense_route():
 @needs_gpu
 @pytest.mark.parametrize(("m", "block_shape"), [(48, (256, 256)), (48, (128, 128)), (2, (256, 128))])
 def test_gpu_default_tiles_of_wide_float32_blocks_compile(m, block_shape):
-  # The op's default route at these shapes ran Triton tiles over the H100's shared memory (RESOURCE_EXHAUSTED:
-  # requested 294912, available 232448) before the tiles were cut to fit; forward and both gradients.
+  # The op's default route for float32 blocks of 256 x 256 at 48 rows ran Triton tiles over the H100's shared memory
+  # (RESOURCE_EXHAUSTED: requested 294912, available 232448) before the tiles were cut to fit; the other two are its
+  # neighbours (tiles cut or not). Forward and both gradients.
   x, dy, w = _problem(m, 1024, 2048, block_shape, "random", jnp.float32, seed=m)
   with jaxsparse.autotune_mode("off"):
     y, vjp = jax.vjp(lambda a, d: block_sparse_matmul(a, w.with_data(d)), x, w.data)
