@@ -356,11 +356,11 @@ HOPPER_RULES = DispatchRules(
     shared_memory_bytes=232448,  # compute capability 9.0's opt-in maximum (227 KiB; the H100's compile errors say so)
 )
 
-# Shared memory a thread block may use (the opt-in maximum), by substrings of jax's device_kind: compute capability
-# 8.0 / 8.7 (A100, A30, Orin) 163 KiB, 9.0 / 10.x (H100, H200, B200) 227 KiB; other kinds (8.6, 8.9, 12.x: 99 KiB)
-# get the smallest.
+# Shared memory a thread block may use (the opt-in maximum) on kinds without a table of their own, by substrings of
+# jax's device_kind: compute capability 9.0 / 10.x (H800, H20, B200) as the H100's table, 8.0 / 8.7 (A100, A30, Orin)
+# 163 KiB; other kinds (8.6, 8.9, 12.x: 99 KiB) get the smallest.
 _SHARED_MEMORY: tuple[tuple[tuple[str, ...], int], ...] = (
-    (("H100", "H200", "H800", "H20", "GH200", "B100", "B200", "GB200"), 232448),
+    (("H800", "H20", "GH200", "B100", "B200", "GB200"), HOPPER_RULES.shared_memory_bytes),
     (("A100", "A800", "A30", "Orin"), 166912),
 )
 _SHARED_MEMORY_OTHER = 101376
