@@ -95,11 +95,13 @@ DEFAULT_LAYERS = {"8b": 8, "1.1b": 8, "tiny": None}
 PATTERNS = {
     "dense": None,
     "2:4": jaxsparse.NM(2, 4),
+    "2:4 no copy": jaxsparse.NM(2, 4),  # CompressedNMLinear(cusparselt_copy=False): the values alone
     "block 64x64 50%": jaxsparse.BlockSparse(density=0.5, block_shape=(64, 64)),
     "unstructured 50%": jaxsparse.Unstructured(sparsity=0.5),
 }
-PATTERN_ALIASES = {"dense": "dense", "2:4": "2:4", "nm": "2:4", "block64": "block 64x64 50%",
-                   "block": "block 64x64 50%", "unstructured": "unstructured 50%", "u50": "unstructured 50%"}
+PATTERN_ALIASES = {"dense": "dense", "2:4": "2:4", "nm": "2:4", "nm-nocopy": "2:4 no copy",
+                   "block64": "block 64x64 50%", "block": "block 64x64 50%", "unstructured": "unstructured 50%",
+                   "u50": "unstructured 50%"}
 LOG: list[str] = []
 
 
@@ -271,7 +273,7 @@ def run_shape(name: str, args) -> list[Row]:
     if PATTERNS[pattern] is None:
       model = dense
     else:
-      model, report = to_inference(dense, PATTERNS[pattern],
+      model, report = to_inference(dense, PATTERNS[pattern], cusparselt_copy=pattern != "2:4 no copy",
                                    dense_if_slower_at=args.batches if args.dense_if_slower else None)
       if args.dense_if_slower:
         routed = routed_to_dense(model, report)
@@ -349,7 +351,7 @@ def main(argv: list[str] | None = None) -> None:
   p.add_argument("--shapes", type=lambda v: v.split(","), default=["8b", "1.1b"], help="8b,1.1b (and tiny)")
   p.add_argument("--batches", type=lambda v: [int(b) for b in v.split(",")], help="default 1,8,32 (--tiny: 1,2)")
   p.add_argument("--patterns", type=lambda v: [PATTERN_ALIASES.get(x, x) for x in v.split(",")],
-                 default=list(PATTERNS), help="dense,2:4,block64,unstructured")
+                 default=list(PATTERNS), help="dense,2:4,nm-nocopy,block64,unstructured")
   p.add_argument("--layers", type=int, default=None,
                  help="decoder layers to build (default: 8 for 8b and 1.1b, extrapolated to full depth)")
   p.add_argument("--context", type=int, help="cached tokens before the decode steps (default 1024; --tiny: 16)")

@@ -123,11 +123,15 @@ def _replace(model: nnx.Module, path: tuple[Any, ...], new: nnx.Module) -> None:
     setattr(parent, path[-1], new)
 
 
-def compress_nm(model: nnx.Module) -> nnx.Module:
-  """Replaces every ``NMLinear`` (in place) by its ``CompressedNMLinear``, the inference form; returns ``model``."""
+def compress_nm(model: nnx.Module, *, cusparselt_copy: bool = True) -> nnx.Module:
+  """Replaces every ``NMLinear`` (in place) by its ``CompressedNMLinear``, the inference form; returns ``model``.
+
+  ``cusparselt_copy=False``: no cuSPARSELt copy of the kernels (0.5625x the dense projections' bytes instead of
+  1.125x; prefill-size products then compress in each call or take another route).
+  """
   found = [(tuple(path), node) for path, node in nnx.iter_graph(model) if isinstance(node, NMLinear)]
   for path, node in found:
-    _replace(model, path, node.to_compressed())
+    _replace(model, path, node.to_compressed(cusparselt_copy=cusparselt_copy))
   return model
 
 
@@ -315,7 +319,7 @@ def route_slower_to_dense(
 
 
 def to_inference(model: LlamaForCausalLM, structure: Any, *, masks: Mapping[str, Any] | None = None,
-                 compress: bool = True, dense_unstructured: bool = True,
+                 compress: bool = True, cusparselt_copy: bool = True, dense_unstructured: bool = True,
                  dense_if_slower_at: int | Sequence[int] | None = None,
                  timer: Callable[[nnx.Module, jax.Array], float] | None = None,
                  ) -> tuple[LlamaForCausalLM, InferenceReport]:
@@ -341,6 +345,7 @@ def to_inference(model: LlamaForCausalLM, structure: Any, *, masks: Mapping[str,
     structure: as in :func:`prune`.
     masks: :func:`prune`'s masks; ``None`` prunes by magnitude (random-weight benchmarks).
     compress: turn ``NMLinear`` (SR-STE training layer, dense kernel) into ``CompressedNMLinear``.
+    cusparselt_copy: with ``compress``, keep each 2:4 layer's cuSPARSELt copy (see :func:`compress_nm`).
     dense_unstructured: with an ``Unstructured`` structure, route the masked layers to dense ``nnx.Linear`` (see above).
     dense_if_slower_at: decode batch size(s) to time the sparse layers at, e.g. ``(1, 8, 32)``; ``None`` times
       nothing and keeps every sparse layer.
@@ -353,7 +358,7 @@ def to_inference(model: LlamaForCausalLM, structure: Any, *, masks: Mapping[str,
   """
   sparse, report = jaxsparse.sparsify(model, rules_for(structure), masks=masks)
   if compress:
-    compress_nm(sparse)
+    compress_nm(sparse, cusparselt_copy=cusparselt_copy)
   if dense_unstructured and isinstance(structure, jaxsparse.Unstructured):
     sparse = jaxsparse.densify(sparse)
   timings = ()

@@ -252,8 +252,11 @@ class NMLinear(_NMMixin, nnx.Linear):
         nnx.Linear, self.pruned_kernel(), bias_of(self), self.in_features, self.out_features, **linear_options(self)
     )
 
-  def to_compressed(self, *, implementation: ops.NMImplementation | None = None) -> CompressedNMLinear:
+  def to_compressed(self, *, implementation: ops.NMImplementation | None = None,
+                    cusparselt_copy: bool = True) -> CompressedNMLinear:
     """An inference layer storing the compressed kernel and multiplying with :func:`jaxsparse.ops.nm_matmul`.
+
+    ``implementation`` and ``cusparselt_copy`` are :class:`CompressedNMLinear`'s.
 
     >>> import jax.numpy as jnp
     >>> from flax import nnx
@@ -273,6 +276,7 @@ class NMLinear(_NMMixin, nnx.Linear):
         promote_dtype=base_promote(self),
         preferred_element_type=self.preferred_element_type,
         implementation=implementation,
+        cusparselt_copy=cusparselt_copy,
     )
 
   def to_linen_variables(self) -> dict[str, dict[str, jax.Array]]:
@@ -298,6 +302,12 @@ class CompressedNMLinear(nnx.Module):
   ``kernel``: after changing ``kernel`` (fine-tuning) call :meth:`update_cusparselt`, or the
   forward product keeps using the old values.
 
+  Memory: the values and packed positions of a 2:4 bfloat16 kernel take 0.5625x the dense kernel's bytes;
+  the cuSPARSELt copy adds as much again (1.125x dense in all). ``cusparselt_copy=False`` keeps
+  the layer at 0.5625x: decode-size products (the ``mma.sp`` and Pallas kernels read ``kernel``) are
+  unchanged, while products of many rows (prefill) either compress ``kernel`` for cuSPARSELt in each call
+  or take another route, whichever the measured dispatch finds faster.
+
   >>> import jax, jax.numpy as jnp, jaxsparse
   >>> from jaxsparse.layers import CompressedNMLinear
   >>> w = jaxsparse.NMSparseMatrix.from_dense(jax.random.normal(jax.random.key(0), (64, 32)), 2, 4)
@@ -309,6 +319,8 @@ class CompressedNMLinear(nnx.Module):
     bias: ``(out_features,)`` or ``None``.
     dtype, precision, promote_dtype, preferred_element_type: as ``nnx.Linear``.
     implementation: backend of :func:`jaxsparse.ops.nm_matmul`.
+    cusparselt_copy: keep the cuSPARSELt copy ``kernel_cusparselt`` where it can be built (faster products of
+      many rows, about twice the memory); ``False`` never builds one.
   """
 
   def __init__(
@@ -321,6 +333,7 @@ class CompressedNMLinear(nnx.Module):
       promote_dtype: Callable[..., Any] = dtypes.promote_dtype,
       preferred_element_type: Dtype | None = None,
       implementation: ops.NMImplementation | None = None,
+      cusparselt_copy: bool = True,
   ):
     if not isinstance(weight, NMSparseMatrix) or weight.ndim != 2:
       raise TypeError(f"weight must be a 2-D jaxsparse.NMSparseMatrix, got {weight!r}.")
@@ -339,6 +352,9 @@ class CompressedNMLinear(nnx.Module):
     self.promote_dtype = promote_dtype
     self.preferred_element_type = preferred_element_type
     self.implementation = check_nm_implementation(implementation)
+    if not isinstance(cusparselt_copy, bool):
+      raise TypeError(f"cusparselt_copy must be True or False, got cusparselt_copy={cusparselt_copy!r}.")
+    self.cusparselt_copy = cusparselt_copy
     self.kernel_cusparselt: CusparseLtWeight | None = nnx.data(None)
     self.update_cusparselt()
 
@@ -346,11 +362,12 @@ class CompressedNMLinear(nnx.Module):
     """(Re)builds ``kernel_cusparselt`` from ``kernel``; returns whether the layer has one.
 
     Built for 2:4 layers whose compute dtype (``dtype``, else the kernel's) is bfloat16,
-    when cuSPARSELt can run here and ``implementation`` is ``None`` or ``"cusparselt"``.
+    when cuSPARSELt can run here, ``implementation`` is ``None`` or ``"cusparselt"`` and the layer was made
+    with ``cusparselt_copy=True``.
     """
     self.kernel_cusparselt = nnx.data(None)
     self.kernel_cusparselt_dtype = None
-    if self.implementation not in (None, "cusparselt") or (self.n, self.m) != (2, 4):
+    if not self.cusparselt_copy or self.implementation not in (None, "cusparselt") or (self.n, self.m) != (2, 4):
       return False
     w = self.weight
     w = w.with_values(w.values.astype(self.dtype or w.dtype))
