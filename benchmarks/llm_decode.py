@@ -16,10 +16,12 @@ random weights, bfloat16 weights and compute:
 * ``tiny``: d = 128, MLP 256, 2 layers, 4 / 2 heads of 32, vocab 256 (``--tiny``).
 
 Patterns of the seven projections of every layer (``jaxsparse.sparsify`` by magnitude, the embedding and LM
-head stay dense): ``dense``; ``2:4`` (``CompressedNMLinear``: cuSPARSELt for prefill, the ``mma.sp`` kernel
-for decode); ``block 64x64 50%`` (``BlockSparseLinear``, Pallas kernels); ``unstructured 50%``
-(routed to dense: ``nnx.Linear`` with the pruned weights zero, ``to_inference(dense_unstructured=True)``, since no
-GPU kernel beats the dense product at 50% unstructured and ``MaskedLinear`` ran at 0.36-0.42x).
+head stay dense): ``dense``; ``2:4`` (``CompressedNMLinear`` without a cuSPARSELt copy, ``to_inference``'s
+default: the ``mma.sp`` kernel for decode, measured dispatch for prefill); ``2:4 + copy`` (``nm-copy``: the layer
+also keeps the copy of its values in cuSPARSELt's layout, for prefill on sparse tensor cores);
+``block 64x64 50%`` (``BlockSparseLinear``, Pallas kernels); ``unstructured 50%`` (routed to dense: ``nnx.Linear``
+with the pruned weights zero, ``to_inference(dense_unstructured=True)``, since no GPU kernel beats the dense product
+at 50% unstructured and ``MaskedLinear`` ran at 0.36-0.42x).
 
 Timings, each the median of ``--repeats`` calls after a compiling call, wall time around one jitted call
 that is blocked on once (so each call holds many device steps, and the host's dispatch cost is amortised):
@@ -34,8 +36,9 @@ the loop) is timed too, and the full-depth time is extrapolated as ``t0 + (tN - 
 decoder layers are identical, so their time is linear in their count. Both the measured and the
 extrapolated numbers are printed; the ratios to dense use the extrapolated ones.
 
-Weight bytes: every array of the model's state (parameters, masks, index arrays, and the cuSPARSELt copy of
-the 2:4 values that ``CompressedNMLinear`` keeps next to ``kernel`` on a GPU, counted separately too), at the
+Weight bytes: every array of the model's state (parameters, masks, index arrays, and, with ``2:4 + copy``, the
+cuSPARSELt copy of the 2:4 values that ``CompressedNMLinear`` keeps next to ``kernel`` on a GPU, counted separately
+too), at the
 measured depth and extrapolated the same way.
 
 ``--dense-if-slower`` routes sparse layers slower than dense to dense: ``to_inference(dense_if_slower_at=--batches)``
@@ -94,12 +97,12 @@ SHAPES = {
 DEFAULT_LAYERS = {"8b": 8, "1.1b": 8, "tiny": None}
 PATTERNS = {
     "dense": None,
-    "2:4": jaxsparse.NM(2, 4),
-    "2:4 no copy": jaxsparse.NM(2, 4),  # CompressedNMLinear(cusparselt_copy=False): the values alone
+    "2:4": jaxsparse.NM(2, 4),  # to_inference's default: CompressedNMLinear without the cuSPARSELt copy
+    "2:4 + copy": jaxsparse.NM(2, 4),  # CompressedNMLinear(cusparselt_copy=True): the copy for sparse tensor cores
     "block 64x64 50%": jaxsparse.BlockSparse(density=0.5, block_shape=(64, 64)),
     "unstructured 50%": jaxsparse.Unstructured(sparsity=0.5),
 }
-PATTERN_ALIASES = {"dense": "dense", "2:4": "2:4", "nm": "2:4", "nm-nocopy": "2:4 no copy",
+PATTERN_ALIASES = {"dense": "dense", "2:4": "2:4", "nm": "2:4", "nm-copy": "2:4 + copy",
                    "block64": "block 64x64 50%", "block": "block 64x64 50%", "unstructured": "unstructured 50%",
                    "u50": "unstructured 50%"}
 LOG: list[str] = []
@@ -273,7 +276,7 @@ def run_shape(name: str, args) -> list[Row]:
     if PATTERNS[pattern] is None:
       model = dense
     else:
-      model, report = to_inference(dense, PATTERNS[pattern], cusparselt_copy=pattern != "2:4 no copy",
+      model, report = to_inference(dense, PATTERNS[pattern], cusparselt_copy=pattern == "2:4 + copy",
                                    dense_if_slower_at=args.batches if args.dense_if_slower else None)
       if args.dense_if_slower:
         routed = routed_to_dense(model, report)
@@ -351,7 +354,7 @@ def main(argv: list[str] | None = None) -> None:
   p.add_argument("--shapes", type=lambda v: v.split(","), default=["8b", "1.1b"], help="8b,1.1b (and tiny)")
   p.add_argument("--batches", type=lambda v: [int(b) for b in v.split(",")], help="default 1,8,32 (--tiny: 1,2)")
   p.add_argument("--patterns", type=lambda v: [PATTERN_ALIASES.get(x, x) for x in v.split(",")],
-                 default=list(PATTERNS), help="dense,2:4,nm-nocopy,block64,unstructured")
+                 default=list(PATTERNS), help="dense,2:4,nm-copy,block64,unstructured")
   p.add_argument("--layers", type=int, default=None,
                  help="decoder layers to build (default: 8 for 8b and 1.1b, extrapolated to full depth)")
   p.add_argument("--context", type=int, help="cached tokens before the decode steps (default 1024; --tiny: 16)")

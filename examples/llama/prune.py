@@ -319,7 +319,7 @@ def route_slower_to_dense(
 
 
 def to_inference(model: LlamaForCausalLM, structure: Any, *, masks: Mapping[str, Any] | None = None,
-                 compress: bool = True, cusparselt_copy: bool = True, dense_unstructured: bool = True,
+                 compress: bool = True, cusparselt_copy: bool = False, dense_unstructured: bool = True,
                  dense_if_slower_at: int | Sequence[int] | None = None,
                  timer: Callable[[nnx.Module, jax.Array], float] | None = None,
                  ) -> tuple[LlamaForCausalLM, InferenceReport]:
@@ -345,7 +345,10 @@ def to_inference(model: LlamaForCausalLM, structure: Any, *, masks: Mapping[str,
     structure: as in :func:`prune`.
     masks: :func:`prune`'s masks; ``None`` prunes by magnitude (random-weight benchmarks).
     compress: turn ``NMLinear`` (SR-STE training layer, dense kernel) into ``CompressedNMLinear``.
-    cusparselt_copy: with ``compress``, keep each 2:4 layer's cuSPARSELt copy (see :func:`compress_nm`).
+    cusparselt_copy: with ``compress``, keep each 2:4 layer's cuSPARSELt copy (see :func:`compress_nm`). Off by
+      default: on the Llama-3-8B shape (H100) the copy took the weights from 0.62x to 1.11x the dense model's bytes
+      and changed neither decode (1.37x / 1.13x against 1.36x / 1.13x dense tokens/s at batch 1 / 8) nor prefill
+      (0.98x against 0.97x), ``benchmarks/results/llm_decode_2026-11-27_h100.md``.
     dense_unstructured: with an ``Unstructured`` structure, route the masked layers to dense ``nnx.Linear`` (see above).
     dense_if_slower_at: decode batch size(s) to time the sparse layers at, e.g. ``(1, 8, 32)``; ``None`` times
       nothing and keeps every sparse layer.
