@@ -264,7 +264,8 @@ def test_compressed_layer_without_copy_never_builds_one(monkeypatch):
   assert sum(x.nbytes for x in jax.tree.leaves(state)) == 64 * 32 * 2 * 9 // 16 + 32 * 2  # values, positions, bias
   monkeypatch.undo()
   x = jax.random.normal(jax.random.key(1), (3, 64), jnp.bfloat16)
-  np.testing.assert_array_equal(np.asarray(comp(x), np.float32), np.asarray(comp.to_dense()(x), np.float32))
+  np.testing.assert_allclose(np.asarray(comp(x), np.float32), np.asarray(comp.to_dense()(x), np.float32),
+                             rtol=2e-2, atol=2e-2)  # bfloat16 outputs of the same products
   with pytest.raises(TypeError, match=r"cusparselt_copy must be True or False, got cusparselt_copy='no'"):
     CompressedNMLinear(comp.weight, cusparselt_copy="no")
 

@@ -123,11 +123,11 @@ def _replace(model: nnx.Module, path: tuple[Any, ...], new: nnx.Module) -> None:
     setattr(parent, path[-1], new)
 
 
-def compress_nm(model: nnx.Module, *, cusparselt_copy: bool = True) -> nnx.Module:
+def compress_nm(model: nnx.Module, *, cusparselt_copy: bool = False) -> nnx.Module:
   """Replaces every ``NMLinear`` (in place) by its ``CompressedNMLinear``, the inference form; returns ``model``.
 
-  ``cusparselt_copy=False``: no cuSPARSELt copy of the kernels (0.5625x the dense projections' bytes instead of
-  1.125x; prefill-size products then compress in each call or take another route).
+  ``cusparselt_copy``: also keep a cuSPARSELt copy of each 2:4 kernel (1.125x the dense projection's bytes instead
+  of 0.5625x; see :func:`to_inference` for why it is off).
   """
   found = [(tuple(path), node) for path, node in nnx.iter_graph(model) if isinstance(node, NMLinear)]
   for path, node in found:
