@@ -234,6 +234,15 @@ def test_many_row_blocks_and_batch_tiles():
   _check_masked_matmul(x, w, mask, jnp.float32)
 
 
+@pytest.mark.parametrize("p", [0.6, 0.3, 0.12, 0.03])
+def test_forward_row_blocks_follow_the_density(p):
+  """The forward's row blocks shrink with the density (128 rows at 0.6, 256 at 0.3, 640 at 0.12, 1024 at 0.03): K
+  of 700 ends each on a partial block, N of 300 on a partial column chunk, 37 rows on a partial 16-float vector."""
+  x, w, mask = _data(7, 37, 700, 300, lambda rng, s: rng.random(s) < p)
+  _check_sparse_matmul(x, w, mask, jnp.float32)
+  _check_masked_matmul(x, w, mask, jnp.float32)
+
+
 @pytest.mark.parametrize("op", ["sparse", "masked"])
 def test_vmap(op):
   x, w, mask = _data(3, 0, 40, 24, MASKS["random"], lead=(4, 5))
@@ -285,6 +294,13 @@ def test_masked_matmul_auto_picks_kernels_by_density():
     assert "jaxsparse_masked_forward" in hlo and "dot" in hlo
     _check_masked_matmul(x, w, mask, jnp.float32, implementation=None)
     assert_close(masked_matmul(x, w, mask), masked_matmul(x, w, mask, implementation="xla"), jnp.float32)
+  # Between the two thresholds the forward runs the kernels and the gradients masked dense; they still agree.
+  from jaxsparse.ops import _masked_matmul as mm  # noqa: PLC0415
+  assert mm.CPU_MAX_DENSITY < mm.CPU_FORWARD_MAX_DENSITY
+  mask = np.zeros(w.shape, bool)
+  mask[:, :14] = True  # density 14 / 48 = 0.29 in every row the estimate samples
+  assert bool(mm._sparse_enough(mask, mm.CPU_FORWARD_MAX_DENSITY)) and not bool(mm._sparse_enough(mask))
+  _check_masked_matmul(x, w, mask, jnp.float32, implementation=None)
 
 
 @pytest.mark.parametrize("p", [0.1, 0.9])

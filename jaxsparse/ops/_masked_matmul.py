@@ -6,8 +6,9 @@ trained around freely (pruning, RigL). On CPU the product still runs sparse: the
 bytes for a 4096 x 4096 layer, a small fraction of the products), so nothing has to be rebuilt
 when the mask changes and the number of kept entries need not be fixed. Their work is proportional
 to the kept entries, plus one pass over ``w`` and ``mask`` per product and the dense ``(K, N)``
-weight gradient that this dense storage implies. Densely masked weights (density above
-:data:`CPU_MAX_DENSITY`) run as masked dense ``x @ where(mask, w, 0)``, which is faster there.
+weight gradient that this dense storage implies. Densely masked weights run as masked dense
+``x @ where(mask, w, 0)``, which is faster there: the forward above :data:`CPU_FORWARD_MAX_DENSITY`, the backward
+above :data:`CPU_MAX_DENSITY`.
 """
 
 from __future__ import annotations
@@ -30,11 +31,16 @@ from jaxsparse.ops._sparse_matmul import cpu_supports
 from jaxsparse.ops._sparse_matmul import f32
 from jaxsparse.ops._sparse_matmul import route
 
-__all__ = ["CPU_MAX_DENSITY", "masked_matmul"]
+__all__ = ["CPU_FORWARD_MAX_DENSITY", "CPU_MAX_DENSITY", "masked_matmul"]
 
-# Above this fraction of kept weights the masked dense product beats the sparse kernels (measured on
-# a 2-core AVX2 machine, 4096 x 4096, batch 256; see benchmarks/results/cpu_unstructured_*.md).
+# Above this fraction of kept weights the masked dense backward beats the sparse kernels (measured on
+# a 2-core AVX2 machine, 4096 x 4096, batch 256; see benchmarks/results/cpu_unstructured_*.md; on the 2-core
+# AVX-512 Xeon at 30-35% density the kernels' forward + backward took 0.86-1.30x dense, masked dense 0.74-1.11x).
 CPU_MAX_DENSITY = 0.25
+# The same for the forward alone, since its kernel takes 16-float vectors and L1-sized row blocks: on the 2-core
+# AVX-512 Xeon, six shapes with M 96-512, the kernels took 0.95-1.26x the dense product's time at density 0.33
+# against 1.20-1.38x for masked dense, and lost on 4 of 6 at 0.37 (benchmarks/results/cpu_random_shapes_2026-11-27.md).
+CPU_FORWARD_MAX_DENSITY = 0.33
 _DENSITY_SAMPLE_ROWS = 64
 
 
@@ -55,20 +61,20 @@ class _Config:
   check_density: bool  # False when implementation="cpu" forces the kernels
 
 
-def _sparse_enough(mask: jax.Array) -> jax.Array:
-  """Whether ``mask`` keeps at most CPU_MAX_DENSITY of the weights, estimated from evenly spaced rows."""
+def _sparse_enough(mask: jax.Array, max_density: float = CPU_MAX_DENSITY) -> jax.Array:
+  """Whether ``mask`` keeps at most ``max_density`` of the weights, estimated from evenly spaced rows."""
   step = max(1, mask.shape[0] // _DENSITY_SAMPLE_ROWS)
-  return jnp.mean(mask[::step], dtype=jnp.float32) <= CPU_MAX_DENSITY
+  return jnp.mean(mask[::step], dtype=jnp.float32) <= max_density
 
 
-def _branch(cfg: _Config, mask, sparse, dense):
-  return lax.cond(_sparse_enough(mask), sparse, dense) if cfg.check_density else sparse()
+def _branch(cfg: _Config, mask, sparse, dense, max_density: float = CPU_MAX_DENSITY):
+  return lax.cond(_sparse_enough(mask, max_density), sparse, dense) if cfg.check_density else sparse()
 
 
 def _local_forward(cfg: _Config, x2, w, mask):
   sparse = lambda: _kernels.masked_forward(f32(x2), f32(w), mask).astype(cfg.out_dtype)
   dense = lambda: _masked_dense(x2, w, mask, cfg.precision, cfg.out_dtype).astype(cfg.out_dtype)
-  return (_branch(cfg, mask, sparse, dense),)
+  return (_branch(cfg, mask, sparse, dense, CPU_FORWARD_MAX_DENSITY),)
 
 
 def _forward(cfg: _Config, x, wm):
@@ -115,7 +121,8 @@ def masked_matmul(
 
   On CPU the product and both gradients run in sparse C++ kernels that read the kept entries from
   ``mask`` on every call, so ``mask`` may change between calls (also inside ``jit``) at no cost;
-  masks keeping more than :data:`CPU_MAX_DENSITY` of the weights run as a masked dense product.
+  masks keeping more than :data:`CPU_FORWARD_MAX_DENSITY` of the weights run the forward as a masked dense
+  product, and more than :data:`CPU_MAX_DENSITY` the gradients.
   Works under ``jit``, ``grad`` (reverse mode, to any order) and ``vmap``: leading dimensions of ``x`` and a
   mapped ``x`` fold into one kernel call; a mapped backward runs once per mapped element.
 
