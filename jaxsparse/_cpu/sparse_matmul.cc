@@ -28,7 +28,7 @@
 
 namespace {
 
-constexpr int64_t kTile = 64;          // batch entries per register tile (eight accumulators)
+constexpr int64_t kTile = 64;          // batch entries per register tile (four 16-float or eight 8-float accumulators)
 constexpr int64_t kBlockRows = 1024;   // gathered rows per cache block: 1024 x 64 floats = 256 KiB (L2)
 constexpr int64_t kFineRows = 128;     // the forward's smallest block: 128 x 64 floats = 32 KiB (L1)
 constexpr int64_t kColChunk = 256;     // output columns per forward work item, at most (ForwardColChunk)
