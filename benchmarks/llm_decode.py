@@ -38,8 +38,7 @@ extrapolated numbers are printed; the ratios to dense use the extrapolated ones.
 
 Weight bytes: every array of the model's state (parameters, masks, index arrays, and, with ``2:4 + copy``, the
 cuSPARSELt copy of the 2:4 values that ``CompressedNMLinear`` keeps next to ``kernel`` on a GPU, counted separately
-too), at the
-measured depth and extrapolated the same way.
+too), at the measured depth and extrapolated the same way.
 
 ``--dense-if-slower`` routes sparse layers slower than dense to dense: ``to_inference(dense_if_slower_at=--batches)``
 times, on this device, each distinct sparse projection (class, shape, pattern, density, dtype) against the
