@@ -51,7 +51,9 @@ def random_model(name: str, layers: int | None, dtype, norm_sigma: float) -> Lla
   cfg = SHAPES[name]
   if layers is not None:
     cfg = dataclasses.replace(cfg, num_hidden_layers=layers)
-  model = nnx.jit(lambda: LlamaForCausalLM(cfg, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0)))()
+  # Built eagerly: one jitted initialiser of the 22-layer 1.1B model took 2 min 31 s to compile on an H100
+  # (benchmarks/results/llm_prune_2026-11-27_h100.md), while eager ops compile once per distinct shape.
+  model = LlamaForCausalLM(cfg, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0))
   key = jax.random.key(1)
   for i, (_, node) in enumerate(nnx.iter_graph(model)):
     if isinstance(node, RMSNorm):
