@@ -26,6 +26,7 @@ from jaxsparse._tuning import _measure
 from jaxsparse.formats import _nm
 from jaxsparse.layers import CompressedNMLinear
 from jaxsparse.layers import NMLinear
+from jaxsparse.ops import _nm_matmul
 from jaxsparse.ops import _sr_ste
 
 needs_gpu = pytest.mark.skipif(not cslt.available(), reason=cslt.unavailable_reason() or "cuSPARSELt available")
@@ -252,7 +253,6 @@ def test_compressed_layer_has_no_cusparselt_copy_off_gpu():
 
 def test_compressed_layer_without_copy_never_builds_one(monkeypatch):
   # A machine where the copy could be built: cusparselt_copy=False must not build (or compress) anything.
-  from jaxsparse.ops import _nm_matmul  # noqa: PLC0415
   built = []
   monkeypatch.setattr(_nm_matmul, "cusparselt_unsupported_reason", lambda w: "")
   monkeypatch.setattr(ops, "cusparselt_compress", lambda w: built.append(w) or jnp.zeros((8,), jnp.uint8))

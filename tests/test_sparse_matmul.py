@@ -24,6 +24,7 @@ from jaxsparse._cpu import _kernels
 from jaxsparse.layers import MaskedLinear
 from jaxsparse.layers.linen import MaskedDense
 from jaxsparse.ops import CpuKernelFallbackWarning
+from jaxsparse.ops import _masked_matmul
 from jaxsparse.ops import masked_matmul
 from jaxsparse.ops import sparse_matmul
 from jaxsparse.ops import sparse_matmul_reference
@@ -295,11 +296,11 @@ def test_masked_matmul_auto_picks_kernels_by_density():
     _check_masked_matmul(x, w, mask, jnp.float32, implementation=None)
     assert_close(masked_matmul(x, w, mask), masked_matmul(x, w, mask, implementation="xla"), jnp.float32)
   # Between the two thresholds the forward runs the kernels and the gradients masked dense; they still agree.
-  from jaxsparse.ops import _masked_matmul as mm  # noqa: PLC0415
-  assert mm.CPU_MAX_DENSITY < mm.CPU_FORWARD_MAX_DENSITY
+  assert _masked_matmul.CPU_MAX_DENSITY < _masked_matmul.CPU_FORWARD_MAX_DENSITY
   mask = np.zeros(w.shape, bool)
   mask[:, :14] = True  # density 14 / 48 = 0.29 in every row the estimate samples
-  assert bool(mm._sparse_enough(mask, mm.CPU_FORWARD_MAX_DENSITY)) and not bool(mm._sparse_enough(mask))
+  assert bool(_masked_matmul._sparse_enough(mask, _masked_matmul.CPU_FORWARD_MAX_DENSITY))
+  assert not bool(_masked_matmul._sparse_enough(mask))
   _check_masked_matmul(x, w, mask, jnp.float32, implementation=None)
 
 
