@@ -11,6 +11,9 @@ order, so the relative Frobenius error of the whole output stays near 1.7e-3; we
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -247,6 +250,42 @@ def test_gpu_nm_matmul_takes_sparse_mma_at_decode():
   gx = jax.grad(lambda x: jaxsparse.ops.nm_matmul(x, w).astype(jnp.float32).sum())(x)
   gref = jnp.broadcast_to(w.to_dense().astype(jnp.float32).sum(axis=1), x.shape)
   assert _rel(gx, gref) < TOL
+
+
+_LOOP_SCRIPT = """
+import jax, jax.numpy as jnp, numpy as np
+import jaxsparse
+from jaxsparse._cuda import _kernels as ck
+m, k, n, steps = 4, 1024, 4096, 6
+w = jaxsparse.NMSparseMatrix.from_dense(jax.random.normal(jax.random.key(0), (k, n)).astype(jnp.bfloat16), 2, 4)
+x0 = jax.random.normal(jax.random.key(1), (m, k)).astype(jnp.bfloat16)
+
+def body(_, x):  # the kernel between XLA fusions: a sequence XLA may record as one CUDA graph
+  y = ck.nm24_decode(x, w.values, w.indices)
+  return jnp.tanh(y[:, :k].astype(jnp.float32) * 0.05).astype(jnp.bfloat16) + x * 0.5
+
+def ref_body(_, x):
+  y = jnp.dot(x.astype(jnp.float32), w.to_dense().astype(jnp.float32)).astype(jnp.bfloat16)
+  return jnp.tanh(y[:, :k].astype(jnp.float32) * 0.05).astype(jnp.bfloat16) + x * 0.5
+
+run = jax.jit(lambda x: jax.lax.fori_loop(0, steps, body, x))
+ref = jax.jit(lambda x: jax.lax.fori_loop(0, steps, ref_body, x))
+for i in range(3):  # the first call loads the kernel's module, maybe while XLA captures the stream
+  y, r = np.asarray(run(x0), np.float32), np.asarray(ref(x0), np.float32)
+  err = np.linalg.norm(y - r) / np.linalg.norm(r)
+  assert err < 2e-2, (i, err)
+print("ok", err)
+"""
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_nm24_decode_in_a_loop_of_a_fresh_process():
+  """The kernel's handler is command-buffer compatible: in a jitted loop of a fresh process (its module loaded on the
+  first call, possibly while XLA records a CUDA graph) it computes what the dense loop does, call after call."""
+  proc = subprocess.run([sys.executable, "-c", _LOOP_SCRIPT], capture_output=True, text=True, timeout=300,
+                        env={**os.environ, "JAXSPARSE_AUTOTUNE": "off"})
+  assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
 
 
 @pytest.mark.gpu

@@ -46,6 +46,8 @@ typedef struct CUmod_st* CUmodule;
 typedef struct CUfunc_st* CUfunction;
 typedef struct CUstream_st* CUstream;
 
+constexpr int kCaptureModeRelaxed = 2;  // CU_STREAM_CAPTURE_MODE_RELAXED
+
 struct Driver {
   CUresult (*StreamGetCtx)(CUstream, CUcontext*) = nullptr;
   CUresult (*CtxPushCurrent)(CUcontext) = nullptr;
@@ -55,6 +57,7 @@ struct Driver {
   CUresult (*LaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                            CUstream, void**, void**) = nullptr;
   CUresult (*GetErrorString)(CUresult, const char**) = nullptr;
+  CUresult (*ThreadExchangeStreamCaptureMode)(int*) = nullptr;
   std::string error;
 };
 
@@ -80,7 +83,8 @@ const Driver& GetDriver() {
         Symbol(lib, "cuModuleLoadData", &d->ModuleLoadData, &d->error) &&
         Symbol(lib, "cuModuleGetFunction", &d->ModuleGetFunction, &d->error) &&
         Symbol(lib, "cuLaunchKernel", &d->LaunchKernel, &d->error) &&
-        Symbol(lib, "cuGetErrorString", &d->GetErrorString, &d->error);
+        Symbol(lib, "cuGetErrorString", &d->GetErrorString, &d->error) &&
+        Symbol(lib, "cuThreadExchangeStreamCaptureMode", &d->ThreadExchangeStreamCaptureMode, &d->error);
     return d;
   }();
   return *driver;
@@ -140,11 +144,21 @@ std::string Function(const Driver& d, int64_t id, CUcontext ctx, CUfunction* out
     *out = it->second;
     return "";
   }
+  // The first launch in a context may come while XLA captures the stream into a CUDA graph (the decode handler is
+  // command-buffer compatible): loading a module is not a stream operation, so this thread leaves the capture's
+  // guard for it (relaxed mode) and restores the caller's mode after.
+  int mode = kCaptureModeRelaxed;
+  CUresult r = d.ThreadExchangeStreamCaptureMode(&mode);
+  if (r != 0) return CudaError(d, "cuThreadExchangeStreamCaptureMode", r);
   CUmodule module;
-  CUresult r = d.ModuleLoadData(&module, g_kernels[id].cubin.data());
-  if (r != 0) return CudaError(d, "cuModuleLoadData", r);
-  r = d.ModuleGetFunction(out, module, g_kernels[id].name.c_str());
-  if (r != 0) return CudaError(d, "cuModuleGetFunction", r);
+  const char* what = "cuModuleLoadData";
+  r = d.ModuleLoadData(&module, g_kernels[id].cubin.data());
+  if (r == 0) {
+    what = "cuModuleGetFunction";
+    r = d.ModuleGetFunction(out, module, g_kernels[id].name.c_str());
+  }
+  d.ThreadExchangeStreamCaptureMode(&mode);
+  if (r != 0) return CudaError(d, what, r);
   g_functions[{id, ctx}] = *out;
   return "";
 }
@@ -286,7 +300,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseNm24Decode, Nm24Decode,
                                   .Attr<int64_t>("kernel")
                                   .Attr<int64_t>("split")
                                   .Attr<int64_t>("warps")
-                                  .Attr<int64_t>("span"));
+                                  .Attr<int64_t>("span"),
+                              // One kernel launch on XLA's stream, on its buffers only: XLA may record it in
+                              // the CUDA graph of its neighbours instead of a launch from the host per call.
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseNm24Transposable, Nm24Transposable,
                               ffi::Ffi::Bind()
