@@ -77,6 +77,7 @@ from flax import nnx
 from llama.model import LlamaConfig
 from llama.model import LlamaForCausalLM
 from llama.model import init_cache
+from llama.prune import fuse_projections
 from llama.prune import to_inference
 
 import jaxsparse
@@ -105,6 +106,8 @@ PATTERN_ALIASES = {"dense": "dense", "2:4": "2:4", "nm": "2:4", "nm-copy": "2:4 
                    "block64": "block 64x64 50%", "block": "block 64x64 50%", "unstructured": "unstructured 50%",
                    "u50": "unstructured 50%"}
 LOG: list[str] = []
+FUSED_INTO = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+              "up_proj": "gate_up_proj"}
 
 
 def log(*args) -> None:
@@ -222,8 +225,9 @@ def routed_to_dense(model, report) -> str:
   modules = {".".join(map(str, p)): node for p, node in nnx.iter_graph(model)}
   counts: dict[str, int] = {}
   for change in report.replaced:
-    if type(modules[change.path]) is nnx.Linear:
-      kind = change.path.rsplit(".", 1)[-1]
+    parent, kind = change.path.rsplit(".", 1)
+    node = modules.get(change.path) or modules[f"{parent}.{FUSED_INTO[kind]}"]  # fuse_projections joined it
+    if type(node) is nnx.Linear:
       counts[kind] = counts.get(kind, 0) + 1
   total = sum(counts.values())
   if not total:
@@ -273,10 +277,11 @@ def run_shape(name: str, args) -> list[Row]:
     t0 = time.perf_counter()
     routed = "-"
     if PATTERNS[pattern] is None:
-      model = dense
+      model = fuse_projections(nnx.clone(dense)) if args.fuse else dense
     else:
       model, report = to_inference(dense, PATTERNS[pattern], cusparselt_copy=pattern == "2:4 + copy",
-                                   dense_if_slower_at=args.batches if args.dense_if_slower else None)
+                                   dense_if_slower_at=args.batches if args.dense_if_slower else None,
+                                   fuse=args.fuse)
       if args.dense_if_slower:
         routed = routed_to_dense(model, report)
         log(f"{name} {pattern}: layers routed to dense: {routed}")
@@ -345,7 +350,9 @@ def header(args) -> str:
              f"{args.batches} run dense" if args.dense_if_slower else "")
   return (f"{getattr(dev, 'device_kind', dev.platform)}, {args.dtype}, jax {jax.__version__}; prefill {args.prefill} "
           f"tokens at batch 1; decode {args.steps} steps after {args.context} cached tokens; median of "
-          f"{args.repeats} calls; speed ratios are tokens/s (or 1/time) over dense's, > 1 is faster{routing}")
+          f"{args.repeats} calls; speed ratios are tokens/s (or 1/time) over dense's, > 1 is faster{routing}; "
+          + ("q / k / v and gate / up fused (fuse_projections) in every model, dense included" if args.fuse
+             else "projections not fused (--no-fuse)"))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -365,6 +372,8 @@ def main(argv: list[str] | None = None) -> None:
                  help="batches whose decode call gets a per-kernel device-time breakdown (CUPTI, GPU), e.g. 1")
   p.add_argument("--dense-if-slower", action="store_true",
                  help="time each sparse projection against dense at the --batches and run the slower ones dense")
+  p.add_argument("--no-fuse", dest="fuse", action="store_false",
+                 help="keep q / k / v and gate / up as separate layers (default: fuse_projections, every pattern)")
   p.add_argument("--tiny", action="store_true", help="the tiny shape, small sizes: a CPU check in seconds")
   args = p.parse_args(argv)
   defaults = {"batches": [1, 2], "context": 16, "steps": 4, "prefill": 32, "repeats": 1} if args.tiny else {

@@ -34,6 +34,7 @@ import llama  # noqa: E402
 from llama.checkpoint import load_pretrained  # noqa: E402
 from llama.checkpoint import save_pretrained  # noqa: E402
 from llama.generation import generate  # noqa: E402
+from llama.prune import fuse_projections  # noqa: E402
 from llama.prune import layer_errors  # noqa: E402
 from llama.prune import layer_signature  # noqa: E402
 from llama.prune import prune  # noqa: E402
@@ -171,6 +172,28 @@ def test_sparse_model_generates_dense_tokens(hf_dir, name):
   dense = jaxsparse.densify(sparse)  # the same weights, nnx.Linear layers
   prompt = np.random.default_rng(2).integers(0, VOCAB, (2, 5))
   np.testing.assert_array_equal(np.asarray(generate(sparse, prompt, 10)), np.asarray(generate(dense, prompt, 10)))
+
+
+def test_fused_projections_generate_the_same_tokens(hf_dir):
+  """fuse_projections joins q / k / v and gate / up (dense or 2:4, the 2:4 positions concatenated along the outputs);
+  block-sparse layers stay; logits and greedy tokens equal the unfused model's, with and without the KV cache."""
+  model = load_pretrained(hf_dir[1])
+  prompt = np.random.default_rng(5).integers(0, VOCAB, (2, 5))
+  ids = jnp.asarray(prompt)
+  for structure in (None, jaxsparse.NM(2, 4)):
+    base = nnx.clone(model) if structure is None else to_inference(model, structure)[0]
+    fused = fuse_projections(nnx.clone(base)) if structure is None else to_inference(model, structure, fuse=True)[0]
+    attn, mlp = fused.model.layers[1].self_attn, fused.model.layers[1].mlp
+    kind = type(base.model.layers[1].self_attn.q_proj)
+    assert type(attn.qkv_proj) is kind and type(mlp.gate_up_proj) is kind and type(mlp.down_proj) is kind
+    assert not any(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj")) and not hasattr(mlp, "up_proj")
+    assert attn.qkv_proj.out_features == 64 + 2 * 32 and mlp.gate_up_proj.out_features == 2 * 128
+    np.testing.assert_allclose(np.asarray(fused(ids)), np.asarray(base(ids)), atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(np.asarray(generate(fused, prompt, 8)), np.asarray(generate(base, prompt, 8)))
+  assert fuse_projections(fused) is fused  # fused already: unchanged
+  block, _ = to_inference(model, jaxsparse.BlockSparse(density=0.5, block_shape=(32, 32)), fuse=True)
+  assert type(block.model.layers[0].self_attn.q_proj).__name__ == "BlockSparseLinear"
+  assert not hasattr(block.model.layers[0].self_attn, "qkv_proj")
 
 
 def _timer_slower_where(out_features: int, calls: list | None = None):

@@ -216,7 +216,8 @@ def _linear(init: dict, in_features: int, out_features: int, *, use_bias: bool, 
 
 class Attention(nnx.Module):
   """Grouped-query self-attention with RoPE: ``q_proj`` ``(d, heads * head_dim)``, ``k_proj`` / ``v_proj``
-  ``(d, kv_heads * head_dim)``, ``o_proj`` ``(heads * head_dim, d)``."""
+  ``(d, kv_heads * head_dim)``, ``o_proj`` ``(heads * head_dim, d)``; or, after :func:`llama.prune.fuse_projections`,
+  ``qkv_proj`` ``(d, (heads + 2 kv_heads) * head_dim)`` in place of the first three."""
 
   def __init__(self, cfg: LlamaConfig, init: dict, rngs: nnx.Rngs):
     d, hd = cfg.hidden_size, cfg.head_dim
@@ -236,9 +237,15 @@ class Attention(nnx.Module):
     Returns ``(y (B, T, d), (keys, values) or None)``.
     """
     b, t, _ = x.shape
-    q = apply_rope(self.q_proj(x).reshape(b, t, self.heads, self.head_dim), cos, sin)
-    k = apply_rope(self.k_proj(x).reshape(b, t, self.kv_heads, self.head_dim), cos, sin)
-    v = self.v_proj(x).reshape(b, t, self.kv_heads, self.head_dim)
+    fused = getattr(self, "qkv_proj", None)  # prune.fuse_projections: q, k, v in one product
+    if fused is not None:
+      q_end = self.heads * self.head_dim
+      q, k, v = jnp.split(fused(x), [q_end, q_end + self.kv_heads * self.head_dim], axis=-1)
+    else:
+      q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+    q = apply_rope(q.reshape(b, t, self.heads, self.head_dim), cos, sin)
+    k = apply_rope(k.reshape(b, t, self.kv_heads, self.head_dim), cos, sin)
+    v = v.reshape(b, t, self.kv_heads, self.head_dim)
     new_kv = None
     if kv is not None:
       keys, values, index = kv
@@ -255,7 +262,8 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-  """SwiGLU: ``down_proj(silu(gate_proj(x)) * up_proj(x))``; ``gate_proj``, ``up_proj`` ``(d, hidden)``."""
+  """SwiGLU: ``down_proj(silu(gate_proj(x)) * up_proj(x))``; ``gate_proj``, ``up_proj`` ``(d, hidden)``, or
+  ``gate_up_proj`` ``(d, 2 hidden)`` in their place after :func:`llama.prune.fuse_projections`."""
 
   def __init__(self, cfg: LlamaConfig, init: dict, rngs: nnx.Rngs):
     d, h, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
@@ -264,7 +272,9 @@ class MLP(nnx.Module):
     self.down_proj = _linear(init, h, d, use_bias=bias, rngs=rngs)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+    fused = getattr(self, "gate_up_proj", None)  # prune.fuse_projections: gate and up in one product
+    gate, up = jnp.split(fused(x), 2, axis=-1) if fused is not None else (self.gate_proj(x), self.up_proj(x))
+    return self.down_proj(jax.nn.silu(gate) * up)
 
 
 class DecoderLayer(nnx.Module):

@@ -44,6 +44,7 @@ __all__ = [
     "LayerSignature",
     "SignatureTiming",
     "compress_nm",
+    "fuse_projections",
     "layer_errors",
     "layer_signature",
     "prune",
@@ -132,6 +133,76 @@ def compress_nm(model: nnx.Module, *, cusparselt_copy: bool = False) -> nnx.Modu
   found = [(tuple(path), node) for path, node in nnx.iter_graph(model) if isinstance(node, NMLinear)]
   for path, node in found:
     _replace(model, path, node.to_compressed(cusparselt_copy=cusparselt_copy))
+  return model
+
+
+def _concatenated(layers: list[nnx.Module]) -> nnx.Module | None:
+  """One layer computing ``concatenate([layer(x) for layer in layers], -1)``, or None where they cannot be joined:
+  ``nnx.Linear`` or ``CompressedNMLinear`` (N:M groups along the inputs), all of one class and settings."""
+  first = layers[0]
+  kind = type(first)
+  if kind not in (nnx.Linear, CompressedNMLinear) or any(type(layer) is not kind for layer in layers):
+    return None
+  same = ("in_features", "dtype", "precision")
+  same += ("param_dtype",) if kind is nnx.Linear else ("n", "m", "axis", "implementation", "cusparselt_copy")
+  if any(getattr(layer, a) != getattr(first, a) for layer in layers for a in same):
+    return None
+  biases = [None if layer.bias is None else layer.bias[...] for layer in layers]
+  if any((b is None) != (biases[0] is None) for b in biases):
+    return None
+  bias = None if biases[0] is None else jnp.concatenate(biases)
+  out = sum(layer.out_features for layer in layers)
+  if kind is nnx.Linear:
+    kernel = jnp.concatenate([layer.kernel[...] for layer in layers], axis=1)
+    fused = nnx.Linear(first.in_features, out, use_bias=bias is not None, dtype=first.dtype,
+                       param_dtype=first.param_dtype, precision=first.precision,
+                       kernel_init=lambda *_: kernel, bias_init=lambda *_: bias, rngs=nnx.Rngs(0))
+    return fused
+  if first.axis != 0:
+    return None
+  weight = jaxsparse.NMSparseMatrix(
+      jnp.concatenate([layer.kernel[...] for layer in layers], axis=1),
+      jnp.concatenate([layer.kernel_positions[...] for layer in layers], axis=1),
+      shape=(first.in_features, out), n=first.n, m=first.m, axis=0, validate=False)
+  return CompressedNMLinear(weight, bias, dtype=first.dtype, precision=first.precision,
+                            promote_dtype=first.promote_dtype, preferred_element_type=first.preferred_element_type,
+                            implementation=first.implementation, cusparselt_copy=first.cusparselt_copy)
+
+
+def fuse_projections(model: LlamaForCausalLM) -> LlamaForCausalLM:
+  """Joins, in place, the projections that share an input: ``q_proj``, ``k_proj``, ``v_proj`` into ``qkv_proj`` and
+  ``gate_proj``, ``up_proj`` into ``gate_up_proj`` (concatenated along the outputs); returns ``model``.
+
+  One product instead of three (two) per decoder layer: each sparse kernel call has a fixed cost (its launch, its
+  first loads, its K-split reduction), which shows on decode-size products of a few microseconds. The outputs are
+  those of the separate layers. Joined where all members are ``nnx.Linear`` or all ``CompressedNMLinear`` of equal
+  settings; other layers (block-sparse, masked, mixed kinds) stay as they are. An inference form: Hugging Face paths
+  (export, masks) are those of the model before fusing.
+
+  >>> import jax.numpy as jnp, jaxsparse
+  >>> from flax import nnx
+  >>> from llama.model import LlamaConfig, LlamaForCausalLM
+  >>> cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+  ...                   num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+  >>> model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
+  >>> ids = jnp.arange(6)[None]
+  >>> before = model(ids)
+  >>> fused = fuse_projections(model)
+  >>> fused.model.layers[0].self_attn.qkv_proj.out_features, fused.model.layers[0].mlp.gate_up_proj.out_features
+  (64, 128)
+  >>> bool(jnp.allclose(fused(ids), before, atol=1e-5))
+  True
+  """
+  for layer in model.model.layers:
+    for parent, names, joined in ((layer.self_attn, ("q_proj", "k_proj", "v_proj"), "qkv_proj"),
+                                  (layer.mlp, ("gate_proj", "up_proj"), "gate_up_proj")):
+      if not all(hasattr(parent, n) for n in names):
+        continue  # fused already
+      fused = _concatenated([getattr(parent, n) for n in names])
+      if fused is not None:
+        setattr(parent, joined, fused)
+        for n in names:
+          delattr(parent, n)
   return model
 
 
@@ -321,7 +392,7 @@ def route_slower_to_dense(
 def to_inference(model: LlamaForCausalLM, structure: Any, *, masks: Mapping[str, Any] | None = None,
                  compress: bool = True, cusparselt_copy: bool = False, dense_unstructured: bool = True,
                  dense_if_slower_at: int | Sequence[int] | None = None,
-                 timer: Callable[[nnx.Module, jax.Array], float] | None = None,
+                 timer: Callable[[nnx.Module, jax.Array], float] | None = None, fuse: bool = False,
                  ) -> tuple[LlamaForCausalLM, InferenceReport]:
   """The sparse inference model: :func:`jaxsparse.sparsify` with ``masks`` (or by magnitude without), 2:4
   layers compressed, and optionally the sparse layers slower than dense routed to dense.
@@ -353,6 +424,9 @@ def to_inference(model: LlamaForCausalLM, structure: Any, *, masks: Mapping[str,
     dense_if_slower_at: decode batch size(s) to time the sparse layers at, e.g. ``(1, 8, 32)``; ``None`` times
       nothing and keeps every sparse layer.
     timer: ``(layer, x) -> ms`` for ``dense_if_slower_at``; ``None``: :func:`time_forward_ms`.
+    fuse: last, join the projections that share an input (:func:`fuse_projections`): fewer, larger sparse products
+      for generation; the returned model then has ``qkv_proj`` / ``gate_up_proj`` where Hugging Face has three /
+      two layers, so export and masks come from the model before.
 
   Returns:
     ``(sparse_model, report)``: ``report`` is ``sparsify``'s (an :class:`InferenceReport`, a
@@ -367,4 +441,6 @@ def to_inference(model: LlamaForCausalLM, structure: Any, *, masks: Mapping[str,
   timings = ()
   if dense_if_slower_at is not None:
     timings = route_slower_to_dense(sparse, dense_if_slower_at, timer=timer)
+  if fuse:
+    fuse_projections(sparse)
   return sparse, InferenceReport(report.layers, timings)
