@@ -97,6 +97,25 @@ def test_nm24_default_config_fits(m, k, n):
   assert n % cfg.span == 0 and cfg.span in ck.NM24_SPANS
 
 
+@pytest.mark.parametrize(
+    ("k", "n"), [(4096, 4096), (4096, 6144), (4096, 28672), (14336, 4096), (2048, 2560), (64, 128), (4096, 4160)]
+)
+@pytest.mark.parametrize("m", [1, 8, 16, 17, 32])
+def test_nm24_candidate_configs_are_distinct_runnable_and_default_first(m, k, n):
+  configs = ck.nm24_candidate_configs(m, k, n)
+  assert configs[0] == ck.Nm24DecodeConfig.get_default(m, k, n) and len(set(configs)) == len(configs) <= 5
+  for c in configs[1:]:  # every warp of every block gets a step pair; the span divides N; 128-column spans to M = 16
+    assert (k // 64) >= c.split * c.warps and n % c.span == 0 and (c.span == 64 or m <= 16)
+  # The backend offers them all: the default under the name the shipped rules pick, the others named by config.
+  bf16 = jnp.dtype(jnp.bfloat16)
+  cfg = _nm_matmul._Config(implementation="auto", precision=None, out_dtype=bf16)
+  x = jnp.zeros((m, k), jnp.bfloat16)
+  w = jaxsparse.NMSparseMatrix.from_dense(jnp.ones((k, n), jnp.bfloat16), 2, 4)
+  cands = _nm_matmul._SparseMma(cfg).candidates(_nm_matmul._product(cfg, x, w, None))
+  assert [c.value for c in cands] == configs and cands[0].name == "mma_sp"
+  assert [c.name for c in cands[1:]] == [f"mma_sp/s{c.split}w{c.warps}c{c.span}" for c in configs[1:]]
+
+
 def test_nm24_default_spans_by_rows():
   # The measured winners (benchmarks/results/gpu_nm_decode_2026-11-24_h100.md).
   assert ck.Nm24DecodeConfig.get_default(8, 4096, 4096) == ck.Nm24DecodeConfig(split=8, warps=4, span=128)
@@ -215,6 +234,17 @@ def test_gpu_nm24_decode(m, k, n, config):
   y = jax.jit(lambda x, v, i: ck.nm24_decode(x, v, i, config=config))(x, w.values, w.indices)
   assert y.shape == (m, n) and y.dtype == jnp.bfloat16
   assert _rel(y, ref) < TOL
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize(("m", "k", "n"), [(1, 4096, 6144), (8, 2048, 11264), (24, 1024, 2560), (3, 14336, 512)])
+def test_gpu_nm24_decode_every_candidate_config(m, k, n):
+  """What measured dispatch may pick: each candidate config equals the reference (fused q/k/v and gate/up sizes)."""
+  x, w, ref = _problem(m + k + n, m, k, n)
+  for cfg in ck.nm24_candidate_configs(m, k, n):
+    y = jax.jit(lambda x, v, i, c=cfg: ck.nm24_decode(x, v, i, config=c))(x, w.values, w.indices)
+    assert _rel(y, ref) < TOL, cfg
 
 
 @pytest.mark.gpu

@@ -353,6 +353,30 @@ class Nm24DecodeConfig:
     return cls(split=split, warps=warps, span=span)
 
 
+def nm24_candidate_configs(m: int, k: int, n: int) -> list[Nm24DecodeConfig]:
+  """The configs measured dispatch times for an ``(m, k) @ (k, n)`` product: the default first, then its neighbours
+  (half and twice the split, the other warp count at the same warps per span, the other span).
+
+  The defaults were fitted at ``K = 4096`` and a few ``N``; a product elsewhere (a fused ``N`` of 6144 or 28672, a
+  ``K`` of 14336) may run better one step away, which only a measurement can tell.
+
+  >>> [(c.split, c.warps, c.span) for c in nm24_candidate_configs(1, 4096, 4096)]
+  [(8, 4, 128), (4, 4, 128), (4, 8, 128), (8, 4, 64)]
+  """
+  d = Nm24DecodeConfig.get_default(m, k, n)
+  out = [d]
+  other_warps = 8 if d.warps == 4 else 4
+  for split, warps, span in ((d.split // 2, d.warps, d.span), (d.split * 2, d.warps, d.span),
+                             (d.split * d.warps // other_warps, other_warps, d.span),
+                             (d.split, d.warps, 64 if d.span == 128 else 128)):
+    if split not in (1, 2, 4, 8) or n % span or (span == 128 and m > 16) or k // 64 < split * warps:
+      continue
+    cfg = Nm24DecodeConfig(split=split, warps=warps, span=span)
+    if cfg not in out:
+      out.append(cfg)
+  return out
+
+
 def nm24_unsupported_reason(m: int, k: int, n: int, dtype) -> str:
   """Why :func:`nm24_decode` cannot take an ``(m, k) @ (k, n)`` product, or ``""``."""
   if jnp.dtype(dtype) != jnp.bfloat16:

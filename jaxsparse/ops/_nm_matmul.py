@@ -226,7 +226,20 @@ class _SparseMma:
     return _router.Unsupported(reason) if reason else None
 
   def candidates(self, p: _router.Product) -> list[_tuning.Candidate]:
-    return [_tuning.Candidate(self.name, lambda x2, w, blob: cuda_kernels.nm24_decode(x2, w.values, w.indices))]
+    """The default config as ``mma_sp`` (what runs with tuning off), its neighbours as
+    ``mma_sp/s{split}w{warps}c{span}`` (:func:`jaxsparse._cuda._kernels.nm24_candidate_configs`)."""
+    x2, w, _ = p.args
+    configs = cuda_kernels.nm24_candidate_configs(x2.shape[0], *w.shape)
+    return [
+        _tuning.Candidate(self.name if i == 0 else f"{self.name}/s{c.split}w{c.warps}c{c.span}",
+                          functools.partial(_sparse_mma_run, c), c)
+        for i, c in enumerate(configs)
+    ]
+
+
+def _sparse_mma_run(config, x2, w, blob):
+  del blob
+  return cuda_kernels.nm24_decode(x2, w.values, w.indices, config=config)
 
 
 @dataclasses.dataclass(frozen=True)
