@@ -191,6 +191,15 @@ def test_fused_projections_generate_the_same_tokens(hf_dir):
     np.testing.assert_allclose(np.asarray(fused(ids)), np.asarray(base(ids)), atol=1e-5, rtol=0)
     np.testing.assert_array_equal(np.asarray(generate(fused, prompt, 8)), np.asarray(generate(base, prompt, 8)))
   assert fuse_projections(fused) is fused  # fused already: unchanged
+  # With dense_if_slower_at, the fused layers are what is timed and routed (here: the 256-output gate_up, slower).
+  calls = []
+  routed, report = to_inference(model, jaxsparse.NM(2, 4), fuse=True, dense_if_slower_at=(1, 8),
+                                timer=_timer_slower_where(256, calls))
+  assert {c[2] for c in calls} == {128, 256, 64} and report.dense_paths == (
+      "model.layers.0.mlp.gate_up_proj", "model.layers.1.mlp.gate_up_proj")
+  assert type(routed.model.layers[0].mlp.gate_up_proj) is nnx.Linear
+  assert type(routed.model.layers[0].self_attn.qkv_proj).__name__ == "CompressedNMLinear"
+  np.testing.assert_array_equal(np.asarray(generate(routed, prompt, 8)), np.asarray(generate(base, prompt, 8)))
   block, _ = to_inference(model, jaxsparse.BlockSparse(density=0.5, block_shape=(32, 32)), fuse=True)
   assert type(block.model.layers[0].self_attn.q_proj).__name__ == "BlockSparseLinear"
   assert not hasattr(block.model.layers[0].self_attn, "qkv_proj")

@@ -424,9 +424,9 @@ def to_inference(model: LlamaForCausalLM, structure: Any, *, masks: Mapping[str,
     dense_if_slower_at: decode batch size(s) to time the sparse layers at, e.g. ``(1, 8, 32)``; ``None`` times
       nothing and keeps every sparse layer.
     timer: ``(layer, x) -> ms`` for ``dense_if_slower_at``; ``None``: :func:`time_forward_ms`.
-    fuse: last, join the projections that share an input (:func:`fuse_projections`): fewer, larger sparse products
-      for generation; the returned model then has ``qkv_proj`` / ``gate_up_proj`` where Hugging Face has three /
-      two layers, so export and masks come from the model before.
+    fuse: join the projections that share an input (:func:`fuse_projections`): fewer, larger sparse products for
+      generation; with ``dense_if_slower_at`` the fused layers are timed. The returned model then has ``qkv_proj`` /
+      ``gate_up_proj`` where Hugging Face has three / two layers, so export and masks come from the model before.
 
   Returns:
     ``(sparse_model, report)``: ``report`` is ``sparsify``'s (an :class:`InferenceReport`, a
@@ -438,9 +438,9 @@ def to_inference(model: LlamaForCausalLM, structure: Any, *, masks: Mapping[str,
     compress_nm(sparse, cusparselt_copy=cusparselt_copy)
   if dense_unstructured and isinstance(structure, jaxsparse.Unstructured):
     sparse = jaxsparse.densify(sparse)
+  if fuse:  # before the timing: the fused layers are what runs
+    fuse_projections(sparse)
   timings = ()
   if dense_if_slower_at is not None:
     timings = route_slower_to_dense(sparse, dense_if_slower_at, timer=timer)
-  if fuse:
-    fuse_projections(sparse)
   return sparse, InferenceReport(report.layers, timings)
