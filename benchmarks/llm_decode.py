@@ -40,6 +40,10 @@ Weight bytes: every array of the model's state (parameters, masks, index arrays,
 cuSPARSELt copy of the 2:4 values that ``CompressedNMLinear`` keeps next to ``kernel`` on a GPU, counted separately
 too), at the measured depth and extrapolated the same way.
 
+Every model, dense included, runs with its projections fused (``fuse_projections``: ``qkv_proj`` and
+``gate_up_proj``, one product each where the layers are ``nnx.Linear`` or ``CompressedNMLinear``; block-sparse layers
+stay separate); ``--no-fuse`` keeps Hugging Face's seven projections.
+
 ``--dense-if-slower`` routes sparse layers slower than dense to dense: ``to_inference(dense_if_slower_at=--batches)``
 times, on this device, each distinct sparse projection (class, shape, pattern, density, dtype) against the
 ``nnx.Linear`` of the same pruned weights, its jitted forward on a ``(batch, in_features)`` input at every decode
