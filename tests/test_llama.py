@@ -289,7 +289,8 @@ def test_pruning_by_layer_and_masks_back_to_torch(hf_dir, ids, tmp_path):
 def test_llm_decode_benchmark_tiny(tmp_path, monkeypatch, capsys):
   """benchmarks/llm_decode.py --tiny, dense and 2:4 (the other structures generate in the test above); --layers 1
   of the tiny shape's 2 also runs the 0-layer model and the extrapolation to full depth; --dense-if-slower (timings
-  injected: the gate / up projections, 256 outputs, slower) adds the column of the projections routed to dense."""
+  injected: layers of 256 outputs slower) adds the column of the projections routed to dense: the fused q / k / v
+  (128 + 2 x 64 outputs) by default, gate and up (256 each) with --no-fuse."""
   sys.path.insert(0, str(ROOT / "benchmarks"))
   import llm_decode  # noqa: PLC0415
   from llama import prune as prune_module  # noqa: PLC0415
@@ -300,10 +301,16 @@ def test_llm_decode_benchmark_tiny(tmp_path, monkeypatch, capsys):
   llm_decode.main(["--tiny", "--layers", "1", "--batches", "8", "--patterns", "2:4,dense", "--dense-if-slower"])
   rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| tiny")]
   assert [(r.split("|")[2].strip(), r.split("|")[-2].strip()) for r in rows] == [
-      ("dense", "-"), ("2:4", "gate_proj 1, up_proj 1")], rows
+      ("dense", "-"), ("2:4", "k_proj 1, q_proj 1, v_proj 1")], rows
   assert all("(extrapolated)" in r for r in rows)
   assert "| tiny | dense |" in (tmp_path / "llm_decode.md").read_text()
   assert "layers routed to dense" in (tmp_path / "llm_decode.md").read_text()
+  llm_decode.ROWS.clear()
+  llm_decode.main(["--tiny", "--layers", "1", "--batches", "8", "--patterns", "2:4", "--dense-if-slower", "--no-fuse",
+                   "--prefill", "0"])
+  rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| tiny")]
+  assert [r.split("|")[-2].strip() for r in rows] == ["gate_proj 1, up_proj 1"], rows
+  assert "projections not fused" in (tmp_path / "llm_decode.md").read_text()
   # Without the option: the table as before, no such column.
   args = SimpleNamespace(batches=[8], prefill=32, steps=4, dense_if_slower=False)
   assert "routed" not in llm_decode.table(args, llm_decode.ROWS)
