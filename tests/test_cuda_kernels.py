@@ -10,6 +10,7 @@ order, so the relative Frobenius error of the whole output stays near 1.7e-3; we
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import subprocess
@@ -79,6 +80,7 @@ def test_nm24_unsupported_reason(m, k, n, dtype, expect):
         ({"split": 3}, "split must be 1, 2, 4 or 8, got split=3"),
         ({"warps": 16}, "warps must be 2, 4 or 8, got warps=16"),
         ({"span": 32}, r"span must be one of \(128, 64\), got span=32"),
+        ({"blocks_per_sm": 3}, "blocks_per_sm must be 1 or 2, got blocks_per_sm=3"),
     ],
 )
 def test_nm24_config_errors(kwargs, match):
@@ -103,8 +105,9 @@ def test_nm24_default_config_fits(m, k, n):
 @pytest.mark.parametrize("m", [1, 8, 16, 17, 32])
 def test_nm24_candidate_configs_are_distinct_runnable_and_default_first(m, k, n):
   configs = ck.nm24_candidate_configs(m, k, n)
-  assert configs[0] == ck.Nm24DecodeConfig.get_default(m, k, n) and len(set(configs)) == len(configs) <= 5
-  for c in configs[1:]:  # every warp of every block gets a step pair; the span divides N; 128-column spans to M = 16
+  assert configs[0] == ck.Nm24DecodeConfig.get_default(m, k, n) and len(set(configs)) == len(configs) <= 6
+  assert configs[-1] == dataclasses.replace(configs[0], blocks_per_sm=2)
+  for c in configs[1:-1]:  # every warp of every block gets a step pair; the span divides N; 128-column spans to M = 16
     assert (k // 64) >= c.split * c.warps and n % c.span == 0 and (c.span == 64 or m <= 16)
   # The backend offers them all: the default under the name the shipped rules pick, the others named by config.
   bf16 = jnp.dtype(jnp.bfloat16)
@@ -113,7 +116,7 @@ def test_nm24_candidate_configs_are_distinct_runnable_and_default_first(m, k, n)
   w = jaxsparse.NMSparseMatrix.from_dense(jnp.ones((k, n), jnp.bfloat16), 2, 4)
   cands = _nm_matmul._SparseMma(cfg).candidates(_nm_matmul._product(cfg, x, w, None))
   assert [c.value for c in cands] == configs and cands[0].name == "mma_sp"
-  assert [c.name for c in cands[1:]] == [f"mma_sp/s{c.split}w{c.warps}c{c.span}" for c in configs[1:]]
+  assert [c.name for c in cands[1:]] == [f"mma_sp/s{c.split}w{c.warps}c{c.span}b{c.blocks_per_sm}" for c in configs[1:]]
 
 
 def test_nm24_default_spans_by_rows():

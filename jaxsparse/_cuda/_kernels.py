@@ -301,11 +301,16 @@ class Nm24DecodeConfig:
     warps: warps per thread block (they split the block's slice of ``K``).
     span: columns of ``W`` per thread block, 128 or 64 (each lane holds 16 or 8 columns of a row, and
       accumulators for that many columns: 64 halves the registers, for more warps or more rows of ``x``).
+    blocks_per_sm: 1 or 2: with 2 the compiler keeps the registers per thread low enough for two thread blocks on
+      a multiprocessor (``__launch_bounds__``'s minimum; it may spill). An H100 profile of the 4096 x 28672 product at
+      M = 1 (8 warps, 128-column spans) showed 152 registers, one block per multiprocessor and its 224 blocks in
+      1.7 waves, at 76% of the memory bandwidth where cuBLAS's dense product reached 86%.
   """
 
   split: int = 1
   warps: int = 8
   span: int = 128
+  blocks_per_sm: int = 1
 
   def __post_init__(self):
     if self.split not in (1, 2, 4, 8):
@@ -314,6 +319,8 @@ class Nm24DecodeConfig:
       raise ValueError(f"warps must be 2, 4 or 8, got warps={self.warps}.")
     if self.span not in NM24_SPANS:
       raise ValueError(f"span must be one of {NM24_SPANS}, got span={self.span}.")
+    if self.blocks_per_sm not in (1, 2):
+      raise ValueError(f"blocks_per_sm must be 1 or 2, got blocks_per_sm={self.blocks_per_sm}.")
 
   @classmethod
   def get_default(cls, m: int, k: int, n: int) -> Nm24DecodeConfig:
@@ -355,13 +362,14 @@ class Nm24DecodeConfig:
 
 def nm24_candidate_configs(m: int, k: int, n: int) -> list[Nm24DecodeConfig]:
   """The configs measured dispatch times for an ``(m, k) @ (k, n)`` product: the default first, then its neighbours
-  (half and twice the split, the other warp count at the same warps per span, the other span).
+  (half and twice the split, the other warp count at the same warps per span, the other span) and the default with
+  two blocks per multiprocessor.
 
   The defaults were fitted at ``K = 4096`` and a few ``N``; a product elsewhere (a fused ``N`` of 6144 or 28672, a
   ``K`` of 14336) may run better one step away, which only a measurement can tell.
 
-  >>> [(c.split, c.warps, c.span) for c in nm24_candidate_configs(1, 4096, 4096)]
-  [(8, 4, 128), (4, 4, 128), (4, 8, 128), (8, 4, 64)]
+  >>> [(c.split, c.warps, c.span, c.blocks_per_sm) for c in nm24_candidate_configs(1, 4096, 4096)]
+  [(8, 4, 128, 1), (4, 4, 128, 1), (4, 8, 128, 1), (8, 4, 64, 1), (8, 4, 128, 2)]
   """
   d = Nm24DecodeConfig.get_default(m, k, n)
   out = [d]
@@ -374,6 +382,7 @@ def nm24_candidate_configs(m: int, k: int, n: int) -> list[Nm24DecodeConfig]:
     cfg = Nm24DecodeConfig(split=split, warps=warps, span=span)
     if cfg not in out:
       out.append(cfg)
+  out.append(dataclasses.replace(d, blocks_per_sm=2))
   return out
 
 
@@ -396,6 +405,7 @@ def _nm24_defines(m: int, cfg: Nm24DecodeConfig) -> tuple[tuple[str, int], ...]:
       ("NM_CPL", cfg.span // 8),
       ("NM_SPLIT", cfg.split),
       ("NM_WARPS", cfg.warps),
+      ("NM_MINB", cfg.blocks_per_sm),
   )
 
 

@@ -1,7 +1,7 @@
 // y (M, N) = x (M, K) @ W for M <= 32 (decode), W a 2:4 bfloat16 (K, N) weight (groups of 4 along K) stored
 // as jaxsparse.NMSparseMatrix stores it, on the sparse tensor cores (mma.sp; compute capability 9.0+ for the
 // thread block clusters).
-// Compiled at run time by NVRTC (no includes), one build per (NM_MT, NM_CPL, NM_SPLIT, NM_WARPS).
+// Compiled at run time by NVRTC (no includes), one build per (NM_MT, NM_CPL, NM_SPLIT, NM_WARPS, NM_MINB).
 //
 // Operands, all row-major as JAX stores them:
 //   x       (M, K) bf16;
@@ -35,6 +35,9 @@
 #endif
 #ifndef NM_WARPS
 #define NM_WARPS 8
+#endif
+#ifndef NM_MINB
+#define NM_MINB 1  // thread blocks a multiprocessor must hold at once (caps the registers per thread)
 #endif
 
 typedef unsigned int u32;
@@ -118,7 +121,7 @@ __device__ __forceinline__ float load_peer(const float* p, u32 rank) {
 }
 #endif
 
-extern "C" __global__ void __launch_bounds__(NM_WARPS * 32)
+extern "C" __global__ void __launch_bounds__(NM_WARPS * 32, NM_MINB)
 #if NM_SPLIT > 1
     __cluster_dims__(1, NM_SPLIT, 1)
 #endif

@@ -227,11 +227,11 @@ class _SparseMma:
 
   def candidates(self, p: _router.Product) -> list[_tuning.Candidate]:
     """The default config as ``mma_sp`` (what runs with tuning off), its neighbours as
-    ``mma_sp/s{split}w{warps}c{span}`` (:func:`jaxsparse._cuda._kernels.nm24_candidate_configs`)."""
+    ``mma_sp/s{split}w{warps}c{span}b{blocks_per_sm}`` (:func:`jaxsparse._cuda._kernels.nm24_candidate_configs`)."""
     x2, w, _ = p.args
     configs = cuda_kernels.nm24_candidate_configs(x2.shape[0], *w.shape)
     return [
-        _tuning.Candidate(self.name if i == 0 else f"{self.name}/s{c.split}w{c.warps}c{c.span}",
+        _tuning.Candidate(self.name if i == 0 else f"{self.name}/s{c.split}w{c.warps}c{c.span}b{c.blocks_per_sm}",
                           functools.partial(_sparse_mma_run, c), c)
         for i, c in enumerate(configs)
     ]
