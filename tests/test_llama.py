@@ -175,8 +175,8 @@ def test_sparse_model_generates_dense_tokens(hf_dir, name):
 
 
 def test_fused_projections_generate_the_same_tokens(hf_dir):
-  """fuse_projections joins q / k / v and gate / up (dense or 2:4, the 2:4 positions concatenated along the outputs);
-  block-sparse layers stay; logits and greedy tokens equal the unfused model's, with and without the KV cache."""
+  """fuse_projections joins q / k / v and gate / up (dense, 2:4 with its positions concatenated along the outputs, or
+  block-sparse); logits and greedy tokens equal the unfused model's, with and without the KV cache."""
   model = load_pretrained(hf_dir[1])
   prompt = np.random.default_rng(5).integers(0, VOCAB, (2, 5))
   ids = jnp.asarray(prompt)
@@ -200,9 +200,18 @@ def test_fused_projections_generate_the_same_tokens(hf_dir):
   assert type(routed.model.layers[0].mlp.gate_up_proj) is nnx.Linear
   assert type(routed.model.layers[0].self_attn.qkv_proj).__name__ == "CompressedNMLinear"
   np.testing.assert_array_equal(np.asarray(generate(routed, prompt, 8)), np.asarray(generate(base, prompt, 8)))
-  block, _ = to_inference(model, jaxsparse.BlockSparse(density=0.5, block_shape=(32, 32)), fuse=True)
-  assert type(block.model.layers[0].self_attn.q_proj).__name__ == "BlockSparseLinear"
-  assert not hasattr(block.model.layers[0].self_attn, "qkv_proj")
+  # Block-sparse: the masks side by side, the kept blocks in the joined matrix's order; its outputs those of the
+  # separate layers.
+  blocks = jaxsparse.BlockSparse(density=0.5, block_shape=(32, 32))
+  base, _ = to_inference(model, blocks)
+  fused, _ = to_inference(model, blocks, fuse=True)
+  attn, ref = fused.model.layers[0].self_attn, base.model.layers[0].self_attn
+  assert type(attn.qkv_proj).__name__ == "BlockSparseLinear" and not hasattr(attn, "q_proj")
+  names = ("q_proj", "k_proj", "v_proj")
+  assert attn.qkv_proj.nnz_blocks == sum(getattr(ref, n).nnz_blocks for n in names)
+  joined = np.concatenate([np.asarray(getattr(ref, n).sparse_kernel.to_dense()) for n in names], axis=1)
+  np.testing.assert_array_equal(np.asarray(attn.qkv_proj.sparse_kernel.to_dense()), joined)
+  np.testing.assert_allclose(np.asarray(fused(ids)), np.asarray(base(ids)), atol=1e-5, rtol=0)
 
 
 def _timer_slower_where(out_features: int, calls: list | None = None):

@@ -136,15 +136,40 @@ def compress_nm(model: nnx.Module, *, cusparselt_copy: bool = False) -> nnx.Modu
   return model
 
 
+# What the layers of one fusion must share, besides their class and input features.
+_FUSE_SAME = {
+    nnx.Linear: ("param_dtype",),
+    CompressedNMLinear: ("n", "m", "axis", "implementation", "cusparselt_copy"),
+    BlockSparseLinear: ("block_shape", "param_dtype", "implementation"),
+}
+
+
+def _block_sparse_concatenated(layers: list[BlockSparseLinear], bias: jax.Array | None) -> BlockSparseLinear:
+  """The block-sparse layer of the weights side by side: the block masks concatenated along the block columns, the
+  kept blocks reordered to the joined matrix's row-major block order."""
+  first = layers[0]
+  weights = [layer.sparse_kernel for layer in layers]
+  offsets = np.cumsum([0] + [w.grid_shape[1] for w in weights])
+  rows = np.concatenate([np.asarray(w.row_indices) for w in weights])
+  cols = np.concatenate([np.asarray(w.col_indices) + off for w, off in zip(weights, offsets, strict=False)])
+  order = np.lexsort((cols, rows))  # by block row, then block column
+  data = jnp.concatenate([w.data for w in weights])[order]
+  mask = np.concatenate([np.asarray(w.block_mask) for w in weights], axis=1)
+  return BlockSparseLinear(first.in_features, int(offsets[-1]) * first.block_shape[1], block_mask=mask,
+                           block_shape=first.block_shape, use_bias=bias is not None, dtype=first.dtype,
+                           param_dtype=first.param_dtype, kernel_init=lambda *_: data, bias_init=lambda *_: bias,
+                           implementation=first.implementation, precision=first.precision, rngs=nnx.Rngs(0))
+
+
 def _concatenated(layers: list[nnx.Module]) -> nnx.Module | None:
   """One layer computing ``concatenate([layer(x) for layer in layers], -1)``, or None where they cannot be joined:
-  ``nnx.Linear`` or ``CompressedNMLinear`` (N:M groups along the inputs), all of one class and settings."""
+  ``nnx.Linear``, ``CompressedNMLinear`` (N:M groups along the inputs) or ``BlockSparseLinear``, all of one class
+  and settings."""
   first = layers[0]
   kind = type(first)
-  if kind not in (nnx.Linear, CompressedNMLinear) or any(type(layer) is not kind for layer in layers):
+  if kind not in _FUSE_SAME or any(type(layer) is not kind for layer in layers):
     return None
-  same = ("in_features", "dtype", "precision")
-  same += ("param_dtype",) if kind is nnx.Linear else ("n", "m", "axis", "implementation", "cusparselt_copy")
+  same = ("in_features", "dtype", "precision", *_FUSE_SAME[kind])
   if any(getattr(layer, a) != getattr(first, a) for layer in layers for a in same):
     return None
   biases = [None if layer.bias is None else layer.bias[...] for layer in layers]
@@ -152,6 +177,8 @@ def _concatenated(layers: list[nnx.Module]) -> nnx.Module | None:
     return None
   bias = None if biases[0] is None else jnp.concatenate(biases)
   out = sum(layer.out_features for layer in layers)
+  if kind is BlockSparseLinear:
+    return _block_sparse_concatenated(layers, bias)
   if kind is nnx.Linear:
     kernel = jnp.concatenate([layer.kernel[...] for layer in layers], axis=1)
     fused = nnx.Linear(first.in_features, out, use_bias=bias is not None, dtype=first.dtype,
@@ -175,8 +202,9 @@ def fuse_projections(model: LlamaForCausalLM) -> LlamaForCausalLM:
 
   One product instead of three (two) per decoder layer: each sparse kernel call has a fixed cost (its launch, its
   first loads, its K-split reduction), which shows on decode-size products of a few microseconds. The outputs are
-  those of the separate layers. Joined where all members are ``nnx.Linear`` or all ``CompressedNMLinear`` of equal
-  settings; other layers (block-sparse, masked, mixed kinds) stay as they are. An inference form: Hugging Face paths
+  those of the separate layers. Joined where all members are ``nnx.Linear``, all ``CompressedNMLinear`` or all
+  ``BlockSparseLinear`` of equal settings (block shape included); other layers (masked, mixed kinds) stay as they
+  are. An inference form: Hugging Face paths
   (export, masks) are those of the model before fusing.
 
   >>> import jax.numpy as jnp, jaxsparse
