@@ -41,8 +41,8 @@ cuSPARSELt copy of the 2:4 values that ``CompressedNMLinear`` keeps next to ``ke
 too), at the measured depth and extrapolated the same way.
 
 Every model, dense included, runs with its projections fused (``fuse_projections``: ``qkv_proj`` and
-``gate_up_proj``, one product each where the layers are ``nnx.Linear`` or ``CompressedNMLinear``; block-sparse layers
-stay separate); ``--no-fuse`` keeps Hugging Face's seven projections.
+``gate_up_proj``, one product each where the layers are ``nnx.Linear``, ``CompressedNMLinear`` or ``BlockSparseLinear``;
+masked layers stay separate); ``--no-fuse`` keeps Hugging Face's seven projections.
 
 ``--dense-if-slower`` routes sparse layers slower than dense to dense: ``to_inference(dense_if_slower_at=--batches)``
 times, on this device, each distinct sparse projection (class, shape, pattern, density, dtype) against the
