@@ -151,7 +151,7 @@ def _block_sparse_concatenated(layers: list[BlockSparseLinear], bias: jax.Array 
   weights = [layer.sparse_kernel for layer in layers]
   offsets = np.cumsum([0] + [w.grid_shape[1] for w in weights])
   rows = np.concatenate([np.asarray(w.row_indices) for w in weights])
-  cols = np.concatenate([np.asarray(w.col_indices) + off for w, off in zip(weights, offsets, strict=False)])
+  cols = np.concatenate([np.asarray(w.col_indices) + off for w, off in zip(weights, offsets[:-1], strict=True)])
   order = np.lexsort((cols, rows))  # by block row, then block column
   data = jnp.concatenate([w.data for w in weights])[order]
   mask = np.concatenate([np.asarray(w.block_mask) for w in weights], axis=1)
@@ -181,10 +181,9 @@ def _concatenated(layers: list[nnx.Module]) -> nnx.Module | None:
     return _block_sparse_concatenated(layers, bias)
   if kind is nnx.Linear:
     kernel = jnp.concatenate([layer.kernel[...] for layer in layers], axis=1)
-    fused = nnx.Linear(first.in_features, out, use_bias=bias is not None, dtype=first.dtype,
-                       param_dtype=first.param_dtype, precision=first.precision,
-                       kernel_init=lambda *_: kernel, bias_init=lambda *_: bias, rngs=nnx.Rngs(0))
-    return fused
+    return nnx.Linear(first.in_features, out, use_bias=bias is not None, dtype=first.dtype,
+                      param_dtype=first.param_dtype, precision=first.precision,
+                      kernel_init=lambda *_: kernel, bias_init=lambda *_: bias, rngs=nnx.Rngs(0))
   if first.axis != 0:
     return None
   weight = jaxsparse.NMSparseMatrix(
@@ -204,8 +203,7 @@ def fuse_projections(model: LlamaForCausalLM) -> LlamaForCausalLM:
   first loads, its K-split reduction), which shows on decode-size products of a few microseconds. The outputs are
   those of the separate layers. Joined where all members are ``nnx.Linear``, all ``CompressedNMLinear`` or all
   ``BlockSparseLinear`` of equal settings (block shape included); other layers (masked, mixed kinds) stay as they
-  are. An inference form: Hugging Face paths
-  (export, masks) are those of the model before fusing.
+  are. An inference form: Hugging Face paths (export, masks) are those of the model before fusing.
 
   >>> import jax.numpy as jnp, jaxsparse
   >>> from flax import nnx
