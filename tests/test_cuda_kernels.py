@@ -206,6 +206,24 @@ def test_sparse_mma_backend_and_default_rules():
   assert _nm_matmul._shipped_default(_nm_matmul._product(cfg, many, w, None), cands(["pallas", "xla"])) == "xla"
 
 
+def test_pallas_is_not_tuned_for_many_rows_unless_forced():
+  """Measured dispatch leaves the Pallas N:M kernel out above PALLAS_MAX_TUNED_ROWS (slower than the XLA path there);
+  implementation="pallas" still takes it."""
+  w = jaxsparse.NMSparseMatrix.from_dense(jnp.ones((256, 256), jnp.bfloat16), 2, 4)
+  many = jnp.zeros((_nm_matmul.PALLAS_MAX_TUNED_ROWS + 1, 256), jnp.bfloat16)
+
+  def reason(impl, x):
+    cfg = _nm_matmul._Config(impl, None, jnp.dtype(jnp.bfloat16))
+    return _nm_matmul._Pallas(cfg).unsupported_reason(_nm_matmul._product(cfg, x, w, None))
+
+  out = reason("auto", many)
+  assert out is not None and "slower than the XLA path" in out.reason and not out.warn
+  forced = reason("pallas", many)
+  assert forced is None or "slower than the XLA path" not in forced.reason
+  few = reason("auto", many[:_nm_matmul.PALLAS_MAX_TUNED_ROWS])
+  assert few is None or "slower than the XLA path" not in few.reason
+
+
 # -------------------------------------------------------------------------------------------------
 # GPU.
 # -------------------------------------------------------------------------------------------------

@@ -62,6 +62,10 @@ _IMPLEMENTATIONS = (None, "xla", "pallas", "cusparselt")
 # "auto" multiplies by a cuSPARSELt weight above this many rows, and uses the Pallas kernel up to it
 # (cuSPARSELt's decode kernels ran 1.1-1.6x dense at M <= 16 on an H100, the Pallas kernel 0.8-1.0x).
 MAX_FUSED_ROWS = 64
+# Measured dispatch ("auto") does not time the Pallas kernel above this many rows: at 2048 rows it took 2.3-2.8x the
+# XLA path's time and 2.5-3.4x cuSPARSELt's in all six Llama-3-8B projections measured (H100,
+# benchmarks/results/llm_decode_fused_2026-11-27_h100.md), and compiling and timing it lengthens the first trace.
+PALLAS_MAX_TUNED_ROWS = 512
 # "auto" takes the sparse tensor-core decode kernel (M <= 32) for W at least this wide (H100,
 # benchmarks/results/gpu_nm_decode_2026-11-24_h100.md).
 NM24_MIN_COLS = 4096
@@ -281,6 +285,9 @@ class _Pallas:
 
   def unsupported_reason(self, p: _router.Product) -> _router.Unsupported | None:
     x2, w, _ = p.args
+    if self.cfg.implementation == "auto" and x2.shape[0] > PALLAS_MAX_TUNED_ROWS:
+      return _router.Unsupported(f"{x2.shape[0]} rows: above {PALLAS_MAX_TUNED_ROWS} the kernel is slower than the "
+                                 "XLA path (it expands W on chip for every row tile)")
     kernels = _pallas_ops()
     if kernels is None:
       return _router.Unsupported("jaxsparse.pallas could not be imported")
