@@ -230,7 +230,8 @@ def routed_to_dense(model, report) -> str:
   counts: dict[str, int] = {}
   for change in report.replaced:
     parent, kind = change.path.rsplit(".", 1)
-    node = modules.get(change.path) or modules[f"{parent}.{FUSED_INTO[kind]}"]  # fuse_projections joined it
+    path = change.path if change.path in modules else f"{parent}.{FUSED_INTO[kind]}"  # fuse_projections joined it
+    node = modules[path]
     if type(node) is nnx.Linear:
       counts[kind] = counts.get(kind, 0) + 1
   total = sum(counts.values())

@@ -172,6 +172,8 @@ def _concatenated(layers: list[nnx.Module]) -> nnx.Module | None:
   same = ("in_features", "dtype", "precision", *_FUSE_SAME[kind])
   if any(getattr(layer, a) != getattr(first, a) for layer in layers for a in same):
     return None
+  if kind is CompressedNMLinear and first.axis != 0:  # groups along the outputs: columns do not concatenate
+    return None
   biases = [None if layer.bias is None else layer.bias[...] for layer in layers]
   if any((b is None) != (biases[0] is None) for b in biases):
     return None
@@ -184,8 +186,6 @@ def _concatenated(layers: list[nnx.Module]) -> nnx.Module | None:
     return nnx.Linear(first.in_features, out, use_bias=bias is not None, dtype=first.dtype,
                       param_dtype=first.param_dtype, precision=first.precision,
                       kernel_init=lambda *_: kernel, bias_init=lambda *_: bias, rngs=nnx.Rngs(0))
-  if first.axis != 0:
-    return None
   weight = jaxsparse.NMSparseMatrix(
       jnp.concatenate([layer.kernel[...] for layer in layers], axis=1),
       jnp.concatenate([layer.kernel_positions[...] for layer in layers], axis=1),
