@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
 import warnings
 
 import jax
@@ -185,6 +186,45 @@ def test_real_measurement_on_cpu_under_jit_vmap_and_grad():
     jax.jit(shard)(jnp.ones(4))
     jax.export.export(jax.jit(exported))(jnp.ones(4))
   assert len(json.loads(_cache.cache_path().read_text())["entries"]) == 3
+
+
+def test_operands_that_fit_a_cache_are_timed_in_copies(monkeypatch):
+  mb = lambda n: (types.SimpleNamespace(nbytes=n << 20),)
+  assert _measure._copies(mb(1), "cuda") == 1  # no GPU here: one set, as on a CPU
+  monkeypatch.setattr(_measure.jax, "default_backend", lambda: "gpu")
+  assert _measure._copies(mb(1), "cpu") == 1
+  # A 19 MB decode weight (4096 x 4096 at 2:4): 14 sets, 266 MB, more than twice any GPU's L2; at most 16 sets.
+  assert [_measure._copies(mb(n), "cuda") for n in (1, 19, 90, 127, 128, 600)] == [16, 14, 3, 3, 1, 1]
+
+
+def test_each_set_of_operands_is_called_in_turn_and_the_time_is_per_call(monkeypatch):
+  monkeypatch.setattr(_measure, "_copies", lambda args, platform: 3)
+  made, seen = [], []
+
+  def make_args():
+    made.append(1)
+    return (jnp.full(4, float(len(made))),)
+
+  def run(x):
+    seen.append(x.shape)
+    return 2 * x
+
+  times = _measure._measure([_tuning.Candidate("default", run)], make_args, "cpu")
+  assert len(made) == 3 and len(seen) == 3 and set(times) == {"default"} and times["default"] > 0
+  assert _measure._in_turn(lambda x: x + 1)([(1,), (2,), (3,)]) == [2, 3, 4]
+
+
+def test_time_call_ms_times_one_call_over_copies_of_the_operands(monkeypatch):
+  monkeypatch.setattr(_measure, "_copies", lambda args, platform: 4)
+  seen = []
+
+  def f(w, x):
+    seen.append(1)
+    return x @ w
+
+  w, x = jnp.ones((64, 64)), jnp.ones((2, 64))
+  one = _measure.time_call_ms(f, (w, x), "cpu")
+  assert len(seen) == 4 and one > 0  # traced once per copy, in one jitted call; the time is per call
 
 
 # -------------------------------------------------------------------------------------------------
