@@ -199,19 +199,23 @@ def test_operands_that_fit_a_cache_are_timed_in_copies(monkeypatch):
 
 def test_each_set_of_operands_is_called_in_turn_and_the_time_is_per_call(monkeypatch):
   monkeypatch.setattr(_measure, "_copies", lambda args, platform: 3)
-  made, seen = [], []
+  made, traced = [], []
 
   def make_args():
     made.append(1)
-    return (jnp.full(4, float(len(made))),)
+    return (jnp.arange(4.0), 5)
 
-  def run(x):
-    seen.append(x.shape)
-    return 2 * x
+  def run(x, k):
+    traced.append(1)
+    return k * x
 
   times = _measure._measure([_tuning.Candidate("default", run)], make_args, "cpu")
-  assert len(made) == 3 and len(seen) == 3 and set(times) == {"default"} and times["default"] > 0
-  assert _measure._in_turn(lambda x: x + 1)([(1,), (2,), (3,)]) == [2, 3, 4]
+  # Random operands made once, then copied (new buffers, same values; other leaves as they are); one trace of run.
+  assert len(made) == 1 and len(traced) == 1 and set(times) == {"default"} and times["default"] > 0
+  sets = _measure._sets((jnp.arange(4.0), 5), "cpu")
+  assert len(sets) == 3 and all(s[1] == 5 and s[0] is not sets[0][0] for s in sets[1:])
+  outs = jax.jit(_measure._in_turn(lambda x, k: k * x))(sets)
+  assert len(outs) == 3 and all(np.array_equal(o, 5 * np.arange(4.0)) for o in outs)
 
 
 def test_time_call_ms_times_one_call_over_copies_of_the_operands(monkeypatch):
@@ -224,7 +228,7 @@ def test_time_call_ms_times_one_call_over_copies_of_the_operands(monkeypatch):
 
   w, x = jnp.ones((64, 64)), jnp.ones((2, 64))
   one = _measure.time_call_ms(f, (w, x), "cpu")
-  assert len(seen) == 4 and one > 0  # traced once per copy, in one jitted call; the time is per call
+  assert len(seen) == 1 and one > 0  # four calls in one jitted function, f traced once; the time is per call
 
 
 # -------------------------------------------------------------------------------------------------

@@ -148,16 +148,22 @@ def _copies(args: tuple, platform: str) -> int:
 
 
 def _in_turn(f: Callable[..., Any]) -> Callable[[list], list]:
-  """``f`` called once on each set of operands."""
-  return lambda sets: [f(*args) for args in sets]
+  """``f`` called once on each set of operands (traced once: the calls share one jitted ``f``)."""
+  g = jax.jit(f)
+  return lambda sets: [g(*args) for args in sets]
+
+
+def _sets(args: tuple, platform: str) -> list[tuple]:
+  """``args`` and the copies of it that :func:`_copies` asks for (new buffers of the same values)."""
+  copy = lambda a: jnp.array(a, copy=True) if isinstance(a, jax.Array) else a
+  return [args, *(jax.tree.map(copy, args) for _ in range(_copies(args, platform) - 1))]
 
 
 def time_call_ms(f: Callable[..., Any], args: tuple, platform: str) -> float:
   """Milliseconds of one jitted call ``f(*args)``, timed as the tuner times its candidates: CUPTI device time on a
   CUDA GPU (else wall time), over copies of ``args`` in turn where they would stay in the L2 cache (:func:`_copies`).
   Traced and compiled here, in the caller's tuning mode."""
-  copies = _copies(args, platform)
-  sets = [args, *(jax.tree.map(lambda a: jnp.array(a, copy=True), args) for _ in range(copies - 1))]
+  sets = _sets(args, platform)
   exe = jax.jit(_in_turn(f)).lower(sets).compile()
   return _time_ms(exe, (sets,), platform) / len(sets)
 
@@ -169,8 +175,7 @@ def _measure(candidates: Sequence[Candidate], make_args: Callable[[], tuple], pl
   # traced on their own, outside that eager scope (a kernel body must be staged, not evaluated).
   t0 = time.perf_counter()
   with jax.ensure_compile_time_eval():
-    first = make_args()
-    sets = [first, *(make_args() for _ in range(_copies(first, platform) - 1))]
+    sets = _sets(make_args(), platform)
   lowered = {}
   for c in candidates:
     try:
