@@ -1,8 +1,8 @@
 """Where measured dispatch decisions live: the tuning mode, an in-process memo and a persistent JSON cache.
 
 A decision is keyed by a product's *signature* (op, direction, row bucket, shapes, block shape, density
-bucket, dtypes, precision, device kind, jaxsparse and jax versions) and records the name of the candidate
-route that measured fastest, with the times measured. The file (``$JAXSPARSE_AUTOTUNE_CACHE``, else
+bucket, dtypes, precision, device kind, jaxsparse and jax versions, the timing method) and records the name of
+the candidate route that measured fastest, with the times measured. The file (``$JAXSPARSE_AUTOTUNE_CACHE``, else
 ``autotune.json`` in jaxsparse's per-user cache directory) is written atomically: under an exclusive lock
 the current file is read, merged with the new entries and replaced by a complete temporary file, so two
 processes tuning at once never leave a torn file and neither loses the other's entries. A file that is not

@@ -48,6 +48,9 @@ _TARGET_MS = 20.0
 _CACHED_BYTES = 128 << 20
 _COLD_BYTES = 256 << 20
 _MAX_COPIES = 16
+# Part of every cache key: how candidates are timed. Decisions timed another way (before the copies above: version 1,
+# no field) are not reused.
+TIMING_VERSION = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,14 +72,16 @@ class Candidate:
 
 
 def signature_key(op: str, direction: str, platform: str, **fields: Any) -> str:
-  """The cache key of one product: its fields plus the device kind and the jaxsparse and jax versions."""
+  """The cache key of one product: its fields plus the device kind, the jaxsparse and jax versions and
+  :data:`TIMING_VERSION`."""
   from jaxsparse import __version__  # noqa: PLC0415 (the package imports this module)
 
   try:
     device_kind = jax.devices(platform)[0].device_kind
   except RuntimeError:
     device_kind = platform
-  doc = {"op": op, "dir": direction, "device": device_kind, "jaxsparse": __version__, "jax": jax.__version__}
+  doc = {"op": op, "dir": direction, "device": device_kind, "jaxsparse": __version__, "jax": jax.__version__,
+         "timing": TIMING_VERSION}
   return json.dumps({**doc, **{k: _plain(v) for k, v in fields.items()}}, sort_keys=True)
 
 
