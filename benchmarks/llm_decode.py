@@ -38,7 +38,8 @@ extrapolated numbers are printed; the ratios to dense use the extrapolated ones.
 
 Weight bytes: every array of the model's state (parameters, masks, index arrays, and, with ``2:4 + copy``, the
 cuSPARSELt copy of the 2:4 values that ``CompressedNMLinear`` keeps next to ``kernel`` on a GPU, counted separately
-too), at the measured depth and extrapolated the same way.
+too), at the measured depth and extrapolated the same way; and, as "decoder layers vs dense", the bytes of the
+decoder layers alone (the embedding and the LM head stay dense in every pattern) over the dense model's.
 
 Every model, dense included, runs with its projections fused (``fuse_projections``: ``qkv_proj`` and
 ``gate_up_proj``, one product each where the layers are ``nnx.Linear``, ``CompressedNMLinear`` or ``BlockSparseLinear``;
@@ -124,11 +125,12 @@ def log(*args) -> None:
     Path(out, "llm_decode.log").write_text("\n".join(LOG) + "\n")
 
 
-def state_bytes(model: nnx.Module) -> tuple[int, int]:
-  """``(all bytes of the model's arrays, bytes of cuSPARSELt copies among them)``."""
+def state_bytes(model: nnx.Module) -> tuple[int, int, int]:
+  """``(all bytes of the model's arrays, bytes of cuSPARSELt copies among them, bytes of its decoder layers)``."""
   total = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
   cusparselt = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, CusparseLtWeight)))
-  return total, cusparselt
+  layers = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model.model.layers)))
+  return total, cusparselt, layers
 
 
 def timed(f, *args, repeats: int, reset=None) -> float:
@@ -214,6 +216,7 @@ class Row:
   depth: int
   weight_bytes: float
   cusparselt_bytes: float
+  layer_bytes: float  # of the decoder layers alone (the sparsified projections, norms; no embedding or LM head)
   prefill_s: float | None
   decode_s: dict[int, float]
   routed: str = "-"  # projections routed to dense, with --dense-if-slower
@@ -293,16 +296,18 @@ def run_shape(name: str, args) -> list[Row]:
         if report.timings:
           log(report.timing_table())
     log(f"{name} {pattern}: built in {time.perf_counter() - t0:.1f} s")
-    total, cusparselt = state_bytes(model)
+    total, cusparselt, layer_bytes = state_bytes(model)
     prefill, decode = measure(model, args, f"{name} {pattern}")
     if base is not None:  # extrapolate: t0 + (tN - t0) * depth / N
       scale = full.num_hidden_layers / layers
-      (b_total, b_cus), b_prefill, b_decode = base
+      (b_total, b_cus, _), b_prefill, b_decode = base
       total = b_total + (total - b_total) * scale
       cusparselt = b_cus + (cusparselt - b_cus) * scale
+      layer_bytes *= scale
       prefill = None if prefill is None else b_prefill + (prefill - b_prefill) * scale
       decode = {b: b_decode[b] + (decode[b] - b_decode[b]) * scale for b in decode}
-    rows.append(Row(name, pattern, layers, full.num_hidden_layers, total, cusparselt, prefill, decode, routed))
+    rows.append(Row(name, pattern, layers, full.num_hidden_layers, total, cusparselt, layer_bytes, prefill, decode,
+                    routed))
     write_table(args, ROWS + rows)
     if model is not dense:
       del model
@@ -317,7 +322,7 @@ def table(args, rows: list[Row]) -> str:
   batches = args.batches
   unit, scale = ("GB", 1e9) if max(r.weight_bytes for r in rows) >= 1e9 else ("MB", 1e6)
   head = ["shape", "pattern", "layers timed", f"weight {unit} (cuSPARSELt copy)", "vs dense",
-          f"prefill {args.prefill} ms", "vs dense"]
+          "decoder layers vs dense", f"prefill {args.prefill} ms", "vs dense"]
   for b in batches:
     head += [f"decode b={b} tok/s", "vs dense"]
   if args.dense_if_slower:
@@ -328,7 +333,8 @@ def table(args, rows: list[Row]) -> str:
     d = dense.get(r.shape)
     layers = f"{r.layers} of {r.depth}" + (" (extrapolated)" if r.layers != r.depth else "")
     cells = [r.shape, r.pattern, layers, f"{r.weight_bytes / scale:.3f} ({r.cusparselt_bytes / scale:.3f})",
-             f"{r.weight_bytes / d.weight_bytes:.3f}x" if d else "-"]
+             f"{r.weight_bytes / d.weight_bytes:.3f}x" if d else "-",
+             f"{r.layer_bytes / d.layer_bytes:.3f}x" if d and d.layer_bytes else "-"]
     if r.prefill_s is None:
       cells += ["-", "-"]
     else:

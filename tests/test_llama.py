@@ -312,6 +312,9 @@ def test_llm_decode_benchmark_tiny(tmp_path, monkeypatch, capsys):
   assert [(r.split("|")[2].strip(), r.split("|")[-2].strip()) for r in rows] == [
       ("dense", "-"), ("2:4", "k_proj 1, q_proj 1, v_proj 1")], rows
   assert all("(extrapolated)" in r for r in rows)
+  # Decoder layers' bytes over dense's: 2:4 holds 0.5625x in its sparse projections (q / k / v went dense here).
+  layer_ratio = {r.split("|")[2].strip(): float(r.split("|")[6].strip().rstrip("x")) for r in rows}
+  assert layer_ratio["dense"] == 1.0 and 0.5625 < layer_ratio["2:4"] < 1.0, rows
   assert "| tiny | dense |" in (tmp_path / "llm_decode.md").read_text()
   assert "layers routed to dense" in (tmp_path / "llm_decode.md").read_text()
   llm_decode.ROWS.clear()
