@@ -58,7 +58,8 @@ no layer is timed and the table has no such column.
 decode step's time goes (projections, attention, LM head, the cache update).
 
 The Markdown table is printed last; with ``$OUT`` set, ``llm_decode.md`` (table) and ``llm_decode.log`` (the
-run) are written there as the run goes.
+run, with measured dispatch's lines: each tuned signature's candidate times and its cost in tracing, compiling and
+timing) are written there as the run goes.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import logging
 import os
 import statistics
 import sys
@@ -123,6 +125,14 @@ def log(*args) -> None:
   if out:
     Path(out).mkdir(parents=True, exist_ok=True)
     Path(out, "llm_decode.log").write_text("\n".join(LOG) + "\n")
+
+
+class _TuningLog(logging.Handler):
+  """Measured dispatch's lines into the log: each signature's candidate times and what its tuning cost (tracing,
+  compiling, timing)."""
+
+  def emit(self, record: logging.LogRecord) -> None:
+    log(f"    {record.getMessage()}")
 
 
 def state_bytes(model: nnx.Module) -> tuple[int, int, int]:
@@ -399,6 +409,10 @@ def main(argv: list[str] | None = None) -> None:
     p.error(f"unknown pattern or shape {unknown}; patterns {list(PATTERN_ALIASES)}, shapes {list(SHAPES)}")
   if "dense" in args.patterns:  # ratios need dense first
     args.patterns = ["dense"] + [x for x in args.patterns if x != "dense"]
+  tuning = logging.getLogger("jaxsparse.autotune")
+  tuning.setLevel(logging.INFO)
+  if not any(isinstance(h, _TuningLog) for h in tuning.handlers):
+    tuning.addHandler(_TuningLog())
   log(header(args))
   t0 = time.perf_counter()
   for name in args.shapes:
