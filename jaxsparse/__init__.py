@@ -19,6 +19,10 @@ from jaxsparse._sparsify._linen import densify_linen
 from jaxsparse._sparsify._linen import sparsify_linen
 from jaxsparse._sparsify._nnx import densify
 from jaxsparse._sparsify._nnx import sparsify
+from jaxsparse._sparsify._route import LayerSignature
+from jaxsparse._sparsify._route import SignatureTiming
+from jaxsparse._sparsify._route import layer_signature
+from jaxsparse._sparsify._route import route_slower_to_dense
 from jaxsparse._summary import LayerSummary
 from jaxsparse._summary import ModelSummary
 from jaxsparse._summary import summary
@@ -49,9 +53,11 @@ __all__ = [
     "BlockSparseMatrix",
     "CSRMatrix",
     "FallbackWarning",
+    "LayerSignature",
     "LayerSummary",
     "ModelSummary",
     "NMSparseMatrix",
+    "SignatureTiming",
     "block_magnitude_mask",
     "autotune",
     "autotune_mode",
@@ -60,6 +66,7 @@ __all__ = [
     "export_tuning_cache",
     "formats",
     "import_tuning_cache",
+    "layer_signature",
     "layers",
     "magnitude_mask",
     "nm_mask",
@@ -67,6 +74,7 @@ __all__ = [
     "plot_pattern",
     "pruning",
     "random_block_mask",
+    "route_slower_to_dense",
     "set_autotune_mode",
     "sharding",
     "sparsify",

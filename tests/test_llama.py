@@ -36,13 +36,12 @@ from llama.checkpoint import save_pretrained  # noqa: E402
 from llama.generation import generate  # noqa: E402
 from llama.prune import fuse_projections  # noqa: E402
 from llama.prune import layer_errors  # noqa: E402
-from llama.prune import layer_signature  # noqa: E402
 from llama.prune import prune  # noqa: E402
-from llama.prune import time_forward_ms  # noqa: E402
 from llama.prune import to_inference  # noqa: E402
 
 import jaxsparse  # noqa: E402
 from jaxsparse import torch_interop  # noqa: E402
+from jaxsparse._sparsify import _route  # noqa: E402
 
 VOCAB = 128
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -251,7 +250,8 @@ def test_dense_if_slower_routes_slower_signatures_to_dense(hf_dir):
       np.testing.assert_array_equal(np.asarray(routed(x)), np.asarray(before(x)))
     assert type(layer.mlp.down_proj).__name__ == "CompressedNMLinear"  # 2% slower: within the margin
     assert type(layer.self_attn.k_proj).__name__ == "CompressedNMLinear"  # faster
-  assert "| dense |" in str(report) and layer_signature(reference.model.layers[0].mlp.up_proj) in report.routed_to_dense
+  up = jaxsparse.layer_signature(reference.model.layers[0].mlp.up_proj)
+  assert "| dense |" in str(report) and up in report.routed_to_dense
   with pytest.raises(ValueError, match="batches must be positive ints"):
     to_inference(model, jaxsparse.NM(2, 4), dense_if_slower_at=0, timer=_timer_slower_where(128))
 
@@ -260,7 +260,7 @@ def test_time_forward_ms_times_sparse_layer_and_dense_twin():
   w = jaxsparse.NMSparseMatrix.from_dense(jax.random.normal(jax.random.key(0), (64, 32)), 2, 4)
   layer = jaxsparse.layers.CompressedNMLinear(w)
   x = jnp.ones((4, 64))
-  assert time_forward_ms(layer, x) > 0 and time_forward_ms(layer.to_dense(), x) > 0
+  assert _route.time_forward_ms(layer, x) > 0 and _route.time_forward_ms(layer.to_dense(), x) > 0
 
 
 @pytest.mark.slow  # long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs it
@@ -302,9 +302,8 @@ def test_llm_decode_benchmark_tiny(tmp_path, monkeypatch, capsys):
   (128 + 2 x 64 outputs) by default, gate and up (256 each) with --no-fuse."""
   sys.path.insert(0, str(ROOT / "benchmarks"))
   import llm_decode  # noqa: PLC0415
-  from llama import prune as prune_module  # noqa: PLC0415
 
-  monkeypatch.setattr(prune_module, "time_forward_ms", _timer_slower_where(256))
+  monkeypatch.setattr(_route, "time_forward_ms", _timer_slower_where(256))
   monkeypatch.setenv("OUT", str(tmp_path))
   llm_decode.ROWS.clear()
   llm_decode.main(["--tiny", "--layers", "1", "--batches", "8", "--patterns", "2:4,dense", "--dense-if-slower"])

@@ -9,7 +9,7 @@ calibration inputs of layer ``i`` come from the model whose layers ``0 .. i - 1`
 positions; on a CUDA GPU cuSPARSELt and the ``mma.sp`` decode kernel), blocks as ``BlockSparseLinear``,
 unstructured as ``MaskedLinear``. With ``dense_if_slower_at``, :func:`to_inference` times each distinct sparse
 layer against its dense twin at the given decode batch sizes and routes the slower ones to dense ``nnx.Linear``
-(:func:`route_slower_to_dense`).
+(:func:`jaxsparse.route_slower_to_dense`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from collections.abc import Callable
 from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,12 +27,10 @@ from flax import nnx
 
 import jaxsparse
 from jaxsparse import pruning
+from jaxsparse._rules import replace_module
 from jaxsparse._sparsify._report import SparsifyReport
-from jaxsparse._tuning._measure import MARGIN
-from jaxsparse._tuning._measure import time_call_ms  # the tuner's timing: CUPTI device time on a GPU, cold L2
 from jaxsparse.layers import BlockSparseLinear
 from jaxsparse.layers import CompressedNMLinear
-from jaxsparse.layers import MaskedLinear
 from jaxsparse.layers import NMLinear
 from llama.model import PROJECTIONS
 from llama.model import LlamaForCausalLM
@@ -41,16 +38,11 @@ from llama.model import LlamaForCausalLM
 __all__ = [
     "PATTERNS",
     "InferenceReport",
-    "LayerSignature",
-    "SignatureTiming",
     "compress_nm",
     "fuse_projections",
     "layer_errors",
-    "layer_signature",
     "prune",
-    "route_slower_to_dense",
     "rules_for",
-    "time_forward_ms",
     "to_inference",
 ]
 
@@ -113,17 +105,6 @@ def layer_errors(report: pruning.CalibratedPruneReport) -> dict[int, float]:
   return {layer: float(np.mean(errors)) for layer, errors in sorted(out.items())}
 
 
-def _replace(model: nnx.Module, path: tuple[Any, ...], new: nnx.Module) -> None:
-  """Puts ``new`` at ``path`` (as from ``nnx.iter_graph``) inside ``model``."""
-  parent = model
-  for part in path[:-1]:
-    parent = parent[part] if isinstance(part, int) else getattr(parent, part)
-  if isinstance(path[-1], int):
-    parent[path[-1]] = new
-  else:
-    setattr(parent, path[-1], new)
-
-
 def compress_nm(model: nnx.Module, *, cusparselt_copy: bool = False) -> nnx.Module:
   """Replaces every ``NMLinear`` (in place) by its ``CompressedNMLinear``, the inference form; returns ``model``.
 
@@ -132,7 +113,7 @@ def compress_nm(model: nnx.Module, *, cusparselt_copy: bool = False) -> nnx.Modu
   """
   found = [(tuple(path), node) for path, node in nnx.iter_graph(model) if isinstance(node, NMLinear)]
   for path, node in found:
-    _replace(model, path, node.to_compressed(cusparselt_copy=cusparselt_copy))
+    replace_module(model, path, node.to_compressed(cusparselt_copy=cusparselt_copy))
   return model
 
 
@@ -232,90 +213,19 @@ def fuse_projections(model: LlamaForCausalLM) -> LlamaForCausalLM:
   return model
 
 
-# The sparse layers to_inference leaves in a model; each has a dense twin (``to_dense``).
-_SPARSE_LINEAR = (BlockSparseLinear, CompressedNMLinear, MaskedLinear, NMLinear)
-
-
-class LayerSignature(NamedTuple):
-  """What sets a sparse layer's speed against its dense twin; :func:`route_slower_to_dense` times one layer per
-  signature and routes all layers of it together.
-
-  Attributes:
-    layer: the class name, ``"CompressedNMLinear"``, ``"BlockSparseLinear"``, ...
-    shape: ``(in_features, out_features)``.
-    pattern: ``"2:4"``, ``"block 64x64"`` or ``"unstructured"``.
-    density: fraction of the weights kept, to 2 decimals (a bucket: the block counts of one density differ by
-      rounding only).
-    dtype: the kernel's storage dtype.
-    compute_dtype: the layer's ``dtype``, else the kernel's: the input's dtype when timed.
-    bias: whether the layer adds a bias.
-  """
-
-  layer: str
-  shape: tuple[int, int]
-  pattern: str
-  density: float
-  dtype: str
-  compute_dtype: str
-  bias: bool
-
-  def __str__(self) -> str:
-    return (f"{self.layer} {self.shape[0]}x{self.shape[1]} {self.pattern} {self.density:.0%} kept {self.dtype}"
-            + ("" if self.compute_dtype == self.dtype else f" (compute {self.compute_dtype})"))
-
-
-def layer_signature(layer: nnx.Module) -> LayerSignature:
-  """The :class:`LayerSignature` of a ``CompressedNMLinear``, ``NMLinear``, ``BlockSparseLinear`` or
-  ``MaskedLinear``."""
-  if isinstance(layer, CompressedNMLinear | NMLinear):
-    pattern, density = f"{layer.n}:{layer.m}", layer.n / layer.m
-  elif isinstance(layer, BlockSparseLinear):
-    pattern, density = f"block {layer.block_shape[0]}x{layer.block_shape[1]}", layer.density
-  elif isinstance(layer, MaskedLinear):
-    pattern, density = "unstructured", float(jnp.mean(layer.mask[...]))
-  else:
-    raise TypeError(f"layer must be one of {[c.__name__ for c in _SPARSE_LINEAR]}, got {type(layer).__name__}.")
-  dtype = jnp.dtype(layer.kernel[...].dtype)
-  return LayerSignature(type(layer).__name__, (layer.in_features, layer.out_features), pattern, round(density, 2),
-                        dtype.name, jnp.dtype(layer.dtype or dtype).name, layer.bias is not None)
-
-
-@dataclasses.dataclass(frozen=True)
-class SignatureTiming:
-  """One signature's forward times, sparse layer and dense twin, and whether its layers were routed to dense.
-
-  Attributes:
-    signature: the :class:`LayerSignature`.
-    paths: the dotted paths of the model's layers of that signature.
-    sparse_ms: ``{batch: ms}`` of the sparse layer's jitted forward on a ``(batch, in_features)`` input.
-    dense_ms: ``{batch: ms}`` of the dense ``nnx.Linear`` holding the same (pruned) weights.
-    dense: whether the layers of ``paths`` now are that ``nnx.Linear``.
-  """
-
-  signature: LayerSignature
-  paths: tuple[str, ...]
-  sparse_ms: Mapping[int, float]
-  dense_ms: Mapping[int, float]
-  dense: bool
-
-  @property
-  def ratio(self) -> float:
-    """The largest sparse / dense time over the batch sizes (> 1: the sparse layer is slower somewhere)."""
-    return max(self.sparse_ms[b] / self.dense_ms[b] for b in self.sparse_ms)
-
-
 @dataclasses.dataclass(frozen=True)
 class InferenceReport(SparsifyReport):
   """:func:`to_inference`'s report: :func:`jaxsparse.sparsify`'s, plus the timings of ``dense_if_slower_at``.
 
   Attributes:
-    timings: one :class:`SignatureTiming` per distinct sparse layer signature; empty without ``dense_if_slower_at``.
+    timings: one :class:`jaxsparse.SignatureTiming` per distinct sparse layer signature; empty without
+      ``dense_if_slower_at``.
   """
 
-  timings: tuple[SignatureTiming, ...] = ()
+  timings: tuple[jaxsparse.SignatureTiming, ...] = ()
 
   @property
-  def routed_to_dense(self) -> tuple[LayerSignature, ...]:
+  def routed_to_dense(self) -> tuple[jaxsparse.LayerSignature, ...]:
     """The signatures whose layers were routed to dense ``nnx.Linear``."""
     return tuple(t.signature for t in self.timings if t.dense)
 
@@ -340,80 +250,6 @@ class InferenceReport(SparsifyReport):
     return super().__str__() + ("\n\n" + self.timing_table() if self.timings else "")
 
 
-def _platform() -> str:
-  """The tuner's platform name of the default backend (``"cuda"`` gets CUPTI device times)."""
-  backend = jax.default_backend()
-  return "cuda" if backend == "gpu" else backend
-
-
-def time_forward_ms(layer: nnx.Module, x: jax.Array) -> float:
-  """Milliseconds of one jitted forward call ``layer(x)`` on the default device.
-
-  Traced and compiled under ``jaxsparse.autotune_mode("tune")``, so each sparse product runs on the kernel the
-  measured dispatch picks for it; then timed as the tuner times its candidates: device time from CUPTI on a CUDA
-  GPU, else the median wall time of back-to-back calls. On a GPU, a layer whose weights would stay in the L2 cache
-  is timed over copies of them in turn, as in a model, where the other layers evict them between calls.
-  """
-  graphdef, state = nnx.split(layer)
-  with jaxsparse.autotune_mode("tune"):
-    return time_call_ms(lambda state, x: nnx.merge(graphdef, state)(x), (state, x), _platform())
-
-
-def route_slower_to_dense(
-    model: nnx.Module,
-    batches: int | Sequence[int],
-    *,
-    timer: Callable[[nnx.Module, jax.Array], float] | None = None,
-    margin: float = MARGIN,
-) -> tuple[SignatureTiming, ...]:
-  """Replaces, in place, the sparse layers that are slower than their dense twin by dense ``nnx.Linear``.
-
-  For each distinct :class:`LayerSignature` among the model's sparse layers, one of its layers and its dense twin
-  (``to_dense()``: the same, pruned, weights) are timed on a random ``(batch, in_features)`` input at every batch
-  size; if the sparse time exceeds the dense time by more than ``margin`` at any of them, every layer of that
-  signature becomes its dense twin (:func:`jaxsparse.densify`). The outputs do not change, only the kernels.
-
-  Args:
-    model: an ``nnx.Module`` holding ``CompressedNMLinear`` / ``NMLinear`` / ``BlockSparseLinear`` /
-      ``MaskedLinear`` layers; changed in place.
-    batches: decode batch size(s), the rows of the timed inputs.
-    timer: ``(layer, x) -> ms`` of one forward call; ``None``: :func:`time_forward_ms`. Tests inject their own.
-    margin: a sparse layer stays unless it is slower by more than this fraction (the tuner's, 3%).
-
-  Returns:
-    One :class:`SignatureTiming` per signature, in the order the layers occur.
-  """
-  batches = (batches,) if isinstance(batches, int) else tuple(batches)
-  if not batches or not all(isinstance(b, int) and b > 0 for b in batches):
-    raise ValueError(f"batches must be positive ints, got {batches!r}; e.g. the decode batch sizes (1, 8, 32).")
-  timer = timer or time_forward_ms
-  groups: dict[LayerSignature, list[tuple[tuple[Any, ...], nnx.Module]]] = {}
-  for path, node in nnx.iter_graph(model):
-    if isinstance(node, _SPARSE_LINEAR):
-      groups.setdefault(layer_signature(node), []).append((tuple(path), node))
-  dense_ms: dict[tuple[Any, ...], float] = {}  # dense twins of equal shape and dtype time once
-  timings = []
-  for sig, members in groups.items():
-    layer = members[0][1]
-    twin = jaxsparse.densify(layer, inplace=True)  # a sparse layer itself is left as it is
-    sparse = {}
-    for b in batches:
-      x = jax.random.normal(jax.random.key(b), (b, sig.shape[0]), sig.compute_dtype)
-      sparse[b] = timer(layer, x)
-      key = (sig.shape, sig.dtype, sig.compute_dtype, sig.bias, b)
-      if key not in dense_ms:
-        dense_ms[key] = timer(twin, x)
-    timing = SignatureTiming(sig, tuple(".".join(map(str, p)) for p, _ in members), sparse,
-                             {b: dense_ms[(sig.shape, sig.dtype, sig.compute_dtype, sig.bias, b)] for b in batches},
-                             dense=False)
-    if timing.ratio > 1 + margin:
-      timing = dataclasses.replace(timing, dense=True)
-      for path, node in members:
-        _replace(model, path, jaxsparse.densify(node, inplace=True))  # a layer's dense twin, no copy of the model
-    timings.append(timing)
-  return tuple(timings)
-
-
 def to_inference(model: LlamaForCausalLM, structure: Any, *, masks: Mapping[str, Any] | None = None,
                  compress: bool = True, cusparselt_copy: bool = False, dense_unstructured: bool = True,
                  dense_if_slower_at: int | Sequence[int] | None = None,
@@ -432,7 +268,7 @@ def to_inference(model: LlamaForCausalLM, structure: Any, *, masks: Mapping[str,
   TinyLlama-1.1B shape 2:4 and block 64 decoded at 0.70-0.94x dense at batch 8 and 32 (the same results file).
   Each distinct sparse layer (class, shape, pattern, density, dtype) is timed against its dense twin on the
   current default device at those batch sizes, and every layer of a signature slower by more than 3% at any of
-  them becomes an ``nnx.Linear`` holding the pruned weights (:func:`route_slower_to_dense`). Only the
+  them becomes an ``nnx.Linear`` holding the pruned weights (:func:`jaxsparse.route_slower_to_dense`). Only the
   projections are timed, one at a time: a model-level difference the layers alone do not show (fusion with the
   neighbouring ops) is not seen.
 
@@ -448,7 +284,7 @@ def to_inference(model: LlamaForCausalLM, structure: Any, *, masks: Mapping[str,
     dense_unstructured: with an ``Unstructured`` structure, route the masked layers to dense ``nnx.Linear`` (see above).
     dense_if_slower_at: decode batch size(s) to time the sparse layers at, e.g. ``(1, 8, 32)``; ``None`` times
       nothing and keeps every sparse layer.
-    timer: ``(layer, x) -> ms`` for ``dense_if_slower_at``; ``None``: :func:`time_forward_ms`.
+    timer: ``(layer, x) -> ms`` for ``dense_if_slower_at``; ``None``: measured on the default device.
     fuse: join the projections that share an input (:func:`fuse_projections`): fewer, larger sparse products for
       generation; with ``dense_if_slower_at`` the fused layers are timed. The returned model then has ``qkv_proj`` /
       ``gate_up_proj`` where Hugging Face has three / two layers, so export and masks come from the model before.
@@ -467,5 +303,5 @@ def to_inference(model: LlamaForCausalLM, structure: Any, *, masks: Mapping[str,
     fuse_projections(sparse)
   timings = ()
   if dense_if_slower_at is not None:
-    timings = route_slower_to_dense(sparse, dense_if_slower_at, timer=timer)
+    timings = jaxsparse.route_slower_to_dense(sparse, dense_if_slower_at, timer=timer)
   return sparse, InferenceReport(report.layers, timings)

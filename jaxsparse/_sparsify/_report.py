@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -14,6 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from jaxsparse._tuning._measure import default_platform
+from jaxsparse._tuning._measure import time_call_ms
 
 __all__ = [
     "LayerChange",
@@ -98,29 +100,15 @@ def state_bytes(layer: nnx.Module) -> int:
   return nbytes(nnx.state(layer))
 
 
-def time_call(fn: Callable[..., Any], *args: Any) -> float:
-  """Median milliseconds per call of a jitted ``fn``, after compiling and warming up."""
-  jax.block_until_ready(fn(*args))
-  t0 = time.perf_counter()
-  jax.block_until_ready(fn(*args))
-  once = time.perf_counter() - t0
-  reps = max(1, min(50, int(0.02 / max(once, 1e-6))))
-  samples = []
-  for _ in range(5):
-    t0 = time.perf_counter()
-    out = None
-    for _ in range(reps):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    samples.append((time.perf_counter() - t0) / reps)
-  return float(np.median(samples)) * 1e3
-
-
 def timed(apply: Callable[[Any, jax.Array], jax.Array], params: Any, x: jax.Array, mode: str) -> float:
+  """Milliseconds of one call of ``apply(params, x)`` (``mode="forward"``) or of its gradient (``"train"``), timed as
+  measured dispatch times its candidates (:func:`jaxsparse._tuning._measure.time_call_ms`: device time on a GPU, over
+  copies of operands that would stay in the L2 cache; else wall time)."""
   if mode == "forward":
-    return time_call(jax.jit(apply), params, x)
-  grad = jax.jit(jax.grad(lambda p, x: jnp.sum(apply(p, x).astype(jnp.float32)), argnums=(0, 1)))
-  return time_call(grad, params, x)
+    f = apply
+  else:
+    f = jax.grad(lambda p, x: jnp.sum(apply(p, x).astype(jnp.float32)), argnums=(0, 1))
+  return time_call_ms(f, (params, x), default_platform())
 
 
 def time_nnx_layer(layer: nnx.Module, x: jax.Array, mode: str) -> float:

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 
 from jaxsparse._tuning import _cache
 
-__all__ = ["MARGIN", "Candidate", "choose", "signature_key", "time_call_ms", "will_measure"]
+__all__ = ["MARGIN", "Candidate", "choose", "default_platform", "signature_key", "time_call_ms", "will_measure"]
 
 logger = logging.getLogger("jaxsparse.autotune")
 
@@ -138,6 +138,13 @@ def _time_ms(exe, args, platform: str) -> float:
     if ms is not None:
       return ms
   return _host_ms(exe, args, iterations)
+
+
+def default_platform() -> str:
+  """The tuner's platform name of the default backend: ``"cuda"`` on a CUDA GPU (CUPTI device times), else the
+  backend's name."""
+  backend = jax.default_backend()
+  return "cuda" if backend == "gpu" else backend
 
 
 def _copies(args: tuple, platform: str) -> int:

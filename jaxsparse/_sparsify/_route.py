@@ -1,0 +1,231 @@
+"""Route the sparse layers of an inference model that are slower than dense to dense layers, by measurement.
+
+Measured dispatch picks the fastest sparse kernel for each product, but a sparse layer holds no dense weight to fall
+back to: a 2:4 or block-sparse projection of a few microseconds, or at 32 rows and more, can be slower than the dense
+``nnx.Linear`` it replaced. :func:`route_slower_to_dense` times each distinct sparse layer against its dense twin
+(:func:`jaxsparse.densify`: the same, pruned, weights) at the batch sizes a model serves, and swaps the slower ones.
+The outputs do not change, only the kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from collections.abc import Mapping
+from collections.abc import Sequence
+from typing import Any
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxsparse._rules import replace_module
+from jaxsparse._sparsify._nnx import densify
+from jaxsparse._sparsify._report import time_nnx_layer
+from jaxsparse._tuning._cache import autotune_mode
+from jaxsparse._tuning._measure import MARGIN
+from jaxsparse.layers import BlockSparseLinear
+from jaxsparse.layers import CompressedNMLinear
+from jaxsparse.layers import MaskedLinear
+from jaxsparse.layers import NMLinear
+
+__all__ = ["LayerSignature", "SignatureTiming", "layer_signature", "route_slower_to_dense", "time_forward_ms"]
+
+# The sparse linear layers this routes; each has a dense twin (``to_dense``).
+SPARSE_LINEAR = (BlockSparseLinear, CompressedNMLinear, MaskedLinear, NMLinear)
+
+
+class LayerSignature(NamedTuple):
+  """What sets a sparse layer's speed against its dense twin: :func:`route_slower_to_dense` times one layer per
+  signature and routes all layers of it together.
+
+  >>> import jaxsparse
+  >>> from flax import nnx
+  >>> layer = jaxsparse.layers.NMLinear(64, 32, n=2, m=4, rngs=nnx.Rngs(0))
+  >>> str(jaxsparse.layer_signature(layer))
+  'NMLinear 64x32 2:4 50% kept float32'
+
+  Attributes:
+    layer: the class name, ``"CompressedNMLinear"``, ``"BlockSparseLinear"``, ...
+    shape: ``(in_features, out_features)``.
+    pattern: ``"2:4"``, ``"block 64x64"`` or ``"unstructured"``.
+    density: fraction of the weights kept, to 2 decimals (a bucket: the block counts of one density differ by
+      rounding only).
+    dtype: the kernel's storage dtype.
+    compute_dtype: the layer's ``dtype``, else the kernel's: the input's dtype when timed.
+    bias: whether the layer adds a bias.
+  """
+
+  layer: str
+  shape: tuple[int, int]
+  pattern: str
+  density: float
+  dtype: str
+  compute_dtype: str
+  bias: bool
+
+  def __str__(self) -> str:
+    return (f"{self.layer} {self.shape[0]}x{self.shape[1]} {self.pattern} {self.density:.0%} kept {self.dtype}"
+            + ("" if self.compute_dtype == self.dtype else f" (compute {self.compute_dtype})"))
+
+
+def layer_signature(layer: nnx.Module) -> LayerSignature:
+  """The :class:`LayerSignature` of a sparse linear layer.
+
+  >>> import jaxsparse
+  >>> from flax import nnx
+  >>> spec = jaxsparse.BlockSparse(density=0.5, block_shape=(32, 32))
+  >>> sparse, _ = jaxsparse.sparsify(nnx.Linear(128, 64, rngs=nnx.Rngs(0)), spec)
+  >>> jaxsparse.layer_signature(sparse).pattern, jaxsparse.layer_signature(sparse).density
+  ('block 32x32', 0.5)
+
+  Args:
+    layer: a ``CompressedNMLinear``, ``NMLinear``, ``BlockSparseLinear`` or ``MaskedLinear``.
+
+  Returns:
+    Its signature: class, ``(in_features, out_features)``, pattern, density, dtypes and bias.
+  """
+  if isinstance(layer, CompressedNMLinear | NMLinear):
+    pattern, density = f"{layer.n}:{layer.m}", layer.n / layer.m
+  elif isinstance(layer, BlockSparseLinear):
+    pattern, density = f"block {layer.block_shape[0]}x{layer.block_shape[1]}", layer.density
+  elif isinstance(layer, MaskedLinear):
+    pattern, density = "unstructured", float(jnp.mean(layer.mask[...]))
+  else:
+    raise TypeError(f"layer must be one of {[c.__name__ for c in SPARSE_LINEAR]}, got {type(layer).__name__}.")
+  dtype = jnp.dtype(layer.kernel[...].dtype)
+  return LayerSignature(type(layer).__name__, (layer.in_features, layer.out_features), pattern, round(density, 2),
+                        dtype.name, jnp.dtype(layer.dtype or dtype).name, layer.bias is not None)
+
+
+@dataclasses.dataclass(frozen=True)
+class SignatureTiming:
+  """One signature's forward times, sparse layer and dense twin, and whether its layers were routed to dense.
+
+  >>> import jaxsparse
+  >>> sig = jaxsparse.LayerSignature("CompressedNMLinear", (4096, 4096), "2:4", 0.5, "bfloat16", "bfloat16", False)
+  >>> t = jaxsparse.SignatureTiming(sig, ("layers.0",), {1: 0.011, 32: 0.02}, {1: 0.012, 32: 0.016}, dense=True)
+  >>> round(t.ratio, 2)
+  1.25
+
+  Attributes:
+    signature: the :class:`LayerSignature`.
+    paths: the dotted paths of the model's layers of that signature.
+    sparse_ms: ``{batch: ms}`` of the sparse layer's jitted forward on a ``(batch, in_features)`` input.
+    dense_ms: ``{batch: ms}`` of the dense ``nnx.Linear`` holding the same (pruned) weights.
+    dense: whether the layers of ``paths`` now are that ``nnx.Linear``.
+  """
+
+  signature: LayerSignature
+  paths: tuple[str, ...]
+  sparse_ms: Mapping[int, float]
+  dense_ms: Mapping[int, float]
+  dense: bool
+
+  @property
+  def ratio(self) -> float:
+    """The largest sparse / dense time over the batch sizes (> 1: the sparse layer is slower somewhere)."""
+    return max(self.sparse_ms[b] / self.dense_ms[b] for b in self.sparse_ms)
+
+
+def time_forward_ms(layer: nnx.Module, x: jax.Array) -> float:
+  """Milliseconds of one jitted forward call ``layer(x)`` on the default device.
+
+  Traced and compiled under ``jaxsparse.autotune_mode("tune")``, so each sparse product runs on the kernel the
+  measured dispatch picks for it; then timed as the tuner times its candidates: device time from CUPTI on a CUDA
+  GPU, else the median wall time of back-to-back calls. On a GPU, a layer whose weights would stay in the L2 cache
+  is timed over copies of them in turn, as in a model, where the other layers evict them between calls.
+
+  >>> import jax.numpy as jnp
+  >>> from flax import nnx
+  >>> from jaxsparse._sparsify._route import time_forward_ms
+  >>> time_forward_ms(nnx.Linear(16, 16, rngs=nnx.Rngs(0)), jnp.ones((2, 16))) > 0
+  True
+
+  Args:
+    layer: an ``nnx.Module`` taking one array.
+    x: its input.
+
+  Returns:
+    Milliseconds of one call.
+  """
+  with autotune_mode("tune"):
+    return time_nnx_layer(layer, x, "forward")
+
+
+def route_slower_to_dense(
+    model: nnx.Module,
+    batches: int | Sequence[int],
+    *,
+    timer: Callable[[nnx.Module, jax.Array], float] | None = None,
+    margin: float = MARGIN,
+) -> tuple[SignatureTiming, ...]:
+  """Replaces, in place, the sparse linear layers that are slower than their dense twin by dense ``nnx.Linear``.
+
+  For each distinct :class:`LayerSignature` among the model's ``CompressedNMLinear`` / ``NMLinear`` /
+  ``BlockSparseLinear`` / ``MaskedLinear`` layers, one of its layers and its dense twin (``to_dense()``: the same,
+  pruned, weights) are timed on the default device on a random ``(batch, in_features)`` input at every batch size
+  (:func:`~jaxsparse._sparsify._route.time_forward_ms`: the sparse product tuned first, device time on a GPU). If the
+  sparse time exceeds the dense time by more than ``margin`` at any of them, every layer of that signature becomes
+  its dense twin (:func:`jaxsparse.densify`). The outputs do not change, only the kernels.
+
+  For inference: a dense twin holds the dense kernel's bytes. The layers are timed alone, so a difference only the
+  whole model shows (fusion with neighbouring ops) is not seen; a layer slower at batch 32 runs dense at batch 1 too
+  (pass the batch sizes you serve). The other jaxsparse layers (convolutions, ``SparseLinearGeneral``) stay as they
+  are.
+
+  >>> import jax.numpy as jnp, jaxsparse
+  >>> from flax import nnx
+  >>> model = nnx.Sequential(nnx.Linear(64, 64, rngs=nnx.Rngs(0)), nnx.Linear(64, 64, rngs=nnx.Rngs(1)))
+  >>> sparse, _ = jaxsparse.sparsify(model, jaxsparse.Unstructured(sparsity=0.5))
+  >>> timer = lambda layer, x: 2.0 if isinstance(layer, jaxsparse.layers.MaskedLinear) else 1.0  # measured: pass None
+  >>> timings = jaxsparse.route_slower_to_dense(sparse, (1, 8), timer=timer)
+  >>> [type(layer).__name__ for layer in sparse.layers], timings[0].dense, timings[0].paths
+  (['Linear', 'Linear'], True, ('layers.0', 'layers.1'))
+
+  Args:
+    model: an ``nnx.Module`` holding sparse linear layers; changed in place.
+    batches: the batch size(s) the model serves (positive ints), the rows of the timed inputs.
+    timer: ``(layer, x) -> ms`` of one forward call; ``None``: measured on the default device. Tests inject their own.
+    margin: a sparse layer stays unless it is slower by more than this fraction (measured dispatch's, 3%).
+
+  Returns:
+    One :class:`SignatureTiming` per signature, in the order the layers occur.
+  """
+  if not isinstance(model, nnx.Module):
+    raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}.")
+  batches = (batches,) if isinstance(batches, int) else tuple(batches)
+  if not batches or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in batches):
+    raise ValueError(f"batches must be positive ints, got {batches!r}; e.g. the decode batch sizes (1, 8, 32).")
+  if not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+    raise ValueError(f"margin must be a fraction in [0, 1), got margin={margin!r}.")
+  if isinstance(model, SPARSE_LINEAR):
+    raise TypeError(f"model is itself a {type(model).__name__}, which cannot be replaced in place: pass a model that "
+                    "holds it (or compare it with its to_dense() yourself).")
+  timer = timer or time_forward_ms
+  groups: dict[LayerSignature, list[tuple[tuple[Any, ...], nnx.Module]]] = {}
+  for path, node in nnx.iter_modules(model):
+    if path and isinstance(node, SPARSE_LINEAR):
+      groups.setdefault(layer_signature(node), []).append((tuple(path), node))
+  dense_ms: dict[tuple[Any, ...], float] = {}  # dense twins of equal shape and dtype time once
+  timings = []
+  for sig, members in groups.items():
+    layer = members[0][1]
+    twin = densify(layer, inplace=True)  # a sparse layer itself is left as it is
+    sparse = {}
+    for b in batches:
+      x = jax.random.normal(jax.random.key(b), (b, sig.shape[0]), sig.compute_dtype)
+      sparse[b] = timer(layer, x)
+      key = (sig.shape, sig.dtype, sig.compute_dtype, sig.bias, b)
+      if key not in dense_ms:
+        dense_ms[key] = timer(twin, x)
+    timing = SignatureTiming(sig, tuple(".".join(map(str, p)) for p, _ in members), sparse,
+                             {b: dense_ms[(sig.shape, sig.dtype, sig.compute_dtype, sig.bias, b)] for b in batches},
+                             dense=False)
+    if timing.ratio > 1 + margin:
+      timing = dataclasses.replace(timing, dense=True)
+      for path, node in members:
+        replace_module(model, path, densify(node, inplace=True))  # a layer's dense twin, no copy of the model
+    timings.append(timing)
+  return tuple(timings)
