@@ -23,6 +23,7 @@ from jaxsparse._sparsify._route import LayerSignature
 from jaxsparse._sparsify._route import SignatureTiming
 from jaxsparse._sparsify._route import layer_signature
 from jaxsparse._sparsify._route import route_slower_to_dense
+from jaxsparse._sparsify._route import route_slower_to_dense_linen
 from jaxsparse._summary import LayerSummary
 from jaxsparse._summary import ModelSummary
 from jaxsparse._summary import summary
@@ -75,6 +76,7 @@ __all__ = [
     "pruning",
     "random_block_mask",
     "route_slower_to_dense",
+    "route_slower_to_dense_linen",
     "set_autotune_mode",
     "sharding",
     "sparsify",

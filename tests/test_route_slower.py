@@ -6,6 +6,7 @@ for real on the CPU. The outputs must not change, whichever layers go dense.
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -139,3 +140,90 @@ def test_bad_models_are_named():
   # A model without sparse layers: nothing to time, nothing changes.
   dense = _Net(nnx.Rngs(0))
   assert jaxsparse.route_slower_to_dense(dense, 8, timer=_timer({})) == ()
+
+
+# -------------------------------------------------------------------------------------------------
+# Linen: route_slower_to_dense_linen on a sparsify_linen model.
+# -------------------------------------------------------------------------------------------------
+
+
+class _LinenNet(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(nn.Dense(64, name="blocks")(x))
+    x = nn.relu(nn.Dense(64, name="nm")(x))
+    x = nn.relu(nn.Dense(64, name="nm2")(x))
+    x = nn.DenseGeneral((2, 16), name="heads")(x)  # (64,) -> (2, 16): a 2-D layer on flattened features
+    return nn.Dense(32, name="masked")(x.reshape(*x.shape[:-2], 32))
+
+
+def _sparse_linen(seed: int = 0):
+  x = jax.random.normal(jax.random.key(seed + 1), (4, 64))
+  model = _LinenNet()
+  variables = model.init(jax.random.key(seed), x)
+  rules = {"blocks": jaxsparse.BlockSparse(density=0.5, block_shape=(16, 16)), "nm.*": jaxsparse.NM(2, 4),
+           "heads": jaxsparse.NM(2, 4), "masked": jaxsparse.Unstructured(sparsity=0.5)}
+  sparse, sparse_vars, _ = jaxsparse.sparsify_linen(model, variables, rules, x)
+  return sparse, sparse_vars, x
+
+
+def _linen_timer(slow: dict[str, float], calls: list | None = None):
+  """Dense layers (``nn.Dense`` / ``nn.DenseGeneral``) take 1 ms; a sparse layer whose class name is in ``slow`` that
+  many ms, the others 0.5."""
+
+  def timer(module, variables, x):
+    if calls is not None:
+      calls.append((type(module).__name__, x.shape))
+    if type(module) in (nn.Dense, nn.DenseGeneral):
+      return 1.0
+    return slow.get(type(module).__name__, 0.5)
+
+  return timer
+
+
+def test_linen_slower_signatures_go_dense_and_the_outputs_do_not_change():
+  sparse, sparse_vars, x = _sparse_linen()
+  before = sparse.apply(sparse_vars, x)
+  calls = []
+  new, new_vars, timings = jaxsparse.route_slower_to_dense_linen(sparse, sparse_vars, (1, 8),
+                                                                 timer=_linen_timer({"MaskedDense": 2.0}, calls))
+  assert sorted(".".join(p) for p in new.layers) == ["blocks", "heads", "nm", "nm2"]
+  assert new_vars["params"]["masked"]["kernel"].shape == (32, 32) and "masked" not in new_vars["sparsity"]
+  np.testing.assert_allclose(new.apply(new_vars, x), before, rtol=1e-5, atol=1e-5)
+  by_layer = {(t.signature.layer, t.signature.shape): t for t in timings}
+  assert set(by_layer) == {("BlockSparseDense", (64, 64)), ("NMDense", (64, 64)), ("NMDense", (64, 32)),
+                           ("MaskedDense", (32, 32))}
+  assert by_layer["NMDense", (64, 64)].paths == ("nm", "nm2") and not by_layer["NMDense", (64, 64)].dense
+  assert by_layer["MaskedDense", (32, 32)].dense and by_layer["MaskedDense", (32, 32)].ratio == 2.0
+  assert str(by_layer["BlockSparseDense", (64, 64)].signature) == "BlockSparseDense 64x64 block 16x16 50% kept float32"
+  # One layer per signature and batch, each with its dense twin; the DenseGeneral's sparse layer on (batch, K).
+  assert len(calls) == 4 * 2 * 2 and ("NMDense", (8, 64)) in calls and ("DenseGeneral", (8, 64)) in calls
+  # The input variables are unchanged, and the plan of the original model too.
+  assert "masked" in sparse_vars["sparsity"] and len(sparse.layers) == 5
+
+
+def test_linen_all_slower_is_densify_linen():
+  sparse, sparse_vars, x = _sparse_linen()
+  slow = {"BlockSparseDense": 1.5, "NMDense": 1.5, "MaskedDense": 1.5}
+  new, new_vars, timings = jaxsparse.route_slower_to_dense_linen(sparse, sparse_vars, 8, timer=_linen_timer(slow))
+  assert not new.layers and all(t.dense for t in timings) and "sparsity" not in new_vars
+  module, dense_vars = jaxsparse.densify_linen(sparse, sparse_vars)
+  jax.tree.map(np.testing.assert_array_equal, new_vars, dense_vars)
+  np.testing.assert_allclose(module.apply(new_vars, x), sparse.apply(sparse_vars, x), rtol=1e-5, atol=1e-5)
+
+
+def test_linen_measured_on_this_device():
+  sparse, sparse_vars, x = _sparse_linen()
+  new, new_vars, timings = jaxsparse.route_slower_to_dense_linen(sparse, sparse_vars, 2)
+  assert len(timings) == 4 and all(t.sparse_ms[2] > 0 and t.dense_ms[2] > 0 for t in timings)
+  np.testing.assert_allclose(jax.jit(new.apply)(new_vars, x), sparse.apply(sparse_vars, x), rtol=1e-5, atol=1e-5)
+
+
+def test_linen_bad_arguments_are_named():
+  sparse, sparse_vars, _ = _sparse_linen()
+  with pytest.raises(TypeError, match="sparse must be the SparsifiedLinen that sparsify_linen returned, got Dense"):
+    jaxsparse.route_slower_to_dense_linen(nn.Dense(4), sparse_vars, 8)
+  with pytest.raises(ValueError, match=r"batches must be positive ints, got \(-1,\)"):
+    jaxsparse.route_slower_to_dense_linen(sparse, sparse_vars, -1)
+  with pytest.raises(ValueError, match="margin=2"):
+    jaxsparse.route_slower_to_dense_linen(sparse, sparse_vars, 8, margin=2)

@@ -66,7 +66,16 @@ from jaxsparse.formats._specs import check_spec_applies
 from jaxsparse.formats._specs import matrix_shape
 from jaxsparse.layers import linen as sparse_linen
 
-__all__ = ["SparsifiedLinen", "densify_linen", "sparsify_linen"]
+__all__ = [
+    "SparsifiedLinen",
+    "apply_sparse_layer",
+    "dense_params",
+    "densify_layers",
+    "densify_linen",
+    "layer_variables",
+    "sparse_module_of",
+    "sparsify_linen",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +116,7 @@ def _to_dict(tree: Any) -> Any:
   return tree
 
 
-def _linen_sparse_module(layer: _LinenLayer, *, nnz: int | None = None) -> nn.Module:
+def sparse_module_of(layer: _LinenLayer, *, nnz: int | None = None) -> nn.Module:
   m, spec = layer.module, layer.spec
   if layer.kind in ("dense", "general"):
     k, n = layer.shape_2d
@@ -127,7 +136,7 @@ def _linen_sparse_module(layer: _LinenLayer, *, nnz: int | None = None) -> nn.Mo
   return m  # unstructured conv: the original conv, given its mask at call time
 
 
-def _linen_apply(layer: _LinenLayer, variables: Mapping, x: jax.Array) -> jax.Array:
+def apply_sparse_layer(layer: _LinenLayer, variables: Mapping, x: jax.Array) -> jax.Array:
   variables = nn.meta.unbox(variables)  # nn.Partitioned boxes (sharding annotations)
   if layer.kind == "conv" and isinstance(layer.spec, Unstructured):
     mask = variables[sparse_linen.SPARSITY]["mask"]
@@ -135,7 +144,7 @@ def _linen_apply(layer: _LinenLayer, variables: Mapping, x: jax.Array) -> jax.Ar
   nnz = None
   if isinstance(layer.spec, BlockSparse):
     nnz = variables["params"]["kernel"].shape[0]
-  module = _linen_sparse_module(layer, nnz=nnz)
+  module = sparse_module_of(layer, nnz=nnz)
   if layer.kind != "general":
     return module.apply(variables, x)
   batch = x.shape[: x.ndim - len(layer.in_dims)]
@@ -171,7 +180,7 @@ class SparsifiedLinen:
       raise TypeError(f"{'.'.join(context.module.path)}: sparse layers take one positional input.")
     token = _IN_SPARSE_LAYER.set(True)  # the sparse layer's own nn.Dense / nn.Conv must run as is
     try:
-      return _linen_apply(layer, context.module.variables, args[0])
+      return apply_sparse_layer(layer, context.module.variables, args[0])
     finally:
       _IN_SPARSE_LAYER.reset(token)
 
@@ -363,7 +372,7 @@ def sparsify_linen(
       rest = {k: v for k, v in layer_vars.items() if k != "params"}
       dense_ms = timed(lambda q, x, m=m: m.apply({"params": q}, x), dense_params, x, mode)
       sparse_ms = timed(
-          lambda q, x, layer=layer, rest=rest: _linen_apply(layer, {"params": q, **rest}, x),
+          lambda q, x, layer=layer, rest=rest: apply_sparse_layer(layer, {"params": q, **rest}, x),
           layer_vars["params"], x, mode,
       )
       if sparse_ms >= dense_ms:
@@ -375,7 +384,7 @@ def sparsify_linen(
     _store(new_vars, path, layer, boxed_params, layer_vars)
     density = _linen_density(spec, layer_vars, params_2d["kernel"].shape)
     changes.append(LayerChange(p, f"{type(m).__name__}({kernel.shape})", spec.describe(),
-                               type(_linen_sparse_module(layer, nnz=_nnz(layer_vars, spec))).__name__,
+                               type(sparse_module_of(layer, nnz=_nnz(layer_vars, spec))).__name__,
                                density, nbytes(dense_params), nbytes(layer_vars), dense_ms, sparse_ms, note))
   warn_unmatched(resolved, [".".join(p) for p in found], what="nn.Dense / nn.DenseGeneral / nn.Conv")
   changes.sort(key=lambda c: c.path)
@@ -458,32 +467,52 @@ def densify_linen(sparse: SparsifiedLinen, variables: Mapping) -> tuple[nn.Modul
     for it, the kernels with their own shapes and dtypes and zeros where pruned; the ``"sparsity"`` collection
     is dropped once empty.
   """
+  return sparse.module, densify_layers(sparse, variables, sparse.layers)
+
+
+def layer_variables(variables: Mapping, path: tuple) -> dict:
+  """The variables of the layer at ``path`` (its scope's ``params`` and ``"sparsity"`` entries), as the layer's own
+  ``apply`` takes them."""
+  out = {"params": _nested_get(variables["params"], path)}
+  pattern = variables.get(sparse_linen.SPARSITY, {})
+  try:
+    out[sparse_linen.SPARSITY] = _nested_get(pattern, path)
+  except KeyError:  # 2:4 layers keep no pattern
+    pass
+  return out
+
+
+def dense_params(layer: _LinenLayer, layer_vars: Mapping) -> dict:
+  """The dense parameters of a sparse layer (:func:`layer_variables`): its original layer's shapes, zeros where
+  pruned, and the dense parameters' partitioning boxes."""
+  p = nn.meta.unbox(layer_vars["params"])
+  kernel = p["kernel"]
+  if isinstance(layer.spec, BlockSparse):
+    idx = nn.meta.unbox(layer_vars[sparse_linen.SPARSITY])
+    kernel = BlockSparseMatrix.from_index_arrays(kernel, dict(idx), shape=layer.shape_2d,
+                                                 block_shape=layer.spec.block_shape).to_dense()
+  elif isinstance(layer.spec, NM):
+    spec = layer.spec
+    mask = nm_mask(kernel, spec.n, spec.m, axis=-2, transposable=spec.transposable)
+    kernel = jnp.where(mask, kernel, jnp.zeros((), kernel.dtype))
+  else:
+    mask = nn.meta.unbox(layer_vars[sparse_linen.SPARSITY]["mask"])
+    kernel = jnp.where(mask, kernel, jnp.zeros((), kernel.dtype))
+  p = {**p, "kernel": kernel}
+  if layer.kind == "general":
+    p = {k: v.reshape((*layer.in_dims, *layer.features) if k == "kernel" else layer.features) for k, v in p.items()}
+  return {k: layer.boxes[k].replace_boxed(v) if k in layer.boxes else v for k, v in p.items()}
+
+
+def densify_layers(sparse: SparsifiedLinen, variables: Mapping, layers: Mapping[tuple, _LinenLayer]) -> dict:
+  """New variables with the sparse layers at the paths of ``layers`` (some of ``sparse.layers``) dense."""
   new_vars = _to_dict(variables)
-  params = new_vars["params"]
-  pattern = new_vars.get(sparse_linen.SPARSITY, {})
-  for path, layer in sparse.layers.items():
-    p = nn.meta.unbox(_nested_get(params, path))
-    kernel = p["kernel"]
-    if isinstance(layer.spec, BlockSparse):
-      idx = nn.meta.unbox(_nested_get(pattern, path))
-      dense = BlockSparseMatrix.from_index_arrays(kernel, dict(idx), shape=layer.shape_2d,
-                                                  block_shape=layer.spec.block_shape)
-      kernel = dense.to_dense()
-    elif isinstance(layer.spec, NM):
-      spec = layer.spec
-      mask = nm_mask(kernel, spec.n, spec.m, axis=-2, transposable=spec.transposable)
-      kernel = jnp.where(mask, kernel, jnp.zeros((), kernel.dtype))
-    else:
-      mask = nn.meta.unbox(_nested_get(pattern, path)["mask"])
-      kernel = jnp.where(mask, kernel, jnp.zeros((), kernel.dtype))
-    p = {**p, "kernel": kernel}
-    if layer.kind == "general":
-      p = {k: v.reshape((*layer.in_dims, *layer.features) if k == "kernel" else layer.features) for k, v in p.items()}
-    _nested_set(params, path, {k: layer.boxes[k].replace_boxed(v) if k in layer.boxes else v for k, v in p.items()})
-    _drop(pattern, path)
+  for path, layer in layers.items():
+    _nested_set(new_vars["params"], path, dense_params(layer, layer_variables(new_vars, path)))
+    _drop(new_vars.get(sparse_linen.SPARSITY, {}), path)
   if sparse_linen.SPARSITY in new_vars and not jax.tree.leaves(new_vars[sparse_linen.SPARSITY]):
     del new_vars[sparse_linen.SPARSITY]
-  return sparse.module, new_vars
+  return new_vars
 
 
 def _drop(tree: dict, path: tuple) -> None:

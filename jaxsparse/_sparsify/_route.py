@@ -16,21 +16,39 @@ from collections.abc import Sequence
 from typing import Any
 from typing import NamedTuple
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxsparse._rules import replace_module
+from jaxsparse._sparsify._linen import SparsifiedLinen
+from jaxsparse._sparsify._linen import dense_params
+from jaxsparse._sparsify._linen import densify_layers
+from jaxsparse._sparsify._linen import layer_variables
+from jaxsparse._sparsify._linen import sparse_module_of
 from jaxsparse._sparsify._nnx import densify
 from jaxsparse._sparsify._report import time_nnx_layer
 from jaxsparse._tuning._cache import autotune_mode
 from jaxsparse._tuning._measure import MARGIN
+from jaxsparse._tuning._measure import default_platform
+from jaxsparse._tuning._measure import time_call_ms
+from jaxsparse.formats._specs import NM
+from jaxsparse.formats._specs import BlockSparse
 from jaxsparse.layers import BlockSparseLinear
 from jaxsparse.layers import CompressedNMLinear
 from jaxsparse.layers import MaskedLinear
 from jaxsparse.layers import NMLinear
+from jaxsparse.layers import linen as sparse_linen
 
-__all__ = ["LayerSignature", "SignatureTiming", "layer_signature", "route_slower_to_dense", "time_forward_ms"]
+__all__ = [
+    "LayerSignature",
+    "SignatureTiming",
+    "layer_signature",
+    "route_slower_to_dense",
+    "route_slower_to_dense_linen",
+    "time_forward_ms",
+]
 
 # The sparse linear layers this routes; each has a dense twin (``to_dense``).
 SPARSE_LINEAR = (BlockSparseLinear, CompressedNMLinear, MaskedLinear, NMLinear)
@@ -195,11 +213,7 @@ def route_slower_to_dense(
   """
   if not isinstance(model, nnx.Module):
     raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}.")
-  batches = (batches,) if isinstance(batches, int) else tuple(batches)
-  if not batches or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in batches):
-    raise ValueError(f"batches must be positive ints, got {batches!r}; e.g. the decode batch sizes (1, 8, 32).")
-  if not isinstance(margin, (int, float)) or not 0 <= margin < 1:
-    raise ValueError(f"margin must be a fraction in [0, 1), got margin={margin!r}.")
+  batches = _check_route_args(batches, margin)
   if isinstance(model, SPARSE_LINEAR):
     raise TypeError(f"model is itself a {type(model).__name__}, which cannot be replaced in place: pass a model that "
                     "holds it (or compare it with its to_dense() yourself).")
@@ -229,3 +243,107 @@ def route_slower_to_dense(
         replace_module(model, path, densify(node, inplace=True))  # a layer's dense twin, no copy of the model
     timings.append(timing)
   return tuple(timings)
+
+
+def _check_route_args(batches: int | Sequence[int], margin: float) -> tuple[int, ...]:
+  batches = (batches,) if isinstance(batches, int) else tuple(batches)
+  if not batches or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in batches):
+    raise ValueError(f"batches must be positive ints, got {batches!r}; e.g. the decode batch sizes (1, 8, 32).")
+  if not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+    raise ValueError(f"margin must be a fraction in [0, 1), got margin={margin!r}.")
+  return batches
+
+
+def _linen_signature(layer, layer_vars: Mapping) -> LayerSignature:
+  """The :class:`LayerSignature` of a Linen sparse layer (a ``SparsifiedLinen`` plan and its variables)."""
+  params = nn.meta.unbox(layer_vars["params"])
+  k, n = layer.shape_2d
+  spec = layer.spec
+  if isinstance(spec, BlockSparse):
+    bk, bn = spec.block_shape
+    name, pattern = "BlockSparseDense", f"block {bk}x{bn}"
+    density = params["kernel"].shape[0] / ((k // bk) * (n // bn))
+  elif isinstance(spec, NM):
+    name, pattern, density = "NMDense", f"{spec.n}:{spec.m}", spec.n / spec.m
+  else:
+    mask = nn.meta.unbox(layer_vars[sparse_linen.SPARSITY]["mask"])
+    name, pattern, density = "MaskedDense", "unstructured", float(jnp.mean(mask))
+  dtype = jnp.dtype(params["kernel"].dtype)
+  return LayerSignature(name, (k, n), pattern, round(density, 2), dtype.name,
+                        jnp.dtype(layer.module.dtype or dtype).name, bool(layer.module.use_bias))
+
+
+def _time_apply_ms(module: nn.Module, variables: Any, x: jax.Array) -> float:
+  with autotune_mode("tune"):
+    return time_call_ms(module.apply, (variables, x), default_platform())
+
+
+def route_slower_to_dense_linen(
+    sparse: SparsifiedLinen,
+    variables: Mapping,
+    batches: int | Sequence[int],
+    *,
+    timer: Callable[[nn.Module, Any, jax.Array], float] | None = None,
+    margin: float = MARGIN,
+) -> tuple[SparsifiedLinen, dict, tuple[SignatureTiming, ...]]:
+  """:func:`route_slower_to_dense` for Linen: the sparse ``nn.Dense`` / ``nn.DenseGeneral`` layers of a
+  :func:`~jaxsparse.sparsify_linen` model that are slower than their dense twin run dense again.
+
+  Each distinct :class:`LayerSignature` (``BlockSparseDense``, ``NMDense`` or ``MaskedDense``, shape, pattern,
+  density, dtypes, bias) is timed on one of its layers, alone, against the original layer with the same pruned
+  weights, on a random ``(batch, *in_dims)`` input at every batch size. Every layer of a signature slower by more
+  than ``margin`` at any of them is taken out of the sparse plan and given its dense variables (as
+  :func:`~jaxsparse.densify_linen` does for all). The outputs do not change, only the kernels. Sparse convolutions
+  stay as they are.
+
+  >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxsparse
+  >>> model = nn.Sequential([nn.Dense(64), nn.relu, nn.Dense(64)])
+  >>> x = jnp.ones((2, 64))
+  >>> variables = model.init(jax.random.key(0), x)
+  >>> sparse, sparse_vars, _ = jaxsparse.sparsify_linen(model, variables, jaxsparse.Unstructured(sparsity=0.5), x)
+  >>> timer = lambda module, v, x: 2.0 if type(module) is nn.Dense else 1.0  # measured: pass None; sparse faster
+  >>> sparse2, vars2, timings = jaxsparse.route_slower_to_dense_linen(sparse, sparse_vars, 8, timer=timer)
+  >>> len(sparse2.layers), timings[0].dense, bool(jnp.allclose(sparse2.apply(vars2, x), sparse.apply(sparse_vars, x)))
+  (2, False, True)
+
+  Args:
+    sparse: the ``SparsifiedLinen`` that :func:`~jaxsparse.sparsify_linen` returned.
+    variables: its variables; not modified.
+    batches: the batch size(s) the model serves (positive ints), the leading dim of the timed inputs.
+    timer: ``(module, variables, x) -> ms`` of one call ``module.apply(variables, x)``: the sparse layer
+      (``BlockSparseDense``, ``NMDense``, ``MaskedDense``, on ``x`` flattened to ``(batch, K)``) and the original
+      ``nn.Dense`` / ``nn.DenseGeneral``; ``None``: measured on the default device (device time on a GPU, the sparse
+      products tuned first). Tests inject their own.
+    margin: a sparse layer stays unless it is slower by more than this fraction (measured dispatch's, 3%).
+
+  Returns:
+    ``(sparse, variables, timings)``: a ``SparsifiedLinen`` without the routed layers, new variables with their
+    dense parameters, and one :class:`SignatureTiming` per signature (``paths`` dotted Linen module paths).
+  """
+  if not isinstance(sparse, SparsifiedLinen):
+    raise TypeError(f"sparse must be the SparsifiedLinen that sparsify_linen returned, got {type(sparse).__name__}.")
+  batches = _check_route_args(batches, margin)
+  timer = timer or _time_apply_ms
+  groups: dict[LayerSignature, list[tuple]] = {}
+  for path, layer in sparse.layers.items():
+    if layer.kind != "conv":
+      groups.setdefault(_linen_signature(layer, layer_variables(variables, path)), []).append(path)
+  timings, routed = [], {}
+  for sig, paths in groups.items():
+    layer = sparse.layers[paths[0]]
+    layer_vars = nn.meta.unbox(layer_variables(variables, paths[0]))
+    dense_vars = {"params": nn.meta.unbox(dense_params(layer, layer_vars))}
+    nnz = layer_vars["params"]["kernel"].shape[0] if isinstance(layer.spec, BlockSparse) else None  # kept blocks
+    module = sparse_module_of(layer, nnz=nnz)
+    sparse_ms, dense_ms = {}, {}
+    for b in batches:
+      x = jax.random.normal(jax.random.key(b), (b, *layer.in_dims), sig.compute_dtype)
+      sparse_ms[b] = timer(module, layer_vars, x.reshape(b, sig.shape[0]))
+      dense_ms[b] = timer(layer.module, dense_vars, x)
+    timing = SignatureTiming(sig, tuple(".".join(p) for p in paths), sparse_ms, dense_ms, dense=False)
+    if timing.ratio > 1 + margin:
+      timing = dataclasses.replace(timing, dense=True)
+      routed.update({p: sparse.layers[p] for p in paths})
+    timings.append(timing)
+  kept = {p: layer for p, layer in sparse.layers.items() if p not in routed}
+  return SparsifiedLinen(sparse.module, kept), densify_layers(sparse, variables, routed), tuple(timings)
