@@ -467,7 +467,7 @@ def densify_linen(sparse: SparsifiedLinen, variables: Mapping) -> tuple[nn.Modul
     for it, the kernels with their own shapes and dtypes and zeros where pruned; the ``"sparsity"`` collection
     is dropped once empty.
   """
-  return sparse.module, densify_layers(sparse, variables, sparse.layers)
+  return sparse.module, densify_layers(variables, sparse.layers)
 
 
 def layer_variables(variables: Mapping, path: tuple) -> dict:
@@ -504,8 +504,8 @@ def dense_params(layer: _LinenLayer, layer_vars: Mapping) -> dict:
   return {k: layer.boxes[k].replace_boxed(v) if k in layer.boxes else v for k, v in p.items()}
 
 
-def densify_layers(sparse: SparsifiedLinen, variables: Mapping, layers: Mapping[tuple, _LinenLayer]) -> dict:
-  """New variables with the sparse layers at the paths of ``layers`` (some of ``sparse.layers``) dense."""
+def densify_layers(variables: Mapping, layers: Mapping[tuple, _LinenLayer]) -> dict:
+  """New variables with the sparse layers of ``layers`` (some of a ``SparsifiedLinen``'s, by path) dense."""
   new_vars = _to_dict(variables)
   for path, layer in layers.items():
     _nested_set(new_vars["params"], path, dense_params(layer, layer_variables(new_vars, path)))

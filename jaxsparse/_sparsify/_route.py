@@ -346,4 +346,4 @@ def route_slower_to_dense_linen(
       routed.update({p: sparse.layers[p] for p in paths})
     timings.append(timing)
   kept = {p: layer for p, layer in sparse.layers.items() if p not in routed}
-  return SparsifiedLinen(sparse.module, kept), densify_layers(sparse, variables, routed), tuple(timings)
+  return SparsifiedLinen(sparse.module, kept), densify_layers(variables, routed), tuple(timings)
