@@ -36,6 +36,7 @@ def test_calibrated_pruning_benchmark_runs(tmp_path):
   assert {r.split("|")[3].strip() for r in rows} == {"magnitude", "wanda", "sparsegpt"}, rows
 
 
+@pytest.mark.slow  # long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs it
 def test_ncu_block_sparse_script_runs():
   cmd = [sys.executable, str(ROOT / "benchmarks" / "sweeps" / "gpu_ncu_block_sparse.py"), "--m", "64", "--k", "128",
          "--n", "128", "--blocks", "32,64"]
@@ -45,6 +46,7 @@ def test_ncu_block_sparse_script_runs():
   assert proc.stdout.splitlines() == ["block 32: 4 kept blocks, done", "block 64: 1 kept blocks, done", "dense: done"]
 
 
+@pytest.mark.slow  # long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs it
 def test_dense_route_script_runs():
   # M = 1024: the dense route starts there (DispatchRules.dense.min_m).
   cmd = [sys.executable, str(ROOT / "benchmarks" / "sweeps" / "gpu_dense_route.py"), "--m", "1024", "--k", "128",

@@ -106,6 +106,7 @@ def test_load_and_export_match_transformers(hf_dir, ids, tmp_path):
   np.testing.assert_allclose(_logits(back, ids), ref, atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow  # long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs it
 def test_tied_embeddings_and_torch_interop_load(ids, tmp_path):
   hf = _hf_model(1, tie=True)
   hf.save_pretrained(tmp_path / "tied", max_shard_size="50KB")  # sharded by transformers itself
@@ -136,6 +137,7 @@ def test_kv_cache_decode_matches_full_sequence(hf_dir, ids):
   assert int(cache.index) == 12 and cache.positions.tolist() == [12, 12]
 
 
+@pytest.mark.slow  # long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs it
 def test_greedy_generate_matches_transformers(hf_dir):
   hf, path = hf_dir
   model = load_pretrained(path)
@@ -173,6 +175,7 @@ def test_sparse_model_generates_dense_tokens(hf_dir, name):
   np.testing.assert_array_equal(np.asarray(generate(sparse, prompt, 10)), np.asarray(generate(dense, prompt, 10)))
 
 
+@pytest.mark.slow  # long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs it
 def test_fused_projections_generate_the_same_tokens(hf_dir):
   """fuse_projections joins q / k / v and gate / up (dense, 2:4 with its positions concatenated along the outputs, or
   block-sparse); logits and greedy tokens equal the unfused model's, with and without the KV cache."""

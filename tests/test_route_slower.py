@@ -98,6 +98,7 @@ def test_slower_at_one_batch_is_enough():
   assert all(type(m) is nnx.Linear for m in (net.blocks, net.nm, net.nm2, net.masked))
 
 
+@pytest.mark.slow  # long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs it
 def test_measured_on_this_device_and_jittable_after():
   net = _sparse_net()
   x = jnp.ones((2, 64))
@@ -212,6 +213,7 @@ def test_linen_all_slower_is_densify_linen():
   np.testing.assert_allclose(module.apply(new_vars, x), sparse.apply(sparse_vars, x), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs it
 def test_linen_measured_on_this_device():
   sparse, sparse_vars, x = _sparse_linen()
   new, new_vars, timings = jaxsparse.route_slower_to_dense_linen(sparse, sparse_vars, 2)

@@ -487,6 +487,7 @@ def test_tuned_gpu_route_records_each_direction(interpreted, monkeypatch):
     _close(out, ref, 2e-5)
 
 
+@pytest.mark.slow  # long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs it
 def test_autotune_ahead_of_time_then_a_second_process_only_reads(interpreted, monkeypatch, tmp_path):
   monkeypatch.setattr(_measure, "_has_device", lambda platform: platform == "cuda")  # the CPU stands in for a GPU
   x, _, w = _problem(24, (64, 64), (2, 2), jnp.float32, seed=5)
@@ -503,7 +504,10 @@ def test_autotune_ahead_of_time_then_a_second_process_only_reads(interpreted, mo
     jax.jit(step).lower(x)
 
 
-@pytest.mark.parametrize("block_shape", [(16, 16), (12, 8)])  # the C++ kernel's blocks, and the loop's only
+@pytest.mark.parametrize("block_shape", [  # the C++ kernel's blocks, and the loop's only
+    (16, 16),
+    pytest.param((12, 8), marks=pytest.mark.slow),  # long: moved out of the fast set (make test <= 15 min); CI runs it
+])
 def test_cpu_routes_match_the_reference_and_tune_on_request(block_shape, monkeypatch):
   x, dy, w = _problem(24, block_shape, (4, 3), jnp.float32, seed=7)
   refs = dict(zip(("fwd", "dx", "dw"), _reference(x, dy, w), strict=True))
@@ -540,6 +544,7 @@ def test_cpu_routes_match_the_reference_and_tune_on_request(block_shape, monkeyp
     _close(out, ref, 2e-5)
 
 
+@pytest.mark.slow  # long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs it
 def test_tune_command_tunes_shapes_and_exports(interpreted, monkeypatch, tmp_path, capsys):
   from jaxsparse.torch_interop._cli import main  # noqa: PLC0415 -- the `jaxsparse` console script
 
