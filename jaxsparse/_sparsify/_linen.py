@@ -72,7 +72,9 @@ __all__ = [
     "dense_params",
     "densify_layers",
     "densify_linen",
+    "kept_blocks",
     "layer_variables",
+    "linen_density",
     "sparse_module_of",
     "sparsify_linen",
 ]
@@ -382,9 +384,9 @@ def sparsify_linen(
         continue
     layers[path] = layer
     _store(new_vars, path, layer, boxed_params, layer_vars)
-    density = _linen_density(spec, layer_vars, params_2d["kernel"].shape)
+    density = linen_density(spec, layer_vars, params_2d["kernel"].shape)
     changes.append(LayerChange(p, f"{type(m).__name__}({kernel.shape})", spec.describe(),
-                               type(sparse_module_of(layer, nnz=_nnz(layer_vars, spec))).__name__,
+                               type(sparse_module_of(layer, nnz=kept_blocks(layer_vars, spec))).__name__,
                                density, nbytes(dense_params), nbytes(layer_vars), dense_ms, sparse_ms, note))
   warn_unmatched(resolved, [".".join(p) for p in found], what="nn.Dense / nn.DenseGeneral / nn.Conv")
   changes.sort(key=lambda c: c.path)
@@ -402,11 +404,13 @@ def _param_groups(tree: Mapping, prefix: str = "") -> dict[str, set[str]]:
   return out
 
 
-def _nnz(layer_vars: Mapping, spec: Spec) -> int | None:
+def kept_blocks(layer_vars: Mapping, spec: Spec) -> int | None:
+  """The kept blocks of a ``BlockSparse`` layer's variables (its ``BlockSparseDense``'s ``nnz``); else ``None``."""
   return layer_vars["params"]["kernel"].shape[0] if isinstance(spec, BlockSparse) else None
 
 
-def _linen_density(spec: Spec, layer_vars: Mapping, kernel_shape: tuple[int, ...]) -> float:
+def linen_density(spec: Spec, layer_vars: Mapping, kernel_shape: tuple[int, ...]) -> float:
+  """The fraction of a ``(K, N)`` kernel that a sparse layer's (unboxed) variables keep."""
   if isinstance(spec, NM):
     return spec.n / spec.m
   if isinstance(spec, BlockSparse):

@@ -25,21 +25,21 @@ from jaxsparse._rules import replace_module
 from jaxsparse._sparsify._linen import SparsifiedLinen
 from jaxsparse._sparsify._linen import dense_params
 from jaxsparse._sparsify._linen import densify_layers
+from jaxsparse._sparsify._linen import kept_blocks
 from jaxsparse._sparsify._linen import layer_variables
+from jaxsparse._sparsify._linen import linen_density
 from jaxsparse._sparsify._linen import sparse_module_of
 from jaxsparse._sparsify._nnx import densify
 from jaxsparse._sparsify._report import time_nnx_layer
+from jaxsparse._sparsify._report import timed
 from jaxsparse._tuning._cache import autotune_mode
 from jaxsparse._tuning._measure import MARGIN
-from jaxsparse._tuning._measure import default_platform
-from jaxsparse._tuning._measure import time_call_ms
 from jaxsparse.formats._specs import NM
 from jaxsparse.formats._specs import BlockSparse
 from jaxsparse.layers import BlockSparseLinear
 from jaxsparse.layers import CompressedNMLinear
 from jaxsparse.layers import MaskedLinear
 from jaxsparse.layers import NMLinear
-from jaxsparse.layers import linen as sparse_linen
 
 __all__ = [
     "LayerSignature",
@@ -255,27 +255,22 @@ def _check_route_args(batches: int | Sequence[int], margin: float) -> tuple[int,
 
 
 def _linen_signature(layer, layer_vars: Mapping) -> LayerSignature:
-  """The :class:`LayerSignature` of a Linen sparse layer (a ``SparsifiedLinen`` plan and its variables)."""
-  params = nn.meta.unbox(layer_vars["params"])
-  k, n = layer.shape_2d
+  """The :class:`LayerSignature` of a Linen sparse layer (a ``SparsifiedLinen`` plan and its unboxed variables)."""
   spec = layer.spec
   if isinstance(spec, BlockSparse):
-    bk, bn = spec.block_shape
-    name, pattern = "BlockSparseDense", f"block {bk}x{bn}"
-    density = params["kernel"].shape[0] / ((k // bk) * (n // bn))
-  elif isinstance(spec, NM):
-    name, pattern, density = "NMDense", f"{spec.n}:{spec.m}", spec.n / spec.m
+    pattern = f"block {spec.block_shape[0]}x{spec.block_shape[1]}"
   else:
-    mask = nn.meta.unbox(layer_vars[sparse_linen.SPARSITY]["mask"])
-    name, pattern, density = "MaskedDense", "unstructured", float(jnp.mean(mask))
-  dtype = jnp.dtype(params["kernel"].dtype)
-  return LayerSignature(name, (k, n), pattern, round(density, 2), dtype.name,
+    pattern = f"{spec.n}:{spec.m}" if isinstance(spec, NM) else "unstructured"
+  name = type(sparse_module_of(layer, nnz=kept_blocks(layer_vars, spec))).__name__
+  density = linen_density(spec, layer_vars, layer.shape_2d)
+  dtype = jnp.dtype(layer_vars["params"]["kernel"].dtype)
+  return LayerSignature(name, layer.shape_2d, pattern, round(density, 2), dtype.name,
                         jnp.dtype(layer.module.dtype or dtype).name, bool(layer.module.use_bias))
 
 
 def _time_apply_ms(module: nn.Module, variables: Any, x: jax.Array) -> float:
   with autotune_mode("tune"):
-    return time_call_ms(module.apply, (variables, x), default_platform())
+    return timed(module.apply, variables, x, "forward")
 
 
 def route_slower_to_dense_linen(
@@ -327,14 +322,13 @@ def route_slower_to_dense_linen(
   groups: dict[LayerSignature, list[tuple]] = {}
   for path, layer in sparse.layers.items():
     if layer.kind != "conv":
-      groups.setdefault(_linen_signature(layer, layer_variables(variables, path)), []).append(path)
+      groups.setdefault(_linen_signature(layer, nn.meta.unbox(layer_variables(variables, path))), []).append(path)
   timings, routed = [], {}
   for sig, paths in groups.items():
     layer = sparse.layers[paths[0]]
     layer_vars = nn.meta.unbox(layer_variables(variables, paths[0]))
     dense_vars = {"params": nn.meta.unbox(dense_params(layer, layer_vars))}
-    nnz = layer_vars["params"]["kernel"].shape[0] if isinstance(layer.spec, BlockSparse) else None  # kept blocks
-    module = sparse_module_of(layer, nnz=nnz)
+    module = sparse_module_of(layer, nnz=kept_blocks(layer_vars, layer.spec))
     sparse_ms, dense_ms = {}, {}
     for b in batches:
       x = jax.random.normal(jax.random.key(b), (b, *layer.in_dims), sig.compute_dtype)
