@@ -21,8 +21,9 @@
 // no data moves between lanes. Token tiles of 8 rows (NM_MT of them) share each A fragment. Any order of the
 // rows is as good as another: each row's output column is tracked. The warps of a thread block split
 // the steps; their partial sums meet in shared memory, and with NM_SPLIT > 1 the NM_SPLIT blocks of a
-// cluster (each a slice of K) add them through distributed shared memory, each block writing a share of
-// the span's outputs (no second kernel, no atomics in global memory).
+// cluster (each a slice of K) add them through distributed shared memory: each block owns a share of the
+// span's outputs, the others store their partial sums of that share into its shared memory, and after one
+// cluster barrier it adds them and writes them (no second kernel, no atomics in global memory).
 
 #ifndef NM_MT
 #define NM_MT 2  // token tiles of 8 rows: ceil(M / 8), at most 4
@@ -112,12 +113,11 @@ __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
 
-__device__ __forceinline__ float load_peer(const float* p, u32 rank) {
+// Stores v at `p` (an address of this block's shared memory) in the block of cluster rank `rank`.
+__device__ __forceinline__ void store_peer(float* p, u32 rank, float v) {
   u32 local = (u32)__cvta_generic_to_shared(p), remote;
-  float v;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
-  return v;
+  asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(v) : "memory");
 }
 #endif
 
@@ -127,12 +127,20 @@ extern "C" __global__ void __launch_bounds__(NM_WARPS * 32, NM_MINB)
 #endif
     nm24_decode(const u16* __restrict__ x, const u16* __restrict__ values, const u8* __restrict__ idx,
                 u16* __restrict__ y, int m, int k, int n) {
-  // Partial-sum slots: up to 4, within the 48 KB of static shared memory.
+  // Partial-sum slots: up to 4, within the 48 KB of static shared memory (less the cluster's receive rows).
   constexpr int kEntries = 4 * NM_NI * NM_MT;  // accumulator registers per lane
-  constexpr int kSlots = (NM_WARPS < 4 ? NM_WARPS : 4) * kEntries * 128 <= 49152 ? (NM_WARPS < 4 ? NM_WARPS : 4)
-                         : 2 * kEntries * 128 <= 49152                          ? 2
+  constexpr int kFree = 49152 - (NM_SPLIT > 1 ? kEntries * 128 : 0);
+  constexpr int kSlots = (NM_WARPS < 4 ? NM_WARPS : 4) * kEntries * 128 <= kFree ? (NM_WARPS < 4 ? NM_WARPS : 4)
+                         : 2 * kEntries * 128 <= kFree                          ? 2
                                                                                 : 1;
   __shared__ float red[kSlots][kEntries][32];
+#if NM_SPLIT > 1
+  // Block `rank` of the cluster owns entries [rank, rank + 1) * kPer; recv[r] holds block r's sums of them.
+  constexpr int kPer = kEntries / NM_SPLIT;
+  __shared__ float recv[NM_SPLIT][kPer][32];
+  // Arrive now, wait before the first store into a peer: every block of the cluster has started by then.
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+#endif
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int span0 = blockIdx.x * NM_SPAN;
@@ -218,26 +226,24 @@ extern "C" __global__ void __launch_bounds__(NM_WARPS * 32, NM_MINB)
   // span (D fragment: c0, c1 = A row g, c2, c3 = A row g + 8; A row g + 8 h of instruction i = column
   // NM_CPL g + NI h + i).
 #if NM_SPLIT > 1
+  asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
   for (int j = threadIdx.x; j < kEntries * 32; j += NM_WARPS * 32) {
     const int e = j >> 5, l = j & 31;
     float s = 0.f;
 #pragma unroll
     for (int slot = 0; slot < kSlots; ++slot) s += red[slot][e][l];
-    red[0][e][l] = s;
+    store_peer(&recv[blockIdx.y][e % kPer][l], (u32)(e / kPer), s);
   }
-  cluster_sync();
-  // Block `rank` of the cluster adds entries [rank, rank + 1) * kEntries / NM_SPLIT of every block.
-  constexpr int kPer = kEntries / NM_SPLIT;
+  cluster_sync();  // every block's stores into its peers are visible; no block reads a peer after this
   for (int j = threadIdx.x; j < kPer * 32; j += NM_WARPS * 32) {
     const int e = blockIdx.y * kPer + (j >> 5), l = j & 31;
     const int i = e / (4 * NM_MT), mt = (e >> 2) % NM_MT, r = e & 3;
     const int tok = 8 * mt + 2 * (l & 3) + (r & 1), c = NM_CPL * (l >> 2) + i + NM_NI * (r >> 1);
     float s = 0.f;
 #pragma unroll
-    for (int rank = 0; rank < NM_SPLIT; ++rank) s += load_peer(&red[0][e][l], (u32)rank);
+    for (int rank = 0; rank < NM_SPLIT; ++rank) s += recv[rank][j >> 5][l];
     if (tok < m) y[(size_t)tok * n + span0 + c] = to_bf16(s);
   }
-  cluster_sync();
 #else
   for (int j = threadIdx.x; j < kEntries * 32; j += NM_WARPS * 32) {
     const int e = j >> 5, l = j & 31;
