@@ -78,6 +78,7 @@ def test_nm24_unsupported_reason(m, k, n, dtype, expect):
     ("kwargs", "match"),
     [
         ({"split": 3}, "split must be 1, 2, 4 or 8, got split=3"),
+        ({"token_split": 4}, "token_split must be 1 or 2, got token_split=4"),
         ({"warps": 16}, "warps must be 2, 4 or 8, got warps=16"),
         ({"span": 32}, r"span must be one of \(128, 64\), got span=32"),
         ({"blocks_per_sm": 3}, "blocks_per_sm must be 1 or 2, got blocks_per_sm=3"),
@@ -105,10 +106,12 @@ def test_nm24_default_config_fits(m, k, n):
 @pytest.mark.parametrize("m", [1, 8, 16, 17, 32])
 def test_nm24_candidate_configs_are_distinct_runnable_and_default_first(m, k, n):
   configs = ck.nm24_candidate_configs(m, k, n)
-  assert configs[0] == ck.Nm24DecodeConfig.get_default(m, k, n) and len(set(configs)) == len(configs) <= 6
-  assert configs[-1] == dataclasses.replace(configs[0], blocks_per_sm=2)
-  for c in configs[1:-1]:  # every warp of every block gets a step pair; the span divides N; 128-column spans to M = 16
-    assert (k // 64) >= c.split * c.warps and n % c.span == 0 and (c.span == 64 or m <= 16)
+  assert configs[0] == ck.Nm24DecodeConfig.get_default(m, k, n) and len(set(configs)) == len(configs) <= 7
+  extra = [dataclasses.replace(configs[0], blocks_per_sm=2)]
+  extra += [dataclasses.replace(configs[0], token_split=2)] if m > 8 else []
+  assert configs[-len(extra):] == extra
+  for c in configs[1:-len(extra)]:  # every warp of every block gets a step pair; the span divides N; 128-column
+    assert (k // 64) >= c.split * c.warps and n % c.span == 0 and (c.span == 64 or m <= 16)  # spans to M = 16
   # The backend offers them all: the default under the name the shipped rules pick, the others named by config.
   bf16 = jnp.dtype(jnp.bfloat16)
   cfg = _nm_matmul._Config(implementation="auto", precision=None, out_dtype=bf16)
@@ -116,7 +119,8 @@ def test_nm24_candidate_configs_are_distinct_runnable_and_default_first(m, k, n)
   w = jaxsparse.NMSparseMatrix.from_dense(jnp.ones((k, n), jnp.bfloat16), 2, 4)
   cands = _nm_matmul._SparseMma(cfg).candidates(_nm_matmul._product(cfg, x, w, None))
   assert [c.value for c in cands] == configs and cands[0].name == "mma_sp"
-  assert [c.name for c in cands[1:]] == [f"mma_sp/s{c.split}w{c.warps}c{c.span}b{c.blocks_per_sm}" for c in configs[1:]]
+  assert [c.name for c in cands[1:]] == [f"mma_sp/{c.name}" for c in configs[1:]]
+  assert len({c.name for c in cands}) == len(cands)
 
 
 def test_nm24_default_spans_by_rows():
@@ -134,12 +138,14 @@ def test_nm24_default_spans_by_rows():
 @pytest.mark.parametrize(("rows", "span"), [(1, 128), (16, 128), (16, 64), (24, 64), (32, 64)])  # 1-4 token tiles
 @pytest.mark.parametrize("split", [1, 2, 4, 8])
 @pytest.mark.parametrize("warps", [2, 4, 8])
-def test_nm24_source_compiles_for_hopper(rows, span, split, warps, monkeypatch, tmp_path):
+@pytest.mark.parametrize("token_split", [1, 2])
+def test_nm24_source_compiles_for_hopper(rows, span, split, warps, token_split, monkeypatch, tmp_path):
   """NVRTC (the dev extra's nvidia-cuda-nvrtc; no GPU needed) compiles every variant of the kernel for sm_90."""
   assert ck._nvrtc() is not None, "libnvrtc not found: install the dev extra (nvidia-cuda-nvrtc)"
   monkeypatch.setenv("JAXSPARSE_CACHE_DIR", str(tmp_path))
   source = (ck._HERE / "nm24_decode.cu").read_text()
-  options = ck._nvrtc_options("sm_90", ck._nm24_defines(rows, ck.Nm24DecodeConfig(split, warps, span)))
+  cfg = ck.Nm24DecodeConfig(split, warps, span, token_split=token_split)
+  options = ck._nvrtc_options("sm_90", ck._nm24_defines(rows, cfg))
   cubin, log = ck._compile_cubin(source, "nm24_decode", options)
   assert cubin is not None, log
   assert cubin[:4] == b"\x7fELF"
@@ -244,6 +250,8 @@ def test_pallas_is_not_tuned_for_many_rows_unless_forced():
         None, ck.Nm24DecodeConfig(1, 8), ck.Nm24DecodeConfig(2, 8), ck.Nm24DecodeConfig(2, 4),
         ck.Nm24DecodeConfig(8, 8), ck.Nm24DecodeConfig(4, 2), ck.Nm24DecodeConfig(1, 4, 64),
         ck.Nm24DecodeConfig(8, 2, 64), ck.Nm24DecodeConfig(4, 8, 64), ck.Nm24DecodeConfig(2, 8, 64),
+        ck.Nm24DecodeConfig(4, 8, 64, token_split=2), ck.Nm24DecodeConfig(8, 2, 64, token_split=2),
+        ck.Nm24DecodeConfig(1, 4, 128, token_split=2),
     ],
 )
 def test_gpu_nm24_decode(m, k, n, config):
@@ -277,11 +285,12 @@ def test_gpu_nm24_decode_every_candidate_config(m, k, n):
     n=st.sampled_from([128, 256, 640]),
     split=st.sampled_from([1, 2, 4, 8]),
     span=st.sampled_from(ck.NM24_SPANS),
+    token_split=st.sampled_from([1, 2]),
     seed=st.integers(0, 2**16),
 )
-def test_gpu_nm24_decode_random(m, k, n, split, span, seed):
+def test_gpu_nm24_decode_random(m, k, n, split, span, token_split, seed):
   x, w, ref = _problem(seed, m, k, n)
-  cfg = ck.Nm24DecodeConfig(split=split, warps=4, span=span)
+  cfg = ck.Nm24DecodeConfig(split=split, warps=4, span=span, token_split=token_split)
   y = ck.nm24_decode(x, w.values, w.indices, config=cfg)
   assert _rel(y, ref) < TOL
 

@@ -305,12 +305,16 @@ class Nm24DecodeConfig:
       a multiprocessor (``__launch_bounds__``'s minimum; it may spill). An H100 profile of the 4096 x 28672 product at
       M = 1 (8 warps, 128-column spans) showed 152 registers, one block per multiprocessor and its 224 blocks in
       1.7 waves, at 76% of the memory bandwidth where cuBLAS's dense product reached 86%.
+    token_split: 1 or 2 warps per step of ``K``: with 2, two warps load the same weights (the second mostly from L1)
+      and each multiplies half of the rows of ``x``, for half the accumulator registers (182 -> 128 at 32 rows and
+      64-column spans) and twice the warps a multiprocessor holds. It pays only above 8 rows (one tile of 8 each).
   """
 
   split: int = 1
   warps: int = 8
   span: int = 128
   blocks_per_sm: int = 1
+  token_split: int = 1
 
   def __post_init__(self):
     if self.split not in (1, 2, 4, 8):
@@ -321,6 +325,13 @@ class Nm24DecodeConfig:
       raise ValueError(f"span must be one of {NM24_SPANS}, got span={self.span}.")
     if self.blocks_per_sm not in (1, 2):
       raise ValueError(f"blocks_per_sm must be 1 or 2, got blocks_per_sm={self.blocks_per_sm}.")
+    if self.token_split not in (1, 2):
+      raise ValueError(f"token_split must be 1 or 2, got token_split={self.token_split}.")
+
+  @property
+  def name(self) -> str:
+    """``"s{split}w{warps}c{span}b{blocks_per_sm}"``, and ``"t2"`` with ``token_split=2`` (tuning-cache names)."""
+    return f"s{self.split}w{self.warps}c{self.span}b{self.blocks_per_sm}" + ("t2" if self.token_split == 2 else "")
 
   @classmethod
   def get_default(cls, m: int, k: int, n: int) -> Nm24DecodeConfig:
@@ -362,8 +373,8 @@ class Nm24DecodeConfig:
 
 def nm24_candidate_configs(m: int, k: int, n: int) -> list[Nm24DecodeConfig]:
   """The configs measured dispatch times for an ``(m, k) @ (k, n)`` product: the default first, then its neighbours
-  (half and twice the split, the other warp count at the same warps per span, the other span) and the default with
-  two blocks per multiprocessor.
+  (half and twice the split, the other warp count at the same warps per span, the other span), the default with
+  two blocks per multiprocessor and, above 8 rows, the default with its rows split over two warps (``token_split``).
 
   The defaults were fitted at ``K = 4096`` and a few ``N``; a product elsewhere (a fused ``N`` of 6144 or 28672, a
   ``K`` of 14336) may run better one step away, which only a measurement can tell.
@@ -383,6 +394,8 @@ def nm24_candidate_configs(m: int, k: int, n: int) -> list[Nm24DecodeConfig]:
     if cfg not in out:
       out.append(cfg)
   out.append(dataclasses.replace(d, blocks_per_sm=2))
+  if m > 8:
+    out.append(dataclasses.replace(d, token_split=2))
   return out
 
 
@@ -400,12 +413,15 @@ def nm24_unsupported_reason(m: int, k: int, n: int, dtype) -> str:
 
 
 def _nm24_defines(m: int, cfg: Nm24DecodeConfig) -> tuple[tuple[str, int], ...]:
+  tiles = -(-m // 8)
+  tiles += tiles % cfg.token_split  # whole tiles per warp (rows past M are zeros)
   return (
-      ("NM_MT", -(-m // 8)),
+      ("NM_MT", tiles),
       ("NM_CPL", cfg.span // 8),
       ("NM_SPLIT", cfg.split),
       ("NM_WARPS", cfg.warps),
       ("NM_MINB", cfg.blocks_per_sm),
+      ("NM_TSPLIT", cfg.token_split),
   )
 
 

@@ -1,7 +1,8 @@
 // y (M, N) = x (M, K) @ W for M <= 32 (decode), W a 2:4 bfloat16 (K, N) weight (groups of 4 along K) stored
 // as jaxsparse.NMSparseMatrix stores it, on the sparse tensor cores (mma.sp; compute capability 9.0+ for the
 // thread block clusters).
-// Compiled at run time by NVRTC (no includes), one build per (NM_MT, NM_CPL, NM_SPLIT, NM_WARPS, NM_MINB).
+// Compiled at run time by NVRTC (no includes), one build per (NM_MT, NM_CPL, NM_SPLIT, NM_WARPS, NM_MINB,
+// NM_TSPLIT).
 //
 // Operands, all row-major as JAX stores them:
 //   x       (M, K) bf16;
@@ -18,7 +19,9 @@
 // consecutive columns: lane group g (lane / 4) loads NM_CPL (16 or 8) consecutive columns of a values row
 // with NM_CPL / 8 16-byte loads, and instruction i (0 .. NI - 1, NI = NM_CPL / 2) takes column
 // NM_CPL g + i as its row g and NM_CPL g + NI + i as its row g + 8, so every load is a full 16 bytes and
-// no data moves between lanes. Token tiles of 8 rows (NM_MT of them) share each A fragment. Any order of the
+// no data moves between lanes. Token tiles of 8 rows (NM_MT of them) share each A fragment; with NM_TSPLIT = 2
+// two warps load the same A fragments (the second load mostly from L1) and take half of the tiles each, for half
+// the accumulator registers and twice the warps a multiprocessor holds. Any order of the
 // rows is as good as another: each row's output column is tracked. The warps of a thread block split
 // the steps; their partial sums meet in shared memory, and with NM_SPLIT > 1 the NM_SPLIT blocks of a
 // cluster (each a slice of K) add them through distributed shared memory: each block owns a share of the
@@ -34,6 +37,9 @@
 #ifndef NM_SPLIT
 #define NM_SPLIT 1  // thread blocks per column span, each a slice of K (a cluster)
 #endif
+#ifndef NM_TSPLIT
+#define NM_TSPLIT 1  // warps that share a step of K, each with NM_MT / NM_TSPLIT of the token tiles (1 or 2)
+#endif
 #ifndef NM_WARPS
 #define NM_WARPS 8
 #endif
@@ -47,6 +53,11 @@ typedef unsigned char u8;
 
 #define NM_SPAN (8 * NM_CPL)
 #define NM_NI (NM_CPL / 2)  // instructions per step and token tile
+#define NM_WMT (NM_MT / NM_TSPLIT)  // token tiles per warp
+#define NM_KW (NM_WARPS / NM_TSPLIT)  // warps with their own steps of K
+#if NM_MT % NM_TSPLIT != 0 || NM_WARPS % NM_TSPLIT != 0
+#error "NM_TSPLIT must divide NM_MT and NM_WARPS"
+#endif
 
 // Element w (0..3) of a uint4, w known at compile time after unrolling.
 __device__ __forceinline__ u32 word_of(const uint4& v, int w) {
@@ -130,7 +141,7 @@ extern "C" __global__ void __launch_bounds__(NM_WARPS * 32, NM_MINB)
   // Partial-sum slots: up to 4, within the 48 KB of static shared memory (less the cluster's receive rows).
   constexpr int kEntries = 4 * NM_NI * NM_MT;  // accumulator registers per lane
   constexpr int kFree = 49152 - (NM_SPLIT > 1 ? kEntries * 128 : 0);
-  constexpr int kSlots = (NM_WARPS < 4 ? NM_WARPS : 4) * kEntries * 128 <= kFree ? (NM_WARPS < 4 ? NM_WARPS : 4)
+  constexpr int kSlots = (NM_KW < 4 ? NM_KW : 4) * kEntries * 128 <= kFree ? (NM_KW < 4 ? NM_KW : 4)
                          : 2 * kEntries * 128 <= kFree                          ? 2
                                                                                 : 1;
   __shared__ float red[kSlots][kEntries][32];
@@ -150,15 +161,16 @@ extern "C" __global__ void __launch_bounds__(NM_WARPS * 32, NM_MINB)
   const int p_begin = blockIdx.y * per_block;
   const int p_end = min(pairs, p_begin + per_block);
 
-  float acc[NM_NI][NM_MT][4];
+  const int kwarp = warp / NM_TSPLIT, mt0 = (warp % NM_TSPLIT) * NM_WMT;  // steps of K; first token tile
+  float acc[NM_NI][NM_WMT][4];
 #pragma unroll
   for (int i = 0; i < NM_NI; ++i)
 #pragma unroll
-    for (int mt = 0; mt < NM_MT; ++mt)
+    for (int mt = 0; mt < NM_WMT; ++mt)
 #pragma unroll
       for (int r = 0; r < 4; ++r) acc[i][mt][r] = 0.f;
 
-  for (int p = p_begin + warp; p < p_end; p += NM_WARPS) {
+  for (int p = p_begin + kwarp; p < p_end; p += NM_KW) {
     u32 meta[4][NM_CPL / 4];
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
@@ -185,10 +197,10 @@ extern "C" __global__ void __launch_bounds__(NM_WARPS * 32, NM_MINB)
 #pragma unroll
         for (int h = 0; h < NM_CPL / 8; ++h) v[r][h] = __ldg(src + h);
       }
-      u32 b[NM_MT][4];
+      u32 b[NM_WMT][4];
 #pragma unroll
-      for (int mt = 0; mt < NM_MT; ++mt) {
-        const int tok = g + 8 * mt;
+      for (int mt = 0; mt < NM_WMT; ++mt) {
+        const int tok = g + 8 * (mt0 + mt);
 #pragma unroll
         for (int j = 0; j < 4; ++j)
           b[mt][j] = tok < m ? __ldg(reinterpret_cast<const u32*>(x + (size_t)tok * k + 32 * step + 8 * j + 2 * t)) : 0u;
@@ -202,21 +214,22 @@ extern "C" __global__ void __launch_bounds__(NM_WARPS * 32, NM_MINB)
         a[3] = pair_of(v[2], v[3], NM_NI + i);
         const u32 e = meta_word(tr, i, q);  // zero on lanes t >= 2 (meta is zero there)
 #pragma unroll
-        for (int mt = 0; mt < NM_MT; ++mt) mma_sp(acc[i][mt], a, b[mt], e);
+        for (int mt = 0; mt < NM_WMT; ++mt) mma_sp(acc[i][mt], a, b[mt], e);
       }
     }
   }
-  // Partial sums meet in shared memory in fragment order, red[slot][e][lane] (no bank conflicts): warps
-  // 0 .. kSlots - 1 write their slot, the others add into slot warp % kSlots, kSlots warps at a time.
-  for (int round = 0; round < NM_WARPS / kSlots; ++round) {
-    if (warp / kSlots == round) {
+  // Partial sums meet in shared memory in fragment order, red[slot][e][lane] (no bank conflicts): warps of
+  // steps 0 .. kSlots - 1 write their slot, the others add into slot kwarp % kSlots, kSlots at a time (the
+  // NM_TSPLIT warps of one kwarp write different token tiles of it).
+  for (int round = 0; round < NM_KW / kSlots; ++round) {
+    if (kwarp / kSlots == round) {
 #pragma unroll
       for (int i = 0; i < NM_NI; ++i)
 #pragma unroll
-        for (int mt = 0; mt < NM_MT; ++mt)
+        for (int mt = 0; mt < NM_WMT; ++mt)
 #pragma unroll
           for (int r = 0; r < 4; ++r) {
-            float* dst = &red[warp % kSlots][(i * NM_MT + mt) * 4 + r][lane];
+            float* dst = &red[kwarp % kSlots][(i * NM_MT + mt0 + mt) * 4 + r][lane];
             *dst = round == 0 ? acc[i][mt][r] : *dst + acc[i][mt][r];
           }
     }

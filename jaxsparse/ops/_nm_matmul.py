@@ -230,12 +230,12 @@ class _SparseMma:
     return _router.Unsupported(reason) if reason else None
 
   def candidates(self, p: _router.Product) -> list[_tuning.Candidate]:
-    """The default config as ``mma_sp`` (what runs with tuning off), its neighbours as
-    ``mma_sp/s{split}w{warps}c{span}b{blocks_per_sm}`` (:func:`jaxsparse._cuda._kernels.nm24_candidate_configs`)."""
+    """The default config as ``mma_sp`` (what runs with tuning off), its neighbours as ``mma_sp/<config name>``
+    (``Nm24DecodeConfig.name``; :func:`jaxsparse._cuda._kernels.nm24_candidate_configs`)."""
     x2, w, _ = p.args
     configs = cuda_kernels.nm24_candidate_configs(x2.shape[0], *w.shape)
     return [
-        _tuning.Candidate(self.name if i == 0 else f"{self.name}/s{c.split}w{c.warps}c{c.span}b{c.blocks_per_sm}",
+        _tuning.Candidate(self.name if i == 0 else f"{self.name}/{c.name}",
                           functools.partial(_sparse_mma_run, c), c)
         for i, c in enumerate(configs)
     ]
