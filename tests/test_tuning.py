@@ -136,6 +136,43 @@ def test_tune_measures_once_then_reads_the_cache(monkeypatch):
     assert _choose(cands, rows=8).name == "default"
 
 
+@pytest.mark.parametrize("old_entry", [
+    {"choice": "a", "default": "default", "candidates": ["a", "default"], "times_us": {"a": 1.0, "default": 2.0}},
+    {"choice": "a", "default": "default", "times_us": {"a": 1.0, "default": 2.0}},  # before "candidates"
+])
+def test_a_candidate_added_since_the_decision_is_measured_once_in_tune_mode(old_entry, monkeypatch):
+  cands = _candidates([])  # default, a, dense: "dense" is new to the cached decision
+  key = _measure.signature_key("op", "fwd", "cpu", rows=4)
+  _cache.record(key, old_entry)
+  monkeypatch.setattr(_measure, "_measure", lambda *a: pytest.fail("measured in cached mode"))
+  with _tuning.autotune_mode("cached"):  # may not measure: the decision stands
+    assert _choose(cands).name == "a"
+  measured = []
+  times = {"default": 2.0, "a": 1.0, "dense": 0.5}
+  monkeypatch.setattr(_measure, "_measure", lambda c, m, p: measured.append(sorted(x.name for x in c)) or dict(times))
+  with _tuning.autotune_mode("tune"):
+    assert _choose(cands).name == "dense"
+    assert _choose(cands).name == "dense"
+  assert measured == [["a", "default", "dense"]]
+  entry = _cache.lookup(key)
+  assert entry["candidates"] == ["a", "default", "dense"] and entry["choice"] == "dense"
+  # A candidate that fails to run is remembered as offered: no measurement on every trace.
+  _cache.record(key, {**entry, "times_us": {"a": 1.0, "default": 2.0}})
+  with _tuning.autotune_mode("tune"):
+    assert _choose(cands).name == "dense"
+  assert len(measured) == 1
+
+
+def test_cached_decisions_with_a_malformed_candidate_list_are_remeasured(monkeypatch):
+  key = _measure.signature_key("op", "fwd", "cpu", rows=4)
+  _cache.record(key, {"choice": "a", "candidates": "a,default", "times_us": 3})
+  measured = []
+  monkeypatch.setattr(_measure, "_measure", lambda c, m, p: measured.append(1) or {"default": 1.0, "a": 2.0})
+  with _tuning.autotune_mode("tune"):
+    assert _choose(_candidates([])).name == "default"
+  assert measured == [1]
+
+
 @pytest.mark.parametrize(("times", "winner"), [
     ({"default": 1.0, "a": 0.98, "dense": 1.2}, "default"),  # within the 3% margin: the default stays
     ({"default": 1.0, "a": 0.90, "dense": 1.2}, "a"),

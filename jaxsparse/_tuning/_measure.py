@@ -212,6 +212,14 @@ def _measure(candidates: Sequence[Candidate], make_args: Callable[[], tuple], pl
   return times
 
 
+def _timed(entry: dict) -> set[str]:
+  """The candidate names a cached decision chose among (entries written before ``"candidates"``: those it timed)."""
+  names = entry.get("candidates")
+  if not isinstance(names, list):
+    names = entry.get("times_us")
+  return {n for n in names if isinstance(n, str)} if isinstance(names, (list, dict)) else set()
+
+
 def will_measure(platform: str) -> bool:
   """Whether a product traced now for ``platform`` may be measured (``"tune"`` mode, on that platform's device)."""
   return _cache.current_mode(platform) == "tune" and _has_device(platform)
@@ -227,6 +235,10 @@ def choose(
     fields: dict[str, Any],
 ) -> Candidate:
   """The candidate to run for one product: cached, measured now, or the shipped default (``candidates[0]``).
+
+  A cached decision stands unless this call may measure (``"tune"`` mode, on the platform's device) and offers a
+  candidate the decision did not time (a route or config added since, e.g. by a newer jaxsparse): then the product
+  is measured again, once, over every candidate offered now.
 
   Args:
     op: the op's name, e.g. ``"block_sparse_matmul"``.
@@ -246,9 +258,10 @@ def choose(
   by_name = {c.name: c for c in candidates}
   key = signature_key(op, direction, platform, **fields)
   hit = _cache.lookup(key)
-  if hit is not None and hit["choice"] in by_name:
+  can_measure = mode == "tune" and _has_device(platform)
+  if hit is not None and hit["choice"] in by_name and not (can_measure and set(by_name) - _timed(hit)):
     return by_name[hit["choice"]]
-  if mode != "tune" or not _has_device(platform):
+  if not can_measure:
     return prior
   t0 = time.perf_counter()
   times = _measure(candidates, make_args, platform)
@@ -260,6 +273,7 @@ def choose(
   entry = {
       "choice": best,
       "default": prior.name,
+      "candidates": sorted(by_name),  # every name offered, also those that failed to run
       "times_us": {k: round(v * 1e3, 2) for k, v in sorted(times.items())},
       "tuning_s": round(time.perf_counter() - t0, 3),
   }
