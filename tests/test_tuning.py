@@ -163,6 +163,18 @@ def test_a_candidate_added_since_the_decision_is_measured_once_in_tune_mode(old_
   assert len(measured) == 1
 
 
+def test_products_of_one_key_offering_different_candidates_measure_once_each(monkeypatch):
+  make = lambda name: _tuning.Candidate(name, lambda x: 2 * x, name)
+  first, second = [make("default"), make("a")], [make("default"), make("b")]
+  measured = []
+  monkeypatch.setattr(_measure, "_measure", lambda c, m, p: measured.append(len(c)) or {x.name: 1.0 for x in c})
+  with _tuning.autotune_mode("tune"):
+    for _ in range(3):
+      assert _choose(first).name == "default" and _choose(second).name == "default"
+  assert measured == [2, 2]  # each set once; then the key knows both
+  assert _cache.lookup(_measure.signature_key("op", "fwd", "cpu", rows=4))["candidates"] == ["a", "b", "default"]
+
+
 def test_cached_decisions_with_a_malformed_candidate_list_are_remeasured(monkeypatch):
   key = _measure.signature_key("op", "fwd", "cpu", rows=4)
   _cache.record(key, {"choice": "a", "candidates": "a,default", "times_us": 3})

@@ -273,7 +273,9 @@ def choose(
   entry = {
       "choice": best,
       "default": prior.name,
-      "candidates": sorted(by_name),  # every name offered, also those that failed to run
+      # Every name offered, also those that failed to run, and those an earlier decision for this key chose among
+      # (products of one key may offer different configs, e.g. at two row counts of one bucket: no ping-pong).
+      "candidates": sorted(set(by_name) | (_timed(hit) if hit is not None else set())),
       "times_us": {k: round(v * 1e3, 2) for k, v in sorted(times.items())},
       "tuning_s": round(time.perf_counter() - t0, 3),
   }
