@@ -524,12 +524,13 @@ def decode_checkpoint(
 
   >>> import torch, torch.nn.utils.prune as prune
   >>> from jaxsparse import torch_interop
-  >>> fc = torch.nn.Linear(8, 4)
+  >>> _ = torch.manual_seed(0)  # a mask of 8 x 4 weights could fall into 4:8 groups by chance (about 4%)
+  >>> fc = torch.nn.Linear(64, 16)
   >>> _ = prune.l1_unstructured(fc, "weight", amount=0.5)
   >>> params = torch_interop.decode_checkpoint(fc.state_dict())
   >>> p = params["weight"]
   >>> p.format, p.shape, p.pattern.kind, p.pattern.density
-  ('torch.nn.utils.prune', (4, 8), 'unstructured', 0.5)
+  ('torch.nn.utils.prune', (16, 64), 'unstructured', 0.5)
 
   Args:
     source: anything :func:`load_state_dict` takes.
