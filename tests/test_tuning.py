@@ -175,6 +175,25 @@ def test_products_of_one_key_offering_different_candidates_measure_once_each(mon
   assert _cache.lookup(_measure.signature_key("op", "fwd", "cpu", rows=4))["candidates"] == ["a", "b", "default"]
 
 
+def test_a_cached_choice_the_product_does_not_offer_runs_its_fastest_recorded_candidate(monkeypatch):
+  make = lambda name: _tuning.Candidate(name, lambda x: 2 * x, name)
+  first, second = [make("default"), make("a")], [make("default"), make("b")]
+  times = {"default": 3.0, "a": 2.0, "b": 1.0}
+  measured = []
+  monkeypatch.setattr(_measure, "_measure",
+                      lambda c, m, p: measured.append(len(c)) or {x.name: times[x.name] for x in c})
+  with _tuning.autotune_mode("tune"):
+    assert _choose(first).name == "a" and _choose(second).name == "b"  # "b" is new to the key: measured
+    for _ in range(2):  # the key's choice "b" is not offered to the first: its fastest recorded, "a", unmeasured
+      assert _choose(first).name == "a" and _choose(second).name == "b"
+  assert measured == [2, 2]
+  entry = _cache.lookup(_measure.signature_key("op", "fwd", "cpu", rows=4))
+  assert entry["times_us"] == {"a": 2000.0, "b": 1000.0, "default": 3000.0}
+  _cache.clear_memo()  # a new process, cached mode: the same choices
+  with _tuning.autotune_mode("cached"):
+    assert _choose(first).name == "a" and _choose(second).name == "b"
+
+
 def test_cached_decisions_with_a_malformed_candidate_list_are_remeasured(monkeypatch):
   key = _measure.signature_key("op", "fwd", "cpu", rows=4)
   _cache.record(key, {"choice": "a", "candidates": "a,default", "times_us": 3})

@@ -220,6 +220,20 @@ def _timed(entry: dict) -> set[str]:
   return {n for n in names if isinstance(n, str)} if isinstance(names, (list, dict)) else set()
 
 
+def _recorded_us(entry: dict | None) -> dict[str, float]:
+  """A cached decision's recorded times (µs) by candidate name; malformed ones left out."""
+  times = entry.get("times_us") if entry is not None else None
+  if not isinstance(times, dict):
+    return {}
+  return {k: float(v) for k, v in times.items() if isinstance(k, str) and isinstance(v, (int, float))}
+
+
+def _pick(times: dict[str, float], prior: str) -> str:
+  """The fastest name of ``times``, or ``prior`` (the shipped default) where it is within :data:`MARGIN` of it."""
+  best = min(times, key=times.get)
+  return prior if prior in times and times[prior] <= times[best] * (1 + MARGIN) else best
+
+
 def will_measure(platform: str) -> bool:
   """Whether a product traced now for ``platform`` may be measured (``"tune"`` mode, on that platform's device)."""
   return _cache.current_mode(platform) == "tune" and _has_device(platform)
@@ -238,7 +252,9 @@ def choose(
 
   A cached decision stands unless this call may measure (``"tune"`` mode, on the platform's device) and offers a
   candidate the decision did not time (a route or config added since, e.g. by a newer jaxsparse): then the product
-  is measured again, once, over every candidate offered now.
+  is measured again, once, over every candidate offered now. Products of one signature may offer different
+  candidates (two row counts of one bucket): where the cached choice is not offered, the fastest offered candidate
+  of the entry's recorded times runs, without measuring; the entry keeps the times of every measurement of its key.
 
   Args:
     op: the op's name, e.g. ``"block_sparse_matmul"``.
@@ -259,26 +275,29 @@ def choose(
   key = signature_key(op, direction, platform, **fields)
   hit = _cache.lookup(key)
   can_measure = mode == "tune" and _has_device(platform)
-  if hit is not None and hit["choice"] in by_name and not (can_measure and set(by_name) - _timed(hit)):
-    return by_name[hit["choice"]]
+  recorded = _recorded_us(hit)
+  if hit is not None and not (can_measure and set(by_name) - _timed(hit)):
+    if hit["choice"] in by_name:
+      return by_name[hit["choice"]]
+    offered = {k: v for k, v in recorded.items() if k in by_name}
+    if offered:  # the key's other products chose among other candidates: the fastest of these, as recorded
+      return by_name[_pick(offered, prior.name)]
   if not can_measure:
     return prior
   t0 = time.perf_counter()
   times = _measure(candidates, make_args, platform)
   if not times:
     return prior
-  best = min(times, key=times.get)
-  if prior.name in times and times[prior.name] <= times[best] * (1 + MARGIN):
-    best = prior.name
+  best = _pick(times, prior.name)
   entry = {
       "choice": best,
       "default": prior.name,
-      # Every name offered, also those that failed to run, and those an earlier decision for this key chose among
-      # (products of one key may offer different configs, e.g. at two row counts of one bucket: no ping-pong).
+      # Every name offered, also those that failed to run, and those an earlier decision for this key chose among.
       "candidates": sorted(set(by_name) | (_timed(hit) if hit is not None else set())),
-      "times_us": {k: round(v * 1e3, 2) for k, v in sorted(times.items())},
+      "times_us": {**recorded, **{k: round(v * 1e3, 2) for k, v in times.items()}},
       "tuning_s": round(time.perf_counter() - t0, 3),
   }
+  entry["times_us"] = dict(sorted(entry["times_us"].items()))
   _cache.record(key, entry)
   logger.info("autotune %s %s %s: %s", op, direction, fields, entry)
   return by_name[best]
