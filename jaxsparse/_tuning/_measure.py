@@ -294,10 +294,9 @@ def choose(
       "default": prior.name,
       # Every name offered, also those that failed to run, and those an earlier decision for this key chose among.
       "candidates": sorted(set(by_name) | (_timed(hit) if hit is not None else set())),
-      "times_us": {**recorded, **{k: round(v * 1e3, 2) for k, v in times.items()}},
+      "times_us": dict(sorted({**recorded, **{k: round(v * 1e3, 2) for k, v in times.items()}}.items())),
       "tuning_s": round(time.perf_counter() - t0, 3),
   }
-  entry["times_us"] = dict(sorted(entry["times_us"].items()))
   _cache.record(key, entry)
   logger.info("autotune %s %s %s: %s", op, direction, fields, entry)
   return by_name[best]
