@@ -212,20 +212,18 @@ def _measure(candidates: Sequence[Candidate], make_args: Callable[[], tuple], pl
   return times
 
 
-def _timed(entry: dict) -> set[str]:
-  """The candidate names a cached decision chose among (entries written before ``"candidates"``: those it timed)."""
-  names = entry.get("candidates")
-  if not isinstance(names, list):
-    names = entry.get("times_us")
-  return {n for n in names if isinstance(n, str)} if isinstance(names, (list, dict)) else set()
-
-
 def _recorded_us(entry: dict | None) -> dict[str, float]:
   """A cached decision's recorded times (µs) by candidate name; malformed ones left out."""
   times = entry.get("times_us") if entry is not None else None
   if not isinstance(times, dict):
     return {}
   return {k: float(v) for k, v in times.items() if isinstance(k, str) and isinstance(v, (int, float))}
+
+
+def _timed(entry: dict) -> set[str]:
+  """The candidate names a cached decision chose among (entries written before ``"candidates"``: those it timed)."""
+  names = entry.get("candidates")
+  return {n for n in names if isinstance(n, str)} if isinstance(names, list) else set(_recorded_us(entry))
 
 
 def _pick(times: dict[str, float], prior: str) -> str:
