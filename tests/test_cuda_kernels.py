@@ -82,6 +82,7 @@ def test_nm24_unsupported_reason(m, k, n, dtype, expect):
         ({"warps": 16}, "warps must be 2, 4 or 8, got warps=16"),
         ({"span": 32}, r"span must be one of \(128, 64\), got span=32"),
         ({"blocks_per_sm": 3}, "blocks_per_sm must be 1 or 2, got blocks_per_sm=3"),
+        ({"x_load": "ldg"}, r"x_load must be one of \('shuffle', 'ldmatrix'\), got x_load='ldg'"),
     ],
 )
 def test_nm24_config_errors(kwargs, match):
@@ -106,12 +107,14 @@ def test_nm24_default_config_fits(m, k, n):
 @pytest.mark.parametrize("m", [1, 8, 16, 17, 32])
 def test_nm24_candidate_configs_are_distinct_runnable_and_default_first(m, k, n):
   configs = ck.nm24_candidate_configs(m, k, n)
-  assert configs[0] == ck.Nm24DecodeConfig.get_default(m, k, n) and len(set(configs)) == len(configs) <= 7
+  assert configs[0] == ck.Nm24DecodeConfig.get_default(m, k, n) and len(set(configs)) == len(configs) <= 8
   extra = [dataclasses.replace(configs[0], blocks_per_sm=2)]
-  extra += [dataclasses.replace(configs[0], token_split=2)] if m > 8 else []
+  extra += [dataclasses.replace(configs[0], token_split=2), dataclasses.replace(configs[0], x_load="shuffle")] \
+      if m > 8 else []
   assert configs[-len(extra):] == extra
   for c in configs[1:-len(extra)]:  # every warp of every block gets a step pair; the span divides N; 128-column
     assert (k // 64) >= c.split * c.warps and n % c.span == 0 and (c.span == 64 or m <= 16)  # spans to M = 16
+    assert c.x_load == configs[0].x_load
   # The backend offers them all: the default under the name the shipped rules pick, the others named by config.
   bf16 = jnp.dtype(jnp.bfloat16)
   cfg = _nm_matmul._Config(implementation="auto", precision=None, out_dtype=bf16)
@@ -125,12 +128,14 @@ def test_nm24_candidate_configs_are_distinct_runnable_and_default_first(m, k, n)
 
 def test_nm24_default_spans_by_rows():
   # The measured winners (benchmarks/results/gpu_nm_decode_2026-11-24_h100.md).
+  # x_load: shuffles for one token tile, ldmatrix above (benchmarks/results/llm_decode_x_loads_2026-11-27_h100.md).
+  lm = "ldmatrix"
   assert ck.Nm24DecodeConfig.get_default(8, 4096, 4096) == ck.Nm24DecodeConfig(split=8, warps=4, span=128)
   assert ck.Nm24DecodeConfig.get_default(1, 4096, 16384) == ck.Nm24DecodeConfig(split=1, warps=8, span=128)
-  assert ck.Nm24DecodeConfig.get_default(16, 4096, 4096) == ck.Nm24DecodeConfig(split=8, warps=4, span=64)
-  assert ck.Nm24DecodeConfig.get_default(16, 4096, 16384) == ck.Nm24DecodeConfig(split=1, warps=8, span=64)
-  assert ck.Nm24DecodeConfig.get_default(32, 4096, 4096) == ck.Nm24DecodeConfig(split=2, warps=8, span=64)
-  assert ck.Nm24DecodeConfig.get_default(32, 4096, 16384) == ck.Nm24DecodeConfig(split=1, warps=4, span=64)
+  assert ck.Nm24DecodeConfig.get_default(16, 4096, 4096) == ck.Nm24DecodeConfig(8, 4, 64, x_load=lm)
+  assert ck.Nm24DecodeConfig.get_default(16, 4096, 16384) == ck.Nm24DecodeConfig(1, 8, 64, x_load=lm)
+  assert ck.Nm24DecodeConfig.get_default(32, 4096, 4096) == ck.Nm24DecodeConfig(2, 8, 64, x_load=lm)
+  assert ck.Nm24DecodeConfig.get_default(32, 4096, 16384) == ck.Nm24DecodeConfig(1, 4, 64, x_load=lm)
   # N a multiple of 64 but not of 128: spans of 64 at every M.
   assert ck.Nm24DecodeConfig.get_default(1, 4096, 4160).span == 64
 
@@ -138,13 +143,13 @@ def test_nm24_default_spans_by_rows():
 @pytest.mark.parametrize(("rows", "span"), [(1, 128), (16, 128), (16, 64), (24, 64), (32, 64)])  # 1-4 token tiles
 @pytest.mark.parametrize("split", [1, 2, 4, 8])
 @pytest.mark.parametrize("warps", [2, 4, 8])
-@pytest.mark.parametrize("token_split", [1, 2])
-def test_nm24_source_compiles_for_hopper(rows, span, split, warps, token_split, monkeypatch, tmp_path):
+@pytest.mark.parametrize(("token_split", "x_load"), [(1, "shuffle"), (1, "ldmatrix"), (2, "ldmatrix")])
+def test_nm24_source_compiles_for_hopper(rows, span, split, warps, token_split, x_load, monkeypatch, tmp_path):
   """NVRTC (the dev extra's nvidia-cuda-nvrtc; no GPU needed) compiles every variant of the kernel for sm_90."""
   assert ck._nvrtc() is not None, "libnvrtc not found: install the dev extra (nvidia-cuda-nvrtc)"
   monkeypatch.setenv("JAXSPARSE_CACHE_DIR", str(tmp_path))
   source = (ck._HERE / "nm24_decode.cu").read_text()
-  cfg = ck.Nm24DecodeConfig(split, warps, span, token_split=token_split)
+  cfg = ck.Nm24DecodeConfig(split, warps, span, token_split=token_split, x_load=x_load)
   options = ck._nvrtc_options("sm_90", ck._nm24_defines(rows, cfg))
   cubin, log = ck._compile_cubin(source, "nm24_decode", options)
   assert cubin is not None, log
@@ -251,7 +256,9 @@ def test_pallas_is_not_tuned_for_many_rows_unless_forced():
         ck.Nm24DecodeConfig(8, 8), ck.Nm24DecodeConfig(4, 2), ck.Nm24DecodeConfig(1, 4, 64),
         ck.Nm24DecodeConfig(8, 2, 64), ck.Nm24DecodeConfig(4, 8, 64), ck.Nm24DecodeConfig(2, 8, 64),
         ck.Nm24DecodeConfig(4, 8, 64, token_split=2), ck.Nm24DecodeConfig(8, 2, 64, token_split=2),
-        ck.Nm24DecodeConfig(1, 4, 128, token_split=2),
+        ck.Nm24DecodeConfig(1, 4, 128, token_split=2), ck.Nm24DecodeConfig(1, 8, x_load="ldmatrix"),
+        ck.Nm24DecodeConfig(2, 8, 64, x_load="ldmatrix"), ck.Nm24DecodeConfig(8, 2, 64, x_load="ldmatrix"),
+        ck.Nm24DecodeConfig(4, 8, 64, token_split=2, x_load="ldmatrix"),
     ],
 )
 def test_gpu_nm24_decode(m, k, n, config):
@@ -286,11 +293,12 @@ def test_gpu_nm24_decode_every_candidate_config(m, k, n):
     split=st.sampled_from([1, 2, 4, 8]),
     span=st.sampled_from(ck.NM24_SPANS),
     token_split=st.sampled_from([1, 2]),
+    x_load=st.sampled_from(ck.NM24_X_LOADS),
     seed=st.integers(0, 2**16),
 )
-def test_gpu_nm24_decode_random(m, k, n, split, span, token_split, seed):
+def test_gpu_nm24_decode_random(m, k, n, split, span, token_split, x_load, seed):
   x, w, ref = _problem(seed, m, k, n)
-  cfg = ck.Nm24DecodeConfig(split=split, warps=4, span=span, token_split=token_split)
+  cfg = ck.Nm24DecodeConfig(split=split, warps=4, span=span, token_split=token_split, x_load=x_load)
   y = ck.nm24_decode(x, w.values, w.indices, config=cfg)
   assert _rel(y, ref) < TOL
 

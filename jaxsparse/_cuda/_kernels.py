@@ -72,6 +72,7 @@ _MIN_CAPABILITY = (9, 0)
 _NO_NVRTC = "libnvrtc not found (pip install 'jaxsparse[cuda13]' or '[cuda12]', or set $CUDA_HOME to a CUDA toolkit)"
 NM24_SPANS = (128, 64)  # columns of W per thread block
 NM24_MAX_ROWS = 32
+NM24_X_LOADS = ("shuffle", "ldmatrix")  # Nm24DecodeConfig.x_load; NM_XLOAD is the index + 1
 MAX_DIM = 1 << 30  # the kernels take K and N as int
 _MAX_GRID_X = (1 << 31) - 1
 
@@ -308,6 +309,11 @@ class Nm24DecodeConfig:
     token_split: 1 or 2 warps per step of ``K``: with 2, two warps load the same weights (the second mostly from L1)
       and each multiplies half of the rows of ``x``, for half the accumulator registers (182 -> 128 at 32 rows and
       64-column spans) and twice the warps a multiprocessor holds. It pays only above 8 rows (one tile of 8 each).
+    x_load: how a lane gets its slice of ``x`` (four bf16 pairs 16 bytes apart) after one 16-byte load per lane:
+      ``"shuffle"`` (a 4 x 4 transpose across the lane's quad by warp shuffles) or ``"ldmatrix"`` (through 512 bytes
+      of shared memory per warp and token tile). Both replace four 4-byte loads that each touched 8 rows of ``x``:
+      on an H100, shuffles took 0.88-0.96 of the 4-byte loads' time at 1-8 rows and ``ldmatrix`` 0.54-1.01 at
+      16-32 rows (``benchmarks/results/llm_decode_x_loads_2026-11-27_h100.md``).
   """
 
   split: int = 1
@@ -315,6 +321,7 @@ class Nm24DecodeConfig:
   span: int = 128
   blocks_per_sm: int = 1
   token_split: int = 1
+  x_load: str = "shuffle"
 
   def __post_init__(self):
     if self.split not in (1, 2, 4, 8):
@@ -327,11 +334,15 @@ class Nm24DecodeConfig:
       raise ValueError(f"blocks_per_sm must be 1 or 2, got blocks_per_sm={self.blocks_per_sm}.")
     if self.token_split not in (1, 2):
       raise ValueError(f"token_split must be 1 or 2, got token_split={self.token_split}.")
+    if self.x_load not in NM24_X_LOADS:
+      raise ValueError(f"x_load must be one of {NM24_X_LOADS}, got x_load={self.x_load!r}.")
 
   @property
   def name(self) -> str:
-    """``"s{split}w{warps}c{span}b{blocks_per_sm}"``, and ``"t2"`` with ``token_split=2`` (tuning-cache names)."""
-    return f"s{self.split}w{self.warps}c{self.span}b{self.blocks_per_sm}" + ("t2" if self.token_split == 2 else "")
+    """``"s{split}w{warps}c{span}b{blocks_per_sm}"``, ``"t2"`` with ``token_split=2``, then ``"xs"`` (shuffle) or
+    ``"xm"`` (ldmatrix): the tuning cache's names."""
+    return (f"s{self.split}w{self.warps}c{self.span}b{self.blocks_per_sm}" + ("t2" if self.token_split == 2 else "")
+            + ("xs" if self.x_load == "shuffle" else "xm"))
 
   @classmethod
   def get_default(cls, m: int, k: int, n: int) -> Nm24DecodeConfig:
@@ -368,13 +379,14 @@ class Nm24DecodeConfig:
       split //= 2
     while warps > 2 and pairs < split * warps:
       warps //= 2
-    return cls(split=split, warps=warps, span=span)
+    return cls(split=split, warps=warps, span=span, x_load="shuffle" if m <= 8 else "ldmatrix")
 
 
 def nm24_candidate_configs(m: int, k: int, n: int) -> list[Nm24DecodeConfig]:
   """The configs measured dispatch times for an ``(m, k) @ (k, n)`` product: the default first, then its neighbours
   (half and twice the split, the other warp count at the same warps per span, the other span), the default with
-  two blocks per multiprocessor and, above 8 rows, the default with its rows split over two warps (``token_split``).
+  two blocks per multiprocessor and, above 8 rows, the default with its rows split over two warps (``token_split``)
+  and the default with the shuffle ``x_load`` (it beat ``ldmatrix`` at some products of 16-32 rows).
 
   The defaults were fitted at ``K = 4096`` and a few ``N``; a product elsewhere (a fused ``N`` of 6144 or 28672, a
   ``K`` of 14336) may run better one step away, which only a measurement can tell.
@@ -390,12 +402,13 @@ def nm24_candidate_configs(m: int, k: int, n: int) -> list[Nm24DecodeConfig]:
                              (d.split, d.warps, 64 if d.span == 128 else 128)):
     if split not in (1, 2, 4, 8) or n % span or (span == 128 and m > 16) or k // 64 < split * warps:
       continue
-    cfg = Nm24DecodeConfig(split=split, warps=warps, span=span)
+    cfg = dataclasses.replace(d, split=split, warps=warps, span=span)
     if cfg not in out:
       out.append(cfg)
   out.append(dataclasses.replace(d, blocks_per_sm=2))
   if m > 8:
     out.append(dataclasses.replace(d, token_split=2))
+    out.append(dataclasses.replace(d, x_load="shuffle"))
   return out
 
 
@@ -422,6 +435,7 @@ def _nm24_defines(m: int, cfg: Nm24DecodeConfig) -> tuple[tuple[str, int], ...]:
       ("NM_WARPS", cfg.warps),
       ("NM_MINB", cfg.blocks_per_sm),
       ("NM_TSPLIT", cfg.token_split),
+      ("NM_XLOAD", NM24_X_LOADS.index(cfg.x_load) + 1),
   )
 
 

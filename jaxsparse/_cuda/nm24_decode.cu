@@ -2,7 +2,7 @@
 // as jaxsparse.NMSparseMatrix stores it, on the sparse tensor cores (mma.sp; compute capability 9.0+ for the
 // thread block clusters).
 // Compiled at run time by NVRTC (no includes), one build per (NM_MT, NM_CPL, NM_SPLIT, NM_WARPS, NM_MINB,
-// NM_TSPLIT).
+// NM_TSPLIT, NM_XLOAD).
 //
 // Operands, all row-major as JAX stores them:
 //   x       (M, K) bf16;
@@ -19,7 +19,10 @@
 // consecutive columns: lane group g (lane / 4) loads NM_CPL (16 or 8) consecutive columns of a values row
 // with NM_CPL / 8 16-byte loads, and instruction i (0 .. NI - 1, NI = NM_CPL / 2) takes column
 // NM_CPL g + i as its row g and NM_CPL g + NI + i as its row g + 8, so every load is a full 16 bytes and
-// no data moves between lanes. Token tiles of 8 rows (NM_MT of them) share each A fragment; with NM_TSPLIT = 2
+// no data moves between lanes. A lane's B fragment (x) is 4 bf16 pairs 16 bytes apart (K 8j + 2t, j = 0..3): each
+// lane of a quad loads 16 contiguous bytes (K 8t .. 8t + 7) and the quad transposes them, by shuffles (NM_XLOAD 1)
+// or through shared memory and ldmatrix (NM_XLOAD 2), instead of four 4-byte loads that each touch 8 rows of x
+// (the x loads were most of the instructions at 32 rows). Token tiles of 8 rows (NM_MT of them) share each A fragment; with NM_TSPLIT = 2
 // two warps load the same A fragments (the second load mostly from L1) and take half of the tiles each, for half
 // the accumulator registers and twice the warps a multiprocessor holds. Any order of the
 // rows is as good as another: each row's output column is tracked. The warps of a thread block split
@@ -42,6 +45,9 @@
 #endif
 #ifndef NM_WARPS
 #define NM_WARPS 8
+#endif
+#ifndef NM_XLOAD
+#define NM_XLOAD 1  // the quad transpose of x: 1 shuffles, 2 shared memory + ldmatrix
 #endif
 #ifndef NM_MINB
 #define NM_MINB 1  // thread blocks a multiprocessor must hold at once (caps the registers per thread)
@@ -140,7 +146,13 @@ extern "C" __global__ void __launch_bounds__(NM_WARPS * 32, NM_MINB)
                 u16* __restrict__ y, int m, int k, int n) {
   // Partial-sum slots: up to 4, within the 48 KB of static shared memory (less the cluster's receive rows).
   constexpr int kEntries = 4 * NM_NI * NM_MT;  // accumulator registers per lane
-  constexpr int kFree = 49152 - (NM_SPLIT > 1 ? kEntries * 128 : 0);
+#if NM_XLOAD == 2
+  __shared__ __align__(16) u32 xs[NM_WARPS][NM_WMT][128];  // per warp and tile: 8 tokens x 32 K, swizzled
+  constexpr int kXs = NM_WARPS * NM_WMT * 512;
+#else
+  constexpr int kXs = 0;
+#endif
+  constexpr int kFree = 49152 - kXs - (NM_SPLIT > 1 ? kEntries * 128 : 0);
   constexpr int kSlots = (NM_KW < 4 ? NM_KW : 4) * kEntries * 128 <= kFree ? (NM_KW < 4 ? NM_KW : 4)
                          : 2 * kEntries * 128 <= kFree                          ? 2
                                                                                 : 1;
@@ -201,9 +213,33 @@ extern "C" __global__ void __launch_bounds__(NM_WARPS * 32, NM_MINB)
 #pragma unroll
       for (int mt = 0; mt < NM_WMT; ++mt) {
         const int tok = g + 8 * (mt0 + mt);
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-          b[mt][j] = tok < m ? __ldg(reinterpret_cast<const u32*>(x + (size_t)tok * k + 32 * step + 8 * j + 2 * t)) : 0u;
+        // Lane t loads K 8t .. 8t + 7 (its pair s at 8t + 2s); it needs pair t of every 8-wide chunk j.
+        const uint4 q4 = tok < m ? __ldg(reinterpret_cast<const uint4*>(x + (size_t)tok * k + 32 * step + 8 * t))
+                                 : uint4{0u, 0u, 0u, 0u};
+#if NM_XLOAD == 1
+        // A 4 x 4 transpose across the quad: swap within 2 x 2 blocks (lanes t, t ^ 1), then the off-diagonal
+        // blocks (lanes t, t ^ 2).
+        u32 r0 = q4.x, r1 = q4.y, r2 = q4.z, r3 = q4.w;
+        const bool odd = t & 1, upper = t & 2;
+        const u32 s0 = __shfl_xor_sync(0xffffffffu, odd ? r0 : r1, 1);
+        const u32 s1 = __shfl_xor_sync(0xffffffffu, odd ? r2 : r3, 1);
+        if (odd) r0 = s0, r2 = s1; else r1 = s0, r3 = s1;
+        const u32 s2 = __shfl_xor_sync(0xffffffffu, upper ? r0 : r2, 2);
+        const u32 s3 = __shfl_xor_sync(0xffffffffu, upper ? r1 : r3, 2);
+        if (upper) r0 = s2, r1 = s3; else r2 = s2, r3 = s3;
+        b[mt][0] = r0, b[mt][1] = r1, b[mt][2] = r2, b[mt][3] = r3;
+#else
+        // Token g's chunk t at 16-byte slot t ^ ((g / 2) % 4) of its 64-byte row: the 8 rows ldmatrix reads per
+        // matrix (and the 8 lanes of each store phase) fall in different banks.
+        u32* buf = xs[warp][mt];
+        *reinterpret_cast<uint4*>(buf + 16 * g + 4 * (t ^ ((g >> 1) & 3))) = q4;
+        __syncwarp();
+        const int row = lane & 7, chunk = lane >> 3;  // lane l gives the address of row l % 8 of matrix l / 8
+        const u32 addr = (u32)__cvta_generic_to_shared(buf + 16 * row + 4 * (chunk ^ ((row >> 1) & 3)));
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(b[mt][0]), "=r"(b[mt][1]), "=r"(b[mt][2]), "=r"(b[mt][3]) : "r"(addr) : "memory");
+        __syncwarp();  // the next step's stores wait for every lane's ldmatrix
+#endif
       }
 #pragma unroll
       for (int i = 0; i < NM_NI; ++i) {
