@@ -312,7 +312,7 @@ class Nm24DecodeConfig:
     x_load: how a lane gets its slice of ``x`` (four bf16 pairs 16 bytes apart) after one 16-byte load per lane:
       ``"shuffle"`` (a 4 x 4 transpose across the lane's quad by warp shuffles) or ``"ldmatrix"`` (through 512 bytes
       of shared memory per warp and token tile). Both replace four 4-byte loads that each touched 8 rows of ``x``:
-      on an H100, shuffles took 0.88-0.96 of the 4-byte loads' time at 1-8 rows and ``ldmatrix`` 0.54-1.01 at
+      on an H100, shuffles took 0.88-1.01 of the 4-byte loads' time at 1-8 rows and ``ldmatrix`` 0.54-1.02 at
       16-32 rows (``benchmarks/results/llm_decode_x_loads_2026-11-27_h100.md``).
   """
 
