@@ -10,6 +10,7 @@ order, so the relative Frobenius error of the whole output stays near 1.7e-3; we
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import os
@@ -281,6 +282,21 @@ def test_gpu_nm24_decode_every_candidate_config(m, k, n):
   for cfg in ck.nm24_candidate_configs(m, k, n):
     y = jax.jit(lambda x, v, i, c=cfg: ck.nm24_decode(x, v, i, config=c))(x, w.values, w.indices)
     assert _rel(y, ref) < TOL, cfg
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_nm24_candidates_build_in_threads_then_run(monkeypatch, tmp_path):
+  """What measured dispatch does before tracing: every candidate's kernel built at once (NVRTC in threads)."""
+  monkeypatch.setenv("JAXSPARSE_CACHE_DIR", str(tmp_path))  # compile for real, not from the disk cache
+  m, k, n = 24, 2048, 2560
+  configs = ck.nm24_candidate_configs(m, k, n)
+  with concurrent.futures.ThreadPoolExecutor(len(configs)) as pool:
+    assert list(pool.map(lambda c: ck.nm24_prepare(m, k, n, c), configs)) == [""] * len(configs)
+  assert {ck._nm24_defines(m, c) for c in configs} <= {key[2] for key in ck._load()["kernels"]}
+  x, w, ref = _problem(5, m, k, n)
+  for cfg in configs:
+    assert _rel(ck.nm24_decode(x, w.values, w.indices, config=cfg), ref) < TOL, cfg
 
 
 @pytest.mark.gpu

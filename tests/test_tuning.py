@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import types
 import warnings
 
@@ -284,6 +285,30 @@ def test_each_set_of_operands_is_called_in_turn_and_the_time_is_per_call(monkeyp
   assert len(sets) == 3 and all(s[1] == 5 and s[0] is not sets[0][0] for s in sets[1:])
   outs = jax.jit(_measure._in_turn(lambda x, k: k * x))(sets)
   assert len(outs) == 3 and all(np.array_equal(o, 5 * np.arange(4.0)) for o in outs)
+
+
+def test_candidates_are_prepared_side_by_side_before_any_is_traced():
+  events, lock, both_started = [], threading.Lock(), threading.Barrier(2, timeout=10)
+
+  def prepare(name):
+    both_started.wait()  # a deadlock (BrokenBarrierError) unless the two run at once, in threads
+    with lock:
+      events.append(("prepared", name))
+    if name == "b":
+      raise RuntimeError("the build failed")  # left to tracing: logged, not raised
+
+  def run(name):
+    def f(x):
+      events.append(("traced", name))
+      return x + 1
+    return f
+
+  cands = [_tuning.Candidate(n, run(n), prepare=functools.partial(prepare, n)) for n in ("a", "b")]
+  cands.append(_tuning.Candidate("dense", run("dense")))  # no prepare
+  times = _measure._measure(cands, lambda: (jnp.ones(4),), "cpu")
+  assert set(times) == {"a", "b", "dense"}
+  assert sorted(events[:2]) == [("prepared", "a"), ("prepared", "b")]
+  assert [e[0] for e in events[2:]] == ["traced"] * 3
 
 
 def test_time_call_ms_times_one_call_over_copies_of_the_operands(monkeypatch):

@@ -280,10 +280,14 @@ def _kernel_id(source_name: str, name: str, defines: tuple[tuple[str, int], ...]
   with _LOCK:
     if key in state["kernels"]:
       return state["kernels"][key]
-    source = (_HERE / source_name).read_text()
-    cubin, log = _compile_cubin(source, name, _nvrtc_options(state["arch"], defines))
-    if cubin is None:
-      raise RuntimeError(log)
+  # NVRTC runs outside the lock (and without the GIL): kernels of several configs compile side by side
+  # (measured dispatch prepares its candidates in threads). Two threads may compile one key; one registers it.
+  cubin, log = _compile_cubin((_HERE / source_name).read_text(), name, _nvrtc_options(state["arch"], defines))
+  if cubin is None:
+    raise RuntimeError(log)
+  with _LOCK:
+    if key in state["kernels"]:
+      return state["kernels"][key]
     error = ctypes.create_string_buffer(512)
     kid = state["register"](name.encode(), cubin, len(cubin), error)
     if kid < 0:
@@ -439,13 +443,15 @@ def _nm24_defines(m: int, cfg: Nm24DecodeConfig) -> tuple[tuple[str, int], ...]:
   )
 
 
-def nm24_prepare(m: int, k: int, n: int) -> str:
-  """Builds the default kernel for an ``(m, k) @ (k, n)`` product (once); why it cannot run, or ``""``."""
+def nm24_prepare(m: int, k: int, n: int, config: Nm24DecodeConfig | None = None) -> str:
+  """Builds the kernel of ``config`` (default: the default config) for an ``(m, k) @ (k, n)`` product (once per
+  process; NVRTC's output is cached on disk); why it cannot run, or ``""``. Thread-safe: builds of several configs
+  may run in threads at once."""
   reason = unavailable_reason() or nm24_unsupported_reason(m, k, n, jnp.bfloat16)
   if reason:
     return reason
   try:
-    _kernel_id("nm24_decode.cu", "nm24_decode", _nm24_defines(m, Nm24DecodeConfig.get_default(m, k, n)))
+    _kernel_id("nm24_decode.cu", "nm24_decode", _nm24_defines(m, config or Nm24DecodeConfig.get_default(m, k, n)))
   except RuntimeError as e:
     return str(e)
   return ""

@@ -63,12 +63,16 @@ class Candidate:
     value: what the router uses when this candidate wins (e.g. a kernel config).
     measure: what is timed instead of ``run``, on the same operands, where ``run`` alone would mislead (e.g. a
       whole train step's products, when the candidates differ in their backward passes too); ``None``: ``run``.
+    prepare: ``() -> Any``, thread-safe work that tracing ``run`` would otherwise do on its own (e.g. compiling a
+      CUDA kernel with NVRTC): before a measurement traces the candidates one by one, the ``prepare`` of every
+      candidate runs in a thread pool, side by side. Its result and errors are ignored (tracing then reports them).
   """
 
   name: str
   run: Callable[..., Any]
   value: Any = None
   measure: Callable[..., Any] | None = None
+  prepare: Callable[[], Any] | None = None
 
 
 def signature_key(op: str, direction: str, platform: str, **fields: Any) -> str:
@@ -180,12 +184,24 @@ def time_call_ms(f: Callable[..., Any], args: tuple, platform: str) -> float:
   return _time_ms(exe, (sets,), platform) / len(sets)
 
 
+def _prepare(candidates: Sequence[Candidate]) -> None:
+  """Runs the candidates' ``prepare`` side by side (kernel builds release the GIL); errors are left to tracing."""
+  jobs = [c.prepare for c in candidates if c.prepare is not None]
+  if len(jobs) < 2:
+    return  # one build gains nothing from a thread; tracing does it
+  with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, len(jobs))) as pool:
+    for fut in [pool.submit(job) for job in jobs]:
+      if fut.exception() is not None:
+        logger.info("autotune: preparing a candidate failed: %s", fut.exception())
+
+
 def _measure(candidates: Sequence[Candidate], make_args: Callable[[], tuple], platform: str) -> dict[str, float]:
   """``{name: ms}`` of the candidates that compile and run (the others are logged and left out): the time of one
   call, on operands that are not in the L2 cache (:func:`_copies`)."""
   # Operands and runs are eager (concrete, on the device) even inside the caller's trace; the candidates are
   # traced on their own, outside that eager scope (a kernel body must be staged, not evaluated).
   t0 = time.perf_counter()
+  _prepare(candidates)
   with jax.ensure_compile_time_eval():
     sets = _sets(make_args(), platform)
   lowered = {}

@@ -236,7 +236,8 @@ class _SparseMma:
     configs = cuda_kernels.nm24_candidate_configs(x2.shape[0], *w.shape)
     return [
         _tuning.Candidate(self.name if i == 0 else f"{self.name}/{c.name}",
-                          functools.partial(_sparse_mma_run, c), c)
+                          functools.partial(_sparse_mma_run, c), c,
+                          prepare=functools.partial(cuda_kernels.nm24_prepare, x2.shape[0], *w.shape, c))
         for i, c in enumerate(configs)
     ]
 
