@@ -25,6 +25,7 @@ from hypothesis import given
 from hypothesis import settings
 from hypothesis import strategies as st
 from jax import lax
+from jax._src import core as jax_core
 from jax.sharding import PartitionSpec as P
 
 import jaxsparse
@@ -285,6 +286,23 @@ def test_each_set_of_operands_is_called_in_turn_and_the_time_is_per_call(monkeyp
   assert len(sets) == 3 and all(s[1] == 5 and s[0] is not sets[0][0] for s in sets[1:])
   outs = jax.jit(_measure._in_turn(lambda x, k: k * x))(sets)
   assert len(outs) == 3 and all(np.array_equal(o, 5 * np.arange(4.0)) for o in outs)
+
+
+def test_random_operands_are_made_where_no_trace_is_active():
+  """Inside the caller's trace, a jitted operand maker would run op by op with its constants folded (20 s for an
+  LLM's weight): make_args runs where jit compiles and runs whole programs."""
+  seen = []
+
+  def make_args():
+    seen.append(jax_core.trace_state_clean())
+    return (jnp.ones(4),)
+
+  def f(x):
+    _measure._measure([_tuning.Candidate("a", lambda v: v + 1)], make_args, "cpu")
+    return x
+
+  jax.jit(f)(1.0)
+  assert seen == [True]
 
 
 def test_candidates_are_prepared_side_by_side_before_any_is_traced():

@@ -217,8 +217,9 @@ def _signature(x2, w: BlockSparseMatrix, result_dtype, precision) -> dict:
   }
 
 
-def _random_like(key: np.random.Generator, shape, dtype) -> jax.Array:
-  return jnp.asarray(key.standard_normal(shape, np.float32), dtype)
+def _random_like(rng: np.random.Generator, shape, dtype) -> jax.Array:
+  """Normal random numbers made on the device (host-made ones cost seconds at the sizes of an LLM's weights)."""
+  return jax.random.normal(jax.random.key(int(rng.integers(2**31))), shape, dtype)
 
 
 def _random_weight(w: BlockSparseMatrix, seed: int = 0) -> BlockSparseMatrix:

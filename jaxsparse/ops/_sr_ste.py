@@ -515,10 +515,9 @@ def sr_ste_matmul(
 def _routed(cfg: _MatmulConfig, x: jax.Array, w: jax.Array) -> _router.Product:
   """The product as the router sees it: one train step's products of ``x @ sr_ste(w)``."""
 
-  def make_args():
-    rng = np.random.default_rng(1)
-    return (jnp.asarray(rng.standard_normal(x.shape, np.float32), x.dtype),
-            jnp.asarray(rng.standard_normal(w.shape, np.float32), w.dtype))
+  def make_args():  # on the device: host-made random numbers cost seconds at an LLM's weight sizes
+    kx, kw = jax.random.split(jax.random.key(1))
+    return jax.random.normal(kx, x.shape, x.dtype), jax.random.normal(kw, w.shape, w.dtype)
 
   fields = {
       "rows": _utils.row_bucket(math.prod(x.shape[:-1])),
