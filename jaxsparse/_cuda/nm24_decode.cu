@@ -22,10 +22,10 @@
 // no data moves between lanes. A lane's B fragment (x) is 4 bf16 pairs 16 bytes apart (K 8j + 2t, j = 0..3): each
 // lane of a quad loads 16 contiguous bytes (K 8t .. 8t + 7) and the quad transposes them, by shuffles (NM_XLOAD 1)
 // or through shared memory and ldmatrix (NM_XLOAD 2), instead of four 4-byte loads that each touch 8 rows of x
-// (the x loads were most of the instructions at 32 rows). Token tiles of 8 rows (NM_MT of them) share each A fragment; with NM_TSPLIT = 2
-// two warps load the same A fragments (the second load mostly from L1) and take half of the tiles each, for half
-// the accumulator registers and twice the warps a multiprocessor holds. Any order of the
-// rows is as good as another: each row's output column is tracked. The warps of a thread block split
+// (the x loads were most of the instructions at 32 rows). Token tiles of 8 rows (NM_MT of them) share each A
+// fragment; with NM_TSPLIT = 2 two warps load the same A fragments (the second load mostly from L1) and take
+// half of the tiles each, for half the accumulator registers and twice the warps a multiprocessor holds. Any
+// order of the rows is as good as another: each row's output column is tracked. The warps of a thread block split
 // the steps; their partial sums meet in shared memory, and with NM_SPLIT > 1 the NM_SPLIT blocks of a
 // cluster (each a slice of K) add them through distributed shared memory: each block owns a share of the
 // span's outputs, the others store their partial sums of that share into its shared memory, and after one
