@@ -6,8 +6,12 @@
 #
 #   bash benchmarks/run_gpu.sh            # tests, then the table (default configs) + torch BSR
 #   bash benchmarks/run_gpu.sh tests      # only the GPU tests
-#   bash benchmarks/run_gpu.sh tests ARGS # only the GPU tests, with pytest ARGS (e.g. files, or -k): on an H100 the
-#                                         # whole set takes about 10 minutes with 15 workers, one device call's limit
+#   bash benchmarks/run_gpu.sh tests ARGS # only the GPU tests, with pytest ARGS (e.g. files, or -k)
+#   bash benchmarks/run_gpu.sh composition # only the composition matrix's cells
+#
+# The whole set does not fit one 10-minute device call (2026-11-27, H100, 15 workers: 150 of the 215 tests of the
+# block-sparse files, test_higher_order.py and test_cusparselt.py in 560 s). Split it over calls: `tests
+# tests/test_pallas_block_sparse.py`, then `tests` with the other files of `files` below, then `composition`.
 #   bash benchmarks/run_gpu.sh bench ARGS # only the benchmark, with its ARGS (e.g. --sweep --mosaic-sweep)
 #
 # TEST_TIMEOUT / BENCH_TIMEOUT (seconds) bound each part so that a device call keeps the logs of both;
@@ -20,25 +24,31 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" XLA_PYTHO
 py="${PYTHON:-python3}"
 what="${1:-all}"
 [ $# -gt 0 ] && shift
+case "$what" in
+  all | tests | composition | bench) ;;
+  *) echo "run_gpu.sh: unknown part '$what' (all, tests, composition or bench)" >&2; exit 2 ;;
+esac
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$out/gpu.txt"
 "$py" -c 'import jax; print("jax", jax.__version__, jax.devices())' | tee -a "$out/gpu.txt"
 
 status=0
+workers=()
+if "$py" -c 'import xdist' 2>/dev/null; then workers=(-n "${PYTEST_WORKERS:-4}"); fi
 if [ "$what" = all ] || [ "$what" = tests ]; then
-  workers=()
-  if "$py" -c 'import xdist' 2>/dev/null; then workers=(-n "${PYTEST_WORKERS:-4}"); fi
   files=(tests/test_pallas_block_sparse.py tests/test_pallas_block_sparse_sdd_mgpu.py tests/test_pallas_nm.py
     tests/test_cusparselt.py tests/test_cuda_kernels.py tests/test_higher_order.py tests/test_tuning.py)
   [ "$what" = tests ] && [ $# -gt 0 ] && files=("$@")
   timeout "${TEST_TIMEOUT:-3600}" "$py" -m pytest -q -m gpu -p no:cacheprovider -o addopts="" "${workers[@]}" \
     "${files[@]}" 2>&1 | tee "$out/gpu_tests.log"
   status=${PIPESTATUS[0]}
-  if [ $# -eq 0 ]; then  # the composition matrix's cells (tests/test_composition.py) on the GPU's kernels
-    timeout "${TEST_TIMEOUT:-3600}" "$py" -m pytest -q -p no:cacheprovider -o addopts="" "${workers[@]}" \
-      tests/test_composition.py 2>&1 | tee "$out/gpu_composition.log"
-    status=$(( status || PIPESTATUS[0] ))
-  fi
+fi
+# The composition matrix's cells (tests/test_composition.py) on the GPU's kernels: with the whole set of tests, or
+# alone.
+if { [ "$what" != bench ] && [ $# -eq 0 ]; } || [ "$what" = composition ]; then
+  timeout "${TEST_TIMEOUT:-3600}" "$py" -m pytest -q -p no:cacheprovider -o addopts="" "${workers[@]}" \
+    tests/test_composition.py 2>&1 | tee "$out/gpu_composition.log"
+  status=$(( status || PIPESTATUS[0] ))
 fi
 if [ "$what" = all ]; then
   set -- --table --torch
