@@ -303,6 +303,15 @@ def test_random_operands_are_made_where_no_trace_is_active():
 
   jax.jit(f)(1.0)
   assert seen == [True]
+  # The caller's thread-local settings go with it: 64-bit types, the default device.
+  cpu = jax.devices("cpu")[0]
+  made = lambda: (jnp.zeros(2, jnp.float64), jax.config.jax_default_device)
+  with jax.enable_x64(True), jax.default_device(cpu):
+    assert _measure._made_outside_the_trace(made)[0].dtype == jnp.float64
+    assert _measure._made_outside_the_trace(made)[1] == cpu
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)  # float64 requested without 64-bit types: float32
+    assert _measure._made_outside_the_trace(made)[0].dtype == jnp.float32
 
 
 def test_candidates_are_prepared_side_by_side_before_any_is_traced():

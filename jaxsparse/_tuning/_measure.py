@@ -188,9 +188,16 @@ def _made_outside_the_trace(make_args: Callable[[], tuple]) -> tuple:
   """``make_args()`` in a thread of its own, where no trace is active (JAX's trace state is per thread): its jitted
   parts compile and run as whole programs. Inside the caller's trace, under ``jax.ensure_compile_time_eval``, they
   ran op by op with their constants folded: a random 2:4 weight of 4096 x 28672 took 20 s to make on a CPU (2.4 s
-  jitted), most of a Llama-3-8B gate / up product's tuning on an H100 machine (15.5 s)."""
+  jitted), most of a Llama-3-8B gate / up product's tuning on an H100 machine (15.5 s). The caller's thread-local
+  settings that decide what the operands are (64-bit types, the default device) go with it."""
+  x64, device = jax.config.jax_enable_x64, jax.config.jax_default_device
+
+  def made():
+    with jax.enable_x64(x64), jax.default_device(device):
+      return make_args()
+
   with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-    return pool.submit(make_args).result()
+    return pool.submit(made).result()
 
 
 def _prepare(candidates: Sequence[Candidate]) -> None:
