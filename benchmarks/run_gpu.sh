@@ -8,11 +8,11 @@
 #   bash benchmarks/run_gpu.sh tests      # only the GPU tests
 #   bash benchmarks/run_gpu.sh tests ARGS # only the GPU tests, with pytest ARGS (e.g. files, or -k)
 #   bash benchmarks/run_gpu.sh composition # only the composition matrix's cells
-#
-# The whole set does not fit one 10-minute device call (2026-11-27, H100, 15 workers: 150 of the 215 tests of the
-# block-sparse files, test_higher_order.py and test_cusparselt.py in 560 s). Split it over calls: `tests
-# tests/test_pallas_block_sparse.py`, then `tests` with the other files of `files` below, then `composition`.
 #   bash benchmarks/run_gpu.sh bench ARGS # only the benchmark, with its ARGS (e.g. --sweep --mosaic-sweep)
+#
+# The whole set of tests does not fit one 10-minute device call (2026-11-27, H100, 15 workers: 150 of the 215 tests
+# of the block-sparse files, test_higher_order.py and test_cusparselt.py in 560 s). Split it over calls: `tests
+# tests/test_pallas_block_sparse.py`, then `tests` with the other files of `files` below, then `composition`.
 #
 # TEST_TIMEOUT / BENCH_TIMEOUT (seconds) bound each part so that a device call keeps the logs of both;
 # the tests run in PYTEST_WORKERS processes (pytest-xdist, if installed): compiling dominates them.

@@ -214,8 +214,9 @@ def _prepare(candidates: Sequence[Candidate]) -> None:
 def _measure(candidates: Sequence[Candidate], make_args: Callable[[], tuple], platform: str) -> dict[str, float]:
   """``{name: ms}`` of the candidates that compile and run (the others are logged and left out): the time of one
   call, on operands that are not in the L2 cache (:func:`_copies`)."""
-  # Operands and runs are eager (concrete, on the device) even inside the caller's trace; the candidates are
-  # traced on their own, outside that eager scope (a kernel body must be staged, not evaluated).
+  # The operands are made where no trace is active and copied eagerly (concrete, on the device) even inside the
+  # caller's trace; the candidates are traced on their own, outside that eager scope (a kernel body must be staged,
+  # not evaluated).
   t0 = time.perf_counter()
   _prepare(candidates)
   args = _made_outside_the_trace(make_args)
