@@ -330,21 +330,13 @@ def _shipped_default(p: _router.Product, cands: list[_tuning.Candidate]) -> str:
   return "xla" if "xla" in names else cands[0].name
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5))
-def _random_nm(key, shape, dtype, n, m, axis) -> NMSparseMatrix:
-  """A random N:M matrix, made on the device in one program: measured dispatch's operands. Made eagerly op by op,
-  from host random numbers, the 4096 x 28672 weight of a Llama-3-8B gate / up product took 15.5 s the first time on
-  an H100 machine (each op compiled for its shape), most of that signature's tuning."""
-  return NMSparseMatrix.from_dense(jax.random.normal(key, shape, dtype), n, m, axis=axis)
-
-
 def _product(cfg: _Config, x2: jax.Array, w: NMSparseMatrix, blob: jax.Array | None) -> _router.Product:
   (m, k), n = x2.shape, w.shape[1]
 
   def make_args():
     kx, kw = jax.random.split(jax.random.key(1))
     x = jax.random.normal(kx, (m, k), x2.dtype)
-    wr = _random_nm(kw, w.shape, w.dtype, w.n, w.m, w.axis)
+    wr = NMSparseMatrix.from_dense(jax.random.normal(kw, w.shape, w.dtype), w.n, w.m, axis=w.axis)
     return x, wr, None if blob is None else _compress(wr)
 
   fields = {
