@@ -339,10 +339,13 @@ def test_config_validation():
     cfg = BlockSparseMatmulConfig.get_default(m, (4096, 4096), (128, 128), 256, jnp.bfloat16)
     assert (cfg.forward.block_m, cfg.forward.split, cfg.forward.sub_cols, cfg.dx.split) == (bm, 1, None, 1), m
   assert BlockSparseMatmulConfig.get_default(64, (4096, 4096), (64, 64), 1024, jnp.bfloat16).forward.split > 1
-  # Decode forward of 16-bit blocks 32 wide: 2 warps (TritonDecodeRules.forward_warps); float32, dX and M > 64 keep 4.
+  # Decode forward of 16-bit blocks 32 wide: 2 warps, of blocks 16 wide: 1 (TritonDecodeRules.forward_warps);
+  # float32 blocks 32 wide, dX and M > 64 keep 4.
   warps = lambda m, bs, dt: BlockSparseMatmulConfig.get_default(m, (4096, 4096), bs, 4096, dt).forward.num_warps
   assert warps(16, (32, 32), jnp.bfloat16) == 2 and warps(1, (64, 32), jnp.float16) == 2
+  assert warps(4, (16, 16), jnp.bfloat16) == 1 and warps(64, (64, 16), jnp.float32) == 1
   assert warps(16, (32, 32), jnp.float32) == 4 and warps(65, (32, 32), jnp.bfloat16) == 4
+  assert warps(65, (16, 16), jnp.bfloat16) == 4 and warps(16, (16, 32), jnp.bfloat16) == 2
   assert warps(16, (32, 64), jnp.bfloat16) == 4
   assert BlockSparseMatmulConfig.get_default(16, (4096, 4096), (32, 32), 4096, jnp.bfloat16).dx.num_warps == 4
   with pytest.raises(ValueError, match="sub_cols must be None or a power of two >= 16, got sub_cols=24"):
@@ -450,6 +453,23 @@ def test_triton_candidates_fit_shared_memory(monkeypatch):
         if mos is None and not dense:
           used = kernel_config_lib.staged_bytes(getattr(cfg, field), direction, block, jnp.dtype(dtype).itemsize)
           assert used <= limit, (name, m, block, dtype, direction)
+
+
+@pytest.mark.parametrize(("m", "block", "dtype"), [(4, (16, 16), jnp.bfloat16), (32, (32, 16), jnp.float32)])
+def test_decode_candidates_of_16_wide_blocks_offer_both_warp_counts(m, block, dtype):
+  # The shipped default runs the decode forward of 16-wide blocks on 1 warp; its split variants keep that count and
+  # one candidate runs the default's tiles on 4 warps. Other widths, dX and M > 64 add no warp candidate.
+  _, _, w = _problem(1, 512, 1024, block, "random", dtype, seed=m)
+  x2 = jax.ShapeDtypeStruct((m, 512), dtype)
+  found = dict(kernels.candidates("fwd", x2, w, out_dtype=dtype))
+  assert found["default"].forward.num_warps == 1
+  assert {c.forward.num_warps for n, c in found.items() if n.startswith("triton/s")} == {1}
+  assert found["triton/w4"].forward == dataclasses.replace(found["default"].forward, num_warps=4)
+  assert not any("/w" in n for n in dict(kernels.candidates("dx", x2, w, out_dtype=dtype)))
+  assert not any("/w" in n for n in dict(kernels.candidates("fwd", jax.ShapeDtypeStruct((65, 512), dtype), w,
+                                                            out_dtype=dtype)))
+  _, _, w32 = _problem(1, 512, 1024, (16, 32), "random", dtype, seed=m)
+  assert not any("/w" in n for n in dict(kernels.candidates("fwd", x2, w32, out_dtype=dtype)))
 
 
 @pytest.mark.skipif(kernels.available(), reason="checks the CPU-only behaviour")
@@ -1046,6 +1066,26 @@ def test_gpu_sub_column_configs(m, block_shape, sub_cols, split, dtype):
   x, dy, w = _problem(m, 1024, 768, block_shape, "random", dtype, seed=m + sub_cols)
   cfg = KernelConfig(16, split=split, sub_cols=sub_cols)
   _check_all(x, dy, w, dtype, config=BlockSparseMatmulConfig(cfg, cfg, KernelConfig(16)), interpret=False)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize(
+    ("m", "block_shape", "split", "dtype"),
+    [(4, (16, 16), 1, jnp.bfloat16), (5, (16, 16), 4, jnp.float16), (16, (32, 16), 16, jnp.bfloat16),
+     (33, (16, 16), 4, jnp.float32)],
+)
+def test_gpu_one_warp_decode_forward(m, block_shape, split, dtype):
+  # The decode forward of 16-wide blocks on one warp (the shipped default, TritonDecodeRules.forward_warps), with
+  # split contractions, M below or not a multiple of the row tile, an empty block row and block column.
+  x, dy, w = _problem(m, 1024, 768, block_shape, "random", dtype, seed=m + split)
+  cfg = BlockSparseMatmulConfig(KernelConfig(16, num_warps=1, split=split), KernelConfig(16), KernelConfig(16))
+  y = jax.jit(functools.partial(kernels.forward, config=cfg))(x, w)
+  y_ref, _, _ = _dense_reference(x, dy, w)
+  _assert_close(y, y_ref, dtype, "y")
+  default = BlockSparseMatmulConfig.get_default(m, w.shape, w.block_shape, w.nnz_blocks, w.dtype)
+  assert default.forward.num_warps == 1, default.forward
+  _assert_close(jax.jit(block_sparse_matmul)(x, w), y_ref, dtype, "y (default)")
 
 
 @pytest.mark.gpu

@@ -3,11 +3,11 @@
     python benchmarks/sweeps/gpu_decode_split.py [--cases float16:1x768x6144:64x64:0.49,... --iterations 20]
 
 A case is ``dtype:MxKxN:BKxBN:density``. The default cases are the decode-size rows of
-``benchmarks/results/gpu_unseen_shapes_2026-11-26_h200_tuned.md`` (the slower-than-dense ones and two that win)
-and two common decode layers. For each case: the dense ``x @ W``, the op with its defaults, and variants of
-``KernelConfig`` of the Triton forward (``split``, ``sub_cols``, ``num_warps`` / ``num_stages``), device time
-(CUPTI, median), each checked against the dense product; then the kernels of the fastest variant. A table of the
-best per case last.
+``benchmarks/results/gpu_unseen_shapes_2026-11-26_h200_tuned.md`` (the slower-than-dense ones and two that win),
+two common decode layers and the 16-wide blocks of ``gpu_decode_small_blocks_2026-11-27_h100.md``. For each case:
+the dense ``x @ W``, the op with its defaults, and variants of ``KernelConfig`` of the Triton forward (``split``,
+``sub_cols``, ``num_warps`` / ``num_stages``; one warp for blocks up to 32 wide), device time (CUPTI, median), each
+checked against the dense product; then the kernels of the fastest variant. A table of the best per case last.
 """
 
 from __future__ import annotations
@@ -39,6 +39,9 @@ CASES = (
     "bfloat16:8x4096x11008:128x128:0.3",
     "float32:4x6144x6144:64x32:0.09",
     "bfloat16:2x8192x3072:64x128:0.47",
+    "bfloat16:4x1536x11008:16x16:0.26",
+    "bfloat16:16x2048x1536:16x16:0.55",
+    "float32:32x2048x2048:16x16:0.3",
 )
 
 
@@ -46,7 +49,8 @@ def variants(default: BlockSparseMatmulConfig, kb: int, bn: int):
   base = dataclasses.replace(default, dense=False, forward_dense=False, mosaic_forward=None)
   splits = [s for s in (1, 4, 8, 16, 32) if s <= kb]
   subs = [None] + [s for s in (32,) if s < bn]
-  for split, sub, (warps, stages) in itertools.product(splits, subs, ((4, 3), (2, 2))):
+  warps_stages = ((4, 3), (2, 2), (1, 3)) if bn <= 32 else ((4, 3), (2, 2))
+  for split, sub, (warps, stages) in itertools.product(splits, subs, warps_stages):
     cfg = dataclasses.replace(base.forward, split=split, sub_cols=sub, num_warps=warps, num_stages=stages)
     yield f"s{split} sub{sub} w{warps} st{stages}", dataclasses.replace(base, forward=cfg)
 

@@ -3,9 +3,10 @@
 :func:`candidates` starts from the shipped default (:meth:`BlockSparseMatmulConfig.get_default`, the measured
 rules of :mod:`._block_sparse_config`) and adds, for one direction of the product (``"fwd"``, ``"dx"`` or
 ``"dw"``): the dense route (the weight built dense and one XLA product; for ``dw`` the dense ``xᵀ dY`` and a
-gather), the Triton kernel with its default tiles and with split contractions / smaller row tiles, and the Mosaic
-GPU kernel (Hopper, from 64 rows) with one or two block columns a tile and split contractions. Only configs the kernels
-support for these operands are listed; duplicates of the default are dropped. The other directions' fields keep
+gather), the Triton kernel with its default tiles, with split contractions, with smaller row tiles and (the decode
+forward of 16-wide blocks) with the other warp count, and the Mosaic GPU kernel (Hopper, from 64 rows) with one or
+two block columns a tile and split contractions. Only configs the kernels support for these operands are listed;
+duplicates of the default are dropped. The other directions' fields keep
 the default's values.
 """
 
@@ -126,6 +127,11 @@ def candidates(
         for split in (1, 4):
           cfg = dataclasses.replace(tk, sub_cols=sub, split=split)
           add(f"triton/sub{sub}" + (f"s{split}" if split > 1 else ""), dataclasses.replace(triton, **{f_kernel: cfg}))
+  if direction == "fwd" and m <= rules.decode_max_m and w.block_shape[1] == 16:
+    # Decode forward of 16-wide blocks: the other warp count of the default's tiles (1 warp by the shipped rule,
+    # TritonDecodeRules.forward_warps; 4 at every other block width).
+    alt = 4 if tk.num_warps == 1 else 1
+    add(f"triton/w{alt}", dataclasses.replace(triton, forward=dataclasses.replace(tk, num_warps=alt)))
   if tk.block_m > 32 and 2 * tk.block_m <= m < 4096:
     add("triton/bm_half", dataclasses.replace(triton, **{f_kernel: dataclasses.replace(tk, block_m=tk.block_m // 2)}))
   transpose = direction == "dx"
