@@ -4,7 +4,7 @@
 
 A case is ``dtype:MxKxN:BKxBN:density``. The default cases are the decode-size rows of
 ``benchmarks/results/gpu_unseen_shapes_2026-11-26_h200_tuned.md`` (the slower-than-dense ones and two that win),
-two common decode layers and the 16-wide blocks of ``gpu_decode_small_blocks_2026-11-27_h100.md``. For each case:
+two common decode layers and the 16-wide blocks of ``gpu_unseen_shapes_2026-11-27_h100_seed53.md``. For each case:
 the dense ``x @ W``, the op with its defaults, and variants of ``KernelConfig`` of the Triton forward (``split``,
 ``sub_cols``, ``num_warps`` / ``num_stages``; one warp for blocks up to 32 wide), device time (CUPTI, median), each
 checked against the dense product; then the kernels of the fastest variant. A table of the best per case last.

@@ -285,7 +285,7 @@ HOPPER_RULES = DispatchRules(
         sub_cols_min_block=128,  # gpu_decode_2026-11-23_h100.md
         sub_cols_max_blocks=8,  # gpu_decode_2026-11-25_h200.md
         sub_cols=SubColumns(sub_cols=32, split=1, num_stages=4),  # gpu_decode_2026-11-23_h100.md
-        # 32 wide: archive/gpu_decode_32_2026-11-25_h200.md; 16 wide: gpu_decode_small_blocks_2026-11-27_h100.md
+        # 32 wide: archive/gpu_decode_32_2026-11-25_h200.md; 16 wide: gpu_unseen_shapes_2026-11-27_h100_seed53.md
         forward_warps={(2, 32): 2, (2, 16): 1, (4, 16): 1},
     ),
     mosaic=MosaicRules(
