@@ -130,3 +130,22 @@ def test_benchmark_script_help(script):
   env = {**os.environ, "PYTHONPATH": str(ROOT)}
   result = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, env=env, timeout=300)
   assert result.returncode == 0 and "usage:" in result.stdout, result.stderr[-3000:]
+
+
+def _collected(*args: str) -> tuple[list[str], subprocess.CompletedProcess]:
+  cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+         "-m", "gpu", "tests/test_cuda_kernels.py", *args]
+  proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300, check=False)
+  return [line for line in proc.stdout.splitlines() if "::" in line], proc
+
+
+def test_gpu_suite_splits_into_shards():
+  # benchmarks/run_gpu.sh passes `--shard I/N` (conftest.py) to split a suite over device calls: the shards are
+  # disjoint, interleaved in node-id order and together the whole collection, in every process (pytest's own order of
+  # parametrized tests is not); a malformed spec is a usage error naming it.
+  whole = sorted(_collected()[0])
+  shards = [sorted(_collected("--shard", f"{i}/3")[0]) for i in (1, 2, 3)]
+  assert len(whole) > 30
+  assert shards == [whole[0::3], whole[1::3], whole[2::3]]
+  _, bad = _collected("--shard", "4/3")
+  assert bad.returncode == 4 and "--shard I/N needs 1 <= I <= N, got '4/3'" in bad.stderr
