@@ -288,6 +288,24 @@ def test_each_set_of_operands_is_called_in_turn_and_the_time_is_per_call(monkeyp
   assert len(outs) == 3 and all(np.array_equal(o, 5 * np.arange(4.0)) for o in outs)
 
 
+@settings(max_examples=15, deadline=None)
+@given(shape=st.lists(st.integers(1, 70), min_size=1, max_size=3), seed=st.integers(0, 2**31),
+       dtype=st.sampled_from(["float32", "bfloat16", "float16"]))
+def test_random_operand_is_varied_bounded_and_reproducible(shape, seed, dtype):
+  # Operands to time products on (one compile per shape, no random-bits program): finite, within [-1.7, 1.7] (up to
+  # the dtype's rounding), varied, the same for a seed and different between seeds.
+  a = _measure.random_operand(shape, dtype, seed)
+  assert a.shape == tuple(shape) and a.dtype == jnp.dtype(dtype)
+  v = np.asarray(a.astype(jnp.float32))
+  assert np.all(np.isfinite(v)) and np.all(np.abs(v) < 1.75)
+  assert np.array_equal(v, np.asarray(_measure.random_operand(shape, dtype, seed).astype(jnp.float32)))
+  if v.size >= 64:
+    assert len(np.unique(v)) > min(v.size // 4, 500)  # bfloat16 has about 1100 values in [-1.7, 1.7]
+    assert not np.array_equal(v, np.asarray(_measure.random_operand(shape, dtype, seed + 1).astype(jnp.float32)))
+  big = np.asarray(_measure.random_operand((512, 512), "float32", seed))
+  assert abs(big.mean()) < 0.02 and 0.95 < big.std() < 1.01
+
+
 def test_random_operands_are_made_where_no_trace_is_active():
   """Inside the caller's trace, a jitted operand maker would run op by op with its constants folded (20 s for an
   LLM's weight): make_args runs where jit compiles and runs whole programs."""

@@ -14,6 +14,7 @@ from jaxsparse._tuning._cache import import_cache
 from jaxsparse._tuning._cache import set_autotune_mode
 from jaxsparse._tuning._measure import Candidate
 from jaxsparse._tuning._measure import choose
+from jaxsparse._tuning._measure import random_operand
 from jaxsparse._tuning._measure import will_measure
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "choose",
     "export_cache",
     "import_cache",
+    "random_operand",
     "set_autotune_mode",
     "will_measure",
 ]

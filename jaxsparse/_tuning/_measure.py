@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import json
 import logging
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -32,10 +34,20 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jaxsparse._tuning import _cache
 
-__all__ = ["MARGIN", "Candidate", "choose", "default_platform", "signature_key", "time_call_ms", "will_measure"]
+__all__ = [
+    "MARGIN",
+    "Candidate",
+    "choose",
+    "default_platform",
+    "random_operand",
+    "signature_key",
+    "time_call_ms",
+    "will_measure",
+]
 
 logger = logging.getLogger("jaxsparse.autotune")
 
@@ -73,6 +85,44 @@ class Candidate:
   value: Any = None
   measure: Callable[..., Any] | None = None
   prepare: Callable[[], Any] | None = None
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _hashed(seed: jax.Array, shape: tuple[int, ...], dtype) -> jax.Array:
+  i = lax.iota(jnp.uint32, math.prod(shape)) + seed * jnp.uint32(0x9E3779B9)
+  h = i * jnp.uint32(2654435761)
+  h = (h ^ (h >> 15)) * jnp.uint32(2246822519)
+  h = h ^ (h >> 13)
+  u = (h >> 8).astype(jnp.float32) * (1.0 / (1 << 24)) - 0.5  # 24 bits: uniform on [-0.5, 0.5)
+  return (u * 3.4).reshape(shape).astype(dtype)
+
+
+def random_operand(shape: Sequence[int], dtype: jax.typing.DTypeLike, seed: int = 0) -> jax.Array:
+  """Random-looking numbers of ``shape`` and ``dtype``, made on the default device, to time a product on.
+
+  Uniform on ``[-1.7, 1.7)`` (mean 0, standard deviation about 1), from a hash of each element's index and ``seed``.
+  One small program per shape and dtype: it compiles in about 0.05 s on a CPU where ``jax.random.normal`` took
+  0.3-0.45 s, a cost every product signature's first measurement pays; host-made numbers cost seconds at an LLM's
+  weight sizes.
+  The values only need to be finite, varied and free of structure a kernel could exploit (e.g. a 2:4 weight's kept
+  positions follow their magnitudes).
+
+  Args:
+    shape: the operand's shape.
+    dtype: its floating dtype.
+    seed: a non-negative int; operands of one product take different seeds.
+
+  Returns:
+    A ``shape`` array of ``dtype``.
+
+  >>> a = random_operand((256, 512), "bfloat16", seed=1)
+  >>> a.shape, a.dtype, bool(jnp.all(jnp.abs(a.astype(jnp.float32)) < 1.75))
+  ((256, 512), dtype(bfloat16), True)
+  >>> b, c = random_operand((256, 512), "bfloat16", seed=1), random_operand((256, 512), "bfloat16", seed=2)
+  >>> bool(jnp.all(a == b)), bool(jnp.any(a != c))
+  (True, True)
+  """
+  return _hashed(jnp.uint32(seed), tuple(int(d) for d in shape), jnp.dtype(dtype))
 
 
 def signature_key(op: str, direction: str, platform: str, **fields: Any) -> str:
@@ -222,18 +272,21 @@ def _measure(candidates: Sequence[Candidate], make_args: Callable[[], tuple], pl
   args = _made_outside_the_trace(make_args)
   with jax.ensure_compile_time_eval():
     sets = _sets(args, platform)
-  lowered = {}
-  for c in candidates:
-    try:
-      lowered[c.name] = jax.jit(_in_turn(c.measure or c.run)).lower(sets)
-    except Exception as e:  # a candidate that cannot trace is not a candidate
-      logger.info("autotune: candidate %s does not trace: %s: %s", c.name, type(e).__name__, e)
-  # Compilation releases the GIL: compile the candidates side by side.
   t1 = time.perf_counter()
-  with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, max(1, len(lowered)))) as pool:
-    futures = {name: pool.submit(low.compile) for name, low in lowered.items()}
+  # Each candidate compiles in a thread as soon as it is lowered (compiling releases the GIL): the compiles run side
+  # by side and beside the lowering of the next candidates, which holds the GIL.
+  futures = {}
+  with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, max(1, len(candidates)))) as pool:
+    for c in candidates:
+      try:
+        lowered = jax.jit(_in_turn(c.measure or c.run)).lower(sets)
+      except Exception as e:  # a candidate that cannot trace is not a candidate
+        logger.info("autotune: candidate %s does not trace: %s: %s", c.name, type(e).__name__, e)
+        continue
+      futures[c.name] = pool.submit(lowered.compile)
+    t2 = time.perf_counter()
     concurrent.futures.wait(futures.values())
-  t2 = time.perf_counter()
+  t3 = time.perf_counter()
   times = {}
   with jax.ensure_compile_time_eval():
     for name, fut in futures.items():
@@ -241,8 +294,8 @@ def _measure(candidates: Sequence[Candidate], make_args: Callable[[], tuple], pl
         times[name] = _time_ms(fut.result(), (sets,), platform) / len(sets)
       except Exception as e:  # a candidate that fails to compile or run loses
         logger.info("autotune: candidate %s failed: %s: %s", name, type(e).__name__, e)
-  logger.info("autotune: traced %.2f s, compiled %.2f s, timed %.2f s (%d operand sets)", t1 - t0, t2 - t1,
-              time.perf_counter() - t2, len(sets))
+  logger.info("autotune: operands %.2f s, traced %.2f s, compiled %.2f s after, timed %.2f s (%d operand sets)",
+              t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3, len(sets))
   return times
 
 

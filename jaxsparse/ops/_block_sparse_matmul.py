@@ -217,18 +217,13 @@ def _signature(x2, w: BlockSparseMatrix, result_dtype, precision) -> dict:
   }
 
 
-def _random_like(rng: np.random.Generator, shape, dtype) -> jax.Array:
-  """Normal random numbers made on the device (host-made ones cost seconds at the sizes of an LLM's weights)."""
-  return jax.random.normal(jax.random.key(int(rng.integers(2**31))), shape, dtype)
-
-
 def _random_weight(w: BlockSparseMatrix, seed: int = 0) -> BlockSparseMatrix:
   """A random matrix with the shape, block shape, block count and dtype of ``w`` (for timing its products)."""
   rng = np.random.default_rng(seed)
   kb, nb = w.grid_shape
   mask = np.zeros(kb * nb, bool)
   mask[rng.choice(kb * nb, w.nnz_blocks, replace=False)] = True
-  return BlockSparseMatrix.from_block_mask(mask.reshape(kb, nb), _random_like(rng, w.data.shape, w.dtype))
+  return BlockSparseMatrix.from_block_mask(mask.reshape(kb, nb), _tuning.random_operand(w.data.shape, w.dtype, seed))
 
 
 def _gpu_routes(kernels, direction: str, x2, w: BlockSparseMatrix, *, precision, out_dtype):
@@ -302,9 +297,8 @@ def _product(direction: str, args: tuple, result_dtype, precision) -> _router.Pr
   dy_dtype = args[1].dtype if direction != "fwd" else None
 
   def make_args():
-    rng = np.random.default_rng(1)
-    a, wr = _random_like(rng, (m, k), x2.dtype), _random_weight(w)
-    return (a, wr) if direction == "fwd" else (a, _random_like(rng, (m, n), dy_dtype), wr)
+    a, wr = _tuning.random_operand((m, k), x2.dtype, 1), _random_weight(w)
+    return (a, wr) if direction == "fwd" else (a, _tuning.random_operand((m, n), dy_dtype, 2), wr)
 
   fields = _signature(x2, w, result_dtype, precision)
   return _router.Product("block_sparse_matmul", direction, tuple(args), fields, make_args)

@@ -17,9 +17,9 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
+from jaxsparse import _tuning
 from jaxsparse import _utils
 from jaxsparse._cpu import _kernels
 from jaxsparse._utils import check_mask
@@ -164,6 +164,6 @@ def masked_matmul(
 
   def make_w(rng):
     keep = mask if not isinstance(mask, jax.core.Tracer) else jnp.asarray(rng.random(w.shape) < CPU_MAX_DENSITY)
-    return jnp.asarray(rng.standard_normal(w.shape, np.float32), w.dtype), keep
+    return _tuning.random_operand(w.shape, w.dtype, 2), keep
 
   return route("masked_matmul", impl, x, (w, mask), cpu_run, xla_run, make_w)

@@ -334,9 +334,8 @@ def _product(cfg: _Config, x2: jax.Array, w: NMSparseMatrix, blob: jax.Array | N
   (m, k), n = x2.shape, w.shape[1]
 
   def make_args():
-    kx, kw = jax.random.split(jax.random.key(1))
-    x = jax.random.normal(kx, (m, k), x2.dtype)
-    wr = NMSparseMatrix.from_dense(jax.random.normal(kw, w.shape, w.dtype), w.n, w.m, axis=w.axis)
+    x = _tuning.random_operand((m, k), x2.dtype, 1)
+    wr = NMSparseMatrix.from_dense(_tuning.random_operand(w.shape, w.dtype, 2), w.n, w.m, axis=w.axis)
     return x, wr, None if blob is None else _compress(wr)
 
   fields = {

@@ -147,8 +147,7 @@ def route(op: str, implementation: str, x: jax.Array, w, cpu_run, xla_run, make_
   leaves = [leaf for leaf in jax.tree_util.tree_leaves(w) if jnp.issubdtype(leaf.dtype, jnp.inexact)]
 
   def make_args():
-    rng = np.random.default_rng(1)
-    return jnp.asarray(rng.standard_normal(x.shape, np.float32), x.dtype), make_w(rng)
+    return _tuning.random_operand(x.shape, x.dtype, 1), make_w(np.random.default_rng(1))
 
   fields = {
       "rows": _utils.row_bucket(math.prod(x.shape[:-1])),
@@ -280,7 +279,7 @@ def sparse_matmul(
 
   def make_w(rng):
     keep = rng.random(w.shape) < max(w.density, 1 / math.prod(w.shape))
-    values = jnp.asarray(rng.standard_normal(w.shape, np.float32), w.dtype)
+    values = _tuning.random_operand(w.shape, w.dtype, 2)
     return CSRMatrix.from_dense(values, mask=jnp.asarray(keep))
 
   return route("sparse_matmul", impl, x, w, cpu_run, xla_run, make_w)

@@ -33,7 +33,6 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from jaxsparse import _tuning
@@ -69,7 +68,7 @@ def _mask(w: jax.Array, n: int, m: int, axis: int, transposable: bool) -> jax.Ar
   moved = jnp.moveaxis(w, axis, -2)
   w2 = moved.reshape(-1, moved.shape[-1])
   product = _router.Product("sr_ste", "mask", (w2,), {"shape": w2.shape, "nm": (n, m), "dtype": str(w.dtype)},
-                            lambda: (jnp.asarray(np.random.default_rng(0).standard_normal(w2.shape), w2.dtype),))
+                            lambda: (_tuning.random_operand(w2.shape, w2.dtype),))
   xla = _router.Reference("xla", "the XLA path", lambda w2: _nm.transposable_pattern(w2, n, m).astype(jnp.uint8))
   (pattern,) = _router.route([product], [_PruneKernel(n, m, w.dtype), xla])
   mask = _nm.tile_mask(pattern, n, m)
@@ -515,9 +514,8 @@ def sr_ste_matmul(
 def _routed(cfg: _MatmulConfig, x: jax.Array, w: jax.Array) -> _router.Product:
   """The product as the router sees it: one train step's products of ``x @ sr_ste(w)``."""
 
-  def make_args():  # on the device: host-made random numbers cost seconds at an LLM's weight sizes
-    kx, kw = jax.random.split(jax.random.key(1))
-    return jax.random.normal(kx, x.shape, x.dtype), jax.random.normal(kw, w.shape, w.dtype)
+  def make_args():
+    return _tuning.random_operand(x.shape, x.dtype, 1), _tuning.random_operand(w.shape, w.dtype, 2)
 
   fields = {
       "rows": _utils.row_bucket(math.prod(x.shape[:-1])),
