@@ -100,12 +100,11 @@ def _hashed(seed: jax.Array, shape: tuple[int, ...], dtype) -> jax.Array:
 def random_operand(shape: Sequence[int], dtype: jax.typing.DTypeLike, seed: int = 0) -> jax.Array:
   """Random-looking numbers of ``shape`` and ``dtype``, made on the default device, to time a product on.
 
-  Uniform on ``[-1.7, 1.7)`` (mean 0, standard deviation about 1), from a hash of each element's index and ``seed``.
-  One small program per shape and dtype: it compiles in about 0.05 s on a CPU where ``jax.random.normal`` took
-  0.3-0.45 s, a cost every product signature's first measurement pays; host-made numbers cost seconds at an LLM's
-  weight sizes.
-  The values only need to be finite, varied and free of structure a kernel could exploit (e.g. a 2:4 weight's kept
-  positions follow their magnitudes).
+  Uniform on ``[-1.7, 1.7)`` (mean 0, standard deviation about 1), from a hash of each element's index and ``seed``
+  (up to ``2**32`` elements). One small program per shape and dtype: it compiles in about 0.05 s on a CPU where
+  ``jax.random.normal`` took 0.3-0.45 s, a cost every product signature's first measurement pays; host-made numbers
+  cost seconds at an LLM's weight sizes. The values only need to be finite, varied and free of structure a kernel
+  could exploit (a 2:4 weight's kept positions, say, follow their magnitudes).
 
   Args:
     shape: the operand's shape.

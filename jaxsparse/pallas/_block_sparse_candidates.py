@@ -6,8 +6,7 @@ rules of :mod:`._block_sparse_config`) and adds, for one direction of the produc
 gather), the Triton kernel with its default tiles, with split contractions, with smaller row tiles and (the decode
 forward of 16-wide blocks) with the other warp count, and the Mosaic GPU kernel (Hopper, from 64 rows) with one or
 two block columns a tile and split contractions. Only configs the kernels support for these operands are listed;
-duplicates of the default are dropped. The other directions' fields keep
-the default's values.
+duplicates of the default are dropped. The other directions' fields keep the default's values.
 """
 
 from __future__ import annotations
