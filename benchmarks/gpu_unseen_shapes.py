@@ -15,6 +15,11 @@ rectangular, density 0.05-0.6, bf16 / fp16 / f32). ``--modes off,tune`` times ea
 mode (``jaxsparse.autotune_mode``; ``off`` is the shipped rules alone, ``tune`` measures each product's candidate
 routes on its first trace, into a fresh cache under ``$OUT``), with the first-trace tuning cost of the forward and
 of forward + backward, and checks that a second trace of a tuned signature measures nothing.
+
+``--cold`` times every call (the op's and dense's) as measured dispatch times its candidates: over copies of the
+operands called in turn, so that a weight under the L2's size is read from memory, as in a model whose other layers
+evict it between calls (``jaxsparse._tuning._measure.time_call_ms``). Without it, each call repeats on the same
+operands, and such a weight, dense or sparse, is read from the L2.
 """
 
 from __future__ import annotations
@@ -38,6 +43,16 @@ from gpu_block_sparse import block_mask
 
 import jaxsparse
 from jaxsparse._tuning import _cache as _tuning_cache
+from jaxsparse._tuning import _measure as _tuning_measure
+
+TIMING = {"cold": False}
+
+
+def timed_ms(f, *args, iterations: int) -> float:
+  """One call of ``f(*args)`` in ms: :func:`time_ms`, or with ``--cold`` as measured dispatch times its candidates."""
+  if TIMING["cold"]:
+    return _tuning_measure.time_call_ms(f, args, _tuning_measure.default_platform())
+  return time_ms(f, *args, iterations=iterations)
 
 MS = [1, 16, 48, 200, 384, 640, 1000, 1536, 3000, 4096, 6144, 12288]
 DIMS = [768, 1024, 1536, 2048, 2560, 3072, 4096, 5120, 6144, 8192]
@@ -101,8 +116,8 @@ def run_case(c: dict, iterations: int, breakdown: bool = False, modes: tuple[str
   ref = jnp.dot(x.astype(jnp.float32), wd.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
   m = math.prod(c["batch"])
   row = dict(c)
-  dense_fwd = time_ms(dense, x, wd, iterations=iterations)
-  dense_both = time_ms(both(dense), x, wd, dy, iterations=iterations) if m > 64 else None
+  dense_fwd = timed_ms(dense, x, wd, iterations=iterations)
+  dense_both = timed_ms(both(dense), x, wd, dy, iterations=iterations) if m > 64 else None
   for mode in modes or (None,):
     tag = "" if mode is None else f"[{mode}]"
     scope = contextlib.nullcontext() if mode is None else jaxsparse.autotune_mode(mode)
@@ -113,13 +128,13 @@ def run_case(c: dict, iterations: int, breakdown: bool = False, modes: tuple[str
       row["tune_s_fwd" + tag] = time.perf_counter() - t0
       row["route" + tag] = route(fresh, x, w)
       row["err" + tag] = rel_err(jax.jit(fresh)(x, w), ref)
-      row["fwd" + tag] = time_ms(fresh, x, w, iterations=iterations) / dense_fwd
+      row["fwd" + tag] = timed_ms(fresh, x, w, iterations=iterations) / dense_fwd
       if m > 64:
         fresh_both = both(lambda x, w: sparse(x, w))
         t0 = time.perf_counter()
         jax.jit(fresh_both).lower(x, w, dy)
         row["tune_s_both" + tag] = time.perf_counter() - t0
-        row["fwd+bwd" + tag] = time_ms(fresh_both, x, w, dy, iterations=iterations) / dense_both
+        row["fwd+bwd" + tag] = timed_ms(fresh_both, x, w, dy, iterations=iterations) / dense_both
   if "tune" in modes:
     # A second process with the cache (the memo dropped, the file read back): no measurement, and compile time
     # against mode off (best of 2 fresh compiles each, forward + backward where timed).
@@ -187,9 +202,11 @@ def main(argv=None) -> None:
   p.add_argument("--breakdown", action="store_true", help="also log each kernel's device time (CUPTI)")
   p.add_argument("--tiny", action="store_true", help="tiny sizes: a smoke test that runs in seconds on a CPU")
   p.add_argument("--space", choices=("default", "wide"), default="default", help="the space the shapes are drawn from")
+  p.add_argument("--cold", action="store_true", help="time over copies of the operands (weights out of the L2)")
   p.add_argument("--modes", default="", help="comma-separated autotune modes to time each case in (off, cached, tune)")
   args = p.parse_args(argv)
   modes = tuple(v for v in args.modes.split(",") if v)
+  TIMING["cold"] = args.cold
   if "tune" in modes:  # what each tuning measured goes to the log
     logging.basicConfig(format="%(name)s: %(message)s")
     logging.getLogger("jaxsparse.autotune").setLevel(logging.INFO)

@@ -75,7 +75,7 @@ def test_product_routes_script_runs():
 
 
 @pytest.mark.slow  # long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs it
-@pytest.mark.parametrize("extra", [[], ["--space", "wide", "--modes", "off,tune"]])
+@pytest.mark.parametrize("extra", [[], ["--space", "wide", "--modes", "off,tune"], ["--cold"]])
 def test_unseen_shapes_script_runs(tmp_path, extra):
   out = tmp_path / "table.md"
   cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_unseen_shapes.py"), "--tiny", "--cases", "3",
