@@ -260,6 +260,13 @@ def _prepare(candidates: Sequence[Candidate]) -> None:
         logger.info("autotune: preparing a candidate failed: %s", fut.exception())
 
 
+def _timed_compile(lowered) -> tuple[Any, float]:
+  """``(lowered.compile(), seconds it took)``."""
+  t0 = time.perf_counter()
+  exe = lowered.compile()
+  return exe, time.perf_counter() - t0
+
+
 def _measure(candidates: Sequence[Candidate], make_args: Callable[[], tuple], platform: str) -> dict[str, float]:
   """``{name: ms}`` of the candidates that compile and run (the others are logged and left out): the time of one
   call, on operands that are not in the L2 cache (:func:`_copies`)."""
@@ -282,19 +289,21 @@ def _measure(candidates: Sequence[Candidate], make_args: Callable[[], tuple], pl
       except Exception as e:  # a candidate that cannot trace is not a candidate
         logger.info("autotune: candidate %s does not trace: %s: %s", c.name, type(e).__name__, e)
         continue
-      futures[c.name] = pool.submit(lowered.compile)
+      futures[c.name] = pool.submit(_timed_compile, lowered)
     t2 = time.perf_counter()
     concurrent.futures.wait(futures.values())
   t3 = time.perf_counter()
-  times = {}
+  times, compile_s = {}, {}
   with jax.ensure_compile_time_eval():
     for name, fut in futures.items():
       try:
-        times[name] = _time_ms(fut.result(), (sets,), platform) / len(sets)
+        exe, compile_s[name] = fut.result()
+        times[name] = _time_ms(exe, (sets,), platform) / len(sets)
       except Exception as e:  # a candidate that fails to compile or run loses
         logger.info("autotune: candidate %s failed: %s: %s", name, type(e).__name__, e)
-  logger.info("autotune: operands %.2f s, traced %.2f s, compiled %.2f s after, timed %.2f s (%d operand sets)",
-              t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3, len(sets))
+  logger.info("autotune: operands %.2f s, traced %.2f s, compiled %.2f s after, timed %.2f s (%d operand sets); "
+              "compile s by candidate: %s", t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3, len(sets),
+              {k: round(v, 2) for k, v in compile_s.items()})
   return times
 
 
