@@ -45,14 +45,13 @@ import jaxsparse
 from jaxsparse._tuning import _cache as _tuning_cache
 from jaxsparse._tuning import _measure as _tuning_measure
 
-TIMING = {"cold": False}
 
-
-def timed_ms(f, *args, iterations: int) -> float:
-  """One call of ``f(*args)`` in ms: :func:`time_ms`, or with ``--cold`` as measured dispatch times its candidates."""
-  if TIMING["cold"]:
+def timed_ms(f, *args, iterations: int, cold: bool) -> float:
+  """One call of ``f(*args)`` in ms: :func:`time_ms`, or (``cold``) as measured dispatch times its candidates."""
+  if cold:
     return _tuning_measure.time_call_ms(f, args, _tuning_measure.default_platform())
   return time_ms(f, *args, iterations=iterations)
+
 
 MS = [1, 16, 48, 200, 384, 640, 1000, 1536, 3000, 4096, 6144, 12288]
 DIMS = [768, 1024, 1536, 2048, 2560, 3072, 4096, 5120, 6144, 8192]
@@ -95,7 +94,9 @@ def route(f, *args) -> str:
   return "+".join(sorted({short.get(t, t) for t in targets})) or "xla"
 
 
-def run_case(c: dict, iterations: int, breakdown: bool = False, modes: tuple[str, ...] = ()) -> dict:
+def run_case(
+    c: dict, iterations: int, breakdown: bool = False, modes: tuple[str, ...] = (), cold: bool = False
+) -> dict:
   k, n, (bk, bn), d, dtype = c["k"], c["n"], c["block"], c["density"], c["dtype"]
   keys = jax.random.split(jax.random.key(hash((c["batch"], k, n, bk, bn)) % 2**31), 3)
   mask = block_mask(k, n, bk, d, seed=1, bn=bn)
@@ -116,8 +117,8 @@ def run_case(c: dict, iterations: int, breakdown: bool = False, modes: tuple[str
   ref = jnp.dot(x.astype(jnp.float32), wd.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
   m = math.prod(c["batch"])
   row = dict(c)
-  dense_fwd = timed_ms(dense, x, wd, iterations=iterations)
-  dense_both = timed_ms(both(dense), x, wd, dy, iterations=iterations) if m > 64 else None
+  dense_fwd = timed_ms(dense, x, wd, iterations=iterations, cold=cold)
+  dense_both = timed_ms(both(dense), x, wd, dy, iterations=iterations, cold=cold) if m > 64 else None
   for mode in modes or (None,):
     tag = "" if mode is None else f"[{mode}]"
     scope = contextlib.nullcontext() if mode is None else jaxsparse.autotune_mode(mode)
@@ -128,13 +129,13 @@ def run_case(c: dict, iterations: int, breakdown: bool = False, modes: tuple[str
       row["tune_s_fwd" + tag] = time.perf_counter() - t0
       row["route" + tag] = route(fresh, x, w)
       row["err" + tag] = rel_err(jax.jit(fresh)(x, w), ref)
-      row["fwd" + tag] = timed_ms(fresh, x, w, iterations=iterations) / dense_fwd
+      row["fwd" + tag] = timed_ms(fresh, x, w, iterations=iterations, cold=cold) / dense_fwd
       if m > 64:
         fresh_both = both(lambda x, w: sparse(x, w))
         t0 = time.perf_counter()
         jax.jit(fresh_both).lower(x, w, dy)
         row["tune_s_both" + tag] = time.perf_counter() - t0
-        row["fwd+bwd" + tag] = timed_ms(fresh_both, x, w, dy, iterations=iterations) / dense_both
+        row["fwd+bwd" + tag] = timed_ms(fresh_both, x, w, dy, iterations=iterations, cold=cold) / dense_both
   if "tune" in modes:
     # A second process with the cache (the memo dropped, the file read back): no measurement, and compile time
     # against mode off (best of 2 fresh compiles each, forward + backward where timed).
@@ -206,7 +207,6 @@ def main(argv=None) -> None:
   p.add_argument("--modes", default="", help="comma-separated autotune modes to time each case in (off, cached, tune)")
   args = p.parse_args(argv)
   modes = tuple(v for v in args.modes.split(",") if v)
-  TIMING["cold"] = args.cold
   if "tune" in modes:  # what each tuning measured goes to the log
     logging.basicConfig(format="%(name)s: %(message)s")
     logging.getLogger("jaxsparse.autotune").setLevel(logging.INFO)
@@ -224,7 +224,7 @@ def main(argv=None) -> None:
     if i < args.skip or (only and i not in only):
       continue
     try:
-      rows.append(fmt(run_case(c, args.iterations, args.breakdown, modes), modes))
+      rows.append(fmt(run_case(c, args.iterations, args.breakdown, modes, args.cold), modes))
     except Exception as e:  # report and go on: one failing shape should not hide the others
       rows.append(f"| {c} | failed: {type(e).__name__}: {str(e)[:160]} |")
     log(f"case {i}: {rows[-1]}")
