@@ -99,6 +99,22 @@ def test_bad_modes_are_named(bad, monkeypatch):
     _cache.current_mode("cpu")
 
 
+def test_tuning_budget_from_the_environment_and_unbounded_ahead_of_time(monkeypatch):
+  monkeypatch.delenv(_cache.ENV_BUDGET, raising=False)
+  assert _cache.current_budget_s() == _cache.DEFAULT_BUDGET_S == 3.0
+  monkeypatch.setenv(_cache.ENV_BUDGET, "1.5")
+  assert _cache.current_budget_s() == 1.5
+  with _cache.unbounded_budget():
+    assert _cache.current_budget_s() is None
+  assert _cache.current_budget_s() == 1.5
+  monkeypatch.setenv(_cache.ENV_BUDGET, "None")
+  assert _cache.current_budget_s() is None
+  for bad in ("0", "-1", "soon", "inf", "nan"):
+    monkeypatch.setenv(_cache.ENV_BUDGET, bad)
+    with pytest.raises(ValueError, match=rf"\$JAXSPARSE_AUTOTUNE_BUDGET must be a positive number .* got '{bad}'"):
+      _cache.current_budget_s()
+
+
 # -------------------------------------------------------------------------------------------------
 # choose().
 # -------------------------------------------------------------------------------------------------
@@ -354,6 +370,53 @@ def test_candidates_are_prepared_side_by_side_before_any_is_traced():
   assert set(times) == {"a", "b", "dense"}
   assert sorted(events[:2]) == [("prepared", "a"), ("prepared", "b")]
   assert [e[0] for e in events[2:]] == ["traced"] * 3
+
+
+def test_a_candidate_compiling_past_the_budget_is_left_untimed(monkeypatch):
+  # "slow" compiles until the test releases it; the budget (0.5 s, 0.1 s of it before the timing) ends first. The
+  # shipped default and the dense product (always_timed) are waited for whatever the budget.
+  monkeypatch.setenv(_cache.ENV_BUDGET, "0.5")
+  release, real = threading.Event(), _measure._timed_compile
+
+  def compile_(lowered):
+    if "3.25" in lowered.as_text():
+      release.wait(60)
+    return real(lowered)
+
+  monkeypatch.setattr(_measure, "_timed_compile", compile_)
+  cands = [_tuning.Candidate("default", lambda v: v + 1), _tuning.Candidate("slow", lambda v: v * 3.25),
+           _tuning.Candidate("dense", lambda v: 2 * v, always_timed=True)]
+  try:
+    times = _measure._measure(cands, lambda: (jnp.ones(4),), "cpu")
+  finally:
+    release.set()
+  assert times["slow"] is None and times["default"] > 0 and times["dense"] > 0, times
+  monkeypatch.setenv(_cache.ENV_BUDGET, "none")  # no budget: every candidate timed
+  assert all(v > 0 for v in _measure._measure(cands, lambda: (jnp.ones(4),), "cpu").values())
+
+
+def test_candidates_left_out_for_the_budget_are_timed_by_autotune_later(monkeypatch):
+  cands = _candidates([])
+  measured = []
+
+  def fake(times):
+    return lambda c, m, p: measured.append(_cache.current_budget_s()) or dict(times)
+
+  monkeypatch.setattr(_measure, "_measure", fake({"default": 2.0, "a": None, "dense": 1.5}))
+  with _tuning.autotune_mode("tune"):
+    assert _choose(cands).name == "dense"
+    assert _choose(cands).name == "dense"  # first-trace tuning does not come back for "a"
+  key = _measure.signature_key("op", "fwd", "cpu", rows=4)
+  entry = _cache.lookup(key)
+  assert entry["unfinished"] == ["a"] and entry["candidates"] == ["a", "default", "dense"]
+  assert set(entry["times_us"]) == {"default", "dense"} and measured == [3.0]
+  monkeypatch.setattr(_measure, "_measure", fake({"default": 2.0, "a": 0.5, "dense": 1.5}))
+  with _tuning.autotune_mode("tune"), _cache.unbounded_budget():  # as jaxsparse.autotune measures
+    assert _choose(cands).name == "a"
+    assert _choose(cands).name == "a"
+  entry = _cache.lookup(key)
+  assert "unfinished" not in entry and entry["times_us"] == {"a": 500.0, "default": 2000.0, "dense": 1500.0}
+  assert measured == [3.0, None]
 
 
 def test_time_call_ms_times_one_call_over_copies_of_the_operands(monkeypatch):
@@ -623,6 +686,15 @@ def test_tuned_gpu_route_records_each_direction(interpreted, monkeypatch):
     assert e["default"] == ("split:default" if json.loads(key)["dir"] == "dw" else "native:default")
   for out, ref in zip((y, dx, ddata), _reference(x, dy, w), strict=True):
     _close(out, ref, 2e-5)
+
+
+def test_autotune_ahead_of_time_has_no_budget(monkeypatch):
+  budgets = []
+  monkeypatch.setattr(_measure, "_measure",
+                      lambda c, m, p: budgets.append(_cache.current_budget_s()) or {x.name: 1.0 for x in c})
+  x, _, w = _problem(8, (16, 16), (2, 2), jnp.float32, seed=1)
+  jaxsparse.autotune(lambda x: jaxsparse.ops.block_sparse_matmul(x, w), jax.ShapeDtypeStruct(x.shape, x.dtype))
+  assert budgets and set(budgets) == {None}, budgets
 
 
 @pytest.mark.slow  # long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs it

@@ -20,7 +20,9 @@ def autotune(fn_or_model: Callable[..., Any], *example_args: Any, compile: bool 
   routes measured on the device and the fastest recorded in the cache file
   (:func:`jaxsparse.set_autotune_mode` has the modes; ``$JAXSPARSE_AUTOTUNE_CACHE`` the file). Pass a train step
   (forward and backward) or a decode step; an NNX module is called as ``model(*example_args)``. Nothing runs but
-  the measurements: arrays may be ``jax.ShapeDtypeStruct`` with shardings.
+  the measurements: arrays may be ``jax.ShapeDtypeStruct`` with shardings. Unlike tuning at the first trace,
+  every candidate is timed however long it takes to compile (no ``$JAXSPARSE_AUTOTUNE_BUDGET``), also those a
+  first-trace measurement left out for its budget.
 
   >>> import jax, jax.numpy as jnp, jaxsparse
   >>> w = jaxsparse.BlockSparseMatrix.from_dense(jnp.ones((64, 64)), (32, 32))
@@ -37,7 +39,7 @@ def autotune(fn_or_model: Callable[..., Any], *example_args: Any, compile: bool 
     The number of decisions added to the cache.
   """
   before = _cache.known_keys()
-  with _cache.autotune_mode("tune"):
+  with _cache.autotune_mode("tune"), _cache.unbounded_budget():
     # A fresh wrapper: a function jitted before keeps the routes of its earlier trace.
     lowered = jax.jit(lambda *args: fn_or_model(*args)).lower(*example_args)
     if compile:

@@ -36,12 +36,14 @@ __all__ = [
     "Mode",
     "autotune_mode",
     "cache_path",
+    "current_budget_s",
     "current_mode",
     "export_cache",
     "import_cache",
     "lookup",
     "record",
     "set_autotune_mode",
+    "unbounded_budget",
 ]
 
 Mode = Literal["off", "cached", "tune", "auto"]
@@ -50,6 +52,10 @@ FORMAT = "jaxsparse-autotune"
 VERSION = 1
 ENV_MODE = "JAXSPARSE_AUTOTUNE"
 ENV_PATH = "JAXSPARSE_AUTOTUNE_CACHE"
+ENV_BUDGET = "JAXSPARSE_AUTOTUNE_BUDGET"
+# Seconds a first-trace measurement of one product signature may take (issue 35's bound on tuning cost); see
+# :func:`current_budget_s`.
+DEFAULT_BUDGET_S = 3.0
 
 
 class AutotuneCacheWarning(UserWarning):
@@ -119,6 +125,43 @@ def autotune_mode(mode: Mode) -> Iterator[None]:
     yield
   finally:
     _scoped_mode.reset(token)
+
+
+_scoped_unbounded: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxsparse_autotune_unbounded", default=False)
+
+
+def current_budget_s() -> float | None:
+  """Seconds one product's first-trace measurement may take before it stops waiting for candidates to compile.
+
+  ``$JAXSPARSE_AUTOTUNE_BUDGET`` (seconds, or ``"none"``), else :data:`DEFAULT_BUDGET_S`; ``None`` (no bound)
+  inside :func:`unbounded_budget` (:func:`jaxsparse.autotune`, tuning ahead of time). The shipped default and the
+  dense product are always timed; a candidate not compiled by then is left out of that decision (the cache entry
+  names it under ``"unfinished"``, and :func:`jaxsparse.autotune` measures it later).
+  """
+  if _scoped_unbounded.get():
+    return None
+  raw = os.environ.get(ENV_BUDGET)
+  if raw is None or not raw.strip():
+    return DEFAULT_BUDGET_S
+  if raw.strip().lower() == "none":
+    return None
+  try:
+    budget = float(raw)
+  except ValueError:
+    budget = float("nan")
+  if not budget > 0 or budget == float("inf"):
+    raise ValueError(f"${ENV_BUDGET} must be a positive number of seconds or 'none', got {raw!r}.")
+  return budget
+
+
+@contextlib.contextmanager
+def unbounded_budget() -> Iterator[None]:
+  """Context manager: measurements inside it wait for every candidate (no :func:`current_budget_s` bound)."""
+  token = _scoped_unbounded.set(True)
+  try:
+    yield
+  finally:
+    _scoped_unbounded.reset(token)
 
 
 def current_mode(platform: str) -> str:

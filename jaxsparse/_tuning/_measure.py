@@ -53,6 +53,8 @@ logger = logging.getLogger("jaxsparse.autotune")
 
 # A candidate replaces the shipped default only if it is faster by more than this fraction.
 MARGIN = 0.03
+# Of a signature's tuning budget, the seconds kept for timing the compiled candidates.
+_TIMING_RESERVE_S = 0.4
 # Each candidate is timed over about this much device time (at least 3 and at most 100 calls).
 _TARGET_MS = 20.0
 # On a GPU, operands of fewer bytes than _CACHED_BYTES are timed in copies that together hold at least _COLD_BYTES
@@ -78,6 +80,9 @@ class Candidate:
     prepare: ``() -> Any``, thread-safe work that tracing ``run`` would otherwise do on its own (e.g. compiling a
       CUDA kernel with NVRTC): before a measurement traces the candidates one by one, the ``prepare`` of every
       candidate runs in a thread pool, side by side. Its result and errors are ignored (tracing then reports them).
+    always_timed: timed however long it takes to compile (the dense product, which bounds every choice); the
+      shipped default (the first candidate) always is. Others are left out of a first-trace measurement whose
+      tuning budget (:func:`jaxsparse._tuning._cache.current_budget_s`) they would overrun.
   """
 
   name: str
@@ -85,6 +90,7 @@ class Candidate:
   value: Any = None
   measure: Callable[..., Any] | None = None
   prepare: Callable[[], Any] | None = None
+  always_timed: bool = False
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
@@ -267,23 +273,35 @@ def _timed_compile(lowered) -> tuple[Any, float]:
   return exe, time.perf_counter() - t0
 
 
-def _measure(candidates: Sequence[Candidate], make_args: Callable[[], tuple], platform: str) -> dict[str, float]:
+def _measure(candidates: Sequence[Candidate], make_args: Callable[[], tuple],
+             platform: str) -> dict[str, float | None]:
   """``{name: ms}`` of the candidates that compile and run (the others are logged and left out): the time of one
-  call, on operands that are not in the L2 cache (:func:`_copies`)."""
+  call, on operands that are not in the L2 cache (:func:`_copies`). ``None``: not compiled within the tuning
+  budget (:func:`_cache.current_budget_s`), so not timed; the shipped default and ``always_timed`` candidates never
+  are."""
   # The operands are made where no trace is active and copied eagerly (concrete, on the device) even inside the
   # caller's trace; the candidates are traced on their own, outside that eager scope (a kernel body must be staged,
   # not evaluated).
   t0 = time.perf_counter()
+  budget = _cache.current_budget_s()
+  # Time left for timing the compiled candidates: ~0.03 s each on the H100 (2026-11-27, 0.07-0.32 s a signature).
+  deadline = math.inf if budget is None else t0 + budget - _TIMING_RESERVE_S
+  kept = {c.name for c in candidates[:1]} | {c.name for c in candidates if c.always_timed}
   _prepare(candidates)
   args = _made_outside_the_trace(make_args)
   with jax.ensure_compile_time_eval():
     sets = _sets(args, platform)
   t1 = time.perf_counter()
   # Each candidate compiles in a thread as soon as it is lowered (compiling releases the GIL): the compiles run side
-  # by side and beside the lowering of the next candidates, which holds the GIL.
-  futures = {}
-  with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, max(1, len(candidates)))) as pool:
+  # by side and beside the lowering of the next candidates, which holds the GIL. Past the deadline the measurement
+  # waits only for the candidates it keeps; a compile it stops waiting for finishes in the background, unused.
+  futures, unfinished = {}, []
+  pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(8, max(1, len(candidates))))
+  try:
     for c in candidates:
+      if c.name not in kept and time.perf_counter() > deadline:
+        unfinished.append(c.name)
+        continue
       try:
         lowered = jax.jit(_in_turn(c.measure or c.run)).lower(sets)
       except Exception as e:  # a candidate that cannot trace is not a candidate
@@ -291,19 +309,26 @@ def _measure(candidates: Sequence[Candidate], make_args: Callable[[], tuple], pl
         continue
       futures[c.name] = pool.submit(_timed_compile, lowered)
     t2 = time.perf_counter()
-    concurrent.futures.wait(futures.values())
+    concurrent.futures.wait([f for n, f in futures.items() if n in kept])
+    concurrent.futures.wait(futures.values(), timeout=max(0.0, deadline - time.perf_counter()) if budget else None)
+    unfinished += [n for n, f in futures.items() if not f.done()]
+  finally:
+    pool.shutdown(wait=False, cancel_futures=True)
   t3 = time.perf_counter()
-  times, compile_s = {}, {}
+  times, compile_s = dict.fromkeys(unfinished), {}
   with jax.ensure_compile_time_eval():
     for name, fut in futures.items():
+      if name in times:
+        continue
       try:
         exe, compile_s[name] = fut.result()
         times[name] = _time_ms(exe, (sets,), platform) / len(sets)
       except Exception as e:  # a candidate that fails to compile or run loses
         logger.info("autotune: candidate %s failed: %s: %s", name, type(e).__name__, e)
   logger.info("autotune: operands %.2f s, traced %.2f s, compiled %.2f s after, timed %.2f s (%d operand sets); "
-              "compile s by candidate: %s", t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3, len(sets),
-              {k: round(v, 2) for k, v in compile_s.items()})
+              "compile s by candidate: %s%s", t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3, len(sets),
+              {k: round(v, 2) for k, v in compile_s.items()},
+              f"; not compiled within the {budget:g} s budget: {unfinished}" if unfinished else "")
   return times
 
 
@@ -319,6 +344,12 @@ def _timed(entry: dict) -> set[str]:
   """The candidate names a cached decision chose among (entries written before ``"candidates"``: those it timed)."""
   names = entry.get("candidates")
   return {n for n in names if isinstance(n, str)} if isinstance(names, list) else set(_recorded_us(entry))
+
+
+def _unfinished(entry: dict) -> set[str]:
+  """The candidate names a cached decision left untimed for its tuning budget."""
+  names = entry.get("unfinished")
+  return {n for n in names if isinstance(n, str)} if isinstance(names, list) else set()
 
 
 def _pick(times: dict[str, float], prior: str) -> str:
@@ -369,7 +400,12 @@ def choose(
   hit = _cache.lookup(key)
   can_measure = mode == "tune" and _has_device(platform)
   recorded = _recorded_us(hit)
-  if hit is not None and not (can_measure and set(by_name) - _timed(hit)):
+  # Remeasured where tuning may: candidates new to the decision, or (without a budget: jaxsparse.autotune) ones it
+  # left out for the budget of a first-trace measurement.
+  untimed = set(by_name) - _timed(hit) if hit is not None else set()
+  if hit is not None and _cache.current_budget_s() is None:
+    untimed |= set(by_name) & _unfinished(hit)
+  if hit is not None and not (can_measure and untimed):
     if hit["choice"] in by_name:
       return by_name[hit["choice"]]
     offered = {k: v for k, v in recorded.items() if k in by_name}
@@ -378,18 +414,23 @@ def choose(
   if not can_measure:
     return prior
   t0 = time.perf_counter()
-  times = _measure(candidates, make_args, platform)
+  measured = _measure(candidates, make_args, platform)
+  times = {k: v for k, v in measured.items() if v is not None}
   if not times:
     return prior
   best = _pick(times, prior.name)
+  all_us = {**recorded, **{k: round(v * 1e3, 2) for k, v in times.items()}}
   entry = {
       "choice": best,
       "default": prior.name,
       # Every name offered, also those that failed to run, and those an earlier decision for this key chose among.
       "candidates": sorted(set(by_name) | (_timed(hit) if hit is not None else set())),
-      "times_us": dict(sorted({**recorded, **{k: round(v * 1e3, 2) for k, v in times.items()}}.items())),
+      "times_us": dict(sorted(all_us.items())),
       "tuning_s": round(time.perf_counter() - t0, 3),
   }
+  unfinished = sorted(k for k, v in measured.items() if v is None and k not in all_us)
+  if unfinished:  # offered but not compiled within the budget: jaxsparse.autotune measures them
+    entry["unfinished"] = unfinished
   _cache.record(key, entry)
   logger.info("autotune %s %s %s: %s", op, direction, fields, entry)
   return by_name[best]

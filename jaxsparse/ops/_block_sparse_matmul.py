@@ -332,7 +332,8 @@ class _GpuRoute:
     out_dtype = self.out_dtype if p.direction == "fwd" else x2.dtype
     routes = _gpu_routes(kernels, p.direction, x2, w, precision=self.precision, out_dtype=out_dtype)
     run = functools.partial(_gpu_run, kernels, p.direction, precision=self.precision, out_dtype=out_dtype)
-    return [_tuning.Candidate(name, _cast(run(r), p.direction, x2, w, out_dtype), r) for name, r in routes]
+    return [_tuning.Candidate(name, _cast(run(r), p.direction, x2, w, out_dtype), r, always_timed=r[1] is None)
+            for name, r in routes]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -410,7 +411,7 @@ class _Dense:
     x2, w = p.args[0], p.args[-1]
     out_dtype = self.out_dtype if p.direction == "fwd" else x2.dtype
     run = _gpu_run(_pallas_ops(), p.direction, (None, None), precision=self.precision, out_dtype=out_dtype)
-    return [_tuning.Candidate(self.name, _cast(run, p.direction, x2, w, out_dtype))]
+    return [_tuning.Candidate(self.name, _cast(run, p.direction, x2, w, out_dtype), always_timed=True)]
 
 
 def _cast(run: Callable, direction: str, x2, w, out_dtype) -> Callable:

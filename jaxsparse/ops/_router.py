@@ -135,7 +135,7 @@ class Reference:
     return None
 
   def candidates(self, product: Product) -> list[_tuning.Candidate]:
-    return [_tuning.Candidate(self.name, self.run, measure=self.measure)]
+    return [_tuning.Candidate(self.name, self.run, measure=self.measure, always_timed=True)]
 
 
 def import_kernels(module: str) -> ModuleType | None:
