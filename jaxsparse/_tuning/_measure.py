@@ -4,7 +4,9 @@ An op's router lists its candidates for one product (the shipped default first, 
 them) and calls :func:`choose` while the op is traced. In ``"tune"`` mode, the first trace of a signature that
 no cache holds compiles every candidate on random operands of the product's shapes (a random pattern of the
 same block count), times them on the device and records the winner (:mod:`._cache`); later traces, and other
-processes sharing the cache file, read it back without measuring. The shipped default keeps its place unless
+processes sharing the cache file, read it back without measuring. A first-trace measurement has a time budget
+(:func:`._cache.current_budget_s`): candidates other than the shipped default and the dense product that are not
+compiled by then are left out (and named in the cache entry, for :func:`jaxsparse.autotune` to time). The shipped default keeps its place unless
 a candidate beats it by more than :data:`MARGIN`, so noise does not flip routes and tuning never picks a
 route measurably slower than the default.
 
