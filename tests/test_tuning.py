@@ -396,6 +396,7 @@ def test_a_candidate_compiling_past_the_budget_is_left_untimed(monkeypatch):
 
 
 def test_candidates_left_out_for_the_budget_are_timed_by_autotune_later(monkeypatch):
+  monkeypatch.delenv(_cache.ENV_BUDGET, raising=False)
   cands = _candidates([])
   measured = []
 

@@ -6,9 +6,9 @@ no cache holds compiles every candidate on random operands of the product's shap
 same block count), times them on the device and records the winner (:mod:`._cache`); later traces, and other
 processes sharing the cache file, read it back without measuring. A first-trace measurement has a time budget
 (:func:`._cache.current_budget_s`): candidates other than the shipped default and the dense product that are not
-compiled by then are left out (and named in the cache entry, for :func:`jaxsparse.autotune` to time). The shipped default keeps its place unless
-a candidate beats it by more than :data:`MARGIN`, so noise does not flip routes and tuning never picks a
-route measurably slower than the default.
+compiled by then are left out (and named in the cache entry, for :func:`jaxsparse.autotune` to time). The
+shipped default keeps its place unless a candidate beats it by more than :data:`MARGIN`, so noise does not flip
+routes and tuning never picks a route measurably slower than the default.
 
 Measuring runs eagerly inside the trace (``jax.ensure_compile_time_eval``) on concrete data, so it works
 under ``jit``, ``grad``, ``vmap``, ``shard_map`` (each shard's shape), ``jax.export`` and the partition callback
