@@ -14,6 +14,7 @@
 # tests of test_pallas_block_sparse.py in 560 s; 107 of the 116 of its sdd_mgpu / nm / cusparselt / higher_order
 # files in 280 s). Split it over calls with `--shard I/N` (conftest.py: every N-th test from the I-th, by node id):
 #   bash benchmarks/run_gpu.sh tests --shard 1/3     # then 2/3 and 3/3, one call each; then `composition`
+# (2026-11-27, H100, 15 workers: 166 + 162 + 165 tests in 375-425 s a shard; the composition cells in 87 s.)
 #
 # TEST_TIMEOUT / BENCH_TIMEOUT (seconds) bound each part so that a device call keeps the logs of both;
 # the tests run in PYTEST_WORKERS processes (pytest-xdist, if installed): compiling dominates them.
