@@ -282,7 +282,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="progress bar (default: on a terminal)")
   ben.set_defaults(run=_bench)
 
-  tun = sub.add_parser("tune", help="measured dispatch ahead of time: tune sparse layers of your shapes, on a GPU")
+  tun = sub.add_parser("tune", help="measured dispatch ahead of time: tune sparse layers of your shapes, on a GPU "
+                                    "(every candidate timed: no first-trace budget, $JAXSPARSE_AUTOTUNE_BUDGET)")
   tun.add_argument("shapes", type=_parse_shape, nargs="+", metavar="INxOUT", help="layer shapes, e.g. 4096x1024")
   tun.add_argument("--patterns", type=_parse_pattern, nargs="+", metavar="SPEC",
                    default=[_parse_pattern("block:0.25:64x64")],
