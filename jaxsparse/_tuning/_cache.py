@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import json
+import math
 import os
 import tempfile
 import threading
@@ -140,16 +141,16 @@ def current_budget_s() -> float | None:
   """
   if _scoped_unbounded.get():
     return None
-  raw = os.environ.get(ENV_BUDGET)
-  if raw is None or not raw.strip():
+  raw = os.environ.get(ENV_BUDGET, "").strip()
+  if not raw:
     return DEFAULT_BUDGET_S
-  if raw.strip().lower() == "none":
+  if raw.lower() == "none":
     return None
   try:
     budget = float(raw)
   except ValueError:
-    budget = float("nan")
-  if not budget > 0 or budget == float("inf"):
+    budget = 0.0
+  if not (math.isfinite(budget) and budget > 0):
     raise ValueError(f"${ENV_BUDGET} must be a positive number of seconds or 'none', got {raw!r}.")
   return budget
 

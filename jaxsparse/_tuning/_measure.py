@@ -312,7 +312,8 @@ def _measure(candidates: Sequence[Candidate], make_args: Callable[[], tuple],
       futures[c.name] = pool.submit(_timed_compile, lowered)
     t2 = time.perf_counter()
     concurrent.futures.wait([f for n, f in futures.items() if n in kept])
-    concurrent.futures.wait(futures.values(), timeout=max(0.0, deadline - time.perf_counter()) if budget else None)
+    concurrent.futures.wait(futures.values(),
+                            timeout=None if budget is None else max(0.0, deadline - time.perf_counter()))
     unfinished += [n for n, f in futures.items() if not f.done()]
   finally:
     pool.shutdown(wait=False, cancel_futures=True)
