@@ -200,7 +200,7 @@ def _nnx_layer(path: str, node: nnx.Module) -> LayerSummary | None:
                   param_dtype=node.kernel.dtype, dense_weight_grad=True, **common)
   if isinstance(node, CompressedNMLinear):
     return _layer(path, kind, (node.in_features, node.out_features), f"{node.n}:{node.m} compressed",
-                  math.prod(node.kernel.shape), param_dtype=node.kernel.dtype, **common)
+                  node.in_features * node.out_features * node.n // node.m, param_dtype=node.kernel_dtype, **common)
   return None
 
 

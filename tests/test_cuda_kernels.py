@@ -158,6 +158,20 @@ def test_nm24_source_compiles_for_hopper(rows, span, split, warps, token_split, 
   assert ck._compile_cubin(source, "nm24_decode", options) == (cubin, "")  # from the disk cache
 
 
+@pytest.mark.parametrize(("rows", "span"), [(1, 128), (16, 128), (16, 64), (32, 64)])
+@pytest.mark.parametrize(("token_split", "x_load"), [(1, "shuffle"), (2, "ldmatrix")])
+def test_nm24_buffer_source_compiles_for_hopper(rows, span, token_split, x_load, monkeypatch, tmp_path):
+  """The build that reads cuSPARSELt's metadata (NM_META 1, nm24_decode_buffer) compiles for both lane widths."""
+  assert ck._nvrtc() is not None, "libnvrtc not found: install the dev extra (nvidia-cuda-nvrtc)"
+  monkeypatch.setenv("JAXSPARSE_CACHE_DIR", str(tmp_path))
+  source = (ck._HERE / "nm24_decode.cu").read_text()
+  cfg = ck.Nm24DecodeConfig(2, 8, span, token_split=token_split, x_load=x_load)
+  defines = ck._nm24_defines(rows, cfg, buffer=True)
+  assert ("NM_META", 1) in defines and ("NM_META", 0) in ck._nm24_defines(rows, cfg)
+  cubin, log = ck._compile_cubin(source, "nm24_decode", ck._nvrtc_options("sm_90", defines))
+  assert cubin is not None, log
+
+
 def test_nvrtc_errors_are_reported(monkeypatch, tmp_path):
   monkeypatch.setenv("JAXSPARSE_CACHE_DIR", str(tmp_path))
   cubin, log = ck._compile_cubin("this is not CUDA", "broken", ["--gpu-architecture=sm_90"])
@@ -271,6 +285,45 @@ def test_gpu_nm24_decode(m, k, n, config):
   y = jax.jit(lambda x, v, i: ck.nm24_decode(x, v, i, config=config))(x, w.values, w.indices)
   assert y.shape == (m, n) and y.dtype == jnp.bfloat16
   assert _rel(y, ref) < TOL
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize(
+    ("m", "k", "n"), [(1, 4096, 4096), (16, 4096, 6144), (5, 256, 384), (32, 1024, 2560), (3, 14336, 512), (8, 64, 128)]
+)
+@pytest.mark.parametrize(
+    "config",
+    [
+        None, ck.Nm24DecodeConfig(1, 8), ck.Nm24DecodeConfig(8, 4), ck.Nm24DecodeConfig(1, 4, 64),
+        ck.Nm24DecodeConfig(4, 8, 64), ck.Nm24DecodeConfig(4, 8, 64, token_split=2, x_load="ldmatrix"),
+        ck.Nm24DecodeConfig(2, 2, 128, x_load="ldmatrix"),
+    ],
+)
+def test_gpu_nm24_decode_buffer(m, k, n, config):
+  """The kernel on cuSPARSELt's buffer (positions from its metadata) equals the reference and the kernel on
+  NMSparseMatrix's arrays, for spans of 64 and 128 (the two ways a lane's columns meet the metadata bytes)."""
+  from jaxsparse._cuda import _layout  # noqa: PLC0415
+
+  x, w, ref = _problem(m * 5 + n, m, k, n, empty_cols=(m == 5))
+  cfg = config or ck.Nm24DecodeConfig.get_default(m, k, n)
+  if n % cfg.span or k // 64 < 1:
+    return
+  buffer = _layout.compress_values(w.values, w.positions())
+  y = jax.jit(lambda x, b: ck.nm24_decode_buffer(x, b, n, config=config))(x, buffer)
+  assert y.shape == (m, n) and y.dtype == jnp.bfloat16
+  assert _rel(y, ref) < TOL
+  np.testing.assert_array_equal(y, ck.nm24_decode(x, w.values, w.indices, config=config))
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_nm24_decode_buffer_rejects_bad_buffers():
+  x, w, _ = _problem(0, 4, 128, 128)
+  with pytest.raises(ValueError, match=r"needs a \(18432,\) uint8 buffer"):
+    ck.nm24_decode_buffer(x, jnp.zeros((18431,), jnp.uint8), 128)
+  with pytest.raises(ValueError, match="M must be between 1 and 32"):
+    ck.nm24_decode_buffer(jnp.zeros((33, 128), jnp.bfloat16), jnp.zeros((18432,), jnp.uint8), 128)
 
 
 @pytest.mark.gpu

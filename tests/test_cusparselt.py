@@ -468,6 +468,103 @@ def test_gpu_nmlinear_and_compressed_layer_use_sparse_cores():
   assert _rel(small(xb), small.to_dense()(xb)) < 1e-2
 
 
+# -------------------------------------------------------------------------------------------------
+# CompressedNMLinear(storage="cusparselt"): the weight kept once, as the buffer.
+# -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("k", "n", "dtype"), [(64, 128, jnp.bfloat16), (96, 64, jnp.float32), (32, 192, jnp.float16)])
+def test_layout_decompress_inverts_compress(k, n, dtype):
+  seed = np.random.SeedSequence().entropy % 2**31  # fresh data each run; printed on failure
+  w = jaxsparse.NMSparseMatrix.from_dense(jax.random.normal(jax.random.key(seed), (k, n)).astype(dtype), 2, 4)
+  buffer = _layout.compress_values(w.values, w.positions())
+  assert buffer.shape == (k * n // 2 * jnp.dtype(dtype).itemsize + k * n // 8,), seed
+  values, positions = _layout.decompress(buffer, k, n, dtype)
+  np.testing.assert_array_equal(values, w.values, err_msg=f"seed {seed}")
+  np.testing.assert_array_equal(positions, w.positions(), err_msg=f"seed {seed}")
+  back = _nm_matmul.from_buffer(buffer, (k, n), dtype)
+  np.testing.assert_array_equal(back.indices, w.indices, err_msg=f"seed {seed}")
+  with pytest.raises(ValueError, match=r"buffer is \(\d+,\) uint8"):
+    _layout.decompress(buffer[1:], k, n, dtype)
+
+
+@pytest.mark.parametrize("use_bias", [True, False])
+def test_buffer_storage_layer_equals_values_layer(use_bias):
+  lin = NMLinear(64, 128, use_bias=use_bias, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(3))
+  if use_bias:
+    lin.bias[...] = jax.random.normal(jax.random.key(4), (128,), jnp.bfloat16)
+  values = lin.to_compressed(cusparselt_copy=False)
+  layer = lin.to_compressed(storage="cusparselt")
+  assert layer.storage == "cusparselt" and layer.kernel is None and layer.kernel_cusparselt is None
+  assert sorted(nnx.state(layer).keys()) == (["bias"] if use_bias else []) + ["kernel_buffer"]
+  assert isinstance(layer.kernel_buffer, jaxsparse.layers.CusparseLtKernel)
+  assert layer.kernel_buffer[...].nbytes == values.weight.nbytes  # 0.5625x the dense kernel, no second copy
+  np.testing.assert_array_equal(layer.weight.values, values.weight.values)
+  np.testing.assert_array_equal(layer.weight.indices, values.weight.indices)
+  x = jax.random.normal(jax.random.key(5), (2, 3, 64), jnp.bfloat16)
+  want = values(x)
+  np.testing.assert_array_equal(layer(x), want)
+  np.testing.assert_array_equal(nnx.jit(lambda m, x: m(x))(layer, x), want)
+  np.testing.assert_array_equal(layer.to_dense()(x), values.to_dense()(x))
+  assert layer(x.astype(jnp.float32)).dtype == jnp.float32  # promoted: the unpacked weight, no buffer route
+  gx = jax.grad(lambda x: layer(x).astype(jnp.float32).sum())(x)
+  np.testing.assert_array_equal(gx, jax.grad(lambda x: values(x).astype(jnp.float32).sum())(x))
+  row = jaxsparse.summary(layer).layers[0]
+  assert (row.kind, row.pattern) == ("CompressedNMLinear", "2:4 compressed")
+  assert row.bytes == values.weight.nbytes + (256 if use_bias else 0) == jaxsparse.summary(values).layers[0].bytes
+  assert jaxsparse.layer_signature(layer) == jaxsparse.layer_signature(values)
+  abstract = nnx.eval_shape(lambda: lin.to_compressed(storage="cusparselt"))
+  assert nnx.state(abstract)["kernel_buffer"].shape == layer.kernel_buffer[...].shape
+
+
+def test_buffer_storage_errors_and_auto():
+  w = jaxsparse.NMSparseMatrix.from_dense(jnp.ones((48, 64), jnp.bfloat16), 2, 4)
+  with pytest.raises(ValueError, match=r"storage='cusparselt': it needs K a multiple of 32 and N of 64, got \(K, N\) = "
+                                       r"\(48, 64\)"):
+    CompressedNMLinear(w, storage="cusparselt")
+  w14 = jaxsparse.NMSparseMatrix.from_dense(jnp.ones((64, 64), jnp.bfloat16), 1, 4)
+  with pytest.raises(ValueError, match="2:4 weight with groups along K"):
+    CompressedNMLinear(w14, storage="cusparselt")
+  with pytest.raises(ValueError, match="storage must be 'values', 'cusparselt' or 'auto', got storage='buffer'"):
+    CompressedNMLinear(w, storage="buffer")
+  ok = jaxsparse.NMSparseMatrix.from_dense(jnp.ones((64, 128), jnp.bfloat16), 2, 4)
+  # "auto": the buffer only where cuSPARSELt here reads it; never for an unsupported shape or another compute dtype.
+  assert CompressedNMLinear(w, storage="auto").storage == "values"
+  assert CompressedNMLinear(ok, storage="auto", dtype=jnp.float32).storage == "values"
+  assert CompressedNMLinear(ok, storage="auto").storage == ("cusparselt" if _layout_is_cusparselts() else "values")
+
+
+def _layout_is_cusparselts() -> bool:
+  return cslt.available() and _layout.matches()
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("rows", [1, 8, 32, 48, 512])
+def test_gpu_buffer_storage_layer(rows):
+  """On the H100 the buffer is cuSPARSELt's own: decode rows on the mma.sp kernel reading it, many rows on
+  cuSPARSELt reading it, the rest unpacking it in the route; every route equals the layer with values."""
+  assert _layout.matches()
+  lin = NMLinear(1024, 4096, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(rows))
+  values = lin.to_compressed(cusparselt_copy=False)
+  layer = lin.to_compressed(storage="auto")
+  assert layer.storage == "cusparselt"
+  x = jax.random.normal(jax.random.key(rows), (rows, 1024), jnp.bfloat16)
+  want = x.astype(jnp.float32) @ values.weight.to_dense().astype(jnp.float32)
+  assert _rel(nnx.jit(lambda m, x: m(x))(layer, x), want) < 1e-2
+  graphdef, state = nnx.split(layer)
+  hlo = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x)).lower(state, x).as_text()
+  if rows <= 32:
+    assert "jaxsparse_nm24_decode_buffer" in hlo
+  if rows == 512:
+    assert "jaxsparse_cusparselt_matmul" in hlo
+  for implementation in ("xla", "pallas", "cusparselt"):
+    if implementation == "pallas" and rows > _nm_matmul.PALLAS_MAX_TUNED_ROWS:
+      continue
+    forced = lin.to_compressed(storage="cusparselt", implementation=implementation)
+    assert _rel(forced(x), want) < 1e-2, implementation
+
+
 @pytest.mark.gpu
 @needs_gpu
 def test_gpu_unsupported_shape_falls_back_with_warning():

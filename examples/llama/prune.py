@@ -105,22 +105,24 @@ def layer_errors(report: pruning.CalibratedPruneReport) -> dict[int, float]:
   return {layer: float(np.mean(errors)) for layer, errors in sorted(out.items())}
 
 
-def compress_nm(model: nnx.Module, *, cusparselt_copy: bool = False) -> nnx.Module:
+def compress_nm(model: nnx.Module, *, cusparselt_copy: bool = False, storage: str = "auto") -> nnx.Module:
   """Replaces every ``NMLinear`` (in place) by its ``CompressedNMLinear``, the inference form; returns ``model``.
 
-  ``cusparselt_copy``: also keep a cuSPARSELt copy of each 2:4 kernel (1.125x the dense projection's bytes instead
-  of 0.5625x; see :func:`to_inference` for why it is off).
+  ``storage``: ``CompressedNMLinear``'s; ``"auto"`` keeps a 2:4 kernel as cuSPARSELt's buffer alone where the GPU's
+  cuSPARSELt reads it (0.5625x the dense projection's bytes, prefill on sparse tensor cores), else as values and
+  positions. ``cusparselt_copy``: with values and positions, also keep a cuSPARSELt copy of each 2:4 kernel (1.125x
+  the dense projection's bytes).
   """
   found = [(tuple(path), node) for path, node in nnx.iter_graph(model) if isinstance(node, NMLinear)]
   for path, node in found:
-    replace_module(model, path, node.to_compressed(cusparselt_copy=cusparselt_copy))
+    replace_module(model, path, node.to_compressed(cusparselt_copy=cusparselt_copy, storage=storage))
   return model
 
 
 # What the layers of one fusion must share, besides their class and input features.
 _FUSE_SAME = {
     nnx.Linear: ("param_dtype",),
-    CompressedNMLinear: ("n", "m", "axis", "implementation", "cusparselt_copy"),
+    CompressedNMLinear: ("n", "m", "axis", "implementation", "cusparselt_copy", "storage"),
     BlockSparseLinear: ("block_shape", "param_dtype", "implementation"),
 }
 
@@ -167,13 +169,14 @@ def _concatenated(layers: list[nnx.Module]) -> nnx.Module | None:
     return nnx.Linear(first.in_features, out, use_bias=bias is not None, dtype=first.dtype,
                       param_dtype=first.param_dtype, precision=first.precision,
                       kernel_init=lambda *_: kernel, bias_init=lambda *_: bias, rngs=nnx.Rngs(0))
+  weights = [layer.weight for layer in layers]
   weight = jaxsparse.NMSparseMatrix(
-      jnp.concatenate([layer.kernel[...] for layer in layers], axis=1),
-      jnp.concatenate([layer.kernel_positions[...] for layer in layers], axis=1),
+      jnp.concatenate([w.values for w in weights], axis=1), jnp.concatenate([w.indices for w in weights], axis=1),
       shape=(first.in_features, out), n=first.n, m=first.m, axis=0, validate=False)
   return CompressedNMLinear(weight, bias, dtype=first.dtype, precision=first.precision,
                             promote_dtype=first.promote_dtype, preferred_element_type=first.preferred_element_type,
-                            implementation=first.implementation, cusparselt_copy=first.cusparselt_copy)
+                            implementation=first.implementation, cusparselt_copy=first.cusparselt_copy,
+                            storage=first.storage)
 
 
 def fuse_projections(model: LlamaForCausalLM) -> LlamaForCausalLM:
@@ -251,7 +254,8 @@ class InferenceReport(SparsifyReport):
 
 
 def to_inference(model: LlamaForCausalLM, structure: Any, *, masks: Mapping[str, Any] | None = None,
-                 compress: bool = True, cusparselt_copy: bool = False, dense_unstructured: bool = True,
+                 compress: bool = True, cusparselt_copy: bool = False, storage: str = "auto",
+                 dense_unstructured: bool = True,
                  dense_if_slower_at: int | Sequence[int] | None = None,
                  timer: Callable[[nnx.Module, jax.Array], float] | None = None, fuse: bool = False,
                  ) -> tuple[LlamaForCausalLM, InferenceReport]:
@@ -277,10 +281,12 @@ def to_inference(model: LlamaForCausalLM, structure: Any, *, masks: Mapping[str,
     structure: as in :func:`prune`.
     masks: :func:`prune`'s masks; ``None`` prunes by magnitude (random-weight benchmarks).
     compress: turn ``NMLinear`` (SR-STE training layer, dense kernel) into ``CompressedNMLinear``.
-    cusparselt_copy: with ``compress``, keep each 2:4 layer's cuSPARSELt copy (see :func:`compress_nm`). Off by
-      default: on the Llama-3-8B shape (H100) the copy took the weights from 0.62x to 1.11x the dense model's bytes
-      and changed neither decode (1.37x / 1.13x against 1.36x / 1.13x dense tokens/s at batch 1 / 8) nor prefill
-      (0.98x against 0.97x), ``benchmarks/results/llm_decode_2026-11-27_h100.md``.
+    cusparselt_copy: with ``compress`` and ``storage="values"``, keep each 2:4 layer's cuSPARSELt copy as well
+      (see :func:`compress_nm`): 1.11x the dense model's bytes for the Llama-3-8B shape.
+    storage: with ``compress``, how the 2:4 layers keep their kernel (:func:`compress_nm`). ``"auto"`` (the
+      default) keeps cuSPARSELt's buffer alone on a GPU that reads it: the weight bytes of ``storage="values"``
+      without a copy (0.62x the dense model's for the Llama-3-8B shape), and the prefill products on sparse tensor
+      cores without compressing the weight in every call.
     dense_unstructured: with an ``Unstructured`` structure, route the masked layers to dense ``nnx.Linear`` (see above).
     dense_if_slower_at: decode batch size(s) to time the sparse layers at, e.g. ``(1, 8, 32)``; ``None`` times
       nothing and keeps every sparse layer.
@@ -296,7 +302,7 @@ def to_inference(model: LlamaForCausalLM, structure: Any, *, masks: Mapping[str,
   """
   sparse, report = jaxsparse.sparsify(model, rules_for(structure), masks=masks)
   if compress:
-    compress_nm(sparse, cusparselt_copy=cusparselt_copy)
+    compress_nm(sparse, cusparselt_copy=cusparselt_copy, storage=storage)
   if dense_unstructured and isinstance(structure, jaxsparse.Unstructured):
     sparse = jaxsparse.densify(sparse)
   if fuse:  # before the timing: the fused layers are what runs

@@ -54,6 +54,7 @@ __all__ = [
     "Nm24DecodeConfig",
     "available",
     "nm24_decode",
+    "nm24_decode_buffer",
     "nm24_prepare",
     "nm24_prune",
     "nm24_transposable",
@@ -235,6 +236,8 @@ def _setup() -> dict:
     register.restype = ctypes.c_int64
     register.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int64, ctypes.c_char_p]
     jax.ffi.register_ffi_target("jaxsparse_nm24_decode", jax.ffi.pycapsule(lib.JaxsparseNm24Decode), platform="CUDA")
+    jax.ffi.register_ffi_target("jaxsparse_nm24_decode_buffer", jax.ffi.pycapsule(lib.JaxsparseNm24DecodeBuffer),
+                                platform="CUDA")
     jax.ffi.register_ffi_target("jaxsparse_nm24_transposable", jax.ffi.pycapsule(lib.JaxsparseNm24Transposable),
                                 platform="CUDA")
     jax.ffi.register_ffi_target("jaxsparse_nm24_transposable_compress",
@@ -429,7 +432,7 @@ def nm24_unsupported_reason(m: int, k: int, n: int, dtype) -> str:
   return ""
 
 
-def _nm24_defines(m: int, cfg: Nm24DecodeConfig) -> tuple[tuple[str, int], ...]:
+def _nm24_defines(m: int, cfg: Nm24DecodeConfig, buffer: bool = False) -> tuple[tuple[str, int], ...]:
   tiles = -(-m // 8)
   tiles += tiles % cfg.token_split  # whole tiles per warp (rows past M are zeros)
   return (
@@ -440,18 +443,20 @@ def _nm24_defines(m: int, cfg: Nm24DecodeConfig) -> tuple[tuple[str, int], ...]:
       ("NM_MINB", cfg.blocks_per_sm),
       ("NM_TSPLIT", cfg.token_split),
       ("NM_XLOAD", NM24_X_LOADS.index(cfg.x_load) + 1),
+      ("NM_META", int(buffer)),
   )
 
 
-def nm24_prepare(m: int, k: int, n: int, config: Nm24DecodeConfig | None = None) -> str:
+def nm24_prepare(m: int, k: int, n: int, config: Nm24DecodeConfig | None = None, *, buffer: bool = False) -> str:
   """Builds the kernel of ``config`` (default: the default config) for an ``(m, k) @ (k, n)`` product (once per
-  process; NVRTC's output is cached on disk); why it cannot run, or ``""``. Thread-safe: builds of several configs
-  may run in threads at once."""
+  process; NVRTC's output is cached on disk), for :func:`nm24_decode_buffer` with ``buffer``; why it cannot run, or
+  ``""``. Thread-safe: builds of several configs may run in threads at once."""
   reason = unavailable_reason() or nm24_unsupported_reason(m, k, n, jnp.bfloat16)
   if reason:
     return reason
   try:
-    _kernel_id("nm24_decode.cu", "nm24_decode", _nm24_defines(m, config or Nm24DecodeConfig.get_default(m, k, n)))
+    _kernel_id("nm24_decode.cu", "nm24_decode",
+               _nm24_defines(m, config or Nm24DecodeConfig.get_default(m, k, n), buffer))
   except RuntimeError as e:
     return str(e)
   return ""
@@ -491,6 +496,42 @@ def nm24_decode(
   return jax.ffi.ffi_call("jaxsparse_nm24_decode", out, vmap_method="sequential")(
       x, values, indices, kernel=np.int64(kid), split=np.int64(cfg.split), warps=np.int64(cfg.warps),
       span=np.int64(cfg.span)
+  )
+
+
+def nm24_decode_buffer(x: jax.Array, buffer: jax.Array, n: int, *, config: Nm24DecodeConfig | None = None
+                       ) -> jax.Array:
+  """``x (M, K) @ W`` -> ``(M, N)`` bfloat16 for a 2:4 ``W`` given as cuSPARSELt's compressed buffer.
+
+  The buffer is the one :func:`jaxsparse._cuda._layout.compress_values` writes (and cuSPARSELt reads where
+  ``_layout.matches()``): the ``(K / 2, N)`` bfloat16 values, then the metadata. The kernel is
+  :func:`nm24_decode`'s, reading the positions from that metadata, so a layer that keeps only the buffer multiplies
+  decode rows without a second copy of its values.
+
+  Args:
+    x: ``(M, K)`` bfloat16, ``M <= 32``.
+    buffer: ``(K N 9 / 8,)`` uint8.
+    n: ``N``, the columns of ``W``.
+    config: work split; default :meth:`Nm24DecodeConfig.get_default`.
+  """
+  if getattr(x, "ndim", None) != 2:
+    raise ValueError(f"nm24_decode_buffer: x must be a 2-D array, got shape {getattr(x, 'shape', type(x).__name__)}.")
+  if config is not None and not isinstance(config, Nm24DecodeConfig):
+    raise TypeError(f"nm24_decode_buffer: config must be an Nm24DecodeConfig or None, got {type(config).__name__}.")
+  m, k = x.shape
+  reason = nm24_unsupported_reason(m, k, n, x.dtype)
+  if reason:
+    raise ValueError(f"nm24_decode_buffer cannot run for x {x.shape} and W ({k}, {n}): {reason}.")
+  if (getattr(buffer, "shape", None), getattr(buffer, "dtype", None)) != ((k * n // 8 * 9,), jnp.uint8):
+    raise ValueError(f"nm24_decode_buffer needs a ({k * n // 8 * 9},) uint8 buffer for W ({k}, {n}), got "
+                     f"{getattr(buffer, 'shape', type(buffer).__name__)} {getattr(buffer, 'dtype', '')}.")
+  cfg = config or Nm24DecodeConfig.get_default(m, k, n)
+  if n % cfg.span:
+    raise ValueError(f"nm24_decode_buffer: N={n} is not a multiple of the config's span={cfg.span}.")
+  kid = _kernel_id("nm24_decode.cu", "nm24_decode", _nm24_defines(m, cfg, buffer=True))
+  out = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
+  return jax.ffi.ffi_call("jaxsparse_nm24_decode_buffer", out, vmap_method="sequential")(
+      x, buffer, kernel=np.int64(kid), split=np.int64(cfg.split), warps=np.int64(cfg.warps), span=np.int64(cfg.span)
   )
 
 

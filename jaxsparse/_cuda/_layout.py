@@ -23,26 +23,55 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxsparse.formats import _nm
 
-__all__ = ["compress_dense", "compress_values", "matches", "supports"]
+__all__ = ["compress_dense", "compress_values", "decompress", "matches", "supports"]
 
 
 def supports(k: int, n: int) -> bool:
   return k % 32 == 0 and n % 64 == 0
 
 
+# Axes of a code's group and column digits, (gh, g2, g1, g0, nh, n5, n4, n3, n2, n1, n0), as the metadata orders
+# them, most significant first: nh, gh, n5, n4, n2, n1, n0, g1, g0, g2, n3.
+_CODE_ORDER = (4, 0, 5, 6, 8, 9, 10, 2, 3, 1, 7)
+
+
 def _metadata(p0: jax.Array, p1: jax.Array) -> jax.Array:
   """``(G, N)`` kept positions -> the metadata bytes, ``(G * N / 2,)`` uint8."""
   g, n = p0.shape
   code = p0.astype(jnp.uint8) | (p1.astype(jnp.uint8) << 2)
-  # Axes: gh, g2, g1, g0, nh, n5, n4, n3, n2, n1, n0 (binary digits of the group and column).
-  c = code.reshape(g // 8, 2, 2, 2, n // 64, 2, 2, 2, 2, 2, 2)
-  # Code order, most significant first: nh, gh, n5, n4, n2, n1, n0, g1, g0, g2, n3.
-  c = c.transpose(4, 0, 5, 6, 8, 9, 10, 2, 3, 1, 7)
+  c = code.reshape(g // 8, 2, 2, 2, n // 64, 2, 2, 2, 2, 2, 2).transpose(_CODE_ORDER)
   return (c[..., 0] | (c[..., 1] << 4)).reshape(-1)
+
+
+def decompress(buffer: jax.Array, k: int, n: int, dtype) -> tuple[jax.Array, jax.Array]:
+  """Inverse of :func:`compress_values`: ``(values, positions)`` of a ``(k, n)`` weight's buffer.
+
+  Args:
+    buffer: ``(K N / 2 * itemsize + K N / 8,)`` uint8, as :func:`compress_values` writes it.
+    k, n: the weight's shape (``k`` a multiple of 32, ``n`` of 64).
+    dtype: the values' dtype.
+
+  Returns:
+    ``values`` ``(K / 2, N)`` of ``dtype`` and ``positions`` ``(K / 2, N)`` uint8 (``NMSparseMatrix.positions()``).
+  """
+  dtype = jnp.dtype(dtype)
+  size = k // 2 * n * dtype.itemsize
+  if buffer.shape != (size + k * n // 8,) or buffer.dtype != jnp.uint8:
+    raise ValueError(f"a 2:4 {dtype} ({k}, {n}) weight's buffer is ({size + k * n // 8},) uint8, got "
+                     f"{buffer.shape} {buffer.dtype}.")
+  raw = buffer[:size].reshape(k // 2, n, dtype.itemsize)
+  values = lax.bitcast_convert_type(raw if dtype.itemsize > 1 else raw[..., 0], dtype)
+  meta = buffer[size:]
+  nibbles = jnp.stack([meta & 0xF, meta >> 4], axis=-1)
+  inverse = tuple(int(a) for a in np.argsort(_CODE_ORDER))
+  g = k // 4
+  code = nibbles.reshape(n // 64, g // 8, *(2,) * 9).transpose(inverse).reshape(g, n)
+  return values, jnp.stack([code & 3, code >> 2], axis=1).reshape(k // 2, n)
 
 
 def _bytes(values: jax.Array) -> jax.Array:

@@ -12,6 +12,8 @@
 //     (K/2, N) and packed positions (K/8, N) uint8, M <= 32 (nm24_decode.cu). Attributes: kernel (the id
 //     of the registered cubin), split (thread blocks per column span = the cluster size of the cubin),
 //     warps (per thread block), span (columns per thread block), as compiled.
+//   JaxsparseNm24DecodeBuffer: the same product with W given as cuSPARSELt's compressed buffer (K N 9 / 8 bytes:
+//     the values, then the metadata; jaxsparse/_cuda/_layout.py), read by a build with NM_META 1. Same attributes.
 //   JaxsparseNm24Transposable: transposable 2:4 pruning of a (K, N) float32 / bfloat16 weight: the pruned
 //     weight (float32 / bfloat16) and each 4 x 4 tile's pattern index (K/4, N/4) uint8
 //     (nm24_prune.cu). Attributes: kernel (the id of the cubin), w_bf16 and out_bf16 (the dtypes it
@@ -199,6 +201,25 @@ ffi::Error Nm24Decode(CUstream stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi
                 static_cast<unsigned>(warps * 32), args);
 }
 
+ffi::Error Nm24DecodeBuffer(CUstream stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::U8> buffer,
+                            ffi::ResultBuffer<ffi::BF16> y, int64_t kernel, int64_t split, int64_t warps, int64_t span) {
+  const auto xd = x.dimensions(), bd = buffer.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || bd.size() != 1 || yd.size() != 2)
+    return ffi::Error::InvalidArgument("nm24_decode_buffer: x and y must be 2-D, the buffer 1-D");
+  const int64_t m = xd[0], k = xd[1], n = yd[1];
+  if (std::string e = jaxsparse_cuda::CheckNm24DecodeBuffer(m, k, n, bd[0], yd[0], yd[1], split, warps, span);
+      !e.empty())
+    return ffi::Error::InvalidArgument(e);
+  const void* xp = x.untyped_data();
+  const void* vp = buffer.untyped_data();
+  const void* ip = static_cast<const char*>(buffer.untyped_data()) + k * n;  // the metadata after the values
+  void* yp = y->untyped_data();
+  int mi = static_cast<int>(m), ki = static_cast<int>(k), ni = static_cast<int>(n);
+  void* args[] = {&xp, &vp, &ip, &yp, &mi, &ki, &ni};
+  return Launch(stream, kernel, "nm24_decode_buffer", static_cast<unsigned>(n / span), static_cast<unsigned>(split),
+                static_cast<unsigned>(warps * 32), args);
+}
+
 ffi::Error Nm24Transposable(CUstream stream, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> pruned,
                             ffi::ResultBuffer<ffi::U8> pattern, int64_t kernel, bool w_bf16, bool out_bf16) {
   const auto wd = w.dimensions(), pd = pruned->dimensions(), td = pattern->dimensions();
@@ -303,6 +324,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseNm24Decode, Nm24Decode,
                                   .Attr<int64_t>("span"),
                               // One kernel launch on XLA's stream, on its buffers only: XLA may record it in
                               // the CUDA graph of its neighbours instead of a launch from the host per call.
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseNm24DecodeBuffer, Nm24DecodeBuffer,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<CUstream>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>()
+                                  .Attr<int64_t>("kernel")
+                                  .Attr<int64_t>("split")
+                                  .Attr<int64_t>("warps")
+                                  .Attr<int64_t>("span"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseNm24Transposable, Nm24Transposable,

@@ -24,9 +24,9 @@ inline std::string CheckKN(const char* op, int64_t k, int64_t n) {
 
 // nm24_decode: x (M, K), values (K/2, N) bf16, idx (K/8, N) u8, y (M, N); split / warps / span as the cubin
 // was compiled (Nm24DecodeConfig: split 1, 2, 4 or 8; warps 2, 4 or 8; span 64 or 128).
-inline std::string CheckNm24Decode(int64_t m, int64_t k, int64_t n, int64_t v0, int64_t v1, int64_t i0, int64_t i1,
-                                   int64_t y0, int64_t y1, int64_t split, int64_t warps, int64_t span) {
-  const std::string op = "nm24_decode";
+// The grid and the shapes every nm24_decode build needs (x (M, K), W (K, N), y (M, N)).
+inline std::string CheckNm24DecodeGrid(const std::string& op, int64_t m, int64_t k, int64_t n, int64_t y0, int64_t y1,
+                                       int64_t split, int64_t warps, int64_t span) {
   if (std::string e = CheckKN(op.c_str(), k, n); !e.empty()) return e;
   if (m < 1 || m > 32) return op + ": x has M=" + std::to_string(m) + " rows, needs 1 <= M <= 32";
   if (span != 64 && span != 128) return op + ": span=" + std::to_string(span) + ", needs 64 or 128";
@@ -35,9 +35,28 @@ inline std::string CheckNm24Decode(int64_t m, int64_t k, int64_t n, int64_t v0, 
   if (warps != 2 && warps != 4 && warps != 8) return op + ": warps=" + std::to_string(warps) + ", needs 2, 4 or 8";
   if (k % 64 != 0 || n % span != 0)
     return op + ": W " + Shape(k, n) + " needs K a multiple of 64 and N of span=" + std::to_string(span);
+  if (y0 != m || y1 != n) return op + ": y " + Shape(y0, y1) + ", needs (M, N) = " + Shape(m, n);
+  return "";
+}
+
+inline std::string CheckNm24Decode(int64_t m, int64_t k, int64_t n, int64_t v0, int64_t v1, int64_t i0, int64_t i1,
+                                   int64_t y0, int64_t y1, int64_t split, int64_t warps, int64_t span) {
+  const std::string op = "nm24_decode";
+  if (std::string e = CheckNm24DecodeGrid(op, m, k, n, y0, y1, split, warps, span); !e.empty()) return e;
   if (v0 != k / 2 || v1 != n) return op + ": values " + Shape(v0, v1) + ", needs (K / 2, N) = " + Shape(k / 2, n);
   if (i0 != k / 8 || i1 != n) return op + ": idx " + Shape(i0, i1) + ", needs (K / 8, N) = " + Shape(k / 8, n);
-  if (y0 != m || y1 != n) return op + ": y " + Shape(y0, y1) + ", needs (M, N) = " + Shape(m, n);
+  return "";
+}
+
+// nm24_decode on cuSPARSELt's buffer of a bfloat16 W: K N bytes of values, then K N / 8 of metadata, whose tiles of
+// 64 columns need N a multiple of 64 (every span is).
+inline std::string CheckNm24DecodeBuffer(int64_t m, int64_t k, int64_t n, int64_t bytes, int64_t y0, int64_t y1,
+                                         int64_t split, int64_t warps, int64_t span) {
+  const std::string op = "nm24_decode_buffer";
+  if (std::string e = CheckNm24DecodeGrid(op, m, k, n, y0, y1, split, warps, span); !e.empty()) return e;
+  if (bytes != k * n + k * n / 8)
+    return op + ": buffer of " + std::to_string(bytes) + " bytes, needs K N 9 / 8 = " + std::to_string(k * n / 8 * 9) +
+           " for W " + Shape(k, n);
   return "";
 }
 

@@ -2,13 +2,15 @@
 // as jaxsparse.NMSparseMatrix stores it, on the sparse tensor cores (mma.sp; compute capability 9.0+ for the
 // thread block clusters).
 // Compiled at run time by NVRTC (no includes), one build per (NM_MT, NM_CPL, NM_SPLIT, NM_WARPS, NM_MINB,
-// NM_TSPLIT, NM_XLOAD).
+// NM_TSPLIT, NM_XLOAD, NM_META).
 //
 // Operands, all row-major as JAX stores them:
 //   x       (M, K) bf16;
 //   values  (K/2, N) bf16: row 2g+s = the s-th kept entry (in increasing position) of group g;
-//   idx     (K/8, N) uint8: word r = code(group r) | code(group r + K/8) << 4, code = p0 | p1 << 2
-//           with p0 < p1 the positions of the two kept entries inside their group;
+//   idx     NM_META 0: (K/8, N) uint8, word r = code(group r) | code(group r + K/8) << 4, code = p0 | p1 << 2
+//           with p0 < p1 the positions of the two kept entries inside their group (NMSparseMatrix.indices);
+//           NM_META 1: the K N / 8 metadata bytes of cuSPARSELt's buffer (jaxsparse/_cuda/_layout.py), which
+//           follow `values` in that buffer;
 //   y       (M, N) bf16.
 // Needs N % (8 NM_CPL) == 0 and K % 64 == 0.
 //
@@ -48,6 +50,9 @@
 #endif
 #ifndef NM_XLOAD
 #define NM_XLOAD 1  // the quad transpose of x: 1 shuffles, 2 shared memory + ldmatrix
+#endif
+#ifndef NM_META
+#define NM_META 0  // the layout of the positions: 0 NMSparseMatrix.indices, 1 cuSPARSELt's metadata
 #endif
 #ifndef NM_MINB
 #define NM_MINB 1  // thread blocks a multiprocessor must hold at once (caps the registers per thread)
@@ -110,6 +115,40 @@ __device__ __forceinline__ u32 meta_word(const u32 (*tr)[NM_NI], int i, int q) {
   }
   return __byte_perm(x[0], x[1], 0x6420);
 }
+
+#if NM_META == 1
+// The metadata of step `step` (groups 8 step .. 8 step + 7) for lane (g, t) of the warp whose lane group starts at
+// column `col`, from cuSPARSELt's layout: tiles of 8 groups x 64 columns, 256 bytes each, tile (step, col / 64) at
+// byte (col / 64 * K / 32 + step) * 256; in a tile, byte ((c / 16) % 4) * 64 + (c % 8) * 8 + 2 u + t holds the code
+// of column c for group 4 t + u (nibble (c / 8) % 2). The lane's columns (A rows g and g + 8 of instruction i:
+// col + i and col + NI + i) lie in the 64 bytes at ((col / 16) % 4) * 64; tr[h][i] gets, in byte u's low nibble,
+// the code of group 4 t + u for A row g + 8 h, as transpose_meta gives it for NM_META 0.
+__device__ __forceinline__ void cslt_meta(const u8* meta, int k, int step, int col, int t, u32 (*tr)[NM_NI]) {
+  const uint4* src =
+      reinterpret_cast<const uint4*>(meta + ((size_t)(col >> 6) * (k >> 5) + step) * 256 + ((col >> 4) & 3) * 64);
+  u32 w[16];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const uint4 q = t < 2 ? __ldg(src + j) : uint4{0u, 0u, 0u, 0u};
+    w[4 * j] = q.x, w[4 * j + 1] = q.y, w[4 * j + 2] = q.z, w[4 * j + 3] = q.w;
+  }
+  const u32 sel = (t & 1) ? 0x7531 : 0x6420;  // bytes t, 2 + t, 4 + t, 6 + t of each 8-byte run: u = 0 .. 3
+#if NM_CPL == 16
+#pragma unroll
+  for (int i = 0; i < NM_NI; ++i) {  // columns col + i (low nibbles) and col + 8 + i (high) share bytes
+    const u32 b = __byte_perm(w[2 * i], w[2 * i + 1], sel);
+    tr[0][i] = b, tr[1][i] = b >> 4;
+  }
+#else
+  const int shift = 4 * ((col >> 3) & 1);  // columns col + i and col + 4 + i: bytes 8 i and 32 + 8 i, one nibble
+#pragma unroll
+  for (int i = 0; i < NM_NI; ++i) {
+    tr[0][i] = __byte_perm(w[2 * i], w[2 * i + 1], sel) >> shift;
+    tr[1][i] = __byte_perm(w[8 + 2 * i], w[9 + 2 * i], sel) >> shift;
+  }
+#endif
+}
+#endif
 
 __device__ __forceinline__ void mma_sp(float* c, const u32* a, const u32* b, u32 e) {
   asm volatile(
@@ -183,6 +222,8 @@ extern "C" __global__ void __launch_bounds__(NM_WARPS * 32, NM_MINB)
       for (int r = 0; r < 4; ++r) acc[i][mt][r] = 0.f;
 
   for (int p = p_begin + kwarp; p < p_end; p += NM_KW) {
+    u32 tr[2][NM_NI];
+#if NM_META == 0
     u32 meta[4][NM_CPL / 4];
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
@@ -195,11 +236,14 @@ extern "C" __global__ void __launch_bounds__(NM_WARPS * 32, NM_MINB)
       meta[u][0] = q.x, meta[u][1] = q.y;
 #endif
     }
-    u32 tr[2][NM_NI];
     transpose_meta(meta, tr);
+#endif
 #pragma unroll
     for (int q = 0; q < 2; ++q) {
       const int step = p + q * pairs;
+#if NM_META == 1
+      cslt_meta(idx, k, step, col, t, tr);
+#endif
       // Compressed rows 2t, 2t+1, 2t+8, 2t+9 of the step, NM_CPL columns each.
       uint4 v[4][NM_CPL / 8];
 #pragma unroll
@@ -248,7 +292,7 @@ extern "C" __global__ void __launch_bounds__(NM_WARPS * 32, NM_MINB)
         a[1] = pair_of(v[0], v[1], NM_NI + i);  // row g + 8
         a[2] = pair_of(v[2], v[3], i);          // row g, compressed columns 2t+8, 2t+9
         a[3] = pair_of(v[2], v[3], NM_NI + i);
-        const u32 e = meta_word(tr, i, q);  // zero on lanes t >= 2 (meta is zero there)
+        const u32 e = meta_word(tr, i, NM_META ? 0 : q);  // zero on lanes t >= 2 (meta is zero there)
 #pragma unroll
         for (int mt = 0; mt < NM_WMT; ++mt) mma_sp(acc[i][mt], a, b[mt], e);
       }

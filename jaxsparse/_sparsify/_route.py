@@ -112,7 +112,7 @@ def layer_signature(layer: nnx.Module) -> LayerSignature:
     pattern, density = "unstructured", float(jnp.mean(layer.mask[...]))
   else:
     raise TypeError(f"layer must be one of {[c.__name__ for c in SPARSE_LINEAR]}, got {type(layer).__name__}.")
-  dtype = jnp.dtype(layer.kernel[...].dtype)
+  dtype = layer.kernel_dtype if isinstance(layer, CompressedNMLinear) else jnp.dtype(layer.kernel[...].dtype)
   return LayerSignature(type(layer).__name__, (layer.in_features, layer.out_features), pattern, round(density, 2),
                         dtype.name, jnp.dtype(layer.dtype or dtype).name, layer.bias is not None)
 

@@ -7,6 +7,7 @@ from jaxsparse.layers._linear_general import SparseLinearGeneral
 from jaxsparse.layers._masked import MaskedConv
 from jaxsparse.layers._masked import MaskedLinear
 from jaxsparse.layers._nm import CompressedNMLinear
+from jaxsparse.layers._nm import CusparseLtKernel
 from jaxsparse.layers._nm import CusparseLtWeight
 from jaxsparse.layers._nm import NMConv
 from jaxsparse.layers._nm import NMLinear
@@ -14,6 +15,7 @@ from jaxsparse.layers._nm import NMLinear
 __all__ = [
     "BlockSparseLinear",
     "CompressedNMLinear",
+    "CusparseLtKernel",
     "CusparseLtWeight",
     "MaskedConv",
     "MaskedLinear",

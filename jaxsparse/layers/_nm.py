@@ -45,7 +45,27 @@ from jaxsparse.layers._common import linear_options
 from jaxsparse.layers._common import with_weights
 from jaxsparse.ops import _nm_matmul
 
-__all__ = ["CompressedNMLinear", "CusparseLtWeight", "NMConv", "NMLinear"]
+__all__ = ["CompressedNMLinear", "CusparseLtKernel", "CusparseLtWeight", "NMConv", "NMLinear"]
+
+
+class CusparseLtKernel(nnx.Variable):
+  """A 2:4 kernel kept only as one buffer in cuSPARSELt's compressed layout (``uint8``): the weight itself.
+
+  :class:`CompressedNMLinear` built with ``storage="cusparselt"`` keeps its kernel as ``kernel_buffer``, this
+  variable: the kept values, then cuSPARSELt's metadata of their positions, written by jaxsparse on any device.
+  Unlike :class:`CusparseLtWeight` (a copy, rebuilt with the layer) it is the layer's weight and belongs in
+  checkpoints; it is not an ``nnx.Param`` and is not trained.
+
+  >>> import jax, jax.numpy as jnp, jaxsparse
+  >>> from flax import nnx
+  >>> from jaxsparse.layers import CompressedNMLinear, CusparseLtKernel
+  >>> w = jaxsparse.NMSparseMatrix.from_dense(jax.random.normal(jax.random.key(0), (64, 128), jnp.bfloat16), 2, 4)
+  >>> layer = CompressedNMLinear(w, storage="cusparselt")
+  >>> sorted(nnx.state(layer).keys()), layer.kernel_buffer[...].shape, layer.kernel_buffer[...].dtype
+  (['kernel_buffer'], (9216,), dtype('uint8'))
+  >>> bool((layer.weight.to_dense() == w.to_dense()).all())
+  True
+  """
 
 
 class CusparseLtWeight(nnx.Variable):
@@ -253,10 +273,11 @@ class NMLinear(_NMMixin, nnx.Linear):
     )
 
   def to_compressed(self, *, implementation: ops.NMImplementation | None = None,
-                    cusparselt_copy: bool = True) -> CompressedNMLinear:
+                    cusparselt_copy: bool = True,
+                    storage: typing.Literal["values", "cusparselt", "auto"] = "values") -> CompressedNMLinear:
     """An inference layer storing the compressed kernel and multiplying with :func:`jaxsparse.ops.nm_matmul`.
 
-    ``implementation`` and ``cusparselt_copy`` are :class:`CompressedNMLinear`'s.
+    ``implementation``, ``cusparselt_copy`` and ``storage`` are :class:`CompressedNMLinear`'s.
 
     >>> import jax.numpy as jnp
     >>> from flax import nnx
@@ -277,6 +298,7 @@ class NMLinear(_NMMixin, nnx.Linear):
         preferred_element_type=self.preferred_element_type,
         implementation=implementation,
         cusparselt_copy=cusparselt_copy,
+        storage=storage,
     )
 
   def to_linen_variables(self) -> dict[str, dict[str, jax.Array]]:
@@ -308,6 +330,15 @@ class CompressedNMLinear(nnx.Module):
   unchanged, while products of many rows (prefill) either compress ``kernel`` for cuSPARSELt in each call
   or take another route, whichever the measured dispatch finds faster.
 
+  ``storage="cusparselt"`` keeps the weight once, as that buffer (``kernel_buffer``, a :class:`CusparseLtKernel`:
+  values, then cuSPARSELt's metadata, written by jaxsparse on any device): 0.5625x dense, and on a GPU whose
+  cuSPARSELt reads that layout both the ``mma.sp`` decode kernel and cuSPARSELt's sparse tensor-core product read
+  it as it is (prefill without the compression of ``cusparselt_copy=False``). The layer then has no ``kernel`` /
+  ``kernel_positions`` / ``kernel_cusparselt``: :attr:`weight` (and
+  :meth:`to_dense`) unpack the buffer, routes that need the values alone (the Pallas kernel, the XLA path, and
+  every route where cuSPARSELt's layout differs) unpack it in the call, and the weight is not trainable. For
+  inference of 2:4 layers with ``in_features`` a multiple of 32 and ``out_features`` of 64.
+
   >>> import jax, jax.numpy as jnp, jaxsparse
   >>> from jaxsparse.layers import CompressedNMLinear
   >>> w = jaxsparse.NMSparseMatrix.from_dense(jax.random.normal(jax.random.key(0), (64, 32)), 2, 4)
@@ -320,7 +351,15 @@ class CompressedNMLinear(nnx.Module):
     dtype, precision, promote_dtype, preferred_element_type: as ``nnx.Linear``.
     implementation: backend of :func:`jaxsparse.ops.nm_matmul`.
     cusparselt_copy: keep the cuSPARSELt copy ``kernel_cusparselt`` where it can be built (faster products of
-      many rows, about twice the memory); ``False`` never builds one.
+      many rows, about twice the memory); ``False`` never builds one. Only with ``storage="values"``.
+    storage: ``"values"`` (``kernel`` and ``kernel_positions``, trainable), ``"cusparselt"`` (the one buffer
+      ``kernel_cusparselt``, described above) or ``"auto"``: ``"cusparselt"`` where the buffer can hold the weight,
+      the compute dtype is the weight's and cuSPARSELt on the default GPU reads the buffer as its own, else
+      ``"values"`` (the layer's :attr:`storage` says which).
+
+  Raises:
+    ValueError: ``storage="cusparselt"`` for a weight it cannot hold (not 2:4 along ``in_features``, or the
+      sizes above), or an unknown ``storage``.
   """
 
   def __init__(
@@ -334,6 +373,7 @@ class CompressedNMLinear(nnx.Module):
       preferred_element_type: Dtype | None = None,
       implementation: ops.NMImplementation | None = None,
       cusparselt_copy: bool = True,
+      storage: typing.Literal["values", "cusparselt", "auto"] = "values",
   ):
     if not isinstance(weight, NMSparseMatrix) or weight.ndim != 2:
       raise TypeError(f"weight must be a 2-D jaxsparse.NMSparseMatrix, got {weight!r}.")
@@ -342,8 +382,21 @@ class CompressedNMLinear(nnx.Module):
           f"bias must have shape (out_features,) = ({weight.shape[1]},) for weight of shape {weight.shape}, got "
           f"{jnp.shape(bias)}."
       )
-    self.kernel = nnx.Param(weight.values)
-    self.kernel_positions = SparsityPattern(weight.indices)
+    if storage not in ("values", "cusparselt", "auto"):
+      raise ValueError(f"storage must be 'values', 'cusparselt' or 'auto', got storage={storage!r}.")
+    reason = _nm_matmul.buffer_unsupported_reason(weight) if storage != "values" else ""
+    if storage == "auto":
+      pays = not reason and (dtype is None or jnp.dtype(dtype) == weight.dtype) and _nm_matmul.buffer_is_cusparselt(
+          *weight.shape, weight.dtype)
+      storage = "cusparselt" if pays else "values"
+    elif reason:
+      raise ValueError(f"storage='cusparselt': {reason}.")
+    self.storage = storage
+    self.kernel: nnx.Param[jax.Array] | None = nnx.data(None)
+    self.kernel_positions: SparsityPattern | None = nnx.data(None)
+    if storage == "values":
+      self.kernel = nnx.Param(weight.values)
+      self.kernel_positions = SparsityPattern(weight.indices)
     self.bias: nnx.Param[jax.Array] | None = nnx.data(None) if bias is None else nnx.Param(jnp.asarray(bias))
     self.in_features, self.out_features = weight.shape
     self.n, self.m, self.axis = weight.n, weight.m, weight.axis
@@ -356,6 +409,10 @@ class CompressedNMLinear(nnx.Module):
       raise TypeError(f"cusparselt_copy must be True or False, got cusparselt_copy={cusparselt_copy!r}.")
     self.cusparselt_copy = cusparselt_copy
     self.kernel_cusparselt: CusparseLtWeight | None = nnx.data(None)
+    self.kernel_buffer: CusparseLtKernel | None = nnx.data(None)
+    self.kernel_buffer_dtype = weight.dtype
+    if storage == "cusparselt":
+      self.kernel_buffer = CusparseLtKernel(_nm_matmul.to_buffer(weight))
     self.update_cusparselt()
 
   def update_cusparselt(self) -> bool:
@@ -363,8 +420,11 @@ class CompressedNMLinear(nnx.Module):
 
     Built for 2:4 layers whose compute dtype (``dtype``, else the kernel's) is bfloat16,
     when cuSPARSELt can run here, ``implementation`` is ``None`` or ``"cusparselt"`` and the layer was made
-    with ``cusparselt_copy=True``.
+    with ``cusparselt_copy=True``. With ``storage="cusparselt"`` the buffer is the weight: nothing to rebuild
+    (returns True).
     """
+    if self.storage == "cusparselt":
+      return True
     self.kernel_cusparselt = nnx.data(None)
     self.kernel_cusparselt_dtype = None
     if not self.cusparselt_copy or self.implementation not in (None, "cusparselt") or (self.n, self.m) != (2, 4):
@@ -380,8 +440,16 @@ class CompressedNMLinear(nnx.Module):
     return True
 
   @property
+  def kernel_dtype(self) -> jnp.dtype:
+    """The dtype of the kept values, as stored (either ``storage``)."""
+    return self.kernel_buffer_dtype if self.storage == "cusparselt" else jnp.dtype(self.kernel.dtype)
+
+  @property
   def weight(self) -> NMSparseMatrix:
     """The compressed ``(in_features, out_features)`` kernel."""
+    if self.storage == "cusparselt":
+      return _nm_matmul.from_buffer(self.kernel_buffer[...], (self.in_features, self.out_features),
+                                    self.kernel_buffer_dtype)
     return NMSparseMatrix(
         self.kernel[...],
         self.kernel_positions[...],
@@ -395,8 +463,14 @@ class CompressedNMLinear(nnx.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     """Applies the layer to ``x`` of shape ``(..., in_features)``; returns ``(..., out_features)``."""
     bias = bias_of(self)
-    x, values, bias = self.promote_dtype((x, self.kernel[...], bias), dtype=self.dtype)
-    w = self.weight.with_values(values)
+    w = self.weight
+    x, values, bias = self.promote_dtype((x, w.values, bias), dtype=self.dtype)
+    if self.storage == "cusparselt" and x.dtype == values.dtype == self.kernel_buffer_dtype:
+      y = _nm_matmul.nm_matmul_buffer(x, self.kernel_buffer[...], w.shape, w.dtype,
+                                      implementation=self.implementation, precision=self.precision,
+                                      preferred_element_type=self.preferred_element_type)
+      return y if bias is None else y + bias
+    w = w.with_values(values)
     blob = None
     if self.kernel_cusparselt is not None and x.dtype == values.dtype == self.kernel_cusparselt_dtype:
       blob = self.kernel_cusparselt[...]

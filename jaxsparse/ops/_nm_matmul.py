@@ -20,6 +20,8 @@ Backends for the forward product:
   :mod:`jaxsparse._cuda._kernels`): reads ``w`` as stored, on the sparse tensor cores: 0.61-0.84x the
   dense time at M = 1-16 and 0.73-0.95x at M = 32 for K = 4096, N = 4096-16384, weights from device
   memory (``benchmarks/results/gpu_nm_decode_2026-11-24_h100.md``). "auto" takes it where it applies.
+  Given ``cusparselt_weight`` in the layout ``jaxsparse._cuda._layout`` writes, it reads that buffer instead
+  (the same values, the positions from cuSPARSELt's metadata), so a layer may keep the buffer alone.
 
 The backward pass (both backends) is ``dX = dY @ Wᵀ`` and ``dvalues = (xᵀ dY)`` sampled at the
 kept positions, both through XLA.
@@ -41,6 +43,8 @@ from jaxsparse import _utils
 from jaxsparse._cuda import _build as _cuda_build
 from jaxsparse._cuda import _cusparselt as cslt
 from jaxsparse._cuda import _kernels as cuda_kernels
+from jaxsparse._cuda import _layout
+from jaxsparse.formats import _nm
 from jaxsparse.formats._nm import NMSparseMatrix
 from jaxsparse.ops import _router
 from jaxsparse.ops import _sharding
@@ -101,7 +105,15 @@ def _pallas_ops():
   return _router.import_kernels("_nm_matmul")
 
 
-_Config = _router.Config
+@dataclasses.dataclass(frozen=True)
+class _Config(_router.Config):
+  buffer_only: bool = False  # ``w`` is unpacked from the buffer (``nm_matmul_buffer``): routes that read ``w`` unpack
+
+
+def _unpacked(cfg: _Config, w: NMSparseMatrix, blob: jax.Array | None) -> NMSparseMatrix:
+  """``w`` for a route that reads it: unpacked from ``blob`` in the route itself when the caller keeps the buffer
+  alone (so that measured dispatch times the unpacking with the route that needs it)."""
+  return from_buffer(blob, w.shape, w.dtype) if cfg.buffer_only else w
 
 
 def _xla_forward(cfg: _Config, x2, w):
@@ -184,10 +196,42 @@ def cusparselt_compress(w: NMSparseMatrix) -> jax.Array:
 def _compress(w: NMSparseMatrix) -> jax.Array:
   # Where XLA knows cuSPARSELt's layout the buffer is our values plus re-ordered positions.
   if cslt.fast_compress(*w.shape, w.dtype):
-    from jaxsparse._cuda import _layout  # noqa: PLC0415 (GPU-only path)
-
     return _layout.compress_values(w.values, w.positions())
   return cslt.compress(w.to_dense())
+
+
+# -------------------------------------------------------------------------------------------------
+# One buffer for a 2:4 weight: values, then cuSPARSELt's metadata, as jaxsparse._cuda._layout writes it on any
+# device. Where cuSPARSELt's layout is that one (``buffer_is_cusparselt``), cuSPARSELt and the ``mma.sp`` kernel
+# both read it, so a layer can keep it alone (CompressedNMLinear(storage="cusparselt")).
+# -------------------------------------------------------------------------------------------------
+
+
+def buffer_unsupported_reason(w: NMSparseMatrix) -> str:
+  """Why ``w`` cannot be kept as one buffer (:func:`to_buffer`), or ``""``."""
+  if w.ndim != 2 or (w.n, w.m, w.axis) != (2, 4, 0):
+    return f"it needs a 2-D 2:4 weight with groups along K (axis=0), got {w.ndim}-D {w.n}:{w.m}, axis={w.axis}"
+  if not _layout.supports(*w.shape):
+    return f"it needs K a multiple of 32 and N of 64, got (K, N) = {w.shape}"
+  return ""
+
+
+def to_buffer(w: NMSparseMatrix) -> jax.Array:
+  """The ``(K N / 2 * itemsize + K N / 8,)`` uint8 buffer of ``w`` (:func:`buffer_unsupported_reason` is ``""``)."""
+  return _layout.compress_values(w.values, w.positions())
+
+
+def from_buffer(buffer: jax.Array, shape: tuple[int, int], dtype) -> NMSparseMatrix:
+  """Inverse of :func:`to_buffer` for a ``shape`` weight of ``dtype`` values."""
+  k, n = shape
+  values, positions = _layout.decompress(buffer, k, n, dtype)
+  return NMSparseMatrix(values, _nm._pack(positions.reshape(k // 4, 2, n), 2, 4), shape=shape, n=2, m=4,
+                        axis=0, validate=False)
+
+
+def buffer_is_cusparselt(k: int, n: int, dtype) -> bool:
+  """Whether cuSPARSELt here reads :func:`to_buffer`'s buffer of a ``(k, n)`` weight of ``dtype`` as its own."""
+  return cslt.fast_compress(k, n, dtype)
 
 
 def _cslt_forward(cfg: _Config, x2, w, blob):
@@ -224,25 +268,35 @@ class _SparseMma:
     reason = cuda_kernels.unavailable_reason()
     if not reason and (n >= NM24_MIN_COLS or _tuning.will_measure("cuda")):
       # Builds the kernel (once per shape class) where it may run: a GPU that fails to build it says so.
-      reason = cuda_kernels.nm24_prepare(x2.shape[0], k, n)
+      reason = cuda_kernels.nm24_prepare(x2.shape[0], k, n, buffer=_reads_buffer(w, p.args[2]))
       return _router.Unsupported(reason, warn=True) if reason else None
     return _router.Unsupported(reason) if reason else None
 
   def candidates(self, p: _router.Product) -> list[_tuning.Candidate]:
     """The default config as ``mma_sp`` (what runs with tuning off), its neighbours as ``mma_sp/<config name>``
     (``Nm24DecodeConfig.name``; :func:`jaxsparse._cuda._kernels.nm24_candidate_configs`)."""
-    x2, w, _ = p.args
+    x2, w, blob = p.args
     configs = cuda_kernels.nm24_candidate_configs(x2.shape[0], *w.shape)
+    buffer = _reads_buffer(w, blob)
     return [
         _tuning.Candidate(self.name if i == 0 else f"{self.name}/{c.name}",
                           functools.partial(_sparse_mma_run, c), c,
-                          prepare=functools.partial(cuda_kernels.nm24_prepare, x2.shape[0], *w.shape, c))
+                          prepare=functools.partial(cuda_kernels.nm24_prepare, x2.shape[0], *w.shape, c,
+                                                    buffer=buffer))
         for i, c in enumerate(configs)
     ]
 
 
+def _reads_buffer(w: NMSparseMatrix, blob: jax.Array | None) -> bool:
+  """Whether the ``mma.sp`` kernel reads ``blob`` (cuSPARSELt's buffer of ``w``) instead of ``w``'s arrays: where the
+  buffer is in the layout ``jaxsparse._cuda._layout`` writes (cuSPARSELt here writes it byte for byte), a layer that
+  keeps the buffer alone needs no other copy of its values."""
+  return blob is not None and cslt.fast_compress(*w.shape, w.dtype)
+
+
 def _sparse_mma_run(config, x2, w, blob):
-  del blob
+  if _reads_buffer(w, blob):
+    return cuda_kernels.nm24_decode_buffer(x2, blob, w.shape[1], config=config)
   return cuda_kernels.nm24_decode(x2, w.values, w.indices, config=config)
 
 
@@ -298,13 +352,14 @@ class _Pallas:
 
   def candidates(self, p: _router.Product) -> list[_tuning.Candidate]:
     kernels, cfg = _pallas_ops(), self.cfg
-    run = lambda x2, w, blob: kernels.forward(x2, w, precision=cfg.precision).astype(cfg.out_dtype)
+    run = lambda x2, w, blob: kernels.forward(x2, _unpacked(cfg, w, blob), precision=cfg.precision).astype(
+        cfg.out_dtype)
     return [_tuning.Candidate(self.name, run)]
 
 
 def _expand(cfg: _Config) -> _router.Reference:
   """Every platform: ``W`` expanded to dense in one fused pass and one dense product (the reference)."""
-  return _router.Reference("xla", "the XLA path", lambda x2, w, blob: _xla_forward(cfg, x2, w))
+  return _router.Reference("xla", "the XLA path", lambda x2, w, blob: _xla_forward(cfg, x2, _unpacked(cfg, w, blob)))
 
 
 # ``implementation=`` -> its backends, in priority order.
@@ -344,7 +399,7 @@ def _product(cfg: _Config, x2: jax.Array, w: NMSparseMatrix, blob: jax.Array | N
       "nm": (w.n, w.m, w.axis),
       "dtypes": (str(x2.dtype), str(w.dtype), str(cfg.out_dtype)),
       "precision": cfg.precision,
-      "weight": "values" if blob is None else "cusparselt",
+      "weight": "buffer" if cfg.buffer_only else "values" if blob is None else "cusparselt",
   }
   return _router.Product("nm_matmul", "fwd", (x2, w, blob), fields, make_args)
 
@@ -453,6 +508,33 @@ def nm_matmul(
     raise TypeError(f"w must be a jaxsparse.NMSparseMatrix, got {type(w).__name__}.")
   if w.ndim != 2:
     raise ValueError(f"w must be a 2-D (K, N) NMSparseMatrix, got shape {w.shape}.")
+  return _call(x, w, implementation, precision, preferred_element_type, cusparselt_weight)
+
+
+def nm_matmul_buffer(
+    x: jax.Array,
+    buffer: jax.Array,
+    shape: tuple[int, int],
+    dtype,
+    *,
+    implementation: NMImplementation | None = None,
+    precision: lax.PrecisionLike = None,
+    preferred_element_type: jax.typing.DTypeLike | None = None,
+) -> jax.Array:
+  """:func:`nm_matmul` for a 2:4 ``shape`` weight of ``dtype`` values kept only as :func:`to_buffer`'s buffer.
+
+  Where cuSPARSELt here reads the buffer as its own (:func:`buffer_is_cusparselt`), the ``mma.sp`` kernel and
+  cuSPARSELt read it as it is and the other routes unpack it inside the route (measured with the unpacking);
+  elsewhere the op runs on the unpacked weight. ``CompressedNMLinear(storage="cusparselt")`` calls it.
+  """
+  w = from_buffer(buffer, shape, dtype)
+  if not buffer_is_cusparselt(*shape, dtype):
+    return _call(x, w, implementation, precision, preferred_element_type, None)
+  return _call(x, w, implementation, precision, preferred_element_type, buffer, buffer_only=True)
+
+
+def _call(x, w: NMSparseMatrix, implementation, precision, preferred_element_type, cusparselt_weight,
+          buffer_only: bool = False) -> jax.Array:
   x = _utils.check_activations(x, w.shape[0])
   impl = _check_implementation(implementation)
   out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(x.dtype, w.dtype))
@@ -469,5 +551,5 @@ def nm_matmul(
           "cusparselt_weight must be the 1-D uint8 array of cusparselt_compress(w), got "
           f"{cusparselt_weight.dtype}{cusparselt_weight.shape}."
       )
-  cfg = _Config(impl, precision, out_dtype)
+  cfg = _Config(impl, precision, out_dtype, buffer_only)
   return _nm_matmul(cfg, x, w, cusparselt_weight)
