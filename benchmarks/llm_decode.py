@@ -16,9 +16,10 @@ random weights, bfloat16 weights and compute:
 * ``tiny``: d = 128, MLP 256, 2 layers, 4 / 2 heads of 32, vocab 256 (``--tiny``).
 
 Patterns of the seven projections of every layer (``jaxsparse.sparsify`` by magnitude, the embedding and LM
-head stay dense): ``dense``; ``2:4`` (``CompressedNMLinear`` without a cuSPARSELt copy, ``to_inference``'s
-default: the ``mma.sp`` kernel for decode, measured dispatch for prefill); ``2:4 + copy`` (``nm-copy``: the layer
-also keeps the copy of its values in cuSPARSELt's layout, for prefill on sparse tensor cores);
+head stay dense): ``dense``; ``2:4`` (``CompressedNMLinear`` as ``to_inference`` builds it: ``storage="auto"``, the
+weight kept once as cuSPARSELt's buffer where the GPU's cuSPARSELt reads it, which the ``mma.sp`` decode kernel and
+cuSPARSELt's prefill product both read, else values and positions; measured dispatch picks the routes);
+``2:4 + copy`` (``nm-copy``: ``storage="values"``, values and positions plus a copy in cuSPARSELt's layout);
 ``block 64x64 50%`` (``BlockSparseLinear``, Pallas kernels); ``unstructured 50%`` (routed to dense: ``nnx.Linear``
 with the pruned weights zero, ``to_inference(dense_unstructured=True)``, since no GPU kernel beats the dense product
 at 50% unstructured and ``MaskedLinear`` ran at 0.36-0.42x).
@@ -297,7 +298,8 @@ def run_shape(name: str, args) -> list[Row]:
     if PATTERNS[pattern] is None:
       model = fuse_projections(nnx.clone(dense)) if args.fuse else dense
     else:
-      model, report = to_inference(dense, PATTERNS[pattern], cusparselt_copy=pattern == "2:4 + copy",
+      copy = pattern == "2:4 + copy"
+      model, report = to_inference(dense, PATTERNS[pattern], cusparselt_copy=copy, storage="values" if copy else "auto",
                                    dense_if_slower_at=args.batches if args.dense_if_slower else None,
                                    fuse=args.fuse)
       if args.dense_if_slower:

@@ -319,7 +319,7 @@ def test_gpu_nm24_decode_buffer(m, k, n, config):
 @pytest.mark.gpu
 @needs_gpu
 def test_gpu_nm24_decode_buffer_rejects_bad_buffers():
-  x, w, _ = _problem(0, 4, 128, 128)
+  x, _, _ = _problem(0, 4, 128, 128)
   with pytest.raises(ValueError, match=r"needs a \(18432,\) uint8 buffer"):
     ck.nm24_decode_buffer(x, jnp.zeros((18431,), jnp.uint8), 128)
   with pytest.raises(ValueError, match="M must be between 1 and 32"):
