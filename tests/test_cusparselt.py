@@ -531,6 +531,7 @@ def test_buffer_storage_errors_and_auto():
   # "auto": the buffer only where cuSPARSELt here reads it; never for an unsupported shape or another compute dtype.
   assert CompressedNMLinear(w, storage="auto").storage == "values"
   assert CompressedNMLinear(ok, storage="auto", dtype=jnp.float32).storage == "values"
+  assert CompressedNMLinear(ok, storage="auto", implementation="xla").storage == "values"  # would unpack every call
   assert CompressedNMLinear(ok, storage="auto").storage == ("cusparselt" if _layout_is_cusparselts() else "values")
 
 

@@ -353,9 +353,9 @@ class CompressedNMLinear(nnx.Module):
     cusparselt_copy: keep the cuSPARSELt copy ``kernel_cusparselt`` where it can be built (faster products of
       many rows, about twice the memory); ``False`` never builds one. Only with ``storage="values"``.
     storage: ``"values"`` (``kernel`` and ``kernel_positions``, trainable), ``"cusparselt"`` (the one buffer
-      ``kernel_cusparselt``, described above) or ``"auto"``: ``"cusparselt"`` where the buffer can hold the weight,
-      the compute dtype is the weight's and cuSPARSELt on the default GPU reads the buffer as its own, else
-      ``"values"`` (the layer's :attr:`storage` says which).
+      ``kernel_buffer``, described above) or ``"auto"``: ``"cusparselt"`` where the buffer can hold the weight,
+      the compute dtype is the weight's, ``implementation`` is ``None`` or ``"cusparselt"`` and cuSPARSELt on the
+      default GPU reads the buffer as its own, else ``"values"`` (the layer's ``storage`` attribute says which).
 
   Raises:
     ValueError: ``storage="cusparselt"`` for a weight it cannot hold (not 2:4 along ``in_features``, or the
@@ -386,8 +386,9 @@ class CompressedNMLinear(nnx.Module):
       raise ValueError(f"storage must be 'values', 'cusparselt' or 'auto', got storage={storage!r}.")
     reason = _nm_matmul.buffer_unsupported_reason(weight) if storage != "values" else ""
     if storage == "auto":
-      pays = not reason and (dtype is None or jnp.dtype(dtype) == weight.dtype) and _nm_matmul.buffer_is_cusparselt(
-          *weight.shape, weight.dtype)
+      pays = (not reason and (dtype is None or jnp.dtype(dtype) == weight.dtype)
+              and check_nm_implementation(implementation) in (None, "cusparselt")
+              and _nm_matmul.buffer_is_cusparselt(*weight.shape, weight.dtype))
       storage = "cusparselt" if pays else "values"
     elif reason:
       raise ValueError(f"storage='cusparselt': {reason}.")
