@@ -196,6 +196,43 @@ def init_cache(cfg: LlamaConfig, batch: int, size: int, *, dtype: Any = jnp.floa
 # Layers.
 # -------------------------------------------------------------------------------------------------
 
+# The attention core: "auto" runs cuDNN's fused (flash) attention for bfloat16 / float16 queries of at least
+# FLASH_MIN_QUERIES tokens (prefill) on a CUDA GPU, where it is supported, and the einsum-softmax-einsum of
+# Hugging Face's eager attention otherwise; "xla" always the latter.
+ATTENTION = "auto"
+FLASH_MIN_QUERIES = 16
+
+
+def _eager_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+  b, t, heads, hd = q.shape
+  kv_heads = k.shape[2]
+  q = q.reshape(b, t, kv_heads, heads // kv_heads, hd)
+  scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) / math.sqrt(hd)
+  scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)  # as HF: fully masked rows uniform
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, heads * hd)
+
+
+def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+  """``softmax(q kᵀ / sqrt(head_dim), masked) v``: ``q`` ``(B, T, heads, head_dim)``, ``k`` / ``v`` ``(B, S,
+  kv_heads, head_dim)``, ``mask`` bool ``(B, T, S)``; returns ``(B, T, heads * head_dim)``.
+
+  With :data:`ATTENTION` ``"auto"``, 16-bit prefill on a CUDA GPU runs cuDNN's fused attention
+  (``jax.nn.dot_product_attention(implementation="cudnn")``, which never writes the ``(T, S)`` scores); a query
+  row with no visible key (left padding) gets zeros there instead of eager attention's uniform average.
+  """
+  b, t, heads, hd = q.shape
+  flash = (ATTENTION == "auto" and t >= FLASH_MIN_QUERIES and q.dtype in (jnp.bfloat16, jnp.float16)
+           and jax.default_backend() == "gpu")
+  if flash:
+    try:
+      out = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], implementation="cudnn")
+    except (NotImplementedError, ValueError, RuntimeError):  # a shape or dtype cuDNN does not take here
+      flash = False
+  if not flash:
+    return _eager_attention(q, k, v, mask)
+  return jnp.where(mask.any(-1)[:, :, None, None], out, jnp.zeros((), out.dtype)).reshape(b, t, heads * hd)
+
 
 class RMSNorm(nnx.Module):
   """Llama's RMSNorm: normalised in float32, cast back to the input dtype, then scaled by ``weight`` ``(d,)``."""
@@ -252,13 +289,7 @@ class Attention(nnx.Module):
       keys = jax.lax.dynamic_update_slice(keys, k.astype(keys.dtype), (0, index, 0, 0))
       values = jax.lax.dynamic_update_slice(values, v.astype(values.dtype), (0, index, 0, 0))
       k, v, new_kv = keys.astype(q.dtype), values.astype(q.dtype), (keys, values)
-    groups = self.heads // self.kv_heads
-    q = q.reshape(b, t, self.kv_heads, groups, self.head_dim)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) / math.sqrt(self.head_dim)
-    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)  # as HF: fully masked rows uniform
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, self.heads * self.head_dim)
-    return self.o_proj(out), new_kv
+    return self.o_proj(attention_core(q, k, v, mask)), new_kv
 
 
 class MLP(nnx.Module):
