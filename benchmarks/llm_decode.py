@@ -27,7 +27,9 @@ at 50% unstructured and ``MaskedLinear`` ran at 0.36-0.42x).
 Timings, each the median of ``--repeats`` calls after a compiling call, wall time around one jitted call
 that is blocked on once (so each call holds many device steps, and the host's dispatch cost is amortised):
 
-* prefill: ``--prefill`` tokens (2048) of one sequence into an empty cache, logits of the last position;
+* prefill: ``--prefill`` tokens (2048) of one sequence into an empty cache, logits of the last position; the
+  attention core is cuDNN's fused attention there (``--attention auto``, the model's default on a GPU) or the
+  eager einsum-softmax-einsum (``--attention xla``);
 * decode: ``--steps`` greedy decode steps in one ``lax.fori_loop`` at batch ``--batches`` (1, 8, 32), each
   step attending to a cache holding ``--context`` (1024) tokens before it; tokens/s = batch * steps / time.
 
@@ -82,6 +84,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from llama import model as llama_model
 from llama.model import LlamaConfig
 from llama.model import LlamaForCausalLM
 from llama.model import init_cache
@@ -375,7 +378,9 @@ def header(args) -> str:
           f"tokens at batch 1; decode {args.steps} steps after {args.context} cached tokens; median of "
           f"{args.repeats} calls; speed ratios are tokens/s (or 1/time) over dense's, > 1 is faster{routing}; "
           + ("q / k / v and gate / up fused (fuse_projections) in every model, dense included" if args.fuse
-             else "projections not fused (--no-fuse)"))
+             else "projections not fused (--no-fuse)")
+          + ("; attention: cuDNN fused for 16-bit prefill on a GPU, eager otherwise (--attention auto)"
+             if args.attention == "auto" else "; attention: eager einsum-softmax-einsum (--attention xla)"))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -397,6 +402,9 @@ def main(argv: list[str] | None = None) -> None:
                  help="time each sparse projection against dense at the --batches and run the slower ones dense")
   p.add_argument("--no-fuse", dest="fuse", action="store_false",
                  help="keep q / k / v and gate / up as separate layers (default: fuse_projections, every pattern)")
+  p.add_argument("--attention", choices=("auto", "xla"), default="auto",
+                 help="examples/llama's attention core (llama.model.ATTENTION): auto = cuDNN's fused attention for "
+                      "16-bit prefill on a GPU, xla = Hugging Face's eager einsum-softmax-einsum everywhere")
   p.add_argument("--tiny", action="store_true", help="the tiny shape, small sizes: a CPU check in seconds")
   args = p.parse_args(argv)
   defaults = {"batches": [1, 2], "context": 16, "steps": 4, "prefill": 32, "repeats": 1} if args.tiny else {
@@ -406,6 +414,7 @@ def main(argv: list[str] | None = None) -> None:
       setattr(args, k, v)
   if args.tiny:
     args.shapes = ["tiny"]
+  llama_model.ATTENTION = args.attention
   unknown = [x for x in args.patterns if x not in PATTERNS] + [s for s in args.shapes if s not in SHAPES]
   if unknown:
     p.error(f"unknown pattern or shape {unknown}; patterns {list(PATTERN_ALIASES)}, shapes {list(SHAPES)}")
