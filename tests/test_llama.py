@@ -175,6 +175,35 @@ def test_sparse_model_generates_dense_tokens(hf_dir, name):
   np.testing.assert_array_equal(np.asarray(generate(sparse, prompt, 10)), np.asarray(generate(dense, prompt, 10)))
 
 
+def test_buffer_storage_model_generates_exports_and_saves(hf_dir, ids, tmp_path, monkeypatch):
+  """2:4 layers keeping cuSPARSELt's buffer alone (to_inference's storage="auto" where cuSPARSELt reads it, faked
+  here: on the CPU the routes unpack it): the same logits, tokens, masks and saved checkpoint as values and positions;
+  shapes the buffer cannot hold (32 outputs) keep values, and such layers are not fused with buffer ones."""
+  from jaxsparse.ops import _nm_matmul  # noqa: PLC0415
+
+  monkeypatch.setattr(_nm_matmul, "buffer_is_cusparselt", lambda k, n, dtype: True)
+  model = load_pretrained(hf_dir[1])
+  buffered, _ = to_inference(model, jaxsparse.NM(2, 4))
+  values, _ = to_inference(model, jaxsparse.NM(2, 4), storage="values")
+  layers = {".".join(map(str, p)): n for p, n in nnx.iter_graph(buffered) if type(n).__name__ == "CompressedNMLinear"}
+  storage = {p: n.storage for p, n in layers.items()}
+  assert storage["model.layers.0.mlp.down_proj"] == storage["model.layers.0.self_attn.o_proj"] == "cusparselt"
+  assert storage["model.layers.0.self_attn.k_proj"] == "values"  # 32 outputs: not a multiple of 64
+  x = jnp.asarray(ids)
+  np.testing.assert_allclose(np.asarray(buffered(x)), np.asarray(values(x)), atol=1e-6, rtol=0)
+  prompt = np.random.default_rng(7).integers(0, VOCAB, (2, 5))
+  np.testing.assert_array_equal(np.asarray(generate(buffered, prompt, 6)), np.asarray(generate(values, prompt, 6)))
+  masks = torch_interop.export_masks(buffered)
+  assert masks.keys() == torch_interop.export_masks(values).keys()
+  assert all(np.array_equal(masks[k], torch_interop.export_masks(values)[k]) for k in masks)
+  target = transformers.LlamaForCausalLM.from_pretrained(save_pretrained(buffered, tmp_path / "buffer")).eval()
+  np.testing.assert_allclose(_logits(target, ids), np.asarray(values(x)), atol=1e-4, rtol=0)
+  fused, _ = to_inference(model, jaxsparse.NM(2, 4), fuse=True)
+  attn, mlp = fused.model.layers[0].self_attn, fused.model.layers[0].mlp
+  assert mlp.gate_up_proj.storage == "cusparselt" and hasattr(attn, "k_proj")  # q (buffer) and k, v (values) apart
+  np.testing.assert_allclose(np.asarray(fused(x)), np.asarray(values(x)), atol=1e-5, rtol=0)
+
+
 @pytest.mark.slow  # long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs it
 def test_fused_projections_generate_the_same_tokens(hf_dir):
   """fuse_projections joins q / k / v and gate / up (dense, 2:4 with its positions concatenated along the outputs, or
