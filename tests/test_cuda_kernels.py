@@ -318,16 +318,6 @@ def test_gpu_nm24_decode_buffer(m, k, n, config):
 
 @pytest.mark.gpu
 @needs_gpu
-def test_gpu_nm24_decode_buffer_rejects_bad_buffers():
-  x, _, _ = _problem(0, 4, 128, 128)
-  with pytest.raises(ValueError, match=r"needs a \(18432,\) uint8 buffer"):
-    ck.nm24_decode_buffer(x, jnp.zeros((18431,), jnp.uint8), 128)
-  with pytest.raises(ValueError, match="M must be between 1 and 32"):
-    ck.nm24_decode_buffer(jnp.zeros((33, 128), jnp.bfloat16), jnp.zeros((18432,), jnp.uint8), 128)
-
-
-@pytest.mark.gpu
-@needs_gpu
 @pytest.mark.parametrize(("m", "k", "n"), [(1, 4096, 6144), (8, 2048, 11264), (24, 1024, 2560), (3, 14336, 512)])
 def test_gpu_nm24_decode_every_candidate_config(m, k, n):
   """What measured dispatch may pick: each candidate config equals the reference (fused q/k/v and gate/up sizes)."""

@@ -40,6 +40,12 @@ NATIVE_CASES = {
     "decode_values": ("CheckNm24Decode(1, 4096, 4096, 4096, 4096, 512, 4096, 1, 4096, 1, 8, 128)", "values (4096"),
     "decode_idx": ("CheckNm24Decode(1, 4096, 4096, 2048, 4096, 511, 4096, 1, 4096, 1, 8, 128)", "idx (511"),
     "decode_y": ("CheckNm24Decode(2, 4096, 4096, 2048, 4096, 512, 4096, 1, 4096, 1, 8, 128)", "y (1, 4096)"),
+    "decode_buffer_ok": ("CheckNm24DecodeBuffer(16, 4096, 4096, 18874368, 16, 4096, 4, 8, 128)", ""),
+    "decode_buffer_bytes": ("CheckNm24DecodeBuffer(16, 4096, 4096, 18874367, 16, 4096, 4, 8, 128)", "18874367 bytes"),
+    "decode_buffer_values_only": ("CheckNm24DecodeBuffer(1, 4096, 4096, 16777216, 1, 4096, 1, 8, 128)", "K N 9 / 8"),
+    "decode_buffer_k_huge": ("CheckNm24DecodeBuffer(1, 4 * G, 128, 576 * G, 1, 128, 1, 8, 128)", "2**30"),
+    "decode_buffer_rows": ("CheckNm24DecodeBuffer(33, 4096, 4096, 18874368, 33, 4096, 1, 8, 128)", "M=33"),
+    "decode_buffer_y": ("CheckNm24DecodeBuffer(2, 4096, 4096, 18874368, 2, 2048, 1, 8, 128)", "y (2, 2048)"),
     "transposable_ok": ("CheckNm24Transposable(64, 128, true, 64, 128, 16, 32)", ""),
     "transposable_types": ("CheckNm24Transposable(64, 128, false, 64, 128, 16, 32)", "dtype"),
     "transposable_pattern": ("CheckNm24Transposable(64, 128, true, 64, 128, 16, 31)", "pattern (16, 31)"),
@@ -102,8 +108,8 @@ def test_handlers_call_the_checks():
   # Every FFI handler and exported entry reads its sizes through launch_checks.h before it launches.
   here = CHECKS.parent
   launch, cslt_src = (here / "kernel_launch.cc").read_text(), (here / "cusparselt_matmul.cc").read_text()
-  for fn in ("CheckNm24Decode", "CheckNm24Transposable", "CheckNm24TransposableCompress", "CheckNm24Prune",
-             "CheckRegister"):
+  for fn in ("CheckNm24Decode", "CheckNm24DecodeBuffer", "CheckNm24Transposable", "CheckNm24TransposableCompress",
+             "CheckNm24Prune", "CheckRegister"):
     assert f"jaxsparse_cuda::{fn}(" in launch, fn
   assert cslt_src.count("jaxsparse_cuda::CheckCslt(") == 2 and "jaxsparse_cuda::CheckCsltMatmul(" in cslt_src
 
@@ -125,6 +131,20 @@ def _decode_operands(m=4, k=128, n=128):
 def test_nm24_decode_rejects(edit, error, match):
   with pytest.raises(error, match=match):
     cuda_kernels.nm24_decode(*edit(*_decode_operands()))
+
+
+def test_nm24_decode_buffer_rejects():
+  x = jnp.zeros((4, 128), jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"needs a \(18432,\) uint8 buffer for W \(128, 128\), got \(18431,\) uint8"):
+    cuda_kernels.nm24_decode_buffer(x, jnp.zeros((18431,), jnp.uint8), 128)
+  with pytest.raises(ValueError, match=r"got \(18432,\) int8"):
+    cuda_kernels.nm24_decode_buffer(x, jnp.zeros((18432,), jnp.int8), 128)
+  with pytest.raises(ValueError, match="M=33"):
+    cuda_kernels.nm24_decode_buffer(jnp.zeros((33, 128), jnp.bfloat16), jnp.zeros((18432,), jnp.uint8), 128)
+  with pytest.raises(ValueError, match="x must be a 2-D array"):
+    cuda_kernels.nm24_decode_buffer(x[0], jnp.zeros((18432,), jnp.uint8), 128)
+  with pytest.raises(TypeError, match="config must be an Nm24DecodeConfig or None, got dict"):
+    cuda_kernels.nm24_decode_buffer(x, jnp.zeros((18432,), jnp.uint8), 128, config={"split": 2})
 
 
 def test_nm24_decode_config_type():

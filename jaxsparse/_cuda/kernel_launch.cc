@@ -180,6 +180,16 @@ ffi::Error Launch(CUstream stream, int64_t id, const char* what, unsigned grid_x
   return ffi::Error::Success();
 }
 
+// Launches an nm24_decode build (checked shapes): one thread block per column span and slice of K.
+ffi::Error LaunchNm24Decode(CUstream stream, int64_t kernel, const char* what, const void* xp, const void* vp,
+                            const void* ip, void* yp, int64_t m, int64_t k, int64_t n, int64_t split, int64_t warps,
+                            int64_t span) {
+  int mi = static_cast<int>(m), ki = static_cast<int>(k), ni = static_cast<int>(n);
+  void* args[] = {&xp, &vp, &ip, &yp, &mi, &ki, &ni};
+  return Launch(stream, kernel, what, static_cast<unsigned>(n / span), static_cast<unsigned>(split),
+                static_cast<unsigned>(warps * 32), args);
+}
+
 ffi::Error Nm24Decode(CUstream stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> values,
                       ffi::Buffer<ffi::U8> idx, ffi::ResultBuffer<ffi::BF16> y, int64_t kernel, int64_t split,
                       int64_t warps, int64_t span) {
@@ -191,14 +201,8 @@ ffi::Error Nm24Decode(CUstream stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi
                                                        span);
       !e.empty())
     return ffi::Error::InvalidArgument(e);
-  const void* xp = x.untyped_data();
-  const void* vp = values.untyped_data();
-  const void* ip = idx.untyped_data();
-  void* yp = y->untyped_data();
-  int mi = static_cast<int>(m), ki = static_cast<int>(k), ni = static_cast<int>(n);
-  void* args[] = {&xp, &vp, &ip, &yp, &mi, &ki, &ni};
-  return Launch(stream, kernel, "nm24_decode", static_cast<unsigned>(n / span), static_cast<unsigned>(split),
-                static_cast<unsigned>(warps * 32), args);
+  return LaunchNm24Decode(stream, kernel, "nm24_decode", x.untyped_data(), values.untyped_data(), idx.untyped_data(),
+                          y->untyped_data(), m, k, n, split, warps, span);
 }
 
 ffi::Error Nm24DecodeBuffer(CUstream stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::U8> buffer,
@@ -210,14 +214,10 @@ ffi::Error Nm24DecodeBuffer(CUstream stream, ffi::Buffer<ffi::BF16> x, ffi::Buff
   if (std::string e = jaxsparse_cuda::CheckNm24DecodeBuffer(m, k, n, bd[0], yd[0], yd[1], split, warps, span);
       !e.empty())
     return ffi::Error::InvalidArgument(e);
-  const void* xp = x.untyped_data();
-  const void* vp = buffer.untyped_data();
-  const void* ip = static_cast<const char*>(buffer.untyped_data()) + k * n;  // the metadata after the values
-  void* yp = y->untyped_data();
-  int mi = static_cast<int>(m), ki = static_cast<int>(k), ni = static_cast<int>(n);
-  void* args[] = {&xp, &vp, &ip, &yp, &mi, &ki, &ni};
-  return Launch(stream, kernel, "nm24_decode_buffer", static_cast<unsigned>(n / span), static_cast<unsigned>(split),
-                static_cast<unsigned>(warps * 32), args);
+  const char* values = static_cast<const char*>(buffer.untyped_data());
+  return LaunchNm24Decode(stream, kernel, "nm24_decode_buffer", x.untyped_data(), values,
+                          values + k * n,  // the metadata after the K N bytes of values
+                          y->untyped_data(), m, k, n, split, warps, span);
 }
 
 ffi::Error Nm24Transposable(CUstream stream, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> pruned,
