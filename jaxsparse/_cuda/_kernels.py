@@ -476,27 +476,14 @@ def nm24_decode(
   for name, a in (("x", x), ("values", values), ("indices", indices)):
     if getattr(a, "ndim", None) != 2:
       raise ValueError(f"nm24_decode: {name} must be a 2-D array, got shape {getattr(a, 'shape', type(a).__name__)}.")
-  if config is not None and not isinstance(config, Nm24DecodeConfig):
-    raise TypeError(f"nm24_decode: config must be an Nm24DecodeConfig or None, got {type(config).__name__}.")
-  m, k = x.shape
-  n = values.shape[1]
-  reason = nm24_unsupported_reason(m, k, n, x.dtype)
-  if reason:
-    raise ValueError(f"nm24_decode cannot run for x {x.shape} and W ({k}, {n}): {reason}.")
-  if (values.shape, values.dtype, indices.shape, indices.dtype) != ((k // 2, n), jnp.bfloat16, (k // 8, n), jnp.uint8):
+  k, n = x.shape[1], values.shape[1]
+  want = ((k // 2, n), jnp.bfloat16, (k // 8, n), jnp.uint8)
+  if (values.shape, values.dtype, indices.shape, indices.dtype) != want:
     raise ValueError(
         f"nm24_decode needs values ({k // 2}, {n}) bfloat16 and indices ({k // 8}, {n}) uint8, got values "
         f"{values.shape} {values.dtype} and indices {indices.shape} {indices.dtype}."
     )
-  cfg = config or Nm24DecodeConfig.get_default(m, k, n)
-  if n % cfg.span:
-    raise ValueError(f"nm24_decode: N={n} is not a multiple of the config's span={cfg.span}.")
-  kid = _kernel_id("nm24_decode.cu", "nm24_decode", _nm24_defines(m, cfg))
-  out = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
-  return jax.ffi.ffi_call("jaxsparse_nm24_decode", out, vmap_method="sequential")(
-      x, values, indices, kernel=np.int64(kid), split=np.int64(cfg.split), warps=np.int64(cfg.warps),
-      span=np.int64(cfg.span)
-  )
+  return _nm24_call("nm24_decode", x, (values, indices), n, config)
 
 
 def nm24_decode_buffer(x: jax.Array, buffer: jax.Array, n: int, *, config: Nm24DecodeConfig | None = None
@@ -516,22 +503,29 @@ def nm24_decode_buffer(x: jax.Array, buffer: jax.Array, n: int, *, config: Nm24D
   """
   if getattr(x, "ndim", None) != 2:
     raise ValueError(f"nm24_decode_buffer: x must be a 2-D array, got shape {getattr(x, 'shape', type(x).__name__)}.")
-  if config is not None and not isinstance(config, Nm24DecodeConfig):
-    raise TypeError(f"nm24_decode_buffer: config must be an Nm24DecodeConfig or None, got {type(config).__name__}.")
-  m, k = x.shape
-  reason = nm24_unsupported_reason(m, k, n, x.dtype)
-  if reason:
-    raise ValueError(f"nm24_decode_buffer cannot run for x {x.shape} and W ({k}, {n}): {reason}.")
+  k = x.shape[1]
   if (getattr(buffer, "shape", None), getattr(buffer, "dtype", None)) != ((k * n // 8 * 9,), jnp.uint8):
     raise ValueError(f"nm24_decode_buffer needs a ({k * n // 8 * 9},) uint8 buffer for W ({k}, {n}), got "
                      f"{getattr(buffer, 'shape', type(buffer).__name__)} {getattr(buffer, 'dtype', '')}.")
+  return _nm24_call("nm24_decode_buffer", x, (buffer,), n, config)
+
+
+def _nm24_call(op: str, x: jax.Array, weight: tuple[jax.Array, ...], n: int, config) -> jax.Array:
+  """The checks both decode entries share (after their own of ``x`` and ``W``), then the custom call (``weight``: the
+  arrays after ``x``)."""
+  if config is not None and not isinstance(config, Nm24DecodeConfig):
+    raise TypeError(f"{op}: config must be an Nm24DecodeConfig or None, got {type(config).__name__}.")
+  m, k = x.shape
+  reason = nm24_unsupported_reason(m, k, n, x.dtype)
+  if reason:
+    raise ValueError(f"{op} cannot run for x {x.shape} and W ({k}, {n}): {reason}.")
   cfg = config or Nm24DecodeConfig.get_default(m, k, n)
   if n % cfg.span:
-    raise ValueError(f"nm24_decode_buffer: N={n} is not a multiple of the config's span={cfg.span}.")
-  kid = _kernel_id("nm24_decode.cu", "nm24_decode", _nm24_defines(m, cfg, buffer=True))
+    raise ValueError(f"{op}: N={n} is not a multiple of the config's span={cfg.span}.")
+  kid = _kernel_id("nm24_decode.cu", "nm24_decode", _nm24_defines(m, cfg, buffer=len(weight) == 1))
   out = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
-  return jax.ffi.ffi_call("jaxsparse_nm24_decode_buffer", out, vmap_method="sequential")(
-      x, buffer, kernel=np.int64(kid), split=np.int64(cfg.split), warps=np.int64(cfg.warps), span=np.int64(cfg.span)
+  return jax.ffi.ffi_call(f"jaxsparse_{op}", out, vmap_method="sequential")(
+      x, *weight, kernel=np.int64(kid), split=np.int64(cfg.split), warps=np.int64(cfg.warps), span=np.int64(cfg.span)
   )
 
 
