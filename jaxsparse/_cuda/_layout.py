@@ -38,6 +38,7 @@ def supports(k: int, n: int) -> bool:
 # Axes of a code's group and column digits, (gh, g2, g1, g0, nh, n5, n4, n3, n2, n1, n0), as the metadata orders
 # them, most significant first: nh, gh, n5, n4, n2, n1, n0, g1, g0, g2, n3.
 _CODE_ORDER = (4, 0, 5, 6, 8, 9, 10, 2, 3, 1, 7)
+_CODE_ORDER_INVERSE = tuple(int(a) for a in np.argsort(_CODE_ORDER))
 
 
 def _metadata(p0: jax.Array, p1: jax.Array) -> jax.Array:
@@ -68,9 +69,8 @@ def decompress(buffer: jax.Array, k: int, n: int, dtype) -> tuple[jax.Array, jax
   values = lax.bitcast_convert_type(raw if dtype.itemsize > 1 else raw[..., 0], dtype)
   meta = buffer[size:]
   nibbles = jnp.stack([meta & 0xF, meta >> 4], axis=-1)
-  inverse = tuple(int(a) for a in np.argsort(_CODE_ORDER))
   g = k // 4
-  code = nibbles.reshape(n // 64, g // 8, *(2,) * 9).transpose(inverse).reshape(g, n)
+  code = nibbles.reshape(n // 64, g // 8, *(2,) * 9).transpose(_CODE_ORDER_INVERSE).reshape(g, n)
   return values, jnp.stack([code & 3, code >> 2], axis=1).reshape(k // 2, n)
 
 

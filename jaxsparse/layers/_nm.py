@@ -467,9 +467,8 @@ class CompressedNMLinear(nnx.Module):
     w = self.weight
     x, values, bias = self.promote_dtype((x, w.values, bias), dtype=self.dtype)
     if self.storage == "cusparselt" and x.dtype == values.dtype == self.kernel_buffer_dtype:
-      y = _nm_matmul.nm_matmul_buffer(x, self.kernel_buffer[...], w.shape, w.dtype,
-                                      implementation=self.implementation, precision=self.precision,
-                                      preferred_element_type=self.preferred_element_type)
+      y = _nm_matmul.nm_matmul_buffer(x, self.kernel_buffer[...], w, implementation=self.implementation,
+                                      precision=self.precision, preferred_element_type=self.preferred_element_type)
       return y if bias is None else y + bias
     w = w.with_values(values)
     blob = None

@@ -514,21 +514,20 @@ def nm_matmul(
 def nm_matmul_buffer(
     x: jax.Array,
     buffer: jax.Array,
-    shape: tuple[int, int],
-    dtype,
+    w: NMSparseMatrix,
     *,
     implementation: NMImplementation | None = None,
     precision: lax.PrecisionLike = None,
     preferred_element_type: jax.typing.DTypeLike | None = None,
 ) -> jax.Array:
-  """:func:`nm_matmul` for a 2:4 ``shape`` weight of ``dtype`` values kept only as :func:`to_buffer`'s buffer.
+  """:func:`nm_matmul` for a 2:4 weight kept only as :func:`to_buffer`'s buffer; ``w`` is ``from_buffer(buffer)``,
+  the caller's unpacked view of it (under ``jit``, XLA drops it where no route reads it).
 
   Where cuSPARSELt here reads the buffer as its own (:func:`buffer_is_cusparselt`), the ``mma.sp`` kernel and
   cuSPARSELt read it as it is and the other routes unpack it inside the route (measured with the unpacking);
-  elsewhere the op runs on the unpacked weight. ``CompressedNMLinear(storage="cusparselt")`` calls it.
+  elsewhere the op runs on ``w``. ``CompressedNMLinear(storage="cusparselt")`` calls it.
   """
-  w = from_buffer(buffer, shape, dtype)
-  if not buffer_is_cusparselt(*shape, dtype):
+  if not buffer_is_cusparselt(*w.shape, w.dtype):
     return _call(x, w, implementation, precision, preferred_element_type, None)
   return _call(x, w, implementation, precision, preferred_element_type, buffer, buffer_only=True)
 
