@@ -372,11 +372,9 @@ def sparsify_linen(
     if mode:
       x = random_input(f.x)
       rest = {k: v for k, v in layer_vars.items() if k != "params"}
-      dense_ms = timed(lambda q, x, m=m: m.apply({"params": q}, x), dense_params, x, mode)
-      sparse_ms = timed(
-          lambda q, x, layer=layer, rest=rest: apply_sparse_layer(layer, {"params": q, **rest}, x),
-          layer_vars["params"], x, mode,
-      )
+      dense_ms = timed(lambda q, _, x, m=m: m.apply({"params": q}, x), dense_params, x, mode)
+      sparse_ms = timed(lambda q, r, x, layer=layer: apply_sparse_layer(layer, {"params": q, **r}, x),
+                        layer_vars["params"], x, mode, rest)
       if sparse_ms >= dense_ms:
         changes.append(LayerChange(p, f"{type(m).__name__}({kernel.shape})", spec.describe(), None, 1.0,
                                    nbytes(dense_params), nbytes(dense_params), dense_ms, sparse_ms,

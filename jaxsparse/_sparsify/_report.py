@@ -100,20 +100,27 @@ def state_bytes(layer: nnx.Module) -> int:
   return nbytes(nnx.state(layer))
 
 
-def timed(apply: Callable[[Any, jax.Array], jax.Array], params: Any, x: jax.Array, mode: str) -> float:
-  """Milliseconds of one call of ``apply(params, x)`` (``mode="forward"``) or of its gradient (``"train"``), timed as
-  measured dispatch times its candidates (:func:`jaxsparse._tuning._measure.time_call_ms`: device time on a GPU, over
-  copies of operands that would stay in the L2 cache; else wall time)."""
+def timed(apply: Callable[[Any, Any, jax.Array], jax.Array], params: Any, x: jax.Array, mode: str,
+          rest: Any = None) -> float:
+  """Milliseconds of one call of ``apply(params, rest, x)`` (``mode="forward"``) or of its gradient with respect to
+  ``params`` and ``x`` (``"train"``), timed as measured dispatch times its candidates
+  (:func:`jaxsparse._tuning._measure.time_call_ms`: device time on a GPU, over copies of operands that would stay in
+  the L2 cache; else wall time).
+
+  ``rest`` holds every other array the call reads (a layer's positions, its cuSPARSELt buffer or copy): they are
+  arguments, copied with the parameters, never constants of the call. A constant is one buffer that every timed call
+  reads from the L2 cache: a 2:4 layer kept as cuSPARSELt's buffer timed 8.4 µs that way at 1 x 4096 x 6144 on an
+  H100, against 13.1-13.3 µs with copies and in a chain of layers (``benchmarks/results/llm_decode_2026-11-28_h100_routing.md``)."""
   if mode == "forward":
     f = apply
   else:
-    f = jax.grad(lambda p, x: jnp.sum(apply(p, x).astype(jnp.float32)), argnums=(0, 1))
-  return time_call_ms(f, (params, x), default_platform())
+    f = jax.grad(lambda p, r, x: jnp.sum(apply(p, r, x).astype(jnp.float32)), argnums=(0, 2))
+  return time_call_ms(f, (params, rest, x), default_platform())
 
 
 def time_nnx_layer(layer: nnx.Module, x: jax.Array, mode: str) -> float:
   graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
-  return timed(lambda p, x: nnx.merge(graphdef, p, rest)(x), params, x, mode)
+  return timed(lambda p, r, x: nnx.merge(graphdef, p, r)(x), params, x, mode, rest)
 
 
 def check_speed_mode(check_speed: object, example_input: Any) -> str | None:

@@ -270,7 +270,7 @@ def _linen_signature(layer, layer_vars: Mapping) -> LayerSignature:
 
 def _time_apply_ms(module: nn.Module, variables: Any, x: jax.Array) -> float:
   with autotune_mode("tune"):
-    return timed(module.apply, variables, x, "forward")
+    return timed(lambda v, _, x: module.apply(v, x), variables, x, "forward")
 
 
 def route_slower_to_dense_linen(
