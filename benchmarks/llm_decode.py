@@ -52,8 +52,11 @@ masked layers stay separate); ``--no-fuse`` keeps Hugging Face's seven projectio
 times, on this device, each distinct sparse projection (class, shape, pattern, density, dtype) against the
 ``nnx.Linear`` of the same pruned weights, its jitted forward on a ``(batch, in_features)`` input at every decode
 batch (measured dispatch tuning the sparse product first; CUPTI device time on a GPU), and every projection of a
-signature slower by more than 3% at any batch becomes that ``nnx.Linear``. The log gets the per-signature times;
-the table a column "layers routed to dense" with the count per projection kind among the layers built (``all``:
+signature slower by more than 3% at any batch becomes that ``nnx.Linear``. ``--dense-if-slower per-batch`` builds
+one model per decode batch instead, routed at that batch alone (a server that decodes at batch 32 builds its model
+with ``dense_if_slower_at=32``): each decode column is its own model's; prefill and the weight columns are the first
+batch's model's, and the routed column gives each model's routing and weight bytes. The log gets the per-signature
+times; the table a column "layers routed to dense" with the count per projection kind among the layers built (``all``:
 every projection, as ``unstructured 50%`` always is). Build times then include this timing. Without the option,
 no layer is timed and the table has no such column.
 
@@ -259,13 +262,15 @@ def routed_to_dense(model, report) -> str:
   return ", ".join(f"{kind} {n}" for kind, n in sorted(counts.items()))
 
 
-def measure(model, args, label: str) -> tuple[float | None, dict[int, float]]:
+def measure(model, args, label: str, batches: list[int] | None = None,
+            prefill: bool = True) -> tuple[float | None, dict[int, float]]:
+  """``(prefill seconds or None, {batch: decode seconds})`` at ``batches`` (default ``--batches``)."""
   t0 = time.perf_counter()
-  prefill = prefill_seconds(model, args.prefill, repeats=args.repeats) if args.prefill else None
+  prefill = prefill_seconds(model, args.prefill, repeats=args.repeats) if args.prefill and prefill else None
   if prefill is not None:
     log(f"  {label}: prefill {args.prefill} tokens {prefill * 1e3:.2f} ms")
   decode = {}
-  for b in args.batches:
+  for b in batches or args.batches:
     decode[b] = decode_seconds(model, b, args.context, args.steps, repeats=args.repeats)
     log(f"  {label}: decode batch {b}: {decode[b] / args.steps * 1e3:.3f} ms/step, "
         f"{b * args.steps / decode[b]:.1f} tokens/s")
@@ -298,23 +303,43 @@ def run_shape(name: str, args) -> list[Row]:
   for pattern in args.patterns:
     t0 = time.perf_counter()
     routed = "-"
-    if PATTERNS[pattern] is None:
-      model = fuse_projections(nnx.clone(dense)) if args.fuse else dense
-    else:
-      copy = pattern == "2:4 + copy"
-      model, report = to_inference(dense, PATTERNS[pattern], cusparselt_copy=copy, storage="values" if copy else "auto",
-                                   dense_if_slower_at=args.batches if args.dense_if_slower else None,
-                                   fuse=args.fuse)
-      if args.dense_if_slower:
-        routed = routed_to_dense(model, report)
-        log(f"{name} {pattern}: layers routed to dense: {routed}")
-        if report.timings:
-          log(report.timing_table())
-    log(f"{name} {pattern}: built in {time.perf_counter() - t0:.1f} s")
-    total, cusparselt, layer_bytes = state_bytes(model)
-    prefill, decode = measure(model, args, f"{name} {pattern}")
+    scale = full.num_hidden_layers / layers
+    # One model per routing: every batch of --batches (--dense-if-slower all), each batch (per-batch), none (off).
+    per_batch = args.dense_if_slower == "per-batch" and PATTERNS[pattern] is not None
+    regimes = [[b] for b in args.batches] if per_batch else [args.batches]
+    decode, parts = {}, []
+    for i, at in enumerate(regimes):
+      if PATTERNS[pattern] is None:
+        model = fuse_projections(nnx.clone(dense)) if args.fuse else dense
+      else:
+        copy = pattern == "2:4 + copy"
+        model, report = to_inference(dense, PATTERNS[pattern], cusparselt_copy=copy,
+                                     storage="values" if copy else "auto",
+                                     dense_if_slower_at=at if args.dense_if_slower else None, fuse=args.fuse)
+        if args.dense_if_slower:
+          routed = routed_to_dense(model, report)
+          log(f"{name} {pattern}: layers routed to dense at batch {at}: {routed}")
+          if report.timings:
+            log(report.timing_table())
+      log(f"{name} {pattern}: built in {time.perf_counter() - t0:.1f} s")
+      model_bytes = state_bytes(model)
+      if i == 0:
+        total, cusparselt, layer_bytes = model_bytes
+      prefill_i, decode_i = measure(model, args, f"{name} {pattern}", batches=at, prefill=i == 0)
+      if i == 0:
+        prefill = prefill_i
+      decode.update(decode_i)
+      if len(regimes) > 1:
+        b_total = base[0][0] if base is not None else 0
+        nbytes = b_total + (model_bytes[0] - b_total) * (scale if base is not None else 1)
+        size = f"{nbytes / 1e9:.3f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.3f} MB"
+        parts.append(f"b={at[0]}: {routed} ({size})")
+      if model is not dense and i + 1 < len(regimes):
+        del model
+        gc.collect()
+    if parts:
+      routed = "; ".join(parts)
     if base is not None:  # extrapolate: t0 + (tN - t0) * depth / N
-      scale = full.num_hidden_layers / layers
       (b_total, b_cus, _), b_prefill, b_decode = base
       total = b_total + (total - b_total) * scale
       cusparselt = b_cus + (cusparselt - b_cus) * scale
@@ -372,8 +397,11 @@ def write_table(args, rows: list[Row]) -> None:
 
 def header(args) -> str:
   dev = jax.devices()[0]
-  routing = (f"; --dense-if-slower: projections slower than dense (> 3%, jitted layer forward) at a decode batch of "
-             f"{args.batches} run dense" if args.dense_if_slower else "")
+  routing = ("" if not args.dense_if_slower else
+             f"; --dense-if-slower: projections slower than dense (> 3%, jitted layer forward) at a decode batch of "
+             f"{args.batches} run dense" if args.dense_if_slower == "all" else
+             "; --dense-if-slower per-batch: one model per decode batch, its projections slower than dense (> 3%, "
+             "jitted layer forward) at that batch run dense; prefill and weight bytes are the first batch's model's")
   return (f"{getattr(dev, 'device_kind', dev.platform)}, {args.dtype}, jax {jax.__version__}; prefill {args.prefill} "
           f"tokens at batch 1; decode {args.steps} steps after {args.context} cached tokens; median of "
           f"{args.repeats} calls; speed ratios are tokens/s (or 1/time) over dense's, > 1 is faster{routing}; "
@@ -398,8 +426,9 @@ def main(argv: list[str] | None = None) -> None:
   p.add_argument("--dtype", default="bfloat16")
   p.add_argument("--kernels", type=lambda v: [int(b) for b in v.split(",")], default=[],
                  help="batches whose decode call gets a per-kernel device-time breakdown (CUPTI, GPU), e.g. 1")
-  p.add_argument("--dense-if-slower", action="store_true",
-                 help="time each sparse projection against dense at the --batches and run the slower ones dense")
+  p.add_argument("--dense-if-slower", nargs="?", const="all", default=None, choices=("all", "per-batch"),
+                 help="time each sparse projection against dense and run the slower ones dense: 'all' (the default "
+                      "value) builds one model routed at every batch of --batches, 'per-batch' one model per batch")
   p.add_argument("--no-fuse", dest="fuse", action="store_false",
                  help="keep q / k / v and gate / up as separate layers (default: fuse_projections, every pattern)")
   p.add_argument("--attention", choices=("auto", "xla"), default="auto",

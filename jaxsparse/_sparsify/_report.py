@@ -110,7 +110,8 @@ def timed(apply: Callable[[Any, Any, jax.Array], jax.Array], params: Any, x: jax
   ``rest`` holds every other array the call reads (a layer's positions, its cuSPARSELt buffer or copy): they are
   arguments, copied with the parameters, never constants of the call. A constant is one buffer that every timed call
   reads from the L2 cache: a 2:4 layer kept as cuSPARSELt's buffer timed 8.4 µs that way at 1 x 4096 x 6144 on an
-  H100, against 13.1-13.3 µs with copies and in a chain of layers (``benchmarks/results/llm_decode_2026-11-28_h100_routing.md``)."""
+  H100, against 13.1-13.3 µs with copies and in a chain of layers
+  (``benchmarks/results/llm_decode_2026-11-28_h100_routing.md``)."""
   if mode == "forward":
     f = apply
   else:
