@@ -354,6 +354,15 @@ def test_llm_decode_benchmark_tiny(tmp_path, monkeypatch, capsys):
   rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| tiny")]
   assert [r.split("|")[-2].strip() for r in rows] == ["gate_proj 1, up_proj 1"], rows
   assert "projections not fused" in (tmp_path / "llm_decode.md").read_text()
+  # per-batch: one model per decode batch, routed at that batch alone (the fused q / k / v are slower at 8, not at 1).
+  llm_decode.ROWS.clear()
+  llm_decode.main(["--tiny", "--layers", "1", "--batches", "1,8", "--patterns", "dense,2:4", "--dense-if-slower",
+                   "per-batch", "--prefill", "0"])
+  rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| tiny")]
+  routed = rows[1].split("|")[-2].strip()
+  assert routed.startswith("b=1: none (") and "; b=8: k_proj 1, q_proj 1, v_proj 1 (" in routed, rows
+  assert all(float(r.split("|")[c].strip()) > 0 for r in rows for c in (9, 11)), rows  # tokens/s at both batches
+  assert "one model per decode batch" in (tmp_path / "llm_decode.md").read_text()
   # Without the option: the table as before, no such column.
   args = SimpleNamespace(batches=[8], prefill=32, steps=4, dense_if_slower=False)
   assert "routed" not in llm_decode.table(args, llm_decode.ROWS)
