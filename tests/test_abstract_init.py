@@ -26,6 +26,10 @@ NNX_LAYERS = {
     "nm": (lambda r: layers.NMLinear(64, 32, n=2, m=4, rngs=r), (3, 64)),
     "nm_conv": (lambda r: layers.NMConv(8, 16, (3, 3), n=1, m=4, rngs=r), (2, 6, 6, 8)),
     "compressed_nm": (lambda r: layers.NMLinear(64, 32, rngs=r).to_compressed(), (3, 64)),
+    "compressed_nm_buffer": (  # the weight kept once, as cuSPARSELt's buffer (a CusparseLtKernel, no Param)
+        lambda r: layers.NMLinear(64, 64, param_dtype=jnp.bfloat16, rngs=r).to_compressed(storage="cusparselt"),
+        (3, 64),
+    ),
     "linear_general": (
         lambda r: layers.SparseLinearGeneral(
             layers.BlockSparseLinear(32, 64, density=0.5, block_shape=(16, 16), rngs=r),
