@@ -72,6 +72,7 @@ TIMING_VERSION = 2
 # Compiles of candidates that a measurement stopped waiting for (past the tuning budget) finish in the background and
 # hold host cores meanwhile: a 2048-token prefill timed right after its products were tuned ran at 0.75x dense where
 # it runs at 0.99x once they are done (H100, 2026-11-28). Benchmarks wait for them (wait_for_background_compiles).
+# Each leaves the set when it finishes.
 _BACKGROUND: set[concurrent.futures.Future] = set()
 
 
@@ -321,7 +322,10 @@ def _measure(candidates: Sequence[Candidate], make_args: Callable[[], tuple],
     concurrent.futures.wait(futures.values(),
                             timeout=None if budget is None else max(0.0, deadline - time.perf_counter()))
     unfinished += [n for n, f in futures.items() if not f.done()]
-    _BACKGROUND.update(f for f in futures.values() if not f.done())
+    for f in futures.values():
+      if not f.done():
+        _BACKGROUND.add(f)
+        f.add_done_callback(_BACKGROUND.discard)  # no compiled program kept once it is done
   finally:
     pool.shutdown(wait=False, cancel_futures=True)
   t3 = time.perf_counter()
@@ -345,8 +349,7 @@ def _measure(candidates: Sequence[Candidate], make_args: Callable[[], tuple],
 def wait_for_background_compiles(timeout: float | None = None) -> bool:
   """Waits (at most ``timeout`` seconds; ``None``: as long as it takes) for the compiles that measurements stopped
   waiting for; ``True`` when none is left running. A timing taken while they run shares the host with them."""
-  done, running = concurrent.futures.wait(list(_BACKGROUND), timeout=timeout)
-  _BACKGROUND.difference_update(done)
+  _, running = concurrent.futures.wait(list(_BACKGROUND), timeout=timeout)
   return not running
 
 
