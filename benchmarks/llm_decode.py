@@ -269,10 +269,10 @@ def routed_to_dense(model, report) -> str:
 
 
 def measure(model, args, label: str, batches: list[int] | None = None,
-            prefill: bool = True) -> tuple[float | None, dict[int, float]]:
+            with_prefill: bool = True) -> tuple[float | None, dict[int, float]]:
   """``(prefill seconds or None, {batch: decode seconds})`` at ``batches`` (default ``--batches``)."""
   t0 = time.perf_counter()
-  prefill = prefill_seconds(model, args.prefill, repeats=args.repeats) if args.prefill and prefill else None
+  prefill = prefill_seconds(model, args.prefill, repeats=args.repeats) if args.prefill and with_prefill else None
   if prefill is not None:
     log(f"  {label}: prefill {args.prefill} tokens {prefill * 1e3:.2f} ms")
   decode = {}
@@ -306,10 +306,14 @@ def run_shape(name: str, args) -> list[Row]:
     gc.collect()
   log(f"{name}: {layers} of {full.num_hidden_layers} layers, {args.dtype}")
   dense = build_dense(cfg, dtype)
+  scale = full.num_hidden_layers / layers
+
+  def extrapolate(t, t0):  # to full depth: t0 + (tN - t0) * depth / N, t0 the 0-layer model's
+    return t if base is None else t0 + (t - t0) * scale
+
   for pattern in args.patterns:
     t0 = time.perf_counter()
     routed = "-"
-    scale = full.num_hidden_layers / layers
     # One model per routing: every batch of --batches (--dense-if-slower all), each batch (per-batch), none (off).
     per_batch = args.dense_if_slower == "per-batch" and PATTERNS[pattern] is not None
     regimes = [[b] for b in args.batches] if per_batch else [args.batches]
@@ -331,13 +335,12 @@ def run_shape(name: str, args) -> list[Row]:
       model_bytes = state_bytes(model)
       if i == 0:
         total, cusparselt, layer_bytes = model_bytes
-      prefill_i, decode_i = measure(model, args, f"{name} {pattern}", batches=at, prefill=i == 0)
+      prefill_i, decode_i = measure(model, args, f"{name} {pattern}", batches=at, with_prefill=i == 0)
       if i == 0:
         prefill = prefill_i
       decode.update(decode_i)
       if len(regimes) > 1:
-        b_total = base[0][0] if base is not None else 0
-        nbytes = b_total + (model_bytes[0] - b_total) * (scale if base is not None else 1)
+        nbytes = extrapolate(model_bytes[0], base and base[0][0])
         size = f"{nbytes / 1e9:.3f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.3f} MB"
         parts.append(f"b={at[0]}: {routed} ({size})")
       if model is not dense and i + 1 < len(regimes):
@@ -345,13 +348,12 @@ def run_shape(name: str, args) -> list[Row]:
         gc.collect()
     if parts:
       routed = "; ".join(parts)
-    if base is not None:  # extrapolate: t0 + (tN - t0) * depth / N
+    if base is not None:
       (b_total, b_cus, _), b_prefill, b_decode = base
-      total = b_total + (total - b_total) * scale
-      cusparselt = b_cus + (cusparselt - b_cus) * scale
+      total, cusparselt = extrapolate(total, b_total), extrapolate(cusparselt, b_cus)
       layer_bytes *= scale
-      prefill = None if prefill is None else b_prefill + (prefill - b_prefill) * scale
-      decode = {b: b_decode[b] + (decode[b] - b_decode[b]) * scale for b in decode}
+      prefill = None if prefill is None else extrapolate(prefill, b_prefill)
+      decode = {b: extrapolate(decode[b], b_decode[b]) for b in decode}
     rows.append(Row(name, pattern, layers, full.num_hidden_layers, total, cusparselt, layer_bytes, prefill, decode,
                     routed))
     write_table(args, ROWS + rows)
