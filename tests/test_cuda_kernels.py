@@ -108,14 +108,19 @@ def test_nm24_default_config_fits(m, k, n):
 @pytest.mark.parametrize("m", [1, 8, 16, 17, 32])
 def test_nm24_candidate_configs_are_distinct_runnable_and_default_first(m, k, n):
   configs = ck.nm24_candidate_configs(m, k, n)
-  assert configs[0] == ck.Nm24DecodeConfig.get_default(m, k, n) and len(set(configs)) == len(configs) <= 8
+  assert configs[0] == ck.Nm24DecodeConfig.get_default(m, k, n) and len(set(configs)) == len(configs) <= 11
+  other_load = "shuffle" if configs[0].x_load == "ldmatrix" else "ldmatrix"
   extra = [dataclasses.replace(configs[0], blocks_per_sm=2)]
-  extra += [dataclasses.replace(configs[0], token_split=2), dataclasses.replace(configs[0], x_load="shuffle")] \
+  extra += [dataclasses.replace(configs[0], token_split=2), dataclasses.replace(configs[0], x_load=other_load)] \
       if m > 8 else []
   assert configs[-len(extra):] == extra
-  for c in configs[1:-len(extra)]:  # every warp of every block gets a step pair; the span divides N; 128-column
-    assert (k // 64) >= c.split * c.warps and n % c.span == 0 and (c.span == 64 or m <= 16)  # spans to M = 16
-    assert c.x_load == configs[0].x_load
+  neighbours = configs[1:-len(extra)]
+  for c in neighbours:  # every warp of every block gets a step pair; the span divides N
+    assert (k // 64) >= c.split * c.warps and n % c.span == 0
+    assert c.x_load == configs[0].x_load and (c.blocks_per_sm, c.token_split) == (1, 1)
+  if m > 16:  # one config on 128-column spans at most: the default's warps in all (twice as many per span)
+    wide = [c for c in neighbours if c.span == 128]
+    assert len(wide) <= 1 and all(c.split * c.warps == 2 * configs[0].split * configs[0].warps for c in wide)
   # The backend offers them all: the default under the name the shipped rules pick, the others named by config.
   bf16 = jnp.dtype(jnp.bfloat16)
   cfg = _nm_matmul._Config(implementation="auto", precision=None, out_dtype=bf16)
@@ -137,6 +142,13 @@ def test_nm24_default_spans_by_rows():
   assert ck.Nm24DecodeConfig.get_default(16, 4096, 16384) == ck.Nm24DecodeConfig(1, 8, 64, x_load=lm)
   assert ck.Nm24DecodeConfig.get_default(32, 4096, 4096) == ck.Nm24DecodeConfig(2, 8, 64, x_load=lm)
   assert ck.Nm24DecodeConfig.get_default(32, 4096, 16384) == ck.Nm24DecodeConfig(1, 4, 64, x_load=lm)
+  # Above 16 rows: about 768 warps (benchmarks/results/llm_decode_nm32_configs_2026-11-28_h100.md); 32 warps a span
+  # (N = 2048) in clusters of 8 blocks of 4 warps, reading x by shuffles from 25 rows.
+  assert ck.Nm24DecodeConfig.get_default(24, 2048, 2048) == ck.Nm24DecodeConfig(8, 4, 64, x_load=lm)
+  assert ck.Nm24DecodeConfig.get_default(32, 2048, 2048) == ck.Nm24DecodeConfig(8, 4, 64, x_load="shuffle")
+  assert ck.Nm24DecodeConfig.get_default(20, 4096, 28672) == ck.Nm24DecodeConfig(1, 2, 64, x_load=lm)
+  assert ck.Nm24DecodeConfig.get_default(32, 2048, 5632) == ck.Nm24DecodeConfig(1, 8, 64, x_load=lm)
+  assert ck.Nm24DecodeConfig.get_default(20, 2048, 5632) == ck.Nm24DecodeConfig(2, 4, 64, x_load=lm)
   # N a multiple of 64 but not of 128: spans of 64 at every M.
   assert ck.Nm24DecodeConfig.get_default(1, 4096, 4160).span == 64
 

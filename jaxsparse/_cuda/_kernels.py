@@ -353,25 +353,37 @@ class Nm24DecodeConfig:
 
   @classmethod
   def get_default(cls, m: int, k: int, n: int) -> Nm24DecodeConfig:
-    """Measured on an H100 (``benchmarks/results/gpu_nm_decode_2026-11-23_h100.md`` and ``..._2026-11-24_h100.md``).
+    """Measured on an H100 (``benchmarks/results/gpu_nm_decode_2026-11-23_h100.md``, ``..._2026-11-24_h100.md`` and,
+    above 16 rows, ``llm_decode_nm32_configs_2026-11-28_h100.md``).
 
     ``M <= 8``: spans of 128 columns. From 64 spans (N >= 8192) blocks of 8 warps, about 1024 warps in
     all (N = 8192: 2 blocks per span; N = 11008, 14336, 16384: one), 0.63-0.70 of dense at M = 1 for
     K = 2048-4096; fewer spans (N = 4096): clusters of 8 blocks of 4 warps (0.78-0.80).
-    ``8 < M <= 32``: spans of 64 columns (half the accumulators per lane), in blocks of 8 warps from 128
-    spans (N >= 8192) and of 4 below for M <= 16, of 4 and of 8 for M <= 32; the split brings the warps
-    nearest 1536 (M <= 16) or 1152 (M <= 32), the best of the splits measured at N = 4096-16384: 0.59-0.85
-    of dense at M = 12-16 (N = 4096: 0.85, against 0.95 for the best split of 128-column spans; N = 11008:
-    0.71 with 1376 warps, 0.88 with 2752) and 0.73-0.95 at M = 24-32 (N = 11008: 0.79 with 1376 warps, 0.98
-    with 688).
+    ``8 < M <= 16``: spans of 64 columns (half the accumulators per lane), in blocks of 8 warps from 128
+    spans (N >= 8192) and of 4 below; the split brings the warps nearest 1536, the best of the splits measured
+    at N = 4096-16384: 0.59-0.85 of dense at M = 12-16 (N = 4096: 0.85, against 0.95 for the best split of
+    128-column spans; N = 11008: 0.71 with 1376 warps, 0.88 with 2752).
+    ``16 < M <= 32``: spans of 64 columns and the warps per span (a power of two) that bring the warps nearest
+    768, each count in the (split, warps) that won most often (:data:`_NM24_WARPS_PER_SPAN`; 8 warps a span in one
+    block from 25 rows), ``ldmatrix`` but shuffles from 25 rows at 32 warps per span. At 44 products of 17-32 rows
+    (K = 1024-14336, N = 2048-28672), 0.60-0.95 of dense and 1.00-1.24 of the best of 72-96 configs (geometric mean
+    1.05 at 17-24 rows, 1.02 at 25-32); the rules before them ran 5 of the 16 products they were not fitted on
+    slower than dense (up to 1.36).
     """
+    if m > 16:
+      spans, pairs = n // 64, k // 64
+      per_span = min(_NM24_WARPS_PER_SPAN, key=lambda w: abs(math.log(spans * w / 768)))
+      while per_span > 2 and pairs < per_span:
+        per_span //= 2
+      split, warps = (1, 8) if per_span == 8 and m > 24 else _NM24_WARPS_PER_SPAN[per_span]
+      return cls(split, warps, 64, x_load="shuffle" if m > 24 and per_span >= 32 else "ldmatrix")
     span = 128 if m <= 8 and n % 128 == 0 else 64
     spans = n // span
     pairs = k // 64
     if span == 64:
-      target, warps = (1536, 8 if spans >= 128 else 4) if m <= 16 else (1152, 4 if spans >= 128 else 8)
-      # The split that brings the warps nearest the target (by ratio).
-      split = min((1, 2, 4, 8), key=lambda s: abs(math.log(spans * s * warps / target)))
+      warps = 8 if spans >= 128 else 4
+      # The split that brings the warps nearest 1536 (by ratio).
+      split = min((1, 2, 4, 8), key=lambda s: abs(math.log(spans * s * warps / 1536)))
     elif spans >= 64:
       split, warps = 1, 8
       while split < 8 and spans * 8 * split * 2 <= 1024:
@@ -389,25 +401,43 @@ class Nm24DecodeConfig:
     return cls(split=split, warps=warps, span=span, x_load="shuffle" if m <= 8 else "ldmatrix")
 
 
+# Above 16 rows: the (split, warps) of each count of warps per column span, the one that won most often at that count
+# at 17-24 rows (``benchmarks/results/llm_decode_nm32_configs_2026-11-28_h100.md``).
+_NM24_WARPS_PER_SPAN = {2: (1, 2), 4: (1, 4), 8: (2, 4), 16: (2, 8), 32: (8, 4), 64: (8, 8)}
+
+
 def nm24_candidate_configs(m: int, k: int, n: int) -> list[Nm24DecodeConfig]:
   """The configs measured dispatch times for an ``(m, k) @ (k, n)`` product: the default first, then its neighbours
-  (half and twice the split, the other warp count at the same warps per span, the other span), the default with
-  two blocks per multiprocessor and, above 8 rows, the default with its rows split over two warps (``token_split``)
-  and the default with the shuffle ``x_load`` (it beat ``ldmatrix`` at some products of 16-32 rows).
+  and the default with two blocks per multiprocessor; above 8 rows also the default with its rows split over two
+  warps (``token_split``) and with the other ``x_load``.
 
-  The defaults were fitted at ``K = 4096`` and a few ``N``; a product elsewhere (a fused ``N`` of 6144 or 28672, a
-  ``K`` of 14336) may run better one step away, which only a measurement can tell.
+  Up to 16 rows the neighbours are half and twice the split, the other warp count at the same warps per span and the
+  other span. Above 16 rows they are the other (split, warps) pairs of the default's warps per span, the usual pair
+  and the 4-warp pair of half and twice as many, and twice as many on 128-column spans: at 28 products of 20-32 rows
+  their best was within 1.04 of the best of every config (``llm_decode_nm32_configs_2026-11-28_h100.md``).
+
+  The defaults were fitted at a few ``K`` and ``N``; a product elsewhere may run better one step away, which only a
+  measurement can tell.
 
   >>> [(c.split, c.warps, c.span, c.blocks_per_sm) for c in nm24_candidate_configs(1, 4096, 4096)]
   [(8, 4, 128, 1), (4, 4, 128, 1), (4, 8, 128, 1), (8, 4, 64, 1), (8, 4, 128, 2)]
   """
   d = Nm24DecodeConfig.get_default(m, k, n)
   out = [d]
-  other_warps = 8 if d.warps == 4 else 4
-  for split, warps, span in ((d.split // 2, d.warps, d.span), (d.split * 2, d.warps, d.span),
-                             (d.split * d.warps // other_warps, other_warps, d.span),
-                             (d.split, d.warps, 64 if d.span == 128 else 128)):
-    if split not in (1, 2, 4, 8) or n % span or (span == 128 and m > 16) or k // 64 < split * warps:
+  if m > 16:
+    per_span = d.split * d.warps
+    shapes = [(d.split * 2, d.warps // 2, 64), (d.split // 2, d.warps * 2, 64)]
+    for w in (per_span // 2, per_span * 2):
+      if w in _NM24_WARPS_PER_SPAN:
+        shapes += [(*_NM24_WARPS_PER_SPAN[w], 64), (w // 4, 4, 64)]
+    if per_span * 2 in _NM24_WARPS_PER_SPAN:  # the same warps in all on spans of 128 columns
+      shapes.append((*_NM24_WARPS_PER_SPAN[per_span * 2], 128))
+  else:
+    other_warps = 8 if d.warps == 4 else 4
+    shapes = [(d.split // 2, d.warps, d.span), (d.split * 2, d.warps, d.span),
+              (d.split * d.warps // other_warps, other_warps, d.span), (d.split, d.warps, 64 if d.span == 128 else 128)]
+  for split, warps, span in shapes:
+    if split not in (1, 2, 4, 8) or warps not in (2, 4, 8) or n % span or k // 64 < split * warps:
       continue
     cfg = dataclasses.replace(d, split=split, warps=warps, span=span)
     if cfg not in out:
@@ -415,7 +445,7 @@ def nm24_candidate_configs(m: int, k: int, n: int) -> list[Nm24DecodeConfig]:
   out.append(dataclasses.replace(d, blocks_per_sm=2))
   if m > 8:
     out.append(dataclasses.replace(d, token_split=2))
-    out.append(dataclasses.replace(d, x_load="shuffle"))
+    out.append(dataclasses.replace(d, x_load="shuffle" if d.x_load == "ldmatrix" else "ldmatrix"))
   return out
 
 

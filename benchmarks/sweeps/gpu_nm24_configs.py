@@ -1,0 +1,104 @@
+"""Every config of the ``mma.sp`` 2:4 decode kernel (``jaxsparse._cuda``) at some products, each checked against a
+float32 product and timed as measured dispatch times its candidates (CUPTI device time, operands rotated over copies
+so that the weights come from HBM), against XLA's dense ``x @ W`` in the same process::
+
+    PYTHONPATH=. python3 benchmarks/sweeps/gpu_nm24_configs.py --rows 24,32 --out $OUT/nm24_configs.json
+    PYTHONPATH=. python3 benchmarks/sweeps/gpu_nm24_configs.py --rows 17,28 --shapes 5120x13824,8192x8192
+
+Configs: split 1 / 2 / 4 / 8, warps 2 / 4 / 8, spans of 64 / 128 columns, ``token_split`` 1 / 2 (above 8 rows) and
+both ``x_load``\\ s, one block per multiprocessor (72-96 configs a product). Prints a Markdown row per product (the
+shipped default, the best of :func:`~jaxsparse._cuda._kernels.nm24_candidate_configs`, the best of all) and writes
+every timing to ``--out`` (JSON), from which other defaults and candidate sets can be scored without a GPU.
+``benchmarks/results/llm_decode_nm32_configs_2026-11-28_h100.md`` has its output on an H100.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import jax
+import jax.numpy as jnp
+
+import jaxsparse
+from jaxsparse._cuda import _kernels as ck
+from jaxsparse._tuning._measure import time_call_ms
+
+# The fused decode products of the TinyLlama-1.1B and Llama-3-8B shapes (qkv, o, gate_up, down).
+DEFAULT_SHAPES = "2048x2560,2048x2048,2048x11264,5632x2048,4096x6144,4096x4096,4096x28672,14336x4096"
+
+
+def all_configs(m: int, k: int, n: int) -> list[ck.Nm24DecodeConfig]:
+  """Every config the kernel takes for an ``(m, k) @ (k, n)`` product (one block per multiprocessor)."""
+  return [
+      ck.Nm24DecodeConfig(split, warps, span, token_split=ts, x_load=xl)
+      for split, warps, span, ts, xl in itertools.product((1, 2, 4, 8), (2, 4, 8), ck.NM24_SPANS, (1, 2),
+                                                          ck.NM24_X_LOADS)
+      if not (n % span or k // 64 < split * warps or (ts == 2 and m <= 8))
+  ]
+
+
+def sweep(m: int, k: int, n: int) -> dict:
+  """Times every config and the dense product of one ``(m, k) @ (k, n)`` product; relative errors too."""
+  kx, kw = jax.random.split(jax.random.key(m * 7 + n))
+  dense = jax.random.normal(kw, (k, n), jnp.float32).astype(jnp.bfloat16)
+  w = jaxsparse.NMSparseMatrix.from_dense(dense, 2, 4)
+  x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
+  wd = w.to_dense()
+  ref = jnp.dot(x.astype(jnp.float32), wd.astype(jnp.float32))
+  out = {"m": m, "k": k, "n": n, "dense_us": time_call_ms(jnp.dot, (x, wd), "cuda") * 1e3, "configs": {}}
+  for cfg in all_configs(m, k, n):
+    f = lambda x, v, i, cfg=cfg: ck.nm24_decode(x, v, i, config=cfg)
+    y = jax.jit(f)(x, w.values, w.indices)
+    err = float(jnp.linalg.norm(y.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
+    out["configs"][cfg.name] = {"us": time_call_ms(f, (x, w.values, w.indices), "cuda") * 1e3, "rel_err": err}
+  return out
+
+
+def row(r: dict) -> str:
+  m, k, n, dense = r["m"], r["k"], r["n"], r["dense_us"]
+  us = {name: c["us"] for name, c in r["configs"].items()}
+  default = ck.Nm24DecodeConfig.get_default(m, k, n).name
+  cand = min((us[c.name], c.name) for c in ck.nm24_candidate_configs(m, k, n) if c.name in us)
+  best = min((t, name) for name, t in us.items())
+  wrong = sum(c["rel_err"] > 2e-2 for c in r["configs"].values())
+  return (f"| {m} x {k} x {n} | {dense:.2f} | {us[default]:.2f} ({default}) | {cand[0]:.2f} ({cand[1]}) | "
+          f"{best[0]:.2f} ({best[1]}) | {us[default] / dense:.2f} | {cand[0] / dense:.2f} | {best[0] / dense:.2f} | "
+          f"{len(us)} | {wrong} |")
+
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--rows", default="24,32", help="rows of x, comma-separated (1-32)")
+  p.add_argument("--shapes", default=DEFAULT_SHAPES, help="K x N products, comma-separated")
+  p.add_argument("--out", default="nm24_configs.json", help="every timing, JSON")
+  p.add_argument("--time-limit", type=float, default=500.0, help="seconds; products after it are left out")
+  args = p.parse_args()
+  rows = [int(r) for r in args.rows.split(",")]
+  shapes = [tuple(int(d) for d in s.split("x")) for s in args.shapes.split(",")]
+  t0 = time.time()
+  with ThreadPoolExecutor(16) as pool:  # NVRTC builds, in threads (the shape only sets the token tiles)
+    list(pool.map(lambda mc: ck.nm24_prepare(mc[0], 4096, 4096, mc[1]),
+                  [(m, c) for m in rows for c in all_configs(m, 4096, 4096)]))
+  print(f"built in {time.time() - t0:.0f} s", flush=True)
+  results, lines = [], []
+  for (k, n), m in itertools.product(shapes, rows):
+    if time.time() - t0 > args.time_limit:
+      print(f"time limit: {m} x {k} x {n} and after left out", flush=True)
+      break
+    results.append(sweep(m, k, n))
+    lines.append(row(results[-1]))
+    print(lines[-1], flush=True)
+    with open(args.out, "w") as f:
+      json.dump(results, f)
+  print("\n| M x K x N | dense µs | default µs | best candidate µs | best of all µs | default / dense | "
+        "candidates / dense | all / dense | configs | wrong |")
+  print("|---|---|---|---|---|---|---|---|---|---|")
+  print("\n".join(lines))
+
+
+if __name__ == "__main__":
+  main()
