@@ -28,10 +28,8 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import dataclasses
 import functools
 import hashlib
-import math
 import os
 import sys
 import tempfile
@@ -47,12 +45,17 @@ from jaxsparse import _utils
 from jaxsparse._cpu._build import build_cached
 from jaxsparse._cpu._build import cache_dir
 from jaxsparse._cpu._build import compiler
+from jaxsparse._cuda._nm24_config import NM24_SPANS
+from jaxsparse._cuda._nm24_config import NM24_X_LOADS
+from jaxsparse._cuda._nm24_config import Nm24DecodeConfig
+from jaxsparse._cuda._nm24_config import nm24_candidate_configs
 from jaxsparse._utils import FallbackWarning
 
 __all__ = [
     "CudaKernelFallbackWarning",
     "Nm24DecodeConfig",
     "available",
+    "nm24_candidate_configs",
     "nm24_decode",
     "nm24_decode_buffer",
     "nm24_prepare",
@@ -71,9 +74,7 @@ _FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-w")
 # Compute capability the kernels need: mma.sp::ordered_metadata and thread block clusters (9.0).
 _MIN_CAPABILITY = (9, 0)
 _NO_NVRTC = "libnvrtc not found (pip install 'jaxsparse[cuda13]' or '[cuda12]', or set $CUDA_HOME to a CUDA toolkit)"
-NM24_SPANS = (128, 64)  # columns of W per thread block
 NM24_MAX_ROWS = 32
-NM24_X_LOADS = ("shuffle", "ldmatrix")  # Nm24DecodeConfig.x_load; NM_XLOAD is the index + 1
 MAX_DIM = 1 << 30  # the kernels take K and N as int
 _MAX_GRID_X = (1 << 31) - 1
 
@@ -297,156 +298,6 @@ def _kernel_id(source_name: str, name: str, defines: tuple[tuple[str, int], ...]
       raise RuntimeError(f"registering {name} failed: {error.value.decode(errors='replace')}")
     state["kernels"][key] = kid
     return kid
-
-
-@dataclasses.dataclass(frozen=True)
-class Nm24DecodeConfig:
-  """Work split of :func:`nm24_decode`.
-
-  Attributes:
-    split: thread blocks per column span of ``W`` (1, 2, 4 or 8), each a slice of ``K``; the blocks of a
-      column span form a cluster and add their partial sums through distributed shared memory.
-    warps: warps per thread block (they split the block's slice of ``K``).
-    span: columns of ``W`` per thread block, 128 or 64 (each lane holds 16 or 8 columns of a row, and
-      accumulators for that many columns: 64 halves the registers, for more warps or more rows of ``x``).
-    blocks_per_sm: 1 or 2: with 2 the compiler keeps the registers per thread low enough for two thread blocks on
-      a multiprocessor (``__launch_bounds__``'s minimum; it may spill). An H100 profile of the 4096 x 28672 product at
-      M = 1 (8 warps, 128-column spans) showed 152 registers, one block per multiprocessor and its 224 blocks in
-      1.7 waves, at 76% of the memory bandwidth where cuBLAS's dense product reached 86%.
-    token_split: 1 or 2 warps per step of ``K``: with 2, two warps load the same weights (the second mostly from L1)
-      and each multiplies half of the rows of ``x``, for half the accumulator registers (182 -> 128 at 32 rows and
-      64-column spans) and twice the warps a multiprocessor holds. It pays only above 8 rows (one tile of 8 each).
-    x_load: how a lane gets its slice of ``x`` (four bf16 pairs 16 bytes apart) after one 16-byte load per lane:
-      ``"shuffle"`` (a 4 x 4 transpose across the lane's quad by warp shuffles) or ``"ldmatrix"`` (through 512 bytes
-      of shared memory per warp and token tile). Both replace four 4-byte loads that each touched 8 rows of ``x``:
-      on an H100, shuffles took 0.88-1.01 of the 4-byte loads' time at 1-8 rows and ``ldmatrix`` 0.54-1.02 at
-      16-32 rows (``benchmarks/results/llm_decode_x_loads_2026-11-27_h100.md``).
-  """
-
-  split: int = 1
-  warps: int = 8
-  span: int = 128
-  blocks_per_sm: int = 1
-  token_split: int = 1
-  x_load: str = "shuffle"
-
-  def __post_init__(self):
-    if self.split not in (1, 2, 4, 8):
-      raise ValueError(f"split must be 1, 2, 4 or 8, got split={self.split}.")
-    if self.warps not in (2, 4, 8):
-      raise ValueError(f"warps must be 2, 4 or 8, got warps={self.warps}.")
-    if self.span not in NM24_SPANS:
-      raise ValueError(f"span must be one of {NM24_SPANS}, got span={self.span}.")
-    if self.blocks_per_sm not in (1, 2):
-      raise ValueError(f"blocks_per_sm must be 1 or 2, got blocks_per_sm={self.blocks_per_sm}.")
-    if self.token_split not in (1, 2):
-      raise ValueError(f"token_split must be 1 or 2, got token_split={self.token_split}.")
-    if self.x_load not in NM24_X_LOADS:
-      raise ValueError(f"x_load must be one of {NM24_X_LOADS}, got x_load={self.x_load!r}.")
-
-  @property
-  def name(self) -> str:
-    """``"s{split}w{warps}c{span}b{blocks_per_sm}"``, ``"t2"`` with ``token_split=2``, then ``"xs"`` (shuffle) or
-    ``"xm"`` (ldmatrix): the tuning cache's names."""
-    return (f"s{self.split}w{self.warps}c{self.span}b{self.blocks_per_sm}" + ("t2" if self.token_split == 2 else "")
-            + ("xs" if self.x_load == "shuffle" else "xm"))
-
-  @classmethod
-  def get_default(cls, m: int, k: int, n: int) -> Nm24DecodeConfig:
-    """Measured on an H100 (``benchmarks/results/gpu_nm_decode_2026-11-23_h100.md``, ``..._2026-11-24_h100.md`` and,
-    above 16 rows, ``llm_decode_nm32_configs_2026-11-28_h100.md``).
-
-    ``M <= 8``: spans of 128 columns. From 64 spans (N >= 8192) blocks of 8 warps, about 1024 warps in
-    all (N = 8192: 2 blocks per span; N = 11008, 14336, 16384: one), 0.63-0.70 of dense at M = 1 for
-    K = 2048-4096; fewer spans (N = 4096): clusters of 8 blocks of 4 warps (0.78-0.80).
-    ``8 < M <= 16``: spans of 64 columns (half the accumulators per lane), in blocks of 8 warps from 128
-    spans (N >= 8192) and of 4 below; the split brings the warps nearest 1536, the best of the splits measured
-    at N = 4096-16384: 0.59-0.85 of dense at M = 12-16 (N = 4096: 0.85, against 0.95 for the best split of
-    128-column spans; N = 11008: 0.71 with 1376 warps, 0.88 with 2752).
-    ``16 < M <= 32``: spans of 64 columns and the warps per span (a power of two) that bring the warps nearest
-    768, each count in the (split, warps) that won most often (:data:`_NM24_WARPS_PER_SPAN`; 8 warps a span in one
-    block from 25 rows), ``ldmatrix`` but shuffles from 25 rows at 32 warps per span. At 44 products of 17-32 rows
-    (K = 1024-14336, N = 2048-28672), 0.60-0.95 of dense and 1.00-1.24 of the best of 72-96 configs (geometric mean
-    1.05 at 17-24 rows, 1.02 at 25-32); the rules before them ran 5 of the 16 products they were not fitted on
-    slower than dense (up to 1.36).
-    """
-    if m > 16:
-      spans, pairs = n // 64, k // 64
-      per_span = min(_NM24_WARPS_PER_SPAN, key=lambda w: abs(math.log(spans * w / 768)))
-      while per_span > 2 and pairs < per_span:
-        per_span //= 2
-      split, warps = (1, 8) if per_span == 8 and m > 24 else _NM24_WARPS_PER_SPAN[per_span]
-      return cls(split, warps, 64, x_load="shuffle" if m > 24 and per_span >= 32 else "ldmatrix")
-    span = 128 if m <= 8 and n % 128 == 0 else 64
-    spans = n // span
-    pairs = k // 64
-    if span == 64:
-      warps = 8 if spans >= 128 else 4
-      # The split that brings the warps nearest 1536 (by ratio).
-      split = min((1, 2, 4, 8), key=lambda s: abs(math.log(spans * s * warps / 1536)))
-    elif spans >= 64:
-      split, warps = 1, 8
-      while split < 8 and spans * 8 * split * 2 <= 1024:
-        split *= 2
-    else:
-      split = 8
-      while split > 1 and spans * split > 256:
-        split //= 2
-      warps = 4
-    # Every warp should get at least one pair of steps of K.
-    while split > 1 and pairs < split * warps:
-      split //= 2
-    while warps > 2 and pairs < split * warps:
-      warps //= 2
-    return cls(split=split, warps=warps, span=span, x_load="shuffle" if m <= 8 else "ldmatrix")
-
-
-# Above 16 rows: the (split, warps) of each count of warps per column span, the one that won most often at that count
-# at 17-24 rows (``benchmarks/results/llm_decode_nm32_configs_2026-11-28_h100.md``).
-_NM24_WARPS_PER_SPAN = {2: (1, 2), 4: (1, 4), 8: (2, 4), 16: (2, 8), 32: (8, 4), 64: (8, 8)}
-
-
-def nm24_candidate_configs(m: int, k: int, n: int) -> list[Nm24DecodeConfig]:
-  """The configs measured dispatch times for an ``(m, k) @ (k, n)`` product: the default first, then its neighbours
-  and the default with two blocks per multiprocessor; above 8 rows also the default with its rows split over two
-  warps (``token_split``) and with the other ``x_load``.
-
-  Up to 16 rows the neighbours are half and twice the split, the other warp count at the same warps per span and the
-  other span. Above 16 rows they are the other (split, warps) pairs of the default's warps per span, the usual pair
-  and the 4-warp pair of half and twice as many, and twice as many on 128-column spans: at 28 products of 20-32 rows
-  their best was within 1.04 of the best of every config (``llm_decode_nm32_configs_2026-11-28_h100.md``).
-
-  The defaults were fitted at a few ``K`` and ``N``; a product elsewhere may run better one step away, which only a
-  measurement can tell.
-
-  >>> [(c.split, c.warps, c.span, c.blocks_per_sm) for c in nm24_candidate_configs(1, 4096, 4096)]
-  [(8, 4, 128, 1), (4, 4, 128, 1), (4, 8, 128, 1), (8, 4, 64, 1), (8, 4, 128, 2)]
-  """
-  d = Nm24DecodeConfig.get_default(m, k, n)
-  out = [d]
-  if m > 16:
-    per_span = d.split * d.warps
-    shapes = [(d.split * 2, d.warps // 2, 64), (d.split // 2, d.warps * 2, 64)]
-    for w in (per_span // 2, per_span * 2):
-      if w in _NM24_WARPS_PER_SPAN:
-        shapes += [(*_NM24_WARPS_PER_SPAN[w], 64), (w // 4, 4, 64)]
-    if per_span * 2 in _NM24_WARPS_PER_SPAN:  # the same warps in all on spans of 128 columns
-      shapes.append((*_NM24_WARPS_PER_SPAN[per_span * 2], 128))
-  else:
-    other_warps = 8 if d.warps == 4 else 4
-    shapes = [(d.split // 2, d.warps, d.span), (d.split * 2, d.warps, d.span),
-              (d.split * d.warps // other_warps, other_warps, d.span), (d.split, d.warps, 64 if d.span == 128 else 128)]
-  for split, warps, span in shapes:
-    if split not in (1, 2, 4, 8) or warps not in (2, 4, 8) or n % span or k // 64 < split * warps:
-      continue
-    cfg = dataclasses.replace(d, split=split, warps=warps, span=span)
-    if cfg not in out:
-      out.append(cfg)
-  out.append(dataclasses.replace(d, blocks_per_sm=2))
-  if m > 8:
-    out.append(dataclasses.replace(d, token_split=2))
-    out.append(dataclasses.replace(d, x_load="shuffle" if d.x_load == "ldmatrix" else "ldmatrix"))
-  return out
 
 
 def nm24_unsupported_reason(m: int, k: int, n: int, dtype) -> str:

@@ -274,7 +274,7 @@ class _SparseMma:
 
   def candidates(self, p: _router.Product) -> list[_tuning.Candidate]:
     """The default config as ``mma_sp`` (what runs with tuning off), its neighbours as ``mma_sp/<config name>``
-    (``Nm24DecodeConfig.name``; :func:`jaxsparse._cuda._kernels.nm24_candidate_configs`)."""
+    (``Nm24DecodeConfig.name``; :func:`jaxsparse._cuda._nm24_config.nm24_candidate_configs`)."""
     x2, w, blob = p.args
     configs = cuda_kernels.nm24_candidate_configs(x2.shape[0], *w.shape)
     buffer = _reads_buffer(w, blob)
