@@ -55,7 +55,10 @@ batch (measured dispatch tuning the sparse product first; CUPTI device time on a
 signature slower by more than 3% at any batch becomes that ``nnx.Linear``. ``--dense-if-slower per-batch`` builds
 one model per decode batch instead, routed at that batch alone (a server that decodes at batch 32 builds its model
 with ``dense_if_slower_at=32``): each decode column is its own model's; prefill and the weight columns are the first
-batch's model's, and the routed column gives each model's routing and weight bytes. The log gets the per-signature
+batch's model's, and the routed column gives each model's routing and weight bytes. ``--dense-if-slower step`` is
+``per-batch`` with ``to_inference(step_timer=...)``: the signatures within 15% of dense alone are settled by timing
+the model's decode step (``--steps`` steps, ``--repeats`` calls) with them sparse and dense. The log gets the
+per-signature
 times; the table a column "layers routed to dense" with the count per projection kind among the layers built (``all``:
 every projection, as ``unstructured 50%`` always is). Build times then include this timing. Without the option,
 no layer is timed and the table has no such column.
@@ -315,7 +318,7 @@ def run_shape(name: str, args) -> list[Row]:
     t0 = time.perf_counter()
     routed = "-"
     # One model per routing: every batch of --batches (--dense-if-slower all), each batch (per-batch), none (off).
-    per_batch = args.dense_if_slower == "per-batch" and PATTERNS[pattern] is not None
+    per_batch = args.dense_if_slower in ("per-batch", "step") and PATTERNS[pattern] is not None
     regimes = [[b] for b in args.batches] if per_batch else [args.batches]
     decode, parts = {}, []
     for i, at in enumerate(regimes):
@@ -323,9 +326,13 @@ def run_shape(name: str, args) -> list[Row]:
         model = fuse_projections(nnx.clone(dense)) if args.fuse else dense
       else:
         copy = pattern == "2:4 + copy"
+        step_timer = None
+        if args.dense_if_slower == "step":  # the decode step of the model being routed, at its batch
+          step_timer = lambda m, b=at[0]: 1e3 * decode_seconds(m, b, args.context, args.steps, repeats=args.repeats)
         model, report = to_inference(dense, PATTERNS[pattern], cusparselt_copy=copy,
                                      storage="values" if copy else "auto",
-                                     dense_if_slower_at=at if args.dense_if_slower else None, fuse=args.fuse)
+                                     dense_if_slower_at=at if args.dense_if_slower else None, fuse=args.fuse,
+                                     step_timer=step_timer)
         if args.dense_if_slower:
           routed = routed_to_dense(model, report)
           log(f"{name} {pattern}: layers routed to dense at batch {at}: {routed}")
@@ -409,7 +416,9 @@ def header(args) -> str:
              f"; --dense-if-slower: projections slower than dense (> 3%, jitted layer forward) at a decode batch of "
              f"{args.batches} run dense" if args.dense_if_slower == "all" else
              "; --dense-if-slower per-batch: one model per decode batch, its projections slower than dense (> 3%, "
-             "jitted layer forward) at that batch run dense; prefill and weight bytes are the first batch's model's")
+             "jitted layer forward) at that batch run dense; prefill and weight bytes are the first batch's model's"
+             + ("; those within 15% of dense settled by the decode step's time" if args.dense_if_slower == "step"
+                else ""))
   return (f"{getattr(dev, 'device_kind', dev.platform)}, {args.dtype}, jax {jax.__version__}; prefill {args.prefill} "
           f"tokens at batch 1; decode {args.steps} steps after {args.context} cached tokens; median of "
           f"{args.repeats} calls; speed ratios are tokens/s (or 1/time) over dense's, > 1 is faster{routing}; "
@@ -435,9 +444,10 @@ def main(argv: list[str] | None = None) -> None:
   p.add_argument("--kernels", type=lambda v: [int(b) for b in v.split(",")], default=[],
                  help="batches whose decode call gets a per-kernel device-time breakdown (CUPTI, GPU), e.g. 1")
   p.add_argument("--kernels-top", type=int, default=12, help="kernel names listed per --kernels breakdown")
-  p.add_argument("--dense-if-slower", nargs="?", const="all", default=None, choices=("all", "per-batch"),
+  p.add_argument("--dense-if-slower", nargs="?", const="all", default=None, choices=("all", "per-batch", "step"),
                  help="time each sparse projection against dense and run the slower ones dense: 'all' (the default "
-                      "value) builds one model routed at every batch of --batches, 'per-batch' one model per batch")
+                      "value) builds one model routed at every batch of --batches, 'per-batch' one model per batch, "
+                      "'step' as per-batch, the projections within 15%% of dense settled by timing the decode step")
   p.add_argument("--no-fuse", dest="fuse", action="store_false",
                  help="keep q / k / v and gate / up as separate layers (default: fuse_projections, every pattern)")
   p.add_argument("--attention", choices=("auto", "xla"), default="auto",

@@ -289,6 +289,28 @@ def test_dense_if_slower_routes_slower_signatures_to_dense(hf_dir):
     to_inference(model, jaxsparse.NM(2, 4), dense_if_slower_at=0, timer=_timer_slower_where(128))
 
 
+def test_dense_if_slower_settles_the_near_signatures_by_the_step(hf_dir):
+  """With a step timer, the signatures within 15% of dense alone (q / o and down, 1.02) are timed in the model's
+  step; here down_proj is slower sparse in the step (routed dense), q / o no different (kept sparse)."""
+  model = load_pretrained(hf_dir[1])
+  steps = []
+
+  def step_timer(m):
+    kinds = [type(layer.mlp.down_proj).__name__ for layer in m.model.layers]
+    steps.append(kinds)
+    return 10.0 + sum(2.0 if k == "CompressedNMLinear" else 1.0 for k in kinds)
+
+  sparse, report = to_inference(model, jaxsparse.NM(2, 4), dense_if_slower_at=8, timer=_timer_slower_where(128),
+                                step_timer=step_timer)
+  by_shape = {t.signature.shape: t for t in report.timings}
+  assert by_shape[(128, 64)].dense and by_shape[(128, 64)].step_ms == {"sparse": 14.0, "dense": 12.0}
+  assert not by_shape[(64, 64)].dense and by_shape[(64, 64)].step_ms == {"sparse": 12.0, "dense": 12.0}
+  assert by_shape[(64, 128)].dense and by_shape[(64, 128)].step_ms is None  # 1.5 alone: outside the band
+  assert all(type(layer.mlp.down_proj) is nnx.Linear for layer in sparse.model.layers)
+  assert all(type(layer.self_attn.q_proj).__name__ == "CompressedNMLinear" for layer in sparse.model.layers)
+  assert len(steps) == 3 and "step sparse / dense ms" in report.timing_table()
+
+
 def test_time_forward_ms_times_sparse_layer_and_dense_twin():
   w = jaxsparse.NMSparseMatrix.from_dense(jax.random.normal(jax.random.key(0), (64, 32)), 2, 4)
   layer = jaxsparse.layers.CompressedNMLinear(w)
@@ -364,6 +386,19 @@ def test_llm_decode_benchmark_tiny(tmp_path, monkeypatch, capsys):
   assert routed.startswith("b=1: none (") and "; b=8: k_proj 1, q_proj 1, v_proj 1 (" in routed, rows
   assert all(float(r.split("|")[c].strip()) > 0 for r in rows for c in (9, 11)), rows  # tokens/s at both batches
   assert "one model per decode batch" in (tmp_path / "llm_decode.md").read_text()
+  # step: per-batch, with o_proj (128 x 128, 1.05 alone) settled by timing the tiny model's decode step for real.
+  near = _timer_slower_where(256)
+  monkeypatch.setattr(_route, "time_forward_ms",
+                      lambda layer, x: 1.05 if (layer.in_features, layer.out_features) == (128, 128) and
+                      type(layer) is not nnx.Linear else near(layer, x))
+  llm_decode.ROWS.clear()
+  llm_decode.main(["--tiny", "--layers", "1", "--batches", "8", "--patterns", "2:4", "--dense-if-slower", "step",
+                   "--prefill", "0"])
+  out = capsys.readouterr().out
+  md = (tmp_path / "llm_decode.md").read_text()
+  assert "step sparse / dense ms" in out and "settled by the decode step's time" in md, out
+  routed = next(r for r in out.splitlines() if r.startswith("| tiny")).split("|")[-2]
+  assert all(f"{p}_proj 1" in routed for p in "qkv"), out  # 1.5 alone: outside the band; o_proj as the step says
   # Without the option: the table as before, no such column.
   args = SimpleNamespace(batches=[8], prefill=32, steps=4, dense_if_slower=False)
   assert "routed" not in llm_decode.table(args, llm_decode.ROWS)

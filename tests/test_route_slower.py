@@ -79,6 +79,57 @@ def test_slower_signatures_go_dense_and_the_outputs_do_not_change():
   assert sorted({shape for _, shape in calls}) == [(1, 64), (8, 64)]
 
 
+def _step_timer(cost: dict[str, float], calls: list):
+  """A model's step: the sum over its four layers of ``cost[class name]`` (``"Linear"`` for the dense twins)."""
+
+  def step(model):
+    kinds = tuple(type(m).__name__ for m in (model.blocks, model.nm, model.nm2, model.masked))
+    calls.append(kinds)
+    return sum(cost[k] for k in kinds)
+
+  return step
+
+
+def test_the_step_settles_the_signatures_near_their_twins():
+  net = _sparse_net()
+  x = jax.random.normal(jax.random.key(1), (4, 64))
+  before = net(x)
+  # Alone: the 2:4 layers 1.05 of dense (routed dense), the block-sparse one 0.9 (kept sparse), the masked one 2.0
+  # (routed dense, outside the band). In the step, 2:4 is faster than dense and block-sparse slower.
+  layer_ms = {CompressedNMLinear: 1.05, BlockSparseLinear: 0.9, MaskedLinear: 2.0}
+  cost = {"CompressedNMLinear": 0.8, "BlockSparseLinear": 1.2, "MaskedLinear": 1.1, "Linear": 1.0}
+  calls = []
+  timings = jaxsparse.route_slower_to_dense(net, 8, timer=_timer(layer_ms), step_timer=_step_timer(cost, calls))
+  assert [type(m).__name__ for m in (net.blocks, net.nm, net.nm2, net.masked)] == [
+      "Linear", "CompressedNMLinear", "CompressedNMLinear", "Linear"]
+  np.testing.assert_allclose(net(x), before, rtol=1e-5, atol=1e-5)
+  by_layer = {t.signature.layer: t for t in timings}
+  # Closest to 1 first (2:4 at 1.05, then the blocks at 0.9): one step before, one per settled signature.
+  assert calls == [("BlockSparseLinear", "Linear", "Linear", "Linear"),
+                   ("BlockSparseLinear", "CompressedNMLinear", "CompressedNMLinear", "Linear"),
+                   ("Linear", "CompressedNMLinear", "CompressedNMLinear", "Linear")]
+  assert by_layer["CompressedNMLinear"].step_ms == {"dense": 4.2, "sparse": pytest.approx(3.8)}
+  assert not by_layer["CompressedNMLinear"].dense
+  assert by_layer["BlockSparseLinear"].dense
+  assert by_layer["BlockSparseLinear"].step_ms == {"sparse": pytest.approx(3.8), "dense": pytest.approx(3.6)}
+  assert by_layer["MaskedLinear"].dense and by_layer["MaskedLinear"].step_ms is None
+
+
+@pytest.mark.parametrize(("sparse_step", "dense"), [(1.08, False), (1.16, True)])  # steps of 1.02 / 1.04 of 4.0
+def test_the_step_keeps_a_signature_sparse_within_the_margin(sparse_step, dense):
+  net = _sparse_net()
+  layer_ms = {CompressedNMLinear: 3.0, BlockSparseLinear: 3.0, MaskedLinear: 1.1}  # only the masked one in the band
+  cost = {"CompressedNMLinear": 1.0, "BlockSparseLinear": 1.0, "MaskedLinear": sparse_step, "Linear": 1.0}
+  calls = []
+  jaxsparse.route_slower_to_dense(net, 8, timer=_timer(layer_ms), step_timer=_step_timer(cost, calls))
+  assert isinstance(net.masked, nnx.Linear if dense else MaskedLinear) and len(calls) == 2
+  # Nothing near its twin: the step is not timed.
+  calls.clear()
+  net = _sparse_net()
+  jaxsparse.route_slower_to_dense(net, 8, timer=_timer(layer_ms), step_timer=_step_timer(cost, calls), step_band=0.05)
+  assert calls == [] and isinstance(net.masked, nnx.Linear)
+
+
 @pytest.mark.parametrize(("sparse_ms", "dense"), [(1.02, False), (1.04, True)])
 def test_the_margin(sparse_ms, dense):
   net = _sparse_net()
@@ -153,6 +204,8 @@ def test_layer_signature():
     ({"batches": ("8",)}, ValueError, "batches must be positive ints"),
     ({"batches": 8, "margin": -0.1}, ValueError, r"margin must be a fraction in \[0, 1\), got margin=-0.1"),
     ({"batches": 8, "margin": 1.0}, ValueError, "margin=1.0"),
+    ({"batches": 8, "step_timer": 3.0}, TypeError, r"step_timer must be a callable \(model\) -> ms or None, got float"),
+    ({"batches": 8, "step_band": 1.5}, ValueError, r"step_band must be a fraction in \[0, 1\), got step_band=1.5"),
 ])
 def test_bad_arguments_are_named(kwargs, error, match):
   with pytest.raises(error, match=match):

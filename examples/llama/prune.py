@@ -240,12 +240,17 @@ class InferenceReport(SparsifyReport):
   def timing_table(self) -> str:
     """The timings as a Markdown table, one row per signature."""
     batches = sorted({b for t in self.timings for b in t.sparse_ms})
-    head = ["signature", "layers"] + [f"b={b} sparse / dense ms" for b in batches] + ["max ratio", "runs"]
+    stepped = any(t.step_ms for t in self.timings)
+    head = ["signature", "layers"] + [f"b={b} sparse / dense ms" for b in batches] + ["max ratio"]
+    head += ["step sparse / dense ms"] * stepped + ["runs"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for t in self.timings:
       cells = [str(t.signature), str(len(t.paths))]
       cells += [f"{t.sparse_ms[b]:.4f} / {t.dense_ms[b]:.4f}" for b in batches]
-      cells += [f"{t.ratio:.2f}", "dense" if t.dense else "sparse"]
+      cells += [f"{t.ratio:.2f}"]
+      if stepped:
+        cells.append(f"{t.step_ms['sparse']:.4f} / {t.step_ms['dense']:.4f}" if t.step_ms else "-")
+      cells += ["dense" if t.dense else "sparse"]
       rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
@@ -258,6 +263,7 @@ def to_inference(model: LlamaForCausalLM, structure: Any, *, masks: Mapping[str,
                  dense_unstructured: bool = True,
                  dense_if_slower_at: int | Sequence[int] | None = None,
                  timer: Callable[[nnx.Module, jax.Array], float] | None = None, fuse: bool = False,
+                 step_timer: Callable[[LlamaForCausalLM], float] | None = None,
                  ) -> tuple[LlamaForCausalLM, InferenceReport]:
   """The sparse inference model: :func:`jaxsparse.sparsify` with ``masks`` (or by magnitude without), 2:4
   layers compressed, and optionally the sparse layers slower than dense routed to dense.
@@ -273,8 +279,9 @@ def to_inference(model: LlamaForCausalLM, structure: Any, *, masks: Mapping[str,
   Each distinct sparse layer (class, shape, pattern, density, dtype) is timed against its dense twin on the
   current default device at those batch sizes, and every layer of a signature slower by more than 3% at any of
   them becomes an ``nnx.Linear`` holding the pruned weights (:func:`jaxsparse.route_slower_to_dense`). Only the
-  projections are timed, one at a time: a model-level difference the layers alone do not show (fusion with the
-  neighbouring ops) is not seen.
+  projections are timed, one at a time: a model-level difference the layers alone do not show (XLA's dense products
+  run faster next to their neighbours) is not seen, unless ``step_timer`` times the model's step to settle the
+  signatures the layers alone left close to dense.
 
   Args:
     model: a (pruned) dense model; copied.
@@ -294,6 +301,9 @@ def to_inference(model: LlamaForCausalLM, structure: Any, *, masks: Mapping[str,
     fuse: join the projections that share an input (:func:`fuse_projections`): fewer, larger sparse products for
       generation; with ``dense_if_slower_at`` the fused layers are timed. The returned model then has ``qkv_proj`` /
       ``gate_up_proj`` where Hugging Face has three / two layers, so export and masks come from the model before.
+    step_timer: with ``dense_if_slower_at``, ``(model) -> ms`` of the model's decode step at the batch it serves;
+      the signatures within 15% of dense alone are then kept sparse or routed by that step's time
+      (``route_slower_to_dense``'s ``step_timer``).
 
   Returns:
     ``(sparse_model, report)``: ``report`` is ``sparsify``'s (an :class:`InferenceReport`, a
@@ -309,5 +319,5 @@ def to_inference(model: LlamaForCausalLM, structure: Any, *, masks: Mapping[str,
     fuse_projections(sparse)
   timings = ()
   if dense_if_slower_at is not None:
-    timings = jaxsparse.route_slower_to_dense(sparse, dense_if_slower_at, timer=timer)
+    timings = jaxsparse.route_slower_to_dense(sparse, dense_if_slower_at, timer=timer, step_timer=step_timer)
   return sparse, InferenceReport(report.layers, timings)

@@ -4,7 +4,9 @@ Measured dispatch picks the fastest sparse kernel for each product, but a sparse
 back to: a 2:4 or block-sparse projection of a few microseconds, or at 32 rows and more, can be slower than the dense
 ``nnx.Linear`` it replaced. :func:`route_slower_to_dense` times each distinct sparse layer against its dense twin
 (:func:`jaxsparse.densify`: the same, pruned, weights) at the batch sizes a model serves, and swaps the slower ones.
-The outputs do not change, only the kernels.
+The outputs do not change, only the kernels. Layers timed alone miss what only the whole model shows (XLA's dense
+products run faster in a chain of kernels than alone); given a timer of the model's own step, it settles the
+signatures whose layers alone were close to their twins by timing the step both ways.
 """
 
 from __future__ import annotations
@@ -133,6 +135,9 @@ class SignatureTiming:
     sparse_ms: ``{batch: ms}`` of the sparse layer's jitted forward on a ``(batch, in_features)`` input.
     dense_ms: ``{batch: ms}`` of the dense ``nnx.Linear`` holding the same (pruned) weights.
     dense: whether the layers of ``paths`` now are that ``nnx.Linear``.
+    step_ms: with :func:`route_slower_to_dense`'s ``step_timer``, for a signature it settled by timing the model's
+      step: ``{"sparse": ms, "dense": ms}``, the step with this signature's layers sparse and dense (the others as
+      routed when it was timed); else ``None``.
   """
 
   signature: LayerSignature
@@ -140,6 +145,7 @@ class SignatureTiming:
   sparse_ms: Mapping[int, float]
   dense_ms: Mapping[int, float]
   dense: bool
+  step_ms: Mapping[str, float] | None = None
 
   @property
   def ratio(self) -> float:
@@ -178,6 +184,8 @@ def route_slower_to_dense(
     *,
     timer: Callable[[nnx.Module, jax.Array], float] | None = None,
     margin: float = MARGIN,
+    step_timer: Callable[[nnx.Module], float] | None = None,
+    step_band: float = 0.15,
 ) -> tuple[SignatureTiming, ...]:
   """Replaces, in place, the sparse linear layers that are slower than their dense twin by dense ``nnx.Linear``.
 
@@ -193,6 +201,13 @@ def route_slower_to_dense(
   (pass the batch sizes you serve). The other jaxsparse layers (convolutions, ``SparseLinearGeneral``) stay as they
   are.
 
+  With ``step_timer`` (the time of the model's own step, e.g. a jitted decode step at the batch it serves), the
+  signatures whose layers alone were within ``step_band`` of their twins are settled by the whole step instead,
+  closest first: the step is timed with that signature's layers sparse and dense, the others as routed so far, and
+  they stay sparse unless the step is slower by more than ``margin`` that way. In a decode step XLA's dense products
+  run faster than alone, next to their neighbours, which a layer timed alone does not show. One step timing per
+  settled signature, plus one.
+
   >>> import jax.numpy as jnp, jaxsparse
   >>> from flax import nnx
   >>> model = nnx.Sequential(nnx.Linear(64, 64, rngs=nnx.Rngs(0)), nnx.Linear(64, 64, rngs=nnx.Rngs(1)))
@@ -207,12 +222,20 @@ def route_slower_to_dense(
     batches: the batch size(s) the model serves (positive ints), the rows of the timed inputs.
     timer: ``(layer, x) -> ms`` of one forward call; ``None``: measured on the default device. Tests inject their own.
     margin: a sparse layer stays unless it is slower by more than this fraction (measured dispatch's, 3%).
+    step_timer: ``(model) -> ms`` of the model's step as it is at the call (the layers swapped in place between
+      calls); ``None`` decides by the layers alone.
+    step_band: with ``step_timer``, the signatures whose sparse / dense ratio alone lies in
+      ``[1 - step_band, 1 + step_band]`` are settled by the step.
 
   Returns:
     One :class:`SignatureTiming` per signature, in the order the layers occur.
   """
   if not isinstance(model, nnx.Module):
     raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}.")
+  if step_timer is not None and not callable(step_timer):
+    raise TypeError(f"step_timer must be a callable (model) -> ms or None, got {type(step_timer).__name__}.")
+  if not isinstance(step_band, (int, float)) or isinstance(step_band, bool) or not 0 <= step_band < 1:
+    raise ValueError(f"step_band must be a fraction in [0, 1), got step_band={step_band!r}.")
   batches = _check_route_args(batches, margin)
   if isinstance(model, SPARSE_LINEAR):
     raise TypeError(f"model is itself a {type(model).__name__}, which cannot be replaced in place: pass a model that "
@@ -239,10 +262,38 @@ def route_slower_to_dense(
                              dense=False)
     if timing.ratio > 1 + margin:
       timing = dataclasses.replace(timing, dense=True)
-      for path, node in members:
-        replace_module(model, path, densify(node, inplace=True))  # a layer's dense twin, no copy of the model
+      _route_members(model, members, dense=True)
     timings.append(timing)
+  if step_timer is not None:
+    timings = _settle_by_step(model, groups, timings, step_timer, margin, step_band)
   return tuple(timings)
+
+
+def _route_members(model: nnx.Module, members: list, *, dense: bool) -> None:
+  """Puts the layers of ``members`` (``(path, sparse layer)``) into ``model`` as their dense twins or as they were."""
+  for path, node in members:
+    replace_module(model, path, densify(node, inplace=True) if dense else node)  # a twin, no copy of the model
+
+
+def _settle_by_step(model: nnx.Module, groups: dict, timings: list[SignatureTiming],
+                    step_timer: Callable[[nnx.Module], float], margin: float, band: float) -> list[SignatureTiming]:
+  """:func:`route_slower_to_dense`'s ``step_timer`` pass over the signatures near their twins, closest first."""
+  near = sorted((i for i, t in enumerate(timings) if abs(t.ratio - 1) <= band), key=lambda i: abs(timings[i].ratio - 1))
+  if not near:
+    return timings
+  current = float(step_timer(model))
+  for i in near:
+    t = timings[i]
+    members = groups[t.signature]
+    _route_members(model, members, dense=not t.dense)
+    flipped = float(step_timer(model))
+    step = {"dense": current, "sparse": flipped} if t.dense else {"sparse": current, "dense": flipped}
+    dense = step["sparse"] > step["dense"] * (1 + margin)
+    if dense != (not t.dense):  # the flip loses: back as it was
+      _route_members(model, members, dense=t.dense)
+    current = step["dense"] if dense else step["sparse"]
+    timings[i] = dataclasses.replace(t, dense=dense, step_ms=step)
+  return timings
 
 
 def _check_route_args(batches: int | Sequence[int], margin: float) -> tuple[int, ...]:
