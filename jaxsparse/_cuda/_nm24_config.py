@@ -126,8 +126,9 @@ def nm24_candidate_configs(m: int, k: int, n: int) -> list[Nm24DecodeConfig]:
 
   Up to 16 rows the neighbours are half and twice the split, the other warp count at the same warps per span and the
   other span. Above 16 rows they are the other (split, warps) pairs of the default's warps per span, the usual pair
-  and the 4-warp pair of half and twice as many, and twice as many on 128-column spans: at 28 products of 20-32 rows
-  their best was within 1.04 of the best of every config (``llm_decode_nm32_configs_2026-11-28_h100.md``).
+  and the 4-warp pair of half and twice as many, and twice as many on 128-column spans: at 44 products of 17-32 rows
+  their best was the best of every config at 37 and within 1.13 of it at all
+  (``benchmarks/results/llm_decode_nm32_configs_2026-11-28_h100.md``).
 
   The defaults were fitted at a few ``K`` and ``N``; a product elsewhere may run better one step away, which only a
   measurement can tell.
