@@ -204,7 +204,7 @@ def test_layer_signature():
     ({"batches": ("8",)}, ValueError, "batches must be positive ints"),
     ({"batches": 8, "margin": -0.1}, ValueError, r"margin must be a fraction in \[0, 1\), got margin=-0.1"),
     ({"batches": 8, "margin": 1.0}, ValueError, "margin=1.0"),
-    ({"batches": 8, "step_timer": 3.0}, TypeError, r"step_timer must be a callable \(model\) -> ms or None, got float"),
+    ({"batches": 8, "step_timer": 3.0}, TypeError, "step_timer must be a callable returning milliseconds.*got float"),
     ({"batches": 8, "step_band": 1.5}, ValueError, r"step_band must be a fraction in \[0, 1\), got step_band=1.5"),
 ])
 def test_bad_arguments_are_named(kwargs, error, match):
@@ -281,6 +281,30 @@ def test_linen_slower_signatures_go_dense_and_the_outputs_do_not_change():
   assert len(calls) == 4 * 2 * 2 and ("NMDense", (8, 64)) in calls and ("DenseGeneral", (8, 64)) in calls
   # The input variables are unchanged, and the plan of the original model too.
   assert "masked" in sparse_vars["sparsity"] and len(sparse.layers) == 5
+
+
+def test_linen_step_settles_the_signatures_near_their_twins():
+  sparse, sparse_vars, x = _sparse_linen()
+  before = sparse.apply(sparse_vars, x)
+  calls = []
+
+  def step_timer(model, variables):  # the 2:4 layers nm / nm2 are faster sparse in the step, 1.0 against 2.0
+    sparse_paths = {".".join(p) for p in model.layers}
+    calls.append(sorted(sparse_paths))
+    assert set(variables["params"]) == {"blocks", "nm", "nm2", "heads", "masked"}
+    return sum(1.0 if p in sparse_paths else 2.0 for p in ("nm", "nm2")) + 10.0
+
+  new, new_vars, timings = jaxsparse.route_slower_to_dense_linen(
+      sparse, sparse_vars, 8, timer=_linen_timer({"NMDense": 1.05, "MaskedDense": 2.0}), step_timer=step_timer)
+  by_layer = {(t.signature.layer, t.signature.shape): t for t in timings}
+  # Alone, both 2:4 signatures (1.05) went dense; the step keeps nm / nm2 sparse, and the heads (no different in
+  # the step) sparse within the margin. The masked layer (2.0) is outside the band.
+  assert by_layer["NMDense", (64, 64)].step_ms == {"dense": 14.0, "sparse": 12.0}
+  assert not by_layer["NMDense", (64, 64)].dense and not by_layer["NMDense", (64, 32)].dense
+  assert by_layer["MaskedDense", (32, 32)].dense and by_layer["MaskedDense", (32, 32)].step_ms is None
+  assert sorted(".".join(p) for p in new.layers) == ["blocks", "heads", "nm", "nm2"] and len(calls) == 3
+  np.testing.assert_allclose(new.apply(new_vars, x), before, rtol=1e-5, atol=1e-5)
+  assert len(sparse.layers) == 5 and "masked" in sparse_vars["sparsity"]  # the inputs as they were
 
 
 def test_linen_all_slower_is_densify_linen():

@@ -232,11 +232,7 @@ def route_slower_to_dense(
   """
   if not isinstance(model, nnx.Module):
     raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}.")
-  if step_timer is not None and not callable(step_timer):
-    raise TypeError(f"step_timer must be a callable (model) -> ms or None, got {type(step_timer).__name__}.")
-  if not isinstance(step_band, (int, float)) or isinstance(step_band, bool) or not 0 <= step_band < 1:
-    raise ValueError(f"step_band must be a fraction in [0, 1), got step_band={step_band!r}.")
-  batches = _check_route_args(batches, margin)
+  batches = _check_route_args(batches, margin, step_timer, step_band)
   if isinstance(model, SPARSE_LINEAR):
     raise TypeError(f"model is itself a {type(model).__name__}, which cannot be replaced in place: pass a model that "
                     "holds it (or compare it with its to_dense() yourself).")
@@ -265,7 +261,20 @@ def route_slower_to_dense(
       _route_members(model, members, dense=True)
     timings.append(timing)
   if step_timer is not None:
-    timings = _settle_by_step(model, groups, timings, step_timer, margin, step_band)
+    members = [groups[t.signature] for t in timings]
+    state = {"dense": frozenset(i for i, t in enumerate(timings) if t.dense)}
+
+    def route_as(dense: frozenset[int]) -> None:  # swaps only the signatures that change
+      for i in state["dense"] ^ dense:
+        _route_members(model, members[i], dense=i in dense)
+      state["dense"] = dense
+
+    def time_with(dense: frozenset[int]) -> float:
+      route_as(dense)
+      return step_timer(model)
+
+    timings, dense = _settle_by_step(timings, time_with, margin, step_band)
+    route_as(dense)
   return tuple(timings)
 
 
@@ -275,33 +284,38 @@ def _route_members(model: nnx.Module, members: list, *, dense: bool) -> None:
     replace_module(model, path, densify(node, inplace=True) if dense else node)  # a twin, no copy of the model
 
 
-def _settle_by_step(model: nnx.Module, groups: dict, timings: list[SignatureTiming],
-                    step_timer: Callable[[nnx.Module], float], margin: float, band: float) -> list[SignatureTiming]:
-  """:func:`route_slower_to_dense`'s ``step_timer`` pass over the signatures near their twins, closest first."""
+def _settle_by_step(timings: list[SignatureTiming], time_with: Callable[[frozenset[int]], float], margin: float,
+                    band: float) -> tuple[list[SignatureTiming], frozenset[int]]:
+  """The ``step_timer`` pass over the signatures within ``band`` of their twins, closest first.
+
+  ``time_with(dense)`` times the model's step with the signatures of indices ``dense`` dense and the others sparse.
+  Returns the timings (``dense`` and ``step_ms`` of the settled ones set) and the indices now dense."""
+  dense = frozenset(i for i, t in enumerate(timings) if t.dense)
   near = sorted((i for i, t in enumerate(timings) if abs(t.ratio - 1) <= band), key=lambda i: abs(timings[i].ratio - 1))
   if not near:
-    return timings
-  current = float(step_timer(model))
+    return timings, dense
+  current = float(time_with(dense))
   for i in near:
-    t = timings[i]
-    members = groups[t.signature]
-    _route_members(model, members, dense=not t.dense)
-    flipped = float(step_timer(model))
-    step = {"dense": current, "sparse": flipped} if t.dense else {"sparse": current, "dense": flipped}
-    dense = step["sparse"] > step["dense"] * (1 + margin)
-    if dense != (not t.dense):  # the flip loses: back as it was
-      _route_members(model, members, dense=t.dense)
-    current = step["dense"] if dense else step["sparse"]
-    timings[i] = dataclasses.replace(t, dense=dense, step_ms=step)
-  return timings
+    flipped = float(time_with(dense ^ {i}))
+    step = {"dense": current, "sparse": flipped} if i in dense else {"sparse": current, "dense": flipped}
+    goes_dense = step["sparse"] > step["dense"] * (1 + margin)
+    dense = dense | {i} if goes_dense else dense - {i}
+    current = step["dense"] if goes_dense else step["sparse"]
+    timings[i] = dataclasses.replace(timings[i], dense=goes_dense, step_ms=step)
+  return timings, dense
 
 
-def _check_route_args(batches: int | Sequence[int], margin: float) -> tuple[int, ...]:
+def _check_route_args(batches: int | Sequence[int], margin: float, step_timer: Any, step_band: float
+                      ) -> tuple[int, ...]:
   batches = (batches,) if isinstance(batches, int) else tuple(batches)
   if not batches or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in batches):
     raise ValueError(f"batches must be positive ints, got {batches!r}; e.g. the decode batch sizes (1, 8, 32).")
   if not isinstance(margin, (int, float)) or not 0 <= margin < 1:
     raise ValueError(f"margin must be a fraction in [0, 1), got margin={margin!r}.")
+  if step_timer is not None and not callable(step_timer):
+    raise TypeError(f"step_timer must be a callable returning milliseconds, or None; got {type(step_timer).__name__}.")
+  if not isinstance(step_band, (int, float)) or isinstance(step_band, bool) or not 0 <= step_band < 1:
+    raise ValueError(f"step_band must be a fraction in [0, 1), got step_band={step_band!r}.")
   return batches
 
 
@@ -331,6 +345,8 @@ def route_slower_to_dense_linen(
     *,
     timer: Callable[[nn.Module, Any, jax.Array], float] | None = None,
     margin: float = MARGIN,
+    step_timer: Callable[[SparsifiedLinen, dict], float] | None = None,
+    step_band: float = 0.15,
 ) -> tuple[SparsifiedLinen, dict, tuple[SignatureTiming, ...]]:
   """:func:`route_slower_to_dense` for Linen: the sparse ``nn.Dense`` / ``nn.DenseGeneral`` layers of a
   :func:`~jaxsparse.sparsify_linen` model that are slower than their dense twin run dense again.
@@ -340,7 +356,8 @@ def route_slower_to_dense_linen(
   weights, on a random ``(batch, *in_dims)`` input at every batch size. Every layer of a signature slower by more
   than ``margin`` at any of them is taken out of the sparse plan and given its dense variables (as
   :func:`~jaxsparse.densify_linen` does for all). The outputs do not change, only the kernels. Sparse convolutions
-  stay as they are.
+  stay as they are. ``step_timer`` settles the signatures near their twins by the model's step, as in
+  :func:`route_slower_to_dense`.
 
   >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxsparse
   >>> model = nn.Sequential([nn.Dense(64), nn.relu, nn.Dense(64)])
@@ -361,6 +378,10 @@ def route_slower_to_dense_linen(
       ``nn.Dense`` / ``nn.DenseGeneral``; ``None``: measured on the default device (device time on a GPU, the sparse
       products tuned first). Tests inject their own.
     margin: a sparse layer stays unless it is slower by more than this fraction (measured dispatch's, 3%).
+    step_timer: ``(model, variables) -> ms`` of the model's step, given a ``SparsifiedLinen`` and its variables with
+      some signatures routed; ``None`` decides by the layers alone.
+    step_band: with ``step_timer``, the signatures whose sparse / dense ratio alone lies in
+      ``[1 - step_band, 1 + step_band]`` are settled by the step.
 
   Returns:
     ``(sparse, variables, timings)``: a ``SparsifiedLinen`` without the routed layers, new variables with their
@@ -368,13 +389,13 @@ def route_slower_to_dense_linen(
   """
   if not isinstance(sparse, SparsifiedLinen):
     raise TypeError(f"sparse must be the SparsifiedLinen that sparsify_linen returned, got {type(sparse).__name__}.")
-  batches = _check_route_args(batches, margin)
+  batches = _check_route_args(batches, margin, step_timer, step_band)
   timer = timer or _time_apply_ms
   groups: dict[LayerSignature, list[tuple]] = {}
   for path, layer in sparse.layers.items():
     if layer.kind != "conv":
       groups.setdefault(_linen_signature(layer, nn.meta.unbox(layer_variables(variables, path))), []).append(path)
-  timings, routed = [], {}
+  timings = []
   for sig, paths in groups.items():
     layer = sparse.layers[paths[0]]
     layer_vars = nn.meta.unbox(layer_variables(variables, paths[0]))
@@ -386,9 +407,15 @@ def route_slower_to_dense_linen(
       sparse_ms[b] = timer(module, layer_vars, x.reshape(b, sig.shape[0]))
       dense_ms[b] = timer(layer.module, dense_vars, x)
     timing = SignatureTiming(sig, tuple(".".join(p) for p in paths), sparse_ms, dense_ms, dense=False)
-    if timing.ratio > 1 + margin:
-      timing = dataclasses.replace(timing, dense=True)
-      routed.update({p: sparse.layers[p] for p in paths})
-    timings.append(timing)
-  kept = {p: layer for p, layer in sparse.layers.items() if p not in routed}
-  return SparsifiedLinen(sparse.module, kept), densify_layers(variables, routed), tuple(timings)
+    timings.append(dataclasses.replace(timing, dense=True) if timing.ratio > 1 + margin else timing)
+  members = list(groups.values())
+
+  def routed_as(dense: frozenset[int]) -> tuple[SparsifiedLinen, dict]:
+    routed = {p: sparse.layers[p] for i in dense for p in members[i]}
+    kept = {p: layer for p, layer in sparse.layers.items() if p not in routed}
+    return SparsifiedLinen(sparse.module, kept), densify_layers(variables, routed)
+
+  dense = frozenset(i for i, t in enumerate(timings) if t.dense)
+  if step_timer is not None:
+    timings, dense = _settle_by_step(timings, lambda d: step_timer(*routed_as(d)), margin, step_band)
+  return (*routed_as(dense), tuple(timings))
