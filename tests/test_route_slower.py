@@ -6,6 +6,8 @@ for real on the CPU. The outputs must not change, whichever layers go dense.
 
 from __future__ import annotations
 
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -113,6 +115,31 @@ def test_the_step_settles_the_signatures_near_their_twins():
   assert by_layer["BlockSparseLinear"].dense
   assert by_layer["BlockSparseLinear"].step_ms == {"sparse": pytest.approx(3.8), "dense": pytest.approx(3.6)}
   assert by_layer["MaskedLinear"].dense and by_layer["MaskedLinear"].step_ms is None
+
+
+@pytest.mark.parametrize("bad", [float("nan"), -1.0, 0.0, "fast", None])
+def test_a_failing_step_timer_leaves_the_layer_routing(bad):
+  net = _sparse_net()
+  layer_ms = {CompressedNMLinear: 1.05, BlockSparseLinear: 0.9, MaskedLinear: 2.0}
+  kinds = lambda: [type(m).__name__ for m in (net.blocks, net.nm, net.nm2, net.masked)]
+  calls = []
+
+  def step(model):  # fine once, then a bad value on the first flip
+    calls.append(kinds())
+    return 4.0 if len(calls) == 1 else bad
+
+  with pytest.raises(ValueError, match=f"step_timer returned {re.escape(repr(bad))}; it must return the step's time"):
+    jaxsparse.route_slower_to_dense(net, 8, timer=_timer(layer_ms), step_timer=step)
+  assert calls[1] != calls[0]  # the flip was in place when it failed
+  assert kinds() == ["BlockSparseLinear", "Linear", "Linear", "Linear"]  # as the layers alone routed it
+
+  def boom(model):
+    raise RuntimeError("out of memory")
+
+  net = _sparse_net()
+  with pytest.raises(RuntimeError, match="out of memory"):
+    jaxsparse.route_slower_to_dense(net, 8, timer=_timer(layer_ms), step_timer=boom)
+  assert kinds() == ["BlockSparseLinear", "Linear", "Linear", "Linear"]
 
 
 @pytest.mark.parametrize(("sparse_step", "dense"), [(1.08, False), (1.16, True)])  # steps of 1.02 / 1.04 of 4.0

@@ -12,6 +12,7 @@ signatures whose layers alone were close to their twins by timing the step both 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from collections.abc import Mapping
 from collections.abc import Sequence
@@ -273,7 +274,12 @@ def route_slower_to_dense(
       route_as(dense)
       return step_timer(model)
 
-    timings, dense = _settle_by_step(timings, time_with, margin, step_band)
+    before = state["dense"]
+    try:
+      timings, dense = _settle_by_step(timings, time_with, margin, step_band)
+    except BaseException:
+      route_as(before)  # a step timer that fails leaves the model routed by the layers alone
+      raise
     route_as(dense)
   return tuple(timings)
 
@@ -294,9 +300,17 @@ def _settle_by_step(timings: list[SignatureTiming], time_with: Callable[[frozens
   near = sorted((i for i, t in enumerate(timings) if abs(t.ratio - 1) <= band), key=lambda i: abs(timings[i].ratio - 1))
   if not near:
     return timings, dense
-  current = float(time_with(dense))
+
+  def ms(routed: frozenset[int]) -> float:
+    t = time_with(routed)
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
+      raise ValueError(f"step_timer returned {t!r}; it must return the step's time in milliseconds, a positive "
+                       "finite number.")
+    return float(t)
+
+  current = ms(dense)
   for i in near:
-    flipped = float(time_with(dense ^ {i}))
+    flipped = ms(dense ^ {i})
     step = {"dense": current, "sparse": flipped} if i in dense else {"sparse": current, "dense": flipped}
     goes_dense = step["sparse"] > step["dense"] * (1 + margin)
     dense = dense | {i} if goes_dense else dense - {i}
