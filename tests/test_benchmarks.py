@@ -149,3 +149,24 @@ def test_gpu_suite_splits_into_shards():
   assert shards == [whole[0::3], whole[1::3], whole[2::3]]
   _, bad = _collected("--shard", "4/3")
   assert bad.returncode == 4 and "--shard I/N needs 1 <= I <= N, got '4/3'" in bad.stderr
+
+
+def test_nm24_config_sweep_lists_and_scores_configs():
+  # GPU only to run; on the CPU its config space and its table row (from recorded timings).
+  sys.path.insert(0, str(ROOT / "benchmarks" / "sweeps"))
+  import gpu_nm24_configs as sweep  # noqa: PLC0415
+
+  from jaxsparse._cuda import _kernels as ck  # noqa: PLC0415
+
+  configs = sweep.all_configs(32, 2048, 2560)
+  assert len(configs) == len(set(configs)) == 88  # K = 2048: 32 step pairs, so split x warps <= 32
+  assert all(2048 // 64 >= c.split * c.warps for c in configs)
+  # Every candidate of measured dispatch but the two-blocks-per-multiprocessor build.
+  assert {c for c in ck.nm24_candidate_configs(32, 2048, 2560) if c.blocks_per_sm == 1} <= set(configs)
+  assert not any(c.token_split == 2 for c in sweep.all_configs(8, 4096, 4096))  # one token tile: no split
+  timings = {c.name: {"us": 10.0 + i, "rel_err": 1e-3} for i, c in enumerate(configs)}
+  best = ck.Nm24DecodeConfig.get_default(32, 2048, 2560).name
+  timings[best]["us"] = 5.0
+  row = sweep.row({"m": 32, "k": 2048, "n": 2560, "dense_us": 8.0, "configs": timings}).split("|")
+  assert row[1].strip() == "32 x 2048 x 2560" and row[3].strip() == f"5.00 ({best})" and row[6].strip() == "0.62"
+  assert row[-3].strip() == "88" and row[-2].strip() == "0"
