@@ -37,7 +37,9 @@ that is blocked on once (so each call holds many device steps, and the host's di
 ``8b`` and ``1.1b`` is 8, to fit the 10 minutes). Then a model with 0 layers (embedding, final norm, LM head,
 the loop) is timed too, and the full-depth time is extrapolated as ``t0 + (tN - t0) * depth / N``: the
 decoder layers are identical, so their time is linear in their count. Both the measured and the
-extrapolated numbers are printed; the ratios to dense use the extrapolated ones.
+extrapolated numbers are printed; the ratios to dense use the extrapolated ones. A time of N layers that is not
+above the 0-layer model's (the layers below the noise: tiny models on a busy CPU) is not extrapolated: its cells
+read "-" and the log says why.
 
 Weight bytes: every array of the model's state (parameters, masks, index arrays, and, with ``2:4 + copy``, the
 cuSPARSELt copy of the 2:4 values that ``CompressedNMLinear`` keeps next to ``kernel`` on a GPU, counted separately
@@ -77,6 +79,7 @@ import argparse
 import dataclasses
 import gc
 import logging
+import math
 import os
 import statistics
 import sys
@@ -314,6 +317,13 @@ def run_shape(name: str, args) -> list[Row]:
   def extrapolate(t, t0):  # to full depth: t0 + (tN - t0) * depth / N, t0 the 0-layer model's
     return t if base is None else t0 + (t - t0) * scale
 
+  def extrapolate_time(t, t0, what):  # NaN where the layers' time is not above the 0-layer model's (noise)
+    if base is not None and t <= t0:
+      log(f"  {what}: {layers} layers timed {t * 1e3:.3f} ms, the 0-layer model {t0 * 1e3:.3f} ms: below the noise, "
+          "not extrapolated")
+      return math.nan
+    return extrapolate(t, t0)
+
   for pattern in args.patterns:
     t0 = time.perf_counter()
     routed = "-"
@@ -359,8 +369,8 @@ def run_shape(name: str, args) -> list[Row]:
       (b_total, b_cus, _), b_prefill, b_decode = base
       total, cusparselt = extrapolate(total, b_total), extrapolate(cusparselt, b_cus)
       layer_bytes *= scale
-      prefill = None if prefill is None else extrapolate(prefill, b_prefill)
-      decode = {b: extrapolate(decode[b], b_decode[b]) for b in decode}
+      prefill = None if prefill is None else extrapolate_time(prefill, b_prefill, f"{pattern} prefill")
+      decode = {b: extrapolate_time(decode[b], b_decode[b], f"{pattern} decode batch {b}") for b in decode}
     rows.append(Row(name, pattern, layers, full.num_hidden_layers, total, cusparselt, layer_bytes, prefill, decode,
                     routed))
     write_table(args, ROWS + rows)
@@ -390,13 +400,17 @@ def table(args, rows: list[Row]) -> str:
     cells = [r.shape, r.pattern, layers, f"{r.weight_bytes / scale:.3f} ({r.cusparselt_bytes / scale:.3f})",
              f"{r.weight_bytes / d.weight_bytes:.3f}x" if d else "-",
              f"{r.layer_bytes / d.layer_bytes:.3f}x" if d and d.layer_bytes else "-"]
-    if r.prefill_s is None:
+    if r.prefill_s is None or math.isnan(r.prefill_s):
       cells += ["-", "-"]
     else:
-      cells += [f"{r.prefill_s * 1e3:.2f}", f"{d.prefill_s / r.prefill_s:.2f}x" if d and d.prefill_s else "-"]
+      ok = d and d.prefill_s and not math.isnan(d.prefill_s)
+      cells += [f"{r.prefill_s * 1e3:.2f}", f"{d.prefill_s / r.prefill_s:.2f}x" if ok else "-"]
     for b in batches:
+      if math.isnan(r.decode_s[b]):
+        cells += ["-", "-"]
+        continue
       tps = b * args.steps / r.decode_s[b]
-      cells += [f"{tps:.1f}", f"{d.decode_s[b] / r.decode_s[b]:.2f}x" if d else "-"]
+      cells += [f"{tps:.1f}", f"{d.decode_s[b] / r.decode_s[b]:.2f}x" if d and not math.isnan(d.decode_s[b]) else "-"]
     if args.dense_if_slower:
       cells.append(r.routed)
     lines.append("| " + " | ".join(cells) + " |")

@@ -379,11 +379,11 @@ def test_llm_decode_benchmark_tiny(tmp_path, monkeypatch, capsys):
   assert "projections not fused" in (tmp_path / "llm_decode.md").read_text()
   # per-batch: one model per decode batch, routed at that batch alone (the fused q / k / v are slower at 8, not at 1).
   llm_decode.ROWS.clear()
-  llm_decode.main(["--tiny", "--layers", "1", "--batches", "1,8", "--patterns", "dense,2:4", "--dense-if-slower",
-                   "per-batch", "--prefill", "0"])
+  llm_decode.main(["--tiny", "--layers", "2", "--batches", "1,8", "--patterns", "dense,2:4", "--dense-if-slower",
+                   "per-batch", "--prefill", "0"])  # full depth: tokens/s measured, not extrapolated
   rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| tiny")]
   routed = rows[1].split("|")[-2].strip()
-  assert routed.startswith("b=1: none (") and "; b=8: k_proj 1, q_proj 1, v_proj 1 (" in routed, rows
+  assert routed.startswith("b=1: none (") and "; b=8: k_proj 2, q_proj 2, v_proj 2 (" in routed, rows
   assert all(float(r.split("|")[c].strip()) > 0 for r in rows for c in (9, 11)), rows  # tokens/s at both batches
   assert "one model per decode batch" in (tmp_path / "llm_decode.md").read_text()
   # step: per-batch, with o_proj (128 x 128, 1.05 alone) settled by timing the tiny model's decode step for real.
@@ -402,6 +402,11 @@ def test_llm_decode_benchmark_tiny(tmp_path, monkeypatch, capsys):
   # Without the option: the table as before, no such column.
   args = SimpleNamespace(batches=[8], prefill=32, steps=4, dense_if_slower=False)
   assert "routed" not in llm_decode.table(args, llm_decode.ROWS)
+  # A time that could not be extrapolated (the layers below the noise) reads "-", not a negative tokens/s.
+  rows = [llm_decode.Row("tiny", "dense", 1, 2, 1e6, 0.0, 5e5, float("nan"), {8: 1e-3}),
+          llm_decode.Row("tiny", "2:4", 1, 2, 6e5, 0.0, 3e5, 2e-3, {8: float("nan")})]
+  cells = [[c.strip() for c in line.split("|")[7:11]] for line in llm_decode.table(args, rows).splitlines()[2:]]
+  assert cells == [["-", "-", "32000.0", "1.00x"], ["2.00", "-", "-", "-"]], cells
 
 
 def test_llm_prune_benchmark_tiny(tmp_path, monkeypatch, capsys):
