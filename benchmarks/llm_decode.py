@@ -60,10 +60,9 @@ with ``dense_if_slower_at=32``): each decode column is its own model's; prefill 
 batch's model's, and the routed column gives each model's routing and weight bytes. ``--dense-if-slower step`` is
 ``per-batch`` with ``to_inference(step_timer=...)``: the signatures within 15% of dense alone are settled by timing
 the model's decode step (``--steps`` steps, ``--repeats`` calls) with them sparse and dense. The log gets the
-per-signature
-times; the table a column "layers routed to dense" with the count per projection kind among the layers built (``all``:
-every projection, as ``unstructured 50%`` always is). Build times then include this timing. Without the option,
-no layer is timed and the table has no such column.
+per-signature times; the table a column "layers routed to dense" with the count per projection kind among the layers
+built (``all``: every projection, as ``unstructured 50%`` always is). Build times then include this timing. Without
+the option, no layer is timed and the table has no such column.
 
 ``--kernels 1`` also logs the device time per kernel name of one decode call at batch 1 (CUPTI): where a
 decode step's time goes (projections, attention, LM head, the cache update).
