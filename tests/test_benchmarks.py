@@ -164,9 +164,13 @@ def test_nm24_config_sweep_lists_and_scores_configs():
   # Every candidate of measured dispatch but the two-blocks-per-multiprocessor build.
   assert {c for c in ck.nm24_candidate_configs(32, 2048, 2560) if c.blocks_per_sm == 1} <= set(configs)
   assert not any(c.token_split == 2 for c in sweep.all_configs(8, 4096, 4096))  # one token tile: no split
+  both = sweep.all_configs(1, 4096, 4096, blocks=(1, 2))  # with two blocks per multiprocessor: every candidate
+  assert len(both) == 2 * len(sweep.all_configs(1, 4096, 4096)) and set(ck.nm24_candidate_configs(1, 4096, 4096)) <= \
+      set(both)
   timings = {c.name: {"us": 10.0 + i, "rel_err": 1e-3} for i, c in enumerate(configs)}
   best = ck.Nm24DecodeConfig.get_default(32, 2048, 2560).name
   timings[best]["us"] = 5.0
-  row = sweep.row({"m": 32, "k": 2048, "n": 2560, "dense_us": 8.0, "configs": timings}).split("|")
-  assert row[1].strip() == "32 x 2048 x 2560" and row[3].strip() == f"5.00 ({best})" and row[6].strip() == "0.62"
+  row = sweep.row({"m": 32, "k": 2048, "n": 2560, "layout": "buffer", "dense_us": 8.0, "configs": timings}).split("|")
+  assert row[1].strip() == "32 x 2048 x 2560" and row[2].strip() == "buffer"
+  assert row[4].strip() == f"5.00 ({best})" and row[7].strip() == "0.62"
   assert row[-3].strip() == "88" and row[-2].strip() == "0"

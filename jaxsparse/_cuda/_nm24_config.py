@@ -122,7 +122,10 @@ _NM24_WARPS_PER_SPAN = {2: (1, 2), 4: (1, 4), 8: (2, 4), 16: (2, 8), 32: (8, 4),
 def nm24_candidate_configs(m: int, k: int, n: int) -> list[Nm24DecodeConfig]:
   """The configs measured dispatch times for an ``(m, k) @ (k, n)`` product: the default first, then its neighbours
   and the default with two blocks per multiprocessor; above 8 rows also the default with its rows split over two
-  warps (``token_split``) and with the other ``x_load``.
+  warps (``token_split``) and with the other ``x_load``; up to 8 rows also ``ldmatrix`` loads of ``x`` in the default,
+  and on 64-column spans with the default's warps per span and with its warps in all (on an H200 these were the
+  best of 48 configs at 7 of 8 products of 1 and 8 rows, 3-13% under the default:
+  ``benchmarks/results/llm_decode_nm24_small_rows_2026-11-28_h200.md``).
 
   Up to 16 rows the neighbours are half and twice the split, the other warp count at the same warps per span and the
   other span. Above 16 rows they are the other (split, warps) pairs of the default's warps per span, the usual pair
@@ -133,8 +136,9 @@ def nm24_candidate_configs(m: int, k: int, n: int) -> list[Nm24DecodeConfig]:
   The defaults were fitted at a few ``K`` and ``N``; a product elsewhere may run better one step away, which only a
   measurement can tell.
 
-  >>> [(c.split, c.warps, c.span, c.blocks_per_sm) for c in nm24_candidate_configs(1, 4096, 4096)]
-  [(8, 4, 128, 1), (4, 4, 128, 1), (4, 8, 128, 1), (8, 4, 64, 1), (8, 4, 128, 2)]
+  >>> [c.name for c in nm24_candidate_configs(1, 4096, 4096)]  # doctest: +NORMALIZE_WHITESPACE
+  ['s8w4c128b1xs', 's4w4c128b1xs', 's4w8c128b1xs', 's8w4c64b1xs', 's8w4c128b2xs', 's8w4c128b1xm', 's8w4c64b1xm',
+   's8w2c64b1xm']
   """
   d = Nm24DecodeConfig.get_default(m, k, n)
   out = [d]
@@ -157,7 +161,14 @@ def nm24_candidate_configs(m: int, k: int, n: int) -> list[Nm24DecodeConfig]:
     if cfg not in out:
       out.append(cfg)
   out.append(dataclasses.replace(d, blocks_per_sm=2))
-  if m > 8:
+  if m <= 8:  # ldmatrix: the default, and on 64-column spans with its warps per span and with its warps in all
+    loads = [dataclasses.replace(d, x_load="ldmatrix")]
+    if d.span == 128:
+      loads.append(dataclasses.replace(d, span=64, x_load="ldmatrix"))
+      if d.warps > 2:
+        loads.append(dataclasses.replace(d, span=64, warps=d.warps // 2, x_load="ldmatrix"))
+    out += [c for c in loads if c not in out and (c.warps == d.warps or k // 64 >= c.split * c.warps)]
+  else:
     out.append(dataclasses.replace(d, token_split=2))
     out.append(dataclasses.replace(d, x_load="shuffle" if d.x_load == "ldmatrix" else "ldmatrix"))
   return out
