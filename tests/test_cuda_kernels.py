@@ -121,6 +121,9 @@ def test_nm24_candidate_configs_are_distinct_runnable_and_default_first(m, k, n)
       loads += [dataclasses.replace(d, span=64, warps=d.warps // 2, x_load="ldmatrix")] if d.warps > 2 else []
     extra += [c for c in loads if c.warps == d.warps or (k // 64) >= c.split * c.warps]
   assert configs[-len(extra):] == extra
+  # Reading cuSPARSELt's buffer: the same but the 64-column ldmatrix configs (they lose there).
+  assert ck.nm24_candidate_configs(m, k, n, buffer=True) == [c for c in configs if m > 8 or d.span == 64 or
+                                                             c.span == 128 or c.x_load == "shuffle"]
   neighbours = configs[1:-len(extra)]
   for c in neighbours:  # every warp of every block gets a step pair; the span divides N
     assert (k // 64) >= c.split * c.warps and n % c.span == 0
@@ -174,7 +177,7 @@ def test_nm24_source_compiles_for_hopper(rows, span, split, warps, token_split, 
   cubin, log = ck._compile_cubin(source, "nm24_decode", options)
   assert cubin is not None, log
   assert cubin[:4] == b"\x7fELF"
-  assert "registers" in log and ck._compile_cubin(source, "nm24_decode", options) == (cubin, log)  # from the disk
+  assert ck._compile_cubin(source, "nm24_decode", options) == (cubin, "")  # from the disk cache
 
 
 @pytest.mark.parametrize(("rows", "span"), [(1, 128), (16, 128), (16, 64), (32, 64)])
@@ -189,23 +192,6 @@ def test_nm24_buffer_source_compiles_for_hopper(rows, span, token_split, x_load,
   assert ("NM_META", 1) in defines and ("NM_META", 0) in ck._nm24_defines(rows, cfg)
   cubin, log = ck._compile_cubin(source, "nm24_decode", ck._nvrtc_options("sm_90", defines))
   assert cubin is not None, log
-
-
-@pytest.mark.parametrize(("rows", "split", "warps", "x_load"), [(1, 8, 4, "shuffle"), (16, 1, 8, "ldmatrix")])
-def test_nm24_buffer_build_keeps_the_occupancy_of_the_indices_build(rows, split, warps, x_load, monkeypatch, tmp_path):
-  """Unpacking cuSPARSELt's metadata takes more registers; the buffer build asks for the indices build's blocks per
-  multiprocessor, which caps them: as many blocks fit, and it spills no more (ptxas's reports, sm_90)."""
-  assert ck._nvrtc() is not None, "libnvrtc not found: install the dev extra (nvidia-cuda-nvrtc)"
-  monkeypatch.setenv("JAXSPARSE_CACHE_DIR", str(tmp_path))
-  cfg = ck.Nm24DecodeConfig(split, warps, 64, x_load=x_load)
-  indices = ck._nm24_defines(rows, cfg)
-  buffer = ck._nm24_defines(rows, cfg, buffer=True, arch="sm_90")
-  uncapped = tuple((k, 1 if k == "NM_META" else v) for k, v in indices)
-  (r0, s0), (r1, s1), (r2, _) = (ck._build_report("nm24_decode.cu", "nm24_decode", d, "sm_90")
-                                 for d in (indices, buffer, uncapped))
-  blocks = lambda regs: 65536 // (32 * warps * -(-regs // 8) * 8)
-  assert dict(buffer)["NM_MINB"] == blocks(r0) > 1 and dict(buffer)["NM_META"] == 1
-  assert blocks(r1) >= blocks(r0) > blocks(r2) and s1 <= s0  # without the minimum a block less (118 / 166 registers)
 
 
 def test_nvrtc_errors_are_reported(monkeypatch, tmp_path):

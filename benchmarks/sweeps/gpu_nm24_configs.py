@@ -75,7 +75,8 @@ def row(r: dict) -> str:
   m, k, n, dense = r["m"], r["k"], r["n"], r["dense_us"]
   us = {name: c["us"] for name, c in r["configs"].items()}
   default = ck.Nm24DecodeConfig.get_default(m, k, n).name
-  cand = min((us[c.name], c.name) for c in ck.nm24_candidate_configs(m, k, n) if c.name in us)
+  configs = ck.nm24_candidate_configs(m, k, n, buffer=r.get("layout") == "buffer")
+  cand = min((us[c.name], c.name) for c in configs if c.name in us)
   best = min((t, name) for name, t in us.items())
   wrong = sum(c["rel_err"] > 2e-2 for c in r["configs"].values())
   return (f"| {m} x {k} x {n} | {r.get('layout', 'indices')} | {dense:.2f} | {us[default]:.2f} ({default}) | "

@@ -31,7 +31,6 @@ import ctypes.util
 import functools
 import hashlib
 import os
-import re
 import sys
 import tempfile
 import threading
@@ -147,17 +146,14 @@ def _nvrtc_version(lib: ctypes.CDLL) -> str:
 
 
 def _compile_cubin(source: str, name: str, options: list[str]) -> tuple[bytes | None, str]:
-  """NVRTC: ``source`` -> ``(cubin, info)`` or ``(None, log)``, cached on disk; ``info`` is ptxas's report where the
-  options ask for it (``--ptxas-options=-v``: registers, spills), else ``""``."""
+  """NVRTC: ``source`` -> ``(cubin, "")`` or ``(None, log)``, cached on disk."""
   lib = _nvrtc()
   if lib is None:
     return None, _NO_NVRTC
   key = hashlib.sha256("\0".join([source, name, *options, _nvrtc_version(lib)]).encode()).hexdigest()[:24]
   path = cache_dir() / f"jaxsparse_{name}-{key}.cubin"
-  info_path = path.with_suffix(".txt")
-  verbose = "--ptxas-options=-v" in options
-  if path.exists() and (not verbose or info_path.exists()):
-    return path.read_bytes(), info_path.read_text(errors="replace") if verbose else ""
+  if path.exists():
+    return path.read_bytes(), ""
   prog = ctypes.c_void_p()
   check = lambda r, what: None if r == 0 else f"{what} failed with NVRTC error {r}"
   created = lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{name}.cu".encode(), 0, None, None)
@@ -182,26 +178,11 @@ def _compile_cubin(source: str, name: str, options: list[str]) -> tuple[bytes | 
     err = check(lib.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
     if err:
       return None, err
-    info = ""
-    if verbose:
-      lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-      log = ctypes.create_string_buffer(size.value)
-      lib.nvrtcGetProgramLog(prog, log)
-      info = log.value.decode(errors="replace")
   finally:
     lib.nvrtcDestroyProgram(ctypes.byref(prog))
   data = cubin.raw
-  if verbose:
-    _write_atomically(info_path, info.encode())  # before the cubin: a cubin on disk has its report
-  _write_atomically(path, data)
-  return data, info
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-  """Writes ``path`` atomically (a concurrent process may write the same file); an unwritable cache only costs
-  time."""
   tmp = None
-  try:
+  try:  # write atomically (a concurrent process may write the same file); an unwritable cache only costs time
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
     with os.fdopen(fd, "wb") as f:
@@ -210,6 +191,7 @@ def _write_atomically(path: Path, data: bytes) -> None:
   except OSError:
     if tmp is not None and os.path.exists(tmp):
       os.remove(tmp)
+  return data, ""
 
 
 def _build_launcher() -> tuple[Path | None, str]:
@@ -290,20 +272,7 @@ def warn_fallback(op: str, reason: str) -> None:
 
 
 def _nvrtc_options(arch: str, defines: tuple[tuple[str, int], ...]) -> list[str]:
-  """NVRTC's options for a build (with ptxas's report: its registers and spills)."""
-  return [f"--gpu-architecture={arch}", "-std=c++17", "--ptxas-options=-v", *(f"-D{k}={v}" for k, v in defines)]
-
-
-@functools.cache
-def _build_report(source_name: str, name: str, defines: tuple[tuple[str, int], ...], arch: str
-                  ) -> tuple[int, int] | None:
-  """(registers per thread, bytes of spill stores) of kernel ``name`` of ``source_name`` built with ``defines`` for
-  ``arch`` (the build :func:`_kernel_id` registers, from the disk cache once built), or ``None`` where it does not
-  build or ptxas says neither."""
-  cubin, info = _compile_cubin((_HERE / source_name).read_text(), name, _nvrtc_options(arch, defines))
-  regs = re.search(r"Used (\d+) registers", info) if cubin is not None else None
-  spills = re.search(r"(\d+) bytes spill stores", info) if cubin is not None else None
-  return (int(regs.group(1)), int(spills.group(1))) if regs and spills else None
+  return [f"--gpu-architecture={arch}", "-std=c++17", *(f"-D{k}={v}" for k, v in defines)]
 
 
 def _kernel_id(source_name: str, name: str, defines: tuple[tuple[str, int], ...]) -> int:
@@ -344,21 +313,10 @@ def nm24_unsupported_reason(m: int, k: int, n: int, dtype) -> str:
   return ""
 
 
-def _nm24_defines(m: int, cfg: Nm24DecodeConfig, buffer: bool = False, arch: str | None = None
-                  ) -> tuple[tuple[str, int], ...]:
-  """The build of ``cfg`` for ``m`` rows; with ``buffer`` (the metadata of cuSPARSELt's buffer), at least the thread
-  blocks per multiprocessor that the build for ``NMSparseMatrix.indices`` fits by its registers on ``arch`` (default:
-  the device's; none known, no such minimum).
-
-  Unpacking the buffer's metadata takes more registers (64-column spans: 118 against 94 at 1 row and 4 warps, 166
-  against 126 at 16 rows and 8 warps), which cost a multiprocessor a block: 4 instead of 5, 1 instead of 2. On an
-  H200 that left the 512 blocks of 1 x 14336 x 4096 (clusters of 8) to a second wave, 29.4 against 21.2 µs, and
-  16 x 4096 x 28672 at 52.5 against 39.6 µs (``benchmarks/results/llm_decode_nm24_small_rows_2026-11-28_h200.md``).
-  The same occupancy as the indices build (``__launch_bounds__``'s minimum blocks) caps the registers instead.
-  """
+def _nm24_defines(m: int, cfg: Nm24DecodeConfig, buffer: bool = False) -> tuple[tuple[str, int], ...]:
   tiles = -(-m // 8)
   tiles += tiles % cfg.token_split  # whole tiles per warp (rows past M are zeros)
-  indices = (
+  return (
       ("NM_MT", tiles),
       ("NM_CPL", cfg.span // 8),
       ("NM_SPLIT", cfg.split),
@@ -366,23 +324,8 @@ def _nm24_defines(m: int, cfg: Nm24DecodeConfig, buffer: bool = False, arch: str
       ("NM_MINB", cfg.blocks_per_sm),
       ("NM_TSPLIT", cfg.token_split),
       ("NM_XLOAD", NM24_X_LOADS.index(cfg.x_load) + 1),
-      ("NM_META", 0),
+      ("NM_META", int(buffer)),
   )
-  if not buffer:
-    return indices
-  build = lambda blocks: tuple((k, blocks if k == "NM_MINB" else 1 if k == "NM_META" else v) for k, v in indices)
-  arch = arch or _load().get("arch")
-  report = _build_report("nm24_decode.cu", "nm24_decode", indices, arch) if arch else None
-  if report is None:
-    return build(cfg.blocks_per_sm)
-  # Registers are allocated 8 a thread at a time, from 64 K a multiprocessor (at most 32 blocks).
-  blocks = min(32, 65536 // (32 * cfg.warps * -(-report[0] // 8) * 8))
-  if blocks <= cfg.blocks_per_sm:
-    return build(cfg.blocks_per_sm)
-  capped = _build_report("nm24_decode.cu", "nm24_decode", build(blocks), arch)
-  if capped is not None and capped[1] > report[1]:  # the cap spills where the indices build does not: none
-    return build(cfg.blocks_per_sm)
-  return build(blocks)
 
 
 def nm24_prepare(m: int, k: int, n: int, config: Nm24DecodeConfig | None = None, *, buffer: bool = False) -> str:

@@ -119,13 +119,14 @@ class Nm24DecodeConfig:
 _NM24_WARPS_PER_SPAN = {2: (1, 2), 4: (1, 4), 8: (2, 4), 16: (2, 8), 32: (8, 4), 64: (8, 8)}
 
 
-def nm24_candidate_configs(m: int, k: int, n: int) -> list[Nm24DecodeConfig]:
+def nm24_candidate_configs(m: int, k: int, n: int, *, buffer: bool = False) -> list[Nm24DecodeConfig]:
   """The configs measured dispatch times for an ``(m, k) @ (k, n)`` product: the default first, then its neighbours
   and the default with two blocks per multiprocessor; above 8 rows also the default with its rows split over two
-  warps (``token_split``) and with the other ``x_load``; up to 8 rows also ``ldmatrix`` loads of ``x`` in the default,
-  and on 64-column spans with the default's warps per span and with its warps in all (on an H200 these were the
-  best of 48 configs at 7 of 8 products of 1 and 8 rows, 3-13% under the default:
-  ``benchmarks/results/llm_decode_nm24_small_rows_2026-11-28_h200.md``).
+  warps (``token_split``) and with the other ``x_load``; up to 8 rows also the default with ``ldmatrix`` loads of
+  ``x``, and (``buffer`` False: the weight as ``NMSparseMatrix.indices``) those loads on 64-column spans with the
+  default's warps per span and with its warps in all. On an H200 these were the best of 48 configs at 7 of 8 products
+  of 1 and 8 rows (indices), 3-13% under the default; reading cuSPARSELt's buffer the 64-column ones lose that
+  (``benchmarks/results/llm_decode_nm24_small_rows_2026-11-28_h200.md``).
 
   Up to 16 rows the neighbours are half and twice the split, the other warp count at the same warps per span and the
   other span. Above 16 rows they are the other (split, warps) pairs of the default's warps per span, the usual pair
@@ -139,6 +140,15 @@ def nm24_candidate_configs(m: int, k: int, n: int) -> list[Nm24DecodeConfig]:
   >>> [c.name for c in nm24_candidate_configs(1, 4096, 4096)]  # doctest: +NORMALIZE_WHITESPACE
   ['s8w4c128b1xs', 's4w4c128b1xs', 's4w8c128b1xs', 's8w4c64b1xs', 's8w4c128b2xs', 's8w4c128b1xm', 's8w4c64b1xm',
    's8w2c64b1xm']
+  >>> [c.name for c in nm24_candidate_configs(1, 4096, 4096, buffer=True)][5:]
+  ['s8w4c128b1xm']
+
+  Args:
+    m, k, n: the product's rows, depth and columns.
+    buffer: whether the kernel reads cuSPARSELt's buffer (:func:`~jaxsparse._cuda._kernels.nm24_decode_buffer`).
+
+  Returns:
+    The configs, the default first, each once.
   """
   d = Nm24DecodeConfig.get_default(m, k, n)
   out = [d]
@@ -163,7 +173,7 @@ def nm24_candidate_configs(m: int, k: int, n: int) -> list[Nm24DecodeConfig]:
   out.append(dataclasses.replace(d, blocks_per_sm=2))
   if m <= 8:  # ldmatrix: the default, and on 64-column spans with its warps per span and with its warps in all
     loads = [dataclasses.replace(d, x_load="ldmatrix")]
-    if d.span == 128:
+    if d.span == 128 and not buffer:
       loads.append(dataclasses.replace(d, span=64, x_load="ldmatrix"))
       if d.warps > 2:
         loads.append(dataclasses.replace(d, span=64, warps=d.warps // 2, x_load="ldmatrix"))

@@ -276,8 +276,8 @@ class _SparseMma:
     """The default config as ``mma_sp`` (what runs with tuning off), its neighbours as ``mma_sp/<config name>``
     (``Nm24DecodeConfig.name``; :func:`jaxsparse._cuda._nm24_config.nm24_candidate_configs`)."""
     x2, w, blob = p.args
-    configs = cuda_kernels.nm24_candidate_configs(x2.shape[0], *w.shape)
     buffer = _reads_buffer(w, blob)
+    configs = cuda_kernels.nm24_candidate_configs(x2.shape[0], *w.shape, buffer=buffer)
     return [
         _tuning.Candidate(self.name if i == 0 else f"{self.name}/{c.name}",
                           functools.partial(_sparse_mma_run, c), c,
