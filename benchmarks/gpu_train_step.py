@@ -11,6 +11,13 @@ the dense step time of the same round, and its range.
 
   python benchmarks/gpu_train_step.py --kinds block128,block64,block32 --precisions bf16,f32
   python benchmarks/gpu_train_step.py --model transformer --sparse-attention --density 0.3
+  python benchmarks/gpu_train_step.py --model transformer --attention fused --kinds block64 --density 0.3
+
+``--attention``: the transformer's attention core, ``einsum`` (``nnx.MultiHeadAttention``'s default: the scores,
+softmax and values as separate XLA ops, the ``(batch, heads, seq, seq)`` scores through memory) or ``fused``
+(:func:`jax.nn.dot_product_attention`, cuDNN's fused attention for 16-bit inputs on a CUDA GPU, XLA's otherwise). The
+projections around it are the same (and sparse with ``--sparse-attention``) either way; the dense remainder of the
+step, which no sparse layer shortens, differs.
 
 Layer kinds are entries of ``LAYER_KINDS`` (name -> function of the density giving a sparsify rule),
 so other structures (N:M kernels, unstructured) add one line each. Precisions: ``bf16`` (bfloat16
@@ -65,10 +72,22 @@ class MLPBlock(nnx.Module):
     return x + self.down(jax.nn.gelu(self.up(self.norm(x))))
 
 
+def fused_attention(query, key, value, mask=None, *, is_causal=False, **_):
+  """An ``attention_fn`` for ``nnx.MultiHeadAttention``: :func:`jax.nn.dot_product_attention` (no dropout), cuDNN's
+  fused kernel for bfloat16 / float16 on a CUDA GPU, XLA's otherwise. ``query`` ``(batch, seq, heads, head_dim)``,
+  ``key`` / ``value`` alike; returns ``query``'s shape and dtype."""
+  fused = query.dtype in (jnp.bfloat16, jnp.float16) and jax.default_backend() == "gpu"
+  return jax.nn.dot_product_attention(query, key, value, mask=mask, is_causal=is_causal,
+                                      implementation="cudnn" if fused else None)
+
+
+ATTENTION = {"einsum": nnx.dot_product_attention, "fused": fused_attention}
+
+
 class TransformerBlock(nnx.Module):
-  def __init__(self, d: int, hidden: int, heads: int, *, rngs: nnx.Rngs, **opts):
+  def __init__(self, d: int, hidden: int, heads: int, *, rngs: nnx.Rngs, attention: str = "einsum", **opts):
     self.norm = nnx.LayerNorm(d, rngs=rngs, **opts)
-    self.attn = nnx.MultiHeadAttention(heads, d, decode=False, rngs=rngs, **opts)
+    self.attn = nnx.MultiHeadAttention(heads, d, decode=False, attention_fn=ATTENTION[attention], rngs=rngs, **opts)
     self.mlp = MLPBlock(d, hidden, rngs=rngs, **opts)
 
   def __call__(self, x):
@@ -77,11 +96,13 @@ class TransformerBlock(nnx.Module):
 
 
 class Stack(nnx.Module):
-  def __init__(self, model: str, depth: int, d: int, hidden: int, heads: int, *, rngs: nnx.Rngs, **opts):
+  def __init__(self, model: str, depth: int, d: int, hidden: int, heads: int, *, rngs: nnx.Rngs,
+               attention: str = "einsum", **opts):
     if model == "mlp":
       self.blocks = nnx.List([MLPBlock(d, hidden, rngs=rngs, **opts) for _ in range(depth)])
     else:
-      self.blocks = nnx.List([TransformerBlock(d, hidden, heads, rngs=rngs, **opts) for _ in range(depth)])
+      self.blocks = nnx.List([TransformerBlock(d, hidden, heads, rngs=rngs, attention=attention, **opts)
+                              for _ in range(depth)])
 
   def __call__(self, x):
     for block in self.blocks:
@@ -171,6 +192,8 @@ def main(argv=None):
   p.add_argument("--kinds", default="block128,block64,block32", help=f"comma-separated, of {list(LAYER_KINDS)}")
   p.add_argument("--precisions", default="bf16,f32", help=f"comma-separated, of {list(PRECISIONS)}")
   p.add_argument("--sparse-attention", action="store_true", help="also sparsify the attention projections")
+  p.add_argument("--attention", choices=tuple(ATTENTION), default="einsum",
+                 help="the transformer's attention core: einsum (nnx's) or fused (jax.nn.dot_product_attention)")
   p.add_argument("--iterations", type=int, default=10, help="steps per timing")
   p.add_argument("--rounds", type=int, default=3,
                  help="timings of every model, interleaved (dense, kind 1, kind 2, ..., dense, ...): each kind's "
@@ -192,6 +215,7 @@ def main(argv=None):
       f"device: {dev.device_kind}, jax {jax.__version__}; {args.model} x{args.depth}, d={args.d}, "
       f"hidden={args.hidden}, x ({args.batch}, {args.seq}, {args.d}), density {args.density}"
       + (", attention projections sparse too" if args.sparse_attention else "")
+      + (f", {args.attention} attention" if args.model == "transformer" else "")
   )
   log(header)
   rows = ["| layer kind | precision | step ms | dense step ms | ratio (range over rounds) |", "|---|---|---|---|---|"]
@@ -201,7 +225,8 @@ def main(argv=None):
     dtype = opts.get("dtype", jnp.float32)
     x = jax.random.normal(key, (args.batch, args.seq, args.d), jnp.float32).astype(dtype)
     y = jax.random.normal(jax.random.fold_in(key, 1), (args.batch, args.seq, args.d), jnp.float32)
-    dense = Stack(args.model, args.depth, args.d, args.hidden, args.heads, rngs=nnx.Rngs(0), **opts)
+    dense = Stack(args.model, args.depth, args.d, args.hidden, args.heads, rngs=nnx.Rngs(0), attention=args.attention,
+                  **opts)
     steps = {"dense": train_step(dense, x, y)}
     for kind in args.kinds.split(","):
       r = rules(kind, args.density, args.sparse_attention)

@@ -25,6 +25,19 @@ def test_train_step_benchmark_runs(tmp_path):
   assert all("failed" not in r for r in rows), rows
 
 
+def test_train_step_fused_attention_matches_nnx_attention():
+  # The benchmark's --attention fused core against nnx's default one, in a transformer block (CPU: XLA's path).
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  import gpu_train_step as ts  # noqa: PLC0415
+  import jax  # noqa: PLC0415
+  import numpy as np  # noqa: PLC0415
+  from flax import nnx  # noqa: PLC0415
+
+  x = jax.random.normal(jax.random.key(3), (2, 16, 32))
+  blocks = {a: ts.TransformerBlock(32, 64, 4, rngs=nnx.Rngs(0), attention=a) for a in ts.ATTENTION}
+  np.testing.assert_allclose(blocks["fused"](x), blocks["einsum"](x), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.slow  # long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs it
 def test_calibrated_pruning_benchmark_runs(tmp_path):
   out = tmp_path / "table.md"
