@@ -124,8 +124,9 @@ def nm24_candidate_configs(m: int, k: int, n: int, *, buffer: bool = False) -> l
   and the default with two blocks per multiprocessor; above 8 rows also the default with its rows split over two
   warps (``token_split``) and with the other ``x_load``; up to 8 rows also the default with ``ldmatrix`` loads of
   ``x``, and (``buffer`` False: the weight as ``NMSparseMatrix.indices``) those loads on 64-column spans with the
-  default's warps per span and with its warps in all. On an H200 these were the best of 48 configs at 7 of 8 products
-  of 1 and 8 rows (indices), 3-13% under the default; reading cuSPARSELt's buffer the 64-column ones lose that
+  default's warps per span and with its warps in all. On an H200, ``ldmatrix`` on 64-column spans was the best of 48
+  configs at all 8 products of 1 and 8 rows it was fitted on (indices), and these candidates were the best at 6 and
+  within 1.2% at 2, 4-14% under the default; reading cuSPARSELt's buffer the 64-column ones lose that
   (``benchmarks/results/llm_decode_nm24_small_rows_2026-11-28_h200.md``).
 
   Up to 16 rows the neighbours are half and twice the split, the other warp count at the same warps per span and the
