@@ -342,11 +342,18 @@ def test_gpu_nm24_decode_buffer(m, k, n, config):
 @needs_gpu
 @pytest.mark.parametrize(("m", "k", "n"), [(1, 4096, 6144), (8, 2048, 11264), (24, 1024, 2560), (3, 14336, 512)])
 def test_gpu_nm24_decode_every_candidate_config(m, k, n):
-  """What measured dispatch may pick: each candidate config equals the reference (fused q/k/v and gate/up sizes)."""
+  """What measured dispatch may pick: each candidate config equals the reference (fused q/k/v and gate/up sizes), on
+  NMSparseMatrix's arrays and on cuSPARSELt's buffer (its own candidates)."""
+  from jaxsparse._cuda import _layout  # noqa: PLC0415
+
   x, w, ref = _problem(m + k + n, m, k, n)
   for cfg in ck.nm24_candidate_configs(m, k, n):
     y = jax.jit(lambda x, v, i, c=cfg: ck.nm24_decode(x, v, i, config=c))(x, w.values, w.indices)
     assert _rel(y, ref) < TOL, cfg
+  buffer = _layout.compress_values(w.values, w.positions())
+  for cfg in ck.nm24_candidate_configs(m, k, n, buffer=True):
+    y = jax.jit(lambda x, b, c=cfg: ck.nm24_decode_buffer(x, b, n, config=c))(x, buffer)
+    assert _rel(y, ref) < TOL, ("buffer", cfg)
 
 
 @pytest.mark.gpu
