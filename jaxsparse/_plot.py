@@ -14,6 +14,7 @@ from jaxsparse.formats._csr import CSRMatrix
 from jaxsparse.formats._nm import NMSparseMatrix
 from jaxsparse.layers._block_sparse import BlockSparseLinear
 from jaxsparse.layers._common import SPARSITY
+from jaxsparse.layers._embed import CompressedNMEmbed
 from jaxsparse.layers._linear_general import SparseLinearGeneral
 from jaxsparse.layers._masked import MaskedConv
 from jaxsparse.layers._masked import MaskedLinear
@@ -52,7 +53,7 @@ def _pattern(x: Any) -> tuple[np.ndarray, tuple[int, int], str]:
   if isinstance(x, BlockSparseMatrix):
     bk, bn = x.block_shape
     return np.asarray(x.block_mask), (bk, bn), f"block {bk}x{bn}, density {x.density:.3f}"
-  if isinstance(x, CompressedNMLinear):
+  if isinstance(x, CompressedNMLinear | CompressedNMEmbed):
     x = x.weight
   if isinstance(x, NMSparseMatrix):
     return _as_2d(np.asarray(x.mask())), (1, 1), f"{x.n}:{x.m}, density {x.density:.3f}"
@@ -68,7 +69,8 @@ def _pattern(x: Any) -> tuple[np.ndarray, tuple[int, int], str]:
     return mask, (1, 1), f"density {mask.mean():.3f}"
   raise TypeError(
       "plot_pattern takes a jaxsparse layer (BlockSparseLinear, MaskedLinear, MaskedConv, NMLinear, NMConv, "
-      "CompressedNMLinear, SparseLinearGeneral), a Linen layer's variables {'params': ..., 'sparsity': ...}, a "
+      "CompressedNMLinear, CompressedNMEmbed, SparseLinearGeneral), a "
+      "Linen layer's variables {'params': ..., 'sparsity': ...}, a "
       f"BlockSparseMatrix, CSRMatrix or NMSparseMatrix, or a bool mask of 2 or more dims; got {type(x).__name__}."
   )
 
@@ -121,7 +123,7 @@ def plot_pattern(
 
   Args:
     x: a jaxsparse layer (``BlockSparseLinear``, ``MaskedLinear``, ``MaskedConv``, ``NMLinear``,
-      ``NMConv``, ``CompressedNMLinear``, ``SparseLinearGeneral``), the variables of one Linen
+      ``NMConv``, ``CompressedNMLinear``, ``CompressedNMEmbed``, ``SparseLinearGeneral``), the variables of one Linen
       ``BlockSparseDense`` / ``MaskedDense`` (``{"params": ..., "sparsity": ...}``), a
       ``BlockSparseMatrix``, ``CSRMatrix`` or ``NMSparseMatrix``, or a bool mask (for N:M Linen layers:
       ``jaxsparse.nm_mask(kernel, n, m)``).

@@ -149,8 +149,9 @@ def check_unsupported(
     hit = [p for p in unsupported if compiled.fullmatch(p)]
     if hit:
       raise ValueError(
-          f"{hit[0]} ({unsupported[hit[0]]}): rule {pattern!r} gives it {spec.describe()}, but there is no sparse "
-          f"version of this layer; supported: {supported}. Map it to None or narrow the rule."
+          f"{hit[0]} ({unsupported[hit[0]]}): rule {pattern!r} gives it {spec.describe()}, but sparsify does not take "
+          f"this layer; supported: {supported}. Map it to None or narrow the rule. (An nnx.Embed can be stored N:M-"
+          "compressed: jaxsparse.layers.CompressedNMEmbed.from_dense.)"
       )
 
 

@@ -26,6 +26,7 @@ from jaxsparse.formats._base import is_concrete
 from jaxsparse.layers import _nm_linen
 from jaxsparse.layers._block_sparse import BlockSparseLinear
 from jaxsparse.layers._common import SPARSITY
+from jaxsparse.layers._embed import CompressedNMEmbed
 from jaxsparse.layers._linear_general import SparseLinearGeneral
 from jaxsparse.layers._masked import MaskedConv
 from jaxsparse.layers._masked import MaskedLinear
@@ -48,7 +49,8 @@ class LayerSummary:
     density: fraction of the kernel's weights kept; ``None`` when unknown (the mask of an abstract model).
     bytes: bytes the layer stores: parameters and pattern.
     dense_bytes: bytes of the dense layer (kernel and bias, same dtype).
-    forward_flops, backward_flops: per input row; ``None`` when the density is unknown.
+    forward_flops, backward_flops: per input row; ``None`` when the density is unknown; 0 for an embedding (a
+      lookup, no product).
     dense_forward_flops, dense_backward_flops: the same for the dense layer.
 
   >>> import jaxsparse
@@ -74,7 +76,7 @@ class LayerSummary:
 
 
 def _ratio(a: int | None, b: int) -> str:
-  return "?" if a is None else f"{a / b:.2f}x"
+  return "?" if a is None else "-" if b == 0 else f"{a / b:.2f}x"
 
 
 def _human(n: int | None) -> str:
@@ -198,6 +200,11 @@ def _nnx_layer(path: str, node: nnx.Module) -> LayerSummary | None:
     pattern = f"{node.n}:{node.m}" + (" transposable" if node.transposable else "")
     return _layer(path, kind, shape, pattern, math.prod(shape) * node.n // node.m,
                   param_dtype=node.kernel.dtype, dense_weight_grad=True, **common)
+  if isinstance(node, CompressedNMEmbed):
+    shape = (node.num_embeddings, node.features)
+    table = _layer(path, kind, shape, f"{node.n}:{node.m} compressed", math.prod(shape) * node.n // node.m,
+                   param_dtype=node.embedding.dtype, **common)
+    return dataclasses.replace(table, forward_flops=0, backward_flops=0, dense_forward_flops=0, dense_backward_flops=0)
   if isinstance(node, CompressedNMLinear):
     return _layer(path, kind, (node.in_features, node.out_features), f"{node.n}:{node.m} compressed",
                   node.in_features * node.out_features * node.n // node.m, param_dtype=node.kernel_dtype, **common)

@@ -58,7 +58,8 @@ SPECS = {
 D, HEADS, VOCAB = 32, 2, 64
 
 # (kind, pattern, framework, path) -> (regex the error must match, the gist for the docs table). "*" matches any.
-EMBED = r"layer \((nnx|nn)\.Embed\): rule 'layer' .*no sparse version.*supported: "
+EMBED = r"layer \(nn\.Embed\): rule 'layer' .*sparsify does not take this layer.*supported: "
+EMBED_NNX = r"layer \(nnx\.Embed\): rule 'layer' .*an embedding takes only NM\(n, m\) rules"
 RAISES = {
     ("conv", "block", "*", "sparsify"): (r"layer: BlockSparse does not apply to (nnx|nn)\.Conv layers; use "
                                           r"jaxsparse\.NM.* or jaxsparse\.Unstructured", "BlockSparse does not apply "
@@ -77,9 +78,14 @@ RAISES = {
                                        "sparsify: BlockSparse does not apply to Conv layers"),
     ("*", "nm", "*", "dst"): (r"layer(\.(key|query|value|out))?\.(kernel|embedding): SET and RigL support "
                               r"Unstructured and BlockSparse rules", "SET / RigL take Unstructured and BlockSparse"),
-    ("embed", "*", "*", "sparsify"): (EMBED, "no sparse Embed; supported: Linear, LinearGeneral, Conv"),
-    ("embed", "*", "*", "prune"): (EMBED, "the pruner masks the table; sparsify: no sparse Embed"),
-    ("embed", "*", "*", "dst"): (EMBED, "the pruner masks the table; sparsify: no sparse Embed"),
+    ("embed", "nm", "nnx", "prune"): (r"layer: the given mask is not 2:4 along the features \(axis 1\)",
+                                      "the pruner's N:M groups run along the vocabulary, a CompressedNMEmbed's "
+                                      "along the features"),
+    **{("embed", p, "nnx", path): (EMBED_NNX, "sparsify: an Embed takes NM rules only")
+       for p in ("block", "unstructured") for path in ("sparsify", "prune", "dst", "orbax", "summary", "export")},
+    ("embed", "*", "linen", "sparsify"): (EMBED, "no sparse Linen Embed; supported: Dense, DenseGeneral, Conv"),
+    ("embed", "*", "linen", "prune"): (EMBED, "the pruner masks the table; sparsify: no sparse Linen Embed"),
+    ("embed", "*", "linen", "dst"): (EMBED, "the pruner masks the table; sparsify: no sparse Linen Embed"),
     ("embed", "*", "*", "calibrated"): (r"rule\(s\) \['layer'\] match no .*(Linear|Dense)", "calibrated pruning covers "
                                         "Linear, LinearGeneral and Conv layers only"),
 }
@@ -90,17 +96,19 @@ NOT_A_CELL = {
     ("conv", "block", "*", "torch"): "a block mask on a torch conv loads as a plain mask (torch unstructured cell)",
     ("conv", "unstructured", "linen", "build"): "Flax's own nn.Conv(mask=...)",
     ("attention", "*", "linen", "build"): "no Linen sparse DenseGeneral layer: sparsify_linen builds it",
-    ("embed", "*", "*", "build"): "no sparse embedding layer",
+    ("embed", "nm", "nnx", "build"): None,  # CompressedNMEmbed
+    ("embed", "*", "nnx", "build"): "embeddings are stored N:M only (CompressedNMEmbed)",
+    ("embed", "*", "linen", "build"): "no Linen sparse embedding layer",
     ("embed", "*", "*", "torch"): "a torch Embedding loads dense (nnx.Embed / embedding)",
-    ("embed", "*", "*", "orbax"): "no sparse embedding layer to save",
-    ("embed", "*", "*", "summary"): "no sparse embedding layer to describe",
-    ("embed", "*", "*", "export"): "no sparse embedding layer to export",
+    **{("embed", "*", "linen", path): f"no Linen sparse embedding layer {what}"
+       for path, what in (("orbax", "to save"), ("summary", "to describe"), ("export", "to export"))},
     **{("attention_nobias", "*", "*", path): "the bias plays no part in this path: see MultiHeadAttention above"
        for path in ("build", "sparsify", "calibrated", "torch", "orbax", "summary", "export")},
 }
 
 
 def _lookup(table, cell):
+  """The value of the first key matching ``cell`` (``None`` values: a cell, ahead of a broader key)."""
   for key, value in table.items():
     if all(k in ("*", c) for k, c in zip(key, cell, strict=True)):
       return value
@@ -203,9 +211,14 @@ def _get(tree, dotted):
   return tree
 
 
+def leaf(kind):
+  """The weight's name: an embedding's table, else the kernel."""
+  return "embedding" if kind == "embed" else "kernel"
+
+
 def nnx_kernels(model, kind):
-  """``{path: kernel}`` of the dense layers of ``model`` (kernel in the layer's own shape)."""
-  return {p: np.asarray(_get(nnx.state(model, nnx.Param), p)["kernel"][...]) for p in sparse_paths(kind)}
+  """``{path: kernel}`` of the dense layers of ``model`` (kernel in the layer's own shape; an embedding's table)."""
+  return {p: np.asarray(_get(nnx.state(model, nnx.Param), p)[leaf(kind)][...]) for p in sparse_paths(kind)}
 
 
 def nnx_sparse_kernels(sparse, kind):
@@ -221,9 +234,9 @@ def check_nnx_sparse(sparse, dense, kind, masks=None):
   for p, k in nnx_kernels(dense, kind).items():
     kept = pruned[p] != 0
     if masks is not None:
-      np.testing.assert_array_equal(kept, np.asarray(masks[f"{p}.kernel"]), err_msg=p)
+      np.testing.assert_array_equal(kept, np.asarray(masks[f"{p}.{leaf(kind)}"]), err_msg=p)
     np.testing.assert_array_equal(pruned[p], np.where(kept, k, 0), err_msg=p)  # the kept weights are the dense ones
-    _get_module(reference, p).kernel[...] = jnp.asarray(pruned[p])
+    getattr(_get_module(reference, p), leaf(kind))[...] = jnp.asarray(pruned[p])
   x = x_for(kind)
   close(sparse(x), reference(x))
   assert 0 < np.mean([np.mean(k != 0) for k in pruned.values()]) < 1
@@ -254,6 +267,14 @@ def check_linen_sparse(sparse, sparse_vars, module, variables, kind, masks=None)
 def path_build(kind, pattern, fw):
   spec, x = SPECS[pattern], x_for(kind)
   rngs = nnx.Rngs(3)
+  if fw == "nnx" and kind == "embed":
+    layer = layers.CompressedNMEmbed.from_dense(nnx.Embed(VOCAB, D, rngs=rngs), spec.n, spec.m)
+    dense = jaxsparse.densify(layer)
+    assert type(dense) is nnx.Embed
+    close(layer(x), dense(x))
+    close(layer.attend(x_for("linear")), dense.attend(x_for("linear")))
+    assert np.isclose(np.mean(np.asarray(dense.embedding[...]) != 0), 0.5)
+    return
   if fw == "nnx":
     if kind == "conv":
       layer = (layers.NMConv(8, 16, (3, 3), n=spec.n, m=spec.m, rngs=rngs) if pattern == "nm"
@@ -401,6 +422,8 @@ def torch_net(kind, pattern):
   if kind == "linear":
     net = torch.nn.ModuleDict({"layer": torch.nn.Linear(D, D)})
     names = ["layer"]
+  elif kind == "embed":  # for export only: a torch Embedding loads dense
+    return torch.nn.ModuleDict({"layer": torch.nn.Embedding(VOCAB, D)})
   elif kind == "conv":
     net = torch.nn.ModuleDict({"layer": torch.nn.Conv2d(8, 16, 3, padding=1)})
     names = ["layer"]
@@ -544,7 +567,10 @@ def path_summary(kind, pattern, fw):
   assert sorted(rows) == sparse_paths(kind)
   for p, row in rows.items():
     assert np.isclose(row.density, density[p]), (p, row)
-    assert row.forward_flops < row.dense_forward_flops
+    if kind == "embed":  # a lookup: no product
+      assert row.forward_flops == row.dense_forward_flops == 0 and row.bytes < row.dense_bytes, row
+    else:
+      assert row.forward_flops < row.dense_forward_flops
 
 
 def path_export(kind, pattern, fw):
@@ -567,7 +593,7 @@ def path_export(kind, pattern, fw):
   assert sorted(masks) == [f"{p}.weight_mask" for p in sparse_paths(kind)]
   torch_interop.apply_masks(net, masks)
   for p, k in pruned.items():
-    k2 = k.transpose(3, 2, 0, 1) if kind == "conv" else k.reshape(D, D).T
+    k2 = k.transpose(3, 2, 0, 1) if kind == "conv" else k if kind == "embed" else k.reshape(D, D).T
     np.testing.assert_array_equal(masks[f"{p}.weight_mask"].numpy(), k2 != 0, err_msg=p)
     np.testing.assert_array_equal(net.get_submodule(p).weight_mask.numpy().astype(bool), k2 != 0, err_msg=p)
 
@@ -597,7 +623,7 @@ def run_cell(cell, tmp_path):
 FAST = {("attention", "block", "nnx", "prune"), ("attention", "nm", "nnx", "prune"),
         ("attention", "block", "linen", "prune"), ("linear", "unstructured", "nnx", "build"),
         ("attention", "unstructured", "nnx", "torch"), ("attention", "block", "nnx", "export"),
-        ("embed", "unstructured", "nnx", "sparsify")}
+        ("embed", "unstructured", "nnx", "sparsify"), ("embed", "nm", "nnx", "orbax")}
 
 
 @pytest.mark.parametrize("cell", [c if c in FAST else pytest.param(c, marks=pytest.mark.slow) for c in CELLS],
@@ -643,7 +669,8 @@ def test_docs_table_matches_the_matrix():
 def test_every_combination_is_a_cell_or_not_a_cell():
   assert len(ALL) == len(KINDS) * len(PATTERNS) * len(FRAMEWORKS) * len(PATHS)
   assert all((_lookup(NOT_A_CELL, c) is None) == (c in CELLS) for c in ALL)
-  assert not [c for c in CELLS if _lookup(RAISES, c) is None and c[0] == "embed"], "Embed has no sparse layer"
+  embed = {c for c in CELLS if _lookup(RAISES, c) is None and c[0] == "embed"}
+  assert embed == {("embed", "nm", "nnx", p) for p in ("build", "sparsify", "orbax", "summary", "export")}, embed
 
 
 if __name__ == "__main__":

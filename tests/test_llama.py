@@ -175,6 +175,38 @@ def test_sparse_model_generates_dense_tokens(hf_dir, name):
   np.testing.assert_array_equal(np.asarray(generate(sparse, prompt, 10)), np.asarray(generate(dense, prompt, 10)))
 
 
+def test_sparse_head_and_embedding_generate_save_and_export(hf_dir, ids, tmp_path):
+  """to_inference(head=True, embedding=NM(2, 4)): the LM head 2:4 like the projections, the embedding a
+  CompressedNMEmbed; the weights shrink to 2:4's bytes, tokens equal the densified model's, and the saved directory and
+  exported masks give transformers the same logits."""
+  from jaxsparse._sparsify._report import state_bytes  # noqa: PLC0415
+
+  model = load_pretrained(hf_dir[1])
+  sparse, report = to_inference(model, jaxsparse.NM(2, 4), head=True, embedding=jaxsparse.NM(2, 4))
+  assert type(sparse.lm_head).__name__ == "CompressedNMLinear"
+  assert type(sparse.model.embed_tokens).__name__ == "CompressedNMEmbed"
+  assert {c.path for c in report.replaced} >= {"lm_head", "model.embed_tokens"} and len(report.replaced) == 16
+  projections_only, _ = to_inference(model, jaxsparse.NM(2, 4))
+  ratio, before = state_bytes(sparse) / state_bytes(model), state_bytes(projections_only) / state_bytes(model)
+  assert ratio < 0.55 < before, (ratio, before)  # float32 2:4: 0.53 of the bytes (values + 2-bit positions)
+  dense = jaxsparse.densify(sparse)
+  assert float(jnp.mean(dense.model.embed_tokens.embedding[...] == 0)) == 0.5
+  prompt = np.random.default_rng(3).integers(0, VOCAB, (2, 5))
+  np.testing.assert_array_equal(np.asarray(generate(sparse, prompt, 8)), np.asarray(generate(dense, prompt, 8)))
+  x = jnp.asarray(ids)
+  target = transformers.LlamaForCausalLM.from_pretrained(save_pretrained(sparse, tmp_path / "sparse")).eval()
+  np.testing.assert_allclose(_logits(target, ids), np.asarray(sparse(x)), atol=1e-4, rtol=0)
+  masked = transformers.LlamaForCausalLM.from_pretrained(hf_dir[1]).eval()
+  masks = torch_interop.export_masks(sparse)
+  assert masks["model.embed_tokens.weight_mask"].shape == (VOCAB, 64) and "lm_head.weight_mask" in masks
+  torch_interop.apply_masks(masked, masks)
+  np.testing.assert_allclose(_logits(masked, ids), np.asarray(sparse(x)), atol=1e-4, rtol=0)
+  with pytest.raises(ValueError, match="embedding=None keeps the embedding dense"):
+    to_inference(model, jaxsparse.NM(2, 4), masks={"model.embed_tokens.embedding": np.ones((VOCAB, 64), bool)})
+  with pytest.raises(ValueError, match="add an 'lm_head' rule instead"):
+    to_inference(model, {"lm_head": jaxsparse.NM(2, 4)}, head=True)
+
+
 @pytest.mark.slow  # long (30 s on 2 cores): moved out of the fast set (make test <= 15 min on 2 cores); CI runs it
 def test_buffer_storage_model_generates_exports_and_saves(hf_dir, ids, tmp_path, monkeypatch):
   """2:4 layers keeping cuSPARSELt's buffer alone (to_inference's storage="auto" where cuSPARSELt reads it, faked

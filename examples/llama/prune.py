@@ -259,7 +259,7 @@ class InferenceReport(SparsifyReport):
 
 
 def to_inference(model: LlamaForCausalLM, structure: Any, *, masks: Mapping[str, Any] | None = None,
-                 compress: bool = True, cusparselt_copy: bool = False, storage: str = "auto",
+                 head: bool = False, embedding: jaxsparse.NM | None = None, compress: bool = True, cusparselt_copy: bool = False, storage: str = "auto",
                  dense_unstructured: bool = True,
                  dense_if_slower_at: int | Sequence[int] | None = None,
                  timer: Callable[[nnx.Module, jax.Array], float] | None = None, fuse: bool = False,
@@ -287,6 +287,14 @@ def to_inference(model: LlamaForCausalLM, structure: Any, *, masks: Mapping[str,
     model: a (pruned) dense model; copied.
     structure: as in :func:`prune`.
     masks: :func:`prune`'s masks; ``None`` prunes by magnitude (random-weight benchmarks).
+    head: give the LM head (``lm_head``, a ``(hidden, vocab)`` product in every decode step) ``structure`` too;
+      ``structure`` must then be one structure, not rules (rules can name ``"lm_head"`` themselves). By magnitude
+      unless ``masks`` has ``"lm_head.kernel"``.
+    embedding: ``jaxsparse.NM(n, m)`` stores the token embedding as a ``CompressedNMEmbed`` (``n`` of every ``m``
+      features of each row kept, by magnitude unless ``masks`` has ``"model.embed_tokens.embedding"``): memory
+      only, a lookup reads one row a token. With ``head`` the model keeps no dense weight matrix but the norms.
+      Pruning the LM head and the embedding costs accuracy that the decoder layers' calibration does not see:
+      measure it on your model before serving it.
     compress: turn ``NMLinear`` (SR-STE training layer, dense kernel) into ``CompressedNMLinear``.
     cusparselt_copy: with ``compress`` and ``storage="values"``, keep each 2:4 layer's cuSPARSELt copy as well
       (see :func:`compress_nm`): 1.11x the dense model's bytes for the Llama-3-8B shape.
@@ -310,11 +318,28 @@ def to_inference(model: LlamaForCausalLM, structure: Any, *, masks: Mapping[str,
     ``SparsifyReport``) with the timings: ``report.routed_to_dense`` lists the signatures now dense,
     ``report.dense_paths`` their layers.
   """
-  sparse, report = jaxsparse.sparsify(model, rules_for(structure), masks=masks)
+  rules = rules_for(structure)
+  if head:
+    if isinstance(structure, Mapping):
+      raise ValueError("head=True gives the LM head the one structure; with rules, add an 'lm_head' rule instead.")
+    rules["lm_head"] = structure
+  flat = pruning.masks_to_dict(masks) if masks is not None else {}
+  embed_key = "model.embed_tokens.embedding"
+  embed_masks = {k: v for k, v in flat.items() if k == embed_key}
+  if embed_masks and embedding is None:
+    raise ValueError(f"masks has {embed_key!r}, but embedding=None keeps the embedding dense; pass embedding=NM(...).")
+  layer_masks = {k: v for k, v in flat.items() if k != embed_key} if masks is not None else None
+  sparse, report = jaxsparse.sparsify(model, rules, masks=layer_masks)
   if compress:
     compress_nm(sparse, cusparselt_copy=cusparselt_copy, storage=storage)
   if dense_unstructured and isinstance(structure, jaxsparse.Unstructured):
     sparse = jaxsparse.densify(sparse)
+  if embedding is not None:  # after densify, which would expand it again
+    if not isinstance(embedding, jaxsparse.NM):
+      raise TypeError(f"embedding must be a jaxsparse.NM(n, m) or None, got {embedding!r}.")
+    sparse, embedded = jaxsparse.sparsify(sparse, {r"model\.embed_tokens": embedding}, masks=embed_masks or None,
+                                          inplace=True)
+    report = SparsifyReport(tuple(sorted(report.layers + embedded.layers, key=lambda c: c.path)))
   if fuse:  # before the timing: the fused layers are what runs
     fuse_projections(sparse)
   timings = ()

@@ -11,6 +11,10 @@ rule                          ``nnx.Linear``               ``nnx.Conv``         
 ``NM(n, m)``                  ``NMLinear`` (SR-STE)        ``NMConv`` (SR-STE)     ``SparseLinearGeneral``
 ``Unstructured(sparsity)``    ``MaskedLinear``             ``MaskedConv``          ``SparseLinearGeneral``
 ============================  ===========================  ======================  ==========================
+
+An ``nnx.Embed`` takes a rule only when the rule names it (matches no layer above): ``NM(n, m)`` stores its table as a
+``CompressedNMEmbed`` (``n`` of every ``m`` features of each row kept); other structures raise. Catch-all rules leave
+embeddings dense.
 """
 
 
@@ -24,7 +28,6 @@ import numpy as np
 from flax import nnx
 
 from jaxsparse._rules import Probe
-from jaxsparse._rules import check_unsupported
 from jaxsparse._rules import linear_general_unsupported
 from jaxsparse._rules import masks_to_dict
 from jaxsparse._rules import match_rules
@@ -48,6 +51,7 @@ from jaxsparse.formats._specs import Unstructured
 from jaxsparse.formats._specs import check_spec_applies
 from jaxsparse.formats._specs import matrix_shape
 from jaxsparse.layers import BlockSparseLinear
+from jaxsparse.layers import CompressedNMEmbed
 from jaxsparse.layers import CompressedNMLinear
 from jaxsparse.layers import MaskedConv
 from jaxsparse.layers import MaskedLinear
@@ -58,7 +62,8 @@ from jaxsparse.layers import SparseLinearGeneral
 __all__ = ["check_general_mask_view", "check_masks_used", "check_nm_mask", "densify", "sparsify"]
 
 
-_SPARSE_NNX = (BlockSparseLinear, MaskedLinear, NMLinear, NMConv, CompressedNMLinear, MaskedConv, SparseLinearGeneral)
+_SPARSE_NNX = (BlockSparseLinear, MaskedLinear, NMLinear, NMConv, CompressedNMLinear, MaskedConv, SparseLinearGeneral,
+               CompressedNMEmbed)
 
 
 def _general_as_linear(layer: nnx.LinearGeneral, path: str) -> nnx.Linear:
@@ -92,22 +97,22 @@ def block_mask_of(mask: np.ndarray, block_shape: tuple[int, int], path: str) -> 
   return anyb
 
 
-def check_nm_mask(mask: np.ndarray, spec: NM, axis: int, path: str) -> None:
+def check_nm_mask(mask: np.ndarray, spec: NM, axis: int, path: str, *, what: str = "the input features") -> None:
   """Raises unless ``mask`` keeps at most ``n`` of every ``m`` along ``axis`` (and the last axis, if transposable).
 
   An N:M layer built from a mask keeps the mask's weights only when the mask is N:M; anything else
-  would be re-pruned by magnitude without a word.
+  would be re-pruned by magnitude without a word. ``what`` names ``axis`` in the message.
   """
-  axes = [(axis, "the input features")]
+  axes = [(axis, what)]
   if spec.transposable and mask.shape[-1] % spec.m == 0:
     axes.append((mask.ndim - 1, "the output features (transposable)"))
-  for ax, what in axes:
+  for ax, what_ax in axes:
     moved = np.moveaxis(np.asarray(mask, bool), ax, 0)
     counts = moved.reshape(moved.shape[0] // spec.m, spec.m, *moved.shape[1:]).sum(1)
     if counts.size and counts.max() > spec.n:
       group = tuple(int(i) for i in np.unravel_index(np.argmax(counts), counts.shape))
       raise ValueError(
-          f"{path}: the given mask is not {spec.n}:{spec.m} along {what} (axis {ax}): group {group} keeps "
+          f"{path}: the given mask is not {spec.n}:{spec.m} along {what_ax} (axis {ax}): group {group} keeps "
           f"{int(counts.max())} of {spec.m} ({int((counts > spec.n).sum())} groups keep more than {spec.n}). An "
           f"NM({spec.n}, {spec.m}) rule keeps a mask only if it is {spec.n}:{spec.m}; prune with the same NM rule, "
           "or map this layer to jaxsparse.Unstructured to keep the mask as it is."
@@ -231,6 +236,43 @@ def _to_sparse(node: nnx.Module, spec: Spec, mask: np.ndarray | None, path: str)
   return _sparse_linear(node, spec, mask, path)
 
 
+def _chosen_embeds(model: nnx.Module, resolved: list, linear_paths: list[str]) -> list[tuple[tuple, nnx.Embed, NM]]:
+  """The ``nnx.Embed`` layers a rule aimed at embeddings maps to an ``NM`` structure: ``(path, layer, spec)``.
+
+  An embedding takes the first rule that fully matches its path only when that rule matches no ``nnx.Linear`` /
+  ``Conv`` / ``LinearGeneral`` (a rule naming it, like ``"embed"``): catch-all rules leave embeddings dense, since
+  pruning a lookup table saves memory, not time, and costs accuracy. Such a rule must be an ``NM`` one.
+  """
+  out = []
+  for path, node in nnx.iter_modules(model):
+    if not isinstance(node, nnx.Embed):
+      continue
+    p = path_str(path)
+    r = match_rules(resolved, p)
+    if r is None or resolved[r][2] is None or any(resolved[r][1].fullmatch(q) for q in linear_paths):
+      continue
+    spec = resolved[r][2]
+    if not isinstance(spec, NM) or spec.transposable:
+      raise ValueError(
+          f"{p} (nnx.{type(node).__name__}): rule {resolved[r][0]!r} gives it {spec.describe()}, but an embedding "
+          "takes only NM(n, m) rules (not transposable): it is stored as a CompressedNMEmbed, n of every m features "
+          "of each row kept. Supported for other structures: nnx.Linear, nnx.LinearGeneral (trailing axes), "
+          "nnx.Conv. Map it to None or narrow the rule."
+      )
+    if node.features % spec.m:
+      raise ValueError(f"{p}: m={spec.m} must divide the embedding's features={node.features}.")
+    out.append((tuple(path), node, spec))
+  return out
+
+
+def _sparse_embed(node: nnx.Embed, spec: NM, mask: np.ndarray | None, path: str) -> CompressedNMEmbed:
+  if mask is not None:
+    if mask.shape != tuple(node.embedding.shape):
+      raise ValueError(f"{path}: the given mask has shape {mask.shape}, the embedding {tuple(node.embedding.shape)}.")
+    check_nm_mask(mask, spec, 1, path, what="the features")
+  return CompressedNMEmbed.from_dense(node, spec.n, spec.m, mask=mask)
+
+
 def _density(layer: nnx.Module) -> float:
   if isinstance(layer, SparseLinearGeneral):
     return _density(layer.layer)
@@ -302,7 +344,9 @@ def sparsify(
   ``nnx.MultiHeadAttention``) takes the structure of the first rule whose regex fully matches its
   dotted path; its sparse replacement keeps the largest-magnitude weights (blocks by Frobenius norm,
   N of every M) and copies the bias and options. See the module docstring for which layer each
-  structure gives.
+  structure gives. An ``nnx.Embed`` is taken only by a rule that matches no other layer (one naming it, as
+  ``{"embed": jaxsparse.NM(2, 4)}``), and only with ``NM``: it becomes a
+  :class:`~jaxsparse.layers.CompressedNMEmbed` (the groups along the features, mask key ``"<path>.embedding"``).
 
   >>> import jax, jax.numpy as jnp, jaxsparse
   >>> from flax import nnx
@@ -357,11 +401,11 @@ def sparsify(
     r = match_rules(resolved, path_str(path))
     if r is not None and resolved[r][2] is not None:
       chosen.append((path, node, resolved[r][2]))
-  embeds = {path_str(p): f"nnx.{type(n).__name__}" for p, n in nnx.iter_modules(model) if isinstance(n, nnx.Embed)}
-  check_unsupported(resolved, [path_str(p) for p, _ in layers], embeds,
-                    supported="nnx.Linear, nnx.LinearGeneral (trailing axes), nnx.Conv")
-  warn_unmatched(resolved, [path_str(p) for p, _ in layers], what="nnx.Linear / nnx.Conv / nnx.LinearGeneral")
+  embeds = _chosen_embeds(model, resolved, [path_str(p) for p, _ in layers])
+  warn_unmatched(resolved, [path_str(p) for p, _ in layers] + [path_str(p) for p, _, _ in embeds],
+                 what="nnx.Linear / nnx.Conv / nnx.LinearGeneral / nnx.Embed (a rule naming it)")
   kernel_keys = [f"{path_str(p)}.kernel" if p else "kernel" for p, _, _ in chosen]
+  kernel_keys += [f"{path_str(p)}.embedding" if p else "embedding" for p, _, _ in embeds]
   check_masks_used(mask_dict, set(kernel_keys), kernel_keys)
 
   built = []
@@ -373,6 +417,16 @@ def sparsify(
 
   shapes = _record_inputs(model, [(p, n) for p, n, _, _ in built], example_input) if mode else {}
   changes = []
+  for path, node, spec in embeds:  # lookups, not products: nothing to time
+    p = path_str(path)
+    mask = mask_dict.get(f"{p}.embedding" if p else "embedding")
+    new = carry_nnx(node, _sparse_embed(node, spec, None if mask is None else np.asarray(mask), p))
+    if path:
+      replace_module(model, path, new)
+    else:
+      model = new
+    changes.append(LayerChange(p, f"Embed({node.num_embeddings}x{node.features})", spec.describe(),
+                               type(new).__name__, spec.n / spec.m, state_bytes(node), state_bytes(new)))
   for path, node, spec, new in built:
     p = path_str(path)
     dense_ms = sparse_ms = None
@@ -405,8 +459,8 @@ def densify(model: nnx.Module, *, inplace: bool = False) -> nnx.Module:
   """Replaces every jaxsparse layer of an NNX model by the dense Flax layer computing the same function.
 
   ``BlockSparseLinear`` / ``MaskedLinear`` / ``NMLinear`` / ``CompressedNMLinear`` become ``nnx.Linear``,
-  ``NMConv`` / ``MaskedConv`` become ``nnx.Conv``, ``SparseLinearGeneral`` becomes ``nnx.LinearGeneral``;
-  pruned weights are zeros in the dense kernels.
+  ``NMConv`` / ``MaskedConv`` become ``nnx.Conv``, ``SparseLinearGeneral`` becomes ``nnx.LinearGeneral``,
+  ``CompressedNMEmbed`` becomes ``nnx.Embed``; pruned weights are zeros in the dense kernels (tables).
 
   >>> import jax.numpy as jnp, jaxsparse
   >>> from flax import nnx

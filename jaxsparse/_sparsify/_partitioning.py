@@ -8,6 +8,7 @@ metadata) or ``nn.with_partitioning`` (Linen ``nn.Partitioned`` boxes) passes it
 * ``SparseLinearGeneral`` (and the sparse layer of a Linen ``nn.DenseGeneral``) folds the kernel
   to ``(K, N)`` and the bias to ``(N,)``: a group of dims keeps the name of its leading dim when
   that is the only named one (the merged dim splits the same way), else none;
+* an embedding's compressed table and positions (``CompressedNMEmbed``) take the table's names;
 * block-sparse values ``(nnz_blocks, bk, bn)`` and their index arrays are replicated, ``(None, ...)``:
   the data-parallel layout every op partitions over. Splitting a block-sparse weight over devices
   is tensor parallelism, a layout with per-shard indices (:mod:`jaxsparse.sharding`).
@@ -66,13 +67,15 @@ def _nnx_names(var: nnx.Variable) -> Names | None:
 
 
 def carry_nnx(dense: nnx.Module, sparse: nnx.Module) -> nnx.Module:
-  """Copies the partitioning metadata of ``dense``'s kernel and bias onto ``sparse``'s variables."""
-  kernel_names = _nnx_names(dense.kernel)
+  """Copies the partitioning metadata of ``dense``'s kernel (an ``nnx.Embed``'s table) and bias onto ``sparse``'s
+  variables."""
+  weight = dense.embedding if isinstance(dense, nnx.Embed) else dense.kernel
+  kernel_names = _nnx_names(weight)
   bias = getattr(dense, "bias", None)
   bias_names = _nnx_names(bias) if isinstance(bias, nnx.Variable) else None
   if kernel_names is None and bias_names is None:
     return sparse
-  extra = {k: v for k, v in dense.kernel.get_metadata().items() if k in ("sharding_rules", "mesh") and v is not None}
+  extra = {k: v for k, v in weight.get_metadata().items() if k in ("sharding_rules", "mesh") and v is not None}
   layer = sparse
   if isinstance(sparse, SparseLinearGeneral):
     layer = sparse.layer
@@ -88,9 +91,9 @@ def carry_nnx(dense: nnx.Module, sparse: nnx.Module) -> nnx.Module:
     if is_bias:
       names, source = bias_names, bias
     elif isinstance(layer, BlockSparseLinear) or kernel_names is None or var.ndim != len(kernel_names):
-      names, source = (None,) * var.ndim, dense.kernel
+      names, source = (None,) * var.ndim, weight
     else:
-      names, source = kernel_names, dense.kernel
+      names, source = kernel_names, weight
     if names is None:
       continue
     var.set_metadata(out_sharding=names, **extra)

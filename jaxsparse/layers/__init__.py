@@ -3,6 +3,7 @@
 from jaxsparse.layers import linen
 from jaxsparse.layers._block_sparse import BlockSparseLinear
 from jaxsparse.layers._common import SparsityPattern
+from jaxsparse.layers._embed import CompressedNMEmbed
 from jaxsparse.layers._linear_general import SparseLinearGeneral
 from jaxsparse.layers._masked import MaskedConv
 from jaxsparse.layers._masked import MaskedLinear
@@ -14,6 +15,7 @@ from jaxsparse.layers._nm import NMLinear
 
 __all__ = [
     "BlockSparseLinear",
+    "CompressedNMEmbed",
     "CompressedNMLinear",
     "CusparseLtKernel",
     "CusparseLtWeight",

@@ -68,6 +68,22 @@ def test_nnx_partitioning_survives_sparsify():
   assert_close(jax.jit(lambda m, x: m(x))(sparse, x), dense_sparse(x), jnp.float32)
 
 
+def test_nnx_embedding_partitioning_survives_sparsify():
+  mesh = _mesh()
+  with jax.set_mesh(mesh):
+    embed = nnx.Embed(64, D, embedding_init=nnx.with_partitioning(nnx.initializers.normal(), ("model", None)),
+                      rngs=nnx.Rngs(0))
+  sparse, _ = jaxsparse.sparsify(nnx.Sequential(embed), {"layers.0": jaxsparse.NM(2, 4)})
+  layer = sparse.layers[0]
+  assert type(layer).__name__ == "CompressedNMEmbed"
+  for var in (layer.embedding, layer.embedding_positions):  # the rows split like the dense table's
+    assert var.get_metadata()["out_sharding"] == ("model", None)
+    assert var[...].sharding.is_equivalent_to(NamedSharding(mesh, P("model", None)), 2)
+  ids = jax.random.randint(jax.random.key(1), (4, 8), 0, 64)
+  ids = jax.device_put(ids, NamedSharding(mesh, P("data")))
+  assert_close(jax.jit(lambda m, i: m(i))(sparse, ids), jaxsparse.densify(sparse)(ids), jnp.float32)
+
+
 def test_nnx_sparsified_model_trains_data_parallel():
   mesh = _mesh()
   model, _ = jaxsparse.sparsify(MLP(nnx.Rngs(0)), RULES)

@@ -1,0 +1,162 @@
+"""``CompressedNMEmbed``: an embedding table kept N:M-compressed along its features.
+
+A lookup is a lookup of the kept values and their positions, expanded to the dense row; :meth:`attend` (the
+tied-embedding logits) is :func:`jaxsparse.ops.nm_matmul` of the query with the table, transposed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from flax.nnx.nn import dtypes
+from flax.typing import Dtype
+from jax import lax
+
+from jaxsparse import ops
+from jaxsparse.formats._nm import NMSparseMatrix
+from jaxsparse.formats._nm import check_nm
+from jaxsparse.layers._common import SparsityPattern
+from jaxsparse.layers._nm import check_nm_implementation
+
+__all__ = ["CompressedNMEmbed"]
+
+
+class CompressedNMEmbed(nnx.Module):
+  """An ``nnx.Embed`` whose ``(num_embeddings, features)`` table is stored N:M-compressed along ``features``.
+
+  The inference (and fixed-pattern fine-tuning) form of a pruned embedding: of every ``m`` consecutive features
+  of a row, ``n`` are kept. ``embedding`` holds the kept values, an ``nnx.Param`` of shape
+  ``(num_embeddings, features * n // m)``; ``embedding_positions`` their packed positions, a non-trainable
+  :class:`SparsityPattern` of shape ``(num_embeddings, groups // per_word)``, laid out as in
+  :class:`jaxsparse.NMSparseMatrix`.
+  A 2:4 bfloat16 table takes 0.5625x the dense table's bytes.
+
+  A lookup returns the dense rows, zeros at the pruned features, as ``nnx.Embed`` does for the pruned dense
+  table (out-of-range ids give NaN rows in floating dtypes, as there). :meth:`attend` multiplies by the
+  compressed table with :func:`jaxsparse.ops.nm_matmul` (tied input and output embeddings); it transposes the
+  kept values in each call.
+
+  >>> import jax, jax.numpy as jnp
+  >>> from flax import nnx
+  >>> from jaxsparse.layers import CompressedNMEmbed
+  >>> dense = nnx.Embed(100, 64, rngs=nnx.Rngs(0))
+  >>> sparse = CompressedNMEmbed.from_dense(dense, 2, 4)
+  >>> ids = jnp.array([[3, 14, 15]])
+  >>> sparse(ids).shape, sparse.embedding.shape, float(jnp.mean(sparse(ids) == 0))
+  ((1, 3, 64), (100, 32), 0.5)
+  >>> sparse.attend(jnp.ones((2, 64))).shape
+  (2, 100)
+
+  Args:
+    weight: a 2-D :class:`jaxsparse.NMSparseMatrix` ``(num_embeddings, features)`` with ``axis=1`` (the
+      groups run along the features).
+    dtype: the dtype of the lookups and of :meth:`attend` (``None``: the table's), as ``nnx.Embed``'s.
+    promote_dtype: as ``nnx.Embed``'s.
+    implementation: backend of :func:`jaxsparse.ops.nm_matmul` in :meth:`attend`.
+  """
+
+  def __init__(
+      self,
+      weight: NMSparseMatrix,
+      *,
+      dtype: Dtype | None = None,
+      promote_dtype: Callable[..., Any] = dtypes.promote_dtype,
+      implementation: ops.NMImplementation | None = None,
+  ):
+    if not isinstance(weight, NMSparseMatrix) or weight.ndim != 2 or weight.axis != 1:
+      raise TypeError(
+          "weight must be a 2-D jaxsparse.NMSparseMatrix of shape (num_embeddings, features) compressed along the "
+          f"features (axis=1), got {weight!r}."
+      )
+    self.embedding = nnx.Param(weight.values)
+    self.embedding_positions = SparsityPattern(weight.indices)
+    self.num_embeddings, self.features = weight.shape
+    self.n, self.m = weight.n, weight.m
+    self.dtype = dtype
+    self.promote_dtype = promote_dtype
+    self.implementation = check_nm_implementation(implementation)
+
+  @classmethod
+  def from_dense(cls, embed: nnx.Embed, n: int = 2, m: int = 4, *, mask: Any = None,
+                 implementation: ops.NMImplementation | None = None) -> CompressedNMEmbed:
+    """Prunes an ``nnx.Embed`` to ``n`` of every ``m`` features of each row and compresses it.
+
+    Args:
+      embed: the dense layer (not changed); its ``dtype`` and ``promote_dtype`` carry over.
+      n, m: keep ``n`` of every ``m`` consecutive features; ``m`` must divide ``features``.
+      mask: optional bool ``(num_embeddings, features)``, at most ``n`` of every ``m`` features of a row True
+        (a pruner's mask): the kept entries are exactly the mask's. ``None`` keeps the largest magnitudes.
+      implementation: as in the constructor.
+
+    Returns:
+      A ``CompressedNMEmbed`` whose lookups equal ``embed``'s of the pruned table.
+
+    Raises:
+      TypeError: ``embed`` is not an ``nnx.Embed``.
+      ValueError: ``m`` does not divide ``features``, or ``mask`` has another shape or keeps more than ``n`` of
+        some group of ``m``.
+    """
+    if not isinstance(embed, nnx.Embed):
+      raise TypeError(f"embed must be a flax.nnx.Embed, got {type(embed).__name__}.")
+    n, m = check_nm(n, m)
+    table = embed.embedding[...]
+    if table.shape[1] % m:
+      raise ValueError(f"m={m} must divide the embedding's features={table.shape[1]} (the groups run along them).")
+    if mask is not None:
+      mask = np.asarray(mask, bool)
+      if mask.shape != table.shape:
+        raise ValueError(f"mask must have the table's shape {tuple(table.shape)}, got {mask.shape}.")
+      counts = mask.reshape(mask.shape[0], -1, m).sum(-1)
+      if counts.max(initial=0) > n:
+        row, group = np.unravel_index(np.argmax(counts), counts.shape)
+        raise ValueError(
+            f"mask keeps {int(counts.max())} of the {m} features of group {int(group)} in row {int(row)}; an {n}:{m} "
+            f"table keeps at most {n} of every {m}."
+        )
+      table = jnp.where(mask, table, jnp.zeros((), table.dtype))
+    return cls(NMSparseMatrix.from_dense(table, n, m, axis=1), dtype=embed.dtype, promote_dtype=embed.promote_dtype,
+               implementation=implementation)
+
+  @property
+  def weight(self) -> NMSparseMatrix:
+    """The compressed ``(num_embeddings, features)`` table."""
+    return NMSparseMatrix(self.embedding[...], self.embedding_positions[...],
+                          shape=(self.num_embeddings, self.features), n=self.n, m=self.m, axis=1, validate=False)
+
+  def __call__(self, inputs: jax.Array) -> jax.Array:
+    """Looks up integer ``inputs`` of any shape; returns ``(*inputs.shape, features)`` in ``dtype`` or the table's."""
+    inputs = jnp.asarray(inputs)
+    if not jnp.issubdtype(inputs.dtype, jnp.integer):
+      raise ValueError(f"inputs must be integer token ids, got dtype {inputs.dtype}.")
+    (values,) = self.promote_dtype((self.embedding[...],), dtype=self.dtype, inexact=False)
+    if self.num_embeddings == 1:  # as nnx.Embed: every id reads the one row
+      row = self.weight.with_values(values).to_dense()[0]
+      return jnp.broadcast_to(row, (*inputs.shape, self.features))
+    rows = NMSparseMatrix(  # jnp.take's index rule, as nnx.Embed's (negative ids count from the end)
+        jnp.take(values, inputs, axis=0),
+        jnp.take(self.embedding_positions[...], inputs, axis=0),
+        shape=(*inputs.shape, self.features), n=self.n, m=self.m, axis=inputs.ndim, validate=False,
+    ).to_dense()
+    if not jnp.issubdtype(rows.dtype, jnp.inexact):
+      return rows
+    # nnx.Embed's jnp.take fills the rows of out-of-range ids with NaN; here only the kept entries would be.
+    valid = jnp.take(jnp.ones((self.num_embeddings,), bool), inputs, axis=0, mode="fill", fill_value=False)
+    return jnp.where(valid[..., None], rows, jnp.full((), jnp.nan, rows.dtype))
+
+  def attend(self, query: jax.Array, *, precision: lax.PrecisionLike = None) -> jax.Array:
+    """``query @ table.T``: ``(..., features)`` -> ``(..., num_embeddings)`` logits, in the promoted dtype."""
+    query, values = self.promote_dtype((query, self.embedding[...]), dtype=self.dtype)
+    w = NMSparseMatrix(values.T, self.embedding_positions[...].T, shape=(self.features, self.num_embeddings),
+                       n=self.n, m=self.m, axis=0, validate=False)
+    return ops.nm_matmul(query, w, implementation=self.implementation, precision=precision)
+
+  def to_dense(self) -> nnx.Embed:
+    """An ``nnx.Embed`` holding the decompressed table (zeros at the pruned features), same ``dtype``."""
+    table = self.weight.to_dense()
+    return nnx.Embed(self.num_embeddings, self.features, dtype=self.dtype, param_dtype=table.dtype,
+                     promote_dtype=self.promote_dtype, embedding_init=lambda *_: table, rngs=nnx.Rngs(0))

@@ -1,0 +1,154 @@
+"""CompressedNMEmbed: lookups, attend, gradients against nnx.Embed of the pruned table; sparsify's embedding rules."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxsparse
+from jaxsparse.layers import CompressedNMEmbed
+from tests._util import assert_close
+
+# (num_embeddings, features, n, m)
+SHAPES = [(50, 32, 2, 4), (7, 16, 1, 4), (33, 24, 4, 8), (1, 8, 2, 4)]
+
+
+def _dense(v, d, dtype, seed):
+  return nnx.Embed(v, d, param_dtype=dtype, rngs=nnx.Rngs(seed))
+
+
+def _reference(dense, n, m):
+  """``nnx.Embed`` holding the table pruned to n:m along the features by magnitude."""
+  table = dense.embedding[...]
+  pruned = jnp.where(jaxsparse.nm_mask(table, n, m, axis=1), table, jnp.zeros((), table.dtype))
+  return nnx.Embed(*table.shape, dtype=dense.dtype, param_dtype=table.dtype, embedding_init=lambda *_: pruned,
+                   rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_lookup_and_attend_equal_the_pruned_dense_embed(shape, dtype):
+  v, d, n, m = shape
+  seed = int(np.random.default_rng().integers(1 << 30))  # fresh data each run; the seed is in the failure message
+  dense = _dense(v, d, dtype, seed)
+  sparse, ref = CompressedNMEmbed.from_dense(dense, n, m), _reference(dense, n, m)
+  ids = jax.random.randint(jax.random.key(seed), (3, 5), 0, v)
+  np.testing.assert_array_equal(np.asarray(sparse(ids), np.float32), np.asarray(ref(ids), np.float32), err_msg=seed)
+  assert sparse(ids).dtype == dtype and sparse(ids).shape == (3, 5, d)
+  np.testing.assert_array_equal(jax.jit(lambda e, i: e(i))(sparse, ids), sparse(ids))
+  np.testing.assert_array_equal(jax.vmap(sparse)(ids), sparse(ids))
+  q = jax.random.normal(jax.random.key(seed + 1), (2, 3, d), dtype)
+  assert_close(sparse.attend(q), ref.attend(q), dtype)
+  assert sparse.attend(q).shape == (2, 3, v)
+  np.testing.assert_array_equal(jaxsparse.densify(sparse).embedding[...], ref.embedding[...])
+  assert sparse.weight.nbytes < dense.embedding[...].nbytes * (n / m + 0.25)
+
+
+def test_ids_out_of_range_and_negative_as_nnx_embed():
+  dense = _dense(10, 16, jnp.float32, 0)
+  sparse, ref = CompressedNMEmbed.from_dense(dense), _reference(dense, 2, 4)
+  ids = jnp.array([0, 9, -1, -10, 10, -11, 1000])
+  np.testing.assert_array_equal(sparse(ids), ref(ids))  # NaN rows where nnx.Embed has them (equal_nan)
+  assert np.isnan(np.asarray(sparse(ids))[4:]).all() and not np.isnan(np.asarray(sparse(ids))[:4]).any()
+
+
+def test_gradients_reach_the_kept_values():
+  dense = _dense(20, 32, jnp.float32, 3)
+  sparse, ref = CompressedNMEmbed.from_dense(dense), _reference(dense, 2, 4)
+  ids = jnp.array([[1, 4, 4, 19]])
+  q = jax.random.normal(jax.random.key(2), (4, 32))
+
+  def loss(e):
+    return jnp.sum(e(ids) ** 2) + jnp.sum(jnp.sin(e.attend(q)))
+
+  g_sparse = nnx.grad(loss)(sparse).embedding[...]
+  g_dense = nnx.grad(loss)(ref).embedding[...]
+  # The gradient of each kept value is the dense gradient at its position.
+  positions = sparse.weight.positions().reshape(20, 8, 2).astype(jnp.int32)
+  picked = jnp.take_along_axis(g_dense.reshape(20, 8, 4), positions, axis=2)
+  assert float(jnp.abs(picked).min()) > 0  # every kept value gets a gradient here (ids 1, 4, 19 and attend)
+  assert_close(g_sparse, picked.reshape(20, 16), jnp.float32)
+
+
+def test_dtype_and_abstract_init():
+  dense = nnx.Embed(12, 8, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  sparse = CompressedNMEmbed.from_dense(dense)
+  assert sparse.embedding.dtype == jnp.float32 and sparse(jnp.arange(3)).dtype == jnp.bfloat16
+  abstract = nnx.eval_shape(lambda: CompressedNMEmbed.from_dense(nnx.Embed(12, 8, rngs=nnx.Rngs(0))))
+  assert abstract.embedding.shape == (12, 4) and abstract.embedding_positions.shape == (12, 1)
+  graphdef, state = nnx.split(sparse)
+  np.testing.assert_array_equal(nnx.merge(graphdef, state)(jnp.arange(3)), sparse(jnp.arange(3)))
+
+
+def test_from_dense_mask_is_kept_exactly():
+  dense = _dense(6, 8, jnp.float32, 1)
+  mask = np.zeros((6, 8), bool)
+  mask[:, [0, 3, 5, 6]] = True  # 2 of every 4, not the magnitude choice
+  sparse = CompressedNMEmbed.from_dense(dense, mask=mask)
+  np.testing.assert_array_equal(np.asarray(sparse.weight.mask()), mask)
+  np.testing.assert_array_equal(sparse(jnp.arange(6)), np.where(mask, dense.embedding[...], 0))
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda e: CompressedNMEmbed.from_dense(e, 2, 3), r"m=3 must divide the embedding's features=8"),
+    (lambda e: CompressedNMEmbed.from_dense(e, mask=np.ones((6, 8), bool)), r"mask keeps 4 of the 4 features"),
+    (lambda e: CompressedNMEmbed.from_dense(e, mask=np.ones((6, 4), bool)), r"mask must have the table's shape"),
+    (lambda e: CompressedNMEmbed.from_dense(nnx.Linear(8, 8, rngs=nnx.Rngs(0))), r"embed must be a flax.nnx.Embed"),
+    (lambda e: CompressedNMEmbed(jaxsparse.NMSparseMatrix.from_dense(jnp.ones((8, 8)), 2, 4)), r"axis=1"),
+    (lambda e: CompressedNMEmbed.from_dense(e)(jnp.ones(3)), r"inputs must be integer token ids, got dtype float32"),
+    (lambda e: CompressedNMEmbed.from_dense(e, implementation="bogus"), r"implementation"),
+])
+def test_bad_arguments_raise(call, match):
+  with pytest.raises((TypeError, ValueError), match=match):
+    call(_dense(6, 8, jnp.float32, 0))
+
+
+class _Net(nnx.Module):
+  def __init__(self, rngs):
+    self.embed = nnx.Embed(32, 16, rngs=rngs)
+    self.fc = nnx.Linear(16, 8, rngs=rngs)
+
+  def __call__(self, ids):
+    return self.fc(self.embed(ids))
+
+
+def test_sparsify_takes_an_embedding_only_by_a_rule_naming_it():
+  model = _Net(nnx.Rngs(0))
+  sparse, _ = jaxsparse.sparsify(model, jaxsparse.NM(2, 4))  # a catch-all rule: the embedding stays dense
+  assert type(sparse.embed) is nnx.Embed and type(sparse.fc).__name__ == "NMLinear"
+  sparse, report = jaxsparse.sparsify(model, {"embed": jaxsparse.NM(2, 4)})
+  assert type(sparse.embed) is CompressedNMEmbed and type(sparse.fc) is nnx.Linear
+  (change,) = report.layers
+  assert (change.path, change.layer, change.replaced_by, change.density) == ("embed", "Embed(32x16)",
+                                                                              "CompressedNMEmbed", 0.5)
+  assert change.bytes_after < 0.6 * change.bytes_before
+  ids = jnp.array([[3, 1, 31]])
+  np.testing.assert_array_equal(sparse(ids), _Net_with(model, _reference(model.embed, 2, 4))(ids))
+  (row,) = jaxsparse.summary(sparse).layers
+  assert (row.path, row.pattern, row.forward_flops, row.shape) == ("embed", "2:4 compressed", 0, (32, 16))
+  assert "-" in str(jaxsparse.summary(sparse))
+
+
+def _Net_with(model, embed):
+  out = nnx.clone(model)
+  out.embed = embed
+  return out
+
+
+def test_sparsify_embedding_masks_and_errors():
+  model = _Net(nnx.Rngs(0))
+  mask = np.zeros((32, 16), bool)
+  mask[:, 1::2] = True
+  sparse, _ = jaxsparse.sparsify(model, {"embed": jaxsparse.NM(2, 4)}, masks={"embed.embedding": mask})
+  np.testing.assert_array_equal(np.asarray(sparse.embed.weight.mask()), mask)
+  with pytest.raises(ValueError, match=r"embed: the given mask is not 2:4 along the features \(axis 1\)"):
+    jaxsparse.sparsify(model, {"embed": jaxsparse.NM(2, 4)}, masks={"embed.embedding": np.ones((32, 16), bool)})
+  with pytest.raises(ValueError, match=r"embed \(nnx.Embed\): rule 'embed' gives it unstructured"):
+    jaxsparse.sparsify(model, {"embed": jaxsparse.Unstructured(sparsity=0.5)})
+  with pytest.raises(ValueError, match=r"an embedding takes only NM\(n, m\) rules \(not transposable\)"):
+    jaxsparse.sparsify(model, {"embed": jaxsparse.NM(2, 4, transposable=True)})
+  with pytest.raises(ValueError, match=r"masks has key\(s\) \['embed.embedding'\]"):
+    jaxsparse.sparsify(model, {"fc": jaxsparse.NM(2, 4)}, masks={"embed.embedding": mask})
