@@ -15,14 +15,16 @@ random weights, bfloat16 weights and compute:
 * ``1.1b``: the TinyLlama-1.1B shape, d = 2048, MLP 5632, 22 layers, 32 / 4 heads of 64, vocab 32000;
 * ``tiny``: d = 128, MLP 256, 2 layers, 4 / 2 heads of 32, vocab 256 (``--tiny``).
 
-Patterns of the seven projections of every layer (``jaxsparse.sparsify`` by magnitude, the embedding and LM
-head stay dense): ``dense``; ``2:4`` (``CompressedNMLinear`` as ``to_inference`` builds it: ``storage="auto"``, the
-weight kept once as cuSPARSELt's buffer where the GPU's cuSPARSELt reads it, which the ``mma.sp`` decode kernel and
-cuSPARSELt's prefill product both read, else values and positions; measured dispatch picks the routes);
-``2:4 + copy`` (``nm-copy``: ``storage="values"``, values and positions plus a copy in cuSPARSELt's layout);
-``block 64x64 50%`` (``BlockSparseLinear``, Pallas kernels); ``unstructured 50%`` (routed to dense: ``nnx.Linear``
-with the pruned weights zero, ``to_inference(dense_unstructured=True)``, since no GPU kernel beats the dense product
-at 50% unstructured and ``MaskedLinear`` ran at 0.36-0.42x).
+Patterns of the seven projections of every layer (``jaxsparse.sparsify`` by magnitude; the embedding and LM head stay
+dense unless ``--head sparse`` gives the LM head the pattern's structure too and ``--embedding 2:4`` keeps the
+embedding as a 2:4 ``CompressedNMEmbed``, ``to_inference(head=..., embedding=...)``): ``dense``; ``2:4``
+(``CompressedNMLinear`` as ``to_inference`` builds it: ``storage="auto"``, the weight kept once as cuSPARSELt's buffer
+where the GPU's cuSPARSELt reads it, which the ``mma.sp`` decode kernel and cuSPARSELt's prefill product both read,
+else values and positions; measured dispatch picks the routes); ``2:4 + copy`` (``nm-copy``: ``storage="values"``,
+values and positions plus a copy in cuSPARSELt's layout); ``block 64x64 50%`` (``BlockSparseLinear``, Pallas kernels);
+``unstructured 50%`` (routed to dense: ``nnx.Linear`` with the pruned weights zero,
+``to_inference(dense_unstructured=True)``, since no GPU kernel beats the dense product at 50% unstructured and
+``MaskedLinear`` ran at 0.36-0.42x).
 
 Timings, each the median of ``--repeats`` calls after a compiling call, wall time around one jitted call
 that is blocked on once (so each call holds many device steps, and the host's dispatch cost is amortised):
@@ -36,7 +38,8 @@ that is blocked on once (so each call holds many device steps, and the host's di
 ``--layers N`` builds the models with N decoder layers instead of the shape's full depth (the default for
 ``8b`` and ``1.1b`` is 8, to fit the 10 minutes). Then a model with 0 layers (embedding, final norm, LM head,
 the loop) is timed too, and the full-depth time is extrapolated as ``t0 + (tN - t0) * depth / N``: the
-decoder layers are identical, so their time is linear in their count. Both the measured and the
+decoder layers are identical, so their time is linear in their count. With ``--head sparse`` or ``--embedding 2:4``
+each sparse pattern has its own 0-layer model (its LM head and embedding). Both the measured and the
 extrapolated numbers are printed; the ratios to dense use the extrapolated ones. A time of N layers that is not
 above the 0-layer model's (the layers below the noise: tiny models on a busy CPU) is not extrapolated: its cells
 read "-" and the log says why.
@@ -44,7 +47,7 @@ read "-" and the log says why.
 Weight bytes: every array of the model's state (parameters, masks, index arrays, and, with ``2:4 + copy``, the
 cuSPARSELt copy of the 2:4 values that ``CompressedNMLinear`` keeps next to ``kernel`` on a GPU, counted separately
 too), at the measured depth and extrapolated the same way; and, as "decoder layers vs dense", the bytes of the
-decoder layers alone (the embedding and the LM head stay dense in every pattern) over the dense model's.
+decoder layers alone (without the embedding and the LM head) over the dense model's.
 
 Every model, dense included, runs with its projections fused (``fuse_projections``: ``qkv_proj`` and
 ``gate_up_proj``, one product each where the layers are ``nnx.Linear``, ``CompressedNMLinear`` or ``BlockSparseLinear``;
@@ -254,14 +257,23 @@ def build_dense(cfg: LlamaConfig, dtype) -> LlamaForCausalLM:
   return nnx.jit(lambda: LlamaForCausalLM(cfg, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0)))()
 
 
+def sparse_options(args, pattern: str) -> dict:
+  """``to_inference``'s storage, LM head and embedding options for ``pattern``."""
+  copy = pattern == "2:4 + copy"
+  return dict(cusparselt_copy=copy, storage="values" if copy else "auto", head=args.head == "sparse",
+              embedding=jaxsparse.NM(2, 4) if args.embedding == "2:4" else None)
+
+
 def routed_to_dense(model, report) -> str:
   """The sparsified projections that are dense ``nnx.Linear`` in ``model``, counted per kind: ``"gate_proj 8, up_proj
   8"``, ``"all 56"`` or ``"none"``."""
   modules = {".".join(map(str, p)): node for p, node in nnx.iter_graph(model)}
   counts: dict[str, int] = {}
   for change in report.replaced:
-    parent, kind = change.path.rsplit(".", 1)
-    path = change.path if change.path in modules else f"{parent}.{FUSED_INTO[kind]}"  # fuse_projections joined it
+    kind = change.path.rsplit(".", 1)[-1]
+    path = change.path
+    if path not in modules:  # fuse_projections joined it
+      path = f"{path.rsplit('.', 1)[0]}.{FUSED_INTO[kind]}"
     node = modules[path]
     if type(node) is nnx.Linear:
       counts[kind] = counts.get(kind, 0) + 1
@@ -302,13 +314,22 @@ def run_shape(name: str, args) -> list[Row]:
   cfg = dataclasses.replace(full, num_hidden_layers=layers)
   dtype = jnp.dtype(args.dtype)
   rows = []
-  base = None
-  if layers != full.num_hidden_layers:  # the 0-layer model, for the extrapolation to full depth
-    log(f"{name}: 0-layer model (embedding, norm, LM head)")
-    head = build_dense(dataclasses.replace(full, num_hidden_layers=0), dtype)
-    base = (state_bytes(head), *measure(head, args, f"{name} 0 layers"))
-    del head
-    gc.collect()
+  bases = {}
+
+  def base_for(pattern):  # the 0-layer model (embedding, norm, LM head) of a pattern, for the extrapolation
+    if layers == full.num_hidden_layers:
+      return None
+    own = PATTERNS[pattern] is not None and (args.head == "sparse" or args.embedding != "dense")
+    key = pattern if own else "dense"
+    if key not in bases:
+      log(f"{name}: 0-layer model (embedding, norm, LM head){f' of {pattern}' if own else ''}")
+      head = build_dense(dataclasses.replace(full, num_hidden_layers=0), dtype)
+      if own:
+        head = to_inference(head, PATTERNS[pattern], **sparse_options(args, pattern))[0]
+      bases[key] = (state_bytes(head), *measure(head, args, f"{name} 0 layers {key}"))
+      del head
+      gc.collect()
+    return bases[key]
   log(f"{name}: {layers} of {full.num_hidden_layers} layers, {args.dtype}")
   dense = build_dense(cfg, dtype)
   scale = full.num_hidden_layers / layers
@@ -324,6 +345,7 @@ def run_shape(name: str, args) -> list[Row]:
     return extrapolate(t, t0)
 
   for pattern in args.patterns:
+    base = base_for(pattern)
     t0 = time.perf_counter()
     routed = "-"
     # One model per routing: every batch of --batches (--dense-if-slower all), each batch (per-batch), none (off).
@@ -334,12 +356,10 @@ def run_shape(name: str, args) -> list[Row]:
       if PATTERNS[pattern] is None:
         model = fuse_projections(nnx.clone(dense)) if args.fuse else dense
       else:
-        copy = pattern == "2:4 + copy"
         step_timer = None
         if args.dense_if_slower == "step":  # the decode step of the model being routed, at its batch
           step_timer = lambda m, b=at[0]: 1e3 * decode_seconds(m, b, args.context, args.steps, repeats=args.repeats)
-        model, report = to_inference(dense, PATTERNS[pattern], cusparselt_copy=copy,
-                                     storage="values" if copy else "auto",
+        model, report = to_inference(dense, PATTERNS[pattern], **sparse_options(args, pattern),
                                      dense_if_slower_at=at if args.dense_if_slower else None, fuse=args.fuse,
                                      step_timer=step_timer)
         if args.dense_if_slower:
@@ -437,6 +457,10 @@ def header(args) -> str:
           f"{args.repeats} calls; speed ratios are tokens/s (or 1/time) over dense's, > 1 is faster{routing}; "
           + ("q / k / v and gate / up fused (fuse_projections) in every model, dense included" if args.fuse
              else "projections not fused (--no-fuse)")
+          + ("; LM head: the pattern's structure in the sparse models (--head sparse)" if args.head == "sparse"
+             else "; LM head dense in every model")
+          + ("; embedding: 2:4 CompressedNMEmbed in the sparse models (--embedding 2:4)" if args.embedding == "2:4"
+             else "; embedding dense in every model")
           + ("; attention: cuDNN fused for 16-bit prefill on a GPU, eager otherwise (--attention auto)"
              if args.attention == "auto" else "; attention: eager einsum-softmax-einsum (--attention xla)"))
 
@@ -461,6 +485,10 @@ def main(argv: list[str] | None = None) -> None:
                  help="time each sparse projection against dense and run the slower ones dense: 'all' (the default "
                       "value) builds one model routed at every batch of --batches, 'per-batch' one model per batch, "
                       "'step' as per-batch, the projections within 15%% of dense settled by timing the decode step")
+  p.add_argument("--head", choices=("dense", "sparse"), default="dense",
+                 help="sparse: the LM head takes each pattern's structure too (to_inference(head=True))")
+  p.add_argument("--embedding", choices=("dense", "2:4"), default="dense",
+                 help="2:4: the sparse patterns keep the token embedding as a CompressedNMEmbed (memory only)")
   p.add_argument("--no-fuse", dest="fuse", action="store_false",
                  help="keep q / k / v and gate / up as separate layers (default: fuse_projections, every pattern)")
   p.add_argument("--attention", choices=("auto", "xla"), default="auto",

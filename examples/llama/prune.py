@@ -259,7 +259,8 @@ class InferenceReport(SparsifyReport):
 
 
 def to_inference(model: LlamaForCausalLM, structure: Any, *, masks: Mapping[str, Any] | None = None,
-                 head: bool = False, embedding: jaxsparse.NM | None = None, compress: bool = True, cusparselt_copy: bool = False, storage: str = "auto",
+                 head: bool = False, embedding: jaxsparse.NM | None = None, compress: bool = True,
+                 cusparselt_copy: bool = False, storage: str = "auto",
                  dense_unstructured: bool = True,
                  dense_if_slower_at: int | Sequence[int] | None = None,
                  timer: Callable[[nnx.Module, jax.Array], float] | None = None, fuse: bool = False,
