@@ -205,9 +205,11 @@ def route_slower_to_dense(
   With ``step_timer`` (the time of the model's own step, e.g. a jitted decode step at the batch it serves), the
   signatures whose layers alone were within ``step_band`` of their twins are settled by the whole step instead,
   closest first: the step is timed with that signature's layers sparse and dense, the others as routed so far, and
-  they stay sparse unless the step is slower by more than ``margin`` that way. In a decode step XLA's dense products
+  they stay sparse unless the step is slower by more than ``margin`` that way. Signatures kept sparse that way cost at
+  most ``margin`` each, but more together: when the step is slower by more than ``margin`` than with all of them
+  dense, they go dense one at a time, the costliest first, until it is not. In a decode step XLA's dense products
   run faster than alone, next to their neighbours, which a layer timed alone does not show. One step timing per
-  settled signature, plus one.
+  settled signature, plus one, plus (with two or more kept sparse) one and one per signature routed by that check.
 
   >>> import jax.numpy as jnp, jaxsparse
   >>> from flax import nnx
@@ -316,6 +318,18 @@ def _settle_by_step(timings: list[SignatureTiming], time_with: Callable[[frozens
     dense = dense | {i} if goes_dense else dense - {i}
     current = step["dense"] if goes_dense else step["sparse"]
     timings[i] = dataclasses.replace(timings[i], dense=goes_dense, step_ms=step)
+  # Each signature kept sparse cost at most the margin alone; together they may cost more. Against the step with all
+  # of them dense, they go dense one at a time, the costliest first, until the step is within the margin of it.
+  kept = [i for i in near if i not in dense]
+  if len(kept) > 1:
+    floor = ms(dense | set(kept))
+    gain = lambda i: timings[i].step_ms["dense"] / timings[i].step_ms["sparse"]
+    for i in sorted(kept, key=gain):
+      if current <= floor * (1 + margin):
+        break
+      dense = dense | {i}
+      current = ms(dense)
+      timings[i] = dataclasses.replace(timings[i], dense=True)
   return timings, dense
 
 
