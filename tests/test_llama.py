@@ -201,6 +201,13 @@ def test_sparse_head_and_embedding_generate_save_and_export(hf_dir, ids, tmp_pat
   assert masks["model.embed_tokens.weight_mask"].shape == (VOCAB, 64) and "lm_head.weight_mask" in masks
   torch_interop.apply_masks(masked, masks)
   np.testing.assert_allclose(_logits(masked, ids), np.asarray(sparse(x)), atol=1e-4, rtol=0)
+  # Calibrated: prune(head=True) prunes the LM head last, and to_inference keeps exactly its mask.
+  pruned, masks, report = prune(model, np.asarray(ids), jaxsparse.NM(2, 4), method="wanda", head=True,
+                                progress=False)
+  assert report.layers[-1].path == "lm_head" and sorted(layer_errors(report)) == [0, 1]
+  sparse, _ = to_inference(pruned, jaxsparse.NM(2, 4), masks=masks, head=True)
+  np.testing.assert_array_equal(np.asarray(sparse.lm_head.weight.mask()), np.asarray(masks["lm_head.kernel"]))
+  np.testing.assert_allclose(np.asarray(sparse(x)), np.asarray(pruned(x)), atol=1e-5, rtol=0)
   with pytest.raises(ValueError, match="embedding=None keeps the embedding dense"):
     to_inference(model, jaxsparse.NM(2, 4), masks={"model.embed_tokens.embedding": np.ones((VOCAB, 64), bool)})
   with pytest.raises(ValueError, match="add an 'lm_head' rule instead"):

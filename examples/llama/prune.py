@@ -65,6 +65,7 @@ def prune(
     structure: Any,
     *,
     method: str = "sparsegpt",
+    head: bool = False,
     batch_size: int = 8,
     progress: bool = True,
     **kwargs: Any,
@@ -78,6 +79,8 @@ def prune(
     structure: a jaxsparse structure (``jaxsparse.NM(2, 4)``, ...) for all seven projections of every layer,
       or ``{regex: structure or None}`` rules over the module paths.
     method: ``"magnitude"``, ``"wanda"`` or ``"sparsegpt"``.
+    head: prune the LM head with ``structure`` too, last, on the final norm's outputs of the pruned layers (its mask
+      is ``masks["lm_head.kernel"]``; pass ``head=True`` to :func:`to_inference` with them).
     batch_size: rows per calibration batch (one jitted forward pass each).
     progress: tqdm bar over the pruned layers.
     **kwargs: passed to :func:`jaxsparse.pruning.calibrated_prune` (``damp``, ``refit_iterations``, ...).
@@ -93,15 +96,28 @@ def prune(
     batches = [jnp.asarray(ids[i:i + batch_size]) for i in range(0, len(ids), batch_size)]
   else:
     batches = [jnp.asarray(b, jnp.int32) for b in calibration_ids]
-  return pruning.calibrated_prune(model, rules_for(structure), batches, method=method, progress=progress,
+  return pruning.calibrated_prune(model, _with_head(structure, head), batches, method=method, progress=progress,
                                   call=lambda m, ids: m(ids), **kwargs)
 
 
+def _with_head(structure: Any, head: bool) -> dict[str, Any]:
+  """:func:`rules_for`, plus ``"lm_head"`` with the one ``structure`` when ``head``."""
+  rules = rules_for(structure)
+  if head:
+    if isinstance(structure, Mapping):
+      raise ValueError("head=True gives the LM head the one structure; with rules, add an 'lm_head' rule instead.")
+    rules["lm_head"] = structure
+  return rules
+
+
 def layer_errors(report: pruning.CalibratedPruneReport) -> dict[int, float]:
-  """Mean relative reconstruction error of the pruned projections of each decoder layer, ``{layer: error}``."""
+  """Mean relative reconstruction error of the pruned projections of each decoder layer, ``{layer: error}`` (layers
+  outside the decoder layers, as the LM head, are left out: ``report.layers`` has them)."""
   out: dict[int, list[float]] = {}
   for row in report.layers:
-    out.setdefault(int(row.path.split(".")[2]), []).append(row.error)
+    parts = row.path.split(".")
+    if parts[:2] == ["model", "layers"]:
+      out.setdefault(int(parts[2]), []).append(row.error)
   return {layer: float(np.mean(errors)) for layer, errors in sorted(out.items())}
 
 
@@ -319,11 +335,7 @@ def to_inference(model: LlamaForCausalLM, structure: Any, *, masks: Mapping[str,
     ``SparsifyReport``) with the timings: ``report.routed_to_dense`` lists the signatures now dense,
     ``report.dense_paths`` their layers.
   """
-  rules = rules_for(structure)
-  if head:
-    if isinstance(structure, Mapping):
-      raise ValueError("head=True gives the LM head the one structure; with rules, add an 'lm_head' rule instead.")
-    rules["lm_head"] = structure
+  rules = _with_head(structure, head)
   flat = pruning.masks_to_dict(masks) if masks is not None else {}
   embed_key = "model.embed_tokens.embedding"
   embed_masks = {k: v for k, v in flat.items() if k == embed_key}
