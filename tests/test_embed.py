@@ -66,11 +66,19 @@ def test_gradients_reach_the_kept_values():
 
   g_sparse = nnx.grad(loss)(sparse).embedding[...]
   g_dense = nnx.grad(loss)(ref).embedding[...]
-  # The gradient of each kept value is the dense gradient at its position.
-  positions = sparse.weight.positions().reshape(20, 8, 2).astype(jnp.int32)
+  # The gradient of each kept value (stored transposed, (16, 20)) is the dense gradient at its position.
+  positions = sparse.weight.positions().T.reshape(20, 8, 2).astype(jnp.int32)
   picked = jnp.take_along_axis(g_dense.reshape(20, 8, 4), positions, axis=2)
   assert float(jnp.abs(picked).min()) > 0  # every kept value gets a gradient here (ids 1, 4, 19 and attend)
-  assert_close(g_sparse, picked.reshape(20, 16), jnp.float32)
+  assert_close(g_sparse, picked.reshape(20, 16).T, jnp.float32)
+
+
+def test_attend_reads_the_stored_table_without_a_copy():
+  """The table is stored as attend's kernel: no transpose (a copy of the whole table in every decode step)."""
+  sparse = CompressedNMEmbed.from_dense(_dense(256, 64, jnp.bfloat16, 0))
+  jaxpr = jax.make_jaxpr(lambda e, q: e.attend(q))(sparse, jnp.ones((2, 64), jnp.bfloat16))
+  transposed = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "transpose" and e.invars[0].aval.size >= 256 * 32]
+  assert not transposed, transposed
 
 
 def test_dtype_and_abstract_init():
@@ -78,7 +86,7 @@ def test_dtype_and_abstract_init():
   sparse = CompressedNMEmbed.from_dense(dense)
   assert sparse.embedding.dtype == jnp.float32 and sparse(jnp.arange(3)).dtype == jnp.bfloat16
   abstract = nnx.eval_shape(lambda: CompressedNMEmbed.from_dense(nnx.Embed(12, 8, rngs=nnx.Rngs(0))))
-  assert abstract.embedding.shape == (12, 4) and abstract.embedding_positions.shape == (12, 1)
+  assert abstract.embedding.shape == (4, 12) and abstract.embedding_positions.shape == (1, 12)
   graphdef, state = nnx.split(sparse)
   np.testing.assert_array_equal(nnx.merge(graphdef, state)(jnp.arange(3)), sparse(jnp.arange(3)))
 
@@ -88,7 +96,7 @@ def test_from_dense_mask_is_kept_exactly():
   mask = np.zeros((6, 8), bool)
   mask[:, [0, 3, 5, 6]] = True  # 2 of every 4, not the magnitude choice
   sparse = CompressedNMEmbed.from_dense(dense, mask=mask)
-  np.testing.assert_array_equal(np.asarray(sparse.weight.mask()), mask)
+  np.testing.assert_array_equal(np.asarray(sparse.weight.mask()).T, mask)
   np.testing.assert_array_equal(sparse(jnp.arange(6)), np.where(mask, dense.embedding[...], 0))
 
 
@@ -97,7 +105,7 @@ def test_from_dense_mask_is_kept_exactly():
     (lambda e: CompressedNMEmbed.from_dense(e, mask=np.ones((6, 8), bool)), r"mask keeps 4 of the 4 features"),
     (lambda e: CompressedNMEmbed.from_dense(e, mask=np.ones((6, 4), bool)), r"mask must have the table's shape"),
     (lambda e: CompressedNMEmbed.from_dense(nnx.Linear(8, 8, rngs=nnx.Rngs(0))), r"embed must be a flax.nnx.Embed"),
-    (lambda e: CompressedNMEmbed(jaxsparse.NMSparseMatrix.from_dense(jnp.ones((8, 8)), 2, 4)), r"axis=1"),
+    (lambda e: CompressedNMEmbed(jaxsparse.NMSparseMatrix.from_dense(jnp.ones((8, 8)), 2, 4, axis=1)), r"axis=0"),
     (lambda e: CompressedNMEmbed.from_dense(e)(jnp.ones(3)), r"inputs must be integer token ids, got dtype float32"),
     (lambda e: CompressedNMEmbed.from_dense(e, implementation="bogus"), r"implementation"),
 ])
@@ -143,7 +151,7 @@ def test_sparsify_embedding_masks_and_errors():
   mask = np.zeros((32, 16), bool)
   mask[:, 1::2] = True
   sparse, _ = jaxsparse.sparsify(model, {"embed": jaxsparse.NM(2, 4)}, masks={"embed.embedding": mask})
-  np.testing.assert_array_equal(np.asarray(sparse.embed.weight.mask()), mask)
+  np.testing.assert_array_equal(np.asarray(sparse.embed.weight.mask()).T, mask)
   with pytest.raises(ValueError, match=r"embed: the given mask is not 2:4 along the features \(axis 1\)"):
     jaxsparse.sparsify(model, {"embed": jaxsparse.NM(2, 4)}, masks={"embed.embedding": np.ones((32, 16), bool)})
   with pytest.raises(ValueError, match=r"embed \(nnx.Embed\): rule 'embed' gives it unstructured"):

@@ -121,6 +121,15 @@ def test_tied_embeddings_and_torch_interop_load(ids, tmp_path):
   other = llama.LlamaForCausalLM(model.config, rngs=nnx.Rngs(1))
   torch_interop.load_nnx(other, hf, ignore=("lm_head.weight",))
   np.testing.assert_allclose(np.asarray(other(jnp.asarray(ids))), ref, atol=1e-4, rtol=0)
+  # A 2:4 embedding of a tied model is its LM head too (CompressedNMEmbed.attend); exported, transformers agrees.
+  sparse, _ = to_inference(model, jaxsparse.NM(2, 4), head=True, embedding=jaxsparse.NM(2, 4))
+  assert sparse.lm_head is None and type(sparse.model.embed_tokens).__name__ == "CompressedNMEmbed"
+  x = jnp.asarray(ids)
+  np.testing.assert_allclose(np.asarray(sparse(x)), np.asarray(jaxsparse.densify(sparse)(x)), atol=1e-5, rtol=0)
+  back = transformers.LlamaForCausalLM.from_pretrained(save_pretrained(sparse, tmp_path / "sparse")).eval()
+  np.testing.assert_allclose(_logits(back, ids), np.asarray(sparse(x)), atol=1e-4, rtol=0)
+  with pytest.raises(ValueError, match="ties its LM head to the embedding"):
+    to_inference(model, jaxsparse.NM(2, 4), head=True)
 
 
 def test_kv_cache_decode_matches_full_sequence(hf_dir, ids):

@@ -309,7 +309,9 @@ def to_inference(model: LlamaForCausalLM, structure: Any, *, masks: Mapping[str,
       unless ``masks`` has ``"lm_head.kernel"``.
     embedding: ``jaxsparse.NM(n, m)`` stores the token embedding as a ``CompressedNMEmbed`` (``n`` of every ``m``
       features of each row kept, by magnitude unless ``masks`` has ``"model.embed_tokens.embedding"``): memory
-      only, a lookup reads one row a token. With ``head`` the model keeps no dense weight matrix but the norms.
+      only, a lookup reads one row a token. With ``head`` the model keeps no dense weight matrix but the norms. A model
+      with tied embeddings (no ``lm_head``) computes its logits with ``CompressedNMEmbed.attend``, an N:M product on
+      the stored table: ``embedding`` makes both sparse there.
       Pruning the LM head and the embedding costs accuracy that the decoder layers' calibration does not see:
       measure it on your model before serving it.
     compress: turn ``NMLinear`` (SR-STE training layer, dense kernel) into ``CompressedNMLinear``.
@@ -335,7 +337,12 @@ def to_inference(model: LlamaForCausalLM, structure: Any, *, masks: Mapping[str,
     ``SparsifyReport``) with the timings: ``report.routed_to_dense`` lists the signatures now dense,
     ``report.dense_paths`` their layers.
   """
-  rules = _with_head(structure, head)
+  tied = model.lm_head is None
+  if tied and head and embedding is None:
+    raise ValueError("this model ties its LM head to the embedding (tie_word_embeddings): pass embedding=NM(n, m) "
+                     "to make both sparse (the logits then run CompressedNMEmbed.attend); head=True has no layer of "
+                     "its own.")
+  rules = _with_head(structure, head and not tied)
   flat = pruning.masks_to_dict(masks) if masks is not None else {}
   embed_key = "model.embed_tokens.embedding"
   embed_masks = {k: v for k, v in flat.items() if k == embed_key}

@@ -8,7 +8,8 @@ metadata) or ``nn.with_partitioning`` (Linen ``nn.Partitioned`` boxes) passes it
 * ``SparseLinearGeneral`` (and the sparse layer of a Linen ``nn.DenseGeneral``) folds the kernel
   to ``(K, N)`` and the bias to ``(N,)``: a group of dims keeps the name of its leading dim when
   that is the only named one (the merged dim splits the same way), else none;
-* an embedding's compressed table and positions (``CompressedNMEmbed``) take the table's names;
+* an embedding's compressed table and positions (``CompressedNMEmbed``, transposed) take the table's names,
+  swapped;
 * block-sparse values ``(nnz_blocks, bk, bn)`` and their index arrays are replicated, ``(None, ...)``:
   the data-parallel layout every op partitions over. Splitting a block-sparse weight over devices
   is tensor parallelism, a layout with per-shard indices (:mod:`jaxsparse.sharding`).
@@ -71,6 +72,8 @@ def carry_nnx(dense: nnx.Module, sparse: nnx.Module) -> nnx.Module:
   variables."""
   weight = dense.embedding if isinstance(dense, nnx.Embed) else dense.kernel
   kernel_names = _nnx_names(weight)
+  if isinstance(dense, nnx.Embed) and kernel_names is not None:  # CompressedNMEmbed keeps the table transposed
+    kernel_names = kernel_names[::-1]
   bias = getattr(dense, "bias", None)
   bias_names = _nnx_names(bias) if isinstance(bias, nnx.Variable) else None
   if kernel_names is None and bias_names is None:

@@ -1,7 +1,8 @@
 """``CompressedNMEmbed``: an embedding table kept N:M-compressed along its features.
 
-A lookup is a lookup of the kept values and their positions, expanded to the dense row; :meth:`attend` (the
-tied-embedding logits) is :func:`jaxsparse.ops.nm_matmul` of the query with the table, transposed.
+The table is kept as the kernel of its :meth:`~CompressedNMEmbed.attend` product, ``(features, num_embeddings)``,
+compressed along the features as a :class:`~jaxsparse.layers.CompressedNMLinear` kernel is: the tied-embedding logits
+are :func:`jaxsparse.ops.nm_matmul` on the stored arrays, and a lookup gathers the columns of its ids and expands them.
 """
 
 from __future__ import annotations
@@ -30,16 +31,15 @@ class CompressedNMEmbed(nnx.Module):
   """An ``nnx.Embed`` whose ``(num_embeddings, features)`` table is stored N:M-compressed along ``features``.
 
   The inference (and fixed-pattern fine-tuning) form of a pruned embedding: of every ``m`` consecutive features
-  of a row, ``n`` are kept. ``embedding`` holds the kept values, an ``nnx.Param`` of shape
-  ``(num_embeddings, features * n // m)``; ``embedding_positions`` their packed positions, a non-trainable
-  :class:`SparsityPattern` of shape ``(num_embeddings, groups // per_word)``, laid out as in
-  :class:`jaxsparse.NMSparseMatrix`.
-  A 2:4 bfloat16 table takes 0.5625x the dense table's bytes.
+  of a row, ``n`` are kept. The table is stored transposed, as the kernel of :meth:`attend`'s product (the
+  layout of :class:`~jaxsparse.layers.CompressedNMLinear`'s kernel): ``embedding`` holds the kept values, an
+  ``nnx.Param`` of shape ``(features * n // m, num_embeddings)``; ``embedding_positions`` their packed positions, a
+  non-trainable :class:`SparsityPattern` of shape ``(groups // per_word, num_embeddings)``, laid out as in
+  :class:`jaxsparse.NMSparseMatrix` with ``axis=0``. A 2:4 bfloat16 table takes 0.5625x the dense table's bytes.
 
-  A lookup returns the dense rows, zeros at the pruned features, as ``nnx.Embed`` does for the pruned dense
-  table (out-of-range ids give NaN rows in floating dtypes, as there). :meth:`attend` multiplies by the
-  compressed table with :func:`jaxsparse.ops.nm_matmul` (tied input and output embeddings); it transposes the
-  kept values in each call.
+  A lookup gathers the columns of its ids and returns the dense rows, zeros at the pruned features, as ``nnx.Embed``
+  does for the pruned dense table (out-of-range ids give NaN rows in floating dtypes, as there). :meth:`attend` (tied
+  input and output embeddings) is :func:`jaxsparse.ops.nm_matmul` on the stored arrays, no copy of the table.
 
   >>> import jax, jax.numpy as jnp
   >>> from flax import nnx
@@ -48,13 +48,13 @@ class CompressedNMEmbed(nnx.Module):
   >>> sparse = CompressedNMEmbed.from_dense(dense, 2, 4)
   >>> ids = jnp.array([[3, 14, 15]])
   >>> sparse(ids).shape, sparse.embedding.shape, float(jnp.mean(sparse(ids) == 0))
-  ((1, 3, 64), (100, 32), 0.5)
+  ((1, 3, 64), (32, 100), 0.5)
   >>> sparse.attend(jnp.ones((2, 64))).shape
   (2, 100)
 
   Args:
-    weight: a 2-D :class:`jaxsparse.NMSparseMatrix` ``(num_embeddings, features)`` with ``axis=1`` (the
-      groups run along the features).
+    weight: the transposed table, a 2-D :class:`jaxsparse.NMSparseMatrix` ``(features, num_embeddings)`` with
+      ``axis=0`` (the groups run along the features); :meth:`from_dense` builds it from an ``nnx.Embed``.
     dtype: the dtype of the lookups and of :meth:`attend` (``None``: the table's), as ``nnx.Embed``'s.
     promote_dtype: as ``nnx.Embed``'s.
     implementation: backend of :func:`jaxsparse.ops.nm_matmul` in :meth:`attend`.
@@ -68,14 +68,14 @@ class CompressedNMEmbed(nnx.Module):
       promote_dtype: Callable[..., Any] = dtypes.promote_dtype,
       implementation: ops.NMImplementation | None = None,
   ):
-    if not isinstance(weight, NMSparseMatrix) or weight.ndim != 2 or weight.axis != 1:
+    if not isinstance(weight, NMSparseMatrix) or weight.ndim != 2 or weight.axis != 0:
       raise TypeError(
-          "weight must be a 2-D jaxsparse.NMSparseMatrix of shape (num_embeddings, features) compressed along the "
-          f"features (axis=1), got {weight!r}."
+          "weight must be the transposed table, a 2-D jaxsparse.NMSparseMatrix of shape (features, num_embeddings) "
+          f"compressed along the features (axis=0), got {weight!r}; CompressedNMEmbed.from_dense builds it."
       )
     self.embedding = nnx.Param(weight.values)
     self.embedding_positions = SparsityPattern(weight.indices)
-    self.num_embeddings, self.features = weight.shape
+    self.features, self.num_embeddings = weight.shape
     self.n, self.m = weight.n, weight.m
     self.dtype = dtype
     self.promote_dtype = promote_dtype
@@ -119,14 +119,14 @@ class CompressedNMEmbed(nnx.Module):
             f"table keeps at most {n} of every {m}."
         )
       table = jnp.where(mask, table, jnp.zeros((), table.dtype))
-    return cls(NMSparseMatrix.from_dense(table, n, m, axis=1), dtype=embed.dtype, promote_dtype=embed.promote_dtype,
-               implementation=implementation)
+    return cls(NMSparseMatrix.from_dense(table.T, n, m, axis=0), dtype=embed.dtype,
+               promote_dtype=embed.promote_dtype, implementation=implementation)
 
   @property
   def weight(self) -> NMSparseMatrix:
-    """The compressed ``(num_embeddings, features)`` table."""
+    """The compressed table, transposed: ``(features, num_embeddings)``, the groups along axis 0."""
     return NMSparseMatrix(self.embedding[...], self.embedding_positions[...],
-                          shape=(self.num_embeddings, self.features), n=self.n, m=self.m, axis=1, validate=False)
+                          shape=(self.features, self.num_embeddings), n=self.n, m=self.m, axis=0, validate=False)
 
   def __call__(self, inputs: jax.Array) -> jax.Array:
     """Looks up integer ``inputs`` of any shape; returns ``(*inputs.shape, features)`` in ``dtype`` or the table's."""
@@ -135,13 +135,14 @@ class CompressedNMEmbed(nnx.Module):
       raise ValueError(f"inputs must be integer token ids, got dtype {inputs.dtype}.")
     (values,) = self.promote_dtype((self.embedding[...],), dtype=self.dtype, inexact=False)
     if self.num_embeddings == 1:  # as nnx.Embed: every id reads the one row
-      row = self.weight.with_values(values).to_dense()[0]
+      row = self.weight.with_values(values).to_dense()[:, 0]
       return jnp.broadcast_to(row, (*inputs.shape, self.features))
-    rows = NMSparseMatrix(  # jnp.take's index rule, as nnx.Embed's (negative ids count from the end)
-        jnp.take(values, inputs, axis=0),
-        jnp.take(self.embedding_positions[...], inputs, axis=0),
-        shape=(*inputs.shape, self.features), n=self.n, m=self.m, axis=inputs.ndim, validate=False,
+    columns = NMSparseMatrix(  # jnp.take's index rule, as nnx.Embed's (negative ids count from the end)
+        jnp.take(values, inputs, axis=1),
+        jnp.take(self.embedding_positions[...], inputs, axis=1),
+        shape=(self.features, *inputs.shape), n=self.n, m=self.m, axis=0, validate=False,
     ).to_dense()
+    rows = jnp.moveaxis(columns, 0, -1)
     if not jnp.issubdtype(rows.dtype, jnp.inexact):
       return rows
     # nnx.Embed's jnp.take fills the rows of out-of-range ids with NaN; here only the kept entries would be.
@@ -151,12 +152,11 @@ class CompressedNMEmbed(nnx.Module):
   def attend(self, query: jax.Array, *, precision: lax.PrecisionLike = None) -> jax.Array:
     """``query @ table.T``: ``(..., features)`` -> ``(..., num_embeddings)`` logits, in the promoted dtype."""
     query, values = self.promote_dtype((query, self.embedding[...]), dtype=self.dtype)
-    w = NMSparseMatrix(values.T, self.embedding_positions[...].T, shape=(self.features, self.num_embeddings),
-                       n=self.n, m=self.m, axis=0, validate=False)
-    return ops.nm_matmul(query, w, implementation=self.implementation, precision=precision)
+    return ops.nm_matmul(query, self.weight.with_values(values), implementation=self.implementation,
+                         precision=precision)
 
   def to_dense(self) -> nnx.Embed:
     """An ``nnx.Embed`` holding the decompressed table (zeros at the pruned features), same ``dtype``."""
-    table = self.weight.to_dense()
+    table = self.weight.to_dense().T
     return nnx.Embed(self.num_embeddings, self.features, dtype=self.dtype, param_dtype=table.dtype,
                      promote_dtype=self.promote_dtype, embedding_init=lambda *_: table, rngs=nnx.Rngs(0))

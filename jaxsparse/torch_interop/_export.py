@@ -83,7 +83,7 @@ def _nnx_entries(model: nnx.Module) -> list[_Entry]:
       entries.append(_Entry(fp, "weight", torch_layout(_np(w.to_dense())), torch_layout(_np(w.mask())), nm=(w.n, w.m)))
     elif isinstance(node, jsl.CompressedNMEmbed):  # a torch Embedding's weight is the (vocab, features) table
       w = node.weight
-      entries.append(_Entry(fp, "weight", np.array(w.to_dense()), np.array(w.mask()), nm=(w.n, w.m)))  # writable
+      entries.append(_Entry(fp, "weight", torch_layout(_np(w.to_dense())), torch_layout(_np(w.mask())), nm=(w.n, w.m)))
     elif isinstance(node, jsl.MaskedLinear):
       mask = _np(node.mask[...])
       entries.append(_Entry(fp, "weight", torch_layout(_masked(_np(node.kernel[...]), mask)), torch_layout(mask)))

@@ -76,9 +76,9 @@ def test_nnx_embedding_partitioning_survives_sparsify():
   sparse, _ = jaxsparse.sparsify(nnx.Sequential(embed), {"layers.0": jaxsparse.NM(2, 4)})
   layer = sparse.layers[0]
   assert type(layer).__name__ == "CompressedNMEmbed"
-  for var in (layer.embedding, layer.embedding_positions):  # the rows split like the dense table's
-    assert var.get_metadata()["out_sharding"] == ("model", None)
-    assert var[...].sharding.is_equivalent_to(NamedSharding(mesh, P("model", None)), 2)
+  for var in (layer.embedding, layer.embedding_positions):  # the vocabulary split like the dense table's (transposed)
+    assert var.get_metadata()["out_sharding"] == (None, "model")
+    assert var[...].sharding.is_equivalent_to(NamedSharding(mesh, P(None, "model")), 2)
   ids = jax.random.randint(jax.random.key(1), (4, 8), 0, 64)
   ids = jax.device_put(ids, NamedSharding(mesh, P("data")))
   assert_close(jax.jit(lambda m, i: m(i))(sparse, ids), jaxsparse.densify(sparse)(ids), jnp.float32)
