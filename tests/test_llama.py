@@ -130,6 +130,8 @@ def test_tied_embeddings_and_torch_interop_load(ids, tmp_path):
   np.testing.assert_allclose(_logits(back, ids), np.asarray(sparse(x)), atol=1e-4, rtol=0)
   with pytest.raises(ValueError, match="ties its LM head to the embedding"):
     to_inference(model, jaxsparse.NM(2, 4), head=True)
+  with pytest.raises(ValueError, match=r"ties its LM head to the embedding.*to_inference\(embedding=\.\.\.\)"):
+    prune(model, np.asarray(ids), jaxsparse.NM(2, 4), head=True, progress=False)
 
 
 def test_kv_cache_decode_matches_full_sequence(hf_dir, ids):

@@ -91,6 +91,10 @@ def prune(
     reconstruction error ``||Xw - Xŵ|| / ||Xw||`` on each layer's calibration inputs), see
     :func:`layer_errors`.
   """
+  if head and model.lm_head is None:
+    raise ValueError("this model ties its LM head to the embedding (tie_word_embeddings): calibrated pruning "
+                     "covers its linear layers only; keep head=False and make the tied table 2:4 with "
+                     "to_inference(embedding=...).")
   if isinstance(calibration_ids, np.ndarray | jnp.ndarray) and calibration_ids.ndim == 2:
     ids = np.asarray(calibration_ids, np.int32)
     batches = [jnp.asarray(ids[i:i + batch_size]) for i in range(0, len(ids), batch_size)]
@@ -337,6 +341,8 @@ def to_inference(model: LlamaForCausalLM, structure: Any, *, masks: Mapping[str,
     ``SparsifyReport``) with the timings: ``report.routed_to_dense`` lists the signatures now dense,
     ``report.dense_paths`` their layers.
   """
+  if embedding is not None and not isinstance(embedding, jaxsparse.NM):
+    raise TypeError(f"embedding must be a jaxsparse.NM(n, m) or None, got {embedding!r}.")
   tied = model.lm_head is None
   if tied and head and embedding is None:
     raise ValueError("this model ties its LM head to the embedding (tie_word_embeddings): pass embedding=NM(n, m) "
@@ -355,8 +361,6 @@ def to_inference(model: LlamaForCausalLM, structure: Any, *, masks: Mapping[str,
   if dense_unstructured and isinstance(structure, jaxsparse.Unstructured):
     sparse = jaxsparse.densify(sparse)
   if embedding is not None:  # after densify, which would expand it again
-    if not isinstance(embedding, jaxsparse.NM):
-      raise TypeError(f"embedding must be a jaxsparse.NM(n, m) or None, got {embedding!r}.")
     sparse, embedded = jaxsparse.sparsify(sparse, {r"model\.embed_tokens": embedding}, masks=embed_masks or None,
                                           inplace=True)
     report = SparsifyReport(tuple(sorted(report.layers + embedded.layers, key=lambda c: c.path)))
