@@ -449,6 +449,17 @@ def test_llm_decode_benchmark_tiny(tmp_path, monkeypatch, capsys):
   assert "step sparse / dense ms" in out and "settled by the decode step's time" in md, out
   routed = next(r for r in out.splitlines() if r.startswith("| tiny")).split("|")[-2]
   assert all(f"{p}_proj 1" in routed for p in "qkv"), out  # 1.5 alone: outside the band; o_proj as the step says
+  # --head sparse --embedding 2:4: the LM head 2:4 too and the embedding a CompressedNMEmbed, each sparse pattern with
+  # its own 0-layer model: the whole model at 2:4's bytes (0.5625x in bfloat16, the norms aside).
+  llm_decode.ROWS.clear()
+  llm_decode.main(["--tiny", "--layers", "1", "--batches", "8", "--patterns", "dense,2:4", "--head", "sparse",
+                   "--embedding", "2:4", "--prefill", "0"])
+  out = capsys.readouterr().out
+  rows = [r for r in out.splitlines() if r.startswith("| tiny")]
+  weight = {r.split("|")[2].strip(): float(r.split("|")[5].strip().rstrip("x")) for r in rows}
+  assert weight["dense"] == 1.0 and 0.5625 <= weight["2:4"] < 0.57, rows
+  assert "0-layer model (embedding, norm, LM head) of 2:4" in "\n".join(llm_decode.LOG), llm_decode.LOG[-20:]
+  assert "LM head: the pattern's structure" in (tmp_path / "llm_decode.md").read_text()
   # Without the option: the table as before, no such column.
   args = SimpleNamespace(batches=[8], prefill=32, steps=4, dense_if_slower=False)
   assert "routed" not in llm_decode.table(args, llm_decode.ROWS)
