@@ -35,14 +35,14 @@ that is blocked on once (so each call holds many device steps, and the host's di
 * decode: ``--steps`` greedy decode steps in one ``lax.fori_loop`` at batch ``--batches`` (1, 8, 32), each
   step attending to a cache holding ``--context`` (1024) tokens before it; tokens/s = batch * steps / time.
 
-``--layers N`` builds the models with N decoder layers instead of the shape's full depth (the default for
-``8b`` and ``1.1b`` is 8, to fit the 10 minutes). Then a model with 0 layers (embedding, final norm, LM head,
-the loop) is timed too, and the full-depth time is extrapolated as ``t0 + (tN - t0) * depth / N``: the
-decoder layers are identical, so their time is linear in their count. With ``--head sparse`` or ``--embedding 2:4``
-each sparse pattern has its own 0-layer model (its LM head and embedding, not routed by ``--dense-if-slower``). Both the measured and the
-extrapolated numbers are printed; the ratios to dense use the extrapolated ones. A time of N layers that is not
-above the 0-layer model's (the layers below the noise: tiny models on a busy CPU) is not extrapolated: its cells
-read "-" and the log says why.
+``--layers N`` builds the models with N decoder layers instead of the shape's full depth (the default for ``8b`` and
+``1.1b`` is 8, to fit the 10 minutes). Then a model with 0 layers (embedding, final norm, LM head, the loop) is timed
+too, and the full-depth time is extrapolated as ``t0 + (tN - t0) * depth / N``: the decoder layers are identical, so
+their time is linear in their count. With ``--head sparse`` or ``--embedding 2:4`` each sparse pattern has its own
+0-layer model (its LM head and embedding, not routed by ``--dense-if-slower``). Both the measured and the extrapolated
+numbers are printed; the ratios to dense use the extrapolated ones. A time of N layers that is not above the 0-layer
+model's (the layers below the noise: tiny models on a busy CPU) is not extrapolated: its cells read "-" and the log
+says why.
 
 Weight bytes: every array of the model's state (parameters, masks, index arrays, and, with ``2:4 + copy``, the
 cuSPARSELt copy of the 2:4 values that ``CompressedNMLinear`` keeps next to ``kernel`` on a GPU, counted separately
