@@ -99,7 +99,8 @@ NOT_A_CELL = {
     ("embed", "nm", "nnx", "build"): None,  # CompressedNMEmbed
     ("embed", "*", "nnx", "build"): "embeddings are stored N:M only (CompressedNMEmbed)",
     ("embed", "*", "linen", "build"): "no Linen sparse embedding layer",
-    ("embed", "*", "*", "torch"): "a torch Embedding loads dense (nnx.Embed / embedding)",
+    ("embed", "nm", "nnx", "torch"): None,  # a 2:4 torch Embedding loads as a CompressedNMEmbed
+    ("embed", "*", "*", "torch"): "a torch Embedding loads dense (nnx.Embed / embedding); N:M ones in NNX compressed",
     **{("embed", "*", "linen", path): f"no Linen sparse embedding layer {what}"
        for path, what in (("orbax", "to save"), ("summary", "to describe"), ("export", "to export"))},
     **{("attention_nobias", "*", "*", path): "the bias plays no part in this path: see MultiHeadAttention above"
@@ -422,8 +423,9 @@ def torch_net(kind, pattern):
   if kind == "linear":
     net = torch.nn.ModuleDict({"layer": torch.nn.Linear(D, D)})
     names = ["layer"]
-  elif kind == "embed":  # for export only: a torch Embedding loads dense
-    return torch.nn.ModuleDict({"layer": torch.nn.Embedding(VOCAB, D)})
+  elif kind == "embed":
+    net = torch.nn.ModuleDict({"layer": torch.nn.Embedding(VOCAB, D)})
+    names = ["layer"]
   elif kind == "conv":
     net = torch.nn.ModuleDict({"layer": torch.nn.Conv2d(8, 16, 3, padding=1)})
     names = ["layer"]
@@ -433,7 +435,9 @@ def torch_net(kind, pattern):
     names = [f"layer.{p}" for p in ("query", "key", "value", "out")]
   for name in names:
     module = net.get_submodule(name)
-    prune.custom_from_mask(module, "weight", torch_mask(module.weight, pattern, kind))
+    blocks_fit = kind != "embed"  # the 32 x 32 block mask fits the Linear layers, not the 64 x 32 table
+    prune.custom_from_mask(module, "weight", torch_mask(module.weight, pattern if blocks_fit or pattern != "block"
+                                                        else "unstructured", kind))
   return net
 
 
@@ -450,6 +454,8 @@ def path_torch(kind, pattern, fw, tmp_path):
       expected_kernels[name] = module.weight.detach().numpy().T
     elif isinstance(module, torch.nn.Conv2d):
       expected_kernels[name] = module.weight.detach().numpy().transpose(2, 3, 1, 0)
+    elif isinstance(module, torch.nn.Embedding):  # the table as Flax holds it, zeros where pruned
+      expected_kernels[name] = module.weight.detach().numpy()
   if fw == "nnx":
     model = nnx_model(kind)
     report = torch_interop.load_nnx(model, state)
@@ -670,7 +676,8 @@ def test_every_combination_is_a_cell_or_not_a_cell():
   assert len(ALL) == len(KINDS) * len(PATTERNS) * len(FRAMEWORKS) * len(PATHS)
   assert all((_lookup(NOT_A_CELL, c) is None) == (c in CELLS) for c in ALL)
   embed = {c for c in CELLS if _lookup(RAISES, c) is None and c[0] == "embed"}
-  assert embed == {("embed", "nm", "nnx", p) for p in ("build", "sparsify", "orbax", "summary", "export")}, embed
+  paths = ("build", "sparsify", "torch", "orbax", "summary", "export")
+  assert embed == {("embed", "nm", "nnx", p) for p in paths}, embed
 
 
 if __name__ == "__main__":

@@ -382,6 +382,22 @@ def _generic_plan(module: nnx.Module, group: dict, plan: _Plan, *, flax_path: st
   return type(module).__name__, first
 
 
+def _embed_plan(module: nnx.Embed, path: tuple, group: dict, plan: _Plan, *, sparse: bool, flax_path: str):
+  """An ``nnx.Embed``: a torch weight keeping ``n`` of every ``m`` features of each row (an N:M mask along dim 1)
+  becomes a :class:`~jaxsparse.layers.CompressedNMEmbed` with exactly that mask; any other weight fills the table."""
+  w = group["params"].get("weight")
+  if not (sparse and set(group["params"]) == {"weight"} and w.mask is not None and w.pattern.kind == "nm"):
+    return _generic_plan(module, group, plan, flax_path=flax_path)
+  table = module.embedding[...]
+  _check_shape(w, table.shape, flax_name=f"{flax_path}.embedding", how="same shape")
+  values = jnp.asarray(w.masked_value, table.dtype)
+  dense = nnx.Embed(*table.shape, dtype=module.dtype, param_dtype=table.dtype, promote_dtype=module.promote_dtype,
+                    embedding_init=lambda *_: values, rngs=nnx.Rngs(0))
+  new = jsl.CompressedNMEmbed.from_dense(dense, w.pattern.n, w.pattern.m, mask=w.mask)
+  plan.replace.append((path, new))
+  return type(new).__name__, w
+
+
 def _join(mod: str, name: str) -> str:
   return f"{mod}.{name}" if mod else name
 
@@ -405,7 +421,9 @@ def load_nnx(
   other mask by :class:`~jaxsparse.layers.MaskedLinear`. An ``nnx.LinearGeneral`` over trailing axes (the
   projections of ``nnx.MultiHeadAttention``) takes a torch ``Linear`` whose weight is its kernel's 2-D view
   ``(prod(in axes), prod(out axes))`` transposed, and becomes a :class:`~jaxsparse.layers.SparseLinearGeneral`
-  when that weight is sparse. Dense torch weights fill the layer that is there (a sparse layer keeps its own
+  when that weight is sparse. An ``nnx.Embed`` whose torch ``Embedding`` keeps ``n`` of every ``m`` features of
+  each row becomes a :class:`~jaxsparse.layers.CompressedNMEmbed` with that mask (other masks fill the table, zeros
+  where pruned). Dense torch weights fill the layer that is there (a sparse layer keeps its own
   pattern). Nothing changes unless every check passes.
 
   >>> import torch, torch.nn.utils.prune as prune
@@ -464,6 +482,8 @@ def load_nnx(
       layer, w = _conv_plan(module, path, group, plan, sparse=sparse, flax_path=flax_path)
     elif isinstance(module, nnx.LinearGeneral):
       layer, w = _general_plan(module, path, group, plan, sparse=sparse, flax_path=flax_path)
+    elif isinstance(module, nnx.Embed):
+      layer, w = _embed_plan(module, path, group, plan, sparse=sparse, flax_path=flax_path)
     else:
       layer, w = _generic_plan(module, group, plan, flax_path=flax_path)
     fmt, pattern = (w.format, w.pattern) if w is not None else ("dense", Pattern("dense", 1.0))
