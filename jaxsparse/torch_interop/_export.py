@@ -78,11 +78,8 @@ def _nnx_entries(model: nnx.Module) -> list[_Entry]:
       mask = _np(node.nm_mask)
       k = _np(node.kernel[...])
       entries.append(_Entry(fp, "weight", torch_layout(_masked(k, mask)), torch_layout(mask), nm=(node.n, node.m)))
-    elif compressed is not None and isinstance(node, compressed):
-      w = node.weight
-      entries.append(_Entry(fp, "weight", torch_layout(_np(w.to_dense())), torch_layout(_np(w.mask())), nm=(w.n, w.m)))
-    elif isinstance(node, jsl.CompressedNMEmbed):  # a torch Embedding's weight is the (vocab, features) table
-      w = node.weight
+    elif isinstance(node, jsl.CompressedNMEmbed) or (compressed is not None and isinstance(node, compressed)):
+      w = node.weight  # (in, out); an embedding's is its table transposed, as torch_layout turns it back
       entries.append(_Entry(fp, "weight", torch_layout(_np(w.to_dense())), torch_layout(_np(w.mask())), nm=(w.n, w.m)))
     elif isinstance(node, jsl.MaskedLinear):
       mask = _np(node.mask[...])
