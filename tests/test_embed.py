@@ -55,6 +55,15 @@ def test_ids_out_of_range_and_negative_as_nnx_embed():
   assert np.isnan(np.asarray(sparse(ids))[4:]).all() and not np.isnan(np.asarray(sparse(ids))[:4]).any()
 
 
+@pytest.mark.parametrize("dtype, ids", [(jnp.uint8, [0, 255, 3]), (jnp.int8, [-128, 127, -1, 5]),
+                                        (jnp.int16, [-301, -300, 299, 300])])
+def test_ids_of_narrow_dtypes_as_nnx_embed(dtype, ids):
+  """Ids whose dtype cannot hold the vocabulary size (300): the same in-range rule as nnx.Embed's jnp.take."""
+  dense = _dense(300, 8, jnp.float32, 0)
+  sparse, ref = CompressedNMEmbed.from_dense(dense), _reference(dense, 2, 4)
+  np.testing.assert_array_equal(sparse(jnp.array(ids, dtype)), ref(jnp.array(ids, dtype)))
+
+
 def test_gradients_reach_the_kept_values():
   dense = _dense(20, 32, jnp.float32, 3)
   sparse, ref = CompressedNMEmbed.from_dense(dense), _reference(dense, 2, 4)
