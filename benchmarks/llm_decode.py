@@ -13,7 +13,9 @@ random weights, bfloat16 weights and compute:
 
 * ``8b``: the Llama-3-8B shape, d = 4096, MLP 14336, 32 layers, 32 query / 8 KV heads of 128, vocab 128256;
 * ``1.1b``: the TinyLlama-1.1B shape, d = 2048, MLP 5632, 22 layers, 32 / 4 heads of 64, vocab 32000;
-* ``tiny``: d = 128, MLP 256, 2 layers, 4 / 2 heads of 32, vocab 256 (``--tiny``).
+* ``3.2-1b``: the Llama-3.2-1B shape, d = 2048, MLP 8192, 16 layers, 32 / 8 heads of 64, vocab 128256, the LM head
+  tied to the embedding (its logits are the table's product: ``--embedding 2:4`` makes that product 2:4 too);
+* ``tiny``: d = 128, MLP 256, 2 layers, 4 / 2 heads of 32, vocab 256 (``--tiny``); ``tiny-tied`` the same, tied.
 
 Patterns of the seven projections of every layer (``jaxsparse.sparsify`` by magnitude; the embedding and LM head stay
 dense unless ``--head sparse`` gives the LM head the pattern's structure too and ``--embedding 2:4`` keeps the
@@ -114,10 +116,18 @@ SHAPES = {
                       max_position_embeddings=8192),
     "1.1b": LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
                         num_attention_heads=32, num_key_value_heads=4, head_dim=64),
+    # Llama 3.2 1B: the LM head tied to the embedding (logits = the table's product; --embedding 2:4 makes it 2:4).
+    "3.2-1b": LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                          num_attention_heads=32, num_key_value_heads=8, head_dim=64, rope_theta=500000.0,
+                          rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                          max_position_embeddings=131072, tie_word_embeddings=True),
     "tiny": LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=32),
+    "tiny-tied": LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True),
 }
-DEFAULT_LAYERS = {"8b": 8, "1.1b": 8, "tiny": None}
+DEFAULT_LAYERS = {"8b": 8, "1.1b": 8, "3.2-1b": 8, "tiny": None, "tiny-tied": None}
 PATTERNS = {
     "dense": None,
     "2:4": jaxsparse.NM(2, 4),  # to_inference's default: CompressedNMLinear without the cuSPARSELt copy
@@ -325,7 +335,9 @@ def run_shape(name: str, args) -> list[Row]:
       log(f"{name}: 0-layer model (embedding, norm, LM head){f' of {pattern}' if own else ''}")
       head = build_dense(dataclasses.replace(full, num_hidden_layers=0), dtype)
       if own:
-        head = to_inference(head, PATTERNS[pattern], **sparse_options(args, pattern))[0]
+        with warnings.catch_warnings():  # the projections' rule matches no layer of a 0-layer model: expected
+          warnings.filterwarnings("ignore", message=r"rule\(s\) .* matched no ")
+          head = to_inference(head, PATTERNS[pattern], **sparse_options(args, pattern))[0]
       bases[key] = (state_bytes(head), *measure(head, args, f"{name} 0 layers {key}"))
       del head
       gc.collect()
@@ -467,7 +479,8 @@ def header(args) -> str:
 
 def main(argv: list[str] | None = None) -> None:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--shapes", type=lambda v: v.split(","), default=["8b", "1.1b"], help="8b,1.1b (and tiny)")
+  p.add_argument("--shapes", type=lambda v: v.split(","),
+                 help="8b,1.1b (the default), 3.2-1b; with --tiny: tiny (the default) or tiny-tied")
   p.add_argument("--batches", type=lambda v: [int(b) for b in v.split(",")], help="default 1,8,32 (--tiny: 1,2)")
   p.add_argument("--patterns", type=lambda v: [PATTERN_ALIASES.get(x, x) for x in v.split(",")],
                  default=list(PATTERNS), help="dense,2:4,nm-copy,block64,unstructured")
@@ -501,8 +514,10 @@ def main(argv: list[str] | None = None) -> None:
   for k, v in defaults.items():
     if getattr(args, k) is None:
       setattr(args, k, v)
-  if args.tiny:
-    args.shapes = ["tiny"]
+  if args.shapes is None:
+    args.shapes = ["tiny"] if args.tiny else ["8b", "1.1b"]
+  elif args.tiny and not all(s.startswith("tiny") for s in args.shapes):
+    p.error(f"--tiny runs the tiny shapes (tiny, tiny-tied), got --shapes {','.join(args.shapes)}")
   llama_model.ATTENTION = args.attention
   unknown = [x for x in args.patterns if x not in PATTERNS] + [s for s in args.shapes if s not in SHAPES]
   if unknown:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -468,6 +469,19 @@ def test_llm_decode_benchmark_tiny(tmp_path, monkeypatch, capsys):
           llm_decode.Row("tiny", "2:4", 1, 2, 6e5, 0.0, 3e5, 2e-3, {8: float("nan")})]
   cells = [[c.strip() for c in line.split("|")[7:11]] for line in llm_decode.table(args, rows).splitlines()[2:]]
   assert cells == [["-", "-", "32000.0", "1.00x"], ["2.00", "-", "-", "-"]], cells
+  # A tied model (tiny-tied, as the 3.2-1b shape): the logits are the 2:4 table's product, the whole model at 2:4's
+  # bytes; the 0-layer model's sparsify (no projections to match) warns nothing.
+  llm_decode.ROWS.clear()
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    llm_decode.main(["--tiny", "--shapes", "tiny-tied", "--layers", "1", "--batches", "2", "--patterns", "dense,2:4",
+                     "--head", "sparse", "--embedding", "2:4", "--prefill", "0"])
+  rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| tiny-tied")]
+  weight = {r.split("|")[2].strip(): float(r.split("|")[5].strip().rstrip("x")) for r in rows}
+  assert weight["dense"] == 1.0 and 0.5625 <= weight["2:4"] < 0.57, rows
+  assert not [w for w in caught if "matched no" in str(w.message)], [str(w.message) for w in caught]
+  with pytest.raises(SystemExit):
+    llm_decode.main(["--tiny", "--shapes", "8b"])  # --tiny runs the tiny shapes only
 
 
 def test_llm_prune_benchmark_tiny(tmp_path, monkeypatch, capsys):
