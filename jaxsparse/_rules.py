@@ -41,6 +41,7 @@ __all__ = [
     "masks_to_dict",
     "match_rules",
     "path_str",
+    "module_paths",
     "replace_module",
     "resolve_rules",
     "resolve_views",
@@ -200,13 +201,37 @@ def get_module(model: nnx.Module, path: Sequence[Any]) -> Any:
   return model
 
 
+def module_paths(model: nnx.Module) -> dict[int, list[tuple]]:
+  """Every path (as ``nnx.iter_modules`` writes them) of each module inside ``model``, by ``id``.
+
+  ``nnx.iter_modules`` yields a module once, at its first path; a module that several attributes hold (tied weights,
+  ``self.b = self.a``) has all of them here, the first first.
+  """
+  out: dict[int, list[tuple]] = {}
+
+  def walk(node, path, above):
+    out.setdefault(id(node), []).append(path)
+    if id(node) in above:  # a reference cycle
+      return
+    for key, child in nnx.iter_children(node):
+      if isinstance(child, nnx.Module):
+        walk(child, (*path, key), above | {id(node)})
+
+  walk(model, (), frozenset())
+  return out
+
+
 def replace_module(model: nnx.Module, path: Sequence[Any], new: nnx.Module) -> None:
-  """Puts ``new`` at ``path`` (as from ``nnx.iter_modules``) inside ``model``: attributes, list items, dict keys."""
-  parent = get_module(model, path[:-1])
-  if hasattr(type(parent), "__setitem__"):
-    parent[path[-1]] = new
-  else:
-    setattr(parent, path[-1], new)
+  """Puts ``new`` at ``path`` (as from ``nnx.iter_modules``) inside ``model``: attributes, list items, dict keys;
+  and at every other path holding the same module (tied weights stay tied)."""
+  old = get_module(model, path)
+  paths = module_paths(model).get(id(old), [])
+  for p in paths if tuple(path) in paths else [tuple(path)]:
+    parent = get_module(model, p[:-1])
+    if hasattr(type(parent), "__setitem__"):
+      parent[p[-1]] = new
+    else:
+      setattr(parent, p[-1], new)
 
 
 class Probe(nnx.Module):

@@ -149,7 +149,11 @@ def apply_sparse_layer(layer: _LinenLayer, variables: Mapping, x: jax.Array) -> 
   module = sparse_module_of(layer, nnz=nnz)
   if layer.kind != "general":
     return module.apply(variables, x)
-  batch = x.shape[: x.ndim - len(layer.in_dims)]
+  n_in = len(layer.in_dims)
+  if jnp.ndim(x) < n_in or tuple(jnp.shape(x)[-n_in:]) != tuple(layer.in_dims):
+    raise ValueError(f"x must have shape (..., {', '.join(map(str, layer.in_dims))}) (the trailing axes this "
+                     f"nn.DenseGeneral contracts), got x.shape={tuple(jnp.shape(x))}.")
+  batch = x.shape[: x.ndim - n_in]
   y = module.apply(variables, x.reshape(*batch, layer.shape_2d[0]))
   return y.reshape(*batch, *layer.features)
 
@@ -249,6 +253,38 @@ def _found(m: nn.Module, x: jax.Array) -> _Found:
   in_dims, features, unsupported = dense_general_dims(m, x.shape)
   unsupported = unsupported and unsupported + "."
   return _Found(kind, m.clone(parent=None), spec, in_dims, features, unsupported)
+
+
+def _check_rebuildable(f: _Found, spec: Spec, kernel_shape: tuple[int, ...], path: str) -> None:
+  """Raises where the sparse layer for ``f`` would compute another function or could not run: a stacked
+  (``nn.scan``) kernel, a conv's own weight mask that the structure would replace or that the call made, product
+  options the sparse layer cannot honour."""
+  m = f.module
+  if f.kind == "conv":
+    ks = (m.kernel_size,) if isinstance(m.kernel_size, int) else tuple(m.kernel_size)
+    expected = (*ks, f.in_dims[0] // m.feature_group_count, *f.features)
+  else:
+    expected = (*f.in_dims, *f.features)
+  if tuple(kernel_shape) != expected:
+    raise ValueError(
+        f"{path}: its kernel has shape {tuple(kernel_shape)}, not the {expected} its call multiplies by: a stacked "
+        "(nn.scan over layers) kernel? sparsify_linen takes layers holding one kernel each; map this path to None."
+    )
+  if f.kind == "conv" and m.mask is not None:
+    if isinstance(m.mask, jax.core.Tracer):
+      raise ValueError(f"{path}: this nn.Conv's weight mask is made inside the model's call; sparsify_linen needs it "
+                       "as a concrete array set on the module (a field given outside the call).")
+    if isinstance(spec, Unstructured):
+      raise ValueError(f"{path or 'the model'}: this nn.Conv already has a Flax weight mask, which an Unstructured "
+                       "structure would replace; map this path to None (its mask prunes it) or use an NM rule.")
+  if f.kind != "conv" and not isinstance(spec, NM):
+    defaults = {field.name: field.default for field in dataclasses.fields(type(m))}
+    custom = [name for name in ("promote_dtype", "dot_general", "dot_general_cls")
+              if name in defaults and getattr(m, name) is not defaults[name]]
+    if custom:
+      raise ValueError(f"{path}: its {', '.join(custom)} is not Flax's default, which {spec.describe()} cannot "
+                       "honour (it would compute another product). Map this path to None, or use an NM rule, which "
+                       "keeps them.")
 
 
 def _linen_layers(module: nn.Module, variables: Mapping, example_input: Any, kwargs: Mapping) -> dict[tuple, _Found]:
@@ -351,6 +387,7 @@ def sparsify_linen(
     boxed_params = _nested_get(params, path)
     dense_params = nn.meta.unbox(boxed_params)  # nn.with_partitioning boxes, re-applied by carry_linen
     kernel = dense_params["kernel"]
+    _check_rebuildable(f, spec, kernel.shape, p)
     if kind == "conv" and isinstance(spec, BlockSparse):
       raise ValueError(
           f"{p}: BlockSparse does not apply to nn.Conv layers; use jaxsparse.NM or jaxsparse.Unstructured."
@@ -495,6 +532,8 @@ def dense_params(layer: _LinenLayer, layer_vars: Mapping) -> dict:
                                                  block_shape=layer.spec.block_shape).to_dense()
   elif isinstance(layer.spec, NM):
     spec = layer.spec
+    if getattr(layer.module, "mask", None) is not None:  # a conv's own weight mask applies first, as in NMConv
+      kernel = jnp.where(layer.module.mask, kernel, jnp.zeros((), kernel.dtype))
     mask = nm_mask(kernel, spec.n, spec.m, axis=-2, transposable=spec.transposable)
     kernel = jnp.where(mask, kernel, jnp.zeros((), kernel.dtype))
   else:

@@ -31,6 +31,7 @@ from jaxsparse._rules import Probe
 from jaxsparse._rules import linear_general_unsupported
 from jaxsparse._rules import masks_to_dict
 from jaxsparse._rules import match_rules
+from jaxsparse._rules import module_paths
 from jaxsparse._rules import path_str
 from jaxsparse._rules import replace_module
 from jaxsparse._rules import resolve_rules
@@ -58,6 +59,7 @@ from jaxsparse.layers import MaskedLinear
 from jaxsparse.layers import NMConv
 from jaxsparse.layers import NMLinear
 from jaxsparse.layers import SparseLinearGeneral
+from jaxsparse.layers._common import custom_options
 
 __all__ = ["check_general_mask_view", "check_masks_used", "check_nm_mask", "densify", "sparsify"]
 
@@ -202,7 +204,38 @@ def _sparse_linear(lin: nnx.Linear, spec: Spec, mask: np.ndarray | None, path: s
   return layer
 
 
+def _check_rebuildable(node: nnx.Module, spec: Spec, path: str) -> None:
+  """Raises where the sparse layer for ``node`` would compute another function: a subclass of the Flax layer (its
+  call may add to the product), product options the sparse layer cannot honour, a stacked (scan-over-layers)
+  kernel."""
+  base = next(t for t in (nnx.Conv, nnx.LinearGeneral, nnx.Linear) if isinstance(node, t))
+  if type(node) is not base:
+    raise TypeError(
+        f"{path}: {type(node).__name__} is a subclass of nnx.{base.__name__}; sparsify rebuilds a layer from its "
+        "kernel and bias and would drop what the subclass adds (an adapter, another call). Map this path to None."
+    )
+  custom = [] if base is nnx.Conv or (base is nnx.Linear and isinstance(spec, NM)) else custom_options(node)
+  if custom:
+    raise ValueError(
+        f"{path}: its {', '.join(custom)} is not Flax's default, which {spec.describe()} cannot honour here (it "
+        "would compute another product). Map this path to None" + (", or use an NM rule, which keeps them."
+                                                                   if base is nnx.Linear else ".")
+    )
+  if base is nnx.Conv:
+    expected = tuple(node.kernel_shape)
+  elif base is nnx.LinearGeneral:
+    expected = (*node.in_features, *node.out_features)
+  else:
+    expected = (node.in_features, node.out_features)
+  if tuple(node.kernel.shape) != expected:
+    raise ValueError(
+        f"{path}: its kernel has shape {tuple(node.kernel.shape)}, not the {expected} its features give: a stacked "
+        "(scan-over-layers, nnx.vmap) layer? sparsify takes layers holding one kernel each; map this path to None."
+    )
+
+
 def _to_sparse(node: nnx.Module, spec: Spec, mask: np.ndarray | None, path: str) -> nnx.Module:
+  _check_rebuildable(node, spec, path)
   kernel_shape = tuple(node.kernel.shape)
   if mask is not None and mask.shape != kernel_shape:
     raise ValueError(f"{path}: the given mask has shape {mask.shape}, the kernel {kernel_shape}.")
@@ -214,7 +247,8 @@ def _to_sparse(node: nnx.Module, spec: Spec, mask: np.ndarray | None, path: str)
       )
     check_spec_applies(spec, kernel_shape, path=path)
     if node.mask is not None and isinstance(spec, Unstructured):
-      raise ValueError(f"{path}: this nnx.Conv already has a Flax weight mask; prune it with a mask= instead.")
+      raise ValueError(f"{path or 'the model'}: this nnx.Conv already has a Flax weight mask, which an Unstructured "
+                       "structure would replace; map this path to None (its mask prunes it) or use an NM rule.")
     if isinstance(spec, NM):
       conv = node
       if mask is not None:
@@ -396,13 +430,23 @@ def sparsify(
   if not inplace:
     model = nnx.clone(model)
   layers = _dense_layers(model)
-  chosen = []
+  paths_of = module_paths(model)  # a layer held at several paths (tied) is matched at each, replaced at all
+  chosen, all_paths = [], []
   for path, node in layers:
-    r = match_rules(resolved, path_str(path))
-    if r is not None and resolved[r][2] is not None:
-      chosen.append((path, node, resolved[r][2]))
-  embeds = _chosen_embeds(model, resolved, [path_str(p) for p, _ in layers])
-  warn_unmatched(resolved, [path_str(p) for p, _ in layers] + [path_str(p) for p, _, _ in embeds],
+    specs = {}
+    for q in paths_of.get(id(node), [path]):
+      all_paths.append(path_str(q))
+      r = match_rules(resolved, path_str(q))
+      if r is not None and resolved[r][2] is not None:
+        specs[path_str(q)] = resolved[r][2]
+    if len(set(specs.values())) > 1:
+      raise ValueError(f"{path_str(path)}: one layer held at several paths (tied) gets different structures from the "
+                       f"rules: {', '.join(f'{q}: {v.describe()}' for q, v in specs.items())}. Give its paths one "
+                       "structure.")
+    if specs:
+      chosen.append((path, node, next(iter(specs.values()))))
+  embeds = _chosen_embeds(model, resolved, all_paths)
+  warn_unmatched(resolved, all_paths + [path_str(p) for p, _, _ in embeds],
                  what="nnx.Linear / nnx.Conv / nnx.LinearGeneral / nnx.Embed (a rule naming it)")
   kernel_keys = [f"{path_str(p)}.kernel" if p else "kernel" for p, _, _ in chosen]
   kernel_keys += [f"{path_str(p)}.embedding" if p else "embedding" for p, _, _ in embeds]
@@ -430,7 +474,8 @@ def sparsify(
   for path, node, spec, new in built:
     p = path_str(path)
     dense_ms = sparse_ms = None
-    note = ""
+    tied = [path_str(q) for q in paths_of.get(id(node), [])[1:]]
+    note = f"tied: also at {', '.join(tied)}" if tied else ""
     keep_dense = False
     if mode:
       if path in shapes:
@@ -438,9 +483,9 @@ def sparsify(
         dense_ms, sparse_ms = time_nnx_layer(node, x, mode), time_nnx_layer(new, x, mode)
         keep_dense = sparse_ms >= dense_ms
         if keep_dense:
-          note = f"kept dense: sparse not faster ({mode})"
+          note = "; ".join(filter(None, [note, f"kept dense: sparse not faster ({mode})"]))
       else:
-        note = "not called by example_input; not timed"
+        note = "; ".join(filter(None, [note, "not called by example_input; not timed"]))
     if keep_dense:
       changes.append(LayerChange(p, _describe(node), spec.describe(), None, 1.0, state_bytes(node),
                                  state_bytes(node), dense_ms, sparse_ms, note))

@@ -263,7 +263,7 @@ class BlockSparseLinear(nnx.Module):
     >>> BlockSparseLinear.from_dense(dense, density=0.5, block_shape=(32, 32)).kernel.shape
     (3, 32, 32)
     """
-    linear = check_linear(linear)
+    linear = check_linear(linear, "BlockSparseLinear")
     kernel = linear.kernel[...]
     layer = cls(
         linear.in_features,

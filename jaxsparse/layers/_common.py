@@ -7,6 +7,7 @@ the :data:`SPARSITY` collection. The checks raise errors that name the argument 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import numbers
 import typing
@@ -16,6 +17,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from flax.nnx import reprlib
 from flax.nnx.nn import dtypes
@@ -37,6 +39,7 @@ __all__ = [
     "check_input",
     "check_kept",
     "check_linear",
+    "custom_options",
     "check_masked_implementation",
     "check_one_of",
     "conv_options",
@@ -75,7 +78,8 @@ class SparsityPattern(nnx.Variable):
 
   def __nnx_repr__(self):
     for item in super().__nnx_repr__():
-      if isinstance(item, reprlib.Attr) and item.key == "value" and math.prod(jnp.shape(item.value)) > 1:
+      if (isinstance(item, reprlib.Attr) and item.key == "value" and isinstance(item.value, (jax.Array, np.ndarray))
+          and item.value.size > 1):
         item = reprlib.Attr("value", _ArrayRepr(tuple(jnp.shape(item.value)), jnp.result_type(item.value)))
       yield item
 
@@ -133,9 +137,28 @@ def check_one_of(name: str, value: object, other: str, other_value: object) -> N
     )
 
 
-def check_linear(linear: object) -> nnx.Linear:
-  if not isinstance(linear, nnx.Linear):
-    raise TypeError(f"linear must be a flax.nnx.Linear, got {type(linear).__name__}.")
+def custom_options(layer: nnx.Module) -> list[str]:
+  """The product options of an ``nnx.Linear`` / ``LinearGeneral`` set away from Flax's defaults (``dot_general``,
+  ``promote_dtype``, ``preferred_element_type``): a layer that computes its product itself cannot honour them."""
+  defaults = inspect.signature(type(layer).__init__).parameters
+  return [name for name in ("dot_general", "promote_dtype", "preferred_element_type")
+          if name in defaults and hasattr(layer, name) and getattr(layer, name) is not defaults[name].default]
+
+
+def check_linear(linear: object, layer: str, *, options: bool = True) -> nnx.Linear:
+  """``linear`` if ``layer`` (a class name) can be built from it: exactly an ``nnx.Linear``, with Flax's default
+  product options unless ``options=False`` (``layer`` keeps them); else a ``TypeError`` / ``ValueError`` saying
+  why."""
+  if type(linear) is not nnx.Linear:
+    what = type(linear).__name__
+    if isinstance(linear, nnx.Linear):
+      what += (" (a subclass of nnx.Linear: its call may add to the product of its kernel and bias, which "
+               f"{layer} would drop; for a jaxsparse layer take .to_dense() first)")
+    raise TypeError(f"linear must be a flax.nnx.Linear, got {what}.")
+  custom = custom_options(linear) if options else []
+  if custom:
+    raise ValueError(f"{layer} cannot honour linear's {', '.join(custom)} (not Flax's default): it would compute "
+                     "another product. Keep this layer dense, or use NMLinear, which keeps them.")
   return linear
 
 
@@ -304,7 +327,10 @@ def existing_shape(module: nn.Module, collection: str, name: str) -> tuple[int, 
 
 
 def check_known_in_features(module: nn.Module, x_shape: tuple[int, ...], expected: int | None) -> None:
-  """Raises, naming both counts, when a Linen layer built for ``expected`` input features gets another."""
+  """Raises, naming both counts, when a Linen layer built for ``expected`` input features gets another (or a
+  scalar)."""
+  if not x_shape:
+    raise ValueError(f"{type(module).__name__}: x must have shape (..., in_features), got x.shape=().")
   if expected is not None and x_shape[-1] != expected:
     raise ValueError(
         f"{type(module).__name__}{f' {module.name!r}' if module.name else ''} holds variables for {expected} input "

@@ -6,6 +6,7 @@ import math
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from jaxsparse.layers._common import with_weights
@@ -46,6 +47,12 @@ class SparseLinearGeneral(nnx.Module):
     self.layer = layer
     self.in_features = tuple(in_features)
     self.out_features = tuple(out_features)
+    inner = (getattr(layer, "in_features", None), getattr(layer, "out_features", None))
+    if inner != (math.prod(self.in_features), math.prod(self.out_features)):
+      raise ValueError(
+          f"in_features={self.in_features} and out_features={self.out_features} must multiply to the wrapped "
+          f"layer's (in_features, out_features)={inner}."
+      )
     self.dtype = dtype
     self.precision = precision
 
@@ -53,6 +60,9 @@ class SparseLinearGeneral(nnx.Module):
     if out_sharding is not None:
       raise NotImplementedError("SparseLinearGeneral does not take out_sharding.")
     n_in = len(self.in_features)
+    if tuple(jnp.shape(x)[-n_in:]) != self.in_features or jnp.ndim(x) < n_in:
+      raise ValueError(f"x must have shape (..., {', '.join(map(str, self.in_features))}) (trailing axes "
+                       f"in_features), got x.shape={tuple(jnp.shape(x))}.")
     batch = x.shape[: x.ndim - n_in]
     y = self.layer(x.reshape(*batch, math.prod(self.in_features)))
     return y.reshape(*batch, *self.out_features)

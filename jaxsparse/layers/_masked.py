@@ -186,7 +186,7 @@ class MaskedLinear(nnx.Module):
     >>> MaskedLinear.from_dense(dense, sparsity=0.75).density
     0.25
     """
-    linear = check_linear(linear)
+    linear = check_linear(linear, "MaskedLinear")
     kernel = linear.kernel[...]
     return with_weights(
         cls,

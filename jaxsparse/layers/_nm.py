@@ -38,6 +38,7 @@ from jaxsparse.layers._common import base_promote
 from jaxsparse.layers._common import bias_of
 from jaxsparse.layers._common import check_decay
 from jaxsparse.layers._common import check_in_features
+from jaxsparse.layers._common import check_linear
 from jaxsparse.layers._common import check_transposable_layer
 from jaxsparse.layers._common import conv_options
 from jaxsparse.layers._common import default_bias_init
@@ -259,8 +260,7 @@ class NMLinear(_NMMixin, nnx.Linear):
     >>> bool((layer.pruned_kernel() == dense.kernel[...] * layer.mask).all())
     True
     """
-    if not isinstance(linear, nnx.Linear):
-      raise TypeError(f"linear must be a flax.nnx.Linear, got {type(linear).__name__}.")
+    linear = check_linear(linear, cls.__name__, options=False)
     return with_weights(
         cls, linear.kernel[...], bias_of(linear), linear.in_features, linear.out_features, n=n, m=m,
         sr_ste_decay=sr_ste_decay, transposable=transposable, **linear_options(linear),

@@ -182,9 +182,9 @@ class NMConv(nn.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     """Applies the convolution to channels-last ``x``; returns channels-last ``features`` outputs."""
-    cin = jnp.shape(x)[-1]
     kernel_shape = existing_shape(self, "params", "kernel")
     expected = None if kernel_shape is None else kernel_shape[-2] * self.feature_group_count
     check_known_in_features(self, jnp.shape(x), expected)
+    cin = jnp.shape(x)[-1]
     check_in_features(cin // self.feature_group_count, self.m, name="in_channels // feature_group_count")
     return self.conv(x)

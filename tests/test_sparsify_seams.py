@@ -1,0 +1,225 @@
+"""sparsify / densify / the layers at the seams a bug bash found (2026-11-28): tied layers, subclasses of the Flax
+layers, options the sparse layers cannot honour, stacked (scan-over-layers) kernels, wrong trailing axes."""
+
+import warnings
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxsparse
+from jaxsparse.layers import MaskedLinear
+
+
+def _normal(seed, shape, dtype=jnp.float32):
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
+
+
+class Tied(nnx.Module):
+  """One nnx.Linear held at two attributes (weight tying) and in a list."""
+
+  def __init__(self, rngs):
+    self.a = nnx.Linear(64, 64, rngs=rngs)
+    self.b = self.a
+    self.blocks = nnx.List([self.a, nnx.Linear(64, 64, rngs=rngs)])
+
+  def __call__(self, x):
+    return self.blocks[1](self.b(jax.nn.relu(self.a(x))))
+
+
+@pytest.mark.parametrize("spec", [jaxsparse.Unstructured(sparsity=0.5), jaxsparse.NM(2, 4),
+                                  jaxsparse.BlockSparse(density=0.5, block_shape=(16, 16))])
+def test_tied_layer_stays_tied(spec):
+  model = Tied(nnx.Rngs(0))
+  x = _normal(1, (3, 64))
+  sparse, report = jaxsparse.sparsify(model, spec)
+  assert sparse.a is sparse.b is sparse.blocks[0] and type(sparse.a) is not nnx.Linear
+  assert [c.path for c in report.layers] == ["a", "blocks.1"]
+  assert "tied: also at b, blocks.0" in report.layers[0].note
+  dense = jaxsparse.densify(sparse)
+  assert dense.a is dense.b is dense.blocks[0] and type(dense.a) is nnx.Linear
+  np.testing.assert_allclose(sparse(x), dense(x), rtol=1e-5, atol=1e-5)
+  pruned = dense.a
+  expected = dense.blocks[1](pruned(jax.nn.relu(pruned(x))))
+  np.testing.assert_allclose(sparse(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_tied_layer_matched_by_its_second_path_and_conflicting_rules():
+  model = Tied(nnx.Rngs(0))
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    sparse, _ = jaxsparse.sparsify(model, {"b": jaxsparse.NM(2, 4)})
+  assert not [w for w in caught if "matched no" in str(w.message)]
+  assert sparse.a is sparse.b and type(sparse.a).__name__ == "NMLinear" and type(sparse.blocks[1]) is nnx.Linear
+  with pytest.raises(ValueError, match=r"a: one layer held at several paths .*a: .*2:4.*b: .*unstructured"):
+    jaxsparse.sparsify(model, {"a": jaxsparse.NM(2, 4), "b": jaxsparse.Unstructured(sparsity=0.5)})
+
+
+def test_densify_keeps_a_tied_sparse_layer_tied():
+  class TiedSparse(nnx.Module):
+    def __init__(self):
+      self.a = MaskedLinear(64, 64, sparsity=0.5, rngs=nnx.Rngs(0))
+      self.b = self.a
+
+  model = TiedSparse()
+  dense = jaxsparse.densify(model)
+  assert dense.a is dense.b and type(dense.a) is nnx.Linear
+
+
+def test_load_nnx_into_a_bare_layer_that_loads_sparse_says_why_and_writes_nothing():
+  torch = pytest.importorskip("torch")
+  from torch.nn.utils import prune  # noqa: PLC0415
+
+  from jaxsparse import torch_interop  # noqa: PLC0415
+
+  fc = torch.nn.Linear(8, 4)
+  prune.l1_unstructured(fc, "weight", amount=0.5)
+  layer = nnx.Linear(8, 4, rngs=nnx.Rngs(0))
+  before = np.asarray(layer.kernel[...])
+  with pytest.raises(ValueError, match=r"model is itself the Linear .* loads as a MaskedLinear.*nnx.Sequential"):
+    torch_interop.load_nnx(layer, fc.state_dict())
+  np.testing.assert_array_equal(layer.kernel[...], before)
+  model = nnx.Sequential(nnx.Linear(8, 4, rngs=nnx.Rngs(0)))  # the way the message gives
+  torch_interop.load_nnx(model, {f"layers.0.{k}": v for k, v in fc.state_dict().items()})
+  assert type(model.layers[0]).__name__ == "MaskedLinear"
+
+
+def _scaled_dot(*args, **kwargs):  # stands for any custom product (quantized, scaled, instrumented)
+  return 2.0 * jax.lax.dot_general(*args, **kwargs)
+
+
+UNSTRUCTURED_AND_BLOCK = [jaxsparse.Unstructured(sparsity=0.5),
+                          jaxsparse.BlockSparse(density=0.5, block_shape=(16, 16))]
+
+
+@pytest.mark.parametrize("spec", UNSTRUCTURED_AND_BLOCK)
+def test_options_the_sparse_layer_cannot_honour_raise_naming_the_layer(spec):
+  lin = nnx.Linear(64, 64, dot_general=_scaled_dot, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"layers\.0: its dot_general is not Flax's default.*None, or use an NM rule"):
+    jaxsparse.sparsify(nnx.Sequential(lin), spec)
+  with pytest.raises(ValueError, match="cannot honour linear's dot_general"):
+    (MaskedLinear.from_dense(lin, sparsity=0.5) if isinstance(spec, jaxsparse.Unstructured) else
+     jaxsparse.layers.BlockSparseLinear.from_dense(lin, density=0.5, block_shape=(16, 16)))
+  general = nnx.LinearGeneral((4, 16), 64, axis=(-2, -1), dot_general=_scaled_dot, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"layers\.0: its dot_general"):
+    jaxsparse.sparsify(nnx.Sequential(general), spec)
+  # NM keeps the option: the same function as the dense layer with the pruned weights.
+  x = _normal(1, (2, 64))
+  sparse, _ = jaxsparse.sparsify(nnx.Sequential(lin), jaxsparse.NM(2, 4))
+  np.testing.assert_allclose(sparse(x), jaxsparse.densify(sparse)(x), rtol=1e-5, atol=1e-5)
+  assert jaxsparse.densify(sparse).layers[0].dot_general is _scaled_dot
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(64, dot_general=_scaled_dot, name="d")(x)
+
+  variables = Net().init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match=r"d: its dot_general is not Flax's default"):
+    jaxsparse.sparsify_linen(Net(), variables, spec, x)
+
+
+def test_subclasses_of_the_flax_layers_are_not_rebuilt_as_them():
+  lora = nnx.LoRALinear(64, 64, lora_rank=4, rngs=nnx.Rngs(0))
+  with pytest.raises(TypeError, match=r"layers\.0: LoRALinear is a subclass of nnx\.Linear.*Map this path to None"):
+    jaxsparse.sparsify(nnx.Sequential(lora), jaxsparse.Unstructured(sparsity=0.5))
+  sparse, report = jaxsparse.sparsify(nnx.Sequential(lora, nnx.Linear(64, 8, rngs=nnx.Rngs(1))),
+                                      {r"layers\.0": None, ".*": jaxsparse.Unstructured(sparsity=0.5)})
+  assert type(sparse.layers[0]) is nnx.LoRALinear and [c.path for c in report.layers] == ["layers.1"]
+  nm = jaxsparse.layers.NMLinear(64, 64, rngs=nnx.Rngs(0))  # its dense kernel is not what it computes with
+  for build in (lambda: MaskedLinear.from_dense(nm, sparsity=0.5),
+                lambda: jaxsparse.layers.BlockSparseLinear.from_dense(nm, density=0.5, block_shape=(16, 16)),
+                lambda: jaxsparse.layers.NMLinear.from_dense(nm, n=1, m=4)):
+    with pytest.raises(TypeError, match=r"got NMLinear \(a subclass of nnx\.Linear.*take \.to_dense\(\) first"):
+      build()
+
+
+@pytest.mark.parametrize("spec", [*UNSTRUCTURED_AND_BLOCK, jaxsparse.NM(2, 4)])
+def test_stacked_scan_over_layers_kernels_raise_naming_the_layer(spec):
+  @nnx.vmap(in_axes=0, out_axes=0)
+  def stacked(key):
+    return nnx.Linear(64, 64, rngs=nnx.Rngs(key))
+
+  model = nnx.Sequential(stacked(jax.random.split(jax.random.key(0), 3)))
+  with pytest.raises(ValueError, match=r"layers\.0: its kernel has shape \(3, 64, 64\), not the \(64, 64\).*stacked"):
+    jaxsparse.sparsify(model, spec)
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, c, _):
+      return nn.Dense(64, name="fc")(c), None
+
+  class Scanned(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=3)(name="scan")(x,
+                                                                                                             None)[0]
+
+  x = jnp.ones((2, 64))
+  variables = Scanned().init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match=r"scan\.fc: its kernel has shape \(3, 64, 64\).*stacked"):
+    jaxsparse.sparsify_linen(Scanned(), variables, spec, x)
+
+
+@pytest.mark.parametrize("spec", [jaxsparse.Unstructured(sparsity=0.5), jaxsparse.NM(2, 4)])
+def test_general_layers_check_their_trailing_axes(spec):
+  model = nnx.Sequential(nnx.LinearGeneral((4, 16), 8, axis=(-2, -1), rngs=nnx.Rngs(0)))
+  sparse, _ = jaxsparse.sparsify(model, spec)
+  for bad in [(2, 16, 4), (64,)]:
+    with pytest.raises(ValueError, match=r"x must have shape \(\.\.\., 4, 16\)"):
+      sparse(jnp.ones(bad))
+  with pytest.raises(ValueError, match=r"must multiply to the wrapped layer's"):
+    jaxsparse.layers.SparseLinearGeneral(MaskedLinear(64, 32, sparsity=0.5, rngs=nnx.Rngs(0)), in_features=(8, 4),
+                                         out_features=(4, 4))
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.DenseGeneral(8, axis=(-2, -1), name="g")(x)
+
+  x = _normal(2, (2, 4, 16))
+  variables = Net().init(jax.random.key(0), x)
+  module, sparse_vars, _ = jaxsparse.sparsify_linen(Net(), variables, spec, x)
+  assert module.apply(sparse_vars, x).shape == (2, 8)
+  with pytest.raises(ValueError, match=r"x must have shape \(\.\.\., 4, 16\)"):
+    module.apply(sparse_vars, jnp.ones((2, 16, 4)))
+
+
+def test_linen_conv_with_its_own_weight_mask():
+  mask0 = np.random.default_rng(0).random((3, 8, 16)) > 0.5
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Conv(16, (3,), mask=mask0, name="conv")(x)
+
+  x = _normal(1, (2, 5, 8))
+  variables = Net().init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match=r"conv: this nn\.Conv already has a Flax weight mask"):
+    jaxsparse.sparsify_linen(Net(), variables, jaxsparse.Unstructured(sparsity=0.5), x)
+  module, sparse_vars, _ = jaxsparse.sparsify_linen(Net(), variables, jaxsparse.NM(2, 4), x)
+  dense_module, dense_vars = jaxsparse.densify_linen(module, sparse_vars)
+  np.testing.assert_allclose(module.apply(sparse_vars, x), dense_module.apply(dense_vars, x), rtol=1e-5, atol=1e-5)
+
+  class MadeInCall(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Conv(16, (3,), mask=jnp.asarray(mask0), name="conv")(x)
+
+  variables = MadeInCall().init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match=r"conv: this nn\.Conv's weight mask is made inside the model's call"):
+    jaxsparse.sparsify_linen(MadeInCall(), variables, jaxsparse.NM(2, 4), x)
+
+
+def test_state_of_shapes_prints_and_scalar_inputs_get_a_clear_error():
+  for layer in (MaskedLinear(8, 4, sparsity=0.5, rngs=nnx.Rngs(0)),
+                jaxsparse.layers.BlockSparseLinear(32, 32, density=0.5, block_shape=(16, 16), rngs=nnx.Rngs(0))):
+    assert "(8, 4)" in repr(jax.tree.map(jnp.shape, nnx.state(layer))) or isinstance(
+        layer, jaxsparse.layers.BlockSparseLinear)
+    repr(jax.tree.map(jnp.shape, nnx.state(layer)))  # raised TypeError before
+  for module in (jaxsparse.layers.linen.NMDense(8), jaxsparse.layers.linen.NMConv(8, (3,))):
+    with pytest.raises(ValueError, match=r"x must have shape \(\.\.\., in_features\), got x\.shape=\(\)"):
+      module.init(jax.random.key(0), jnp.float32(1.0))
