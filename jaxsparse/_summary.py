@@ -198,8 +198,10 @@ def _nnx_layer(path: str, node: nnx.Module) -> LayerSummary | None:
   if isinstance(node, NMLinear | NMConv):
     shape = tuple(node.kernel.shape)
     pattern = f"{node.n}:{node.m}" + (" transposable" if node.transposable else "")
-    return _layer(path, kind, shape, pattern, math.prod(shape) * node.n // node.m,
-                  param_dtype=node.kernel.dtype, dense_weight_grad=True, **common)
+    kept = math.prod(shape) * node.n // node.m
+    if getattr(node, "mask", None) is not None:  # a conv's own weight mask: groups may keep fewer than n
+      kept = _count(node.nm_mask & (node.mask != 0))
+    return _layer(path, kind, shape, pattern, kept, param_dtype=node.kernel.dtype, dense_weight_grad=True, **common)
   if isinstance(node, CompressedNMEmbed):
     shape = (node.num_embeddings, node.features)
     table = _layer(path, kind, shape, f"{node.n}:{node.m} compressed", math.prod(shape) * node.n // node.m,

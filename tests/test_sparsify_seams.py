@@ -223,3 +223,14 @@ def test_state_of_shapes_prints_and_scalar_inputs_get_a_clear_error():
   for module in (jaxsparse.layers.linen.NMDense(8), jaxsparse.layers.linen.NMConv(8, (3,))):
     with pytest.raises(ValueError, match=r"x must have shape \(\.\.\., in_features\), got x\.shape=\(\)"):
       module.init(jax.random.key(0), jnp.float32(1.0))
+
+
+def test_nm_conv_with_its_own_weight_mask_reports_what_it_keeps():
+  mask0 = jnp.asarray(np.random.default_rng(0).random((3, 8, 16)) > 0.5)
+  conv = nnx.Conv(8, 16, (3,), mask=mask0, rngs=nnx.Rngs(0))
+  sparse, report = jaxsparse.sparsify(nnx.Sequential(conv), jaxsparse.NM(2, 4))
+  layer = sparse.layers[0]
+  kept = float(jnp.mean(layer.pruned_kernel() != 0))
+  assert kept < 0.5
+  assert report.layers[0].density == pytest.approx(kept)
+  assert jaxsparse.summary(sparse).layers[0].density == pytest.approx(kept)
