@@ -58,7 +58,8 @@ def _pattern(x: Any) -> tuple[np.ndarray, tuple[int, int], str]:
   if isinstance(x, NMSparseMatrix):
     return _as_2d(np.asarray(x.mask())), (1, 1), f"{x.n}:{x.m}, density {x.density:.3f}"
   if isinstance(x, NMLinear | NMConv):
-    mask = np.asarray(x.nm_mask) if getattr(x, "mask", None) is None else np.asarray(x.nm_mask & (x.mask != 0))
+    own = x.mask if isinstance(x, NMConv) else None  # a conv's own weight mask
+    mask = np.asarray(x.nm_mask) if own is None else np.asarray(x.nm_mask & (own != 0))
     return _as_2d(mask), (1, 1), f"{x.n}:{x.m}, density {mask.mean():.3f}"
   if isinstance(x, MaskedLinear | MaskedConv):
     mask = _as_2d(np.asarray(x.mask[...]))

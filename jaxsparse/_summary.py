@@ -199,8 +199,9 @@ def _nnx_layer(path: str, node: nnx.Module) -> LayerSummary | None:
     shape = tuple(node.kernel.shape)
     pattern = f"{node.n}:{node.m}" + (" transposable" if node.transposable else "")
     kept = math.prod(shape) * node.n // node.m
-    if getattr(node, "mask", None) is not None:  # a conv's own weight mask: groups may keep fewer than n
-      kept = _count(node.nm_mask & (node.mask != 0))
+    if isinstance(node, NMConv) and node.mask is not None:  # a conv's own weight mask: groups may keep fewer than n
+      concrete = is_concrete(node.kernel.get_value()) and is_concrete(node.mask)
+      kept = _count(node.nm_mask & (node.mask != 0)) if concrete else None
     return _layer(path, kind, shape, pattern, kept, param_dtype=node.kernel.dtype, dense_weight_grad=True, **common)
   if isinstance(node, CompressedNMEmbed):
     shape = (node.num_embeddings, node.features)

@@ -311,10 +311,11 @@ def _density(layer: nnx.Module) -> float:
   if isinstance(layer, SparseLinearGeneral):
     return _density(layer.layer)
   if isinstance(layer, (NMLinear, NMConv)):
-    if getattr(layer, "mask", None) is None:
+    if not isinstance(layer, NMConv) or layer.mask is None:
       return layer.n / layer.m
-    kept = layer.nm_mask & (layer.mask != 0)  # a conv's own weight mask: groups may keep fewer than n
-    return float(jnp.mean(kept)) if is_concrete(kept) else float("nan")
+    if not (is_concrete(layer.kernel.get_value()) and is_concrete(layer.mask)):
+      return float("nan")  # traced (under nnx.eval_shape or jit): the kept count is not known
+    return float(jnp.mean(layer.nm_mask & (layer.mask != 0)))  # a conv's own weight mask: groups may keep fewer
   if isinstance(layer, (MaskedLinear, MaskedConv)) and not is_concrete(layer.mask[...]):
     return float("nan")  # traced (under nnx.eval_shape or jit): the kept count is not known
   return float(layer.density)
