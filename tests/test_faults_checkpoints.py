@@ -366,3 +366,26 @@ def test_corrupt_flax_variable_files(tmp_path):
     with pytest.raises(CheckpointError, match=re.escape(f"{tmp_path / name} {fragment}")):
       torch_interop.load_flax_variables(tmp_path / name)
   assert torch_interop.load_flax_variables(good)["params"]["fc"]["kernel"].shape == (4, 4)
+
+
+def test_flax_variable_file_whose_key_is_a_tensor_and_a_parent(tmp_path, capsys):
+  """``params/fc`` both a tensor and the parent of ``params/fc/kernel``: a CheckpointError naming both keys (the CLI
+  prints it on one line), in either key order, never an IndexError or a silently dropped tensor."""
+  from safetensors.numpy import save_file  # noqa: PLC0415
+
+  from jaxsparse.torch_interop._files import _nested  # noqa: PLC0415
+
+  path = tmp_path / "conflict.safetensors"
+  save_file({"params/fc": np.ones(2, np.float32), "params/fc/kernel": np.ones((2, 2), np.float32)}, str(path))
+  message = re.escape(f"{path}: key 'params/fc' holds a tensor but is also the parent of 'params/fc/kernel'")
+  with pytest.raises(CheckpointError, match=message):
+    torch_interop.load_flax_variables(path)
+  torch.save({"fc.weight": torch.ones(2, 2)}, tmp_path / "in.pt")
+  assert cli_main(["convert", str(tmp_path / "in.pt"), str(tmp_path / "out.safetensors"), "--target", str(path)]) == 1
+  err = capsys.readouterr().err
+  assert re.fullmatch(f"jaxsparse: error: {message}.*\n", err), err
+  assert not (tmp_path / "out.safetensors").exists()
+  # Safetensors sorts its keys, so the tensor comes first in a file; an orbax tree may give the other order.
+  with pytest.raises(CheckpointError, match=r"ckpt: key 'params/fc' holds a tensor but is also the parent of "
+                     r"'params/fc/kernel'"):
+    _nested({"params/fc/kernel": np.ones((2, 2)), "params/fc": np.ones(2)}, origin="ckpt")

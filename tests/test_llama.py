@@ -14,6 +14,10 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import re
+import stat
 import sys
 import warnings
 from pathlib import Path
@@ -105,6 +109,50 @@ def test_load_and_export_match_transformers(hf_dir, ids, tmp_path):
                                 np.asarray(model(jnp.asarray(ids))))
   back = transformers.LlamaForCausalLM.from_pretrained(sharded).eval()
   np.testing.assert_allclose(_logits(back, ids), ref, atol=1e-5, rtol=0)
+
+
+def test_save_pretrained_replaces_the_checkpoint_already_there(tmp_path):
+  """Saving into a directory that holds a checkpoint (sharded or not) leaves only the new one, its files readable as
+  open() makes them; other files stay. A directory holding two checkpoints is refused, not read half."""
+  cfg = llama.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+  graph, state = nnx.split(llama.LlamaForCausalLM(cfg, rngs=nnx.Rngs(0)))
+  models = [nnx.merge(graph, jax.tree.map(lambda v, i=i: v + i, state)) for i in range(4)]  # 4 different models
+
+  def weights(model):
+    return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+
+  d = tmp_path / "ckpt"
+  d.mkdir()
+  (d / "tokenizer.json").write_text("{}")
+  counts = []
+  old = os.umask(0o022)
+  try:
+    for model, max_shard_bytes in zip(models, [10_000, None, 10_000, 30_000], strict=True):  # sharded, one file, ...
+      save_pretrained(model, d, max_shard_bytes=max_shard_bytes)
+      files = sorted(f.name for f in d.iterdir())
+      if max_shard_bytes is None:
+        assert files == ["config.json", "model.safetensors", "tokenizer.json"]
+      else:
+        shards = sorted(set(json.loads((d / "model.safetensors.index.json").read_text())["weight_map"].values()))
+        assert files == sorted(["config.json", *shards, "model.safetensors.index.json", "tokenizer.json"])
+        counts.append(len(shards))
+      jax.tree.map(np.testing.assert_array_equal, weights(load_pretrained(d)), weights(model))
+      assert {stat.S_IMODE(os.stat(d / f).st_mode) for f in files if f != "tokenizer.json"} == {0o644}
+  finally:
+    os.umask(old)
+  assert counts[-2] > counts[-1] > 1, counts  # the last save left fewer shards: the others were removed
+  # A directory another writer left with both layouts: neither is trusted.
+  save_pretrained(models[0], tmp_path / "single")
+  (d / "model.safetensors").write_bytes((tmp_path / "single" / "model.safetensors").read_bytes())
+  with pytest.raises(ValueError, match=r"holds two checkpoints: model\.safetensors and the shards of "
+                     r"model\.safetensors\.index\.json"):
+    load_pretrained(d)
+  (d / "model.safetensors").unlink()
+  last = f"model-{counts[-1]:05d}-of-{counts[-1]:05d}.safetensors"
+  (d / last).unlink()
+  with pytest.raises(FileNotFoundError, match=re.escape(f"lists {[last]}, which are not there")):
+    load_pretrained(d)
 
 
 @pytest.mark.slow  # long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs it

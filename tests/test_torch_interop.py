@@ -6,6 +6,8 @@ SparseProp) are built by re-implementing the few lines of each project that lay 
 """
 
 import os
+import re
+import stat
 import subprocess
 import sys
 
@@ -570,6 +572,59 @@ def test_load_nnx_errors_leave_model_untouched():
     torch_interop.load_nnx(big, {k: v for k, v in net.state_dict().items() if k.startswith("0.")}, name_map=SEQ)
 
 
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.bool, torch.int8, torch.uint8])
+def test_non_float_weights_are_refused_not_cast(dtype):
+  """A complex weight would lose its imaginary part, an int8 one its scales, a bool one is a mask: all raise."""
+
+  def bad(*shape):
+    if dtype.is_complex:
+      return torch.complex(torch.ones(shape), torch.full(shape, 5.0))
+    return torch.ones(shape, dtype=dtype)
+
+  pattern = rf"torch '{{key}}' has dtype {str(dtype).removeprefix('torch.')}, but {{into}} takes a real floating-point "
+  pattern += r"tensor \(float16, bfloat16, float32 or float64\)"
+  model = nnx.Sequential(nnx.Linear(8, 4, rngs=nnx.Rngs(0)))
+  before = np.asarray(model.layers[0].kernel[...]).copy()
+  for key in ("0.weight", "0.bias"):  # the weight, and the bias of a float weight
+    sd = {"0.weight": torch.ones(4, 8), "0.bias": torch.zeros(4), key: bad(4, 8) if key == "0.weight" else bad(4)}
+    into = re.escape(f"the Flax 'layers.0.{'kernel' if key == '0.weight' else 'bias'}'")
+    with pytest.raises(CheckpointError, match=pattern.format(key=re.escape(key), into=into)):
+      torch_interop.load_nnx(model, sd, name_map=SEQ)
+    with pytest.raises(CheckpointError, match=pattern.format(key=re.escape(key), into="Flax module 'layers.0'")):
+      torch_interop.to_linen_variables(sd, name_map=SEQ)
+  np.testing.assert_array_equal(np.asarray(model.layers[0].kernel[...]), before)
+  # pruned (the value key is named), sparsified by a rule, a conv, a norm and an embedding table
+  mask = torch.ones(4, 8, dtype=torch.bool)
+  with pytest.raises(CheckpointError, match=pattern.format(key=r"0\.weight_orig", into="the Flax 'layers.0.kernel'")):
+    torch_interop.load_nnx(model, {"0.weight_orig": bad(4, 8), "0.weight_mask": mask, "0.bias": torch.zeros(4)},
+                           name_map=SEQ)
+  with pytest.raises(CheckpointError, match=pattern.format(key=r"fc\.weight", into=r"the Flax 'fc\.kernel'")):
+    torch_interop.to_linen_variables({"fc.weight": bad(4, 8)}, rules=jaxsparse.NM(2, 4))
+  conv = nnx.Conv(2, 4, (3, 3), use_bias=False, rngs=nnx.Rngs(0))
+  with pytest.raises(CheckpointError, match=pattern.format(key="weight", into="the Flax 'kernel'")):
+    torch_interop.load_nnx(conv, {"weight": bad(4, 2, 3, 3)})
+  with pytest.raises(CheckpointError, match=pattern.format(key="weight", into="the Flax 'scale'")):
+    torch_interop.load_nnx(nnx.LayerNorm(8, rngs=nnx.Rngs(0)), {"weight": bad(8), "bias": torch.zeros(8)})
+  with pytest.raises(CheckpointError, match=pattern.format(key="weight", into="the Flax 'embedding'")):
+    torch_interop.load_nnx(nnx.Embed(4, 8, rngs=nnx.Rngs(0)), {"weight": bad(4, 8)})
+
+
+def test_float_weights_and_bool_masks_still_load():
+  mask = torch.from_numpy(_nm_mask((4, 8)))
+  for dtype in (torch.float16, torch.bfloat16, torch.float64):
+    model = nnx.Sequential(nnx.Linear(8, 4, rngs=nnx.Rngs(0)))
+    sd = {"0.weight_orig": torch.ones(4, 8, dtype=dtype), "0.weight_mask": mask, "0.bias": torch.ones(4, dtype=dtype)}
+    torch_interop.load_nnx(model, sd, name_map=SEQ, sparse=False)
+    np.testing.assert_array_equal(np.asarray(model.layers[0].kernel[...]), mask.numpy().T.astype(np.float32))
+    v = torch_interop.to_linen_variables({"fc.weight": torch.ones(4, 8, dtype=dtype), "fc.weight_mask": mask})
+    np.testing.assert_array_equal(v["sparsity"]["fc"]["mask"], mask.numpy().T)
+  # integer buffers that are no float weight pass as before: BatchNorm's counter, a Linen variable of another name
+  bn = nnx.BatchNorm(4, rngs=nnx.Rngs(0))
+  torch_interop.load_nnx(bn, torch.nn.BatchNorm1d(4).state_dict())
+  v = torch_interop.to_linen_variables({"emb.weight": torch.ones(8, 4), "emb.position_ids": torch.arange(6)})
+  assert v["params"]["emb"]["position_ids"].dtype == jnp.int32
+
+
 def test_import_rules_reject_transposable_nm():
   # Import rules compute plain N:M masks; transposable ones are for the SR-STE layers of jaxsparse.sparsify.
   params = torch_interop.decode_checkpoint(torch.nn.Sequential(torch.nn.Linear(16, 8)).state_dict())
@@ -691,6 +746,26 @@ def test_cli_inspect_and_convert(tmp_path, capsys):
   assert "fc.weight_mask is missing" in capsys.readouterr().err
   with pytest.raises(SystemExit):
     cli_main(["convert", "a", "b", "--rules", "x=block:lots"])
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_written_files_get_the_mode_open_would_give(tmp_path, umask):
+  """Files are written under a temporary name and renamed, but keep open()'s mode (0o666 less the umask), not
+  mkstemp's or safetensors' 0o600."""
+  variables = {"params": {"fc": {"kernel": np.ones((2, 3), np.float32)}}}
+  torch.save({"fc.weight": torch.ones(3, 2)}, tmp_path / "in.pt")
+  old = os.umask(umask)
+  try:
+    path = torch_interop.save_flax_variables(variables, tmp_path / "out.safetensors")
+    assert cli_main(["convert", str(tmp_path / "in.pt"), str(tmp_path / "cli.safetensors")]) == 0
+  finally:
+    os.umask(old)
+  for written in (path, tmp_path / "cli.safetensors"):
+    assert stat.S_IMODE(os.stat(written).st_mode) == 0o666 & ~umask, written
+  os.chmod(path, 0o640)  # an existing file keeps its mode, as with open(path, "w")
+  torch_interop.save_flax_variables(variables, path)
+  assert stat.S_IMODE(os.stat(path).st_mode) == 0o640
+  assert sorted(os.listdir(tmp_path)) == ["cli.safetensors", "in.pt", "out.safetensors"]  # no temporary files left
 
 
 def test_convert_orbax(tmp_path):

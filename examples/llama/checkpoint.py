@@ -1,10 +1,11 @@
 """Hugging Face Llama-format directories in and out, without torch.
 
 A directory holds ``config.json`` and ``model.safetensors``, or shards listed in
-``model.safetensors.index.json``. Tensors are read and written with ``safetensors``' NumPy API (bfloat16
-through ``ml_dtypes``), so neither direction needs torch. Names map one to one, since the Flax model has
-Hugging Face's module paths (``model.py``): ``<module>.weight`` is ``kernel`` transposed for a linear layer,
-``embedding`` for the embedding and ``weight`` for the norms.
+``model.safetensors.index.json``, never both: :func:`save_pretrained` removes the other layout's files, and
+:func:`load_pretrained` refuses a directory that holds both. Tensors are read and written with
+``safetensors``' NumPy API (bfloat16 through ``ml_dtypes``), so neither direction needs torch. Names map one
+to one, since the Flax model has Hugging Face's module paths (``model.py``): ``<module>.weight`` is
+``kernel`` transposed for a linear layer, ``embedding`` for the embedding and ``weight`` for the norms.
 
 Sparse checkpoints the other way round (a pruned torch model, ``torch.nn.utils.prune`` masks, 2:4
 semi-structured weights) load with :func:`jaxsparse.torch_interop.load_nnx` into the same model, which
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,7 @@ import numpy as np
 from flax import nnx
 
 import jaxsparse
+from jaxsparse.torch_interop._files import atomic_write
 from llama.model import LlamaConfig
 from llama.model import LlamaForCausalLM
 
@@ -32,6 +35,9 @@ __all__ = ["hf_name", "load_pretrained", "read_tensors", "save_pretrained"]
 
 # Checkpoint entries with no parameter here: RoPE buffers some older exports saved.
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+SHARD_RE = re.compile(r"model-\d{5,}-of-\d{5,}\.safetensors")
 
 
 def hf_name(path: tuple) -> tuple[str, bool]:
@@ -43,14 +49,21 @@ def hf_name(path: tuple) -> tuple[str, bool]:
 
 def _shards(directory: Path) -> dict[str, Path]:
   """``{tensor name: file}`` of a single-file or sharded safetensors checkpoint."""
-  index = directory / "model.safetensors.index.json"
+  index, single = directory / INDEX, directory / SINGLE
   if index.exists():
     with open(index) as f:
       weight_map = json.load(f)["weight_map"]
+    files = set(weight_map.values())
+    if single.exists() and SINGLE not in files:
+      # Two checkpoints (left by another writer): transformers would read model.safetensors, the index the other.
+      raise ValueError(f"{directory} holds two checkpoints: {SINGLE} and the shards of {INDEX}, which does not list "
+                       f"{SINGLE}. Delete the stale one, or save the model again with save_pretrained.")
+    absent = sorted(file for file in files if not (directory / file).exists())
+    if absent:
+      raise FileNotFoundError(f"{directory}: {INDEX} lists {absent[:4]}, which are not there.")
     return {name: directory / file for name, file in weight_map.items()}
-  single = directory / "model.safetensors"
   if not single.exists():
-    raise FileNotFoundError(f"{directory} has neither model.safetensors nor model.safetensors.index.json.")
+    raise FileNotFoundError(f"{directory} has neither {SINGLE} nor {INDEX}.")
   from safetensors import safe_open  # noqa: PLC0415 -- optional dependency of the example
 
   with safe_open(str(single), framework="numpy") as f:
@@ -122,6 +135,10 @@ def save_pretrained(model: LlamaForCausalLM, directory: str | os.PathLike, *, dt
   (:func:`jaxsparse.densify`); their masks go to torch separately with
   :func:`jaxsparse.torch_interop.export_masks`.
 
+  Into a directory that holds a checkpoint already, the new one replaces it: each file is written under a
+  temporary name and renamed, then the old checkpoint's files the new one does not use (``model.safetensors``,
+  the index, ``model-*-of-*.safetensors`` shards) are deleted. Other files (a tokenizer) stay.
+
   Args:
     model: a dense or sparsified :class:`~llama.model.LlamaForCausalLM`.
     directory: created if needed.
@@ -144,25 +161,32 @@ def save_pretrained(model: LlamaForCausalLM, directory: str | os.PathLike, *, dt
       tensors[name] = np.ascontiguousarray(value.T if transposed else value)
   cfg = model.config.to_dict()
   cfg["torch_dtype"] = str(np.dtype(next(iter(tensors.values())).dtype))
-  with open(directory / "config.json", "w") as f:
-    json.dump(cfg, f, indent=2)
   metadata = {"format": "pt"}  # transformers checks it
-  if max_shard_bytes is None or sum(v.nbytes for v in tensors.values()) <= max_shard_bytes:
-    save_file(tensors, str(directory / "model.safetensors"), metadata=metadata)
-    return directory
-  shards, size = [{}], 0
-  for name, value in tensors.items():
-    if shards[-1] and size + value.nbytes > max_shard_bytes:
-      shards.append({})
-      size = 0
-    shards[-1][name] = value
-    size += value.nbytes
-  weight_map = {}
-  for i, shard in enumerate(shards):
-    file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-    save_file(shard, str(directory / file), metadata=metadata)
-    weight_map.update(dict.fromkeys(shard, file))
-  index = {"metadata": {"total_size": sum(v.nbytes for v in tensors.values())}, "weight_map": weight_map}
-  with open(directory / "model.safetensors.index.json", "w") as f:
-    json.dump(index, f, indent=2)
+  total = sum(v.nbytes for v in tensors.values())
+  if max_shard_bytes is None or total <= max_shard_bytes:
+    shards = [tensors]
+    files = [SINGLE]
+  else:
+    shards, size = [{}], 0
+    for name, value in tensors.items():
+      if shards[-1] and size + value.nbytes > max_shard_bytes:
+        shards.append({})
+        size = 0
+      shards[-1][name] = value
+      size += value.nbytes
+    files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+  # The tensors first, then the index and config.json that point at them, then the old files: a reader
+  # never meets a file half written or an index whose shards are gone.
+  for shard, file in zip(shards, files, strict=True):
+    atomic_write(directory / file, lambda tmp, shard=shard: save_file(shard, tmp, metadata=metadata))
+  if len(files) > 1:
+    weight_map = {name: file for shard, file in zip(shards, files, strict=True) for name in shard}
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    atomic_write(directory / INDEX, lambda tmp: Path(tmp).write_text(json.dumps(index, indent=2)))
+  atomic_write(directory / "config.json", lambda tmp: Path(tmp).write_text(json.dumps(cfg, indent=2)))
+  written = {*files, INDEX} if len(files) > 1 else {SINGLE}
+  stale = [f for f in (INDEX, SINGLE) if f not in written and (directory / f).exists()]  # the index first
+  stale += sorted(f.name for f in directory.iterdir() if SHARD_RE.fullmatch(f.name) and f.name not in written)
+  for file in stale:
+    (directory / file).unlink()
   return directory

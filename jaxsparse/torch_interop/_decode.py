@@ -46,7 +46,7 @@ from jaxsparse.torch_interop._patterns import Pattern
 from jaxsparse.torch_interop._patterns import detect_pattern
 from jaxsparse.torch_interop._patterns import nm_mask_torch
 
-__all__ = ["NMSpec", "TorchParam", "decode_checkpoint", "to_numpy"]
+__all__ = ["NMSpec", "TorchParam", "decode_checkpoint", "float_value", "to_numpy"]
 
 NMSpec = tuple[int, int] | Mapping[str, tuple[int, int]] | None
 
@@ -128,6 +128,35 @@ def to_numpy(t: Any, *, key: str) -> np.ndarray:
     return t.contiguous().numpy().copy()
   except TypeError as e:
     raise CheckpointError(f"{key!r} has dtype {t.dtype}, which jaxsparse cannot convert to NumPy.") from e
+
+
+def float_value(p: TorchParam, *, into: str) -> np.ndarray:
+  """``p.masked_value`` for a floating-point Flax variable; a weight of any other dtype raises.
+
+  Casting would lose information without a word: a complex weight its imaginary part, an int8 one the scales
+  it was quantized with; a bool weight is likely a mask saved under the weight's name. (Masks themselves may
+  be bool: they are read separately.)
+
+  Args:
+    p: the decoded torch parameter.
+    into: what it is loaded into, for the message, e.g. ``"the Flax 'fc.kernel'"``.
+
+  Returns:
+    The effective values (zero where a mask drops an entry), float16, bfloat16, float32 or float64.
+
+  Raises:
+    CheckpointError: naming the torch key, its dtype and the dtypes allowed.
+  """
+  value = p.masked_value
+  if value.dtype.kind == "f" or value.dtype.name == "bfloat16":
+    return value
+  why = {"c": "casting would drop the imaginary part", "b": f"a mask goes under the key '{p.name}_mask'"}.get(
+      value.dtype.kind, "dequantize it (with its scales) first")
+  key = p.keys[0] if p.keys else p.name
+  raise CheckpointError(
+      f"torch {key!r} has dtype {value.dtype}, but {into} takes a real floating-point tensor (float16, bfloat16, "
+      f"float32 or float64): {why}."
+  )
 
 
 def _check_mask(mask: np.ndarray, shape: tuple[int, ...], *, key: str) -> np.ndarray:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
-import tempfile
+import secrets
+import stat
+from collections.abc import Callable
 from collections.abc import Mapping
 from typing import Any
 
@@ -15,9 +17,41 @@ from jaxsparse.torch_interop._load import CheckpointError
 from jaxsparse.torch_interop._load import import_torch
 from jaxsparse.torch_interop._load import to_torch
 
-__all__ = ["load_flax_variables", "save_flax_variables"]
+__all__ = ["atomic_write", "load_flax_variables", "save_flax_variables"]
 
 SEP = "/"
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[str], Any]) -> None:
+  """Has ``write(tmp)`` fill a new file next to ``path``, then renames it to ``path``.
+
+  Readers see the old file or the complete new one, never a partial one, and a failure leaves no file behind.
+  The file gets the mode ``open(path, "w")`` would give it: an existing file's mode, else ``0o666`` less the
+  umask, whatever mode ``write`` left (``tempfile.mkstemp`` and safetensors' ``save_file`` leave ``0o600``,
+  which other users and serving processes cannot read).
+
+  Args:
+    path: the file to write; its directory must exist.
+    write: called once with the temporary file's path (an empty file); writes the content there.
+  """
+  path = os.fspath(path)
+  directory, name = os.path.split(os.path.abspath(path))
+  while True:  # mkstemp's O_EXCL loop, but with open()'s 0o666, from which the kernel removes the umask
+    tmp = os.path.join(directory, f".{name}.{secrets.token_hex(4)}.tmp")
+    try:
+      os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+      break
+    except FileExistsError:
+      continue
+  try:
+    mode = stat.S_IMODE(os.stat(path if os.path.isfile(path) else tmp).st_mode)
+    write(tmp)
+    os.chmod(tmp, mode)  # write may have replaced the file: safetensors writes its own 0o600 file and renames it
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise
 
 
 def _flatten(tree: Mapping, prefix: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -73,15 +107,8 @@ def save_flax_variables(variables: Mapping, path: str | os.PathLike, *, format: 
 
     import_torch()
     tensors = {k: to_torch(np.ascontiguousarray(np.asarray(v)), key=k).contiguous() for k, v in flat.items()}
-    fd, tmp = tempfile.mkstemp(prefix=".jaxsparse-", suffix=".safetensors.tmp", dir=directory)
-    os.close(fd)
-    try:
-      save_file(tensors, tmp, metadata={"format": "jaxsparse-flax-variables", "separator": SEP})
-      os.replace(tmp, path)
-    except BaseException:
-      if os.path.exists(tmp):
-        os.remove(tmp)
-      raise
+    metadata = {"format": "jaxsparse-flax-variables", "separator": SEP}
+    atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
     return path
   import orbax.checkpoint as ocp  # noqa: PLC0415 -- optional, only for orbax output
 
@@ -89,7 +116,7 @@ def save_flax_variables(variables: Mapping, path: str | os.PathLike, *, format: 
     raise CheckpointError(f"{path} already exists; orbax output goes to a new directory.")
   # Orbax writes to a temporary directory and renames it when done: a failure leaves no checkpoint.
   checkpointer = ocp.StandardCheckpointer()
-  checkpointer.save(os.path.abspath(path), jax.tree.map(np.asarray, _nested(flat)))
+  checkpointer.save(os.path.abspath(path), jax.tree.map(np.asarray, _nested(flat, origin="variables")))
   checkpointer.wait_until_finished()
   return path
 
@@ -115,7 +142,8 @@ def load_flax_variables(path: str | os.PathLike) -> dict[str, Any]:
     Nested dicts (``{"params": {"fc": {"kernel": ...}}}``) of NumPy arrays with the shapes and dtypes stored.
 
   Raises:
-    CheckpointError: ``path`` is not a readable safetensors file or orbax checkpoint.
+    CheckpointError: ``path`` is not a readable safetensors file or orbax checkpoint, or one of its keys is both
+      a tensor and the parent of another (``params/fc`` and ``params/fc/kernel``).
   """
   path = os.fspath(path)
   if os.path.isdir(path):
@@ -137,16 +165,27 @@ def load_flax_variables(path: str | os.PathLike) -> dict[str, Any]:
         flat = {k: to_numpy(f.get_tensor(k), key=k) for k in f.keys()}
     except Exception as e:
       raise CheckpointError(f"{path} is not a readable safetensors file: {e}") from e
-  return _nested({k: np.asarray(v) for k, v in flat.items()})
+  return _nested({k: np.asarray(v) for k, v in flat.items()}, origin=path)
 
 
-def _nested(flat: Mapping[str, Any]) -> dict[str, Any]:
-  """``{"a/b": x}`` -> ``{"a": {"b": x}}``."""
+def _nested(flat: Mapping[str, Any], *, origin: str) -> dict[str, Any]:
+  """``{"a/b": x}`` -> ``{"a": {"b": x}}``; a key that is both a leaf and a parent (``a`` and ``a/b``) raises."""
   out: dict[str, Any] = {}
   for k, v in flat.items():
     node = out
     *parents, leaf = k.split(SEP)
-    for part in parents:
+    for i, part in enumerate(parents):
       node = node.setdefault(part, {})
+      if not isinstance(node, dict):
+        _collision(origin, SEP.join(parents[: i + 1]), k)
+    if isinstance(node.get(leaf), dict):
+      _collision(origin, k, next(other for other in flat if other.startswith(k + SEP)))
     node[leaf] = v
   return out
+
+
+def _collision(origin: str, leaf: str, child: str) -> None:
+  raise CheckpointError(
+      f"{origin}: key {leaf!r} holds a tensor but is also the parent of {child!r}; the keys of a Flax variables "
+      f"file are {SEP!r}-joined paths of a tree, so a path holds a tensor or sub-paths, not both."
+  )

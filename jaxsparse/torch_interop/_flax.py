@@ -32,6 +32,7 @@ from jaxsparse.formats._specs import matrix_shape
 from jaxsparse.torch_interop._decode import NMSpec
 from jaxsparse.torch_interop._decode import TorchParam
 from jaxsparse.torch_interop._decode import decode_checkpoint
+from jaxsparse.torch_interop._decode import float_value
 from jaxsparse.torch_interop._load import CheckpointError
 from jaxsparse.torch_interop._patterns import Pattern
 from jaxsparse.torch_interop._patterns import flax_layout
@@ -231,9 +232,9 @@ def _linear_plan(
     raise CheckpointError(f"torch {params['bias'].name!r} has a bias but the Flax layer {flax_path!r} has none.")
   if has_bias:
     _check_shape(params["bias"], (out_f,), flax_name=f"{flax_path}.bias", how="bias")
-  bias = params["bias"].masked_value if has_bias else None
+  bias = float_value(params["bias"], into=f"the Flax {_join(flax_path, 'bias')!r}") if has_bias else None
   dtype = getattr(module, "param_dtype", jnp.float32)
-  kernel = jnp.asarray(flax_layout(w.masked_value), dtype)
+  kernel = jnp.asarray(flax_layout(float_value(w, into=f"the Flax {_join(flax_path, 'kernel')!r}")), dtype)
   pattern = w.pattern
   if sparse and pattern.kind != "dense":
     mask = flax_layout(w.mask)
@@ -312,10 +313,11 @@ def _conv_plan(module: nnx.Conv, path: tuple, group: dict, plan: _Plan, *, spars
   k = module.kernel[...]
   expected = (k.shape[-1], k.shape[-2], *k.shape[:-2])
   _check_shape(w, expected, flax_name=f"{flax_path}.kernel", how="Conv weight (O, I, *k) -> kernel (*k, I, O)")
-  kernel = jnp.asarray(flax_layout(w.masked_value), k.dtype)
+  kernel = jnp.asarray(flax_layout(float_value(w, into=f"the Flax {_join(flax_path, 'kernel')!r}")), k.dtype)
   has_bias = module.bias is not None
   if has_bias != ("bias" in params):
     raise CheckpointError(f"bias mismatch between torch {group['torch']!r} and Flax {flax_path!r}.")
+  bias = float_value(params["bias"], into=f"the Flax {_join(flax_path, 'bias')!r}") if has_bias else None
   pattern = w.pattern
   if (
       sparse
@@ -326,7 +328,7 @@ def _conv_plan(module: nnx.Conv, path: tuple, group: dict, plan: _Plan, *, spars
     new = jsl.NMConv.from_dense(module, n=pattern.n, m=pattern.m)
     new.kernel[...] = kernel
     if has_bias:
-      new.bias[...] = jnp.asarray(params["bias"].value, k.dtype)
+      new.bias[...] = jnp.asarray(bias, k.dtype)
     plan.replace.append((path, new))
     return type(new).__name__, w
   plain_conv = type(module) is nnx.Conv and module.mask is None
@@ -334,14 +336,14 @@ def _conv_plan(module: nnx.Conv, path: tuple, group: dict, plan: _Plan, *, spars
     new = jsl.MaskedConv.from_dense(module, mask=jnp.asarray(flax_layout(w.mask)))
     new.kernel[...] = kernel
     if has_bias:
-      new.bias[...] = jnp.asarray(params["bias"].value, k.dtype)
+      new.bias[...] = jnp.asarray(bias, k.dtype)
     plan.replace.append((path, new))
     return type(new).__name__, w
   # Otherwise the kernel is stored masked (zeros where pruned) in the Conv that is there.
   plan.assign.append((module.kernel, kernel))
   if has_bias:
     _check_shape(params["bias"], (k.shape[-1],), flax_name=f"{flax_path}.bias", how="bias")
-    plan.assign.append((module.bias, jnp.asarray(params["bias"].value, module.bias[...].dtype)))
+    plan.assign.append((module.bias, jnp.asarray(bias, module.bias[...].dtype)))
   return type(module).__name__, w
 
 
@@ -370,7 +372,11 @@ def _generic_plan(module: nnx.Module, group: dict, plan: _Plan, *, flax_path: st
       )
     p = params[torch_name]
     _check_shape(p, var[...].shape, flax_name=f"{flax_path}.{flax_name}", how="same shape")
-    plan.assign.append((var, jnp.asarray(p.masked_value, var[...].dtype)))
+    dtype = var[...].dtype
+    value = p.masked_value
+    if jnp.issubdtype(dtype, jnp.floating):  # a non-float variable (a custom module's int counter) takes any number
+      value = float_value(p, into=f"the Flax {_join(flax_path, flax_name)!r}")
+    plan.assign.append((var, jnp.asarray(value, dtype)))
     used.add(torch_name)
     first = first or p
   extra = sorted(set(params) - used)
@@ -390,7 +396,7 @@ def _embed_plan(module: nnx.Embed, path: tuple, group: dict, plan: _Plan, *, spa
     return _generic_plan(module, group, plan, flax_path=flax_path)
   table = module.embedding[...]
   _check_shape(w, table.shape, flax_name=f"{flax_path}.embedding", how="same shape")
-  values = jnp.asarray(w.masked_value, table.dtype)
+  values = jnp.asarray(float_value(w, into=f"the Flax {_join(flax_path, 'embedding')!r}"), table.dtype)
   dense = nnx.Embed(*table.shape, dtype=module.dtype, param_dtype=table.dtype, promote_dtype=module.promote_dtype,
                     embedding_init=lambda *_: values, rngs=nnx.Rngs(0))
   new = jsl.CompressedNMEmbed.from_dense(dense, w.pattern.n, w.pattern.m, mask=w.mask)
@@ -510,6 +516,13 @@ def load_nnx(
     raise CheckpointError(
         "; ".join(parts) + ". Map names with name_map=, skip torch keys with ignore=, or pass strict=False."
     )
+  for path, new in plan.replace:
+    if not path:  # checked before anything is written
+      raise ValueError(
+          f"model is itself the {type(model).__name__} that this checkpoint stores sparse (it loads as a "
+          f"{type(new).__name__}); load_nnx swaps such layers into a model in place and cannot replace the model "
+          f"object itself: load into a module holding it (e.g. nnx.Sequential(layer)), then take the layer out."
+      )
   for var, value in plan.assign:
     var[...] = value
   for path, new in plan.replace:
@@ -584,7 +597,7 @@ def apply_rules(
     if resolved[i][2] is None:
       continue
     spec = resolved[i][2]
-    kernel = flax_layout(p.masked_value).astype(np.float32)
+    kernel = flax_layout(float_value(p, into=f"the Flax {_join(flax_path, 'kernel')!r}")).astype(np.float32)
     try:
       if isinstance(spec, formats.BlockSparse):
         bk, bn = spec.block_shape

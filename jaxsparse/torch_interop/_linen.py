@@ -24,6 +24,7 @@ from jaxsparse.formats._specs import matrix_shape
 from jaxsparse.torch_interop._decode import NMSpec
 from jaxsparse.torch_interop._decode import TorchParam
 from jaxsparse.torch_interop._decode import decode_checkpoint
+from jaxsparse.torch_interop._decode import float_value
 from jaxsparse.torch_interop._flax import DEFAULT_EMBEDDINGS
 from jaxsparse.torch_interop._flax import NameMap
 from jaxsparse.torch_interop._flax import _group
@@ -168,6 +169,8 @@ def _fit(value: np.ndarray, shape: tuple[int, ...], name: str) -> np.ndarray:
 def _linen_param(out: dict, flax_path: str, torch_mod: str, name: str, p: TorchParam, *, sparse, embeddings,
                  masks: bool) -> None:
   value = p.masked_value
+  if name in ("weight", "bias", "running_mean", "running_var"):  # floats; other names may be integer buffers
+    value = float_value(p, into=f"Flax module {flax_path!r}")
   if name == "weight" and value.ndim == 2 and re.search(embeddings, torch_mod):
     _nest(out["params"], flax_path, "embedding", value)
   elif name == "weight" and value.ndim >= 2:
