@@ -227,11 +227,19 @@ def replace_module(model: nnx.Module, path: Sequence[Any], new: nnx.Module) -> N
   old = get_module(model, path)
   paths = module_paths(model).get(id(old), [])
   for p in paths if tuple(path) in paths else [tuple(path)]:
-    parent = get_module(model, p[:-1])
-    if hasattr(type(parent), "__setitem__"):
-      parent[p[-1]] = new
-    else:
-      setattr(parent, p[-1], new)
+    _set_child(model, p, new)
+
+
+def _set_child(model: nnx.Module, path: tuple, new: Any) -> None:
+  parent = get_module(model, path[:-1])
+  if isinstance(parent, tuple):  # immutable: the tuple is rebuilt and put where it was
+    items = list(parent)
+    items[path[-1]] = new
+    _set_child(model, path[:-1], type(parent)(*items) if hasattr(parent, "_fields") else type(parent)(items))
+  elif hasattr(type(parent), "__setitem__"):
+    parent[path[-1]] = new
+  else:
+    setattr(parent, path[-1], new)
 
 
 class Probe(nnx.Module):

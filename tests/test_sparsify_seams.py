@@ -132,8 +132,8 @@ def test_subclasses_of_the_flax_layers_are_not_rebuilt_as_them():
   nm = jaxsparse.layers.NMLinear(64, 64, rngs=nnx.Rngs(0))  # its dense kernel is not what it computes with
   for build in (lambda: MaskedLinear.from_dense(nm, sparsity=0.5),
                 lambda: jaxsparse.layers.BlockSparseLinear.from_dense(nm, density=0.5, block_shape=(16, 16)),
-                lambda: jaxsparse.layers.NMLinear.from_dense(nm, n=1, m=4)):
-    with pytest.raises(TypeError, match=r"got NMLinear \(a subclass of nnx\.Linear.*take \.to_dense\(\) first"):
+                lambda: jaxsparse.layers.NMLinear.from_dense(lora, n=1, m=4)):
+    with pytest.raises(TypeError, match=r"got (NMLinear|LoRALinear) \(a subclass of nnx\.Linear.*\.to_dense\(\)"):
       build()
 
 
@@ -169,7 +169,7 @@ def test_general_layers_check_their_trailing_axes(spec):
   model = nnx.Sequential(nnx.LinearGeneral((4, 16), 8, axis=(-2, -1), rngs=nnx.Rngs(0)))
   sparse, _ = jaxsparse.sparsify(model, spec)
   for bad in [(2, 16, 4), (64,)]:
-    with pytest.raises(ValueError, match=r"x must have shape \(\.\.\., 4, 16\)"):
+    with pytest.raises(ValueError, match=r"inputs must have shape \(\.\.\., 4, 16\)"):
       sparse(jnp.ones(bad))
   with pytest.raises(ValueError, match=r"must multiply to the wrapped layer's"):
     jaxsparse.layers.SparseLinearGeneral(MaskedLinear(64, 32, sparsity=0.5, rngs=nnx.Rngs(0)), in_features=(8, 4),
@@ -234,3 +234,57 @@ def test_nm_conv_with_its_own_weight_mask_reports_what_it_keeps():
   assert kept < 0.5
   assert report.layers[0].density == pytest.approx(kept)
   assert jaxsparse.summary(sparse).layers[0].density == pytest.approx(kept)
+
+
+def test_layers_in_a_tuple_are_replaced():
+  class Blocks(nnx.Module):
+    def __init__(self, rngs):
+      self.blocks = nnx.data((nnx.Linear(64, 64, rngs=rngs), nnx.Linear(64, 64, rngs=rngs)))
+
+    def __call__(self, x):
+      for block in self.blocks:
+        x = block(x)
+      return x
+
+  model = Blocks(nnx.Rngs(0))
+  x = _normal(1, (2, 64))
+  sparse, _ = jaxsparse.sparsify(model, jaxsparse.Unstructured(sparsity=0.5))
+  assert isinstance(sparse.blocks, tuple) and all(type(b) is MaskedLinear for b in sparse.blocks)
+  dense = jaxsparse.densify(sparse)
+  assert all(type(b) is nnx.Linear for b in dense.blocks)
+  np.testing.assert_allclose(sparse(x), dense(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("spec", [*UNSTRUCTURED_AND_BLOCK, jaxsparse.NM(2, 4)])
+def test_sparse_layers_take_the_flax_layers_keyword(spec):
+  """A model calling ``self.fc(inputs=x)`` (nnx.Linear's name) keeps working after sparsify."""
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.fc = nnx.Linear(64, 32, rngs=rngs)
+      self.general = nnx.LinearGeneral((4, 8), 16, axis=(-2, -1), rngs=rngs)
+
+    def __call__(self, x):
+      return self.fc(inputs=x), self.general(inputs=x.reshape(*x.shape[:-1], 4, 16)[..., :8])
+
+  x = _normal(1, (2, 64))
+  sparse, _ = jaxsparse.sparsify(Net(nnx.Rngs(0)), spec)
+  dense = jaxsparse.densify(sparse)
+  for a, b in zip(sparse(x), dense(x), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+  compressed = jaxsparse.layers.NMLinear(64, 32, rngs=nnx.Rngs(0)).to_compressed()
+  np.testing.assert_allclose(compressed(inputs=x), compressed(x))
+
+
+def test_errors_for_a_model_that_is_the_layer_name_it():
+  with pytest.raises(ValueError, match=r"^\(the model itself\): N:M sparsity 2:4"):
+    jaxsparse.sparsify(nnx.Linear(6, 8, rngs=nnx.Rngs(0)), jaxsparse.NM(2, 4))
+
+
+def test_densify_keeps_a_bias_of_another_dtype():
+  w = jaxsparse.NMSparseMatrix.from_dense(_normal(0, (64, 32), jnp.bfloat16), 2, 4)
+  layer = jaxsparse.layers.CompressedNMLinear(w, _normal(3, (32,)))  # a float32 bias
+  x = _normal(1, (2, 64), jnp.bfloat16)
+  dense = jaxsparse.densify(layer)
+  assert dense.bias[...].dtype == jnp.float32 and dense(x).dtype == layer(x).dtype == jnp.float32
+  np.testing.assert_allclose(dense(x), layer(x), rtol=1e-6, atol=1e-6)

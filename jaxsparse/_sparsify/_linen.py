@@ -275,8 +275,9 @@ def _check_rebuildable(f: _Found, spec: Spec, kernel_shape: tuple[int, ...], pat
       raise ValueError(f"{path}: this nn.Conv's weight mask is made inside the model's call; sparsify_linen needs it "
                        "as a concrete array set on the module (a field given outside the call).")
     if isinstance(spec, Unstructured):
-      raise ValueError(f"{path or 'the model'}: this nn.Conv already has a Flax weight mask, which an Unstructured "
-                       "structure would replace; map this path to None (its mask prunes it) or use an NM rule.")
+      raise ValueError(f"{path or '(the model itself)'}: this nn.Conv already has a Flax weight mask, which an "
+                       "Unstructured structure would replace; map this path to None (its mask prunes it) or use an NM "
+                       "rule.")
   if f.kind != "conv" and not isinstance(spec, NM):
     defaults = {field.name: field.default for field in dataclasses.fields(type(m))}
     custom = [name for name in ("promote_dtype", "dot_general", "dot_general_cls")

@@ -247,7 +247,7 @@ def _to_sparse(node: nnx.Module, spec: Spec, mask: np.ndarray | None, path: str)
       )
     check_spec_applies(spec, kernel_shape, path=path)
     if node.mask is not None and isinstance(spec, Unstructured):
-      raise ValueError(f"{path or 'the model'}: this nnx.Conv already has a Flax weight mask, which an Unstructured "
+      raise ValueError(f"{path}: this nnx.Conv already has a Flax weight mask, which an Unstructured "
                        "structure would replace; map this path to None (its mask prunes it) or use an NM rule.")
     if isinstance(spec, NM):
       conv = node
@@ -460,7 +460,7 @@ def sparsify(
   for path, node, spec in chosen:
     p = path_str(path)
     mask = mask_dict.get(f"{p}.kernel" if p else "kernel")
-    new = _to_sparse(node, spec, None if mask is None else np.asarray(mask), p)
+    new = _to_sparse(node, spec, None if mask is None else np.asarray(mask), p or "(the model itself)")
     built.append((path, node, spec, carry_nnx(node, new)))  # sharding annotations carried over
 
   shapes = _record_inputs(model, [(p, n) for p, n, _, _ in built], example_input) if mode else {}
@@ -468,7 +468,8 @@ def sparsify(
   for path, node, spec in embeds:  # lookups, not products: nothing to time
     p = path_str(path)
     mask = mask_dict.get(f"{p}.embedding" if p else "embedding")
-    new = carry_nnx(node, _sparse_embed(node, spec, None if mask is None else np.asarray(mask), p))
+    new = carry_nnx(node, _sparse_embed(node, spec, None if mask is None else np.asarray(mask),
+                                        p or "(the model itself)"))
     if path:
       replace_module(model, path, new)
     else:

@@ -199,10 +199,11 @@ class BlockSparseLinear(nnx.Module):
         param_dtype=param_dtype, precision=precision, rngs=rngs,
     )
 
-  def __call__(self, x: jax.Array) -> jax.Array:
-    """Applies the layer to ``x`` of shape ``(..., in_features)``; returns ``(..., out_features)``."""
+  def __call__(self, inputs: jax.Array) -> jax.Array:
+    """Applies the layer to ``inputs`` of shape ``(..., in_features)`` (named as ``nnx.Linear``'s); returns
+    ``(..., out_features)``."""
     return block_sparse_apply(
-        x,
+        inputs,
         self.kernel[...],
         bias_of(self),
         {f: v[...] for f, v in self.pattern.items()},

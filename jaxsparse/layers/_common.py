@@ -166,14 +166,18 @@ M = typing.TypeVar("M")
 
 
 def with_weights(build: Callable[..., M], kernel: jax.Array, bias: jax.Array | None, /, *args: Any, **options) -> M:
-  """``build(*args, **options)`` holding ``kernel`` (its dtype as ``param_dtype``) and, if given, ``bias``.
+  """``build(*args, **options)`` holding ``kernel`` (its dtype as ``param_dtype``) and, if given, ``bias`` (in its
+  own dtype).
 
   Works on concrete and traced weights (under ``jit`` / ``nnx.eval_shape``): the kernel is passed as
   the initializer's result and the bias copied in.
   """
   layer = build(*args, param_dtype=kernel.dtype, kernel_init=lambda *_: kernel, **options)
   if bias is not None:
-    layer.bias[...] = bias
+    if jnp.result_type(bias) == layer.bias[...].dtype:
+      layer.bias[...] = bias
+    else:  # a bias of another dtype keeps it, as the layer it comes from computes with it
+      layer.bias.set_value(jnp.asarray(bias))
   return layer
 
 

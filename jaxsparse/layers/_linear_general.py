@@ -56,13 +56,14 @@ class SparseLinearGeneral(nnx.Module):
     self.dtype = dtype
     self.precision = precision
 
-  def __call__(self, x: jax.Array, out_sharding: Any = None) -> jax.Array:
+  def __call__(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
     if out_sharding is not None:
       raise NotImplementedError("SparseLinearGeneral does not take out_sharding.")
+    x = inputs  # named as nnx.LinearGeneral's
     n_in = len(self.in_features)
     if tuple(jnp.shape(x)[-n_in:]) != self.in_features or jnp.ndim(x) < n_in:
-      raise ValueError(f"x must have shape (..., {', '.join(map(str, self.in_features))}) (trailing axes "
-                       f"in_features), got x.shape={tuple(jnp.shape(x))}.")
+      raise ValueError(f"inputs must have shape (..., {', '.join(map(str, self.in_features))}) (trailing axes "
+                       f"in_features), got inputs.shape={tuple(jnp.shape(x))}.")
     batch = x.shape[: x.ndim - n_in]
     y = self.layer(x.reshape(*batch, math.prod(self.in_features)))
     return y.reshape(*batch, *self.out_features)

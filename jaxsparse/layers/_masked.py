@@ -151,10 +151,11 @@ class MaskedLinear(nnx.Module):
         param_dtype=param_dtype, precision=precision, rngs=rngs,
     )
 
-  def __call__(self, x: jax.Array) -> jax.Array:
-    """Applies the layer to ``x`` of shape ``(..., in_features)``; returns ``(..., out_features)``."""
+  def __call__(self, inputs: jax.Array) -> jax.Array:
+    """Applies the layer to ``inputs`` of shape ``(..., in_features)`` (named as ``nnx.Linear``'s); returns
+    ``(..., out_features)``."""
     return masked_apply(
-        x,
+        inputs,
         self.kernel[...],
         bias_of(self),
         self.mask[...],

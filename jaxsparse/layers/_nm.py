@@ -260,7 +260,8 @@ class NMLinear(_NMMixin, nnx.Linear):
     >>> bool((layer.pruned_kernel() == dense.kernel[...] * layer.mask).all())
     True
     """
-    linear = check_linear(linear, cls.__name__, options=False)
+    if not isinstance(linear, NMLinear):  # an NMLinear's kernel is its dense SR-STE weight: pruned again here
+      linear = check_linear(linear, cls.__name__, options=False)
     return with_weights(
         cls, linear.kernel[...], bias_of(linear), linear.in_features, linear.out_features, n=n, m=m,
         sr_ste_decay=sr_ste_decay, transposable=transposable, **linear_options(linear),
@@ -461,11 +462,12 @@ class CompressedNMLinear(nnx.Module):
         validate=False,  # read on every call; the layer built its positions (validate() checks loaded ones)
     )
 
-  def __call__(self, x: jax.Array) -> jax.Array:
-    """Applies the layer to ``x`` of shape ``(..., in_features)``; returns ``(..., out_features)``."""
+  def __call__(self, inputs: jax.Array) -> jax.Array:
+    """Applies the layer to ``inputs`` of shape ``(..., in_features)`` (named as ``nnx.Linear``'s); returns
+    ``(..., out_features)``."""
     bias = bias_of(self)
     w = self.weight
-    x, values, bias = self.promote_dtype((x, w.values, bias), dtype=self.dtype)
+    x, values, bias = self.promote_dtype((inputs, w.values, bias), dtype=self.dtype)
     if self.storage == "cusparselt" and x.dtype == values.dtype == self.kernel_buffer_dtype:
       y = _nm_matmul.nm_matmul_buffer(x, self.kernel_buffer[...], w, implementation=self.implementation,
                                       precision=self.precision, preferred_element_type=self.preferred_element_type)
