@@ -109,6 +109,81 @@ def test_masks_of_nnx_module_follow_its_param_paths():
   assert list(pruning.masks_to_dict(masks)) == ["layers.0.kernel"]
 
 
+def test_scores_and_masks_must_have_their_parameters_shape():
+  params = {"fc": {"kernel": _normal(0, (8, 4))}}
+  score, rule = np.abs(np.asarray(params["fc"]["kernel"])), jaxsparse.Unstructured(sparsity=0.5)
+  # A transposed score ((out, in), torch's layout) used to be reshaped silently into a wrong mask.
+  with pytest.raises(ValueError, match=r"fc\.kernel: scores must have the parameter's shape; got scores of shape "
+                     r"\(4, 8\) for a parameter of shape \(8, 4\) \(transposed\?"):
+    pruning.magnitude_masks(params, rule, scores={"fc": {"kernel": score.T}})
+  with pytest.raises(ValueError, match=r"fc\.kernel: scores must have the parameter's shape; .*\(4, 3\)"):
+    pruning.magnitude_masks(params, rule, scores={"fc": {"kernel": np.ones((4, 3))}})
+  with pytest.raises(ValueError, match=r"the same paths\): missing \['fc\.kernel'\], extra \['gc\.kernel'\]"):
+    pruning.magnitude_masks(params, rule, scores={"gc": {"kernel": score}})
+  # apply_masks used to broadcast a (1, 4) mask over the (8, 4) kernel.
+  with pytest.raises(ValueError, match=r"fc\.kernel: the mask has shape \(1, 4\), the parameter \(8, 4\)"):
+    pruning.apply_masks(params, {"fc": {"kernel": np.array([[False, True, True, True]])}})
+  model = nnx.Linear(8, 4, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"kernel: the mask has shape \(4, 8\), the parameter \(8, 4\)"):
+    pruning.apply_masks(model, {"kernel": np.ones((4, 8), bool), "bias": None})
+
+
+class _EmbedNet(nnx.Module):
+  def __init__(self, rngs):
+    self.embed = nnx.Embed(16, 8, rngs=rngs)
+    self.pos = nnx.Param(jax.random.normal(rngs.params(), (5, 8)))
+    self.fc = nnx.Linear(8, 4, rngs=rngs)
+
+  def __call__(self, ids):
+    return self.fc(self.embed(ids) + self.pos[...])
+
+
+def test_catch_all_rule_passes_embeddings_and_other_params_by_as_sparsify_does():
+  model, ids = _EmbedNet(nnx.Rngs(0)), jnp.arange(10).reshape(2, 5)
+  rules = {r".*": jaxsparse.Unstructured(sparsity=0.5)}
+  tx = pruning.wrap_optax(optax.sgd(1e-2), pruning.magnitude_pruner(rules))
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  optimizer.update(model, nnx.grad(lambda m: jnp.mean(m(ids) ** 2))(model))
+  masks = pruning.get_masks(optimizer)
+  assert list(pruning.masks_to_dict(masks)) == ["fc.kernel"]  # used to mask embed.embedding and pos too
+  sparse, _ = jaxsparse.sparsify(model, rules, masks=masks)  # used to refuse the embed.embedding and pos masks
+  assert isinstance(sparse.fc, jaxsparse.layers.MaskedLinear) and isinstance(sparse.embed, nnx.Embed)
+  np.testing.assert_allclose(sparse(ids), model(ids), rtol=1e-6, atol=1e-6)
+  # A rule naming a non-kernel parameter still prunes it; so does any rule when the tree holds no kernel.
+  named = pruning.magnitude_masks(model, {"embed|pos": jaxsparse.Unstructured(sparsity=0.5), ".*": None})
+  assert sorted(pruning.masks_to_dict(named)) == ["embed.embedding", "pos"]
+  raw = pruning.magnitude_masks({"w": _normal(0, (8, 8)), "pos": _normal(1, (5, 8))}, jaxsparse.Unstructured(0.5))
+  assert sorted(pruning.masks_to_dict(raw)) == ["pos", "w"]
+
+
+def test_global_block_pruning_keeps_a_block_in_every_layer():
+  params = _params()
+  params["fc1"]["kernel"] = params["fc1"]["kernel"] * 10.0  # every fc1 block outscores every fc2 block
+  rule = jaxsparse.BlockSparse(density=0.25, block_shape=(8, 8))  # 3 of the 8 + 4 blocks
+  masks = pruning.magnitude_masks(params, rule, scope="global")
+  norms = {n: np.asarray(pruning.block_magnitude_scores(params[n]["kernel"], (8, 8))).ravel() for n in ("fc1", "fc2")}
+  kept = {n: np.asarray(masks[n]["kernel"])[::8, ::8].ravel() for n in ("fc1", "fc2")}
+  assert int(kept["fc1"].sum()) == 2 and int(kept["fc2"].sum()) == 1  # fc2 used to keep no block
+  assert kept["fc2"][np.argmax(norms["fc2"])] and norms["fc1"][kept["fc1"]].min() >= norms["fc1"][~kept["fc1"]].max()
+  # Gradual pruning in the optimizer keeps one too, and sparsify builds the layers from its masks.
+  pruner = pruning.magnitude_pruner(rule, pruning.gradual(begin_step=0, end_step=4, update_every=2), scope="global")
+  history = _run(pruning.wrap_optax(optax.sgd(1e-3), pruner), params, 5)
+  assert all(int(pruning.get_masks(state)["fc2"]["kernel"].sum()) >= 64 for _, state in history)
+  params, state = history[-1]
+  final = pruning.get_masks(state)
+  assert int(final["fc1"]["kernel"].sum()) + int(final["fc2"]["kernel"].sum()) == 3 * 64
+  model = nnx.Sequential(nnx.Linear(16, 32, rngs=nnx.Rngs(0)), nnx.Linear(32, 8, rngs=nnx.Rngs(1)))
+  model.layers[0].kernel[...] = params["fc1"]["kernel"]
+  model.layers[1].kernel[...] = params["fc2"]["kernel"]
+  sparse, _ = jaxsparse.sparsify(model, rule, masks={"layers.0.kernel": final["fc1"]["kernel"],
+                                                    "layers.1.kernel": final["fc2"]["kernel"]})
+  assert [int(layer.block_mask.sum()) for layer in sparse.layers] == [2, 1]
+  # A rule over more layers than it keeps blocks (2 of 3 x 4 here) keeps one block in each.
+  small = {n: {"kernel": _normal(i, (16, 16))} for i, n in enumerate("abc")}
+  masks = pruning.magnitude_masks(small, jaxsparse.BlockSparse(density=0.125, block_shape=(8, 8)), scope="global")
+  assert [int(masks[n]["kernel"].sum()) for n in "abc"] == [64, 64, 64]
+
+
 @settings(max_examples=6, deadline=None)
 @given(
     k=st.integers(1, 12), n=st.integers(2, 12), sparsity=st.floats(0.0, 0.95), seed=st.integers(0, 2**16)
@@ -153,6 +228,18 @@ def test_gradual_schedule_is_zhu_gupta():
   updates = [t for t in range(200) if s.is_update_step(t)]
   assert updates == [10, 30, 50, 70, 90, 110]
   assert float(s.sparsity(110, 0.9)) == np.float32(0.9)
+
+
+def test_gradual_with_begin_equal_to_end_prunes_to_the_target_at_that_step():
+  s = pruning.gradual(begin_step=5, end_step=5, update_every=1, initial_sparsity=0.2)
+  assert [float(s.sparsity(t, 0.9)) for t in (4, 5, 6)] == [0.0, np.float32(0.9), np.float32(0.9)]  # 5 gave 0.2
+  assert [t for t in range(12) if s.is_update_step(t)] == [5]
+  assert float(pruning.polynomial_sparsity(0, final_sparsity=0.5, begin_step=0, end_step=0)) == 0.5
+  tx = pruning.wrap_optax(optax.sgd(1e-2), pruning.magnitude_pruner(
+      jaxsparse.Unstructured(sparsity=0.75), pruning.gradual(begin_step=0, end_step=0, update_every=1)))
+  ((params, state),) = _run(tx, _params(), 1)
+  mask = np.asarray(pruning.get_masks(state)["fc2"]["kernel"])
+  assert mask.sum() == 64 and not np.asarray(params["fc2"]["kernel"])[~mask].any()  # used to stay dense
 
 
 def test_one_shot_and_periodic_schedules():
@@ -312,6 +399,33 @@ def test_wrapper_inside_chain_and_without_params():
     tx.update(_params(), tx.init(_params()))
   with pytest.raises(ValueError, match=r"exactly one pruning\.PruningState"):
     pruning.get_masks(optax.sgd(0.1).init(_params()))
+
+
+def test_wrapper_must_be_outermost_and_a_transformation_after_it_is_caught():
+  pruner = pruning.magnitude_pruner(jaxsparse.Unstructured(sparsity=0.75))
+  # Wrong: the learning rate after the wrapper scales its -param updates, so pruned weights stay (and grow).
+  wrong = optax.chain(pruning.wrap_optax(optax.scale_by_adam(), pruner), optax.scale_by_learning_rate(1e-2))
+  params, state = _run(wrong, _params(), 3)[-1]
+  masks = pruning.get_masks(state, check=False)
+  assert np.asarray(params["fc1"]["kernel"])[~np.asarray(masks["fc1"]["kernel"])].all()
+  assert int(jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, pruning.PruningState))[0].pruned_nonzero) == 2
+  with pytest.raises(ValueError, match=r"2 of 3 updates of pruning\.wrap_optax found weights that its masks prune "
+                     r"not zero.*wrap_optax must be the last transformation"):
+    pruning.get_masks(state)  # used to hand out masks that do not describe the trained weights
+  # Right: the whole chain inside the wrapper.
+  right = pruning.wrap_optax(optax.chain(optax.scale_by_adam(), optax.scale_by_learning_rate(1e-2)), pruner)
+  params, state = _run(right, _params(), 3)[-1]
+  masks = pruning.get_masks(state)
+  assert int(state.pruned_nonzero) == 0
+  for name in ("fc1", "fc2"):
+    np.testing.assert_array_equal(np.asarray(params[name]["kernel"])[~np.asarray(masks[name]["kernel"])], 0.0)
+  # The nnx.Optimizer path reports it too.
+  model, x = nnx.Linear(16, 8, rngs=nnx.Rngs(0)), _normal(0, (4, 16))
+  optimizer = nnx.Optimizer(model, wrong, wrt=nnx.Param)
+  for _ in range(2):
+    optimizer.update(model, nnx.grad(lambda m: jnp.mean(m(x) ** 2))(model))
+  with pytest.raises(ValueError, match="1 of 2 updates"):
+    pruning.get_masks(optimizer)
 
 
 def test_masks_save_and_load(tmp_path):

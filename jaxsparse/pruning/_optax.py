@@ -9,6 +9,11 @@
 * resets the inner optimizer's per-parameter state (momentum, second moments) wherever a weight is
   pruned or newly grown, so a stale moment never resurrects or kicks a weight.
 
+That guarantee needs the wrapper's updates to reach ``optax.apply_updates`` unchanged: it must be the last
+transformation of a chain (wrap the whole chain, ``wrap_optax(optax.chain(scale_by_adam(), scale_by_learning_rate(lr)),
+pruner)``). The state counts the updates that found a pruned weight not zero, and :func:`get_masks` refuses such
+a state.
+
 The masks live in :class:`PruningState` (``state.masks``, a tree with the parameters' structure):
 plain data that :func:`get_masks` reads back from an ``nnx.Optimizer``, a Linen ``TrainState`` or a
 raw optax state, to save or to hand to :func:`jaxsparse.sparsify`.
@@ -22,6 +27,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax import lax
@@ -86,8 +92,8 @@ class PruningState(NamedTuple):
   >>> from jaxsparse import pruning
   >>> tx = pruning.wrap_optax(optax.adam(1e-3), pruning.magnitude_pruner(jaxsparse.Unstructured(sparsity=0.5)))
   >>> state = tx.init({"w": jnp.arange(4.0).reshape(2, 2)})
-  >>> isinstance(state, pruning.PruningState), int(state.count)
-  (True, 0)
+  >>> isinstance(state, pruning.PruningState), int(state.count), int(state.pruned_nonzero)
+  (True, 0, 0)
   >>> state.masks["w"].tolist()
   [[False, False], [True, True]]
 
@@ -96,12 +102,17 @@ class PruningState(NamedTuple):
     key: the PRNG key for the pruner's random choices, split at every step.
     masks: a tree with the parameters' structure: a bool array per pruned parameter, ``None`` elsewhere.
     inner_state: the state of the wrapped optimizer.
+    pruned_nonzero: int32 scalar, the number of ``update`` calls (after the first) whose ``params`` had a nonzero
+      weight where the previous update's masks prune: the wrapper's updates did not reach the parameters
+      unchanged (a transformation after it in a chain), or the parameters were changed by hand. :func:`get_masks`
+      raises while it is not 0.
   """
 
   count: jax.Array
   key: jax.Array
   masks: Any
   inner_state: Any
+  pruned_nonzero: jax.Array
 
 
 def magnitude_pruner(
@@ -178,6 +189,15 @@ def _where_masked(masks: Any, kept: Any, pruned: Callable[[Any], Any], tree: Any
   return jax.tree.map(f, masks, kept, tree, is_leaf=_is_none)
 
 
+def _any_pruned_nonzero(masks: Any, params: Any) -> jax.Array:
+  """Bool scalar: whether any weight of ``params`` is nonzero where ``masks`` prune it."""
+  found = jax.tree.map(
+      lambda m, p: None if m is None else jnp.any((jnp.asarray(p) != 0) & ~m), masks, params, is_leaf=_is_none
+  )
+  leaves = jax.tree.leaves(found)
+  return jnp.any(jnp.stack(leaves)) if leaves else jnp.zeros((), bool)
+
+
 def _keep_tree(masks: Any, params: Any) -> Any:
   """Masks with every unmasked leaf replaced by a scalar ``True``: a tree with the parameters' structure."""
   return jax.tree.map(lambda m, p: jnp.ones((), bool) if m is None else m, masks, params, is_leaf=_is_none)
@@ -214,6 +234,22 @@ def wrap_optax(
   2. runs ``inner`` on the gradients zeroed at pruned weights;
   3. returns the inner updates at kept weights and ``-params`` at pruned ones.
 
+  The ``-params`` updates zero the pruned weights only if they reach ``optax.apply_updates`` as they are, so the
+  wrapper must be the **outermost** transformation: the last one of an ``optax.chain``, with everything that
+  scales or adds to the updates (learning rate, weight decay) inside it. Transformations before it (gradient
+  clipping) are fine:
+
+  >>> lr = 1e-2
+  >>> pruner = pruning.magnitude_pruner(jaxsparse.Unstructured(sparsity=0.75))
+  >>> tx = pruning.wrap_optax(optax.chain(optax.scale_by_adam(), optax.scale_by_learning_rate(lr)), pruner)  # right
+  >>> tx = optax.chain(optax.clip_by_global_norm(1.0), pruning.wrap_optax(optax.adam(lr), pruner))  # right
+  >>> tx = optax.chain(pruning.wrap_optax(optax.scale_by_adam(), pruner), optax.scale_by_learning_rate(lr))  # WRONG
+
+  In the last one ``scale_by_learning_rate`` turns ``-param`` into ``lr * param``, so pruned weights grow instead
+  of vanishing. No sound correction exists from inside the chain; instead every update (from the second on)
+  checks that the weights the masks prune are zero, counts the updates where they are not in
+  ``PruningState.pruned_nonzero``, and :func:`get_masks` then raises.
+
   Args:
     inner: the optimizer to wrap.
     pruner: :func:`magnitude_pruner`, :func:`set_pruner`, :func:`rigl_pruner` or your own
@@ -234,7 +270,7 @@ def wrap_optax(
     key, init_key = jax.random.split(jax.random.PRNGKey(seed))
     _, leaves, treedef = flatten_with_paths(params)
     masks = jax.jit(pruner.init)(jax.tree_util.tree_unflatten(treedef, leaves), init_key)
-    return PruningState(jnp.zeros((), jnp.int32), key, masks, inner.init(params))
+    return PruningState(jnp.zeros((), jnp.int32), key, masks, inner.init(params), jnp.zeros((), jnp.int32))
 
   def reset(inner_state, new_masks, old_masks, params):
     keep = _keep_tree(jax.tree.map(lambda n, o: n & o, new_masks, old_masks), params)
@@ -247,6 +283,9 @@ def wrap_optax(
       raise ValueError("pruning.wrap_optax needs params: call tx.update(grads, state, params).")
     step = state.count
     key, update_key = jax.random.split(state.key)
+    # After an update, the weights its masks prune are zero, unless something changed the updates on the way.
+    stray = (step > 0) & _any_pruned_nonzero(state.masks, params)
+    pruned_nonzero = state.pruned_nonzero + stray.astype(jnp.int32)
 
     def mask_update(masks, inner_state):
       new = pruner.update(masks, params, updates, step, update_key)
@@ -260,16 +299,16 @@ def wrap_optax(
     grads = _where_masked(masks, updates, jnp.zeros_like, updates)
     new_updates, inner_state = inner.update(grads, inner_state, params, **extra_args)
     new_updates = _where_masked(masks, new_updates, jnp.negative, params)
-    return new_updates, PruningState(step + 1, key, masks, inner_state)
+    return new_updates, PruningState(step + 1, key, masks, inner_state, pruned_nonzero)
 
   return optax.GradientTransformationExtraArgs(init, update)
 
 
-def get_masks(state: Any) -> Any:
+def get_masks(state: Any, *, check: bool = True) -> Any:
   """The masks held by a :func:`wrap_optax` state, as a tree of bool arrays (and ``None``).
 
   Accepts the raw optax state, an ``nnx.Optimizer`` or its ``opt_state``, or a Linen ``TrainState``;
-  the :class:`PruningState` may be nested in other optax states (``optax.chain``).
+  the :class:`PruningState` may be nested in other optax states (``optax.chain``, with :func:`wrap_optax` last).
 
   >>> import jax.numpy as jnp, optax, jaxsparse
   >>> from jaxsparse import pruning
@@ -282,13 +321,17 @@ def get_masks(state: Any) -> Any:
   Args:
     state: the state of an optimizer that contains :func:`wrap_optax`: a raw optax state, an ``nnx.Optimizer``
       or its ``opt_state``, or an object with an ``opt_state`` attribute (a Linen ``TrainState``).
+    check: raise when the state recorded pruned weights that were not zero (``PruningState.pruned_nonzero``);
+      ``False`` reads the masks anyway (inside ``jit`` there is no check).
 
   Returns:
     The masks, a tree with the parameters' structure: a bool array of each pruned parameter's shape, ``None``
     for the parameters no rule matched.
 
   Raises:
-    ValueError: when there is no :class:`PruningState` in ``state``.
+    ValueError: when there is no :class:`PruningState` in ``state``, or (``check``) when an update found weights
+      that the masks prune not zero, so the masks do not describe the trained parameters: a transformation after
+      :func:`wrap_optax` in an ``optax.chain`` changed its updates (see :func:`wrap_optax`).
   """
   if isinstance(state, nnx.Optimizer):
     state = state.opt_state
@@ -302,7 +345,22 @@ def get_masks(state: Any) -> Any:
     raise ValueError(
         f"state must hold exactly one pruning.PruningState (the state of pruning.wrap_optax), found {len(found)}."
     )
-  return unwrap_variables(found[0].masks)
+  pruning_state = unwrap_variables(found[0])
+  try:
+    stray = int(pruning_state.pruned_nonzero) if check else 0
+  except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError):
+    stray = 0  # inside jit: nothing to check
+  if stray:
+    raise ValueError(
+        f"{stray} of {int(pruning_state.count)} updates of pruning.wrap_optax found "
+        "weights that its masks prune not zero, so the masks do not describe the trained parameters (a model "
+        "sparsified with them would differ from the trained one). A transformation after wrap_optax changed its "
+        "updates: wrap_optax must be the last transformation, with the learning rate and everything else that "
+        "changes updates inside it, e.g. pruning.wrap_optax(optax.chain(optax.scale_by_adam(), "
+        "optax.scale_by_learning_rate(lr)), pruner), not optax.chain(pruning.wrap_optax(optax.scale_by_adam(), "
+        "pruner), optax.scale_by_learning_rate(lr)). If you changed the parameters yourself, pass check=False."
+    )
+  return pruning_state.masks
 
 
 def apply_masks(target: Any, masks: Any) -> Any:
@@ -320,14 +378,35 @@ def apply_masks(target: Any, masks: Any) -> Any:
   Args:
     target: a parameter tree with the masks' structure, or an ``nnx.Module`` whose ``nnx.Param``
       state has it.
-    masks: from :func:`get_masks` or :func:`magnitude_masks`.
+    masks: from :func:`get_masks` or :func:`magnitude_masks`: a bool array of its parameter's exact shape (never
+      broadcast) or ``None`` per leaf.
 
   Returns:
     For a parameter tree, a new tree with the pruned entries set to zero (same shapes and dtypes; a leaf
     whose mask is ``None`` is kept as it is); for an ``nnx.Module``, ``target`` itself, updated in place.
+
+  Raises:
+    ValueError: naming the path, for a mask whose shape is not its parameter's.
   """
   if isinstance(target, nnx.Module):
     params = nnx.as_pure(nnx.state(target, nnx.Param))
     nnx.update(target, apply_masks(params, masks))
     return target
+  _check_mask_shapes(masks, target)
   return _where_masked(masks, target, jnp.zeros_like, target)
+
+
+def _check_mask_shapes(masks: Any, target: Any) -> None:
+  """Raises, naming the path, for a mask whose shape is not its parameter's (a mask is never broadcast)."""
+  mask_paths, mask_leaves, _ = flatten_with_paths(masks)
+  target_paths, target_leaves, _ = flatten_with_paths(target)
+  shapes = {p: tuple(np.shape(x)) for p, x in zip(target_paths, target_leaves, strict=True)}
+  for path, m in zip(mask_paths, mask_leaves, strict=True):
+    if path not in shapes:
+      raise ValueError(f"masks has a mask at {path!r}, where the parameters have none; parameters: "
+                       f"{', '.join(list(shapes)[:12])}{' ...' if len(shapes) > 12 else ''}.")
+    if tuple(np.shape(m)) != shapes[path]:
+      raise ValueError(
+          f"{path}: the mask has shape {tuple(np.shape(m))}, the parameter {shapes[path]}; a mask must have its "
+          "parameter's shape (it is not broadcast)."
+      )

@@ -95,8 +95,9 @@ def polynomial_sparsity(
     step: the step ``t``, an int or a scalar array (may be traced).
     final_sparsity: ``s_f``, reached at ``end_step`` and kept after it.
     begin_step: ``t0``, the first step of the ramp.
-    end_step: ``t1``, the step at which ``final_sparsity`` is reached.
-    initial_sparsity: ``s_i``, the sparsity at ``begin_step``.
+    end_step: ``t1``, the step at which ``final_sparsity`` is reached. With ``end_step == begin_step`` there is
+      no ramp: the sparsity jumps from 0 to ``final_sparsity`` at that step.
+    initial_sparsity: ``s_i``, the sparsity at ``begin_step`` (unless ``begin_step == end_step``).
     power: the exponent of the ramp; 3 (the paper's) prunes fast early and slowly near the end.
 
   Returns:
@@ -106,7 +107,7 @@ def polynomial_sparsity(
   t = jnp.asarray(step, jnp.float32)
   frac = jnp.clip((t - begin_step) / max(end_step - begin_step, 1), 0.0, 1.0)
   s = jnp.float32(final_sparsity) + jnp.float32(initial_sparsity - final_sparsity) * (1.0 - frac) ** power
-  s = jnp.where(frac >= 1.0, jnp.float32(final_sparsity), s)
+  s = jnp.where((frac >= 1.0) | (t >= end_step), jnp.float32(final_sparsity), s)  # end_step wins a tie with begin
   return jnp.where(t < begin_step, jnp.float32(0.0), s)
 
 
@@ -117,7 +118,8 @@ def gradual(
 
   Masks are recomputed every ``update_every`` steps from ``begin_step`` and at ``end_step``; at step
   ``t`` the sparsity is ``s_f + (s_i - s_f) (1 - (t - begin) / (end - begin))^power`` (``s_f``: the
-  structure's target, ``s_i``: ``initial_sparsity``), and ``s_f`` from ``end_step`` on.
+  structure's target, ``s_i``: ``initial_sparsity``), and ``s_f`` from ``end_step`` on. ``begin_step == end_step``
+  prunes once, straight to the target, at that step (like ``one_shot(step=begin_step)``).
 
   >>> from jaxsparse import pruning
   >>> s = pruning.gradual(begin_step=100, end_step=1000, update_every=100)
@@ -125,10 +127,14 @@ def gradual(
   [0.0, 0.0, 0.787, 0.9]
   >>> [bool(s.is_update_step(t)) for t in (50, 100, 150, 200, 1000, 1100)]
   [False, True, False, True, True, False]
+  >>> s = pruning.gradual(begin_step=0, end_step=0, update_every=1)  # one-shot pruning at step 0
+  >>> round(float(s.sparsity(0, 0.9)), 3), [t for t in range(3) if s.is_update_step(t)]
+  (0.9, [0])
 
   Args:
     begin_step: the first step at which masks are computed (at ``initial_sparsity``).
-    end_step: the step at which the target sparsity is reached (``>= begin_step``); the last update step.
+    end_step: the step at which the target sparsity is reached (``>= begin_step``); the last update step. Equal
+      to ``begin_step``: the target is reached at that one update step.
     update_every: steps between mask updates, ``>= 1``.
     initial_sparsity: ``s_i`` in ``[0, 1)``, capped at each structure's target.
     power: the exponent of the ramp, ``> 0``.

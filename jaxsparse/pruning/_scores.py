@@ -7,7 +7,9 @@ inside ``jit``), so selection ranks the scores instead of slicing a sorted list.
 A mask tree has the structure of the parameter tree; a leaf is a bool array of the parameter's
 shape for a pruned parameter and ``None`` for one that is never pruned: only parameters with two or
 more axes are pruned, and never a ``bias`` (``nn.MultiHeadAttention``'s q/k/v biases are 2-D), as
-:func:`jaxsparse.sparsify` never sparsifies one.
+:func:`jaxsparse.sparsify` never sparsifies one. A parameter not named ``kernel`` (an ``nnx.Embed`` table, a
+positional ``nnx.Param``) is pruned only by a rule that matches no kernel (a rule naming it), so a catch-all
+rule prunes what :func:`jaxsparse.sparsify` sparsifies under it and no more.
 
 Blocks and N:M groups are taken on the kernel's 2-D view (``jaxsparse.formats._specs.matrix_shape``),
 the one :func:`jaxsparse.sparsify` and :mod:`jaxsparse.torch_interop` use. Its input axes are the ones
@@ -26,6 +28,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxsparse import _utils
@@ -188,6 +191,10 @@ def plan(
 ) -> tuple[list[str], list[Any], Any, list[Target]]:
   """Flattens ``tree`` and gives each leaf with ``ndim >= 2`` (not a ``bias``) the structure of its first matching rule.
 
+  A leaf not named ``kernel`` (an ``embedding`` table, a positional ``nnx.Param``) takes it only when that rule
+  matches no ``kernel`` leaf nor its layer: catch-all rules pass it by, as :func:`jaxsparse.sparsify` passes
+  embeddings by (so a tree of raw arrays without kernels, ``{"w": ...}``, is pruned as before).
+
   A leaf's 2-D view takes its input axes from the first pattern of ``views`` that matches it (as rules
   match), else from its layer's bias (:func:`~jaxsparse._rules.kernel_in_ndim`). Raises ``ValueError``
   naming the path when a structure (or a given view) cannot apply to a leaf, and (``warn``) warns about
@@ -198,6 +205,8 @@ def plan(
   paths, leaves, treedef = flatten_with_paths(tree)
   biases = {path.rpartition(".")[0]: tuple(getattr(leaf, "shape", ())) for path, leaf in zip(paths, leaves, strict=True)
             if path.rpartition(".")[2] == "bias"}
+  kernels = [q for path, leaf in zip(paths, leaves, strict=True) if path.rpartition(".")[2] == "kernel"
+             and len(getattr(leaf, "shape", ())) >= 2 for q in (path, path.rpartition(".")[0]) if q]
   targets, available = [], []
   for i, (path, leaf) in enumerate(zip(paths, leaves, strict=True)):
     shape = tuple(getattr(leaf, "shape", ()))
@@ -209,8 +218,8 @@ def plan(
     if r is None:
       continue
     spec = resolved[r][2]
-    if spec is None:
-      continue
+    if spec is None or (name != "kernel" and any(resolved[r][1].fullmatch(q) for q in kernels)):
+      continue  # a rule that also matches kernels passes other parameters (embeddings) by, as sparsify does
     v = match_rules(resolved_views, path, owner=owner)
     if v is None:
       in_ndim = kernel_in_ndim(shape, biases.get(owner))
@@ -248,7 +257,8 @@ def masks_at(
     sparsity: callable ``spec -> sparsity`` (in the units of the spec: blocks for ``BlockSparse``),
       evaluated once per rule.
     scope: ``"layer"`` (each leaf keeps its own count) or ``"global"`` (one threshold over all leaves
-      of the same rule; ``NM`` rules are always per group).
+      of the same rule, each ``BlockSparse`` leaf keeping at least its best block; ``NM`` rules are always per
+      group).
     prior: element masks currently in force (per target); a pruned unit only comes back when the
       count grows.
     scores: per-target scores of the leaf's shape; default ``|w|`` with blocks scored by their norm.
@@ -279,12 +289,18 @@ def masks_at(
   for members in groups.values():
     spec = targets[members[0]].spec
     total = sum(targets[j].units for j in members)
+    member_scores = [unit_scores[j] for j in members]
     if isinstance(spec, BlockSparse):
       kept_final = _utils.kept_count(spec.density, total)
+      # A block-sparse layer needs a block (jaxsparse.sparsify builds none from an empty block mask): each layer's
+      # best block ranks first, and the count grows to one block per layer if it must.
+      member_scores = [s.at[jnp.argmax(s)].set(jnp.inf) for s in member_scores]
     else:
       kept_final = total - _utils.kept_count(spec.sparsity, total)
-    joint = rank_mask(jnp.concatenate([unit_scores[j] for j in members]), kept_at(
-        total, kept_final, sparsity(spec), spec.target_sparsity))
+    kept = kept_at(total, kept_final, sparsity(spec), spec.target_sparsity)
+    if isinstance(spec, BlockSparse):
+      kept = jnp.maximum(kept, len(members))
+    joint = rank_mask(jnp.concatenate(member_scores), kept)
     start = 0
     for j in members:
       u = targets[j].units
@@ -343,11 +359,17 @@ def magnitude_masks(
       or ``{regex: structure or None}``. A pattern matches a leaf when it fully matches its dotted
       path (``"layers.0.kernel"``) or the path of the layer holding it (``"layers.0"``), so the
       rules of :func:`jaxsparse.sparsify` work unchanged; the first match wins and ``None`` keeps
-      the leaf dense.
+      the leaf dense. As in sparsify, a leaf not named ``kernel`` (an embedding table ``embed.embedding``, a 2-D
+      ``nnx.Param``) is pruned only by a rule that matches no ``kernel`` (nor its layer), such as ``r"embed"``;
+      a catch-all rule like ``r".*"`` passes it by when the tree holds kernels.
     scope: ``"layer"``: each leaf keeps its own fraction; ``"global"``: one threshold over all
-      leaves of the same rule, so layers end up with different sparsities (``NM`` is per group).
-    scores: optional tree like ``params`` of per-weight scores (higher is kept) used instead of
-      ``|w|``; a block then scores the sum of its weights' scores.
+      leaves of the same rule, so layers end up with different sparsities (``NM`` is per group). Under a
+      ``BlockSparse`` rule every leaf keeps at least its best block, which :func:`jaxsparse.sparsify` needs to
+      build the layer (so a rule over more layers than it keeps blocks keeps one block per layer, above its
+      density); an ``Unstructured`` leaf may lose all its weights.
+    scores: optional tree like ``params`` (the same paths) of per-weight scores (higher is kept) used instead
+      of ``|w|``, each of its parameter's shape (``ValueError`` otherwise); a block then scores the sum of its
+      weights' scores.
     views: ``{regex: input axes}``: the number of leading input axes of the kernels a pattern matches
       (matched like ``rules``, first match wins), so that blocks and N:M groups are taken on the 2-D view
       :func:`jaxsparse.sparsify` uses. Without one, a kernel whose layer has a bias of ``d`` axes has ``d``
@@ -360,19 +382,38 @@ def magnitude_masks(
     for the others.
   """
   params = _params_of(params)
-  _, leaves, treedef, targets = plan(params, rules, views=views)
+  paths, leaves, treedef, targets = plan(params, rules, views=views)
   score_list = None
   if scores is not None:
-    _, score_leaves, _ = flatten_with_paths(_params_of(scores))
-    if len(score_leaves) != len(leaves):
-      raise ValueError(f"scores must have the structure of params: {len(score_leaves)} vs {len(leaves)} leaves.")
-    score_list = [score_leaves[t.index] for t in targets]
+    score_list = _target_scores(_params_of(scores), paths, targets)
   check_scope(scope)
   # One compiled computation is much cheaper than dispatching its dozens of small ops one by one.
   compute = jax.jit(
       lambda leaves, s: masks_at(leaves, targets, lambda spec: spec.target_sparsity, scope=scope, scores=s)
   )
   return unflatten_masks(treedef, len(leaves), targets, compute(leaves, score_list))
+
+
+def _target_scores(scores: Any, paths: Sequence[str], targets: Sequence[Target]) -> list[Any]:
+  """The score array of each target, checked: ``scores`` must have the parameters' paths and each target's shape."""
+  score_paths, score_leaves, _ = flatten_with_paths(scores)
+  if list(score_paths) != list(paths):
+    missing, extra = sorted(set(paths) - set(score_paths)), sorted(set(score_paths) - set(paths))
+    raise ValueError(
+        f"scores must have the structure of params (the same paths): missing {missing[:8]}, extra {extra[:8]}"
+        + ("." if missing or extra else f"; got the paths in another order: {list(score_paths)[:8]}.")
+    )
+  out = []
+  for t in targets:
+    shape = tuple(np.shape(score_leaves[t.index]))
+    if shape != t.shape:
+      hint = " (transposed? torch lays weights out (out, in), Flax (in, out))" if shape == t.shape[::-1] else ""
+      raise ValueError(
+          f"{t.path}: scores must have the parameter's shape; got scores of shape {shape} for a parameter of shape "
+          f"{t.shape}{hint}."
+      )
+    out.append(score_leaves[t.index])
+  return out
 
 
 def _params_of(tree: Any) -> Any:
