@@ -6,13 +6,21 @@ is allowed, so bad input fails early and readably.
 
 from __future__ import annotations
 
+import math
 import numbers
+import operator
+import os
+import secrets
+import stat
 import sys
 import warnings
+from collections.abc import Callable
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def check_block_shape(block_shape: object, shape: Sequence[int], *, name: str = "block_shape") -> tuple[int, int]:
@@ -33,6 +41,41 @@ def check_block_shape(block_shape: object, shape: Sequence[int], *, name: str = 
         f"{k} % {bk} = {k % bk}, {n} % {bn} = {n % bn}. Choose block sizes that divide both dimensions."
     )
   return bk, bn
+
+
+def _integral(value: object) -> int | None:
+  """``value`` as an int when it is one (also a NumPy / JAX integer scalar or an integral float), else ``None``."""
+  if isinstance(value, bool | np.bool_):
+    return None
+  try:
+    return operator.index(value)
+  except TypeError:
+    pass
+  if isinstance(value, numbers.Real) and math.isfinite(value) and float(value).is_integer():
+    return int(value)
+  return None
+
+
+def check_dims(value: object, *, name: str, ndim: int | None = None, minimum: int = 0) -> tuple[int, ...]:
+  """Returns ``value`` (a shape or a block shape) as a tuple of ints, each at least ``minimum``.
+
+  Raises a ``ValueError`` naming ``name`` for a non-sequence, a wrong length (when ``ndim`` is given), a
+  non-integral entry (``16.9``; ``16.0`` is taken as ``16``) or an entry below ``minimum``.
+  """
+  try:
+    dims = tuple(value)
+  except TypeError:
+    dims = None
+  want = f"{ndim} ints" if ndim is not None else "a sequence of ints"
+  if dims is None or (ndim is not None and len(dims) != ndim):
+    raise ValueError(f"{name} must be {want}, got {value!r}.")
+  ints = [_integral(d) for d in dims]
+  if None in ints:
+    bad = dims[ints.index(None)]
+    raise ValueError(f"{name} must be {want}, got {value!r} ({bad!r} is not an integer).")
+  if any(d < minimum for d in ints):
+    raise ValueError(f"{name} must be {want} >= {minimum}, got {tuple(ints)}.")
+  return tuple(ints)
 
 
 def check_density(density: object, *, name: str = "density") -> float:
@@ -145,3 +188,35 @@ def warn_at_caller(message: str, category: type[Warning] = FallbackWarning) -> N
   while frame is not None and (frame.f_globals.get("__name__") or "").split(".")[0] in _INTERNAL_MODULES:
     frame, level = frame.f_back, level + 1
   warnings.warn(message, category, stacklevel=level + 1)
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[str], Any]) -> None:
+  """Has ``write(tmp)`` fill a new file next to ``path``, then renames it to ``path``.
+
+  Readers see the old file or the complete new one, never a partial one, and a failure leaves no file behind.
+  The file gets the mode ``open(path, "w")`` would give it: an existing file's mode, else ``0o666`` less the
+  umask, whatever mode ``write`` left (``tempfile.mkstemp`` and safetensors' ``save_file`` leave ``0o600``,
+  which other users and serving processes cannot read).
+
+  Args:
+    path: the file to write; its directory must exist.
+    write: called once with the temporary file's path (an empty file); writes the content there.
+  """
+  path = os.fspath(path)
+  directory, name = os.path.split(os.path.abspath(path))
+  while True:  # mkstemp's O_EXCL loop, but with open()'s 0o666, from which the kernel removes the umask
+    tmp = os.path.join(directory, f".{name}.{secrets.token_hex(4)}.tmp")
+    try:
+      os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+      break
+    except FileExistsError:
+      continue
+  try:
+    mode = stat.S_IMODE(os.stat(path if os.path.isfile(path) else tmp).st_mode)
+    write(tmp)
+    os.chmod(tmp, mode)  # write may have replaced the file: safetensors writes its own 0o600 file and renames it
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise

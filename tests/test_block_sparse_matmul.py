@@ -121,6 +121,19 @@ def test_vmap_over_x_and_data():
   assert_close(g, g_ref, jnp.float32)
 
 
+def test_vmap_of_numpy_inputs_matches_jax_inputs():
+  # vmap hands NumPy inputs to the kernels' batching rule as NumPy; a per-element rule must still slice them.
+  x, ws = _make(6, 16, 24, (8, 8), _random_mask(0.7), lead=(2, 3))
+  xs = np.asarray(x)
+  per_example_grad = jax.vmap(jax.grad(lambda xi: (block_sparse_matmul(xi, ws) ** 2).sum()))
+  assert_close(per_example_grad(xs), per_example_grad(jnp.asarray(xs)), jnp.float32)
+  stacked = jax.tree_util.tree_map(lambda a: np.stack([np.asarray(a)] * 2), ws)
+  y = jax.vmap(block_sparse_matmul)(xs, stacked)
+  assert_close(y, block_sparse_matmul_reference(x, ws), jnp.float32)
+  per_example_dw = jax.vmap(jax.grad(lambda d, xi: block_sparse_matmul(xi, ws.with_data(d)).sum()), in_axes=(None, 0))
+  assert_close(per_example_dw(np.asarray(ws.data), xs), per_example_dw(ws.data, x), jnp.float32)
+
+
 def test_grad_through_pytree_and_second_use():
   x, ws = _make(5, 64, 64, (16, 16), _random_mask(0.5))
   gw = jax.grad(lambda w: jnp.sum(block_sparse_matmul(x, w) ** 2), allow_int=True)(ws)

@@ -331,8 +331,12 @@ def test_block_data_shape_is_checked():
   c = _csr()
   with pytest.raises(ValueError, match=r"CSRMatrix.data must have shape \(\d+,\)"):
     CSRMatrix.from_index_arrays(c.data[:, None], _index_dict(c), shape=c.shape)
-  with pytest.raises(ValueError, match=r"CSRMatrix.row_indices must be an int32 array of shape \(\d+,\)"):
+  # The index arrays agree with each other: data is the array of the wrong length.
+  with pytest.raises(ValueError, match=r"CSRMatrix.data holds \d+ entries .* but the index arrays have shape \(\d+,\)"):
     CSRMatrix.from_index_arrays(c.data[:-1], _index_dict(c), shape=c.shape)
+  bad = {**_index_dict(c), "col_indices": _index_dict(c)["col_indices"][:-1]}
+  with pytest.raises(ValueError, match=r"CSRMatrix.col_indices must be an int32 array of shape \(\d+,\)"):
+    CSRMatrix.from_index_arrays(c.data, bad, shape=c.shape)
 
 
 def _nm(shape=(16, 6), n=2, m=4, axis=0):

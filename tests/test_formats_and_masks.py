@@ -105,6 +105,79 @@ def test_bad_input(call, exc, match):
     call(w)
 
 
+@pytest.mark.parametrize(
+    "static,match",
+    [
+        ({"shape": (16.9, 24.2)}, r"BlockSparseMatrix.shape must be 2 ints, got \(16.9, 24.2\) \(16.9 is not an int"),
+        ({"block_shape": (8.9, 8)}, r"BlockSparseMatrix.block_shape must be 2 ints, got \(8.9, 8\)"),
+        ({"shape": (16, 24, 1)}, r"BlockSparseMatrix.shape must be 2 ints, got \(16, 24, 1\)"),
+        ({"shape": 16}, r"BlockSparseMatrix.shape must be 2 ints, got 16"),
+        ({"shape": (-16, 24)}, r"BlockSparseMatrix.shape must be 2 ints >= 0, got \(-16, 24\)"),
+        ({"block_shape": (0, 8)}, r"BlockSparseMatrix.block_shape must be 2 ints >= 1, got \(0, 8\)"),
+        ({"block_shape": (True, 8)}, r"BlockSparseMatrix.block_shape must be 2 ints, got \(True, 8\)"),
+    ],
+)
+def test_static_fields_are_checked_not_truncated(static, match):
+  w = jaxsparse.BlockSparseMatrix.from_dense(np.ones((16, 24), np.float32), (8, 8))
+  with pytest.raises(ValueError, match=match):
+    jaxsparse.BlockSparseMatrix.from_index_arrays(w.data, w.index_arrays(), **{"shape": (16, 24), "block_shape": (8, 8),
+                                                                               **static})
+  # Integral values of any integer type (and integral floats) are taken as ints.
+  same = jaxsparse.BlockSparseMatrix.from_index_arrays(
+      w.data, w.index_arrays(), shape=(np.int64(16), 24.0), block_shape=(jnp.int32(8), 8)
+  )
+  assert same.shape == (16, 24) and same.block_shape == (8, 8) and all(type(d) is int for d in same.shape)
+
+
+def _rebuilt(m, **change):
+  """``m`` with some leaves replaced through ``tree_unflatten`` (as a restored checkpoint is: no constructor)."""
+  leaves = [change.get(f, getattr(m, f)) for f in ("data", *type(m).INDEX_FIELDS)]
+  return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(m), leaves)
+
+
+_W9 = jaxsparse.BlockSparseMatrix.from_dense(np.ones((16, 24), np.float32), (8, 8),
+                                             block_mask=np.array([[1, 0, 1], [0, 1, 1]], bool))
+_C9 = jaxsparse.CSRMatrix.from_dense(np.eye(16, 24, dtype=np.float32))
+
+
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda x: jaxsparse.ops.block_sparse_matmul(x, _rebuilt(_W9, col_offsets=_W9.col_offsets[:-1])),
+         r"BlockSparseMatrix.col_offsets must be an int32 array of shape \(4,\).*got int32 \(3,\)"),
+        (lambda x: jaxsparse.ops.block_sparse_matmul(x, _rebuilt(_W9, row_indices=_W9.row_indices[:-1])),
+         r"BlockSparseMatrix.row_indices must be an int32 array of shape \(4,\)"),
+        (lambda x: jaxsparse.ops.block_sparse_matmul(x, _rebuilt(_W9, row_indices=_W9.row_indices.astype(jnp.int16))),
+         r"BlockSparseMatrix.row_indices must be an int32 array .*got int16"),
+        (lambda x: jax.grad(lambda x: jaxsparse.ops.block_sparse_matmul(
+            x, _rebuilt(_W9, row_offsets=_W9.row_offsets[:-1])).sum())(x),
+         r"BlockSparseMatrix.row_offsets must be an int32 array of shape \(3,\)"),
+        (lambda x: jaxsparse.ops.sparse_matmul(x, _rebuilt(_C9, data=_C9.data[:-1])),
+         r"CSRMatrix.data holds 15 entries .* but the index arrays have shape \(16,\)"),
+        (lambda x: jax.jit(lambda d, r: jaxsparse.ops.block_sparse_matmul(x, jaxsparse.BlockSparseMatrix(
+            d, **{**_W9.index_arrays(), "row_indices": r}, shape=(16, 24), block_shape=(8, 8))))(
+                _W9.data, _W9.row_indices[:3]),
+         r"BlockSparseMatrix.row_indices must be an int32 array of shape \(4,\)"),
+    ],
+    ids=["col_offsets-short", "row_indices-short", "row_indices-int16", "grad-row_offsets-short", "csr-data-short",
+         "built-under-jit"],
+)
+def test_malformed_index_arrays_reaching_the_ops_name_the_field(call, match):
+  with pytest.raises(ValueError, match=match):
+    call(np.ones((4, 16), np.float32))
+
+
+def test_zero_size_blocks_and_bad_nm_shapes_are_rejected():
+  with pytest.raises(ValueError, match=r"data must be 3-D \(nnz_blocks, bk, bn\) with bk, bn >= 1, got shape \(6, 0,"):
+    jaxsparse.BlockSparseMatrix.from_block_mask(np.ones((2, 3), bool), np.ones((6, 0, 8), np.float32))
+  c = jaxsparse.CSRMatrix.from_dense(np.eye(4, dtype=np.float32))
+  with pytest.raises(ValueError, match=r"CSRMatrix.shape must be 2 ints, got \(4.5, 4\)"):
+    jaxsparse.CSRMatrix.from_index_arrays(c.data, c.index_arrays(), shape=(4.5, 4))
+  nm = jaxsparse.NMSparseMatrix.from_dense(np.ones((8, 4), np.float32), 2, 4)
+  with pytest.raises(ValueError, match=r"shape must be a sequence of ints, got \(8.5, 4\)"):
+    jaxsparse.NMSparseMatrix(nm.values, nm.indices, shape=(8.5, 4), n=2, m=4)
+
+
 @SPLIT_EXAMPLES  # 13 examples in the fast set, 13 more with `make test-slow`
 @settings(max_examples=13, deadline=None)
 @given(seed=st.integers(0, 2**16), kb=st.integers(1, 7), nb=st.integers(1, 7), p=st.floats(0.0, 1.0))
@@ -180,6 +253,22 @@ def test_magnitude_mask_exact_count(examples, seed, size, sparsity):
   assert mask.sum() == kept
   if 0 < kept < size:
     assert np.abs(w[mask]).min() >= np.abs(w[~mask]).max()
+
+
+def test_nan_weights_count_as_largest_in_every_mask():
+  w = np.array([[np.nan, 1.0], [2.0, 3.0]], np.float32)
+  expected = [[True, False], [False, True]]  # NaN first, then the largest |w|
+  np.testing.assert_array_equal(np.asarray(jaxsparse.magnitude_mask(w, 0.5)), expected)
+  np.testing.assert_array_equal(np.asarray(jaxsparse.block_magnitude_mask(w, (1, 1), 0.5)), expected)
+  np.testing.assert_array_equal(np.asarray(jaxsparse.nm_mask(w.reshape(4), 2, 4)).reshape(2, 2), expected)
+  np.testing.assert_array_equal(np.asarray(jaxsparse.magnitude_mask(jnp.asarray(w, jnp.bfloat16), 0.5)), expected)
+  # A block holding a NaN is kept whole; so is a NaN among larger weights.
+  wb = np.ones((4, 4), np.float32) * np.arange(1, 5, dtype=np.float32)
+  wb[0, 0] = np.nan
+  kept_blocks = jaxsparse.block_magnitude_mask(wb, (2, 2), 0.5)
+  np.testing.assert_array_equal(np.asarray(kept_blocks), [[True, True], [False, False]])
+  ws = jaxsparse.CSRMatrix.from_dense(w, mask=jaxsparse.magnitude_mask(w, 0.5))
+  assert np.isnan(np.asarray(ws.data)).any()  # the divergence stays visible
 
 
 def test_random_block_mask():

@@ -96,6 +96,19 @@ def test_nm_mask_nan_counts_as_largest_and_keeps_exactly_n():
   )
 
 
+@pytest.mark.parametrize("dtype", [np.int8, np.int16, np.int32, np.uint8])
+@pytest.mark.parametrize("m", [4, 64])  # m = 64: the sorting path of wide groups
+def test_nm_mask_ranks_integer_extremes_by_magnitude(dtype, m):
+  info = np.iinfo(dtype)
+  # The minimum of a signed type (int8 -128) has the largest magnitude, although its abs wraps around.
+  head = [info.min, info.max, 3, 0] if info.min < 0 else [0, info.max, 3, 1]
+  w = np.array(head + [2] * (m - 4), dtype)[:, None]
+  expected = _np_nm_mask(w, 2, m, 0)
+  np.testing.assert_array_equal(np.asarray(nm_mask(w, 2, m)), expected)
+  kept = np.asarray(NMSparseMatrix.from_dense(w, 2, m).to_dense())
+  np.testing.assert_array_equal(kept, np.where(expected, w, 0))
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.int32])
 def test_nm_mask_other_dtypes(dtype):
   w = _normal(3, (16, 8)) * 10
@@ -378,12 +391,31 @@ def test_sr_ste_decay_zero_is_plain_ste_and_jit_vmap():
     [
         ({"decay": -1.0}, ValueError, r"decay must be a float >= 0.*decay=-1.0"),
         ({"decay": True}, ValueError, r"decay=True"),
+        ({"decay": float("inf")}, ValueError, r"decay must be a float >= 0 and finite.*decay=inf"),
+        ({"decay": float("nan")}, ValueError, r"and finite.*decay=nan"),
+        ({"decay": np.array([0.1])}, ValueError, r"decay=array\(\[0.1\]\)"),
+        ({"decay": "0.1"}, ValueError, r"decay='0.1'"),
         ({"axis": 5}, ValueError, r"axis=5 is out of range"),
     ],
 )
 def test_sr_ste_bad_arguments(kwargs, error, match):
   with pytest.raises(error, match=match):
     sr_ste(jnp.ones((8, 4)), 2, 4, **kwargs)
+
+
+@pytest.mark.parametrize("decay", [jnp.float32(0.1), jnp.asarray(0.1), np.float64(0.1), np.array(0.1, np.float32)])
+def test_sr_ste_decay_accepts_concrete_scalars_and_names_traced_ones(decay):
+  w = _normal(8, (8, 4))
+  want = jax.grad(lambda w: sr_ste(w, 2, 4, decay=0.1).sum())(w)
+  np.testing.assert_allclose(jax.grad(lambda w: sr_ste(w, 2, 4, decay=decay).sum())(w), want, rtol=1e-6)
+  x = jnp.ones((2, 8))
+  got = jax.grad(lambda w: jaxsparse.ops.sr_ste_matmul(x, w, 2, 4, decay=decay).sum())(w)
+  want = jax.grad(lambda w: jaxsparse.ops.sr_ste_matmul(x, w, 2, 4, decay=0.1).sum())(w)
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+  with pytest.raises(ValueError, match=r"decay must be a concrete number.*traced.*static"):
+    jax.jit(lambda w, d: jaxsparse.ops.sr_ste_matmul(x, w, 2, 4, decay=d))(w, decay)
+  with pytest.raises(ValueError, match="decay must be a concrete number"):
+    jax.jit(lambda w, d: sr_ste(w, 2, 4, decay=d))(w, decay)
 
 
 def test_sr_ste_rejects_integer_weights_and_bad_groups():

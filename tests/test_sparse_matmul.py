@@ -271,6 +271,24 @@ def test_vmap(op):
   assert_close(gv, gv_ref, jnp.float32)
 
 
+@pytest.mark.parametrize("op", ["sparse", "masked"])
+def test_vmap_of_numpy_inputs_matches_jax_inputs(op):
+  # vmap hands NumPy inputs to the kernels' batching rule as NumPy; a per-element rule must still slice them.
+  x, w, mask = _data(4, 0, 16, 24, MASKS["random"], lead=(2, 3))
+  ws = jaxsparse.CSRMatrix.from_dense(w, mask=mask)
+  if op == "sparse":
+    f = lambda x, data: sparse_matmul(x, ws.with_data(data), implementation="cpu")
+    v = ws.data
+  else:
+    f = lambda x, w: masked_matmul(x, w, w > 0, implementation="cpu")
+    v = w
+  xs, vs = np.asarray(x), np.stack([np.asarray(v)] * 2)
+  assert_close(jax.vmap(f)(xs, vs), jax.vmap(f)(jnp.asarray(xs), jnp.asarray(vs)), jnp.float32)
+  per_example_grad = jax.vmap(jax.grad(lambda x, v: jnp.sum(f(x, v) ** 2), argnums=(0, 1)), in_axes=(0, None))
+  for got, want in zip(per_example_grad(xs, np.asarray(v)), per_example_grad(jnp.asarray(xs), v), strict=True):
+    assert_close(got, want, jnp.float32)
+
+
 def _dense(op, ws, mask, v):
   return ws.with_data(v).to_dense() if op == "sparse" else jnp.where(mask, v, 0)
 

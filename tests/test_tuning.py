@@ -460,6 +460,39 @@ def test_bad_cache_files_are_ignored_with_a_named_warning(content, why, monkeypa
   assert doc["version"] == _cache.VERSION and len(doc["entries"]) == 1
 
 
+@pytest.mark.parametrize("content", [
+    b"\xff\xfe garbage \x80",  # not UTF-8 (a disk error, a binary file at $JAXSPARSE_AUTOTUNE_CACHE)
+    b"[" * 100_000 + b"]" * 100_000,  # JSON nested deeper than the parser recurses
+], ids=["not-utf8", "deeply-nested"])
+def test_undecodable_cache_files_are_ignored_with_a_warning_everywhere(content, tmp_path, monkeypatch):
+  _cache.cache_path().write_bytes(content)
+  monkeypatch.setattr(_measure, "_measure", lambda *a: {"default": 1.0, "a": 0.5})
+  with pytest.warns(_tuning.AutotuneCacheWarning, match="not valid JSON"), _tuning.autotune_mode("cached"):
+    assert _choose(_candidates([])).name == "default"
+  w = jaxsparse.BlockSparseMatrix.from_dense(np.ones((16, 16), np.float32), (8, 8))
+  _cache.clear_memo()
+  with pytest.warns(_tuning.AutotuneCacheWarning, match="not valid JSON"), _tuning.autotune_mode("cached"):
+    assert float(jaxsparse.ops.block_sparse_matmul(np.ones((2, 16), np.float32), w).sum()) == 512.0
+  with pytest.raises(ValueError, match=r"cannot import .*not valid JSON"):
+    _tuning.import_cache(_cache.cache_path())
+  (tmp_path / "target.json").write_bytes(content)
+  assert _tuning.export_cache(tmp_path / "target.json") == 0  # the garbled target is replaced
+  assert json.loads((tmp_path / "target.json").read_text())["entries"] == {}
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_the_rewritten_cache_file_gets_the_umask_permissions_of_a_new_file(umask, tmp_path):
+  old = os.umask(umask)
+  try:
+    _cache.record("k", {"choice": "x"})
+    assert _tuning.export_cache(tmp_path / "exported.json") == 1
+  finally:
+    os.umask(old)
+  for path in (_cache.cache_path(), tmp_path / "exported.json"):
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask
+  assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
 def test_stale_entries_of_other_versions_do_not_match(monkeypatch):
   monkeypatch.setattr(_measure, "_measure", lambda *a: {"default": 1.0, "a": 0.5})
   with _tuning.autotune_mode("tune"):
@@ -530,6 +563,30 @@ def test_unwritable_cache_warns_and_keeps_the_decision(tmp_path, monkeypatch):
     assert _choose(_candidates([])).name == "a"
   with _tuning.autotune_mode("cached"):
     assert _choose(_candidates([])).name == "a"
+
+
+@pytest.mark.parametrize("own", ["missing-parent", "directory"])
+def test_import_into_an_unwritable_own_cache_warns_and_keeps_the_decisions(own, tmp_path, monkeypatch):
+  shipped = tmp_path / "shipped.json"
+  doc = {"format": _cache.FORMAT, "version": _cache.VERSION, "entries": {"k": {"choice": "a"}}}
+  shipped.write_text(json.dumps(doc))
+  if own == "directory":
+    target = tmp_path / "a-directory"
+    target.mkdir()
+  else:
+    (tmp_path / "file").write_text("")
+    target = tmp_path / "file" / "sub" / "autotune.json"
+  monkeypatch.setenv(_cache.ENV_PATH, str(target))
+  _cache.clear_memo()
+  with pytest.warns(_tuning.AutotuneCacheWarning, match="cannot write .*imported decisions are kept for this process"):
+    assert _tuning.import_cache(shipped) == 1
+  assert _cache.lookup("k") == {"choice": "a"}
+
+
+def test_export_to_an_unwritable_path_raises(tmp_path):
+  (tmp_path / "file").write_text("")
+  with pytest.raises(OSError):
+    _tuning.export_cache(tmp_path / "file" / "sub" / "out.json")
 
 
 # -------------------------------------------------------------------------------------------------

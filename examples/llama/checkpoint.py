@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 
 import jaxsparse
-from jaxsparse.torch_interop._files import atomic_write
+from jaxsparse._utils import atomic_write
 from llama.model import LlamaConfig
 from llama.model import LlamaForCausalLM
 

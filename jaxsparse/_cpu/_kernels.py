@@ -31,9 +31,19 @@ _F32 = jnp.float32
 
 
 def _sequential(fn, axis_size, in_batched, args):
-  """``fn`` applied to each element of the mapped axis (axis 0 of the batched ``args``), stacked."""
-  pick = lambda i: [a[i] if b else a for a, b in zip(args, in_batched, strict=True)]
-  return lax.map(lambda i: fn(*pick(i)), jnp.arange(axis_size))
+  """``fn`` applied to each element of the mapped axis (axis 0 of the batched ``args``), stacked.
+
+  ``lax.map`` slices the mapped args itself: ``vmap`` hands a NumPy input to the rule as it is, and a NumPy array
+  cannot be indexed with a traced loop index.
+  """
+  del axis_size  # the mapped args' leading axis
+  mapped = [a for a, b in zip(args, in_batched, strict=True) if b]
+
+  def one(elems):
+    it = iter(elems)
+    return fn(*[next(it) if b else a for a, b in zip(args, in_batched, strict=True)])
+
+  return lax.map(one, mapped)
 
 
 def _fold_or_map(fn, n_folded: int):

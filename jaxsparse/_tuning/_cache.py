@@ -5,9 +5,10 @@ bucket, dtypes, precision, device kind, jaxsparse and jax versions, the timing m
 the candidate route that measured fastest, with the times measured. The file (``$JAXSPARSE_AUTOTUNE_CACHE``, else
 ``autotune.json`` in jaxsparse's per-user cache directory) is written atomically: under an exclusive lock
 the current file is read, merged with the new entries and replaced by a complete temporary file, so two
-processes tuning at once never leave a torn file and neither loses the other's entries. A file that is not
-JSON, not ours or of another format version is ignored with an :class:`AutotuneCacheWarning` (and replaced
-on the next write).
+processes tuning at once never leave a torn file and neither loses the other's entries; the new file gets the
+permissions of a file created in place (``0o666`` less the umask). A file that cannot be read, is not UTF-8 JSON
+(or is nested too deeply to parse), is not ours or is of another format version is ignored with an
+:class:`AutotuneCacheWarning` (and replaced on the next write).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import contextvars
 import json
 import math
 import os
-import tempfile
 import threading
 import warnings
 from collections.abc import Iterator
@@ -191,15 +191,15 @@ _loaded_from: Path | None = None
 def _read(path: Path) -> dict[str, dict]:
   """The entries of the file at ``path``; ``{}`` (with a warning) for a corrupt, foreign or other-version file."""
   try:
-    text = path.read_text()
+    raw = path.read_bytes()
   except FileNotFoundError:
     return {}
   except OSError as e:
     _utils.warn_at_caller(f"jaxsparse: cannot read the tuning cache {path} ({e}); ignoring it.", AutotuneCacheWarning)
     return {}
   try:
-    doc = json.loads(text)
-  except ValueError as e:
+    doc = json.loads(raw.decode("utf-8"))
+  except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError; RecursionError: nested too deep
     _utils.warn_at_caller(
         f"jaxsparse: the tuning cache {path} is not valid JSON ({e}); ignoring it.", AutotuneCacheWarning
     )
@@ -253,17 +253,26 @@ def _write(path: Path, entries: dict[str, dict]) -> None:
   with _locked(path), warnings.catch_warnings():
     warnings.simplefilter("ignore", AutotuneCacheWarning)  # already reported when it was loaded
     merged = {**_read(path), **entries}
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-      with os.fdopen(fd, "w") as f:
+
+    def write(tmp: str) -> None:
+      with open(tmp, "w") as f:
         json.dump({"format": FORMAT, "version": VERSION, "entries": merged}, f, indent=1, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
-      os.replace(tmp, path)
-    except BaseException:
-      with contextlib.suppress(OSError):
-        os.unlink(tmp)
-      raise
+
+    _utils.atomic_write(path, write)
+
+
+def _write_own(entries: dict[str, dict], what: str) -> None:
+  """Merges ``entries`` into this process's cache file; a file that cannot be written only warns (call under
+  ``_lock``, with ``entries`` already in the memo)."""
+  try:
+    _write(cache_path(), entries)
+  except OSError as e:
+    _utils.warn_at_caller(
+        f"jaxsparse: cannot write the tuning cache {cache_path()} ({e}); {what} kept for this process only.",
+        AutotuneCacheWarning,
+    )
 
 
 def record(key: str, entry: dict) -> None:
@@ -271,14 +280,7 @@ def record(key: str, entry: dict) -> None:
   with _lock:
     _load()
     _memo[key] = entry
-    try:
-      _write(cache_path(), {key: entry})
-    except OSError as e:
-      _utils.warn_at_caller(
-          f"jaxsparse: cannot write the tuning cache {cache_path()} ({e}); the decision is kept for this "
-          "process only.",
-          AutotuneCacheWarning,
-      )
+    _write_own({key: entry}, "the decision is")
 
 
 def export_cache(path: str | os.PathLike) -> int:
@@ -296,6 +298,9 @@ def export_cache(path: str | os.PathLike) -> int:
 
   Returns:
     The number of decisions written.
+
+  Raises:
+    OSError: ``path`` cannot be written (its directory cannot be created, or it is a directory).
   """
   with _lock:
     _load()
@@ -316,6 +321,9 @@ def import_cache(path: str | os.PathLike) -> int:
   Args:
     path: a file written by :func:`export_cache` (or any jaxsparse tuning cache of this format version).
 
+  When this process's own cache file (:func:`cache_path`) cannot be written, the decisions are still imported,
+  for this process only, with an :class:`AutotuneCacheWarning` (as a decision measured here would be).
+
   Returns:
     The number of decisions imported.
 
@@ -331,7 +339,7 @@ def import_cache(path: str | os.PathLike) -> int:
   with _lock:
     _load()
     _memo.update(entries)
-    _write(cache_path(), entries)
+    _write_own(entries, "the imported decisions are")
   return len(entries)
 
 

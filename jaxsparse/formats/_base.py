@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxsparse import _utils
+
 __all__ = ["IndexedSparseMatrix", "check_pattern_mask", "is_concrete", "mask_pattern_indices"]
 
 
@@ -86,8 +88,8 @@ class IndexedSparseMatrix:
   def __init__(self, data: jax.Array, *, validate: bool = True, **fields: Any):
     """Assembles a matrix from its parts; use the ``from_*`` constructors instead.
 
-    With ``validate=True`` (the default) the parts are checked by :meth:`validate` when they are concrete
-    (skipped for traced arrays).
+    With ``validate=True`` (the default) the parts are checked by :meth:`validate` when they are concrete; for
+    traced arrays only their shapes and dtypes are (the value checks need ``checkify``: call :meth:`validate`).
     """
     expected = set(self.INDEX_FIELDS) | set(self.STATIC_FIELDS)
     if set(fields) != expected:
@@ -95,10 +97,13 @@ class IndexedSparseMatrix:
     self.data = data
     for f in self.INDEX_FIELDS:
       setattr(self, f, fields[f])
-    for f in self.STATIC_FIELDS:
-      setattr(self, f, tuple(int(v) for v in fields[f]))
+    for f in self.STATIC_FIELDS:  # (rows, cols) pairs: shape may hold zeros, block shapes may not
+      value = _utils.check_dims(fields[f], name=f"{type(self).__name__}.{f}", ndim=2, minimum=0 if f == "shape" else 1)
+      setattr(self, f, value)
     if validate and all(is_concrete(a) for a in self.tree_flatten()[0]):
       self.validate()
+    elif validate:
+      self._check_static()
 
   # -- validation -----------------------------------------------------------------------------------
   @property
@@ -110,7 +115,12 @@ class IndexedSparseMatrix:
     raise NotImplementedError
 
   def _check_static(self) -> int:
-    """Checks the shapes and dtypes of data and the index arrays (static, so also under ``jit``); returns nnz."""
+    """Checks the shapes and dtypes of data and the index arrays (static, so also under ``jit``); returns nnz.
+
+    The ops run it on every call: a matrix rebuilt with ``jax.tree_util.tree_unflatten`` (a restored checkpoint,
+    ``tree_map``) skips the constructor, and a wrong-length or wrong-dtype index array would otherwise reach the
+    kernels, whose errors cannot name the field.
+    """
     name = type(self).__name__
     data = self.data
     if getattr(data, "ndim", 0) < 1:
@@ -121,6 +131,11 @@ class IndexedSparseMatrix:
                        f"{tuple(data.shape)}.")
     rows, cols = self.grid_shape
     lengths = {"row_offsets": rows + 1, "col_offsets": cols + 1}
+    # The per-entry index arrays agree with each other but not with data: data is the one to blame.
+    per_entry = {tuple(getattr(getattr(self, f), "shape", ())) for f in self.INDEX_FIELDS if f not in lengths}
+    if len(per_entry) == 1 and per_entry != {(nnz,)} and len(next(iter(per_entry))) == 1:
+      raise ValueError(f"{name}.data holds {nnz} entries (shape {tuple(data.shape)}) but the index arrays have shape "
+                       f"{per_entry.pop()}; data must hold one entry per stored index.")
     for f in self.INDEX_FIELDS:
       a = getattr(self, f)
       want = (lengths.get(f, nnz),)

@@ -102,8 +102,8 @@ class BlockSparseMatrix(IndexedSparseMatrix):
       shape: optional ``(K, N)``; checked against ``block_mask.shape * block_shape`` if given.
     """
     data = jnp.asarray(data)
-    if data.ndim != 3:
-      raise ValueError(f"data must be 3-D (nnz_blocks, bk, bn), got shape {data.shape}.")
+    if data.ndim != 3 or min(data.shape[1:]) < 1:
+      raise ValueError(f"data must be 3-D (nnz_blocks, bk, bn) with bk, bn >= 1, got shape {data.shape}.")
     mask = check_pattern_mask(block_mask, name="block_mask", layout="(K // bk, N // bn)")
     nnz = data.shape[0]
     if is_concrete(mask) and int(mask.sum()) != nnz:

@@ -1,7 +1,9 @@
 """Sparsity masks: which blocks or weights to keep.
 
 All masks keep an exact count (``round(density * total)``, rounded half up) and break ties
-deterministically: among equal scores the entry with the lower flat index wins.
+deterministically: among equal scores the entry with the lower flat index wins. A NaN score (a NaN weight, or a
+block holding one) counts as the largest, as in :func:`jaxsparse.nm_mask`: a diverged weight is kept, so the
+divergence stays visible instead of being pruned away.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ __all__ = ["block_magnitude_mask", "random_block_mask", "magnitude_mask", "top_k
 
 
 def top_k_mask(scores: jax.Array, k: int) -> jax.Array:
-  """Bool mask of ``scores.shape`` keeping the ``k`` largest scores (ties: lower flat index first)."""
+  """Bool mask of ``scores.shape`` keeping the ``k`` largest scores (ties: lower flat index first; NaN largest)."""
   flat = scores.reshape(-1)
+  if jnp.issubdtype(flat.dtype, jnp.inexact):
+    flat = jnp.where(jnp.isnan(flat), jnp.inf, flat)  # argsort would put NaN last
   # A stable sort of -score keeps equal scores in index order, so the result is deterministic.
   order = jnp.argsort(-flat, stable=True)
   keep = jnp.zeros(flat.shape, dtype=bool).at[order[:k]].set(True)
@@ -32,6 +36,8 @@ def _block_norms(w: jax.Array, block_shape: tuple[int, int]) -> jax.Array:
 
 def block_magnitude_mask(w: jax.typing.ArrayLike, block_shape: tuple[int, int], density: float) -> jax.Array:
   """Keeps the ``round(density * blocks)`` blocks of ``w`` with the largest Frobenius norm.
+
+  A block holding a NaN counts as the largest (it is kept), as in :func:`jaxsparse.nm_mask`.
 
   >>> import jax, jaxsparse
   >>> w = jax.random.normal(jax.random.key(0), (128, 64))
@@ -84,6 +90,9 @@ def random_block_mask(
 
 def magnitude_mask(w: jax.typing.ArrayLike, sparsity: float) -> jax.Array:
   """Unstructured mask keeping the ``size - round(sparsity * size)`` largest ``|w|``.
+
+  NaN counts as the largest magnitude (it is kept), as in :func:`jaxsparse.nm_mask`; ties go to the lower flat
+  index.
 
   >>> import jax.numpy as jnp, jaxsparse
   >>> jaxsparse.magnitude_mask(jnp.array([[0.5, -2.0], [1.0, 0.1]]), sparsity=0.5)

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxsparse import _utils
 from jaxsparse.formats._base import is_concrete
 
 __all__ = [
@@ -74,8 +75,14 @@ def check_groups(shape: tuple[int, ...], axis: int, m: int, *, name: str = "w") 
 
 
 def _scores(w: jax.Array) -> jax.Array:
-  """``|w|`` with NaN counted as the largest value, so every group still keeps exactly ``n``."""
+  """``|w|`` with NaN counted as the largest value, so every group still keeps exactly ``n``.
+
+  Signed integers score in the unsigned type of their width: ``abs`` wraps their minimum (int8 -128) to itself,
+  which as unsigned is its magnitude (128), so no value overflows.
+  """
   a = jnp.abs(w)
+  if jnp.issubdtype(a.dtype, jnp.signedinteger):
+    return lax.bitcast_convert_type(a, getattr(jnp, f"uint{jnp.iinfo(a.dtype).bits}"))
   if jnp.issubdtype(a.dtype, jnp.inexact):
     a = jnp.where(jnp.isnan(a), jnp.inf, a)
   return a
@@ -105,8 +112,9 @@ def _group_mask(scores: jax.Array, n: int) -> jax.Array:
       beats = (sk > scores) | ((sk == scores) & (k < pos))
       rank = rank + beats.astype(jnp.int32)
     return rank < n
-  # A stable sort of -score keeps equal scores in index order.
-  order = jnp.argsort(-scores, axis=1, stable=True)
+  # A stable sort of -score keeps equal scores in index order (~score reverses unsigned scores without wrapping).
+  descending = ~scores if jnp.issubdtype(scores.dtype, jnp.unsignedinteger) else -scores
+  order = jnp.argsort(descending, axis=1, stable=True)
   rank = jnp.argsort(order, axis=1, stable=True)
   return rank < n
 
@@ -126,8 +134,9 @@ def nm_mask(w: jax.typing.ArrayLike, n: int, m: int, *, axis: int = 0, transposa
   """Bool mask keeping the ``n`` largest-magnitude entries of every ``m`` consecutive ones along ``axis``.
 
   Groups are ``w[..., g*m:(g+1)*m, ...]`` along ``axis``. Ties go to the lower index, so the mask is
-  deterministic; NaN counts as the largest magnitude. Works under ``jit`` with static ``n``, ``m``,
-  ``axis``; every group keeps exactly ``n`` entries.
+  deterministic; NaN counts as the largest magnitude (as in :func:`jaxsparse.magnitude_mask`, so a diverged weight
+  stays visible), and a signed integer's minimum (int8 -128) as larger than its maximum. Works under ``jit`` with
+  static ``n``, ``m``, ``axis``; every group keeps exactly ``n`` entries.
 
   With ``transposable=True`` the mask is N:M along the last axis too (the output features of a
   kernel): in every ``m x m`` tile of ``(axis, last axis)`` each row and each column keeps ``n``
@@ -418,7 +427,7 @@ class NMSparseMatrix:
     also checked by :meth:`validate` (skipped for traced arrays).
     """
     n, m = check_nm(n, m)
-    shape = tuple(int(d) for d in shape)
+    shape = _utils.check_dims(shape, name="shape")
     axis = check_axis(axis, len(shape))
     groups = check_groups(shape, axis, m, name="shape")
     dtype, per_word = index_layout(n, m, groups)

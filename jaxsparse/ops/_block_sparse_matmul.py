@@ -478,6 +478,13 @@ def block_sparse_matmul(
   ``jit``, ``vmap`` and ``grad``, to any order in reverse mode (``grad`` of ``grad``: every derivative runs on
   the same kernels); forward mode (``jvp``, ``jax.hessian``) is not supported: use ``jax.jacrev`` twice.
 
+  Non-finite values: NaN / inf in ``w.data``, and in ``x`` where it meets a kept block (even a zero stored in one),
+  propagate on every route. The blocks that are not kept meet ``x`` as zeros (``inf * 0`` making NaN, as in
+  ``x @ w.to_dense()``) only on the dense route (on CUDA GPUs when tuning picks it, or for block shapes the
+  kernels do not take; on CPU only when measured fastest on request); the C++ kernels, the XLA block loop and the
+  Pallas kernels skip them, so NaN in the part of ``x`` that meets no kept block can give finite outputs. Test
+  ``x`` with ``jnp.isfinite`` where NaN detection matters.
+
   >>> import jax, jax.numpy as jnp, jaxsparse
   >>> k1, k2 = jax.random.split(jax.random.key(0))
   >>> w = jaxsparse.BlockSparseMatrix.from_dense(
@@ -503,6 +510,7 @@ def block_sparse_matmul(
   """
   if not isinstance(w, BlockSparseMatrix):
     raise TypeError(f"w must be a jaxsparse.BlockSparseMatrix, got {type(w).__name__}.")
+  w._check_static()  # index arrays' shapes and dtypes, also of a matrix from tree_unflatten (no constructor)
   x = _utils.check_activations(x, w.shape[0])
   impl = _check_implementation(implementation)
   out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(x.dtype, w.dtype))

@@ -126,6 +126,14 @@ def masked_matmul(
   Works under ``jit``, ``grad`` (reverse mode, to any order) and ``vmap``: leading dimensions of ``x`` and a
   mapped ``x`` fold into one kernel call; a mapped backward runs once per mapped element.
 
+  Non-finite values: NaN / inf in the kept weights, or in ``x`` meeting a kept weight, propagate on every route;
+  pruned weights never do (they are replaced by zeros, not multiplied by them). A NaN / inf in ``x`` meets the
+  pruned entries as zeros only on the masked dense routes, where ``inf * 0`` makes NaN as in
+  ``x @ where(mask, w, 0)``: ``implementation="xla"``, and the default for masks denser than
+  :data:`CPU_FORWARD_MAX_DENSITY` (a density estimated inside the call). The sparse kernels (``"cpu"``, and the
+  default below that density) skip pruned entries, so such an ``x`` can give finite outputs: test ``x`` with
+  ``jnp.isfinite`` where NaN detection matters.
+
   >>> import jax.numpy as jnp, jaxsparse
   >>> w = jnp.arange(6.0).reshape(3, 2)
   >>> mask = jnp.array([[True, False], [False, True], [True, True]])

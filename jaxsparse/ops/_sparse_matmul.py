@@ -242,6 +242,13 @@ def sparse_matmul(
   ``vmap`` (a mapped ``x`` folds into the batch dimension; a mapped backward runs once per mapped
   element). Float32, and bfloat16 / float16 converted to float32 and back.
 
+  Non-finite values: NaN / inf in ``w.data``, or in ``x`` meeting a stored entry, propagate on every route. A NaN /
+  inf in ``x`` meets the entries that are not stored as zeros only on the dense routes, where ``inf * 0`` makes
+  NaN as in ``x @ w.to_dense()``: ``implementation="xla"``, and the default's dense route for patterns denser than
+  :data:`CPU_DENSE_FORWARD_MIN_DENSITY`. The sparse kernels (``"cpu"``, and the default below that density) skip
+  entries that are not stored, so such an ``x`` can give finite outputs: test ``x`` with ``jnp.isfinite`` where
+  NaN detection matters, rather than relying on the product to carry it.
+
   >>> import jax, jax.numpy as jnp, jaxsparse
   >>> w = jax.random.normal(jax.random.key(0), (64, 128))
   >>> ws = jaxsparse.CSRMatrix.from_dense(w, mask=jaxsparse.magnitude_mask(w, sparsity=0.9))
@@ -266,6 +273,7 @@ def sparse_matmul(
   """
   if not isinstance(w, CSRMatrix):
     raise TypeError(f"w must be a jaxsparse.CSRMatrix, got {type(w).__name__}.")
+  w._check_static()  # index arrays' shapes and dtypes, also of a matrix from tree_unflatten (no constructor)
   x = _utils.check_activations(x, w.shape[0])
   impl = check_cpu_implementation(implementation, op="sparse_matmul")
   out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(x.dtype, w.dtype))

@@ -33,6 +33,7 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxsparse import _tuning
@@ -147,7 +148,8 @@ def sr_ste(
   Args:
     w: dense weights; ``w.shape[axis]`` a multiple of ``m``.
     n, m: keep ``n`` of every ``m`` consecutive entries, ``0 < n < m``.
-    decay: SR-STE's ``lambda_W`` (>= 0); ``0`` gives plain STE.
+    decay: SR-STE's ``lambda_W``, a finite float ``>= 0`` (a concrete NumPy / JAX scalar is converted; it is
+      static, so not a traced value); ``0`` gives plain STE.
     axis: the axis the groups run along (0: input features of a Dense kernel; -2: ``cin`` of a
       Conv kernel).
     transposable: prune with a mask that is N:M along the last axis too (``nm_mask(...,
@@ -170,9 +172,22 @@ def sr_ste(
 
 
 def _check_decay(decay) -> float:
-  if isinstance(decay, bool) or not isinstance(decay, numbers.Real) or not decay >= 0:
-    raise ValueError(f"decay must be a float >= 0 (0 gives plain STE), got decay={decay!r}.")
-  return float(decay)
+  """``decay`` as a finite Python float >= 0 (a static hyperparameter: a concrete NumPy / JAX scalar is converted)."""
+  if isinstance(decay, jax.core.Tracer):
+    raise ValueError(
+        f"decay must be a concrete number: it is a static hyperparameter of the custom gradient, and got the traced "
+        f"{decay!r} (e.g. an argument of a jitted function or a schedule's value under jit). Pass a Python float, "
+        "close over it, or mark it static (jax.jit(..., static_argnames=...))."
+    )
+  if isinstance(decay, np.ndarray | jax.Array):  # a 0-d array of a real dtype, e.g. a schedule's value
+    real = jnp.issubdtype(decay.dtype, jnp.floating) or jnp.issubdtype(decay.dtype, jnp.integer)
+    numeric = decay.ndim == 0 and real
+  else:
+    numeric = isinstance(decay, numbers.Real) and not isinstance(decay, bool | np.bool_)
+  value = float(decay) if numeric else None
+  if value is None or not (math.isfinite(value) and value >= 0):
+    raise ValueError(f"decay must be a float >= 0 and finite (0 gives plain STE), got decay={decay!r}.")
+  return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -466,7 +481,7 @@ def sr_ste_matmul(
     x: ``(..., K)`` activations, already in the compute dtype.
     w: ``(K, N)`` dense weights (e.g. float32 master weights); groups of ``m`` along ``K``.
     n, m: keep ``n`` of every ``m``.
-    decay: SR-STE's decay of the pruned weights (``>= 0``).
+    decay: SR-STE's decay of the pruned weights, a static finite float ``>= 0`` (as in :func:`sr_ste`).
     dtype: the kernel's compute dtype (defaults to ``w.dtype``); the mask is computed on ``w``
       before the cast, as ``sr_ste`` followed by a cast does.
     precision, preferred_element_type: passed to the product.

@@ -3,55 +3,21 @@
 from __future__ import annotations
 
 import os
-import secrets
-import stat
-from collections.abc import Callable
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 import numpy as np
 
+from jaxsparse._utils import atomic_write
 from jaxsparse.torch_interop._decode import to_numpy
 from jaxsparse.torch_interop._load import CheckpointError
 from jaxsparse.torch_interop._load import import_torch
 from jaxsparse.torch_interop._load import to_torch
 
-__all__ = ["atomic_write", "load_flax_variables", "save_flax_variables"]
+__all__ = ["load_flax_variables", "save_flax_variables"]
 
 SEP = "/"
-
-
-def atomic_write(path: str | os.PathLike, write: Callable[[str], Any]) -> None:
-  """Has ``write(tmp)`` fill a new file next to ``path``, then renames it to ``path``.
-
-  Readers see the old file or the complete new one, never a partial one, and a failure leaves no file behind.
-  The file gets the mode ``open(path, "w")`` would give it: an existing file's mode, else ``0o666`` less the
-  umask, whatever mode ``write`` left (``tempfile.mkstemp`` and safetensors' ``save_file`` leave ``0o600``,
-  which other users and serving processes cannot read).
-
-  Args:
-    path: the file to write; its directory must exist.
-    write: called once with the temporary file's path (an empty file); writes the content there.
-  """
-  path = os.fspath(path)
-  directory, name = os.path.split(os.path.abspath(path))
-  while True:  # mkstemp's O_EXCL loop, but with open()'s 0o666, from which the kernel removes the umask
-    tmp = os.path.join(directory, f".{name}.{secrets.token_hex(4)}.tmp")
-    try:
-      os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
-      break
-    except FileExistsError:
-      continue
-  try:
-    mode = stat.S_IMODE(os.stat(path if os.path.isfile(path) else tmp).st_mode)
-    write(tmp)
-    os.chmod(tmp, mode)  # write may have replaced the file: safetensors writes its own 0o600 file and renames it
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-    raise
 
 
 def _flatten(tree: Mapping, prefix: tuple[str, ...] = ()) -> dict[str, Any]:
