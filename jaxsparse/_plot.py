@@ -6,6 +6,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import flax.linen as nn
 import jax
 import numpy as np
 
@@ -45,7 +46,7 @@ def _linen_layer(variables: Mapping) -> Any:
 def _pattern(x: Any) -> tuple[np.ndarray, tuple[int, int], str]:
   """``(mask, cell, title)``: a bool mask whose entries stand for ``cell``-shaped tiles of the kernel."""
   if isinstance(x, Mapping) and "params" in x and SPARSITY in x:
-    x = _linen_layer(x)
+    x = _linen_layer(nn.meta.unbox(x))  # nn.with_partitioning boxes, as sparsify_linen carries them over
   if isinstance(x, SparseLinearGeneral):
     x = x.layer
   if isinstance(x, BlockSparseLinear):

@@ -334,6 +334,7 @@ def summary(model: nnx.Module | Mapping, /, *example_inputs: Any, module: nn.Mod
         layers.append(layer)
     return ModelSummary(tuple(layers))
   if isinstance(model, Mapping):
+    model = nn.meta.unbox(model)  # nn.with_partitioning boxes, as sparsify_linen carries them over
     nm = {} if module is None else _linen_nm_layers(module, model, example_inputs)
     return ModelSummary(tuple(_linen_layers(model, nm)))
   raise TypeError(f"model must be a flax.nnx.Module or Linen variables (a dict), got {type(model).__name__}.")

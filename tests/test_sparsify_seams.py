@@ -288,3 +288,44 @@ def test_densify_keeps_a_bias_of_another_dtype():
   dense = jaxsparse.densify(layer)
   assert dense.bias[...].dtype == jnp.float32 and dense(x).dtype == layer(x).dtype == jnp.float32
   np.testing.assert_allclose(dense(x), layer(x), rtol=1e-6, atol=1e-6)
+
+
+def test_partitioned_initializers_keep_their_names():
+  """Flax's sharding idiom ``kernel_init=nnx.with_partitioning(...)`` / ``nn.with_partitioning(...)``."""
+  named = lambda *names: nnx.with_partitioning(nnx.initializers.lecun_normal(), names)
+  mesh = jax.make_mesh((1, 1), ("embed", "mlp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  x = _normal(1, (2, 64))
+  with jax.set_mesh(mesh):
+    masked = MaskedLinear(64, 64, sparsity=0.5, kernel_init=named("embed", "mlp"), rngs=nnx.Rngs(0))
+    block = jaxsparse.layers.BlockSparseLinear(64, 64, density=0.5, block_shape=(16, 16),
+                                               kernel_init=named(None, "embed", "mlp"), rngs=nnx.Rngs(0))
+    for layer, spec in [(masked, ("embed", "mlp")), (block, (None, "embed", "mlp"))]:
+      assert tuple(nnx.get_partition_spec(nnx.state(layer))["kernel"].get_value()) == spec
+      np.testing.assert_allclose(layer(x), jaxsparse.densify(layer)(x), rtol=1e-5, atol=1e-5)
+    assert float(jnp.mean(masked.kernel[...] == 0)) == 0.5
+  part = nn.with_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp"))
+  for module in (jaxsparse.layers.linen.MaskedDense(64, sparsity=0.5, kernel_init=part),
+                 jaxsparse.layers.linen.NMDense(64, kernel_init=part)):
+    variables = module.init(jax.random.key(0), x)
+    assert variables["params"]["kernel"].names == ("embed", "mlp")
+    assert module.apply(variables, x).shape == (2, 64)
+
+
+def test_summary_and_plot_of_boxed_linen_variables():
+  matplotlib = pytest.importorskip("matplotlib")
+  matplotlib.use("Agg")
+  part = nn.with_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp"))
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(64, kernel_init=part, name="b")(nn.Dense(64, kernel_init=part, name="a")(x))
+
+  x = jnp.ones((2, 64))
+  variables = Net().init(jax.random.key(0), x)
+  rules = {"a": jaxsparse.BlockSparse(density=0.5, block_shape=(16, 16)), "b": jaxsparse.Unstructured(sparsity=0.5)}
+  module, sparse_vars, _ = jaxsparse.sparsify_linen(Net(), variables, rules, x)
+  assert isinstance(sparse_vars["params"]["a"]["kernel"], nn.Partitioned)
+  assert [layer.path for layer in jaxsparse.summary(sparse_vars, x, module=module).layers] == ["a", "b"]
+  for name in "ab":
+    jaxsparse.plot_pattern({"params": sparse_vars["params"][name], "sparsity": sparse_vars["sparsity"][name]})

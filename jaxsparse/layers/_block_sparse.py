@@ -44,7 +44,9 @@ from jaxsparse.layers._common import default_bias_init
 from jaxsparse.layers._common import dense_linear
 from jaxsparse.layers._common import existing_shape
 from jaxsparse.layers._common import init_linear_attributes
+from jaxsparse.layers._common import map_boxed
 from jaxsparse.layers._common import missing_pattern
+from jaxsparse.layers._common import unbox_init
 
 __all__ = ["BlockSparseDense", "BlockSparseLinear"]
 
@@ -189,9 +191,9 @@ class BlockSparseLinear(nnx.Module):
         raise ValueError("block_mask keeps no block; keep at least one.")
     if kernel_init is None:
       kernel_init = block_sparse_kernel_init(nnz, grid)
-    kernel = kernel_init(rngs.params(), (nnz, bk, bn), param_dtype)
-    w = BlockSparseMatrix.from_block_mask(block_mask, kernel)
-    self.kernel = nnx.Param(w.data)
+    kernel = kernel_init(rngs.params(), (nnz, bk, bn), param_dtype)  # maybe boxed (nnx.with_partitioning): kept
+    w = BlockSparseMatrix.from_block_mask(block_mask, unbox_init(kernel))
+    self.kernel = nnx.Param(map_boxed(kernel, lambda _: w.data))
     self.pattern = pattern_variables(w)
     self.block_shape = (bk, bn)
     init_linear_attributes(

@@ -48,6 +48,8 @@ __all__ = [
     "init_linear_attributes",
     "kept_weights",
     "linear_options",
+    "map_boxed",
+    "unbox_init",
     "missing_pattern",
     "random_mask",
     "with_weights",
@@ -163,6 +165,23 @@ def check_linear(linear: object, layer: str, *, options: bool = True) -> nnx.Lin
 
 
 M = typing.TypeVar("M")
+
+
+def unbox_init(value: Any) -> Any:
+  """An initializer's result out of the sharding box it may come in (see :func:`map_boxed`)."""
+  if isinstance(value, nnx.VariableMetadata):
+    return value.raw_value
+  return value.unbox() if isinstance(value, nn.meta.AxisMetadata) else value
+
+
+def map_boxed(value: Any, f: Callable[[jax.Array], jax.Array]) -> Any:
+  """``f`` applied to an initializer's result inside the sharding box it may come in, which is kept:
+  ``nnx.with_partitioning`` gives an ``nnx.VariableMetadata``, ``nn.with_partitioning`` an ``nn.Partitioned``."""
+  if isinstance(value, nnx.VariableMetadata):
+    return dataclasses.replace(value, raw_value=f(value.raw_value))
+  if isinstance(value, nn.meta.AxisMetadata):
+    return value.replace_boxed(f(value.unbox()))
+  return f(value)
 
 
 def with_weights(build: Callable[..., M], kernel: jax.Array, bias: jax.Array | None, /, *args: Any, **options) -> M:

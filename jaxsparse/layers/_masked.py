@@ -37,6 +37,7 @@ from jaxsparse.layers._common import dense_linear
 from jaxsparse.layers._common import existing_shape
 from jaxsparse.layers._common import init_linear_attributes
 from jaxsparse.layers._common import kept_weights
+from jaxsparse.layers._common import map_boxed
 from jaxsparse.layers._common import missing_pattern
 from jaxsparse.layers._common import random_mask
 from jaxsparse.layers._common import with_weights
@@ -143,8 +144,8 @@ class MaskedLinear(nnx.Module):
       kept = jnp.sum(mask)
     if kernel_init is None:
       kernel_init = masked_kernel_init(kept, size)
-    kernel = kernel_init(rngs.params(), shape, param_dtype)
-    self.kernel = nnx.Param(jnp.where(mask, kernel, jnp.zeros((), kernel.dtype)))
+    kernel = kernel_init(rngs.params(), shape, param_dtype)  # maybe boxed (nnx.with_partitioning): kept
+    self.kernel = nnx.Param(map_boxed(kernel, lambda k: jnp.where(mask, k, jnp.zeros((), k.dtype))))
     self.mask = SparsityPattern(mask)
     init_linear_attributes(
         self, in_features, out_features, use_bias=use_bias, bias_init=bias_init, dtype=dtype,
@@ -286,7 +287,7 @@ class MaskedDense(nn.Module):
     kernel_init = self.kernel_init or masked_kernel_init(kept, size)
 
     def masked_init(key, shape, dtype):
-      return jnp.where(mask, kernel_init(key, shape, dtype), jnp.zeros((), dtype))
+      return map_boxed(kernel_init(key, shape, dtype), lambda k: jnp.where(mask, k, jnp.zeros((), dtype)))
 
     kernel = self.param("kernel", masked_init, shape, self.param_dtype)
     bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None

@@ -114,8 +114,8 @@ class NMDense(nn.Module):
     fast = (self.n, self.m) == (2, 4) and self.promote_dtype is linen_promote_dtype
     if not fast or self.dot_general is not None or self.dot_general_cls is not None or self.is_initializing():
       return self.dense(x)
-    kernel = self.get_variable("params", "kernel")
-    bias = self.get_variable("params", "bias") if self.use_bias else None
+    kernel = nn.meta.unbox(self.get_variable("params", "kernel"))  # nn.with_partitioning boxes
+    bias = nn.meta.unbox(self.get_variable("params", "bias")) if self.use_bias else None
     # The compute dtypes as Flax's promotion gives them; the kernel is pruned before its cast.
     x, cast_kernel, bias = self.promote_dtype(x, kernel, bias, dtype=self.dtype)
     y = ops.sr_ste_matmul(x, kernel, 2, 4, decay=float(self.sr_ste_decay), dtype=cast_kernel.dtype,
