@@ -329,3 +329,19 @@ def test_summary_and_plot_of_boxed_linen_variables():
   assert [layer.path for layer in jaxsparse.summary(sparse_vars, x, module=module).layers] == ["a", "b"]
   for name in "ab":
     jaxsparse.plot_pattern({"params": sparse_vars["params"][name], "sparsity": sparse_vars["sparsity"][name]})
+
+
+def test_linen_layers_called_with_inputs_keyword_are_found():
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(32, name="fc")(inputs=x)
+
+  x = _normal(1, (2, 64))
+  variables = Net().init(jax.random.key(0), x)
+  module, sparse_vars, report = jaxsparse.sparsify_linen(Net(), variables, jaxsparse.Unstructured(sparsity=0.5), x)
+  assert [c.path for c in report.layers] == ["fc"] and "sparsity" in sparse_vars
+  dense_module, dense_vars = jaxsparse.densify_linen(module, sparse_vars)
+  y = module.apply(sparse_vars, x)
+  np.testing.assert_allclose(y, dense_module.apply(dense_vars, x), rtol=1e-5, atol=1e-5)
+  assert not np.allclose(y, Net().apply(variables, x))  # the pruned weights are gone

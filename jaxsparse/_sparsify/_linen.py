@@ -182,11 +182,13 @@ class SparsifiedLinen:
     layer = self.layers.get(tuple(context.module.path)) if context.method_name == "__call__" else None
     if layer is None or _IN_SPARSE_LAYER.get() or type(context.module) is not type(layer.module):
       return next_fun(*args, **kwargs)
-    if len(args) != 1 or kwargs:
-      raise TypeError(f"{'.'.join(context.module.path)}: sparse layers take one positional input.")
+    x = _layer_input(args, kwargs)
+    if x is None:
+      raise TypeError(f"{'.'.join(context.module.path)}: sparse layers take one input, positional or inputs=, got "
+                      f"{len(args)} positional and keywords {sorted(kwargs)}.")
     token = _IN_SPARSE_LAYER.set(True)  # the sparse layer's own nn.Dense / nn.Conv must run as is
     try:
-      return apply_sparse_layer(layer, context.module.variables, args[0])
+      return apply_sparse_layer(layer, context.module.variables, x)
     finally:
       _IN_SPARSE_LAYER.reset(token)
 
@@ -288,13 +290,24 @@ def _check_rebuildable(f: _Found, spec: Spec, kernel_shape: tuple[int, ...], pat
                        "keeps them.")
 
 
+def _layer_input(args: tuple, kwargs: Mapping) -> Any:
+  """The one input of a Flax layer's call, positional or ``inputs=`` (its name in ``nn.Dense`` / ``nn.Conv``);
+  ``None`` for any other call."""
+  if len(args) == 1 and not kwargs:
+    return args[0]
+  if not args and set(kwargs) == {"inputs"}:
+    return kwargs["inputs"]
+  return None
+
+
 def _linen_layers(module: nn.Module, variables: Mapping, example_input: Any, kwargs: Mapping) -> dict[tuple, _Found]:
   found: dict[tuple, _Found] = {}
 
   def interceptor(next_fun, args, kw, context):
     m = context.module
-    if context.method_name == "__call__" and type(m) in _LINEN_KINDS and args and tuple(m.path) not in found:
-      found[tuple(m.path)] = _found(m, args[0])
+    x = _layer_input(args, kw)
+    if context.method_name == "__call__" and type(m) in _LINEN_KINDS and x is not None and tuple(m.path) not in found:
+      found[tuple(m.path)] = _found(m, x)
     return next_fun(*args, **kw)
 
   args = example_input if isinstance(example_input, tuple) else (example_input,)
