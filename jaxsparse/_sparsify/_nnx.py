@@ -168,7 +168,9 @@ def check_masks_used(mask_dict: dict, used: set[str], path_of_kernel: list[str])
     listing = ", ".join(path_of_kernel[:12]) + (" ..." if len(path_of_kernel) > 12 else "") or "(none)"
     raise ValueError(
         f"masks has key(s) {unused[:10]}{' ...' if len(unused) > 10 else ''} that match no layer the rules "
-        f"sparsify; keys are '<layer path>.kernel' of a layer a rule maps to a structure: {listing}."
+        f"sparsify; keys are '<layer path>.kernel' of a layer a rule maps to a structure: {listing}. Masks from a "
+        "pruner (pruning.get_masks) cover every kernel its rules match: give the pruner the rules sparsify gets, "
+        "with None for layers sparsify does not convert."
     )
 
 
