@@ -39,19 +39,19 @@ __all__ = [
     "check_input",
     "check_kept",
     "check_linear",
-    "custom_options",
     "check_masked_implementation",
     "check_one_of",
     "conv_options",
+    "custom_options",
     "default_bias_init",
     "dense_linear",
     "init_linear_attributes",
     "kept_weights",
     "linear_options",
     "map_boxed",
-    "unbox_init",
     "missing_pattern",
     "random_mask",
+    "unbox_init",
     "with_weights",
 ]
 
@@ -164,9 +164,6 @@ def check_linear(linear: object, layer: str, *, options: bool = True) -> nnx.Lin
   return linear
 
 
-M = typing.TypeVar("M")
-
-
 def unbox_init(value: Any) -> Any:
   """An initializer's result out of the sharding box it may come in (see :func:`map_boxed`)."""
   if isinstance(value, nnx.VariableMetadata):
@@ -182,6 +179,9 @@ def map_boxed(value: Any, f: Callable[[jax.Array], jax.Array]) -> Any:
   if isinstance(value, nn.meta.AxisMetadata):
     return value.replace_boxed(f(value.unbox()))
   return f(value)
+
+
+M = typing.TypeVar("M")
 
 
 def with_weights(build: Callable[..., M], kernel: jax.Array, bias: jax.Array | None, /, *args: Any, **options) -> M:
