@@ -117,13 +117,27 @@ def match_rules(resolved: list[tuple[str, re.Pattern, Any]], path: str, *, owner
 
 
 def warn_unmatched(
-    resolved: list[tuple[str, re.Pattern, Any]], available: Sequence[str], *, what: str, kind: str = "rule(s)"
+    resolved: list[tuple[str, re.Pattern, Any]], available: Sequence[str], *, what: str, kind: str = "rule(s)",
+    shadowed: bool = False,
 ) -> None:
-  """Warns about the rules (or views: ``kind``) whose pattern fully matches none of the ``available`` paths."""
+  """Warns about the rules (or views: ``kind``) whose pattern fully matches none of the ``available`` paths; with
+  ``shadowed``, also about the rules that match some but select none, each of those paths going to an earlier rule
+  (first full match wins), unless the rule matches every path (a catch-all left with nothing)."""
   unused = [pattern for pattern, compiled, _ in resolved if not any(compiled.fullmatch(p) for p in available)]
   if unused:
     listing = ", ".join(available) if available else "(none)"
     _utils.warn_at_caller(f"{kind} {unused} matched no {what}; available paths: {listing}.", UserWarning)
+  if not shadowed:
+    return
+  chosen = {p: match_rules(resolved, p) for p in available}
+  for i, (pattern, compiled, _) in enumerate(resolved):
+    matched = [p for p in available if compiled.fullmatch(p)]
+    if matched and len(matched) < len(available) and i not in {chosen[p] for p in matched}:
+      taken = ", ".join(f"{p} -> '{resolved[chosen[p]][0]}'" for p in matched[:5])
+      _utils.warn_at_caller(
+          f"rule '{pattern}' selects no {what}: every path it matches goes to an earlier rule (the first rule that "
+          f"matches a path in full wins): {taken}{' ...' if len(matched) > 5 else ''}. Put the more specific rule "
+          "first.", UserWarning)
 
 
 def check_unsupported(

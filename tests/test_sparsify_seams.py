@@ -345,3 +345,22 @@ def test_linen_layers_called_with_inputs_keyword_are_found():
   y = module.apply(sparse_vars, x)
   np.testing.assert_allclose(y, dense_module.apply(dense_vars, x), rtol=1e-5, atol=1e-5)
   assert not np.allclose(y, Net().apply(variables, x))  # the pruned weights are gone
+
+
+def test_a_rule_shadowed_by_an_earlier_one_warns():
+  model = nnx.Sequential(nnx.Linear(64, 64, rngs=nnx.Rngs(0)), nnx.Linear(64, 8, rngs=nnx.Rngs(1)))
+  with pytest.warns(UserWarning, match=r"rule 'layers\\\.0' selects no .*layers\.0 -> '\.\*'.*more specific rule first"):
+    jaxsparse.sparsify(model, {".*": None, r"layers\.0": jaxsparse.NM(2, 4)})
+  with warnings.catch_warnings():  # a catch-all left with nothing (every layer taken by earlier rules) is fine
+    warnings.simplefilter("error")
+    jaxsparse.sparsify(model, {r"layers\.0": jaxsparse.NM(2, 4), r"layers\.1": None, ".*": jaxsparse.NM(2, 4)})
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(8, name="b")(nn.Dense(64, name="a")(x))
+
+  x = jnp.ones((2, 64))
+  variables = Net().init(jax.random.key(0), x)
+  with pytest.warns(UserWarning, match=r"rule 'a' selects no nn\.Dense"):
+    jaxsparse.sparsify_linen(Net(), variables, {"a|b": jaxsparse.Unstructured(sparsity=0.5), "a": None}, x)

@@ -437,7 +437,7 @@ def sparsify_linen(
     changes.append(LayerChange(p, f"{type(m).__name__}({kernel.shape})", spec.describe(),
                                type(sparse_module_of(layer, nnz=kept_blocks(layer_vars, spec))).__name__,
                                density, nbytes(dense_params), nbytes(layer_vars), dense_ms, sparse_ms, note))
-  warn_unmatched(resolved, [".".join(p) for p in found], what="nn.Dense / nn.DenseGeneral / nn.Conv")
+  warn_unmatched(resolved, [".".join(p) for p in found], what="nn.Dense / nn.DenseGeneral / nn.Conv", shadowed=True)
   changes.sort(key=lambda c: c.path)
   return SparsifiedLinen(module, layers), new_vars, SparsifyReport(tuple(changes))
 

@@ -453,7 +453,7 @@ def sparsify(
       chosen.append((path, node, next(iter(specs.values()))))
   embeds = _chosen_embeds(model, resolved, all_paths)
   warn_unmatched(resolved, all_paths + [path_str(p) for p, _, _ in embeds],
-                 what="nnx.Linear / nnx.Conv / nnx.LinearGeneral / nnx.Embed (a rule naming it)")
+                 what="nnx.Linear / nnx.Conv / nnx.LinearGeneral / nnx.Embed (a rule naming it)", shadowed=True)
   kernel_keys = [f"{path_str(p)}.kernel" if p else "kernel" for p, _, _ in chosen]
   kernel_keys += [f"{path_str(p)}.embedding" if p else "embedding" for p, _, _ in embeds]
   check_masks_used(mask_dict, set(kernel_keys), kernel_keys)
