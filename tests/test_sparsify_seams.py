@@ -349,7 +349,8 @@ def test_linen_layers_called_with_inputs_keyword_are_found():
 
 def test_a_rule_shadowed_by_an_earlier_one_warns():
   model = nnx.Sequential(nnx.Linear(64, 64, rngs=nnx.Rngs(0)), nnx.Linear(64, 8, rngs=nnx.Rngs(1)))
-  with pytest.warns(UserWarning, match=r"rule 'layers\\\.0' selects no .*layers\.0 -> '\.\*'.*more specific rule first"):
+  shadowed = r"rule 'layers\\\.0' selects no .*layers\.0 -> '\.\*'.*more specific rule first"
+  with pytest.warns(UserWarning, match=shadowed):
     jaxsparse.sparsify(model, {".*": None, r"layers\.0": jaxsparse.NM(2, 4)})
   with warnings.catch_warnings():  # a catch-all left with nothing (every layer taken by earlier rules) is fine
     warnings.simplefilter("error")
