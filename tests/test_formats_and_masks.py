@@ -214,6 +214,41 @@ def test_from_dense_traced_mask_needs_count():
     jaxsparse.BlockSparseMatrix.from_block_mask(mask, ref.data[:5])
 
 
+@pytest.mark.parametrize("nnz", [5, 7])
+def test_traced_mask_with_another_count_gives_nan_values(nnz):
+  # Under jit a wrong static count cannot raise; the index arrays then drop or repeat entries, so the values are NaN
+  # and the products hold NaN instead of plausible wrong numbers (6 blocks are kept). The C++ kernels check the
+  # offsets and raise; the XLA routes take the NaN values.
+  w = jax.random.normal(jax.random.key(0), (64, 48))
+  x = jax.random.normal(jax.random.key(1), (3, 64))
+  mask = jaxsparse.block_magnitude_mask(w, (16, 16), 0.5)
+  emask = jnp.repeat(jnp.repeat(mask, 16, 0), 16, 1) & (jnp.abs(w) > 1.4)
+  count = int(emask.sum())
+
+  @jax.jit
+  def block(w, m):
+    ws = jaxsparse.BlockSparseMatrix.from_dense(w, (16, 16), m, nnz_blocks=nnz)
+    again = jaxsparse.BlockSparseMatrix.from_block_mask(m, ws.data[:1].repeat(nnz, 0))
+    return ws.to_dense(), again.to_dense()
+
+  @jax.jit
+  def csr(w, m):
+    ws = jaxsparse.CSRMatrix.from_dense(w, m, nnz=count + nnz - 6)
+    again = jaxsparse.CSRMatrix.from_mask(m, ws.data)
+    return ws.to_dense(), again.to_dense(), jaxsparse.ops.sparse_matmul(x, ws, implementation="xla")
+
+  for got in (*block(w, mask), *csr(w, emask)):
+    assert np.isnan(np.asarray(got)).any()
+  product = jax.jit(lambda w, m: jaxsparse.ops.block_sparse_matmul(
+      x, jaxsparse.BlockSparseMatrix.from_dense(w, (16, 16), m, nnz_blocks=nnz)))
+  try:
+    assert np.isnan(np.asarray(product(w, mask))).any()
+  except jax.errors.JaxRuntimeError as e:  # the C++ kernels (CPU)
+    assert "is not an offset array" in str(e)
+  right = jax.jit(lambda w, m: jaxsparse.CSRMatrix.from_dense(w, m, nnz=count).to_dense())(w, emask)
+  np.testing.assert_array_equal(right, jnp.where(emask, w, 0))
+
+
 def test_from_dense_traced_without_mask_explains():
   with pytest.raises(ValueError, match="pass block_mask= when w is traced"):
     jax.jit(lambda w: jaxsparse.BlockSparseMatrix.from_dense(w, (16, 16)).data)(jnp.ones((32, 32)))

@@ -11,7 +11,7 @@ import numpy as np
 
 from jaxsparse import _utils
 
-__all__ = ["IndexedSparseMatrix", "check_pattern_mask", "is_concrete", "mask_pattern_indices"]
+__all__ = ["IndexedSparseMatrix", "check_pattern_mask", "is_concrete", "mask_pattern_indices", "poison_miscounted"]
 
 
 def is_concrete(x: Any) -> bool:
@@ -68,6 +68,19 @@ def mask_pattern_indices(mask: Any, nnz: int | None, *, name: str) -> dict[str, 
       # Row-major entries sorted stably by column: rows stay ascending within a column.
       "transpose_order": (np.argsort(cols, kind="stable") if xp is np else jnp.argsort(cols, stable=True)).astype(i32),
   }
+
+
+def poison_miscounted(data: jax.Array, mask: Any, nnz: int) -> jax.Array:
+  """``data``, or all NaN when a traced ``mask`` keeps other than ``nnz`` entries.
+
+  Under ``jit`` the count of a traced mask is not known when the static ``nnz`` fixes the shapes, so a wrong
+  ``nnz`` cannot raise: the index arrays would silently drop (or repeat) entries. Its values are made NaN instead,
+  so every product with the matrix is NaN rather than a plausible wrong number. A concrete mask was checked (and
+  raised) already; integer data, which has no NaN, is returned as it is.
+  """
+  if is_concrete(mask) or not jnp.issubdtype(data.dtype, jnp.inexact):
+    return data
+  return jnp.where(jnp.sum(mask, dtype=jnp.int32) == nnz, data, jnp.nan)
 
 
 def _first_false(ok: np.ndarray) -> int:

@@ -20,6 +20,7 @@ from jaxsparse.formats._base import IndexedSparseMatrix
 from jaxsparse.formats._base import check_pattern_mask
 from jaxsparse.formats._base import is_concrete
 from jaxsparse.formats._base import mask_pattern_indices
+from jaxsparse.formats._base import poison_miscounted
 
 __all__ = ["INDEX_FIELDS", "BlockSparseMatrix", "block_pattern_indices", "merge_block_data", "split_blocks"]
 
@@ -97,7 +98,7 @@ class BlockSparseMatrix(IndexedSparseMatrix):
 
     Args:
       block_mask: bool ``(K // bk, N // bn)``; concrete, or traced (the block count is then taken
-        from ``data``'s static shape).
+        from ``data``'s static shape; the values are all NaN if the mask keeps another count).
       data: ``(nnz_blocks, bk, bn)``, the kept blocks in row-major block order.
       shape: optional ``(K, N)``; checked against ``block_mask.shape * block_shape`` if given.
     """
@@ -114,7 +115,7 @@ class BlockSparseMatrix(IndexedSparseMatrix):
     if shape is not None and tuple(shape) != full:
       raise ValueError(f"shape={tuple(shape)} does not match block_mask {(kb, nb)} x blocks {data.shape[1:]}.")
     idx = {k: jnp.asarray(v) for k, v in idx.items()}
-    return cls(data, validate=False, shape=full, block_shape=data.shape[1:], **idx)
+    return cls(poison_miscounted(data, mask, nnz), validate=False, shape=full, block_shape=data.shape[1:], **idx)
 
   @classmethod
   def from_dense(
@@ -134,7 +135,8 @@ class BlockSparseMatrix(IndexedSparseMatrix):
         nonzero entry (``w`` must then be concrete). A traced mask needs ``nnz_blocks``.
       nnz_blocks: the number of blocks ``block_mask`` keeps, a static int; needed only when the mask
         is traced (e.g. ``block_magnitude_mask(w, ...)`` of a traced ``w`` keeps
-        ``round(density * blocks)``).
+        ``round(density * blocks)``). A traced mask that keeps another count cannot raise under ``jit``: the
+        values are then all NaN.
 
     Returns:
       A ``BlockSparseMatrix`` with ``to_dense() == w * expanded(block_mask)``.
@@ -158,7 +160,7 @@ class BlockSparseMatrix(IndexedSparseMatrix):
       )
     idx = block_pattern_indices(mask, nnz_blocks=nnz_blocks)
     blocks = w.reshape(kb, bk, nb, bn).transpose(0, 2, 1, 3)
-    data = blocks[idx["row_indices"], idx["col_indices"]]
+    data = poison_miscounted(blocks[idx["row_indices"], idx["col_indices"]], mask, nnz_blocks)
     idx = {k: jnp.asarray(v) for k, v in idx.items()}
     return cls(data, validate=False, shape=w.shape, block_shape=(bk, bn), **idx)
 

@@ -20,6 +20,7 @@ from jaxsparse.formats._base import IndexedSparseMatrix
 from jaxsparse.formats._base import check_pattern_mask
 from jaxsparse.formats._base import is_concrete
 from jaxsparse.formats._base import mask_pattern_indices
+from jaxsparse.formats._base import poison_miscounted
 
 __all__ = ["INDEX_FIELDS", "CSRMatrix", "csr_pattern_indices"]
 
@@ -91,13 +92,15 @@ class CSRMatrix(IndexedSparseMatrix):
   def from_mask(cls, mask: Any, data: jax.typing.ArrayLike) -> CSRMatrix:
     """Builds a matrix from a bool ``(K, N)`` mask and its ``(nnz,)`` kept values in row-major order.
 
-    The mask may be traced: ``nnz`` is then taken from ``data``'s static shape.
+    The mask may be traced: ``nnz`` is then taken from ``data``'s static shape (and the values are all NaN if the
+    mask keeps another count).
     """
     data = jnp.asarray(data)
     m = check_pattern_mask(mask, name="mask", layout="(K, N)")
     if data.ndim != 1 or (is_concrete(m) and data.shape[0] != int(m.sum())):
       raise ValueError(f"data must have shape (nnz,) = ({int(m.sum())},) for this mask, got {data.shape}.")
     idx = csr_pattern_indices(m, nnz=data.shape[0])
+    data = poison_miscounted(data, m, data.shape[0])
     return cls(data, validate=False, shape=m.shape, **{k: jnp.asarray(v) for k, v in idx.items()})
 
   @classmethod
@@ -108,7 +111,8 @@ class CSRMatrix(IndexedSparseMatrix):
       w: ``(K, N)`` dense matrix. May be traced when ``mask`` is given.
       mask: optional bool ``(K, N)``; ``None`` keeps the nonzero entries of ``w`` (which must then be
         concrete). A traced mask needs ``nnz``.
-      nnz: the number of entries ``mask`` keeps, a static int; needed only when the mask is traced.
+      nnz: the number of entries ``mask`` keeps, a static int; needed only when the mask is traced. A traced mask
+        that keeps another count cannot raise under ``jit``: the values are then all NaN.
 
     Returns:
       A ``CSRMatrix`` with ``to_dense() == where(mask, w, 0)``.
@@ -125,7 +129,7 @@ class CSRMatrix(IndexedSparseMatrix):
     if m.shape != w.shape:
       raise ValueError(f"mask must have the shape of w {w.shape}, got {m.shape}.")
     idx = csr_pattern_indices(m, nnz=nnz)
-    data = w[idx["row_indices"], idx["col_indices"]]
+    data = poison_miscounted(w[idx["row_indices"], idx["col_indices"]], m, nnz)
     return cls(data, validate=False, shape=w.shape, **{k: jnp.asarray(v) for k, v in idx.items()})
 
   def with_data(self, data: jax.typing.ArrayLike) -> CSRMatrix:
