@@ -21,6 +21,7 @@ from typing import TypeAlias
 import jax
 import numpy as np
 from flax import nnx
+from flax.nnx import graph
 
 from jaxsparse import _utils
 from jaxsparse.formats._specs import SPECS
@@ -218,17 +219,19 @@ def get_module(model: nnx.Module, path: Sequence[Any]) -> Any:
 def module_paths(model: nnx.Module) -> dict[int, list[tuple]]:
   """Every path (as ``nnx.iter_modules`` writes them) of each module inside ``model``, by ``id``.
 
-  ``nnx.iter_modules`` yields a module once, at its first path; a module that several attributes hold (tied weights,
-  ``self.b = self.a``) has all of them here, the first first.
+  ``nnx.iter_modules`` yields a module once, at its first path; a module that several attributes or container items
+  hold (tied weights: ``self.b = self.a``, ``nnx.data((a, a))``) has all of them here, the first first. The walk
+  goes through every graph node (modules, ``nnx.List`` / ``nnx.Dict``, tuples, lists and dicts held as data).
   """
   out: dict[int, list[tuple]] = {}
 
   def walk(node, path, above):
-    out.setdefault(id(node), []).append(path)
+    if isinstance(node, nnx.Module):
+      out.setdefault(id(node), []).append(path)
     if id(node) in above:  # a reference cycle
       return
-    for key, child in nnx.iter_children(node):
-      if isinstance(child, nnx.Module):
+    for key, child in graph.get_node_impl(node).node_dict(node).items():
+      if not (isinstance(key, str) and key.startswith("_pytree__")) and graph.is_node(child):
         walk(child, (*path, key), above | {id(node)})
 
   walk(model, (), frozenset())

@@ -255,6 +255,28 @@ def test_layers_in_a_tuple_are_replaced():
   np.testing.assert_allclose(sparse(x), dense(x), rtol=1e-5, atol=1e-5)
 
 
+def test_a_layer_tied_inside_tuples_and_dicts_stays_tied():
+  class Nested(nnx.Module):
+    def __init__(self, rngs):
+      a = nnx.Linear(64, 64, rngs=rngs)
+      self.pair = nnx.data((a, a))
+      self.named = nnx.data({"first": a, "rest": [nnx.Linear(64, 64, rngs=rngs)]})
+      self.b = a
+
+    def __call__(self, x):
+      return self.named["rest"][0](self.b(self.pair[1](self.pair[0](x))))
+
+  model = Nested(nnx.Rngs(0))
+  x = _normal(1, (2, 64))
+  sparse, report = jaxsparse.sparsify(model, jaxsparse.Unstructured(sparsity=0.5))
+  a = sparse.pair[0]
+  assert type(a) is MaskedLinear and a is sparse.pair[1] is sparse.named["first"] is sparse.b
+  assert type(sparse.named["rest"][0]) is MaskedLinear and len(report.layers) == 2
+  dense = jaxsparse.densify(sparse)
+  assert type(dense.b) is nnx.Linear and dense.b is dense.pair[0] is dense.pair[1] is dense.named["first"]
+  np.testing.assert_allclose(sparse(x), dense(x), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("spec", [*UNSTRUCTURED_AND_BLOCK, jaxsparse.NM(2, 4)])
 def test_sparse_layers_take_the_flax_layers_keyword(spec):
   """A model calling ``self.fc(inputs=x)`` (nnx.Linear's name) keeps working after sparsify."""
