@@ -28,12 +28,15 @@ values and positions plus a copy in cuSPARSELt's layout); ``block 64x64 50%`` (`
 ``to_inference(dense_unstructured=True)``, since no GPU kernel beats the dense product at 50% unstructured and
 ``MaskedLinear`` ran at 0.36-0.42x).
 
-Timings, each the median of ``--repeats`` calls after a compiling call, wall time around one jitted call
-that is blocked on once (so each call holds many device steps, and the host's dispatch cost is amortised):
+Timings, each the median of ``--repeats`` samples after a compiling call, wall time, blocked on once a sample (so
+the host's dispatch cost is amortised):
 
 * prefill: ``--prefill`` tokens (2048) of one sequence into an empty cache, logits of the last position; the
   attention core is cuDNN's fused attention there (``--attention auto``, the model's default on a GPU) or the
-  eager einsum-softmax-einsum (``--attention xla``);
+  eager einsum-softmax-einsum (``--attention xla``). A sample is ``--prefill-calls`` (8) calls enqueued back to
+  back, as a server's stream of prompts runs, over their count: one call blocked alone also holds the host's
+  launch of it (a few hundred microseconds with a model's hundreds of arrays), which the next prompt's device work
+  hides in a stream;
 * decode: ``--steps`` greedy decode steps in one ``lax.fori_loop`` at batch ``--batches`` (1, 8, 32), each
   step attending to a cache holding ``--context`` (1024) tokens before it; tokens/s = batch * steps / time.
 
@@ -169,8 +172,11 @@ def state_bytes(model: nnx.Module) -> tuple[int, int, int]:
   return total, cusparselt, layers
 
 
-def timed(f, *args, repeats: int, reset=None) -> float:
+def timed(f, *args, repeats: int, reset=None, calls: int = 1) -> float:
   """Median seconds of ``f(*args)`` (after one compiling call); ``reset(out) -> args`` feeds donated buffers back.
+
+  With ``calls`` > 1 (no ``reset``), each sample enqueues that many calls and blocks on the last: the seconds of
+  one call in a stream of them, the host's dispatch of the next overlapping the device's work on this one.
 
   The timing starts once the compiles that measured dispatch left running in the background (candidates past its
   tuning budget) are done: while they run they share the host with the timed calls (a 1.1B-shape prefill timed
@@ -182,12 +188,14 @@ def timed(f, *args, repeats: int, reset=None) -> float:
     if reset is not None:
       args = reset(out)
     t0 = time.perf_counter()
-    out = jax.block_until_ready(f(*args))
-    times.append(time.perf_counter() - t0)
+    for _ in range(calls):
+      out = f(*args)
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - t0) / calls)
   return statistics.median(times)
 
 
-def prefill_seconds(model, tokens: int, *, repeats: int) -> float:
+def prefill_seconds(model, tokens: int, *, repeats: int, calls: int) -> float:
   cfg = model.config
   graphdef, state = nnx.split(model)
 
@@ -198,7 +206,7 @@ def prefill_seconds(model, tokens: int, *, repeats: int) -> float:
     return m.step(ids, cache, last_only=True)[0]
 
   ids = jax.random.randint(jax.random.key(1), (1, tokens), 0, cfg.vocab_size, jnp.int32)
-  return timed(prefill, state, ids, repeats=repeats)
+  return timed(prefill, state, ids, repeats=repeats, calls=calls)
 
 
 def decode_call(model, batch: int, context: int, steps: int):
@@ -299,9 +307,13 @@ def measure(model, args, label: str, batches: list[int] | None = None,
             with_prefill: bool = True) -> tuple[float | None, dict[int, float]]:
   """``(prefill seconds or None, {batch: decode seconds})`` at ``batches`` (default ``--batches``)."""
   t0 = time.perf_counter()
-  prefill = prefill_seconds(model, args.prefill, repeats=args.repeats) if args.prefill and with_prefill else None
+  prefill = (prefill_seconds(model, args.prefill, repeats=args.repeats, calls=args.prefill_calls)
+             if args.prefill and with_prefill else None)
   if prefill is not None:
-    log(f"  {label}: prefill {args.prefill} tokens {prefill * 1e3:.2f} ms")
+    log(f"  {label}: prefill {args.prefill} tokens {prefill * 1e3:.2f} ms a call in a stream of {args.prefill_calls}")
+    if args.prefill_calls > 1:  # the latency of one prompt alone, the host's launch included: logged, not tabled
+      one = prefill_seconds(model, args.prefill, repeats=args.repeats, calls=1)
+      log(f"  {label}: prefill {args.prefill} tokens {one * 1e3:.2f} ms one call blocked alone")
   decode = {}
   for b in batches or args.batches:
     decode[b] = decode_seconds(model, b, args.context, args.steps, repeats=args.repeats)
@@ -465,8 +477,9 @@ def header(args) -> str:
              + ("; those within 15% of dense settled by the decode step's time" if args.dense_if_slower == "step"
                 else ""))
   return (f"{getattr(dev, 'device_kind', dev.platform)}, {args.dtype}, jax {jax.__version__}; prefill {args.prefill} "
-          f"tokens at batch 1; decode {args.steps} steps after {args.context} cached tokens; median of "
-          f"{args.repeats} calls; speed ratios are tokens/s (or 1/time) over dense's, > 1 is faster{routing}; "
+          f"tokens at batch 1 ({args.prefill_calls} calls enqueued per sample, blocked once); decode {args.steps} "
+          f"steps after {args.context} cached tokens; median of {args.repeats} samples; speed ratios are tokens/s "
+          f"(or 1/time) over dense's, > 1 is faster{routing}; "
           + ("q / k / v and gate / up fused (fuse_projections) in every model, dense included" if args.fuse
              else "projections not fused (--no-fuse)")
           + ("; LM head: the pattern's structure in the sparse models (--head sparse)" if args.head == "sparse"
@@ -489,7 +502,9 @@ def main(argv: list[str] | None = None) -> None:
   p.add_argument("--context", type=int, help="cached tokens before the decode steps (default 1024; --tiny: 16)")
   p.add_argument("--steps", type=int, help="decode steps per timed call (default 64; --tiny: 4)")
   p.add_argument("--prefill", type=int, help="prefill tokens, 0 skips (default 2048; --tiny: 32)")
-  p.add_argument("--repeats", type=int, help="timed calls per case (default 3; --tiny: 1)")
+  p.add_argument("--repeats", type=int, help="timed samples per case (default 3; --tiny: 1)")
+  p.add_argument("--prefill-calls", type=int, help="prefill calls enqueued per sample, blocked once (default 8; "
+                 "--tiny: 1; 1 times a prefill blocked alone, the host's launch of it included)")
   p.add_argument("--dtype", default="bfloat16")
   p.add_argument("--kernels", type=lambda v: [int(b) for b in v.split(",")], default=[],
                  help="batches whose decode call gets a per-kernel device-time breakdown (CUPTI, GPU), e.g. 1")
@@ -509,8 +524,9 @@ def main(argv: list[str] | None = None) -> None:
                       "16-bit prefill on a GPU, xla = Hugging Face's eager einsum-softmax-einsum everywhere")
   p.add_argument("--tiny", action="store_true", help="the tiny shape, small sizes: a CPU check in seconds")
   args = p.parse_args(argv)
-  defaults = {"batches": [1, 2], "context": 16, "steps": 4, "prefill": 32, "repeats": 1} if args.tiny else {
-      "batches": [1, 8, 32], "context": 1024, "steps": 64, "prefill": 2048, "repeats": 3}
+  defaults = {"batches": [1, 2], "context": 16, "steps": 4, "prefill": 32, "repeats": 1,
+              "prefill_calls": 1} if args.tiny else {
+      "batches": [1, 8, 32], "context": 1024, "steps": 64, "prefill": 2048, "repeats": 3, "prefill_calls": 8}
   for k, v in defaults.items():
     if getattr(args, k) is None:
       setattr(args, k, v)
