@@ -9,7 +9,9 @@ from typing import Any
 import flax.linen as nn
 import jax
 import numpy as np
+from flax import nnx
 
+from jaxsparse import _utils
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
 from jaxsparse.formats._csr import CSRMatrix
 from jaxsparse.formats._nm import NMSparseMatrix
@@ -33,7 +35,14 @@ def _as_2d(mask: np.ndarray) -> np.ndarray:
 
 def _linen_layer(variables: Mapping) -> Any:
   """A Linen ``BlockSparseDense`` / ``MaskedDense`` layer's ``{"params", "sparsity"}`` as a matrix or mask."""
-  kernel, pattern = variables["params"]["kernel"], variables[SPARSITY]
+  params, pattern = variables["params"], variables[SPARSITY]
+  if not isinstance(params.get("kernel"), jax.Array | np.ndarray | jax.ShapeDtypeStruct):
+    raise TypeError(
+        "plot_pattern takes the variables of one Linen layer, {'params': {'kernel': ...}, 'sparsity': {...}}; these "
+        f"'params' hold {sorted(params)}: pick a layer, e.g. {{'params': variables['params'][name], "
+        "'sparsity': variables['sparsity'][name]}."
+    )
+  kernel = params["kernel"]
   if "row_indices" in pattern:
     _, bk, bn = kernel.shape
     shape = ((pattern["row_offsets"].shape[0] - 1) * bk, (pattern["col_offsets"].shape[0] - 1) * bn)
@@ -45,6 +54,9 @@ def _linen_layer(variables: Mapping) -> Any:
 
 def _pattern(x: Any) -> tuple[np.ndarray, tuple[int, int], str]:
   """``(mask, cell, title)``: a bool mask whose entries stand for ``cell``-shaped tiles of the kernel."""
+  if isinstance(x, nnx.Module) and any(isinstance(v, jax.ShapeDtypeStruct) for v in jax.tree.leaves(nnx.state(x))):
+    raise ValueError(f"plot_pattern: the {type(x).__name__} is abstract (nnx.eval_shape): its pattern has no values "
+                     "to draw yet; make the layer with values first.")
   if isinstance(x, Mapping) and "params" in x and SPARSITY in x:
     x = _linen_layer(nn.meta.unbox(x))  # nn.with_partitioning boxes, as sparsify_linen carries them over
   if isinstance(x, SparseLinearGeneral):
@@ -68,6 +80,8 @@ def _pattern(x: Any) -> tuple[np.ndarray, tuple[int, int], str]:
   if isinstance(x, CSRMatrix):
     return np.asarray(x.mask), (1, 1), f"unstructured, density {x.density:.3f}"
   if isinstance(x, np.ndarray | jax.Array) and x.dtype == np.bool_ and x.ndim >= 2:
+    if x.size == 0:
+      raise ValueError(f"plot_pattern: the mask is empty (shape {x.shape}); nothing to draw.")
     mask = _as_2d(np.asarray(x))
     return mask, (1, 1), f"density {mask.mean():.3f}"
   raise TypeError(
@@ -143,13 +157,15 @@ def plot_pattern(
     import matplotlib.pyplot as plt  # noqa: PLC0415 -- matplotlib is optional
   except ImportError as e:
     raise ImportError("plot_pattern needs matplotlib: pip install matplotlib") from e
-  if isinstance(max_pixels, bool) or not isinstance(max_pixels, int) or max_pixels < 1:
-    raise ValueError(f"max_pixels must be a positive int, got max_pixels={max_pixels!r}.")
+  max_pixels = _utils.check_positive_int(max_pixels, name="max_pixels")
+  if crop is not None:
+    try:
+      crop = _utils.check_dims(crop, name="crop", ndim=2, minimum=1)  # also NumPy ints; never bools
+    except ValueError:
+      raise ValueError(f"crop must be a pair of positive ints (rows, cols), got crop={crop!r}.") from None
   mask, (bk, bn), description = _pattern(x)
   height, width = mask.shape[0] * bk, mask.shape[1] * bn
   if crop is not None:
-    if len(crop) != 2 or not all(isinstance(c, int) and c > 0 for c in crop):
-      raise ValueError(f"crop must be a pair of positive ints (rows, cols), got crop={crop!r}.")
     height, width = min(crop[0], height), min(crop[1], width)
     # Whole tiles (blocks) covering the crop, drawn with the crop's extent.
     mask = mask[: math.ceil(height / bk), : math.ceil(width / bn)]

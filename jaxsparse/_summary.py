@@ -222,15 +222,20 @@ def _path(parts: Sequence[Any]) -> str:
 _NMInfo = tuple[str, int, int, bool]
 
 
+def _is_sparsified_linen(module: Any) -> bool:
+  from jaxsparse._sparsify._linen import SparsifiedLinen  # noqa: PLC0415 -- _sparsify imports this module's peers
+
+  return isinstance(module, SparsifiedLinen)
+
+
 def _linen_nm_layers(module: Any, variables: Mapping, inputs: Sequence[Any]) -> dict[tuple[str, ...], _NMInfo]:
   """The N:M Linen layers of ``module`` by scope path (their variables alone look like ``nn.Dense``'s).
 
   For a :func:`jaxsparse.sparsify_linen` model they are the layers its plan maps to an ``NM`` rule.
   """
-  from jaxsparse._sparsify._linen import SparsifiedLinen  # noqa: PLC0415 -- _sparsify imports this module's peers
   from jaxsparse.formats._specs import NM  # noqa: PLC0415
 
-  if isinstance(module, SparsifiedLinen):
+  if _is_sparsified_linen(module):
     return {
         tuple(str(p) for p in path): ("NMConv" if plan.kind == "conv" else "NMDense", plan.spec.n, plan.spec.m,
                                       plan.spec.transposable)
@@ -308,7 +313,7 @@ def summary(model: nnx.Module | Mapping, /, *example_inputs: Any, module: nn.Mod
   Args:
     model: a Flax NNX module, or Linen variables (``{"params": ..., "sparsity": ...}``).
     *example_inputs: with Linen variables and ``module``: the inputs of ``module.apply`` (arrays or
-      ``jax.ShapeDtypeStruct``; only traced).
+      ``jax.ShapeDtypeStruct``; only traced); not needed for a ``SparsifiedLinen``.
     module: the Linen module of ``model``'s variables, or the ``SparsifiedLinen`` that
       :func:`jaxsparse.sparsify_linen` returned. Needed to find ``NMDense`` / ``NMConv``, whose
       variables are those of ``nn.Dense`` / ``nn.Conv``; block-sparse and masked Linen layers are found
@@ -316,6 +321,10 @@ def summary(model: nnx.Module | Mapping, /, *example_inputs: Any, module: nn.Mod
 
   Returns:
     A :class:`ModelSummary`; ``str()`` of it is a table with totals.
+
+  Raises:
+    TypeError: ``model`` is neither, ``module`` or example inputs come with an NNX model, example inputs without
+      ``module``, or a ``module`` (other than a ``SparsifiedLinen``) without example inputs.
   """
   if isinstance(model, nnx.Module):
     if module is not None or example_inputs:
@@ -334,6 +343,12 @@ def summary(model: nnx.Module | Mapping, /, *example_inputs: Any, module: nn.Mod
         layers.append(layer)
     return ModelSummary(tuple(layers))
   if isinstance(model, Mapping):
+    if module is None and example_inputs:
+      raise TypeError("example inputs are for module.apply: pass module= (the Linen module of the variables) too, or "
+                      "no inputs (N:M Linen layers are then not found).")
+    if module is not None and not example_inputs and not _is_sparsified_linen(module):
+      raise TypeError(f"module={type(module).__name__} needs the example inputs of its apply (arrays or "
+                      "jax.ShapeDtypeStruct), to find its NMDense / NMConv layers.")
     model = nn.meta.unbox(model)  # nn.with_partitioning boxes, as sparsify_linen carries them over
     nm = {} if module is None else _linen_nm_layers(module, model, example_inputs)
     return ModelSummary(tuple(_linen_layers(model, nm)))

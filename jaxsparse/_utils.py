@@ -220,3 +220,23 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], Any]) -> None:
     if os.path.exists(tmp):
       os.remove(tmp)
     raise
+
+
+def check_decay(decay: Any, *, name: str = "decay") -> float:
+  """SR-STE's ``decay`` as a finite Python float >= 0 (a static hyperparameter: a concrete NumPy / JAX scalar is
+  converted); ``name`` is the argument's name in the errors."""
+  if isinstance(decay, jax.core.Tracer):
+    raise ValueError(
+        f"{name} must be a concrete number: it is a static hyperparameter of the custom gradient, and got the traced "
+        f"{decay!r} (e.g. an argument of a jitted function or a schedule's value under jit). Pass a Python float, "
+        "close over it, or mark it static (jax.jit(..., static_argnames=...))."
+    )
+  if isinstance(decay, np.ndarray | jax.Array):  # a 0-d array of a real dtype, e.g. a schedule's value
+    real = jnp.issubdtype(decay.dtype, jnp.floating) or jnp.issubdtype(decay.dtype, jnp.integer)
+    numeric = decay.ndim == 0 and real
+  else:
+    numeric = isinstance(decay, numbers.Real) and not isinstance(decay, bool | np.bool_)
+  value = float(decay) if numeric else None
+  if value is None or not (math.isfinite(value) and value >= 0):
+    raise ValueError(f"{name} must be a float >= 0 and finite (0 gives plain STE), got {name}={decay!r}.")
+  return value

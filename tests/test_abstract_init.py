@@ -13,9 +13,15 @@ from flax import nnx
 from jaxsparse import layers
 from jaxsparse.layers import linen
 
+BLOCK_MASK = np.random.default_rng(0).random((4, 3)) < 0.5  # (64 // 16, 96 // 32) blocks
+
 # name -> (builder taking rngs, input shape). Sizes are small: these run on two CPU cores in CI.
 NNX_LAYERS = {
     "block_sparse": (lambda r: layers.BlockSparseLinear(64, 96, density=0.5, block_shape=(16, 32), rngs=r), (3, 64)),
+    "block_sparse_mask": (  # a NumPy block_mask stays concrete under jit / eval_shape (the abstract restore target)
+        lambda r: layers.BlockSparseLinear(64, 96, block_mask=BLOCK_MASK, block_shape=(16, 32), rngs=r),
+        (3, 64),
+    ),
     "block_sparse_from_dense": (
         lambda r: layers.BlockSparseLinear.from_dense(nnx.Linear(64, 32, rngs=r), density=0.25, block_shape=(16, 16)),
         (3, 64),

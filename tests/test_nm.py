@@ -514,6 +514,26 @@ def test_nm_matmul_bad_arguments(x, w, kwargs, error, match):
     nm_matmul(x, w, **kwargs)
 
 
+def test_nm_matmul_and_format_reject_positions_cast_by_a_tree_map():
+  # A 4:8 weight with K = 24 packs its positions in uint16 words up to 4095; casting every leaf of a model to
+  # bfloat16 rounds them (4012 -> 4000). No kernel path checks such a K, so the product was silently wrong.
+  w = _normal(0, (24, 16))
+  ws = NMSparseMatrix.from_dense(w, 4, 8)
+  assert ws.indices.dtype == jnp.uint16 and int(ws.indices.max()) > 256
+  cast = jax.tree.map(lambda a: a.astype(jnp.bfloat16), ws)  # skips the constructor's checks
+  x = _normal(1, (3, 24))
+  for f in (lambda: nm_matmul(x, cast), lambda: jax.jit(nm_matmul)(x, cast)):
+    with pytest.raises(ValueError, match=r"w\.indices must be uint16 .* got bfloat16 .*were the positions cast"):
+      f()
+  for method in (cast.to_dense, cast.mask, cast.positions, cast.validate):
+    with pytest.raises(ValueError, match=r"NMSparseMatrix\.indices must be uint16 .* got bfloat16"):
+      method()
+  # Casting only the values is the supported way, and gives the dense product of the cast weight.
+  good = ws.with_values(ws.values.astype(jnp.bfloat16))
+  dense = np.asarray(ws.to_dense().astype(jnp.bfloat16), np.float32)
+  np.testing.assert_allclose(np.asarray(nm_matmul(x, good)), np.asarray(x) @ dense, rtol=1e-5, atol=1e-5)
+
+
 def test_public_exports():
   assert jaxsparse.nm_mask is nm_mask and jaxsparse.NMSparseMatrix is NMSparseMatrix
   assert {"nm_matmul", "nm_matmul_reference", "sr_ste"} <= set(jaxsparse.ops.__all__)

@@ -324,6 +324,7 @@ def test_transposable_layers_nnx_linen_and_conversions():
         ({"n": 2.5}, TypeError, r"n must be an int, got n=2.5"),
         ({"m": True}, TypeError, r"m must be an int, got m=True"),
         ({"sr_ste_decay": -0.1}, ValueError, r"sr_ste_decay must be a float >= 0.*sr_ste_decay=-0.1"),
+        ({"sr_ste_decay": float("inf")}, ValueError, r"sr_ste_decay must be a float >= 0 and finite.*=inf"),
         ({"out_features": 10, "transposable": True}, ValueError, r"out_features=10 a multiple of m=4"),
         ({"n": 4, "m": 8, "transposable": True}, ValueError, r"transposable=True needs m <= 4"),
         ({"transposable": "yes"}, TypeError, r"transposable must be a bool, got transposable='yes'"),
@@ -344,8 +345,36 @@ def test_nm_conv_and_conversion_bad_arguments():
     NMLinear.from_dense(nnx.Conv(8, 8, 3, kernel_init=FAST_INIT, rngs=nnx.Rngs(0)))
   with pytest.raises(TypeError, match=r"conv must be a flax\.nnx\.Conv, got Linear"):
     NMConv.from_dense(nnx.Linear(8, 8, rngs=nnx.Rngs(0)))
-  with pytest.raises(TypeError, match=r"weight must be a 2-D jaxsparse\.NMSparseMatrix"):
-    CompressedNMLinear(jnp.ones((8, 4)))
+  with pytest.raises(TypeError, match=r"2-D jaxsparse\.NMSparseMatrix, got ArrayImpl of shape \(8, 4\);"):
+    CompressedNMLinear(jnp.ones((8, 4)))  # named by type and shape, not a printout of the array
+
+
+def test_to_compressed_refuses_a_custom_dot_general():
+  # CompressedNMLinear multiplies with nm_matmul: it silently dropped the layer's dot_general (here 2x the product).
+  def twice(a, b, *args, **kwargs):
+    return 2 * lax.dot_general(a, b, *args, **kwargs)
+
+  layer = NMLinear(K, N, dot_general=twice, rngs=nnx.Rngs(0))
+  x = _normal(1, (3, K))
+  expected = 2 * (x @ _pruned(layer.kernel[...], 2, 4, 0)) + layer.bias[...]
+  np.testing.assert_allclose(np.asarray(layer(x)), np.asarray(expected), rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match=r"to_compressed cannot keep this layer's custom dot_general=.*twice"):
+    layer.to_compressed()
+  np.testing.assert_array_equal(np.asarray(layer.to_dense()(x)), np.asarray(layer(x)))  # to_dense keeps it
+
+
+@pytest.mark.parametrize(("n", "m"), [(2, 4), (1, 4)])
+def test_nm_layers_name_wrong_input_features(n, m):
+  # 2:4 said "x must be (..., K) and w (K, N)", other N:M Flax's dot_general error; neither named the layer.
+  layer = NMLinear(16, 8, n=n, m=m, rngs=nnx.Rngs(0))
+  for bad in (jnp.ones((2, 12)), jnp.ones(())):
+    with pytest.raises(ValueError, match=r"NMLinear has in_features=16: inputs must have shape \(\.\.\., 16\)"):
+      layer(bad)
+  conv = NMConv(8, 4, 3, n=n, m=m, kernel_init=FAST_INIT, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"NMConv has in_features=8: inputs must have shape \(\.\.\., 8\), got "
+                     r"inputs.shape=\(2, 5, 12\)"):
+    conv(jnp.ones((2, 5, 12)))
+  assert conv(jnp.ones((2, 5, 8))).shape == (2, 5, 4)
 
 
 def test_linen_bad_arguments():
@@ -407,3 +436,10 @@ def test_nm_dense_linen_2_4_goes_through_sr_ste_matmul(monkeypatch, dtype):
   for name in ("kernel", "bias"):
     atol = 1e-6 if dtype is None else 1e-2
     np.testing.assert_allclose(g["params"][name], g_ref["params"][name], rtol=1e-5, atol=atol)
+
+
+def test_nm_linear_takes_a_concrete_jax_scalar_decay():
+  # As ops.sr_ste does: a 0-d array (a schedule's value outside jit) is a number.
+  layer = NMLinear(K, N, sr_ste_decay=jnp.float32(2e-4), rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (3, K))
+  np.testing.assert_allclose(layer(x), NMLinear(K, N, sr_ste_decay=2e-4, rngs=nnx.Rngs(0))(x), rtol=1e-6)

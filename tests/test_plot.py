@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
 import matplotlib
 import numpy as np
@@ -84,3 +85,36 @@ def test_bad_input():
     jaxsparse.plot_pattern(np.ones((4, 4), bool), crop=(0, 4))
   with pytest.raises(ValueError, match="max_pixels must be a positive int"):
     jaxsparse.plot_pattern(np.ones((4, 4), bool), max_pixels=0)
+
+
+def test_unusable_input_is_named_not_a_lookup_error():
+  x = jax.numpy.ones((1, 64))
+
+  class Two(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return linen.MaskedDense(8, sparsity=0.5, name="b")(linen.MaskedDense(16, sparsity=0.5, name="a")(x))
+
+  v = Two().init(jax.random.key(0), x)
+  # A whole Linen model's variables: was KeyError: 'kernel'.
+  with pytest.raises(TypeError, match=r"variables of one Linen layer.*'params' hold \['a', 'b'\]: pick a layer"):
+    jaxsparse.plot_pattern(v)
+  np.testing.assert_array_equal(  # one of its layers, as the message says
+      _pixels(jaxsparse.plot_pattern({"params": v["params"]["a"], "sparsity": v["sparsity"]["a"]})),
+      np.asarray(v["sparsity"]["a"]["mask"], float))
+  # An abstract layer: was TypeError: 'ShapeDtypeStruct' object is not subscriptable.
+  for make in (lambda: layers.MaskedLinear(16, 8, sparsity=0.5, rngs=nnx.Rngs(0)),
+               lambda: layers.NMLinear(16, 8, rngs=nnx.Rngs(0))):
+    with pytest.raises(ValueError, match=r"the (MaskedLinear|NMLinear) is abstract \(nnx.eval_shape\)"):
+      jaxsparse.plot_pattern(nnx.eval_shape(make))
+  with pytest.raises(ValueError, match=r"the mask is empty \(shape \(0, 4\)\)"):
+    jaxsparse.plot_pattern(np.zeros((0, 4), bool))
+
+
+def test_crop_and_max_pixels_take_numpy_ints_and_reject_other_values():
+  mask = np.random.default_rng(0).random((12, 10)) < 0.5
+  ax = jaxsparse.plot_pattern(mask, crop=(np.int64(6), np.int32(4)), max_pixels=np.int64(64))
+  np.testing.assert_array_equal(_pixels(ax), mask[:6, :4].astype(float))
+  for bad in (6, (True, 4), (6.5, 4), "64"):  # was: 6 raised "object of type 'int' has no len()", (True, 4) drew
+    with pytest.raises(ValueError, match=r"crop must be a pair of positive ints \(rows, cols\)"):
+      jaxsparse.plot_pattern(mask, crop=bad)

@@ -103,6 +103,28 @@ def test_summary_rejects_other_input():
     jaxsparse.summary(Model(nnx.Rngs(0)), jnp.ones(3))
 
 
+def test_linen_inputs_and_module_come_together():
+  class NMModel(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return linen.NMDense(32, n=2, m=4, name="nm")(x)
+
+  x = jnp.ones((2, 48))
+  variables = NMModel().init(jax.random.key(0), x)
+  # Inputs without module: were silently ignored (and the NMDense silently missing from the summary).
+  with pytest.raises(TypeError, match=r"example inputs are for module\.apply: pass module="):
+    jaxsparse.summary(variables, x)
+  # A module without inputs: was "NMModel.__call__() missing 1 required positional argument".
+  with pytest.raises(TypeError, match="module=NMModel needs the example inputs of its apply"):
+    jaxsparse.summary(variables, module=NMModel())
+  _check(jaxsparse.summary(variables, x, module=NMModel()), EXPECTED[2:3])
+  # A SparsifiedLinen knows its layers: no inputs needed.
+  sparse, sparse_vars, _ = jaxsparse.sparsify_linen(nn.Dense(32), nn.Dense(32).init(jax.random.key(0), x),
+                                                    {".*": jaxsparse.NM(2, 4)}, x)
+  assert [(layer.kind, layer.pattern) for layer in jaxsparse.summary(sparse_vars, module=sparse).layers] == [
+      ("NMDense", "2:4")]
+
+
 def test_reprs_show_shapes_not_index_values():
   layer = layers.BlockSparseLinear(256, 256, density=0.5, block_shape=(32, 32), rngs=nnx.Rngs(0))
   text = repr(layer)

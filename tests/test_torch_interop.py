@@ -748,6 +748,20 @@ def test_cli_inspect_and_convert(tmp_path, capsys):
     cli_main(["convert", "a", "b", "--rules", "x=block:lots"])
 
 
+def test_cli_nm_flag_and_existing_orbax_output_errors(tmp_path, capsys):
+  torch.save({"fc.weight": torch.ones(8, 16)}, tmp_path / "in.pt")
+  for bad in ("4:2", "0:4", "3:3"):  # was: accepted, then every weight "could not be decoded"
+    with pytest.raises(SystemExit):
+      cli_main(["inspect", str(tmp_path / "in.pt"), "--nm", bad])
+    assert f"--nm N:M needs 0 < N < M, got '{bad}'" in capsys.readouterr().err
+  (tmp_path / "ckpt").mkdir()
+  for force in ([], ["--force"]):  # was: "pass --force to overwrite it", then with --force "must not exist yet"
+    assert cli_main(["convert", str(tmp_path / "in.pt"), str(tmp_path / "ckpt"), *force]) == 1
+    err = capsys.readouterr().err
+    assert "orbax output" in err and "remove it or choose another name" in err and "--force" not in err
+  assert os.listdir(tmp_path / "ckpt") == []
+
+
 @pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
 def test_written_files_get_the_mode_open_would_give(tmp_path, umask):
   """Files are written under a temporary name and renamed, but keep open()'s mode (0o666 less the umask), not

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -21,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from hypothesis import given
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -476,8 +478,9 @@ def test_undecodable_cache_files_are_ignored_with_a_warning_everywhere(content, 
   with pytest.raises(ValueError, match=r"cannot import .*not valid JSON"):
     _tuning.import_cache(_cache.cache_path())
   (tmp_path / "target.json").write_bytes(content)
-  assert _tuning.export_cache(tmp_path / "target.json") == 0  # the garbled target is replaced
-  assert json.loads((tmp_path / "target.json").read_text())["entries"] == {}
+  with pytest.raises(ValueError, match=r"target\.json exists and is not a jaxsparse tuning cache \(it is not valid"):
+    _tuning.export_cache(tmp_path / "target.json")  # a garbled (or any other) file is never replaced by an export
+  assert (tmp_path / "target.json").read_bytes() == content
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
@@ -552,6 +555,34 @@ def test_export_and_import(tmp_path, monkeypatch):
     _tuning.import_cache(tmp_path / "junk.json")
   with pytest.raises(ValueError, match="does not exist"):
     _tuning.import_cache(tmp_path / "missing.json")
+
+
+def test_export_includes_decisions_other_processes_wrote_since_this_one_read_the_cache(tmp_path):
+  _cache.record("mine", {"choice": "a"})  # this process has read its cache file (and written one decision)
+  own = _cache.cache_path()
+  doc = json.loads(own.read_text())
+  doc["entries"]["theirs"] = {"choice": "b"}  # another process sharing the file adds one
+  own.write_text(json.dumps(doc))
+  # Was 1: only this process's memo, read before "theirs" was written.
+  assert _tuning.export_cache(tmp_path / "shipped.json") == 2
+  assert set(json.loads((tmp_path / "shipped.json").read_text())["entries"]) == {"mine", "theirs"}
+
+
+@pytest.mark.parametrize("content", ['{"model": "llama", "lr": 0.001}', "not json", "[]"])
+def test_export_never_replaces_a_file_that_is_not_a_tuning_cache(content, tmp_path):
+  _cache.record("k", {"choice": "a"})
+  config = tmp_path / "config.json"
+  config.write_text(content)
+  with pytest.raises(ValueError, match=r"config\.json exists and is not a jaxsparse tuning cache.*; not replacing it"):
+    _tuning.export_cache(config)
+  assert config.read_text() == content  # was: silently replaced by the tuning cache
+  old = tmp_path / "old.json"  # a tuning cache of another format version is ours: replaced
+  old.write_text(json.dumps({"format": _cache.FORMAT, "version": 0, "entries": {"x": {"choice": "b"}}}))
+  assert _tuning.export_cache(old) == 1
+  assert json.loads(old.read_text())["entries"] == {"k": {"choice": "a"}}
+  empty = tmp_path / "empty.json"  # as tempfile.mkstemp makes it: nothing to lose
+  empty.write_text("")
+  assert _tuning.export_cache(empty) == 1 and json.loads(empty.read_text())["entries"] == {"k": {"choice": "a"}}
 
 
 def test_unwritable_cache_warns_and_keeps_the_decision(tmp_path, monkeypatch):
@@ -762,6 +793,36 @@ def test_autotune_ahead_of_time_has_no_budget(monkeypatch):
   assert budgets and set(budgets) == {None}, budgets
 
 
+class _StatefulModel(nnx.Module):
+  """A block-sparse layer between layers that update their state when called (batch statistics, dropout's rngs)."""
+
+  def __init__(self):
+    self.sparse = jaxsparse.layers.BlockSparseLinear(32, 32, density=0.5, block_shape=(16, 16), rngs=nnx.Rngs(0))
+    self.norm = nnx.BatchNorm(32, rngs=nnx.Rngs(0))
+    self.drop = nnx.Dropout(0.5, rngs=nnx.Rngs(1))
+
+  def __call__(self, x):
+    return self.drop(self.norm(self.sparse(x)))
+
+
+def test_autotune_of_a_module_with_state_updates_leaves_it_unchanged(monkeypatch):
+  measured = []
+  monkeypatch.setattr(_measure, "_measure", lambda c, m, p: measured.append(p) or {x.name: 1.0 for x in c})
+  model = _StatefulModel()
+  plain = lambda a: np.asarray(jax.random.key_data(a) if jnp.issubdtype(a.dtype, jax.dtypes.prng_key) else a)
+  before = jax.tree.map(plain, nnx.state(model))
+  x = jnp.arange(8 * 32, dtype=jnp.float32).reshape(8, 32) / 100
+  # Was: "Cannot mutate BatchStat from a different trace level" (the module was closed over by the jitted call).
+  assert jaxsparse.autotune(model, x) == 1 and measured == ["cpu"]
+  jax.tree.map(np.testing.assert_array_equal, jax.tree.map(plain, nnx.state(model)), before)
+  # An abstract module (nnx.eval_shape) on abstract inputs tunes too: nothing but the measurements runs.
+  abstract = nnx.eval_shape(lambda: jaxsparse.layers.BlockSparseLinear(64, 32, density=0.5, block_shape=(16, 16),
+                                                                        rngs=nnx.Rngs(0)))
+  assert jaxsparse.autotune(abstract, jax.ShapeDtypeStruct((8, 64), jnp.float32)) == 1
+  with pytest.raises(TypeError, match="fn_or_model must be a function or an NNX module, got int"):
+    jaxsparse.autotune(3, x)
+
+
 @pytest.mark.slow  # long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs it
 def test_autotune_ahead_of_time_then_a_second_process_only_reads(interpreted, monkeypatch, tmp_path):
   monkeypatch.setattr(_measure, "_has_device", lambda platform: platform == "cuda")  # the CPU stands in for a GPU
@@ -831,6 +892,47 @@ def test_tune_command_tunes_shapes_and_exports(interpreted, monkeypatch, tmp_pat
   assert len(json.loads(out.read_text())["entries"]) == 3
   assert main(["tune", "128x64", "--patterns", "block:0.5:32x32", "--rows", "16", "--import", str(out)]) == 0
   assert "16 rows: 0 new decisions" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["tune", "64x64", "--rows", "8", "0"], "argument --rows: must be a positive int, got '0'"),
+    (["tune", "64x64", "--dtype", "int8"], "argument --dtype: must be a floating dtype .* got 'int8'"),
+    (["tune", "64x64", "--dtype", "float33"], "argument --dtype: must be a floating dtype .* got 'float33'"),
+    (["bench", "64x64", "--batch", "-2"], "argument --batch: must be a positive int, got '-2'"),
+    (["bench", "64x64", "--dtype", "int32"], "argument --dtype: must be a floating dtype .* got 'int32'"),
+])
+def test_cli_rejects_bad_rows_and_dtypes_before_any_work(args, message, monkeypatch, capsys):
+  from jaxsparse.torch_interop._cli import main  # noqa: PLC0415 -- the `jaxsparse` console script
+
+  # Was: rows checked after the earlier rows were tuned; --dtype int8 failed inside jax.random ("dtype argument to
+  # `uniform` must be a float dtype").
+  monkeypatch.setattr("jaxsparse._bench.tune", lambda *a, **k: pytest.fail("tuned"))
+  monkeypatch.setattr("jaxsparse._bench.bench", lambda *a, **k: pytest.fail("timed"))
+  with pytest.raises(SystemExit) as exit_:
+    main(args)
+  assert exit_.value.code == 2
+  assert re.search(message, capsys.readouterr().err)
+
+
+def test_cli_tune_export_errors_are_messages_not_tracebacks(monkeypatch, tmp_path, capsys):
+  from jaxsparse.torch_interop._cli import main  # noqa: PLC0415 -- the `jaxsparse` console script
+
+  calls = []
+  monkeypatch.setattr("jaxsparse._bench.tune", lambda *a, **k: calls.append(1) or [((64, 64), "block", 8, 0)])
+  _cache.record("k", {"choice": "a"})
+  config = tmp_path / "config.json"
+  config.write_text('{"lr": 0.1}')
+  # A file that is not a tuning cache, or a directory: refused before tuning (was: the file silently replaced, and
+  # for a directory a traceback after the tuning).
+  for target, why in ((config, "exists and is not a jaxsparse tuning cache"), (tmp_path, "is a directory")):
+    assert main(["tune", "64x64", "--export", str(target)]) == 1
+    assert why in capsys.readouterr().err and not calls
+  assert config.read_text() == '{"lr": 0.1}'
+  (tmp_path / "file").write_text("")
+  assert main(["tune", "64x64", "--export", str(tmp_path / "file" / "sub" / "out.json")]) == 1  # was: OSError raised
+  assert capsys.readouterr().err.startswith("jaxsparse: error: ") and calls == [1]
+  assert main(["tune", "64x64", "--export", str(tmp_path / "out.json")]) == 0
+  assert "exported 1 decisions" in capsys.readouterr().out
 
 
 # -------------------------------------------------------------------------------------------------

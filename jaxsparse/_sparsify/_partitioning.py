@@ -107,6 +107,9 @@ def carry_nnx(dense: nnx.Module, sparse: nnx.Module) -> nnx.Module:
 def carry_linen(dense_params: Mapping, layer_vars: dict, *, in_ndim: int | None = None) -> dict:
   """Boxes ``layer_vars`` (``{"params": ..., "sparsity": ...}``) in ``nn.Partitioned`` like ``dense_params``.
 
+  The boxes are of the dense kernel's class (``nn.LogicallyPartitioned`` from ``nn.with_logical_partitioning``
+  stays logical, with its rules) and on its mesh.
+
   ``in_ndim``: for an ``nn.DenseGeneral`` whose kernel ``(*in_dims, *features)`` the sparse layer
   holds as ``(K, N)``, ``len(in_dims)``; its names are folded as ``SparseLinearGeneral``'s are.
   """
@@ -120,7 +123,8 @@ def carry_linen(dense_params: Mapping, layer_vars: dict, *, in_ndim: int | None 
       kernel_names = _fold(kernel_names, (in_ndim, len(kernel_names) - in_ndim))
     if bias_names is not None:
       bias_names = _fold(bias_names, (len(bias_names),))
-  mesh = kernel.mesh if isinstance(kernel, nn.Partitioned) else None
+  # The dense box is the template: an ``nn.LogicallyPartitioned`` stays one (its names are logical, its rules kept).
+  template = kernel if isinstance(kernel, nn.Partitioned) else bias
   block_sparse = "row_indices" in layer_vars.get("sparsity", {})
 
   def box(name: str, value):
@@ -130,6 +134,6 @@ def carry_linen(dense_params: Mapping, layer_vars: dict, *, in_ndim: int | None 
       names = (None,) * value.ndim
     else:
       names = kernel_names
-    return nn.Partitioned(value, names=names, mesh=mesh)
+    return template.replace(value=value, names=names)
 
   return {col: {k: box(k, v) for k, v in tree.items()} for col, tree in layer_vars.items()}

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+from flax import nnx
 
 from jaxsparse._tuning import _cache
 
@@ -19,8 +20,11 @@ def autotune(fn_or_model: Callable[..., Any], *example_args: Any, compile: bool 
   shard, only then) the call in ``"tune"`` mode. Each product signature met for the first time has its candidate
   routes measured on the device and the fastest recorded in the cache file
   (:func:`jaxsparse.set_autotune_mode` has the modes; ``$JAXSPARSE_AUTOTUNE_CACHE`` the file). Pass a train step
-  (forward and backward) or a decode step; an NNX module is called as ``model(*example_args)``. Nothing runs but
-  the measurements: arrays may be ``jax.ShapeDtypeStruct`` with shardings. Unlike tuning at the first trace,
+  (forward and backward) or a decode step; an NNX module is called as ``model(*example_args)``, on a copy of its
+  state passed as arguments (as ``nnx.jit`` passes it): the module is left as it was, and layers that update their
+  state when called (batch statistics, dropout's random stream) tune like the others. Nothing runs but the
+  measurements: arrays may be ``jax.ShapeDtypeStruct`` with shardings, and the module may be abstract
+  (``nnx.eval_shape``). Unlike tuning at the first trace,
   every candidate is timed however long it takes to compile (no ``$JAXSPARSE_AUTOTUNE_BUDGET``), also those a
   first-trace measurement left out for its budget.
 
@@ -37,11 +41,22 @@ def autotune(fn_or_model: Callable[..., Any], *example_args: Any, compile: bool 
 
   Returns:
     The number of decisions added to the cache.
+
+  Raises:
+    TypeError: ``fn_or_model`` is not callable.
   """
+  if isinstance(fn_or_model, nnx.Module):
+    # Its state as arguments, merged into a module of the trace: a module closed over would be mutated (or refuse
+    # to be, "Cannot mutate ... from a different trace level") by layers that update their state.
+    graphdef, state = nnx.split(fn_or_model)
+    fn, example_args = (lambda state, *args: nnx.merge(graphdef, state)(*args)), (state, *example_args)
+  elif callable(fn_or_model):
+    fn = lambda *args: fn_or_model(*args)  # a fresh wrapper: a function jitted before keeps its earlier routes
+  else:
+    raise TypeError(f"fn_or_model must be a function or an NNX module, got {type(fn_or_model).__name__}.")
   before = _cache.known_keys()
   with _cache.autotune_mode("tune"), _cache.unbounded_budget():
-    # A fresh wrapper: a function jitted before keeps the routes of its earlier trace.
-    lowered = jax.jit(lambda *args: fn_or_model(*args)).lower(*example_args)
+    lowered = jax.jit(fn).lower(*example_args)
     if compile:
       lowered.compile()
   return len(_cache.known_keys() - before)

@@ -8,7 +8,8 @@ the current file is read, merged with the new entries and replaced by a complete
 processes tuning at once never leave a torn file and neither loses the other's entries; the new file gets the
 permissions of a file created in place (``0o666`` less the umask). A file that cannot be read, is not UTF-8 JSON
 (or is nested too deeply to parse), is not ours or is of another format version is ignored with an
-:class:`AutotuneCacheWarning` (and replaced on the next write).
+:class:`AutotuneCacheWarning` (and replaced on the next write). :func:`export_cache` never replaces a file that is not
+a tuning cache.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import json
 import math
 import os
 import threading
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ __all__ = [
     "Mode",
     "autotune_mode",
     "cache_path",
+    "check_export_path",
     "current_budget_s",
     "current_mode",
     "export_cache",
@@ -188,33 +189,39 @@ _memo: dict[str, dict] = {}
 _loaded_from: Path | None = None
 
 
-def _read(path: Path) -> dict[str, dict]:
-  """The entries of the file at ``path``; ``{}`` (with a warning) for a corrupt, foreign or other-version file."""
+_NOT_OURS = "is not a jaxsparse tuning cache"
+
+
+def _parse(path: Path) -> tuple[dict[str, dict], str | None, bool]:
+  """``(entries, why, ours)`` of the file at ``path``: ``why`` says why a file that exists gives no entries (``None``:
+  read, or absent); ``ours`` is false for a file read that is not a jaxsparse tuning cache of any format version."""
   try:
     raw = path.read_bytes()
   except FileNotFoundError:
-    return {}
-  except OSError as e:
-    _utils.warn_at_caller(f"jaxsparse: cannot read the tuning cache {path} ({e}); ignoring it.", AutotuneCacheWarning)
-    return {}
+    return {}, None, True
+  except OSError as e:  # writing it tells whether it is a directory or a file of other permissions
+    return {}, f"cannot be read ({e})", True
+  if not raw.strip():  # nothing to lose (a file made by mkstemp, say)
+    return {}, "is empty", True
   try:
     doc = json.loads(raw.decode("utf-8"))
   except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError; RecursionError: nested too deep
-    _utils.warn_at_caller(
-        f"jaxsparse: the tuning cache {path} is not valid JSON ({e}); ignoring it.", AutotuneCacheWarning
-    )
-    return {}
+    return {}, f"is not valid JSON ({e})", False
   if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("entries"), dict):
-    _utils.warn_at_caller(f"jaxsparse: {path} is not a jaxsparse tuning cache; ignoring it.", AutotuneCacheWarning)
-    return {}
+    return {}, _NOT_OURS, False
   if doc.get("version") != VERSION:
-    _utils.warn_at_caller(
-        f"jaxsparse: the tuning cache {path} has format version {doc.get('version')!r}, this jaxsparse reads "
-        f"version {VERSION}; ignoring it (it is rewritten on the next tuning).",
-        AutotuneCacheWarning,
-    )
-    return {}
-  return {k: v for k, v in doc["entries"].items() if isinstance(v, dict) and isinstance(v.get("choice"), str)}
+    return {}, f"has format version {doc.get('version')!r}, this jaxsparse reads version {VERSION}", True
+  entries = {k: v for k, v in doc["entries"].items() if isinstance(v, dict) and isinstance(v.get("choice"), str)}
+  return entries, None, True
+
+
+def _read(path: Path) -> dict[str, dict]:
+  """The entries of the file at ``path``; ``{}`` (with a warning) for a corrupt, foreign or other-version file."""
+  entries, why, _ = _parse(path)
+  if why is not None:
+    _utils.warn_at_caller(f"jaxsparse: the tuning cache file {path} {why}; ignoring it (it is replaced on the next "
+                          "tuning).", AutotuneCacheWarning)
+  return entries
 
 
 def _load() -> None:
@@ -248,11 +255,14 @@ def _locked(path: Path) -> Iterator[None]:
       fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _write(path: Path, entries: dict[str, dict]) -> None:
-  """Merges ``entries`` into the file at ``path``: read, merge and atomic replace under the lock."""
-  with _locked(path), warnings.catch_warnings():
-    warnings.simplefilter("ignore", AutotuneCacheWarning)  # already reported when it was loaded
-    merged = {**_read(path), **entries}
+def _write(path: Path, entries: dict[str, dict], *, replace_foreign: bool = True) -> None:
+  """Merges ``entries`` into the file at ``path``: read, merge and atomic replace under the lock. A file there that is
+  not a tuning cache is replaced, or (``replace_foreign=False``) left alone with a ``ValueError``."""
+  with _locked(path):
+    current, why, ours = _parse(path)  # a problem of the own file was reported when it was loaded
+    if not ours and not replace_foreign:
+      raise ValueError(_foreign(path, why))
+    merged = {**current, **entries}
 
     def write(tmp: str) -> None:
       with open(tmp, "w") as f:
@@ -261,6 +271,21 @@ def _write(path: Path, entries: dict[str, dict]) -> None:
         os.fsync(f.fileno())
 
     _utils.atomic_write(path, write)
+
+
+def _foreign(path: Path, why: str | None) -> str:
+  detail = "" if why == _NOT_OURS else f" (it {why})"
+  return f"{path} exists and {_NOT_OURS}{detail}; not replacing it: write to a new file, or remove it first."
+
+
+def check_export_path(path: str | os.PathLike) -> None:
+  """Raises a ``ValueError`` where :func:`export_cache` would fail for ``path`` (a file there that is not a tuning
+  cache, or a directory), before the work whose decisions are to be exported."""
+  if Path(path).is_dir():
+    raise ValueError(f"{path} is a directory; the tuning cache is exported to a file (e.g. {Path(path) / 'a.json'}).")
+  _, why, ours = _parse(Path(path))
+  if not ours:
+    raise ValueError(_foreign(Path(path), why))
 
 
 def _write_own(entries: dict[str, dict], what: str) -> None:
@@ -284,7 +309,7 @@ def record(key: str, entry: dict) -> None:
 
 
 def export_cache(path: str | os.PathLike) -> int:
-  """Writes every decision this process knows (its memo and the cache file) to ``path``; returns how many.
+  """Writes every decision this process knows (its memo and the cache file, as it is now) to ``path``; returns how many.
 
   With :func:`import_cache`, a cluster tunes once: tune on one machine, export, import on the others.
 
@@ -294,18 +319,21 @@ def export_cache(path: str | os.PathLike) -> int:
   True
 
   Args:
-    path: the file to write (merged into, if it is already a tuning cache).
+    path: the file to write (merged into, if it is already a tuning cache; one of another format version is
+      replaced).
 
   Returns:
     The number of decisions written.
 
   Raises:
+    ValueError: ``path`` is a file but not a jaxsparse tuning cache (it is left as it is).
     OSError: ``path`` cannot be written (its directory cannot be created, or it is a directory).
   """
   with _lock:
     _load()
-    entries = dict(_memo)
-  _write(Path(path), entries)
+    # The file as it is now: other processes sharing it may have added decisions since this one read it.
+    entries = {**_parse(cache_path())[0], **_memo}
+  _write(Path(path), entries, replace_foreign=False)
   return len(entries)
 
 
@@ -330,12 +358,9 @@ def import_cache(path: str | os.PathLike) -> int:
   Raises:
     ValueError: ``path`` is not a readable jaxsparse tuning cache of this format version.
   """
-  with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always", AutotuneCacheWarning)
-    entries = _read(Path(path))
-  if caught or not Path(path).exists():
-    why = str(caught[0].message) if caught else f"{path} does not exist"
-    raise ValueError(f"import_cache: cannot import {path}: {why}")
+  entries, why, _ = _parse(Path(path))
+  if why is not None or not Path(path).exists():
+    raise ValueError(f"import_cache: cannot import {path}: it {why or 'does not exist'}.")
   with _lock:
     _load()
     _memo.update(entries)

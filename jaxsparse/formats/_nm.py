@@ -430,21 +430,39 @@ class NMSparseMatrix:
     shape = _utils.check_dims(shape, name="shape")
     axis = check_axis(axis, len(shape))
     groups = check_groups(shape, axis, m, name="shape")
-    dtype, per_word = index_layout(n, m, groups)
-    values, indices = jnp.asarray(values), jnp.asarray(indices)
-    want_v = (*shape[:axis], groups * n, *shape[axis + 1:])
-    want_i = (*shape[:axis], groups // per_word, *shape[axis + 1:])
-    if values.shape != want_v:
-      raise ValueError(f"values must have shape {want_v} for shape={shape}, {n}:{m}, axis={axis}; got {values.shape}.")
-    if indices.shape != want_i or indices.dtype != dtype:
-      raise ValueError(
-          f"indices must be {dtype} of shape {want_i} for shape={shape}, {n}:{m}, axis={axis}; "
-          f"got {indices.dtype} {indices.shape}."
-      )
-    self.values, self.indices = values, indices
+    index_layout(n, m, groups)  # Fails when the positions do not fit 32 bits.
+    self.values, self.indices = jnp.asarray(values), jnp.asarray(indices)
     self.shape, self.n, self.m, self.axis = shape, n, m, axis
-    if validate and is_concrete(indices):
+    self._check_static(prefix="")
+    if validate and is_concrete(self.indices):
       self.validate()
+
+  def _check_static(self, *, prefix: str = "NMSparseMatrix.") -> NMSparseMatrix:
+    """Checks the shapes of :attr:`values` and :attr:`indices` and the dtype of :attr:`indices` (static, so also
+    under ``jit``); returns ``self``.
+
+    The constructor runs it, and so do the methods that read the positions and :func:`jaxsparse.ops.nm_matmul`: a
+    matrix rebuilt by ``jax.tree_util.tree_unflatten`` (``jax.tree.map`` over a model, a restored checkpoint) skips
+    the constructor, and positions cast to another dtype (``tree.map(lambda a: a.astype(jnp.bfloat16), params)``)
+    or re-shaped would otherwise be read silently wrong.
+    """
+    shape, n, m, axis = self.shape, self.n, self.m, self.axis
+    dtype, per_word = index_layout(n, m, self.groups)
+    want_v = (*shape[:axis], self.groups * n, *shape[axis + 1:])
+    want_i = (*shape[:axis], self.groups // per_word, *shape[axis + 1:])
+    values_shape, indices_shape = tuple(jnp.shape(self.values)), tuple(jnp.shape(self.indices))
+    if values_shape != want_v:
+      raise ValueError(f"{prefix}values must have shape {want_v} for shape={shape}, {n}:{m}, axis={axis}; got "
+                       f"{values_shape}.")
+    indices_dtype = jnp.result_type(self.indices)
+    if indices_shape != want_i or indices_dtype != dtype:
+      raise ValueError(
+          f"{prefix}indices must be {dtype} of shape {want_i} for shape={shape}, {n}:{m}, axis={axis}; "
+          f"got {indices_dtype} {indices_shape}"
+          + ("." if indices_dtype == dtype else
+             " (were the positions cast, e.g. by a jax.tree.map over the model? Cast only the values).")
+      )
+    return self
 
   def _checks(self, xp) -> list[tuple[str, Any, str, Any]]:
     """``[(what, ok, what is allowed, values)]``: elementwise ``ok`` over ``values``, computed with ``xp``."""
@@ -475,6 +493,7 @@ class NMSparseMatrix:
     ``jit`` the checks are ``jax.experimental.checkify`` checks: call it inside a function wrapped in
     ``checkify.checkify`` (without one, JAX refuses to stage the checks).
     """
+    self._check_static()
     if is_concrete(self.indices):
       for what, ok, allowed, values in self._checks(np):
         ok = np.asarray(ok)
@@ -558,14 +577,17 @@ class NMSparseMatrix:
 
   def positions(self) -> jax.Array:
     """uint8 position (in ``[0, m)``) of each kept value inside its group, shaped like :attr:`values`."""
+    self._check_static()
     return _ungrouped(_positions(self.indices, self.n, self.m, self.axis, self.groups), self.axis)
 
   def mask(self) -> jax.Array:
     """Bool mask of :attr:`shape`, True at the kept entries."""
+    self._check_static()
     return _kept(self.indices, self.n, self.m, self.axis, self.groups)
 
   def to_dense(self) -> jax.Array:
     """The dense array, zeros at the pruned entries (differentiable in :attr:`values`)."""
+    self._check_static()
     return _decompress(self.values, self.indices, self.n, self.m, self.axis)
 
   def __repr__(self) -> str:

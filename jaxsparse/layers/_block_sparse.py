@@ -63,7 +63,8 @@ def check_block_mask(block_mask: Any, grid: tuple[int, int]) -> np.ndarray:
     raise ValueError(
         f"block_mask must have shape (in_features // bk, out_features // bn) = {grid}, got {np.shape(block_mask)}."
     )
-  return np.asarray(check_mask(block_mask, grid, name="block_mask"))
+  with jax.ensure_compile_time_eval():  # a NumPy mask stays concrete under jit / nnx.eval_shape (abstract restore)
+    return np.asarray(check_mask(block_mask, grid, name="block_mask"))
 
 
 def pattern_variables(w: BlockSparseMatrix) -> nnx.Dict:

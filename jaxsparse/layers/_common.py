@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
-import numbers
 import typing
 from collections.abc import Callable
 from typing import Any
@@ -33,7 +32,6 @@ __all__ = [
     "SparsityPattern",
     "base_promote",
     "bias_of",
-    "check_decay",
     "check_implementation",
     "check_in_features",
     "check_input",
@@ -302,12 +300,6 @@ def conv_options(conv: nnx.Conv) -> dict[str, Any]:
 def bias_of(layer: nnx.Module) -> jax.Array | None:
   """The value of ``layer.bias``, or ``None`` for a layer without bias."""
   return None if layer.bias is None else layer.bias[...]
-
-
-def check_decay(decay: object) -> float:
-  if isinstance(decay, bool) or not isinstance(decay, numbers.Real) or not decay >= 0:
-    raise ValueError(f"sr_ste_decay must be a float >= 0 (0 gives plain STE), got sr_ste_decay={decay!r}.")
-  return float(decay)
 
 
 def check_transposable_layer(transposable: object, out_features: int, m: int, *, name: str = "out_features") -> bool:

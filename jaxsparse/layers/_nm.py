@@ -36,7 +36,6 @@ from jaxsparse.layers._common import NMPromote
 from jaxsparse.layers._common import SparsityPattern
 from jaxsparse.layers._common import base_promote
 from jaxsparse.layers._common import bias_of
-from jaxsparse.layers._common import check_decay
 from jaxsparse.layers._common import check_in_features
 from jaxsparse.layers._common import check_linear
 from jaxsparse.layers._common import check_transposable_layer
@@ -99,6 +98,17 @@ def check_nm_implementation(implementation: object) -> str | None:
   return implementation
 
 
+
+
+def _check_inputs(layer: nnx.Module, inputs: jax.typing.ArrayLike) -> None:
+  """Raises, naming both counts, when ``inputs`` of an N:M layer built for ``layer.in_features`` has another
+  last axis (Flax's own error names neither the layer nor the argument)."""
+  shape = jnp.shape(inputs)
+  if not shape or shape[-1] != layer.in_features:
+    raise ValueError(
+        f"{type(layer).__name__} has in_features={layer.in_features}: inputs must have shape (..., "
+        f"{layer.in_features}), got inputs.shape={tuple(shape)}."
+    )
 
 
 class _NMMixin:
@@ -195,7 +205,8 @@ class NMLinear(_NMMixin, nnx.Linear):
     check_in_features(in_features, m)
     _utils.check_positive_int(out_features, name="out_features")
     transposable = check_transposable_layer(transposable, out_features, m)
-    nm_promote = NMPromote(n, m, check_decay(sr_ste_decay), 0, promote_dtype, transposable=transposable)
+    decay = _utils.check_decay(sr_ste_decay, name="sr_ste_decay")
+    nm_promote = NMPromote(n, m, decay, 0, promote_dtype, transposable=transposable)
     super().__init__(
         in_features,
         out_features,
@@ -224,6 +235,7 @@ class NMLinear(_NMMixin, nnx.Linear):
     :func:`jaxsparse.ops.sr_ste_matmul`: the same value and gradients, with the forward product (and
     with ``transposable=True`` also ``dY Wᵀ``) on cuSPARSELt where it can run (bfloat16 compute, see there).
     """
+    _check_inputs(self, inputs)
     p = self.promote_dtype
     fast = (p.n, p.m, p.axis) == (2, 4, 0) and p.base is dtypes.promote_dtype and self.dot_general is lax.dot_general
     if not fast or out_sharding is not None:
@@ -278,7 +290,9 @@ class NMLinear(_NMMixin, nnx.Linear):
                     storage: typing.Literal["values", "cusparselt", "auto"] = "values") -> CompressedNMLinear:
     """An inference layer storing the compressed kernel and multiplying with :func:`jaxsparse.ops.nm_matmul`.
 
-    ``implementation``, ``cusparselt_copy`` and ``storage`` are :class:`CompressedNMLinear`'s.
+    ``implementation``, ``cusparselt_copy`` and ``storage`` are :class:`CompressedNMLinear`'s. A layer with a
+    custom ``dot_general`` cannot be compressed (the compressed product is :func:`jaxsparse.ops.nm_matmul`, which
+    would drop it): it raises ``ValueError``; :meth:`to_dense` keeps it.
 
     >>> import jax.numpy as jnp
     >>> from flax import nnx
@@ -288,6 +302,12 @@ class NMLinear(_NMMixin, nnx.Linear):
     >>> small.weight.values.shape, bool(jnp.allclose(small(jnp.ones((2, 64))), layer(jnp.ones((2, 64))), atol=1e-5))
     ((32, 32), True)
     """
+    if self.dot_general is not lax.dot_general:
+      raise ValueError(
+          f"to_compressed cannot keep this layer's custom dot_general={self.dot_general!r}: CompressedNMLinear "
+          "multiplies with jaxsparse.ops.nm_matmul and would compute another function. Use to_dense() (which keeps "
+          "it), or build the NMLinear with Flax's default dot_general (jax.lax.dot_general)."
+      )
     weight = NMSparseMatrix.from_dense(self.pruned_kernel(), self.n, self.m, axis=0)
     bias = bias_of(self)
     return CompressedNMLinear(
@@ -377,7 +397,11 @@ class CompressedNMLinear(nnx.Module):
       storage: typing.Literal["values", "cusparselt", "auto"] = "values",
   ):
     if not isinstance(weight, NMSparseMatrix) or weight.ndim != 2:
-      raise TypeError(f"weight must be a 2-D jaxsparse.NMSparseMatrix, got {weight!r}.")
+      what = repr(weight) if isinstance(weight, NMSparseMatrix) else type(weight).__name__
+      if hasattr(weight, "shape") and not isinstance(weight, NMSparseMatrix):
+        what += f" of shape {tuple(weight.shape)}"
+      raise TypeError(f"weight must be a 2-D jaxsparse.NMSparseMatrix, got {what}; NMSparseMatrix.from_dense builds "
+                      "one from a dense (in_features, out_features) kernel.")
     if bias is not None and jnp.shape(bias) != (weight.shape[1],):
       raise ValueError(
           f"bias must have shape (out_features,) = ({weight.shape[1]},) for weight of shape {weight.shape}, got "
@@ -569,7 +593,8 @@ class NMConv(_NMMixin, nnx.Conv):
       )
     check_in_features(in_features // feature_group_count, m, name="in_features // feature_group_count")
     transposable = check_transposable_layer(transposable, out_features, m)
-    nm_promote = NMPromote(n, m, check_decay(sr_ste_decay), -2, promote_dtype, transposable=transposable)
+    decay = _utils.check_decay(sr_ste_decay, name="sr_ste_decay")
+    nm_promote = NMPromote(n, m, decay, -2, promote_dtype, transposable=transposable)
     super().__init__(
         in_features,
         out_features,
@@ -592,6 +617,12 @@ class NMConv(_NMMixin, nnx.Conv):
         rngs=rngs,
         **kwargs,
     )
+
+  def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
+    """``nnx.Conv``'s forward with the SR-STE-pruned kernel; channels-last ``inputs`` of ``in_features``
+    channels."""
+    _check_inputs(self, inputs)
+    return super().__call__(inputs, out_sharding=out_sharding)
 
   def _masked_input_kernel(self) -> jax.Array:
     k = self.kernel[...]

@@ -28,7 +28,6 @@ from jaxsparse import _utils
 from jaxsparse import ops
 from jaxsparse.formats import _nm
 from jaxsparse.layers._common import NMPromote
-from jaxsparse.layers._common import check_decay
 from jaxsparse.layers._common import check_in_features
 from jaxsparse.layers._common import check_known_in_features
 from jaxsparse.layers._common import check_transposable_layer
@@ -40,7 +39,7 @@ __all__ = ["NMConv", "NMDense"]
 def _check_fields(module: nn.Module) -> None:
   _nm.check_nm(module.n, module.m)
   _utils.check_positive_int(module.features, name="features")
-  check_decay(module.sr_ste_decay)
+  _utils.check_decay(module.sr_ste_decay, name="sr_ste_decay")
   check_transposable_layer(module.transposable, module.features, module.m, name="features")
 
 

@@ -508,6 +508,7 @@ def nm_matmul(
     raise TypeError(f"w must be a jaxsparse.NMSparseMatrix, got {type(w).__name__}.")
   if w.ndim != 2:
     raise ValueError(f"w must be a 2-D (K, N) NMSparseMatrix, got shape {w.shape}.")
+  w._check_static(prefix="w.")  # a tree-mapped w skips the constructor's checks
   return _call(x, w, implementation, precision, preferred_element_type, cusparselt_weight)
 
 

@@ -27,13 +27,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import numbers
 from typing import Any
 from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from jaxsparse import _tuning
@@ -163,31 +161,12 @@ def sr_ste(
   w = jnp.asarray(w)
   n, m = _nm.check_nm(n, m)
   axis = _nm.check_axis(axis, w.ndim)
-  decay = _check_decay(decay)
+  decay = _utils.check_decay(decay)
   if not jnp.issubdtype(w.dtype, jnp.floating):
     raise TypeError(f"w must have a floating dtype to be trained, got {w.dtype}.")
   _nm.check_groups(w.shape, axis, m)
   transposable = _nm.check_transposable(transposable, w.shape, m, axis)
   return _sr_ste(w, n, m, axis, decay, transposable)
-
-
-def _check_decay(decay) -> float:
-  """``decay`` as a finite Python float >= 0 (a static hyperparameter: a concrete NumPy / JAX scalar is converted)."""
-  if isinstance(decay, jax.core.Tracer):
-    raise ValueError(
-        f"decay must be a concrete number: it is a static hyperparameter of the custom gradient, and got the traced "
-        f"{decay!r} (e.g. an argument of a jitted function or a schedule's value under jit). Pass a Python float, "
-        "close over it, or mark it static (jax.jit(..., static_argnames=...))."
-    )
-  if isinstance(decay, np.ndarray | jax.Array):  # a 0-d array of a real dtype, e.g. a schedule's value
-    real = jnp.issubdtype(decay.dtype, jnp.floating) or jnp.issubdtype(decay.dtype, jnp.integer)
-    numeric = decay.ndim == 0 and real
-  else:
-    numeric = isinstance(decay, numbers.Real) and not isinstance(decay, bool | np.bool_)
-  value = float(decay) if numeric else None
-  if value is None or not (math.isfinite(value) and value >= 0):
-    raise ValueError(f"decay must be a float >= 0 and finite (0 gives plain STE), got decay={decay!r}.")
-  return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -500,7 +479,7 @@ def sr_ste_matmul(
   """
   x, w = jnp.asarray(x), jnp.asarray(w)
   n, m = _nm.check_nm(n, m)
-  decay = _check_decay(decay)
+  decay = _utils.check_decay(decay)
   if implementation not in (None, "xla", "cusparselt"):
     raise ValueError(f"implementation must be None, 'xla' or 'cusparselt', got implementation={implementation!r}.")
   if w.ndim != 2 or x.ndim < 1 or x.shape[-1] != w.shape[0]:

@@ -82,7 +82,7 @@ class TensorParallelBlockSparseLinear(nnx.Module):
     self.mesh, self.axis, self.split = mesh, axis, split
     self.batch_axes, self.reduce = batch_axes, reduce
     self.in_features, self.out_features = layer.in_features, layer.out_features
-    self.block_shape, self.local_shape = layer.block_shape, w.shards.shape
+    self.block_shape, self.local_shape, self.nnz_blocks = layer.block_shape, w.shards.shape, w.nnz_blocks
     self.dtype, self.precision, self.implementation = layer.dtype, layer.precision, layer.implementation
 
   @property
@@ -93,7 +93,7 @@ class TensorParallelBlockSparseLinear(nnx.Module):
     )
     return ShardedBlockSparseMatrix(
         shards, self.source[...], mesh=self.mesh, axis=self.axis, split=self.split,
-        shape=(self.in_features, self.out_features),
+        shape=(self.in_features, self.out_features), nnz_blocks=self.nnz_blocks,
     )
 
   def __call__(self, x: jax.Array) -> jax.Array:

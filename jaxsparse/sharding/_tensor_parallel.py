@@ -28,6 +28,7 @@ from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxsparse.formats._base import is_concrete
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
 from jaxsparse.formats._block_sparse import block_pattern_indices
 from jaxsparse.ops._block_sparse_matmul import Implementation
@@ -61,6 +62,8 @@ class ShardedBlockSparseMatrix:
       ``data``, ``-1`` for padding.
     mesh, axis, split: the layout (static).
     shape: static ``(K, N)`` of the whole matrix.
+    nnz_blocks: static number of blocks of the whole matrix (padding excluded); ``None`` counts them from
+      ``source`` when it is concrete. With it, :meth:`global_data` also runs under ``jit``.
 
   >>> import jax, jax.numpy as jnp, jaxsparse
   >>> from jaxsparse import sharding
@@ -73,17 +76,23 @@ class ShardedBlockSparseMatrix:
   True
   """
 
-  def __init__(self, shards: BlockSparseMatrix, source: jax.Array, *, mesh: Mesh, axis: str, split: Split, shape):
+  def __init__(
+      self, shards: BlockSparseMatrix, source: jax.Array, *, mesh: Mesh, axis: str, split: Split, shape,
+      nnz_blocks: int | None = None,
+  ):
     self.shards, self.source = shards, source
     self.mesh, self.axis, self.split, self.shape = mesh, axis, split, tuple(shape)
+    if nnz_blocks is None and isinstance(source, np.ndarray | jax.Array) and is_concrete(source):
+      nnz_blocks = int(np.count_nonzero(np.asarray(source) >= 0))
+    self.nnz_blocks = nnz_blocks
 
   def tree_flatten(self):
-    return (self.shards, self.source), (self.mesh, self.axis, self.split, self.shape)
+    return (self.shards, self.source), (self.mesh, self.axis, self.split, self.shape, self.nnz_blocks)
 
   @classmethod
   def tree_unflatten(cls, aux, children):
-    mesh, axis, split, shape = aux
-    return cls(*children, mesh=mesh, axis=axis, split=split, shape=shape)
+    mesh, axis, split, shape, nnz_blocks = aux
+    return cls(*children, mesh=mesh, axis=axis, split=split, shape=shape, nnz_blocks=nnz_blocks)
 
   @property
   def data(self) -> jax.Array:
@@ -102,22 +111,36 @@ class ShardedBlockSparseMatrix:
     children, treedef = jax.tree.flatten(self.shards)
     shards = jax.tree.unflatten(treedef, [data, *children[1:]])
     return ShardedBlockSparseMatrix(
-        shards, self.source, mesh=self.mesh, axis=self.axis, split=self.split, shape=self.shape
+        shards, self.source, mesh=self.mesh, axis=self.axis, split=self.split, shape=self.shape,
+        nnz_blocks=self.nnz_blocks,
     )
 
   def global_data(self, data: jax.typing.ArrayLike | None = None) -> jax.Array:
     """``data`` (default: the matrix's own) in the unsplit matrix's block order, padding dropped.
 
-    Also maps a gradient with respect to :attr:`data` to the gradient of the unsplit matrix.
+    Also maps a gradient with respect to :attr:`data` to the gradient of the unsplit matrix. Runs under
+    ``jit`` (``source`` traced) when :attr:`nnz_blocks` is known, as it is from :func:`shard_block_sparse`.
     """
     data = _to_spec(self.data if data is None else jnp.asarray(data), P())
-    source = np.asarray(self.source).reshape(-1)
-    keep = np.nonzero(source >= 0)[0]
+    if data.shape != self.data.shape:
+      raise ValueError(f"data must have shape {self.data.shape} (shards, blocks, bk, bn), got {data.shape}.")
+    if self.nnz_blocks is None:
+      raise ValueError(
+          "global_data needs the block count of the unsplit matrix: source is traced and nnz_blocks is None; "
+          "build the matrix with shard_block_sparse (or pass nnz_blocks=) outside jit."
+      )
+    source = _to_spec(jnp.asarray(self.source), P()).reshape(-1)
+    source = jnp.where(source >= 0, source, self.nnz_blocks)  # padding: out of range, dropped
     flat = data.reshape(-1, *data.shape[2:])
-    return jnp.zeros((keep.size, *data.shape[2:]), data.dtype).at[source[keep]].set(flat[keep])
+    return jnp.zeros((self.nnz_blocks, *data.shape[2:]), data.dtype).at[source].set(flat, mode="drop")
 
   def to_block_sparse(self) -> BlockSparseMatrix:
-    """The unsplit :class:`jaxsparse.BlockSparseMatrix` (gathered onto one device)."""
+    """The unsplit :class:`jaxsparse.BlockSparseMatrix` (gathered onto one device); call it outside ``jit``."""
+    if not all(is_concrete(a) for a in (self.source, self.shards.row_indices, self.shards.col_indices)):
+      raise ValueError(
+          "to_block_sparse needs the pattern (source and index arrays) to be concrete, as the unsplit block mask "
+          "is built on the host; call it outside jit (global_data maps the values under jit)."
+      )
     kb, nb = self.shape[0] // self.shards.block_shape[0], self.shape[1] // self.shards.block_shape[1]
     mask = np.zeros((kb, nb), bool)
     rows, cols = self._global_coords()
@@ -188,7 +211,11 @@ def shard_block_sparse(w: BlockSparseMatrix, mesh: Mesh, axis: str, *, split: Sp
   try:
     rows, cols = np.asarray(w.row_indices), np.asarray(w.col_indices)
   except jax.errors.TracerArrayConversionError as e:
-    raise ValueError("shard_block_sparse needs w's index arrays to be concrete; call it outside jit.") from e
+    raise ValueError(
+        "shard_block_sparse needs w's index arrays to be concrete (they fix each shard's block count, hence the "
+        "shapes); call it outside jit / eval_shape. For an abstract restore target, close over a concrete layer or "
+        "matrix: nnx.eval_shape(lambda: TensorParallelBlockSparseLinear(layer, mesh, axis, split=...))."
+    ) from e
   position = np.full((kb, nb), -1, np.int32)
   position[rows, cols] = np.arange(rows.size, dtype=np.int32)
   if split == "columns":
@@ -211,7 +238,9 @@ def shard_block_sparse(w: BlockSparseMatrix, mesh: Mesh, axis: str, *, split: Sp
   # One pattern per shard, stacked along a leading axis: the index arrays are 2-D, so no 2-D validation.
   shards = BlockSparseMatrix(put(data), validate=False, shape=local_shape, block_shape=w.block_shape,
                              **jax.tree.map(put, index))
-  return ShardedBlockSparseMatrix(shards, put(source), mesh=mesh, axis=axis, split=split, shape=w.shape)
+  return ShardedBlockSparseMatrix(
+      shards, put(source), mesh=mesh, axis=axis, split=split, shape=w.shape, nnz_blocks=int(rows.size)
+  )
 
 
 # -------------------------------------------------------------------------------------------------

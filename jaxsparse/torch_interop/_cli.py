@@ -1,11 +1,12 @@
 """The ``jaxsparse`` command: ``inspect`` a PyTorch checkpoint, ``convert`` it to Flax variables, ``bench``
-sparse layers of your shapes against dense ones.
+sparse layers of your shapes against dense ones, ``tune`` their products ahead of time (measured dispatch).
 
     jaxsparse inspect model.safetensors
     jaxsparse convert pruned.pt flax.safetensors --rules '.*intermediate\\.dense=nm:2:4' \\
         --name-map 'attention\\.self\\.=attention.' --ignore 'pooler.*'
     jaxsparse convert pruned.pt flax.safetensors --target init_variables.safetensors
     jaxsparse bench 4096x4096 4096x16384 --patterns block:0.25:64x64 nm:2:4 --batch 2048 --dtype bfloat16
+    jaxsparse tune 4096x4096 --patterns block:0.25:64x64 --rows 1 2048 --export tuned.json
 
 Rules are ``REGEX=SPEC`` (REGEX matches the whole Flax module path; the first matching rule wins) with
 SPEC one of ``block:DENSITY[:BKxBN]`` (Flax ``(in, out)`` block shape, default 32x32),
@@ -62,6 +63,28 @@ def _parse_pattern(text: str):
     raise argparse.ArgumentTypeError(f"pattern {text!r}: {e}") from e
 
 
+def _parse_positive(text: str) -> int:
+  try:
+    value = int(text)
+  except ValueError:
+    value = 0
+  if value <= 0:
+    raise argparse.ArgumentTypeError(f"must be a positive int, got {text!r}.")
+  return value
+
+
+def _parse_dtype(text: str) -> str:
+  import jax.numpy as jnp  # noqa: PLC0415 -- keeps `jaxsparse --help` fast (argparse converts only after --help)
+
+  try:
+    dtype = jnp.dtype(text)
+  except TypeError:
+    dtype = None
+  if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+    raise argparse.ArgumentTypeError(f"must be a floating dtype such as float32, bfloat16 or float16, got {text!r}.")
+  return dtype.name
+
+
 def _parse_shape(text: str) -> tuple[int, int]:
   try:
     k, n = (int(v) for v in text.lower().split("x"))
@@ -97,6 +120,8 @@ def _parse_nm(text: str) -> tuple[int, int]:
     n, m = (int(x) for x in text.split(":"))
   except ValueError as e:
     raise argparse.ArgumentTypeError(f"--nm must look like N:M, e.g. 2:4, got {text!r}.") from e
+  if not 0 < n < m:
+    raise argparse.ArgumentTypeError(f"--nm N:M needs 0 < N < M, got {text!r}.")
   return n, m
 
 
@@ -163,12 +188,13 @@ def _convert(args) -> int:
   from jaxsparse.torch_interop._linen import to_linen_variables  # noqa: PLC0415 -- lazy: imports torch
   from jaxsparse.torch_interop._load import open_checkpoint  # noqa: PLC0415 -- lazy: imports torch
 
+  fmt = args.format or ("safetensors" if args.output.endswith(".safetensors") else "orbax")
+  if fmt == "orbax" and os.path.exists(args.output):  # --force does not remove a directory
+    print(f"jaxsparse: error: orbax output {args.output} exists; orbax writes a new directory: remove it or choose "
+          "another name.", file=sys.stderr)
+    return 1
   if os.path.exists(args.output) and not args.force:
     print(f"jaxsparse: error: {args.output} exists; pass --force to overwrite it.", file=sys.stderr)
-    return 1
-  fmt = args.format or ("safetensors" if args.output.endswith(".safetensors") else "orbax")
-  if fmt == "orbax" and os.path.exists(args.output):
-    print(f"jaxsparse: error: orbax output {args.output} must not exist yet.", file=sys.stderr)
     return 1
   target = None if args.target is None else load_flax_variables(args.target)
   src = open_checkpoint(args.input, key=args.key)
@@ -210,7 +236,10 @@ def _tune(args) -> int:
   import jaxsparse  # noqa: PLC0415
   from jaxsparse._bench import tune  # noqa: PLC0415
   from jaxsparse._tuning import cache_path  # noqa: PLC0415
+  from jaxsparse._tuning._cache import check_export_path  # noqa: PLC0415
 
+  if args.export:
+    check_export_path(args.export)  # before the tuning, which may take long
   if args.import_cache:
     print(f"imported {jaxsparse.import_tuning_cache(args.import_cache)} decisions from {args.import_cache}")
   device = jax.devices()[0]
@@ -236,7 +265,8 @@ def _leaves(tree):
 
 def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
-      prog="jaxsparse", description="Bring (sparse) PyTorch checkpoints to jaxsparse; time sparse layers."
+      prog="jaxsparse",
+      description="Bring (sparse) PyTorch checkpoints to jaxsparse; time sparse layers; tune their kernels.",
   )
   sub = parser.add_subparsers(dest="command", required=True)
 
@@ -264,7 +294,8 @@ def _parser() -> argparse.ArgumentParser:
                          "shapes ((in, heads, head_dim) attention kernels), with masks under 'masks' for "
                          "sparsify_linen(masks=...)")
   conv.add_argument("--format", choices=("safetensors", "orbax"), help="default: from the output name")
-  conv.add_argument("--force", action="store_true", help="overwrite an existing output file")
+  conv.add_argument("--force", action="store_true",
+                    help="overwrite an existing .safetensors output file (an orbax output directory must be new)")
   common(conv)
   conv.set_defaults(run=_convert)
 
@@ -275,21 +306,26 @@ def _parser() -> argparse.ArgumentParser:
                             _parse_pattern("unstructured:0.9")],
                    help="block:DENSITY[:BKxBN], nm:N:M, unstructured:SPARSITY (default: block:0.25:32x32 nm:2:4 "
                         "unstructured:0.9)")
-  ben.add_argument("--batch", type=int, default=128, help="input rows (tokens), default 128")
-  ben.add_argument("--dtype", default="float32", help="parameter and input dtype, e.g. float32, bfloat16")
+  ben.add_argument("--batch", type=_parse_positive, default=128, help="input rows (tokens), default 128")
+  ben.add_argument("--dtype", type=_parse_dtype, default="float32",
+                   help="parameter and input dtype, e.g. float32, bfloat16")
   ben.add_argument("--modes", nargs="+", choices=("fwd", "fwd+bwd"), default=["fwd", "fwd+bwd"])
   ben.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bar (default: on a terminal)")
   ben.set_defaults(run=_bench)
 
-  tun = sub.add_parser("tune", help="measured dispatch ahead of time: tune sparse layers of your shapes, on a GPU "
-                                    "(every candidate timed: no first-trace budget, $JAXSPARSE_AUTOTUNE_BUDGET)")
+  tun = sub.add_parser("tune", help="measured dispatch ahead of time: time the candidate kernels of sparse layers of "
+                                    "your shapes on this machine's backend (GPU, or the CPU routes) and cache the "
+                                    "fastest (every candidate timed: no first-trace budget, "
+                                    "$JAXSPARSE_AUTOTUNE_BUDGET); the cache is $JAXSPARSE_AUTOTUNE_CACHE")
   tun.add_argument("shapes", type=_parse_shape, nargs="+", metavar="INxOUT", help="layer shapes, e.g. 4096x1024")
   tun.add_argument("--patterns", type=_parse_pattern, nargs="+", metavar="SPEC",
                    default=[_parse_pattern("block:0.25:64x64")],
                    help="block:DENSITY[:BKxBN], nm:N:M, unstructured:SPARSITY (default: block:0.25:64x64)")
-  tun.add_argument("--rows", type=int, nargs="+", default=[128], help="input rows (tokens) to tune for, default 128")
-  tun.add_argument("--dtype", default="float32", help="parameter and input dtype, e.g. float32, bfloat16")
+  tun.add_argument("--rows", type=_parse_positive, nargs="+", default=[128],
+                   help="input rows (tokens) to tune for, default 128")
+  tun.add_argument("--dtype", type=_parse_dtype, default="float32",
+                   help="parameter and input dtype, e.g. float32, bfloat16")
   tun.add_argument("--export", metavar="FILE", help="then write every known decision to FILE (for other machines)")
   tun.add_argument("--import", dest="import_cache", metavar="FILE", help="first merge the decisions of FILE")
   tun.set_defaults(run=_tune)
@@ -303,7 +339,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
   try:
     return args.run(args)
-  except (CheckpointError, ImportError, ValueError, TypeError) as e:
+  except (CheckpointError, ImportError, OSError, ValueError, TypeError) as e:
     print(f"jaxsparse: error: {e}", file=sys.stderr)
     return 1
 

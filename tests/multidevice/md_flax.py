@@ -134,3 +134,35 @@ def test_linen_partitioning_survives_sparsify_linen():
   y = jax.jit(sparse.apply)(placed, x)
   np.testing.assert_allclose(y, sparse.apply(nn.meta.unbox(sparse_vars), x), rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(y, sparse.apply(sparse_vars, x), rtol=1e-5, atol=1e-5)
+
+
+def test_linen_logical_partitioning_survives_sparsify_linen():
+  # nn.with_logical_partitioning boxes stay logical (nn.LogicallyPartitioned, rules kept): applying the sparse
+  # variables under a mesh and logical axis rules constrains them to the rules' mesh axes, as the dense ones.
+  rules = (("embed", None), ("mlp", "model"))
+
+  class LinenMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      k = nn.initializers.lecun_normal()
+      h = nn.relu(nn.Dense(H, kernel_init=nn.with_logical_partitioning(k, ("embed", "mlp")), name="up")(x))
+      h = nn.relu(nn.Dense(H, kernel_init=nn.with_logical_partitioning(k, ("embed", "mlp")), name="mid")(h))
+      return nn.Dense(D, kernel_init=nn.with_logical_partitioning(k, ("mlp", "embed")), name="down")(h)
+
+  model, x = LinenMLP(), jax.random.normal(jax.random.key(1), (4, D))
+  variables = model.init(jax.random.key(0), x)
+  sparse, sparse_vars, _ = jaxsparse.sparsify_linen(model, variables, RULES, x)
+  boxes = [b for b in jax.tree.leaves(sparse_vars, is_leaf=lambda b: isinstance(b, nn.Partitioned))
+           if isinstance(b, nn.Partitioned)]
+  assert len(boxes) == 9 and all(isinstance(b, nn.LogicallyPartitioned) for b in boxes)  # kernels, patterns, mask
+  assert sparse_vars["params"]["down"]["kernel"].names == ("mlp", "embed")
+  assert sparse_vars["sparsity"]["down"]["mask"].rules is None  # as the dense box: rules from the context
+  mesh = _mesh()
+  dense_model, dense_vars = jaxsparse.densify_linen(sparse, nn.meta.unbox(sparse_vars))
+  want = dense_model.apply(dense_vars, x)  # the pruned dense model, a plain-Linen reference
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    y = jax.jit(sparse.apply)(sparse_vars, x)
+    specs = nn.logical_to_mesh(nn.get_partition_spec(sparse_vars))
+  assert specs["params"]["mid"]["kernel"] == P(None, "model")
+  assert specs["sparsity"]["down"]["mask"] == P("model", None)
+  assert_close(y, want, jnp.float32)

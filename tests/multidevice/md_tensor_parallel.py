@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 from jax.sharding import AxisType
@@ -215,3 +216,37 @@ def test_tensor_parallel_nnx_layers_train():
   back = tp.up.to_block_sparse_linear()
   np.testing.assert_array_equal(back.block_mask, up.block_mask)
   assert_close(back.kernel[...], up.kernel[...] - 0.1 * g_ref["up"]["kernel"][...], jnp.float32)
+
+
+@pytest.mark.parametrize("split", ["columns", "rows"])
+def test_tensor_parallel_layer_restores_into_an_abstract_target(split, tmp_path):
+  # bfloat16 parameters, saved with orbax and restored into nnx.eval_shape's target: same values, dtypes,
+  # shardings and outputs. (The target closes over a concrete layer: the per-shard block count is the pattern's.)
+  base = jaxsparse.layers.BlockSparseLinear(D, H, density=0.5, block_shape=BLOCK, param_dtype=jnp.bfloat16,
+                                            rngs=nnx.Rngs(3))
+  mesh = _mesh()
+  tp = TensorParallelBlockSparseLinear(base, mesh, "model", split=split, batch_axes="data")
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(tmp_path / "tp", nnx.state(tp))
+  checkpointer.wait_until_finished()
+  graphdef, abstract = nnx.split(nnx.eval_shape(
+      lambda: TensorParallelBlockSparseLinear(base, mesh, "model", split=split, batch_axes="data")))
+  restored = nnx.merge(graphdef, checkpointer.restore(tmp_path / "tp", abstract))
+  for a, b in zip(jax.tree.leaves(nnx.state(restored)), jax.tree.leaves(nnx.state(tp)), strict=True):
+    assert a.dtype == b.dtype and a.sharding.is_equivalent_to(b.sharding, a.ndim), (a, b)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  x_spec = P("data", None, "model" if split == "rows" else None)
+  xs = jax.device_put(X.astype(jnp.bfloat16), NamedSharding(mesh, x_spec))
+  y = nnx.jit(lambda m, x: m(x))(restored, xs)
+  assert y.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(tp(xs), np.float32))
+  assert_close(y, base(X.astype(jnp.bfloat16)), jnp.bfloat16)
+
+  # The gradient of the unsplit matrix, mapped inside the jitted step; the layout back to one layer is host work.
+  loss = lambda m, x: jnp.sum(jnp.sin(m(x).astype(jnp.float32)))
+  g = nnx.jit(lambda m, x: m.sharded_kernel.global_data(nnx.grad(loss)(m, x)["kernel"][...]))(restored, xs)
+  g_ref = nnx.grad(loss)(base, X.astype(jnp.bfloat16))["kernel"][...]
+  assert g.shape == g_ref.shape and g.dtype == g_ref.dtype
+  assert_close(g, g_ref, jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"to_block_sparse needs the pattern .* concrete"):
+    nnx.jit(lambda m: m.to_block_sparse_linear().kernel[...])(restored)
