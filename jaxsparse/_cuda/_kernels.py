@@ -52,6 +52,7 @@ from jaxsparse._cuda._nm24_config import nm24_candidate_configs
 from jaxsparse._utils import FallbackWarning
 
 __all__ = [
+    "TARGETS",
     "CudaKernelFallbackWarning",
     "Nm24DecodeConfig",
     "available",
@@ -67,6 +68,15 @@ __all__ = [
     "unavailable_reason",
     "warn_fallback",
 ]
+
+# XLA FFI target name -> the launcher library's handler symbol.
+TARGETS = {
+    "jaxsparse_nm24_decode": "JaxsparseNm24Decode",
+    "jaxsparse_nm24_decode_buffer": "JaxsparseNm24DecodeBuffer",
+    "jaxsparse_nm24_transposable": "JaxsparseNm24Transposable",
+    "jaxsparse_nm24_transposable_compress": "JaxsparseNm24TransposableCompress",
+    "jaxsparse_nm24_prune": "JaxsparseNm24Prune",
+}
 
 _HERE = Path(__file__).parent
 _LAUNCHER = "kernel_launch.cc"
@@ -236,14 +246,8 @@ def _setup() -> dict:
     register = lib.JaxsparseKernelRegister
     register.restype = ctypes.c_int64
     register.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int64, ctypes.c_char_p]
-    jax.ffi.register_ffi_target("jaxsparse_nm24_decode", jax.ffi.pycapsule(lib.JaxsparseNm24Decode), platform="CUDA")
-    jax.ffi.register_ffi_target("jaxsparse_nm24_decode_buffer", jax.ffi.pycapsule(lib.JaxsparseNm24DecodeBuffer),
-                                platform="CUDA")
-    jax.ffi.register_ffi_target("jaxsparse_nm24_transposable", jax.ffi.pycapsule(lib.JaxsparseNm24Transposable),
-                                platform="CUDA")
-    jax.ffi.register_ffi_target("jaxsparse_nm24_transposable_compress",
-                                jax.ffi.pycapsule(lib.JaxsparseNm24TransposableCompress), platform="CUDA")
-    jax.ffi.register_ffi_target("jaxsparse_nm24_prune", jax.ffi.pycapsule(lib.JaxsparseNm24Prune), platform="CUDA")
+    for target, symbol in TARGETS.items():
+      jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="CUDA")
   except (OSError, AttributeError) as e:
     return {"reason": f"loading {path} failed: {e}"}
   return {"reason": "", "lib": lib, "register": register, "arch": f"sm_{cc[0]}{cc[1]}", "kernels": {}}

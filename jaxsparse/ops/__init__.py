@@ -6,6 +6,7 @@ from jaxsparse._cuda._kernels import CudaKernelFallbackWarning
 from jaxsparse.ops._block_sparse_matmul import Implementation
 from jaxsparse.ops._block_sparse_matmul import block_sparse_matmul
 from jaxsparse.ops._block_sparse_matmul import block_sparse_matmul_reference
+from jaxsparse.ops._export import export_safety_checks
 from jaxsparse.ops._masked_matmul import masked_matmul
 from jaxsparse.ops._nm_matmul import NMImplementation
 from jaxsparse.ops._nm_matmul import cusparselt_available
@@ -29,6 +30,7 @@ __all__ = [
     "block_sparse_matmul_reference",
     "cusparselt_available",
     "cusparselt_compress",
+    "export_safety_checks",
     "masked_matmul",
     "nm_matmul",
     "nm_matmul_reference",

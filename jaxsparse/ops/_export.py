@@ -1,0 +1,41 @@
+"""What ``jax.export`` needs to serialise a function that calls jaxsparse's kernels."""
+
+from __future__ import annotations
+
+from jax import export
+
+from jaxsparse._cpu import _build as _cpu_build
+from jaxsparse._cuda import _build as _cuda_build
+from jaxsparse._cuda import _kernels as _cuda_kernels
+
+__all__ = ["export_safety_checks"]
+
+# Pallas's Triton kernels lower to this custom call; jax.export does not list it among the stable targets.
+_TRITON_TARGET = "__gpu$xla.gpu.triton"
+
+
+def export_safety_checks() -> list[export.DisabledSafetyCheck]:
+  """The custom-call checks ``jax.export`` must skip to serialise a function that calls jaxsparse's kernels.
+
+  ``jax.export.export`` refuses custom calls whose targets have no compatibility guarantee; jaxsparse's C++ CPU kernels
+  (``block_sparse_matmul``, ``sparse_matmul``, ``masked_matmul`` on a CPU), its CUDA kernels (the 2:4 decode kernel,
+  cuSPARSELt) and Pallas's Triton kernels are such targets (the Mosaic GPU kernels are on JAX's list). Pass these
+  checks as ``disabled_checks``. The guarantee is then yours: the exported function runs where the same jaxsparse
+  registers the same targets, and the process that calls it must have them registered. This function registers the
+  C++ CPU kernels (building them on first use; a machine without a compiler runs the XLA routes, which export
+  anyway), so calling it there first is enough on a CPU; on a GPU, the first jaxsparse product of the process
+  registers its CUDA kernels.
+
+  >>> import jax, jax.numpy as jnp, jaxsparse
+  >>> w = jaxsparse.BlockSparseMatrix.from_dense(jnp.ones((64, 32)), (16, 16))
+  >>> f = jax.jit(lambda x: jaxsparse.ops.block_sparse_matmul(x, w))
+  >>> exported = jax.export.export(f, disabled_checks=jaxsparse.ops.export_safety_checks())(jnp.ones((2, 64)))
+  >>> bool(jnp.allclose(exported.call(jnp.ones((2, 64))), f(jnp.ones((2, 64)))))
+  True
+
+  Returns:
+    A list of ``jax.export.DisabledSafetyCheck``, one per custom-call target of jaxsparse's kernels.
+  """
+  _cpu_build.load()
+  targets = [*_cpu_build.TARGETS, *_cuda_kernels.TARGETS, *_cuda_build.TARGETS, _TRITON_TARGET]
+  return [export.DisabledSafetyCheck.custom_call(t) for t in targets]

@@ -1,0 +1,50 @@
+"""``jax.export`` of functions that call jaxsparse's kernels (``jaxsparse.ops.export_safety_checks``)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxsparse
+from jaxsparse._cpu import _build as cpu_build
+from jaxsparse.layers import BlockSparseLinear
+from jaxsparse.layers import MaskedLinear
+
+
+def _layers():
+  rngs = nnx.Rngs(0)
+  return {
+      "block": BlockSparseLinear(64, 48, block_shape=(16, 16), density=0.5, rngs=rngs),
+      "masked": MaskedLinear(64, 48, sparsity=0.7, rngs=rngs),
+  }
+
+
+@pytest.mark.parametrize("kind", ["block", "masked", "csr"])
+def test_export_with_the_safety_checks_runs_the_same_forward_and_gradient(kind):
+  x = jax.random.normal(jax.random.key(1), (5, 64))
+  if kind == "csr":
+    w = jaxsparse.CSRMatrix.from_dense(jnp.where(jax.random.uniform(jax.random.key(2), (64, 48)) < 0.3, 1.5, 0.0))
+    loss = lambda x, data: jnp.sum(jaxsparse.ops.sparse_matmul(x, w.with_data(data)) ** 2)
+    args = (x, w.data)
+  else:
+    graphdef, params, rest = nnx.split(_layers()[kind], nnx.Param, ...)
+    loss = lambda x, params: jnp.sum(nnx.merge(graphdef, params, rest)(x) ** 2)
+    args = (x, params)
+  f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+  if cpu_build.load():  # the C++ kernels' custom calls have no compatibility guarantee: refused by default
+    with pytest.raises(ValueError, match="custom calls whose targets have no compatibility guarantees"):
+      jax.export.export(f)(*args)
+  exported = jax.export.export(f, disabled_checks=jaxsparse.ops.export_safety_checks())(*args)
+  got, want = exported.call(*args), f(*args)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_the_checks_name_every_kernel_target():
+  names = {str(c) for c in jaxsparse.ops.export_safety_checks()}
+  for target in ("jaxsparse_block_forward", "jaxsparse_csr_backward", "jaxsparse_nm24_decode",
+                 "jaxsparse_cusparselt_matmul", "__gpu$xla.gpu.triton"):
+    assert any(target in n for n in names), target
