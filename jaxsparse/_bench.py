@@ -19,6 +19,7 @@ from flax import nnx
 from jaxsparse import _utils
 from jaxsparse._sparsify._nnx import sparsify
 from jaxsparse._sparsify._report import time_nnx_layer
+from jaxsparse._tuning import _cache
 from jaxsparse._tuning import autotune
 from jaxsparse.formats._specs import NM
 from jaxsparse.formats._specs import Spec
@@ -126,7 +127,7 @@ def tune(
   >>> import jaxsparse
   >>> from jaxsparse._bench import tune
   >>> rows = tune([(64, 64)], [jaxsparse.BlockSparse(density=0.5, block_shape=(16, 16))], rows=(8,))
-  >>> [(shape, pattern, m) for shape, pattern, m, added in rows]
+  >>> [(shape, pattern, m) for shape, pattern, m, added, cached in rows]
   [((64, 64), 'block 16x16 50% kept', 8)]
 
   Args:
@@ -136,9 +137,12 @@ def tune(
     dtype: parameter and input dtype.
 
   Returns:
-    ``[(shape, pattern, rows, decisions added to the cache)]``.
+    ``[(shape, pattern, rows, decisions added to the cache, decisions of its products already in the cache)]``;
+    both 0: no product of the pattern has measured dispatch on this backend (nothing to tune).
   """
   dtype = jnp.dtype(dtype)
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(f"dtype must be a floating dtype such as 'float32' or 'bfloat16', got dtype={dtype.name!r}.")
   out = []
   for k, n in shapes:
     lin = nnx.Linear(k, n, param_dtype=dtype, rngs=nnx.Rngs(0))
@@ -152,7 +156,10 @@ def tune(
 
       for m in rows:
         x = jax.ShapeDtypeStruct((_utils.check_positive_int(m, name="rows"), k), dtype)
-        out.append(((k, n), spec.describe(), m, autotune(step, params, x)))
+        known = _cache.known_keys()
+        with _cache.collect_keys() as met:
+          added = autotune(step, params, x)
+        out.append(((k, n), spec.describe(), m, added, len(met & known)))
   return out
 
 

@@ -888,10 +888,13 @@ def test_tune_command_tunes_shapes_and_exports(interpreted, monkeypatch, tmp_pat
   out = tmp_path / "shared.json"
   assert main(["tune", "128x64", "--patterns", "block:0.5:32x32", "--rows", "16", "--export", str(out)]) == 0
   printed = capsys.readouterr().out
-  assert "128x64 block 32x32 50% kept, 16 rows: 3 new decisions" in printed, printed  # fwd, dX, dW
+  assert "128x64 block 32x32 50% kept, 16 rows: 3 new decisions, 0 already cached" in printed, printed  # fwd, dX, dW
   assert len(json.loads(out.read_text())["entries"]) == 3
   assert main(["tune", "128x64", "--patterns", "block:0.5:32x32", "--rows", "16", "--import", str(out)]) == 0
-  assert "16 rows: 0 new decisions" in capsys.readouterr().out
+  assert "16 rows: 0 new decisions, 3 already cached" in capsys.readouterr().out
+  # A pattern with no measured dispatch here (N:M on a CPU: one route) says so, not "0 new decisions".
+  assert main(["tune", "128x64", "--patterns", "nm:2:4", "--rows", "16"]) == 0
+  assert "16 rows: nothing to tune (no product of this pattern has measured dispatch on cpu)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(("args", "message"), [
@@ -918,7 +921,7 @@ def test_cli_tune_export_errors_are_messages_not_tracebacks(monkeypatch, tmp_pat
   from jaxsparse.torch_interop._cli import main  # noqa: PLC0415 -- the `jaxsparse` console script
 
   calls = []
-  monkeypatch.setattr("jaxsparse._bench.tune", lambda *a, **k: calls.append(1) or [((64, 64), "block", 8, 0)])
+  monkeypatch.setattr("jaxsparse._bench.tune", lambda *a, **k: calls.append(1) or [((64, 64), "block", 8, 0, 0)])
   _cache.record("k", {"choice": "a"})
   config = tmp_path / "config.json"
   config.write_text('{"lr": 0.1}')

@@ -38,6 +38,7 @@ __all__ = [
     "autotune_mode",
     "cache_path",
     "check_export_path",
+    "collect_keys",
     "current_budget_s",
     "current_mode",
     "export_cache",
@@ -234,10 +235,28 @@ def _load() -> None:
     _loaded_from = path
 
 
+_collectors: list[set[str]] = []  # the sets of `collect_keys` blocks open now
+
+
+@contextlib.contextmanager
+def collect_keys() -> Iterator[set[str]]:
+  """Yields a set that gathers the key of every product signature looked up (met by measured dispatch) in the block."""
+  keys: set[str] = set()
+  with _lock:
+    _collectors.append(keys)
+  try:
+    yield keys
+  finally:
+    with _lock:
+      _collectors.remove(keys)
+
+
 def lookup(key: str) -> dict | None:
   """The cached decision for ``key`` (``{"choice": name, ...}``), or ``None``."""
   with _lock:
     _load()
+    for keys in _collectors:
+      keys.add(key)
     return _memo.get(key)
 
 

@@ -246,8 +246,10 @@ def _tune(args) -> int:
   print(f"backend: {jax.default_backend()} ({device.device_kind}); {args.dtype}; cache: "
         f"{cache_path()}")
   added = 0
-  for shape, pattern, rows, n in tune(args.shapes, args.patterns, rows=args.rows, dtype=args.dtype):
-    print(f"{shape[0]}x{shape[1]} {pattern}, {rows} rows: {n} new decisions")
+  for shape, pattern, rows, n, cached in tune(args.shapes, args.patterns, rows=args.rows, dtype=args.dtype):
+    what = (f"{n} new decisions, {cached} already cached" if n or cached else
+            f"nothing to tune (no product of this pattern has measured dispatch on {jax.default_backend()})")
+    print(f"{shape[0]}x{shape[1]} {pattern}, {rows} rows: {what}")
     added += n
   print(f"{added} new decisions in all (products already in the cache are not measured again)")
   if args.export:
