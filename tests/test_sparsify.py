@@ -284,7 +284,9 @@ def test_linen_cnn():
   variables = model.init(jax.random.key(0), x)
   rules = {"conv1": jaxsparse.Unstructured(sparsity=0.5), "conv2": jaxsparse.NM(2, 4)}
   sparse, sparse_vars, report = jaxsparse.sparsify_linen(model, variables, rules, x)
-  assert [c.replaced_by for c in report.layers] == ["Conv", "NMConv"]
+  # As summary names them (the unstructured conv is the nn.Conv given its mask: a masked conv, not a plain one).
+  assert [c.replaced_by for c in report.layers] == ["MaskedConv", "NMConv"]
+  assert [layer.kind for layer in jaxsparse.summary(sparse_vars, module=sparse).layers][:2] == ["MaskedConv", "NMConv"]
   module, dense_vars = jaxsparse.densify_linen(sparse, sparse_vars)
   assert_close(sparse.apply(sparse_vars, x), module.apply(dense_vars, x), jnp.float32)
   assert float(jnp.mean(dense_vars["params"]["conv1"]["kernel"] == 0)) == 0.5

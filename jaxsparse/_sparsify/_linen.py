@@ -75,6 +75,7 @@ __all__ = [
     "kept_blocks",
     "layer_variables",
     "linen_density",
+    "sparse_layer_name",
     "sparse_module_of",
     "sparsify_linen",
 ]
@@ -136,6 +137,14 @@ def sparse_module_of(layer: _LinenLayer, *, nnz: int | None = None) -> nn.Module
               if f.name not in ("n", "m", "sr_ste_decay", "transposable", "parent", "name", "_") and hasattr(m, f.name)}
     return sparse_linen.NMConv(n=spec.n, m=spec.m, transposable=spec.transposable, **fields)
   return m  # unstructured conv: the original conv, given its mask at call time
+
+
+def sparse_layer_name(layer: _LinenLayer, *, nnz: int | None = None) -> str:
+  """The name of the layer that runs ``layer`` sparse (as ``summary`` names it): ``"MaskedConv"`` for an unstructured
+  conv (the original ``nn.Conv`` given its mask), else the class of :func:`sparse_module_of`."""
+  if layer.kind == "conv" and isinstance(layer.spec, Unstructured):
+    return "MaskedConv"
+  return type(sparse_module_of(layer, nnz=nnz)).__name__
 
 
 def apply_sparse_layer(layer: _LinenLayer, variables: Mapping, x: jax.Array) -> jax.Array:
@@ -435,7 +444,7 @@ def sparsify_linen(
     _store(new_vars, path, layer, boxed_params, layer_vars)
     density = linen_density(spec, layer_vars, params_2d["kernel"].shape)
     changes.append(LayerChange(p, f"{type(m).__name__}({kernel.shape})", spec.describe(),
-                               type(sparse_module_of(layer, nnz=kept_blocks(layer_vars, spec))).__name__,
+                               sparse_layer_name(layer, nnz=kept_blocks(layer_vars, spec)),
                                density, nbytes(dense_params), nbytes(layer_vars), dense_ms, sparse_ms, note))
   warn_unmatched(resolved, [".".join(p) for p in found], what="nn.Dense / nn.DenseGeneral / nn.Conv", shadowed=True)
   changes.sort(key=lambda c: c.path)
