@@ -822,3 +822,112 @@ def test_progress_bar_over_layers(capsys):
   assert "2/2" in capsys.readouterr().err  # tqdm, on stderr
   pruning.calibrated_prune(MLP(nnx.Rngs(0)), jaxsparse.NM(2, 4), None, method="magnitude", progress=False)
   assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_non_finite_calibration_data_is_refused(bad):
+  model = MLP(nnx.Rngs(0))
+  batches = _batches(2)
+  batches[1] = batches[1].at[5, 3].set(bad)
+  # Wanda and magnitude used to prune from NaN norms (and report NaN errors) without a word.
+  for method in ("magnitude", "wanda", "sparsegpt"):
+    with pytest.raises(ValueError, match=r"fc1: the inputs this layer sees on the calibration batches contain NaN"):
+      pruning.calibrated_prune(model, jaxsparse.NM(2, 4), batches, method=method, progress=False)
+  with pytest.raises(ValueError, match=r"fc1: the inputs .* NaN or inf"):
+    pruning.calibrate(model, batches, {"fc1": jaxsparse.NM(2, 4)}, gram=False)
+
+  class Linen(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(8)(x)
+
+  variables = Linen().init(jax.random.key(0), batches[0])
+  with pytest.raises(ValueError, match=r"Dense_0: the inputs .* NaN or inf"):
+    pruning.calibrated_prune_linen(Linen(), variables, jaxsparse.NM(2, 4), batches, method="wanda", progress=False)
+
+
+def test_token_mask_marking_no_token_is_refused():
+  model = MLP(nnx.Rngs(0))
+  # SparseGPT used to treat every input as dead and zero the whole kernel; Wanda kept arbitrary weights.
+  for method in ("wanda", "sparsegpt"):
+    with pytest.raises(ValueError, match="fc1: batches give this layer 0 calibration tokens"):
+      pruning.calibrated_prune(model, jaxsparse.NM(2, 4), _batches(2), method=method,
+                               token_mask=lambda b: jnp.zeros(b.shape[:-1]), progress=False)
+
+
+def test_wanda_layer_refuses_nan_or_negative_norms():
+  w = jax.random.normal(jax.random.key(0), (8, 4))
+  for bad in (np.nan, np.inf, -1.0):  # a NaN score used to make a "2:4" mask keep 3 of 4
+    with pytest.raises(ValueError, match="fc: sq_norms must be finite and >= 0"):
+      pruning.wanda_layer(w, jnp.ones(8).at[1].set(bad), jaxsparse.NM(2, 4), path="fc")
+
+
+def test_damp_must_be_finite():
+  with pytest.raises(ValueError, match=r"damp must be a float >= 0 and finite.*damp=inf"):
+    pruning.sparsegpt(MLP(nnx.Rngs(0)), jaxsparse.NM(2, 4), _batches(1), damp=float("inf"), progress=False)
+
+
+def test_one_numpy_array_as_batches_is_refused():
+  # A NumPy array used to be iterated row by row, each row a batch (a jax.Array was refused).
+  with pytest.raises(TypeError, match=r"batches must be a sequence.*got ndarray; wrap a single batch in a list"):
+    pruning.calibrated_prune(MLP(nnx.Rngs(0)), jaxsparse.NM(2, 4), np.ones((4, 16), np.float32), progress=False)
+
+
+@pytest.mark.parametrize("which", [0, 2])
+def test_wrong_calibration_shape_names_the_batch(which):
+  batches = _batches(3)
+  batches[which] = jnp.ones((4, 12))
+  with pytest.raises(TypeError) as info:
+    pruning.calibrated_prune(MLP(nnx.Rngs(0)), jaxsparse.NM(2, 4), batches, progress=False)
+  assert f"calibration input batches[{which}]" in "\n".join(getattr(info.value, "__notes__", []))
+
+
+@pytest.mark.parametrize("n, m", [(2, 5), (1, 3)])
+def test_sparsegpt_nm_whose_m_does_not_divide_block_size(n, m):
+  # The default block_size=128 is no multiple of m: calibrated_prune used to refuse a block_size never passed.
+  k = 30
+  model = nnx.Linear(k, 6, rngs=nnx.Rngs(0))
+  x = correlated_inputs(jax.random.key(3), 90, k)
+  spec = jaxsparse.NM(n, m)
+  pruned, masks, _ = pruning.sparsegpt(model, spec, [x], refit_iterations=0, progress=False)
+  ref_w, ref_mask = obs_reference(model.kernel[...], x.T @ x, spec)
+  np.testing.assert_array_equal(masks["kernel"], ref_mask)
+  np.testing.assert_allclose(np.asarray(pruned.kernel[...]), ref_w, atol=2e-4 * np.abs(ref_w).max())
+
+
+def wanda_reference(w, x, *, sparsity=None, nm=None):
+  """Wanda as published (Sun et al., ``prune_wanda``), in float64 NumPy on the torch ``(out, in)`` layout.
+
+  ``metric = |W| * sqrt(mean_t x_t²)`` per input; 2:4-style: the ``m - n`` smallest of every ``m``
+  inputs of an output are pruned; unstructured: the ``int(K * sparsity)`` smallest inputs of each output.
+  """
+  wt = np.abs(np.asarray(w, np.float64).T)  # (N, K)
+  x = np.asarray(x, np.float64).reshape(-1, wt.shape[1])
+  metric = wt * np.sqrt((x * x).mean(axis=0))[None, :]
+  pruned = np.zeros(metric.shape, bool)
+  if nm is not None:
+    n, m = nm
+    for i in range(0, metric.shape[1], m):
+      order = np.argsort(metric[:, i:i + m], axis=1, kind="stable")[:, : m - n]
+      np.put_along_axis(pruned[:, i:i + m], order, True, axis=1)
+  else:
+    order = np.argsort(metric, axis=1, kind="stable")[:, : int(metric.shape[1] * sparsity)]
+    np.put_along_axis(pruned, order, True, axis=1)
+  return ~pruned.T
+
+
+@pytest.mark.parametrize("spec, ref", [(jaxsparse.NM(2, 4), {"nm": (2, 4)}), (jaxsparse.NM(1, 4), {"nm": (1, 4)}),
+                                       (jaxsparse.Unstructured(sparsity=0.5), {"sparsity": 0.5})])
+def test_wanda_matches_the_published_rule_on_bfloat16_batched_inputs(spec, ref):
+  model = nnx.Linear(32, 12, rngs=nnx.Rngs(5))
+  batches = [correlated_inputs(jax.random.key(30 + i), 24, 32).reshape(2, 12, 32).astype(jnp.bfloat16)
+             for i in range(2)]  # leading batch dims, bfloat16 activations
+  pruned, masks, report = pruning.wanda(model, spec, batches, progress=False)
+  x = np.concatenate([np.asarray(b.astype(jnp.float32)).reshape(-1, 32) for b in batches])
+  want = wanda_reference(model.kernel[...], x, **ref)
+  np.testing.assert_array_equal(masks["kernel"], want)
+  np.testing.assert_array_equal(np.asarray(pruned.kernel[...]), np.where(want, np.asarray(model.kernel[...]), 0.0))
+  assert report.layers[0].tokens == 48
+  # the reported error is the relative output error on the calibration inputs
+  w, w_hat = np.asarray(model.kernel[...], np.float64), np.asarray(pruned.kernel[...], np.float64)
+  np.testing.assert_allclose(report.layers[0].error, np.linalg.norm(x @ (w - w_hat)) / np.linalg.norm(x @ w), rtol=1e-4)

@@ -422,6 +422,60 @@ def test_linen_bad_arguments():
     masked.apply({"params": masked.init(jax.random.key(0), x)["params"]}, x)
 
 
+def test_sparse_linear_general_takes_int_features_and_names_bad_ones():
+  inner = MaskedLinear(16, 8, sparsity=0.5, rngs=nnx.Rngs(0))
+  x = _normal(1, (3, 16))
+  # An int is one axis, as in nnx.LinearGeneral (it was "TypeError: 'int' object is not iterable").
+  layer = jaxsparse.layers.SparseLinearGeneral(inner, in_features=16, out_features=8)
+  assert (layer.in_features, layer.out_features) == ((16,), (8,))
+  np.testing.assert_allclose(layer(x), x @ jnp.where(inner.mask[...], inner.kernel[...], 0) + inner.bias[...],
+                             rtol=1e-5, atol=1e-5)
+  # Negative axes multiplying to the right size were accepted.
+  with pytest.raises(ValueError, match=r"in_features must be a sequence of ints >= 1, got \(-4, -4\)"):
+    jaxsparse.layers.SparseLinearGeneral(inner, in_features=(-4, -4), out_features=(8,))
+  with pytest.raises(ValueError, match=r"out_features must be a sequence of ints, got \('8',\) \('8' is not"):
+    jaxsparse.layers.SparseLinearGeneral(inner, in_features=(16,), out_features=("8",))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_sparse_linear_general_to_dense_computes_like_the_product(dtype):
+  # The product computes in the wrapped layer's dtype; to_dense used the wrapper's own dtype=None (float32 here),
+  # so the "dense equivalent" silently differed from the sparse layer by the rounding of a bf16 / fp16 product.
+  inner = MaskedLinear(16, 8, sparsity=0.5, dtype=dtype, rngs=nnx.Rngs(0))
+  layer = jaxsparse.layers.SparseLinearGeneral(inner, in_features=(4, 4), out_features=(2, 4))
+  x = _normal(2, (5, 4, 4))
+  y, y_dense = layer(x), layer.to_dense()(x)
+  assert y.dtype == y_dense.dtype == dtype
+  kernel = jnp.where(inner.mask[...], inner.kernel[...], 0).astype(dtype).reshape(4, 4, 2, 4)
+  ref = jnp.einsum("bij,ijkl->bkl", x.astype(dtype), kernel, preferred_element_type=jnp.float32)
+  ref = ref + inner.bias[...].reshape(2, 4)
+  np.testing.assert_allclose(np.asarray(y_dense, np.float32), np.asarray(y, np.float32), rtol=2e-2, atol=2e-2)
+  np.testing.assert_allclose(np.asarray(y_dense, np.float32), ref, rtol=2e-2, atol=2e-2)
+  # A dtype other than the wrapped layer's cannot be honoured by the product: it is refused, naming both.
+  with pytest.raises(ValueError, match=r"dtype=.*float32.* differs from the wrapped layer's dtype="):
+    jaxsparse.layers.SparseLinearGeneral(inner, in_features=(16,), out_features=(8,), dtype=jnp.float32)
+
+
+def test_masked_conv_feature_groups_must_divide_the_features():
+  # nnx.Conv accepts these and fails at the first call with a bare AssertionError; the drawn mask had 4 // 3 = 1
+  # input feature per group.
+  for in_features, out_features in ((4, 6), (6, 4)):
+    with pytest.raises(ValueError, match=rf"feature_group_count=3 must divide in_features={in_features} and "
+                       rf"out_features={out_features}"):
+      jaxsparse.layers.MaskedConv(in_features, out_features, (3, 3), sparsity=0.5, feature_group_count=3,
+                                  rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"feature_group_count must be a positive int, got 0"):
+    jaxsparse.layers.MaskedConv(4, 6, (3, 3), sparsity=0.5, feature_group_count=0, rngs=nnx.Rngs(0))
+  mask = np.random.default_rng(0).random((3, 3, 2, 6)) < 0.5
+  conv = jaxsparse.layers.MaskedConv(4, 6, (3, 3), mask=mask, feature_group_count=2, strides=(2, 1),
+                                     kernel_dilation=(1, 2), rngs=nnx.Rngs(0))
+  x = _normal(3, (2, 9, 8, 4))
+  kernel = jnp.where(conv.mask[...], conv.kernel[...], 0)
+  ref = jax.lax.conv_general_dilated(x, kernel, (2, 1), "SAME", rhs_dilation=(1, 2), feature_group_count=2,
+                                     dimension_numbers=("NHWC", "HWIO", "NHWC")) + conv.bias[...]
+  np.testing.assert_allclose(conv(x), ref, rtol=1e-5, atol=1e-5)
+
+
 def test_traced_user_block_mask_explains():
   # A traced mask's block count (the kernel's shape) is unknown; density= works under jit instead.
   with pytest.raises(ValueError, match=r"block_mask is traced .* pass density="):

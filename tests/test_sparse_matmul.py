@@ -181,6 +181,19 @@ def test_csr_bad_input():
     )
 
 
+def test_csr_bad_nnz_and_traced_from_mask_data_name_the_argument():
+  # A traced mask's count is unknown, so nnz is checked for what it can be: an int in [0, K * N].
+  w, mask = jnp.ones((4, 6)), np.ones((4, 6), bool)
+  build = lambda nnz: jax.jit(lambda m: jaxsparse.CSRMatrix.from_dense(w, mask=m, nnz=nnz).data)(mask)
+  for nnz in (-1, 2.5, 25, True):
+    with pytest.raises(ValueError, match=rf"nnz must be an int in \[0, 24\] .*got nnz={nnz!r}"):
+      build(nnz)
+  np.testing.assert_array_equal(build(np.int64(24)), np.ones(24))  # a NumPy int is an int
+  # from_mask with a traced mask and data that is not 1-D: the shape is named (it was a ConcretizationTypeError).
+  with pytest.raises(ValueError, match=r"data must have shape \(nnz,\) \(1-D.*got \(4, 6\)"):
+    jax.jit(jaxsparse.CSRMatrix.from_mask)(mask, jnp.ones((4, 6)))
+
+
 # -------------------------------------------------------------------------------------------------
 # sparse_matmul and masked_matmul against the dense reference.
 # -------------------------------------------------------------------------------------------------

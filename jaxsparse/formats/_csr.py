@@ -9,6 +9,7 @@ pytree leaves; the shape is static aux data.
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import jax
@@ -54,6 +55,10 @@ def csr_pattern_indices(mask: Any, *, nnz: int | None = None) -> dict[str, Any]:
   m = check_pattern_mask(mask, name="mask", layout="(K, N)")
   if m.size >= 2**31:
     raise ValueError(f"mask has {m.size} entries; CSRMatrix indexes with int32 and holds fewer than 2**31.")
+  if nnz is not None:
+    if isinstance(nnz, bool) or not isinstance(nnz, numbers.Integral) or not 0 <= nnz <= m.size:
+      raise ValueError(f"nnz must be an int in [0, {m.size}] (the entries the {m.shape} mask keeps), got nnz={nnz!r}.")
+    nnz = int(nnz)
   idx = mask_pattern_indices(m, nnz, name="mask")
   idx["transpose_row_indices"] = idx["row_indices"][idx["transpose_order"]]
   return idx
@@ -97,8 +102,10 @@ class CSRMatrix(IndexedSparseMatrix):
     """
     data = jnp.asarray(data)
     m = check_pattern_mask(mask, name="mask", layout="(K, N)")
-    if data.ndim != 1 or (is_concrete(m) and data.shape[0] != int(m.sum())):
+    if is_concrete(m) and (data.ndim != 1 or data.shape[0] != int(m.sum())):
       raise ValueError(f"data must have shape (nnz,) = ({int(m.sum())},) for this mask, got {data.shape}.")
+    if data.ndim != 1:  # a traced mask's count is unknown: name the shape, not the count
+      raise ValueError(f"data must have shape (nnz,) (1-D: the kept values in row-major order), got {data.shape}.")
     idx = csr_pattern_indices(m, nnz=data.shape[0])
     data = poison_miscounted(data, m, data.shape[0])
     return cls(data, validate=False, shape=m.shape, **{k: jnp.asarray(v) for k, v in idx.items()})

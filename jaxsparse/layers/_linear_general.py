@@ -3,15 +3,28 @@
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxsparse import _utils
 from jaxsparse.layers._common import with_weights
 
 __all__ = ["SparseLinearGeneral"]
+
+
+def _features(value: Any, *, name: str) -> tuple[int, ...]:
+  """``in_features`` / ``out_features`` as a tuple of positive ints (an int is one axis, as in nnx.LinearGeneral)."""
+  return _utils.check_dims((value,) if isinstance(value, numbers.Integral) else value, name=name, minimum=1)
+
+
+def _same(name: str, a: Any, b: Any) -> bool:
+  if name == "dtype" and a is not None and b is not None:
+    return jnp.dtype(a) == jnp.dtype(b)
+  return a == b
 
 
 class SparseLinearGeneral(nnx.Module):
@@ -38,23 +51,32 @@ class SparseLinearGeneral(nnx.Module):
 
   Args:
     layer: the 2-D sparse layer, ``(prod(in_features), prod(out_features))``.
-    in_features, out_features: tuples of the trailing input axes and of the output axes.
-    dtype, precision: kept for :meth:`to_dense` (the product itself uses ``layer``'s).
+    in_features, out_features: ints or tuples of positive ints: the trailing input axes and the output axes.
+    dtype, precision: the wrapped layer's, which compute the product and which :meth:`to_dense` keeps; ``None``
+      takes them from ``layer``, another value than ``layer``'s raises ``ValueError``.
   """
 
-  def __init__(self, layer: nnx.Module, *, in_features: tuple[int, ...], out_features: tuple[int, ...],
+  def __init__(self, layer: nnx.Module, *, in_features: int | tuple[int, ...], out_features: int | tuple[int, ...],
                dtype: Any = None, precision: Any = None):
     self.layer = layer
-    self.in_features = tuple(in_features)
-    self.out_features = tuple(out_features)
+    self.in_features = _features(in_features, name="in_features")
+    self.out_features = _features(out_features, name="out_features")
     inner = (getattr(layer, "in_features", None), getattr(layer, "out_features", None))
     if inner != (math.prod(self.in_features), math.prod(self.out_features)):
       raise ValueError(
           f"in_features={self.in_features} and out_features={self.out_features} must multiply to the wrapped "
           f"layer's (in_features, out_features)={inner}."
       )
-    self.dtype = dtype
-    self.precision = precision
+    # The product is the wrapped layer's: so are its dtype and precision, which to_dense must reproduce.
+    for name, given in (("dtype", dtype), ("precision", precision)):
+      inner_value = getattr(layer, name, None)
+      if given is not None and not _same(name, given, inner_value):
+        raise ValueError(
+            f"{name}={given!r} differs from the wrapped layer's {name}={inner_value!r}, which computes the product; "
+            f"leave {name}=None (it then takes the wrapped layer's) or build the wrapped layer with it."
+        )
+    self.dtype = getattr(layer, "dtype", None) if dtype is None else dtype
+    self.precision = getattr(layer, "precision", None) if precision is None else precision
 
   def __call__(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
     if out_sharding is not None:

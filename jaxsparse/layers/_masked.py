@@ -339,10 +339,16 @@ class MaskedConv(nnx.Conv):
       **kwargs,
   ):
     check_one_of("sparsity", sparsity, "mask", mask)
+    # nnx.Conv accepts groups that do not divide the features and fails at the first call on a bare assert.
+    groups = _utils.check_positive_int(kwargs.get("feature_group_count", 1), name="feature_group_count")
+    if in_features % groups or out_features % groups:
+      raise ValueError(
+          f"feature_group_count={groups} must divide in_features={in_features} and out_features={out_features}."
+      )
     if mask is None:
       # nnx.Conv's kernel shape; the mask is drawn before nnx.Conv draws the kernel, as in MaskedLinear.
       ks = (kernel_size,) if isinstance(kernel_size, int) else tuple(kernel_size)
-      shape = (*ks, in_features // kwargs.get("feature_group_count", 1), out_features)
+      shape = (*ks, in_features // groups, out_features)
       mask = random_mask(rngs.params(), shape, kept_weights(sparsity, shape))
     super().__init__(in_features, out_features, kernel_size, rngs=rngs, **kwargs)
     mask = check_mask(mask, self.kernel_shape, name="mask")

@@ -33,6 +33,9 @@ def export_safety_checks() -> list[export.DisabledSafetyCheck]:
   >>> bool(jnp.allclose(exported.call(jnp.ones((2, 64))), f(jnp.ones((2, 64)))))
   True
 
+  Args:
+    None.
+
   Returns:
     A list of ``jax.export.DisabledSafetyCheck``, one per custom-call target of jaxsparse's kernels.
   """

@@ -17,6 +17,7 @@ for XLA.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import numbers
@@ -29,6 +30,7 @@ from typing import NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxsparse._rules import Probe
@@ -79,9 +81,9 @@ class LayerStats(NamedTuple):
 
 
 def check_damp(damp: Any) -> float:
-  """``damp`` as a float; raises unless it is a real number ``>= 0``."""
-  if isinstance(damp, bool) or not isinstance(damp, numbers.Real) or not damp >= 0:
-    raise ValueError(f"damp must be a float >= 0 (fraction of the mean Hessian diagonal), got damp={damp!r}.")
+  """``damp`` as a float; raises unless it is a finite real number ``>= 0``."""
+  if isinstance(damp, bool) or not isinstance(damp, numbers.Real) or not 0 <= damp < math.inf:
+    raise ValueError(f"damp must be a float >= 0 and finite (a fraction of the mean Hessian diagonal), got {damp=}.")
   return float(damp)
 
 
@@ -305,7 +307,8 @@ def nnx_call_order(model: nnx.Module, keys: Sequence[tuple], batch: Any, call: C
     m = _with_probes(nnx.merge(graphdef, state), keys, lambda key, x: order.append(key) if key not in order else None)
     call(m, batch)
 
-  jax.eval_shape(run, state)
+  with naming_batch(0):
+    jax.eval_shape(run, state)
   missing = [_dotted(k) or "(model)" for k in keys if k not in order]
   if missing:
     raise ValueError(f"layer(s) {missing} are selected by the rules but the model does not call them on the "
@@ -338,12 +341,44 @@ def _zeros(k: int, gram: bool) -> LayerStats:
 
 
 def check_batches(batches: Any) -> list:
-  if isinstance(batches, (jax.Array, Mapping)) or not hasattr(batches, "__iter__"):
-    raise TypeError(f"batches must be a sequence of model inputs (a list of batches), got {type(batches).__name__}.")
+  """``batches`` as a list; raises on one array (it would be iterated row by row), a mapping or an empty list."""
+  if isinstance(batches, (jax.Array, np.ndarray, Mapping)) or not hasattr(batches, "__iter__"):
+    raise TypeError(f"batches must be a sequence of model inputs (a list of batches), got {type(batches).__name__}; "
+                    "wrap a single batch in a list: [x].")
   batches = list(batches)
   if not batches:
     raise ValueError("batches is empty: calibration needs at least one batch of inputs.")
   return batches
+
+
+@contextlib.contextmanager
+def naming_batch(i: int):
+  """Adds a note naming ``batches[i]`` to an error raised while the model runs on it (e.g. a wrong input shape)."""
+  try:
+    yield
+  except Exception as e:
+    e.add_note(f"(raised while running the model on the calibration input batches[{i}])")
+    raise
+
+
+def check_stats(stats: Mapping[str, LayerStats], layers: Sequence[Layer]) -> None:
+  """Raises naming the layer when its statistics count no tokens or are not finite (NaN/inf inputs)."""
+  def flags(s: LayerStats) -> tuple[jax.Array, jax.Array]:
+    finite = jnp.all(jnp.isfinite(s.sq_norms))
+    if s.gram is not None:
+      finite &= jnp.all(jnp.isfinite(s.gram))
+    return s.tokens, finite
+
+  summary = jax.device_get({layer.path: flags(stats[layer.path]) for layer in layers})  # one transfer
+  for layer in layers:
+    tokens, finite = summary[layer.path]
+    if tokens == 0:
+      raise ValueError(f"{layer.path or '(model)'}: batches give this layer 0 calibration tokens (empty batches, or a "
+                       "token_mask that marks every token as padding); its statistics would be all zero.")
+    if not finite:
+      raise ValueError(f"{layer.path or '(model)'}: the inputs this layer sees on the calibration batches contain "
+                       "NaN or inf (in batches themselves, or produced by the model before this layer, or too large "
+                       "to square in float32); masks and weights computed from them would be meaningless.")
 
 
 def nnx_layer_stats(model: nnx.Module, layers: Sequence[Layer], batches: Sequence[Any], *, call: Callable,
@@ -363,8 +398,10 @@ def nnx_layer_stats(model: nnx.Module, layers: Sequence[Layer], batches: Sequenc
 
   step = jax.jit(step, donate_argnums=1)
   acc = {layer.path: _zeros(layer.k, gram) for layer in layers}
-  for batch in batches:
-    acc = step(state, acc, batch)
+  for i, batch in enumerate(batches):
+    with naming_batch(i):
+      acc = step(state, acc, batch)
+  check_stats(acc, layers)
   return acc
 
 
@@ -452,7 +489,7 @@ def linen_candidates(module: nn.Module, variables: Mapping, batch: Any, apply_kw
     return next_fun(*args, **kwargs)
 
   args, kwargs = _linen_args(batch)
-  with nn.intercept_methods(interceptor):
+  with nn.intercept_methods(interceptor), naming_batch(0):
     jax.eval_shape(lambda v, *a: module.apply(v, *a, **kwargs, **apply_kwargs), variables, *args)
   return list(found.values())
 
@@ -483,8 +520,10 @@ def linen_layer_stats(module: nn.Module, variables: Mapping, layers: Sequence[La
 
   step = jax.jit(step, donate_argnums=1)
   acc = {layer.path: _zeros(layer.k, gram) for layer in layers}
-  for batch in batches:
-    acc = step(variables, acc, batch)
+  for i, batch in enumerate(batches):
+    with naming_batch(i):
+      acc = step(variables, acc, batch)
+  check_stats(acc, layers)
   return acc
 
 

@@ -33,6 +33,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from jaxsparse._rules import get_module
+from jaxsparse.formats._specs import NM
 from jaxsparse.pruning._calibration import LINEN_LAYERS
 from jaxsparse.pruning._calibration import NNX_LAYERS
 from jaxsparse.pruning._calibration import Layer
@@ -176,6 +177,8 @@ def _solve(method: str, layer: Layer, kernel2: jax.Array, stats: LayerStats | No
     mask = wanda_layer(kernel2, stats.sq_norms, layer.spec, path=layer.path)
     new = jnp.where(mask, kernel2, jnp.zeros((), kernel2.dtype))
   else:
+    if isinstance(layer.spec, NM):  # N:M groups must not straddle two batches; the result does not depend on it
+      block_size = max(layer.spec.m, block_size - block_size % layer.spec.m)
     new, mask = sparsegpt_layer(kernel2, stats.gram, layer.spec, damp=damp, block_size=block_size, path=layer.path)
   if refit_iterations:
     new = refit_layer(kernel2, stats.gram, mask, start=new, damp=damp, iterations=refit_iterations, path=layer.path)
@@ -276,7 +279,8 @@ def calibrated_prune(
       ``"encoder.layer.3"``). A callable ``path -> key`` gives other groups (``lambda p: p``: one layer
       at a time); ``False``: one calibration pass on the dense model for all layers.
     damp: SparseGPT's Hessian damping, a fraction of the mean diagonal.
-    block_size: SparseGPT's lazy update batch (input features).
+    block_size: SparseGPT's lazy update batch (input features); for an N:M layer rounded down to a
+      multiple of ``m`` (at least ``m``), which changes the speed, not the result.
     refit_iterations: conjugate-gradient iterations of the least-squares refit of each layer's kept
       weights for its final mask (:func:`refit_layer`, same ``damp``), after the method's solve; 0: no
       refit. ``None``: 50 for SparseGPT (its greedy updates leave the kept weights short of the

@@ -54,7 +54,7 @@ def wanda_layer(
   Args:
     kernel: ``(K, N)`` weights (the 2-D view of a ``LinearGeneral`` kernel).
     sq_norms: ``(K,)`` sums of squares of the input features over the calibration tokens
-      (``LayerStats.sq_norms``).
+      (``LayerStats.sq_norms``); finite and ``>= 0``.
     spec: ``jaxsparse.Unstructured``, ``jaxsparse.NM`` (groups along ``K``) or ``jaxsparse.BlockSparse``.
     per_output: unstructured only: compare the weights of each output (Wanda) rather than the whole
       layer.
@@ -62,6 +62,9 @@ def wanda_layer(
 
   Returns:
     Bool ``(K, N)``, True where kept.
+
+  Raises:
+    ValueError: on shapes that do not fit, or ``sq_norms`` with NaN/inf or negative values.
   """
   kernel = jnp.asarray(kernel)
   sq_norms = jnp.asarray(sq_norms)
@@ -69,6 +72,11 @@ def wanda_layer(
     raise ValueError(f"{path}: kernel must be 2-D (K, N), got shape {kernel.shape}; pass kernel.reshape(K, N).")
   if sq_norms.shape != kernel.shape[:1]:
     raise ValueError(f"{path}: sq_norms must have shape (K,) = {kernel.shape[:1]}, got {sq_norms.shape}.")
+  if not isinstance(sq_norms, jax.core.Tracer) and not bool(jnp.all((sq_norms >= 0) & jnp.isfinite(sq_norms))):
+    # NaN scores would break the pattern (a 2:4 mask keeping 3 of 4): refuse them while the values are known.
+    bad, negative = int(jnp.sum(~jnp.isfinite(sq_norms))), int(jnp.sum(sq_norms < 0))
+    raise ValueError(f"{path}: sq_norms must be finite and >= 0 (sums of squares of the calibration inputs), got "
+                     f"{bad} NaN/inf and {negative} negative values.")
   check_layer_spec(spec, kernel.shape, path=path)
   return _mask(kernel, sq_norms, **_static(spec, kernel.shape, per_output))
 
