@@ -354,3 +354,20 @@ def test_from_index_arrays_accepts_numpy_index_arrays():
   x = jax.random.normal(jax.random.key(4), (5, 64))
   out = jax.jit(lambda x, d: jaxsparse.ops.block_sparse_matmul(x, rebuilt.with_data(d)))(x, m.data)
   np.testing.assert_allclose(out, x @ w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["csr", "block"])
+def test_from_index_arrays_refuses_wider_integers_that_would_wrap(fmt):
+  # Without 64-bit mode jnp.asarray wraps int64 into int32: an index of 2**32 + i became i and passed validation.
+  if fmt == "csr":
+    w = jaxsparse.CSRMatrix.from_dense(jnp.eye(4))
+    static = {"shape": (4, 4)}
+  else:
+    w = jaxsparse.BlockSparseMatrix.from_dense(jnp.eye(4), (2, 2))
+    static = {"shape": (4, 4), "block_shape": (2, 2)}
+  index = {k: np.asarray(v).astype(np.int64) for k, v in w.index_arrays().items()}
+  again = type(w).from_index_arrays(w.data, index, **static)  # in range: taken
+  np.testing.assert_array_equal(again.to_dense(), w.to_dense())
+  index["col_indices"] = index["col_indices"] + (1 << 32)
+  with pytest.raises(ValueError, match=r"index_arrays\['col_indices'\] holds values in \[4294967296, .*outside int32"):
+    type(w).from_index_arrays(w.data, index, **static)

@@ -265,6 +265,13 @@ class IndexedSparseMatrix:
     missing = set(cls.INDEX_FIELDS) - set(index_arrays)
     if missing:
       raise ValueError(f"index_arrays is missing {sorted(missing)}; expected the keys {cls.INDEX_FIELDS}.")
+    for f in cls.INDEX_FIELDS:  # jnp.asarray wraps wider integers into int32 without 64-bit mode: check them first
+      a = index_arrays[f]
+      if isinstance(a, np.ndarray) and np.issubdtype(a.dtype, np.integer) and a.size:
+        lo, hi, i32 = int(a.min()), int(a.max()), np.iinfo(np.int32)
+        if lo < i32.min or hi > i32.max:
+          raise ValueError(f"index_arrays[{f!r}] holds values in [{lo}, {hi}], outside int32: not an index of "
+                           f"this {cls.__name__}.")
     fields = {f: jnp.asarray(index_arrays[f]) for f in cls.INDEX_FIELDS}
     return cls(jnp.asarray(data), validate=validate, **fields, **static)
 
