@@ -361,6 +361,21 @@ def test_token_mask_leaves_padding_out():
                       token_mask=lambda b: b["m"][:, 0])
 
 
+def test_token_mask_values_other_than_one_count_a_token_once():
+  # A token mask of weights (2.0, or True) scaled the statistics by its square before; nonzero now means "count it".
+  model = MLP(nnx.Rngs(0))
+  x = correlated_inputs(jax.random.key(21), 8, 16).reshape(2, 4, 16)
+  mask = jnp.array([[1, 1, 0, 1], [0, 1, 1, 1]])
+  rules = {"fc.": jaxsparse.NM(2, 4)}
+  want = pruning.calibrate(model, [x], rules, token_mask=lambda b: mask)
+  for other in (2.5 * mask, mask.astype(bool)):
+    got = pruning.calibrate(model, [x], rules, token_mask=lambda b, other=other: other)
+    for path in ("fc1", "fc2"):
+      assert int(got[path].tokens) == int(want[path].tokens) == 6
+      np.testing.assert_array_equal(np.asarray(got[path].sq_norms), np.asarray(want[path].sq_norms))
+      np.testing.assert_array_equal(np.asarray(got[path].gram), np.asarray(want[path].gram))
+
+
 def test_sequential_mode_calibrates_on_pruned_inputs():
   model = MLP(nnx.Rngs(1))
   batches = _batches()

@@ -36,6 +36,7 @@ __all__ = [
     "check_in_features",
     "check_input",
     "check_kept",
+    "check_layer_inputs",
     "check_linear",
     "check_masked_implementation",
     "check_one_of",
@@ -317,6 +318,17 @@ def check_in_features(in_features: int, m: int, *, name: str = "in_features") ->
   if in_features % m:
     raise ValueError(
         f"{name}={in_features} must be a multiple of m={m}: the N:M groups run along the input features."
+    )
+
+
+def check_layer_inputs(layer: nnx.Module, inputs: jax.typing.ArrayLike) -> None:
+  """Raises, naming both counts, when ``inputs`` of an NNX layer built for ``layer.in_features`` has another
+  last axis (the op's error would name its own ``x``, not the layer)."""
+  shape = jnp.shape(inputs)
+  if not shape or shape[-1] != layer.in_features:
+    raise ValueError(
+        f"{type(layer).__name__} has in_features={layer.in_features}: inputs must have shape (..., "
+        f"{layer.in_features}), got inputs.shape={tuple(shape)}."
     )
 
 

@@ -28,6 +28,7 @@ from jaxsparse.layers._common import SparsityPattern
 from jaxsparse.layers._common import bias_of
 from jaxsparse.layers._common import check_input
 from jaxsparse.layers._common import check_known_in_features
+from jaxsparse.layers._common import check_layer_inputs
 from jaxsparse.layers._common import check_linear
 from jaxsparse.layers._common import check_masked_implementation
 from jaxsparse.layers._common import check_one_of
@@ -155,6 +156,7 @@ class MaskedLinear(nnx.Module):
   def __call__(self, inputs: jax.Array) -> jax.Array:
     """Applies the layer to ``inputs`` of shape ``(..., in_features)`` (named as ``nnx.Linear``'s); returns
     ``(..., out_features)``."""
+    check_layer_inputs(self, inputs)
     return masked_apply(
         inputs,
         self.kernel[...],

@@ -37,6 +37,7 @@ from jaxsparse.layers._common import SparsityPattern
 from jaxsparse.layers._common import base_promote
 from jaxsparse.layers._common import bias_of
 from jaxsparse.layers._common import check_in_features
+from jaxsparse.layers._common import check_layer_inputs
 from jaxsparse.layers._common import check_linear
 from jaxsparse.layers._common import check_transposable_layer
 from jaxsparse.layers._common import conv_options
@@ -96,19 +97,6 @@ def check_nm_implementation(implementation: object) -> str | None:
   if implementation not in allowed:
     raise ValueError(f"implementation must be one of {allowed}, got implementation={implementation!r}.")
   return implementation
-
-
-
-
-def _check_inputs(layer: nnx.Module, inputs: jax.typing.ArrayLike) -> None:
-  """Raises, naming both counts, when ``inputs`` of an N:M layer built for ``layer.in_features`` has another
-  last axis (Flax's own error names neither the layer nor the argument)."""
-  shape = jnp.shape(inputs)
-  if not shape or shape[-1] != layer.in_features:
-    raise ValueError(
-        f"{type(layer).__name__} has in_features={layer.in_features}: inputs must have shape (..., "
-        f"{layer.in_features}), got inputs.shape={tuple(shape)}."
-    )
 
 
 class _NMMixin:
@@ -235,7 +223,7 @@ class NMLinear(_NMMixin, nnx.Linear):
     :func:`jaxsparse.ops.sr_ste_matmul`: the same value and gradients, with the forward product (and
     with ``transposable=True`` also ``dY Wᵀ``) on cuSPARSELt where it can run (bfloat16 compute, see there).
     """
-    _check_inputs(self, inputs)
+    check_layer_inputs(self, inputs)
     p = self.promote_dtype
     fast = (p.n, p.m, p.axis) == (2, 4, 0) and p.base is dtypes.promote_dtype and self.dot_general is lax.dot_general
     if not fast or out_sharding is not None:
@@ -621,7 +609,7 @@ class NMConv(_NMMixin, nnx.Conv):
   def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
     """``nnx.Conv``'s forward with the SR-STE-pruned kernel; channels-last ``inputs`` of ``in_features``
     channels."""
-    _check_inputs(self, inputs)
+    check_layer_inputs(self, inputs)
     return super().__call__(inputs, out_sharding=out_sharding)
 
   def _masked_input_kernel(self) -> jax.Array:

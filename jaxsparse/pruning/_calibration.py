@@ -324,7 +324,7 @@ def _add_stats(acc: LayerStats, xs: list[jax.Array], layer: Layer, gram: bool, w
       if weights.size != x.shape[0]:
         raise ValueError(f"{layer.path}: token_mask gives {weights.size} weights per batch but the layer sees "
                          f"{x.shape[0]} tokens; the mask must have the shape of the layer input without its features.")
-      x = x * weights.reshape(-1, 1).astype(jnp.float32)
+      x = jnp.where(weights.reshape(-1, 1) != 0, x, 0)  # any nonzero value counts the token once
     rows.append(x)
   x = jnp.concatenate(rows)
   count = x.shape[0] if weights is None else len(xs) * jnp.sum(weights != 0, dtype=jnp.int32)
@@ -432,7 +432,8 @@ def calibrate(model: nnx.Module, batches: Sequence[Any], rules: Any, *, gram: bo
       a dict, else ``model(batch)``.
     token_mask: ``batch -> 0/1 array`` over the tokens of a batch (the shape of a layer input without
       its feature axes, e.g. ``lambda b: b["attention_mask"]`` for padded ``(B, S)`` text batches):
-      tokens with 0 (padding) are left out of the statistics.
+      tokens with 0 (padding) are left out of the statistics; any other value (``True``, 1, 2.5) counts the
+      token once, unscaled.
 
   Returns:
     ``{layer path: LayerStats}``, on the device.
