@@ -212,6 +212,27 @@ def test_rank_mask_with_traced_count_keeps_k_largest_lower_index_first():
     np.testing.assert_array_equal(masked(jnp.asarray(scores), jnp.int32(k)), expected)
 
 
+def test_nan_weights_are_kept_as_by_magnitude_mask_and_nm_mask():
+  # A diverged (NaN) weight counts as the largest, as in jaxsparse.magnitude_mask / nm_mask: it used to be pruned
+  # first (argsort puts NaN last), which hid the divergence and disagreed with the format-level masks.
+  w = _normal(0, (8, 4)).at[0, 0].set(jnp.nan).at[5, 2].set(jnp.nan)
+  m = pruning.magnitude_masks({"w": w}, jaxsparse.Unstructured(sparsity=0.75))["w"]
+  np.testing.assert_array_equal(m, jaxsparse.magnitude_mask(w, 0.75))
+  assert bool(m[0, 0]) and bool(m[5, 2]) and int(m.sum()) == 8
+  m = pruning.magnitude_masks({"w": w}, jaxsparse.NM(2, 4))["w"]
+  np.testing.assert_array_equal(m, jaxsparse.nm_mask(w, 2, 4, axis=0))
+  assert bool(m[0, 0]) and bool(m[5, 2])
+  np.testing.assert_array_equal(np.asarray(m).reshape(2, 4, 4).sum(axis=1), 2)
+
+
+def test_wanda_nm_mask_with_a_nan_weight_keeps_n_of_every_m():
+  # keep_largest_in_groups ranked by comparisons, which a NaN fails both ways: its group kept 3 of 4 (not 2:4).
+  w = _normal(1, (8, 4)).at[0, 0].set(jnp.nan)
+  m = np.asarray(pruning.wanda_layer(w, jnp.ones(8), jaxsparse.NM(2, 4)))
+  np.testing.assert_array_equal(m.reshape(2, 4, 4).sum(axis=1), 2)
+  np.testing.assert_array_equal(m, jaxsparse.nm_mask(w, 2, 4, axis=0))  # unit norms: Wanda's scores are |w|
+
+
 # -------------------------------------------------------------------------------------------------
 # Schedules.
 # -------------------------------------------------------------------------------------------------
@@ -262,6 +283,41 @@ def test_one_shot_and_periodic_schedules():
 def test_schedule_bad_input(kwargs, match):
   with pytest.raises(ValueError, match=match):
     pruning.gradual(**kwargs)
+
+
+def test_polynomial_sparsity_is_exactly_initial_sparsity_at_begin_step():
+  # s_f + (s_i - s_f) in float32 missed s_i: gradual(initial_sparsity=0.55) then pruned 5 of 10 weights, not 6.
+  for si, sf in [(0.55, 0.96), (0.01, 0.05), (0.3, 0.9)]:
+    got = pruning.polynomial_sparsity(7, final_sparsity=sf, begin_step=7, end_step=20, initial_sparsity=si)
+    assert float(got) == float(np.float32(si))
+  schedule = pruning.gradual(begin_step=0, end_step=10, update_every=5, initial_sparsity=0.55)
+  tx = pruning.wrap_optax(optax.sgd(0.0), pruning.magnitude_pruner(jaxsparse.Unstructured(sparsity=0.9), schedule))
+  state = tx.init({"w": _normal(0, (2, 5))})
+  _, state = tx.update({"w": jnp.zeros((2, 5))}, state, {"w": _normal(0, (2, 5))})
+  assert int(pruning.get_masks(state)["w"].sum()) == 10 - int(0.55 * 10 + 0.5)
+
+
+@pytest.mark.parametrize(
+    "fn,kwargs,match",
+    [
+        ("polynomial_sparsity", dict(final_sparsity=0.9, begin_step=100, end_step=50),
+         "end_step must be >= begin_step, got begin_step=100, end_step=50"),
+        ("polynomial_sparsity", dict(final_sparsity=1.5, begin_step=0, end_step=50),
+         r"final_sparsity must be in \[0, 1\]"),
+        ("polynomial_sparsity", dict(final_sparsity=float("nan"), begin_step=0, end_step=50), "final_sparsity"),
+        ("polynomial_sparsity", dict(final_sparsity=0.5, initial_sparsity=-0.1, begin_step=0, end_step=5),
+         "initial_sparsity must be in"),
+        ("polynomial_sparsity", dict(final_sparsity=0.5, begin_step=0, end_step=5, power=0.0), "power must be"),
+        ("cosine_drop_fraction", dict(drop_fraction=0.3, begin_step=10, end_step=5), "end_step must be >= begin_step"),
+        ("cosine_drop_fraction", dict(drop_fraction=-3.0, begin_step=0, end_step=5),
+         r"drop_fraction must be in \(0, 1\]"),
+        ("cosine_drop_fraction", dict(drop_fraction=0.3, begin_step=1.5, end_step=5), "begin_step must be an int"),
+    ],
+)
+def test_schedule_functions_name_bad_arguments(fn, kwargs, match):
+  # They used to return a value: begin_step > end_step acted as a jump at begin_step, sparsity 1.5 came back as is.
+  with pytest.raises(ValueError, match=match):
+    getattr(pruning, fn)(0, **kwargs)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -439,6 +495,33 @@ def test_masks_save_and_load(tmp_path):
     assert loaded[k].dtype == np.bool_
 
 
+def test_wrapper_around_adafactor_and_sm3():
+  # adafactor's factored second moments have another shape than their parameter: the reset broadcast the mask
+  # into them and the update failed with "cond branches must have equal output types".
+  params = {"w": _normal(0, (32, 32))}
+  pruner = pruning.magnitude_pruner(jaxsparse.Unstructured(sparsity=0.5), pruning.gradual(begin_step=0, end_step=2,
+                                                                                           update_every=1))
+  for opt in (optax.adafactor(1e-2, min_dim_size_to_factor=16), optax.adafactor(1e-2, momentum=0.9)):
+    tx = pruning.wrap_optax(opt, pruner)
+    p, state = params, tx.init(params)
+    for i in range(3):
+      updates, state = jax.jit(tx.update)({"w": _normal(10 + i, (32, 32))}, state, p)
+      p = optax.apply_updates(p, updates)
+    mask = np.asarray(pruning.get_masks(state)["w"])
+    assert mask.sum() == 512 and not np.asarray(p["w"])[~mask].any()
+    for leaf in jax.tree.leaves(state.inner_state):
+      if leaf.shape == (32, 32):  # per-weight state (unfactored moments, momentum) was reset at pruned weights
+        assert np.abs(np.asarray(leaf)[~mask]).max() < 1e-20  # adafactor adds eps1=1e-30 to squared gradients
+        assert np.abs(np.asarray(leaf)[mask]).min() > 1e-6
+  # sm3 keeps a list of accumulators per parameter, which the reset cannot map: a clear error at init.
+  with pytest.raises(ValueError, match=r"cannot find the per-parameter state.*pass reset_state=False"):
+    pruning.wrap_optax(optax.sm3(1e-2), pruner).init(params)
+  tx = pruning.wrap_optax(optax.sm3(1e-2), pruner, reset_state=False)
+  _, state = tx.update({"w": _normal(1, (32, 32))}, tx.init(params), params)
+  assert int(pruning.get_masks(state)["w"].sum()) == 1024 - int(float(np.float32(pruning.polynomial_sparsity(
+      0, final_sparsity=0.5, begin_step=0, end_step=2))) * 1024 + 0.5)
+
+
 # -------------------------------------------------------------------------------------------------
 # SET and RigL.
 # -------------------------------------------------------------------------------------------------
@@ -523,6 +606,28 @@ def test_grown_weights_start_at_zero_with_fresh_optimizer_state():
   np.testing.assert_allclose(mu[grown], 0.1 * g[grown], rtol=1e-5)
   np.testing.assert_allclose(nu[grown], 0.001 * g[grown] ** 2, rtol=1e-5)
   assert np.all(mu[~np.asarray(new)] == 0) and np.all(nu[~np.asarray(new)] == 0)
+
+
+def test_dst_keeps_the_count_with_nan_gradients_and_non_finite_weights():
+  # A NaN gradient (a step optax.apply_if_finite skips) made RigL drop units but grow none (64 -> 32 kept); a
+  # kept NaN / inf weight tied with the pruned units and SET grew one more than it dropped (128 -> 129).
+  params = {"w": _normal(0, (16, 16))}
+  rigl = pruning.rigl_pruner(jaxsparse.Unstructured(sparsity=0.75), update_every=1, end_step=100, drop_fraction=0.5)
+  for grads in ({"w": jnp.full((16, 16), jnp.nan)}, {"w": _normal(1, (16, 16)).at[::2].set(jnp.nan)}):
+    tx = pruning.wrap_optax(optax.apply_if_finite(optax.sgd(0.1), 5), rigl)
+    state = tx.init(params)
+    before = np.asarray(pruning.get_masks(state)["w"])
+    _, state = jax.jit(tx.update)(grads, state, params)
+    after = np.asarray(pruning.get_masks(state)["w"])
+    assert before.sum() == after.sum() == 64 and (after & ~before).sum() == 32  # floor(0.5 * 64) moved
+  bad = _normal(0, (16, 16)).at[0].set(jnp.nan).at[1].set(jnp.inf)
+  set_ = pruning.set_pruner(jaxsparse.Unstructured(sparsity=0.5), update_every=1, end_step=100, drop_fraction=0.95)
+  before, after, _ = _dst_step(set_, {"w": bad}, {"w": jnp.ones((16, 16))})
+  b, a, finite = np.asarray(before["w"]), np.asarray(after["w"]), np.isfinite(np.asarray(bad))
+  n_swap = int(np.floor(np.float32(0.95) * 128))
+  assert (b & finite).sum() < n_swap  # so some non-finite kept weights must go too
+  assert b.sum() == a.sum() == 128 and (b & ~a).sum() == (a & ~b).sum() == n_swap
+  assert not (b & a & finite).any()  # non-finite weights are dropped last: every finite kept one went first
 
 
 def test_dst_rejects_nm_rules():

@@ -5,7 +5,8 @@ Both start from a uniformly random mask at each rule's target sparsity and, ever
 (weights or blocks): they drop the kept units of smallest magnitude and grow as many among the units
 that were pruned before this update, at random (SET) or where the dense gradient is largest
 (RigL). Grown weights start at zero (they were held at zero while pruned) and their optimizer state
-is reset by :func:`wrap_optax`. The number of kept units per layer never changes.
+is reset by :func:`wrap_optax`. The number of kept units per layer never changes, even with NaN or infinite
+weights (kept to the last) or gradients (a NaN gradient counts as the largest).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from jaxsparse._rules import Views
 from jaxsparse._rules import resolve_views
 from jaxsparse.formats._specs import NM
 from jaxsparse.pruning._optax import Pruner
+from jaxsparse.pruning._schedules import check_steps
 from jaxsparse.pruning._schedules import periodic
 from jaxsparse.pruning._scores import Target
 from jaxsparse.pruning._scores import magnitude_scores
@@ -49,7 +51,13 @@ def cosine_drop_fraction(
 
   Returns:
     A float32 scalar array in ``[0, drop_fraction]``: the fraction of each layer's kept units moved at ``step``.
+
+  Raises:
+    ValueError: naming the argument, for a ``drop_fraction`` outside ``(0, 1]``, steps that are not ints ``>= 0``
+      or ``end_step < begin_step``.
   """
+  _check_drop_fraction(drop_fraction)
+  begin_step, end_step = check_steps(begin_step, end_step)
   t = jnp.asarray(step, jnp.float32)
   frac = jnp.clip((t - begin_step) / max(end_step - begin_step, 1), 0.0, 1.0)
   f = jnp.float32(drop_fraction) / 2 * (1 + jnp.cos(jnp.pi * frac))
@@ -57,15 +65,24 @@ def cosine_drop_fraction(
 
 
 def _swap(units: jax.Array, drop_scores: jax.Array, grow_scores: jax.Array, n_swap: jax.Array) -> jax.Array:
-  """Drops the ``n_swap`` kept units of smallest ``drop_scores``, grows the pruned ones of largest ``grow_scores``."""
-  drop = rank_mask(jnp.where(units, -drop_scores, -jnp.inf), n_swap) & units
-  grow = rank_mask(jnp.where(units, -jnp.inf, grow_scores), n_swap) & ~units
+  """Drops the ``n_swap`` kept units of smallest ``drop_scores``, grows the pruned ones of largest ``grow_scores``.
+
+  As many are grown as dropped, whatever the scores: a NaN or infinite weight is dropped last, a NaN gradient counts
+  as the largest.
+  """
+  n = jnp.minimum(n_swap, jnp.minimum(jnp.sum(units), jnp.sum(~units)))
+  drop = rank_mask(-jnp.where(jnp.isnan(drop_scores), jnp.inf, drop_scores), n, among=units)
+  grow = rank_mask(grow_scores, n, among=~units)
   return (units & ~drop) | grow
 
 
-def _check_args(drop_fraction: object, update_every: object, end_step: object, begin_step: object) -> None:
+def _check_drop_fraction(drop_fraction: object) -> None:
   if isinstance(drop_fraction, bool) or not isinstance(drop_fraction, numbers.Real) or not 0 < drop_fraction <= 1:
     raise ValueError(f"drop_fraction must be in (0, 1], got drop_fraction={drop_fraction!r}.")
+
+
+def _check_args(drop_fraction: object, update_every: object, end_step: object, begin_step: object) -> None:
+  _check_drop_fraction(drop_fraction)
   periodic(update_every=update_every, begin_step=begin_step, end_step=end_step)  # checks the steps
 
 

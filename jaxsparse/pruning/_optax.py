@@ -255,9 +255,11 @@ def wrap_optax(
     pruner: :func:`magnitude_pruner`, :func:`set_pruner`, :func:`rigl_pruner` or your own
       :class:`Pruner`.
     seed: seeds the PRNG key kept in the state (random masks and growth).
-    reset_state: zero the inner state of pruned and newly grown weights at mask updates (needs an
-      inner optimizer whose state ``optax.tree_utils.tree_map_params`` understands, as every optax
-      optimizer's is).
+    reset_state: zero the inner state of pruned and newly grown weights at mask updates: the leaves of the
+      inner state that have their parameter's shape (momentum, second moments); factored statistics of another
+      shape (``optax.adafactor``'s) stay as they are. It needs an inner state that
+      ``optax.tree_utils.tree_map_params`` understands (``init`` raises a ``ValueError`` for one it does not,
+      such as ``optax.sm3``'s: pass ``False`` then).
 
   Returns:
     A ``GradientTransformationExtraArgs`` whose state is a :class:`PruningState`.
@@ -269,14 +271,31 @@ def wrap_optax(
   def init(params):
     key, init_key = jax.random.split(jax.random.PRNGKey(seed))
     _, leaves, treedef = flatten_with_paths(params)
-    masks = jax.jit(pruner.init)(jax.tree_util.tree_unflatten(treedef, leaves), init_key)
-    return PruningState(jnp.zeros((), jnp.int32), key, masks, inner.init(params), jnp.zeros((), jnp.int32))
+    plain = jax.tree_util.tree_unflatten(treedef, leaves)
+    masks = jax.jit(pruner.init)(plain, init_key)
+    inner_state = inner.init(params)
+    if reset_state:
+      try:  # an inner state that reset cannot map fails here, with a way out, not inside the first update's trace
+        jax.eval_shape(lambda p, m: reset(inner.init(p), m, m, p), plain, masks)
+      except ValueError as e:
+        raise ValueError(
+            "wrap_optax(reset_state=True) cannot find the per-parameter state of the inner optimizer (its state "
+            "does not hold trees with the parameters' structure, as optax.sm3's does not); pass reset_state=False "
+            f"to leave its state as it is at mask updates. The error was: {e}"
+        ) from e
+    return PruningState(jnp.zeros((), jnp.int32), key, masks, inner_state, jnp.zeros((), jnp.int32))
 
   def reset(inner_state, new_masks, old_masks, params):
     keep = _keep_tree(jax.tree.map(lambda n, o: n & o, new_masks, old_masks), params)
-    return optax.tree_utils.tree_map_params(
-        inner, lambda s, k: jnp.where(k, s, jnp.zeros((), s.dtype)) if hasattr(s, "dtype") else s, inner_state, keep
-    )
+
+    def reset_leaf(s, k):
+      # Only state of the parameter's own shape is per weight; factored statistics (optax.adafactor's row and
+      # column second moments) and scalars are shared by kept weights and stay as they are.
+      if not hasattr(s, "dtype") or (k.ndim and s.shape != k.shape):
+        return s
+      return jnp.where(k, s, jnp.zeros((), s.dtype))
+
+    return optax.tree_utils.tree_map_params(inner, reset_leaf, inner_state, keep)
 
   def update(updates, state, params=None, **extra_args):
     if params is None:

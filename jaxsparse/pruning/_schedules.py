@@ -52,6 +52,27 @@ def _check_step(value: object, *, name: str, minimum: int = 0) -> int:
   return int(value)
 
 
+def _check_power(power: object) -> float:
+  if isinstance(power, bool) or not isinstance(power, numbers.Real) or not 0 < power < float("inf"):
+    raise ValueError(f"power must be a finite number > 0, got power={power!r}.")
+  return float(power)
+
+
+def _check_fraction(value: object, *, name: str) -> None:
+  """Checks a sparsity given as a number (a traced one passes): in ``[0, 1]``, not NaN."""
+  if isinstance(value, bool) or (isinstance(value, numbers.Real) and not 0.0 <= value <= 1.0):
+    raise ValueError(f"{name} must be in [0, 1], got {name}={value!r}.")
+
+
+def check_steps(begin_step: object, end_step: object) -> tuple[int, int]:
+  """``begin_step`` and ``end_step`` as ints ``>= 0`` with ``end_step >= begin_step``."""
+  begin_step = _check_step(begin_step, name="begin_step")
+  end_step = _check_step(end_step, name="end_step")
+  if end_step < begin_step:
+    raise ValueError(f"end_step must be >= begin_step, got begin_step={begin_step}, end_step={end_step}.")
+  return begin_step, end_step
+
+
 def one_shot(*, step: int = 0) -> Schedule:
   """Prune once, at ``step``, straight to the target sparsity.
 
@@ -101,12 +122,21 @@ def polynomial_sparsity(
     power: the exponent of the ramp; 3 (the paper's) prunes fast early and slowly near the end.
 
   Returns:
-    A float32 scalar array, the sparsity at ``step``: 0 before ``begin_step`` and exactly ``final_sparsity``
-    from ``end_step`` on.
+    A float32 scalar array, the sparsity at ``step``: 0 before ``begin_step``, exactly ``initial_sparsity`` at
+    ``begin_step`` (unless it is ``end_step``) and exactly ``final_sparsity`` from ``end_step`` on.
+
+  Raises:
+    ValueError: naming the argument, for steps that are not ints ``>= 0``, ``end_step < begin_step``, a power
+      that is not a finite number ``> 0``, or a sparsity given as a number outside ``[0, 1]``.
   """
+  begin_step, end_step = check_steps(begin_step, end_step)
+  power = _check_power(power)
+  _check_fraction(final_sparsity, name="final_sparsity")
+  _check_fraction(initial_sparsity, name="initial_sparsity")
   t = jnp.asarray(step, jnp.float32)
   frac = jnp.clip((t - begin_step) / max(end_step - begin_step, 1), 0.0, 1.0)
   s = jnp.float32(final_sparsity) + jnp.float32(initial_sparsity - final_sparsity) * (1.0 - frac) ** power
+  s = jnp.where(frac <= 0.0, jnp.float32(initial_sparsity), s)  # s_f + (s_i - s_f) is s_i only up to rounding
   s = jnp.where((frac >= 1.0) | (t >= end_step), jnp.float32(final_sparsity), s)  # end_step wins a tie with begin
   return jnp.where(t < begin_step, jnp.float32(0.0), s)
 
@@ -137,7 +167,7 @@ def gradual(
       to ``begin_step``: the target is reached at that one update step.
     update_every: steps between mask updates, ``>= 1``.
     initial_sparsity: ``s_i`` in ``[0, 1)``, capped at each structure's target.
-    power: the exponent of the ramp, ``> 0``.
+    power: the exponent of the ramp, a finite number ``> 0``.
 
   Returns:
     A :class:`Schedule` for :func:`magnitude_pruner` (or any :class:`Pruner` whose masks follow a sparsity).
@@ -146,14 +176,10 @@ def gradual(
     Zhu & Gupta, "To prune, or not to prune: exploring the efficacy of pruning for model
     compression", 2017, https://arxiv.org/abs/1710.01878.
   """
-  begin_step = _check_step(begin_step, name="begin_step")
-  end_step = _check_step(end_step, name="end_step")
+  begin_step, end_step = check_steps(begin_step, end_step)
   update_every = _check_step(update_every, name="update_every", minimum=1)
-  if end_step < begin_step:
-    raise ValueError(f"end_step must be >= begin_step, got begin_step={begin_step}, end_step={end_step}.")
   initial_sparsity = _utils.check_sparsity(initial_sparsity, name="initial_sparsity")
-  if not power > 0:
-    raise ValueError(f"power must be > 0, got power={power!r}.")
+  power = _check_power(power)
 
   def sparsity(t, final):
     return polynomial_sparsity(

@@ -1,8 +1,9 @@
 """Scores and masks: magnitude, block magnitude and N:M, with layer-wise or global thresholds.
 
-Every mask keeps an exact count and breaks ties by the lower flat index, like
-:func:`jaxsparse.magnitude_mask`. The counts may be traced values (the pruning schedule changes them
-inside ``jit``), so selection ranks the scores instead of slicing a sorted list.
+Every mask keeps an exact count and breaks ties by the lower flat index, and a NaN score (a NaN weight, or a
+block holding one) counts as the largest, so a diverged weight is kept and stays visible, like
+:func:`jaxsparse.magnitude_mask` and :func:`jaxsparse.nm_mask`. The counts may be traced values (the pruning
+schedule changes them inside ``jit``), so selection ranks the scores instead of slicing a sorted list.
 
 A mask tree has the structure of the parameter tree; a leaf is a bool array of the parameter's
 shape for a pruned parameter and ``None`` for one that is never pruned: only parameters with two or
@@ -98,18 +99,31 @@ def _block_reduce(x2: jax.Array, block_shape: tuple[int, int]) -> jax.Array:
   return jnp.sum(x2.reshape(k // bk, bk, n // bn, bn), axis=(1, 3))
 
 
-def rank_mask(scores: jax.Array, k: jax.typing.ArrayLike) -> jax.Array:
-  """Bool mask of the ``k`` largest entries of ``scores`` (``k`` may be traced; ties: lower index first)."""
-  flat = scores.reshape(-1)
-  order = jnp.argsort(-flat, stable=True)
+def _nan_largest(scores: jax.Array) -> jax.Array:
+  """``scores`` with NaN replaced by ``+inf`` (a sort would put NaN last, i.e. prune it first)."""
+  return jnp.where(jnp.isnan(scores), jnp.inf, scores)
+
+
+def rank_mask(scores: jax.Array, k: jax.typing.ArrayLike, *, among: jax.Array | None = None) -> jax.Array:
+  """Bool mask of the ``k`` largest entries of ``scores`` (``k`` may be traced; ties: lower index first; NaN largest).
+
+  With ``among`` (a bool array of ``scores.shape``), only those entries compete and no other is kept, whatever
+  their scores (``+-inf`` included): ``min(k, among.sum())`` entries are kept.
+  """
+  flat = _nan_largest(scores.reshape(-1))
+  if among is None:
+    order = jnp.argsort(-flat, stable=True)
+  else:
+    order = jnp.lexsort((-flat, ~among.reshape(-1)))  # eligible entries first, each part by descending score
   ranks = jnp.zeros(flat.shape, jnp.int32).at[order].set(jnp.arange(flat.size, dtype=jnp.int32))
-  return (ranks < k).reshape(scores.shape)
+  keep = (ranks < k).reshape(scores.shape)
+  return keep if among is None else keep & among
 
 
 def group_rank_mask(scores2: jax.Array, n: jax.typing.ArrayLike, m: int) -> jax.Array:
-  """Keeps the ``n`` largest of every ``m`` consecutive rows of each column of ``scores2`` (``(K, N)``)."""
+  """Keeps the ``n`` largest of every ``m`` consecutive rows of each column of ``scores2`` (``(K, N)``; NaN largest)."""
   k, cols = scores2.shape
-  g = scores2.reshape(k // m, m, cols)
+  g = _nan_largest(scores2.reshape(k // m, m, cols))
   ranks = jnp.argsort(jnp.argsort(-g, axis=1, stable=True), axis=1)
   return (ranks < n).reshape(k, cols)
 

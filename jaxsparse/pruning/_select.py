@@ -52,8 +52,13 @@ def keep_largest(scores: jax.Array, kept: jax.typing.ArrayLike, *, axis: int | N
 
 
 def keep_largest_in_groups(scores: jax.Array, n: int, *, axis: int) -> jax.Array:
-  """Keeps the ``n`` largest of every group along ``axis`` (a small axis: one pass per member; ties: lower index)."""
+  """Keeps the ``n`` largest of every group along ``axis`` (a small axis: one pass per member; ties: lower index).
+
+  NaN counts as the largest, as in :func:`keep_largest` (a NaN compares false both ways, so it would otherwise not
+  count against the others and a group would keep ``n + 1``).
+  """
   axis = axis % scores.ndim
+  scores = jnp.where(jnp.isnan(scores), jnp.inf, scores)
   m = scores.shape[axis]
   rank = jnp.zeros(scores.shape, jnp.int32)
   pos = jnp.arange(m).reshape([m if i == axis else 1 for i in range(scores.ndim)])
