@@ -389,3 +389,27 @@ def test_flax_variable_file_whose_key_is_a_tensor_and_a_parent(tmp_path, capsys)
   with pytest.raises(CheckpointError, match=r"ckpt: key 'params/fc' holds a tensor but is also the parent of "
                      r"'params/fc/kernel'"):
     _nested({"params/fc/kernel": np.ones((2, 2)), "params/fc": np.ones(2)}, origin="ckpt")
+
+
+def test_bool_mask_bytes_other_than_one_mean_kept(tmp_path):
+  """A safetensors ``BOOL`` mask may hold any nonzero byte for True (a ``U8`` tensor relabelled in the header); such
+  bytes flowed into MaskedLinear's mask, which then scaled the kept weights by 2 without a word."""
+  rng = np.random.default_rng(0)
+  w = rng.standard_normal((16, 32)).astype(np.float32)
+  kept = rng.random((16, 32)) < 0.4
+  stored = kept.astype(np.uint8) * 2
+  path = tmp_path / "mask_bytes.safetensors"
+  header = {"fc.weight": {**F32, "shape": [16, 32], "data_offsets": [0, w.nbytes]},
+            "fc.weight_mask": {"dtype": "BOOL", "shape": [16, 32], "data_offsets": [w.nbytes, w.nbytes + kept.size]}}
+  path.write_bytes(_safetensors(header, w.tobytes() + stored.tobytes()))
+  mask = torch_interop.decode_checkpoint(str(path))["fc.weight"].mask
+  np.testing.assert_array_equal(mask.view(np.uint8), kept.astype(np.uint8))
+  from flax import nnx  # noqa: PLC0415
+
+  model = nnx.Sequential(nnx.Linear(32, 16, use_bias=False, rngs=nnx.Rngs(0)))
+  torch_interop.load_nnx(model, str(path), name_map={"fc": "layers.0"})
+  assert type(model.layers[0]).__name__ == "MaskedLinear"
+  x = rng.standard_normal((3, 32)).astype(np.float32)
+  np.testing.assert_allclose(np.asarray(model(x)), x @ np.where(kept, w, 0).T, atol=1e-5, rtol=1e-5)
+  linen_mask = np.asarray(torch_interop.to_linen_variables(str(path))["sparsity"]["fc"]["mask"])
+  np.testing.assert_array_equal(linen_mask.view(np.uint8), kept.T.astype(np.uint8))

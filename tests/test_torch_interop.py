@@ -10,6 +10,7 @@ import re
 import stat
 import subprocess
 import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -543,6 +544,60 @@ def test_load_nnx_conv_norm_embed():
     assert torch.allclose(fresh.conv(x), tnet.conv(x), atol=1e-6)
 
 
+def _nm_along_inputs(w, n, m):
+  return torch.from_numpy(torch_interop._patterns.nm_mask_torch(w.detach().numpy(), n, m))
+
+
+@pytest.mark.parametrize("existing", ["MaskedConv", "NMConv", "nnx.Conv(mask=)"])
+@pytest.mark.parametrize("torch_mask", ["unstructured", "1:4"])
+def test_pruned_torch_conv_replaces_the_mask_of_a_sparse_conv_that_is_there(existing, torch_mask):
+  """A pruned torch conv loaded into a conv that has its own mask computes what torch does: the torch mask replaces
+  the layer's (before, both masks applied, or an NMConv kept its 2:4 where torch kept 1:4)."""
+  torch.manual_seed(0)
+  conv = torch.nn.Conv2d(8, 16, 3, padding=1)
+  if torch_mask == "unstructured":
+    prune.l1_unstructured(conv, "weight", amount=0.6)
+  else:
+    prune.custom_from_mask(conv, "weight", _nm_along_inputs(conv.weight, 1, 4))
+  dense = nnx.Conv(8, 16, (3, 3), padding=1, rngs=nnx.Rngs(1))
+  own_mask = jax.random.bernoulli(jax.random.key(2), 0.5, dense.kernel.shape)
+  layer = {"MaskedConv": lambda: jaxsparse.layers.MaskedConv.from_dense(dense, sparsity=0.5),
+           "NMConv": lambda: jaxsparse.layers.NMConv.from_dense(dense, n=2, m=4),
+           "nnx.Conv(mask=)": lambda: nnx.Conv(8, 16, (3, 3), padding=1, mask=own_mask, rngs=nnx.Rngs(1))}[existing]()
+  model = nnx.Sequential(layer)
+  report = torch_interop.load_nnx(model, conv.state_dict(), name_map={"": "layers.0"})
+  assert report.layers[0].layer == ("MaskedConv" if torch_mask == "unstructured" else "NMConv")
+  x = np.random.default_rng(0).standard_normal((2, 8, 8, 8)).astype(np.float32)  # NHWC
+  with torch.no_grad():
+    expected = conv(torch.from_numpy(x).permute(0, 3, 1, 2)).permute(0, 2, 3, 1).numpy()
+  np.testing.assert_allclose(np.asarray(model(jnp.asarray(x))), expected, atol=1e-5, rtol=1e-5)
+  masks = torch_interop.export_masks(model, torch_names=report.torch_names, dtype=torch.float32)
+  assert torch.equal(masks["weight_mask"], conv.weight_mask)
+
+
+def test_nm_conv_of_the_same_n_m_keeps_its_settings():
+  conv = torch.nn.Conv2d(8, 16, 3)
+  prune.custom_from_mask(conv, "weight", _nm_along_inputs(conv.weight, 2, 4))
+  layer = jaxsparse.layers.NMConv(8, 16, (3, 3), n=2, m=4, sr_ste_decay=0.5, rngs=nnx.Rngs(0))
+  model = nnx.Sequential(layer)
+  torch_interop.load_nnx(model, conv.state_dict(), name_map={"": "layers.0"})
+  assert model.layers[0] is layer and layer.sr_ste_decay == 0.5
+  np.testing.assert_array_equal(np.asarray(layer.nm_mask), np.transpose(conv.weight_mask.numpy(), (2, 3, 1, 0)) == 1)
+
+
+@pytest.mark.parametrize("pruned", [False, True])
+def test_conv_bias_of_the_wrong_shape_is_refused(pruned):
+  """A torch conv bias of shape (1,) was broadcast into the (16,) bias of the MaskedConv a pruned conv becomes."""
+  sd = {"weight": torch.randn(16, 8, 3, 3), "bias": torch.ones(1)}
+  if pruned:
+    sd["weight_mask"] = (torch.rand(16, 8, 3, 3) < 0.5).float()
+  model = nnx.Sequential(nnx.Conv(8, 16, (3, 3), rngs=nnx.Rngs(0)))
+  msg = r"torch 'bias' has shape \(1,\), but the Flax model's 'layers\.0\.bias' needs a torch shape of \(16,\)"
+  with pytest.raises(CheckpointError, match=msg):
+    torch_interop.load_nnx(model, sd, name_map={"": "layers.0"})
+  assert type(model.layers[0]) is nnx.Conv
+
+
 def test_load_nnx_errors_leave_model_untouched():
   net = _mlp()
   model = _flax_mlp()
@@ -607,6 +662,23 @@ def test_non_float_weights_are_refused_not_cast(dtype):
     torch_interop.load_nnx(nnx.LayerNorm(8, rngs=nnx.Rngs(0)), {"weight": bad(8), "bias": torch.zeros(8)})
   with pytest.raises(CheckpointError, match=pattern.format(key="weight", into="the Flax 'embedding'")):
     torch_interop.load_nnx(nnx.Embed(4, 8, rngs=nnx.Rngs(0)), {"weight": bad(4, 8)})
+
+
+def test_meta_and_nested_tensors_are_refused_naming_the_key():
+  """A state dict of a model built on the 'meta' device (weights never loaded) raised torch's NotImplementedError,
+  a nested tensor an internal RuntimeError; neither named the key."""
+  with torch.device("meta"):
+    meta_net = torch.nn.Linear(8, 4)
+  model = nnx.Sequential(nnx.Linear(8, 4, rngs=nnx.Rngs(0)))
+  with pytest.raises(CheckpointError, match=r"Linear module: 'weight' is a meta tensor of shape \(4, 8\): it has no "
+                     "values"):
+    torch_interop.load_nnx(model, meta_net, name_map={"": "layers.0"})
+  sd = {"fc.weight_orig": torch.ones(4, 8), "fc.weight_mask": torch.empty(4, 8, device="meta")}
+  with pytest.raises(CheckpointError, match=r"'fc\.weight_mask' is a meta tensor"):
+    torch_interop.to_linen_variables(sd)
+  nested = torch.nested.nested_tensor([torch.ones(2, 3), torch.ones(3, 3)])
+  with pytest.raises(CheckpointError, match=r"'fc\.weight' is a nested tensor; expected a dense \(strided\) tensor"):
+    torch_interop.decode_checkpoint({"fc.weight": nested})
 
 
 def test_float_weights_and_bool_masks_still_load():
@@ -695,6 +767,24 @@ def test_export_state_dict_formats():
     torch_interop.export_state_dict(model, format="coo")
   with pytest.raises(CheckpointError, match=r"torch_names has no entry for the Flax module 'layers\.2'"):
     torch_interop.export_masks(model, torch_names={"layers.0": "0"})
+
+
+@pytest.mark.parametrize("shape", [(1, 4), (4, 1), (4, 8)])
+def test_exported_masks_do_not_share_the_model_memory(shape):
+  """A mask whose torch layout is the same bytes as the Flax one ((1, n) or (n, 1)) came back as a view of the JAX
+  array's read-only buffer: torch warned, and writing to the exported mask changed the model's mask."""
+  mask = np.asarray(jax.random.bernoulli(jax.random.key(0), 0.5, shape))
+  layer = MaskedLinear(*shape, mask=jnp.asarray(mask), rngs=nnx.Rngs(0))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # "The given NumPy array is not writable"
+    exported = {
+        "masks": torch_interop.export_masks(layer)["weight_mask"],
+        "ao": torch_interop.export_state_dict(layer, format="ao")["parametrizations.weight.0.mask"],
+    }
+  for name, t in exported.items():
+    assert t.dtype == torch.bool and torch.equal(t, torch.from_numpy(mask.T.copy())), name
+    t.logical_not_()
+    np.testing.assert_array_equal(np.asarray(layer.mask[...]), mask, err_msg=name)
 
 
 def test_apply_masks_errors_leave_module_untouched():

@@ -115,15 +115,27 @@ class TorchParam:
 
 
 def to_numpy(t: Any, *, key: str) -> np.ndarray:
-  """A dense CPU torch tensor as a NumPy array (bfloat16 through ``ml_dtypes``)."""
+  """A dense CPU torch tensor as a NumPy array (bfloat16 through ``ml_dtypes``).
+
+  A bool tensor comes back with every byte 0 or 1: a file may store any nonzero byte for True (a safetensors
+  ``BOOL`` header over ``uint8`` data), and such bytes leak through ``where`` as a multiplier of 2, 3, ...
+  """
   torch = import_torch()
-  if getattr(t, "layout", torch.strided) != torch.strided:
-    raise CheckpointError(f"{key!r} is a {t.layout} tensor; expected a dense (strided) tensor here.")
+  if getattr(t, "is_nested", False) or getattr(t, "layout", torch.strided) != torch.strided:
+    kind = "nested" if t.is_nested else t.layout
+    raise CheckpointError(f"{key!r} is a {kind} tensor; expected a dense (strided) tensor here.")
+  if getattr(t, "is_meta", False):
+    raise CheckpointError(
+        f"{key!r} is a meta tensor of shape {tuple(t.shape)}: it has no values (a model built on the 'meta' device "
+        "whose weights were never loaded?); expected a tensor with data."
+    )
   t = t.detach().cpu()
   if t.dtype == torch.bfloat16:
     import ml_dtypes  # noqa: PLC0415 -- only for bfloat16 checkpoints; installed with jax
 
     return t.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16).copy()
+  if t.dtype == torch.bool:
+    return t.contiguous().view(torch.uint8).numpy() != 0
   try:
     return t.contiguous().numpy().copy()
   except TypeError as e:

@@ -202,6 +202,12 @@ def _torch_module(torch_names: TorchNames, flax_path: str) -> str:
   return torch_names[flax_path]
 
 
+def _mask_tensor(mask: np.ndarray):
+  """A bool torch tensor with its own, writable memory: ``mask`` may be a view of a JAX array's (read-only) buffer,
+  which ``torch.from_numpy`` would share, so writing to the exported mask would change the model's."""
+  return import_torch().from_numpy(np.array(mask, dtype=bool, order="C", copy=True))
+
+
 def _fqn(mod: str, name: str) -> str:
   return f"{mod}.{name}" if mod else name
 
@@ -235,12 +241,12 @@ def export_masks(
   Returns:
     ``{name: torch.Tensor}``, ready for :func:`apply_masks`.
   """
-  torch = import_torch()
+  import_torch()
   out = {}
   for e in _entries(model, module):
     if e.mask is None:
       continue
-    t = torch.from_numpy(np.ascontiguousarray(e.mask))
+    t = _mask_tensor(e.mask)
     out[_fqn(_torch_module(torch_names, e.flax_path), e.name) + "_mask"] = t if dtype is None else t.to(dtype)
   return out
 
@@ -371,10 +377,10 @@ def export_state_dict(
     elif format == "prune":
       value = t(e.value)
       out[fqn + "_orig"] = value
-      out[fqn + "_mask"] = torch.from_numpy(np.ascontiguousarray(e.mask)).to(value.dtype)
+      out[fqn + "_mask"] = _mask_tensor(e.mask).to(value.dtype)
     elif format == "ao":
       out[_fqn(mod, f"parametrizations.{e.name}.original")] = t(e.value)
-      out[_fqn(mod, f"parametrizations.{e.name}.0.mask")] = torch.from_numpy(np.ascontiguousarray(e.mask))
+      out[_fqn(mod, f"parametrizations.{e.name}.0.mask")] = _mask_tensor(e.mask)
     elif e.block_shape is not None:  # bsr
       b0, b1 = e.block_shape
       rows, cols = e.value.shape

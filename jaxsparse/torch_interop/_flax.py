@@ -29,6 +29,9 @@ from jaxsparse.formats import _masks
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
 from jaxsparse.formats._specs import check_plain_nm
 from jaxsparse.formats._specs import matrix_shape
+from jaxsparse.layers._common import bias_of
+from jaxsparse.layers._common import conv_options
+from jaxsparse.layers._common import with_weights
 from jaxsparse.torch_interop._decode import NMSpec
 from jaxsparse.torch_interop._decode import TorchParam
 from jaxsparse.torch_interop._decode import decode_checkpoint
@@ -317,34 +320,40 @@ def _conv_plan(module: nnx.Conv, path: tuple, group: dict, plan: _Plan, *, spars
   has_bias = module.bias is not None
   if has_bias != ("bias" in params):
     raise CheckpointError(f"bias mismatch between torch {group['torch']!r} and Flax {flax_path!r}.")
+  if has_bias:  # before any branch: assigning a (1,) bias into an (O,) one would broadcast it
+    _check_shape(params["bias"], (k.shape[-1],), flax_name=f"{flax_path}.bias", how="bias")
   bias = float_value(params["bias"], into=f"the Flax {_join(flax_path, 'bias')!r}") if has_bias else None
   pattern = w.pattern
-  if (
-      sparse
-      and pattern.kind == "nm"
-      and not isinstance(module, jsl.NMConv)
-      and np.array_equal(nm_mask_torch(w.masked_value, pattern.n, pattern.m), w.mask)
-  ):
-    new = jsl.NMConv.from_dense(module, n=pattern.n, m=pattern.m)
+  exact_nm = pattern.kind == "nm" and np.array_equal(nm_mask_torch(w.masked_value, pattern.n, pattern.m), w.mask)
+  # An NMConv that would recompute exactly the torch mask from the kernel keeps its settings (SR-STE decay).
+  same_nm = (isinstance(module, jsl.NMConv) and exact_nm and (module.n, module.m) == (pattern.n, pattern.m)
+             and not module.transposable and module.mask is None)
+  if sparse and pattern.kind != "dense" and not same_nm:
+    # The torch mask replaces whatever mask the Conv that is there has (MaskedConv, NMConv, nnx.Conv(mask=)):
+    # keeping it would apply both masks, and the layer would no longer compute what the torch one does.
+    base = _unmasked_conv(module)
+    if exact_nm:  # NMConv recomputes its mask from the kernel on every call: that gives back exactly this mask
+      new = jsl.NMConv.from_dense(base, n=pattern.n, m=pattern.m)
+    else:
+      new = jsl.MaskedConv.from_dense(base, mask=jnp.asarray(flax_layout(w.mask)))
     new.kernel[...] = kernel
     if has_bias:
       new.bias[...] = jnp.asarray(bias, k.dtype)
     plan.replace.append((path, new))
     return type(new).__name__, w
-  plain_conv = type(module) is nnx.Conv and module.mask is None
-  if sparse and pattern.kind != "dense" and plain_conv:
-    new = jsl.MaskedConv.from_dense(module, mask=jnp.asarray(flax_layout(w.mask)))
-    new.kernel[...] = kernel
-    if has_bias:
-      new.bias[...] = jnp.asarray(bias, k.dtype)
-    plan.replace.append((path, new))
-    return type(new).__name__, w
-  # Otherwise the kernel is stored masked (zeros where pruned) in the Conv that is there.
+  # Dense torch weights (or sparse=False, or the NMConv's own n:m): the kernel, masked, fills the Conv that is there.
   plan.assign.append((module.kernel, kernel))
   if has_bias:
-    _check_shape(params["bias"], (k.shape[-1],), flax_name=f"{flax_path}.bias", how="bias")
     plan.assign.append((module.bias, jnp.asarray(bias, module.bias[...].dtype)))
   return type(module).__name__, w
+
+
+def _unmasked_conv(module: nnx.Conv) -> nnx.Conv:
+  """``module`` itself if it is a plain ``nnx.Conv`` without a weight mask, else an ``nnx.Conv`` with its options."""
+  if type(module) is nnx.Conv and module.mask is None:
+    return module
+  return with_weights(nnx.Conv, module.kernel[...], bias_of(module), module.in_features, module.out_features,
+                      module.kernel_size, **{**conv_options(module), "mask": None})
 
 
 def _generic_plan(module: nnx.Module, group: dict, plan: _Plan, *, flax_path: str):
@@ -423,14 +432,16 @@ def load_nnx(
 
   Every ``nnx.Linear`` (or jaxsparse linear layer) whose torch weight carries a mask is replaced, in
   place, by the layer its pattern calls for: a block pattern by :class:`~jaxsparse.layers.BlockSparseLinear`
-  with the detected block shape, an N:M pattern by ``NMLinear`` (N:M convolutions by ``NMConv``), any
-  other mask by :class:`~jaxsparse.layers.MaskedLinear`. An ``nnx.LinearGeneral`` over trailing axes (the
-  projections of ``nnx.MultiHeadAttention``) takes a torch ``Linear`` whose weight is its kernel's 2-D view
-  ``(prod(in axes), prod(out axes))`` transposed, and becomes a :class:`~jaxsparse.layers.SparseLinearGeneral`
-  when that weight is sparse. An ``nnx.Embed`` whose torch ``Embedding`` keeps ``n`` of every ``m`` features of
-  each row becomes a :class:`~jaxsparse.layers.CompressedNMEmbed` with that mask (other masks fill the table, zeros
-  where pruned). Dense torch weights fill the layer that is there (a sparse layer keeps its own
-  pattern). Nothing changes unless every check passes.
+  with the detected block shape, an N:M pattern by ``NMLinear``, any other mask by
+  :class:`~jaxsparse.layers.MaskedLinear`; likewise every ``nnx.Conv``, by ``NMConv`` or ``MaskedConv`` (the torch
+  mask replaces a ``MaskedConv``'s or ``NMConv``'s own; an ``NMConv`` of the same ``n:m`` is kept, with its
+  settings). An ``nnx.LinearGeneral`` over trailing axes (the projections of ``nnx.MultiHeadAttention``) takes a
+  torch ``Linear`` whose weight is its kernel's 2-D view ``(prod(in axes), prod(out axes))`` transposed, and
+  becomes a :class:`~jaxsparse.layers.SparseLinearGeneral` when that weight is sparse. An ``nnx.Embed`` whose
+  torch ``Embedding`` keeps ``n`` of every ``m`` features of each row becomes a
+  :class:`~jaxsparse.layers.CompressedNMEmbed` with that mask (other masks fill the table, zeros where pruned).
+  Dense torch weights fill the layer that is there (a sparse layer keeps its own pattern). Nothing changes unless
+  every check passes.
 
   >>> import torch, torch.nn.utils.prune as prune
   >>> from flax import nnx
