@@ -115,7 +115,13 @@ def kept_count(fraction: float, total: int) -> int:
 
 
 def check_mask(mask: jax.typing.ArrayLike, shape: tuple[int, ...], *, name: str = "mask") -> jax.Array:
-  """Returns ``mask`` as a bool array after checking its shape and dtype."""
+  """Returns ``mask`` as a bool array after checking its shape and dtype.
+
+  A NumPy bool array may hold bytes other than 0 / 1 (a view of ``uint8`` data, a file's bytes): every nonzero byte
+  becomes True (XLA's ``select`` reads such a byte as False, its conversions as 1).
+  """
+  if isinstance(mask, np.ndarray) and mask.dtype == np.bool_:
+    mask = mask.view(np.uint8) != 0
   mask = jnp.asarray(mask)
   if mask.dtype != jnp.bool_:
     raise TypeError(

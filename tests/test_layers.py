@@ -489,3 +489,16 @@ def test_public_modules():
   assert jaxsparse.layers.linen.BlockSparseDense is BlockSparseDense
   assert issubclass(BlockSparseDense, nn.Module) and issubclass(MaskedDense, nn.Module)
   assert {"BlockSparseLinear", "MaskedLinear", "SparsityPattern", "linen"} <= set(jaxsparse.layers.__all__)
+
+
+def test_numpy_bool_mask_with_bytes_other_than_one():
+  # A NumPy bool array viewing uint8 data holds bytes 2, 3, ...: XLA's select read them as False, its sums as 1.
+  raw = (np.arange(K * N).reshape(K, N) % 3).astype(np.uint8)
+  want = raw != 0
+  layer = MaskedLinear(K, N, mask=raw.view(bool), rngs=nnx.Rngs(0))
+  np.testing.assert_array_equal(np.asarray(layer.mask[...]).view(np.uint8), want.view(np.uint8))
+  assert int(jnp.sum(layer.mask[...])) == want.sum() and layer.density == pytest.approx(want.mean())
+  np.testing.assert_array_equal(np.asarray(layer.kernel[...]) != 0, want)  # the kept weights were zeroed at init
+  x = jax.random.normal(jax.random.key(1), (3, K))
+  ref = x @ jnp.where(want, layer.kernel[...], 0) + layer.bias[...]
+  np.testing.assert_allclose(np.asarray(layer(x)), np.asarray(ref), rtol=1e-5, atol=1e-5)
