@@ -202,3 +202,58 @@ def test_fallback_warnings_point_at_the_callers_line(monkeypatch, wrap):
     g(jnp.ones((2, 32)))
   assert all(isinstance(r.message, _cpu_build.CpuKernelFallbackWarning) for r in record)
   assert {r.filename for r in record} == {__file__}, [(r.filename, r.lineno) for r in record]
+
+
+def test_vmap_over_an_empty_batch():
+  # vmap of a zero-size batch hands the products the whole (empty) batch at once: the products got M = 0 rows,
+  # which no kernel tiles (ZeroDivisionError choosing the GPU tiles, even on CPU where every platform is lowered).
+  x, ws = _make(10, 64, 32, (16, 16), _random_mask(0.6), lead=(0, 3))
+  f = jax.vmap(lambda xi, d: block_sparse_matmul(xi, ws.with_data(d)), in_axes=(0, None))
+  y = f(x, ws.data)
+  assert y.shape == (0, 3, 32) and y.dtype == jnp.float32
+  gx, gd = jax.grad(lambda a, d: jnp.sum(f(a, d) ** 2), argnums=(0, 1))(x, ws.data)
+  assert gx.shape == x.shape and gd.shape == ws.data.shape and not np.asarray(gd).any()
+  gg = jax.grad(lambda a: jnp.sum(jax.grad(lambda b: jnp.sum(f(b, ws.data) ** 3))(a)))(x)
+  assert gg.shape == x.shape
+  # A non-empty batch through the same function still matches the dense product.
+  x3, _ = _make(10, 64, 32, (16, 16), _random_mask(0.6), lead=(2, 3))
+  assert_close(f(x3, ws.data), x3 @ ws.to_dense(), jnp.float32)
+
+
+@pytest.mark.parametrize("block_shape", [(32, 32), (4, 8)])  # the C++ kernels' blocks, and the XLA loop's
+@pytest.mark.parametrize("implementation", [None, "xla"])
+def test_float64_result_of_float32_operands_accumulates_in_float64(block_shape, implementation):
+  # preferred_element_type=float64 asks for x @ W accumulated in float64 (as jnp.matmul does); the kernels and the
+  # loop accumulated in float32 and cast the sum, a 1e-4 error against float64 where the reference is exact to 1e-12.
+  rng = np.random.default_rng(0)
+  k = 2048
+  w = rng.standard_normal((k, 64)).astype(np.float32)
+  x = rng.standard_normal((4, k)).astype(np.float32)
+  mask = rng.random((k // block_shape[0], 64 // block_shape[1])) < 0.7
+  with jax.enable_x64(True):
+    ws = jaxsparse.BlockSparseMatrix.from_dense(jnp.asarray(w), block_shape, block_mask=mask)
+    exact = x.astype(np.float64) @ np.asarray(ws.to_dense(), np.float64)
+    y = block_sparse_matmul(jnp.asarray(x), ws, preferred_element_type=jnp.float64, implementation=implementation)
+    assert y.dtype == jnp.float64
+    # float64 products of float32 values summed over K = 2048: rounding ~1e-13 (float32 accumulation: ~1e-4).
+    np.testing.assert_allclose(np.asarray(y), exact, rtol=0, atol=1e-9)
+    g = jax.grad(lambda d: jnp.sum(block_sparse_matmul(jnp.asarray(x), ws.with_data(d),
+                                                       preferred_element_type=jnp.float64) ** 2))(ws.data)
+    g_ref = jax.grad(lambda d: jnp.sum(block_sparse_matmul_reference(
+        jnp.asarray(x), ws.with_data(d), preferred_element_type=jnp.float64) ** 2))(ws.data)
+    assert g.dtype == jnp.float32
+    assert_close(g, g_ref, jnp.float32)
+
+
+def test_float64_result_takes_the_dense_route_on_gpus():
+  # The Pallas kernels accumulate in float32 too: a float64 result of float32 operands runs on the dense route.
+  from jaxsparse.ops import _block_sparse_matmul as bsm_module  # noqa: PLC0415 -- internals of the GPU routing
+
+  kernels = bsm_module._pallas_ops()
+  if kernels is None:
+    pytest.skip("jaxsparse.pallas cannot be imported here")
+  x, ws = _make(11, 256, 256, (128, 128), _random_mask(0.5), lead=(8,))
+  x2 = x.reshape(-1, 256)
+  for out_dtype, dense_only in ((jnp.float32, False), (jnp.bfloat16, False), (np.dtype("float64"), True)):
+    names = [n for n, _ in bsm_module._gpu_routes(kernels, "fwd", x2, ws, precision=None, out_dtype=out_dtype)]
+    assert (names == ["dense"]) == dense_only, (out_dtype, names)

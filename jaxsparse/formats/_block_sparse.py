@@ -49,7 +49,18 @@ def block_pattern_indices(block_mask: Any, *, nnz_blocks: int | None = None) -> 
         column, then block row): the layout of the transposed product ``dY @ Wᵀ``.
   """
   mask = check_pattern_mask(block_mask, name="block_mask", layout="(K // bk, N // bn)")
+  nnz_blocks = None if nnz_blocks is None else _check_block_count(nnz_blocks, mask.shape)
   return mask_pattern_indices(mask, nnz_blocks, name="block_mask")
+
+
+def _check_block_count(nnz_blocks: Any, grid: tuple[int, int]) -> int:
+  """``nnz_blocks`` as an int in ``[0, blocks of grid]``: a static count, checked here, since under ``jit`` a wrong
+  one would otherwise fail in ``jnp`` without its name, or give all-NaN values."""
+  n, total = _utils._integral(nnz_blocks), grid[0] * grid[1]
+  if n is None or not 0 <= n <= total:
+    raise ValueError(f"nnz_blocks must be an int in [0, {total}] (the blocks of the {grid[0]} x {grid[1]} block "
+                     f"grid), got nnz_blocks={nnz_blocks!r}.")
+  return n
 
 
 INDEX_FIELDS = ("row_indices", "col_indices", "row_offsets", "col_offsets", "transpose_order")
@@ -109,6 +120,8 @@ class BlockSparseMatrix(IndexedSparseMatrix):
     nnz = data.shape[0]
     if is_concrete(mask) and int(mask.sum()) != nnz:
       raise ValueError(f"data holds {nnz} blocks but block_mask keeps {int(mask.sum())}.")
+    if nnz > mask.size:  # a traced mask: its count is unknown, but it cannot keep more blocks than it has
+      raise ValueError(f"data holds {nnz} blocks but block_mask {tuple(mask.shape)} has only {mask.size}.")
     idx = block_pattern_indices(mask, nnz_blocks=nnz)
     kb, nb = mask.shape
     full = (kb * data.shape[1], nb * data.shape[2])
@@ -133,7 +146,7 @@ class BlockSparseMatrix(IndexedSparseMatrix):
       block_shape: ``(bk, bn)`` dividing ``(K, N)``.
       block_mask: optional bool ``(K // bk, N // bn)``; ``None`` keeps every block of ``w`` that has a
         nonzero entry (``w`` must then be concrete). A traced mask needs ``nnz_blocks``.
-      nnz_blocks: the number of blocks ``block_mask`` keeps, a static int; needed only when the mask
+      nnz_blocks: the number of blocks ``block_mask`` keeps, a static int in ``[0, blocks]``; needed only when the mask
         is traced (e.g. ``block_magnitude_mask(w, ...)`` of a traced ``w`` keeps
         ``round(density * blocks)``). A traced mask that keeps another count cannot raise under ``jit``: the
         values are then all NaN.
@@ -158,6 +171,7 @@ class BlockSparseMatrix(IndexedSparseMatrix):
           f"block_mask must have shape (K // bk, N // bn) = {(kb, nb)} for w {w.shape} and "
           f"block_shape {(bk, bn)}, got {mask.shape}."
       )
+    nnz_blocks = None if nnz_blocks is None else _check_block_count(nnz_blocks, (kb, nb))
     idx = block_pattern_indices(mask, nnz_blocks=nnz_blocks)
     blocks = w.reshape(kb, bk, nb, bn).transpose(0, 2, 1, 3)
     data = poison_miscounted(blocks[idx["row_indices"], idx["col_indices"]], mask, nnz_blocks)
@@ -190,9 +204,9 @@ class BlockSparseMatrix(IndexedSparseMatrix):
 
   @property
   def density(self) -> float:
-    """Fraction of blocks kept."""
+    """Fraction of blocks kept; ``0.0`` for a matrix with no block (``K`` or ``N`` zero)."""
     kb, nb = self.grid_shape
-    return self.nnz_blocks / (kb * nb)
+    return self.nnz_blocks / (kb * nb) if kb * nb else 0.0
 
   @property
   def block_mask(self) -> jax.Array:

@@ -103,6 +103,12 @@ def _acc_dtype(dtype) -> jnp.dtype:
   return jnp.promote_types(dtype, jnp.float32)
 
 
+def _wider_than_f32(out_dtype) -> bool:
+  """Whether a result of ``out_dtype`` (a float64 one of float32 operands) needs more than the float32 accumulation
+  of the kernels: only the XLA block loop and the dense route accumulate in it."""
+  return _acc_dtype(out_dtype) != jnp.dtype(jnp.float32)
+
+
 def _slabs(a2: jax.Array, block: int) -> jax.Array:
   """``(M, D)`` -> ``(D // block, block, M)``."""
   m, d = a2.shape
@@ -123,6 +129,8 @@ def _loop_forward(x2: jax.Array, w: BlockSparseMatrix, *, precision=None, out_dt
   """``x2 (M, K) @ W -> (M, N)`` walking the kept blocks; reference for the Pallas forward kernel."""
   (bk, bn), (_, nb) = w.block_shape, w.grid_shape
   acc = _acc_dtype(jnp.result_type(x2.dtype, w.dtype))
+  if out_dtype is not None and jnp.issubdtype(out_dtype, jnp.floating):
+    acc = jnp.promote_types(acc, out_dtype)  # a float64 result of float32 operands accumulates in float64
   xT = _slabs(x2, bk)
   data, rows, cols, order = w.data, w.row_indices, w.col_indices, w.transpose_order
 
@@ -231,10 +239,11 @@ def _gpu_routes(kernels, direction: str, x2, w: BlockSparseMatrix, *, precision,
 
   ``sub`` is the block shape the kernels run ``w`` as (``split_blocks``), or ``None`` for ``w`` as it is: blocks the
   kernels take run as they are; multiples of those run as their sub-blocks (the default), or, up to
-  ``WIDE_BLOCK_DIMS``, as they are on the Triton kernels (names ``"native:..."``); other blocks on the dense route.
+  ``WIDE_BLOCK_DIMS``, as they are on the Triton kernels (names ``"native:..."``); other blocks, and results wider
+  than the kernels' float32 accumulation (``preferred_element_type=float64``), on the dense route.
   """
   sub = _kernel_block_shape(kernels, w.block_shape)
-  if sub is None or w.nnz_blocks == 0:
+  if sub is None or w.nnz_blocks == 0 or _wider_than_f32(out_dtype):
     return [("dense", (None, None))]
   same = sub == w.block_shape
   routes = [
@@ -354,6 +363,8 @@ class _CpuKernel:
       return _router.Unsupported(f"block dims must be multiples of 8, got {w.block_shape}")
     if any(jnp.dtype(a.dtype) not in _CPU_KERNEL_DTYPES for a in (*p.args[:-1], w.data)):
       return _router.Unsupported(f"dtypes must be among {[str(d) for d in _CPU_KERNEL_DTYPES]}")
+    if _wider_than_f32(self.out_dtype):
+      return _router.Unsupported(f"they accumulate in float32, not in the requested {jnp.dtype(self.out_dtype)}")
     if not _cpu_build.load():
       return _router.Unsupported(f"unavailable: {_cpu_build.unavailable_reason().splitlines()[0]}", warn=True)
     return None
@@ -436,6 +447,8 @@ def _backends(cfg: _Config, out_dtype) -> list[_router.Backend]:
 
 def _forward(cfg: _Config, x, w):
   def fwd(x2, b):
+    if x2.shape[0] == 0:  # no rows (vmap over an empty batch gets here): nothing to multiply, no kernel tiles them
+      return (jnp.zeros((0, b.shape[1]), cfg.out_dtype),)
     # The kernels write the output dtype themselves: a float32 result of 16-bit inputs is never rounded.
     product = _product("fwd", (x2, b), cfg.out_dtype, cfg.precision)
     return _router.route([product], _backends(cfg, cfg.out_dtype))
@@ -446,6 +459,8 @@ def _forward(cfg: _Config, x, w):
 
 def _backward(cfg: _Config, x, dy, w):
   def bwd(x2, dy2, b):
+    if x2.shape[0] == 0:  # no rows: no gradient flows
+      return jnp.zeros(x2.shape, x2.dtype), jnp.zeros(b.data.shape, b.dtype)
     products = [_product(d, (x2, dy2, b), dy2.dtype, cfg.precision) for d in ("dx", "dw")]
     return _router.route(products, _backends(cfg, x2.dtype))
 
@@ -503,7 +518,8 @@ def block_sparse_matmul(
       latter: the GPU route), and a forced backend that cannot run raises.
     precision: passed to the underlying ``dot_general`` calls.
     preferred_element_type: output dtype; defaults to ``result_type(x, w.data)``. Products
-      accumulate in at least float32.
+      accumulate in at least float32, and in ``preferred_element_type`` where it is wider (``float64``), as
+      ``x @ w.to_dense()`` does.
 
   Returns:
     ``(..., N)`` array.
