@@ -64,3 +64,12 @@ def test_from_block_mask_traced_with_more_blocks_than_the_grid():
   data = jnp.ones((9, 16, 16))
   with pytest.raises(ValueError, match=r"data holds 9 blocks but block_mask \(4, 2\) has only 8"):
     jax.jit(lambda m: jaxsparse.BlockSparseMatrix.from_block_mask(m, data).data)(jnp.ones((4, 2), bool))
+
+
+def test_stacked_matrix_without_vmap_says_to_map_over_it():
+  ws = [jaxsparse.BlockSparseMatrix.from_dense(jnp.ones((32, 16)).at[:16].set(0), (16, 16)) for _ in range(2)]
+  stacked = jax.tree.map(lambda *a: jnp.stack(a), *ws)
+  with pytest.raises(ValueError, match=r"got \(2, 1, 16, 16\) \(one axis more .*jax.vmap the op over the stacked"):
+    block_sparse_matmul(jnp.ones((2, 32)), stacked)
+  got = jax.vmap(lambda w: block_sparse_matmul(jnp.ones((2, 32)), w))(stacked)
+  np.testing.assert_array_equal(np.asarray(got), np.full((2, 2, 16), 16.0))

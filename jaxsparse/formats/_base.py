@@ -140,8 +140,10 @@ class IndexedSparseMatrix:
       raise ValueError(f"{name}.data must be an array with a leading nnz axis, got {type(data).__name__}.")
     nnz = int(data.shape[0])
     if tuple(data.shape) != self._data_shape(nnz):
+      stacked = (data.ndim == len(self._data_shape(nnz)) + 1
+                 and " (one axis more than a matrix holds: a stack of matrices? jax.vmap the op over the stacked axis)")
       raise ValueError(f"{name}.data must have shape {self._data_shape(nnz)} for shape={self.shape}, got "
-                       f"{tuple(data.shape)}.")
+                       f"{tuple(data.shape)}{stacked or ''}.")
     rows, cols = self.grid_shape
     lengths = {"row_offsets": rows + 1, "col_offsets": cols + 1}
     # The per-entry index arrays agree with each other but not with data: data is the one to blame.
