@@ -38,6 +38,7 @@ from jaxsparse.layers._common import check_implementation
 from jaxsparse.layers._common import check_input
 from jaxsparse.layers._common import check_kept
 from jaxsparse.layers._common import check_known_in_features
+from jaxsparse.layers._common import check_layer_inputs
 from jaxsparse.layers._common import check_linear
 from jaxsparse.layers._common import check_one_of
 from jaxsparse.layers._common import default_bias_init
@@ -205,6 +206,7 @@ class BlockSparseLinear(nnx.Module):
   def __call__(self, inputs: jax.Array) -> jax.Array:
     """Applies the layer to ``inputs`` of shape ``(..., in_features)`` (named as ``nnx.Linear``'s); returns
     ``(..., out_features)``."""
+    check_layer_inputs(self, inputs)
     return block_sparse_apply(
         inputs,
         self.kernel[...],
