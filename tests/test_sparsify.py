@@ -377,3 +377,46 @@ def test_report_table():
   text = str(report)
   assert "| conv1 | Conv(4->16, (3, 3)) | 2:4 | NMConv | 0.500 |" in text
   assert "2 of 2 layers sparse" in text
+
+
+class _Tied(nnx.Module):
+  def __init__(self, rngs):
+    self.a = NMLinear(32, 32, rngs=rngs)
+    self.b = self.a  # tied: one layer at two paths
+    self.c = NMLinear(32, 16, rngs=rngs, dot_general=jax.lax.dot_general)
+
+  def __call__(self, x):
+    return self.c(self.b(self.a(x)))
+
+
+def test_compress_turns_nm_layers_into_their_inference_form():
+  model = TransformerBlock(32, 4, rngs=nnx.Rngs(0))
+  x = _normal(2, (2, 8, 32))
+  sparse, _ = jaxsparse.sparsify(model, {r".*attn.*": jaxsparse.NM(2, 4), r".*mlp.*": jaxsparse.NM(2, 4)})
+  small = jaxsparse.compress(sparse)
+  assert isinstance(sparse.attn.query.layer, NMLinear)  # the original is untouched
+  kinds = {type(n).__name__ for _, n in nnx.iter_modules(small)}
+  assert "NMLinear" not in kinds and "CompressedNMLinear" in kinds
+  assert isinstance(small.attn.query, jaxsparse.layers.SparseLinearGeneral)  # compressed inside the wrapper
+  assert small.mlp.layers[0].kernel.shape == (16, 128)  # the kept half of a (32, 128) kernel
+  assert_close(_apply(small, x), _apply(sparse, x), jnp.float32, factor=2)
+  # Tied layers stay tied; in place; a bare layer; a CNN's NMConv stays as it is.
+  tied = _Tied(nnx.Rngs(1))
+  y = tied(x)
+  assert jaxsparse.compress(tied, inplace=True) is tied and tied.a is tied.b
+  assert isinstance(tied.a, jaxsparse.layers.CompressedNMLinear)
+  assert_close(tied(x), y, jnp.float32, factor=2)
+  bare = NMLinear(32, 8, rngs=nnx.Rngs(2))
+  assert_close(jaxsparse.compress(bare)(x), bare(x), jnp.float32, factor=2)
+  cnn, _ = jaxsparse.sparsify(CNN(rngs=nnx.Rngs(3)), {r"conv1": jaxsparse.NM(2, 4)})
+  assert isinstance(jaxsparse.compress(cnn).conv1, NMConv)
+
+
+def test_compress_names_a_layer_it_cannot_compress_and_changes_nothing():
+  tied = _Tied(nnx.Rngs(1))
+  tied.c = NMLinear(32, 16, rngs=nnx.Rngs(4), dot_general=lambda *a, **k: jax.lax.dot_general(*a, **k))
+  with pytest.raises(ValueError, match=r"^c: to_compressed cannot keep this layer's custom dot_general"):
+    jaxsparse.compress(tied, inplace=True)
+  assert isinstance(tied.a, NMLinear) and isinstance(tied.c, NMLinear)
+  with pytest.raises(TypeError, match=r"model must be a flax\.nnx\.Module, got dict"):
+    jaxsparse.compress({})

@@ -61,7 +61,7 @@ from jaxsparse.layers import NMLinear
 from jaxsparse.layers import SparseLinearGeneral
 from jaxsparse.layers._common import custom_options
 
-__all__ = ["check_general_mask_view", "check_masks_used", "check_nm_mask", "densify", "sparsify"]
+__all__ = ["check_general_mask_view", "check_masks_used", "check_nm_mask", "compress", "densify", "sparsify"]
 
 
 _SPARSE_NNX = (BlockSparseLinear, MaskedLinear, NMLinear, NMConv, CompressedNMLinear, MaskedConv, SparseLinearGeneral,
@@ -542,4 +542,62 @@ def densify(model: nnx.Module, *, inplace: bool = False) -> nnx.Module:
   modules = {tuple(p): m for p, m in nnx.iter_modules(model)}
   for path in outermost:
     replace_module(model, path, modules[path].to_dense())
+  return model
+
+
+def compress(model: nnx.Module, *, storage: str = "values", cusparselt_copy: bool = True,
+             inplace: bool = False) -> nnx.Module:
+  """Replaces every ``NMLinear`` of an NNX model by its :class:`~jaxsparse.layers.CompressedNMLinear`.
+
+  The inference step of N:M training: :func:`sparsify` (or ``NMLinear`` built directly) gives layers that keep the
+  dense kernel and prune it with SR-STE in every call; their compressed form stores only the kept values and their
+  positions (2:4 in 16-bit: 0.5625x the dense bytes) and multiplies them on the N:M kernels (sparse tensor cores on
+  a GPU). The outputs stay the same (up to the products' rounding). Layers held at several paths (tied) stay tied;
+  an ``NMLinear`` inside a :class:`~jaxsparse.layers.SparseLinearGeneral` is compressed there. ``NMConv`` layers stay
+  as they are (there is no compressed convolution).
+
+  >>> import jax.numpy as jnp, jaxsparse
+  >>> from flax import nnx
+  >>> model = nnx.Sequential(nnx.Linear(64, 32, rngs=nnx.Rngs(0)), nnx.relu, nnx.Linear(32, 8, rngs=nnx.Rngs(1)))
+  >>> sparse, _ = jaxsparse.sparsify(model, jaxsparse.NM(2, 4))
+  >>> small = jaxsparse.compress(sparse)
+  >>> [type(layer).__name__ for layer in small.layers[::2]], small.layers[0].kernel.shape
+  (['CompressedNMLinear', 'CompressedNMLinear'], (32, 32))
+  >>> x = jnp.ones((4, 64))
+  >>> bool(jnp.allclose(small(x), sparse(x), atol=1e-5))
+  True
+
+  Args:
+    model: an ``nnx.Module``: an ``NMLinear`` itself or a model holding some.
+    storage: how each layer keeps its kernel, as :meth:`NMLinear.to_compressed`'s ``storage``: ``"values"``
+      (trainable values and positions), ``"cusparselt"`` or ``"auto"`` (one cuSPARSELt buffer where the GPU reads
+      it; inference only).
+    cusparselt_copy: with ``storage="values"``, also keep a cuSPARSELt copy of 2:4 bfloat16 kernels on a GPU
+      (faster products of many rows, about twice the kernel's memory), as :meth:`NMLinear.to_compressed`'s.
+    inplace: replace the layers of ``model`` itself instead of a copy (``nnx.clone``). A ``model`` that is itself an
+      ``NMLinear`` cannot be replaced in place: its compressed form is returned either way.
+
+  Returns:
+    The model with ``CompressedNMLinear`` layers (``model`` itself with ``inplace``, else a copy).
+
+  Raises:
+    TypeError: ``model`` is not an ``nnx.Module``.
+    ValueError: a layer that cannot be compressed (a custom ``dot_general``, a ``storage`` its kernel does not
+      fit), naming its path; nothing is replaced then.
+  """
+  if not isinstance(model, nnx.Module):
+    raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}.")
+  if not inplace:
+    model = nnx.clone(model)
+  if isinstance(model, NMLinear):
+    return model.to_compressed(storage=storage, cusparselt_copy=cusparselt_copy)
+  found = [(tuple(path), node) for path, node in nnx.iter_modules(model) if path and isinstance(node, NMLinear)]
+  compressed = []
+  for path, node in found:  # every layer first: an error leaves the model as it was
+    try:
+      compressed.append((path, node.to_compressed(storage=storage, cusparselt_copy=cusparselt_copy)))
+    except ValueError as e:
+      raise ValueError(f"{path_str(path)}: {e}") from e
+  for path, new in compressed:
+    replace_module(model, path, new)
   return model
