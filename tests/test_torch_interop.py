@@ -943,6 +943,9 @@ def test_linen_attention_from_torch_with_target(tmp_path):
   sparse, sparse_vars, report = jaxsparse.sparsify_linen(model, v, rules, x, masks=masks)
   assert len(report.layers) == 4
   np.testing.assert_allclose(np.asarray(sparse.apply(sparse_vars, x)), expected, atol=1e-5, rtol=1e-5)
+  # The "masks" entry is not a Linen collection: exporting variables that hold it would leave its masks out.
+  with pytest.raises(ValueError, match=r"hold a 'masks' entry .* Pop it and pass it as masks= to"):
+    torch_interop.export_masks({**v, "masks": masks})
 
   # The command line takes the target as a file of Flax variables and writes the same.
   torch.save(net.state_dict(), tmp_path / "attn.pt")

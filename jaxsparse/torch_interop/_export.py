@@ -145,6 +145,12 @@ def _linen_entries(variables: Mapping, module: Any = None) -> list[_Entry]:
   nm = _linen_nm(module)
   if "params" not in variables:
     raise TypeError(f"variables must hold a 'params' collection (Linen variables), got {sorted(variables)}.")
+  if "masks" in variables:  # to_linen_variables(target=...): masks for sparsify_linen, which no Linen layer reads
+    raise ValueError(
+        "variables hold a 'masks' entry (to_linen_variables(..., target=...) writes the pruned kernels dense with "
+        "their masks there): it is not a Linen collection and its masks would be left out. Pop it and pass it as "
+        "masks= to jaxsparse.sparsify_linen, then export the sparse variables with module= the SparsifiedLinen."
+    )
   params = _flatten(variables["params"])
   sparsity = _flatten(variables.get("sparsity", {}))
   stats = _flatten(variables.get("batch_stats", {}))
