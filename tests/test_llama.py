@@ -542,3 +542,248 @@ def test_llm_prune_benchmark_tiny(tmp_path, monkeypatch, capsys):
   assert [r.split("|")[1].strip() for r in rows] == ["magnitude", "wanda"], rows
   errors = [float(r.split("|")[3]) for r in rows]
   assert 0 < errors[1] < errors[0] < 1, errors
+
+
+# -------------------------------------------------------------------------------------------------
+# Bug bash: checkpoint variants and errors, export, generate's arguments, the KV cache's bounds.
+# -------------------------------------------------------------------------------------------------
+
+
+def _tiny_model(*, seed: int = 0, layers: int = 2) -> llama.LlamaForCausalLM:
+  cfg = llama.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+  return llama.LlamaForCausalLM(cfg, init_std=0.1, rngs=nnx.Rngs(seed))
+
+
+def test_linear_rope_head_dim_biases_and_no_kv_heads_match_transformers(ids, tmp_path):
+  """A config.json with rope_type "linear", head_dim 32 (not hidden / heads = 16), attention and MLP biases, and no
+  num_key_value_heads (all heads are KV heads) loads with transformers' logits (f32, 1e-4) and exports back; a RoPE
+  type that is not implemented ("dynamic") is refused by name."""
+  torch.manual_seed(4)
+  cfg = transformers.LlamaConfig(
+      vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+      head_dim=32, attention_bias=True, mlp_bias=True, max_position_embeddings=64, initializer_range=0.1,
+      rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}, rms_norm_eps=1e-5,
+      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+  hf = transformers.LlamaForCausalLM(cfg).eval()
+  with torch.no_grad():
+    for name, p in hf.named_parameters():
+      if "norm" in name or name.endswith("bias"):
+        p.copy_(torch.exp(0.5 * torch.randn_like(p)))
+  hf.save_pretrained(tmp_path / "hf")
+  config = json.loads((tmp_path / "hf" / "config.json").read_text())
+  del config["num_key_value_heads"]
+  (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+  model = load_pretrained(tmp_path / "hf")
+  assert model.config.num_key_value_heads == 4 and model.config.head_dim == 32
+  long_ids = np.random.default_rng(4).integers(0, VOCAB, (2, 40)).astype(np.int32)  # positions where scaling shows
+  ref = _logits(hf, long_ids)
+  forward = nnx.jit(lambda m, x: m(x))  # one compile: faster than the eager forward op by op
+  np.testing.assert_allclose(np.asarray(forward(model, jnp.asarray(long_ids))), ref, atol=1e-4, rtol=0)
+  back = transformers.LlamaForCausalLM.from_pretrained(save_pretrained(model, tmp_path / "out")).eval()
+  np.testing.assert_allclose(_logits(back, long_ids), ref, atol=1e-4, rtol=0)
+  config["rope_parameters"] = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+  with pytest.raises(ValueError, match=r"rope_scaling type 'dynamic' is not implemented; only \['default', 'linear'"):
+    llama.LlamaConfig.from_dict(config)
+  config["rope_parameters"] = {"rope_type": "llama3", "factor": 8.0, "rope_theta": 10000.0}
+  with pytest.raises(ValueError, match=r"needs the numbers.*\['low_freq_factor', 'high_freq_factor', 'original_max"):
+    llama.LlamaConfig.from_dict(config)
+
+
+def _edit_index(directory: Path, edit) -> None:
+  path = directory / "model.safetensors.index.json"
+  path.write_text(edit(path.read_text()))
+
+
+def test_checkpoint_errors_name_the_tensor_and_the_file(tmp_path):
+  """A sharded checkpoint whose index is wrong fails with the tensor and the file named, never half read: a tensor its
+  shard does not hold, a tensor listed twice in different shards (json would keep the last silently), no weight_map, the
+  embedding missing; a directory without config.json says so."""
+  import shutil  # noqa: PLC0415
+
+  good = save_pretrained(_tiny_model(), tmp_path / "good", max_shard_bytes=40_000)
+  weight_map = json.loads((good / "model.safetensors.index.json").read_text())["weight_map"]
+  files = sorted(set(weight_map.values()))
+  name = "model.layers.0.mlp.up_proj.weight"
+  other = next(f for f in files if f != weight_map[name])
+
+  def variant(label, edit):
+    directory = tmp_path / label
+    shutil.copytree(good, directory)
+    _edit_index(directory, edit)
+    return directory
+
+  moved = variant("moved", lambda s: s.replace(f'"{name}": "{weight_map[name]}"', f'"{name}": "{other}"'))
+  with pytest.raises(ValueError, match=re.escape(f"places ['{name}'] in {other}, which does not hold it")):
+    load_pretrained(moved)
+  twice = variant("twice", lambda s: s.replace('"weight_map": {', f'"weight_map": {{\n "{name}": "{other}",'))
+  listed = f"lists the tensor '{name}' twice, in '{other}' and '{weight_map[name]}'"
+  with pytest.raises(ValueError, match=re.escape(listed)):
+    load_pretrained(twice)
+  with pytest.raises(ValueError, match="has no weight_map"):
+    load_pretrained(variant("no_map", lambda s: '{"metadata": {}}'))
+  embed = "model.embed_tokens.weight"
+  no_embed = variant("no_embed", lambda s: s.replace(f'"{embed}": "{weight_map[embed]}",', ""))
+  with pytest.raises(ValueError, match=re.escape(f"tensors missing from the checkpoint: ['{embed}']")):
+    load_pretrained(no_embed)
+  (no_embed / "config.json").unlink()
+  with pytest.raises(FileNotFoundError, match=r"has no config\.json: not a Hugging Face model directory"):
+    load_pretrained(no_embed)
+  jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(load_pretrained(good), nnx.Param)),
+               nnx.to_pure_dict(nnx.state(_tiny_model(), nnx.Param)))
+
+
+def test_save_pretrained_failure_leaves_the_old_checkpoint(tmp_path, monkeypatch):
+  """A save that fails while writing its shards (disk full, ...) leaves the old checkpoint whole, not its index over a
+  mix of new and old shards, and no temporary file."""
+  import safetensors.numpy  # noqa: PLC0415
+
+  old, new = _tiny_model(seed=0), _tiny_model(seed=1)
+  directory = save_pretrained(old, tmp_path / "ckpt", max_shard_bytes=40_000)
+  before = sorted(f.name for f in directory.iterdir())
+  assert len(before) > 3  # sharded: config, index, several shards
+  real, calls = safetensors.numpy.save_file, []
+
+  def failing(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == 2:
+      raise OSError(28, "No space left on device")
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(safetensors.numpy, "save_file", failing)
+  with pytest.raises(OSError, match="No space left"):
+    save_pretrained(new, directory, max_shard_bytes=40_000)
+  assert sorted(f.name for f in directory.iterdir()) == before
+  jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(load_pretrained(directory), nnx.Param)),
+               nnx.to_pure_dict(nnx.state(old, nnx.Param)))
+
+
+def test_save_pretrained_of_a_fused_model_writes_hugging_face_projections(hf_dir, ids, tmp_path):
+  """save_pretrained of a fused model (fuse_projections, to_inference(fuse=True)) writes q / k / v and gate / up apart,
+  as transformers has them (it would otherwise load qkv_proj as unexpected and draw q / k / v at random, warning
+  only)."""
+  hf, path = hf_dir
+  model = load_pretrained(path)
+  fused = fuse_projections(nnx.clone(model))  # dense: the outputs of the model before (test_fused_projections_...)
+  assert hasattr(fused.model.layers[0].self_attn, "qkv_proj") and hasattr(fused.model.layers[0].mlp, "gate_up_proj")
+  out = save_pretrained(fused, tmp_path / "fused")
+  back = transformers.LlamaForCausalLM.from_pretrained(out).eval()
+  np.testing.assert_allclose(_logits(back, ids), _logits(hf, ids), atol=1e-5, rtol=0)
+  jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(load_pretrained(out), nnx.Param)),
+               nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+
+
+@pytest.mark.parametrize(("kwargs", "error", "match"), [
+    ({"max_new_tokens": 2.7}, ValueError, "max_new_tokens must be an int >= 1, got 2.7"),
+    ({"max_new_tokens": 0}, ValueError, "max_new_tokens must be an int >= 1, got 0"),
+    ({"temperature": float("nan")}, ValueError, "temperature must be a finite number >= 0"),
+    ({"temperature": float("inf"), "key": "key"}, ValueError, "temperature must be a finite number >= 0"),
+    ({"top_k": 2.5, "temperature": 1.0, "key": "key"}, ValueError, r"top_k must be an int in \[1, vocab_size=128\]"),
+    ({"top_p": 0.0, "temperature": 1.0, "key": "key"}, ValueError, r"top_p must be a number in \(0, 1\]"),
+    ({"top_p": 1.5, "temperature": 1.0, "key": "key"}, ValueError, r"top_p must be a number in \(0, 1\]"),
+    ({"eos_token_id": VOCAB}, ValueError, r"eos_token_id must be a token id in \[0, vocab_size=128\)"),
+    ({"eos_token_id": -1}, ValueError, r"eos_token_id must be a token id in \[0, vocab_size=128\)"),
+    ({"prompt_ids": [[1, 2, VOCAB + 100]]}, ValueError, r"prompt_ids must be token ids in \[0, vocab_size=128\), "
+     r"got ids from 1 to 228"),
+    ({"prompt_ids": [[-1, 2, 3]]}, ValueError, r"prompt_ids must be token ids in \[0, vocab_size=128\)"),
+    ({"prompt_ids": [[1.5, 2.0]]}, TypeError, "prompt_ids must hold integer token ids, got dtype float64"),
+    ({"prompt_ids": np.zeros((2, 0), np.int32)}, ValueError, "prompt_ids must hold at least one token"),
+    ({"attention_mask": [[1, 1, 1, 0], [1, 1, 1, 1]]}, ValueError, r"attention_mask is 0 on the last token of rows "
+     r"\[0\].*pad on the left"),
+    ({"attention_mask": [[0, 0, 0, 0], [1, 1, 1, 1]]}, ValueError, r"attention_mask is 0 on the last token of rows "
+     r"\[0\]"),
+    ({"attention_mask": [1, 1, 1, 1]}, ValueError, r"attention_mask must have prompt_ids' shape \(2, 4\), got \(4,\)"),
+])
+def test_generate_refuses_bad_arguments(kwargs, error, match):
+  """Each of these used to run: a float max_new_tokens truncated, a NaN temperature giving token 0, out-of-range ids NaN
+  logits (negative ones wrapped around), float ids truncated, an unmatchable eos id, right padding continuing from a pad
+  token; or failed deep in JAX (a mask of another shape, an empty prompt, a float top_k)."""
+  model = _tiny_model()
+  kwargs = {"prompt_ids": np.arange(8, dtype=np.int32).reshape(2, 4), "max_new_tokens": 3, **kwargs}
+  if kwargs.get("key") == "key":
+    kwargs["key"] = jax.random.key(0)
+  with pytest.raises(error, match=match):
+    generate(model, **kwargs)
+
+
+@pytest.mark.slow  # two generate compiles, about 5 s on 2 cores
+def test_generate_stops_at_any_of_a_list_of_eos_ids():
+  """eos_token_id may be a list (Llama 3's config.json lists several; it used to fail hashing the static argument):
+  each row stops at the first of them it generates and repeats it."""
+  model = _tiny_model(layers=1)
+  prompt = np.random.default_rng(6).integers(0, VOCAB, (2, 5))
+  greedy = np.asarray(generate(model, prompt, 8))
+  eos = [int(greedy[0, 2]), int(greedy[1, 4])]
+  expected = greedy.copy()
+  for row in expected:
+    stop = np.flatnonzero(np.isin(row, eos))[0]
+    row[stop + 1:] = row[stop]
+  assert not np.array_equal(expected, greedy)
+  np.testing.assert_array_equal(np.asarray(generate(model, prompt, 8, eos_token_id=eos)), expected)
+
+
+def test_select_token_top_p_keeps_what_transformers_keeps():
+  """top_p (new: generate had top_k only) keeps the tokens Hugging Face's TopPLogitsWarper keeps, the fewest whose
+  probabilities reach top_p, after temperature and top_k; top_p near 0 keeps the most likely token alone."""
+  from llama.generation import select_token  # noqa: PLC0415
+
+  logits = jnp.asarray([[3.0, 2.6, 2.5, 2.0, 1.0, 0.5, 0.4, -1.0]])
+  hf_logits = torch.tensor(np.asarray(logits)) / 0.7
+  for warper in (transformers.TopKLogitsWarper(6), transformers.TopPLogitsWarper(0.8)):
+    hf_logits = warper(None, hf_logits)
+  kept = set(np.flatnonzero(np.isfinite(hf_logits.numpy()[0])).tolist())
+  assert 1 < len(kept) < 6, kept  # top_p cuts inside top_k's set
+  keys = jax.random.split(jax.random.key(2), 500)
+  samples = jax.jit(jax.vmap(lambda k: select_token(logits, k, temperature=0.7, top_k=6, top_p=0.8)))(keys)
+  assert set(np.asarray(samples).ravel().tolist()) == kept
+  rows = jax.random.normal(jax.random.key(3), (16, VOCAB))
+  nearest = jax.jit(lambda x: select_token(x, jax.random.key(4), temperature=1.0, top_k=None, top_p=1e-6))(rows)
+  np.testing.assert_array_equal(np.asarray(nearest), np.asarray(jnp.argmax(rows, -1)))
+
+
+def test_model_refuses_bad_ids_and_a_full_cache():
+  """An id outside the vocabulary used to give NaN logits; a step past the cache's end overwrote its last slot (the
+  logits of a wrong context). Eagerly both raise; under jit, where the cache index is traced, the overflowing step's
+  logits are NaN."""
+  model = _tiny_model(layers=1)
+  with pytest.raises(ValueError, match=r"input_ids must be token ids in \[0, vocab_size=128\), got ids from 1 to 300"):
+    model(jnp.asarray([[1, 300]]))
+  graphdef, state = nnx.split(model)
+  step = jax.jit(lambda s, x, c: nnx.merge(graphdef, s).step(x, c))
+  logits, cache = step(state, jnp.ones((2, 5), jnp.int32), llama.init_cache(model.config, 2, 6))
+  logits, cache = step(state, jnp.ones((2, 1), jnp.int32), cache)
+  assert np.isfinite(np.asarray(logits)).all() and int(cache.index) == 6
+  logits, _ = step(state, jnp.ones((2, 1), jnp.int32), cache)
+  assert np.isnan(np.asarray(logits)).all()
+  with pytest.raises(ValueError, match="the cache is full: 6 of its 6 slots used, 1 more tokens do not fit"):
+    model.step(jnp.ones((2, 1), jnp.int32), cache)  # eager: the cache index is concrete
+  with pytest.raises(ValueError, match=r"input_ids \(2, 7\) do not fit the cache of batch 2 and 6 slots"):
+    model.step(jnp.ones((2, 7), jnp.int32), llama.init_cache(model.config, 2, 6))
+
+
+def test_tied_config_over_a_different_lm_head_loads_as_transformers_does(ids, tmp_path):
+  """config.json ties the embeddings but the checkpoint holds an lm_head.weight of other values: transformers keeps
+  that head (it does not tie them), and so does load_pretrained now, with a warning (it used to drop the head
+  silently: other logits). A head equal to the embedding stays tied."""
+  from safetensors.numpy import load_file  # noqa: PLC0415
+  from safetensors.numpy import save_file  # noqa: PLC0415
+
+  hf = _hf_model(2, tie=True)
+  hf.save_pretrained(tmp_path / "hf")
+  file = tmp_path / "hf" / "model.safetensors"
+  tensors = load_file(file)
+  tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].copy()
+  save_file(tensors, file, metadata={"format": "pt"})
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    assert load_pretrained(tmp_path / "hf").lm_head is None  # equal: tied, no warning
+  head = np.random.default_rng(2).normal(0, 0.1, tensors["lm_head.weight"].shape)
+  tensors["lm_head.weight"] = head.astype(np.float32)
+  save_file(tensors, file, metadata={"format": "pt"})
+  ref = _logits(transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval(), ids)
+  with pytest.warns(UserWarning, match="holds an lm_head.weight that differs from model.embed_tokens.weight"):
+    model = load_pretrained(tmp_path / "hf")
+  assert model.lm_head is not None and not model.config.tie_word_embeddings
+  np.testing.assert_allclose(np.asarray(model(jnp.asarray(ids))), ref, atol=1e-4, rtol=0)
+  back = transformers.LlamaForCausalLM.from_pretrained(save_pretrained(model, tmp_path / "out")).eval()
+  np.testing.assert_allclose(_logits(back, ids), ref, atol=1e-4, rtol=0)

@@ -14,9 +14,12 @@ turns their layers into jaxsparse layers: ``torch_interop.load_nnx(model, hf_mod
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
+import stat
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -47,12 +50,46 @@ def hf_name(path: tuple) -> tuple[str, bool]:
   return ".".join((*module, name)), leaf == "kernel"
 
 
+def _index_weight_map(index: Path) -> dict[str, str]:
+  """The ``weight_map`` of ``model.safetensors.index.json``; a tensor listed twice with different files raises."""
+
+  def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in items:
+      if key in out and out[key] != value and isinstance(value, str):
+        raise ValueError(f"{index} lists the tensor {key!r} twice, in {out[key]!r} and {value!r}: which one is "
+                         f"meant is ambiguous (json keeps the last). Fix the index.")
+      out[key] = value
+    return out
+
+  with open(index) as f:
+    weight_map = json.load(f, object_pairs_hook=pairs).get("weight_map")
+  if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+    raise ValueError(f"{index} has no weight_map {{tensor name: shard file}}, got {weight_map!r:.200}.")
+  return weight_map
+
+
+def _unfused(name: str, value: np.ndarray, cfg: LlamaConfig) -> list[tuple[str, np.ndarray]]:
+  """Hugging Face's tensors of a tensor of :func:`llama.prune.fuse_projections`' ``qkv_proj`` / ``gate_up_proj`` (its
+  rows, the outputs, split back into ``q_proj`` / ``k_proj`` / ``v_proj``, ``gate_proj`` / ``up_proj``); any other
+  tensor as it is."""
+  module, _, leaf = name.rpartition(".")
+  parent, _, kind = module.rpartition(".")
+  if kind == "qkv_proj":
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    parts = zip(("q_proj", "k_proj", "v_proj"), np.split(value, [q, q + kv]), strict=True)
+  elif kind == "gate_up_proj":
+    parts = zip(("gate_proj", "up_proj"), np.split(value, 2), strict=True)
+  else:
+    return [(name, value)]
+  return [(f"{parent}.{part}.{leaf}", np.ascontiguousarray(v)) for part, v in parts]
+
+
 def _shards(directory: Path) -> dict[str, Path]:
   """``{tensor name: file}`` of a single-file or sharded safetensors checkpoint."""
   index, single = directory / INDEX, directory / SINGLE
   if index.exists():
-    with open(index) as f:
-      weight_map = json.load(f)["weight_map"]
+    weight_map = _index_weight_map(index)
     files = set(weight_map.values())
     if single.exists() and SINGLE not in files:
       # Two checkpoints (left by another writer): transformers would read model.safetensors, the index the other.
@@ -79,6 +116,10 @@ def read_tensors(directory: str | os.PathLike) -> Iterator[tuple[str, np.ndarray
     by_file.setdefault(file, []).append(name)
   for file, names in by_file.items():
     with safe_open(str(file), framework="numpy") as f:
+      absent = sorted(set(names) - set(f.keys()))
+      if absent:
+        raise ValueError(f"{file.parent}: {INDEX} places {absent[:4]} in {file.name}, which does not hold "
+                         f"{'them' if len(absent) > 1 else 'it'}.")
       for name in names:
         yield name, f.get_tensor(name)
 
@@ -88,7 +129,9 @@ def load_pretrained(directory: str | os.PathLike, *, dtype: Any = None, param_dt
   """Builds the Flax model of a Hugging Face Llama directory and loads its weights.
 
   The model is built abstractly (``nnx.eval_shape``: no random weights are drawn) and every parameter is
-  filled from the checkpoint; a missing or unexpected tensor, or a shape that does not match, raises.
+  filled from the checkpoint; a missing or unexpected tensor, or a shape that does not match, raises. A config that
+  ties the embeddings over a checkpoint whose ``lm_head.weight`` differs from the embedding loads untied, with a
+  warning, as transformers loads it.
 
   Args:
     directory: holds ``config.json`` and ``model.safetensors`` (or ``model.safetensors.index.json`` + shards).
@@ -100,10 +143,20 @@ def load_pretrained(directory: str | os.PathLike, *, dtype: Any = None, param_dt
     A :class:`~llama.model.LlamaForCausalLM`.
   """
   directory = Path(directory)
+  if config is None and not (directory / "config.json").is_file():
+    raise FileNotFoundError(f"{directory} has no config.json: not a Hugging Face model directory (or pass config=).")
   cfg = config or LlamaConfig.from_json(directory / "config.json")
   tensors = dict(read_tensors(directory))
+  head, embed = tensors.get("lm_head.weight"), tensors.get("model.embed_tokens.weight")
+  if cfg.tie_word_embeddings and head is not None and embed is not None and not np.array_equal(head, embed):
+    # As transformers (5) does: both present and different, the head is not tied (else the logits would differ).
+    warnings.warn(f"{directory}: config.json ties the LM head to the embedding (tie_word_embeddings), but the "
+                  f"checkpoint holds an lm_head.weight that differs from model.embed_tokens.weight; loading it untied, "
+                  f"as transformers does (config.tie_word_embeddings=False).", stacklevel=2)
+    cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
   if param_dtype is None:
-    param_dtype = tensors["model.embed_tokens.weight"].dtype
+    first = tensors.get("model.embed_tokens.weight", next(iter(tensors.values()), None))
+    param_dtype = jnp.float32 if first is None else first.dtype
   model = nnx.eval_shape(lambda: LlamaForCausalLM(cfg, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0)))
   used, missing = set(), []
   for path, var in nnx.iter_graph(model):
@@ -133,11 +186,14 @@ def save_pretrained(model: LlamaForCausalLM, directory: str | os.PathLike, *, dt
 
   Sparse layers (from ``jaxsparse.sparsify`` or pruning) are written densely, pruned weights as zeros
   (:func:`jaxsparse.densify`); their masks go to torch separately with
-  :func:`jaxsparse.torch_interop.export_masks`.
+  :func:`jaxsparse.torch_interop.export_masks`. Fused projections (:func:`llama.prune.fuse_projections`) are
+  written as Hugging Face's separate ``q_proj`` / ``k_proj`` / ``v_proj`` and ``gate_proj`` / ``up_proj``.
 
-  Into a directory that holds a checkpoint already, the new one replaces it: each file is written under a
-  temporary name and renamed, then the old checkpoint's files the new one does not use (``model.safetensors``,
-  the index, ``model-*-of-*.safetensors`` shards) are deleted. Other files (a tokenizer) stay.
+  Into a directory that holds a checkpoint already, the new one replaces it: every file is written under a
+  temporary name first and renamed only once all are written (a failure while writing leaves the old checkpoint
+  as it was and no temporary file), then the old checkpoint's files the new one does not use
+  (``model.safetensors``, the index, ``model-*-of-*.safetensors`` shards) are deleted. Other files (a tokenizer)
+  stay.
 
   Args:
     model: a dense or sparsified :class:`~llama.model.LlamaForCausalLM`.
@@ -158,7 +214,7 @@ def save_pretrained(model: LlamaForCausalLM, directory: str | os.PathLike, *, dt
     if isinstance(var, nnx.Param):
       name, transposed = hf_name(path)
       value = np.asarray(jax.device_get(var[...] if dtype is None else var[...].astype(dtype)))
-      tensors[name] = np.ascontiguousarray(value.T if transposed else value)
+      tensors.update(_unfused(name, np.ascontiguousarray(value.T if transposed else value), model.config))
   cfg = model.config.to_dict()
   cfg["torch_dtype"] = str(np.dtype(next(iter(tensors.values())).dtype))
   metadata = {"format": "pt"}  # transformers checks it
@@ -176,14 +232,29 @@ def save_pretrained(model: LlamaForCausalLM, directory: str | os.PathLike, *, dt
       size += value.nbytes
     files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
   # The tensors first, then the index and config.json that point at them, then the old files: a reader
-  # never meets a file half written or an index whose shards are gone.
-  for shard, file in zip(shards, files, strict=True):
-    atomic_write(directory / file, lambda tmp, shard=shard: save_file(shard, tmp, metadata=metadata))
+  # never meets a file half written or an index whose shards are gone. The shards are all staged before any
+  # is renamed: a failure in the middle must not leave the old index pointing at a mix of old and new shards.
+  contents = [(file, lambda tmp, shard=shard: save_file(shard, tmp, metadata=metadata))
+              for shard, file in zip(shards, files, strict=True)]
   if len(files) > 1:
     weight_map = {name: file for shard, file in zip(shards, files, strict=True) for name in shard}
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    atomic_write(directory / INDEX, lambda tmp: Path(tmp).write_text(json.dumps(index, indent=2)))
-  atomic_write(directory / "config.json", lambda tmp: Path(tmp).write_text(json.dumps(cfg, indent=2)))
+    index = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+    contents.append((INDEX, lambda tmp: Path(tmp).write_text(index)))
+  contents.append(("config.json", lambda tmp: Path(tmp).write_text(json.dumps(cfg, indent=2))))
+  staged = []
+  try:
+    for file, write in contents:
+      staging = directory / f".{file}.{os.getpid()}.staged"
+      atomic_write(staging, write)
+      staged.append((staging, directory / file))
+      if (directory / file).is_file():  # as open() would: an existing file keeps its mode
+        os.chmod(staging, stat.S_IMODE(os.stat(directory / file).st_mode))
+  except BaseException:
+    for staging, _ in staged:
+      staging.unlink(missing_ok=True)
+    raise
+  for staging, target in staged:
+    os.replace(staging, target)
   written = {*files, INDEX} if len(files) > 1 else {SINGLE}
   stale = [f for f in (INDEX, SINGLE) if f not in written and (directory / f).exists()]  # the index first
   stale += sorted(f.name for f in directory.iterdir() if SHARD_RE.fullmatch(f.name) and f.name not in written)

@@ -8,7 +8,8 @@ names without a name map, and sparsity rules select the seven projections of eve
 
 RoPE uses Hugging Face's ``rotate_half`` convention (the two halves of each head are the pairs), the layout
 HF checkpoints store ``q_proj`` / ``k_proj`` in, so no permutation of the weights is needed. Rope types:
-``"default"`` and ``"llama3"`` (Llama 3.1 / 3.2 frequency scaling).
+``"default"``, ``"linear"`` (position interpolation: the frequencies divided by ``factor``) and ``"llama3"``
+(Llama 3.1 / 3.2 frequency scaling); others (``"dynamic"``, ``"yarn"``, ...) are refused.
 
 KV cache (:class:`KVCache`): one ``(B, S, kv_heads, head_dim)`` key and value array per layer, ``S``
 fixed when the cache is made, so prefill and every decode step have static shapes under ``jit``; a
@@ -35,12 +36,20 @@ ATTENTION_PROJECTIONS = r"model\.layers\.\d+\.self_attn\.[qkvo]_proj"
 MLP_PROJECTIONS = r"model\.layers\.\d+\.mlp\.(gate|up|down)_proj"
 
 
+# The rope_scaling types implemented, with the fields each needs.
+ROPE_FIELDS = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
   """The fields of a Hugging Face Llama ``config.json`` this model uses.
 
-  ``rope_scaling`` is ``None`` or a dict with ``rope_type`` ``"default"`` or ``"llama3"`` (then also
-  ``factor``, ``low_freq_factor``, ``high_freq_factor``, ``original_max_position_embeddings``).
+  ``rope_scaling`` is ``None`` or a dict with ``rope_type`` ``"default"``, ``"linear"`` (then also ``factor``) or
+  ``"llama3"`` (then also ``factor``, ``low_freq_factor``, ``high_freq_factor``, ``original_max_position_embeddings``).
   """
 
   vocab_size: int
@@ -70,8 +79,12 @@ class LlamaConfig:
       raise ValueError(f"num_attention_heads={self.num_attention_heads} must be a multiple of "
                        f"num_key_value_heads={self.num_key_value_heads}.")
     rope_type = self.rope.get("rope_type", "default")
-    if rope_type not in ("default", "llama3"):
-      raise ValueError(f"rope_scaling type {rope_type!r} is not implemented; only 'default' and 'llama3'.")
+    if rope_type not in ROPE_FIELDS:
+      raise ValueError(f"rope_scaling type {rope_type!r} is not implemented; only {sorted(ROPE_FIELDS)}.")
+    absent = [k for k in ROPE_FIELDS[rope_type] if not isinstance(self.rope.get(k), int | float)]
+    if absent:
+      raise ValueError(f"rope_scaling of type {rope_type!r} needs the numbers {list(ROPE_FIELDS[rope_type])}; "
+                       f"{absent} missing or not numbers in {self.rope}.")
 
   @property
   def rope(self) -> dict[str, Any]:
@@ -124,12 +137,15 @@ class LlamaConfig:
 
 
 def rope_frequencies(cfg: LlamaConfig) -> np.ndarray:
-  """Inverse frequencies ``(head_dim // 2,)`` float32, with Llama 3's scaling when ``rope_scaling`` asks for it."""
+  """Inverse frequencies ``(head_dim // 2,)`` float32, with the linear or Llama 3 scaling ``rope_scaling`` asks for."""
   dim = cfg.head_dim
   inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
   inv_freq = inv_freq.astype(np.float32)
   scaling = cfg.rope
-  if scaling.get("rope_type", "default") != "llama3":
+  rope_type = scaling.get("rope_type", "default")
+  if rope_type == "linear":  # HF: positions / factor, i.e. the frequencies / factor
+    return (inv_freq / np.float32(scaling["factor"])).astype(np.float32)
+  if rope_type != "llama3":
     return inv_freq
   factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
   old_context = scaling["original_max_position_embeddings"]
@@ -190,6 +206,25 @@ def init_cache(cfg: LlamaConfig, batch: int, size: int, *, dtype: Any = jnp.floa
   zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_hidden_layers))
   return KVCache(zeros, tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_hidden_layers)),
                  jnp.zeros((batch, size), bool), jnp.zeros((batch,), jnp.int32), jnp.zeros((), jnp.int32))
+
+
+def check_token_ids(ids: jax.typing.ArrayLike, vocab_size: int, *, name: str = "input_ids") -> jax.Array:
+  """``ids`` as an int32 ``(B, T)`` array after checking it: integer dtype, 2-D, and (when concrete, not traced
+  under ``jit``) every id in ``[0, vocab_size)``. An id outside would read no embedding row: ``jnp.take`` gives NaN
+  (or wraps a negative id around) instead of an error."""
+  dtype = getattr(ids, "dtype", None)
+  dtype = np.asarray(ids).dtype if dtype is None else dtype
+  if not jnp.issubdtype(dtype, jnp.integer):
+    raise TypeError(f"{name} must hold integer token ids, got dtype {dtype}.")
+  ids = jnp.asarray(ids)
+  if ids.ndim != 2:
+    raise ValueError(f"{name} must be (batch, length), got shape {ids.shape}.")
+  if not isinstance(ids, jax.core.Tracer) and ids.size:
+    host = np.asarray(ids)  # NumPy: jnp reductions would be staged out inside another function's trace
+    low, high = int(host.min()), int(host.max())
+    if low < 0 or high >= vocab_size:
+      raise ValueError(f"{name} must be token ids in [0, vocab_size={vocab_size}), got ids from {low} to {high}.")
+  return ids.astype(jnp.int32)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -394,9 +429,12 @@ class LlamaForCausalLM(nnx.Module):
       input_ids: int ``(B, T)``.
       attention_mask: 0/1 ``(B, T)``, 0 for padding (positions count only real tokens, as in HF).
     """
+    input_ids = check_token_ids(input_ids, self.config.vocab_size)
     x = self.model.embed_tokens(input_ids)
     b, t = input_ids.shape
     real = jnp.ones((b, t), bool) if attention_mask is None else jnp.asarray(attention_mask) != 0
+    if real.shape != (b, t):
+      raise ValueError(f"attention_mask must have input_ids' shape {(b, t)}, got {real.shape}.")
     positions = jnp.maximum(jnp.cumsum(real, axis=1, dtype=jnp.int32) - 1, 0)
     causal = jnp.tril(jnp.ones((t, t), bool))
     x, _, _ = self._layers(x, positions, causal[None] & real[:, None, :], None)
@@ -408,16 +446,26 @@ class LlamaForCausalLM(nnx.Module):
 
     Args:
       input_ids: int ``(B, T)``, written at cache slots ``cache.index .. cache.index + T - 1``.
-      cache: a :class:`KVCache` with room for ``T`` more slots (not checked under ``jit``: a full cache
-        overwrites its last slots).
+      cache: a :class:`KVCache` with room for ``T`` more slots: checked when ``cache.index`` is concrete; under
+        ``jit``, where it is traced, the logits of a step that would overflow the cache are NaN (its tokens would
+        have overwritten the last slots).
       attention_mask: 0/1 ``(B, T)``, 0 for padding tokens (left padding of a prompt); default all real.
       last_only: compute the logits of the last position only (prefill before generation).
 
     Returns:
       ``(logits, cache)``: logits ``(B, T, vocab)`` (``(B, 1, vocab)`` with ``last_only``) and the updated cache.
     """
+    input_ids = check_token_ids(input_ids, self.config.vocab_size)
     b, t = input_ids.shape
+    if b != cache.filled.shape[0] or t > cache.size:
+      raise ValueError(f"input_ids {input_ids.shape} do not fit the cache of batch {cache.filled.shape[0]} and "
+                       f"{cache.size} slots.")
+    if not isinstance(cache.index, jax.core.Tracer) and int(cache.index) + t > cache.size:
+      raise ValueError(f"the cache is full: {int(cache.index)} of its {cache.size} slots used, {t} more tokens do "
+                       f"not fit; make it with init_cache(cfg, batch, size) for the prompt and all new tokens.")
     real = jnp.ones((b, t), bool) if attention_mask is None else jnp.asarray(attention_mask) != 0
+    if real.shape != (b, t):
+      raise ValueError(f"attention_mask must have input_ids' shape {(b, t)}, got {real.shape}.")
     positions = cache.positions[:, None] + jnp.maximum(jnp.cumsum(real, axis=1, dtype=jnp.int32) - 1, 0)
     filled = jax.lax.dynamic_update_slice(cache.filled, real, (0, cache.index))
     slots = jnp.arange(cache.size)
@@ -429,4 +477,7 @@ class LlamaForCausalLM(nnx.Module):
       x = x[:, -1:]
     new = KVCache(keys, values, filled, cache.positions + jnp.sum(real, axis=1, dtype=jnp.int32),
                   cache.index + t)
-    return self._logits(x), new
+    logits = self._logits(x)
+    if isinstance(cache.index, jax.core.Tracer):  # traced: an overflow poisons the logits instead of raising
+      logits = jnp.where(cache.index + t > cache.size, jnp.nan, logits)
+    return logits, new
