@@ -99,6 +99,22 @@ class CSRMatrix(IndexedSparseMatrix):
 
     The mask may be traced: ``nnz`` is then taken from ``data``'s static shape (and the values are all NaN if the
     mask keeps another count).
+
+    Args:
+      mask: bool ``(K, N)``, True at the entries to store.
+      data: ``(nnz,)`` values of the kept entries in row-major order (any dtype), ``nnz = mask.sum()``.
+
+    Returns:
+      A ``CSRMatrix`` of shape ``(K, N)`` and ``data``'s dtype.
+
+    Raises:
+      ValueError: a mask that is not a 2-D bool array, or ``data`` not of shape ``(nnz,)``.
+
+    >>> import jax.numpy as jnp, jaxsparse
+    >>> ws = jaxsparse.CSRMatrix.from_mask(jnp.array([[True, False], [False, True]]), jnp.array([3.0, 4.0]))
+    >>> ws.nnz, ws.to_dense()
+    (2, Array([[3., 0.],
+           [0., 4.]], dtype=float32))
     """
     data = jnp.asarray(data)
     m = check_pattern_mask(mask, name="mask", layout="(K, N)")
@@ -122,7 +138,15 @@ class CSRMatrix(IndexedSparseMatrix):
         that keeps another count cannot raise under ``jit``: the values are then all NaN.
 
     Returns:
-      A ``CSRMatrix`` with ``to_dense() == where(mask, w, 0)``.
+      A ``CSRMatrix`` of ``w``'s shape and dtype with ``to_dense() == where(mask, w, 0)``.
+
+    Raises:
+      ValueError: ``w`` not 2-D, a mask of another shape, a traced ``w`` without ``mask``, or a bad ``nnz``.
+
+    >>> import jax.numpy as jnp, jaxsparse
+    >>> ws = jaxsparse.CSRMatrix.from_dense(jnp.array([[0.0, 2.0], [5.0, 0.0]]))
+    >>> ws.nnz, ws.data, ws.row_indices, ws.col_indices
+    (2, Array([2., 5.], dtype=float32), Array([0, 1], dtype=int32), Array([1, 0], dtype=int32))
     """
     w = jnp.asarray(w)
     _utils.check_ndim(w.shape, 2, name="w")
@@ -140,7 +164,23 @@ class CSRMatrix(IndexedSparseMatrix):
     return cls(data, validate=False, shape=w.shape, **{k: jnp.asarray(v) for k, v in idx.items()})
 
   def with_data(self, data: jax.typing.ArrayLike) -> CSRMatrix:
-    """The same pattern with new values ``data`` of shape ``(nnz,)``."""
+    """The same pattern with new values.
+
+    Args:
+      data: ``(nnz,)`` new values in row-major order (any dtype).
+
+    Returns:
+      A ``CSRMatrix`` sharing the index arrays and ``shape`` with ``self``.
+
+    Raises:
+      ValueError: ``data`` of another shape.
+
+    >>> import jax.numpy as jnp, jaxsparse
+    >>> ws = jaxsparse.CSRMatrix.from_dense(jnp.array([[0.0, 2.0], [5.0, 0.0]]))
+    >>> ws.with_data(jnp.array([1.0, 1.0])).to_dense()
+    Array([[0., 1.],
+           [1., 0.]], dtype=float32)
+    """
     data = jnp.asarray(data)
     if data.shape != (self.nnz,):
       raise ValueError(f"data must have shape (nnz,) = ({self.nnz},), got {data.shape}.")
@@ -171,7 +211,16 @@ class CSRMatrix(IndexedSparseMatrix):
     return self._scatter(self.shape, jnp.ones(self.row_indices.shape, bool))
 
   def to_dense(self) -> jax.Array:
-    """The dense ``(K, N)`` matrix, zeros elsewhere (for tests, export and the XLA fallback)."""
+    """The dense ``(K, N)`` matrix, zeros elsewhere (for tests, export and the XLA fallback).
+
+    Returns:
+      Array of :attr:`shape` and the dtype of :attr:`data`.
+
+    >>> import jax.numpy as jnp, jaxsparse
+    >>> w = jnp.array([[0.0, 2.0], [5.0, 0.0]])
+    >>> bool((jaxsparse.CSRMatrix.from_dense(w).to_dense() == w).all())
+    True
+    """
     return self._scatter(self.shape, self.data)
 
   def __repr__(self) -> str:

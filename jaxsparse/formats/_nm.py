@@ -402,6 +402,21 @@ class NMSparseMatrix:
   >>> bool((ws.to_dense() == w * jaxsparse.nm_mask(w, 2, 4)).all())
   True
 
+  The constructor assembles a matrix from its parts (use :meth:`from_dense` to compress an array); shapes and
+  dtypes are always checked, and with ``validate=True`` concrete ``indices`` also by :meth:`validate`.
+
+  Args:
+    values: kept values, of the dense dtype.
+    indices: packed positions, of the unsigned dtype :func:`index_layout` gives for ``n``, ``m`` and the groups.
+    shape: the dense shape.
+    n, m: ``n`` kept of every ``m``, ``0 < n < m``; ``shape[axis]`` a multiple of ``m``.
+    axis: the axis the groups run along (negative counts from the end).
+    validate: check concrete ``indices`` with :meth:`validate` (skipped for traced arrays).
+
+  Raises:
+    ValueError: a bad ``n``, ``m``, ``axis`` or ``shape``, ``values`` or ``indices`` of the wrong shape or dtype,
+      or (``validate=True``) invalid positions.
+
   Attributes:
     values: kept values, ``shape`` with ``shape[axis]`` replaced by ``shape[axis] * n // m``.
     indices: packed positions, ``shape`` with ``shape[axis]`` replaced by ``groups // per_word``.
@@ -492,6 +507,25 @@ class NMSparseMatrix:
     concrete indices (``validate=False`` skips it; :meth:`from_dense` builds valid positions). Under
     ``jit`` the checks are ``jax.experimental.checkify`` checks: call it inside a function wrapped in
     ``checkify.checkify`` (without one, JAX refuses to stage the checks).
+
+    Returns:
+      ``self``.
+
+    Raises:
+      ValueError: ``values`` or ``indices`` of the wrong shape or dtype, or (concrete ``indices``) a bad position
+        or nonzero spare bits.
+
+    >>> import jax.numpy as jnp, jaxsparse
+    >>> ws = jaxsparse.NMSparseMatrix.from_dense(jnp.arange(8.0).reshape(8, 1), 2, 4)
+    >>> ws.validate() is ws
+    True
+    >>> bad = jaxsparse.NMSparseMatrix(ws.values, ws.indices.at[0, 0].set(0), shape=(8, 1), n=2, m=4,
+    ...                                validate=False)
+    >>> bad.validate()
+    Traceback (most recent call last):
+      ...
+    ValueError: NMSparseMatrix.positions is invalid in group 0 along axis 0 at (0,): got [0, 0] (2 bad); expected
+    positions strictly increasing within each group (no position twice) for 2:4.
     """
     self._check_static()
     if is_concrete(self.indices):
@@ -517,10 +551,16 @@ class NMSparseMatrix:
 
   # -- pytree ---------------------------------------------------------------------------------------
   def tree_flatten(self):
+    """JAX pytree protocol: ``((values, indices), (shape, n, m, axis))``; the children are the arrays."""
     return (self.values, self.indices), (self.shape, self.n, self.m, self.axis)
 
   @classmethod
   def tree_unflatten(cls, aux, children):
+    """JAX pytree protocol: the matrix back from :meth:`tree_flatten`'s parts, without the constructor's checks.
+
+    The methods that read the positions check their shape and dtype again (:meth:`positions`, :meth:`mask`,
+    :meth:`to_dense`, :func:`jaxsparse.ops.nm_matmul`).
+    """
     obj = object.__new__(cls)
     obj.values, obj.indices = children
     obj.shape, obj.n, obj.m, obj.axis = aux
@@ -537,7 +577,16 @@ class NMSparseMatrix:
       axis: the axis the groups run along.
 
     Returns:
-      An ``NMSparseMatrix`` with ``to_dense() == where(nm_mask(w, n, m, axis=axis), w, 0)``.
+      An ``NMSparseMatrix`` of ``w``'s shape and dtype with ``to_dense() == where(nm_mask(w, n, m, axis=axis), w,
+      0)``.
+
+    Raises:
+      ValueError: a bad ``n``, ``m`` or ``axis``, or ``w.shape[axis]`` not a multiple of ``m``.
+
+    >>> import jax.numpy as jnp, jaxsparse
+    >>> ws = jaxsparse.NMSparseMatrix.from_dense(jnp.array([[1.0, -4.0, 3.0, 2.0]]), 2, 4, axis=1)
+    >>> ws.values, ws.positions()
+    (Array([[-4.,  3.]], dtype=float32), Array([[1, 2]], dtype=uint8))
     """
     w, n, m, axis = _check_operand(w, n, m, axis)
     index_layout(n, m, w.shape[axis] // m)  # Fails early when the positions do not fit 32 bits.
@@ -545,7 +594,22 @@ class NMSparseMatrix:
     return cls(values, indices, shape=w.shape, n=n, m=m, axis=axis, validate=False)
 
   def with_values(self, values: jax.typing.ArrayLike) -> NMSparseMatrix:
-    """The same positions with new kept ``values`` of shape ``self.values.shape``."""
+    """The same positions with new kept ``values``.
+
+    Args:
+      values: new kept values, of shape ``self.values.shape`` (any dtype).
+
+    Returns:
+      An ``NMSparseMatrix`` sharing ``indices``, ``shape``, ``n``, ``m`` and ``axis`` with ``self``.
+
+    Raises:
+      ValueError: ``values`` of another shape.
+
+    >>> import jax.numpy as jnp, jaxsparse
+    >>> ws = jaxsparse.NMSparseMatrix.from_dense(jnp.array([[1.0, -4.0, 3.0, 2.0]]), 2, 4, axis=1)
+    >>> ws.with_values(2 * ws.values).to_dense()
+    Array([[ 0., -8.,  6.,  0.]], dtype=float32)
+    """
     values = jnp.asarray(values)
     if values.shape != self.values.shape:
       raise ValueError(f"values must have shape {self.values.shape}, got {values.shape}.")
@@ -554,10 +618,12 @@ class NMSparseMatrix:
   # -- views ----------------------------------------------------------------------------------------
   @property
   def dtype(self):
+    """The dtype of :attr:`values` (the dense dtype)."""
     return self.values.dtype
 
   @property
   def ndim(self) -> int:
+    """The number of dense dimensions, ``len(shape)``."""
     return len(self.shape)
 
   @property
@@ -576,17 +642,41 @@ class NMSparseMatrix:
     return int(self.values.size * self.values.dtype.itemsize + self.indices.size * self.indices.dtype.itemsize)
 
   def positions(self) -> jax.Array:
-    """uint8 position (in ``[0, m)``) of each kept value inside its group, shaped like :attr:`values`."""
+    """The position of each kept value inside its group, unpacked from :attr:`indices`.
+
+    Returns:
+      ``uint8`` array shaped like :attr:`values`, each entry in ``[0, m)``.
+
+    >>> import jax.numpy as jnp, jaxsparse
+    >>> jaxsparse.NMSparseMatrix.from_dense(jnp.array([[5.0], [0.0], [0.0], [-7.0]]), 2, 4).positions()[:, 0]
+    Array([0, 3], dtype=uint8)
+    """
     self._check_static()
     return _ungrouped(_positions(self.indices, self.n, self.m, self.axis, self.groups), self.axis)
 
   def mask(self) -> jax.Array:
-    """Bool mask of :attr:`shape`, True at the kept entries."""
+    """The kept entries.
+
+    Returns:
+      ``bool`` array of :attr:`shape`, True at the kept entries (``n`` in each group of ``m``).
+
+    >>> import jax.numpy as jnp, jaxsparse
+    >>> jaxsparse.NMSparseMatrix.from_dense(jnp.array([[5.0, 0.0, 0.0, -7.0]]), 2, 4, axis=1).mask()
+    Array([[ True, False, False,  True]], dtype=bool)
+    """
     self._check_static()
     return _kept(self.indices, self.n, self.m, self.axis, self.groups)
 
   def to_dense(self) -> jax.Array:
-    """The dense array, zeros at the pruned entries (differentiable in :attr:`values`)."""
+    """The dense array, zeros at the pruned entries (differentiable in :attr:`values`).
+
+    Returns:
+      Array of :attr:`shape` and :attr:`dtype`.
+
+    >>> import jax.numpy as jnp, jaxsparse
+    >>> jaxsparse.NMSparseMatrix.from_dense(jnp.array([[1.0, -4.0, 3.0, 2.0]]), 2, 4, axis=1).to_dense()
+    Array([[ 0., -4.,  3.,  0.]], dtype=float32)
+    """
     self._check_static()
     return _decompress(self.values, self.indices, self.n, self.m, self.axis)
 

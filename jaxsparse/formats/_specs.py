@@ -43,6 +43,12 @@ class Unstructured:
     return self.sparsity
 
   def describe(self) -> str:
+    """The pattern in words, as :func:`jaxsparse.sparsify`'s report prints it.
+
+    >>> import jaxsparse
+    >>> jaxsparse.Unstructured(sparsity=0.9).describe()
+    'unstructured 90%'
+    """
     return f"unstructured {self.sparsity:.0%}"
 
 
@@ -80,6 +86,12 @@ class BlockSparse:
     return 1.0 - self.density
 
   def describe(self) -> str:
+    """The pattern in words, as :func:`jaxsparse.sparsify`'s report prints it.
+
+    >>> import jaxsparse
+    >>> jaxsparse.BlockSparse(density=0.25, block_shape=(64, 64)).describe()
+    'block 64x64 25% kept'
+    """
     return f"block {self.block_shape[0]}x{self.block_shape[1]} {self.density:.0%} kept"
 
 
@@ -132,6 +144,12 @@ class NM:
     return 1.0 - self.n / self.m
 
   def describe(self) -> str:
+    """The pattern in words, as :func:`jaxsparse.sparsify`'s report prints it.
+
+    >>> import jaxsparse
+    >>> jaxsparse.NM(2, 4).describe(), jaxsparse.NM(2, 4, transposable=True).describe()
+    ('2:4', '2:4 transposable')
+    """
     return f"{self.n}:{self.m}" + (" transposable" if self.transposable else "")
 
 

@@ -79,6 +79,29 @@ class SparseLinearGeneral(nnx.Module):
     self.precision = getattr(layer, "precision", None) if precision is None else precision
 
   def __call__(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
+    """Flattens the trailing ``in_features`` axes, applies :attr:`layer`, and splits the ``out_features`` axes.
+
+    Args:
+      inputs: ``(..., *in_features)`` (named as ``nnx.LinearGeneral``'s).
+      out_sharding: not supported; must be ``None``.
+
+    Returns:
+      ``(..., *out_features)``, in the wrapped layer's compute dtype.
+
+    Raises:
+      ValueError: ``inputs`` whose trailing axes are not ``in_features``.
+      NotImplementedError: an ``out_sharding``.
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from jaxsparse.layers import MaskedLinear, SparseLinearGeneral
+    >>> layer = SparseLinearGeneral(MaskedLinear(8, 6, sparsity=0.5, rngs=nnx.Rngs(0)), in_features=(2, 4),
+    ...                             out_features=(3, 2))
+    >>> x = jnp.ones((5, 2, 4))
+    >>> y = layer(x)
+    >>> y.shape, bool(jnp.allclose(y, layer.layer(x.reshape(5, 8)).reshape(5, 3, 2)))
+    ((5, 3, 2), True)
+    """
     if out_sharding is not None:
       raise NotImplementedError("SparseLinearGeneral does not take out_sharding.")
     x = inputs  # named as nnx.LinearGeneral's
@@ -91,7 +114,21 @@ class SparseLinearGeneral(nnx.Module):
     return y.reshape(*batch, *self.out_features)
 
   def to_dense(self) -> nnx.LinearGeneral:
-    """The ``nnx.LinearGeneral`` holding the pruned kernel."""
+    """The ``nnx.LinearGeneral`` holding the pruned kernel, reshaped to ``(*in_features, *out_features)``.
+
+    Returns:
+      An ``nnx.LinearGeneral`` over the trailing ``in_features`` axes, with the wrapped layer's bias (reshaped to
+      ``out_features``), ``dtype`` and ``precision``: the same function as this layer.
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from jaxsparse.layers import MaskedLinear, SparseLinearGeneral
+    >>> layer = SparseLinearGeneral(MaskedLinear(8, 6, sparsity=0.5, rngs=nnx.Rngs(0)), in_features=(2, 4),
+    ...                             out_features=(3, 2))
+    >>> x = jnp.ones((5, 2, 4))
+    >>> bool(jnp.allclose(layer.to_dense()(x), layer(x), atol=1e-6))
+    True
+    """
     lin = self.layer.to_dense()
     kernel = lin.kernel[...].reshape(*self.in_features, *self.out_features)
     return with_weights(

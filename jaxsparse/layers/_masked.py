@@ -154,8 +154,26 @@ class MaskedLinear(nnx.Module):
     )
 
   def __call__(self, inputs: jax.Array) -> jax.Array:
-    """Applies the layer to ``inputs`` of shape ``(..., in_features)`` (named as ``nnx.Linear``'s); returns
-    ``(..., out_features)``."""
+    """``inputs @ (kernel * mask) + bias``, as ``nnx.Linear`` computes it with the pruned kernel.
+
+    Args:
+      inputs: ``(..., in_features)`` (named as ``nnx.Linear``'s).
+
+    Returns:
+      ``(..., out_features)``, in ``dtype`` if set, else the promoted dtype of ``inputs`` and the parameters.
+
+    Raises:
+      ValueError: ``inputs`` whose last axis is not ``in_features``.
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from jaxsparse.layers import MaskedLinear
+    >>> layer = MaskedLinear(16, 8, sparsity=0.5, rngs=nnx.Rngs(0))
+    >>> x = jnp.ones((4, 16))
+    >>> y = layer(x)
+    >>> y.shape, y.dtype, bool(jnp.allclose(y, x @ (layer.kernel[...] * layer.mask[...]) + layer.bias[...]))
+    ((4, 8), dtype('float32'), True)
+    """
     check_layer_inputs(self, inputs)
     return masked_apply(
         inputs,
@@ -184,6 +202,20 @@ class MaskedLinear(nnx.Module):
   ) -> MaskedLinear:
     """Prunes an ``nnx.Linear`` to its largest-magnitude weights, pruning ``round(sparsity * size)``.
 
+    Args:
+      linear: a plain ``nnx.Linear`` with Flax's default product options (not changed); its kernel, bias,
+        ``dtype`` and ``precision`` carry over.
+      sparsity: fraction of the weights pruned, in ``[0, 1)``.
+      implementation: as in the constructor.
+
+    Returns:
+      A ``MaskedLinear`` with ``linear``'s kernel, zero at the pruned weights, and its bias.
+
+    Raises:
+      TypeError: ``linear`` is not an ``nnx.Linear`` (a subclass included).
+      ValueError: ``linear`` has options the layer cannot honour (a custom ``dot_general``...), or a bad
+        ``sparsity`` or ``implementation``.
+
     >>> from flax import nnx
     >>> from jaxsparse.layers import MaskedLinear
     >>> dense = nnx.Linear(64, 96, rngs=nnx.Rngs(0))
@@ -207,7 +239,18 @@ class MaskedLinear(nnx.Module):
     )
 
   def to_dense(self) -> nnx.Linear:
-    """An ``nnx.Linear`` with kernel ``kernel * mask`` and the same bias."""
+    """An ``nnx.Linear`` with kernel ``kernel * mask`` and the same bias, ``dtype`` and ``precision``.
+
+    Returns:
+      An ``nnx.Linear`` computing the same function as this layer.
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from jaxsparse.layers import MaskedLinear
+    >>> layer = MaskedLinear(16, 8, sparsity=0.5, rngs=nnx.Rngs(0))
+    >>> bool(jnp.allclose(layer.to_dense()(jnp.ones((2, 16))), layer(jnp.ones((2, 16))), atol=1e-6))
+    True
+    """
     kernel = self.kernel[...]
     return dense_linear(
         jnp.where(self.mask[...], kernel, jnp.zeros((), kernel.dtype)),
@@ -220,7 +263,18 @@ class MaskedLinear(nnx.Module):
     """Variables for :class:`jaxsparse.layers.linen.MaskedDense` holding these weights and mask.
 
     Returns:
-      ``{"params": {"kernel", "bias"?}, "sparsity": {"mask"}}``.
+      ``{"params": {"kernel", "bias"?}, "sparsity": {"mask"}}``: the ``(in_features, out_features)`` kernel
+      and bool mask, the ``(out_features,)`` bias (when the layer has one).
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from jaxsparse.layers import MaskedLinear
+    >>> from jaxsparse.layers.linen import MaskedDense
+    >>> layer = MaskedLinear(16, 8, sparsity=0.5, rngs=nnx.Rngs(0))
+    >>> variables = layer.to_linen_variables()
+    >>> y = MaskedDense(8, sparsity=0.5).apply(variables, jnp.ones((2, 16)))
+    >>> bool(jnp.allclose(y, layer(jnp.ones((2, 16))), atol=1e-6))
+    True
     """
     params = {"kernel": self.kernel[...]}
     if self.bias is not None:
@@ -276,7 +330,27 @@ class MaskedDense(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
-    """Applies the layer to ``x`` of shape ``(..., in_features)``; returns ``(..., features)``."""
+    """``x @ (kernel * mask) + bias``; ``init`` draws the mask (see the class).
+
+    Args:
+      x: ``(..., in_features)``.
+
+    Returns:
+      ``(..., features)``, in ``dtype`` if set, else the promoted dtype of ``x`` and the parameters.
+
+    Raises:
+      ValueError: ``x`` a scalar, another ``in_features`` than the variables hold, or variables without the
+        ``"sparsity"`` collection.
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jaxsparse.layers.linen import MaskedDense
+    >>> x = jnp.ones((2, 16))
+    >>> variables = MaskedDense(8, sparsity=0.5).init(jax.random.key(0), x)
+    >>> w = variables["params"]["kernel"] * variables["sparsity"]["mask"]
+    >>> y = MaskedDense(8, sparsity=0.5).apply(variables, x)
+    >>> y.shape, bool(jnp.allclose(y, x @ w + variables["params"]["bias"], atol=1e-6))
+    ((2, 8), True)
+    """
     x = check_input(x)
     kernel_shape = existing_shape(self, "params", "kernel")
     check_known_in_features(self, x.shape, None if kernel_shape is None else kernel_shape[0])
@@ -366,7 +440,30 @@ class MaskedConv(nnx.Conv):
 
   @classmethod
   def from_dense(cls, conv: nnx.Conv, *, sparsity: float | None = None, mask: Any = None) -> MaskedConv:
-    """Prunes ``conv`` to its largest-magnitude weights (``sparsity``) or to ``mask``; copies every option."""
+    """Prunes ``conv`` to its largest-magnitude weights (``sparsity``) or to ``mask``; copies every option.
+
+    Args:
+      conv: an ``nnx.Conv`` without a weight ``mask`` (not changed).
+      sparsity: fraction of the weights pruned, in ``[0, 1)``; give it or ``mask``, not both.
+      mask: bool array of ``conv``'s kernel shape ``(*kernel_size, in_features // feature_group_count,
+        out_features)``, True at the weights kept.
+
+    Returns:
+      A ``MaskedConv`` with ``conv``'s kernel, zero at the pruned weights, its bias and options.
+
+    Raises:
+      TypeError: ``conv`` is not an ``nnx.Conv``.
+      ValueError: ``conv`` already has a weight mask, neither or both of ``sparsity`` and ``mask`` are given, or
+        a bad ``sparsity`` or ``mask``.
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from jaxsparse.layers import MaskedConv
+    >>> conv = nnx.Conv(4, 8, (3, 3), rngs=nnx.Rngs(0))
+    >>> layer = MaskedConv.from_dense(conv, sparsity=0.75)
+    >>> layer.density, layer(jnp.ones((1, 5, 5, 4))).shape
+    (0.25, (1, 5, 5, 8))
+    """
     if not isinstance(conv, nnx.Conv):
       raise TypeError(f"conv must be a flax.nnx.Conv, got {type(conv).__name__}.")
     if conv.mask is not None:
@@ -381,7 +478,19 @@ class MaskedConv(nnx.Conv):
     )
 
   def to_dense(self) -> nnx.Conv:
-    """An ``nnx.Conv`` with kernel ``kernel * mask`` and the same options and bias."""
+    """An ``nnx.Conv`` with kernel ``kernel * mask`` and the same options and bias.
+
+    Returns:
+      An ``nnx.Conv`` computing the same function as this layer.
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from jaxsparse.layers import MaskedConv
+    >>> layer = MaskedConv(4, 8, (3, 3), sparsity=0.5, rngs=nnx.Rngs(0))
+    >>> x = jnp.ones((1, 5, 5, 4))
+    >>> bool(jnp.allclose(layer.to_dense()(x), layer(x), atol=1e-6))
+    True
+    """
     kernel = jnp.where(self.mask[...], self.kernel[...], jnp.zeros((), self.kernel.dtype))
     return with_weights(
         nnx.Conv, kernel, bias_of(self), self.in_features, self.out_features,

@@ -106,6 +106,25 @@ class NMDense(nn.Module):
     For 2:4 with Flax's default ``dot_general`` and ``promote_dtype`` the product goes through
     :func:`jaxsparse.ops.sr_ste_matmul`, as ``NMLinear``'s does: the same value and gradients, with the
     forward product on cuSPARSELt where it can run.
+
+    Args:
+      x: ``(..., in_features)``, ``in_features`` a multiple of ``m``.
+
+    Returns:
+      ``(..., features)``, in ``dtype`` if set, else the promoted dtype of ``x`` and the parameters.
+
+    Raises:
+      ValueError: ``x`` a scalar, ``in_features`` not a multiple of ``m``, or another ``in_features`` than the
+        variables hold.
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jaxsparse import nm_mask
+    >>> from jaxsparse.layers.linen import NMDense
+    >>> x = jnp.ones((2, 8))
+    >>> variables = NMDense(4).init(jax.random.key(0), x)
+    >>> kernel, bias = variables["params"]["kernel"], variables["params"]["bias"]
+    >>> bool(jnp.allclose(NMDense(4).apply(variables, x), x @ (kernel * nm_mask(kernel, 2, 4)) + bias, atol=1e-6))
+    True
     """
     kernel_shape = existing_shape(self, "params", "kernel")
     check_known_in_features(self, jnp.shape(x), None if kernel_shape is None else kernel_shape[0])
@@ -180,7 +199,25 @@ class NMConv(nn.Module):
     nn.share_scope(self, self.conv)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    """Applies the convolution to channels-last ``x``; returns channels-last ``features`` outputs."""
+    """Applies the convolution with the SR-STE-pruned kernel, as ``nn.Conv`` does.
+
+    Args:
+      x: channels-last ``(..., *spatial, in_channels)``, ``in_channels // feature_group_count`` a multiple of
+        ``m``.
+
+    Returns:
+      ``(..., *out_spatial, features)``, as ``nn.Conv`` returns it.
+
+    Raises:
+      ValueError: ``x`` a scalar, channels not grouped by ``m``, or another channel count than the variables hold.
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jaxsparse.layers.linen import NMConv
+    >>> x = jnp.ones((1, 6, 6, 8))
+    >>> variables = NMConv(16, (3, 3)).init(jax.random.key(0), x)
+    >>> NMConv(16, (3, 3)).apply(variables, x).shape
+    (1, 6, 6, 16)
+    """
     kernel_shape = existing_shape(self, "params", "kernel")
     expected = None if kernel_shape is None else kernel_shape[-2] * self.feature_group_count
     check_known_in_features(self, jnp.shape(x), expected)
