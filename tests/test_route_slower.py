@@ -379,3 +379,165 @@ def test_linen_bad_arguments_are_named():
     jaxsparse.route_slower_to_dense_linen(sparse, sparse_vars, -1)
   with pytest.raises(ValueError, match="margin=2"):
     jaxsparse.route_slower_to_dense_linen(sparse, sparse_vars, 8, margin=2)
+
+
+# -------------------------------------------------------------------------------------------------
+# Bug bash: batches, timer values, failures, SparseLinearGeneral, tied layers, the band's edge.
+# -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("batches", "want"), [
+    ([1, 8], (1, 8)), (np.int64(8), (8,)), ((np.int32(2), 8), (2, 8)), (range(1, 3), (1, 2)),
+    (np.array([4, 2]), (4, 2)),
+])
+def test_batches_of_any_integer_kind(batches, want):
+  net = _sparse_net()
+  timings = jaxsparse.route_slower_to_dense(net, batches, timer=_timer({}))
+  assert all(tuple(t.sparse_ms) == want and all(type(b) is int for b in t.sparse_ms) for t in timings)
+
+
+@pytest.mark.parametrize(("batches", "shown"), [
+    (None, "None"), (8.0, "8.0"), ("8", "'8'"), ([1.5], r"\(1\.5,\)"), (np.float32(2.0), r"np\.float32\(2\.0\)"),
+    ([8, False], r"\(8, False\)"),
+])
+def test_bad_batches_are_named(batches, shown):
+  for route in (lambda: jaxsparse.route_slower_to_dense(_sparse_net(), batches, timer=_timer({}))[0],
+                lambda: jaxsparse.route_slower_to_dense_linen(*_sparse_linen()[:2], batches, timer=_linen_timer({}))):
+    with pytest.raises(ValueError, match=f"batches must be positive ints, got {shown}"):
+      route()
+
+
+def _kinds(net) -> list[str]:
+  return [type(m).__name__ for m in (net.blocks, net.nm, net.nm2, net.masked)]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0, 0.0, "fast", None, jnp.ones(2)])
+@pytest.mark.parametrize("side", ["sparse", "dense"])
+def test_a_bad_timer_value_is_named_and_changes_nothing(bad, side):
+  # Before: a NaN or negative time kept the layer sparse without a word, a zero dense time divided by zero.
+  net = _sparse_net()
+  good = _timer({BlockSparseLinear: 2.0, CompressedNMLinear: 2.0})  # both timed before the masked one: routed
+
+  def timer(layer, x):
+    is_masked = isinstance(layer, MaskedLinear) or (type(layer) is nnx.Linear and layer.out_features == 32)
+    return bad if is_masked and (type(layer) is nnx.Linear) == (side == "dense") else good(layer, x)
+
+  twin = "the dense twin of " if side == "dense" else ""
+  with pytest.raises(ValueError, match=rf"timer returned {re.escape(repr(bad))}; it must return the time of {twin}"
+                                       r"the MaskedLinear 64x32 unstructured 50% kept float32 layer at batch 8 in "
+                                       "milliseconds, a positive finite number"):
+    jaxsparse.route_slower_to_dense(net, 8, timer=timer)
+  assert _kinds(net) == ["BlockSparseLinear", "CompressedNMLinear", "CompressedNMLinear", "MaskedLinear"]
+  sparse, sparse_vars, _ = _sparse_linen()
+
+  def linen_timer(module, variables, x):  # the masked layer "masked" is the one of 32 inputs
+    return bad if x.shape[-1] == 32 and (type(module) is nn.Dense) == (side == "dense") else 1.0
+
+  with pytest.raises(ValueError, match=rf"timer returned {re.escape(repr(bad))}; it must return the time of {twin}"
+                                       "the MaskedDense 32x32"):
+    jaxsparse.route_slower_to_dense_linen(sparse, sparse_vars, 8, timer=linen_timer)
+
+
+def test_a_timer_that_fails_leaves_the_model_as_it_was():
+  # Before: the signatures timed before the failing one were already swapped in place.
+  net = _sparse_net()
+  x = jax.random.normal(jax.random.key(1), (4, 64))
+  before = net(x)
+  slow = _timer({BlockSparseLinear: 2.0, CompressedNMLinear: 2.0, MaskedLinear: 2.0})
+
+  def timer(layer, x):
+    if isinstance(layer, MaskedLinear):
+      raise RuntimeError("out of memory")
+    return slow(layer, x)
+
+  with pytest.raises(RuntimeError, match="out of memory"):
+    jaxsparse.route_slower_to_dense(net, (1, 8), timer=timer)
+  assert _kinds(net) == ["BlockSparseLinear", "CompressedNMLinear", "CompressedNMLinear", "MaskedLinear"]
+  np.testing.assert_array_equal(net(x), before)
+
+
+@pytest.mark.parametrize("ms", [np.float32, jnp.float32, np.int64])
+def test_timers_may_return_numpy_and_jax_scalars(ms):
+  # Before: a step timer returning a NumPy float32 or a JAX scalar raised "step_timer returned ...".
+  net = _sparse_net()
+  layer_ms = {CompressedNMLinear: 3.0, BlockSparseLinear: 3.0, MaskedLinear: 1.1}
+  timer = lambda layer, x: ms(_timer(layer_ms)(layer, x) * 10)
+  cost = {"CompressedNMLinear": 1, "BlockSparseLinear": 1, "MaskedLinear": 2, "Linear": 1}
+  calls = []
+  step = _step_timer(cost, calls)
+  timings = jaxsparse.route_slower_to_dense(net, 8, timer=timer, step_timer=lambda m: ms(step(m)))
+  assert _kinds(net) == ["Linear", "Linear", "Linear", "Linear"] and len(calls) == 2
+  by_layer = {t.signature.layer: t for t in timings}
+  assert by_layer["MaskedLinear"].step_ms == {"sparse": 5.0, "dense": 4.0}
+  assert by_layer["MaskedLinear"].sparse_ms == {8: 11.0} and by_layer["BlockSparseLinear"].dense_ms == {8: 10.0}
+
+
+@pytest.mark.parametrize(("ratio", "settled"), [(0.85, True), (1.15, True), (0.84, False), (1.16, False)])
+def test_the_step_band_is_closed(ratio, settled):
+  # Before: a ratio of exactly 1 - step_band (0.85) was left out of the band (abs(0.85 - 1) > 0.15 in floats).
+  net = _sparse_net()
+  layer_ms = {CompressedNMLinear: 3.0, BlockSparseLinear: 3.0, MaskedLinear: ratio}  # only the masked one near
+  cost = {"CompressedNMLinear": 1.0, "BlockSparseLinear": 1.0, "MaskedLinear": 1.0, "Linear": 1.0}
+  calls = []
+  timings = jaxsparse.route_slower_to_dense(net, 8, timer=_timer(layer_ms), step_timer=_step_timer(cost, calls))
+  (masked,) = [t for t in timings if t.signature.layer == "MaskedLinear"]
+  assert masked.ratio == ratio
+  assert (masked.step_ms is not None) is settled and len(calls) == (2 if settled else 0)
+
+
+class _Attention(nnx.Module):
+  def __init__(self, rngs: nnx.Rngs):
+    self.attn = nnx.MultiHeadAttention(num_heads=2, in_features=32, qkv_features=32, decode=False, rngs=rngs)
+    self.fc = nnx.Linear(32, 32, rngs=rngs)
+
+  def __call__(self, x):
+    return self.fc(self.attn(x))
+
+
+@pytest.mark.parametrize("slow", [True, False])
+def test_sparse_linear_general_routes_to_its_dense_linear_general(slow):
+  # Before: the layer wrapped by each SparseLinearGeneral was swapped for an nnx.Linear inside the wrapper, which
+  # then had no to_dense (jaxsparse.densify raised AttributeError) while the docstring said it stayed as it was.
+  model, _ = jaxsparse.sparsify(_Attention(nnx.Rngs(0)), {r"attn\.(query|key|value|out)": jaxsparse.NM(2, 4),
+                                                          "fc": jaxsparse.Unstructured(sparsity=0.5)})
+  x = jax.random.normal(jax.random.key(1), (2, 5, 32))
+  before = model(x)
+  calls = []
+  timer = _timer({jaxsparse.layers.NMLinear: 2.0 if slow else 0.5}, calls)
+  timings = jaxsparse.route_slower_to_dense(model, 4, timer=timer)
+  (nm,) = [t for t in timings if t.signature.layer == "NMLinear"]
+  assert sorted(nm.paths) == ["attn.key", "attn.out", "attn.query", "attn.value"] and nm.dense is slow
+  assert nm.signature.shape == (32, 32) and ("NMLinear", (4, 32)) in calls  # timed as the 2-D layer it wraps
+  for name in ("query", "key", "value", "out"):
+    layer = getattr(model.attn, name)
+    assert type(layer) is (nnx.LinearGeneral if slow else jaxsparse.layers.SparseLinearGeneral), (name, layer)
+  np.testing.assert_allclose(model(x), before, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(jaxsparse.densify(model)(x), before, rtol=1e-5, atol=1e-5)
+  with pytest.raises(TypeError, match="model is itself a SparseLinearGeneral, which cannot be replaced in place"):
+    jaxsparse.route_slower_to_dense(_sparse_general(), 4, timer=timer)
+
+
+def _sparse_general() -> jaxsparse.layers.SparseLinearGeneral:
+  inner = MaskedLinear(16, 8, sparsity=0.5, rngs=nnx.Rngs(0))
+  return jaxsparse.layers.SparseLinearGeneral(inner, in_features=(16,), out_features=(2, 4))
+
+
+class _Tied(nnx.Module):
+  def __init__(self, rngs: nnx.Rngs):
+    self.a = nnx.Linear(32, 32, rngs=rngs)
+    self.b = self.a
+    self.c = nnx.Linear(32, 32, rngs=rngs)
+
+  def __call__(self, x):
+    return self.c(self.b(jax.nn.relu(self.a(x))))
+
+
+def test_a_tied_layer_is_listed_at_every_path_and_stays_tied():
+  # Before: the timings named a tied layer at its first path only ("a", not "b").
+  model, _ = jaxsparse.sparsify(_Tied(nnx.Rngs(0)), jaxsparse.Unstructured(sparsity=0.5))
+  x = jax.random.normal(jax.random.key(1), (3, 32))
+  before = model(x)
+  (timing,) = jaxsparse.route_slower_to_dense(model, 2, timer=_timer({MaskedLinear: 2.0}))
+  assert timing.paths == ("a", "b", "c") and timing.dense
+  assert type(model.a) is nnx.Linear and model.a is model.b and type(model.c) is nnx.Linear
+  np.testing.assert_allclose(model(x), before, rtol=1e-5, atol=1e-5)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Callable
 from collections.abc import Mapping
 from collections.abc import Sequence
@@ -22,8 +23,11 @@ from typing import NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
+from jaxsparse._rules import module_paths
+from jaxsparse._rules import path_str
 from jaxsparse._rules import replace_module
 from jaxsparse._sparsify._linen import SparsifiedLinen
 from jaxsparse._sparsify._linen import dense_params
@@ -43,6 +47,7 @@ from jaxsparse.layers import BlockSparseLinear
 from jaxsparse.layers import CompressedNMLinear
 from jaxsparse.layers import MaskedLinear
 from jaxsparse.layers import NMLinear
+from jaxsparse.layers import SparseLinearGeneral
 
 __all__ = [
     "LayerSignature",
@@ -132,10 +137,12 @@ class SignatureTiming:
 
   Attributes:
     signature: the :class:`LayerSignature`.
-    paths: the dotted paths of the model's layers of that signature.
+    paths: the dotted paths of the model's layers of that signature (a tied layer at each of its paths; a
+      ``SparseLinearGeneral``'s, not its wrapped layer's).
     sparse_ms: ``{batch: ms}`` of the sparse layer's jitted forward on a ``(batch, in_features)`` input.
     dense_ms: ``{batch: ms}`` of the dense ``nnx.Linear`` holding the same (pruned) weights.
-    dense: whether the layers of ``paths`` now are that ``nnx.Linear``.
+    dense: whether the layers of ``paths`` now are that ``nnx.Linear`` (a ``SparseLinearGeneral`` its
+      ``nnx.LinearGeneral``).
     step_ms: with :func:`route_slower_to_dense`'s ``step_timer``, for a signature it settled by timing the model's
       step: ``{"sparse": ms, "dense": ms}``, the step with this signature's layers sparse and dense (the others as
       routed when it was timed); else ``None``.
@@ -199,8 +206,10 @@ def route_slower_to_dense(
 
   For inference: a dense twin holds the dense kernel's bytes. The layers are timed alone, so a difference only the
   whole model shows (fusion with neighbouring ops) is not seen; a layer slower at batch 32 runs dense at batch 1 too
-  (pass the batch sizes you serve). The other jaxsparse layers (convolutions, ``SparseLinearGeneral``) stay as they
-  are.
+  (pass the batch sizes you serve). A ``SparseLinearGeneral`` (e.g. an attention projection) is timed by the 2-D
+  layer it wraps and, routed, becomes its dense ``nnx.LinearGeneral``. A layer held at several paths (tied) is
+  routed at all of them and stays tied. The other jaxsparse layers (convolutions, embeddings) stay as they are.
+  Every layer is timed before any is replaced: a ``timer`` that fails leaves the model as it was.
 
   With ``step_timer`` (the time of the model's own step, e.g. a jitted decode step at the batch it serves), the
   signatures whose layers alone were within ``step_band`` of their twins are settled by the whole step instead,
@@ -222,8 +231,9 @@ def route_slower_to_dense(
 
   Args:
     model: an ``nnx.Module`` holding sparse linear layers; changed in place.
-    batches: the batch size(s) the model serves (positive ints), the rows of the timed inputs.
-    timer: ``(layer, x) -> ms`` of one forward call; ``None``: measured on the default device. Tests inject their own.
+    batches: the batch size(s) the model serves (a positive int or a sequence of them), the rows of the timed inputs.
+    timer: ``(layer, x) -> ms`` of one forward call, a positive finite number; ``None``: measured on the default
+      device. Tests inject their own.
     margin: a sparse layer stays unless it is slower by more than this fraction (measured dispatch's, 3%).
     step_timer: ``(model) -> ms`` of the model's step as it is at the call (the layers swapped in place between
       calls); ``None`` decides by the layers alone.
@@ -236,33 +246,34 @@ def route_slower_to_dense(
   if not isinstance(model, nnx.Module):
     raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}.")
   batches = _check_route_args(batches, margin, step_timer, step_band)
-  if isinstance(model, SPARSE_LINEAR):
+  if isinstance(model, (*SPARSE_LINEAR, SparseLinearGeneral)):
     raise TypeError(f"model is itself a {type(model).__name__}, which cannot be replaced in place: pass a model that "
                     "holds it (or compare it with its to_dense() yourself).")
   timer = timer or time_forward_ms
-  groups: dict[LayerSignature, list[tuple[tuple[Any, ...], nnx.Module]]] = {}
-  for path, node in nnx.iter_modules(model):
-    if path and isinstance(node, SPARSE_LINEAR):
-      groups.setdefault(layer_signature(node), []).append((tuple(path), node))
+  groups = _nnx_groups(model)
+  all_paths = module_paths(model)
   dense_ms: dict[tuple[Any, ...], float] = {}  # dense twins of equal shape and dtype time once
   timings = []
-  for sig, members in groups.items():
-    layer = members[0][1]
+  for sig, members in groups.items():  # every signature timed before any layer is replaced
+    swapped = members[0][1]
+    layer = swapped.layer if isinstance(swapped, SparseLinearGeneral) else swapped
     twin = densify(layer, inplace=True)  # a sparse layer itself is left as it is
     sparse = {}
     for b in batches:
       x = jax.random.normal(jax.random.key(b), (b, sig.shape[0]), sig.compute_dtype)
-      sparse[b] = timer(layer, x)
+      sparse[b] = _check_ms(timer(layer, x), "timer", f"the time of the {sig} layer at batch {b}")
       key = (sig.shape, sig.dtype, sig.compute_dtype, sig.bias, b)
       if key not in dense_ms:
-        dense_ms[key] = timer(twin, x)
-    timing = SignatureTiming(sig, tuple(".".join(map(str, p)) for p, _ in members), sparse,
+        dense_ms[key] = _check_ms(timer(twin, x), "timer",
+                                  f"the time of the dense twin of the {sig} layer at batch {b}")
+    paths = tuple(path_str(p) for path, node in members for p in all_paths.get(id(node)) or [path])
+    timing = SignatureTiming(sig, paths, sparse,
                              {b: dense_ms[(sig.shape, sig.dtype, sig.compute_dtype, sig.bias, b)] for b in batches},
                              dense=False)
-    if timing.ratio > 1 + margin:
-      timing = dataclasses.replace(timing, dense=True)
+    timings.append(dataclasses.replace(timing, dense=True) if timing.ratio > 1 + margin else timing)
+  for timing, members in zip(timings, groups.values(), strict=True):
+    if timing.dense:
       _route_members(model, members, dense=True)
-    timings.append(timing)
   if step_timer is not None:
     members = [groups[t.signature] for t in timings]
     state = {"dense": frozenset(i for i, t in enumerate(timings) if t.dense)}
@@ -286,8 +297,38 @@ def route_slower_to_dense(
   return tuple(timings)
 
 
+def _nnx_groups(model: nnx.Module) -> dict[LayerSignature, list[tuple[tuple[Any, ...], nnx.Module]]]:
+  """``{signature: [(path, layer)]}`` of the sparse linear layers of ``model``, in the order they occur; the layer
+  to swap is a ``SparseLinearGeneral`` where one wraps the sparse layer, the signature its wrapped layer's."""
+  modules = {tuple(path): node for path, node in nnx.iter_modules(model)}
+  groups: dict[LayerSignature, list[tuple[tuple[Any, ...], nnx.Module]]] = {}
+  for path, node in modules.items():
+    if not path or not isinstance(node, SPARSE_LINEAR):
+      continue
+    parent = modules.get(path[:-1])
+    if isinstance(parent, SparseLinearGeneral) and parent.layer is node:
+      groups.setdefault(layer_signature(node), []).append((path[:-1], parent))
+    else:
+      groups.setdefault(layer_signature(node), []).append((path, node))
+  return groups
+
+
+def _check_ms(value: Any, name: str, what: str) -> float:
+  """``value``, what the callable ``name`` returned as ``what`` in milliseconds, as a positive finite float."""
+  ms = None
+  if not isinstance(value, bool | np.bool_ | str | bytes) and np.ndim(value) == 0:
+    try:
+      ms = float(value)
+    except (TypeError, ValueError):
+      pass
+  if ms is None or not math.isfinite(ms) or ms <= 0:
+    raise ValueError(f"{name} returned {value!r}; it must return {what} in milliseconds, a positive finite number.")
+  return ms
+
+
 def _route_members(model: nnx.Module, members: list, *, dense: bool) -> None:
-  """Puts the layers of ``members`` (``(path, sparse layer)``) into ``model`` as their dense twins or as they were."""
+  """Puts the layers of ``members`` (``(path, sparse layer or SparseLinearGeneral)``) into ``model`` as their dense
+  twins or as they were."""
   for path, node in members:
     replace_module(model, path, densify(node, inplace=True) if dense else node)  # a twin, no copy of the model
 
@@ -299,16 +340,13 @@ def _settle_by_step(timings: list[SignatureTiming], time_with: Callable[[frozens
   ``time_with(dense)`` times the model's step with the signatures of indices ``dense`` dense and the others sparse.
   Returns the timings (``dense`` and ``step_ms`` of the settled ones set) and the indices now dense."""
   dense = frozenset(i for i, t in enumerate(timings) if t.dense)
-  near = sorted((i for i, t in enumerate(timings) if abs(t.ratio - 1) <= band), key=lambda i: abs(timings[i].ratio - 1))
+  near = sorted((i for i, t in enumerate(timings) if 1 - band <= t.ratio <= 1 + band),
+                key=lambda i: abs(timings[i].ratio - 1))
   if not near:
     return timings, dense
 
   def ms(routed: frozenset[int]) -> float:
-    t = time_with(routed)
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
-      raise ValueError(f"step_timer returned {t!r}; it must return the step's time in milliseconds, a positive "
-                       "finite number.")
-    return float(t)
+    return _check_ms(time_with(routed), "step_timer", "the step's time")
 
   current = ms(dense)
   for i in near:
@@ -335,14 +373,22 @@ def _settle_by_step(timings: list[SignatureTiming], time_with: Callable[[frozens
 
 def _check_route_args(batches: int | Sequence[int], margin: float, step_timer: Any, step_band: float
                       ) -> tuple[int, ...]:
-  batches = (batches,) if isinstance(batches, int) else tuple(batches)
-  if not batches or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in batches):
+  is_int = lambda b: isinstance(b, numbers.Integral) and not isinstance(b, bool | np.bool_)
+  if is_int(batches):
+    batches = (batches,)
+  elif not isinstance(batches, str | bytes):
+    try:
+      batches = tuple(batches)
+    except TypeError:
+      pass  # not iterable: named below
+  if not isinstance(batches, tuple) or not batches or not all(is_int(b) and b > 0 for b in batches):
     raise ValueError(f"batches must be positive ints, got {batches!r}; e.g. the decode batch sizes (1, 8, 32).")
-  if not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+  batches = tuple(int(b) for b in batches)
+  if isinstance(margin, bool) or not isinstance(margin, numbers.Real) or not 0 <= margin < 1:
     raise ValueError(f"margin must be a fraction in [0, 1), got margin={margin!r}.")
   if step_timer is not None and not callable(step_timer):
     raise TypeError(f"step_timer must be a callable returning milliseconds, or None; got {type(step_timer).__name__}.")
-  if not isinstance(step_band, (int, float)) or isinstance(step_band, bool) or not 0 <= step_band < 1:
+  if isinstance(step_band, bool) or not isinstance(step_band, numbers.Real) or not 0 <= step_band < 1:
     raise ValueError(f"step_band must be a fraction in [0, 1), got step_band={step_band!r}.")
   return batches
 
@@ -400,11 +446,12 @@ def route_slower_to_dense_linen(
   Args:
     sparse: the ``SparsifiedLinen`` that :func:`~jaxsparse.sparsify_linen` returned.
     variables: its variables; not modified.
-    batches: the batch size(s) the model serves (positive ints), the leading dim of the timed inputs.
-    timer: ``(module, variables, x) -> ms`` of one call ``module.apply(variables, x)``: the sparse layer
-      (``BlockSparseDense``, ``NMDense``, ``MaskedDense``, on ``x`` flattened to ``(batch, K)``) and the original
-      ``nn.Dense`` / ``nn.DenseGeneral``; ``None``: measured on the default device (device time on a GPU, the sparse
-      products tuned first). Tests inject their own.
+    batches: the batch size(s) the model serves (a positive int or a sequence of them), the leading dim of the timed
+      inputs.
+    timer: ``(module, variables, x) -> ms`` of one call ``module.apply(variables, x)`` (a positive finite number):
+      the sparse layer (``BlockSparseDense``, ``NMDense``, ``MaskedDense``, on ``x`` flattened to ``(batch, K)``) and
+      the original ``nn.Dense`` / ``nn.DenseGeneral``; ``None``: measured on the default device (device time on a
+      GPU, the sparse products tuned first). Tests inject their own.
     margin: a sparse layer stays unless it is slower by more than this fraction (measured dispatch's, 3%).
     step_timer: ``(model, variables) -> ms`` of the model's step, given a ``SparsifiedLinen`` and its variables with
       some signatures routed; ``None`` decides by the layers alone.
@@ -432,8 +479,10 @@ def route_slower_to_dense_linen(
     sparse_ms, dense_ms = {}, {}
     for b in batches:
       x = jax.random.normal(jax.random.key(b), (b, *layer.in_dims), sig.compute_dtype)
-      sparse_ms[b] = timer(module, layer_vars, x.reshape(b, sig.shape[0]))
-      dense_ms[b] = timer(layer.module, dense_vars, x)
+      sparse_ms[b] = _check_ms(timer(module, layer_vars, x.reshape(b, sig.shape[0])), "timer",
+                               f"the time of the {sig} layer at batch {b}")
+      dense_ms[b] = _check_ms(timer(layer.module, dense_vars, x), "timer",
+                              f"the time of the dense twin of the {sig} layer at batch {b}")
     timing = SignatureTiming(sig, tuple(".".join(p) for p in paths), sparse_ms, dense_ms, dense=False)
     timings.append(dataclasses.replace(timing, dense=True) if timing.ratio > 1 + margin else timing)
   members = list(groups.values())
