@@ -4,9 +4,9 @@ Formats (pytrees: ``BlockSparseMatrix``, ``NMSparseMatrix``, ``CSRMatrix``), mas
 ``magnitude_mask``, ...), differentiable ops (:mod:`jaxsparse.ops`), Flax NNX and Linen layers
 (:mod:`jaxsparse.layers`), pruning and sparse training with optax (:mod:`jaxsparse.pruning`),
 ``sparsify`` / ``densify`` for existing models with the rule specs ``BlockSparse``, ``NM`` and
-``Unstructured``, ``compress`` (N:M layers in their inference form), ``summary`` (bytes and FLOPs against dense)
-and ``plot_pattern`` (matplotlib), and PyTorch checkpoint import / mask export (:mod:`jaxsparse.torch_interop`,
-imported on demand; it needs torch).
+``Unstructured``, ``compress`` / ``compress_linen`` (N:M layers in their inference form), ``summary`` (bytes
+and FLOPs against dense) and ``plot_pattern`` (matplotlib), and PyTorch checkpoint import / mask export
+(:mod:`jaxsparse.torch_interop`, imported on demand; it needs torch).
 """
 
 from jaxsparse import formats
@@ -17,6 +17,7 @@ from jaxsparse import sharding
 from jaxsparse._plot import plot_pattern
 from jaxsparse._sparsify._linen import densify_linen
 from jaxsparse._sparsify._linen import sparsify_linen
+from jaxsparse._sparsify._linen_compress import compress_linen
 from jaxsparse._sparsify._nnx import compress
 from jaxsparse._sparsify._nnx import densify
 from jaxsparse._sparsify._nnx import sparsify
@@ -64,6 +65,7 @@ __all__ = [
     "autotune",
     "autotune_mode",
     "compress",
+    "compress_linen",
     "densify",
     "densify_linen",
     "export_tuning_cache",

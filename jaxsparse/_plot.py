@@ -49,6 +49,12 @@ def _linen_layer(variables: Mapping) -> Any:
     return BlockSparseMatrix.from_index_arrays(kernel, pattern, shape=shape, block_shape=(bk, bn))
   if "mask" in pattern:
     return np.asarray(pattern["mask"])
+  if "kernel_positions" in pattern:  # a CompressedNMDense: its n:m is in its module, not in its variables
+    raise TypeError(
+        "these are a Linen CompressedNMDense's variables, which do not say its n:m: plot its weight, "
+        "jaxsparse.NMSparseMatrix(params['kernel'], sparsity['kernel_positions'], shape=(in_features, features), "
+        "n=n, m=m)."
+    )
   raise TypeError(f"the {SPARSITY!r} variables hold {sorted(pattern)}, not a block pattern or a mask.")
 
 
@@ -143,7 +149,7 @@ def plot_pattern(
       ``NMConv``, ``CompressedNMLinear``, ``CompressedNMEmbed``, ``SparseLinearGeneral``), the variables of one Linen
       ``BlockSparseDense`` / ``MaskedDense`` (``{"params": ..., "sparsity": ...}``), a
       ``BlockSparseMatrix``, ``CSRMatrix`` or ``NMSparseMatrix``, or a bool mask (for N:M Linen layers:
-      ``jaxsparse.nm_mask(kernel, n, m)``).
+      ``jaxsparse.nm_mask(kernel, n, m)``; for a ``CompressedNMDense``: its ``NMSparseMatrix``).
     ax: the matplotlib ``Axes`` to draw on; ``None`` makes a new figure.
     crop: ``(rows, cols)``: draw only this top-left corner of the kernel, e.g. ``(32, 32)`` to see
       the 2:4 groups of a large layer.

@@ -33,6 +33,7 @@ from jaxsparse.layers._masked import MaskedLinear
 from jaxsparse.layers._nm import CompressedNMLinear
 from jaxsparse.layers._nm import NMConv
 from jaxsparse.layers._nm import NMLinear
+from jaxsparse.layers._nm_linen_compressed import CompressedNMDense
 
 __all__ = ["LayerSummary", "ModelSummary", "summary"]
 
@@ -112,7 +113,23 @@ class ModelSummary:
   layers: tuple[LayerSummary, ...]
 
   def total(self, field: str) -> int | None:
-    """The sum of a :class:`LayerSummary` field over the layers; ``None`` if a layer's value is unknown."""
+    """The sum of a :class:`LayerSummary` field over the layers; ``None`` if a layer's value is unknown.
+
+    Args:
+      field: the name of a numeric field of :class:`LayerSummary` (``"bytes"``, ``"forward_flops"``...).
+
+    Returns:
+      The sum as an ``int`` (0 without layers), or ``None`` if some layer's value is ``None``.
+
+    Raises:
+      AttributeError: ``field`` is not a field of :class:`LayerSummary`.
+
+    >>> import jaxsparse
+    >>> from flax import nnx
+    >>> s = jaxsparse.summary(jaxsparse.layers.NMLinear(8, 4, n=2, m=4, rngs=nnx.Rngs(0)))
+    >>> s.total("forward_flops"), s.total("dense_forward_flops")
+    (32, 64)
+    """
     values = [getattr(layer, field) for layer in self.layers]
     return None if any(v is None for v in values) else int(sum(values))
 
@@ -236,17 +253,18 @@ def _linen_nm_layers(module: Any, variables: Mapping, inputs: Sequence[Any]) -> 
   from jaxsparse.formats._specs import NM  # noqa: PLC0415
 
   if _is_sparsified_linen(module):
+    names = {"conv": "NMConv", "dense": "NMDense", "general": "NMDense"}
     return {
-        tuple(str(p) for p in path): ("NMConv" if plan.kind == "conv" else "NMDense", plan.spec.n, plan.spec.m,
-                                      plan.spec.transposable)
+        tuple(str(p) for p in path): ("CompressedNMDense" if plan.compressed else names[plan.kind], plan.spec.n,
+                                      plan.spec.m, plan.spec.transposable)
         for path, plan in module.layers.items() if isinstance(plan.spec, NM)
     }
   found: dict[tuple[str, ...], _NMInfo] = {}
 
   def record(next_fun, args, kwargs, context):
     m = context.module
-    if isinstance(m, _nm_linen.NMDense | _nm_linen.NMConv) and context.method_name == "__call__":
-      found[tuple(m.scope.path)] = (type(m).__name__, m.n, m.m, m.transposable)
+    if isinstance(m, _nm_linen.NMDense | _nm_linen.NMConv | CompressedNMDense) and context.method_name == "__call__":
+      found[tuple(m.scope.path)] = (type(m).__name__, m.n, m.m, getattr(m, "transposable", False))
     return next_fun(*args, **kwargs)
 
   with nn.intercept_methods(record):
@@ -276,6 +294,16 @@ def _linen_layers(variables: Mapping, nm_layers: Mapping[tuple[str, ...], _NMInf
       elif "mask" in pattern:
         name = "MaskedConv" if len(kernel.shape) > 2 else "MaskedDense"  # a masked nn.Conv (sparsify_linen, convert)
         out.append(_layer(path, name, tuple(kernel.shape), "unstructured", _count(pattern["mask"]), **common))
+      elif "kernel_positions" in pattern:  # a CompressedNMDense: its n:m is not in its variables
+        if prefix not in nm_layers:
+          raise ValueError(
+              f"{path or '(the variables)'} holds a compressed N:M kernel (sparsity 'kernel_positions') whose n:m "
+              "only its module knows: pass module= (the SparsifiedLinen that jaxsparse.compress_linen returned, or "
+              "the Linen module and its example inputs)."
+          )
+        name, n, m, _ = nm_layers[prefix]
+        shape = (kernel.shape[0] * m // n, kernel.shape[1])
+        out.append(_layer(path, name, shape, f"{n}:{m} compressed", math.prod(shape) * n // m, **common))
       elif prefix in nm_layers:
         name, n, m, transposable = nm_layers[prefix]
         shape = tuple(kernel.shape)
@@ -315,9 +343,10 @@ def summary(model: nnx.Module | Mapping, /, *example_inputs: Any, module: nn.Mod
     *example_inputs: with Linen variables and ``module``: the inputs of ``module.apply`` (arrays or
       ``jax.ShapeDtypeStruct``; only traced); not needed for a ``SparsifiedLinen``.
     module: the Linen module of ``model``'s variables, or the ``SparsifiedLinen`` that
-      :func:`jaxsparse.sparsify_linen` returned. Needed to find ``NMDense`` / ``NMConv``, whose
-      variables are those of ``nn.Dense`` / ``nn.Conv``; block-sparse and masked Linen layers are found
-      from the ``"sparsity"`` collection alone.
+      :func:`jaxsparse.sparsify_linen` (or :func:`jaxsparse.compress_linen`) returned. Needed to find ``NMDense`` /
+      ``NMConv``, whose variables are those of ``nn.Dense`` / ``nn.Conv``, and the ``n:m`` of a
+      ``CompressedNMDense``; block-sparse and masked Linen layers are found from the ``"sparsity"`` collection
+      alone.
 
   Returns:
     A :class:`ModelSummary`; ``str()`` of it is a table with totals.
@@ -325,6 +354,7 @@ def summary(model: nnx.Module | Mapping, /, *example_inputs: Any, module: nn.Mod
   Raises:
     TypeError: ``model`` is neither, ``module`` or example inputs come with an NNX model, example inputs without
       ``module``, or a ``module`` (other than a ``SparsifiedLinen``) without example inputs.
+    ValueError: Linen variables holding a ``CompressedNMDense``'s, without a ``module`` that says its ``n:m``.
   """
   if isinstance(model, nnx.Module):
     if module is not None or example_inputs:

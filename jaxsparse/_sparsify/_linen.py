@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -57,6 +58,7 @@ from jaxsparse.formats._base import is_concrete
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
 from jaxsparse.formats._masks import block_magnitude_mask
 from jaxsparse.formats._masks import magnitude_mask
+from jaxsparse.formats._nm import NMSparseMatrix
 from jaxsparse.formats._nm import nm_mask
 from jaxsparse.formats._specs import NM
 from jaxsparse.formats._specs import BlockSparse
@@ -69,6 +71,7 @@ from jaxsparse.layers import linen as sparse_linen
 __all__ = [
     "SparsifiedLinen",
     "apply_sparse_layer",
+    "compressed_variables",
     "dense_params",
     "densify_layers",
     "densify_linen",
@@ -90,6 +93,9 @@ class _LinenLayer:
   features: tuple[int, ...]  # (N,), or nn.DenseGeneral's (*features)
   # The dense parameters' nn.Partitioned boxes (values dropped), which densify_linen puts back.
   boxes: Mapping[str, nn.meta.AxisMetadata] = dataclasses.field(default_factory=dict, compare=False)
+  # An N:M dense / general layer in its inference form (jaxsparse.compress_linen): a CompressedNMDense.
+  compressed: bool = False
+  implementation: str | None = None  # the CompressedNMDense's nm_matmul backend
 
   @property
   def shape_2d(self) -> tuple[int, int]:
@@ -128,6 +134,9 @@ def sparse_module_of(layer: _LinenLayer, *, nnz: int | None = None) -> nn.Module
       blocks = (k // spec.block_shape[0]) * (n // spec.block_shape[1])
       density = spec.density if nnz is None else nnz / blocks
       return sparse_linen.BlockSparseDense(n, density=density, block_shape=spec.block_shape, **common)
+    if isinstance(spec, NM) and layer.compressed:
+      return sparse_linen.CompressedNMDense(n, n=spec.n, m=spec.m, promote_dtype=m.promote_dtype,
+                                            implementation=layer.implementation, **common)
     if isinstance(spec, NM):
       return sparse_linen.NMDense(n, n=spec.n, m=spec.m, transposable=spec.transposable, promote_dtype=m.promote_dtype,
                                   dot_general=m.dot_general, dot_general_cls=m.dot_general_cls, **common)
@@ -176,8 +185,8 @@ class SparsifiedLinen:
 
   ``apply(variables, *args, **kwargs)`` is ``module.apply`` with those calls redirected
   (``nn.intercept_methods``) to ``BlockSparseDense``, ``MaskedDense``, ``NMDense`` (on flattened
-  features for ``nn.DenseGeneral``), ``NMConv`` or a masked ``nn.Conv`` on the variables of the same
-  scope. Use it as ``apply_fn`` of a ``TrainState``.
+  features for ``nn.DenseGeneral``; ``CompressedNMDense`` after :func:`jaxsparse.compress_linen`), ``NMConv`` or a
+  masked ``nn.Conv`` on the variables of the same scope. Use it as ``apply_fn`` of a ``TrainState``.
 
   Attributes:
     module: the user's Linen module, unchanged.
@@ -222,6 +231,8 @@ class SparsifiedLinen:
       boxed_params = _nested_get(params, path)
       layer_vars = _linen_variables(layer.spec, _params_2d(layer, nn.meta.unbox(boxed_params)), None,
                                     ".".join(path))
+      if layer.compressed:
+        layer_vars = compressed_variables(layer, layer_vars)
       _store(variables, path, layer, boxed_params, layer_vars)
     return variables
 
@@ -553,6 +564,12 @@ def dense_params(layer: _LinenLayer, layer_vars: Mapping) -> dict:
     idx = nn.meta.unbox(layer_vars[sparse_linen.SPARSITY])
     kernel = BlockSparseMatrix.from_index_arrays(kernel, dict(idx), shape=layer.shape_2d,
                                                  block_shape=layer.spec.block_shape).to_dense()
+  elif layer.compressed:
+    if sparse_linen.SPARSITY not in layer_vars:
+      raise ValueError(f"{layer.module.name or type(layer.module).__name__}: a CompressedNMDense's variables need "
+                       f"their {sparse_linen.SPARSITY!r} collection (kernel_positions); pass all the variables.")
+    idx = nn.meta.unbox(layer_vars[sparse_linen.SPARSITY]["kernel_positions"])
+    kernel = NMSparseMatrix(kernel, idx, shape=layer.shape_2d, n=layer.spec.n, m=layer.spec.m).to_dense()
   elif isinstance(layer.spec, NM):
     spec = layer.spec
     if getattr(layer.module, "mask", None) is not None:  # a conv's own weight mask applies first, as in NMConv
@@ -566,6 +583,23 @@ def dense_params(layer: _LinenLayer, layer_vars: Mapping) -> dict:
   if layer.kind == "general":
     p = {k: v.reshape((*layer.in_dims, *layer.features) if k == "kernel" else layer.features) for k, v in p.items()}
   return {k: layer.boxes[k].replace_boxed(v) if k in layer.boxes else v for k, v in p.items()}
+
+
+def compressed_variables(layer: _LinenLayer, layer_vars: Mapping) -> dict:
+  """The (unboxed) variables of ``layer``'s ``CompressedNMDense`` from those of its ``NMDense``: the kernel pruned
+  as ``NMDense`` prunes it, then compressed along the input features."""
+  spec = layer.spec
+  p = nn.meta.unbox(layer_vars["params"])
+  values, positions = _compress_nm(p["kernel"], spec.n, spec.m, spec.transposable)
+  return {"params": {**p, "kernel": values}, sparse_linen.SPARSITY: {"kernel_positions": positions}}
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _compress_nm(kernel: jax.Array, n: int, m: int, transposable: bool) -> tuple[jax.Array, jax.Array]:
+  """The kept values and packed positions of ``kernel`` pruned as ``NMDense`` prunes it (one compile per shape)."""
+  mask = nm_mask(kernel, n, m, axis=0, transposable=transposable)
+  w = NMSparseMatrix.from_dense(jnp.where(mask, kernel, jnp.zeros((), kernel.dtype)), n, m)
+  return w.values, w.indices
 
 
 def densify_layers(variables: Mapping, layers: Mapping[tuple, _LinenLayer]) -> dict:

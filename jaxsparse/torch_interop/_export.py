@@ -20,6 +20,7 @@ from flax import nnx
 from jaxsparse import layers as jsl
 from jaxsparse.formats._block_sparse import INDEX_FIELDS
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
+from jaxsparse.formats._nm import NMSparseMatrix
 from jaxsparse.formats._nm import nm_mask
 from jaxsparse.formats._specs import NM
 from jaxsparse.formats._specs import matrix_shape
@@ -170,6 +171,16 @@ def _linen_entries(variables: Mapping, module: Any = None) -> list[_Entry]:
         mask = np.repeat(np.repeat(_np(mat.block_mask), bk, 0), bn, 1)
         entries.append(_Entry(fp, "weight", torch_layout(_np(mat.to_dense())), torch_layout(mask),
                               block_shape=(bn, bk)))
+      elif name == "kernel" and "kernel_positions" in sp:  # CompressedNMDense (compress_linen): kept values
+        if fp not in nm:
+          raise TypeError(f"{fp or '(the variables)'} holds a compressed N:M kernel (CompressedNMDense), whose n:m "
+                          "only its module knows: pass module= (the SparsifiedLinen that jaxsparse.compress_linen "
+                          "returned).")
+        n, m = nm[fp]
+        mat = NMSparseMatrix(value, _np(sp["kernel_positions"]), shape=(value.shape[0] * m // n, value.shape[1]),
+                             n=n, m=m)
+        entries.append(_Entry(fp, "weight", torch_layout(_np(mat.to_dense())), torch_layout(_np(mat.mask())),
+                              nm=nm[fp]))
       elif name == "kernel" and fp in nm:  # NMDense / NMConv of sparsify_linen: the N:M mask of the kernel
         mask = _np(nm_mask(value, *nm[fp], axis=-2))
         entries.append(_Entry(fp, "weight", torch_layout(_masked(value, mask)), torch_layout(mask), nm=nm[fp]))

@@ -1,0 +1,155 @@
+"""``CompressedNMDense``: the Linen inference form of :class:`~jaxsparse.layers.linen.NMDense`.
+
+The Linen twin of :class:`jaxsparse.layers.CompressedNMLinear`: it stores only the kept values of an N:M kernel
+(``params.kernel``, ``(in_features * n // m, features)``) and their packed positions (``sparsity.kernel_positions``)
+and multiplies them with :func:`jaxsparse.ops.nm_matmul`. :func:`jaxsparse.compress_linen` gives a
+:func:`jaxsparse.sparsify_linen` model these layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax.linen.dtypes import promote_dtype as linen_promote_dtype
+from flax.linen.linear import default_kernel_init
+from flax.typing import Dtype
+from flax.typing import Initializer
+from jax import lax
+
+from jaxsparse import _utils
+from jaxsparse import ops
+from jaxsparse.formats import _nm
+from jaxsparse.formats._nm import NMSparseMatrix
+from jaxsparse.layers._common import SPARSITY
+from jaxsparse.layers._common import check_in_features
+from jaxsparse.layers._common import check_input
+from jaxsparse.layers._common import check_known_in_features
+from jaxsparse.layers._common import existing_shape
+from jaxsparse.layers._common import map_boxed
+from jaxsparse.layers._common import missing_pattern
+from jaxsparse.layers._nm import check_nm_implementation
+
+__all__ = ["CompressedNMDense"]
+
+
+class CompressedNMDense(nn.Module):
+  """Linen ``nn.Dense`` whose N:M-sparse kernel is stored compressed: ``y = nm_matmul(x, W) + b``.
+
+  The inference form of :class:`~jaxsparse.layers.linen.NMDense` (and the Linen twin of
+  :class:`jaxsparse.layers.CompressedNMLinear`): it keeps only the kernel's kept values and their positions in each
+  group of ``m`` input features, 0.5625x the dense kernel's bytes for 2:4 in bfloat16, and multiplies them with
+  :func:`jaxsparse.ops.nm_matmul` (on a CUDA GPU its N:M kernels; elsewhere a dense product of the expanded kernel).
+  :func:`jaxsparse.compress_linen` turns the ``NMDense`` layers of a :func:`jaxsparse.sparsify_linen` model into
+  these. Unlike the NNX layer it keeps no cuSPARSELt copy or buffer of the kernel (``CompressedNMLinear``'s
+  ``cusparselt_copy`` / ``storage="cusparselt"``): ``nm_matmul`` compresses for cuSPARSELt in the call where that
+  route is taken.
+
+  Variables: ``{"params": {"kernel": (in_features * n // m, features), "bias": (features,)},
+  "sparsity": {"kernel_positions": packed positions}}``, the layout of :class:`jaxsparse.NMSparseMatrix`'s
+  ``values`` / ``indices`` grouped along axis 0. ``init`` draws a dense kernel with ``kernel_init`` and keeps its
+  ``n`` largest-magnitude weights of every ``m`` (it works under ``jax.eval_shape``). The kept values are trainable
+  (``nm_matmul`` differentiates them); the positions are not.
+
+  >>> import jax, jax.numpy as jnp
+  >>> from jaxsparse.layers.linen import CompressedNMDense
+  >>> model = CompressedNMDense(32, n=2, m=4)
+  >>> variables = model.init(jax.random.key(0), jnp.ones((1, 64)))
+  >>> jax.tree.map(jnp.shape, variables)
+  {'params': {'bias': (32,), 'kernel': (32, 32)}, 'sparsity': {'kernel_positions': (8, 32)}}
+  >>> model.apply(variables, jnp.ones((8, 64))).shape
+  (8, 32)
+
+  Attributes:
+    features: output size; the input size ``x.shape[-1]`` must be a multiple of ``m``.
+    n, m: ``n`` kept of every ``m`` input features, ``0 < n < m``.
+    use_bias, dtype, param_dtype, precision, kernel_init, bias_init, promote_dtype: as ``nn.Dense``;
+      ``kernel_init`` draws the dense ``(in_features, features)`` kernel that ``init`` prunes.
+    implementation: backend of :func:`jaxsparse.ops.nm_matmul`: ``None`` (it picks), ``"xla"``, ``"pallas"`` or
+      ``"cusparselt"``.
+  """
+
+  features: int
+  _: dataclasses.KW_ONLY
+  n: int = 2
+  m: int = 4
+  use_bias: bool = True
+  dtype: Dtype | None = None
+  param_dtype: Dtype = jnp.float32
+  precision: lax.PrecisionLike = None
+  kernel_init: Initializer = default_kernel_init
+  bias_init: Initializer = nn.initializers.zeros_init()
+  promote_dtype: Callable[..., Any] = linen_promote_dtype
+  implementation: ops.NMImplementation | None = None
+
+  def __post_init__(self):
+    _nm.check_nm(self.n, self.m)
+    _utils.check_positive_int(self.features, name="features")
+    check_nm_implementation(self.implementation)
+    super().__post_init__()
+
+  def _in_features(self, x_shape: tuple[int, ...]) -> int:
+    """The input size: the held kernel's (checked against ``x``), else ``x``'s."""
+    values_shape = existing_shape(self, "params", "kernel")
+    expected = None
+    if values_shape is not None:
+      if len(values_shape) != 2 or values_shape[0] % self.n:
+        raise ValueError(
+            f"{type(self).__name__}{f' {self.name!r}' if self.name else ''}: params['kernel'] has shape "
+            f"{values_shape}, not the kept values (in_features * n // m, features) of an {self.n}:{self.m} kernel; "
+            "pass the variables its init or jaxsparse.compress_linen made (NMDense keeps the dense kernel)."
+        )
+      expected = values_shape[0] * self.m // self.n
+    check_known_in_features(self, x_shape, expected)
+    check_in_features(x_shape[-1], self.m, name="x.shape[-1]")
+    return x_shape[-1]
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    """Applies the layer: ``nm_matmul(x, W) + b`` with Flax's dtype promotion, as ``nn.Dense`` does.
+
+    Args:
+      x: ``(..., in_features)``.
+
+    Returns:
+      ``(..., features)``, in ``dtype`` if set, else the promoted dtype of ``x`` and the parameters.
+
+    Raises:
+      ValueError: ``x`` whose last axis is not the layer's input size (both named) or not a multiple of ``m``,
+        variables without the ``"sparsity"`` collection, or a ``params['kernel']`` that is not kept values.
+
+    >>> import jax, jax.numpy as jnp, jaxsparse
+    >>> from jaxsparse.layers.linen import CompressedNMDense
+    >>> w = jaxsparse.NMSparseMatrix.from_dense(jax.random.normal(jax.random.key(0), (64, 32)), 2, 4)
+    >>> variables = {"params": {"kernel": w.values}, "sparsity": {"kernel_positions": w.indices}}
+    >>> y = CompressedNMDense(32, use_bias=False).apply(variables, jnp.ones((3, 64)))
+    >>> bool(jnp.allclose(y, jnp.ones((3, 64)) @ w.to_dense(), atol=1e-5))
+    True
+    """
+    x = check_input(x)
+    k = self._in_features(x.shape)
+    if not (self.has_variable(SPARSITY, "kernel_positions") or self.is_initializing()):
+      raise missing_pattern(self)
+    shape = (k, self.features)
+    drawn: dict[str, NMSparseMatrix] = {}  # the pruned kernel drawn at init: its values and positions
+
+    def init_values(key: jax.Array) -> Any:
+      def compress(dense: jax.Array) -> jax.Array:
+        drawn["w"] = NMSparseMatrix.from_dense(dense, self.n, self.m, axis=0)
+        return drawn["w"].values
+
+      return map_boxed(self.kernel_init(key, shape, self.param_dtype), compress)
+
+    values = self.param("kernel", init_values)
+    positions = self.variable(SPARSITY, "kernel_positions", lambda: drawn["w"].indices).value
+    bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
+    w = NMSparseMatrix(values, positions, shape=shape, n=self.n, m=self.m, axis=0, validate=False)
+    x, values, bias = self.promote_dtype(x, w.values, bias, dtype=self.dtype)
+    y = ops.nm_matmul(x, w.with_values(values), implementation=self.implementation, precision=self.precision)
+    if bias is not None:
+      y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
+    return y
