@@ -1,4 +1,5 @@
-"""The data-parallel wrapper of the ops (ops/_sharding.py) on one device: transparent to jit, vmap, grad.
+"""The data-parallel wrapper of the ops (ops/_sharding.py) on one device: transparent to jit, vmap, grad; and the
+argument checks of jaxsparse.sharding, which need no second device.
 
 The multi-device behaviour is tested in tests/multidevice (run by tests/test_multidevice.py).
 """
@@ -7,9 +8,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
 
 import jaxsparse
 from jaxsparse import ops
+from jaxsparse import sharding
 from tests._util import assert_close
 
 KEYS = jax.random.split(jax.random.key(3), 3)
@@ -17,6 +22,7 @@ W = jax.random.normal(KEYS[0], (32, 24))
 NMW = jaxsparse.NMSparseMatrix.from_dense(W, 2, 4)
 BLOCK_MASK = jaxsparse.random_block_mask(KEYS[1], (32, 24), (8, 8), 0.5)
 BSM = jaxsparse.BlockSparseMatrix.from_dense(W, (8, 8), block_mask=BLOCK_MASK)
+W_DENSE = W * jnp.repeat(jnp.repeat(BLOCK_MASK, 8, 0), 8, 1)  # the block-sparse matrix, by plain jnp
 
 
 def test_gradient_of_a_gradient_through_nm_matmul():
@@ -40,3 +46,61 @@ def test_one_dimensional_x():
   assert y.shape == (24,)
   assert_close(y, x @ NMW.to_dense(), jnp.float32)
   assert_close(jax.grad(lambda x: jnp.sum(ops.nm_matmul(x, NMW)))(x), NMW.to_dense().sum(1), jnp.float32)
+
+
+def test_sharding_names_a_bad_mesh_or_axis():
+  mesh = jax.make_mesh((1, 1), ("data", "model"))
+  with pytest.raises(TypeError, match=r"mesh must be a jax\.sharding\.Mesh .* got NoneType"):
+    sharding.shard_block_sparse(BSM, None, "model", split="rows")
+  with pytest.raises(TypeError, match=r"mesh must be a jax\.sharding\.Mesh .* got AbstractMesh"):
+    sharding.shard_block_sparse(BSM, mesh.abstract_mesh, "model", split="rows")
+  for axis in (["model"], ("data", "model")):  # one axis name, not a list or a tuple of them
+    with pytest.raises(TypeError, match=r"axis must be the name of one mesh axis \(a str\), got axis="):
+      sharding.shard_block_sparse(BSM, mesh, axis, split="rows")
+
+
+def test_tensor_parallel_layer_checks_reduce_and_batch_axes_when_built():
+  mesh = jax.make_mesh((1, 1), ("data", "model"))
+  layer = jaxsparse.layers.BlockSparseLinear(32, 32, density=0.5, block_shape=(16, 16), rngs=nnx.Rngs(0))
+  tp_layer = sharding.TensorParallelBlockSparseLinear
+  build = lambda split="columns", **kw: tp_layer(layer, mesh, "model", split=split, **kw)
+  for split in ("columns", "rows"):  # a column split never read reduce: the typo went unnoticed
+    with pytest.raises(ValueError, match="reduce must be 'psum' or 'scatter', got reduce='scater'"):
+      build(split, reduce="scater")
+  with pytest.raises(ValueError, match="batch_axes names 'batch', which is not an axis of the mesh"):
+    build(batch_axes="batch")
+  with pytest.raises(ValueError, match="names 'model', the mesh axis the weight is split over"):
+    build(batch_axes=("data", "model"))
+  with pytest.raises(ValueError, match="names a mesh axis more than once"):
+    build(batch_axes=(("data",), "data"))
+
+
+def test_tensor_parallel_on_an_explicit_mesh_takes_arrays_not_yet_on_it():
+  # jax.make_mesh's axes are explicit by default; x (and new block values) not placed on the mesh, no jax.set_mesh.
+  mesh = jax.make_mesh((1, 1), ("data", "model"))
+  ws = sharding.shard_block_sparse(BSM, mesh, "model", split="rows")
+  x = jax.random.normal(KEYS[2], (4, 32))
+  data = jnp.asarray(np.asarray(ws.data))  # unplaced
+
+  def loss(x, d):
+    return jnp.sum(jnp.sin(sharding.row_parallel_matmul(x, ws.with_data(d), batch_axes="data", reduce="scatter")))
+
+  dense = lambda x, d: jnp.sum(jnp.sin(x @ BSM.with_data(d).to_dense()))
+  assert_close(sharding.row_parallel_matmul(x, ws.with_data(data), batch_axes="data"), x @ W_DENSE, jnp.float32)
+  dx, dd = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, data)
+  dx_ref, dd_ref = jax.grad(dense, argnums=(0, 1))(x, BSM.data)
+  assert_close(dx, dx_ref, jnp.float32)
+  assert_close(ws.global_data(dd), dd_ref, jnp.float32)
+
+
+def test_weight_on_an_explicit_mesh_and_x_not():
+  # Block values placed on a mesh with explicit axes (jax.make_mesh's default), x a plain array: the product runs on
+  # that mesh (x's rows replicated) instead of failing in the XLA loop on mixed shardings.
+  mesh = jax.make_mesh((1,), ("data",))
+  data = jax.device_put(BSM.data, jax.NamedSharding(mesh, jax.P()))
+  x = jax.random.normal(KEYS[2], (4, 32))
+  f = lambda x, d: jnp.sum(jnp.sin(ops.block_sparse_matmul(x, BSM.with_data(d), implementation="xla")))
+  dense = lambda x, d: jnp.sum(jnp.sin(x @ BSM.with_data(d).to_dense()))
+  assert_close(ops.block_sparse_matmul(x, BSM.with_data(data), implementation="xla"), x @ W_DENSE, jnp.float32)
+  for got, want in zip(jax.grad(f, argnums=(0, 1))(x, data), jax.grad(dense, argnums=(0, 1))(x, BSM.data), strict=True):
+    assert_close(got, want, jnp.float32)

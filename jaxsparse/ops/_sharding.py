@@ -20,7 +20,8 @@ How, depends on when the shardings are known:
   pass through, all else replicated); the partition callback sees the shardings Shardy chose and
   lowers ``f`` per device;
 * explicit axes (``jax.set_mesh`` with ``AxisType.Explicit``): the shardings are in the types, so
-  the product is a ``jax.shard_map`` with those specs;
+  the product is a ``jax.shard_map`` with those specs (over ``x``'s mesh, or the weights' when only
+  they are placed on one: ``x`` is then replicated on it);
 * inside ``shard_map`` (all axes manual) and on one device, ``f`` is called directly.
 
 A leading dim that does not divide by its number of shards is gathered (correct, slower): padding
@@ -127,18 +128,30 @@ def _auto_partitioned(fn: Callable, n_rows: int, n_lead: int, summed: frozenset)
 # -------------------------------------------------------------------------------------------------
 
 
-def _explicit_lead(x: jax.Array, n_lead: int):
-  """``(mesh, lead specs)`` when ``x`` is typed with explicit mesh axes, else ``None``."""
-  sharding = jax.typeof(x).sharding
-  mesh = getattr(sharding, "mesh", None)
+def _explicit_mesh(a: jax.Array):
+  """The mesh of ``a``'s type when it has explicit axes, else ``None``."""
+  mesh = getattr(jax.typeof(a).sharding, "mesh", None)
   if mesh is None or mesh.empty or AxisType.Explicit not in mesh.axis_types:
     return None
-  return mesh, _lead_specs(sharding.spec, x.shape, n_lead, lambda a: mesh.shape[a])
+  return mesh
+
+
+def _explicit_lead(args: Sequence[jax.Array], n_lead: int):
+  """``(mesh, lead specs)`` when ``args[0]`` (``x``) or, failing it, another argument (a weight placed on a mesh while
+  ``x`` is not) is typed with explicit mesh axes, else ``None``. ``x`` not on that mesh has its rows replicated."""
+  mesh = next((m for m in map(_explicit_mesh, args) if m is not None), None)
+  if mesh is None:
+    return None
+  x = args[0]
+  sharding = jax.typeof(x).sharding
+  spec = sharding.spec if _explicit_mesh(x) == mesh else P()
+  return mesh, _lead_specs(spec, x.shape, n_lead, lambda a: mesh.shape[a])
 
 
 def _resharded(a: jax.Array, mesh, spec: P) -> jax.Array:
   """``a`` resharded to ``spec`` (a no-op when it already is); works without a ``jax.set_mesh`` context."""
-  return a if jax.typeof(a).sharding.spec == spec else jax.reshard(a, NamedSharding(mesh, spec))
+  placed = _explicit_mesh(a) == mesh and jax.typeof(a).sharding.spec == spec
+  return a if placed else jax.reshard(a, NamedSharding(mesh, spec))
 
 
 def _explicit_call(fn, n_rows, summed, mesh, lead, args, out_ndims):
@@ -204,7 +217,7 @@ def row_parallel(
     n_lead = args[0].ndim - 1
     unsharded = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
     out_ndims = [o.ndim for o in jax.eval_shape(flat_fn, *unsharded)]
-    explicit = _explicit_lead(args[0], n_lead)
+    explicit = _explicit_lead(args, n_lead)
     if explicit is not None:
       return _explicit_call(flat_fn, n_rows, summed, *explicit, args, out_ndims)
     return _auto_partitioned(flat_fn, n_rows, n_lead, summed)(*args)

@@ -16,6 +16,7 @@ gradient is zero) and :meth:`ShardedBlockSparseMatrix.to_block_sparse` drops the
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Literal
 
@@ -65,6 +66,9 @@ class ShardedBlockSparseMatrix:
     nnz_blocks: static number of blocks of the whole matrix (padding excluded); ``None`` counts them from
       ``source`` when it is concrete. With it, :meth:`global_data` also runs under ``jit``.
 
+  The constructor takes the attributes, as ``ShardedBlockSparseMatrix(shards, source, *, mesh, axis, split, shape,
+  nnz_blocks=None)``, unchecked: :func:`shard_block_sparse` builds a consistent one.
+
   >>> import jax, jax.numpy as jnp, jaxsparse
   >>> from jaxsparse import sharding
   >>> mesh = jax.make_mesh((1,), ("model",))  # one device here; a "model" axis of S devices on a multi-GPU host
@@ -87,10 +91,12 @@ class ShardedBlockSparseMatrix:
     self.nnz_blocks = nnz_blocks
 
   def tree_flatten(self):
+    """JAX pytree protocol: ``((shards, source), (mesh, axis, split, shape, nnz_blocks))``."""
     return (self.shards, self.source), (self.mesh, self.axis, self.split, self.shape, self.nnz_blocks)
 
   @classmethod
   def tree_unflatten(cls, aux, children):
+    """JAX pytree protocol: the matrix back from :meth:`tree_flatten`'s parts."""
     mesh, axis, split, shape, nnz_blocks = aux
     return cls(*children, mesh=mesh, axis=axis, split=split, shape=shape, nnz_blocks=nnz_blocks)
 
@@ -101,10 +107,29 @@ class ShardedBlockSparseMatrix:
 
   @property
   def num_shards(self) -> int:
+    """``S``: the size of the mesh axis the matrix is split over."""
     return self.mesh.shape[self.axis]
 
   def with_data(self, data: jax.typing.ArrayLike) -> ShardedBlockSparseMatrix:
-    """The same layout with new block values (e.g. a traced parameter inside a loss)."""
+    """The same layout with new block values (e.g. a traced parameter inside a loss).
+
+    Args:
+      data: ``(S, nnz_per_shard, bk, bn)`` new block values, the shape of :attr:`data` (padding blocks included).
+
+    Returns:
+      A ``ShardedBlockSparseMatrix`` sharing the pattern, mesh and layout with ``self``.
+
+    Raises:
+      ValueError: ``data`` of another shape.
+
+    >>> import jax, jax.numpy as jnp, jaxsparse
+    >>> from jaxsparse import sharding
+    >>> mesh = jax.make_mesh((1,), ("model",))
+    >>> ws = sharding.shard_block_sparse(jaxsparse.BlockSparseMatrix.from_dense(jnp.ones((32, 32)), (16, 16)), mesh,
+    ...                                  "model", split="columns")
+    >>> ws.with_data(2 * ws.data).to_block_sparse().to_dense()[0, 0].item()
+    2.0
+    """
     data = jnp.asarray(data)
     if data.shape != self.data.shape:
       raise ValueError(f"data must have shape {self.data.shape} (shards, blocks, bk, bn), got {data.shape}.")
@@ -120,6 +145,23 @@ class ShardedBlockSparseMatrix:
 
     Also maps a gradient with respect to :attr:`data` to the gradient of the unsplit matrix. Runs under
     ``jit`` (``source`` traced) when :attr:`nnz_blocks` is known, as it is from :func:`shard_block_sparse`.
+
+    Args:
+      data: optional ``(S, nnz_per_shard, bk, bn)`` values laid out as :attr:`data`; ``None`` takes :attr:`data`.
+
+    Returns:
+      ``(nnz_blocks, bk, bn)`` in ``data``'s dtype: the ``data`` of the unsplit :class:`jaxsparse.BlockSparseMatrix`.
+
+    Raises:
+      ValueError: ``data`` of another shape, or an unknown :attr:`nnz_blocks`.
+
+    >>> import jax, jax.numpy as jnp, jaxsparse
+    >>> from jaxsparse import sharding
+    >>> mesh = jax.make_mesh((1,), ("model",))
+    >>> w = jaxsparse.BlockSparseMatrix.from_dense(jnp.arange(32.0 * 32).reshape(32, 32), (16, 16))
+    >>> ws = sharding.shard_block_sparse(w, mesh, "model", split="rows")
+    >>> ws.global_data().shape, bool((ws.global_data() == w.data).all())
+    ((4, 16, 16), True)
     """
     data = _to_spec(self.data if data is None else jnp.asarray(data), P())
     if data.shape != self.data.shape:
@@ -135,7 +177,21 @@ class ShardedBlockSparseMatrix:
     return jnp.zeros((self.nnz_blocks, *data.shape[2:]), data.dtype).at[source].set(flat, mode="drop")
 
   def to_block_sparse(self) -> BlockSparseMatrix:
-    """The unsplit :class:`jaxsparse.BlockSparseMatrix` (gathered onto one device); call it outside ``jit``."""
+    """The unsplit :class:`jaxsparse.BlockSparseMatrix` (gathered onto one device); call it outside ``jit``.
+
+    Returns:
+      A ``BlockSparseMatrix`` of :attr:`shape` with the blocks of the matrix that was split, in its order.
+
+    Raises:
+      ValueError: a traced pattern (under ``jit``).
+
+    >>> import jax, jax.numpy as jnp, jaxsparse
+    >>> from jaxsparse import sharding
+    >>> mesh = jax.make_mesh((1,), ("model",))
+    >>> w = jaxsparse.BlockSparseMatrix.from_dense(jnp.ones((32, 64)), (16, 16))
+    >>> sharding.shard_block_sparse(w, mesh, "model", split="columns").to_block_sparse().shape
+    (32, 64)
+    """
     if not all(is_concrete(a) for a in (self.source, self.shards.row_indices, self.shards.col_indices)):
       raise ValueError(
           "to_block_sparse needs the pattern (source and index arrays) to be concrete, as the unsplit block mask "
@@ -194,12 +250,28 @@ def shard_block_sparse(w: BlockSparseMatrix, mesh: Mesh, axis: str, *, split: Sp
       row-parallel (:func:`row_parallel_matmul`).
 
   Returns:
-    A :class:`ShardedBlockSparseMatrix` with its leaves sharded over ``axis``.
+    A :class:`ShardedBlockSparseMatrix` with its leaves sharded over ``axis``; ``data`` is
+    ``(S, nnz_per_shard, bk, bn)`` in ``w``'s dtype, shards with fewer blocks padded with zero blocks.
+
+  Raises:
+    TypeError: ``w`` is not a :class:`jaxsparse.BlockSparseMatrix`, ``mesh`` not a ``jax.sharding.Mesh`` or ``axis``
+      not a ``str``.
+    ValueError: a bad ``split``, an ``axis`` not of ``mesh``, a block count along the split that the axis size does
+      not divide, or traced index arrays.
   """
   if not isinstance(w, BlockSparseMatrix):
     raise TypeError(f"w must be a jaxsparse.BlockSparseMatrix, got {type(w).__name__}.")
   if split not in ("columns", "rows"):
     raise ValueError(f"split must be 'columns' or 'rows', got split={split!r}.")
+  if not isinstance(mesh, Mesh):
+    raise TypeError(
+        f"mesh must be a jax.sharding.Mesh (e.g. from jax.make_mesh), whose devices hold the shards, got "
+        f"{type(mesh).__name__}."
+    )
+  if not isinstance(axis, str):
+    raise TypeError(
+        f"axis must be the name of one mesh axis (a str), got axis={axis!r}; the mesh's axes are {tuple(mesh.shape)}."
+    )
   if axis not in mesh.shape:
     raise ValueError(f"axis={axis!r} is not an axis of the mesh, whose axes are {tuple(mesh.shape)}.")
   s = mesh.shape[axis]
@@ -248,36 +320,74 @@ def shard_block_sparse(w: BlockSparseMatrix, mesh: Mesh, axis: str, *, split: Sp
 # -------------------------------------------------------------------------------------------------
 
 
-def _batch_entries(x: jax.Array, batch_axes: BatchAxes, mesh: Mesh) -> tuple:
-  """Spec entries of ``x``'s leading dims: ``batch_axes`` if given, else those of an explicit sharding."""
-  n_lead = x.ndim - 1
+def _check_batch_axes(batch_axes: BatchAxes, mesh: Mesh, axis: str) -> tuple:
+  """``batch_axes`` as spec entries, one per leading dim, checked: axes of ``mesh`` other than ``axis``, each once."""
+  if batch_axes is None:
+    return ()
+  entries = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
+  for e in entries:
+    if not (e is None or isinstance(e, str) or (isinstance(e, tuple) and all(isinstance(a, str) for a in e))):
+      raise ValueError(f"batch_axes={batch_axes!r}: each entry must be None, a mesh axis name or a tuple of them.")
+  named = _axes_of(entries)
+  for a in named:
+    if a not in mesh.shape:
+      raise ValueError(f"batch_axes names {a!r}, which is not an axis of the mesh {tuple(mesh.shape)}.")
+  if axis in named:
+    raise ValueError(
+        f"batch_axes={batch_axes!r} names {axis!r}, the mesh axis the weight is split over (tensor parallel); "
+        f"the batch can only be split over the other axes of the mesh {tuple(mesh.shape)}."
+    )
+  if len(set(named)) != len(named):
+    raise ValueError(f"batch_axes={batch_axes!r} names a mesh axis more than once.")
+  return entries
+
+
+def _batch_entries(x: jax.Array, batch_axes: BatchAxes, w: ShardedBlockSparseMatrix) -> tuple:
+  """Spec entries of ``x``'s leading dims: ``batch_axes`` if given, else those of an explicit sharding.
+
+  A leading dim that does not divide by its entry's number of devices gets ``None`` (gathered, as the data-parallel
+  ops do: padding rows would add garbage to the weight gradient). Read from an explicit type, an entry naming
+  ``w.axis`` also gets ``None``: ``x`` is replicated over the tensor-parallel axis (split on ``K`` for rows).
+  """
+  n_lead, mesh = x.ndim - 1, w.mesh
   if batch_axes is None:
     sharding = jax.typeof(x).sharding
     xmesh = getattr(sharding, "mesh", None)
     if xmesh is None or xmesh.empty or AxisType.Explicit not in xmesh.axis_types:
       return (None,) * n_lead
     spec = tuple(sharding.spec) + (None,) * x.ndim
-    return spec[:n_lead]
-  entries = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
-  if len(entries) > n_lead:
-    raise ValueError(f"batch_axes={batch_axes!r} names more dims than the {n_lead} leading dims of x {x.shape}.")
-  for entry in entries:
-    for a in (entry,) if isinstance(entry, str) else entry or ():
-      if a not in mesh.shape:
-        raise ValueError(f"batch_axes names {a!r}, which is not an axis of the mesh {tuple(mesh.shape)}.")
-  return entries + (None,) * (n_lead - len(entries))
+    entries = tuple(None if w.axis in _axes_of((e,)) else e for e in spec[:n_lead])
+    if any(a not in mesh.shape for a in _axes_of(entries)):
+      raise ValueError(
+          f"x is sharded as {sharding.spec} over a mesh of axes {tuple(xmesh.shape)}, w over one of axes "
+          f"{tuple(mesh.shape)}: place x on w's mesh."
+      )
+  else:
+    entries = _check_batch_axes(batch_axes, mesh, w.axis)
+    if len(entries) > n_lead:
+      raise ValueError(f"batch_axes={batch_axes!r} names more dims than the {n_lead} leading dims of x {x.shape}.")
+    entries = entries + (None,) * (n_lead - len(entries))
+  size = lambda e: math.prod(mesh.shape[a] for a in _axes_of((e,)))
+  lead = zip(entries, x.shape[:n_lead], strict=True)
+  return tuple(e if e is not None and d % size(e) == 0 else None for e, d in lead)
 
 
 def _axes_of(entries) -> tuple[str, ...]:
   return tuple(a for e in entries for a in ((e,) if isinstance(e, str) else e or ()))
 
 
-def _to_spec(x: jax.Array, spec: P) -> jax.Array:
-  """Reshards ``x`` under explicit axes so that ``shard_map`` accepts it; auto axes reshard by themselves."""
-  mesh = getattr(jax.typeof(x).sharding, "mesh", None)
+def _to_spec(x: jax.Array, spec: P, mesh: Mesh | None = None) -> jax.Array:
+  """Reshards ``x`` to ``spec`` over ``mesh`` (default: ``x``'s own) when that mesh has explicit axes, so that
+  ``shard_map`` accepts it, an array not yet placed on the mesh included; auto axes reshard by themselves."""
+  mesh = getattr(jax.typeof(x).sharding, "mesh", None) if mesh is None else mesh
   if mesh is not None and not mesh.empty and AxisType.Explicit in mesh.axis_types:
     return jax.reshard(x, NamedSharding(mesh, spec))
   return x
+
+
+def _placed(w: ShardedBlockSparseMatrix) -> ShardedBlockSparseMatrix:
+  """``w``, every leaf split over ``w.axis`` under explicit axes (e.g. after ``with_data`` of an unplaced array)."""
+  return jax.tree.map(lambda a: _to_spec(a, P(w.axis), w.mesh), w)
 
 
 def _local_matrix(w_local: ShardedBlockSparseMatrix, data: jax.Array) -> tuple[BlockSparseMatrix, jax.Array]:
@@ -318,7 +428,7 @@ def _tp_fwd(batch, reduce, options, x, w):
       return lax.psum_scatter(y, w.axis, scatter_dimension=y.ndim - 1, tiled=True)
     return lax.psum(y, w.axis) if w.split == "rows" else y
 
-  y = _smap(w, local, (x_spec, P(w.axis)), y_spec)(_to_spec(x, x_spec), w)
+  y = _smap(w, local, (x_spec, P(w.axis)), y_spec)(_to_spec(x, x_spec, w.mesh), _placed(w))
   return y, (x, w)
 
 
@@ -340,7 +450,7 @@ def _tp_bwd(batch, reduce, options, res, dy):
     return dx, jnp.where(valid[:, None, None], ddata, jnp.zeros((), ddata.dtype))[None]
 
   dx, ddata = _smap(w, local, (x_spec, P(w.axis), y_spec), (x_spec, P(w.axis)))(
-      _to_spec(x, x_spec), w, _to_spec(dy, y_spec)
+      _to_spec(x, x_spec, w.mesh), _placed(w), _to_spec(dy, y_spec, w.mesh)
   )
   return _like(dx, x), _cotangent(w, _like(ddata, w.data))
 
@@ -389,15 +499,21 @@ def column_parallel_matmul(
     w: from :func:`shard_block_sparse` with ``split="columns"``.
     batch_axes: mesh axes of ``x``'s leading dims (data parallel), one spec entry per leading dim,
       e.g. ``"data"`` or ``("data", None)``; ``None`` reads them from ``x``'s type under explicit
-      axes and otherwise replicates the leading dims.
+      axes (less ``w.axis``) and otherwise replicates the leading dims. ``w.axis`` cannot be one of them;
+      a leading dim that does not divide by its number of devices is gathered (correct, slower).
     implementation, precision: for :func:`jaxsparse.ops.block_sparse_matmul` on each shard.
 
   Returns:
     ``(..., N)``, sharded on ``N`` over ``w.axis`` and on the leading dims as ``batch_axes``. The
     gradient of ``x`` is reduced over ``w.axis`` and that of ``w.data`` over ``batch_axes``.
+
+  Raises:
+    TypeError: ``w`` is not a :class:`ShardedBlockSparseMatrix`.
+    ValueError: ``w`` split by rows, ``x`` not ``(..., K)``, or ``batch_axes`` that are not axes of the mesh, name
+      ``w.axis`` or an axis twice, or name more dims than ``x``'s leading ones.
   """
   x = _check(x, w, "columns", "column_parallel_matmul")
-  return _tp_matmul(_batch_entries(x, batch_axes, w.mesh), "psum", (implementation, precision), x, w)
+  return _tp_matmul(_batch_entries(x, batch_axes, w), "psum", (implementation, precision), x, w)
 
 
 def row_parallel_matmul(
@@ -431,14 +547,19 @@ def row_parallel_matmul(
     implementation, precision: for :func:`jaxsparse.ops.block_sparse_matmul` on each shard.
 
   Returns:
-    ``(..., N)``.
+    ``(..., N)``, replicated over ``w.axis`` (``"psum"``) or sharded on ``N`` over it (``"scatter"``).
+
+  Raises:
+    TypeError: ``w`` is not a :class:`ShardedBlockSparseMatrix`.
+    ValueError: ``w`` split by columns, ``x`` not ``(..., K)``, bad ``batch_axes``, an unknown ``reduce``, or
+      ``reduce="scatter"`` with ``N`` not divisible by the axis size.
   """
   x = _check(x, w, "rows", "row_parallel_matmul")
   if reduce not in ("psum", "scatter"):
     raise ValueError(f"reduce must be 'psum' or 'scatter', got reduce={reduce!r}.")
   if reduce == "scatter" and w.shape[1] % w.num_shards:
     raise ValueError(f"reduce='scatter' needs N = {w.shape[1]} to divide by the {w.num_shards} devices of {w.axis!r}.")
-  return _tp_matmul(_batch_entries(x, batch_axes, w.mesh), reduce, (implementation, precision), x, w)
+  return _tp_matmul(_batch_entries(x, batch_axes, w), reduce, (implementation, precision), x, w)
 
 
 def megatron_mlp(
@@ -468,14 +589,31 @@ def megatron_mlp(
 
   Args:
     x: ``(..., d)``.
-    w_in: ``(d, hidden)`` split by columns; w_out: ``(hidden, d_out)`` split by rows, over the same axis.
+    w_in: ``(d, hidden)`` split by columns (:func:`shard_block_sparse` with ``split="columns"``).
+    w_out: ``(hidden, d_out)`` split by rows, over the same mesh axis as ``w_in``.
     activation: elementwise function.
     batch_axes: as in :func:`column_parallel_matmul`.
 
   Returns:
     ``(..., d_out)``, replicated over the tensor-parallel axis.
+
+  Raises:
+    TypeError: ``w_in`` or ``w_out`` is not a :class:`ShardedBlockSparseMatrix`.
+    ValueError: ``w_in`` and ``w_out`` split over different meshes or axes, of hidden dims that differ, or as the two
+      products raise.
   """
+  for name, w in (("w_in", w_in), ("w_out", w_out)):
+    if not isinstance(w, ShardedBlockSparseMatrix):
+      raise TypeError(f"{name} must be a ShardedBlockSparseMatrix (from shard_block_sparse), got {type(w).__name__}.")
   if w_in.axis != w_out.axis or w_in.mesh != w_out.mesh:
-    raise ValueError(f"w_in and w_out must be split over the same mesh axis, got {w_in.axis!r} and {w_out.axis!r}.")
+    raise ValueError(
+        f"w_in and w_out must be split over the same axis of the same mesh, got {w_in.axis!r} of {w_in.mesh} and "
+        f"{w_out.axis!r} of {w_out.mesh}."
+    )
+  if w_in.shape[1] != w_out.shape[0]:
+    raise ValueError(
+        f"w_in's output features must be w_out's input features (the hidden dim), got w_in.shape={w_in.shape} and "
+        f"w_out.shape={w_out.shape}."
+    )
   h = column_parallel_matmul(x, w_in, batch_axes=batch_axes)
   return row_parallel_matmul(activation(h), w_out, batch_axes=batch_axes)

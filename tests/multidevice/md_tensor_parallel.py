@@ -175,6 +175,12 @@ def test_bad_arguments():
     column_parallel_matmul(X, w_rows)
   with pytest.raises(ValueError, match="batch_axes names 'batch'"):
     row_parallel_matmul(X, w_rows, batch_axes="batch")
+  with pytest.raises(ValueError, match="names 'model', the mesh axis the weight is split over"):
+    row_parallel_matmul(X, w_rows, batch_axes="model")
+  with pytest.raises(ValueError, match="names a mesh axis more than once"):
+    row_parallel_matmul(X, w_rows, batch_axes=("data", "data"))
+  with pytest.raises(ValueError, match="hidden dim"):
+    megatron_mlp(X, shard_block_sparse(W_IN, mesh, "model", split="columns"), w_rows)
 
 
 class _MLP(nnx.Module):
@@ -250,3 +256,43 @@ def test_tensor_parallel_layer_restores_into_an_abstract_target(split, tmp_path)
   assert_close(g, g_ref, jnp.bfloat16)
   with pytest.raises(ValueError, match=r"to_block_sparse needs the pattern .* concrete"):
     nnx.jit(lambda m: m.to_block_sparse_linear().kernel[...])(restored)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_batch_axes_over_a_batch_that_does_not_divide(rows):
+  # 1 or 3 rows over the 2 devices of "data": gathered (as the data-parallel ops do), not a shard_map error.
+  mesh = _mesh()
+  w_in = shard_block_sparse(W_IN, mesh, "model", split="columns")
+  w_out = shard_block_sparse(W_OUT, mesh, "model", split="rows")
+  x = X[:rows, 0]
+  mlp = lambda x, a, b: megatron_mlp(x, w_in.with_data(a), w_out.with_data(b), batch_axes="data")
+
+  def ref(x, a, b):
+    h = jax.nn.gelu(jaxsparse.ops.block_sparse_matmul(x, W_IN.with_data(a)))
+    return jaxsparse.ops.block_sparse_matmul(h, W_OUT.with_data(b))
+
+  assert_close(jax.jit(mlp)(x, w_in.data, w_out.data), ref(x, W_IN.data, W_OUT.data), jnp.float32)
+  _, (dx, da, db) = _loss_and_grads(mlp, x, w_in.data, w_out.data)
+  _, (dx_ref, da_ref, db_ref) = _loss_and_grads(ref, x, W_IN.data, W_OUT.data)
+  assert_close(dx, dx_ref, jnp.float32)
+  assert_close(w_in.global_data(da), da_ref, jnp.float32)  # summed once, not once per device
+  assert_close(w_out.global_data(db), db_ref, jnp.float32)
+
+
+def test_explicit_x_sharded_over_the_tensor_parallel_axis():
+  # Under explicit axes x's batch is read from its type; a batch split over the tensor-parallel axis itself is
+  # gathered over it (x is replicated over that axis for a column split) and dX comes back split like x.
+  mesh = jax.make_mesh((4,), ("model",), axis_types=(AxisType.Explicit,))
+  w = shard_block_sparse(W_IN, mesh, "model", split="columns")
+  x = X[:, 0]
+  loss = lambda x, d: jnp.sum(jnp.sin(column_parallel_matmul(x, w.with_data(d))))
+  with jax.set_mesh(mesh):
+    xs = jax.device_put(x, P("model"))
+    y = jax.jit(lambda x: column_parallel_matmul(x, w))(xs)
+    dx, dd = jax.jit(jax.grad(loss, argnums=(0, 1)))(xs, w.data)
+    assert jax.typeof(dx).sharding.spec == P("model", None)
+  dx_ref, dd_ref = jax.grad(lambda x, d: jnp.sum(jnp.sin(x @ W_IN.with_data(d).to_dense())), argnums=(0, 1))(
+      x, W_IN.data)
+  assert_close(y, x @ W_IN.to_dense(), jnp.float32)
+  assert_close(dx, dx_ref, jnp.float32)
+  assert_close(w.global_data(dd), dd_ref, jnp.float32)
