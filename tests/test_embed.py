@@ -169,3 +169,61 @@ def test_sparsify_embedding_masks_and_errors():
     jaxsparse.sparsify(model, {"embed": jaxsparse.NM(2, 4, transposable=True)})
   with pytest.raises(ValueError, match=r"masks has key\(s\) \['embed.embedding'\]"):
     jaxsparse.sparsify(model, {"fc": jaxsparse.NM(2, 4)}, masks={"embed.embedding": mask})
+
+
+def test_attend_names_a_query_of_another_width():
+  # It raised nm_matmul's "x must have shape (..., K) with K = w.shape[0]", naming neither query nor features.
+  sparse = CompressedNMEmbed.from_dense(_dense(6, 8, jnp.float32, 0))
+  for bad in (jnp.ones((2, 12)), jnp.ones(())):
+    with pytest.raises(ValueError, match=r"CompressedNMEmbed has features=8: query must have shape \(\.\.\., 8\), "
+                       r"got query.shape=\((2, 12)?\)"):
+      sparse.attend(bad)
+
+
+def test_dtype_none_computes_in_the_table_dtype_as_nnx_embed():
+  # Built from an NMSparseMatrix with dtype=None, attend promoted a float32 query over a bfloat16 table to float32,
+  # while nnx.Embed (and this layer's own to_dense()) compute in the table's bfloat16: the round trip differed.
+  table = jax.random.normal(jax.random.key(0), (16, 10), jnp.float32).astype(jnp.bfloat16)  # (features, vocab)
+  sparse = CompressedNMEmbed(jaxsparse.NMSparseMatrix.from_dense(table, 2, 4, axis=0))
+  pruned = sparse.weight.to_dense().T
+  ref = nnx.Embed(10, 16, param_dtype=jnp.bfloat16, embedding_init=lambda *_: pruned, rngs=nnx.Rngs(0))
+  q = jax.random.normal(jax.random.key(1), (3, 16), jnp.float32)
+  for out in (sparse.attend(q), sparse.to_dense().attend(q)):
+    assert out.dtype == ref.attend(q).dtype == jnp.bfloat16
+    assert_close(out, ref.attend(q), jnp.bfloat16)
+  np.testing.assert_array_equal(np.asarray(sparse.attend(q), np.float32), np.asarray(ref.attend(q), np.float32))
+  ids = jnp.array([0, 9, 3])
+  assert sparse(ids).dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(sparse(ids), np.float32), np.asarray(ref(ids), np.float32))
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.uint8])
+def test_integer_table_out_of_range_ids_as_nnx_embed(dtype):
+  # An integer table filled only the kept entries of an out-of-range id's row with jnp.take's fill value (the
+  # pruned ones were 0); nnx.Embed's whole row is the fill value.
+  init = lambda key, shape, dt: (jnp.arange(np.prod(shape)).reshape(shape) % 50 + 1).astype(dt)
+  dense = nnx.Embed(6, 8, param_dtype=dtype, embedding_init=init, rngs=nnx.Rngs(0))
+  sparse, ref = CompressedNMEmbed.from_dense(dense), _reference(dense, 2, 4)
+  ids = jnp.array([[0, 5, -1], [6, -7, 100]])
+  np.testing.assert_array_equal(sparse(ids), ref(ids))
+  assert sparse(ids).dtype == dtype and (np.asarray(sparse(ids))[1] == np.asarray(ref(ids))[1, 0, 0]).all()
+
+
+def test_from_dense_mask_positions_are_the_mask_on_a_zero_row():
+  # A padding row of zeros: the positions were chosen by magnitude among its zeros (the first n of each group), not
+  # the mask's, so fine-tuning trained, and weight.mask() (exported masks) showed, other features than the mask.
+  dense = _dense(5, 8, jnp.float32, 1)
+  dense.embedding[...] = dense.embedding[...].at[0].set(0.0)
+  mask = np.zeros((5, 8), bool)
+  mask[:, [2, 3, 5, 7]] = True
+  mask[4, 3] = False  # a group keeping fewer than n: its other position holds a zero
+  sparse = CompressedNMEmbed.from_dense(dense, mask=mask)
+  kept = np.asarray(sparse.weight.mask()).T
+  np.testing.assert_array_equal(kept[:4], mask[:4])
+  assert (kept[4] >= mask[4]).all() and kept[4].sum() == 4
+  expected = np.where(mask, dense.embedding[...], 0)
+  np.testing.assert_array_equal(sparse(jnp.arange(5)), expected)
+  # One step of fine-tuning moves the padding row at the mask's positions only.
+  grads = nnx.grad(lambda e: jnp.sum(e(jnp.array([0, 0, 4]))))(sparse)
+  moved = np.asarray(sparse.weight.with_values(grads.embedding[...]).to_dense().T)
+  np.testing.assert_array_equal(moved[0] != 0, mask[0])

@@ -443,3 +443,34 @@ def test_nm_linear_takes_a_concrete_jax_scalar_decay():
   layer = NMLinear(K, N, sr_ste_decay=jnp.float32(2e-4), rngs=nnx.Rngs(0))
   x = jax.random.normal(jax.random.key(1), (3, K))
   np.testing.assert_allclose(layer(x), NMLinear(K, N, sr_ste_decay=2e-4, rngs=nnx.Rngs(0))(x), rtol=1e-6)
+
+
+# -------------------------------------------------------------------------------------------------
+# CompressedNMLinear and the XLA path of nm_matmul (bug bash).
+# -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("n", "m", "axis"), [(2, 4, 0), (1, 2, 1), (4, 8, 0), (3, 16, 1)])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_nm_matmul_keeps_preferred_element_type_digits(n, m, axis, dtype):
+  # The XLA path multiplied in the operands' dtype and cast after: float32 outputs carried bfloat16's 3 digits.
+  w = jaxsparse.NMSparseMatrix.from_dense(_normal(0, (64, 48), dtype), n, m, axis=axis)
+  x = _normal(1, (5, 64), dtype)
+  expected = jnp.matmul(x.astype(jnp.float32), w.to_dense().astype(jnp.float32), precision="highest")
+  for y in (ops.nm_matmul(x, w, preferred_element_type=jnp.float32),
+            jax.jit(lambda x, w: ops.nm_matmul(x, w, preferred_element_type=jnp.float32))(x, w),
+            CompressedNMLinear(w, dtype=dtype, preferred_element_type=jnp.float32)(x)):
+    assert y.dtype == jnp.float32
+    assert_close(y, expected, jnp.float32)  # rel. 1e-5; bfloat16 rounding of the result is ~1e-3
+  assert_close(ops.nm_matmul(x, w), expected, dtype)  # the default output dtype is the operands'
+
+
+def test_compressed_nm_linear_names_wrong_input_features():
+  # It raised nm_matmul's "x must have shape (..., K) with K = w.shape[0]", naming neither the layer nor inputs.
+  layer = NMLinear(16, 8, rngs=nnx.Rngs(0)).to_compressed()
+  for bad in (jnp.ones((2, 12)), jnp.ones(())):
+    with pytest.raises(ValueError, match=r"CompressedNMLinear has in_features=16: inputs must have shape "
+                       r"\(\.\.\., 16\), got inputs.shape=\((2, 12)?\)"):
+      layer(bad)
+  x = _normal(0, (2, 3, 16))
+  assert_close(layer(x), x @ layer.weight.to_dense() + layer.bias[...], jnp.float32)

@@ -186,6 +186,16 @@ def test_gpu_float32_highest_precision():
 
 @pytest.mark.gpu
 @needs_gpu
+def test_gpu_float32_result_of_bfloat16_operands_is_not_rounded():
+  # The Pallas route cast the kernel's bfloat16 result to float32: the float32 result had bfloat16's digits.
+  x, w = _problem(16, 1024, 512, 2, 4, jnp.bfloat16, seed=7)
+  y = jax.jit(lambda x, w: nm_matmul(x, w, implementation="pallas", preferred_element_type=jnp.float32))(x, w)
+  assert y.dtype == jnp.float32
+  _assert_close(y, _reference(x, w), RTOL[jnp.float32] * 5)
+
+
+@pytest.mark.gpu
+@needs_gpu
 def test_gpu_nm_matmul_uses_kernel_for_decode_and_differentiates():
   x, w = _problem(16, 1024, 512, 2, 4, jnp.bfloat16, seed=5)
   f = jax.jit(lambda x, v: nm_matmul(x, w.with_values(v)))

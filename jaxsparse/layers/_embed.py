@@ -55,7 +55,8 @@ class CompressedNMEmbed(nnx.Module):
   Args:
     weight: the transposed table, a 2-D :class:`jaxsparse.NMSparseMatrix` ``(features, num_embeddings)`` with
       ``axis=0`` (the groups run along the features); :meth:`from_dense` builds it from an ``nnx.Embed``.
-    dtype: the dtype of the lookups and of :meth:`attend` (``None``: the table's), as ``nnx.Embed``'s.
+    dtype: the dtype of the lookups and of :meth:`attend` (``None``: the table's), as ``nnx.Embed``'s (which
+      also stores the table's dtype as ``dtype`` then).
     promote_dtype: as ``nnx.Embed``'s.
     implementation: backend of :func:`jaxsparse.ops.nm_matmul` in :meth:`attend`.
   """
@@ -77,7 +78,7 @@ class CompressedNMEmbed(nnx.Module):
     self.embedding_positions = SparsityPattern(weight.indices)
     self.features, self.num_embeddings = weight.shape
     self.n, self.m = weight.n, weight.m
-    self.dtype = dtype
+    self.dtype = weight.dtype if dtype is None else dtype  # as nnx.Embed: attend too computes in the table's dtype
     self.promote_dtype = promote_dtype
     self.implementation = check_nm_implementation(implementation)
 
@@ -100,6 +101,14 @@ class CompressedNMEmbed(nnx.Module):
       TypeError: ``embed`` is not an ``nnx.Embed``.
       ValueError: ``m`` does not divide ``features``, or ``mask`` has another shape or keeps more than ``n`` of
         some group of ``m``.
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from jaxsparse.layers import CompressedNMEmbed
+    >>> embed = nnx.Embed(10, 8, rngs=nnx.Rngs(0))
+    >>> small = CompressedNMEmbed.from_dense(embed, 2, 4)
+    >>> small.embedding.shape, (small(jnp.array([3])) != 0).sum().item()
+    ((4, 10), 4)
     """
     if not isinstance(embed, nnx.Embed):
       raise TypeError(f"embed must be a flax.nnx.Embed, got {type(embed).__name__}.")
@@ -119,17 +128,49 @@ class CompressedNMEmbed(nnx.Module):
             f"table keeps at most {n} of every {m}."
         )
       table = jnp.where(mask, table, jnp.zeros((), table.dtype))
-    return cls(NMSparseMatrix.from_dense(table.T, n, m, axis=0), dtype=embed.dtype,
-               promote_dtype=embed.promote_dtype, implementation=implementation)
+      # The mask's positions, not a magnitude choice among the table's zeros (an all-zero padding row would keep the
+      # first features, and fine-tuning would train those); the values are the table's there.
+      kept = NMSparseMatrix.from_dense(jnp.asarray(mask.T, jnp.uint8), n, m, axis=0)
+      rows = (jnp.arange(kept.values.shape[0]) // n * m)[:, None] + kept.positions().astype(jnp.int32)
+      weight = kept.with_values(jnp.take_along_axis(table.T, rows, axis=0))
+    else:
+      weight = NMSparseMatrix.from_dense(table.T, n, m, axis=0)
+    return cls(weight, dtype=embed.dtype, promote_dtype=embed.promote_dtype, implementation=implementation)
 
   @property
   def weight(self) -> NMSparseMatrix:
-    """The compressed table, transposed: ``(features, num_embeddings)``, the groups along axis 0."""
+    """The compressed table, transposed: ``(features, num_embeddings)``, the groups along axis 0.
+
+    >>> from flax import nnx
+    >>> from jaxsparse.layers import CompressedNMEmbed
+    >>> w = CompressedNMEmbed.from_dense(nnx.Embed(10, 8, rngs=nnx.Rngs(0)), 2, 4).weight
+    >>> w.shape, w.axis, (w.n, w.m)
+    ((8, 10), 0, (2, 4))
+    """
     return NMSparseMatrix(self.embedding[...], self.embedding_positions[...],
                           shape=(self.features, self.num_embeddings), n=self.n, m=self.m, axis=0, validate=False)
 
   def __call__(self, inputs: jax.Array) -> jax.Array:
-    """Looks up integer ``inputs`` of any shape; returns ``(*inputs.shape, features)`` in ``dtype`` or the table's."""
+    """Looks up the rows of the pruned table, as ``nnx.Embed`` does.
+
+    Args:
+      inputs: integer token ids of any shape; negative ids count from the end and out-of-range ids give rows of
+        ``jnp.take``'s fill value (NaN for floating tables), as ``nnx.Embed``'s ``jnp.take``.
+
+    Returns:
+      ``(*inputs.shape, features)`` in ``dtype`` if set, else the table's dtype; zeros at the pruned features.
+
+    Raises:
+      ValueError: ``inputs`` that are not integers.
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from jaxsparse.layers import CompressedNMEmbed
+    >>> small = CompressedNMEmbed.from_dense(nnx.Embed(10, 8, rngs=nnx.Rngs(0)), 2, 4)
+    >>> ids = jnp.array([[1, 2, 3]])
+    >>> small(ids).shape, bool((small(ids) == small.to_dense()(ids)).all())
+    ((1, 3, 8), True)
+    """
     inputs = jnp.asarray(inputs)
     if not jnp.issubdtype(inputs.dtype, jnp.integer):
       raise ValueError(f"inputs must be integer token ids, got dtype {inputs.dtype}.")
@@ -143,20 +184,53 @@ class CompressedNMEmbed(nnx.Module):
         shape=(self.features, *inputs.shape), n=self.n, m=self.m, axis=0, validate=False,
     ).to_dense()
     rows = jnp.moveaxis(columns, 0, -1)
-    if not jnp.issubdtype(rows.dtype, jnp.inexact):
-      return rows
-    # nnx.Embed's jnp.take fills the rows of out-of-range ids with NaN; here only the kept entries would be.
+    # nnx.Embed's jnp.take fills the rows of out-of-range ids with its fill value (NaN for floating tables, the most
+    # negative integer for signed ones...); here only the kept entries would be.
     valid = jnp.take(jnp.ones((self.num_embeddings,), bool), inputs, axis=0, mode="fill", fill_value=False)
-    return jnp.where(valid[..., None], rows, jnp.full((), jnp.nan, rows.dtype))
+    fill = jnp.take(jnp.zeros((1,), rows.dtype), 1, mode="fill")  # jnp.take's fill value for this dtype
+    return jnp.where(valid[..., None], rows, fill)
 
   def attend(self, query: jax.Array, *, precision: lax.PrecisionLike = None) -> jax.Array:
-    """``query @ table.T``: ``(..., features)`` -> ``(..., num_embeddings)`` logits, in the promoted dtype."""
+    """``query @ table.T`` with the pruned table (tied output logits), as ``nnx.Embed.attend``.
+
+    Args:
+      query: ``(..., features)``.
+      precision: of the product, as in :func:`jaxsparse.ops.nm_matmul`.
+
+    Returns:
+      ``(..., num_embeddings)`` logits in ``dtype`` (the table's unless set), as ``nnx.Embed.attend``.
+
+    Raises:
+      ValueError: ``query`` whose last axis is not ``features``.
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from jaxsparse.layers import CompressedNMEmbed
+    >>> small = CompressedNMEmbed.from_dense(nnx.Embed(10, 8, rngs=nnx.Rngs(0)), 2, 4)
+    >>> q = jnp.ones((2, 8))
+    >>> small.attend(q).shape, bool(jnp.allclose(small.attend(q), small.to_dense().attend(q), atol=1e-6))
+    ((2, 10), True)
+    """
+    shape = jnp.shape(query)
+    if not shape or shape[-1] != self.features:
+      raise ValueError(f"CompressedNMEmbed has features={self.features}: query must have shape (..., "
+                       f"{self.features}), got query.shape={tuple(shape)}.")
     query, values = self.promote_dtype((query, self.embedding[...]), dtype=self.dtype)
     return ops.nm_matmul(query, self.weight.with_values(values), implementation=self.implementation,
                          precision=precision)
 
   def to_dense(self) -> nnx.Embed:
-    """An ``nnx.Embed`` holding the decompressed table (zeros at the pruned features), same ``dtype``."""
+    """An ``nnx.Embed`` holding the decompressed table (zeros at the pruned features), same ``dtype``.
+
+    Returns:
+      An ``nnx.Embed`` of ``(num_embeddings, features)`` whose lookups and :meth:`attend` equal this layer's.
+
+    >>> from flax import nnx
+    >>> from jaxsparse.layers import CompressedNMEmbed
+    >>> dense = CompressedNMEmbed.from_dense(nnx.Embed(10, 8, rngs=nnx.Rngs(0)), 2, 4).to_dense()
+    >>> dense.embedding.shape, (dense.embedding[...] != 0).sum().item()
+    ((10, 8), 40)
+    """
     table = self.weight.to_dense().T
     return nnx.Embed(self.num_embeddings, self.features, dtype=self.dtype, param_dtype=table.dtype,
                      promote_dtype=self.promote_dtype, embedding_init=lambda *_: table, rngs=nnx.Rngs(0))

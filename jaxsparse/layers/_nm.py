@@ -222,6 +222,25 @@ class NMLinear(_NMMixin, nnx.Linear):
     For 2:4 with Flax's default ``dot_general`` and ``promote_dtype`` the product goes through
     :func:`jaxsparse.ops.sr_ste_matmul`: the same value and gradients, with the forward product (and
     with ``transposable=True`` also ``dY Wᵀ``) on cuSPARSELt where it can run (bfloat16 compute, see there).
+
+    Args:
+      inputs: ``(..., in_features)`` (named as ``nnx.Linear``'s).
+      out_sharding: as ``nnx.Linear``'s (it takes Flax's own product).
+
+    Returns:
+      ``(..., out_features)``, in ``dtype`` if set, else the promoted dtype of ``inputs`` and the parameters.
+
+    Raises:
+      ValueError: ``inputs`` whose last axis is not ``in_features``.
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from jaxsparse.layers import NMLinear
+    >>> layer = NMLinear(8, 4, n=2, m=4, rngs=nnx.Rngs(0))
+    >>> x = jnp.ones((3, 8))
+    >>> y = layer(x)
+    >>> y.shape, bool(jnp.allclose(y, x @ (layer.kernel[...] * layer.mask) + layer.bias[...], atol=1e-6))
+    ((3, 4), True)
     """
     check_layer_inputs(self, inputs)
     p = self.promote_dtype
@@ -253,6 +272,19 @@ class NMLinear(_NMMixin, nnx.Linear):
   ) -> NMLinear:
     """An ``NMLinear`` with ``linear``'s dense kernel, bias and options, ready to train with SR-STE.
 
+    Args:
+      linear: an ``nnx.Linear`` (not changed; not a subclass, except an ``NMLinear``, whose dense kernel is
+        taken); its kernel, bias and options (``dtype``, ``precision``, ``dot_general``...) carry over.
+      n, m: keep ``n`` of every ``m`` input features; ``m`` must divide ``in_features``.
+      sr_ste_decay, transposable: as in the constructor.
+
+    Returns:
+      An ``NMLinear`` holding ``linear``'s dense kernel and bias; its forward pass prunes the kernel.
+
+    Raises:
+      TypeError: ``linear`` is not an ``nnx.Linear``.
+      ValueError: bad ``n``, ``m``, ``sr_ste_decay`` or ``transposable`` for this kernel.
+
     >>> from flax import nnx
     >>> from jaxsparse.layers import NMLinear
     >>> dense = nnx.Linear(64, 32, rngs=nnx.Rngs(0))
@@ -268,7 +300,19 @@ class NMLinear(_NMMixin, nnx.Linear):
     )
 
   def to_dense(self) -> nnx.Linear:
-    """An ``nnx.Linear`` holding the pruned kernel: the same function as this layer's forward pass."""
+    """An ``nnx.Linear`` holding the pruned kernel: the same function as this layer's forward pass.
+
+    Returns:
+      An ``nnx.Linear`` with kernel :meth:`pruned_kernel`, this layer's bias and options.
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from jaxsparse.layers import NMLinear
+    >>> layer = NMLinear(8, 4, rngs=nnx.Rngs(0))
+    >>> dense = layer.to_dense()
+    >>> type(dense).__name__, bool(jnp.allclose(dense(jnp.ones((2, 8))), layer(jnp.ones((2, 8))), atol=1e-6))
+    ('Linear', True)
+    """
     return with_weights(
         nnx.Linear, self.pruned_kernel(), bias_of(self), self.in_features, self.out_features, **linear_options(self)
     )
@@ -278,9 +322,19 @@ class NMLinear(_NMMixin, nnx.Linear):
                     storage: typing.Literal["values", "cusparselt", "auto"] = "values") -> CompressedNMLinear:
     """An inference layer storing the compressed kernel and multiplying with :func:`jaxsparse.ops.nm_matmul`.
 
-    ``implementation``, ``cusparselt_copy`` and ``storage`` are :class:`CompressedNMLinear`'s. A layer with a
-    custom ``dot_general`` cannot be compressed (the compressed product is :func:`jaxsparse.ops.nm_matmul`, which
-    would drop it): it raises ``ValueError``; :meth:`to_dense` keeps it.
+    A layer with a custom ``dot_general`` cannot be compressed (the compressed product is
+    :func:`jaxsparse.ops.nm_matmul`, which would drop it); :meth:`to_dense` keeps it.
+
+    Args:
+      implementation, cusparselt_copy, storage: as in :class:`CompressedNMLinear`.
+
+    Returns:
+      A :class:`CompressedNMLinear` holding :meth:`pruned_kernel` compressed, this layer's bias, ``dtype``,
+      ``precision`` and ``preferred_element_type``: the same function as this layer's forward pass.
+
+    Raises:
+      ValueError: a custom ``dot_general``, or a ``storage`` the weight cannot take (see
+        :class:`CompressedNMLinear`).
 
     >>> import jax.numpy as jnp
     >>> from flax import nnx
@@ -311,7 +365,21 @@ class NMLinear(_NMMixin, nnx.Linear):
     )
 
   def to_linen_variables(self) -> dict[str, dict[str, jax.Array]]:
-    """``{"params": {"kernel", "bias"?}}`` for :class:`jaxsparse.layers.linen.NMDense` with the same settings."""
+    """Variables for :class:`jaxsparse.layers.linen.NMDense` with the same settings, holding these weights.
+
+    Returns:
+      ``{"params": {"kernel", "bias"?}}``: the dense ``(in_features, out_features)`` kernel (pruned in the
+      forward pass) and the ``(out_features,)`` bias when the layer has one.
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from jaxsparse.layers import NMLinear
+    >>> from jaxsparse.layers.linen import NMDense
+    >>> layer = NMLinear(8, 4, rngs=nnx.Rngs(0))
+    >>> y = NMDense(4).apply(layer.to_linen_variables(), jnp.ones((2, 8)))
+    >>> bool(jnp.allclose(y, layer(jnp.ones((2, 8))), atol=1e-6))
+    True
+    """
     params = {"kernel": self.kernel[...]}
     if self.bias is not None:
       params["bias"] = self.bias[...]
@@ -435,7 +503,20 @@ class CompressedNMLinear(nnx.Module):
     Built for 2:4 layers whose compute dtype (``dtype``, else the kernel's) is bfloat16,
     when cuSPARSELt can run here, ``implementation`` is ``None`` or ``"cusparselt"`` and the layer was made
     with ``cusparselt_copy=True``. With ``storage="cusparselt"`` the buffer is the weight: nothing to rebuild
-    (returns True).
+    (returns True). Call it after changing ``kernel`` (fine-tuning, loading): the copy is not updated by itself.
+
+    Returns:
+      ``True`` if the layer now has a cuSPARSELt copy (or is stored as one), else ``False``.
+
+    Warns:
+      jaxsparse.ops.CusparseLtFallbackWarning: on a CUDA machine, a 2:4 layer that asked for the copy cannot
+        have one (no cuSPARSELt, or a shape or dtype it does not take).
+
+    >>> import jax, jaxsparse
+    >>> from jaxsparse.layers import CompressedNMLinear
+    >>> w = jaxsparse.NMSparseMatrix.from_dense(jax.random.normal(jax.random.key(0), (64, 32)), 2, 4)
+    >>> CompressedNMLinear(w, cusparselt_copy=False).update_cusparselt()  # never builds a copy
+    False
     """
     if self.storage == "cusparselt":
       return True
@@ -475,8 +556,25 @@ class CompressedNMLinear(nnx.Module):
     )
 
   def __call__(self, inputs: jax.Array) -> jax.Array:
-    """Applies the layer to ``inputs`` of shape ``(..., in_features)`` (named as ``nnx.Linear``'s); returns
-    ``(..., out_features)``."""
+    """``nm_matmul(inputs, weight) + bias``, the product of :class:`NMLinear` with the same pruned kernel.
+
+    Args:
+      inputs: ``(..., in_features)`` (named as ``nnx.Linear``'s).
+
+    Returns:
+      ``(..., out_features)``, in ``dtype`` if set, else the promoted dtype of ``inputs`` and the parameters.
+
+    Raises:
+      ValueError: ``inputs`` whose last axis is not ``in_features``.
+
+    >>> import jax, jax.numpy as jnp, jaxsparse
+    >>> from jaxsparse.layers import CompressedNMLinear
+    >>> w = jaxsparse.NMSparseMatrix.from_dense(jax.random.normal(jax.random.key(0), (64, 32)), 2, 4)
+    >>> x = jnp.ones((3, 64))
+    >>> bool(jnp.allclose(CompressedNMLinear(w)(x), x @ w.to_dense(), atol=1e-5))
+    True
+    """
+    check_layer_inputs(self, inputs)
     bias = bias_of(self)
     w = self.weight
     x, values, bias = self.promote_dtype((inputs, w.values, bias), dtype=self.dtype)
@@ -499,7 +597,17 @@ class CompressedNMLinear(nnx.Module):
     return y if bias is None else y + bias
 
   def to_dense(self) -> nnx.Linear:
-    """An ``nnx.Linear`` with the decompressed kernel and the same bias."""
+    """An ``nnx.Linear`` with the decompressed kernel and the same bias and options.
+
+    Returns:
+      An ``nnx.Linear`` computing the same function as this layer.
+
+    >>> import jax, jax.numpy as jnp, jaxsparse
+    >>> from jaxsparse.layers import CompressedNMLinear
+    >>> w = jaxsparse.NMSparseMatrix.from_dense(jax.random.normal(jax.random.key(0), (64, 32)), 2, 4)
+    >>> bool((CompressedNMLinear(w).to_dense().kernel[...] == w.to_dense()).all())
+    True
+    """
     return with_weights(
         nnx.Linear,
         self.weight.to_dense(),
@@ -607,8 +715,26 @@ class NMConv(_NMMixin, nnx.Conv):
     )
 
   def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
-    """``nnx.Conv``'s forward with the SR-STE-pruned kernel; channels-last ``inputs`` of ``in_features``
-    channels."""
+    """``nnx.Conv``'s forward with the SR-STE-pruned kernel.
+
+    Args:
+      inputs: channels-last ``(..., *spatial, in_features)``, as ``nnx.Conv`` takes them.
+      out_sharding: as ``nnx.Conv``'s.
+
+    Returns:
+      ``(..., *out_spatial, out_features)``, as ``nnx.Conv`` returns it, in ``dtype`` if set.
+
+    Raises:
+      ValueError: ``inputs`` whose last axis is not ``in_features``.
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from jaxsparse.layers import NMConv
+    >>> conv = NMConv(8, 16, (3, 3), rngs=nnx.Rngs(0))
+    >>> x = jnp.ones((2, 6, 6, 8))
+    >>> bool(jnp.allclose(conv(x), conv.to_dense()(x), atol=1e-5))
+    True
+    """
     check_layer_inputs(self, inputs)
     return super().__call__(inputs, out_sharding=out_sharding)
 
@@ -621,6 +747,18 @@ class NMConv(_NMMixin, nnx.Conv):
       cls, conv: nnx.Conv, *, n: int = 2, m: int = 4, sr_ste_decay: float = 2e-4, transposable: bool = False
   ) -> NMConv:
     """An ``NMConv`` with ``conv``'s dense kernel, bias and every option, ready to train with SR-STE.
+
+    Args:
+      conv: an ``nnx.Conv`` (not changed).
+      n, m: keep ``n`` of every ``m`` input channels; ``m`` must divide ``in_features // feature_group_count``.
+      sr_ste_decay, transposable: as in the constructor.
+
+    Returns:
+      An ``NMConv`` holding ``conv``'s dense kernel and bias; its forward pass prunes the kernel.
+
+    Raises:
+      TypeError: ``conv`` is not an ``nnx.Conv``.
+      ValueError: bad ``n``, ``m``, ``sr_ste_decay`` or ``transposable`` for this kernel.
 
     >>> from flax import nnx
     >>> from jaxsparse.layers import NMConv
@@ -635,18 +773,54 @@ class NMConv(_NMMixin, nnx.Conv):
     )
 
   def to_dense(self) -> nnx.Conv:
-    """An ``nnx.Conv`` holding the pruned kernel: the same function as this layer's forward pass."""
+    """An ``nnx.Conv`` holding the pruned kernel: the same function as this layer's forward pass.
+
+    Returns:
+      An ``nnx.Conv`` with kernel :meth:`pruned_kernel`, this layer's bias and every option.
+
+    >>> from flax import nnx
+    >>> from jaxsparse.layers import NMConv
+    >>> conv = NMConv(8, 16, (3, 3), rngs=nnx.Rngs(0))
+    >>> bool((conv.to_dense().kernel[...] == conv.pruned_kernel()).all())
+    True
+    """
     return with_weights(
         nnx.Conv, self.pruned_kernel(), bias_of(self), self.in_features, self.out_features, self.kernel_size,
         **conv_options(self),
     )
 
   def to_compressed(self) -> NMSparseMatrix:
-    """The pruned kernel compressed along ``cin`` (for storage and export; compute with :meth:`to_dense`)."""
+    """The pruned kernel compressed along ``cin`` (for storage and export; compute with :meth:`to_dense`).
+
+    Returns:
+      An :class:`jaxsparse.NMSparseMatrix` of the kernel's shape ``(*kernel_size, cin, cout)`` and dtype, grouped
+      along axis ``ndim - 2``.
+
+    >>> from flax import nnx
+    >>> from jaxsparse.layers import NMConv
+    >>> w = NMConv(8, 16, (3, 3), rngs=nnx.Rngs(0)).to_compressed()
+    >>> w.shape, w.values.shape, w.axis
+    ((3, 3, 8, 16), (3, 3, 4, 16), 2)
+    """
     return NMSparseMatrix.from_dense(self.pruned_kernel(), self.n, self.m, axis=-2)
 
   def to_linen_variables(self) -> dict[str, dict[str, jax.Array]]:
-    """``{"params": {"kernel", "bias"?}}`` for :class:`jaxsparse.layers.linen.NMConv` with the same settings."""
+    """Variables for :class:`jaxsparse.layers.linen.NMConv` with the same settings, holding these weights.
+
+    Returns:
+      ``{"params": {"kernel", "bias"?}}``: the dense ``(*kernel_size, cin, cout)`` kernel (pruned in the
+      forward pass) and the ``(cout,)`` bias when the layer has one.
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from jaxsparse.layers import NMConv
+    >>> from jaxsparse.layers import linen
+    >>> conv = NMConv(8, 16, (3, 3), rngs=nnx.Rngs(0))
+    >>> x = jnp.ones((2, 6, 6, 8))
+    >>> y = linen.NMConv(16, (3, 3)).apply(conv.to_linen_variables(), x)
+    >>> bool(jnp.allclose(y, conv(x), atol=1e-5))
+    True
+    """
     params = {"kernel": self.kernel[...]}
     if self.bias is not None:
       params["bias"] = self.bias[...]

@@ -117,7 +117,9 @@ def _unpacked(cfg: _Config, w: NMSparseMatrix, blob: jax.Array | None) -> NMSpar
 
 
 def _xla_forward(cfg: _Config, x2, w):
-  return nm_matmul_reference(x2, w, precision=cfg.precision).astype(cfg.out_dtype)
+  # The product in the output dtype: bfloat16 operands with ``preferred_element_type=float32`` keep float32's digits
+  # (a product in the operands' dtype, cast after, would be rounded to bfloat16 first).
+  return nm_matmul_reference(x2, w, precision=cfg.precision, preferred_element_type=cfg.out_dtype)
 
 
 def cusparselt_available() -> bool:
@@ -352,8 +354,9 @@ class _Pallas:
 
   def candidates(self, p: _router.Product) -> list[_tuning.Candidate]:
     kernels, cfg = _pallas_ops(), self.cfg
-    run = lambda x2, w, blob: kernels.forward(x2, _unpacked(cfg, w, blob), precision=cfg.precision).astype(
-        cfg.out_dtype)
+    # The kernel writes out_dtype from its float32 accumulator: a float32 result of 16-bit operands is not rounded.
+    run = lambda x2, w, blob: kernels.forward(x2, _unpacked(cfg, w, blob), precision=cfg.precision,
+                                              out_dtype=cfg.out_dtype)
     return [_tuning.Candidate(self.name, run)]
 
 
