@@ -109,7 +109,7 @@ from llama.prune import to_inference
 
 import jaxsparse
 from jaxsparse._tuning import _measure  # wait_for_background_compiles: no timing beside the tuner's leftovers
-from jaxsparse.layers._nm import CusparseLtWeight  # the cuSPARSELt copy of 2:4 values, counted apart
+from jaxsparse.layers._nm_compressed import CusparseLtWeight  # the cuSPARSELt copy of 2:4 values, counted apart
 
 warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
 

@@ -21,9 +21,9 @@ from jaxsparse.layers._embed import CompressedNMEmbed
 from jaxsparse.layers._linear_general import SparseLinearGeneral
 from jaxsparse.layers._masked import MaskedConv
 from jaxsparse.layers._masked import MaskedLinear
-from jaxsparse.layers._nm import CompressedNMLinear
 from jaxsparse.layers._nm import NMConv
 from jaxsparse.layers._nm import NMLinear
+from jaxsparse.layers._nm_compressed import CompressedNMLinear
 
 __all__ = ["pattern_image", "plot_pattern"]
 

@@ -30,9 +30,9 @@ from jaxsparse.layers._embed import CompressedNMEmbed
 from jaxsparse.layers._linear_general import SparseLinearGeneral
 from jaxsparse.layers._masked import MaskedConv
 from jaxsparse.layers._masked import MaskedLinear
-from jaxsparse.layers._nm import CompressedNMLinear
 from jaxsparse.layers._nm import NMConv
 from jaxsparse.layers._nm import NMLinear
+from jaxsparse.layers._nm_compressed import CompressedNMLinear
 from jaxsparse.layers._nm_linen_compressed import CompressedNMDense
 
 __all__ = ["LayerSummary", "ModelSummary", "summary"]

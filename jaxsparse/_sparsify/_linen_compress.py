@@ -21,7 +21,7 @@ from jaxsparse._sparsify._linen import layer_variables
 from jaxsparse._sparsify._partitioning import carry_linen
 from jaxsparse.formats._specs import NM
 from jaxsparse.layers import linen as sparse_linen
-from jaxsparse.layers._nm import check_nm_implementation
+from jaxsparse.layers._nm_compressed import check_nm_implementation
 from jaxsparse.ops import NMImplementation
 
 __all__ = ["compress_linen"]

@@ -7,11 +7,11 @@ from jaxsparse.layers._embed import CompressedNMEmbed
 from jaxsparse.layers._linear_general import SparseLinearGeneral
 from jaxsparse.layers._masked import MaskedConv
 from jaxsparse.layers._masked import MaskedLinear
-from jaxsparse.layers._nm import CompressedNMLinear
-from jaxsparse.layers._nm import CusparseLtKernel
-from jaxsparse.layers._nm import CusparseLtWeight
 from jaxsparse.layers._nm import NMConv
 from jaxsparse.layers._nm import NMLinear
+from jaxsparse.layers._nm_compressed import CompressedNMLinear
+from jaxsparse.layers._nm_compressed import CusparseLtKernel
+from jaxsparse.layers._nm_compressed import CusparseLtWeight
 
 __all__ = [
     "BlockSparseLinear",

@@ -22,7 +22,7 @@ from jaxsparse import ops
 from jaxsparse.formats._nm import NMSparseMatrix
 from jaxsparse.formats._nm import check_nm
 from jaxsparse.layers._common import SparsityPattern
-from jaxsparse.layers._nm import check_nm_implementation
+from jaxsparse.layers._nm_compressed import check_nm_implementation
 
 __all__ = ["CompressedNMEmbed"]
 

@@ -32,7 +32,7 @@ from jaxsparse.layers._common import check_known_in_features
 from jaxsparse.layers._common import existing_shape
 from jaxsparse.layers._common import map_boxed
 from jaxsparse.layers._common import missing_pattern
-from jaxsparse.layers._nm import check_nm_implementation
+from jaxsparse.layers._nm_compressed import check_nm_implementation
 
 __all__ = ["CompressedNMDense"]
 

@@ -1,0 +1,317 @@
+"""The inference form of the N:M layers: ``CompressedNMLinear`` and its cuSPARSELt variables.
+
+:meth:`NMLinear.to_compressed <jaxsparse.layers.NMLinear.to_compressed>` (or :func:`jaxsparse.compress` for a whole
+model) builds a :class:`CompressedNMLinear`: the kept values and their packed positions, multiplied with
+:func:`jaxsparse.ops.nm_matmul`; on a CUDA GPU a 2:4 bfloat16 layer may also keep its kernel in cuSPARSELt's layout
+(:class:`CusparseLtWeight`, a copy, or :class:`CusparseLtKernel`, the weight itself).
+"""
+
+from __future__ import annotations
+
+import typing
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.nnx.nn import dtypes
+from flax.typing import Dtype
+from jax import lax
+
+from jaxsparse import ops
+from jaxsparse.formats._nm import NMSparseMatrix
+from jaxsparse.layers._common import SparsityPattern
+from jaxsparse.layers._common import bias_of
+from jaxsparse.layers._common import check_layer_inputs
+from jaxsparse.layers._common import with_weights
+from jaxsparse.ops import _nm_matmul
+
+__all__ = ["CompressedNMLinear", "CusparseLtKernel", "CusparseLtWeight", "check_nm_implementation"]
+
+
+class CusparseLtKernel(nnx.Variable):
+  """A 2:4 kernel kept only as one buffer in cuSPARSELt's compressed layout (``uint8``): the weight itself.
+
+  :class:`CompressedNMLinear` built with ``storage="cusparselt"`` keeps its kernel as ``kernel_buffer``, this
+  variable: the kept values, then cuSPARSELt's metadata of their positions, written by jaxsparse on any device.
+  Unlike :class:`CusparseLtWeight` (a copy, rebuilt with the layer) it is the layer's weight and belongs in
+  checkpoints; it is not an ``nnx.Param`` and is not trained.
+
+  >>> import jax, jax.numpy as jnp, jaxsparse
+  >>> from flax import nnx
+  >>> from jaxsparse.layers import CompressedNMLinear, CusparseLtKernel
+  >>> w = jaxsparse.NMSparseMatrix.from_dense(jax.random.normal(jax.random.key(0), (64, 128), jnp.bfloat16), 2, 4)
+  >>> layer = CompressedNMLinear(w, storage="cusparselt")
+  >>> sorted(nnx.state(layer).keys()), layer.kernel_buffer[...].shape, layer.kernel_buffer[...].dtype
+  (['kernel_buffer'], (9216,), dtype('uint8'))
+  >>> bool((layer.weight.to_dense() == w.to_dense()).all())
+  True
+  """
+
+
+class CusparseLtWeight(nnx.Variable):
+  """A 2:4 kernel in cuSPARSELt's compressed layout (``uint8``): a cache, not a parameter.
+
+  :class:`CompressedNMLinear` keeps one as ``kernel_cusparselt`` on a CUDA GPU with cuSPARSELt (2:4, bfloat16);
+  elsewhere that attribute is ``None``. Being no ``nnx.Param``, it is not trained; leave it out of checkpoints
+  with ``nnx.state(model, nnx.Not(CusparseLtWeight))`` (it is rebuilt with the layer). The lines that read it
+  need such a GPU and are skipped in the doctests (which run on CPU).
+
+  >>> import jax, jax.numpy as jnp, jaxsparse
+  >>> from flax import nnx
+  >>> from jaxsparse.layers import CompressedNMLinear, CusparseLtWeight
+  >>> issubclass(CusparseLtWeight, nnx.Param)
+  False
+  >>> w = jaxsparse.NMSparseMatrix.from_dense(jax.random.normal(jax.random.key(0), (64, 32), jnp.bfloat16), 2, 4)
+  >>> layer = CompressedNMLinear(w)
+  >>> sorted(nnx.state(layer, nnx.Not(CusparseLtWeight)).keys())
+  ['kernel', 'kernel_positions']
+  >>> isinstance(layer.kernel_cusparselt, CusparseLtWeight), layer.kernel_cusparselt[...].dtype  # doctest: +SKIP
+  (True, dtype('uint8'))
+  """
+
+
+def check_nm_implementation(implementation: object) -> str | None:
+  """``implementation`` of :func:`jaxsparse.ops.nm_matmul`: ``None``, ``"xla"``, ``"pallas"`` or ``"cusparselt"``."""
+  allowed = (None, *typing.get_args(ops.NMImplementation))
+  if implementation not in allowed:
+    raise ValueError(f"implementation must be one of {allowed}, got implementation={implementation!r}.")
+  return implementation
+
+
+class CompressedNMLinear(nnx.Module):
+  """Inference form of :class:`NMLinear`: ``y = nm_matmul(x, W) + b`` with ``W`` stored compressed.
+
+  Built by :meth:`NMLinear.to_compressed`. ``kernel`` holds the kept values, an ``nnx.Param`` of
+  shape ``(in_features * n // m, out_features)`` that can still be fine-tuned
+  (:func:`jaxsparse.ops.nm_matmul` differentiates it); ``kernel_positions`` the packed positions, a
+  non-trainable :class:`SparsityPattern`. On CUDA GPUs with few rows (decode) the product reads
+  the compressed weight in a Pallas kernel; elsewhere it expands it and runs a dense product.
+
+  On a CUDA GPU with cuSPARSELt, a 2:4 bfloat16 layer also keeps ``kernel_cusparselt``,
+  the kernel in cuSPARSELt's layout (a non-trainable :class:`CusparseLtWeight`, built when the
+  layer is), and multiplies more than 64 rows on sparse tensor cores with it. It is a copy of
+  ``kernel``: after changing ``kernel`` (fine-tuning) call :meth:`update_cusparselt`, or the
+  forward product keeps using the old values.
+
+  Memory: the values and packed positions of a 2:4 bfloat16 kernel take 0.5625x the dense kernel's bytes;
+  the cuSPARSELt copy adds as much again (1.125x dense in all). ``cusparselt_copy=False`` keeps
+  the layer at 0.5625x: decode-size products (the ``mma.sp`` and Pallas kernels read ``kernel``) are
+  unchanged, while products of many rows (prefill) either compress ``kernel`` for cuSPARSELt in each call
+  or take another route, whichever the measured dispatch finds faster.
+
+  ``storage="cusparselt"`` keeps the weight once, as that buffer (``kernel_buffer``, a :class:`CusparseLtKernel`:
+  values, then cuSPARSELt's metadata, written by jaxsparse on any device): 0.5625x dense, and on a GPU whose
+  cuSPARSELt reads that layout both the ``mma.sp`` decode kernel and cuSPARSELt's sparse tensor-core product read
+  it as it is (prefill without the compression of ``cusparselt_copy=False``). The layer then has no ``kernel`` /
+  ``kernel_positions`` / ``kernel_cusparselt``: :attr:`weight` (and
+  :meth:`to_dense`) unpack the buffer, routes that need the values alone (the Pallas kernel, the XLA path, and
+  every route where cuSPARSELt's layout differs) unpack it in the call, and the weight is not trainable. For
+  inference of 2:4 layers with ``in_features`` a multiple of 32 and ``out_features`` of 64.
+
+  >>> import jax, jax.numpy as jnp, jaxsparse
+  >>> from jaxsparse.layers import CompressedNMLinear
+  >>> w = jaxsparse.NMSparseMatrix.from_dense(jax.random.normal(jax.random.key(0), (64, 32)), 2, 4)
+  >>> CompressedNMLinear(w)(jnp.ones((3, 64))).shape
+  (3, 32)
+
+  Args:
+    weight: a 2-D :class:`jaxsparse.NMSparseMatrix` ``(in_features, out_features)``.
+    bias: ``(out_features,)`` or ``None``.
+    dtype, precision, promote_dtype, preferred_element_type: as ``nnx.Linear``.
+    implementation: backend of :func:`jaxsparse.ops.nm_matmul`.
+    cusparselt_copy: keep the cuSPARSELt copy ``kernel_cusparselt`` where it can be built (faster products of
+      many rows, about twice the memory); ``False`` never builds one. Only with ``storage="values"``.
+    storage: ``"values"`` (``kernel`` and ``kernel_positions``, trainable), ``"cusparselt"`` (the one buffer
+      ``kernel_buffer``, described above) or ``"auto"``: ``"cusparselt"`` where the buffer can hold the weight,
+      the compute dtype is the weight's, ``implementation`` is ``None`` or ``"cusparselt"`` and cuSPARSELt on the
+      default GPU reads the buffer as its own, else ``"values"`` (the layer's ``storage`` attribute says which).
+
+  Raises:
+    ValueError: ``storage="cusparselt"`` for a weight it cannot hold (not 2:4 along ``in_features``, or the
+      sizes above), or an unknown ``storage``.
+  """
+
+  def __init__(
+      self,
+      weight: NMSparseMatrix,
+      bias: jax.Array | None = None,
+      *,
+      dtype: Dtype | None = None,
+      precision: lax.PrecisionLike = None,
+      promote_dtype: Callable[..., Any] = dtypes.promote_dtype,
+      preferred_element_type: Dtype | None = None,
+      implementation: ops.NMImplementation | None = None,
+      cusparselt_copy: bool = True,
+      storage: typing.Literal["values", "cusparselt", "auto"] = "values",
+  ):
+    if not isinstance(weight, NMSparseMatrix) or weight.ndim != 2:
+      what = repr(weight) if isinstance(weight, NMSparseMatrix) else type(weight).__name__
+      if hasattr(weight, "shape") and not isinstance(weight, NMSparseMatrix):
+        what += f" of shape {tuple(weight.shape)}"
+      raise TypeError(f"weight must be a 2-D jaxsparse.NMSparseMatrix, got {what}; NMSparseMatrix.from_dense builds "
+                      "one from a dense (in_features, out_features) kernel.")
+    if bias is not None and jnp.shape(bias) != (weight.shape[1],):
+      raise ValueError(
+          f"bias must have shape (out_features,) = ({weight.shape[1]},) for weight of shape {weight.shape}, got "
+          f"{jnp.shape(bias)}."
+      )
+    if storage not in ("values", "cusparselt", "auto"):
+      raise ValueError(f"storage must be 'values', 'cusparselt' or 'auto', got storage={storage!r}.")
+    reason = _nm_matmul.buffer_unsupported_reason(weight) if storage != "values" else ""
+    if storage == "auto":
+      pays = (not reason and (dtype is None or jnp.dtype(dtype) == weight.dtype)
+              and check_nm_implementation(implementation) in (None, "cusparselt")
+              and _nm_matmul.buffer_is_cusparselt(*weight.shape, weight.dtype))
+      storage = "cusparselt" if pays else "values"
+    elif reason:
+      raise ValueError(f"storage='cusparselt': {reason}.")
+    self.storage = storage
+    self.kernel: nnx.Param[jax.Array] | None = nnx.data(None)
+    self.kernel_positions: SparsityPattern | None = nnx.data(None)
+    if storage == "values":
+      self.kernel = nnx.Param(weight.values)
+      self.kernel_positions = SparsityPattern(weight.indices)
+    self.bias: nnx.Param[jax.Array] | None = nnx.data(None) if bias is None else nnx.Param(jnp.asarray(bias))
+    self.in_features, self.out_features = weight.shape
+    self.n, self.m, self.axis = weight.n, weight.m, weight.axis
+    self.dtype = dtype
+    self.precision = precision
+    self.promote_dtype = promote_dtype
+    self.preferred_element_type = preferred_element_type
+    self.implementation = check_nm_implementation(implementation)
+    if not isinstance(cusparselt_copy, bool):
+      raise TypeError(f"cusparselt_copy must be True or False, got cusparselt_copy={cusparselt_copy!r}.")
+    self.cusparselt_copy = cusparselt_copy
+    self.kernel_cusparselt: CusparseLtWeight | None = nnx.data(None)
+    self.kernel_buffer: CusparseLtKernel | None = nnx.data(None)
+    self.kernel_buffer_dtype = weight.dtype
+    if storage == "cusparselt":
+      self.kernel_buffer = CusparseLtKernel(_nm_matmul.to_buffer(weight))
+    self.update_cusparselt()
+
+  def update_cusparselt(self) -> bool:
+    """(Re)builds ``kernel_cusparselt`` from ``kernel``; returns whether the layer has one.
+
+    Built for 2:4 layers whose compute dtype (``dtype``, else the kernel's) is bfloat16,
+    when cuSPARSELt can run here, ``implementation`` is ``None`` or ``"cusparselt"`` and the layer was made
+    with ``cusparselt_copy=True``. With ``storage="cusparselt"`` the buffer is the weight: nothing to rebuild
+    (returns True). Call it after changing ``kernel`` (fine-tuning, loading): the copy is not updated by itself.
+
+    Returns:
+      ``True`` if the layer now has a cuSPARSELt copy (or is stored as one), else ``False``.
+
+    Warns:
+      jaxsparse.ops.CusparseLtFallbackWarning: on a CUDA machine, a 2:4 layer that asked for the copy cannot
+        have one (no cuSPARSELt, or a shape or dtype it does not take).
+
+    >>> import jax, jaxsparse
+    >>> from jaxsparse.layers import CompressedNMLinear
+    >>> w = jaxsparse.NMSparseMatrix.from_dense(jax.random.normal(jax.random.key(0), (64, 32)), 2, 4)
+    >>> CompressedNMLinear(w, cusparselt_copy=False).update_cusparselt()  # never builds a copy
+    False
+    """
+    if self.storage == "cusparselt":
+      return True
+    self.kernel_cusparselt = nnx.data(None)
+    self.kernel_cusparselt_dtype = None
+    if not self.cusparselt_copy or self.implementation not in (None, "cusparselt") or (self.n, self.m) != (2, 4):
+      return False
+    w = self.weight
+    w = w.with_values(w.values.astype(self.dtype or w.dtype))
+    reason = _nm_matmul.cusparselt_unsupported_reason(w)
+    if reason:
+      _nm_matmul.warn_cusparselt_fallback("CompressedNMLinear", reason)
+      return False
+    self.kernel_cusparselt = CusparseLtWeight(ops.cusparselt_compress(w))
+    self.kernel_cusparselt_dtype = w.dtype
+    return True
+
+  @property
+  def kernel_dtype(self) -> jnp.dtype:
+    """The dtype of the kept values, as stored (either ``storage``)."""
+    return self.kernel_buffer_dtype if self.storage == "cusparselt" else jnp.dtype(self.kernel.dtype)
+
+  @property
+  def weight(self) -> NMSparseMatrix:
+    """The compressed ``(in_features, out_features)`` kernel."""
+    if self.storage == "cusparselt":
+      return _nm_matmul.from_buffer(self.kernel_buffer[...], (self.in_features, self.out_features),
+                                    self.kernel_buffer_dtype)
+    return NMSparseMatrix(
+        self.kernel[...],
+        self.kernel_positions[...],
+        shape=(self.in_features, self.out_features),
+        n=self.n,
+        m=self.m,
+        axis=self.axis,
+        validate=False,  # read on every call; the layer built its positions (validate() checks loaded ones)
+    )
+
+  def __call__(self, inputs: jax.Array) -> jax.Array:
+    """``nm_matmul(inputs, weight) + bias``, the product of :class:`NMLinear` with the same pruned kernel.
+
+    Args:
+      inputs: ``(..., in_features)`` (named as ``nnx.Linear``'s).
+
+    Returns:
+      ``(..., out_features)``, in ``dtype`` if set, else the promoted dtype of ``inputs`` and the parameters.
+
+    Raises:
+      ValueError: ``inputs`` whose last axis is not ``in_features``.
+
+    >>> import jax, jax.numpy as jnp, jaxsparse
+    >>> from jaxsparse.layers import CompressedNMLinear
+    >>> w = jaxsparse.NMSparseMatrix.from_dense(jax.random.normal(jax.random.key(0), (64, 32)), 2, 4)
+    >>> x = jnp.ones((3, 64))
+    >>> bool(jnp.allclose(CompressedNMLinear(w)(x), x @ w.to_dense(), atol=1e-5))
+    True
+    """
+    check_layer_inputs(self, inputs)
+    bias = bias_of(self)
+    w = self.weight
+    x, values, bias = self.promote_dtype((inputs, w.values, bias), dtype=self.dtype)
+    if self.storage == "cusparselt" and x.dtype == values.dtype == self.kernel_buffer_dtype:
+      y = _nm_matmul.nm_matmul_buffer(x, self.kernel_buffer[...], w, implementation=self.implementation,
+                                      precision=self.precision, preferred_element_type=self.preferred_element_type)
+      return y if bias is None else y + bias
+    w = w.with_values(values)
+    blob = None
+    if self.kernel_cusparselt is not None and x.dtype == values.dtype == self.kernel_cusparselt_dtype:
+      blob = self.kernel_cusparselt[...]
+    y = ops.nm_matmul(
+        x,
+        w,
+        implementation=self.implementation,
+        precision=self.precision,
+        preferred_element_type=self.preferred_element_type,
+        cusparselt_weight=blob,
+    )
+    return y if bias is None else y + bias
+
+  def to_dense(self) -> nnx.Linear:
+    """An ``nnx.Linear`` with the decompressed kernel and the same bias and options.
+
+    Returns:
+      An ``nnx.Linear`` computing the same function as this layer.
+
+    >>> import jax, jax.numpy as jnp, jaxsparse
+    >>> from jaxsparse.layers import CompressedNMLinear
+    >>> w = jaxsparse.NMSparseMatrix.from_dense(jax.random.normal(jax.random.key(0), (64, 32)), 2, 4)
+    >>> bool((CompressedNMLinear(w).to_dense().kernel[...] == w.to_dense()).all())
+    True
+    """
+    return with_weights(
+        nnx.Linear,
+        self.weight.to_dense(),
+        bias_of(self),
+        self.in_features,
+        self.out_features,
+        use_bias=self.bias is not None,
+        dtype=self.dtype,
+        precision=self.precision,
+        promote_dtype=self.promote_dtype,
+        preferred_element_type=self.preferred_element_type,
+        rngs=nnx.Rngs(0),
+    )
