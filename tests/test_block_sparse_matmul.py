@@ -43,14 +43,17 @@ def _check_all(x, ws, dtype):
   def loss(fn, x, data):
     return jnp.sum(fn(x, ws.with_data(data)).astype(jnp.float32) * ct)
 
+  # A GPU's float32 products at the default precision run on TF32 tensor cores (the op's kernels and the reference's
+  # XLA dot alike, each rounding its own way): 1e-3 there, as in test_pallas_nm.py.
+  factor = 100.0 if dtype == jnp.float32 and jax.default_backend() != "cpu" else 1.0
   y = jax.jit(block_sparse_matmul)(x, ws)
   assert y.dtype == dtype and y.shape == (*x.shape[:-1], ws.shape[1])
-  assert_close(y, block_sparse_matmul_reference(x32, ws.with_data(d32)), dtype)
+  assert_close(y, block_sparse_matmul_reference(x32, ws.with_data(d32)), dtype, factor=factor)
   g = jax.jit(jax.grad(lambda a, b: loss(block_sparse_matmul, a, b), argnums=(0, 1)))(x, ws.data)
   g_ref = jax.grad(lambda a, b: loss(block_sparse_matmul_reference, a, b), argnums=(0, 1))(x32, d32)
   assert g[0].dtype == x.dtype and g[1].dtype == ws.data.dtype
-  assert_close(g[0], g_ref[0], dtype)
-  assert_close(g[1], g_ref[1], dtype)
+  assert_close(g[0], g_ref[0], dtype, factor=factor)
+  assert_close(g[1], g_ref[1], dtype, factor=factor)
 
 
 @SPLIT_EXAMPLES  # 6 examples in the fast set, 6 more with `make test-slow`
@@ -190,6 +193,7 @@ def test_bad_input(kwargs, exc, match):
     block_sparse_matmul(x, w, implementation=kwargs.get("implementation"))
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the C++ CPU kernels' fallback: a GPU runs its own route")
 @pytest.mark.parametrize("wrap", ["eager", "jit", "grad"])
 def test_fallback_warnings_point_at_the_callers_line(monkeypatch, wrap):
   # One base class for every fallback, and the warning names the user's line however deep the op was called from.
@@ -220,6 +224,9 @@ def test_vmap_over_an_empty_batch():
   assert_close(f(x3, ws.data), x3 @ ws.to_dense(), jnp.float32)
 
 
+# On a GPU the float32 operands' products run at the default precision's TF32 there, as x @ w.to_dense()'s do; the
+# route that takes float64 results there is checked by test_float64_result_takes_the_dense_route_on_gpus.
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU's float32 products are exact in float64")
 @pytest.mark.parametrize("block_shape", [(32, 32), (4, 8)])  # the C++ kernels' blocks, and the XLA loop's
 @pytest.mark.parametrize("implementation", [None, "xla"])
 def test_float64_result_of_float32_operands_accumulates_in_float64(block_shape, implementation):
