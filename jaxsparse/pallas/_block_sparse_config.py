@@ -81,6 +81,22 @@ class BlockSparseMatmulConfig:
   ...                                         dx=pallas.KernelConfig(block_m=64), dw=pallas.KernelConfig(block_m=32))
   >>> custom.mosaic_forward is None, custom.dw_dense
   (True, False)
+
+  Attributes:
+    forward: :class:`~jaxsparse.pallas.KernelConfig` of the Triton forward kernel ``x @ W``.
+    dx: :class:`~jaxsparse.pallas.KernelConfig` of the Triton ``dX = dY @ Wᵀ`` kernel.
+    dw: :class:`~jaxsparse.pallas.KernelConfig` of the Triton sampled ``dW = xᵀ dY`` kernel (kept blocks only).
+    mosaic_forward: :class:`~jaxsparse.pallas.MosaicKernelConfig` running the forward on the Mosaic GPU kernel
+      (Hopper) where it supports the operands; ``None``: the Triton kernel.
+    mosaic_dx: likewise for ``dx``.
+    mosaic_dw: :class:`~jaxsparse.pallas.MosaicSddConfig` running ``dw`` on the Mosaic GPU sampled kernel;
+      ``None``: the Triton kernel.
+    dw_dense: compute ``dw`` as one dense ``xᵀ dY`` (XLA) and gather the kept blocks.
+    dx_dense: compute ``dx`` as ``dY @ Wᵀ`` with ``W`` built dense first.
+    forward_dense: compute the forward as ``x @ W`` with ``W`` built dense first.
+    dense: run all three products densely (overrides the other fields).
+
+    The four ``*dense`` fields are ignored in interpret mode (``interpret=True``), where the kernels always run.
   """
 
   forward: KernelConfig
@@ -115,7 +131,27 @@ class BlockSparseMatmulConfig:
     steps only where the output has too few tiles (:func:`contraction_split`). Where a Hopper GPU is present, 16-bit
     blocks of 64 and 128 at ``m >= rules.mosaic.tuned_min_m`` also get Mosaic GPU configs for the forward and
     ``dx`` products (``rules.mosaic.tuned``), and so do the mid-size rows of
-    ``rules.mosaic.rows_16bit``.
+    ``rules.mosaic.rows_16bit``. Tiles over ``rules.shared_memory_bytes`` are cut to fit; a product where none
+    fits runs dense.
+
+    Args:
+      m: rows of ``x`` (all its leading axes together).
+      shape: ``(K, N)`` of the weight.
+      block_shape: ``(bk, bn)`` of its blocks, dividing ``(K, N)``.
+      nnz_blocks: the number of kept blocks.
+      dtype: the operands' dtype (its itemsize picks the tiles).
+      rules: the measured table; ``None``: :func:`~jaxsparse.pallas.dispatch_rules` of the first device (on a
+        machine without a table, such as a CPU, the borrowed Hopper one).
+
+    Returns:
+      A ``BlockSparseMatmulConfig``; its Mosaic fields are ``None`` unless a Hopper GPU is present.
+
+    >>> import jax.numpy as jnp
+    >>> from jaxsparse import pallas
+    >>> rules = pallas.dispatch_rules("NVIDIA H100 80GB HBM3", num_sms=132)
+    >>> cfg = pallas.BlockSparseMatmulConfig.get_default(8, (4096, 4096), (128, 128), 256, jnp.bfloat16, rules=rules)
+    >>> cfg.forward.block_m, cfg.forward.sub_cols, cfg.dx.split  # decode: 8 rows in 16-row tiles, work spread
+    (16, 32, 4)
     """
     r = dispatch_rules() if rules is None else rules
     (k, n), (bk, bn) = shape, block_shape

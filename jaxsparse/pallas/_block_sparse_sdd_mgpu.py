@@ -122,7 +122,20 @@ class MosaicSddConfig:
       raise ValueError(f"order must be one of {_ORDERS}, got order={self.order!r}.")
 
   def smem_bytes(self, block_shape: tuple[int, int], itemsize: int) -> int:
-    """Shared memory the kernel allocates for ``block_shape`` blocks."""
+    """Shared memory the kernel allocates for ``block_shape`` blocks.
+
+    Args:
+      block_shape: ``(bk, bn)`` of the weight's blocks.
+      itemsize: bytes per element of ``x`` and ``dY``.
+
+    Returns:
+      The bytes (an int): the load ring (``num_stages`` slots of one ``x`` slab and ``group`` ``dY`` slabs) plus
+      the epilogue's staging tiles.
+
+    >>> from jaxsparse import pallas
+    >>> pallas.MosaicSddConfig().smem_bytes((64, 64), 2)  # bf16 blocks of 64
+    114688
+    """
     bk, bn = block_shape
     ring = self.num_stages * self.tile_m * (bk + self.group * bn) * itemsize
     return ring + _NUM_COMPUTE_WGS * bk * min(bn, _EPI_N) * itemsize
@@ -138,6 +151,20 @@ class MosaicSddConfig:
     the 132 thread blocks than the shared ``x`` reads save. The ring: up to :data:`MAX_STAGES` slots (H200,
     ``benchmarks/gpu_mosaic_stages.py --products dw``: bf16 64-blocks 0.56 -> 0.52 of the dense ``xᵀ dY`` at
     d = 0.25 and 0.90 -> 0.85 at d = 0.5 with 6 slots against 4; 8 slots 0.56 / 0.89).
+
+    Args:
+      block_shape: ``(bk, bn)`` of the weight's blocks.
+      dtype: the dtype of ``x`` and ``dY`` (float32: 32 rows a step; 16-bit: 64).
+
+    Returns:
+      A ``MosaicSddConfig`` with ``group=2``, ``order="auto"`` and the deepest ring that fits 227 KiB of shared
+      memory; 2 slots where not even those fit (check :meth:`smem_bytes` then).
+
+    >>> import jax.numpy as jnp
+    >>> from jaxsparse import pallas
+    >>> cfg = pallas.MosaicSddConfig.get_default((64, 64), jnp.bfloat16)
+    >>> cfg.group, cfg.tile_m, cfg.num_stages
+    (2, 64, 6)
     """
     itemsize = jnp.dtype(dtype).itemsize
     tile_m = 128 // itemsize if itemsize == 4 else 64

@@ -123,6 +123,22 @@ class NMMatmulConfig:
     cannot expand weights as fast as memory delivers them (``benchmarks/gpu_nm.py --sweep`` on an
     H100 and an H200, 2026-11-21: 128 columns, 8 groups of 4 per step and splits 8 and 4 were the
     fastest tried at N = 4096 and 16384). Larger ``rows``: 128 x 128 output tiles.
+
+    Args:
+      rows: rows of ``x`` (all its leading axes together).
+      shape: ``(K, N)`` of the weight.
+      n, m: the N:M pattern (``m`` sets how many groups a step covers; ``n`` is not used).
+      dtype: the operands' dtype (4-byte dtypes get half the tile, to fit shared memory).
+
+    Returns:
+      An ``NMMatmulConfig``; the kernel shrinks ``block_n`` / ``block_groups`` / ``split_k`` further where they
+      do not divide ``w``'s shape.
+
+    >>> import jax.numpy as jnp
+    >>> from jaxsparse import pallas
+    >>> cfg = pallas.NMMatmulConfig.get_default(4096, (4096, 4096), 2, 4, jnp.bfloat16)  # prefill: 4096 rows
+    >>> cfg.block_m, cfg.block_n, cfg.num_warps, cfg.split_k
+    (128, 128, 8, 1)
     """
     del n
     _, cols = shape
