@@ -155,6 +155,14 @@ def dense_reference(x: jax.typing.ArrayLike, w, *, precision, preferred_element_
   return jnp.matmul(x, w.to_dense(), precision=precision, preferred_element_type=out_dtype)
 
 
+def explicit_mesh(a: jax.typing.ArrayLike):
+  """The mesh of ``a``'s type when it has explicit axes (``jax.set_mesh`` with ``AxisType.Explicit``), else ``None``."""
+  mesh = getattr(jax.typeof(a).sharding, "mesh", None)
+  if mesh is None or mesh.empty or jax.sharding.AxisType.Explicit not in mesh.axis_types:
+    return None
+  return mesh
+
+
 def row_bucket(m: int) -> int:
   """Rows of products that share a tuning decision: powers of two up to 16, then steps of a quarter octave."""
   if m <= 16:

@@ -11,10 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import AxisType
 
 import jaxsparse
 from jaxsparse import ops
 from jaxsparse import sharding
+from jaxsparse.formats import _masks
 from tests._util import assert_close
 
 KEYS = jax.random.split(jax.random.key(3), 3)
@@ -104,3 +106,64 @@ def test_weight_on_an_explicit_mesh_and_x_not():
   assert_close(ops.block_sparse_matmul(x, BSM.with_data(data), implementation="xla"), x @ W_DENSE, jnp.float32)
   for got, want in zip(jax.grad(f, argnums=(0, 1))(x, data), jax.grad(dense, argnums=(0, 1))(x, BSM.data), strict=True):
     assert_close(got, want, jnp.float32)
+
+
+# Under explicit axes JAX checks shardings in the types: a 1 x 1 mesh already refuses a sort over a dim typed as
+# split, a reshape of it, and a dot_general whose operands' splits clash, as a real mesh does (tests/multidevice
+# checks the values on 4 devices).
+EXPLICIT_MESH = jax.make_mesh((1, 1), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+
+
+def test_masks_of_a_weight_split_over_explicit_axes():
+  keep = 24 * 32 // 4  # sparsity 0.75 of W's 768 entries
+  want = np.abs(np.asarray(W)) >= np.sort(np.abs(np.asarray(W)).ravel())[-keep]  # no ties in normal samples
+  norms = np.square(np.asarray(W)).reshape(4, 8, 3, 8).sum(axis=(1, 3))
+  want_blocks = norms >= np.sort(norms.ravel())[-6]  # density 0.5 of 12 blocks
+  with jax.set_mesh(EXPLICIT_MESH):
+    ws = jax.device_put(W, jax.P("model", "data"))
+    masks = [jaxsparse.magnitude_mask(ws, sparsity=0.75),
+             jax.jit(lambda w: jaxsparse.magnitude_mask(w, sparsity=0.75))(ws),
+             _masks.top_k_mask(jnp.abs(ws), keep)]
+    blocks = [jaxsparse.block_magnitude_mask(ws, (8, 8), 0.5),
+              jax.jit(lambda w: jaxsparse.block_magnitude_mask(w, (8, 8), 0.5))(ws)]
+  for mask in masks:  # split like w
+    assert jax.typeof(mask).sharding.spec == jax.P("model", "data")
+    np.testing.assert_array_equal(mask, want)
+  for block in blocks:
+    np.testing.assert_array_equal(block, want_blocks)
+
+
+MASK = jaxsparse.magnitude_mask(W, sparsity=0.75)
+EXPLICIT_PRODUCTS = {  # name -> (f(x, w), the same product by plain jnp)
+    "masked_xla": (lambda x, w: ops.masked_matmul(x, w, MASK, implementation="xla"),
+                   lambda x, w: x @ jnp.where(MASK, w, 0.0)),
+    "masked_auto": (lambda x, w: ops.masked_matmul(x, w, MASK), lambda x, w: x @ jnp.where(MASK, w, 0.0)),
+    # sr_ste's reference: the value of x @ (w * nm_mask(w)), the straight-through gradient plus the decay of the
+    # pruned weights (stop_gradient keeps the mask out of autodiff).
+    "sr_ste_matmul": (lambda x, w: ops.sr_ste_matmul(x, w, 2, 4, decay=0.1),
+                      lambda x, w: x @ (w + jax.lax.stop_gradient(jnp.where(jaxsparse.nm_mask(w, 2, 4), 0.0, -w)))),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPLICIT_PRODUCTS))
+@pytest.mark.parametrize("x_spec, w_spec", [
+    (jax.P("data"), jax.P(None, "data")),  # w's columns split over the axis of x's rows
+    (jax.P("data", "model"), jax.P("data", "model")),  # the contracted dim split over different axes
+    (jax.P("data"), jax.P(None, "model")),  # w's columns split alone: every route must give one output type
+])
+def test_products_with_a_weight_split_over_explicit_axes(name, x_spec, w_spec):
+  f, dense = EXPLICIT_PRODUCTS[name]
+  x = jax.random.normal(KEYS[2], (4, 32))
+  loss = lambda f: lambda x, w: jnp.sum(jnp.sin(f(x, w)))
+  decay = jnp.where(jaxsparse.nm_mask(W, 2, 4), 0.0, 0.1 * W) if name == "sr_ste_matmul" else 0.0
+  dx_ref, dw_ref = jax.grad(loss(dense), argnums=(0, 1))(x, W)
+  with jax.set_mesh(EXPLICIT_MESH):
+    xs, ws = jax.device_put(x, x_spec), jax.device_put(W, w_spec)
+    y = jax.jit(f)(xs, ws)
+    dx, dw = jax.jit(jax.grad(loss(f), argnums=(0, 1)))(xs, ws)
+  assert jax.typeof(y).sharding.spec == jax.P("data", None)  # x's rows split, as ops/_sharding.py lays them out
+  assert jax.typeof(dx).sharding.spec == jax.typeof(xs).sharding.spec
+  assert jax.typeof(dw).sharding.spec == jax.typeof(ws).sharding.spec
+  assert_close(y, dense(x, W), jnp.float32)
+  assert_close(dx, dx_ref, jnp.float32)
+  assert_close(dw, dw_ref + decay, jnp.float32)

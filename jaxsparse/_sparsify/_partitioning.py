@@ -100,7 +100,7 @@ def carry_nnx(dense: nnx.Module, sparse: nnx.Module) -> nnx.Module:
     if names is None:
       continue
     var.set_metadata(out_sharding=names, **extra)
-    var[...] = _placed(var[...], names, source[...], _nnx_names(source) or ())
+    var.set_value(_placed(var[...], names, source[...], _nnx_names(source) or ()))  # a split value: a new type
   return sparse
 
 

@@ -21,6 +21,7 @@ from jaxsparse.formats._base import check_pattern_mask
 from jaxsparse.formats._base import is_concrete
 from jaxsparse.formats._base import mask_pattern_indices
 from jaxsparse.formats._base import poison_miscounted
+from jaxsparse.formats._masks import replicated
 
 __all__ = ["INDEX_FIELDS", "BlockSparseMatrix", "block_pattern_indices", "merge_block_data", "split_blocks"]
 
@@ -107,11 +108,29 @@ class BlockSparseMatrix(IndexedSparseMatrix):
   ) -> BlockSparseMatrix:
     """Builds a matrix from a block mask and the values of its kept blocks.
 
+    >>> import numpy as np, jax.numpy as jnp, jaxsparse
+    >>> mask = np.array([[True, False], [False, True]])
+    >>> ws = jaxsparse.BlockSparseMatrix.from_block_mask(mask, jnp.arange(12.0).reshape(2, 2, 3))
+    >>> ws.shape, ws.block_shape, ws.nnz_blocks
+    ((4, 6), (2, 3), 2)
+    >>> ws.to_dense()[2:, 3:].tolist()
+    [[6.0, 7.0, 8.0], [9.0, 10.0, 11.0]]
+
     Args:
       block_mask: bool ``(K // bk, N // bn)``; concrete, or traced (the block count is then taken
         from ``data``'s static shape; the values are all NaN if the mask keeps another count).
-      data: ``(nnz_blocks, bk, bn)``, the kept blocks in row-major block order.
+      data: ``(nnz_blocks, bk, bn)``, the kept blocks in row-major block order; any dtype, kept as is.
       shape: optional ``(K, N)``; checked against ``block_mask.shape * block_shape`` if given.
+
+    Returns:
+      A ``BlockSparseMatrix`` of shape ``(K // bk * bk, N // bn * bn)`` and block shape ``(bk, bn)`` whose
+      ``data`` is ``data`` (its ``dtype`` is ``data.dtype``).
+
+    Raises:
+      ValueError: ``data`` is not 3-D with ``bk, bn >= 1``; ``block_mask`` is not 2-D; a concrete
+        ``block_mask`` keeps another number of blocks than ``data`` holds (a traced one, more blocks than
+        it has); ``shape`` does not match the block grid times ``(bk, bn)``.
+      TypeError: ``block_mask`` is not a boolean array.
     """
     data = jnp.asarray(data)
     if data.ndim != 3 or min(data.shape[1:]) < 1:
@@ -152,7 +171,22 @@ class BlockSparseMatrix(IndexedSparseMatrix):
         values are then all NaN.
 
     Returns:
-      A ``BlockSparseMatrix`` with ``to_dense() == w * expanded(block_mask)``.
+      A ``BlockSparseMatrix`` of ``w``'s shape and dtype with ``to_dense() == w * expanded(block_mask)``.
+
+    Raises:
+      ValueError: ``w`` is not 2-D; ``block_shape`` is not positive or does not divide ``w.shape``;
+        ``block_mask`` is not 2-D or not of shape ``(K // bk, N // bn)``; ``block_mask`` is ``None`` and
+        ``w`` is traced; ``nnz_blocks`` is not an int in ``[0, blocks]``, or disagrees with the count a
+        concrete ``block_mask`` keeps; ``block_mask`` is traced and ``nnz_blocks`` is ``None``.
+      TypeError: ``block_shape`` is not a pair of ints; ``block_mask`` is not a boolean array.
+
+    >>> import jax.numpy as jnp, jaxsparse
+    >>> w = jnp.zeros((4, 6)).at[0, 0].set(1.0).at[3, 5].set(2.0)
+    >>> ws = jaxsparse.BlockSparseMatrix.from_dense(w, (2, 3))  # keeps the blocks holding a nonzero
+    >>> ws.nnz_blocks, ws.block_mask.tolist()
+    (2, [[True, False], [False, True]])
+    >>> bool((ws.to_dense() == w).all())
+    True
     """
     w = jnp.asarray(w)
     _utils.check_ndim(w.shape, 2, name="w")
@@ -173,13 +207,30 @@ class BlockSparseMatrix(IndexedSparseMatrix):
       )
     nnz_blocks = None if nnz_blocks is None else _check_block_count(nnz_blocks, (kb, nb))
     idx = block_pattern_indices(mask, nnz_blocks=nnz_blocks)
-    blocks = w.reshape(kb, bk, nb, bn).transpose(0, 2, 1, 3)
+    blocks = replicated(w).reshape(kb, bk, nb, bn).transpose(0, 2, 1, 3)  # explicit axes refuse a split reshape
     data = poison_miscounted(blocks[idx["row_indices"], idx["col_indices"]], mask, nnz_blocks)
     idx = {k: jnp.asarray(v) for k, v in idx.items()}
     return cls(data, validate=False, shape=w.shape, block_shape=(bk, bn), **idx)
 
   def with_data(self, data: jax.typing.ArrayLike) -> BlockSparseMatrix:
-    """The same pattern with new block values ``data`` of shape ``(nnz_blocks, bk, bn)``."""
+    """The same pattern with new block values.
+
+    >>> import jax.numpy as jnp, jaxsparse
+    >>> ws = jaxsparse.BlockSparseMatrix.from_dense(jnp.eye(4), (2, 2))
+    >>> w2 = ws.with_data(3 * ws.data)
+    >>> w2.block_mask.tolist(), w2.to_dense().diagonal().tolist()
+    ([[True, False], [False, True]], [3.0, 3.0, 3.0, 3.0])
+
+    Args:
+      data: ``(nnz_blocks, bk, bn)`` values, in the row-major block order of ``self.data``; any dtype, kept
+        as is (so ``with_data`` also casts a matrix: ``w.with_data(w.data.astype(jnp.bfloat16))``).
+
+    Returns:
+      A ``BlockSparseMatrix`` with this matrix's shape, block shape and index arrays and ``data`` as values.
+
+    Raises:
+      ValueError: ``data`` does not have shape ``(nnz_blocks, bk, bn)``.
+    """
     data = jnp.asarray(data)
     expected = (self.nnz_blocks, *self.block_shape)
     if data.shape != expected:
@@ -189,6 +240,7 @@ class BlockSparseMatrix(IndexedSparseMatrix):
   # -- properties -----------------------------------------------------------------------------------
   @property
   def nnz_blocks(self) -> int:
+    """The number of stored ``(bk, bn)`` blocks: ``data.shape[0]``, a static int (also under ``jit``)."""
     return int(self.data.shape[0])
 
   @property
@@ -214,7 +266,11 @@ class BlockSparseMatrix(IndexedSparseMatrix):
     return self._scatter(self.grid_shape, jnp.ones(self.row_indices.shape, bool))
 
   def to_dense(self) -> jax.Array:
-    """The dense ``(K, N)`` matrix, zeros outside the kept blocks (for tests and export, not hot paths)."""
+    """The dense matrix, zeros outside the kept blocks (for tests and export, not hot paths).
+
+    Returns:
+      A ``(K, N)`` array of ``data``'s dtype.
+    """
     return self._scatter(self.grid_shape, self.data).transpose(0, 2, 1, 3).reshape(self.shape)
 
   def __repr__(self) -> str:

@@ -4,20 +4,51 @@ All masks keep an exact count (``round(density * total)``, rounded half up) and 
 deterministically: among equal scores the entry with the lower flat index wins. A NaN score (a NaN weight, or a
 block holding one) counts as the largest, as in :func:`jaxsparse.nm_mask`: a diverged weight is kept, so the
 divergence stays visible instead of being pruned away.
+
+Weights split over explicit mesh axes (``jax.set_mesh`` with ``AxisType.Explicit``, e.g. kernels made with
+``nnx.with_partitioning``) are gathered for the ranking, which sorts over all entries: the masks are the same as
+those of the unsplit weights. A mask of ``w``'s (or ``scores``') shape comes back split like it; a block mask
+replicated.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxsparse import _utils
 
 __all__ = ["block_magnitude_mask", "random_block_mask", "magnitude_mask", "top_k_mask"]
 
 
+def _explicit_split(a: jax.Array) -> NamedSharding | None:
+  """``a``'s sharding when its type splits it over explicit mesh axes, else ``None``."""
+  if _utils.explicit_mesh(a) is None:
+    return None
+  sharding = jax.typeof(a).sharding
+  return sharding if any(entry is not None for entry in sharding.spec) else None
+
+
+def replicated(a: jax.Array) -> jax.Array:
+  """``a`` gathered onto every device when explicit mesh axes split it: under explicit axes JAX refuses to sort over,
+  or reshape, a split dim. A no-op otherwise (auto axes leave that to the compiler)."""
+  sharding = _explicit_split(a)
+  return a if sharding is None else jax.reshard(a, NamedSharding(sharding.mesh, P()))
+
+
 def top_k_mask(scores: jax.Array, k: int) -> jax.Array:
-  """Bool mask of ``scores.shape`` keeping the ``k`` largest scores (ties: lower flat index first; NaN largest)."""
+  """Bool mask of ``scores.shape`` keeping the ``k`` largest scores (ties: lower flat index first; NaN largest).
+
+  Scores split over explicit mesh axes are gathered for the sort; the mask comes back split like them.
+  """
+  split = _explicit_split(scores)
+  keep = _top_k(replicated(scores), k)
+  return keep if split is None else jax.reshard(keep, NamedSharding(split.mesh, split.spec))
+
+
+def _top_k(scores: jax.Array, k: int) -> jax.Array:
   flat = scores.reshape(-1)
   if jnp.issubdtype(flat.dtype, jnp.inexact):
     flat = jnp.where(jnp.isnan(flat), jnp.inf, flat)  # argsort would put NaN last
@@ -30,7 +61,7 @@ def top_k_mask(scores: jax.Array, k: int) -> jax.Array:
 def _block_norms(w: jax.Array, block_shape: tuple[int, int]) -> jax.Array:
   k, n = w.shape
   bk, bn = block_shape
-  blocks = w.astype(jnp.float32).reshape(k // bk, bk, n // bn, bn)
+  blocks = replicated(w).astype(jnp.float32).reshape(k // bk, bk, n // bn, bn)
   return jnp.sum(blocks * blocks, axis=(1, 3))
 
 

@@ -31,6 +31,7 @@ from jaxsparse.formats._block_sparse import INDEX_FIELDS
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
 from jaxsparse.formats._masks import block_magnitude_mask
 from jaxsparse.formats._masks import random_block_mask
+from jaxsparse.formats._masks import replicated
 from jaxsparse.layers._common import SPARSITY
 from jaxsparse.layers._common import SparsityPattern
 from jaxsparse.layers._common import bias_of
@@ -155,6 +156,14 @@ class BlockSparseLinear(nnx.Module):
     block_mask: concrete bool ``(in_features // bk, out_features // bn)`` choosing the blocks (its
       count fixes the kernel's shape, so it cannot be traced; use ``density`` under ``jit``).
     rngs: ``nnx.Rngs``; the ``params`` stream draws the pattern, kernel and bias.
+
+  Raises:
+    ValueError: ``in_features`` or ``out_features`` is not a positive int; ``block_shape`` is not positive or
+      does not divide ``(in_features, out_features)``; neither or both of ``density`` and ``block_mask`` are
+      given; ``density`` is not in (0, 1] or keeps no block; ``block_mask`` is traced, not of shape
+      ``(in_features // bk, out_features // bn)`` or keeps no block; an unknown ``implementation``.
+    TypeError: ``block_shape`` is not a pair of ints; ``density`` is not a real number; ``block_mask`` is not
+      a boolean array.
   """
 
   def __init__(
@@ -204,8 +213,27 @@ class BlockSparseLinear(nnx.Module):
     )
 
   def __call__(self, inputs: jax.Array) -> jax.Array:
-    """Applies the layer to ``inputs`` of shape ``(..., in_features)`` (named as ``nnx.Linear``'s); returns
-    ``(..., out_features)``."""
+    """``inputs @ W + bias`` through :func:`jaxsparse.ops.block_sparse_matmul`, never building the dense ``W``.
+
+    Args:
+      inputs: ``(..., in_features)`` (named as ``nnx.Linear``'s).
+
+    Returns:
+      ``(..., out_features)``, in ``dtype`` if set, else the promoted dtype of ``inputs`` and the parameters.
+
+    Raises:
+      ValueError: ``inputs`` whose last axis is not ``in_features`` (or a scalar).
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from jaxsparse.layers import BlockSparseLinear
+    >>> layer = BlockSparseLinear(64, 32, density=0.5, block_shape=(16, 16), rngs=nnx.Rngs(0))
+    >>> x = jnp.ones((4, 64))
+    >>> y = layer(x)
+    >>> w = layer.sparse_kernel.to_dense()
+    >>> y.shape, y.dtype, bool(jnp.allclose(y, x @ w + layer.bias[...], atol=1e-5))
+    ((4, 32), dtype('float32'), True)
+    """
     check_layer_inputs(self, inputs)
     return block_sparse_apply(
         inputs,
@@ -231,6 +259,13 @@ class BlockSparseLinear(nnx.Module):
 
   @property
   def nnz_blocks(self) -> int:
+    """The number of kept ``(bk, bn)`` blocks: ``kernel.shape[0]``, a static int.
+
+    >>> from flax import nnx
+    >>> from jaxsparse.layers import BlockSparseLinear
+    >>> BlockSparseLinear(64, 96, density=0.5, block_shape=(32, 32), rngs=nnx.Rngs(0)).nnz_blocks  # of 2 x 3
+    3
+    """
     return int(self.kernel.shape[0])
 
   @property
@@ -263,6 +298,25 @@ class BlockSparseLinear(nnx.Module):
     The kept blocks and the bias are copied; ``dtype``, ``precision`` and the storage dtype follow
     ``linear``. With ``density=1.0`` the result computes the same function as ``linear``.
 
+    Args:
+      linear: an ``nnx.Linear`` (exactly, not a subclass) with Flax's default product options; its kernel
+        ``(in_features, out_features)`` may be traced (this works under ``nnx.jit``).
+      density: fraction of blocks kept, in (0, 1]; the ``round(density * blocks)`` blocks of largest
+        Frobenius norm are kept (see :func:`jaxsparse.block_magnitude_mask`).
+      block_shape: ``(bk, bn)`` dividing ``(in_features, out_features)``.
+      implementation: backend of :func:`jaxsparse.ops.block_sparse_matmul`: ``None``, ``"xla"`` or ``"pallas"``.
+
+    Returns:
+      A ``BlockSparseLinear`` with ``kernel`` ``(nnz_blocks, bk, bn)`` holding ``linear``'s kept blocks, and
+      ``linear``'s bias (or none).
+
+    Raises:
+      TypeError: ``linear`` is not an ``nnx.Linear``; ``block_shape`` is not a pair of ints; ``density`` is not
+        a real number.
+      ValueError: ``linear`` has options the layer cannot honour (a custom ``dot_general``...); ``density`` is
+        not in (0, 1] or keeps no block; ``block_shape`` is not positive or does not divide the kernel; an
+        unknown ``implementation``.
+
     >>> from flax import nnx
     >>> from jaxsparse.layers import BlockSparseLinear
     >>> dense = nnx.Linear(64, 96, rngs=nnx.Rngs(0))
@@ -290,11 +344,24 @@ class BlockSparseLinear(nnx.Module):
     layer.kernel[...] = w.data
     layer.pattern = pattern_variables(w)
     if linear.bias is not None:
-      layer.bias[...] = linear.bias[...]
+      layer.bias[...] = replicated(linear.bias[...])  # a bias split over explicit axes, as the new layer's is not
     return layer
 
   def to_dense(self) -> nnx.Linear:
-    """An ``nnx.Linear`` with the dense kernel (zeros outside the kept blocks) and the same bias."""
+    """An ``nnx.Linear`` with the dense kernel (zeros outside the kept blocks) and the same bias.
+
+    Returns:
+      An ``nnx.Linear(in_features, out_features)`` with kernel ``sparse_kernel.to_dense()`` (in the kernel's
+      dtype), this layer's bias (or none), ``dtype`` and ``precision``: it computes the same function.
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from jaxsparse.layers import BlockSparseLinear
+    >>> layer = BlockSparseLinear(64, 32, density=0.5, block_shape=(16, 16), rngs=nnx.Rngs(0))
+    >>> x = jnp.ones((2, 64))
+    >>> bool(jnp.allclose(layer.to_dense()(x), layer(x), atol=1e-5))
+    True
+    """
     return dense_linear(
         self.sparse_kernel.to_dense(),
         bias_of(self),
@@ -347,6 +414,12 @@ class BlockSparseDense(nn.Module):
     bias_init: bias initializer.
     implementation: backend of :func:`jaxsparse.ops.block_sparse_matmul`.
     precision: passed to the products.
+
+  Raises:
+    ValueError: at construction, ``features`` is not a positive int, ``density`` is not in (0, 1] or an
+      unknown ``implementation``; when called, see :meth:`__call__`.
+    TypeError: at construction, ``density`` is not a real number; when called, ``block_shape`` is not a pair
+      of ints.
   """
 
   features: int
@@ -369,7 +442,32 @@ class BlockSparseDense(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
-    """Applies the layer to ``x`` of shape ``(..., in_features)``; returns ``(..., features)``."""
+    """``x @ W + bias`` through :func:`jaxsparse.ops.block_sparse_matmul`; ``init`` also draws the pattern.
+
+    Args:
+      x: ``(..., in_features)``; ``init`` takes ``in_features`` from ``x.shape[-1]``.
+
+    Returns:
+      ``(..., features)``, in ``dtype`` if set, else the promoted dtype of ``x`` and the parameters.
+
+    Raises:
+      ValueError: ``x`` is a scalar, or has another ``in_features`` than the variables hold; ``block_shape``
+        is not positive or does not divide ``(in_features, features)``; ``density`` keeps no block; ``apply``
+        with variables that lack the ``"sparsity"`` collection.
+      TypeError: ``block_shape`` is not a pair of ints.
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jaxsparse.layers.linen import BlockSparseDense
+    >>> from jaxsparse import BlockSparseMatrix
+    >>> model = BlockSparseDense(32, density=0.5, block_shape=(16, 16))
+    >>> x = jnp.ones((4, 64))
+    >>> variables = model.init(jax.random.key(0), x)
+    >>> w = BlockSparseMatrix.from_index_arrays(
+    ...     variables["params"]["kernel"], variables["sparsity"], shape=(64, 32), block_shape=(16, 16))
+    >>> y = model.apply(variables, x)
+    >>> y.shape, bool(jnp.allclose(y, x @ w.to_dense() + variables["params"]["bias"], atol=1e-5))
+    ((4, 32), True)
+    """
     x = check_input(x)
     offsets = existing_shape(self, SPARSITY, "row_offsets")
     if offsets is not None and isinstance(self.block_shape, tuple | list) and len(self.block_shape) == 2:

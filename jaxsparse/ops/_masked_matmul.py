@@ -134,6 +134,10 @@ def masked_matmul(
   default below that density) skip pruned entries, so such an ``x`` can give finite outputs: test ``x`` with
   ``jnp.isfinite`` where NaN detection matters.
 
+  Sharded operands (:mod:`jaxsparse.ops`' data parallelism): the leading dims of ``x`` keep their split; ``w`` and
+  ``mask`` are replicated, gathered if they arrive split (also under explicit mesh axes, on every route), and the
+  gradients come back split like ``x`` and ``w``.
+
   >>> import jax.numpy as jnp, jaxsparse
   >>> w = jnp.arange(6.0).reshape(3, 2)
   >>> mask = jnp.array([[True, False], [False, True], [True, True]])
@@ -155,6 +159,14 @@ def masked_matmul(
 
   Returns:
     ``(..., N)`` array.
+
+  Raises:
+    ValueError: ``w`` is not 2-D; ``x`` is not ``(..., K)`` with ``K = w.shape[0]``, or ``K == 0``; ``mask`` is
+      not of ``w``'s shape; an unknown ``implementation``.
+    TypeError: ``mask`` is not a boolean array; ``implementation="cpu"`` with dtypes other than float32,
+      bfloat16 and float16.
+    RuntimeError: ``implementation="cpu"`` where the C++ kernels cannot be built or loaded, or the product is
+      lowered for a platform other than the CPU.
   """
   x, w = jnp.asarray(x), jnp.asarray(w)
   if w.ndim != 2:
@@ -162,6 +174,8 @@ def masked_matmul(
   x = _utils.check_activations(x, w.shape[0], floating=False)
   mask = check_mask(mask, w.shape)
   impl = check_cpu_implementation(implementation, op="masked_matmul")
+  # Under explicit mesh axes: x's rows split, w and mask gathered, on every route (ops/_sharding.py).
+  x, (w, mask) = _sharding.rows_and_replicated_weights(x, (w, mask))
   out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(x.dtype, w.dtype))
   if impl == "cpu" and not cpu_supports(x.dtype, w.dtype):
     raise TypeError(f"implementation='cpu' supports float32, bfloat16 and float16, got {x.dtype} and {w.dtype}.")

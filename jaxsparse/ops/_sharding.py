@@ -11,7 +11,9 @@ of the activations is gathered:
 * outputs that sum over the rows (the weight gradient ``dW = xᵀ dY``) are reduced across those
   axes with one ``psum``, so data-parallel training needs no reduction by the user;
 * the weights, and the last (feature) dim of the activations, are replicated: gathered if they
-  arrive sharded (tensor parallelism is a different layout: :mod:`jaxsparse.sharding`).
+  arrive sharded (tensor parallelism is a different layout: :mod:`jaxsparse.sharding`). The ops' plain XLA
+  paths, differentiated by JAX itself, get the same layout from :func:`rows_and_replicated_weights` under
+  explicit axes (under auto axes the compiler places their products).
 
 How, depends on when the shardings are known:
 
@@ -38,11 +40,12 @@ from collections.abc import Sequence
 import jax
 from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
-from jax.sharding import AxisType
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["row_parallel"]
+from jaxsparse import _utils
+
+__all__ = ["row_parallel", "rows_and_replicated_weights"]
 
 
 def _axes(entry) -> tuple[str, ...]:
@@ -128,29 +131,21 @@ def _auto_partitioned(fn: Callable, n_rows: int, n_lead: int, summed: frozenset)
 # -------------------------------------------------------------------------------------------------
 
 
-def _explicit_mesh(a: jax.Array):
-  """The mesh of ``a``'s type when it has explicit axes, else ``None``."""
-  mesh = getattr(jax.typeof(a).sharding, "mesh", None)
-  if mesh is None or mesh.empty or AxisType.Explicit not in mesh.axis_types:
-    return None
-  return mesh
-
-
 def _explicit_lead(args: Sequence[jax.Array], n_lead: int):
   """``(mesh, lead specs)`` when ``args[0]`` (``x``) or, failing it, another argument (a weight placed on a mesh while
   ``x`` is not) is typed with explicit mesh axes, else ``None``. ``x`` not on that mesh has its rows replicated."""
-  mesh = next((m for m in map(_explicit_mesh, args) if m is not None), None)
+  mesh = next((m for m in map(_utils.explicit_mesh, args) if m is not None), None)
   if mesh is None:
     return None
   x = args[0]
   sharding = jax.typeof(x).sharding
-  spec = sharding.spec if _explicit_mesh(x) == mesh else P()
+  spec = sharding.spec if _utils.explicit_mesh(x) == mesh else P()
   return mesh, _lead_specs(spec, x.shape, n_lead, lambda a: mesh.shape[a])
 
 
 def _resharded(a: jax.Array, mesh, spec: P) -> jax.Array:
   """``a`` resharded to ``spec`` (a no-op when it already is); works without a ``jax.set_mesh`` context."""
-  placed = _explicit_mesh(a) == mesh and jax.typeof(a).sharding.spec == spec
+  placed = _utils.explicit_mesh(a) == mesh and jax.typeof(a).sharding.spec == spec
   return a if placed else jax.reshard(a, NamedSharding(mesh, spec))
 
 
@@ -243,9 +238,31 @@ def row_parallel(
   return tuple(_like(o, like[i]) if like and i in like else o for i, o in enumerate(outs))
 
 
+def rows_and_replicated_weights(x: jax.Array, weights: Sequence[jax.Array]) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+  """``x`` and ``weights`` resharded as :func:`row_parallel` lays them out under explicit axes, for products that
+  run as plain XLA under autodiff (not through :func:`row_parallel`).
+
+  Under explicit axes JAX refuses a ``dot_general`` whose operands' shardings clash (``x``'s rows and ``w``'s
+  columns split over one mesh axis, or the contracted dim split differently); and an op whose backends run in a
+  ``lax.platform_dependent`` needs every backend to give one output type. So, as :func:`row_parallel` does: the
+  leading dims of ``x`` keep their usable split (see the module docstring), its feature dim and the weights are
+  gathered. Resharding is differentiable: the cotangents come back split like ``x`` and the weights arrived.
+
+  Args:
+    x: ``(..., K)`` activations.
+    weights: weight-side arrays (a dense weight, a mask).
+
+  Returns:
+    ``(x, weights)``, unchanged where neither ``x`` nor a weight is typed with explicit mesh axes.
+  """
+  weights = tuple(weights)
+  explicit = _explicit_lead((x, *weights), x.ndim - 1)
+  if explicit is None:
+    return x, weights
+  mesh, lead = explicit
+  return _resharded(x, mesh, P(*lead, None)), tuple(_resharded(w, mesh, P()) for w in weights)
+
+
 def _like(out: jax.Array, primal: jax.Array) -> jax.Array:
-  sharding = jax.typeof(primal).sharding
-  mesh = getattr(sharding, "mesh", None)
-  if mesh is None or mesh.empty or AxisType.Explicit not in mesh.axis_types:
-    return out
-  return _resharded(out, mesh, sharding.spec)
+  mesh = _utils.explicit_mesh(primal)
+  return out if mesh is None else _resharded(out, mesh, jax.typeof(primal).sharding.spec)

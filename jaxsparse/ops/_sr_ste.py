@@ -157,6 +157,14 @@ def sr_ste(
 
   Returns:
     The N:M-pruned ``w``, same shape and dtype.
+
+  Raises:
+    TypeError: ``n``, ``m`` or ``axis`` is not an int; ``transposable`` is not a bool; ``w`` does not have a
+      floating dtype.
+    ValueError: not ``0 < n < m`` (``m >= 2``); ``axis`` out of range for ``w.ndim``; ``decay`` is not a
+      finite number ``>= 0``, or is traced; ``m`` does not divide ``w.shape[axis]``; ``transposable=True``
+      with ``m > 4``, a 1-D ``w``, groups along the last axis, or ``m`` not dividing
+      ``w.shape[-1]``.
   """
   w = jnp.asarray(w)
   n, m = _nm.check_nm(n, m)
@@ -449,6 +457,10 @@ def sr_ste_matmul(
   :class:`jaxsparse.ops.CusparseLtFallbackWarning` when a 2:4 product with enough rows cannot run on a CUDA
   GPU.
 
+  Sharded operands: the leading dims of ``x`` keep their split; ``w`` is replicated, gathered if it arrives split
+  (also under explicit mesh axes, on every route: its mask is then that of the whole ``w``), and the gradients come
+  back split like ``x`` and ``w``.
+
   >>> import jax, jax.numpy as jnp, jaxsparse
   >>> w = jax.random.normal(jax.random.key(0), (64, 32))
   >>> x = jnp.ones((3, 64))
@@ -476,6 +488,16 @@ def sr_ste_matmul(
 
   Returns:
     ``(..., N)`` array.
+
+  Raises:
+    TypeError: ``n`` or ``m`` is not an int; ``transposable`` is not a bool; ``w`` does not have a floating
+      dtype.
+    ValueError: not ``0 < n < m`` (``m >= 2``); ``decay`` is not a finite number ``>= 0``, or is traced; an
+      unknown ``implementation``; ``w`` is not 2-D or ``x`` not ``(..., K)`` with ``K = w.shape[0]``; ``m``
+      does not divide ``K``; ``transposable=True`` with ``m > 4`` or not dividing
+      ``N``.
+    RuntimeError: ``implementation="cusparselt"`` where sparse tensor cores cannot run these operands (no
+      CUDA GPU, as on a CPU; not 2:4 bfloat16; ``K`` or ``N`` not a multiple of 16; the message says why).
   """
   x, w = jnp.asarray(x), jnp.asarray(w)
   n, m = _nm.check_nm(n, m)
@@ -491,6 +513,8 @@ def sr_ste_matmul(
   dtype = jnp.dtype(dtype or w.dtype)
   pet = None if preferred_element_type is None else jnp.dtype(preferred_element_type)
   cfg = _MatmulConfig(n, m, decay, dtype, precision, pet, transposable)
+  # Under explicit mesh axes: x's rows split, w gathered (its mask then computed whole), on every route.
+  x, (w,) = _sharding.rows_and_replicated_weights(x, (w,))
   if implementation == "xla":
     return _reference(cfg, x, w)
   backends = [_SparseCores(cfg), _PruneThenDense(cfg), _reference_backend(cfg)]

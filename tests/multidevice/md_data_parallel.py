@@ -259,3 +259,24 @@ def test_auto_axes_with_a_sharded_weight(name):
   ts = jax.device_put(t, NamedSharding(mesh, P(None, "data")))
   assert_close(jax.jit(f)(xs, ts), y_ref, jnp.float32)
   assert_close(jax.jit(jax.grad(_loss(f), argnums=1))(xs, ts), dt_ref, jnp.float32)
+
+
+@pytest.mark.parametrize("name", ["masked_xla", "masked_auto_dense", "masked_cpu", "sr_ste_matmul"])
+def test_explicit_axes_with_a_weight_split_like_the_rows(name):
+  # The XLA products of masked_matmul and sr_ste_matmul, differentiated by JAX itself, gather the weight as the
+  # ops through row_parallel do, instead of failing on the clash of x's and w's splits.
+  f, t, _ = CASES[name] if name in CASES else (lambda x, w: ops.sr_ste_matmul(x, w, 2, 4, decay=0.1), W, None)
+  x = jax.random.normal(KEYS[2], (16, K))
+  y_ref, (dx_ref, dt_ref) = _single_device(f, x, t)
+  layouts = [((4,), ("data",), P("data", None), P(None, "data")),  # w's columns split over the axis of x's rows
+             ((2, 2), ("data", "model"), P("data", "model"), P("data", "model"))]  # contracted dims split apart
+  for shape, names, x_spec, t_spec in layouts:
+    with jax.set_mesh(_mesh(shape, names, AxisType.Explicit)):
+      xs, ts = jax.device_put(x, x_spec), jax.device_put(t, t_spec)
+      y = jax.jit(f)(xs, ts)
+      dx, dt = jax.jit(jax.grad(_loss(f), argnums=(0, 1)))(xs, ts)
+      assert jax.typeof(y).sharding.spec == P("data", None)
+      assert (jax.typeof(dx).sharding.spec, jax.typeof(dt).sharding.spec) == (x_spec, t_spec)
+    assert_close(y, y_ref, jnp.float32)
+    assert_close(dx, dx_ref, jnp.float32)
+    assert_close(dt, dt_ref, jnp.float32)

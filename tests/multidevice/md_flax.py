@@ -166,3 +166,30 @@ def test_linen_logical_partitioning_survives_sparsify_linen():
   assert specs["params"]["mid"]["kernel"] == P(None, "model")
   assert specs["sparsity"]["down"]["mask"] == P("model", None)
   assert_close(y, want, jnp.float32)
+
+
+def test_nnx_sparsify_on_an_explicit_mesh():
+  # Kernels split over explicit axes: the masks are computed on the whole weights (a sort or a reshape over a split
+  # dim is refused there), the sparse model is the one sparsify builds without a mesh, and the names are carried.
+  rules = {"up": jaxsparse.BlockSparse(density=0.5, block_shape=(16, 16)), "mid": jaxsparse.NM(2, 4),
+           "down": jaxsparse.Unstructured(sparsity=0.75)}
+  names = {"up": (None, "model"), "mid": ("model", "data"), "down": ("model", "data")}
+  mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+  want, _ = jaxsparse.sparsify(MLP(nnx.Rngs(0)), rules)
+  with jax.set_mesh(mesh):
+    sparse, _ = jaxsparse.sparsify(MLP(nnx.Rngs(0), names), rules)
+    w = sparse.down.kernel[...]
+    block_mask = jaxsparse.block_magnitude_mask(w, (16, 16), 0.5)
+    x = jax.random.normal(jax.random.key(1), (8, D))
+    xs = jax.device_put(x, P("data"))
+    y = jax.jit(lambda m, x: m(x))(sparse, xs)
+  np.testing.assert_array_equal(block_mask, jaxsparse.block_magnitude_mask(np.asarray(w), (16, 16), 0.5))
+  got, ref = nnx.to_pure_dict(nnx.state(sparse)), nnx.to_pure_dict(nnx.state(want))
+  assert jax.tree.structure(got) == jax.tree.structure(ref)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
+    np.testing.assert_array_equal(a, b)
+  for var in (sparse.down.kernel, sparse.down.mask):
+    assert var.get_metadata()["out_sharding"] == ("model", "data")
+    assert jax.typeof(var[...]).sharding.spec == P("model", "data")
+  assert sparse.mid.kernel.get_metadata()["out_sharding"] == ("model", "data")
+  assert_close(y, jaxsparse.densify(want)(x), jnp.float32)  # the dense model with the pruned weights
