@@ -363,3 +363,54 @@ def test_export_state_dict_of_compressed_equals_sparse(net):
   with pytest.raises(TypeError, match=r"pass module="):
     torch_interop.export_state_dict(small_vars)
   assert math.prod(got["head.weight"].shape) == 64 * 16
+
+
+def test_export_of_transposable_and_conv_masked_nm_layers_is_what_they_compute():
+  """Linen N:M layers exported to torch carry the mask they prune with: a transposable rule's (the compressed and
+  the SR-STE form export the same weights) and, for a conv, its own Flax weight mask applied first."""
+  torch = pytest.importorskip("torch")
+  from jaxsparse import torch_interop  # noqa: PLC0415 -- needs torch
+
+  model = nn.Sequential([nn.Dense(32), nn.relu, nn.Dense(16)])
+  x = _normal(1, (3, 32))
+  variables = model.init(jax.random.key(0), x)
+  sparse, sparse_vars, _ = jaxsparse.sparsify_linen(model, variables, jaxsparse.NM(2, 4, transposable=True), x)
+  small, small_vars = jaxsparse.compress_linen(sparse, sparse_vars)
+  names = {"layers_0": "0", "layers_2": "2"}
+  got = torch_interop.export_state_dict(sparse_vars, module=sparse, torch_names=names)
+  want = torch_interop.export_state_dict(small_vars, module=small, torch_names=names)
+  _, dense_vars = jaxsparse.densify_linen(sparse, sparse_vars)
+  for layer in ("0", "2"):
+    np.testing.assert_array_equal(got[f"{layer}.weight"].numpy(), want[f"{layer}.weight"].numpy())
+    np.testing.assert_array_equal(got[f"{layer}.weight"].numpy().T,
+                                  np.asarray(dense_vars["params"][f"layers_{layer}"]["kernel"]))
+  masks = torch_interop.export_masks(sparse_vars, module=sparse, torch_names=names)
+  assert all(torch.equal(masks[k], v) for k, v in torch_interop.export_masks(small_vars, module=small,
+                                                                              torch_names=names).items())
+  net = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
+  net.load_state_dict(got)
+  with torch.no_grad():
+    y = net(torch.from_numpy(np.asarray(x))).numpy()
+  np.testing.assert_allclose(y, np.asarray(sparse.apply(sparse_vars, x)), rtol=1e-5, atol=1e-5)
+
+  own = np.asarray(jax.random.bernoulli(jax.random.key(5), 0.5, (3, 8, 16)))  # the conv's own weight mask
+  conv = nn.Conv(16, (3,), mask=own)
+  xc = _normal(2, (2, 6, 8))
+  sparse, sparse_vars, _ = jaxsparse.sparsify_linen(conv, conv.init(jax.random.key(0), xc), jaxsparse.NM(2, 4), xc)
+  _, dense_vars = jaxsparse.densify_linen(sparse, sparse_vars)
+  weight = torch_interop.export_state_dict(sparse_vars, module=sparse)["weight"].numpy()  # (out, in, k)
+  np.testing.assert_array_equal(weight, np.transpose(np.asarray(dense_vars["params"]["kernel"]), (2, 1, 0)))
+  mask = torch_interop.export_masks(sparse_vars, module=sparse)["weight_mask"].numpy()
+  assert not mask[np.transpose(~own, (2, 1, 0))].any()
+
+
+def test_compress_linen_of_abstract_variables_is_the_restore_target(net):
+  """``compress_linen`` of ``jax.eval_shape(sparse.init, ...)`` (jax.ShapeDtypeStruct leaves) gives the shapes, dtypes
+  and structure of the compressed variables, so an orbax checkpoint of them restores into it."""
+  x, sparse, sparse_vars = net
+  _, small_vars = jaxsparse.compress_linen(sparse, sparse_vars)
+  abstract = jax.eval_shape(sparse.init, jax.random.key(0), x)
+  _, target = jaxsparse.compress_linen(sparse, abstract)
+  assert all(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(target))
+  assert jax.tree.map(lambda a: (a.shape, a.dtype), target) == jax.tree.map(lambda a: (a.shape, a.dtype), small_vars)
+  assert jax.tree.structure(target) == jax.tree.structure(small_vars)

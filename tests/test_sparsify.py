@@ -420,3 +420,17 @@ def test_compress_names_a_layer_it_cannot_compress_and_changes_nothing():
   assert isinstance(tied.a, NMLinear) and isinstance(tied.c, NMLinear)
   with pytest.raises(TypeError, match=r"model must be a flax\.nnx\.Module, got dict"):
     jaxsparse.compress({})
+
+
+def test_compress_checks_its_arguments_on_any_model():
+  """A bad ``storage`` / ``cusparselt_copy`` is named even where no layer would read it (no NMLinear, or a model
+  already compressed), not silently ignored."""
+  dense = nnx.Sequential(nnx.Linear(8, 8, rngs=nnx.Rngs(0)))
+  small = jaxsparse.compress(jaxsparse.sparsify(dense, jaxsparse.NM(2, 4))[0])
+  for model in (dense, small):
+    with pytest.raises(ValueError, match=r"storage must be 'values', 'cusparselt' or 'auto', got storage='buffer'"):
+      jaxsparse.compress(model, storage="buffer")
+    with pytest.raises(TypeError, match=r"cusparselt_copy must be True or False, got cusparselt_copy='no'"):
+      jaxsparse.compress(model, cusparselt_copy="no")
+  x = _normal(1, (2, 8))
+  assert_close(jaxsparse.compress(small, storage="values")(x), small(x), jnp.float32)

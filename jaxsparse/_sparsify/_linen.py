@@ -587,10 +587,14 @@ def dense_params(layer: _LinenLayer, layer_vars: Mapping) -> dict:
 
 def compressed_variables(layer: _LinenLayer, layer_vars: Mapping) -> dict:
   """The (unboxed) variables of ``layer``'s ``CompressedNMDense`` from those of its ``NMDense``: the kernel pruned
-  as ``NMDense`` prunes it, then compressed along the input features."""
+  as ``NMDense`` prunes it, then compressed along the input features. An abstract kernel (``jax.ShapeDtypeStruct``,
+  e.g. of ``jax.eval_shape(sparse.init, ...)``) gives abstract values and positions."""
   spec = layer.spec
   p = nn.meta.unbox(layer_vars["params"])
-  values, positions = _compress_nm(p["kernel"], spec.n, spec.m, spec.transposable)
+  compress = functools.partial(_compress_nm, n=spec.n, m=spec.m, transposable=spec.transposable)
+  if isinstance(p["kernel"], jax.ShapeDtypeStruct):
+    compress = functools.partial(jax.eval_shape, compress)
+  values, positions = compress(p["kernel"])
   return {"params": {**p, "kernel": values}, sparse_linen.SPARSITY: {"kernel_positions": positions}}
 
 

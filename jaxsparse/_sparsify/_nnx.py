@@ -530,6 +530,9 @@ def densify(model: nnx.Module, *, inplace: bool = False) -> nnx.Module:
   Returns:
     The model with dense layers (``model`` itself with ``inplace``, else a copy); the kernels have the dense
     layers' shapes and the sparse layers' dtypes, with zeros at the pruned weights.
+
+  Raises:
+    TypeError: ``model`` is not an ``nnx.Module``.
   """
   if not isinstance(model, nnx.Module):
     raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}.")
@@ -554,7 +557,8 @@ def compress(model: nnx.Module, *, storage: str = "values", cusparselt_copy: boo
   positions (2:4 in 16-bit: 0.5625x the dense bytes) and multiplies them on the N:M kernels (sparse tensor cores on
   a GPU). The outputs stay the same (up to the products' rounding). Layers held at several paths (tied) stay tied;
   an ``NMLinear`` inside a :class:`~jaxsparse.layers.SparseLinearGeneral` is compressed there. ``NMConv`` layers stay
-  as they are (there is no compressed convolution).
+  as they are (there is no compressed convolution), and so do layers already compressed (a second ``compress`` does
+  not change their ``storage``: build those with :meth:`NMLinear.to_compressed`).
 
   >>> import jax.numpy as jnp, jaxsparse
   >>> from flax import nnx
@@ -581,12 +585,16 @@ def compress(model: nnx.Module, *, storage: str = "values", cusparselt_copy: boo
     The model with ``CompressedNMLinear`` layers (``model`` itself with ``inplace``, else a copy).
 
   Raises:
-    TypeError: ``model`` is not an ``nnx.Module``.
-    ValueError: a layer that cannot be compressed (a custom ``dot_general``, a ``storage`` its kernel does not
-      fit), naming its path; nothing is replaced then.
+    TypeError: ``model`` is not an ``nnx.Module``, or ``cusparselt_copy`` not a bool.
+    ValueError: an unknown ``storage``; a layer that cannot be compressed (a custom ``dot_general``, a ``storage``
+      its kernel does not fit), naming its path; nothing is replaced then.
   """
   if not isinstance(model, nnx.Module):
     raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}.")
+  if storage not in ("values", "cusparselt", "auto"):  # checked here too: a model without NMLinear layers
+    raise ValueError(f"storage must be 'values', 'cusparselt' or 'auto', got storage={storage!r}.")
+  if not isinstance(cusparselt_copy, bool):
+    raise TypeError(f"cusparselt_copy must be True or False, got cusparselt_copy={cusparselt_copy!r}.")
   if not inplace:
     model = nnx.clone(model)
   if isinstance(model, NMLinear):

@@ -131,15 +131,25 @@ def _flatten(tree: Mapping, prefix: str = "") -> dict[str, dict]:
   return out
 
 
-def _linen_nm(module: Any) -> dict[str, tuple[int, int]]:
-  """``{path: (n, m)}`` of the N:M layers of a ``SparsifiedLinen`` (their masks follow the kernels: no variable)."""
+def _linen_nm(module: Any) -> dict[str, Any]:
+  """``{path: plan}`` of the N:M layers of a ``SparsifiedLinen`` (their masks follow the kernels: no variable); a
+  plan's ``spec`` is the layer's ``NM`` (``n``, ``m``, ``transposable``), its ``module`` the original layer."""
   if module is None:
     return {}
   found = getattr(module, "layers", None)
   if not isinstance(found, Mapping):
     raise TypeError(f"module must be the SparsifiedLinen that jaxsparse.sparsify_linen returned, got {module!r}.")
-  return {".".join(path): (layer.spec.n, layer.spec.m) for path, layer in found.items()
-          if isinstance(layer.spec, NM)}
+  return {".".join(path): layer for path, layer in found.items() if isinstance(layer.spec, NM)}
+
+
+def _linen_nm_mask(kernel: np.ndarray, layer: Any) -> np.ndarray:
+  """The mask ``NMDense`` / ``NMConv`` prune ``kernel`` with: a conv's own Flax weight mask first, then the N:M
+  pattern (transposable where the rule is) along the input features, as ``densify_linen`` prunes it."""
+  spec, own = layer.spec, getattr(layer.module, "mask", None)
+  if own is not None:
+    kernel = _masked(kernel, np.broadcast_to(_np(own).astype(bool), kernel.shape))
+  mask = _np(nm_mask(kernel, spec.n, spec.m, axis=-2, transposable=spec.transposable))
+  return mask if own is None else mask & np.broadcast_to(_np(own).astype(bool), kernel.shape)
 
 
 def _linen_entries(variables: Mapping, module: Any = None) -> list[_Entry]:
@@ -176,14 +186,15 @@ def _linen_entries(variables: Mapping, module: Any = None) -> list[_Entry]:
           raise TypeError(f"{fp or '(the variables)'} holds a compressed N:M kernel (CompressedNMDense), whose n:m "
                           "only its module knows: pass module= (the SparsifiedLinen that jaxsparse.compress_linen "
                           "returned).")
-        n, m = nm[fp]
+        n, m = nm[fp].spec.n, nm[fp].spec.m
         mat = NMSparseMatrix(value, _np(sp["kernel_positions"]), shape=(value.shape[0] * m // n, value.shape[1]),
                              n=n, m=m)
         entries.append(_Entry(fp, "weight", torch_layout(_np(mat.to_dense())), torch_layout(_np(mat.mask())),
-                              nm=nm[fp]))
+                              nm=(n, m)))
       elif name == "kernel" and fp in nm:  # NMDense / NMConv of sparsify_linen: the N:M mask of the kernel
-        mask = _np(nm_mask(value, *nm[fp], axis=-2))
-        entries.append(_Entry(fp, "weight", torch_layout(_masked(value, mask)), torch_layout(mask), nm=nm[fp]))
+        mask = _linen_nm_mask(value, nm[fp])
+        entries.append(_Entry(fp, "weight", torch_layout(_masked(value, mask)), torch_layout(mask),
+                              nm=(nm[fp].spec.n, nm[fp].spec.m)))
       elif name == "kernel":
         entries.append(_Entry(fp, "weight", torch_layout(value)))
       elif name in ("embedding", "scale"):
@@ -290,6 +301,13 @@ def apply_masks(torch_module: Any, masks: Mapping[str, Any], *, strict: bool = T
 
   Returns:
     ``torch_module``.
+
+  Raises:
+    TypeError: ``torch_module`` is not a ``torch.nn.Module``.
+    CheckpointError: (a ``ValueError``; raised before anything is pruned) with ``strict``, a key that does not
+      end in ``_mask``; a key naming a module or parameter ``torch_module`` lacks; a mask that is not a tensor
+      or array, has another shape than its parameter, or holds values other than 0 and 1.
+    ImportError: PyTorch is not installed.
   """
   torch = import_torch()
   import torch.nn.utils.prune as prune  # noqa: PLC0415 -- optional dependency
@@ -372,6 +390,16 @@ def export_state_dict(
 
   Returns:
     ``{name: torch.Tensor}``.
+
+  Raises:
+    ValueError: an unknown ``format``; Linen variables holding a ``"masks"`` entry (from
+      ``to_linen_variables(..., target=...)``).
+    TypeError: ``model`` is neither an NNX module nor Linen variables, or Linen variables without
+      ``"params"``; ``module`` given with an NNX model or not a ``SparsifiedLinen``; Linen variables with a
+      compressed N:M kernel and no ``module``.
+    CheckpointError: (a ``ValueError``) ``format="semi_structured"`` with a sparse weight that is not 2-D and
+      2:4 (or 1:2) along the input features; a ``torch_names`` dict without an entry for an exported module.
+    ImportError: PyTorch is not installed.
   """
   torch = import_torch()
   if format not in EXPORT_FORMATS:
