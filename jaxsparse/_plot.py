@@ -158,6 +158,13 @@ def plot_pattern(
 
   Returns:
     The ``Axes`` drawn on.
+
+  Raises:
+    TypeError: ``x`` is none of the above (e.g. a float or 1-D mask, a dense ``nnx.Linear``), or Linen
+      variables of a whole model (not of one layer) or of a ``CompressedNMDense`` (whose ``n:m`` they do not hold).
+    ValueError: ``max_pixels`` is not a positive int; ``crop`` is not a pair of positive ints; ``x`` is an
+      abstract layer (from ``nnx.eval_shape``) or an empty mask.
+    ImportError: matplotlib is not installed.
   """
   try:
     import matplotlib.pyplot as plt  # noqa: PLC0415 -- matplotlib is optional

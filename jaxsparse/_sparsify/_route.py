@@ -111,6 +111,10 @@ def layer_signature(layer: nnx.Module) -> LayerSignature:
 
   Returns:
     Its signature: class, ``(in_features, out_features)``, pattern, density, dtypes and bias.
+
+  Raises:
+    TypeError: ``layer`` is not one of those four classes (e.g. an ``nnx.Linear``, or a ``SparseLinearGeneral``:
+      pass the layer it wraps, ``.layer``).
   """
   if isinstance(layer, CompressedNMLinear | NMLinear):
     pattern, density = f"{layer.n}:{layer.m}", layer.n / layer.m
@@ -242,6 +246,13 @@ def route_slower_to_dense(
 
   Returns:
     One :class:`SignatureTiming` per signature, in the order the layers occur.
+
+  Raises:
+    TypeError: ``model`` is not an ``nnx.Module``, or is itself a sparse linear layer or ``SparseLinearGeneral``
+      (it cannot be replaced in place); ``step_timer`` is neither ``None`` nor callable.
+    ValueError: ``batches`` is not a positive int or a non-empty sequence of them; ``margin`` or ``step_band`` is
+      not in [0, 1); ``timer`` or ``step_timer`` returns something other than a positive finite number (a bad
+      ``timer`` leaves the model as it was; a bad ``step_timer`` leaves it routed by the layers alone).
   """
   if not isinstance(model, nnx.Module):
     raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}.")
@@ -461,6 +472,13 @@ def route_slower_to_dense_linen(
   Returns:
     ``(sparse, variables, timings)``: a ``SparsifiedLinen`` without the routed layers, new variables with their
     dense parameters, and one :class:`SignatureTiming` per signature (``paths`` dotted Linen module paths).
+
+  Raises:
+    TypeError: ``sparse`` is not a ``SparsifiedLinen``; ``step_timer`` is neither ``None`` nor callable.
+    ValueError: ``batches`` is not a positive int or a non-empty sequence of them; ``margin`` or ``step_band`` is
+      not in [0, 1); ``timer`` or ``step_timer`` returns something other than a positive finite number; the
+      variables of a compressed N:M layer lack their ``"sparsity"`` collection.
+    KeyError: ``variables`` lack the parameters of a layer of ``sparse``.
   """
   if not isinstance(sparse, SparsifiedLinen):
     raise TypeError(f"sparse must be the SparsifiedLinen that sparsify_linen returned, got {type(sparse).__name__}.")

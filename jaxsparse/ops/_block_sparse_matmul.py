@@ -523,6 +523,14 @@ def block_sparse_matmul(
 
   Returns:
     ``(..., N)`` array.
+
+  Raises:
+    TypeError: ``w`` is not a :class:`jaxsparse.BlockSparseMatrix`; ``x`` does not have a floating dtype.
+    ValueError: ``x`` is not ``(..., K)`` with ``K = w.shape[0]``, or ``K == 0``; ``w.data`` or an index array
+      has the wrong shape or dtype (e.g. a matrix rebuilt with ``tree_unflatten``); an unknown
+      ``implementation``.
+    RuntimeError: ``implementation="pallas"`` where the Pallas kernels cannot run (no CUDA GPU, as on a CPU),
+      or for operands no GPU route takes.
   """
   if not isinstance(w, BlockSparseMatrix):
     raise TypeError(f"w must be a jaxsparse.BlockSparseMatrix, got {type(w).__name__}.")

@@ -506,6 +506,16 @@ def nm_matmul(
 
   Returns:
     ``(..., N)`` array.
+
+  Raises:
+    TypeError: ``w`` is not a :class:`jaxsparse.NMSparseMatrix`; ``x`` does not have a floating dtype;
+      ``cusparselt_weight`` is not a 1-D uint8 array.
+    ValueError: ``w`` is not 2-D, or its ``values`` / positions have the wrong shape or dtype (e.g. a matrix
+      rebuilt with ``tree_unflatten``); ``x`` is not ``(..., K)`` with ``K = w.shape[0]``, or ``K == 0``; an
+      unknown ``implementation``; ``implementation="cusparselt"`` with operands cuSPARSELt does not take (not
+      2:4 bfloat16 along ``K``, or an output dtype other than ``x``'s; the message says which).
+    RuntimeError: ``implementation="pallas"`` or ``"cusparselt"`` where that backend cannot run (no CUDA GPU,
+      as on a CPU; no cuSPARSELt library), or for operands no route of it takes.
   """
   if not isinstance(w, NMSparseMatrix):
     raise TypeError(f"w must be a jaxsparse.NMSparseMatrix, got {type(w).__name__}.")

@@ -270,6 +270,15 @@ def sparse_matmul(
 
   Returns:
     ``(..., N)`` array.
+
+  Raises:
+    TypeError: ``w`` is not a :class:`jaxsparse.CSRMatrix`; ``x`` does not have a floating dtype;
+      ``implementation="cpu"`` with dtypes other than float32, bfloat16 and float16.
+    ValueError: ``x`` is not ``(..., K)`` with ``K = w.shape[0]``, or ``K == 0``; ``w.data`` or an index array
+      has the wrong shape or dtype (e.g. a matrix rebuilt with ``tree_unflatten``); an unknown
+      ``implementation``.
+    RuntimeError: ``implementation="cpu"`` where the C++ kernels cannot be built or loaded, or the product is
+      lowered for a platform other than the CPU.
   """
   if not isinstance(w, CSRMatrix):
     raise TypeError(f"w must be a jaxsparse.CSRMatrix, got {type(w).__name__}.")

@@ -447,6 +447,14 @@ def calibrated_prune_linen(
   Returns:
     ``(variables, masks, report)``; ``jaxsparse.sparsify_linen(module, variables, rules, x, masks=masks)``
     makes the sparse layers.
+
+  Raises:
+    ValueError: as :func:`calibrated_prune`: an unknown ``method``; a ``damp``, ``block_size`` or
+      ``refit_iterations`` out of range; ``batches`` that are ``None`` or empty (needed for every method here:
+      they find the layer calls); a rule that matches no layer, a structure that does not fit a layer, a layer
+      the model never calls, a Hessian that is not positive definite.
+    TypeError: ``module`` is not a Linen module; ``batches`` is a single array or a mapping (wrap one batch in
+      a list); a rule that is not a sparsity structure.
   """
   method, refit_iterations = _check_options(method, damp, block_size, refit_iterations)
   if batches is None:

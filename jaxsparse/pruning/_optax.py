@@ -148,6 +148,13 @@ def magnitude_pruner(
 
   Returns:
     A :class:`Pruner` for :func:`wrap_optax`.
+
+  Raises:
+    TypeError: ``schedule`` is not a :class:`Schedule`; ``views`` with a key that is not a regex string or a
+      value that is not a positive int.
+    ValueError: ``scope`` is not ``"layer"`` or ``"global"``. ``rules`` are checked against the parameters when
+      the wrapped optimizer's ``init`` runs, which raises a ``TypeError`` for a rule that is not a structure and
+      a ``ValueError`` for a structure that cannot apply to a parameter it matches.
   """
   schedule = one_shot() if schedule is None else schedule
   if not isinstance(schedule, Schedule):
@@ -263,6 +270,11 @@ def wrap_optax(
 
   Returns:
     A ``GradientTransformationExtraArgs`` whose state is a :class:`PruningState`.
+
+  Raises:
+    TypeError: ``pruner`` is not a :class:`Pruner`. Later, ``init`` raises a ``ValueError`` with
+      ``reset_state=True`` for an inner state it cannot map to the parameters (and the pruner's own errors,
+      see :func:`magnitude_pruner`); ``update`` raises a ``ValueError`` when called without ``params``.
   """
   inner = optax.with_extra_args_support(inner)
   if not isinstance(pruner, Pruner):

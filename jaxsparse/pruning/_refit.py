@@ -69,6 +69,11 @@ def refit_layer(
     The refitted ``(K, N)`` weights, zero where ``mask`` is False, in ``kernel``'s dtype (computed in
     float32 with ``HIGHEST`` precision products). Each output's reconstruction error on ``gram`` is
     never above ``start``'s.
+
+  Raises:
+    ValueError: ``kernel`` is not 2-D; ``gram`` is not ``(K, K)``; ``mask`` is not a bool array of shape
+      ``(K, N)``; ``start`` is not ``(K, N)``; ``damp`` is not a finite float ``>= 0``; ``iterations`` is not a
+      positive int. The message names ``path``.
   """
   kernel, gram = check_kernel_and_gram(kernel, gram, path=path)
   mask = jnp.asarray(mask)

@@ -219,6 +219,10 @@ def periodic(*, update_every: int, begin_step: int = 0, end_step: int | None = N
   Returns:
     A :class:`Schedule` at the structure's target sparsity from ``begin_step`` on, updating at ``begin_step``,
     ``begin_step + update_every``, ... up to ``end_step``.
+
+  Raises:
+    ValueError: ``update_every`` is not an int ``>= 1``; ``begin_step`` or ``end_step`` is not an int ``>= 0``;
+      ``end_step < begin_step``.
   """
   begin_step = _check_step(begin_step, name="begin_step")
   update_every = _check_step(update_every, name="update_every", minimum=1)

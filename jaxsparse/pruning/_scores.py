@@ -85,6 +85,11 @@ def block_magnitude_scores(
 
   Returns:
     float32 ``(in // bk, out // bn)``.
+
+  Raises:
+    ValueError: ``w`` has fewer than 2 axes; ``in_ndim`` leaves no input or no output axis; ``block_shape`` is
+      not positive or does not divide the ``(in, out)`` view.
+    TypeError: ``block_shape`` is not a pair of ints.
   """
   w = jnp.asarray(w)
   if w.ndim < 2:

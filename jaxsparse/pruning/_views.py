@@ -52,6 +52,10 @@ def kernel_views(
     trailing axes (the ones sparsify takes; the other kernels' default view is sparsify's already);
     a path is a regex that matches itself, as ``views=`` wants. Paths are those of ``nnx.state(model,
     nnx.Param)`` (NNX) or of ``variables["params"]`` (Linen), as the pruners see them.
+
+  Raises:
+    TypeError: ``variables`` or ``example_input`` given with an NNX model, or missing for a Linen one;
+      ``model`` is neither an ``nnx.Module`` nor a Linen ``nn.Module``.
   """
   if isinstance(model, nnx.Module):
     if variables is not None or example_input is not None:

@@ -99,6 +99,12 @@ def magnitude_layer(kernel: jax.typing.ArrayLike, spec: Unstructured | NM | Bloc
 
   Returns:
     Bool ``(K, N)``, True where kept.
+
+  Raises:
+    ValueError: ``kernel`` is not 2-D; ``spec`` cannot apply to it (an ``Unstructured`` sparsity that prunes
+      every weight, a ``BlockSparse`` block shape that does not divide ``(K, N)`` or density that keeps no
+      block, an ``NM`` ``m`` that does not divide ``K``, a transposable ``NM``); the message names ``path``.
+    TypeError: ``spec`` is not ``Unstructured``, ``NM`` or ``BlockSparse``.
   """
   kernel = jnp.asarray(kernel)
   if kernel.ndim != 2:

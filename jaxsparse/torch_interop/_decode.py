@@ -99,6 +99,8 @@ class TorchParam:
 
   @property
   def shape(self) -> tuple[int, ...]:
+    """The shape of :attr:`value` in torch layout (``(out, in)`` for a Linear weight); ``()`` when the parameter
+    could not be decoded (``value`` is ``None``, :attr:`problem` says why)."""
     return () if self.value is None else tuple(self.value.shape)
 
   @functools.cached_property
@@ -586,6 +588,14 @@ def decode_checkpoint(
 
   Returns:
     ``{parameter name: TorchParam}`` in checkpoint order.
+
+  Raises:
+    ValueError: ``on_error`` is not ``"raise"`` or ``"collect"``.
+    CheckpointError: (a ``ValueError``) ``source`` cannot be read (see :func:`load_state_dict`; also with
+      ``on_error="collect"``); with ``on_error="raise"``, a parameter that cannot be decoded (an inconsistent
+      sparse format, a name decoded twice, an N:M mask that ``nm`` cannot recompute); the message names the
+      file and the keys.
+    ImportError: PyTorch is not installed.
   """
   if on_error not in ("raise", "collect"):
     raise ValueError(f"on_error must be 'raise' or 'collect', got {on_error!r}.")

@@ -58,6 +58,14 @@ def save_flax_variables(variables: Mapping, path: str | os.PathLike, *, format: 
 
   Returns:
     The path written.
+
+  Raises:
+    ValueError: a ``format`` other than ``"safetensors"``, ``"orbax"`` or ``None``.
+    CheckpointError: (a ``ValueError``) the directory of ``path`` does not exist; for orbax, ``path`` already
+      exists; a variable name containing ``"/"`` (it separates path parts in the file); for safetensors, a
+      leaf that is not a numeric or boolean array.
+    ImportError: safetensors output without PyTorch or ``safetensors`` installed, or orbax output without
+      ``orbax-checkpoint``.
   """
   path = os.fspath(path)
   if format is None:

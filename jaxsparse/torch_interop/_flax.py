@@ -70,6 +70,10 @@ def map_name(name_map: NameMap, torch_path: str) -> str | None:
 
   Returns:
     The dotted Flax module path (a ``str``), or ``None`` when the module is dropped.
+
+  Raises:
+    TypeError: a rule of a sequence ``name_map`` that is not a ``(regex, replacement)`` pair.
+    re.error: a rule's regex that does not compile.
   """
   if name_map is None:
     return torch_path
