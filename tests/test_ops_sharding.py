@@ -167,3 +167,17 @@ def test_products_with_a_weight_split_over_explicit_axes(name, x_spec, w_spec):
   assert_close(y, dense(x, W), jnp.float32)
   assert_close(dx, dx_ref, jnp.float32)
   assert_close(dw, dw_ref + decay, jnp.float32)
+
+
+@pytest.mark.parametrize("split", ["columns", "rows"])
+def test_tensor_parallel_layer_back_to_one_layer_on_an_explicit_mesh(split):
+  # jax.make_mesh's axes are explicit: the column split's bias is split over "model", which the new layer's is not
+  # (ShardingTypeError in the copy of the bias before).
+  layer = jaxsparse.layers.BlockSparseLinear(64, 128, density=0.5, block_shape=(16, 16), rngs=nnx.Rngs(0))
+  layer.bias[...] = jnp.arange(128.0)
+  tp = sharding.TensorParallelBlockSparseLinear(layer, jax.make_mesh((1,), ("model",)), "model", split=split)
+  back = tp.to_block_sparse_linear()
+  np.testing.assert_array_equal(np.asarray(back.sparse_kernel.to_dense()), np.asarray(layer.sparse_kernel.to_dense()))
+  np.testing.assert_array_equal(np.asarray(back.bias[...]), np.arange(128.0))
+  x = jax.random.normal(KEYS[2], (3, 64))
+  assert_close(back(x), layer(x), jnp.float32)

@@ -12,6 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
+from jaxsparse.formats._masks import replicated
 from jaxsparse.layers import BlockSparseLinear
 from jaxsparse.layers import SparsityPattern
 from jaxsparse.sharding._tensor_parallel import BatchAxes
@@ -177,7 +178,7 @@ class TensorParallelBlockSparseLinear(nnx.Module):
         kernel_init=nnx.initializers.zeros_init(), implementation=self.implementation, precision=self.precision,
         rngs=nnx.Rngs(0),
     )
-    layer.kernel[...] = w.data
+    layer.kernel[...] = replicated(w.data)  # values split over explicit mesh axes, as the new layer's are not
     if self.bias is not None:
-      layer.bias[...] = self.bias[...]
+      layer.bias[...] = replicated(self.bias[...])
     return layer
