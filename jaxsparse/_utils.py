@@ -148,8 +148,25 @@ def check_activations(x: jax.typing.ArrayLike, k: int, *, floating: bool = True)
   return x
 
 
+def check_preferred_element_type(value: object) -> np.dtype | None:
+  """The ops' ``preferred_element_type`` as a dtype, checked: a floating dtype (``"float32"``, ``jnp.bfloat16``,
+  ``np.dtype("float64")``, ...), or ``None`` (the op's default, the operands' result type)."""
+  if value is None:
+    return None
+  try:
+    dtype = jnp.dtype(value)
+  except (TypeError, ValueError):
+    dtype = None
+  if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+    what = f"dtype {dtype}" if dtype is not None else f"not a dtype: {type(value).__name__}"
+    raise TypeError(f"preferred_element_type must be a floating dtype (e.g. jnp.float32, jnp.bfloat16, 'float32') "
+                    f"or None (the operands' result type), got preferred_element_type={value!r} ({what}).")
+  return dtype
+
+
 def dense_reference(x: jax.typing.ArrayLike, w, *, precision, preferred_element_type) -> jax.Array:
   """``x @ w.to_dense()`` in ``preferred_element_type`` (default ``result_type(x, w)``): the ops' oracle."""
+  preferred_element_type = check_preferred_element_type(preferred_element_type)
   x = jnp.asarray(x)
   out_dtype = preferred_element_type or jnp.result_type(x.dtype, w.dtype)
   return jnp.matmul(x, w.to_dense(), precision=precision, preferred_element_type=out_dtype)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -264,3 +266,27 @@ def test_float64_result_takes_the_dense_route_on_gpus():
   for out_dtype, dense_only in ((jnp.float32, False), (jnp.bfloat16, False), (np.dtype("float64"), True)):
     names = [n for n, _ in bsm_module._gpu_routes(kernels, "fwd", x2, ws, precision=None, out_dtype=out_dtype)]
     assert (names == ["dense"]) == dense_only, (out_dtype, names)
+
+
+_BAD_PREFERRED = [("fp32", "not a dtype: str"), (jnp.int32, "dtype int32"), (3, "not a dtype: int"),
+                  (object(), "not a dtype: object"), ("bool", "dtype bool")]
+
+
+@pytest.mark.parametrize(("value", "what"), _BAD_PREFERRED)
+@pytest.mark.parametrize("op", [block_sparse_matmul, block_sparse_matmul_reference])
+def test_bad_preferred_element_type_names_the_argument(op, value, what):
+  """A string that is no dtype failed deep in jnp.dtype; an int dtype computed in ints (truncating every output)."""
+  x, ws = _make(0, 32, 32, (16, 16), _random_mask(0.5))
+  with pytest.raises(TypeError, match=rf"preferred_element_type must be a floating dtype .* or None .*, got "
+                                      rf"preferred_element_type={re.escape(repr(value))} \({what}\)"):
+    op(x, ws, preferred_element_type=value)
+
+
+@pytest.mark.parametrize("value", ["float32", np.dtype("float32"), jnp.float32])
+def test_preferred_element_type_any_spelling_of_a_floating_dtype(value):
+  """Every spelling of a floating dtype is taken: bfloat16 operands give a float32 product."""
+  x, ws = _make(1, 32, 32, (16, 16), _random_mask(0.5), dtype=jnp.bfloat16)
+  y = block_sparse_matmul(x, ws, preferred_element_type=value)
+  expected = jnp.matmul(x.astype(jnp.float32), ws.to_dense().astype(jnp.float32))
+  assert y.dtype == jnp.float32
+  assert_close(y, expected, jnp.bfloat16)

@@ -558,7 +558,7 @@ def _tiny_model(*, seed: int = 0, layers: int = 2) -> llama.LlamaForCausalLM:
 def test_linear_rope_head_dim_biases_and_no_kv_heads_match_transformers(ids, tmp_path):
   """A config.json with rope_type "linear", head_dim 32 (not hidden / heads = 16), attention and MLP biases, and no
   num_key_value_heads (all heads are KV heads) loads with transformers' logits (f32, 1e-4) and exports back; a RoPE
-  type that is not implemented ("dynamic") is refused by name."""
+  type that is not implemented ("yarn") is refused by name."""
   torch.manual_seed(4)
   cfg = transformers.LlamaConfig(
       vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -582,12 +582,55 @@ def test_linear_rope_head_dim_biases_and_no_kv_heads_match_transformers(ids, tmp
   np.testing.assert_allclose(np.asarray(forward(model, jnp.asarray(long_ids))), ref, atol=1e-4, rtol=0)
   back = transformers.LlamaForCausalLM.from_pretrained(save_pretrained(model, tmp_path / "out")).eval()
   np.testing.assert_allclose(_logits(back, long_ids), ref, atol=1e-4, rtol=0)
-  config["rope_parameters"] = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
-  with pytest.raises(ValueError, match=r"rope_scaling type 'dynamic' is not implemented; only \['default', 'linear'"):
+  config["rope_parameters"] = {"rope_type": "yarn", "factor": 2.0, "rope_theta": 10000.0}
+  with pytest.raises(ValueError, match=r"rope_scaling type 'yarn' is not implemented; only \['default', 'dynamic'"):
     llama.LlamaConfig.from_dict(config)
   config["rope_parameters"] = {"rope_type": "llama3", "factor": 8.0, "rope_theta": 10000.0}
   with pytest.raises(ValueError, match=r"needs the numbers.*\['low_freq_factor', 'high_freq_factor', 'original_max"):
     llama.LlamaConfig.from_dict(config)
+
+
+@pytest.mark.slow  # about 25 s on 2 cores (transformers and a jitted step)
+def test_dynamic_ntk_rope_matches_transformers_past_max_position_embeddings(tmp_path):
+  """rope_type "dynamic" (dynamic NTK: the base rescaled from the current length once it exceeds
+  max_position_embeddings = 16) was refused. Logits match transformers' (f32, 1e-4) for a prefill of 18 tokens, 4
+  decode steps with the KV cache (transformers with its own cache: each step's frequencies from the length so far,
+  cached keys as they were rotated), and a whole sequence of 26 tokens without cache."""
+  torch.manual_seed(5)
+  cfg = transformers.LlamaConfig(
+      vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+      num_key_value_heads=2, max_position_embeddings=16, initializer_range=0.1,
+      rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0},
+      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+  hf = transformers.LlamaForCausalLM(cfg).eval()
+  hf.save_pretrained(tmp_path / "hf")
+  model = load_pretrained(tmp_path / "hf")
+  assert model.config.rope == {"rope_type": "dynamic", "factor": 4.0}
+  ids = np.random.default_rng(5).integers(0, VOCAB, (2, 26)).astype(np.int32)
+  graphdef, state = nnx.split(model)
+  step = jax.jit(lambda s, x, c: nnx.merge(graphdef, s).step(x, c))
+  cache = llama.init_cache(model.config, 2, 26)
+  logits, cache = step(state, jnp.asarray(ids[:, :18]), cache)
+  with torch.no_grad():  # transformers keeps the longest length seen: its calls go from short to long, as ours
+    out = hf(torch.tensor(ids[:, :18]), use_cache=True)
+  np.testing.assert_allclose(np.asarray(logits), out.logits.numpy(), atol=1e-4, rtol=0)
+  past = out.past_key_values
+  for t in range(18, 22):
+    logits, cache = step(state, jnp.asarray(ids[:, t:t + 1]), cache)
+    with torch.no_grad():
+      out = hf(torch.tensor(ids[:, t:t + 1]), past_key_values=past, use_cache=True)
+    past = out.past_key_values
+    np.testing.assert_allclose(np.asarray(logits), out.logits.numpy(), atol=1e-4, rtol=0, err_msg=f"step {t}")
+  full = np.asarray(nnx.jit(lambda m, x: m(x))(model, jnp.asarray(ids)))
+  ref = _logits(hf, ids)
+  np.testing.assert_allclose(full, ref, atol=1e-4, rtol=0)
+  # The scaling matters here: plain RoPE gives other logits past position 16. Up to 16 tokens the frequencies are
+  # plain ones (a fresh transformers model: this one keeps the 26 tokens' frequencies, see rope_frequencies_at).
+  plain = load_pretrained(tmp_path / "hf", config=dataclasses.replace(model.config, rope_scaling=None))
+  assert np.abs(np.asarray(plain(jnp.asarray(ids))) - ref).max() > 1e-3
+  fresh = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+  np.testing.assert_allclose(np.asarray(model(jnp.asarray(ids[:, :16]))), _logits(fresh, ids[:, :16]), atol=1e-4,
+                             rtol=0)
 
 
 def _edit_index(directory: Path, edit) -> None:

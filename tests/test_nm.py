@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -541,3 +542,31 @@ def test_public_exports():
   assert jaxsparse.nm_mask is nm_mask and jaxsparse.NMSparseMatrix is NMSparseMatrix
   assert {"nm_matmul", "nm_matmul_reference", "sr_ste"} <= set(jaxsparse.ops.__all__)
   assert functools.reduce(lambda a, b: a and b, [callable(f) for f in (nm_matmul, sr_ste, nm_mask)])
+
+
+_BAD_PREFERRED = [("fp32", "not a dtype: str"), (jnp.int32, "dtype int32"), (3, "not a dtype: int"),
+                  (object(), "not a dtype: object"), ("uint8", "dtype uint8")]
+
+
+@pytest.mark.parametrize(("value", "what"), _BAD_PREFERRED)
+@pytest.mark.parametrize("op", ["nm_matmul", "nm_matmul_reference", "sr_ste_matmul"])
+def test_bad_preferred_element_type_names_the_argument(op, value, what):
+  """A string that is no dtype failed deep in jnp.dtype; an int dtype computed in ints (truncating every output)."""
+  x, w = _normal(0, (2, 16)), _normal(1, (16, 8))
+  run = {"nm_matmul": lambda **kw: nm_matmul(x, NMSparseMatrix.from_dense(w, 2, 4), **kw),
+         "nm_matmul_reference": lambda **kw: nm_matmul_reference(x, NMSparseMatrix.from_dense(w, 2, 4), **kw),
+         "sr_ste_matmul": lambda **kw: jaxsparse.ops.sr_ste_matmul(x, w, 2, 4, **kw)}[op]
+  with pytest.raises(TypeError, match=rf"preferred_element_type must be a floating dtype .* or None .*, got "
+                                      rf"preferred_element_type={re.escape(repr(value))} \({what}\)"):
+    run(preferred_element_type=value)
+
+
+@pytest.mark.parametrize("value", ["float32", np.dtype("float32"), jnp.float32])
+def test_preferred_element_type_any_spelling_of_a_floating_dtype(value):
+  """Every spelling of a floating dtype is taken: bfloat16 operands give a float32 product."""
+  x, w = _normal(2, (3, 16), jnp.bfloat16), _normal(3, (16, 8), jnp.bfloat16)
+  pruned = jnp.where(nm_mask(w, 2, 4), w, 0).astype(jnp.float32)
+  for y in (nm_matmul(x, NMSparseMatrix.from_dense(w, 2, 4), preferred_element_type=value),
+            jaxsparse.ops.sr_ste_matmul(x, w, 2, 4, preferred_element_type=value)):
+    assert y.dtype == jnp.float32
+    assert_close(y, x.astype(jnp.float32) @ pruned, jnp.bfloat16)

@@ -630,10 +630,13 @@ def test_dst_keeps_the_count_with_nan_gradients_and_non_finite_weights():
   assert not (b & a & finite).any()  # non-finite weights are dropped last: every finite kept one went first
 
 
-def test_dst_rejects_nm_rules():
-  pruner = pruning.set_pruner({"fc1": jaxsparse.NM(2, 4)}, update_every=1, end_step=10)
-  with pytest.raises(ValueError, match=r"fc1\.kernel: SET and RigL support Unstructured and BlockSparse"):
-    pruning.wrap_optax(optax.sgd(0.1), pruner).init(_params())
+@pytest.mark.parametrize("factory", [pruning.set_pruner, pruning.rigl_pruner])
+def test_dst_rejects_nm_rules_where_the_pruner_is_built(factory):
+  """An NM rule was refused only at tx.init, far from the set_pruner / rigl_pruner call."""
+  with pytest.raises(ValueError, match=r"rule 'fc1': SET and RigL support Unstructured and BlockSparse rules, got NM"):
+    factory({"fc1": jaxsparse.NM(2, 4), "fc2": jaxsparse.Unstructured(0.5)}, update_every=1, end_step=10)
+  with pytest.raises(ValueError, match=r"rule '\.\*': SET and RigL support"):
+    factory(jaxsparse.NM(2, 4), update_every=1, end_step=10)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -769,6 +772,41 @@ def test_bad_rules_and_scope():
     pruning.magnitude_masks(_params(), jaxsparse.Unstructured(sparsity=0.5), scope="all")
   with pytest.raises(ValueError, match="drop_fraction must be in"):
     pruning.set_pruner(jaxsparse.Unstructured(sparsity=0.5), update_every=1, end_step=10, drop_fraction=0.0)
+
+
+@pytest.mark.parametrize("factory", [
+    pruning.magnitude_pruner,
+    lambda rules: pruning.set_pruner(rules, update_every=1, end_step=10),
+    lambda rules: pruning.rigl_pruner(rules, update_every=1, end_step=10),
+], ids=["magnitude", "set", "rigl"])
+def test_pruner_factories_check_rules_where_they_are_built(factory):
+  """A bad rule surfaced only at the wrapped optimizer's init (tx.init), far from the call that built the pruner."""
+  cases = [
+      ({"fc1": 0.5}, TypeError, r"rule 'fc1' maps to 0\.5; use jaxsparse\.Unstructured"),
+      ({"fc1": "2:4"}, TypeError, r"rule 'fc1' maps to '2:4'"),
+      ({"fc[": jaxsparse.Unstructured(0.5)}, ValueError, r"rule 'fc\[' is not a valid regular expression"),
+      ({1: jaxsparse.Unstructured(0.5)}, TypeError, r"rule keys must be regex strings, got 1"),
+      ({}, ValueError, r"rules is empty"),
+      (0.5, TypeError, r"rules must be a sparsity structure .* got float"),
+  ]
+  for rules, error, match in cases:
+    with pytest.raises(error, match=match):
+      factory(rules)
+
+
+def test_magnitude_pruner_keeps_the_rules_it_was_built_with():
+  """The rules are copied when the pruner is built (and checked then): changing the caller's dict afterwards, to a
+  rule that would have been refused, changes nothing."""
+  rules = {"fc1": jaxsparse.Unstructured(sparsity=0.5)}
+  tx = pruning.wrap_optax(optax.sgd(0.1), pruning.magnitude_pruner(rules))
+  rules["fc1"] = 0.5
+  rules["fc2"] = jaxsparse.Unstructured(sparsity=0.75)
+  params = _params()
+  masks = pruning.get_masks(tx.init(params))
+  expected = pruning.magnitude_masks(params, {"fc1": jaxsparse.Unstructured(sparsity=0.5)})
+  assert masks["fc2"]["kernel"] is None and expected["fc2"]["kernel"] is None
+  np.testing.assert_array_equal(np.asarray(masks["fc1"]["kernel"]), np.asarray(expected["fc1"]["kernel"]))
+  assert float(np.mean(np.asarray(masks["fc1"]["kernel"]))) == 0.5
 
 
 # -------------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ float32 on the same (rounded) inputs.
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import jax
@@ -573,3 +574,33 @@ def test_block_sparse_falls_back_to_the_loop_without_kernels(monkeypatch):
   with pytest.warns(CpuKernelFallbackWarning, match="block_sparse_matmul: the C"):
     y = jaxsparse.ops.block_sparse_matmul(x, ws)
   assert_close(y, x @ ws.to_dense(), jnp.float32)
+
+
+_BAD_PREFERRED = [("fp32", "not a dtype: str"), (jnp.int32, "dtype int32"), (3, "not a dtype: int"),
+                  (object(), "not a dtype: object"), ("complex64", "dtype complex64")]
+
+
+@pytest.mark.parametrize(("value", "what"), _BAD_PREFERRED)
+@pytest.mark.parametrize("op", ["sparse_matmul", "sparse_matmul_reference", "masked_matmul"])
+def test_bad_preferred_element_type_names_the_argument(op, value, what):
+  """A string that is no dtype failed deep in jnp.dtype; an int dtype computed in ints (masked_matmul of 0.4 * w gave
+  truncated integers, silently)."""
+  x, w, mask = _data(3, 2, 16, 8, MASKS["random"])
+  run = {"sparse_matmul": lambda **kw: sparse_matmul(x, jaxsparse.CSRMatrix.from_dense(w, mask=mask), **kw),
+         "sparse_matmul_reference": lambda **kw: sparse_matmul_reference(
+             x, jaxsparse.CSRMatrix.from_dense(w, mask=mask), **kw),
+         "masked_matmul": lambda **kw: masked_matmul(x, w, mask, **kw)}[op]
+  with pytest.raises(TypeError, match=rf"preferred_element_type must be a floating dtype .* or None .*, got "
+                                      rf"preferred_element_type={re.escape(repr(value))} \({what}\)"):
+    run(preferred_element_type=value)
+
+
+@pytest.mark.parametrize("value", ["float32", np.dtype("float32"), jnp.float32])
+def test_preferred_element_type_any_spelling_of_a_floating_dtype(value):
+  """Every spelling of a floating dtype is taken: bfloat16 operands give a float32 product."""
+  x, w, mask = _data(4, 3, 16, 8, MASKS["random"], dtype=jnp.bfloat16)
+  expected = x.astype(jnp.float32) @ jnp.where(mask, w, 0).astype(jnp.float32)
+  for y in (masked_matmul(x, w, mask, preferred_element_type=value),
+            sparse_matmul(x, jaxsparse.CSRMatrix.from_dense(w, mask=mask), preferred_element_type=value)):
+    assert y.dtype == jnp.float32
+    assert_close(y, expected, jnp.bfloat16)

@@ -8,8 +8,9 @@ names without a name map, and sparsity rules select the seven projections of eve
 
 RoPE uses Hugging Face's ``rotate_half`` convention (the two halves of each head are the pairs), the layout
 HF checkpoints store ``q_proj`` / ``k_proj`` in, so no permutation of the weights is needed. Rope types:
-``"default"``, ``"linear"`` (position interpolation: the frequencies divided by ``factor``) and ``"llama3"``
-(Llama 3.1 / 3.2 frequency scaling); others (``"dynamic"``, ``"yarn"``, ...) are refused.
+``"default"``, ``"linear"`` (position interpolation: the frequencies divided by ``factor``), ``"dynamic"``
+(dynamic NTK: the base rescaled from the current length, see :func:`rope_frequencies_at`) and ``"llama3"``
+(Llama 3.1 / 3.2 frequency scaling); others (``"yarn"``, ``"longrope"``, ...) are refused.
 
 KV cache (:class:`KVCache`): one ``(B, S, kv_heads, head_dim)`` key and value array per layer, ``S``
 fixed when the cache is made, so prefill and every decode step have static shapes under ``jit``; a
@@ -40,6 +41,7 @@ MLP_PROJECTIONS = r"model\.layers\.\d+\.mlp\.(gate|up|down)_proj"
 ROPE_FIELDS = {
     "default": (),
     "linear": ("factor",),
+    "dynamic": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
 }
 
@@ -48,7 +50,8 @@ ROPE_FIELDS = {
 class LlamaConfig:
   """The fields of a Hugging Face Llama ``config.json`` this model uses.
 
-  ``rope_scaling`` is ``None`` or a dict with ``rope_type`` ``"default"``, ``"linear"`` (then also ``factor``) or
+  ``rope_scaling`` is ``None`` or a dict with ``rope_type`` ``"default"``, ``"linear"`` or ``"dynamic"`` (then also
+  ``factor``) or
   ``"llama3"`` (then also ``factor``, ``low_freq_factor``, ``high_freq_factor``, ``original_max_position_embeddings``).
   """
 
@@ -158,7 +161,30 @@ def rope_frequencies(cfg: LlamaConfig) -> np.ndarray:
   return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def rope_cos_sin(inv_freq: np.ndarray, positions: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
+def rope_frequencies_at(cfg: LlamaConfig, positions: jax.Array) -> jax.Array:
+  """The inverse frequencies of a forward over ``positions`` ``(B, T)``: :func:`rope_frequencies`, except for
+  ``"dynamic"`` (dynamic NTK) RoPE, whose base transformers rescales in every forward from the current length
+  ``L = max(positions) + 1`` once it exceeds ``max_position_embeddings`` ``M``:
+  ``base * (factor * L / M - (factor - 1)) ** (dim / (dim - 2))`` (``_compute_dynamic_ntk_parameters``).
+
+  Computed under ``jit`` from the traced positions. With a KV cache this is what transformers does with its own
+  cache: each step's queries and new keys take the frequencies of the length so far, and the cached keys keep the
+  rotation of the step that wrote them. transformers also keeps the largest length it has seen between calls
+  (``max_seq_len_cached``: a shorter forward after a longer one, still above ``M``, reuses the longer one's
+  frequencies); this model is stateless and uses the current call's length, which is the same for one sequence
+  decoded step by step and for a fresh model.
+  """
+  inv_freq = rope_frequencies(cfg)
+  if cfg.rope.get("rope_type") != "dynamic":
+    return jnp.asarray(inv_freq)
+  dim, m, factor = cfg.head_dim, cfg.max_position_embeddings, cfg.rope["factor"]
+  length = jnp.max(positions).astype(jnp.float32) + 1
+  base = cfg.rope_theta * (factor * length / m - (factor - 1)) ** (dim / (dim - 2))
+  scaled = 1.0 / (base ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+  return jnp.where(length > m, scaled, jnp.asarray(inv_freq))
+
+
+def rope_cos_sin(inv_freq: jax.typing.ArrayLike, positions: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
   """``cos, sin`` of shape ``(B, T, head_dim)`` for int ``positions`` ``(B, T)``, computed in float32."""
   freqs = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)
   emb = jnp.concatenate([freqs, freqs], axis=-1)
@@ -412,7 +438,7 @@ class LlamaForCausalLM(nnx.Module):
     return self.lm_head(x)
 
   def _layers(self, x, positions, mask, cache: KVCache | None):
-    cos, sin = rope_cos_sin(rope_frequencies(self.config), positions, x.dtype)
+    cos, sin = rope_cos_sin(rope_frequencies_at(self.config, positions), positions, x.dtype)
     keys, values = [], []
     for i, layer in enumerate(self.model.layers):
       kv = None if cache is None else (cache.keys[i], cache.values[i], cache.index)

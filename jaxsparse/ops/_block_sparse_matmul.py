@@ -84,7 +84,7 @@ def block_sparse_matmul_reference(
     x: ``(..., K)`` activations.
     w: a :class:`jaxsparse.BlockSparseMatrix` of shape ``(K, N)``.
     precision: passed to ``jnp.matmul``.
-    preferred_element_type: output dtype; defaults to ``result_type(x, w.data)``.
+    preferred_element_type: output dtype, a floating dtype; defaults to ``result_type(x, w.data)``.
 
   Returns:
     ``(..., N)`` array of ``preferred_element_type``, equal to :func:`block_sparse_matmul`'s result up to
@@ -517,7 +517,7 @@ def block_sparse_matmul(
       :func:`jaxsparse.set_autotune_mode`; the XLA path elsewhere); ``"xla"`` or ``"pallas"`` force one (the
       latter: the GPU route), and a forced backend that cannot run raises.
     precision: passed to the underlying ``dot_general`` calls.
-    preferred_element_type: output dtype; defaults to ``result_type(x, w.data)``. Products
+    preferred_element_type: output dtype, a floating dtype; defaults to ``result_type(x, w.data)``. Products
       accumulate in at least float32, and in ``preferred_element_type`` where it is wider (``float64``), as
       ``x @ w.to_dense()`` does.
 
@@ -525,7 +525,8 @@ def block_sparse_matmul(
     ``(..., N)`` array.
 
   Raises:
-    TypeError: ``w`` is not a :class:`jaxsparse.BlockSparseMatrix`; ``x`` does not have a floating dtype.
+    TypeError: ``preferred_element_type`` is not a floating dtype or ``None``;
+      ``w`` is not a :class:`jaxsparse.BlockSparseMatrix`; ``x`` does not have a floating dtype.
     ValueError: ``x`` is not ``(..., K)`` with ``K = w.shape[0]``, or ``K == 0``; ``w.data`` or an index array
       has the wrong shape or dtype (e.g. a matrix rebuilt with ``tree_unflatten``); an unknown
       ``implementation``.
@@ -537,7 +538,7 @@ def block_sparse_matmul(
   w._check_static()  # index arrays' shapes and dtypes, also of a matrix from tree_unflatten (no constructor)
   x = _utils.check_activations(x, w.shape[0])
   impl = _check_implementation(implementation)
-  out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(x.dtype, w.dtype))
+  out_dtype = _utils.check_preferred_element_type(preferred_element_type) or jnp.result_type(x.dtype, w.dtype)
   if math.prod(x.shape[:-1]) == 0:  # no rows (an empty batch): nothing to multiply, and no kernel tiles zero rows
     return jnp.zeros((*x.shape[:-1], w.shape[1]), out_dtype)
   cfg = _Config(impl, precision, out_dtype)

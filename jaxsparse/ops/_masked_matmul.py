@@ -155,7 +155,7 @@ def masked_matmul(
       ``x @ where(mask, w, 0)`` with plain autodiff (the only choice supporting forward-mode
       differentiation).
     precision: passed to the XLA matmuls (the C++ kernels always compute in float32).
-    preferred_element_type: output dtype; defaults to ``result_type(x, w)``.
+    preferred_element_type: output dtype, a floating dtype; defaults to ``result_type(x, w)``.
 
   Returns:
     ``(..., N)`` array.
@@ -163,11 +163,12 @@ def masked_matmul(
   Raises:
     ValueError: ``w`` is not 2-D; ``x`` is not ``(..., K)`` with ``K = w.shape[0]``, or ``K == 0``; ``mask`` is
       not of ``w``'s shape; an unknown ``implementation``.
-    TypeError: ``mask`` is not a boolean array; ``implementation="cpu"`` with dtypes other than float32,
-      bfloat16 and float16.
+    TypeError: ``preferred_element_type`` is not a floating dtype or ``None``; ``mask`` is not a boolean array;
+      ``implementation="cpu"`` with dtypes other than float32, bfloat16 and float16.
     RuntimeError: ``implementation="cpu"`` where the C++ kernels cannot be built or loaded, or the product is
       lowered for a platform other than the CPU.
   """
+  pet = _utils.check_preferred_element_type(preferred_element_type)
   x, w = jnp.asarray(x), jnp.asarray(w)
   if w.ndim != 2:
     raise ValueError(f"w must be 2-D (K, N), got shape {w.shape}.")
@@ -176,7 +177,7 @@ def masked_matmul(
   impl = check_cpu_implementation(implementation, op="masked_matmul")
   # Under explicit mesh axes: x's rows split, w and mask gathered, on every route (ops/_sharding.py).
   x, (w, mask) = _sharding.rows_and_replicated_weights(x, (w, mask))
-  out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(x.dtype, w.dtype))
+  out_dtype = jnp.dtype(pet or jnp.result_type(x.dtype, w.dtype))
   if impl == "cpu" and not cpu_supports(x.dtype, w.dtype):
     raise TypeError(f"implementation='cpu' supports float32, bfloat16 and float16, got {x.dtype} and {w.dtype}.")
   cfg = _Config(precision, out_dtype, check_density=implementation is None)

@@ -92,7 +92,7 @@ def nm_matmul_reference(
     x: ``(..., K)`` activations.
     w: a :class:`jaxsparse.NMSparseMatrix` of shape ``(K, N)``.
     precision: passed to ``jnp.matmul``.
-    preferred_element_type: output dtype; defaults to ``result_type(x, w.values)``.
+    preferred_element_type: output dtype, a floating dtype; defaults to ``result_type(x, w.values)``.
 
   Returns:
     ``(..., N)`` array of ``preferred_element_type``, equal to :func:`nm_matmul`'s result up to rounding.
@@ -497,7 +497,7 @@ def nm_matmul(
       ``"cusparselt"`` force one (``"cusparselt"`` compresses ``w`` on every call when no
       ``cusparselt_weight`` is given), and a forced backend that cannot run raises.
     precision: passed to the products.
-    preferred_element_type: output dtype; defaults to ``result_type(x, w.values)``. Products
+    preferred_element_type: output dtype, a floating dtype; defaults to ``result_type(x, w.values)``. Products
       accumulate in at least float32.
     cusparselt_weight: ``cusparselt_compress(w)``, the same weight in cuSPARSELt's layout (2:4,
       bfloat16, ``x`` and the output of the same dtype). The forward product reads it
@@ -508,7 +508,8 @@ def nm_matmul(
     ``(..., N)`` array.
 
   Raises:
-    TypeError: ``w`` is not a :class:`jaxsparse.NMSparseMatrix`; ``x`` does not have a floating dtype;
+    TypeError: ``preferred_element_type`` is not a floating dtype or ``None``;
+      ``w`` is not a :class:`jaxsparse.NMSparseMatrix`; ``x`` does not have a floating dtype;
       ``cusparselt_weight`` is not a 1-D uint8 array.
     ValueError: ``w`` is not 2-D, or its ``values`` / positions have the wrong shape or dtype (e.g. a matrix
       rebuilt with ``tree_unflatten``); ``x`` is not ``(..., K)`` with ``K = w.shape[0]``, or ``K == 0``; an
@@ -550,7 +551,7 @@ def _call(x, w: NMSparseMatrix, implementation, precision, preferred_element_typ
           buffer_only: bool = False) -> jax.Array:
   x = _utils.check_activations(x, w.shape[0])
   impl = _check_implementation(implementation)
-  out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(x.dtype, w.dtype))
+  out_dtype = _utils.check_preferred_element_type(preferred_element_type) or jnp.result_type(x.dtype, w.dtype)
   if impl == "cusparselt":
     reason = cusparselt_unsupported_reason(w, x.dtype)
     if not reason and out_dtype != x.dtype:

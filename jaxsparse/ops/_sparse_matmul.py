@@ -82,7 +82,7 @@ def sparse_matmul_reference(
     x: ``(..., K)`` activations.
     w: a :class:`jaxsparse.CSRMatrix` of shape ``(K, N)``.
     precision: passed to ``jnp.matmul``.
-    preferred_element_type: output dtype; defaults to ``result_type(x, w.data)``.
+    preferred_element_type: output dtype, a floating dtype; defaults to ``result_type(x, w.data)``.
 
   Returns:
     ``(..., N)`` array of ``preferred_element_type``, equal to :func:`sparse_matmul`'s result up to rounding.
@@ -266,13 +266,14 @@ def sparse_matmul(
       them for patterns denser than :data:`CPU_DENSE_FORWARD_MIN_DENSITY`, the XLA path elsewhere;
       ``"cpu"`` (always the sparse kernels) or ``"xla"`` force one, and a forced backend that cannot run raises.
     precision: passed to the XLA path's matmul (the C++ kernels always compute in float32).
-    preferred_element_type: output dtype; defaults to ``result_type(x, w.data)``.
+    preferred_element_type: output dtype, a floating dtype; defaults to ``result_type(x, w.data)``.
 
   Returns:
     ``(..., N)`` array.
 
   Raises:
-    TypeError: ``w`` is not a :class:`jaxsparse.CSRMatrix`; ``x`` does not have a floating dtype;
+    TypeError: ``preferred_element_type`` is not a floating dtype or ``None``;
+      ``w`` is not a :class:`jaxsparse.CSRMatrix`; ``x`` does not have a floating dtype;
       ``implementation="cpu"`` with dtypes other than float32, bfloat16 and float16.
     ValueError: ``x`` is not ``(..., K)`` with ``K = w.shape[0]``, or ``K == 0``; ``w.data`` or an index array
       has the wrong shape or dtype (e.g. a matrix rebuilt with ``tree_unflatten``); an unknown
@@ -285,7 +286,7 @@ def sparse_matmul(
   w._check_static()  # index arrays' shapes and dtypes, also of a matrix from tree_unflatten (no constructor)
   x = _utils.check_activations(x, w.shape[0])
   impl = check_cpu_implementation(implementation, op="sparse_matmul")
-  out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(x.dtype, w.dtype))
+  out_dtype = _utils.check_preferred_element_type(preferred_element_type) or jnp.result_type(x.dtype, w.dtype)
   if impl == "cpu" and not cpu_supports(x.dtype, w.dtype):
     raise TypeError(f"implementation='cpu' supports float32, bfloat16 and float16, got {x.dtype} and {w.dtype}.")
   # The default runs dense-ish patterns on the dense route; implementation="cpu" always runs the sparse kernels.

@@ -475,7 +475,8 @@ def sr_ste_matmul(
     decay: SR-STE's decay of the pruned weights, a static finite float ``>= 0`` (as in :func:`sr_ste`).
     dtype: the kernel's compute dtype (defaults to ``w.dtype``); the mask is computed on ``w``
       before the cast, as ``sr_ste`` followed by a cast does.
-    precision, preferred_element_type: passed to the product.
+    precision, preferred_element_type: passed to the product (``preferred_element_type`` a floating dtype or
+      ``None``).
     implementation: ``None`` (auto, see above), ``"xla"`` (the reference) or ``"cusparselt"``
       (sparse tensor cores at any number of rows; raises when it cannot run).
     transposable: prune with the transposable mask (``sr_ste(..., transposable=True)``). For 2:4 on a
@@ -490,8 +491,8 @@ def sr_ste_matmul(
     ``(..., N)`` array.
 
   Raises:
-    TypeError: ``n`` or ``m`` is not an int; ``transposable`` is not a bool; ``w`` does not have a floating
-      dtype.
+    TypeError: ``preferred_element_type`` is not a floating dtype or ``None``; ``n`` or ``m`` is not an int;
+      ``transposable`` is not a bool; ``w`` does not have a floating dtype.
     ValueError: not ``0 < n < m`` (``m >= 2``); ``decay`` is not a finite number ``>= 0``, or is traced; an
       unknown ``implementation``; ``w`` is not 2-D or ``x`` not ``(..., K)`` with ``K = w.shape[0]``; ``m``
       does not divide ``K``; ``transposable=True`` with ``m > 4`` or not dividing
@@ -511,7 +512,7 @@ def sr_ste_matmul(
   _nm.check_groups(w.shape, 0, m)
   transposable = _nm.check_transposable(transposable, w.shape, m, 0)
   dtype = jnp.dtype(dtype or w.dtype)
-  pet = None if preferred_element_type is None else jnp.dtype(preferred_element_type)
+  pet = _utils.check_preferred_element_type(preferred_element_type)
   cfg = _MatmulConfig(n, m, decay, dtype, precision, pet, transposable)
   # Under explicit mesh axes: x's rows split, w gathered (its mask then computed whole), on every route.
   x, (w,) = _sharding.rows_and_replicated_weights(x, (w,))

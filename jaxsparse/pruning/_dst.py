@@ -18,12 +18,14 @@ import jax
 import jax.numpy as jnp
 
 from jaxsparse._rules import Views
+from jaxsparse._rules import resolve_rules
 from jaxsparse._rules import resolve_views
 from jaxsparse.formats._specs import NM
 from jaxsparse.pruning._optax import Pruner
 from jaxsparse.pruning._schedules import check_steps
 from jaxsparse.pruning._schedules import periodic
 from jaxsparse.pruning._scores import Target
+from jaxsparse.pruning._scores import frozen_rules
 from jaxsparse.pruning._scores import magnitude_scores
 from jaxsparse.pruning._scores import plan
 from jaxsparse.pruning._scores import rank_mask
@@ -86,20 +88,25 @@ def _check_args(drop_fraction: object, update_every: object, end_step: object, b
   periodic(update_every=update_every, begin_step=begin_step, end_step=end_step)  # checks the steps
 
 
+_NM_REFUSED = ("SET and RigL support Unstructured and BlockSparse rules, got {spec!r}; for N:M masks that follow the "
+               "weights, train NMLinear / NMConv layers (jaxsparse.sparsify with NM: SR-STE).")
+
+
 def _dst_pruner(rules: Any, *, grow: str, update_every: int, end_step: int, begin_step: int, drop_fraction: float,
                 views: Views | None):
   _check_args(drop_fraction, update_every, end_step, begin_step)
   schedule = periodic(update_every=update_every, begin_step=begin_step, end_step=end_step)
+  rules = frozen_rules(rules)  # bad rules fail here, not at init
+  for pattern, _, spec in resolve_rules(rules):
+    if isinstance(spec, NM):
+      raise ValueError(f"rule {pattern!r}: {_NM_REFUSED.format(spec=spec)}")
   resolve_views(views)  # bad views fail here, not at init
 
   def targets_of(params, *, warn):
     _, leaves, treedef, targets = plan(params, rules, views=views, warn=warn)
     for t in targets:
       if isinstance(t.spec, NM):
-        raise ValueError(
-            f"{t.path}: SET and RigL support Unstructured and BlockSparse rules, got {t.spec!r}; for N:M "
-            "masks that follow the weights, train NMLinear / NMConv layers (jaxsparse.sparsify with NM: SR-STE)."
-        )
+        raise ValueError(f"{t.path}: {_NM_REFUSED.format(spec=t.spec)}")
     return leaves, treedef, targets
 
   def init(params, key):
@@ -169,6 +176,13 @@ def set_pruner(
     A :class:`Pruner` for :func:`wrap_optax`; its ``init`` draws a uniformly random mask per matched parameter
     (from the key that :func:`wrap_optax` seeds with its ``seed``).
 
+  Raises:
+    TypeError: ``rules`` neither a structure nor a mapping, a rule key that is not a string or a rule value that is
+      not a structure or ``None``; bad ``views``.
+    ValueError: naming the argument, for a bad ``drop_fraction`` or steps; an ``NM`` rule, empty ``rules`` or a
+      rule key that is not a valid regex (here, where the pruner is built); at ``init``, a structure that cannot
+      apply to a parameter it matches (naming the path).
+
   References:
     Mocanu et al., "Scalable training of artificial neural networks with adaptive sparse
     connectivity inspired by network science", Nature Communications 2018.
@@ -213,6 +227,10 @@ def rigl_pruner(
 
   Returns:
     A :class:`Pruner` for :func:`wrap_optax`; it starts from a uniformly random mask per matched parameter.
+
+  Raises:
+    TypeError: as :func:`set_pruner`.
+    ValueError: as :func:`set_pruner`.
 
   References:
     Evci et al., "Rigging the Lottery: Making All Tickets Winners", ICML 2020,

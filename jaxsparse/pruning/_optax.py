@@ -39,6 +39,7 @@ from jaxsparse._rules import unwrap_variables
 from jaxsparse.pruning._schedules import Schedule
 from jaxsparse.pruning._schedules import one_shot
 from jaxsparse.pruning._scores import check_scope
+from jaxsparse.pruning._scores import frozen_rules
 from jaxsparse.pruning._scores import masks_at
 from jaxsparse.pruning._scores import plan
 from jaxsparse.pruning._scores import target_masks
@@ -151,15 +152,17 @@ def magnitude_pruner(
 
   Raises:
     TypeError: ``schedule`` is not a :class:`Schedule`; ``views`` with a key that is not a regex string or a
-      value that is not a positive int.
-    ValueError: ``scope`` is not ``"layer"`` or ``"global"``. ``rules`` are checked against the parameters when
-      the wrapped optimizer's ``init`` runs, which raises a ``TypeError`` for a rule that is not a structure and
-      a ``ValueError`` for a structure that cannot apply to a parameter it matches.
+      value that is not a positive int; ``rules`` neither a structure nor a mapping, a rule key that is not a
+      string or a rule value that is not a structure or ``None``.
+    ValueError: ``scope`` is not ``"layer"`` or ``"global"``; empty ``rules`` or a rule key that is not a valid
+      regex. The structures are checked against the parameters when the wrapped optimizer's ``init`` runs, which
+      raises a ``ValueError`` for a structure that cannot apply to a parameter it matches.
   """
   schedule = one_shot() if schedule is None else schedule
   if not isinstance(schedule, Schedule):
     raise TypeError(f"schedule must be a pruning.Schedule (one_shot, gradual, periodic), got {schedule!r}.")
   check_scope(scope)
+  rules = frozen_rules(rules)  # bad rules fail here, not at the wrapped optimizer's init
   resolve_views(views)  # bad views fail here, not at the first step
 
   def at_step(masks, params, step, *, warn):

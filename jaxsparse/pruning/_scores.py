@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
 
@@ -203,6 +204,14 @@ class Target:
       blocks = units.reshape(k // bk, n // bn)
       return jnp.repeat(jnp.repeat(blocks, bk, axis=0), bn, axis=1).reshape(self.shape)
     return units.reshape(self.shape)
+
+
+def frozen_rules(rules: Any) -> Any:
+  """``rules`` checked now (:func:`~jaxsparse._rules.resolve_rules`: structures, regex keys) and copied, for a factory
+  that applies them later (a pruner's ``init``): a bad rule fails where the pruner is built, and later changes to
+  the caller's dict do not change the pruner."""
+  resolve_rules(rules)
+  return dict(rules) if isinstance(rules, Mapping) else rules
 
 
 def plan(
