@@ -27,6 +27,7 @@ from jaxsparse.layers import _nm_linen
 from jaxsparse.layers._block_sparse import BlockSparseLinear
 from jaxsparse.layers._common import SPARSITY
 from jaxsparse.layers._embed import CompressedNMEmbed
+from jaxsparse.layers._embed_linen import CompressedNMEmbed as LinenCompressedNMEmbed
 from jaxsparse.layers._linear_general import SparseLinearGeneral
 from jaxsparse.layers._masked import MaskedConv
 from jaxsparse.layers._masked import MaskedLinear
@@ -253,17 +254,19 @@ def _linen_nm_layers(module: Any, variables: Mapping, inputs: Sequence[Any]) -> 
   from jaxsparse.formats._specs import NM  # noqa: PLC0415
 
   if _is_sparsified_linen(module):
-    names = {"conv": "NMConv", "dense": "NMDense", "general": "NMDense"}
+    names = {"conv": "NMConv", "dense": "NMDense", "general": "NMDense", "embed": "CompressedNMEmbed"}
     return {
-        tuple(str(p) for p in path): ("CompressedNMDense" if plan.compressed else names[plan.kind], plan.spec.n,
-                                      plan.spec.m, plan.spec.transposable)
+        tuple(str(p) for p in path): ("CompressedNMDense" if plan.compressed and plan.kind != "embed"
+                                      else names[plan.kind], plan.spec.n, plan.spec.m, plan.spec.transposable)
         for path, plan in module.layers.items() if isinstance(plan.spec, NM)
     }
   found: dict[tuple[str, ...], _NMInfo] = {}
 
   def record(next_fun, args, kwargs, context):
     m = context.module
-    if isinstance(m, _nm_linen.NMDense | _nm_linen.NMConv | CompressedNMDense) and context.method_name == "__call__":
+    nm = isinstance(m, _nm_linen.NMDense | _nm_linen.NMConv | CompressedNMDense) and context.method_name == "__call__"
+    embed = isinstance(m, LinenCompressedNMEmbed) and context.method_name in ("__call__", "attend")
+    if nm or embed:
       found[tuple(m.scope.path)] = (type(m).__name__, m.n, m.m, getattr(m, "transposable", False))
     return next_fun(*args, **kwargs)
 
@@ -309,12 +312,35 @@ def _linen_layers(variables: Mapping, nm_layers: Mapping[tuple[str, ...], _NMInf
         shape = tuple(kernel.shape)
         nm = f"{n}:{m}" + (" transposable" if transposable else "")
         out.append(_layer(path, name, shape, nm, math.prod(shape) * n // m, dense_weight_grad=True, **common))
+    elif "embedding" in params and not isinstance(params["embedding"], Mapping):
+      pattern = sparsity
+      for part in prefix:
+        pattern = pattern.get(part, {}) if isinstance(pattern, Mapping) else {}
+      if "embedding_positions" in pattern:  # a Linen CompressedNMEmbed: its n:m is not in its variables
+        out.append(_linen_embed(_path(prefix), params, pattern, nm_layers.get(prefix)))
     for key, value in params.items():
       if isinstance(value, Mapping):
         walk(value, (*prefix, str(key)))
 
   walk(variables.get("params", {}), ())
   return out
+
+
+def _linen_embed(path: str, params: Mapping, pattern: Mapping, info: _NMInfo | None) -> LayerSummary:
+  """The row of a Linen ``CompressedNMEmbed``: its kept values ``(features * n // m, num_embeddings)``, its table
+  ``(num_embeddings, features)``; a lookup, no FLOPs."""
+  if info is None:
+    raise ValueError(
+        f"{path or '(the variables)'} holds a compressed N:M embedding (sparsity 'embedding_positions') whose n:m only "
+        "its module knows: pass module= (the SparsifiedLinen that jaxsparse.sparsify_linen returned, or the Linen "
+        "module and its example inputs)."
+    )
+  name, n, m, _ = info
+  values = params["embedding"]
+  shape = (values.shape[1], values.shape[0] * m // n)
+  table = _layer(path, name, shape, f"{n}:{m} compressed", math.prod(shape) * n // m,
+                 stored={"params": params, SPARSITY: pattern}, param_dtype=values.dtype, bias_size=0)
+  return dataclasses.replace(table, forward_flops=0, backward_flops=0, dense_forward_flops=0, dense_backward_flops=0)
 
 
 def summary(model: nnx.Module | Mapping, /, *example_inputs: Any, module: nn.Module | None = None) -> ModelSummary:
@@ -345,8 +371,8 @@ def summary(model: nnx.Module | Mapping, /, *example_inputs: Any, module: nn.Mod
     module: the Linen module of ``model``'s variables, or the ``SparsifiedLinen`` that
       :func:`jaxsparse.sparsify_linen` (or :func:`jaxsparse.compress_linen`) returned. Needed to find ``NMDense`` /
       ``NMConv``, whose variables are those of ``nn.Dense`` / ``nn.Conv``, and the ``n:m`` of a
-      ``CompressedNMDense``; block-sparse and masked Linen layers are found from the ``"sparsity"`` collection
-      alone.
+      ``CompressedNMDense`` or ``CompressedNMEmbed``; block-sparse and masked Linen layers are found from the
+      ``"sparsity"`` collection alone.
 
   Returns:
     A :class:`ModelSummary`; ``str()`` of it is a table with totals.
@@ -354,7 +380,8 @@ def summary(model: nnx.Module | Mapping, /, *example_inputs: Any, module: nn.Mod
   Raises:
     TypeError: ``model`` is neither, ``module`` or example inputs come with an NNX model, example inputs without
       ``module``, or a ``module`` (other than a ``SparsifiedLinen``) without example inputs.
-    ValueError: Linen variables holding a ``CompressedNMDense``'s, without a ``module`` that says its ``n:m``.
+    ValueError: Linen variables holding a ``CompressedNMDense``'s or ``CompressedNMEmbed``'s, without a ``module``
+      that says its ``n:m``.
   """
   if isinstance(model, nnx.Module):
     if module is not None or example_inputs:

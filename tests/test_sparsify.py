@@ -299,6 +299,45 @@ def test_linen_cnn():
     jaxsparse.sparsify_linen(model, variables, {"conv1": jaxsparse.BlockSparse(density=0.5)}, x)
 
 
+class _LinenEveryKind(nn.Module):
+  """One layer of each planned kind: conv, dense, nn.DenseGeneral (to two features, then from two axes)."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Conv(8, (3,), name="conv")(x)
+    h = nn.Dense(32, param_dtype=jnp.bfloat16, name="dense")(h)
+    h = nn.DenseGeneral((4, 8), name="up")(h)
+    h = nn.DenseGeneral(16, axis=(-2, -1), name="down")(h)
+    return nn.Dense(16, use_bias=False, name="out")(h)
+
+
+def test_densify_linen_of_abstract_variables_is_the_dense_restore_target():
+  """``densify_linen`` of ``jax.eval_shape(sparse.init, ...)`` (``jax.ShapeDtypeStruct`` leaves, an orbax restore
+  target) gives the abstract dense variables, those of the dense model's init, for every structure and after
+  ``compress_linen``; it raised a TypeError (``jnp.asarray`` of a ShapeDtypeStruct)."""
+  model = _LinenEveryKind()
+  x = _normal(0, (2, 5, 8))
+  variables = model.init(jax.random.key(0), x)
+  rules = {"conv": jaxsparse.NM(2, 4), "dense": jaxsparse.BlockSparse(density=0.5, block_shape=(8, 8)),
+           "up": jaxsparse.NM(2, 4), "down": jaxsparse.Unstructured(sparsity=0.5), "out": jaxsparse.Unstructured(0.5)}
+  sparse, sparse_vars, _ = jaxsparse.sparsify_linen(model, variables, rules, x)
+  expected = jax.eval_shape(model.init, jax.random.key(0), x)
+  spec = jax.tree.map(lambda a: (a.shape, a.dtype), expected)
+  assert spec["params"]["dense"]["kernel"] == ((8, 32), jnp.bfloat16)
+  assert spec["params"]["up"]["kernel"] == ((32, 4, 8), jnp.float32)
+  for module, abstract in [(sparse, jax.eval_shape(sparse.init, jax.random.key(0), x)),
+                           jaxsparse.compress_linen(sparse, jax.eval_shape(sparse.init, jax.random.key(0), x))]:
+    assert all(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(abstract))
+    dense_module, target = jaxsparse.densify_linen(module, abstract)
+    assert dense_module is model
+    assert all(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(target))
+    assert jax.tree.structure(target) == jax.tree.structure(expected)
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), target) == spec
+  # The concrete densify_linen has the same shapes and dtypes.
+  _, dense_vars = jaxsparse.densify_linen(sparse, sparse_vars)
+  assert jax.tree.map(lambda a: (a.shape, a.dtype), dense_vars) == spec
+
+
 # -------------------------------------------------------------------------------------------------
 # Bad input.
 # -------------------------------------------------------------------------------------------------

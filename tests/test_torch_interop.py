@@ -974,3 +974,49 @@ def test_target_that_does_not_fit_names_the_variable():
     torch_interop.to_linen_variables({"fc.weight": torch.ones(8, 16)}, target=target)
   with pytest.raises(TypeError, match="target must be Linen variables"):
     torch_interop.to_linen_variables({"fc.weight": torch.ones(8, 16)}, target=[1])
+
+
+def test_linen_dense_general_exports_as_the_torch_linear_on_its_2d_view():
+  """An nn.DenseGeneral kernel (*in_dims, *features) of Linen variables was written as a conv weight (reversed axes)
+  and its bias unflattened: torch refused both. Its bias of ndim >= 2 tells it from a conv; where it does not (a 1-D
+  bias), the plan of module= does (densify_linen's variables too, whose N:M masks were taken along the wrong axis)."""
+  import flax.linen as nn  # noqa: PLC0415
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      h = nn.DenseGeneral((4, 8), name="up")(x)  # (16,) -> (4, 8): kernel (16, 4, 8), bias (4, 8)
+      return nn.DenseGeneral(16, axis=(-2, -1), name="down")(h)  # (4, 8) -> (16,): kernel (4, 8, 16), bias (16,)
+
+  model = Net()
+  x = jax.random.normal(jax.random.key(0), (3, 16))
+  variables = model.init(jax.random.key(1), x)
+  variables["params"]["up"]["bias"] = jax.random.normal(jax.random.key(2), (4, 8))  # not zeros: a bias must count
+  state = torch_interop.export_state_dict(variables)
+  assert {k: tuple(v.shape) for k, v in state.items() if k.startswith("up.")} == {"up.weight": (32, 16),
+                                                                                  "up.bias": (32,)}
+  up = torch.nn.Linear(16, 32)
+  up.load_state_dict({k[3:]: v for k, v in state.items() if k.startswith("up.")})
+  h = nn.DenseGeneral((4, 8)).apply({"params": variables["params"]["up"]}, x)
+  with torch.no_grad():
+    np.testing.assert_allclose(up(torch.from_numpy(np.array(x))).numpy(), np.asarray(h).reshape(3, 32), atol=1e-5,
+                               rtol=1e-5)
+  # A 1-D bias: a conv's or an nn.DenseGeneral's; the SparsifiedLinen's plan says which.
+  sparse, sparse_vars, _ = jaxsparse.sparsify_linen(model, variables, jaxsparse.NM(2, 4), x)
+  _, dense_vars = jaxsparse.densify_linen(sparse, sparse_vars)
+  torch_net = torch.nn.ModuleDict({"up": torch.nn.Linear(16, 32), "down": torch.nn.Linear(32, 16)})
+  exported = torch_interop.export_state_dict(dense_vars, module=sparse)
+  torch_net.load_state_dict(exported)
+  with torch.no_grad():
+    y = torch_net["down"](torch_net["up"](torch.from_numpy(np.array(x)))).numpy()
+  np.testing.assert_allclose(y, np.asarray(model.apply(dense_vars, x)), atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(y, np.asarray(sparse.apply(sparse_vars, x)), atol=1e-5, rtol=1e-5)
+  # The dense variables give the same weights and masks as the sparse ones.
+  for got, want in [(exported, torch_interop.export_state_dict(sparse_vars, module=sparse)),
+                    (torch_interop.export_masks(dense_vars, module=sparse),
+                     torch_interop.export_masks(sparse_vars, module=sparse))]:
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+  # A bias of ndim >= 2 that is not the kernel's trailing axes: neither layer.
+  bad = {"params": {"fc": {"kernel": np.zeros((16, 4, 8), np.float32), "bias": np.zeros((8, 4), np.float32)}}}
+  with pytest.raises(ValueError, match=r"fc: its kernel has shape \(16, 4, 8\) and its bias \(8, 4\)"):
+    torch_interop.export_state_dict(bad)

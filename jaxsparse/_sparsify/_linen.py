@@ -20,6 +20,11 @@ projections of ``nn.MultiHeadDotProductAttention``: ``(d,) -> (heads, head_dim)`
 ``(..., *in_dims)`` as ``(..., K)`` and the output ``(..., N)`` as ``(..., *features)``. Its sparse
 variables are those of the 2-D layer (kernel ``(K, N)`` or block values, bias ``(N,)``, mask
 ``(K, N)``); :func:`densify_linen` gives back the ``nn.DenseGeneral`` shapes.
+
+An ``nn.Embed`` takes a rule only when the rule names it (matches no layer above), as in :func:`jaxsparse.sparsify`:
+``NM(n, m)`` runs its lookups and ``attend`` as a :class:`~jaxsparse.layers.linen.CompressedNMEmbed` (``n`` of every
+``m`` features of each row kept; ``params.embedding`` the kept values ``(features * n // m, num_embeddings)``,
+``sparsity.embedding_positions``); other structures raise. Catch-all rules leave embeddings dense.
 """
 
 
@@ -67,6 +72,7 @@ from jaxsparse.formats._specs import Unstructured
 from jaxsparse.formats._specs import check_spec_applies
 from jaxsparse.formats._specs import matrix_shape
 from jaxsparse.layers import linen as sparse_linen
+from jaxsparse.layers._embed import compress_table
 
 __all__ = [
     "SparsifiedLinen",
@@ -75,6 +81,7 @@ __all__ = [
     "dense_params",
     "densify_layers",
     "densify_linen",
+    "embed_variables",
     "kept_blocks",
     "layer_variables",
     "linen_density",
@@ -86,16 +93,17 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True)
 class _LinenLayer:
-  kind: str  # "dense", "general" (nn.DenseGeneral over trailing axes) or "conv"
+  kind: str  # "dense", "general" (nn.DenseGeneral over trailing axes), "conv" or "embed" (nn.Embed)
   spec: Spec
   module: nn.Module  # the original layer, unbound (its configuration)
-  in_dims: tuple[int, ...]  # the contracted input dims: (K,), or nn.DenseGeneral's (*in_dims)
-  features: tuple[int, ...]  # (N,), or nn.DenseGeneral's (*features)
+  in_dims: tuple[int, ...]  # the contracted input dims: (K,), or nn.DenseGeneral's (*in_dims); an embed's (features,)
+  features: tuple[int, ...]  # (N,), or nn.DenseGeneral's (*features); an embed's (num_embeddings,)
   # The dense parameters' nn.Partitioned boxes (values dropped), which densify_linen puts back.
   boxes: Mapping[str, nn.meta.AxisMetadata] = dataclasses.field(default_factory=dict, compare=False)
-  # An N:M dense / general layer in its inference form (jaxsparse.compress_linen): a CompressedNMDense.
+  # An N:M dense / general layer in its inference form (jaxsparse.compress_linen): a CompressedNMDense; an
+  # embedding is always compressed (a CompressedNMEmbed).
   compressed: bool = False
-  implementation: str | None = None  # the CompressedNMDense's nm_matmul backend
+  implementation: str | None = None  # the CompressedNMDense's (CompressedNMEmbed's attend) nm_matmul backend
 
   @property
   def shape_2d(self) -> tuple[int, int]:
@@ -127,6 +135,10 @@ def _to_dict(tree: Any) -> Any:
 
 def sparse_module_of(layer: _LinenLayer, *, nnz: int | None = None) -> nn.Module:
   m, spec = layer.module, layer.spec
+  if layer.kind == "embed":  # parent=None: built inside nn.Embed's methods, which are not compact
+    return sparse_linen.CompressedNMEmbed(m.num_embeddings, m.features, n=spec.n, m=spec.m, dtype=m.dtype,
+                                          param_dtype=m.param_dtype, promote_dtype=m.promote_dtype,
+                                          implementation=layer.implementation, parent=None)
   if layer.kind in ("dense", "general"):
     k, n = layer.shape_2d
     common = dict(use_bias=m.use_bias, dtype=m.dtype, param_dtype=m.param_dtype, precision=m.precision)
@@ -156,8 +168,10 @@ def sparse_layer_name(layer: _LinenLayer, *, nnz: int | None = None) -> str:
   return type(sparse_module_of(layer, nnz=nnz)).__name__
 
 
-def apply_sparse_layer(layer: _LinenLayer, variables: Mapping, x: jax.Array) -> jax.Array:
+def apply_sparse_layer(layer: _LinenLayer, variables: Mapping, x: jax.Array, *, method: str = "__call__") -> jax.Array:
   variables = nn.meta.unbox(variables)  # nn.Partitioned boxes (sharding annotations)
+  if layer.kind == "embed":  # a lookup or attend
+    return sparse_module_of(layer).apply(variables, x, method=method)
   if layer.kind == "conv" and isinstance(layer.spec, Unstructured):
     mask = variables[sparse_linen.SPARSITY]["mask"]
     return layer.module.clone(parent=None, mask=mask).apply({"params": variables["params"]}, x)
@@ -177,6 +191,7 @@ def apply_sparse_layer(layer: _LinenLayer, variables: Mapping, x: jax.Array) -> 
 
 
 _IN_SPARSE_LAYER: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxsparse_in_sparse_layer", default=False)
+_INTERCEPTED = ("__call__", "attend", "setup")  # attend and setup: of an nn.Embed
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -185,8 +200,9 @@ class SparsifiedLinen:
 
   ``apply(variables, *args, **kwargs)`` is ``module.apply`` with those calls redirected
   (``nn.intercept_methods``) to ``BlockSparseDense``, ``MaskedDense``, ``NMDense`` (on flattened
-  features for ``nn.DenseGeneral``; ``CompressedNMDense`` after :func:`jaxsparse.compress_linen`), ``NMConv`` or a
-  masked ``nn.Conv`` on the variables of the same scope. Use it as ``apply_fn`` of a ``TrainState``.
+  features for ``nn.DenseGeneral``; ``CompressedNMDense`` after :func:`jaxsparse.compress_linen`), ``NMConv``, a
+  masked ``nn.Conv`` or, for an ``nn.Embed``'s lookups and ``attend``, ``CompressedNMEmbed``, on the variables of the
+  same scope. Use it as ``apply_fn`` of a ``TrainState``.
 
   Attributes:
     module: the user's Linen module, unchanged.
@@ -197,16 +213,27 @@ class SparsifiedLinen:
   layers: Mapping[tuple, _LinenLayer]
 
   def _intercept(self, next_fun, args, kwargs, context):
-    layer = self.layers.get(tuple(context.module.path)) if context.method_name == "__call__" else None
-    if layer is None or _IN_SPARSE_LAYER.get() or type(context.module) is not type(layer.module):
+    method = context.method_name
+    layer = self.layers.get(tuple(context.module.path)) if method in _INTERCEPTED else None
+    if layer is None or _IN_SPARSE_LAYER.get() or type(context.module) is not type(layer.module) or (
+        method != "__call__" and layer.kind != "embed"):
       return next_fun(*args, **kwargs)
-    x = _layer_input(args, kwargs)
+    if method == "setup":  # nn.Embed's would declare the dense table (another shape): the sparse layer holds it
+      # A model reading the table itself (``self.embed.embedding``) reads the pruned one: unused, jit drops it.
+      variables = nn.meta.unbox(context.module.variables)
+      if sparse_linen.SPARSITY in variables:  # else the lookup raises, naming the collection
+        context.module.embedding = NMSparseMatrix(
+            variables["params"]["embedding"], variables[sparse_linen.SPARSITY]["embedding_positions"],
+            shape=(*layer.in_dims, *layer.features), n=layer.spec.n, m=layer.spec.m, validate=False).to_dense().T
+      return None
+    x = _layer_input(args, kwargs, name="query" if method == "attend" else "inputs")
     if x is None:
-      raise TypeError(f"{'.'.join(context.module.path)}: sparse layers take one input, positional or inputs=, got "
-                      f"{len(args)} positional and keywords {sorted(kwargs)}.")
+      raise TypeError(f"{'.'.join(context.module.path)}: sparse layers take one input, positional or "
+                      f"{'query' if method == 'attend' else 'inputs'}=, got {len(args)} positional and keywords "
+                      f"{sorted(kwargs)}.")
     token = _IN_SPARSE_LAYER.set(True)  # the sparse layer's own nn.Dense / nn.Conv must run as is
     try:
-      return apply_sparse_layer(layer, context.module.variables, x)
+      return apply_sparse_layer(layer, context.module.variables, x, method=method)
     finally:
       _IN_SPARSE_LAYER.reset(token)
 
@@ -229,6 +256,9 @@ class SparsifiedLinen:
     params = variables.setdefault("params", {})
     for path, layer in self.layers.items():
       boxed_params = _nested_get(params, path)
+      if layer.kind == "embed":
+        _store(variables, path, layer, boxed_params, embed_variables(layer.spec, nn.meta.unbox(boxed_params)))
+        continue
       layer_vars = _linen_variables(layer.spec, _params_2d(layer, nn.meta.unbox(boxed_params)), None,
                                     ".".join(path))
       if layer.compressed:
@@ -261,7 +291,7 @@ class _Found:
 
   kind: str
   module: nn.Module  # unbound
-  x: jax.ShapeDtypeStruct
+  x: jax.ShapeDtypeStruct | None  # None for an nn.Embed (its lookups are not timed)
   in_dims: tuple[int, ...]
   features: tuple[int, ...]
   unsupported: str = ""  # why a rule may not select it
@@ -310,13 +340,13 @@ def _check_rebuildable(f: _Found, spec: Spec, kernel_shape: tuple[int, ...], pat
                        "keeps them.")
 
 
-def _layer_input(args: tuple, kwargs: Mapping) -> Any:
-  """The one input of a Flax layer's call, positional or ``inputs=`` (its name in ``nn.Dense`` / ``nn.Conv``);
-  ``None`` for any other call."""
+def _layer_input(args: tuple, kwargs: Mapping, *, name: str = "inputs") -> Any:
+  """The one input of a Flax layer's call, positional or ``inputs=`` (its name in ``nn.Dense`` / ``nn.Conv`` /
+  ``nn.Embed``; ``name="query"`` for ``nn.Embed.attend``); ``None`` for any other call."""
   if len(args) == 1 and not kwargs:
     return args[0]
-  if not args and set(kwargs) == {"inputs"}:
-    return kwargs["inputs"]
+  if not args and set(kwargs) == {name}:
+    return kwargs[name]
   return None
 
 
@@ -328,6 +358,8 @@ def _linen_layers(module: nn.Module, variables: Mapping, example_input: Any, kwa
     x = _layer_input(args, kw)
     if context.method_name == "__call__" and type(m) in _LINEN_KINDS and x is not None and tuple(m.path) not in found:
       found[tuple(m.path)] = _found(m, x)
+    if context.method_name in ("__call__", "attend") and type(m) is nn.Embed and tuple(m.path) not in found:
+      found[tuple(m.path)] = _Found("embed", m.clone(parent=None), None, (int(m.features),), (int(m.num_embeddings),))
     return next_fun(*args, **kw)
 
   args = example_input if isinstance(example_input, tuple) else (example_input,)
@@ -353,7 +385,10 @@ def sparsify_linen(
   rule matches gets the variables of the Linen sparse layer for its structure (``BlockSparseDense``,
   ``MaskedDense``, ``NMDense``, ``NMConv``, or a masked ``nn.Conv`` for unstructured convs; see the
   module docstring for ``nn.DenseGeneral``), pruned by magnitude from its dense kernel (or to
-  ``masks``). Patterns go into the ``"sparsity"`` collection.
+  ``masks``). Patterns go into the ``"sparsity"`` collection. An ``nn.Embed`` is taken only by a rule that matches no
+  other layer (one naming it, as ``{"embed": jaxsparse.NM(2, 4)}``), and only with ``NM``: its lookups and ``attend``
+  run as a :class:`~jaxsparse.layers.linen.CompressedNMEmbed` (mask key ``"<path>.embedding"``); a model that reads
+  the table itself (``self.embed.embedding``) reads the pruned table, decompressed in the call.
 
   >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxsparse
   >>> class MLP(nn.Module):
@@ -398,15 +433,26 @@ def sparsify_linen(
   mask_dict = masks_dict(masks)
   kwargs = dict(apply_kwargs or {})
   found = _linen_layers(module, variables, example_input, kwargs)
+  called_embeds = {path: f for path, f in found.items() if f.kind == "embed"}
+  found = {path: f for path, f in found.items() if f.kind != "embed"}
   new_vars = _to_dict(variables)
   params = new_vars.setdefault("params", {})
   layers, changes = {}, []
-  embeds = {p: "nn.Embed" for p, leaves in _param_groups(nn.meta.unbox(params)).items() if "embedding" in leaves}
-  check_unsupported(resolved, [".".join(p) for p in found], embeds,
-                    supported="nn.Dense, nn.DenseGeneral (trailing axes), nn.Conv")
+  dense_paths = [".".join(p) for p in found]
+  embeds = _chosen_embeds(resolved, called_embeds, dense_paths)
+  others = {p: "nn.Embed" for p, leaves in _param_groups(nn.meta.unbox(params)).items()
+            if "embedding" in leaves and p not in {".".join(q) for q in called_embeds}}  # not called on the input
+  check_unsupported(resolved, dense_paths + [".".join(p) for p in called_embeds], others,
+                    supported="nn.Dense, nn.DenseGeneral (trailing axes), nn.Conv, nn.Embed (NM, a rule naming it)")
   chosen = [".".join(path) for path in found if (r := match_rules(resolved, ".".join(path))) is not None
             and resolved[r][2] is not None]
-  check_masks_used(mask_dict, {f"{p}.kernel" for p in chosen}, [f"{p}.kernel" for p in chosen])
+  kernel_keys = [f"{p}.kernel" for p in chosen] + [_embed_key(path) for path, _ in embeds]
+  check_masks_used(mask_dict, set(kernel_keys), kernel_keys)
+  for path, spec in embeds:  # lookups, not products: nothing to time
+    layer, layer_vars, change = _sparse_embed(called_embeds[path], spec, params, mask_dict.get(_embed_key(path)), path)
+    layers[path] = layer
+    _store(new_vars, path, layer, _nested_get(params, path), layer_vars)
+    changes.append(change)
   for path, f in found.items():
     kind, m = f.kind, f.module
     p = ".".join(path)
@@ -457,9 +503,79 @@ def sparsify_linen(
     changes.append(LayerChange(p, f"{type(m).__name__}({kernel.shape})", spec.describe(),
                                sparse_layer_name(layer, nnz=kept_blocks(layer_vars, spec)),
                                density, nbytes(dense_params), nbytes(layer_vars), dense_ms, sparse_ms, note))
-  warn_unmatched(resolved, [".".join(p) for p in found], what="nn.Dense / nn.DenseGeneral / nn.Conv", shadowed=True)
+  warn_unmatched(resolved, dense_paths + [".".join(p) for p, _ in embeds],
+                 what="nn.Dense / nn.DenseGeneral / nn.Conv / nn.Embed (a rule naming it)", shadowed=True)
   changes.sort(key=lambda c: c.path)
   return SparsifiedLinen(module, layers), new_vars, SparsifyReport(tuple(changes))
+
+
+def _embed_key(path: tuple) -> str:
+  """The ``masks`` key of an embedding's table, as in :func:`jaxsparse.sparsify`: ``"<path>.embedding"``."""
+  return f"{'.'.join(path)}.embedding" if path else "embedding"
+
+
+def _chosen_embeds(resolved: list, called: Mapping[tuple, _Found], dense_paths: list[str]) -> list[tuple[tuple, NM]]:
+  """The ``nn.Embed`` layers a rule aimed at embeddings maps to an ``NM`` structure: ``(path, spec)``.
+
+  As in :func:`jaxsparse.sparsify`: an embedding takes the first rule that fully matches its path only when that rule
+  matches no ``nn.Dense`` / ``nn.DenseGeneral`` / ``nn.Conv`` (a rule naming it, like ``"embed"``); catch-all rules
+  leave embeddings dense. Such a rule must be an ``NM`` one, not transposable.
+  """
+  out = []
+  for path, f in called.items():
+    p = ".".join(path)
+    r = match_rules(resolved, p)
+    if r is None or resolved[r][2] is None or any(resolved[r][1].fullmatch(q) for q in dense_paths):
+      continue
+    spec = resolved[r][2]
+    if not isinstance(spec, NM) or spec.transposable:
+      raise ValueError(
+          f"{p or '(the model itself)'} (nn.Embed): rule {resolved[r][0]!r} gives it {spec.describe()}, but an "
+          "embedding takes only NM(n, m) rules (not transposable): it runs as a CompressedNMEmbed, n of every m "
+          "features of each row kept. Supported for other structures: nn.Dense, nn.DenseGeneral (trailing axes), "
+          "nn.Conv. Map it to None or narrow the rule."
+      )
+    if f.module.features % spec.m:
+      raise ValueError(f"{p or '(the model itself)'}: m={spec.m} must divide the embedding's "
+                       f"features={f.module.features}.")
+    out.append((path, spec))
+  return out
+
+
+def _sparse_embed(f: _Found, spec: NM, params: Mapping, mask: Any, path: tuple) -> tuple[_LinenLayer, dict,
+                                                                                          LayerChange]:
+  """The plan, (unboxed) variables and report line of the ``CompressedNMEmbed`` of the ``nn.Embed`` at ``path``."""
+  p = ".".join(path) or "(the model itself)"
+  boxed_params = _nested_get(params, path)
+  dense = nn.meta.unbox(boxed_params)
+  shape = (f.module.num_embeddings, f.module.features)
+  if tuple(dense["embedding"].shape) != shape:
+    raise ValueError(f"{p}: its table has shape {tuple(dense['embedding'].shape)}, not the {shape} of its "
+                     "num_embeddings and features: a stacked (nn.scan over layers) table? sparsify_linen takes "
+                     "layers holding one table each; map this path to None.")
+  if mask is not None:
+    mask = np.asarray(mask)
+    if mask.shape != shape:
+      raise ValueError(f"{p}: the given mask has shape {mask.shape}, the embedding {shape}.")
+    check_nm_mask(mask, spec, 1, p, what="the features")
+  layer_vars = embed_variables(spec, dense, mask)
+  boxes = {k: v.replace_boxed(None) for k, v in boxed_params.items() if isinstance(v, nn.meta.AxisMetadata)}
+  layer = _LinenLayer("embed", spec, f.module, f.in_dims, f.features, boxes, compressed=True)
+  change = LayerChange(".".join(path), f"Embed({shape[0]}x{shape[1]})", spec.describe(), "CompressedNMEmbed",
+                       spec.n / spec.m, nbytes(dense), nbytes(layer_vars))
+  return layer, layer_vars, change
+
+
+def embed_variables(spec: NM, dense: Mapping, mask: np.ndarray | None = None) -> dict:
+  """The (unboxed) variables of a ``CompressedNMEmbed`` from its ``nn.Embed``'s parameters: the table pruned to
+  ``spec`` (or to ``mask``) and compressed, transposed. An abstract or traced table (``jax.eval_shape`` of
+  ``SparsifiedLinen.init``) gives abstract or traced ones."""
+  table = dense["embedding"]
+  compress = functools.partial(compress_table, n=spec.n, m=spec.m, mask=mask)
+  if isinstance(table, jax.ShapeDtypeStruct):
+    compress = functools.partial(jax.eval_shape, compress)
+  w = compress(table)
+  return {"params": {"embedding": w.values}, sparse_linen.SPARSITY: {"embedding_positions": w.indices}}
 
 
 def _param_groups(tree: Mapping, prefix: str = "") -> dict[str, set[str]]:
@@ -520,7 +636,9 @@ def densify_linen(sparse: SparsifiedLinen, variables: Mapping) -> tuple[nn.Modul
   """Inverse of :func:`sparsify_linen`: the original module and dense variables (zeros where pruned).
 
   An ``nn.DenseGeneral``'s kernel and bias get back their own shapes, ``(*in_dims, *features)`` and
-  ``features``; dense parameters that had ``nn.Partitioned`` boxes get them back.
+  ``features``; dense parameters that had ``nn.Partitioned`` boxes get them back. Abstract variables
+  (``jax.ShapeDtypeStruct`` leaves, e.g. ``jax.eval_shape(sparse.init, key, x)``) give the abstract dense
+  variables: the shapes and dtypes of the dense model's ``init``.
 
   >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxsparse
   >>> model = nn.Dense(8)
@@ -559,6 +677,14 @@ def dense_params(layer: _LinenLayer, layer_vars: Mapping) -> dict:
   """The dense parameters of a sparse layer (:func:`layer_variables`): its original layer's shapes, zeros where
   pruned, and the dense parameters' partitioning boxes."""
   p = nn.meta.unbox(layer_vars["params"])
+  if layer.kind == "embed":  # the table, back from its compressed transpose
+    if sparse_linen.SPARSITY not in layer_vars:
+      raise ValueError(f"{layer.module.name or type(layer.module).__name__}: a CompressedNMEmbed's variables need "
+                       f"their {sparse_linen.SPARSITY!r} collection (embedding_positions); pass all the variables.")
+    idx = nn.meta.unbox(layer_vars[sparse_linen.SPARSITY]["embedding_positions"])
+    table = NMSparseMatrix(p["embedding"], idx, shape=(*layer.in_dims, *layer.features), n=layer.spec.n,
+                           m=layer.spec.m, axis=0).to_dense().T
+    return {"embedding": layer.boxes["embedding"].replace_boxed(table) if "embedding" in layer.boxes else table}
   kernel = p["kernel"]
   if isinstance(layer.spec, BlockSparse):
     idx = nn.meta.unbox(layer_vars[sparse_linen.SPARSITY])
@@ -610,7 +736,11 @@ def densify_layers(variables: Mapping, layers: Mapping[tuple, _LinenLayer]) -> d
   """New variables with the sparse layers of ``layers`` (some of a ``SparsifiedLinen``'s, by path) dense."""
   new_vars = _to_dict(variables)
   for path, layer in layers.items():
-    _nested_set(new_vars["params"], path, dense_params(layer, layer_variables(new_vars, path)))
+    layer_vars = layer_variables(new_vars, path)
+    densify = functools.partial(dense_params, layer)
+    if any(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(layer_vars)):
+      densify = functools.partial(jax.eval_shape, densify)  # abstract variables (a restore target): abstract result
+    _nested_set(new_vars["params"], path, densify(layer_vars))
     _drop(new_vars.get(sparse_linen.SPARSITY, {}), path)
   if sparse_linen.SPARSITY in new_vars and not jax.tree.leaves(new_vars[sparse_linen.SPARSITY]):
     del new_vars[sparse_linen.SPARSITY]

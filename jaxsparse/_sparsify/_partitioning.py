@@ -8,8 +8,8 @@ metadata) or ``nn.with_partitioning`` (Linen ``nn.Partitioned`` boxes) passes it
 * ``SparseLinearGeneral`` (and the sparse layer of a Linen ``nn.DenseGeneral``) folds the kernel
   to ``(K, N)`` and the bias to ``(N,)``: a group of dims keeps the name of its leading dim when
   that is the only named one (the merged dim splits the same way), else none;
-* an embedding's compressed table and positions (``CompressedNMEmbed``, transposed) take the table's names,
-  swapped;
+* an embedding's compressed table and positions (``CompressedNMEmbed``, NNX and Linen, transposed) take the
+  table's names, swapped;
 * block-sparse values ``(nnz_blocks, bk, bn)`` and their index arrays are replicated, ``(None, ...)``:
   the data-parallel layout every op partitions over. Splitting a block-sparse weight over devices
   is tensor parallelism, a layout with per-shard indices (:mod:`jaxsparse.sharding`).
@@ -112,11 +112,17 @@ def carry_linen(dense_params: Mapping, layer_vars: dict, *, in_ndim: int | None 
 
   ``in_ndim``: for an ``nn.DenseGeneral`` whose kernel ``(*in_dims, *features)`` the sparse layer
   holds as ``(K, N)``, ``len(in_dims)``; its names are folded as ``SparseLinearGeneral``'s are.
+
+  An ``nn.Embed``'s ``dense_params`` (``{"embedding": table}``): the compressed table and its positions, both stored
+  transposed, take the table's names swapped.
   """
-  kernel, bias = dense_params["kernel"], dense_params.get("bias")
+  embed = "embedding" in dense_params
+  kernel, bias = dense_params["embedding" if embed else "kernel"], dense_params.get("bias")
   if not isinstance(kernel, nn.Partitioned) and not isinstance(bias, nn.Partitioned):
     return layer_vars
   kernel_names = tuple(kernel.names) if isinstance(kernel, nn.Partitioned) else None
+  if embed and kernel_names is not None:  # CompressedNMEmbed keeps the table transposed
+    kernel_names = kernel_names[::-1]
   bias_names = tuple(bias.names) if isinstance(bias, nn.Partitioned) else None
   if in_ndim is not None:
     if kernel_names is not None:

@@ -24,7 +24,7 @@ from jaxsparse.formats._nm import check_nm
 from jaxsparse.layers._common import SparsityPattern
 from jaxsparse.layers._nm_compressed import check_nm_implementation
 
-__all__ = ["CompressedNMEmbed"]
+__all__ = ["CompressedNMEmbed", "check_ids", "check_query", "compress_table", "lookup"]
 
 
 class CompressedNMEmbed(nnx.Module):
@@ -112,29 +112,7 @@ class CompressedNMEmbed(nnx.Module):
     """
     if not isinstance(embed, nnx.Embed):
       raise TypeError(f"embed must be a flax.nnx.Embed, got {type(embed).__name__}.")
-    n, m = check_nm(n, m)
-    table = embed.embedding[...]
-    if table.shape[1] % m:
-      raise ValueError(f"m={m} must divide the embedding's features={table.shape[1]} (the groups run along them).")
-    if mask is not None:
-      mask = np.asarray(mask, bool)
-      if mask.shape != table.shape:
-        raise ValueError(f"mask must have the table's shape {tuple(table.shape)}, got {mask.shape}.")
-      counts = mask.reshape(mask.shape[0], -1, m).sum(-1)
-      if counts.max(initial=0) > n:
-        row, group = np.unravel_index(np.argmax(counts), counts.shape)
-        raise ValueError(
-            f"mask keeps {int(counts.max())} of the {m} features of group {int(group)} in row {int(row)}; an {n}:{m} "
-            f"table keeps at most {n} of every {m}."
-        )
-      table = jnp.where(mask, table, jnp.zeros((), table.dtype))
-      # The mask's positions, not a magnitude choice among the table's zeros (an all-zero padding row would keep the
-      # first features, and fine-tuning would train those); the values are the table's there.
-      kept = NMSparseMatrix.from_dense(jnp.asarray(mask.T, jnp.uint8), n, m, axis=0)
-      rows = (jnp.arange(kept.values.shape[0]) // n * m)[:, None] + kept.positions().astype(jnp.int32)
-      weight = kept.with_values(jnp.take_along_axis(table.T, rows, axis=0))
-    else:
-      weight = NMSparseMatrix.from_dense(table.T, n, m, axis=0)
+    weight = compress_table(embed.embedding[...], n, m, mask=mask)
     return cls(weight, dtype=embed.dtype, promote_dtype=embed.promote_dtype, implementation=implementation)
 
   @property
@@ -171,24 +149,9 @@ class CompressedNMEmbed(nnx.Module):
     >>> small(ids).shape, bool((small(ids) == small.to_dense()(ids)).all())
     ((1, 3, 8), True)
     """
-    inputs = jnp.asarray(inputs)
-    if not jnp.issubdtype(inputs.dtype, jnp.integer):
-      raise ValueError(f"inputs must be integer token ids, got dtype {inputs.dtype}.")
+    inputs = check_ids(inputs)
     (values,) = self.promote_dtype((self.embedding[...],), dtype=self.dtype, inexact=False)
-    if self.num_embeddings == 1:  # as nnx.Embed: every id reads the one row
-      row = self.weight.with_values(values).to_dense()[:, 0]
-      return jnp.broadcast_to(row, (*inputs.shape, self.features))
-    columns = NMSparseMatrix(  # jnp.take's index rule, as nnx.Embed's (negative ids count from the end)
-        jnp.take(values, inputs, axis=1),
-        jnp.take(self.embedding_positions[...], inputs, axis=1),
-        shape=(self.features, *inputs.shape), n=self.n, m=self.m, axis=0, validate=False,
-    ).to_dense()
-    rows = jnp.moveaxis(columns, 0, -1)
-    # nnx.Embed's jnp.take fills the rows of out-of-range ids with its fill value (NaN for floating tables, the most
-    # negative integer for signed ones...); here only the kept entries would be.
-    valid = jnp.take(jnp.ones((self.num_embeddings,), bool), inputs, axis=0, mode="fill", fill_value=False)
-    fill = jnp.take(jnp.zeros((1,), rows.dtype), 1, mode="fill")  # jnp.take's fill value for this dtype
-    return jnp.where(valid[..., None], rows, fill)
+    return lookup(self.weight.with_values(values), inputs)
 
   def attend(self, query: jax.Array, *, precision: lax.PrecisionLike = None) -> jax.Array:
     """``query @ table.T`` with the pruned table (tied output logits), as ``nnx.Embed.attend``.
@@ -211,10 +174,7 @@ class CompressedNMEmbed(nnx.Module):
     >>> small.attend(q).shape, bool(jnp.allclose(small.attend(q), small.to_dense().attend(q), atol=1e-6))
     ((2, 10), True)
     """
-    shape = jnp.shape(query)
-    if not shape or shape[-1] != self.features:
-      raise ValueError(f"CompressedNMEmbed has features={self.features}: query must have shape (..., "
-                       f"{self.features}), got query.shape={tuple(shape)}.")
+    check_query(query, self.features)
     query, values = self.promote_dtype((query, self.embedding[...]), dtype=self.dtype)
     return ops.nm_matmul(query, self.weight.with_values(values), implementation=self.implementation,
                          precision=precision)
@@ -234,3 +194,95 @@ class CompressedNMEmbed(nnx.Module):
     table = self.weight.to_dense().T
     return nnx.Embed(self.num_embeddings, self.features, dtype=self.dtype, param_dtype=table.dtype,
                      promote_dtype=self.promote_dtype, embedding_init=lambda *_: table, rngs=nnx.Rngs(0))
+
+
+def compress_table(table: jax.Array, n: int, m: int, *, mask: Any = None) -> NMSparseMatrix:
+  """A ``(num_embeddings, features)`` table pruned to ``n`` of every ``m`` features of each row, stored transposed.
+
+  The one home of the pruning both ``CompressedNMEmbed`` layers (NNX and Linen) and ``sparsify`` / ``sparsify_linen``
+  use; it also runs traced (``jax.eval_shape`` of an ``init``) when ``mask`` is ``None``.
+
+  Args:
+    table: ``(num_embeddings, features)``.
+    n, m: keep ``n`` of every ``m`` consecutive features; ``m`` must divide ``features``.
+    mask: optional bool ``(num_embeddings, features)``, at most ``n`` of every ``m`` features of a row True: the kept
+      entries are exactly the mask's. ``None`` keeps the largest magnitudes.
+
+  Returns:
+    The transposed table ``(features, num_embeddings)`` as a :class:`jaxsparse.NMSparseMatrix` with ``axis=0``.
+
+  Raises:
+    ValueError: ``m`` does not divide ``features``, or ``mask`` has another shape or keeps more than ``n`` of some
+      group of ``m``.
+
+  >>> import jax.numpy as jnp
+  >>> from jaxsparse.layers._embed import compress_table
+  >>> w = compress_table(jnp.arange(16.0).reshape(2, 8), 2, 4)
+  >>> w.shape, w.values.shape, w.to_dense().T[0].tolist()
+  ((8, 2), (4, 2), [0.0, 0.0, 2.0, 3.0, 0.0, 0.0, 6.0, 7.0])
+  """
+  n, m = check_nm(n, m)
+  if jnp.ndim(table) != 2:
+    raise ValueError(f"table must be 2-D (num_embeddings, features), got shape {tuple(jnp.shape(table))}.")
+  if table.shape[1] % m:
+    raise ValueError(f"m={m} must divide the embedding's features={table.shape[1]} (the groups run along them).")
+  if mask is None:
+    return NMSparseMatrix.from_dense(table.T, n, m, axis=0)
+  mask = np.asarray(mask, bool)
+  if mask.shape != table.shape:
+    raise ValueError(f"mask must have the table's shape {tuple(table.shape)}, got {mask.shape}.")
+  counts = mask.reshape(mask.shape[0], -1, m).sum(-1)
+  if counts.max(initial=0) > n:
+    row, group = np.unravel_index(np.argmax(counts), counts.shape)
+    raise ValueError(
+        f"mask keeps {int(counts.max())} of the {m} features of group {int(group)} in row {int(row)}; an {n}:{m} "
+        f"table keeps at most {n} of every {m}."
+    )
+  table = jnp.where(mask, table, jnp.zeros((), table.dtype))
+  # The mask's positions, not a magnitude choice among the table's zeros (an all-zero padding row would keep the
+  # first features, and fine-tuning would train those); the values are the table's there.
+  kept = NMSparseMatrix.from_dense(jnp.asarray(mask.T, jnp.uint8), n, m, axis=0)
+  rows = (jnp.arange(kept.values.shape[0]) // n * m)[:, None] + kept.positions().astype(jnp.int32)
+  return kept.with_values(jnp.take_along_axis(table.T, rows, axis=0))
+
+
+def check_ids(inputs: jax.typing.ArrayLike) -> jax.Array:
+  """``inputs`` as an array of integer token ids; raises naming the dtype otherwise."""
+  inputs = jnp.asarray(inputs)
+  if not jnp.issubdtype(inputs.dtype, jnp.integer):
+    raise ValueError(f"inputs must be integer token ids, got dtype {inputs.dtype}.")
+  return inputs
+
+
+def check_query(query: jax.typing.ArrayLike, features: int) -> None:
+  """Raises for an ``attend`` query whose last axis is not ``features``, naming both."""
+  shape = jnp.shape(query)
+  if not shape or shape[-1] != features:
+    raise ValueError(f"CompressedNMEmbed has features={features}: query must have shape (..., {features}), got "
+                     f"query.shape={tuple(shape)}.")
+
+
+def lookup(weight: NMSparseMatrix, inputs: jax.Array) -> jax.Array:
+  """The rows of the pruned table at the integer ``inputs``, as a Flax ``Embed`` looks them up.
+
+  Args:
+    weight: the transposed table ``(features, num_embeddings)`` (``axis=0``), its values in the output dtype.
+    inputs: integer ids of any shape; negative ids count from the end and out-of-range ids give rows of
+      ``jnp.take``'s fill value (NaN for floating tables), as the Flax layers' ``jnp.take``.
+
+  Returns:
+    ``(*inputs.shape, features)``, zeros at the pruned features.
+  """
+  features, num_embeddings = weight.shape
+  if num_embeddings == 1:  # as the Flax layers: every id reads the one row
+    return jnp.broadcast_to(weight.to_dense()[:, 0], (*inputs.shape, features))
+  columns = NMSparseMatrix(  # jnp.take's index rule, as the Flax layers' (negative ids count from the end)
+      jnp.take(weight.values, inputs, axis=1), jnp.take(weight.indices, inputs, axis=1),
+      shape=(features, *inputs.shape), n=weight.n, m=weight.m, axis=0, validate=False,
+  ).to_dense()
+  rows = jnp.moveaxis(columns, 0, -1)
+  # The Flax layers' jnp.take fills the rows of out-of-range ids with its fill value (NaN for floating tables, the
+  # most negative integer for signed ones...); here only the kept entries would be.
+  valid = jnp.take(jnp.ones((num_embeddings,), bool), inputs, axis=0, mode="fill", fill_value=False)
+  fill = jnp.take(jnp.zeros((1,), rows.dtype), 1, mode="fill")  # jnp.take's fill value for this dtype
+  return jnp.where(valid[..., None], rows, fill)

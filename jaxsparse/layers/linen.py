@@ -9,6 +9,7 @@
 
 from jaxsparse.layers import _common
 from jaxsparse.layers._block_sparse import BlockSparseDense
+from jaxsparse.layers._embed_linen import CompressedNMEmbed
 from jaxsparse.layers._masked import MaskedDense
 from jaxsparse.layers._nm_linen import NMConv
 from jaxsparse.layers._nm_linen import NMDense
@@ -18,6 +19,7 @@ __all__ = [
     "SPARSITY",
     "BlockSparseDense",
     "CompressedNMDense",
+    "CompressedNMEmbed",
     "MaskedDense",
     "NMConv",
     "NMDense",
@@ -25,6 +27,7 @@ __all__ = [
 
 #: The name (``"sparsity"``) of the Linen variable collection holding a layer's sparsity pattern, beside
 #: ``"params"`` (:class:`BlockSparseDense`'s block index arrays, :class:`MaskedDense`'s ``"mask"``,
-#: :class:`CompressedNMDense`'s ``"kernel_positions"``). ``init`` returns it; pass it back to ``apply`` with the
-#: parameters. It is not trainable: differentiate and update only ``variables["params"]``.
+#: :class:`CompressedNMDense`'s ``"kernel_positions"``, :class:`CompressedNMEmbed`'s ``"embedding_positions"``).
+#: ``init`` returns it; pass it back to ``apply`` with the parameters. It is not trainable: differentiate and update
+#: only ``variables["params"]``.
 SPARSITY = _common.SPARSITY

@@ -3,7 +3,10 @@
 Every exporter reads a Flax NNX model or Linen variables (``{"params": ..., "sparsity": ...}``) and
 writes torch names and layouts: Flax module path -> torch module path through ``torch_names`` (the
 ``LoadReport.torch_names`` of :func:`load_nnx`, a dict, a callable, or ``None`` for the same names),
-``kernel (in, out)`` -> ``weight (out, in)``, Conv ``(*k, I, O)`` -> ``(O, I, *k)``.
+``kernel (in, out)`` -> ``weight (out, in)``, Conv ``(*k, I, O)`` -> ``(O, I, *k)``, an ``nn.DenseGeneral`` /
+``nnx.LinearGeneral`` kernel ``(*in_dims, *features)`` -> the torch Linear's ``weight (prod(features),
+prod(in_dims))`` and its bias flattened. In Linen variables an ``nn.DenseGeneral`` is known by its bias of ndim >= 2
+(its ``features``) or by the plan of ``module=``; a kernel of ndim >= 3 with a 1-D bias or none is otherwise a conv's.
 """
 
 from __future__ import annotations
@@ -131,15 +134,43 @@ def _flatten(tree: Mapping, prefix: str = "") -> dict[str, dict]:
   return out
 
 
-def _linen_nm(module: Any) -> dict[str, Any]:
-  """``{path: plan}`` of the N:M layers of a ``SparsifiedLinen`` (their masks follow the kernels: no variable); a
-  plan's ``spec`` is the layer's ``NM`` (``n``, ``m``, ``transposable``), its ``module`` the original layer."""
+def _linen_plan(module: Any) -> dict[str, Any]:
+  """``{path: plan}`` of the layers of a ``SparsifiedLinen``: a plan's ``kind`` is ``"dense"``, ``"general"``
+  (``nn.DenseGeneral``, with ``in_dims`` and ``features``) or ``"conv"``, its ``spec`` the layer's structure (an
+  ``NM``'s ``n``, ``m``, ``transposable``: N:M masks follow the kernels, no variable), its ``module`` the original
+  layer."""
   if module is None:
     return {}
   found = getattr(module, "layers", None)
   if not isinstance(found, Mapping):
     raise TypeError(f"module must be the SparsifiedLinen that jaxsparse.sparsify_linen returned, got {module!r}.")
-  return {".".join(path): layer for path, layer in found.items() if isinstance(layer.spec, NM)}
+  return {".".join(path): layer for path, layer in found.items()}
+
+
+def _dense_general_in_ndim(fp: str, leaves: Mapping, sp: Mapping, plan: Any) -> int | None:
+  """How many leading axes of the dense kernel in ``leaves`` an ``nn.DenseGeneral`` contracts (it is the torch Linear
+  on the kernel's 2-D view, as ``nnx.LinearGeneral`` is); ``None`` for other layers (a kernel of ndim >= 3 then is a
+  conv's ``(*kernel_size, in, out)``).
+
+  Known from the layer's ``plan`` (``module=``), else from a bias of ndim >= 2 (an ``nn.DenseGeneral``'s is its
+  ``features``, a conv's 1-D).
+  """
+  kernel, bias = leaves.get("kernel"), leaves.get("bias")
+  if kernel is None or np.ndim(kernel) < 3 or "kernel_positions" in sp or any(f in sp for f in INDEX_FIELDS):
+    return None  # not a dense kernel of ndim >= 3 (block-sparse blocks, compressed N:M values)
+  shape = tuple(np.shape(kernel))
+  if plan is not None:
+    return len(plan.in_dims) if plan.kind == "general" and shape == (*plan.in_dims, *plan.features) else None
+  if bias is None or np.ndim(bias) < 2:
+    return None
+  features = tuple(np.shape(bias))
+  if shape[-len(features):] != features or len(features) >= len(shape):
+    raise ValueError(
+        f"{fp or '(the variables)'}: its kernel has shape {shape} and its bias {features}: neither an nn.DenseGeneral "
+        "(kernel (*in_dims, *features), bias features) nor a conv (bias (out,)); pass module= (the SparsifiedLinen "
+        "of jaxsparse.sparsify_linen) or export variables of Flax layers."
+    )
+  return len(shape) - len(features)
 
 
 def _linen_nm_mask(kernel: np.ndarray, layer: Any) -> np.ndarray:
@@ -153,7 +184,8 @@ def _linen_nm_mask(kernel: np.ndarray, layer: Any) -> np.ndarray:
 
 
 def _linen_entries(variables: Mapping, module: Any = None) -> list[_Entry]:
-  nm = _linen_nm(module)
+  plans = _linen_plan(module)
+  nm = {fp: layer for fp, layer in plans.items() if isinstance(layer.spec, NM)}
   if "params" not in variables:
     raise TypeError(f"variables must hold a 'params' collection (Linen variables), got {sorted(variables)}.")
   if "masks" in variables:  # to_linen_variables(target=...): masks for sparsify_linen, which no Linen layer reads
@@ -168,6 +200,12 @@ def _linen_entries(variables: Mapping, module: Any = None) -> list[_Entry]:
   entries = []
   for fp, leaves in params.items():
     sp = sparsity.get(fp, {})
+    in_ndim = _dense_general_in_ndim(fp, leaves, sp, plans.get(fp))
+    if in_ndim is not None:  # an nn.DenseGeneral: the torch Linear on the 2-D view of its kernel and bias
+      leaves = {k: (_np(v).reshape(matrix_shape(np.shape(v), in_ndim)) if k == "kernel" else _np(v).reshape(-1))
+                   if k in ("kernel", "bias") else v for k, v in leaves.items()}
+      if "mask" in sp:
+        sp = {**sp, "mask": _np(sp["mask"]).reshape(leaves["kernel"].shape)}
     for name, value in leaves.items():
       value = _np(value)
       if name == "kernel" and "mask" in sp:
@@ -188,6 +226,16 @@ def _linen_entries(variables: Mapping, module: Any = None) -> list[_Entry]:
                           "returned).")
         n, m = nm[fp].spec.n, nm[fp].spec.m
         mat = NMSparseMatrix(value, _np(sp["kernel_positions"]), shape=(value.shape[0] * m // n, value.shape[1]),
+                             n=n, m=m)
+        entries.append(_Entry(fp, "weight", torch_layout(_np(mat.to_dense())), torch_layout(_np(mat.mask())),
+                              nm=(n, m)))
+      elif name == "embedding" and "embedding_positions" in sp:  # a Linen CompressedNMEmbed: the table transposed
+        if fp not in nm:
+          raise TypeError(f"{fp or '(the variables)'} holds a compressed N:M embedding (CompressedNMEmbed), whose n:m "
+                          "only its module knows: pass module= (the SparsifiedLinen that jaxsparse.sparsify_linen "
+                          "returned).")
+        n, m = nm[fp].spec.n, nm[fp].spec.m
+        mat = NMSparseMatrix(value, _np(sp["embedding_positions"]), shape=(value.shape[0] * m // n, value.shape[1]),
                              n=n, m=m)
         entries.append(_Entry(fp, "weight", torch_layout(_np(mat.to_dense())), torch_layout(_np(mat.mask())),
                               nm=(n, m)))
@@ -264,10 +312,15 @@ def export_masks(
       weight's dtype: pass ``torch.float32`` to match its ``weight_mask`` bit for bit).
     module: for Linen variables from :func:`jaxsparse.sparsify_linen`, the ``SparsifiedLinen`` it returned: its
       ``NMDense`` / ``NMConv`` layers keep no mask variable (the mask follows the kernel), so without it they are
-      written as dense weights.
+      written as dense weights; its plan also tells its ``nn.DenseGeneral`` layers from convs (in the variables
+      of :func:`jaxsparse.densify_linen` too, whose kernels have their ``(*in_dims, *features)`` shapes).
 
   Returns:
     ``{name: torch.Tensor}``, ready for :func:`apply_masks`.
+
+  Raises:
+    ValueError: as :func:`export_state_dict`.
+    TypeError: as :func:`export_state_dict`.
   """
   import_torch()
   out = {}
@@ -393,10 +446,11 @@ def export_state_dict(
 
   Raises:
     ValueError: an unknown ``format``; Linen variables holding a ``"masks"`` entry (from
-      ``to_linen_variables(..., target=...)``).
+      ``to_linen_variables(..., target=...)``); a Linen kernel of ndim >= 3 whose bias (ndim >= 2) is not its
+      trailing axes, neither an ``nn.DenseGeneral`` nor a conv (naming the path).
     TypeError: ``model`` is neither an NNX module nor Linen variables, or Linen variables without
       ``"params"``; ``module`` given with an NNX model or not a ``SparsifiedLinen``; Linen variables with a
-      compressed N:M kernel and no ``module``.
+      compressed N:M kernel or embedding (``CompressedNMDense``, ``CompressedNMEmbed``) and no ``module``.
     CheckpointError: (a ``ValueError``) ``format="semi_structured"`` with a sparse weight that is not 2-D and
       2:4 (or 1:2) along the input features; a ``torch_names`` dict without an entry for an exported module.
     ImportError: PyTorch is not installed.
