@@ -11,7 +11,8 @@ Three questions of issue 35, bf16 throughout, ratios to dense measured in the sa
 * **A decode loop** of TinyLlama-sized projections (q / k / v / o, gate / up / down of ``--layers`` layers, ``--steps``
   tokens in one jitted ``fori_loop``) at batch 1 / 8 / 32: tokens/s over dense.
 * **The SR-STE train step** (``value_and_grad`` of ``sr_ste_matmul``, prune + product + both gradients) against the
-  dense layer's step.
+  dense layer's step; with ``--parts sr_ste_optax`` the whole step of the layer, gradients and an ``optax.adamw``
+  update jitted together, against the dense layer's.
 
 Each is timed with ``jaxsparse.autotune_mode("off")`` (the shipped rules) and ``"tune"`` (each product's candidate
 routes timed on its first trace, into a fresh cache under ``$OUT``; the table gives the route picked). Device-side
@@ -155,6 +156,42 @@ def sr_ste_steps(iterations: int) -> list[dict]:
   return out
 
 
+def sr_ste_optimizer_steps(iterations: int) -> list[dict]:
+  """The whole train step of one SR-STE layer: its gradients and an ``optax.adamw`` update, jitted together.
+
+  Where the step ends in an optimizer, XLA can fuse the decay term of ``dW`` and the gradient's cast into the update
+  that reads the gradient anyway; ``sr_ste_steps`` (gradients as outputs) cannot.
+  """
+  import optax  # noqa: PLC0415 (only this part)
+
+  tx = optax.adamw(1e-3)
+  out = []
+  for (k, n) in ((2048, 5632), (4096, 4096), (5632, 2048)):
+    w = jax.random.normal(jax.random.key(k + n), (k, n), jnp.float32)
+    state = tx.init(w)
+    for m in (256, 1024, 4096):
+      x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
+
+      def step_of(f):
+        def step(a, b, st):
+          loss, (da, db) = _loss(f)(a, b)
+          updates, st = tx.update(db, st, b)
+          return loss, da, optax.apply_updates(b, updates), st
+
+        return step
+
+      t_dense = time_ms(step_of(lambda a, b: a @ b.astype(jnp.bfloat16)), x, w, state, iterations=iterations)
+      row = {"shape": f"{k}x{n}", "rows": m, "dense_ms": t_dense}
+      for mode in MODES:
+        with jaxsparse.autotune_mode(mode):
+          f = step_of(lambda a, b: ops.sr_ste_matmul(a, b, 2, 4, dtype=jnp.bfloat16))
+          row[mode] = time_ms(f, x, w, state, iterations=iterations) / t_dense
+          row[f"{mode}/route"] = _choices() if mode == "tune" else ""
+      log(json.dumps(row))
+      out.append(row)
+  return out
+
+
 def _table(rows, cols) -> str:
   lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
   for r in rows:
@@ -196,6 +233,10 @@ def main(argv=None) -> None:
   if "sr_ste" in parts:
     rows = sr_ste_steps(args.iterations)
     text += ["## SR-STE step (time / dense step)", "", _table(rows, ["shape", "rows", *MODES, "tune/route"]), ""]
+  if "sr_ste_optax" in parts:
+    rows = sr_ste_optimizer_steps(args.iterations)
+    text += ["## SR-STE step with an optax.adamw update (time / dense step with the same update)", "",
+             _table(rows, ["shape", "rows", "dense_ms", *MODES, "tune/route"]), ""]
   report = "\n".join(text)
   print(report)
   if args.out:

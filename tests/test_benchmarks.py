@@ -61,14 +61,14 @@ def test_ncu_block_sparse_script_runs():
 
 @pytest.mark.slow  # long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs it
 def test_dense_route_script_runs():
-  # M = 1024: the dense route starts there (DispatchRules.dense.min_m).
-  cmd = [sys.executable, str(ROOT / "benchmarks" / "sweeps" / "gpu_dense_route.py"), "--m", "1024", "--k", "128",
-         "--n", "128", "--densities", "0.5", "--iterations", "1"]
+  cmd = [sys.executable, str(ROOT / "benchmarks" / "sweeps" / "gpu_dense_route.py"), "--shapes",
+         "64x128x96:16x16:0.5:bfloat16,32x64x64:8x8:0.3:float32", "--iterations", "1"]
   env = {**os.environ, "PYTHONPATH": str(ROOT)}
   proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  row = proc.stdout.splitlines()[-1].split("|")
-  assert row[1].strip() == "0.5" and float(row[-2]) < 1e-2, proc.stdout
+  rows = [r.split("|") for r in proc.stdout.splitlines()[-2:]]
+  assert [r[2].strip() for r in rows] == ["16x16", "8x8"], proc.stdout
+  assert all(float(r[-2]) < 1e-2 and "WRONG" not in r[9] for r in rows), proc.stdout
 
 
 @pytest.mark.slow  # ~35 s on 2 cores

@@ -307,6 +307,38 @@ def test_dense_weight_equals_to_dense(block_shape, pattern):
   np.testing.assert_array_equal(np.asarray(dense_route.dense_weight(empty, jnp.float32)), np.zeros((64, 64)))
 
 
+@pytest.mark.parametrize(
+    "k,n,block_shape,dtype,out_dtype",
+    [
+        (64, 96, (16, 16), jnp.bfloat16, jnp.bfloat16),  # 6 block columns: programs of 2 blocks
+        (128, 512, (16, 16), jnp.float32, jnp.bfloat16),  # 32 block columns: programs of 32 blocks, a cast
+        (48, 112, (16, 16), jnp.float16, jnp.float32),  # 7 block columns: programs of one block
+        (256, 512, (64, 128), jnp.float32, jnp.float32),
+        (64, 512, (32, 256), jnp.bfloat16, jnp.float32),  # a wide block
+    ],
+)
+@pytest.mark.parametrize("pattern", ["random", "single"])
+def test_dense_weight_build_kernel_equals_to_dense(k, n, block_shape, dtype, out_dtype, pattern):
+  """The dense route's build kernel (interpret mode) writes each kept block where ``to_dense`` has it, zeros elsewhere
+  (random values: a block written to the wrong place or left unwritten differs)."""
+  _, _, w = _problem(8, k, n, block_shape, pattern, dtype, seed=k + n)
+  assert dense_route.build_kernel_supports(w)
+  got = dense_route.dense_weight(w, out_dtype, interpret=True)
+  assert got.dtype == out_dtype and got.shape == (k, n)
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(w.to_dense().astype(out_dtype), np.float32))
+
+
+@pytest.mark.parametrize("block_shape", [(24, 24), (8, 8), (16, 8)])
+def test_dense_weight_of_other_blocks_takes_the_gather(block_shape):
+  """Blocks the build kernel does not take (8 wide, or not powers of two) are built by the XLA gather, exactly."""
+  w = jaxsparse.BlockSparseMatrix.from_dense(
+      jax.random.normal(jax.random.key(0), (2 * block_shape[0], 3 * block_shape[1])), block_shape,
+      block_mask=np.array([[1, 0, 1], [0, 1, 1]], bool),
+  )
+  assert not dense_route.build_kernel_supports(w)
+  np.testing.assert_array_equal(np.asarray(dense_route.dense_weight(w, jnp.float32, interpret=True)), w.to_dense())
+
+
 def test_supports():
   x, dy, w = _problem(16, 64, 64, (32, 32), "random", jnp.bfloat16)
   assert kernels.supports(x, w) and kernels.supports(x, dy, w)

@@ -65,6 +65,7 @@ from jaxsparse.pallas._common import dot
 from jaxsparse.pallas._common import grouped_tile
 from jaxsparse.pallas._common import pad_rows
 from jaxsparse.pallas._common import unavailable_reason
+from jaxsparse.pallas._common import whole_block
 from jaxsparse.pallas._dense_route import dense_dx
 from jaxsparse.pallas._dense_route import dense_forward
 from jaxsparse.pallas._dense_route import dw_dense_then_gather
@@ -307,12 +308,6 @@ def _sdd_kernel(rows_ref, cols_ref, x_ref, dy_ref, ddata_ref, *, block_shape, st
 # -------------------------------------------------------------------------------------------------
 
 
-def _whole(shape: tuple[int, ...], grid_rank: int) -> pl.BlockSpec:
-  """A BlockSpec that hands the kernel the whole array (index arrays, block data)."""
-  zeros = (0,) * len(shape)
-  return pl.BlockSpec(shape, lambda *_: zeros) if grid_rank else pl.BlockSpec(shape, lambda: zeros)
-
-
 def _sub_cols(cfg: KernelConfig, block_dim: int) -> tuple[int, int]:
   """``(columns per program, programs per block column)`` for output blocks ``block_dim`` wide."""
   sub = min(cfg.sub_cols or block_dim, block_dim)
@@ -394,10 +389,10 @@ def forward(
       out_shape=out_shape,
       grid=grid,
       in_specs=[
-          _whole(w.col_offsets.shape, 2),
-          _whole(w.transpose_order.shape, 2),
-          _whole(w.row_offsets.shape, 2),
-          _whole(w.row_indices.shape, 2),
+          whole_block(w.col_offsets.shape, 2),
+          whole_block(w.transpose_order.shape, 2),
+          whole_block(w.row_offsets.shape, 2),
+          whole_block(w.row_indices.shape, 2),
           x_spec,
           data_spec,
       ],
@@ -439,8 +434,8 @@ def _dx(dy2, w, *, compute_dtype, out_dtype, precision, cfg: KernelConfig, inter
       out_shape=out_shape,
       grid=(num_m * kb * subs, cfg.split),
       in_specs=[
-          _whole(w.row_offsets.shape, 2),
-          _whole(w.col_indices.shape, 2),
+          whole_block(w.row_offsets.shape, 2),
+          whole_block(w.col_indices.shape, 2),
           pl.BlockSpec((cfg.block_m, dy2.shape[1]), lambda p, s: (tile(p)[0], 0)),
           pl.BlockSpec((w.nnz_blocks, sub, bn), lambda p, s: (0, tile(p)[1] % subs, 0)),
       ],
@@ -485,10 +480,10 @@ def _dw(x2, dy2, w, *, compute_dtype, precision, cfg: KernelConfig, interpret):
       out_shape=out_shape,
       grid=(nnz, split),
       in_specs=[
-          _whole(rows.shape, 2),
-          _whole(cols.shape, 2),
-          _whole(xp.shape, 2),
-          _whole(dyp.shape, 2),
+          whole_block(rows.shape, 2),
+          whole_block(cols.shape, 2),
+          whole_block(xp.shape, 2),
+          whole_block(dyp.shape, 2),
       ],
       out_specs=out_spec,
       compiler_params=_params(cfg),

@@ -8,6 +8,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 
 from jaxsparse._utils import FallbackWarning
 from jaxsparse.formats._base import IndexedSparseMatrix
@@ -25,6 +26,7 @@ __all__ = [
     "grouped_tile",
     "pad_rows",
     "unavailable_reason",
+    "whole_block",
 ]
 
 _MIN_COMPUTE_CAPABILITY = 8.0
@@ -157,3 +159,9 @@ def check_pattern(w, *, op: str) -> None:
         w.validate()
   except ValueError as e:
     raise ValueError(f"{op}: the weight's pattern is invalid: {e}") from None
+
+
+def whole_block(shape: tuple[int, ...], grid_rank: int) -> pl.BlockSpec:
+  """A BlockSpec that hands a kernel of a ``grid_rank``-D grid the whole array (index arrays, block data)."""
+  zeros = (0,) * len(shape)
+  return pl.BlockSpec(shape, lambda *_: zeros) if grid_rank else pl.BlockSpec(shape, lambda: zeros)
