@@ -11,6 +11,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 
 import jaxsparse
+from jaxsparse.formats import _nm
 from jaxsparse.formats._block_sparse import block_pattern_indices
 from jaxsparse.ops import masked_matmul
 from tests._util import SPLIT_EXAMPLES
@@ -371,3 +372,13 @@ def test_from_index_arrays_refuses_wider_integers_that_would_wrap(fmt):
   index["col_indices"] = index["col_indices"] + (1 << 32)
   with pytest.raises(ValueError, match=r"index_arrays\['col_indices'\] holds values in \[4294967296, .*outside int32"):
     type(w).from_index_arrays(w.data, index, **static)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_nm_group_bits_is_the_bits_of_nm_mask(n):
+  """``nm_group_bits`` (SR-STE's one-pass mask words) packs exactly ``nm_mask``'s groups, ties and NaN included."""
+  w = np.random.default_rng(n).integers(-2, 3, (64, 24)).astype(np.float32)  # many ties
+  w[5, 3], w[9, 0] = np.nan, -np.inf
+  bits = _nm.nm_group_bits(jnp.asarray(w), n, 4)
+  assert bits.shape == (16, 24) and bits.dtype == jnp.uint8
+  np.testing.assert_array_equal(np.asarray(_nm.group_mask(bits, 4)), np.asarray(jaxsparse.nm_mask(w, n, 4)))

@@ -204,8 +204,8 @@ def _reference(cfg: _MatmulConfig, x, w):
 
 
 def _p_prune_xla(cfg: _MatmulConfig, w):
-  mask = _nm.nm_mask(w, cfg.n, cfg.m, axis=0)
-  return jnp.where(mask, w, jnp.zeros((), w.dtype)).astype(cfg.dtype), _nm.group_bits(mask, cfg.m)
+  bits = _nm.nm_group_bits(w, cfg.n, cfg.m)
+  return jnp.where(_nm.group_mask(bits, cfg.m), w, jnp.zeros((), w.dtype)).astype(cfg.dtype), bits
 
 
 def _p_forward(cfg: _MatmulConfig, sparse: bool, x, w):
