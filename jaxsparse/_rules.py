@@ -151,7 +151,10 @@ def check_unsupported(
   """Raises for a rule that matches none of the ``available`` layers but an ``unsupported`` one (an embedding).
 
   A catch-all rule that also covers supported layers passes the unsupported ones by; a rule aimed at one of them
-  only would otherwise do nothing but warn.
+  only would otherwise do nothing but warn. The message speaks the API of the layer type: an ``nnx.Embed`` is
+  stored N:M-compressed by :meth:`jaxsparse.layers.CompressedNMEmbed.from_dense`; an ``nn.Embed`` that
+  :func:`jaxsparse.sparsify_linen` cannot take is one its example input never calls (its table read directly, or
+  unused), which therefore cannot run as a :class:`jaxsparse.layers.linen.CompressedNMEmbed`.
 
   Args:
     resolved: from :func:`resolve_rules`.
@@ -164,11 +167,19 @@ def check_unsupported(
       continue
     hit = [p for p in unsupported if compiled.fullmatch(p)]
     if hit:
-      raise ValueError(
-          f"{hit[0]} ({unsupported[hit[0]]}): rule {pattern!r} gives it {spec.describe()}, but sparsify does not take "
-          f"this layer; supported: {supported}. Map it to None or narrow the rule. (An nnx.Embed can be stored N:M-"
-          "compressed: jaxsparse.layers.CompressedNMEmbed.from_dense.)"
-      )
+      kind = unsupported[hit[0]]
+      why, hint = _UNSUPPORTED_WHY.get(kind, ("sparsify does not take this layer", ""))
+      raise ValueError(f"{hit[0]} ({kind}): rule {pattern!r} gives it {spec.describe()}, but {why}; supported: "
+                       f"{supported}. Map it to None or narrow the rule.{hint}")
+
+
+_UNSUPPORTED_WHY = {  # check_unsupported's (reason, hint) per layer type, in the words of its API
+    "nnx.Embed": ("sparsify does not take this layer",
+                  " (An nnx.Embed can be stored N:M-compressed: jaxsparse.layers.CompressedNMEmbed.from_dense.)"),
+    "nn.Embed": ("the example input never calls this layer (its lookups or attend), so sparsify_linen cannot run it "
+                 "as a jaxsparse.layers.linen.CompressedNMEmbed (a table the model reads itself, as "
+                 "self.embed.embedding[ids], or an unused one)", " Call the layer instead of reading its table."),
+}
 
 
 def path_str(keypath: Sequence[Any]) -> str:

@@ -58,8 +58,7 @@ SPECS = {
 D, HEADS, VOCAB = 32, 2, 64
 
 # (kind, pattern, framework, path) -> (regex the error must match, the gist for the docs table). "*" matches any.
-EMBED = r"layer \(nn\.Embed\): rule 'layer' .*sparsify does not take this layer.*supported: "
-EMBED_NNX = r"layer \(nnx\.Embed\): rule 'layer' .*an embedding takes only NM\(n, m\) rules"
+EMBED = r"layer \((nnx|nn)\.Embed\): rule 'layer' .*an embedding takes only NM\(n, m\) rules"
 RAISES = {
     ("conv", "block", "*", "sparsify"): (r"layer: BlockSparse does not apply to (nnx|nn)\.Conv layers; use "
                                           r"jaxsparse\.NM.* or jaxsparse\.Unstructured", "BlockSparse does not apply "
@@ -76,16 +75,13 @@ RAISES = {
                                         "sparsify: BlockSparse does not apply to Conv layers"),
     ("conv", "block", "*", "export"): (r"layer: BlockSparse does not apply to (nnx|nn)\.Conv layers",
                                        "sparsify: BlockSparse does not apply to Conv layers"),
-    ("*", "nm", "*", "dst"): (r"layer(\.(key|query|value|out))?\.(kernel|embedding): SET and RigL support "
-                              r"Unstructured and BlockSparse rules", "SET / RigL take Unstructured and BlockSparse"),
-    ("embed", "nm", "nnx", "prune"): (r"layer: the given mask is not 2:4 along the features \(axis 1\)",
-                                      "the pruner's N:M groups run along the vocabulary, a CompressedNMEmbed's "
-                                      "along the features"),
-    **{("embed", p, "nnx", path): (EMBED_NNX, "sparsify: an Embed takes NM rules only")
+    ("*", "nm", "*", "dst"): (r"rule 'layer[^']*': SET and RigL support Unstructured and BlockSparse rules",
+                              "SET / RigL take Unstructured and BlockSparse"),  # where the pruner is built
+    ("embed", "nm", "*", "prune"): (r"layer: the given mask is not 2:4 along the features \(axis 1\)",
+                                    "the pruner's N:M groups run along the vocabulary, a CompressedNMEmbed's "
+                                    "along the features"),
+    **{("embed", p, "*", path): (EMBED, "sparsify: an Embed takes NM rules only")
        for p in ("block", "unstructured") for path in ("sparsify", "prune", "dst", "orbax", "summary", "export")},
-    ("embed", "*", "linen", "sparsify"): (EMBED, "no sparse Linen Embed; supported: Dense, DenseGeneral, Conv"),
-    ("embed", "*", "linen", "prune"): (EMBED, "the pruner masks the table; sparsify: no sparse Linen Embed"),
-    ("embed", "*", "linen", "dst"): (EMBED, "the pruner masks the table; sparsify: no sparse Linen Embed"),
     ("embed", "*", "*", "calibrated"): (r"rule\(s\) \['layer'\] match no .*(Linear|Dense)", "calibrated pruning covers "
                                         "Linear, LinearGeneral and Conv layers only"),
 }
@@ -96,13 +92,10 @@ NOT_A_CELL = {
     ("conv", "block", "*", "torch"): "a block mask on a torch conv loads as a plain mask (torch unstructured cell)",
     ("conv", "unstructured", "linen", "build"): "Flax's own nn.Conv(mask=...)",
     ("attention", "*", "linen", "build"): "no Linen sparse DenseGeneral layer: sparsify_linen builds it",
-    ("embed", "nm", "nnx", "build"): None,  # CompressedNMEmbed
-    ("embed", "*", "nnx", "build"): "embeddings are stored N:M only (CompressedNMEmbed)",
-    ("embed", "*", "linen", "build"): "no Linen sparse embedding layer",
+    ("embed", "nm", "*", "build"): None,  # CompressedNMEmbed (NNX and Linen)
+    ("embed", "*", "*", "build"): "embeddings are stored N:M only (CompressedNMEmbed)",
     ("embed", "nm", "nnx", "torch"): None,  # a 2:4 torch Embedding loads as a CompressedNMEmbed
     ("embed", "*", "*", "torch"): "a torch Embedding loads dense (nnx.Embed / embedding); N:M ones in NNX compressed",
-    **{("embed", "*", "linen", path): f"no Linen sparse embedding layer {what}"
-       for path, what in (("orbax", "to save"), ("summary", "to describe"), ("export", "to export"))},
     **{("attention_nobias", "*", "*", path): "the bias plays no part in this path: see MultiHeadAttention above"
        for path in ("build", "sparsify", "calibrated", "torch", "orbax", "summary", "export")},
 }
@@ -248,13 +241,13 @@ def check_linen_sparse(sparse, sparse_vars, module, variables, kind, masks=None)
   _, dense_vars = jaxsparse.densify_linen(sparse, sparse_vars)
   reference = {"params": jax.tree.map(np.asarray, dict(nn.meta.unbox(variables["params"])))}
   for p in sparse_paths(kind):
-    k = np.asarray(_get(variables["params"], p)["kernel"])
-    pruned = np.asarray(_get(dense_vars["params"], p)["kernel"])
+    k = np.asarray(_get(variables["params"], p)[leaf(kind)])
+    pruned = np.asarray(_get(dense_vars["params"], p)[leaf(kind)])
     kept = pruned != 0
     if masks is not None:
-      np.testing.assert_array_equal(kept, np.asarray(masks[f"{p}.kernel"]), err_msg=p)
+      np.testing.assert_array_equal(kept, np.asarray(masks[f"{p}.{leaf(kind)}"]), err_msg=p)
     np.testing.assert_array_equal(pruned, np.where(kept, k, 0), err_msg=p)
-    _get(reference["params"], p)["kernel"] = pruned
+    _get(reference["params"], p)[leaf(kind)] = pruned
     assert 0 < kept.mean() < 1
   x = x_for(kind)
   close(sparse.apply(sparse_vars, x), module.apply(reference, x))
@@ -294,6 +287,19 @@ def path_build(kind, pattern, fw):
     dense = jaxsparse.densify(layer)
     close(layer(x), dense(x))
     assert np.isclose(np.mean(np.asarray(dense.kernel[...]) != 0), 0.5)
+    return
+  if kind == "embed":  # the table decompressed from the stored variables is the layer's, 2 of every 4 features kept
+    module = sparse_linen.CompressedNMEmbed(VOCAB, D, n=spec.n, m=spec.m)
+    variables = module.init(jax.random.key(3), x)
+    table = np.asarray(jaxsparse.NMSparseMatrix(
+        variables["params"]["embedding"], variables[sparse_linen.SPARSITY]["embedding_positions"],
+        shape=(D, VOCAB), n=spec.n, m=spec.m, axis=0).to_dense()).T
+    assert np.isclose(np.mean(table != 0), 0.5) and ((table != 0).reshape(VOCAB, -1, spec.m).sum(-1) == spec.n).all()
+    close(module.apply(variables, x), jnp.take(table, x, axis=0))
+    q = x_for("linear")
+    close(module.apply(variables, q, method="attend"), q @ table.T)
+    (row,) = jaxsparse.summary(variables, x, module=module).layers
+    assert np.isclose(row.density, 0.5) and row.bytes < row.dense_bytes, row
     return
   if kind == "conv":
     module = sparse_linen.NMConv(16, (3, 3), n=spec.n, m=spec.m)
@@ -568,7 +574,8 @@ def path_summary(kind, pattern, fw):
     sparse, sparse_vars = _sparsified(kind, pattern, fw)
     summary = jaxsparse.summary(sparse_vars, x, module=sparse)
     _, dense_vars = jaxsparse.densify_linen(sparse, sparse_vars)
-    density = {p: float(np.mean(np.asarray(_get(dense_vars["params"], p)["kernel"]) != 0)) for p in sparse_paths(kind)}
+    density = {p: float(np.mean(np.asarray(_get(dense_vars["params"], p)[leaf(kind)]) != 0))
+               for p in sparse_paths(kind)}
   rows = {row.path: row for row in summary.layers}
   assert sorted(rows) == sparse_paths(kind)
   for p, row in rows.items():
@@ -595,7 +602,7 @@ def path_export(kind, pattern, fw):
     sparse, sparse_vars = _sparsified(kind, pattern, fw)
     masks = torch_interop.export_masks(sparse_vars, module=sparse)
     _, dense_vars = jaxsparse.densify_linen(sparse, sparse_vars)
-    pruned = {p: np.asarray(_get(dense_vars["params"], p)["kernel"]) for p in sparse_paths(kind)}
+    pruned = {p: np.asarray(_get(dense_vars["params"], p)[leaf(kind)]) for p in sparse_paths(kind)}
   assert sorted(masks) == [f"{p}.weight_mask" for p in sparse_paths(kind)]
   torch_interop.apply_masks(net, masks)
   for p, k in pruned.items():
@@ -629,7 +636,8 @@ def run_cell(cell, tmp_path):
 FAST = {("attention", "block", "nnx", "prune"), ("attention", "nm", "nnx", "prune"),
         ("attention", "block", "linen", "prune"), ("linear", "unstructured", "nnx", "build"),
         ("attention", "unstructured", "nnx", "torch"), ("attention", "block", "nnx", "export"),
-        ("embed", "unstructured", "nnx", "sparsify"), ("embed", "nm", "nnx", "orbax")}
+        ("embed", "unstructured", "nnx", "sparsify"), ("embed", "nm", "nnx", "orbax"),
+        ("embed", "nm", "linen", "export")}
 
 
 @pytest.mark.parametrize("cell", [c if c in FAST else pytest.param(c, marks=pytest.mark.slow) for c in CELLS],
@@ -676,8 +684,35 @@ def test_every_combination_is_a_cell_or_not_a_cell():
   assert len(ALL) == len(KINDS) * len(PATTERNS) * len(FRAMEWORKS) * len(PATHS)
   assert all((_lookup(NOT_A_CELL, c) is None) == (c in CELLS) for c in ALL)
   embed = {c for c in CELLS if _lookup(RAISES, c) is None and c[0] == "embed"}
-  paths = ("build", "sparsify", "torch", "orbax", "summary", "export")
-  assert embed == {("embed", "nm", "nnx", p) for p in paths}, embed
+  paths = ("build", "sparsify", "orbax", "summary", "export")
+  expected = {("embed", "nm", fw, p) for fw in FRAMEWORKS for p in paths} | {("embed", "nm", "nnx", "torch")}
+  assert embed == expected, embed
+
+
+# -------------------------------------------------------------------------------------------------
+# Outside the matrix: a Linen embedding sparsify_linen cannot see.
+# -------------------------------------------------------------------------------------------------
+
+
+class _TableReader(nn.Module):
+  """Reads its embedding's table itself: the example input never calls the ``nn.Embed``."""
+
+  def setup(self):
+    self.embed = nn.Embed(VOCAB, D)
+    self.fc = nn.Dense(D)
+
+  def __call__(self, ids):
+    return self.fc(self.embed.embedding[ids])
+
+
+def test_linen_embed_never_called_is_explained_in_linen_terms():
+  ids = x_for("embed")
+  module = _TableReader()
+  variables = module.init(jax.random.key(0), ids)
+  with pytest.raises(ValueError, match=r"embed \(nn\.Embed\): rule 'embed' gives it 2:4, but the example input never "
+                     r"calls this layer .*jaxsparse\.layers\.linen\.CompressedNMEmbed") as info:
+    jaxsparse.sparsify_linen(module, variables, {"embed": jaxsparse.NM(2, 4)}, ids)
+  assert "nnx" not in str(info.value) and "from_dense" not in str(info.value)  # no NNX advice for a Linen model
 
 
 if __name__ == "__main__":

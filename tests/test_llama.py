@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
 
 import llama  # noqa: E402
+from llama.checkpoint import export_masks  # noqa: E402
 from llama.checkpoint import load_pretrained  # noqa: E402
 from llama.checkpoint import save_pretrained  # noqa: E402
 from llama.generation import generate  # noqa: E402
@@ -446,6 +447,48 @@ def test_pruning_by_layer_and_masks_back_to_torch(hf_dir, ids, tmp_path):
       target = transformers.LlamaForCausalLM.from_pretrained(save_pretrained(sparse, tmp_path / method)).eval()
     torch_interop.apply_masks(target, torch_masks)
     np.testing.assert_allclose(_logits(target, ids), flax_logits, atol=1e-4, rtol=0)
+
+
+def test_masks_of_a_fused_model_have_hugging_face_names(hf_dir):
+  """llama.checkpoint.export_masks of a fused 2:4 model (qkv_proj / gate_up_proj) splits the masks back, as
+  save_pretrained splits the weights: each is the nonzeros of its projection's rows of the fused kernel, and a
+  transformers model takes them all."""
+  model = load_pretrained(hf_dir[1])
+  fused, _ = to_inference(model, jaxsparse.NM(2, 4), fuse=True)
+  masks = export_masks(fused)
+  assert not any("qkv_proj" in k or "gate_up_proj" in k for k in masks) and len(masks) == 14, sorted(masks)
+  dense = jaxsparse.densify(fused)
+  for i, layer in enumerate(dense.model.layers):  # torch layout: the fused kernel's outputs are its rows
+    qkv, gate_up = np.asarray(layer.self_attn.qkv_proj.kernel[...]).T, np.asarray(layer.mlp.gate_up_proj.kernel[...]).T
+    for name, rows in (("self_attn.q_proj", qkv[:64]), ("self_attn.k_proj", qkv[64:96]), ("self_attn.v_proj", qkv[96:]),
+                       ("mlp.gate_proj", gate_up[:128]), ("mlp.up_proj", gate_up[128:])):
+      np.testing.assert_array_equal(masks[f"model.layers.{i}.{name}.weight_mask"].numpy(), rows != 0, err_msg=name)
+  target = transformers.LlamaForCausalLM.from_pretrained(hf_dir[1]).eval()
+  torch_interop.apply_masks(target, masks)  # strict: every name is a module of the torch model
+  assert float((target.model.layers[1].self_attn.k_proj.weight == 0).float().mean()) == 0.5
+  # A fused layer whose outputs are not the config's cannot be split: said, not written under wrong names.
+  fused.config = dataclasses.replace(fused.config, intermediate_size=96)
+  with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.gate_up_proj\.weight_mask: shape \(256, 64\), whose "
+                     r"256 rows \(outputs\) are not those of the fused gate_proj 96 \+ up_proj 96"):
+    export_masks(fused)
+
+
+@pytest.mark.slow  # about 10 s on 2 cores
+def test_masks_of_fused_models_prune_torch_to_the_flax_logits(hf_dir, ids):
+  """The split masks of fused 2:4 and block-sparse models equal the unfused models' and prune the original torch
+  model (magnitude pruning keeps the kept weights) to the fused Flax model's logits."""
+  model = load_pretrained(hf_dir[1])
+  for structure in (jaxsparse.NM(2, 4), jaxsparse.BlockSparse(density=0.5, block_shape=(32, 32))):
+    fused, _ = to_inference(model, structure, fuse=True)
+    assert hasattr(fused.model.layers[0].self_attn, "qkv_proj") and hasattr(fused.model.layers[0].mlp, "gate_up_proj")
+    masks = export_masks(fused)
+    unfused = torch_interop.export_masks(to_inference(model, structure)[0])
+    assert sorted(masks) == sorted(unfused), sorted(masks)
+    for name, mask in masks.items():
+      np.testing.assert_array_equal(mask.numpy(), unfused[name].numpy(), err_msg=name)
+    target = transformers.LlamaForCausalLM.from_pretrained(hf_dir[1]).eval()
+    torch_interop.apply_masks(target, masks)
+    np.testing.assert_allclose(_logits(target, ids), np.asarray(fused(jnp.asarray(ids))), atol=1e-4, rtol=0)
 
 
 @pytest.mark.slow  # long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs it

@@ -541,3 +541,35 @@ def test_a_tied_layer_is_listed_at_every_path_and_stays_tied():
   assert timing.paths == ("a", "b", "c") and timing.dense
   assert type(model.a) is nnx.Linear and model.a is model.b and type(model.c) is nnx.Linear
   np.testing.assert_allclose(model(x), before, rtol=1e-5, atol=1e-5)
+
+
+class _LinenEmbedNet(nn.Module):
+  @nn.compact
+  def __call__(self, ids):
+    embed = nn.Embed(32, 64, name="embed")
+    h = nn.relu(nn.Dense(64, name="fc")(embed(ids)))
+    return embed.attend(h)  # tied output logits: the CompressedNMEmbed's attend
+
+
+def test_linen_embeddings_stay_as_they_are():
+  ids = jax.random.randint(jax.random.key(1), (2, 5), 0, 32)
+  model = _LinenEmbedNet()
+  variables = model.init(jax.random.key(0), ids)
+  rules = {"embed": jaxsparse.NM(2, 4), "fc": jaxsparse.Unstructured(sparsity=0.5)}
+  sparse, sparse_vars, _ = jaxsparse.sparsify_linen(model, variables, rules, ids)
+  before = sparse.apply(sparse_vars, ids)
+  calls = []
+  new, new_vars, timings = jaxsparse.route_slower_to_dense_linen(sparse, sparse_vars, 8,
+                                                                 timer=_linen_timer({"MaskedDense": 2.0}, calls))
+  # The masked fc goes dense; the embedding is neither timed nor routed: still compressed, its variables as they were.
+  assert [t.paths for t in timings] == [("fc",)] and timings[0].dense
+  assert [".".join(p) for p in new.layers] == ["embed"] and calls == [("MaskedDense", (8, 64)), ("Dense", (8, 64))]
+  assert set(new_vars["sparsity"]) == {"embed"} and new_vars["params"]["fc"]["kernel"].shape == (64, 64)
+  jax.tree.map(np.testing.assert_array_equal, new_vars["params"]["embed"], sparse_vars["params"]["embed"])
+  np.testing.assert_allclose(new.apply(new_vars, ids), before, rtol=1e-5, atol=1e-5)
+  # Against the dense model with the pruned table and kernel (densify_linen's), in plain jnp.
+  _, dense_vars = jaxsparse.densify_linen(sparse, sparse_vars)
+  table, fc = dense_vars["params"]["embed"]["embedding"], dense_vars["params"]["fc"]
+  assert np.mean(np.asarray(table) != 0) == 0.5
+  expected = jax.nn.relu(jnp.take(table, ids, axis=0) @ fc["kernel"] + fc["bias"]) @ table.T
+  np.testing.assert_allclose(new.apply(new_vars, ids), expected, rtol=1e-5, atol=1e-5)

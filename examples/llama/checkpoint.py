@@ -30,11 +30,12 @@ import numpy as np
 from flax import nnx
 
 import jaxsparse
+from jaxsparse import torch_interop
 from jaxsparse._utils import atomic_write
 from llama.model import LlamaConfig
 from llama.model import LlamaForCausalLM
 
-__all__ = ["hf_name", "load_pretrained", "read_tensors", "save_pretrained"]
+__all__ = ["export_masks", "hf_name", "load_pretrained", "read_tensors", "save_pretrained"]
 
 # Checkpoint entries with no parameter here: RoPE buffers some older exports saved.
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -69,20 +70,56 @@ def _index_weight_map(index: Path) -> dict[str, str]:
   return weight_map
 
 
-def _unfused(name: str, value: np.ndarray, cfg: LlamaConfig) -> list[tuple[str, np.ndarray]]:
+def _unfused(name: str, value: Any, cfg: LlamaConfig) -> list[tuple[str, Any]]:
   """Hugging Face's tensors of a tensor of :func:`llama.prune.fuse_projections`' ``qkv_proj`` / ``gate_up_proj`` (its
   rows, the outputs, split back into ``q_proj`` / ``k_proj`` / ``v_proj``, ``gate_proj`` / ``up_proj``); any other
-  tensor as it is."""
+  tensor as it is. ``value`` is in torch layout (outputs first), a NumPy array or a torch tensor (row slices of it).
+
+  Raises:
+    ValueError: a fused tensor whose rows are not the outputs of the fused projections of ``cfg``.
+  """
   module, _, leaf = name.rpartition(".")
   parent, _, kind = module.rpartition(".")
   if kind == "qkv_proj":
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    parts = zip(("q_proj", "k_proj", "v_proj"), np.split(value, [q, q + kv]), strict=True)
+    sizes = {"q_proj": q, "k_proj": kv, "v_proj": kv}
   elif kind == "gate_up_proj":
-    parts = zip(("gate_proj", "up_proj"), np.split(value, 2), strict=True)
+    sizes = {"gate_proj": cfg.intermediate_size, "up_proj": cfg.intermediate_size}
   else:
     return [(name, value)]
-  return [(f"{parent}.{part}.{leaf}", np.ascontiguousarray(v)) for part, v in parts]
+  if value.shape[0] != sum(sizes.values()):
+    raise ValueError(f"{name}: shape {tuple(value.shape)}, whose {value.shape[0]} rows (outputs) are not those of the "
+                     f"fused {' + '.join(f'{k} {v}' for k, v in sizes.items())} of the model's config: it cannot be "
+                     "split back into Hugging Face's projections.")
+  parts, start = [], 0
+  for part, size in sizes.items():
+    parts.append((f"{parent}.{part}.{leaf}", value[start:start + size]))
+    start += size
+  return parts
+
+
+def export_masks(model: LlamaForCausalLM, *, dtype: Any = None) -> dict[str, Any]:
+  """:func:`jaxsparse.torch_interop.export_masks` of a Llama model, under Hugging Face's names.
+
+  Fused projections (:func:`llama.prune.fuse_projections`) are written as the masks of Hugging Face's separate
+  ``q_proj`` / ``k_proj`` / ``v_proj`` and ``gate_proj`` / ``up_proj`` (their rows split as :func:`save_pretrained`
+  splits the weights); a model without them gets ``torch_interop.export_masks``' masks as they are.
+
+  Args:
+    model: a sparse :class:`~llama.model.LlamaForCausalLM`, fused or not.
+    dtype: torch dtype of the masks, as in :func:`jaxsparse.torch_interop.export_masks` (``None``: bool).
+
+  Returns:
+    ``{"<Hugging Face module>.weight_mask": torch.Tensor}``, for :func:`jaxsparse.torch_interop.apply_masks` on a
+    ``transformers.LlamaForCausalLM``.
+
+  Raises:
+    ValueError: a fused mask whose rows do not match the model's config.
+  """
+  masks = {}
+  for name, mask in torch_interop.export_masks(model, dtype=dtype).items():
+    masks.update((part, value.contiguous()) for part, value in _unfused(name, mask, model.config))
+  return masks
 
 
 def _shards(directory: Path) -> dict[str, Path]:
@@ -185,8 +222,8 @@ def save_pretrained(model: LlamaForCausalLM, directory: str | os.PathLike, *, dt
   """Writes ``config.json`` and ``model.safetensors`` that ``transformers.LlamaForCausalLM.from_pretrained`` loads.
 
   Sparse layers (from ``jaxsparse.sparsify`` or pruning) are written densely, pruned weights as zeros
-  (:func:`jaxsparse.densify`); their masks go to torch separately with
-  :func:`jaxsparse.torch_interop.export_masks`. Fused projections (:func:`llama.prune.fuse_projections`) are
+  (:func:`jaxsparse.densify`); their masks go to torch separately with :func:`export_masks` (Hugging Face's names,
+  fused projections split back). Fused projections (:func:`llama.prune.fuse_projections`) are
   written as Hugging Face's separate ``q_proj`` / ``k_proj`` / ``v_proj`` and ``gate_proj`` / ``up_proj``.
 
   Into a directory that holds a checkpoint already, the new one replaces it: every file is written under a
@@ -214,7 +251,8 @@ def save_pretrained(model: LlamaForCausalLM, directory: str | os.PathLike, *, dt
     if isinstance(var, nnx.Param):
       name, transposed = hf_name(path)
       value = np.asarray(jax.device_get(var[...] if dtype is None else var[...].astype(dtype)))
-      tensors.update(_unfused(name, np.ascontiguousarray(value.T if transposed else value), model.config))
+      tensors.update((part, np.ascontiguousarray(v)) for part, v in _unfused(name, value.T if transposed else value,
+                                                                             model.config))
   cfg = model.config.to_dict()
   cfg["torch_dtype"] = str(np.dtype(next(iter(tensors.values())).dtype))
   metadata = {"format": "pt"}  # transformers checks it

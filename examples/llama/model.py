@@ -3,7 +3,8 @@
 An example, not jaxsparse API. Module and parameter paths follow Hugging Face's ``LlamaForCausalLM``
 (``model.layers.3.self_attn.q_proj``, ``model.layers.3.mlp.down_proj``, ``model.norm``, ``lm_head``), so
 checkpoints map one to one (``checkpoint.py``), :func:`jaxsparse.torch_interop.export_masks` writes torch
-names without a name map, and sparsity rules select the seven projections of every decoder layer by path
+names without a name map (after ``prune.fuse_projections``, ``checkpoint.export_masks`` splits the fused ones), and
+sparsity rules select the seven projections of every decoder layer by path
 (:data:`PROJECTIONS`). Inference only: no dropout, no training.
 
 RoPE uses Hugging Face's ``rotate_half`` convention (the two halves of each head are the pairs), the layout

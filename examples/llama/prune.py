@@ -207,8 +207,9 @@ def fuse_projections(model: LlamaForCausalLM) -> LlamaForCausalLM:
   first loads, its K-split reduction), which shows on decode-size products of a few microseconds. The outputs are
   those of the separate layers. Joined where all members are ``nnx.Linear``, all ``CompressedNMLinear`` or all
   ``BlockSparseLinear`` of equal settings (block shape included); other layers (masked, mixed kinds) stay as they
-  are. An inference form: torch masks (``export_masks``) come from the model before fusing;
-  :func:`llama.checkpoint.save_pretrained` splits the fused layers back into Hugging Face's.
+  are. An inference form: :func:`llama.checkpoint.save_pretrained` and :func:`llama.checkpoint.export_masks` (torch
+  masks) split the fused layers back into Hugging Face's; ``jaxsparse.torch_interop.export_masks`` alone writes the
+  fused names, which no torch model has.
 
   >>> import jax.numpy as jnp, jaxsparse
   >>> from flax import nnx
@@ -332,8 +333,8 @@ def to_inference(model: LlamaForCausalLM, structure: Any, *, masks: Mapping[str,
     timer: ``(layer, x) -> ms`` for ``dense_if_slower_at``; ``None``: measured on the default device.
     fuse: join the projections that share an input (:func:`fuse_projections`): fewer, larger sparse products for
       generation; with ``dense_if_slower_at`` the fused layers are timed. The returned model then has ``qkv_proj`` /
-      ``gate_up_proj`` where Hugging Face has three / two layers, so masks come from the model before
-      (``save_pretrained`` splits them back).
+      ``gate_up_proj`` where Hugging Face has three / two layers: ``save_pretrained`` and
+      :func:`llama.checkpoint.export_masks` split them back.
     step_timer: with ``dense_if_slower_at``, ``(model) -> ms`` of the model's decode step at the batch it serves;
       the signatures within 15% of dense alone are then kept sparse or routed by that step's time
       (``route_slower_to_dense``'s ``step_timer``).

@@ -17,7 +17,7 @@ Steps, each printed:
 3. for every pattern and method: ``prune.prune`` (sequential by decoder layer) -> the mean relative
    reconstruction error of each decoder layer's projections, the held-out next-token agreement with the dense
    model (fraction of positions whose argmax is the same), ``prune.to_inference`` (jaxsparse layers;
-   identical generated tokens and logits?), and the masks exported with ``torch_interop.export_masks`` and
+   identical generated tokens and logits?), and the masks exported with ``checkpoint.export_masks`` and
    applied to the torch model holding the pruned weights (max abs logit difference to the Flax sparse model).
 """
 
@@ -37,6 +37,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from jaxsparse import torch_interop
+from llama.checkpoint import export_masks
 from llama.checkpoint import load_pretrained
 from llama.checkpoint import save_pretrained
 from llama.generation import generate
@@ -115,7 +116,7 @@ def run(path: Path, *, patterns: list[str], methods: list[str], calibration: int
       same_tokens = bool((np.asarray(generate(sparse, prompt, 16)) == np.asarray(generate(pruned, prompt, 16))).all())
       with tempfile.TemporaryDirectory() as tmp:  # the pruned weights to torch, then the masks
         target = transformers.LlamaForCausalLM.from_pretrained(save_pretrained(sparse, tmp), dtype="float32").eval()
-      torch_interop.apply_masks(target, torch_interop.export_masks(sparse))
+      torch_interop.apply_masks(target, export_masks(sparse))
       torch_max_abs = float(np.abs(torch_logits(target, held_out) - sparse_logits).max())
       out["rows"].append({"pattern": name, "method": method, "errors": layer_errors(report), "agreement": agreement,
                           "same_tokens": same_tokens, "torch_max_abs": torch_max_abs, "seconds": seconds,
