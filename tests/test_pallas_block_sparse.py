@@ -235,9 +235,9 @@ def test_interpret_no_kept_blocks():
 
 @pytest.mark.parametrize("on_hopper", [False, True])
 def test_dense_routes_where_they_measured_faster(monkeypatch, on_hopper):
-  # The per-product rules of gpu_product_routes_2026-11-23_h100.md, with and without the Mosaic kernels.
-  if on_hopper:
-    monkeypatch.setattr(kernel_config, "_mosaic_probe", lambda: None)
+  # The per-product rules of gpu_product_routes_2026-11-23_h100.md, with and without the Mosaic kernels (on any
+  # machine: a Hopper GPU's own probe would say available).
+  monkeypatch.setattr(kernel_config, "_mosaic_probe", lambda: None if on_hopper else "(the test: no Mosaic GPU)")
   bf16, f32 = jnp.bfloat16, jnp.float32
 
   def routes(m, n, b, d, dtype, k=4096):
