@@ -127,7 +127,7 @@ def resolve_alias(app, env, node, contnode):
   """``missing-reference`` handler for names of jaxsparse that are documented under another name.
 
   A docstring may name an object where it is defined or re-exported (``jaxsparse.BlockSparseMatrix``,
-  ``jaxsparse.formats._nm.nm_mask``); this links it to its reference entry (``jaxsparse.formats...``), attributes
+  ``jaxsparse.formats._nm_masks.nm_mask``); this links it to its reference entry (``jaxsparse.formats...``), attributes
   included. A name of jaxsparse that has no public entry (a private constant, a private module) is shown as code
   without a link instead of failing the build; a name that does not exist still fails it.
   """

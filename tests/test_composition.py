@@ -94,8 +94,8 @@ NOT_A_CELL = {
     ("attention", "*", "linen", "build"): "no Linen sparse DenseGeneral layer: sparsify_linen builds it",
     ("embed", "nm", "*", "build"): None,  # CompressedNMEmbed (NNX and Linen)
     ("embed", "*", "*", "build"): "embeddings are stored N:M only (CompressedNMEmbed)",
-    ("embed", "nm", "nnx", "torch"): None,  # a 2:4 torch Embedding loads as a CompressedNMEmbed
-    ("embed", "*", "*", "torch"): "a torch Embedding loads dense (nnx.Embed / embedding); N:M ones in NNX compressed",
+    ("embed", "nm", "*", "torch"): None,  # a 2:4 torch Embedding loads as a CompressedNMEmbed (Linen: through masks)
+    ("embed", "*", "*", "torch"): "a torch Embedding loads dense (nnx.Embed / embedding); N:M ones compressed",
     **{("attention_nobias", "*", "*", path): "the bias plays no part in this path: see MultiHeadAttention above"
        for path in ("build", "sparsify", "calibrated", "torch", "orbax", "summary", "export")},
 }
@@ -481,11 +481,12 @@ def path_torch(kind, pattern, fw, tmp_path):
   out = tmp_path / "model.safetensors"
   module, init_vars = linen_model(kind)
   target = []
-  if kind == "attention":  # the Linen model's own variables give the (in, heads, head_dim) kernel shapes
+  if kind in ("attention", "embed"):  # the Linen model's variables give the (in, heads, head_dim) kernel shapes, and
+    # say which weight is an embedding table (the torch module "layer" has no embedding's name)
     target = ["--target", torch_interop.save_flax_variables(init_vars, tmp_path / "init.safetensors")]
   assert _cli.main(["convert", str(src), str(out), "--no-progress", *target]) == 0
   variables = jax.tree.map(jnp.asarray, torch_interop.load_flax_variables(out))
-  if kind == "attention":
+  if kind in ("attention", "embed"):
     masks = variables.pop("masks")
     close(module.apply(variables, x), _torch_forward(net, kind, x))  # the masked dense model
     sparse, sparse_vars, _ = jaxsparse.sparsify_linen(module, variables, rules_for(kind, pattern), x, masks=masks)
@@ -685,7 +686,7 @@ def test_every_combination_is_a_cell_or_not_a_cell():
   assert all((_lookup(NOT_A_CELL, c) is None) == (c in CELLS) for c in ALL)
   embed = {c for c in CELLS if _lookup(RAISES, c) is None and c[0] == "embed"}
   paths = ("build", "sparsify", "orbax", "summary", "export")
-  expected = {("embed", "nm", fw, p) for fw in FRAMEWORKS for p in paths} | {("embed", "nm", "nnx", "torch")}
+  expected = {("embed", "nm", fw, p) for fw in FRAMEWORKS for p in (*paths, "torch")}
   assert embed == expected, embed
 
 

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 import jaxsparse
 from jaxsparse import _tuning
 from jaxsparse._cuda import _kernels as ck
-from jaxsparse.formats import _nm
+from jaxsparse.formats import _nm_masks
 from jaxsparse.ops import _nm_matmul
 
 needs_gpu = pytest.mark.skipif(not ck.available(), reason=ck.unavailable_reason() or "CUDA kernels available")
@@ -481,7 +481,7 @@ def test_transposable_kernel_pattern_table_is_tile_patterns():
   for i, code in entries:
     for r in range(4):
       tiles[i, r, list(pairs[(code >> 3 * r) & 7])] = True
-  np.testing.assert_array_equal(tiles, _nm._tile_patterns(2, 4))
+  np.testing.assert_array_equal(tiles, _nm_masks._tile_patterns(2, 4))
 
 
 @pytest.mark.parametrize(
@@ -510,10 +510,10 @@ def test_nm24_prune_says_what_it_cannot_do():
 
 def test_group_bits_round_trip():
   mask = jaxsparse.nm_mask(jax.random.normal(jax.random.key(0), (64, 24)), 2, 4)
-  bits = _nm.group_bits(mask, 4)
+  bits = _nm_masks.group_bits(mask, 4)
   assert bits.shape == (16, 24) and bits.dtype == jnp.uint8
   np.testing.assert_array_equal(bits, (np.asarray(mask).reshape(16, 4, 24) << np.arange(4)[:, None]).sum(1))
-  np.testing.assert_array_equal(_nm.group_mask(bits, 4), mask)
+  np.testing.assert_array_equal(_nm_masks.group_mask(bits, 4), mask)
 
 
 def _check_transposable(w, out_dtype):
@@ -523,15 +523,15 @@ def _check_transposable(w, out_dtype):
   pruned, pattern = jax.jit(lambda w: ck.nm24_transposable(w, out_dtype))(w)
   k, n = w.shape
   assert pruned.shape == (k, n) and pruned.dtype == out_dtype and pattern.shape == (k // 4, n // 4)
-  mask = np.asarray(_nm.tile_mask(pattern, 2, 4))
+  mask = np.asarray(_nm_masks.tile_mask(pattern, 2, 4))
   # Whatever the pattern, it is one of the 90 and the values are w's kept entries, rounded once.
   np.testing.assert_array_equal(np.asarray(pruned), np.asarray(jnp.where(mask, w, 0).astype(out_dtype)))
-  want = np.asarray(_nm.transposable_pattern(w, 2, 4))
+  want = np.asarray(_nm_masks.transposable_pattern(w, 2, 4))
   differ = np.asarray(pattern) != want
   if differ.any():  # only where the two patterns' totals agree to float32 rounding
     scores = np.minimum(np.nan_to_num(np.abs(np.asarray(w, np.float32)), nan=np.inf), np.finfo(np.float32).max / 16)
     tiles = scores.reshape(k // 4, 4, n // 4, 4).swapaxes(1, 2).reshape(k // 4, n // 4, 16).astype(np.float64)
-    flat = _nm._tile_patterns(2, 4).reshape(90, 16)
+    flat = _nm_masks._tile_patterns(2, 4).reshape(90, 16)
     totals = tiles @ flat.T
     got = np.take_along_axis(totals, np.asarray(pattern, np.int64)[..., None], -1)[..., 0]
     best = totals.max(-1)
@@ -587,7 +587,7 @@ def test_gpu_nm24_transposable_compress_writes_cusparselts_buffers(shape, w_dtyp
   w = jax.random.normal(jax.random.key(k + n), shape).astype(w_dtype)
   pattern, blob, blob_t = jax.jit(ck.nm24_transposable_compress)(w)
   np.testing.assert_array_equal(pattern, ck.nm24_transposable(w)[1])
-  pruned = jnp.where(_nm.tile_mask(pattern, 2, 4), w, 0).astype(jnp.bfloat16)
+  pruned = jnp.where(_nm_masks.tile_mask(pattern, 2, 4), w, 0).astype(jnp.bfloat16)
   np.testing.assert_array_equal(blob, _layout.compress_dense(pruned))
   np.testing.assert_array_equal(blob_t, _layout.compress_dense(pruned.T))
   x = jax.random.normal(jax.random.key(1), (48, k)).astype(jnp.bfloat16)
@@ -610,10 +610,10 @@ def test_gpu_nm24_prune_is_nm_mask_and_the_xla_layout(shape, w_dtype):
   w = jax.random.normal(key, shape)
   ties = jax.random.randint(jax.random.fold_in(key, 1), shape, -2, 3).astype(jnp.float32)
   w = jnp.where(jnp.arange(shape[1]) % 3 == 0, ties, w).at[5, 7].set(jnp.nan).astype(w_dtype)
-  mask = _nm.nm_mask(w, 2, 4)
+  mask = _nm_masks.nm_mask(w, 2, 4)
   for out_dtype in (jnp.float32, jnp.bfloat16):
     pruned, bits, blob = jax.jit(functools.partial(ck.nm24_prune, out_dtype=out_dtype))(w)
-    np.testing.assert_array_equal(bits, _nm.group_bits(mask, 4))
+    np.testing.assert_array_equal(bits, _nm_masks.group_bits(mask, 4))
     # As float32: NumPy does not match bfloat16 NaNs as equal.
     np.testing.assert_array_equal(np.asarray(pruned, np.float32),
                                   np.asarray(jnp.where(mask, w, 0).astype(out_dtype), np.float32))
@@ -622,7 +622,7 @@ def test_gpu_nm24_prune_is_nm_mask_and_the_xla_layout(shape, w_dtype):
     pytest.skip("cuSPARSELt's layout here is not the one _layout writes")
   pruned, bits, blob = jax.jit(functools.partial(ck.nm24_prune, out_dtype=jnp.bfloat16, compress=True))(w)
   np.testing.assert_array_equal(blob, _layout.compress_dense(w, dtype=jnp.bfloat16))
-  np.testing.assert_array_equal(bits, _nm.group_bits(mask, 4))
+  np.testing.assert_array_equal(bits, _nm_masks.group_bits(mask, 4))
 
 
 @pytest.mark.gpu
@@ -633,9 +633,9 @@ def test_gpu_nm24_prune_random_shapes(k4, n4, bf16, seed):
   # Any K, N multiple of 4 (a partial last thread block), uncompressed: nm_mask's mask exactly.
   w = jax.random.normal(jax.random.key(seed), (4 * k4, 4 * n4)).astype(jnp.bfloat16 if bf16 else jnp.float32)
   pruned, bits, _ = ck.nm24_prune(w)
-  mask = _nm.nm_mask(w, 2, 4)
+  mask = _nm_masks.nm_mask(w, 2, 4)
   np.testing.assert_array_equal(pruned, jnp.where(mask, w, 0))
-  np.testing.assert_array_equal(bits, _nm.group_bits(mask, 4))
+  np.testing.assert_array_equal(bits, _nm_masks.group_bits(mask, 4))
 
 
 @pytest.mark.gpu

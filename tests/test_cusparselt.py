@@ -26,7 +26,7 @@ from jaxsparse._cuda import _build
 from jaxsparse._cuda import _cusparselt as cslt
 from jaxsparse._cuda import _layout
 from jaxsparse._tuning import _measure
-from jaxsparse.formats import _nm
+from jaxsparse.formats import _nm_masks
 from jaxsparse.layers import CompressedNMLinear
 from jaxsparse.layers import NMLinear
 from jaxsparse.ops import _nm_matmul
@@ -162,8 +162,8 @@ def test_transposable_custom_vjp_gives_the_reference_gradients(w_dtype, dtype, m
   # stand-in: value and gradients are the reference's, bit for bit. (The GPU tests run the real kernel, and the
   # products on sparse tensor cores.)
   def xla_prune(w, dtype):
-    pattern = _nm.transposable_pattern(w, 2, 4).astype(jnp.uint8)
-    return jnp.where(_nm.tile_mask(pattern, 2, 4), w, jnp.zeros((), w.dtype)).astype(dtype), pattern
+    pattern = _nm_masks.transposable_pattern(w, 2, 4).astype(jnp.uint8)
+    return jnp.where(_nm_masks.tile_mask(pattern, 2, 4), w, jnp.zeros((), w.dtype)).astype(dtype), pattern
 
   monkeypatch.setattr(_sr_ste.cuda_kernels, "nm24_transposable", xla_prune)
   blob_bytes = 0
@@ -405,7 +405,7 @@ def test_gpu_sr_ste_matmul_transposable_on_sparse_cores(shape, w_dtype):
   k, n = shape
   assert _sr_ste._direct_compress(k, n) == (shape == (512, 256))
   x, w, dy = _sr_ste_problem(shape, w_dtype, seed=11)
-  np.testing.assert_array_equal(ck.nm24_transposable(w)[1], jaxsparse.formats._nm.transposable_pattern(w, 2, 4))
+  np.testing.assert_array_equal(ck.nm24_transposable(w)[1], jaxsparse.formats._nm_masks.transposable_pattern(w, 2, 4))
   f = lambda x, w: ops.sr_ste_matmul(x, w, 2, 4, decay=0.01, dtype=jnp.bfloat16, transposable=True,
                                      implementation="cusparselt")
   hlo = _value_and_grads(f).lower(x, w, dy).as_text()  # the forward and dY Wᵀ

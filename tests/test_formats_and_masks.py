@@ -11,7 +11,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 
 import jaxsparse
-from jaxsparse.formats import _nm
+from jaxsparse.formats import _nm_masks
 from jaxsparse.formats._block_sparse import block_pattern_indices
 from jaxsparse.ops import masked_matmul
 from tests._util import SPLIT_EXAMPLES
@@ -379,6 +379,6 @@ def test_nm_group_bits_is_the_bits_of_nm_mask(n):
   """``nm_group_bits`` (SR-STE's one-pass mask words) packs exactly ``nm_mask``'s groups, ties and NaN included."""
   w = np.random.default_rng(n).integers(-2, 3, (64, 24)).astype(np.float32)  # many ties
   w[5, 3], w[9, 0] = np.nan, -np.inf
-  bits = _nm.nm_group_bits(jnp.asarray(w), n, 4)
+  bits = _nm_masks.nm_group_bits(jnp.asarray(w), n, 4)
   assert bits.shape == (16, 24) and bits.dtype == jnp.uint8
-  np.testing.assert_array_equal(np.asarray(_nm.group_mask(bits, 4)), np.asarray(jaxsparse.nm_mask(w, n, 4)))
+  np.testing.assert_array_equal(np.asarray(_nm_masks.group_mask(bits, 4)), np.asarray(jaxsparse.nm_mask(w, n, 4)))

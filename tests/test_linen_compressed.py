@@ -202,7 +202,7 @@ def test_compress_linen_outputs_equal_sparsify_linen(net, dtype):
   if dtype == jnp.float32:
     np.testing.assert_allclose(np.asarray(y), np.asarray(expected), rtol=1e-5, atol=1e-5)
   assert_close(y, expected, dtype)
-  kinds = {".".join(p): jaxsparse._sparsify._linen.sparse_layer_name(layer) for p, layer in small.layers.items()}
+  kinds = {".".join(p): jaxsparse._sparsify._linen_plan.sparse_layer_name(layer) for p, layer in small.layers.items()}
   assert kinds == {"conv": "NMConv", "head": "CompressedNMDense", "side": "CompressedNMDense",
                    **{f"MultiHeadDotProductAttention_0.{k}": "CompressedNMDense"
                       for k in ("query", "key", "value", "out")}}

@@ -1020,3 +1020,151 @@ def test_linen_dense_general_exports_as_the_torch_linear_on_its_2d_view():
   bad = {"params": {"fc": {"kernel": np.zeros((16, 4, 8), np.float32), "bias": np.zeros((8, 4), np.float32)}}}
   with pytest.raises(ValueError, match=r"fc: its kernel has shape \(16, 4, 8\) and its bias \(8, 4\)"):
     torch_interop.export_state_dict(bad)
+
+
+# -------------------------------------------------------------------------------------------------
+# Linen embeddings: told from Linear weights, fitted to a target, their masks kept.
+# -------------------------------------------------------------------------------------------------
+
+VOCAB, FEATURES = 16, 8
+
+
+def _lm():
+  """A torch model whose embedding's name is none of the default embedding names, with a bias-free Linear beside it and
+  a Linear (with a bias) whose name is one."""
+  torch.manual_seed(0)
+  return torch.nn.ModuleDict({"tok": torch.nn.Embedding(VOCAB, FEATURES),
+                              "proj": torch.nn.Linear(FEATURES, FEATURES, bias=False),
+                              "embed": torch.nn.Linear(FEATURES, 4)})
+
+
+def _linen_lm():
+  import flax.linen as nn  # noqa: PLC0415
+
+  class LM(nn.Module):
+    @nn.compact
+    def __call__(self, ids):
+      h = nn.Embed(VOCAB, FEATURES, name="tok")(ids)
+      return nn.Dense(4, name="embed")(nn.Dense(FEATURES, use_bias=False, name="proj")(h))
+
+  return LM()
+
+
+def _lm_forward(net, ids):
+  with torch.no_grad():
+    return net["embed"](net["proj"](net["tok"](torch.from_numpy(np.array(ids))))).numpy()
+
+
+def test_linen_embedding_told_from_linear_by_module_type_bias_and_explicit_names(tmp_path, capsys):
+  """An nn.Embedding named "tok" became params.tok.kernel (its table transposed, as a Linear's), silently; a Linear with
+  a bias named "embed" became an embedding table. The module types decide when the torch module is given, a bias rules
+  out a table, an explicit embeddings= (CLI --embeddings) names the tables, and otherwise a warning lists the bias-free
+  weights read as Linear ones."""
+  net, model = _lm(), _linen_lm()
+  ids = jnp.array([[1, 5, 7], [15, 0, 3]])
+  expected = _lm_forward(net, ids)
+  tok, proj = net["tok"].weight.detach().numpy(), net["proj"].weight.detach().numpy()
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # the module's types leave nothing to guess
+    v = torch_interop.to_linen_variables(net)
+    explicit = torch_interop.to_linen_variables(net.state_dict(), embeddings=r"^tok$")
+  for variables in (v, explicit):
+    assert jax.tree.map(jnp.shape, variables) == {"params": {"tok": {"embedding": (VOCAB, FEATURES)},
+                                                             "proj": {"kernel": (FEATURES, FEATURES)},
+                                                             "embed": {"kernel": (FEATURES, 4), "bias": (4,)}}}
+    np.testing.assert_array_equal(np.asarray(variables["params"]["tok"]["embedding"]), tok)
+    np.testing.assert_array_equal(np.asarray(variables["params"]["proj"]["kernel"]), proj.T)
+    np.testing.assert_allclose(np.asarray(model.apply(variables, ids)), expected, atol=1e-5, rtol=1e-5)
+  # A state dict alone: both bias-free weights are read as Linear ones, and the warning names them and the way out.
+  with pytest.warns(UserWarning, match=r"read 2 bias-free 2-D weight\(s\) as torch Linear weights .*: tok\.weight, "
+                    r"proj\.weight\..*pass embeddings= .*target= .*or the torch module itself"):
+    guessed = torch_interop.to_linen_variables(net.state_dict())
+  assert sorted(guessed["params"]["tok"]) == ["kernel"] and sorted(guessed["params"]["embed"]) == ["bias", "kernel"]
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # skipped weights are not converted: nothing to warn of
+    assert sorted(torch_interop.to_linen_variables(net.state_dict(), ignore=["tok.*", "proj.*"])["params"]) == ["embed"]
+  # The command line takes the names too (and refuses a bad regex before reading anything).
+  torch.save(net.state_dict(), tmp_path / "lm.pt")
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    assert cli_main(["convert", str(tmp_path / "lm.pt"), str(tmp_path / "lm.safetensors"), "--embeddings", "^tok"]) == 0
+  back = torch_interop.load_flax_variables(tmp_path / "lm.safetensors")
+  jax.tree.map(np.testing.assert_array_equal, back, jax.tree.map(np.asarray, v))
+  with pytest.raises(SystemExit):
+    cli_main(["convert", "a", "b", "--embeddings", "(tok"])
+  assert "--embeddings: '(tok' is not a valid regular expression" in capsys.readouterr().err
+  with pytest.raises(ValueError, match=r"embeddings='\(tok' is not a valid regular expression"):
+    torch_interop.to_linen_variables(net, embeddings="(tok")
+
+
+def test_linen_target_with_an_embedding_takes_the_torch_table():
+  """A target holding params.tok.embedding: the conversion raised "the checkpoint has this variable but the target does
+  not" (it had written tok.kernel); the target's leaf decides, and a lone import rule leaves the table alone."""
+  net, model = _lm(), _linen_lm()
+  ids = jnp.array([[1, 5, 7], [15, 0, 3]])
+  target = jax.eval_shape(model.init, jax.random.key(0), ids)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    v = torch_interop.to_linen_variables(net.state_dict(), target=target)
+  assert jax.tree.map(jnp.shape, v) == jax.tree.map(jnp.shape, target)
+  np.testing.assert_array_equal(np.asarray(v["params"]["tok"]["embedding"]), net["tok"].weight.detach().numpy())
+  np.testing.assert_allclose(np.asarray(model.apply(v, ids)), _lm_forward(net, ids), atol=1e-5, rtol=1e-5)
+  ruled = torch_interop.to_linen_variables(net.state_dict(), target=target, rules=jaxsparse.NM(2, 4))
+  assert sorted(ruled["masks"]) == ["embed", "proj"]  # the Linear weights only
+  np.testing.assert_array_equal(np.asarray(ruled["params"]["tok"]["embedding"]), net["tok"].weight.detach().numpy())
+
+
+def _nm_embedding():
+  """A torch Embedding pruned 2:4 along its features by a mask that is not the magnitude one (one kept weight is
+  exactly zero), and the Linen model that looks it up and computes tied logits with it."""
+  import flax.linen as nn  # noqa: PLC0415
+
+  torch.manual_seed(1)
+  emb = torch.nn.Embedding(VOCAB, FEATURES)
+  mask = torch.from_numpy(_nm_mask((VOCAB, FEATURES), seed=4))
+  with torch.no_grad():
+    emb.weight[0, int(np.flatnonzero(mask[0].numpy())[0])] = 0.0
+  prune.custom_from_mask(emb, "weight", mask)
+
+  class Tied(nn.Module):
+    @nn.compact
+    def __call__(self, ids):
+      embed = nn.Embed(VOCAB, FEATURES, name="tok")
+      rows = embed(ids)
+      return rows, embed.attend(rows)
+
+  return torch.nn.ModuleDict({"tok": emb}), Tied()
+
+
+def test_linen_nm_embedding_keeps_its_mask_into_compressed_nm_embed(tmp_path):
+  """A 2:4-pruned torch Embedding gave only its masked table: its mask was dropped, so sparsify_linen recomputed one by
+  magnitude (another mask where a kept weight is 0, or ties) and could not give back the torch tensors. Its mask now
+  comes under masks.<path>.embedding, (num_embeddings, features) like the table, with or without a target."""
+  net, model = _nm_embedding()
+  emb = net["tok"]
+  ids = jnp.array([[0, 5, 7], [15, 0, 3]])
+  t_ids = torch.from_numpy(np.array(ids))
+  with torch.no_grad():
+    rows_t = emb(t_ids).numpy()
+    logits_t = (emb(t_ids) @ emb.weight.T).numpy()
+  target = jax.eval_shape(model.init, jax.random.key(0), ids)
+  state = net.state_dict()  # prune's weight_orig and weight_mask
+  plain = {"tok.weight": emb.weight.detach(), "tok.weight_mask": emb.weight_mask}  # a masked dense state dict
+  for source, kwargs in [(state, {"target": target}), (plain, {"target": target}), (net, {})]:
+    v = torch_interop.to_linen_variables(source, **kwargs)
+    masks = v.pop("masks")
+    assert jax.tree.map(jnp.shape, masks) == {"tok": {"embedding": (VOCAB, FEATURES)}}
+    np.testing.assert_array_equal(np.asarray(masks["tok"]["embedding"]), emb.weight_mask.numpy().astype(bool))
+    np.testing.assert_array_equal(np.asarray(v["params"]["tok"]["embedding"]), emb.weight.detach().numpy())
+    sparse, sparse_vars, report = jaxsparse.sparsify_linen(model, v, {"tok": jaxsparse.NM(2, 4)}, ids, masks=masks)
+    assert [layer.replaced_by for layer in report.layers] == ["CompressedNMEmbed"]
+    rows, logits = sparse.apply(sparse_vars, ids)
+    np.testing.assert_allclose(np.asarray(rows), rows_t, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(logits), logits_t, atol=1e-5, rtol=1e-5)
+    exported = torch_interop.export_state_dict(sparse_vars, module=sparse)
+    exported_masks = torch_interop.export_masks(sparse_vars, module=sparse, dtype=torch.float32)
+    assert sorted(exported) == ["tok.weight"] and sorted(exported_masks) == ["tok.weight_mask"]
+    assert torch.equal(exported["tok.weight"], emb.weight.detach())
+    assert torch.equal(exported_masks["tok.weight_mask"], emb.weight_mask)
+  # sparse=False: the masked table alone, as for kernels.
+  assert "masks" not in torch_interop.to_linen_variables(net, sparse=False)

@@ -26,7 +26,7 @@ from jaxsparse import ops
 from jaxsparse._cuda import _cusparselt as cslt
 from jaxsparse._cuda import _kernels as ck
 from jaxsparse._cuda import _layout
-from jaxsparse.formats import _nm
+from jaxsparse.formats import _nm_masks
 from jaxsparse.ops import _sr_ste
 
 
@@ -58,7 +58,7 @@ def parts(m: int, k: int, n: int, iterations: int) -> list[tuple[str, float]]:
   dy = jax.random.normal(kg, (m, n), jnp.float32).astype(jnp.bfloat16)
   w = jax.random.normal(kw, (k, n), jnp.float32)
   wb = w.astype(jnp.bfloat16)
-  pruned = jnp.where(_nm.nm_mask(w, 2, 4, transposable=True), w, 0).astype(jnp.bfloat16)
+  pruned = jnp.where(_nm_masks.nm_mask(w, 2, 4, transposable=True), w, 0).astype(jnp.bfloat16)
   blob, blob_t = cslt.compress(pruned), cslt.compress(pruned.T)
   cases = {
       "dense fwd x W": (lambda x, w: x @ w, x, wb),
@@ -68,7 +68,7 @@ def parts(m: int, k: int, n: int, iterations: int) -> list[tuple[str, float]]:
       "plain prune + compress (our kernel)": (lambda w: ck.nm24_prune(w, jnp.bfloat16, compress=True), w),
       "transposable prune (our kernel)": (lambda w: ck.nm24_transposable(w, jnp.bfloat16), w),
       "transposable prune into both compressed buffers (our kernel)": (ck.nm24_transposable_compress, w),
-      "transposable pattern (XLA search)": (lambda w: _nm.transposable_pattern(w, 2, 4), w),
+      "transposable pattern (XLA search)": (lambda w: _nm_masks.transposable_pattern(w, 2, 4), w),
       "compress W (cuSPARSELt, KN)": (lambda p: cslt.compress(p), pruned),
       "compress Wᵀ (cuSPARSELt, NK)": (lambda p: cslt.compress(p, layout=cslt.LAYOUT_NK), pruned),
       "transpose + compress Wᵀ (cuSPARSELt, KN)": (lambda p: cslt.compress(p.T), pruned),

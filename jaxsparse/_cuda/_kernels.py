@@ -447,8 +447,8 @@ def nm24_transposable(w: jax.Array, out_dtype=None) -> tuple[jax.Array, jax.Arra
 
   Returns:
     ``pruned``: ``(K, N)`` ``where(mask, w, 0)`` in ``out_dtype``; ``pattern``: ``(K / 4, N / 4)`` uint8, each
-    tile's index into ``jaxsparse.formats._nm._tile_patterns(2, 4)`` (:func:`jaxsparse.formats._nm.tile_mask`
-    expands it).
+    tile's index into ``jaxsparse.formats._nm_masks._tile_patterns(2, 4)``
+    (:func:`jaxsparse.formats._nm_masks.tile_mask` expands it).
   """
   out_dtype = jnp.dtype(out_dtype or w.dtype)
   reason = nm24_prune_unsupported_reason(w.shape, w.dtype, out_dtype)
@@ -507,7 +507,7 @@ def nm24_prune(w: jax.Array, out_dtype=None, *, compress: bool = False) -> tuple
 
   Returns:
     ``pruned``: ``(K, N)`` ``where(mask, w, 0)`` in ``out_dtype``; ``bits``: ``(K / 4, N)`` uint8, bit ``r`` of
-    ``bits[g, j]`` set where ``w[4 g + r, j]`` is kept (:func:`jaxsparse.formats._nm.group_mask` expands it);
+    ``bits[g, j]`` set where ``w[4 g + r, j]`` is kept (:func:`jaxsparse.formats._nm_masks.group_mask` expands it);
     ``blob``: ``K N 9 / 8`` bytes (uint8) for ``cusparselt.matmul(x, blob, N)`` with ``compress``, else empty.
   """
   out_dtype = jnp.dtype(out_dtype or w.dtype)

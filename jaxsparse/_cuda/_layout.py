@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxsparse.formats import _nm
+from jaxsparse.formats import _nm_masks
 
 __all__ = ["compress_dense", "compress_values", "decompress", "matches", "supports"]
 
@@ -97,7 +97,7 @@ def compress_dense(w: jax.Array, *, dtype=None) -> jax.Array:
   """
   k, n = w.shape
   wg = w.reshape(k // 4, 4, n)
-  keep = _nm._group_mask(_nm._scores(wg), 2)  # the mask of nm_mask(w, 2, 4, axis=0)
+  keep = _nm_masks._group_mask(_nm_masks._scores(wg), 2)  # the mask of nm_mask(w, 2, 4, axis=0)
   lane = jnp.arange(4, dtype=jnp.int32).reshape(1, 4, 1)
   p0 = jnp.min(jnp.where(keep, lane, 4), axis=1)
   p1 = jnp.max(jnp.where(keep, lane, -1), axis=1)
@@ -115,7 +115,7 @@ def matches() -> bool:
   k, n = 256, 128
   with jax.ensure_compile_time_eval():
     w = jax.random.normal(jax.random.key(0), (k, n), jnp.float32).astype(jnp.bfloat16)
-    pruned = jnp.where(_nm.nm_mask(w, 2, 4), w, jnp.zeros((), w.dtype))
+    pruned = jnp.where(_nm_masks.nm_mask(w, 2, 4), w, jnp.zeros((), w.dtype))
     if cslt.compressed_bytes(n, k, jnp.bfloat16) != k * n + k * n // 8:
       return False
     ours = jax.jit(compress_dense)(w)

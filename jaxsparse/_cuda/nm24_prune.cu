@@ -3,7 +3,7 @@
 //
 // nm24_transposable: transposable 2:4: for every 4 x 4 tile (rows 4 r .. 4 r + 3, columns 4 c .. 4 c + 3)
 //   the pattern with 2 kept entries in every row and every column (90 of them) whose kept scores have the
-//   largest total, the first in jaxsparse.formats._nm._tile_patterns(2, 4) order on ties; scores are
+//   largest total, the first in jaxsparse.formats._nm_masks._tile_patterns(2, 4) order on ties; scores are
 //   min(|w| with NaN as inf, FLT_MAX / 16), as jaxsparse.nm_mask(w, 2, 4, transposable=True) computes them.
 //   Operands, row-major as JAX stores them:
 //     w        (K, N) float32, or bfloat16 with NM_IN_BF16;
@@ -90,7 +90,7 @@ __device__ __forceinline__ void store_row(void* out, long long offset, const flo
 #endif
 }
 
-// |v| with NaN as the largest (inf), as jaxsparse.formats._nm._scores.
+// |v| with NaN as the largest (inf), as jaxsparse.formats._nm_masks._scores.
 __device__ __forceinline__ float score(float v) {
   const float s = fabsf(v);
   return s != s ? __int_as_float(0x7f800000) : s;

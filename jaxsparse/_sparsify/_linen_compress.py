@@ -14,10 +14,10 @@ from collections.abc import Mapping
 import flax.linen as nn
 
 from jaxsparse._sparsify._linen import SparsifiedLinen
-from jaxsparse._sparsify._linen import _nested_set
-from jaxsparse._sparsify._linen import _to_dict
-from jaxsparse._sparsify._linen import compressed_variables
-from jaxsparse._sparsify._linen import layer_variables
+from jaxsparse._sparsify._linen_plan import _nested_set
+from jaxsparse._sparsify._linen_plan import _to_dict
+from jaxsparse._sparsify._linen_plan import compressed_variables
+from jaxsparse._sparsify._linen_plan import layer_variables
 from jaxsparse._sparsify._partitioning import carry_linen
 from jaxsparse.formats._specs import NM
 from jaxsparse.layers import linen as sparse_linen

@@ -11,7 +11,7 @@ from jaxsparse.formats._masks import block_magnitude_mask
 from jaxsparse.formats._masks import magnitude_mask
 from jaxsparse.formats._masks import random_block_mask
 from jaxsparse.formats._nm import NMSparseMatrix
-from jaxsparse.formats._nm import nm_mask
+from jaxsparse.formats._nm_masks import nm_mask
 from jaxsparse.formats._specs import NM
 from jaxsparse.formats._specs import BlockSparse
 from jaxsparse.formats._specs import Unstructured

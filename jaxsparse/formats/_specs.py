@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import TypeAlias
 
 from jaxsparse import _utils
-from jaxsparse.formats._nm import TRANSPOSABLE_MAX_M
+from jaxsparse.formats._nm_masks import TRANSPOSABLE_MAX_M
 
 __all__ = ["NM", "BlockSparse", "Spec", "Unstructured", "check_plain_nm", "check_spec_applies", "matrix_shape"]
 

@@ -42,12 +42,12 @@ from jaxsparse.layers._common import check_known_in_features
 from jaxsparse.layers._common import check_layer_inputs
 from jaxsparse.layers._common import check_linear
 from jaxsparse.layers._common import check_one_of
+from jaxsparse.layers._common import check_pattern
 from jaxsparse.layers._common import default_bias_init
 from jaxsparse.layers._common import dense_linear
 from jaxsparse.layers._common import existing_shape
 from jaxsparse.layers._common import init_linear_attributes
 from jaxsparse.layers._common import map_boxed
-from jaxsparse.layers._common import missing_pattern
 from jaxsparse.layers._common import unbox_init
 
 __all__ = ["BlockSparseDense", "BlockSparseLinear"]
@@ -259,14 +259,15 @@ class BlockSparseLinear(nnx.Module):
 
   @property
   def nnz_blocks(self) -> int:
-    """The number of kept ``(bk, bn)`` blocks: ``kernel.shape[0]``, a static int.
+    """The number of kept ``(bk, bn)`` blocks: ``kernel.shape[-3]``, a static int (per layer in a stack of layers
+    built by ``nnx.vmap``, whose kernel has a leading layer axis).
 
     >>> from flax import nnx
     >>> from jaxsparse.layers import BlockSparseLinear
     >>> BlockSparseLinear(64, 96, density=0.5, block_shape=(32, 32), rngs=nnx.Rngs(0)).nnz_blocks  # of 2 x 3
     3
     """
-    return int(self.kernel.shape[0])
+    return int(self.kernel.shape[-3])
 
   @property
   def density(self) -> float:
@@ -480,15 +481,14 @@ class BlockSparseDense(nn.Module):
     kernel_init = self.kernel_init or block_sparse_kernel_init(nnz, grid)
     kernel = self.param("kernel", kernel_init, (nnz, bk, bn), self.param_dtype)
     bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
+    check_pattern(self, INDEX_FIELDS[0])
     if self.has_variable(SPARSITY, INDEX_FIELDS[0]):
       index_arrays = {f: self.get_variable(SPARSITY, f) for f in INDEX_FIELDS}
-    elif self.is_initializing():
+    else:
       mask = random_block_mask(self.make_rng("params"), shape, (bk, bn), self.density)
       index_arrays = BlockSparseMatrix.from_block_mask(mask, kernel).index_arrays()
       for f, v in index_arrays.items():
         self.put_variable(SPARSITY, f, v)
-    else:
-      raise missing_pattern(self)
     return block_sparse_apply(
         x,
         kernel,

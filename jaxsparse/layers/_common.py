@@ -23,7 +23,7 @@ from flax.nnx.nn import dtypes
 
 from jaxsparse import _utils
 from jaxsparse import ops
-from jaxsparse.formats import _nm
+from jaxsparse.formats import _nm_masks
 from jaxsparse.formats._masks import top_k_mask
 
 __all__ = [
@@ -40,6 +40,7 @@ __all__ = [
     "check_linear",
     "check_masked_implementation",
     "check_one_of",
+    "check_pattern",
     "conv_options",
     "custom_options",
     "default_bias_init",
@@ -305,7 +306,7 @@ def bias_of(layer: nnx.Module) -> jax.Array | None:
 
 def check_transposable_layer(transposable: object, out_features: int, m: int, *, name: str = "out_features") -> bool:
   """``transposable`` of an N:M layer, checked: a bool; if True, ``m <= 4`` and dividing ``out_features``."""
-  if _nm.check_transposable_flag(transposable, m) and out_features % m:
+  if _nm_masks.check_transposable_flag(transposable, m) and out_features % m:
     raise ValueError(
         f"transposable=True needs {name}={out_features} a multiple of m={m} (the transposed kernel is N:M along "
         "the output features)."
@@ -332,11 +333,31 @@ def check_layer_inputs(layer: nnx.Module, inputs: jax.typing.ArrayLike) -> None:
     )
 
 
+_LIFTED_HINT = (
+    f"under nn.scan / nn.vmap list the {SPARSITY!r} collection in variable_axes beside 'params', e.g. "
+    f"variable_axes={{'params': 0, {SPARSITY!r}: 0}}"
+)
+
+
 def missing_pattern(module: nn.Module) -> ValueError:
   return ValueError(
       f"{type(module).__name__} has no {SPARSITY!r} collection: pass the variables that `init` returned, "
-      f"e.g. `apply({{'params': ..., {SPARSITY!r}: ...}}, x)`."
+      f"e.g. `apply({{'params': ..., {SPARSITY!r}: ...}}, x)`; {_LIFTED_HINT}."
   )
+
+
+def check_pattern(module: nn.Module, name: str) -> None:
+  """Raises, saying how to pass it, unless a Linen layer holds its pattern variable ``name`` or may create it now
+  (``init`` with the :data:`SPARSITY` collection mutable)."""
+  if module.has_variable(SPARSITY, name):
+    return
+  if not module.is_initializing():
+    raise missing_pattern(module)
+  if not module.is_mutable_collection(SPARSITY):
+    raise ValueError(
+        f"{type(module).__name__} cannot create its pattern: the {SPARSITY!r} collection is not mutable here. "
+        f"Let `init` create it (no `mutable=` leaving it out); {_LIFTED_HINT}."
+    )
 
 
 def check_input(x: jax.typing.ArrayLike) -> jax.Array:

@@ -20,7 +20,7 @@ from jax import lax
 
 from jaxsparse import ops
 from jaxsparse.formats._nm import NMSparseMatrix
-from jaxsparse.formats._nm import check_nm
+from jaxsparse.formats._nm_masks import check_nm
 from jaxsparse.layers._common import SparsityPattern
 from jaxsparse.layers._nm_compressed import check_nm_implementation
 

@@ -23,9 +23,10 @@ from jax import lax
 
 from jaxsparse import _utils
 from jaxsparse import ops
-from jaxsparse.formats import _nm
+from jaxsparse.formats import _nm_masks
 from jaxsparse.formats._nm import NMSparseMatrix
 from jaxsparse.layers._common import SPARSITY
+from jaxsparse.layers._common import check_pattern
 from jaxsparse.layers._common import missing_pattern
 from jaxsparse.layers._embed import check_ids
 from jaxsparse.layers._embed import check_query
@@ -102,15 +103,18 @@ class CompressedNMEmbed(nn.Module):
   def __post_init__(self):
     _utils.check_positive_int(self.num_embeddings, name="num_embeddings")
     _utils.check_positive_int(self.features, name="features")
-    _, m = _nm.check_nm(self.n, self.m)
+    _, m = _nm_masks.check_nm(self.n, self.m)
     if self.features % m:
       raise ValueError(f"m={m} must divide features={self.features} (the groups run along the features).")
     check_nm_implementation(self.implementation)
     super().__post_init__()
 
   def setup(self):
-    if not (self.has_variable(SPARSITY, "embedding_positions") or self.is_initializing()):
-      raise missing_pattern(self)
+    # Flax runs `setup` once on an empty, non-initializing scope before a lifted transform (nn.remat, nn.jit):
+    # a missing pattern is reported when the table is used, not here.
+    has_pattern = self.has_variable(SPARSITY, "embedding_positions")
+    if self.is_initializing():
+      check_pattern(self, "embedding_positions")
     shape = (self.num_embeddings, self.features)
     drawn: dict[str, NMSparseMatrix] = {}  # the pruned table drawn at init: its values and positions
 
@@ -122,10 +126,13 @@ class CompressedNMEmbed(nn.Module):
 
     self.embedding = self.param("embedding", init_values)
     self.embedding_positions = self.variable(
-        SPARSITY, "embedding_positions", lambda: _transposed_box(drawn["box"], drawn["w"].indices))
+        SPARSITY, "embedding_positions", lambda: _transposed_box(drawn["box"], drawn["w"].indices),
+    ) if has_pattern or self.is_initializing() else None
 
   def _weight(self, values: jax.Array) -> NMSparseMatrix:
     """The compressed table ``(features, num_embeddings)`` holding ``values`` (the stored ones, promoted)."""
+    if self.embedding_positions is None:
+      raise missing_pattern(self)
     return NMSparseMatrix(values, nn.meta.unbox(self.embedding_positions.value),
                           shape=(self.features, self.num_embeddings), n=self.n, m=self.m, axis=0, validate=False)
 

@@ -32,6 +32,7 @@ from jaxsparse.layers._common import check_layer_inputs
 from jaxsparse.layers._common import check_linear
 from jaxsparse.layers._common import check_masked_implementation
 from jaxsparse.layers._common import check_one_of
+from jaxsparse.layers._common import check_pattern
 from jaxsparse.layers._common import conv_options
 from jaxsparse.layers._common import default_bias_init
 from jaxsparse.layers._common import dense_linear
@@ -39,7 +40,6 @@ from jaxsparse.layers._common import existing_shape
 from jaxsparse.layers._common import init_linear_attributes
 from jaxsparse.layers._common import kept_weights
 from jaxsparse.layers._common import map_boxed
-from jaxsparse.layers._common import missing_pattern
 from jaxsparse.layers._common import random_mask
 from jaxsparse.layers._common import with_weights
 
@@ -357,8 +357,7 @@ class MaskedDense(nn.Module):
     shape = (x.shape[-1], self.features)
     size = shape[0] * shape[1]
     kept = kept_weights(self.sparsity, shape)
-    if not (self.has_variable(SPARSITY, "mask") or self.is_initializing()):
-      raise missing_pattern(self)
+    check_pattern(self, "mask")
     mask = self.variable(SPARSITY, "mask", lambda: random_mask(self.make_rng("params"), shape, kept)).value
     kernel_init = self.kernel_init or masked_kernel_init(kept, size)
 

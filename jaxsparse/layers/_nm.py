@@ -30,7 +30,7 @@ from jax import lax
 
 from jaxsparse import _utils
 from jaxsparse import ops
-from jaxsparse.formats import _nm
+from jaxsparse.formats import _nm_masks
 from jaxsparse.formats._nm import NMSparseMatrix
 from jaxsparse.layers._common import NMPromote
 from jaxsparse.layers._common import base_promote
@@ -75,9 +75,11 @@ class _NMMixin:
 
   @property
   def nm_mask(self) -> jax.Array:
-    """Bool mask of the kernel's shape: the N:M pattern the next call will use."""
-    p = self.promote_dtype
-    return _nm.nm_mask(self._masked_input_kernel(), self.n, self.m, axis=p.axis, transposable=p.transposable)
+    """Bool mask of the kernel's shape: the N:M pattern the next call will use (each layer's, for a stack of
+    layers built by ``nnx.vmap``)."""
+    # The groups run along the input features, axis -2 of both kernels, (in, out) and (..., cin, cout); counted
+    # from the end it stays that axis in a stack's kernel, which has leading layer axes.
+    return _nm_masks.nm_mask(self._masked_input_kernel(), self.n, self.m, axis=-2, transposable=self.transposable)
 
   def pruned_kernel(self) -> jax.Array:
     """The kernel as the forward pass sees it: zero outside :attr:`nm_mask`."""
@@ -138,7 +140,7 @@ class NMLinear(_NMMixin, nnx.Linear):
       rngs: nnx.Rngs,
       **kwargs: Any,
   ):
-    n, m = _nm.check_nm(n, m)
+    n, m = _nm_masks.check_nm(n, m)
     check_in_features(in_features, m)
     _utils.check_positive_int(out_features, name="out_features")
     transposable = check_transposable_layer(transposable, out_features, m)
@@ -392,7 +394,7 @@ class NMConv(_NMMixin, nnx.Conv):
       rngs: nnx.Rngs,
       **kwargs: Any,
   ):
-    n, m = _nm.check_nm(n, m)
+    n, m = _nm_masks.check_nm(n, m)
     _utils.check_positive_int(in_features, name="in_features")
     _utils.check_positive_int(out_features, name="out_features")
     if feature_group_count < 1 or in_features % feature_group_count:

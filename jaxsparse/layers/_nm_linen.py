@@ -26,7 +26,7 @@ from jax import lax
 
 from jaxsparse import _utils
 from jaxsparse import ops
-from jaxsparse.formats import _nm
+from jaxsparse.formats import _nm_masks
 from jaxsparse.layers._common import NMPromote
 from jaxsparse.layers._common import check_in_features
 from jaxsparse.layers._common import check_known_in_features
@@ -37,7 +37,7 @@ __all__ = ["NMConv", "NMDense"]
 
 
 def _check_fields(module: nn.Module) -> None:
-  _nm.check_nm(module.n, module.m)
+  _nm_masks.check_nm(module.n, module.m)
   _utils.check_positive_int(module.features, name="features")
   _utils.check_decay(module.sr_ste_decay, name="sr_ste_decay")
   check_transposable_layer(module.transposable, module.features, module.m, name="features")

@@ -23,15 +23,15 @@ from jax import lax
 
 from jaxsparse import _utils
 from jaxsparse import ops
-from jaxsparse.formats import _nm
+from jaxsparse.formats import _nm_masks
 from jaxsparse.formats._nm import NMSparseMatrix
 from jaxsparse.layers._common import SPARSITY
 from jaxsparse.layers._common import check_in_features
 from jaxsparse.layers._common import check_input
 from jaxsparse.layers._common import check_known_in_features
+from jaxsparse.layers._common import check_pattern
 from jaxsparse.layers._common import existing_shape
 from jaxsparse.layers._common import map_boxed
-from jaxsparse.layers._common import missing_pattern
 from jaxsparse.layers._nm_compressed import check_nm_implementation
 
 __all__ = ["CompressedNMDense"]
@@ -87,7 +87,7 @@ class CompressedNMDense(nn.Module):
   implementation: ops.NMImplementation | None = None
 
   def __post_init__(self):
-    _nm.check_nm(self.n, self.m)
+    _nm_masks.check_nm(self.n, self.m)
     _utils.check_positive_int(self.features, name="features")
     check_nm_implementation(self.implementation)
     super().__post_init__()
@@ -132,8 +132,7 @@ class CompressedNMDense(nn.Module):
     """
     x = check_input(x)
     k = self._in_features(x.shape)
-    if not (self.has_variable(SPARSITY, "kernel_positions") or self.is_initializing()):
-      raise missing_pattern(self)
+    check_pattern(self, "kernel_positions")
     shape = (k, self.features)
     drawn: dict[str, NMSparseMatrix] = {}  # the pruned kernel drawn at init: its values and positions
 

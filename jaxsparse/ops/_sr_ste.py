@@ -38,7 +38,7 @@ from jaxsparse import _tuning
 from jaxsparse import _utils
 from jaxsparse._cuda import _cusparselt as cslt
 from jaxsparse._cuda import _kernels as cuda_kernels
-from jaxsparse.formats import _nm
+from jaxsparse.formats import _nm_masks
 from jaxsparse.ops import _router
 from jaxsparse.ops import _sharding
 
@@ -62,15 +62,15 @@ def _mask(w: jax.Array, n: int, m: int, axis: int, transposable: bool) -> jax.Ar
   """``nm_mask(w, n, m, axis=axis, transposable=transposable)``; a transposable 2:4 mask by our kernel on CUDA
   GPUs where it runs (one pass instead of XLA's search over the 90 patterns of every tile)."""
   if not transposable:
-    return _nm.nm_mask(w, n, m, axis=axis)
+    return _nm_masks.nm_mask(w, n, m, axis=axis)
   # The tiles run over (axis, last axis); the other axes flatten into rows of whole tiles.
   moved = jnp.moveaxis(w, axis, -2)
   w2 = moved.reshape(-1, moved.shape[-1])
   product = _router.Product("sr_ste", "mask", (w2,), {"shape": w2.shape, "nm": (n, m), "dtype": str(w.dtype)},
                             lambda: (_tuning.random_operand(w2.shape, w2.dtype),))
-  xla = _router.Reference("xla", "the XLA path", lambda w2: _nm.transposable_pattern(w2, n, m).astype(jnp.uint8))
+  xla = _router.Reference("xla", "the XLA path", lambda w2: _nm_masks.transposable_pattern(w2, n, m).astype(jnp.uint8))
   (pattern,) = _router.route([product], [_PruneKernel(n, m, w.dtype), xla])
-  mask = _nm.tile_mask(pattern, n, m)
+  mask = _nm_masks.tile_mask(pattern, n, m)
   return jnp.moveaxis(mask.reshape(moved.shape), -2, axis)
 
 
@@ -167,13 +167,13 @@ def sr_ste(
       ``w.shape[-1]``.
   """
   w = jnp.asarray(w)
-  n, m = _nm.check_nm(n, m)
-  axis = _nm.check_axis(axis, w.ndim)
+  n, m = _nm_masks.check_nm(n, m)
+  axis = _nm_masks.check_axis(axis, w.ndim)
   decay = _utils.check_decay(decay)
   if not jnp.issubdtype(w.dtype, jnp.floating):
     raise TypeError(f"w must have a floating dtype to be trained, got {w.dtype}.")
-  _nm.check_groups(w.shape, axis, m)
-  transposable = _nm.check_transposable(transposable, w.shape, m, axis)
+  _nm_masks.check_groups(w.shape, axis, m)
+  transposable = _nm_masks.check_transposable(transposable, w.shape, m, axis)
   return _sr_ste(w, n, m, axis, decay, transposable)
 
 
@@ -204,8 +204,8 @@ def _reference(cfg: _MatmulConfig, x, w):
 
 
 def _p_prune_xla(cfg: _MatmulConfig, w):
-  bits = _nm.nm_group_bits(w, cfg.n, cfg.m)
-  return jnp.where(_nm.group_mask(bits, cfg.m), w, jnp.zeros((), w.dtype)).astype(cfg.dtype), bits
+  bits = _nm_masks.nm_group_bits(w, cfg.n, cfg.m)
+  return jnp.where(_nm_masks.group_mask(bits, cfg.m), w, jnp.zeros((), w.dtype)).astype(cfg.dtype), bits
 
 
 def _p_forward(cfg: _MatmulConfig, sparse: bool, x, w):
@@ -245,7 +245,7 @@ def _sr_ste_matmul_bwd(cfg, sparse, res, dy):
   # dense w plus the decay of the pruned entries.
   x, w, pruned, bits = res
   dx = jax.vjp(lambda x: _product(cfg, x, pruned), x)[1](dy)[0]
-  return dx, _dense_w_grad(cfg, x, w, pruned, dy, lambda: _nm.group_mask(bits, cfg.m))
+  return dx, _dense_w_grad(cfg, x, w, pruned, dy, lambda: _nm_masks.group_mask(bits, cfg.m))
 
 
 _sr_ste_matmul.defvjp(_sr_ste_matmul_fwd, _sr_ste_matmul_bwd)
@@ -303,7 +303,7 @@ def _sr_ste_matmul_t_bwd(cfg, blob_bytes, res, dy):
   # The reference's VJP with the forward's mask: dX = dY Wᵀ, dW = xᵀ dY passed straight to the dense w
   # plus the decay of the pruned entries.
   x, w, pattern, blob_t = res
-  mask = _nm.tile_mask(pattern, cfg.n, cfg.m)
+  mask = _nm_masks.tile_mask(pattern, cfg.n, cfg.m)
   kernel = jnp.where(mask, w, jnp.zeros((), w.dtype)).astype(cfg.dtype)
   if blob_bytes:
     local = lambda dy2, b: (cslt.matmul(dy2, b, w.shape[0]),)
@@ -501,7 +501,7 @@ def sr_ste_matmul(
       CUDA GPU, as on a CPU; not 2:4 bfloat16; ``K`` or ``N`` not a multiple of 16; the message says why).
   """
   x, w = jnp.asarray(x), jnp.asarray(w)
-  n, m = _nm.check_nm(n, m)
+  n, m = _nm_masks.check_nm(n, m)
   decay = _utils.check_decay(decay)
   if implementation not in (None, "xla", "cusparselt"):
     raise ValueError(f"implementation must be None, 'xla' or 'cusparselt', got implementation={implementation!r}.")
@@ -509,8 +509,8 @@ def sr_ste_matmul(
     raise ValueError(f"x must be (..., K) and w (K, N) with the same K, got x.shape={x.shape}, w.shape={w.shape}.")
   if not jnp.issubdtype(w.dtype, jnp.floating):
     raise TypeError(f"w must have a floating dtype to be trained, got {w.dtype}.")
-  _nm.check_groups(w.shape, 0, m)
-  transposable = _nm.check_transposable(transposable, w.shape, m, 0)
+  _nm_masks.check_groups(w.shape, 0, m)
+  transposable = _nm_masks.check_transposable(transposable, w.shape, m, 0)
   dtype = jnp.dtype(dtype or w.dtype)
   pet = _utils.check_preferred_element_type(preferred_element_type)
   cfg = _MatmulConfig(n, m, decay, dtype, precision, pet, transposable)

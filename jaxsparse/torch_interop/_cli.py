@@ -5,6 +5,7 @@ sparse layers of your shapes against dense ones, ``tune`` their products ahead o
     jaxsparse convert pruned.pt flax.safetensors --rules '.*intermediate\\.dense=nm:2:4' \\
         --name-map 'attention\\.self\\.=attention.' --ignore 'pooler.*'
     jaxsparse convert pruned.pt flax.safetensors --target init_variables.safetensors
+    jaxsparse convert mingpt.pt flax.safetensors --embeddings '(^|\\.)(tok|pos)_emb$'
     jaxsparse bench 4096x4096 4096x16384 --patterns block:0.25:64x64 nm:2:4 --batch 2048 --dtype bfloat16
     jaxsparse tune 4096x4096 --patterns block:0.25:64x64 --rows 1 2048 --export tuned.json
 
@@ -100,6 +101,11 @@ def _check_regex(regex: str, *, what: str) -> None:
     re.compile(regex)
   except re.error as e:
     raise argparse.ArgumentTypeError(f"{what}: {regex!r} is not a valid regular expression ({e}).") from e
+
+
+def _parse_embeddings(text: str) -> str:
+  _check_regex(text, what="--embeddings")
+  return text
 
 
 def _parse_map(text: str) -> tuple[str, str | None]:
@@ -204,6 +210,7 @@ def _convert(args) -> int:
       ignore=args.ignore,
       nm=args.nm,
       rules=dict(args.rules) if args.rules else None,
+      embeddings=args.embeddings,
       progress=_progress(src, args.progress, "converting"),
       target=target,
   )
@@ -291,6 +298,10 @@ def _parser() -> argparse.ArgumentParser:
   conv.add_argument("--name-map", type=_parse_map, nargs="+", default=[], metavar="REGEX=REPL",
                     help="rename torch module paths (re.sub, in order); an empty REPL drops matching modules")
   conv.add_argument("--ignore", nargs="+", default=[], metavar="GLOB", help="torch parameter names to skip")
+  conv.add_argument("--embeddings", type=_parse_embeddings, metavar="REGEX",
+                    help="torch module paths (re.search) whose 2-D weight is an embedding table; every other one is a "
+                         "Linear's (default: names like *embed*, wte, wpe, shared, with a warning listing the "
+                         "bias-free weights read as Linear ones; --target decides by the target's variables)")
   conv.add_argument("--target", metavar="VARIABLES",
                     help="Flax variables of the Linen model (a file save_flax_variables wrote): the output takes their "
                          "shapes ((in, heads, head_dim) attention kernels), with masks under 'masks' for "

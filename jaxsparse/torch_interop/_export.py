@@ -24,7 +24,7 @@ from jaxsparse import layers as jsl
 from jaxsparse.formats._block_sparse import INDEX_FIELDS
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
 from jaxsparse.formats._nm import NMSparseMatrix
-from jaxsparse.formats._nm import nm_mask
+from jaxsparse.formats._nm_masks import nm_mask
 from jaxsparse.formats._specs import NM
 from jaxsparse.formats._specs import matrix_shape
 from jaxsparse.torch_interop._load import CheckpointError

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsparse._rules import path_str
+from jaxsparse._utils import warn_at_caller
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
 from jaxsparse.formats._specs import matrix_shape
 from jaxsparse.torch_interop._decode import NMSpec
@@ -28,8 +29,13 @@ from jaxsparse.torch_interop._decode import float_value
 from jaxsparse.torch_interop._flax import DEFAULT_EMBEDDINGS
 from jaxsparse.torch_interop._flax import NameMap
 from jaxsparse.torch_interop._flax import _group
+from jaxsparse.torch_interop._flax import _ignored
 from jaxsparse.torch_interop._flax import apply_rules
+from jaxsparse.torch_interop._flax import map_name
 from jaxsparse.torch_interop._load import CheckpointError
+from jaxsparse.torch_interop._load import TensorSource
+from jaxsparse.torch_interop._load import import_torch
+from jaxsparse.torch_interop._load import open_checkpoint
 from jaxsparse.torch_interop._patterns import flax_layout
 
 __all__ = ["to_linen_variables"]
@@ -43,17 +49,24 @@ def to_linen_variables(
     nm: NMSpec = None,
     rules: Any = None,
     sparse: bool = True,
-    embeddings: str = DEFAULT_EMBEDDINGS,
+    embeddings: str | None = None,
     key: str | None = None,
     progress: Callable[[int, int], None] | None = None,
     target: Mapping | None = None,
 ) -> dict[str, dict]:
   r"""Flax Linen variables for a PyTorch checkpoint, with jaxsparse layouts for its sparse layers.
 
-  Without a target model, layers are recognised by their parameters: a 2-D ``weight`` is a Linear
-  (``kernel = weight.T``) unless its module path matches ``embeddings`` (then ``embedding``), a
-  weight of ndim >= 3 a Conv, a 1-D ``weight`` a norm ``scale``; ``running_mean``/``running_var``
-  go to ``"batch_stats"`` as ``mean``/``var``. Sparse Linear weights take the variables of
+  Layers are recognised by their parameters: a 2-D ``weight`` is a Linear's (``kernel = weight.T``) or an
+  embedding table (``embedding``, as torch holds it), a weight of ndim >= 3 a Conv, a 1-D ``weight`` a norm
+  ``scale``; ``running_mean``/``running_var`` go to ``"batch_stats"`` as ``mean``/``var``. Which 2-D weights are
+  tables is decided, first to last, by the torch module's class when ``source`` is a ``torch.nn.Module``
+  (``nn.Embedding`` / ``nn.EmbeddingBag``: a table, ``nn.Linear``: not), by the target's leaf at its Flax path
+  (``embedding`` or ``kernel``), by a ``bias`` (a table has none), by ``embeddings`` matching its module path. A state
+  dict alone does not tell a bias-free Linear from an Embedding: with the default ``embeddings``, a warning lists the
+  bias-free weights read as Linear ones. A pruned
+  table's bool mask ``(num_embeddings, features)`` comes under ``"masks"`` (no Linen embedding holds one): with a
+  :class:`jaxsparse.NM` rule naming the table, :func:`jaxsparse.sparsify_linen` (``masks=``) makes it a
+  :class:`~jaxsparse.layers.linen.CompressedNMEmbed` with exactly that mask. Sparse Linear weights take the variables of
   :class:`~jaxsparse.layers.linen.BlockSparseDense` (block patterns: ``params.kernel`` of the kept
   blocks and the index arrays in ``"sparsity"``) or :class:`~jaxsparse.layers.linen.MaskedDense`
   (other masks, N:M included: ``params.kernel`` zero where pruned and ``sparsity.mask``). A pruned
@@ -62,9 +75,13 @@ def to_linen_variables(
 
   >>> import torch
   >>> from jaxsparse import torch_interop
-  >>> v = torch_interop.to_linen_variables({"fc.weight": torch.ones(4, 8), "fc.weight_mask": torch.eye(4, 8)})
+  >>> state = {"fc.weight": torch.ones(4, 8), "fc.weight_mask": torch.eye(4, 8), "fc.bias": torch.zeros(4)}
+  >>> v = torch_interop.to_linen_variables(state)
   >>> v["params"]["fc"]["kernel"].shape, v["sparsity"]["fc"]["mask"].shape
   ((8, 4), (8, 4))
+  >>> net = torch.nn.ModuleDict({"tok": torch.nn.Embedding(10, 4), "head": torch.nn.Linear(4, 10, bias=False)})
+  >>> {k: {n: a.shape for n, a in p.items()} for k, p in torch_interop.to_linen_variables(net)["params"].items()}
+  {'head': {'kernel': (4, 10)}, 'tok': {'embedding': (10, 4)}}
 
   With ``target``, the variables take the target's shapes, so a Linen ``nn.MultiHeadDotProductAttention``
   (whose ``nn.DenseGeneral`` q/k/v kernels are ``(in, heads, head_dim)``) applies them, and its masks come
@@ -91,8 +108,10 @@ def to_linen_variables(
     nm: recompute N:M masks of dense weights (see :func:`decode_checkpoint`).
     rules: sparsify Linear weights while converting (see :func:`apply_rules`), e.g.
       ``{r".*intermediate\.dense": jaxsparse.NM(2, 4)}``.
-    sparse: ``False`` writes masked dense kernels without ``"sparsity"`` entries.
-    embeddings: regex (``re.search``) of module paths whose 2-D weight is an embedding table.
+    sparse: ``False`` writes masked dense kernels and tables without ``"sparsity"`` or ``"masks"`` entries.
+    embeddings: regex (``re.search``) of the torch module paths whose 2-D weight is an embedding table, for what
+      the module types and ``target`` leave open; given, every bias-free 2-D weight it does not match is a Linear's,
+      without a warning. ``None``: ``r"(^|\.)(\w*embed\w*|wte|wpe|shared)$"``, and the warning.
     key: path of the state dict inside a nested checkpoint.
     progress: called as ``progress(done, total)`` while decoding.
     target: the variables of the Linen model the checkpoint is for (concrete, or abstract from
@@ -100,36 +119,103 @@ def to_linen_variables(
       target's: a torch ``Linear``'s kernel ``(in, out)`` and its mask become a kernel whose 2-D view
       (``matrix_shape``: its first axes inputs, the rest outputs) is ``(in, out)``, such as the
       ``(in, heads, head_dim)`` q/k/v and ``(heads, head_dim, out)`` out kernels of Linen attention, and a
-      1-D bias one of the same size; pruned weights are written as dense kernels (zero where pruned) with
-      their masks under ``"masks"``. A variable the target lacks, one of the target's ``"params"`` the
-      checkpoint lacks, or a shape that does not fit raises a :class:`CheckpointError` naming it.
+      1-D bias one of the same size, an embedding table the target's ``embedding``; pruned weights are written as
+      dense kernels (zero where pruned) with their masks under ``"masks"``. A variable the target lacks, one of the
+      target's ``"params"`` the checkpoint lacks, or a shape that does not fit raises a :class:`CheckpointError`
+      naming it.
 
   Returns:
-    ``{"params": ..., "sparsity"?: ..., "batch_stats"?: ...}`` nested by Flax path. With ``target``, no
-    ``"sparsity"`` but ``"masks"``: a tree like ``"params"`` with a bool mask of its kernel's shape for each
-    pruned kernel (not a Linen collection: pop it and pass it as ``masks=`` to :func:`jaxsparse.sparsify_linen`).
+    ``{"params": ..., "sparsity"?: ..., "batch_stats"?: ..., "masks"?: ...}`` nested by Flax path. ``"masks"`` is
+    a tree like ``"params"`` with a bool mask of its weight's shape for each pruned embedding table and, with
+    ``target`` (then no ``"sparsity"``), each pruned kernel (not a Linen collection: pop it and pass it as ``masks=``
+    to :func:`jaxsparse.sparsify_linen`).
   """
-  params = decode_checkpoint(source, nm=nm, key=key, progress=progress)
-  if rules is not None:
-    params = apply_rules(params, rules, name_map=name_map, embeddings=embeddings)
+  if embeddings is not None and not isinstance(embeddings, str):
+    raise TypeError(f"embeddings must be a regex (str) of embedding module paths or None, got {embeddings!r}.")
+  try:
+    re.compile(DEFAULT_EMBEDDINGS if embeddings is None else embeddings)
+  except re.error as e:
+    raise ValueError(f"embeddings={embeddings!r} is not a valid regular expression ({e}).") from e
+  shapes = None if target is None else _target_shapes(target)
+  src = source if isinstance(source, TensorSource) else open_checkpoint(source, key=key)
+  params = decode_checkpoint(src, nm=nm, progress=progress)
+  tables = _embedding_tables(params, src.module_types, shapes, name_map=name_map, ignore=ignore, embeddings=embeddings)
+  if rules is not None:  # the same tables: apply_rules tells them apart by a regex, here one naming exactly them
+    exactly = "^(?:" + "|".join(re.escape(t) for t in sorted(tables)) + ")$" if tables else r"(?!)"
+    params = apply_rules(params, rules, name_map=name_map, embeddings=exactly)
   out: dict[str, dict] = {"params": {}}
   for flax_path, group in _group(params, name_map, ignore).items():
     for name, p in group["params"].items():
-      _linen_param(out, flax_path, group["torch"], name, p, sparse=sparse, embeddings=embeddings,
-                   masks=target is not None)
+      _linen_param(out, flax_path, name, p, sparse=sparse, table=group["torch"] in tables, masks=target is not None)
   out = {k: v for k, v in out.items() if v}
-  if target is not None:
-    out = _fit_to_target(out, target)
+  if shapes is not None:
+    out = _fit_to_target(out, shapes)
   return jax.tree.map(jnp.asarray, out)
 
 
-def _fit_to_target(out: dict[str, dict], target: Mapping) -> dict[str, dict]:
-  """``out`` with each variable in the shape of the target's (a mask in its kernel's); raises where none fits."""
+def _embedding_tables(params: Mapping[str, TorchParam], module_types: Mapping[str, type], shapes: Mapping | None, *,
+                      name_map: NameMap, ignore: Sequence[str], embeddings: str | None) -> set[str]:
+  """The torch module paths whose 2-D ``weight`` is an embedding table (the others are Linear weights).
+
+  In this order: the torch module's class (a ``torch.nn.Module`` source), the target's leaf (``embedding`` or
+  ``kernel``), a ``bias`` (an embedding has none), the ``embeddings`` regex. A bias-free weight none of these calls
+  a table is a Linear's; a warning lists those converted (not ignored, no target), unless ``embeddings`` was given
+  (then it names every table).
+  """
+  torch = import_torch()
+  by_module: dict[str, dict[str, TorchParam]] = {}
+  for p in params.values():
+    by_module.setdefault(p.module, {})[p.param] = p
+  tables, guessed = set(), []
+  for mod, ps in by_module.items():
+    w = ps.get("weight")
+    if w is None or w.value is None or w.value.ndim != 2:
+      continue
+    kind = module_types.get(mod)
+    fp = map_name(name_map, mod)
+    if kind is not None and issubclass(kind, torch.nn.Embedding | torch.nn.EmbeddingBag):
+      tables.add(mod)
+    elif kind is not None and issubclass(kind, torch.nn.Linear):
+      continue
+    elif shapes is not None and fp is not None and _param(fp, "embedding") in shapes:
+      tables.add(mod)
+    elif shapes is not None and fp is not None and _param(fp, "kernel") in shapes:
+      continue
+    elif "bias" in ps:
+      continue
+    elif re.search(DEFAULT_EMBEDDINGS if embeddings is None else embeddings, mod):
+      tables.add(mod)
+    elif embeddings is None and shapes is None and fp is not None and not _ignored(w.name, ignore):
+      guessed.append(w.name)
+  if guessed:
+    listing = ", ".join(guessed[:5]) + (f" and {len(guessed) - 5} more" if len(guessed) > 5 else "")
+    warn_at_caller(
+        f"to_linen_variables read {len(guessed)} bias-free 2-D weight(s) as torch Linear weights (kernel = "
+        f"weight.T): {listing}. A state dict does not tell a bias-free Linear from an nn.Embedding, and their module "
+        f"paths do not match the embedding names {DEFAULT_EMBEDDINGS}. If one is an embedding table, pass "
+        "embeddings= a regex of the embedding module paths (CLI: --embeddings; given, it names every table and this "
+        "warning goes), target= (the Linen model's variables) or the torch module itself.",
+        UserWarning,
+    )
+  return tables
+
+
+def _param(flax_path: str, leaf: str) -> str:
+  """The dotted name of a ``"params"`` variable, as :func:`path_str` gives a target's (``"params.fc.kernel"``)."""
+  return ".".join(p for p in ("params", flax_path, leaf) if p)
+
+
+def _target_shapes(target: Mapping) -> dict[str, tuple[int, ...]]:
+  """``{"params.fc.kernel": shape}`` of a target's variables."""
   if not isinstance(target, Mapping):
     raise TypeError(f"target must be Linen variables ({{'params': ...}}, e.g. jax.eval_shape(model.init, key, x)), "
                     f"got {type(target).__name__}.")
   pairs = jax.tree_util.tree_flatten_with_path(nn.meta.unbox(target))[0]
-  shapes = {path_str(kp): tuple(int(d) for d in np.shape(leaf)) for kp, leaf in pairs}
+  return {path_str(kp): tuple(int(d) for d in np.shape(leaf)) for kp, leaf in pairs}
+
+
+def _fit_to_target(out: dict[str, dict], shapes: Mapping[str, tuple[int, ...]]) -> dict[str, dict]:
+  """``out`` with each variable in the target's shape (``shapes``; a mask in its weight's); raises where none fits."""
   flat = {f"{coll}.{path_str(kp)}": v for coll, tree in out.items()
           for kp, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
   fitted: dict[str, dict] = {}
@@ -166,13 +252,15 @@ def _fit(value: np.ndarray, shape: tuple[int, ...], name: str) -> np.ndarray:
   )
 
 
-def _linen_param(out: dict, flax_path: str, torch_mod: str, name: str, p: TorchParam, *, sparse, embeddings,
+def _linen_param(out: dict, flax_path: str, name: str, p: TorchParam, *, sparse: bool, table: bool,
                  masks: bool) -> None:
   value = p.masked_value
   if name in ("weight", "bias", "running_mean", "running_var"):  # floats; other names may be integer buffers
     value = float_value(p, into=f"Flax module {flax_path!r}")
-  if name == "weight" and value.ndim == 2 and re.search(embeddings, torch_mod):
+  if name == "weight" and value.ndim == 2 and table:
     _nest(out["params"], flax_path, "embedding", value)
+    if sparse and p.pattern.kind != "dense":  # no Linen embedding holds a mask: sparsify_linen(masks=...) takes it
+      _nest(out.setdefault("masks", {}), flax_path, "embedding", np.asarray(p.mask, bool))
   elif name == "weight" and value.ndim >= 2:
     kernel = flax_layout(value)
     pattern = p.pattern

@@ -81,15 +81,19 @@ class TensorSource(Mapping):
     origin: the file name or a short description (``"state dict"``), used in error messages.
     nbytes: total bytes of the tensors, when known cheaply (else 0).
     extras: ``torch.ao.pruning`` sparsifier masks found next to the model, ``{tensor_fqn: mask}``.
+    module_types: for a ``torch.nn.Module`` source, ``{module path: its class}`` (paths as the keys have them,
+      prefixes removed); empty for a state dict or a file, which do not say what their modules are.
   """
 
-  def __init__(self, keys: list[str], get: Callable[[str], Any], *, origin: str, nbytes: int = 0, extras=None):
+  def __init__(self, keys: list[str], get: Callable[[str], Any], *, origin: str, nbytes: int = 0, extras=None,
+               module_types=None):
     self._keys = list(keys)
     self._key_set = set(self._keys)
     self._get = get
     self.origin = origin
     self.nbytes = nbytes
     self.extras = dict(extras or {})
+    self.module_types = dict(module_types or {})
 
   def __getitem__(self, key: str):
     if key not in self._key_set:
@@ -266,6 +270,7 @@ def _looks_like_safetensors(path: str) -> bool:
 def open_checkpoint(source: Any, *, key: str | None = None) -> TensorSource:
   """Opens a checkpoint as a lazy :class:`TensorSource` (see :func:`load_state_dict` for ``source``)."""
   torch = import_torch()
+  types: dict[str, type] = {}
   if isinstance(source, str | os.PathLike):
     path = os.fspath(source)
     if os.path.isdir(path):
@@ -283,6 +288,7 @@ def open_checkpoint(source: Any, *, key: str | None = None) -> TensorSource:
   elif isinstance(source, torch.nn.Module):
     obj = {**source.state_dict(), **_sparseprop_extras(source)}
     origin = f"{type(source).__name__} module"
+    types = {name: type(mod) for name, mod in source.named_modules()}
   elif isinstance(source, Mapping):
     obj = source
     origin = "state dict"
@@ -304,6 +310,7 @@ def open_checkpoint(source: Any, *, key: str | None = None) -> TensorSource:
       origin=origin,
       nbytes=nbytes,
       extras={(f[len(removed) :] if f.startswith(removed) else f): m for f, m in extras.items()},
+      module_types={(n[len(removed) :] if n.startswith(removed) else n): t for n, t in types.items()},
   )
 
 
