@@ -12,6 +12,7 @@ import subprocess
 import sys
 import warnings
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -958,7 +959,8 @@ def test_linen_attention_from_torch_with_target(tmp_path):
 def test_target_that_does_not_fit_names_the_variable():
   f32 = jnp.float32
   target = {"params": {"fc": {"kernel": jax.ShapeDtypeStruct((16, 8), f32), "bias": jax.ShapeDtypeStruct((2, 4), f32)}}}
-  sd = {"fc.weight": torch.ones(16, 8), "fc.bias": torch.ones(8)}  # kernel (8, 16): the size, not a view, of (16, 8)
+  # kernel (8, 16): the size, not a view, of (16, 8). (No bias: one of 8 would make it a Conv1D's (in, out) weight.)
+  sd = {"fc.weight": torch.ones(16, 8)}
   with pytest.raises(CheckpointError, match=r"params\.fc\.kernel: the checkpoint gives shape \(8, 16\), the target "
                      r"\(16, 8\)"):
     torch_interop.to_linen_variables(sd, target=target)
@@ -1168,3 +1170,112 @@ def test_linen_nm_embedding_keeps_its_mask_into_compressed_nm_embed(tmp_path):
     assert torch.equal(exported_masks["tok.weight_mask"], emb.weight_mask)
   # sparse=False: the masked table alone, as for kernels.
   assert "masks" not in torch_interop.to_linen_variables(net, sparse=False)
+
+
+# -------------------------------------------------------------------------------------------------
+# Hugging Face GPT-2: transformers' Conv1D stores its weight (in, out), not a Linear's (out, in).
+# -------------------------------------------------------------------------------------------------
+
+GPT2_CONV1D = r"\.(c_attn|c_proj|c_fc)$"
+GPT2_BLOCK = [(r"^transformer\.h\.0\.", "")]
+GPT2_OTHERS = ["transformer.w*", "transformer.ln_f.*", "transformer.h.0.ln_*", "lm_head.*"]
+
+
+def _gpt2(prune_proj: bool = False):
+  """A tiny seeded GPT2LMHeadModel (n_embd 16: attn.c_proj is square); optionally attn.c_proj pruned 50%."""
+  transformers = pytest.importorskip("transformers")
+  cfg = transformers.GPT2Config(n_embd=16, n_layer=1, n_head=2, n_positions=8, vocab_size=32, bos_token_id=0,
+                                eos_token_id=0)
+  torch.manual_seed(0)
+  hf = transformers.GPT2LMHeadModel(cfg).eval()
+  if prune_proj:
+    prune.l1_unstructured(hf.transformer.h[0].attn.c_proj, "weight", amount=0.5)
+  return hf
+
+
+class _GPT2Projections(nnx.Module):
+  """The Conv1D layers of one GPT-2 block as nnx.Linear layers, under the block's own names."""
+
+  def __init__(self):
+    rngs = nnx.Rngs(0)
+    self.attn = nnx.Dict(c_attn=nnx.Linear(16, 48, rngs=rngs), c_proj=nnx.Linear(16, 16, rngs=rngs))
+    self.mlp = nnx.Dict(c_fc=nnx.Linear(16, 64, rngs=rngs), c_proj=nnx.Linear(64, 16, rngs=rngs))
+
+
+def _gpt2_close(hf, c_attn, attn_proj, c_fc, mlp_proj):
+  """Each Flax projection against the GPT-2 block's own modules (f32, 1e-5); the MLP as a whole (gelu_new)."""
+  block = hf.transformer.h[0]
+  x = np.random.default_rng(0).standard_normal((3, 16)).astype(np.float32)
+  with torch.no_grad():
+    t = torch.from_numpy(x)
+    expected = {"c_attn": block.attn.c_attn(t), "attn.c_proj": block.attn.c_proj(t), "mlp": block.mlp(t)}
+  got = {"c_attn": c_attn(x), "attn.c_proj": attn_proj(x), "mlp": mlp_proj(jax.nn.gelu(c_fc(x), approximate=True))}
+  for name, value in expected.items():
+    np.testing.assert_allclose(np.asarray(got[name]), value.numpy(), atol=1e-5, rtol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("pruned", [False, True])
+def test_gpt2_conv1d_module_load_nnx_and_export(pruned):
+  """Defect: transformers' Conv1D (GPT-2's c_attn, c_proj, c_fc) holds weight (in, out), but load_nnx transposed it
+  as a Linear's (out, in): the square attn.c_proj loaded silently transposed (wrong outputs), the others failed on
+  shape. A torch module source now says which modules are Conv1D; their weights and masks load the right way round
+  and export_state_dict(conv1d=...) writes GPT-2's layout back."""
+  hf = _gpt2(prune_proj=pruned)
+  model = _GPT2Projections()
+  report = torch_interop.load_nnx(model, hf, name_map=GPT2_BLOCK, ignore=GPT2_OTHERS)
+  assert {r.flax_path: r.format.endswith(", Conv1D (in, out)") for r in report.layers} == {
+      "attn.c_attn": True, "attn.c_proj": True, "mlp.c_fc": True, "mlp.c_proj": True}
+  assert type(model.attn["c_proj"]) is (MaskedLinear if pruned else nnx.Linear)
+  _gpt2_close(hf, model.attn["c_attn"], model.attn["c_proj"], model.mlp["c_fc"], model.mlp["c_proj"])
+  fmt = "prune" if pruned else "dense"
+  back = torch_interop.export_state_dict(model, torch_names=report.torch_names, format=fmt, conv1d=GPT2_CONV1D)
+  state = {k: v for k, v in hf.state_dict().items() if k.startswith("transformer.h.0.") and ".ln_" not in k}
+  if pruned:  # the export holds zeros where pruned, torch's weight_orig the pruned values too
+    orig = "transformer.h.0.attn.c_proj.weight_orig"
+    state[orig] = state[orig] * state["transformer.h.0.attn.c_proj.weight_mask"]
+  assert sorted(back) == sorted(state)
+  for k, v in state.items():
+    assert back[k].shape == v.shape and torch.equal(back[k], v.to(back[k].dtype)), k
+  if pruned:
+    masks = torch_interop.export_masks(model, torch_names=report.torch_names, conv1d=GPT2_CONV1D)
+    key = "transformer.h.0.attn.c_proj.weight_mask"
+    assert torch.equal(masks[key], state[key].bool())
+
+
+def test_gpt2_conv1d_state_dict_to_linen_variables():
+  """Defect: to_linen_variables (and the CLI convert) read GPT-2's Conv1D weights (in, out) as Linear (out, in) ones.
+  From the module, the classes decide; from a plain state dict, a bias of the second dimension's size marks the
+  non-square ones, a square one beside them raises naming it (a state dict cannot tell), and conv1d= resolves it."""
+  hf = _gpt2()
+  from_module = torch_interop.to_linen_variables(hf, name_map=GPT2_BLOCK, ignore=GPT2_OTHERS)
+  p = from_module["params"]
+  dense = {name: (lambda x, v=v: nn.Dense(v["kernel"].shape[1]).apply({"params": v}, x))
+           for name, v in [("c_attn", p["attn"]["c_attn"]), ("attn.c_proj", p["attn"]["c_proj"]),
+                           ("c_fc", p["mlp"]["c_fc"]), ("mlp.c_proj", p["mlp"]["c_proj"])]}
+  _gpt2_close(hf, *dense.values())
+  state = hf.state_dict()
+  with pytest.raises(CheckpointError, match=r"transformer\.h\.0\.attn\.c_proj\.weight.*conv1d="):
+    torch_interop.to_linen_variables(state, name_map=GPT2_BLOCK, ignore=GPT2_OTHERS)
+  from_state = torch_interop.to_linen_variables(state, name_map=GPT2_BLOCK, ignore=GPT2_OTHERS, conv1d=GPT2_CONV1D)
+  jax.tree.map(np.testing.assert_array_equal, from_state, from_module)
+  # Without the square one, the biases alone tell the layout.
+  no_square = {k: v for k, v in state.items() if "attn.c_proj" not in k}
+  params = torch_interop.decode_checkpoint(no_square)
+  assert params["transformer.h.0.mlp.c_proj.weight"].shape == (16, 64)
+  assert params["transformer.h.0.attn.c_attn.weight"].format == "dense, Conv1D (in, out)"
+  assert params["lm_head.weight"].format == "dense"  # a bias-free Linear: untouched
+  with pytest.raises(ValueError, match=r"conv1d='\('"):
+    torch_interop.decode_checkpoint(no_square, conv1d="(")
+
+
+def test_gpt2_conv1d_cli_convert(tmp_path, capsys):
+  """The CLI convert of a GPT-2 safetensors file: an error naming the square Conv1D weight, then --conv1d converts."""
+  hf = _gpt2()
+  src = tmp_path / "gpt2.safetensors"
+  save_file({k: v.contiguous() for k, v in hf.state_dict().items() if k != "lm_head.weight"}, str(src))
+  assert cli_main(["convert", str(src), str(tmp_path / "bad.safetensors")]) == 1
+  assert "attn.c_proj.weight" in capsys.readouterr().err and not (tmp_path / "bad.safetensors").exists()
+  out = tmp_path / "flax.safetensors"
+  assert cli_main(["convert", str(src), str(out), "--conv1d", GPT2_CONV1D]) == 0
+  kernel = torch_interop.load_flax_variables(out)["params"]["transformer"]["h"]["0"]["attn"]["c_proj"]["kernel"]
+  np.testing.assert_array_equal(kernel, hf.transformer.h[0].attn.c_proj.weight.detach().numpy())

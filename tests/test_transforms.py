@@ -233,3 +233,128 @@ def test_linen_remat_and_jit_match_plain(kind, transform):
   assert max(jax.tree.leaves(jax.tree.map(_max_err, lifted_grads, grads))) <= TOL
   with pytest.raises(ValueError, match="has no 'sparsity' collection"):
     lifted.apply({"params": variables["params"]}, x if kind != "embed" else jnp.arange(2))
+
+
+# -------------------------------------------------------------------------------------------------
+# Converting a stack of layers.
+# -------------------------------------------------------------------------------------------------
+
+
+def test_masked_to_dense_on_stack_says_how():
+  # MaskedLinear.to_dense() on a stack built by nnx.vmap raised "Linear.__init__() takes 3 positional arguments but
+  # 4 ... were given" (MaskedConv: "Cannot broadcast to shape with fewer dimensions"). It now names the stack and the
+  # per-layer call, which gives each layer's dense weights.
+  stack = _stack("masked")
+  with pytest.raises(ValueError, match=r"MaskedLinear\.to_dense\(\).*kernel has shape \(4, 32, 32\).*nnx\.vmap\("):
+    stack.to_dense()
+  dense = nnx.vmap(lambda layer: layer.to_dense(), in_axes=0, out_axes=0)(stack)
+  assert type(dense) is nnx.Linear and dense.kernel.shape == (LAYERS, 32, 32)
+  x = jax.random.normal(jax.random.key(1), (4, 32))
+  for i in range(LAYERS):
+    layer = _layer(stack, i)
+    assert _max_err(_layer(dense, i)(x), x @ _dense_weight("masked", layer) + layer.bias[...]) <= TOL
+
+  @nnx.split_rngs(splits=LAYERS)
+  @nnx.vmap(in_axes=(0,), out_axes=0)
+  def convs(rngs):
+    return jaxsparse.layers.MaskedConv(4, 8, (3,), sparsity=0.5, rngs=rngs)
+
+  with pytest.raises(ValueError, match=r"MaskedConv\.to_dense\(\).*kernel has shape \(4, 3, 4, 8\)"):
+    convs(nnx.Rngs(0)).to_dense()
+
+
+# -------------------------------------------------------------------------------------------------
+# Models made by jaxsparse.sparsify / sparsify_linen under Flax transforms.
+# -------------------------------------------------------------------------------------------------
+
+
+class _SparsifiedBlock(nnx.Module):
+  def __init__(self, rngs: nnx.Rngs):
+    self.up = nnx.Linear(32, 32, rngs=rngs)
+    self.down = nnx.Linear(32, 32, rngs=rngs)
+    self.out = nnx.Linear(32, 32, rngs=rngs)
+
+  def __call__(self, x):
+    h = nnx.remat(lambda block, x: jnp.tanh(block.down(jnp.tanh(block.up(x)))))(self, x)
+    return self.out(h)
+
+
+def test_sparsified_nnx_model_under_jit_remat_and_optimizer():
+  # sparsify's layers inside nnx.remat, under nnx.jit, through optimizer steps: each step's loss is the plain-jnp
+  # dense model's on the masked weights, and the patterns (and the pruned zeros) stay as they were.
+  rules = {"up": jaxsparse.BlockSparse(density=0.5, block_shape=(8, 8)), "down": jaxsparse.NM(2, 4),
+           "out": jaxsparse.Unstructured(0.5)}
+  model, _ = jaxsparse.sparsify(_SparsifiedBlock(nnx.Rngs(0)), rules)
+  assert [type(getattr(model, n)).__name__ for n in rules] == ["BlockSparseLinear", "NMLinear", "MaskedLinear"]
+  pattern = jax.tree.map(np.asarray, nnx.state(model, SparsityPattern))
+  out_mask = np.asarray(model.out.mask[...])
+  opt = nnx.Optimizer(model, optax.adamw(1e-2, weight_decay=0.1), wrt=nnx.Param)
+  x = jax.random.normal(jax.random.key(1), (4, 32))
+
+  @nnx.jit
+  def step(model, opt):
+    loss, grads = nnx.value_and_grad(lambda m: jnp.sum(m(x) ** 2))(model)
+    opt.update(model, grads)
+    return loss
+
+  for _ in range(3):
+    kinds = {"up": "block_sparse", "down": "nm", "out": "masked"}
+    w = {n: _dense_weight(k, getattr(model, n)) for n, k in kinds.items()}
+    b = {n: getattr(model, n).bias[...] for n in kinds}
+    h = jnp.tanh(jnp.tanh(x @ w["up"] + b["up"]) @ w["down"] + b["down"])
+    expected = float(jnp.sum((h @ w["out"] + b["out"]) ** 2))
+    assert abs(float(step(model, opt)) - expected) <= TOL * abs(expected)
+  after = jax.tree.map(np.asarray, nnx.state(model, SparsityPattern))
+  assert jax.tree.all(jax.tree.map(lambda a, c: bool(np.array_equal(a, c)), pattern, after))
+  assert not np.any(np.where(out_mask, 0.0, np.asarray(model.out.kernel[...])))
+
+
+class _Inner(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(32, name="proj")(x)
+
+
+class _SharedScope(nn.Module):
+  def setup(self):
+    self.inner = _Inner()
+    nn.share_scope(self, self.inner)  # inner's Dense lives at "shared.proj", not "shared.inner.proj"
+
+  def __call__(self, x):
+    return self.inner(x)
+
+
+class _LinenModel(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.remat(_Inner)(name="rematted")(x)
+    x = nn.jit(_Inner)(name="jitted")(jnp.tanh(x))
+    return _SharedScope(name="shared")(jnp.tanh(x))
+
+
+def test_sparsified_linen_model_under_remat_jit_and_share_scope():
+  # sparsify_linen finds and runs its layers inside nn.remat, nn.jit and nn.share_scope: each is sparse (the
+  # plain-jnp reference on the masked kernels matches, the dense one would not) and jax.grad through it works.
+  model = _LinenModel()
+  x = jax.random.normal(jax.random.key(1), (4, 32))
+  variables = model.init(jax.random.key(0), x)
+  sparse, sparse_vars, report = jaxsparse.sparsify_linen(model, variables, jaxsparse.NM(2, 4), x)
+  assert sorted(c.path for c in report.layers) == ["jitted.proj", "rematted.proj", "shared.proj"]
+
+  def reference(params):
+    h = x
+    for i, name in enumerate(["rematted", "jitted", "shared"]):
+      p = params[name]["proj"]
+      w = jnp.where(jaxsparse.nm_mask(p["kernel"], 2, 4, axis=0), p["kernel"], 0.0)
+      h = (jnp.tanh(h) if i else h) @ w + p["bias"]
+    return h
+
+  assert _max_err(jax.jit(sparse.apply)(sparse_vars, x), reference(sparse_vars["params"])) <= TOL
+  assert _max_err(model.apply(variables, x), reference(sparse_vars["params"])) > 1e-2  # the dense model differs
+  grads = jax.grad(lambda p: jnp.sum(sparse.apply({**sparse_vars, "params": p}, x) ** 2))(sparse_vars["params"])
+  ref_grads = jax.grad(lambda p: jnp.sum(reference(p) ** 2))(sparse_vars["params"])
+  for name, g in grads.items():  # kept weights and biases; the pruned ones get SR-STE's straight-through gradient
+    kept = jaxsparse.nm_mask(sparse_vars["params"][name]["proj"]["kernel"], 2, 4, axis=0)
+    ref = ref_grads[name]["proj"]
+    assert _max_err(jnp.where(kept, g["proj"]["kernel"], 0.0), ref["kernel"]) <= TOL, name
+    assert _max_err(g["proj"]["bias"], ref["bias"]) <= TOL, name

@@ -108,6 +108,11 @@ def _parse_embeddings(text: str) -> str:
   return text
 
 
+def _parse_conv1d(text: str) -> str:
+  _check_regex(text, what="--conv1d")
+  return text
+
+
 def _parse_map(text: str) -> tuple[str, str | None]:
   regex, sep, repl = text.partition("=")
   if not sep:
@@ -161,7 +166,8 @@ def _inspect(args) -> int:
   from jaxsparse.torch_interop._load import open_checkpoint  # noqa: PLC0415 -- lazy: imports torch
 
   src = open_checkpoint(args.file, key=args.key)
-  params = decode_checkpoint(src, nm=args.nm, on_error="collect", progress=_progress(src, args.progress, "reading"))
+  params = decode_checkpoint(src, nm=args.nm, on_error="collect", progress=_progress(src, args.progress, "reading"),
+                             conv1d=args.conv1d)
   rows = [("name", "shape", "dtype", "format", "pattern", "density")]
   problems = []
   total = kept = 0
@@ -213,6 +219,7 @@ def _convert(args) -> int:
       embeddings=args.embeddings,
       progress=_progress(src, args.progress, "converting"),
       target=target,
+      conv1d=args.conv1d,
   )
   save_flax_variables(variables, args.output, format=fmt)
   n = sum(1 for _ in _leaves(variables))
@@ -282,6 +289,10 @@ def _parser() -> argparse.ArgumentParser:
   def common(p):
     p.add_argument("--key", help="dotted path of the state dict inside a nested checkpoint")
     p.add_argument("--nm", type=_parse_nm, help="recompute N:M masks of dense weights (NM-sparsity), e.g. 2:4")
+    p.add_argument("--conv1d", type=_parse_conv1d, metavar="REGEX",
+                   help="torch module paths (re.search) whose 2-D weight is stored (in, out) like transformers' Conv1D "
+                        "(GPT-2), e.g. '\\.(c_attn|c_proj|c_fc)$' (default: told by a bias of the second dimension's "
+                        "size; square weights beside such ones are an error)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help=f"progress bar (default: on a terminal, for files over {PROGRESS_MIN_BYTES // 2**20} MiB)")
 

@@ -46,7 +46,10 @@ from jaxsparse.torch_interop._patterns import Pattern
 from jaxsparse.torch_interop._patterns import detect_pattern
 from jaxsparse.torch_interop._patterns import nm_mask_torch
 
-__all__ = ["NMSpec", "TorchParam", "decode_checkpoint", "float_value", "to_numpy"]
+__all__ = ["CONV1D_FORMAT", "NMSpec", "check_conv1d", "TorchParam", "decode_checkpoint", "float_value", "to_numpy"]
+
+# Ends the format of a transformers Conv1D weight, decoded transposed to the Linear layout (out, in).
+CONV1D_FORMAT = "Conv1D (in, out)"
 
 NMSpec = tuple[int, int] | Mapping[str, tuple[int, int]] | None
 
@@ -62,8 +65,10 @@ class TorchParam:
   Attributes:
     name: the parameter's dotted name as the module sees it, e.g. ``"encoder.fc.weight"`` (for
       ``weight_orig`` / ``parametrizations.weight.original`` / block-sparse storage: the plain name).
-    value: NumPy array, dense; for pruned formats that keep the original weights (``prune``, ``torch.ao``)
-      the values outside the mask are the originals, so use :attr:`masked_value` for the effective weight.
+    value: NumPy array, dense, in torch layout (``(out, in)`` for a Linear weight; a transformers ``Conv1D``
+      weight, stored ``(in, out)``, comes transposed to that layout, see :func:`decode_checkpoint`); for pruned
+      formats that keep the original weights (``prune``, ``torch.ao``) the values outside the mask are the
+      originals, so use :attr:`masked_value` for the effective weight.
     mask: bool NumPy array of ``value.shape`` (True = kept), or ``None`` for a dense parameter.
     format: where it came from, e.g. ``"dense"``, ``"torch.nn.utils.prune"``, ``"apex ASP"``.
     keys: the checkpoint keys it was decoded from.
@@ -562,6 +567,7 @@ def decode_checkpoint(
     key: str | None = None,
     on_error: str = "raise",
     progress: Callable[[int, int], None] | None = None,
+    conv1d: str | None = None,
 ) -> dict[str, TorchParam]:
   """Decodes every parameter of a checkpoint into dense values plus a mask, in torch layout.
 
@@ -585,6 +591,12 @@ def decode_checkpoint(
     on_error: ``"raise"`` stops at the first parameter that cannot be decoded; ``"collect"`` returns it
       with :attr:`TorchParam.problem` set (what ``jaxsparse inspect`` shows).
     progress: called as ``progress(done, total)`` after each parameter.
+    conv1d: regex (``re.search``) of the torch module paths whose 2-D ``weight`` is stored ``(in, out)``, as
+      transformers' ``Conv1D`` (GPT-2's ``c_attn``, ``c_proj``, ``c_fc``) stores it; such weights (and their masks)
+      come transposed to the ``(out, in)`` layout of a Linear weight, their format ending in
+      ``", Conv1D (in, out)"``. For a ``torch.nn.Module`` source the module classes decide instead. ``None``: a
+      weight whose 1-D bias has ``shape[1] != shape[0]`` entries is one; a square weight with a bias in a checkpoint
+      that has such weights raises (a state dict does not tell its layout).
 
   Returns:
     ``{parameter name: TorchParam}`` in checkpoint order.
@@ -594,17 +606,43 @@ def decode_checkpoint(
     CheckpointError: (a ``ValueError``) ``source`` cannot be read (see :func:`load_state_dict`; also with
       ``on_error="collect"``); with ``on_error="raise"``, a parameter that cannot be decoded (an inconsistent
       sparse format, a name decoded twice, an N:M mask that ``nm`` cannot recompute); the message names the
-      file and the keys.
+      file and the keys. Also with ``on_error="collect"``: square weights of unknown layout beside Conv1D ones
+      (see ``conv1d``).
+    TypeError: ``conv1d`` is not a ``str`` or ``None`` (a ``conv1d`` that does not compile: ``ValueError``).
     ImportError: PyTorch is not installed.
   """
   if on_error not in ("raise", "collect"):
     raise ValueError(f"on_error must be 'raise' or 'collect', got {on_error!r}.")
+  check_conv1d(conv1d)
   src = source if isinstance(source, TensorSource) else open_checkpoint(source, key=key)
   plan = _plan(list(src), src.extras)
+  decoded: dict[str, tuple] = {}
   out: dict[str, TorchParam] = {}
+
+  def failed(name: str, keys: tuple[str, ...], e: CheckpointError) -> None:
+    if on_error == "raise":
+      raise CheckpointError(f"{src.origin}: {e}") from e
+    out[name] = TorchParam(name, None, None, "unreadable", tuple(keys), problem=str(e))
+
   for i, (name, keys, fn) in enumerate(plan):
     try:
+      if name in decoded:
+        raise CheckpointError(
+            f"{name!r} appears twice (keys {decoded[name][3]} and {keys}); the checkpoint is ambiguous")
       value, mask, fmt = fn(src)
+      decoded[name] = (value, mask, fmt, tuple(keys))
+    except CheckpointError as e:
+      failed(name, keys, e)
+    if progress is not None:
+      progress(i + 1, len(plan))
+  try:
+    transposed = _conv1d_weights(decoded, src.module_types, conv1d)
+  except CheckpointError as e:
+    raise CheckpointError(f"{src.origin}: {e}") from e  # a checkpoint-wide question: collect cannot answer it
+  for name, (value, mask, fmt, keys) in decoded.items():
+    if name in transposed:  # a Conv1D's (in, out) weight in the (out, in) layout of every other Linear weight
+      value, mask, fmt = value.T.copy(), None if mask is None else mask.T.copy(), f"{fmt}, {CONV1D_FORMAT}"
+    try:
       spec = _nm_for(name, nm)
       if spec is not None and mask is None and value.ndim >= 2:
         try:
@@ -612,14 +650,63 @@ def decode_checkpoint(
         except ValueError as e:
           raise CheckpointError(f"{name!r}: cannot recompute an N:M mask: {e}") from e
         fmt = f"{fmt}, {spec[0]}:{spec[1]} recomputed"
-      if name in out:
-        raise CheckpointError(f"{name!r} appears twice (keys {out[name].keys} and {keys}); the checkpoint is ambiguous")
-      out[name] = TorchParam(name, value, mask, fmt, tuple(keys))
+      out[name] = TorchParam(name, value, mask, fmt, keys)
     except CheckpointError as e:
-      if on_error == "raise":
-        origin = src.origin
-        raise CheckpointError(f"{origin}: {e}") from e
-      out[name] = TorchParam(name, None, None, "unreadable", tuple(keys), problem=str(e))
-    if progress is not None:
-      progress(i + 1, len(plan))
-  return out
+      failed(name, keys, e)
+  return {name: out[name] for name in dict.fromkeys(n for n, _, _ in plan) if name in out}
+
+
+def check_conv1d(conv1d: str | None) -> None:
+  """Raises unless ``conv1d`` is ``None`` or a regex that compiles (naming the value)."""
+  if conv1d is not None and not isinstance(conv1d, str):
+    raise TypeError(f"conv1d must be a regex (str) of Conv1D module paths or None, got {conv1d!r}.")
+  try:
+    re.compile("" if conv1d is None else conv1d)
+  except re.error as e:
+    raise ValueError(f"conv1d={conv1d!r} is not a valid regular expression ({e}).") from e
+
+
+def _is_conv1d(kind: type) -> bool:
+  """Whether a torch module class is (a subclass of) transformers' ``Conv1D``, without importing transformers."""
+  return any(c.__name__ == "Conv1D" and c.__module__.split(".")[0] == "transformers" for c in kind.__mro__)
+
+
+def _conv1d_weights(decoded: Mapping[str, tuple], module_types: Mapping[str, type], conv1d: str | None) -> set[str]:
+  """The names of the 2-D weights stored ``(in, out)`` as transformers' ``Conv1D`` (GPT-2) stores them.
+
+  Decided per module, first to last: its class (a ``torch.nn.Module`` source), the ``conv1d`` regex, its 1-D bias
+  (a Linear ``(out, in)`` weight's bias has ``out`` entries: one of ``shape[1] != shape[0]`` entries means ``(in,
+  out)``). A square weight with a bias cannot tell; once a non-square one has shown ``(in, out)`` weights in the
+  checkpoint, such square weights raise instead of being read as Linear ones.
+  """
+  found, square = set(), []
+  for name, (value, *_) in decoded.items():
+    mod, _, param = name.rpartition(".")
+    if param != "weight" or value.ndim != 2:
+      continue
+    kind = module_types.get(mod)
+    if kind is not None:
+      if _is_conv1d(kind):
+        found.add(name)
+      continue
+    if conv1d is not None:
+      if re.search(conv1d, mod):
+        found.add(name)
+      continue
+    bias = decoded.get(_join(mod, "bias"))
+    if bias is None or bias[0].ndim != 1 or bias[0].shape[0] != value.shape[1]:
+      continue
+    if value.shape[0] == value.shape[1]:
+      square.append(name)
+    else:
+      found.add(name)
+  if found and square:
+    listing = ", ".join(square[:5]) + (f" and {len(square) - 5} more" if len(square) > 5 else "")
+    raise CheckpointError(
+        f"{sorted(found)[0]!r} is stored (in, out) (its bias has {decoded[sorted(found)[0]][0].shape[1]} entries, its "
+        f"second dimension), as transformers' Conv1D (GPT-2) stores weights, so the square weight(s) {listing} may be "
+        "(in, out) too or torch Linear (out, in) ones: a state dict does not tell. Pass the torch module itself "
+        "(its Conv1D modules are known), or conv1d= a regex (re.search) of the Conv1D module paths (CLI: --conv1d), "
+        r"e.g. conv1d=r'\.(c_attn|c_proj|c_fc)$'."
+    )
+  return found

@@ -12,6 +12,7 @@ prod(in_dims))`` and its bias flattened. In Linen variables an ``nn.DenseGeneral
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 from collections.abc import Mapping
 from typing import Any
@@ -27,6 +28,7 @@ from jaxsparse.formats._nm import NMSparseMatrix
 from jaxsparse.formats._nm_masks import nm_mask
 from jaxsparse.formats._specs import NM
 from jaxsparse.formats._specs import matrix_shape
+from jaxsparse.torch_interop._decode import check_conv1d
 from jaxsparse.torch_interop._load import CheckpointError
 from jaxsparse.torch_interop._load import import_torch
 from jaxsparse.torch_interop._load import to_torch
@@ -288,8 +290,16 @@ def _fqn(mod: str, name: str) -> str:
   return f"{mod}.{name}" if mod else name
 
 
+def _as_conv1d(e: _Entry, mod: str, conv1d: str | None) -> _Entry:
+  """``e`` in the ``(in, out)`` layout of transformers' ``Conv1D`` if ``conv1d`` matches its torch module path."""
+  if conv1d is None or e.name != "weight" or e.value.ndim != 2 or not re.search(conv1d, mod):
+    return e
+  return dataclasses.replace(e, value=e.value.T, mask=None if e.mask is None else e.mask.T,
+                             block_shape=None if e.block_shape is None else e.block_shape[::-1])
+
+
 def export_masks(
-    model: Any, *, torch_names: TorchNames = None, dtype: Any = None, module: Any = None
+    model: Any, *, torch_names: TorchNames = None, dtype: Any = None, module: Any = None, conv1d: str | None = None
 ) -> dict[str, Any]:
   """The masks of a jaxsparse model as ``{"{torch module}.weight_mask": tensor}`` in torch layout.
 
@@ -323,12 +333,14 @@ def export_masks(
     TypeError: as :func:`export_state_dict`.
   """
   import_torch()
+  check_conv1d(conv1d)
   out = {}
   for e in _entries(model, module):
     if e.mask is None:
       continue
-    t = _mask_tensor(e.mask)
-    out[_fqn(_torch_module(torch_names, e.flax_path), e.name) + "_mask"] = t if dtype is None else t.to(dtype)
+    mod = _torch_module(torch_names, e.flax_path)
+    t = _mask_tensor(_as_conv1d(e, mod, conv1d).mask)
+    out[_fqn(mod, e.name) + "_mask"] = t if dtype is None else t.to(dtype)
   return out
 
 
@@ -409,6 +421,7 @@ def export_state_dict(
     torch_names: TorchNames = None,
     dtype: Any = None,
     module: Any = None,
+    conv1d: str | None = None,
 ) -> dict[str, Any]:
   """A torch state dict of a whole jaxsparse model, its sparse layers written in ``format``.
 
@@ -440,6 +453,9 @@ def export_state_dict(
     dtype: torch dtype for floating-point tensors (e.g. ``torch.float16``); ``None`` keeps them.
     module: for Linen variables, the ``SparsifiedLinen`` of :func:`jaxsparse.sparsify_linen` (see
       :func:`export_masks`).
+    conv1d: regex of the torch module paths that are transformers ``Conv1D`` modules, whose weights (and masks,
+      BSR blocks) are written ``(in, out)`` (see :func:`export_masks`); ``format="semi_structured"`` checks their
+      2:4 pattern along the input features, as the Linear layout has it.
 
   Returns:
     ``{name: torch.Tensor}``.
@@ -458,6 +474,7 @@ def export_state_dict(
   torch = import_torch()
   if format not in EXPORT_FORMATS:
     raise ValueError(f"format must be one of {EXPORT_FORMATS}, got format={format!r}.")
+  check_conv1d(conv1d)
 
   def t(x: np.ndarray):
     out = to_torch(np.ascontiguousarray(x), key="export")
@@ -467,11 +484,10 @@ def export_state_dict(
   for e in _entries(model, module):
     mod = _torch_module(torch_names, e.flax_path)
     fqn = _fqn(mod, e.name)
-    if e.mask is None:
-      out[fqn] = t(e.value)
-    elif format in ("dense", "semi_structured"):
-      if format == "semi_structured":
-        _check_nm_24(e, fqn)
+    if format == "semi_structured" and e.mask is not None:
+      _check_nm_24(e, fqn)
+    e = _as_conv1d(e, mod, conv1d)
+    if e.mask is None or format in ("dense", "semi_structured"):
       out[fqn] = t(e.value)
     elif format == "prune":
       value = t(e.value)

@@ -431,6 +431,7 @@ def load_nnx(
     sparse: bool = True,
     strict: bool = True,
     key: str | None = None,
+    conv1d: str | None = None,
 ) -> LoadReport:
   """Loads a PyTorch checkpoint into a Flax NNX model, turning sparse torch layers into jaxsparse layers.
 
@@ -468,6 +469,8 @@ def load_nnx(
     strict: raise on Flax parameters without torch weights and torch weights without a place;
       ``False`` lists them in the report instead.
     key: path of the state dict inside a nested checkpoint.
+    conv1d: regex of the torch module paths whose weights are stored ``(in, out)`` like transformers' ``Conv1D``
+      (GPT-2); see :func:`decode_checkpoint`. Not needed for a ``torch.nn.Module`` source, whose classes say it.
 
   Returns:
     A :class:`LoadReport`; its ``torch_names`` drive the export functions back to torch names.
@@ -478,7 +481,7 @@ def load_nnx(
   """
   if not isinstance(model, nnx.Module):
     raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}.")
-  params = decode_checkpoint(source, nm=nm, key=key)
+  params = decode_checkpoint(source, nm=nm, key=key, conv1d=conv1d)
   groups = _group(params, name_map, ignore)
   plan = _Plan()
   loads, missing = [], []

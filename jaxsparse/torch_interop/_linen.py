@@ -53,6 +53,7 @@ def to_linen_variables(
     key: str | None = None,
     progress: Callable[[int, int], None] | None = None,
     target: Mapping | None = None,
+    conv1d: str | None = None,
 ) -> dict[str, dict]:
   r"""Flax Linen variables for a PyTorch checkpoint, with jaxsparse layouts for its sparse layers.
 
@@ -123,6 +124,9 @@ def to_linen_variables(
       dense kernels (zero where pruned) with their masks under ``"masks"``. A variable the target lacks, one of the
       target's ``"params"`` the checkpoint lacks, or a shape that does not fit raises a :class:`CheckpointError`
       naming it.
+    conv1d: regex of the torch module paths whose weights are stored ``(in, out)`` like transformers' ``Conv1D``
+      (GPT-2): their kernel is the weight itself; see :func:`decode_checkpoint`. Not needed for a ``torch.nn.Module``
+      source, whose classes say it.
 
   Returns:
     ``{"params": ..., "sparsity"?: ..., "batch_stats"?: ..., "masks"?: ...}`` nested by Flax path. ``"masks"`` is
@@ -138,7 +142,7 @@ def to_linen_variables(
     raise ValueError(f"embeddings={embeddings!r} is not a valid regular expression ({e}).") from e
   shapes = None if target is None else _target_shapes(target)
   src = source if isinstance(source, TensorSource) else open_checkpoint(source, key=key)
-  params = decode_checkpoint(src, nm=nm, progress=progress)
+  params = decode_checkpoint(src, nm=nm, progress=progress, conv1d=conv1d)
   tables = _embedding_tables(params, src.module_types, shapes, name_map=name_map, ignore=ignore, embeddings=embeddings)
   if rules is not None:  # the same tables: apply_rules tells them apart by a regex, here one naming exactly them
     exactly = "^(?:" + "|".join(re.escape(t) for t in sorted(tables)) + ")$" if tables else r"(?!)"
