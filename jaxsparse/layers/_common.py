@@ -334,8 +334,9 @@ def check_layer_inputs(layer: nnx.Module, inputs: jax.typing.ArrayLike) -> None:
 
 
 _LIFTED_HINT = (
-    f"under nn.scan / nn.vmap list the {SPARSITY!r} collection in variable_axes beside 'params', e.g. "
-    f"variable_axes={{'params': 0, {SPARSITY!r}: 0}}"
+    f"under nn.scan / nn.vmap list the {SPARSITY!r} collection in variable_axes with the axis 'params' has, e.g. "
+    f"variable_axes={{'params': 0, {SPARSITY!r}: 0}} (per-step parameters) or {{'params': None, {SPARSITY!r}: None}} "
+    "(parameters shared by every step)"
 )
 
 
