@@ -59,6 +59,7 @@ from jaxsparse.layers import MaskedLinear
 from jaxsparse.layers import NMConv
 from jaxsparse.layers import NMLinear
 from jaxsparse.layers import SparseLinearGeneral
+from jaxsparse.layers._common import copy_bias
 from jaxsparse.layers._common import custom_options
 
 __all__ = ["check_general_mask_view", "check_masks_used", "check_nm_mask", "compress", "densify", "sparsify"]
@@ -83,7 +84,7 @@ def _linear(kernel: jax.Array, bias: jax.Array | None, *, dtype: Any, precision:
       precision=precision, kernel_init=lambda *_: kernel, rngs=nnx.Rngs(0),
   )
   if bias is not None:
-    lin.bias[...] = bias
+    copy_bias(lin, bias)
   return lin
 
 
@@ -187,7 +188,7 @@ def _sparse_linear(lin: nnx.Linear, spec: Spec, mask: np.ndarray | None, path: s
     )
     layer.kernel[...] = BlockSparseMatrix.from_dense(kernel, spec.block_shape, block_mask=block_mask).data
     if lin.bias is not None:
-      layer.bias[...] = lin.bias[...]
+      copy_bias(layer, lin.bias[...])
     return layer
   if isinstance(spec, NM):
     if mask is not None:  # the N:M pattern follows the weights: zero the pruned ones so it is the given mask
@@ -202,7 +203,7 @@ def _sparse_linear(lin: nnx.Linear, spec: Spec, mask: np.ndarray | None, path: s
       param_dtype=kernel.dtype, kernel_init=lambda *_: kernel, precision=lin.precision, rngs=nnx.Rngs(0),
   )
   if lin.bias is not None:
-    layer.bias[...] = lin.bias[...]
+    copy_bias(layer, lin.bias[...])
   return layer
 
 

@@ -43,6 +43,7 @@ from jaxsparse.layers._common import check_layer_inputs
 from jaxsparse.layers._common import check_linear
 from jaxsparse.layers._common import check_one_of
 from jaxsparse.layers._common import check_pattern
+from jaxsparse.layers._common import copy_bias
 from jaxsparse.layers._common import default_bias_init
 from jaxsparse.layers._common import dense_linear
 from jaxsparse.layers._common import existing_shape
@@ -296,8 +297,8 @@ class BlockSparseLinear(nnx.Module):
   ) -> BlockSparseLinear:
     """Prunes an ``nnx.Linear`` to its ``round(density * blocks)`` largest-norm blocks.
 
-    The kept blocks and the bias are copied; ``dtype``, ``precision`` and the storage dtype follow
-    ``linear``. With ``density=1.0`` the result computes the same function as ``linear``.
+    The kept blocks and the bias are copied (the bias in its own dtype); ``dtype``, ``precision`` and the storage
+    dtype follow ``linear``. With ``density=1.0`` the result computes the same function as ``linear``.
 
     Args:
       linear: an ``nnx.Linear`` (exactly, not a subclass) with Flax's default product options; its kernel
@@ -345,7 +346,9 @@ class BlockSparseLinear(nnx.Module):
     layer.kernel[...] = w.data
     layer.pattern = pattern_variables(w)
     if linear.bias is not None:
-      layer.bias[...] = replicated(linear.bias[...])  # a bias split over explicit axes, as the new layer's is not
+      # A bias split over explicit axes is replicated, as the new layer's is; a bias of another dtype than the
+      # kernel keeps it, as linear computes with it.
+      copy_bias(layer, replicated(linear.bias[...]))
     return layer
 
   def to_dense(self) -> nnx.Linear:

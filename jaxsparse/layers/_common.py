@@ -42,6 +42,7 @@ __all__ = [
     "check_one_of",
     "check_pattern",
     "conv_options",
+    "copy_bias",
     "custom_options",
     "default_bias_init",
     "dense_linear",
@@ -193,11 +194,18 @@ def with_weights(build: Callable[..., M], kernel: jax.Array, bias: jax.Array | N
   """
   layer = build(*args, param_dtype=kernel.dtype, kernel_init=lambda *_: kernel, **options)
   if bias is not None:
-    if jnp.result_type(bias) == layer.bias[...].dtype:
-      layer.bias[...] = bias
-    else:  # a bias of another dtype keeps it, as the layer it comes from computes with it
-      layer.bias.set_value(jnp.asarray(bias))
+    copy_bias(layer, bias)
   return layer
+
+
+def copy_bias(layer: nnx.Module, bias: jax.Array) -> None:
+  """Sets ``layer.bias`` to ``bias`` in ``bias``'s own dtype: a dense layer whose bias has another dtype than its
+  kernel (a float32 bias beside a bfloat16 kernel) computes with it, so its sparse twin must too (assigning with
+  ``layer.bias[...] = bias`` would cast it to the layer's ``param_dtype``)."""
+  if jnp.result_type(bias) == layer.bias[...].dtype:
+    layer.bias[...] = bias
+  else:
+    layer.bias.set_value(jnp.asarray(bias))
 
 
 def dense_linear(kernel: jax.Array, bias: jax.Array | None, *, dtype, precision) -> nnx.Linear:
