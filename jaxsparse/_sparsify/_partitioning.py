@@ -8,8 +8,11 @@ metadata) or ``nn.with_partitioning`` (Linen ``nn.Partitioned`` boxes) passes it
 * ``SparseLinearGeneral`` (and the sparse layer of a Linen ``nn.DenseGeneral``) folds the kernel
   to ``(K, N)`` and the bias to ``(N,)``: a group of dims keeps the name of its leading dim when
   that is the only named one (the merged dim splits the same way), else none;
-* an embedding's compressed table and positions (``CompressedNMEmbed``, NNX and Linen, transposed) take the
-  table's names, swapped;
+* an embedding's compressed table (``CompressedNMEmbed``, NNX and Linen, transposed) takes the table's names,
+  swapped;
+* the packed positions of a compressed N:M kernel or table (``*_positions``) take only the name of its last dim
+  (the outputs, the vocabulary): their few rows of packed words are replicated, as a split of the kept dim need not
+  divide them;
 * block-sparse values ``(nnz_blocks, bk, bn)`` and their index arrays are replicated, ``(None, ...)``:
   the data-parallel layout every op partitions over. Splitting a block-sparse weight over devices
   is tensor parallelism, a layout with per-shard indices (:mod:`jaxsparse.sharding`).
@@ -46,6 +49,13 @@ def _fold(names: Names, groups: tuple[int, ...]) -> Names:
     named = [n for n in group if n is not None]
     out.append(group[0] if len(named) == 1 and group[0] is not None else None)
   return tuple(out)
+
+
+def _positions_names(kernel_names: Names) -> Names:
+  """Names of the packed N:M positions ``(words, N)`` of a compressed kernel ``(K, N)`` named ``kernel_names``: only
+  ``N``'s; their few rows of packed words (``K / 8`` for 2:4) are replicated, as a split of ``K`` need not divide
+  them."""
+  return (None, kernel_names[-1])
 
 
 def _placed(value: jax.Array, names: Names, dense_value: Any, dense_names: Names) -> jax.Array:
@@ -95,6 +105,8 @@ def carry_nnx(dense: nnx.Module, sparse: nnx.Module) -> nnx.Module:
       names, source = bias_names, bias
     elif isinstance(layer, BlockSparseLinear) or kernel_names is None or var.ndim != len(kernel_names):
       names, source = (None,) * var.ndim, weight
+    elif str(path[-1]).endswith("_positions"):
+      names, source = _positions_names(kernel_names), weight
     else:
       names, source = kernel_names, weight
     if names is None:
@@ -113,8 +125,8 @@ def carry_linen(dense_params: Mapping, layer_vars: dict, *, in_ndim: int | None 
   ``in_ndim``: for an ``nn.DenseGeneral`` whose kernel ``(*in_dims, *features)`` the sparse layer
   holds as ``(K, N)``, ``len(in_dims)``; its names are folded as ``SparseLinearGeneral``'s are.
 
-  An ``nn.Embed``'s ``dense_params`` (``{"embedding": table}``): the compressed table and its positions, both stored
-  transposed, take the table's names swapped.
+  An ``nn.Embed``'s ``dense_params`` (``{"embedding": table}``): the compressed table, stored transposed, takes the
+  table's names swapped. Packed N:M positions take only the name of the kernel's (the swapped table's) last dim.
   """
   embed = "embedding" in dense_params
   kernel, bias = dense_params["embedding" if embed else "kernel"], dense_params.get("bias")
@@ -138,6 +150,8 @@ def carry_linen(dense_params: Mapping, layer_vars: dict, *, in_ndim: int | None 
       return bias.replace(value=value, names=bias_names) if isinstance(bias, nn.Partitioned) else value
     if block_sparse or kernel_names is None or value.ndim != len(kernel_names):
       names = (None,) * value.ndim
+    elif name.endswith("_positions"):
+      names = _positions_names(kernel_names)
     else:
       names = kernel_names
     return template.replace(value=value, names=names)

@@ -17,8 +17,12 @@ from flax import nnx
 from flax.nnx.nn import dtypes
 from flax.typing import Dtype
 from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from jaxsparse import _utils
 from jaxsparse import ops
+from jaxsparse.formats._masks import replicated
 from jaxsparse.formats._nm import NMSparseMatrix
 from jaxsparse.formats._nm_masks import check_nm
 from jaxsparse.layers._common import SparsityPattern
@@ -209,7 +213,8 @@ def compress_table(table: jax.Array, n: int, m: int, *, mask: Any = None) -> NMS
       entries are exactly the mask's. ``None`` keeps the largest magnitudes.
 
   Returns:
-    The transposed table ``(features, num_embeddings)`` as a :class:`jaxsparse.NMSparseMatrix` with ``axis=0``.
+    The transposed table ``(features, num_embeddings)`` as a :class:`jaxsparse.NMSparseMatrix` with ``axis=0``;
+    replicated where explicit mesh axes split ``table`` (the sparsify functions place it by the table's names).
 
   Raises:
     ValueError: ``m`` does not divide ``features``, or ``mask`` has another shape or keeps more than ``n`` of some
@@ -226,6 +231,8 @@ def compress_table(table: jax.Array, n: int, m: int, *, mask: Any = None) -> NMS
     raise ValueError(f"table must be 2-D (num_embeddings, features), got shape {tuple(jnp.shape(table))}.")
   if table.shape[1] % m:
     raise ValueError(f"m={m} must divide the embedding's features={table.shape[1]} (the groups run along them).")
+  # A table split over explicit mesh axes is compressed whole: JAX refuses to pack groups across a split dim.
+  table = replicated(table)
   if mask is None:
     return NMSparseMatrix.from_dense(table.T, n, m, axis=0)
   mask = np.asarray(mask, bool)
@@ -271,18 +278,32 @@ def lookup(weight: NMSparseMatrix, inputs: jax.Array) -> jax.Array:
       ``jnp.take``'s fill value (NaN for floating tables), as the Flax layers' ``jnp.take``.
 
   Returns:
-    ``(*inputs.shape, features)``, zeros at the pruned features.
+    ``(*inputs.shape, features)``, zeros at the pruned features, split like ``inputs``. A table split over explicit
+    mesh axes is gathered for the lookup, as the ops gather their weights (JAX cannot tell how a gather from a split
+    table is split).
   """
   features, num_embeddings = weight.shape
   if num_embeddings == 1:  # as the Flax layers: every id reads the one row
     return jnp.broadcast_to(weight.to_dense()[:, 0], (*inputs.shape, features))
   columns = NMSparseMatrix(  # jnp.take's index rule, as the Flax layers' (negative ids count from the end)
-      jnp.take(weight.values, inputs, axis=1), jnp.take(weight.indices, inputs, axis=1),
+      _take(weight.values, inputs, axis=1), _take(weight.indices, inputs, axis=1),
       shape=(features, *inputs.shape), n=weight.n, m=weight.m, axis=0, validate=False,
   ).to_dense()
   rows = jnp.moveaxis(columns, 0, -1)
   # The Flax layers' jnp.take fills the rows of out-of-range ids with its fill value (NaN for floating tables, the
   # most negative integer for signed ones...); here only the kept entries would be.
-  valid = jnp.take(jnp.ones((num_embeddings,), bool), inputs, axis=0, mode="fill", fill_value=False)
+  valid = _take(jnp.ones((num_embeddings,), bool), inputs, axis=0, mode="fill", fill_value=False)
   fill = jnp.take(jnp.zeros((1,), rows.dtype), 1, mode="fill")  # jnp.take's fill value for this dtype
   return jnp.where(valid[..., None], rows, fill)
+
+
+def _take(a: jax.Array, inputs: jax.Array, *, axis: int, **kwargs: Any) -> jax.Array:
+  """``jnp.take(a, inputs, axis=axis, **kwargs)``; under explicit mesh axes ``a`` is gathered and the result split
+  like ``inputs`` (JAX cannot tell how a gather from a split array, or by split ids, is split)."""
+  mesh = _utils.explicit_mesh(inputs) or _utils.explicit_mesh(a)
+  if mesh is None:
+    return jnp.take(a, inputs, axis=axis, **kwargs)
+  spec = tuple(jax.typeof(inputs).sharding.spec) if _utils.explicit_mesh(inputs) == mesh else ()
+  spec = (None,) * axis + spec + (None,) * (inputs.ndim - len(spec) + a.ndim - axis - 1)
+  index = (slice(None),) * axis + (inputs,)
+  return replicated(a).at[index].get(out_sharding=NamedSharding(mesh, P(*spec)), **kwargs)

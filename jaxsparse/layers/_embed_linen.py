@@ -37,11 +37,13 @@ from jaxsparse.layers._nm_compressed import check_nm_implementation
 __all__ = ["CompressedNMEmbed"]
 
 
-def _transposed_box(drawn: Any, value: jax.Array) -> Any:
+def _transposed_box(drawn: Any, value: jax.Array, *, positions: bool = False) -> Any:
   """``value`` (a transposed, compressed table) in the sharding box the drawn table ``(vocab, features)`` came in,
-  its names swapped as the dims are."""
+  its names swapped as the dims are. The ``positions``' packed words (``features / 8`` rows for 2:4) are replicated:
+  a split of the features need not divide them."""
   if isinstance(drawn, nn.Partitioned):
-    return drawn.replace(value=value, names=tuple(drawn.names)[::-1])
+    vocab, features = drawn.names
+    return drawn.replace(value=value, names=(None if positions else features, vocab))
   if isinstance(drawn, nn.meta.AxisMetadata):
     return drawn.replace_boxed(value)
   return value
@@ -84,7 +86,8 @@ class CompressedNMEmbed(nn.Module):
     dtype, param_dtype, embedding_init, promote_dtype: as ``nn.Embed``'s: ``dtype`` is that of the lookups and of
       :meth:`attend` (``None``: the table's for lookups, the promoted dtype of query and table for :meth:`attend`);
       ``embedding_init`` draws the dense ``(num_embeddings, features)`` table that ``init`` prunes (an
-      ``nn.with_partitioning`` box keeps its names, swapped as the stored table is transposed).
+      ``nn.with_partitioning`` box keeps its names, swapped as the stored table is transposed; the positions take
+      only the vocabulary's name, their few rows of packed words are replicated).
     implementation: backend of :func:`jaxsparse.ops.nm_matmul` in :meth:`attend`: ``None`` (it picks), ``"xla"``,
       ``"pallas"`` or ``"cusparselt"``.
   """
@@ -126,7 +129,7 @@ class CompressedNMEmbed(nn.Module):
 
     self.embedding = self.param("embedding", init_values)
     self.embedding_positions = self.variable(
-        SPARSITY, "embedding_positions", lambda: _transposed_box(drawn["box"], drawn["w"].indices),
+        SPARSITY, "embedding_positions", lambda: _transposed_box(drawn["box"], drawn["w"].indices, positions=True),
     ) if has_pattern or self.is_initializing() else None
 
   def _weight(self, values: jax.Array) -> NMSparseMatrix:
