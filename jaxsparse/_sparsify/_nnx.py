@@ -559,7 +559,8 @@ def compress(model: nnx.Module, *, storage: str = "values", cusparselt_copy: boo
   a GPU). The outputs stay the same (up to the products' rounding). Layers held at several paths (tied) stay tied;
   an ``NMLinear`` inside a :class:`~jaxsparse.layers.SparseLinearGeneral` is compressed there. ``NMConv`` layers stay
   as they are (there is no compressed convolution), and so do layers already compressed (a second ``compress`` does
-  not change their ``storage``: build those with :meth:`NMLinear.to_compressed`).
+  not change their ``storage``: build those with :meth:`NMLinear.to_compressed`). Partitioning names
+  (``nnx.with_partitioning``) carry over: the kept values take the kernel's, the packed positions its columns'.
 
   >>> import jax.numpy as jnp, jaxsparse
   >>> from flax import nnx
@@ -598,13 +599,16 @@ def compress(model: nnx.Module, *, storage: str = "values", cusparselt_copy: boo
     raise TypeError(f"cusparselt_copy must be True or False, got cusparselt_copy={cusparselt_copy!r}.")
   if not inplace:
     model = nnx.clone(model)
+  # The kernel's and bias's partitioning names carried over (the kept values keep the kernel's, the positions its
+  # columns').
+  compressed_of = lambda node: carry_nnx(node, node.to_compressed(storage=storage, cusparselt_copy=cusparselt_copy))
   if isinstance(model, NMLinear):
-    return model.to_compressed(storage=storage, cusparselt_copy=cusparselt_copy)
+    return compressed_of(model)
   found = [(tuple(path), node) for path, node in nnx.iter_modules(model) if path and isinstance(node, NMLinear)]
   compressed = []
   for path, node in found:  # every layer first: an error leaves the model as it was
     try:
-      compressed.append((path, node.to_compressed(storage=storage, cusparselt_copy=cusparselt_copy)))
+      compressed.append((path, compressed_of(node)))
     except ValueError as e:
       raise ValueError(f"{path_str(path)}: {e}") from e
   for path, new in compressed:
