@@ -164,6 +164,43 @@ def check_preferred_element_type(value: object) -> np.dtype | None:
   return dtype
 
 
+def _narrow_float(dtype: np.dtype) -> bool:
+  return jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 2
+
+
+def accumulation_dtype(*dtypes: jax.typing.DTypeLike) -> np.dtype:
+  """The dtype the ops accumulate products of operands of ``dtypes`` in: their result type, at least float32.
+
+  8-bit floats (``float8_e4m3fn``, ``float8_e5m2``, ...), which JAX promotes to nothing implicitly, accumulate in
+  float32, as ``jnp.matmul`` does with them.
+  """
+  acc = jnp.dtype(jnp.float32)
+  for dtype in map(jnp.dtype, dtypes):
+    if not _narrow_float(dtype):
+      acc = jnp.promote_types(acc, dtype)  # not canonicalized: a float64 stays float64 without jax_enable_x64
+  return acc
+
+
+def result_dtype(x_dtype: jax.typing.DTypeLike, w_dtype: jax.typing.DTypeLike, preferred_element_type: object, *,
+                 names: tuple[str, str] = ("x.dtype", "w.dtype")) -> np.dtype:
+  """The ops' output dtype: ``preferred_element_type`` (checked) or ``result_type(x, w)``.
+
+  Floating operands of which one is an 8-bit float must have one dtype: JAX promotes those to no other float, so ``x``
+  of ``float8_e4m3fn`` and ``w`` of ``float32`` raise a ``TypeError`` naming both (``names``) instead of an error from
+  deep inside the op (an integer ``x`` takes a float8 ``w``'s dtype, as in ``jnp.matmul``).
+  """
+  pet = check_preferred_element_type(preferred_element_type)
+  x_dtype, w_dtype = jnp.dtype(x_dtype), jnp.dtype(w_dtype)
+  floats = jnp.issubdtype(x_dtype, jnp.floating) and jnp.issubdtype(w_dtype, jnp.floating)
+  if floats and x_dtype != w_dtype and (_narrow_float(x_dtype) or _narrow_float(w_dtype)):
+    raise TypeError(
+        f"{names[0]} and {names[1]} must be the same dtype when one is an 8-bit float (JAX promotes those to no "
+        f"other dtype), got {names[0]}={x_dtype} and {names[1]}={w_dtype}. Cast one operand to the other's dtype; "
+        "preferred_element_type picks the result's dtype."
+    )
+  return pet or jnp.dtype(jnp.result_type(x_dtype, w_dtype))
+
+
 def dense_reference(x: jax.typing.ArrayLike, w, *, precision, preferred_element_type) -> jax.Array:
   """``x @ w.to_dense()`` in ``preferred_element_type`` (default ``result_type(x, w)``): the ops' oracle."""
   preferred_element_type = check_preferred_element_type(preferred_element_type)

@@ -6,6 +6,7 @@ equal those of the dense Flax layer, over ``param_dtype`` x ``dtype`` x input dt
 """
 
 import itertools
+import re
 
 import flax.linen as nn
 import jax
@@ -199,3 +200,142 @@ def test_sparsify_with_masks_keeps_bias_dtype(spec):
   got = sparse.fc(x)
   assert got.dtype == want.dtype == jnp.float32
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-2, atol=2e-2)
+
+
+# -------------------------------------------------------------------------------------------------
+# float8 operands.
+# -------------------------------------------------------------------------------------------------
+
+F8_TYPES = [jnp.float8_e4m3fn, jnp.float8_e5m2]
+F8_TOL = 0.25  # relative, of a float8 result against jnp.matmul's (a 1-ulp rounding difference at most)
+
+
+def _f8_products(f8):
+  """``(name, op(x, w), dense(w))`` for each op, ``w`` a float8 ``(32, 16)`` weight."""
+  block_mask = np.array([[1, 0], [0, 1], [1, 1], [0, 0]], bool)
+  mask = np.asarray(jax.random.bernoulli(jax.random.key(5), 0.5, (32, 16)))
+  bsm = lambda w: jaxsparse.BlockSparseMatrix.from_dense(w, block_shape=(8, 8), block_mask=block_mask)
+  csr = lambda w: jaxsparse.CSRMatrix.from_dense(w, mask)
+  nm = lambda w: NMSparseMatrix.from_dense(w, 2, 4)
+  return [
+      ("block_sparse_matmul", lambda x, w, **kw: jaxsparse.ops.block_sparse_matmul(x, bsm(w), **kw),
+       lambda w: bsm(w).to_dense()),
+      ("sparse_matmul", lambda x, w, **kw: jaxsparse.ops.sparse_matmul(x, csr(w), **kw), lambda w: csr(w).to_dense()),
+      ("masked_matmul", lambda x, w, **kw: jaxsparse.ops.masked_matmul(x, w, mask, **kw),
+       lambda w: jnp.where(mask, w, jnp.zeros((), w.dtype))),
+      ("nm_matmul", lambda x, w, **kw: jaxsparse.ops.nm_matmul(x, nm(w), **kw), lambda w: nm(w).to_dense()),
+      ("sr_ste_matmul", lambda x, w, **kw: jaxsparse.ops.sr_ste_matmul(x, w, 2, 4, **kw),
+       lambda w: jaxsparse.ops.sr_ste(w, 2, 4)),
+  ]
+
+
+def _close(a, b, tol):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  assert np.all(np.isfinite(a)) and np.all(np.isfinite(b))
+  assert np.max(np.abs(a - b)) <= tol * max(np.max(np.abs(b)), 1e-30), np.max(np.abs(a - b))
+
+
+_F8_OPS = ["block_sparse_matmul", "sparse_matmul", "masked_matmul", "nm_matmul", "sr_ste_matmul"]
+_F8_CASES = [pytest.param(f8, pet, op, id=f"{op}-{jnp.dtype(f8).name}-{jnp.dtype(pet).name if pet else None}",
+                          marks=() if (f8, pet) == (F8_TYPES[0], None) else pytest.mark.slow)
+             for f8 in F8_TYPES for pet in (None, F32) for op in _F8_OPS]
+
+
+@pytest.mark.parametrize("f8, pet, op_name", _F8_CASES)
+def test_ops_take_float8_like_jnp_matmul(f8, pet, op_name):
+  # block_sparse_matmul raised "8-bit floats do not support implicit promotion" (its float32 accumulator was
+  # jnp.promote_types(float8, float32)), and so did nm_matmul's gradient. Every op now multiplies float8 operands as
+  # jnp.matmul does: accumulating in float32, the result in preferred_element_type (default float8), gradients in
+  # the operands' dtypes.
+  x = (jax.random.normal(jax.random.key(1), (8, 32)) * 2).astype(f8)
+  w = jax.random.normal(jax.random.key(2), (32, 16)).astype(f8)
+  out = jnp.dtype(pet or f8)
+  op, dense = {name: (op, dense) for name, op, dense in _f8_products(f8)}[op_name]
+  y = op(x, w, preferred_element_type=pet)
+  want = jnp.matmul(x.astype(F32), dense(w).astype(F32)).astype(out)
+  assert y.dtype == out
+  _close(y, want, F8_TOL if out == jnp.dtype(f8) else 1e-6)
+  loss = lambda x, w: jnp.sum(op(x, w, preferred_element_type=pet).astype(F32) * jnp.arange(16.0))
+  # SR-STE's gradient (its decay of the pruned weights) is that of sr_ste on the float32 weight.
+  dense_w = (lambda w: dense(w.astype(F32))) if op_name == "sr_ste_matmul" else (lambda w: dense(w).astype(F32))
+  dense_loss = lambda x, w: jnp.sum(jnp.matmul(x.astype(F32), dense_w(w)) * jnp.arange(16.0))
+  argnums = (0, 1) if op_name in ("masked_matmul", "sr_ste_matmul") else (0,)
+  grads, want_grads = jax.grad(loss, argnums)(x, w), jax.grad(dense_loss, argnums)(x, w)
+  for g, wg in zip(grads, want_grads, strict=True):
+    assert g.dtype == jnp.dtype(f8)
+    _close(g, wg, F8_TOL)
+
+
+@pytest.mark.parametrize("f8", F8_TYPES, ids=lambda d: jnp.dtype(d).name)
+def test_ops_float8_with_another_dtype_name_both(f8):
+  # x of float8 and w of float32 (or the reverse) raised JAX's TypePromotionError from inside the op; each op now
+  # raises a TypeError naming both operands' dtypes and the fix.
+  x = jax.random.normal(jax.random.key(1), (8, 32))
+  w = jax.random.normal(jax.random.key(2), (32, 16))
+  for _, op, _ in _f8_products(f8):
+    for xd, wd in ((f8, F32), (BF16, f8)):
+      got = rf"x\.dtype={jnp.dtype(xd).name} and .*={jnp.dtype(wd).name}"
+      with pytest.raises(TypeError, match=rf"{got}.*Cast one operand"):
+        op(x.astype(xd), w.astype(wd))
+
+
+def test_block_sparse_linear_computes_in_float8_like_nnx_linear():
+  # BlockSparseLinear(dtype=float8_e4m3fn) raised "8-bit floats do not support implicit promotion"; nnx.Linear runs.
+  # (param_dtype stays float32: Flax's default initializers give NaN when drawing float8 directly.)
+  x = jax.random.normal(jax.random.key(1), (4, 32))
+  layer = BlockSparseLinear(32, 16, block_shape=(8, 8), density=0.5, dtype=jnp.float8_e4m3fn, rngs=nnx.Rngs(0))
+  dense = nnx.Linear(32, 16, dtype=jnp.float8_e4m3fn, rngs=nnx.Rngs(0))
+  dense.kernel[...] = layer.sparse_kernel.to_dense()
+  dense.bias[...] = layer.bias[...] + 0.5
+  layer.bias[...] = dense.bias[...]
+  y = layer(x)
+  assert y.dtype == jnp.float8_e4m3fn
+  _close(y, dense(x), F8_TOL)
+  grads = nnx.grad(lambda m: jnp.sum(m(x).astype(F32)))(layer)
+  assert grads["kernel"][...].dtype == F32 and np.all(np.isfinite(np.asarray(grads["kernel"][...])))
+
+
+# -------------------------------------------------------------------------------------------------
+# complex dtypes.
+# -------------------------------------------------------------------------------------------------
+
+C64 = jnp.complex64
+_COMPLEX_UNSUPPORTED = [
+    # (layer, how it is built with the complex argument, the argument's name as the error gives it)
+    ("BlockSparseLinear", lambda: BlockSparseLinear(32, 16, block_shape=(8, 8), density=0.5, param_dtype=C64,
+                                                    rngs=nnx.Rngs(0)), "param_dtype"),
+    ("BlockSparseLinear", lambda: BlockSparseLinear(32, 16, block_shape=(8, 8), density=0.5, dtype=C64,
+                                                    rngs=nnx.Rngs(0)), "dtype"),
+    ("BlockSparseLinear", lambda: BlockSparseLinear(32, 16, block_shape=(8, 8), density=0.5,
+                                                    rngs=nnx.Rngs(0))(jnp.ones((2, 32), C64)), "inputs.dtype"),
+    ("NMLinear", lambda: NMLinear(32, 16, param_dtype=C64, rngs=nnx.Rngs(0)), "param_dtype"),
+    ("NMConv", lambda: NMConv(8, 4, (3,), param_dtype=C64, rngs=nnx.Rngs(0)), "param_dtype"),
+    ("CompressedNMLinear", lambda: NMLinear(32, 16, dtype=C64, rngs=nnx.Rngs(0)).to_compressed(), "dtype"),
+    ("CompressedNMLinear", lambda: NMLinear(32, 16, rngs=nnx.Rngs(0)).to_compressed()(jnp.ones((2, 32), C64)),
+     "inputs.dtype"),
+]
+
+
+@pytest.mark.parametrize("layer, build, arg", _COMPLEX_UNSUPPORTED,
+                         ids=[f"{name}-{arg}" for name, _, arg in _COMPLEX_UNSUPPORTED])
+def test_complex_dtypes_raise_naming_the_layer_argument(layer, build, arg):
+  # nnx.Linear takes complex64. These layers raised errors from inside the ops naming the op's x / w ("x must have a
+  # floating dtype, got complex64", "w must have a floating dtype to be trained"), at the first call; they now raise
+  # naming the layer and its argument (at construction for param_dtype / dtype).
+  with pytest.raises(TypeError, match=rf"^{layer} computes with real dtypes only .*got {re.escape(arg)}=complex64.*"
+                                      "MaskedLinear"):
+    build()
+
+
+def test_complex_compute_dtype_and_inputs_where_supported_match_nnx_linear():
+  # NMLinear prunes its real kernel and then computes as nnx.Linear does, so a complex dtype or complex inputs work;
+  # the documented support must stay true.
+  x = (jax.random.normal(jax.random.key(1), (4, 32)) + 1j * jax.random.normal(jax.random.key(2), (4, 32))).astype(C64)
+  layer = NMLinear(32, 16, dtype=C64, rngs=nnx.Rngs(0))
+  dense = nnx.Linear(32, 16, dtype=C64, rngs=nnx.Rngs(0))
+  dense.kernel[...] = layer.pruned_kernel()
+  y = layer(x)
+  assert y.dtype == C64
+  want = x @ layer.pruned_kernel().astype(C64) + layer.bias[...]
+  np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(dense(x)), np.asarray(want), rtol=1e-5, atol=1e-5)

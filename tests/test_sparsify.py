@@ -473,3 +473,88 @@ def test_compress_checks_its_arguments_on_any_model():
       jaxsparse.compress(model, cusparselt_copy="no")
   x = _normal(1, (2, 8))
   assert_close(jaxsparse.compress(small, storage="values")(x), small(x), jnp.float32)
+
+
+class _SharedStep(nn.Module):
+  @nn.compact
+  def __call__(self, c, _):
+    return jnp.tanh(nn.Dense(32)(c)), None
+
+
+class _SharedScan(nn.Module):
+  """Three steps of one shared ``nn.Dense`` (``variable_broadcast``), carrying ``extra`` collections too."""
+  extra: tuple = ()
+
+  @nn.compact
+  def __call__(self, x):
+    step = nn.scan(_SharedStep, variable_broadcast=["params", *self.extra], split_rngs={"params": False}, length=3)
+    return step()(x, None)[0]
+
+
+class _SharedBlock(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return jnp.tanh(nn.Dense(32)(x))
+
+
+class _SharedVmap(nn.Module):
+  """One ``nn.Dense`` shared by every row of a leading axis (``variable_axes={"params": None}``)."""
+  extra: tuple = ()
+
+  @nn.compact
+  def __call__(self, x):
+    axes = {"params": None, **dict.fromkeys(self.extra, None)}
+    return nn.vmap(_SharedBlock, variable_axes=axes, split_rngs={"params": False}, in_axes=0)()(x)
+
+
+@pytest.mark.parametrize("rule", [jaxsparse.Unstructured(0.5), jaxsparse.BlockSparse(0.5, (8, 8))],
+                         ids=["unstructured", "block_sparse"])
+@pytest.mark.parametrize("model, x", [(_SharedScan, (4, 32)), (_SharedVmap, (3, 4, 32))], ids=["scan", "vmap"])
+def test_sparsify_linen_shared_params_without_sparsity_axis_raises_there(rule, model, x):
+  # A model whose nn.vmap / nn.scan shares its params (variable_axes={"params": None} / variable_broadcast="params")
+  # without the "sparsity" collection: sparsify_linen succeeded and the first apply failed ("MaskedDense has no
+  # 'sparsity' collection"). sparsify_linen now raises, saying what the model needs; with "sparsity" carried beside
+  # "params" (as the message says) the sparse model runs and equals the plain-jnp reference on the masked kernel.
+  x = _normal(1, x)
+  params_only = model()
+  with pytest.raises(ValueError, match=r"sparsify_linen: .*lifted transform.*'sparsity'.*variable_broadcast="
+                                       r"\['params', 'sparsity'\]"):
+    jaxsparse.sparsify_linen(params_only, params_only.init(jax.random.key(0), x), rule, x)
+  both = model(extra=("sparsity",))
+  sparse, sparse_vars, report = jaxsparse.sparsify_linen(both, both.init(jax.random.key(0), x), rule, x)
+  assert len(report.layers) == 1
+  path = report.layers[0].path.split(".")
+  p, pattern = (sparse_vars[c][path[0]][path[1]] for c in ("params", "sparsity"))
+  if "mask" in pattern:
+    w = jnp.where(pattern["mask"], p["kernel"], 0.0)
+  else:  # the kept (8, 8) blocks at (row_indices, col_indices)
+    w = jnp.zeros((32, 32))
+    for b, (i, j) in enumerate(zip(np.asarray(pattern["row_indices"]), np.asarray(pattern["col_indices"]),
+                                   strict=True)):
+      w = w.at[i * 8:(i + 1) * 8, j * 8:(j + 1) * 8].set(p["kernel"][b])
+  assert float(jnp.mean(w == 0)) == pytest.approx(0.5, abs=0.05)
+  h = x
+  for _ in range(3 if model is _SharedScan else 1):
+    h = jnp.tanh(h @ w + p["bias"])
+  assert_close(sparse.apply(sparse_vars, x), h, jnp.float32)
+
+
+def test_compress_keeps_partitioning_names():
+  """``compress`` carries an ``NMLinear``'s partitioning names: the kept values take the kernel's, the packed
+  positions its columns', the bias its own (they were dropped: every spec ``P()``)."""
+  mesh = jax.make_mesh((1, 1), ("embed", "mlp"))
+  with jax.set_mesh(mesh):
+    layer = NMLinear(
+        16, 8, n=2, m=4, rngs=nnx.Rngs(0),
+        kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), ("embed", "mlp")),
+        bias_init=nnx.with_partitioning(nnx.initializers.normal(), ("mlp",)),
+    )
+  x = jax.random.normal(jax.random.key(1), (3, 16))
+  want = layer(x)
+  for model in (layer, nnx.Sequential(layer)):
+    compressed = jaxsparse.compress(model)
+    fc = compressed if isinstance(compressed, nnx.Module) and not isinstance(compressed, nnx.Sequential) else (
+        compressed.layers[0])
+    names = {p[-1]: v.get_metadata().get("out_sharding") for p, v in nnx.iter_graph(fc) if isinstance(v, nnx.Variable)}
+    assert names == {"kernel": ("embed", "mlp"), "kernel_positions": (None, "mlp"), "bias": ("mlp",)}, names
+    assert_close(fc(x), want, jnp.float32)

@@ -4,6 +4,8 @@ references (float32, 1e-5)."""
 
 from __future__ import annotations
 
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -358,3 +360,52 @@ def test_sparsified_linen_model_under_remat_jit_and_share_scope():
     ref = ref_grads[name]["proj"]
     assert _max_err(jnp.where(kept, g["proj"]["kernel"], 0.0), ref["kernel"]) <= TOL, name
     assert _max_err(g["proj"]["bias"], ref["bias"]) <= TOL, name
+
+
+def _stack_of(build) -> nnx.Module:
+  @nnx.split_rngs(splits=LAYERS)
+  @nnx.vmap(in_axes=(0,), out_axes=0)
+  def create(rngs):
+    return build(rngs)
+
+  return create(nnx.Rngs(0))
+
+
+_STACK_CONVERSIONS = {
+    "block_sparse": (lambda r: _build("block_sparse", r), ["to_dense()", "sparse_kernel"], "kernel", (4, 8, 8, 8)),
+    "nm": (lambda r: _build("nm", r), ["to_dense()"], "kernel", (4, 32, 32)),
+    # Without a bias, NMLinear.to_dense() on a stack returned an nnx.Linear(32, 32) holding a (4, 32, 32) kernel.
+    "nm_no_bias": (lambda r: NMLinear(32, 32, use_bias=False, rngs=r), ["to_dense()"], "kernel", (4, 32, 32)),
+    "compressed_nm": (lambda r: _build("compressed_nm", r), ["to_dense()", "weight"], "kernel", (4, 16, 32)),
+    "nm_conv": (lambda r: jaxsparse.layers.NMConv(8, 4, (3,), rngs=r), ["to_dense()"], "kernel", (4, 3, 8, 4)),
+    "linear_general": (
+        lambda r: jaxsparse.layers.SparseLinearGeneral(NMLinear(32, 32, rngs=r), in_features=(4, 8), out_features=32),
+        ["to_dense()"], "kernel", (4, 32, 32),
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_STACK_CONVERSIONS))
+def test_sparse_layer_conversions_on_stack_say_how(kind):
+  # to_dense() / sparse_kernel / weight of a stack built by nnx.vmap raised unclear errors ("BlockSparseMatrix.data
+  # must have shape (8, 8, 8)", "Cannot broadcast to shape with fewer dimensions", "values must have shape (16, 32)")
+  # or, for an NMLinear without bias, returned a malformed nnx.Linear. They now name the layer, the stacked shape and
+  # the per-layer call, which gives each layer's dense weights.
+  build, whats, leaf, shape = _STACK_CONVERSIONS[kind]
+  stack = _stack_of(build)
+  name = type(stack).__name__
+  for what in whats:
+    pattern = rf"{re.escape(f'{name}.{what}')} works on one layer.*{leaf} has shape {re.escape(str(shape))}"
+    pattern += r".*nnx\.vmap\("
+    with pytest.raises(ValueError, match=pattern):
+      attr = getattr(stack, what.removesuffix("()"))
+      if what.endswith("()"):
+        attr()
+  if kind in ("nm", "nm_no_bias", "block_sparse", "compressed_nm"):  # the per-layer call works and is right
+    dense = nnx.vmap(lambda layer: layer.to_dense(), in_axes=0, out_axes=0)(stack)
+    x = jax.random.normal(jax.random.key(1), (4, 32))
+    for i in range(LAYERS):
+      layer = _layer(stack, i)
+      ref = x @ _dense_weight(kind.removesuffix("_no_bias"), layer)
+      ref = ref if layer.bias is None else ref + layer.bias[...]
+      assert _max_err(_layer(dense, i)(x), ref) <= TOL

@@ -79,6 +79,7 @@ from jaxsparse.formats._specs import Spec
 from jaxsparse.formats._specs import Unstructured
 from jaxsparse.formats._specs import check_spec_applies
 from jaxsparse.layers import linen as sparse_linen
+from jaxsparse.layers._common import MissingPatternError
 
 __all__ = [
     "SparsifiedLinen",
@@ -265,6 +266,20 @@ def _linen_layers(module: nn.Module, variables: Mapping, example_input: Any, kwa
   return found
 
 
+def _check_patterns_reach(sparse: SparsifiedLinen, variables: Mapping, example_input: Any, kwargs: Mapping) -> None:
+  """Raises when the sparse layers cannot read their patterns in ``sparse.apply`` (one abstract trace): a lifted
+  transform of the model (``nn.vmap`` / ``nn.scan``) that does not carry the ``"sparsity"`` collection."""
+  args = example_input if isinstance(example_input, tuple) else (example_input,)
+  try:
+    jax.eval_shape(lambda v, *a: sparse.apply(v, *a, **kwargs), variables, *args)
+  except MissingPatternError as e:
+    raise ValueError(
+        f"sparsify_linen: the sparse model could not apply its own variables, as a lifted transform of the model "
+        f"does not pass the {sparse_linen.SPARSITY!r} collection to its layers: {e} Change the model's transform "
+        "and call sparsify_linen again (jaxsparse.NM layers need no such collection)."
+    ) from None
+
+
 def sparsify_linen(
     module: nn.Module,
     variables: Mapping,
@@ -323,7 +338,11 @@ def sparsify_linen(
   Raises:
     ValueError: naming the layer path, when a structure cannot apply (``m`` does not divide the
       input size, blocks do not divide the kernel, ``BlockSparse`` on a conv, an ``nn.DenseGeneral``
-      over other than its input's trailing axes or with ``batch_dims``, a bad mask).
+      over other than its input's trailing axes or with ``batch_dims``, a bad mask); when an ``nn.vmap`` /
+      ``nn.scan`` of the model does not carry the ``"sparsity"`` collection that ``Unstructured`` and
+      ``BlockSparse`` layers read their patterns from (e.g. ``variable_axes={"params": None}`` without
+      ``"sparsity": None``; ``nn.scan``'s ``variable_broadcast="params"`` without ``"sparsity"``): the model
+      needs it beside ``"params"`` (checked by one abstract trace of the sparse model's ``apply``).
   """
   resolved = resolve_rules(rules)
   mode = check_speed_mode(check_speed, example_input)
@@ -403,7 +422,10 @@ def sparsify_linen(
   warn_unmatched(resolved, dense_paths + [".".join(p) for p, _ in embeds],
                  what="nn.Dense / nn.DenseGeneral / nn.Conv / nn.Embed (a rule naming it)", shadowed=True)
   changes.sort(key=lambda c: c.path)
-  return SparsifiedLinen(module, layers), new_vars, SparsifyReport(tuple(changes))
+  sparse = SparsifiedLinen(module, layers)
+  if sparse_linen.SPARSITY in new_vars:  # patterns the model's nn.vmap / nn.scan must carry to the layers
+    _check_patterns_reach(sparse, new_vars, example_input, kwargs)
+  return sparse, new_vars, SparsifyReport(tuple(changes))
 
 
 def _embed_key(path: tuple) -> str:

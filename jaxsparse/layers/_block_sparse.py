@@ -41,8 +41,10 @@ from jaxsparse.layers._common import check_kept
 from jaxsparse.layers._common import check_known_in_features
 from jaxsparse.layers._common import check_layer_inputs
 from jaxsparse.layers._common import check_linear
+from jaxsparse.layers._common import check_one_layer
 from jaxsparse.layers._common import check_one_of
 from jaxsparse.layers._common import check_pattern
+from jaxsparse.layers._common import check_real_dtypes
 from jaxsparse.layers._common import copy_bias
 from jaxsparse.layers._common import default_bias_init
 from jaxsparse.layers._common import dense_linear
@@ -146,8 +148,10 @@ class BlockSparseLinear(nnx.Module):
       ``block_mask``.
     block_shape: ``(bk, bn)`` dividing ``(in_features, out_features)``.
     use_bias: whether to add a bias.
-    dtype: computation dtype; ``None`` infers it from the input and parameters, like ``nnx.Linear``.
-    param_dtype: storage dtype of kernel and bias.
+    dtype: computation dtype; ``None`` infers it from the input and parameters, like ``nnx.Linear``. Real
+      dtypes only (float32, bfloat16, float16, float64, float8; integer inputs are promoted): complex ones raise,
+      as do complex inputs (:class:`MaskedLinear` takes them).
+    param_dtype: storage dtype of kernel and bias, a real floating dtype.
     kernel_init: called as ``kernel_init(key, (nnz_blocks, bk, bn), param_dtype)``; ``None`` uses the
       variance-preserving default above.
     bias_init: called as ``bias_init(key, (out_features,), param_dtype)``.
@@ -164,7 +168,7 @@ class BlockSparseLinear(nnx.Module):
       given; ``density`` is not in (0, 1] or keeps no block; ``block_mask`` is traced, not of shape
       ``(in_features // bk, out_features // bn)`` or keeps no block; an unknown ``implementation``.
     TypeError: ``block_shape`` is not a pair of ints; ``density`` is not a real number; ``block_mask`` is not
-      a boolean array.
+      a boolean array; ``param_dtype`` or ``dtype`` is complex.
   """
 
   def __init__(
@@ -187,6 +191,7 @@ class BlockSparseLinear(nnx.Module):
     in_features = _utils.check_positive_int(in_features, name="in_features")
     out_features = _utils.check_positive_int(out_features, name="out_features")
     bk, bn = _utils.check_block_shape(block_shape, (in_features, out_features))
+    check_real_dtypes(BlockSparseLinear, param_dtype=param_dtype, dtype=dtype)
     grid = (in_features // bk, out_features // bn)
     self.implementation = check_implementation(implementation)
     check_one_of("density", density, "block_mask", block_mask)
@@ -224,6 +229,7 @@ class BlockSparseLinear(nnx.Module):
 
     Raises:
       ValueError: ``inputs`` whose last axis is not ``in_features`` (or a scalar).
+      TypeError: complex ``inputs``.
 
     >>> import jax.numpy as jnp
     >>> from flax import nnx
@@ -236,6 +242,7 @@ class BlockSparseLinear(nnx.Module):
     ((4, 32), dtype('float32'), True)
     """
     check_layer_inputs(self, inputs)
+    check_real_dtypes(BlockSparseLinear, **{"inputs.dtype": jnp.result_type(inputs)})
     return block_sparse_apply(
         inputs,
         self.kernel[...],
@@ -250,7 +257,13 @@ class BlockSparseLinear(nnx.Module):
 
   @property
   def sparse_kernel(self) -> BlockSparseMatrix:
-    """The kernel as a :class:`jaxsparse.BlockSparseMatrix` of shape ``(in_features, out_features)``."""
+    """The kernel as a :class:`jaxsparse.BlockSparseMatrix` of shape ``(in_features, out_features)``.
+
+    Raises:
+      ValueError: this layer is a stack of layers (built by ``nnx.vmap``); read it per layer:
+        ``nnx.vmap(lambda layer: layer.sparse_kernel, in_axes=0, out_axes=0)(stack)``.
+    """
+    check_one_layer(self, what="sparse_kernel")
     return BlockSparseMatrix.from_index_arrays(
         self.kernel[...],
         {f: v[...] for f, v in self.pattern.items()},
@@ -365,7 +378,12 @@ class BlockSparseLinear(nnx.Module):
     >>> x = jnp.ones((2, 64))
     >>> bool(jnp.allclose(layer.to_dense()(x), layer(x), atol=1e-5))
     True
+
+    Raises:
+      ValueError: this layer is a stack of layers (built by ``nnx.vmap``); call it per layer:
+        ``nnx.vmap(lambda layer: layer.to_dense(), in_axes=0, out_axes=0)(stack)``.
     """
+    check_one_layer(self, what="to_dense()")
     return dense_linear(
         self.sparse_kernel.to_dense(),
         bias_of(self),

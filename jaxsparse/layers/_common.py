@@ -27,6 +27,7 @@ from jaxsparse.formats import _nm_masks
 from jaxsparse.formats._masks import top_k_mask
 
 __all__ = [
+    "MissingPatternError",
     "NMPromote",
     "SPARSITY",
     "SparsityPattern",
@@ -39,8 +40,10 @@ __all__ = [
     "check_layer_inputs",
     "check_linear",
     "check_masked_implementation",
+    "check_one_layer",
     "check_one_of",
     "check_pattern",
+    "check_real_dtypes",
     "conv_options",
     "copy_bias",
     "custom_options",
@@ -208,6 +211,55 @@ def copy_bias(layer: nnx.Module, bias: jax.Array) -> None:
     layer.bias.set_value(jnp.asarray(bias))
 
 
+def check_real_dtypes(layer: type, **dtypes: Any) -> None:
+  """Raises a ``TypeError`` naming the layer's argument when one of ``dtypes`` (``name=dtype``, ``None`` skipped) is
+  complex, for layers whose products (the sparse ops, SR-STE's magnitudes) take real dtypes only.
+
+  Args:
+    layer: the layer's class, which the message names.
+    **dtypes: the layer's arguments as the user passed them (``param_dtype``, ``dtype``, ``inputs.dtype``, ...).
+  """
+  for name, dtype in dtypes.items():
+    if dtype is not None and jnp.issubdtype(jnp.dtype(dtype), jnp.complexfloating):
+      raise TypeError(
+          f"{layer.__name__} computes with real dtypes only (floating: float32, bfloat16, float16, float64, float8; "
+          f"integer inputs are promoted), got {name}={jnp.dtype(dtype)}. For complex weights or inputs use "
+          "MaskedLinear / MaskedConv, which compute as nnx.Linear / nnx.Conv do."
+      )
+
+
+def _one_layer_leaf(layer: nnx.Module) -> tuple[str, int]:
+  """The array attribute whose axes tell one layer from a stack of layers, and its number of axes for one layer."""
+  if getattr(layer, "storage", None) == "cusparselt":
+    return "kernel_buffer", 1  # CompressedNMLinear's one buffer
+  if hasattr(layer, "kernel_size"):
+    return "kernel", len(layer.kernel_size) + 2  # (*kernel_size, cin, cout)
+  if hasattr(layer, "block_shape"):
+    return "kernel", 3  # BlockSparseLinear's kept blocks (nnz_blocks, bk, bn)
+  return "kernel", 2
+
+
+def check_one_layer(layer: nnx.Module, *, what: str, owner: nnx.Module | None = None) -> None:
+  """Raises a ``ValueError`` when ``layer`` is a stack of layers (built by ``nnx.vmap``: its kernel has leading layer
+  axes) where ``what`` needs one layer, naming the kernel's shape and the per-layer call that works.
+
+  Args:
+    layer: a sparse layer (``MaskedLinear``, ``BlockSparseLinear``, ``NMConv``, ``CompressedNMLinear``, ...).
+    what: the method or property called, as the message names it (``"to_dense()"``, ``"sparse_kernel"``).
+    owner: the layer the user called ``what`` on, where it wraps ``layer`` (``SparseLinearGeneral``).
+  """
+  leaf, ndim = _one_layer_leaf(layer)
+  shape = tuple(jnp.shape(getattr(layer, leaf)[...]))
+  if len(shape) != ndim:
+    name = type(owner if owner is not None else layer).__name__
+    raise ValueError(
+        f"{name}.{what} works on one layer, but this {name} holds a stack of layers: its {leaf} has shape {shape}, "
+        f"{len(shape) - ndim} leading axis/axes more than one layer's {ndim} (made with nnx.vmap?). "
+        f"Call it per layer under the same transform, e.g. nnx.vmap(lambda layer: layer.{what}, in_axes=0, "
+        "out_axes=0)(stack) for a stack built with in_axes=0, out_axes=0."
+    )
+
+
 def dense_linear(kernel: jax.Array, bias: jax.Array | None, *, dtype, precision) -> nnx.Linear:
   """An ``nnx.Linear`` holding the ``(in, out)`` ``kernel`` and ``bias``."""
   return with_weights(
@@ -344,12 +396,17 @@ def check_layer_inputs(layer: nnx.Module, inputs: jax.typing.ArrayLike) -> None:
 _LIFTED_HINT = (
     f"under nn.scan / nn.vmap list the {SPARSITY!r} collection in variable_axes with the axis 'params' has, e.g. "
     f"variable_axes={{'params': 0, {SPARSITY!r}: 0}} (per-step parameters) or {{'params': None, {SPARSITY!r}: None}} "
-    "(parameters shared by every step)"
+    "(parameters shared by every step; nn.scan takes those as variable_broadcast=['params', "
+    f"{SPARSITY!r}])"
 )
 
 
+class MissingPatternError(ValueError):
+  """A Linen sparse layer applied without its :data:`SPARSITY` collection (:func:`missing_pattern`)."""
+
+
 def missing_pattern(module: nn.Module) -> ValueError:
-  return ValueError(
+  return MissingPatternError(
       f"{type(module).__name__} has no {SPARSITY!r} collection: pass the variables that `init` returned, "
       f"e.g. `apply({{'params': ..., {SPARSITY!r}: ...}}, x)`; {_LIFTED_HINT}."
   )

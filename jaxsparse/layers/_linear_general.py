@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxsparse import _utils
+from jaxsparse.layers._common import check_one_layer
 from jaxsparse.layers._common import with_weights
 
 __all__ = ["SparseLinearGeneral"]
@@ -128,7 +129,12 @@ class SparseLinearGeneral(nnx.Module):
     >>> x = jnp.ones((5, 2, 4))
     >>> bool(jnp.allclose(layer.to_dense()(x), layer(x), atol=1e-6))
     True
+
+    Raises:
+      ValueError: this layer is a stack of layers (built by ``nnx.vmap``); call it per layer:
+        ``nnx.vmap(lambda layer: layer.to_dense(), in_axes=0, out_axes=0)(stack)``.
     """
+    check_one_layer(self.layer, what="to_dense()", owner=self)
     lin = self.layer.to_dense()
     kernel = lin.kernel[...].reshape(*self.in_features, *self.out_features)
     return with_weights(

@@ -31,6 +31,7 @@ from jaxsparse.layers._common import check_known_in_features
 from jaxsparse.layers._common import check_layer_inputs
 from jaxsparse.layers._common import check_linear
 from jaxsparse.layers._common import check_masked_implementation
+from jaxsparse.layers._common import check_one_layer
 from jaxsparse.layers._common import check_one_of
 from jaxsparse.layers._common import check_pattern
 from jaxsparse.layers._common import conv_options
@@ -44,20 +45,6 @@ from jaxsparse.layers._common import random_mask
 from jaxsparse.layers._common import with_weights
 
 __all__ = ["MaskedConv", "MaskedDense", "MaskedLinear"]
-
-
-def check_one_layer(layer: nnx.Module, kernel_ndim: int, *, what: str) -> None:
-  """Raises a ``ValueError`` when ``layer`` is a stack of layers (built by ``nnx.vmap``: its kernel has leading layer
-  axes) where ``what`` needs one layer, naming the kernel's shape and the per-layer call that works."""
-  shape = tuple(layer.kernel.shape)
-  if len(shape) != kernel_ndim:
-    name = type(layer).__name__
-    raise ValueError(
-        f"{name}.{what} converts one layer, but this {name} holds a stack of layers: its kernel has shape {shape}, "
-        f"{len(shape) - kernel_ndim} leading axis/axes more than one layer's {kernel_ndim} (made with nnx.vmap?). "
-        f"Call it per layer under the same transform, e.g. nnx.vmap(lambda layer: layer.{what}, in_axes=0, "
-        "out_axes=0)(stack) for a stack built with in_axes=0, out_axes=0."
-    )
 
 
 def masked_kernel_init(kept: int | jax.Array, size: int) -> Initializer:
@@ -269,7 +256,7 @@ class MaskedLinear(nnx.Module):
       ValueError: this layer is a stack of layers (built by ``nnx.vmap``, its kernel ``(layers, in, out)``); call
         ``to_dense`` per layer: ``nnx.vmap(lambda layer: layer.to_dense(), in_axes=0, out_axes=0)(stack)``.
     """
-    check_one_layer(self, 2, what="to_dense()")
+    check_one_layer(self, what="to_dense()")
     kernel = self.kernel[...]
     return dense_linear(
         jnp.where(self.mask[...], kernel, jnp.zeros((), kernel.dtype)),
@@ -513,7 +500,7 @@ class MaskedConv(nnx.Conv):
       ValueError: this layer is a stack of layers (built by ``nnx.vmap``); call ``to_dense`` per layer, as for
         :meth:`MaskedLinear.to_dense`.
     """
-    check_one_layer(self, len(self.kernel_size) + 2, what="to_dense()")
+    check_one_layer(self, what="to_dense()")
     kernel = jnp.where(self.mask[...], self.kernel[...], jnp.zeros((), self.kernel.dtype))
     return with_weights(
         nnx.Conv, kernel, bias_of(self), self.in_features, self.out_features,

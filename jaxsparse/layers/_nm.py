@@ -38,6 +38,8 @@ from jaxsparse.layers._common import bias_of
 from jaxsparse.layers._common import check_in_features
 from jaxsparse.layers._common import check_layer_inputs
 from jaxsparse.layers._common import check_linear
+from jaxsparse.layers._common import check_one_layer
+from jaxsparse.layers._common import check_real_dtypes
 from jaxsparse.layers._common import check_transposable_layer
 from jaxsparse.layers._common import conv_options
 from jaxsparse.layers._common import default_bias_init
@@ -114,7 +116,8 @@ class NMLinear(_NMMixin, nnx.Linear):
       ``out_features`` a multiple of ``m``; :func:`jaxsparse.nm_mask`), so that the backward ``dY Wᵀ``
       runs on 2:4 sparse tensor cores too (see :func:`jaxsparse.ops.sr_ste_matmul`).
     use_bias, dtype, param_dtype, precision, kernel_init, bias_init, dot_general,
-      preferred_element_type, rngs: as ``nnx.Linear``.
+      preferred_element_type, rngs: as ``nnx.Linear``; ``param_dtype`` a real floating dtype (a complex one
+      raises ``TypeError``: SR-STE prunes by magnitude), while ``dtype`` and the inputs may be complex.
     promote_dtype: as ``nnx.Linear``; it runs after the N:M pruning.
     **kwargs: other ``nnx.Linear`` keyword arguments (e.g. ``kernel_metadata``).
   """
@@ -145,6 +148,7 @@ class NMLinear(_NMMixin, nnx.Linear):
     _utils.check_positive_int(out_features, name="out_features")
     transposable = check_transposable_layer(transposable, out_features, m)
     decay = _utils.check_decay(sr_ste_decay, name="sr_ste_decay")
+    check_real_dtypes(type(self), param_dtype=param_dtype)  # SR-STE prunes by magnitude: real weights
     nm_promote = NMPromote(n, m, decay, 0, promote_dtype, transposable=transposable)
     super().__init__(
         in_features,
@@ -263,7 +267,12 @@ class NMLinear(_NMMixin, nnx.Linear):
     >>> dense = layer.to_dense()
     >>> type(dense).__name__, bool(jnp.allclose(dense(jnp.ones((2, 8))), layer(jnp.ones((2, 8))), atol=1e-6))
     ('Linear', True)
+
+    Raises:
+      ValueError: this layer is a stack of layers (built by ``nnx.vmap``); call it per layer:
+        ``nnx.vmap(lambda layer: layer.to_dense(), in_axes=0, out_axes=0)(stack)``.
     """
+    check_one_layer(self, what="to_dense()")
     return with_weights(
         nnx.Linear, self.pruned_kernel(), bias_of(self), self.in_features, self.out_features, **linear_options(self)
     )
@@ -357,7 +366,8 @@ class NMConv(_NMMixin, nnx.Conv):
     in_features: input channels; ``in_features // feature_group_count`` a multiple of ``m``.
     out_features, kernel_size, strides, padding, input_dilation, kernel_dilation,
       feature_group_count, use_bias, mask, dtype, param_dtype, precision, kernel_init, bias_init,
-      conv_general_dilated, preferred_element_type, rngs: as ``nnx.Conv``.
+      conv_general_dilated, preferred_element_type, rngs: as ``nnx.Conv``; ``param_dtype`` a real floating
+      dtype (a complex one raises ``TypeError``), while ``dtype`` and the inputs may be complex.
     n, m: keep ``n`` of every ``m`` input channels, ``0 < n < m``.
     sr_ste_decay: SR-STE's decay of the pruned weights, ``>= 0``; ``0`` gives plain STE.
     transposable: prune with a mask that is N:M along the output channels too (``m <= 4``,
@@ -404,6 +414,7 @@ class NMConv(_NMMixin, nnx.Conv):
     check_in_features(in_features // feature_group_count, m, name="in_features // feature_group_count")
     transposable = check_transposable_layer(transposable, out_features, m)
     decay = _utils.check_decay(sr_ste_decay, name="sr_ste_decay")
+    check_real_dtypes(type(self), param_dtype=param_dtype)  # SR-STE prunes by magnitude: real weights
     nm_promote = NMPromote(n, m, decay, -2, promote_dtype, transposable=transposable)
     super().__init__(
         in_features,
@@ -497,7 +508,12 @@ class NMConv(_NMMixin, nnx.Conv):
     >>> conv = NMConv(8, 16, (3, 3), rngs=nnx.Rngs(0))
     >>> bool((conv.to_dense().kernel[...] == conv.pruned_kernel()).all())
     True
+
+    Raises:
+      ValueError: this layer is a stack of layers (built by ``nnx.vmap``); call it per layer:
+        ``nnx.vmap(lambda layer: layer.to_dense(), in_axes=0, out_axes=0)(stack)``.
     """
+    check_one_layer(self, what="to_dense()")
     return with_weights(
         nnx.Conv, self.pruned_kernel(), bias_of(self), self.in_features, self.out_features, self.kernel_size,
         **conv_options(self),

@@ -24,6 +24,8 @@ from jaxsparse.formats._nm import NMSparseMatrix
 from jaxsparse.layers._common import SparsityPattern
 from jaxsparse.layers._common import bias_of
 from jaxsparse.layers._common import check_layer_inputs
+from jaxsparse.layers._common import check_one_layer
+from jaxsparse.layers._common import check_real_dtypes
 from jaxsparse.layers._common import with_weights
 from jaxsparse.ops import _nm_matmul
 
@@ -119,7 +121,8 @@ class CompressedNMLinear(nnx.Module):
   Args:
     weight: a 2-D :class:`jaxsparse.NMSparseMatrix` ``(in_features, out_features)``.
     bias: ``(out_features,)`` or ``None``.
-    dtype, precision, promote_dtype, preferred_element_type: as ``nnx.Linear``.
+    dtype, precision, promote_dtype, preferred_element_type: as ``nnx.Linear``. Real dtypes only (``weight``,
+      ``dtype`` and the inputs; integer inputs are promoted): complex ones raise ``TypeError``.
     implementation: backend of :func:`jaxsparse.ops.nm_matmul`.
     cusparselt_copy: keep the cuSPARSELt copy ``kernel_cusparselt`` where it can be built (faster products of
       many rows, about twice the memory); ``False`` never builds one. Only with ``storage="values"``.
@@ -129,6 +132,7 @@ class CompressedNMLinear(nnx.Module):
       default GPU reads the buffer as its own, else ``"values"`` (the layer's ``storage`` attribute says which).
 
   Raises:
+    TypeError: a complex ``weight`` or ``dtype``.
     ValueError: ``storage="cusparselt"`` for a weight it cannot hold (not 2:4 along ``in_features``, or the
       sizes above), or an unknown ``storage``.
   """
@@ -152,6 +156,7 @@ class CompressedNMLinear(nnx.Module):
         what += f" of shape {tuple(weight.shape)}"
       raise TypeError(f"weight must be a 2-D jaxsparse.NMSparseMatrix, got {what}; NMSparseMatrix.from_dense builds "
                       "one from a dense (in_features, out_features) kernel.")
+    check_real_dtypes(type(self), **{"weight.dtype": weight.dtype, "dtype": dtype})
     if bias is not None and jnp.shape(bias) != (weight.shape[1],):
       raise ValueError(
           f"bias must have shape (out_features,) = ({weight.shape[1]},) for weight of shape {weight.shape}, got "
@@ -235,7 +240,13 @@ class CompressedNMLinear(nnx.Module):
 
   @property
   def weight(self) -> NMSparseMatrix:
-    """The compressed ``(in_features, out_features)`` kernel."""
+    """The compressed ``(in_features, out_features)`` kernel.
+
+    Raises:
+      ValueError: this layer is a stack of layers (built by ``nnx.vmap``); read it per layer:
+        ``nnx.vmap(lambda layer: layer.weight, in_axes=0, out_axes=0)(stack)``.
+    """
+    check_one_layer(self, what="weight")
     if self.storage == "cusparselt":
       return _nm_matmul.from_buffer(self.kernel_buffer[...], (self.in_features, self.out_features),
                                     self.kernel_buffer_dtype)
@@ -260,6 +271,7 @@ class CompressedNMLinear(nnx.Module):
 
     Raises:
       ValueError: ``inputs`` whose last axis is not ``in_features``.
+      TypeError: complex ``inputs``.
 
     >>> import jax, jax.numpy as jnp, jaxsparse
     >>> from jaxsparse.layers import CompressedNMLinear
@@ -269,6 +281,7 @@ class CompressedNMLinear(nnx.Module):
     True
     """
     check_layer_inputs(self, inputs)
+    check_real_dtypes(type(self), **{"inputs.dtype": jnp.result_type(inputs)})
     bias = bias_of(self)
     w = self.weight
     x, values, bias = self.promote_dtype((inputs, w.values, bias), dtype=self.dtype)
@@ -301,7 +314,12 @@ class CompressedNMLinear(nnx.Module):
     >>> w = jaxsparse.NMSparseMatrix.from_dense(jax.random.normal(jax.random.key(0), (64, 32)), 2, 4)
     >>> bool((CompressedNMLinear(w).to_dense().kernel[...] == w.to_dense()).all())
     True
+
+    Raises:
+      ValueError: this layer is a stack of layers (built by ``nnx.vmap``); call it per layer:
+        ``nnx.vmap(lambda layer: layer.to_dense(), in_axes=0, out_axes=0)(stack)``.
     """
+    check_one_layer(self, what="to_dense()")
     return with_weights(
         nnx.Linear,
         self.weight.to_dense(),

@@ -99,14 +99,10 @@ def block_sparse_matmul_reference(
 # -------------------------------------------------------------------------------------------------
 
 
-def _acc_dtype(dtype) -> jnp.dtype:
-  return jnp.promote_types(dtype, jnp.float32)
-
-
 def _wider_than_f32(out_dtype) -> bool:
   """Whether a result of ``out_dtype`` (a float64 one of float32 operands) needs more than the float32 accumulation
   of the kernels: only the XLA block loop and the dense route accumulate in it."""
-  return _acc_dtype(out_dtype) != jnp.dtype(jnp.float32)
+  return _utils.accumulation_dtype(out_dtype) != jnp.dtype(jnp.float32)
 
 
 def _slabs(a2: jax.Array, block: int) -> jax.Array:
@@ -128,9 +124,9 @@ def _dot(a, b, contract, precision, acc):
 def _loop_forward(x2: jax.Array, w: BlockSparseMatrix, *, precision=None, out_dtype=None) -> jax.Array:
   """``x2 (M, K) @ W -> (M, N)`` walking the kept blocks; reference for the Pallas forward kernel."""
   (bk, bn), (_, nb) = w.block_shape, w.grid_shape
-  acc = _acc_dtype(jnp.result_type(x2.dtype, w.dtype))
+  acc = _utils.accumulation_dtype(x2.dtype, w.dtype)
   if out_dtype is not None and jnp.issubdtype(out_dtype, jnp.floating):
-    acc = jnp.promote_types(acc, out_dtype)  # a float64 result of float32 operands accumulates in float64
+    acc = _utils.accumulation_dtype(acc, out_dtype)  # a float64 result of float32 operands accumulates in float64
   xT = _slabs(x2, bk)
   data, rows, cols, order = w.data, w.row_indices, w.col_indices, w.transpose_order
 
@@ -152,7 +148,7 @@ def _loop_backward(
 ) -> tuple[jax.Array | None, jax.Array | None]:
   """``dX = dY @ Wᵀ`` and ``dW = (xᵀ dY)`` on the kept blocks, in one pass over the blocks."""
   (bk, bn), (kb, _) = w.block_shape, w.grid_shape
-  acc = _acc_dtype(jnp.result_type(x2.dtype, dy2.dtype, w.dtype))
+  acc = _utils.accumulation_dtype(x2.dtype, dy2.dtype, w.dtype)
   dyT = _slabs(dy2, bn)
   xT = _slabs(x2, bk) if need_dw else None
   data, rows, cols = w.data, w.row_indices, w.col_indices
@@ -526,7 +522,9 @@ def block_sparse_matmul(
 
   Raises:
     TypeError: ``preferred_element_type`` is not a floating dtype or ``None``;
-      ``w`` is not a :class:`jaxsparse.BlockSparseMatrix`; ``x`` does not have a floating dtype.
+      ``w`` is not a :class:`jaxsparse.BlockSparseMatrix`; ``x`` does not have a floating dtype;
+      float operands of two dtypes where one is an 8-bit float (``float8_e4m3fn``, ``float8_e5m2``: one
+      dtype for both, cast one; float8 operands of one dtype multiply as in ``jnp.matmul``, in float32).
     ValueError: ``x`` is not ``(..., K)`` with ``K = w.shape[0]``, or ``K == 0``; ``w.data`` or an index array
       has the wrong shape or dtype (e.g. a matrix rebuilt with ``tree_unflatten``); an unknown
       ``implementation``.
@@ -538,7 +536,7 @@ def block_sparse_matmul(
   w._check_static()  # index arrays' shapes and dtypes, also of a matrix from tree_unflatten (no constructor)
   x = _utils.check_activations(x, w.shape[0])
   impl = _check_implementation(implementation)
-  out_dtype = _utils.check_preferred_element_type(preferred_element_type) or jnp.result_type(x.dtype, w.dtype)
+  out_dtype = _utils.result_dtype(x.dtype, w.dtype, preferred_element_type)
   if math.prod(x.shape[:-1]) == 0:  # no rows (an empty batch): nothing to multiply, and no kernel tiles zero rows
     return jnp.zeros((*x.shape[:-1], w.shape[1]), out_dtype)
   cfg = _Config(impl, precision, out_dtype)

@@ -88,7 +88,7 @@ def _local_backward(cfg: _Config, x2, dy2, w, mask):
     return dx.astype(x2.dtype), dw.astype(w.dtype)
 
   def dense():
-    acc = jnp.promote_types(dy2.dtype, jnp.float32)
+    acc = _utils.accumulation_dtype(dy2.dtype)
     w_eff = jnp.where(mask, w, jnp.zeros((), w.dtype))
     dx = jnp.matmul(dy2, w_eff.T, precision=cfg.precision, preferred_element_type=acc)
     dw = jnp.matmul(x2.T, dy2, precision=cfg.precision, preferred_element_type=acc)
@@ -164,7 +164,9 @@ def masked_matmul(
     ValueError: ``w`` is not 2-D; ``x`` is not ``(..., K)`` with ``K = w.shape[0]``, or ``K == 0``; ``mask`` is
       not of ``w``'s shape; an unknown ``implementation``.
     TypeError: ``preferred_element_type`` is not a floating dtype or ``None``; ``mask`` is not a boolean array;
-      ``implementation="cpu"`` with dtypes other than float32, bfloat16 and float16.
+      ``implementation="cpu"`` with dtypes other than float32, bfloat16 and float16;
+      float operands of two dtypes where one is an 8-bit float (``float8_e4m3fn``, ``float8_e5m2``: one
+      dtype for both, cast one; float8 operands of one dtype multiply as in ``jnp.matmul``, in float32).
     RuntimeError: ``implementation="cpu"`` where the C++ kernels cannot be built or loaded, or the product is
       lowered for a platform other than the CPU.
   """
@@ -177,7 +179,7 @@ def masked_matmul(
   impl = check_cpu_implementation(implementation, op="masked_matmul")
   # Under explicit mesh axes: x's rows split, w and mask gathered, on every route (ops/_sharding.py).
   x, (w, mask) = _sharding.rows_and_replicated_weights(x, (w, mask))
-  out_dtype = jnp.dtype(pet or jnp.result_type(x.dtype, w.dtype))
+  out_dtype = _utils.result_dtype(x.dtype, w.dtype, pet)
   if impl == "cpu" and not cpu_supports(x.dtype, w.dtype):
     raise TypeError(f"implementation='cpu' supports float32, bfloat16 and float16, got {x.dtype} and {w.dtype}.")
   cfg = _Config(precision, out_dtype, check_density=implementation is None)

@@ -431,7 +431,7 @@ def _nm_matmul_fwd(cfg, x, w, blob):
 
 
 def _local_backward(cfg: _Config, x2, dy2, w):
-  acc = jnp.promote_types(jnp.result_type(x2.dtype, dy2.dtype, w.dtype), jnp.float32)
+  acc = _utils.accumulation_dtype(x2.dtype, dy2.dtype, w.dtype)
   wd = w.to_dense()
   dx = lax.dot_general(dy2, wd, (((1,), (1,)), ((), ())), precision=cfg.precision, preferred_element_type=acc)
   dw = lax.dot_general(x2, dy2, (((0,), (0,)), ((), ())), precision=cfg.precision, preferred_element_type=acc)
@@ -510,7 +510,9 @@ def nm_matmul(
   Raises:
     TypeError: ``preferred_element_type`` is not a floating dtype or ``None``;
       ``w`` is not a :class:`jaxsparse.NMSparseMatrix`; ``x`` does not have a floating dtype;
-      ``cusparselt_weight`` is not a 1-D uint8 array.
+      ``cusparselt_weight`` is not a 1-D uint8 array;
+      float operands of two dtypes where one is an 8-bit float (``float8_e4m3fn``, ``float8_e5m2``: one
+      dtype for both, cast one; float8 operands of one dtype multiply as in ``jnp.matmul``, in float32).
     ValueError: ``w`` is not 2-D, or its ``values`` / positions have the wrong shape or dtype (e.g. a matrix
       rebuilt with ``tree_unflatten``); ``x`` is not ``(..., K)`` with ``K = w.shape[0]``, or ``K == 0``; an
       unknown ``implementation``; ``implementation="cusparselt"`` with operands cuSPARSELt does not take (not
@@ -551,7 +553,7 @@ def _call(x, w: NMSparseMatrix, implementation, precision, preferred_element_typ
           buffer_only: bool = False) -> jax.Array:
   x = _utils.check_activations(x, w.shape[0])
   impl = _check_implementation(implementation)
-  out_dtype = _utils.check_preferred_element_type(preferred_element_type) or jnp.result_type(x.dtype, w.dtype)
+  out_dtype = _utils.result_dtype(x.dtype, w.dtype, preferred_element_type)
   if impl == "cusparselt":
     reason = cusparselt_unsupported_reason(w, x.dtype)
     if not reason and out_dtype != x.dtype:

@@ -211,7 +211,7 @@ def _csr_backward(cfg: _Config, x: jax.Array, dy: jax.Array, w: CSRMatrix) -> tu
   def bwd(x2, dy2, b):
     if not cfg.dense_backward:
       return _kernels.csr_backward(f32(x2), f32(b.data), b.row_offsets, b.col_indices, f32(dy2))
-    acc = jnp.promote_types(jnp.result_type(x2.dtype, dy2.dtype, b.dtype), jnp.float32)
+    acc = _utils.accumulation_dtype(x2.dtype, dy2.dtype, b.dtype)
     dx = jnp.matmul(dy2, _dense_weight(b).T, precision=cfg.precision, preferred_element_type=acc)
     dw = jnp.matmul(x2.T, dy2, precision=cfg.precision, preferred_element_type=acc)
     return dx, _kernels.csr_take(f32(dw), b.row_offsets, b.col_indices)
@@ -274,7 +274,9 @@ def sparse_matmul(
   Raises:
     TypeError: ``preferred_element_type`` is not a floating dtype or ``None``;
       ``w`` is not a :class:`jaxsparse.CSRMatrix`; ``x`` does not have a floating dtype;
-      ``implementation="cpu"`` with dtypes other than float32, bfloat16 and float16.
+      ``implementation="cpu"`` with dtypes other than float32, bfloat16 and float16;
+      float operands of two dtypes where one is an 8-bit float (``float8_e4m3fn``, ``float8_e5m2``: one
+      dtype for both, cast one; float8 operands of one dtype multiply as in ``jnp.matmul``, in float32).
     ValueError: ``x`` is not ``(..., K)`` with ``K = w.shape[0]``, or ``K == 0``; ``w.data`` or an index array
       has the wrong shape or dtype (e.g. a matrix rebuilt with ``tree_unflatten``); an unknown
       ``implementation``.
@@ -286,7 +288,7 @@ def sparse_matmul(
   w._check_static()  # index arrays' shapes and dtypes, also of a matrix from tree_unflatten (no constructor)
   x = _utils.check_activations(x, w.shape[0])
   impl = check_cpu_implementation(implementation, op="sparse_matmul")
-  out_dtype = _utils.check_preferred_element_type(preferred_element_type) or jnp.result_type(x.dtype, w.dtype)
+  out_dtype = _utils.result_dtype(x.dtype, w.dtype, preferred_element_type)
   if impl == "cpu" and not cpu_supports(x.dtype, w.dtype):
     raise TypeError(f"implementation='cpu' supports float32, bfloat16 and float16, got {x.dtype} and {w.dtype}.")
   # The default runs dense-ish patterns on the dense route; implementation="cpu" always runs the sparse kernels.

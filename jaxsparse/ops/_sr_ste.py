@@ -492,7 +492,8 @@ def sr_ste_matmul(
 
   Raises:
     TypeError: ``preferred_element_type`` is not a floating dtype or ``None``; ``n`` or ``m`` is not an int;
-      ``transposable`` is not a bool; ``w`` does not have a floating dtype.
+      ``transposable`` is not a bool; ``w`` does not have a floating dtype; ``x`` and ``dtype`` (the kernel's
+      compute dtype) two float dtypes where one is an 8-bit float (one dtype for both: cast one).
     ValueError: not ``0 < n < m`` (``m >= 2``); ``decay`` is not a finite number ``>= 0``, or is traced; an
       unknown ``implementation``; ``w`` is not 2-D or ``x`` not ``(..., K)`` with ``K = w.shape[0]``; ``m``
       does not divide ``K``; ``transposable=True`` with ``m > 4`` or not dividing
@@ -513,6 +514,7 @@ def sr_ste_matmul(
   transposable = _nm_masks.check_transposable(transposable, w.shape, m, 0)
   dtype = jnp.dtype(dtype or w.dtype)
   pet = _utils.check_preferred_element_type(preferred_element_type)
+  _utils.result_dtype(x.dtype, dtype, pet, names=("x.dtype", "dtype (w's compute dtype)"))
   cfg = _MatmulConfig(n, m, decay, dtype, precision, pet, transposable)
   # Under explicit mesh axes: x's rows split, w gathered (its mask then computed whole), on every route.
   x, (w,) = _sharding.rows_and_replicated_weights(x, (w,))
