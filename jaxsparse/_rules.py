@@ -24,6 +24,7 @@ from flax import nnx
 from flax.nnx import graph
 
 from jaxsparse import _utils
+from jaxsparse.formats._specs import NM
 from jaxsparse.formats._specs import SPECS
 from jaxsparse.formats._specs import Spec
 
@@ -115,6 +116,31 @@ def match_rules(resolved: list[tuple[str, re.Pattern, Any]], path: str, *, owner
     if compiled.fullmatch(path) or (owner is not None and compiled.fullmatch(owner)):
       return i
   return None
+
+
+def embedding_rule(resolved: list[tuple[str, re.Pattern, Any]], path: str, layer_paths: Sequence[str], *,
+                   kind: str, layers: str, features: int) -> Any:
+  """The structure a rule aimed at the embedding at ``path`` gives it, or ``None``.
+
+  An embedding takes the first rule that fully matches its path only when that rule matches none of the model's
+  ``layer_paths`` (its Linear / Conv layers; a rule naming it, like ``"embed"``): catch-all rules leave embeddings
+  dense. Such a rule must be an ``NM`` one, not transposable, whose ``m`` divides ``features``; else a
+  ``ValueError`` names the embedding (its path and ``kind``) and the layers that take other structures (``layers``).
+  """
+  name = path or "(the model itself)"
+  r = match_rules(resolved, path)
+  if r is None or resolved[r][2] is None or any(resolved[r][1].fullmatch(q) for q in layer_paths):
+    return None
+  spec = resolved[r][2]
+  if not isinstance(spec, NM) or spec.transposable:
+    raise ValueError(
+        f"{name} ({kind}): rule {resolved[r][0]!r} gives it {spec.describe()}, but an embedding takes only NM(n, m) "
+        "rules (not transposable): it is stored as a CompressedNMEmbed, n of every m features of each row kept. "
+        f"Supported for other structures: {layers}. Map it to None or narrow the rule."
+    )
+  if features % spec.m:
+    raise ValueError(f"{name}: m={spec.m} must divide the embedding's features={features}.")
+  return spec
 
 
 def warn_unmatched(

@@ -46,6 +46,7 @@ import numpy as np
 
 from jaxsparse._rules import check_unsupported
 from jaxsparse._rules import dense_general_dims
+from jaxsparse._rules import embedding_rule
 from jaxsparse._rules import match_rules
 from jaxsparse._rules import resolve_rules
 from jaxsparse._rules import warn_unmatched
@@ -443,21 +444,10 @@ def _chosen_embeds(resolved: list, called: Mapping[tuple, _Found], dense_paths: 
   out = []
   for path, f in called.items():
     p = ".".join(path)
-    r = match_rules(resolved, p)
-    if r is None or resolved[r][2] is None or any(resolved[r][1].fullmatch(q) for q in dense_paths):
-      continue
-    spec = resolved[r][2]
-    if not isinstance(spec, NM) or spec.transposable:
-      raise ValueError(
-          f"{p or '(the model itself)'} (nn.Embed): rule {resolved[r][0]!r} gives it {spec.describe()}, but an "
-          "embedding takes only NM(n, m) rules (not transposable): it runs as a CompressedNMEmbed, n of every m "
-          "features of each row kept. Supported for other structures: nn.Dense, nn.DenseGeneral (trailing axes), "
-          "nn.Conv. Map it to None or narrow the rule."
-      )
-    if f.module.features % spec.m:
-      raise ValueError(f"{p or '(the model itself)'}: m={spec.m} must divide the embedding's "
-                       f"features={f.module.features}.")
-    out.append((path, spec))
+    spec = embedding_rule(resolved, p, dense_paths, kind="nn.Embed",
+                          layers="nn.Dense, nn.DenseGeneral (trailing axes), nn.Conv", features=f.module.features)
+    if spec is not None:
+      out.append((path, spec))
   return out
 
 

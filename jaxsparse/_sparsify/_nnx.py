@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 
 from jaxsparse._rules import Probe
+from jaxsparse._rules import embedding_rule
 from jaxsparse._rules import linear_general_unsupported
 from jaxsparse._rules import masks_to_dict
 from jaxsparse._rules import match_rules
@@ -282,23 +283,11 @@ def _chosen_embeds(model: nnx.Module, resolved: list, linear_paths: list[str]) -
   """
   out = []
   for path, node in nnx.iter_modules(model):
-    if not isinstance(node, nnx.Embed):
-      continue
-    p = path_str(path)
-    r = match_rules(resolved, p)
-    if r is None or resolved[r][2] is None or any(resolved[r][1].fullmatch(q) for q in linear_paths):
-      continue
-    spec = resolved[r][2]
-    if not isinstance(spec, NM) or spec.transposable:
-      raise ValueError(
-          f"{p} (nnx.{type(node).__name__}): rule {resolved[r][0]!r} gives it {spec.describe()}, but an embedding "
-          "takes only NM(n, m) rules (not transposable): it is stored as a CompressedNMEmbed, n of every m features "
-          "of each row kept. Supported for other structures: nnx.Linear, nnx.LinearGeneral (trailing axes), "
-          "nnx.Conv. Map it to None or narrow the rule."
-      )
-    if node.features % spec.m:
-      raise ValueError(f"{p}: m={spec.m} must divide the embedding's features={node.features}.")
-    out.append((tuple(path), node, spec))
+    if isinstance(node, nnx.Embed):
+      spec = embedding_rule(resolved, path_str(path), linear_paths, kind=f"nnx.{type(node).__name__}",
+                            layers="nnx.Linear, nnx.LinearGeneral (trailing axes), nnx.Conv", features=node.features)
+      if spec is not None:
+        out.append((tuple(path), node, spec))
   return out
 
 

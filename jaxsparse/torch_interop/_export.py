@@ -221,23 +221,15 @@ def _linen_entries(variables: Mapping, module: Any = None) -> list[_Entry]:
         mask = np.repeat(np.repeat(_np(mat.block_mask), bk, 0), bn, 1)
         entries.append(_Entry(fp, "weight", torch_layout(_np(mat.to_dense())), torch_layout(mask),
                               block_shape=(bn, bk)))
-      elif name == "kernel" and "kernel_positions" in sp:  # CompressedNMDense (compress_linen): kept values
+      elif name in ("kernel", "embedding") and f"{name}_positions" in sp:
+        # Kept N:M values: a CompressedNMDense's kernel (compress_linen) or a CompressedNMEmbed's table (transposed).
         if fp not in nm:
-          raise TypeError(f"{fp or '(the variables)'} holds a compressed N:M kernel (CompressedNMDense), whose n:m "
-                          "only its module knows: pass module= (the SparsifiedLinen that jaxsparse.compress_linen "
-                          "returned).")
+          what, maker = (("kernel (CompressedNMDense)", "compress_linen") if name == "kernel" else
+                         ("embedding (CompressedNMEmbed)", "sparsify_linen"))
+          raise TypeError(f"{fp or '(the variables)'} holds a compressed N:M {what}, whose n:m only its module knows: "
+                          f"pass module= (the SparsifiedLinen that jaxsparse.{maker} returned).")
         n, m = nm[fp].spec.n, nm[fp].spec.m
-        mat = NMSparseMatrix(value, _np(sp["kernel_positions"]), shape=(value.shape[0] * m // n, value.shape[1]),
-                             n=n, m=m)
-        entries.append(_Entry(fp, "weight", torch_layout(_np(mat.to_dense())), torch_layout(_np(mat.mask())),
-                              nm=(n, m)))
-      elif name == "embedding" and "embedding_positions" in sp:  # a Linen CompressedNMEmbed: the table transposed
-        if fp not in nm:
-          raise TypeError(f"{fp or '(the variables)'} holds a compressed N:M embedding (CompressedNMEmbed), whose n:m "
-                          "only its module knows: pass module= (the SparsifiedLinen that jaxsparse.sparsify_linen "
-                          "returned).")
-        n, m = nm[fp].spec.n, nm[fp].spec.m
-        mat = NMSparseMatrix(value, _np(sp["embedding_positions"]), shape=(value.shape[0] * m // n, value.shape[1]),
+        mat = NMSparseMatrix(value, _np(sp[f"{name}_positions"]), shape=(value.shape[0] * m // n, value.shape[1]),
                              n=n, m=m)
         entries.append(_Entry(fp, "weight", torch_layout(_np(mat.to_dense())), torch_layout(_np(mat.mask())),
                               nm=(n, m)))
