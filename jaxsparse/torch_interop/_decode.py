@@ -38,6 +38,9 @@ from typing import Any
 
 import numpy as np
 
+from jaxsparse.torch_interop._conv1d import CONV1D_FORMAT
+from jaxsparse.torch_interop._conv1d import check_conv1d
+from jaxsparse.torch_interop._conv1d import conv1d_weights
 from jaxsparse.torch_interop._load import CheckpointError
 from jaxsparse.torch_interop._load import TensorSource
 from jaxsparse.torch_interop._load import import_torch
@@ -46,10 +49,7 @@ from jaxsparse.torch_interop._patterns import Pattern
 from jaxsparse.torch_interop._patterns import detect_pattern
 from jaxsparse.torch_interop._patterns import nm_mask_torch
 
-__all__ = ["CONV1D_FORMAT", "NMSpec", "check_conv1d", "TorchParam", "decode_checkpoint", "float_value", "to_numpy"]
-
-# Ends the format of a transformers Conv1D weight, decoded transposed to the Linear layout (out, in).
-CONV1D_FORMAT = "Conv1D (in, out)"
+__all__ = ["NMSpec", "TorchParam", "decode_checkpoint", "float_value", "to_numpy"]
 
 NMSpec = tuple[int, int] | Mapping[str, tuple[int, int]] | None
 
@@ -636,7 +636,7 @@ def decode_checkpoint(
     if progress is not None:
       progress(i + 1, len(plan))
   try:
-    transposed = _conv1d_weights(decoded, src.module_types, conv1d)
+    transposed = conv1d_weights(decoded, src.module_types, conv1d)
   except CheckpointError as e:
     raise CheckpointError(f"{src.origin}: {e}") from e  # a checkpoint-wide question: collect cannot answer it
   for name, (value, mask, fmt, keys) in decoded.items():
@@ -654,59 +654,3 @@ def decode_checkpoint(
     except CheckpointError as e:
       failed(name, keys, e)
   return {name: out[name] for name in dict.fromkeys(n for n, _, _ in plan) if name in out}
-
-
-def check_conv1d(conv1d: str | None) -> None:
-  """Raises unless ``conv1d`` is ``None`` or a regex that compiles (naming the value)."""
-  if conv1d is not None and not isinstance(conv1d, str):
-    raise TypeError(f"conv1d must be a regex (str) of Conv1D module paths or None, got {conv1d!r}.")
-  try:
-    re.compile("" if conv1d is None else conv1d)
-  except re.error as e:
-    raise ValueError(f"conv1d={conv1d!r} is not a valid regular expression ({e}).") from e
-
-
-def _is_conv1d(kind: type) -> bool:
-  """Whether a torch module class is (a subclass of) transformers' ``Conv1D``, without importing transformers."""
-  return any(c.__name__ == "Conv1D" and c.__module__.split(".")[0] == "transformers" for c in kind.__mro__)
-
-
-def _conv1d_weights(decoded: Mapping[str, tuple], module_types: Mapping[str, type], conv1d: str | None) -> set[str]:
-  """The names of the 2-D weights stored ``(in, out)`` as transformers' ``Conv1D`` (GPT-2) stores them.
-
-  Decided per module, first to last: its class (a ``torch.nn.Module`` source), the ``conv1d`` regex, its 1-D bias
-  (a Linear ``(out, in)`` weight's bias has ``out`` entries: one of ``shape[1] != shape[0]`` entries means ``(in,
-  out)``). A square weight with a bias cannot tell; once a non-square one has shown ``(in, out)`` weights in the
-  checkpoint, such square weights raise instead of being read as Linear ones.
-  """
-  found, square = set(), []
-  for name, (value, *_) in decoded.items():
-    mod, _, param = name.rpartition(".")
-    if param != "weight" or value.ndim != 2:
-      continue
-    kind = module_types.get(mod)
-    if kind is not None:
-      if _is_conv1d(kind):
-        found.add(name)
-      continue
-    if conv1d is not None:
-      if re.search(conv1d, mod):
-        found.add(name)
-      continue
-    bias = decoded.get(_join(mod, "bias"))
-    if bias is None or bias[0].ndim != 1 or bias[0].shape[0] != value.shape[1]:
-      continue
-    if value.shape[0] == value.shape[1]:
-      square.append(name)
-    else:
-      found.add(name)
-  if found and square:
-    listing = ", ".join(square[:5]) + (f" and {len(square) - 5} more" if len(square) > 5 else "")
-    raise CheckpointError(
-        f"{sorted(found)[0]!r} is stored (in, out) (its bias has {decoded[sorted(found)[0]][0].shape[1]} entries, its "
-        f"second dimension), as transformers' Conv1D (GPT-2) stores weights, so the square weight(s) {listing} may be "
-        "(in, out) too or torch Linear (out, in) ones: a state dict does not tell. Pass the torch module itself "
-        "(its Conv1D modules are known), or conv1d= a regex (re.search) of the Conv1D module paths (CLI: --conv1d), "
-        r"e.g. conv1d=r'\.(c_attn|c_proj|c_fc)$'."
-    )
-  return found

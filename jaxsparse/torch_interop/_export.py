@@ -28,7 +28,7 @@ from jaxsparse.formats._nm import NMSparseMatrix
 from jaxsparse.formats._nm_masks import nm_mask
 from jaxsparse.formats._specs import NM
 from jaxsparse.formats._specs import matrix_shape
-from jaxsparse.torch_interop._decode import check_conv1d
+from jaxsparse.torch_interop._conv1d import check_conv1d
 from jaxsparse.torch_interop._load import CheckpointError
 from jaxsparse.torch_interop._load import import_torch
 from jaxsparse.torch_interop._load import to_torch
