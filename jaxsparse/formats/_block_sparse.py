@@ -23,7 +23,8 @@ from jaxsparse.formats._base import mask_pattern_indices
 from jaxsparse.formats._base import poison_miscounted
 from jaxsparse.formats._masks import replicated
 
-__all__ = ["INDEX_FIELDS", "BlockSparseMatrix", "block_pattern_indices", "merge_block_data", "split_blocks"]
+__all__ = ["INDEX_FIELDS", "BlockSparseMatrix", "block_pattern_indices", "block_slots", "merge_block_data",
+           "split_blocks"]
 
 
 def block_pattern_indices(block_mask: Any, *, nnz_blocks: int | None = None) -> dict[str, Any]:
@@ -278,6 +279,13 @@ class BlockSparseMatrix(IndexedSparseMatrix):
         f"BlockSparseMatrix(shape={self.shape}, block_shape={self.block_shape}, "
         f"nnz_blocks={self.nnz_blocks}, density={self.density:.3f}, dtype={self.data.dtype})"
     )
+
+
+def block_slots(w: BlockSparseMatrix) -> jax.Array:
+  """``(kb, nb)`` int32: the position in ``w.data`` of the block kept at each place of the grid, ``-1`` where none is
+  (the kernels' schedules and the dense route's weight build read it)."""
+  where = jnp.arange(w.nnz_blocks, dtype=jnp.int32)
+  return jnp.full(w.grid_shape, -1, jnp.int32).at[w.row_indices, w.col_indices].set(where)
 
 
 def _sub_indices(r: int, c: int) -> tuple[jax.Array, jax.Array]:

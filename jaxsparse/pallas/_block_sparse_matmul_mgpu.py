@@ -56,6 +56,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
+from jaxsparse.formats._block_sparse import block_slots
 from jaxsparse.pallas._common import check_pattern
 from jaxsparse.pallas._common import chunk
 from jaxsparse.pallas._common import grouped_tile
@@ -117,8 +118,7 @@ def steps_of(w: BlockSparseMatrix, *, transpose: bool, group: int = 1) -> tuple[
   kb, nb = w.grid_shape
   num_out, num_a = (kb, nb) if transpose else (nb, kb)
   num_tc = -(-num_out // group)
-  where = jnp.arange(w.nnz_blocks, dtype=jnp.int32)
-  slot = jnp.full((kb, nb), -1, jnp.int32).at[w.row_indices, w.col_indices].set(where)
+  slot = block_slots(w)
   by_out = jnp.pad(slot if transpose else slot.T, ((0, num_tc * group - num_out), (0, 0)), constant_values=-1)
   grouped = by_out.reshape(num_tc, group, num_a).transpose(0, 2, 1).reshape(num_tc * num_a, group)
   # Compaction with one running count: step i (of the tile columns' a blocks in order) goes to position

@@ -15,6 +15,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
+from jaxsparse.formats._block_sparse import block_slots
 from jaxsparse.pallas._common import available
 from jaxsparse.pallas._common import whole_block
 
@@ -58,12 +59,6 @@ def _build_kernel(slot_ref, data_ref, o_ref, *, group: int):
     o_ref[:, pl.ds(g * bn, bn)] = block.astype(o_ref.dtype)
 
 
-def _slots(w: BlockSparseMatrix) -> jax.Array:
-  """``(kb, nb)`` int32: the position in ``w.data`` of each kept block, ``-1`` where none is kept."""
-  where = jnp.arange(w.nnz_blocks, dtype=jnp.int32)
-  return jnp.full(w.grid_shape, -1, jnp.int32).at[w.row_indices, w.col_indices].set(where)
-
-
 def dense_weight(w: BlockSparseMatrix, dtype, *, interpret: bool = False, kernel: bool | None = None) -> jax.Array:
   """The dense ``(K, N)`` weight of ``w`` in ``dtype``, built in one pass for the dense-product route.
 
@@ -88,6 +83,7 @@ def dense_weight(w: BlockSparseMatrix, dtype, *, interpret: bool = False, kernel
   dtype = jnp.dtype(dtype)
   if w.nnz_blocks == 0:
     return jnp.zeros(w.shape, dtype)
+  slots = block_slots(w)
   if kernel is not False and build_kernel_supports(w) and (interpret or available()):
     group = _build_group((bk, bn), nb)
     return pl.pallas_call(
@@ -99,10 +95,9 @@ def dense_weight(w: BlockSparseMatrix, dtype, *, interpret: bool = False, kernel
         compiler_params=pltriton.CompilerParams(num_warps=_BUILD_NUM_WARPS, num_stages=1),
         interpret=interpret,
         name=f"block_sparse_dense_weight_{bk}x{bn}",
-    )(_slots(w), w.data)
-  slot = jnp.where(_slots(w) < 0, w.nnz_blocks, _slots(w))
-  data = jnp.concatenate([w.data.astype(dtype), jnp.zeros((1, bk, bn), dtype)])
-  return data[slot].transpose(0, 2, 1, 3).reshape(w.shape)
+    )(slots, w.data)
+  data = jnp.concatenate([w.data.astype(dtype), jnp.zeros((1, bk, bn), dtype)])  # position nnz: the zero block
+  return data[jnp.where(slots < 0, w.nnz_blocks, slots)].transpose(0, 2, 1, 3).reshape(w.shape)
 
 
 def dense_product_dtype(operand_dtype, out_dtype) -> jnp.dtype:
