@@ -37,6 +37,7 @@ from _gpu_timing import time_ms
 import jaxsparse
 from jaxsparse import ops
 from jaxsparse._tuning import _cache as _tuning_cache
+from jaxsparse._tuning import train_step
 
 TINY = ((2048, 2048), (2048, 256), (2048, 5632), (5632, 2048))
 LLAMA8B = ((4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096))
@@ -134,8 +135,28 @@ def decode_loop(layers: int, steps: int, iterations: int) -> list[dict]:
   return out
 
 
-def _loss(f):
-  return jax.value_and_grad(lambda a, b: f(a, b).astype(jnp.float32).sum(), argnums=(0, 1))
+# The layer's value and gradients for the loss sum(y^2) / 2 (dY = y): a cotangent that depends on the forward, as in
+# a real step. Under sum(y) XLA ran dW before the forward and fused the dense step's weight cast into the optimizer
+# update (the dense step 15 us faster than any real one at 2048 x 5632, 256 rows).
+_loss = train_step
+# Routes timed forced beside the modes (each where it runs).
+ROUTES = ("xla", "prune_kernel", "cusparselt")
+
+
+def _sr_ste(impl):
+  return lambda a, b: ops.sr_ste_matmul(a, b, 2, 4, dtype=jnp.bfloat16, implementation=impl)
+
+
+def _forced(row: dict, wrap, args, iterations: int, t_dense: float) -> None:
+  """``row[route]``: the time of ``wrap(sr_ste_matmul forced to route)`` on ``args`` over ``t_dense``, for each of
+  ``ROUTES`` (``"-"`` where it cannot run)."""
+  for route in ROUTES:
+    try:
+      with jaxsparse.autotune_mode("off"):
+        row[route] = time_ms(wrap(_sr_ste(route)), *args, iterations=iterations) / t_dense
+    except RuntimeError as e:  # the route cannot run these operands here
+      log(f"{route}: {e}")
+      row[route] = "-"
 
 
 def sr_ste_steps(iterations: int) -> list[dict]:
@@ -148,9 +169,9 @@ def sr_ste_steps(iterations: int) -> list[dict]:
       row = {"shape": f"{k}x{n}", "rows": m}
       for mode in MODES:
         with jaxsparse.autotune_mode(mode):
-          f = _loss(lambda a, b: ops.sr_ste_matmul(a, b, 2, 4, dtype=jnp.bfloat16))
-          row[mode] = time_ms(f, x, w, iterations=iterations) / t_dense
+          row[mode] = time_ms(_loss(_sr_ste(None)), x, w, iterations=iterations) / t_dense
           row[f"{mode}/route"] = _choices() if mode == "tune" else ""
+      _forced(row, _loss, (x, w), iterations, t_dense)
       log(json.dumps(row))
       out.append(row)
   return out
@@ -184,9 +205,9 @@ def sr_ste_optimizer_steps(iterations: int) -> list[dict]:
       row = {"shape": f"{k}x{n}", "rows": m, "dense_ms": t_dense}
       for mode in MODES:
         with jaxsparse.autotune_mode(mode):
-          f = step_of(lambda a, b: ops.sr_ste_matmul(a, b, 2, 4, dtype=jnp.bfloat16))
-          row[mode] = time_ms(f, x, w, state, iterations=iterations) / t_dense
+          row[mode] = time_ms(step_of(_sr_ste(None)), x, w, state, iterations=iterations) / t_dense
           row[f"{mode}/route"] = _choices() if mode == "tune" else ""
+      _forced(row, step_of, (x, w, state), iterations, t_dense)
       log(json.dumps(row))
       out.append(row)
   return out
@@ -232,11 +253,12 @@ def main(argv=None) -> None:
              _table(rows, ["batch", "dense_tok_s", *MODES, "tune/route"]), ""]
   if "sr_ste" in parts:
     rows = sr_ste_steps(args.iterations)
-    text += ["## SR-STE step (time / dense step)", "", _table(rows, ["shape", "rows", *MODES, "tune/route"]), ""]
+    text += ["## SR-STE step (time / dense step)", "",
+             _table(rows, ["shape", "rows", *MODES, "tune/route", *ROUTES]), ""]
   if "sr_ste_optax" in parts:
     rows = sr_ste_optimizer_steps(args.iterations)
     text += ["## SR-STE step with an optax.adamw update (time / dense step with the same update)", "",
-             _table(rows, ["shape", "rows", "dense_ms", *MODES, "tune/route"]), ""]
+             _table(rows, ["shape", "rows", "dense_ms", *MODES, "tune/route", *ROUTES]), ""]
   report = "\n".join(text)
   print(report)
   if args.out:

@@ -254,6 +254,23 @@ def test_sparse_mma_backend_and_default_rules():
   assert _nm_matmul._shipped_default(_nm_matmul._product(cfg, many, w, None), cands(["pallas", "xla"])) == "xla"
 
 
+def test_sr_ste_matmul_default_rules():
+  """SR-STE's shipped default: sparse tensor cores from SPARSE_CORE_MIN_ROWS rows, our pruning kernel below (plain 2:4
+  as transposable), the reference where neither is a candidate."""
+  from jaxsparse.ops import _sr_ste  # noqa: PLC0415
+
+  cands = lambda names: [_tuning.Candidate(n, None) for n in names]
+  w = jnp.zeros((64, 32))
+  for transposable in (False, True):
+    cfg = _sr_ste._MatmulConfig(2, 4, 2e-4, jnp.dtype(jnp.bfloat16), None, None, transposable)
+    few = _sr_ste._routed(cfg, jnp.zeros((256, 64), jnp.bfloat16), w)
+    many = _sr_ste._routed(cfg, jnp.zeros((_sr_ste._min_rows(cfg), 64), jnp.bfloat16), w)
+    assert _sr_ste._shipped_default(few, cands(["cusparselt", "prune_kernel", "xla"])) == "prune_kernel"
+    assert _sr_ste._shipped_default(many, cands(["cusparselt", "prune_kernel", "xla"])) == "cusparselt"
+    assert _sr_ste._shipped_default(many, cands(["prune_kernel", "xla"])) == "prune_kernel"
+    assert _sr_ste._shipped_default(few, cands(["xla"])) == "xla"
+
+
 def test_pallas_is_not_tuned_for_many_rows_unless_forced():
   """Measured dispatch leaves the Pallas N:M kernel out above PALLAS_MAX_TUNED_ROWS (slower than the XLA path there);
   implementation="pallas" still takes it."""
@@ -636,6 +653,30 @@ def test_gpu_nm24_prune_random_shapes(k4, n4, bf16, seed):
   mask = _nm_masks.nm_mask(w, 2, 4)
   np.testing.assert_array_equal(pruned, jnp.where(mask, w, 0))
   np.testing.assert_array_equal(bits, _nm_masks.group_bits(mask, 4))
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("w_dtype", [jnp.float32, jnp.bfloat16])
+def test_gpu_sr_ste_matmul_prune_kernel_route_is_the_reference(w_dtype):
+  # Below SPARSE_CORE_MIN_ROWS the shipped default of plain 2:4 is our pruning kernel with dense products (forced
+  # here too): the value and both gradients those of the reference, decay included.
+  from jaxsparse import ops  # noqa: PLC0415
+  from jaxsparse.ops import _sr_ste  # noqa: PLC0415
+
+  kx, kw, kg = jax.random.split(jax.random.key(4), 3)
+  w = jax.random.normal(kw, (512, 384)).astype(w_dtype)
+  x = jax.random.normal(kx, (3, 40, 512)).astype(jnp.bfloat16)
+  dy = jax.random.normal(kg, (3, 40, 384)).astype(jnp.bfloat16)
+  run = lambda impl: jax.jit(lambda x, w, dy: (lambda y, vjp: (y, *vjp(dy)))(*jax.vjp(
+      lambda x, w: ops.sr_ste_matmul(x, w, 2, 4, decay=0.01, dtype=jnp.bfloat16, implementation=impl), x, w)))
+  with jaxsparse.autotune_mode("off"):
+    for impl in ("prune_kernel", None):
+      assert "jaxsparse_nm24_prune" in run(impl).lower(x, w, dy).as_text()
+    assert 40 * 3 < _sr_ste.SPARSE_CORE_MIN_ROWS
+    got, want = run("prune_kernel")(x, w, dy), run("xla")(x, w, dy)
+  for g, r in zip(got, want, strict=True):  # the same dense products of the same pruned bf16 kernel
+    assert g.dtype == r.dtype and _rel(g, r) < 5e-3
 
 
 @pytest.mark.gpu

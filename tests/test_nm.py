@@ -378,6 +378,12 @@ def test_sr_ste_transposable_forward_gradient_and_matmul(dtype):
   if jax.default_backend() == "cpu":
     with pytest.raises(RuntimeError, match="'cusparselt' was requested but cannot run: JAX sees no CUDA device"):
       jaxsparse.ops.sr_ste_matmul(x, w, 2, 4, transposable=True, implementation="cusparselt")
+    with pytest.raises(RuntimeError, match="'prune_kernel' was requested but cannot run"):
+      jaxsparse.ops.sr_ste_matmul(x, w, 2, 4, implementation="prune_kernel")
+  with pytest.raises(RuntimeError, match="'prune_kernel' was requested but cannot run: the pruning kernel takes 2:4"):
+    jaxsparse.ops.sr_ste_matmul(x, w, 1, 4, implementation="prune_kernel")
+  with pytest.raises(ValueError, match=r"implementation must be one of .*'prune_kernel'.*got implementation='cuda'"):
+    jaxsparse.ops.sr_ste_matmul(x, w, 2, 4, implementation="cuda")
   with pytest.raises(ValueError, match=r"divide w\.shape"):
     sr_ste(jnp.ones((16, 10)), 2, 4, transposable=True)
 

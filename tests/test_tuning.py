@@ -324,6 +324,23 @@ def test_random_operand_is_varied_bounded_and_reproducible(shape, seed, dtype):
   assert abs(big.mean()) < 0.02 and 0.95 < big.std() < 1.01
 
 
+def test_train_step_cotangent_depends_on_the_forward():
+  # Train-step candidates are timed with dY = y (loss sum(y^2) / 2): under sum(y) the cotangent is a constant and XLA
+  # reorders the step (dW before the forward; the forward's weight cast fused into what follows), which no step with
+  # a real loss allows.
+  kx, kw = jax.random.split(jax.random.key(3))
+  x, w = jax.random.normal(kx, (5, 7)), jax.random.normal(kw, (7, 3))
+  loss, (dx, dw) = jax.jit(_tuning.train_step(lambda x, w: x @ w))(x, w)
+  y = x @ w
+  np.testing.assert_allclose(loss, 0.5 * np.sum(np.square(y)), rtol=1e-5)
+  np.testing.assert_allclose(dx, y @ w.T, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(dw, x.T @ y, rtol=1e-5, atol=1e-5)
+  text = jax.jit(_tuning.train_step(lambda x, w: x @ w.astype(jnp.bfloat16))).lower(x.astype(jnp.bfloat16), w)
+  assert "dot_general" in text.as_text()
+  _, (_, di) = _tuning.train_step(lambda x, i: x * i)(jnp.ones(3), jnp.arange(3))  # integer operands: float0
+  assert di.dtype == jax.dtypes.float0
+
+
 def test_random_operands_are_made_where_no_trace_is_active():
   """Inside the caller's trace, a jitted operand maker would run op by op with its constants folded (20 s for an
   LLM's weight): make_args runs where jit compiles and runs whole programs."""

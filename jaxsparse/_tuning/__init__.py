@@ -15,6 +15,7 @@ from jaxsparse._tuning._cache import set_autotune_mode
 from jaxsparse._tuning._measure import Candidate
 from jaxsparse._tuning._measure import choose
 from jaxsparse._tuning._measure import random_operand
+from jaxsparse._tuning._measure import train_step
 from jaxsparse._tuning._measure import will_measure
 
 __all__ = [
@@ -28,5 +29,6 @@ __all__ = [
     "import_cache",
     "random_operand",
     "set_autotune_mode",
+    "train_step",
     "will_measure",
 ]

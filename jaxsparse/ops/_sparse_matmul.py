@@ -126,19 +126,14 @@ class CpuKernels:
     return None
 
   def candidates(self, p: _router.Product) -> list[_tuning.Candidate]:
-    return [_tuning.Candidate(self.name, self.run, measure=_train_step(self.run))]
-
-
-def _train_step(run):
-  """What a candidate is timed on: its value and gradients to both operands (the kernels differ in both passes)."""
-  return jax.value_and_grad(lambda x, w: run(x, w).astype(jnp.float32).sum(), argnums=(0, 1), allow_int=True)
+    return [_tuning.Candidate(self.name, self.run, measure=_tuning.train_step(self.run))]
 
 
 def route(op: str, implementation: str, x: jax.Array, w, cpu_run, xla_run, make_w) -> jax.Array:
   """Runs ``op`` on the C++ kernels (``cpu_run``) or the XLA path (``xla_run``, every platform: plain autodiff, the
   dense weight built in the call), each ``(x, w) -> y``: by ``implementation``, or per platform, measured
   (:mod:`jaxsparse._tuning`) on request on CPU."""
-  xla = _router.Reference("xla", "the XLA path", xla_run, measure=_train_step(xla_run))
+  xla = _router.Reference("xla", "the XLA path", xla_run, measure=_tuning.train_step(xla_run))
   backends = {
       "auto": [CpuKernels(cpu_run), xla],
       "cpu": [CpuKernels(cpu_run, forced=True)],

@@ -322,11 +322,6 @@ _sr_ste_matmul_t.defvjp(_sr_ste_matmul_t_fwd, _sr_ste_matmul_t_bwd)
 # -------------------------------------------------------------------------------------------------
 
 
-def _step(run):
-  """What a candidate is timed on: ``run``'s value and its gradients to ``x`` and ``w`` (a train step's products)."""
-  return jax.value_and_grad(lambda x, w: run(x, w).astype(jnp.float32).sum(), argnums=(0, 1))
-
-
 @dataclasses.dataclass(frozen=True)
 class _SparseCores:
   """CUDA: the forward product (and for transposable masks ``dY Wᵀ``) on cuSPARSELt's sparse tensor cores, the
@@ -359,7 +354,7 @@ class _SparseCores:
       run = functools.partial(_sr_ste_matmul_t, cfg, blob_bytes)
     else:
       run = functools.partial(_sr_ste_matmul, cfg, True)
-    return [_tuning.Candidate(self.name, run, measure=_step(run))]
+    return [_tuning.Candidate(self.name, run, measure=_tuning.train_step(run))]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -383,13 +378,13 @@ class _PruneThenDense:
     cfg = self.cfg
     run = functools.partial(_sr_ste_matmul_t, cfg, 0) if cfg.transposable else functools.partial(_sr_ste_matmul, cfg,
                                                                                                   False)
-    return [_tuning.Candidate(self.name, run, measure=_step(run))]
+    return [_tuning.Candidate(self.name, run, measure=_tuning.train_step(run))]
 
 
 def _reference_backend(cfg: _MatmulConfig) -> _router.Reference:
   """Every platform: ``x @ sr_ste(w).astype(dtype)`` with XLA's dense products."""
   run = functools.partial(_reference, cfg)
-  return _router.Reference("xla", "the dense product", run, measure=_step(run))
+  return _router.Reference("xla", "the dense product", run, measure=_tuning.train_step(run))
 
 
 def _rows(p: _router.Product) -> int:
@@ -402,11 +397,19 @@ def _min_rows(cfg: _MatmulConfig) -> int:
 
 def _shipped_default(p: _router.Product, cands: list[_tuning.Candidate]) -> str:
   """With tuning off: sparse tensor cores from ``SPARSE_CORE_MIN_ROWS`` rows (measured, see above), below that our
-  pruning kernel with dense products for transposable masks, else the dense product."""
+  pruning kernel with dense products where it runs, else the dense product.
+
+  Below ``SPARSE_CORE_MIN_ROWS`` the pruning kernel's route costs what the dense layer's step costs: the kernel reads
+  the float32 weight once and writes the pruned bf16 kernel and the mask bits, where the dense step casts the weight
+  (the same bytes but the bits); XLA's route computes the mask in a pass of its own. The whole step with an
+  ``optax.adamw`` update against the dense layer's (H200, 256 / 1024 rows of 2048 x 5632, 4096 x 4096 and
+  5632 x 2048 weights; benchmarks/results/gpu_sr_ste_step_loss_2026-11-29_h200.md): 1.00-1.02 against XLA's
+  1.07-1.11.
+  """
   names, cfg = [c.name for c in cands], p.fields["cfg"]
   if "cusparselt" in names and _rows(p) >= _min_rows(cfg):
     return "cusparselt"
-  return "prune_kernel" if "prune_kernel" in names and cfg.transposable else names[-1]
+  return "prune_kernel" if "prune_kernel" in names else names[-1]
 
 
 def sparse_core_unsupported_reason(x_shape, x_dtype, w_shape, n, m, dtype, out_dtype) -> str:
@@ -453,7 +456,8 @@ def sr_ste_matmul(
   ``K``, ``N`` multiples of 16: the pruned weight is compressed on the device in every call, so the mask
   follows ``w`` as it trains, and multiplied; the backward products stay dense, see the module docstring),
   our 2:4 pruning kernel with dense products, and the reference. With tuning off, sparse tensor cores from
-  ``SPARSE_CORE_MIN_ROWS`` (1024) rows of ``x``, the reference below. Elsewhere it is the reference, with a
+  ``SPARSE_CORE_MIN_ROWS`` (1024) rows of ``x``, below that the pruning kernel where it runs (a train step as
+  fast as the dense layer's), else the reference. Elsewhere it is the reference, with a
   :class:`jaxsparse.ops.CusparseLtFallbackWarning` when a 2:4 product with enough rows cannot run on a CUDA
   GPU.
 
@@ -477,8 +481,9 @@ def sr_ste_matmul(
       before the cast, as ``sr_ste`` followed by a cast does.
     precision, preferred_element_type: passed to the product (``preferred_element_type`` a floating dtype or
       ``None``).
-    implementation: ``None`` (auto, see above), ``"xla"`` (the reference) or ``"cusparselt"``
-      (sparse tensor cores at any number of rows; raises when it cannot run).
+    implementation: ``None`` (auto, see above), ``"xla"`` (the reference), ``"cusparselt"`` (sparse tensor
+      cores at any number of rows) or ``"prune_kernel"`` (our 2:4 pruning kernel with dense products; a CUDA GPU
+      of compute capability 9.0+, float32 / bfloat16 ``w`` and kernel); the last two raise where they cannot run.
     transposable: prune with the transposable mask (``sr_ste(..., transposable=True)``). For 2:4 on a
       CUDA GPU of compute capability 9.0+ with float32 / bfloat16 ``w`` and kernel, our kernel prunes ``w``
       in one pass, and from ``TRANSPOSABLE_SPARSE_CORE_MIN_ROWS`` rows (or with
@@ -499,13 +504,14 @@ def sr_ste_matmul(
       does not divide ``K``; ``transposable=True`` with ``m > 4`` or not dividing
       ``N``.
     RuntimeError: ``implementation="cusparselt"`` where sparse tensor cores cannot run these operands (no
-      CUDA GPU, as on a CPU; not 2:4 bfloat16; ``K`` or ``N`` not a multiple of 16; the message says why).
+      CUDA GPU, as on a CPU; not 2:4 bfloat16; ``K`` or ``N`` not a multiple of 16; the message says why), or
+      ``"prune_kernel"`` where the pruning kernel cannot (the message says why).
   """
   x, w = jnp.asarray(x), jnp.asarray(w)
   n, m = _nm_masks.check_nm(n, m)
   decay = _utils.check_decay(decay)
-  if implementation not in (None, "xla", "cusparselt"):
-    raise ValueError(f"implementation must be None, 'xla' or 'cusparselt', got implementation={implementation!r}.")
+  if implementation not in _IMPLEMENTATIONS:
+    raise ValueError(f"implementation must be one of {_IMPLEMENTATIONS}, got implementation={implementation!r}.")
   if w.ndim != 2 or x.ndim < 1 or x.shape[-1] != w.shape[0]:
     raise ValueError(f"x must be (..., K) and w (K, N) with the same K, got x.shape={x.shape}, w.shape={w.shape}.")
   if not jnp.issubdtype(w.dtype, jnp.floating):
@@ -529,7 +535,15 @@ def sr_ste_matmul(
     if reason:
       raise RuntimeError(f"implementation='cusparselt' was requested but cannot run: {reason}.")
     backends = backends[:1]
+  elif implementation == "prune_kernel":
+    reason = _prune_kernel_unsupported_reason(w.shape, w.dtype, n, m, dtype)
+    if reason:
+      raise RuntimeError(f"implementation='prune_kernel' was requested but cannot run: {reason}.")
+    backends = backends[1:2]
   return _router.route([_routed(cfg, x, w)], backends, default=_shipped_default)[0]
+
+
+_IMPLEMENTATIONS = (None, "xla", "cusparselt", "prune_kernel")
 
 
 def _routed(cfg: _MatmulConfig, x: jax.Array, w: jax.Array) -> _router.Product:
