@@ -190,7 +190,7 @@ def sr_ste_optimizer_steps(iterations: int) -> list[dict]:
   for (k, n) in ((2048, 5632), (4096, 4096), (5632, 2048)):
     w = jax.random.normal(jax.random.key(k + n), (k, n), jnp.float32)
     state = tx.init(w)
-    for m in (256, 1024, 4096):
+    for m in (256, 1024, 2048, 4096):
       x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
 
       def step_of(f):

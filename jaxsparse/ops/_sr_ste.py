@@ -44,14 +44,15 @@ from jaxsparse.ops import _sharding
 
 __all__ = ["sr_ste", "sr_ste_matmul"]
 
-# "auto" runs the forward on sparse tensor cores from this many rows of x. Each call prunes and
-# compresses the weight in one pass (our kernel, `_kernels.nm24_prune`, which also keeps the pruned kernel and
-# the mask bits for the backward pass) and the sparse product saves about 0.25 of the dense one. Measured on an
-# H200 (benchmarks/results/gpu_sr_ste_2026-11-25_h200.md, `gpu_sr_ste_parts.py`), one layer's SR-STE step
-# (float32 master weights, bf16 compute), sparse forward / the reference's dense products, 2048 <-> 8192
-# layers: M = 8192: 0.92-0.93 / 1.04-1.07 of the dense step; 4096: 0.98 / 1.12; 2048: 1.06 / 1.26; 4096 <-> 4096
-# layers: 2048: 1.04 / 1.25, 1024: 1.19 / 1.46 (fewer rows not measured).
-SPARSE_CORE_MIN_ROWS = 1024
+# "auto" runs the forward on sparse tensor cores from this many rows of x (below, our pruning kernel with dense
+# products). Each call prunes and compresses the weight in one pass (our kernel, `_kernels.nm24_prune`, which also
+# keeps the pruned kernel and the mask bits for the backward pass) and the sparse product saves about 0.25 of the
+# dense one. Measured on an H200 (benchmarks/results/gpu_sr_ste_step_loss_2026-11-29_h200.md, `gpu_nm.py --tuned
+# --parts sr_ste_optax`): one layer's whole step with an optax.adamw update (float32 master weights, bf16 compute,
+# dY = y), sparse tensor cores / the pruning kernel's route, over the dense layer's step, 2048 x 5632, 4096 x 4096 and
+# 5632 x 2048 weights: 4096 rows: 0.93-0.94 / 0.99-1.00; 1024 rows: 1.01-1.07 / 1.00-1.01; 256 rows: 1.12-1.19 /
+# 1.00-1.01.
+SPARSE_CORE_MIN_ROWS = 2048
 # The same for transposable masks, whose backward dY Wᵀ runs on sparse tensor cores too; against our kernel's
 # pruning with dense products: M = 8192: 0.84-0.87 / 1.00-1.03 of the dense step; 4096: 0.90 / 1.06; 2048:
 # 1.02 / 1.14; 1024 (K = N = 4096): 1.17 / 1.24.
@@ -456,7 +457,7 @@ def sr_ste_matmul(
   ``K``, ``N`` multiples of 16: the pruned weight is compressed on the device in every call, so the mask
   follows ``w`` as it trains, and multiplied; the backward products stay dense, see the module docstring),
   our 2:4 pruning kernel with dense products, and the reference. With tuning off, sparse tensor cores from
-  ``SPARSE_CORE_MIN_ROWS`` (1024) rows of ``x``, below that the pruning kernel where it runs (a train step as
+  ``SPARSE_CORE_MIN_ROWS`` (2048) rows of ``x``, below that the pruning kernel where it runs (a train step as
   fast as the dense layer's), else the reference. Elsewhere it is the reference, with a
   :class:`jaxsparse.ops.CusparseLtFallbackWarning` when a 2:4 product with enough rows cannot run on a CUDA
   GPU.
