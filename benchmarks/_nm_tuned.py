@@ -143,8 +143,12 @@ _loss = train_step
 ROUTES = ("xla", "prune_kernel", "cusparselt")
 
 
+TRANSPOSABLE = {"on": False}  # --transposable: the SR-STE parts prune with transposable masks
+
+
 def _sr_ste(impl):
-  return lambda a, b: ops.sr_ste_matmul(a, b, 2, 4, dtype=jnp.bfloat16, implementation=impl)
+  t = TRANSPOSABLE["on"]
+  return lambda a, b: ops.sr_ste_matmul(a, b, 2, 4, dtype=jnp.bfloat16, implementation=impl, transposable=t)
 
 
 def _forced(row: dict, wrap, args, iterations: int, t_dense: float) -> None:
@@ -234,7 +238,9 @@ def main(argv=None) -> None:
   parser.add_argument("--iterations", type=int, default=10)
   parser.add_argument("--parts", default="products,decode,sr_ste")
   parser.add_argument("--out", default=None, help="write the markdown tables here")
+  parser.add_argument("--transposable", action="store_true", help="SR-STE parts: transposable 2:4 masks")
   args = parser.parse_args(argv)
+  TRANSPOSABLE["on"] = args.transposable
   out_dir = os.environ.get("OUT", ".")
   os.environ[_tuning_cache.ENV_PATH] = os.path.join(out_dir, "autotune_nm.json")
   logging.getLogger("jaxsparse.autotune").setLevel(logging.WARNING)
@@ -257,7 +263,8 @@ def main(argv=None) -> None:
              _table(rows, ["shape", "rows", *MODES, "tune/route", *ROUTES]), ""]
   if "sr_ste_optax" in parts:
     rows = sr_ste_optimizer_steps(args.iterations)
-    text += ["## SR-STE step with an optax.adamw update (time / dense step with the same update)", "",
+    text += [f"## SR-STE step with an optax.adamw update{' (transposable masks)' if args.transposable else ''} "
+             "(time / dense step with the same update)", "",
              _table(rows, ["shape", "rows", "dense_ms", *MODES, "tune/route", *ROUTES]), ""]
   report = "\n".join(text)
   print(report)
