@@ -50,13 +50,13 @@ __all__ = ["sr_ste", "sr_ste_matmul"]
 # dense one. Measured on an H200 (benchmarks/results/gpu_sr_ste_step_loss_2026-11-29_h200.md, `gpu_nm.py --tuned
 # --parts sr_ste_optax`): one layer's whole step with an optax.adamw update (float32 master weights, bf16 compute,
 # dY = y), sparse tensor cores / the pruning kernel's route, over the dense layer's step, 2048 x 5632, 4096 x 4096 and
-# 5632 x 2048 weights: 4096 rows: 0.93-0.94 / 0.99-1.00; 1024 rows: 1.01-1.07 / 1.00-1.01; 256 rows: 1.12-1.19 /
-# 1.00-1.01.
+# 5632 x 2048 weights: 4096 rows: 0.92-0.93 / 0.99-1.00; 2048 rows: 0.95-0.97 / 0.99-1.00; 1024 rows: 1.02-1.07 /
+# 1.00-1.01; 256 rows: 1.11-1.22 / 0.99-1.02.
 SPARSE_CORE_MIN_ROWS = 2048
 # The same for transposable masks, whose backward dY Wᵀ runs on sparse tensor cores too; against our kernel's
-# pruning with dense products: M = 8192: 0.84-0.87 / 1.00-1.03 of the dense step; 4096: 0.90 / 1.06; 2048:
-# 1.02 / 1.14; 1024 (K = N = 4096): 1.17 / 1.24.
-TRANSPOSABLE_SPARSE_CORE_MIN_ROWS = 1024
+# pruning with dense products (`--transposable`, the same results file): 4096 rows: 0.86-0.90 / 1.01-1.02; 2048:
+# 0.94-0.97 / 1.04-1.06; 1024: 1.02-1.17 / 1.07-1.09; 256: 1.22-1.28 / 1.10-1.11.
+TRANSPOSABLE_SPARSE_CORE_MIN_ROWS = 2048
 
 
 def _mask(w: jax.Array, n: int, m: int, axis: int, transposable: bool) -> jax.Array:
@@ -499,7 +499,8 @@ def sr_ste_matmul(
   Raises:
     TypeError: ``preferred_element_type`` is not a floating dtype or ``None``; ``n`` or ``m`` is not an int;
       ``transposable`` is not a bool; ``w`` does not have a floating dtype; ``x`` and ``dtype`` (the kernel's
-      compute dtype) two float dtypes where one is an 8-bit float (one dtype for both: cast one).
+      compute dtype) two float dtypes where one is an 8-bit float, without ``preferred_element_type`` (cast one,
+      or pass it, as ``jnp.matmul`` wants).
     ValueError: not ``0 < n < m`` (``m >= 2``); ``decay`` is not a finite number ``>= 0``, or is traced; an
       unknown ``implementation``; ``w`` is not 2-D or ``x`` not ``(..., K)`` with ``K = w.shape[0]``; ``m``
       does not divide ``K``; ``transposable=True`` with ``m > 4`` or not dividing
