@@ -185,18 +185,19 @@ def result_dtype(x_dtype: jax.typing.DTypeLike, w_dtype: jax.typing.DTypeLike, p
                  names: tuple[str, str] = ("x.dtype", "w.dtype")) -> np.dtype:
   """The ops' output dtype: ``preferred_element_type`` (checked) or ``result_type(x, w)``.
 
-  Floating operands of which one is an 8-bit float must have one dtype: JAX promotes those to no other float, so ``x``
-  of ``float8_e4m3fn`` and ``w`` of ``float32`` raise a ``TypeError`` naming both (``names``) instead of an error from
-  deep inside the op (an integer ``x`` takes a float8 ``w``'s dtype, as in ``jnp.matmul``).
+  Without ``preferred_element_type``, floating operands of which one is an 8-bit float must have one dtype: JAX
+  promotes those to no other float, so ``x`` of ``float8_e4m3fn`` and ``w`` of ``float32`` raise a ``TypeError``
+  naming both (``names``) instead of an error from deep inside the op (an integer ``x`` takes a float8 ``w``'s dtype,
+  as in ``jnp.matmul``). With it the mix runs, as ``jnp.matmul(x, w, preferred_element_type=...)`` runs it.
   """
   pet = check_preferred_element_type(preferred_element_type)
   x_dtype, w_dtype = jnp.dtype(x_dtype), jnp.dtype(w_dtype)
   floats = jnp.issubdtype(x_dtype, jnp.floating) and jnp.issubdtype(w_dtype, jnp.floating)
-  if floats and x_dtype != w_dtype and (_narrow_float(x_dtype) or _narrow_float(w_dtype)):
+  if pet is None and floats and x_dtype != w_dtype and (_narrow_float(x_dtype) or _narrow_float(w_dtype)):
     raise TypeError(
-        f"{names[0]} and {names[1]} must be the same dtype when one is an 8-bit float (JAX promotes those to no "
-        f"other dtype), got {names[0]}={x_dtype} and {names[1]}={w_dtype}. Cast one operand to the other's dtype; "
-        "preferred_element_type picks the result's dtype."
+        f"{names[0]} and {names[1]} must be the same dtype when one is an 8-bit float and preferred_element_type is "
+        f"not given (JAX promotes those to no other dtype), got {names[0]}={x_dtype} and {names[1]}={w_dtype}. Cast "
+        "one operand to the other's dtype, or pass preferred_element_type (the result's dtype), as jnp.matmul wants."
     )
   return pet or jnp.dtype(jnp.result_type(x_dtype, w_dtype))
 

@@ -279,6 +279,27 @@ def test_ops_float8_with_another_dtype_name_both(f8):
         op(x.astype(xd), w.astype(wd))
 
 
+@pytest.mark.parametrize("xd, wd", [pytest.param(jnp.float8_e4m3fn, BF16, id="f8-bf16"),
+                                    pytest.param(F32, jnp.float8_e5m2, id="f32-f8", marks=pytest.mark.slow)])
+def test_ops_float8_with_another_dtype_and_preferred_element_type_as_jnp_matmul(xd, wd):
+  # Was: the TypeError above also with preferred_element_type, which jnp.matmul takes for the mix; the ops now run it,
+  # values and gradients as the dense product's.
+  x = (jax.random.normal(jax.random.key(1), (8, 32)) * 2).astype(xd)
+  w = jax.random.normal(jax.random.key(2), (32, 16)).astype(wd)
+  weights = jnp.arange(16.0)
+  for name, op, dense in _f8_products(jnp.float8_e4m3fn):
+    y = op(x, w, preferred_element_type=F32)
+    assert y.dtype == F32, name
+    _close(y, jnp.matmul(x, dense(w), preferred_element_type=F32), 1e-6)
+    argnums = (0, 1) if name in ("masked_matmul", "sr_ste_matmul") else (0,)
+    loss = lambda x, w, op=op: jnp.sum(op(x, w, preferred_element_type=F32) * weights)
+    dense_loss = lambda x, w, dense=dense: jnp.sum(jnp.matmul(x, dense(w), preferred_element_type=F32) * weights)
+    grads, want = jax.grad(loss, argnums)(x, w), jax.grad(dense_loss, argnums)(x, w)
+    for g, wg in zip(grads, want, strict=True):
+      assert g.dtype == wg.dtype, name
+      _close(g, wg, F8_TOL if jnp.finfo(g.dtype).bits == 8 else 1e-2)
+
+
 def test_block_sparse_linear_computes_in_float8_like_nnx_linear():
   # BlockSparseLinear(dtype=float8_e4m3fn) raised "8-bit floats do not support implicit promotion"; nnx.Linear runs.
   # (param_dtype stays float32: Flax's default initializers give NaN when drawing float8 directly.)
@@ -324,6 +345,48 @@ def test_complex_dtypes_raise_naming_the_layer_argument(layer, build, arg):
   # naming the layer and its argument (at construction for param_dtype / dtype).
   with pytest.raises(TypeError, match=rf"^{layer} computes with real dtypes only .*got {re.escape(arg)}=complex64.*"
                                       "MaskedLinear"):
+    build()
+
+
+def _linen_apply(module, x):
+  return module.apply(module.init(jax.random.key(0), jnp.ones(x.shape)), x)
+
+
+_X32C = jnp.ones((2, 32), C64)
+
+
+def _complex_kernel_apply(module):  # variables made elsewhere, their kernel complex
+  variables = module.init(jax.random.key(0), _X32C.real)
+  params = dict(variables["params"], kernel=variables["params"]["kernel"].astype(C64))
+  return module.apply(dict(variables, params=params), _X32C.real)
+
+
+_COMPLEX_UNSUPPORTED_LINEN = [  # the Linen twins: the same check, at construction for param_dtype / dtype
+    ("NMDense", lambda: sparse_linen.NMDense(16, param_dtype=C64), "param_dtype"),
+    ("NMConv", lambda: sparse_linen.NMConv(4, (3,), param_dtype=C64), "param_dtype"),
+    ("CompressedNMDense", lambda: sparse_linen.CompressedNMDense(16, param_dtype=C64), "param_dtype"),
+    ("CompressedNMDense", lambda: sparse_linen.CompressedNMDense(16, dtype=C64), "dtype"),
+    ("CompressedNMDense", lambda: _linen_apply(sparse_linen.CompressedNMDense(16), _X32C), "x.dtype"),
+    ("CompressedNMDense", lambda: _complex_kernel_apply(sparse_linen.CompressedNMDense(16)), "params['kernel'].dtype"),
+    ("BlockSparseDense", lambda: _complex_kernel_apply(sparse_linen.BlockSparseDense(16, density=0.5,
+                                                                                     block_shape=(8, 8))),
+     "params['kernel'].dtype"),
+    ("BlockSparseDense", lambda: sparse_linen.BlockSparseDense(16, density=0.5, block_shape=(8, 8), param_dtype=C64),
+     "param_dtype"),
+    ("BlockSparseDense", lambda: sparse_linen.BlockSparseDense(16, density=0.5, block_shape=(8, 8), dtype=C64),
+     "dtype"),
+    ("BlockSparseDense", lambda: _linen_apply(sparse_linen.BlockSparseDense(16, density=0.5, block_shape=(8, 8)),
+                                              _X32C), "x.dtype"),
+]
+
+
+@pytest.mark.parametrize("layer, build, arg", _COMPLEX_UNSUPPORTED_LINEN,
+                         ids=[f"{name}-{arg}" for name, _, arg in _COMPLEX_UNSUPPORTED_LINEN])
+def test_complex_dtypes_raise_naming_the_linen_layer_argument(layer, build, arg):
+  # Was: the Linen layers had no check: errors from inside the ops at the first call naming the op's x / w ("x must
+  # have a floating dtype, got complex64", "w must have a floating dtype to be trained"), or none until then.
+  with pytest.raises(TypeError, match=rf"^{layer} computes with real dtypes only .*got {re.escape(arg)}=complex64.*"
+                                      "MaskedDense"):
     build()
 
 

@@ -227,3 +227,18 @@ def test_from_dense_mask_positions_are_the_mask_on_a_zero_row():
   grads = nnx.grad(lambda e: jnp.sum(e(jnp.array([0, 0, 4]))))(sparse)
   moved = np.asarray(sparse.weight.with_values(grads.embedding[...]).to_dense().T)
   np.testing.assert_array_equal(moved[0] != 0, mask[0])
+
+
+def test_from_dense_keeps_the_table_partitioning_names_swapped():
+  # Was: only jaxsparse.sparsify carried the names; from_dense dropped them (nnx.get_partition_spec gave no split).
+  init = nnx.with_partitioning(nnx.initializers.normal(), ("vocab", "embed"))
+  mesh = jax.make_mesh((1, 1), ("vocab", "embed"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  with jax.set_mesh(mesh):
+    dense = nnx.Embed(12, 8, embedding_init=init, rngs=nnx.Rngs(0))
+    sparse = CompressedNMEmbed.from_dense(dense, 2, 4)
+  assert sparse.embedding.get_metadata()["out_sharding"] == ("embed", "vocab")  # the table is stored transposed
+  assert sparse.embedding_positions.get_metadata()["out_sharding"] == (None, "vocab")  # packed rows: replicated
+  specs = nnx.get_partition_spec(nnx.state(sparse))
+  assert specs["embedding"].get_value() == jax.sharding.PartitionSpec("embed", "vocab")
+  ids = jnp.array([0, 5, 11])
+  np.testing.assert_array_equal(sparse(ids), _reference(dense, 2, 4)(ids))

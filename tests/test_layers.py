@@ -422,6 +422,11 @@ def test_linen_bad_arguments():
   masked = MaskedDense(N, sparsity=0.5)
   with pytest.raises(ValueError, match=r"no 'sparsity' collection"):
     masked.apply({"params": masked.init(jax.random.key(0), x)["params"]}, x)
+  # A mask of another shape failed inside the kernel initializer: "Incompatible shapes for broadcasting".
+  params = masked.init(jax.random.key(0), x)["params"]
+  with pytest.raises(ValueError, match=rf"MaskedDense at \(top level\): its 'sparsity' collection's mask must have "
+                     rf"the weight's shape \({K}, {N}\), got \({N}, {K}\)"):
+    masked.apply({"params": params, "sparsity": {"mask": jnp.ones((N, K), bool)}}, x)
 
 
 def test_sparse_linear_general_takes_int_features_and_names_bad_ones():

@@ -169,6 +169,29 @@ def test_products_with_a_weight_split_over_explicit_axes(name, x_spec, w_spec):
   assert_close(dw, dw_ref + decay, jnp.float32)
 
 
+CSR = jaxsparse.CSRMatrix.from_dense(W, mask=MASK)
+
+
+@pytest.mark.parametrize("implementation", ["xla", None])
+def test_sparse_matmul_with_rows_split_over_explicit_axes(implementation):
+  # The XLA path's autodiff took dW = x^T dY with x's rows split: JAX refused the ambiguous output sharding (a
+  # ShardingTypeError from inside the op); sparse_matmul lays its operands out as masked_matmul does.
+  x = jax.random.normal(KEYS[2], (4, 32))
+  f = lambda x, d: ops.sparse_matmul(x, CSR.with_data(d), implementation=implementation)
+  loss = lambda x, d: jnp.sum(jnp.sin(f(x, d)))
+  dx_ref, dw_ref = jax.grad(lambda x, w: jnp.sum(jnp.sin(x @ jnp.where(MASK, w, 0.0))), argnums=(0, 1))(x, W)
+  with jax.set_mesh(EXPLICIT_MESH):
+    xs, ds = jax.device_put(x, jax.P("data")), jax.device_put(CSR.data, jax.P("model"))
+    y = jax.jit(f)(xs, ds)
+    dx, dd = jax.jit(jax.grad(loss, argnums=(0, 1)))(xs, ds)
+  assert jax.typeof(y).sharding.spec == jax.P("data", None)
+  assert jax.typeof(dx).sharding.spec == jax.typeof(xs).sharding.spec  # the cotangents split like their primals
+  assert jax.typeof(dd).sharding.spec == jax.typeof(ds).sharding.spec
+  assert_close(y, x @ jnp.where(MASK, W, 0.0), jnp.float32)
+  assert_close(dx, dx_ref, jnp.float32)
+  assert_close(dd, dw_ref[MASK], jnp.float32)
+
+
 @pytest.mark.parametrize("split", ["columns", "rows"])
 def test_tensor_parallel_layer_back_to_one_layer_on_an_explicit_mesh(split):
   # jax.make_mesh's axes are explicit: the column split's bias is split over "model", which the new layer's is not

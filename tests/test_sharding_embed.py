@@ -69,7 +69,7 @@ def test_nnx_sparsify_of_a_feature_split_table_on_an_explicit_mesh():
   np.testing.assert_array_equal(np.asarray(layer.embedding_positions[...]), np.asarray(REF.embedding_positions[...]))
   close(rows, REF(IDS))
   close(logits, REF.attend(Q))
-  assert spec(rows) == P("data", None, None) and spec(logits) == P("data", None, None)
+  assert spec(rows) == P("data", None, "model") and spec(logits) == P("data", None, None)  # features: as the table
   """)
 
 
@@ -86,12 +86,36 @@ def test_lookup_of_a_split_table_with_split_ids_on_an_explicit_mesh():
       ids = jax.device_put(IDS, P("data"))
       rows = jax.jit(lambda m, i: m(i))(sparse, ids)
       close(rows, REF(IDS))
-      assert spec(rows) == P("data", None, None), spec(rows)
+      assert spec(rows) == P("data", None, names[1]), spec(rows)  # the features split as the table's
       close(jax.jit(lambda m, i: m(i))(sparse, IDS), REF(IDS))  # replicated ids
       placed = jax.tree.map(lambda a: jax.device_put(a, P(*names[::-1])), variables)
       rows = jax.jit(linen.apply)(placed, ids)
       close(rows, REF(IDS))
-      assert spec(rows) == P("data", None, None), spec(rows)
+      assert spec(rows) == P("data", None, names[1]), spec(rows)
+  """)
+
+
+@pytest.mark.slow  # a 4-device subprocess (~10 s on 2 cores)
+def test_lookup_of_a_feature_split_table_is_split_as_nnx_embeds_on_an_explicit_mesh():
+  # Was: the sparse lookups (NNX and Linen) returned the features replicated where nnx.Embed's lookup of the same
+  # table, its features split over "model", returns them split over "model".
+  _run("""
+  mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+  linen = LinenEmbed(V, D, embedding_init=lambda *_: TABLE)
+  variables = linen.init(jax.random.key(0), IDS)
+  with jax.set_mesh(mesh):
+    init = nnx.with_partitioning(lambda *_: jax.device_put(TABLE, P()), (None, "model"))
+    dense = nnx.Embed(V, D, embedding_init=init, rngs=nnx.Rngs(0))
+    want = spec(jax.jit(lambda m, i: m(i))(dense, IDS))
+    assert want == P(None, None, "model"), want
+    for sparse in (CompressedNMEmbed.from_dense(dense, 2, 4), sparsified((None, "model"))):
+      rows = jax.jit(lambda m, i: m(i))(sparse, IDS)
+      assert spec(rows) == want, spec(rows)
+      close(rows, REF(IDS))
+    placed = jax.tree.map(lambda a: jax.device_put(a, P("model", None) if a.shape[0] == D // 2 else P()), variables)
+    rows = jax.jit(linen.apply)(placed, IDS)
+    assert spec(rows) == want, spec(rows)
+    close(rows, REF(IDS))
   """)
 
 

@@ -409,6 +409,8 @@ def test_bad_arguments():
     sparse_matmul(jnp.ones((2, 8)), ws)
   with pytest.raises(TypeError, match="x must have a floating dtype, got int32"):
     sparse_matmul(jnp.ones((2, 16), jnp.int32), ws)
+  with pytest.raises(TypeError, match=r"w\.data must have a real dtype, got complex64; .*masked_matmul"):
+    sparse_matmul(x, ws.with_data(ws.data.astype(jnp.complex64)))  # was: "preferred_element_type must be ..."
   with pytest.raises(TypeError, match="implementation='cpu' supports float32, bfloat16 and float16, got int32"):
     masked_matmul(jnp.ones((2, 16), jnp.int32), w.astype(jnp.int32), mask, implementation="cpu")
 

@@ -460,8 +460,8 @@ def sparsify(
   for path, node, spec in embeds:  # lookups, not products: nothing to time
     p = path_str(path)
     mask = mask_dict.get(f"{p}.embedding" if p else "embedding")
-    new = carry_nnx(node, _sparse_embed(node, spec, None if mask is None else np.asarray(mask),
-                                        p or "(the model itself)"))
+    # from_dense carries the table's partitioning names and placement
+    new = _sparse_embed(node, spec, None if mask is None else np.asarray(mask), p or "(the model itself)")
     if path:
       replace_module(model, path, new)
     else:

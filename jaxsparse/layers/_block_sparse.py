@@ -429,8 +429,9 @@ class BlockSparseDense(nn.Module):
     density: fraction of blocks kept, in (0, 1].
     block_shape: ``(bk, bn)`` dividing ``(in_features, features)``.
     use_bias: whether to add a bias.
-    dtype: computation dtype (``None``: inferred from input and params).
-    param_dtype: storage dtype of kernel and bias.
+    dtype: computation dtype (``None``: inferred from input and params); real only, as ``param_dtype``.
+    param_dtype: storage dtype of kernel and bias, real only (a complex one raises; :class:`MaskedDense` takes
+      complex weights and inputs).
     kernel_init: called as ``kernel_init(key, (nnz_blocks, bk, bn), param_dtype)``; ``None`` draws a
       truncated normal of variance ``1 / (density * in_features)``.
     bias_init: bias initializer.
@@ -440,8 +441,8 @@ class BlockSparseDense(nn.Module):
   Raises:
     ValueError: at construction, ``features`` is not a positive int, ``density`` is not in (0, 1] or an
       unknown ``implementation``; when called, see :meth:`__call__`.
-    TypeError: at construction, ``density`` is not a real number; when called, ``block_shape`` is not a pair
-      of ints.
+    TypeError: at construction, ``density`` is not a real number or ``param_dtype`` / ``dtype`` is complex; when
+      called, ``block_shape`` is not a pair of ints, or ``x`` or the kernel is complex.
   """
 
   features: int
@@ -460,6 +461,7 @@ class BlockSparseDense(nn.Module):
     _utils.check_positive_int(self.features, name="features")
     _utils.check_density(self.density)
     check_implementation(self.implementation)
+    check_real_dtypes(type(self), param_dtype=self.param_dtype, dtype=self.dtype)
     super().__post_init__()
 
   @nn.compact
@@ -476,7 +478,7 @@ class BlockSparseDense(nn.Module):
       ValueError: ``x`` is a scalar, or has another ``in_features`` than the variables hold; ``block_shape``
         is not positive or does not divide ``(in_features, features)``; ``density`` keeps no block; ``apply``
         with variables that lack the ``"sparsity"`` collection.
-      TypeError: ``block_shape`` is not a pair of ints.
+      TypeError: ``block_shape`` is not a pair of ints; a complex ``x`` or ``params['kernel']``.
 
     >>> import jax, jax.numpy as jnp
     >>> from jaxsparse.layers.linen import BlockSparseDense
@@ -491,6 +493,7 @@ class BlockSparseDense(nn.Module):
     ((4, 32), True)
     """
     x = check_input(x)
+    check_real_dtypes(type(self), **{"x.dtype": x.dtype})
     offsets = existing_shape(self, SPARSITY, "row_offsets")
     if offsets is not None and isinstance(self.block_shape, tuple | list) and len(self.block_shape) == 2:
       check_known_in_features(self, x.shape, (offsets[0] - 1) * int(self.block_shape[0]))
@@ -501,6 +504,7 @@ class BlockSparseDense(nn.Module):
     check_kept(nnz, grid[0] * grid[1], name="density", value=self.density, what="blocks")
     kernel_init = self.kernel_init or block_sparse_kernel_init(nnz, grid)
     kernel = self.param("kernel", kernel_init, (nnz, bk, bn), self.param_dtype)
+    check_real_dtypes(type(self), **{"params['kernel'].dtype": jnp.result_type(kernel)})  # variables made elsewhere
     bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
     check_pattern(self, INDEX_FIELDS[0])
     if self.has_variable(SPARSITY, INDEX_FIELDS[0]):

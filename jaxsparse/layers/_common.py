@@ -213,18 +213,21 @@ def copy_bias(layer: nnx.Module, bias: jax.Array) -> None:
 
 def check_real_dtypes(layer: type, **dtypes: Any) -> None:
   """Raises a ``TypeError`` naming the layer's argument when one of ``dtypes`` (``name=dtype``, ``None`` skipped) is
-  complex, for layers whose products (the sparse ops, SR-STE's magnitudes) take real dtypes only.
+  complex, for layers whose products (the sparse ops, SR-STE's magnitudes) take real dtypes only (NNX and Linen).
 
   Args:
-    layer: the layer's class, which the message names.
+    layer: the layer's class, which the message names (with the masked layer of its framework to use instead).
     **dtypes: the layer's arguments as the user passed them (``param_dtype``, ``dtype``, ``inputs.dtype``, ...).
   """
+  linen = issubclass(layer, nn.Module)  # a Linen layer: name the Linen alternative
+  alternative = "MaskedDense, which computes as nn.Dense does" if linen else (
+      "MaskedLinear / MaskedConv, which compute as nnx.Linear / nnx.Conv do")
   for name, dtype in dtypes.items():
     if dtype is not None and jnp.issubdtype(jnp.dtype(dtype), jnp.complexfloating):
       raise TypeError(
           f"{layer.__name__} computes with real dtypes only (floating: float32, bfloat16, float16, float64, float8; "
           f"integer inputs are promoted), got {name}={jnp.dtype(dtype)}. For complex weights or inputs use "
-          "MaskedLinear / MaskedConv, which compute as nnx.Linear / nnx.Conv do."
+          f"{alternative}."
       )
 
 

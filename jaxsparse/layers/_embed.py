@@ -7,6 +7,7 @@ are :func:`jaxsparse.ops.nm_matmul` on the stored arrays, and a lookup gathers t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -92,7 +93,8 @@ class CompressedNMEmbed(nnx.Module):
     """Prunes an ``nnx.Embed`` to ``n`` of every ``m`` features of each row and compresses it.
 
     Args:
-      embed: the dense layer (not changed); its ``dtype`` and ``promote_dtype`` carry over.
+      embed: the dense layer (not changed); its ``dtype`` and ``promote_dtype`` carry over, and so do its table's
+        partitioning names (``nnx.with_partitioning``), swapped as the table is, as :func:`jaxsparse.sparsify` does.
       n, m: keep ``n`` of every ``m`` consecutive features; ``m`` must divide ``features``.
       mask: optional bool ``(num_embeddings, features)``, at most ``n`` of every ``m`` features of a row True
         (a pruner's mask): the kept entries are exactly the mask's. ``None`` keeps the largest magnitudes.
@@ -116,8 +118,11 @@ class CompressedNMEmbed(nnx.Module):
     """
     if not isinstance(embed, nnx.Embed):
       raise TypeError(f"embed must be a flax.nnx.Embed, got {type(embed).__name__}.")
+    from jaxsparse._sparsify._partitioning import carry_nnx  # noqa: PLC0415 -- that module imports the layers
+
     weight = compress_table(embed.embedding[...], n, m, mask=mask)
-    return cls(weight, dtype=embed.dtype, promote_dtype=embed.promote_dtype, implementation=implementation)
+    sparse = cls(weight, dtype=embed.dtype, promote_dtype=embed.promote_dtype, implementation=implementation)
+    return carry_nnx(embed, sparse)  # the table's partitioning names and placement
 
   @property
   def weight(self) -> NMSparseMatrix:
@@ -280,7 +285,8 @@ def lookup(weight: NMSparseMatrix, inputs: jax.Array) -> jax.Array:
   Returns:
     ``(*inputs.shape, features)``, zeros at the pruned features, split like ``inputs``. A table split over explicit
     mesh axes is gathered for the lookup, as the ops gather their weights (JAX cannot tell how a gather from a split
-    table is split).
+    table is split); where its features are split, the rows' features come back split over the same axes, as a Flax
+    ``Embed``'s lookup of the table split so returns them (unless ``inputs`` use those axes, or they do not divide).
   """
   features, num_embeddings = weight.shape
   if num_embeddings == 1:  # as the Flax layers: every id reads the one row
@@ -294,7 +300,25 @@ def lookup(weight: NMSparseMatrix, inputs: jax.Array) -> jax.Array:
   # most negative integer for signed ones...); here only the kept entries would be.
   valid = _take(jnp.ones((num_embeddings,), bool), inputs, axis=0, mode="fill", fill_value=False)
   fill = jnp.take(jnp.zeros((1,), rows.dtype), 1, mode="fill")  # jnp.take's fill value for this dtype
-  return jnp.where(valid[..., None], rows, fill)
+  return _split_features_like_table(jnp.where(valid[..., None], rows, fill), weight.values)
+
+
+def _split_features_like_table(rows: jax.Array, values: jax.Array) -> jax.Array:
+  """``rows`` (split like the ids, features whole) with the features split over the explicit mesh axes that split
+  the stored ``values``' feature axis (axis 0), where the ids leave those axes free and they divide the features."""
+  mesh = _utils.explicit_mesh(rows)
+  if mesh is None or _utils.explicit_mesh(values) != mesh:
+    return rows
+  axes = tuple(jax.typeof(values).sharding.spec)[:1]
+  axes = () if not axes or axes[0] is None else (axes[0],) if isinstance(axes[0], str) else tuple(axes[0])
+  spec = tuple(jax.typeof(rows).sharding.spec) + (None,) * rows.ndim
+  used = {a for entry in spec[: rows.ndim - 1] if entry is not None for a in ((entry,) if isinstance(entry, str)
+                                                                               else entry)}
+  ways = math.prod(mesh.shape[a] for a in axes)
+  if not axes or used & set(axes) or rows.shape[-1] % ways:
+    return rows
+  feature = axes[0] if len(axes) == 1 else axes
+  return jax.reshard(rows, NamedSharding(mesh, P(*spec[: rows.ndim - 1], feature)))
 
 
 def _take(a: jax.Array, inputs: jax.Array, *, axis: int, **kwargs: Any) -> jax.Array:

@@ -365,6 +365,11 @@ class MaskedDense(nn.Module):
     kept = kept_weights(self.sparsity, shape)
     check_pattern(self, "mask")
     mask = self.variable(SPARSITY, "mask", lambda: random_mask(self.make_rng("params"), shape, kept)).value
+    try:  # a given mask is checked here, not left to fail inside the kernel initializer (Flax traces it for shapes)
+      mask = check_mask(mask, shape)
+    except (TypeError, ValueError) as e:
+      raise type(e)(f"{type(self).__name__} at {'/'.join(self.scope.path) or '(top level)'}: its "
+                    f"{SPARSITY!r} collection's {e}") from None
     kernel_init = self.kernel_init or masked_kernel_init(kept, size)
 
     def masked_init(key, shape, dtype):

@@ -30,6 +30,7 @@ from jaxsparse.formats import _nm_masks
 from jaxsparse.layers._common import NMPromote
 from jaxsparse.layers._common import check_in_features
 from jaxsparse.layers._common import check_known_in_features
+from jaxsparse.layers._common import check_real_dtypes
 from jaxsparse.layers._common import check_transposable_layer
 from jaxsparse.layers._common import existing_shape
 
@@ -41,6 +42,7 @@ def _check_fields(module: nn.Module) -> None:
   _utils.check_positive_int(module.features, name="features")
   _utils.check_decay(module.sr_ste_decay, name="sr_ste_decay")
   check_transposable_layer(module.transposable, module.features, module.m, name="features")
+  check_real_dtypes(type(module), param_dtype=module.param_dtype)  # SR-STE prunes by magnitude: real weights
 
 
 def _wrap(module: nn.Module, cls: type[nn.Module], *, axis: int) -> nn.Module:
@@ -72,7 +74,8 @@ class NMDense(nn.Module):
     sr_ste_decay: SR-STE's decay of the pruned weights, ``>= 0``; ``0`` gives plain STE.
     transposable: prune with a mask that is N:M along the output features too (see ``NMLinear``).
     use_bias, dtype, param_dtype, precision, kernel_init, bias_init, dot_general,
-      dot_general_cls: as ``nn.Dense``.
+      dot_general_cls: as ``nn.Dense``; ``param_dtype`` a real floating dtype (a complex one raises
+      ``TypeError``: SR-STE prunes by magnitude), while ``dtype`` and the inputs may be complex.
     promote_dtype: as ``nn.Dense``; it runs after the N:M pruning.
   """
 
@@ -159,7 +162,7 @@ class NMConv(nn.Module):
   Attributes:
     features, kernel_size, strides, padding, input_dilation, kernel_dilation, feature_group_count,
       use_bias, mask, dtype, param_dtype, precision, kernel_init, bias_init, conv_general_dilated,
-      conv_general_dilated_cls: as ``nn.Conv``.
+      conv_general_dilated_cls: as ``nn.Conv``; ``param_dtype`` real (a complex one raises ``TypeError``).
     n, m: keep ``n`` of every ``m`` input channels; ``in_channels // feature_group_count`` must be
       a multiple of ``m``.
     sr_ste_decay: SR-STE's decay of the pruned weights, ``>= 0``; ``0`` gives plain STE.

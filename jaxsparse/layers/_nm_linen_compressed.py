@@ -30,6 +30,7 @@ from jaxsparse.layers._common import check_in_features
 from jaxsparse.layers._common import check_input
 from jaxsparse.layers._common import check_known_in_features
 from jaxsparse.layers._common import check_pattern
+from jaxsparse.layers._common import check_real_dtypes
 from jaxsparse.layers._common import existing_shape
 from jaxsparse.layers._common import map_boxed
 from jaxsparse.layers._nm_compressed import check_nm_implementation
@@ -68,7 +69,9 @@ class CompressedNMDense(nn.Module):
     features: output size; the input size ``x.shape[-1]`` must be a multiple of ``m``.
     n, m: ``n`` kept of every ``m`` input features, ``0 < n < m``.
     use_bias, dtype, param_dtype, precision, kernel_init, bias_init, promote_dtype: as ``nn.Dense``;
-      ``kernel_init`` draws the dense ``(in_features, features)`` kernel that ``init`` prunes.
+      ``kernel_init`` draws the dense ``(in_features, features)`` kernel that ``init`` prunes. ``dtype`` and
+      ``param_dtype`` are real only (a complex one raises ``TypeError``, as do complex inputs and kernels;
+      :class:`~jaxsparse.layers.linen.MaskedDense` takes them).
     implementation: backend of :func:`jaxsparse.ops.nm_matmul`: ``None`` (it picks), ``"xla"``, ``"pallas"`` or
       ``"cusparselt"``.
   """
@@ -90,6 +93,7 @@ class CompressedNMDense(nn.Module):
     _nm_masks.check_nm(self.n, self.m)
     _utils.check_positive_int(self.features, name="features")
     check_nm_implementation(self.implementation)
+    check_real_dtypes(type(self), param_dtype=self.param_dtype, dtype=self.dtype)
     super().__post_init__()
 
   def _in_features(self, x_shape: tuple[int, ...]) -> int:
@@ -121,6 +125,7 @@ class CompressedNMDense(nn.Module):
     Raises:
       ValueError: ``x`` whose last axis is not the layer's input size (both named) or not a multiple of ``m``,
         variables without the ``"sparsity"`` collection, or a ``params['kernel']`` that is not kept values.
+      TypeError: a complex ``x`` or ``params['kernel']``.
 
     >>> import jax, jax.numpy as jnp, jaxsparse
     >>> from jaxsparse.layers.linen import CompressedNMDense
@@ -131,6 +136,7 @@ class CompressedNMDense(nn.Module):
     True
     """
     x = check_input(x)
+    check_real_dtypes(type(self), **{"x.dtype": x.dtype})
     k = self._in_features(x.shape)
     check_pattern(self, "kernel_positions")
     shape = (k, self.features)
@@ -146,6 +152,7 @@ class CompressedNMDense(nn.Module):
     values = self.param("kernel", init_values)
     positions = self.variable(SPARSITY, "kernel_positions", lambda: drawn["w"].indices).value
     bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
+    check_real_dtypes(type(self), **{"params['kernel'].dtype": jnp.result_type(values)})  # variables made elsewhere
     w = NMSparseMatrix(values, positions, shape=shape, n=self.n, m=self.m, axis=0, validate=False)
     x, values, bias = self.promote_dtype(x, w.values, bias, dtype=self.dtype)
     y = ops.nm_matmul(x, w.with_values(values), implementation=self.implementation, precision=self.precision)

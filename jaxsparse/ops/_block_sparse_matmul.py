@@ -523,8 +523,9 @@ def block_sparse_matmul(
   Raises:
     TypeError: ``preferred_element_type`` is not a floating dtype or ``None``;
       ``w`` is not a :class:`jaxsparse.BlockSparseMatrix`; ``x`` does not have a floating dtype;
-      float operands of two dtypes where one is an 8-bit float (``float8_e4m3fn``, ``float8_e5m2``: one
-      dtype for both, cast one; float8 operands of one dtype multiply as in ``jnp.matmul``, in float32).
+      float operands of two dtypes where one is an 8-bit float (``float8_e4m3fn``, ``float8_e5m2``)
+      without ``preferred_element_type`` (cast one, or pass it, as ``jnp.matmul`` wants; float8 operands of one
+      dtype multiply as in ``jnp.matmul``, in float32).
     ValueError: ``x`` is not ``(..., K)`` with ``K = w.shape[0]``, or ``K == 0``; ``w.data`` or an index array
       has the wrong shape or dtype (e.g. a matrix rebuilt with ``tree_unflatten``); an unknown
       ``implementation``.

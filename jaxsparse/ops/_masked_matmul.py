@@ -165,8 +165,9 @@ def masked_matmul(
       not of ``w``'s shape; an unknown ``implementation``.
     TypeError: ``preferred_element_type`` is not a floating dtype or ``None``; ``mask`` is not a boolean array;
       ``implementation="cpu"`` with dtypes other than float32, bfloat16 and float16;
-      float operands of two dtypes where one is an 8-bit float (``float8_e4m3fn``, ``float8_e5m2``: one
-      dtype for both, cast one; float8 operands of one dtype multiply as in ``jnp.matmul``, in float32).
+      float operands of two dtypes where one is an 8-bit float (``float8_e4m3fn``, ``float8_e5m2``)
+      without ``preferred_element_type`` (cast one, or pass it, as ``jnp.matmul`` wants; float8 operands of one
+      dtype multiply as in ``jnp.matmul``, in float32).
     RuntimeError: ``implementation="cpu"`` where the C++ kernels cannot be built or loaded, or the product is
       lowered for a platform other than the CPU.
   """

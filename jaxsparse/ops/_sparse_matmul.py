@@ -244,6 +244,10 @@ def sparse_matmul(
   entries that are not stored, so such an ``x`` can give finite outputs: test ``x`` with ``jnp.isfinite`` where
   NaN detection matters, rather than relying on the product to carry it.
 
+  Sharded operands (:mod:`jaxsparse.ops`' data parallelism): the leading dims of ``x`` keep their split; ``w``'s
+  arrays are replicated, gathered if they arrive split (also under explicit mesh axes, on every route), and the
+  gradients come back split like ``x`` and ``w.data``.
+
   >>> import jax, jax.numpy as jnp, jaxsparse
   >>> w = jax.random.normal(jax.random.key(0), (64, 128))
   >>> ws = jaxsparse.CSRMatrix.from_dense(w, mask=jaxsparse.magnitude_mask(w, sparsity=0.9))
@@ -268,10 +272,11 @@ def sparse_matmul(
 
   Raises:
     TypeError: ``preferred_element_type`` is not a floating dtype or ``None``;
-      ``w`` is not a :class:`jaxsparse.CSRMatrix`; ``x`` does not have a floating dtype;
+      ``w`` is not a :class:`jaxsparse.CSRMatrix`; ``x`` does not have a floating dtype; ``w.data`` is complex;
       ``implementation="cpu"`` with dtypes other than float32, bfloat16 and float16;
-      float operands of two dtypes where one is an 8-bit float (``float8_e4m3fn``, ``float8_e5m2``: one
-      dtype for both, cast one; float8 operands of one dtype multiply as in ``jnp.matmul``, in float32).
+      float operands of two dtypes where one is an 8-bit float (``float8_e4m3fn``, ``float8_e5m2``)
+      without ``preferred_element_type`` (cast one, or pass it, as ``jnp.matmul`` wants; float8 operands of one
+      dtype multiply as in ``jnp.matmul``, in float32).
     ValueError: ``x`` is not ``(..., K)`` with ``K = w.shape[0]``, or ``K == 0``; ``w.data`` or an index array
       has the wrong shape or dtype (e.g. a matrix rebuilt with ``tree_unflatten``); an unknown
       ``implementation``.
@@ -282,7 +287,15 @@ def sparse_matmul(
     raise TypeError(f"w must be a jaxsparse.CSRMatrix, got {type(w).__name__}.")
   w._check_static()  # index arrays' shapes and dtypes, also of a matrix from tree_unflatten (no constructor)
   x = _utils.check_activations(x, w.shape[0])
+  if jnp.issubdtype(w.dtype, jnp.complexfloating):  # not left to name a preferred_element_type nobody passed
+    raise TypeError(f"w.data must have a real dtype, got {w.dtype}; for complex weights use "
+                    "jaxsparse.ops.masked_matmul (a dense w and its mask).")
   impl = check_cpu_implementation(implementation, op="sparse_matmul")
+  # Under explicit mesh axes: x's rows split, w's leaves gathered, on every route (the XLA path's autodiff cannot
+  # place dW = xᵀ dY when x's rows are split; ops/_sharding.py).
+  leaves, treedef = jax.tree.flatten(w)
+  x, leaves = _sharding.rows_and_replicated_weights(x, leaves)
+  w = jax.tree.unflatten(treedef, leaves)
   out_dtype = _utils.result_dtype(x.dtype, w.dtype, preferred_element_type)
   if impl == "cpu" and not cpu_supports(x.dtype, w.dtype):
     raise TypeError(f"implementation='cpu' supports float32, bfloat16 and float16, got {x.dtype} and {w.dtype}.")
