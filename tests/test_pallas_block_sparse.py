@@ -504,6 +504,21 @@ def test_decode_candidates_of_16_wide_blocks_offer_both_warp_counts(m, block, dt
   assert not any("/w" in n for n in dict(kernels.candidates("fwd", x2, w32, out_dtype=dtype)))
 
 
+def test_decode_candidates_fill_the_gpu_where_the_output_has_few_block_columns(monkeypatch):
+  # A narrow, long weight (4 block columns) at decode size: besides splits 1-32, the split that first puts
+  # target_programs programs in flight (264 / 4 -> 128, capped at the 64 block rows); none where columns fill it.
+  monkeypatch.setattr(kernel_config, "_mosaic_probe", lambda: None)
+  rules = rules_lib.dispatch_rules()
+  _, _, w = _problem(1, 16384, 512, (256, 128), "random", jnp.float32, seed=0)
+  found = dict(kernels.candidates("fwd", jax.ShapeDtypeStruct((1, 16384), jnp.float32), w, out_dtype=jnp.float32))
+  assert found["triton/s64"].forward.split == 64 and 4 * 64 < 2 * rules.target_programs
+  splits = {n for n in found if n.startswith("triton/s") and n[len("triton/s"):].isdigit()}
+  assert splits == {"triton/s1", "triton/s4", "triton/s16", "triton/s32", "triton/s64"}
+  _, _, wide = _problem(1, 2048, 16384, (128, 64), "random", jnp.float32, seed=0)  # 256 columns: nothing to fill
+  found = dict(kernels.candidates("fwd", jax.ShapeDtypeStruct((1, 2048), jnp.float32), wide, out_dtype=jnp.float32))
+  assert max(c.forward.split for n, c in found.items() if n.startswith("triton/")) == 16
+
+
 @pytest.mark.skipif(kernels.available(), reason="checks the CPU-only behaviour")
 def test_pallas_implementation_raises_without_gpu():
   assert kernels.unavailable_reason()

@@ -115,8 +115,14 @@ def candidates(
   # Split contractions pay where the output has few tiles: small M (H100: they lost at every M >= 1024 tried). At
   # decode size the best split of the forward ranged over 1-32 (a column's blocks over 1-32 programs) with the shape
   # (gpu_decode_masked_rows_2026-11-26_h200.md): 1, 4, 16 and 32 programs, at most one a step of a column / row.
+  # Where even 32 leave the GPU short of `target_programs` programs (an output of few block columns, a long
+  # contraction: 1 x 16384 x 512 in 256 x 128 blocks has 4 columns, 128 programs at s32), the split that fills it.
   steps = (k // w.block_shape[0]) if direction == "fwd" else (n // w.block_shape[1])
-  splits = sorted({min(s, steps) for s in (1, 4, 16, 32)}) if m <= rules.decode_max_m else (2, 4) if m <= 512 else ()
+  splits = (2, 4) if m <= 512 else ()
+  if m <= rules.decode_max_m:
+    columns = (n // w.block_shape[1]) if direction == "fwd" else (k // w.block_shape[0])
+    fill = 1 << max(0, -(-rules.target_programs // columns) - 1).bit_length()  # a power of two >= programs / columns
+    splits = sorted({min(s, steps) for s in (1, 4, 16, 32, *((fill,) if fill > 32 else ()))})
   for split in splits:
     add(f"triton/s{split}", dataclasses.replace(triton, **{f_kernel: dataclasses.replace(tk, split=split)}))
   if m <= rules.decode_max_m and tk.sub_cols is None:
