@@ -30,6 +30,7 @@ from jaxsparse.layers._embed import CompressedNMEmbed
 from jaxsparse.layers._embed_linen import CompressedNMEmbed as LinenCompressedNMEmbed
 from jaxsparse.layers._linear_general import SparseLinearGeneral
 from jaxsparse.layers._masked import MaskedConv
+from jaxsparse.layers._masked import MaskedDense
 from jaxsparse.layers._masked import MaskedLinear
 from jaxsparse.layers._nm import NMConv
 from jaxsparse.layers._nm import NMLinear
@@ -45,7 +46,9 @@ class LayerSummary:
 
   Attributes:
     path: dotted path of the layer in the model (``"blocks.0.fc1"``).
-    kind: class name of the layer (Linen layers found from their variables: ``"BlockSparseDense"``...).
+    kind: class name of the layer (Linen layers found from their variables: ``"BlockSparseDense"``...);
+      ``"MaskedDense or MaskedConv"`` for Linen variables alone whose masked kernel has ndim > 2 (a masked
+      ``nn.Conv``'s, or a stacked ``nn.scan`` ``MaskedDense``'s): ``module=`` tells which.
     shape: shape of the dense kernel the layer stands for, ``(in, out)`` or ``(*kernel_size, cin, cout)``.
     pattern: the structure in words: ``"block 32x32"``, ``"2:4"``, ``"2:4 compressed"``, ``"unstructured"``.
     density: fraction of the kernel's weights kept; ``None`` when unknown (the mask of an abstract model).
@@ -246,21 +249,31 @@ def _is_sparsified_linen(module: Any) -> bool:
   return isinstance(module, SparsifiedLinen)
 
 
-def _linen_nm_layers(module: Any, variables: Mapping, inputs: Sequence[Any]) -> dict[tuple[str, ...], _NMInfo]:
-  """The N:M Linen layers of ``module`` by scope path (their variables alone look like ``nn.Dense``'s).
+def _linen_module_layers(
+    module: Any, variables: Mapping, inputs: Sequence[Any]
+) -> tuple[dict[tuple[str, ...], _NMInfo], dict[tuple[str, ...], str]]:
+  """The N:M Linen layers of ``module`` by scope path (their variables alone look like ``nn.Dense``'s), and the kind
+  (``"MaskedDense"`` / ``"MaskedConv"``) of the layers that may hold a mask (a stacked, ``nn.scan``, ``MaskedDense``'s
+  kernel looks like a conv's).
 
-  For a :func:`jaxsparse.sparsify_linen` model they are the layers its plan maps to an ``NM`` rule.
+  For a :func:`jaxsparse.sparsify_linen` model they are the layers its plan maps to an ``NM`` or ``Unstructured`` rule.
   """
+  from jaxsparse._sparsify._linen_plan import sparse_layer_name  # noqa: PLC0415 -- as _is_sparsified_linen
   from jaxsparse.formats._specs import NM  # noqa: PLC0415
+  from jaxsparse.formats._specs import Unstructured  # noqa: PLC0415
 
   if _is_sparsified_linen(module):
     names = {"conv": "NMConv", "dense": "NMDense", "general": "NMDense", "embed": "CompressedNMEmbed"}
-    return {
+    nm_layers = {
         tuple(str(p) for p in path): ("CompressedNMDense" if plan.compressed and plan.kind != "embed"
                                       else names[plan.kind], plan.spec.n, plan.spec.m, plan.spec.transposable)
         for path, plan in module.layers.items() if isinstance(plan.spec, NM)
     }
+    masked = {tuple(str(p) for p in path): sparse_layer_name(plan)
+              for path, plan in module.layers.items() if isinstance(plan.spec, Unstructured)}
+    return nm_layers, masked
   found: dict[tuple[str, ...], _NMInfo] = {}
+  masked: dict[tuple[str, ...], str] = {}
 
   def record(next_fun, args, kwargs, context):
     m = context.module
@@ -268,14 +281,23 @@ def _linen_nm_layers(module: Any, variables: Mapping, inputs: Sequence[Any]) -> 
     embed = isinstance(m, LinenCompressedNMEmbed) and context.method_name in ("__call__", "attend")
     if nm or embed:
       found[tuple(m.scope.path)] = (type(m).__name__, m.n, m.m, getattr(m, "transposable", False))
+    elif isinstance(m, MaskedDense | nn.Conv) and context.method_name == "__call__":  # nn.Conv: given its mask
+      masked[tuple(m.scope.path)] = "MaskedDense" if isinstance(m, MaskedDense) else "MaskedConv"
     return next_fun(*args, **kwargs)
 
   with nn.intercept_methods(record):
     jax.eval_shape(lambda v, *a: module.apply(v, *a), dict(variables), *inputs)
-  return found
+  return found, masked
 
 
-def _linen_layers(variables: Mapping, nm_layers: Mapping[tuple[str, ...], _NMInfo]) -> list[LayerSummary]:
+# The kind of a masked Linen layer that its variables alone cannot tell: a kernel of ndim > 2 is a masked nn.Conv's or a
+# stacked (nn.scan over layers) MaskedDense's.
+_MASKED_UNKNOWN = "MaskedDense or MaskedConv"
+
+
+def _linen_layers(
+    variables: Mapping, nm_layers: Mapping[tuple[str, ...], _NMInfo], masked: Mapping[tuple[str, ...], str]
+) -> list[LayerSummary]:
   out = []
   sparsity = variables.get(SPARSITY, {})
 
@@ -295,7 +317,8 @@ def _linen_layers(variables: Mapping, nm_layers: Mapping[tuple[str, ...], _NMInf
         out.append(_layer(path, "BlockSparseDense", (kb * bk, nb * bn), f"block {bk}x{bn}", math.prod(kernel.shape),
                           **common))
       elif "mask" in pattern:
-        name = "MaskedConv" if len(kernel.shape) > 2 else "MaskedDense"  # a masked nn.Conv (sparsify_linen, convert)
+        # Without module=, a kernel of ndim > 2 is a masked nn.Conv's (sparsify_linen, convert) or a stacked MaskedDense
+        name = masked.get(prefix) or ("MaskedDense" if len(kernel.shape) == 2 else _MASKED_UNKNOWN)
         out.append(_layer(path, name, tuple(kernel.shape), "unstructured", _count(pattern["mask"]), **common))
       elif "kernel_positions" in pattern:  # a CompressedNMDense: its n:m is not in its variables
         if prefix not in nm_layers:
@@ -372,7 +395,8 @@ def summary(model: nnx.Module | Mapping, /, *example_inputs: Any, module: nn.Mod
       :func:`jaxsparse.sparsify_linen` (or :func:`jaxsparse.compress_linen`) returned. Needed to find ``NMDense`` /
       ``NMConv``, whose variables are those of ``nn.Dense`` / ``nn.Conv``, and the ``n:m`` of a
       ``CompressedNMDense`` or ``CompressedNMEmbed``; block-sparse and masked Linen layers are found from the
-      ``"sparsity"`` collection alone.
+      ``"sparsity"`` collection alone, but only ``module`` tells a masked ``nn.Conv`` from a stacked (``nn.scan``)
+      ``MaskedDense`` (without it their kind is ``"MaskedDense or MaskedConv"``).
 
   Returns:
     A :class:`ModelSummary`; ``str()`` of it is a table with totals.
@@ -407,6 +431,6 @@ def summary(model: nnx.Module | Mapping, /, *example_inputs: Any, module: nn.Mod
       raise TypeError(f"module={type(module).__name__} needs the example inputs of its apply (arrays or "
                       "jax.ShapeDtypeStruct), to find its NMDense / NMConv layers.")
     model = nn.meta.unbox(model)  # nn.with_partitioning boxes, as sparsify_linen carries them over
-    nm = {} if module is None else _linen_nm_layers(module, model, example_inputs)
-    return ModelSummary(tuple(_linen_layers(model, nm)))
+    nm, masked = ({}, {}) if module is None else _linen_module_layers(module, model, example_inputs)
+    return ModelSummary(tuple(_linen_layers(model, nm, masked)))
   raise TypeError(f"model must be a flax.nnx.Module or Linen variables (a dict), got {type(model).__name__}.")

@@ -78,21 +78,34 @@ def check_dims(value: object, *, name: str, ndim: int | None = None, minimum: in
   return tuple(ints)
 
 
+def _real_scalar(value: object, *, name: str, allowed: str) -> float:
+  """``value`` as a Python float: a real Python / NumPy scalar or a concrete 0-d NumPy / JAX array of a real dtype
+  (not a bool); a ``TypeError`` naming ``name`` and ``allowed`` (the range in words) for anything else."""
+  if isinstance(value, jax.core.Tracer):
+    raise TypeError(f"{name} must be a concrete float in {allowed}, got the traced {value!r} (an argument of a jitted "
+                    "function?): it sets the layer's structure, so pass a Python float or close over it.")
+  if isinstance(value, np.ndarray | jax.Array):
+    real = jnp.issubdtype(value.dtype, jnp.floating) or jnp.issubdtype(value.dtype, jnp.integer)
+    if value.ndim == 0 and real:
+      return float(value)
+  elif isinstance(value, numbers.Real) and not isinstance(value, bool | np.bool_):
+    return float(value)
+  kind = f"an array of shape {value.shape} and dtype {value.dtype}" if hasattr(value, "dtype") else (
+      f"of type {type(value).__name__}")
+  raise TypeError(f"{name} must be a float in {allowed}, got {value!r}, {kind}.")
+
+
 def check_density(density: object, *, name: str = "density") -> float:
-  """Returns ``density`` as a float in (0, 1]."""
-  if isinstance(density, bool) or not isinstance(density, numbers.Real):
-    raise TypeError(f"{name} must be a float in (0, 1], got {density!r} of type {type(density).__name__}.")
-  d = float(density)
+  """Returns ``density`` (a real scalar: Python, NumPy, a concrete 0-d array) as a float in (0, 1]."""
+  d = _real_scalar(density, name=name, allowed="(0, 1]")
   if not 0.0 < d <= 1.0:
     raise ValueError(f"{name} must be in (0, 1], got {name}={d}.")
   return d
 
 
 def check_sparsity(sparsity: object, *, name: str = "sparsity") -> float:
-  """Returns ``sparsity`` as a float in [0, 1)."""
-  if isinstance(sparsity, bool) or not isinstance(sparsity, numbers.Real):
-    raise TypeError(f"{name} must be a float in [0, 1), got {sparsity!r} of type {type(sparsity).__name__}.")
-  s = float(sparsity)
+  """Returns ``sparsity`` (a real scalar: Python, NumPy, a concrete 0-d array) as a float in [0, 1)."""
+  s = _real_scalar(sparsity, name=name, allowed="[0, 1)")
   if not 0.0 <= s < 1.0:
     raise ValueError(f"{name} must be in [0, 1), got {name}={s}.")
   return s

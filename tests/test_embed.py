@@ -180,6 +180,15 @@ def test_attend_names_a_query_of_another_width():
       sparse.attend(bad)
 
 
+def test_attend_names_a_complex_query():
+  # It raised nm_matmul's "x must have a floating dtype", naming neither query nor what attend takes.
+  sparse = CompressedNMEmbed.from_dense(_dense(6, 8, jnp.float32, 0))
+  with pytest.raises(TypeError, match=r"CompressedNMEmbed\.attend: query must be real \(a floating, integer or bool "
+                     r"array.*got query\.dtype=complex64"):
+    sparse.attend(jnp.ones((2, 8), jnp.complex64))
+  assert sparse.attend(jnp.ones((2, 8), jnp.int32)).shape == (2, 6)  # real, non-floating queries still work
+
+
 def test_dtype_none_computes_in_the_table_dtype_as_nnx_embed():
   # Built from an NMSparseMatrix with dtype=None, attend promoted a float32 query over a bfloat16 table to float32,
   # while nnx.Embed (and this layer's own to_dense()) compute in the table's bfloat16: the round trip differed.

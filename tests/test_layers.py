@@ -1,5 +1,7 @@
 """Tests for jaxsparse.layers: NNX vs Linen, dense equivalence, training, initialisation, bad input."""
 
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -337,6 +339,26 @@ def test_default_init_matches_dense_output_variance(make):
 # -------------------------------------------------------------------------------------------------
 # Bad input.
 # -------------------------------------------------------------------------------------------------
+
+
+def test_sparsity_and_density_take_real_scalars():
+  """A NumPy / JAX scalar sparsity (jnp.float32(0.5)) was refused with "must be a float"; real scalars and concrete
+  0-d arrays are now taken, bools, arrays and traced values still refused, naming the argument."""
+  from jaxsparse import _utils  # noqa: PLC0415
+
+  assert MaskedLinear(8, 4, sparsity=jnp.float32(0.5), rngs=nnx.Rngs(0)).density == 0.5
+  assert MaskedDense(4, sparsity=np.float32(0.75)).sparsity == np.float32(0.75)
+  for value in (np.float32(0.25), jnp.float32(0.25), np.array(0.25), jnp.asarray(0.25, jnp.bfloat16), 0.25):
+    assert _utils.check_sparsity(value) == 0.25 and _utils.check_density(value, name="d") == 0.25
+    assert type(_utils.check_sparsity(value)) is float
+  for value, shown in ((True, "True, of type bool"), (np.bool_(False), "an array of shape () and dtype bool"),
+                       (jnp.array([0.5]), r"an array of shape (1,) and dtype float32"), ("0.5", "of type str")):
+    with pytest.raises(TypeError, match=r"sparsity must be a float in \[0, 1\), got .*" + re.escape(shown)):
+      _utils.check_sparsity(value)
+  with pytest.raises(TypeError, match=r"density must be a concrete float in \(0, 1\], got the traced"):
+    jax.jit(_utils.check_density)(0.5)
+  with pytest.raises(ValueError, match=r"sparsity must be in \[0, 1\), got sparsity=1.0"):
+    _utils.check_sparsity(jnp.float32(1.0))
 
 
 def _bsl(**kwargs):

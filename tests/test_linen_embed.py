@@ -142,6 +142,9 @@ def test_abstract_init_and_boxed_initializer():
      r"inputs must be integer token ids, got dtype float32"),
     (lambda: CompressedNMEmbed(10, 8), lambda e, v: e.apply(v, jnp.ones((2, 12)), method="attend"),
      r"CompressedNMEmbed has features=8: query must have shape \(\.\.\., 8\), got query.shape=\(2, 12\)"),
+    # A complex query failed inside nm_matmul with "x must have a floating dtype", naming neither query nor attend.
+    (lambda: CompressedNMEmbed(10, 8), lambda e, v: e.apply(v, jnp.ones((2, 8), jnp.complex64), method="attend"),
+     r"CompressedNMEmbed\.attend: query must be real \(a floating, integer or bool array.*query\.dtype=complex64"),
     (lambda: CompressedNMEmbed(10, 8), lambda e, v: e.apply({"params": v["params"]}, jnp.arange(2)),
      r"CompressedNMEmbed has no 'sparsity' collection"),
     (lambda: CompressedNMEmbed(10, 8), lambda e, v: e.apply({**v, "params": {"embedding": jnp.ones((10, 8))}},

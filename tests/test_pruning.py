@@ -128,6 +128,24 @@ def test_scores_and_masks_must_have_their_parameters_shape():
     pruning.apply_masks(model, {"kernel": np.ones((4, 8), bool), "bias": None})
 
 
+def test_apply_masks_narrows_the_masks_of_masked_layers():
+  """wrap_optax pruning a MaskedLinear further zeroed kernel weights that the layer's own mask, density and summary
+  still counted as kept; apply_masks(model, get_masks(optimizer)) now makes the layer's mask follow."""
+  old = np.random.default_rng(0).permutation(512).reshape(16, 32) < 128
+  model = nnx.Sequential(jaxsparse.layers.MaskedLinear(16, 32, mask=old, rngs=nnx.Rngs(0)))
+  layer = model.layers[0]
+  tx = pruning.wrap_optax(optax.sgd(0.0), pruning.magnitude_pruner(jaxsparse.Unstructured(0.9)))
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  optimizer.update(model, jax.tree.map(jnp.zeros_like, nnx.state(model, nnx.Param)))
+  kept = float(np.mean(np.asarray(layer.kernel[...]) != 0))
+  assert kept < 0.11 and layer.density == 0.25
+  assert pruning.apply_masks(model, pruning.get_masks(optimizer)) is model
+  mask = np.asarray(layer.mask[...])
+  assert layer.density == kept and not (mask & ~old).any()  # only narrowed
+  np.testing.assert_array_equal(mask, np.asarray(layer.kernel[...]) != 0)
+  assert [row.density for row in jaxsparse.summary(model).layers] == [kept]
+
+
 class _EmbedNet(nnx.Module):
   def __init__(self, rngs):
     self.embed = nnx.Embed(16, 8, rngs=rngs)

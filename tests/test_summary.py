@@ -96,6 +96,32 @@ def test_linen_summary_from_variables():
   assert [layer.kind for layer in s.layers] == ["BlockSparseDense", "MaskedDense", "NMDense"]
 
 
+def test_linen_masked_kind_of_stacked_dense_and_masked_conv():
+  """A stacked (nn.scan) MaskedDense, kernel (layers, K, N), was labelled "MaskedConv" from its kernel's ndim; a masked
+  1-D nn.Conv's kernel (3, cin, cout) looks the same. The module tells them apart; without it, the kind says so."""
+  mask = (jnp.arange(3 * 16 * 16) % 4 == 0).reshape(3, 16, 16)
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+      return linen.MaskedDense(16, sparsity=0.75, name="fc")(x), None
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      stack = nn.scan(Block, variable_axes={"params": 0, linen.SPARSITY: 0}, split_rngs={"params": True}, length=3)
+      x, _ = stack(name="stack")(x, None)
+      return nn.Conv(16, (3,), mask=mask, name="conv")(x)
+
+  x = jnp.ones((2, 5, 16))
+  variables = Net().init(jax.random.key(0), x)
+  variables = {**variables, linen.SPARSITY: {**variables[linen.SPARSITY], "conv": {"mask": mask}}}
+  s = jaxsparse.summary(variables, x, module=Net())
+  assert {row.path: (row.kind, row.shape, row.density) for row in s.layers} == {
+      "stack.fc": ("MaskedDense", (3, 16, 16), 0.25), "conv": ("MaskedConv", (3, 16, 16), 0.25)}
+  assert [row.kind for row in jaxsparse.summary(variables).layers] == ["MaskedDense or MaskedConv"] * 2
+
+
 def test_summary_rejects_other_input():
   with pytest.raises(TypeError, match=r"model must be a flax\.nnx\.Module or Linen variables"):
     jaxsparse.summary([1, 2])

@@ -174,6 +174,7 @@ class CompressedNMEmbed(nnx.Module):
 
     Raises:
       ValueError: ``query`` whose last axis is not ``features``.
+      TypeError: a complex ``query``.
 
     >>> import jax.numpy as jnp
     >>> from flax import nnx
@@ -267,7 +268,12 @@ def check_ids(inputs: jax.typing.ArrayLike) -> jax.Array:
 
 
 def check_query(query: jax.typing.ArrayLike, features: int) -> None:
-  """Raises for an ``attend`` query whose last axis is not ``features``, naming both."""
+  """Raises for an ``attend`` query whose last axis is not ``features``, naming both, or whose dtype is complex."""
+  dtype = jnp.result_type(query)
+  if jnp.issubdtype(dtype, jnp.complexfloating):
+    raise TypeError(f"CompressedNMEmbed.attend: query must be real (a floating, integer or bool array; the pruned "
+                    f"table is real and its N:M product takes real inputs only), got query.dtype={dtype}. For a "
+                    "complex query, attend its real and imaginary parts separately.")
   shape = jnp.shape(query)
   if not shape or shape[-1] != features:
     raise ValueError(f"CompressedNMEmbed has features={features}: query must have shape (..., {features}), got "

@@ -177,6 +177,7 @@ class CompressedNMEmbed(nn.Module):
 
     Raises:
       ValueError: ``query`` whose last axis is not ``features``.
+      TypeError: a complex ``query``.
 
     >>> import jax, jax.numpy as jnp
     >>> from jaxsparse.layers.linen import CompressedNMEmbed

@@ -34,8 +34,11 @@ from jax import lax
 
 from jaxsparse._rules import Views
 from jaxsparse._rules import flatten_with_paths
+from jaxsparse._rules import path_str
 from jaxsparse._rules import resolve_views
 from jaxsparse._rules import unwrap_variables
+from jaxsparse.layers._masked import MaskedConv
+from jaxsparse.layers._masked import MaskedLinear
 from jaxsparse.pruning._schedules import Schedule
 from jaxsparse.pruning._schedules import one_shot
 from jaxsparse.pruning._scores import check_scope
@@ -409,6 +412,23 @@ def apply_masks(target: Any, masks: Any) -> Any:
   Call it after ``init`` when a model must be sparse before its first optimizer step (the wrapped
   optimizer zeroes pruned weights at its first update).
 
+  On an NNX model, the layers with a mask of their own (``MaskedLinear``, ``MaskedConv``) keep only the weights
+  both masks keep: their ``mask``, ``density`` and :func:`jaxsparse.summary` then tell the truth. An optimizer
+  sees only the parameters, so after :func:`wrap_optax` pruned such a layer further, call
+  ``apply_masks(model, get_masks(optimizer))`` (the layer's outputs were already right; its mask was not):
+
+  >>> import jax.numpy as jnp, optax, jaxsparse
+  >>> from flax import nnx
+  >>> layer = jaxsparse.layers.MaskedLinear(16, 8, sparsity=0.75, rngs=nnx.Rngs(0))
+  >>> optimizer = nnx.Optimizer(layer, pruning.wrap_optax(optax.sgd(0.0), pruning.magnitude_pruner(
+  ...     jaxsparse.Unstructured(0.875))), wrt=nnx.Param)
+  >>> _ = optimizer.update(layer, nnx.grad(lambda m: jnp.sum(m(jnp.ones((1, 16)))))(layer))
+  >>> layer.density, float(jnp.mean(layer.kernel[...] != 0))
+  (0.25, 0.125)
+  >>> _ = pruning.apply_masks(layer, pruning.get_masks(optimizer))
+  >>> layer.density
+  0.125
+
   Args:
     target: a parameter tree with the masks' structure, or an ``nnx.Module`` whose ``nnx.Param``
       state has it.
@@ -417,7 +437,8 @@ def apply_masks(target: Any, masks: Any) -> Any:
 
   Returns:
     For a parameter tree, a new tree with the pruned entries set to zero (same shapes and dtypes; a leaf
-    whose mask is ``None`` is kept as it is); for an ``nnx.Module``, ``target`` itself, updated in place.
+    whose mask is ``None`` is kept as it is); for an ``nnx.Module``, ``target`` itself, updated in place (its
+    parameters, and the masks of its masked layers).
 
   Raises:
     ValueError: naming the path, for a mask whose shape is not its parameter's.
@@ -425,9 +446,21 @@ def apply_masks(target: Any, masks: Any) -> Any:
   if isinstance(target, nnx.Module):
     params = nnx.as_pure(nnx.state(target, nnx.Param))
     nnx.update(target, apply_masks(params, masks))
+    _narrow_layer_masks(target, masks)
     return target
   _check_mask_shapes(masks, target)
   return _where_masked(masks, target, jnp.zeros_like, target)
+
+
+def _narrow_layer_masks(model: nnx.Module, masks: Any) -> None:
+  """Sets the ``mask`` of each ``MaskedLinear`` / ``MaskedConv`` of ``model`` to the weights it and its kernel's
+  mask in ``masks`` both keep (a weight either prunes is zero and gets no gradient)."""
+  pairs = jax.tree_util.tree_flatten_with_path(unwrap_variables(masks), is_leaf=_is_none)[0]
+  by_path = {path_str(kp): m for kp, m in pairs if m is not None}
+  for path, node in nnx.iter_modules(model):
+    mask = by_path.get(path_str((*path, "kernel"))) if isinstance(node, MaskedLinear | MaskedConv) else None
+    if mask is not None:
+      node.mask[...] = node.mask[...] & jnp.asarray(mask, bool)
 
 
 def _check_mask_shapes(masks: Any, target: Any) -> None:
