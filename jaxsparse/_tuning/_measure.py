@@ -66,7 +66,7 @@ _CACHED_BYTES = 128 << 20
 _COLD_BYTES = 256 << 20
 _MAX_COPIES = 16
 # Part of every cache key: how candidates are timed. Decisions timed another way are not reused (version 1, no field:
-# before the copies above; 2: train-step candidates timed on a sum of their outputs, see `train_step`).
+# before the copies above; 2: train-step candidates timed on a sum of their outputs; 3: on sum(y^2) / 2, `train_step`).
 TIMING_VERSION = 3
 
 # Compiles of candidates that a measurement stopped waiting for (past the tuning budget) finish in the background and
