@@ -22,8 +22,9 @@ demo: $(STAMP)
 	$(PY) examples/demo.py
 
 # Tests run in parallel, one worker per core, each test file on one worker (shared compiled kernels and fixtures).
-# The fast set includes tests/test_docs.py, which builds the docs as `make docs` does.
-PYTEST := $(PY) -m pytest -q -n auto --dist loadfile
+# The fast set includes tests/test_docs.py, which builds the docs as `make docs` does. The slowest tests are listed
+# at the end of each run (the fast set must stay within 15 minutes on 2 cores: move long ones behind `slow`).
+PYTEST := $(PY) -m pytest -q -n auto --dist loadfile --durations=25
 
 test: $(STAMP)
 	$(PY) -m ruff check .
