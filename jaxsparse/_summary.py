@@ -26,6 +26,7 @@ from jaxsparse.formats._base import is_concrete
 from jaxsparse.layers import _nm_linen
 from jaxsparse.layers._block_sparse import BlockSparseLinear
 from jaxsparse.layers._common import SPARSITY
+from jaxsparse.layers._common import nm_kept_mask
 from jaxsparse.layers._embed import CompressedNMEmbed
 from jaxsparse.layers._embed_linen import CompressedNMEmbed as LinenCompressedNMEmbed
 from jaxsparse.layers._linear_general import SparseLinearGeneral
@@ -34,6 +35,7 @@ from jaxsparse.layers._masked import MaskedDense
 from jaxsparse.layers._masked import MaskedLinear
 from jaxsparse.layers._nm import NMConv
 from jaxsparse.layers._nm import NMLinear
+from jaxsparse.layers._nm import kept_mask
 from jaxsparse.layers._nm_compressed import CompressedNMLinear
 from jaxsparse.layers._nm_linen_compressed import CompressedNMDense
 
@@ -222,7 +224,7 @@ def _nnx_layer(path: str, node: nnx.Module) -> LayerSummary | None:
     kept = math.prod(shape) * node.n // node.m
     if isinstance(node, NMConv) and node.mask is not None:  # a conv's own weight mask: groups may keep fewer than n
       concrete = is_concrete(node.kernel.get_value()) and is_concrete(node.mask)
-      kept = _count(node.nm_mask & (node.mask != 0)) if concrete else None
+      kept = _count(kept_mask(node)) if concrete else None
     return _layer(path, kind, shape, pattern, kept, param_dtype=node.kernel.dtype, dense_weight_grad=True, **common)
   if isinstance(node, CompressedNMEmbed):
     shape = (node.num_embeddings, node.features)
@@ -239,8 +241,8 @@ def _path(parts: Sequence[Any]) -> str:
   return ".".join(str(p) for p in parts)
 
 
-# An N:M Linen layer as the summary needs it: (layer name, n, m, transposable).
-_NMInfo = tuple[str, int, int, bool]
+# An N:M Linen layer as the summary needs it: (layer name, n, m, transposable, a conv's own Flax weight mask or None).
+_NMInfo = tuple[str, int, int, bool, Any]
 
 
 def _is_sparsified_linen(module: Any) -> bool:
@@ -266,7 +268,8 @@ def _linen_module_layers(
     names = {"conv": "NMConv", "dense": "NMDense", "general": "NMDense", "embed": "CompressedNMEmbed"}
     nm_layers = {
         tuple(str(p) for p in path): ("CompressedNMDense" if plan.compressed and plan.kind != "embed"
-                                      else names[plan.kind], plan.spec.n, plan.spec.m, plan.spec.transposable)
+                                      else names[plan.kind], plan.spec.n, plan.spec.m, plan.spec.transposable,
+                                      getattr(plan.module, "mask", None) if plan.kind == "conv" else None)
         for path, plan in module.layers.items() if isinstance(plan.spec, NM)
     }
     masked = {tuple(str(p) for p in path): sparse_layer_name(plan)
@@ -280,7 +283,8 @@ def _linen_module_layers(
     nm = isinstance(m, _nm_linen.NMDense | _nm_linen.NMConv | CompressedNMDense) and context.method_name == "__call__"
     embed = isinstance(m, LinenCompressedNMEmbed) and context.method_name in ("__call__", "attend")
     if nm or embed:
-      found[tuple(m.scope.path)] = (type(m).__name__, m.n, m.m, getattr(m, "transposable", False))
+      found[tuple(m.scope.path)] = (type(m).__name__, m.n, m.m, getattr(m, "transposable", False),
+                                    getattr(m, "mask", None))
     elif isinstance(m, MaskedDense | nn.Conv) and context.method_name == "__call__":  # nn.Conv: given its mask
       masked[tuple(m.scope.path)] = "MaskedDense" if isinstance(m, MaskedDense) else "MaskedConv"
     return next_fun(*args, **kwargs)
@@ -327,14 +331,18 @@ def _linen_layers(
               "only its module knows: pass module= (the SparsifiedLinen that jaxsparse.compress_linen returned, or "
               "the Linen module and its example inputs)."
           )
-        name, n, m, _ = nm_layers[prefix]
+        name, n, m, _, _ = nm_layers[prefix]
         shape = (kernel.shape[0] * m // n, kernel.shape[1])
         out.append(_layer(path, name, shape, f"{n}:{m} compressed", math.prod(shape) * n // m, **common))
       elif prefix in nm_layers:
-        name, n, m, transposable = nm_layers[prefix]
+        name, n, m, transposable, own = nm_layers[prefix]
         shape = tuple(kernel.shape)
         nm = f"{n}:{m}" + (" transposable" if transposable else "")
-        out.append(_layer(path, name, shape, nm, math.prod(shape) * n // m, dense_weight_grad=True, **common))
+        kept = math.prod(shape) * n // m
+        if own is not None:  # an NMConv's own Flax weight mask: groups may keep fewer than n, as in NNX
+          concrete = is_concrete(kernel) and is_concrete(own)
+          kept = _count(nm_kept_mask(kernel, n, m, transposable=transposable, weight_mask=own)) if concrete else None
+        out.append(_layer(path, name, shape, nm, kept, dense_weight_grad=True, **common))
     elif "embedding" in params and not isinstance(params["embedding"], Mapping):
       pattern = sparsity
       for part in prefix:
@@ -358,7 +366,7 @@ def _linen_embed(path: str, params: Mapping, pattern: Mapping, info: _NMInfo | N
         "its module knows: pass module= (the SparsifiedLinen that jaxsparse.sparsify_linen returned, or the Linen "
         "module and its example inputs)."
     )
-  name, n, m, _ = info
+  name, n, m, _, _ = info
   values = params["embedding"]
   shape = (values.shape[1], values.shape[0] * m // n)
   table = _layer(path, name, shape, f"{n}:{m} compressed", math.prod(shape) * n // m,

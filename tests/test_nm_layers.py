@@ -339,7 +339,7 @@ def test_nm_linear_bad_arguments(kwargs, error, match):
 def test_nm_conv_and_conversion_bad_arguments():
   with pytest.raises(ValueError, match=r"in_features // feature_group_count=3 must be a multiple of m=4"):
     NMConv(6, 8, (3, 3), feature_group_count=2, kernel_init=FAST_INIT, rngs=nnx.Rngs(0))
-  with pytest.raises(ValueError, match=r"feature_group_count=4 must be >= 1 and divide in_features=6"):
+  with pytest.raises(ValueError, match=r"feature_group_count=4 must divide in_features=6 and out_features=8"):
     NMConv(6, 8, (3, 3), feature_group_count=4, kernel_init=FAST_INIT, rngs=nnx.Rngs(0))
   with pytest.raises(TypeError, match=r"linear must be a flax\.nnx\.Linear, got Conv"):
     NMLinear.from_dense(nnx.Conv(8, 8, 3, kernel_init=FAST_INIT, rngs=nnx.Rngs(0)))
@@ -390,6 +390,18 @@ def test_linen_bad_arguments():
     jlinen.NMDense(4).init(jax.random.key(0), jnp.ones((1, 6)))
   with pytest.raises(ValueError, match=r"in_channels // feature_group_count=6 must be a multiple of m=4"):
     jlinen.NMConv(4, (3, 3)).init(jax.random.key(0), jnp.ones((1, 5, 5, 6)))
+
+
+def test_nm_convs_name_feature_groups_that_do_not_divide_the_channels():
+  # Linen: 10 input channels in 4 groups passed the N:M check (10 // 4 = 2, a multiple of m=2) and hit nn.Conv's bare
+  # AssertionError; NNX: out_features=6 in 4 groups failed at the first call in lax, and True was taken as 1 group.
+  with pytest.raises(ValueError, match=r"feature_group_count=4 must divide in_channels \(x.shape\[-1\]\)=10 and "
+                     r"features=8"):
+    jlinen.NMConv(8, (3,), n=1, m=2, feature_group_count=4).init(jax.random.key(0), jnp.ones((1, 5, 10)))
+  with pytest.raises(ValueError, match=r"feature_group_count=4 must divide in_features=16 and out_features=6"):
+    NMConv(16, 6, (3,), feature_group_count=4, kernel_init=FAST_INIT, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"feature_group_count must be a positive int, got True"):
+    NMConv(8, 8, (3,), feature_group_count=True, kernel_init=FAST_INIT, rngs=nnx.Rngs(0))
 
 
 # -------------------------------------------------------------------------------------------------

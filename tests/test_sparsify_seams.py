@@ -303,6 +303,26 @@ def test_errors_for_a_model_that_is_the_layer_name_it():
     jaxsparse.sparsify(nnx.Linear(6, 8, rngs=nnx.Rngs(0)), jaxsparse.NM(2, 4))
 
 
+def test_linen_model_that_is_the_layer_takes_the_masks_of_get_masks():
+  """A bare ``nn.Dense``: its mask key is ``"kernel"`` (as ``pruning.get_masks`` and NNX ``sparsify`` say), not
+  ``".kernel"``, and errors name it as the model itself, not by an empty path."""
+  x = _normal(1, (2, 8))
+  variables = nn.Dense(8).init(jax.random.key(0), x)
+  mask = np.zeros((8, 8), bool)
+  mask[::2] = True
+  sparse, sparse_vars, report = jaxsparse.sparsify_linen(nn.Dense(8), variables, jaxsparse.Unstructured(sparsity=0.5),
+                                                         x, masks={"kernel": mask})
+  np.testing.assert_array_equal(sparse_vars["sparsity"]["mask"], mask)
+  assert report.layers[0].density == 0.5
+  kernel = variables["params"]["kernel"]
+  np.testing.assert_allclose(sparse.apply(sparse_vars, x), x @ jnp.where(mask, kernel, 0) + variables["params"]["bias"],
+                             rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match=r"^\(the model itself\): the given mask has shape \(4, 4\)"):
+    jaxsparse.sparsify_linen(nn.Dense(8), variables, jaxsparse.NM(2, 4), x, masks={"kernel": np.ones((4, 4), bool)})
+  with pytest.raises(ValueError, match=r"^\(the model itself\): N:M sparsity 2:4"):
+    jaxsparse.sparsify_linen(nn.Dense(8), nn.Dense(8).init(jax.random.key(0), x[:, :6]), jaxsparse.NM(2, 4), x[:, :6])
+
+
 def test_densify_keeps_a_bias_of_another_dtype():
   w = jaxsparse.NMSparseMatrix.from_dense(_normal(0, (64, 32), jnp.bfloat16), 2, 4)
   layer = jaxsparse.layers.CompressedNMLinear(w, _normal(3, (32,)))  # a float32 bias

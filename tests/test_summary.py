@@ -122,6 +122,33 @@ def test_linen_masked_kind_of_stacked_dense_and_masked_conv():
   assert [row.kind for row in jaxsparse.summary(variables).layers] == ["MaskedDense or MaskedConv"] * 2
 
 
+_OWN_MASK = jnp.ones((3, 8, 8), bool).at[:, :3].set(False)  # channels 0-2 masked: their group of 4 keeps 1 of 2
+
+
+class _MaskedConvNet(nn.Module):
+  def setup(self):
+    self.c = nn.Conv(8, (3,), mask=_OWN_MASK)
+
+  def __call__(self, x):
+    return self.c(x)
+
+
+def test_linen_nm_conv_with_a_weight_mask_counts_the_weights_it_keeps():
+  """An N:M Linen conv with its own Flax weight mask keeps fewer than n of a group that mask thins out: the NNX
+  summary counted that (0.375 here), sparsify_linen's report and the Linen summary said n / m = 0.5."""
+  x = jnp.ones((1, 6, 8))
+  sparse, variables, report = jaxsparse.sparsify_linen(
+      _MaskedConvNet(), _MaskedConvNet().init(jax.random.key(0), x), jaxsparse.NM(2, 4), x)
+  _, dense = jaxsparse.densify_linen(sparse, variables)
+  kept = int(jnp.count_nonzero(dense["params"]["c"]["kernel"]))
+  assert kept == 3 * 8 * 3  # per output channel and tap: 1 of channels 0-3, 2 of channels 4-7
+  assert report.layers[0].density == kept / (3 * 8 * 8)
+  row = jaxsparse.summary(variables, module=sparse).layers[0]
+  assert (row.kind, row.density, row.forward_flops) == ("NMConv", kept / (3 * 8 * 8), 2 * kept)
+  nnx_row = jaxsparse.summary(layers.NMConv(8, 8, (3,), mask=_OWN_MASK, rngs=nnx.Rngs(0))).layers[0]
+  assert (nnx_row.density, nnx_row.forward_flops) == (row.density, row.forward_flops)
+
+
 def test_summary_rejects_other_input():
   with pytest.raises(TypeError, match=r"model must be a flax\.nnx\.Module or Linen variables"):
     jaxsparse.summary([1, 2])

@@ -586,6 +586,22 @@ def test_nm_conv_of_the_same_n_m_keeps_its_settings():
   np.testing.assert_array_equal(np.asarray(layer.nm_mask), np.transpose(conv.weight_mask.numpy(), (2, 3, 1, 0)) == 1)
 
 
+def test_nm_conv_with_a_weight_mask_exports_what_its_forward_computes():
+  """An NMConv whose Flax weight mask leaves a group of 4 input channels fewer than 2 nonzero weights: its N:M mask
+  "keeps" masked weights there, and the export wrote their raw (unmasked) values into the torch weight and mask."""
+  own = np.ones((3, 8, 8), bool)
+  own[:, :3] = False  # channels 0-2 masked: the first group of 4 keeps 1
+  layer = jaxsparse.layers.NMConv(8, 8, (3,), padding=1, mask=jnp.asarray(own), rngs=nnx.Rngs(0))
+  conv = torch.nn.Conv1d(8, 8, 3, padding=1)
+  conv.load_state_dict(torch_interop.export_state_dict(layer))
+  x = np.random.default_rng(0).standard_normal((2, 6, 8)).astype(np.float32)
+  with torch.no_grad():
+    got = conv(torch.from_numpy(x).permute(0, 2, 1)).permute(0, 2, 1).numpy()
+  np.testing.assert_allclose(got, np.asarray(layer(jnp.asarray(x))), atol=1e-5)
+  mask = torch_interop.export_masks(layer)["weight_mask"].numpy()
+  np.testing.assert_array_equal(mask, np.transpose(np.asarray(layer.pruned_kernel()) != 0, (2, 1, 0)))
+
+
 @pytest.mark.parametrize("pruned", [False, True])
 def test_conv_bias_of_the_wrong_shape_is_refused(pruned):
   """A torch conv bias of shape (1,) was broadcast into the (16,) bias of the MaskedConv a pruned conv becomes."""

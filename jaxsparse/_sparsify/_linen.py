@@ -226,7 +226,7 @@ def _check_rebuildable(f: _Found, spec: Spec, kernel_shape: tuple[int, ...], pat
       raise ValueError(f"{path}: this nn.Conv's weight mask is made inside the model's call; sparsify_linen needs it "
                        "as a concrete array set on the module (a field given outside the call).")
     if isinstance(spec, Unstructured):
-      raise ValueError(f"{path or '(the model itself)'}: this nn.Conv already has a Flax weight mask, which an "
+      raise ValueError(f"{path}: this nn.Conv already has a Flax weight mask, which an "
                        "Unstructured structure would replace; map this path to None (its mask prunes it) or use an NM "
                        "rule.")
   if f.kind != "conv" and not isinstance(spec, NM):
@@ -361,9 +361,9 @@ def sparsify_linen(
             if "embedding" in leaves and p not in {".".join(q) for q in called_embeds}}  # not called on the input
   check_unsupported(resolved, dense_paths + [".".join(p) for p in called_embeds], others,
                     supported="nn.Dense, nn.DenseGeneral (trailing axes), nn.Conv, nn.Embed (NM, a rule naming it)")
-  chosen = [".".join(path) for path in found if (r := match_rules(resolved, ".".join(path))) is not None
+  chosen = [path for path in found if (r := match_rules(resolved, ".".join(path))) is not None
             and resolved[r][2] is not None]
-  kernel_keys = [f"{p}.kernel" for p in chosen] + [_embed_key(path) for path, _ in embeds]
+  kernel_keys = [_kernel_key(path) for path in chosen] + [_embed_key(path) for path, _ in embeds]
   check_masks_used(mask_dict, set(kernel_keys), kernel_keys)
   for path, spec in embeds:  # lookups, not products: nothing to time
     layer, layer_vars, change = _sparse_embed(called_embeds[path], spec, params, mask_dict.get(_embed_key(path)), path)
@@ -373,6 +373,7 @@ def sparsify_linen(
   for path, f in found.items():
     kind, m = f.kind, f.module
     p = ".".join(path)
+    where = p or "(the model itself)"  # in messages: a model that is itself the layer has no path
     r = match_rules(resolved, p)
     if r is None:
       continue
@@ -380,27 +381,27 @@ def sparsify_linen(
     if spec is None:
       continue
     if f.unsupported:
-      raise ValueError(f"{p}: {f.unsupported}")
+      raise ValueError(f"{where}: {f.unsupported}")
     boxed_params = _nested_get(params, path)
     dense_params = nn.meta.unbox(boxed_params)  # nn.with_partitioning boxes, re-applied by carry_linen
     kernel = dense_params["kernel"]
-    _check_rebuildable(f, spec, kernel.shape, p)
+    _check_rebuildable(f, spec, kernel.shape, where)
     if kind == "conv" and isinstance(spec, BlockSparse):
       raise ValueError(
-          f"{p}: BlockSparse does not apply to nn.Conv layers; use jaxsparse.NM or jaxsparse.Unstructured."
+          f"{where}: BlockSparse does not apply to nn.Conv layers; use jaxsparse.NM or jaxsparse.Unstructured."
       )
     boxes = {k: v.replace_boxed(None) for k, v in boxed_params.items() if isinstance(v, nn.meta.AxisMetadata)}
     layer = _LinenLayer(kind, spec, m, f.in_dims, f.features, boxes)
-    mask = mask_dict.get(f"{p}.kernel")
+    mask = mask_dict.get(_kernel_key(path))
     mask = None if mask is None else np.asarray(mask)
     if mask is not None and mask.shape != kernel.shape:
-      raise ValueError(f"{p}: the given mask has shape {mask.shape}, the kernel {kernel.shape}.")
+      raise ValueError(f"{where}: the given mask has shape {mask.shape}, the kernel {kernel.shape}.")
     params_2d = _params_2d(layer, dense_params)
     if kind == "general" and mask is not None:  # the 2-D layer on flattened features
-      check_general_mask_view(mask, spec, len(f.in_dims), p)
+      check_general_mask_view(mask, spec, len(f.in_dims), where)
       mask = mask.reshape(layer.shape_2d)
-    check_spec_applies(spec, params_2d["kernel"].shape, path=p)
-    layer_vars = _linen_variables(spec, params_2d, mask, p)
+    check_spec_applies(spec, params_2d["kernel"].shape, path=where)
+    layer_vars = _linen_variables(spec, params_2d, mask, where)
     dense_ms = sparse_ms = None
     note = ""
     if mode:
@@ -416,7 +417,7 @@ def sparsify_linen(
         continue
     layers[path] = layer
     _store(new_vars, path, layer, boxed_params, layer_vars)
-    density = linen_density(spec, layer_vars, params_2d["kernel"].shape)
+    density = linen_density(spec, layer_vars, params_2d["kernel"].shape, weight_mask=getattr(m, "mask", None))
     changes.append(LayerChange(p, f"{type(m).__name__}({kernel.shape})", spec.describe(),
                                sparse_layer_name(layer, nnz=kept_blocks(layer_vars, spec)),
                                density, nbytes(dense_params), nbytes(layer_vars), dense_ms, sparse_ms, note))
@@ -427,6 +428,12 @@ def sparsify_linen(
   if sparse_linen.SPARSITY in new_vars:  # patterns the model's nn.vmap / nn.scan must carry to the layers
     _check_patterns_reach(sparse, new_vars, example_input, kwargs)
   return sparse, new_vars, SparsifyReport(tuple(changes))
+
+
+def _kernel_key(path: tuple) -> str:
+  """The ``masks`` key of a layer's kernel, as in :func:`jaxsparse.sparsify` and :func:`jaxsparse.pruning.get_masks`:
+  ``"<path>.kernel"``, ``"kernel"`` for a model that is itself the layer."""
+  return f"{'.'.join(path)}.kernel" if path else "kernel"
 
 
 def _embed_key(path: tuple) -> str:

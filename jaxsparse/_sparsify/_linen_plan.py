@@ -36,6 +36,7 @@ from jaxsparse.formats._specs import Spec
 from jaxsparse.formats._specs import Unstructured
 from jaxsparse.formats._specs import matrix_shape
 from jaxsparse.layers import linen as sparse_linen
+from jaxsparse.layers._common import nm_kept_mask
 from jaxsparse.layers._embed import compress_table
 
 __all__ = [
@@ -168,10 +169,17 @@ def kept_blocks(layer_vars: Mapping, spec: Spec) -> int | None:
   return layer_vars["params"]["kernel"].shape[0] if isinstance(spec, BlockSparse) else None
 
 
-def linen_density(spec: Spec, layer_vars: Mapping, kernel_shape: tuple[int, ...]) -> float:
-  """The fraction of a ``(K, N)`` kernel that a sparse layer's (unboxed) variables keep."""
+def linen_density(spec: Spec, layer_vars: Mapping, kernel_shape: tuple[int, ...], *, weight_mask: Any = None) -> float:
+  """The fraction of a ``(K, N)`` kernel that a sparse layer's (unboxed) variables keep; ``weight_mask``: an N:M
+  conv's own Flax weight mask, after which groups may keep fewer than ``n`` (NaN for a traced kernel)."""
   if isinstance(spec, NM):
-    return spec.n / spec.m
+    if weight_mask is None:
+      return spec.n / spec.m
+    kernel = layer_vars["params"]["kernel"]
+    if not (is_concrete(kernel) and is_concrete(weight_mask)):
+      return float("nan")
+    return float(jnp.mean(nm_kept_mask(kernel, spec.n, spec.m, transposable=spec.transposable,
+                                       weight_mask=weight_mask)))
   if isinstance(spec, BlockSparse):
     k, n = kernel_shape
     return layer_vars["params"]["kernel"].shape[0] / ((k // spec.block_shape[0]) * (n // spec.block_shape[1]))

@@ -367,6 +367,21 @@ def bias_of(layer: nnx.Module) -> jax.Array | None:
   return None if layer.bias is None else layer.bias[...]
 
 
+def nm_kept_mask(
+    kernel: jax.Array, n: int, m: int, *, transposable: bool = False, weight_mask: jax.typing.ArrayLike | None = None
+) -> jax.Array:
+  """Bool mask of the weights an N:M layer keeps of ``kernel``, its groups along axis -2 (the input features).
+
+  With a conv's own Flax ``weight_mask`` (which ``nnx.Conv`` / ``nn.Conv`` multiply into the kernel before the N:M
+  pruning) only where that mask is nonzero: a group it leaves fewer than ``n`` nonzero weights would otherwise count
+  masked weights as kept.
+  """
+  if weight_mask is None:
+    return _nm_masks.nm_mask(kernel, n, m, axis=-2, transposable=transposable)
+  kept = _nm_masks.nm_mask(kernel * weight_mask, n, m, axis=-2, transposable=transposable)
+  return kept & jnp.broadcast_to(jnp.asarray(weight_mask) != 0, jnp.shape(kernel))
+
+
 def check_transposable_layer(transposable: object, out_features: int, m: int, *, name: str = "out_features") -> bool:
   """``transposable`` of an N:M layer, checked: a bool; if True, ``m <= 4`` and dividing ``out_features``."""
   if _nm_masks.check_transposable_flag(transposable, m) and out_features % m:
@@ -375,6 +390,20 @@ def check_transposable_layer(transposable: object, out_features: int, m: int, *,
         "the output features)."
     )
   return transposable
+
+
+def check_feature_groups(
+    groups: object, in_features: int, out_features: int, *, in_name: str = "in_features",
+    out_name: str = "out_features"
+) -> int:
+  """A conv's ``feature_group_count``, checked: a positive int dividing both feature counts (Flax's convolutions take
+  any other and fail at the first call, on a bare ``AssertionError`` or a ``lax`` error)."""
+  groups = _utils.check_positive_int(groups, name="feature_group_count")
+  if in_features % groups or out_features % groups:
+    raise ValueError(
+        f"feature_group_count={groups} must divide {in_name}={in_features} and {out_name}={out_features}."
+    )
+  return groups
 
 
 def check_in_features(in_features: int, m: int, *, name: str = "in_features") -> None:

@@ -26,6 +26,7 @@ from jaxsparse.formats._masks import magnitude_mask
 from jaxsparse.layers._common import SPARSITY
 from jaxsparse.layers._common import SparsityPattern
 from jaxsparse.layers._common import bias_of
+from jaxsparse.layers._common import check_feature_groups
 from jaxsparse.layers._common import check_input
 from jaxsparse.layers._common import check_known_in_features
 from jaxsparse.layers._common import check_layer_inputs
@@ -426,11 +427,7 @@ class MaskedConv(nnx.Conv):
   ):
     check_one_of("sparsity", sparsity, "mask", mask)
     # nnx.Conv accepts groups that do not divide the features and fails at the first call on a bare assert.
-    groups = _utils.check_positive_int(kwargs.get("feature_group_count", 1), name="feature_group_count")
-    if in_features % groups or out_features % groups:
-      raise ValueError(
-          f"feature_group_count={groups} must divide in_features={in_features} and out_features={out_features}."
-      )
+    groups = check_feature_groups(kwargs.get("feature_group_count", 1), in_features, out_features)
     if mask is None:
       # nnx.Conv's kernel shape; the mask is drawn before nnx.Conv draws the kernel, as in MaskedLinear.
       ks = (kernel_size,) if isinstance(kernel_size, int) else tuple(kernel_size)

@@ -35,6 +35,7 @@ from jaxsparse.formats._nm import NMSparseMatrix
 from jaxsparse.layers._common import NMPromote
 from jaxsparse.layers._common import base_promote
 from jaxsparse.layers._common import bias_of
+from jaxsparse.layers._common import check_feature_groups
 from jaxsparse.layers._common import check_in_features
 from jaxsparse.layers._common import check_layer_inputs
 from jaxsparse.layers._common import check_linear
@@ -44,6 +45,7 @@ from jaxsparse.layers._common import check_transposable_layer
 from jaxsparse.layers._common import conv_options
 from jaxsparse.layers._common import default_bias_init
 from jaxsparse.layers._common import linear_options
+from jaxsparse.layers._common import nm_kept_mask
 from jaxsparse.layers._common import with_weights
 from jaxsparse.layers._nm_compressed import CompressedNMLinear
 
@@ -87,6 +89,13 @@ class _NMMixin:
     """The kernel as the forward pass sees it: zero outside :attr:`nm_mask`."""
     k = self._masked_input_kernel()
     return jnp.where(self.nm_mask, k, jnp.zeros((), k.dtype))
+
+
+def kept_mask(layer: NMLinear | NMConv) -> jax.Array:
+  """The weights ``layer``'s forward pass keeps: :attr:`~NMLinear.nm_mask`, and for an ``NMConv`` with a Flax weight
+  ``mask`` only where that mask is nonzero too (a group it leaves fewer than ``n`` nonzero weights "keeps" zeros)."""
+  own = layer.mask if isinstance(layer, NMConv) else None
+  return nm_kept_mask(layer.kernel[...], layer.n, layer.m, transposable=layer.transposable, weight_mask=own)
 
 
 class NMLinear(_NMMixin, nnx.Linear):
@@ -407,10 +416,7 @@ class NMConv(_NMMixin, nnx.Conv):
     n, m = _nm_masks.check_nm(n, m)
     _utils.check_positive_int(in_features, name="in_features")
     _utils.check_positive_int(out_features, name="out_features")
-    if feature_group_count < 1 or in_features % feature_group_count:
-      raise ValueError(
-          f"feature_group_count={feature_group_count} must be >= 1 and divide in_features={in_features}."
-      )
+    feature_group_count = check_feature_groups(feature_group_count, in_features, out_features)
     check_in_features(in_features // feature_group_count, m, name="in_features // feature_group_count")
     transposable = check_transposable_layer(transposable, out_features, m)
     decay = _utils.check_decay(sr_ste_decay, name="sr_ste_decay")

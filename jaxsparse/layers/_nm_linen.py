@@ -28,6 +28,7 @@ from jaxsparse import _utils
 from jaxsparse import ops
 from jaxsparse.formats import _nm_masks
 from jaxsparse.layers._common import NMPromote
+from jaxsparse.layers._common import check_feature_groups
 from jaxsparse.layers._common import check_in_features
 from jaxsparse.layers._common import check_known_in_features
 from jaxsparse.layers._common import check_real_dtypes
@@ -225,5 +226,7 @@ class NMConv(nn.Module):
     expected = None if kernel_shape is None else kernel_shape[-2] * self.feature_group_count
     check_known_in_features(self, jnp.shape(x), expected)
     cin = jnp.shape(x)[-1]
+    check_feature_groups(self.feature_group_count, cin, self.features, in_name="in_channels (x.shape[-1])",
+                         out_name="features")
     check_in_features(cin // self.feature_group_count, self.m, name="in_channels // feature_group_count")
     return self.conv(x)

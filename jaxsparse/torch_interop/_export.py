@@ -25,9 +25,10 @@ from jaxsparse import layers as jsl
 from jaxsparse.formats._block_sparse import INDEX_FIELDS
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
 from jaxsparse.formats._nm import NMSparseMatrix
-from jaxsparse.formats._nm_masks import nm_mask
 from jaxsparse.formats._specs import NM
 from jaxsparse.formats._specs import matrix_shape
+from jaxsparse.layers._common import nm_kept_mask
+from jaxsparse.layers._nm import kept_mask
 from jaxsparse.torch_interop._conv1d import check_conv1d
 from jaxsparse.torch_interop._load import CheckpointError
 from jaxsparse.torch_interop._load import import_torch
@@ -81,7 +82,7 @@ def _nnx_entries(model: nnx.Module) -> list[_Entry]:
     bias = getattr(node, "bias", None)
     bias = None if not isinstance(bias, nnx.Variable) else _np(bias[...])
     if nm_linear is not None and isinstance(node, nm_linear | nm_conv):
-      mask = _np(node.nm_mask)
+      mask = _np(kept_mask(node))  # an NMConv's own Flax weight mask too, as its forward pass applies it
       k = _np(node.kernel[...])
       entries.append(_Entry(fp, "weight", torch_layout(_masked(k, mask)), torch_layout(mask), nm=(node.n, node.m)))
     elif isinstance(node, jsl.CompressedNMEmbed) or (compressed is not None and isinstance(node, compressed)):
@@ -178,11 +179,9 @@ def _dense_general_in_ndim(fp: str, leaves: Mapping, sp: Mapping, plan: Any) -> 
 def _linen_nm_mask(kernel: np.ndarray, layer: Any) -> np.ndarray:
   """The mask ``NMDense`` / ``NMConv`` prune ``kernel`` with: a conv's own Flax weight mask first, then the N:M
   pattern (transposable where the rule is) along the input features, as ``densify_linen`` prunes it."""
-  spec, own = layer.spec, getattr(layer.module, "mask", None)
-  if own is not None:
-    kernel = _masked(kernel, np.broadcast_to(_np(own).astype(bool), kernel.shape))
-  mask = _np(nm_mask(kernel, spec.n, spec.m, axis=-2, transposable=spec.transposable))
-  return mask if own is None else mask & np.broadcast_to(_np(own).astype(bool), kernel.shape)
+  spec = layer.spec
+  own = getattr(layer.module, "mask", None)
+  return _np(nm_kept_mask(kernel, spec.n, spec.m, transposable=spec.transposable, weight_mask=own))
 
 
 def _linen_entries(variables: Mapping, module: Any = None) -> list[_Entry]:
