@@ -390,6 +390,23 @@ def test_complex_dtypes_raise_naming_the_linen_layer_argument(layer, build, arg)
     build()
 
 
+def test_integer_param_dtype_of_the_sr_ste_layers_is_named():
+  # Was: NMLinear / NMConv / Linen NMDense (and sparsify with an NM rule) took an int8 param_dtype and failed at the
+  # first call inside sr_ste_matmul ("w must have a floating dtype to be trained").
+  msg = r"trains its kernel with SR-STE and needs a floating param_dtype .*got param_dtype=int8"
+  with pytest.raises(TypeError, match=r"^NMLinear " + msg):
+    NMLinear(8, 4, n=2, m=4, param_dtype=jnp.int8, rngs=nnx.Rngs(0))
+  with pytest.raises(TypeError, match=r"^NMConv " + msg):
+    NMConv(8, 4, (3,), n=2, m=4, param_dtype=jnp.int8, rngs=nnx.Rngs(0))
+  with pytest.raises(TypeError, match=r"^NMDense " + msg):
+    sparse_linen.NMDense(4, n=2, m=4, param_dtype=jnp.int8).init(jax.random.key(0), jnp.ones((1, 8)))
+  with pytest.raises(TypeError, match=msg):
+    jaxsparse.sparsify(nnx.Linear(8, 4, param_dtype=jnp.int8, kernel_init=nnx.initializers.ones, rngs=nnx.Rngs(0)),
+                       jaxsparse.NM(2, 4))
+  layer = NMLinear(8, 4, n=2, m=4, param_dtype=F16, rngs=nnx.Rngs(0))  # every float still builds
+  assert layer(jnp.ones((1, 8), F16)).dtype == F16
+
+
 def test_complex_compute_dtype_and_inputs_where_supported_match_nnx_linear():
   # NMLinear prunes its real kernel and then computes as nnx.Linear does, so a complex dtype or complex inputs work;
   # the documented support must stay true.

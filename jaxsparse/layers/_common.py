@@ -44,6 +44,7 @@ __all__ = [
     "check_one_of",
     "check_pattern",
     "check_real_dtypes",
+    "check_trained_dtype",
     "conv_options",
     "copy_bias",
     "custom_options",
@@ -229,6 +230,18 @@ def check_real_dtypes(layer: type, **dtypes: Any) -> None:
           f"integer inputs are promoted), got {name}={jnp.dtype(dtype)}. For complex weights or inputs use "
           f"{alternative}."
       )
+
+
+def check_trained_dtype(layer: type, param_dtype: Any) -> None:
+  """Raises a ``TypeError`` naming ``param_dtype`` when it is not a floating dtype, for the layers that train their
+  dense kernel with SR-STE (its gradient and magnitudes need floats; an integer kernel failed at the first call)."""
+  check_real_dtypes(layer, param_dtype=param_dtype)
+  if not jnp.issubdtype(jnp.dtype(param_dtype), jnp.floating):
+    raise TypeError(
+        f"{layer.__name__} trains its kernel with SR-STE and needs a floating param_dtype (float32, bfloat16, "
+        f"float16, float64), got param_dtype={jnp.dtype(param_dtype)}. For integer weights prune a float copy and "
+        "compress it (CompressedNMLinear / CompressedNMDense take any real dtype)."
+    )
 
 
 def _one_layer_leaf(layer: nnx.Module) -> tuple[str, int]:

@@ -40,7 +40,7 @@ from jaxsparse.layers._common import check_in_features
 from jaxsparse.layers._common import check_layer_inputs
 from jaxsparse.layers._common import check_linear
 from jaxsparse.layers._common import check_one_layer
-from jaxsparse.layers._common import check_real_dtypes
+from jaxsparse.layers._common import check_trained_dtype
 from jaxsparse.layers._common import check_transposable_layer
 from jaxsparse.layers._common import conv_options
 from jaxsparse.layers._common import default_bias_init
@@ -157,7 +157,7 @@ class NMLinear(_NMMixin, nnx.Linear):
     _utils.check_positive_int(out_features, name="out_features")
     transposable = check_transposable_layer(transposable, out_features, m)
     decay = _utils.check_decay(sr_ste_decay, name="sr_ste_decay")
-    check_real_dtypes(type(self), param_dtype=param_dtype)  # SR-STE prunes by magnitude: real weights
+    check_trained_dtype(type(self), param_dtype=param_dtype)  # SR-STE trains it: float weights
     nm_promote = NMPromote(n, m, decay, 0, promote_dtype, transposable=transposable)
     super().__init__(
         in_features,
@@ -420,7 +420,7 @@ class NMConv(_NMMixin, nnx.Conv):
     check_in_features(in_features // feature_group_count, m, name="in_features // feature_group_count")
     transposable = check_transposable_layer(transposable, out_features, m)
     decay = _utils.check_decay(sr_ste_decay, name="sr_ste_decay")
-    check_real_dtypes(type(self), param_dtype=param_dtype)  # SR-STE prunes by magnitude: real weights
+    check_trained_dtype(type(self), param_dtype=param_dtype)  # SR-STE trains it: float weights
     nm_promote = NMPromote(n, m, decay, -2, promote_dtype, transposable=transposable)
     super().__init__(
         in_features,

@@ -31,7 +31,7 @@ from jaxsparse.layers._common import NMPromote
 from jaxsparse.layers._common import check_feature_groups
 from jaxsparse.layers._common import check_in_features
 from jaxsparse.layers._common import check_known_in_features
-from jaxsparse.layers._common import check_real_dtypes
+from jaxsparse.layers._common import check_trained_dtype
 from jaxsparse.layers._common import check_transposable_layer
 from jaxsparse.layers._common import existing_shape
 
@@ -43,7 +43,7 @@ def _check_fields(module: nn.Module) -> None:
   _utils.check_positive_int(module.features, name="features")
   _utils.check_decay(module.sr_ste_decay, name="sr_ste_decay")
   check_transposable_layer(module.transposable, module.features, module.m, name="features")
-  check_real_dtypes(type(module), param_dtype=module.param_dtype)  # SR-STE prunes by magnitude: real weights
+  check_trained_dtype(type(module), param_dtype=module.param_dtype)  # SR-STE trains it: float weights
 
 
 def _wrap(module: nn.Module, cls: type[nn.Module], *, axis: int) -> nn.Module:
