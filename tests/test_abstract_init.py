@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import jaxsparse
 from jaxsparse import layers
 from jaxsparse.layers import linen
 
@@ -118,3 +119,22 @@ def test_linen_model_of_sparse_layers_inits_in_jit():
   eager = Net().init(jax.random.key(0), x)
   _assert_trees_equal(jax.jit(Net().init)(jax.random.key(0), x), eager)
   assert set(eager) == {"params", "sparsity"}
+
+
+def test_densify_of_an_abstract_model_is_the_abstract_dense_model():
+  # An orbax restore target: nnx.eval_shape of a sparsified model. densify read the abstract arrays ("'ShapeDtypeStruct'
+  # object is not subscriptable"); it gives the abstract dense model, as densify of the concrete model has.
+  def make():
+    model = nnx.Sequential(nnx.Linear(8, 8, rngs=nnx.Rngs(0)), nnx.Conv(8, 8, (3,), rngs=nnx.Rngs(1)),
+                           nnx.Linear(8, 16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(2)))
+    rules = {"layers.0": jaxsparse.NM(2, 4), "layers.1": jaxsparse.Unstructured(0.5),
+             "layers.2": jaxsparse.BlockSparse(0.5, (4, 4))}
+    return jaxsparse.sparsify(model, rules)[0]
+
+  abstract = jaxsparse.densify(nnx.eval_shape(make))
+  concrete = jaxsparse.densify(make())
+  assert [type(m).__name__ for m in abstract.layers] == ["Linear", "Conv", "Linear"]
+  shapes = lambda m: jax.tree.map(lambda a: (a.shape, jnp.dtype(a.dtype)), nnx.state(m, nnx.Param))
+  leaves = jax.tree.leaves(nnx.state(abstract, nnx.Param))
+  assert leaves and all(isinstance(a, jax.ShapeDtypeStruct) for a in leaves)
+  assert shapes(abstract) == shapes(concrete)

@@ -519,13 +519,17 @@ def densify(model: nnx.Module, *, inplace: bool = False) -> nnx.Module:
 
   Returns:
     The model with dense layers (``model`` itself with ``inplace``, else a copy); the kernels have the dense
-    layers' shapes and the sparse layers' dtypes, with zeros at the pruned weights.
+    layers' shapes and the sparse layers' dtypes, with zeros at the pruned weights. An abstract model (from
+    ``nnx.eval_shape``, an orbax restore target) gives the abstract dense model, always a new one.
 
   Raises:
     TypeError: ``model`` is not an ``nnx.Module``.
   """
   if not isinstance(model, nnx.Module):
     raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}.")
+  if any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(nnx.state(model))):
+    # Abstract variables (the layers' to_dense read their arrays): the same conversion, traced for shapes only.
+    return nnx.eval_shape(lambda m: densify(m, inplace=True), model)
   if not inplace:
     model = nnx.clone(model)
   if isinstance(model, _SPARSE_NNX):
