@@ -400,7 +400,7 @@ def test_integer_param_dtype_of_the_sr_ste_layers_is_named():
     NMConv(8, 4, (3,), n=2, m=4, param_dtype=jnp.int8, rngs=nnx.Rngs(0))
   with pytest.raises(TypeError, match=r"^NMDense " + msg):
     sparse_linen.NMDense(4, n=2, m=4, param_dtype=jnp.int8).init(jax.random.key(0), jnp.ones((1, 8)))
-  with pytest.raises(TypeError, match=msg):
+  with pytest.raises(TypeError, match=r"^\(the model itself\): NMLinear " + msg):  # sparsify names the layer's path
     jaxsparse.sparsify(nnx.Linear(8, 4, param_dtype=jnp.int8, kernel_init=nnx.initializers.ones, rngs=nnx.Rngs(0)),
                        jaxsparse.NM(2, 4))
   layer = NMLinear(8, 4, n=2, m=4, param_dtype=F16, rngs=nnx.Rngs(0))  # every float still builds

@@ -20,6 +20,7 @@ embeddings dense.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -238,6 +239,17 @@ def _check_rebuildable(node: nnx.Module, spec: Spec, path: str) -> None:
     )
 
 
+def _at(where: str, build: Callable[..., nnx.Module], *args: Any) -> nnx.Module:
+  """``build(*args)``, a plain ``TypeError`` / ``ValueError`` of the sparse layer's own checks (a dtype it refuses,
+  say) prefixed with the layer's path where the message does not start with it."""
+  try:
+    return build(*args)
+  except (TypeError, ValueError) as e:
+    if type(e) not in (TypeError, ValueError) or str(e).startswith(where):
+      raise
+    raise type(e)(f"{where}: {e}") from e
+
+
 def _to_sparse(node: nnx.Module, spec: Spec, mask: np.ndarray | None, path: str) -> nnx.Module:
   _check_rebuildable(node, spec, path)
   kernel_shape = tuple(node.kernel.shape)
@@ -452,7 +464,8 @@ def sparsify(
   for path, node, spec in chosen:
     p = path_str(path)
     mask = mask_dict.get(f"{p}.kernel" if p else "kernel")
-    new = _to_sparse(node, spec, None if mask is None else np.asarray(mask), p or "(the model itself)")
+    where = p or "(the model itself)"
+    new = _at(where, _to_sparse, node, spec, None if mask is None else np.asarray(mask), where)
     built.append((path, node, spec, carry_nnx(node, new)))  # sharding annotations carried over
 
   shapes = _record_inputs(model, [(p, n) for p, n, _, _ in built], example_input) if mode else {}
@@ -461,7 +474,8 @@ def sparsify(
     p = path_str(path)
     mask = mask_dict.get(f"{p}.embedding" if p else "embedding")
     # from_dense carries the table's partitioning names and placement
-    new = _sparse_embed(node, spec, None if mask is None else np.asarray(mask), p or "(the model itself)")
+    where = p or "(the model itself)"
+    new = _at(where, _sparse_embed, node, spec, None if mask is None else np.asarray(mask), where)
     if path:
       replace_module(model, path, new)
     else:
