@@ -66,7 +66,6 @@ from jaxsparse._sparsify._nnx import check_general_mask_view
 from jaxsparse._sparsify._nnx import check_masks_used
 from jaxsparse._sparsify._nnx import check_nm_mask
 from jaxsparse._sparsify._nnx import masks_dict
-from jaxsparse._sparsify._partitioning import carry_linen
 from jaxsparse._sparsify._report import LayerChange
 from jaxsparse._sparsify._report import SparsifyReport
 from jaxsparse._sparsify._report import check_speed_mode
@@ -81,6 +80,7 @@ from jaxsparse.formats._specs import Unstructured
 from jaxsparse.formats._specs import check_spec_applies
 from jaxsparse.layers import linen as sparse_linen
 from jaxsparse.layers._common import MissingPatternError
+from jaxsparse.layers._partitioning import carry_linen
 
 __all__ = [
     "SparsifiedLinen",

@@ -18,10 +18,10 @@ from jaxsparse._sparsify._linen_plan import _nested_set
 from jaxsparse._sparsify._linen_plan import _to_dict
 from jaxsparse._sparsify._linen_plan import compressed_variables
 from jaxsparse._sparsify._linen_plan import layer_variables
-from jaxsparse._sparsify._partitioning import carry_linen
 from jaxsparse.formats._specs import NM
 from jaxsparse.layers import linen as sparse_linen
 from jaxsparse.layers._nm_compressed import check_nm_implementation
+from jaxsparse.layers._partitioning import carry_linen
 from jaxsparse.ops import NMImplementation
 
 __all__ = ["compress_linen"]

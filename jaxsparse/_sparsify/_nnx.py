@@ -38,7 +38,6 @@ from jaxsparse._rules import path_str
 from jaxsparse._rules import replace_module
 from jaxsparse._rules import resolve_rules
 from jaxsparse._rules import warn_unmatched
-from jaxsparse._sparsify._partitioning import carry_nnx
 from jaxsparse._sparsify._report import LayerChange
 from jaxsparse._sparsify._report import SparsifyReport
 from jaxsparse._sparsify._report import check_speed_mode
@@ -63,6 +62,7 @@ from jaxsparse.layers import NMLinear
 from jaxsparse.layers import SparseLinearGeneral
 from jaxsparse.layers._common import copy_bias
 from jaxsparse.layers._common import custom_options
+from jaxsparse.layers._partitioning import carry_nnx
 
 __all__ = ["check_general_mask_view", "check_masks_used", "check_nm_mask", "compress", "densify", "sparsify"]
 

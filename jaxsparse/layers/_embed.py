@@ -28,6 +28,7 @@ from jaxsparse.formats._nm import NMSparseMatrix
 from jaxsparse.formats._nm_masks import check_nm
 from jaxsparse.layers._common import SparsityPattern
 from jaxsparse.layers._nm_compressed import check_nm_implementation
+from jaxsparse.layers._partitioning import carry_nnx
 
 __all__ = ["CompressedNMEmbed", "check_ids", "check_query", "compress_table", "lookup"]
 
@@ -118,8 +119,6 @@ class CompressedNMEmbed(nnx.Module):
     """
     if not isinstance(embed, nnx.Embed):
       raise TypeError(f"embed must be a flax.nnx.Embed, got {type(embed).__name__}.")
-    from jaxsparse._sparsify._partitioning import carry_nnx  # noqa: PLC0415 -- that module imports the layers
-
     weight = compress_table(embed.embedding[...], n, m, mask=mask)
     sparse = cls(weight, dtype=embed.dtype, promote_dtype=embed.promote_dtype, implementation=implementation)
     return carry_nnx(embed, sparse)  # the table's partitioning names and placement

@@ -1,4 +1,5 @@
-"""Sharding annotations survive ``sparsify``: a dense layer's partitioning goes to its sparse replacement.
+"""Sharding annotations survive ``sparsify`` and ``from_dense``: a dense layer's partitioning goes to its sparse
+replacement.
 
 A dense kernel annotated with ``nnx.with_partitioning(init, names)`` (NNX ``out_sharding``
 metadata) or ``nn.with_partitioning`` (Linen ``nn.Partitioned`` boxes) passes its names on:
@@ -32,8 +33,8 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxsparse.layers import BlockSparseLinear
-from jaxsparse.layers import SparseLinearGeneral
+from jaxsparse.layers._block_sparse import BlockSparseLinear
+from jaxsparse.layers._linear_general import SparseLinearGeneral
 
 __all__ = ["carry_linen", "carry_nnx"]
 
