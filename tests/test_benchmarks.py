@@ -152,6 +152,7 @@ def _collected(*args: str) -> tuple[list[str], subprocess.CompletedProcess]:
   return [line for line in proc.stdout.splitlines() if "::" in line], proc
 
 
+@pytest.mark.slow  # 10-19 s on 2 cores: out of the fast set (make test <= 15 min); CI runs it
 def test_gpu_suite_splits_into_shards():
   # benchmarks/run_gpu.sh passes `--shard I/N` (conftest.py) to split a suite over device calls: the shards are
   # disjoint, interleaved in node-id order and together the whole collection, in every process (pytest's own order of

@@ -365,6 +365,7 @@ def test_export_state_dict_of_compressed_equals_sparse(net):
   assert math.prod(got["head.weight"].shape) == 64 * 16
 
 
+@pytest.mark.slow  # 10-19 s on 2 cores: out of the fast set (make test <= 15 min); CI runs it
 def test_export_of_transposable_and_conv_masked_nm_layers_is_what_they_compute():
   """Linen N:M layers exported to torch carry the mask they prune with: a transposable rule's (the compressed and
   the SR-STE form export the same weights) and, for a conv, its own Flax weight mask applied first."""

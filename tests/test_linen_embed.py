@@ -208,6 +208,7 @@ def test_sparsify_linen_tied_lm_and_densify_back():
   np.testing.assert_array_equal(dense_vars["params"]["fc"]["kernel"], variables["params"]["fc"]["kernel"])
 
 
+@pytest.mark.slow  # 10-19 s on 2 cores: out of the fast set (make test <= 15 min); CI runs it
 def test_sparsified_lm_trains_its_kept_values():
   """Gradients reach the kept values through the lookup and attend, as the dense model's on the pruned table (masked);
   an SGD step keeps the pattern."""

@@ -236,6 +236,7 @@ def test_sparse_model_generates_dense_tokens(hf_dir, name):
   np.testing.assert_array_equal(np.asarray(generate(sparse, prompt, 10)), np.asarray(generate(dense, prompt, 10)))
 
 
+@pytest.mark.slow  # 10-19 s on 2 cores: out of the fast set (make test <= 15 min); CI runs it
 def test_sparse_head_and_embedding_generate_save_and_export(hf_dir, ids, tmp_path):
   """to_inference(head=True, embedding=NM(2, 4)): the LM head 2:4 like the projections, the embedding a
   CompressedNMEmbed; the weights shrink to 2:4's bytes, tokens equal the densified model's, and the saved directory and

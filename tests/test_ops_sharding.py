@@ -192,6 +192,7 @@ def test_sparse_matmul_with_rows_split_over_explicit_axes(implementation):
   assert_close(dd, dw_ref[MASK], jnp.float32)
 
 
+@pytest.mark.slow  # 10-19 s on 2 cores: out of the fast set (make test <= 15 min); CI runs it
 @pytest.mark.parametrize("split", ["columns", "rows"])
 def test_tensor_parallel_layer_back_to_one_layer_on_an_explicit_mesh(split):
   # jax.make_mesh's axes are explicit: the column split's bias is split over "model", which the new layer's is not

@@ -332,6 +332,7 @@ def test_densify_keeps_a_bias_of_another_dtype():
   np.testing.assert_allclose(dense(x), layer(x), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow  # 10-19 s on 2 cores: out of the fast set (make test <= 15 min); CI runs it
 def test_partitioned_initializers_keep_their_names():
   """Flax's sharding idiom ``kernel_init=nnx.with_partitioning(...)`` / ``nn.with_partitioning(...)``."""
   named = lambda *names: nnx.with_partitioning(nnx.initializers.lecun_normal(), names)
