@@ -223,6 +223,17 @@ def dense_reference(x: jax.typing.ArrayLike, w, *, precision, preferred_element_
   return jnp.matmul(x, w.to_dense(), precision=precision, preferred_element_type=out_dtype)
 
 
+def spec_axes(*entries: Any) -> tuple[str, ...]:
+  """The mesh axis names of ``PartitionSpec`` entries (each ``None``, ``P.UNCONSTRAINED``, a name or a tuple of
+  names), in order."""
+  out: list[str] = []
+  for entry in entries:
+    if entry is None or entry is jax.sharding.PartitionSpec.UNCONSTRAINED:
+      continue
+    out.extend((entry,) if isinstance(entry, str) else entry)
+  return tuple(out)
+
+
 def explicit_mesh(a: jax.typing.ArrayLike):
   """The mesh of ``a``'s type when it has explicit axes (``jax.set_mesh`` with ``AxisType.Explicit``), else ``None``."""
   mesh = getattr(jax.typeof(a).sharding, "mesh", None)

@@ -314,11 +314,9 @@ def _split_features_like_table(rows: jax.Array, values: jax.Array) -> jax.Array:
   mesh = _utils.explicit_mesh(rows)
   if mesh is None or _utils.explicit_mesh(values) != mesh:
     return rows
-  axes = tuple(jax.typeof(values).sharding.spec)[:1]
-  axes = () if not axes or axes[0] is None else (axes[0],) if isinstance(axes[0], str) else tuple(axes[0])
+  axes = _utils.spec_axes(*tuple(jax.typeof(values).sharding.spec)[:1])
   spec = tuple(jax.typeof(rows).sharding.spec) + (None,) * rows.ndim
-  used = {a for entry in spec[: rows.ndim - 1] if entry is not None for a in ((entry,) if isinstance(entry, str)
-                                                                               else entry)}
+  used = set(_utils.spec_axes(*spec[: rows.ndim - 1]))
   ways = math.prod(mesh.shape[a] for a in axes)
   if not axes or used & set(axes) or rows.shape[-1] % ways:
     return rows

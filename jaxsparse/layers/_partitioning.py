@@ -33,6 +33,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxsparse import _utils
 from jaxsparse.layers._block_sparse import BlockSparseLinear
 from jaxsparse.layers._linear_general import SparseLinearGeneral
 
@@ -68,7 +69,7 @@ def _placed(value: jax.Array, names: Names, dense_value: Any, dense_names: Names
   spec = []
   for size, name in zip(value.shape, names, strict=True):
     axes = physical.get(name) if name is not None else None
-    ways = math.prod(sharding.mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes or ()))
+    ways = math.prod(sharding.mesh.shape[a] for a in _utils.spec_axes(axes))
     spec.append(axes if axes is not None and size % ways == 0 else None)
   return jax.device_put(value, NamedSharding(sharding.mesh, P(*spec)))
 

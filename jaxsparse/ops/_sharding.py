@@ -48,25 +48,18 @@ from jaxsparse import _utils
 __all__ = ["row_parallel", "rows_and_replicated_weights"]
 
 
-def _axes(entry) -> tuple[str, ...]:
-  """A ``PartitionSpec`` entry as a tuple of mesh axis names."""
-  if entry is None or entry is P.UNCONSTRAINED:
-    return ()
-  return (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def _lead_specs(spec, shape, n_lead: int, axis_size: Callable[[str], int]) -> tuple:
   """The usable spec entries of the ``n_lead`` leading dims: ``None`` where a dim does not divide."""
   spec = tuple(spec) + (None,) * (len(shape) - len(spec))
   out = []
   for entry, size in zip(spec[:n_lead], shape[:n_lead], strict=True):
-    axes = _axes(entry)
+    axes = _utils.spec_axes(entry)
     out.append(entry if axes and size % math.prod(axis_size(a) for a in axes) == 0 else None)
   return tuple(out)
 
 
 def _flat_axes(lead: tuple) -> tuple[str, ...]:
-  return tuple(a for entry in lead for a in _axes(entry))
+  return _utils.spec_axes(*lead)
 
 
 def _local(fn: Callable, n_rows: int, summed: frozenset, lead: tuple) -> Callable:

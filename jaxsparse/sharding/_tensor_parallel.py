@@ -29,6 +29,7 @@ from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxsparse import _utils
 from jaxsparse.formats._base import is_concrete
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
 from jaxsparse.formats._block_sparse import block_pattern_indices
@@ -328,7 +329,7 @@ def _check_batch_axes(batch_axes: BatchAxes, mesh: Mesh, axis: str) -> tuple:
   for e in entries:
     if not (e is None or isinstance(e, str) or (isinstance(e, tuple) and all(isinstance(a, str) for a in e))):
       raise ValueError(f"batch_axes={batch_axes!r}: each entry must be None, a mesh axis name or a tuple of them.")
-  named = _axes_of(entries)
+  named = _utils.spec_axes(*entries)
   for a in named:
     if a not in mesh.shape:
       raise ValueError(f"batch_axes names {a!r}, which is not an axis of the mesh {tuple(mesh.shape)}.")
@@ -356,8 +357,8 @@ def _batch_entries(x: jax.Array, batch_axes: BatchAxes, w: ShardedBlockSparseMat
     if xmesh is None or xmesh.empty or AxisType.Explicit not in xmesh.axis_types:
       return (None,) * n_lead
     spec = tuple(sharding.spec) + (None,) * x.ndim
-    entries = tuple(None if w.axis in _axes_of((e,)) else e for e in spec[:n_lead])
-    if any(a not in mesh.shape for a in _axes_of(entries)):
+    entries = tuple(None if w.axis in _utils.spec_axes(e) else e for e in spec[:n_lead])
+    if any(a not in mesh.shape for a in _utils.spec_axes(*entries)):
       raise ValueError(
           f"x is sharded as {sharding.spec} over a mesh of axes {tuple(xmesh.shape)}, w over one of axes "
           f"{tuple(mesh.shape)}: place x on w's mesh."
@@ -367,13 +368,9 @@ def _batch_entries(x: jax.Array, batch_axes: BatchAxes, w: ShardedBlockSparseMat
     if len(entries) > n_lead:
       raise ValueError(f"batch_axes={batch_axes!r} names more dims than the {n_lead} leading dims of x {x.shape}.")
     entries = entries + (None,) * (n_lead - len(entries))
-  size = lambda e: math.prod(mesh.shape[a] for a in _axes_of((e,)))
+  size = lambda e: math.prod(mesh.shape[a] for a in _utils.spec_axes(e))
   lead = zip(entries, x.shape[:n_lead], strict=True)
   return tuple(e if e is not None and d % size(e) == 0 else None for e, d in lead)
-
-
-def _axes_of(entries) -> tuple[str, ...]:
-  return tuple(a for e in entries for a in ((e,) if isinstance(e, str) else e or ()))
 
 
 def _to_spec(x: jax.Array, spec: P, mesh: Mesh | None = None) -> jax.Array:
@@ -435,7 +432,7 @@ def _tp_fwd(batch, reduce, options, x, w):
 def _tp_bwd(batch, reduce, options, res, dy):
   x, w = res
   x_spec, y_spec = _specs(w, batch, reduce)
-  batch_axes = _axes_of(batch)
+  batch_axes = _utils.spec_axes(*batch)
 
   def local(xl, wl, dyl):
     if w.split == "rows" and reduce == "scatter":
