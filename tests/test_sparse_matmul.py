@@ -48,6 +48,37 @@ MASKS = {
 }
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _on_the_cpu():
+  """These are tests of the CPU routes: on a machine with a GPU they run on its CPU device."""
+  with jax.default_device(jax.devices("cpu")[0]):
+    yield
+
+
+def test_forced_cpu_kernels_lowered_for_a_gpu_say_so():
+  """``implementation="cpu"`` lowered for a GPU names the kernels and the platform (XLA said "no FFI handler")."""
+  w = jaxsparse.formats.CSRMatrix.from_dense(np.eye(32, 16, dtype=np.float32))
+  x = jnp.ones((4, 32))
+  for f in (lambda x: sparse_matmul(x, w, implementation="cpu"),
+            lambda x: masked_matmul(x, np.eye(32, 16, dtype=np.float32), np.eye(32, 16) != 0, implementation="cpu")):
+    np.testing.assert_allclose(jax.jit(f)(x), x @ np.eye(32, 16), rtol=1e-6)
+    with pytest.raises(ValueError, match=r"C\+\+ CPU kernels run only when lowered for 'cpu', and this call is "
+                       r"lowered for cuda\. Use implementation=None"):
+      jax.export.export(jax.jit(f), platforms=["cuda"])(x)
+    with pytest.raises(ValueError, match="lowered for cuda"):
+      jax.export.export(jax.jit(jax.grad(lambda x, f=f: f(x).sum())), platforms=["cuda"])(x)
+
+
+# Where the CPU is not the default backend (a GPU machine), the CPU routes are traced but not chosen among and their
+# fallbacks do not warn (jaxsparse._tuning._measure._has_device): tests of those choices run where it is.
+cpu_backend_only = pytest.mark.skipif(jax.default_backend() != "cpu", reason="tests the CPU backend's route choices")
+
+
+def _cpu_hlo(f, *args) -> str:
+  """The HLO of ``jit(f)(*args)`` lowered for CPUs (on any machine)."""
+  return jax.jit(f).trace(*args).lower(lowering_platforms=("cpu",)).as_text()
+
+
 def test_kernels_build_here():
   """The C++ kernels compile on this machine; the other tests would silently test XLA otherwise."""
   assert _build.load(), _build.unavailable_reason()
@@ -323,7 +354,7 @@ def test_masked_matmul_auto_picks_kernels_by_density():
     mask = np.random.default_rng(0).random(w.shape) < p
     assert bool(jaxsparse.ops._masked_matmul._sparse_enough(mask)) == sparse
     # Both branches are compiled; the density test picks one at run time.
-    hlo = jax.jit(lambda x, w, m: masked_matmul(x, w, m)).lower(x, w, mask).as_text()
+    hlo = _cpu_hlo(lambda x, w, m: masked_matmul(x, w, m), x, w, mask)
     assert "jaxsparse_masked_forward" in hlo and "dot" in hlo
     _check_masked_matmul(x, w, mask, jnp.float32, implementation=None)
     assert_close(masked_matmul(x, w, mask), masked_matmul(x, w, mask, implementation="xla"), jnp.float32)
@@ -346,10 +377,10 @@ def test_sparse_matmul_auto_picks_the_dense_route_by_density(p):
   dense = ws.density > jaxsparse.ops._sparse_matmul.CPU_DENSE_FORWARD_MIN_DENSITY
   assert dense == (p > 0.5) and dense == (ws.density > jaxsparse.ops._sparse_matmul.CPU_DENSE_BACKWARD_MIN_DENSITY)
   loss = lambda x, d, impl=None: jnp.sum(jnp.sin(sparse_matmul(x, ws.with_data(d), implementation=impl)))
-  hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, ws.data).as_text()
+  hlo = _cpu_hlo(jax.grad(loss, argnums=(0, 1)), x, ws.data)
   routes = ("jaxsparse_csr_to_dense", "jaxsparse_csr_take"), ("jaxsparse_csr_forward", "jaxsparse_csr_backward")
   assert all(t in hlo for t in routes[not dense]) and not any(t in hlo for t in routes[dense])
-  hlo = jax.jit(jax.grad(lambda x, d: loss(x, d, "cpu"), argnums=(0, 1))).lower(x, ws.data).as_text()
+  hlo = _cpu_hlo(jax.grad(lambda x, d: loss(x, d, "cpu"), argnums=(0, 1)), x, ws.data)
   assert all(t in hlo for t in routes[1]) and not any(t in hlo for t in routes[0])
   _check_sparse_matmul(x, w, mask, jnp.float32, implementation=None)
   # grad of grad on the dense route against autodiff of the dense product.
@@ -381,6 +412,7 @@ def test_mask_may_change_inside_jit():
     assert_close(f(x, w, mask), x @ jnp.where(mask, w, 0), jnp.float32)
 
 
+@cpu_backend_only
 def test_invalid_csr_indices_fail_at_run_time():
   x, w, mask = _data(6, 4, 16, 8, MASKS["random"])
   ws = jaxsparse.CSRMatrix.from_dense(w, mask=mask)
@@ -420,6 +452,7 @@ def test_bad_arguments():
 # -------------------------------------------------------------------------------------------------
 
 
+@cpu_backend_only
 def test_fallback_when_kernels_are_unavailable(monkeypatch):
   monkeypatch.setattr(_build, "_load", lambda: "no C++ compiler found (test)")
   x, w, mask = _data(8, 3, 16, 8, MASKS["random"])
@@ -538,7 +571,7 @@ def _block_case(seed, lead, k, n, block_shape, density, dtype=jnp.float32):
 def test_block_sparse_cpu_kernels_match_dense(dtype, block_shape, density):
   x, ws = _block_case(10, (3, 13), 128, 128, block_shape, density, dtype)
   op = lambda x, data: jaxsparse.ops.block_sparse_matmul(x, ws.with_data(data), implementation="xla")
-  assert "jaxsparse_block_forward" in jax.jit(op).lower(x, ws.data).as_text()
+  assert "jaxsparse_block_forward" in _cpu_hlo(op, x, ws.data)
   ref = lambda x, data: x @ ws.with_data(data).to_dense()
   ct = _cotangent((3, 13, 128))
   loss = lambda f: lambda x, d: jnp.sum(f(x, d).astype(jnp.float32) * ct)
@@ -565,7 +598,7 @@ def test_block_sparse_cpu_kernels_vmap_and_fallback():
   assert_close(g, g_ref, jnp.float32)
   # Blocks whose sizes are not multiples of 8 run the XLA loop.
   x, ws = _block_case(12, (5,), 24, 20, (12, 4), 0.5)
-  hlo = jax.jit(lambda x: jaxsparse.ops.block_sparse_matmul(x, ws)).lower(x).as_text()
+  hlo = _cpu_hlo(lambda x: jaxsparse.ops.block_sparse_matmul(x, ws), x)
   assert "jaxsparse_block_forward" not in hlo
   assert_close(jaxsparse.ops.block_sparse_matmul(x, ws), x @ ws.to_dense(), jnp.float32)
 

@@ -29,8 +29,13 @@ from typing import Any
 from typing import Protocol
 from typing import runtime_checkable
 
+import jax
+import jax.extend.core as jax_core
 import jax.numpy as jnp
 from jax import lax
+from jax.interpreters import ad
+from jax.interpreters import batching
+from jax.interpreters import mlir
 
 from jaxsparse import _tuning
 from jaxsparse import _utils
@@ -232,10 +237,43 @@ def route(
   if not runs:
     tried = ", ".join(b.name for b in backends)
     raise RuntimeError(f"{products[0].op}: no backend ({tried}) can run these operands here.")
+  if list(runs) == ["cpu"]:  # e.g. a forced implementation="cpu" (the GPU kernels' interpret mode lowers for CPUs)
+    titles = ", ".join(dict.fromkeys(b.title for b in backends if "cpu" in b.platforms))
+    return lax.platform_dependent(*args, default=_unavailable(runs["cpu"], products[0].op, titles), **runs)
   if len(runs) == 1 or len(set(names.values())) == 1:  # one platform, or the same single route on every one
     return next(iter(runs.values()))(*args)
   default_run = runs.pop("default", None) or runs.pop("cuda", None) or runs.pop("cpu")
   return lax.platform_dependent(*args, default=default_run, **runs)
+
+
+_unavailable_p = jax_core.Primitive("jaxsparse_unavailable")  # passes its operands through; lowering it raises
+_unavailable_p.multiple_results = True
+_unavailable_p.def_abstract_eval(lambda *avals, message: avals)
+
+
+def _unavailable_lowering(ctx, *args, message):
+  raise ValueError(message.format(platforms=" / ".join(ctx.module_context.platforms)))
+
+
+mlir.register_lowering(_unavailable_p, _unavailable_lowering)
+ad.primitive_jvps[_unavailable_p] = lambda primals, tangents, message: (
+    _unavailable_p.bind(*primals, message=message), tangents)
+batching.primitive_batchers[_unavailable_p] = lambda args, dims, message: (
+    _unavailable_p.bind(*args, message=message), dims)
+
+
+def _unavailable(run: Callable, op: str, titles: str) -> Callable:
+  """The branch of the platforms no chosen backend serves (all but CPUs): lowering it raises a ``ValueError`` that
+  says so (instead of XLA's "no handler registered" when the C++ CPU kernels are lowered for a GPU)."""
+  message = (f"{op}: {titles} run only when lowered for 'cpu', and this call is lowered for {{platforms}}. Use "
+             "implementation=None (each platform gets its own route), or run it on a CPU device (e.g. inside "
+             "`with jax.default_device(jax.devices('cpu')[0])`).")
+
+  def unavailable(*args):
+    leaves, tree = jax.tree.flatten(args)
+    return run(*jax.tree.unflatten(tree, _unavailable_p.bind(*leaves, message=message)))
+
+  return unavailable
 
 
 def _default_first(cands: list[_tuning.Candidate], name: str) -> list[_tuning.Candidate]:
