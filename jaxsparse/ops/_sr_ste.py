@@ -262,8 +262,9 @@ def _dense_w_grad(cfg: _MatmulConfig, x, w, kernel, dy, mask):
   return dw
 
 
-# Transposable 2:4 with our pruning kernel (CUDA-only backends). The residuals: x, w, each 4 x 4 tile's pattern, and
-# the compressed Wᵀ (an (N, K) weight in LAYOUT_KN), ``blob_bytes`` of it (0 bytes when the products are dense).
+# Transposable 2:4 with our pruning kernel (CUDA-only backends). The residuals: x, w, each 4 x 4 tile's pattern (for
+# the decay), and either the pruned kernel in the compute dtype (dense products: dY Wᵀ multiplies by it, so the
+# backward pass does not build it again) or the compressed Wᵀ (an (N, K) weight in LAYOUT_KN, ``blob_bytes`` of it).
 
 
 def _direct_compress(k: int, n: int) -> bool:
@@ -276,9 +277,10 @@ def _direct_compress(k: int, n: int) -> bool:
 
 
 def _t_forward(cfg: _MatmulConfig, blob_bytes: int, x, w):
+  """``(y, pattern, backward)``: ``backward`` is the pruned kernel (dense products) or the compressed ``Wᵀ``."""
   if not blob_bytes:
     pruned, pattern = cuda_kernels.nm24_transposable(w, cfg.dtype)
-    return _product(cfg, x, pruned), pattern, jnp.zeros((0,), jnp.uint8)
+    return _product(cfg, x, pruned), pattern, pruned
   if _direct_compress(*w.shape):
     pattern, blob, blob_t = cuda_kernels.nm24_transposable_compress(w)
   else:  # prune with the kernel, compress with cuSPARSELt (Wᵀ as a (N, K) weight in LAYOUT_KN)
@@ -296,22 +298,23 @@ def _sr_ste_matmul_t(cfg: _MatmulConfig, blob_bytes: int, x, w):
 
 
 def _sr_ste_matmul_t_fwd(cfg, blob_bytes, x, w):
-  y, pattern, blob_t = _t_forward(cfg, blob_bytes, x, w)
-  return y, (x, w, pattern, blob_t)
+  y, pattern, backward = _t_forward(cfg, blob_bytes, x, w)
+  return y, (x, w, pattern, backward)
 
 
 def _sr_ste_matmul_t_bwd(cfg, blob_bytes, res, dy):
   # The reference's VJP with the forward's mask: dX = dY Wᵀ, dW = xᵀ dY passed straight to the dense w
   # plus the decay of the pruned entries.
-  x, w, pattern, blob_t = res
-  mask = _nm_masks.tile_mask(pattern, cfg.n, cfg.m)
-  kernel = jnp.where(mask, w, jnp.zeros((), w.dtype)).astype(cfg.dtype)
+  x, w, pattern, backward = res
+  mask = lambda: _nm_masks.tile_mask(pattern, cfg.n, cfg.m)
   if blob_bytes:
     local = lambda dy2, b: (cslt.matmul(dy2, b, w.shape[0]),)
-    dx = _sharding.row_parallel(local, (dy,), blob_t, like={0: x})[0]
+    dx = _sharding.row_parallel(local, (dy,), backward, like={0: x})[0]
+    kernel = jnp.where(mask(), w, jnp.zeros((), w.dtype)).astype(cfg.dtype)  # dW's product reads its shape only
   else:
+    kernel = backward
     dx = jax.vjp(lambda x: _product(cfg, x, kernel), x)[1](dy)[0]
-  return dx, _dense_w_grad(cfg, x, w, kernel, dy, lambda: mask)
+  return dx, _dense_w_grad(cfg, x, w, kernel, dy, mask)
 
 
 _sr_ste_matmul_t.defvjp(_sr_ste_matmul_t_fwd, _sr_ste_matmul_t_bwd)
