@@ -530,3 +530,34 @@ def test_numpy_bool_mask_with_bytes_other_than_one():
   x = jax.random.normal(jax.random.key(1), (3, K))
   ref = x @ jnp.where(want, layer.kernel[...], 0) + layer.bias[...]
   np.testing.assert_allclose(np.asarray(layer(x)), np.asarray(ref), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("make", [
+    lambda dtype, init: MaskedLinear(K, N, sparsity=0.5, param_dtype=dtype, kernel_init=init, rngs=nnx.Rngs(0)),
+    lambda dtype, init: BlockSparseLinear(K, N, density=0.5, param_dtype=dtype, kernel_init=init, rngs=nnx.Rngs(0)),
+    lambda dtype, init: MaskedDense(N, sparsity=0.5, param_dtype=dtype, kernel_init=init),
+    lambda dtype, init: BlockSparseDense(N, density=0.5, param_dtype=dtype, kernel_init=init),
+])
+def test_integer_param_dtype_needs_a_kernel_init(make):
+  # The default initializer draws a normal: it failed inside JAX's sampler ("dtype argument to `uniform` ...").
+  for dtype in (jnp.int32, jnp.bool_):
+    message = rf"default kernel_init .* got param_dtype={jnp.dtype(dtype)}\. .* kernel_init="
+    with pytest.raises(TypeError, match=message):
+      make(dtype, None)
+  layer = make(jnp.int32, nn.initializers.ones)
+  x = jnp.asarray(np.random.default_rng(0).integers(-3, 4, (2, K)), jnp.float32)
+  if isinstance(layer, nn.Module):
+    variables = layer.init(jax.random.key(0), x)
+    kernel = variables["params"]["kernel"]
+    if "mask" in variables["sparsity"]:
+      w = np.asarray(variables["sparsity"]["mask"], np.float64)
+    else:
+      w = np.asarray(jaxsparse.BlockSparseMatrix.from_index_arrays(
+          kernel.astype(jnp.float32), variables["sparsity"], shape=(K, N), block_shape=(32, 32)).to_dense())
+    y = layer.apply(variables, x)
+  else:
+    kernel = layer.kernel[...]
+    w = np.asarray(layer.to_dense().kernel[...], np.float64)
+    y = layer(x)
+  assert kernel.dtype == jnp.int32 and 0 < np.mean(w != 0) < 1
+  np.testing.assert_allclose(y, np.asarray(x, np.float64) @ w, rtol=1e-6, atol=1e-4)  # zero bias, weights 1 kept

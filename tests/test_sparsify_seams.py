@@ -408,3 +408,127 @@ def test_a_rule_shadowed_by_an_earlier_one_warns():
   variables = Net().init(jax.random.key(0), x)
   with pytest.warns(UserWarning, match=r"rule 'a' selects no nn\.Dense"):
     jaxsparse.sparsify_linen(Net(), variables, {"a|b": jaxsparse.Unstructured(sparsity=0.5), "a": None}, x)
+
+
+class _Mixed(nn.Module):
+  """An nn.Dense, an nn.Conv and an nn.DenseGeneral: one of each kind sparsify_linen rebuilds."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(32, name="fc")(x)
+    h = nn.Conv(32, (3,), name="conv")(h[:, None, :].repeat(4, axis=1)).mean(axis=1)
+    return nn.DenseGeneral((2, 16), name="proj")(h)
+
+
+@pytest.mark.parametrize("spec", [jaxsparse.Unstructured(sparsity=0.5), jaxsparse.NM(2, 4),
+                                  {"conv": None, ".*": jaxsparse.BlockSparse(density=0.5, block_shape=(16, 16))}])
+def test_sparsify_linen_under_eval_shape_gives_the_abstract_restore_target(spec):
+  x = _normal(0, (2, 32))
+  model = _Mixed()
+
+  def make():
+    _, sparse_vars, report = jaxsparse.sparsify_linen(model, model.init(jax.random.key(0), x), spec, x)
+    densities.extend(c.density for c in report.layers)
+    return sparse_vars
+
+  densities = []
+  abstract = jax.eval_shape(make)  # an Unstructured layer's report read the traced mask: TracerArrayConversionError
+  _, concrete, report = jaxsparse.sparsify_linen(model, model.init(jax.random.key(0), x), spec, x)
+  assert jax.tree.map(lambda a: (a.shape, a.dtype), abstract) == jax.tree.map(lambda a: (a.shape, a.dtype), concrete)
+  # The kept count of a traced mask is unknown (NaN, as NNX sparsify reports it); structural ones are the rule's.
+  expected = [float("nan") if isinstance(spec, jaxsparse.Unstructured) else c.density for c in report.layers]
+  np.testing.assert_array_equal(densities, expected)
+
+
+def test_sparsify_linen_under_eval_shape_with_traced_masks_says_what_to_do():
+  x = _normal(0, (2, 32))
+  model = _Mixed()
+
+  def make():
+    variables = model.init(jax.random.key(0), x)
+    masks = {"fc.kernel": jnp.abs(variables["params"]["fc"]["kernel"]) > 0.1}
+    return jaxsparse.sparsify_linen(model, variables, {"fc": jaxsparse.Unstructured(sparsity=0.5)}, x,
+                                    masks=masks)[1]
+
+  with pytest.raises(ValueError, match=r"masks\['fc\.kernel'\] is traced .* Compute the masks outside"):
+    jax.eval_shape(make)
+
+
+def test_sparsify_linen_of_an_integer_model():
+  class Int(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(32, param_dtype=jnp.int32, kernel_init=nn.initializers.zeros_init(), name="fc")(x)
+
+  x = jnp.asarray(np.random.default_rng(0).integers(-3, 4, (2, 32)), jnp.float32)
+  rng = np.random.default_rng(1)
+  variables = {"params": {"fc": {"kernel": jnp.asarray(rng.integers(-9, 10, (32, 32)), jnp.int32),
+                                 "bias": jnp.asarray(rng.integers(-9, 10, (32,)), jnp.int32)}}}
+  for spec in (jaxsparse.Unstructured(sparsity=0.5), jaxsparse.BlockSparse(density=0.5, block_shape=(16, 16))):
+    # The sparse layer's default initializer (a normal) failed on int32: "dtype argument to `uniform` ...".
+    sparse, sparse_vars, _ = jaxsparse.sparsify_linen(Int(), variables, spec, x)
+    assert sparse_vars["params"]["fc"]["kernel"].dtype == jnp.int32
+    dense_module, dense_vars = jaxsparse.densify_linen(sparse, sparse_vars)
+    kernel = np.asarray(dense_vars["params"]["fc"]["kernel"], np.float64)
+    assert 0 < np.mean(kernel != 0) < 1
+    expected = np.asarray(x, np.float64) @ kernel + np.asarray(variables["params"]["fc"]["bias"])
+    np.testing.assert_allclose(sparse.apply(sparse_vars, x), expected, rtol=1e-6, atol=1e-4)
+    np.testing.assert_allclose(dense_module.apply(dense_vars, x), expected, rtol=1e-6, atol=1e-4)
+  # NMDense refuses it, now in sparsify_linen and naming the layer (before: at the first apply, without the path).
+  with pytest.raises(TypeError, match=r"^fc: NMDense trains its kernel with SR-STE and needs a floating param_dtype"):
+    jaxsparse.sparsify_linen(Int(), variables, jaxsparse.NM(2, 4), x)
+
+
+def test_sparse_layer_errors_at_apply_name_the_layer():
+  x = _normal(0, (2, 32))
+  model = _Mixed()
+  sparse, sparse_vars, _ = jaxsparse.sparsify_linen(model, model.init(jax.random.key(0), x), jaxsparse.NM(2, 4), x)
+  bad = jax.tree.map(lambda a: a, sparse_vars)
+  bad["params"]["fc"]["kernel"] = bad["params"]["fc"]["kernel"].astype(jnp.complex64)
+  with pytest.raises(TypeError, match=r"^fc: "):
+    sparse.apply(bad, x)
+
+
+@pytest.mark.parametrize("scale", [0.5, 2])
+def test_linen_masked_conv_refuses_a_mask_that_is_not_boolean(scale):
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Conv(8, (3,), name="conv")(x)
+
+  x = _normal(0, (2, 8, 8))
+  sparse, sparse_vars, _ = jaxsparse.sparsify_linen(Net(), Net().init(jax.random.key(0), x),
+                                                    jaxsparse.Unstructured(sparsity=0.5), x)
+  mask = sparse_vars["sparsity"]["conv"]["mask"]
+  # nn.Conv multiplies its kernel by the mask (the forward scaled the kept weights) while densify_linen (and the
+  # torch export) kept them as they are: the two silently differed.
+  bad = {**sparse_vars, "sparsity": {"conv": {"mask": mask.astype(type(scale)) * scale}}}
+  with pytest.raises(TypeError, match=r"^conv: its 'sparsity' collection's mask must be a boolean array, got dtype"):
+    sparse.apply(bad, x)
+  with pytest.raises(TypeError, match=r"^conv: its 'sparsity' collection's mask must be a boolean array, got dtype"):
+    jaxsparse.densify_linen(sparse, bad)
+  dense_module, dense_vars = jaxsparse.densify_linen(sparse, sparse_vars)  # a bool mask: the same function
+  np.testing.assert_allclose(sparse.apply(sparse_vars, x), dense_module.apply(dense_vars, x), rtol=1e-5, atol=1e-5)
+
+
+def test_densify_linen_of_an_nm_conv_with_a_weight_mask_of_other_values():
+  # Flax multiplies the kernel by its weight mask before NMConv's N:M pruning ranks the weights: densify pruned by
+  # the unscaled kernel, another N:M pattern than the forward's.
+  mask0 = jnp.asarray(np.random.default_rng(0).choice([0.0, 0.1, 1.0], size=(3, 8, 16)), jnp.float32)
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Conv(16, (3,), mask=mask0, name="conv")(x)
+
+  x = _normal(1, (2, 5, 8))
+  variables = Net().init(jax.random.key(0), x)
+  sparse, sparse_vars, _ = jaxsparse.sparsify_linen(Net(), variables, jaxsparse.NM(2, 4), x)
+  dense_module, dense_vars = jaxsparse.densify_linen(sparse, sparse_vars)
+  kernel = variables["params"]["conv"]["kernel"] * mask0  # the reference: nn.Conv's masked kernel, pruned 2:4
+  groups = jnp.abs(kernel).reshape(3, 2, 4, 16)
+  kept = (groups >= jnp.sort(groups, axis=2)[:, :, 2:3]).reshape(3, 8, 16)
+  expected = jax.lax.conv_general_dilated(x, jnp.where(kept, kernel, 0.0), (1,), "SAME",
+                                          dimension_numbers=("NWC", "WIO", "NWC")) + variables["params"]["conv"]["bias"]
+  np.testing.assert_allclose(sparse.apply(sparse_vars, x), expected, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(dense_module.apply(dense_vars, x), expected, rtol=1e-5, atol=1e-5)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -48,7 +49,9 @@ from jaxsparse._rules import check_unsupported
 from jaxsparse._rules import dense_general_dims
 from jaxsparse._rules import embedding_rule
 from jaxsparse._rules import match_rules
+from jaxsparse._rules import path_str
 from jaxsparse._rules import resolve_rules
+from jaxsparse._rules import unwrap_variables
 from jaxsparse._rules import warn_unmatched
 from jaxsparse._sparsify._linen_plan import _linen_variables
 from jaxsparse._sparsify._linen_plan import _LinenLayer
@@ -62,6 +65,8 @@ from jaxsparse._sparsify._linen_plan import embed_variables
 from jaxsparse._sparsify._linen_plan import kept_blocks
 from jaxsparse._sparsify._linen_plan import linen_density
 from jaxsparse._sparsify._linen_plan import sparse_layer_name
+from jaxsparse._sparsify._linen_plan import sparse_module_of
+from jaxsparse._sparsify._nnx import _at
 from jaxsparse._sparsify._nnx import check_general_mask_view
 from jaxsparse._sparsify._nnx import check_masks_used
 from jaxsparse._sparsify._nnx import check_nm_mask
@@ -72,6 +77,7 @@ from jaxsparse._sparsify._report import check_speed_mode
 from jaxsparse._sparsify._report import nbytes
 from jaxsparse._sparsify._report import random_input
 from jaxsparse._sparsify._report import timed
+from jaxsparse.formats._base import is_concrete
 from jaxsparse.formats._nm import NMSparseMatrix
 from jaxsparse.formats._specs import NM
 from jaxsparse.formats._specs import BlockSparse
@@ -131,8 +137,9 @@ class SparsifiedLinen:
                       f"{'query' if method == 'attend' else 'inputs'}=, got {len(args)} positional and keywords "
                       f"{sorted(kwargs)}.")
     token = _IN_SPARSE_LAYER.set(True)  # the sparse layer's own nn.Dense / nn.Conv must run as is
-    try:
-      return apply_sparse_layer(layer, context.module.variables, x, method=method)
+    try:  # its errors (a bad input, a bad pattern) name the layer's path
+      return _at(".".join(context.module.path) or "(the model itself)",
+                 lambda: apply_sparse_layer(layer, context.module.variables, x, method=method))
     finally:
       _IN_SPARSE_LAYER.reset(token)
 
@@ -347,6 +354,7 @@ def sparsify_linen(
   """
   resolved = resolve_rules(rules)
   mode = check_speed_mode(check_speed, example_input)
+  _check_concrete_masks(masks)
   mask_dict = masks_dict(masks)
   kwargs = dict(apply_kwargs or {})
   found = _linen_layers(module, variables, example_input, kwargs)
@@ -366,7 +374,8 @@ def sparsify_linen(
   kernel_keys = [_kernel_key(path) for path in chosen] + [_embed_key(path) for path, _ in embeds]
   check_masks_used(mask_dict, set(kernel_keys), kernel_keys)
   for path, spec in embeds:  # lookups, not products: nothing to time
-    layer, layer_vars, change = _sparse_embed(called_embeds[path], spec, params, mask_dict.get(_embed_key(path)), path)
+    layer, layer_vars, change = _at(".".join(path) or "(the model itself)", _sparse_embed, called_embeds[path], spec,
+                                    params, mask_dict.get(_embed_key(path)), path)
     layers[path] = layer
     _store(new_vars, path, layer, _nested_get(params, path), layer_vars)
     changes.append(change)
@@ -401,7 +410,9 @@ def sparsify_linen(
       check_general_mask_view(mask, spec, len(f.in_dims), where)
       mask = mask.reshape(layer.shape_2d)
     check_spec_applies(spec, params_2d["kernel"].shape, path=where)
-    layer_vars = _linen_variables(spec, params_2d, mask, where)
+    layer_vars = _at(where, _linen_variables, spec, params_2d, mask, where)
+    nnz = kept_blocks(layer_vars, spec)
+    _at(where, functools.partial(sparse_module_of, layer, nnz=nnz))  # its own checks (a dtype it refuses) now
     dense_ms = sparse_ms = None
     note = ""
     if mode:
@@ -419,7 +430,7 @@ def sparsify_linen(
     _store(new_vars, path, layer, boxed_params, layer_vars)
     density = linen_density(spec, layer_vars, params_2d["kernel"].shape, weight_mask=getattr(m, "mask", None))
     changes.append(LayerChange(p, f"{type(m).__name__}({kernel.shape})", spec.describe(),
-                               sparse_layer_name(layer, nnz=kept_blocks(layer_vars, spec)),
+                               sparse_layer_name(layer, nnz=nnz),
                                density, nbytes(dense_params), nbytes(layer_vars), dense_ms, sparse_ms, note))
   warn_unmatched(resolved, dense_paths + [".".join(p) for p, _ in embeds],
                  what="nn.Dense / nn.DenseGeneral / nn.Conv / nn.Embed (a rule naming it)", shadowed=True)
@@ -428,6 +439,20 @@ def sparsify_linen(
   if sparse_linen.SPARSITY in new_vars:  # patterns the model's nn.vmap / nn.scan must carry to the layers
     _check_patterns_reach(sparse, new_vars, example_input, kwargs)
   return sparse, new_vars, SparsifyReport(tuple(changes))
+
+
+def _check_concrete_masks(masks: Any) -> None:
+  """Raises, naming the first, when a given mask is traced (made inside ``jax.eval_shape`` / ``jax.jit`` from traced
+  weights): the patterns' checks and block counts need its values."""
+  if masks is None:
+    return
+  for keypath, m in jax.tree_util.tree_flatten_with_path(unwrap_variables(masks))[0]:
+    if not is_concrete(m):
+      raise ValueError(
+          f"masks[{path_str(keypath)!r}] is traced (computed inside jax.eval_shape / jax.jit): sparsify_linen needs "
+          "given masks' values (their patterns are checked and decide the sparse shapes). Compute the masks outside "
+          "the traced function and close over them, or leave masks= out to prune by magnitude."
+      )
 
 
 def _kernel_key(path: tuple) -> str:
@@ -510,9 +535,21 @@ def densify_linen(sparse: SparsifiedLinen, variables: Mapping) -> tuple[nn.Modul
   >>> bool(jnp.allclose(module.apply(dense_vars, x), sparse.apply(sparse_vars, x)))
   True
 
+  A ``MaskedDense`` / masked ``nn.Conv`` mask (``"sparsity"``) must be boolean, as their forward requires (a mask of
+  other values raises ``TypeError`` naming the layer's path: ``nn.Conv`` would scale the kept weights by it).
+
+  Training with :func:`jaxsparse.pruning.wrap_optax` prunes only ``params``: a weight it prunes further is zero here
+  (the dense kernels are right), but the ``"sparsity"`` mask still keeps it, so :func:`jaxsparse.summary` of the
+  sparse variables and their torch export (its ``weight_mask``) read the stale, denser pattern. For the pattern the
+  optimizer holds, narrow each mask first (``mask & masks[path]["kernel"]``, ``masks = pruning.get_masks(state)``)
+  or sparsify the densified model again with ``masks=``.
+
   Args:
     sparse: the ``SparsifiedLinen`` that :func:`sparsify_linen` returned.
     variables: its variables (``params`` and the ``"sparsity"`` collection), e.g. after training; not modified.
+
+  Raises:
+    TypeError: naming the layer's path, a mask in ``"sparsity"`` that is not boolean.
 
   Returns:
     ``(module, variables)``: ``sparse.module``, the original Linen module, and a new dict of dense variables

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsparse import _utils
+from jaxsparse._sparsify._nnx import _at
 from jaxsparse._sparsify._nnx import block_mask_of
 from jaxsparse._sparsify._nnx import check_nm_mask
 from jaxsparse.formats._base import is_concrete
@@ -48,6 +49,7 @@ __all__ = [
     "kept_blocks",
     "layer_variables",
     "linen_density",
+    "pattern_mask",
     "sparse_layer_name",
     "sparse_module_of",
 ]
@@ -104,17 +106,20 @@ def sparse_module_of(layer: _LinenLayer, *, nnz: int | None = None) -> nn.Module
   if layer.kind in ("dense", "general"):
     k, n = layer.shape_2d
     common = dict(use_bias=m.use_bias, dtype=m.dtype, param_dtype=m.param_dtype, precision=m.precision)
+    # Its variables are always given (made from the dense layer's): the initializer only gives Flax the shape it
+    # checks them against, and zeros take any dtype (an integer model's, which the default's normal refuses).
+    given = dict(kernel_init=nn.initializers.zeros_init())
     if isinstance(spec, BlockSparse):
       blocks = (k // spec.block_shape[0]) * (n // spec.block_shape[1])
       density = spec.density if nnz is None else nnz / blocks
-      return sparse_linen.BlockSparseDense(n, density=density, block_shape=spec.block_shape, **common)
+      return sparse_linen.BlockSparseDense(n, density=density, block_shape=spec.block_shape, **given, **common)
     if isinstance(spec, NM) and layer.compressed:
       return sparse_linen.CompressedNMDense(n, n=spec.n, m=spec.m, promote_dtype=m.promote_dtype,
                                             implementation=layer.implementation, **common)
     if isinstance(spec, NM):
       return sparse_linen.NMDense(n, n=spec.n, m=spec.m, transposable=spec.transposable, promote_dtype=m.promote_dtype,
                                   dot_general=m.dot_general, dot_general_cls=m.dot_general_cls, **common)
-    return sparse_linen.MaskedDense(n, sparsity=spec.sparsity, **common)
+    return sparse_linen.MaskedDense(n, sparsity=spec.sparsity, **given, **common)
   if isinstance(spec, NM):
     fields = {f.name: getattr(m, f.name) for f in dataclasses.fields(sparse_linen.NMConv)
               if f.name not in ("n", "m", "sr_ste_decay", "transposable", "parent", "name", "_") and hasattr(m, f.name)}
@@ -135,7 +140,7 @@ def apply_sparse_layer(layer: _LinenLayer, variables: Mapping, x: jax.Array, *, 
   if layer.kind == "embed":  # a lookup or attend
     return sparse_module_of(layer).apply(variables, x, method=method)
   if layer.kind == "conv" and isinstance(layer.spec, Unstructured):
-    mask = variables[sparse_linen.SPARSITY]["mask"]
+    mask = pattern_mask(variables, jnp.shape(variables["params"]["kernel"]))
     return layer.module.clone(parent=None, mask=mask).apply({"params": variables["params"]}, x)
   nnz = None
   if isinstance(layer.spec, BlockSparse):
@@ -150,6 +155,19 @@ def apply_sparse_layer(layer: _LinenLayer, variables: Mapping, x: jax.Array, *, 
   batch = x.shape[: x.ndim - n_in]
   y = module.apply(variables, x.reshape(*batch, layer.shape_2d[0]))
   return y.reshape(*batch, *layer.features)
+
+
+def pattern_mask(layer_vars: Mapping, shape: tuple[int, ...]) -> jax.Array:
+  """The bool ``"mask"`` of an unstructured layer's (unboxed) variables, checked against its kernel's ``shape``.
+
+  ``nn.Conv`` multiplies its kernel by a weight mask: a mask of other values (0.5, an int 2) would scale the kept
+  weights in the forward while :func:`densify_linen` keeps them as they are, so the forward and densify refuse it,
+  as ``MaskedDense`` does.
+  """
+  try:
+    return _utils.check_mask(layer_vars[sparse_linen.SPARSITY]["mask"], shape)
+  except (TypeError, ValueError) as e:
+    raise type(e)(f"its {sparse_linen.SPARSITY!r} collection's {e}") from None
 
 
 def embed_variables(spec: NM, dense: Mapping, mask: np.ndarray | None = None) -> dict:
@@ -171,7 +189,8 @@ def kept_blocks(layer_vars: Mapping, spec: Spec) -> int | None:
 
 def linen_density(spec: Spec, layer_vars: Mapping, kernel_shape: tuple[int, ...], *, weight_mask: Any = None) -> float:
   """The fraction of a ``(K, N)`` kernel that a sparse layer's (unboxed) variables keep; ``weight_mask``: an N:M
-  conv's own Flax weight mask, after which groups may keep fewer than ``n`` (NaN for a traced kernel)."""
+  conv's own Flax weight mask, after which groups may keep fewer than ``n``. NaN where that count depends on traced
+  values (an N:M conv's weight mask, an unstructured mask), as under ``jax.eval_shape``."""
   if isinstance(spec, NM):
     if weight_mask is None:
       return spec.n / spec.m
@@ -183,7 +202,10 @@ def linen_density(spec: Spec, layer_vars: Mapping, kernel_shape: tuple[int, ...]
   if isinstance(spec, BlockSparse):
     k, n = kernel_shape
     return layer_vars["params"]["kernel"].shape[0] / ((k // spec.block_shape[0]) * (n // spec.block_shape[1]))
-  return float(np.mean(np.asarray(layer_vars[sparse_linen.SPARSITY]["mask"])))
+  mask = layer_vars[sparse_linen.SPARSITY]["mask"]
+  if not is_concrete(mask):  # traced (sparsify_linen under jax.eval_shape): the kept count is not known
+    return float("nan")
+  return float(np.mean(np.asarray(mask)))
 
 
 def _linen_variables(spec: Spec, dense_params: Mapping, mask: np.ndarray | None, path: str) -> dict:
@@ -250,13 +272,14 @@ def dense_params(layer: _LinenLayer, layer_vars: Mapping) -> dict:
     idx = nn.meta.unbox(layer_vars[sparse_linen.SPARSITY]["kernel_positions"])
     kernel = NMSparseMatrix(kernel, idx, shape=layer.shape_2d, n=layer.spec.n, m=layer.spec.m).to_dense()
   elif isinstance(layer.spec, NM):
+    # The weights NMDense / NMConv keep: a conv's own weight mask multiplies the kernel before the N:M pruning (its
+    # values, not just its zeros, rank the weights); the dense module, the same conv, multiplies by it again.
     spec = layer.spec
-    if getattr(layer.module, "mask", None) is not None:  # a conv's own weight mask applies first, as in NMConv
-      kernel = jnp.where(layer.module.mask, kernel, jnp.zeros((), kernel.dtype))
-    mask = nm_mask(kernel, spec.n, spec.m, axis=-2, transposable=spec.transposable)
+    mask = nm_kept_mask(kernel, spec.n, spec.m, transposable=spec.transposable,
+                        weight_mask=getattr(layer.module, "mask", None))
     kernel = jnp.where(mask, kernel, jnp.zeros((), kernel.dtype))
   else:
-    mask = nn.meta.unbox(layer_vars[sparse_linen.SPARSITY]["mask"])
+    mask = pattern_mask(nn.meta.unbox(layer_vars), jnp.shape(kernel))
     kernel = jnp.where(mask, kernel, jnp.zeros((), kernel.dtype))
   p = {**p, "kernel": kernel}
   if layer.kind == "general":
@@ -293,7 +316,7 @@ def densify_layers(variables: Mapping, layers: Mapping[tuple, _LinenLayer]) -> d
     densify = functools.partial(dense_params, layer)
     if any(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(layer_vars)):
       densify = functools.partial(jax.eval_shape, densify)  # abstract variables (a restore target): abstract result
-    _nested_set(new_vars["params"], path, densify(layer_vars))
+    _nested_set(new_vars["params"], path, _at(".".join(path) or "(the model itself)", densify, layer_vars))
     _drop(new_vars.get(sparse_linen.SPARSITY, {}), path)
   if sparse_linen.SPARSITY in new_vars and not jax.tree.leaves(new_vars[sparse_linen.SPARSITY]):
     del new_vars[sparse_linen.SPARSITY]

@@ -36,6 +36,7 @@ from jaxsparse.layers._common import SPARSITY
 from jaxsparse.layers._common import SparsityPattern
 from jaxsparse.layers._common import bias_of
 from jaxsparse.layers._common import check_implementation
+from jaxsparse.layers._common import check_init_dtype
 from jaxsparse.layers._common import check_input
 from jaxsparse.layers._common import check_kept
 from jaxsparse.layers._common import check_known_in_features
@@ -151,7 +152,8 @@ class BlockSparseLinear(nnx.Module):
     dtype: computation dtype; ``None`` infers it from the input and parameters, like ``nnx.Linear``. Real
       dtypes only (float32, bfloat16, float16, float64, float8; integer inputs are promoted): complex ones raise,
       as do complex inputs (:class:`MaskedLinear` takes them).
-    param_dtype: storage dtype of kernel and bias, a real floating dtype.
+    param_dtype: storage dtype of kernel and bias, real; an integer or bool one needs ``kernel_init`` (the default
+      draws a truncated normal).
     kernel_init: called as ``kernel_init(key, (nnz_blocks, bk, bn), param_dtype)``; ``None`` uses the
       variance-preserving default above.
     bias_init: called as ``bias_init(key, (out_features,), param_dtype)``.
@@ -168,7 +170,8 @@ class BlockSparseLinear(nnx.Module):
       given; ``density`` is not in (0, 1] or keeps no block; ``block_mask`` is traced, not of shape
       ``(in_features // bk, out_features // bn)`` or keeps no block; an unknown ``implementation``.
     TypeError: ``block_shape`` is not a pair of ints; ``density`` is not a real number; ``block_mask`` is not
-      a boolean array; ``param_dtype`` or ``dtype`` is complex.
+      a boolean array; ``param_dtype`` or ``dtype`` is complex; ``param_dtype`` is not floating and no
+      ``kernel_init`` is given.
   """
 
   def __init__(
@@ -192,6 +195,7 @@ class BlockSparseLinear(nnx.Module):
     out_features = _utils.check_positive_int(out_features, name="out_features")
     bk, bn = _utils.check_block_shape(block_shape, (in_features, out_features))
     check_real_dtypes(BlockSparseLinear, param_dtype=param_dtype, dtype=dtype)
+    check_init_dtype(BlockSparseLinear, param_dtype, kernel_init)
     grid = (in_features // bk, out_features // bn)
     self.implementation = check_implementation(implementation)
     check_one_of("density", density, "block_mask", block_mask)
@@ -431,7 +435,8 @@ class BlockSparseDense(nn.Module):
     use_bias: whether to add a bias.
     dtype: computation dtype (``None``: inferred from input and params); real only, as ``param_dtype``.
     param_dtype: storage dtype of kernel and bias, real only (a complex one raises; :class:`MaskedDense` takes
-      complex weights and inputs).
+      complex weights and inputs); an integer or bool one needs ``kernel_init`` (the default draws a truncated
+      normal).
     kernel_init: called as ``kernel_init(key, (nnz_blocks, bk, bn), param_dtype)``; ``None`` draws a
       truncated normal of variance ``1 / (density * in_features)``.
     bias_init: bias initializer.
@@ -441,8 +446,9 @@ class BlockSparseDense(nn.Module):
   Raises:
     ValueError: at construction, ``features`` is not a positive int, ``density`` is not in (0, 1] or an
       unknown ``implementation``; when called, see :meth:`__call__`.
-    TypeError: at construction, ``density`` is not a real number or ``param_dtype`` / ``dtype`` is complex; when
-      called, ``block_shape`` is not a pair of ints, or ``x`` or the kernel is complex.
+    TypeError: at construction, ``density`` is not a real number, ``param_dtype`` / ``dtype`` is complex or
+      ``param_dtype`` is not floating without a ``kernel_init``; when called, ``block_shape`` is not a pair of ints,
+      or ``x`` or the kernel is complex.
   """
 
   features: int
@@ -462,6 +468,7 @@ class BlockSparseDense(nn.Module):
     _utils.check_density(self.density)
     check_implementation(self.implementation)
     check_real_dtypes(type(self), param_dtype=self.param_dtype, dtype=self.dtype)
+    check_init_dtype(type(self), self.param_dtype, self.kernel_init)
     super().__post_init__()
 
   @nn.compact

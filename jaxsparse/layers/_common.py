@@ -244,6 +244,19 @@ def check_trained_dtype(layer: type, param_dtype: Any) -> None:
     )
 
 
+def check_init_dtype(layer: type, param_dtype: Any, kernel_init: Any) -> None:
+  """Raises a ``TypeError`` naming ``param_dtype`` when it is not floating (nor complex) and ``kernel_init`` is
+  ``None``: the layer's default initializer draws a truncated normal, which needs one (an integer or bool dtype failed
+  inside JAX's sampler, naming neither the layer nor the argument)."""
+  if kernel_init is None and not jnp.issubdtype(jnp.dtype(param_dtype), jnp.inexact):
+    raise TypeError(
+        f"{layer.__name__}'s default kernel_init draws a truncated normal and needs a floating param_dtype (float32, "
+        f"bfloat16, float16, float64), got param_dtype={jnp.dtype(param_dtype)}. For {jnp.dtype(param_dtype)} "
+        "weights pass kernel_init= (called as kernel_init(key, shape, param_dtype)), e.g. "
+        "jax.nn.initializers.zeros before loading trained weights."
+    )
+
+
 def _one_layer_leaf(layer: nnx.Module) -> tuple[str, int]:
   """The array attribute whose axes tell one layer from a stack of layers, and its number of axes for one layer."""
   if getattr(layer, "storage", None) == "cusparselt":

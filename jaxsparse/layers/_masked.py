@@ -27,6 +27,7 @@ from jaxsparse.layers._common import SPARSITY
 from jaxsparse.layers._common import SparsityPattern
 from jaxsparse.layers._common import bias_of
 from jaxsparse.layers._common import check_feature_groups
+from jaxsparse.layers._common import check_init_dtype
 from jaxsparse.layers._common import check_input
 from jaxsparse.layers._common import check_known_in_features
 from jaxsparse.layers._common import check_layer_inputs
@@ -107,7 +108,8 @@ class MaskedLinear(nnx.Module):
     mask: bool ``(in_features, out_features)``, True where a weight is kept.
     use_bias: whether to add a bias.
     dtype: computation dtype; ``None`` infers it like ``nnx.Linear``.
-    param_dtype: storage dtype of kernel and bias.
+    param_dtype: storage dtype of kernel and bias; an integer or bool one needs ``kernel_init`` (the default draws
+      a truncated normal: without it a ``TypeError`` names ``param_dtype``).
     kernel_init: called as ``kernel_init(key, (in_features, out_features), param_dtype)``; ``None``
       uses the variance-preserving default above.
     bias_init: called as ``bias_init(key, (out_features,), param_dtype)``.
@@ -138,6 +140,7 @@ class MaskedLinear(nnx.Module):
     shape = (in_features, out_features)
     size = in_features * out_features
     self.implementation = check_masked_implementation(implementation)
+    check_init_dtype(MaskedLinear, param_dtype, kernel_init)
     check_one_of("sparsity", sparsity, "mask", mask)
     if mask is None:
       kept = kept_weights(sparsity, shape)
@@ -310,7 +313,8 @@ class MaskedDense(nn.Module):
     sparsity: fraction of weights pruned, in [0, 1).
     use_bias: whether to add a bias.
     dtype: computation dtype (``None``: inferred from input and params).
-    param_dtype: storage dtype of kernel and bias.
+    param_dtype: storage dtype of kernel and bias; an integer or bool one needs ``kernel_init`` (the default draws
+      a truncated normal: without it a ``TypeError`` at construction names ``param_dtype``).
     kernel_init: called as ``kernel_init(key, (in_features, features), param_dtype)``; ``None``
       draws a truncated normal of variance ``1 / ((1 - sparsity) * in_features)``.
     bias_init: bias initializer.
@@ -333,6 +337,7 @@ class MaskedDense(nn.Module):
     _utils.check_positive_int(self.features, name="features")
     _utils.check_sparsity(self.sparsity)
     check_masked_implementation(self.implementation)
+    check_init_dtype(type(self), self.param_dtype, self.kernel_init)
     super().__post_init__()
 
   @nn.compact

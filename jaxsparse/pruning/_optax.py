@@ -429,6 +429,10 @@ def apply_masks(target: Any, masks: Any) -> Any:
   >>> layer.density
   0.125
 
+  Linen variables keep such masks in their ``"sparsity"`` collection (``MaskedDense``, the masked convs of
+  :func:`jaxsparse.sparsify_linen`), which this function does not see: narrow them yourself
+  (``mask & masks[path]["kernel"]``), or :func:`jaxsparse.summary` and the torch export report the stale mask.
+
   Args:
     target: a parameter tree with the masks' structure, or an ``nnx.Module`` whose ``nnx.Param``
       state has it.
