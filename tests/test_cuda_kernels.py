@@ -482,22 +482,31 @@ def test_gpu_nm_matmul_falls_back_with_a_warning_when_the_kernel_cannot_build(mo
 
 
 def test_transposable_kernel_pattern_table_is_tile_patterns():
-  # The kernel's literal table must list _tile_patterns(2, 4) in its order (the tie rule and the pattern
-  # indices the backward pass expands depend on it).
+  # The kernel's literal table of pairs of row pairs must give every pattern of _tile_patterns(2, 4) its index
+  # there (the tie rule and the pattern indices the backward pass expands depend on it).
   import itertools  # noqa: PLC0415
   import re  # noqa: PLC0415
 
-
-
   src = (ck._HERE / "nm24_prune.cu").read_text()
-  table = src[src.index("#define NM_PATTERNS(P)") :].split("\n//")[0]
-  entries = [(int(i), int(c, 16)) for i, c in re.findall(r"P\((\d+), (0x[0-9a-f]+)\)", table)]
-  assert [i for i, _ in entries] == list(range(90))
+  table = src[src.index("#define NM_ROW_PAIRS(P)") :].split("\n//")[0]
+  entries = [tuple(map(int, e)) for e in re.findall(r"P\((\d+), (\d+), (\d+), (\d+), (\d+), (\d+)\)", table)]
+  assert [(a, b) for a, b, *_ in entries] == [(a, b) for a in range(6) for b in range(6)]
   pairs = list(itertools.combinations(range(4), 2))
+  counts = lambda a, b: tuple(int(j in pairs[a]) + int(j in pairs[b]) for j in range(4))
+  states = {}
+  for a, b, state, *_ in entries:  # one state number per column count
+    assert states.setdefault(counts(a, b), state) == state
+  assert sorted(states.values()) == list(range(19))
   tiles = np.zeros((90, 4, 4), bool)
-  for i, code in entries:
-    for r in range(4):
-      tiles[i, r, list(pairs[(code >> 3 * r) & 7])] = True
+  filled = []
+  for a, b, _, complement, _, base in entries:
+    assert states[tuple(2 - c for c in counts(a, b))] == complement
+    for c, d, state, _, rank, _ in entries:
+      if state == complement:
+        filled.append(base + rank)
+        for r, p in enumerate((a, b, c, d)):
+          tiles[base + rank, r, list(pairs[p])] = True
+  assert sorted(filled) == list(range(90))
   np.testing.assert_array_equal(tiles, _nm_masks._tile_patterns(2, 4))
 
 

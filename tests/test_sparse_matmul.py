@@ -69,9 +69,10 @@ def test_forced_cpu_kernels_lowered_for_a_gpu_say_so():
       jax.export.export(jax.jit(jax.grad(lambda x, f=f: f(x).sum())), platforms=["cuda"])(x)
 
 
-# Where the CPU is not the default backend (a GPU machine), the CPU routes are traced but not chosen among and their
-# fallbacks do not warn (jaxsparse._tuning._measure._has_device): tests of those choices run where it is.
-cpu_backend_only = pytest.mark.skipif(jax.default_backend() != "cpu", reason="tests the CPU backend's route choices")
+# Where the CPU is not the default backend (a GPU machine), the C++ kernels run only when forced (implementation=
+# "cpu"), and their fallbacks do not warn: tests of the CPU backend's route choices run where it is the default.
+CPU_DEFAULT = jax.default_backend() == "cpu"
+cpu_backend_only = pytest.mark.skipif(not CPU_DEFAULT, reason="tests the CPU backend's route choices")
 
 
 def _cpu_hlo(f, *args) -> str:
@@ -347,6 +348,7 @@ def test_xla_implementation_matches_kernels():
   assert_close(masked_matmul(x, w, mask, implementation="xla"), expected, jnp.float32)
 
 
+@cpu_backend_only
 def test_masked_matmul_auto_picks_kernels_by_density():
   """implementation=None runs the kernels for sparse masks and masked dense for dense ones; both agree."""
   x, w, _ = _data(4, 9, 64, 48, MASKS["random"])
@@ -367,6 +369,7 @@ def test_masked_matmul_auto_picks_kernels_by_density():
   _check_masked_matmul(x, w, mask, jnp.float32, implementation=None)
 
 
+@cpu_backend_only
 @pytest.mark.parametrize("p", [0.1, 0.9])
 def test_sparse_matmul_auto_picks_the_dense_route_by_density(p):
   """implementation=None runs dense-ish CSR patterns on the dense route (the entries written dense by a kernel,
@@ -571,7 +574,7 @@ def _block_case(seed, lead, k, n, block_shape, density, dtype=jnp.float32):
 def test_block_sparse_cpu_kernels_match_dense(dtype, block_shape, density):
   x, ws = _block_case(10, (3, 13), 128, 128, block_shape, density, dtype)
   op = lambda x, data: jaxsparse.ops.block_sparse_matmul(x, ws.with_data(data), implementation="xla")
-  assert "jaxsparse_block_forward" in _cpu_hlo(op, x, ws.data)
+  assert ("jaxsparse_block_forward" in _cpu_hlo(op, x, ws.data)) == CPU_DEFAULT  # a GPU machine's CPU: the loop
   ref = lambda x, data: x @ ws.with_data(data).to_dense()
   ct = _cotangent((3, 13, 128))
   loss = lambda f: lambda x, d: jnp.sum(f(x, d).astype(jnp.float32) * ct)

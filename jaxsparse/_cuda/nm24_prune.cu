@@ -3,7 +3,7 @@
 //
 // nm24_transposable: transposable 2:4: for every 4 x 4 tile (rows 4 r .. 4 r + 3, columns 4 c .. 4 c + 3)
 //   the pattern with 2 kept entries in every row and every column (90 of them) whose kept scores have the
-//   largest total, the first in jaxsparse.formats._nm_masks._tile_patterns(2, 4) order on ties; scores are
+//   largest total, the first in jaxsparse.formats._nm_masks._tile_patterns(2, 4) order on exact ties; scores are
 //   min(|w| with NaN as inf, FLT_MAX / 16), as jaxsparse.nm_mask(w, 2, 4, transposable=True) computes them.
 //   Operands, row-major as JAX stores them:
 //     w        (K, N) float32, or bfloat16 with NM_IN_BF16;
@@ -11,7 +11,7 @@
 //     pattern  (K/4, N/4) uint8: the index of each tile's pattern in _tile_patterns(2, 4).
 //   Needs K % 4 == 0 and N % 4 == 0. One thread per tile; consecutive threads take consecutive tiles of a
 //   row of tiles, so each of the four row loads of a warp is one contiguous 512-byte (f32) span.
-//   The sum of a pattern is that of its rows' pair sums, ((r0 + r1) + r2) + r3: another order than XLA's
+//   The sum of a pattern is that of its rows' pair sums, (r0 + r1) + (r2 + r3): another order than XLA's
 //   product of the reference, so the two can pick different patterns where two totals agree to within
 //   float32 rounding (both then keep the same magnitude, to that rounding).
 // nm24_transposable_compress: the same, written as cuSPARSELt's compressed buffers of W and Wᵀ.
@@ -29,25 +29,24 @@ typedef unsigned int u32;
 typedef unsigned short u16;
 typedef unsigned char u8;
 
-// The 90 patterns of _tile_patterns(2, 4), in its order, as P(index, code): row r keeps the pair number
-// (code >> 3 r) & 7 of kPairs. Literal codes, so that every pattern's total is 3 adds of registers (the
-// compiler shares the row 0 + row 1 sums). tests/test_cuda_kernels.py checks this table against _tile_patterns.
-#define NM_PATTERNS(P) \
-  P(0, 0xb40) P(1, 0xb08) P(2, 0x948) P(3, 0xad0) P(4, 0x750) P(5, 0xa98) \
-  P(6, 0x558) P(7, 0xa60) P(8, 0x360) P(9, 0xa28) P(10, 0x868) P(11, 0x6a8) \
-  P(12, 0x4e8) P(13, 0x328) P(14, 0x168) P(15, 0xb01) P(16, 0x941) P(17, 0x909) \
-  P(18, 0x8d1) P(19, 0x711) P(20, 0x899) P(21, 0x519) P(22, 0xa21) P(23, 0x861) \
-  P(24, 0x6a1) P(25, 0x4e1) P(26, 0x321) P(27, 0x161) P(28, 0x829) P(29, 0x129) \
-  P(30, 0xac2) P(31, 0x742) P(32, 0x8ca) P(33, 0x70a) P(34, 0x6d2) P(35, 0xa1a) \
-  P(36, 0x85a) P(37, 0x69a) P(38, 0x4da) P(39, 0x31a) P(40, 0x15a) P(41, 0x662) \
-  P(42, 0x2e2) P(43, 0x62a) P(44, 0x0ea) P(45, 0xa83) P(46, 0x543) P(47, 0x88b) \
-  P(48, 0x50b) P(49, 0xa13) P(50, 0x853) P(51, 0x693) P(52, 0x4d3) P(53, 0x313) \
-  P(54, 0x153) P(55, 0x49b) P(56, 0x463) P(57, 0x2a3) P(58, 0x42b) P(59, 0x0ab) \
-  P(60, 0xa44) P(61, 0x344) P(62, 0xa0c) P(63, 0x84c) P(64, 0x68c) P(65, 0x4cc) \
-  P(66, 0x30c) P(67, 0x14c) P(68, 0x654) P(69, 0x2d4) P(70, 0x45c) P(71, 0x29c) \
-  P(72, 0x264) P(73, 0x22c) P(74, 0x06c) P(75, 0xa05) P(76, 0x845) P(77, 0x685) \
-  P(78, 0x4c5) P(79, 0x305) P(80, 0x145) P(81, 0x80d) P(82, 0x10d) P(83, 0x615) \
-  P(84, 0x0d5) P(85, 0x41d) P(86, 0x09d) P(87, 0x225) P(88, 0x065) P(89, 0x02d)
+// The search meets in the middle: a pattern is a pair of row pairs (a, b) for rows 0 and 1 and one (c, d) for rows 2
+// and 3 whose column counts add up to 2 in every column. The column counts of two row pairs are one of 19 states;
+// for each state, the best pair of rows 2 and 3 with it, then for each (a, b) of rows 0 and 1 the best completion of
+// the complementary state: 72 candidates instead of 90 patterns of 3 adds each. NM_ROW_PAIRS lists the 36 pairs of
+// row pairs in order as P(a, b, state, complement, rank, base): the state of their column counts, that of 2 minus
+// them, the pair's rank among the pairs of its state (in order), and the index in _tile_patterns(2, 4) of the first
+// pattern whose rows 0 and 1 are (a, b) (the patterns are in the order of their row pairs, row 0 first), so a
+// pattern's index is base(a, b) + rank(c, d). tests/test_cuda_kernels.py checks the table against _tile_patterns.
+#define NM_ROW_PAIRS(P)                                                                                     \
+  P(0, 0, 18, 0, 0, 0) P(0, 1, 17, 1, 0, 1) P(0, 2, 16, 2, 0, 3) P(0, 3, 12, 6, 0, 5)                       \
+  P(0, 4, 11, 7, 0, 7) P(0, 5, 9, 9, 0, 9) P(1, 0, 17, 1, 1, 15) P(1, 1, 15, 3, 0, 17)                      \
+  P(1, 2, 14, 4, 0, 18) P(1, 3, 10, 8, 0, 20) P(1, 4, 9, 9, 1, 22) P(1, 5, 7, 11, 0, 28)                    \
+  P(2, 0, 16, 2, 1, 30) P(2, 1, 14, 4, 1, 32) P(2, 2, 13, 5, 0, 34) P(2, 3, 9, 9, 2, 35)                    \
+  P(2, 4, 8, 10, 0, 41) P(2, 5, 6, 12, 0, 43) P(3, 0, 12, 6, 1, 45) P(3, 1, 10, 8, 1, 47)                   \
+  P(3, 2, 9, 9, 3, 49) P(3, 3, 5, 13, 0, 55) P(3, 4, 4, 14, 0, 56) P(3, 5, 2, 16, 0, 58)                    \
+  P(4, 0, 11, 7, 1, 60) P(4, 1, 9, 9, 4, 62) P(4, 2, 8, 10, 1, 68) P(4, 3, 4, 14, 1, 70)                    \
+  P(4, 4, 3, 15, 0, 72) P(4, 5, 1, 17, 0, 73) P(5, 0, 9, 9, 5, 75) P(5, 1, 7, 11, 1, 81)                    \
+  P(5, 2, 6, 12, 1, 83) P(5, 3, 2, 16, 1, 85) P(5, 4, 1, 17, 1, 87) P(5, 5, 0, 18, 0, 89)
 // itertools.combinations(range(4), 2) as column bit masks: (0,1) (0,2) (0,3) (1,2) (1,3) (2,3).
 __constant__ u8 kPairs[6] = {0x3, 0x5, 0x9, 0x6, 0xa, 0xc};
 
@@ -132,26 +131,39 @@ __device__ __forceinline__ int best_pattern(const float v[4][4], u32* code) {
     pair[r][4] = a[1] + a[3];
     pair[r][5] = a[2] + a[3];
   }
-  // The index and the code of the best pattern so far travel as one word, (index << 12) | code: one select per
-  // pattern for both (the search is the kernel's bottleneck).
+  // Rows 2 and 3: per state, the best total and, as one word, (rank << 12) | (c << 6) | (d << 9); a state's first
+  // pair sets them. The first in order wins ties (strict >), as it does among the patterns.
+  float best23[19] = {};
+  u32 word23[19] = {};
+#define NM_TRY23(a, b, s, t, rank, base)                    \
+  {                                                         \
+    const float total = pair[2][a] + pair[3][b];            \
+    if ((rank) == 0 || total > best23[s]) {                 \
+      best23[s] = total;                                    \
+      word23[s] = ((rank) << 12) | ((a) << 6) | ((b) << 9); \
+    }                                                       \
+  }
+  NM_ROW_PAIRS(NM_TRY23)
+#undef NM_TRY23
+  // Rows 0 and 1 with the best completion: the index and the code of the best pattern so far as one word,
+  // (index << 12) | code (one select per candidate for both).
   float best = -1.0f;
   u32 best_pc = 0;
-#define NM_TRY(index, c)                                                                                  \
-  {                                                                                                       \
-    const float total = ((pair[0][(c) & 7] + pair[1][((c) >> 3) & 7]) + pair[2][((c) >> 6) & 7]) + \
-                        pair[3][(c) >> 9];                                                                \
-    if (total > best) {                                                                                   \
-      best = total;                                                                                       \
-      best_pc = ((index) << 12) | (c);                                                                    \
-    }                                                                                                     \
+#define NM_TRY01(a, b, s, t, rank, base)                                     \
+  {                                                                          \
+    const float total = (pair[0][a] + pair[1][b]) + best23[t];               \
+    if (total > best) {                                                      \
+      best = total;                                                          \
+      best_pc = (((base) << 12) | (a) | ((b) << 3)) + word23[t];             \
+    }                                                                        \
   }
-  NM_PATTERNS(NM_TRY)
-#undef NM_TRY
+  NM_ROW_PAIRS(NM_TRY01)
+#undef NM_TRY01
   *code = best_pc & 0xfff;
   return static_cast<int>(best_pc >> 12);
 }
 
-extern "C" __global__ void __launch_bounds__(256) nm24_transposable(const void* __restrict__ w,
+extern "C" __global__ void __launch_bounds__(256, 4) nm24_transposable(const void* __restrict__ w,
                                                                     void* __restrict__ pruned,
                                                                     u8* __restrict__ pattern, int k, int n) {
   long long tr, tc;
