@@ -24,6 +24,7 @@ from flax import nnx
 from flax.nnx import graph
 
 from jaxsparse import _utils
+from jaxsparse.formats._base import is_concrete
 from jaxsparse.formats._specs import NM
 from jaxsparse.formats._specs import SPECS
 from jaxsparse.formats._specs import Spec
@@ -329,8 +330,20 @@ def masks_to_dict(masks: Any) -> dict[str, np.ndarray]:
   Returns:
     A dict from each mask's dotted path (``"fc.kernel"``) to a NumPy bool array of its shape; ``None`` leaves
     are left out.
+
+  Raises:
+    ValueError: naming the first, a traced mask (computed inside ``jax.eval_shape`` / ``jax.jit``, as the
+      ``masks=`` of :func:`jaxsparse.sparsify` or :func:`jaxsparse.sparsify_linen` under ``nnx.eval_shape``), which
+      has no values to read.
   """
   pairs = jax.tree_util.tree_flatten_with_path(unwrap_variables(masks))[0]
+  for kp, m in pairs:
+    if not is_concrete(m):
+      raise ValueError(
+          f"masks[{path_str(kp)!r}] is traced (computed inside jax.eval_shape / jax.jit): its values are needed "
+          "(sparsify checks the patterns, which decide the sparse shapes). Compute the masks outside the traced "
+          "function and close over them, or leave masks= out to prune by magnitude."
+      )
   return {path_str(kp): np.asarray(m) for kp, m in pairs}
 
 

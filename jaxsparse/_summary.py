@@ -27,6 +27,7 @@ from jaxsparse.layers import _nm_linen
 from jaxsparse.layers._block_sparse import BlockSparseLinear
 from jaxsparse.layers._common import SPARSITY
 from jaxsparse.layers._common import nm_kept_mask
+from jaxsparse.layers._common import pattern_mask
 from jaxsparse.layers._embed import CompressedNMEmbed
 from jaxsparse.layers._embed_linen import CompressedNMEmbed as LinenCompressedNMEmbed
 from jaxsparse.layers._linear_general import SparseLinearGeneral
@@ -323,7 +324,8 @@ def _linen_layers(
       elif "mask" in pattern:
         # Without module=, a kernel of ndim > 2 is a masked nn.Conv's (sparsify_linen, convert) or a stacked MaskedDense
         name = masked.get(prefix) or ("MaskedDense" if len(kernel.shape) == 2 else _MASKED_UNKNOWN)
-        out.append(_layer(path, name, tuple(kernel.shape), "unstructured", _count(pattern["mask"]), **common))
+        out.append(_layer(path, name, tuple(kernel.shape), "unstructured", _linen_kept(path, pattern, kernel),
+                          **common))
       elif "kernel_positions" in pattern:  # a CompressedNMDense: its n:m is not in its variables
         if prefix not in nm_layers:
           raise ValueError(
@@ -355,6 +357,17 @@ def _linen_layers(
 
   walk(variables.get("params", {}), ())
   return out
+
+
+def _linen_kept(path: str, pattern: Mapping, kernel: Any) -> int | None:
+  """The weights a masked Linen layer keeps: its ``"sparsity"`` mask's count, checked as its forward pass checks it
+  (bool, the kernel's shape: a mask of 0.5 or 2 runs nowhere); ``None`` for an abstract mask."""
+  if not is_concrete(pattern["mask"]):
+    return None
+  try:
+    return _count(pattern_mask(pattern["mask"], tuple(kernel.shape)))
+  except (TypeError, ValueError) as e:
+    raise type(e)(f"{path or '(the variables)'}: {e}") from None
 
 
 def _linen_embed(path: str, params: Mapping, pattern: Mapping, info: _NMInfo | None) -> LayerSummary:
@@ -411,9 +424,10 @@ def summary(model: nnx.Module | Mapping, /, *example_inputs: Any, module: nn.Mod
 
   Raises:
     TypeError: ``model`` is neither, ``module`` or example inputs come with an NNX model, example inputs without
-      ``module``, or a ``module`` (other than a ``SparsifiedLinen``) without example inputs.
+      ``module``, or a ``module`` (other than a ``SparsifiedLinen``) without example inputs; a Linen ``"sparsity"``
+      mask that is not boolean (naming the layer; its forward pass refuses it too).
     ValueError: Linen variables holding a ``CompressedNMDense``'s or ``CompressedNMEmbed``'s, without a ``module``
-      that says its ``n:m``.
+      that says its ``n:m``; a ``"sparsity"`` mask not of its kernel's shape (naming the layer).
   """
   if isinstance(model, nnx.Module):
     if module is not None or example_inputs:

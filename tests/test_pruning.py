@@ -146,6 +146,66 @@ def test_apply_masks_narrows_the_masks_of_masked_layers():
   assert [row.density for row in jaxsparse.summary(model).layers] == [kept]
 
 
+def test_apply_masks_refuses_masks_that_are_not_boolean():
+  """A float mask (0.5) or an int one (2) was read by jnp.where as "kept" wherever it is nonzero, and a NumPy bool
+  mask holding bytes other than 0 / 1 (a view of uint8 data) as False at byte 2: the weights came back silently
+  other than the mask says."""
+  params = {"fc": {"kernel": _normal(0, (4, 4)), "bias": _normal(1, (4,))}}
+  model = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+  for bad in (np.full((4, 4), 0.5, np.float32), 2 * np.eye(4, dtype=np.int32)):
+    with pytest.raises(TypeError, match=rf"masks\['fc\.kernel'\] must be a boolean array, got dtype {bad.dtype}"):
+      pruning.apply_masks(params, {"fc": {"kernel": bad, "bias": None}})
+    with pytest.raises(TypeError, match=rf"masks\['kernel'\] must be a boolean array, got dtype {bad.dtype}"):
+      pruning.apply_masks(model, {"kernel": bad, "bias": None})
+  raw = np.random.default_rng(0).choice(np.array([0, 1, 2], np.uint8), size=(4, 4))
+  out = pruning.apply_masks(params, {"fc": {"kernel": raw.view(bool), "bias": None}})
+  expected = np.where(raw != 0, np.asarray(params["fc"]["kernel"]), 0.0)
+  np.testing.assert_array_equal(np.asarray(out["fc"]["kernel"]), expected)
+
+
+class _LinenPruned(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(32, name="fc")(x)
+    h = nn.Conv(16, (3,), name="conv")(h[:, None, :].repeat(4, axis=1)).mean(axis=1)
+    return nn.Dense(8, name="out")(h)
+
+
+@pytest.mark.parametrize("keyed_like", ["params", "variables"])
+def test_apply_masks_narrows_the_sparsity_masks_of_linen_variables(keyed_like):
+  """wrap_optax pruning sparsify_linen's masked layers further changed only "params": the "sparsity" masks kept the
+  denser pattern, which summary and the torch export reported, and apply_masks refused Linen variables ("a mask at
+  'fc.kernel', where the parameters have none"). It now prunes the parameters and narrows those masks."""
+  x = _normal(0, (2, 16))
+  rules = {"fc|conv": jaxsparse.Unstructured(sparsity=0.5)}
+  sparse, variables, _ = jaxsparse.sparsify_linen(_LinenPruned(), _LinenPruned().init(jax.random.key(0), x), rules, x)
+  tx = pruning.wrap_optax(optax.sgd(0.0), pruning.magnitude_pruner({"fc|conv": jaxsparse.Unstructured(0.75)}))
+  state = train_state.TrainState.create(apply_fn=sparse.apply, params=variables["params"], tx=tx)
+  state = state.apply_gradients(grads=jax.tree.map(jnp.zeros_like, state.params))
+  masks = pruning.get_masks(state)
+  trained = {**variables, "params": state.params}
+  out = pruning.apply_masks(trained, masks if keyed_like == "params" else {"params": masks})
+  for path in ("fc", "conv"):
+    kernel, mask = np.asarray(out["params"][path]["kernel"]), np.asarray(out["sparsity"][path]["mask"])
+    old = np.asarray(variables["sparsity"][path]["mask"])
+    assert mask.dtype == np.bool_ and not (mask & ~old).any()  # only narrowed
+    np.testing.assert_array_equal(mask, np.asarray(masks[path]["kernel"]) & old)
+    np.testing.assert_array_equal(mask, kernel != 0)
+    assert mask.mean() == 0.25
+  np.testing.assert_array_equal(out["params"]["out"]["kernel"], variables["params"]["out"]["kernel"])
+  np.testing.assert_allclose(sparse.apply(out, x), sparse.apply(trained, x), rtol=1e-6, atol=1e-6)
+  assert {row.path: row.density for row in jaxsparse.summary(out, module=sparse).layers} == {"conv": 0.25, "fc": 0.25}
+  pytest.importorskip("torch")
+  from jaxsparse import torch_interop  # noqa: PLC0415 -- optional dependency
+
+  exported = torch_interop.export_masks(out, module=sparse)
+  weights = torch_interop.export_state_dict(out, module=sparse)
+  for path in ("fc", "conv"):
+    mask = exported[f"{path}.weight_mask"].numpy()
+    assert mask.mean() == 0.25
+    np.testing.assert_array_equal(mask, weights[f"{path}.weight"].numpy() != 0)
+
+
 class _EmbedNet(nnx.Module):
   def __init__(self, rngs):
     self.embed = nnx.Embed(16, 8, rngs=rngs)

@@ -606,6 +606,7 @@ def test_block_sparse_cpu_kernels_vmap_and_fallback():
   assert_close(jaxsparse.ops.block_sparse_matmul(x, ws), x @ ws.to_dense(), jnp.float32)
 
 
+@cpu_backend_only
 def test_block_sparse_falls_back_to_the_loop_without_kernels(monkeypatch):
   monkeypatch.setattr(_build, "_load", lambda: "no C++ compiler found (test)")
   x, ws = _block_case(13, (5,), 64, 64, (16, 16), 0.5)

@@ -454,6 +454,22 @@ def test_sparsify_linen_under_eval_shape_with_traced_masks_says_what_to_do():
     jax.eval_shape(make)
 
 
+def test_sparsify_under_nnx_eval_shape_with_traced_masks_says_what_to_do():
+  """NNX sparsify read traced masks with np.asarray: a bare TracerArrayConversionError from inside masks_to_dict."""
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.fc = nnx.Linear(32, 32, rngs=rngs)
+
+  def make():
+    model = Net(nnx.Rngs(0))
+    masks = {"fc.kernel": jnp.abs(model.fc.kernel[...]) > 0.1}
+    return jaxsparse.sparsify(model, {"fc": jaxsparse.Unstructured(sparsity=0.5)}, masks=masks)[0]
+
+  with pytest.raises(ValueError, match=r"masks\['fc\.kernel'\] is traced .* Compute the masks outside"):
+    nnx.eval_shape(make)
+
+
 def test_sparsify_linen_of_an_integer_model():
   class Int(nn.Module):
     @nn.compact

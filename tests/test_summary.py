@@ -149,6 +149,19 @@ def test_linen_nm_conv_with_a_weight_mask_counts_the_weights_it_keeps():
   assert (nnx_row.density, nnx_row.forward_flops) == (row.density, row.forward_flops)
 
 
+@pytest.mark.parametrize(("bad", "error", "match"), [
+    (lambda m: m.astype(jnp.float32) * 0.5, TypeError, r"must be a boolean array, got dtype float32"),
+    (lambda m: m[:1], ValueError, r"must have the weight's shape \(16, 8\), got \(1, 8\)"),
+])
+def test_linen_summary_refuses_a_sparsity_mask_the_forward_refuses(bad, error, match):
+  """A "sparsity" mask of 0.5 (or of shape (1, out)) was counted (density 1.0), for a layer whose forward refuses
+  it: the summary described a model that does not run."""
+  variables = linen.MaskedDense(8, sparsity=0.5).init(jax.random.key(0), jnp.ones((1, 16)))
+  variables = {"params": {"fc": variables["params"]}, "sparsity": {"fc": {"mask": bad(variables["sparsity"]["mask"])}}}
+  with pytest.raises(error, match=r"^fc: its 'sparsity' collection's mask " + match):
+    jaxsparse.summary(variables)
+
+
 def test_summary_rejects_other_input():
   with pytest.raises(TypeError, match=r"model must be a flax\.nnx\.Module or Linen variables"):
     jaxsparse.summary([1, 2])

@@ -602,6 +602,58 @@ def test_nm_conv_with_a_weight_mask_exports_what_its_forward_computes():
   np.testing.assert_array_equal(mask, np.transpose(np.asarray(layer.pruned_kernel()) != 0, (2, 1, 0)))
 
 
+_SCALED_MASK = np.random.default_rng(3).choice([0.0, 0.5, 2.0], size=(3, 8, 16)).astype(np.float32)
+
+
+class _ScaledMaskConv(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.Conv(16, (3,), mask=_SCALED_MASK, name="conv")(x)
+
+
+@pytest.mark.parametrize("kind", ["NMConv", "nnx.Conv(mask=)", "linen NMConv"])
+def test_conv_with_a_weight_mask_of_other_values_exports_its_forward(kind):
+  """Flax multiplies a conv's kernel by its weight mask (0.5 halves a weight): the export wrote the unscaled kernel
+  (where(kept, K), the forward runs where(kept, K * mask)), so the torch conv computed another function."""
+  x = np.random.default_rng(1).standard_normal((2, 5, 8)).astype(np.float32)
+  if kind == "linen NMConv":
+    variables = _ScaledMaskConv().init(jax.random.key(0), x)
+    sparse, sparse_vars, _ = jaxsparse.sparsify_linen(_ScaledMaskConv(), variables, jaxsparse.NM(2, 4), x)
+    flax_y = np.asarray(sparse.apply(sparse_vars, x))
+    state = torch_interop.export_state_dict(sparse_vars, module=sparse, torch_names={"conv": ""})
+    masks = torch_interop.export_masks(sparse_vars, module=sparse, torch_names={"conv": ""})
+  else:
+    cls = jaxsparse.layers.NMConv if kind == "NMConv" else nnx.Conv
+    layer = cls(8, 16, (3,), mask=jnp.asarray(_SCALED_MASK), rngs=nnx.Rngs(0))
+    flax_y = np.asarray(layer(jnp.asarray(x)))
+    state, masks = torch_interop.export_state_dict(layer), torch_interop.export_masks(layer)
+  conv = torch.nn.Conv1d(8, 16, 3, padding=1)
+  conv.load_state_dict(state)
+  with torch.no_grad():
+    torch_y = conv(torch.from_numpy(x).permute(0, 2, 1)).permute(0, 2, 1).numpy()
+  assert np.abs(flax_y).max() > 0.1
+  np.testing.assert_allclose(torch_y, flax_y, rtol=1e-5, atol=1e-5)
+  # The mask marks the weights the forward keeps: the exported weight's nonzeros, none where the weight mask is 0.
+  mask = masks["weight_mask"].numpy()
+  np.testing.assert_array_equal(mask, state["weight"].numpy() != 0)
+  assert not (mask & (np.transpose(_SCALED_MASK, (2, 1, 0)) == 0)).any()
+
+
+@pytest.mark.parametrize(("bad", "error", "match"), [
+    (lambda m: m.astype(jnp.float32) * 0.5, TypeError, r"must be a boolean array, got dtype float32"),
+    (lambda m: m.astype(jnp.int32) * 2, TypeError, r"must be a boolean array, got dtype int32"),
+    (lambda m: m[:1], ValueError, r"must have the weight's shape \(16, 8\), got \(1, 8\)"),
+])
+def test_linen_export_refuses_a_sparsity_mask_the_forward_refuses(bad, error, match):
+  """A Linen "sparsity" mask of 0.5 / 2 was read as bool (.astype(bool)) and one of shape (1, out) broadcast, where the
+  layer's forward refuses both: the export named neither the layer nor the problem."""
+  variables = MaskedDense(8, sparsity=0.5).init(jax.random.key(0), jnp.ones((1, 16)))
+  variables = {"params": {"fc": variables["params"]}, "sparsity": {"fc": {"mask": bad(variables["sparsity"]["mask"])}}}
+  for export in (torch_interop.export_state_dict, torch_interop.export_masks):
+    with pytest.raises(error, match=r"^fc: its 'sparsity' collection's mask " + match):
+      export(variables)
+
+
 @pytest.mark.parametrize("pruned", [False, True])
 def test_conv_bias_of_the_wrong_shape_is_refused(pruned):
   """A torch conv bias of shape (1,) was broadcast into the (16,) bias of the MaskedConv a pruned conv becomes."""

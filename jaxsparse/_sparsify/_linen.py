@@ -49,9 +49,7 @@ from jaxsparse._rules import check_unsupported
 from jaxsparse._rules import dense_general_dims
 from jaxsparse._rules import embedding_rule
 from jaxsparse._rules import match_rules
-from jaxsparse._rules import path_str
 from jaxsparse._rules import resolve_rules
-from jaxsparse._rules import unwrap_variables
 from jaxsparse._rules import warn_unmatched
 from jaxsparse._sparsify._linen_plan import _linen_variables
 from jaxsparse._sparsify._linen_plan import _LinenLayer
@@ -77,7 +75,6 @@ from jaxsparse._sparsify._report import check_speed_mode
 from jaxsparse._sparsify._report import nbytes
 from jaxsparse._sparsify._report import random_input
 from jaxsparse._sparsify._report import timed
-from jaxsparse.formats._base import is_concrete
 from jaxsparse.formats._nm import NMSparseMatrix
 from jaxsparse.formats._specs import NM
 from jaxsparse.formats._specs import BlockSparse
@@ -354,7 +351,6 @@ def sparsify_linen(
   """
   resolved = resolve_rules(rules)
   mode = check_speed_mode(check_speed, example_input)
-  _check_concrete_masks(masks)
   mask_dict = masks_dict(masks)
   kwargs = dict(apply_kwargs or {})
   found = _linen_layers(module, variables, example_input, kwargs)
@@ -439,20 +435,6 @@ def sparsify_linen(
   if sparse_linen.SPARSITY in new_vars:  # patterns the model's nn.vmap / nn.scan must carry to the layers
     _check_patterns_reach(sparse, new_vars, example_input, kwargs)
   return sparse, new_vars, SparsifyReport(tuple(changes))
-
-
-def _check_concrete_masks(masks: Any) -> None:
-  """Raises, naming the first, when a given mask is traced (made inside ``jax.eval_shape`` / ``jax.jit`` from traced
-  weights): the patterns' checks and block counts need its values."""
-  if masks is None:
-    return
-  for keypath, m in jax.tree_util.tree_flatten_with_path(unwrap_variables(masks))[0]:
-    if not is_concrete(m):
-      raise ValueError(
-          f"masks[{path_str(keypath)!r}] is traced (computed inside jax.eval_shape / jax.jit): sparsify_linen needs "
-          "given masks' values (their patterns are checked and decide the sparse shapes). Compute the masks outside "
-          "the traced function and close over them, or leave masks= out to prune by magnitude."
-      )
 
 
 def _kernel_key(path: tuple) -> str:
@@ -541,8 +523,7 @@ def densify_linen(sparse: SparsifiedLinen, variables: Mapping) -> tuple[nn.Modul
   Training with :func:`jaxsparse.pruning.wrap_optax` prunes only ``params``: a weight it prunes further is zero here
   (the dense kernels are right), but the ``"sparsity"`` mask still keeps it, so :func:`jaxsparse.summary` of the
   sparse variables and their torch export (its ``weight_mask``) read the stale, denser pattern. For the pattern the
-  optimizer holds, narrow each mask first (``mask & masks[path]["kernel"]``, ``masks = pruning.get_masks(state)``)
-  or sparsify the densified model again with ``masks=``.
+  optimizer holds, narrow the masks first: ``variables = pruning.apply_masks(variables, pruning.get_masks(state))``.
 
   Args:
     sparse: the ``SparsifiedLinen`` that :func:`sparsify_linen` returned.

@@ -38,6 +38,7 @@ from jaxsparse.formats._specs import Unstructured
 from jaxsparse.formats._specs import matrix_shape
 from jaxsparse.layers import linen as sparse_linen
 from jaxsparse.layers._common import nm_kept_mask
+from jaxsparse.layers._common import pattern_mask
 from jaxsparse.layers._embed import compress_table
 
 __all__ = [
@@ -49,7 +50,6 @@ __all__ = [
     "kept_blocks",
     "layer_variables",
     "linen_density",
-    "pattern_mask",
     "sparse_layer_name",
     "sparse_module_of",
 ]
@@ -140,7 +140,7 @@ def apply_sparse_layer(layer: _LinenLayer, variables: Mapping, x: jax.Array, *, 
   if layer.kind == "embed":  # a lookup or attend
     return sparse_module_of(layer).apply(variables, x, method=method)
   if layer.kind == "conv" and isinstance(layer.spec, Unstructured):
-    mask = pattern_mask(variables, jnp.shape(variables["params"]["kernel"]))
+    mask = pattern_mask(variables[sparse_linen.SPARSITY]["mask"], jnp.shape(variables["params"]["kernel"]))
     return layer.module.clone(parent=None, mask=mask).apply({"params": variables["params"]}, x)
   nnz = None
   if isinstance(layer.spec, BlockSparse):
@@ -155,19 +155,6 @@ def apply_sparse_layer(layer: _LinenLayer, variables: Mapping, x: jax.Array, *, 
   batch = x.shape[: x.ndim - n_in]
   y = module.apply(variables, x.reshape(*batch, layer.shape_2d[0]))
   return y.reshape(*batch, *layer.features)
-
-
-def pattern_mask(layer_vars: Mapping, shape: tuple[int, ...]) -> jax.Array:
-  """The bool ``"mask"`` of an unstructured layer's (unboxed) variables, checked against its kernel's ``shape``.
-
-  ``nn.Conv`` multiplies its kernel by a weight mask: a mask of other values (0.5, an int 2) would scale the kept
-  weights in the forward while :func:`densify_linen` keeps them as they are, so the forward and densify refuse it,
-  as ``MaskedDense`` does.
-  """
-  try:
-    return _utils.check_mask(layer_vars[sparse_linen.SPARSITY]["mask"], shape)
-  except (TypeError, ValueError) as e:
-    raise type(e)(f"its {sparse_linen.SPARSITY!r} collection's {e}") from None
 
 
 def embed_variables(spec: NM, dense: Mapping, mask: np.ndarray | None = None) -> dict:
@@ -279,7 +266,7 @@ def dense_params(layer: _LinenLayer, layer_vars: Mapping) -> dict:
                         weight_mask=getattr(layer.module, "mask", None))
     kernel = jnp.where(mask, kernel, jnp.zeros((), kernel.dtype))
   else:
-    mask = pattern_mask(nn.meta.unbox(layer_vars), jnp.shape(kernel))
+    mask = pattern_mask(nn.meta.unbox(layer_vars[sparse_linen.SPARSITY]["mask"]), jnp.shape(kernel))
     kernel = jnp.where(mask, kernel, jnp.zeros((), kernel.dtype))
   p = {**p, "kernel": kernel}
   if layer.kind == "general":

@@ -244,6 +244,20 @@ def check_trained_dtype(layer: type, param_dtype: Any) -> None:
     )
 
 
+def pattern_mask(mask: Any, shape: tuple[int, ...]) -> jax.Array:
+  """The bool mask of an unstructured Linen layer's ``"sparsity"`` collection (unboxed), checked against its kernel's
+  ``shape`` (``_utils.check_mask``; errors say which collection).
+
+  ``nn.Conv`` multiplies its kernel by a weight mask: a mask of other values (0.5, an int 2) would scale the kept
+  weights in the forward while :func:`jaxsparse.densify_linen` keeps them as they are, so the forward, densify,
+  summary, pruning and the torch export all refuse it, as ``MaskedDense`` does.
+  """
+  try:
+    return _utils.check_mask(mask, shape)
+  except (TypeError, ValueError) as e:
+    raise type(e)(f"its {SPARSITY!r} collection's {e}") from None
+
+
 def check_init_dtype(layer: type, param_dtype: Any, kernel_init: Any) -> None:
   """Raises a ``TypeError`` naming ``param_dtype`` when it is not floating (nor complex) and ``kernel_init`` is
   ``None``: the layer's default initializer draws a truncated normal, which needs one (an integer or bool dtype failed

@@ -22,9 +22,11 @@ raw optax state, to save or to hand to :func:`jaxsparse.sparsify`.
 from __future__ import annotations
 
 from collections.abc import Callable
+from collections.abc import Mapping
 from typing import Any
 from typing import NamedTuple
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,11 +34,14 @@ import optax
 from flax import nnx
 from jax import lax
 
+from jaxsparse import _utils
 from jaxsparse._rules import Views
 from jaxsparse._rules import flatten_with_paths
 from jaxsparse._rules import path_str
 from jaxsparse._rules import resolve_views
 from jaxsparse._rules import unwrap_variables
+from jaxsparse.layers._common import SPARSITY
+from jaxsparse.layers._common import pattern_mask
 from jaxsparse.layers._masked import MaskedConv
 from jaxsparse.layers._masked import MaskedLinear
 from jaxsparse.pruning._schedules import Schedule
@@ -401,7 +406,7 @@ def get_masks(state: Any, *, check: bool = True) -> Any:
 
 
 def apply_masks(target: Any, masks: Any) -> Any:
-  """Zeroes the pruned weights: of a parameter tree (returns a new tree) or of an NNX model (in place).
+  """Zeroes the pruned weights: of a parameter tree or Linen variables (returns new ones) or of an NNX model (in place).
 
   >>> import jax.numpy as jnp
   >>> from jaxsparse import pruning
@@ -429,31 +434,95 @@ def apply_masks(target: Any, masks: Any) -> Any:
   >>> layer.density
   0.125
 
-  Linen variables keep such masks in their ``"sparsity"`` collection (``MaskedDense``, the masked convs of
-  :func:`jaxsparse.sparsify_linen`), which this function does not see: narrow them yourself
-  (``mask & masks[path]["kernel"]``), or :func:`jaxsparse.summary` and the torch export report the stale mask.
+  Linen variables (``{"params": ..., "sparsity": ..., ...}``) keep such masks in their ``"sparsity"`` collection
+  (``MaskedDense``, the masked convs of :func:`jaxsparse.sparsify_linen`): pass the variables and the masks of their
+  ``"params"`` (``get_masks`` of a ``TrainState``, paths like ``"Dense_0.kernel"``), and the result holds the pruned
+  parameters and each ``"sparsity"`` mask narrowed to the weights both keep, so :func:`jaxsparse.summary` and the
+  torch export report the new pattern (the other collections are kept as they are).
 
   Args:
-    target: a parameter tree with the masks' structure, or an ``nnx.Module`` whose ``nnx.Param``
-      state has it.
+    target: a parameter tree with the masks' structure, Linen variables whose ``"params"`` have it, or an
+      ``nnx.Module`` whose ``nnx.Param`` state has it.
     masks: from :func:`get_masks` or :func:`magnitude_masks`: a bool array of its parameter's exact shape (never
       broadcast) or ``None`` per leaf.
 
   Returns:
     For a parameter tree, a new tree with the pruned entries set to zero (same shapes and dtypes; a leaf
-    whose mask is ``None`` is kept as it is); for an ``nnx.Module``, ``target`` itself, updated in place (its
-    parameters, and the masks of its masked layers).
+    whose mask is ``None`` is kept as it is); for Linen variables, a new dict with those parameters and narrowed
+    ``"sparsity"`` masks; for an ``nnx.Module``, ``target`` itself, updated in place (its parameters, and the masks
+    of its masked layers).
 
   Raises:
-    ValueError: naming the path, for a mask whose shape is not its parameter's.
+    ValueError: naming the path, for a mask whose shape is not its parameter's, or one where the parameters have
+      none; a Linen ``"sparsity"`` mask not of its kernel's shape.
+    TypeError: naming the path, for a mask that is not boolean (a float 0.5 or an int 2 would be read as "kept");
+      a Linen ``"sparsity"`` mask that is not boolean (the layer's forward refuses it too).
   """
   if isinstance(target, nnx.Module):
     params = nnx.as_pure(nnx.state(target, nnx.Param))
-    nnx.update(target, apply_masks(params, masks))
+    masks = _checked_masks(masks, params)
+    nnx.update(target, _where_masked(masks, params, jnp.zeros_like, params))
     _narrow_layer_masks(target, masks)
     return target
-  _check_mask_shapes(masks, target)
+  params_masks = _linen_params_masks(target, masks)
+  if params_masks is not None:
+    boxed = target["params"]
+    params = nn.meta.unbox(boxed)  # nn.Partitioned boxes (sparsify_linen carries the dense layers' over)
+    params_masks = _checked_masks(params_masks, params)
+    out = dict(target)
+    out["params"] = _rebox(boxed, _where_masked(params_masks, params, jnp.zeros_like, params))
+    if SPARSITY in target:
+      out[SPARSITY] = _narrow_linen_masks(target[SPARSITY], params_masks)
+    return out
+  masks = _checked_masks(masks, target)
   return _where_masked(masks, target, jnp.zeros_like, target)
+
+
+def _linen_params_masks(target: Any, masks: Any) -> Any:
+  """The masks of ``target["params"]`` when ``target`` is Linen variables and ``masks`` are keyed like their
+  ``"params"`` (as ``get_masks`` of a ``TrainState`` gives them) or are ``{"params": masks}``; else ``None`` (a
+  parameter tree with the masks' own structure)."""
+  if not (isinstance(target, Mapping) and isinstance(target.get("params"), Mapping)):
+    return None
+  if not (isinstance(masks, Mapping) and "params" in masks):
+    return masks
+  if set(masks) == {"params"} and set(target) != {"params"}:
+    return masks["params"]
+  return None
+
+
+def _is_box(x: Any) -> bool:
+  return isinstance(x, nn.meta.AxisMetadata)
+
+
+def _rebox(boxed: Any, values: Any) -> Any:
+  """``values`` (an unboxed copy of ``boxed``) in ``boxed``'s ``nn.Partitioned`` boxes."""
+  return jax.tree.map(lambda b, v: b.replace_boxed(v) if _is_box(b) else v, boxed, values, is_leaf=_is_box)
+
+
+def _narrow_linen_masks(sparsity: Mapping, masks: Any) -> dict:
+  """The ``"sparsity"`` collection with each layer's ``"mask"`` narrowed to the weights it and its kernel's mask in
+  ``masks`` both keep (other patterns, block-sparse indices or N:M positions, are kept as they are)."""
+  paths, leaves, _ = flatten_with_paths(masks)
+  by_path = dict(zip(paths, leaves, strict=True))
+
+  def walk(tree: Mapping, prefix: tuple[str, ...]) -> dict:
+    out = {}
+    for key, value in tree.items():
+      if isinstance(value, Mapping):
+        out[key] = walk(value, (*prefix, str(key)))
+        continue
+      new = by_path.get(path_str((*prefix, "kernel"))) if key == "mask" else None
+      if new is not None:
+        try:
+          old = pattern_mask(nn.meta.unbox(value), np.shape(new))
+        except (TypeError, ValueError) as e:
+          raise type(e)(f"{path_str(prefix) or '(the variables)'}: {e}") from None
+        value = _rebox(value, old & new) if _is_box(value) else old & new
+      out[key] = value
+    return out
+
+  return walk(sparsity, ())
 
 
 def _narrow_layer_masks(model: nnx.Module, masks: Any) -> None:
@@ -464,14 +533,16 @@ def _narrow_layer_masks(model: nnx.Module, masks: Any) -> None:
   for path, node in nnx.iter_modules(model):
     mask = by_path.get(path_str((*path, "kernel"))) if isinstance(node, MaskedLinear | MaskedConv) else None
     if mask is not None:
-      node.mask[...] = node.mask[...] & jnp.asarray(mask, bool)
+      node.mask[...] = node.mask[...] & mask
 
 
-def _check_mask_shapes(masks: Any, target: Any) -> None:
-  """Raises, naming the path, for a mask whose shape is not its parameter's (a mask is never broadcast)."""
-  mask_paths, mask_leaves, _ = flatten_with_paths(masks)
+def _checked_masks(masks: Any, target: Any) -> Any:
+  """``masks`` with every mask checked against its parameter in ``target``, naming the path: its exact shape (a
+  mask is never broadcast) and a bool dtype (each returned as a bool array, ``_utils.check_mask``)."""
+  mask_paths, mask_leaves, treedef = flatten_with_paths(masks)
   target_paths, target_leaves, _ = flatten_with_paths(target)
   shapes = {p: tuple(np.shape(x)) for p, x in zip(target_paths, target_leaves, strict=True)}
+  checked = []
   for path, m in zip(mask_paths, mask_leaves, strict=True):
     if path not in shapes:
       raise ValueError(f"masks has a mask at {path!r}, where the parameters have none; parameters: "
@@ -481,3 +552,5 @@ def _check_mask_shapes(masks: Any, target: Any) -> None:
           f"{path}: the mask has shape {tuple(np.shape(m))}, the parameter {shapes[path]}; a mask must have its "
           "parameter's shape (it is not broadcast)."
       )
+    checked.append(_utils.check_mask(m, shapes[path], name=f"masks[{path!r}]"))
+  return jax.tree_util.tree_unflatten(treedef, checked)

@@ -7,6 +7,8 @@ writes torch names and layouts: Flax module path -> torch module path through ``
 ``nnx.LinearGeneral`` kernel ``(*in_dims, *features)`` -> the torch Linear's ``weight (prod(features),
 prod(in_dims))`` and its bias flattened. In Linen variables an ``nn.DenseGeneral`` is known by its bias of ndim >= 2
 (its ``features``) or by the plan of ``module=``; a kernel of ndim >= 3 with a 1-D bias or none is otherwise a conv's.
+A conv's own Flax weight ``mask`` (``nnx.Conv`` / ``nn.Conv`` / ``NMConv``, which multiply the kernel by it) is
+multiplied into the exported weight, as a torch conv has none: the torch layer computes the Flax forward pass.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from jaxsparse.formats._nm import NMSparseMatrix
 from jaxsparse.formats._specs import NM
 from jaxsparse.formats._specs import matrix_shape
 from jaxsparse.layers._common import nm_kept_mask
+from jaxsparse.layers._common import pattern_mask
 from jaxsparse.layers._nm import kept_mask
 from jaxsparse.torch_interop._conv1d import check_conv1d
 from jaxsparse.torch_interop._load import CheckpointError
@@ -62,6 +65,24 @@ def _masked(k: np.ndarray, mask: np.ndarray) -> np.ndarray:
   return np.where(mask, k, np.zeros((), k.dtype))
 
 
+def _weight_masked(k: np.ndarray, kept: np.ndarray, weight_mask: Any) -> np.ndarray:
+  """The kernel a Flax conv with a weight ``mask`` (``nnx.Conv`` / ``nn.Conv``, which multiply their kernel by it)
+  runs, zero where not ``kept``: a torch layer has no weight mask, so its weight must hold the product."""
+  if weight_mask is not None:
+    k = (k * _np(weight_mask)).astype(k.dtype)
+  return _masked(k, kept)
+
+
+def _linen_mask(fp: str, sp: Mapping, kernel: Any) -> np.ndarray:
+  """The bool ``"mask"`` of a masked Linen layer's ``"sparsity"`` collection ``sp``, checked against its ``kernel``
+  as the forward pass and :func:`jaxsparse.densify_linen` check it (a mask of other values, 0.5 or 2, is refused
+  there: it would scale the kept weights in ``nn.Conv``), naming the layer."""
+  try:
+    return _np(pattern_mask(sp["mask"], np.shape(kernel)))
+  except (TypeError, ValueError) as e:
+    raise type(e)(f"{fp or '(the variables)'}: {e}") from None
+
+
 def _nnx_entries(model: nnx.Module) -> list[_Entry]:
   nm_linear, nm_conv = getattr(jsl, "NMLinear", None), getattr(jsl, "NMConv", None)
   compressed = getattr(jsl, "CompressedNMLinear", None)
@@ -83,8 +104,9 @@ def _nnx_entries(model: nnx.Module) -> list[_Entry]:
     bias = None if not isinstance(bias, nnx.Variable) else _np(bias[...])
     if nm_linear is not None and isinstance(node, nm_linear | nm_conv):
       mask = _np(kept_mask(node))  # an NMConv's own Flax weight mask too, as its forward pass applies it
-      k = _np(node.kernel[...])
-      entries.append(_Entry(fp, "weight", torch_layout(_masked(k, mask)), torch_layout(mask), nm=(node.n, node.m)))
+      own = node.mask if isinstance(node, nm_conv) else None  # NMLinear.mask is its N:M pattern
+      k = _weight_masked(_np(node.kernel[...]), mask, own)
+      entries.append(_Entry(fp, "weight", torch_layout(k), torch_layout(mask), nm=(node.n, node.m)))
     elif isinstance(node, jsl.CompressedNMEmbed) or (compressed is not None and isinstance(node, compressed)):
       w = node.weight  # (in, out); an embedding's is its table transposed, as torch_layout turns it back
       entries.append(_Entry(fp, "weight", torch_layout(_np(w.to_dense())), torch_layout(_np(w.mask())), nm=(w.n, w.m)))
@@ -98,8 +120,10 @@ def _nnx_entries(model: nnx.Module) -> list[_Entry]:
       dense = _np(node.sparse_kernel.to_dense())
       entries.append(_Entry(fp, "weight", torch_layout(dense), torch_layout(mask), block_shape=(bn, bk)))
     elif isinstance(node, nnx.Conv) and getattr(node, "mask", None) is not None:  # Flax / jaxsparse masked conv
-      mask = np.broadcast_to(_np(node.mask[...]).astype(bool), node.kernel.shape)
-      entries.append(_Entry(fp, "weight", torch_layout(_masked(_np(node.kernel[...]), mask)), torch_layout(mask)))
+      own = _np(node.mask[...])  # Flax's weight mask multiplies the kernel: 0.5 scales the weight, 0 prunes it
+      mask = np.broadcast_to(own != 0, node.kernel.shape)
+      k = _weight_masked(_np(node.kernel[...]), mask, None if own.dtype == np.bool_ else own)
+      entries.append(_Entry(fp, "weight", torch_layout(k), torch_layout(mask)))
     elif isinstance(node, nnx.Linear | nnx.Conv):
       entries.append(_Entry(fp, "weight", torch_layout(_np(node.kernel[...]))))
     elif isinstance(node, nnx.LinearGeneral):  # a torch Linear on the kernel's 2-D view
@@ -176,12 +200,14 @@ def _dense_general_in_ndim(fp: str, leaves: Mapping, sp: Mapping, plan: Any) -> 
   return len(shape) - len(features)
 
 
-def _linen_nm_mask(kernel: np.ndarray, layer: Any) -> np.ndarray:
-  """The mask ``NMDense`` / ``NMConv`` prune ``kernel`` with: a conv's own Flax weight mask first, then the N:M
-  pattern (transposable where the rule is) along the input features, as ``densify_linen`` prunes it."""
+def _linen_nm_weight(kernel: np.ndarray, layer: Any) -> tuple[np.ndarray, np.ndarray]:
+  """``(weight, mask)`` of an ``NMDense`` / ``NMConv``: the kernel its forward pass runs and the mask it is pruned
+  with, a conv's own Flax weight mask multiplied in first, then the N:M pattern (transposable where the rule is)
+  along the input features, as ``densify_linen`` prunes it."""
   spec = layer.spec
   own = getattr(layer.module, "mask", None)
-  return _np(nm_kept_mask(kernel, spec.n, spec.m, transposable=spec.transposable, weight_mask=own))
+  mask = _np(nm_kept_mask(kernel, spec.n, spec.m, transposable=spec.transposable, weight_mask=own))
+  return _weight_masked(kernel, mask, own), mask
 
 
 def _linen_entries(variables: Mapping, module: Any = None) -> list[_Entry]:
@@ -201,16 +227,18 @@ def _linen_entries(variables: Mapping, module: Any = None) -> list[_Entry]:
   entries = []
   for fp, leaves in params.items():
     sp = sparsity.get(fp, {})
+    if "mask" in sp and "kernel" in leaves:
+      sp = {**sp, "mask": _linen_mask(fp, sp, leaves["kernel"])}
     in_ndim = _dense_general_in_ndim(fp, leaves, sp, plans.get(fp))
     if in_ndim is not None:  # an nn.DenseGeneral: the torch Linear on the 2-D view of its kernel and bias
       leaves = {k: (_np(v).reshape(matrix_shape(np.shape(v), in_ndim)) if k == "kernel" else _np(v).reshape(-1))
                    if k in ("kernel", "bias") else v for k, v in leaves.items()}
       if "mask" in sp:
-        sp = {**sp, "mask": _np(sp["mask"]).reshape(leaves["kernel"].shape)}
+        sp = {**sp, "mask": sp["mask"].reshape(leaves["kernel"].shape)}
     for name, value in leaves.items():
       value = _np(value)
       if name == "kernel" and "mask" in sp:
-        mask = _np(sp["mask"]).astype(bool)
+        mask = sp["mask"]
         entries.append(_Entry(fp, "weight", torch_layout(_masked(value, mask)), torch_layout(mask)))
       elif name == "kernel" and all(f in sp for f in INDEX_FIELDS):
         _, bk, bn = value.shape
@@ -233,8 +261,8 @@ def _linen_entries(variables: Mapping, module: Any = None) -> list[_Entry]:
         entries.append(_Entry(fp, "weight", torch_layout(_np(mat.to_dense())), torch_layout(_np(mat.mask())),
                               nm=(n, m)))
       elif name == "kernel" and fp in nm:  # NMDense / NMConv of sparsify_linen: the N:M mask of the kernel
-        mask = _linen_nm_mask(value, nm[fp])
-        entries.append(_Entry(fp, "weight", torch_layout(_masked(value, mask)), torch_layout(mask),
+        weight, mask = _linen_nm_weight(value, nm[fp])
+        entries.append(_Entry(fp, "weight", torch_layout(weight), torch_layout(mask),
                               nm=(nm[fp].spec.n, nm[fp].spec.m)))
       elif name == "kernel":
         entries.append(_Entry(fp, "weight", torch_layout(value)))
@@ -454,10 +482,12 @@ def export_state_dict(
   Raises:
     ValueError: an unknown ``format``; Linen variables holding a ``"masks"`` entry (from
       ``to_linen_variables(..., target=...)``); a Linen kernel of ndim >= 3 whose bias (ndim >= 2) is not its
-      trailing axes, neither an ``nn.DenseGeneral`` nor a conv (naming the path).
+      trailing axes, neither an ``nn.DenseGeneral`` nor a conv (naming the path); a Linen ``"sparsity"`` mask not of
+      its kernel's shape (naming the path).
     TypeError: ``model`` is neither an NNX module nor Linen variables, or Linen variables without
       ``"params"``; ``module`` given with an NNX model or not a ``SparsifiedLinen``; Linen variables with a
-      compressed N:M kernel or embedding (``CompressedNMDense``, ``CompressedNMEmbed``) and no ``module``.
+      compressed N:M kernel or embedding (``CompressedNMDense``, ``CompressedNMEmbed``) and no ``module``; a Linen
+      ``"sparsity"`` mask that is not boolean (naming the layer and the dtype; the layer's forward refuses it too).
     CheckpointError: (a ``ValueError``) ``format="semi_structured"`` with a sparse weight that is not 2-D and
       2:4 (or 1:2) along the input features; a ``torch_names`` dict without an entry for an exported module.
     ImportError: PyTorch is not installed.
