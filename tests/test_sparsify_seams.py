@@ -188,8 +188,9 @@ def test_general_layers_check_their_trailing_axes(spec):
     module.apply(sparse_vars, jnp.ones((2, 16, 4)))
 
 
-def test_linen_conv_with_its_own_weight_mask():
-  mask0 = np.random.default_rng(0).random((3, 8, 16)) > 0.5
+def _conv_with_weight_mask(mask0):
+  """A Linen model of one ``nn.Conv`` (8 -> 16 channels, width 3) with the Flax weight mask ``mask0``, an input and
+  its variables."""
 
   class Net(nn.Module):
     @nn.compact
@@ -197,7 +198,13 @@ def test_linen_conv_with_its_own_weight_mask():
       return nn.Conv(16, (3,), mask=mask0, name="conv")(x)
 
   x = _normal(1, (2, 5, 8))
-  variables = Net().init(jax.random.key(0), x)
+  return Net, x, Net().init(jax.random.key(0), x)
+
+
+def test_linen_conv_with_its_own_weight_mask():
+  mask0 = np.random.default_rng(0).random((3, 8, 16)) > 0.5
+
+  Net, x, variables = _conv_with_weight_mask(mask0)
   with pytest.raises(ValueError, match=r"conv: this nn\.Conv already has a Flax weight mask"):
     jaxsparse.sparsify_linen(Net(), variables, jaxsparse.Unstructured(sparsity=0.5), x)
   module, sparse_vars, _ = jaxsparse.sparsify_linen(Net(), variables, jaxsparse.NM(2, 4), x)
@@ -532,13 +539,7 @@ def test_densify_linen_of_an_nm_conv_with_a_weight_mask_of_other_values():
   # the unscaled kernel, another N:M pattern than the forward's.
   mask0 = jnp.asarray(np.random.default_rng(0).choice([0.0, 0.1, 1.0], size=(3, 8, 16)), jnp.float32)
 
-  class Net(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-      return nn.Conv(16, (3,), mask=mask0, name="conv")(x)
-
-  x = _normal(1, (2, 5, 8))
-  variables = Net().init(jax.random.key(0), x)
+  Net, x, variables = _conv_with_weight_mask(mask0)
   sparse, sparse_vars, _ = jaxsparse.sparsify_linen(Net(), variables, jaxsparse.NM(2, 4), x)
   dense_module, dense_vars = jaxsparse.densify_linen(sparse, sparse_vars)
   kernel = variables["params"]["conv"]["kernel"] * mask0  # the reference: nn.Conv's masked kernel, pruned 2:4
