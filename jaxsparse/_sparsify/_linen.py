@@ -64,7 +64,7 @@ from jaxsparse._sparsify._linen_plan import kept_blocks
 from jaxsparse._sparsify._linen_plan import linen_density
 from jaxsparse._sparsify._linen_plan import sparse_layer_name
 from jaxsparse._sparsify._linen_plan import sparse_module_of
-from jaxsparse._sparsify._nnx import _at
+from jaxsparse._sparsify._nnx import at_path
 from jaxsparse._sparsify._nnx import check_general_mask_view
 from jaxsparse._sparsify._nnx import check_masks_used
 from jaxsparse._sparsify._nnx import check_nm_mask
@@ -135,7 +135,7 @@ class SparsifiedLinen:
                       f"{sorted(kwargs)}.")
     token = _IN_SPARSE_LAYER.set(True)  # the sparse layer's own nn.Dense / nn.Conv must run as is
     try:  # its errors (a bad input, a bad pattern) name the layer's path
-      return _at(".".join(context.module.path) or "(the model itself)",
+      return at_path(".".join(context.module.path) or "(the model itself)",
                  lambda: apply_sparse_layer(layer, context.module.variables, x, method=method))
     finally:
       _IN_SPARSE_LAYER.reset(token)
@@ -370,8 +370,8 @@ def sparsify_linen(
   kernel_keys = [_kernel_key(path) for path in chosen] + [_embed_key(path) for path, _ in embeds]
   check_masks_used(mask_dict, set(kernel_keys), kernel_keys)
   for path, spec in embeds:  # lookups, not products: nothing to time
-    layer, layer_vars, change = _at(".".join(path) or "(the model itself)", _sparse_embed, called_embeds[path], spec,
-                                    params, mask_dict.get(_embed_key(path)), path)
+    layer, layer_vars, change = at_path(".".join(path) or "(the model itself)", _sparse_embed, called_embeds[path],
+                                        spec, params, mask_dict.get(_embed_key(path)), path)
     layers[path] = layer
     _store(new_vars, path, layer, _nested_get(params, path), layer_vars)
     changes.append(change)
@@ -406,9 +406,9 @@ def sparsify_linen(
       check_general_mask_view(mask, spec, len(f.in_dims), where)
       mask = mask.reshape(layer.shape_2d)
     check_spec_applies(spec, params_2d["kernel"].shape, path=where)
-    layer_vars = _at(where, _linen_variables, spec, params_2d, mask, where)
+    layer_vars = at_path(where, _linen_variables, spec, params_2d, mask, where)
     nnz = kept_blocks(layer_vars, spec)
-    _at(where, functools.partial(sparse_module_of, layer, nnz=nnz))  # its own checks (a dtype it refuses) now
+    at_path(where, functools.partial(sparse_module_of, layer, nnz=nnz))  # its own checks (a dtype it refuses) now
     dense_ms = sparse_ms = None
     note = ""
     if mode:

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsparse import _utils
-from jaxsparse._sparsify._nnx import _at
+from jaxsparse._sparsify._nnx import at_path
 from jaxsparse._sparsify._nnx import block_mask_of
 from jaxsparse._sparsify._nnx import check_nm_mask
 from jaxsparse.formats._base import is_concrete
@@ -303,7 +303,7 @@ def densify_layers(variables: Mapping, layers: Mapping[tuple, _LinenLayer]) -> d
     densify = functools.partial(dense_params, layer)
     if any(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(layer_vars)):
       densify = functools.partial(jax.eval_shape, densify)  # abstract variables (a restore target): abstract result
-    _nested_set(new_vars["params"], path, _at(".".join(path) or "(the model itself)", densify, layer_vars))
+    _nested_set(new_vars["params"], path, at_path(".".join(path) or "(the model itself)", densify, layer_vars))
     _drop(new_vars.get(sparse_linen.SPARSITY, {}), path)
   if sparse_linen.SPARSITY in new_vars and not jax.tree.leaves(new_vars[sparse_linen.SPARSITY]):
     del new_vars[sparse_linen.SPARSITY]

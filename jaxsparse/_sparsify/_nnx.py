@@ -64,7 +64,7 @@ from jaxsparse.layers._common import copy_bias
 from jaxsparse.layers._common import custom_options
 from jaxsparse.layers._partitioning import carry_nnx
 
-__all__ = ["check_general_mask_view", "check_masks_used", "check_nm_mask", "compress", "densify", "sparsify"]
+__all__ = ["at_path", "check_general_mask_view", "check_masks_used", "check_nm_mask", "compress", "densify", "sparsify"]
 
 
 _SPARSE_NNX = (BlockSparseLinear, MaskedLinear, NMLinear, NMConv, CompressedNMLinear, MaskedConv, SparseLinearGeneral,
@@ -239,7 +239,7 @@ def _check_rebuildable(node: nnx.Module, spec: Spec, path: str) -> None:
     )
 
 
-def _at(where: str, build: Callable[..., nnx.Module], *args: Any) -> nnx.Module:
+def at_path(where: str, build: Callable[..., Any], *args: Any) -> Any:
   """``build(*args)``, a plain ``TypeError`` / ``ValueError`` of the sparse layer's own checks (a dtype it refuses,
   say) prefixed with the layer's path where the message does not start with it."""
   try:
@@ -465,7 +465,7 @@ def sparsify(
     p = path_str(path)
     mask = mask_dict.get(f"{p}.kernel" if p else "kernel")
     where = p or "(the model itself)"
-    new = _at(where, _to_sparse, node, spec, None if mask is None else np.asarray(mask), where)
+    new = at_path(where, _to_sparse, node, spec, None if mask is None else np.asarray(mask), where)
     built.append((path, node, spec, carry_nnx(node, new)))  # sharding annotations carried over
 
   shapes = _record_inputs(model, [(p, n) for p, n, _, _ in built], example_input) if mode else {}
@@ -475,7 +475,7 @@ def sparsify(
     mask = mask_dict.get(f"{p}.embedding" if p else "embedding")
     # from_dense carries the table's partitioning names and placement
     where = p or "(the model itself)"
-    new = _at(where, _sparse_embed, node, spec, None if mask is None else np.asarray(mask), where)
+    new = at_path(where, _sparse_embed, node, spec, None if mask is None else np.asarray(mask), where)
     if path:
       replace_module(model, path, new)
     else:
