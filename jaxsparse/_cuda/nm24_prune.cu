@@ -47,8 +47,10 @@ typedef unsigned char u8;
   P(4, 0, 11, 7, 1, 60) P(4, 1, 9, 9, 4, 62) P(4, 2, 8, 10, 1, 68) P(4, 3, 4, 14, 1, 70)                    \
   P(4, 4, 3, 15, 0, 72) P(4, 5, 1, 17, 0, 73) P(5, 0, 9, 9, 5, 75) P(5, 1, 7, 11, 1, 81)                    \
   P(5, 2, 6, 12, 1, 83) P(5, 3, 2, 16, 1, 85) P(5, 4, 1, 17, 1, 87) P(5, 5, 0, 18, 0, 89)
-// itertools.combinations(range(4), 2) as column bit masks: (0,1) (0,2) (0,3) (1,2) (1,3) (2,3).
-__constant__ u8 kPairs[6] = {0x3, 0x5, 0x9, 0x6, 0xa, 0xc};
+// Row pair p (0..5) of itertools.combinations(range(4), 2) as a column bit mask: (0,1) (0,2) (0,3) (1,2) (1,3) (2,3)
+// are 0x3 0x5 0x9 0x6 0xa 0xc, one nibble each of a literal (an index that differs between a warp's threads would
+// serialize a __constant__ table's reads).
+__device__ __forceinline__ u32 pair_bits(u32 p) { return (0xca6953u >> (4 * p)) & 0xf; }
 
 __device__ __forceinline__ float bf16_to_float(u16 h) { return __uint_as_float(static_cast<u32>(h) << 16); }
 
@@ -112,8 +114,8 @@ __device__ __forceinline__ bool thread_tile(int k, int n, long long* tr, long lo
   return tile < (k >> 2) * tiles_per_row;
 }
 
-// The index of the best pattern of tile v; *code = the pattern's code (row r keeps pair (code >> 3 r) & 7 of
-// kPairs).
+// The index of the best pattern of tile v; *code = the pattern's code (row r keeps the columns
+// pair_bits((code >> 3 r) & 7)).
 __device__ __forceinline__ int best_pattern(const float v[4][4], u32* code) {
   const float big = 3.4028234663852886e38f / 16.0f;
   float pair[4][6];
@@ -175,7 +177,7 @@ extern "C" __global__ void __launch_bounds__(256, 4) nm24_transposable(const voi
   const long long base = 4 * tr * n + 4 * tc;
 #pragma unroll
   for (int r = 0; r < 4; ++r)
-    store_row(pruned, base + r * static_cast<long long>(n), v[r], kPairs[(code >> (3 * r)) & 7]);
+    store_row(pruned, base + r * static_cast<long long>(n), v[r], pair_bits((code >> (3 * r)) & 7));
   pattern[tr * (n >> 2) + tc] = static_cast<u8>(p);
 }
 
@@ -270,7 +272,7 @@ extern "C" __global__ void __launch_bounds__(256) nm24_transposable_compress(con
   pattern[tr * tiles_per_row + tc] = static_cast<u8>(best_pattern(v, &code));
   u32 rows[4];  // kept columns of each row
 #pragma unroll
-  for (int r = 0; r < 4; ++r) rows[r] = kPairs[(code >> (3 * r)) & 7];
+  for (int r = 0; r < 4; ++r) rows[r] = pair_bits((code >> (3 * r)) & 7);
   // W: group tr, columns 4 tc + j; column j keeps the rows whose bit j is set. Values straight to memory (the
   // 16 threads of a tile row write 128 consecutive bytes of each values row).
   u16* values = reinterpret_cast<u16*>(blob);  // (K / 2, N)
