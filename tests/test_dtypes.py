@@ -419,3 +419,79 @@ def test_complex_compute_dtype_and_inputs_where_supported_match_nnx_linear():
   want = x @ layer.pruned_kernel().astype(C64) + layer.bias[...]
   np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(np.asarray(dense(x)), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+# -------------------------------------------------------------------------------------------------
+# 64-bit mode: float64 magnitudes, int64 index arrays.
+# -------------------------------------------------------------------------------------------------
+
+
+def _top_k_reference(scores, k):
+  """Bool mask of the ``k`` largest ``scores`` (a stable descending sort: ties to the lower flat index), in NumPy."""
+  flat = np.asarray(scores, np.float64).reshape(-1)
+  keep = np.zeros(flat.size, bool)
+  keep[np.argsort(-flat, kind="stable")[:k]] = True
+  return keep.reshape(np.shape(scores))
+
+
+def test_magnitude_masks_of_float64_weights_rank_them_in_float64():
+  # Was: magnitude_mask, block_magnitude_mask and pruning.magnitude_masks compared float64 magnitudes after a cast to
+  # float32, which rounds 1 + 1e-9 and 1 to the same value: the tie went to the lower index, keeping smaller weights
+  # than the ones pruned (nm_mask, comparing in w's dtype, kept the right ones).
+  rng = np.random.default_rng(0)
+  w = (1 + rng.random((8, 8)) * 1e-9) * rng.choice([-1.0, 1.0], (8, 8))  # all 1.0 in float32
+  assert len(np.unique(w.astype(np.float32))) == 2
+  want = _top_k_reference(np.abs(w), 32)
+  block_norms = np.sqrt((w.reshape(4, 2, 4, 2) ** 2).sum(axis=(1, 3)))
+  want_blocks = _top_k_reference(block_norms, 8)
+  with jax.enable_x64(True):
+    w64 = jnp.asarray(w)
+    assert w64.dtype == jnp.float64
+    np.testing.assert_array_equal(np.asarray(jaxsparse.magnitude_mask(w64, 0.5)), want)
+    np.testing.assert_array_equal(np.asarray(jaxsparse.block_magnitude_mask(w64, (2, 2), 0.5)), want_blocks)
+    pruned = jaxsparse.pruning.magnitude_masks(
+        {"a": w64, "b": w64, "c": w64},
+        {"a": jaxsparse.Unstructured(0.5), "b": jaxsparse.BlockSparse(0.5, (2, 2)), "c": jaxsparse.NM(1, 2)})
+    np.testing.assert_array_equal(np.asarray(pruned["a"]), want)
+    np.testing.assert_array_equal(np.asarray(pruned["b"]), np.kron(want_blocks, np.ones((2, 2), bool)))
+    np.testing.assert_array_equal(np.asarray(pruned["c"]), np.asarray(nm_mask(w64, 1, 2)))
+    scored = jaxsparse.pruning.magnitude_masks({"a": w64}, {"a": jaxsparse.Unstructured(0.5)}, scores={"a": -w64})
+    np.testing.assert_array_equal(np.asarray(scored["a"]), _top_k_reference(-w, 32))
+    assert jaxsparse.pruning.magnitude_scores(w64).dtype == jnp.float64
+    # The layers built from a float64 kernel keep the same weights.
+    linear = nnx.Linear(8, 8, param_dtype=F64, rngs=nnx.Rngs(0))
+    linear.kernel[...] = w64
+    np.testing.assert_array_equal(np.asarray(MaskedLinear.from_dense(linear, sparsity=0.5).mask[...]), want)
+    with pytest.raises(TypeError, match=r"a: scores must be real \(higher is kept\), got dtype complex64"):
+      jaxsparse.pruning.magnitude_masks({"a": w64}, {"a": jaxsparse.Unstructured(0.5)},
+                                        scores={"a": w64.astype(jnp.complex64)})
+
+
+@pytest.mark.parametrize("fmt", ["block", "csr"])
+def test_from_index_arrays_takes_int64_indices_under_x64(fmt):
+  # Was: NumPy int64 index arrays (NumPy's default int) were taken without 64-bit mode (jnp.asarray made them int32)
+  # and refused with it ("row_indices must be an int32 array ..., got int64"), as were concrete jnp int64 arrays.
+  rng = np.random.default_rng(1)
+  w = rng.standard_normal((16, 8))
+  with jax.enable_x64(True):
+    if fmt == "block":
+      ws = jaxsparse.BlockSparseMatrix.from_dense(jnp.asarray(w), (4, 4), block_mask=rng.random((4, 2)) < 0.5)
+      static = dict(shape=(16, 8), block_shape=(4, 4))
+    else:
+      ws = jaxsparse.CSRMatrix.from_dense(jnp.asarray(w), rng.random((16, 8)) < 0.4)
+      static = dict(shape=(16, 8))
+    cls, op = type(ws), (jaxsparse.ops.block_sparse_matmul if fmt == "block" else jaxsparse.ops.sparse_matmul)
+    x = jnp.asarray(rng.standard_normal((3, 16)))
+    want = np.asarray(x) @ np.asarray(ws.to_dense())
+    for as_int64 in (lambda a: np.asarray(a).astype(np.int64), lambda a: jnp.asarray(a, jnp.int64)):
+      idx = {k: as_int64(v) for k, v in ws.index_arrays().items()}
+      assert {v.dtype for v in idx.values()} == {np.dtype(np.int64)}
+      rebuilt = cls.from_index_arrays(ws.data, idx, **static)
+      assert {v.dtype for v in rebuilt.index_arrays().values()} == {np.dtype(np.int32)}
+      y = op(x, rebuilt)
+      assert y.dtype == jnp.float64
+      np.testing.assert_allclose(np.asarray(y), want, rtol=1e-12, atol=1e-12)
+    bad = {k: jnp.asarray(v, jnp.int64) for k, v in ws.index_arrays().items()}
+    bad["col_indices"] = bad["col_indices"].at[0].add(2**32)  # a cast to int32 would wrap it back in range
+    with pytest.raises(ValueError, match=r"index_arrays\['col_indices'\] holds values in .*outside int32"):
+      cls.from_index_arrays(ws.data, bad, **static)

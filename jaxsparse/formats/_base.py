@@ -262,19 +262,25 @@ class IndexedSparseMatrix:
     Layers keep the index arrays as non-trainable state and rebuild the matrix on each call with
     this (with ``validate=False``); nothing is recomputed. ``static`` gives the subclass's
     ``STATIC_FIELDS`` (``shape=...``). Concrete arrays are checked by :meth:`validate` unless
-    ``validate=False``.
+    ``validate=False``. Concrete integer arrays of another width (NumPy's default int64, with or without
+    ``jax_enable_x64``) are cast to int32 once their values are checked to fit; traced ones must be int32.
     """
     missing = set(cls.INDEX_FIELDS) - set(index_arrays)
     if missing:
       raise ValueError(f"index_arrays is missing {sorted(missing)}; expected the keys {cls.INDEX_FIELDS}.")
-    for f in cls.INDEX_FIELDS:  # jnp.asarray wraps wider integers into int32 without 64-bit mode: check them first
+    fields = {}
+    for f in cls.INDEX_FIELDS:  # a cast to int32 wraps wider integers: check them first
       a = index_arrays[f]
-      if isinstance(a, np.ndarray) and np.issubdtype(a.dtype, np.integer) and a.size:
-        lo, hi, i32 = int(a.min()), int(a.max()), np.iinfo(np.int32)
-        if lo < i32.min or hi > i32.max:
-          raise ValueError(f"index_arrays[{f!r}] holds values in [{lo}, {hi}], outside int32: not an index of "
-                           f"this {cls.__name__}.")
-    fields = {f: jnp.asarray(index_arrays[f]) for f in cls.INDEX_FIELDS}
+      if is_concrete(a) and not isinstance(a, jax.Array):
+        a = np.asarray(a)
+      if is_concrete(a) and jnp.issubdtype(a.dtype, jnp.integer) and a.dtype != np.int32:
+        if a.size:
+          lo, hi, i32 = int(a.min()), int(a.max()), np.iinfo(np.int32)
+          if lo < i32.min or hi > i32.max:
+            raise ValueError(f"index_arrays[{f!r}] holds values in [{lo}, {hi}], outside int32: not an index of "
+                             f"this {cls.__name__}.")
+        a = a.astype(np.int32)
+      fields[f] = jnp.asarray(a)
     return cls(jnp.asarray(data), validate=validate, **fields, **static)
 
   def index_arrays(self) -> dict[str, jax.Array]:

@@ -61,14 +61,15 @@ def _top_k(scores: jax.Array, k: int) -> jax.Array:
 def _block_norms(w: jax.Array, block_shape: tuple[int, int]) -> jax.Array:
   k, n = w.shape
   bk, bn = block_shape
-  blocks = replicated(w).astype(jnp.float32).reshape(k // bk, bk, n // bn, bn)
+  blocks = replicated(w).astype(_utils.accumulation_dtype(w.dtype)).reshape(k // bk, bk, n // bn, bn)
   return jnp.sum(blocks * blocks, axis=(1, 3))
 
 
 def block_magnitude_mask(w: jax.typing.ArrayLike, block_shape: tuple[int, int], density: float) -> jax.Array:
   """Keeps the ``round(density * blocks)`` blocks of ``w`` with the largest Frobenius norm.
 
-  A block holding a NaN counts as the largest (it is kept), as in :func:`jaxsparse.nm_mask`.
+  A block holding a NaN counts as the largest (it is kept), as in :func:`jaxsparse.nm_mask`. Norms are computed in
+  float32, or in float64 for float64 weights (so blocks a float32 norm rounds to a tie still rank by their own).
 
   >>> import jax, jaxsparse
   >>> w = jax.random.normal(jax.random.key(0), (128, 64))
@@ -123,7 +124,8 @@ def magnitude_mask(w: jax.typing.ArrayLike, sparsity: float) -> jax.Array:
   """Unstructured mask keeping the ``size - round(sparsity * size)`` largest ``|w|``.
 
   NaN counts as the largest magnitude (it is kept), as in :func:`jaxsparse.nm_mask`; ties go to the lower flat
-  index.
+  index. Magnitudes are compared in float32, or in float64 for float64 weights (as :func:`jaxsparse.nm_mask` compares
+  them in ``w``'s dtype: float64 values that round to one float32 are no tie).
 
   >>> import jax.numpy as jnp, jaxsparse
   >>> jaxsparse.magnitude_mask(jnp.array([[0.5, -2.0], [1.0, 0.1]]), sparsity=0.5)
@@ -140,4 +142,4 @@ def magnitude_mask(w: jax.typing.ArrayLike, sparsity: float) -> jax.Array:
   w = jnp.asarray(w)
   sparsity = _utils.check_sparsity(sparsity)
   kept = w.size - _utils.kept_count(sparsity, w.size)
-  return top_k_mask(jnp.abs(w.astype(jnp.float32)), kept)
+  return top_k_mask(jnp.abs(w.astype(_utils.accumulation_dtype(w.dtype))), kept)

@@ -52,7 +52,7 @@ __all__ = ["block_magnitude_scores", "magnitude_masks", "magnitude_scores"]
 
 
 def magnitude_scores(w: jax.typing.ArrayLike) -> jax.Array:
-  """``|w|`` in float32: the score of unstructured magnitude pruning.
+  """``|w|`` in float32 (float64 for float64 weights): the score of unstructured magnitude pruning.
 
   >>> import jax.numpy as jnp
   >>> from jaxsparse import pruning
@@ -63,9 +63,10 @@ def magnitude_scores(w: jax.typing.ArrayLike) -> jax.Array:
     w: weights of any shape and dtype.
 
   Returns:
-    A float32 array of ``w``'s shape.
+    A float32 array of ``w``'s shape; float64 for float64 ``w`` (whose magnitudes float32 would round to ties).
   """
-  return jnp.abs(jnp.asarray(w).astype(jnp.float32))
+  w = jnp.asarray(w)
+  return jnp.abs(w.astype(_utils.accumulation_dtype(w.dtype)))
 
 
 def block_magnitude_scores(
@@ -85,7 +86,7 @@ def block_magnitude_scores(
     in_ndim: the number of leading input axes; default every axis but the last (see ``matrix_shape``).
 
   Returns:
-    float32 ``(in // bk, out // bn)``.
+    float32 ``(in // bk, out // bn)``; float64 for float64 ``w``.
 
   Raises:
     ValueError: ``w`` has fewer than 2 axes; ``in_ndim`` leaves no input or no output axis; ``block_shape`` is
@@ -97,7 +98,7 @@ def block_magnitude_scores(
     raise ValueError(f"w must have at least 2 axes, got shape {w.shape}.")
   k, n = matrix_shape(w.shape, in_ndim)
   bk, bn = _utils.check_block_shape(block_shape, (k, n))
-  return _block_reduce(w.reshape(k, n).astype(jnp.float32) ** 2, (bk, bn)) ** 0.5
+  return _block_reduce(w.reshape(k, n).astype(_utils.accumulation_dtype(w.dtype)) ** 2, (bk, bn)) ** 0.5
 
 
 def _block_reduce(x2: jax.Array, block_shape: tuple[int, int]) -> jax.Array:
@@ -182,12 +183,13 @@ class Target:
 
   def unit_scores(self, scores: jax.Array, *, blockwise: str = "norm") -> jax.Array:
     """Flat scores per unit. ``blockwise``: ``"norm"`` (Frobenius norm of the block) or ``"sum"``."""
+    scores = scores.astype(_utils.accumulation_dtype(scores.dtype))  # float32, float64 kept
     if isinstance(self.spec, BlockSparse):
-      x2 = scores.reshape(self.shape_2d).astype(jnp.float32)
+      x2 = scores.reshape(self.shape_2d)
       if blockwise == "norm":
         return (_block_reduce(x2 * x2, self.spec.block_shape) ** 0.5).reshape(-1)
       return _block_reduce(x2, self.spec.block_shape).reshape(-1)
-    return scores.reshape(-1).astype(jnp.float32)
+    return scores.reshape(-1)
 
   def unit_mask(self, mask: jax.Array) -> jax.Array:
     """Flat bool per unit of an element mask (a block is kept if any of its weights is)."""
@@ -297,7 +299,7 @@ def masks_at(
     if scores is None:
       s = t.unit_scores(magnitude_scores(leaves[t.index]))
     else:
-      s = t.unit_scores(jnp.asarray(scores[j], jnp.float32), blockwise="sum")
+      s = t.unit_scores(jnp.asarray(scores[j]), blockwise="sum")
     p = None if prior is None or prior[j] is None else t.unit_mask(prior[j])
     if p is not None:
       s = jnp.where(p, s, -jnp.inf)
@@ -395,9 +397,9 @@ def magnitude_masks(
       ``BlockSparse`` rule every leaf keeps at least its best block, which :func:`jaxsparse.sparsify` needs to
       build the layer (so a rule over more layers than it keeps blocks keeps one block per layer, above its
       density); an ``Unstructured`` leaf may lose all its weights.
-    scores: optional tree like ``params`` (the same paths) of per-weight scores (higher is kept) used instead
-      of ``|w|``, each of its parameter's shape (``ValueError`` otherwise); a block then scores the sum of its
-      weights' scores.
+    scores: optional tree like ``params`` (the same paths) of real per-weight scores (higher is kept) used instead
+      of ``|w|``, each of its parameter's shape (``ValueError`` otherwise; ``TypeError`` for complex ones); a block
+      then scores the sum of its weights' scores. Scores rank in float32, float64 ones in float64.
     views: ``{regex: input axes}``: the number of leading input axes of the kernels a pattern matches
       (matched like ``rules``, first match wins), so that blocks and N:M groups are taken on the 2-D view
       :func:`jaxsparse.sparsify` uses. Without one, a kernel whose layer has a bias of ``d`` axes has ``d``
@@ -440,6 +442,9 @@ def _target_scores(scores: Any, paths: Sequence[str], targets: Sequence[Target])
           f"{t.path}: scores must have the parameter's shape; got scores of shape {shape} for a parameter of shape "
           f"{t.shape}{hint}."
       )
+    dtype = jnp.asarray(score_leaves[t.index]).dtype
+    if not any(jnp.issubdtype(dtype, kind) for kind in (jnp.floating, jnp.integer, jnp.bool_)):
+      raise TypeError(f"{t.path}: scores must be real (higher is kept), got dtype {dtype}.")
     out.append(score_leaves[t.index])
   return out
 
