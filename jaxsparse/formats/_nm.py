@@ -17,6 +17,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxsparse import _utils
 from jaxsparse.formats._base import is_concrete
@@ -86,6 +88,19 @@ def _unpack(words: jax.Array, n: int, m: int, groups: int, xp=jnp) -> jax.Array:
   field = xp.uint32((1 << b) - 1)
   planes = [xp.stack([(w32 >> ((s * n + j) * b)) & field for j in range(n)], axis=1) for s in range(per_word)]
   return xp.concatenate(planes, axis=0).astype(xp.uint8)
+
+
+def _whole_groups(w: jax.Array, axis: int) -> jax.Array:
+  """``w`` gathered along ``axis`` where explicit mesh axes split it (a no-op otherwise): JAX refuses the packing's
+  reshape and slices of a split dim. Its other dims keep their split."""
+  if _utils.explicit_mesh(w) is None:
+    return w
+  sharding = jax.typeof(w).sharding
+  spec = list(sharding.spec) + [None] * (w.ndim - len(sharding.spec))
+  if spec[axis] is None:
+    return w
+  spec[axis] = None
+  return jax.reshard(w, NamedSharding(sharding.mesh, P(*spec)))
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
@@ -327,7 +342,8 @@ class NMSparseMatrix:
 
     Returns:
       An ``NMSparseMatrix`` of ``w``'s shape and dtype with ``to_dense() == where(nm_mask(w, n, m, axis=axis), w,
-      0)``.
+      0)``. Under explicit mesh axes (``jax.set_mesh``) a ``w`` split along ``axis`` is gathered along it for the
+      packing: the values and positions keep the split of ``w``'s other dims, ``axis`` whole.
 
     Raises:
       ValueError: a bad ``n``, ``m`` or ``axis``, or ``w.shape[axis]`` not a multiple of ``m``.
@@ -339,7 +355,7 @@ class NMSparseMatrix:
     """
     w, n, m, axis = _check_operand(w, n, m, axis)
     index_layout(n, m, w.shape[axis] // m)  # Fails early when the positions do not fit 32 bits.
-    values, indices = _compress(w, n, m, axis)
+    values, indices = _compress(_whole_groups(w, axis), n, m, axis)
     return cls(values, indices, shape=w.shape, n=n, m=m, axis=axis, validate=False)
 
   def with_values(self, values: jax.typing.ArrayLike) -> NMSparseMatrix:

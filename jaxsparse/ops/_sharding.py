@@ -153,7 +153,9 @@ def _explicit_call(fn, n_rows, summed, mesh, lead, args, out_ndims):
   smap = jax.shard_map(
       local, mesh=mesh, in_specs=specs, out_specs=out_specs, axis_names=set(_flat_axes(lead)), check_vma=False
   )
-  return smap(*args)
+  # Under jit: called eagerly, a map over some of the mesh's axes with check_vma=False fails in jax 0.10 ("out_specs
+  # refers to 'model'", an axis it does not map) although its specs name only mapped axes. Inside jit it is inlined.
+  return jax.jit(smap)(*args)
 
 
 # -------------------------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ import numpy as np
 import optax
 from flax import nnx
 from jax import lax
+from jax.sharding import NamedSharding
 
 from jaxsparse import _utils
 from jaxsparse._rules import Views
@@ -40,6 +41,7 @@ from jaxsparse._rules import flatten_with_paths
 from jaxsparse._rules import path_str
 from jaxsparse._rules import resolve_views
 from jaxsparse._rules import unwrap_variables
+from jaxsparse.formats._masks import replicated
 from jaxsparse.layers._common import SPARSITY
 from jaxsparse.layers._common import pattern_mask
 from jaxsparse.layers._masked import MaskedConv
@@ -207,6 +209,24 @@ def _where_masked(masks: Any, kept: Any, pruned: Callable[[Any], Any], tree: Any
   return jax.tree.map(f, masks, kept, tree, is_leaf=_is_none)
 
 
+def _gathered(tree: Any) -> Any:
+  """``tree``'s arrays gathered onto every device where explicit mesh axes split them (a no-op otherwise): the
+  pruners rank weights over whole arrays, and under explicit axes JAX refuses to flatten or sort a split dim."""
+  return jax.tree.map(lambda a: replicated(a) if isinstance(a, jax.Array) else a, tree)
+
+
+def _split_like(masks: Any, params: Any) -> Any:
+  """``masks`` split like their parameters where explicit mesh axes split those (a no-op otherwise)."""
+
+  def f(m, p):
+    mesh = None if m is None else _utils.explicit_mesh(p)
+    if mesh is None or jax.typeof(m).sharding.spec == jax.typeof(p).sharding.spec:
+      return m
+    return jax.reshard(m, NamedSharding(mesh, jax.typeof(p).sharding.spec))
+
+  return jax.tree.map(f, masks, params, is_leaf=_is_none)
+
+
 def _any_pruned_nonzero(masks: Any, params: Any) -> jax.Array:
   """Bool scalar: whether any weight of ``params`` is nonzero where ``masks`` prune it."""
   found = jax.tree.map(
@@ -295,7 +315,7 @@ def wrap_optax(
     key, init_key = jax.random.split(jax.random.PRNGKey(seed))
     _, leaves, treedef = flatten_with_paths(params)
     plain = jax.tree_util.tree_unflatten(treedef, leaves)
-    masks = jax.jit(pruner.init)(plain, init_key)
+    masks = _split_like(jax.jit(lambda p, k: pruner.init(_gathered(p), k))(plain, init_key), plain)
     inner_state = inner.init(params)
     if reset_state:
       try:  # an inner state that reset cannot map fails here, with a way out, not inside the first update's trace
@@ -330,7 +350,8 @@ def wrap_optax(
     pruned_nonzero = state.pruned_nonzero + stray.astype(jnp.int32)
 
     def mask_update(masks, inner_state):
-      new = pruner.update(masks, params, updates, step, update_key)
+      new = pruner.update(_gathered(masks), _gathered(params), _gathered(updates), step, update_key)
+      new = _split_like(new, params)
       if reset_state:
         inner_state = reset(inner_state, new, masks, params)
       return new, inner_state

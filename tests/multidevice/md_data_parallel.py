@@ -299,3 +299,21 @@ def test_explicit_axes_with_a_compressed_weight_split_over_another_axis(name):
   assert_close(y, y_ref, jnp.float32)
   assert_close(dx, dx_ref, jnp.float32)
   assert_close(dt, dt_ref, jnp.float32)
+
+
+@pytest.mark.parametrize("name", ["block_sparse_auto", "sparse_cpu", "masked_cpu", "nm"])
+def test_eager_calls_on_a_two_axis_explicit_mesh(name):
+  # Called without jit on a mesh with an axis x is not split over: the ops' map over "data" alone failed eagerly
+  # ("out_specs refers to 'model'"), forward and gradient.
+  f, t, _ = CASES[name]
+  x = jax.random.normal(KEYS[2], (8, K))
+  y_ref, (dx_ref, dt_ref) = _single_device(f, x, t)
+  with jax.set_mesh(_mesh((2, 2), ("data", "model"), AxisType.Explicit)):
+    xs = jax.device_put(x, P("data", None))
+    y = f(xs, t)
+    dx, dt = jax.grad(_loss(f), argnums=(0, 1))(xs, t)
+    assert jax.typeof(y).sharding.spec == P("data", None)
+    assert jax.typeof(dx).sharding.spec == P("data", None)
+  assert_close(y, y_ref, jnp.float32)
+  assert_close(dx, dx_ref, jnp.float32)
+  assert_close(dt, dt_ref, jnp.float32)
