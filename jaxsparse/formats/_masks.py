@@ -38,14 +38,21 @@ def replicated(a: jax.Array) -> jax.Array:
   return a if sharding is None else jax.reshard(a, NamedSharding(sharding.mesh, P()))
 
 
+def split_like(a: jax.Array, like: jax.Array) -> jax.Array:
+  """``a`` (of ``like``'s shape, e.g. its mask made from gathered values) split like ``like`` where explicit mesh axes
+  split it; a no-op otherwise."""
+  split = _explicit_split(like)
+  if split is None or jax.typeof(a).sharding.spec == split.spec:
+    return a
+  return jax.reshard(a, NamedSharding(split.mesh, split.spec))
+
+
 def top_k_mask(scores: jax.Array, k: int) -> jax.Array:
   """Bool mask of ``scores.shape`` keeping the ``k`` largest scores (ties: lower flat index first; NaN largest).
 
   Scores split over explicit mesh axes are gathered for the sort; the mask comes back split like them.
   """
-  split = _explicit_split(scores)
-  keep = _top_k(replicated(scores), k)
-  return keep if split is None else jax.reshard(keep, NamedSharding(split.mesh, split.spec))
+  return split_like(_top_k(replicated(scores), k), scores)
 
 
 def _top_k(scores: jax.Array, k: int) -> jax.Array:

@@ -33,7 +33,6 @@ import numpy as np
 import optax
 from flax import nnx
 from jax import lax
-from jax.sharding import NamedSharding
 
 from jaxsparse import _utils
 from jaxsparse._rules import Views
@@ -42,6 +41,7 @@ from jaxsparse._rules import path_str
 from jaxsparse._rules import resolve_views
 from jaxsparse._rules import unwrap_variables
 from jaxsparse.formats._masks import replicated
+from jaxsparse.formats._masks import split_like
 from jaxsparse.layers._common import SPARSITY
 from jaxsparse.layers._common import pattern_mask
 from jaxsparse.layers._masked import MaskedConv
@@ -217,14 +217,7 @@ def _gathered(tree: Any) -> Any:
 
 def _split_like(masks: Any, params: Any) -> Any:
   """``masks`` split like their parameters where explicit mesh axes split those (a no-op otherwise)."""
-
-  def f(m, p):
-    mesh = None if m is None else _utils.explicit_mesh(p)
-    if mesh is None or jax.typeof(m).sharding.spec == jax.typeof(p).sharding.spec:
-      return m
-    return jax.reshard(m, NamedSharding(mesh, jax.typeof(p).sharding.spec))
-
-  return jax.tree.map(f, masks, params, is_leaf=_is_none)
+  return jax.tree.map(lambda m, p: m if m is None else split_like(m, p), masks, params, is_leaf=_is_none)
 
 
 def _any_pruned_nonzero(masks: Any, params: Any) -> jax.Array:

@@ -41,6 +41,8 @@ from jaxsparse._rules import match_rules
 from jaxsparse._rules import resolve_rules
 from jaxsparse._rules import resolve_views
 from jaxsparse._rules import warn_unmatched
+from jaxsparse.formats._masks import replicated
+from jaxsparse.formats._masks import split_like
 from jaxsparse.formats._specs import NM
 from jaxsparse.formats._specs import BlockSparse
 from jaxsparse.formats._specs import Spec
@@ -292,15 +294,20 @@ def masks_at(
     prior: element masks currently in force (per target); a pruned unit only comes back when the
       count grows.
     scores: per-target scores of the leaf's shape; default ``|w|`` with blocks scored by their norm.
+
+  Returns:
+    One bool mask per target, of its leaf's shape (split like the leaf where explicit mesh axes split it: the
+    ranking gathers leaves, scores and prior masks, as JAX refuses to reshape or sort split dims).
   """
   check_scope(scope)
+  whole = lambda a: replicated(a) if isinstance(a, jax.Array) else a
   unit_scores, unit_prior = [], []
   for j, t in enumerate(targets):
     if scores is None:
-      s = t.unit_scores(magnitude_scores(leaves[t.index]))
+      s = t.unit_scores(magnitude_scores(whole(leaves[t.index])))
     else:
-      s = t.unit_scores(jnp.asarray(scores[j]), blockwise="sum")
-    p = None if prior is None or prior[j] is None else t.unit_mask(prior[j])
+      s = t.unit_scores(whole(jnp.asarray(scores[j])), blockwise="sum")
+    p = None if prior is None or prior[j] is None else t.unit_mask(whole(prior[j]))
     if p is not None:
       s = jnp.where(p, s, -jnp.inf)
     unit_scores.append(s)
@@ -336,7 +343,8 @@ def masks_at(
       u = targets[j].units
       out[j] = targets[j].expand(joint[start:start + u])
       start += u
-  return out
+  return [m if not isinstance(leaves[t.index], jax.Array) else split_like(m, leaves[t.index])
+          for m, t in zip(out, targets, strict=True)]
 
 
 def _nm_at(t: Target, unit_scores: jax.Array, sparsity: jax.typing.ArrayLike) -> jax.Array:

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 from jax.sharding import AxisType
 from jax.sharding import NamedSharding
@@ -242,3 +243,24 @@ def test_wrap_optax_on_params_split_over_explicit_axes():
     for name in specs:
       np.testing.assert_array_equal(got_state.masks[name], state.masks[name])
       assert_close(got[name], want[name], jnp.float32)
+
+
+@pytest.mark.parametrize("scope", ["layer", "global"])
+def test_magnitude_masks_of_params_split_over_explicit_axes(scope):
+  # pruning.magnitude_masks ranks whole weights (JAX refuses to reshape or sort a split dim: it raised): the masks are
+  # one device's, split like their weights.
+  keys = jax.random.split(jax.random.key(1), 2)
+  params = {"a": jax.random.normal(keys[0], (D, H)), "b": jax.random.normal(keys[1], (H, D))}
+  specs = {"a": P(None, "model"), "b": P("model", "data")}
+  mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+  rules = [jaxsparse.Unstructured(sparsity=0.75), jaxsparse.NM(2, 4),
+           jaxsparse.BlockSparse(density=0.5, block_shape=(16, 16))]
+  for rule in rules:
+    want = jaxsparse.pruning.magnitude_masks(params, rule, scope=scope)
+    with jax.set_mesh(mesh):
+      split = jax.tree.map(jax.device_put, params, specs)
+      got = jaxsparse.pruning.magnitude_masks(split, rule, scope=scope)
+      for name, spec in specs.items():
+        assert jax.typeof(got[name]).sharding.spec == spec, (rule, name)
+    for name in specs:
+      np.testing.assert_array_equal(got[name], want[name])
