@@ -1347,3 +1347,140 @@ def test_gpt2_conv1d_cli_convert(tmp_path, capsys):
   assert cli_main(["convert", str(src), str(out), "--conv1d", GPT2_CONV1D]) == 0
   kernel = torch_interop.load_flax_variables(out)["params"]["transformer"]["h"]["0"]["attn"]["c_proj"]["kernel"]
   np.testing.assert_array_equal(kernel, hf.transformer.h[0].attn.c_proj.weight.detach().numpy())
+
+
+# -------------------------------------------------------------------------------------------------
+# float64 checkpoints, conjugate views, torch.ao modules.
+# -------------------------------------------------------------------------------------------------
+
+
+def _x64_linear(w: np.ndarray) -> torch.nn.Linear:
+  fc = torch.nn.Linear(w.shape[1], w.shape[0]).double()
+  with torch.no_grad():
+    fc.weight.copy_(torch.from_numpy(w))
+  return fc
+
+
+def test_float64_nm_recompute_ranks_like_sr_ste_in_float64():
+  """A float64 SR-STE checkpoint (``nm=``): 0.3 and 0.3 + 1e-9 are one float32, so a float32 ranking kept the lower
+  index, the smaller weight, and the Flax layer read another input feature than torch's."""
+  w = np.tile([0.5, 0.3, 0.3 + 1e-9, -0.1, 0.2, -0.7, 0.6 + 1e-9, 0.6], (8, 4))
+  w[::2] *= -1
+  fc = _x64_linear(w)
+  # NM-sparsity's Sparse.forward (sparse_ops.py): zero the M - N smallest |w| of each group of M inputs.
+  groups = fc.weight.detach().abs().reshape(-1, 4)
+  pruned = torch.argsort(groups, dim=1)[:, :2]
+  torch_mask = torch.ones_like(groups).scatter_(1, pruned, 0).reshape(fc.weight.shape)
+  p = torch_interop.decode_checkpoint(fc.state_dict(), nm=(2, 4))["weight"]
+  np.testing.assert_array_equal(p.mask, torch_mask.numpy() == 1)
+  x = np.random.default_rng(0).standard_normal((5, 32))
+  with jax.enable_x64(True):
+    model = nnx.Sequential(nnx.Linear(32, 8, param_dtype=jnp.float64, dtype=jnp.float64, rngs=nnx.Rngs(0)))
+    report = torch_interop.load_nnx(model, fc.state_dict(), name_map={"": "layers.0"}, nm=(2, 4))
+    assert report.layers[0].layer == "NMLinear"
+    got = np.asarray(model(jnp.asarray(x)))
+  with torch.no_grad():
+    expected = torch.nn.functional.linear(torch.from_numpy(x), fc.weight * torch_mask, fc.bias).numpy()
+  np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_float64_import_rules_rank_like_torch_prune_under_x64():
+  """``rules=Unstructured(0.5)`` on a float64 checkpoint under x64 cast the weights to float32 first: the 16th and
+  17th largest (one float32) tied, the lower Flax index won and a larger weight was pruned; torch's
+  ``prune.l1_unstructured`` (and ``jaxsparse.magnitude_mask`` under x64) rank in float64."""
+  # Flax kernel (in, out) = w.T: 15 larger, then 1.5 + 1e-12 at flat index 30 (kept) and 1.5 at 3 (pruned).
+  kernel = np.empty(32)
+  others = [i for i in range(32) if i not in (3, 30)]
+  kernel[others] = np.concatenate([np.linspace(1.6, 2.0, 15), np.linspace(1.0, 1.4, 15)])
+  kernel[3], kernel[30] = 1.5, 1.5 + 1e-12
+  assert np.float32(kernel[3]) == np.float32(kernel[30])
+  w = kernel.reshape(8, 4).T.copy() * np.where(np.arange(32).reshape(4, 8) % 3, 1, -1)
+  fc = _x64_linear(w)
+  state = {k: t.clone() for k, t in fc.state_dict().items()}
+  prune.l1_unstructured(fc, "weight", amount=0.5)
+  x = np.random.default_rng(0).standard_normal((5, 8))
+  with jax.enable_x64(True):
+    v = torch_interop.to_linen_variables(state, rules=jaxsparse.Unstructured(0.5))
+    np.testing.assert_array_equal(np.asarray(v["sparsity"]["mask"]).T, fc.weight_mask.numpy() == 1)
+    got = np.asarray(MaskedDense(4, sparsity=0.5, param_dtype=jnp.float64, dtype=jnp.float64).apply(v, x))
+  with torch.no_grad():
+    expected = fc(torch.from_numpy(x)).numpy()
+  np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_float64_mask_values_near_one_are_not_one():
+  """A float64 mask compared in float32 took 1 - 1e-12 for 1 (torch's prune multiplies by it) and 1e-50 for 0."""
+  w = torch.ones(4, 8, dtype=torch.float64)
+  for value in (1 - 1e-12, 1e-50):
+    mask = torch.ones(4, 8, dtype=torch.float64)
+    mask[2, 3] = value
+    with pytest.raises(CheckpointError, match=r"'fc\.weight_mask' must hold only 0 and 1, but has .* at \(2, 3\)"):
+      torch_interop.decode_checkpoint({"fc.weight_orig": w, "fc.weight_mask": mask})
+
+
+def test_conjugate_views_are_read_not_crashed_on(tmp_path, capsys):
+  """``torch.save`` keeps a complex ``z.conj()``'s conjugate bit; reading it raised torch's RuntimeError (``inspect``
+  crashed) instead of showing it, and load_nnx did not say why a complex weight cannot load."""
+  z = torch.complex(torch.randn(4, 8), torch.randn(4, 8))
+  path = tmp_path / "conj.pt"
+  torch.save({"0.weight": z.conj(), "0.bias": torch.zeros(4)}, path)
+  assert torch.load(path, weights_only=True)["0.weight"].is_conj()
+  p = torch_interop.decode_checkpoint(str(path))["0.weight"]
+  np.testing.assert_array_equal(p.value, z.conj().resolve_conj().numpy())
+  assert cli_main(["inspect", str(path)]) == 0
+  assert "complex64" in capsys.readouterr().out
+  with pytest.raises(CheckpointError, match=r"torch '0\.weight' has dtype complex64.*imaginary part"):
+    torch_interop.load_nnx(nnx.Sequential(nnx.Linear(8, 4, rngs=nnx.Rngs(0))), str(path), name_map=SEQ)
+  neg = torch.randn(4, 8)._neg_view()  # a real tensor with torch's negative bit (``z.conj().imag`` of one element)
+  np.testing.assert_array_equal(torch_interop.decode_checkpoint({"w": neg})["w"].value, neg.resolve_neg().numpy())
+
+
+def test_torch_ao_module_source_reads_its_fake_sparsity_masks():
+  """A model prepared by a torch.ao sparsifier, passed itself: FakeSparsity keeps the mask out of ``state_dict()``,
+  and loading raised asking for a file with the sparsifier state, though the mask is on the module."""
+  torch.manual_seed(0)
+  net = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+  sp = WeightNormSparsifier(sparsity_level=1.0, sparse_block_shape=(1, 4), zeros_per_block=2)
+  sp.prepare(net, [{"tensor_fqn": "0.weight"}, {"tensor_fqn": "2.weight"}])
+  sp.step()
+  model = nnx.Sequential(nnx.Linear(16, 8, rngs=nnx.Rngs(0)), nnx.relu, nnx.Linear(8, 4, rngs=nnx.Rngs(0)))
+  report = torch_interop.load_nnx(model, net, name_map=SEQ)
+  assert [(r.layer, r.format, str(r.pattern)) for r in report.layers] == [("NMLinear", "torch.ao.pruning", "2:4")] * 2
+  x = np.random.default_rng(0).standard_normal((5, 16)).astype(np.float32)
+  with torch.no_grad():
+    expected = net(torch.from_numpy(x)).numpy()  # through the parametrization: original * mask
+  np.testing.assert_allclose(np.asarray(model(jnp.asarray(x))), expected, rtol=1e-5, atol=1e-6)
+  state = torch_interop.load_state_dict(net)
+  torch.testing.assert_close(state["0.parametrizations.weight.0.mask"], net[0].parametrizations.weight[0].mask)
+  # Another parametrization: its weight is not original * mask, and the error says what to do.
+  other = torch.nn.Sequential(torch.nn.Linear(4, 4))
+  torch.nn.utils.parametrize.register_parametrization(other[0], "weight", torch.nn.Identity())
+  with pytest.raises(CheckpointError, match=r"module '0' \(ParametrizedLinear\) parametrizes 'weight' with "
+                     r"\['Identity'\].*remove_parametrizations"):
+    torch_interop.load_nnx(nnx.Sequential(nnx.Linear(4, 4, rngs=nnx.Rngs(0))), other, name_map=SEQ)
+
+
+class _CountingLinear(torch.nn.Linear):
+  """A Linear with a buffer of its own (a step counter): not a weight, nothing a Flax Linear holds."""
+
+  def __init__(self, *args, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.register_buffer("steps", torch.tensor(7))
+
+
+def test_strict_false_lists_extra_tensors_of_a_mapped_module_as_unexpected():
+  """``strict=False`` says torch weights without a place are listed in the report; one beside a mapped Linear's
+  weight and bias raised all the same."""
+  torch.manual_seed(0)
+  net = torch.nn.Sequential(_CountingLinear(16, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+  prune.l1_unstructured(net[0], "weight", amount=0.5)
+  state = {**net.state_dict(), "head.weight": torch.ones(2, 2)}
+  model = nnx.Sequential(nnx.Linear(16, 8, rngs=nnx.Rngs(0)), nnx.relu, nnx.Linear(8, 4, rngs=nnx.Rngs(0)))
+  with pytest.raises(CheckpointError, match=r"torch \['0\.steps'\] have no place in the Flax Linear 'layers\.0'.*"
+                     "strict=False"):
+    torch_interop.load_nnx(model, state, name_map=SEQ)
+  assert type(model.layers[0]) is nnx.Linear  # untouched
+  report = torch_interop.load_nnx(model, state, name_map=SEQ, strict=False)
+  assert report.unexpected == ["0.steps", "head.weight"] and report.missing == []
+  assert [r.layer for r in report.layers] == ["MaskedLinear", "Linear"]
+  _forward_close(net, model, k=16)

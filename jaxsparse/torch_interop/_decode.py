@@ -5,7 +5,8 @@ sparse parameter, a bool mask, both in torch layout. Recognised (the key names a
 
 * ``torch.nn.utils.prune``: ``{p}_orig`` + ``{p}_mask`` (mask 0/1 in the weight's dtype);
 * ``torch.ao.pruning`` parametrizations: ``{mod}.parametrizations.{p}.original`` + ``.0.mask`` (or the
-  mask from ``sparsifier.state_dict()["state"][fqn]["mask"]`` stored beside the model);
+  mask from ``sparsifier.state_dict()["state"][fqn]["mask"]`` stored beside the model; a prepared model passed
+  itself gives its ``FakeSparsity`` masks as ``.0.mask``);
 * apex ASP: ``{mod}.{p}`` + ``{mod}.__{p}_mma_mask`` (``__{p}_mma_pruned_p`` is ignored);
 * a masked dense state dict: ``{p}`` + ``{p}_mask`` (what :func:`export_masks` writes);
 * torch sparse tensors (COO, CSR, CSC, BSR, BSC; their indices are checked with NumPy before anything is
@@ -20,9 +21,10 @@ sparse parameter, a bool mask, both in torch layout. Recognised (the key names a
   the module keeps outside its state dict, read by :func:`load_state_dict` from the module as
   ``{mod}.W_idx.indptr``, ``{mod}.W_idx.indices`` and ``{mod}.W_shape``;
 * NM-sparsity (SR-STE) checkpoints: plain dense weights; pass ``nm=`` to recompute their N:M mask
-  (its ``Sparse`` op keeps the ``n`` largest ``|w|`` of each run of ``m`` along the input dimension;
-  equal magnitudes may break ties differently from torch's unstable ``argsort``). Its ``SparseLinear``
-  calls ``F.linear(x, w)`` without the bias it holds: drop ``*.bias`` with ``ignore=`` to match it.
+  (its ``Sparse`` op keeps the ``n`` largest ``|w|`` of each run of ``m`` along the input dimension, ranked in
+  float64 for float64 weights; equal magnitudes may break ties differently from torch's unstable ``argsort``).
+  Its ``SparseLinear`` calls ``F.linear(x, w)`` without the bias it holds: drop ``*.bias`` with ``ignore=`` to
+  match it.
 
 Every other tensor is a dense parameter.
 """
@@ -136,7 +138,8 @@ def to_numpy(t: Any, *, key: str) -> np.ndarray:
         f"{key!r} is a meta tensor of shape {tuple(t.shape)}: it has no values (a model built on the 'meta' device "
         "whose weights were never loaded?); expected a tensor with data."
     )
-  t = t.detach().cpu()
+  # A conjugate or negative view (``z.conj()``, which torch.save keeps as such) holds its values only lazily.
+  t = t.detach().cpu().resolve_conj().resolve_neg()
   if t.dtype == torch.bfloat16:
     import ml_dtypes  # noqa: PLC0415 -- only for bfloat16 checkpoints; installed with jax
 
@@ -185,7 +188,7 @@ def _check_mask(mask: np.ndarray, shape: tuple[int, ...], *, key: str) -> np.nda
     return mask
   if mask.dtype.kind not in "biuf" and mask.dtype.name != "bfloat16":
     raise CheckpointError(f"mask {key!r} has dtype {mask.dtype}; expected bool or numbers 0/1.")
-  values = mask.astype(np.float32)
+  values = mask.astype(np.float64)  # exact for every mask dtype: 1 + 1e-12 (float64) is not 1
   bad = ~((values == 0) | (values == 1))
   if bad.any():
     where = tuple(int(i) for i in np.argwhere(bad)[0])

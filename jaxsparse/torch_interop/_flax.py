@@ -206,27 +206,38 @@ def _check_shape(param: TorchParam, expected: tuple[int, ...], *, flax_name: str
 
 
 class _Plan:
-  """Assignments collected before anything changes, so a failure leaves the model untouched."""
+  """Assignments collected before anything changes, so a failure leaves the model untouched.
 
-  def __init__(self):
+  With ``strict=False``, torch parameters of a mapped module that have no place in its Flax module are listed in
+  ``unexpected`` (as those of unmapped modules are) instead of raising.
+  """
+
+  def __init__(self, *, strict: bool = True):
+    self.strict = strict
     self.assign: list[tuple[nnx.Variable, jnp.ndarray]] = []
     self.replace: list[tuple[tuple, nnx.Module]] = []
+    self.unexpected: list[str] = []
+
+  def no_place(self, group: dict, extra: list[str], message: str) -> None:
+    """Raises ``message`` about the torch parameters ``extra`` of ``group``, or lists them when not strict."""
+    if not extra:
+      return
+    if self.strict:
+      raise CheckpointError(message + " Skip them with ignore=, or pass strict=False to list them as unexpected.")
+    self.unexpected.extend(_join(group["torch"], e) for e in extra)
 
 
-def _check_extra(group: dict, allowed: tuple[str, ...], *, flax_path: str, layer: str) -> None:
+def _check_extra(group: dict, allowed: tuple[str, ...], plan: _Plan, *, flax_path: str, layer: str) -> None:
   extra = sorted(set(group["params"]) - set(allowed))
-  if extra:
-    raise CheckpointError(
-        f"torch {[_join(group['torch'], e) for e in extra]} have no place in the Flax {layer} {flax_path!r}, which "
-        f"takes only {[_join(group['torch'], a) for a in allowed]}."
-    )
+  plan.no_place(group, extra, f"torch {[_join(group['torch'], e) for e in extra]} have no place in the Flax {layer} "
+                f"{flax_path!r}, which takes only {[_join(group['torch'], a) for a in allowed]}.")
 
 
 def _linear_plan(
     module: nnx.Module, path: tuple, group: dict, plan: _Plan, *, sparse: bool, flax_path: str
 ) -> tuple[str, TorchParam]:
   params = group["params"]
-  _check_extra(group, ("weight", "bias"), flax_path=flax_path, layer="Linear")
+  _check_extra(group, ("weight", "bias"), plan, flax_path=flax_path, layer="Linear")
   if "weight" not in params:
     raise CheckpointError(f"torch module {group['torch']!r} has no 'weight' for the Flax Linear {flax_path!r}.")
   w = params["weight"]
@@ -297,8 +308,9 @@ def _general_plan(
   k, n = matrix_shape(module.kernel.shape, len(module.in_features))
   lin = nnx.Linear(k, n, use_bias=module.bias is not None, dtype=module.dtype, param_dtype=module.param_dtype,
                    precision=module.precision, rngs=nnx.Rngs(0))
-  sub = _Plan()
+  sub = _Plan(strict=plan.strict)
   _, w = _linear_plan(lin, path, group, sub, sparse=sparse, flax_path=flax_path)
+  plan.unexpected.extend(sub.unexpected)
   if sub.replace:
     ((_, new),) = sub.replace
     plan.replace.append((path, jsl.SparseLinearGeneral(new, in_features=module.in_features,
@@ -313,7 +325,7 @@ def _general_plan(
 
 def _conv_plan(module: nnx.Conv, path: tuple, group: dict, plan: _Plan, *, sparse: bool, flax_path: str):
   params = group["params"]
-  _check_extra(group, ("weight", "bias"), flax_path=flax_path, layer="Conv")
+  _check_extra(group, ("weight", "bias"), plan, flax_path=flax_path, layer="Conv")
   if "weight" not in params:
     raise CheckpointError(f"torch module {group['torch']!r} has no 'weight' for the Flax Conv {flax_path!r}.")
   w = params["weight"]
@@ -393,11 +405,8 @@ def _generic_plan(module: nnx.Module, group: dict, plan: _Plan, *, flax_path: st
     used.add(torch_name)
     first = first or p
   extra = sorted(set(params) - used)
-  if extra:
-    raise CheckpointError(
-        f"torch {[_join(group['torch'], e) for e in extra]} have no place in the Flax module {flax_path!r} "
-        f"({type(module).__name__} with {sorted(names)})."
-    )
+  plan.no_place(group, extra, f"torch {[_join(group['torch'], e) for e in extra]} have no place in the Flax module "
+                f"{flax_path!r} ({type(module).__name__} with {sorted(names)}).")
   return type(module).__name__, first
 
 
@@ -466,8 +475,10 @@ def load_nnx(
     ignore: glob patterns of torch parameter names to skip (e.g. ``"pooler.*"``).
     nm: recompute N:M masks of dense weights (see :func:`decode_checkpoint`).
     sparse: ``False`` loads masked weights into the existing (dense) layers instead of replacing them.
-    strict: raise on Flax parameters without torch weights and torch weights without a place;
-      ``False`` lists them in the report instead.
+    strict: raise on Flax parameters without torch weights and torch weights without a place (in a module
+      that maps to none, or beside a mapped module's weights); ``False`` lists them in the report instead. A mapped
+      layer that lacks its torch weight or bias, or whose shapes differ, raises either way: it would not compute
+      what the torch layer does.
     key: path of the state dict inside a nested checkpoint.
     conv1d: regex of the torch module paths whose weights are stored ``(in, out)`` like transformers' ``Conv1D``
       (GPT-2); see :func:`decode_checkpoint`. Not needed for a ``torch.nn.Module`` source, whose classes say it.
@@ -483,7 +494,7 @@ def load_nnx(
     raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}.")
   params = decode_checkpoint(source, nm=nm, key=key, conv1d=conv1d)
   groups = _group(params, name_map, ignore)
-  plan = _Plan()
+  plan = _Plan(strict=strict)
   loads, missing = [], []
   linear_types, seen = (jsl.NMLinear, jsl.MaskedLinear, jsl.BlockSparseLinear, nnx.Linear), set()
   targets = []
@@ -512,7 +523,7 @@ def load_nnx(
       layer, w = _generic_plan(module, group, plan, flax_path=flax_path)
     fmt, pattern = (w.format, w.pattern) if w is not None else ("dense", Pattern("dense", 1.0))
     loads.append(LayerLoad(flax_path, group["torch"], layer, fmt, pattern))
-  unexpected = []
+  unexpected = list(plan.unexpected)
   for flax_path, group in groups.items():
     if flax_path not in target_paths:
       unexpected.extend(p.name for p in group["params"].values())
@@ -561,7 +572,9 @@ def apply_rules(
   the first regex that matches its Flax path in full (``None``: leave it). Structures are
   :class:`jaxsparse.BlockSparse` (largest-norm blocks, ``block_shape`` in Flax ``(in, out)`` layout),
   :class:`jaxsparse.NM` (``n`` largest of every ``m`` inputs) and :class:`jaxsparse.Unstructured`. The
-  new mask replaces any mask the weight had (pruned weights are zero, so they rank last).
+  new mask replaces any mask the weight had (pruned weights are zero, so they rank last). Magnitudes rank in
+  float32, float64 weights in float64 (as torch's pruning ranks them; block and unstructured rules only under
+  ``jax_enable_x64``, without which JAX holds float64 as float32).
 
   >>> import torch, jaxsparse
   >>> from jaxsparse import torch_interop
@@ -615,7 +628,8 @@ def apply_rules(
     if resolved[i][2] is None:
       continue
     spec = resolved[i][2]
-    kernel = flax_layout(float_value(p, into=f"the Flax {_join(flax_path, 'kernel')!r}")).astype(np.float32)
+    # In the weight's own dtype: the masks rank float64 weights in float64 (a cast here would make float32 ties).
+    kernel = flax_layout(float_value(p, into=f"the Flax {_join(flax_path, 'kernel')!r}"))
     try:
       if isinstance(spec, formats.BlockSparse):
         bk, bn = spec.block_shape

@@ -204,6 +204,32 @@ def _sparseprop_extras(module) -> dict[str, Any]:
   return extras
 
 
+def _fake_sparsity_masks(module) -> dict[str, Any]:
+  """Masks of ``torch.ao.pruning`` ``FakeSparsity`` parametrizations, which keep them outside ``state_dict()``.
+
+  Keyed ``{mod}.parametrizations.{p}.0.mask``, beside the ``.original`` the state dict has. A parametrized tensor
+  whose parametrizations are not one ``FakeSparsity`` raises: its weight is not ``original * mask``, and nothing
+  else here reads it.
+  """
+  torch = import_torch()
+  fake = getattr(torch.ao.pruning, "FakeSparsity", None)
+  masks = {}
+  for name, mod in module.named_modules():
+    lists = getattr(mod, "parametrizations", None)
+    if not isinstance(lists, torch.nn.ModuleDict):
+      continue
+    for p, plist in lists.items():
+      kinds = [type(q).__name__ for q in plist]
+      if fake is None or len(plist) != 1 or not isinstance(plist[0], fake):
+        raise CheckpointError(
+            f"module {name!r} ({type(mod).__name__}) parametrizes {p!r} with {kinds}; jaxsparse reads one "
+            "torch.ao.pruning FakeSparsity (weight = original * mask). Bake them into the weight first: "
+            f"torch.nn.utils.parametrize.remove_parametrizations(model.get_submodule({name!r}), {p!r})."
+        )
+      masks[f"{name}.parametrizations.{p}.0.mask" if name else f"parametrizations.{p}.0.mask"] = plist[0].mask
+  return masks
+
+
 def _open_safetensors(path: str) -> TensorSource:
   try:
     from safetensors import safe_open  # noqa: PLC0415 -- optional dependency
@@ -286,7 +312,7 @@ def open_checkpoint(source: Any, *, key: str | None = None) -> TensorSource:
     obj = _torch_load(path)
     origin = path
   elif isinstance(source, torch.nn.Module):
-    obj = {**source.state_dict(), **_sparseprop_extras(source)}
+    obj = {**source.state_dict(), **_sparseprop_extras(source), **_fake_sparsity_masks(source)}
     origin = f"{type(source).__name__} module"
     types = {name: type(mod) for name, mod in source.named_modules()}
   elif isinstance(source, Mapping):
@@ -327,7 +353,8 @@ def load_state_dict(source: Any, *, key: str | None = None) -> dict[str, Any]:
     source: a ``.safetensors`` file, a ``torch.save`` file (``.pt``/``.pth``/``.bin``, read with
       ``torch.load(weights_only=True)`` only: a file that needs pickled code is refused), an in-memory
       state dict (torch tensors or NumPy/JAX arrays), or a ``torch.nn.Module`` (its ``state_dict()``
-      plus the CSR indices SparseProp ``SparseLinear`` modules keep outside it).
+      plus what it keeps outside it: the CSR indices of SparseProp ``SparseLinear`` modules, and the mask of
+      each ``torch.ao.pruning`` ``FakeSparsity`` parametrization as ``{mod}.parametrizations.{p}.0.mask``).
     key: dotted path of the state dict inside a nested checkpoint; by default the first of
       ``state_dict``, ``model_state_dict``, ``model``, ``module``, ``net``, ``network`` that holds one.
 
@@ -336,7 +363,8 @@ def load_state_dict(source: Any, *, key: str | None = None) -> dict[str, Any]:
 
   Raises:
     CheckpointError: a missing, empty, truncated or non-checkpoint file, a file that needs pickled code,
-      or no state dict inside it.
+      or no state dict inside it; a module with a parametrized tensor whose parametrizations are not one
+      ``torch.ao.pruning`` ``FakeSparsity``.
   """
   src = open_checkpoint(source, key=key)
   return {k: src[k] for k in src}

@@ -122,7 +122,9 @@ def nm_mask_torch(w: np.ndarray, n: int, m: int) -> np.ndarray:
   """Bool mask keeping the ``n`` largest ``|w|`` of every ``m`` consecutive entries along dim 1.
 
   Ties go to the lower index and NaN counts as largest, as in :func:`jaxsparse.nm_mask`. This is the mask
-  NM-sparsity (SR-STE) layers apply in their forward pass to the dense weights they store.
+  NM-sparsity (SR-STE) layers apply in their forward pass to the dense weights they store. Magnitudes are compared in
+  float32, or in float64 for float64 weights (as torch ranks them: float64 values that round to one float32 are no
+  tie).
   """
   w = np.asarray(w)
   if w.ndim < 2:
@@ -131,7 +133,7 @@ def nm_mask_torch(w: np.ndarray, n: int, m: int) -> np.ndarray:
     raise ValueError(f"n:m must satisfy 0 < n < m, got {n}:{m}.")
   if w.shape[1] % m:
     raise ValueError(f"m={m} must divide the input dimension (dim 1) of a weight of shape {w.shape}.")
-  scores = np.abs(w.astype(np.float32))
+  scores = np.abs(w.astype(np.float64 if w.dtype == np.float64 else np.float32))
   scores = np.where(np.isnan(scores), np.inf, scores)
   g = np.moveaxis(scores, 1, -1)
   g = g.reshape(*g.shape[:-1], g.shape[-1] // m, m)
