@@ -54,7 +54,9 @@ class LayerSummary:
       ``nn.Conv``'s, or a stacked ``nn.scan`` ``MaskedDense``'s): ``module=`` tells which.
     shape: shape of the dense kernel the layer stands for, ``(in, out)`` or ``(*kernel_size, cin, cout)``.
     pattern: the structure in words: ``"block 32x32"``, ``"2:4"``, ``"2:4 compressed"``, ``"unstructured"``.
-    density: fraction of the kernel's weights kept; ``None`` when unknown (the mask of an abstract model).
+    density: fraction of the kernel's weights kept; ``None`` when unknown (the mask of an abstract model). An N:M
+      layer's kept weights are those its pattern keeps that are nonzero: a group an optimizer pruned further
+      (``pruning.wrap_optax`` at a higher sparsity) counts fewer than ``n`` (an abstract kernel counts ``n / m``).
     bytes: bytes the layer stores: parameters and pattern.
     dense_bytes: bytes of the dense layer (kernel and bias, same dtype).
     forward_flops, backward_flops: per input row; ``None`` when the density is unknown; 0 for an embedding (a
@@ -222,10 +224,12 @@ def _nnx_layer(path: str, node: nnx.Module) -> LayerSummary | None:
   if isinstance(node, NMLinear | NMConv):
     shape = tuple(node.kernel.shape)
     pattern = f"{node.n}:{node.m}" + (" transposable" if node.transposable else "")
-    kept = math.prod(shape) * node.n // node.m
-    if isinstance(node, NMConv) and node.mask is not None:  # a conv's own weight mask: groups may keep fewer than n
-      concrete = is_concrete(node.kernel.get_value()) and is_concrete(node.mask)
-      kept = _count(kept_mask(node)) if concrete else None
+    own = node.mask if isinstance(node, NMConv) else None
+    # The nonzero weights the pattern keeps: a group pruned further (by an optimizer, a conv's own weight mask) keeps
+    # fewer than n. An abstract kernel: n of every m, the most it keeps (with a weight mask: unknown).
+    kept = math.prod(shape) * node.n // node.m if own is None else None
+    if is_concrete(node.kernel.get_value()) and (own is None or is_concrete(own)):
+      kept = _count(kept_mask(node))
     return _layer(path, kind, shape, pattern, kept, param_dtype=node.kernel.dtype, dense_weight_grad=True, **common)
   if isinstance(node, CompressedNMEmbed):
     shape = (node.num_embeddings, node.features)
@@ -340,10 +344,9 @@ def _linen_layers(
         name, n, m, transposable, own = nm_layers[prefix]
         shape = tuple(kernel.shape)
         nm = f"{n}:{m}" + (" transposable" if transposable else "")
-        kept = math.prod(shape) * n // m
-        if own is not None:  # an NMConv's own Flax weight mask: groups may keep fewer than n, as in NNX
-          concrete = is_concrete(kernel) and is_concrete(own)
-          kept = _count(nm_kept_mask(kernel, n, m, transposable=transposable, weight_mask=own)) if concrete else None
+        kept = math.prod(shape) * n // m if own is None else None  # abstract: as in NNX
+        if is_concrete(kernel) and (own is None or is_concrete(own)):  # nonzero kept weights, as in NNX
+          kept = _count(nm_kept_mask(kernel, n, m, transposable=transposable, weight_mask=own))
         out.append(_layer(path, name, shape, nm, kept, dense_weight_grad=True, **common))
     elif "embedding" in params and not isinstance(params["embedding"], Mapping):
       pattern = sparsity

@@ -558,3 +558,60 @@ def test_compress_keeps_partitioning_names():
     names = {p[-1]: v.get_metadata().get("out_sharding") for p, v in nnx.iter_graph(fc) if isinstance(v, nnx.Variable)}
     assert names == {"kernel": ("embed", "mlp"), "kernel_positions": (None, "mlp"), "bias": ("mlp",)}, names
     assert_close(fc(x), want, jnp.float32)
+
+
+class _Named(nnx.Module):
+  """Every layer kind sparsify makes, each dense kernel (table) and bias named with nnx.with_partitioning."""
+
+  def __init__(self, rngs):
+    named = lambda *names: nnx.with_partitioning(nnx.initializers.normal(), names)
+    self.masked = nnx.Linear(16, 16, kernel_init=named("x", "y"), bias_init=named("y"), rngs=rngs)
+    self.nm = nnx.Linear(16, 16, kernel_init=named("y", "x"), rngs=rngs)
+    self.packed = nnx.Linear(16, 16, kernel_init=named("y", "x"), rngs=rngs)  # compressed below
+    self.block = nnx.Linear(16, 16, kernel_init=named("y", "x"), bias_init=named("x"), rngs=rngs)
+    self.nm_conv = nnx.Conv(8, 8, (2, 2), kernel_init=named(None, None, "x", "y"), rngs=rngs)
+    self.masked_conv = nnx.Conv(8, 8, (2, 2), kernel_init=named(None, "x", None, "y"), rngs=rngs)
+    self.embed = nnx.Embed(8, 16, embedding_init=named("y", "x"), rngs=rngs)
+    # The LinearGeneral kernels' names are not on the leading dim of their groups: folding loses them.
+    self.general = nnx.LinearGeneral((2, 8), (2, 8), axis=(-2, -1), kernel_init=named(None, "x", "y", None),
+                                     bias_init=named(None, "y"), rngs=rngs)
+    self.general_block = nnx.LinearGeneral((2, 8), (2, 8), axis=(-2, -1), kernel_init=named("x", None, None, "y"),
+                                           rngs=rngs)
+
+
+_NAMED_RULES = {"masked": jaxsparse.Unstructured(sparsity=0.5), "embed": jaxsparse.NM(2, 4),
+                "nm|packed|nm_conv|general": jaxsparse.NM(2, 4),
+                "block|general_block": jaxsparse.BlockSparse(density=0.5, block_shape=(8, 8)),
+                "masked_conv": jaxsparse.Unstructured(sparsity=0.5)}
+
+
+@pytest.mark.slow  # 5-6 s on 2 cores (nine layer kinds compiled once each, and the abstract model)
+def test_densify_gives_back_the_partitioning_names():
+  """densify gives every dense kernel (table) and bias the names the dense model had before sparsify (and compress):
+  they were dropped (every spec ``P()``), and block-sparse and LinearGeneral kernels lose them in the sparse model."""
+  mesh = jax.make_mesh((1, 1), ("x", "y"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  specs = lambda model: jax.tree.map(lambda v: tuple(v.get_value()), nnx.get_partition_spec(nnx.state(model)),
+                                     is_leaf=lambda v: isinstance(v, nnx.Variable))
+  with jax.set_mesh(mesh):
+    model = _Named(nnx.Rngs(0))
+  want = specs(model)
+  assert want["general"]["kernel"] == (None, "x", "y", None) and want["block"]["bias"] == ("x",)
+
+  def sparse_of(model):
+    sparse, _ = jaxsparse.sparsify(model, _NAMED_RULES)
+    packed = jaxsparse.compress(nnx.Sequential(sparse.packed)).layers[0]  # a CompressedNMLinear
+    sparse.packed = packed
+    return sparse
+
+  sparse = sparse_of(model)
+  assert type(sparse.packed).__name__ == "CompressedNMLinear" and specs(sparse)["block"]["kernel"] == (None,) * 3
+  dense = jaxsparse.densify(sparse)
+  assert specs(dense) == want
+  for name in ("masked", "packed", "block", "general", "embed"):  # the kernels (tables) densify gives
+    kind = "embedding" if name == "embed" else "kernel"
+    np.testing.assert_array_equal(getattr(dense, name).__dict__[kind][...],
+                                  getattr(sparse, name).to_dense().__dict__[kind][...])
+  # The abstract model (an orbax restore target) too.
+  with jax.set_mesh(mesh):
+    abstract = nnx.eval_shape(lambda: sparse_of(_Named(nnx.Rngs(0))))
+  assert specs(jaxsparse.densify(abstract)) == want

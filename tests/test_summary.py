@@ -198,3 +198,34 @@ def test_reprs_show_shapes_not_index_values():
   assert "[0, 0, 0" not in text and len(text.splitlines()) < 40
   masked = repr(layers.MaskedLinear(64, 64, sparsity=0.5, rngs=nnx.Rngs(0)))
   assert "[[" not in masked and "Array(shape=(64, 64), dtype=" in masked
+
+
+def _pruned_further(kernel: jax.Array) -> jax.Array:
+  """``kernel`` (16, N) with 3 of the 4 weights of its first group of each column zeroed and the whole second group,
+  as an optimizer pruning past 2:4 (``pruning.wrap_optax`` at a higher sparsity) leaves it: those groups hold 1 and 0
+  nonzero weights (the layer keeps the dense kernel, so a group keeps 2 nonzero while it holds them)."""
+  return kernel.at[0:3].set(0.0).at[4:8].set(0.0)
+
+
+def test_nm_summary_counts_the_nonzero_weights_kept():
+  """N:M layers keep no mask: a group an optimizer pruned past n:m kept n by the count (a density of 0.5 for 2:4),
+  zeros among them. The summary counts the nonzero weights the forward pass keeps, NNX and Linen alike."""
+  layer = layers.NMLinear(16, 8, n=2, m=4, rngs=nnx.Rngs(0))
+  layer.kernel[...] = _pruned_further(layer.kernel[...])
+  nonzero = int(jnp.count_nonzero(layer.to_dense().kernel[...]))  # the forward's kernel
+  assert nonzero == 16 * 8 // 2 - 3 * 8  # 1 + 2 kept weights a column zero: the reference is not trivially n / m
+  got = jaxsparse.summary(layer).layers[0]
+  assert got.density == nonzero / (16 * 8) and got.forward_flops == 2 * nonzero
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return linen.NMDense(8, n=2, m=4, name="nm")(x)
+
+  x = jnp.ones((2, 16))
+  variables = {"params": {"nm": {**layer.to_linen_variables()["params"]}}}
+  got = jaxsparse.summary(variables, x, module=Net()).layers[0]
+  assert got.density == nonzero / (16 * 8) and got.forward_flops == 2 * nonzero
+  # An abstract layer: n of every m, the most it can keep.
+  abstract = nnx.eval_shape(lambda: layers.NMLinear(16, 8, n=2, m=4, rngs=nnx.Rngs(0)))
+  assert jaxsparse.summary(abstract).layers[0].density == 0.5

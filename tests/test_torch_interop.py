@@ -1484,3 +1484,16 @@ def test_strict_false_lists_extra_tensors_of_a_mapped_module_as_unexpected():
   assert report.unexpected == ["0.steps", "head.weight"] and report.missing == []
   assert [r.layer for r in report.layers] == ["MaskedLinear", "Linear"]
   _forward_close(net, model, k=16)
+
+
+def test_nm_export_masks_only_the_nonzero_weights_kept():
+  """An NMLinear whose groups an optimizer pruned past n:m: its exported ``weight_mask`` kept n of every group, zero
+  weights among them; it keeps the weights the forward pass keeps nonzero, and torch computes the same function."""
+  layer = NMLinear(16, 8, n=2, m=4, rngs=nnx.Rngs(0))
+  layer.kernel[...] = layer.kernel[...].at[0:3].set(0.0).at[4:8].set(0.0)  # groups 0 and 1: 1 and 0 nonzero
+  pruned = np.asarray(layer.to_dense().kernel[...])
+  assert np.count_nonzero(pruned) == 16 * 8 // 2 - 3 * 8
+  masks = torch_interop.export_masks(nnx.Sequential(layer), torch_names={"layers.0": "fc"}, dtype=torch.float32)
+  np.testing.assert_array_equal(masks["fc.weight_mask"].numpy(), (pruned != 0).T.astype(np.float32))
+  state = torch_interop.export_state_dict(nnx.Sequential(layer), torch_names={"layers.0": "fc"})
+  np.testing.assert_array_equal(state["fc.weight"].numpy(), pruned.T)

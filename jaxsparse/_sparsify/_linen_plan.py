@@ -178,12 +178,10 @@ def linen_density(spec: Spec, layer_vars: Mapping, kernel_shape: tuple[int, ...]
   """The fraction of a ``(K, N)`` kernel that a sparse layer's (unboxed) variables keep; ``weight_mask``: an N:M
   conv's own Flax weight mask, after which groups may keep fewer than ``n``. NaN where that count depends on traced
   values (an N:M conv's weight mask, an unstructured mask), as under ``jax.eval_shape``."""
-  if isinstance(spec, NM):
-    if weight_mask is None:
-      return spec.n / spec.m
+  if isinstance(spec, NM):  # the nonzero weights the pattern keeps (a mask given may keep fewer than n of a group)
     kernel = layer_vars["params"]["kernel"]
-    if not (is_concrete(kernel) and is_concrete(weight_mask)):
-      return float("nan")
+    if not (is_concrete(kernel) and (weight_mask is None or is_concrete(weight_mask))):
+      return spec.n / spec.m if weight_mask is None else float("nan")
     return float(jnp.mean(nm_kept_mask(kernel, spec.n, spec.m, transposable=spec.transposable,
                                        weight_mask=weight_mask)))
   if isinstance(spec, BlockSparse):

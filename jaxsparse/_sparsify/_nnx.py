@@ -62,6 +62,8 @@ from jaxsparse.layers import NMLinear
 from jaxsparse.layers import SparseLinearGeneral
 from jaxsparse.layers._common import copy_bias
 from jaxsparse.layers._common import custom_options
+from jaxsparse.layers._nm import kept_mask
+from jaxsparse.layers._partitioning import carry_back_nnx
 from jaxsparse.layers._partitioning import carry_nnx
 
 __all__ = ["at_path", "check_general_mask_view", "check_masks_used", "check_nm_mask", "compress", "densify", "sparsify"]
@@ -314,12 +316,11 @@ def _sparse_embed(node: nnx.Embed, spec: NM, mask: np.ndarray | None, path: str)
 def _density(layer: nnx.Module) -> float:
   if isinstance(layer, SparseLinearGeneral):
     return _density(layer.layer)
-  if isinstance(layer, (NMLinear, NMConv)):
-    if not isinstance(layer, NMConv) or layer.mask is None:
-      return layer.n / layer.m
-    if not (is_concrete(layer.kernel.get_value()) and is_concrete(layer.mask)):
-      return float("nan")  # traced (under nnx.eval_shape or jit): the kept count is not known
-    return float(jnp.mean(layer.nm_mask & (layer.mask != 0)))  # a conv's own weight mask: groups may keep fewer
+  if isinstance(layer, (NMLinear, NMConv)):  # the nonzero weights the pattern keeps: a group may keep fewer than n
+    own = layer.mask if isinstance(layer, NMConv) else None  # (a mask given, a conv's own weight mask)
+    if not (is_concrete(layer.kernel.get_value()) and (own is None or is_concrete(own))):
+      return layer.n / layer.m if own is None else float("nan")  # traced (nnx.eval_shape, jit): n / m at most
+    return float(jnp.mean(kept_mask(layer)))
   if isinstance(layer, (MaskedLinear, MaskedConv)) and not is_concrete(layer.mask[...]):
     return float("nan")  # traced (under nnx.eval_shape or jit): the kept count is not known
   return float(layer.density)
@@ -518,6 +519,13 @@ def densify(model: nnx.Module, *, inplace: bool = False) -> nnx.Module:
   ``NMConv`` / ``MaskedConv`` become ``nnx.Conv``, ``SparseLinearGeneral`` becomes ``nnx.LinearGeneral``,
   ``CompressedNMEmbed`` becomes ``nnx.Embed``; pruned weights are zeros in the dense kernels (tables).
 
+  Partitioning names (``nnx.with_partitioning``) come back: each dense kernel (table) and bias takes the names the
+  dense layer had before :func:`sparsify` (and :func:`compress`), kept in the sparse variables' metadata where their
+  own names cannot tell them (block-sparse values, a ``LinearGeneral`` kernel folded to 2-D), and is placed on the
+  mesh like the sparse value it comes from (a block-sparse kernel, replicated there, is split by its names). A
+  ``SparseLinearGeneral`` built directly gives each of its names back on the leading dim of its group; a
+  ``BlockSparseLinear`` built directly gives none (its ``(blocks, bk, bn)`` names do not map onto ``(K, N)``).
+
   >>> import jax.numpy as jnp, jaxsparse
   >>> from flax import nnx
   >>> model = nnx.Sequential(nnx.Linear(8, 8, rngs=nnx.Rngs(0)))
@@ -546,13 +554,14 @@ def densify(model: nnx.Module, *, inplace: bool = False) -> nnx.Module:
     return nnx.eval_shape(lambda m: densify(m, inplace=True), model)
   if not inplace:
     model = nnx.clone(model)
+  dense_of = lambda node: carry_back_nnx(node, node.to_dense())  # the partitioning names carried back
   if isinstance(model, _SPARSE_NNX):
-    return model.to_dense()
+    return dense_of(model)
   found = {tuple(path) for path, node in nnx.iter_modules(model) if path and isinstance(node, _SPARSE_NNX)}
   outermost = [p for p in found if not any(p[:i] in found for i in range(1, len(p)))]
   modules = {tuple(p): m for p, m in nnx.iter_modules(model)}
   for path in outermost:
-    replace_module(model, path, modules[path].to_dense())
+    replace_module(model, path, dense_of(modules[path]))
   return model
 
 

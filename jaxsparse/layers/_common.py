@@ -410,16 +410,16 @@ def bias_of(layer: nnx.Module) -> jax.Array | None:
 def nm_kept_mask(
     kernel: jax.Array, n: int, m: int, *, transposable: bool = False, weight_mask: jax.typing.ArrayLike | None = None
 ) -> jax.Array:
-  """Bool mask of the weights an N:M layer keeps of ``kernel``, its groups along axis -2 (the input features).
+  """Bool mask of the weights an N:M layer keeps of ``kernel``, its groups along axis -2 (the input features): those
+  its N:M pattern keeps that are nonzero.
 
-  With a conv's own Flax ``weight_mask`` (which ``nnx.Conv`` / ``nn.Conv`` multiply into the kernel before the N:M
-  pruning) only where that mask is nonzero: a group it leaves fewer than ``n`` nonzero weights would otherwise count
-  masked weights as kept.
+  The layers keep no mask (the pattern is the kernel's ``n`` largest of every ``m``), so a group that an optimizer
+  pruned further (``pruning.wrap_optax`` at a higher sparsity, a mask of fewer than ``n``) "keeps" zeros: they are not
+  counted (nor exported as kept), as they are not in a masked layer's mask. With a conv's own Flax ``weight_mask``
+  (which ``nnx.Conv`` / ``nn.Conv`` multiply into the kernel before the N:M pruning) the product is ranked and counted.
   """
-  if weight_mask is None:
-    return _nm_masks.nm_mask(kernel, n, m, axis=-2, transposable=transposable)
-  kept = _nm_masks.nm_mask(kernel * weight_mask, n, m, axis=-2, transposable=transposable)
-  return kept & jnp.broadcast_to(jnp.asarray(weight_mask) != 0, jnp.shape(kernel))
+  w = kernel if weight_mask is None else kernel * weight_mask
+  return _nm_masks.nm_mask(w, n, m, axis=-2, transposable=transposable) & (w != 0)
 
 
 def check_transposable_layer(transposable: object, out_features: int, m: int, *, name: str = "out_features") -> bool:

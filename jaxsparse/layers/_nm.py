@@ -92,8 +92,9 @@ class _NMMixin:
 
 
 def kept_mask(layer: NMLinear | NMConv) -> jax.Array:
-  """The weights ``layer``'s forward pass keeps: :attr:`~NMLinear.nm_mask`, and for an ``NMConv`` with a Flax weight
-  ``mask`` only where that mask is nonzero too (a group it leaves fewer than ``n`` nonzero weights "keeps" zeros)."""
+  """The weights ``layer``'s forward pass keeps nonzero: :attr:`~NMLinear.nm_mask` where the kernel (for an ``NMConv``
+  with a Flax weight ``mask``, the kernel times that mask) is nonzero; a group that holds fewer than ``n`` nonzero
+  weights (pruned further by an optimizer, or by the conv's mask) "keeps" zeros, which are not counted."""
   own = layer.mask if isinstance(layer, NMConv) else None
   return nm_kept_mask(layer.kernel[...], layer.n, layer.m, transposable=layer.transposable, weight_mask=own)
 

@@ -19,6 +19,12 @@ metadata) or ``nn.with_partitioning`` (Linen ``nn.Partitioned`` boxes) passes it
   is tensor parallelism, a layout with per-shard indices (:mod:`jaxsparse.sharding`).
 
 Where the dense kernel's value was already placed on a mesh, the new arrays are placed likewise.
+
+``densify`` carries the names back (:func:`carry_back_nnx`): the dense kernel (table) and bias take the names their
+sparse twins hold, unfolded or swapped back. Where the sparse names cannot tell the dense ones (block-sparse values,
+replicated; a ``LinearGeneral`` kernel or bias folded to 2-D / 1-D), :func:`carry_nnx` records the dense names in the
+sparse variable's ``dense_out_sharding`` metadata, which ``densify`` (and ``compress``, carrying it on) reads. A sparse
+layer built directly, without them, gives its folded names back on the leading dim of each group.
 """
 
 from __future__ import annotations
@@ -30,16 +36,21 @@ from typing import Any
 import flax.linen as nn
 import jax
 from flax import nnx
+from flax.core import spmd as core_spmd
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxsparse import _utils
+from jaxsparse.formats._base import is_concrete
 from jaxsparse.layers._block_sparse import BlockSparseLinear
 from jaxsparse.layers._linear_general import SparseLinearGeneral
 
-__all__ = ["carry_linen", "carry_nnx"]
+__all__ = ["DENSE_NAMES", "carry_back_nnx", "carry_linen", "carry_nnx"]
 
 Names = tuple[Any, ...]
+
+DENSE_NAMES = "dense_out_sharding"
+"""Metadata key of a sparse kernel (bias) whose own names cannot give back the dense layer's: the dense names."""
 
 
 def _fold(names: Names, groups: tuple[int, ...]) -> Names:
@@ -51,6 +62,12 @@ def _fold(names: Names, groups: tuple[int, ...]) -> Names:
     named = [n for n in group if n is not None]
     out.append(group[0] if len(named) == 1 and group[0] is not None else None)
   return tuple(out)
+
+
+def _unfold(names: Names, groups: tuple[int, ...]) -> Names:
+  """Names of ``len(names)`` dims unfolded into groups of ``groups[i]`` dims: each name on its group's leading dim,
+  the inverse of :func:`_fold` where it kept a name."""
+  return tuple(n for name, size in zip(names, groups, strict=True) for n in (name, *(None,) * (size - 1)))
 
 
 def _positions_names(kernel_names: Names) -> Names:
@@ -74,6 +91,21 @@ def _placed(value: jax.Array, names: Names, dense_value: Any, dense_names: Names
   return jax.device_put(value, NamedSharding(sharding.mesh, P(*spec)))
 
 
+def _placed_by_names(value: jax.Array, names: Names, source_value: Any, rules: Any) -> jax.Array:
+  """``value`` put on the mesh of ``source_value`` (a replicated block-sparse value), its dims split over the mesh
+  axes ``names`` give (through the variable's and the context's logical rules), those that divide them."""
+  sharding = getattr(source_value, "sharding", None)
+  if not isinstance(sharding, NamedSharding):
+    return value
+  mesh, spec = sharding.mesh, []
+  for size, axes in zip(value.shape, core_spmd.apply_rules(P(*names), rules), strict=True):
+    found = _utils.spec_axes(axes)
+    ok = axes is not None and all(a in mesh.shape for a in found)
+    ok = ok and size % math.prod(mesh.shape[a] for a in found) == 0
+    spec.append(axes if ok else None)
+  return jax.device_put(value, NamedSharding(mesh, P(*spec)))
+
+
 def _nnx_names(var: nnx.Variable) -> Names | None:
   names = var.get_metadata().get("out_sharding")
   return tuple(names) if names else None
@@ -91,7 +123,14 @@ def carry_nnx(dense: nnx.Module, sparse: nnx.Module) -> nnx.Module:
   if kernel_names is None and bias_names is None:
     return sparse
   extra = {k: v for k, v in weight.get_metadata().items() if k in ("sharding_rules", "mesh") and v is not None}
+  # The dense names, where the sparse ones lose them (block-sparse, folded); compress carries them on.
+  dense_kernel_names = weight.get_metadata().get(DENSE_NAMES)
+  dense_bias_names = bias.get_metadata().get(DENSE_NAMES) if isinstance(bias, nnx.Variable) else None
   layer = sparse
+  if isinstance(sparse, SparseLinearGeneral):
+    dense_kernel_names, dense_bias_names = kernel_names, bias_names
+  elif isinstance(sparse, BlockSparseLinear):
+    dense_kernel_names = kernel_names
   if isinstance(sparse, SparseLinearGeneral):
     layer = sparse.layer
     n_in = len(sparse.in_features)
@@ -113,9 +152,59 @@ def carry_nnx(dense: nnx.Module, sparse: nnx.Module) -> nnx.Module:
       names, source = kernel_names, weight
     if names is None:
       continue
-    var.set_metadata(out_sharding=names, **extra)
+    recorded = dense_bias_names if is_bias else dense_kernel_names if path and path[-1] == "kernel" else None
+    var.set_metadata(out_sharding=names, **extra, **({DENSE_NAMES: recorded} if recorded is not None else {}))
     var.set_value(_placed(var[...], names, source[...], _nnx_names(source) or ()))  # a split value: a new type
   return sparse
+
+
+def carry_back_nnx(sparse: nnx.Module, dense: nnx.Module) -> nnx.Module:
+  """Copies the partitioning names of ``sparse``'s kernel (table) and bias onto ``dense``, its ``to_dense()``: the
+  inverse of :func:`carry_nnx`.
+
+  The names recorded by :func:`carry_nnx` (``dense_out_sharding``) where there are some; else a kernel of the dense
+  kernel's shape takes its own names, a ``CompressedNMEmbed``'s transposed table its names swapped, a
+  ``SparseLinearGeneral``'s ``(K, N)`` kernel and ``(N,)`` bias theirs unfolded (each on its group's leading dim).
+  Block-sparse values without recorded names give none. Where the sparse value is placed on a mesh, the dense value
+  is placed likewise (dims of the same name split the same way).
+  """
+  embed = isinstance(dense, nnx.Embed)
+  layer = sparse.layer if isinstance(sparse, SparseLinearGeneral) else sparse
+  weight = layer.embedding if embed else layer.kernel
+  bias = getattr(layer, "bias", None)
+
+  def derived(var: nnx.Variable | None, kind: str) -> Names | None:
+    if not isinstance(var, nnx.Variable):
+      return None
+    recorded = var.get_metadata().get(DENSE_NAMES)
+    if recorded is not None:
+      return tuple(recorded)
+    names = _nnx_names(var)
+    if names is None or (kind == "kernel" and isinstance(layer, BlockSparseLinear)):
+      return None
+    if embed:
+      return names[::-1]
+    if isinstance(sparse, SparseLinearGeneral):
+      n_in, n_out = len(sparse.in_features), len(sparse.out_features)
+      groups = (n_in, n_out) if kind == "kernel" else (n_out,)
+      return _unfold(names, groups) if len(names) == len(groups) else None
+    return names
+
+  extra = {k: v for k, v in weight.get_metadata().items() if k in ("sharding_rules", "mesh") and v is not None}
+  targets = [(dense.embedding if embed else dense.kernel, weight, derived(weight, "kernel"))]
+  if isinstance(getattr(dense, "bias", None), nnx.Variable):
+    targets.append((dense.bias, bias, derived(bias, "bias")))
+  for var, source, names in targets:
+    if names is None or len(names) != var.ndim:
+      continue
+    var.set_metadata(out_sharding=names, **extra)
+    if not (is_concrete(var[...]) and is_concrete(source[...])):
+      continue
+    if source.get_metadata().get(DENSE_NAMES) is not None:  # the sparse value's split does not tell the dense one's
+      var.set_value(_placed_by_names(var[...], names, source[...], extra.get("sharding_rules")))
+    else:
+      var.set_value(_placed(var[...], names, source[...], _nnx_names(source) or ()))
+  return dense
 
 
 def carry_linen(dense_params: Mapping, layer_vars: dict, *, in_ndim: int | None = None) -> dict:

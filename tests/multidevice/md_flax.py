@@ -69,6 +69,30 @@ def test_nnx_partitioning_survives_sparsify():
   assert_close(jax.jit(lambda m, x: m(x))(sparse, x), dense_sparse(x), jnp.float32)
 
 
+def test_nnx_densify_gives_back_partitioning_and_placement():
+  # densify of a sparsified (and compressed) model: the dense kernels and biases take their names back (they came
+  # back unnamed, P()) and are split over the mesh as the dense model's were; block-sparse values, replicated in the
+  # sparse model, come back split too.
+  mesh = _mesh()
+  names = {"up": (None, "model"), "mid": ("model", None), "down": ("model", None)}
+  with jax.set_mesh(mesh):
+    model = MLP(nnx.Rngs(0), names)
+  sparse, _ = jaxsparse.sparsify(model, RULES)
+  sparse.mid = jaxsparse.compress(nnx.Sequential(sparse.mid)).layers[0]  # a CompressedNMLinear
+  dense = jaxsparse.densify(sparse)
+  want = {"up": {"kernel": (None, "model"), "bias": ("model",)}, "mid": {"kernel": ("model", None), "bias": ()},
+          "down": {"kernel": ("model", None), "bias": ()}}
+  got = jax.tree.map(lambda v: tuple(v.get_value()), nnx.get_partition_spec(nnx.state(dense)),
+                     is_leaf=lambda v: isinstance(v, nnx.Variable))
+  assert nnx.to_pure_dict(got) == want
+  for layer in ("up", "mid", "down"):
+    for var in ("kernel", "bias"):
+      value = getattr(getattr(dense, layer), var)[...]
+      assert value.sharding.is_equivalent_to(NamedSharding(mesh, P(*want[layer][var])), value.ndim), (layer, var)
+  x = jax.random.normal(jax.random.key(1), (8, D))
+  assert_close(jax.jit(lambda m, x: m(x))(dense, x), sparse(x), jnp.float32)
+
+
 def test_nnx_embedding_partitioning_survives_sparsify():
   mesh = _mesh()
   with jax.set_mesh(mesh):
