@@ -12,6 +12,7 @@ import jaxsparse
 from jaxsparse._cpu import _build as cpu_build
 from jaxsparse.layers import BlockSparseLinear
 from jaxsparse.layers import MaskedLinear
+from tests.test_abstract_init import NNX_LAYERS
 
 
 def _layers():
@@ -48,3 +49,21 @@ def test_the_checks_name_every_kernel_target():
   for target in ("jaxsparse_block_forward", "jaxsparse_csr_backward", "jaxsparse_nm24_decode",
                  "jaxsparse_cusparselt_matmul", "__gpu$xla.gpu.triton"):
     assert any(target in n for n in names), target
+
+
+@pytest.mark.parametrize("name", ["nm", "nm_conv", "masked_conv", "compressed_nm", "compressed_nm_buffer",
+                                  "linear_general"])
+def test_export_of_each_nnx_layer_kind_runs_the_same_forward_and_gradient(name):
+  # The kinds the test above leaves out (the SR-STE, convolution, compressed, buffer and LinearGeneral routes), from
+  # the builders the checkpoint and abstract-init tests use.
+  build, x_shape = NNX_LAYERS[name]
+  layer = build(nnx.Rngs(0))
+  graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+  dtype = getattr(layer, "kernel_dtype", jnp.float32)
+  x = jax.random.normal(jax.random.key(1), x_shape).astype(dtype)
+  loss = lambda x, params: jnp.sum(nnx.merge(graphdef, params, rest)(x).astype(jnp.float32) ** 2)
+  f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+  exported = jax.export.export(f, disabled_checks=jaxsparse.ops.export_safety_checks())(x, params)
+  got, want = exported.call(x, params), f(x, params)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-6, atol=1e-6)
