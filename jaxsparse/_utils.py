@@ -242,8 +242,15 @@ def explicit_mesh(a: jax.typing.ArrayLike):
   return mesh
 
 
-def row_bucket(m: int) -> int:
-  """Rows of products that share a tuning decision: powers of two up to 16, then steps of a quarter octave."""
+SYMBOLIC_ROWS = "symbolic"
+
+
+def row_bucket(m: int) -> int | str:
+  """Rows of products that share a tuning decision: powers of two up to 16, then steps of a quarter octave;
+  :data:`SYMBOLIC_ROWS` for a symbolic row count (``jax.export`` with shape polymorphism: no route is measured, and
+  the router keeps to the XLA routes, which take any row count)."""
+  if jax.export.is_symbolic_dim(m):
+    return SYMBOLIC_ROWS
   if m <= 16:
     return 1 << max(0, m - 1).bit_length()
   step = (1 << (m.bit_length() - 1)) // 4

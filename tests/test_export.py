@@ -12,6 +12,7 @@ import jaxsparse
 from jaxsparse._cpu import _build as cpu_build
 from jaxsparse.layers import BlockSparseLinear
 from jaxsparse.layers import MaskedLinear
+from tests.test_abstract_init import LINEN_LAYERS
 from tests.test_abstract_init import NNX_LAYERS
 
 
@@ -67,3 +68,55 @@ def test_export_of_each_nnx_layer_kind_runs_the_same_forward_and_gradient(name):
   got, want = exported.call(x, params), f(x, params)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(NNX_LAYERS))
+def test_export_with_a_symbolic_batch_runs_every_layer_kind(name):
+  # Shape polymorphism (a serving batch of any size): the row-count rules and tuning keys compared a symbolic
+  # dimension ("'b' <= '16' is inconclusive"); such products now take the XLA routes, which run any row count.
+  build, x_shape = NNX_LAYERS[name]
+  layer = build(nnx.Rngs(0))
+  graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+  dtype = getattr(layer, "kernel_dtype", jnp.float32)
+  loss = lambda x, params: jnp.sum(nnx.merge(graphdef, params, rest)(x).astype(jnp.float32) ** 2)
+  f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+  exported = jax.export.export(f, platforms=["cpu", "cuda"])(_symbolic(x_shape, dtype), params)
+  for batch in (1, 5):
+    x = jax.random.normal(jax.random.key(batch), (batch, *x_shape[1:])).astype(dtype)
+    got, want = exported.call(x, params), f(x, params)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+      np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-5, atol=2e-5)
+
+
+def _symbolic(shape, dtype):
+  """A ``ShapeDtypeStruct`` of ``shape`` with its leading dim the symbol ``b``."""
+  return jax.ShapeDtypeStruct(jax.export.symbolic_shape(", ".join(["b", *map(str, shape[1:])])), dtype)
+
+
+@pytest.mark.parametrize("name", sorted(LINEN_LAYERS))
+def test_export_with_a_symbolic_batch_runs_every_linen_layer_kind(name):
+  module, x_shape = LINEN_LAYERS[name]
+  variables = module.init(jax.random.key(0), jnp.ones(x_shape))
+  loss = lambda x, params: jnp.sum(module.apply({**variables, "params": params}, x) ** 2)
+  f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+  params = variables["params"]
+  exported = jax.export.export(f, platforms=["cpu", "cuda"])(_symbolic(x_shape, jnp.float32), params)
+  for batch in (1, 4):
+    x = jax.random.normal(jax.random.key(batch), (batch, *x_shape[1:]))
+    for a, b in zip(jax.tree.leaves(exported.call(x, params)), jax.tree.leaves(f(x, params)), strict=True):
+      np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
+
+
+def test_export_with_a_symbolic_batch_runs_the_sparse_embedding():
+  # The lookup built an NMSparseMatrix of the ids' shape, which must be ints ("b is not an integer").
+  emb = jaxsparse.layers.CompressedNMEmbed.from_dense(nnx.Embed(50, 32, rngs=nnx.Rngs(0)), n=2, m=4)
+  graphdef, params, rest = nnx.split(emb, nnx.Param, ...)
+  lookup = jax.jit(lambda ids, p: nnx.merge(graphdef, p, rest)(ids))
+  attend = jax.jit(lambda q, p: nnx.merge(graphdef, p, rest).attend(q))
+  exported_lookup = jax.export.export(lookup, platforms=["cpu", "cuda"])(_symbolic((1, 7), jnp.int32), params)
+  exported_attend = jax.export.export(attend, platforms=["cpu", "cuda"])(_symbolic((1, 32), jnp.float32), params)
+  for batch in (1, 3):
+    ids = jax.random.randint(jax.random.key(batch), (batch, 7), -50, 50)
+    np.testing.assert_array_equal(exported_lookup.call(ids, params), lookup(ids, params))
+    q = jax.random.normal(jax.random.key(batch), (batch, 32))
+    np.testing.assert_allclose(exported_attend.call(q, params), attend(q, params), rtol=1e-6, atol=1e-6)

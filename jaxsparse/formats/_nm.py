@@ -31,7 +31,7 @@ from jaxsparse.formats._nm_masks import check_axis
 from jaxsparse.formats._nm_masks import check_groups
 from jaxsparse.formats._nm_masks import check_nm
 
-__all__ = ["NMSparseMatrix"]
+__all__ = ["NMSparseMatrix", "decompress"]
 
 
 # -------------------------------------------------------------------------------------------------
@@ -121,7 +121,9 @@ def _positions(indices: jax.Array, n: int, m: int, axis: int, groups: int) -> ja
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3, 4))
-def _decompress(values: jax.Array, indices: jax.Array, n: int, m: int, axis: int) -> jax.Array:
+def decompress(values: jax.Array, indices: jax.Array, n: int, m: int, axis: int) -> jax.Array:
+  """The dense array of an N:M matrix's ``values`` and ``indices`` (:meth:`NMSparseMatrix.to_dense` without the
+  static shape: its other dims may be symbolic, as a lookup's ids under ``jax.export``)."""
   vals = jnp.moveaxis(values, axis, 0)
   groups = vals.shape[0] // n
   vals = vals.reshape(groups, n, *vals.shape[1:])
@@ -443,7 +445,7 @@ class NMSparseMatrix:
     Array([[ 0., -4.,  3.,  0.]], dtype=float32)
     """
     self._check_static()
-    return _decompress(self.values, self.indices, self.n, self.m, self.axis)
+    return decompress(self.values, self.indices, self.n, self.m, self.axis)
 
   def __repr__(self) -> str:
     return (

@@ -25,6 +25,7 @@ from jaxsparse import _utils
 from jaxsparse import ops
 from jaxsparse.formats._masks import replicated
 from jaxsparse.formats._nm import NMSparseMatrix
+from jaxsparse.formats._nm import decompress
 from jaxsparse.formats._nm_masks import check_nm
 from jaxsparse.layers._common import SparsityPattern
 from jaxsparse.layers._nm_compressed import check_nm_implementation
@@ -296,10 +297,8 @@ def lookup(weight: NMSparseMatrix, inputs: jax.Array) -> jax.Array:
   features, num_embeddings = weight.shape
   if num_embeddings == 1:  # as the Flax layers: every id reads the one row
     return jnp.broadcast_to(weight.to_dense()[:, 0], (*inputs.shape, features))
-  columns = NMSparseMatrix(  # jnp.take's index rule, as the Flax layers' (negative ids count from the end)
-      _take(weight.values, inputs, axis=1), _take(weight.indices, inputs, axis=1),
-      shape=(features, *inputs.shape), n=weight.n, m=weight.m, axis=0, validate=False,
-  ).to_dense()
+  columns = decompress(  # jnp.take's index rule, as the Flax layers' (negative ids count from the end)
+      _take(weight.values, inputs, axis=1), _take(weight.indices, inputs, axis=1), weight.n, weight.m, 0)
   rows = jnp.moveaxis(columns, 0, -1)
   # The Flax layers' jnp.take fills the rows of out-of-range ids with its fill value (NaN for floating tables, the
   # most negative integer for signed ones...); here only the kept entries would be.

@@ -384,6 +384,7 @@ class _Loop:
   title: ClassVar[str] = "the XLA block loop"
   platforms: ClassVar[tuple[str, ...]] = ("cpu", "default")
   fallback_warning: ClassVar[type[Warning]] = FallbackWarning
+  takes_symbolic_rows: ClassVar[bool] = True
 
   def unsupported_reason(self, p: _router.Product) -> None:
     return None

@@ -26,6 +26,10 @@ def export_safety_checks() -> list[export.DisabledSafetyCheck]:
   anyway), so calling it there first is enough on a CPU; on a GPU, the first jaxsparse product of the process
   registers its CUDA kernels.
 
+  A row count left symbolic (shape polymorphism, ``jax.export.symbolic_shape("b, 64")``) runs on the XLA routes,
+  which take any number of rows and need no such checks: the kernels' configs and the measured dispatch depend on
+  the row count, so export with concrete shapes (one per serving batch size) to keep the kernels.
+
   >>> import jax, jax.numpy as jnp, jaxsparse
   >>> w = jaxsparse.BlockSparseMatrix.from_dense(jnp.ones((64, 32)), (16, 16))
   >>> f = jax.jit(lambda x: jaxsparse.ops.block_sparse_matmul(x, w))

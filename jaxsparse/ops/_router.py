@@ -26,6 +26,7 @@ from collections.abc import Callable
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
+from typing import ClassVar
 from typing import Protocol
 from typing import runtime_checkable
 
@@ -83,6 +84,11 @@ class Product:
   fields: dict[str, Any]
   make_args: Callable[[], tuple]
 
+  @property
+  def symbolic(self) -> bool:
+    """Whether the row count is symbolic (``jax.export`` with shape polymorphism; :func:`_utils.row_bucket`)."""
+    return self.fields.get("rows") == _utils.SYMBOLIC_ROWS
+
 
 @dataclasses.dataclass(frozen=True)
 class Unsupported:
@@ -102,6 +108,9 @@ class Backend(Protocol):
     title: how messages name it, e.g. ``"the Pallas GPU kernels"``.
     platforms: the lowering platforms it serves (``"cuda"``, ``"cpu"``, ``"default"``: every other).
     fallback_warning: the :class:`jaxsparse.FallbackWarning` subclass of its fallbacks.
+
+  A backend whose class sets ``takes_symbolic_rows = True`` (the XLA formulations) also runs products whose row count
+  is symbolic (``jax.export`` with shape polymorphism); the others are not asked about those.
   """
 
   name: str
@@ -135,6 +144,7 @@ class Reference:
   measure: Callable[..., Any] | None = None
   platforms: tuple[str, ...] = PLATFORMS
   fallback_warning: type[Warning] = _utils.FallbackWarning
+  takes_symbolic_rows: ClassVar[bool] = True
 
   def unsupported_reason(self, product: Product) -> None:
     return None
@@ -173,8 +183,8 @@ def _candidates(product: Product, backends: Sequence[Backend], platform: str) ->
   for a backend that should have run here (naming the one that runs instead)."""
   out, skipped = [], []
   for b in backends:
-    if platform not in b.platforms:
-      continue
+    if platform not in b.platforms or (product.symbolic and not getattr(b, "takes_symbolic_rows", False)):
+      continue  # a symbolic row count (jax.export's shape polymorphism): only the XLA formulations take one
     why = b.unsupported_reason(product)
     if why is None:
       _warn(product, skipped, b.title)
