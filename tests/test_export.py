@@ -12,6 +12,7 @@ import jaxsparse
 from jaxsparse._cpu import _build as cpu_build
 from jaxsparse.layers import BlockSparseLinear
 from jaxsparse.layers import MaskedLinear
+from tests._util import rel_err
 from tests.test_abstract_init import LINEN_LAYERS
 from tests.test_abstract_init import NNX_LAYERS
 
@@ -70,6 +71,21 @@ def test_export_of_each_nnx_layer_kind_runs_the_same_forward_and_gradient(name):
     np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-6, atol=1e-6)
 
 
+# The symbolic exports run the XLA routes, the jitted references the kernels: on a GPU, float32 products at jax's
+# default precision round in TF32 (10-bit mantissa), each route differently.
+SYMBOLIC_TOL = 2e-5 if jax.default_backend() == "cpu" else 5e-3
+
+
+def _close(got, want):
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    assert rel_err(a, b) <= SYMBOLIC_TOL, (rel_err(a, b), SYMBOLIC_TOL)
+
+
+def _symbolic(shape, dtype):
+  """A ``ShapeDtypeStruct`` of ``shape`` with its leading dim the symbol ``b``."""
+  return jax.ShapeDtypeStruct(jax.export.symbolic_shape(", ".join(["b", *map(str, shape[1:])])), dtype)
+
+
 @pytest.mark.parametrize("name", sorted(NNX_LAYERS))
 def test_export_with_a_symbolic_batch_runs_every_layer_kind(name):
   # Shape polymorphism (a serving batch of any size): the row-count rules and tuning keys compared a symbolic
@@ -83,14 +99,7 @@ def test_export_with_a_symbolic_batch_runs_every_layer_kind(name):
   exported = jax.export.export(f, platforms=["cpu", "cuda"])(_symbolic(x_shape, dtype), params)
   for batch in (1, 5):
     x = jax.random.normal(jax.random.key(batch), (batch, *x_shape[1:])).astype(dtype)
-    got, want = exported.call(x, params), f(x, params)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-      np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-5, atol=2e-5)
-
-
-def _symbolic(shape, dtype):
-  """A ``ShapeDtypeStruct`` of ``shape`` with its leading dim the symbol ``b``."""
-  return jax.ShapeDtypeStruct(jax.export.symbolic_shape(", ".join(["b", *map(str, shape[1:])])), dtype)
+    _close(exported.call(x, params), f(x, params))
 
 
 @pytest.mark.parametrize("name", sorted(LINEN_LAYERS))
@@ -103,8 +112,7 @@ def test_export_with_a_symbolic_batch_runs_every_linen_layer_kind(name):
   exported = jax.export.export(f, platforms=["cpu", "cuda"])(_symbolic(x_shape, jnp.float32), params)
   for batch in (1, 4):
     x = jax.random.normal(jax.random.key(batch), (batch, *x_shape[1:]))
-    for a, b in zip(jax.tree.leaves(exported.call(x, params)), jax.tree.leaves(f(x, params)), strict=True):
-      np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
+    _close(exported.call(x, params), f(x, params))
 
 
 def test_export_with_a_symbolic_batch_runs_the_sparse_embedding():
@@ -119,4 +127,4 @@ def test_export_with_a_symbolic_batch_runs_the_sparse_embedding():
     ids = jax.random.randint(jax.random.key(batch), (batch, 7), -50, 50)
     np.testing.assert_array_equal(exported_lookup.call(ids, params), lookup(ids, params))
     q = jax.random.normal(jax.random.key(batch), (batch, 32))
-    np.testing.assert_allclose(exported_attend.call(q, params), attend(q, params), rtol=1e-6, atol=1e-6)
+    _close(exported_attend.call(q, params), attend(q, params))
