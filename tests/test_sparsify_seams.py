@@ -447,6 +447,28 @@ def test_sparsify_linen_under_eval_shape_gives_the_abstract_restore_target(spec)
   np.testing.assert_array_equal(densities, expected)
 
 
+@pytest.mark.parametrize("spec", [jaxsparse.NM(2, 4), jaxsparse.Unstructured(sparsity=0.5)], ids=str)
+def test_sparsify_linen_under_eval_shape_of_concrete_variables(spec):
+  # Variables made outside the traced function: the N:M report counted the kept weights with jnp under the trace and
+  # float() of the traced count raised ConcretizationTypeError; they are concrete, so it is counted.
+  x = _normal(0, (2, 32))
+  model = _Mixed()
+  variables = model.init(jax.random.key(0), x)
+  densities = []
+
+  def make():
+    _, sparse_vars, report = jaxsparse.sparsify_linen(model, variables, spec, x)
+    densities.extend(c.density for c in report.layers)
+    return sparse_vars
+
+  abstract = jax.eval_shape(make)
+  _, concrete, report = jaxsparse.sparsify_linen(model, variables, spec, x)
+  assert jax.tree.map(lambda a: (a.shape, a.dtype), abstract) == jax.tree.map(lambda a: (a.shape, a.dtype), concrete)
+  # An unstructured mask is computed (ranked) under the trace: its kept count is unknown there (NaN).
+  expected = [float("nan") if isinstance(spec, jaxsparse.Unstructured) else c.density for c in report.layers]
+  np.testing.assert_allclose(densities, expected, rtol=1e-6)
+
+
 def test_sparsify_linen_under_eval_shape_with_traced_masks_says_what_to_do():
   x = _normal(0, (2, 32))
   model = _Mixed()

@@ -182,8 +182,9 @@ def linen_density(spec: Spec, layer_vars: Mapping, kernel_shape: tuple[int, ...]
     kernel = layer_vars["params"]["kernel"]
     if not (is_concrete(kernel) and (weight_mask is None or is_concrete(weight_mask))):
       return spec.n / spec.m if weight_mask is None else float("nan")
-    return float(jnp.mean(nm_kept_mask(kernel, spec.n, spec.m, transposable=spec.transposable,
-                                       weight_mask=weight_mask)))
+    with jax.ensure_compile_time_eval():  # concrete weights under a trace (jax.eval_shape of sparsify_linen)
+      return float(jnp.mean(nm_kept_mask(kernel, spec.n, spec.m, transposable=spec.transposable,
+                                         weight_mask=weight_mask)))
   if isinstance(spec, BlockSparse):
     k, n = kernel_shape
     return layer_vars["params"]["kernel"].shape[0] / ((k // spec.block_shape[0]) * (n // spec.block_shape[1]))

@@ -320,7 +320,8 @@ def _density(layer: nnx.Module) -> float:
     own = layer.mask if isinstance(layer, NMConv) else None  # (a mask given, a conv's own weight mask)
     if not (is_concrete(layer.kernel.get_value()) and (own is None or is_concrete(own))):
       return layer.n / layer.m if own is None else float("nan")  # traced (nnx.eval_shape, jit): n / m at most
-    return float(jnp.mean(kept_mask(layer)))
+    with jax.ensure_compile_time_eval():  # concrete weights under a trace (nnx.eval_shape of sparsify): eager
+      return float(jnp.mean(kept_mask(layer)))
   if isinstance(layer, (MaskedLinear, MaskedConv)) and not is_concrete(layer.mask[...]):
     return float("nan")  # traced (under nnx.eval_shape or jit): the kept count is not known
   return float(layer.density)
