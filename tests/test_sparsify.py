@@ -615,3 +615,15 @@ def test_densify_gives_back_the_partitioning_names():
   with jax.set_mesh(mesh):
     abstract = nnx.eval_shape(lambda: sparse_of(_Named(nnx.Rngs(0))))
   assert specs(jaxsparse.densify(abstract)) == want
+
+
+def test_densify_of_a_buffer_storage_layer_with_a_partitioned_bias():
+  # A CompressedNMLinear keeping its weight only as cuSPARSELt's buffer has no kernel Variable: densify's carry of the
+  # partitioning names read its metadata (AttributeError on None). The bias's names still come back.
+  layer = NMLinear(64, 64, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0)).to_compressed(storage="cusparselt")
+  layer.bias.set_metadata(out_sharding=("model",))
+  x = jax.random.normal(jax.random.key(1), (3, 64)).astype(jnp.bfloat16)
+  want = layer(x)
+  dense = jaxsparse.densify(layer)
+  assert isinstance(dense, nnx.Linear) and dense.bias.get_metadata().get("out_sharding") == ("model",)
+  assert_close(dense(x), want, jnp.bfloat16)

@@ -165,8 +165,8 @@ def carry_back_nnx(sparse: nnx.Module, dense: nnx.Module) -> nnx.Module:
   The names recorded by :func:`carry_nnx` (``dense_out_sharding``) where there are some; else a kernel of the dense
   kernel's shape takes its own names, a ``CompressedNMEmbed``'s transposed table its names swapped, a
   ``SparseLinearGeneral``'s ``(K, N)`` kernel and ``(N,)`` bias theirs unfolded (each on its group's leading dim).
-  Block-sparse values without recorded names give none. Where the sparse value is placed on a mesh, the dense value
-  is placed likewise (dims of the same name split the same way).
+  Block-sparse values without recorded names give none, nor does a kernel kept only as cuSPARSELt's buffer. Where
+  the sparse value is placed on a mesh, the dense value is placed likewise (dims of the same name split the same way).
   """
   embed = isinstance(dense, nnx.Embed)
   layer = sparse.layer if isinstance(sparse, SparseLinearGeneral) else sparse
@@ -190,13 +190,15 @@ def carry_back_nnx(sparse: nnx.Module, dense: nnx.Module) -> nnx.Module:
       return _unfold(names, groups) if len(names) == len(groups) else None
     return names
 
-  extra = {k: v for k, v in weight.get_metadata().items() if k in ("sharding_rules", "mesh") and v is not None}
-  targets = [(dense.embedding if embed else dense.kernel, weight, derived(weight, "kernel"))]
+  targets = []
+  if isinstance(weight, nnx.Variable):  # not a weight kept only as cuSPARSELt's buffer (storage="cusparselt")
+    targets.append((dense.embedding if embed else dense.kernel, weight, derived(weight, "kernel")))
   if isinstance(getattr(dense, "bias", None), nnx.Variable):
     targets.append((dense.bias, bias, derived(bias, "bias")))
   for var, source, names in targets:
     if names is None or len(names) != var.ndim:
       continue
+    extra = {k: v for k, v in source.get_metadata().items() if k in ("sharding_rules", "mesh") and v is not None}
     var.set_metadata(out_sharding=names, **extra)
     if not (is_concrete(var[...]) and is_concrete(source[...])):
       continue
