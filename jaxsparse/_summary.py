@@ -26,7 +26,7 @@ from jaxsparse.formats._base import is_concrete
 from jaxsparse.layers import _nm_linen
 from jaxsparse.layers._block_sparse import BlockSparseLinear
 from jaxsparse.layers._common import SPARSITY
-from jaxsparse.layers._common import nm_kept_mask
+from jaxsparse.layers._common import nm_kept_count
 from jaxsparse.layers._common import pattern_mask
 from jaxsparse.layers._embed import CompressedNMEmbed
 from jaxsparse.layers._embed_linen import CompressedNMEmbed as LinenCompressedNMEmbed
@@ -36,7 +36,6 @@ from jaxsparse.layers._masked import MaskedDense
 from jaxsparse.layers._masked import MaskedLinear
 from jaxsparse.layers._nm import NMConv
 from jaxsparse.layers._nm import NMLinear
-from jaxsparse.layers._nm import kept_mask
 from jaxsparse.layers._nm_compressed import CompressedNMLinear
 from jaxsparse.layers._nm_linen_compressed import CompressedNMDense
 
@@ -224,12 +223,10 @@ def _nnx_layer(path: str, node: nnx.Module) -> LayerSummary | None:
   if isinstance(node, NMLinear | NMConv):
     shape = tuple(node.kernel.shape)
     pattern = f"{node.n}:{node.m}" + (" transposable" if node.transposable else "")
-    own = node.mask if isinstance(node, NMConv) else None
     # The nonzero weights the pattern keeps: a group pruned further (by an optimizer, a conv's own weight mask) keeps
-    # fewer than n. An abstract kernel: n of every m, the most it keeps (with a weight mask: unknown).
-    kept = math.prod(shape) * node.n // node.m if own is None else None
-    if is_concrete(node.kernel.get_value()) and (own is None or is_concrete(own)):
-      kept = _count(kept_mask(node))
+    # fewer than n.
+    kept = nm_kept_count(node.kernel.get_value(), node.n, node.m, transposable=node.transposable,
+                         weight_mask=node.mask if isinstance(node, NMConv) else None)
     return _layer(path, kind, shape, pattern, kept, param_dtype=node.kernel.dtype, dense_weight_grad=True, **common)
   if isinstance(node, CompressedNMEmbed):
     shape = (node.num_embeddings, node.features)
@@ -344,9 +341,7 @@ def _linen_layers(
         name, n, m, transposable, own = nm_layers[prefix]
         shape = tuple(kernel.shape)
         nm = f"{n}:{m}" + (" transposable" if transposable else "")
-        kept = math.prod(shape) * n // m if own is None else None  # abstract: as in NNX
-        if is_concrete(kernel) and (own is None or is_concrete(own)):  # nonzero kept weights, as in NNX
-          kept = _count(nm_kept_mask(kernel, n, m, transposable=transposable, weight_mask=own))
+        kept = nm_kept_count(kernel, n, m, transposable=transposable, weight_mask=own)  # as in NNX
         out.append(_layer(path, name, shape, nm, kept, dense_weight_grad=True, **common))
     elif "embedding" in params and not isinstance(params["embedding"], Mapping):
       pattern = sparsity
@@ -367,10 +362,7 @@ def _linen_kept(path: str, pattern: Mapping, kernel: Any) -> int | None:
   (bool, the kernel's shape: a mask of 0.5 or 2 runs nowhere); ``None`` for an abstract mask."""
   if not is_concrete(pattern["mask"]):
     return None
-  try:
-    return _count(pattern_mask(pattern["mask"], tuple(kernel.shape)))
-  except (TypeError, ValueError) as e:
-    raise type(e)(f"{path or '(the variables)'}: {e}") from None
+  return _count(pattern_mask(pattern["mask"], tuple(kernel.shape), path=path))
 
 
 def _linen_embed(path: str, params: Mapping, pattern: Mapping, info: _NMInfo | None) -> LayerSummary:

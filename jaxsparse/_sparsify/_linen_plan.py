@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -37,6 +38,7 @@ from jaxsparse.formats._specs import Spec
 from jaxsparse.formats._specs import Unstructured
 from jaxsparse.formats._specs import matrix_shape
 from jaxsparse.layers import linen as sparse_linen
+from jaxsparse.layers._common import nm_kept_count
 from jaxsparse.layers._common import nm_kept_mask
 from jaxsparse.layers._common import pattern_mask
 from jaxsparse.layers._embed import compress_table
@@ -180,11 +182,8 @@ def linen_density(spec: Spec, layer_vars: Mapping, kernel_shape: tuple[int, ...]
   values (an N:M conv's weight mask, an unstructured mask), as under ``jax.eval_shape``."""
   if isinstance(spec, NM):  # the nonzero weights the pattern keeps (a mask given may keep fewer than n of a group)
     kernel = layer_vars["params"]["kernel"]
-    if not (is_concrete(kernel) and (weight_mask is None or is_concrete(weight_mask))):
-      return spec.n / spec.m if weight_mask is None else float("nan")
-    with jax.ensure_compile_time_eval():  # concrete weights under a trace (jax.eval_shape of sparsify_linen)
-      return float(jnp.mean(nm_kept_mask(kernel, spec.n, spec.m, transposable=spec.transposable,
-                                         weight_mask=weight_mask)))
+    kept = nm_kept_count(kernel, spec.n, spec.m, transposable=spec.transposable, weight_mask=weight_mask)
+    return float("nan") if kept is None else kept / math.prod(kernel.shape)
   if isinstance(spec, BlockSparse):
     k, n = kernel_shape
     return layer_vars["params"]["kernel"].shape[0] / ((k // spec.block_shape[0]) * (n // spec.block_shape[1]))

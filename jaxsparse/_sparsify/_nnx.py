@@ -20,6 +20,7 @@ embeddings dense.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -62,7 +63,7 @@ from jaxsparse.layers import NMLinear
 from jaxsparse.layers import SparseLinearGeneral
 from jaxsparse.layers._common import copy_bias
 from jaxsparse.layers._common import custom_options
-from jaxsparse.layers._nm import kept_mask
+from jaxsparse.layers._common import nm_kept_count
 from jaxsparse.layers._partitioning import carry_back_nnx
 from jaxsparse.layers._partitioning import carry_nnx
 
@@ -317,11 +318,9 @@ def _density(layer: nnx.Module) -> float:
   if isinstance(layer, SparseLinearGeneral):
     return _density(layer.layer)
   if isinstance(layer, (NMLinear, NMConv)):  # the nonzero weights the pattern keeps: a group may keep fewer than n
-    own = layer.mask if isinstance(layer, NMConv) else None  # (a mask given, a conv's own weight mask)
-    if not (is_concrete(layer.kernel.get_value()) and (own is None or is_concrete(own))):
-      return layer.n / layer.m if own is None else float("nan")  # traced (nnx.eval_shape, jit): n / m at most
-    with jax.ensure_compile_time_eval():  # concrete weights under a trace (nnx.eval_shape of sparsify): eager
-      return float(jnp.mean(kept_mask(layer)))
+    kept = nm_kept_count(layer.kernel.get_value(), layer.n, layer.m, transposable=layer.transposable,
+                         weight_mask=layer.mask if isinstance(layer, NMConv) else None)
+    return float("nan") if kept is None else kept / math.prod(layer.kernel.shape)
   if isinstance(layer, (MaskedLinear, MaskedConv)) and not is_concrete(layer.mask[...]):
     return float("nan")  # traced (under nnx.eval_shape or jit): the kept count is not known
   return float(layer.density)

@@ -24,6 +24,7 @@ from flax.nnx.nn import dtypes
 from jaxsparse import _utils
 from jaxsparse import ops
 from jaxsparse.formats import _nm_masks
+from jaxsparse.formats._base import is_concrete
 from jaxsparse.formats._masks import top_k_mask
 
 __all__ = [
@@ -44,6 +45,7 @@ __all__ = [
     "check_one_of",
     "check_pattern",
     "check_real_dtypes",
+    "check_init_dtype",
     "check_trained_dtype",
     "conv_options",
     "copy_bias",
@@ -55,6 +57,9 @@ __all__ = [
     "linear_options",
     "map_boxed",
     "missing_pattern",
+    "nm_kept_count",
+    "nm_kept_mask",
+    "pattern_mask",
     "random_mask",
     "unbox_init",
     "with_weights",
@@ -244,9 +249,10 @@ def check_trained_dtype(layer: type, param_dtype: Any) -> None:
     )
 
 
-def pattern_mask(mask: Any, shape: tuple[int, ...]) -> jax.Array:
+def pattern_mask(mask: Any, shape: tuple[int, ...], *, path: str | None = None) -> jax.Array:
   """The bool mask of an unstructured Linen layer's ``"sparsity"`` collection (unboxed), checked against its kernel's
-  ``shape`` (``_utils.check_mask``; errors say which collection).
+  ``shape`` (``_utils.check_mask``; errors say which collection, and start with the layer's ``path`` where given:
+  ``""`` is the variables themselves).
 
   ``nn.Conv`` multiplies its kernel by a weight mask: a mask of other values (0.5, an int 2) would scale the kept
   weights in the forward while :func:`jaxsparse.densify_linen` keeps them as they are, so the forward, densify,
@@ -255,7 +261,8 @@ def pattern_mask(mask: Any, shape: tuple[int, ...]) -> jax.Array:
   try:
     return _utils.check_mask(mask, shape)
   except (TypeError, ValueError) as e:
-    raise type(e)(f"its {SPARSITY!r} collection's {e}") from None
+    where = "" if path is None else f"{path or '(the variables)'}: "
+    raise type(e)(f"{where}its {SPARSITY!r} collection's {e}") from None
 
 
 def check_init_dtype(layer: type, param_dtype: Any, kernel_init: Any) -> None:
@@ -420,6 +427,18 @@ def nm_kept_mask(
   """
   w = kernel if weight_mask is None else kernel * weight_mask
   return _nm_masks.nm_mask(w, n, m, axis=-2, transposable=transposable) & (w != 0)
+
+
+def nm_kept_count(
+    kernel: jax.Array, n: int, m: int, *, transposable: bool = False, weight_mask: jax.typing.ArrayLike | None = None
+) -> int | None:
+  """How many weights :func:`nm_kept_mask` keeps, counted eagerly where the values are concrete (also under a trace:
+  ``nnx.eval_shape`` of ``sparsify``); for a traced kernel the most it can keep, ``n`` of every ``m``, or ``None``
+  with a ``weight_mask`` (unknown)."""
+  if not (is_concrete(kernel) and (weight_mask is None or is_concrete(weight_mask))):
+    return math.prod(kernel.shape) * n // m if weight_mask is None else None
+  with jax.ensure_compile_time_eval():
+    return int(jnp.sum(nm_kept_mask(kernel, n, m, transposable=transposable, weight_mask=weight_mask)))
 
 
 def check_transposable_layer(transposable: object, out_features: int, m: int, *, name: str = "out_features") -> bool:

@@ -58,13 +58,9 @@ def _lead_specs(spec, shape, n_lead: int, axis_size: Callable[[str], int]) -> tu
   return tuple(out)
 
 
-def _flat_axes(lead: tuple) -> tuple[str, ...]:
-  return _utils.spec_axes(*lead)
-
-
 def _local(fn: Callable, n_rows: int, summed: frozenset, lead: tuple) -> Callable:
   """``fn`` on one device's rows, its ``summed`` outputs reduced over the axes of ``lead``."""
-  axes = _flat_axes(lead)
+  axes = _utils.spec_axes(*lead)
 
   def local_fn(*args):
     outs = fn(*args)
@@ -151,7 +147,7 @@ def _explicit_call(fn, n_rows, summed, mesh, lead, args, out_ndims):
   # No autodiff runs through this map (it sits inside the ops' custom VJPs), and the Pallas kernels,
   # traced on every platform by lax.platform_dependent, do not declare how their outputs vary.
   smap = jax.shard_map(
-      local, mesh=mesh, in_specs=specs, out_specs=out_specs, axis_names=set(_flat_axes(lead)), check_vma=False
+      local, mesh=mesh, in_specs=specs, out_specs=out_specs, axis_names=set(_utils.spec_axes(*lead)), check_vma=False
   )
   # Under jit: called eagerly, a map over some of the mesh's axes with check_vma=False fails in jax 0.10 ("out_specs
   # refers to 'model'", an axis it does not map) although its specs name only mapped axes. Inside jit it is inlined.

@@ -528,10 +528,7 @@ def _narrow_linen_masks(sparsity: Mapping, masks: Any) -> dict:
         continue
       new = by_path.get(path_str((*prefix, "kernel"))) if key == "mask" else None
       if new is not None:
-        try:
-          old = pattern_mask(nn.meta.unbox(value), np.shape(new))
-        except (TypeError, ValueError) as e:
-          raise type(e)(f"{path_str(prefix) or '(the variables)'}: {e}") from None
+        old = pattern_mask(nn.meta.unbox(value), np.shape(new), path=path_str(prefix))
         value = _rebox(value, old & new) if _is_box(value) else old & new
       out[key] = value
     return out

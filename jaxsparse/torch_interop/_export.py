@@ -73,16 +73,6 @@ def _weight_masked(k: np.ndarray, kept: np.ndarray, weight_mask: Any) -> np.ndar
   return _masked(k, kept)
 
 
-def _linen_mask(fp: str, sp: Mapping, kernel: Any) -> np.ndarray:
-  """The bool ``"mask"`` of a masked Linen layer's ``"sparsity"`` collection ``sp``, checked against its ``kernel``
-  as the forward pass and :func:`jaxsparse.densify_linen` check it (a mask of other values, 0.5 or 2, is refused
-  there: it would scale the kept weights in ``nn.Conv``), naming the layer."""
-  try:
-    return _np(pattern_mask(sp["mask"], np.shape(kernel)))
-  except (TypeError, ValueError) as e:
-    raise type(e)(f"{fp or '(the variables)'}: {e}") from None
-
-
 def _nnx_entries(model: nnx.Module) -> list[_Entry]:
   nm_linear, nm_conv = getattr(jsl, "NMLinear", None), getattr(jsl, "NMConv", None)
   compressed = getattr(jsl, "CompressedNMLinear", None)
@@ -228,7 +218,8 @@ def _linen_entries(variables: Mapping, module: Any = None) -> list[_Entry]:
   for fp, leaves in params.items():
     sp = sparsity.get(fp, {})
     if "mask" in sp and "kernel" in leaves:
-      sp = {**sp, "mask": _linen_mask(fp, sp, leaves["kernel"])}
+      # checked as the forward pass and densify_linen check it (0.5 or 2 would scale the kept weights in nn.Conv)
+      sp = {**sp, "mask": _np(pattern_mask(sp["mask"], np.shape(leaves["kernel"]), path=fp))}
     in_ndim = _dense_general_in_ndim(fp, leaves, sp, plans.get(fp))
     if in_ndim is not None:  # an nn.DenseGeneral: the torch Linear on the 2-D view of its kernel and bias
       leaves = {k: (_np(v).reshape(matrix_shape(np.shape(v), in_ndim)) if k == "kernel" else _np(v).reshape(-1))
