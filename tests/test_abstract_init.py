@@ -85,6 +85,7 @@ def test_nnx_jit_and_eval_shape_build_the_eager_layer(name):
   assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(other), jax.tree.leaves(state), strict=True))
 
 
+@pytest.mark.slow  # long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs it
 def test_block_sparse_pattern_is_drawn_under_jit():
   # The pattern itself (not only the kernel) comes from the rng stream under jit.
   make = lambda seed: layers.BlockSparseLinear(64, 128, density=0.25, block_shape=(16, 16), rngs=nnx.Rngs(seed))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import itertools
 import os
 import subprocess
 import sys
@@ -163,10 +164,18 @@ def test_nm24_default_spans_by_rows():
   assert ck.Nm24DecodeConfig.get_default(1, 4096, 4160).span == 64
 
 
-@pytest.mark.parametrize(("rows", "span"), [(1, 128), (16, 128), (16, 64), (24, 64), (32, 64)])  # 1-4 token tiles
-@pytest.mark.parametrize("split", [1, 2, 4, 8])
-@pytest.mark.parametrize("warps", [2, 4, 8])
-@pytest.mark.parametrize(("token_split", "x_load"), [(1, "shuffle"), (1, "ldmatrix"), (2, "ldmatrix")])
+def _decode_variants():
+  """Every (rows, span, split, warps, token_split, x_load) of the decode kernel: rows of 1-4 token tiles. The fast
+  set builds each (rows, span, token_split, x_load) once (split 2, 4 warps); the other 135 builds (about 25 s on 2
+  cores) are long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs them."""
+  for rows, span in [(1, 128), (16, 128), (16, 64), (24, 64), (32, 64)]:
+    for split, warps, (token_split, x_load) in itertools.product(
+        [1, 2, 4, 8], [2, 4, 8], [(1, "shuffle"), (1, "ldmatrix"), (2, "ldmatrix")]):
+      case = (rows, span, split, warps, token_split, x_load)
+      yield case if (split, warps) == (2, 4) else pytest.param(*case, marks=pytest.mark.slow)
+
+
+@pytest.mark.parametrize(("rows", "span", "split", "warps", "token_split", "x_load"), list(_decode_variants()))
 def test_nm24_source_compiles_for_hopper(rows, span, split, warps, token_split, x_load, monkeypatch, tmp_path):
   """NVRTC (the dev extra's nvidia-cuda-nvrtc; no GPU needed) compiles every variant of the kernel for sm_90."""
   assert ck._nvrtc() is not None, "libnvrtc not found: install the dev extra (nvidia-cuda-nvrtc)"

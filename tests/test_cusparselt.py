@@ -294,8 +294,9 @@ def _layout_model(w: np.ndarray) -> np.ndarray:
   return np.concatenate([values.reshape(k // 2, n).view(np.uint8).reshape(-1), meta])
 
 
-# long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs it (64 x 128)
-@pytest.mark.parametrize(("k", "n"), [(32, 64), pytest.param(64, 128, marks=pytest.mark.slow), (96, 192)])
+# long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs it (64 x 128, 96 x 192)
+@pytest.mark.parametrize(("k", "n"), [(32, 64), pytest.param(64, 128, marks=pytest.mark.slow),
+                                    pytest.param(96, 192, marks=pytest.mark.slow)])
 def test_layout_matches_the_numpy_model(k, n):
   w = jax.random.normal(jax.random.key(k + n), (k, n), jnp.float32).astype(jnp.bfloat16)
   pruned = np.asarray(jnp.where(jaxsparse.nm_mask(w, 2, 4), w, jnp.zeros((), w.dtype)))

@@ -53,7 +53,8 @@ def test_the_checks_name_every_kernel_target():
     assert any(target in n for n in names), target
 
 
-@pytest.mark.parametrize("name", ["nm", "nm_conv", "masked_conv", "compressed_nm", "compressed_nm_buffer",
+@pytest.mark.parametrize("name", ["nm", "nm_conv", "masked_conv", "compressed_nm",
+                                  pytest.param("compressed_nm_buffer", marks=pytest.mark.slow),  # long: CI runs it
                                   "linear_general"])
 def test_export_of_each_nnx_layer_kind_runs_the_same_forward_and_gradient(name):
   # The kinds the test above leaves out (the SR-STE, convolution, compressed, buffer and LinearGeneral routes), from

@@ -625,6 +625,7 @@ def _pruned_attention(rules, use_bias=True, with_views=False):
   return model, pruning.get_masks(opt), x
 
 
+@pytest.mark.slow  # long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs it
 def test_pruner_never_prunes_biases_and_unstructured_masks_round_trip():
   rules = {r"attn\..*": jaxsparse.Unstructured(0.5)}
   model, masks, x = _pruned_attention(rules)

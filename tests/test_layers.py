@@ -278,6 +278,7 @@ def test_linen_training_updates_params_only(model):
 # -------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs it
 @settings(max_examples=5, deadline=None)
 @given(
     kb=st.integers(1, 3),

@@ -184,6 +184,7 @@ def test_tied_embeddings_and_torch_interop_load(ids, tmp_path):
     prune(model, np.asarray(ids), jaxsparse.NM(2, 4), head=True, progress=False)
 
 
+@pytest.mark.slow  # long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs it
 def test_kv_cache_decode_matches_full_sequence(hf_dir, ids):
   model = load_pretrained(hf_dir[1])
   full = np.asarray(model(jnp.asarray(ids)))

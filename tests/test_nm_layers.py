@@ -273,6 +273,7 @@ def test_linen_layers_train_inside_a_model():
   assert all(np.all(np.isfinite(np.asarray(g))) for g in jax.tree.leaves(grads))
 
 
+@pytest.mark.slow  # long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs it
 def test_transposable_layers_nnx_linen_and_conversions():
   # The kernel is pruned with the transposable mask (N:M along the inputs and the outputs); value, SR-STE
   # gradients, the Linen twin, and the dense / compressed conversions all follow that mask.

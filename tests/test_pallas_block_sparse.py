@@ -618,6 +618,7 @@ def _spy_on_mosaic(monkeypatch) -> list:
   return calls
 
 
+@pytest.mark.slow  # long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs it
 def test_mosaic_interpret_forward_through_dispatch(monkeypatch):
   # Two thread blocks over 3 row tiles x 4 columns (one of them empty), 2 steps per 128-deep block,
   # M = 264 (the last row tile reads past it), and a float32 output of bfloat16 inputs (not rounded to bf16).
@@ -649,7 +650,7 @@ def test_mosaic_interpret_default_config_of_32_blocks(monkeypatch):
 
 @pytest.mark.parametrize(("block", "group", "dtype", "out_dtype"), [
     pytest.param(32, 4, jnp.bfloat16, jnp.float32, marks=slow), pytest.param(32, 8, jnp.float16, None, marks=slow),
-    (64, 2, jnp.bfloat16, None),
+    pytest.param(64, 2, jnp.bfloat16, None, marks=slow),
 ])
 def test_mosaic_interpret_grouped_columns(block, group, dtype, out_dtype):
   # Tiles of `group` output block columns: 320 columns = 10 blocks of 32 / 5 of 64, so the last group is
@@ -665,7 +666,7 @@ def test_mosaic_interpret_grouped_columns(block, group, dtype, out_dtype):
 @pytest.mark.parametrize(("split", "group", "dtype"), [
     pytest.param(2, 1, jnp.bfloat16, marks=slow),
     pytest.param(3, 1, jnp.float16, marks=slow),
-    (4, 2, jnp.bfloat16),
+    pytest.param(4, 2, jnp.bfloat16, marks=slow),
     # The float32 forward views its B tiles transposed (TF32 wgmma is K-major only): jax 0.11's interpreter.
     pytest.param(3, 1, jnp.float32, marks=needs_transposed_wgmma_interpreter),
 ])
@@ -792,6 +793,7 @@ def _tiny_weight(block_shape: tuple[int, int], dtype: str) -> jaxsparse.BlockSpa
   return jaxsparse.BlockSparseMatrix.from_dense(jnp.ones((2 * bk, 2 * bn), dtype), block_shape)
 
 
+@pytest.mark.slow  # long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs it
 @settings(max_examples=300, deadline=None)
 @given(
     m=st.integers(1, 16384),

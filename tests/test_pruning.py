@@ -535,6 +535,7 @@ def test_wrapper_inside_chain_and_without_params():
     pruning.get_masks(optax.sgd(0.1).init(_params()))
 
 
+@pytest.mark.slow  # long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs it
 def test_wrapper_must_be_outermost_and_a_transformation_after_it_is_caught():
   pruner = pruning.magnitude_pruner(jaxsparse.Unstructured(sparsity=0.75))
   # Wrong: the learning rate after the wrapper scales its -param updates, so pruned weights stay (and grow).

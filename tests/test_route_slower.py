@@ -58,6 +58,7 @@ def _timer(slow: dict[type, float], calls: list | None = None):
   return timer
 
 
+@pytest.mark.slow  # long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs it
 def test_slower_signatures_go_dense_and_the_outputs_do_not_change():
   net = _sparse_net()
   x = jax.random.normal(jax.random.key(1), (4, 64))
@@ -551,6 +552,7 @@ class _LinenEmbedNet(nn.Module):
     return embed.attend(h)  # tied output logits: the CompressedNMEmbed's attend
 
 
+@pytest.mark.slow  # long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs it
 def test_linen_embeddings_stay_as_they_are():
   ids = jax.random.randint(jax.random.key(1), (2, 5), 0, 32)
   model = _LinenEmbedNet()

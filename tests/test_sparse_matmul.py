@@ -150,6 +150,7 @@ def _check_masked_matmul(x, w, mask, dtype, implementation="cpu"):
 # -------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs it
 @SETTINGS
 @given(seed=st.integers(0, 2**16), k=st.integers(1, 40), n=st.integers(1, 40), p=st.floats(0.0, 1.0))
 def test_csr_from_dense_roundtrip_and_indices(seed, k, n, p):
@@ -587,6 +588,7 @@ def test_block_sparse_cpu_kernels_match_dense(dtype, block_shape, density):
   assert_close(g[1], g_ref[1], dtype)
 
 
+@pytest.mark.slow  # long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs it
 def test_block_sparse_cpu_kernels_vmap_and_fallback():
   x, ws = _block_case(11, (4, 5), 64, 96, (16, 32), 0.5)
   op = lambda x, data: jaxsparse.ops.block_sparse_matmul(x, ws.with_data(data))

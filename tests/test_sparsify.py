@@ -70,6 +70,7 @@ def _grad_x(model, x):
   return jax.grad(lambda x: jnp.sum(model(x) ** 2))(x)
 
 
+@pytest.mark.slow  # long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs it
 def test_transformer_block():
   model = TransformerBlock(32, 4, rngs=nnx.Rngs(0))
   x = _normal(1, (2, 8, 32))
@@ -116,6 +117,7 @@ def test_transformer_block_trains_with_nnx_optimizer():
   jax.tree.map(np.testing.assert_array_equal, nnx.state(model, SparsityPattern), patterns)
 
 
+@pytest.mark.slow  # long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs it
 def test_cnn():
   model = CNN(rngs=nnx.Rngs(0))
   x = _normal(1, (2, 8, 8, 4))
@@ -355,6 +357,7 @@ def test_nm_that_cannot_apply_names_the_layer():
     jaxsparse.sparsify(CNN(rngs=nnx.Rngs(0)), {"head": jaxsparse.NM(2, 3)})
 
 
+@pytest.mark.slow  # long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs it
 def test_transposable_nm_rules_nnx_linen_and_where_they_do_not_apply():
   # NM(2, 4, transposable=True): the SR-STE layers prune 2:4 along the inputs and the outputs.
   spec = jaxsparse.NM(2, 4, transposable=True)
@@ -428,6 +431,7 @@ class _Tied(nnx.Module):
     return self.c(self.b(self.a(x)))
 
 
+@pytest.mark.slow  # long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs it
 def test_compress_turns_nm_layers_into_their_inference_form():
   model = TransformerBlock(32, 4, rngs=nnx.Rngs(0))
   x = _normal(2, (2, 8, 32))

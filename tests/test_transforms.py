@@ -242,6 +242,7 @@ def test_linen_remat_and_jit_match_plain(kind, transform):
 # -------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs it
 def test_masked_to_dense_on_stack_says_how():
   # MaskedLinear.to_dense() on a stack built by nnx.vmap raised "Linear.__init__() takes 3 positional arguments but
   # 4 ... were given" (MaskedConv: "Cannot broadcast to shape with fewer dimensions"). It now names the stack and the
