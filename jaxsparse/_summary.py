@@ -26,6 +26,8 @@ from jaxsparse.formats._base import is_concrete
 from jaxsparse.layers import _nm_linen
 from jaxsparse.layers._block_sparse import BlockSparseLinear
 from jaxsparse.layers._common import SPARSITY
+from jaxsparse.layers._common import eager_if_concrete
+from jaxsparse.layers._common import masked_kept_count
 from jaxsparse.layers._common import nm_kept_count
 from jaxsparse.layers._common import pattern_mask
 from jaxsparse.layers._embed import CompressedNMEmbed
@@ -205,10 +207,6 @@ def _layer(
   )
 
 
-def _count(mask: Any) -> int | None:
-  return int(np.count_nonzero(np.asarray(mask))) if is_concrete(mask) else None
-
-
 def _nnx_layer(path: str, node: nnx.Module) -> LayerSummary | None:
   kind = type(node).__name__
   bias = 0 if getattr(node, "bias", None) is None else math.prod(node.bias.shape)
@@ -218,7 +216,7 @@ def _nnx_layer(path: str, node: nnx.Module) -> LayerSummary | None:
     return _layer(path, kind, (node.in_features, node.out_features), f"block {bk}x{bn}", math.prod(node.kernel.shape),
                   param_dtype=node.kernel.dtype, **common)
   if isinstance(node, MaskedLinear | MaskedConv):
-    return _layer(path, kind, tuple(node.kernel.shape), "unstructured", _count(node.mask.get_value()),
+    return _layer(path, kind, tuple(node.kernel.shape), "unstructured", masked_kept_count(node.mask.get_value()),
                   param_dtype=node.kernel.dtype, **common)
   if isinstance(node, NMLinear | NMConv):
     shape = tuple(node.kernel.shape)
@@ -362,7 +360,8 @@ def _linen_kept(path: str, pattern: Mapping, kernel: Any) -> int | None:
   (bool, the kernel's shape: a mask of 0.5 or 2 runs nowhere); ``None`` for an abstract mask."""
   if not is_concrete(pattern["mask"]):
     return None
-  return _count(pattern_mask(pattern["mask"], tuple(kernel.shape), path=path))
+  with eager_if_concrete(pattern["mask"]):  # a NumPy mask stays concrete (counted) under a trace
+    return masked_kept_count(pattern_mask(pattern["mask"], tuple(kernel.shape), path=path))
 
 
 def _linen_embed(path: str, params: Mapping, pattern: Mapping, info: _NMInfo | None) -> LayerSummary:

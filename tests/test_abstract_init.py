@@ -139,3 +139,96 @@ def test_densify_of_an_abstract_model_is_the_abstract_dense_model():
   leaves = jax.tree.leaves(nnx.state(abstract, nnx.Param))
   assert leaves and all(isinstance(a, jax.ShapeDtypeStruct) for a in leaves)
   assert shapes(abstract) == shapes(concrete)
+
+
+# -------------------------------------------------------------------------------------------------
+# An unstructured layer's density under a trace: counted from a concrete mask, None (unknown) from a traced one.
+# -------------------------------------------------------------------------------------------------
+
+_MASK = np.asarray(jax.random.bernoulli(jax.random.key(3), 0.3, (16, 8)))
+_CONV_MASK = np.asarray(jax.random.bernoulli(jax.random.key(4), 0.3, (3, 3, 4, 8)))
+_DENSE = nnx.Linear(16, 8, rngs=nnx.Rngs(5))  # concrete weights, made outside the traces
+_CONV = nnx.Conv(4, 8, (3, 3), rngs=nnx.Rngs(6))
+
+# name -> builder of a masked layer whose mask is concrete however it is built (given, or ranked from concrete weights)
+MASKED_CONCRETE = {
+    "masked_mask": lambda: layers.MaskedLinear(16, 8, mask=_MASK, rngs=nnx.Rngs(0)),
+    "masked_from_dense": lambda: layers.MaskedLinear.from_dense(_DENSE, sparsity=0.75),
+    "masked_conv_mask": lambda: layers.MaskedConv(4, 8, (3, 3), mask=_CONV_MASK, rngs=nnx.Rngs(0)),
+    "masked_conv_from_dense": lambda: layers.MaskedConv.from_dense(_CONV, sparsity=0.75),
+}
+
+
+@pytest.mark.parametrize("name", MASKED_CONCRETE)
+def test_masked_density_under_eval_shape_is_counted_from_a_concrete_mask(name):
+  # Was: a given NumPy mask (or one ranked from concrete weights) became a traced value under nnx.eval_shape, so
+  # layer.density raised ConcretizationTypeError there and summary / sparsify reported it unknown (None / NaN).
+  build = MASKED_CONCRETE[name]
+  want = build().density
+  assert 0 < want < 1
+  seen = {}
+
+  def make():
+    layer = build()
+    seen["density"], seen["summary"] = layer.density, jaxsparse.summary(layer).layers[0].density
+    drawn = layers.MaskedLinear(16, 8, sparsity=0.5, rngs=nnx.Rngs(0))  # a mask drawn from traced rngs: unknown
+    seen["drawn"], seen["drawn_sparsity"] = drawn.density, drawn.sparsity
+    return layer
+
+  abstract = nnx.eval_shape(make)
+  assert seen == {"density": want, "summary": want, "drawn": None, "drawn_sparsity": None}
+  # The abstract layer (an orbax restore target) has no mask values: unknown, not NaN nor an error.
+  assert abstract.density is None and jaxsparse.summary(abstract).layers[0].density is None
+  if isinstance(abstract, layers.MaskedLinear):
+    assert abstract.sparsity is None
+
+
+def test_sparsify_report_under_eval_shape_counts_concrete_masks():
+  # Was: every unstructured layer reported density NaN under nnx.eval_shape / jax.eval_shape, even with masks= given
+  # or masks ranked from weights made outside the trace.
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      self.fc = nnx.Linear(16, 8, rngs=rngs)
+      self.conv = nnx.Conv(4, 8, (3, 3), rngs=rngs)
+      self.general = nnx.LinearGeneral(16, (2, 4), rngs=rngs)
+
+  rule = jaxsparse.Unstructured(sparsity=0.5)
+  model = Model(nnx.Rngs(7))
+  masks = {"fc.kernel": _MASK}
+  reports = {}
+
+  def make(key, model_of, **kw):
+    def f():
+      sparse, report = jaxsparse.sparsify(model_of(), rule, **kw)
+      reports[key] = report
+      return sparse
+    return f
+
+  nnx.eval_shape(make("concrete", lambda: model, masks=masks))
+  nnx.eval_shape(make("traced", lambda: Model(nnx.Rngs(7))))  # weights drawn under the trace: masks unknown
+  eager = {c.path: c.density for c in jaxsparse.sparsify(model, rule, masks=masks)[1].layers}
+  assert eager["fc"] == _MASK.mean() and eager["conv"] == eager["general"] == 0.5
+  assert {c.path: c.density for c in reports["concrete"].layers} == eager
+  assert {c.path: c.density for c in reports["traced"].layers} == {"fc": None, "conv": None, "general": None}
+  assert [line.split(" | ")[4] for line in str(reports["traced"]).splitlines()[2:5]] == ["?", "?", "?"]
+
+  class Linen(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(8, name="fc")(x)
+
+  x = jnp.ones((2, 16))
+  variables = Linen().init(jax.random.key(0), x)
+  linen_reports = []
+  jax.eval_shape(lambda: linen_reports.append(jaxsparse.sparsify_linen(Linen(), variables, rule, x, masks=masks)[2]))
+  assert [c.density for c in linen_reports[0].layers] == [_MASK.mean()]
+
+
+def test_linen_summary_under_a_trace_counts_a_numpy_mask():
+  # Was: the mask of NumPy variables (a checkpoint read with NumPy) was checked with jnp under the trace, which made
+  # it a traced value: density None there.
+  x = jnp.ones((2, 16))
+  variables = jax.tree.map(np.asarray, linen.MaskedDense(8, sparsity=0.75).init(jax.random.key(0), x))
+  seen = []
+  jax.eval_shape(lambda: seen.append(jaxsparse.summary(variables).layers[0].density))
+  assert seen == [jaxsparse.summary(variables).layers[0].density] == [0.25]

@@ -950,3 +950,139 @@ def test_wanda_matches_the_published_rule_on_bfloat16_batched_inputs(spec, ref):
   # the reported error is the relative output error on the calibration inputs
   w, w_hat = np.asarray(model.kernel[...], np.float64), np.asarray(pruned.kernel[...], np.float64)
   np.testing.assert_allclose(report.layers[0].error, np.linalg.norm(x @ (w - w_hat)) / np.linalg.norm(x @ w), rtol=1e-4)
+
+
+# -------------------------------------------------------------------------------------------------
+# float64 under jax_enable_x64: statistics, masks and updates in float64, not float32.
+# -------------------------------------------------------------------------------------------------
+
+
+def _near_ties(rng, shape):
+  """float64 values within 1e-9 of +-1 (of 1 for a 1-D shape): all one magnitude in float32, distinct in float64."""
+  v = 1 + rng.random(shape) * 1e-9
+  assert len(np.unique(np.abs(v).astype(np.float32))) == 1 and len(np.unique(v)) == v.size
+  return v if len(shape) == 1 else v * rng.choice([-1.0, 1.0], shape)
+
+
+def _stable_top(scores, kept):
+  keep = np.zeros(scores.size, bool)
+  keep[np.argsort(-scores.reshape(-1), kind="stable")[:kept]] = True
+  return keep.reshape(scores.shape)
+
+
+@pytest.mark.parametrize("name", ["unstructured 50%", "2:4", "block 8x4"])
+def test_float64_wanda_and_magnitude_masks_rank_in_float64(name):
+  # Was: the scores were cast to float32, where these near-ties are exact ties broken by index, so a float64 model got
+  # other masks than a float64 ranking (and than jaxsparse.magnitude_mask / nm_mask, which compare in float64).
+  spec = SPECS[name]
+  k, n = 32, 16
+  rng = np.random.default_rng(40)
+  w, sq = _near_ties(rng, (k, n)), _near_ties(rng, (k,))
+  scores = np.abs(w) * np.sqrt(sq)[:, None]
+  if isinstance(spec, jaxsparse.Unstructured):  # per output, as Wanda
+    want = np.stack([_stable_top(scores[:, j], k - int(spec.sparsity * k + 0.5)) for j in range(n)], axis=1)
+    want_magnitude = _stable_top(np.abs(w), k * n - int(spec.sparsity * k * n + 0.5))
+  elif isinstance(spec, jaxsparse.NM):
+    def nm(s):
+      ranks = np.argsort(np.argsort(-s.reshape(k // spec.m, spec.m, n), axis=1, kind="stable"), axis=1, kind="stable")
+      return (ranks < spec.n).reshape(k, n)
+    want, want_magnitude = nm(scores), nm(np.abs(w))
+  else:
+    (bk, bn), blocks = spec.block_shape, (k // spec.block_shape[0]) * (n // spec.block_shape[1])
+
+    def block(s):
+      top = _stable_top((s**2).reshape(k // bk, bk, n // bn, bn).sum(axis=(1, 3)), int(spec.density * blocks + 0.5))
+      return np.kron(top, np.ones((bk, bn), bool)).astype(bool)
+    want, want_magnitude = block(scores), block(np.abs(w))
+  with jax.enable_x64(True):
+    got = np.asarray(pruning.wanda_layer(jnp.asarray(w), jnp.asarray(sq), spec))
+    got_magnitude = np.asarray(pruning.magnitude_layer(jnp.asarray(w), spec))
+  np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(got_magnitude, want_magnitude)
+
+
+def test_keep_largest_ranks_float64_scores_in_float64():
+  from jaxsparse.pruning._select import keep_largest  # noqa: PLC0415 -- private helper under test
+
+  rng = np.random.default_rng(41)
+  scores = _near_ties(rng, (40 * 7,)).reshape(40, 7)
+  scores[3, 2], scores[5, 5], scores[7, 1] = np.inf, np.nan, 0.0
+  with jax.enable_x64(True):
+    f = jax.jit(keep_largest, static_argnames="axis")
+    for kept in (0, 1, 13, 140, 279, 280):
+      want = _stable_top(np.where(np.isnan(scores), np.inf, scores), kept)
+      np.testing.assert_array_equal(np.asarray(f(jnp.asarray(scores), kept)), want)
+    counts = rng.integers(0, 41, 7)
+    got = np.asarray(f(jnp.asarray(scores), jnp.asarray(counts), axis=0))
+  for j, c in enumerate(counts):
+    np.testing.assert_array_equal(got[:, j], _stable_top(np.where(np.isnan(scores[:, j]), np.inf, scores[:, j]), c))
+
+
+@pytest.mark.parametrize("name", ["unstructured 50%", "2:4", "block 8x4"])
+def test_float64_sparsegpt_and_refit_match_float64_references(name):
+  # Was: the Hessian, its Cholesky factor and the OBS updates ran in float32 (errors ~1e-6 of the weights; masks
+  # chosen from float32 saliencies), as did the refit, however precise the float64 inputs.
+  spec = SPECS[name]
+  k, n = 48, 24
+  with jax.enable_x64(True):
+    x = correlated_inputs(jax.random.key(42), 200, k)
+    w = jax.random.normal(jax.random.key(43), (k, n), jnp.float64)
+    assert x.dtype == w.dtype == jnp.float64
+    gram = x.T @ x
+    out = pruning.sparsegpt_layer(w, gram, spec, damp=0.01, block_size=16)
+    refit = pruning.refit_layer(w, gram, out.mask, start=out.kernel, iterations=64)
+    error = pruning.reconstruction_error(w, out.kernel, gram)
+  assert out.kernel.dtype == refit.dtype == error.dtype == jnp.float64
+  ref_w, ref_mask = obs_reference(w, gram, spec, damp=0.01, block_size=16)
+  np.testing.assert_array_equal(np.asarray(out.mask), ref_mask)
+  np.testing.assert_allclose(np.asarray(out.kernel), ref_w, rtol=0, atol=1e-10 * np.abs(ref_w).max())
+  ref_refit = exact_refit(w, gram, ref_mask)
+  np.testing.assert_allclose(np.asarray(refit), ref_refit, rtol=0, atol=1e-10 * np.abs(ref_refit).max())
+  w64, x64, d = np.asarray(w), np.asarray(x), np.asarray(w) - np.asarray(out.kernel)
+  assert float(error) == pytest.approx(np.linalg.norm(x64 @ d) / np.linalg.norm(x64 @ w64), rel=1e-12)
+
+
+def test_float64_models_calibrate_and_prune_in_float64():
+  # Was: calibrate / calibrate_linen summed the inputs' squares and X^T X in float32 for float64 models, and the
+  # sparsegpt / wanda results of calibrated_prune carried float32 errors (LayerStats were float32 whatever the model).
+  class LinenMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      h = jax.nn.gelu(nn.Dense(32, param_dtype=jnp.float64, name="fc1")(x))
+      return nn.Dense(8, param_dtype=jnp.float64, name="fc2")(h)
+
+  rules = {"fc1": jaxsparse.NM(2, 4), "fc2": jaxsparse.Unstructured(sparsity=0.5)}
+  with jax.enable_x64(True):
+    model = MLP(nnx.Rngs(44))
+    for layer in (model.fc1, model.fc2):  # a float64 model: kernels and biases
+      layer.kernel = nnx.Param(layer.kernel[...].astype(jnp.float64))
+      layer.bias = nnx.Param(layer.bias[...].astype(jnp.float64))
+    batches = [b.astype(jnp.float64) for b in _batches()]
+    x1 = np.concatenate([np.asarray(b) for b in batches])
+    x2 = np.asarray(jax.nn.gelu(model.fc1(jnp.asarray(x1))))
+    stats = pruning.calibrate(model, batches, rules)
+    # float32 batches into the float64 model: the layers compute in float64, and so do the statistics
+    stats32 = pruning.calibrate(model, [b.astype(jnp.float32) for b in batches], rules)
+    variables = {"params": {p: {"kernel": getattr(model, p).kernel[...], "bias": getattr(model, p).bias[...]}
+                            for p in ("fc1", "fc2")}}
+    stats_linen = pruning.calibrate_linen(LinenMLP(), variables, batches, rules)
+    pruned, masks, _ = pruning.sparsegpt(model, rules, batches, sequential=False, refit_iterations=0, progress=False)
+    wanda_pruned, wanda_masks, _ = pruning.wanda(model, rules, batches, sequential=False, progress=False)
+  for path, x in (("fc1", x1), ("fc2", x2)):
+    for s in (stats[path], stats32[path], stats_linen[path]):
+      assert s.sq_norms.dtype == s.gram.dtype == jnp.float64
+    np.testing.assert_allclose(np.asarray(stats[path].gram), x.T @ x, rtol=1e-12, atol=1e-12 * np.abs(x.T @ x).max())
+    np.testing.assert_allclose(np.asarray(stats_linen[path].gram), np.asarray(stats[path].gram), rtol=1e-12)
+    np.testing.assert_allclose(np.asarray(stats[path].sq_norms), (x * x).sum(axis=0), rtol=1e-12)
+    w = np.asarray(getattr(model, path).kernel[...])
+    ref_w, ref_mask = obs_reference(w, x.T @ x, rules[path])
+    kernel = np.asarray(getattr(pruned, path).kernel[...])
+    assert kernel.dtype == np.float64
+    np.testing.assert_array_equal(masks[f"{path}.kernel"], ref_mask)
+    np.testing.assert_allclose(kernel, ref_w, rtol=0, atol=1e-10 * np.abs(ref_w).max())
+    want = wanda_reference(w, x, **({"nm": (2, 4)} if path == "fc1" else {"sparsity": 0.5}))
+    np.testing.assert_array_equal(wanda_masks[f"{path}.kernel"], want)
+    np.testing.assert_array_equal(np.asarray(getattr(wanda_pruned, path).kernel[...]), np.where(want, w, 0.0))
+  x1_32 = x1.astype(np.float32).astype(np.float64)
+  np.testing.assert_allclose(np.asarray(stats32["fc1"].gram), x1_32.T @ x1_32, rtol=1e-12,
+                             atol=1e-12 * np.abs(x1.T @ x1).max())

@@ -562,3 +562,74 @@ def test_integer_param_dtype_needs_a_kernel_init(make):
     y = layer(x)
   assert kernel.dtype == jnp.int32 and 0 < np.mean(w != 0) < 1
   np.testing.assert_allclose(y, np.asarray(x, np.float64) @ w, rtol=1e-6, atol=1e-4)  # zero bias, weights 1 kept
+
+
+# -------------------------------------------------------------------------------------------------
+# to_dense keeps the partitioning names.
+# -------------------------------------------------------------------------------------------------
+
+
+def _named(*names):
+  return nnx.with_partitioning(nnx.initializers.normal(), names)
+
+
+def _sparsified(dense, rule):
+  sparse, _ = jaxsparse.sparsify(dense, rule)
+  return sparse
+
+
+# Each sparse layer kind, built with partitioned weights as a user does (directly, or by sparsify / compress /
+# from_dense of a named dense layer), and the names its dense twin must have: (kernel or table, bias).
+_NAMED_LAYERS = {
+    "MaskedLinear": (lambda: MaskedLinear(16, 16, sparsity=0.5, kernel_init=_named("x", "y"), bias_init=_named("y"),
+                                          rngs=nnx.Rngs(0)), (("x", "y"), ("y",))),
+    "MaskedConv": (lambda: jaxsparse.layers.MaskedConv(8, 8, (2, 2), sparsity=0.5, bias_init=_named("y"),
+                                                       kernel_init=_named(None, "x", None, "y"), rngs=nnx.Rngs(0)),
+                   ((None, "x", None, "y"), ("y",))),
+    "NMLinear": (lambda: jaxsparse.layers.NMLinear(16, 16, kernel_init=_named("y", "x"), bias_init=_named("x"),
+                                                   rngs=nnx.Rngs(0)), (("y", "x"), ("x",))),
+    "NMConv": (lambda: jaxsparse.layers.NMConv(8, 8, (2, 2), kernel_init=_named(None, None, "x", "y"),
+                                               bias_init=_named("y"), rngs=nnx.Rngs(0)),
+               ((None, None, "x", "y"), ("y",))),
+    "CompressedNMLinear": (lambda: jaxsparse.compress(jaxsparse.layers.NMLinear(
+        16, 16, kernel_init=_named("x", "y"), bias_init=_named("y"), rngs=nnx.Rngs(0))), (("x", "y"), ("y",))),
+    # Block-sparse and LinearGeneral kernels lose their dense names in the sparse layer: sparsify records them.
+    "BlockSparseLinear": (lambda: _sparsified(
+        nnx.Linear(16, 16, kernel_init=_named("y", "x"), bias_init=_named("x"), rngs=nnx.Rngs(0)),
+        jaxsparse.BlockSparse(density=0.5, block_shape=(8, 8))), (("y", "x"), ("x",))),
+    "SparseLinearGeneral": (lambda: _sparsified(
+        nnx.LinearGeneral((2, 8), (2, 8), axis=(-2, -1), kernel_init=_named(None, "x", "y", None),
+                          bias_init=_named(None, "y"), rngs=nnx.Rngs(0)),
+        jaxsparse.Unstructured(sparsity=0.5)), ((None, "x", "y", None), (None, "y"))),
+    # Built directly around a named (K, N) layer: each name back on the leading dim of its group.
+    "SparseLinearGeneral(direct)": (lambda: jaxsparse.layers.SparseLinearGeneral(
+        MaskedLinear(16, 16, sparsity=0.5, kernel_init=_named("x", "y"), bias_init=_named("y"), rngs=nnx.Rngs(0)),
+        in_features=(2, 8), out_features=(4, 4)), (("x", None, "y", None), ("y", None))),
+    # Its weight only in cuSPARSELt's buffer: no kernel names to carry, the bias's come back.
+    "CompressedNMLinear(cusparselt)": (lambda: jaxsparse.compress(jaxsparse.layers.NMLinear(
+        64, 64, param_dtype=jnp.bfloat16, bias_init=_named("y"), rngs=nnx.Rngs(0)), storage="cusparselt"),
+                                       (None, ("y",))),
+    "CompressedNMEmbed": (lambda: jaxsparse.layers.CompressedNMEmbed.from_dense(
+        nnx.Embed(8, 16, embedding_init=_named("y", "x"), rngs=nnx.Rngs(0)), 2, 4), (("y", "x"), None)),
+}
+
+
+@pytest.mark.parametrize("kind", list(_NAMED_LAYERS))
+def test_to_dense_keeps_the_partitioning_names(kind):
+  """A layer's own ``to_dense()`` dropped the partitioning names (``nnx.with_partitioning``) of kernel and bias,
+  which only ``jaxsparse.densify`` carried back: a sharded model turned dense by hand silently lost its sharding.
+  ``to_dense()`` now gives the names ``densify`` gives, and the same dense layer."""
+  make, (kernel_names, bias_names) = _NAMED_LAYERS[kind]
+  mesh = jax.make_mesh((1, 1), ("x", "y"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  with jax.set_mesh(mesh):
+    layer = make()
+  dense = layer.to_dense()
+  weight = dense.embedding if isinstance(dense, nnx.Embed) else dense.kernel
+  assert weight.get_metadata().get("out_sharding") == kernel_names
+  if bias_names is not None:
+    assert dense.bias.get_metadata().get("out_sharding") == bias_names
+  specs = lambda model: jax.tree.map(lambda v: tuple(v.get_value()), nnx.get_partition_spec(nnx.state(model)),
+                                     is_leaf=lambda v: isinstance(v, nnx.Variable))
+  via_densify = jaxsparse.densify(layer)  # the same dense layer, names and all
+  assert type(via_densify) is type(dense) and specs(via_densify) == specs(dense)
+  _assert_tree_equal(nnx.state(via_densify), nnx.state(dense))

@@ -4,6 +4,7 @@ import importlib.util
 import itertools
 import pathlib
 import sys
+import warnings
 
 import flax.linen as nn
 import jax
@@ -204,6 +205,88 @@ def test_apply_masks_narrows_the_sparsity_masks_of_linen_variables(keyed_like):
     mask = exported[f"{path}.weight_mask"].numpy()
     assert mask.mean() == 0.25
     np.testing.assert_array_equal(mask, weights[f"{path}.weight"].numpy() != 0)
+
+
+def _block_kernel_mask(seed, nnz, emptied, block_shape=(8, 8)):
+  """A random kernel mask ``(nnz, bk, bn)`` of a block-sparse layer: about 70% of each block kept, except the
+  ``emptied`` blocks, pruned entirely; every other block keeps some weights and prunes some."""
+  mask = np.array(jax.random.bernoulli(jax.random.key(seed), 0.7, (nnz, *block_shape)))
+  mask[:, 0, 0], mask[:, 0, 1] = True, False
+  mask[list(emptied)] = False
+  return mask
+
+
+class _LinenBlockNet(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return jaxsparse.layers.linen.BlockSparseDense(32, density=0.5, block_shape=(8, 8), name="fc")(x)
+
+
+def _block_sparse_target(framework, x):
+  """``apply(mask)`` of a model with one 32x32 block-sparse layer (8 of its 16 8x8 blocks kept): ``(kernel, pattern,
+  bias, model_output)`` after ``pruning.apply_masks`` with ``mask`` on that layer's kernel."""
+  if framework == "nnx":
+    model = nnx.Sequential(jaxsparse.layers.BlockSparseLinear(32, 32, density=0.5, block_shape=(8, 8),
+                                                              rngs=nnx.Rngs(1)))
+    masks = pruning.magnitude_masks(model, {r"layers\.0": jaxsparse.Unstructured(sparsity=0.5)})
+
+    def apply(mask):
+      masks["layers"][0]["kernel"] = mask
+      target = pruning.apply_masks(nnx.clone(model), masks)
+      layer = target.layers[0]
+      return layer.kernel[...], {k: v[...] for k, v in layer.pattern.items()}, layer.bias[...], target(x)
+
+    return apply
+  model = _LinenBlockNet()
+  variables = model.init(jax.random.key(1), x)
+
+  def apply(mask):
+    out = pruning.apply_masks(variables, {"fc": {"kernel": mask, "bias": None}})
+    return out["params"]["fc"]["kernel"], out["sparsity"]["fc"], out["params"]["fc"]["bias"], model.apply(out, x)
+
+  return apply
+
+
+@pytest.mark.parametrize("framework", ["nnx", "linen"])
+def test_apply_masks_on_block_sparse_layers_warns_of_the_blocks_it_empties(framework):
+  """apply_masks zeroed a block-sparse layer's weights and left its pattern as it was, silently: blocks the masks
+  prune entirely still counted as kept in its density, summary and products. Its kept blocks are static (the
+  kernel's shape follows them), so it keeps them, as zero blocks, and now warns, naming the layer and how to rebuild
+  it without them; blocks pruned in part stay kept, holding the zeroed weights, without a warning."""
+  x = _normal(0, (3, 32))
+  apply = _block_sparse_target(framework, x)
+  kernel, pattern, bias, _ = apply(np.ones((8, 8, 8), bool))
+  partial = _block_kernel_mask(2, 8, emptied=())
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # blocks pruned in part: no warning
+    got, got_pattern, _, _ = apply(partial)
+  np.testing.assert_array_equal(got, np.where(partial, kernel, 0))
+  jax.tree.map(np.testing.assert_array_equal, got_pattern, pattern)
+
+  emptying = _block_kernel_mask(3, 8, emptied=(1, 6))
+  nnx_fix = r"BlockSparseLinear\.from_dense\(layer\.to_dense\(\), density=6/16, block_shape=\(8, 8\)\)"
+  linen_fix = r"BlockSparseDense\(\.\.\., density=6/16\)"
+  where, fix = ("layers.0", nnx_fix) if framework == "nnx" else ("fc", linen_fix)
+  with pytest.warns(UserWarning, match=rf"the masks zero 2 of the 8 kept 8x8 blocks of the .* at '{where}' entirely"
+                    rf"\. .*still count them.* {fix}"):
+    got, got_pattern, _, y = apply(emptying)
+  np.testing.assert_array_equal(got, np.where(emptying, kernel, 0))
+  jax.tree.map(np.testing.assert_array_equal, got_pattern, pattern)  # static: kept as it was
+  # The outputs are the pruned function; the rebuild the warning names keeps the 6 blocks left and computes it too.
+  w = jaxsparse.BlockSparseMatrix.from_index_arrays(got, got_pattern, shape=(32, 32), block_shape=(8, 8)).to_dense()
+  np.testing.assert_allclose(y, x @ w + bias, rtol=1e-5, atol=1e-5)
+  if framework == "nnx":
+    dense = nnx.Linear(32, 32, rngs=nnx.Rngs(0))
+    dense.kernel[...], dense.bias[...] = w, bias
+    rebuilt = jaxsparse.layers.BlockSparseLinear.from_dense(dense, density=6 / 16, block_shape=(8, 8))
+    assert rebuilt.nnz_blocks == 6
+    y_rebuilt = rebuilt(x)
+  else:
+    blocks = jaxsparse.BlockSparseMatrix.from_dense(w, (8, 8))
+    assert blocks.nnz_blocks == 6
+    y_rebuilt = jaxsparse.layers.linen.BlockSparseDense(32, density=6 / 16, block_shape=(8, 8)).apply(
+        {"params": {"kernel": blocks.data, "bias": bias}, "sparsity": blocks.index_arrays()}, x)
+  np.testing.assert_allclose(y_rebuilt, y, rtol=1e-5, atol=1e-5)
 
 
 class _EmbedNet(nnx.Module):

@@ -83,6 +83,7 @@ from jaxsparse.formats._specs import Unstructured
 from jaxsparse.formats._specs import check_spec_applies
 from jaxsparse.layers import linen as sparse_linen
 from jaxsparse.layers._common import MissingPatternError
+from jaxsparse.layers._common import eager_if_concrete
 from jaxsparse.layers._partitioning import carry_linen
 
 __all__ = [
@@ -174,7 +175,8 @@ def _params_2d(layer: _LinenLayer, dense_params: Mapping) -> Mapping:
   """The parameters of the 2-D sparse layer: an ``nn.DenseGeneral``'s flattened to ``(K, N)`` and ``(N,)``."""
   if layer.kind != "general":
     return dense_params
-  return {k: v.reshape(layer.shape_2d if k == "kernel" else -1) for k, v in dense_params.items()}
+  with eager_if_concrete(*dense_params.values()):  # concrete weights stay so under a trace: masks from them counted
+    return {k: v.reshape(layer.shape_2d if k == "kernel" else -1) for k, v in dense_params.items()}
 
 
 def _store(variables: dict, path: tuple, layer: _LinenLayer, boxed_params: Mapping, layer_vars: dict) -> None:

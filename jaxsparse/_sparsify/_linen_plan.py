@@ -38,6 +38,8 @@ from jaxsparse.formats._specs import Spec
 from jaxsparse.formats._specs import Unstructured
 from jaxsparse.formats._specs import matrix_shape
 from jaxsparse.layers import linen as sparse_linen
+from jaxsparse.layers._common import eager_if_concrete
+from jaxsparse.layers._common import masked_kept_count
 from jaxsparse.layers._common import nm_kept_count
 from jaxsparse.layers._common import nm_kept_mask
 from jaxsparse.layers._common import pattern_mask
@@ -176,21 +178,22 @@ def kept_blocks(layer_vars: Mapping, spec: Spec) -> int | None:
   return layer_vars["params"]["kernel"].shape[0] if isinstance(spec, BlockSparse) else None
 
 
-def linen_density(spec: Spec, layer_vars: Mapping, kernel_shape: tuple[int, ...], *, weight_mask: Any = None) -> float:
+def linen_density(spec: Spec, layer_vars: Mapping, kernel_shape: tuple[int, ...], *,
+                  weight_mask: Any = None) -> float | None:
   """The fraction of a ``(K, N)`` kernel that a sparse layer's (unboxed) variables keep; ``weight_mask``: an N:M
-  conv's own Flax weight mask, after which groups may keep fewer than ``n``. NaN where that count depends on traced
-  values (an N:M conv's weight mask, an unstructured mask), as under ``jax.eval_shape``."""
+  conv's own Flax weight mask, after which groups may keep fewer than ``n``. ``None`` (unknown) where that count
+  depends on traced values (an N:M conv's traced weight mask, an unstructured mask ranked from traced weights), as
+  under ``jax.eval_shape``; a mask with values is counted there too."""
   if isinstance(spec, NM):  # the nonzero weights the pattern keeps (a mask given may keep fewer than n of a group)
     kernel = layer_vars["params"]["kernel"]
     kept = nm_kept_count(kernel, spec.n, spec.m, transposable=spec.transposable, weight_mask=weight_mask)
-    return float("nan") if kept is None else kept / math.prod(kernel.shape)
+    return None if kept is None else kept / math.prod(kernel.shape)
   if isinstance(spec, BlockSparse):
     k, n = kernel_shape
     return layer_vars["params"]["kernel"].shape[0] / ((k // spec.block_shape[0]) * (n // spec.block_shape[1]))
   mask = layer_vars[sparse_linen.SPARSITY]["mask"]
-  if not is_concrete(mask):  # traced (sparsify_linen under jax.eval_shape): the kept count is not known
-    return float("nan")
-  return float(np.mean(np.asarray(mask)))
+  kept = masked_kept_count(mask)
+  return None if kept is None else kept / math.prod(mask.shape)
 
 
 def _linen_variables(spec: Spec, dense_params: Mapping, mask: np.ndarray | None, path: str) -> dict:
@@ -214,9 +217,9 @@ def _linen_variables(spec: Spec, dense_params: Mapping, mask: np.ndarray | None,
       check_nm_mask(mask, spec, mask.ndim - 2 if mask.ndim > 2 else 0, path)
       kernel = jnp.where(mask, kernel, jnp.zeros((), kernel.dtype))
     return {"params": {"kernel": kernel, **bias}}
-  if mask is None:
-    mask = magnitude_mask(kernel, spec.sparsity)
-  mask = jnp.asarray(mask)
+  # A mask given, or ranked from concrete weights, keeps its values under a trace (jax.eval_shape): its count is known.
+  with eager_if_concrete(dense_params["kernel"] if mask is None else mask):
+    mask = jnp.asarray(magnitude_mask(dense_params["kernel"], spec.sparsity) if mask is None else mask)
   return {"params": {"kernel": jnp.where(mask, kernel, jnp.zeros((), kernel.dtype)), **bias},
           sparse_linen.SPARSITY: {"mask": mask}}
 

@@ -45,7 +45,6 @@ from jaxsparse._sparsify._report import check_speed_mode
 from jaxsparse._sparsify._report import random_input
 from jaxsparse._sparsify._report import state_bytes
 from jaxsparse._sparsify._report import time_nnx_layer
-from jaxsparse.formats._base import is_concrete
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
 from jaxsparse.formats._specs import NM
 from jaxsparse.formats._specs import BlockSparse
@@ -63,8 +62,8 @@ from jaxsparse.layers import NMLinear
 from jaxsparse.layers import SparseLinearGeneral
 from jaxsparse.layers._common import copy_bias
 from jaxsparse.layers._common import custom_options
+from jaxsparse.layers._common import eager_if_concrete
 from jaxsparse.layers._common import nm_kept_count
-from jaxsparse.layers._partitioning import carry_back_nnx
 from jaxsparse.layers._partitioning import carry_nnx
 
 __all__ = ["at_path", "check_general_mask_view", "check_masks_used", "check_nm_mask", "compress", "densify", "sparsify"]
@@ -80,7 +79,10 @@ def _general_as_linear(layer: nnx.LinearGeneral, path: str) -> nnx.Linear:
     raise ValueError(f"{path}: {reason}.")
   k, n = matrix_shape(layer.kernel.shape, len(layer.in_features))
   bias = None if layer.bias is None else layer.bias[...].reshape(n)
-  return _linear(layer.kernel[...].reshape(k, n), bias, dtype=layer.dtype, precision=layer.precision)
+  kernel = layer.kernel[...]
+  with eager_if_concrete(kernel):  # concrete weights stay so under a trace (nnx.eval_shape): masks from them counted
+    kernel = kernel.reshape(k, n)
+  return _linear(kernel, bias, dtype=layer.dtype, precision=layer.precision)
 
 
 def _linear(kernel: jax.Array, bias: jax.Array | None, *, dtype: Any, precision: Any) -> nnx.Linear:
@@ -204,7 +206,7 @@ def _sparse_linear(lin: nnx.Linear, spec: Spec, mask: np.ndarray | None, path: s
   if mask is None:
     return MaskedLinear.from_dense(lin, sparsity=spec.sparsity)
   layer = MaskedLinear(
-      lin.in_features, lin.out_features, mask=jnp.asarray(mask), use_bias=lin.bias is not None, dtype=lin.dtype,
+      lin.in_features, lin.out_features, mask=mask, use_bias=lin.bias is not None, dtype=lin.dtype,
       param_dtype=kernel.dtype, kernel_init=lambda *_: kernel, precision=lin.precision, rngs=nnx.Rngs(0),
   )
   if lin.bias is not None:
@@ -314,16 +316,18 @@ def _sparse_embed(node: nnx.Embed, spec: NM, mask: np.ndarray | None, path: str)
   return CompressedNMEmbed.from_dense(node, spec.n, spec.m, mask=mask)
 
 
-def _density(layer: nnx.Module) -> float:
+def _density(layer: nnx.Module) -> float | None:
+  """The kept fraction of a new layer's kernel; ``None`` where it depends on values that a trace hides."""
   if isinstance(layer, SparseLinearGeneral):
     return _density(layer.layer)
   if isinstance(layer, (NMLinear, NMConv)):  # the nonzero weights the pattern keeps: a group may keep fewer than n
     kept = nm_kept_count(layer.kernel.get_value(), layer.n, layer.m, transposable=layer.transposable,
                          weight_mask=layer.mask if isinstance(layer, NMConv) else None)
-    return float("nan") if kept is None else kept / math.prod(layer.kernel.shape)
-  if isinstance(layer, (MaskedLinear, MaskedConv)) and not is_concrete(layer.mask[...]):
-    return float("nan")  # traced (under nnx.eval_shape or jit): the kept count is not known
-  return float(layer.density)
+    return None if kept is None else kept / math.prod(layer.kernel.shape)
+  # A masked layer's mask is counted where it holds values: given, or ranked from concrete weights, also under
+  # nnx.eval_shape; a mask ranked from traced weights is unknown (None).
+  density = layer.density
+  return None if density is None else float(density)
 
 
 def _describe(node: nnx.Module) -> str:
@@ -519,12 +523,13 @@ def densify(model: nnx.Module, *, inplace: bool = False) -> nnx.Module:
   ``NMConv`` / ``MaskedConv`` become ``nnx.Conv``, ``SparseLinearGeneral`` becomes ``nnx.LinearGeneral``,
   ``CompressedNMEmbed`` becomes ``nnx.Embed``; pruned weights are zeros in the dense kernels (tables).
 
-  Partitioning names (``nnx.with_partitioning``) come back: each dense kernel (table) and bias takes the names the
-  dense layer had before :func:`sparsify` (and :func:`compress`), kept in the sparse variables' metadata where their
-  own names cannot tell them (block-sparse values, a ``LinearGeneral`` kernel folded to 2-D), and is placed on the
-  mesh like the sparse value it comes from (a block-sparse kernel, replicated there, is split by its names). A
-  ``SparseLinearGeneral`` built directly gives each of its names back on the leading dim of its group; a
-  ``BlockSparseLinear`` built directly gives none (its ``(blocks, bk, bn)`` names do not map onto ``(K, N)``).
+  Each layer becomes its own ``to_dense()``, which gives the partitioning names (``nnx.with_partitioning``) back: each
+  dense kernel (table) and bias takes the names the dense layer had before :func:`sparsify` (and :func:`compress`),
+  kept in the sparse variables' metadata where their own names cannot tell them (block-sparse values, a
+  ``LinearGeneral`` kernel folded to 2-D), and is placed on the mesh like the sparse value it comes from (a
+  block-sparse kernel, replicated there, is split by its names). A ``SparseLinearGeneral`` built directly gives each
+  of its names back on the leading dim of its group; a ``BlockSparseLinear`` built directly gives none (its
+  ``(blocks, bk, bn)`` names do not map onto ``(K, N)``).
 
   >>> import jax.numpy as jnp, jaxsparse
   >>> from flax import nnx
@@ -554,7 +559,7 @@ def densify(model: nnx.Module, *, inplace: bool = False) -> nnx.Module:
     return nnx.eval_shape(lambda m: densify(m, inplace=True), model)
   if not inplace:
     model = nnx.clone(model)
-  dense_of = lambda node: carry_back_nnx(node, node.to_dense())  # the partitioning names carried back
+  dense_of = lambda node: node.to_dense()  # which carries the partitioning names back
   if isinstance(model, _SPARSE_NNX):
     return dense_of(model)
   found = {tuple(path) for path, node in nnx.iter_modules(model) if path and isinstance(node, _SPARSE_NNX)}

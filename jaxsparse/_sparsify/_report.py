@@ -38,7 +38,10 @@ class LayerChange:
     layer: the dense layer, e.g. ``"Linear(256->1024)"``.
     kind: the rule's structure, e.g. ``"block 64x64 25% kept"``, ``"2:4"``, ``"unstructured 90%"``.
     replaced_by: class name of the new layer, or ``None`` when the layer stayed dense.
-    density: fraction of the kernel's weights the new layer keeps (1.0 when it stayed dense).
+    density: fraction of the kernel's weights the new layer keeps (1.0 when it stayed dense); ``None`` when unknown:
+      sparsified under a trace (``nnx.eval_shape``, ``jax.eval_shape``), a mask ranked from traced weights (or an
+      N:M conv's traced weight mask) has no values to count. A mask given, or ranked from concrete weights, is
+      counted there too.
     bytes_before: bytes of the dense layer's state (kernel, bias).
     bytes_after: bytes of the new layer's state (parameters and sparsity pattern).
     dense_ms, sparse_ms: measured times with ``check_speed`` (forward, or forward+backward), else ``None``.
@@ -49,7 +52,7 @@ class LayerChange:
   layer: str
   kind: str
   replaced_by: str | None
-  density: float
+  density: float | None
   bytes_before: int
   bytes_after: int
   dense_ms: float | None = None
@@ -83,8 +86,9 @@ class SparsifyReport:
     for c in self.layers:
       dense_ms = "" if c.dense_ms is None else f"{c.dense_ms:.3f}"
       sparse_ms = "" if c.sparse_ms is None else f"{c.sparse_ms:.3f}"
+      density = "?" if c.density is None else f"{c.density:.3f}"  # unknown, as in jaxsparse.summary
       rows.append(
-          f"| {c.path} | {c.layer} | {c.kind} | {c.replaced_by or 'dense'} | {c.density:.3f} | {c.bytes_before} "
+          f"| {c.path} | {c.layer} | {c.kind} | {c.replaced_by or 'dense'} | {density} | {c.bytes_before} "
           f"| {c.bytes_after} | {dense_ms} | {sparse_ms} | {c.note} |"
       )
     rows.append(f"\n{len(self.replaced)} of {len(self.layers)} layers sparse; layer bytes "

@@ -53,6 +53,8 @@ from jaxsparse.layers._common import existing_shape
 from jaxsparse.layers._common import init_linear_attributes
 from jaxsparse.layers._common import map_boxed
 from jaxsparse.layers._common import unbox_init
+from jaxsparse.layers._partitioning import BLOCKS
+from jaxsparse.layers._partitioning import carry_back_nnx
 
 __all__ = ["BlockSparseDense", "BlockSparseLinear"]
 
@@ -173,6 +175,8 @@ class BlockSparseLinear(nnx.Module):
       a boolean array; ``param_dtype`` or ``dtype`` is complex; ``param_dtype`` is not floating and no
       ``kernel_init`` is given.
   """
+
+  _kernel_layout = BLOCKS  # its kept blocks have no dims of the dense kernel (partitioning names, _partitioning)
 
   def __init__(
       self,
@@ -373,7 +377,10 @@ class BlockSparseLinear(nnx.Module):
 
     Returns:
       An ``nnx.Linear(in_features, out_features)`` with kernel ``sparse_kernel.to_dense()`` (in the kernel's
-      dtype), this layer's bias (or none), ``dtype`` and ``precision``: it computes the same function.
+      dtype), this layer's bias (or none), ``dtype`` and ``precision``: it computes the same function. Partitioning
+      names (``nnx.with_partitioning``) come back as :func:`jaxsparse.densify` gives them: the bias keeps its own,
+      the kernel takes the dense kernel's that :func:`jaxsparse.sparsify` recorded (a layer built directly has none:
+      its ``(nnz_blocks, bk, bn)`` names do not map onto ``(in_features, out_features)``).
 
     >>> import jax.numpy as jnp
     >>> from flax import nnx
@@ -388,12 +395,13 @@ class BlockSparseLinear(nnx.Module):
         ``nnx.vmap(lambda layer: layer.to_dense(), in_axes=0, out_axes=0)(stack)``.
     """
     check_one_layer(self, what="to_dense()")
-    return dense_linear(
+    dense = dense_linear(
         self.sparse_kernel.to_dense(),
         bias_of(self),
         dtype=self.dtype,
         precision=self.precision,
     )
+    return carry_back_nnx(self, dense)  # the partitioning names and placement
 
   def to_linen_variables(self) -> dict[str, dict[str, jax.Array]]:
     """Variables for :class:`jaxsparse.layers.linen.BlockSparseDense` holding these weights and pattern.

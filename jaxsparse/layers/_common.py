@@ -6,6 +6,7 @@ the :data:`SPARSITY` collection. The checks raise errors that name the argument 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import math
@@ -52,10 +53,12 @@ __all__ = [
     "custom_options",
     "default_bias_init",
     "dense_linear",
+    "eager_if_concrete",
     "init_linear_attributes",
     "kept_weights",
     "linear_options",
     "map_boxed",
+    "masked_kept_count",
     "missing_pattern",
     "nm_kept_count",
     "nm_kept_mask",
@@ -439,6 +442,20 @@ def nm_kept_count(
     return math.prod(kernel.shape) * n // m if weight_mask is None else None
   with jax.ensure_compile_time_eval():
     return int(jnp.sum(nm_kept_mask(kernel, n, m, transposable=transposable, weight_mask=weight_mask)))
+
+
+def eager_if_concrete(*arrays: Any) -> contextlib.AbstractContextManager:
+  """``jax.ensure_compile_time_eval()`` where all of ``arrays`` hold values, also under a trace (``jit``,
+  ``nnx.eval_shape``), else a no-op: a mask checked or ranked from them keeps its values (a NumPy array would become a
+  traced value at its first ``jnp`` op), so counts read from it stay known (:func:`masked_kept_count`)."""
+  return jax.ensure_compile_time_eval() if all(is_concrete(a) for a in arrays) else contextlib.nullcontext()
+
+
+def masked_kept_count(mask: Any) -> int | None:
+  """How many weights an unstructured mask keeps, counted eagerly where it holds values (also under a trace);
+  ``None`` for a traced or abstract (``jax.ShapeDtypeStruct``) mask: unknown, as :func:`nm_kept_count` says of a
+  traced weight mask."""
+  return int(np.count_nonzero(np.asarray(mask))) if is_concrete(mask) else None
 
 
 def check_transposable_layer(transposable: object, out_features: int, m: int, *, name: str = "out_features") -> bool:

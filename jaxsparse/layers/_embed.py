@@ -29,6 +29,7 @@ from jaxsparse.formats._nm import decompress
 from jaxsparse.formats._nm_masks import check_nm
 from jaxsparse.layers._common import SparsityPattern
 from jaxsparse.layers._nm_compressed import check_nm_implementation
+from jaxsparse.layers._partitioning import carry_back_nnx
 from jaxsparse.layers._partitioning import carry_nnx
 
 __all__ = ["CompressedNMEmbed", "check_ids", "check_query", "compress_table", "lookup"]
@@ -193,7 +194,9 @@ class CompressedNMEmbed(nnx.Module):
     """An ``nnx.Embed`` holding the decompressed table (zeros at the pruned features), same ``dtype``.
 
     Returns:
-      An ``nnx.Embed`` of ``(num_embeddings, features)`` whose lookups and :meth:`attend` equal this layer's.
+      An ``nnx.Embed`` of ``(num_embeddings, features)`` whose lookups and :meth:`attend` equal this layer's. The
+      table takes the partitioning names (``nnx.with_partitioning``) of the stored one, swapped back, and its
+      placement on a mesh, as :func:`jaxsparse.densify` gives them.
 
     >>> from flax import nnx
     >>> from jaxsparse.layers import CompressedNMEmbed
@@ -202,8 +205,9 @@ class CompressedNMEmbed(nnx.Module):
     ((10, 8), 40)
     """
     table = self.weight.to_dense().T
-    return nnx.Embed(self.num_embeddings, self.features, dtype=self.dtype, param_dtype=table.dtype,
-                     promote_dtype=self.promote_dtype, embedding_init=lambda *_: table, rngs=nnx.Rngs(0))
+    dense = nnx.Embed(self.num_embeddings, self.features, dtype=self.dtype, param_dtype=table.dtype,
+                      promote_dtype=self.promote_dtype, embedding_init=lambda *_: table, rngs=nnx.Rngs(0))
+    return carry_back_nnx(self, dense)  # the partitioning names and placement
 
 
 def compress_table(table: jax.Array, n: int, m: int, *, mask: Any = None) -> NMSparseMatrix:

@@ -13,6 +13,8 @@ from flax import nnx
 from jaxsparse import _utils
 from jaxsparse.layers._common import check_one_layer
 from jaxsparse.layers._common import with_weights
+from jaxsparse.layers._partitioning import FOLDED
+from jaxsparse.layers._partitioning import carry_back_nnx
 
 __all__ = ["SparseLinearGeneral"]
 
@@ -56,6 +58,8 @@ class SparseLinearGeneral(nnx.Module):
     dtype, precision: the wrapped layer's, which compute the product and which :meth:`to_dense` keeps; ``None``
       takes them from ``layer``, another value than ``layer``'s raises ``ValueError``.
   """
+
+  _kernel_layout = FOLDED  # its wrapped (K, N) kernel is the dense one folded (partitioning names, _partitioning)
 
   def __init__(self, layer: nnx.Module, *, in_features: int | tuple[int, ...], out_features: int | tuple[int, ...],
                dtype: Any = None, precision: Any = None):
@@ -119,7 +123,10 @@ class SparseLinearGeneral(nnx.Module):
 
     Returns:
       An ``nnx.LinearGeneral`` over the trailing ``in_features`` axes, with the wrapped layer's bias (reshaped to
-      ``out_features``), ``dtype`` and ``precision``: the same function as this layer.
+      ``out_features``), ``dtype`` and ``precision``: the same function as this layer. Partitioning names
+      (``nnx.with_partitioning``) of kernel and bias come back (and their placement on a mesh), as
+      :func:`jaxsparse.densify` gives them: those :func:`jaxsparse.sparsify` recorded, else the wrapped layer's
+      unfolded, each name on the leading dim of its group.
 
     >>> import jax.numpy as jnp
     >>> from flax import nnx
@@ -137,7 +144,7 @@ class SparseLinearGeneral(nnx.Module):
     check_one_layer(self.layer, what="to_dense()", owner=self)
     lin = self.layer.to_dense()
     kernel = lin.kernel[...].reshape(*self.in_features, *self.out_features)
-    return with_weights(
+    dense = with_weights(
         nnx.LinearGeneral,
         kernel,
         None if lin.bias is None else lin.bias[...].reshape(self.out_features),
@@ -149,3 +156,4 @@ class SparseLinearGeneral(nnx.Module):
         precision=self.precision,
         rngs=nnx.Rngs(0),
     )
+    return carry_back_nnx(self, dense)  # the partitioning names and placement

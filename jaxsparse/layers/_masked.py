@@ -8,6 +8,7 @@ a :class:`SparsityPattern` variable in NNX, the ``"sparsity"`` collection in Lin
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import flax.linen as nn
@@ -39,12 +40,15 @@ from jaxsparse.layers._common import check_pattern
 from jaxsparse.layers._common import conv_options
 from jaxsparse.layers._common import default_bias_init
 from jaxsparse.layers._common import dense_linear
+from jaxsparse.layers._common import eager_if_concrete
 from jaxsparse.layers._common import existing_shape
 from jaxsparse.layers._common import init_linear_attributes
 from jaxsparse.layers._common import kept_weights
 from jaxsparse.layers._common import map_boxed
+from jaxsparse.layers._common import masked_kept_count
 from jaxsparse.layers._common import random_mask
 from jaxsparse.layers._common import with_weights
+from jaxsparse.layers._partitioning import carry_back_nnx
 
 __all__ = ["MaskedConv", "MaskedDense", "MaskedLinear"]
 
@@ -52,6 +56,12 @@ __all__ = ["MaskedConv", "MaskedDense", "MaskedLinear"]
 def masked_kernel_init(kept: int | jax.Array, size: int) -> Initializer:
   """Truncated normal for ``(in, out)`` with variance ``1 / (density * in_features)``, ``density = kept / size``."""
   return nnx.initializers.variance_scaling(size / jnp.maximum(kept, 1), "fan_in", "truncated_normal")
+
+
+def _mask_density(mask: SparsityPattern) -> float | None:
+  """The kept fraction of a layer's mask variable; ``None`` when it holds no values (traced or abstract)."""
+  kept = masked_kept_count(mask.get_value())
+  return None if kept is None else kept / math.prod(mask.shape)
 
 
 def masked_apply(
@@ -146,7 +156,8 @@ class MaskedLinear(nnx.Module):
       kept = kept_weights(sparsity, shape)
       mask = random_mask(rngs.params(), shape, kept)
     else:
-      mask = check_mask(mask, shape, name="mask")
+      with eager_if_concrete(mask):  # a given mask keeps its values under a trace (nnx.eval_shape): density known
+        mask = check_mask(mask, shape, name="mask")
       kept = jnp.sum(mask)
     if kernel_init is None:
       kernel_init = masked_kernel_init(kept, size)
@@ -191,15 +202,17 @@ class MaskedLinear(nnx.Module):
     )
 
   @property
-  def density(self) -> float:
-    """Fraction of weights kept."""
-    mask = self.mask[...]
-    return int(jnp.count_nonzero(mask)) / mask.size
+  def density(self) -> float | None:
+    """Fraction of weights kept; ``None`` (unknown) when the mask holds no values: a traced mask (under ``nnx.jit``),
+    an abstract layer's (``nnx.eval_shape``). A mask given or computed from concrete weights is counted, also when
+    the layer is built under a trace."""
+    return _mask_density(self.mask)
 
   @property
-  def sparsity(self) -> float:
-    """Fraction of weights pruned, ``1 - density``."""
-    return 1.0 - self.density
+  def sparsity(self) -> float | None:
+    """Fraction of weights pruned, ``1 - density``; ``None`` when the density is unknown."""
+    density = self.density
+    return None if density is None else 1.0 - density
 
   @classmethod
   def from_dense(
@@ -229,13 +242,15 @@ class MaskedLinear(nnx.Module):
     """
     linear = check_linear(linear, "MaskedLinear")
     kernel = linear.kernel[...]
+    with eager_if_concrete(kernel):  # ranked eagerly from concrete weights, also under a trace: the density is known
+      mask = magnitude_mask(kernel, sparsity)
     return with_weights(
         cls,
         kernel,
         bias_of(linear),
         linear.in_features,
         linear.out_features,
-        mask=magnitude_mask(kernel, sparsity),
+        mask=mask,
         use_bias=linear.bias is not None,
         dtype=linear.dtype,
         precision=linear.precision,
@@ -247,7 +262,8 @@ class MaskedLinear(nnx.Module):
     """An ``nnx.Linear`` with kernel ``kernel * mask`` and the same bias, ``dtype`` and ``precision``.
 
     Returns:
-      An ``nnx.Linear`` computing the same function as this layer.
+      An ``nnx.Linear`` computing the same function as this layer. Partitioning names (``nnx.with_partitioning``)
+      of kernel and bias carry over (and their placement on a mesh), as :func:`jaxsparse.densify` gives them.
 
     >>> import jax.numpy as jnp
     >>> from flax import nnx
@@ -262,12 +278,13 @@ class MaskedLinear(nnx.Module):
     """
     check_one_layer(self, what="to_dense()")
     kernel = self.kernel[...]
-    return dense_linear(
+    dense = dense_linear(
         jnp.where(self.mask[...], kernel, jnp.zeros((), kernel.dtype)),
         bias_of(self),
         dtype=self.dtype,
         precision=self.precision,
     )
+    return carry_back_nnx(self, dense)  # the partitioning names and placement
 
   def to_linen_variables(self) -> dict[str, dict[str, jax.Array]]:
     """Variables for :class:`jaxsparse.layers.linen.MaskedDense` holding these weights and mask.
@@ -439,16 +456,16 @@ class MaskedConv(nnx.Conv):
       shape = (*ks, in_features // groups, out_features)
       mask = random_mask(rngs.params(), shape, kept_weights(sparsity, shape))
     super().__init__(in_features, out_features, kernel_size, rngs=rngs, **kwargs)
-    mask = check_mask(mask, self.kernel_shape, name="mask")
+    with eager_if_concrete(mask):  # a given mask keeps its values under a trace (nnx.eval_shape): density known
+      mask = check_mask(mask, self.kernel_shape, name="mask")
     k = self.kernel[...]
     self.kernel[...] = jnp.where(mask, k, jnp.zeros((), k.dtype))
     self.mask = nnx.data(SparsityPattern(mask))
 
   @property
-  def density(self) -> float:
-    """Fraction of weights kept."""
-    mask = self.mask[...]
-    return int(jnp.count_nonzero(mask)) / mask.size
+  def density(self) -> float | None:
+    """Fraction of weights kept; ``None`` (unknown) when the mask holds no values, as :attr:`MaskedLinear.density`."""
+    return _mask_density(self.mask)
 
   @classmethod
   def from_dense(cls, conv: nnx.Conv, *, sparsity: float | None = None, mask: Any = None) -> MaskedConv:
@@ -483,7 +500,8 @@ class MaskedConv(nnx.Conv):
     kernel = conv.kernel[...]
     check_one_of("sparsity", sparsity, "mask", mask)
     if mask is None:
-      mask = magnitude_mask(kernel, sparsity)
+      with eager_if_concrete(kernel):  # as in MaskedLinear.from_dense
+        mask = magnitude_mask(kernel, sparsity)
     return with_weights(
         cls, kernel, bias_of(conv), conv.in_features, conv.out_features,
         conv.kernel_size, mask=mask, rngs=nnx.Rngs(0), **_conv_options(conv),
@@ -493,7 +511,8 @@ class MaskedConv(nnx.Conv):
     """An ``nnx.Conv`` with kernel ``kernel * mask`` and the same options and bias.
 
     Returns:
-      An ``nnx.Conv`` computing the same function as this layer.
+      An ``nnx.Conv`` computing the same function as this layer. Partitioning names (``nnx.with_partitioning``) of
+      kernel and bias carry over (and their placement on a mesh), as :func:`jaxsparse.densify` gives them.
 
     >>> import jax.numpy as jnp
     >>> from flax import nnx
@@ -509,7 +528,8 @@ class MaskedConv(nnx.Conv):
     """
     check_one_layer(self, what="to_dense()")
     kernel = jnp.where(self.mask[...], self.kernel[...], jnp.zeros((), self.kernel.dtype))
-    return with_weights(
+    dense = with_weights(
         nnx.Conv, kernel, bias_of(self), self.in_features, self.out_features,
         self.kernel_size, rngs=nnx.Rngs(0), **_conv_options(self),
     )
+    return carry_back_nnx(self, dense)  # the partitioning names and placement

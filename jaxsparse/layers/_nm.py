@@ -48,6 +48,7 @@ from jaxsparse.layers._common import linear_options
 from jaxsparse.layers._common import nm_kept_mask
 from jaxsparse.layers._common import with_weights
 from jaxsparse.layers._nm_compressed import CompressedNMLinear
+from jaxsparse.layers._partitioning import carry_back_nnx
 
 __all__ = ["NMConv", "NMLinear"]
 
@@ -268,7 +269,9 @@ class NMLinear(_NMMixin, nnx.Linear):
     """An ``nnx.Linear`` holding the pruned kernel: the same function as this layer's forward pass.
 
     Returns:
-      An ``nnx.Linear`` with kernel :meth:`pruned_kernel`, this layer's bias and options.
+      An ``nnx.Linear`` with kernel :meth:`pruned_kernel`, this layer's bias and options. Partitioning names
+      (``nnx.with_partitioning``) of kernel and bias carry over (and their placement on a mesh), as
+      :func:`jaxsparse.densify` gives them.
 
     >>> import jax.numpy as jnp
     >>> from flax import nnx
@@ -283,9 +286,10 @@ class NMLinear(_NMMixin, nnx.Linear):
         ``nnx.vmap(lambda layer: layer.to_dense(), in_axes=0, out_axes=0)(stack)``.
     """
     check_one_layer(self, what="to_dense()")
-    return with_weights(
+    dense = with_weights(
         nnx.Linear, self.pruned_kernel(), bias_of(self), self.in_features, self.out_features, **linear_options(self)
     )
+    return carry_back_nnx(self, dense)  # the partitioning names and placement
 
   def to_compressed(self, *, implementation: ops.NMImplementation | None = None,
                     cusparselt_copy: bool = True,
@@ -508,7 +512,9 @@ class NMConv(_NMMixin, nnx.Conv):
     """An ``nnx.Conv`` holding the pruned kernel: the same function as this layer's forward pass.
 
     Returns:
-      An ``nnx.Conv`` with kernel :meth:`pruned_kernel`, this layer's bias and every option.
+      An ``nnx.Conv`` with kernel :meth:`pruned_kernel`, this layer's bias and every option. Partitioning names
+      (``nnx.with_partitioning``) of kernel and bias carry over (and their placement on a mesh), as
+      :func:`jaxsparse.densify` gives them.
 
     >>> from flax import nnx
     >>> from jaxsparse.layers import NMConv
@@ -521,10 +527,11 @@ class NMConv(_NMMixin, nnx.Conv):
         ``nnx.vmap(lambda layer: layer.to_dense(), in_axes=0, out_axes=0)(stack)``.
     """
     check_one_layer(self, what="to_dense()")
-    return with_weights(
+    dense = with_weights(
         nnx.Conv, self.pruned_kernel(), bias_of(self), self.in_features, self.out_features, self.kernel_size,
         **conv_options(self),
     )
+    return carry_back_nnx(self, dense)  # the partitioning names and placement
 
   def to_compressed(self) -> NMSparseMatrix:
     """The pruned kernel compressed along ``cin`` (for storage and export; compute with :meth:`to_dense`).

@@ -27,6 +27,7 @@ from jaxsparse.layers._common import check_layer_inputs
 from jaxsparse.layers._common import check_one_layer
 from jaxsparse.layers._common import check_real_dtypes
 from jaxsparse.layers._common import with_weights
+from jaxsparse.layers._partitioning import carry_back_nnx
 from jaxsparse.ops import _nm_matmul
 
 __all__ = ["CompressedNMLinear", "CusparseLtKernel", "CusparseLtWeight", "check_nm_implementation"]
@@ -307,7 +308,9 @@ class CompressedNMLinear(nnx.Module):
     """An ``nnx.Linear`` with the decompressed kernel and the same bias and options.
 
     Returns:
-      An ``nnx.Linear`` computing the same function as this layer.
+      An ``nnx.Linear`` computing the same function as this layer. Partitioning names (``nnx.with_partitioning``)
+      of kernel and bias carry over (and their placement on a mesh), as :func:`jaxsparse.densify` gives them: the
+      kernel's from the kept values (``storage="cusparselt"`` keeps none: only the bias's come back).
 
     >>> import jax, jax.numpy as jnp, jaxsparse
     >>> from jaxsparse.layers import CompressedNMLinear
@@ -320,7 +323,7 @@ class CompressedNMLinear(nnx.Module):
         ``nnx.vmap(lambda layer: layer.to_dense(), in_axes=0, out_axes=0)(stack)``.
     """
     check_one_layer(self, what="to_dense()")
-    return with_weights(
+    dense = with_weights(
         nnx.Linear,
         self.weight.to_dense(),
         bias_of(self),
@@ -333,3 +336,4 @@ class CompressedNMLinear(nnx.Module):
         preferred_element_type=self.preferred_element_type,
         rngs=nnx.Rngs(0),
     )
+    return carry_back_nnx(self, dense)  # the partitioning names and placement

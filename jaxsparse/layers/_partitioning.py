@@ -20,11 +20,12 @@ metadata) or ``nn.with_partitioning`` (Linen ``nn.Partitioned`` boxes) passes it
 
 Where the dense kernel's value was already placed on a mesh, the new arrays are placed likewise.
 
-``densify`` carries the names back (:func:`carry_back_nnx`): the dense kernel (table) and bias take the names their
-sparse twins hold, unfolded or swapped back. Where the sparse names cannot tell the dense ones (block-sparse values,
-replicated; a ``LinearGeneral`` kernel or bias folded to 2-D / 1-D), :func:`carry_nnx` records the dense names in the
-sparse variable's ``dense_out_sharding`` metadata, which ``densify`` (and ``compress``, carrying it on) reads. A sparse
-layer built directly, without them, gives its folded names back on the leading dim of each group.
+Each layer's ``to_dense()`` (and so ``densify``, which calls it) carries the names back (:func:`carry_back_nnx`): the
+dense kernel (table) and bias take the names their sparse twins hold, unfolded or swapped back. Where the sparse names
+cannot tell the dense ones (block-sparse values, replicated; a ``LinearGeneral`` kernel or bias folded to 2-D / 1-D),
+:func:`carry_nnx` records the dense names in the sparse variable's ``dense_out_sharding`` metadata, which
+``to_dense()`` (and ``compress``, carrying it on) reads. A sparse layer built directly, without them, gives its folded
+names back on the leading dim of each group.
 """
 
 from __future__ import annotations
@@ -42,8 +43,6 @@ from jax.sharding import PartitionSpec as P
 
 from jaxsparse import _utils
 from jaxsparse.formats._base import is_concrete
-from jaxsparse.layers._block_sparse import BlockSparseLinear
-from jaxsparse.layers._linear_general import SparseLinearGeneral
 
 __all__ = ["DENSE_NAMES", "carry_back_nnx", "carry_linen", "carry_nnx"]
 
@@ -51,6 +50,18 @@ Names = tuple[Any, ...]
 
 DENSE_NAMES = "dense_out_sharding"
 """Metadata key of a sparse kernel (bias) whose own names cannot give back the dense layer's: the dense names."""
+
+BLOCKS, FOLDED = "blocks", "folded"
+"""The ``_kernel_layout`` class attribute of ``BlockSparseLinear`` and ``SparseLinearGeneral`` (see :func:`_layout`)."""
+
+
+def _layout(layer: Any) -> str | None:
+  """How a sparse layer's kernel stands for the dense one, from its class's ``_kernel_layout``: :data:`BLOCKS` (kept
+  blocks ``(nnz_blocks, bk, bn)``, no dense dims: ``BlockSparseLinear``), :data:`FOLDED` (a wrapped ``(K, N)`` layer
+  of a kernel folded from ``(*in_features, *out_features)``: ``SparseLinearGeneral``), else ``None`` (the dense
+  kernel's dims, or a table's swapped). A class attribute, not ``isinstance``: the layers import these helpers (their
+  ``to_dense()`` carries the names back), so the helpers cannot import the layers."""
+  return getattr(type(layer), "_kernel_layout", None)
 
 
 def _fold(names: Names, groups: tuple[int, ...]) -> Names:
@@ -127,11 +138,11 @@ def carry_nnx(dense: nnx.Module, sparse: nnx.Module) -> nnx.Module:
   dense_kernel_names = weight.get_metadata().get(DENSE_NAMES)
   dense_bias_names = bias.get_metadata().get(DENSE_NAMES) if isinstance(bias, nnx.Variable) else None
   layer = sparse
-  if isinstance(sparse, SparseLinearGeneral):
+  if _layout(sparse) == FOLDED:
     dense_kernel_names, dense_bias_names = kernel_names, bias_names
-  elif isinstance(sparse, BlockSparseLinear):
+  elif _layout(sparse) == BLOCKS:
     dense_kernel_names = kernel_names
-  if isinstance(sparse, SparseLinearGeneral):
+  if _layout(sparse) == FOLDED:
     layer = sparse.layer
     n_in = len(sparse.in_features)
     if kernel_names is not None:
@@ -144,7 +155,7 @@ def carry_nnx(dense: nnx.Module, sparse: nnx.Module) -> nnx.Module:
     is_bias = bool(path) and path[-1] == "bias"
     if is_bias:
       names, source = bias_names, bias
-    elif isinstance(layer, BlockSparseLinear) or kernel_names is None or var.ndim != len(kernel_names):
+    elif _layout(layer) == BLOCKS or kernel_names is None or var.ndim != len(kernel_names):
       names, source = (None,) * var.ndim, weight
     elif str(path[-1]).endswith("_positions"):
       names, source = _positions_names(kernel_names), weight
@@ -169,7 +180,8 @@ def carry_back_nnx(sparse: nnx.Module, dense: nnx.Module) -> nnx.Module:
   the sparse value is placed on a mesh, the dense value is placed likewise (dims of the same name split the same way).
   """
   embed = isinstance(dense, nnx.Embed)
-  layer = sparse.layer if isinstance(sparse, SparseLinearGeneral) else sparse
+  folded = _layout(sparse) == FOLDED
+  layer = sparse.layer if folded else sparse
   weight = layer.embedding if embed else layer.kernel
   bias = getattr(layer, "bias", None)
 
@@ -180,11 +192,11 @@ def carry_back_nnx(sparse: nnx.Module, dense: nnx.Module) -> nnx.Module:
     if recorded is not None:
       return tuple(recorded)
     names = _nnx_names(var)
-    if names is None or (kind == "kernel" and isinstance(layer, BlockSparseLinear)):
+    if names is None or (kind == "kernel" and _layout(layer) == BLOCKS):
       return None
     if embed:
       return names[::-1]
-    if isinstance(sparse, SparseLinearGeneral):
+    if folded:
       n_in, n_out = len(sparse.in_features), len(sparse.out_features)
       groups = (n_in, n_out) if kind == "kernel" else (n_out,)
       return _unfold(names, groups) if len(names) == len(groups) else None

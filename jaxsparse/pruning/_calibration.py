@@ -4,7 +4,8 @@ For each selected ``nnx.Linear`` / ``nnx.LinearGeneral`` / ``nnx.Conv`` (Linen: 
 ``nn.DenseGeneral`` / ``nn.Conv``) a layer's inputs ``X`` (all tokens of all batches, ``(T, K)``, ``K``
 the flattened input features) give a :class:`LayerStats`: the per-feature sums of squares (Wanda's
 activation norms are their square roots) and the Gram matrix ``XᵀX`` (SparseGPT's Hessian, up to a
-factor), in float32. A general layer contracting its trailing input axes has its kernel viewed as
+factor), accumulated in float32, or in float64 when the layer's kernel or inputs are float64 (the rule of
+``jaxsparse._utils.accumulation_dtype``). A general layer contracting its trailing input axes has its kernel viewed as
 ``(K, N)`` over the flattened input and output axes. A convolution is a dense layer on its im2col
 patches: ``X`` has one row per output position, ``K = prod(kernel_size) * cin`` in the kernel's own
 ``(*kernel_size, cin)`` order, so ``kernel.reshape(K, cout)`` is its ``(K, N)`` view and N:M groups of
@@ -33,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxsparse import _utils
 from jaxsparse._rules import Probe
 from jaxsparse._rules import as_int_tuple
 from jaxsparse._rules import dense_general_dims
@@ -61,9 +63,12 @@ class LayerStats(NamedTuple):
   """Calibration statistics of one layer's inputs ``X`` (``(T, K)``: T tokens, K input features).
 
   Attributes:
-    sq_norms: float32 ``(K,)``, ``sum_t X[t, k]²``; Wanda's activation norm is its square root.
-    gram: float32 ``(K, K)``, ``XᵀX`` (SparseGPT's Hessian up to a factor), or ``None`` when not collected.
+    sq_norms: ``(K,)``, ``sum_t X[t, k]²``; Wanda's activation norm is its square root.
+    gram: ``(K, K)``, ``XᵀX`` (SparseGPT's Hessian up to a factor), or ``None`` when not collected.
     tokens: int32 scalar ``T``.
+
+  :func:`calibrate` accumulates ``sq_norms`` and ``gram`` in float32 (also for bfloat16 / float16 layers), or in
+  float64 when the layer's kernel or inputs are float64.
 
   :func:`calibrate` returns one per layer; the fields can also be computed directly:
 
@@ -149,10 +154,10 @@ class ConvPatches:
       padding = tuple((p, p) if isinstance(p, int) else tuple(p) for p in padding)
     return cls(size, each(conv.strides), padding, each(conv.input_dilation), each(conv.kernel_dilation))
 
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, dtype: jax.typing.DTypeLike = jnp.float32) -> jax.Array:
     nd = len(self.kernel_size)
     cin = x.shape[-1]
-    x = x.reshape((-1, *x.shape[-(nd + 1):])).astype(jnp.float32)  # batch dims as one, as Flax does
+    x = x.reshape((-1, *x.shape[-(nd + 1):])).astype(dtype)  # batch dims as one, as Flax does
     padding = self.padding
     if padding in ("CIRCULAR", "REFLECT"):  # Flax pads the input itself for these, then runs VALID
       dilated = [(k - 1) * d + 1 for k, d in zip(self.kernel_size, self.kernel_dilation, strict=True)]
@@ -199,11 +204,11 @@ class Layer:
   n: int  # flattened output features
   patches: ConvPatches | None = None  # a convolution's im2col
 
-  def rows(self, x: jax.Array) -> jax.Array:
-    """The layer's float32 ``(T, K)`` inputs from one call's input ``x``."""
+  def rows(self, x: jax.Array, dtype: jax.typing.DTypeLike = jnp.float32) -> jax.Array:
+    """The layer's ``(T, K)`` inputs from one call's input ``x``, in ``dtype``."""
     if self.patches is not None:
-      return self.patches(x)
-    return x.reshape(-1, self.k).astype(jnp.float32)
+      return self.patches(x, dtype)
+    return x.reshape(-1, self.k).astype(dtype)
 
 
 def _dotted(key: Sequence[Any]) -> str:
@@ -316,10 +321,13 @@ def nnx_call_order(model: nnx.Module, keys: Sequence[tuple], batch: Any, call: C
   return order
 
 
-def _add_stats(acc: LayerStats, xs: list[jax.Array], layer: Layer, gram: bool, weights: jax.Array | None) -> LayerStats:
+def _add_stats(acc: LayerStats, xs: list[jax.Array], layer: Layer, gram: bool, weights: jax.Array | None,
+               kernel_dtype: Any) -> LayerStats:
+  # The sums' dtype: float32, float64 when the layer's kernel or inputs (or the sums so far) are float64.
+  dtype = _utils.accumulation_dtype(acc.sq_norms.dtype, kernel_dtype, *(x.dtype for x in xs))
   rows = []
   for x in xs:
-    x = layer.rows(x)
+    x = layer.rows(x, dtype)
     if weights is not None:
       if weights.size != x.shape[0]:
         raise ValueError(f"{layer.path}: token_mask gives {weights.size} weights per batch but the layer sees "
@@ -329,15 +337,26 @@ def _add_stats(acc: LayerStats, xs: list[jax.Array], layer: Layer, gram: bool, w
   x = jnp.concatenate(rows)
   count = x.shape[0] if weights is None else len(xs) * jnp.sum(weights != 0, dtype=jnp.int32)
   return LayerStats(
-      acc.sq_norms + jnp.sum(x * x, axis=0),
-      acc.gram + jnp.matmul(x.T, x, precision=_HIGHEST) if gram else None,
+      acc.sq_norms.astype(dtype) + jnp.sum(x * x, axis=0),
+      acc.gram.astype(dtype) + jnp.matmul(x.T, x, precision=_HIGHEST) if gram else None,
       acc.tokens + count,
   )
 
 
-def _zeros(k: int, gram: bool) -> LayerStats:
-  return LayerStats(jnp.zeros((k,), jnp.float32), jnp.zeros((k, k), jnp.float32) if gram else None,
-                    jnp.zeros((), jnp.int32))
+def _zeros(k: int, gram: bool, dtype: jax.typing.DTypeLike) -> LayerStats:
+  return LayerStats(jnp.zeros((k,), dtype), jnp.zeros((k, k), dtype) if gram else None, jnp.zeros((), jnp.int32))
+
+
+def _accumulators(step: Callable, state: Any, layers: Sequence[Layer], batch: Any, gram: bool) -> dict[str, LayerStats]:
+  """Zero statistics in the dtypes ``step`` accumulates in: float32, float64 for float64 kernels or inputs.
+
+  The dtypes of the layers' kernels and inputs are known once the model is traced: ``step`` is traced (not run) on
+  ``batch`` from float32 zeros, and gives back the dtypes it keeps (for float32 ones jit reuses this trace).
+  """
+  acc = {layer.path: _zeros(layer.k, gram, jnp.float32) for layer in layers}
+  with naming_batch(0):
+    shapes = jax.eval_shape(step, state, acc, batch)
+  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
 def check_batches(batches: Any) -> list:
@@ -378,7 +397,8 @@ def check_stats(stats: Mapping[str, LayerStats], layers: Sequence[Layer]) -> Non
     if not finite:
       raise ValueError(f"{layer.path or '(model)'}: the inputs this layer sees on the calibration batches contain "
                        "NaN or inf (in batches themselves, or produced by the model before this layer, or too large "
-                       "to square in float32); masks and weights computed from them would be meaningless.")
+                       f"to square in {stats[layer.path].sq_norms.dtype}); masks and weights computed from them "
+                       "would be meaningless.")
 
 
 def nnx_layer_stats(model: nnx.Module, layers: Sequence[Layer], batches: Sequence[Any], *, call: Callable,
@@ -388,16 +408,19 @@ def nnx_layer_stats(model: nnx.Module, layers: Sequence[Layer], batches: Sequenc
 
   def step(state, acc, batch):
     xs: dict[tuple, list] = {layer.key: [] for layer in layers}
-    m = _with_probes(nnx.merge(graphdef, state), list(xs), lambda key, x: xs[key].append(x))
+    m = nnx.merge(graphdef, state)
+    kernel_dtypes = {layer.key: get_module(m, layer.key).kernel.dtype for layer in layers}
+    m = _with_probes(m, list(xs), lambda key, x: xs[key].append(x))
     call(m, batch)
     for layer in layers:
       if not xs[layer.key]:
         raise ValueError(f"{layer.path}: the model does not call this layer on a calibration batch.")
     weights = None if token_mask is None else jnp.asarray(token_mask(batch))
-    return {layer.path: _add_stats(acc[layer.path], xs[layer.key], layer, gram, weights) for layer in layers}
+    return {layer.path: _add_stats(acc[layer.path], xs[layer.key], layer, gram, weights, kernel_dtypes[layer.key])
+            for layer in layers}
 
   step = jax.jit(step, donate_argnums=1)
-  acc = {layer.path: _zeros(layer.k, gram) for layer in layers}
+  acc = _accumulators(step, state, layers, batches[0], gram)
   for i, batch in enumerate(batches):
     with naming_batch(i):
       acc = step(state, acc, batch)
@@ -503,11 +526,14 @@ def linen_layer_stats(module: nn.Module, variables: Mapping, layers: Sequence[La
 
   def step(variables, acc, batch):
     xs: dict[tuple, list] = {key: [] for key in by_key}
+    kernel_dtypes: dict[tuple, Any] = {}
 
     def interceptor(next_fun, args, kwargs, context):
       key = tuple(context.module.path)
       if context.method_name == "__call__" and key in xs and type(context.module) in _LINEN_TYPES:
         xs[key].append(args[0])
+        kernel = nn.meta.unbox(context.module.variables.get("params", {})).get("kernel")
+        kernel_dtypes[key] = jnp.float32 if kernel is None else kernel.dtype
       return next_fun(*args, **kwargs)
 
     args, kwargs = _linen_args(batch)
@@ -517,10 +543,11 @@ def linen_layer_stats(module: nn.Module, variables: Mapping, layers: Sequence[La
       if not xs[layer.key]:
         raise ValueError(f"{layer.path}: the module does not call this layer on a calibration batch.")
     weights = None if token_mask is None else jnp.asarray(token_mask(batch))
-    return {layer.path: _add_stats(acc[layer.path], xs[layer.key], layer, gram, weights) for layer in layers}
+    return {layer.path: _add_stats(acc[layer.path], xs[layer.key], layer, gram, weights, kernel_dtypes[layer.key])
+            for layer in layers}
 
   step = jax.jit(step, donate_argnums=1)
-  acc = {layer.path: _zeros(layer.k, gram) for layer in layers}
+  acc = _accumulators(step, variables, layers, batches[0], gram)
   for i, batch in enumerate(batches):
     with naming_batch(i):
       acc = step(variables, acc, batch)

@@ -21,6 +21,7 @@ raw optax state, to save or to hand to :func:`jaxsparse.sparsify`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from collections.abc import Mapping
 from typing import Any
@@ -40,8 +41,11 @@ from jaxsparse._rules import flatten_with_paths
 from jaxsparse._rules import path_str
 from jaxsparse._rules import resolve_views
 from jaxsparse._rules import unwrap_variables
+from jaxsparse.formats._base import is_concrete
+from jaxsparse.formats._block_sparse import INDEX_FIELDS
 from jaxsparse.formats._masks import replicated
 from jaxsparse.formats._masks import split_like
+from jaxsparse.layers._block_sparse import BlockSparseLinear
 from jaxsparse.layers._common import SPARSITY
 from jaxsparse.layers._common import pattern_mask
 from jaxsparse.layers._masked import MaskedConv
@@ -454,6 +458,17 @@ def apply_masks(target: Any, masks: Any) -> Any:
   parameters and each ``"sparsity"`` mask narrowed to the weights both keep, so :func:`jaxsparse.summary` and the
   torch export report the new pattern (the other collections are kept as they are).
 
+  Block-sparse layers (``BlockSparseLinear``, ``BlockSparseDense`` and the block-sparse layers of
+  :func:`jaxsparse.sparsify_linen`) keep their pattern: a block the masks zero in part stays kept, holding the zeroed
+  weights, and one they zero entirely stays kept too, as a zero block, which their density, :func:`jaxsparse.summary`
+  and products still count; ``apply_masks`` then warns (a ``UserWarning``), naming the layer, the blocks and how to
+  rebuild it without them. It does not drop such blocks itself: a block-sparse layer's kept blocks are static index
+  arrays, which the kernel's shape ``(nnz_blocks, bk, bn)`` follows, so dropping blocks would change that shape under
+  the optimizer state (its moments, :func:`wrap_optax`'s masks), under a stack of layers (one block count for all)
+  and, in Linen, against ``BlockSparseDense``, whose kernel's shape follows its ``density``. Its outputs are right
+  either way (the zeroed weights are zero); rebuild it once training is over. Masks traced under ``jit`` are not
+  checked.
+
   Args:
     target: a parameter tree with the masks' structure, Linen variables whose ``"params"`` have it, or an
       ``nnx.Module`` whose ``nnx.Param`` state has it.
@@ -477,6 +492,7 @@ def apply_masks(target: Any, masks: Any) -> Any:
     masks = _checked_masks(masks, params)
     nnx.update(target, _where_masked(masks, params, jnp.zeros_like, params))
     _narrow_layer_masks(target, masks)
+    _warn_emptied_blocks(_nnx_block_masks(target, masks), linen=False)
     return target
   params_masks = _linen_params_masks(target, masks)
   if params_masks is not None:
@@ -487,6 +503,7 @@ def apply_masks(target: Any, masks: Any) -> Any:
     out["params"] = _rebox(boxed, _where_masked(params_masks, params, jnp.zeros_like, params))
     if SPARSITY in target:
       out[SPARSITY] = _narrow_linen_masks(target[SPARSITY], params_masks)
+      _warn_emptied_blocks(_linen_block_masks(target[SPARSITY], params_masks), linen=True)
     return out
   masks = _checked_masks(masks, target)
   return _where_masked(masks, target, jnp.zeros_like, target)
@@ -536,15 +553,90 @@ def _narrow_linen_masks(sparsity: Mapping, masks: Any) -> dict:
   return walk(sparsity, ())
 
 
+def _masks_by_path(masks: Any) -> dict[str, Any]:
+  """``{dotted path: mask}`` of the masks of an NNX model's parameters (``None`` left out)."""
+  pairs = jax.tree_util.tree_flatten_with_path(unwrap_variables(masks), is_leaf=_is_none)[0]
+  return {path_str(kp): m for kp, m in pairs if m is not None}
+
+
 def _narrow_layer_masks(model: nnx.Module, masks: Any) -> None:
   """Sets the ``mask`` of each ``MaskedLinear`` / ``MaskedConv`` of ``model`` to the weights it and its kernel's
   mask in ``masks`` both keep (a weight either prunes is zero and gets no gradient)."""
-  pairs = jax.tree_util.tree_flatten_with_path(unwrap_variables(masks), is_leaf=_is_none)[0]
-  by_path = {path_str(kp): m for kp, m in pairs if m is not None}
+  by_path = _masks_by_path(masks)
   for path, node in nnx.iter_modules(model):
     mask = by_path.get(path_str((*path, "kernel"))) if isinstance(node, MaskedLinear | MaskedConv) else None
     if mask is not None:
       node.mask[...] = node.mask[...] & mask
+
+
+def _nnx_block_masks(model: nnx.Module, masks: Any) -> list[tuple[str, Any, int]]:
+  """``(path, kernel mask, blocks of the grid)`` of each ``BlockSparseLinear`` of ``model`` that ``masks`` prune."""
+  by_path = _masks_by_path(masks)
+  found = []
+  for path, node in nnx.iter_modules(model):
+    mask = by_path.get(path_str((*path, "kernel"))) if isinstance(node, BlockSparseLinear) else None
+    if mask is not None:
+      (bk, bn), where = node.block_shape, path_str(path) or "(the model itself)"
+      found.append((where, mask, (node.in_features // bk) * (node.out_features // bn)))
+  return found
+
+
+def _linen_block_masks(sparsity: Mapping, masks: Any) -> list[tuple[str, Any, int]]:
+  """``(path, kernel mask, blocks of the grid)`` of each block-sparse layer of Linen variables (its ``"sparsity"``
+  index arrays) that ``masks`` (of their ``"params"``) prune."""
+  paths, leaves, _ = flatten_with_paths(masks)
+  by_path = dict(zip(paths, leaves, strict=True))
+  found = []
+
+  def walk(tree: Mapping, prefix: tuple[str, ...]) -> None:
+    mask = by_path.get(path_str((*prefix, "kernel"))) if INDEX_FIELDS[0] in tree else None
+    if mask is not None:  # the grid from the offsets: (K // bk + 1,) and (N // bn + 1,)
+      kb, nb = (np.shape(nn.meta.unbox(tree[f]))[-1] - 1 for f in ("row_offsets", "col_offsets"))
+      found.append((path_str(prefix) or "(the variables themselves)", mask, kb * nb))
+    for key, value in tree.items():
+      if isinstance(value, Mapping):
+        walk(value, (*prefix, str(key)))
+
+  walk(sparsity, ())
+  return found
+
+
+def _warn_emptied_blocks(found: list[tuple[str, Any, int]], *, linen: bool) -> None:
+  """Warns, naming the layer, where a block-sparse kernel's mask (``(..., nnz_blocks, bk, bn)``) prunes whole kept
+  blocks: the layer keeps them, as zero blocks (its kept blocks are static; see :func:`apply_masks`). Masks traced
+  under ``jit`` are not checked."""
+  for where, mask, blocks in found:
+    if not is_concrete(mask):
+      continue
+    mask = np.asarray(mask)
+    *stack, nnz, bk, bn = mask.shape
+    emptied = int(np.sum(~mask.any(axis=(-2, -1))))
+    if not emptied:
+      continue
+    layers = math.prod(stack)
+    left = nnz - emptied if layers == 1 else None
+    what = "block-sparse layer" if linen else "BlockSparseLinear"
+    counted = f"{emptied} of the {nnz} kept" if layers == 1 else f"{emptied} of the {layers} x {nnz} kept"
+    if left is None:
+      fix = ("to drop them, rebuild the stack's layers from their weights (BlockSparseLinear.from_dense of each "
+             "layer's to_dense(); a stack holds one block count for all its layers)")
+    elif left == 0:
+      fix = "every kept block is zero: remove the layer, or keep it as it is"
+    elif linen:
+      fix = (f"to drop them, rebuild the layer: BlockSparseDense(..., density={left}/{blocks}) with the variables of "
+             f"w = jaxsparse.BlockSparseMatrix.from_dense(dense_kernel, ({bk}, {bn})), which keeps the nonzero blocks "
+             "of its dense kernel: params kernel w.data, sparsity w.index_arrays()")
+    else:
+      fix = (f"to drop them, rebuild the layer from its weights: BlockSparseLinear.from_dense(layer.to_dense(), "
+             f"density={left}/{blocks}, block_shape=({bk}, {bn})) keeps its {left} blocks of largest norm, the ones "
+             "left")
+    _utils.warn_at_caller(
+        f"pruning.apply_masks: the masks zero {counted} {bk}x{bn} blocks of the {what} at {where!r} entirely. They "
+        "stay kept, as zero blocks (a block-sparse layer's kept blocks are static index arrays, which its kernel's "
+        "shape (nnz_blocks, bk, bn) follows), so its density, jaxsparse.summary and products still count them; its "
+        f"outputs are right (the pruned weights are zero). {fix[0].upper()}{fix[1:]}.",
+        UserWarning,
+    )
 
 
 def _checked_masks(masks: Any, target: Any) -> Any:

@@ -67,8 +67,8 @@ def refit_layer(
 
   Returns:
     The refitted ``(K, N)`` weights, zero where ``mask`` is False, in ``kernel``'s dtype (computed in
-    float32 with ``HIGHEST`` precision products). Each output's reconstruction error on ``gram`` is
-    never above ``start``'s.
+    float32, or float64 when ``kernel``, ``gram`` or ``start`` is float64, with ``HIGHEST`` precision
+    products). Each output's reconstruction error on ``gram`` is never above ``start``'s.
 
   Raises:
     ValueError: ``kernel`` is not 2-D; ``gram`` is not ``(K, K)``; ``mask`` is not a bool array of shape
@@ -90,20 +90,21 @@ def refit_layer(
 
 @functools.partial(jax.jit, static_argnames=("iterations",))
 def _refit(kernel, gram, mask, start, damp, iterations):
-  w = kernel.astype(jnp.float32)
-  g = gram.astype(jnp.float32)
+  acc = _utils.accumulation_dtype(kernel.dtype, gram.dtype, start.dtype)  # float32, float64 for float64 inputs
+  w = kernel.astype(acc)
+  g = gram.astype(acc)
   k = g.shape[0]
   diag = jnp.diagonal(g)
   # Dead inputs (always zero) get H_kk = 1 as in SparseGPT: their kept weights go back to the dense ones.
-  h = g + jnp.diag(jnp.where(diag == 0, 1.0, 0.0))
-  h = h + jnp.eye(k, dtype=jnp.float32) * (damp * jnp.mean(jnp.diagonal(h)))
+  h = g + jnp.diag(jnp.where(diag == 0, 1.0, 0.0).astype(acc))
+  h = h + jnp.eye(k, dtype=acc) * (damp * jnp.mean(jnp.diagonal(h)))
   inv_d = 1.0 / jnp.diagonal(h)
-  m = mask.astype(jnp.float32)
+  m = mask.astype(acc)
 
   def apply(v):
     return m * jnp.matmul(h, v, precision=_HIGHEST)
 
-  x0 = m * start.astype(jnp.float32)
+  x0 = m * start.astype(acc)
   r0 = m * jnp.matmul(h, w - x0, precision=_HIGHEST)  # M ⊙ (H w - H x0)
   z0 = inv_d[:, None] * r0
   rz0 = jnp.sum(r0 * z0, axis=0)

@@ -2,8 +2,9 @@
 
 Sorting millions of scores is slow on CPUs (and a large share of a layer solve); the ``k``-th largest
 of nonnegative float32 scores is found instead by 31 counting passes of a bisection over their bit
-patterns, which order like the floats. Ties at the threshold go to the lower index, so the masks are
-those of a stable descending sort (as :func:`jaxsparse.magnitude_mask` and :func:`jaxsparse.nm_mask`).
+patterns, which order like the floats (float64 scores: 63 passes over their 64-bit patterns). Ties at
+the threshold go to the lower index, so the masks are those of a stable descending sort (as
+:func:`jaxsparse.magnitude_mask` and :func:`jaxsparse.nm_mask`).
 """
 
 from __future__ import annotations
@@ -11,14 +12,21 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-_INF_BITS = 0x7F800000  # bit pattern of +inf: above every finite nonnegative float32
+from jaxsparse import _utils
+
+# Per score dtype: the int type of its bit pattern, the pattern of +inf (above every finite nonnegative value) and
+# the bisection passes that narrow [0, inf + 1] down to one pattern.
+_BITS = {
+    jnp.dtype(jnp.float32): (jnp.int32, 0x7F800000, 31),
+    jnp.dtype(jnp.float64): (jnp.int64, 0x7FF0000000000000, 63),
+}
 
 
 def keep_largest(scores: jax.Array, kept: jax.typing.ArrayLike, *, axis: int | None = None) -> jax.Array:
   """Bool mask of the ``kept`` largest ``scores`` (all of them, or along ``axis``; ties: lower index first).
 
   Args:
-    scores: nonnegative float scores (NaN counts as the largest).
+    scores: nonnegative float scores (NaN counts as the largest); compared in float32, float64 ones in float64.
     kept: how many to keep: an int, or with ``axis`` an int array of the shape of ``scores`` without
       ``axis`` (one count per slice). May be traced.
     axis: ``None`` for one count over the whole array, else the axis the counts run along.
@@ -29,8 +37,9 @@ def keep_largest(scores: jax.Array, kept: jax.typing.ArrayLike, *, axis: int | N
   if axis is None:
     return keep_largest(scores.reshape(-1), kept, axis=0).reshape(scores.shape)
   axis = axis % scores.ndim
-  s = scores.astype(jnp.float32)
-  bits = jax.lax.bitcast_convert_type(jnp.where(jnp.isnan(s), jnp.inf, jnp.maximum(s, 0.0)), jnp.int32)
+  s = scores.astype(_utils.accumulation_dtype(scores.dtype))  # float32 (bfloat16, float16 widened), float64 kept
+  int_type, inf_bits, passes = _BITS[s.dtype]
+  bits = jax.lax.bitcast_convert_type(jnp.where(jnp.isnan(s), jnp.inf, jnp.maximum(s, 0.0)), int_type)
   kept = jnp.expand_dims(jnp.asarray(kept, jnp.int32), axis)
 
   def count_at_least(t):
@@ -43,7 +52,7 @@ def keep_largest(scores: jax.Array, kept: jax.typing.ArrayLike, *, axis: int | N
     return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
 
   shape = kept.shape
-  lo, _ = jax.lax.fori_loop(0, 31, step, (jnp.zeros(shape, jnp.int32), jnp.full(shape, _INF_BITS + 1, jnp.int32)))
+  lo, _ = jax.lax.fori_loop(0, passes, step, (jnp.zeros(shape, int_type), jnp.full(shape, inf_bits + 1, int_type)))
   greater = bits > lo
   equal = bits == lo
   need = kept - jnp.sum(greater, axis=axis, keepdims=True, dtype=jnp.int32)

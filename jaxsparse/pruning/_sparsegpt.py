@@ -109,8 +109,8 @@ def sparsegpt_layer(
     path: the layer's name, for error messages.
 
   Returns:
-    A :class:`SparseGPTResult`: the updated kernel (float32 computation, cast back to its dtype) and
-    its mask.
+    A :class:`SparseGPTResult`: the updated kernel (computed in float32, or in float64 when ``kernel`` or
+    ``gram`` is float64; cast back to the kernel's dtype) and its mask.
 
   Raises:
     ValueError: on shapes that do not fit, ``damp < 0``, or a Hessian that is not positive definite
@@ -162,17 +162,17 @@ def _unstructured_prune_counts(sparsity: float, k: int, n: int, block_size: int)
   return tuple(b - a for a, b in itertools.pairwise(pruned_until))
 
 
-def hessian_factor(gram: jax.Array, damp: float) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """``(U, dead, ok)``: upper Cholesky factor of ``(H + λI)⁻¹`` with dead inputs given ``H_kk = 1``.
+def hessian_factor(gram: jax.Array, damp: float, dtype: jax.typing.DTypeLike) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``(U, dead, ok)``: upper Cholesky factor of ``(H + λI)⁻¹`` with dead inputs given ``H_kk = 1``, in ``dtype``.
 
   ``dead`` marks input features that were always zero (``H_kk == 0``); ``ok`` is False when a
   Cholesky factorisation failed (not positive definite).
   """
-  h = gram.astype(jnp.float32)
+  h = gram.astype(dtype)
   k = h.shape[0]
   diag = jnp.diagonal(h)
   dead = diag == 0
-  eye = jnp.eye(k, dtype=jnp.float32)
+  eye = jnp.eye(k, dtype=dtype)
   h = h + eye * jnp.where(dead, 1.0, 0.0)
   h = h + eye * (damp * jnp.mean(jnp.diagonal(h)))
   # With P the reversal permutation and P H P = L Lᵀ, U = P L⁻¹ P is upper triangular and UᵀU = H⁻¹:
@@ -188,9 +188,10 @@ def _solve(kernel, gram, fixed_mask, damp, prune_counts, *, kind, options, block
   # The full batches run in one lax.scan (the compiled program does not grow with K / block_size); a last
   # partial batch, if any, runs once after it with its own static width.
   k, n = kernel.shape
-  upper, dead, ok = hessian_factor(gram, damp)
+  acc = _utils.accumulation_dtype(kernel.dtype, gram.dtype)  # float32, float64 for float64 kernels or Hessians
+  upper, dead, ok = hessian_factor(gram, damp, acc)
   d = jnp.diagonal(upper)
-  wt = jnp.where(dead[None, :], 0.0, kernel.astype(jnp.float32).T)  # (N, K): features along the columns
+  wt = jnp.where(dead[None, :], 0.0, kernel.astype(acc).T)  # (N, K): features along the columns
   if kind == "fixed":
     mask_t = fixed_mask.T
   elif kind == "block":
@@ -269,7 +270,7 @@ def _batch(w1: jax.Array, u1: jax.Array, m1: jax.Array, *, kind: str, options: A
 
 
 def reconstruction_error(kernel: jax.typing.ArrayLike, pruned: jax.typing.ArrayLike, gram: jax.typing.ArrayLike):
-  """``||X w - X ŵ|| / ||X w||`` (Frobenius) from the Gram matrix ``XᵀX``, in float32.
+  """``||X w - X ŵ|| / ||X w||`` (Frobenius) from the Gram matrix ``XᵀX``, in float32 (float64 for float64 inputs).
 
   >>> import jax.numpy as jnp
   >>> from jaxsparse import pruning
@@ -283,16 +284,17 @@ def reconstruction_error(kernel: jax.typing.ArrayLike, pruned: jax.typing.ArrayL
     gram: ``(K, K)`` ``XᵀX``.
 
   Returns:
-    A float32 scalar.
+    A float32 scalar; float64 when any of the arrays is float64.
   """
   return _relative_error(jnp.asarray(kernel), jnp.asarray(pruned), jnp.asarray(gram))
 
 
 @jax.jit
 def _relative_error(w, w_hat, gram):
-  w = w.astype(jnp.float32)
-  delta = w - w_hat.astype(jnp.float32)
-  g = gram.astype(jnp.float32)
+  acc = _utils.accumulation_dtype(w.dtype, w_hat.dtype, gram.dtype)
+  w = w.astype(acc)
+  delta = w - w_hat.astype(acc)
+  g = gram.astype(acc)
   num = jnp.sum(jnp.matmul(g, delta, precision=_HIGHEST) * delta)
   den = jnp.sum(jnp.matmul(g, w, precision=_HIGHEST) * w)
   return jnp.sqrt(jnp.maximum(num, 0.0) / den)

@@ -61,7 +61,8 @@ def wanda_layer(
     path: the layer's name, for error messages.
 
   Returns:
-    Bool ``(K, N)``, True where kept.
+    Bool ``(K, N)``, True where kept; the scores rank in float32, or in float64 when ``kernel`` or ``sq_norms`` is
+    float64.
 
   Raises:
     ValueError: on shapes that do not fit, or ``sq_norms`` with NaN/inf or negative values.
@@ -98,7 +99,7 @@ def magnitude_layer(kernel: jax.typing.ArrayLike, spec: Unstructured | NM | Bloc
     path: the layer's name, for error messages.
 
   Returns:
-    Bool ``(K, N)``, True where kept.
+    Bool ``(K, N)``, True where kept; magnitudes rank in float32, float64 ones in float64.
 
   Raises:
     ValueError: ``kernel`` is not 2-D; ``spec`` cannot apply to it (an ``Unstructured`` sparsity that prunes
@@ -130,9 +131,11 @@ def _static(spec, shape: tuple[int, int], per_output: bool) -> dict:
 
 @functools.partial(jax.jit, static_argnames=("kind", "options"))
 def _mask(kernel, sq_norms, *, kind, options):
-  scores = jnp.abs(kernel.astype(jnp.float32))
+  # float32 (bfloat16 / float16 widened), float64 when the kernel or the norms are float64
+  acc = _utils.accumulation_dtype(kernel.dtype, *(() if sq_norms is None else (sq_norms.dtype,)))
+  scores = jnp.abs(kernel.astype(acc))
   if sq_norms is not None:
-    scores = scores * jnp.sqrt(sq_norms.astype(jnp.float32))[:, None]
+    scores = scores * jnp.sqrt(sq_norms.astype(acc))[:, None]
   k, n = scores.shape
   if kind == "nm":
     keep_n, m = options
