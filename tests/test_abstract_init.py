@@ -232,3 +232,125 @@ def test_linen_summary_under_a_trace_counts_a_numpy_mask():
   seen = []
   jax.eval_shape(lambda: seen.append(jaxsparse.summary(variables).layers[0].density))
   assert seen == [jaxsparse.summary(variables).layers[0].density] == [0.25]
+
+
+# -------------------------------------------------------------------------------------------------
+# sparsify of an abstract model (nnx.eval_shape: the orbax restore target built without weights).
+# -------------------------------------------------------------------------------------------------
+
+
+class _AbstractNet(nnx.Module):
+  """One layer of every kind sparsify takes: an embedding, a linear, a LinearGeneral and a conv."""
+
+  def __init__(self, rngs):
+    self.embed = nnx.Embed(32, 16, rngs=rngs)
+    self.fc = nnx.Linear(16, 32, rngs=rngs)
+    self.general = nnx.LinearGeneral(32, (2, 8), rngs=rngs)
+    self.conv = nnx.Conv(16, 16, (3,), rngs=rngs)
+
+  def __call__(self, ids):
+    h = self.general(jax.nn.relu(self.fc(self.embed(ids))))  # (B, T, 2, 8)
+    return self.conv(h.reshape(*h.shape[:-2], 16))
+
+
+ABSTRACT_RULES = {
+    "nm": {"fc|general|conv": jaxsparse.NM(2, 4)},
+    "unstructured": {"fc|general|conv": jaxsparse.Unstructured(sparsity=0.5)},
+    "block": {"fc|general": jaxsparse.BlockSparse(density=0.5, block_shape=(8, 8))},
+    "embed": {"embed": jaxsparse.NM(2, 4)},
+}
+
+
+def _abstract_masks():
+  """Concrete masks for every layer a rule of ABSTRACT_RULES sparsifies, sparser than the rules keep by magnitude: 1:4
+  masks (axis: the groups'), unstructured ones keeping ~30%, and 8x8 block masks keeping ~30% of the blocks."""
+  def nm14(key, shape, axis):
+    scores = np.moveaxis(np.asarray(jax.random.uniform(key, shape)), axis, -1)
+    groups = scores.reshape(*scores.shape[:-1], -1, 4)
+    keep = groups == groups.max(-1, keepdims=True)
+    return np.moveaxis(keep.reshape(scores.shape), -1, axis)
+
+  keys = jax.random.split(jax.random.key(11), 9)
+  blocks = lambda key, shape: np.kron(np.asarray(jax.random.bernoulli(key, 0.3, (shape[0] // 8, shape[1] // 8))),
+                                      np.ones((8, 8), bool)).astype(bool)
+  return {
+      "nm": {"fc.kernel": nm14(keys[0], (16, 32), 0), "general.kernel": nm14(keys[1], (32, 2, 8), 0),
+             "conv.kernel": nm14(keys[2], (3, 16, 16), 1)},
+      "unstructured": {"fc.kernel": np.asarray(jax.random.bernoulli(keys[3], 0.3, (16, 32))),
+                       "general.kernel": np.asarray(jax.random.bernoulli(keys[4], 0.3, (32, 2, 8))),
+                       "conv.kernel": np.asarray(jax.random.bernoulli(keys[5], 0.3, (3, 16, 16)))},
+      "block": {"fc.kernel": blocks(keys[6], (16, 32)), "general.kernel": blocks(keys[7], (32, 16)).reshape(32, 2, 8)},
+      "embed": {"embed.embedding": nm14(keys[8], (32, 16), 1)},
+  }
+
+
+_state_shapes = lambda m: jax.tree.map(lambda a: (a.shape, jnp.dtype(a.dtype)), nnx.state(m))
+_report_rows = lambda report: [(c.path, c.layer, c.kind, c.replaced_by, c.bytes_before, c.bytes_after)
+                               for c in report.layers]
+
+
+@pytest.mark.parametrize(("kind", "with_masks"), [
+    pytest.param(kind, with_masks, id=f"{kind}-{'masks' if with_masks else 'magnitude'}",
+                 marks=[pytest.mark.slow] if (kind, with_masks) == ("nm", True) else [])  # ~5 s on 2 cores
+    for kind in ABSTRACT_RULES for with_masks in (False, True)
+])
+def test_sparsify_of_an_abstract_model_is_the_abstract_sparse_model(kind, with_masks):
+  # Was: every rule kind raised "TypeError: <path>: 'ShapeDtypeStruct' object is not subscriptable" (the layers'
+  # from_dense read the abstract arrays); sparsify runs itself under nnx.eval_shape there, as densify does.
+  rules = ABSTRACT_RULES[kind]
+  masks = _abstract_masks()[kind] if with_masks else None
+  make = lambda: _AbstractNet(nnx.Rngs(0))
+  abstract = nnx.eval_shape(make)
+  sparse, report = jaxsparse.sparsify(abstract, rules, masks=masks)
+  concrete, concrete_report = jaxsparse.sparsify(make(), rules, masks=masks)
+  # What a concrete model's sparsify gives under nnx.eval_shape (the orbax guides' target), and its state's shapes.
+  want = nnx.eval_shape(lambda: jaxsparse.sparsify(make(), rules, masks=masks)[0])
+  assert nnx.graphdef(sparse) == nnx.graphdef(want) == nnx.graphdef(concrete)
+  assert _state_shapes(sparse) == _state_shapes(want) == _state_shapes(concrete)
+  leaves = jax.tree.leaves(nnx.state(sparse))
+  assert leaves and all(isinstance(a, jax.ShapeDtypeStruct) for a in leaves)
+  assert type(abstract.fc) is nnx.Linear and type(abstract.embed) is nnx.Embed  # the abstract model is not changed
+  # The report comes out of the trace: the same rows, densities known where the masks or the rules fix them.
+  assert report.layers and _report_rows(report) == _report_rows(concrete_report)
+  densities = {c.path: c.density for c in report.layers}
+  if kind == "unstructured" and not with_masks:  # ranked from weights the abstract model does not have: unknown
+    assert set(densities.values()) == {None}
+    assert all(line.split(" | ")[4] == "?" for line in str(report).splitlines()[2:2 + len(densities)])
+  else:
+    assert densities == {c.path: c.density for c in concrete_report.layers}
+    assert all(0 < d < 1 for d in densities.values())
+  if with_masks and kind != "embed":  # the masks keep fewer than the rules would (1:4 against 2:4, ~30%)
+    assert all(d < 0.5 for d in densities.values())
+
+
+def test_sparsify_of_an_abstract_model_names_check_speed():
+  abstract = nnx.eval_shape(lambda: _AbstractNet(nnx.Rngs(0)))
+  with pytest.raises(ValueError, match=r"check_speed='forward' times each layer on its weights, and this model is "
+                                       r"abstract"):
+    jaxsparse.sparsify(abstract, ABSTRACT_RULES["nm"], check_speed="forward", example_input=jnp.zeros((2, 4), int))
+  sparse, _ = jaxsparse.sparsify(abstract, ABSTRACT_RULES["nm"], inplace=True)  # a new abstract model, as densify
+  assert type(sparse.fc) is layers.NMLinear and type(abstract.fc) is nnx.Linear
+
+
+def test_sparsify_linen_of_abstract_variables_is_the_abstract_sparse_variables():
+  # Was: "TypeError: up: float() argument must be a string or a real number, not 'ShapeDtypeStruct'".
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(16, name="down")(nn.relu(nn.Dense(32, name="up")(x)))
+
+  x = jax.random.normal(jax.random.key(0), (2, 64))
+  rules = {"up": jaxsparse.NM(2, 4), "down": jaxsparse.Unstructured(sparsity=0.5)}
+  masks = {"up.kernel": np.tile(_abstract_masks()["nm"]["fc.kernel"], (4, 1))}  # (64, 32), 1:4 along the inputs
+  variables = Net().init(jax.random.key(1), x)
+  sparse, sparse_vars, report = jaxsparse.sparsify_linen(Net(), variables, rules, x, masks=masks)
+  abstract = jax.eval_shape(Net().init, jax.random.key(1), x)
+  sparse_a, abstract_vars, report_a = jaxsparse.sparsify_linen(Net(), abstract, rules, x, masks=masks)
+  shapes = lambda t: jax.tree.map(lambda a: (a.shape, jnp.dtype(a.dtype)), t)
+  assert jax.tree.structure(abstract_vars) == jax.tree.structure(sparse_vars)
+  assert shapes(abstract_vars) == shapes(sparse_vars) == shapes(jax.eval_shape(sparse.init, jax.random.key(0), x))
+  assert all(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(abstract_vars))
+  assert _report_rows(report_a) == _report_rows(report)
+  assert {c.path: c.density for c in report_a.layers} == {"up": 0.25, "down": None}
+  assert {c.path: c.density for c in report.layers} == {"up": 0.25, "down": 0.5}
+  np.testing.assert_array_equal(sparse_a.apply(sparse_vars, x), sparse.apply(sparse_vars, x))

@@ -15,9 +15,12 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
+import jaxsparse
 from jaxsparse import torch_interop
+from tests.test_abstract_init import ABSTRACT_RULES
 from tests.test_abstract_init import LINEN_LAYERS
 from tests.test_abstract_init import NNX_LAYERS
+from tests.test_abstract_init import _AbstractNet
 
 
 def _save(path, tree):
@@ -81,6 +84,23 @@ def test_save_flax_variables_orbax_restores_into_an_abstract_linen_target(tmp_pa
   _assert_same_leaves(restored, variables)
   np.testing.assert_array_equal(model.apply(restored, x), model.apply(variables, x))
   _assert_same_leaves(torch_interop.load_flax_variables(path), variables)
+
+
+@pytest.mark.parametrize("kind", ABSTRACT_RULES)
+def test_sparse_nnx_checkpoint_restores_into_the_sparsified_abstract_model(kind, tmp_path):
+  # The orbax abstract-restore workflow: sparsify the abstract dense model (nnx.eval_shape, no weights allocated), then
+  # restore the concrete sparse model's checkpoint into it. Was: sparsify raised "'ShapeDtypeStruct' object is not
+  # subscriptable" on the abstract model.
+  rules = ABSTRACT_RULES[kind]
+  ids = jax.random.randint(jax.random.key(2), (2, 6), 0, 32)
+  sparse, _ = jaxsparse.sparsify(_AbstractNet(nnx.Rngs(7)), rules)
+  _save(tmp_path / "state", nnx.state(sparse))
+  target, _ = jaxsparse.sparsify(nnx.eval_shape(lambda: _AbstractNet(nnx.Rngs(0))), rules)
+  graphdef, abstract_state = nnx.split(target)
+  restored = nnx.merge(graphdef, ocp.StandardCheckpointer().restore(tmp_path / "state", abstract_state))
+  assert type(restored.fc) is type(sparse.fc) and type(restored.embed) is type(sparse.embed)
+  _assert_same_leaves(nnx.state(restored), nnx.state(sparse))
+  np.testing.assert_array_equal(restored(ids), sparse(ids))  # the same arrays: the same outputs, bit for bit
 
 
 SHARDED = textwrap.dedent(

@@ -633,3 +633,68 @@ def test_to_dense_keeps_the_partitioning_names(kind):
   via_densify = jaxsparse.densify(layer)  # the same dense layer, names and all
   assert type(via_densify) is type(dense) and specs(via_densify) == specs(dense)
   _assert_tree_equal(nnx.state(via_densify), nnx.state(dense))
+
+
+def _specs(model):
+  """``{path: partition names}`` of every variable of ``model`` (``()`` where unnamed)."""
+  return nnx.to_pure_dict(jax.tree.map(lambda v: tuple(v.get_value()), nnx.get_partition_spec(nnx.state(model)),
+                                       is_leaf=lambda v: isinstance(v, nnx.Variable)))
+
+
+def _named_linear():
+  return nnx.Linear(16, 16, kernel_init=_named("y", "x"), bias_init=_named("x"), rngs=nnx.Rngs(1))
+
+
+def _named_conv():
+  return nnx.Conv(8, 8, (2, 2), kernel_init=_named(None, None, "x", "y"), bias_init=_named("y"), rngs=nnx.Rngs(1))
+
+
+# Each layer's from_dense: (the named dense layer it takes, from_dense, the sparsify rule building the same layer).
+_FROM_DENSE = {
+    "MaskedLinear": (_named_linear, lambda d: MaskedLinear.from_dense(d, sparsity=0.5),
+                     jaxsparse.Unstructured(sparsity=0.5)),
+    "NMLinear": (_named_linear, lambda d: jaxsparse.layers.NMLinear.from_dense(d, n=2, m=4), jaxsparse.NM(2, 4)),
+    "BlockSparseLinear": (_named_linear, lambda d: BlockSparseLinear.from_dense(d, density=0.5, block_shape=(8, 8)),
+                          jaxsparse.BlockSparse(density=0.5, block_shape=(8, 8))),
+    "MaskedConv": (_named_conv, lambda d: jaxsparse.layers.MaskedConv.from_dense(d, sparsity=0.5),
+                   jaxsparse.Unstructured(sparsity=0.5)),
+    "NMConv": (_named_conv, lambda d: jaxsparse.layers.NMConv.from_dense(d, n=2, m=4), jaxsparse.NM(2, 4)),
+}
+
+
+@pytest.mark.parametrize("kind", list(_FROM_DENSE))
+def test_from_dense_keeps_the_partitioning_names(kind):
+  """``Layer.from_dense`` dropped the dense layer's partitioning names (``nnx.with_partitioning``) of kernel and bias,
+  which only ``jaxsparse.sparsify`` carried over: a sharded model sparsified by hand lost its sharding, and its
+  ``to_dense()`` came back unnamed. ``from_dense`` now carries them as ``sparsify`` does, and ``to_dense()`` gives
+  the dense layer's names back. (The placement on a mesh: tests/multidevice/md_flax.py.)"""
+  make, from_dense, rule = _FROM_DENSE[kind]
+  mesh = jax.make_mesh((1, 1), ("x", "y"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  with jax.set_mesh(mesh):
+    dense = make()
+  want = _specs(dense)
+  assert want["kernel"] in (("y", "x"), (None, None, "x", "y")) and want["bias"] in (("x",), ("y",))
+  sparse = from_dense(dense)
+  assert _specs(sparse) == _specs(_sparsified(dense, rule))  # the names sparsify gives (block-sparse: replicated)
+  if kind != "BlockSparseLinear":  # block-sparse values are replicated: (None, None, None), the names recorded
+    assert sparse.kernel.get_metadata().get("out_sharding") == want["kernel"]
+  assert sparse.bias.get_metadata().get("out_sharding") == want["bias"]
+  back = sparse.to_dense()
+  assert type(back) is type(dense) and _specs(back) == want
+  x = _normal(2, (3, 16) if kind.endswith("Linear") else (2, 5, 5, 8))
+  np.testing.assert_allclose(back(x), sparse(x), rtol=1e-5, atol=1e-5)
+
+
+def test_to_compressed_keeps_the_partitioning_names():
+  """``NMLinear.to_compressed()`` dropped the partitioning names (``nnx.with_partitioning``) of kernel and bias, which
+  only ``jaxsparse.compress`` carried over. The method now carries them (``compress`` calls it): the kept values take
+  the kernel's names, the packed positions its columns', the bias its own; ``to_dense()`` gives them back."""
+  mesh = jax.make_mesh((1, 1), ("x", "y"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  with jax.set_mesh(mesh):
+    layer = jaxsparse.layers.NMLinear(16, 16, kernel_init=_named("y", "x"), bias_init=_named("x"), rngs=nnx.Rngs(0))
+  small = layer.to_compressed()
+  assert _specs(small) == {"kernel": ("y", "x"), "kernel_positions": (None, "x"), "bias": ("x",)}
+  assert _specs(small) == _specs(jaxsparse.compress(layer))
+  assert _specs(small.to_dense()) == _specs(layer.to_dense()) == {"kernel": ("y", "x"), "bias": ("x",)}
+  x = _normal(1, (3, 16))
+  np.testing.assert_allclose(small(x), layer(x), rtol=1e-5, atol=1e-5)

@@ -856,6 +856,48 @@ def test_apply_masks_on_nnx_module():
   assert float(jnp.mean(model.fc1.bias[...] == 0)) == 1.0  # zeros from init, untouched
 
 
+def test_apply_masks_on_nnx_module_takes_masks_as_plain_nested_dicts():
+  # Was: masks written by hand as plain dicts (not an nnx.State) failed inside jax.tree.map with "pytree structure
+  # error: different types at key path ... dict ... State", which did not say what to pass.
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.linear = nnx.Linear(16, 8, rngs=rngs)
+      self.masked = jaxsparse.layers.MaskedLinear(8, 8, sparsity=0.5, rngs=rngs)
+      self.blocks = nnx.List([nnx.Linear(8, 8, rngs=rngs)])
+
+  keys = jax.random.split(jax.random.key(5), 3)
+  kernel_mask = np.asarray(jax.random.bernoulli(keys[0], 0.5, (16, 8)))
+  masked_mask = np.asarray(jax.random.bernoulli(keys[1], 0.5, (8, 8)))
+  block_mask = np.asarray(jax.random.bernoulli(keys[2], 0.5, (8, 8)))
+  plain = {"linear": {"kernel": kernel_mask, "bias": None}, "masked": {"kernel": masked_mask, "bias": None},
+           "blocks": {0: {"kernel": block_mask, "bias": None}}}
+  model, twin = Net(nnx.Rngs(0)), Net(nnx.Rngs(0))
+  as_state = jax.tree.map(lambda p, m: m, nnx.as_pure(nnx.state(twin, nnx.Param)), nnx.State(plain),
+                          is_leaf=lambda x: x is None)
+  assert pruning.apply_masks(model, plain) is model
+  pruning.apply_masks(twin, as_state)  # the nnx.State the plain dicts stand for: the same result
+  for a, b in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(twin)), strict=True):
+    np.testing.assert_array_equal(a, b)
+  kernel = np.asarray(model.linear.kernel[...])
+  assert np.all(kernel[~kernel_mask] == 0) and np.all(kernel[kernel_mask] != 0)
+  assert np.all(np.asarray(model.blocks[0].kernel[...])[~block_mask] == 0)
+  np.testing.assert_array_equal(model.masked.mask[...], masked_mask & np.asarray(Net(nnx.Rngs(0)).masked.mask[...]))
+  # String keys for the list's indices name the same paths.
+  other = Net(nnx.Rngs(0))
+  pruning.apply_masks(other, {**plain, "blocks": {"0": plain["blocks"][0]}})
+  np.testing.assert_array_equal(other.blocks[0].kernel[...], model.blocks[0].kernel[...])
+
+  # Masks that leave out a parameter, or add one, are named with the parameters' paths.
+  missing = {"linear": {"kernel": kernel_mask}, "masked": plain["masked"], "blocks": plain["blocks"]}
+  with pytest.raises(ValueError, match=r"structure of the model's nnx.state\(model, nnx.Param\).*blocks\.0\.bias, "
+                                       r"blocks\.0\.kernel.*; masks lack linear\.bias \(give None"):
+    pruning.apply_masks(Net(nnx.Rngs(0)), missing)
+  with pytest.raises(ValueError, match=r"masks have extra\.kernel, which the parameters do not"):
+    pruning.apply_masks(Net(nnx.Rngs(0)), {**plain, "extra": {"kernel": None}})
+  with pytest.raises(ValueError, match=r"masks has a mask at 'extra.kernel', where the parameters have none"):
+    pruning.apply_masks(Net(nnx.Rngs(0)), {**plain, "extra": {"kernel": kernel_mask}})
+
+
 class _LinenMLP(nn.Module):
   @nn.compact
   def __call__(self, x):

@@ -575,3 +575,37 @@ def test_linen_embeddings_stay_as_they_are():
   assert np.mean(np.asarray(table) != 0) == 0.5
   expected = jax.nn.relu(jnp.take(table, ids, axis=0) @ fc["kernel"] + fc["bias"]) @ table.T
   np.testing.assert_allclose(new.apply(new_vars, ids), expected, rtol=1e-5, atol=1e-5)
+
+
+# -------------------------------------------------------------------------------------------------
+# A mask without values (traced, abstract): its density, part of the signature, is unknown.
+# -------------------------------------------------------------------------------------------------
+
+
+def test_a_traced_or_abstract_mask_is_named_not_rounded():
+  # Was: Linen rounded the None density of a traced / abstract "sparsity" mask ("type NoneType doesn't define
+  # __round__ method"); NNX read an abstract mask ("'ShapeDtypeStruct' object is not subscriptable") or took float()
+  # of a traced one (ConcretizationTypeError).
+  sparse, sparse_vars, x = _sparse_linen()
+  route = lambda v: jaxsparse.route_slower_to_dense_linen(sparse, v, 2, timer=_linen_timer({}))[1]
+  linen_match = r"masked: the MaskedDense's mask holds no values \(traced under jax.jit / jax.eval_shape, or abstract"
+  with pytest.raises(ValueError, match=linen_match):
+    jax.eval_shape(route, sparse_vars)
+  with pytest.raises(ValueError, match=linen_match):
+    jax.jit(route)(sparse_vars)
+  with pytest.raises(ValueError, match=linen_match):
+    route(jax.eval_shape(sparse.init, jax.random.key(0), x))
+  assert route(sparse_vars)  # concrete variables: routed as before
+
+  net = _sparse_net()
+  nnx_match = r"masked: the MaskedLinear's mask holds no values \(traced under nnx.jit / nnx.eval_shape, or abstract"
+  with pytest.raises(ValueError, match=nnx_match):
+    nnx.eval_shape(lambda m: jaxsparse.route_slower_to_dense(m, 2, timer=_timer({})), net)
+  abstract = nnx.eval_shape(_sparse_net)
+  with pytest.raises(ValueError, match=nnx_match):
+    jaxsparse.route_slower_to_dense(abstract, 2, timer=_timer({}))
+  with pytest.raises(ValueError, match=r"^the MaskedLinear's mask holds no values"):
+    jaxsparse.layer_signature(abstract.masked)
+  # The other layers' signatures need no values: the abstract layers give the concrete ones'.
+  assert jaxsparse.layer_signature(abstract.blocks) == jaxsparse.layer_signature(net.blocks)
+  assert jaxsparse.layer_signature(abstract.nm) == jaxsparse.layer_signature(net.nm)

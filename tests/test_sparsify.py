@@ -621,6 +621,28 @@ def test_densify_gives_back_the_partitioning_names():
   assert specs(jaxsparse.densify(abstract)) == want
 
 
+@pytest.mark.slow  # 5-6 s on 2 cores (nine layer kinds, sparsified twice)
+def test_sparsify_with_masks_keeps_the_partitioning_names():
+  """With given masks sparsify builds some layers another way than their ``from_dense`` (which carries the names and
+  placement): a block-sparse or masked layer built around the mask, an N:M layer of a pruned copy of the dense layer.
+  They take the partitioning names as the layers built without masks do, and densify gives the dense ones back."""
+  mesh = jax.make_mesh((1, 1), ("x", "y"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  specs = lambda model: nnx.to_pure_dict(jax.tree.map(lambda v: tuple(v.get_value()),
+                                                      nnx.get_partition_spec(nnx.state(model)),
+                                                      is_leaf=lambda v: isinstance(v, nnx.Variable)))
+  with jax.set_mesh(mesh):
+    model = _Named(nnx.Rngs(0))
+  sparse, _ = jaxsparse.sparsify(model, _NAMED_RULES)
+  pruned = jaxsparse.densify(sparse)  # its kept weights (nonzero): masks each layer's structure takes
+  weight = lambda layer: layer.embedding if isinstance(layer, nnx.Embed) else layer.kernel
+  masks = {f"{name}.{'embedding' if name == 'embed' else 'kernel'}": np.asarray(weight(getattr(pruned, name))[...] != 0)
+           for name in vars(model) if isinstance(getattr(model, name), nnx.Module)}
+  assert len(masks) == 9 and all(0 < m.mean() < 1 for m in masks.values())
+  with_masks, _ = jaxsparse.sparsify(model, _NAMED_RULES, masks=masks)
+  assert specs(with_masks) == specs(sparse)
+  assert specs(jaxsparse.densify(with_masks)) == specs(model)
+
+
 def test_densify_of_a_buffer_storage_layer_with_a_partitioned_bias():
   # A CompressedNMLinear keeping its weight only as cuSPARSELt's buffer has no kernel Variable: densify's carry of the
   # partitioning names read its metadata (AttributeError on None). The bias's names still come back.

@@ -340,7 +340,10 @@ def sparsify_linen(
     apply_kwargs: keyword arguments for ``module.apply`` (e.g. ``{"train": False}``).
 
   Returns:
-    ``(sparse_module, sparse_variables, report)``: call ``sparse_module.apply(sparse_variables, x)``.
+    ``(sparse_module, sparse_variables, report)``: call ``sparse_module.apply(sparse_variables, x)``. Abstract
+    ``variables`` (``jax.eval_shape(module.init, ...)``: an orbax restore target) give abstract sparse variables, those
+    of ``jax.eval_shape(sparse_module.init, ...)``; the report's densities are then those of :func:`sparsify`'s for an
+    abstract model.
 
   Raises:
     ValueError: naming the layer path, when a structure cannot apply (``m`` does not divide the
@@ -349,11 +352,31 @@ def sparsify_linen(
       ``nn.scan`` of the model does not carry the ``"sparsity"`` collection that ``Unstructured`` and
       ``BlockSparse`` layers read their patterns from (e.g. ``variable_axes={"params": None}`` without
       ``"sparsity": None``; ``nn.scan``'s ``variable_broadcast="params"`` without ``"sparsity"``): the model
-      needs it beside ``"params"`` (checked by one abstract trace of the sparse model's ``apply``).
+      needs it beside ``"params"`` (checked by one abstract trace of the sparse model's ``apply``); ``check_speed``
+      with abstract ``variables`` (no weights to time).
   """
   resolved = resolve_rules(rules)
   mode = check_speed_mode(check_speed, example_input)
   mask_dict = masks_dict(masks)
+  if any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(variables)):
+    if mode:
+      raise ValueError(
+          f"check_speed={check_speed!r} times each layer on its weights, and these variables are abstract "
+          "(jax.eval_shape: no weights). Leave check_speed out here; to match a model sparsified with check_speed, "
+          "map the layers it kept dense to None in the rules."
+      )
+    # The same conversion traced for shapes only (the layers' variables are built from the kernels' values); the
+    # masks (NumPy) are closed over, so they keep their values; the module and report come out of the trace.
+    out = []
+
+    def build(v: Mapping) -> dict:
+      sparse, sparse_vars, report = sparsify_linen(module, v, rules, example_input, masks=mask_dict or None,
+                                                   apply_kwargs=apply_kwargs)
+      out.append((sparse, report))
+      return sparse_vars
+
+    abstract = jax.eval_shape(build, variables)
+    return out[0][0], abstract, out[0][1]
   kwargs = dict(apply_kwargs or {})
   found = _linen_layers(module, variables, example_input, kwargs)
   called_embeds = {path: f for path, f in found.items() if f.kind == "embed"}
@@ -426,7 +449,8 @@ def sparsify_linen(
         continue
     layers[path] = layer
     _store(new_vars, path, layer, boxed_params, layer_vars)
-    density = linen_density(spec, layer_vars, params_2d["kernel"].shape, weight_mask=getattr(m, "mask", None))
+    density = linen_density(spec, layer_vars, params_2d["kernel"].shape, weight_mask=getattr(m, "mask", None),
+                            mask=mask)
     changes.append(LayerChange(p, f"{type(m).__name__}({kernel.shape})", spec.describe(),
                                sparse_layer_name(layer, nnz=nnz),
                                density, nbytes(dense_params), nbytes(layer_vars), dense_ms, sparse_ms, note))

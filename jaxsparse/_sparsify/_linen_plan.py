@@ -26,6 +26,7 @@ from jaxsparse import _utils
 from jaxsparse._sparsify._nnx import at_path
 from jaxsparse._sparsify._nnx import block_mask_of
 from jaxsparse._sparsify._nnx import check_nm_mask
+from jaxsparse._sparsify._nnx import nm_density
 from jaxsparse.formats._base import is_concrete
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
 from jaxsparse.formats._masks import block_magnitude_mask
@@ -40,7 +41,6 @@ from jaxsparse.formats._specs import matrix_shape
 from jaxsparse.layers import linen as sparse_linen
 from jaxsparse.layers._common import eager_if_concrete
 from jaxsparse.layers._common import masked_kept_count
-from jaxsparse.layers._common import nm_kept_count
 from jaxsparse.layers._common import nm_kept_mask
 from jaxsparse.layers._common import pattern_mask
 from jaxsparse.layers._embed import compress_table
@@ -179,15 +179,14 @@ def kept_blocks(layer_vars: Mapping, spec: Spec) -> int | None:
 
 
 def linen_density(spec: Spec, layer_vars: Mapping, kernel_shape: tuple[int, ...], *,
-                  weight_mask: Any = None) -> float | None:
+                  weight_mask: Any = None, mask: np.ndarray | None = None) -> float | None:
   """The fraction of a ``(K, N)`` kernel that a sparse layer's (unboxed) variables keep; ``weight_mask``: an N:M
-  conv's own Flax weight mask, after which groups may keep fewer than ``n``. ``None`` (unknown) where that count
-  depends on traced values (an N:M conv's traced weight mask, an unstructured mask ranked from traced weights), as
-  under ``jax.eval_shape``; a mask with values is counted there too."""
+  conv's own Flax weight mask, after which groups may keep fewer than ``n``; ``mask``: the mask given for the layer.
+  ``None`` (unknown) where that count depends on traced values (an N:M conv's traced weight mask, an unstructured mask
+  ranked from traced weights), as under ``jax.eval_shape``; a mask with values is counted there too."""
   if isinstance(spec, NM):  # the nonzero weights the pattern keeps (a mask given may keep fewer than n of a group)
-    kernel = layer_vars["params"]["kernel"]
-    kept = nm_kept_count(kernel, spec.n, spec.m, transposable=spec.transposable, weight_mask=weight_mask)
-    return None if kept is None else kept / math.prod(kernel.shape)
+    return nm_density(layer_vars["params"]["kernel"], spec.n, spec.m, transposable=spec.transposable,
+                      weight_mask=weight_mask, mask=mask)
   if isinstance(spec, BlockSparse):
     k, n = kernel_shape
     return layer_vars["params"]["kernel"].shape[0] / ((k // spec.block_shape[0]) * (n // spec.block_shape[1]))

@@ -45,6 +45,7 @@ from jaxsparse._sparsify._report import check_speed_mode
 from jaxsparse._sparsify._report import random_input
 from jaxsparse._sparsify._report import state_bytes
 from jaxsparse._sparsify._report import time_nnx_layer
+from jaxsparse.formats._base import is_concrete
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
 from jaxsparse.formats._specs import NM
 from jaxsparse.formats._specs import BlockSparse
@@ -66,7 +67,10 @@ from jaxsparse.layers._common import eager_if_concrete
 from jaxsparse.layers._common import nm_kept_count
 from jaxsparse.layers._partitioning import carry_nnx
 
-__all__ = ["at_path", "check_general_mask_view", "check_masks_used", "check_nm_mask", "compress", "densify", "sparsify"]
+__all__ = [
+    "at_path", "check_general_mask_view", "check_masks_used", "check_nm_mask", "compress", "densify", "nm_density",
+    "sparsify",
+]
 
 
 _SPARSE_NNX = (BlockSparseLinear, MaskedLinear, NMLinear, NMConv, CompressedNMLinear, MaskedConv, SparseLinearGeneral,
@@ -183,6 +187,8 @@ def check_masks_used(mask_dict: dict, used: set[str], path_of_kernel: list[str])
 
 
 def _sparse_linear(lin: nnx.Linear, spec: Spec, mask: np.ndarray | None, path: str) -> nnx.Module:
+  """The sparse layer of ``lin``, with its partitioning names and placement: ``from_dense`` carries them, and so does
+  this function where a given ``mask`` builds the layer another way."""
   kernel = lin.kernel[...]
   if isinstance(spec, BlockSparse):
     if mask is None:
@@ -196,13 +202,15 @@ def _sparse_linear(lin: nnx.Linear, spec: Spec, mask: np.ndarray | None, path: s
     layer.kernel[...] = BlockSparseMatrix.from_dense(kernel, spec.block_shape, block_mask=block_mask).data
     if lin.bias is not None:
       copy_bias(layer, lin.bias[...])
-    return layer
+    return carry_nnx(lin, layer)
   if isinstance(spec, NM):
-    if mask is not None:  # the N:M pattern follows the weights: zero the pruned ones so it is the given mask
-      check_nm_mask(mask, spec, 0, path)
-      lin = _linear(jnp.where(mask, kernel, jnp.zeros((), kernel.dtype)), None if lin.bias is None else lin.bias[...],
-                    dtype=lin.dtype, precision=lin.precision)
-    return NMLinear.from_dense(lin, n=spec.n, m=spec.m, transposable=spec.transposable)
+    if mask is None:
+      return NMLinear.from_dense(lin, n=spec.n, m=spec.m, transposable=spec.transposable)
+    check_nm_mask(mask, spec, 0, path)
+    # The N:M pattern follows the weights: zero the pruned ones so it is the given mask. That linear has no names.
+    pruned = _linear(jnp.where(mask, kernel, jnp.zeros((), kernel.dtype)), None if lin.bias is None else lin.bias[...],
+                     dtype=lin.dtype, precision=lin.precision)
+    return carry_nnx(lin, NMLinear.from_dense(pruned, n=spec.n, m=spec.m, transposable=spec.transposable))
   if mask is None:
     return MaskedLinear.from_dense(lin, sparsity=spec.sparsity)
   layer = MaskedLinear(
@@ -211,7 +219,7 @@ def _sparse_linear(lin: nnx.Linear, spec: Spec, mask: np.ndarray | None, path: s
   )
   if lin.bias is not None:
     copy_bias(layer, lin.bias[...])
-  return layer
+  return carry_nnx(lin, layer)
 
 
 def _check_rebuildable(node: nnx.Module, spec: Spec, path: str) -> None:
@@ -256,6 +264,8 @@ def at_path(where: str, build: Callable[..., Any], *args: Any) -> Any:
 
 
 def _to_sparse(node: nnx.Module, spec: Spec, mask: np.ndarray | None, path: str) -> nnx.Module:
+  """The sparse layer replacing ``node``, with its partitioning names and placement (carried by the layers'
+  ``from_dense``, or here where a layer is built another way)."""
   _check_rebuildable(node, spec, path)
   kernel_shape = tuple(node.kernel.shape)
   if mask is not None and mask.shape != kernel_shape:
@@ -274,7 +284,7 @@ def _to_sparse(node: nnx.Module, spec: Spec, mask: np.ndarray | None, path: str)
       conv = node
       if mask is not None:
         check_nm_mask(mask, spec, mask.ndim - 2, path)
-        conv = MaskedConv.from_dense(node, mask=mask).to_dense()
+        conv = MaskedConv.from_dense(node, mask=mask).to_dense()  # both carry the names and placement
       return NMConv.from_dense(conv, n=spec.n, m=spec.m, transposable=spec.transposable)
     return MaskedConv.from_dense(node, sparsity=None if mask is not None else spec.sparsity, mask=mask)
   if isinstance(node, nnx.LinearGeneral):
@@ -283,10 +293,11 @@ def _to_sparse(node: nnx.Module, spec: Spec, mask: np.ndarray | None, path: str)
     if mask is not None:
       check_general_mask_view(mask, spec, len(node.in_features), path)
     mask2 = None if mask is None else mask.reshape(lin.kernel.shape)
-    return SparseLinearGeneral(
+    layer = SparseLinearGeneral(
         _sparse_linear(lin, spec, mask2, path), in_features=node.in_features, out_features=node.out_features,
         dtype=node.dtype, precision=node.precision,
     )
+    return carry_nnx(node, layer)  # the (K, N) linear has no names: node's, folded
   check_spec_applies(spec, kernel_shape, path=path)
   return _sparse_linear(node, spec, mask, path)
 
@@ -316,14 +327,28 @@ def _sparse_embed(node: nnx.Embed, spec: NM, mask: np.ndarray | None, path: str)
   return CompressedNMEmbed.from_dense(node, spec.n, spec.m, mask=mask)
 
 
-def _density(layer: nnx.Module) -> float | None:
-  """The kept fraction of a new layer's kernel; ``None`` where it depends on values that a trace hides."""
+def nm_density(kernel: Any, n: int, m: int, *, transposable: bool = False, weight_mask: Any = None,
+               mask: np.ndarray | None = None) -> float | None:
+  """The fraction of ``kernel`` that an ``n:m`` pattern keeps nonzero (a group may keep fewer than ``n``), after an N:M
+  conv's own Flax ``weight_mask``; ``mask``: the mask given for the layer (checked N:M), whose kept weights the pattern
+  keeps. Counted from the weights where they hold values; from ``mask`` where a trace hides them (an abstract model,
+  ``nnx.eval_shape`` / ``jax.eval_shape``), else the most the pattern keeps (``n / m``), ``None`` with a traced
+  ``weight_mask``."""
+  if mask is not None and not is_concrete(kernel) and (weight_mask is None or is_concrete(weight_mask)):
+    kept = mask if weight_mask is None else np.logical_and(mask, np.broadcast_to(weight_mask, mask.shape))
+    return int(np.count_nonzero(kept)) / mask.size
+  kept = nm_kept_count(kernel, n, m, transposable=transposable, weight_mask=weight_mask)
+  return None if kept is None else kept / math.prod(kernel.shape)
+
+
+def _density(layer: nnx.Module, mask: np.ndarray | None = None) -> float | None:
+  """The kept fraction of a new layer's kernel (``mask``: the one given for it); ``None`` where it depends on values
+  that a trace hides."""
   if isinstance(layer, SparseLinearGeneral):
-    return _density(layer.layer)
+    return _density(layer.layer, mask)
   if isinstance(layer, (NMLinear, NMConv)):  # the nonzero weights the pattern keeps: a group may keep fewer than n
-    kept = nm_kept_count(layer.kernel.get_value(), layer.n, layer.m, transposable=layer.transposable,
-                         weight_mask=layer.mask if isinstance(layer, NMConv) else None)
-    return None if kept is None else kept / math.prod(layer.kernel.shape)
+    return nm_density(layer.kernel.get_value(), layer.n, layer.m, transposable=layer.transposable,
+                      weight_mask=layer.mask if isinstance(layer, NMConv) else None, mask=mask)
   # A masked layer's mask is counted where it holds values: given, or ranked from concrete weights, also under
   # nnx.eval_shape; a mask ranked from traced weights is unknown (None).
   density = layer.density
@@ -346,6 +371,11 @@ def _dense_layers(model: nnx.Module) -> list[tuple[tuple, nnx.Module]]:
     if isinstance(node, (nnx.Linear, nnx.Conv, nnx.LinearGeneral)):
       out.append((tuple(path), node))
   return out
+
+
+def _is_abstract(model: nnx.Module) -> bool:
+  """Whether ``model`` has abstract variables (``jax.ShapeDtypeStruct``, from ``nnx.eval_shape``)."""
+  return any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(nnx.state(model)))
 
 
 def masks_dict(masks: Any) -> dict[str, np.ndarray]:
@@ -429,17 +459,38 @@ def sparsify(
 
   Returns:
     ``(model, report)``: the sparse model and a :class:`SparsifyReport` (path, structure, density,
-    parameter bytes before and after, times).
+    parameter bytes before and after, times). An abstract model (from ``nnx.eval_shape``: an orbax restore target)
+    gives the abstract sparse model, always a new one, with the state a concrete model's sparse model has (a
+    checkpoint of it restores into it); its report's densities are those of the given masks, the rules' where they
+    fix them (N:M, block counts), else ``None`` (unknown: no weights to rank).
 
   Raises:
     ValueError: naming the layer path, when a structure cannot apply (``m`` does not divide the
-      input size, blocks do not divide the kernel, ``BlockSparse`` on a conv, a bad mask).
+      input size, blocks do not divide the kernel, ``BlockSparse`` on a conv, a bad mask); ``check_speed`` with an
+      abstract model (no weights to time).
   """
   if not isinstance(model, nnx.Module):
     raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}; for Linen use sparsify_linen.")
   resolved = resolve_rules(rules)
   mode = check_speed_mode(check_speed, example_input)
   mask_dict = masks_dict(masks)
+  if _is_abstract(model):
+    if mode:
+      raise ValueError(
+          f"check_speed={check_speed!r} times each layer on its weights, and this model is abstract (nnx.eval_shape: "
+          "no weights). Leave check_speed out here; to match a model sparsified with check_speed, map the layers it "
+          "kept dense to None in the rules."
+      )
+    # Abstract variables (the layers' from_dense read their arrays): the same conversion, traced for shapes only. The
+    # masks (NumPy) are closed over, so they keep their values; the report comes out of the trace.
+    reports = []
+
+    def build(m: nnx.Module) -> nnx.Module:
+      sparse, report = sparsify(m, rules, masks=mask_dict or None, inplace=True)
+      reports.append(report)
+      return sparse
+
+    return nnx.eval_shape(build, model), reports[0]
   if not inplace:
     model = nnx.clone(model)
   layers = _dense_layers(model)
@@ -470,8 +521,9 @@ def sparsify(
     p = path_str(path)
     mask = mask_dict.get(f"{p}.kernel" if p else "kernel")
     where = p or "(the model itself)"
+    # With the partitioning names and placement (from_dense carries them, or _to_sparse where it builds otherwise)
     new = at_path(where, _to_sparse, node, spec, None if mask is None else np.asarray(mask), where)
-    built.append((path, node, spec, carry_nnx(node, new)))  # sharding annotations carried over
+    built.append((path, node, spec, new))
 
   shapes = _record_inputs(model, [(p, n) for p, n, _, _ in built], example_input) if mode else {}
   changes = []
@@ -510,7 +562,8 @@ def sparsify(
       replace_module(model, path, new)
     else:
       model = new
-    changes.append(LayerChange(p, _describe(node), spec.describe(), type(new).__name__, _density(new),
+    mask = mask_dict.get(f"{p}.kernel" if p else "kernel")
+    changes.append(LayerChange(p, _describe(node), spec.describe(), type(new).__name__, _density(new, mask),
                                state_bytes(node), state_bytes(new), dense_ms, sparse_ms, note))
   changes.sort(key=lambda c: c.path)
   return model, SparsifyReport(tuple(changes))
@@ -554,7 +607,7 @@ def densify(model: nnx.Module, *, inplace: bool = False) -> nnx.Module:
   """
   if not isinstance(model, nnx.Module):
     raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}.")
-  if any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(nnx.state(model))):
+  if _is_abstract(model):
     # Abstract variables (the layers' to_dense read their arrays): the same conversion, traced for shapes only.
     return nnx.eval_shape(lambda m: densify(m, inplace=True), model)
   if not inplace:
@@ -620,9 +673,9 @@ def compress(model: nnx.Module, *, storage: str = "values", cusparselt_copy: boo
     raise TypeError(f"cusparselt_copy must be True or False, got cusparselt_copy={cusparselt_copy!r}.")
   if not inplace:
     model = nnx.clone(model)
-  # The kernel's and bias's partitioning names carried over (the kept values keep the kernel's, the positions its
-  # columns').
-  compressed_of = lambda node: carry_nnx(node, node.to_compressed(storage=storage, cusparselt_copy=cusparselt_copy))
+  # to_compressed carries the kernel's and bias's partitioning names over (the kept values keep the kernel's, the
+  # positions its columns').
+  compressed_of = lambda node: node.to_compressed(storage=storage, cusparselt_copy=cusparselt_copy)
   if isinstance(model, NMLinear):
     return compressed_of(model)
   found = [(tuple(path), node) for path, node in nnx.iter_modules(model) if path and isinstance(node, NMLinear)]

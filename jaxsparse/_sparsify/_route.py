@@ -36,6 +36,7 @@ from jaxsparse._sparsify._linen_plan import kept_blocks
 from jaxsparse._sparsify._linen_plan import layer_variables
 from jaxsparse._sparsify._linen_plan import linen_density
 from jaxsparse._sparsify._linen_plan import sparse_module_of
+from jaxsparse._sparsify._nnx import at_path
 from jaxsparse._sparsify._nnx import densify
 from jaxsparse._sparsify._report import time_nnx_layer
 from jaxsparse._sparsify._report import timed
@@ -115,18 +116,28 @@ def layer_signature(layer: nnx.Module) -> LayerSignature:
   Raises:
     TypeError: ``layer`` is not one of those four classes (e.g. an ``nnx.Linear``, or a ``SparseLinearGeneral``:
       pass the layer it wraps, ``.layer``).
+    ValueError: a ``MaskedLinear`` whose mask holds no values (traced under ``nnx.jit`` / ``nnx.eval_shape``, or
+      abstract: a ``jax.ShapeDtypeStruct``), whose density is unknown.
   """
   if isinstance(layer, CompressedNMLinear | NMLinear):
     pattern, density = f"{layer.n}:{layer.m}", layer.n / layer.m
   elif isinstance(layer, BlockSparseLinear):
     pattern, density = f"block {layer.block_shape[0]}x{layer.block_shape[1]}", layer.density
   elif isinstance(layer, MaskedLinear):
-    pattern, density = "unstructured", float(jnp.mean(layer.mask[...]))
+    pattern, density = "unstructured", layer.density  # None where the mask holds no values
   else:
     raise TypeError(f"layer must be one of {[c.__name__ for c in SPARSE_LINEAR]}, got {type(layer).__name__}.")
-  dtype = layer.kernel_dtype if isinstance(layer, CompressedNMLinear) else jnp.dtype(layer.kernel[...].dtype)
+  if density is None:
+    raise ValueError(_unknown_density(type(layer).__name__, "nnx.jit / nnx.eval_shape", "model"))
+  dtype = layer.kernel_dtype if isinstance(layer, CompressedNMLinear) else jnp.dtype(layer.kernel.dtype)
   return LayerSignature(type(layer).__name__, (layer.in_features, layer.out_features), pattern, round(density, 2),
                         dtype.name, jnp.dtype(layer.dtype or dtype).name, layer.bias is not None)
+
+
+def _unknown_density(layer: str, traces: str, what: str) -> str:
+  return (f"the {layer}'s mask holds no values (traced under {traces}, or abstract: a jax.ShapeDtypeStruct), so its "
+          "density, part of its LayerSignature, is unknown. Signatures and routing (timing each layer) need a "
+          f"concrete mask: call this outside any trace, on the concrete {what} (e.g. restored from a checkpoint).")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -317,10 +328,11 @@ def _nnx_groups(model: nnx.Module) -> dict[LayerSignature, list[tuple[tuple[Any,
     if not path or not isinstance(node, SPARSE_LINEAR):
       continue
     parent = modules.get(path[:-1])
+    sig = at_path(path_str(path), layer_signature, node)  # an error names the layer
     if isinstance(parent, SparseLinearGeneral) and parent.layer is node:
-      groups.setdefault(layer_signature(node), []).append((path[:-1], parent))
+      groups.setdefault(sig, []).append((path[:-1], parent))
     else:
-      groups.setdefault(layer_signature(node), []).append((path, node))
+      groups.setdefault(sig, []).append((path, node))
   return groups
 
 
@@ -404,8 +416,9 @@ def _check_route_args(batches: int | Sequence[int], margin: float, step_timer: A
   return batches
 
 
-def _linen_signature(layer, layer_vars: Mapping) -> LayerSignature:
-  """The :class:`LayerSignature` of a Linen sparse layer (a ``SparsifiedLinen`` plan and its unboxed variables)."""
+def _linen_signature(layer, layer_vars: Mapping, path: str) -> LayerSignature:
+  """The :class:`LayerSignature` of a Linen sparse layer (a ``SparsifiedLinen`` plan and its unboxed variables) at
+  ``path``; raises where its density is unknown (a traced or abstract mask)."""
   spec = layer.spec
   if isinstance(spec, BlockSparse):
     pattern = f"block {spec.block_shape[0]}x{spec.block_shape[1]}"
@@ -413,6 +426,8 @@ def _linen_signature(layer, layer_vars: Mapping) -> LayerSignature:
     pattern = f"{spec.n}:{spec.m}" if isinstance(spec, NM) else "unstructured"
   name = type(sparse_module_of(layer, nnz=kept_blocks(layer_vars, spec))).__name__
   density = linen_density(spec, layer_vars, layer.shape_2d)
+  if density is None:
+    raise ValueError(f"{path}: " + _unknown_density(name, "jax.jit / jax.eval_shape", "variables"))
   dtype = jnp.dtype(layer_vars["params"]["kernel"].dtype)
   return LayerSignature(name, layer.shape_2d, pattern, round(density, 2), dtype.name,
                         jnp.dtype(layer.module.dtype or dtype).name, bool(layer.module.use_bias))
@@ -487,7 +502,8 @@ def route_slower_to_dense_linen(
   groups: dict[LayerSignature, list[tuple]] = {}
   for path, layer in sparse.layers.items():
     if layer.kind not in ("conv", "embed"):  # their products are not a dense layer's: they stay as they are
-      groups.setdefault(_linen_signature(layer, nn.meta.unbox(layer_variables(variables, path))), []).append(path)
+      sig = _linen_signature(layer, nn.meta.unbox(layer_variables(variables, path)), ".".join(path))
+      groups.setdefault(sig, []).append(path)
   timings = []
   for sig, paths in groups.items():
     layer = sparse.layers[paths[0]]

@@ -31,7 +31,6 @@ from jaxsparse.formats._block_sparse import INDEX_FIELDS
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
 from jaxsparse.formats._masks import block_magnitude_mask
 from jaxsparse.formats._masks import random_block_mask
-from jaxsparse.formats._masks import replicated
 from jaxsparse.layers._common import SPARSITY
 from jaxsparse.layers._common import SparsityPattern
 from jaxsparse.layers._common import bias_of
@@ -55,6 +54,7 @@ from jaxsparse.layers._common import map_boxed
 from jaxsparse.layers._common import unbox_init
 from jaxsparse.layers._partitioning import BLOCKS
 from jaxsparse.layers._partitioning import carry_back_nnx
+from jaxsparse.layers._partitioning import carry_nnx
 
 __all__ = ["BlockSparseDense", "BlockSparseLinear"]
 
@@ -331,7 +331,9 @@ class BlockSparseLinear(nnx.Module):
 
     Returns:
       A ``BlockSparseLinear`` with ``kernel`` ``(nnz_blocks, bk, bn)`` holding ``linear``'s kept blocks, and
-      ``linear``'s bias (or none).
+      ``linear``'s bias (or none). Partitioning names (``nnx.with_partitioning``) carry over as
+      :func:`jaxsparse.sparsify` gives them: the bias keeps its own; the kept blocks and their indices are
+      replicated, and the kernel records the dense kernel's names for :meth:`to_dense`.
 
     Raises:
       TypeError: ``linear`` is not an ``nnx.Linear``; ``block_shape`` is not a pair of ints; ``density`` is not
@@ -367,10 +369,10 @@ class BlockSparseLinear(nnx.Module):
     layer.kernel[...] = w.data
     layer.pattern = pattern_variables(w)
     if linear.bias is not None:
-      # A bias split over explicit axes is replicated, as the new layer's is; a bias of another dtype than the
-      # kernel keeps it, as linear computes with it.
-      copy_bias(layer, replicated(linear.bias[...]))
-    return layer
+      # A bias of another dtype than the kernel keeps it, as linear computes with it (copy_bias; it also gathers a
+      # bias split over explicit axes, which carry_nnx splits again).
+      copy_bias(layer, linear.bias[...])
+    return carry_nnx(linear, layer)  # the partitioning names and placement
 
   def to_dense(self) -> nnx.Linear:
     """An ``nnx.Linear`` with the dense kernel (zeros outside the kept blocks) and the same bias.

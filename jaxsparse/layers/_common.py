@@ -26,6 +26,7 @@ from jaxsparse import _utils
 from jaxsparse import ops
 from jaxsparse.formats import _nm_masks
 from jaxsparse.formats._base import is_concrete
+from jaxsparse.formats._masks import replicated
 from jaxsparse.formats._masks import top_k_mask
 
 __all__ = [
@@ -213,7 +214,12 @@ def with_weights(build: Callable[..., M], kernel: jax.Array, bias: jax.Array | N
 def copy_bias(layer: nnx.Module, bias: jax.Array) -> None:
   """Sets ``layer.bias`` to ``bias`` in ``bias``'s own dtype: a dense layer whose bias has another dtype than its
   kernel (a float32 bias beside a bfloat16 kernel) computes with it, so its sparse twin must too (assigning with
-  ``layer.bias[...] = bias`` would cast it to the layer's ``param_dtype``)."""
+  ``layer.bias[...] = bias`` would cast it to the layer's ``param_dtype``).
+
+  A bias split over explicit mesh axes is gathered first, as the new layer's own bias is not split (explicit axes
+  refuse the assignment); the partitioning names carried after it (``carry_nnx``, ``carry_back_nnx``) split it again.
+  """
+  bias = replicated(bias)
   if jnp.result_type(bias) == layer.bias[...].dtype:
     layer.bias[...] = bias
   else:

@@ -49,6 +49,7 @@ from jaxsparse.layers._common import masked_kept_count
 from jaxsparse.layers._common import random_mask
 from jaxsparse.layers._common import with_weights
 from jaxsparse.layers._partitioning import carry_back_nnx
+from jaxsparse.layers._partitioning import carry_nnx
 
 __all__ = ["MaskedConv", "MaskedDense", "MaskedLinear"]
 
@@ -222,7 +223,9 @@ class MaskedLinear(nnx.Module):
 
     Args:
       linear: a plain ``nnx.Linear`` with Flax's default product options (not changed); its kernel, bias,
-        ``dtype`` and ``precision`` carry over.
+        ``dtype`` and ``precision`` carry over, and so do the partitioning names (``nnx.with_partitioning``) of
+        kernel and bias (the mask takes the kernel's) and their placement on a mesh, as :func:`jaxsparse.sparsify`
+        gives them.
       sparsity: fraction of the weights pruned, in ``[0, 1)``.
       implementation: as in the constructor.
 
@@ -244,7 +247,7 @@ class MaskedLinear(nnx.Module):
     kernel = linear.kernel[...]
     with eager_if_concrete(kernel):  # ranked eagerly from concrete weights, also under a trace: the density is known
       mask = magnitude_mask(kernel, sparsity)
-    return with_weights(
+    layer = with_weights(
         cls,
         kernel,
         bias_of(linear),
@@ -257,6 +260,7 @@ class MaskedLinear(nnx.Module):
         implementation=implementation,
         rngs=nnx.Rngs(0),
     )
+    return carry_nnx(linear, layer)  # the partitioning names and placement
 
   def to_dense(self) -> nnx.Linear:
     """An ``nnx.Linear`` with kernel ``kernel * mask`` and the same bias, ``dtype`` and ``precision``.
@@ -472,7 +476,9 @@ class MaskedConv(nnx.Conv):
     """Prunes ``conv`` to its largest-magnitude weights (``sparsity``) or to ``mask``; copies every option.
 
     Args:
-      conv: an ``nnx.Conv`` without a weight ``mask`` (not changed).
+      conv: an ``nnx.Conv`` without a weight ``mask`` (not changed); the partitioning names
+        (``nnx.with_partitioning``) of its kernel and bias carry over (the mask takes the kernel's), and their
+        placement on a mesh, as :func:`jaxsparse.sparsify` gives them.
       sparsity: fraction of the weights pruned, in ``[0, 1)``; give it or ``mask``, not both.
       mask: bool array of ``conv``'s kernel shape ``(*kernel_size, in_features // feature_group_count,
         out_features)``, True at the weights kept.
@@ -502,10 +508,11 @@ class MaskedConv(nnx.Conv):
     if mask is None:
       with eager_if_concrete(kernel):  # as in MaskedLinear.from_dense
         mask = magnitude_mask(kernel, sparsity)
-    return with_weights(
+    layer = with_weights(
         cls, kernel, bias_of(conv), conv.in_features, conv.out_features,
         conv.kernel_size, mask=mask, rngs=nnx.Rngs(0), **_conv_options(conv),
     )
+    return carry_nnx(conv, layer)  # the partitioning names and placement
 
   def to_dense(self) -> nnx.Conv:
     """An ``nnx.Conv`` with kernel ``kernel * mask`` and the same options and bias.

@@ -49,6 +49,7 @@ from jaxsparse.layers._common import nm_kept_mask
 from jaxsparse.layers._common import with_weights
 from jaxsparse.layers._nm_compressed import CompressedNMLinear
 from jaxsparse.layers._partitioning import carry_back_nnx
+from jaxsparse.layers._partitioning import carry_nnx
 
 __all__ = ["NMConv", "NMLinear"]
 
@@ -240,7 +241,9 @@ class NMLinear(_NMMixin, nnx.Linear):
 
     Args:
       linear: an ``nnx.Linear`` (not changed; not a subclass, except an ``NMLinear``, whose dense kernel is
-        taken); its kernel, bias and options (``dtype``, ``precision``, ``dot_general``...) carry over.
+        taken); its kernel, bias and options (``dtype``, ``precision``, ``dot_general``...) carry over, and so do
+        the partitioning names (``nnx.with_partitioning``) of kernel and bias and their placement on a mesh, as
+        :func:`jaxsparse.sparsify` gives them.
       n, m: keep ``n`` of every ``m`` input features; ``m`` must divide ``in_features``.
       sr_ste_decay, transposable: as in the constructor.
 
@@ -260,10 +263,11 @@ class NMLinear(_NMMixin, nnx.Linear):
     """
     if not isinstance(linear, NMLinear):  # an NMLinear's kernel is its dense SR-STE weight: pruned again here
       linear = check_linear(linear, cls.__name__, options=False)
-    return with_weights(
+    layer = with_weights(
         cls, linear.kernel[...], bias_of(linear), linear.in_features, linear.out_features, n=n, m=m,
         sr_ste_decay=sr_ste_decay, transposable=transposable, **linear_options(linear),
     )
+    return carry_nnx(linear, layer)  # the partitioning names and placement
 
   def to_dense(self) -> nnx.Linear:
     """An ``nnx.Linear`` holding the pruned kernel: the same function as this layer's forward pass.
@@ -304,7 +308,9 @@ class NMLinear(_NMMixin, nnx.Linear):
 
     Returns:
       A :class:`CompressedNMLinear` holding :meth:`pruned_kernel` compressed, this layer's bias, ``dtype``,
-      ``precision`` and ``preferred_element_type``: the same function as this layer's forward pass.
+      ``precision`` and ``preferred_element_type``: the same function as this layer's forward pass. Partitioning
+      names (``nnx.with_partitioning``) carry over (and their placement on a mesh), as :func:`jaxsparse.compress`
+      gives them: the kept values take the kernel's, the packed positions its columns', the bias its own.
 
     Raises:
       ValueError: a custom ``dot_general``, or a ``storage`` the weight cannot take (see
@@ -326,7 +332,7 @@ class NMLinear(_NMMixin, nnx.Linear):
       )
     weight = NMSparseMatrix.from_dense(self.pruned_kernel(), self.n, self.m, axis=0)
     bias = bias_of(self)
-    return CompressedNMLinear(
+    compressed = CompressedNMLinear(
         weight,
         bias,
         dtype=self.dtype,
@@ -337,6 +343,7 @@ class NMLinear(_NMMixin, nnx.Linear):
         cusparselt_copy=cusparselt_copy,
         storage=storage,
     )
+    return carry_nnx(self, compressed)  # the partitioning names and placement
 
   def to_linen_variables(self) -> dict[str, dict[str, jax.Array]]:
     """Variables for :class:`jaxsparse.layers.linen.NMDense` with the same settings, holding these weights.
@@ -485,7 +492,8 @@ class NMConv(_NMMixin, nnx.Conv):
     """An ``NMConv`` with ``conv``'s dense kernel, bias and every option, ready to train with SR-STE.
 
     Args:
-      conv: an ``nnx.Conv`` (not changed).
+      conv: an ``nnx.Conv`` (not changed); the partitioning names (``nnx.with_partitioning``) of its kernel and
+        bias carry over, and their placement on a mesh, as :func:`jaxsparse.sparsify` gives them.
       n, m: keep ``n`` of every ``m`` input channels; ``m`` must divide ``in_features // feature_group_count``.
       sr_ste_decay, transposable: as in the constructor.
 
@@ -503,10 +511,11 @@ class NMConv(_NMMixin, nnx.Conv):
     """
     if not isinstance(conv, nnx.Conv):
       raise TypeError(f"conv must be a flax.nnx.Conv, got {type(conv).__name__}.")
-    return with_weights(
+    layer = with_weights(
         cls, conv.kernel[...], bias_of(conv), conv.in_features, conv.out_features, conv.kernel_size, n=n, m=m,
         sr_ste_decay=sr_ste_decay, transposable=transposable, **conv_options(conv),
     )
+    return carry_nnx(conv, layer)  # the partitioning names and placement
 
   def to_dense(self) -> nnx.Conv:
     """An ``nnx.Conv`` holding the pruned kernel: the same function as this layer's forward pass.

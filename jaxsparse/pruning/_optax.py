@@ -471,7 +471,8 @@ def apply_masks(target: Any, masks: Any) -> Any:
 
   Args:
     target: a parameter tree with the masks' structure, Linen variables whose ``"params"`` have it, or an
-      ``nnx.Module`` whose ``nnx.Param`` state has it.
+      ``nnx.Module`` whose ``nnx.Param`` state has it (an ``nnx.State``, or plain nested dicts with its keys:
+      ``{"linear": {"kernel": mask, "bias": None}}``).
     masks: from :func:`get_masks` or :func:`magnitude_masks`: a bool array of its parameter's exact shape (never
       broadcast) or ``None`` per leaf.
 
@@ -483,13 +484,14 @@ def apply_masks(target: Any, masks: Any) -> Any:
 
   Raises:
     ValueError: naming the path, for a mask whose shape is not its parameter's, or one where the parameters have
-      none; a Linen ``"sparsity"`` mask not of its kernel's shape.
+      none; a Linen ``"sparsity"`` mask not of its kernel's shape; masks of an NNX model that leave out some of its
+      parameters (give ``None`` for those not pruned).
     TypeError: naming the path, for a mask that is not boolean (a float 0.5 or an int 2 would be read as "kept");
       a Linen ``"sparsity"`` mask that is not boolean (the layer's forward refuses it too).
   """
   if isinstance(target, nnx.Module):
     params = nnx.as_pure(nnx.state(target, nnx.Param))
-    masks = _checked_masks(masks, params)
+    masks = _like_params(_checked_masks(masks, params), params)
     nnx.update(target, _where_masked(masks, params, jnp.zeros_like, params))
     _narrow_layer_masks(target, masks)
     _warn_emptied_blocks(_nnx_block_masks(target, masks), linen=False)
@@ -637,6 +639,28 @@ def _warn_emptied_blocks(found: list[tuple[str, Any, int]], *, linen: bool) -> N
         f"outputs are right (the pruned weights are zero). {fix[0].upper()}{fix[1:]}.",
         UserWarning,
     )
+
+
+def _like_params(masks: Any, params: Any) -> Any:
+  """``masks`` (checked) in the structure of an NNX model's ``params`` (an ``nnx.State``): masks given as plain nested
+  dicts (or lists) with the same keys are rebuilt by path; raises, naming them, for parameters they leave out or
+  entries the parameters lack."""
+  if jax.tree.structure(masks, is_leaf=_is_none) == jax.tree.structure(params):
+    return masks
+  given = {path_str(kp): m for kp, m in jax.tree_util.tree_flatten_with_path(masks, is_leaf=_is_none)[0]}
+  param_paths = [path_str(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+  missing = [p for p in param_paths if p not in given]
+  extra = sorted(set(given) - set(param_paths))
+  if missing or extra:
+    listing = lambda paths: ", ".join(paths[:12]) + (" ..." if len(paths) > 12 else "")
+    raise ValueError(
+        "masks must have the structure of the model's nnx.state(model, nnx.Param): a mask or None for each of its "
+        f"parameters {listing(param_paths)}"
+        + (f"; masks lack {listing(missing)} (give None for parameters not pruned)" if missing else "")
+        + (f"; masks have {listing(extra)}, which the parameters do not" if extra else "")
+        + ". pruning.get_masks / magnitude_masks give them so."
+    )
+  return jax.tree_util.tree_map_with_path(lambda kp, _: given[path_str(kp)], params)
 
 
 def _checked_masks(masks: Any, target: Any) -> Any:

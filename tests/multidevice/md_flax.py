@@ -93,6 +93,43 @@ def test_nnx_densify_gives_back_partitioning_and_placement():
   assert_close(jax.jit(lambda m, x: m(x))(dense, x), sparse(x), jnp.float32)
 
 
+_FROM_DENSE = {
+    "MaskedLinear": lambda d: jaxsparse.layers.MaskedLinear.from_dense(d, sparsity=0.75),
+    "NMLinear": lambda d: jaxsparse.layers.NMLinear.from_dense(d, n=2, m=4),
+    "CompressedNMLinear": lambda d: jaxsparse.layers.NMLinear.from_dense(d, n=2, m=4).to_compressed(),
+    "BlockSparseLinear": lambda d: jaxsparse.layers.BlockSparseLinear.from_dense(d, density=0.5, block_shape=(16, 16)),
+    "MaskedConv": lambda d: jaxsparse.layers.MaskedConv.from_dense(d, sparsity=0.75),
+    "NMConv": lambda d: jaxsparse.layers.NMConv.from_dense(d, n=2, m=4),
+}
+
+
+@pytest.mark.parametrize("kind", list(_FROM_DENSE))
+def test_nnx_from_dense_round_trip_keeps_partitioning_and_placement(kind):
+  # Layer.from_dense (and NMLinear.to_compressed) of a dense layer whose weights are named and split over the mesh:
+  # the sparse layer took neither the names nor the placement (only sparsify carried them), so its to_dense() came
+  # back unnamed and unsplit. The round trip now gives the dense layer's names and placement back.
+  mesh = _mesh()
+  named = lambda *names: nnx.with_partitioning(nnx.initializers.normal(), names)
+  conv = kind.endswith("Conv")
+  with jax.set_mesh(mesh):
+    if conv:
+      dense = nnx.Conv(8, 16, (3, 3), kernel_init=named(None, None, "data", "model"), bias_init=named("model"),
+                       rngs=nnx.Rngs(0))
+    else:
+      dense = nnx.Linear(D, H, kernel_init=named("data", "model"), bias_init=named("model"), rngs=nnx.Rngs(0))
+  sparse = _FROM_DENSE[kind](dense)
+  if kind not in ("BlockSparseLinear", "CompressedNMLinear"):  # the kernel of the dense kernel's shape: split alike
+    assert sparse.kernel[...].sharding.is_equivalent_to(dense.kernel[...].sharding, dense.kernel.ndim)
+  back = sparse.to_dense()
+  for var in ("kernel", "bias"):
+    want, got = getattr(dense, var), getattr(back, var)
+    assert got.get_metadata().get("out_sharding") == want.get_metadata()["out_sharding"], var
+    assert got[...].sharding.is_equivalent_to(want[...].sharding, want.ndim), (var, got[...].sharding)
+  assert not want[...].sharding.is_fully_replicated  # the check above tells split from replicated
+  x = jax.random.normal(jax.random.key(1), (4, 5, 5, 8) if conv else (4, D))
+  assert_close(back(x), sparse(x), jnp.float32)
+
+
 def test_nnx_embedding_partitioning_survives_sparsify():
   mesh = _mesh()
   with jax.set_mesh(mesh):
@@ -218,6 +255,39 @@ def test_nnx_sparsify_on_an_explicit_mesh():
     assert jax.typeof(var[...]).sharding.spec == P("model", "data")
   assert sparse.mid.kernel.get_metadata()["out_sharding"] == ("model", "data")
   assert_close(y, jaxsparse.densify(want)(x), jnp.float32)  # the dense model with the pruned weights
+
+
+@pytest.mark.parametrize("rule", [jaxsparse.BlockSparse(density=0.5, block_shape=(16, 16)), jaxsparse.NM(2, 4),
+                                  jaxsparse.Unstructured(sparsity=0.5)], ids=["block", "nm", "unstructured"])
+def test_nnx_sparsify_a_split_bias_on_an_explicit_mesh(rule):
+  # A bias split over explicit mesh axes (named with nnx.with_partitioning): every sparse layer but a block-sparse
+  # one built by from_dense copied it into its own unsplit bias, which explicit axes refuse ("Incompatible types for
+  # broadcasting"), in sparsify (with masks too) and in to_dense(). It is gathered for the copy and split again.
+  mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+  normal = nnx.initializers.normal()
+
+  def dense_of(name, named):  # named=False: the same layer without names, off the mesh
+    part = (lambda *names: nnx.with_partitioning(normal, names)) if named else (lambda *_: normal)
+    if name == "conv":
+      return nnx.Conv(8, 16, (3, 3), kernel_init=part(None, None, None, "model"), bias_init=part("model"),
+                      rngs=nnx.Rngs(0))
+    return nnx.Linear(D, H, kernel_init=part("data", "model"), bias_init=part("model"), rngs=nnx.Rngs(0))
+
+  for name in ("fc",) if isinstance(rule, jaxsparse.BlockSparse) else ("fc", "conv"):
+    want, _ = jaxsparse.sparsify(dense_of(name, named=False), rule)
+    masks = {"kernel": np.asarray(jaxsparse.densify(want).kernel[...] != 0)}
+    for given in (None, masks):
+      with jax.set_mesh(mesh):
+        sparse, _ = jaxsparse.sparsify(dense_of(name, named=True), rule, masks=given)
+        back = sparse.to_dense()
+      for layer in (sparse, back):
+        assert layer.bias.get_metadata()["out_sharding"] == ("model",), (name, type(layer).__name__)
+        assert jax.typeof(layer.bias[...]).sharding.spec == P("model"), (name, type(layer).__name__)
+      for var in ("kernel", "bias"):  # the weights of the layer built off the mesh
+        np.testing.assert_array_equal(getattr(back, var)[...], getattr(want.to_dense(), var)[...])
+      if name == "fc":  # (a conv of a split kernel wants an out_sharding under explicit axes, nnx.Conv's too)
+        x = jax.random.normal(jax.random.key(1), (4, D))
+        assert_close(back(x), want(x), jnp.float32)
 
 
 def test_nnx_compress_on_an_explicit_mesh():
