@@ -18,9 +18,9 @@ from jaxsparse._plot import plot_pattern
 from jaxsparse._sparsify._linen import densify_linen
 from jaxsparse._sparsify._linen import sparsify_linen
 from jaxsparse._sparsify._linen_compress import compress_linen
-from jaxsparse._sparsify._nnx import compress
-from jaxsparse._sparsify._nnx import densify
 from jaxsparse._sparsify._nnx import sparsify
+from jaxsparse._sparsify._nnx_convert import compress
+from jaxsparse._sparsify._nnx_convert import densify
 from jaxsparse._sparsify._route import LayerSignature
 from jaxsparse._sparsify._route import SignatureTiming
 from jaxsparse._sparsify._route import layer_signature

@@ -1,4 +1,4 @@
-"""``sparsify`` / ``densify``: turn the dense layers of an existing Flax model into sparse ones and back.
+"""``sparsify``: turn the dense layers of an existing Flax model into sparse ones (back: ``_nnx_convert.densify``).
 
 NNX: every ``nnx.Linear``, ``nnx.Conv`` and ``nnx.LinearGeneral`` (trailing contracting axes, as in
 ``nnx.MultiHeadAttention``) whose dotted path matches a rule is replaced by the sparse layer the
@@ -39,6 +39,8 @@ from jaxsparse._rules import path_str
 from jaxsparse._rules import replace_module
 from jaxsparse._rules import resolve_rules
 from jaxsparse._rules import warn_unmatched
+from jaxsparse._sparsify._nnx_convert import SPARSE_NNX
+from jaxsparse._sparsify._nnx_convert import is_abstract
 from jaxsparse._sparsify._report import LayerChange
 from jaxsparse._sparsify._report import SparsifyReport
 from jaxsparse._sparsify._report import check_speed_mode
@@ -55,7 +57,6 @@ from jaxsparse.formats._specs import check_spec_applies
 from jaxsparse.formats._specs import matrix_shape
 from jaxsparse.layers import BlockSparseLinear
 from jaxsparse.layers import CompressedNMEmbed
-from jaxsparse.layers import CompressedNMLinear
 from jaxsparse.layers import MaskedConv
 from jaxsparse.layers import MaskedLinear
 from jaxsparse.layers import NMConv
@@ -68,13 +69,8 @@ from jaxsparse.layers._common import nm_kept_count
 from jaxsparse.layers._partitioning import carry_nnx
 
 __all__ = [
-    "at_path", "check_general_mask_view", "check_masks_used", "check_nm_mask", "compress", "densify", "nm_density",
-    "sparsify",
+    "at_path", "check_general_mask_view", "check_masks_used", "check_nm_mask", "nm_density", "sparsify",
 ]
-
-
-_SPARSE_NNX = (BlockSparseLinear, MaskedLinear, NMLinear, NMConv, CompressedNMLinear, MaskedConv, SparseLinearGeneral,
-               CompressedNMEmbed)
 
 
 def _general_as_linear(layer: nnx.LinearGeneral, path: str) -> nnx.Linear:
@@ -366,16 +362,11 @@ def _describe(node: nnx.Module) -> str:
 def _dense_layers(model: nnx.Module) -> list[tuple[tuple, nnx.Module]]:
   out = []
   for path, node in nnx.iter_modules(model):
-    if isinstance(node, _SPARSE_NNX):
+    if isinstance(node, SPARSE_NNX):
       continue
     if isinstance(node, (nnx.Linear, nnx.Conv, nnx.LinearGeneral)):
       out.append((tuple(path), node))
   return out
-
-
-def _is_abstract(model: nnx.Module) -> bool:
-  """Whether ``model`` has abstract variables (``jax.ShapeDtypeStruct``, from ``nnx.eval_shape``)."""
-  return any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(nnx.state(model)))
 
 
 def masks_dict(masks: Any) -> dict[str, np.ndarray]:
@@ -474,7 +465,7 @@ def sparsify(
   resolved = resolve_rules(rules)
   mode = check_speed_mode(check_speed, example_input)
   mask_dict = masks_dict(masks)
-  if _is_abstract(model):
+  if is_abstract(model):
     if mode:
       raise ValueError(
           f"check_speed={check_speed!r} times each layer on its weights, and this model is abstract (nnx.eval_shape: "
@@ -567,124 +558,3 @@ def sparsify(
                                state_bytes(node), state_bytes(new), dense_ms, sparse_ms, note))
   changes.sort(key=lambda c: c.path)
   return model, SparsifyReport(tuple(changes))
-
-
-def densify(model: nnx.Module, *, inplace: bool = False) -> nnx.Module:
-  """Replaces every jaxsparse layer of an NNX model by the dense Flax layer computing the same function.
-
-  ``BlockSparseLinear`` / ``MaskedLinear`` / ``NMLinear`` / ``CompressedNMLinear`` become ``nnx.Linear``,
-  ``NMConv`` / ``MaskedConv`` become ``nnx.Conv``, ``SparseLinearGeneral`` becomes ``nnx.LinearGeneral``,
-  ``CompressedNMEmbed`` becomes ``nnx.Embed``; pruned weights are zeros in the dense kernels (tables).
-
-  Each layer becomes its own ``to_dense()``, which gives the partitioning names (``nnx.with_partitioning``) back: each
-  dense kernel (table) and bias takes the names the dense layer had before :func:`sparsify` (and :func:`compress`),
-  kept in the sparse variables' metadata where their own names cannot tell them (block-sparse values, a
-  ``LinearGeneral`` kernel folded to 2-D), and is placed on the mesh like the sparse value it comes from (a
-  block-sparse kernel, replicated there, is split by its names). A ``SparseLinearGeneral`` built directly gives each
-  of its names back on the leading dim of its group; a ``BlockSparseLinear`` built directly gives none (its
-  ``(blocks, bk, bn)`` names do not map onto ``(K, N)``).
-
-  >>> import jax.numpy as jnp, jaxsparse
-  >>> from flax import nnx
-  >>> model = nnx.Sequential(nnx.Linear(8, 8, rngs=nnx.Rngs(0)))
-  >>> sparse, _ = jaxsparse.sparsify(model, jaxsparse.Unstructured(sparsity=0.5))
-  >>> dense = jaxsparse.densify(sparse)
-  >>> type(dense.layers[0]).__name__, float(jnp.mean(dense.layers[0].kernel[...] == 0))
-  ('Linear', 0.5)
-
-  Args:
-    model: an ``nnx.Module``: a jaxsparse layer itself or a model containing some.
-    inplace: replace the layers of ``model`` itself instead of a copy (``nnx.clone``). A ``model`` that is
-      itself a jaxsparse layer cannot be replaced in place: its dense twin is returned either way.
-
-  Returns:
-    The model with dense layers (``model`` itself with ``inplace``, else a copy); the kernels have the dense
-    layers' shapes and the sparse layers' dtypes, with zeros at the pruned weights. An abstract model (from
-    ``nnx.eval_shape``, an orbax restore target) gives the abstract dense model, always a new one.
-
-  Raises:
-    TypeError: ``model`` is not an ``nnx.Module``.
-  """
-  if not isinstance(model, nnx.Module):
-    raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}.")
-  if _is_abstract(model):
-    # Abstract variables (the layers' to_dense read their arrays): the same conversion, traced for shapes only.
-    return nnx.eval_shape(lambda m: densify(m, inplace=True), model)
-  if not inplace:
-    model = nnx.clone(model)
-  dense_of = lambda node: node.to_dense()  # which carries the partitioning names back
-  if isinstance(model, _SPARSE_NNX):
-    return dense_of(model)
-  found = {tuple(path) for path, node in nnx.iter_modules(model) if path and isinstance(node, _SPARSE_NNX)}
-  outermost = [p for p in found if not any(p[:i] in found for i in range(1, len(p)))]
-  modules = {tuple(p): m for p, m in nnx.iter_modules(model)}
-  for path in outermost:
-    replace_module(model, path, dense_of(modules[path]))
-  return model
-
-
-def compress(model: nnx.Module, *, storage: str = "values", cusparselt_copy: bool = True,
-             inplace: bool = False) -> nnx.Module:
-  """Replaces every ``NMLinear`` of an NNX model by its :class:`~jaxsparse.layers.CompressedNMLinear`.
-
-  The inference step of N:M training: :func:`sparsify` (or ``NMLinear`` built directly) gives layers that keep the
-  dense kernel and prune it with SR-STE in every call; their compressed form stores only the kept values and their
-  positions (2:4 in 16-bit: 0.5625x the dense bytes) and multiplies them on the N:M kernels (sparse tensor cores on
-  a GPU). The outputs stay the same (up to the products' rounding). Layers held at several paths (tied) stay tied;
-  an ``NMLinear`` inside a :class:`~jaxsparse.layers.SparseLinearGeneral` is compressed there. ``NMConv`` layers stay
-  as they are (there is no compressed convolution), and so do layers already compressed (a second ``compress`` does
-  not change their ``storage``: build those with :meth:`NMLinear.to_compressed`). Partitioning names
-  (``nnx.with_partitioning``) carry over: the kept values take the kernel's, the packed positions its columns'.
-
-  >>> import jax.numpy as jnp, jaxsparse
-  >>> from flax import nnx
-  >>> model = nnx.Sequential(nnx.Linear(64, 32, rngs=nnx.Rngs(0)), nnx.relu, nnx.Linear(32, 8, rngs=nnx.Rngs(1)))
-  >>> sparse, _ = jaxsparse.sparsify(model, jaxsparse.NM(2, 4))
-  >>> small = jaxsparse.compress(sparse)
-  >>> [type(layer).__name__ for layer in small.layers[::2]], small.layers[0].kernel.shape
-  (['CompressedNMLinear', 'CompressedNMLinear'], (32, 32))
-  >>> x = jnp.ones((4, 64))
-  >>> bool(jnp.allclose(small(x), sparse(x), atol=1e-5))
-  True
-
-  Args:
-    model: an ``nnx.Module``: an ``NMLinear`` itself or a model holding some.
-    storage: how each layer keeps its kernel, as :meth:`NMLinear.to_compressed`'s ``storage``: ``"values"``
-      (trainable values and positions), ``"cusparselt"`` or ``"auto"`` (one cuSPARSELt buffer where the GPU reads
-      it; inference only).
-    cusparselt_copy: with ``storage="values"``, also keep a cuSPARSELt copy of 2:4 bfloat16 kernels on a GPU
-      (faster products of many rows, about twice the kernel's memory), as :meth:`NMLinear.to_compressed`'s.
-    inplace: replace the layers of ``model`` itself instead of a copy (``nnx.clone``). A ``model`` that is itself an
-      ``NMLinear`` cannot be replaced in place: its compressed form is returned either way.
-
-  Returns:
-    The model with ``CompressedNMLinear`` layers (``model`` itself with ``inplace``, else a copy).
-
-  Raises:
-    TypeError: ``model`` is not an ``nnx.Module``, or ``cusparselt_copy`` not a bool.
-    ValueError: an unknown ``storage``; a layer that cannot be compressed (a custom ``dot_general``, a ``storage``
-      its kernel does not fit), naming its path; nothing is replaced then.
-  """
-  if not isinstance(model, nnx.Module):
-    raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}.")
-  if storage not in ("values", "cusparselt", "auto"):  # checked here too: a model without NMLinear layers
-    raise ValueError(f"storage must be 'values', 'cusparselt' or 'auto', got storage={storage!r}.")
-  if not isinstance(cusparselt_copy, bool):
-    raise TypeError(f"cusparselt_copy must be True or False, got cusparselt_copy={cusparselt_copy!r}.")
-  if not inplace:
-    model = nnx.clone(model)
-  # to_compressed carries the kernel's and bias's partitioning names over (the kept values keep the kernel's, the
-  # positions its columns').
-  compressed_of = lambda node: node.to_compressed(storage=storage, cusparselt_copy=cusparselt_copy)
-  if isinstance(model, NMLinear):
-    return compressed_of(model)
-  found = [(tuple(path), node) for path, node in nnx.iter_modules(model) if path and isinstance(node, NMLinear)]
-  compressed = []
-  for path, node in found:  # every layer first: an error leaves the model as it was
-    try:
-      compressed.append((path, compressed_of(node)))
-    except ValueError as e:
-      raise ValueError(f"{path_str(path)}: {e}") from e
-  for path, new in compressed:
-    replace_module(model, path, new)
-  return model

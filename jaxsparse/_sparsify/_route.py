@@ -37,7 +37,7 @@ from jaxsparse._sparsify._linen_plan import layer_variables
 from jaxsparse._sparsify._linen_plan import linen_density
 from jaxsparse._sparsify._linen_plan import sparse_module_of
 from jaxsparse._sparsify._nnx import at_path
-from jaxsparse._sparsify._nnx import densify
+from jaxsparse._sparsify._nnx_convert import densify
 from jaxsparse._sparsify._report import time_nnx_layer
 from jaxsparse._sparsify._report import timed
 from jaxsparse._tuning._cache import autotune_mode

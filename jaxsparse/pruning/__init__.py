@@ -31,6 +31,7 @@ from jaxsparse._rules import masks_to_dict
 from jaxsparse.formats import NM
 from jaxsparse.formats import BlockSparse
 from jaxsparse.formats import Unstructured
+from jaxsparse.pruning._apply import apply_masks
 from jaxsparse.pruning._calibration import LayerStats
 from jaxsparse.pruning._calibration import calibrate
 from jaxsparse.pruning._calibration import calibrate_linen
@@ -45,7 +46,6 @@ from jaxsparse.pruning._oneshot import sparsegpt
 from jaxsparse.pruning._oneshot import wanda
 from jaxsparse.pruning._optax import Pruner
 from jaxsparse.pruning._optax import PruningState
-from jaxsparse.pruning._optax import apply_masks
 from jaxsparse.pruning._optax import get_masks
 from jaxsparse.pruning._optax import magnitude_pruner
 from jaxsparse.pruning._optax import wrap_optax
