@@ -683,8 +683,9 @@ def test_conv_patches_are_the_convolution(options):
   x = jax.random.normal(jax.random.key(1), (2, 3, 7, 6, 8))  # two batch axes, as Flax allows
   (layer,) = resolve_layers(nnx_candidates(conv), jaxsparse.NM(2, 4), what="conv")
   rows = layer.rows(x)
-  np.testing.assert_allclose(np.asarray(rows @ conv.kernel[...].reshape(-1, 4)),
-                             np.asarray(conv(x) - conv.bias[...]).reshape(-1, 4), atol=1e-5)
+  with jax.default_matmul_precision("highest"):  # float32 products on a GPU too (not TF32)
+    np.testing.assert_allclose(np.asarray(rows @ conv.kernel[...].reshape(-1, 4)),
+                               np.asarray(conv(x) - conv.bias[...]).reshape(-1, 4), atol=1e-5)
 
 
 @pytest.mark.slow  # long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs it
