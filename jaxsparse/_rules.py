@@ -332,15 +332,17 @@ def masks_to_dict(masks: Any) -> dict[str, np.ndarray]:
     are left out.
 
   Raises:
-    ValueError: naming the first, a traced mask (computed inside ``jax.eval_shape`` / ``jax.jit``, as the
-      ``masks=`` of :func:`jaxsparse.sparsify` or :func:`jaxsparse.sparsify_linen` under ``nnx.eval_shape``), which
-      has no values to read.
+    ValueError: naming the first mask that has no values to read: a traced one (computed inside ``jax.eval_shape``
+      / ``jax.jit``, as the ``masks=`` of :func:`jaxsparse.sparsify` or :func:`jaxsparse.sparsify_linen` under
+      ``nnx.eval_shape``) or an abstract one (a ``jax.ShapeDtypeStruct``).
   """
   pairs = jax.tree_util.tree_flatten_with_path(unwrap_variables(masks))[0]
   for kp, m in pairs:
     if not is_concrete(m):
+      what = ("abstract (ShapeDtypeStruct: no values)" if isinstance(m, jax.ShapeDtypeStruct)
+              else "traced (computed inside jax.eval_shape / jax.jit)")
       raise ValueError(
-          f"masks[{path_str(kp)!r}] is traced (computed inside jax.eval_shape / jax.jit): its values are needed "
+          f"masks[{path_str(kp)!r}] is {what}: its values are needed "
           "(sparsify checks the patterns, which decide the sparse shapes). Compute the masks outside the traced "
           "function and close over them, or leave masks= out to prune by magnitude."
       )

@@ -173,6 +173,32 @@ def test_sparsify_embedding_masks_and_errors():
     jaxsparse.sparsify(model, {"fc": jaxsparse.NM(2, 4)}, masks={"embed.embedding": mask})
 
 
+def test_sparsify_report_counts_the_embedding_kept_weights():
+  """The report said n/m for an N:M embedding whatever its mask kept (a 1:4 mask under a 2:4 rule, a table of zero
+  rows), unlike an N:M linear layer's, counted: now counted; from the mask under nnx.eval_shape."""
+  model = _Net(nnx.Rngs(0))
+  mask = np.zeros((32, 16), bool)
+  mask[:, ::4] = True  # 1 of every 4 features: 1:4 under a 2:4 rule
+  masks = {"embed.embedding": mask}
+  _, report = jaxsparse.sparsify(model, {"embed": jaxsparse.NM(2, 4)}, masks=masks)
+  assert report.layers[0].density == 0.25
+  _, report = jaxsparse.sparsify(model, {"embed": jaxsparse.NM(2, 4)})  # by magnitude: 2 of every 4
+  assert report.layers[0].density == 0.5
+  reports = []
+
+  def make():
+    sparse, report = jaxsparse.sparsify(_Net(nnx.Rngs(0)), {"embed": jaxsparse.NM(2, 4)}, masks=masks)
+    reports.append(report)
+    return sparse
+
+  nnx.eval_shape(make)
+  assert reports[0].layers[0].density == 0.25
+  empty = _Net(nnx.Rngs(0))
+  empty.embed = nnx.Embed(0, 16, embedding_init=nnx.initializers.normal(), rngs=nnx.Rngs(0))
+  _, report = jaxsparse.sparsify(empty, {"embed": jaxsparse.NM(2, 4)})
+  assert report.layers[0].density == 0.0  # nothing kept
+
+
 def test_attend_names_a_query_of_another_width():
   # It raised nm_matmul's "x must have shape (..., K) with K = w.shape[0]", naming neither query nor features.
   sparse = CompressedNMEmbed.from_dense(_dense(6, 8, jnp.float32, 0))

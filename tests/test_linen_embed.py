@@ -371,3 +371,25 @@ def test_torch_export_is_the_pruned_nn_embedding():
       "embed.weight_mask", "embed.weight_orig", "fc.bias", "fc.weight"]
   with pytest.raises(TypeError, match=r"embed holds a compressed N:M embedding \(CompressedNMEmbed\).* module="):
     torch_interop.export_state_dict(sparse_vars)
+
+
+def test_sparsify_linen_report_counts_the_embedding_kept_weights():
+  """As NNX sparsify: the report said n/m for an N:M embedding whatever its mask kept; now counted, from the mask
+  under jax.eval_shape."""
+  model, variables, ids = _lm()
+  mask = np.zeros((VOCAB, D), bool)
+  mask[:, ::4] = True  # 1:4 under a 2:4 rule
+  rules, masks = {"embed": jaxsparse.NM(2, 4)}, {"embed.embedding": mask}
+  report = jaxsparse.sparsify_linen(model, variables, rules, ids, masks=masks)[2]
+  assert [c.density for c in report.layers if c.path == "embed"] == [0.25]
+  report = jaxsparse.sparsify_linen(model, variables, rules, ids)[2]
+  assert [c.density for c in report.layers if c.path == "embed"] == [0.5]
+  reports = []
+
+  def make(v):
+    sparse_vars, report = jaxsparse.sparsify_linen(model, v, rules, ids, masks=masks)[1:]
+    reports.append(report)
+    return sparse_vars
+
+  jax.eval_shape(make, variables)
+  assert [c.density for c in reports[0].layers if c.path == "embed"] == [0.25]

@@ -243,6 +243,36 @@ def test_layer_signature():
     jaxsparse.layer_signature(nnx.Linear(4, 4, rngs=nnx.Rngs(0)))
 
 
+def test_nnx_and_linen_nm_layers_of_one_mask_have_one_signature():
+  """layer_signature said n/m for an N:M layer whatever its mask kept, the Linen signature counted the kept weights:
+  a 1:4 mask under a 2:4 rule gave the twins two densities. Now both count (dense and compressed alike)."""
+  kernel = np.asarray(jax.random.normal(jax.random.key(0), (64, 32)))
+  mask = np.zeros((64, 32), bool)
+  mask[::4] = True  # 1 of every 4 input features
+  rules, masks = {"fc": jaxsparse.NM(2, 4)}, {"fc.kernel": mask}
+
+  class Net(nnx.Module):
+    def __init__(self):
+      self.fc = nnx.Linear(64, 32, rngs=nnx.Rngs(0))
+      self.fc.kernel[...] = kernel
+
+  class LinenNet(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(32, name="fc")(x)
+
+  x = jnp.ones((2, 64))
+  variables = {"params": {"fc": {"kernel": kernel, "bias": np.zeros(32, np.float32)}}}
+  sparse, sparse_vars, _ = jaxsparse.sparsify_linen(LinenNet(), variables, rules, x, masks=masks)
+  timings = jaxsparse.route_slower_to_dense_linen(sparse, sparse_vars, batches=1, timer=lambda *a: 1.0)[2]
+  linen_sig = timings[0].signature
+  nnx_sig = jaxsparse.layer_signature(jaxsparse.sparsify(Net(), rules, masks=masks)[0].fc)
+  assert nnx_sig.density == linen_sig.density == 0.25
+  assert nnx_sig == linen_sig._replace(layer=nnx_sig.layer)  # the class names differ: NMLinear, NMDense
+  compressed = jaxsparse.layer_signature(jaxsparse.sparsify(Net(), rules, masks=masks)[0].fc.to_compressed())
+  assert compressed.density == 0.25
+
+
 @pytest.mark.parametrize(("kwargs", "error", "match"), [
     ({"batches": 0}, ValueError, r"batches must be positive ints, got \(0,\)"),
     ({"batches": ()}, ValueError, r"batches must be positive ints, got \(\)"),

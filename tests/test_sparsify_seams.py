@@ -501,6 +501,21 @@ def test_sparsify_under_nnx_eval_shape_with_traced_masks_says_what_to_do():
     nnx.eval_shape(make)
 
 
+def test_masks_given_as_shape_dtype_structs_are_called_abstract():
+  """A jax.ShapeDtypeStruct mask was called "traced (computed inside jax.eval_shape / jax.jit)"."""
+  abstract = {"fc.kernel": jax.ShapeDtypeStruct((32, 32), jnp.bool_)}
+  with pytest.raises(ValueError, match=r"masks\['fc\.kernel'\] is abstract \(ShapeDtypeStruct: no values\): its "
+                     "values are needed"):
+    jaxsparse.pruning.masks_to_dict(abstract)
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.fc = nnx.Linear(32, 32, rngs=rngs)
+
+  with pytest.raises(ValueError, match=r"masks\['fc\.kernel'\] is abstract \(ShapeDtypeStruct"):
+    jaxsparse.sparsify(Net(nnx.Rngs(0)), {"fc": jaxsparse.Unstructured(sparsity=0.5)}, masks=abstract)
+
+
 def test_sparsify_linen_of_an_integer_model():
   class Int(nn.Module):
     @nn.compact

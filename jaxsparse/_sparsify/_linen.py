@@ -69,6 +69,7 @@ from jaxsparse._sparsify._nnx import check_general_mask_view
 from jaxsparse._sparsify._nnx import check_masks_used
 from jaxsparse._sparsify._nnx import check_nm_mask
 from jaxsparse._sparsify._nnx import masks_dict
+from jaxsparse._sparsify._nnx import nm_table_density
 from jaxsparse._sparsify._report import LayerChange
 from jaxsparse._sparsify._report import SparsifyReport
 from jaxsparse._sparsify._report import check_speed_mode
@@ -511,7 +512,8 @@ def _sparse_embed(f: _Found, spec: NM, params: Mapping, mask: Any, path: tuple) 
   boxes = {k: v.replace_boxed(None) for k, v in boxed_params.items() if isinstance(v, nn.meta.AxisMetadata)}
   layer = _LinenLayer("embed", spec, f.module, f.in_dims, f.features, boxes, compressed=True)
   change = LayerChange(".".join(path), f"Embed({shape[0]}x{shape[1]})", spec.describe(), "CompressedNMEmbed",
-                       spec.n / spec.m, nbytes(dense), nbytes(layer_vars))
+                       nm_table_density(dense["embedding"], spec.n, spec.m, mask=mask), nbytes(dense),
+                       nbytes(layer_vars))
   return layer, layer_vars, change
 
 

@@ -66,10 +66,12 @@ from jaxsparse.layers._common import copy_bias
 from jaxsparse.layers._common import custom_options
 from jaxsparse.layers._common import eager_if_concrete
 from jaxsparse.layers._common import nm_kept_count
+from jaxsparse.layers._common import nm_kept_mask
 from jaxsparse.layers._partitioning import carry_nnx
 
 __all__ = [
-    "at_path", "check_general_mask_view", "check_masks_used", "check_nm_mask", "nm_density", "sparsify",
+    "at_path", "check_general_mask_view", "check_masks_used", "check_nm_mask", "nm_density", "nm_signature_density",
+    "nm_table_density", "sparsify",
 ]
 
 
@@ -337,6 +339,46 @@ def nm_density(kernel: Any, n: int, m: int, *, transposable: bool = False, weigh
   return None if kept is None else kept / math.prod(kernel.shape)
 
 
+def nm_table_density(table: Any, n: int, m: int, *, mask: np.ndarray | None = None) -> float:
+  """The fraction of an embedding ``table`` ``(num_embeddings, features)`` that a ``CompressedNMEmbed`` keeps nonzero
+  (``n`` of every ``m`` features of a row, fewer where ``mask`` or the table's zeros keep fewer), counted as
+  :func:`nm_density` counts a kernel: from the table (pruned to ``mask``, the one given for the layer, checked N:M)
+  where it holds values; from ``mask`` where a trace hides them (``nnx.eval_shape`` / ``jax.eval_shape``, an abstract
+  ``jax.ShapeDtypeStruct`` table), else the most the pattern keeps (``n / m``). An empty table keeps nothing: 0.0."""
+  size = math.prod(table.shape)
+  if not size:
+    return 0.0
+  if not is_concrete(table):
+    return (int(np.count_nonzero(mask)) if mask is not None else size * n // m) / size
+  with jax.ensure_compile_time_eval():
+    pruned = table if mask is None else jnp.where(np.asarray(mask), table, jnp.zeros((), table.dtype))
+    return int(jnp.sum(nm_kept_mask(pruned.T, n, m))) / size  # the groups along the features: axis -2 once transposed
+
+
+def nm_signature_density(kernel: Any, n: int, m: int, *, compressed: bool = False,
+                         transposable: bool = False) -> float | None:
+  """The density in an N:M layer's :class:`~jaxsparse.LayerSignature`, one rule for NNX and Linen layers: the nonzero
+  weights its pattern keeps (a group may keep fewer than ``n``) over the dense kernel's size.
+
+  Args:
+    kernel: the dense kernel ``(K, N)`` of an ``NMLinear`` / ``NMDense`` (counted as :func:`nm_density` counts it), or
+      with ``compressed`` the kept values ``(K * n // m, N)`` of a ``CompressedNMLinear`` / ``CompressedNMDense`` (its
+      nonzero values counted); ``None`` (a ``storage="cusparselt"`` layer keeps no values) gives ``n / m``.
+    n, m: the layer's pattern.
+    compressed: whether ``kernel`` holds the compressed values.
+    transposable: the layer's ``transposable`` (a dense kernel's pattern along both axes).
+
+  Returns:
+    The kept fraction; ``n / m`` (the most the pattern keeps) where traced or abstract values hide the count.
+  """
+  if kernel is None or (compressed and not is_concrete(kernel)):
+    return n / m
+  if compressed:
+    size = math.prod(kernel.shape) * m // n
+    return int(np.count_nonzero(np.asarray(kernel))) / size if size else 0.0
+  return nm_density(kernel, n, m, transposable=transposable)
+
+
 def _density(layer: nnx.Module, mask: np.ndarray | None = None) -> float | None:
   """The kept fraction of a new layer's kernel (``mask``: the one given for it); ``None`` where it depends on values
   that a trace hides."""
@@ -529,7 +571,9 @@ def sparsify(
     else:
       model = new
     changes.append(LayerChange(p, f"Embed({node.num_embeddings}x{node.features})", spec.describe(),
-                               type(new).__name__, spec.n / spec.m, state_bytes(node), state_bytes(new)))
+                               type(new).__name__, nm_table_density(node.embedding.get_value(), spec.n, spec.m,
+                                                                   mask=None if mask is None else np.asarray(mask)),
+                               state_bytes(node), state_bytes(new)))
   for path, node, spec, new in built:
     p = path_str(path)
     dense_ms = sparse_ms = None

@@ -37,6 +37,7 @@ from jaxsparse._sparsify._linen_plan import layer_variables
 from jaxsparse._sparsify._linen_plan import linen_density
 from jaxsparse._sparsify._linen_plan import sparse_module_of
 from jaxsparse._sparsify._nnx import at_path
+from jaxsparse._sparsify._nnx import nm_signature_density
 from jaxsparse._sparsify._nnx_convert import densify
 from jaxsparse._sparsify._report import time_nnx_layer
 from jaxsparse._sparsify._report import timed
@@ -119,8 +120,11 @@ def layer_signature(layer: nnx.Module) -> LayerSignature:
     ValueError: a ``MaskedLinear`` whose mask holds no values (traced under ``nnx.jit`` / ``nnx.eval_shape``, or
       abstract: a ``jax.ShapeDtypeStruct``), whose density is unknown.
   """
-  if isinstance(layer, CompressedNMLinear | NMLinear):
-    pattern, density = f"{layer.n}:{layer.m}", layer.n / layer.m
+  if isinstance(layer, CompressedNMLinear | NMLinear):  # the kept nonzero weights, as _linen_signature counts them
+    kernel = None if layer.kernel is None else layer.kernel.get_value()
+    pattern = f"{layer.n}:{layer.m}"
+    density = nm_signature_density(kernel, layer.n, layer.m, compressed=isinstance(layer, CompressedNMLinear),
+                                   transposable=getattr(layer, "transposable", False))
   elif isinstance(layer, BlockSparseLinear):
     pattern, density = f"block {layer.block_shape[0]}x{layer.block_shape[1]}", layer.density
   elif isinstance(layer, MaskedLinear):
@@ -425,7 +429,11 @@ def _linen_signature(layer, layer_vars: Mapping, path: str) -> LayerSignature:
   else:
     pattern = f"{spec.n}:{spec.m}" if isinstance(spec, NM) else "unstructured"
   name = type(sparse_module_of(layer, nnz=kept_blocks(layer_vars, spec))).__name__
-  density = linen_density(spec, layer_vars, layer.shape_2d)
+  if isinstance(spec, NM):  # one rule with layer_signature: the kept nonzero weights, dense kernel or compressed
+    density = nm_signature_density(layer_vars["params"]["kernel"], spec.n, spec.m, compressed=layer.compressed,
+                                   transposable=spec.transposable)
+  else:
+    density = linen_density(spec, layer_vars, layer.shape_2d)
   if density is None:
     raise ValueError(f"{path}: " + _unknown_density(name, "jax.jit / jax.eval_shape", "variables"))
   dtype = jnp.dtype(layer_vars["params"]["kernel"].dtype)

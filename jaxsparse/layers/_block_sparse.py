@@ -62,8 +62,10 @@ __all__ = ["BlockSparseDense", "BlockSparseLinear"]
 def check_block_mask(block_mask: Any, grid: tuple[int, int]) -> np.ndarray:
   """A user's block mask as a checked NumPy bool array of shape ``grid``."""
   if not is_concrete(block_mask):
+    what = ("abstract (ShapeDtypeStruct: no values)" if isinstance(block_mask, jax.ShapeDtypeStruct)
+            else "traced (built under jit or eval_shape)")
     raise ValueError(
-        "block_mask is traced (built under jit or eval_shape), so the number of blocks it keeps, which "
+        f"block_mask is {what}, so the number of blocks it keeps, which "
         "fixes the kernel's shape, is unknown: pass density= to draw the pattern from rngs under jit, or "
         "pass a concrete (NumPy) block_mask."
     )
