@@ -70,6 +70,7 @@ from jaxsparse._sparsify._nnx import check_masks_used
 from jaxsparse._sparsify._nnx import check_nm_mask
 from jaxsparse._sparsify._nnx import masks_dict
 from jaxsparse._sparsify._nnx import nm_table_density
+from jaxsparse._sparsify._nnx_convert import is_abstract
 from jaxsparse._sparsify._report import LayerChange
 from jaxsparse._sparsify._report import SparsifyReport
 from jaxsparse._sparsify._report import check_speed_mode
@@ -357,15 +358,11 @@ def sparsify_linen(
       with abstract ``variables`` (no weights to time).
   """
   resolved = resolve_rules(rules)
-  mode = check_speed_mode(check_speed, example_input)
+  abstract = is_abstract(variables)
+  mode = check_speed_mode(check_speed, example_input,
+                          abstract=abstract and "these variables are abstract (jax.eval_shape)")
   mask_dict = masks_dict(masks)
-  if any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(variables)):
-    if mode:
-      raise ValueError(
-          f"check_speed={check_speed!r} times each layer on its weights, and these variables are abstract "
-          "(jax.eval_shape: no weights). Leave check_speed out here; to match a model sparsified with check_speed, "
-          "map the layers it kept dense to None in the rules."
-      )
+  if abstract:
     # The same conversion traced for shapes only (the layers' variables are built from the kernels' values); the
     # masks (NumPy) are closed over, so they keep their values; the module and report come out of the trace.
     out = []

@@ -66,7 +66,6 @@ from jaxsparse.layers._common import copy_bias
 from jaxsparse.layers._common import custom_options
 from jaxsparse.layers._common import eager_if_concrete
 from jaxsparse.layers._common import nm_kept_count
-from jaxsparse.layers._common import nm_kept_mask
 from jaxsparse.layers._partitioning import carry_nnx
 
 __all__ = [
@@ -350,9 +349,9 @@ def nm_table_density(table: Any, n: int, m: int, *, mask: np.ndarray | None = No
     return 0.0
   if not is_concrete(table):
     return (int(np.count_nonzero(mask)) if mask is not None else size * n // m) / size
-  with jax.ensure_compile_time_eval():
+  with eager_if_concrete(table):
     pruned = table if mask is None else jnp.where(np.asarray(mask), table, jnp.zeros((), table.dtype))
-    return int(jnp.sum(nm_kept_mask(pruned.T, n, m))) / size  # the groups along the features: axis -2 once transposed
+  return nm_kept_count(pruned.T, n, m) / size  # the groups along the features: axis -2 once transposed
 
 
 def nm_signature_density(kernel: Any, n: int, m: int, *, compressed: bool = False,
@@ -505,15 +504,10 @@ def sparsify(
   if not isinstance(model, nnx.Module):
     raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}; for Linen use sparsify_linen.")
   resolved = resolve_rules(rules)
-  mode = check_speed_mode(check_speed, example_input)
+  abstract = is_abstract(model)
+  mode = check_speed_mode(check_speed, example_input, abstract=abstract and "this model is abstract (nnx.eval_shape)")
   mask_dict = masks_dict(masks)
-  if is_abstract(model):
-    if mode:
-      raise ValueError(
-          f"check_speed={check_speed!r} times each layer on its weights, and this model is abstract (nnx.eval_shape: "
-          "no weights). Leave check_speed out here; to match a model sparsified with check_speed, map the layers it "
-          "kept dense to None in the rules."
-      )
+  if abstract:
     # Abstract variables (the layers' from_dense read their arrays): the same conversion, traced for shapes only. The
     # masks (NumPy) are closed over, so they keep their values; the report comes out of the trace.
     reports = []

@@ -3,6 +3,8 @@ their inference form (the Linen twins: :func:`~jaxsparse.densify_linen`, :func:`
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 from flax import nnx
 
@@ -24,9 +26,11 @@ SPARSE_NNX = (BlockSparseLinear, MaskedLinear, NMLinear, NMConv, CompressedNMLin
 """The NNX layer classes of jaxsparse that :func:`densify` turns back into dense Flax layers."""
 
 
-def is_abstract(model: nnx.Module) -> bool:
-  """Whether ``model`` has abstract variables (``jax.ShapeDtypeStruct``, from ``nnx.eval_shape``)."""
-  return any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(nnx.state(model)))
+def is_abstract(model: Any) -> bool:
+  """Whether ``model`` (an ``nnx.Module``, or Linen variables) has abstract variables (``jax.ShapeDtypeStruct``, from
+  ``nnx.eval_shape`` / ``jax.eval_shape``)."""
+  tree = nnx.state(model) if isinstance(model, nnx.Module) else model
+  return any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(tree))
 
 
 def densify(model: nnx.Module, *, inplace: bool = False) -> nnx.Module:

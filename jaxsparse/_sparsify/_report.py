@@ -128,7 +128,9 @@ def time_nnx_layer(layer: nnx.Module, x: jax.Array, mode: str) -> float:
   return timed(lambda p, r, x: nnx.merge(graphdef, p, r)(x), params, x, mode, rest)
 
 
-def check_speed_mode(check_speed: object, example_input: Any) -> str | None:
+def check_speed_mode(check_speed: object, example_input: Any, *, abstract: str | None = None) -> str | None:
+  """The timing mode of ``check_speed`` (``None``: no timing); ``abstract``: what makes the weights abstract, if they
+  are (nothing to time then)."""
   if check_speed is False or check_speed is None:
     return None
   mode = "train" if check_speed is True else check_speed
@@ -136,6 +138,11 @@ def check_speed_mode(check_speed: object, example_input: Any) -> str | None:
     raise ValueError(f"check_speed must be False, True, 'train' or 'forward', got check_speed={check_speed!r}.")
   if example_input is None:
     raise ValueError("check_speed needs example_input: the input the model is timed on.")
+  if abstract:
+    raise ValueError(
+        f"check_speed={check_speed!r} times each layer on its weights, and {abstract}: no weights. Leave check_speed "
+        "out here; to match a model sparsified with check_speed, map the layers it kept dense to None in the rules."
+    )
   return mode
 
 
