@@ -358,7 +358,7 @@ def test_masked_matmul_auto_picks_kernels_by_density():
     assert bool(jaxsparse.ops._masked_matmul._sparse_enough(mask)) == sparse
     # Both branches are compiled; the density test picks one at run time.
     hlo = _cpu_hlo(lambda x, w, m: masked_matmul(x, w, m), x, w, mask)
-    assert "jaxsparse_masked_forward" in hlo and "dot" in hlo
+    assert "jaxsparse_masked_forward" in hlo and "jaxsparse_masked_gemm" in hlo
     _check_masked_matmul(x, w, mask, jnp.float32, implementation=None)
     assert_close(masked_matmul(x, w, mask), masked_matmul(x, w, mask, implementation="xla"), jnp.float32)
   # Between the two thresholds the forward runs the kernels and the gradients masked dense; they still agree.
@@ -373,8 +373,9 @@ def test_masked_matmul_auto_picks_kernels_by_density():
 @cpu_backend_only
 @pytest.mark.parametrize("p", [0.1, 0.9])
 def test_sparse_matmul_auto_picks_the_dense_route_by_density(p):
-  """implementation=None runs dense-ish CSR patterns on the dense route (the entries written dense by a kernel,
-  XLA's matmuls, dW taken at the entries by a kernel), sparse ones on the sparse kernels; "cpu" always the latter."""
+  """implementation=None runs dense-ish CSR patterns on the dense route (the forward a dense GEMM packing the entries,
+  the backward XLA's matmuls on the entries written dense by a kernel, dW taken at the entries by a kernel), sparse
+  ones on the sparse kernels; "cpu" always the latter."""
   x, w, _ = _data(4, 9, 64, 48, MASKS["random"])
   mask = np.random.default_rng(0).random(w.shape) < p
   ws = jaxsparse.CSRMatrix.from_dense(w, mask=mask)
@@ -382,7 +383,8 @@ def test_sparse_matmul_auto_picks_the_dense_route_by_density(p):
   assert dense == (p > 0.5) and dense == (ws.density > jaxsparse.ops._sparse_matmul.CPU_DENSE_BACKWARD_MIN_DENSITY)
   loss = lambda x, d, impl=None: jnp.sum(jnp.sin(sparse_matmul(x, ws.with_data(d), implementation=impl)))
   hlo = _cpu_hlo(jax.grad(loss, argnums=(0, 1)), x, ws.data)
-  routes = ("jaxsparse_csr_to_dense", "jaxsparse_csr_take"), ("jaxsparse_csr_forward", "jaxsparse_csr_backward")
+  routes = (("jaxsparse_csr_gemm", "jaxsparse_csr_to_dense", "jaxsparse_csr_take"),
+            ("jaxsparse_csr_forward", "jaxsparse_csr_backward"))
   assert all(t in hlo for t in routes[not dense]) and not any(t in hlo for t in routes[dense])
   hlo = _cpu_hlo(jax.grad(lambda x, d: loss(x, d, "cpu"), argnums=(0, 1)), x, ws.data)
   assert all(t in hlo for t in routes[1]) and not any(t in hlo for t in routes[0])
@@ -405,6 +407,52 @@ def test_csr_dense_route_kernels():
     jax.block_until_ready(_kernels.csr_take(w, ws.row_offsets, ws.col_indices + 24))
   with pytest.raises(Exception, match="row_offsets is not an offset array"):
     jax.block_until_ready(_kernels.csr_to_dense(ws.data, ws.row_offsets[::-1], ws.col_indices, 24))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_packed_gemm_kernels(seed):
+  """masked_gemm / csr_gemm against a float64 NumPy product on shapes around the micro-tile, column chunk and
+  contraction block edges (12 / 6 rows, 32 / 16 and 128 / 64 columns, 256 contractions), fresh random data."""
+  assert _build.load(), _build.unavailable_reason()
+  rng = np.random.default_rng(seed)
+  m, k, n = (int(rng.choice(c)) for c in ([1, 5, 12, 13, 31, 64], [1, 7, 255, 256, 300, 513], [1, 16, 33, 128, 200]))
+  x = rng.standard_normal((m, k)).astype(np.float32)
+  w = rng.standard_normal((k, n)).astype(np.float32)
+  mask = rng.random((k, n)) < rng.uniform(0.2, 0.9)
+  w[~mask & (rng.random((k, n)) < 0.1)] = np.nan  # pruned NaNs are zeros, as in where(mask, w, 0)
+  ref = x.astype(np.float64) @ np.where(mask, w, 0).astype(np.float64)
+  tol = dict(rtol=1e-5, atol=1e-5 * np.sqrt(k))
+  np.testing.assert_allclose(_kernels.masked_gemm(x, w, mask), ref, **tol)
+  ws = jaxsparse.CSRMatrix.from_dense(np.where(mask, w, 0), mask=mask)
+  np.testing.assert_allclose(_kernels.csr_gemm(x, ws.data, ws.row_offsets, ws.col_indices, n), ref, **tol)
+  # Mask bytes other than 1 count as kept (a bool array viewed from other bytes), as in the sparse kernels.
+  np.testing.assert_allclose(_kernels.masked_gemm(x, w, (mask.view(np.uint8) * 255).view(bool)), ref, **tol)
+  # vmap over x folds into the batch.
+  xs = rng.standard_normal((2, m, k)).astype(np.float32)
+  np.testing.assert_allclose(jax.vmap(lambda a: _kernels.masked_gemm(a, w, mask))(xs), xs @ np.where(mask, w, 0),
+                             **tol)
+
+
+def test_packed_gemm_edge_cases():
+  """Empty products, NaN in a kept weight, duplicate CSR entries (added, as the sparse kernels do) and bad indices."""
+  assert _build.load(), _build.unavailable_reason()
+  x = np.ones((3, 4), np.float32)
+  assert _kernels.masked_gemm(np.ones((0, 4), np.float32), np.ones((4, 5), np.float32), np.ones((4, 5), bool)).shape \
+      == (0, 5)
+  empty = _kernels.masked_gemm(np.ones((3, 0), np.float32), np.ones((0, 5), np.float32), np.ones((0, 5), bool))
+  np.testing.assert_array_equal(empty, np.zeros((3, 5)))
+  w = np.ones((4, 5), np.float32)
+  w[1, 2] = np.nan
+  y = np.asarray(_kernels.masked_gemm(x, w, np.ones((4, 5), bool)))
+  assert np.isnan(y[:, 2]).all() and np.isfinite(np.delete(y, 2, axis=1)).all()
+  offsets, cols = np.array([0, 2, 2, 2, 3], np.int32), np.array([1, 1, 4], np.int32)
+  data = np.array([1.0, 2.0, 5.0], np.float32)
+  y = np.asarray(_kernels.csr_gemm(x, data, offsets, cols, 5))
+  np.testing.assert_array_equal(y, np.tile([0.0, 3.0, 0.0, 0.0, 5.0], (3, 1)))
+  with pytest.raises(Exception, match=r"col_indices has entries outside \[0, 5\)"):
+    jax.block_until_ready(_kernels.csr_gemm(x, data, offsets, cols + 4, 5))
+  with pytest.raises(Exception, match="row_offsets is not an offset array"):
+    jax.block_until_ready(_kernels.csr_gemm(x, data, offsets[::-1], cols, 5))
 
 
 def test_mask_may_change_inside_jit():

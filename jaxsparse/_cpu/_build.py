@@ -37,7 +37,7 @@ from jaxsparse._utils import FallbackWarning
 
 __all__ = ["TARGETS", "CpuKernelFallbackWarning", "cache_dir", "load", "unavailable_reason"]
 
-_SOURCES = ("sparse_matmul.cc", "block_sparse_matmul.cc")
+_SOURCES = ("sparse_matmul.cc", "block_sparse_matmul.cc", "packed_gemm.cc")
 _HEADERS = ("common.h",)
 # XLA FFI target name -> exported handler symbol.
 TARGETS = {
@@ -47,6 +47,8 @@ TARGETS = {
     "jaxsparse_csr_backward": "JaxsparseCsrBackward",
     "jaxsparse_csr_to_dense": "JaxsparseCsrToDense",
     "jaxsparse_csr_take": "JaxsparseCsrTake",
+    "jaxsparse_masked_gemm": "JaxsparseMaskedGemm",
+    "jaxsparse_csr_gemm": "JaxsparseCsrGemm",
     "jaxsparse_block_forward": "JaxsparseBlockForward",
     "jaxsparse_block_backward": "JaxsparseBlockBackward",
 }

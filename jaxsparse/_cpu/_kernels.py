@@ -12,6 +12,8 @@ Call :func:`jaxsparse._cpu._build.load` before lowering any of these: it registe
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -21,10 +23,12 @@ __all__ = [
     "block_forward",
     "csr_backward",
     "csr_forward",
+    "csr_gemm",
     "csr_take",
     "csr_to_dense",
     "masked_backward",
     "masked_forward",
+    "masked_gemm",
 ]
 
 _F32 = jnp.float32
@@ -78,6 +82,16 @@ masked_forward.def_vmap(_fold_or_map(masked_forward, 1))
 
 
 @jax.custom_batching.custom_vmap
+def masked_gemm(x: jax.Array, w: jax.Array, mask: jax.Array) -> jax.Array:
+  """``x (B, K) @ where(mask, w, 0)`` -> ``(B, N)`` as a dense product, the mask applied while ``w`` is packed."""
+  out = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), _F32)
+  return jax.ffi.ffi_call("jaxsparse_masked_gemm", out, vmap_method="sequential")(x, w, mask)
+
+
+masked_gemm.def_vmap(_fold_or_map(masked_gemm, 1))
+
+
+@jax.custom_batching.custom_vmap
 def masked_backward(x: jax.Array, w: jax.Array, mask: jax.Array, dy: jax.Array) -> tuple[jax.Array, jax.Array]:
   """``(dy @ where(mask, w, 0).T, where(mask, x.T @ dy, 0))``."""
   out = (jax.ShapeDtypeStruct(x.shape, _F32), jax.ShapeDtypeStruct(w.shape, _F32))
@@ -97,6 +111,22 @@ def csr_forward(x, data, col_offsets, transpose_order, transpose_row_indices):
 
 
 csr_forward.def_vmap(_fold_or_map(csr_forward, 1))
+
+
+def csr_gemm(x, data, row_offsets, col_indices, n: int) -> jax.Array:
+  """``x (B, K) @ W`` -> ``(B, N)`` as a dense product, ``W``'s entries added into it while it is packed."""
+  return _csr_gemm(n)(x, data, row_offsets, col_indices)
+
+
+@functools.cache
+def _csr_gemm(n: int):
+  @jax.custom_batching.custom_vmap
+  def gemm(x, data, row_offsets, col_indices):
+    out = jax.ShapeDtypeStruct((x.shape[0], n), _F32)
+    return jax.ffi.ffi_call("jaxsparse_csr_gemm", out, vmap_method="sequential")(x, data, row_offsets, col_indices)
+
+  gemm.def_vmap(_fold_or_map(gemm, 1))
+  return gemm
 
 
 @jax.custom_batching.custom_vmap

@@ -6,9 +6,9 @@ trained around freely (pruning, RigL). On CPU the product still runs sparse: the
 bytes for a 4096 x 4096 layer, a small fraction of the products), so nothing has to be rebuilt
 when the mask changes and the number of kept entries need not be fixed. Their work is proportional
 to the kept entries, plus one pass over ``w`` and ``mask`` per product and the dense ``(K, N)``
-weight gradient that this dense storage implies. Densely masked weights run as masked dense
-``x @ where(mask, w, 0)``, which is faster there: the forward above :data:`CPU_FORWARD_MAX_DENSITY`, the backward
-above :data:`CPU_MAX_DENSITY`.
+weight gradient that this dense storage implies. Densely masked weights run as masked dense products, which are
+faster there: the forward above :data:`CPU_FORWARD_MAX_DENSITY` as a dense C++ GEMM that selects the kept weights
+while it packs them, the backward above :data:`CPU_MAX_DENSITY` as XLA's ``dy @ where(mask, w, 0).T``.
 """
 
 from __future__ import annotations
@@ -73,7 +73,9 @@ def _branch(cfg: _Config, mask, sparse, dense, max_density: float = CPU_MAX_DENS
 
 def _local_forward(cfg: _Config, x2, w, mask):
   sparse = lambda: _kernels.masked_forward(f32(x2), f32(w), mask).astype(cfg.out_dtype)
-  dense = lambda: _masked_dense(x2, w, mask, cfg.precision, cfg.out_dtype).astype(cfg.out_dtype)
+  # The dense C++ GEMM selects the kept weights while it packs them: XLA's x @ where(mask, w, 0) pays a pass over
+  # the weight and a slower dot on a weight computed in the call (cpu_random_shapes_2026-11-27.md).
+  dense = lambda: _kernels.masked_gemm(f32(x2), f32(w), mask).astype(cfg.out_dtype)
   return (_branch(cfg, mask, sparse, dense, CPU_FORWARD_MAX_DENSITY),)
 
 
@@ -148,9 +150,11 @@ def masked_matmul(
     x: ``(..., K)`` activations.
     w: ``(K, N)`` dense weights (Flax kernel layout).
     mask: bool ``(K, N)``; pruned entries contribute nothing and receive no gradient.
-    implementation: ``None`` uses the C++ kernels when the default backend is the CPU, the dtypes
-      are float32, bfloat16 or float16 and ``mask`` is sparse enough (else masked dense XLA; if the
-      kernels cannot be built it warns with :class:`jaxsparse.ops.CpuKernelFallbackWarning`);
+    implementation: ``None`` uses the C++ kernels when the default backend is the CPU and the dtypes are float32,
+      bfloat16 or float16: the sparse kernels for masks keeping at most :data:`CPU_FORWARD_MAX_DENSITY` (forward) /
+      :data:`CPU_MAX_DENSITY` (gradients) of the weights, else a dense C++ GEMM that selects the kept weights as
+      it packs them (forward) and masked dense XLA (gradients); if the kernels cannot be built it warns with
+      :class:`jaxsparse.ops.CpuKernelFallbackWarning` and runs XLA;
       ``"cpu"`` always runs the kernels (and raises if they are unavailable); ``"xla"`` always runs
       ``x @ where(mask, w, 0)`` with plain autodiff (the only choice supporting forward-mode
       differentiation).
