@@ -64,8 +64,10 @@ def _route(fn, *args) -> str:
   """What a jitted function runs: our C++ kernels, the XLA block loop, or dense XLA (``dense``)."""
   text = fn.lower(*args).compile().as_text()
   kernels = sorted({t.removeprefix("jaxsparse_") for t in re.findall(r'custom_call_target="(jaxsparse_\w+)"', text)})
-  route = "+".join(kernels) or ("loop" if " while(" in text else "dense")
-  return f"{route} or dense (by density at run time)" if kernels and " conditional(" in text else route
+  if kernels and " conditional(" in text:  # branches picked by the pattern's density inside the call
+    dense = "" if any(k.endswith("_gemm") for k in kernels) else " or dense"
+    return f"{' or '.join(kernels)}{dense} (by density at run time)"
+  return "+".join(kernels) or ("loop" if " while(" in text else "dense")
 
 
 def _samples(variants: dict, repeats: int) -> dict:

@@ -26,7 +26,9 @@ from jaxsparse.formats._base import is_concrete
 from jaxsparse.layers import _nm_linen
 from jaxsparse.layers._block_sparse import BlockSparseLinear
 from jaxsparse.layers._common import SPARSITY
+from jaxsparse.layers._common import compressed_kept_count
 from jaxsparse.layers._common import eager_if_concrete
+from jaxsparse.layers._common import kept_fraction
 from jaxsparse.layers._common import masked_kept_count
 from jaxsparse.layers._common import nm_kept_count
 from jaxsparse.layers._common import pattern_mask
@@ -55,9 +57,12 @@ class LayerSummary:
       ``nn.Conv``'s, or a stacked ``nn.scan`` ``MaskedDense``'s): ``module=`` tells which.
     shape: shape of the dense kernel the layer stands for, ``(in, out)`` or ``(*kernel_size, cin, cout)``.
     pattern: the structure in words: ``"block 32x32"``, ``"2:4"``, ``"2:4 compressed"``, ``"unstructured"``.
-    density: fraction of the kernel's weights kept; ``None`` when unknown (the mask of an abstract model). An N:M
-      layer's kept weights are those its pattern keeps that are nonzero: a group an optimizer pruned further
-      (``pruning.wrap_optax`` at a higher sparsity) counts fewer than ``n`` (an abstract kernel counts ``n / m``).
+    density: fraction of the kernel's weights kept; ``None`` when unknown (the mask of an abstract model); 0.0 for an
+      empty (zero-size) kernel or table, whose byte and FLOP ratios read ``-``. An N:M layer's kept weights are those
+      its pattern keeps that are nonzero: a group an optimizer pruned further (``pruning.wrap_optax`` at a higher
+      sparsity) counts fewer than ``n``, and so do the kept values of a compressed layer or embedding stored as zeros
+      (a sparser mask given to ``sparsify``), as the ``sparsify`` report counts them (an abstract kernel counts
+      ``n / m``).
     bytes: bytes the layer stores: parameters and pattern.
     dense_bytes: bytes of the dense layer (kernel and bias, same dtype).
     forward_flops, backward_flops: per input row; ``None`` when the density is unknown; 0 for an embedding (a
@@ -197,7 +202,7 @@ def _layer(
       kind=kind,
       shape=tuple(int(d) for d in shape),
       pattern=pattern,
-      density=None if kept is None else kept / size,
+      density=kept_fraction(kept, size),  # 0.0 for an empty kernel or table (its ratios read "-")
       bytes=_bytes(stored),
       dense_bytes=(size + bias_size) * itemsize,
       forward_flops=forward,
@@ -228,12 +233,16 @@ def _nnx_layer(path: str, node: nnx.Module) -> LayerSummary | None:
     return _layer(path, kind, shape, pattern, kept, param_dtype=node.kernel.dtype, dense_weight_grad=True, **common)
   if isinstance(node, CompressedNMEmbed):
     shape = (node.num_embeddings, node.features)
-    table = _layer(path, kind, shape, f"{node.n}:{node.m} compressed", math.prod(shape) * node.n // node.m,
-                   param_dtype=node.embedding.dtype, **common)
+    # Its nonzero kept values, as sparsify's report counts the table (nm_table_density): a sparser mask stores zeros.
+    kept = compressed_kept_count(node.embedding.get_value())
+    table = _layer(path, kind, shape, f"{node.n}:{node.m} compressed", kept, param_dtype=node.embedding.dtype, **common)
     return dataclasses.replace(table, forward_flops=0, backward_flops=0, dense_forward_flops=0, dense_backward_flops=0)
   if isinstance(node, CompressedNMLinear):
-    return _layer(path, kind, (node.in_features, node.out_features), f"{node.n}:{node.m} compressed",
-                  node.in_features * node.out_features * node.n // node.m, param_dtype=node.kernel_dtype, **common)
+    shape = (node.in_features, node.out_features)
+    # Its nonzero kept values, as its LayerSignature counts them; storage="cusparselt" keeps none to count: n of m.
+    kept = (math.prod(shape) * node.n // node.m if node.kernel is None
+            else compressed_kept_count(node.kernel.get_value()))
+    return _layer(path, kind, shape, f"{node.n}:{node.m} compressed", kept, param_dtype=node.kernel_dtype, **common)
   return None
 
 
@@ -334,7 +343,7 @@ def _linen_layers(
           )
         name, n, m, _, _ = nm_layers[prefix]
         shape = (kernel.shape[0] * m // n, kernel.shape[1])
-        out.append(_layer(path, name, shape, f"{n}:{m} compressed", math.prod(shape) * n // m, **common))
+        out.append(_layer(path, name, shape, f"{n}:{m} compressed", compressed_kept_count(kernel), **common))
       elif prefix in nm_layers:
         name, n, m, transposable, own = nm_layers[prefix]
         shape = tuple(kernel.shape)
@@ -376,7 +385,7 @@ def _linen_embed(path: str, params: Mapping, pattern: Mapping, info: _NMInfo | N
   name, n, m, _, _ = info
   values = params["embedding"]
   shape = (values.shape[1], values.shape[0] * m // n)
-  table = _layer(path, name, shape, f"{n}:{m} compressed", math.prod(shape) * n // m,
+  table = _layer(path, name, shape, f"{n}:{m} compressed", compressed_kept_count(values),  # as NNX
                  stored={"params": params, SPARSITY: pattern}, param_dtype=values.dtype, bias_size=0)
   return dataclasses.replace(table, forward_flops=0, backward_flops=0, dense_forward_flops=0, dense_backward_flops=0)
 

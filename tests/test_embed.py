@@ -199,6 +199,28 @@ def test_sparsify_report_counts_the_embedding_kept_weights():
   assert report.layers[0].density == 0.0  # nothing kept
 
 
+def test_summary_counts_the_embedding_kept_weights_as_the_report():
+  """summary said n/m for a CompressedNMEmbed whatever it kept (a 1:4 mask under a 2:4 rule, a zero row), while the
+  sparsify report counted (nm_table_density); and it divided by zero for an empty table (num_embeddings or features
+  0). Now it counts the nonzero kept values, as the report; an empty table keeps nothing: 0.0, ratios "-"."""
+  model = _Net(nnx.Rngs(0))
+  model.embed.embedding[...] = model.embed.embedding[...].at[3].set(0.0)  # a padding row: nothing kept
+  mask = np.zeros((32, 16), bool)
+  mask[:, ::4] = True  # 1 of every 4 features: 1:4 under a 2:4 rule
+  mask[5, 4] = False  # a group keeping none
+  for masks, kept in ((None, 31 * 8), ({"embed.embedding": mask}, 31 * 4 - 1)):
+    sparse, report = jaxsparse.sparsify(model, {"embed": jaxsparse.NM(2, 4)}, masks=masks)
+    (row,) = jaxsparse.summary(sparse).layers
+    assert row.density == report.layers[0].density == kept / (32 * 16)
+  abstract = nnx.eval_shape(lambda: CompressedNMEmbed.from_dense(_dense(32, 16, jnp.float32, 0)))
+  assert jaxsparse.summary(abstract).layers[0].density == 0.5  # no values: the most the pattern keeps
+  for shape in ((0, 16), (8, 0)):
+    empty = nnx.Embed(*shape, embedding_init=nnx.initializers.zeros_init(), rngs=nnx.Rngs(0))
+    s = jaxsparse.summary(CompressedNMEmbed.from_dense(empty))
+    assert s.layers[0].density == 0.0 and s.layers[0].shape == shape
+    assert str(s).splitlines()[1].split()[5:8] == ["0.000", "0", "(-)"]  # density, bytes (vs dense)
+
+
 def test_attend_names_a_query_of_another_width():
   # It raised nm_matmul's "x must have shape (..., K) with K = w.shape[0]", naming neither query nor features.
   sparse = CompressedNMEmbed.from_dense(_dense(6, 8, jnp.float32, 0))

@@ -300,7 +300,7 @@ def test_route_slower_to_dense_linen_takes_compressed_layers(net):
   small, small_vars = jaxsparse.compress_linen(sparse, sparse_vars)
   timer = lambda module, v, x: 1.0 if isinstance(module, nn.Dense | nn.DenseGeneral) else 2.0  # dense faster
   routed, routed_vars, timings = jaxsparse.route_slower_to_dense_linen(small, small_vars, 2, timer=timer)
-  assert {t.signature.layer for t in timings} == {"CompressedNMDense"}
+  assert {t.signature.layer for t in timings} == {"CompressedNMLinear"}  # the product, named as the NNX twin
   assert list(routed.layers) == [("conv",)]
   np.testing.assert_allclose(np.asarray(routed.apply(routed_vars, x)), np.asarray(small.apply(small_vars, x)),
                              rtol=1e-5, atol=1e-5)

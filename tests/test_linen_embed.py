@@ -393,3 +393,26 @@ def test_sparsify_linen_report_counts_the_embedding_kept_weights():
 
   jax.eval_shape(make, variables)
   assert [c.density for c in reports[0].layers if c.path == "embed"] == [0.25]
+
+
+def test_summary_counts_the_embedding_kept_weights_as_the_report():
+  """As NNX: summary said n/m for a Linen CompressedNMEmbed whatever it kept (a 1:4 mask under a 2:4 rule, a zero
+  row), while the sparsify_linen report counted. Now it counts the nonzero kept values, as the report; the layer by
+  itself (module=, example inputs) and abstract variables too."""
+  model, variables, ids = _lm()
+  table = variables["params"]["embed"]["embedding"].at[3].set(0.0)  # a padding row: nothing kept
+  variables = {"params": {**variables["params"], "embed": {"embedding": table}}}
+  mask = np.zeros((VOCAB, D), bool)
+  mask[:, ::4] = True  # 1:4 under a 2:4 rule
+  mask[5, 4] = False  # a group keeping none
+  rules = {"embed": jaxsparse.NM(2, 4)}
+  for masks, kept in ((None, (VOCAB - 1) * D // 2), ({"embed.embedding": mask}, (VOCAB - 1) * D // 4 - 1)):
+    sparse, sparse_vars, report = jaxsparse.sparsify_linen(model, variables, rules, ids, masks=masks)
+    (row,) = jaxsparse.summary(sparse_vars, module=sparse).layers
+    assert row.density == next(c.density for c in report.layers if c.path == "embed") == kept / (VOCAB * D)
+  layer = CompressedNMEmbed(VOCAB, D)
+  layer_vars = {"params": {"embedding": sparse_vars["params"]["embed"]["embedding"]},
+                "sparsity": {"embedding_positions": sparse_vars["sparsity"]["embed"]["embedding_positions"]}}
+  assert jaxsparse.summary(layer_vars, ids, module=layer).layers[0].density == kept / (VOCAB * D)
+  abstract = jax.eval_shape(layer.init, jax.random.key(0), ids)
+  assert jaxsparse.summary(abstract, ids, module=layer).layers[0].density == 0.5  # no values: the most it keeps

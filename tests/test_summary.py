@@ -5,11 +5,15 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
 import jaxsparse
 from jaxsparse import layers
+from jaxsparse._sparsify._nnx import nm_density
+from jaxsparse._sparsify._nnx import nm_signature_density
+from jaxsparse._sparsify._nnx import nm_table_density
 from jaxsparse.layers import linen
 
 F32 = 4
@@ -229,3 +233,46 @@ def test_nm_summary_counts_the_nonzero_weights_kept():
   # An abstract layer: n of every m, the most it can keep.
   abstract = nnx.eval_shape(lambda: layers.NMLinear(16, 8, n=2, m=4, rngs=nnx.Rngs(0)))
   assert jaxsparse.summary(abstract).layers[0].density == 0.5
+
+
+def test_compressed_nm_summary_counts_the_nonzero_values_kept():
+  """A compressed N:M layer (NNX CompressedNMLinear, Linen CompressedNMDense) was reported at n/m whatever it kept,
+  while its LayerSignature counted its nonzero kept values: a kernel pruned past 2:4 (or a sparser mask given to
+  sparsify) stores zeros. Now the summary counts them too, NNX and Linen alike, as it counts an NMLinear's."""
+  layer = layers.NMLinear(16, 8, n=2, m=4, rngs=nnx.Rngs(0))
+  layer.kernel[...] = _pruned_further(layer.kernel[...])
+  nonzero = int(jnp.count_nonzero(layer.to_dense().kernel[...]))
+  compressed = layer.to_compressed()
+  got = jaxsparse.summary(compressed).layers[0]
+  assert got.density == nonzero / (16 * 8) and round(got.density, 2) == jaxsparse.layer_signature(compressed).density
+  assert got.forward_flops == 2 * nonzero and got.pattern == "2:4 compressed"
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(8, name="nm")(x)
+
+  x = jnp.ones((2, 16))
+  variables = {"params": {"nm": {**layer.to_linen_variables()["params"]}}}
+  sparse, sparse_vars, _ = jaxsparse.sparsify_linen(Net(), variables, jaxsparse.NM(2, 4), x)
+  small, small_vars = jaxsparse.compress_linen(sparse, sparse_vars)
+  got = jaxsparse.summary(small_vars, module=small).layers[0]
+  assert (got.kind, got.density, got.forward_flops) == ("CompressedNMDense", nonzero / (16 * 8), 2 * nonzero)
+  abstract = nnx.eval_shape(lambda: layers.NMLinear(16, 8, n=2, m=4, rngs=nnx.Rngs(0)).to_compressed())
+  assert jaxsparse.summary(abstract).layers[0].density == 0.5  # no values: the most the pattern keeps
+
+
+def test_zero_size_kernels_report_density_zero():
+  """An empty kernel or table keeps nothing: density 0.0 (its byte and FLOP ratios "-"), one rule for summary (it
+  divided by zero: Linen variables of a zero-size masked kernel, an empty CompressedNMEmbed) and the report's
+  densities (nm_density divided by zero; nm_table_density and compressed signatures said 0.0)."""
+  variables = {"params": {"fc": {"kernel": jnp.zeros((0, 4))}}, "sparsity": {"fc": {"mask": jnp.zeros((0, 4), bool)}}}
+  (row,) = jaxsparse.summary(variables).layers
+  assert (row.kind, row.density, row.forward_flops, row.dense_bytes) == ("MaskedDense", 0.0, 0, 0)
+  assert str(jaxsparse.summary(variables)).splitlines()[1].split()[4:7] == ["0.000", "0", "(-)"]
+  for shape in ((0, 8), (8, 0)):
+    kernel = jnp.zeros(shape)
+    assert nm_density(kernel, 2, 4) == nm_density(jax.ShapeDtypeStruct(shape, jnp.float32), 2, 4) == 0.0
+    assert nm_density(jax.ShapeDtypeStruct(shape, jnp.float32), 2, 4, mask=np.zeros(shape, bool)) == 0.0
+    assert nm_table_density(kernel, 2, 4) == nm_signature_density(kernel, 2, 4) == 0.0
+    assert nm_signature_density(kernel, 2, 4, compressed=True) == 0.0

@@ -49,6 +49,7 @@ from jaxsparse._sparsify._report import state_bytes
 from jaxsparse._sparsify._report import time_nnx_layer
 from jaxsparse.formats._base import is_concrete
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
+from jaxsparse.formats._masks import replicated
 from jaxsparse.formats._specs import NM
 from jaxsparse.formats._specs import BlockSparse
 from jaxsparse.formats._specs import Spec
@@ -62,9 +63,11 @@ from jaxsparse.layers import MaskedLinear
 from jaxsparse.layers import NMConv
 from jaxsparse.layers import NMLinear
 from jaxsparse.layers import SparseLinearGeneral
+from jaxsparse.layers._common import compressed_kept_count
 from jaxsparse.layers._common import copy_bias
 from jaxsparse.layers._common import custom_options
 from jaxsparse.layers._common import eager_if_concrete
+from jaxsparse.layers._common import kept_fraction
 from jaxsparse.layers._common import nm_kept_count
 from jaxsparse.layers._partitioning import carry_nnx
 
@@ -79,10 +82,12 @@ def _general_as_linear(layer: nnx.LinearGeneral, path: str) -> nnx.Linear:
   if reason:
     raise ValueError(f"{path}: {reason}.")
   k, n = matrix_shape(layer.kernel.shape, len(layer.in_features))
-  bias = None if layer.bias is None else layer.bias[...].reshape(n)
+  # Weights split over explicit mesh axes are gathered to be folded (explicit axes refuse most reshapes of a split
+  # dim); carry_nnx splits the sparse layer's by the folded names.
+  bias = None if layer.bias is None else replicated(layer.bias[...]).reshape(n)
   kernel = layer.kernel[...]
   with eager_if_concrete(kernel):  # concrete weights stay so under a trace (nnx.eval_shape): masks from them counted
-    kernel = kernel.reshape(k, n)
+    kernel = replicated(kernel).reshape(k, n)
   return _linear(kernel, bias, dtype=layer.dtype, precision=layer.precision)
 
 
@@ -330,12 +335,12 @@ def nm_density(kernel: Any, n: int, m: int, *, transposable: bool = False, weigh
   conv's own Flax ``weight_mask``; ``mask``: the mask given for the layer (checked N:M), whose kept weights the pattern
   keeps. Counted from the weights where they hold values; from ``mask`` where a trace hides them (an abstract model,
   ``nnx.eval_shape`` / ``jax.eval_shape``), else the most the pattern keeps (``n / m``), ``None`` with a traced
-  ``weight_mask``."""
+  ``weight_mask``. An empty (zero-size) kernel keeps nothing: 0.0, as :func:`nm_table_density` says of a table."""
   if mask is not None and not is_concrete(kernel) and (weight_mask is None or is_concrete(weight_mask)):
     kept = mask if weight_mask is None else np.logical_and(mask, np.broadcast_to(weight_mask, mask.shape))
-    return int(np.count_nonzero(kept)) / mask.size
+    return kept_fraction(int(np.count_nonzero(kept)), mask.size)
   kept = nm_kept_count(kernel, n, m, transposable=transposable, weight_mask=weight_mask)
-  return None if kept is None else kept / math.prod(kernel.shape)
+  return kept_fraction(kept, math.prod(kernel.shape))
 
 
 def nm_table_density(table: Any, n: int, m: int, *, mask: np.ndarray | None = None) -> float:
@@ -345,13 +350,11 @@ def nm_table_density(table: Any, n: int, m: int, *, mask: np.ndarray | None = No
   where it holds values; from ``mask`` where a trace hides them (``nnx.eval_shape`` / ``jax.eval_shape``, an abstract
   ``jax.ShapeDtypeStruct`` table), else the most the pattern keeps (``n / m``). An empty table keeps nothing: 0.0."""
   size = math.prod(table.shape)
-  if not size:
-    return 0.0
   if not is_concrete(table):
-    return (int(np.count_nonzero(mask)) if mask is not None else size * n // m) / size
+    return kept_fraction(int(np.count_nonzero(mask)) if mask is not None else size * n // m, size)
   with eager_if_concrete(table):
     pruned = table if mask is None else jnp.where(np.asarray(mask), table, jnp.zeros((), table.dtype))
-  return nm_kept_count(pruned.T, n, m) / size  # the groups along the features: axis -2 once transposed
+  return kept_fraction(nm_kept_count(pruned.T, n, m), size)  # the groups along the features: axis -2 transposed
 
 
 def nm_signature_density(kernel: Any, n: int, m: int, *, compressed: bool = False,
@@ -370,11 +373,10 @@ def nm_signature_density(kernel: Any, n: int, m: int, *, compressed: bool = Fals
   Returns:
     The kept fraction; ``n / m`` (the most the pattern keeps) where traced or abstract values hide the count.
   """
-  if kernel is None or (compressed and not is_concrete(kernel)):
+  if kernel is None:
     return n / m
-  if compressed:
-    size = math.prod(kernel.shape) * m // n
-    return int(np.count_nonzero(np.asarray(kernel))) / size if size else 0.0
+  if compressed:  # the nonzero values of the (K * n // m, N) kept ones (all of them where traced: n / m)
+    return kept_fraction(compressed_kept_count(kernel), math.prod(kernel.shape) * m // n)
   return nm_density(kernel, n, m, transposable=transposable)
 
 

@@ -50,6 +50,7 @@ from jaxsparse.layers import CompressedNMLinear
 from jaxsparse.layers import MaskedLinear
 from jaxsparse.layers import NMLinear
 from jaxsparse.layers import SparseLinearGeneral
+from jaxsparse.layers import linen as sparse_linen
 
 __all__ = [
     "LayerSignature",
@@ -63,6 +64,11 @@ __all__ = [
 # The sparse linear layers this routes; each has a dense twin (``to_dense``).
 SPARSE_LINEAR = (BlockSparseLinear, CompressedNMLinear, MaskedLinear, NMLinear)
 
+# The NNX layer computing the product of each Linen sparse linear layer: a signature names the product, not the
+# framework (the Linen and NNX twins run the same ops), so it is one for both and timings keyed by it carry over.
+_NNX_TWIN = {sparse_linen.BlockSparseDense: BlockSparseLinear, sparse_linen.CompressedNMDense: CompressedNMLinear,
+             sparse_linen.MaskedDense: MaskedLinear, sparse_linen.NMDense: NMLinear}
+
 
 class LayerSignature(NamedTuple):
   """What sets a sparse layer's speed against its dense twin: :func:`route_slower_to_dense` times one layer per
@@ -75,7 +81,10 @@ class LayerSignature(NamedTuple):
   'NMLinear 64x32 2:4 50% kept float32'
 
   Attributes:
-    layer: the class name, ``"CompressedNMLinear"``, ``"BlockSparseLinear"``, ...
+    layer: the product's layer: the NNX class name, ``"CompressedNMLinear"``, ``"BlockSparseLinear"``, ... A Linen
+      layer's signature takes its NNX twin's (``NMDense``: ``"NMLinear"``, ``CompressedNMDense``:
+      ``"CompressedNMLinear"``, ``BlockSparseDense``: ``"BlockSparseLinear"``, ``MaskedDense``: ``"MaskedLinear"``):
+      the twins compute the same product, so the same layer's signature, and timings keyed by it, are one for both.
     shape: ``(in_features, out_features)``.
     pattern: ``"2:4"``, ``"block 64x64"`` or ``"unstructured"``.
     density: fraction of the weights kept, to 2 decimals (a bucket: the block counts of one density differ by
@@ -94,8 +103,14 @@ class LayerSignature(NamedTuple):
   bias: bool
 
   def __str__(self) -> str:
-    return (f"{self.layer} {self.shape[0]}x{self.shape[1]} {self.pattern} {self.density:.0%} kept {self.dtype}"
-            + ("" if self.compute_dtype == self.dtype else f" (compute {self.compute_dtype})"))
+    return _signature_text(self, self.layer)
+
+
+def _signature_text(sig: LayerSignature, layer: str) -> str:
+  """``sig`` in words, its layer named ``layer``: its own (``str(sig)``), or the Linen class a Linen layer's
+  messages name (its signature names the NNX twin)."""
+  return (f"{layer} {sig.shape[0]}x{sig.shape[1]} {sig.pattern} {sig.density:.0%} kept {sig.dtype}"
+          + ("" if sig.compute_dtype == sig.dtype else f" (compute {sig.compute_dtype})"))
 
 
 def layer_signature(layer: nnx.Module) -> LayerSignature:
@@ -428,7 +443,8 @@ def _linen_signature(layer, layer_vars: Mapping, path: str) -> LayerSignature:
     pattern = f"block {spec.block_shape[0]}x{spec.block_shape[1]}"
   else:
     pattern = f"{spec.n}:{spec.m}" if isinstance(spec, NM) else "unstructured"
-  name = type(sparse_module_of(layer, nnz=kept_blocks(layer_vars, spec))).__name__
+  module_type = type(sparse_module_of(layer, nnz=kept_blocks(layer_vars, spec)))
+  name = module_type.__name__
   if isinstance(spec, NM):  # one rule with layer_signature: the kept nonzero weights, dense kernel or compressed
     density = nm_signature_density(layer_vars["params"]["kernel"], spec.n, spec.m, compressed=layer.compressed,
                                    transposable=spec.transposable)
@@ -437,7 +453,7 @@ def _linen_signature(layer, layer_vars: Mapping, path: str) -> LayerSignature:
   if density is None:
     raise ValueError(f"{path}: " + _unknown_density(name, "jax.jit / jax.eval_shape", "variables"))
   dtype = jnp.dtype(layer_vars["params"]["kernel"].dtype)
-  return LayerSignature(name, layer.shape_2d, pattern, round(density, 2), dtype.name,
+  return LayerSignature(_NNX_TWIN[module_type].__name__, layer.shape_2d, pattern, round(density, 2), dtype.name,
                         jnp.dtype(layer.module.dtype or dtype).name, bool(layer.module.use_bias))
 
 
@@ -459,13 +475,13 @@ def route_slower_to_dense_linen(
   """:func:`route_slower_to_dense` for Linen: the sparse ``nn.Dense`` / ``nn.DenseGeneral`` layers of a
   :func:`~jaxsparse.sparsify_linen` model that are slower than their dense twin run dense again.
 
-  Each distinct :class:`LayerSignature` (``BlockSparseDense``, ``NMDense`` or ``MaskedDense``, shape, pattern,
-  density, dtypes, bias) is timed on one of its layers, alone, against the original layer with the same pruned
-  weights, on a random ``(batch, *in_dims)`` input at every batch size. Every layer of a signature slower by more
-  than ``margin`` at any of them is taken out of the sparse plan and given its dense variables (as
-  :func:`~jaxsparse.densify_linen` does for all). The outputs do not change, only the kernels. Sparse convolutions
-  and embeddings (``CompressedNMEmbed``) stay as they are. ``step_timer`` settles the signatures near their twins by
-  the model's step, as in :func:`route_slower_to_dense`.
+  Each distinct :class:`LayerSignature` (``BlockSparseDense``, ``NMDense``, ``CompressedNMDense`` or ``MaskedDense``,
+  named as their NNX twins, shape, pattern, density, dtypes, bias) is timed on one of its layers, alone, against the
+  original layer with the same pruned weights, on a random ``(batch, *in_dims)`` input at every batch size. Every
+  layer of a signature slower by more than ``margin`` at any of them is taken out of the sparse plan and given its
+  dense variables (as :func:`~jaxsparse.densify_linen` does for all). The outputs do not change, only the kernels.
+  Sparse convolutions and embeddings (``CompressedNMEmbed``) stay as they are. ``step_timer`` settles the signatures
+  near their twins by the model's step, as in :func:`route_slower_to_dense`.
 
   >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxsparse
   >>> model = nn.Sequential([nn.Dense(64), nn.relu, nn.Dense(64)])
@@ -518,13 +534,14 @@ def route_slower_to_dense_linen(
     layer_vars = nn.meta.unbox(layer_variables(variables, paths[0]))
     dense_vars = {"params": nn.meta.unbox(dense_params(layer, layer_vars))}
     module = sparse_module_of(layer, nnz=kept_blocks(layer_vars, layer.spec))
+    what = _signature_text(sig, type(module).__name__)  # the Linen layer the user has, not its NNX twin
     sparse_ms, dense_ms = {}, {}
     for b in batches:
       x = jax.random.normal(jax.random.key(b), (b, *layer.in_dims), sig.compute_dtype)
       sparse_ms[b] = _check_ms(timer(module, layer_vars, x.reshape(b, sig.shape[0])), "timer",
-                               f"the time of the {sig} layer at batch {b}")
+                               f"the time of the {what} layer at batch {b}")
       dense_ms[b] = _check_ms(timer(layer.module, dense_vars, x), "timer",
-                              f"the time of the dense twin of the {sig} layer at batch {b}")
+                              f"the time of the dense twin of the {what} layer at batch {b}")
     timing = SignatureTiming(sig, tuple(".".join(p) for p in paths), sparse_ms, dense_ms, dense=False)
     timings.append(dataclasses.replace(timing, dense=True) if timing.ratio > 1 + margin else timing)
   members = list(groups.values())

@@ -49,6 +49,7 @@ __all__ = [
     "check_real_dtypes",
     "check_init_dtype",
     "check_trained_dtype",
+    "compressed_kept_count",
     "conv_options",
     "copy_bias",
     "custom_options",
@@ -56,6 +57,7 @@ __all__ = [
     "dense_linear",
     "eager_if_concrete",
     "init_linear_attributes",
+    "kept_fraction",
     "kept_weights",
     "linear_options",
     "map_boxed",
@@ -462,6 +464,27 @@ def masked_kept_count(mask: Any) -> int | None:
   ``None`` for a traced or abstract (``jax.ShapeDtypeStruct``) mask: unknown, as :func:`nm_kept_count` says of a
   traced weight mask."""
   return int(np.count_nonzero(np.asarray(mask))) if is_concrete(mask) else None
+
+
+def compressed_kept_count(values: Any) -> int:
+  """How many weights a compressed N:M kernel or table keeps: its stored ``values`` (``n`` of every ``m`` along the
+  grouped dim) that are nonzero, as :func:`nm_kept_count` counts a dense kernel's (a group pruned further, by a mask
+  or an optimizer, stores zeros); counted where they hold values, else (traced, abstract) the most they keep, all of
+  them."""
+  return int(np.count_nonzero(np.asarray(values))) if is_concrete(values) else math.prod(values.shape)
+
+
+def kept_fraction(kept: int | None, size: int) -> float | None:
+  """``kept`` weights of ``size`` as a fraction (a density); ``None`` where ``kept`` is unknown, 0.0 for an empty
+  (zero-size) kernel or table, which keeps nothing: the one rule of the densities in ``summary``, the ``sparsify``
+  reports and the layer signatures.
+
+  >>> kept_fraction(3, 4), kept_fraction(0, 0), kept_fraction(None, 4)
+  (0.75, 0.0, None)
+  """
+  if kept is None:
+    return None
+  return kept / size if size else 0.0
 
 
 def check_transposable_layer(transposable: object, out_features: int, m: int, *, name: str = "out_features") -> bool:

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxsparse import _utils
+from jaxsparse.formats._masks import replicated
 from jaxsparse.layers._common import check_one_layer
 from jaxsparse.layers._common import with_weights
 from jaxsparse.layers._partitioning import FOLDED
@@ -143,11 +144,13 @@ class SparseLinearGeneral(nnx.Module):
     """
     check_one_layer(self.layer, what="to_dense()", owner=self)
     lin = self.layer.to_dense()
-    kernel = lin.kernel[...].reshape(*self.in_features, *self.out_features)
+    # Weights split over explicit mesh axes are gathered to be unfolded (explicit axes refuse most reshapes of a split
+    # dim); carry_back_nnx splits the dense ones by their names.
+    kernel = replicated(lin.kernel[...]).reshape(*self.in_features, *self.out_features)
     dense = with_weights(
         nnx.LinearGeneral,
         kernel,
-        None if lin.bias is None else lin.bias[...].reshape(self.out_features),
+        None if lin.bias is None else replicated(lin.bias[...]).reshape(self.out_features),
         self.in_features,
         self.out_features,
         axis=tuple(range(-len(self.in_features), 0)),

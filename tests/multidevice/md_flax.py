@@ -290,6 +290,46 @@ def test_nnx_sparsify_a_split_bias_on_an_explicit_mesh(rule):
         assert_close(back(x), want(x), jnp.float32)
 
 
+@pytest.mark.parametrize("rule", [jaxsparse.BlockSparse(density=0.5, block_shape=(8, 8)), jaxsparse.NM(2, 4),
+                                  jaxsparse.Unstructured(sparsity=0.5)], ids=["block", "nm", "unstructured"])
+def test_nnx_sparsify_a_linear_general_split_over_explicit_axes(rule):
+  # An nnx.LinearGeneral (2, 8) -> (4, 8) whose kernel and multi-dim bias are split over explicit mesh axes: sparsify
+  # folded them to (K, N) / (N,) split, which explicit axes refuse ("This reshape is not supported"), with masks too;
+  # SparseLinearGeneral.to_dense (densify) unfolded its split (K, N) kernel the same way. They are gathered to be
+  # folded and unfolded, and split again by the names: the bias's (4, 8) split along heads or along head_dim.
+  mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+  normal = nnx.initializers.normal()
+  x = jax.random.normal(jax.random.key(1), (4, 2, 8))
+
+  def dense_of(kernel_names, bias_names):  # None: the same layer without names, off the mesh
+    part = (lambda names: nnx.with_partitioning(normal, names)) if kernel_names else (lambda _: normal)
+    return nnx.LinearGeneral((2, 8), (4, 8), axis=(-2, -1), kernel_init=part(kernel_names),
+                             bias_init=part(bias_names), rngs=nnx.Rngs(0))
+
+  want, _ = jaxsparse.sparsify(dense_of(None, None), rule)
+  want_dense = jaxsparse.densify(want)
+  masks = {"kernel": np.asarray(want_dense.kernel[...] != 0)}
+  # (kernel names, bias names, the folded (N,) bias's split): a split along heads folds to the (N,) bias's, one along
+  # head_dim cannot (the folded bias is whole; densify gives the recorded names back).
+  layouts = [((None, None, "model", None), ("model", None), P("model")),
+             ((None, None, None, "model"), (None, "model"), P(None))]
+  for kernel_names, bias_names, folded in layouts:
+    for given in (None, masks):
+      with jax.set_mesh(mesh):
+        sparse, _ = jaxsparse.sparsify(dense_of(kernel_names, bias_names), rule, masks=given)
+        assert jax.typeof(sparse.layer.bias[...]).sharding.spec == folded
+        back = jaxsparse.densify(sparse)
+        assert back.bias.get_metadata()["out_sharding"] == bias_names
+        assert back.kernel.get_metadata()["out_sharding"] == kernel_names
+        assert jax.typeof(back.bias[...]).sharding.spec == P(*bias_names)
+        layers = [sparse, back] + ([jaxsparse.compress(sparse)] if isinstance(rule, jaxsparse.NM) else [])
+        ys = [jax.jit(lambda m, x: m(x))(layer, jax.device_put(x, P("data"))) for layer in layers]
+      for var in ("kernel", "bias"):  # the weights of the layer built off the mesh
+        np.testing.assert_array_equal(getattr(back, var)[...], getattr(want_dense, var)[...])
+      for y in ys:
+        assert_close(y, want(x), jnp.float32)
+
+
 def test_nnx_compress_on_an_explicit_mesh():
   # An N:M kernel split along its grouped (input) dim over explicit axes: compress packed the split groups and failed
   # (NMSparseMatrix.from_dense); it gathers that dim, and the compressed model is the one compress builds unsplit.
