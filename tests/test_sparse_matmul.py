@@ -373,9 +373,8 @@ def test_masked_matmul_auto_picks_kernels_by_density():
 @cpu_backend_only
 @pytest.mark.parametrize("p", [0.1, 0.9])
 def test_sparse_matmul_auto_picks_the_dense_route_by_density(p):
-  """implementation=None runs dense-ish CSR patterns on the dense route (the forward a dense GEMM packing the entries,
-  the backward XLA's matmuls on the entries written dense by a kernel, dW taken at the entries by a kernel), sparse
-  ones on the sparse kernels; "cpu" always the latter."""
+  """implementation=None runs dense-ish CSR patterns on the dense route (the entries written dense by a kernel,
+  XLA's matmuls, dW taken at the entries by a kernel), sparse ones on the sparse kernels; "cpu" always the latter."""
   x, w, _ = _data(4, 9, 64, 48, MASKS["random"])
   mask = np.random.default_rng(0).random(w.shape) < p
   ws = jaxsparse.CSRMatrix.from_dense(w, mask=mask)
@@ -383,8 +382,7 @@ def test_sparse_matmul_auto_picks_the_dense_route_by_density(p):
   assert dense == (p > 0.5) and dense == (ws.density > jaxsparse.ops._sparse_matmul.CPU_DENSE_BACKWARD_MIN_DENSITY)
   loss = lambda x, d, impl=None: jnp.sum(jnp.sin(sparse_matmul(x, ws.with_data(d), implementation=impl)))
   hlo = _cpu_hlo(jax.grad(loss, argnums=(0, 1)), x, ws.data)
-  routes = (("jaxsparse_csr_gemm", "jaxsparse_csr_to_dense", "jaxsparse_csr_take"),
-            ("jaxsparse_csr_forward", "jaxsparse_csr_backward"))
+  routes = ("jaxsparse_csr_to_dense", "jaxsparse_csr_take"), ("jaxsparse_csr_forward", "jaxsparse_csr_backward")
   assert all(t in hlo for t in routes[not dense]) and not any(t in hlo for t in routes[dense])
   hlo = _cpu_hlo(jax.grad(lambda x, d: loss(x, d, "cpu"), argnums=(0, 1)), x, ws.data)
   assert all(t in hlo for t in routes[1]) and not any(t in hlo for t in routes[0])
@@ -411,8 +409,9 @@ def test_csr_dense_route_kernels():
 
 @pytest.mark.parametrize("seed", range(6))
 def test_packed_gemm_kernels(seed):
-  """masked_gemm / csr_gemm against a float64 NumPy product on shapes around the micro-tile, column chunk and
-  contraction block edges (12 / 6 rows, 32 / 16 and 128 / 64 columns, 256 contractions), fresh random data."""
+  """masked_gemm against a float64 NumPy product on shapes around the micro-tile, column chunk and contraction
+  block edges (12 / 6 rows, 32 / 16 and 128 / 64 columns, 256 contractions), one or several row groups, fresh random
+  data."""
   assert _build.load(), _build.unavailable_reason()
   rng = np.random.default_rng(seed)
   m, k, n = (int(rng.choice(c)) for c in ([1, 5, 12, 13, 31, 64], [1, 7, 255, 256, 300, 513], [1, 16, 33, 128, 200]))
@@ -423,8 +422,6 @@ def test_packed_gemm_kernels(seed):
   ref = x.astype(np.float64) @ np.where(mask, w, 0).astype(np.float64)
   tol = dict(rtol=1e-5, atol=1e-5 * np.sqrt(k))
   np.testing.assert_allclose(_kernels.masked_gemm(x, w, mask), ref, **tol)
-  ws = jaxsparse.CSRMatrix.from_dense(np.where(mask, w, 0), mask=mask)
-  np.testing.assert_allclose(_kernels.csr_gemm(x, ws.data, ws.row_offsets, ws.col_indices, n), ref, **tol)
   # Mask bytes other than 1 count as kept (a bool array viewed from other bytes), as in the sparse kernels.
   np.testing.assert_allclose(_kernels.masked_gemm(x, w, (mask.view(np.uint8) * 255).view(bool)), ref, **tol)
   # vmap over x folds into the batch.
@@ -434,7 +431,7 @@ def test_packed_gemm_kernels(seed):
 
 
 def test_packed_gemm_edge_cases():
-  """Empty products, NaN in a kept weight, duplicate CSR entries (added, as the sparse kernels do) and bad indices."""
+  """Empty products; a NaN in a kept weight propagates to its column only."""
   assert _build.load(), _build.unavailable_reason()
   x = np.ones((3, 4), np.float32)
   assert _kernels.masked_gemm(np.ones((0, 4), np.float32), np.ones((4, 5), np.float32), np.ones((4, 5), bool)).shape \
@@ -445,14 +442,13 @@ def test_packed_gemm_edge_cases():
   w[1, 2] = np.nan
   y = np.asarray(_kernels.masked_gemm(x, w, np.ones((4, 5), bool)))
   assert np.isnan(y[:, 2]).all() and np.isfinite(np.delete(y, 2, axis=1)).all()
-  offsets, cols = np.array([0, 2, 2, 2, 3], np.int32), np.array([1, 1, 4], np.int32)
-  data = np.array([1.0, 2.0, 5.0], np.float32)
-  y = np.asarray(_kernels.csr_gemm(x, data, offsets, cols, 5))
-  np.testing.assert_array_equal(y, np.tile([0.0, 3.0, 0.0, 0.0, 5.0], (3, 1)))
-  with pytest.raises(Exception, match=r"col_indices has entries outside \[0, 5\)"):
-    jax.block_until_ready(_kernels.csr_gemm(x, data, offsets, cols + 4, 5))
-  with pytest.raises(Exception, match="row_offsets is not an offset array"):
-    jax.block_until_ready(_kernels.csr_gemm(x, data, offsets[::-1], cols, 5))
+  # Enough column chunks for every thread: one row group, each item packing its own strips as it goes (the random
+  # shapes above take the other path, the weight packed once for several row groups).
+  rng = np.random.default_rng(0)
+  x, w, mask = rng.standard_normal((40, 300)), rng.standard_normal((300, 1030)), rng.random((300, 1030)) < 0.5
+  x, w = x.astype(np.float32), w.astype(np.float32)
+  np.testing.assert_allclose(_kernels.masked_gemm(x, w, mask), x.astype(np.float64) @ np.where(mask, w, 0),
+                             rtol=1e-5, atol=1e-4)
 
 
 def test_mask_may_change_inside_jit():

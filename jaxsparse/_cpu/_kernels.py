@@ -12,8 +12,6 @@ Call :func:`jaxsparse._cpu._build.load` before lowering any of these: it registe
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -23,7 +21,6 @@ __all__ = [
     "block_forward",
     "csr_backward",
     "csr_forward",
-    "csr_gemm",
     "csr_take",
     "csr_to_dense",
     "masked_backward",
@@ -111,22 +108,6 @@ def csr_forward(x, data, col_offsets, transpose_order, transpose_row_indices):
 
 
 csr_forward.def_vmap(_fold_or_map(csr_forward, 1))
-
-
-def csr_gemm(x, data, row_offsets, col_indices, n: int) -> jax.Array:
-  """``x (B, K) @ W`` -> ``(B, N)`` as a dense product, ``W``'s entries added into it while it is packed."""
-  return _csr_gemm(n)(x, data, row_offsets, col_indices)
-
-
-@functools.cache
-def _csr_gemm(n: int):
-  @jax.custom_batching.custom_vmap
-  def gemm(x, data, row_offsets, col_indices):
-    out = jax.ShapeDtypeStruct((x.shape[0], n), _F32)
-    return jax.ffi.ffi_call("jaxsparse_csr_gemm", out, vmap_method="sequential")(x, data, row_offsets, col_indices)
-
-  gemm.def_vmap(_fold_or_map(gemm, 1))
-  return gemm
 
 
 @jax.custom_batching.custom_vmap

@@ -1,17 +1,16 @@
-// CPU kernels for the dense products of sparse weights, registered with XLA as FFI custom calls.
+// CPU kernel for the forward of densely masked weights, registered with XLA as an FFI custom call.
 //
-// y = x @ W for a W given sparse (a dense array plus a bool mask, or CSR entries) whose pattern keeps too many
-// entries for the sparse kernels of sparse_matmul.cc to win. Building the dense W first and handing it to XLA's dot
-// costs a pass over K x N and a fresh output buffer per call, and XLA's dot on a weight computed in the same call
-// ran 0.0-0.28 slower than on one passed in (benchmarks/results/cpu_random_shapes_2026-11-27.md): 1.06-1.55x the
-// plain product at 34-50% density. Here the weight is assembled while it is packed for a register-blocked GEMM, as
-// any GEMM packs its operands anyway:
-//   * masked: W[k, j] = mask[k, j] ? w[k, j] : 0, chosen bitwise while a (kc, 32) strip is packed;
-//   * csr: the entries, row by row, are added into the zeroed packed matrix before the product.
+// y = x @ where(mask, w, 0) for a mask that keeps too many weights for the sparse kernels of sparse_matmul.cc to
+// win. Building the masked weight first and handing it to XLA's dot costs a pass over K x N and a fresh buffer per
+// call, and XLA's dot on a weight computed in the same call ran 0.0-0.28 slower than on one passed in
+// (benchmarks/results/cpu_random_shapes_2026-11-27.md): 1.06-1.55x the plain product at 34-50% density. Here the
+// mask is applied while the weight is packed for a register-blocked GEMM, as any GEMM packs its operands anyway: a
+// bitwise select per (kKc, kNr) strip.
 // The GEMM: x is packed once per call into panels of kMr rows by kKc contractions; each work item (a chunk of at most
-// kNc output columns times a range of row panels) packs its weight strips of kKc x kNr per kKc rows and runs the
-// kMr x kNr micro-kernel (kMr x 2 accumulator vectors: 24 of the 32 AVX-512 registers) over them. Portable C++ with
-// GCC/Clang vector extensions: 16-float vectors where the CPU has AVX-512, else 8-float ones with half the tile.
+// kNc output columns times a group of row panels) runs the kMr x kNr micro-kernel (kMr x 2 accumulator vectors: 24
+// of the 32 AVX-512 registers) over its strips, packed by the item block by block as it goes (one group of rows), or
+// once per call beforehand (several groups). Portable C++ with GCC/Clang vector extensions: 16-float vectors where the
+// CPU has AVX-512, else 8-float ones with half the tile.
 
 #include "common.h"
 
@@ -29,7 +28,6 @@ constexpr int kNr = 2 * kVec;          // columns of the micro-tile: two vectors
 constexpr int64_t kKc = 256;           // contraction rows per packed block
 constexpr int64_t kNc = 4 * kNr;       // output columns per work item, at most
 constexpr int64_t kItemsPerWorker = 4;  // work items per thread, at least where the product allows
-constexpr int64_t kPackRows = 32;      // weight rows per work item of the CSR packing
 
 inline vec LoadVec(const float* p) {
   vec r;
@@ -96,13 +94,15 @@ float* PackRows(const Scheduler& pool, const float* x, int64_t m, int64_t k) {
   return out;
 }
 
-// The GEMM over packed x and a weight packer. Panel (constructed per work item on the thread running it) has
-//   Panel(c0, cn): the item's output columns [c0, c0 + cn);
-//   const float* Strips(blk, k0, kc): the item's weight rows [k0, k0 + kc) as ceil(cn / kNr) strips of (kc, kNr),
-//     kKc * kNr floats apart, zero past cn.
-template <typename MakePanel>
-void PackedGemm(const Scheduler& pool, const float* x, int64_t m, int64_t k, int64_t n, float* y,
-                const MakePanel& make_panel) {
+// The packed weight: chunks of kNc columns, each [block][strip] of (kKc, kNr), zero past k and n.
+constexpr int64_t kStrips = kNc / kNr, kStripSize = kKc * kNr, kBlockSize = kStrips * kStripSize;
+
+// The GEMM over packed x and a packed weight. pack(blk, c0, cn, dst) writes the weight's rows of block blk and
+// columns [c0, c0 + cn) as ceil(cn / kNr) strips, kStripSize apart, to dst. Work items are chunks of columns
+// times groups of row panels; a chunk's weight is packed by its item, block by block while it is used (one group
+// of rows), or once per call for every group beforehand (few rows: several groups would repack it).
+template <typename Pack>
+void PackedGemm(const Scheduler& pool, const float* x, int64_t m, int64_t k, int64_t n, float* y, const Pack& pack) {
   if (m == 0 || n == 0) return;
   if (k == 0) {
     std::memset(y, 0, sizeof(float) * m * n);
@@ -110,24 +110,39 @@ void PackedGemm(const Scheduler& pool, const float* x, int64_t m, int64_t k, int
   }
   const float* a = PackRows(pool, x, m, k);
   const int64_t panels = CeilDiv(m, kMr), blocks = CeilDiv(k, kKc), chunks = CeilDiv(n, kNc);
+  const int64_t chunk_size = blocks * kBlockSize;
   // Enough items for every thread to take several (few columns: split the rows too).
   const int64_t want = kItemsPerWorker * NumWorkers();
   const int64_t row_groups = std::min(panels, CeilDiv(want, chunks));
   const int64_t per_group = CeilDiv(panels, row_groups);
   const int64_t groups = CeilDiv(panels, per_group);
+  const float* packed = nullptr;
+  if (groups > 1) {
+    float* buf = CachedBuffer(1, chunks * chunk_size);
+    ParallelFor(pool, chunks * blocks, [&](int64_t i) {
+      const int64_t c0 = (i / blocks) * kNc, blk = i % blocks;
+      pack(blk, c0, std::min(kNc, n - c0), buf + (c0 / kNc) * chunk_size + blk * kBlockSize);
+    });
+    packed = buf;
+  }
   ParallelFor(pool, chunks * groups, [&](int64_t item) {
     const int64_t c0 = (item % chunks) * kNc, cn = std::min(kNc, n - c0);
     const int64_t p0 = (item / chunks) * per_group, p1 = std::min(panels, p0 + per_group);
     const int64_t strips = CeilDiv(cn, kNr);
-    auto panel = make_panel(c0, cn);
+    float* own = packed == nullptr ? CachedBuffer(2, kBlockSize) : nullptr;
     for (int64_t blk = 0; blk < blocks; ++blk) {
       const int64_t k0 = blk * kKc, kc = std::min(kKc, k - k0);
-      const float* b = panel.Strips(blk, k0, kc);
+      const float* b = own;
+      if (own != nullptr) {
+        pack(blk, c0, cn, own);
+      } else {
+        b = packed + (c0 / kNc) * chunk_size + blk * kBlockSize;
+      }
       for (int64_t p = p0; p < p1; ++p) {
         const float* ap = a + (blk * panels + p) * kKc * kMr;
         const int64_t rows = std::min<int64_t>(kMr, m - p * kMr);
         for (int64_t s = 0; s < strips; ++s) {
-          MicroKernel(kc, ap, b + s * kKc * kNr, y + p * kMr * n + c0 + s * kNr, n, blk > 0, rows,
+          MicroKernel(kc, ap, b + s * kStripSize, y + p * kMr * n + c0 + s * kNr, n, blk > 0, rows,
                       std::min<int64_t>(kNr, cn - s * kNr));
         }
       }
@@ -135,78 +150,34 @@ void PackedGemm(const Scheduler& pool, const float* x, int64_t m, int64_t k, int
   });
 }
 
-// where(mask, w, 0) for a dense (k, n) w and bool mask, packed a kKc-row block at a time.
-struct MaskedPanel {
-  const float* w;
-  const bool* mask;
-  int64_t n, c0, cn;
-  float* buf;
-
-  const float* Strips(int64_t /*blk*/, int64_t k0, int64_t kc) const {
-    for (int64_t s = 0; s * kNr < cn; ++s) {
-      const int64_t j0 = c0 + s * kNr, cols = std::min<int64_t>(kNr, cn - s * kNr);
-      uint32_t* dst = reinterpret_cast<uint32_t*>(buf + s * kKc * kNr);
-      for (int64_t q = 0; q < kc; ++q) {
-        // Bitwise selection: a pruned NaN or inf becomes +0 exactly as in where(mask, w, 0), and the loop
-        // vectorizes (a mask byte counts as kept when nonzero, as in the sparse kernels).
-        const uint32_t* wr = reinterpret_cast<const uint32_t*>(w + (k0 + q) * n + j0);
-        const uint8_t* mr = reinterpret_cast<const uint8_t*>(mask + (k0 + q) * n + j0);
-        uint32_t* d = dst + q * kNr;
-        if (cols == kNr) {
-          for (int j = 0; j < kNr; ++j) d[j] = wr[j] & (0u - static_cast<uint32_t>(mr[j] != 0));
-        } else {
-          for (int64_t j = 0; j < cols; ++j) d[j] = wr[j] & (0u - static_cast<uint32_t>(mr[j] != 0));
-          for (int64_t j = cols; j < kNr; ++j) d[j] = 0u;
-        }
+// where(mask, w, 0) for a dense (k, n) w and a bool mask: rows of block blk, columns [c0, c0 + cn), as strips.
+void PackMasked(const float* w, const bool* mask, int64_t k, int64_t n, int64_t blk, int64_t c0, int64_t cn,
+                float* dst) {
+  const int64_t k0 = blk * kKc, kc = std::min(kKc, k - k0);
+  for (int64_t s = 0; s * kNr < cn; ++s) {
+    const int64_t j0 = c0 + s * kNr, cols = std::min<int64_t>(kNr, cn - s * kNr);
+    uint32_t* strip = reinterpret_cast<uint32_t*>(dst + s * kStripSize);
+    for (int64_t q = 0; q < kc; ++q) {
+      // Bitwise selection: a pruned NaN or inf becomes +0 exactly as in where(mask, w, 0), and the loop vectorizes
+      // (a mask byte counts as kept when nonzero, as in the sparse kernels).
+      const uint32_t* wr = reinterpret_cast<const uint32_t*>(w + (k0 + q) * n + j0);
+      const uint8_t* mr = reinterpret_cast<const uint8_t*>(mask + (k0 + q) * n + j0);
+      uint32_t* d = strip + q * kNr;
+      if (cols == kNr) {
+        for (int j = 0; j < kNr; ++j) d[j] = wr[j] & (0u - static_cast<uint32_t>(mr[j] != 0));
+      } else {
+        for (int64_t j = 0; j < cols; ++j) d[j] = wr[j] & (0u - static_cast<uint32_t>(mr[j] != 0));
+        for (int64_t j = cols; j < kNr; ++j) d[j] = 0u;
       }
     }
-    return buf;
   }
-};
-
-// A CSR matrix packed once per call for every work item: chunks of kNc columns, each [block][strip] of (kKc, kNr).
-struct CsrPanel {
-  const float* chunk;  // the item's chunk of the packed matrix
-  int64_t strips;      // strips per chunk (kNc / kNr)
-
-  const float* Strips(int64_t blk, int64_t /*k0*/, int64_t /*kc*/) const { return chunk + blk * strips * kKc * kNr; }
-};
+}
 
 void MaskedGemmKernel(const Scheduler& pool, const float* x, const float* w, const bool* mask, int64_t m, int64_t k,
                       int64_t n, float* y) {
-  PackedGemm(pool, x, m, k, n, y, [&](int64_t c0, int64_t cn) {
-    return MaskedPanel{w, mask, n, c0, cn, CachedBuffer(1, CeilDiv(kNc, kNr) * kKc * kNr)};
+  PackedGemm(pool, x, m, k, n, y, [&](int64_t blk, int64_t c0, int64_t cn, float* dst) {
+    PackMasked(w, mask, k, n, blk, c0, cn, dst);
   });
-}
-
-std::string CsrGemmKernel(const Scheduler& pool, const float* x, const float* data, const int32_t* row_offsets,
-                          const int32_t* col_indices, int64_t m, int64_t k, int64_t n, int64_t nnz, float* y) {
-  if (!ValidOffsets(row_offsets, k, nnz)) return "row_offsets is not an offset array for nnz=" + std::to_string(nnz);
-  if (!InRange(col_indices, nnz, n)) return "col_indices has entries outside [0, " + std::to_string(n) + ")";
-  if (m == 0 || n == 0 || k == 0) {
-    PackedGemm(pool, x, m, k, n, y, [](int64_t, int64_t) { return CsrPanel{nullptr, 0}; });
-    return "";
-  }
-  // Pack the whole matrix from its rows, kPackRows rows per work item (entries in row-major order: a row writes
-  // ascending positions of its strips); duplicates add up, as in the sparse kernels.
-  constexpr int64_t strips = kNc / kNr, strip_size = kKc * kNr;
-  const int64_t blocks = CeilDiv(k, kKc), chunks = CeilDiv(n, kNc), chunk_size = blocks * strips * strip_size;
-  float* packed = CachedBuffer(1, chunks * chunk_size);
-  ParallelFor(pool, CeilDiv(k, kPackRows), [&](int64_t item) {
-    for (int64_t r = item * kPackRows; r < std::min(k, (item + 1) * kPackRows); ++r) {
-      float* row = packed + (r / kKc) * strips * strip_size + (r % kKc) * kNr;
-      for (int64_t c = 0; c < chunks; ++c) {
-        for (int64_t s = 0; s < strips; ++s) std::memset(row + c * chunk_size + s * strip_size, 0, sizeof(float) * kNr);
-      }
-      for (int32_t e = row_offsets[r]; e < row_offsets[r + 1]; ++e) {
-        const int64_t col = col_indices[e];
-        row[(col / kNc) * chunk_size + ((col % kNc) / kNr) * strip_size + col % kNr] += data[e];
-      }
-    }
-  });
-  PackedGemm(pool, x, m, k, n, y,
-             [&](int64_t c0, int64_t /*cn*/) { return CsrPanel{packed + (c0 / kNc) * chunk_size, strips}; });
-  return "";
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -222,15 +193,6 @@ ffi::Error MaskedGemm(ffi::ThreadPool pool, F32Matrix x, F32Matrix w, BoolMatrix
   return ffi::Error::Success();
 }
 
-ffi::Error CsrGemm(ffi::ThreadPool pool, F32Matrix x, F32Vector data, I32Vector row_offsets, I32Vector col_indices,
-                   F32MatrixOut y) {
-  const int64_t m = Dim(x, 0), k = Dim(x, 1), n = Dim(*y, 1), nnz = Dim(data, 0);
-  if (Dim(*y, 0) != m || Dim(row_offsets, 0) != k + 1 || Dim(col_indices, 0) != nnz) return ShapeError("csr gemm");
-  return Status("csr gemm", CsrGemmKernel(PoolScheduler(pool), x.typed_data(), data.typed_data(),
-                                          row_offsets.typed_data(), col_indices.typed_data(), m, k, n, nnz,
-                                          y->typed_data()));
-}
-
 }  // namespace
 
 // Built with -fvisibility=hidden: only the handlers are exported.
@@ -242,15 +204,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseMaskedGemm, MaskedGemm,
                                   .Arg<F32Matrix>()
                                   .Arg<F32Matrix>()
                                   .Arg<BoolMatrix>()
-                                  .Ret<F32Matrix>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseCsrGemm, CsrGemm,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<F32Matrix>()
-                                  .Arg<F32Vector>()
-                                  .Arg<I32Vector>()
-                                  .Arg<I32Vector>()
                                   .Ret<F32Matrix>());
 
 #pragma GCC visibility pop

@@ -7,8 +7,8 @@ One op, three products, two backends:
   work is proportional to the nonzeros, on both cores: per nonzero, an axpy of a 64-wide batch
   tile held in registers. Chosen by default on CPU, except that patterns denser than
   :data:`CPU_DENSE_FORWARD_MIN_DENSITY` (:data:`CPU_DENSE_BACKWARD_MIN_DENSITY` for the backward) run on the
-  dense route: the forward a dense C++ GEMM that writes the entries into its packed weight as it packs it; the
-  backward's XLA matmuls on a dense weight written by a C++ kernel, and ``dW`` taken at the entries by another.
+  dense route: a C++ kernel writes the entries into a dense weight, XLA multiplies, and ``dW`` is taken at the
+  entries by another kernel.
 * ``"xla"``: ``x @ W.to_dense()`` with autodiff. It builds the dense ``K x N`` weight, which on
   accelerators (and on CPU without a C++ compiler) is still the fastest XLA formulation: gather /
   segment-sum versions measured 5-10x slower than dense on CPU.
@@ -172,10 +172,11 @@ def f32(a: jax.Array) -> jax.Array:
 # -------------------------------------------------------------------------------------------------
 
 
-# Above these fractions of stored entries the default (implementation=None) runs a direction on the dense route,
-# which beats the sparse kernels there (2-core CPU, random shapes: benchmarks/results/cpu_random_shapes_2026-11-26.md):
-# the forward a dense C++ GEMM that adds the entries into its packed weight (`csr_gemm`), the backward XLA's matmuls
-# on a dense weight written by a C++ kernel.
+# Above these fractions of stored entries the default (implementation=None) runs a direction on the dense route:
+# the entries written into a dense weight by a C++ kernel, then XLA's matmuls, which beat the sparse kernels
+# there (2-core CPU, random shapes: benchmarks/results/cpu_random_shapes_2026-11-26.md). (A packed GEMM adding the
+# entries into its packed weight, as masked_matmul's forward does with its mask, took 1.15-1.66x dense at 36-50%
+# density against 0.96-1.44x for this route: benchmarks/results/cpu_random_shapes_2026-11-29.md.)
 CPU_DENSE_FORWARD_MIN_DENSITY = 0.3
 CPU_DENSE_BACKWARD_MIN_DENSITY = 0.3
 
@@ -195,9 +196,8 @@ def _dense_weight(w: CSRMatrix) -> jax.Array:
 def _csr_forward(cfg: _Config, x: jax.Array, w: CSRMatrix) -> jax.Array:
   def fwd(x2, b):
     if cfg.dense_forward:
-      y = _kernels.csr_gemm(f32(x2), f32(b.data), b.row_offsets, b.col_indices, b.shape[1])
-    else:
-      y = _kernels.csr_forward(f32(x2), f32(b.data), b.col_offsets, b.transpose_order, b.transpose_row_indices)
+      return (jnp.matmul(x2, _dense_weight(b), precision=cfg.precision, preferred_element_type=cfg.out_dtype),)
+    y = _kernels.csr_forward(f32(x2), f32(b.data), b.col_offsets, b.transpose_order, b.transpose_row_indices)
     return (y.astype(cfg.out_dtype),)
 
   # Data parallel: each device multiplies its rows of x (ops/_sharding.py).
