@@ -371,6 +371,25 @@ def test_masked_matmul_auto_picks_kernels_by_density():
 
 
 @cpu_backend_only
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_masked_matmul_few_rows_run_the_dense_gemm(rows):
+  """At most CPU_FEW_ROWS rows (leading dims folded) the forward runs the dense GEMM at every density, with the
+  masked dense routes' NaN semantics; its gradients still follow the density."""
+  x, w, _ = _data(rows, 1, 64, 48, MASKS["random"], lead=(1, rows))
+  assert rows <= _masked_matmul.CPU_FEW_ROWS
+  for p in (0.05, 0.9):
+    mask = np.random.default_rng(rows).random(w.shape) < p
+    hlo = _cpu_hlo(lambda x, w, m: masked_matmul(x, w, m), x, w, mask)
+    assert "jaxsparse_masked_gemm" in hlo and "jaxsparse_masked_forward" not in hlo
+    _check_masked_matmul(x, w, mask, jnp.float32, implementation=None)
+  bad = x.at[0, 0, 0].set(jnp.nan)
+  mask = np.zeros(w.shape, bool)
+  mask[1:] = True  # the NaN meets only pruned weights
+  assert bool(jnp.isnan(masked_matmul(bad, w, mask)[0, 0]).all())  # as x @ where(mask, w, 0)
+  assert not bool(jnp.isnan(masked_matmul(bad, w, mask, implementation="cpu")).any())  # the sparse kernels skip them
+
+
+@cpu_backend_only
 @pytest.mark.parametrize("p", [0.1, 0.9])
 def test_sparse_matmul_auto_picks_the_dense_route_by_density(p):
   """implementation=None runs dense-ish CSR patterns on the dense route (the entries written dense by a kernel,

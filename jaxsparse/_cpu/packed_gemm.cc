@@ -28,6 +28,8 @@ constexpr int kNr = 2 * kVec;          // columns of the micro-tile: two vectors
 constexpr int64_t kKc = 256;           // contraction rows per packed block
 constexpr int64_t kNc = 4 * kNr;       // output columns per work item, at most
 constexpr int64_t kItemsPerWorker = 4;  // work items per thread, at least where the product allows
+constexpr int64_t kFewRows = 8;         // products of at most this many rows skip the packing (DirectProduct)
+constexpr int64_t kDirectRows = 64;     // ... weight rows per work item there, at least
 
 inline vec LoadVec(const float* p) {
   vec r;
@@ -150,6 +152,28 @@ void PackedGemm(const Scheduler& pool, const float* x, int64_t m, int64_t k, int
   });
 }
 
+typedef int32_t ivec __attribute__((vector_size(sizeof(vec))));
+typedef uint8_t bytes __attribute__((vector_size(kVec)));
+
+// where(mask, w, 0) for kVec weights (a pruned NaN or inf becomes +0; a nonzero mask byte keeps): a zero-masking
+// load on AVX-512 (half the time of the portable select in the few-rows product), else a bitwise select.
+inline vec MaskedLoad(const float* w, const bool* mask) {
+  vec out;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  const __m128i m = _mm_loadu_si128(reinterpret_cast<const __m128i*>(mask));
+  const __m512 v = _mm512_maskz_loadu_ps(_mm_test_epi8_mask(m, m), w);
+  std::memcpy(&out, &v, sizeof(out));
+#else
+  ivec bits;
+  bytes m;
+  std::memcpy(&bits, w, sizeof(bits));
+  std::memcpy(&m, mask, sizeof(m));
+  const ivec kept = bits & (__builtin_convertvector(m, ivec) != 0);
+  std::memcpy(&out, &kept, sizeof(out));
+#endif
+  return out;
+}
+
 // where(mask, w, 0) for a dense (k, n) w and a bool mask: rows of block blk, columns [c0, c0 + cn), as strips.
 void PackMasked(const float* w, const bool* mask, int64_t k, int64_t n, int64_t blk, int64_t c0, int64_t cn,
                 float* dst) {
@@ -158,13 +182,16 @@ void PackMasked(const float* w, const bool* mask, int64_t k, int64_t n, int64_t 
     const int64_t j0 = c0 + s * kNr, cols = std::min<int64_t>(kNr, cn - s * kNr);
     uint32_t* strip = reinterpret_cast<uint32_t*>(dst + s * kStripSize);
     for (int64_t q = 0; q < kc; ++q) {
-      // Bitwise selection: a pruned NaN or inf becomes +0 exactly as in where(mask, w, 0), and the loop vectorizes
-      // (a mask byte counts as kept when nonzero, as in the sparse kernels).
+      // A pruned NaN or inf becomes +0 exactly as in where(mask, w, 0); a mask byte counts as kept when nonzero, as
+      // in the sparse kernels.
       const uint32_t* wr = reinterpret_cast<const uint32_t*>(w + (k0 + q) * n + j0);
       const uint8_t* mr = reinterpret_cast<const uint8_t*>(mask + (k0 + q) * n + j0);
       uint32_t* d = strip + q * kNr;
       if (cols == kNr) {
-        for (int j = 0; j < kNr; ++j) d[j] = wr[j] & (0u - static_cast<uint32_t>(mr[j] != 0));
+        const float* wq = w + (k0 + q) * n + j0;
+        const bool* mq = mask + (k0 + q) * n + j0;
+        StoreVec(reinterpret_cast<float*>(d), MaskedLoad(wq, mq));
+        StoreVec(reinterpret_cast<float*>(d) + kVec, MaskedLoad(wq + kVec, mq + kVec));
       } else {
         for (int64_t j = 0; j < cols; ++j) d[j] = wr[j] & (0u - static_cast<uint32_t>(mr[j] != 0));
         for (int64_t j = cols; j < kNr; ++j) d[j] = 0u;
@@ -173,8 +200,87 @@ void PackMasked(const float* w, const bool* mask, int64_t k, int64_t n, int64_t 
   }
 }
 
+// ------------------------------------------------------------------------------------------------
+// Few rows (kFewRows at most): no packing. Each weight element is used by at most kFewRows rows, so packing it would
+// cost more than the product (and the micro-tile's kMr rows would be mostly padding): w and mask are streamed once,
+// in order, and every row of x takes each masked weight vector from the registers. Memory-bound.
+// ------------------------------------------------------------------------------------------------
+
+// part (R, n) = x[:, k0 : k1] @ where(mask, w, 0)[k0 : k1], the weight rows read in order, four at a time.
+template <int R>
+void DirectRows(const float* x, const float* w, const bool* mask, int64_t k, int64_t n, int64_t k0, int64_t k1,
+                float* part) {
+  std::memset(part, 0, sizeof(float) * R * n);
+  const int64_t full = n / kVec * kVec;
+  int64_t q = k0;
+  for (; q + 4 <= k1; q += 4) {
+    float s[R][4];
+    for (int r = 0; r < R; ++r) {
+      for (int i = 0; i < 4; ++i) s[r][i] = x[r * k + q + i];
+    }
+    const float* w0 = w + q * n;
+    const bool* m0 = mask + q * n;
+    for (int64_t j = 0; j < full; j += kVec) {
+      const vec b0 = MaskedLoad(w0 + j, m0 + j), b1 = MaskedLoad(w0 + n + j, m0 + n + j);
+      const vec b2 = MaskedLoad(w0 + 2 * n + j, m0 + 2 * n + j), b3 = MaskedLoad(w0 + 3 * n + j, m0 + 3 * n + j);
+      for (int r = 0; r < R; ++r) {
+        vec acc = LoadVec(part + r * n + j);
+        acc += s[r][0] * b0 + s[r][1] * b1 + s[r][2] * b2 + s[r][3] * b3;
+        StoreVec(part + r * n + j, acc);
+      }
+    }
+  }
+  for (; q < k1; ++q) {
+    const float* w0 = w + q * n;
+    const bool* m0 = mask + q * n;
+    for (int64_t j = 0; j < full; j += kVec) {
+      const vec b0 = MaskedLoad(w0 + j, m0 + j);
+      for (int r = 0; r < R; ++r) StoreVec(part + r * n + j, LoadVec(part + r * n + j) + x[r * k + q] * b0);
+    }
+  }
+  for (q = k0; q < k1; ++q) {  // the last n % kVec columns
+    for (int64_t j = full; j < n; ++j) {
+      uint32_t bits;
+      std::memcpy(&bits, w + q * n + j, sizeof(bits));
+      bits &= 0u - static_cast<uint32_t>(reinterpret_cast<const uint8_t*>(mask)[q * n + j] != 0);
+      float v;
+      std::memcpy(&v, &bits, sizeof(v));
+      for (int r = 0; r < R; ++r) part[r * n + j] += x[r * k + q] * v;
+    }
+  }
+}
+
+// y (R, n) = x (R, k) @ where(mask, w, 0): ranges of weight rows per work item (the weight streamed in order), each
+// into its own partial sums, added up at the end.
+template <int R>
+void DirectProduct(const Scheduler& pool, const float* x, const float* w, const bool* mask, int64_t k, int64_t n,
+                   float* y) {
+  const int64_t items = std::max<int64_t>(1, std::min(CeilDiv(k, kDirectRows), kItemsPerWorker * NumWorkers()));
+  const int64_t per_item = CeilDiv(k, items);
+  float* parts = CachedBuffer(3, items * R * n);
+  ParallelFor(pool, items, [&](int64_t i) {
+    DirectRows<R>(x, w, mask, k, n, std::min(k, i * per_item), std::min(k, (i + 1) * per_item), parts + i * R * n);
+  });
+  const int64_t width = RoundUp(CeilDiv(R * n, kItemsPerWorker * NumWorkers()), 1024);
+  ParallelFor(pool, CeilDiv(R * n, width), [&](int64_t c) {
+    const int64_t e0 = c * width, e1 = std::min<int64_t>(R * n, e0 + width);
+    std::memcpy(y + e0, parts + e0, sizeof(float) * (e1 - e0));
+    for (int64_t i = 1; i < items; ++i) {
+      const float* part = parts + i * R * n;
+      for (int64_t e = e0; e < e1; ++e) y[e] += part[e];
+    }
+  });
+}
+
 void MaskedGemmKernel(const Scheduler& pool, const float* x, const float* w, const bool* mask, int64_t m, int64_t k,
                       int64_t n, float* y) {
+  if (m > 0 && m <= kFewRows && n > 0) {
+    using Direct = void (*)(const Scheduler&, const float*, const float*, const bool*, int64_t, int64_t, float*);
+    static constexpr Direct kDirect[kFewRows] = {DirectProduct<1>, DirectProduct<2>, DirectProduct<3>,
+                                                 DirectProduct<4>, DirectProduct<5>, DirectProduct<6>,
+                                                 DirectProduct<7>, DirectProduct<8>};
+    return kDirect[m - 1](pool, x, w, mask, k, n, y);
+  }
   PackedGemm(pool, x, m, k, n, y, [&](int64_t blk, int64_t c0, int64_t cn, float* dst) {
     PackMasked(w, mask, k, n, blk, c0, cn, dst);
   });

@@ -31,7 +31,7 @@ from jaxsparse.ops._sparse_matmul import cpu_supports
 from jaxsparse.ops._sparse_matmul import f32
 from jaxsparse.ops._sparse_matmul import route
 
-__all__ = ["CPU_FORWARD_MAX_DENSITY", "CPU_MAX_DENSITY", "masked_matmul"]
+__all__ = ["CPU_FEW_ROWS", "CPU_FORWARD_MAX_DENSITY", "CPU_MAX_DENSITY", "masked_matmul"]
 
 # Above this fraction of kept weights the masked dense backward beats the sparse kernels (measured on
 # a 2-core AVX2 machine, 4096 x 4096, batch 256; see benchmarks/results/cpu_unstructured_*.md; on the 2-core
@@ -41,6 +41,10 @@ CPU_MAX_DENSITY = 0.25
 # AVX-512 Xeon, six shapes with M 96-512, the kernels took 0.95-1.26x the dense product's time at density 0.33
 # against 1.20-1.38x for masked dense, and lost on 4 of 6 at 0.37 (benchmarks/results/cpu_random_shapes_2026-11-27.md).
 CPU_FORWARD_MAX_DENSITY = 0.33
+# Forwards of at most this many rows run the dense GEMM at every density: it streams w and mask once, unpacked, at
+# 0.9-1.8x the plain product's time for 1-8 rows, where the sparse kernels took 2.2-10.7x (their batch tiles are
+# mostly padding) and XLA's masked dense 2.4-16x (2-core CPU: benchmarks/results/cpu_random_shapes_2026-11-29.md).
+CPU_FEW_ROWS = 8
 _DENSITY_SAMPLE_ROWS = 64
 
 
@@ -76,6 +80,8 @@ def _local_forward(cfg: _Config, x2, w, mask):
   # The dense C++ GEMM selects the kept weights while it packs them: XLA's x @ where(mask, w, 0) pays a pass over
   # the weight and a slower dot on a weight computed in the call (cpu_random_shapes_2026-11-27.md).
   dense = lambda: _kernels.masked_gemm(f32(x2), f32(w), mask).astype(cfg.out_dtype)
+  if cfg.check_density and x2.shape[0] <= CPU_FEW_ROWS:
+    return (dense(),)
   return (_branch(cfg, mask, sparse, dense, CPU_FORWARD_MAX_DENSITY),)
 
 
@@ -124,7 +130,8 @@ def masked_matmul(
   On CPU the product and both gradients run in sparse C++ kernels that read the kept entries from
   ``mask`` on every call, so ``mask`` may change between calls (also inside ``jit``) at no cost;
   masks keeping more than :data:`CPU_FORWARD_MAX_DENSITY` of the weights run the forward as a masked dense
-  product, and more than :data:`CPU_MAX_DENSITY` the gradients.
+  product (as do products of at most :data:`CPU_FEW_ROWS` rows), and more than :data:`CPU_MAX_DENSITY` the
+  gradients.
   Works under ``jit``, ``grad`` (reverse mode, to any order) and ``vmap``: leading dimensions of ``x`` and a
   mapped ``x`` fold into one kernel call; a mapped backward runs once per mapped element.
 
@@ -132,9 +139,9 @@ def masked_matmul(
   pruned weights never do (they are replaced by zeros, not multiplied by them). A NaN / inf in ``x`` meets the
   pruned entries as zeros only on the masked dense routes, where ``inf * 0`` makes NaN as in
   ``x @ where(mask, w, 0)``: ``implementation="xla"``, and the default for masks denser than
-  :data:`CPU_FORWARD_MAX_DENSITY` (a density estimated inside the call). The sparse kernels (``"cpu"``, and the
-  default below that density) skip pruned entries, so such an ``x`` can give finite outputs: test ``x`` with
-  ``jnp.isfinite`` where NaN detection matters.
+  :data:`CPU_FORWARD_MAX_DENSITY` (a density estimated inside the call) or forwards of at most :data:`CPU_FEW_ROWS`
+  rows. The sparse kernels (``"cpu"``, and the default elsewhere) skip pruned entries, so such an ``x`` can give
+  finite outputs: test ``x`` with ``jnp.isfinite`` where NaN detection matters.
 
   Sharded operands (:mod:`jaxsparse.ops`' data parallelism): the leading dims of ``x`` keep their split; ``w`` and
   ``mask`` are replicated, gathered if they arrive split (also under explicit mesh axes, on every route), and the
@@ -153,8 +160,9 @@ def masked_matmul(
     implementation: ``None`` uses the C++ kernels when the default backend is the CPU and the dtypes are float32,
       bfloat16 or float16: the sparse kernels for masks keeping at most :data:`CPU_FORWARD_MAX_DENSITY` (forward) /
       :data:`CPU_MAX_DENSITY` (gradients) of the weights, else a dense C++ GEMM that selects the kept weights as
-      it packs them (forward) and masked dense XLA (gradients); if the kernels cannot be built it warns with
-      :class:`jaxsparse.ops.CpuKernelFallbackWarning` and runs XLA;
+      it packs them (forward; also at every density for at most :data:`CPU_FEW_ROWS` rows) and masked dense XLA
+      (gradients); if the kernels cannot be built it warns with :class:`jaxsparse.ops.CpuKernelFallbackWarning` and
+      runs XLA;
       ``"cpu"`` always runs the kernels (and raises if they are unavailable); ``"xla"`` always runs
       ``x @ where(mask, w, 0)`` with plain autodiff (the only choice supporting forward-mode
       differentiation).
