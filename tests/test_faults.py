@@ -48,6 +48,9 @@ NATIVE_CASES = {
     "block_forward_order_negative": "transpose_order has entries outside",
     "block_backward_row_offsets_past_nnz": "row_offsets is not an offset array",
     "block_backward_col_index_past_grid": "col_indices has entries outside",
+    "csr_few_rows_forward_row_offsets_decreasing": "row_offsets is not an offset array",
+    "csr_few_rows_forward_col_index_past_n": "col_indices has entries outside",
+    "csr_few_rows_forward_col_index_negative": "col_indices has entries outside",
     "valid_shapes_sweep": None,  # every kernel on edge shapes against NumPy (under ASan: no stray access)
 }
 
@@ -110,6 +113,9 @@ def sweep():
     err = max(err, np.abs(np.asarray(dx) - dy @ wm.T).max(), np.abs(np.asarray(dw) - np.where(mask, x.T @ dy, 0)).max())
     c = CSRMatrix.from_dense(w, mask=mask)
     y = _kernels.csr_forward(x, c.data, c.col_offsets, c.transpose_order, c.transpose_row_indices)
+    if b <= 8:
+      y2 = _kernels.csr_few_rows_forward(x, c.data, c.row_offsets, c.col_indices, n)
+      err = max(err, np.abs(np.asarray(y2) - x @ wm).max())
     dx, dd = _kernels.csr_backward(x, c.data, c.row_offsets, c.col_indices, dy)
     err = max(err, np.abs(np.asarray(y) - x @ wm).max(), np.abs(np.asarray(dx) - dy @ wm.T).max(),
               np.abs(np.asarray(dd) - (x.T @ dy)[mask]).max(initial=0))
@@ -152,10 +158,16 @@ def run(case):
       a["row_offsets"] = spoil(a["row_offsets"], 0, 2)
     elif case == "csr_backward_col_index_past_n":
       a["col_indices"] = spoil(a["col_indices"], 0, 24)
-    elif case == "csr_backward_col_index_negative":
+    elif case in ("csr_backward_col_index_negative", "csr_few_rows_forward_col_index_negative"):
       a["col_indices"] = spoil(a["col_indices"], 0, -1)
+    elif case == "csr_few_rows_forward_row_offsets_decreasing":
+      a["row_offsets"] = spoil(a["row_offsets"], 4, 0)
+    elif case == "csr_few_rows_forward_col_index_past_n":
+      a["col_indices"] = spoil(a["col_indices"], 0, 24)
     data = np.asarray(w.data)
-    if "_forward_" in case:
+    if case.startswith("csr_few_rows_"):
+      y = _kernels.csr_few_rows_forward(x, data, a["row_offsets"], a["col_indices"], 24)
+    elif "_forward_" in case:
       y = _kernels.csr_forward(x, data, a["col_offsets"], a["transpose_order"], a["transpose_row_indices"])
     else:
       y = _kernels.csr_backward(x, data, a["row_offsets"], a["col_indices"], f32(4, 24))[0]

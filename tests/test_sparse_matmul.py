@@ -390,6 +390,28 @@ def test_masked_matmul_few_rows_run_the_dense_gemm(rows):
 
 
 @cpu_backend_only
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_sparse_matmul_few_rows_stream_the_entries(rows):
+  """At most 8 rows (leading dims folded) the forward streams the entries in row order at every density, for None
+  and "cpu"; values and gradients as the dense reference; under vmap the mapped rows count (folded into the rows)."""
+  x, w, _ = _data(rows, 1, 96, 40, MASKS["random"], lead=(1, rows))
+  for p in (0.1, 0.9):
+    mask = np.random.default_rng(rows).random(w.shape) < p
+    ws = jaxsparse.CSRMatrix.from_dense(w, mask=mask)
+    for impl in (None, "cpu"):
+      hlo = _cpu_hlo(lambda x, d, impl=impl, ws=ws: sparse_matmul(x, ws.with_data(d), implementation=impl), x, ws.data)
+      assert "jaxsparse_csr_few_rows_forward" in hlo and "jaxsparse_csr_forward" not in hlo, impl
+      assert "jaxsparse_csr_to_dense" not in hlo, impl
+      _check_sparse_matmul(x, w, mask, jnp.float32, implementation=impl)
+  ws = jaxsparse.CSRMatrix.from_dense(w, mask=mask)
+  f = jax.vmap(lambda a: sparse_matmul(a, ws))
+  for n in (1, 2, 5):
+    xs = jnp.stack([x[0] * (i + 1) for i in range(n)])
+    assert ("jaxsparse_csr_few_rows_forward" in _cpu_hlo(f, xs)) == (n * rows <= 8)
+    assert_close(f(xs), xs @ ws.to_dense(), jnp.float32)
+
+
+@cpu_backend_only
 @pytest.mark.parametrize("p", [0.1, 0.9])
 def test_sparse_matmul_auto_picks_the_dense_route_by_density(p):
   """implementation=None runs dense-ish CSR patterns on the dense route (the entries written dense by a kernel,
@@ -470,6 +492,24 @@ def test_packed_gemm_edge_cases():
                              rtol=1e-5, atol=1e-4)
 
 
+def test_csr_few_rows_kernel():
+  """csr_few_rows_forward against float64 NumPy on fresh random shapes of 0-8 rows, its checks at run time."""
+  assert _build.load(), _build.unavailable_reason()
+  rng = np.random.default_rng()
+  for _ in range(6):
+    m, k, n = int(rng.integers(0, 9)), int(rng.integers(1, 700)), int(rng.integers(1, 300))
+    x, w = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((k, n)).astype(np.float32)
+    mask = rng.random((k, n)) < rng.uniform(0.01, 0.9)
+    ws = jaxsparse.CSRMatrix.from_dense(w, mask=mask)
+    y = _kernels.csr_few_rows_forward(x, ws.data, ws.row_offsets, ws.col_indices, n)
+    np.testing.assert_allclose(y, x.astype(np.float64) @ np.where(mask, w, 0), rtol=1e-5, atol=1e-5 * np.sqrt(k))
+  with pytest.raises(Exception, match="takes at most 8 rows, got 9"):
+    jax.block_until_ready(_kernels.csr_few_rows_forward(np.ones((9, k), np.float32), ws.data, ws.row_offsets,
+                                                        ws.col_indices, n))
+  with pytest.raises(Exception, match=r"col_indices has entries outside \[0, 3\)"):
+    jax.block_until_ready(_kernels.csr_few_rows_forward(x, ws.data, ws.row_offsets, ws.col_indices, 3))
+
+
 def test_mask_may_change_inside_jit():
   """The kernels read the mask on every call: new masks (and new nnz) need no rebuild."""
   x, w, _ = _data(5, 16, 64, 32, MASKS["random"])
@@ -481,7 +521,7 @@ def test_mask_may_change_inside_jit():
 
 @cpu_backend_only
 def test_invalid_csr_indices_fail_at_run_time():
-  x, w, mask = _data(6, 4, 16, 8, MASKS["random"])
+  x, w, mask = _data(6, 12, 16, 8, MASKS["random"])  # more than 8 rows: the forward reads the transposed arrays
   ws = jaxsparse.CSRMatrix.from_dense(w, mask=mask)
   bad = dict(ws.index_arrays(), transpose_row_indices=ws.transpose_row_indices + 16)
   with pytest.raises(Exception, match=r"transpose_row_indices has entries outside \[0, 16\)"):

@@ -44,6 +44,7 @@ TARGETS = {
     "jaxsparse_masked_forward": "JaxsparseMaskedForward",
     "jaxsparse_masked_backward": "JaxsparseMaskedBackward",
     "jaxsparse_csr_forward": "JaxsparseCsrForward",
+    "jaxsparse_csr_few_rows_forward": "JaxsparseCsrFewRowsForward",
     "jaxsparse_csr_backward": "JaxsparseCsrBackward",
     "jaxsparse_csr_to_dense": "JaxsparseCsrToDense",
     "jaxsparse_csr_take": "JaxsparseCsrTake",

@@ -12,6 +12,8 @@ Call :func:`jaxsparse._cpu._build.load` before lowering any of these: it registe
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -20,6 +22,7 @@ __all__ = [
     "block_backward",
     "block_forward",
     "csr_backward",
+    "csr_few_rows_forward",
     "csr_forward",
     "csr_take",
     "csr_to_dense",
@@ -29,6 +32,7 @@ __all__ = [
 ]
 
 _F32 = jnp.float32
+CSR_FEW_ROWS = 8  # csr_few_rows_forward's rows, at most (kFewRows in sparse_matmul.cc)
 
 
 def _sequential(fn, axis_size, in_batched, args):
@@ -108,6 +112,28 @@ def csr_forward(x, data, col_offsets, transpose_order, transpose_row_indices):
 
 
 csr_forward.def_vmap(_fold_or_map(csr_forward, 1))
+
+
+def csr_few_rows_forward(x, data, row_offsets, col_indices, n: int) -> jax.Array:
+  """``x (B, K) @ W`` -> ``(B, N)`` for ``B <= 8`` rows, from a :class:`jaxsparse.CSRMatrix`'s row-major arrays."""
+  return _csr_few_rows_forward(n)(x, data, row_offsets, col_indices)
+
+
+@functools.cache
+def _csr_few_rows_forward(n: int):
+  @jax.custom_batching.custom_vmap
+  def call(x, data, row_offsets, col_indices):
+    out = jax.ShapeDtypeStruct((x.shape[0], n), _F32)
+    return jax.ffi.ffi_call("jaxsparse_csr_few_rows_forward", out, vmap_method="sequential")(
+        x, data, row_offsets, col_indices)
+
+  def rule(axis_size, in_batched, x, *rest):
+    if in_batched[0] and not any(in_batched[1:]) and axis_size * x.shape[1] <= CSR_FEW_ROWS:
+      return call(x.reshape(-1, x.shape[-1]), *rest).reshape(axis_size, x.shape[1], n), True
+    return _sequential(call, axis_size, in_batched, (x, *rest)), True  # the kernel takes 8 rows at most
+
+  call.def_vmap(rule)
+  return call
 
 
 @jax.custom_batching.custom_vmap

@@ -8,7 +8,8 @@ One op, three products, two backends:
   tile held in registers. Chosen by default on CPU, except that patterns denser than
   :data:`CPU_DENSE_FORWARD_MIN_DENSITY` (:data:`CPU_DENSE_BACKWARD_MIN_DENSITY` for the backward) run on the
   dense route: a C++ kernel writes the entries into a dense weight, XLA multiplies, and ``dW`` is taken at the
-  entries by another kernel.
+  entries by another kernel. Forwards of at most 8 rows (a decode step) stream the entries once in row order at
+  every density, on either choice.
 * ``"xla"``: ``x @ W.to_dense()`` with autodiff. It builds the dense ``K x N`` weight, which on
   accelerators (and on CPU without a C++ compiler) is still the fastest XLA formulation: gather /
   segment-sum versions measured 5-10x slower than dense on CPU.
@@ -195,6 +196,9 @@ def _dense_weight(w: CSRMatrix) -> jax.Array:
 
 def _csr_forward(cfg: _Config, x: jax.Array, w: CSRMatrix) -> jax.Array:
   def fwd(x2, b):
+    if x2.shape[0] <= _kernels.CSR_FEW_ROWS:  # a decode step: at every density (cpu_random_shapes_2026-11-29.md)
+      y = _kernels.csr_few_rows_forward(f32(x2), f32(b.data), b.row_offsets, b.col_indices, b.shape[1])
+      return (y.astype(cfg.out_dtype),)
     if cfg.dense_forward:
       return (jnp.matmul(x2, _dense_weight(b), precision=cfg.precision, preferred_element_type=cfg.out_dtype),)
     y = _kernels.csr_forward(f32(x2), f32(b.data), b.col_offsets, b.transpose_order, b.transpose_row_indices)
@@ -242,7 +246,8 @@ def sparse_matmul(
   Non-finite values: NaN / inf in ``w.data``, or in ``x`` meeting a stored entry, propagate on every route. A NaN /
   inf in ``x`` meets the entries that are not stored as zeros only on the dense routes, where ``inf * 0`` makes
   NaN as in ``x @ w.to_dense()``: ``implementation="xla"``, and the default's dense route for patterns denser than
-  :data:`CPU_DENSE_FORWARD_MIN_DENSITY`. The sparse kernels (``"cpu"``, and the default below that density) skip
+  :data:`CPU_DENSE_FORWARD_MIN_DENSITY` (forwards of more than 8 rows). The sparse kernels (``"cpu"``, and the
+  default elsewhere) skip
   entries that are not stored, so such an ``x`` can give finite outputs: test ``x`` with ``jnp.isfinite`` where
   NaN detection matters, rather than relying on the product to carry it.
 
