@@ -479,6 +479,14 @@ def test_packed_gemm_edge_cases():
       == (0, 5)
   empty = _kernels.masked_gemm(np.ones((3, 0), np.float32), np.ones((0, 5), np.float32), np.ones((0, 5), bool))
   np.testing.assert_array_equal(empty, np.zeros((3, 5)))
+  # ... also under vmap, folded into the batch (reshape(-1, 0) has no row count to infer).
+  empty = jax.vmap(lambda a: _kernels.masked_gemm(a, np.ones((0, 5), np.float32), np.ones((0, 5), bool)))(
+      np.ones((2, 3, 0), np.float32))
+  np.testing.assert_array_equal(empty, np.zeros((2, 3, 5)))
+  none = jaxsparse.CSRMatrix.from_dense(np.ones((0, 5), np.float32))
+  empty = jax.vmap(lambda a: _kernels.csr_few_rows_forward(a, none.data, none.row_offsets, none.col_indices, 5))(
+      np.ones((2, 3, 0), np.float32))
+  np.testing.assert_array_equal(empty, np.zeros((2, 3, 5)))
   w = np.ones((4, 5), np.float32)
   w[1, 2] = np.nan
   y = np.asarray(_kernels.masked_gemm(x, w, np.ones((4, 5), bool)))
@@ -490,6 +498,12 @@ def test_packed_gemm_edge_cases():
   x, w = x.astype(np.float32), w.astype(np.float32)
   np.testing.assert_allclose(_kernels.masked_gemm(x, w, mask), x.astype(np.float64) @ np.where(mask, w, 0),
                              rtol=1e-5, atol=1e-4)
+  # Few rows, few weight rows and many columns: the streaming kernel splits the columns too (alone, and with the rows).
+  for m, k, n in [(3, 16, 5000), (5, 300, 3001)]:
+    x, w, mask = rng.standard_normal((m, k)), rng.standard_normal((k, n)), rng.random((k, n)) < 0.5
+    x, w = x.astype(np.float32), w.astype(np.float32)
+    np.testing.assert_allclose(_kernels.masked_gemm(x, w, mask), x.astype(np.float64) @ np.where(mask, w, 0),
+                               rtol=1e-5, atol=1e-4)
 
 
 def test_csr_few_rows_kernel():
@@ -503,11 +517,14 @@ def test_csr_few_rows_kernel():
     ws = jaxsparse.CSRMatrix.from_dense(w, mask=mask)
     y = _kernels.csr_few_rows_forward(x, ws.data, ws.row_offsets, ws.col_indices, n)
     np.testing.assert_allclose(y, x.astype(np.float64) @ np.where(mask, w, 0), rtol=1e-5, atol=1e-5 * np.sqrt(k))
+  # The checks on a fixed matrix: the last random one may have no column index past 3 (n <= 3, or few entries).
+  ws = jaxsparse.CSRMatrix.from_dense(np.ones((16, 24), np.float32))
   with pytest.raises(Exception, match="takes at most 8 rows, got 9"):
-    jax.block_until_ready(_kernels.csr_few_rows_forward(np.ones((9, k), np.float32), ws.data, ws.row_offsets,
-                                                        ws.col_indices, n))
+    jax.block_until_ready(_kernels.csr_few_rows_forward(np.ones((9, 16), np.float32), ws.data, ws.row_offsets,
+                                                        ws.col_indices, 24))
   with pytest.raises(Exception, match=r"col_indices has entries outside \[0, 3\)"):
-    jax.block_until_ready(_kernels.csr_few_rows_forward(x, ws.data, ws.row_offsets, ws.col_indices, 3))
+    jax.block_until_ready(_kernels.csr_few_rows_forward(np.ones((2, 16), np.float32), ws.data, ws.row_offsets,
+                                                        ws.col_indices, 3))
 
 
 def test_mask_may_change_inside_jit():

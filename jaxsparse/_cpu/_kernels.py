@@ -51,6 +51,11 @@ def _sequential(fn, axis_size, in_batched, args):
   return lax.map(one, mapped)
 
 
+def _folded(x: jax.Array) -> jax.Array:
+  """A mapped ``x (axis, B, K)`` as one batch ``(axis * B, K)`` (not ``reshape(-1, K)``: no row count for ``K = 0``)."""
+  return x.reshape(x.shape[0] * x.shape[1], x.shape[2])
+
+
 def _fold_or_map(fn, n_folded: int):
   """A batching rule: fold the mapped axis into the batch when only the first ``n_folded`` args are mapped."""
 
@@ -58,7 +63,7 @@ def _fold_or_map(fn, n_folded: int):
     folded, rest = in_batched[:n_folded], in_batched[n_folded:]
     if all(folded) and not any(rest):
       x = args[0]
-      y = fn(x.reshape(-1, x.shape[-1]), *args[1:])
+      y = fn(_folded(x), *args[1:])
       return y.reshape(axis_size, x.shape[1], y.shape[-1]), True
     return _sequential(fn, axis_size, in_batched, args), True
 
@@ -129,7 +134,7 @@ def _csr_few_rows_forward(n: int):
 
   def rule(axis_size, in_batched, x, *rest):
     if in_batched[0] and not any(in_batched[1:]) and axis_size * x.shape[1] <= CSR_FEW_ROWS:
-      return call(x.reshape(-1, x.shape[-1]), *rest).reshape(axis_size, x.shape[1], n), True
+      return call(_folded(x), *rest).reshape(axis_size, x.shape[1], n), True
     return _sequential(call, axis_size, in_batched, (x, *rest)), True  # the kernel takes 8 rows at most
 
   call.def_vmap(rule)

@@ -30,6 +30,8 @@ constexpr int64_t kNc = 4 * kNr;       // output columns per work item, at most
 constexpr int64_t kItemsPerWorker = 4;  // work items per thread, at least where the product allows
 constexpr int64_t kFewRows = 8;         // products of at most this many rows skip the packing (DirectProduct)
 constexpr int64_t kDirectRows = 64;     // ... weight rows per work item there, at least
+constexpr int64_t kDirectCols = 256;    // ... columns per work item, at least (where the rows do not split enough)
+constexpr int64_t kDirectRowParts = 8;  // ... partial sums of y, at most
 
 inline vec LoadVec(const float* p) {
   vec r;
@@ -206,12 +208,13 @@ void PackMasked(const float* w, const bool* mask, int64_t k, int64_t n, int64_t 
 // in order, and every row of x takes each masked weight vector from the registers. Memory-bound.
 // ------------------------------------------------------------------------------------------------
 
-// part (R, n) = x[:, k0 : k1] @ where(mask, w, 0)[k0 : k1], the weight rows read in order, four at a time.
+// part[:, c0 : c1] (R rows, stride n) = x[:, k0 : k1] @ where(mask, w, 0)[k0 : k1, c0 : c1], the weight rows read
+// in order, four at a time.
 template <int R>
 void DirectRows(const float* x, const float* w, const bool* mask, int64_t k, int64_t n, int64_t k0, int64_t k1,
-                float* part) {
-  std::memset(part, 0, sizeof(float) * R * n);
-  const int64_t full = n / kVec * kVec;
+                int64_t c0, int64_t c1, float* part) {
+  for (int r = 0; r < R; ++r) std::memset(part + r * n + c0, 0, sizeof(float) * (c1 - c0));
+  const int64_t full = c0 + (c1 - c0) / kVec * kVec;
   int64_t q = k0;
   for (; q + 4 <= k1; q += 4) {
     float s[R][4];
@@ -220,7 +223,7 @@ void DirectRows(const float* x, const float* w, const bool* mask, int64_t k, int
     }
     const float* w0 = w + q * n;
     const bool* m0 = mask + q * n;
-    for (int64_t j = 0; j < full; j += kVec) {
+    for (int64_t j = c0; j < full; j += kVec) {
       const vec b0 = MaskedLoad(w0 + j, m0 + j), b1 = MaskedLoad(w0 + n + j, m0 + n + j);
       const vec b2 = MaskedLoad(w0 + 2 * n + j, m0 + 2 * n + j), b3 = MaskedLoad(w0 + 3 * n + j, m0 + 3 * n + j);
       for (int r = 0; r < R; ++r) {
@@ -233,13 +236,13 @@ void DirectRows(const float* x, const float* w, const bool* mask, int64_t k, int
   for (; q < k1; ++q) {
     const float* w0 = w + q * n;
     const bool* m0 = mask + q * n;
-    for (int64_t j = 0; j < full; j += kVec) {
+    for (int64_t j = c0; j < full; j += kVec) {
       const vec b0 = MaskedLoad(w0 + j, m0 + j);
       for (int r = 0; r < R; ++r) StoreVec(part + r * n + j, LoadVec(part + r * n + j) + x[r * k + q] * b0);
     }
   }
-  for (q = k0; q < k1; ++q) {  // the last n % kVec columns
-    for (int64_t j = full; j < n; ++j) {
+  for (q = k0; q < k1; ++q) {  // the last (c1 - c0) % kVec columns
+    for (int64_t j = full; j < c1; ++j) {
       uint32_t bits;
       std::memcpy(&bits, w + q * n + j, sizeof(bits));
       bits &= 0u - static_cast<uint32_t>(reinterpret_cast<const uint8_t*>(mask)[q * n + j] != 0);
@@ -250,23 +253,29 @@ void DirectRows(const float* x, const float* w, const bool* mask, int64_t k, int
   }
 }
 
-// y (R, n) = x (R, k) @ where(mask, w, 0): ranges of weight rows per work item (the weight streamed in order), each
-// into its own partial sums, added up at the end.
+// y (R, n) = x (R, k) @ where(mask, w, 0): work items are ranges of weight rows (the weight streamed in order) times
+// ranges of columns; each range of rows adds into its own partial sums (at most kDirectRowParts of them, so the
+// scratch stays a few times y's size), added up at the end.
 template <int R>
 void DirectProduct(const Scheduler& pool, const float* x, const float* w, const bool* mask, int64_t k, int64_t n,
                    float* y) {
-  const int64_t items = std::max<int64_t>(1, std::min(CeilDiv(k, kDirectRows), kItemsPerWorker * NumWorkers()));
-  const int64_t per_item = CeilDiv(k, items);
-  float* parts = CachedBuffer(3, items * R * n);
-  ParallelFor(pool, items, [&](int64_t i) {
-    DirectRows<R>(x, w, mask, k, n, std::min(k, i * per_item), std::min(k, (i + 1) * per_item), parts + i * R * n);
+  const int64_t want = kItemsPerWorker * NumWorkers();
+  const int64_t row_parts = std::max<int64_t>(1, std::min({CeilDiv(k, kDirectRows), want, kDirectRowParts}));
+  const int64_t col_parts = std::max<int64_t>(1, std::min(CeilDiv(want, row_parts), CeilDiv(n, kDirectCols)));
+  const int64_t width = RoundUp(CeilDiv(n, col_parts), kVec), col_groups = CeilDiv(n, width);
+  const int64_t per_part = CeilDiv(k, row_parts);
+  float* parts = CachedBuffer(3, row_parts * R * n);
+  ParallelFor(pool, row_parts * col_groups, [&](int64_t i) {
+    const int64_t p = i / col_groups, c0 = (i % col_groups) * width;
+    DirectRows<R>(x, w, mask, k, n, std::min(k, p * per_part), std::min(k, (p + 1) * per_part), c0,
+                  std::min(n, c0 + width), parts + p * R * n);
   });
-  const int64_t width = RoundUp(CeilDiv(R * n, kItemsPerWorker * NumWorkers()), 1024);
-  ParallelFor(pool, CeilDiv(R * n, width), [&](int64_t c) {
-    const int64_t e0 = c * width, e1 = std::min<int64_t>(R * n, e0 + width);
+  const int64_t chunk = RoundUp(CeilDiv(R * n, want), 1024);
+  ParallelFor(pool, CeilDiv(R * n, chunk), [&](int64_t c) {
+    const int64_t e0 = c * chunk, e1 = std::min<int64_t>(R * n, e0 + chunk);
     std::memcpy(y + e0, parts + e0, sizeof(float) * (e1 - e0));
-    for (int64_t i = 1; i < items; ++i) {
-      const float* part = parts + i * R * n;
+    for (int64_t p = 1; p < row_parts; ++p) {
+      const float* part = parts + p * R * n;
       for (int64_t e = e0; e < e1; ++e) y[e] += part[e];
     }
   });

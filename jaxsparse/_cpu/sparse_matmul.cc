@@ -38,6 +38,7 @@ constexpr int64_t kGatherAhead = 32;   // entries prefetched ahead in random gat
 constexpr int64_t kTransposeChunk = 64;
 constexpr int kFewRows = 8;                // CsrFewRowsKernel's rows, at most
 constexpr int64_t kFewRowsItemEntries = 16384;  // ... entries per work item there, at least
+constexpr int64_t kFewRowsParts = 16;           // ... work items (partial sums of y), at most
 
 // Per-thread scratch, reused across calls (pool threads live as long as the process).
 struct Scratch {
@@ -499,9 +500,11 @@ void CsrFewRowsPart(const float* x, const float* data, const int32_t* row_offset
 template <int P>
 void CsrFewRows(const Scheduler& pool, const float* x, const float* data, const int32_t* row_offsets,
                 const int32_t* col_indices, int64_t b, int64_t k, int64_t n, float* y) {
-  // Work items of at least kFewRowsItemEntries entries (a small product runs on the calling thread alone).
+  // Work items of at least kFewRowsItemEntries entries (a small product runs on the calling thread alone), at most
+  // kFewRowsParts of them: each keeps partial sums the size of y.
   const int64_t nnz = row_offsets[k];
-  const int64_t items = std::max<int64_t>(1, std::min(nnz / kFewRowsItemEntries, 4 * int64_t{NumWorkers()}));
+  const int64_t items =
+      std::max<int64_t>(1, std::min({nnz / kFewRowsItemEntries, 4 * int64_t{NumWorkers()}, kFewRowsParts}));
   const int64_t per_item = CeilDiv(k, items);
   float* parts = CachedBuffer(2, items * P * n);
   ParallelFor(pool, items, [&](int64_t i) {

@@ -88,7 +88,9 @@ class MaskedLinear(nnx.Module):
   that runs sparse C++ kernels (forward and both gradients, work proportional to the kept weights)
   which read the kept entries from ``mask`` on every call: replacing ``mask`` (pruning, RigL) needs
   no rebuild, inside ``jit`` or out, and the number of kept weights may change freely. Masks keeping
-  more than 25% of the weights run masked dense, which is faster there.
+  more than a third of the weights run their forward as a dense C++ GEMM that masks the weight as it packs it (as
+  do inputs of at most 8 rows, a decode step, at any density), and more than a quarter their gradients masked dense:
+  faster there (:func:`jaxsparse.ops.masked_matmul` has the thresholds).
 
   >>> import jax.numpy as jnp
   >>> from flax import nnx

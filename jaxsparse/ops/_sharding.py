@@ -9,7 +9,8 @@ of the activations is gathered:
   backend ``f`` dispatches to (Pallas, the C++ FFI kernels, XLA);
 * outputs with those leading dims (``y``, ``dX``) keep their sharding;
 * outputs that sum over the rows (the weight gradient ``dW = xᵀ dY``) are reduced across those
-  axes with one ``psum``, so data-parallel training needs no reduction by the user;
+  axes with one ``psum`` (16-bit floats summed in float32), so data-parallel training needs no reduction by the
+  user;
 * the weights, and the last (feature) dim of the activations, are replicated: gathered if they
   arrive sharded (tensor parallelism is a different layout: :mod:`jaxsparse.sharding`). The ops' plain XLA
   paths, differentiated by JAX itself, get the same layout from :func:`rows_and_replicated_weights` under
@@ -38,6 +39,7 @@ from collections.abc import Mapping
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
@@ -58,6 +60,18 @@ def _lead_specs(spec, shape, n_lead: int, axis_size: Callable[[str], int]) -> tu
   return tuple(out)
 
 
+def _psum(a: jax.Array, axes: tuple) -> jax.Array:
+  """``lax.psum(a, axes)``, with floats narrower than float32 summed in float32 and cast back.
+
+  Fewer roundings, and XLA's CPU compiler (jax 0.10) aborts the process ("Invalid binary instruction opcode copy",
+  in its AllReducePromotion pass) on a bfloat16 all-reduce over some of a mesh's axes: the weight gradient of
+  bfloat16 weights with x's rows split over "data" of a ("data", "model") mesh.
+  """
+  if not jnp.issubdtype(a.dtype, jnp.inexact):
+    return lax.psum(a, axes)
+  return lax.psum(a.astype(_utils.accumulation_dtype(a.dtype)), axes).astype(a.dtype)
+
+
 def _local(fn: Callable, n_rows: int, summed: frozenset, lead: tuple) -> Callable:
   """``fn`` on one device's rows, its ``summed`` outputs reduced over the axes of ``lead``."""
   axes = _utils.spec_axes(*lead)
@@ -66,7 +80,7 @@ def _local(fn: Callable, n_rows: int, summed: frozenset, lead: tuple) -> Callabl
     outs = fn(*args)
     if not axes:
       return outs
-    return tuple(lax.psum(o, axes) if i in summed else o for i, o in enumerate(outs))
+    return tuple(_psum(o, axes) if i in summed else o for i, o in enumerate(outs))
 
   return local_fn
 
