@@ -9,8 +9,8 @@ of the activations is gathered:
   backend ``f`` dispatches to (Pallas, the C++ FFI kernels, XLA);
 * outputs with those leading dims (``y``, ``dX``) keep their sharding;
 * outputs that sum over the rows (the weight gradient ``dW = xᵀ dY``) are reduced across those
-  axes with one ``psum`` (16-bit floats summed in float32), so data-parallel training needs no reduction by the
-  user;
+  axes with one ``psum`` (on a CPU, 16-bit floats summed in float32), so data-parallel training needs no reduction
+  by the user;
 * the weights, and the last (feature) dim of the activations, are replicated: gathered if they
   arrive sharded (tensor parallelism is a different layout: :mod:`jaxsparse.sharding`). The ops' plain XLA
   paths, differentiated by JAX itself, get the same layout from :func:`rows_and_replicated_weights` under
@@ -61,13 +61,14 @@ def _lead_specs(spec, shape, n_lead: int, axis_size: Callable[[str], int]) -> tu
 
 
 def _psum(a: jax.Array, axes: tuple) -> jax.Array:
-  """``lax.psum(a, axes)``, with floats narrower than float32 summed in float32 and cast back.
+  """``lax.psum(a, axes)``; on a CPU backend floats narrower than float32 are summed in float32 and cast back.
 
-  Fewer roundings, and XLA's CPU compiler (jax 0.10) aborts the process ("Invalid binary instruction opcode copy",
-  in its AllReducePromotion pass) on a bfloat16 all-reduce over some of a mesh's axes: the weight gradient of
-  bfloat16 weights with x's rows split over "data" of a ("data", "model") mesh.
+  XLA's CPU compiler (jax 0.10) aborts the process ("Invalid binary instruction opcode copy", in its
+  AllReducePromotion pass) on a bfloat16 all-reduce over some of a mesh's axes: the weight gradient of bfloat16
+  weights with x's rows split over "data" of a ("data", "model") mesh. Accelerators keep the narrow all-reduce (half
+  the bytes of a float32 one).
   """
-  if not jnp.issubdtype(a.dtype, jnp.inexact):
+  if not jnp.issubdtype(a.dtype, jnp.inexact) or jax.default_backend() != "cpu":
     return lax.psum(a, axes)
   return lax.psum(a.astype(_utils.accumulation_dtype(a.dtype)), axes).astype(a.dtype)
 
