@@ -42,8 +42,8 @@ CPU_MAX_DENSITY = 0.25
 # against 1.20-1.38x for masked dense, and lost on 4 of 6 at 0.37 (benchmarks/results/cpu_random_shapes_2026-11-27.md).
 CPU_FORWARD_MAX_DENSITY = 0.33
 # Forwards of at most this many rows run the dense GEMM at every density: it streams w and mask once, unpacked, at
-# 0.9-1.8x the plain product's time for 1-8 rows, where the sparse kernels took 2.2-10.7x (their batch tiles are
-# mostly padding) and XLA's masked dense 2.4-16x (2-core CPU: benchmarks/results/cpu_random_shapes_2026-11-29.md).
+# 0.7-2.2x the plain product's time for 1-8 rows, where the sparse kernels took 2.6-11x (their batch tiles are
+# mostly padding) and XLA's masked dense 1.8-14x (2-core CPU: benchmarks/results/cpu_random_shapes_2026-11-29.md).
 CPU_FEW_ROWS = 8
 _DENSITY_SAMPLE_ROWS = 64
 
