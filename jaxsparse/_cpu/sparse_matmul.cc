@@ -7,7 +7,9 @@
 //   forward  yT[o, :]  = sum_{k in col o} w[k, o] * xT[k, :]     (per output column, CSC order)
 //   dX       dxT[k, :] = sum_{o in row k} w[k, o] * dyT[o, :]    (per input row, CSR order)
 //   dW       dw[k, o]  = dot(xT[k, :], dyT[o, :])                (one dot per nonzero, CSR order)
-// so the work is proportional to the nonzeros; dX and dW share one pass over the dyT rows. The rows
+// so the work is proportional to the nonzeros; dX and dW share one pass over the dyT rows. A CSR forward of at most
+// kFewRows rows (a decode step, where the batch tiles would be mostly padding) streams the entries in row order
+// instead (CsrFewRowsKernel). The rows
 // being gathered (of xT or dyT) are walked in blocks of rows so that a block of a tile stays in
 // cache while every column (or row) of a chunk takes its nonzeros from it: kBlockRows (256 KiB, L2)
 // for the backward; for the forward, ForwardBlockRows of the pattern's density, down to kFineRows
