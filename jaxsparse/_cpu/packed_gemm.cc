@@ -4,8 +4,9 @@
 // win. Building the masked weight first and handing it to XLA's dot costs a pass over K x N and a fresh buffer per
 // call, and XLA's dot on a weight computed in the same call ran 0.0-0.28 slower than on one passed in
 // (benchmarks/results/cpu_random_shapes_2026-11-27.md): 1.06-1.55x the plain product at 34-50% density. Here the
-// mask is applied while the weight is packed for a register-blocked GEMM, as any GEMM packs its operands anyway: a
-// bitwise select per (kKc, kNr) strip.
+// mask is applied while the weight is packed for a register-blocked GEMM, as any GEMM packs its operands anyway (a
+// zero-masking load per vector on AVX-512, else a bitwise select). Products of at most kFewRows rows (a decode
+// step) skip the packing: DirectProduct streams w and mask once (benchmarks/results/cpu_random_shapes_2026-11-29.md).
 // The GEMM: x is packed once per call into panels of kMr rows by kKc contractions; each work item (a chunk of at most
 // kNc output columns times a group of row panels) runs the kMr x kNr micro-kernel (kMr x 2 accumulator vectors: 24
 // of the 32 AVX-512 registers) over its strips, packed by the item block by block as it goes (one group of rows), or
