@@ -56,12 +56,13 @@ def _folded(x: jax.Array) -> jax.Array:
   return x.reshape(x.shape[0] * x.shape[1], x.shape[2])
 
 
-def _fold_or_map(fn, n_folded: int):
-  """A batching rule: fold the mapped axis into the batch when only the first ``n_folded`` args are mapped."""
+def _fold_or_map(fn, n_folded: int, max_rows: int | None = None):
+  """A batching rule: fold the mapped axis into the batch when only the first ``n_folded`` args are mapped (and the
+  folded rows are at most ``max_rows``, where the kernel takes no more)."""
 
   def rule(axis_size, in_batched, *args):
     folded, rest = in_batched[:n_folded], in_batched[n_folded:]
-    if all(folded) and not any(rest):
+    if all(folded) and not any(rest) and (max_rows is None or axis_size * args[0].shape[1] <= max_rows):
       x = args[0]
       y = fn(_folded(x), *args[1:])
       return y.reshape(axis_size, x.shape[1], y.shape[-1]), True
@@ -132,12 +133,7 @@ def _csr_few_rows_forward(n: int):
     return jax.ffi.ffi_call("jaxsparse_csr_few_rows_forward", out, vmap_method="sequential")(
         x, data, row_offsets, col_indices)
 
-  def rule(axis_size, in_batched, x, *rest):
-    if in_batched[0] and not any(in_batched[1:]) and axis_size * x.shape[1] <= CSR_FEW_ROWS:
-      return call(_folded(x), *rest).reshape(axis_size, x.shape[1], n), True
-    return _sequential(call, axis_size, in_batched, (x, *rest)), True  # the kernel takes 8 rows at most
-
-  call.def_vmap(rule)
+  call.def_vmap(_fold_or_map(call, 1, max_rows=CSR_FEW_ROWS))
   return call
 
 

@@ -50,6 +50,10 @@ inline v8 Load8(const float* p) {
 }
 inline void Store8(float* p, v8 v) { std::memcpy(p, &v, sizeof(v)); }
 inline v8 Splat8(float s) { return v8{s, s, s, s, s, s, s, s}; }
+// Forwards of at most this many rows (a decode step) run the few-row kernels (packed_gemm.cc, sparse_matmul.cc),
+// which stream the weight once instead of tiling the batch.
+constexpr int kFewRows = 8;
+
 inline int64_t RoundUp(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
 inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 

@@ -29,8 +29,7 @@ constexpr int kNr = 2 * kVec;          // columns of the micro-tile: two vectors
 constexpr int64_t kKc = 256;           // contraction rows per packed block
 constexpr int64_t kNc = 4 * kNr;       // output columns per work item, at most
 constexpr int64_t kItemsPerWorker = 4;  // work items per thread, at least where the product allows
-constexpr int64_t kFewRows = 8;         // products of at most this many rows skip the packing (DirectProduct)
-constexpr int64_t kDirectRows = 64;     // ... weight rows per work item there, at least
+constexpr int64_t kDirectRows = 64;     // DirectProduct (kFewRows rows at most): weight rows per work item, at least
 constexpr int64_t kDirectCols = 256;    // ... columns per work item, at least (where the rows do not split enough)
 constexpr int64_t kDirectRowParts = 8;  // ... partial sums of y, at most
 
@@ -158,6 +157,16 @@ void PackedGemm(const Scheduler& pool, const float* x, int64_t m, int64_t k, int
 typedef int32_t ivec __attribute__((vector_size(sizeof(vec))));
 typedef uint8_t bytes __attribute__((vector_size(kVec)));
 
+// where(mask[0], w[0], 0), bitwise (a pruned NaN or inf becomes +0; a nonzero mask byte keeps).
+inline float MaskedScalar(const float* w, const bool* mask) {
+  uint32_t bits;
+  std::memcpy(&bits, w, sizeof(bits));
+  bits &= 0u - static_cast<uint32_t>(*reinterpret_cast<const uint8_t*>(mask) != 0);
+  float v;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+}
+
 // where(mask, w, 0) for kVec weights (a pruned NaN or inf becomes +0; a nonzero mask byte keeps): a zero-masking
 // load on AVX-512 (half the time of the portable select in the few-rows product), else a bitwise select.
 inline vec MaskedLoad(const float* w, const bool* mask) {
@@ -183,21 +192,17 @@ void PackMasked(const float* w, const bool* mask, int64_t k, int64_t n, int64_t 
   const int64_t k0 = blk * kKc, kc = std::min(kKc, k - k0);
   for (int64_t s = 0; s * kNr < cn; ++s) {
     const int64_t j0 = c0 + s * kNr, cols = std::min<int64_t>(kNr, cn - s * kNr);
-    uint32_t* strip = reinterpret_cast<uint32_t*>(dst + s * kStripSize);
+    float* strip = dst + s * kStripSize;
     for (int64_t q = 0; q < kc; ++q) {
-      // A pruned NaN or inf becomes +0 exactly as in where(mask, w, 0); a mask byte counts as kept when nonzero, as
-      // in the sparse kernels.
-      const uint32_t* wr = reinterpret_cast<const uint32_t*>(w + (k0 + q) * n + j0);
-      const uint8_t* mr = reinterpret_cast<const uint8_t*>(mask + (k0 + q) * n + j0);
-      uint32_t* d = strip + q * kNr;
+      const float* wq = w + (k0 + q) * n + j0;
+      const bool* mq = mask + (k0 + q) * n + j0;
+      float* d = strip + q * kNr;
       if (cols == kNr) {
-        const float* wq = w + (k0 + q) * n + j0;
-        const bool* mq = mask + (k0 + q) * n + j0;
-        StoreVec(reinterpret_cast<float*>(d), MaskedLoad(wq, mq));
-        StoreVec(reinterpret_cast<float*>(d) + kVec, MaskedLoad(wq + kVec, mq + kVec));
+        StoreVec(d, MaskedLoad(wq, mq));
+        StoreVec(d + kVec, MaskedLoad(wq + kVec, mq + kVec));
       } else {
-        for (int64_t j = 0; j < cols; ++j) d[j] = wr[j] & (0u - static_cast<uint32_t>(mr[j] != 0));
-        for (int64_t j = cols; j < kNr; ++j) d[j] = 0u;
+        for (int64_t j = 0; j < cols; ++j) d[j] = MaskedScalar(wq + j, mq + j);
+        for (int64_t j = cols; j < kNr; ++j) d[j] = 0.f;
       }
     }
   }
@@ -244,11 +249,7 @@ void DirectRows(const float* x, const float* w, const bool* mask, int64_t k, int
   }
   for (q = k0; q < k1; ++q) {  // the last (c1 - c0) % kVec columns
     for (int64_t j = full; j < c1; ++j) {
-      uint32_t bits;
-      std::memcpy(&bits, w + q * n + j, sizeof(bits));
-      bits &= 0u - static_cast<uint32_t>(reinterpret_cast<const uint8_t*>(mask)[q * n + j] != 0);
-      float v;
-      std::memcpy(&v, &bits, sizeof(v));
+      const float v = MaskedScalar(w + q * n + j, mask + q * n + j);
       for (int r = 0; r < R; ++r) part[r * n + j] += x[r * k + q] * v;
     }
   }

@@ -38,8 +38,7 @@ constexpr int64_t kRowChunk = 128;     // input rows per backward work item
 constexpr int64_t kPrefetchRows = 4;   // mask / weight rows read ahead in the forward scan
 constexpr int64_t kGatherAhead = 32;   // entries prefetched ahead in random gathers
 constexpr int64_t kTransposeChunk = 64;
-constexpr int kFewRows = 8;                // CsrFewRowsKernel's rows, at most
-constexpr int64_t kFewRowsItemEntries = 16384;  // ... entries per work item there, at least
+constexpr int64_t kFewRowsItemEntries = 16384;  // CsrFewRowsKernel (kFewRows rows at most): entries per item, at least
 constexpr int64_t kFewRowsParts = 16;           // ... work items (partial sums of y), at most
 
 // Per-thread scratch, reused across calls (pool threads live as long as the process).
