@@ -122,6 +122,13 @@ def check_positive_int(value: object, *, name: str) -> int:
   return int(value)
 
 
+def check_nonnegative_int(value: object, *, name: str) -> int:
+  """Returns ``value`` as an int ``>= 0`` (a size that may be empty, as a Flax ``Embed``'s); raises naming ``name``."""
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < 0:
+    raise ValueError(f"{name} must be a non-negative int, got {value!r}.")
+  return int(value)
+
+
 def kept_count(fraction: float, total: int) -> int:
   """``fraction * total`` rounded half up: the exact number of entries a mask keeps."""
   return int(fraction * total + 0.5)

@@ -221,6 +221,25 @@ def test_summary_counts_the_embedding_kept_weights_as_the_report():
     assert str(s).splitlines()[1].split()[5:8] == ["0.000", "0", "(-)"]  # density, bytes (vs dense)
 
 
+@pytest.mark.parametrize("shape", [(0, 16), (8, 0)])
+def test_empty_tables_as_nnx_embed(shape):
+  """attend of a table of no features (8, 0) raised the N:M op's "the contraction is empty" where nnx.Embed gives zero
+  logits; ids looked up in a table of no rows raised jnp.take's IndexError, naming neither. Now as nnx.Embed, and the
+  IndexError names the empty table (the Linen twin takes the same tables: test_linen_embed)."""
+  dense = nnx.Embed(*shape, embedding_init=nnx.initializers.normal(), rngs=nnx.Rngs(0))
+  sparse = CompressedNMEmbed.from_dense(dense)
+  query = jnp.ones((2, shape[1]))
+  np.testing.assert_array_equal(sparse.attend(query), dense.attend(query))
+  np.testing.assert_array_equal(jax.grad(lambda q: sparse.attend(q).sum())(query), jnp.zeros_like(query))
+  ids = jnp.array([0, 5])
+  if shape[0] == 0:
+    with pytest.raises(IndexError, match=r"CompressedNMEmbed has num_embeddings=0: an empty table has no rows"):
+      sparse(ids)
+  else:
+    np.testing.assert_array_equal(sparse(ids), dense(ids))
+  assert sparse(ids[:0]).shape == (0, shape[1])
+
+
 def test_attend_names_a_query_of_another_width():
   # It raised nm_matmul's "x must have shape (..., K) with K = w.shape[0]", naming neither query nor features.
   sparse = CompressedNMEmbed.from_dense(_dense(6, 8, jnp.float32, 0))

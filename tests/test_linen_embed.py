@@ -140,7 +140,8 @@ def test_abstract_init_and_boxed_initializer():
 @pytest.mark.parametrize("build, call, match", [
     (lambda: CompressedNMEmbed(10, 6), None, r"m=4 must divide features=6"),
     (lambda: CompressedNMEmbed(10, 8, n=4, m=4), None, r"n must satisfy 0 < n < m"),
-    (lambda: CompressedNMEmbed(0, 8), None, r"num_embeddings"),
+    (lambda: CompressedNMEmbed(-1, 8), None, r"num_embeddings must be a non-negative int, got -1"),
+    (lambda: CompressedNMEmbed(10, 8.0), None, r"features must be a non-negative int, got 8\.0"),
     (lambda: CompressedNMEmbed(10, 8, implementation="bogus"), None, r"implementation"),
     (lambda: CompressedNMEmbed(10, 8), lambda e, v: e.apply(v, jnp.ones(3)),
      r"inputs must be integer token ids, got dtype float32"),
@@ -158,6 +159,41 @@ def test_bad_arguments_raise(build, call, match):
   with pytest.raises((TypeError, ValueError, flax.errors.ScopeParamShapeError), match=match):
     layer = build()
     call(layer, layer.init(jax.random.key(0), jnp.arange(2)))
+
+
+@pytest.mark.parametrize("shape", [(0, 16), (8, 0)])
+def test_empty_tables_as_nn_embed(shape):
+  """Linen refused an empty table ("num_embeddings must be a positive int, got 0", so sparsify_linen of a model with
+  one raised) that nn.Embed and the NNX CompressedNMEmbed take; sparsify_linen's layer then died on Flax's shape check
+  (its default initializer divides by the empty fan-in), and attend of a table of no features on the N:M op's empty
+  contraction. Now both behave as nn.Embed: empty rows, zero logits, and an IndexError naming the empty table for ids
+  looked up in one."""
+  init = nn.initializers.normal()
+  ids = jnp.array([[0, 5, 7]])
+  query = jnp.ones((2, shape[1]))
+
+  class LM(nn.Module):
+    @nn.compact
+    def __call__(self, ids):
+      embed = nn.Embed(*shape, embedding_init=init, name="embed")
+      return embed.attend(query) if shape[0] == 0 else embed.attend(embed(ids).sum(1))
+
+  layer = CompressedNMEmbed(*shape, embedding_init=init)
+  variables = layer.init(jax.random.key(0), ids[:, :0])
+  dense = nn.Embed(*shape, embedding_init=init)
+  dense_vars = dense.init(jax.random.key(0), ids[:, :0])
+  np.testing.assert_array_equal(layer.apply(variables, query, method="attend"),
+                                dense.apply(dense_vars, query, method="attend"))
+  if shape[0] == 0:
+    with pytest.raises(IndexError, match=r"CompressedNMEmbed has num_embeddings=0: an empty table has no rows"):
+      layer.apply(variables, ids)
+  else:
+    np.testing.assert_array_equal(layer.apply(variables, ids), dense.apply(dense_vars, ids))
+  model = LM()
+  model_vars = model.init(jax.random.key(0), ids)
+  sparse, sparse_vars, report = jaxsparse.sparsify_linen(model, model_vars, {"embed": jaxsparse.NM(2, 4)}, ids)
+  np.testing.assert_array_equal(sparse.apply(sparse_vars, ids), model.apply(model_vars, ids))
+  assert report.layers[0].density == jaxsparse.summary(sparse_vars, module=sparse).layers[0].density == 0.0
 
 
 # -------------------------------------------------------------------------------------------------

@@ -317,6 +317,28 @@ def test_catch_all_rule_passes_embeddings_and_other_params_by_as_sparsify_does()
   assert sorted(pruning.masks_to_dict(raw)) == ["pos", "w"]
 
 
+def test_nm_pruned_embedding_has_the_groups_sparsify_keeps():
+  """An NM rule naming an embedding pruned n of every m table *rows* (the groups of a kernel's input axis), so
+  sparsify refused the pruner's mask ("the given mask is not 2:4 along the features") and a vocabulary that m does
+  not divide raised; now the groups run along the features, as sparsify's CompressedNMEmbed keeps them (NNX and
+  Linen tables alike: both are leaves named embedding)."""
+  model, ids = _EmbedNet(nnx.Rngs(0)), jnp.arange(10).reshape(2, 5)
+  model.embed = nnx.Embed(18, 8, rngs=nnx.Rngs(1))  # 18 rows: no 2:4 groups along the vocabulary
+  rules = {"embed": jaxsparse.NM(2, 4), "fc": jaxsparse.NM(2, 4)}
+  tx = pruning.wrap_optax(optax.sgd(1e-2), pruning.magnitude_pruner(rules))
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  optimizer.update(model, nnx.grad(lambda m: jnp.mean(m(ids) ** 2))(model))
+  masks = pruning.get_masks(optimizer)
+  table_mask = pruning.masks_to_dict(masks)["embed.embedding"]
+  np.testing.assert_array_equal(table_mask, jaxsparse.nm_mask(model.embed.embedding[...], 2, 4, axis=1))
+  sparse, report = jaxsparse.sparsify(model, rules, masks=masks)
+  assert isinstance(sparse.embed, jaxsparse.layers.CompressedNMEmbed) and report.layers[0].density == 0.5
+  np.testing.assert_allclose(sparse(ids), model(ids), rtol=1e-6, atol=1e-6)
+  with pytest.raises(ValueError, match=r"embed.embedding: N:M sparsity 2:3 needs m=3 to divide the features 8 of "
+                     r"its \(18, 8\) embedding table"):
+    pruning.magnitude_masks(model, {"embed": jaxsparse.NM(2, 3)})
+
+
 def test_global_block_pruning_keeps_a_block_in_every_layer():
   params = _params()
   params["fc1"]["kernel"] = params["fc1"]["kernel"] * 10.0  # every fc1 block outscores every fc2 block

@@ -103,16 +103,18 @@ def _to_dict(tree: Any) -> Any:
 
 def sparse_module_of(layer: _LinenLayer, *, nnz: int | None = None) -> nn.Module:
   m, spec = layer.module, layer.spec
+  # Its variables are always given (made from the dense layer's): the initializer only gives Flax the shape it
+  # checks them against, and zeros take any shape and dtype (the default initializers divide by an empty table's
+  # fan-in, and an integer model's dtype is refused by their normal).
+  given = dict(kernel_init=nn.initializers.zeros_init())
   if layer.kind == "embed":  # parent=None: built inside nn.Embed's methods, which are not compact
     return sparse_linen.CompressedNMEmbed(m.num_embeddings, m.features, n=spec.n, m=spec.m, dtype=m.dtype,
                                           param_dtype=m.param_dtype, promote_dtype=m.promote_dtype,
-                                          implementation=layer.implementation, parent=None)
+                                          embedding_init=given["kernel_init"], implementation=layer.implementation,
+                                          parent=None)
   if layer.kind in ("dense", "general"):
     k, n = layer.shape_2d
     common = dict(use_bias=m.use_bias, dtype=m.dtype, param_dtype=m.param_dtype, precision=m.precision)
-    # Its variables are always given (made from the dense layer's): the initializer only gives Flax the shape it
-    # checks them against, and zeros take any dtype (an integer model's, which the default's normal refuses).
-    given = dict(kernel_init=nn.initializers.zeros_init())
     if isinstance(spec, BlockSparse):
       blocks = (k // spec.block_shape[0]) * (n // spec.block_shape[1])
       density = spec.density if nnz is None else nnz / blocks

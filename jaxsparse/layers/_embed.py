@@ -32,7 +32,7 @@ from jaxsparse.layers._nm_compressed import check_nm_implementation
 from jaxsparse.layers._partitioning import carry_back_nnx
 from jaxsparse.layers._partitioning import carry_nnx
 
-__all__ = ["CompressedNMEmbed", "check_ids", "check_query", "compress_table", "lookup"]
+__all__ = ["CompressedNMEmbed", "attend_table", "check_ids", "check_query", "compress_table", "lookup"]
 
 
 class CompressedNMEmbed(nnx.Module):
@@ -150,6 +150,7 @@ class CompressedNMEmbed(nnx.Module):
 
     Raises:
       ValueError: ``inputs`` that are not integers.
+      IndexError: ids looked up in an empty table (``num_embeddings=0``), as ``nnx.Embed``'s ``jnp.take`` raises.
 
     >>> import jax.numpy as jnp
     >>> from flax import nnx
@@ -187,8 +188,8 @@ class CompressedNMEmbed(nnx.Module):
     """
     check_query(query, self.features)
     query, values = self.promote_dtype((query, self.embedding[...]), dtype=self.dtype)
-    return ops.nm_matmul(query, self.weight.with_values(values), implementation=self.implementation,
-                         precision=precision)
+    return attend_table(query, self.weight.with_values(values), implementation=self.implementation,
+                        precision=precision)
 
   def to_dense(self) -> nnx.Embed:
     """An ``nnx.Embed`` holding the decompressed table (zeros at the pruned features), same ``dtype``.
@@ -284,6 +285,25 @@ def check_query(query: jax.typing.ArrayLike, features: int) -> None:
                      f"query.shape={tuple(shape)}.")
 
 
+def attend_table(query: jax.Array, weight: NMSparseMatrix, *, implementation: ops.NMImplementation | None,
+                 precision: lax.PrecisionLike) -> jax.Array:
+  """``query @ weight``: the tied-embedding logits of both ``CompressedNMEmbed`` layers (NNX and Linen).
+
+  Args:
+    query: ``(..., features)``, promoted to the table's dtype.
+    weight: the transposed table ``(features, num_embeddings)`` (``axis=0``), its values promoted.
+    implementation, precision: of :func:`jaxsparse.ops.nm_matmul`.
+
+  Returns:
+    ``(..., num_embeddings)``. A table of no features gives zeros, as the Flax layers' ``jnp.dot`` does (the N:M
+    ops need a contraction of at least one feature).
+  """
+  features, num_embeddings = weight.shape
+  if features == 0:
+    return jnp.zeros((*jnp.shape(query)[:-1], num_embeddings), jnp.result_type(query, weight.values))
+  return ops.nm_matmul(query, weight, implementation=implementation, precision=precision)
+
+
 def lookup(weight: NMSparseMatrix, inputs: jax.Array) -> jax.Array:
   """The rows of the pruned table at the integer ``inputs``, as a Flax ``Embed`` looks them up.
 
@@ -299,6 +319,9 @@ def lookup(weight: NMSparseMatrix, inputs: jax.Array) -> jax.Array:
     ``Embed``'s lookup of the table split so returns them (unless ``inputs`` use those axes, or they do not divide).
   """
   features, num_embeddings = weight.shape
+  if num_embeddings == 0 and inputs.size:  # as the Flax layers' jnp.take, which names neither the table nor the ids
+    raise IndexError(f"CompressedNMEmbed has num_embeddings=0: an empty table has no rows to look up, got ids of "
+                     f"shape {tuple(inputs.shape)}.")
   if num_embeddings == 1:  # as the Flax layers: every id reads the one row
     return jnp.broadcast_to(weight.to_dense()[:, 0], (*inputs.shape, features))
   columns = decompress(  # jnp.take's index rule, as the Flax layers' (negative ids count from the end)

@@ -28,6 +28,7 @@ from jaxsparse.formats._nm import NMSparseMatrix
 from jaxsparse.layers._common import SPARSITY
 from jaxsparse.layers._common import check_pattern
 from jaxsparse.layers._common import missing_pattern
+from jaxsparse.layers._embed import attend_table
 from jaxsparse.layers._embed import check_ids
 from jaxsparse.layers._embed import check_query
 from jaxsparse.layers._embed import compress_table
@@ -80,8 +81,9 @@ class CompressedNMEmbed(nn.Module):
   (2, 100)
 
   Attributes:
-    num_embeddings: number of embeddings (vocabulary size).
-    features: size of each embedding; a multiple of ``m``.
+    num_embeddings: number of embeddings (vocabulary size), ``>= 0`` as ``nn.Embed``'s (an empty table looks up
+      no ids; its :meth:`attend` gives ``(..., 0)`` logits).
+    features: size of each embedding; a multiple of ``m``, ``>= 0`` (no features: empty rows, zero logits).
     n, m: ``n`` kept of every ``m`` features, ``0 < n < m``.
     dtype, param_dtype, embedding_init, promote_dtype: as ``nn.Embed``'s: ``dtype`` is that of the lookups and of
       :meth:`attend` (``None``: the table's for lookups, the promoted dtype of query and table for :meth:`attend`);
@@ -104,8 +106,9 @@ class CompressedNMEmbed(nn.Module):
   implementation: ops.NMImplementation | None = None
 
   def __post_init__(self):
-    _utils.check_positive_int(self.num_embeddings, name="num_embeddings")
-    _utils.check_positive_int(self.features, name="features")
+    # Empty tables (0 rows or 0 features) are taken, as by nn.Embed and the NNX CompressedNMEmbed.
+    _utils.check_nonnegative_int(self.num_embeddings, name="num_embeddings")
+    _utils.check_nonnegative_int(self.features, name="features")
     _, m = _nm_masks.check_nm(self.n, self.m)
     if self.features % m:
       raise ValueError(f"m={m} must divide features={self.features} (the groups run along the features).")
@@ -151,6 +154,7 @@ class CompressedNMEmbed(nn.Module):
 
     Raises:
       ValueError: ``inputs`` that are not integers; variables without the ``"sparsity"`` collection.
+      IndexError: ids looked up in an empty table (``num_embeddings=0``), as ``nn.Embed``'s ``jnp.take`` raises.
 
     >>> import jax, jax.numpy as jnp
     >>> from jaxsparse.layers.linen import CompressedNMEmbed
@@ -188,4 +192,4 @@ class CompressedNMEmbed(nn.Module):
     """
     check_query(query, self.features)
     query, values = self.promote_dtype(query, self.embedding, dtype=self.dtype)
-    return ops.nm_matmul(query, self._weight(values), implementation=self.implementation, precision=precision)
+    return attend_table(query, self._weight(values), implementation=self.implementation, precision=precision)

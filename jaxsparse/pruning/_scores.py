@@ -17,7 +17,8 @@ the one :func:`jaxsparse.sparsify` and :mod:`jaxsparse.torch_interop` use. Its i
 ``views`` gives (:func:`~jaxsparse.pruning.kernel_views` reads them off a model); otherwise a kernel whose
 layer has a bias of ``d`` axes has ``d`` output axes (``LinearGeneral`` q/k/v ``(in, heads, head_dim)`` with
 its ``(heads, head_dim)`` bias is ``(in, heads * head_dim)``), and any other kernel is
-``(prod(shape[:-1]), shape[-1])``.
+``(prod(shape[:-1]), shape[-1])``. An embedding table (a 2-D leaf named ``embedding``) keeps ``n`` of every ``m``
+of its features, as :func:`jaxsparse.sparsify` stores it (a ``CompressedNMEmbed``).
 """
 
 from __future__ import annotations
@@ -159,6 +160,7 @@ class Target:
   spec: Spec
   rule: int
   in_ndim: int | None = None  # leading input axes of the 2-D view (matrix_shape); None: all but the last
+  table: bool = False  # an embedding table (num_embeddings, features): N:M groups run along its features
 
   @property
   def shape_2d(self) -> tuple[int, int]:
@@ -262,9 +264,17 @@ def plan(
             f"{path}: views[{pattern!r}] = {in_ndim} input axes do not fit its {shape} kernel; a view needs at "
             f"least one input and one output axis (1 to {len(shape) - 1} here)."
         )
-    check_spec_applies(spec, shape, path=path, in_ndim=in_ndim)
+    # An embedding table's N:M groups run along its features, as sparsify's CompressedNMEmbed keeps them.
+    table = name == "embedding" and len(shape) == 2 and isinstance(spec, NM)
+    if table and shape[1] % spec.m:
+      raise ValueError(
+          f"{path}: N:M sparsity {spec.n}:{spec.m} needs m={spec.m} to divide the features {shape[1]} of its {shape} "
+          f"embedding table (the groups run along the features); choose another m or give this path another rule."
+      )
+    if not table:
+      check_spec_applies(spec, shape, path=path, in_ndim=in_ndim)
     check_plain_nm(spec, path=path, what="jaxsparse.pruning")
-    targets.append(Target(i, path, shape, spec, r, in_ndim))
+    targets.append(Target(i, path, shape, spec, r, in_ndim, table))
   if warn:
     warn_unmatched(resolved, available, what="parameter with 2 or more axes (nor the layer holding it)")
     warn_unmatched(resolved_views, available, what="parameter with 2 or more axes (nor the layer holding it)",
@@ -351,6 +361,8 @@ def _nm_at(t: Target, unit_scores: jax.Array, sparsity: jax.typing.ArrayLike) ->
   n, m = t.spec.n, t.spec.m
   s = jnp.asarray(sparsity, jnp.float32)
   n_t = jnp.where(s >= jnp.float32(t.spec.target_sparsity), n, jnp.clip(m - jnp.floor(s * m + 0.5), n, m))
+  if t.table:  # the groups along the features: the table's attend kernel (features, num_embeddings)
+    return group_rank_mask(unit_scores.reshape(t.shape).T, n_t, m).T
   return group_rank_mask(unit_scores.reshape(t.shape_2d), n_t, m).reshape(t.shape)
 
 
@@ -399,7 +411,8 @@ def magnitude_masks(
       rules of :func:`jaxsparse.sparsify` work unchanged; the first match wins and ``None`` keeps
       the leaf dense. As in sparsify, a leaf not named ``kernel`` (an embedding table ``embed.embedding``, a 2-D
       ``nnx.Param``) is pruned only by a rule that matches no ``kernel`` (nor its layer), such as ``r"embed"``;
-      a catch-all rule like ``r".*"`` passes it by when the tree holds kernels.
+      a catch-all rule like ``r".*"`` passes it by when the tree holds kernels. Under ``NM`` an embedding table
+      keeps ``n`` of every ``m`` features of each row, the groups sparsify's ``CompressedNMEmbed`` keeps.
     scope: ``"layer"``: each leaf keeps its own fraction; ``"global"``: one threshold over all
       leaves of the same rule, so layers end up with different sparsities (``NM`` is per group). Under a
       ``BlockSparse`` rule every leaf keeps at least its best block, which :func:`jaxsparse.sparsify` needs to
