@@ -7,10 +7,12 @@
 // mask is applied while the weight is packed for a register-blocked GEMM, as any GEMM packs its operands anyway (a
 // zero-masking load per vector on AVX-512, else a bitwise select). Products of at most kFewRows rows (a decode
 // step) skip the packing: DirectProduct streams w and mask once (benchmarks/results/cpu_random_shapes_2026-11-29.md).
-// The GEMM: x is packed once per call into panels of kMr rows by kKc contractions; each work item (a chunk of at most
-// kNc output columns times a group of row panels) runs the kMr x kNr micro-kernel (kMr x 2 accumulator vectors: 24
-// of the 32 AVX-512 registers) over its strips, packed by the item block by block as it goes (one group of rows), or
-// once per call beforehand (several groups). Portable C++ with GCC/Clang vector extensions: 16-float vectors where the
+// The GEMM: each work item (a chunk of at most kNc output columns times a group of row panels of kMr rows) runs the
+// kMr x kNr micro-kernel (kMr x 2 accumulator vectors: 24 of the 32 AVX-512 registers) over its strips of the packed
+// weight, packed by the item block by block as it goes (one group of rows), or once per call beforehand (several
+// groups). x is read in place, kMr rows of a kKc slice at a time (they stay in L1 across a chunk's strips): packing
+// it cost a pass and a barrier that took 3-45% of the GEMM's time at 64-1024 rows (only the last, partial panel is
+// copied, zero padded). Portable C++ with GCC/Clang vector extensions: 16-float vectors where the
 // CPU has AVX-512, else 8-float ones with half the tile.
 
 #include "common.h"
@@ -40,16 +42,17 @@ inline vec LoadVec(const float* p) {
 }
 inline void StoreVec(float* p, vec v) { std::memcpy(p, &v, sizeof(v)); }
 
-// c (rows, cols; row stride ldc) = [c +] a (kc, kMr packed) @ b (kc, kNr packed); rows <= kMr, cols <= kNr.
-inline void MicroKernel(int64_t kc, const float* __restrict a, const float* __restrict b, float* c, int64_t ldc,
-                        bool accumulate, int64_t rows, int64_t cols) {
+// c (rows, cols; row stride ldc) = [c +] a (kMr, kc; row stride lda) @ b (kc, kNr packed); rows <= kMr (a has kMr
+// rows all the same), cols <= kNr.
+inline void MicroKernel(int64_t kc, const float* __restrict a, int64_t lda, const float* __restrict b, float* c,
+                        int64_t ldc, bool accumulate, int64_t rows, int64_t cols) {
   vec lo[kMr], hi[kMr];
   for (int i = 0; i < kMr; ++i) lo[i] = hi[i] = vec{};
   for (int64_t p = 0; p < kc; ++p) {
     const vec b0 = LoadVec(b + p * kNr), b1 = LoadVec(b + p * kNr + kVec);
 #pragma GCC unroll 16
     for (int i = 0; i < kMr; ++i) {
-      const float s = a[p * kMr + i];
+      const float s = a[i * lda + p];
       lo[i] += s * b0;
       hi[i] += s * b1;
     }
@@ -77,27 +80,6 @@ inline void MicroKernel(int64_t kc, const float* __restrict a, const float* __re
   }
 }
 
-// x (m, k) row-major -> panels [block][panel] of (kc, kMr), kMr rows interleaved, zero padded past m.
-float* PackRows(const Scheduler& pool, const float* x, int64_t m, int64_t k) {
-  const int64_t panels = CeilDiv(m, kMr), blocks = CeilDiv(k, kKc);
-  float* out = CachedBuffer(0, blocks * panels * kKc * kMr);
-  ParallelFor(pool, panels, [&](int64_t p) {
-    const int64_t r0 = p * kMr, rows = std::min<int64_t>(kMr, m - r0);
-    for (int64_t blk = 0; blk < blocks; ++blk) {
-      const int64_t k0 = blk * kKc, kc = std::min(kKc, k - k0);
-      float* dst = out + (blk * panels + p) * kKc * kMr;
-      for (int64_t i = 0; i < rows; ++i) {
-        const float* src = x + (r0 + i) * k + k0;
-        for (int64_t q = 0; q < kc; ++q) dst[q * kMr + i] = src[q];
-      }
-      for (int64_t i = rows; i < kMr; ++i) {
-        for (int64_t q = 0; q < kc; ++q) dst[q * kMr + i] = 0.f;
-      }
-    }
-  });
-  return out;
-}
-
 // The packed weight: chunks of kNc columns, each [block][strip] of (kKc, kNr), zero past k and n.
 constexpr int64_t kStrips = kNc / kNr, kStripSize = kKc * kNr, kBlockSize = kStrips * kStripSize;
 
@@ -112,7 +94,6 @@ void PackedGemm(const Scheduler& pool, const float* x, int64_t m, int64_t k, int
     std::memset(y, 0, sizeof(float) * m * n);
     return;
   }
-  const float* a = PackRows(pool, x, m, k);
   const int64_t panels = CeilDiv(m, kMr), blocks = CeilDiv(k, kKc), chunks = CeilDiv(n, kNc);
   const int64_t chunk_size = blocks * kBlockSize;
   // Enough items for every thread to take several (few columns: split the rows too).
@@ -143,10 +124,19 @@ void PackedGemm(const Scheduler& pool, const float* x, int64_t m, int64_t k, int
         b = packed + (c0 / kNc) * chunk_size + blk * kBlockSize;
       }
       for (int64_t p = p0; p < p1; ++p) {
-        const float* ap = a + (blk * panels + p) * kKc * kMr;
         const int64_t rows = std::min<int64_t>(kMr, m - p * kMr);
+        const float* ap = x + p * kMr * k + k0;
+        int64_t lda = k;
+        if (rows < kMr) {
+          float* edge = CachedBuffer(0, kMr * kKc);
+          for (int64_t i = 0; i < kMr; ++i) {
+            for (int64_t q = 0; q < kc; ++q) edge[i * kKc + q] = i < rows ? ap[i * k + q] : 0.f;
+          }
+          ap = edge;
+          lda = kKc;
+        }
         for (int64_t s = 0; s < strips; ++s) {
-          MicroKernel(kc, ap, b + s * kStripSize, y + p * kMr * n + c0 + s * kNr, n, blk > 0, rows,
+          MicroKernel(kc, ap, lda, b + s * kStripSize, y + p * kMr * n + c0 + s * kNr, n, blk > 0, rows,
                       std::min<int64_t>(kNr, cn - s * kNr));
         }
       }
