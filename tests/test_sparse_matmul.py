@@ -361,13 +361,29 @@ def test_masked_matmul_auto_picks_kernels_by_density():
     assert "jaxsparse_masked_forward" in hlo and "jaxsparse_masked_gemm" in hlo
     _check_masked_matmul(x, w, mask, jnp.float32, implementation=None)
     assert_close(masked_matmul(x, w, mask), masked_matmul(x, w, mask, implementation="xla"), jnp.float32)
-  # Between the two thresholds the forward runs the kernels and the gradients masked dense; they still agree.
-  assert _masked_matmul.CPU_MAX_DENSITY < _masked_matmul.CPU_FORWARD_MAX_DENSITY
+  # Between the two thresholds the forward and the gradients take different routes; they still agree.
+  low, high = sorted((_masked_matmul.CPU_MAX_DENSITY, _masked_matmul.CPU_FORWARD_MAX_DENSITY))
+  assert low < high
   mask = np.zeros(w.shape, bool)
-  mask[:, :14] = True  # density 14 / 48 = 0.29 in every row the estimate samples
-  assert bool(_masked_matmul._sparse_enough(mask, _masked_matmul.CPU_FORWARD_MAX_DENSITY))
-  assert not bool(_masked_matmul._sparse_enough(mask))
+  mask[:, :int(48 * (low + high) / 2)] = True  # the same density in every row the estimate samples
+  assert bool(_masked_matmul._sparse_enough(mask, high)) and not bool(_masked_matmul._sparse_enough(mask, low))
   _check_masked_matmul(x, w, mask, jnp.float32, implementation=None)
+
+
+@cpu_backend_only
+@pytest.mark.parametrize("rows, max_density", [(127, 0.15), (128, _masked_matmul.CPU_FORWARD_MAX_DENSITY)])
+def test_masked_matmul_forward_threshold_by_rows(rows, max_density):
+  """The forward's density threshold: CPU_FORWARD_MAX_DENSITY, 0.15 for fewer than 128 rows (the sparse kernel shares
+  its work per kept weight over fewer rows). Just under it the sparse kernel runs, just over it the GEMM: told apart
+  by a NaN in x that meets only pruned weights (the sparse kernel skips them, the GEMM multiplies their zeros)."""
+  x, w, _ = _data(rows, rows, 64, 100, MASKS["random"])
+  x = x.at[0, 0].set(jnp.nan)
+  for density, sparse in [(max_density - 0.02, True), (max_density + 0.02, False)]:
+    mask = np.zeros(w.shape, bool)
+    mask[1:, :round(100 * density)] = True  # weight row 0, which x[:, 0] meets, is pruned
+    y = masked_matmul(x, w, mask)
+    assert bool(jnp.isnan(y[0]).any()) != sparse, (rows, density)
+    assert_close(y[1:], x[1:] @ jnp.where(mask, w, 0), jnp.float32)
 
 
 @cpu_backend_only

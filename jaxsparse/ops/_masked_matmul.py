@@ -37,10 +37,13 @@ __all__ = ["CPU_FEW_ROWS", "CPU_FORWARD_MAX_DENSITY", "CPU_MAX_DENSITY", "masked
 # a 2-core AVX2 machine, 4096 x 4096, batch 256; see benchmarks/results/cpu_unstructured_*.md; on the 2-core
 # AVX-512 Xeon at 30-35% density the kernels' forward + backward took 0.86-1.30x dense, masked dense 0.74-1.11x).
 CPU_MAX_DENSITY = 0.25
-# The same for the forward alone, since its kernel takes 16-float vectors and L1-sized row blocks: on the 2-core
-# AVX-512 Xeon, six shapes with M 96-512, the kernels took 0.95-1.26x the dense product's time at density 0.33
-# against 1.20-1.38x for masked dense, and lost on 4 of 6 at 0.37 (benchmarks/results/cpu_random_shapes_2026-11-27.md).
-CPU_FORWARD_MAX_DENSITY = 0.33
+# The same for the forward alone, against the C++ GEMM that masks the weight while it packs it (as fast as XLA's dense
+# dot, 0.73-1.11x its time on two 2-core machines). In-process crossovers of the sparse kernel and the GEMM at six
+# shapes, M 96-1024, K and N 256-2048: density 0.2-0.35 at 128 rows or more, 0.15-0.2 at 96 rows, on a Zen 5 EPYC
+# and a Xeon (benchmarks/results/cpu_random_shapes_2026-11-30.md). So 0.2, and 0.15 for fewer than
+# _FORWARD_SMALL_BATCH rows (the sparse kernel's work per stored weight is shared by fewer rows).
+CPU_FORWARD_MAX_DENSITY = 0.2
+_FORWARD_SMALL_BATCH = (128, 0.15)
 # Forwards of at most this many rows run the dense GEMM at every density: it streams w and mask once, unpacked, at
 # 0.7-2.2x the plain product's time for 1-8 rows, where the sparse kernels took 2.6-11x (their batch tiles are
 # mostly padding) and XLA's masked dense 1.8-14x (2-core CPU: benchmarks/results/cpu_random_shapes_2026-11-29.md).
@@ -82,7 +85,8 @@ def _local_forward(cfg: _Config, x2, w, mask):
   dense = lambda: _kernels.masked_gemm(f32(x2), f32(w), mask).astype(cfg.out_dtype)
   if cfg.check_density and x2.shape[0] <= CPU_FEW_ROWS:
     return (dense(),)
-  return (_branch(cfg, mask, sparse, dense, CPU_FORWARD_MAX_DENSITY),)
+  rows, small_max = _FORWARD_SMALL_BATCH
+  return (_branch(cfg, mask, sparse, dense, small_max if x2.shape[0] < rows else CPU_FORWARD_MAX_DENSITY),)
 
 
 def _forward(cfg: _Config, x, wm):
@@ -129,19 +133,19 @@ def masked_matmul(
 
   On CPU the product and both gradients run in sparse C++ kernels that read the kept entries from
   ``mask`` on every call, so ``mask`` may change between calls (also inside ``jit``) at no cost;
-  masks keeping more than :data:`CPU_FORWARD_MAX_DENSITY` of the weights run the forward as a masked dense
-  product (as do products of at most :data:`CPU_FEW_ROWS` rows), and more than :data:`CPU_MAX_DENSITY` the
-  gradients.
+  masks keeping more than :data:`CPU_FORWARD_MAX_DENSITY` of the weights (0.15 for fewer than 128 rows) run the
+  forward as a masked dense product (as do products of at most :data:`CPU_FEW_ROWS` rows), and more than
+  :data:`CPU_MAX_DENSITY` the gradients.
   Works under ``jit``, ``grad`` (reverse mode, to any order) and ``vmap``: leading dimensions of ``x`` and a
   mapped ``x`` fold into one kernel call; a mapped backward runs once per mapped element.
 
   Non-finite values: NaN / inf in the kept weights, or in ``x`` meeting a kept weight, propagate on every route;
-  pruned weights never do (they are replaced by zeros, not multiplied by them). A NaN / inf in ``x`` meets the
-  pruned entries as zeros only on the masked dense routes, where ``inf * 0`` makes NaN as in
-  ``x @ where(mask, w, 0)``: ``implementation="xla"``, and the default for masks denser than
-  :data:`CPU_FORWARD_MAX_DENSITY` (a density estimated inside the call) or forwards of at most :data:`CPU_FEW_ROWS`
-  rows. The sparse kernels (``"cpu"``, and the default elsewhere) skip pruned entries, so such an ``x`` can give
-  finite outputs: test ``x`` with ``jnp.isfinite`` where NaN detection matters.
+  pruned weights never do (they are replaced by zeros, not multiplied by them). A NaN / inf in ``x`` meets the pruned
+  entries as zeros only on the masked dense routes, where ``inf * 0`` makes NaN as in ``x @ where(mask, w, 0)``:
+  ``implementation="xla"``, and the default for masks denser than :data:`CPU_FORWARD_MAX_DENSITY` (a density estimated
+  inside the call; 0.15 below 128 rows) or forwards of at most :data:`CPU_FEW_ROWS` rows. The sparse kernels
+  (``"cpu"``, and the default elsewhere) skip pruned entries, so such an ``x`` can give finite outputs: test ``x``
+  with ``jnp.isfinite`` where NaN detection matters.
 
   Sharded operands (:mod:`jaxsparse.ops`' data parallelism): the leading dims of ``x`` keep their split; ``w`` and
   ``mask`` are replicated, gathered if they arrive split (also under explicit mesh axes, on every route), and the
@@ -158,14 +162,13 @@ def masked_matmul(
     w: ``(K, N)`` dense weights (Flax kernel layout).
     mask: bool ``(K, N)``; pruned entries contribute nothing and receive no gradient.
     implementation: ``None`` uses the C++ kernels when the default backend is the CPU and the dtypes are float32,
-      bfloat16 or float16: the sparse kernels for masks keeping at most :data:`CPU_FORWARD_MAX_DENSITY` (forward) /
-      :data:`CPU_MAX_DENSITY` (gradients) of the weights, else a dense C++ GEMM that selects the kept weights as
-      it packs them (forward; also at every density for at most :data:`CPU_FEW_ROWS` rows) and masked dense XLA
-      (gradients); if the kernels cannot be built it warns with :class:`jaxsparse.ops.CpuKernelFallbackWarning` and
-      runs XLA;
-      ``"cpu"`` always runs the kernels (and raises if they are unavailable); ``"xla"`` always runs
-      ``x @ where(mask, w, 0)`` with plain autodiff (the only choice supporting forward-mode
-      differentiation).
+      bfloat16 or float16: the sparse kernels for masks keeping at most :data:`CPU_FORWARD_MAX_DENSITY` (forward; 0.15
+      below 128 rows) / :data:`CPU_MAX_DENSITY` (gradients) of the weights, else a dense C++ GEMM that selects the
+      kept weights as it packs them (forward; also at every density for at most :data:`CPU_FEW_ROWS` rows) and masked
+      dense XLA (gradients); if the kernels cannot be built it warns with
+      :class:`jaxsparse.ops.CpuKernelFallbackWarning` and runs XLA; ``"cpu"`` always runs the kernels (and raises if
+      they are unavailable); ``"xla"`` always runs ``x @ where(mask, w, 0)`` with plain autodiff (the only choice
+      supporting forward-mode differentiation).
     precision: passed to the XLA matmuls (the C++ kernels always compute in float32).
     preferred_element_type: output dtype, a floating dtype; defaults to ``result_type(x, w)``.
 
