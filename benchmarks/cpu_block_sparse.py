@@ -67,6 +67,8 @@ def _route(fn, *args) -> str:
   if kernels and " conditional(" in text:  # branches picked by the pattern's density inside the call
     dense = "" if any(k.endswith("_gemm") for k in kernels) else " or dense"
     return f"{' or '.join(kernels)}{dense} (by density at run time)"
+  if "route = 0 : i32" in text:  # masked_forward's "auto": its sparse kernel or its GEMM, picked in the call
+    kernels = [f"{k} (sparse or gemm, by density in the call)" if k == "masked_forward" else k for k in kernels]
   return "+".join(kernels) or ("loop" if " while(" in text else "dense")
 
 

@@ -81,7 +81,7 @@ def masked(backward):
   keep = raw != 0
   if not backward:
     err = max(np.abs(np.asarray(_kernels.masked_forward(x, w, mask)) - x @ np.where(keep, w, 0)).max(),
-              np.abs(np.asarray(_kernels.masked_gemm(x, w, mask)) - x @ np.where(keep, w, 0)).max())
+              np.abs(np.asarray(_kernels.masked_forward(x, w, mask, route="gemm")) - x @ np.where(keep, w, 0)).max())
   else:
     dx, dw = _kernels.masked_backward(x, w, mask, dy)
     err = max(np.abs(np.asarray(dx) - dy @ np.where(keep, w, 0).T).max(),
@@ -108,7 +108,7 @@ def sweep():
     mask = rng.random((k, n)) < density
     wm = np.where(mask, w, 0)
     err = max(err, np.abs(np.asarray(_kernels.masked_forward(x, w, mask)) - x @ wm).max(),
-              np.abs(np.asarray(_kernels.masked_gemm(x, w, mask)) - x @ wm).max())
+              np.abs(np.asarray(_kernels.masked_forward(x, w, mask, route="gemm")) - x @ wm).max())
     dx, dw = _kernels.masked_backward(x, w, mask, dy)
     err = max(err, np.abs(np.asarray(dx) - dy @ wm.T).max(), np.abs(np.asarray(dw) - np.where(mask, x.T @ dy, 0)).max())
     c = CSRMatrix.from_dense(w, mask=mask)

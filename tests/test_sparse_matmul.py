@@ -351,14 +351,20 @@ def test_xla_implementation_matches_kernels():
 
 @cpu_backend_only
 def test_masked_matmul_auto_picks_kernels_by_density():
-  """implementation=None runs the kernels for sparse masks and masked dense for dense ones; both agree."""
+  """implementation=None runs the kernels for sparse masks and dense routes for dense ones; both agree. The forward
+  decides inside its one kernel call (no reduction or conditional in XLA before it), told apart by a NaN in x that
+  meets only pruned weights: the sparse kernel skips them, the GEMM multiplies their zeros."""
   x, w, _ = _data(4, 9, 64, 48, MASKS["random"])
   for p, sparse in [(0.1, True), (0.9, False)]:
     mask = np.random.default_rng(0).random(w.shape) < p
     assert bool(jaxsparse.ops._masked_matmul._sparse_enough(mask)) == sparse
-    # Both branches are compiled; the density test picks one at run time.
     hlo = _cpu_hlo(lambda x, w, m: masked_matmul(x, w, m), x, w, mask)
-    assert "jaxsparse_masked_forward" in hlo and "jaxsparse_masked_gemm" in hlo
+    assert hlo.count("stablehlo.custom_call") == 1 and "stablehlo.reduce" not in hlo, hlo
+    mask[0] = False
+    assert bool(jnp.isnan(masked_matmul(x.at[0, 0].set(jnp.nan), w, mask)[0]).any()) != sparse
+    # ... also with the rows of a mapped x folded into the call (9 x 2 rows: not a few-rows product).
+    y = jax.vmap(masked_matmul, in_axes=(0, None, None))(jnp.stack([x, x.at[0, 0].set(jnp.nan)]), w, mask)
+    assert bool(jnp.isnan(y[1, 0]).any()) != sparse and not bool(jnp.isnan(y[0]).any())
     _check_masked_matmul(x, w, mask, jnp.float32, implementation=None)
     assert_close(masked_matmul(x, w, mask), masked_matmul(x, w, mask, implementation="xla"), jnp.float32)
   # Between the two thresholds the forward and the gradients take different routes; they still agree.
@@ -395,9 +401,9 @@ def test_masked_matmul_few_rows_run_the_dense_gemm(rows):
   assert rows <= _masked_matmul.CPU_FEW_ROWS
   for p in (0.05, 0.9):
     mask = np.random.default_rng(rows).random(w.shape) < p
-    hlo = _cpu_hlo(lambda x, w, m: masked_matmul(x, w, m), x, w, mask)
-    assert "jaxsparse_masked_gemm" in hlo and "jaxsparse_masked_forward" not in hlo
     _check_masked_matmul(x, w, mask, jnp.float32, implementation=None)
+    mask[0] = False  # a NaN in x[..., 0] meets only pruned weights: the GEMM multiplies their zeros
+    assert bool(jnp.isnan(masked_matmul(x.at[0, 0, 0].set(jnp.nan), w, mask)[0, 0]).all())
   bad = x.at[0, 0, 0].set(jnp.nan)
   mask = np.zeros(w.shape, bool)
   mask[1:] = True  # the NaN meets only pruned weights
@@ -464,11 +470,15 @@ def test_csr_dense_route_kernels():
     jax.block_until_ready(_kernels.csr_to_dense(ws.data, ws.row_offsets[::-1], ws.col_indices, 24))
 
 
+def _gemm(x, w, mask):
+  return _kernels.masked_forward(x, w, mask, route="gemm")
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_packed_gemm_kernels(seed):
-  """masked_gemm against a float64 NumPy product on shapes around the micro-tile, column chunk and contraction
-  block edges (12 / 6 rows, 32 / 16 and 128 / 64 columns, 256 contractions), one or several row groups, fresh random
-  data."""
+  """The masked forward's GEMM route against a float64 NumPy product on shapes around the micro-tile, column chunk and
+  contraction block edges (12 / 6 rows, 32 / 16 and 128 / 64 columns, 256 contractions), one or several row groups,
+  fresh random data."""
   assert _build.load(), _build.unavailable_reason()
   rng = np.random.default_rng(seed)
   m, k, n = (int(rng.choice(c)) for c in ([1, 5, 12, 13, 31, 64], [1, 7, 255, 256, 300, 513], [1, 16, 33, 128, 200]))
@@ -478,12 +488,12 @@ def test_packed_gemm_kernels(seed):
   w[~mask & (rng.random((k, n)) < 0.1)] = np.nan  # pruned NaNs are zeros, as in where(mask, w, 0)
   ref = x.astype(np.float64) @ np.where(mask, w, 0).astype(np.float64)
   tol = dict(rtol=1e-5, atol=1e-5 * np.sqrt(k))
-  np.testing.assert_allclose(_kernels.masked_gemm(x, w, mask), ref, **tol)
+  np.testing.assert_allclose(_gemm(x, w, mask), ref, **tol)
   # Mask bytes other than 1 count as kept (a bool array viewed from other bytes), as in the sparse kernels.
-  np.testing.assert_allclose(_kernels.masked_gemm(x, w, (mask.view(np.uint8) * 255).view(bool)), ref, **tol)
+  np.testing.assert_allclose(_gemm(x, w, (mask.view(np.uint8) * 255).view(bool)), ref, **tol)
   # vmap over x folds into the batch.
   xs = rng.standard_normal((2, m, k)).astype(np.float32)
-  np.testing.assert_allclose(jax.vmap(lambda a: _kernels.masked_gemm(a, w, mask))(xs), xs @ np.where(mask, w, 0),
+  np.testing.assert_allclose(jax.vmap(lambda a: _gemm(a, w, mask))(xs), xs @ np.where(mask, w, 0),
                              **tol)
 
 
@@ -491,12 +501,12 @@ def test_packed_gemm_edge_cases():
   """Empty products; a NaN in a kept weight propagates to its column only."""
   assert _build.load(), _build.unavailable_reason()
   x = np.ones((3, 4), np.float32)
-  assert _kernels.masked_gemm(np.ones((0, 4), np.float32), np.ones((4, 5), np.float32), np.ones((4, 5), bool)).shape \
+  assert _gemm(np.ones((0, 4), np.float32), np.ones((4, 5), np.float32), np.ones((4, 5), bool)).shape \
       == (0, 5)
-  empty = _kernels.masked_gemm(np.ones((3, 0), np.float32), np.ones((0, 5), np.float32), np.ones((0, 5), bool))
+  empty = _gemm(np.ones((3, 0), np.float32), np.ones((0, 5), np.float32), np.ones((0, 5), bool))
   np.testing.assert_array_equal(empty, np.zeros((3, 5)))
   # ... also under vmap, folded into the batch (reshape(-1, 0) has no row count to infer).
-  empty = jax.vmap(lambda a: _kernels.masked_gemm(a, np.ones((0, 5), np.float32), np.ones((0, 5), bool)))(
+  empty = jax.vmap(lambda a: _gemm(a, np.ones((0, 5), np.float32), np.ones((0, 5), bool)))(
       np.ones((2, 3, 0), np.float32))
   np.testing.assert_array_equal(empty, np.zeros((2, 3, 5)))
   none = jaxsparse.CSRMatrix.from_dense(np.ones((0, 5), np.float32))
@@ -505,20 +515,20 @@ def test_packed_gemm_edge_cases():
   np.testing.assert_array_equal(empty, np.zeros((2, 3, 5)))
   w = np.ones((4, 5), np.float32)
   w[1, 2] = np.nan
-  y = np.asarray(_kernels.masked_gemm(x, w, np.ones((4, 5), bool)))
+  y = np.asarray(_gemm(x, w, np.ones((4, 5), bool)))
   assert np.isnan(y[:, 2]).all() and np.isfinite(np.delete(y, 2, axis=1)).all()
   # Enough column chunks for every thread: one row group, each item packing its own strips as it goes (the random
   # shapes above take the other path, the weight packed once for several row groups).
   rng = np.random.default_rng(0)
   x, w, mask = rng.standard_normal((40, 300)), rng.standard_normal((300, 1030)), rng.random((300, 1030)) < 0.5
   x, w = x.astype(np.float32), w.astype(np.float32)
-  np.testing.assert_allclose(_kernels.masked_gemm(x, w, mask), x.astype(np.float64) @ np.where(mask, w, 0),
+  np.testing.assert_allclose(_gemm(x, w, mask), x.astype(np.float64) @ np.where(mask, w, 0),
                              rtol=1e-5, atol=1e-4)
   # Few rows, few weight rows and many columns: the streaming kernel splits the columns too (alone, and with the rows).
   for m, k, n in [(3, 16, 5000), (5, 300, 3001)]:
     x, w, mask = rng.standard_normal((m, k)), rng.standard_normal((k, n)), rng.random((k, n)) < 0.5
     x, w = x.astype(np.float32), w.astype(np.float32)
-    np.testing.assert_allclose(_kernels.masked_gemm(x, w, mask), x.astype(np.float64) @ np.where(mask, w, 0),
+    np.testing.assert_allclose(_gemm(x, w, mask), x.astype(np.float64) @ np.where(mask, w, 0),
                                rtol=1e-5, atol=1e-4)
 
 

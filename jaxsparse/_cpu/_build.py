@@ -48,7 +48,6 @@ TARGETS = {
     "jaxsparse_csr_backward": "JaxsparseCsrBackward",
     "jaxsparse_csr_to_dense": "JaxsparseCsrToDense",
     "jaxsparse_csr_take": "JaxsparseCsrTake",
-    "jaxsparse_masked_gemm": "JaxsparseMaskedGemm",
     "jaxsparse_block_forward": "JaxsparseBlockForward",
     "jaxsparse_block_backward": "JaxsparseBlockBackward",
 }

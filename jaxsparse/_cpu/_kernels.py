@@ -16,9 +16,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 __all__ = [
+    "MASKED_ROUTES",
     "block_backward",
     "block_forward",
     "csr_backward",
@@ -28,11 +30,10 @@ __all__ = [
     "csr_to_dense",
     "masked_backward",
     "masked_forward",
-    "masked_gemm",
 ]
 
 _F32 = jnp.float32
-CSR_FEW_ROWS = 8  # csr_few_rows_forward's rows, at most (kFewRows in sparse_matmul.cc)
+FEW_ROWS = 8  # the few-row kernels' rows, at most (kFewRows in common.h): csr_few_rows_forward, masked_forward "auto"
 
 
 def _sequential(fn, axis_size, in_batched, args):
@@ -78,24 +79,34 @@ def _map_all(fn, n_out: int):
   return rule
 
 
-@jax.custom_batching.custom_vmap
-def masked_forward(x: jax.Array, w: jax.Array, mask: jax.Array) -> jax.Array:
-  """``x (B, K) @ where(mask, w, 0)`` -> ``(B, N)``."""
-  out = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), _F32)
-  return jax.ffi.ffi_call("jaxsparse_masked_forward", out, vmap_method="sequential")(x, w, mask)
+MASKED_ROUTES = ("auto", "sparse", "gemm")  # masked_forward's routes (MaskedRoute in sparse_matmul.cc)
 
 
-masked_forward.def_vmap(_fold_or_map(masked_forward, 1))
+def masked_forward(x: jax.Array, w: jax.Array, mask: jax.Array, *, route: str = "sparse", max_density: float = 1.0,
+                   small_rows: int = 0, small_max_density: float = 1.0, sample_step: int = 1) -> jax.Array:
+  """``x (B, K) @ where(mask, w, 0)`` -> ``(B, N)``.
+
+  ``route``: ``"sparse"`` the sparse kernel (work proportional to the kept weights); ``"gemm"`` the dense GEMM that
+  applies the mask while it packs ``w`` (packed_gemm.cc); ``"auto"`` chooses in the call, on the rows it multiplies
+  (a mapped ``x`` folded in): the GEMM for at most ``FEW_ROWS`` rows, else the sparse kernel where the density
+  of ``mask``'s rows ``0, sample_step, 2 * sample_step, ...`` is at most ``max_density`` (``small_max_density`` for
+  fewer than ``small_rows`` rows), else the GEMM.
+  """
+  return _masked_forward(MASKED_ROUTES.index(route), float(max_density), int(small_rows), float(small_max_density),
+                         int(sample_step))(x, w, mask)
 
 
-@jax.custom_batching.custom_vmap
-def masked_gemm(x: jax.Array, w: jax.Array, mask: jax.Array) -> jax.Array:
-  """``x (B, K) @ where(mask, w, 0)`` -> ``(B, N)`` as a dense product, the mask applied while ``w`` is packed."""
-  out = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), _F32)
-  return jax.ffi.ffi_call("jaxsparse_masked_gemm", out, vmap_method="sequential")(x, w, mask)
+@functools.cache
+def _masked_forward(route: int, max_density: float, small_rows: int, small_max_density: float, sample_step: int):
+  @jax.custom_batching.custom_vmap
+  def call(x, w, mask):
+    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), _F32)
+    return jax.ffi.ffi_call("jaxsparse_masked_forward", out, vmap_method="sequential")(
+        x, w, mask, route=np.int32(route), max_density=np.float32(max_density), small_rows=np.int64(small_rows),
+        small_max_density=np.float32(small_max_density), sample_step=np.int64(sample_step))
 
-
-masked_gemm.def_vmap(_fold_or_map(masked_gemm, 1))
+  call.def_vmap(_fold_or_map(call, 1))
+  return call
 
 
 @jax.custom_batching.custom_vmap
@@ -133,7 +144,7 @@ def _csr_few_rows_forward(n: int):
     return jax.ffi.ffi_call("jaxsparse_csr_few_rows_forward", out, vmap_method="sequential")(
         x, data, row_offsets, col_indices)
 
-  call.def_vmap(_fold_or_map(call, 1, max_rows=CSR_FEW_ROWS))
+  call.def_vmap(_fold_or_map(call, 1, max_rows=FEW_ROWS))
   return call
 
 

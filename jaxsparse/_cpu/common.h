@@ -230,4 +230,13 @@ inline ffi::Error Status(const char* op, const std::string& message) {
 
 }  // namespace
 
+namespace jaxsparse_cpu {
+
+// y (m, n) = x (m, k) @ where(mask, w, 0) on packed_gemm.cc's GEMM (the dense route of sparse_matmul.cc's masked
+// forward).
+void MaskedGemm(const std::function<void(std::function<void()>)>& pool, const float* x, const float* w,
+                const bool* mask, int64_t m, int64_t k, int64_t n, float* y);
+
+}  // namespace jaxsparse_cpu
+
 #endif  // JAXSPARSE_CPU_COMMON_H_

@@ -1,4 +1,4 @@
-// CPU kernel for the forward of densely masked weights, registered with XLA as an FFI custom call.
+// CPU kernel for the forward of densely masked weights: the dense route of sparse_matmul.cc's masked forward.
 //
 // y = x @ where(mask, w, 0) for a mask that keeps too many weights for the sparse kernels of sparse_matmul.cc to
 // win. Building the masked weight first and handing it to XLA's dot costs a pass over K x N and a fresh buffer per
@@ -273,8 +273,10 @@ void DirectProduct(const Scheduler& pool, const float* x, const float* w, const 
   });
 }
 
-void MaskedGemmKernel(const Scheduler& pool, const float* x, const float* w, const bool* mask, int64_t m, int64_t k,
-                      int64_t n, float* y) {
+}  // namespace
+
+void jaxsparse_cpu::MaskedGemm(const Scheduler& pool, const float* x, const float* w, const bool* mask, int64_t m,
+                               int64_t k, int64_t n, float* y) {
   if (m > 0 && m <= kFewRows && n > 0) {
     using Direct = void (*)(const Scheduler&, const float*, const float*, const bool*, int64_t, int64_t, float*);
     static constexpr Direct kDirect[kFewRows] = {DirectProduct<1>, DirectProduct<2>, DirectProduct<3>,
@@ -287,30 +289,3 @@ void MaskedGemmKernel(const Scheduler& pool, const float* x, const float* w, con
   });
 }
 
-// ------------------------------------------------------------------------------------------------
-// FFI handlers: shape checks, then the kernels above on XLA's intra-op thread pool.
-// ------------------------------------------------------------------------------------------------
-
-ffi::Error MaskedGemm(ffi::ThreadPool pool, F32Matrix x, F32Matrix w, BoolMatrix mask, F32MatrixOut y) {
-  const int64_t m = Dim(x, 0), k = Dim(x, 1), n = Dim(w, 1);
-  if (Dim(w, 0) != k || Dim(mask, 0) != k || Dim(mask, 1) != n || Dim(*y, 0) != m || Dim(*y, 1) != n) {
-    return ShapeError("masked gemm");
-  }
-  MaskedGemmKernel(PoolScheduler(pool), x.typed_data(), w.typed_data(), mask.typed_data(), m, k, n, y->typed_data());
-  return ffi::Error::Success();
-}
-
-}  // namespace
-
-// Built with -fvisibility=hidden: only the handlers are exported.
-#pragma GCC visibility push(default)
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseMaskedGemm, MaskedGemm,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<F32Matrix>()
-                                  .Arg<F32Matrix>()
-                                  .Arg<BoolMatrix>()
-                                  .Ret<F32Matrix>());
-
-#pragma GCC visibility pop

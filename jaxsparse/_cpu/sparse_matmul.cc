@@ -22,7 +22,9 @@
 // Two front ends share the kernels:
 //   * masked: W is a dense (K, N) array plus a bool mask. Each work item finds the kept entries of
 //     its chunk by scanning the mask (32 bytes per AVX2 compare), so the mask may change freely
-//     between calls at no extra cost. The weight gradient is dense, zero outside the mask.
+//     between calls at no extra cost. The weight gradient is dense, zero outside the mask. The forward
+//     runs dense-ish masks (and products of at most kFewRows rows) on packed_gemm.cc's GEMM instead,
+//     chosen in the call from a sampled density (MaskedForward).
 //   * csr: W is given by its nonzero values in row-major order plus CSR index arrays for the rows and
 //     for the columns (built once per pattern); everything is O(nnz).
 
@@ -603,16 +605,49 @@ std::string CsrTakeKernel(const Scheduler& pool, const float* w, const int32_t* 
 // them, a backward chunk kRowChunk * n.
 constexpr int64_t kMaxChunkEntries = (int64_t{1} << 31) - 1;
 
-ffi::Error MaskedForward(ffi::ThreadPool pool, F32Matrix x, F32Matrix w, BoolMatrix mask, F32MatrixOut y) {
+// The masked forward's routes (the route attribute): kAuto picks one of the others in the call.
+enum MaskedRoute : int32_t { kAuto = 0, kSparse = 1, kGemm = 2 };
+
+// The fraction of mask's entries kept in its rows 0, step, 2 * step, ... (nonzero bytes, as MaskBits reads them).
+double SampledDensity(const bool* mask, int64_t k, int64_t n, int64_t step) {
+  int64_t kept = 0, rows = 0;
+  for (int64_t r = 0; r < k; r += step, ++rows) {
+    const uint8_t* m = reinterpret_cast<const uint8_t*>(mask + r * n);
+    for (int64_t j = 0; j < n; ++j) kept += m[j] != 0;
+  }
+  return static_cast<double>(kept) / static_cast<double>(rows * n);
+}
+
+// kAuto: the GEMM for at most kFewRows rows, else the sparse kernel where the density sampled every sample_step rows
+// is at most max_density (small_max_density below small_rows rows), else the GEMM. Deciding here, on the rows the
+// call multiplies, costs a pass over the sampled rows: a density test in XLA before the call (a reduction and a
+// conditional) cost 5-30% of the whole product at 96-256 rows (benchmarks/results/cpu_random_shapes_2026-11-30.md).
+ffi::Error MaskedForward(ffi::ThreadPool pool, F32Matrix x, F32Matrix w, BoolMatrix mask, F32MatrixOut y,
+                         int32_t route, float max_density, int64_t small_rows, float small_max_density,
+                         int64_t sample_step) {
   const int64_t b = Dim(x, 0), k = Dim(x, 1), n = Dim(w, 1);
   if (Dim(w, 0) != k || Dim(mask, 0) != k || Dim(mask, 1) != n || Dim(*y, 0) != b || Dim(*y, 1) != n) {
     return ShapeError("masked forward");
   }
+  if (route < kAuto || route > kGemm || sample_step < 1) {
+    return Status("masked forward", "route=" + std::to_string(route) + ", sample_step=" +
+                                        std::to_string(sample_step) + " (internal error in jaxsparse)");
+  }
+  const Scheduler scheduler = PoolScheduler(pool);
+  if (route == kAuto) {
+    const double limit = b < small_rows ? small_max_density : max_density;
+    const bool sparse = b > kFewRows && k > 0 && n > 0 && SampledDensity(mask.typed_data(), k, n, sample_step) <= limit;
+    route = sparse ? kSparse : kGemm;
+  }
+  if (route == kGemm) {
+    jaxsparse_cpu::MaskedGemm(scheduler, x.typed_data(), w.typed_data(), mask.typed_data(), b, k, n,
+                              y->typed_data());
+    return ffi::Error::Success();
+  }
   if (k > kMaxChunkEntries / kColChunk) {
     return Status("masked forward", "k=" + std::to_string(k) + " rows exceed the kernel's int32 chunk indexing");
   }
-  MaskedForwardKernel(PoolScheduler(pool), x.typed_data(), w.typed_data(), mask.typed_data(), b, k, n,
-                      y->typed_data());
+  MaskedForwardKernel(scheduler, x.typed_data(), w.typed_data(), mask.typed_data(), b, k, n, y->typed_data());
   return ffi::Error::Success();
 }
 
@@ -695,7 +730,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseMaskedForward, MaskedForward,
                                   .Arg<F32Matrix>()
                                   .Arg<F32Matrix>()
                                   .Arg<BoolMatrix>()
-                                  .Ret<F32Matrix>());
+                                  .Ret<F32Matrix>()
+                                  .Attr<int32_t>("route")
+                                  .Attr<float>("max_density")
+                                  .Attr<int64_t>("small_rows")
+                                  .Attr<float>("small_max_density")
+                                  .Attr<int64_t>("sample_step"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseMaskedBackward, MaskedBackward,
                               ffi::Ffi::Bind()

@@ -47,7 +47,7 @@ _FORWARD_SMALL_BATCH = (128, 0.15)
 # Forwards of at most this many rows run the dense GEMM at every density: it streams w and mask once, unpacked, at
 # 0.7-2.2x the plain product's time for 1-8 rows, where the sparse kernels took 2.6-11x (their batch tiles are
 # mostly padding) and XLA's masked dense 1.8-14x (2-core CPU: benchmarks/results/cpu_random_shapes_2026-11-29.md).
-CPU_FEW_ROWS = 8
+CPU_FEW_ROWS = _kernels.FEW_ROWS
 _DENSITY_SAMPLE_ROWS = 64
 
 
@@ -68,10 +68,14 @@ class _Config:
   check_density: bool  # False when implementation="cpu" forces the kernels
 
 
+def _sample_step(mask: jax.Array) -> int:
+  """The density estimates read ``mask``'s rows ``0, step, 2 * step, ...``: about ``_DENSITY_SAMPLE_ROWS`` of them."""
+  return max(1, mask.shape[0] // _DENSITY_SAMPLE_ROWS)
+
+
 def _sparse_enough(mask: jax.Array, max_density: float = CPU_MAX_DENSITY) -> jax.Array:
   """Whether ``mask`` keeps at most ``max_density`` of the weights, estimated from evenly spaced rows."""
-  step = max(1, mask.shape[0] // _DENSITY_SAMPLE_ROWS)
-  return jnp.mean(mask[::step], dtype=jnp.float32) <= max_density
+  return jnp.mean(mask[::_sample_step(mask)], dtype=jnp.float32) <= max_density
 
 
 def _branch(cfg: _Config, mask, sparse, dense, max_density: float = CPU_MAX_DENSITY):
@@ -79,14 +83,13 @@ def _branch(cfg: _Config, mask, sparse, dense, max_density: float = CPU_MAX_DENS
 
 
 def _local_forward(cfg: _Config, x2, w, mask):
-  sparse = lambda: _kernels.masked_forward(f32(x2), f32(w), mask).astype(cfg.out_dtype)
-  # The dense C++ GEMM selects the kept weights while it packs them: XLA's x @ where(mask, w, 0) pays a pass over
-  # the weight and a slower dot on a weight computed in the call (cpu_random_shapes_2026-11-27.md).
-  dense = lambda: _kernels.masked_gemm(f32(x2), f32(w), mask).astype(cfg.out_dtype)
-  if cfg.check_density and x2.shape[0] <= CPU_FEW_ROWS:
-    return (dense(),)
-  rows, small_max = _FORWARD_SMALL_BATCH
-  return (_branch(cfg, mask, sparse, dense, small_max if x2.shape[0] < rows else CPU_FORWARD_MAX_DENSITY),)
+  if not cfg.check_density:
+    y = _kernels.masked_forward(f32(x2), f32(w), mask, route="sparse")
+  else:  # the kernel picks the sparse kernel or the GEMM that masks w as it packs it, by the rows and the density
+    rows, small_max = _FORWARD_SMALL_BATCH
+    y = _kernels.masked_forward(f32(x2), f32(w), mask, route="auto", max_density=CPU_FORWARD_MAX_DENSITY,
+                                small_rows=rows, small_max_density=small_max, sample_step=_sample_step(mask))
+  return (y.astype(cfg.out_dtype),)
 
 
 def _forward(cfg: _Config, x, wm):

@@ -196,7 +196,7 @@ def _dense_weight(w: CSRMatrix) -> jax.Array:
 
 def _csr_forward(cfg: _Config, x: jax.Array, w: CSRMatrix) -> jax.Array:
   def fwd(x2, b):
-    if x2.shape[0] <= _kernels.CSR_FEW_ROWS:  # a decode step: at every density (cpu_random_shapes_2026-11-29.md)
+    if x2.shape[0] <= _kernels.FEW_ROWS:  # a decode step: at every density (cpu_random_shapes_2026-11-29.md)
       y = _kernels.csr_few_rows_forward(f32(x2), f32(b.data), b.row_offsets, b.col_indices, b.shape[1])
       return (y.astype(cfg.out_dtype),)
     if cfg.dense_forward:
