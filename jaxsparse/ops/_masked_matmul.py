@@ -37,8 +37,8 @@ __all__ = ["CPU_FEW_ROWS", "CPU_FORWARD_MAX_DENSITY", "CPU_MAX_DENSITY", "masked
 # a 2-core AVX2 machine, 4096 x 4096, batch 256; see benchmarks/results/cpu_unstructured_*.md; on the 2-core
 # AVX-512 Xeon at 30-35% density the kernels' forward + backward took 0.86-1.30x dense, masked dense 0.74-1.11x).
 CPU_MAX_DENSITY = 0.25
-# The same for the forward alone, against the C++ GEMM that masks the weight while it packs it (as fast as XLA's dense
-# dot, 0.73-1.11x its time on two 2-core machines). In-process crossovers of the sparse kernel and the GEMM at six
+# The same for the forward alone, against the C++ GEMM that masks the weight while it packs it (0.73-1.22x XLA's dense
+# dot's time on two 2-core machines). In-process crossovers of the sparse kernel and the GEMM at six
 # shapes, M 96-1024, K and N 256-2048: density 0.2-0.35 at 128 rows or more, 0.15-0.2 at 96 rows, on a Zen 5 EPYC
 # and a Xeon (benchmarks/results/cpu_random_shapes_2026-11-30.md). So 0.2, and 0.15 for fewer than
 # _FORWARD_SMALL_BATCH rows (the sparse kernel's work per stored weight is shared by fewer rows).
