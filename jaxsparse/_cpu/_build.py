@@ -37,7 +37,7 @@ from jaxsparse._utils import FallbackWarning
 
 __all__ = ["TARGETS", "CpuKernelFallbackWarning", "cache_dir", "load", "unavailable_reason"]
 
-_SOURCES = ("sparse_matmul.cc", "block_sparse_matmul.cc", "packed_gemm.cc")
+_SOURCES = ("sparse_matmul.cc", "csr_rows.cc", "block_sparse_matmul.cc", "packed_gemm.cc")
 _HEADERS = ("common.h",)
 # XLA FFI target name -> exported handler symbol.
 TARGETS = {
