@@ -77,9 +77,6 @@ RAISES = {
                                        "sparsify: BlockSparse does not apply to Conv layers"),
     ("*", "nm", "*", "dst"): (r"rule 'layer[^']*': SET and RigL support Unstructured and BlockSparse rules",
                               "SET / RigL take Unstructured and BlockSparse"),  # where the pruner is built
-    ("embed", "nm", "*", "prune"): (r"layer: the given mask is not 2:4 along the features \(axis 1\)",
-                                    "the pruner's N:M groups run along the vocabulary, a CompressedNMEmbed's "
-                                    "along the features"),
     **{("embed", p, "*", path): (EMBED, "sparsify: an Embed takes NM rules only")
        for p in ("block", "unstructured") for path in ("sparsify", "prune", "dst", "orbax", "summary", "export")},
     ("embed", "*", "*", "calibrated"): (r"rule\(s\) \['layer'\] match no .*(Linear|Dense)", "calibrated pruning covers "
