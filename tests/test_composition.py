@@ -682,7 +682,7 @@ def test_every_combination_is_a_cell_or_not_a_cell():
   assert len(ALL) == len(KINDS) * len(PATTERNS) * len(FRAMEWORKS) * len(PATHS)
   assert all((_lookup(NOT_A_CELL, c) is None) == (c in CELLS) for c in ALL)
   embed = {c for c in CELLS if _lookup(RAISES, c) is None and c[0] == "embed"}
-  paths = ("build", "sparsify", "orbax", "summary", "export")
+  paths = ("build", "sparsify", "prune", "orbax", "summary", "export")
   expected = {("embed", "nm", fw, p) for fw in FRAMEWORKS for p in (*paths, "torch")}
   assert embed == expected, embed
 
