@@ -7,8 +7,8 @@ bytes for a 4096 x 4096 layer, a small fraction of the products), so nothing has
 when the mask changes and the number of kept entries need not be fixed. Their work is proportional
 to the kept entries, plus one pass over ``w`` and ``mask`` per product and the dense ``(K, N)``
 weight gradient that this dense storage implies. Densely masked weights run as masked dense products, which are
-faster there: the forward above :data:`CPU_FORWARD_MAX_DENSITY` as a dense C++ GEMM that selects the kept weights
-while it packs them, the backward above :data:`CPU_MAX_DENSITY` as XLA's ``dy @ where(mask, w, 0).T``.
+faster there: the forward above ``CPU_FORWARD_MAX_DENSITY`` as a dense C++ GEMM that selects the kept weights
+while it packs them, the backward above ``CPU_MAX_DENSITY`` as XLA's ``dy @ where(mask, w, 0).T``.
 """
 
 from __future__ import annotations
@@ -136,19 +136,17 @@ def masked_matmul(
 
   On CPU the product and both gradients run in sparse C++ kernels that read the kept entries from
   ``mask`` on every call, so ``mask`` may change between calls (also inside ``jit``) at no cost;
-  masks keeping more than :data:`CPU_FORWARD_MAX_DENSITY` of the weights (0.15 for fewer than 128 rows) run the
-  forward as a masked dense product (as do products of at most :data:`CPU_FEW_ROWS` rows), and more than
-  :data:`CPU_MAX_DENSITY` the gradients.
+  masks keeping more than 20% of the weights (15% for fewer than 128 rows) run the forward as a masked dense product
+  (as do products of at most 8 rows), and more than 25% the gradients.
   Works under ``jit``, ``grad`` (reverse mode, to any order) and ``vmap``: leading dimensions of ``x`` and a
   mapped ``x`` fold into one kernel call; a mapped backward runs once per mapped element.
 
   Non-finite values: NaN / inf in the kept weights, or in ``x`` meeting a kept weight, propagate on every route;
   pruned weights never do (they are replaced by zeros, not multiplied by them). A NaN / inf in ``x`` meets the pruned
   entries as zeros only on the masked dense routes, where ``inf * 0`` makes NaN as in ``x @ where(mask, w, 0)``:
-  ``implementation="xla"``, and the default for masks denser than :data:`CPU_FORWARD_MAX_DENSITY` (a density estimated
-  inside the call; 0.15 below 128 rows) or forwards of at most :data:`CPU_FEW_ROWS` rows. The sparse kernels
-  (``"cpu"``, and the default elsewhere) skip pruned entries, so such an ``x`` can give finite outputs: test ``x``
-  with ``jnp.isfinite`` where NaN detection matters.
+  ``implementation="xla"``, and the default for masks denser than 20% (a density estimated inside the call; 15% below
+  128 rows) or forwards of at most 8 rows. The sparse kernels (``"cpu"``, and the default elsewhere) skip pruned
+  entries, so such an ``x`` can give finite outputs: test ``x`` with ``jnp.isfinite`` where NaN detection matters.
 
   Sharded operands (:mod:`jaxsparse.ops`' data parallelism): the leading dims of ``x`` keep their split; ``w`` and
   ``mask`` are replicated, gathered if they arrive split (also under explicit mesh axes, on every route), and the
@@ -165,12 +163,11 @@ def masked_matmul(
     w: ``(K, N)`` dense weights (Flax kernel layout).
     mask: bool ``(K, N)``; pruned entries contribute nothing and receive no gradient.
     implementation: ``None`` uses the C++ kernels when the default backend is the CPU and the dtypes are float32,
-      bfloat16 or float16: the sparse kernels for masks keeping at most :data:`CPU_FORWARD_MAX_DENSITY` (forward; 0.15
-      below 128 rows) / :data:`CPU_MAX_DENSITY` (gradients) of the weights, else a dense C++ GEMM that selects the
-      kept weights as it packs them (forward; also at every density for at most :data:`CPU_FEW_ROWS` rows) and masked
-      dense XLA (gradients); if the kernels cannot be built it warns with
-      :class:`jaxsparse.ops.CpuKernelFallbackWarning` and runs XLA; ``"cpu"`` always runs the kernels (and raises if
-      they are unavailable); ``"xla"`` always runs ``x @ where(mask, w, 0)`` with plain autodiff (the only choice
+      bfloat16 or float16: the sparse kernels for masks keeping at most 20% (forward; 15% below 128 rows) / 25%
+      (gradients) of the weights, else a dense C++ GEMM that selects the kept weights as it packs them (forward; also
+      at every density for at most 8 rows) and masked dense XLA (gradients); if the kernels cannot be built it warns
+      with :class:`jaxsparse.ops.CpuKernelFallbackWarning` and runs XLA; ``"cpu"`` always runs the kernels (and raises
+      if they are unavailable); ``"xla"`` always runs ``x @ where(mask, w, 0)`` with plain autodiff (the only choice
       supporting forward-mode differentiation).
     precision: passed to the XLA matmuls (the C++ kernels always compute in float32).
     preferred_element_type: output dtype, a floating dtype; defaults to ``result_type(x, w)``.

@@ -6,7 +6,7 @@ One op, three products, two backends:
 * ``"cpu"``: C++ kernels (XLA FFI custom calls, built on first use by :mod:`jaxsparse._cpu`) whose
   work is proportional to the nonzeros, on both cores: per nonzero, an axpy of a 64-wide batch
   tile held in registers. Chosen by default on CPU, except that patterns denser than
-  :data:`CPU_DENSE_FORWARD_MIN_DENSITY` (:data:`CPU_DENSE_BACKWARD_MIN_DENSITY` for the backward) run on the
+  ``CPU_DENSE_FORWARD_MIN_DENSITY`` (``CPU_DENSE_BACKWARD_MIN_DENSITY`` for the backward) run on the
   dense route: a C++ kernel writes the entries into a dense weight, XLA multiplies, and ``dW`` is taken at the
   entries by another kernel. Forwards of at most 8 rows (a decode step) stream the entries once in row order at
   every density, on either choice.
@@ -245,11 +245,10 @@ def sparse_matmul(
 
   Non-finite values: NaN / inf in ``w.data``, or in ``x`` meeting a stored entry, propagate on every route. A NaN /
   inf in ``x`` meets the entries that are not stored as zeros only on the dense routes, where ``inf * 0`` makes
-  NaN as in ``x @ w.to_dense()``: ``implementation="xla"``, and the default's dense route for patterns denser than
-  :data:`CPU_DENSE_FORWARD_MIN_DENSITY` (forwards of more than 8 rows). The sparse kernels (``"cpu"``, and the
-  default elsewhere) skip
-  entries that are not stored, so such an ``x`` can give finite outputs: test ``x`` with ``jnp.isfinite`` where
-  NaN detection matters, rather than relying on the product to carry it.
+  NaN as in ``x @ w.to_dense()``: ``implementation="xla"``, and the default's dense route for patterns storing
+  more than 30% of the entries (forwards of more than 8 rows). The sparse kernels (``"cpu"``, and the default
+  elsewhere) skip entries that are not stored, so such an ``x`` can give finite outputs: test ``x`` with
+  ``jnp.isfinite`` where NaN detection matters, rather than relying on the product to carry it.
 
   Sharded operands (:mod:`jaxsparse.ops`' data parallelism): the leading dims of ``x`` keep their split; ``w``'s
   arrays are replicated, gathered if they arrive split (also under explicit mesh axes, on every route), and the
@@ -269,7 +268,7 @@ def sparse_matmul(
     implementation: ``None`` runs the C++ kernels when the default backend is the CPU (building
       them on first use; if that is impossible it warns with
       :class:`jaxsparse.ops.CpuKernelFallbackWarning` and runs the XLA path), the dense route on
-      them for patterns denser than :data:`CPU_DENSE_FORWARD_MIN_DENSITY`, the XLA path elsewhere;
+      them for patterns storing more than 30% of the entries, the XLA path elsewhere;
       ``"cpu"`` (always the sparse kernels) or ``"xla"`` force one, and a forced backend that cannot run raises.
     precision: passed to the XLA path's matmul (the C++ kernels always compute in float32).
     preferred_element_type: output dtype, a floating dtype; defaults to ``result_type(x, w.data)``.
