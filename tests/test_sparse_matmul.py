@@ -477,11 +477,12 @@ def _gemm(x, w, mask):
 @pytest.mark.parametrize("seed", range(6))
 def test_packed_gemm_kernels(seed):
   """The masked forward's GEMM route against a float64 NumPy product on shapes around the micro-tile, column chunk and
-  contraction block edges (12 / 6 rows, 32 / 16 and 128 / 64 columns, 256 contractions), one or several row groups,
+  contraction block edges (12 / 6 rows, 32 / 16 and 128 / 64 columns, 512 contractions), one or several row groups,
   fresh random data."""
   assert _build.load(), _build.unavailable_reason()
   rng = np.random.default_rng(seed)
-  m, k, n = (int(rng.choice(c)) for c in ([1, 5, 12, 13, 31, 64], [1, 7, 255, 256, 300, 513], [1, 16, 33, 128, 200]))
+  sizes = ([1, 5, 12, 13, 31, 64], [1, 7, 300, 511, 512, 513, 1030], [1, 16, 33, 128, 200])
+  m, k, n = (int(rng.choice(c)) for c in sizes)
   x = rng.standard_normal((m, k)).astype(np.float32)
   w = rng.standard_normal((k, n)).astype(np.float32)
   mask = rng.random((k, n)) < rng.uniform(0.2, 0.9)
@@ -524,6 +525,12 @@ def test_packed_gemm_edge_cases():
   x, w = x.astype(np.float32), w.astype(np.float32)
   np.testing.assert_allclose(_gemm(x, w, mask), x.astype(np.float64) @ np.where(mask, w, 0),
                              rtol=1e-5, atol=1e-4)
+  # Contractions around the 512-deep packed blocks, both packing paths (one row group: 40 x 1030 columns; several:
+  # 13 x 33).
+  for m, k, n in [(40, 511, 1030), (40, 513, 1030), (13, 512, 33), (13, 1025, 33)]:
+    x, w, mask = rng.standard_normal((m, k)), rng.standard_normal((k, n)), rng.random((k, n)) < 0.5
+    x, w = x.astype(np.float32), w.astype(np.float32)
+    np.testing.assert_allclose(_gemm(x, w, mask), x.astype(np.float64) @ np.where(mask, w, 0), rtol=1e-5, atol=1e-4)
   # Few rows, few weight rows and many columns: the streaming kernel splits the columns too (alone, and with the rows).
   for m, k, n in [(3, 16, 5000), (5, 300, 3001)]:
     x, w, mask = rng.standard_normal((m, k)), rng.standard_normal((k, n)), rng.random((k, n)) < 0.5

@@ -28,7 +28,8 @@ constexpr int kMr = 6;
 #endif
 constexpr int kVec = sizeof(vec) / sizeof(float);
 constexpr int kNr = 2 * kVec;          // columns of the micro-tile: two vectors
-constexpr int64_t kKc = 256;           // contraction rows per packed block
+constexpr int64_t kKc = 512;           // contraction rows per packed block (256: 0.89-0.95x the rate on a Zen 5, 0.93-1.02x
+                                       // on a Xeon, benchmarks/results/cpu_random_shapes_2026-11-30.md)
 constexpr int64_t kNc = 4 * kNr;       // output columns per work item, at most
 constexpr int64_t kItemsPerWorker = 4;  // work items per thread, at least where the product allows
 constexpr int64_t kDirectRows = 64;     // DirectProduct (kFewRows rows at most): weight rows per work item, at least
