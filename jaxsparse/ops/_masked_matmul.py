@@ -78,8 +78,9 @@ def _sparse_enough(mask: jax.Array, max_density: float = CPU_MAX_DENSITY) -> jax
   return jnp.mean(mask[::_sample_step(mask)], dtype=jnp.float32) <= max_density
 
 
-def _branch(cfg: _Config, mask, sparse, dense, max_density: float = CPU_MAX_DENSITY):
-  return lax.cond(_sparse_enough(mask, max_density), sparse, dense) if cfg.check_density else sparse()
+def _branch(cfg: _Config, mask, sparse, dense):
+  """The backward's route: the sparse kernels up to ``CPU_MAX_DENSITY`` (the forward picks its own in its kernel)."""
+  return lax.cond(_sparse_enough(mask), sparse, dense) if cfg.check_density else sparse()
 
 
 def _local_forward(cfg: _Config, x2, w, mask):
