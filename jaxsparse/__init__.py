@@ -30,6 +30,7 @@ from jaxsparse._summary import LayerSummary
 from jaxsparse._summary import ModelSummary
 from jaxsparse._summary import summary
 from jaxsparse._tuning import AutotuneCacheWarning
+from jaxsparse._tuning import SlowerThanDenseWarning
 from jaxsparse._tuning import autotune
 from jaxsparse._tuning import autotune_mode
 from jaxsparse._tuning import export_cache as export_tuning_cache
@@ -61,6 +62,7 @@ __all__ = [
     "ModelSummary",
     "NMSparseMatrix",
     "SignatureTiming",
+    "SlowerThanDenseWarning",
     "block_magnitude_mask",
     "autotune",
     "autotune_mode",

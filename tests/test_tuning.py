@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxsparse
 from jaxsparse import _tuning
+from jaxsparse._sparsify import _route as sparsify_route
 from jaxsparse._tuning import _cache
 from jaxsparse._tuning import _measure
 from jaxsparse.formats._block_sparse import merge_block_data
@@ -234,6 +235,106 @@ def test_margin_and_failures(monkeypatch, times, winner):
   monkeypatch.setattr(_measure, "_measure", lambda cands, make_args, platform: dict(times))
   with _tuning.autotune_mode("tune"):
     assert _choose(_candidates([])).name == winner
+
+
+# -------------------------------------------------------------------------------------------------
+# The dense product a sparse one stands in for: timed beside the candidates, a warning where none beats it.
+# -------------------------------------------------------------------------------------------------
+
+_DENSE = _tuning.DenseProduct((384, 4096), (4096, 2048), ("float16", "float16"))
+
+
+def _dense_choose(cands, dense=_DENSE, **fields):
+  return _tuning.choose("op", "fwd", cands, lambda: (jnp.ones(4),), platform="cpu", fields={"rows": 4, **fields},
+                        dense=dense)
+
+
+def _slower_warnings(record) -> list[str]:
+  return [str(r.message) for r in record if issubclass(r.category, jaxsparse.SlowerThanDenseWarning)]
+
+
+def test_a_choice_slower_than_the_dense_product_warns_once_per_process(monkeypatch):
+  monkeypatch.setattr(_measure, "_measure", lambda *a: {"default": 2.0, "a": 1.5, "dense": 1.8})
+  monkeypatch.setattr(_measure, "_dense_ms", lambda dense, platform: 1.0)
+  monkeypatch.setattr(_measure, "_WARNED", set())
+  with _tuning.autotune_mode("tune"), warnings.catch_warnings(record=True) as rec:
+    warnings.simplefilter("always")
+    assert _dense_choose(_candidates([])).name == "a"
+    assert _dense_choose(_candidates([])).name == "a"  # the same signature again: no second warning
+  (message,) = _slower_warnings(rec)
+  assert rec[0].filename == __file__  # the caller's line, not jaxsparse's
+  assert "op fwd" in message and "(a, 1500 us)" in message and "1.50x" in message
+  assert "(384, 4096) @ (4096, 2048) float16: 1000 us" in message and "route_slower_to_dense" in message
+  (entry,) = json.loads(_cache.cache_path().read_text())["entries"].values()
+  assert entry["dense_us"] == 1000.0 and entry["choice"] == "a"
+  # Another process (memo and warnings fresh) reads the decision from the cache, and is told again.
+  monkeypatch.setattr(_measure, "_measure", lambda *a: pytest.fail("measured again"))
+  monkeypatch.setattr(_measure, "_WARNED", set())
+  _cache.clear_memo()
+  with _tuning.autotune_mode("cached"), warnings.catch_warnings(record=True) as rec:
+    warnings.simplefilter("always")
+    assert _dense_choose(_candidates([])).name == "a"
+  assert len(_slower_warnings(rec)) == 1
+
+
+@pytest.mark.parametrize(("times", "dense_ms", "dense"), [
+    ({"default": 1.0, "a": 2.0}, 0.98, _DENSE),  # within the 3% margin of the dense product
+    ({"default": 1.0, "a": 2.0}, 0.5, None),  # the product names no dense product: nothing timed, no warning
+    ({"default": 1.0, "a": 2.0}, None, _DENSE),  # the dense product failed to run: no comparison
+])
+def test_no_warning_within_the_margin_or_without_a_dense_time(monkeypatch, times, dense_ms, dense):
+  monkeypatch.setattr(_measure, "_measure", lambda *a: dict(times))
+  monkeypatch.setattr(_measure, "_dense_ms", lambda d, platform: dense_ms)
+  monkeypatch.setattr(_measure, "_WARNED", set())
+  with _tuning.autotune_mode("tune"), warnings.catch_warnings(record=True) as rec:
+    warnings.simplefilter("always")
+    assert _dense_choose(_candidates([]), dense=dense).name == "default"
+  assert not _slower_warnings(rec)
+  (entry,) = json.loads(_cache.cache_path().read_text())["entries"].values()
+  assert ("dense_us" in entry) == (dense is not None and dense_ms is not None)
+
+
+@pytest.mark.parametrize("step", [False, True])
+def test_the_dense_product_is_really_timed_inside_a_trace(step):
+  dense = _tuning.DenseProduct((2, 8, 16), (16, 4), ("float32", "bfloat16"), step=step)
+
+  def f(x):
+    return _dense_choose(_candidates([]), dense=dense).run(x).sum()
+
+  with _tuning.autotune_mode("tune"), warnings.catch_warnings():
+    warnings.simplefilter("ignore", jaxsparse.SlowerThanDenseWarning)
+    jax.jit(f)(jnp.ones(4))
+  (entry,) = json.loads(_cache.cache_path().read_text())["entries"].values()
+  assert entry["dense_us"] > 0
+  assert dense.describe() == "(2, 8, 16) @ (16, 4) float32 x bfloat16" + (" train step" if step else "")
+
+
+def test_block_sparse_products_record_their_dense_twins_time(monkeypatch):
+  # Every direction of a tuned block-sparse product is compared with a dense layer's product of the same shapes.
+  seen = []
+  monkeypatch.setattr(_measure, "_dense_ms", lambda dense, platform: seen.append(dense) or 1e-6)
+  monkeypatch.setattr(_measure, "_WARNED", set())
+  rng = np.random.default_rng(0)
+  w = jaxsparse.BlockSparseMatrix.from_dense(jnp.asarray(rng.standard_normal((64, 96)), jnp.float32), (16, 16))
+  x = jnp.asarray(rng.standard_normal((24, 64)), jnp.float32)
+  with _tuning.autotune_mode("tune"), warnings.catch_warnings(record=True) as rec:
+    warnings.simplefilter("always")
+    jax.jit(jax.grad(lambda x, d: jnp.sum(jaxsparse.ops.block_sparse_matmul(x, w.with_data(d)) ** 2),
+                     argnums=(0, 1)))(x, w.data)
+  assert sorted((d.lhs, d.rhs) for d in seen) == [((24, 64), (64, 96)), ((24, 96), (96, 64)), ((64, 24), (24, 96))]
+  entries = json.loads(_cache.cache_path().read_text())["entries"].values()
+  assert [e["dense_us"] for e in entries] == [0.0] * 3
+  assert not _slower_warnings(rec)  # a time of 0 compares nothing
+
+
+def test_routing_to_dense_does_not_warn_about_what_it_routes():
+  with warnings.catch_warnings(record=True) as rec:
+    warnings.simplefilter("always")
+    with sparsify_route._tuned():
+      assert _cache.current_mode("cpu") == "tune"
+      warnings.warn("slower", jaxsparse.SlowerThanDenseWarning, stacklevel=1)
+    warnings.warn("slower", jaxsparse.SlowerThanDenseWarning, stacklevel=1)
+  assert len(_slower_warnings(rec)) == 1
 
 
 def test_no_device_of_the_platform_means_the_default(monkeypatch):
@@ -932,6 +1033,23 @@ def test_cli_rejects_bad_rows_and_dtypes_before_any_work(args, message, monkeypa
     main(args)
   assert exit_.value.code == 2
   assert re.search(message, capsys.readouterr().err)
+
+
+def test_tune_checks_every_shape_and_pattern_before_tuning_any(monkeypatch, tmp_path, capsys):
+  from jaxsparse import _bench  # noqa: PLC0415
+  from jaxsparse.torch_interop._cli import main  # noqa: PLC0415 -- the `jaxsparse` console script
+
+  # Was: the shapes were checked one at a time, so 64x64 was tuned (and cached) before 60x64 failed; nothing was
+  # printed of that work, and --export was never reached.
+  monkeypatch.setattr(_bench, "autotune", lambda *a, **k: pytest.fail("tuned"))
+  out = tmp_path / "out.json"
+  assert main(["tune", "64x64", "60x64", "--patterns", "block:0.5:16x16", "--rows", "8", "--export", str(out)]) == 1
+  assert ("shape 60x64, pattern block 16x16 50% kept: block_shape=(16, 16) does not divide"
+          in capsys.readouterr().err)
+  with pytest.raises(ValueError, match=r"rows must be a positive int, got 0"):
+    _bench.tune([(64, 64)], [jaxsparse.NM(2, 4)], rows=(8, 0))
+  with pytest.raises(ValueError, match=r"N:M sparsity 2:4 needs m=4 to divide the input size 6"):
+    _bench.tune([(64, 64), (6, 64)], [jaxsparse.NM(2, 4)], rows=(8,))
 
 
 def test_cli_tune_export_errors_are_messages_not_tracebacks(monkeypatch, tmp_path, capsys):

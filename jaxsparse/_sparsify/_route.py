@@ -11,9 +11,11 @@ signatures whose layers alone were close to their twins by timing the step both 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import numbers
+import warnings
 from collections.abc import Callable
 from collections.abc import Mapping
 from collections.abc import Sequence
@@ -43,6 +45,7 @@ from jaxsparse._sparsify._report import time_nnx_layer
 from jaxsparse._sparsify._report import timed
 from jaxsparse._tuning._cache import autotune_mode
 from jaxsparse._tuning._measure import MARGIN
+from jaxsparse._tuning._measure import SlowerThanDenseWarning
 from jaxsparse.formats._specs import NM
 from jaxsparse.formats._specs import BlockSparse
 from jaxsparse.layers import BlockSparseLinear
@@ -195,6 +198,14 @@ class SignatureTiming:
     return max(self.sparse_ms[b] / self.dense_ms[b] for b in self.sparse_ms)
 
 
+@contextlib.contextmanager
+def _tuned():
+  """Tuning mode, without the SlowerThanDenseWarning that routing to dense is the answer to."""
+  with autotune_mode("tune"), warnings.catch_warnings():
+    warnings.simplefilter("ignore", SlowerThanDenseWarning)
+    yield
+
+
 def time_forward_ms(layer: nnx.Module, x: jax.Array) -> float:
   """Milliseconds of one jitted forward call ``layer(x)`` on the default device.
 
@@ -216,7 +227,7 @@ def time_forward_ms(layer: nnx.Module, x: jax.Array) -> float:
   Returns:
     Milliseconds of one call.
   """
-  with autotune_mode("tune"):
+  with _tuned():
     return time_nnx_layer(layer, x, "forward")
 
 
@@ -458,7 +469,7 @@ def _linen_signature(layer, layer_vars: Mapping, path: str) -> LayerSignature:
 
 
 def _time_apply_ms(module: nn.Module, variables: Any, x: jax.Array) -> float:
-  with autotune_mode("tune"):
+  with _tuned():
     return timed(lambda v, _, x: module.apply(v, x), variables, x, "forward")
 
 

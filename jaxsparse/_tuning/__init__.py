@@ -13,6 +13,8 @@ from jaxsparse._tuning._cache import export_cache
 from jaxsparse._tuning._cache import import_cache
 from jaxsparse._tuning._cache import set_autotune_mode
 from jaxsparse._tuning._measure import Candidate
+from jaxsparse._tuning._measure import DenseProduct
+from jaxsparse._tuning._measure import SlowerThanDenseWarning
 from jaxsparse._tuning._measure import choose
 from jaxsparse._tuning._measure import random_operand
 from jaxsparse._tuning._measure import train_step
@@ -21,6 +23,8 @@ from jaxsparse._tuning._measure import will_measure
 __all__ = [
     "AutotuneCacheWarning",
     "Candidate",
+    "DenseProduct",
+    "SlowerThanDenseWarning",
     "autotune",
     "autotune_mode",
     "cache_path",

@@ -18,6 +18,12 @@ CUPTI is busy (another profiler attached), the median wall time of back-to-back 
 On a GPU, a product whose operands would stay in the L2 cache between calls is timed over several sets of operands in
 turn (:func:`_copies`): in a model each layer's weights are evicted by the layers between its calls, so a decode
 product reads its weight from memory, and a candidate fast only from the L2 must not win.
+
+A product may name the dense product it stands in for (:class:`DenseProduct`: ``x @ W`` of a dense layer of the same
+shapes). Its time is measured beside the candidates (as ``"dense_us"`` in the cache entry): no candidate can run it,
+since the sparse operands do not hold ``W``, but where the fastest candidate is slower than it by more than
+:data:`MARGIN` a :class:`SlowerThanDenseWarning` says so, once per signature and process, from a measurement or from
+the cache.
 """
 
 from __future__ import annotations
@@ -38,11 +44,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxsparse import _utils
 from jaxsparse._tuning import _cache
 
 __all__ = [
     "MARGIN",
     "Candidate",
+    "DenseProduct",
+    "SlowerThanDenseWarning",
     "choose",
     "default_platform",
     "random_operand",
@@ -100,6 +109,45 @@ class Candidate:
   measure: Callable[..., Any] | None = None
   prepare: Callable[[], Any] | None = None
   always_timed: bool = False
+
+
+class SlowerThanDenseWarning(UserWarning):
+  """No route of a sparse product beats the dense product it stands in for, as measured on this device.
+
+  Tuning (``"tune"`` mode, the default on GPUs, and :func:`jaxsparse.autotune`) times the dense product of a layer of
+  the same shapes and dtypes beside a sparse product's routes. Where the fastest route is slower than it by more than
+  3%, this warning names the product, both times and their ratio, once per product signature and process (also when
+  the decision comes from the tuning cache). At such densities (typically 40-60% of the weights kept, or small
+  products on large blocks) the sparse layer saves memory but not time: :func:`jaxsparse.route_slower_to_dense` turns
+  such layers of a model into dense ones with the same weights.
+
+  >>> import warnings, jaxsparse
+  >>> warnings.simplefilter("ignore", jaxsparse.SlowerThanDenseWarning)  # the memory is what you are after
+  >>> warnings.resetwarnings()
+  """
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseProduct:
+  """The dense product a sparse product stands in for, timed beside its candidates (:class:`SlowerThanDenseWarning`).
+
+  Attributes:
+    lhs: the left operand's shape, ``(..., K)`` (``x`` of a forward; ``dY`` of ``dX = dY @ W.T``; ``x.T`` of ``dW``).
+    rhs: the right operand's shape, ``(K, N)``.
+    dtypes: the two operands' dtypes.
+    step: time :func:`train_step` of the product (its value and both gradients), for products whose candidates are
+      timed that way (``Candidate.measure``), instead of the product alone.
+  """
+
+  lhs: tuple[int, ...]
+  rhs: tuple[int, int]
+  dtypes: tuple[Any, Any]
+  step: bool = False
+
+  def describe(self) -> str:
+    """E.g. ``"(384, 4096) @ (4096, 2048) float16"``, with `` train step`` for ``step``."""
+    names = dict.fromkeys(str(jnp.dtype(d)) for d in self.dtypes)
+    return f"{tuple(self.lhs)} @ {tuple(self.rhs)} {' x '.join(names)}{' train step' if self.step else ''}"
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
@@ -374,6 +422,37 @@ def _measure(candidates: Sequence[Candidate], make_args: Callable[[], tuple],
   return times
 
 
+def _dense_ms(dense: DenseProduct, platform: str) -> float | None:
+  """Milliseconds of ``dense`` (one call, timed as the candidates are), or ``None`` where it fails to run."""
+  run = jnp.matmul if not dense.step else train_step(jnp.matmul)
+  try:
+    args = _made_outside_the_trace(lambda: (random_operand(dense.lhs, dense.dtypes[0], 1),
+                                            random_operand(dense.rhs, dense.dtypes[1], 2)))
+    with jax.ensure_compile_time_eval():
+      return time_call_ms(run, args, platform)
+  except Exception as e:  # e.g. a dtype XLA's dot does not take here: no comparison
+    logger.info("autotune: the dense product %s failed: %s: %s", dense.describe(), type(e).__name__, e)
+    return None
+
+
+_WARNED: set[str] = set()  # the signatures a SlowerThanDenseWarning was given for, in this process
+
+
+def _warn_if_slower(key: str, op: str, direction: str, entry: dict, choice: str, dense: DenseProduct | None) -> None:
+  """A :class:`SlowerThanDenseWarning` (once per ``key``) where ``entry`` times ``choice`` over its ``"dense_us"``."""
+  dense_us, chosen_us = entry.get("dense_us"), _recorded_us(entry).get(choice)
+  if dense is None or key in _WARNED or not isinstance(dense_us, (int, float)) or chosen_us is None:
+    return
+  if not (dense_us > 0 and chosen_us > dense_us * (1 + MARGIN)):
+    return
+  _WARNED.add(key)
+  _utils.warn_at_caller(
+      f"{op} {direction}: the fastest route measured on this device ({choice}, {chosen_us:g} us) takes "
+      f"{chosen_us / dense_us:.2f}x the time of the dense product it stands in for ({dense.describe()}: "
+      f"{dense_us:g} us). Sparsity saves memory here but not time; jaxsparse.route_slower_to_dense makes such layers "
+      "dense with the same weights.", SlowerThanDenseWarning)
+
+
 def wait_for_background_compiles(timeout: float | None = None) -> bool:
   """Waits (at most ``timeout`` seconds; ``None``: as long as it takes) for the compiles that measurements stopped
   waiting for; ``True`` when none is left running. A timing taken while they run shares the host with them."""
@@ -420,6 +499,7 @@ def choose(
     *,
     platform: str,
     fields: dict[str, Any],
+    dense: DenseProduct | None = None,
 ) -> Candidate:
   """The candidate to run for one product: cached, measured now, or the shipped default (``candidates[0]``).
 
@@ -436,6 +516,8 @@ def choose(
     make_args: builds concrete random operands of the product's shapes on the device (called only to measure).
     platform: ``"cuda"`` or ``"cpu"``: where the product runs.
     fields: the rest of the signature (row bucket, shapes, block shape, density bucket, dtypes, precision).
+    dense: the dense product this one stands in for, timed with the candidates (``"dense_us"`` in the entry); a
+      :class:`SlowerThanDenseWarning` where the choice is slower than it. ``None``: no comparison.
 
   Returns:
     One of ``candidates``.
@@ -455,11 +537,16 @@ def choose(
   if hit is not None and _cache.current_budget_s() is None:
     untimed |= set(by_name) & _unfinished(hit)
   if hit is not None and not (can_measure and untimed):
-    if hit["choice"] in by_name:
-      return by_name[hit["choice"]]
     offered = {k: v for k, v in recorded.items() if k in by_name}
-    if offered:  # the key's other products chose among other candidates: the fastest of these, as recorded
-      return by_name[_pick(offered, prior.name)]
+    if hit["choice"] in by_name:
+      choice = hit["choice"]
+    elif offered:  # the key's other products chose among other candidates: the fastest of these, as recorded
+      choice = _pick(offered, prior.name)
+    else:
+      choice = None
+    if choice is not None:
+      _warn_if_slower(key, op, direction, hit, choice, dense)
+      return by_name[choice]
   if not can_measure:
     return prior
   t0 = time.perf_counter()
@@ -480,6 +567,13 @@ def choose(
   unfinished = sorted(k for k, v in measured.items() if v is None and k not in all_us)
   if unfinished:  # offered but not compiled within the budget: jaxsparse.autotune measures them
     entry["unfinished"] = unfinished
+  dense_ms = _dense_ms(dense, platform) if dense is not None else None
+  if dense_ms is not None:
+    entry["dense_us"] = round(dense_ms * 1e3, 2)
+  elif hit is not None and "dense_us" in hit:
+    entry["dense_us"] = hit["dense_us"]
+  entry["tuning_s"] = round(time.perf_counter() - t0, 3)
   _cache.record(key, entry)
   logger.info("autotune %s %s %s: %s", op, direction, fields, entry)
+  _warn_if_slower(key, op, direction, entry, best, dense)
   return by_name[best]

@@ -306,7 +306,12 @@ def _product(direction: str, args: tuple, result_dtype, precision) -> _router.Pr
     return (a, wr) if direction == "fwd" else (a, _tuning.random_operand((m, n), dy_dtype, 2), wr)
 
   fields = _signature(x2, w, result_dtype, precision)
-  return _router.Product("block_sparse_matmul", direction, tuple(args), fields, make_args)
+  dense = {  # a dense layer's product of this direction
+      "fwd": _tuning.DenseProduct((m, k), (k, n), (x2.dtype, w.dtype)),
+      "dx": _tuning.DenseProduct((m, n), (n, k), (dy_dtype, w.dtype)),
+      "dw": _tuning.DenseProduct((k, m), (m, n), (x2.dtype, dy_dtype)),
+  }[direction]
+  return _router.Product("block_sparse_matmul", direction, tuple(args), fields, make_args, dense)
 
 
 @dataclasses.dataclass(frozen=True)

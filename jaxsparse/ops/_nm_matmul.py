@@ -404,7 +404,8 @@ def _product(cfg: _Config, x2: jax.Array, w: NMSparseMatrix, blob: jax.Array | N
       "precision": cfg.precision,
       "weight": "buffer" if cfg.buffer_only else "values" if blob is None else "cusparselt",
   }
-  return _router.Product("nm_matmul", "fwd", (x2, w, blob), fields, make_args)
+  dense = _tuning.DenseProduct((m, k), (k, n), (x2.dtype, w.dtype))
+  return _router.Product("nm_matmul", "fwd", (x2, w, blob), fields, make_args, dense)
 
 
 def _local_forward(cfg: _Config, x2: jax.Array, w: NMSparseMatrix, blob: jax.Array | None = None) -> jax.Array:

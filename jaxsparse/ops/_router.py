@@ -76,6 +76,8 @@ class Product:
     args: the operands (arrays or pytrees of them, traced or concrete); every candidate takes them.
     fields: the rest of the tuning signature (row bucket, shapes, block shape, density, dtypes, precision).
     make_args: builds concrete random operands of the same shapes and dtypes (called only to measure).
+    dense: the dense product it stands in for (``x @ W`` of a dense layer), timed beside the candidates to warn
+      where none beats it (:class:`jaxsparse.SlowerThanDenseWarning`); ``None``: not compared.
   """
 
   op: str
@@ -83,6 +85,7 @@ class Product:
   args: tuple
   fields: dict[str, Any]
   make_args: Callable[[], tuple]
+  dense: _measure.DenseProduct | None = None
 
   @property
   def symbolic(self) -> bool:
@@ -299,7 +302,7 @@ def _platform_run(products: Sequence[Product], per_product: list[list[_tuning.Ca
       chosen = [c[0] for c in per_product]
     else:
       chosen = [
-          _tuning.choose(p.op, p.direction, c, p.make_args, platform=platform, fields=p.fields)
+          _tuning.choose(p.op, p.direction, c, p.make_args, platform=platform, fields=p.fields, dense=p.dense)
           for p, c in zip(products, per_product, strict=True)
       ]
     joint = {c.value.run_all for c in chosen if isinstance(c.value, Joint)}

@@ -151,7 +151,8 @@ def route(op: str, implementation: str, x: jax.Array, w, cpu_run, xla_run, make_
       "density": round(_density(w) * 50) / 50,
       "dtypes": (str(x.dtype), *(str(leaf.dtype) for leaf in leaves)),
   }
-  return _router.route([_router.Product(op, "step", (x, w), fields, make_args)], backends)[0]
+  dense = _tuning.DenseProduct(x.shape, fields["shape"], (x.dtype, leaves[0].dtype if leaves else x.dtype), step=True)
+  return _router.route([_router.Product(op, "step", (x, w), fields, make_args, dense)], backends)[0]
 
 
 def _density(w) -> float:

@@ -563,4 +563,5 @@ def _routed(cfg: _MatmulConfig, x: jax.Array, w: jax.Array) -> _router.Product:
       "cfg": cfg,
       "dtypes": (str(x.dtype), str(w.dtype)),
   }
-  return _router.Product("sr_ste_matmul", "step", (x, w), fields, make_args)
+  dense = _tuning.DenseProduct(x.shape, w.shape, (x.dtype, w.dtype), step=True)
+  return _router.Product("sr_ste_matmul", "step", (x, w), fields, make_args, dense)
