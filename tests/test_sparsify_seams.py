@@ -7,11 +7,14 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
 import jaxsparse
 from jaxsparse.layers import MaskedLinear
+from jaxsparse.layers import SparsityPattern
+from jaxsparse.layers import linen as sparse_linen
 
 
 def _normal(seed, shape, dtype=jnp.float32):
@@ -588,3 +591,127 @@ def test_densify_linen_of_an_nm_conv_with_a_weight_mask_of_other_values():
                                           dimension_numbers=("NWC", "WIO", "NWC")) + variables["params"]["conv"]["bias"]
   np.testing.assert_allclose(sparse.apply(sparse_vars, x), expected, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(dense_module.apply(dense_vars, x), expected, rtol=1e-5, atol=1e-5)
+
+
+# flax.nnx.bridge (a bug bash, 2026-11-29): ToNNX around jaxsparse Linen layers, ToLinen around the NNX ones.
+
+
+class _LinenSparse(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = sparse_linen.MaskedDense(32, sparsity=0.5)(nn.Dense(32)(x))
+    return sparse_linen.BlockSparseDense(16, density=0.5, block_shape=(8, 8))(x)
+
+
+def test_bridge_to_nnx_keeps_the_linen_pattern_as_sparsity_patterns():
+  # ToNNX made the "sparsity" collection an anonymous Variable type: nnx.state(model, SparsityPattern) was empty.
+  x = _normal(0, (4, 32))
+  model = nnx.bridge.ToNNX(_LinenSparse(), rngs=nnx.Rngs(0)).lazy_init(x)
+  patterns = nnx.state(model, SparsityPattern)
+  assert sorted(patterns) == ["BlockSparseDense_0", "MaskedDense_0"]
+  assert patterns["MaskedDense_0"]["mask"][...].dtype == jnp.bool_
+  _, params, _, rest = nnx.split(model, nnx.Param, SparsityPattern, ...)
+  assert not any(isinstance(v, SparsityPattern) for v in jax.tree.leaves(rest, is_leaf=_is_variable))
+  assert "mask" not in params["MaskedDense_0"]
+  optimizer = nnx.Optimizer(model, optax.adamw(1e-2, weight_decay=0.5), wrt=nnx.Param)
+  before = jax.tree.map(np.asarray, nnx.state(model, SparsityPattern))
+  for _ in range(3):
+    optimizer.update(model, nnx.grad(lambda m: jnp.sum(m(x) ** 2))(model))
+  after = jax.tree.map(np.asarray, nnx.state(model, SparsityPattern))
+  jax.tree.map(np.testing.assert_array_equal, before, after)
+  kernel = model.MaskedDense_0["kernel"][...]
+  assert not jnp.any(jnp.where(model.MaskedDense_0["mask"][...], 0.0, kernel))  # pruned weights stay zero
+
+
+def _is_variable(v):
+  return isinstance(v, nnx.Variable)
+
+
+def test_bridge_to_linen_puts_the_pattern_in_the_sparsity_collection():
+  # ToLinen put an NNX layer's SparsityPattern in a "SparsityPattern" collection, unlike the Linen layers' "sparsity":
+  # MaskedDense could not apply the variables, and summary found no sparse layer in them.
+  x = _normal(0, (4, 32))
+  bridged = nnx.bridge.ToLinen(MaskedLinear, args=(32, 16), kwargs={"sparsity": 0.5})
+  variables = bridged.init(jax.random.key(0), x)
+  assert sorted(variables) == ["params", "sparsity"] and variables["sparsity"]["mask"].shape == (32, 16)
+  y = bridged.apply(variables, x)
+  np.testing.assert_array_equal(sparse_linen.MaskedDense(16, sparsity=0.5).apply(variables, x), y)
+  mask = variables["sparsity"]["mask"]
+  np.testing.assert_allclose(y, x @ jnp.where(mask, variables["params"]["kernel"], 0.0) + variables["params"]["bias"],
+                             rtol=1e-5, atol=1e-5)
+  assert [(layer.kind, layer.density) for layer in jaxsparse.summary(variables).layers] == [("MaskedDense", 0.5)]
+
+
+class _LinenMLP(nn.Module):
+  @nn.compact
+  def __call__(self, x, train=False):
+    x = nn.BatchNorm(use_running_average=not train)(nn.Dense(32)(x))
+    return nn.Dense(16)(nn.Dropout(0.5, deterministic=not train)(x))
+
+
+@pytest.mark.parametrize("spec", [jaxsparse.Unstructured(sparsity=0.5), jaxsparse.NM(2, 4),
+                                  jaxsparse.BlockSparse(density=0.5, block_shape=(8, 8))])
+def test_bridge_to_nnx_of_a_sparsify_linen_model(spec):
+  # ToNNX initialises through init_with_output, which SparsifiedLinen lacked (an AttributeError in lazy_init).
+  x = _normal(0, (4, 32))
+  module = _LinenMLP()
+  sparse, sparse_vars, _ = jaxsparse.sparsify_linen(module, module.init(jax.random.key(0), x), spec, x)
+  rngs = {"params": jax.random.key(1), "dropout": jax.random.key(2)}
+  out, variables = sparse.init_with_output(rngs, x, train=True)
+  jax.tree.map(np.testing.assert_array_equal, variables, sparse.init(rngs, x, train=True))
+  np.testing.assert_array_equal(out, sparse.apply(variables, x, train=True, rngs=rngs, mutable=True)[0])
+  out, variables = sparse.init_with_output(jax.random.key(1), x)
+  np.testing.assert_array_equal(out, sparse.apply(variables, x))
+  assert jax.tree.map(jnp.shape, variables) == jax.tree.map(jnp.shape, sparse_vars)
+
+  model = nnx.bridge.ToNNX(sparse, rngs=nnx.Rngs(0)).lazy_init(x)
+  assert model(x).shape == (4, 16)
+  assert {k: v.shape for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))} == {
+      tuple(k.key for k in path): v.shape for path, v in jax.tree_util.tree_leaves_with_path(sparse_vars["params"])}
+  optimizer = nnx.Optimizer(model, optax.adamw(1e-2, weight_decay=0.5), wrt=nnx.Param)
+  before = jax.tree.map(np.asarray, nnx.state(model, SparsityPattern))
+  optimizer.update(model, nnx.grad(lambda m: jnp.sum(m(x) ** 2))(model))
+  jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.asarray, nnx.state(model, SparsityPattern)))
+
+
+def test_nnx_conversions_name_the_linen_layers_inside_bridge_to_nnx():
+  # sparsify, densify and compress walk NNX modules only: a ToNNX's Linen layers stayed as they were without a word
+  # (densify returned a model that was still sparse).
+  x = _normal(0, (4, 32))
+
+  class Mixed(nnx.Module):
+    def __init__(self, rngs):
+      self.proj = nnx.Linear(32, 32, rngs=rngs)
+      self.block = nnx.bridge.ToNNX(_LinenSparse(), rngs=rngs)
+
+    def __call__(self, x):
+      return self.block(self.proj(x))
+
+  model = Mixed(nnx.Rngs(0))
+  nnx.bridge.lazy_init(model, x)
+  with pytest.warns(UserWarning, match=r"sparsify does not see inside flax.nnx.bridge.ToNNX: the Linen layers of "
+                                       r"block \(wrapping _LinenSparse\) stay as they are. .*sparsify_linen"):
+    sparse, report = jaxsparse.sparsify(model, jaxsparse.NM(2, 4))
+  assert [c.path for c in report.layers] == ["proj"]
+  with pytest.raises(ValueError, match=r"densify cannot densify the jaxsparse Linen layers inside "
+                                       r"flax.nnx.bridge.ToNNX: block \(wrapping _LinenSparse\).*densify_linen"):
+    jaxsparse.densify(sparse)
+  densified = jaxsparse.densify(sparse.proj)  # the NNX layer alone converts as before
+  assert type(densified) is nnx.Linear
+
+  module = _LinenMLP()
+  nm, _, _ = jaxsparse.sparsify_linen(module, module.init(jax.random.key(0), x), jaxsparse.NM(2, 4), x)
+  bridged = nnx.bridge.ToNNX(nm, rngs=nnx.Rngs(0))
+  bridged.lazy_init(x)
+  with pytest.warns(UserWarning, match=r"compress does not see inside flax.nnx.bridge.ToNNX: the Linen layers of "
+                                       r"\(the model itself\) \(wrapping SparsifiedLinen\).*compress_linen"):
+    jaxsparse.compress(bridged)
+  with pytest.raises(ValueError, match=r"\(the model itself\) \(wrapping SparsifiedLinen\)"):
+    jaxsparse.densify(bridged)
+  plain = nnx.bridge.ToNNX(nn.LayerNorm(), rngs=nnx.Rngs(0))  # no layer to convert: no word
+  plain.lazy_init(x)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    jaxsparse.sparsify(nnx.Sequential(nnx.Linear(32, 32, rngs=nnx.Rngs(0)), plain), jaxsparse.NM(2, 4))
+    jaxsparse.compress(plain)
+    jaxsparse.densify(plain)

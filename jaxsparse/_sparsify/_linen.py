@@ -172,6 +172,20 @@ class SparsifiedLinen:
       _store(variables, path, layer, boxed_params, layer_vars)
     return variables
 
+  def init_with_output(self, rngs: Any, *args: Any, **kwargs: Any) -> tuple[Any, dict]:
+    """``(output, variables)``, as ``nn.Module.init_with_output`` returns them: :meth:`init`'s variables and the
+    output :meth:`apply` gives on them. ``flax.nnx.bridge.ToNNX`` initialises the module it wraps with it, so
+    ``nnx.bridge.ToNNX(sparse, rngs=nnx.Rngs(0)).lazy_init(x)`` holds fresh sparse variables.
+
+    The output is the sparse model's, computed with every collection mutable as Linen's ``init`` does (a
+    ``BatchNorm`` in training mode runs); its updates are dropped, the variables are :meth:`init`'s.
+    """
+    variables = self.init(rngs, *args, **kwargs)
+    rngs = dict(rngs) if isinstance(rngs, Mapping) else {"params": rngs}
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("mutable", "capture_intermediates")}
+    out, _ = self.apply(variables, *args, rngs=rngs, mutable=True, **kwargs)
+    return out, variables
+
 
 def _params_2d(layer: _LinenLayer, dense_params: Mapping) -> Mapping:
   """The parameters of the 2-D sparse layer: an ``nn.DenseGeneral``'s flattened to ``(K, N)`` and ``(N,)``."""

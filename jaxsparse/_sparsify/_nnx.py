@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxsparse import _utils
 from jaxsparse._rules import Probe
 from jaxsparse._rules import embedding_rule
 from jaxsparse._rules import linear_general_unsupported
@@ -40,6 +41,8 @@ from jaxsparse._rules import replace_module
 from jaxsparse._rules import resolve_rules
 from jaxsparse._rules import warn_unmatched
 from jaxsparse._sparsify._nnx_convert import SPARSE_NNX
+from jaxsparse._sparsify._nnx_convert import bridged_linen
+from jaxsparse._sparsify._nnx_convert import holds_dense_layers
 from jaxsparse._sparsify._nnx_convert import is_abstract
 from jaxsparse._sparsify._report import LayerChange
 from jaxsparse._sparsify._report import SparsifyReport
@@ -541,6 +544,12 @@ def sparsify(
   embeds = _chosen_embeds(model, resolved, all_paths)
   warn_unmatched(resolved, all_paths + [path_str(p) for p, _, _ in embeds],
                  what="nnx.Linear / nnx.Conv / nnx.LinearGeneral / nnx.Embed (a rule naming it)", shadowed=True)
+  bridged = bridged_linen(model, holds_dense_layers)
+  if bridged:
+    _utils.warn_at_caller(
+        f"sparsify does not see inside flax.nnx.bridge.ToNNX: the Linen layers of {', '.join(bridged)} stay as they "
+        "are. Sparsify the Linen module before wrapping it: sparse, variables, _ = jaxsparse.sparsify_linen(module, "
+        "variables, rules, *inputs), then nnx.bridge.ToNNX(sparse, rngs=...).", UserWarning)
   kernel_keys = [f"{path_str(p)}.kernel" if p else "kernel" for p, _, _ in chosen]
   kernel_keys += [f"{path_str(p)}.embedding" if p else "embedding" for p, _, _ in embeds]
   check_masks_used(mask_dict, set(kernel_keys), kernel_keys)

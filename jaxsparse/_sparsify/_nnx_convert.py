@@ -3,13 +3,17 @@ their inference form (the Linen twins: :func:`~jaxsparse.densify_linen`, :func:`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
 from flax import nnx
+from flax.nnx import bridge
 
+from jaxsparse import _utils
 from jaxsparse._rules import path_str
 from jaxsparse._rules import replace_module
+from jaxsparse.formats._specs import NM
 from jaxsparse.layers import BlockSparseLinear
 from jaxsparse.layers import CompressedNMEmbed
 from jaxsparse.layers import CompressedNMLinear
@@ -18,8 +22,9 @@ from jaxsparse.layers import MaskedLinear
 from jaxsparse.layers import NMConv
 from jaxsparse.layers import NMLinear
 from jaxsparse.layers import SparseLinearGeneral
+from jaxsparse.layers import SparsityPattern
 
-__all__ = ["SPARSE_NNX", "compress", "densify", "is_abstract"]
+__all__ = ["SPARSE_NNX", "bridged_linen", "compress", "densify", "holds_dense_layers", "is_abstract"]
 
 SPARSE_NNX = (BlockSparseLinear, MaskedLinear, NMLinear, NMConv, CompressedNMLinear, MaskedConv, SparseLinearGeneral,
               CompressedNMEmbed)
@@ -68,9 +73,22 @@ def densify(model: nnx.Module, *, inplace: bool = False) -> nnx.Module:
 
   Raises:
     TypeError: ``model`` is not an ``nnx.Module``.
+    ValueError: ``model`` holds a ``flax.nnx.bridge.ToNNX`` with jaxsparse Linen layers (a ``"sparsity"`` collection,
+      or a :func:`jaxsparse.sparsify_linen` model), which densify cannot reach; :func:`jaxsparse.densify_linen` them
+      before wrapping.
   """
   if not isinstance(model, nnx.Module):
     raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}.")
+  from jaxsparse._sparsify._linen import SparsifiedLinen  # noqa: PLC0415 (it imports this module)
+
+  bridged = bridged_linen(model, lambda node: holds_variable(node, SparsityPattern) or (
+      isinstance(node.to_nnx__module, SparsifiedLinen) and bool(node.to_nnx__module.layers)))
+  if bridged:  # they would stay sparse, without a word
+    raise ValueError(
+        f"densify cannot densify the jaxsparse Linen layers inside flax.nnx.bridge.ToNNX: {', '.join(bridged)}. "
+        "Densify them on the Linen side before wrapping the module: module, variables = "
+        "jaxsparse.densify_linen(sparse, variables) for a model from jaxsparse.sparsify_linen."
+    )
   if is_abstract(model):
     # Abstract variables (the layers' to_dense read their arrays): the same conversion, traced for shapes only.
     return nnx.eval_shape(lambda m: densify(m, inplace=True), model)
@@ -85,6 +103,24 @@ def densify(model: nnx.Module, *, inplace: bool = False) -> nnx.Module:
   for path in outermost:
     replace_module(model, path, dense_of(modules[path]))
   return model
+
+
+def bridged_linen(model: nnx.Module, holds: Callable[[bridge.ToNNX], bool]) -> list[str]:
+  """Each ``flax.nnx.bridge.ToNNX`` inside ``model`` (``model`` itself included) that ``holds`` is true of, as
+  ``"path (wrapping <Linen module class>)"``: Linen layers, which the NNX conversions (:func:`densify`,
+  :func:`compress`, :func:`jaxsparse.sparsify`) do not see."""
+  return [f"{path_str(path) or '(the model itself)'} (wrapping {type(node.to_nnx__module).__name__})"
+          for path, node in nnx.iter_modules(model) if isinstance(node, bridge.ToNNX) and holds(node)]
+
+
+def holds_variable(node: nnx.Module, variable: type[nnx.Variable], names: tuple[str, ...] | None = None) -> bool:
+  """Whether ``node`` holds a ``variable`` (named one of ``names``, if given)."""
+  return any(names is None or key[-1] in names for key, _ in nnx.to_flat_state(nnx.state(node, variable)))
+
+
+def holds_dense_layers(node: nnx.Module) -> bool:
+  """Whether ``node`` holds a ``kernel`` or ``embedding`` parameter: layers :func:`jaxsparse.sparsify` would take."""
+  return holds_variable(node, nnx.Param, ("kernel", "embedding"))
 
 
 def compress(model: nnx.Module, *, storage: str = "values", cusparselt_copy: bool = True,
@@ -135,6 +171,15 @@ def compress(model: nnx.Module, *, storage: str = "values", cusparselt_copy: boo
     raise ValueError(f"storage must be 'values', 'cusparselt' or 'auto', got storage={storage!r}.")
   if not isinstance(cusparselt_copy, bool):
     raise TypeError(f"cusparselt_copy must be True or False, got cusparselt_copy={cusparselt_copy!r}.")
+  from jaxsparse._sparsify._linen import SparsifiedLinen  # noqa: PLC0415 (it imports this module)
+
+  bridged = bridged_linen(model, lambda node: isinstance(node.to_nnx__module, SparsifiedLinen) and any(
+      layer.kind in ("dense", "general") and isinstance(layer.spec, NM) and not layer.compressed
+      for layer in node.to_nnx__module.layers.values()))
+  if bridged:
+    _utils.warn_at_caller(
+        f"compress does not see inside flax.nnx.bridge.ToNNX: the Linen layers of {', '.join(bridged)} stay as they "
+        "are. Compress the Linen module before wrapping it: jaxsparse.compress_linen(sparse, variables).", UserWarning)
   if not inplace:
     model = nnx.clone(model)
   # to_compressed carries the kernel's and bias's partitioning names over (the kept values keep the kernel's, the

@@ -83,7 +83,8 @@ class SparsityPattern(nnx.Variable):
   ``nnx.Optimizer(model, tx, wrt=nnx.Param)`` and by ``nnx.grad``; filter it with
   ``nnx.split(model, nnx.Param, SparsityPattern)`` or ``nnx.state(model, SparsityPattern)``.
   Its ``repr`` shows shape and dtype, not the index values (see :func:`jaxsparse.summary` for the
-  pattern in words).
+  pattern in words). It is the NNX side of the Linen layers' ``"sparsity"`` collection: ``flax.nnx.bridge.ToNNX``
+  holds that collection as ``SparsityPattern`` variables, and ``ToLinen`` puts them in it.
 
   >>> from flax import nnx
   >>> from jaxsparse.layers import MaskedLinear, SparsityPattern
@@ -100,6 +101,16 @@ class SparsityPattern(nnx.Variable):
           and item.value.size > 1):
         item = reprlib.Attr("value", _ArrayRepr(tuple(jnp.shape(item.value)), jnp.result_type(item.value)))
       yield item
+
+
+# The Linen collection of SparsityPattern, for flax.nnx.bridge: ToNNX turns a Linen layer's "sparsity" collection into
+# SparsityPattern variables (else an anonymous "sparsity" Variable type that the SparsityPattern filter misses), and
+# ToLinen puts an NNX layer's pattern in "sparsity" (else a "SparsityPattern" collection), as the Linen layers keep it.
+# A name someone registered first is left as it is (flax raises a ValueError for it).
+try:
+  nnx.register_variable_name(SPARSITY, SparsityPattern)
+except ValueError:
+  pass
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
