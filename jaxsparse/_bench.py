@@ -143,11 +143,16 @@ def tune(
   dtype = jnp.dtype(dtype)
   if not jnp.issubdtype(dtype, jnp.floating):
     raise ValueError(f"dtype must be a floating dtype such as 'float32' or 'bfloat16', got dtype={dtype.name!r}.")
+  rows = [_utils.check_positive_int(m, name="rows") for m in rows]
+  for k, n in shapes:  # every pair is checked before anything is tuned (which may take long), as in bench
+    _utils.check_positive_int(k, name="in_features")
+    _utils.check_positive_int(n, name="out_features")
+    for spec in specs:
+      check_spec_applies(spec, (k, n), path=f"shape {k}x{n}, pattern {spec.describe()}")
   out = []
   for k, n in shapes:
     lin = nnx.Linear(k, n, param_dtype=dtype, rngs=nnx.Rngs(0))
     for spec in specs:
-      check_spec_applies(spec, (k, n), path=f"shape {k}x{n}, pattern {spec.describe()}")
       layer, _ = sparsify(lin, {".*": spec})
       graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
 
@@ -155,7 +160,7 @@ def tune(
         return jax.grad(lambda p, x: nnx.merge(graphdef, p, rest)(x).sum(), argnums=(0, 1))(p, x)
 
       for m in rows:
-        x = jax.ShapeDtypeStruct((_utils.check_positive_int(m, name="rows"), k), dtype)
+        x = jax.ShapeDtypeStruct((m, k), dtype)
         known = _cache.known_keys()
         with _cache.collect_keys() as met:
           added = autotune(step, params, x)

@@ -75,6 +75,9 @@ def _pattern(x: Any) -> tuple[np.ndarray, tuple[int, int], str]:
   if isinstance(x, CompressedNMLinear | CompressedNMEmbed):
     x = x.weight
   if isinstance(x, NMSparseMatrix):
+    if x.ndim < 2:
+      raise ValueError(f"plot_pattern: the NMSparseMatrix is {x.ndim}-D (shape {x.shape}); it draws patterns of 2 or "
+                       "more dims (a kernel (in, out) or (*kernel_size, cin, cout)).")
     return _as_2d(np.asarray(x.mask())), (1, 1), f"{x.n}:{x.m}, density {x.density:.3f}"
   if isinstance(x, NMLinear | NMConv):
     own = x.mask if isinstance(x, NMConv) else None  # a conv's own weight mask
@@ -163,7 +166,8 @@ def plot_pattern(
     TypeError: ``x`` is none of the above (e.g. a float or 1-D mask, a dense ``nnx.Linear``), or Linen
       variables of a whole model (not of one layer) or of a ``CompressedNMDense`` (whose ``n:m`` they do not hold).
     ValueError: ``max_pixels`` is not a positive int; ``crop`` is not a pair of positive ints; ``x`` is an
-      abstract layer (from ``nnx.eval_shape``) or an empty mask.
+      abstract layer (from ``nnx.eval_shape``), an empty pattern (a mask or matrix with a zero-size dim) or a 1-D
+      ``NMSparseMatrix``.
     ImportError: matplotlib is not installed.
   """
   try:
@@ -178,6 +182,8 @@ def plot_pattern(
       raise ValueError(f"crop must be a pair of positive ints (rows, cols), got crop={crop!r}.") from None
   mask, (bk, bn), description = _pattern(x)
   height, width = mask.shape[0] * bk, mask.shape[1] * bn
+  if height == 0 or width == 0:
+    raise ValueError(f"plot_pattern: the pattern is empty ({height}x{width}); nothing to draw.")
   if crop is not None:
     height, width = min(crop[0], height), min(crop[1], width)
     # Whole tiles (blocks) covering the crop, drawn with the crop's extent.

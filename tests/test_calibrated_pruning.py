@@ -814,6 +814,20 @@ def test_singular_hessian_without_damping():
     pruning.sparsegpt(model, jaxsparse.NM(2, 4), [x], damp=0.0, progress=False)
 
 
+@pytest.mark.parametrize(("n", "m"), [(1, 3), (5, 6), (8, 24)])
+def test_sparsegpt_layer_default_block_size_fits_every_m(n, m):
+  # Was: "block_size=128 must be a multiple of m=3", a block size the caller never gave (calibrated_prune rounds its
+  # own down to a multiple of m; sparsegpt_layer's default did not).
+  rng = np.random.default_rng(n * 100 + m)
+  x = jnp.asarray(rng.standard_normal((512, 3 * m * 8)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((3 * m * 8, 4)), jnp.float32)
+  out = pruning.sparsegpt_layer(w, x.T @ x, jaxsparse.NM(n, m))
+  assert (np.asarray(out.mask).reshape(-1, m, 4).sum(axis=1) == n).all()
+  by_group = pruning.sparsegpt_layer(w, x.T @ x, jaxsparse.NM(n, m), block_size=m)  # the same result, more steps
+  np.testing.assert_array_equal(out.mask, by_group.mask)
+  np.testing.assert_allclose(out.kernel, by_group.kernel, rtol=0, atol=1e-4)
+
+
 def test_other_bad_arguments():
   w, g = jnp.ones((16, 4)), jnp.eye(16)
   with pytest.raises(ValueError, match="m=4 to divide the input size 6"):

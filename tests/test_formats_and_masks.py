@@ -383,3 +383,31 @@ def test_nm_group_bits_is_the_bits_of_nm_mask(n):
   bits = _nm_masks.nm_group_bits(jnp.asarray(w), n, 4)
   assert bits.shape == (16, 24) and bits.dtype == jnp.uint8
   np.testing.assert_array_equal(np.asarray(_nm_masks.group_mask(bits, 4)), np.asarray(jaxsparse.nm_mask(w, n, 4)))
+
+
+def test_csr_nnz_takes_the_integral_counts_nnz_blocks_takes_and_mismatches_name_the_argument():
+  # Was: CSRMatrix refused nnz=jnp.int32(24) ("nnz must be an int ..., got nnz=Array(24, dtype=int32)") where
+  # BlockSparseMatrix took nnz_blocks=jnp.int32(...); and a wrong nnz_blocks for a concrete mask was called "nnz".
+  rng = np.random.default_rng(0)
+  w = rng.standard_normal((4, 6)).astype(np.float32)
+  mask = rng.random((4, 6)) < 0.5
+  for nnz in (jnp.int32(mask.sum()), np.int64(mask.sum()), float(mask.sum())):
+    c = jaxsparse.CSRMatrix.from_dense(w, mask=mask, nnz=nnz)
+    np.testing.assert_array_equal(np.asarray(c.to_dense()), np.where(mask, w, 0))
+  block_mask = np.array([[True, False], [True, True]])
+  with pytest.raises(ValueError, match=r"^block_mask keeps 3 entries but nnz_blocks=2 was given; they must agree\.$"):
+    jaxsparse.BlockSparseMatrix.from_dense(np.ones((4, 6), np.float32), (2, 3), block_mask, nnz_blocks=2)
+  with pytest.raises(ValueError, match=rf"^mask keeps {mask.sum()} entries but nnz=2 was given; they must agree\.$"):
+    jaxsparse.CSRMatrix.from_dense(w, mask=mask, nnz=2)
+
+
+@pytest.mark.parametrize("cls", [jaxsparse.CSRMatrix, jaxsparse.BlockSparseMatrix])
+def test_from_index_arrays_names_index_arrays_that_are_not_a_dict(cls):
+  # Was: TypeError: unhashable type: 'numpy.ndarray' (a list of the arrays, in INDEX_FIELDS order).
+  w = cls.from_dense(np.eye(4, dtype=np.float32)) if cls is jaxsparse.CSRMatrix else cls.from_dense(
+      np.eye(4, dtype=np.float32), (2, 2))
+  static = {"shape": (4, 4)} if cls is jaxsparse.CSRMatrix else {"shape": (4, 4), "block_shape": (2, 2)}
+  with pytest.raises(TypeError, match=r"^index_arrays must be a dict of the index arrays keyed by \('row_indices', "
+                                      r".*\(what index_arrays\(\) returns\), got list\.$"):
+    cls.from_index_arrays(w.data, [np.asarray(a) for a in w.index_arrays().values()], **static)
+  assert cls.from_index_arrays(w.data, w.index_arrays(), **static).to_dense().tolist() == np.eye(4).tolist()

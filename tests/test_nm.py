@@ -153,6 +153,14 @@ def test_nm_mask_rejects_non_numeric():
     nm_mask(jnp.ones((8, 4), bool), 2, 4)
 
 
+def test_scalar_w_is_named_0d_not_given_an_empty_range():
+  # Was: "axis=0 is out of range for 0-D w (allowed: 0..-1)", a range with no value in it.
+  for make in (lambda: nm_mask(jnp.float32(1.0), 2, 4), lambda: NMSparseMatrix.from_dense(jnp.float32(1.0), 2, 4)):
+    with pytest.raises(ValueError, match=r"^w is 0-D \(a scalar\); N:M groups run along an axis of w, which needs at "
+                                         r"least 1 \(got axis=0\)\.$"):
+      make()
+
+
 # -------------------------------------------------------------------------------------------------
 # NMSparseMatrix.
 # -------------------------------------------------------------------------------------------------
@@ -576,3 +584,11 @@ def test_preferred_element_type_any_spelling_of_a_floating_dtype(value):
             jaxsparse.ops.sr_ste_matmul(x, w, 2, 4, preferred_element_type=value)):
     assert y.dtype == jnp.float32
     assert_close(y, x.astype(jnp.float32) @ pruned, jnp.bfloat16)
+
+
+def test_nm_matmul_complex_values_raise_naming_w_values():
+  # Was: "preferred_element_type must be a floating dtype ..., got preferred_element_type=dtype('complex64')", an
+  # argument nobody passed (as sparse_matmul raised before it named w.data).
+  w = NMSparseMatrix.from_dense(_normal(0, (16, 8)).astype(jnp.complex64), 2, 4)
+  with pytest.raises(TypeError, match=r"w.values must have a real dtype, got complex64; .*masked_matmul"):
+    nm_matmul(_normal(1, (2, 16)), w)

@@ -118,3 +118,20 @@ def test_crop_and_max_pixels_take_numpy_ints_and_reject_other_values():
   for bad in (6, (True, 4), (6.5, 4), "64"):  # was: 6 raised "object of type 'int' has no len()", (True, 4) drew
     with pytest.raises(ValueError, match=r"crop must be a pair of positive ints \(rows, cols\)"):
       jaxsparse.plot_pattern(mask, crop=bad)
+
+
+def test_empty_matrices_and_1d_nm_matrices_raise_a_named_error():
+  # Was: ZeroDivisionError for a matrix with no columns (the figure's aspect ratio), IndexError for a 1-D
+  # NMSparseMatrix (its mask unpacked as rows, cols); a matrix with no rows drew an empty figure.
+  empty = {
+      "csr 8x0": jaxsparse.CSRMatrix.from_dense(np.zeros((8, 0), np.float32)),
+      "csr 0x8": jaxsparse.CSRMatrix.from_dense(np.zeros((0, 8), np.float32)),
+      "block 0x8": jaxsparse.BlockSparseMatrix.from_dense(np.zeros((0, 8), np.float32), (2, 2)),
+      "nm 8x0": jaxsparse.NMSparseMatrix.from_dense(np.zeros((8, 0), np.float32), 2, 4),
+  }
+  for name, w in empty.items():
+    with pytest.raises(ValueError, match=r"plot_pattern: the pattern is empty \(\d+x\d+\); nothing to draw"):
+      jaxsparse.plot_pattern(w)
+      pytest.fail(name)
+  with pytest.raises(ValueError, match=r"the NMSparseMatrix is 1-D \(shape \(8,\)\); it draws patterns of 2 or more"):
+    jaxsparse.plot_pattern(jaxsparse.NMSparseMatrix.from_dense(np.ones(8, np.float32), 2, 4))

@@ -367,6 +367,21 @@ def test_global_block_pruning_keeps_a_block_in_every_layer():
   assert [int(masks[n]["kernel"].sum()) for n in "abc"] == [64, 64, 64]
 
 
+@pytest.mark.parametrize("spec", [jaxsparse.Unstructured(sparsity=0.0), jaxsparse.Unstructured(sparsity=0.5),
+                                  jaxsparse.BlockSparse(density=1.0, block_shape=(2, 2))])
+def test_empty_kernels_are_named_empty_not_told_to_lower_the_sparsity(spec):
+  # Was: "sparsity=0.0 prunes all 0 weights of its (0, 4) kernel; lower the sparsity" (and "raise the density" at
+  # density 1.0): advice no value could follow.
+  params = {"empty": {"kernel": jnp.zeros((0, 4))}, "fc": {"kernel": _normal(0, (4, 4))}}
+  for make in (lambda: pruning.magnitude_masks(params, spec),
+               lambda: pruning.wrap_optax(optax.sgd(0.1), pruning.magnitude_pruner(spec)).init(params)):
+    with pytest.raises(ValueError, match=r"^empty\.kernel: its \(0, 4\) kernel is empty \(no weights\), so .* cannot "
+                                         r"keep any; give this path another rule \(None keeps it as it is\)\."):
+      make()
+  masks = pruning.magnitude_masks(params, {r"empty": None, r".*": spec})  # the way out the message gives
+  assert masks["empty"]["kernel"] is None and masks["fc"]["kernel"].shape == (4, 4)
+
+
 @settings(max_examples=6, deadline=None)
 @given(
     k=st.integers(1, 12), n=st.integers(2, 12), sparsity=st.floats(0.0, 0.95), seed=st.integers(0, 2**16)
@@ -452,6 +467,29 @@ def test_one_shot_and_periodic_schedules():
   s = pruning.periodic(update_every=4, begin_step=2, end_step=10)
   assert [t for t in range(20) if s.is_update_step(t)] == [2, 6, 10]
   assert float(s.sparsity(1, 0.5)) == 0.0 and float(s.sparsity(2, 0.5)) == 0.5
+
+
+def test_schedule_steps_take_concrete_integer_arrays_and_gradual_a_traced_target():
+  # Was: "end_step must be an int >= 0, got end_step=Array(10, dtype=int32)" for a step read back from an optimizer
+  # state (int(state.count) worked, state.count did not), and gradual's sparsity raised TracerBoolConversionError
+  # (Python's min) for a target sparsity computed under jit.
+  ints = pruning.gradual(begin_step=jnp.int32(2), end_step=np.int64(10), update_every=jnp.uint8(4))
+  plain = pruning.gradual(begin_step=2, end_step=10, update_every=4)
+  for t in range(12):
+    assert bool(ints.is_update_step(t)) == bool(plain.is_update_step(t))
+    assert float(ints.sparsity(t, 0.9)) == float(plain.sparsity(t, 0.9))
+  assert [t for t in range(6) if pruning.one_shot(step=jnp.int32(3)).is_update_step(t)] == [3]
+  assert [t for t in range(9) if pruning.periodic(update_every=jnp.int32(4), end_step=jnp.int32(8)).is_update_step(t)
+          ] == [0, 4, 8]
+  for bad in (jnp.float32(3), jnp.bool_(True), jnp.array([3])):
+    with pytest.raises(ValueError, match=r"step must be an int >= 0, got step="):
+      pruning.one_shot(step=bad)
+  with pytest.raises(ValueError, match=r"step must be an int >= 0, got step=.*Tracer"):
+    jax.jit(lambda s: pruning.one_shot(step=s))(3)
+  s = pruning.gradual(begin_step=0, end_step=10, update_every=1, initial_sparsity=0.5)
+  for final in (0.3, 0.9):  # initial_sparsity capped at the target, traced or not
+    for t in (0, 4, 10):
+      np.testing.assert_allclose(float(jax.jit(s.sparsity)(t, final)), float(s.sparsity(t, final)), rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize(

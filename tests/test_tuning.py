@@ -202,7 +202,7 @@ def test_a_cached_choice_the_product_does_not_offer_runs_its_fastest_recorded_ca
   times = {"default": 3.0, "a": 2.0, "b": 1.0}
   measured = []
   monkeypatch.setattr(_measure, "_measure",
-                      lambda c, m, p: measured.append(len(c)) or {x.name: times[x.name] for x in c})
+                      lambda c, m, p, dense=None: measured.append(len(c)) or {x.name: times[x.name] for x in c})
   with _tuning.autotune_mode("tune"):
     assert _choose(first).name == "a" and _choose(second).name == "b"  # "b" is new to the key: measured
     for _ in range(2):  # the key's choice "b" is not offered to the first: its fastest recorded, "a", unmeasured
@@ -254,8 +254,7 @@ def _slower_warnings(record) -> list[str]:
 
 
 def test_a_choice_slower_than_the_dense_product_warns_once_per_process(monkeypatch):
-  monkeypatch.setattr(_measure, "_measure", lambda *a: {"default": 2.0, "a": 1.5, "dense": 1.8})
-  monkeypatch.setattr(_measure, "_dense_ms", lambda dense, platform: 1.0)
+  monkeypatch.setattr(_measure, "_measure", lambda *a: {"default": 2.0, "a": 1.5, "dense": 1.8, _measure.DENSE: 1.0})
   monkeypatch.setattr(_measure, "_WARNED", set())
   with _tuning.autotune_mode("tune"), warnings.catch_warnings(record=True) as rec:
     warnings.simplefilter("always")
@@ -283,8 +282,8 @@ def test_a_choice_slower_than_the_dense_product_warns_once_per_process(monkeypat
     ({"default": 1.0, "a": 2.0}, None, _DENSE),  # the dense product failed to run: no comparison
 ])
 def test_no_warning_within_the_margin_or_without_a_dense_time(monkeypatch, times, dense_ms, dense):
-  monkeypatch.setattr(_measure, "_measure", lambda *a: dict(times))
-  monkeypatch.setattr(_measure, "_dense_ms", lambda d, platform: dense_ms)
+  monkeypatch.setattr(_measure, "_measure", lambda c, m, p, dense=None: {**times, _measure.DENSE: dense_ms}
+                      if dense is not None and dense_ms is not None else dict(times))
   monkeypatch.setattr(_measure, "_WARNED", set())
   with _tuning.autotune_mode("tune"), warnings.catch_warnings(record=True) as rec:
     warnings.simplefilter("always")
@@ -311,8 +310,9 @@ def test_the_dense_product_is_really_timed_inside_a_trace(step):
 
 def test_block_sparse_products_record_their_dense_twins_time(monkeypatch):
   # Every direction of a tuned block-sparse product is compared with a dense layer's product of the same shapes.
-  seen = []
-  monkeypatch.setattr(_measure, "_dense_ms", lambda dense, platform: seen.append(dense) or 1e-6)
+  seen, measure = [], _measure._measure
+  monkeypatch.setattr(_measure, "_measure", lambda c, m, p, dense: {**measure(c, m, p), _measure.DENSE: 1e-6}
+                      if not seen.append(dense) else None)
   monkeypatch.setattr(_measure, "_WARNED", set())
   rng = np.random.default_rng(0)
   w = jaxsparse.BlockSparseMatrix.from_dense(jnp.asarray(rng.standard_normal((64, 96)), jnp.float32), (16, 16))
@@ -528,7 +528,7 @@ def test_candidates_left_out_for_the_budget_are_timed_by_autotune_later(monkeypa
   measured = []
 
   def fake(times):
-    return lambda c, m, p: measured.append(_cache.current_budget_s()) or dict(times)
+    return lambda c, m, p, dense=None: measured.append(_cache.current_budget_s()) or dict(times)
 
   monkeypatch.setattr(_measure, "_measure", fake({"default": 2.0, "a": None, "dense": 1.5}))
   with _tuning.autotune_mode("tune"):
@@ -905,7 +905,7 @@ def test_tuned_gpu_route_records_each_direction(interpreted, monkeypatch):
 def test_autotune_ahead_of_time_has_no_budget(monkeypatch):
   budgets = []
   monkeypatch.setattr(_measure, "_measure",
-                      lambda c, m, p: budgets.append(_cache.current_budget_s()) or {x.name: 1.0 for x in c})
+                      lambda c, m, p, dense=None: budgets.append(_cache.current_budget_s()) or {x.name: 1.0 for x in c})
   x, _, w = _problem(8, (16, 16), (2, 2), jnp.float32, seed=1)
   jaxsparse.autotune(lambda x: jaxsparse.ops.block_sparse_matmul(x, w), jax.ShapeDtypeStruct(x.shape, x.dtype))
   assert budgets and set(budgets) == {None}, budgets
@@ -925,7 +925,7 @@ class _StatefulModel(nnx.Module):
 
 def test_autotune_of_a_module_with_state_updates_leaves_it_unchanged(monkeypatch):
   measured = []
-  monkeypatch.setattr(_measure, "_measure", lambda c, m, p: measured.append(p) or {x.name: 1.0 for x in c})
+  monkeypatch.setattr(_measure, "_measure", lambda c, m, p, dense=None: measured.append(p) or {x.name: 1.0 for x in c})
   model = _StatefulModel()
   plain = lambda a: np.asarray(jax.random.key_data(a) if jnp.issubdtype(a.dtype, jax.dtypes.prng_key) else a)
   before = jax.tree.map(plain, nnx.state(model))
@@ -1021,6 +1021,10 @@ def test_tune_command_tunes_shapes_and_exports(interpreted, monkeypatch, tmp_pat
     (["tune", "64x64", "--dtype", "float33"], "argument --dtype: must be a floating dtype .* got 'float33'"),
     (["bench", "64x64", "--batch", "-2"], "argument --batch: must be a positive int, got '-2'"),
     (["bench", "64x64", "--dtype", "int32"], "argument --dtype: must be a floating dtype .* got 'int32'"),
+    # Sizes past int32 (past int64: an MLIR "get(): incompatible function arguments" after the first shape was tuned).
+    (["tune", "64x64", "--rows", "99999999999999999999"], r"argument --rows: must be at most 2\*\*31 - 1, got '9+'"),
+    (["tune", "64x64", "99999999999999999999x64"], r"shape '9+x64': both sizes must be at most 2\*\*31 - 1"),
+    (["bench", "64x64", "--batch", str(2**31)], r"argument --batch: must be at most 2\*\*31 - 1, got '2147483648'"),
 ])
 def test_cli_rejects_bad_rows_and_dtypes_before_any_work(args, message, monkeypatch, capsys):
   from jaxsparse.torch_interop._cli import main  # noqa: PLC0415 -- the `jaxsparse` console script

@@ -78,6 +78,8 @@ _MAX_COPIES = 16
 # before the copies above; 2: train-step candidates timed on a sum of their outputs; 3: on sum(y^2) / 2, `train_step`).
 TIMING_VERSION = 3
 
+# The key of the dense product's time in what _measure returns (no candidate's name: they have no spaces).
+DENSE = "x @ W"
 # Compiles of candidates that a measurement stopped waiting for (past the tuning budget) finish in the background and
 # hold host cores meanwhile: a 2048-token prefill timed right after its products were tuned ran at 0.75x dense where
 # it runs at 0.99x once they are done (H100, 2026-11-28). Benchmarks wait for them (wait_for_background_compiles).
@@ -330,14 +332,20 @@ def _made_outside_the_trace(make_args: Callable[[], tuple]) -> tuple:
   ran op by op with their constants folded: a random 2:4 weight of 4096 x 28672 took 20 s to make on a CPU (2.4 s
   jitted), most of a Llama-3-8B gate / up product's tuning on an H100 machine (15.5 s). The caller's thread-local
   settings that decide what the operands are (64-bit types, the default device) go with it."""
+  with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+    return pool.submit(_with_callers_config(make_args)).result()
+
+
+def _with_callers_config(f: Callable[[], Any]) -> Callable[[], Any]:
+  """``f`` to run in another thread with this thread's settings that decide what operands are (64-bit types, the
+  default device)."""
   x64, device = jax.config.jax_enable_x64, jax.config.jax_default_device
 
-  def made():
+  def run():
     with jax.enable_x64(x64), jax.default_device(device):
-      return make_args()
+      return f()
 
-  with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-    return pool.submit(made).result()
+  return run
 
 
 def _prepare(candidates: Sequence[Candidate]) -> None:
@@ -359,11 +367,11 @@ def _timed_compile(lowered) -> tuple[Any, float]:
 
 
 def _measure(candidates: Sequence[Candidate], make_args: Callable[[], tuple],
-             platform: str) -> dict[str, float | None]:
+             platform: str, dense: DenseProduct | None = None) -> dict[str, float | None]:
   """``{name: ms}`` of the candidates that compile and run (the others are logged and left out): the time of one
   call, on operands that are not in the L2 cache (:func:`_copies`). ``None``: not compiled within the tuning
   budget (:func:`_cache.current_budget_s`), so not timed; the shipped default and ``always_timed`` candidates never
-  are."""
+  are. With ``dense``, its time too, under :data:`DENSE` (absent where it fails), compiled beside the candidates."""
   # The operands are made where no trace is active and copied eagerly (concrete, on the device) even inside the
   # caller's trace; the candidates are traced on their own, outside that eager scope (a kernel body must be staged,
   # not evaluated).
@@ -381,7 +389,9 @@ def _measure(candidates: Sequence[Candidate], make_args: Callable[[], tuple],
   # by side and beside the lowering of the next candidates, which holds the GIL. Past the deadline the measurement
   # waits only for the candidates it keeps; a compile it stops waiting for finishes in the background, unused.
   futures, unfinished = {}, []
-  pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(8, max(1, len(candidates))))
+  pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(8, max(1, len(candidates) + (dense is not None))))
+  # The dense product's operands and program are made in a pool thread (no trace active there), from the start.
+  dense_job = pool.submit(_with_callers_config(lambda: _dense_compiled(dense, platform))) if dense else None
   try:
     for c in candidates:
       if c.name not in kept and time.perf_counter() > deadline:
@@ -394,7 +404,7 @@ def _measure(candidates: Sequence[Candidate], make_args: Callable[[], tuple],
         continue
       futures[c.name] = pool.submit(_timed_compile, lowered)
     t2 = time.perf_counter()
-    concurrent.futures.wait([f for n, f in futures.items() if n in kept])
+    concurrent.futures.wait([f for n, f in futures.items() if n in kept] + ([dense_job] if dense_job else []))
     concurrent.futures.wait(futures.values(),
                             timeout=None if budget is None else max(0.0, deadline - time.perf_counter()))
     unfinished += [n for n, f in futures.items() if not f.done()]
@@ -415,6 +425,12 @@ def _measure(candidates: Sequence[Candidate], make_args: Callable[[], tuple],
         times[name] = _time_ms(exe, (sets,), platform) / len(sets)
       except Exception as e:  # a candidate that fails to compile or run loses
         logger.info("autotune: candidate %s failed: %s: %s", name, type(e).__name__, e)
+    if dense_job is not None:
+      try:
+        exe, sets = dense_job.result()
+        times[DENSE] = _time_ms(exe, (sets,), platform) / len(sets)
+      except Exception as e:  # e.g. a dtype XLA's dot does not take here: no comparison
+        logger.info("autotune: the dense product %s failed: %s: %s", dense.describe(), type(e).__name__, e)
   logger.info("autotune: operands %.2f s, traced %.2f s, compiled %.2f s after, timed %.2f s (%d operand sets); "
               "compile s by candidate: %s%s", t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3, len(sets),
               {k: round(v, 2) for k, v in compile_s.items()},
@@ -422,17 +438,12 @@ def _measure(candidates: Sequence[Candidate], make_args: Callable[[], tuple],
   return times
 
 
-def _dense_ms(dense: DenseProduct, platform: str) -> float | None:
-  """Milliseconds of ``dense`` (one call, timed as the candidates are), or ``None`` where it fails to run."""
+def _dense_compiled(dense: DenseProduct, platform: str) -> tuple[Any, list[tuple]]:
+  """``dense``'s compiled program and its sets of random operands (:func:`_sets`), made where no trace is active."""
   run = jnp.matmul if not dense.step else train_step(jnp.matmul)
-  try:
-    args = _made_outside_the_trace(lambda: (random_operand(dense.lhs, dense.dtypes[0], 1),
-                                            random_operand(dense.rhs, dense.dtypes[1], 2)))
-    with jax.ensure_compile_time_eval():
-      return time_call_ms(run, args, platform)
-  except Exception as e:  # e.g. a dtype XLA's dot does not take here: no comparison
-    logger.info("autotune: the dense product %s failed: %s: %s", dense.describe(), type(e).__name__, e)
-    return None
+  args = (random_operand(dense.lhs, dense.dtypes[0], 1), random_operand(dense.rhs, dense.dtypes[1], 2))
+  sets = _sets(args, platform)
+  return jax.jit(_in_turn(run)).lower(sets).compile(), sets
 
 
 _WARNED: set[str] = set()  # the signatures a SlowerThanDenseWarning was given for, in this process
@@ -550,7 +561,9 @@ def choose(
   if not can_measure:
     return prior
   t0 = time.perf_counter()
-  measured = _measure(candidates, make_args, platform)
+  measured = _measure(candidates, make_args, platform, dense) if dense is not None else _measure(
+      candidates, make_args, platform)
+  dense_ms = measured.pop(DENSE, None)
   times = {k: v for k, v in measured.items() if v is not None}
   if not times:
     return prior
@@ -567,7 +580,6 @@ def choose(
   unfinished = sorted(k for k, v in measured.items() if v is None and k not in all_us)
   if unfinished:  # offered but not compiled within the budget: jaxsparse.autotune measures them
     entry["unfinished"] = unfinished
-  dense_ms = _dense_ms(dense, platform) if dense is not None else None
   if dense_ms is not None:
     entry["dense_us"] = round(dense_ms * 1e3, 2)
   elif hit is not None and "dense_us" in hit:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 from typing import ClassVar
 
@@ -34,7 +35,7 @@ def check_pattern_mask(mask: Any, *, name: str, layout: str) -> np.ndarray | jax
   return mask
 
 
-def mask_pattern_indices(mask: Any, nnz: int | None, *, name: str) -> dict[str, Any]:
+def mask_pattern_indices(mask: Any, nnz: int | None, *, name: str, count_name: str = "nnz") -> dict[str, Any]:
   """Row-major coordinates and CSR/CSC offsets of the True entries of a 2-D bool ``mask``.
 
   A concrete mask is indexed on the host with NumPy. A traced mask (under ``jit``, ``nnx.eval_shape``
@@ -49,7 +50,7 @@ def mask_pattern_indices(mask: Any, nnz: int | None, *, name: str) -> dict[str, 
   if is_concrete(mask):
     m = np.asarray(mask)
     if nnz is not None and int(m.sum()) != nnz:
-      raise ValueError(f"{name} keeps {int(m.sum())} entries but nnz={nnz} was given; they must agree.")
+      raise ValueError(f"{name} keeps {int(m.sum())} entries but {count_name}={nnz} was given; they must agree.")
     xp, (rows, cols) = np, np.nonzero(m)
   else:
     if nnz is None:
@@ -265,6 +266,9 @@ class IndexedSparseMatrix:
     ``validate=False``. Concrete integer arrays of another width (NumPy's default int64, with or without
     ``jax_enable_x64``) are cast to int32 once their values are checked to fit; traced ones must be int32.
     """
+    if not isinstance(index_arrays, Mapping):
+      raise TypeError(f"index_arrays must be a dict of the index arrays keyed by {cls.INDEX_FIELDS} (what "
+                      f"index_arrays() returns), got {type(index_arrays).__name__}.")
     missing = set(cls.INDEX_FIELDS) - set(index_arrays)
     if missing:
       raise ValueError(f"index_arrays is missing {sorted(missing)}; expected the keys {cls.INDEX_FIELDS}.")

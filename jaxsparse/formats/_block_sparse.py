@@ -52,7 +52,7 @@ def block_pattern_indices(block_mask: Any, *, nnz_blocks: int | None = None) -> 
   """
   mask = check_pattern_mask(block_mask, name="block_mask", layout="(K // bk, N // bn)")
   nnz_blocks = None if nnz_blocks is None else _check_block_count(nnz_blocks, mask.shape)
-  return mask_pattern_indices(mask, nnz_blocks, name="block_mask")
+  return mask_pattern_indices(mask, nnz_blocks, name="block_mask", count_name="nnz_blocks")
 
 
 def _check_block_count(nnz_blocks: Any, grid: tuple[int, int]) -> int:

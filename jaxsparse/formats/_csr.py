@@ -9,7 +9,6 @@ pytree leaves; the shape is static aux data.
 
 from __future__ import annotations
 
-import numbers
 from typing import Any
 
 import jax
@@ -55,10 +54,11 @@ def csr_pattern_indices(mask: Any, *, nnz: int | None = None) -> dict[str, Any]:
   m = check_pattern_mask(mask, name="mask", layout="(K, N)")
   if m.size >= 2**31:
     raise ValueError(f"mask has {m.size} entries; CSRMatrix indexes with int32 and holds fewer than 2**31.")
-  if nnz is not None:
-    if isinstance(nnz, bool) or not isinstance(nnz, numbers.Integral) or not 0 <= nnz <= m.size:
+  if nnz is not None:  # a static count: also a NumPy int or a concrete 0-d integer array, as nnz_blocks takes
+    count = _utils._integral(nnz)
+    if count is None or not 0 <= count <= m.size:
       raise ValueError(f"nnz must be an int in [0, {m.size}] (the entries the {m.shape} mask keeps), got nnz={nnz!r}.")
-    nnz = int(nnz)
+    nnz = count
   idx = mask_pattern_indices(m, nnz, name="mask")
   idx["transpose_row_indices"] = idx["row_indices"][idx["transpose_order"]]
   return idx

@@ -56,6 +56,9 @@ def check_nm(n: object, m: object) -> tuple[int, int]:
 def check_axis(axis: object, ndim: int, *, name: str = "axis") -> int:
   """Returns ``axis`` normalised to ``[0, ndim)``."""
   axis = _check_int(axis, name)
+  if ndim == 0:
+    raise ValueError(f"w is 0-D (a scalar); N:M groups run along an axis of w, which needs at least 1 "
+                     f"(got {name}={axis}).")
   if not -ndim <= axis < ndim:
     raise ValueError(f"{name}={axis} is out of range for {ndim}-D w (allowed: {-ndim}..{ndim - 1}).")
   return axis % ndim

@@ -186,6 +186,11 @@ def check_spec_applies(spec: Spec, shape: Sequence[int], *, path: str, in_ndim: 
   shape = tuple(int(s) for s in shape)
   k, n = matrix_shape(shape, in_ndim)
   in_ndim = len(shape) - 1 if in_ndim is None else in_ndim
+  if k * n == 0 and not isinstance(spec, NM):  # no sparsity keeps a weight (or block) of an empty kernel
+    raise ValueError(
+        f"{path}: its {shape} kernel is empty (no weights), so {spec.describe()} cannot keep any; give this path "
+        "another rule (None keeps it as it is)."
+    )
   if isinstance(spec, Unstructured):
     size = k * n
     kept = size - _utils.kept_count(spec.sparsity, size)

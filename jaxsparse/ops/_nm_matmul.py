@@ -510,7 +510,7 @@ def nm_matmul(
 
   Raises:
     TypeError: ``preferred_element_type`` is not a floating dtype or ``None``;
-      ``w`` is not a :class:`jaxsparse.NMSparseMatrix`; ``x`` does not have a floating dtype;
+      ``w`` is not a :class:`jaxsparse.NMSparseMatrix`; ``x`` does not have a floating dtype; ``w.values`` is complex;
       ``cusparselt_weight`` is not a 1-D uint8 array;
       float operands of two dtypes where one is an 8-bit float (``float8_e4m3fn``, ``float8_e5m2``)
       without ``preferred_element_type`` (cast one, or pass it, as ``jnp.matmul`` wants; float8 operands of one
@@ -554,6 +554,9 @@ def nm_matmul_buffer(
 def _call(x, w: NMSparseMatrix, implementation, precision, preferred_element_type, cusparselt_weight,
           buffer_only: bool = False) -> jax.Array:
   x = _utils.check_activations(x, w.shape[0])
+  if jnp.issubdtype(w.dtype, jnp.complexfloating):  # not left to name a preferred_element_type nobody passed
+    raise TypeError(f"w.values must have a real dtype, got {w.dtype}; for complex weights use "
+                    "jaxsparse.ops.masked_matmul (a dense w and its mask: w.to_dense(), w.mask()).")
   impl = _check_implementation(implementation)
   out_dtype = _utils.result_dtype(x.dtype, w.dtype, preferred_element_type)
   if impl == "cusparselt":

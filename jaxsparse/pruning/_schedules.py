@@ -8,11 +8,13 @@ final)`` gives the sparsity in force at ``step`` on the way to a structure's ``f
 from __future__ import annotations
 
 import numbers
+import operator
 from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxsparse import _utils
 
@@ -47,9 +49,17 @@ class Schedule(NamedTuple):
 
 
 def _check_step(value: object, *, name: str, minimum: int = 0) -> int:
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < minimum:
+  """``value`` as an int ``>= minimum``: a Python or NumPy int, or a concrete 0-d integer array (``jnp.int32(10)``,
+  a step read back from an optimizer state); never a bool, a float or a traced value."""
+  step = None
+  if not isinstance(value, bool | np.bool_) and np.dtype(getattr(value, "dtype", np.int64)) != np.bool_:
+    try:
+      step = operator.index(value)
+    except TypeError:  # a float, a traced value (TracerIntegerConversionError is a TypeError), an array of more dims
+      pass
+  if step is None or step < minimum:
     raise ValueError(f"{name} must be an int >= {minimum}, got {name}={value!r}.")
-  return int(value)
+  return step
 
 
 def _check_power(power: object) -> float:
@@ -182,12 +192,14 @@ def gradual(
   power = _check_power(power)
 
   def sparsity(t, final):
+    # A traced final (a custom pruner's) has no Python min; a number keeps its exact float64 difference below.
+    initial = min(initial_sparsity, final) if isinstance(final, numbers.Real) else jnp.minimum(initial_sparsity, final)
     return polynomial_sparsity(
         t,
         final_sparsity=final,
         begin_step=begin_step,
         end_step=end_step,
-        initial_sparsity=min(initial_sparsity, final),
+        initial_sparsity=initial,
         power=power,
     )
 

@@ -48,6 +48,7 @@ __all__ = ["SparseGPTResult", "sparsegpt_layer"]
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 _UNROLL = 8  # features fixed per loop iteration (a multiple of m for N:M)
+DEFAULT_BLOCK_SIZE = 128  # input features per lazy update (SparseGPT's B)
 
 
 class SparseGPTResult(NamedTuple):
@@ -77,7 +78,7 @@ def sparsegpt_layer(
     spec: Unstructured | NM | BlockSparse,
     *,
     damp: float = 0.01,
-    block_size: int = 128,
+    block_size: int | None = None,
     mask: jax.typing.ArrayLike | None = None,
     path: str = "kernel",
 ) -> SparseGPTResult:
@@ -103,7 +104,8 @@ def sparsegpt_layer(
     damp: ``λ`` added to the Hessian's diagonal, as a fraction of its mean diagonal; 0 needs a
       positive definite ``gram`` (more calibration tokens than inputs, no collinear features).
     block_size: input features updated exactly before the lazy update of the rest; a multiple of
-      ``m`` for N:M.
+      ``m`` for N:M. ``None``: 128, for N:M rounded down to a multiple of ``m`` (at least ``m``; the result does not
+      depend on it, the speed does), as :func:`calibrated_prune` rounds its ``block_size``.
     mask: optional fixed ``(K, N)`` bool mask (True = kept): only update the weights for it (e.g.
       SparseGPT's weight update on a Wanda mask); ``spec`` is then used for its checks only.
     path: the layer's name, for error messages.
@@ -128,12 +130,14 @@ def sparsegpt_layer(
   return SparseGPTResult(new, kept)
 
 
-def solve_inputs(kernel, gram, spec, *, damp: float, block_size: int, mask=None, path: str = "kernel"):
+def solve_inputs(kernel, gram, spec, *, damp: float, block_size: int | None, mask=None, path: str = "kernel"):
   """Checks :func:`sparsegpt_layer`'s arguments; returns ``(args, static)`` of its jitted solve ``_solve``."""
   kernel, gram = check_kernel_and_gram(kernel, gram, path=path)
   k, n = kernel.shape
   check_layer_spec(spec, (k, n), path=path)
   damp = check_damp(damp)
+  if block_size is None:  # the default fits every m (NM(1, 3) too), not only those that divide 128
+    block_size = DEFAULT_BLOCK_SIZE if not isinstance(spec, NM) else max(spec.m, DEFAULT_BLOCK_SIZE // spec.m * spec.m)
   block_size = _utils.check_positive_int(block_size, name="block_size")
   if isinstance(spec, NM) and block_size % spec.m:
     raise ValueError(f"block_size={block_size} must be a multiple of m={spec.m} for N:M sparsity.")

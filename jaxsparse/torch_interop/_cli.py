@@ -25,6 +25,8 @@ from collections.abc import Sequence
 __all__ = ["main", "parse_rule", "parse_spec"]
 
 PROGRESS_MIN_BYTES = 64 * 2**20
+# The largest size the sparse formats index (int32); a larger one failed inside MLIR, naming no argument.
+MAX_SIZE = 2**31 - 1
 
 
 def parse_spec(spec: str, *, dense: bool = True):
@@ -71,6 +73,8 @@ def _parse_positive(text: str) -> int:
     value = 0
   if value <= 0:
     raise argparse.ArgumentTypeError(f"must be a positive int, got {text!r}.")
+  if value > MAX_SIZE:
+    raise argparse.ArgumentTypeError(f"must be at most 2**31 - 1, got {text!r}.")
   return value
 
 
@@ -93,6 +97,8 @@ def _parse_shape(text: str) -> tuple[int, int]:
     raise argparse.ArgumentTypeError(f"shape must look like INxOUT, e.g. 4096x1024, got {text!r}.") from e
   if k <= 0 or n <= 0:
     raise argparse.ArgumentTypeError(f"shape {text!r}: both sizes must be positive.")
+  if max(k, n) > MAX_SIZE:
+    raise argparse.ArgumentTypeError(f"shape {text!r}: both sizes must be at most 2**31 - 1.")
   return k, n
 
 
