@@ -14,7 +14,8 @@ above 1 is a shape where the default is slower than dense.
 rectangular, density 0.05-0.6, bf16 / fp16 / f32). ``--modes off,tune`` times each case once per measured-dispatch
 mode (``jaxsparse.autotune_mode``; ``off`` is the shipped rules alone, ``tune`` measures each product's candidate
 routes on its first trace, into a fresh cache under ``$OUT``), with the first-trace tuning cost of the forward and
-of forward + backward, and checks that a second trace of a tuned signature measures nothing.
+of forward + backward, and checks that a second trace of a tuned signature measures nothing; its last column names
+the directions for which tuning said no route beats the dense product (``jaxsparse.SlowerThanDenseWarning``).
 
 ``--cold`` times every call (the op's and dense's) as measured dispatch times its candidates: over copies of the
 operands called in turn, so that a weight under the L2's size is read from memory, as in a model whose other layers
@@ -32,6 +33,7 @@ import math
 import os
 import re
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -126,7 +128,8 @@ def run_case(
   for mode in modes or (None,):
     tag = "" if mode is None else f"[{mode}]"
     scope = contextlib.nullcontext() if mode is None else jaxsparse.autotune_mode(mode)
-    with scope:
+    with scope, warnings.catch_warnings(record=True) as said:  # the tuner's SlowerThanDenseWarning, by direction
+      warnings.simplefilter("always", jaxsparse.SlowerThanDenseWarning)
       fresh = lambda x, w: sparse(x, w)  # a new function: its own trace in this mode
       t0 = time.perf_counter()
       jax.jit(fresh).lower(x, w)
@@ -142,6 +145,8 @@ def run_case(
         jax.jit(fresh_both).lower(x, w, dy)
         row["tune_s_both" + tag] = time.perf_counter() - t0
         row["fwd+bwd" + tag] = timed_ms(fresh_both, x, w, dy, iterations=iterations, cold=cold) / dense_both
+    row["warned" + tag] = sorted({str(r.message).split(":")[0].split()[-1] for r in said
+                                  if issubclass(r.category, jaxsparse.SlowerThanDenseWarning)})
   if "tune" in modes:
     # A second process with the cache (the memo dropped, the file read back): no measurement, and compile time
     # against mode off (best of 2 fresh compiles each, forward + backward where timed).
@@ -185,6 +190,7 @@ def fmt(r: dict, modes: tuple[str, ...] = ()) -> str:
       both = r.get("tune_s_both" + tag)
       cells.append(f"{r['tune_s_fwd' + tag]:.1f} / {'-' if both is None else f'{both:.1f}'}")
       cells.append(f"{r['compile cached / off']:.2f}")
+      cells.append(", ".join(r["warned" + tag]) or "-")
   flag = " **slower**" if worst > 1.0 else ""
   return "| " + " | ".join(str(v) for v in cells) + f" |{flag}"
 
@@ -196,7 +202,7 @@ def header(modes: tuple[str, ...] = ()) -> list[str]:
     cols += [f"route{tag}", f"rel err{tag}", f"fwd / dense{tag}", f"fwd+bwd / dense{tag}",
              f"fwd / dense, cold L2{tag}"]
     if mode == "tune":
-      cols += ["first trace s (fwd / fwd+bwd)", "compile cached / off"]
+      cols += ["first trace s (fwd / fwd+bwd)", "compile cached / off", "said slower than dense"]
   return ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
 
 
