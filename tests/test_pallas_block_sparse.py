@@ -314,7 +314,10 @@ def test_dense_weight_equals_to_dense(block_shape, pattern):
         (128, 512, (16, 16), jnp.float32, jnp.bfloat16),  # 32 block columns: programs of 32 blocks, a cast
         (48, 112, (16, 16), jnp.float16, jnp.float32),  # 7 block columns: programs of one block
         (256, 512, (64, 128), jnp.float32, jnp.float32),
-        (64, 512, (32, 256), jnp.bfloat16, jnp.float32),  # a wide block
+        (64, 512, (32, 256), jnp.bfloat16, jnp.float32),  # a wide block: tiles of 8 rows
+        (512, 768, (256, 256), jnp.float32, jnp.float32),  # tiles of 8 rows of 256
+        (512, 256, (256, 128), jnp.bfloat16, jnp.bfloat16),  # tiles of 16 rows of 128
+        (256, 256, (128, 64), jnp.float16, jnp.float32),  # tiles of 32 rows of 64
     ],
 )
 @pytest.mark.parametrize("pattern", ["random", "single"])
@@ -326,6 +329,17 @@ def test_dense_weight_build_kernel_equals_to_dense(k, n, block_shape, dtype, out
   got = dense_route.dense_weight(w, out_dtype, interpret=True)
   assert got.dtype == out_dtype and got.shape == (k, n)
   np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(w.to_dense().astype(out_dtype), np.float32))
+
+
+@pytest.mark.parametrize(("block_shape", "tile"), [
+    ((16, 16), (16, 16)), ((32, 64), (32, 64)), ((64, 64), (32, 64)), ((128, 128), (16, 128)),
+    ((256, 128), (16, 128)), ((128, 256), (8, 256)), ((256, 256), (8, 256)), ((16, 256), (8, 256)),
+])
+def test_build_tiles_hold_at_most_the_program_budget(block_shape, tile):
+  """A build program writes whole blocks up to 2048 elements, else tiles of whole rows of a block (a 256 x 256 float32
+  block in one program of 2 warps spilled: 0.4 TB/s)."""
+  assert dense_route.build_tile(block_shape) == tile
+  assert block_shape[0] % tile[0] == 0 and block_shape[1] % tile[1] == 0
 
 
 @pytest.mark.parametrize("block_shape", [(24, 24), (8, 8), (16, 8)])

@@ -19,9 +19,11 @@ from jaxsparse.formats._block_sparse import block_slots
 from jaxsparse.pallas._common import available
 from jaxsparse.pallas._common import whole_block
 
-# The build kernel's programs: one block row of the output, `group` blocks wide, at most this many elements and
-# columns wide, on this many warps. The fastest of five settings on 12 shapes (H200, 2026-11-29; 4096 / 256 / 4 and
-# 8192 / 512 / 4 within 3%, 16384 / 512 / 8 10-60% slower: benchmarks/results/gpu_dense_route_build_2026-11-29_h200.md).
+# The build kernel's programs: a tile of at most this many elements of one block (the whole block where it fits), a
+# few tiles wide, at most this many columns wide, on this many warps. The fastest of five settings on 12 shapes (H200,
+# 2026-11-29; 4096 / 256 / 4 and 8192 / 512 / 4 within 3%, 16384 / 512 / 8 10-60% slower:
+# benchmarks/results/gpu_dense_route_build_2026-11-29_h200.md). Blocks of more elements are cut into tiles of whole
+# rows: one 256 x 256 float32 block a program (2 warps holding 256 KB) built at 0.4 TB/s.
 _BUILD_PROGRAM_ELEMENTS = 2048
 _BUILD_MAX_WIDTH = 256
 _BUILD_NUM_WARPS = 2
@@ -29,15 +31,27 @@ _BUILD_NUM_WARPS = 2
 BUILD_BLOCK_DIMS = (16, 32, 64, 128, 256)
 
 
-def _build_group(block_shape: tuple[int, int], nb: int) -> int:
-  """Blocks per program of :func:`_build_kernel`: a power of two dividing ``nb``, ``group * bn`` at most
-  ``_BUILD_MAX_WIDTH`` and ``bk * group * bn`` at most ``_BUILD_PROGRAM_ELEMENTS`` (or 1)."""
+def build_tile(block_shape: tuple[int, int]) -> tuple[int, int]:
+  """The ``(rows, cols)`` of a block one program of :func:`_build_kernel` writes at a time: the whole block where it
+  has at most ``_BUILD_PROGRAM_ELEMENTS`` elements, else ``_BUILD_MAX_WIDTH`` columns at most and as many whole rows
+  (a power of two) as fit."""
   bk, bn = block_shape
+  tn = min(bn, _BUILD_MAX_WIDTH)
+  tk = bk
+  while tk > 1 and tk * tn > _BUILD_PROGRAM_ELEMENTS:
+    tk //= 2
+  return tk, tn
+
+
+def _build_group(tile: tuple[int, int], tiles_n: int) -> int:
+  """Tiles per program of :func:`_build_kernel`: a power of two dividing ``tiles_n`` (the tiles across ``N``),
+  ``group * tn`` at most ``_BUILD_MAX_WIDTH`` and ``tk * group * tn`` at most ``_BUILD_PROGRAM_ELEMENTS`` (or 1)."""
+  tk, tn = tile
   group = 1
   while (
-      nb % (2 * group) == 0
-      and 2 * group * bn <= _BUILD_MAX_WIDTH
-      and bk * 2 * group * bn <= _BUILD_PROGRAM_ELEMENTS
+      tiles_n % (2 * group) == 0
+      and 2 * group * tn <= _BUILD_MAX_WIDTH
+      and tk * 2 * group * tn <= _BUILD_PROGRAM_ELEMENTS
   ):
     group *= 2
   return group
@@ -48,23 +62,29 @@ def build_kernel_supports(w: BlockSparseMatrix) -> bool:
   return all(d in BUILD_BLOCK_DIMS for d in w.block_shape)
 
 
-def _build_kernel(slot_ref, data_ref, o_ref, *, group: int):
-  """Output block row ``i``, block columns ``j * group + g``: the kept block ``data[slot[i, ...]]`` or zeros."""
+def _build_kernel(slot_ref, data_ref, o_ref, *, tile: tuple[int, int], group: int):
+  """Output tile row ``i``, tile columns ``j * group + g``: that tile of the kept block ``data[slot[...]]`` or zeros."""
   i, j = pl.program_id(0), pl.program_id(1)
+  tk, tn = tile
   bk, bn = data_ref.shape[1:]
+  per_k, per_n = bk // tk, bn // tn  # tiles of a block along K and N
+  r0 = (i % per_k) * tk
   for g in range(group):
-    s = slot_ref[i, j * group + g]
-    kept = jnp.full((bk, bn), s >= 0)
-    block = pltriton.load(data_ref.at[jnp.maximum(s, 0)], mask=kept, other=0)
-    o_ref[:, pl.ds(g * bn, bn)] = block.astype(o_ref.dtype)
+    t = j * group + g
+    s = slot_ref[i // per_k, t // per_n]
+    kept = jnp.full((tk, tn), s >= 0)
+    block = pltriton.load(data_ref.at[jnp.maximum(s, 0), pl.ds(r0, tk), pl.ds((t % per_n) * tn, tn)], mask=kept,
+                          other=0)
+    o_ref[:, pl.ds(g * tn, tn)] = block.astype(o_ref.dtype)
 
 
 def dense_weight(w: BlockSparseMatrix, dtype, *, interpret: bool = False, kernel: bool | None = None) -> jax.Array:
   """The dense ``(K, N)`` weight of ``w`` in ``dtype``, built in one pass for the dense-product route.
 
   On a GPU (or with ``interpret``), for block dims in ``BUILD_BLOCK_DIMS`` (16 to 256), a Pallas kernel writes
-  each output block row a few blocks at a time, loading only the kept blocks: 10-35% faster than XLA's gather on
-  an H200 (34 MB of 32 x 32 blocks in 15.7 us against 23.6). Otherwise one XLA gather of each output block from
+  each output block row a few blocks at a time (large blocks a tile of rows at a time, :func:`build_tile`), loading
+  only the kept blocks: 10-35% faster than XLA's gather on an H200 (34 MB of 32 x 32 blocks in 15.7 us against
+  23.6). Otherwise one XLA gather of each output block from
   ``w.data`` (a zero block where none is kept), transposed into ``(K, N)`` order in the same fusion.
   :meth:`BlockSparseMatrix.to_dense` instead zero-fills, scatters and then transposes (three passes over the
   ``K x N`` output).
@@ -85,13 +105,15 @@ def dense_weight(w: BlockSparseMatrix, dtype, *, interpret: bool = False, kernel
     return jnp.zeros(w.shape, dtype)
   slots = block_slots(w)
   if kernel is not False and build_kernel_supports(w) and (interpret or available()):
-    group = _build_group((bk, bn), nb)
+    tk, tn = build_tile((bk, bn))
+    tiles_k, tiles_n = w.shape[0] // tk, w.shape[1] // tn
+    group = _build_group((tk, tn), tiles_n)
     return pl.pallas_call(
-        functools.partial(_build_kernel, group=group),
+        functools.partial(_build_kernel, tile=(tk, tn), group=group),
         out_shape=jax.ShapeDtypeStruct(w.shape, dtype),
-        grid=(kb, nb // group),
+        grid=(tiles_k, tiles_n // group),
         in_specs=[whole_block((kb, nb), 2), whole_block(w.data.shape, 2)],
-        out_specs=pl.BlockSpec((bk, group * bn), lambda i, j: (i, j)),
+        out_specs=pl.BlockSpec((tk, group * tn), lambda i, j: (i, j)),
         compiler_params=pltriton.CompilerParams(num_warps=_BUILD_NUM_WARPS, num_stages=1),
         interpret=interpret,
         name=f"block_sparse_dense_weight_{bk}x{bn}",
