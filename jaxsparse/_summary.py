@@ -11,7 +11,9 @@ measures.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
+import warnings
 from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
@@ -20,6 +22,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 from flax import nnx
+from flax.nnx.bridge import variables as bridge_variables
 
 from jaxsparse import _utils
 from jaxsparse.formats._base import is_concrete
@@ -123,9 +126,14 @@ class ModelSummary:
 
   Attributes:
     layers: a :class:`LayerSummary` per sparse layer of the model.
+    notes: what the summary could not look into, and how to: an ``nnx.bridge.ToNNX`` around a Linen module (other
+      than a ``SparsifiedLinen``), whose N:M layers only running it finds; the kernels of Linen variables summarized
+      without ``module=``, which may be N:M layers (``NMDense`` / ``NMConv``, an NNX ``NMLinear`` / ``NMConv`` under
+      ``nnx.bridge.ToLinen``: no pattern variable). ``str()`` prints them below the table.
   """
 
   layers: tuple[LayerSummary, ...]
+  notes: tuple[str, ...] = ()
 
   def total(self, field: str) -> int | None:
     """The sum of a :class:`LayerSummary` field over the layers; ``None`` if a layer's value is unknown.
@@ -156,8 +164,9 @@ class ModelSummary:
   dense_backward_flops = property(lambda self: self.total("dense_backward_flops"), doc="Dense backward FLOPs.")
 
   def __str__(self) -> str:
+    notes = "".join(f"\nnote: {note}" for note in self.notes)
     if not self.layers:
-      return "no sparse layers"
+      return "no sparse layers" + (" found" if notes else "") + notes
 
     def cell(value: int | None, dense: int) -> str:
       return f"{_human(value)} ({_ratio(value, dense)})"
@@ -173,7 +182,8 @@ class ModelSummary:
         "total", f"{len(self.layers)} layers", "", "", "", cell(self.bytes, self.dense_bytes),
         cell(self.forward_flops, self.dense_forward_flops), cell(self.backward_flops, self.dense_backward_flops),
     ))
-    return _utils.text_table(rows) + "\nFLOPs per input row (per output position for convolutions), bias excluded."
+    return (_utils.text_table(rows) + "\nFLOPs per input row (per output position for convolutions), bias excluded."
+            + notes)
 
 
 def _bytes(tree: Any) -> int:
@@ -294,6 +304,9 @@ def _linen_module_layers(
     if nm or embed:
       found[tuple(m.scope.path)] = (type(m).__name__, m.n, m.m, getattr(m, "transposable", False),
                                     getattr(m, "mask", None))
+    elif (isinstance(m, nnx.bridge.ToLinen) and context.method_name == "__call__" and isinstance(m.nnx_class, type)
+          and issubclass(m.nnx_class, NMLinear | NMConv)):  # an NNX N:M layer: its variables are nn.Dense's too
+      found[tuple(m.scope.path)] = _bridged_nm(m)
     elif isinstance(m, MaskedDense | nn.Conv) and context.method_name == "__call__":  # nn.Conv: given its mask
       masked[tuple(m.scope.path)] = "MaskedDense" if isinstance(m, MaskedDense) else "MaskedConv"
     return next_fun(*args, **kwargs)
@@ -303,14 +316,44 @@ def _linen_module_layers(
   return found, masked
 
 
+def _bridged_nm(module: nnx.bridge.ToLinen) -> _NMInfo:
+  """The N:M structure of the ``NMLinear`` / ``NMConv`` an ``nnx.bridge.ToLinen`` builds: its arguments, with the
+  defaults of its constructor."""
+  cls = module.nnx_class
+  bound = inspect.signature(cls.__init__).bind_partial(None, *module.args, **module.kwargs)
+  bound.apply_defaults()
+  arg = bound.arguments
+  return cls.__name__, arg["n"], arg["m"], arg["transposable"], arg.get("mask") if issubclass(cls, NMConv) else None
+
+
+def _to_nnx_layers(path: str, node: nnx.bridge.ToNNX) -> tuple[list[LayerSummary], str | None]:
+  """The sparse layers of the Linen module in an ``nnx.bridge.ToNNX`` at ``path``: a ``SparsifiedLinen``'s, found from
+  its plan; for another Linen module none, and a note why (only running it on example inputs finds its N:M layers,
+  whose variables are ``nn.Dense``'s) and how to summarize it."""
+  module = node.to_nnx__module
+  if _is_sparsified_linen(module):
+    variables = bridge_variables.nnx_attrs_to_linen_vars(dict(nnx.state(node, nnx.Not(nnx.RngState))))
+    variables = nn.meta.unbox(variables)
+    rows = _linen_layers(variables, *_linen_module_layers(module, variables, ()))
+    return [dataclasses.replace(row, path=_path(p for p in (path, row.path) if p)) for row in rows], None
+  return [], (
+      f"{path or '(model)'} is an nnx.bridge.ToNNX of the Linen {type(module).__name__}, whose layers are not "
+      "summarized here (its N:M layers keep no pattern variable: only running it finds them). Summarize its Linen "
+      "variables: jaxsparse.summary(nnx.bridge.variables.nnx_attrs_to_linen_vars(dict(nnx.state(bridged, "
+      "nnx.Not(nnx.RngState)))), *example_inputs, module=bridged.to_nnx__module)."
+  )
+
+
 # The kind of a masked Linen layer that its variables alone cannot tell: a kernel of ndim > 2 is a masked nn.Conv's or a
 # stacked (nn.scan over layers) MaskedDense's.
 _MASKED_UNKNOWN = "MaskedDense or MaskedConv"
 
 
 def _linen_layers(
-    variables: Mapping, nm_layers: Mapping[tuple[str, ...], _NMInfo], masked: Mapping[tuple[str, ...], str]
+    variables: Mapping, nm_layers: Mapping[tuple[str, ...], _NMInfo], masked: Mapping[tuple[str, ...], str],
+    unknown: list[str] | None = None,
 ) -> list[LayerSummary]:
+  """The sparse layers of Linen variables; the paths of the other kernels go to ``unknown``."""
   out = []
   sparsity = variables.get(SPARSITY, {})
 
@@ -324,11 +367,14 @@ def _linen_layers(
       stored = {"params": params, SPARSITY: pattern}
       common = dict(stored=stored, param_dtype=kernel.dtype, bias_size=bias)
       path = _path(prefix)
-      if "row_indices" in pattern:
-        kb, nb = pattern["row_offsets"].shape[0] - 1, pattern["col_offsets"].shape[0] - 1
+      # An NNX BlockSparseLinear under nnx.bridge.ToLinen keeps its index arrays in its "pattern" dict, one level down.
+      nested = pattern.get("pattern") if isinstance(pattern, Mapping) and "pattern" not in params else None
+      if "row_indices" in pattern or (isinstance(nested, Mapping) and "row_indices" in nested):
+        index = pattern if "row_indices" in pattern else nested
+        kb, nb = index["row_offsets"].shape[0] - 1, index["col_offsets"].shape[0] - 1
         _, bk, bn = kernel.shape
-        out.append(_layer(path, "BlockSparseDense", (kb * bk, nb * bn), f"block {bk}x{bn}", math.prod(kernel.shape),
-                          **common))
+        name = "BlockSparseDense" if index is pattern else "BlockSparseLinear"
+        out.append(_layer(path, name, (kb * bk, nb * bn), f"block {bk}x{bn}", math.prod(kernel.shape), **common))
       elif "mask" in pattern:
         # Without module=, a kernel of ndim > 2 is a masked nn.Conv's (sparsify_linen, convert) or a stacked MaskedDense
         name = masked.get(prefix) or ("MaskedDense" if len(kernel.shape) == 2 else _MASKED_UNKNOWN)
@@ -350,6 +396,8 @@ def _linen_layers(
         nm = f"{n}:{m}" + (" transposable" if transposable else "")
         kept = nm_kept_count(kernel, n, m, transposable=transposable, weight_mask=own)  # as in NNX
         out.append(_layer(path, name, shape, nm, kept, dense_weight_grad=True, **common))
+      elif unknown is not None:
+        unknown.append(path or "(the variables)")
     elif "embedding" in params and not isinstance(params["embedding"], Mapping):
       pattern = sparsity
       for part in prefix:
@@ -396,6 +444,13 @@ def summary(model: nnx.Module | Mapping, /, *example_inputs: Any, module: nn.Mod
   Works on concrete and abstract (``nnx.eval_shape``, ``jax.eval_shape``) models; an abstract masked
   layer's density is unknown (``?``) since its mask has no values yet.
 
+  Bridged layers: an ``nnx.bridge.ToNNX`` around the ``SparsifiedLinen`` of :func:`jaxsparse.sparsify_linen` is
+  summarized from its plan (paths ``"<its path>.<Linen path>"``); one around another Linen module is not (its N:M
+  layers are found only by running it): a ``UserWarning`` and a note of the result (:attr:`ModelSummary.notes`) say
+  so, and how to summarize its Linen variables. In Linen variables, an NNX ``BlockSparseLinear`` or ``MaskedLinear``
+  under ``nnx.bridge.ToLinen`` is found from its ``"sparsity"`` variables, an ``NMLinear`` / ``NMConv`` with
+  ``module=`` (as ``NMDense``); without ``module=``, a note lists the kernels not checked for N:M.
+
   >>> import jax.numpy as jnp, jaxsparse
   >>> from flax import nnx
   >>> model = nnx.Sequential(
@@ -423,7 +478,7 @@ def summary(model: nnx.Module | Mapping, /, *example_inputs: Any, module: nn.Mod
       ``MaskedDense`` (without it their kind is ``"MaskedDense or MaskedConv"``).
 
   Returns:
-    A :class:`ModelSummary`; ``str()`` of it is a table with totals.
+    A :class:`ModelSummary`; ``str()`` of it is a table with totals, then its notes.
 
   Raises:
     TypeError: ``model`` is neither, ``module`` or example inputs come with an NNX model, example inputs without
@@ -435,7 +490,7 @@ def summary(model: nnx.Module | Mapping, /, *example_inputs: Any, module: nn.Mod
   if isinstance(model, nnx.Module):
     if module is not None or example_inputs:
       raise TypeError("module and example inputs are for Linen variables; an NNX model needs neither.")
-    layers = []
+    layers, notes = [], []
     modules = list(nnx.iter_modules(model))
     # A SparseLinearGeneral is its 2-D layer, reported under the SparseLinearGeneral's own path (the layer the
     # model, sparsify, pruning masks and torch names know).
@@ -444,10 +499,17 @@ def summary(model: nnx.Module | Mapping, /, *example_inputs: Any, module: nn.Mod
       path = tuple(path)
       if path[:-1] in general and path[-1:] == ("layer",):
         path = path[:-1]
+      if isinstance(node, nnx.bridge.ToNNX):
+        bridged, note = _to_nnx_layers(_path(path), node)
+        layers.extend(bridged)
+        if note is not None:
+          warnings.warn(note, UserWarning, stacklevel=2)
+          notes.append(note)
+        continue
       layer = _nnx_layer(_path(path), node)
       if layer is not None:
         layers.append(layer)
-    return ModelSummary(tuple(layers))
+    return ModelSummary(tuple(layers), tuple(notes))
   if isinstance(model, Mapping):
     if module is None and example_inputs:
       raise TypeError("example inputs are for module.apply: pass module= (the Linen module of the variables) too, or "
@@ -457,5 +519,11 @@ def summary(model: nnx.Module | Mapping, /, *example_inputs: Any, module: nn.Mod
                       "jax.ShapeDtypeStruct), to find its NMDense / NMConv layers.")
     model = nn.meta.unbox(model)  # nn.with_partitioning boxes, as sparsify_linen carries them over
     nm, masked = ({}, {}) if module is None else _linen_module_layers(module, model, example_inputs)
-    return ModelSummary(tuple(_linen_layers(model, nm, masked)))
+    unknown: list[str] = []
+    layers = tuple(_linen_layers(model, nm, masked, unknown if module is None else None))
+    notes = () if not unknown else (
+        f"{len(unknown)} kernel(s) with no pattern variable were not checked for N:M ({', '.join(unknown[:4])}"
+        f"{', ...' if len(unknown) > 4 else ''}): NMDense / NMConv and an NNX NMLinear / NMConv under "
+        "nnx.bridge.ToLinen keep none; pass module= (and example inputs) to find them.",)
+    return ModelSummary(layers, notes)
   raise TypeError(f"model must be a flax.nnx.Module or Linen variables (a dict), got {type(model).__name__}.")

@@ -1154,3 +1154,44 @@ def test_pruning_digits_reduced():
     assert r.sparsity == pytest.approx(next(v for k, v in expected_sparsity.items() if k in name), abs=2e-4)
     assert r.accuracy >= dense.accuracy - 0.06, (name, r.accuracy, dense.accuracy)
     assert abs(r.sparse_accuracy - r.accuracy) <= 1 / 450  # the sparse layers compute the same model
+
+
+class _Tied(nnx.Module):
+  """One Linear held at two paths (``b`` is ``a``), and another."""
+
+  def __init__(self):
+    self.a = nnx.Linear(16, 16, rngs=nnx.Rngs(0))
+    self.b = self.a
+    self.c = nnx.Linear(16, 8, rngs=nnx.Rngs(1))
+
+  def __call__(self, x):
+    return self.c(self.b(self.a(x)))
+
+
+def test_pruner_refuses_different_rules_for_a_tied_layer_as_sparsify_does():
+  """A layer at two paths whose rules differ: sparsify raised, the pruner pruned it by the first path's rule and only
+  warned that the second matched no parameter. Both now raise; one structure at both paths prunes it once."""
+  rules = {"a": jaxsparse.Unstructured(sparsity=0.5), "b": jaxsparse.NM(2, 4), "c": None}
+  msg = r"^a\.kernel: one layer held at several paths \(tied\) gets different structures from the rules: a\.kernel: "
+  with pytest.raises(ValueError, match=r"^a: one layer held at several paths \(tied\)"):
+    jaxsparse.sparsify(_Tied(), rules)
+  with pytest.raises(ValueError, match=msg + r"unstructured 50%, b\.kernel: 2:4\. Give its paths one structure\."):
+    pruning.magnitude_masks(_Tied(), rules)
+  dst_rules = {**rules, "b": jaxsparse.Unstructured(sparsity=0.75)}  # SET / RigL take no NM
+  for pruner in (pruning.magnitude_pruner(rules), pruning.set_pruner(dst_rules, update_every=1, end_step=2)):
+    with pytest.raises(ValueError, match=msg):
+      pruner.init(_Tied(), jax.random.key(0))
+  # One structure at both paths (or at one, the other left to None) works, with no "matched no parameter" warning.
+  want = pruning.magnitude_masks(_Tied(), {"a": jaxsparse.NM(2, 4), "c": None})
+  for same in ({"a": jaxsparse.NM(2, 4), "b": jaxsparse.NM(2, 4), "c": None},
+               {"a": None, "b": jaxsparse.NM(2, 4), "c": None}, {"b": jaxsparse.NM(2, 4), "c": None}):
+    with warnings.catch_warnings():
+      warnings.simplefilter("error")
+      masks = pruning.magnitude_masks(_Tied(), same)
+    assert masks["c"]["kernel"] is None and bool(jnp.array_equal(masks["a"]["kernel"], want["a"]["kernel"]))
+    sparse, _ = jaxsparse.sparsify(_Tied(), same, masks=masks)
+    assert type(sparse.b).__name__ == "NMLinear" and sparse.a is sparse.b
+  # An optimizer's parameters (an nnx.State) hold the layer once: the other path's rule can only be warned about.
+  with pytest.warns(UserWarning, match=r"rule\(s\) \['b'\] matched no parameter .*if it names another path of a "
+                    r"layer held at several paths \(tied\).*pruning\.magnitude_masks\(model, rules\)"):
+    pruning.magnitude_masks(nnx.state(_Tied(), nnx.Param), rules)

@@ -276,3 +276,73 @@ def test_zero_size_kernels_report_density_zero():
     assert nm_density(jax.ShapeDtypeStruct(shape, jnp.float32), 2, 4, mask=np.zeros(shape, bool)) == 0.0
     assert nm_table_density(kernel, 2, 4) == nm_signature_density(kernel, 2, 4) == 0.0
     assert nm_signature_density(kernel, 2, 4, compressed=True) == 0.0
+
+
+def test_bridged_layers_are_summarized_or_said_not_to_be():
+  """An NNX model holding ``nnx.bridge.ToNNX`` around Linen sparse layers, and the Linen variables of
+  ``nnx.bridge.ToLinen(BlockSparseLinear / NMLinear)``, were summarized as "no sparse layers", without a word why."""
+  x = jnp.ones((2, 64))
+
+  class Dense2(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(32, name="down")(nn.Dense(96, name="up")(x))
+
+  rules = {"up": jaxsparse.BlockSparse(density=0.5, block_shape=(16, 32)), "down": jaxsparse.NM(2, 4)}
+  sparse, sparse_vars, _ = jaxsparse.sparsify_linen(Dense2(), Dense2().init(jax.random.key(0), x), rules, x)
+  want = [(row.path, row.kind, row.pattern, row.bytes, row.forward_flops)
+          for row in jaxsparse.summary(sparse_vars, module=sparse).layers]
+  assert [row[:3] for row in want] == [("down", "NMDense", "2:4"), ("up", "BlockSparseDense", "block 16x32")]
+
+  class Outer(nnx.Module):
+    def __init__(self, inner):
+      self.enc = inner
+      self.head = layers.NMLinear(32, 8, n=2, m=4, rngs=nnx.Rngs(0))
+
+  # ToNNX around a SparsifiedLinen: its plan says what each layer is.
+  bridged = nnx.bridge.ToNNX(sparse, rngs=nnx.Rngs(0)).lazy_init(x)
+  nnx.update(bridged, nnx.bridge.variables.linen_vars_to_nnx_attrs(sparse_vars))
+  s = jaxsparse.summary(Outer(bridged))
+  head = ("head", "NMLinear", "2:4", (32 * 8 + 8) * F32, 2 * 32 * 8 // 2)
+  assert [(row.path, row.kind, row.pattern, row.bytes, row.forward_flops) for row in s.layers] == [
+      (f"enc.{path}", *rest) for path, *rest in want] + [head]
+  assert s.notes == ()
+
+  # ToNNX around another Linen module: not summarized, and said so (with how).
+  class LinenModel(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return linen.NMDense(32, name="nm")(linen.BlockSparseDense(96, density=0.5, block_shape=(16, 32), name="b")(x))
+
+  plain = nnx.bridge.ToNNX(LinenModel(), rngs=nnx.Rngs(0)).lazy_init(x)
+  with pytest.warns(UserWarning, match=r"^enc is an nnx\.bridge\.ToNNX of the Linen LinenModel, whose layers are not "
+                    r"summarized here .*Summarize its Linen variables: jaxsparse\.summary\("):
+    s = jaxsparse.summary(Outer(plain))
+  assert [row.path for row in s.layers] == ["head"] and len(s.notes) == 1
+  assert str(s).endswith("\nnote: " + s.notes[0])
+  with pytest.warns(UserWarning, match="not summarized"):
+    assert str(jaxsparse.summary(plain)).startswith("no sparse layers found\nnote: (model) is an nnx.bridge.ToNNX")
+  # ... and the recipe of the note works.
+  linen_vars = nnx.bridge.variables.nnx_attrs_to_linen_vars(dict(nnx.state(plain, nnx.Not(nnx.RngState))))
+  s = jaxsparse.summary(linen_vars, x, module=plain.to_nnx__module)
+  assert [(row.path, row.kind) for row in s.layers] == [("b", "BlockSparseDense"), ("nm", "NMDense")]
+
+  # Linen variables of ToLinen(BlockSparseLinear) (its index arrays under "pattern") and ToLinen(NMLinear).
+  class Bridged(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x = nnx.bridge.ToLinen(layers.BlockSparseLinear, args=(64, 96),
+                             kwargs={"density": 0.5, "block_shape": (16, 32)}, name="block")(x)
+      return nnx.bridge.ToLinen(layers.NMLinear, args=(96, 32), kwargs={"n": 1, "m": 4}, name="nm")(x)
+
+  variables = Bridged().init(jax.random.key(0), x)
+  s = jaxsparse.summary(variables)
+  _check(s, EXPECTED[:1])
+  assert s.layers[0].kind == "BlockSparseLinear"
+  assert s.notes == ("1 kernel(s) with no pattern variable were not checked for N:M (nm): NMDense / NMConv and an NNX "
+                     "NMLinear / NMConv under nnx.bridge.ToLinen keep none; pass module= (and example inputs) to find "
+                     "them.",)
+  s = jaxsparse.summary(variables, x, module=Bridged())
+  assert [(row.path, row.kind, row.pattern, row.density) for row in s.layers] == [
+      ("block", "BlockSparseLinear", "block 16x32", 0.5), ("nm", "NMLinear", "1:4", 0.25)]
+  assert s.notes == ()

@@ -1497,3 +1497,53 @@ def test_nm_export_masks_only_the_nonzero_weights_kept():
   np.testing.assert_array_equal(masks["fc.weight_mask"].numpy(), (pruned != 0).T.astype(np.float32))
   state = torch_interop.export_state_dict(nnx.Sequential(layer), torch_names={"layers.0": "fc"})
   np.testing.assert_array_equal(state["fc.weight"].numpy(), pruned.T)
+
+
+def test_linen_export_of_a_bridged_block_sparse_linear_is_its_torch_linear():
+  """``nnx.bridge.ToLinen(BlockSparseLinear)`` keeps its index arrays under ``"sparsity" / "pattern"`` (a
+  ``BlockSparseDense`` keeps them flat): the export read the ``(nnz, bk, bn)`` blocks as a conv kernel and wrote a
+  ``weight`` of shape (4, 8, 8), with no mask. It now writes the layer's torch Linear, mask and BSR blocks included."""
+  x = jax.random.normal(jax.random.key(1), (3, 32))
+  bridged = nnx.bridge.ToLinen(BlockSparseLinear, args=(32, 16), kwargs={"density": 0.5, "block_shape": (8, 4)})
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nnx.bridge.ToLinen(BlockSparseLinear, args=(32, 16), kwargs={"density": 0.5, "block_shape": (8, 4)},
+                                name="fc")(x)
+
+  for model, name in [(bridged, ""), (Net(), "fc")]:
+    variables = model.init(jax.random.key(0), x)
+    variables["params"] = jax.tree.map(lambda v: v + 1.0, variables["params"])  # a nonzero bias counts too
+    prefix = f"{name}." if name else ""
+    state = torch_interop.export_state_dict(variables)
+    assert {k: tuple(v.shape) for k, v in state.items()} == {f"{prefix}weight": (16, 32), f"{prefix}bias": (16,)}
+    fc = torch.nn.Linear(32, 16)
+    fc.load_state_dict({k[len(prefix):]: v for k, v in state.items()})
+    with torch.no_grad():
+      y = fc(torch.from_numpy(np.array(x))).numpy()
+    np.testing.assert_allclose(y, np.asarray(model.apply(variables, x)), atol=1e-5, rtol=1e-5)
+    mask = torch_interop.export_masks(variables)[f"{prefix}weight_mask"]
+    assert tuple(mask.shape) == (16, 32) and int(mask.sum()) == 16 * 32 // 2
+    assert bool(((state[f"{prefix}weight"] != 0) <= mask).all())
+    bsr = torch_interop.export_state_dict(variables, format="bsr")[f"{prefix}weight"]
+    assert bsr.layout == torch.sparse_bsr and torch.equal(bsr.to_dense(), state[f"{prefix}weight"])
+
+
+def test_linen_export_refuses_variables_it_cannot_read():
+  """A layer's variables the exporter cannot read are refused, naming the layer, instead of written as a guess: a
+  kernel of ndim 3 whose bias is not its last axis (the blocks of a block-sparse layer with its pattern missing or
+  elsewhere), and a "sparsity" entry that is no pattern of a layer beside it."""
+  blocks = {"kernel": np.ones((8, 8, 4), np.float32), "bias": np.zeros(16, np.float32)}
+  with pytest.raises(ValueError, match=r"^fc: its kernel has shape \(8, 8, 4\) and its bias \(16,\), not the \(out,\) "
+                     r"= \(4,\) bias"):
+    torch_interop.export_state_dict({"params": {"fc": blocks}})
+  index = BlockSparseDense(16, density=0.5, block_shape=(8, 4)).init(jax.random.key(0), jnp.ones((1, 32)))["sparsity"]
+  odd = {"params": {"fc": {"kernel": np.ones((32, 16), np.float32)}},
+         "sparsity": {"fc": {"kernel_mask": np.ones((32, 16), bool)}, "head": {"pattern": dict(index)}}}
+  for export in (torch_interop.export_state_dict, torch_interop.export_masks):
+    with pytest.raises(ValueError, match=r"^fc: its 'sparsity' variables \['kernel_mask'\] are not the pattern"):
+      export(odd)
+  odd["sparsity"].pop("fc")
+  with pytest.raises(ValueError, match=r"^head\.pattern: its 'sparsity' variables \['col_indices', "):
+    torch_interop.export_state_dict(odd)

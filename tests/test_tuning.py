@@ -1108,3 +1108,42 @@ def test_gpu_tuning_picks_a_runnable_route(m, k, n, block_shape, dtype, density)
   rtol = 1e-3 if dtype == jnp.float32 else 1.5e-2
   for out, ref in zip((y, dx, ddata), _reference(x, dy, w), strict=True):
     _close(out, ref, rtol)
+
+
+def test_cli_tune_into_an_unwritable_cache_fails(monkeypatch, tmp_path, capsys):
+  """``jaxsparse tune`` with a cache it cannot write exited 0 after a warning, having saved nothing: filling the cache
+  is its purpose. It now fails naming the cache, unless --export wrote the decisions elsewhere; the library call
+  (``jaxsparse.autotune``, a measured trace) still only warns and keeps the decision for the process."""
+  from jaxsparse.torch_interop._cli import main  # noqa: PLC0415 -- the `jaxsparse` console script
+
+  (tmp_path / "file").write_text("")
+  unwritable = tmp_path / "file" / "sub" / "autotune.json"
+  monkeypatch.setenv(_cache.ENV_PATH, str(unwritable))
+  _cache.clear_memo()
+
+  def tune(*a, **k):  # one product measured: its decision recorded as _measure records it
+    _cache.record("k", {"choice": "a"})
+    return [((64, 64), "block", 8, 1, 0)]
+
+  monkeypatch.setattr("jaxsparse._bench.tune", tune)
+  with pytest.warns(_tuning.AutotuneCacheWarning, match="cannot write"):
+    assert main(["tune", "64x64"]) == 1
+  err = capsys.readouterr().err
+  assert err.startswith(f"jaxsparse: error: cannot write the tuning cache {unwritable} (") and (
+      "1 decisions were not saved and are lost when this command exits. Make " in err), err
+  _cache.clear_memo()
+  out = tmp_path / "out.json"
+  with pytest.warns(_tuning.AutotuneCacheWarning, match="cannot write"):
+    assert main(["tune", "64x64", "--export", str(out)]) == 0  # saved elsewhere
+  assert f"the tuning cache {unwritable} could not be written: 1 decisions are in {out} only" in capsys.readouterr().out
+  assert json.loads(out.read_text())["entries"] == {"k": {"choice": "a"}}
+  # Importing into the unwritable cache saves nothing either.
+  _cache.clear_memo()
+  with pytest.warns(_tuning.AutotuneCacheWarning, match="imported decisions are kept for this process"):
+    assert main(["tune", "64x64", "--import", str(out)]) == 1
+  assert "jaxsparse: error: cannot write the tuning cache" in capsys.readouterr().err
+  # A writable cache: as before.
+  monkeypatch.setenv(_cache.ENV_PATH, str(tmp_path / "autotune.json"))
+  _cache.clear_memo()
+  assert main(["tune", "64x64"]) == 0 and _cache.unsaved_decisions() == {}
+  assert json.loads((tmp_path / "autotune.json").read_text())["entries"] == {"k": {"choice": "a"}}

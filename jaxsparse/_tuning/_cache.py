@@ -47,6 +47,7 @@ __all__ = [
     "record",
     "set_autotune_mode",
     "unbounded_budget",
+    "unsaved_decisions",
 ]
 
 Mode = Literal["off", "cached", "tune", "auto"]
@@ -188,6 +189,7 @@ def cache_path() -> Path:
 _lock = threading.Lock()
 _memo: dict[str, dict] = {}
 _loaded_from: Path | None = None
+_unsaved: dict[str, str] = {}  # key -> why the cache file lacks this process's decision (its write's OSError)
 
 
 _NOT_OURS = "is not a jaxsparse tuning cache"
@@ -313,10 +315,21 @@ def _write_own(entries: dict[str, dict], what: str) -> None:
   try:
     _write(cache_path(), entries)
   except OSError as e:
+    _unsaved.update(dict.fromkeys(entries, f"cannot write the tuning cache {cache_path()} ({e})"))
     _utils.warn_at_caller(
         f"jaxsparse: cannot write the tuning cache {cache_path()} ({e}); {what} kept for this process only.",
         AutotuneCacheWarning,
     )
+  else:
+    for key in entries:
+      _unsaved.pop(key, None)
+
+
+def unsaved_decisions() -> dict[str, str]:
+  """``{key: why}`` of the decisions this process made or imported that its cache file could not take (each write
+  failure also warned, :class:`AutotuneCacheWarning`): the ``jaxsparse tune`` command fails on them."""
+  with _lock:
+    return dict(_unsaved)
 
 
 def record(key: str, entry: dict) -> None:
@@ -399,4 +412,5 @@ def clear_memo() -> None:
   global _loaded_from
   with _lock:
     _memo.clear()
+    _unsaved.clear()
     _loaded_from = None

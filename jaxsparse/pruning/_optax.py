@@ -158,7 +158,11 @@ def magnitude_pruner(
       string or a rule value that is not a structure or ``None``.
     ValueError: ``scope`` is not ``"layer"`` or ``"global"``; empty ``rules`` or a rule key that is not a valid
       regex. The structures are checked against the parameters when the wrapped optimizer's ``init`` runs, which
-      raises a ``ValueError`` for a structure that cannot apply to a parameter it matches.
+      raises a ``ValueError`` for a structure that cannot apply to a parameter it matches, and, given an
+      ``nnx.Module``, for a layer it holds at several paths (tied) that the rules give different structures, as
+      :func:`jaxsparse.sparsify` does. Parameters (the ``nnx.State`` that ``nnx.Optimizer`` hands the optimizer) hold
+      a tied layer once, at its first path: a rule naming only its other path then matches nothing and warns; check
+      such rules on the model with :func:`magnitude_masks`.
   """
   schedule = one_shot() if schedule is None else schedule
   if not isinstance(schedule, Schedule):

@@ -39,6 +39,8 @@ from jaxsparse._rules import Views
 from jaxsparse._rules import flatten_with_paths
 from jaxsparse._rules import kernel_in_ndim
 from jaxsparse._rules import match_rules
+from jaxsparse._rules import module_paths
+from jaxsparse._rules import path_str
 from jaxsparse._rules import resolve_rules
 from jaxsparse._rules import resolve_views
 from jaxsparse._rules import warn_unmatched
@@ -220,8 +222,18 @@ def frozen_rules(rules: Any) -> Any:
   return dict(rules) if isinstance(rules, Mapping) else rules
 
 
+def tied_paths(tree: Any) -> dict[str, list[str]] | None:
+  """``{path: every path of that layer}`` for the layers an ``nnx.Module`` holds at several paths (tied: ``self.b =
+  self.a``), as :func:`jaxsparse.sparsify` finds them; ``None`` for another tree, whose ties cannot be seen (an
+  ``nnx.State`` holds a tied layer once, at its first path)."""
+  if not isinstance(tree, nnx.Module):
+    return None
+  tied = [[path_str(p) for p in paths] for paths in module_paths(tree).values() if len(paths) > 1]
+  return {p: paths for paths in tied for p in paths}
+
+
 def plan(
-    tree: Any, rules: Any, *, views: Views | None = None, warn: bool = True
+    tree: Any, rules: Any, *, views: Views | None = None, warn: bool = True, tied: Mapping[str, list[str]] | None = None
 ) -> tuple[list[str], list[Any], Any, list[Target]]:
   """Flattens ``tree`` and gives each leaf with ``ndim >= 2`` (not a ``bias``) the structure of its first matching rule.
 
@@ -233,7 +245,12 @@ def plan(
   match), else from its layer's bias (:func:`~jaxsparse._rules.kernel_in_ndim`). Raises ``ValueError``
   naming the path when a structure (or a given view) cannot apply to a leaf, and (``warn``) warns about
   rules and views that matched no leaf.
+
+  ``tied`` (:func:`tied_paths`, default: those of ``tree`` if it is an ``nnx.Module``) gives every path of a layer
+  held at several paths: as in :func:`jaxsparse.sparsify`, its leaves take the one structure the rules give its paths
+  (a ``ValueError`` naming them when they give different ones).
   """
+  tied = tied_paths(tree) if tied is None else tied
   resolved = resolve_rules(rules)
   resolved_views = resolve_views(views)
   paths, leaves, treedef = flatten_with_paths(tree)
@@ -241,19 +258,31 @@ def plan(
             if path.rpartition(".")[2] == "bias"}
   kernels = [q for path, leaf in zip(paths, leaves, strict=True) if path.rpartition(".")[2] == "kernel"
              and len(getattr(leaf, "shape", ())) >= 2 for q in (path, path.rpartition(".")[0]) if q]
+  def rule_of(path: str, owner: str, name: str) -> int | None:
+    r = match_rules(resolved, path, owner=owner)
+    if r is None or resolved[r][2] is None or (name != "kernel" and any(resolved[r][1].fullmatch(q) for q in kernels)):
+      return None  # a rule that also matches kernels passes other parameters (embeddings) by, as sparsify does
+    return r
+
   targets, available = [], []
   for i, (path, leaf) in enumerate(zip(paths, leaves, strict=True)):
     shape = tuple(getattr(leaf, "shape", ()))
     owner, _, name = path.rpartition(".")
     if len(shape) < 2 or name == "bias":  # biases are not kernels (a 2-D attention bias neither)
       continue
-    available += [owner, path] if owner else [path]
-    r = match_rules(resolved, path, owner=owner)
-    if r is None:
+    owners = (tied or {}).get(owner, [owner])  # a tied layer: every path it is held at, as sparsify matches them
+    available += [q for o in owners for q in ((o, f"{o}.{name}") if o else (name,))]
+    chosen = {f"{o}.{name}" if o else name: rule_of(f"{o}.{name}" if o else name, o, name) for o in owners}
+    chosen = {q: r for q, r in chosen.items() if r is not None}
+    if len({resolved[r][2] for r in chosen.values()}) > 1:
+      raise ValueError(
+          f"{path}: one layer held at several paths (tied) gets different structures from the rules: "
+          f"{', '.join(f'{q}: {resolved[r][2].describe()}' for q, r in chosen.items())}. Give its paths one structure."
+      )
+    if not chosen:
       continue
+    r = next(iter(chosen.values()))
     spec = resolved[r][2]
-    if spec is None or (name != "kernel" and any(resolved[r][1].fullmatch(q) for q in kernels)):
-      continue  # a rule that also matches kernels passes other parameters (embeddings) by, as sparsify does
     v = match_rules(resolved_views, path, owner=owner)
     if v is None:
       in_ndim = kernel_in_ndim(shape, biases.get(owner))
@@ -276,7 +305,12 @@ def plan(
     check_plain_nm(spec, path=path, what="jaxsparse.pruning")
     targets.append(Target(i, path, shape, spec, r, in_ndim, table))
   if warn:
-    warn_unmatched(resolved, available, what="parameter with 2 or more axes (nor the layer holding it)")
+    # Parameters (an nnx.State: what nnx.Optimizer hands an optax pruner) hold a tied layer once, at its first path.
+    hint = "" if tied is not None else (
+        "; if it names another path of a layer held at several paths (tied), the parameters hold that layer once, at "
+        "its first path: check the rules on the model, pruning.magnitude_masks(model, rules), which raises when a "
+        "tied layer's paths get different structures")
+    warn_unmatched(resolved, available, what=f"parameter with 2 or more axes (nor the layer holding it){hint}")
     warn_unmatched(resolved_views, available, what="parameter with 2 or more axes (nor the layer holding it)",
                    kind="view(s)")
   return paths, leaves, treedef, targets
@@ -412,7 +446,10 @@ def magnitude_masks(
       the leaf dense. As in sparsify, a leaf not named ``kernel`` (an embedding table ``embed.embedding``, a 2-D
       ``nnx.Param``) is pruned only by a rule that matches no ``kernel`` (nor its layer), such as ``r"embed"``;
       a catch-all rule like ``r".*"`` passes it by when the tree holds kernels. Under ``NM`` an embedding table
-      keeps ``n`` of every ``m`` features of each row, the groups sparsify's ``CompressedNMEmbed`` keeps.
+      keeps ``n`` of every ``m`` features of each row, the groups sparsify's ``CompressedNMEmbed`` keeps. A layer that
+      an ``nnx.Module`` holds at several paths (tied: ``self.b = self.a``) takes the one structure the rules give its
+      paths, as in sparsify, and different ones raise a ``ValueError``; an ``nnx.State`` holds it once, at its first
+      path, so only the module shows the rules of its other paths.
     scope: ``"layer"``: each leaf keeps its own fraction; ``"global"``: one threshold over all
       leaves of the same rule, so layers end up with different sparsities (``NM`` is per group). Under a
       ``BlockSparse`` rule every leaf keeps at least its best block, which :func:`jaxsparse.sparsify` needs to
@@ -432,8 +469,8 @@ def magnitude_masks(
     A tree with the structure of ``params``: bool masks (True = kept) for pruned leaves, ``None``
     for the others.
   """
+  paths, leaves, treedef, targets = plan(_params_of(params), rules, views=views, tied=tied_paths(params))
   params = _params_of(params)
-  paths, leaves, treedef, targets = plan(params, rules, views=views)
   score_list = None
   if scores is not None:
     score_list = _target_scores(_params_of(scores), paths, targets)

@@ -256,7 +256,9 @@ def _tune(args) -> int:
   import jaxsparse  # noqa: PLC0415
   from jaxsparse._bench import tune  # noqa: PLC0415
   from jaxsparse._tuning import cache_path  # noqa: PLC0415
+  from jaxsparse._tuning._cache import ENV_PATH  # noqa: PLC0415
   from jaxsparse._tuning._cache import check_export_path  # noqa: PLC0415
+  from jaxsparse._tuning._cache import unsaved_decisions  # noqa: PLC0415
 
   if args.export:
     check_export_path(args.export)  # before the tuning, which may take long
@@ -274,6 +276,14 @@ def _tune(args) -> int:
   print(f"{added} new decisions in all (products already in the cache are not measured again)")
   if args.export:
     print(f"exported {jaxsparse.export_tuning_cache(args.export)} decisions to {args.export}")
+  unsaved = unsaved_decisions()  # the cache file could not be written (each failure warned)
+  if unsaved and args.export:
+    print(f"the tuning cache {cache_path()} could not be written: {len(unsaved)} decisions are in {args.export} only")
+  elif unsaved:  # filling the cache is this command's purpose: saving nothing is a failure, not a warning
+    raise OSError(
+        f"{next(iter(unsaved.values()))}: {len(unsaved)} decisions were not saved and are lost when this command "
+        f"exits. Make {cache_path()} writable, point ${ENV_PATH} at a writable file, or pass --export FILE."
+    )
   return 0
 
 
@@ -347,7 +357,8 @@ def _parser() -> argparse.ArgumentParser:
   tun = sub.add_parser("tune", help="measured dispatch ahead of time: time the candidate kernels of sparse layers of "
                                     "your shapes on this machine's backend (GPU, or the CPU routes) and cache the "
                                     "fastest (every candidate timed: no first-trace budget, "
-                                    "$JAXSPARSE_AUTOTUNE_BUDGET); the cache is $JAXSPARSE_AUTOTUNE_CACHE")
+                                    "$JAXSPARSE_AUTOTUNE_BUDGET); the cache is $JAXSPARSE_AUTOTUNE_CACHE (a cache "
+                                    "that cannot be written fails the command, unless --export wrote the decisions)")
   tun.add_argument("shapes", type=_parse_shape, nargs="+", metavar="INxOUT", help="layer shapes, e.g. 4096x1024")
   tun.add_argument("--patterns", type=_parse_pattern, nargs="+", metavar="SPEC",
                    default=[_parse_pattern("block:0.25:64x64")],

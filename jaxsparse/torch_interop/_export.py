@@ -9,6 +9,9 @@ prod(in_dims))`` and its bias flattened. In Linen variables an ``nn.DenseGeneral
 (its ``features``) or by the plan of ``module=``; a kernel of ndim >= 3 with a 1-D bias or none is otherwise a conv's.
 A conv's own Flax weight ``mask`` (``nnx.Conv`` / ``nn.Conv`` / ``NMConv``, which multiply the kernel by it) is
 multiplied into the exported weight, as a torch conv has none: the torch layer computes the Flax forward pass.
+A block-sparse layer's index arrays are read flat (``BlockSparseDense``) or under ``"pattern"`` (an NNX
+``BlockSparseLinear`` under ``nnx.bridge.ToLinen``); Linen variables the exporter cannot read (a bias that is not
+``(out,)``, a ``"sparsity"`` entry that is no layer's pattern) are refused, naming the layer.
 """
 
 from __future__ import annotations
@@ -200,6 +203,44 @@ def _linen_nm_weight(kernel: np.ndarray, layer: Any) -> tuple[np.ndarray, np.nda
   return _weight_masked(kernel, mask, own), mask
 
 
+def _linen_pattern(sparsity: Mapping[str, dict], params: Mapping[str, dict], fp: str) -> tuple[dict, str | None]:
+  """The ``"sparsity"`` leaves of the layer at ``fp`` and the module path they came from (``None`` if none): its own,
+  or, for an NNX ``BlockSparseLinear`` under ``nnx.bridge.ToLinen``, its ``pattern`` dict of index arrays one level
+  down (``{"pattern": {"row_indices": ...}}``, where a ``BlockSparseDense`` keeps them flat)."""
+  nested = f"{fp}.pattern" if fp else "pattern"
+  if fp not in sparsity and nested not in params and set(sparsity.get(nested, ())) == set(INDEX_FIELDS):
+    return dict(sparsity[nested]), nested
+  return dict(sparsity.get(fp, {})), fp if fp in sparsity else None
+
+
+def _check_bias(fp: str, leaves: Mapping, sp: Mapping) -> None:
+  """A layer's bias must be ``(out,)``: the last axis of a Linear's or conv's kernel ``(..., out)``, the columns of a
+  block-sparse layer's. A kernel this exporter cannot read (a layer's own layout) would otherwise go out as a weight
+  of the wrong shape, or of the right shape with wrong values."""
+  kernel, bias = leaves.get("kernel"), leaves.get("bias")
+  if kernel is None or bias is None or "kernel_positions" in sp:  # a compressed kernel is (kept values, out)
+    return
+  out = np.shape(kernel)[-1:]
+  if all(f in sp for f in INDEX_FIELDS) and np.ndim(kernel) == 3:  # (nnz, bk, bn) blocks
+    out = ((len(sp["col_offsets"]) - 1) * np.shape(kernel)[-1],)
+  if np.shape(bias) != out:
+    raise ValueError(
+        f"{fp or '(the variables)'}: its kernel has shape {tuple(np.shape(kernel))} and its bias "
+        f"{tuple(np.shape(bias))}, not the (out,) = {out} bias of a Linear or conv: a layout this exporter cannot "
+        "read (an NNX layer under nnx.bridge.ToLinen keeps its own; layers stacked by nn.scan have a layer axis). "
+        "Export the NNX model itself, or the variables of one layer at a time."
+    )
+
+
+def _reads_pattern(leaves: Mapping, sp: Mapping) -> bool:
+  """Whether ``sp`` is the whole ``"sparsity"`` entry of a jaxsparse Linen layer with these params: a kernel's mask
+  (``MaskedDense``, masked ``nn.Conv``), its block index arrays (``BlockSparseDense``) or kept N:M positions
+  (``CompressedNMDense``); an embedding's positions (``CompressedNMEmbed``)."""
+  if "kernel" in leaves:
+    return frozenset(sp) in (frozenset({"mask"}), frozenset(INDEX_FIELDS), frozenset({"kernel_positions"}))
+  return "embedding" in leaves and frozenset(sp) == frozenset({"embedding_positions"})
+
+
 def _linen_entries(variables: Mapping, module: Any = None) -> list[_Entry]:
   plans = _linen_plan(module)
   nm = {fp: layer for fp, layer in plans.items() if isinstance(layer.spec, NM)}
@@ -214,9 +255,11 @@ def _linen_entries(variables: Mapping, module: Any = None) -> list[_Entry]:
   params = _flatten(variables["params"])
   sparsity = _flatten(variables.get("sparsity", {}))
   stats = _flatten(variables.get("batch_stats", {}))
-  entries = []
+  entries, read = [], set()
   for fp, leaves in params.items():
-    sp = sparsity.get(fp, {})
+    sp, source = _linen_pattern(sparsity, params, fp)
+    if source is not None and _reads_pattern(leaves, sp):
+      read.add(source)
     if "mask" in sp and "kernel" in leaves:
       # checked as the forward pass and densify_linen check it (0.5 or 2 would scale the kept weights in nn.Conv)
       sp = {**sp, "mask": _np(pattern_mask(sp["mask"], np.shape(leaves["kernel"]), path=fp))}
@@ -226,6 +269,7 @@ def _linen_entries(variables: Mapping, module: Any = None) -> list[_Entry]:
                    if k in ("kernel", "bias") else v for k, v in leaves.items()}
       if "mask" in sp:
         sp = {**sp, "mask": sp["mask"].reshape(leaves["kernel"].shape)}
+    _check_bias(fp, leaves, sp)
     for name, value in leaves.items():
       value = _np(value)
       if name == "kernel" and "mask" in sp:
@@ -261,6 +305,15 @@ def _linen_entries(variables: Mapping, module: Any = None) -> list[_Entry]:
         entries.append(_Entry(fp, "weight", value))
       else:
         entries.append(_Entry(fp, name, value))
+  unread = {fp: sorted(sparsity[fp]) for fp in sparsity if fp not in read}
+  if unread:  # a pattern the exporter did not apply: the weights it wrote would be those of another layer
+    fp, names = next(iter(unread.items()))
+    raise ValueError(
+        f"{fp or '(the variables)'}: its 'sparsity' variables {names} are not the pattern of a layer this exporter "
+        f"reads (a mask, the block-sparse index arrays {list(INDEX_FIELDS)}, or N:M positions, beside the layer's "
+        "kernel or embedding): refusing to export weights without them. Export the NNX model itself, or pass "
+        "variables of jaxsparse's Linen layers."
+    )
   for fp, leaves in stats.items():
     for name, value in leaves.items():
       entries.append(_Entry(fp, f"running_{name}" if name in ("mean", "var") else name, _np(value)))
@@ -314,7 +367,8 @@ def export_masks(
   """The masks of a jaxsparse model as ``{"{torch module}.weight_mask": tensor}`` in torch layout.
 
   Covers ``MaskedLinear``, ``BlockSparseLinear`` (its blocks expanded), ``NMLinear``/``NMConv`` (the
-  current N:M mask) and the Linen ``MaskedDense``/``BlockSparseDense`` variables.
+  current N:M mask) and the Linen ``MaskedDense``/``BlockSparseDense`` variables (and those of a ``BlockSparseLinear``
+  under ``nnx.bridge.ToLinen``, its index arrays under ``"pattern"``).
 
   >>> import jax.numpy as jnp
   >>> from flax import nnx
@@ -474,7 +528,10 @@ def export_state_dict(
     ValueError: an unknown ``format``; Linen variables holding a ``"masks"`` entry (from
       ``to_linen_variables(..., target=...)``); a Linen kernel of ndim >= 3 whose bias (ndim >= 2) is not its
       trailing axes, neither an ``nn.DenseGeneral`` nor a conv (naming the path); a Linen ``"sparsity"`` mask not of
-      its kernel's shape (naming the path).
+      its kernel's shape (naming the path); a Linen bias that is not ``(out,)`` of its kernel (its Linear's, conv's or
+      block-sparse layer's), or a ``"sparsity"`` entry that is not the pattern of the layer beside it (a mask, the
+      block index arrays, flat or under ``"pattern"``, or N:M positions): variables of a layout the exporter cannot
+      read, refused (naming the path) rather than written wrong.
     TypeError: ``model`` is neither an NNX module nor Linen variables, or Linen variables without
       ``"params"``; ``module`` given with an NNX model or not a ``SparsifiedLinen``; Linen variables with a
       compressed N:M kernel or embedding (``CompressedNMDense``, ``CompressedNMEmbed``) and no ``module``; a Linen
