@@ -15,7 +15,8 @@ rectangular, density 0.05-0.6, bf16 / fp16 / f32). ``--modes off,tune`` times ea
 mode (``jaxsparse.autotune_mode``; ``off`` is the shipped rules alone, ``tune`` measures each product's candidate
 routes on its first trace, into a fresh cache under ``$OUT``), with the first-trace tuning cost of the forward and
 of forward + backward, and checks that a second trace of a tuned signature measures nothing; its last column names
-the directions for which tuning said no route beats the dense product (``jaxsparse.SlowerThanDenseWarning``).
+what tuning said no route beats the dense layer in (``jaxsparse.SlowerThanDenseWarning``: the forward, or the forward
+and both gradients together).
 
 ``--cold`` times every call (the op's and dense's) as measured dispatch times its candidates: over copies of the
 operands called in turn, so that a weight under the L2's size is read from memory, as in a model whose other layers
@@ -145,7 +146,7 @@ def run_case(
         jax.jit(fresh_both).lower(x, w, dy)
         row["tune_s_both" + tag] = time.perf_counter() - t0
         row["fwd+bwd" + tag] = timed_ms(fresh_both, x, w, dy, iterations=iterations, cold=cold) / dense_both
-    row["warned" + tag] = sorted({str(r.message).split(":")[0].split()[-1] for r in said
+    row["warned" + tag] = sorted({str(r.message).split(":")[0].removeprefix("block_sparse_matmul ") for r in said
                                   if issubclass(r.category, jaxsparse.SlowerThanDenseWarning)})
   if "tune" in modes:
     # A second process with the cache (the memo dropped, the file read back): no measurement, and compile time

@@ -262,7 +262,7 @@ def test_a_choice_slower_than_the_dense_product_warns_once_per_process(monkeypat
     assert _dense_choose(_candidates([])).name == "a"  # the same signature again: no second warning
   (message,) = _slower_warnings(rec)
   assert rec[0].filename == __file__  # the caller's line, not jaxsparse's
-  assert "op fwd" in message and "(a, 1500 us)" in message and "1.50x" in message
+  assert "op forward" in message and "(a, 1500 us)" in message and "1.50x" in message
   assert "(384, 4096) @ (4096, 2048) float16: 1000 us" in message and "route_slower_to_dense" in message
   (entry,) = json.loads(_cache.cache_path().read_text())["entries"].values()
   assert entry["dense_us"] == 1000.0 and entry["choice"] == "a"
@@ -274,6 +274,28 @@ def test_a_choice_slower_than_the_dense_product_warns_once_per_process(monkeypat
     warnings.simplefilter("always")
     assert _dense_choose(_candidates([])).name == "a"
   assert len(_slower_warnings(rec)) == 1
+
+
+def test_gradients_warn_only_together_with_their_forward(monkeypatch):
+  # A dW slower than dense alone does not warn (the forward and dX may make up for it); the three together do.
+  monkeypatch.setattr(_measure, "_WARNED", set())
+
+  def decide(direction, best, rows=4):
+    monkeypatch.setattr(_measure, "_measure", lambda *a: {"default": best, _measure.DENSE: 1.0})
+    _tuning.choose("op", direction, _candidates([])[:1] + _candidates([])[1:2], lambda: (jnp.ones(4),),
+                   platform="cpu", fields={"rows": rows}, dense=_DENSE)
+
+  with _tuning.autotune_mode("tune"), warnings.catch_warnings(record=True) as rec:
+    warnings.simplefilter("always")
+    decide("dw", 1.5)
+    decide("dx", 1.0)
+    assert not _slower_warnings(rec)  # the forward is not decided yet
+    decide("fwd", 0.6)  # 3.1 against 3.0: 1.033x
+    decide("dw", 1.4, rows=8)
+    decide("dx", 1.0, rows=8)
+    decide("fwd", 0.6, rows=8)  # 3.0 against 3.0
+  (message,) = _slower_warnings(rec)
+  assert "op forward and backward" in message and "1.03x" in message and "dw 1500 us" in message
 
 
 @pytest.mark.parametrize(("times", "dense_ms", "dense"), [
