@@ -15,8 +15,7 @@ rectangular, density 0.05-0.6, bf16 / fp16 / f32). ``--modes off,tune`` times ea
 mode (``jaxsparse.autotune_mode``; ``off`` is the shipped rules alone, ``tune`` measures each product's candidate
 routes on its first trace, into a fresh cache under ``$OUT``), with the first-trace tuning cost of the forward and
 of forward + backward, and checks that a second trace of a tuned signature measures nothing; its last column names
-what tuning said no route beats the dense layer in (``jaxsparse.SlowerThanDenseWarning``: the forward, or the forward
-and both gradients together).
+whether tuning said no route of the forward beats the dense product (``jaxsparse.SlowerThanDenseWarning``).
 
 ``--cold`` times every call (the op's and dense's) as measured dispatch times its candidates: over copies of the
 operands called in turn, so that a weight under the L2's size is read from memory, as in a model whose other layers
