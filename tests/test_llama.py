@@ -781,11 +781,15 @@ def test_save_pretrained_of_a_fused_model_writes_hugging_face_projections(hf_dir
     ({"attention_mask": [[0, 0, 0, 0], [1, 1, 1, 1]]}, ValueError, r"attention_mask is 0 on the last token of rows "
      r"\[0\]"),
     ({"attention_mask": [1, 1, 1, 1]}, ValueError, r"attention_mask must have prompt_ids' shape \(2, 4\), got \(4,\)"),
+    ({"temperature": 1.0, "key": 0}, TypeError, r"key must be one PRNG key, jax.random.key\(seed\), got 0"),
+    ({"cache_dtype": jnp.int32}, ValueError, r"cache_dtype must be a floating-point dtype \(None: the model's "
+     r"float32\), got int32"),
 ])
 def test_generate_refuses_bad_arguments(kwargs, error, match):
   """Each of these used to run: a float max_new_tokens truncated, a NaN temperature giving token 0, out-of-range ids NaN
   logits (negative ones wrapped around), float ids truncated, an unmatchable eos id, right padding continuing from a pad
-  token; or failed deep in JAX (a mask of another shape, an empty prompt, a float top_k)."""
+  token, an int cache_dtype truncating the cached keys and values (other tokens); or failed deep in JAX (a mask of
+  another shape, an empty prompt, a float top_k, an int seed for key)."""
   model = _tiny_model()
   kwargs = {"prompt_ids": np.arange(8, dtype=np.int32).reshape(2, 4), "max_new_tokens": 3, **kwargs}
   if kwargs.get("key") == "key":
@@ -875,3 +879,134 @@ def test_tied_config_over_a_different_lm_head_loads_as_transformers_does(ids, tm
   np.testing.assert_allclose(np.asarray(model(jnp.asarray(ids))), ref, atol=1e-4, rtol=0)
   back = transformers.LlamaForCausalLM.from_pretrained(save_pretrained(model, tmp_path / "out")).eval()
   np.testing.assert_allclose(_logits(back, ids), ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize(("edit", "match"), [
+    ({"model_type": "mistral", "sliding_window": 4}, r"sliding_window=4: Mistral's sliding-window attention is not "
+     r"implemented"),
+    ({"model_type": "qwen2"}, r"model_type='qwen2' is not implemented: only \['llama', 'mistral'\]"),
+    ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, r"quantization_config \(quant_method='gptq'\): "
+     "quantized checkpoints are not implemented"),
+    ({"vocab_size": None}, r"the config has no \['vocab_size'\]"),
+    ({"num_attention_heads": "4"}, r"num_attention_heads must be an int >= 1, got '4'"),
+    ({"num_key_value_heads": 0}, r"num_key_value_heads must be an int >= 1, got 0"),
+    ({"head_dim": 15}, r"head_dim=15 must be even"),
+    ({"rms_norm_eps": -1e-6}, r"rms_norm_eps must be a finite number > 0, got -1e-06"),
+    ({"rope_theta": None}, r"rope_theta must be a finite number > 0, got None"),
+    ({"tie_word_embeddings": "false"}, r"tie_word_embeddings must be true or false, got 'false'"),
+    ({"rope_scaling": "linear"}, r"rope_parameters / rope_scaling must be a JSON object or null, got 'linear'"),
+])
+def test_config_json_refuses_other_models_and_bad_fields(tmp_path, edit, match):
+  """config.json is untrusted: a Mistral config with a sliding window and a Qwen2 one loaded as Llama (other logits,
+  silently); a quantized checkpoint's config was ignored; a missing field raised KeyError, a string size failed in
+  string formatting, num_key_value_heads 0 became all heads, an odd head_dim or a negative eps built a model, a null
+  rope_theta raised float()'s TypeError, the string "false" tied the embeddings. Each now raises naming the file and
+  the field."""
+  directory = save_pretrained(_tiny_model(layers=1), tmp_path / "ckpt")
+  config = json.loads((directory / "config.json").read_text())
+  (directory / "config.json").write_text(json.dumps({**config, **edit}))
+  with pytest.raises(ValueError, match=re.escape(str(directory / "config.json")) + ": " + match):
+    load_pretrained(directory)
+
+
+def test_config_json_that_is_not_a_json_object_or_a_mistral_without_window(tmp_path):
+  """A config.json that is not JSON, or not an object, raised json's error or an AttributeError without the file's name;
+  a Mistral config without a sliding window is Llama's architecture and loads."""
+  model = _tiny_model(layers=1)
+  directory = save_pretrained(model, tmp_path / "ckpt")
+  file = directory / "config.json"
+  config = json.loads(file.read_text())
+  file.write_text(json.dumps({**config, "model_type": "mistral", "sliding_window": None}))
+  jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(load_pretrained(directory), nnx.Param)),
+               nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+  file.write_text("[1, 2]")
+  with pytest.raises(ValueError, match=re.escape(f"{file}: a config must be a JSON object")):
+    load_pretrained(directory)
+  file.write_text("{not json")
+  with pytest.raises(ValueError, match=re.escape(f"{file} is not a valid JSON file")):
+    load_pretrained(directory)
+
+
+def test_damaged_safetensors_files_and_indexes_are_refused_by_name(tmp_path):
+  """A truncated file and a header whose offsets do not match the data raised safetensors' error without the file's
+  name; an index that is not a JSON object raised AttributeError; an index placing shards outside the directory
+  ("/...", "../...") read them; int8 / bool tensors were cast into the float weights silently (a wrong model)."""
+  import shutil  # noqa: PLC0415
+  import struct  # noqa: PLC0415
+
+  from safetensors.numpy import load_file  # noqa: PLC0415
+  from safetensors.numpy import save_file  # noqa: PLC0415
+
+  single = save_pretrained(_tiny_model(layers=1), tmp_path / "single")
+  sharded = save_pretrained(_tiny_model(layers=1), tmp_path / "sharded", max_shard_bytes=40_000)
+  index = "model.safetensors.index.json"
+
+  def variant(source, label, edit):
+    directory = tmp_path / label
+    shutil.copytree(source, directory)
+    edit(directory)
+    return directory
+
+  file = "model.safetensors"
+  raw = (single / file).read_bytes()
+  truncated = variant(single, "truncated", lambda d: (d / file).write_bytes(raw[:len(raw) // 2]))
+  with pytest.raises(ValueError, match=re.escape(f"{truncated / file} is not a readable safetensors file")):
+    load_pretrained(truncated)
+
+  def lie(directory):  # one tensor's offsets moved by 4 bytes, the data as it was
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    begin, end = header["model.norm.weight"]["data_offsets"]
+    header["model.norm.weight"]["data_offsets"] = [begin + 4, end + 4]
+    text = json.dumps(header).encode()
+    (directory / file).write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])
+
+  lying = variant(single, "lying", lie)
+  with pytest.raises(ValueError, match=re.escape(f"{lying / file} is not a readable safetensors file") + ".*offset"):
+    load_pretrained(lying)
+  for label, dtype in (("int8", np.int8), ("bool", bool)):
+    def retype(directory, dtype=dtype):
+      tensors = load_file(directory / file)
+      tensors["model.layers.0.mlp.up_proj.weight"] = (tensors["model.layers.0.mlp.up_proj.weight"] * 100).astype(dtype)
+      save_file(tensors, directory / file, metadata={"format": "pt"})
+
+    with pytest.raises(ValueError, match=re.escape(f"tensors {{'model.layers.0.mlp.up_proj.weight': "
+                                                   f"'{np.dtype(dtype)}'}} are not floating point")):
+      load_pretrained(variant(single, label, retype))
+  listed = variant(sharded, "list", lambda d: (d / index).write_text("[]"))
+  with pytest.raises(ValueError, match=re.escape(f"{listed / index} has no weight_map")):
+    load_pretrained(listed)
+  for label, shard in (("absolute", str(single / file)), ("parent", "../single/model.safetensors"), ("dot", ".")):
+    def elsewhere(directory, shard=shard):
+      content = json.loads((directory / index).read_text())
+      content["weight_map"] = dict.fromkeys(content["weight_map"], shard)
+      (directory / index).write_text(json.dumps(content))
+
+    with pytest.raises(ValueError, match=re.escape(f"places tensors in ['{shard}'], which are not file names in")):
+      load_pretrained(variant(sharded, label, elsewhere))
+
+
+def test_save_pretrained_refuses_a_non_float_dtype_before_writing(tmp_path):
+  """save_pretrained(dtype=jnp.int8) wrote the weights truncated to integers (and torch_dtype "int8") without a word;
+  max_shard_bytes 0 or a string failed mid-way or wrote one shard per tensor. Both raise before anything is written."""
+  model = _tiny_model(layers=1)
+  with pytest.raises(ValueError, match=r"dtype must be a floating-point dtype .* got int8"):
+    save_pretrained(model, tmp_path / "int8", dtype=jnp.int8)
+  with pytest.raises(ValueError, match="max_shard_bytes must be an int >= 1 or None, got 0"):
+    save_pretrained(model, tmp_path / "zero", max_shard_bytes=0)
+  assert not (tmp_path / "int8").exists() and not (tmp_path / "zero").exists()
+
+
+def test_masks_of_a_tied_sparse_embedding_prune_the_torch_head_too(ids, tmp_path):
+  """A tied model with a 2:4 embedding computes its logits with the sparse embedding; export_masks gave its mask for
+  model.embed_tokens only, and in torch the tied lm_head (the embedding's parameter) stayed dense: logits off by ~2.
+  The head's mask is exported too, and the pruned torch model gives the Flax model's logits."""
+  hf = _hf_model(3, tie=True)
+  hf.save_pretrained(tmp_path / "hf")
+  model = load_pretrained(tmp_path / "hf")
+  sparse, _ = to_inference(model, {llama.PROJECTIONS: None}, embedding=jaxsparse.NM(2, 4))  # the embedding alone
+  masks = export_masks(sparse)
+  np.testing.assert_array_equal(masks["lm_head.weight_mask"].numpy(), masks["model.embed_tokens.weight_mask"].numpy())
+  torch_interop.apply_masks(hf, masks)
+  flax_logits = nnx.jit(lambda m, x: m(x))(sparse, jnp.asarray(ids))
+  np.testing.assert_allclose(_logits(hf, ids), np.asarray(flax_logits), atol=1e-4, rtol=0)

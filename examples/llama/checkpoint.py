@@ -63,11 +63,30 @@ def _index_weight_map(index: Path) -> dict[str, str]:
       out[key] = value
     return out
 
-  with open(index) as f:
-    weight_map = json.load(f, object_pairs_hook=pairs).get("weight_map")
+  try:
+    with open(index) as f:
+      content = json.load(f, object_pairs_hook=pairs)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise ValueError(f"{index} is not a valid JSON file: {e}") from e
+  weight_map = content.get("weight_map") if isinstance(content, dict) else None
   if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
     raise ValueError(f"{index} has no weight_map {{tensor name: shard file}}, got {weight_map!r:.200}.")
+  # A shard is a file beside the index: a path elsewhere ("/...", "../...") would read another checkpoint's tensors.
+  outside = sorted({v for v in weight_map.values() if v in ("", ".", "..") or Path(v).name != v or "\\" in v})
+  if outside:
+    raise ValueError(f"{index} places tensors in {outside[:4]}, which are not file names in {index.parent}: the "
+                     "shards of a checkpoint are files beside its index.")
   return weight_map
+
+
+def _open(file: Path):
+  """``safe_open(file)`` (NumPy), a damaged file raising a ``ValueError`` that names it."""
+  from safetensors import safe_open  # noqa: PLC0415 -- optional dependency of the example
+
+  try:
+    return safe_open(str(file), framework="numpy")
+  except Exception as e:  # untrusted file: safetensors raises its own SafetensorError, or OSError
+    raise ValueError(f"{file} is not a readable safetensors file (truncated or corrupt?): {e}") from e
 
 
 def _unfused(name: str, value: Any, cfg: LlamaConfig) -> list[tuple[str, Any]]:
@@ -103,7 +122,9 @@ def export_masks(model: LlamaForCausalLM, *, dtype: Any = None) -> dict[str, Any
 
   Fused projections (:func:`llama.prune.fuse_projections`) are written as the masks of Hugging Face's separate
   ``q_proj`` / ``k_proj`` / ``v_proj`` and ``gate_proj`` / ``up_proj`` (their rows split as :func:`save_pretrained`
-  splits the weights); a model without them gets ``torch_interop.export_masks``' masks as they are.
+  splits the weights); a model without them gets ``torch_interop.export_masks``' masks as they are. A model with tied
+  embeddings and a sparse embedding gets the embedding's mask under ``lm_head.weight_mask`` too: in torch the head
+  shares the embedding's parameter, and pruning the embedding alone leaves the head dense (other logits).
 
   Args:
     model: a sparse :class:`~llama.model.LlamaForCausalLM`, fused or not.
@@ -119,6 +140,9 @@ def export_masks(model: LlamaForCausalLM, *, dtype: Any = None) -> dict[str, Any
   masks = {}
   for name, mask in torch_interop.export_masks(model, dtype=dtype).items():
     masks.update((part, value.contiguous()) for part, value in _unfused(name, mask, model.config))
+  embed = masks.get("model.embed_tokens.weight_mask")
+  if model.lm_head is None and embed is not None:  # the logits use the sparse embedding (attend)
+    masks["lm_head.weight_mask"] = embed
   return masks
 
 
@@ -132,33 +156,39 @@ def _shards(directory: Path) -> dict[str, Path]:
       # Two checkpoints (left by another writer): transformers would read model.safetensors, the index the other.
       raise ValueError(f"{directory} holds two checkpoints: {SINGLE} and the shards of {INDEX}, which does not list "
                        f"{SINGLE}. Delete the stale one, or save the model again with save_pretrained.")
-    absent = sorted(file for file in files if not (directory / file).exists())
+    absent = sorted(file for file in files if not (directory / file).is_file())
     if absent:
       raise FileNotFoundError(f"{directory}: {INDEX} lists {absent[:4]}, which are not there.")
     return {name: directory / file for name, file in weight_map.items()}
   if not single.exists():
     raise FileNotFoundError(f"{directory} has neither {SINGLE} nor {INDEX}.")
-  from safetensors import safe_open  # noqa: PLC0415 -- optional dependency of the example
-
-  with safe_open(str(single), framework="numpy") as f:
+  with _open(single) as f:
     return dict.fromkeys(f.keys(), single)
 
 
 def read_tensors(directory: str | os.PathLike) -> Iterator[tuple[str, np.ndarray]]:
-  """Yields ``(name, NumPy array)`` for every tensor of a checkpoint directory, one shard open at a time."""
-  from safetensors import safe_open  # noqa: PLC0415
+  """Yields ``(name, NumPy array)`` for every tensor of a checkpoint directory, one shard open at a time.
 
+  Raises:
+    ValueError: an index that is not valid, or places a tensor outside the directory or in a shard that does not
+      hold it; a file that is not a readable safetensors file (truncated, a header that does not match the data).
+    FileNotFoundError: no checkpoint, or a shard the index lists is not there.
+  """
   by_file: dict[Path, list[str]] = {}
   for name, file in _shards(Path(directory)).items():
     by_file.setdefault(file, []).append(name)
   for file, names in by_file.items():
-    with safe_open(str(file), framework="numpy") as f:
+    with _open(file) as f:
       absent = sorted(set(names) - set(f.keys()))
       if absent:
         raise ValueError(f"{file.parent}: {INDEX} places {absent[:4]} in {file.name}, which does not hold "
                          f"{'them' if len(absent) > 1 else 'it'}.")
       for name in names:
-        yield name, f.get_tensor(name)
+        try:
+          tensor = f.get_tensor(name)
+        except Exception as e:  # a dtype NumPy has no type for, or data the header does not describe
+          raise ValueError(f"{file}: cannot read tensor {name!r} (truncated or corrupt file?): {e}") from e
+        yield name, tensor
 
 
 def load_pretrained(directory: str | os.PathLike, *, dtype: Any = None, param_dtype: Any = None,
@@ -178,12 +208,23 @@ def load_pretrained(directory: str | os.PathLike, *, dtype: Any = None, param_dt
 
   Returns:
     A :class:`~llama.model.LlamaForCausalLM`.
+
+  Raises:
+    ValueError: a ``config.json`` that is not valid or not a Llama-architecture model's
+      (:meth:`~llama.model.LlamaConfig.from_dict`); a damaged safetensors file or index (:func:`read_tensors`); a tensor
+      that is not floating point, missing, unexpected or of another shape than the config's.
+    FileNotFoundError: no ``config.json``, no checkpoint, or a shard the index lists is not there.
   """
   directory = Path(directory)
   if config is None and not (directory / "config.json").is_file():
     raise FileNotFoundError(f"{directory} has no config.json: not a Hugging Face model directory (or pass config=).")
   cfg = config or LlamaConfig.from_json(directory / "config.json")
   tensors = dict(read_tensors(directory))
+  # Cast silently, an int8 / bool tensor (a quantized checkpoint, a mask) would give a wrong model.
+  not_float = {n: str(t.dtype) for n, t in tensors.items() if not jnp.issubdtype(t.dtype, jnp.floating)}
+  if not_float:
+    raise ValueError(f"{directory}: tensors {dict(list(not_float.items())[:4])} are not floating point; a Llama "
+                     "checkpoint holds float32 / bfloat16 / float16 weights (quantized checkpoints are not supported).")
   head, embed = tensors.get("lm_head.weight"), tensors.get("model.embed_tokens.weight")
   if cfg.tie_word_embeddings and head is not None and embed is not None and not np.array_equal(head, embed):
     # As transformers (5) does: both present and different, the head is not tied (else the logits would differ).
@@ -235,14 +276,21 @@ def save_pretrained(model: LlamaForCausalLM, directory: str | os.PathLike, *, dt
   Args:
     model: a dense or sparsified :class:`~llama.model.LlamaForCausalLM`.
     directory: created if needed.
-    dtype: dtype of the written tensors (``None``: each parameter's own).
-    max_shard_bytes: split into ``model-0000i-of-0000n.safetensors`` shards with an index above this size.
+    dtype: floating dtype of the written tensors (``None``: each parameter's own).
+    max_shard_bytes: an int >= 1: split into ``model-0000i-of-0000n.safetensors`` shards with an index above this
+      size.
 
   Returns:
     ``directory``.
   """
   from safetensors.numpy import save_file  # noqa: PLC0415
 
+  if dtype is not None and not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):  # an int8 cast would truncate
+    raise ValueError(f"dtype must be a floating-point dtype (float32, bfloat16, float16) or None, got "
+                     f"{jnp.dtype(dtype)}.")
+  if max_shard_bytes is not None and (not isinstance(max_shard_bytes, int) or isinstance(max_shard_bytes, bool)
+                                      or max_shard_bytes < 1):
+    raise ValueError(f"max_shard_bytes must be an int >= 1 or None, got {max_shard_bytes!r}.")
   directory = Path(directory)
   directory.mkdir(parents=True, exist_ok=True)
   dense = jaxsparse.densify(model)

@@ -114,10 +114,10 @@ def generate(
     top_k: sample among the ``top_k`` most likely tokens only (with ``temperature > 0``).
     top_p: in ``(0, 1]``; sample among the fewest most likely tokens whose probabilities (after ``top_k``) sum to at
       least ``top_p`` (nucleus sampling, with ``temperature > 0``); ``None`` or 1: all.
-    key: PRNG key for sampling (required when ``temperature > 0``).
+    key: one PRNG key for sampling (``jax.random.key(seed)``; required when ``temperature > 0``).
     eos_token_id: an id or a sequence of ids (Llama 3's ``config.json`` lists several); once a row generates one,
       the row's later tokens repeat it.
-    cache_dtype: dtype of the KV cache; ``None``: the model's compute dtype.
+    cache_dtype: floating dtype of the KV cache; ``None``: the model's compute dtype.
 
   Returns:
     int32 ``(B, max_new_tokens)``: the new tokens only.
@@ -152,10 +152,27 @@ def generate(
     rows = np.flatnonzero(~last).tolist()
     raise ValueError(f"attention_mask is 0 on the last token of rows {rows[:8]}: generation continues from each row's "
                      f"last token, so pad on the left (a row with no real token has nothing to continue).")
+  if key is not None and not _is_key(key):
+    got = f"an array of dtype {key.dtype} and shape {key.shape}" if hasattr(key, "dtype") else f"{key!r:.100}"
+    raise TypeError(f"key must be one PRNG key, jax.random.key(seed), got {got}.")
   key = jax.random.key(0) if key is None else key
+  cache_dtype = jnp.dtype(cache_dtype or model.dtype)
+  if not jnp.issubdtype(cache_dtype, jnp.floating):  # an int cache would truncate the keys and values silently
+    raise ValueError(f"cache_dtype must be a floating-point dtype (None: the model's {jnp.dtype(model.dtype)}), got "
+                     f"{cache_dtype}.")
   return _generate(model, prompt_ids, mask, key, max_new_tokens=int(max_new_tokens), temperature=float(temperature),
                    top_k=None if top_k is None else int(top_k), top_p=None if top_p is None else float(top_p),
-                   eos_token_id=eos_token_id, cache_dtype=jnp.dtype(cache_dtype or model.dtype))
+                   eos_token_id=eos_token_id, cache_dtype=cache_dtype)
+
+
+def _is_key(key: Any) -> bool:
+  """One PRNG key: a typed key of shape ``()`` or a raw ``uint32`` key (``jax.random.PRNGKey``)."""
+  dtype = getattr(key, "dtype", None)
+  if dtype is None:
+    return False
+  if jnp.issubdtype(dtype, jax.dtypes.prng_key):
+    return key.shape == ()
+  return dtype == jnp.uint32 and key.ndim == 1
 
 
 def _is_int(value: Any) -> bool:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 import os
 from typing import Any
 from typing import NamedTuple
@@ -39,6 +40,13 @@ MLP_PROJECTIONS = r"model\.layers\.\d+\.mlp\.(gate|up|down)_proj"
 
 
 # The rope_scaling types implemented, with the fields each needs.
+# The config fields that are sizes.
+POSITIVE_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                 "head_dim", "max_position_embeddings")
+# Hugging Face model types whose checkpoints are this architecture: "mistral" is Llama's with a sliding window,
+# accepted without one ("sliding_window": null, Mistral 7B v0.2 and later).
+MODEL_TYPES = ("llama", "mistral")
+
 ROPE_FIELDS = {
     "default": (),
     "linear": ("factor",),
@@ -49,7 +57,8 @@ ROPE_FIELDS = {
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
-  """The fields of a Hugging Face Llama ``config.json`` this model uses.
+  """The fields of a Hugging Face Llama ``config.json`` this model uses, checked when made (sizes ints >= 1, layers
+  >= 0, ``rms_norm_eps`` and ``rope_theta`` positive, flags booleans, ``head_dim`` even).
 
   ``rope_scaling`` is ``None`` or a dict with ``rope_type`` ``"default"``, ``"linear"`` or ``"dynamic"`` (then also
   ``factor``) or
@@ -79,6 +88,22 @@ class LlamaConfig:
       object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
     if isinstance(self.eos_token_id, list):
       object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+    # config.json is untrusted: a string, 0 or a float here failed deep in the model (or built a wrong one).
+    for name in POSITIVE_INTS:
+      value = getattr(self, name)
+      if not _is_size(value):
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}.")
+    if not _is_size(self.num_hidden_layers, minimum=0):  # 0: embedding and head alone (benchmarks/llm_decode.py)
+      raise ValueError(f"num_hidden_layers must be an int >= 0, got {self.num_hidden_layers!r}.")
+    for name in ("rms_norm_eps", "rope_theta"):
+      value = getattr(self, name)
+      if not isinstance(value, numbers.Real) or isinstance(value, bool) or not 0 < value < math.inf:
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}.")
+    for name in ("tie_word_embeddings", "attention_bias", "mlp_bias"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}.")
+    if self.head_dim % 2:
+      raise ValueError(f"head_dim={self.head_dim} must be even: RoPE rotates the two halves of each head.")
     if self.num_attention_heads % self.num_key_value_heads:
       raise ValueError(f"num_attention_heads={self.num_attention_heads} must be a multiple of "
                        f"num_key_value_heads={self.num_key_value_heads}.")
@@ -97,33 +122,70 @@ class LlamaConfig:
 
   @classmethod
   def from_dict(cls, cfg: dict[str, Any]) -> LlamaConfig:
-    """From a ``config.json`` dict: transformers 4 (``rope_theta`` + ``rope_scaling``) or 5 (``rope_parameters``)."""
+    """From a ``config.json`` dict: transformers 4 (``rope_theta`` + ``rope_scaling``) or 5 (``rope_parameters``).
+
+    Raises:
+      ValueError: a field missing or of the wrong type, or a config of a model this one is not: another
+        ``model_type`` (Qwen2, Gemma, ...; Mistral only without a sliding window), another activation, a
+        ``quantization_config``.
+    """
+    if not isinstance(cfg, dict):
+      raise ValueError(f"a config must be a JSON object {{field: value}}, got {type(cfg).__name__} {cfg!r:.100}.")
+    model_type = cfg.get("model_type", "llama")
+    if model_type not in MODEL_TYPES:
+      raise ValueError(f"model_type={model_type!r} is not implemented: only {list(MODEL_TYPES)} (Llama's "
+                       "architecture); other decoders differ in their attention, norms or biases.")
+    if model_type == "mistral" and cfg.get("sliding_window") is not None:  # transformers' Llama ignores the field
+      raise ValueError(f"sliding_window={cfg['sliding_window']!r}: Mistral's sliding-window attention is not "
+                       "implemented (each token attends to all the tokens before it here); only sliding_window null.")
+    if cfg.get("quantization_config") is not None:
+      method = cfg["quantization_config"].get("quant_method") if isinstance(cfg["quantization_config"], dict) else None
+      raise ValueError(f"quantization_config (quant_method={method!r}): quantized checkpoints are not implemented; "
+                       "use a floating-point (float32 / bfloat16 / float16) checkpoint.")
+    absent = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+              if cfg.get(k) is None]
+    if absent:
+      raise ValueError(f"the config has no {absent}: a Llama config.json needs them.")
     if cfg.get("hidden_act", "silu") != "silu":
       raise ValueError(f"hidden_act={cfg['hidden_act']!r}: only 'silu' (Llama's SwiGLU) is implemented.")
     if cfg.get("pretraining_tp", 1) not in (1, None):
       raise ValueError(f"pretraining_tp={cfg['pretraining_tp']} is not implemented; only 1.")
-    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+      raise ValueError(f"rope_parameters / rope_scaling must be a JSON object or null, got {rope!r:.100}.")
+    rope = dict(rope)
     if "type" in rope and "rope_type" not in rope:
       rope["rope_type"] = rope.pop("type")
     theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
     scaling = rope if rope.get("rope_type", "default") != "default" else None
-    heads = cfg["num_attention_heads"]
+    heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
+    head_dim = cfg.get("head_dim")
+    if head_dim is None and _is_size(heads) and _is_size(hidden):  # else __post_init__ names the bad field
+      head_dim = hidden // heads
     return cls(
-        vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
+        vocab_size=cfg["vocab_size"], hidden_size=hidden, intermediate_size=cfg["intermediate_size"],
         num_hidden_layers=cfg["num_hidden_layers"], num_attention_heads=heads,
-        num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads, rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        rope_theta=float(theta), rope_scaling=scaling,
-        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=bool(cfg.get("attention_bias", False)), mlp_bias=bool(cfg.get("mlp_bias", False)),
+        num_key_value_heads=_or(cfg.get("num_key_value_heads"), heads),
+        head_dim=head_dim, rms_norm_eps=_or(cfg.get("rms_norm_eps"), 1e-6),
+        rope_theta=float(theta) if isinstance(theta, int) and not isinstance(theta, bool) else theta,
+        rope_scaling=scaling, max_position_embeddings=_or(cfg.get("max_position_embeddings"), 2048),
+        tie_word_embeddings=_or(cfg.get("tie_word_embeddings"), False),
+        attention_bias=_or(cfg.get("attention_bias"), False), mlp_bias=_or(cfg.get("mlp_bias"), False),
         bos_token_id=cfg.get("bos_token_id"), eos_token_id=cfg.get("eos_token_id"),
     )
 
   @classmethod
   def from_json(cls, path: str | os.PathLike) -> LlamaConfig:
-    with open(path) as f:
-      return cls.from_dict(json.load(f))
+    """From a ``config.json`` file; an error names the file."""
+    try:
+      with open(path) as f:
+        cfg = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+      raise ValueError(f"{path} is not a valid JSON file: {e}") from e
+    try:
+      return cls.from_dict(cfg)
+    except ValueError as e:
+      raise ValueError(f"{path}: {e}") from e
 
   def to_dict(self) -> dict[str, Any]:
     """A ``config.json`` dict that transformers 4 and 5 read as ``LlamaForCausalLM``."""
@@ -133,6 +195,15 @@ class LlamaConfig:
     if isinstance(self.eos_token_id, tuple):
       out["eos_token_id"] = list(self.eos_token_id)
     return out
+
+
+def _is_size(value: Any, *, minimum: int = 1) -> bool:
+  return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= minimum
+
+
+def _or(value: Any, default: Any) -> Any:
+  """``value``, or ``default`` for a field that is absent or null."""
+  return default if value is None else value
 
 
 # -------------------------------------------------------------------------------------------------
