@@ -75,6 +75,12 @@ def test_tensor_parallel_layer_checks_reduce_and_batch_axes_when_built():
     build(batch_axes=("data", "model"))
   with pytest.raises(ValueError, match="names a mesh axis more than once"):
     build(batch_axes=(("data",), "data"))
+  for bad in (0, {"data"}):  # was: TypeError "'int' object is not iterable", or a set taken as a tuple
+    with pytest.raises(ValueError, match=r"batch_axes=.*: must be None, a mesh axis name, or a tuple"):
+      build(batch_axes=bad)
+    with pytest.raises(ValueError, match=r"batch_axes=.*: must be None, a mesh axis name, or a tuple"):
+      sharding.column_parallel_matmul(jnp.ones((2, 32)), sharding.shard_block_sparse(BSM, mesh, "model",
+                                                                                     split="columns"), batch_axes=bad)
 
 
 def test_tensor_parallel_on_an_explicit_mesh_takes_arrays_not_yet_on_it():
@@ -207,3 +213,49 @@ def test_tensor_parallel_layer_back_to_one_layer_on_an_explicit_mesh(split):
   np.testing.assert_array_equal(np.asarray(back.bias[...]), np.arange(128.0))
   x = jax.random.normal(KEYS[2], (3, 64))
   assert_close(back(x), layer(x), jnp.float32)
+
+
+def test_to_dense_of_values_split_over_explicit_axes():
+  # Block values (or CSR values) split FSDP-style over an explicit axis: to_dense, and so a layer's to_dense and
+  # jaxsparse.densify, failed to type the scatter of split values ("Incompatible types for broadcasting").
+  layer = jaxsparse.layers.BlockSparseLinear(32, 24, density=0.5, block_shape=(8, 8), rngs=nnx.Rngs(0))
+  want = np.asarray(layer.sparse_kernel.to_dense())
+  with jax.set_mesh(EXPLICIT_MESH):
+    layer.kernel.set_value(jax.device_put(layer.kernel[...], jax.P("data")))
+    dense = [layer.sparse_kernel.to_dense(), jax.jit(lambda m: m.sparse_kernel.to_dense())(layer),
+             layer.to_dense().kernel[...], jaxsparse.densify(nnx.Sequential(layer)).layers[0].kernel[...]]
+    csr = CSR.with_data(jax.device_put(CSR.data, jax.P("model"))).to_dense()
+  for d in dense:
+    np.testing.assert_array_equal(np.asarray(d), want)
+  np.testing.assert_array_equal(np.asarray(csr), np.asarray(CSR.to_dense()))
+
+
+def test_tensor_parallel_split_of_values_split_over_explicit_axes():
+  # A layer whose block values are split FSDP-style over an explicit axis: shard_block_sparse failed to type the gather
+  # of each shard's blocks from the split values (ShardingTypeError).
+  layer = jaxsparse.layers.BlockSparseLinear(32, 32, density=0.5, block_shape=(8, 8), rngs=nnx.Rngs(0))
+  x = jax.random.normal(KEYS[2], (4, 32))
+  want = layer(x)
+  with jax.set_mesh(EXPLICIT_MESH):
+    layer.kernel.set_value(jax.device_put(layer.kernel[...], jax.P("data")))
+    tp = sharding.TensorParallelBlockSparseLinear(layer, EXPLICIT_MESH, "model", split="columns")
+    y = tp(x)
+  assert_close(y, want, jnp.float32)
+  np.testing.assert_array_equal(np.asarray(tp.sharded_kernel.global_data()), np.asarray(layer.kernel[...]))
+
+
+def test_unreduced_x_is_refused_by_name():
+  # x holding unreduced partial sums (a dot_general's out_sharding with unreduced=): the ops and the tensor-parallel
+  # products failed inside with JAX's "Using *pspec is dangerous"; they name x and the reshard that reduces it.
+  a, b = jax.random.normal(KEYS[2], (4, 16)), jax.random.normal(KEYS[1], (16, 32))
+  partial = lambda a, b: jnp.einsum("ik,kj->ij", a, b, out_sharding=jax.P("data", None, unreduced={"model"}))
+  ws = sharding.shard_block_sparse(BSM, EXPLICIT_MESH, "model", split="columns")
+  products = [lambda x: ops.masked_matmul(x, W, MASK), lambda x: ops.block_sparse_matmul(x, BSM),
+              lambda x: ops.nm_matmul(x, NMW), lambda x: sharding.column_parallel_matmul(x, ws)]
+  with jax.set_mesh(EXPLICIT_MESH):
+    a_s, b_s = jax.device_put(a, jax.P("data", "model")), jax.device_put(b, jax.P("model", None))
+    for f in products:
+      with pytest.raises(ValueError, match=r"x is typed .*unreduced.*jax\.reshard\(x, P\('data', None\)\)"):
+        jax.jit(lambda a, b, f=f: f(partial(a, b)))(a_s, b_s)
+    y = jax.jit(lambda a, b: ops.masked_matmul(jax.reshard(partial(a, b), jax.P("data", None)), W, MASK))(a_s, b_s)
+  assert_close(y, (a @ b) @ jnp.where(MASK, W, 0.0), jnp.float32)

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsparse import _utils
+from jaxsparse.formats._masks import replicated
 
 __all__ = ["IndexedSparseMatrix", "check_pattern_mask", "is_concrete", "mask_pattern_indices", "poison_miscounted"]
 
@@ -292,9 +293,13 @@ class IndexedSparseMatrix:
     return {f: getattr(self, f) for f in self.INDEX_FIELDS}
 
   def _scatter(self, grid: tuple[int, int], values: jax.Array) -> jax.Array:
-    """``(*grid, *values.shape[1:])`` zeros with ``values[i]`` at ``(row_indices[i], col_indices[i])``."""
+    """``(*grid, *values.shape[1:])`` zeros with ``values[i]`` at ``(row_indices[i], col_indices[i])``.
+
+    Values or indices split over explicit mesh axes (e.g. block values sharded FSDP-style) are gathered first: JAX
+    cannot type a scatter of split updates into the unsplit zeros.
+    """
     out = jnp.zeros((*grid, *values.shape[1:]), values.dtype)
-    return out.at[self.row_indices, self.col_indices].set(values)
+    return out.at[replicated(self.row_indices), replicated(self.col_indices)].set(replicated(values))
 
   def _with_checked_data(self, data: jax.Array):
     static = {f: getattr(self, f) for f in self.STATIC_FIELDS}

@@ -21,7 +21,7 @@ How, depends on when the shardings are known:
 * auto axes (``jit`` with ``NamedSharding`` inputs): only the compiler knows them, so the product
   is a :func:`jax.experimental.custom_partitioning` call with a Shardy sharding rule (leading dims
   pass through, all else replicated); the partition callback sees the shardings Shardy chose and
-  lowers ``f`` per device;
+  lowers ``f`` per device (an eager call on a split ``x`` is jitted for that);
 * explicit axes (``jax.set_mesh`` with ``AxisType.Explicit``): the shardings are in the types, so
   the product is a ``jax.shard_map`` with those specs (over ``x``'s mesh, or the weights' when only
   they are placed on one: ``x`` is then replicated on it);
@@ -141,6 +141,15 @@ def _explicit_lead(args: Sequence[jax.Array], n_lead: int):
   mesh = next((m for m in map(_utils.explicit_mesh, args) if m is not None), None)
   if mesh is None:
     return None
+  for i, a in enumerate(args):
+    spec = jax.typeof(a).sharding.spec if _utils.explicit_mesh(a) is not None else P()
+    if spec.unreduced or spec.reduced:
+      what = "x" if i == 0 else f"operand {i} ({jax.typeof(a).str_short()})"
+      raise ValueError(
+          f"{what} is typed {spec} over mesh axes {tuple(mesh.shape)}: unreduced partial sums, which a product cannot "
+          f"take (nor can a dense x @ w); reduce them first, e.g. jax.reshard({'x' if i == 0 else 'a'}, "
+          f"P{spec.partitions})."
+      )
   x = args[0]
   sharding = jax.typeof(x).sharding
   spec = sharding.spec if _utils.explicit_mesh(x) == mesh else P()
@@ -151,6 +160,11 @@ def _resharded(a: jax.Array, mesh, spec: P) -> jax.Array:
   """``a`` resharded to ``spec`` (a no-op when it already is); works without a ``jax.set_mesh`` context."""
   placed = _utils.explicit_mesh(a) == mesh and jax.typeof(a).sharding.spec == spec
   return a if placed else jax.reshard(a, NamedSharding(mesh, spec))
+
+
+def _eager_and_split(x) -> bool:
+  """True for a concrete ``x`` (an eager call) placed on more than one device."""
+  return isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and len(x.sharding.device_set) > 1
 
 
 def _explicit_call(fn, n_rows, summed, mesh, lead, args, out_ndims):
@@ -240,7 +254,9 @@ def row_parallel(
   # custom_partitioning primitive has no differentiation rule.
   differentiable = jax.custom_jvp(call)
   differentiable.defjvp(lambda primals, tangents: jax.jvp(flat_fn, primals, tangents))
-  outs = differentiable(*rows, *leaves)
+  # Called eagerly, the custom_partitioning call ran fn unpartitioned: every device computed all rows, gathered onto
+  # it (y came back replicated). Under jit its partition callback sees x's sharding.
+  outs = (jax.jit(differentiable) if _eager_and_split(rows[0]) else differentiable)(*rows, *leaves)
   return tuple(_like(o, like[i]) if like and i in like else o for i, o in enumerate(outs))
 
 

@@ -33,6 +33,7 @@ from jaxsparse import _utils
 from jaxsparse.formats._base import is_concrete
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
 from jaxsparse.formats._block_sparse import block_pattern_indices
+from jaxsparse.formats._masks import replicated
 from jaxsparse.ops._block_sparse_matmul import Implementation
 from jaxsparse.ops._block_sparse_matmul import block_sparse_matmul
 from jaxsparse.ops._sharding import _like
@@ -305,7 +306,9 @@ def shard_block_sparse(w: BlockSparseMatrix, mesh: Mesh, axis: str, *, split: Sp
     sources.append(p[mask])  # row-major order, like BlockSparseMatrix.data; -1 marks padding
   source = np.stack(sources)
   index = {k: np.stack([block_pattern_indices(m)[k] for m in masks]) for k in block_pattern_indices(masks[0])}
-  data = jnp.where((source >= 0)[..., None, None], w.data[np.maximum(source, 0)], jnp.zeros((), w.dtype))
+  # Values split over explicit mesh axes (FSDP-style) are gathered: JAX cannot type a gather from a split operand.
+  blocks = replicated(w.data)[np.maximum(source, 0)]
+  data = jnp.where((source >= 0)[..., None, None], blocks, jnp.zeros((), w.dtype))
   local_shape = (w.shape[0], w.shape[1] // s) if split == "columns" else (w.shape[0] // s, w.shape[1])
   put = lambda a: jax.device_put(a, NamedSharding(mesh, P(axis)))
   # One pattern per shard, stacked along a leading axis: the index arrays are 2-D, so no 2-D validation.
@@ -325,6 +328,11 @@ def _check_batch_axes(batch_axes: BatchAxes, mesh: Mesh, axis: str) -> tuple:
   """``batch_axes`` as spec entries, one per leading dim, checked: axes of ``mesh`` other than ``axis``, each once."""
   if batch_axes is None:
     return ()
+  if not isinstance(batch_axes, str | tuple | list):
+    raise ValueError(
+        f"batch_axes={batch_axes!r}: must be None, a mesh axis name, or a tuple with one entry per leading dim of x "
+        f"(None, an axis name or a tuple of them), naming axes of the mesh {tuple(mesh.shape)}."
+    )
   entries = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
   for e in entries:
     if not (e is None or isinstance(e, str) or (isinstance(e, tuple) and all(isinstance(a, str) for a in e))):
@@ -356,6 +364,11 @@ def _batch_entries(x: jax.Array, batch_axes: BatchAxes, w: ShardedBlockSparseMat
     xmesh = getattr(sharding, "mesh", None)
     if xmesh is None or xmesh.empty or AxisType.Explicit not in xmesh.axis_types:
       return (None,) * n_lead
+    if sharding.spec.unreduced or sharding.spec.reduced:
+      raise ValueError(
+          f"x is typed {sharding.spec}: unreduced partial sums, which a product cannot take (nor can a dense x @ w); "
+          f"reduce them first, e.g. jax.reshard(x, P{sharding.spec.partitions})."
+      )
     spec = tuple(sharding.spec) + (None,) * x.ndim
     entries = tuple(None if w.axis in _utils.spec_axes(e) else e for e in spec[:n_lead])
     if any(a not in mesh.shape for a in _utils.spec_axes(*entries)):

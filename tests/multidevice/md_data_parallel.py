@@ -342,3 +342,21 @@ def test_bfloat16_weights_on_a_two_axis_explicit_mesh(name):
     assert y.dtype == dt.dtype == jnp.bfloat16
   assert_close(y, y_ref, jnp.bfloat16)
   assert_close(dt, dt_ref, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("name", ["block_sparse_auto", "sparse_cpu", "masked_cpu", "nm"])
+def test_eager_calls_on_an_auto_mesh_keep_the_rows_split(name):
+  # Called without jit on x split over auto axes: the custom_partitioning call ran unpartitioned, so every device
+  # computed all rows and y (and dX) came back replicated, unlike the dense x @ w.
+  f, t, _ = CASES[name]
+  x = jax.random.normal(KEYS[2], (4, 8, K))
+  y_ref, (dx_ref, dt_ref) = _single_device(f, x, t)
+  sharding = NamedSharding(_mesh(), P(None, "data", None))
+  xs = jax.device_put(x, sharding)
+  y = f(xs, t)
+  dx, dt = jax.grad(_loss(f), argnums=(0, 1))(xs, t)
+  assert y.sharding.is_equivalent_to(sharding, y.ndim), y.sharding
+  assert dx.sharding.is_equivalent_to(sharding, dx.ndim), dx.sharding
+  assert_close(y, y_ref, jnp.float32)
+  assert_close(dx, dx_ref, jnp.float32)
+  assert_close(dt, dt_ref, jnp.float32)
