@@ -582,7 +582,6 @@ def choose(
       # Every name offered, also those that failed to run, and those an earlier decision for this key chose among.
       "candidates": sorted(set(by_name) | (_timed(hit) if hit is not None else set())),
       "times_us": dict(sorted(all_us.items())),
-      "tuning_s": round(time.perf_counter() - t0, 3),
   }
   unfinished = sorted(k for k, v in measured.items() if v is None and k not in all_us)
   if unfinished:  # offered but not compiled within the budget: jaxsparse.autotune measures them
