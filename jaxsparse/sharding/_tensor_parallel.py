@@ -76,8 +76,8 @@ class ShardedBlockSparseMatrix:
   >>> mesh = jax.make_mesh((1,), ("model",))  # one device here; a "model" axis of S devices on a multi-GPU host
   >>> w = jaxsparse.BlockSparseMatrix.from_dense(jnp.ones((64, 128)), (16, 16))
   >>> ws = sharding.shard_block_sparse(w, mesh, "model", split="rows")
-  >>> ws.shape, ws.split, ws.axis, ws.source.shape, ws.source.dtype
-  ((64, 128), 'rows', 'model', (1, 32), dtype('int32'))
+  >>> ws.shape, ws.split, ws.axis, ws.source.shape, ws.source.dtype, ws.dtype
+  ((64, 128), 'rows', 'model', (1, 32), dtype('int32'), dtype('float32'))
   >>> bool((ws.to_block_sparse().to_dense() == w.to_dense()).all())
   True
   """
@@ -106,6 +106,11 @@ class ShardedBlockSparseMatrix:
   def data(self) -> jax.Array:
     """``(S, nnz_per_shard, bk, bn)`` block values, sharded over ``axis``."""
     return self.shards.data
+
+  @property
+  def dtype(self) -> jnp.dtype:
+    """The dtype of the block values (as :attr:`jaxsparse.BlockSparseMatrix.dtype`)."""
+    return self.shards.dtype
 
   @property
   def num_shards(self) -> int:
