@@ -698,3 +698,50 @@ def test_to_compressed_keeps_the_partitioning_names():
   assert _specs(small.to_dense()) == _specs(layer.to_dense()) == {"kernel": ("y", "x"), "bias": ("x",)}
   x = _normal(1, (3, 16))
   np.testing.assert_allclose(small(x), layer(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("make", [
+    lambda cin, cout, ks: jaxsparse.layers.MaskedConv(cin, cout, ks, sparsity=0.5, rngs=nnx.Rngs(0)),
+    lambda cin, cout, ks: jaxsparse.layers.NMConv(cin, cout, ks, rngs=nnx.Rngs(0)),
+])
+def test_conv_sizes_are_checked(make):
+  # A 0 kernel size failed on a ZeroDivisionError, a negative one in XLA, a NumPy int as "not iterable", a bool built a
+  # layer; MaskedConv took any in/out features (a float one failed on "Shapes must be 1D sequences ...").
+  for ks in (0, -3, (0, 3), True, (True, 3), 3.0, "3", None):
+    with pytest.raises(ValueError, match=r"kernel_size must be a positive int or a sequence of positive ints"):
+      make(4, 4, ks)
+  for cin, cout, name in ((4.0, 4, "in_features"), (4, -4, "out_features"), (True, 4, "in_features")):
+    with pytest.raises(ValueError, match=rf"{name} must be a positive int, got"):
+      make(cin, cout, 3)
+  conv = make(np.int64(4), np.int64(4), np.int64(3))
+  assert conv.kernel_size == (3,)
+  assert conv(jnp.ones((1, 5, 4))).shape == (1, 5, 4)
+
+
+def test_masked_conv_integer_param_dtype_needs_a_kernel_init():
+  # Failed inside JAX's sampler: "dtype argument to `uniform` must be a float dtype, got int8".
+  with pytest.raises(TypeError, match=r"MaskedConv's default kernel_init .* got param_dtype=int8\. .* kernel_init="):
+    jaxsparse.layers.MaskedConv(4, 4, 3, sparsity=0.5, param_dtype=jnp.int8, rngs=nnx.Rngs(0))
+  conv = jaxsparse.layers.MaskedConv(4, 4, 3, sparsity=0.5, param_dtype=jnp.int8, kernel_init=nn.initializers.ones,
+                                     rngs=nnx.Rngs(0))
+  assert conv.kernel[...].dtype == jnp.int8
+
+
+@pytest.mark.parametrize("make", [
+    lambda b: BlockSparseLinear(K, N, density=0.5, use_bias=b, rngs=nnx.Rngs(0)),
+    lambda b: MaskedLinear(K, N, sparsity=0.5, use_bias=b, rngs=nnx.Rngs(0)),
+    lambda b: jaxsparse.layers.NMLinear(K, N, use_bias=b, rngs=nnx.Rngs(0)),
+    lambda b: jaxsparse.layers.NMConv(4, 4, 3, use_bias=b, rngs=nnx.Rngs(0)),
+    lambda b: jaxsparse.layers.MaskedConv(4, 4, 3, sparsity=0.5, use_bias=b, rngs=nnx.Rngs(0)),
+    lambda b: BlockSparseDense(N, density=0.5, use_bias=b),
+    lambda b: MaskedDense(N, sparsity=0.5, use_bias=b),
+    lambda b: jaxsparse.layers.linen.NMDense(N, use_bias=b),
+    lambda b: jaxsparse.layers.linen.NMConv(4, 3, use_bias=b),
+    lambda b: jaxsparse.layers.linen.CompressedNMDense(N, use_bias=b),
+])
+def test_use_bias_must_be_a_bool(make):
+  # Was taken by truthiness: use_bias="False" built a layer with a bias, use_bias=None one without.
+  for value in ("False", None, 0, 1):
+    with pytest.raises(TypeError, match=rf"use_bias must be a bool, got use_bias={value!r} of type"):
+      make(value)
+  make(np.bool_(False))

@@ -487,3 +487,13 @@ def test_compressed_nm_linear_names_wrong_input_features():
       layer(bad)
   x = _normal(0, (2, 3, 16))
   assert_close(layer(x), x @ layer.weight.to_dense() + layer.bias[...], jnp.float32)
+
+
+def test_linen_nm_conv_kernel_size_is_checked():
+  # A 0 failed on a ZeroDivisionError in the initializer, a NumPy int as "not iterable", a bool built a layer.
+  x = jnp.ones((1, 5, 4))
+  for ks in (0, -3, (0, 3), True, 3.0, None):
+    with pytest.raises(ValueError, match=r"kernel_size must be a positive int or a sequence of positive ints"):
+      jlinen.NMConv(4, ks).init(jax.random.key(0), x)
+  variables = jlinen.NMConv(4, np.int64(3)).init(jax.random.key(0), x)
+  assert variables["params"]["kernel"].shape == (3, 4, 4)

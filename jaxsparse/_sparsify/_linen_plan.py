@@ -114,7 +114,8 @@ def sparse_module_of(layer: _LinenLayer, *, nnz: int | None = None) -> nn.Module
                                           parent=None)
   if layer.kind in ("dense", "general"):
     k, n = layer.shape_2d
-    common = dict(use_bias=m.use_bias, dtype=m.dtype, param_dtype=m.param_dtype, precision=m.precision)
+    # nn.Dense takes use_bias by truthiness; the sparse layers want a bool.
+    common = dict(use_bias=bool(m.use_bias), dtype=m.dtype, param_dtype=m.param_dtype, precision=m.precision)
     if isinstance(spec, BlockSparse):
       blocks = (k // spec.block_shape[0]) * (n // spec.block_shape[1])
       density = spec.density if nnz is None else nnz / blocks

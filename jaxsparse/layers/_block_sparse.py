@@ -45,6 +45,7 @@ from jaxsparse.layers._common import check_one_layer
 from jaxsparse.layers._common import check_one_of
 from jaxsparse.layers._common import check_pattern
 from jaxsparse.layers._common import check_real_dtypes
+from jaxsparse.layers._common import check_use_bias
 from jaxsparse.layers._common import copy_bias
 from jaxsparse.layers._common import default_bias_init
 from jaxsparse.layers._common import dense_linear
@@ -478,6 +479,7 @@ class BlockSparseDense(nn.Module):
   def __post_init__(self):
     _utils.check_positive_int(self.features, name="features")
     _utils.check_density(self.density)
+    check_use_bias(self.use_bias)
     check_implementation(self.implementation)
     check_real_dtypes(type(self), param_dtype=self.param_dtype, dtype=self.dtype)
     check_init_dtype(type(self), self.param_dtype, self.kernel_init)

@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import inspect
 import math
+import numbers
 import typing
 from collections.abc import Callable
 from typing import Any
@@ -48,7 +49,9 @@ __all__ = [
     "check_pattern",
     "check_real_dtypes",
     "check_init_dtype",
+    "check_kernel_size",
     "check_trained_dtype",
+    "check_use_bias",
     "compressed_kept_count",
     "conv_options",
     "copy_bias",
@@ -353,6 +356,7 @@ def init_linear_attributes(
     rngs: nnx.Rngs,
 ) -> None:
   """Sets the bias parameter (drawn from ``rngs.params()``) and the options every sparse linear layer keeps."""
+  use_bias = check_use_bias(use_bias)
   layer.bias = nnx.Param(bias_init(rngs.params(), (out_features,), param_dtype)) if use_bias else nnx.data(None)
   layer.in_features = in_features
   layer.out_features = out_features
@@ -520,6 +524,29 @@ def check_feature_groups(
         f"feature_group_count={groups} must divide {in_name}={in_features} and {out_name}={out_features}."
     )
   return groups
+
+
+def check_use_bias(use_bias: object) -> bool:
+  """``use_bias`` as a bool (a NumPy bool too); anything else (``"no"``, ``None``, ``0``) raises instead of building a
+  layer with or without a bias by the value's truthiness."""
+  if not isinstance(use_bias, bool | np.bool_):
+    raise TypeError(f"use_bias must be a bool, got use_bias={use_bias!r} of type {type(use_bias).__name__}.")
+  return bool(use_bias)
+
+
+def check_kernel_size(kernel_size: object) -> tuple[int, ...]:
+  """A conv's ``kernel_size`` as a tuple of positive ints: an int (a NumPy integer too) or a sequence of them. Flax's
+  convolutions take others and fail later, opaquely (a NumPy int is "not iterable", a 0 a ``ZeroDivisionError`` in the
+  default initializer, a negative size an XLA error), or build a layer from a bool."""
+  integral = isinstance(kernel_size, numbers.Integral) and not isinstance(kernel_size, bool | np.bool_)
+  try:
+    sizes = (kernel_size,) if integral else tuple(kernel_size)
+  except TypeError:
+    sizes = None
+  if sizes is None or not all(isinstance(k, numbers.Integral) and not isinstance(k, bool | np.bool_) and k > 0
+                              for k in sizes):
+    raise ValueError(f"kernel_size must be a positive int or a sequence of positive ints, got {kernel_size!r}.")
+  return tuple(int(k) for k in sizes)
 
 
 def check_in_features(in_features: int, m: int, *, name: str = "in_features") -> None:

@@ -30,6 +30,7 @@ from jaxsparse.layers._common import bias_of
 from jaxsparse.layers._common import check_feature_groups
 from jaxsparse.layers._common import check_init_dtype
 from jaxsparse.layers._common import check_input
+from jaxsparse.layers._common import check_kernel_size
 from jaxsparse.layers._common import check_known_in_features
 from jaxsparse.layers._common import check_layer_inputs
 from jaxsparse.layers._common import check_linear
@@ -37,6 +38,7 @@ from jaxsparse.layers._common import check_masked_implementation
 from jaxsparse.layers._common import check_one_layer
 from jaxsparse.layers._common import check_one_of
 from jaxsparse.layers._common import check_pattern
+from jaxsparse.layers._common import check_use_bias
 from jaxsparse.layers._common import conv_options
 from jaxsparse.layers._common import default_bias_init
 from jaxsparse.layers._common import dense_linear
@@ -359,6 +361,7 @@ class MaskedDense(nn.Module):
   def __post_init__(self):
     _utils.check_positive_int(self.features, name="features")
     _utils.check_sparsity(self.sparsity)
+    check_use_bias(self.use_bias)
     check_masked_implementation(self.implementation)
     check_init_dtype(type(self), self.param_dtype, self.kernel_init)
     super().__post_init__()
@@ -454,12 +457,16 @@ class MaskedConv(nnx.Conv):
       **kwargs,
   ):
     check_one_of("sparsity", sparsity, "mask", mask)
+    in_features = _utils.check_positive_int(in_features, name="in_features")
+    out_features = _utils.check_positive_int(out_features, name="out_features")
+    kernel_size = check_kernel_size(kernel_size)
+    check_use_bias(kwargs.get("use_bias", True))
+    check_init_dtype(MaskedConv, kwargs.get("param_dtype", jnp.float32), kwargs.get("kernel_init"))
     # nnx.Conv accepts groups that do not divide the features and fails at the first call on a bare assert.
     groups = check_feature_groups(kwargs.get("feature_group_count", 1), in_features, out_features)
     if mask is None:
       # nnx.Conv's kernel shape; the mask is drawn before nnx.Conv draws the kernel, as in MaskedLinear.
-      ks = (kernel_size,) if isinstance(kernel_size, int) else tuple(kernel_size)
-      shape = (*ks, in_features // groups, out_features)
+      shape = (*kernel_size, in_features // groups, out_features)
       mask = random_mask(rngs.params(), shape, kept_weights(sparsity, shape))
     super().__init__(in_features, out_features, kernel_size, rngs=rngs, **kwargs)
     with eager_if_concrete(mask):  # a given mask keeps its values under a trace (nnx.eval_shape): density known

@@ -37,11 +37,13 @@ from jaxsparse.layers._common import base_promote
 from jaxsparse.layers._common import bias_of
 from jaxsparse.layers._common import check_feature_groups
 from jaxsparse.layers._common import check_in_features
+from jaxsparse.layers._common import check_kernel_size
 from jaxsparse.layers._common import check_layer_inputs
 from jaxsparse.layers._common import check_linear
 from jaxsparse.layers._common import check_one_layer
 from jaxsparse.layers._common import check_trained_dtype
 from jaxsparse.layers._common import check_transposable_layer
+from jaxsparse.layers._common import check_use_bias
 from jaxsparse.layers._common import conv_options
 from jaxsparse.layers._common import default_bias_init
 from jaxsparse.layers._common import linear_options
@@ -158,6 +160,7 @@ class NMLinear(_NMMixin, nnx.Linear):
     n, m = _nm_masks.check_nm(n, m)
     check_in_features(in_features, m)
     _utils.check_positive_int(out_features, name="out_features")
+    use_bias = check_use_bias(use_bias)
     transposable = check_transposable_layer(transposable, out_features, m)
     decay = _utils.check_decay(sr_ste_decay, name="sr_ste_decay")
     check_trained_dtype(type(self), param_dtype=param_dtype)  # SR-STE trains it: float weights
@@ -428,6 +431,8 @@ class NMConv(_NMMixin, nnx.Conv):
     n, m = _nm_masks.check_nm(n, m)
     _utils.check_positive_int(in_features, name="in_features")
     _utils.check_positive_int(out_features, name="out_features")
+    kernel_size = check_kernel_size(kernel_size)
+    use_bias = check_use_bias(use_bias)
     feature_group_count = check_feature_groups(feature_group_count, in_features, out_features)
     check_in_features(in_features // feature_group_count, m, name="in_features // feature_group_count")
     transposable = check_transposable_layer(transposable, out_features, m)

@@ -30,9 +30,11 @@ from jaxsparse.formats import _nm_masks
 from jaxsparse.layers._common import NMPromote
 from jaxsparse.layers._common import check_feature_groups
 from jaxsparse.layers._common import check_in_features
+from jaxsparse.layers._common import check_kernel_size
 from jaxsparse.layers._common import check_known_in_features
 from jaxsparse.layers._common import check_trained_dtype
 from jaxsparse.layers._common import check_transposable_layer
+from jaxsparse.layers._common import check_use_bias
 from jaxsparse.layers._common import existing_shape
 
 __all__ = ["NMConv", "NMDense"]
@@ -41,6 +43,7 @@ __all__ = ["NMConv", "NMDense"]
 def _check_fields(module: nn.Module) -> None:
   _nm_masks.check_nm(module.n, module.m)
   _utils.check_positive_int(module.features, name="features")
+  check_use_bias(module.use_bias)
   _utils.check_decay(module.sr_ste_decay, name="sr_ste_decay")
   check_transposable_layer(module.transposable, module.features, module.m, name="features")
   check_trained_dtype(type(module), param_dtype=module.param_dtype)  # SR-STE trains it: float weights
@@ -50,6 +53,8 @@ def _wrap(module: nn.Module, cls: type[nn.Module], *, axis: int) -> nn.Module:
   """``cls`` built from ``module``'s fields of the same names, its ``promote_dtype`` N:M-pruning first."""
   names = {f.name for f in dataclasses.fields(cls) if f.init} - {"parent", "name", "promote_dtype"}
   options = {f.name: getattr(module, f.name) for f in dataclasses.fields(module) if f.name in names}
+  if "kernel_size" in options:  # nn.Conv takes a Python int or a sequence, not a NumPy int
+    options["kernel_size"] = check_kernel_size(options["kernel_size"])
   promote = NMPromote(
       module.n, module.m, float(module.sr_ste_decay), axis, module.promote_dtype, linen=True,
       transposable=module.transposable,
@@ -196,6 +201,7 @@ class NMConv(nn.Module):
 
   def __post_init__(self):
     _check_fields(self)
+    check_kernel_size(self.kernel_size)
     super().__post_init__()
 
   def setup(self):

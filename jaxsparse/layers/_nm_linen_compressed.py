@@ -31,6 +31,7 @@ from jaxsparse.layers._common import check_input
 from jaxsparse.layers._common import check_known_in_features
 from jaxsparse.layers._common import check_pattern
 from jaxsparse.layers._common import check_real_dtypes
+from jaxsparse.layers._common import check_use_bias
 from jaxsparse.layers._common import existing_shape
 from jaxsparse.layers._common import map_boxed
 from jaxsparse.layers._nm_compressed import check_nm_implementation
@@ -92,6 +93,7 @@ class CompressedNMDense(nn.Module):
   def __post_init__(self):
     _nm_masks.check_nm(self.n, self.m)
     _utils.check_positive_int(self.features, name="features")
+    check_use_bias(self.use_bias)
     check_nm_implementation(self.implementation)
     check_real_dtypes(type(self), param_dtype=self.param_dtype, dtype=self.dtype)
     super().__post_init__()
