@@ -137,7 +137,7 @@ def test_off_and_cached_modes_never_measure():
 def test_tune_measures_once_then_reads_the_cache(monkeypatch):
   times = {"default": 2.0, "a": 1.0, "dense": 1.5}
   measured = []
-  monkeypatch.setattr(_measure, "_measure", lambda cands, make_args, platform: measured.append(1) or dict(times))
+  monkeypatch.setattr(_measure, "_measure", lambda cands, make_args, platform, dense: measured.append(1) or dict(times))
   cands = _candidates([])
   with _tuning.autotune_mode("tune"):
     assert _choose(cands).name == "a"
@@ -170,7 +170,8 @@ def test_a_candidate_added_since_the_decision_is_measured_once_in_tune_mode(old_
     assert _choose(cands).name == "a"
   measured = []
   times = {"default": 2.0, "a": 1.0, "dense": 0.5}
-  monkeypatch.setattr(_measure, "_measure", lambda c, m, p: measured.append(sorted(x.name for x in c)) or dict(times))
+  monkeypatch.setattr(_measure, "_measure",
+                      lambda c, m, p, d: measured.append(sorted(x.name for x in c)) or dict(times))
   with _tuning.autotune_mode("tune"):
     assert _choose(cands).name == "dense"
     assert _choose(cands).name == "dense"
@@ -188,7 +189,7 @@ def test_products_of_one_key_offering_different_candidates_measure_once_each(mon
   make = lambda name: _tuning.Candidate(name, lambda x: 2 * x, name)
   first, second = [make("default"), make("a")], [make("default"), make("b")]
   measured = []
-  monkeypatch.setattr(_measure, "_measure", lambda c, m, p: measured.append(len(c)) or {x.name: 1.0 for x in c})
+  monkeypatch.setattr(_measure, "_measure", lambda c, m, p, d: measured.append(len(c)) or {x.name: 1.0 for x in c})
   with _tuning.autotune_mode("tune"):
     for _ in range(3):
       assert _choose(first).name == "default" and _choose(second).name == "default"
@@ -219,7 +220,7 @@ def test_cached_decisions_with_a_malformed_candidate_list_are_remeasured(monkeyp
   key = _measure.signature_key("op", "fwd", "cpu", rows=4)
   _cache.record(key, {"choice": "a", "candidates": "a,default", "times_us": 3})
   measured = []
-  monkeypatch.setattr(_measure, "_measure", lambda c, m, p: measured.append(1) or {"default": 1.0, "a": 2.0})
+  monkeypatch.setattr(_measure, "_measure", lambda c, m, p, d: measured.append(1) or {"default": 1.0, "a": 2.0})
   with _tuning.autotune_mode("tune"):
     assert _choose(_candidates([])).name == "default"
   assert measured == [1]
@@ -232,7 +233,7 @@ def test_cached_decisions_with_a_malformed_candidate_list_are_remeasured(monkeyp
     ({}, "default"),  # nothing ran: the default
 ])
 def test_margin_and_failures(monkeypatch, times, winner):
-  monkeypatch.setattr(_measure, "_measure", lambda cands, make_args, platform: dict(times))
+  monkeypatch.setattr(_measure, "_measure", lambda cands, make_args, platform, dense: dict(times))
   with _tuning.autotune_mode("tune"):
     assert _choose(_candidates([])).name == winner
 

@@ -568,8 +568,7 @@ def choose(
   if not can_measure:
     return prior
   t0 = time.perf_counter()
-  measured = _measure(candidates, make_args, platform, dense) if dense is not None else _measure(
-      candidates, make_args, platform)
+  measured = _measure(candidates, make_args, platform, dense)
   dense_ms = measured.pop(DENSE, None)
   times = {k: v for k, v in measured.items() if v is not None}
   if not times:

@@ -47,7 +47,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxsparse import _utils
 
-__all__ = ["row_parallel", "rows_and_replicated_weights"]
+__all__ = ["check_reduced", "row_parallel", "rows_and_replicated_weights"]
 
 
 def _lead_specs(spec, shape, n_lead: int, axis_size: Callable[[str], int]) -> tuple:
@@ -142,14 +142,8 @@ def _explicit_lead(args: Sequence[jax.Array], n_lead: int):
   if mesh is None:
     return None
   for i, a in enumerate(args):
-    spec = jax.typeof(a).sharding.spec if _utils.explicit_mesh(a) is not None else P()
-    if spec.unreduced or spec.reduced:
-      what = "x" if i == 0 else f"operand {i} ({jax.typeof(a).str_short()})"
-      raise ValueError(
-          f"{what} is typed {spec} over mesh axes {tuple(mesh.shape)}: unreduced partial sums, which a product cannot "
-          f"take (nor can a dense x @ w); reduce them first, e.g. jax.reshard({'x' if i == 0 else 'a'}, "
-          f"P{spec.partitions})."
-      )
+    if _utils.explicit_mesh(a) is not None:
+      check_reduced(jax.typeof(a).sharding.spec, "x" if i == 0 else f"operand {i} ({jax.typeof(a).str_short()})")
   x = args[0]
   sharding = jax.typeof(x).sharding
   spec = sharding.spec if _utils.explicit_mesh(x) == mesh else P()
@@ -160,6 +154,16 @@ def _resharded(a: jax.Array, mesh, spec: P) -> jax.Array:
   """``a`` resharded to ``spec`` (a no-op when it already is); works without a ``jax.set_mesh`` context."""
   placed = _utils.explicit_mesh(a) == mesh and jax.typeof(a).sharding.spec == spec
   return a if placed else jax.reshard(a, NamedSharding(mesh, spec))
+
+
+def check_reduced(spec: P, what: str = "x") -> None:
+  """Refuses an operand typed with unreduced (or reduced) partial sums over mesh axes, naming it as ``what``."""
+  if spec.unreduced or spec.reduced:
+    name = "x" if what == "x" else "a"
+    raise ValueError(
+        f"{what} is typed {spec}: unreduced partial sums, which a product cannot take (nor can a dense x @ w); "
+        f"reduce them first, e.g. jax.reshard({name}, P{spec.partitions})."
+    )
 
 
 def _eager_and_split(x) -> bool:

@@ -37,6 +37,7 @@ from jaxsparse.formats._masks import replicated
 from jaxsparse.ops._block_sparse_matmul import Implementation
 from jaxsparse.ops._block_sparse_matmul import block_sparse_matmul
 from jaxsparse.ops._sharding import _like
+from jaxsparse.ops._sharding import check_reduced
 
 __all__ = [
     "ShardedBlockSparseMatrix",
@@ -369,11 +370,7 @@ def _batch_entries(x: jax.Array, batch_axes: BatchAxes, w: ShardedBlockSparseMat
     xmesh = getattr(sharding, "mesh", None)
     if xmesh is None or xmesh.empty or AxisType.Explicit not in xmesh.axis_types:
       return (None,) * n_lead
-    if sharding.spec.unreduced or sharding.spec.reduced:
-      raise ValueError(
-          f"x is typed {sharding.spec}: unreduced partial sums, which a product cannot take (nor can a dense x @ w); "
-          f"reduce them first, e.g. jax.reshard(x, P{sharding.spec.partitions})."
-      )
+    check_reduced(sharding.spec)
     spec = tuple(sharding.spec) + (None,) * x.ndim
     entries = tuple(None if w.axis in _utils.spec_axes(e) else e for e in spec[:n_lead])
     if any(a not in mesh.shape for a in _utils.spec_axes(*entries)):
