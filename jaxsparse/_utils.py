@@ -21,6 +21,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 
 def check_block_shape(block_shape: object, shape: Sequence[int], *, name: str = "block_shape") -> tuple[int, int]:
@@ -247,6 +249,52 @@ def explicit_mesh(a: jax.typing.ArrayLike):
   if mesh is None or mesh.empty or jax.sharding.AxisType.Explicit not in mesh.axis_types:
     return None
   return mesh
+
+
+# Inside ``jax.shard_map(..., check_vma=True)`` (its default) every value's type says over which manual mesh axes it
+# varies. JAX infers that for its own primitives; a kernel (``pallas_call``, an FFI call) must be told, a loop's
+# carry must start as varying as it ends, and an FFI call takes operands that all vary alike. Outside such a map
+# every value varies over no axis and these helpers change nothing.
+
+
+def varying_axes(*trees: Any) -> tuple[Any, ...]:
+  """The manual mesh axes over which any array leaf of ``trees`` varies (``jax.shard_map`` with ``check_vma``)."""
+  axes: set = set()
+  for leaf in jax.tree.leaves(trees):
+    if isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
+      axes |= jax.typeof(leaf).mat.varying
+  return tuple(sorted(axes, key=str))
+
+
+def vary(tree: Any, axes: Sequence[Any]) -> Any:
+  """``tree``'s array leaves cast (``lax.pcast(..., to="varying")``, no data moves) to vary over ``axes`` too."""
+
+  def one(leaf):
+    if not isinstance(leaf, jax.Array):
+      return leaf
+    missing = tuple(a for a in axes if a not in jax.typeof(leaf).mat.varying)
+    return jax.lax.pcast(leaf, missing, to="varying") if missing else leaf
+
+  return jax.tree.map(one, tree)
+
+
+def vary_alike(*trees: Any) -> tuple[Any, ...]:
+  """``trees`` with every array leaf varying over the axes any of them varies over: the operands of one product.
+
+  Called on an op's operands before its ``custom_vjp``: JAX then reduces the cotangent of an operand that did not
+  vary (a replicated weight) over the axes it was cast to, as it does for ``x @ w``.
+  """
+  axes = varying_axes(*trees)
+  return tuple(vary(t, axes) for t in trees) if axes else trees
+
+
+def result_struct(shape: Sequence[int], dtype: jax.typing.DTypeLike, *like: Any) -> jax.ShapeDtypeStruct:
+  """A kernel result's ``jax.ShapeDtypeStruct``, varying over the manual mesh axes the operands ``like`` vary over."""
+  axes = varying_axes(*like)
+  mat = jax.sharding.ManualAxisType(varying=frozenset(axes))
+  # A type varying over manual axes names its mesh (the map's); Pallas wants the field set even where none vary.
+  sharding = NamedSharding(jax.sharding.get_abstract_mesh(), P()) if axes else None
+  return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding, manual_axis_type=mat)
 
 
 SYMBOLIC_ROWS = "symbolic"

@@ -259,3 +259,74 @@ def test_unreduced_x_is_refused_by_name():
         jax.jit(lambda a, b, f=f: f(partial(a, b)))(a_s, b_s)
     y = jax.jit(lambda a, b: ops.masked_matmul(jax.reshard(partial(a, b), jax.P("data", None)), W, MASK))(a_s, b_s)
   assert_close(y, (a @ b) @ jnp.where(MASK, W, 0.0), jnp.float32)
+
+
+def _in_one_device_shard_map(f, x, t):
+  """``(y, dx, dt)`` of ``sum(sin(f(x, t)))`` inside ``shard_map(check_vma=True)`` (its default) over a one-device mesh:
+  the types still say which values vary over the manual axis, which every kernel's result must declare."""
+  mesh = jax.make_mesh((1,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:1])
+  spec = jax.sharding.PartitionSpec
+
+  def local(xl, tl):
+    return f(xl, tl), *jax.grad(lambda x, t: jnp.sum(jnp.sin(f(x, t))), argnums=(0, 1))(xl, tl)
+
+  smap = jax.shard_map(local, mesh=mesh, in_specs=(spec("data"), spec()), out_specs=(spec("data"),) * 2 + (spec(),))
+  return jax.jit(smap)(x, t)
+
+
+def _check_in_shard_map(f, x, t, dtype):
+  want = (f(x, t), *jax.grad(lambda x, t: jnp.sum(jnp.sin(f(x, t))), argnums=(0, 1))(x, t))
+  for got, ref in zip(_in_one_device_shard_map(f, x, t), want, strict=True):
+    assert got.dtype == ref.dtype
+    assert_close(got.astype(jnp.float32), ref.astype(jnp.float32), dtype)
+
+
+SHARD_MAP_CASES = {
+    "block": lambda x, d: ops.block_sparse_matmul(x, BSM.with_data(d)),
+    "block_xla": lambda x, d: ops.block_sparse_matmul(x, BSM.with_data(d), implementation="xla"),
+    "csr": lambda x, d: ops.sparse_matmul(x, jaxsparse.CSRMatrix.from_dense(W_DENSE).with_data(d)),
+    "masked": lambda x, w: ops.masked_matmul(x, w, W_DENSE != 0),
+    "nm": lambda x, v: ops.nm_matmul(x, NMW.with_values(v)),
+    "sr_ste_matmul": lambda x, w: ops.sr_ste_matmul(x, w, 2, 4, decay=0.1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SHARD_MAP_CASES))
+def test_ops_inside_shard_map_with_check_vma(name):
+  # Every backend is traced here (lax.platform_dependent traces the GPU branches on a CPU too).
+  f = SHARD_MAP_CASES[name]
+  t = {"block": BSM.data, "block_xla": BSM.data, "nm": NMW.values,
+       "csr": jaxsparse.CSRMatrix.from_dense(W_DENSE).data}.get(name, W)
+  _check_in_shard_map(f, jax.random.normal(KEYS[2], (8, 32)), t, jnp.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [16, 512])
+@pytest.mark.parametrize(
+    ("block", "dtype"),
+    [((64, 64), jnp.float32), ((64, 64), jnp.bfloat16), ((128, 256), jnp.bfloat16), ((16, 16), jnp.float16)],
+)
+def test_gpu_block_sparse_inside_shard_map_with_check_vma(block, dtype, m):
+  # The GPU routes (Mosaic GPU, Triton, the re-tiled blocks, the dense route) declare how their results vary.
+  kw, kx, kb = jax.random.split(jax.random.key(11), 3)
+  k, n = 512, 768
+  mask = jaxsparse.random_block_mask(kb, (k, n), block, 0.4)
+  w = jaxsparse.BlockSparseMatrix.from_dense(jax.random.normal(kw, (k, n)).astype(dtype), block, block_mask=mask)
+  x = jax.random.normal(kx, (m, k)).astype(dtype)
+  _check_in_shard_map(lambda x, d: ops.block_sparse_matmul(x, w.with_data(d)), x, w.data, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [8, 256])
+def test_gpu_nm_inside_shard_map_with_check_vma(m):
+  # 2:4 bfloat16: the mma.sp decode kernel (few rows) and cuSPARSELt / Pallas (more), by the default dispatch.
+  kw, kx = jax.random.split(jax.random.key(12))
+  w = jaxsparse.NMSparseMatrix.from_dense(jax.random.normal(kw, (1024, 1536)).astype(jnp.bfloat16), 2, 4)
+  x = jax.random.normal(kx, (m, 1024)).astype(jnp.bfloat16)
+  _check_in_shard_map(lambda x, v: ops.nm_matmul(x, w.with_values(v)), x, w.values, jnp.bfloat16)
+  buffer = ops.cusparselt_compress(w) if ops.cusparselt_available() else None
+  if buffer is not None:
+    f = lambda x, v: ops.nm_matmul(x, w.with_values(v), cusparselt_weight=buffer)
+    y_ref = f(x, w.values)
+    y = _in_one_device_shard_map(f, x, w.values)[0]
+    assert_close(y.astype(jnp.float32), y_ref.astype(jnp.float32), jnp.bfloat16)

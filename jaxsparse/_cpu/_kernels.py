@@ -19,6 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxsparse import _utils
+
 __all__ = [
     "MASKED_ROUTES",
     "block_backward",
@@ -79,6 +81,18 @@ def _map_all(fn, n_out: int):
   return rule
 
 
+def _ffi(target: str, shapes: tuple | list, *args, **attrs):
+  """``jax.ffi.ffi_call(target)`` on ``args`` with float32 results of ``shapes`` (one shape, or a list of them).
+
+  Inside ``jax.shard_map(check_vma=True)`` the operands are cast to vary alike and the results vary as they do.
+  """
+  args = _utils.vary_alike(*args)
+  out = [_utils.result_struct(s, _F32, *args) for s in (shapes if isinstance(shapes, list) else [shapes])]
+  result = jax.ffi.ffi_call(target, out if isinstance(shapes, list) else out[0], vmap_method="sequential")(
+      *args, **attrs)
+  return tuple(result) if isinstance(shapes, list) else result
+
+
 MASKED_ROUTES = ("auto", "sparse", "gemm")  # masked_forward's routes (MaskedRoute in sparse_matmul.cc)
 
 
@@ -100,9 +114,9 @@ def masked_forward(x: jax.Array, w: jax.Array, mask: jax.Array, *, route: str = 
 def _masked_forward(route: int, max_density: float, small_rows: int, small_max_density: float, sample_step: int):
   @jax.custom_batching.custom_vmap
   def call(x, w, mask):
-    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), _F32)
-    return jax.ffi.ffi_call("jaxsparse_masked_forward", out, vmap_method="sequential")(
-        x, w, mask, route=np.int32(route), max_density=np.float32(max_density), small_rows=np.int64(small_rows),
+    return _ffi(
+        "jaxsparse_masked_forward", (x.shape[0], w.shape[1]), x, w, mask, route=np.int32(route),
+        max_density=np.float32(max_density), small_rows=np.int64(small_rows),
         small_max_density=np.float32(small_max_density), sample_step=np.int64(sample_step))
 
   call.def_vmap(_fold_or_map(call, 1))
@@ -112,8 +126,7 @@ def _masked_forward(route: int, max_density: float, small_rows: int, small_max_d
 @jax.custom_batching.custom_vmap
 def masked_backward(x: jax.Array, w: jax.Array, mask: jax.Array, dy: jax.Array) -> tuple[jax.Array, jax.Array]:
   """``(dy @ where(mask, w, 0).T, where(mask, x.T @ dy, 0))``."""
-  out = (jax.ShapeDtypeStruct(x.shape, _F32), jax.ShapeDtypeStruct(w.shape, _F32))
-  return tuple(jax.ffi.ffi_call("jaxsparse_masked_backward", out, vmap_method="sequential")(x, w, mask, dy))
+  return _ffi("jaxsparse_masked_backward", [x.shape, w.shape], x, w, mask, dy)
 
 
 masked_backward.def_vmap(_map_all(masked_backward, 2))
@@ -122,10 +135,8 @@ masked_backward.def_vmap(_map_all(masked_backward, 2))
 @jax.custom_batching.custom_vmap
 def csr_forward(x, data, col_offsets, transpose_order, transpose_row_indices):
   """``x (B, K) @ W`` -> ``(B, N)`` for W in the layout of :class:`jaxsparse.CSRMatrix`."""
-  out = jax.ShapeDtypeStruct((x.shape[0], col_offsets.shape[0] - 1), _F32)
-  return jax.ffi.ffi_call("jaxsparse_csr_forward", out, vmap_method="sequential")(
-      x, data, col_offsets, transpose_order, transpose_row_indices
-  )
+  shape = (x.shape[0], col_offsets.shape[0] - 1)
+  return _ffi("jaxsparse_csr_forward", shape, x, data, col_offsets, transpose_order, transpose_row_indices)
 
 
 csr_forward.def_vmap(_fold_or_map(csr_forward, 1))
@@ -140,9 +151,7 @@ def csr_few_rows_forward(x, data, row_offsets, col_indices, n: int) -> jax.Array
 def _csr_few_rows_forward(n: int):
   @jax.custom_batching.custom_vmap
   def call(x, data, row_offsets, col_indices):
-    out = jax.ShapeDtypeStruct((x.shape[0], n), _F32)
-    return jax.ffi.ffi_call("jaxsparse_csr_few_rows_forward", out, vmap_method="sequential")(
-        x, data, row_offsets, col_indices)
+    return _ffi("jaxsparse_csr_few_rows_forward", (x.shape[0], n), x, data, row_offsets, col_indices)
 
   call.def_vmap(_fold_or_map(call, 1, max_rows=FEW_ROWS))
   return call
@@ -151,10 +160,7 @@ def _csr_few_rows_forward(n: int):
 @jax.custom_batching.custom_vmap
 def csr_backward(x, data, row_offsets, col_indices, dy):
   """``(dy @ W.T, (x.T @ dy)`` at the nonzeros ``)`` for W in the layout of :class:`jaxsparse.CSRMatrix`."""
-  out = (jax.ShapeDtypeStruct(x.shape, _F32), jax.ShapeDtypeStruct(data.shape, _F32))
-  return tuple(
-      jax.ffi.ffi_call("jaxsparse_csr_backward", out, vmap_method="sequential")(x, data, row_offsets, col_indices, dy)
-  )
+  return _ffi("jaxsparse_csr_backward", [x.shape, data.shape], x, data, row_offsets, col_indices, dy)
 
 
 csr_backward.def_vmap(_map_all(csr_backward, 2))
@@ -162,24 +168,19 @@ csr_backward.def_vmap(_map_all(csr_backward, 2))
 
 def csr_to_dense(data, row_offsets, col_indices, n: int) -> jax.Array:
   """The ``(K, N)`` dense matrix of a :class:`jaxsparse.CSRMatrix`'s entries (``K = len(row_offsets) - 1``)."""
-  out = jax.ShapeDtypeStruct((row_offsets.shape[0] - 1, n), _F32)
-  return jax.ffi.ffi_call("jaxsparse_csr_to_dense", out, vmap_method="sequential")(data, row_offsets, col_indices)
+  return _ffi("jaxsparse_csr_to_dense", (row_offsets.shape[0] - 1, n), data, row_offsets, col_indices)
 
 
 def csr_take(w, row_offsets, col_indices) -> jax.Array:
   """``(nnz,)``: the dense ``w (K, N)`` at the entries of a :class:`jaxsparse.CSRMatrix`'s pattern."""
-  out = jax.ShapeDtypeStruct(col_indices.shape, _F32)
-  return jax.ffi.ffi_call("jaxsparse_csr_take", out, vmap_method="sequential")(w, row_offsets, col_indices)
+  return _ffi("jaxsparse_csr_take", col_indices.shape, w, row_offsets, col_indices)
 
 
 @jax.custom_batching.custom_vmap
 def block_forward(x, data, row_indices, col_offsets, transpose_order):
   """``x (B, K) @ W`` -> ``(B, N)`` for W in the layout of :class:`jaxsparse.BlockSparseMatrix`."""
   n = (col_offsets.shape[0] - 1) * data.shape[2]
-  out = jax.ShapeDtypeStruct((x.shape[0], n), _F32)
-  return jax.ffi.ffi_call("jaxsparse_block_forward", out, vmap_method="sequential")(
-      x, data, row_indices, col_offsets, transpose_order
-  )
+  return _ffi("jaxsparse_block_forward", (x.shape[0], n), x, data, row_indices, col_offsets, transpose_order)
 
 
 block_forward.def_vmap(_fold_or_map(block_forward, 1))
@@ -188,10 +189,7 @@ block_forward.def_vmap(_fold_or_map(block_forward, 1))
 @jax.custom_batching.custom_vmap
 def block_backward(x, data, row_offsets, col_indices, dy):
   """``(dy @ W.T, x.T @ dy`` on the kept blocks ``)`` for W in the layout of :class:`jaxsparse.BlockSparseMatrix`."""
-  out = (jax.ShapeDtypeStruct(x.shape, _F32), jax.ShapeDtypeStruct(data.shape, _F32))
-  return tuple(
-      jax.ffi.ffi_call("jaxsparse_block_backward", out, vmap_method="sequential")(x, data, row_offsets, col_indices, dy)
-  )
+  return _ffi("jaxsparse_block_backward", [x.shape, data.shape], x, data, row_offsets, col_indices, dy)
 
 
 block_backward.def_vmap(_map_all(block_backward, 2))

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxsparse import _utils
 from jaxsparse._cuda import _build
 from jaxsparse._cuda._build import CusparseLtFallbackWarning
 
@@ -120,7 +121,7 @@ def compress(w: jax.Array, *, layout: int = LAYOUT_KN) -> jax.Array:
     raise ValueError(f"compress: w must be a 2-D weight, got shape {getattr(w, 'shape', type(w).__name__)}.")
   k, n = w.shape if layout == LAYOUT_KN else w.shape[::-1]
   _check_weight("compress", k, n, w.dtype)
-  out = jax.ShapeDtypeStruct((compressed_bytes(n, k, w.dtype, layout),), jnp.uint8)
+  out = _utils.result_struct((compressed_bytes(n, k, w.dtype, layout),), jnp.uint8, w)
   return jax.ffi.ffi_call("jaxsparse_cusparselt_compress", out, vmap_method="sequential")(w, layout=np.int64(layout))
 
 
@@ -144,7 +145,8 @@ def matmul(x: jax.Array, compressed: jax.Array, n: int, *, layout: int = LAYOUT_
   padded = max(ALIGN, -(-rows // ALIGN) * ALIGN)
   if padded != rows:
     x = jnp.pad(x, ((0, padded - rows), (0, 0)))
-  out = jax.ShapeDtypeStruct((padded, n), x.dtype)
+  x, compressed = _utils.vary_alike(x, compressed)  # an FFI call takes operands that vary alike (shard_map)
+  out = _utils.result_struct((padded, n), x.dtype, x, compressed)
   y = jax.ffi.ffi_call("jaxsparse_cusparselt_matmul", out, vmap_method="sequential")(
       x, compressed, layout=np.int64(layout), search=np.int64(bool(search))
   )

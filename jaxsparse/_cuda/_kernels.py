@@ -408,7 +408,8 @@ def _nm24_call(op: str, x: jax.Array, weight: tuple[jax.Array, ...], n: int, con
   if n % cfg.span:
     raise ValueError(f"{op}: N={n} is not a multiple of the config's span={cfg.span}.")
   kid = _kernel_id("nm24_decode.cu", "nm24_decode", _nm24_defines(m, cfg, buffer=len(weight) == 1))
-  out = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
+  x, weight = _utils.vary_alike(x, weight)  # an FFI call takes operands that vary alike (shard_map)
+  out = _utils.result_struct((m, n), jnp.bfloat16, x, weight)
   return jax.ffi.ffi_call(f"jaxsparse_{op}", out, vmap_method="sequential")(
       x, *weight, kernel=np.int64(kid), split=np.int64(cfg.split), warps=np.int64(cfg.warps), span=np.int64(cfg.span)
   )
@@ -458,7 +459,7 @@ def nm24_transposable(w: jax.Array, out_dtype=None) -> tuple[jax.Array, jax.Arra
   defines = (("NM_IN_BF16", int(w_bf16)), ("NM_OUT_BF16", int(out_bf16)))
   kid = _kernel_id("nm24_prune.cu", "nm24_transposable", defines)
   k, n = w.shape
-  out = (jax.ShapeDtypeStruct((k, n), out_dtype), jax.ShapeDtypeStruct((k // 4, n // 4), jnp.uint8))
+  out = (_utils.result_struct((k, n), out_dtype, w), _utils.result_struct((k // 4, n // 4), jnp.uint8, w))
   return jax.ffi.ffi_call("jaxsparse_nm24_transposable", out, vmap_method="sequential")(
       w, kernel=np.int64(kid), w_bf16=bool(w_bf16), out_bf16=bool(out_bf16)
   )
@@ -486,8 +487,8 @@ def nm24_transposable_compress(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.
     raise ValueError(f"nm24_transposable_compress cannot run: {reason}.")
   w_bf16 = w.dtype == jnp.bfloat16
   kid = _kernel_id("nm24_prune.cu", "nm24_transposable_compress", (("NM_IN_BF16", int(w_bf16)),))
-  buffer = jax.ShapeDtypeStruct((k * n // 8 * 9,), jnp.uint8)
-  out = (jax.ShapeDtypeStruct((k // 4, n // 4), jnp.uint8), buffer, buffer)
+  buffer = _utils.result_struct((k * n // 8 * 9,), jnp.uint8, w)
+  out = (_utils.result_struct((k // 4, n // 4), jnp.uint8, w), buffer, buffer)
   return jax.ffi.ffi_call("jaxsparse_nm24_transposable_compress", out, vmap_method="sequential")(
       w, kernel=np.int64(kid), w_bf16=bool(w_bf16)
   )
@@ -524,9 +525,9 @@ def nm24_prune(w: jax.Array, out_dtype=None, *, compress: bool = False) -> tuple
   kid = _kernel_id("nm24_prune.cu", "nm24_prune", (("NM_IN_BF16", int(w_bf16)), ("NM_OUT_BF16", int(out_bf16))))
   k, n = w.shape
   out = (
-      jax.ShapeDtypeStruct((k, n), out_dtype),
-      jax.ShapeDtypeStruct((k // 4, n), jnp.uint8),
-      jax.ShapeDtypeStruct((k * n // 8 * 9 if compress else 0,), jnp.uint8),
+      _utils.result_struct((k, n), out_dtype, w),
+      _utils.result_struct((k // 4, n), jnp.uint8, w),
+      _utils.result_struct((k * n // 8 * 9 if compress else 0,), jnp.uint8, w),
   )
   return jax.ffi.ffi_call("jaxsparse_nm24_prune", out, vmap_method="sequential")(
       w, kernel=np.int64(kid), w_bf16=bool(w_bf16), out_bf16=bool(out_bf16)

@@ -24,6 +24,8 @@ from typing import Any
 
 import jax
 
+from jaxsparse import _utils
+
 __all__ = ["bilinear_product"]
 
 
@@ -84,4 +86,10 @@ def bilinear_product(forward: Callable, backward: Callable) -> Callable:
 
   apply.defvjp(apply_fwd, apply_bwd)
   grads.defvjp(grads_fwd, grads_bwd)
-  return apply
+
+  def call(cfg, x, w):
+    # Inside shard_map(check_vma=True): the kernels take operands that vary alike (a replicated w cast to vary as
+    # x does, its cotangent then summed over those axes by JAX).
+    return apply(cfg, *_utils.vary_alike(x, w))
+
+  return call

@@ -137,7 +137,7 @@ def _loop_forward(x2: jax.Array, w: BlockSparseMatrix, *, precision=None, out_dt
     j = cols[b]
     return lax.dynamic_update_index_in_dim(yT, yT[j] + contrib, j, 0)
 
-  yT = jnp.zeros((nb, bn, x2.shape[0]), acc)
+  yT = _utils.vary(jnp.zeros((nb, bn, x2.shape[0]), acc), _utils.varying_axes(x2, w))  # the carry varies as x
   if w.nnz_blocks:  # An empty pattern has no block to index (and contributes nothing).
     yT = lax.fori_loop(0, w.nnz_blocks, body, yT)
   return _unslab(yT).astype(out_dtype or acc)
@@ -166,6 +166,7 @@ def _loop_backward(
 
   dxT0 = jnp.zeros((kb, bk, x2.shape[0]), acc) if need_dx else None
   ddata0 = jnp.zeros(w.data.shape, w.dtype) if need_dw else None
+  dxT0, ddata0 = _utils.vary((dxT0, ddata0), _utils.varying_axes(x2, dy2, w))  # the carries vary as the operands
   dxT, ddata = lax.fori_loop(0, w.nnz_blocks, body, (dxT0, ddata0)) if w.nnz_blocks else (dxT0, ddata0)
   dx = _unslab(dxT).astype(x2.dtype) if need_dx else None
   return dx, ddata

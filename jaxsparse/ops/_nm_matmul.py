@@ -573,4 +573,5 @@ def _call(x, w: NMSparseMatrix, implementation, precision, preferred_element_typ
           f"{cusparselt_weight.dtype}{cusparselt_weight.shape}."
       )
   cfg = _Config(impl, precision, out_dtype, buffer_only)
-  return _nm_matmul(cfg, x, w, cusparselt_weight)
+  # Inside shard_map(check_vma=True): operands that vary alike (JAX sums a replicated w's cotangent).
+  return _nm_matmul(cfg, *_utils.vary_alike(x, w, cusparselt_weight))

@@ -25,7 +25,9 @@ How, depends on when the shardings are known:
 * explicit axes (``jax.set_mesh`` with ``AxisType.Explicit``): the shardings are in the types, so
   the product is a ``jax.shard_map`` with those specs (over ``x``'s mesh, or the weights' when only
   they are placed on one: ``x`` is then replicated on it);
-* inside ``shard_map`` (all axes manual) and on one device, ``f`` is called directly.
+* inside ``shard_map`` each device's operands are its own: with ``check_vma=True`` (operands typed as varying over
+  its manual axes) ``f`` is called directly, with ``check_vma=False`` through the custom-partitioning call, which
+  runs it on them as they are.
 
 A leading dim that does not divide by its number of shards is gathered (correct, slower): padding
 rows would add garbage to ``dW``.
@@ -177,8 +179,8 @@ def _explicit_call(fn, n_rows, summed, mesh, lead, args, out_ndims):
   args = tuple(_resharded(a, mesh, s) for a, s in zip(args, specs, strict=True))
   out_specs = tuple(P() if i in summed else rows_spec(nd) for i, nd in enumerate(out_ndims))
   local = _local(fn, n_rows, summed, lead)
-  # No autodiff runs through this map (it sits inside the ops' custom VJPs), and the Pallas kernels,
-  # traced on every platform by lax.platform_dependent, do not declare how their outputs vary.
+  # No autodiff runs through this map (it sits inside the ops' custom VJPs): nothing needs its types to track how
+  # values vary.
   smap = jax.shard_map(
       local, mesh=mesh, in_specs=specs, out_specs=out_specs, axis_names=set(_utils.spec_axes(*lead)), check_vma=False
   )
@@ -239,6 +241,8 @@ def row_parallel(
     explicit = _explicit_lead(args, n_lead)
     if explicit is not None:
       return _explicit_call(flat_fn, n_rows, summed, *explicit, args, out_ndims)
+    if _utils.varying_axes(*args):  # inside shard_map(check_vma=True): each device has its rows already
+      return flat_fn(*args)
     return _auto_partitioned(flat_fn, n_rows, n_lead, summed)(*args)
 
   @jax.custom_batching.custom_vmap

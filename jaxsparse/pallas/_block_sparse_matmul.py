@@ -51,6 +51,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from jaxsparse import _utils
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
 from jaxsparse.pallas._block_sparse_candidates import candidates
 from jaxsparse.pallas._block_sparse_config import BlockSparseMatmulConfig
@@ -369,10 +370,10 @@ def forward(
   x_spec = pl.BlockSpec((cfg.block_m, x2.shape[1]), lambda p, s: (tile(p)[0], 0))
   data_spec = pl.BlockSpec((w.nnz_blocks, bk, sub), lambda p, s: (0, 0, tile(p)[1] % subs))
   if cfg.split == 1:
-    out_shape = jax.ShapeDtypeStruct((m, n), out_dtype)
+    out_shape = _utils.result_struct((m, n), out_dtype, x2, w)
     out_spec = pl.BlockSpec((cfg.block_m, sub), lambda p, s: tile(p))
   else:
-    out_shape = jax.ShapeDtypeStruct((cfg.split, m, n), jnp.float32)
+    out_shape = _utils.result_struct((cfg.split, m, n), jnp.float32, x2, w)
     out_spec = pl.BlockSpec((None, cfg.block_m, sub), lambda p, s: (s, *tile(p)))
   kernel = functools.partial(
       _dsd_kernel,
@@ -414,10 +415,10 @@ def _dx(dy2, w, *, compute_dtype, out_dtype, precision, cfg: KernelConfig, inter
   sub, subs = _sub_cols(cfg, bk)
   tile = functools.partial(grouped_tile, num_m=num_m, num_n=kb * subs, group_m=cfg.group_m)
   if cfg.split == 1:
-    out_shape = jax.ShapeDtypeStruct((m, w.shape[0]), out_dtype)
+    out_shape = _utils.result_struct((m, w.shape[0]), out_dtype, dy2, w)
     out_spec = pl.BlockSpec((cfg.block_m, sub), lambda p, s: tile(p))
   else:
-    out_shape = jax.ShapeDtypeStruct((cfg.split, m, w.shape[0]), jnp.float32)
+    out_shape = _utils.result_struct((cfg.split, m, w.shape[0]), jnp.float32, dy2, w)
     out_spec = pl.BlockSpec((None, cfg.block_m, sub), lambda p, s: (s, *tile(p)))
   kernel = functools.partial(
       _dst_kernel,
@@ -463,10 +464,10 @@ def _dw(x2, dy2, w, *, compute_dtype, precision, cfg: KernelConfig, interpret):
   if cfg.block_order == "cols":  # program t computes block transpose_order[t]; un-permuted below
     rows, cols = rows[w.transpose_order], cols[w.transpose_order]
   if split == 1:
-    out_shape = jax.ShapeDtypeStruct(w.data.shape, w.dtype)
+    out_shape = _utils.result_struct(w.data.shape, w.dtype, x2, dy2, w)
     out_spec = pl.BlockSpec((None, bk, bn), lambda t, s: (t, 0, 0))
   else:
-    out_shape = jax.ShapeDtypeStruct((split, *w.data.shape), jnp.float32)
+    out_shape = _utils.result_struct((split, *w.data.shape), jnp.float32, x2, dy2, w)
     out_spec = pl.BlockSpec((None, None, bk, bn), lambda t, s: (s, t, 0, 0))
   kernel = functools.partial(
       _sdd_kernel,

@@ -55,6 +55,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jaxsparse import _utils
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
 from jaxsparse.formats._block_sparse import block_slots
 from jaxsparse.pallas._common import check_pattern
@@ -494,7 +495,7 @@ def dense_sparse_matmul(
   out_shape = (rows, out_cols) if config.split == 1 else (config.split, rows, out_cols)
   out = plgpu.kernel(
       kernel,
-      out_type=jax.ShapeDtypeStruct(out_shape, out_dtype if config.split == 1 else jnp.float32),
+      out_type=_utils.result_struct(out_shape, out_dtype if config.split == 1 else jnp.float32, a, w),
       grid=(num_ctas,),
       grid_names=("cta",),
       num_threads=NUM_COMPUTE_WGS + 1,

@@ -39,6 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jaxsparse import _utils
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
 from jaxsparse.pallas import _transpose
 from jaxsparse.pallas._block_sparse_matmul_mgpu import _interpret_params
@@ -397,7 +398,7 @@ def sampled_dw(
   params = {"interpret": _interpret_params("zero")} if interpret else {}
   return plgpu.kernel(
       kernel,
-      out_type=jax.ShapeDtypeStruct(w.data.shape, w.dtype),
+      out_type=_utils.result_struct(w.data.shape, w.dtype, x2, dy2, w),
       grid=(num_ctas,),
       grid_names=("cta",),
       num_threads=_NUM_COMPUTE_WGS + 1,

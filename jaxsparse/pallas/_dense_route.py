@@ -14,6 +14,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from jaxsparse import _utils
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
 from jaxsparse.formats._block_sparse import block_slots
 from jaxsparse.pallas._common import available
@@ -110,7 +111,7 @@ def dense_weight(w: BlockSparseMatrix, dtype, *, interpret: bool = False, kernel
     group = _build_group((tk, tn), tiles_n)
     return pl.pallas_call(
         functools.partial(_build_kernel, tile=(tk, tn), group=group),
-        out_shape=jax.ShapeDtypeStruct(w.shape, dtype),
+        out_shape=_utils.result_struct(w.shape, dtype, w),
         grid=(tiles_k, tiles_n // group),
         in_specs=[whole_block((kb, nb), 2), whole_block(w.data.shape, 2)],
         out_specs=pl.BlockSpec((tk, group * tn), lambda i, j: (i, j)),

@@ -32,6 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from jaxsparse import _utils
 from jaxsparse.formats._nm import NMSparseMatrix
 from jaxsparse.formats._nm import index_layout
 from jaxsparse.formats._nm import position_bits
@@ -291,10 +292,10 @@ def forward(
   tile = functools.partial(grouped_tile, num_m=num_m, num_n=num_n, group_m=cfg.group_m)
   values = w.values.reshape(groups, n, cols)  # free: rows g*n + j -> (g, j)
   if split == 1:
-    out_shape = jax.ShapeDtypeStruct((xp.shape[0], cols), out_dtype)
+    out_shape = _utils.result_struct((xp.shape[0], cols), out_dtype, x2, w)
     out_spec = pl.BlockSpec((bm, bn), lambda p, s: tile(p))
   else:
-    out_shape = jax.ShapeDtypeStruct((split, xp.shape[0], cols), jnp.float32)
+    out_shape = _utils.result_struct((split, xp.shape[0], cols), jnp.float32, x2, w)
     out_spec = pl.BlockSpec((None, bm, bn), lambda p, s: (s, *tile(p)))
   kernel = functools.partial(
       _nm_kernel,

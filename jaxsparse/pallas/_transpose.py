@@ -14,6 +14,7 @@ import jax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from jaxsparse import _utils
 from jaxsparse.pallas import _common
 
 __all__ = ["transpose"]
@@ -49,7 +50,7 @@ def transpose(x: jax.Array, *, interpret: bool = False) -> jax.Array:
       grid=(m // _TILE, k // _TILE),
       in_specs=[pl.BlockSpec((_TILE, _TILE), lambda i, j: (i, j))],
       out_specs=pl.BlockSpec((_TILE, _TILE), lambda i, j: (j, i)),
-      out_shape=jax.ShapeDtypeStruct((k, m), x.dtype),
+      out_shape=_utils.result_struct((k, m), x.dtype, x),
       compiler_params=pltriton.CompilerParams(num_warps=_NUM_WARPS, num_stages=1),
       interpret=interpret,
       name="jaxsparse_transpose",

@@ -74,6 +74,39 @@ def _check_fraction(value: object, *, name: str) -> None:
     raise ValueError(f"{name} must be in [0, 1], got {name}={value!r}.")
 
 
+def ramp(step: jax.typing.ArrayLike, begin_step: int, end_step: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Where ``step`` is on the ramp from ``begin_step`` to ``end_step`` (checked ints, ``begin_step <= end_step``).
+
+  Returns ``(before, ended, left)``: bool ``step < begin_step``, bool ``step >= end_step``, and the float32 fraction of
+  the ramp still ahead, ``1 - (t - begin_step) / span`` with ``t`` clipped to ``[begin_step, end_step]`` and
+  ``span = max(end_step - begin_step, 1)`` (1 at and before ``begin_step``, 0 from ``end_step`` on unless the ramp is
+  empty). Integer steps (Python and NumPy ints of any size, integer arrays, traced or not) are clipped and subtracted
+  as integers, so only exact step differences become float32: a float32 step holds integers exactly only up to
+  ``2**24`` (``2**24 + 1`` was read as ``2**24``, and a ramp beyond it moved in steps of 2, 4, ... or stood still). The
+  fraction ahead, not the fraction done, so that ``1 - frac`` never cancels near the end of a long ramp. Other steps
+  (floats) are taken as float32.
+  """
+  span = max(end_step - begin_step, 1)
+  stop = begin_step + span  # left = (stop - t) / span
+  if isinstance(step, numbers.Integral) and not isinstance(step, bool | np.bool_):  # exact on the host, any size
+    t = operator.index(step)
+    clipped = min(max(t, begin_step), end_step)
+    return jnp.asarray(t < begin_step), jnp.asarray(t >= end_step), jnp.float32(stop - clipped) / jnp.float32(span)
+  t = jnp.asarray(step)
+  if jnp.issubdtype(t.dtype, jnp.integer):
+    # In t's own integer dtype; bounds past its range are clipped to it (no overflow) and the rest added as floats.
+    top = int(jnp.iinfo(t.dtype).max)
+    lo, hi = min(begin_step, top), min(end_step, top)
+    clipped = jnp.clip(t, lo, hi)
+    ahead = (hi - clipped).astype(jnp.float32) + jnp.float32(stop - hi)
+    before = t < begin_step if begin_step <= top else jnp.ones(t.shape, bool)
+    ended = t >= end_step if end_step <= top else jnp.zeros(t.shape, bool)
+    return before, ended, jnp.where(before, jnp.float32(1.0), ahead / jnp.float32(span))
+  t = t.astype(jnp.float32)
+  ahead = (stop - jnp.clip(t, begin_step, end_step)) / jnp.float32(span)
+  return t < begin_step, t >= end_step, ahead
+
+
 def check_steps(begin_step: object, end_step: object) -> tuple[int, int]:
   """``begin_step`` and ``end_step`` as ints ``>= 0`` with ``end_step >= begin_step``."""
   begin_step = _check_step(begin_step, name="begin_step")
@@ -101,7 +134,7 @@ def one_shot(*, step: int = 0) -> Schedule:
   step = _check_step(step, name="step")
 
   def sparsity(t, final):
-    return jnp.where(jnp.asarray(t) >= step, jnp.float32(final), jnp.float32(0.0))
+    return jnp.where(ramp(t, step, step)[0], jnp.float32(0.0), jnp.float32(final))
 
   return Schedule(sparsity, lambda t: jnp.asarray(t) == step)
 
@@ -143,12 +176,11 @@ def polynomial_sparsity(
   power = _check_power(power)
   _check_fraction(final_sparsity, name="final_sparsity")
   _check_fraction(initial_sparsity, name="initial_sparsity")
-  t = jnp.asarray(step, jnp.float32)
-  frac = jnp.clip((t - begin_step) / max(end_step - begin_step, 1), 0.0, 1.0)
-  s = jnp.float32(final_sparsity) + jnp.float32(initial_sparsity - final_sparsity) * (1.0 - frac) ** power
-  s = jnp.where(frac <= 0.0, jnp.float32(initial_sparsity), s)  # s_f + (s_i - s_f) is s_i only up to rounding
-  s = jnp.where((frac >= 1.0) | (t >= end_step), jnp.float32(final_sparsity), s)  # end_step wins a tie with begin
-  return jnp.where(t < begin_step, jnp.float32(0.0), s)
+  before, ended, left = ramp(step, begin_step, end_step)  # left = 1 - frac, exact step arithmetic
+  s = jnp.float32(final_sparsity) + jnp.float32(initial_sparsity - final_sparsity) * left**power
+  s = jnp.where(left >= 1.0, jnp.float32(initial_sparsity), s)  # s_f + (s_i - s_f) is s_i only up to rounding
+  s = jnp.where(ended, jnp.float32(final_sparsity), s)  # end_step wins a tie with begin
+  return jnp.where(before, jnp.float32(0.0), s)
 
 
 def gradual(
@@ -244,7 +276,7 @@ def periodic(*, update_every: int, begin_step: int = 0, end_step: int | None = N
       raise ValueError(f"end_step must be >= begin_step, got begin_step={begin_step}, end_step={end_step}.")
 
   def sparsity(t, final):
-    return jnp.where(jnp.asarray(t) >= begin_step, jnp.float32(final), jnp.float32(0.0))
+    return jnp.where(ramp(t, begin_step, begin_step)[0], jnp.float32(0.0), jnp.float32(final))
 
   def is_update_step(t):
     t = jnp.asarray(t)

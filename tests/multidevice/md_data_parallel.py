@@ -168,17 +168,47 @@ def test_vmap_over_sharded_x_and_per_example_gradients():
   assert_close(got, want, jnp.float32)
 
 
-def test_inside_shard_map():
-  f, t, _ = CASES["block_sparse_auto"]
+# Not sr_ste with check_vma=False: its gradient adds a decay term of the weight alone, which each device adds, so the
+# psum counts it once per device, as for any weight-only term of a loss (with check_vma=True JAX counts it once).
+@pytest.mark.parametrize(
+    ("name", "check_vma"), [(n, c) for n in sorted(CASES) for c in (True, False) if c or n != "sr_ste"]
+)
+def test_inside_shard_map(name, check_vma):
+  f, t, _ = CASES[name]
   x = jax.random.normal(KEYS[2], (16, K))
-  _, (_, dt_ref) = _single_device(f, x, t)
+  y_ref, (dx_ref, dt_ref) = _single_device(f, x, t)
 
   def local(xl, tl):
-    return jax.lax.psum(jax.grad(_loss(f), argnums=1)(xl, tl), "data")
+    y = f(xl, tl)
+    dx, dt = jax.grad(_loss(f), argnums=(0, 1))(xl, tl)
+    # check_vma=True (shard_map's default): the op casts the replicated weight to vary as x does, so JAX sums its
+    # gradient over "data" itself, as for x @ w; without it each device holds the share of its rows.
+    return y, dx, dt if check_vma else jax.lax.psum(dt, "data")
 
-  # check_vma=False: the XLA loop and the Pallas kernels do not declare how their outputs vary.
-  smap = jax.shard_map(local, mesh=_mesh(), in_specs=(P("data"), P()), out_specs=P(), check_vma=False)
-  assert_close(jax.jit(smap)(x, t), dt_ref, jnp.float32)
+  smap = jax.shard_map(
+      local, mesh=_mesh(), in_specs=(P("data"), P()), out_specs=(P("data"), P("data"), P()), check_vma=check_vma
+  )
+  y, dx, dt = jax.jit(smap)(x, t)
+  assert_close(y, y_ref, jnp.float32)
+  assert_close(dx, dx_ref, jnp.float32)
+  assert_close(dt, dt_ref, jnp.float32)
+
+
+def test_inside_shard_map_bfloat16_vmap_and_grad_of_grad():
+  f, t, _ = CASES["block_sparse_auto"]
+  x = jax.random.normal(KEYS[2], (16, K))
+  fb = lambda x, d: f(x.astype(jnp.bfloat16), d.astype(jnp.bfloat16)).astype(jnp.float32)
+  penalty = lambda f: lambda x, t: jnp.sum(jax.grad(_loss(f), argnums=0)(x, t) ** 2)
+  cases = {  # name -> (per-device function, out_spec, expected)
+      "bfloat16": (lambda xl, tl: jax.grad(_loss(fb), argnums=1)(xl, tl), P(), jax.grad(_loss(fb), argnums=1)(x, t)),
+      "vmap": (lambda xl, tl: jax.vmap(f, in_axes=(0, None))(xl[:, None], tl)[:, 0], P("data"), f(x, t)),
+      "grad_of_grad": (
+          lambda xl, tl: jax.grad(penalty(f), argnums=1)(xl, tl), P(), jax.grad(penalty(f), argnums=1)(x, t)
+      ),
+  }
+  for name, (local, out_spec, want) in cases.items():
+    got = jax.jit(jax.shard_map(local, mesh=_mesh(), in_specs=(P("data"), P()), out_specs=out_spec))(x, t)
+    assert_close(got, want, jnp.bfloat16 if name == "bfloat16" else jnp.float32)
 
 
 def test_gather_detector_sees_a_gather():
