@@ -6,6 +6,8 @@ The multi-device behaviour is tested in tests/multidevice (run by tests/test_mul
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -261,21 +263,27 @@ def test_unreduced_x_is_refused_by_name():
   assert_close(y, (a @ b) @ jnp.where(MASK, W, 0.0), jnp.float32)
 
 
+def _linear_loss(f, x, t):
+  """``sum(f(x, t) * r)`` for a fixed random ``r``: gradients that 16-bit rounding of ``y`` does not change."""
+  y = f(x, t)
+  return jnp.sum(y.astype(jnp.float32) * jax.random.normal(jax.random.key(5), y.shape))
+
+
 def _in_one_device_shard_map(f, x, t):
-  """``(y, dx, dt)`` of ``sum(sin(f(x, t)))`` inside ``shard_map(check_vma=True)`` (its default) over a one-device mesh:
-  the types still say which values vary over the manual axis, which every kernel's result must declare."""
+  """``(y, dx, dt)`` of :func:`_linear_loss` inside ``shard_map(check_vma=True)`` (its default) over a one-device
+  mesh: the types still say which values vary over the manual axis, which every kernel's result must declare."""
   mesh = jax.make_mesh((1,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:1])
   spec = jax.sharding.PartitionSpec
 
   def local(xl, tl):
-    return f(xl, tl), *jax.grad(lambda x, t: jnp.sum(jnp.sin(f(x, t))), argnums=(0, 1))(xl, tl)
+    return f(xl, tl), *jax.grad(functools.partial(_linear_loss, f), argnums=(0, 1))(xl, tl)
 
   smap = jax.shard_map(local, mesh=mesh, in_specs=(spec("data"), spec()), out_specs=(spec("data"),) * 2 + (spec(),))
   return jax.jit(smap)(x, t)
 
 
 def _check_in_shard_map(f, x, t, dtype):
-  want = (f(x, t), *jax.grad(lambda x, t: jnp.sum(jnp.sin(f(x, t))), argnums=(0, 1))(x, t))
+  want = (f(x, t), *jax.grad(functools.partial(_linear_loss, f), argnums=(0, 1))(x, t))
   for got, ref in zip(_in_one_device_shard_map(f, x, t), want, strict=True):
     assert got.dtype == ref.dtype
     assert_close(got.astype(jnp.float32), ref.astype(jnp.float32), dtype)

@@ -254,6 +254,16 @@ def _smem_transforms(minor: int, dtype) -> tuple:
   return plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
+def _steps(start, end, step, g):
+  """``lax.fori_loop(start, end, step, g)`` counted from 0.
+
+  Inside ``jax.shard_map(check_vma=True)`` a bound read from a ref keeps the operands' manual-axis type while the
+  loop index after one step has none (jax 0.11's ``plgpu.kernel`` traces its body with the check off), and a loop
+  carry must keep its type: the index starts at a constant instead.
+  """
+  return lax.fori_loop(0, end - start, lambda i, g: step(start + i, g), g)
+
+
 def _kernel(
     offsets_ref,
     blocks_ref,
@@ -371,7 +381,7 @@ def _kernel(
             g = g + 1
           return g
 
-        return lax.fori_loop(start, end, step, g)
+        return _steps(start, end, step, g)
 
       steps = lax.fori_loop(0, my_tiles, tile_body, jnp.int32(0))
 
@@ -406,7 +416,7 @@ def _kernel(
               g = g + 1
             return g
 
-          g_end = lax.fori_loop(start, end, step, g)
+          g_end = _steps(start, end, step, g)
           return g_end, [acc_ref[...] for acc_ref in acc_refs]
 
         g_end, accs = pl.run_scoped(acc_scope, *[plgpu.ACC((half, ob), jnp.float32) for _ in range(group)])
@@ -503,6 +513,7 @@ def dense_sparse_matmul(
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       **params,
   )(offsets, blocks, a_blocks, ap, data)
+  out = _utils.vary(out, _utils.varying_axes(a, w))  # plgpu.kernel (jax 0.11) drops the type's varying axes
   if config.split > 1:
     out = out.sum(axis=0).astype(out_dtype)
   return out[:m] if rows != m else out

@@ -396,7 +396,7 @@ def sampled_dw(
       k_major=k_major,
   )
   params = {"interpret": _interpret_params("zero")} if interpret else {}
-  return plgpu.kernel(
+  out = plgpu.kernel(
       kernel,
       out_type=_utils.result_struct(w.data.shape, w.dtype, x2, dy2, w),
       grid=(num_ctas,),
@@ -406,3 +406,4 @@ def sampled_dw(
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       **params,
   )(num_items, rows, blocks, cols, x2, dy2)
+  return _utils.vary(out, _utils.varying_axes(x2, dy2, w))  # plgpu.kernel (jax 0.11) drops the type's varying axes
