@@ -12,11 +12,13 @@ import numpy as np
 from flax import nnx
 
 from jaxsparse import _utils
+from jaxsparse.formats._block_sparse import INDEX_FIELDS
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
 from jaxsparse.formats._csr import CSRMatrix
 from jaxsparse.formats._nm import NMSparseMatrix
 from jaxsparse.layers._block_sparse import BlockSparseLinear
 from jaxsparse.layers._common import SPARSITY
+from jaxsparse.layers._common import bridged_block_pattern
 from jaxsparse.layers._embed import CompressedNMEmbed
 from jaxsparse.layers._linear_general import SparseLinearGeneral
 from jaxsparse.layers._masked import MaskedConv
@@ -34,7 +36,9 @@ def _as_2d(mask: np.ndarray) -> np.ndarray:
 
 
 def _linen_layer(variables: Mapping) -> Any:
-  """A Linen ``BlockSparseDense`` / ``MaskedDense`` layer's ``{"params", "sparsity"}`` as a matrix or mask."""
+  """A Linen ``BlockSparseDense`` / ``MaskedDense`` layer's ``{"params", "sparsity"}`` as a matrix or mask, or those of
+  an NNX ``BlockSparseLinear`` / ``MaskedLinear`` under ``nnx.bridge.ToLinen`` (the former's index arrays one level
+  down, under ``"pattern"``)."""
   params, pattern = variables["params"], variables[SPARSITY]
   if not isinstance(params.get("kernel"), jax.Array | np.ndarray | jax.ShapeDtypeStruct):
     raise TypeError(
@@ -43,6 +47,8 @@ def _linen_layer(variables: Mapping) -> Any:
         "'sparsity': variables['sparsity'][name]}."
     )
   kernel = params["kernel"]
+  bridged = bridged_block_pattern(pattern, params)  # ToLinen(BlockSparseLinear): {"pattern": {"row_indices": ...}}
+  pattern = pattern if bridged is None else bridged
   if "row_indices" in pattern:
     _, bk, bn = kernel.shape
     shape = ((pattern["row_offsets"].shape[0] - 1) * bk, (pattern["col_offsets"].shape[0] - 1) * bn)
@@ -55,7 +61,11 @@ def _linen_layer(variables: Mapping) -> Any:
         "jaxsparse.NMSparseMatrix(params['kernel'], sparsity['kernel_positions'], shape=(in_features, features), "
         "n=n, m=m)."
     )
-  raise TypeError(f"the {SPARSITY!r} variables hold {sorted(pattern)}, not a block pattern or a mask.")
+  raise TypeError(
+      f"the {SPARSITY!r} variables hold {sorted(pattern)}, not a layout plot_pattern reads: a block pattern (the "
+      f"index arrays {list(INDEX_FIELDS)}, flat as a BlockSparseDense keeps them or under 'pattern' as a "
+      "nnx.bridge.ToLinen(BlockSparseLinear) does) or a 'mask' (MaskedDense, ToLinen(MaskedLinear))."
+  )
 
 
 def _pattern(x: Any) -> tuple[np.ndarray, tuple[int, int], str]:

@@ -29,6 +29,7 @@ from jaxsparse.formats._base import is_concrete
 from jaxsparse.layers import _nm_linen
 from jaxsparse.layers._block_sparse import BlockSparseLinear
 from jaxsparse.layers._common import SPARSITY
+from jaxsparse.layers._common import bridged_block_pattern
 from jaxsparse.layers._common import compressed_kept_count
 from jaxsparse.layers._common import eager_if_concrete
 from jaxsparse.layers._common import kept_fraction
@@ -368,9 +369,8 @@ def _linen_layers(
       common = dict(stored=stored, param_dtype=kernel.dtype, bias_size=bias)
       path = _path(prefix)
       # An NNX BlockSparseLinear under nnx.bridge.ToLinen keeps its index arrays in its "pattern" dict, one level down.
-      nested = pattern.get("pattern") if isinstance(pattern, Mapping) and "pattern" not in params else None
-      if "row_indices" in pattern or (isinstance(nested, Mapping) and "row_indices" in nested):
-        index = pattern if "row_indices" in pattern else nested
+      index = pattern if "row_indices" in pattern else bridged_block_pattern(pattern, params)
+      if index is not None:
         kb, nb = index["row_offsets"].shape[0] - 1, index["col_offsets"].shape[0] - 1
         _, bk, bn = kernel.shape
         name = "BlockSparseDense" if index is pattern else "BlockSparseLinear"

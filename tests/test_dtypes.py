@@ -407,6 +407,86 @@ def test_integer_param_dtype_of_the_sr_ste_layers_is_named():
   assert layer(jnp.ones((1, 8), F16)).dtype == F16
 
 
+def _nm_weight(dtype=jnp.float32):
+  return NMSparseMatrix.from_dense(jnp.ones((32, 16), dtype), 2, 4)
+
+
+_COMPUTE_DTYPE_LAYERS = {  # every layer constructor taking a compute dtype, NNX and Linen (built, not called)
+    "BlockSparseLinear": lambda **kw: BlockSparseLinear(32, 16, density=0.5, block_shape=(8, 8), rngs=nnx.Rngs(0),
+                                                        **kw),
+    "MaskedLinear": lambda **kw: MaskedLinear(32, 16, sparsity=0.5, rngs=nnx.Rngs(0), **kw),
+    "MaskedConv": lambda **kw: MaskedConv(8, 8, (3,), sparsity=0.5, rngs=nnx.Rngs(0), **kw),
+    "NMLinear": lambda **kw: NMLinear(32, 16, rngs=nnx.Rngs(0), **kw),
+    "NMConv": lambda **kw: NMConv(8, 4, (3,), rngs=nnx.Rngs(0), **kw),
+    "CompressedNMLinear": lambda **kw: jaxsparse.layers.CompressedNMLinear(_nm_weight(), **kw),
+    "linen.BlockSparseDense": lambda **kw: sparse_linen.BlockSparseDense(16, density=0.5, block_shape=(8, 8), **kw),
+    "linen.MaskedDense": lambda **kw: sparse_linen.MaskedDense(16, sparsity=0.5, **kw),
+    "linen.NMDense": lambda **kw: sparse_linen.NMDense(16, **kw),
+    "linen.NMConv": lambda **kw: sparse_linen.NMConv(4, (3,), **kw),
+    "linen.CompressedNMDense": lambda **kw: sparse_linen.CompressedNMDense(16, **kw),
+}
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.uint8, jnp.bool_], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("name", list(_COMPUTE_DTYPE_LAYERS))
+def test_non_float_compute_dtype_raises_at_construction(name, dtype):
+  # Was: every layer took dtype=jnp.int32 (or bool, uint8) and failed at its first call (NNX) or init (Linen) inside
+  # Flax's promote_dtype, on "Dtype must be inexact: <class 'jax.numpy.int32'>", naming neither layer nor argument.
+  layer = name.removeprefix("linen.")
+  msg = rf"^{layer} computes in dtype, which must be a floating dtype .* got dtype={jnp.dtype(dtype).name}: "
+  with pytest.raises(TypeError, match=msg):
+    _COMPUTE_DTYPE_LAYERS[name](dtype=dtype)
+  with pytest.raises(TypeError, match=rf"^{layer}: dtype must be a numeric dtype .* got dtype='foo'"):
+    _COMPUTE_DTYPE_LAYERS[name](dtype="foo")  # failed at the first call too, on "data type 'foo' not understood"
+  _COMPUTE_DTYPE_LAYERS[name](dtype=jnp.bfloat16)  # floats build, as before
+
+
+def test_layer_dtype_checks_at_construction_keep_what_works():
+  # Integer weights with a kernel_init, integer lookups of an embedding and a custom promote_dtype still build.
+  zeros = nn.initializers.zeros_init()
+  for build in (lambda: MaskedLinear(32, 16, sparsity=0.5, param_dtype=jnp.int8, kernel_init=zeros, rngs=nnx.Rngs(0)),
+                lambda: BlockSparseLinear(32, 16, density=0.5, block_shape=(8, 8), param_dtype=jnp.int32,
+                                          kernel_init=zeros, rngs=nnx.Rngs(0))):
+    assert build()(jnp.ones((2, 32))).dtype == jnp.float32
+  ids = jnp.array([0, 3])
+  table = NMSparseMatrix.from_dense(jnp.ones((32, 10)), 2, 4, axis=0)
+  assert CompressedNMEmbed(table, dtype=jnp.int32)(ids).dtype == jnp.int32  # as nnx.Embed(dtype=int32) looks up
+  table = sparse_linen.CompressedNMEmbed(10, 32, dtype=jnp.int32)
+  assert table.apply(table.init(jax.random.key(0), ids), ids).dtype == jnp.int32
+  own = lambda args, dtype=None, inexact=True: args  # a promote_dtype of one's own decides about the dtype itself
+  NMLinear(32, 16, dtype=jnp.int32, promote_dtype=own, rngs=nnx.Rngs(0))
+  dense = sparse_linen.CompressedNMDense(16, param_dtype=jnp.int8, kernel_init=nn.initializers.ones)
+  assert dense.init(jax.random.key(0), jnp.ones((2, 32)))["params"]["kernel"].dtype == jnp.int8
+
+
+@pytest.mark.parametrize("build, match", [
+    (lambda: sparse_linen.CompressedNMDense(16, param_dtype=jnp.int8),
+     r"^CompressedNMDense's default kernel_init draws from a normal distribution .* got param_dtype=int8"),
+    (lambda: sparse_linen.CompressedNMDense(16, param_dtype=jnp.bool_, kernel_init=nn.initializers.ones),
+     r"^CompressedNMDense stores its weights' values compressed and needs a numeric param_dtype .* got "
+     r"param_dtype=bool"),
+    (lambda: sparse_linen.CompressedNMEmbed(10, 32, param_dtype=jnp.int32),
+     r"^CompressedNMEmbed's default embedding_init draws from a normal distribution .* got param_dtype=int32\. "
+     r".* embedding_init="),
+    (lambda: sparse_linen.MaskedDense(16, sparsity=0.5, param_dtype="foo"),
+     r"^MaskedDense: param_dtype must be a numeric dtype .* got param_dtype='foo'"),
+    (lambda: MaskedLinear(32, 16, sparsity=0.5, param_dtype=object, rngs=nnx.Rngs(0)),
+     r"^MaskedLinear: param_dtype must be a numeric dtype .* got param_dtype=<class 'object'>"),
+    (lambda: CompressedNMEmbed(NMSparseMatrix.from_dense(jnp.ones((32, 10)), 2, 4, axis=0), dtype="foo"),
+     r"^CompressedNMEmbed: dtype must be a numeric dtype .* got dtype='foo'"),
+    (lambda: jaxsparse.layers.SparseLinearGeneral(MaskedLinear(32, 16, sparsity=0.5, rngs=nnx.Rngs(0)),
+                                                  in_features=32, out_features=16, dtype="foo"),
+     r"^SparseLinearGeneral: dtype must be a numeric dtype .* got dtype='foo'"),
+], ids=["CompressedNMDense-int8-default-init", "CompressedNMDense-bool", "linen.CompressedNMEmbed-int32-default-init",
+        "MaskedDense-foo", "MaskedLinear-object", "CompressedNMEmbed-foo", "SparseLinearGeneral-foo"])
+def test_non_float_param_dtype_raises_at_construction(build, match):
+  # Was: these failed at init inside JAX's samplers ("dtype argument to `uniform` must be a float dtype, got int8"),
+  # inside the compression ("w must be a numeric array, got dtype bool") or on NumPy's "data type 'foo' not
+  # understood", naming neither the layer nor its argument.
+  with pytest.raises(TypeError, match=match):
+    build()
+
+
 def test_complex_compute_dtype_and_inputs_where_supported_match_nnx_linear():
   # NMLinear prunes its real kernel and then computes as nnx.Linear does, so a complex dtype or complex inputs work;
   # the documented support must stay true.

@@ -162,6 +162,22 @@ def test_interpret_split_and_grouped_tiles(split, index_window, block_order):
 
 
 @pytest.mark.parametrize(
+    ("block_shape", "group", "split", "order", "dtype"),
+    [
+        ((32, 32), 4, 1, "rows", jnp.float32),
+        ((16, 32), 3, 2, "cols", jnp.bfloat16),
+        ((32, 64), 8, 1, "rows", jnp.float32),
+    ],
+)
+def test_interpret_grouped_dw_programs(block_shape, group, split, order, dtype):
+  # dW programs of up to `group` kept blocks of one block row (block rows keeping fewer, or a count that is not a
+  # multiple: short items repeat their last block), M = 40 not a multiple of the rows a step, split over M.
+  x, dy, w = _problem(40, 128, 256, block_shape, "random", dtype, seed=6)
+  cfg = KernelConfig(16, split=split, block_order=order, group_blocks=group)
+  _check_all(x, dy, w, dtype, config=BlockSparseMatmulConfig(KernelConfig(16), KernelConfig(16), cfg), interpret=True)
+
+
+@pytest.mark.parametrize(
     ("block_shape", "sub_cols", "split"), [((64, 64), 16, 1), ((32, 64), 32, 2), ((64, 32), 16, 1)]
 )
 def test_interpret_sub_column_programs(block_shape, sub_cols, split):
@@ -1108,6 +1124,19 @@ def test_gpu_split_configs(split, index_window, block_order):
   x, dy, w = _problem(320, 512, 512, (64, 64), "random", jnp.bfloat16, seed=7)
   cfg = KernelConfig(32, group_m=4, split=split, index_window=index_window, block_order=block_order)
   _check_all(x, dy, w, jnp.bfloat16, config=BlockSparseMatmulConfig(cfg, cfg, cfg), interpret=False)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize(
+    ("m", "block_shape", "group", "split", "dtype"),
+    [(200, (32, 32), 8, 1, jnp.bfloat16), (96, (32, 64), 4, 2, jnp.float16), (333, (64, 64), 4, 1, jnp.float32)],
+)
+def test_gpu_grouped_dw_programs(m, block_shape, group, split, dtype):
+  x, dy, w = _problem(m, 512, 768, block_shape, "random", dtype, seed=8)
+  dw = KernelConfig(64, split=split, group_blocks=group)
+  cfg = BlockSparseMatmulConfig(KernelConfig(32), KernelConfig(32), dw)
+  _check_all(x, dy, w, dtype, config=cfg, interpret=False, precision=lax.Precision.HIGHEST)
 
 
 @pytest.mark.gpu

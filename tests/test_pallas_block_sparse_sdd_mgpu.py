@@ -47,7 +47,7 @@ def test_items_rebuild_the_sampled_product(pattern, group, order):
   # The kernel's work items, replayed in NumPy: each item's blocks get x[:, row]ᵀ dY[:, col].
   x, dy, w = _problem(24, 5 * 32, 7 * 32, (32, 32), pattern, jnp.float32, seed=group)
   (bk, bn) = w.block_shape
-  num_items, rows, blocks, cols = (np.asarray(a) for a in sdd.items_of(w, group, order))
+  num_items, rows, blocks, cols = (np.asarray(a) for a in _common.items_of(w, group, order))
   n = int(num_items[0])
   assert rows.shape[0] >= n and blocks.shape == cols.shape == (rows.shape[0] * group,)
   xs, dys = np.asarray(x, np.float64), np.asarray(dy, np.float64)
@@ -70,7 +70,7 @@ def test_items_rebuild_the_sampled_product(pattern, group, order):
   keys = [tuple(p) for p in pairs.tolist()]
   assert keys == sorted(keys)
   with pytest.raises(ValueError, match="order='diagonal'"):
-    sdd.items_of(w, group, "diagonal")
+    _common.items_of(w, group, "diagonal")
 
 
 def test_config_defaults_fit_and_errors():

@@ -78,6 +78,33 @@ def test_linen_layer_variables():
   np.testing.assert_array_equal(_pixels(jaxsparse.plot_pattern(m)), np.asarray(m["sparsity"]["mask"], float))
 
 
+def test_linen_variables_of_a_bridged_nnx_layer():
+  # nnx.bridge.ToLinen(BlockSparseLinear) keeps its index arrays one level down, {"sparsity": {"pattern": {...}}}:
+  # plot_pattern raised "the 'sparsity' variables hold ['pattern'], not a block pattern or a mask". It draws them now,
+  # as it draws the flat ones of a BlockSparseDense.
+  x = jax.numpy.ones((1, 64))
+  bridged = nnx.bridge.ToLinen(layers.BlockSparseLinear, args=(64, 96), kwargs={"density": 0.5,
+                                                                                "block_shape": (16, 32)})
+  v = bridged.init(jax.random.key(0), x)
+  index = v["sparsity"]["pattern"]
+  expected = np.zeros((4, 3))
+  expected[np.asarray(index["row_indices"]), np.asarray(index["col_indices"])] = 1
+  assert expected.sum() == 6
+  ax = jaxsparse.plot_pattern(v)
+  np.testing.assert_array_equal(_pixels(ax), expected)
+  assert ax.get_title() == "block 16x32, density 0.500"
+  flat = jaxsparse.plot_pattern({"params": v["params"], "sparsity": dict(index)})  # the same arrays, flat
+  np.testing.assert_array_equal(_pixels(flat), expected)
+  masked = nnx.bridge.ToLinen(layers.MaskedLinear, args=(64, 32), kwargs={"sparsity": 0.5})
+  m = masked.init(jax.random.key(0), x)
+  np.testing.assert_array_equal(_pixels(jaxsparse.plot_pattern(m)), np.asarray(m["sparsity"]["mask"], float))
+  # A "sparsity" entry of another layout is refused, saying which layouts plot_pattern reads.
+  other = {"params": v["params"], "sparsity": {"pattern": {"row_indices": index["row_indices"]}}}
+  with pytest.raises(TypeError, match=r"the 'sparsity' variables hold \['pattern'\], not a layout plot_pattern "
+                                      r"reads: a block pattern .* under 'pattern' as a nnx\.bridge\.ToLinen"):
+    jaxsparse.plot_pattern(other)
+
+
 def test_bad_input():
   with pytest.raises(TypeError, match="plot_pattern takes a jaxsparse layer"):
     jaxsparse.plot_pattern(nnx.Linear(4, 4, rngs=nnx.Rngs(0)))

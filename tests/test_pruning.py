@@ -222,6 +222,13 @@ class _LinenBlockNet(nn.Module):
     return jaxsparse.layers.linen.BlockSparseDense(32, density=0.5, block_shape=(8, 8), name="fc")(x)
 
 
+class _BridgedBlockNet(nn.Module):  # an NNX BlockSparseLinear in Linen: its index arrays under "sparsity/fc/pattern"
+  @nn.compact
+  def __call__(self, x):
+    return nnx.bridge.ToLinen(jaxsparse.layers.BlockSparseLinear, args=(32, 32),
+                              kwargs={"density": 0.5, "block_shape": (8, 8)}, name="fc")(x)
+
+
 def _block_sparse_target(framework, x):
   """``apply(mask)`` of a model with one 32x32 block-sparse layer (8 of its 16 8x8 blocks kept): ``(kernel, pattern,
   bias, model_output)`` after ``pruning.apply_masks`` with ``mask`` on that layer's kernel."""
@@ -237,22 +244,25 @@ def _block_sparse_target(framework, x):
       return layer.kernel[...], {k: v[...] for k, v in layer.pattern.items()}, layer.bias[...], target(x)
 
     return apply
-  model = _LinenBlockNet()
+  model = _LinenBlockNet() if framework == "linen" else _BridgedBlockNet()
   variables = model.init(jax.random.key(1), x)
 
   def apply(mask):
     out = pruning.apply_masks(variables, {"fc": {"kernel": mask, "bias": None}})
-    return out["params"]["fc"]["kernel"], out["sparsity"]["fc"], out["params"]["fc"]["bias"], model.apply(out, x)
+    pattern = out["sparsity"]["fc"] if framework == "linen" else out["sparsity"]["fc"]["pattern"]
+    return out["params"]["fc"]["kernel"], pattern, out["params"]["fc"]["bias"], model.apply(out, x)
 
   return apply
 
 
-@pytest.mark.parametrize("framework", ["nnx", "linen"])
+@pytest.mark.parametrize("framework", ["nnx", "linen", "bridged"])
 def test_apply_masks_on_block_sparse_layers_warns_of_the_blocks_it_empties(framework):
   """apply_masks zeroed a block-sparse layer's weights and left its pattern as it was, silently: blocks the masks
   prune entirely still counted as kept in its density, summary and products. Its kept blocks are static (the
   kernel's shape follows them), so it keeps them, as zero blocks, and now warns, naming the layer and how to rebuild
-  it without them; blocks pruned in part stay kept, holding the zeroed weights, without a warning."""
+  it without them; blocks pruned in part stay kept, holding the zeroed weights, without a warning. "bridged": the
+  Linen variables of nnx.bridge.ToLinen(BlockSparseLinear), whose index arrays are one level down ("pattern"), got
+  no warning at all (the layer was not found)."""
   x = _normal(0, (3, 32))
   apply = _block_sparse_target(framework, x)
   kernel, pattern, bias, _ = apply(np.ones((8, 8, 8), bool))
@@ -516,6 +526,78 @@ def test_polynomial_sparsity_is_exactly_initial_sparsity_at_begin_step():
   state = tx.init({"w": _normal(0, (2, 5))})
   _, state = tx.update({"w": jnp.zeros((2, 5))}, state, {"w": _normal(0, (2, 5))})
   assert int(pruning.get_masks(state)["w"].sum()) == 10 - int(0.55 * 10 + 0.5)
+
+
+def _zhu_gupta_f64(t, *, final, initial, begin, end, power):
+  """The docstring's formula in float64 (exact for these ints): 0 before begin, s_f from end on."""
+  if t < begin:
+    return 0.0
+  if t >= end:
+    return final
+  frac = np.float64(min(max(t, begin), end) - begin) / np.float64(end - begin)
+  return final + (initial - final) * (1.0 - frac) ** power
+
+
+def _rigl_cosine_f64(t, *, alpha, begin, end):
+  """``alpha / 2 (1 + cos(pi (t - t0) / (t1 - t0)))``, clipped to [0, 1], 0 after ``end``, in float64."""
+  if t > end:
+    return 0.0
+  frac = np.clip(np.float64(t - begin) / np.float64(max(end - begin, 1)), 0.0, 1.0)
+  return alpha / 2 * (1 + np.cos(np.pi * frac))
+
+
+_BIG_STEP_KINDS = {
+    "python int": int,
+    "numpy int64": np.int64,
+    "numpy int32": np.int32,
+    "jnp int32": jnp.int32,
+    "traced int32": lambda t: jax.jit(lambda s: s)(jnp.int32(t)),  # the step as state.count under jit
+}
+
+
+@pytest.mark.parametrize("kind", list(_BIG_STEP_KINDS))
+@pytest.mark.parametrize("begin, end", [(2**24, 2**24 + 4), (2**24 - 3, 2**24 + 5), (2**31 - 11, 2**31 - 1),
+                                        (0, 2**31 - 1), (1000, 2**31 - 1)])
+def test_schedules_are_exact_for_integer_steps_past_2_24(kind, begin, end):
+  # Was: the step went to float32 before the arithmetic, which holds integers exactly only up to 2**24: step
+  # 2**24 + 1 was read as 2**24 (gradual then held initial_sparsity 0.1 where the ramp was at 0.56), steps near
+  # 2**31 - 1 all rounded to 2**31 (the ramp jumped straight to its end), and 1 - frac cancelled near the end.
+  convert = _BIG_STEP_KINDS[kind]
+  gradual = pruning.gradual(begin_step=begin, end_step=end, update_every=1, initial_sparsity=0.1)
+  steps = {begin - 1, begin, begin + 1, begin + 2, (begin + end) // 2, end - 2, end - 1, end, min(end + 1, 2**31 - 1)}
+  for t in sorted(steps):
+    for power in (3.0, 0.5):
+      got = pruning.polynomial_sparsity(convert(t), final_sparsity=0.9, begin_step=begin, end_step=end,
+                                        initial_sparsity=0.1, power=power)
+      want = _zhu_gupta_f64(t, final=0.9, initial=0.1, begin=begin, end=end, power=power)
+      assert got.dtype == jnp.float32
+      np.testing.assert_allclose(float(got), want, rtol=2e-6, atol=1e-7, err_msg=f"step {t}, power {power}")
+    want = _zhu_gupta_f64(t, final=0.9, initial=0.1, begin=begin, end=end, power=3.0)
+    np.testing.assert_allclose(float(gradual.sparsity(convert(t), 0.9)), want, rtol=2e-6, atol=1e-7)
+    got = pruning.cosine_drop_fraction(convert(t), drop_fraction=0.3, begin_step=begin, end_step=end)
+    want = _rigl_cosine_f64(t, alpha=0.3, begin=begin, end=end)
+    np.testing.assert_allclose(float(got), want, rtol=2e-6, atol=1e-9, err_msg=f"step {t}")
+    for schedule in (pruning.one_shot(step=begin), pruning.periodic(update_every=7, begin_step=begin)):
+      assert float(schedule.sparsity(convert(t), 0.5)) == (0.0 if t < begin else 0.5)
+
+
+def test_schedules_take_integer_steps_past_int32_and_int64_arrays():
+  # Python ints past int32 are taken as ints (jnp.asarray would overflow), and so are int64 arrays under x64.
+  big = 2**40
+  got = pruning.polynomial_sparsity(big + 1, final_sparsity=0.9, begin_step=big, end_step=big + 4)
+  np.testing.assert_allclose(float(got), _zhu_gupta_f64(big + 1, final=0.9, initial=0.0, begin=big, end=big + 4,
+                                                        power=3.0), rtol=2e-6)
+  for t in (2**31 - 2, 2**31 - 1):  # bounds past an int32 step's range: the step is before the ramp
+    assert float(pruning.polynomial_sparsity(jnp.int32(t), final_sparsity=0.9, begin_step=big, end_step=big)) == 0.0
+    assert float(pruning.cosine_drop_fraction(jnp.int32(t), drop_fraction=0.3, begin_step=big, end_step=big + 8)) == (
+        np.float32(0.3))
+  with jax.enable_x64(True):
+    for t in (big, big + 1, big + 3, big + 4):
+      step = jax.jit(lambda s: s)(jnp.asarray(t, jnp.int64))
+      assert step.dtype == jnp.int64
+      got = pruning.polynomial_sparsity(step, final_sparsity=0.9, begin_step=big, end_step=big + 4)
+      want = _zhu_gupta_f64(t, final=0.9, initial=0.0, begin=big, end=big + 4, power=3.0)
+      np.testing.assert_allclose(float(got), want, rtol=2e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize(

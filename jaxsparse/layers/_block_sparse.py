@@ -34,6 +34,7 @@ from jaxsparse.formats._masks import random_block_mask
 from jaxsparse.layers._common import SPARSITY
 from jaxsparse.layers._common import SparsityPattern
 from jaxsparse.layers._common import bias_of
+from jaxsparse.layers._common import check_dtypes
 from jaxsparse.layers._common import check_implementation
 from jaxsparse.layers._common import check_init_dtype
 from jaxsparse.layers._common import check_input
@@ -201,6 +202,7 @@ class BlockSparseLinear(nnx.Module):
     in_features = _utils.check_positive_int(in_features, name="in_features")
     out_features = _utils.check_positive_int(out_features, name="out_features")
     bk, bn = _utils.check_block_shape(block_shape, (in_features, out_features))
+    check_dtypes(BlockSparseLinear, dtype=dtype, param_dtype=param_dtype)
     check_real_dtypes(BlockSparseLinear, param_dtype=param_dtype, dtype=dtype)
     check_init_dtype(BlockSparseLinear, param_dtype, kernel_init)
     grid = (in_features // bk, out_features // bn)
@@ -481,6 +483,7 @@ class BlockSparseDense(nn.Module):
     _utils.check_density(self.density)
     check_use_bias(self.use_bias)
     check_implementation(self.implementation)
+    check_dtypes(type(self), dtype=self.dtype, param_dtype=self.param_dtype)
     check_real_dtypes(type(self), param_dtype=self.param_dtype, dtype=self.dtype)
     check_init_dtype(type(self), self.param_dtype, self.kernel_init)
     super().__post_init__()

@@ -13,6 +13,7 @@ import math
 import numbers
 import typing
 from collections.abc import Callable
+from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -27,6 +28,7 @@ from jaxsparse import _utils
 from jaxsparse import ops
 from jaxsparse.formats import _nm_masks
 from jaxsparse.formats._base import is_concrete
+from jaxsparse.formats._block_sparse import INDEX_FIELDS
 from jaxsparse.formats._masks import replicated
 from jaxsparse.formats._masks import top_k_mask
 
@@ -37,6 +39,7 @@ __all__ = [
     "SparsityPattern",
     "base_promote",
     "bias_of",
+    "bridged_block_pattern",
     "check_implementation",
     "check_in_features",
     "check_input",
@@ -47,6 +50,7 @@ __all__ = [
     "check_one_layer",
     "check_one_of",
     "check_pattern",
+    "check_dtypes",
     "check_real_dtypes",
     "check_init_dtype",
     "check_kernel_size",
@@ -242,6 +246,55 @@ def copy_bias(layer: nnx.Module, bias: jax.Array) -> None:
     layer.bias.set_value(jnp.asarray(bias))
 
 
+def check_dtypes(
+    layer: type, *, dtype: Any = None, param_dtype: Any = None, inexact: bool = True, numeric_params: bool = False
+) -> None:
+  """Checks a layer's compute ``dtype`` and storage ``param_dtype`` where it is built (an NNX layer's ``__init__``, a
+  Linen layer's ``__post_init__``): a ``TypeError`` names the layer, the argument, its value and what it takes.
+
+  Flax's ``promote_dtype`` refuses a compute dtype that is not inexact only at the first call ("Dtype must be
+  inexact: <class 'jax.numpy.int32'>", naming neither the layer nor the argument), and a value that is not a dtype
+  (``"foo"``) failed there too, on NumPy's "data type 'foo' not understood". Complex dtypes pass here;
+  :func:`check_real_dtypes` refuses them for the layers that compute with real ones only.
+
+  Args:
+    layer: the layer's class, which the message names.
+    dtype: the compute dtype as given; ``None`` (inferred from the inputs and parameters) passes.
+    param_dtype: the storage dtype as given; ``None`` skips it. Integer ones pass (integer weights, with a
+      ``kernel_init``: :func:`check_init_dtype`), as do bool ones unless ``numeric_params``.
+    inexact: whether ``dtype`` must be floating or complex: ``False`` for an embedding, whose lookups take any
+      dtype (as ``nnx.Embed``'s), and for a layer given its own ``promote_dtype``.
+    numeric_params: refuse a bool ``param_dtype`` too (a compressed layer's values must be numbers).
+  """
+  checked = {}
+  for name, value in (("dtype", dtype), ("param_dtype", param_dtype)):
+    if value is None:
+      continue
+    try:
+      checked[name] = jnp.dtype(value)
+    except TypeError:
+      checked[name] = None
+    ok = checked[name] is not None and (checked[name] == np.bool_ or jnp.issubdtype(checked[name], jnp.number))
+    if not ok:
+      default = ", or None (inferred from the inputs and parameters)" if name == "dtype" else ""
+      raise TypeError(
+          f"{layer.__name__}: {name} must be a numeric dtype such as jnp.float32 or jnp.bfloat16{default}, got "
+          f"{name}={value!r}."
+      )
+  if inexact and "dtype" in checked and not jnp.issubdtype(checked["dtype"], jnp.inexact):
+    raise TypeError(
+        f"{layer.__name__} computes in dtype, which must be a floating dtype (float32, bfloat16, float16, float64, "
+        f"float8) or None (inferred from the inputs and parameters), got dtype={checked['dtype']}: Flax's "
+        "promote_dtype refuses integer and bool compute dtypes. For integer weights give param_dtype= (with a "
+        "kernel_init); integer inputs are promoted."
+    )
+  if numeric_params and checked.get("param_dtype") == np.bool_:
+    raise TypeError(
+        f"{layer.__name__} stores its weights' values compressed and needs a numeric param_dtype (float32, bfloat16, "
+        "float16, float64, or an integer dtype with a kernel_init), got param_dtype=bool."
+    )
+
+
 def check_real_dtypes(layer: type, **dtypes: Any) -> None:
   """Raises a ``TypeError`` naming the layer's argument when one of ``dtypes`` (``name=dtype``, ``None`` skipped) is
   complex, for layers whose products (the sparse ops, SR-STE's magnitudes) take real dtypes only (NNX and Linen).
@@ -274,6 +327,24 @@ def check_trained_dtype(layer: type, param_dtype: Any) -> None:
     )
 
 
+def bridged_block_pattern(sparsity: Any, params: Any) -> Mapping | None:
+  """The block index arrays of an NNX ``BlockSparseLinear`` under ``nnx.bridge.ToLinen``, read from one Linen layer's
+  ``"sparsity"`` entry and its ``"params"``; ``None`` for any other layout.
+
+  ``ToLinen`` puts the layer's ``pattern`` dict in ``"sparsity"`` one level down, ``{"pattern": {"row_indices": ...,
+  ...}}``, where a ``BlockSparseDense`` keeps the same arrays flat. The one home of that layout for the readers of
+  Linen variables (the torch export, ``summary``, ``plot_pattern``, ``pruning.apply_masks``): it is the bridged layout
+  only when ``sparsity`` holds nothing but a ``"pattern"`` dict of exactly the index arrays
+  (``INDEX_FIELDS``) and ``params`` no submodule named ``pattern``.
+  """
+  if not isinstance(sparsity, Mapping) or not isinstance(params, Mapping):
+    return None
+  nested = sparsity.get("pattern")
+  if not isinstance(nested, Mapping) or set(sparsity) != {"pattern"} or isinstance(params.get("pattern"), Mapping):
+    return None
+  return nested if set(nested) == set(INDEX_FIELDS) else None
+
+
 def pattern_mask(mask: Any, shape: tuple[int, ...], *, path: str | None = None) -> jax.Array:
   """The bool mask of an unstructured Linen layer's ``"sparsity"`` collection (unboxed), checked against its kernel's
   ``shape`` (``_utils.check_mask``; errors say which collection, and start with the layer's ``path`` where given:
@@ -290,15 +361,16 @@ def pattern_mask(mask: Any, shape: tuple[int, ...], *, path: str | None = None) 
     raise type(e)(f"{where}its {SPARSITY!r} collection's {e}") from None
 
 
-def check_init_dtype(layer: type, param_dtype: Any, kernel_init: Any) -> None:
+def check_init_dtype(layer: type, param_dtype: Any, kernel_init: Any, *, name: str = "kernel_init") -> None:
   """Raises a ``TypeError`` naming ``param_dtype`` when it is not floating (nor complex) and ``kernel_init`` is
-  ``None``: the layer's default initializer draws a truncated normal, which needs one (an integer or bool dtype failed
-  inside JAX's sampler, naming neither the layer nor the argument)."""
+  ``None`` (the layer's default, passed as ``None`` by the layers whose default is another initializer): the layer's
+  default initializer draws a (truncated) normal, which needs one (an integer or bool dtype failed inside JAX's
+  sampler, naming neither the layer nor the argument). ``name``: the initializer's argument name."""
   if kernel_init is None and not jnp.issubdtype(jnp.dtype(param_dtype), jnp.inexact):
     raise TypeError(
-        f"{layer.__name__}'s default kernel_init draws a truncated normal and needs a floating param_dtype (float32, "
-        f"bfloat16, float16, float64), got param_dtype={jnp.dtype(param_dtype)}. For {jnp.dtype(param_dtype)} "
-        "weights pass kernel_init= (called as kernel_init(key, shape, param_dtype)), e.g. "
+        f"{layer.__name__}'s default {name} draws from a normal distribution and needs a floating param_dtype "
+        f"(float32, bfloat16, float16, float64), got param_dtype={jnp.dtype(param_dtype)}. For "
+        f"{jnp.dtype(param_dtype)} weights pass {name}= (called as {name}(key, shape, param_dtype)), e.g. "
         "jax.nn.initializers.zeros before loading trained weights."
     )
 

@@ -28,6 +28,7 @@ from jaxsparse.formats._nm import NMSparseMatrix
 from jaxsparse.formats._nm import decompress
 from jaxsparse.formats._nm_masks import check_nm
 from jaxsparse.layers._common import SparsityPattern
+from jaxsparse.layers._common import check_dtypes
 from jaxsparse.layers._nm_compressed import check_nm_implementation
 from jaxsparse.layers._partitioning import carry_back_nnx
 from jaxsparse.layers._partitioning import carry_nnx
@@ -82,6 +83,7 @@ class CompressedNMEmbed(nnx.Module):
           "weight must be the transposed table, a 2-D jaxsparse.NMSparseMatrix of shape (features, num_embeddings) "
           f"compressed along the features (axis=0), got {weight!r}; CompressedNMEmbed.from_dense builds it."
       )
+    check_dtypes(type(self), dtype=dtype, inexact=False)  # lookups take any dtype, as nnx.Embed's
     self.embedding = nnx.Param(weight.values)
     self.embedding_positions = SparsityPattern(weight.indices)
     self.features, self.num_embeddings = weight.shape

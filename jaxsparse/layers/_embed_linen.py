@@ -26,6 +26,8 @@ from jaxsparse import ops
 from jaxsparse.formats import _nm_masks
 from jaxsparse.formats._nm import NMSparseMatrix
 from jaxsparse.layers._common import SPARSITY
+from jaxsparse.layers._common import check_dtypes
+from jaxsparse.layers._common import check_init_dtype
 from jaxsparse.layers._common import check_pattern
 from jaxsparse.layers._common import missing_pattern
 from jaxsparse.layers._embed import attend_table
@@ -113,6 +115,9 @@ class CompressedNMEmbed(nn.Module):
     if self.features % m:
       raise ValueError(f"m={m} must divide features={self.features} (the groups run along the features).")
     check_nm_implementation(self.implementation)
+    check_dtypes(type(self), dtype=self.dtype, param_dtype=self.param_dtype, inexact=False, numeric_params=True)
+    default_init = self.embedding_init is default_embed_init
+    check_init_dtype(type(self), self.param_dtype, None if default_init else self.embedding_init, name="embedding_init")
     super().__post_init__()
 
   def setup(self):

@@ -12,6 +12,7 @@ from flax import nnx
 
 from jaxsparse import _utils
 from jaxsparse.formats._masks import replicated
+from jaxsparse.layers._common import check_dtypes
 from jaxsparse.layers._common import check_one_layer
 from jaxsparse.layers._common import with_weights
 from jaxsparse.layers._partitioning import FOLDED
@@ -74,6 +75,7 @@ class SparseLinearGeneral(nnx.Module):
           f"layer's (in_features, out_features)={inner}."
       )
     # The product is the wrapped layer's: so are its dtype and precision, which to_dense must reproduce.
+    check_dtypes(SparseLinearGeneral, dtype=dtype, inexact=False)  # it must be the wrapped layer's, checked there
     for name, given in (("dtype", dtype), ("precision", precision)):
       inner_value = getattr(layer, name, None)
       if given is not None and not _same(name, given, inner_value):

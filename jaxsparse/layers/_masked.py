@@ -27,6 +27,7 @@ from jaxsparse.formats._masks import magnitude_mask
 from jaxsparse.layers._common import SPARSITY
 from jaxsparse.layers._common import SparsityPattern
 from jaxsparse.layers._common import bias_of
+from jaxsparse.layers._common import check_dtypes
 from jaxsparse.layers._common import check_feature_groups
 from jaxsparse.layers._common import check_init_dtype
 from jaxsparse.layers._common import check_input
@@ -155,6 +156,7 @@ class MaskedLinear(nnx.Module):
     shape = (in_features, out_features)
     size = in_features * out_features
     self.implementation = check_masked_implementation(implementation)
+    check_dtypes(MaskedLinear, dtype=dtype, param_dtype=param_dtype)
     check_init_dtype(MaskedLinear, param_dtype, kernel_init)
     check_one_of("sparsity", sparsity, "mask", mask)
     if mask is None:
@@ -363,6 +365,7 @@ class MaskedDense(nn.Module):
     _utils.check_sparsity(self.sparsity)
     check_use_bias(self.use_bias)
     check_masked_implementation(self.implementation)
+    check_dtypes(type(self), dtype=self.dtype, param_dtype=self.param_dtype)
     check_init_dtype(type(self), self.param_dtype, self.kernel_init)
     super().__post_init__()
 
@@ -461,6 +464,8 @@ class MaskedConv(nnx.Conv):
     out_features = _utils.check_positive_int(out_features, name="out_features")
     kernel_size = check_kernel_size(kernel_size)
     check_use_bias(kwargs.get("use_bias", True))
+    check_dtypes(MaskedConv, dtype=kwargs.get("dtype"), param_dtype=kwargs.get("param_dtype", jnp.float32),
+                 inexact=kwargs.get("promote_dtype", dtypes.promote_dtype) is dtypes.promote_dtype)
     check_init_dtype(MaskedConv, kwargs.get("param_dtype", jnp.float32), kwargs.get("kernel_init"))
     # nnx.Conv accepts groups that do not divide the features and fails at the first call on a bare assert.
     groups = check_feature_groups(kwargs.get("feature_group_count", 1), in_features, out_features)

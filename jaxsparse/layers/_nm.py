@@ -35,6 +35,7 @@ from jaxsparse.formats._nm import NMSparseMatrix
 from jaxsparse.layers._common import NMPromote
 from jaxsparse.layers._common import base_promote
 from jaxsparse.layers._common import bias_of
+from jaxsparse.layers._common import check_dtypes
 from jaxsparse.layers._common import check_feature_groups
 from jaxsparse.layers._common import check_in_features
 from jaxsparse.layers._common import check_kernel_size
@@ -163,6 +164,7 @@ class NMLinear(_NMMixin, nnx.Linear):
     use_bias = check_use_bias(use_bias)
     transposable = check_transposable_layer(transposable, out_features, m)
     decay = _utils.check_decay(sr_ste_decay, name="sr_ste_decay")
+    check_dtypes(type(self), dtype=dtype, param_dtype=param_dtype, inexact=promote_dtype is dtypes.promote_dtype)
     check_trained_dtype(type(self), param_dtype=param_dtype)  # SR-STE trains it: float weights
     nm_promote = NMPromote(n, m, decay, 0, promote_dtype, transposable=transposable)
     super().__init__(
@@ -437,6 +439,7 @@ class NMConv(_NMMixin, nnx.Conv):
     check_in_features(in_features // feature_group_count, m, name="in_features // feature_group_count")
     transposable = check_transposable_layer(transposable, out_features, m)
     decay = _utils.check_decay(sr_ste_decay, name="sr_ste_decay")
+    check_dtypes(type(self), dtype=dtype, param_dtype=param_dtype, inexact=promote_dtype is dtypes.promote_dtype)
     check_trained_dtype(type(self), param_dtype=param_dtype)  # SR-STE trains it: float weights
     nm_promote = NMPromote(n, m, decay, -2, promote_dtype, transposable=transposable)
     super().__init__(

@@ -23,6 +23,7 @@ from jaxsparse import ops
 from jaxsparse.formats._nm import NMSparseMatrix
 from jaxsparse.layers._common import SparsityPattern
 from jaxsparse.layers._common import bias_of
+from jaxsparse.layers._common import check_dtypes
 from jaxsparse.layers._common import check_layer_inputs
 from jaxsparse.layers._common import check_one_layer
 from jaxsparse.layers._common import check_real_dtypes
@@ -157,6 +158,7 @@ class CompressedNMLinear(nnx.Module):
         what += f" of shape {tuple(weight.shape)}"
       raise TypeError(f"weight must be a 2-D jaxsparse.NMSparseMatrix, got {what}; NMSparseMatrix.from_dense builds "
                       "one from a dense (in_features, out_features) kernel.")
+    check_dtypes(type(self), dtype=dtype, inexact=promote_dtype is dtypes.promote_dtype)
     check_real_dtypes(type(self), **{"weight.dtype": weight.dtype, "dtype": dtype})
     if bias is not None and jnp.shape(bias) != (weight.shape[1],):
       raise ValueError(

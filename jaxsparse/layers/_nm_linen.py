@@ -28,6 +28,7 @@ from jaxsparse import _utils
 from jaxsparse import ops
 from jaxsparse.formats import _nm_masks
 from jaxsparse.layers._common import NMPromote
+from jaxsparse.layers._common import check_dtypes
 from jaxsparse.layers._common import check_feature_groups
 from jaxsparse.layers._common import check_in_features
 from jaxsparse.layers._common import check_kernel_size
@@ -46,6 +47,8 @@ def _check_fields(module: nn.Module) -> None:
   check_use_bias(module.use_bias)
   _utils.check_decay(module.sr_ste_decay, name="sr_ste_decay")
   check_transposable_layer(module.transposable, module.features, module.m, name="features")
+  check_dtypes(type(module), dtype=module.dtype, param_dtype=module.param_dtype,
+               inexact=module.promote_dtype is linen_promote_dtype)
   check_trained_dtype(type(module), param_dtype=module.param_dtype)  # SR-STE trains it: float weights
 
 

@@ -26,7 +26,9 @@ from jaxsparse import ops
 from jaxsparse.formats import _nm_masks
 from jaxsparse.formats._nm import NMSparseMatrix
 from jaxsparse.layers._common import SPARSITY
+from jaxsparse.layers._common import check_dtypes
 from jaxsparse.layers._common import check_in_features
+from jaxsparse.layers._common import check_init_dtype
 from jaxsparse.layers._common import check_input
 from jaxsparse.layers._common import check_known_in_features
 from jaxsparse.layers._common import check_pattern
@@ -95,7 +97,11 @@ class CompressedNMDense(nn.Module):
     _utils.check_positive_int(self.features, name="features")
     check_use_bias(self.use_bias)
     check_nm_implementation(self.implementation)
+    check_dtypes(type(self), dtype=self.dtype, param_dtype=self.param_dtype, numeric_params=True,
+                 inexact=self.promote_dtype is linen_promote_dtype)
     check_real_dtypes(type(self), param_dtype=self.param_dtype, dtype=self.dtype)
+    default_init = self.kernel_init is default_kernel_init  # draws a truncated normal, as the other layers' default
+    check_init_dtype(type(self), self.param_dtype, None if default_init else self.kernel_init)
     super().__post_init__()
 
   def _in_features(self, x_shape: tuple[int, ...]) -> int:

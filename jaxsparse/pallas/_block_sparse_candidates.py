@@ -3,9 +3,10 @@
 :func:`candidates` starts from the shipped default (:meth:`BlockSparseMatmulConfig.get_default`, the measured
 rules of :mod:`._block_sparse_config`) and adds, for one direction of the product (``"fwd"``, ``"dx"`` or
 ``"dw"``): the dense route (the weight built dense and one XLA product; for ``dw`` the dense ``xᵀ dY`` and a
-gather), the Triton kernel with its default tiles, with split contractions, with smaller row tiles and (the decode
-forward of 16-wide blocks) with the other warp count, and the Mosaic GPU kernel (Hopper, from 64 rows) with one or
-two block columns a tile and split contractions. Only configs the kernels support for these operands are listed;
+gather), the Triton kernel with its default tiles, with split contractions, with smaller row tiles, (the decode
+forward of 16-wide blocks) with the other warp count and (``dw`` of blocks up to 64 x 64) with several blocks a
+program, and the Mosaic GPU kernel (Hopper, from 64 rows) with one or two block columns a tile and split
+contractions. Only configs the kernels support for these operands are listed;
 duplicates of the default are dropped. The other directions' fields keep the default's values.
 """
 
@@ -102,6 +103,12 @@ def candidates(
   if direction == "dw":
     if tk.split == 1:
       add("triton/s4", dataclasses.replace(triton, dw=dataclasses.replace(tk, split=4)))
+    if w.block_shape[0] * w.block_shape[1] <= 64 * 64:
+      # 4 kept blocks of a block row a program, for blocks too small to keep a program busy, 64 rows a step. H200
+      # (gpu_grouped_dw_2026-11-30_h200.md): 0.80x the default's time at 224 x 5120 x 16384 in 32 x 32 bf16
+      # blocks, d 0.14; 1.2-2.2x it at 640 rows (8 blocks a program: slower than 4 in 3 of 4 shapes).
+      grouped = dataclasses.replace(tk, group_blocks=4, block_m=min(tk.block_m, 64))
+      add("triton/g4", dataclasses.replace(triton, dw=grouped))
     if mosaic_sdd is not None and not mosaic_unavailable_reason():
       dy = jax.ShapeDtypeStruct((m, n), x2.dtype)
       msd = mosaic_sdd.MosaicSddConfig.get_default(w.block_shape, w.dtype)

@@ -64,6 +64,7 @@ from jaxsparse.pallas._common import check_pattern
 from jaxsparse.pallas._common import chunk
 from jaxsparse.pallas._common import dot
 from jaxsparse.pallas._common import grouped_tile
+from jaxsparse.pallas._common import items_of
 from jaxsparse.pallas._common import pad_rows
 from jaxsparse.pallas._common import unavailable_reason
 from jaxsparse.pallas._common import whole_block
@@ -304,6 +305,34 @@ def _sdd_kernel(rows_ref, cols_ref, x_ref, dy_ref, ddata_ref, *, block_shape, st
   ddata_ref[...] = acc.astype(ddata_ref.dtype)
 
 
+def _sdd_grouped_kernel(num_ref, rows_ref, blocks_ref, cols_ref, x_ref, dy_ref, ddata_ref, *, block_shape, steps,
+                        cfg, dot):
+  """:func:`_sdd_kernel` for the up to ``group_blocks`` kept blocks of item ``p`` (one block row ``i``): each step
+  loads the ``x[:, i slab]`` rows once for all of them (``KernelConfig.group_blocks``)."""
+  p, part, group = pl.program_id(0), pl.program_id(1), cfg.group_blocks
+  (bk, bn), bm = block_shape, cfg.block_m
+  first = part * steps if cfg.split > 1 else 0
+
+  @pl.when(p < num_ref[0])  # items past num_items are padding
+  def _():
+    k0 = pl.multiple_of(rows_ref[p] * bk, bk)
+    n0s = [pl.multiple_of(cols_ref[p * group + j] * bn, bn) for j in range(group)]
+
+    def body(s, accs):
+      r = pl.ds(pl.multiple_of((first + s) * bm, bm), bm)
+      xs = x_ref[r, pl.ds(k0, bk)]
+      return tuple(acc + dot(xs, dy_ref[r, pl.ds(n0, bn)], ((0,), (0,))) for acc, n0 in zip(accs, n0s, strict=True))
+
+    accs = lax.fori_loop(0, steps, body, tuple(jnp.zeros((bk, bn), jnp.float32) for _ in range(group)))
+    # A short item repeats its last block: that block is written again, with the same sums.
+    for j, acc in enumerate(accs):
+      b = blocks_ref[p * group + j]
+      if cfg.split > 1:
+        ddata_ref[part, b] = acc.astype(ddata_ref.dtype)
+      else:
+        ddata_ref[b] = acc.astype(ddata_ref.dtype)
+
+
 # -------------------------------------------------------------------------------------------------
 # Wrappers.
 # -------------------------------------------------------------------------------------------------
@@ -460,6 +489,9 @@ def _dw(x2, dy2, w, *, compute_dtype, precision, cfg: KernelConfig, interpret):
   xp, dyp = pad_rows(xp, steps * split * bm), pad_rows(dyp, steps * split * bm)
   cfg = dataclasses.replace(cfg, split=split)
   nnz, (bk, bn) = w.nnz_blocks, w.block_shape
+  dot_ = functools.partial(dot, compute_dtype=compute_dtype, precision=precision)
+  if cfg.group_blocks > 1:
+    return _dw_grouped(xp, dyp, w, steps=steps, cfg=cfg, dot=dot_, like=(x2, dy2), interpret=interpret)
   rows, cols = w.row_indices, w.col_indices
   if cfg.block_order == "cols":  # program t computes block transpose_order[t]; un-permuted below
     rows, cols = rows[w.transpose_order], cols[w.transpose_order]
@@ -474,7 +506,7 @@ def _dw(x2, dy2, w, *, compute_dtype, precision, cfg: KernelConfig, interpret):
       block_shape=(bk, bn),
       steps=steps,
       cfg=cfg,
-      dot=functools.partial(dot, compute_dtype=compute_dtype, precision=precision),
+      dot=dot_,
   )
   ddata = pl.pallas_call(
       kernel,
@@ -497,6 +529,24 @@ def _dw(x2, dy2, w, *, compute_dtype, precision, cfg: KernelConfig, interpret):
   if split > 1:
     ddata = ddata.sum(axis=0).astype(w.dtype)
   return ddata
+
+
+def _dw_grouped(xp, dyp, w, *, steps, cfg: KernelConfig, dot, like, interpret):
+  """:func:`_dw` with ``cfg.group_blocks`` kept blocks of a block row a program, on rows padded for ``cfg``."""
+  nnz, (bk, bn), split = w.nnz_blocks, w.block_shape, cfg.split
+  num_items, rows, blocks, cols = items_of(w, cfg.group_blocks, cfg.block_order)
+  shape, dtype = ((nnz, bk, bn), w.dtype) if split == 1 else ((split, nnz, bk, bn), jnp.float32)
+  ddata = pl.pallas_call(
+      functools.partial(_sdd_grouped_kernel, block_shape=(bk, bn), steps=steps, cfg=cfg, dot=dot),
+      out_shape=_utils.result_struct(shape, dtype, *like, w),
+      grid=(rows.shape[0], split),
+      in_specs=[whole_block(a.shape, 2) for a in (num_items, rows, blocks, cols, xp, dyp)],
+      out_specs=whole_block(shape, 2),
+      compiler_params=_params(cfg),
+      interpret=interpret,
+      name=f"block_sparse_sdd_{bk}x{bn}_g{cfg.group_blocks}",
+  )(num_items, rows, blocks, cols, xp, dyp)
+  return ddata if split == 1 else ddata.sum(axis=0).astype(w.dtype)
 
 
 def backward(

@@ -25,7 +25,7 @@ the ``x`` tile transposed.
 Needs ``bk`` of 64 or 128 (the wgmma M dimension is a multiple of 64) and, for 16-bit inputs, ``bn``
 of 64 or 128 (both operands need the same 128-byte swizzle; float32 also takes ``bn = 32``); blocks
 with ``bk = 32`` and pre-Hopper GPUs use the Triton SDD kernel. The item logic is plain ``jnp``
-(:func:`items_of`), checked on a CPU.
+(:func:`jaxsparse.pallas._common.items_of`), checked on a CPU.
 """
 
 from __future__ import annotations
@@ -48,9 +48,10 @@ from jaxsparse.pallas._block_sparse_matmul_mgpu import _smem_transforms
 from jaxsparse.pallas._block_sparse_matmul_mgpu import _transposed
 from jaxsparse.pallas._block_sparse_matmul_mgpu import tma_rows
 from jaxsparse.pallas._common import check_pattern
+from jaxsparse.pallas._common import items_of
 from jaxsparse.pallas._common import pad_rows
 
-__all__ = ["MosaicSddConfig", "items_of", "sampled_dw", "supports", "unsupported_reason"]
+__all__ = ["MosaicSddConfig", "sampled_dw", "supports", "unsupported_reason"]
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 SUPPORTED_BK = (64, 128)
@@ -174,37 +175,6 @@ class MosaicSddConfig:
       if cfg.smem_bytes(block_shape, itemsize) <= _SMEM_BYTES:
         return cfg
     return cfg
-
-
-def items_of(w: BlockSparseMatrix, group: int, order: str = "rows") -> tuple[jax.Array, ...]:
-  """Work items: runs of up to ``group`` consecutive kept blocks of one block row.
-
-  Items are ordered by block row (``order="rows"``) or by the block column of their first block
-  (``"cols"``; ties by row); see :class:`MosaicSddConfig`.
-
-  Returns:
-    ``(num_items, rows, blocks, cols)``: ``num_items`` ``(1,)`` int32, the number of real items;
-    ``rows`` ``(max_items,)`` the block row of each item; ``blocks`` / ``cols`` ``(max_items * group,)``
-    the positions in ``data`` and block columns of each item's blocks, a short item repeating its
-    last block. Entries past ``num_items`` are padding (valid indices, never visited).
-  """
-  if order not in ("rows", "cols"):
-    raise ValueError(f"order must be 'rows' or 'cols', got order={order!r}.")
-  nnz, (kb, nb) = w.nnz_blocks, w.grid_shape
-  max_items = max(1, min(nnz, -(-nnz // group) + kb))
-  t = jnp.arange(nnz, dtype=jnp.int32)
-  row = w.row_indices
-  starts_here = (t - w.row_offsets[row]) % group == 0
-  num_items = jnp.sum(starts_here, dtype=jnp.int32).reshape(1)
-  starts = jnp.nonzero(starts_here, size=max_items, fill_value=0)[0].astype(jnp.int32)
-  if order == "cols":
-    # Real items first (padding keeps its place past num_items), by first column, then row.
-    key = w.col_indices[starts] * kb + row[starts]
-    starts = starts[jnp.argsort(jnp.where(jnp.arange(max_items) < num_items[0], key, kb * nb))]
-  rows = row[starts]
-  last = w.row_offsets[rows + 1] - 1
-  blocks = jnp.minimum(starts[:, None] + jnp.arange(group, dtype=jnp.int32), last[:, None]).reshape(-1)
-  return num_items, rows, blocks, w.col_indices[blocks]
 
 
 def unsupported_reason(x2, dy2, w, config: MosaicSddConfig | None = None) -> str | None:

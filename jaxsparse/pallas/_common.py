@@ -13,6 +13,7 @@ from jax.experimental import pallas as pl
 from jaxsparse._utils import FallbackWarning
 from jaxsparse.formats._base import IndexedSparseMatrix
 from jaxsparse.formats._base import is_concrete
+from jaxsparse.formats._block_sparse import BlockSparseMatrix
 from jaxsparse.formats._nm import NMSparseMatrix
 from jaxsparse.formats._nm import index_layout
 
@@ -24,6 +25,7 @@ __all__ = [
     "chunk",
     "dot",
     "grouped_tile",
+    "items_of",
     "pad_rows",
     "unavailable_reason",
     "whole_block",
@@ -165,3 +167,35 @@ def whole_block(shape: tuple[int, ...], grid_rank: int) -> pl.BlockSpec:
   """A BlockSpec that hands a kernel of a ``grid_rank``-D grid the whole array (index arrays, block data)."""
   zeros = (0,) * len(shape)
   return pl.BlockSpec(shape, lambda *_: zeros) if grid_rank else pl.BlockSpec(shape, lambda: zeros)
+
+
+def items_of(w: BlockSparseMatrix, group: int, order: str = "rows") -> tuple[jax.Array, ...]:
+  """Work items: runs of up to ``group`` consecutive kept blocks of one block row.
+
+  The ``dw`` kernels' schedule (Mosaic GPU: :mod:`._block_sparse_sdd_mgpu`; Triton: ``KernelConfig.group_blocks``).
+  Items are ordered by block row (``order="rows"``) or by the block column of their first block
+  (``"cols"``; ties by row); see :class:`MosaicSddConfig`.
+
+  Returns:
+    ``(num_items, rows, blocks, cols)``: ``num_items`` ``(1,)`` int32, the number of real items;
+    ``rows`` ``(max_items,)`` the block row of each item; ``blocks`` / ``cols`` ``(max_items * group,)``
+    the positions in ``data`` and block columns of each item's blocks, a short item repeating its
+    last block. Entries past ``num_items`` are padding (valid indices, never visited).
+  """
+  if order not in ("rows", "cols"):
+    raise ValueError(f"order must be 'rows' or 'cols', got order={order!r}.")
+  nnz, (kb, nb) = w.nnz_blocks, w.grid_shape
+  max_items = max(1, min(nnz, -(-nnz // group) + kb))
+  t = jnp.arange(nnz, dtype=jnp.int32)
+  row = w.row_indices
+  starts_here = (t - w.row_offsets[row]) % group == 0
+  num_items = jnp.sum(starts_here, dtype=jnp.int32).reshape(1)
+  starts = jnp.nonzero(starts_here, size=max_items, fill_value=0)[0].astype(jnp.int32)
+  if order == "cols":
+    # Real items first (padding keeps its place past num_items), by first column, then row.
+    key = w.col_indices[starts] * kb + row[starts]
+    starts = starts[jnp.argsort(jnp.where(jnp.arange(max_items) < num_items[0], key, kb * nb))]
+  rows = row[starts]
+  last = w.row_offsets[rows + 1] - 1
+  blocks = jnp.minimum(starts[:, None] + jnp.arange(group, dtype=jnp.int32), last[:, None]).reshape(-1)
+  return num_items, rows, blocks, w.col_indices[blocks]

@@ -30,6 +30,10 @@ class KernelConfig:
       ``x`` slabs). The Mosaic ``dw`` kernel measured faster in that order where ``N >= K`` (see
       :class:`~jaxsparse.pallas._block_sparse_sdd_mgpu.MosaicSddConfig`); this kernel where ``N >= 4 K``
       (16-bit, ``TritonRules.dw_cols_order_min_ratio``), ``"rows"`` elsewhere.
+    group_blocks: ``dw`` programs compute up to this many consecutive kept blocks of one block row
+      (:func:`~jaxsparse.pallas._common.items_of`), loading each step's ``x`` slab once for all of them, one
+      ``dY`` slab each; ``1``: one block a program. For small blocks, whose programs are too short to hide their
+      loads (32 x 32 blocks at a few hundred rows).
 
   Built and checked on any machine (the kernels it tiles need a CUDA GPU):
 
@@ -51,6 +55,7 @@ class KernelConfig:
   index_window: bool = True
   sub_cols: int | None = None
   block_order: str = "rows"
+  group_blocks: int = 1
 
   def __post_init__(self):
     bm = self.block_m
@@ -59,7 +64,7 @@ class KernelConfig:
     sc = self.sub_cols
     if sc is not None and (sc < 16 or sc & (sc - 1)):
       raise ValueError(f"sub_cols must be None or a power of two >= 16, got sub_cols={sc}.")
-    for name in ("num_warps", "num_stages", "group_m", "split"):
+    for name in ("num_warps", "num_stages", "group_m", "split", "group_blocks"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {name}={getattr(self, name)}.")
     if self.block_order not in ("rows", "cols"):
@@ -94,7 +99,7 @@ def staged_bytes(cfg: KernelConfig, direction: str, block_shape: tuple[int, int]
   elif direction == "dx":
     tiles = cfg.block_m * bn + min(cfg.sub_cols or bk, bk) * bn
   elif direction == "dw":
-    tiles = cfg.block_m * (bk + bn)
+    tiles = cfg.block_m * (bk + cfg.group_blocks * bn)
   else:
     raise ValueError(f"direction must be 'fwd', 'dx' or 'dw', got {direction!r}.")
   if itemsize == 2:

@@ -26,6 +26,7 @@ from jaxsparse.formats._base import is_concrete
 from jaxsparse.formats._block_sparse import INDEX_FIELDS
 from jaxsparse.layers._block_sparse import BlockSparseLinear
 from jaxsparse.layers._common import SPARSITY
+from jaxsparse.layers._common import bridged_block_pattern
 from jaxsparse.layers._common import pattern_mask
 from jaxsparse.layers._masked import MaskedConv
 from jaxsparse.layers._masked import MaskedLinear
@@ -132,7 +133,7 @@ def apply_masks(target: Any, masks: Any) -> Any:
     out["params"] = _rebox(boxed, where_masked(params_masks, params, jnp.zeros_like, params))
     if SPARSITY in target:
       out[SPARSITY] = _narrow_linen_masks(target[SPARSITY], params_masks)
-      _warn_emptied_blocks(_linen_block_masks(target[SPARSITY], params_masks), linen=True)
+      _warn_emptied_blocks(_linen_block_masks(target[SPARSITY], params, params_masks), linen=True)
     return out
   masks = _checked_masks(masks, target)
   return where_masked(masks, target, jnp.zeros_like, target)
@@ -210,23 +211,25 @@ def _nnx_block_masks(model: nnx.Module, masks: Any) -> list[tuple[str, Any, int]
   return found
 
 
-def _linen_block_masks(sparsity: Mapping, masks: Any) -> list[tuple[str, Any, int]]:
+def _linen_block_masks(sparsity: Mapping, params: Mapping, masks: Any) -> list[tuple[str, Any, int]]:
   """``(path, kernel mask, blocks of the grid)`` of each block-sparse layer of Linen variables (its ``"sparsity"``
-  index arrays) that ``masks`` (of their ``"params"``) prune."""
+  index arrays, flat as a ``BlockSparseDense`` keeps them or one level down as a bridged
+  ``ToLinen(BlockSparseLinear)`` does) that ``masks`` (of their ``"params"``) prune."""
   paths, leaves, _ = flatten_with_paths(masks)
   by_path = dict(zip(paths, leaves, strict=True))
   found = []
 
-  def walk(tree: Mapping, prefix: tuple[str, ...]) -> None:
-    mask = by_path.get(path_str((*prefix, "kernel"))) if INDEX_FIELDS[0] in tree else None
+  def walk(tree: Mapping, layer_params: Any, prefix: tuple[str, ...]) -> None:
+    index = tree if INDEX_FIELDS[0] in tree else bridged_block_pattern(tree, layer_params)
+    mask = by_path.get(path_str((*prefix, "kernel"))) if index is not None else None
     if mask is not None:  # the grid from the offsets: (K // bk + 1,) and (N // bn + 1,)
-      kb, nb = (np.shape(nn.meta.unbox(tree[f]))[-1] - 1 for f in ("row_offsets", "col_offsets"))
+      kb, nb = (np.shape(nn.meta.unbox(index[f]))[-1] - 1 for f in ("row_offsets", "col_offsets"))
       found.append((path_str(prefix) or "(the variables themselves)", mask, kb * nb))
     for key, value in tree.items():
       if isinstance(value, Mapping):
-        walk(value, (*prefix, str(key)))
+        walk(value, layer_params.get(key) if isinstance(layer_params, Mapping) else None, (*prefix, str(key)))
 
-  walk(sparsity, ())
+  walk(sparsity, params, ())
   return found
 
 

@@ -24,6 +24,7 @@ from jaxsparse.formats._specs import NM
 from jaxsparse.pruning._optax import Pruner
 from jaxsparse.pruning._schedules import check_steps
 from jaxsparse.pruning._schedules import periodic
+from jaxsparse.pruning._schedules import ramp
 from jaxsparse.pruning._scores import Target
 from jaxsparse.pruning._scores import frozen_rules
 from jaxsparse.pruning._scores import magnitude_scores
@@ -46,7 +47,8 @@ def cosine_drop_fraction(
   [0.3, 0.15, 0.0, 0.0]
 
   Args:
-    step: the step ``t``, an int or a scalar array (may be traced).
+    step: the step ``t``, an int or a scalar array (may be traced); integer steps are exact at any size (clipped
+      and subtracted as integers).
     drop_fraction: ``alpha``, the fraction at ``begin_step``.
     begin_step: ``t0``.
     end_step: ``t1``; the fraction is 0 at ``end_step`` and after it.
@@ -60,10 +62,11 @@ def cosine_drop_fraction(
   """
   _check_drop_fraction(drop_fraction)
   begin_step, end_step = check_steps(begin_step, end_step)
-  t = jnp.asarray(step, jnp.float32)
-  frac = jnp.clip((t - begin_step) / max(end_step - begin_step, 1), 0.0, 1.0)
-  f = jnp.float32(drop_fraction) / 2 * (1 + jnp.cos(jnp.pi * frac))
-  return jnp.where(t > end_step, jnp.float32(0.0), f)
+  _, _, left = ramp(step, begin_step, end_step)  # left = 1 - frac, from exact step arithmetic
+  # alpha / 2 (1 + cos(pi frac)) = alpha sin^2(pi (1 - frac) / 2): no cancellation near the end of a long ramp.
+  f = jnp.float32(drop_fraction) * jnp.sin(jnp.float32(jnp.pi / 2) * left) ** 2
+  up_to_end = ramp(step, end_step + 1, end_step + 1)[0]  # step <= end_step, exact as above
+  return jnp.where(up_to_end, f, jnp.float32(0.0))
 
 
 def _swap(units: jax.Array, drop_scores: jax.Array, grow_scores: jax.Array, n_swap: jax.Array) -> jax.Array:

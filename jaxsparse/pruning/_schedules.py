@@ -156,7 +156,8 @@ def polynomial_sparsity(
   [0.0, 0.7875, 0.9, 0.9]
 
   Args:
-    step: the step ``t``, an int or a scalar array (may be traced).
+    step: the step ``t``, an int or a scalar array (may be traced). Integer steps are exact at any size (Python and
+      NumPy ints, integer arrays such as ``state.count``): they are clipped and subtracted as integers.
     final_sparsity: ``s_f``, reached at ``end_step`` and kept after it.
     begin_step: ``t0``, the first step of the ramp.
     end_step: ``t1``, the step at which ``final_sparsity`` is reached. With ``end_step == begin_step`` there is

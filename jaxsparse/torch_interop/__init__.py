@@ -34,14 +34,14 @@ from jaxsparse.torch_interop._export import export_masks
 from jaxsparse.torch_interop._export import export_state_dict
 from jaxsparse.torch_interop._files import load_flax_variables
 from jaxsparse.torch_interop._files import save_flax_variables
-from jaxsparse.torch_interop._flax import LayerLoad
-from jaxsparse.torch_interop._flax import LoadReport
 from jaxsparse.torch_interop._flax import apply_rules
 from jaxsparse.torch_interop._flax import load_nnx
-from jaxsparse.torch_interop._flax import map_name
 from jaxsparse.torch_interop._linen import to_linen_variables
 from jaxsparse.torch_interop._load import CheckpointError
 from jaxsparse.torch_interop._load import load_state_dict
+from jaxsparse.torch_interop._names import LayerLoad
+from jaxsparse.torch_interop._names import LoadReport
+from jaxsparse.torch_interop._names import map_name
 from jaxsparse.torch_interop._patterns import Pattern
 from jaxsparse.torch_interop._patterns import detect_pattern
 

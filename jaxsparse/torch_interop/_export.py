@@ -32,6 +32,7 @@ from jaxsparse.formats._block_sparse import BlockSparseMatrix
 from jaxsparse.formats._nm import NMSparseMatrix
 from jaxsparse.formats._specs import NM
 from jaxsparse.formats._specs import matrix_shape
+from jaxsparse.layers._common import bridged_block_pattern
 from jaxsparse.layers._common import nm_kept_mask
 from jaxsparse.layers._common import pattern_mask
 from jaxsparse.layers._nm import kept_mask
@@ -203,13 +204,20 @@ def _linen_nm_weight(kernel: np.ndarray, layer: Any) -> tuple[np.ndarray, np.nda
   return _weight_masked(kernel, mask, own), mask
 
 
+def _one_level(flat: Mapping[str, dict], fp: str) -> dict:
+  """The entry of the layer at ``fp`` in a :func:`_flatten` ed collection with its ``"pattern"`` child nested back,
+  as :func:`jaxsparse.layers._common.bridged_block_pattern` reads one layer's variables."""
+  nested = f"{fp}.pattern" if fp else "pattern"
+  return {**flat.get(fp, {}), **({"pattern": flat[nested]} if nested in flat else {})}
+
+
 def _linen_pattern(sparsity: Mapping[str, dict], params: Mapping[str, dict], fp: str) -> tuple[dict, str | None]:
   """The ``"sparsity"`` leaves of the layer at ``fp`` and the module path they came from (``None`` if none): its own,
   or, for an NNX ``BlockSparseLinear`` under ``nnx.bridge.ToLinen``, its ``pattern`` dict of index arrays one level
   down (``{"pattern": {"row_indices": ...}}``, where a ``BlockSparseDense`` keeps them flat)."""
-  nested = f"{fp}.pattern" if fp else "pattern"
-  if fp not in sparsity and nested not in params and set(sparsity.get(nested, ())) == set(INDEX_FIELDS):
-    return dict(sparsity[nested]), nested
+  index = bridged_block_pattern(_one_level(sparsity, fp), _one_level(params, fp))
+  if index is not None:
+    return dict(index), f"{fp}.pattern" if fp else "pattern"
   return dict(sparsity.get(fp, {})), fp if fp in sparsity else None
 
 

@@ -10,10 +10,10 @@ import jax
 import numpy as np
 
 from jaxsparse._utils import atomic_write
-from jaxsparse.torch_interop._decode import to_numpy
 from jaxsparse.torch_interop._load import CheckpointError
 from jaxsparse.torch_interop._load import import_torch
 from jaxsparse.torch_interop._load import to_torch
+from jaxsparse.torch_interop._tensors import to_numpy
 
 __all__ = ["load_flax_variables", "save_flax_variables"]
 

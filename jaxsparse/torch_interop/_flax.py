@@ -9,11 +9,8 @@ out)``, Conv ``weight (O, I, *k)`` -> ``kernel (*k, I, O)``, norms ``weight`` ->
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
-import fnmatch
 import re
-from collections.abc import Callable
 from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
@@ -37,158 +34,17 @@ from jaxsparse.torch_interop._decode import TorchParam
 from jaxsparse.torch_interop._decode import decode_checkpoint
 from jaxsparse.torch_interop._decode import float_value
 from jaxsparse.torch_interop._load import CheckpointError
+from jaxsparse.torch_interop._names import DEFAULT_EMBEDDINGS
+from jaxsparse.torch_interop._names import LayerLoad
+from jaxsparse.torch_interop._names import LoadReport
+from jaxsparse.torch_interop._names import NameMap
+from jaxsparse.torch_interop._names import group_params
+from jaxsparse.torch_interop._names import map_name
 from jaxsparse.torch_interop._patterns import Pattern
 from jaxsparse.torch_interop._patterns import flax_layout
 from jaxsparse.torch_interop._patterns import nm_mask_torch
 
-__all__ = ["LayerLoad", "LoadReport", "NameMap", "apply_rules", "load_nnx", "map_name"]
-
-NameMap = Callable[[str], str | None] | Mapping[str, str | None] | Sequence[tuple[str, str | None]] | None
-
-# Embedding tables are 2-D like Linear weights but are not transposed; without a target model
-# (to_linen_variables, the CLI) they are told apart by name.
-DEFAULT_EMBEDDINGS = r"(^|\.)(\w*embed\w*|wte|wpe|shared)$"
-
-
-def map_name(name_map: NameMap, torch_path: str) -> str | None:
-  """Maps a torch module path to a Flax module path (``None``: drop it).
-
-  ``name_map`` is ``None`` (same dotted names), a callable, a dict of exact paths (others unchanged),
-  or a sequence of ``(regex, replacement)`` rules applied in order with :func:`re.sub`; a rule whose
-  replacement is ``None`` drops every path it matches.
-
-  >>> from jaxsparse.torch_interop import map_name
-  >>> map_name([(r"attention\\.self\\.", "attention.")], "encoder.layer.0.attention.self.query")
-  'encoder.layer.0.attention.query'
-  >>> map_name([(r"^pooler\\.", None)], "pooler.dense") is None
-  True
-
-  Args:
-    name_map: ``None``, a callable ``torch path -> Flax path or None``, a dict of exact paths, or a sequence
-      of ``(regex, replacement or None)`` rules.
-    torch_path: the dotted torch module path, e.g. ``"encoder.layer.0.attention.self.query"``.
-
-  Returns:
-    The dotted Flax module path (a ``str``), or ``None`` when the module is dropped.
-
-  Raises:
-    TypeError: a rule of a sequence ``name_map`` that is not a ``(regex, replacement)`` pair.
-    re.error: a rule's regex that does not compile.
-  """
-  if name_map is None:
-    return torch_path
-  if callable(name_map):
-    return name_map(torch_path)
-  if isinstance(name_map, Mapping):
-    return name_map.get(torch_path, torch_path)
-  out = torch_path
-  for rule in name_map:
-    if not (isinstance(rule, tuple | list) and len(rule) == 2):
-      raise TypeError(f"name_map rules must be (regex, replacement) pairs, got {rule!r}.")
-    pattern, repl = rule
-    if repl is None:
-      if re.search(pattern, out):
-        return None
-      continue
-    out = re.sub(pattern, repl, out)
-  return out
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerLoad:
-  """How one torch module was loaded.
-
-  Attributes:
-    flax_path: dotted Flax module path.
-    torch_module: dotted torch module path.
-    layer: class name of the Flax module that holds the weights now.
-    format: the torch format of its weight (``"dense"``, ``"torch.nn.utils.prune"``, ...).
-    pattern: the sparsity :class:`Pattern` of the weight (``"dense"`` without a mask).
-
-  >>> import torch, torch.nn.utils.prune as prune
-  >>> from flax import nnx
-  >>> from jaxsparse import torch_interop
-  >>> net = torch.nn.Sequential(torch.nn.Linear(16, 8))
-  >>> _ = prune.l1_unstructured(net[0], "weight", amount=0.5)
-  >>> model = nnx.Sequential(nnx.Linear(16, 8, rngs=nnx.Rngs(0)))
-  >>> row = torch_interop.load_nnx(model, net.state_dict(), name_map=[(r"^", "layers.")]).layers[0]
-  >>> row.flax_path, row.torch_module, row.layer, row.format, str(row.pattern), row.pattern.density
-  ('layers.0', '0', 'MaskedLinear', 'torch.nn.utils.prune', 'unstructured', 0.5)
-  """
-
-  flax_path: str
-  torch_module: str
-  layer: str
-  format: str
-  pattern: Pattern
-
-
-@dataclasses.dataclass
-class LoadReport:
-  """What :func:`load_nnx` did.
-
-  Attributes:
-    layers: one :class:`LayerLoad` per Flax module that received weights.
-    missing: Flax parameters nothing was loaded into (only with ``strict=False``).
-    unexpected: torch parameters that were not used (only with ``strict=False``).
-
-  ``str(report)`` is a table of the layers, then the missing and unexpected names.
-
-  >>> import torch
-  >>> from flax import nnx
-  >>> from jaxsparse import torch_interop
-  >>> state = {**torch.nn.Linear(16, 8).state_dict(), "extra.weight": torch.zeros(2, 2)}
-  >>> report = torch_interop.load_nnx(nnx.Linear(16, 8, rngs=nnx.Rngs(0)), state, strict=False)
-  >>> [layer.layer for layer in report.layers], report.missing, report.unexpected
-  (['Linear'], [], ['extra.weight'])
-  >>> report.torch_names
-  {'': ''}
-  """
-
-  layers: list[LayerLoad]
-  missing: list[str] = dataclasses.field(default_factory=list)
-  unexpected: list[str] = dataclasses.field(default_factory=list)
-
-  @property
-  def torch_names(self) -> dict[str, str]:
-    """``{flax module path: torch module path}``: pass it to the export functions to write torch names."""
-    return {layer.flax_path: layer.torch_module for layer in self.layers}
-
-  def __str__(self) -> str:
-    rows = [("flax path", "torch module", "layer", "format", "pattern", "density")]
-    for r in self.layers:
-      rows.append((r.flax_path, r.torch_module, r.layer, r.format, str(r.pattern), f"{r.pattern.density:.3f}"))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
-    if self.missing:
-      lines.append(f"missing (not loaded): {self.missing}")
-    if self.unexpected:
-      lines.append(f"unexpected (not used): {self.unexpected}")
-    return "\n".join(lines)
-
-
-def _ignored(name: str, ignore: Sequence[str]) -> bool:
-  return any(fnmatch.fnmatchcase(name, pattern) for pattern in ignore)
-
-
-def _group(params: Mapping[str, TorchParam], name_map: NameMap, ignore: Sequence[str]) -> dict[str, dict]:
-  """``{flax module path: {"torch": torch module path, "params": {param: TorchParam}}}``."""
-  groups: dict[str, dict] = {}
-  for p in params.values():
-    if _ignored(p.name, ignore):
-      continue
-    flax_path = map_name(name_map, p.module)
-    if flax_path is None:
-      continue
-    g = groups.setdefault(flax_path, {"torch": p.module, "params": {}})
-    if g["torch"] != p.module:
-      raise CheckpointError(
-          f"torch modules {g['torch']!r} and {p.module!r} both map to the Flax path {flax_path!r}; the name map is "
-          "ambiguous."
-      )
-    g["params"][p.param] = p
-  return groups
-
+__all__ = ["apply_rules", "load_nnx"]
 
 _NORMS = (nnx.LayerNorm, nnx.RMSNorm, nnx.GroupNorm)
 
@@ -493,7 +349,7 @@ def load_nnx(
   if not isinstance(model, nnx.Module):
     raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}.")
   params = decode_checkpoint(source, nm=nm, key=key, conv1d=conv1d)
-  groups = _group(params, name_map, ignore)
+  groups = group_params(params, name_map, ignore)
   plan = _Plan(strict=strict)
   loads, missing = [], []
   linear_types, seen = (jsl.NMLinear, jsl.MaskedLinear, jsl.BlockSparseLinear, nnx.Linear), set()

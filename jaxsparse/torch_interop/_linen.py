@@ -1,6 +1,6 @@
 """Flax Linen variables from a PyTorch checkpoint: layers recognised by their parameters, shapes from a target's.
 
-The name mapping and the sparsifying rules are those of :mod:`._flax` (:func:`~._flax.map_name`,
+The name mapping and the sparsifying rules are those of the NNX loader (:func:`~._names.map_name`,
 :func:`~._flax.apply_rules`).
 """
 
@@ -26,16 +26,16 @@ from jaxsparse.torch_interop._decode import NMSpec
 from jaxsparse.torch_interop._decode import TorchParam
 from jaxsparse.torch_interop._decode import decode_checkpoint
 from jaxsparse.torch_interop._decode import float_value
-from jaxsparse.torch_interop._flax import DEFAULT_EMBEDDINGS
-from jaxsparse.torch_interop._flax import NameMap
-from jaxsparse.torch_interop._flax import _group
-from jaxsparse.torch_interop._flax import _ignored
 from jaxsparse.torch_interop._flax import apply_rules
-from jaxsparse.torch_interop._flax import map_name
 from jaxsparse.torch_interop._load import CheckpointError
 from jaxsparse.torch_interop._load import TensorSource
 from jaxsparse.torch_interop._load import import_torch
 from jaxsparse.torch_interop._load import open_checkpoint
+from jaxsparse.torch_interop._names import DEFAULT_EMBEDDINGS
+from jaxsparse.torch_interop._names import NameMap
+from jaxsparse.torch_interop._names import group_params
+from jaxsparse.torch_interop._names import ignored
+from jaxsparse.torch_interop._names import map_name
 from jaxsparse.torch_interop._patterns import flax_layout
 
 __all__ = ["to_linen_variables"]
@@ -148,7 +148,7 @@ def to_linen_variables(
     exactly = "^(?:" + "|".join(re.escape(t) for t in sorted(tables)) + ")$" if tables else r"(?!)"
     params = apply_rules(params, rules, name_map=name_map, embeddings=exactly)
   out: dict[str, dict] = {"params": {}}
-  for flax_path, group in _group(params, name_map, ignore).items():
+  for flax_path, group in group_params(params, name_map, ignore).items():
     for name, p in group["params"].items():
       _linen_param(out, flax_path, name, p, sparse=sparse, table=group["torch"] in tables, masks=target is not None)
   out = {k: v for k, v in out.items() if v}
@@ -189,7 +189,7 @@ def _embedding_tables(params: Mapping[str, TorchParam], module_types: Mapping[st
       continue
     elif re.search(DEFAULT_EMBEDDINGS if embeddings is None else embeddings, mod):
       tables.add(mod)
-    elif embeddings is None and shapes is None and fp is not None and not _ignored(w.name, ignore):
+    elif embeddings is None and shapes is None and fp is not None and not ignored(w.name, ignore):
       guessed.append(w.name)
   if guessed:
     listing = ", ".join(guessed[:5]) + (f" and {len(guessed) - 5} more" if len(guessed) > 5 else "")

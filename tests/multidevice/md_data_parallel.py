@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import AxisType
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -390,3 +391,21 @@ def test_eager_calls_on_an_auto_mesh_keep_the_rows_split(name):
   assert_close(y, y_ref, jnp.float32)
   assert_close(dx, dx_ref, jnp.float32)
   assert_close(dt, dt_ref, jnp.float32)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: jaxsparse.layers.BlockSparseLinear(K, N, block_shape=(16, 16), density=0.5, rngs=nnx.Rngs(0)),
+        lambda: jaxsparse.layers.NMLinear(K, N, n=2, m=4, rngs=nnx.Rngs(0)),
+        lambda: jaxsparse.layers.MaskedLinear(K, N, sparsity=0.5, rngs=nnx.Rngs(0)),
+    ],
+    ids=["block", "nm", "masked"],
+)
+def test_layer_gradients_inside_shard_map(make):
+  # A data-parallel step written with shard_map (check_vma=True): the parameters' gradients come out summed.
+  graph, params, rest = nnx.split(make(), nnx.Param, ...)
+  loss = lambda p, x: jnp.sum(jnp.sin(nnx.merge(graph, p, rest)(x)))
+  x = jax.random.normal(KEYS[2], (16, K))
+  smap = jax.shard_map(jax.grad(loss), mesh=_mesh(), in_specs=(P(), P("data")), out_specs=P())
+  jax.tree.map(lambda g, w: assert_close(g, w, jnp.float32), jax.jit(smap)(params, x), jax.grad(loss)(params, x))
