@@ -27,8 +27,8 @@ from jaxsparse.formats._masks import replicated
 from jaxsparse.formats._nm import NMSparseMatrix
 from jaxsparse.formats._nm import decompress
 from jaxsparse.formats._nm_masks import check_nm
+from jaxsparse.layers._checks import check_dtypes
 from jaxsparse.layers._common import SparsityPattern
-from jaxsparse.layers._common import check_dtypes
 from jaxsparse.layers._nm_compressed import check_nm_implementation
 from jaxsparse.layers._partitioning import carry_back_nnx
 from jaxsparse.layers._partitioning import carry_nnx

@@ -25,9 +25,9 @@ from jaxsparse import _utils
 from jaxsparse import ops
 from jaxsparse.formats import _nm_masks
 from jaxsparse.formats._nm import NMSparseMatrix
+from jaxsparse.layers._checks import check_dtypes
+from jaxsparse.layers._checks import check_init_dtype
 from jaxsparse.layers._common import SPARSITY
-from jaxsparse.layers._common import check_dtypes
-from jaxsparse.layers._common import check_init_dtype
 from jaxsparse.layers._common import check_pattern
 from jaxsparse.layers._common import missing_pattern
 from jaxsparse.layers._embed import attend_table

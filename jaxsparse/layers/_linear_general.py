@@ -12,7 +12,7 @@ from flax import nnx
 
 from jaxsparse import _utils
 from jaxsparse.formats._masks import replicated
-from jaxsparse.layers._common import check_dtypes
+from jaxsparse.layers._checks import check_dtypes
 from jaxsparse.layers._common import check_one_layer
 from jaxsparse.layers._common import with_weights
 from jaxsparse.layers._partitioning import FOLDED

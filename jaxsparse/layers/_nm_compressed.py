@@ -21,12 +21,12 @@ from jax import lax
 
 from jaxsparse import ops
 from jaxsparse.formats._nm import NMSparseMatrix
+from jaxsparse.layers._checks import check_dtypes
+from jaxsparse.layers._checks import check_real_dtypes
 from jaxsparse.layers._common import SparsityPattern
 from jaxsparse.layers._common import bias_of
-from jaxsparse.layers._common import check_dtypes
 from jaxsparse.layers._common import check_layer_inputs
 from jaxsparse.layers._common import check_one_layer
-from jaxsparse.layers._common import check_real_dtypes
 from jaxsparse.layers._common import with_weights
 from jaxsparse.layers._partitioning import carry_back_nnx
 from jaxsparse.ops import _nm_matmul

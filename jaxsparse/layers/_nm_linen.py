@@ -27,15 +27,15 @@ from jax import lax
 from jaxsparse import _utils
 from jaxsparse import ops
 from jaxsparse.formats import _nm_masks
+from jaxsparse.layers._checks import check_dtypes
+from jaxsparse.layers._checks import check_feature_groups
+from jaxsparse.layers._checks import check_in_features
+from jaxsparse.layers._checks import check_kernel_size
+from jaxsparse.layers._checks import check_trained_dtype
+from jaxsparse.layers._checks import check_transposable_layer
+from jaxsparse.layers._checks import check_use_bias
 from jaxsparse.layers._common import NMPromote
-from jaxsparse.layers._common import check_dtypes
-from jaxsparse.layers._common import check_feature_groups
-from jaxsparse.layers._common import check_in_features
-from jaxsparse.layers._common import check_kernel_size
 from jaxsparse.layers._common import check_known_in_features
-from jaxsparse.layers._common import check_trained_dtype
-from jaxsparse.layers._common import check_transposable_layer
-from jaxsparse.layers._common import check_use_bias
 from jaxsparse.layers._common import existing_shape
 
 __all__ = ["NMConv", "NMDense"]

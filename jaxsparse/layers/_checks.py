@@ -1,0 +1,216 @@
+"""Argument checks of the layer constructors: implementations, dtypes, kept counts, kernel sizes, feature groups.
+
+Each raises a ``ValueError`` / ``TypeError`` that names the layer, the argument, the value received and what is
+allowed, when the layer is built (NNX) or constructed (Linen), not at its first call.
+"""
+
+from __future__ import annotations
+
+import numbers
+import typing
+from typing import Any
+
+import flax.linen as nn
+import jax.numpy as jnp
+import numpy as np
+
+from jaxsparse import _utils
+from jaxsparse import ops
+from jaxsparse.formats import _nm_masks
+
+__all__ = [
+    "check_dtypes",
+    "check_feature_groups",
+    "check_implementation",
+    "check_in_features",
+    "check_init_dtype",
+    "check_kept",
+    "check_kernel_size",
+    "check_masked_implementation",
+    "check_one_of",
+    "check_real_dtypes",
+    "check_trained_dtype",
+    "check_transposable_layer",
+    "check_use_bias",
+]
+
+
+_IMPLEMENTATIONS = (None, *typing.get_args(ops.Implementation))
+
+
+def check_implementation(implementation: object) -> str | None:
+  if implementation not in _IMPLEMENTATIONS:
+    raise ValueError(f"implementation must be one of {_IMPLEMENTATIONS}, got implementation={implementation!r}.")
+  return implementation
+
+
+def check_masked_implementation(implementation: object) -> str | None:
+  """``implementation`` of :func:`jaxsparse.ops.masked_matmul`: ``None``, ``"xla"`` or ``"cpu"``."""
+  allowed = (None, *typing.get_args(ops.CpuImplementation))
+  if implementation not in allowed:
+    raise ValueError(f"implementation must be one of {allowed}, got implementation={implementation!r}.")
+  return implementation
+
+
+def check_kept(kept: int, total: int, *, name: str, value: float, what: str) -> None:
+  if kept == 0:
+    raise ValueError(f"{name}={value} keeps 0 of {total} {what}; choose a {name} that keeps at least one.")
+
+
+def check_one_of(name: str, value: object, other: str, other_value: object) -> None:
+  """Raises unless exactly one of the two arguments (a number ``name`` or an array ``other``) is given."""
+  if (value is None) == (other_value is None):
+    raise ValueError(
+        f"Pass exactly one of {name}= and {other}=, got {name}={value!r} and "
+        f"{other}={'None' if other_value is None else 'an array'}."
+    )
+
+
+def check_dtypes(
+    layer: type, *, dtype: Any = None, param_dtype: Any = None, inexact: bool = True, numeric_params: bool = False
+) -> None:
+  """Checks a layer's compute ``dtype`` and storage ``param_dtype`` where it is built (an NNX layer's ``__init__``, a
+  Linen layer's ``__post_init__``): a ``TypeError`` names the layer, the argument, its value and what it takes.
+
+  Flax's ``promote_dtype`` refuses a compute dtype that is not inexact only at the first call ("Dtype must be
+  inexact: <class 'jax.numpy.int32'>", naming neither the layer nor the argument), and a value that is not a dtype
+  (``"foo"``) failed there too, on NumPy's "data type 'foo' not understood". Complex dtypes pass here;
+  :func:`check_real_dtypes` refuses them for the layers that compute with real ones only.
+
+  Args:
+    layer: the layer's class, which the message names.
+    dtype: the compute dtype as given; ``None`` (inferred from the inputs and parameters) passes.
+    param_dtype: the storage dtype as given; ``None`` skips it. Integer ones pass (integer weights, with a
+      ``kernel_init``: :func:`check_init_dtype`), as do bool ones unless ``numeric_params``.
+    inexact: whether ``dtype`` must be floating or complex: ``False`` for an embedding, whose lookups take any
+      dtype (as ``nnx.Embed``'s), and for a layer given its own ``promote_dtype``.
+    numeric_params: refuse a bool ``param_dtype`` too (a compressed layer's values must be numbers).
+  """
+  checked = {}
+  for name, value in (("dtype", dtype), ("param_dtype", param_dtype)):
+    if value is None:
+      continue
+    try:
+      checked[name] = jnp.dtype(value)
+    except TypeError:
+      checked[name] = None
+    ok = checked[name] is not None and (checked[name] == np.bool_ or jnp.issubdtype(checked[name], jnp.number))
+    if not ok:
+      default = ", or None (inferred from the inputs and parameters)" if name == "dtype" else ""
+      raise TypeError(
+          f"{layer.__name__}: {name} must be a numeric dtype such as jnp.float32 or jnp.bfloat16{default}, got "
+          f"{name}={value!r}."
+      )
+  if inexact and "dtype" in checked and not jnp.issubdtype(checked["dtype"], jnp.inexact):
+    raise TypeError(
+        f"{layer.__name__} computes in dtype, which must be a floating dtype (float32, bfloat16, float16, float64, "
+        f"float8) or None (inferred from the inputs and parameters), got dtype={checked['dtype']}: Flax's "
+        "promote_dtype refuses integer and bool compute dtypes. For integer weights give param_dtype= (with a "
+        "kernel_init); integer inputs are promoted."
+    )
+  if numeric_params and checked.get("param_dtype") == np.bool_:
+    raise TypeError(
+        f"{layer.__name__} stores its weights' values compressed and needs a numeric param_dtype (float32, bfloat16, "
+        "float16, float64, or an integer dtype with a kernel_init), got param_dtype=bool."
+    )
+
+
+def check_real_dtypes(layer: type, **dtypes: Any) -> None:
+  """Raises a ``TypeError`` naming the layer's argument when one of ``dtypes`` (``name=dtype``, ``None`` skipped) is
+  complex, for layers whose products (the sparse ops, SR-STE's magnitudes) take real dtypes only (NNX and Linen).
+
+  Args:
+    layer: the layer's class, which the message names (with the masked layer of its framework to use instead).
+    **dtypes: the layer's arguments as the user passed them (``param_dtype``, ``dtype``, ``inputs.dtype``, ...).
+  """
+  linen = issubclass(layer, nn.Module)  # a Linen layer: name the Linen alternative
+  alternative = "MaskedDense, which computes as nn.Dense does" if linen else (
+      "MaskedLinear / MaskedConv, which compute as nnx.Linear / nnx.Conv do")
+  for name, dtype in dtypes.items():
+    if dtype is not None and jnp.issubdtype(jnp.dtype(dtype), jnp.complexfloating):
+      raise TypeError(
+          f"{layer.__name__} computes with real dtypes only (floating: float32, bfloat16, float16, float64, float8; "
+          f"integer inputs are promoted), got {name}={jnp.dtype(dtype)}. For complex weights or inputs use "
+          f"{alternative}."
+      )
+
+
+def check_trained_dtype(layer: type, param_dtype: Any) -> None:
+  """Raises a ``TypeError`` naming ``param_dtype`` when it is not a floating dtype, for the layers that train their
+  dense kernel with SR-STE (its gradient and magnitudes need floats; an integer kernel failed at the first call)."""
+  check_real_dtypes(layer, param_dtype=param_dtype)
+  if not jnp.issubdtype(jnp.dtype(param_dtype), jnp.floating):
+    raise TypeError(
+        f"{layer.__name__} trains its kernel with SR-STE and needs a floating param_dtype (float32, bfloat16, "
+        f"float16, float64), got param_dtype={jnp.dtype(param_dtype)}. For integer weights prune a float copy and "
+        "compress it (CompressedNMLinear / CompressedNMDense take any real dtype)."
+    )
+
+
+def check_init_dtype(layer: type, param_dtype: Any, kernel_init: Any, *, name: str = "kernel_init") -> None:
+  """Raises a ``TypeError`` naming ``param_dtype`` when it is not floating (nor complex) and ``kernel_init`` is
+  ``None`` (the layer's default, passed as ``None`` by the layers whose default is another initializer): the layer's
+  default initializer draws a (truncated) normal, which needs one (an integer or bool dtype failed inside JAX's
+  sampler, naming neither the layer nor the argument). ``name``: the initializer's argument name."""
+  if kernel_init is None and not jnp.issubdtype(jnp.dtype(param_dtype), jnp.inexact):
+    raise TypeError(
+        f"{layer.__name__}'s default {name} draws from a normal distribution and needs a floating param_dtype "
+        f"(float32, bfloat16, float16, float64), got param_dtype={jnp.dtype(param_dtype)}. For "
+        f"{jnp.dtype(param_dtype)} weights pass {name}= (called as {name}(key, shape, param_dtype)), e.g. "
+        "jax.nn.initializers.zeros before loading trained weights."
+    )
+
+
+def check_transposable_layer(transposable: object, out_features: int, m: int, *, name: str = "out_features") -> bool:
+  """``transposable`` of an N:M layer, checked: a bool; if True, ``m <= 4`` and dividing ``out_features``."""
+  if _nm_masks.check_transposable_flag(transposable, m) and out_features % m:
+    raise ValueError(
+        f"transposable=True needs {name}={out_features} a multiple of m={m} (the transposed kernel is N:M along "
+        "the output features)."
+    )
+  return transposable
+
+
+def check_feature_groups(
+    groups: object, in_features: int, out_features: int, *, in_name: str = "in_features",
+    out_name: str = "out_features"
+) -> int:
+  """A conv's ``feature_group_count``, checked: a positive int dividing both feature counts (Flax's convolutions take
+  any other and fail at the first call, on a bare ``AssertionError`` or a ``lax`` error)."""
+  groups = _utils.check_positive_int(groups, name="feature_group_count")
+  if in_features % groups or out_features % groups:
+    raise ValueError(
+        f"feature_group_count={groups} must divide {in_name}={in_features} and {out_name}={out_features}."
+    )
+  return groups
+
+
+def check_use_bias(use_bias: object) -> bool:
+  """``use_bias`` as a bool (a NumPy bool too); anything else (``"no"``, ``None``, ``0``) raises instead of building a
+  layer with or without a bias by the value's truthiness."""
+  if not isinstance(use_bias, bool | np.bool_):
+    raise TypeError(f"use_bias must be a bool, got use_bias={use_bias!r} of type {type(use_bias).__name__}.")
+  return bool(use_bias)
+
+
+def check_kernel_size(kernel_size: object) -> tuple[int, ...]:
+  """A conv's ``kernel_size`` as a tuple of positive ints: an int (a NumPy integer too) or a sequence of them. Flax's
+  convolutions take others and fail later, opaquely (a NumPy int is "not iterable", a 0 a ``ZeroDivisionError`` in the
+  default initializer, a negative size an XLA error), or build a layer from a bool."""
+  integral = isinstance(kernel_size, numbers.Integral) and not isinstance(kernel_size, bool | np.bool_)
+  try:
+    sizes = (kernel_size,) if integral else tuple(kernel_size)
+  except TypeError:
+    sizes = None
+  if sizes is None or not all(isinstance(k, numbers.Integral) and not isinstance(k, bool | np.bool_) and k > 0
+                              for k in sizes):
+    raise ValueError(f"kernel_size must be a positive int or a sequence of positive ints, got {kernel_size!r}.")
+  return tuple(int(k) for k in sizes)
+
+
+def check_in_features(in_features: int, m: int, *, name: str = "in_features") -> None:
+  _utils.check_positive_int(in_features, name=name)
+  if in_features % m:
+    raise ValueError(
+        f"{name}={in_features} must be a multiple of m={m}: the N:M groups run along the input features."
+    )
