@@ -494,7 +494,10 @@ def block_sparse_matmul(
   weight or its gradient: ``dX = dY @ Wᵀ`` runs on the sparse pattern and ``dW`` is ``xᵀ dY``
   evaluated on the kept blocks only. Differentiable with respect to ``x`` and ``w.data``; works under
   ``jit``, ``vmap`` and ``grad``, to any order in reverse mode (``grad`` of ``grad``: every derivative runs on
-  the same kernels); forward mode (``jvp``, ``jax.hessian``) is not supported: use ``jax.jacrev`` twice.
+  the same kernels); forward mode (``jvp``, ``jax.hessian``) is not supported: use ``jax.jacrev`` twice. Under
+  ``jax.sharding`` each device multiplies its rows of ``x``; inside ``jax.shard_map`` (``check_vma`` on or off) the
+  product runs on each device's operands, a replicated ``w`` cast to vary as ``x`` does with ``check_vma=True``, so
+  its gradient is summed over the map's axes as for ``x @ w``.
 
   Non-finite values: NaN / inf in ``w.data``, and in ``x`` where it meets a kept block (even a zero stored in one),
   propagate on every route. The blocks that are not kept meet ``x`` as zeros (``inf * 0`` making NaN, as in

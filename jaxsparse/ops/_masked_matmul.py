@@ -140,7 +140,8 @@ def masked_matmul(
   masks keeping more than 20% of the weights (15% for fewer than 128 rows) run the forward as a masked dense product
   (as do products of at most 8 rows), and more than 25% the gradients.
   Works under ``jit``, ``grad`` (reverse mode, to any order) and ``vmap``: leading dimensions of ``x`` and a
-  mapped ``x`` fold into one kernel call; a mapped backward runs once per mapped element.
+  mapped ``x`` fold into one kernel call; a mapped backward runs once per mapped element. Inside ``jax.shard_map``
+  as :func:`jaxsparse.ops.block_sparse_matmul`.
 
   Non-finite values: NaN / inf in the kept weights, or in ``x`` meeting a kept weight, propagate on every route;
   pruned weights never do (they are replaced by zeros, not multiplied by them). A NaN / inf in ``x`` meets the pruned

@@ -475,7 +475,8 @@ def nm_matmul(
   """Computes ``x @ w`` for an N:M-sparse ``w`` stored compressed.
 
   Equal to ``x @ w.to_dense()``. Differentiable with respect to ``x`` and ``w.values`` (the
-  positions are integers and get no gradient); works under ``jit``, ``vmap`` and ``grad``.
+  positions are integers and get no gradient); works under ``jit``, ``vmap`` and ``grad``, and inside
+  ``jax.shard_map`` as :func:`jaxsparse.ops.block_sparse_matmul`.
 
   >>> import jax, jax.numpy as jnp, jaxsparse
   >>> w = jaxsparse.NMSparseMatrix.from_dense(jax.random.normal(jax.random.key(0), (64, 32)), 2, 4)

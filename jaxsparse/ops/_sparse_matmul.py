@@ -242,7 +242,8 @@ def sparse_matmul(
   and memory are proportional to ``w.nnz``, split over the cores. Differentiable with respect to
   ``x`` and ``w.data`` in reverse mode, to any order (``grad`` of ``grad``); works under ``jit`` and
   ``vmap`` (a mapped ``x`` folds into the batch dimension; a mapped backward runs once per mapped
-  element). Float32, and bfloat16 / float16 converted to float32 and back.
+  element), and inside ``jax.shard_map`` as :func:`jaxsparse.ops.block_sparse_matmul`. Float32, and bfloat16 /
+  float16 converted to float32 and back.
 
   Non-finite values: NaN / inf in ``w.data``, or in ``x`` meeting a stored entry, propagate on every route. A NaN /
   inf in ``x`` meets the entries that are not stored as zeros only on the dense routes, where ``inf * 0`` makes
