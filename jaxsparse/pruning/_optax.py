@@ -210,6 +210,11 @@ def _any_pruned_nonzero(masks: Any, params: Any) -> jax.Array:
   return jnp.any(jnp.stack(leaves)) if leaves else jnp.zeros((), bool)
 
 
+def _is_masked_node(x: Any) -> bool:
+  """``optax.MaskedNode``: where ``optax.masked`` / ``optax.multi_transform`` leave a parameter out of a group."""
+  return isinstance(x, optax.MaskedNode)
+
+
 def _keep_tree(masks: Any, params: Any) -> Any:
   """Masks with every unmasked leaf replaced by a scalar ``True``: a tree with the parameters' structure."""
   return jax.tree.map(lambda m, p: jnp.ones((), bool) if m is None else m, masks, params, is_leaf=is_none)
@@ -262,6 +267,19 @@ def wrap_optax(
   checks that the weights the masks prune are zero, counts the updates where they are not in
   ``PruningState.pruned_nonzero``, and :func:`get_masks` then raises.
 
+  Around it and inside it, the optax combinators (the pruning guide has more):
+
+  * ``optax.MultiSteps(wrap_optax(tx, pruner), k)``: the pruner's step (``PruningState.count``, which the schedule
+    reads) counts optimizer steps, not micro-steps, and RigL grows on the accumulated gradient; inside the wrapper
+    (``wrap_optax(optax.MultiSteps(tx, k).gradient_transformation(), pruner)``) it counts micro-steps.
+  * ``optax.apply_if_finite(wrap_optax(tx, pruner), n)``: a skipped step leaves the masks, the pruner's step and the
+    parameters as they were; inside the wrapper a skipped step still counts, and a mask update reads its gradient.
+  * ``optax.masked`` / ``optax.multi_transform`` (a frozen group: ``optax.set_to_zero()``) inside the wrapper, whose
+    rules still decide what is pruned; or the wrapper in one group, which sees that group only. One wrapper in each
+    of several groups is not supported (:func:`get_masks` raises): wrap the ``multi_transform`` once.
+  * Not supported: ``optax.lookahead`` around the wrapper (its slow weights stay dense and replace the fast ones at
+    each sync; :func:`get_masks` raises), and clipping or anything else that changes the updates after it.
+
   Args:
     inner: the optimizer to wrap.
     pruner: :func:`magnitude_pruner`, :func:`set_pruner`, :func:`rigl_pruner` or your own
@@ -270,8 +288,9 @@ def wrap_optax(
     reset_state: zero the inner state of pruned and newly grown weights at mask updates: the leaves of the
       inner state that have their parameter's shape (momentum, second moments); factored statistics of another
       shape (``optax.adafactor``'s) stay as they are. It needs an inner state that
-      ``optax.tree_utils.tree_map_params`` understands (``init`` raises a ``ValueError`` for one it does not,
-      such as ``optax.sm3``'s: pass ``False`` then).
+      ``optax.tree_utils.tree_map_params`` understands (those of ``optax.masked`` and ``optax.multi_transform``
+      included; ``init`` raises a ``ValueError`` for one it does not, such as ``optax.sm3``'s: pass ``False``
+      then).
 
   Returns:
     A ``GradientTransformationExtraArgs`` whose state is a :class:`PruningState`.
@@ -312,7 +331,9 @@ def wrap_optax(
         return s
       return jnp.where(k, s, jnp.zeros((), s.dtype))
 
-    return optax.tree_utils.tree_map_params(inner, reset_leaf, inner_state, keep)
+    # optax.masked / optax.multi_transform (and optimizers built on them, optax.contrib.muon) keep their inner
+    # state over the parameters with an optax.MaskedNode in place of each parameter outside their group: no state.
+    return optax.tree_utils.tree_map_params(inner, reset_leaf, inner_state, keep, is_leaf=_is_masked_node)
 
   def update(updates, state, params=None, **extra_args):
     if params is None:
@@ -363,12 +384,16 @@ def get_masks(state: Any, *, check: bool = True) -> Any:
 
   Returns:
     The masks, a tree with the parameters' structure: a bool array of each pruned parameter's shape, ``None``
-    for the parameters no rule matched.
+    for the parameters no rule matched (and, with :func:`wrap_optax` inside ``optax.masked`` or one group of
+    ``optax.multi_transform``, for the parameters outside its group). They are the state's own arrays: copy them
+    (``jax.tree.map(np.array, masks)``) to keep them past a step that donates the state.
 
   Raises:
-    ValueError: when there is no :class:`PruningState` in ``state``, or (``check``) when an update found weights
-      that the masks prune not zero, so the masks do not describe the trained parameters: a transformation after
-      :func:`wrap_optax` in an ``optax.chain`` changed its updates (see :func:`wrap_optax`).
+    ValueError: when there is no :class:`PruningState` in ``state``, or several (one :func:`wrap_optax` in each
+      group of an ``optax.multi_transform``: wrap the ``multi_transform`` once instead); or (``check``) when an
+      update found weights that the masks prune not zero, so the masks do not describe the trained parameters: a
+      transformation after :func:`wrap_optax` in an ``optax.chain`` (or a wrapper around it such as
+      ``optax.lookahead``) changed its updates (see :func:`wrap_optax`).
   """
   if isinstance(state, nnx.Optimizer):
     state = state.opt_state
@@ -378,10 +403,15 @@ def get_masks(state: Any, *, check: bool = True) -> Any:
       x for x in jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, PruningState))
       if isinstance(x, PruningState)
   ]
-  if len(found) != 1:
+  if len(found) > 1:
     raise ValueError(
-        f"state must hold exactly one pruning.PruningState (the state of pruning.wrap_optax), found {len(found)}."
+        f"state must hold exactly one pruning.PruningState (the state of pruning.wrap_optax), found {len(found)}: "
+        "one pruning.wrap_optax in each group of an optax.multi_transform (or optax.masked) is not supported. Wrap "
+        "the whole optimizer once instead, pruning.wrap_optax(optax.multi_transform({...}, labels), pruner), with "
+        "a rule for each group's parameters ({regex: structure or None})."
     )
+  if not found:
+    raise ValueError("state must hold exactly one pruning.PruningState (the state of pruning.wrap_optax), found 0.")
   pruning_state = unwrap_variables(found[0])
   try:
     stray = int(pruning_state.pruned_nonzero) if check else 0
@@ -391,10 +421,13 @@ def get_masks(state: Any, *, check: bool = True) -> Any:
     raise ValueError(
         f"{stray} of {int(pruning_state.count)} updates of pruning.wrap_optax found "
         "weights that its masks prune not zero, so the masks do not describe the trained parameters (a model "
-        "sparsified with them would differ from the trained one). A transformation after wrap_optax changed its "
-        "updates: wrap_optax must be the last transformation, with the learning rate and everything else that "
-        "changes updates inside it, e.g. pruning.wrap_optax(optax.chain(optax.scale_by_adam(), "
+        "sparsified with them would differ from the trained one). A transformation after wrap_optax (or a wrapper "
+        "around it that changes its updates or the weights, such as optax.lookahead, which is not supported) "
+        "changed its updates: wrap_optax must be the last transformation, with the learning rate and everything "
+        "else that changes updates inside it, e.g. pruning.wrap_optax(optax.chain(optax.scale_by_adam(), "
         "optax.scale_by_learning_rate(lr)), pruner), not optax.chain(pruning.wrap_optax(optax.scale_by_adam(), "
         "pruner), optax.scale_by_learning_rate(lr)). If you changed the parameters yourself, pass check=False."
     )
-  return pruning_state.masks
+  # Inside optax.masked / optax.multi_transform the masks hold an optax.MaskedNode for each parameter outside the
+  # wrapper's group: not pruned by it, so None, as for a parameter no rule matched.
+  return jax.tree.map(lambda m: None if _is_masked_node(m) else m, pruning_state.masks, is_leaf=_is_masked_node)
