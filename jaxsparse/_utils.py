@@ -203,6 +203,21 @@ def accumulation_dtype(*dtypes: jax.typing.DTypeLike) -> np.dtype:
   return acc
 
 
+def cpu_dot_operands(acc: jax.typing.DTypeLike, *arrays: jax.Array) -> tuple[jax.Array, ...]:
+  """``arrays`` for an XLA dot accumulating in ``acc``: on a CPU backend, floats narrower than ``acc`` cast to it.
+
+  XLA's CPU runtime (jax 0.10) refuses some dots of 16-bit operands into float32 ("Unsupported element type for
+  DotThunk::Execute: BF16 x BF16 = F32"): ``xᵀ dY`` of an unmapped ``x`` under ``jax.vmap`` over the weights (an
+  ensemble of layers), once ``jit`` folds the transposes into it. The products of two such floats are exact in
+  ``acc``, so the cast dot computes what the mixed one does. Accelerators keep the mixed dot (their 16-bit units).
+  """
+  if jax.default_backend() != "cpu":
+    return arrays
+  acc = jnp.dtype(acc)
+  return tuple(a.astype(acc) if jnp.issubdtype(a.dtype, jnp.floating) and a.dtype.itemsize < acc.itemsize else a
+               for a in arrays)
+
+
 def result_dtype(x_dtype: jax.typing.DTypeLike, w_dtype: jax.typing.DTypeLike, preferred_element_type: object, *,
                  names: tuple[str, str] = ("x.dtype", "w.dtype")) -> np.dtype:
   """The ops' output dtype: ``preferred_element_type`` (checked) or ``result_type(x, w)``.

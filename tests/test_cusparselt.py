@@ -123,14 +123,15 @@ def test_sr_ste_matmul_is_the_reference(dtype):
 @pytest.mark.parametrize(("w_dtype", "dtype"), [(jnp.float32, jnp.bfloat16), (jnp.float32, jnp.float32),
                                                 (jnp.bfloat16, jnp.bfloat16)])
 def test_sr_ste_matmul_custom_vjp_gives_the_reference_gradients(w_dtype, dtype, monkeypatch):
-  # The custom VJP that wraps the sparse-core forward (residuals: the pruned kernel and the group mask bits), with
-  # an XLA stand-in for the CUDA forward (prune, compress, multiply): its value and gradients are the reference's,
-  # bit for bit. (The GPU tests below run the real one.)
-  def xla_forward(cfg, sparse, x, w):
+  # The custom VJPs that wrap the sparse-core forward (residuals: the pruned kernel and the group mask bits), with
+  # XLA stand-ins for the CUDA parts (prune and compress: the pruned kernel stands for its buffer; multiply): its value
+  # and gradients are the reference's, bit for bit. (The GPU tests below run the real ones.)
+  def xla_prune(cfg, sparse, w):
     pruned, bits = _sr_ste._p_prune_xla(cfg, w)
-    return _sr_ste._product(cfg, x, pruned), pruned, bits
+    return pruned, bits, pruned if sparse else None
 
-  monkeypatch.setattr(_sr_ste, "_p_forward", xla_forward)
+  monkeypatch.setattr(_sr_ste, "_p_prune", xla_prune)
+  monkeypatch.setattr(_sr_ste.cslt, "matmul", lambda x2, blob, n: x2 @ blob)
   kx, kw, kg = jax.random.split(jax.random.key(2), 3)
   w = jax.random.normal(kw, (32, 16)).astype(w_dtype)
   x = jax.random.normal(kx, (3, 7, 32)).astype(dtype)

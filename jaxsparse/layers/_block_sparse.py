@@ -65,11 +65,13 @@ def check_block_mask(block_mask: Any, grid: tuple[int, int]) -> np.ndarray:
   """A user's block mask as a checked NumPy bool array of shape ``grid``."""
   if not is_concrete(block_mask):
     what = ("abstract (ShapeDtypeStruct: no values)" if isinstance(block_mask, jax.ShapeDtypeStruct)
-            else "traced (built under jit or eval_shape)")
+            else "traced (built under jit, eval_shape or vmap)")
     raise ValueError(
         f"block_mask is {what}, so the number of blocks it keeps, which "
         "fixes the kernel's shape, is unknown: pass density= to draw the pattern from rngs under jit, or "
-        "pass a concrete (NumPy) block_mask."
+        "pass a concrete (NumPy) block_mask. For a stack of layers with given masks (each keeping as many blocks), "
+        "build the layers eagerly and stack them: nnx.merge(nnx.graphdef(layers[0]), jax.tree.map(lambda *a: "
+        "jnp.stack(a), *[nnx.state(layer) for layer in layers]))."
     )
   if np.shape(block_mask) != grid:
     raise ValueError(

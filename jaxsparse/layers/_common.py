@@ -42,6 +42,7 @@ __all__ = [
     "base_promote",
     "bias_of",
     "bridged_block_pattern",
+    "check_called_on_one_layer",
     "check_input",
     "check_layer_inputs",
     "check_linear",
@@ -246,6 +247,8 @@ def _one_layer_leaf(layer: nnx.Module) -> tuple[str, int]:
   """The array attribute whose axes tell one layer from a stack of layers, and its number of axes for one layer."""
   if getattr(layer, "storage", None) == "cusparselt":
     return "kernel_buffer", 1  # CompressedNMLinear's one buffer
+  if hasattr(layer, "embedding"):
+    return "embedding", 2  # CompressedNMEmbed's kept values (features * n // m, num_embeddings)
   if hasattr(layer, "kernel_size"):
     return "kernel", len(layer.kernel_size) + 2  # (*kernel_size, cin, cout)
   if hasattr(layer, "block_shape"):
@@ -272,6 +275,59 @@ def check_one_layer(layer: nnx.Module, *, what: str, owner: nnx.Module | None = 
         f"Call it per layer under the same transform, e.g. nnx.vmap(lambda layer: layer.{what}, in_axes=0, "
         "out_axes=0)(stack) for a stack built with in_axes=0, out_axes=0."
     )
+
+
+# CompressedNMLinear's 1-D cuSPARSELt buffers (layers/_nm_compressed.py, which imports this module).
+_BUFFER_VARIABLES = ("CusparseLtWeight", "CusparseLtKernel")
+
+
+def _structure_variables(layer: nnx.Module, leaf_ndim: int):
+  """``(name, variable, axes for one layer)`` of ``layer``'s non-trainable structure: its :class:`SparsityPattern`
+  variables (block index arrays are 1-D, masks and packed positions have the kernel's axes) and the 1-D cuSPARSELt
+  buffers of a ``CompressedNMLinear``."""
+  for attr, value in vars(layer).items():
+    items = value.items() if isinstance(value, nnx.Dict) else [(None, value)]
+    for key, var in items:
+      name = attr if key is None else f"{attr}[{key!r}]"
+      if isinstance(var, SparsityPattern):
+        yield name, var, 1 if hasattr(layer, "block_shape") else leaf_ndim
+      elif isinstance(var, nnx.Variable) and type(var).__name__ in _BUFFER_VARIABLES:
+        yield name, var, 1
+
+
+def check_called_on_one_layer(layer: nnx.Module) -> None:
+  """Raises a ``ValueError`` when ``layer`` is called with the variables of a stack of layers (built by ``nnx.vmap``)
+  where one layer's belong: called outside ``nnx.scan`` / ``nnx.vmap``, or inside one whose ``nnx.StateAxes`` split
+  the parameters but handed every layer the whole stack's patterns (``nnx.StateAxes({nnx.Param: 0, ...: None})``).
+  The products failed on an array's shape ("w must be 2-D", "Mask needs to have the same shape as weights",
+  "BlockSparseMatrix.row_indices must be ... of shape (8,)"), naming neither the stack nor the fix.
+
+  Args:
+    layer: an NNX sparse layer (``BlockSparseLinear``, ``MaskedLinear``, ``MaskedConv``, ``NMLinear``, ``NMConv``,
+      ``CompressedNMLinear``, ``CompressedNMEmbed``), checked where it is called.
+  """
+  leaf, ndim = _one_layer_leaf(layer)
+  shape = tuple(jnp.shape(getattr(layer, leaf)[...]))
+  name = type(layer).__name__
+  if len(shape) != ndim:
+    raise ValueError(
+        f"{name} was called with the variables of a stack of layers: its {leaf} has shape {shape}, "
+        f"{len(shape) - ndim} leading axis/axes more than one layer's {ndim} (made with nnx.vmap?). Call its layers "
+        "one at a time, inside nnx.scan or nnx.vmap over the stack's axis, e.g. nnx.scan(lambda h, layer: "
+        "(layer(h), None), in_axes=(nnx.Carry, 0))(x, stack) or nnx.vmap(lambda layer, x: layer(x), in_axes=(0, "
+        "None))(stack, x); an nnx.StateAxes there must give that axis to every variable of the layers."
+    )
+  for attr, var, var_ndim in _structure_variables(layer, ndim):
+    var_shape = tuple(jnp.shape(var[...]))
+    if len(var_shape) > var_ndim:
+      kind = type(var).__name__
+      raise ValueError(
+          f"{name}'s {kind} {attr} has shape {var_shape}, {len(var_shape) - var_ndim} leading axis/axes more than "
+          f"one layer's {var_ndim}, while its {leaf} {shape} is one layer's: the variables of a stack of layers "
+          f"were split over the stack's axis unevenly. An nnx.StateAxes({{nnx.Param: 0, ...: None}}) in nnx.scan / "
+          f"nnx.vmap hands every layer the whole stack's {kind} variables; give them the parameters' axis, e.g. "
+          f"nnx.StateAxes({{(nnx.Param, {kind}): 0, ...: None}}) ({kind} from jaxsparse.layers)."
+      )
 
 
 def dense_linear(kernel: jax.Array, bias: jax.Array | None, *, dtype, precision) -> nnx.Linear:
@@ -443,7 +499,9 @@ def kept_fraction(kept: int | None, size: int) -> float | None:
 
 def check_layer_inputs(layer: nnx.Module, inputs: jax.typing.ArrayLike) -> None:
   """Raises, naming both counts, when ``inputs`` of an NNX layer built for ``layer.in_features`` has another
-  last axis (the op's error would name its own ``x``, not the layer)."""
+  last axis (the op's error would name its own ``x``, not the layer), and when the layer holds a stack of layers'
+  variables (:func:`check_called_on_one_layer`)."""
+  check_called_on_one_layer(layer)
   shape = jnp.shape(inputs)
   if not shape or shape[-1] != layer.in_features:
     raise ValueError(

@@ -29,6 +29,8 @@ from jaxsparse.formats._nm import decompress
 from jaxsparse.formats._nm_masks import check_nm
 from jaxsparse.layers._checks import check_dtypes
 from jaxsparse.layers._common import SparsityPattern
+from jaxsparse.layers._common import check_called_on_one_layer
+from jaxsparse.layers._common import check_one_layer
 from jaxsparse.layers._nm_compressed import check_nm_implementation
 from jaxsparse.layers._partitioning import carry_back_nnx
 from jaxsparse.layers._partitioning import carry_nnx
@@ -136,7 +138,12 @@ class CompressedNMEmbed(nnx.Module):
     >>> w = CompressedNMEmbed.from_dense(nnx.Embed(10, 8, rngs=nnx.Rngs(0)), 2, 4).weight
     >>> w.shape, w.axis, (w.n, w.m)
     ((8, 10), 0, (2, 4))
+
+    Raises:
+      ValueError: this layer is a stack of layers (built by ``nnx.vmap``); read it per layer:
+        ``nnx.vmap(lambda layer: layer.weight, in_axes=0, out_axes=0)(stack)``.
     """
+    check_one_layer(self, what="weight")
     return NMSparseMatrix(self.embedding[...], self.embedding_positions[...],
                           shape=(self.features, self.num_embeddings), n=self.n, m=self.m, axis=0, validate=False)
 
@@ -162,6 +169,7 @@ class CompressedNMEmbed(nnx.Module):
     >>> small(ids).shape, bool((small(ids) == small.to_dense()(ids)).all())
     ((1, 3, 8), True)
     """
+    check_called_on_one_layer(self)
     inputs = check_ids(inputs)
     (values,) = self.promote_dtype((self.embedding[...],), dtype=self.dtype, inexact=False)
     return lookup(self.weight.with_values(values), inputs)
@@ -188,6 +196,7 @@ class CompressedNMEmbed(nnx.Module):
     >>> small.attend(q).shape, bool(jnp.allclose(small.attend(q), small.to_dense().attend(q), atol=1e-6))
     ((2, 10), True)
     """
+    check_called_on_one_layer(self)
     check_query(query, self.features)
     query, values = self.promote_dtype((query, self.embedding[...]), dtype=self.dtype)
     return attend_table(query, self.weight.with_values(values), implementation=self.implementation,
@@ -206,7 +215,12 @@ class CompressedNMEmbed(nnx.Module):
     >>> dense = CompressedNMEmbed.from_dense(nnx.Embed(10, 8, rngs=nnx.Rngs(0)), 2, 4).to_dense()
     >>> dense.embedding.shape, (dense.embedding[...] != 0).sum().item()
     ((10, 8), 40)
+
+    Raises:
+      ValueError: this layer is a stack of layers (built by ``nnx.vmap``); call it per layer:
+        ``nnx.vmap(lambda layer: layer.to_dense(), in_axes=0, out_axes=0)(stack)``.
     """
+    check_one_layer(self, what="to_dense()")
     table = self.weight.to_dense().T
     dense = nnx.Embed(self.num_embeddings, self.features, dtype=self.dtype, param_dtype=table.dtype,
                       promote_dtype=self.promote_dtype, embedding_init=lambda *_: table, rngs=nnx.Rngs(0))

@@ -34,6 +34,7 @@ from jaxsparse.layers._checks import check_use_bias
 from jaxsparse.layers._common import SPARSITY
 from jaxsparse.layers._common import SparsityPattern
 from jaxsparse.layers._common import bias_of
+from jaxsparse.layers._common import check_called_on_one_layer
 from jaxsparse.layers._common import check_input
 from jaxsparse.layers._common import check_known_in_features
 from jaxsparse.layers._common import check_layer_inputs
@@ -479,6 +480,12 @@ class MaskedConv(nnx.Conv):
     k = self.kernel[...]
     self.kernel[...] = jnp.where(mask, k, jnp.zeros((), k.dtype))
     self.mask = nnx.data(SparsityPattern(mask))
+
+  def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
+    """``nnx.Conv``'s forward with the masked kernel; raises, saying how to call it, on a stack of layers (as
+    :meth:`MaskedLinear.__call__`)."""
+    check_called_on_one_layer(self)
+    return super().__call__(inputs, out_sharding=out_sharding)
 
   @property
   def density(self) -> float | None:

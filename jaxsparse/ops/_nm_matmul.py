@@ -433,9 +433,10 @@ def _nm_matmul_fwd(cfg, x, w, blob):
 
 def _local_backward(cfg: _Config, x2, dy2, w):
   acc = _utils.accumulation_dtype(x2.dtype, dy2.dtype, w.dtype)
-  wd = w.to_dense()
-  dx = lax.dot_general(dy2, wd, (((1,), (1,)), ((), ())), precision=cfg.precision, preferred_element_type=acc)
-  dw = lax.dot_general(x2, dy2, (((0,), (0,)), ((), ())), precision=cfg.precision, preferred_element_type=acc)
+  # 16-bit operands cast to acc on a CPU (an ensemble's xᵀ dY crashed XLA's CPU runtime: _utils.cpu_dot_operands).
+  xc, dyc, wd = _utils.cpu_dot_operands(acc, x2, dy2, w.to_dense())
+  dx = lax.dot_general(dyc, wd, (((1,), (1,)), ((), ())), precision=cfg.precision, preferred_element_type=acc)
+  dw = lax.dot_general(xc, dyc, (((0,), (0,)), ((), ())), precision=cfg.precision, preferred_element_type=acc)
   # The gradient of the kept values is dW at the kept positions: the VJP of w.to_dense().
   _, to_dense_vjp = jax.vjp(lambda v: w.with_values(v).to_dense(), w.values)
   (dvalues,) = to_dense_vjp(dw.astype(w.dtype))

@@ -198,10 +198,17 @@ def _reference(cfg: _MatmulConfig, x, w):
   return _product(cfg, x, _sr_ste(w, cfg.n, cfg.m, 0, cfg.decay, cfg.transposable).astype(cfg.dtype))
 
 
-# Plain 2:4 with the forward product on sparse tensor cores (a CUDA-only backend), the weight pruned (and compressed)
-# by our kernel where it runs, else by XLA's mask (and cuSPARSELt). The residuals: x, w, the pruned kernel in the
-# compute dtype (which dY Wᵀ multiplies by, as the reference's product keeps it) and each group's mask bits (for the
-# decay): the backward pass neither prunes again nor builds the kernel again.
+# The fused routes (CUDA-only backends) prune (and compress) the weight with our kernels and multiply, as two custom
+# VJPs in the reference's order: `_weight` on w alone (w passes through; the pruned operands of the product come
+# along, and its VJP adds the decay of the entries the mask prunes), then `_st_product` on (x, w, operands), whose
+# VJP passes xᵀ dY straight to w. The decay is thus added once per pruning of w, as `_sr_ste` adds it: one custom VJP
+# over both added it once per element of a jax.vmap over x that shares w (jax.vmap(layer)(x), a batch of 256 took 256
+# times the decay), as JAX sums the mapped weight gradients. The residuals: x, w, the mask bits (for the decay) and
+# what dY Wᵀ multiplies by (the pruned kernel in the compute dtype, or the compressed Wᵀ): the backward pass neither
+# prunes again nor builds the kernel again.
+#
+# `route` is the candidate's static choice: for plain 2:4 `sparse` (the forward product on sparse tensor cores), for
+# transposable 2:4 `blob_bytes` (the size of the compressed Wᵀ; 0: dense products).
 
 
 def _p_prune_xla(cfg: _MatmulConfig, w):
@@ -209,62 +216,18 @@ def _p_prune_xla(cfg: _MatmulConfig, w):
   return jnp.where(_nm_masks.group_mask(bits, cfg.m), w, jnp.zeros((), w.dtype)).astype(cfg.dtype), bits
 
 
-def _p_forward(cfg: _MatmulConfig, sparse: bool, x, w):
-  """``(y, pruned, bits)``: ``w`` pruned by our kernel where it runs (else XLA's mask); ``y`` on sparse tensor cores
-  (the pruned weight compressed in the same pass where the kernel knows cuSPARSELt's layout) or, without ``sparse``,
-  the dense product."""
+def _p_prune(cfg: _MatmulConfig, sparse: bool, w):
+  """``(pruned, bits, blob)``: ``w`` pruned by our kernel where it runs (else XLA's mask), and with ``sparse`` the
+  pruned weight compressed for cuSPARSELt (in the same pass where the kernel knows its layout), else ``None``."""
   k, n = w.shape
   if _prune_kernel_unsupported_reason(w.shape, w.dtype, cfg.n, cfg.m, cfg.dtype):
     pruned, bits = _p_prune_xla(cfg, w)
-    blob = cslt.compress(pruned) if sparse else None
-  else:
-    direct = sparse and k % 32 == 0 and n % 64 == 0 and cslt.fast_compress(k, n, cfg.dtype)
-    pruned, bits, blob = cuda_kernels.nm24_prune(w, cfg.dtype, compress=direct)
-    if sparse and not direct:
-      blob = cslt.compress(pruned)
-  if not sparse:
-    return _product(cfg, x, pruned), pruned, bits
-  # Data parallel: each device multiplies its rows of x by the (replicated) compressed weight.
-  local = lambda x2, b: (cslt.matmul(x2, b, n),)
-  return _sharding.row_parallel(local, (x,), blob)[0], pruned, bits
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _sr_ste_matmul(cfg: _MatmulConfig, sparse: bool, x, w):
-  """``x @ sr_ste(w)`` (2:4) pruned by our kernel (CUDA); the forward product on sparse tensor cores with
-  ``sparse``."""
-  return _p_forward(cfg, sparse, x, w)[0]
-
-
-def _sr_ste_matmul_fwd(cfg, sparse, x, w):
-  y, pruned, bits = _p_forward(cfg, sparse, x, w)
-  return y, (x, w, pruned, bits)
-
-
-def _sr_ste_matmul_bwd(cfg, sparse, res, dy):
-  # The reference's VJP with the forward's kernel and mask: dX = dY kernelᵀ, dW = xᵀ dY passed straight to the
-  # dense w plus the decay of the pruned entries.
-  x, w, pruned, bits = res
-  dx = jax.vjp(lambda x: _product(cfg, x, pruned), x)[1](dy)[0]
-  return dx, _dense_w_grad(cfg, x, w, pruned, dy, lambda: _nm_masks.group_mask(bits, cfg.m))
-
-
-_sr_ste_matmul.defvjp(_sr_ste_matmul_fwd, _sr_ste_matmul_bwd)
-
-
-def _dense_w_grad(cfg: _MatmulConfig, x, w, kernel, dy, mask):
-  """``sr_ste``'s gradient of the dense ``w`` given the product's cotangent ``dy``: ``xᵀ dY`` (through the cast to
-  the compute dtype) plus the decay of the entries ``mask()`` prunes."""
-  dkernel = jax.vjp(lambda k: _product(cfg, x, k), kernel)[1](dy)[0]
-  dw = dkernel.astype(w.dtype)
-  if cfg.decay:
-    dw = dw + jnp.where(mask(), jnp.zeros((), dw.dtype), (cfg.decay * w).astype(dw.dtype))
-  return dw
-
-
-# Transposable 2:4 with our pruning kernel (CUDA-only backends). The residuals: x, w, each 4 x 4 tile's pattern (for
-# the decay), and either the pruned kernel in the compute dtype (dense products: dY Wᵀ multiplies by it, so the
-# backward pass does not build it again) or the compressed Wᵀ (an (N, K) weight in LAYOUT_KN, ``blob_bytes`` of it).
+    return pruned, bits, cslt.compress(pruned) if sparse else None
+  direct = sparse and k % 32 == 0 and n % 64 == 0 and cslt.fast_compress(k, n, cfg.dtype)
+  pruned, bits, blob = cuda_kernels.nm24_prune(w, cfg.dtype, compress=direct)
+  if sparse and not direct:
+    blob = cslt.compress(pruned)
+  return pruned, bits, blob if sparse else None
 
 
 def _direct_compress(k: int, n: int) -> bool:
@@ -276,48 +239,102 @@ def _direct_compress(k: int, n: int) -> bool:
           cslt.compressed_bytes(k, n, jnp.bfloat16) == size)
 
 
-def _t_forward(cfg: _MatmulConfig, blob_bytes: int, x, w):
-  """``(y, pattern, backward)``: ``backward`` is the pruned kernel (dense products) or the compressed ``Wᵀ``."""
+def _t_prune(cfg: _MatmulConfig, blob_bytes: int, w):
+  """``(pattern, forward, backward)``: the transposable mask's 4 x 4 tile patterns and what the products multiply
+  by: the pruned kernel for both (dense products), or the compressed ``W`` and ``Wᵀ``."""
   if not blob_bytes:
     pruned, pattern = cuda_kernels.nm24_transposable(w, cfg.dtype)
-    return _product(cfg, x, pruned), pattern, pruned
+    return pattern, pruned, pruned
   if _direct_compress(*w.shape):
-    pattern, blob, blob_t = cuda_kernels.nm24_transposable_compress(w)
-  else:  # prune with the kernel, compress with cuSPARSELt (Wᵀ as a (N, K) weight in LAYOUT_KN)
-    pruned, pattern = cuda_kernels.nm24_transposable(w, cfg.dtype)
-    blob, blob_t = cslt.compress(pruned), cslt.compress(pruned.T)
-  local = lambda x2, b: (cslt.matmul(x2, b, w.shape[1]),)
-  return _sharding.row_parallel(local, (x,), blob)[0], pattern, blob_t
+    return cuda_kernels.nm24_transposable_compress(w)
+  # Prune with the kernel, compress with cuSPARSELt (Wᵀ as a (N, K) weight in LAYOUT_KN).
+  pruned, pattern = cuda_kernels.nm24_transposable(w, cfg.dtype)
+  return pattern, cslt.compress(pruned), cslt.compress(pruned.T)
+
+
+def _pruned_operands(cfg: _MatmulConfig, route, w):
+  """``((forward, backward), bits)``: the operands the product multiplies by (``backward``: in dY Wᵀ) and the mask's
+  bits."""
+  if cfg.transposable:
+    pattern, forward, backward = _t_prune(cfg, route, w)
+    return (forward, backward), pattern
+  pruned, bits, blob = _p_prune(cfg, route, w)
+  return (pruned if blob is None else blob, pruned), bits
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _weight(cfg: _MatmulConfig, route, w):
+  """``(w, operands)``: ``w`` itself, the path of its straight-through gradient, and the operands of the pruned
+  weight (:func:`_pruned_operands`), which get none."""
+  return w, _pruned_operands(cfg, route, w)[0]
+
+
+def _weight_fwd(cfg, route, w):
+  operands, bits = _pruned_operands(cfg, route, w)
+  return (w, operands), (w, bits) if cfg.decay else None
+
+
+def _weight_bwd(cfg, route, res, cotangents):
+  g = cotangents[0]
+  if res is not None:  # g + decay * (1 - mask) * w, as `_sr_ste` adds it, in the cotangent's dtype
+    w, bits = res
+    mask = _nm_masks.tile_mask(bits, cfg.n, cfg.m) if cfg.transposable else _nm_masks.group_mask(bits, cfg.m)
+    g = g + jnp.where(mask, jnp.zeros((), g.dtype), (cfg.decay * w).astype(g.dtype))
+  return (g,)
+
+
+_weight.defvjp(_weight_fwd, _weight_bwd)
+
+
+def _on_sparse_cores(cfg: _MatmulConfig, route) -> bool:
+  return bool(route)  # plain: `sparse`; transposable: a compressed Wᵀ of `blob_bytes`
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _st_product(cfg: _MatmulConfig, route, x, w, operands):
+  """``x @ pruned``, the pruned weight given by ``operands``; the forward product on sparse tensor cores where the
+  route says so. Its VJP gives ``dY prunedᵀ`` to ``x`` and ``xᵀ dY`` (through the cast to the compute dtype) to the
+  dense ``w``."""
+  forward, _ = operands
+  if not _on_sparse_cores(cfg, route):
+    return _product(cfg, x, forward)
+  # Data parallel: each device multiplies its rows of x by the (replicated) compressed weight.
+  local = lambda x2, b: (cslt.matmul(x2, b, w.shape[1]),)
+  return _sharding.row_parallel(local, (x,), forward)[0]
+
+
+def _st_product_fwd(cfg, route, x, w, operands):
+  return _st_product(cfg, route, x, w, operands), (x, w, operands[1])
+
+
+def _st_product_bwd(cfg, route, res, dy):
+  x, w, backward = res
+  if cfg.transposable and _on_sparse_cores(cfg, route):  # dY Wᵀ on sparse tensor cores, on the compressed Wᵀ
+    local = lambda dy2, b: (cslt.matmul(dy2, b, w.shape[0]),)
+    dx = _sharding.row_parallel(local, (dy,), backward, like={0: x})[0]
+    kernel = w.astype(cfg.dtype)  # xᵀ dY's product below reads its shape and dtype only
+  else:
+    kernel = backward  # the pruned kernel in the compute dtype, as the reference's product multiplies by it
+    dx = jax.vjp(lambda x: _product(cfg, x, kernel), x)[1](dy)[0]
+  dkernel = jax.vjp(lambda k: _product(cfg, x, k), kernel)[1](dy)[0]
+  return dx, dkernel.astype(w.dtype), None
+
+
+_st_product.defvjp(_st_product_fwd, _st_product_bwd)
+
+
+def _sr_ste_matmul(cfg: _MatmulConfig, sparse: bool, x, w):
+  """``x @ sr_ste(w)`` (2:4) pruned by our kernel (CUDA); the forward product on sparse tensor cores with
+  ``sparse``."""
+  w, operands = _weight(cfg, sparse, w)
+  return _st_product(cfg, sparse, x, w, operands)
+
+
 def _sr_ste_matmul_t(cfg: _MatmulConfig, blob_bytes: int, x, w):
   """``x @ sr_ste(w, transposable=True)`` pruned by our kernel (CUDA); products on sparse tensor cores when
   ``blob_bytes`` (the size of the compressed ``Wᵀ``) is not 0."""
-  return _t_forward(cfg, blob_bytes, x, w)[0]
-
-
-def _sr_ste_matmul_t_fwd(cfg, blob_bytes, x, w):
-  y, pattern, backward = _t_forward(cfg, blob_bytes, x, w)
-  return y, (x, w, pattern, backward)
-
-
-def _sr_ste_matmul_t_bwd(cfg, blob_bytes, res, dy):
-  # The reference's VJP with the forward's mask: dX = dY Wᵀ, dW = xᵀ dY passed straight to the dense w
-  # plus the decay of the pruned entries.
-  x, w, pattern, backward = res
-  mask = lambda: _nm_masks.tile_mask(pattern, cfg.n, cfg.m)
-  if blob_bytes:
-    local = lambda dy2, b: (cslt.matmul(dy2, b, w.shape[0]),)
-    dx = _sharding.row_parallel(local, (dy,), backward, like={0: x})[0]
-    kernel = jnp.where(mask(), w, jnp.zeros((), w.dtype)).astype(cfg.dtype)  # dW's product reads its shape only
-  else:
-    kernel = backward
-    dx = jax.vjp(lambda x: _product(cfg, x, kernel), x)[1](dy)[0]
-  return dx, _dense_w_grad(cfg, x, w, kernel, dy, mask)
-
-
-_sr_ste_matmul_t.defvjp(_sr_ste_matmul_t_fwd, _sr_ste_matmul_t_bwd)
+  w, operands = _weight(cfg, blob_bytes, w)
+  return _st_product(cfg, blob_bytes, x, w, operands)
 
 
 # -------------------------------------------------------------------------------------------------
