@@ -23,23 +23,9 @@ from flax.training import train_state
 
 import jaxsparse
 from jaxsparse import pruning
-
-
-def _normal(seed, shape, dtype=jnp.float32):
-  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
-
-
-def _params(seed=0):
-  return {
-      "fc1": {"kernel": _normal(seed, (16, 32)), "bias": _normal(seed + 1, (32,))},
-      "fc2": {"kernel": _normal(seed + 2, (32, 8)), "bias": _normal(seed + 3, (8,))},
-  }
-
-
-def _loss(params, x):
-  h = jax.nn.relu(x @ params["fc1"]["kernel"] + params["fc1"]["bias"])
-  return jnp.mean((h @ params["fc2"]["kernel"] + params["fc2"]["bias"]) ** 2)
-
+from tests.test_pruning import _loss
+from tests.test_pruning import _normal
+from tests.test_pruning import _params
 
 _XS = [_normal(100 + i, (4, 16)) for i in range(12)]
 

@@ -286,17 +286,13 @@ def _weight_bwd(cfg, route, res, cotangents):
 _weight.defvjp(_weight_fwd, _weight_bwd)
 
 
-def _on_sparse_cores(cfg: _MatmulConfig, route) -> bool:
-  return bool(route)  # plain: `sparse`; transposable: a compressed Wᵀ of `blob_bytes`
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _st_product(cfg: _MatmulConfig, route, x, w, operands):
   """``x @ pruned``, the pruned weight given by ``operands``; the forward product on sparse tensor cores where the
   route says so. Its VJP gives ``dY prunedᵀ`` to ``x`` and ``xᵀ dY`` (through the cast to the compute dtype) to the
   dense ``w``."""
   forward, _ = operands
-  if not _on_sparse_cores(cfg, route):
+  if not route:  # on sparse tensor cores where `sparse` (plain) or `blob_bytes` (transposable) says so
     return _product(cfg, x, forward)
   # Data parallel: each device multiplies its rows of x by the (replicated) compressed weight.
   local = lambda x2, b: (cslt.matmul(x2, b, w.shape[1]),)
@@ -309,7 +305,7 @@ def _st_product_fwd(cfg, route, x, w, operands):
 
 def _st_product_bwd(cfg, route, res, dy):
   x, w, backward = res
-  if cfg.transposable and _on_sparse_cores(cfg, route):  # dY Wᵀ on sparse tensor cores, on the compressed Wᵀ
+  if cfg.transposable and route:  # dY Wᵀ on sparse tensor cores, on the compressed Wᵀ
     local = lambda dy2, b: (cslt.matmul(dy2, b, w.shape[0]),)
     dx = _sharding.row_parallel(local, (dy,), backward, like={0: x})[0]
     kernel = w.astype(cfg.dtype)  # xᵀ dY's product below reads its shape and dtype only
