@@ -4,6 +4,8 @@ with checkpoint policies, ``nnx.jit`` with donated state, ``nnx.cond`` / ``nnx.s
 steps, ``jax.vmap`` over a non-leading batch axis, reverse-over-reverse derivatives, and mixed precision
 (``param_dtype=float32``, ``dtype=bfloat16``): forward and gradients against the dense layers holding the same pruned
 weights (float32: 1e-5 relative; bfloat16 against float32: 2e-2), or against the same layers without the transform.
+Float32 products run at ``jax.default_matmul_precision("highest")`` (the module's fixture): a GPU's default, TF32,
+differs from float32 by ~1e-3 relative, and those tolerances are float32's.
 
 Regression tests (they failed before the fixes of session 48) say so in a comment; the others are new coverage of
 workflows no test ran before.
@@ -42,6 +44,12 @@ TOL = {F32: 1e-5, BF16: 2e-2}
 LAYERS = 4  # a multiple of m = 4: a mask computed across the stack's axis would not raise
 ROWS = 12
 CP = jax.checkpoint_policies
+
+
+@pytest.fixture(autouse=True)
+def _float32_products():
+  with jax.default_matmul_precision("highest"):  # no change on the CPU; a GPU's default is TF32
+    yield
 
 
 def _build(kind: str, rngs: nnx.Rngs, *, dtype=None, param_dtype=F32) -> nnx.Module:
@@ -459,7 +467,8 @@ def _fake_cuda(monkeypatch):
   monkeypatch.setattr(_sr_ste.cslt, "compress", lambda w: w)
   monkeypatch.setattr(_sr_ste.cslt, "matmul", lambda x2, blob, n: x2 @ blob)
 
-  def transposable(w, dtype):
+  def transposable(w, dtype=None):
+    dtype = dtype or w.dtype
     pattern = jaxsparse.formats._nm_masks.transposable_pattern(w, 2, 4).astype(jnp.uint8)
     mask = jaxsparse.formats._nm_masks.tile_mask(pattern, 2, 4)
     return jnp.where(mask, w, jnp.zeros((), w.dtype)).astype(dtype), pattern
