@@ -27,6 +27,9 @@ from tests.test_pruning import _loss
 from tests.test_pruning import _normal
 from tests.test_pruning import _params
 
+# ~50 s on 2 cores in all (one test 13-20 s): `make test-slow` runs them, keeping `make test` within its 15 minutes.
+pytestmark = pytest.mark.slow
+
 _XS = [_normal(100 + i, (4, 16)) for i in range(12)]
 
 
