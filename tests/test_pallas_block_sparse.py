@@ -178,6 +178,29 @@ def test_interpret_grouped_dw_programs(block_shape, group, split, order, dtype):
 
 
 @pytest.mark.parametrize(
+    ("block_shape", "sub", "split", "order", "dtype"),
+    [
+        ((64, 32), 16, 1, "rows", jnp.float32),
+        ((128, 64), 32, 2, "cols", jnp.bfloat16),
+        ((32, 64), 64, 1, "rows", jnp.float32),  # sub_cols over bk: the whole block
+    ],
+)
+def test_interpret_dw_programs_of_block_row_slices(block_shape, sub, split, order, dtype):
+  # dW programs own `sub` of their block's bk rows (bk // sub programs a kept block), M = 40 not a multiple of the
+  # rows a step, split over M, blocks taken by row or by column.
+  x, dy, w = _problem(40, 256, 192, block_shape, "random", dtype, seed=7)
+  cfg = KernelConfig(16, split=split, block_order=order, sub_cols=sub)
+  _check_all(x, dy, w, dtype, config=BlockSparseMatmulConfig(KernelConfig(16), KernelConfig(16), cfg), interpret=True)
+
+
+def test_dw_programs_take_blocks_or_row_slices_not_both():
+  x, dy, w = _problem(16, 128, 128, (64, 64), "random", jnp.float32, seed=1)
+  cfg = BlockSparseMatmulConfig(KernelConfig(16), KernelConfig(16), KernelConfig(16, sub_cols=32, group_blocks=2))
+  with pytest.raises(ValueError, match=r"group_blocks=2.*sub_cols=32 of 64 rows"):
+    kernels.backward(x, dy, w, config=cfg, need_dx=False, interpret=True)
+
+
+@pytest.mark.parametrize(
     ("block_shape", "sub_cols", "split"), [((64, 64), 16, 1), ((32, 64), 32, 2), ((64, 32), 16, 1)]
 )
 def test_interpret_sub_column_programs(block_shape, sub_cols, split):
@@ -188,21 +211,28 @@ def test_interpret_sub_column_programs(block_shape, sub_cols, split):
   _check_all(x, dy, w, jnp.float32, config=BlockSparseMatmulConfig(cfg, cfg, KernelConfig(16)), interpret=True)
 
 
-@pytest.mark.parametrize(("product", "split"), [("forward", 1), ("forward", 4), ("dx", 1), ("dx", 4)])
+@pytest.mark.parametrize(
+    ("product", "split"), [("forward", 1), ("forward", 4), ("dx", 1), ("dx", 4), ("dw", 1), ("dw", 2), ("dw_g2", 1)]
+)
 def test_ragged_rows_are_masked_in_the_kernel(product, split):
   # A ragged M is masked in the kernel: no pad of x / dY before it, no slice of the result after it (each an extra
   # kernel launch on a GPU, as long as a decode product itself); a split contraction adds its partial sums after.
+  # dW (regression: it padded x and dY, a copy of each as long as the kernel at 224 x 14336 x 512 on an H200).
   x, dy, w = _problem(5, 128, 192, (32, 64), "random", jnp.float32, seed=9)
   cfg = KernelConfig(16, split=split)
-  config = BlockSparseMatmulConfig(cfg, cfg, KernelConfig(16))
+  config = BlockSparseMatmulConfig(cfg, cfg, dataclasses.replace(cfg, group_blocks=2 if product == "dw_g2" else 1))
   if product == "forward":
     jaxpr = jax.make_jaxpr(lambda x: kernels.forward(x, w, config=config))(x)
-  else:
+  elif product == "dx":
     jaxpr = jax.make_jaxpr(lambda dy: kernels.backward(x, dy, w, config=config, need_dw=False)[0])(dy)
+  else:
+    x, dy = (jnp.concatenate([a] * 8) for a in (x, dy))  # 40 rows: 3 steps of 16, split in 2 runs 4
+    jaxpr = jax.make_jaxpr(lambda x, dy: kernels.backward(x, dy, w, config=config, need_dx=False)[1])(x, dy)
   prims = [str(e.primitive) for e in jaxpr.jaxpr.eqns]
   assert prims.count("pallas_call") == 1, prims
   assert not {"pad", "slice", "dynamic_slice"} & set(prims), prims
-  assert ("reduce_sum" in prims) == (split > 1), prims
+  if product != "dw_g2":  # (the grouped schedule's item lists are counted with sums)
+    assert ("reduce_sum" in prims) == (split > 1), prims
 
 
 @pytest.mark.parametrize(("m", "split", "sub_cols"), [(5, 4, None), (40, 1, None), (1, 8, 32), (64, 2, None)])
@@ -211,7 +241,7 @@ def test_triton_kernels_lower_for_cuda(m, split, sub_cols):
   # masked loads and stores of a ragged row tile) fails here, not on a GPU.
   x, dy, w = _problem(m, 128, 192, (32, 64), "random", jnp.bfloat16, seed=m)
   cfg = KernelConfig(16, split=split, sub_cols=sub_cols)
-  config = BlockSparseMatmulConfig(cfg, cfg, KernelConfig(16, split=split))
+  config = BlockSparseMatmulConfig(cfg, cfg, KernelConfig(16, split=split, sub_cols=sub_cols and 16))
   f = lambda x, dy, w: (kernels.forward(x, w, config=config), *kernels.backward(x, dy, w, config=config))
   text = jax.jit(f).trace(x, dy, w).lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("__gpu$xla.gpu.triton") == 3
@@ -1137,6 +1167,22 @@ def test_gpu_grouped_dw_programs(m, block_shape, group, split, dtype):
   dw = KernelConfig(64, split=split, group_blocks=group)
   cfg = BlockSparseMatmulConfig(KernelConfig(32), KernelConfig(32), dw)
   _check_all(x, dy, w, dtype, config=cfg, interpret=False, precision=lax.Precision.HIGHEST)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize(
+    ("m", "block_shape", "sub", "split", "dtype"),
+    [(224, (256, 128), 64, 1, jnp.float16), (200, (128, 128), 64, 2, jnp.bfloat16), (77, (128, 64), 32, 1, jnp.float32),
+     (300, (64, 64), 64, 4, jnp.bfloat16)],
+)
+def test_gpu_dw_programs_of_block_row_slices_and_ragged_rows(m, block_shape, sub, split, dtype):
+  # dW programs of `sub` of a block's rows, M not a multiple of the rows a step (masked loads, no padded copies),
+  # split over M. Tolerances as in test_gpu_matches_dense (float32: TF32 tensor cores).
+  x, dy, w = _problem(m, 1024, 768, block_shape, "random", dtype, seed=m + sub)
+  small = KernelConfig(32, num_stages=2)  # (256-row blocks: 3 stages of the forward's tiles exceed shared memory)
+  cfg = BlockSparseMatmulConfig(small, small, KernelConfig(64, split=split, sub_cols=sub))
+  _check_all(x, dy, w, dtype, config=cfg, interpret=False)
 
 
 @pytest.mark.gpu

@@ -5,7 +5,8 @@ rules of :mod:`._block_sparse_config`) and adds, for one direction of the produc
 ``"dw"``): the dense route (the weight built dense and one XLA product; for ``dw`` the dense ``xᵀ dY`` and a
 gather), the Triton kernel with its default tiles, with split contractions, with smaller row tiles, (the decode
 forward of 16-wide blocks) with the other warp count and (``dw`` of blocks up to 64 x 64) with several blocks a
-program, and the Mosaic GPU kernel (Hopper, from 64 rows) with one or two block columns a tile and split
+program or (``dw`` of blocks of 128 rows or more, at most 1024 rows) slices of a block's rows a program, and the
+Mosaic GPU kernel (Hopper, from 64 rows) with one or two block columns a tile and split
 contractions. Only configs the kernels support for these operands are listed;
 duplicates of the default are dropped. The other directions' fields keep the default's values.
 """
@@ -109,6 +110,13 @@ def candidates(
       # blocks, d 0.14; 1.2-2.2x it at 640 rows (8 blocks a program: slower than 4 in 3 of 4 shapes).
       grouped = dataclasses.replace(tk, group_blocks=4, block_m=min(tk.block_m, 64))
       add("triton/g4", dataclasses.replace(triton, dw=grouped))
+    if m <= 1024 and w.block_shape[0] >= 128:
+      # Programs of a half / quarter of a block's rows: a smaller accumulator and twice / four times the programs,
+      # for large blocks at a few hundred rows (256 x 128 at 224 rows: one program a kept block left the GPU
+      # short of programs, each too long).
+      for sub in (w.block_shape[0] // 2, w.block_shape[0] // 4):
+        if sub >= 32:
+          add(f"triton/sub{sub}", dataclasses.replace(triton, dw=dataclasses.replace(tk, sub_cols=sub)))
     if mosaic_sdd is not None and not mosaic_unavailable_reason():
       dy = jax.ShapeDtypeStruct((m, n), x2.dtype)
       msd = mosaic_sdd.MosaicSddConfig.get_default(w.block_shape, w.dtype)

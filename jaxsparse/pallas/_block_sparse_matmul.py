@@ -9,7 +9,8 @@ The three products of a block-sparse layer (``W`` is ``(K, N)`` with kept ``(bk,
 * ``dx``:  ``dX = dY @ Wᵀ``. One program per ``(block_m, bk)`` tile; it walks the kept blocks of
   block row ``i`` (``row_offsets``), contracting ``dY[:, j-th N slab]`` with ``data[t]`` on ``bn``.
 * ``dw``:  ``dW[t] = x[:, i slab]ᵀ @ dY[:, j slab]`` for each kept block ``t``: one program per kept
-  block, a reduction over ``M``.
+  block (or per ``sub_cols`` of its rows, or per ``group_blocks`` kept blocks of a block row), a reduction
+  over ``M``.
 
 The kernels are plain ``pl.pallas_call`` kernels lowered through Triton on CUDA GPUs (compute
 capability 8.0 and later); the index arrays are ordinary inputs read inside the kernel and the loops
@@ -65,7 +66,6 @@ from jaxsparse.pallas._common import chunk
 from jaxsparse.pallas._common import dot
 from jaxsparse.pallas._common import grouped_tile
 from jaxsparse.pallas._common import items_of
-from jaxsparse.pallas._common import pad_rows
 from jaxsparse.pallas._common import unavailable_reason
 from jaxsparse.pallas._common import whole_block
 from jaxsparse.pallas._dense_route import dense_dx
@@ -289,24 +289,37 @@ def _dst_kernel(offsets_ref, cols_ref, dy_ref, data_ref, dx_ref, *, num_m, num_k
   rows.store(dx_ref, acc.astype(dx_ref.dtype))
 
 
-def _sdd_kernel(rows_ref, cols_ref, x_ref, dy_ref, ddata_ref, *, block_shape, steps, cfg, dot):
-  """``ddata[t] = x[:, i]ᵀ @ dy[:, j]`` for kept block ``t = (i, j)``, over this program's rows."""
-  t = pl.program_id(0)
+def _slab(ref, r0, bm: int, cols, ragged: bool):
+  """``ref[r0:r0 + bm, cols]``; with ``ragged`` its rows from ``ref.shape[0]`` on read as 0: ``dw``'s steps over
+  ``M`` reach past the operands' rows where ``M`` is not a multiple of the rows a step (or of the split's steps), and
+  masked loads cost less than padded copies of ``x`` and ``dY`` (each a pass over the operand before the kernel)."""
+  if not ragged:
+    return ref[pl.ds(r0, bm), cols]
+  ok = r0 + lax.broadcasted_iota(jnp.int32, (bm, 1), 0) < ref.shape[0]
+  return pltriton.load(ref.at[pl.ds(r0, bm), cols], mask=ok, other=0)
+
+
+def _sdd_kernel(rows_ref, cols_ref, x_ref, dy_ref, ddata_ref, *, block_shape, steps, subs, ragged, cfg, dot):
+  """``ddata[t] = x[:, i]ᵀ @ dy[:, j]`` for kept block ``t = (i, j)``, over this program's rows; with ``subs > 1``
+  program ``(t, q)`` computes the block's rows ``q * sub`` to ``(q + 1) * sub`` (``KernelConfig.sub_cols``)."""
+  t, q = pl.program_id(0) // subs, pl.program_id(0) % subs
   (bk, bn), bm = block_shape, cfg.block_m
-  k0 = pl.multiple_of(rows_ref[t] * bk, bk)
+  sub = bk // subs
+  k0 = pl.multiple_of(rows_ref[t] * bk + q * sub, sub)
   n0 = pl.multiple_of(cols_ref[t] * bn, bn)
   first = pl.program_id(1) * steps if cfg.split > 1 else 0
 
   def body(s, acc):
-    r = pl.ds(pl.multiple_of((first + s) * bm, bm), bm)
-    return acc + dot(x_ref[r, pl.ds(k0, bk)], dy_ref[r, pl.ds(n0, bn)], ((0,), (0,)))
+    r0 = pl.multiple_of((first + s) * bm, bm)
+    xs, dys = _slab(x_ref, r0, bm, pl.ds(k0, sub), ragged), _slab(dy_ref, r0, bm, pl.ds(n0, bn), ragged)
+    return acc + dot(xs, dys, ((0,), (0,)))
 
-  acc = lax.fori_loop(0, steps, body, jnp.zeros((bk, bn), jnp.float32))
+  acc = lax.fori_loop(0, steps, body, jnp.zeros((sub, bn), jnp.float32))
   ddata_ref[...] = acc.astype(ddata_ref.dtype)
 
 
 def _sdd_grouped_kernel(num_ref, rows_ref, blocks_ref, cols_ref, x_ref, dy_ref, ddata_ref, *, block_shape, steps,
-                        cfg, dot):
+                        ragged, cfg, dot):
   """:func:`_sdd_kernel` for the up to ``group_blocks`` kept blocks of item ``p`` (one block row ``i``): each step
   loads the ``x[:, i slab]`` rows once for all of them (``KernelConfig.group_blocks``)."""
   p, part, group = pl.program_id(0), pl.program_id(1), cfg.group_blocks
@@ -319,9 +332,10 @@ def _sdd_grouped_kernel(num_ref, rows_ref, blocks_ref, cols_ref, x_ref, dy_ref, 
     n0s = [pl.multiple_of(cols_ref[p * group + j] * bn, bn) for j in range(group)]
 
     def body(s, accs):
-      r = pl.ds(pl.multiple_of((first + s) * bm, bm), bm)
-      xs = x_ref[r, pl.ds(k0, bk)]
-      return tuple(acc + dot(xs, dy_ref[r, pl.ds(n0, bn)], ((0,), (0,))) for acc, n0 in zip(accs, n0s, strict=True))
+      r0 = pl.multiple_of((first + s) * bm, bm)
+      xs = _slab(x_ref, r0, bm, pl.ds(k0, bk), ragged)
+      return tuple(acc + dot(xs, _slab(dy_ref, r0, bm, pl.ds(n0, bn), ragged), ((0,), (0,)))
+                   for acc, n0 in zip(accs, n0s, strict=True))
 
     accs = lax.fori_loop(0, steps, body, tuple(jnp.zeros((bk, bn), jnp.float32) for _ in range(group)))
     # A short item repeats its last block: that block is written again, with the same sums.
@@ -480,49 +494,55 @@ def _dx(dy2, w, *, compute_dtype, out_dtype, precision, cfg: KernelConfig, inter
 
 
 def _dw(x2, dy2, w, *, compute_dtype, precision, cfg: KernelConfig, interpret):
-  bm = cfg.block_m
-  xp, dyp = pad_rows(x2, bm), pad_rows(dy2, bm)
-  total_steps = xp.shape[0] // bm
+  bm, m = cfg.block_m, x2.shape[0]
+  total_steps = pl.cdiv(m, bm)
   split = min(cfg.split, total_steps)
-  # Pad so that every split program runs the same number of steps over zero rows at worst.
+  # Every split program runs the same number of steps; the rows past M read as zeros.
   steps = pl.cdiv(total_steps, split)
-  xp, dyp = pad_rows(xp, steps * split * bm), pad_rows(dyp, steps * split * bm)
+  ragged = steps * split * bm != m
   cfg = dataclasses.replace(cfg, split=split)
   nnz, (bk, bn) = w.nnz_blocks, w.block_shape
   dot_ = functools.partial(dot, compute_dtype=compute_dtype, precision=precision)
   if cfg.group_blocks > 1:
-    return _dw_grouped(xp, dyp, w, steps=steps, cfg=cfg, dot=dot_, like=(x2, dy2), interpret=interpret)
+    if _sub_cols(cfg, bk)[1] > 1:
+      raise ValueError(f"dw programs take several kept blocks (group_blocks={cfg.group_blocks}) or row slices of one "
+                       f"(sub_cols={cfg.sub_cols} of {bk} rows), not both.")
+    return _dw_grouped(x2, dy2, w, steps=steps, ragged=ragged, cfg=cfg, dot=dot_, interpret=interpret)
   rows, cols = w.row_indices, w.col_indices
   if cfg.block_order == "cols":  # program t computes block transpose_order[t]; un-permuted below
     rows, cols = rows[w.transpose_order], cols[w.transpose_order]
+  # Programs of one block's row slices are neighbours: they share its dY slab.
+  sub, subs = _sub_cols(cfg, bk)
   if split == 1:
     out_shape = _utils.result_struct(w.data.shape, w.dtype, x2, dy2, w)
-    out_spec = pl.BlockSpec((None, bk, bn), lambda t, s: (t, 0, 0))
+    out_spec = pl.BlockSpec((None, sub, bn), lambda p, s: (p // subs, p % subs, 0))
   else:
     out_shape = _utils.result_struct((split, *w.data.shape), jnp.float32, x2, dy2, w)
-    out_spec = pl.BlockSpec((None, None, bk, bn), lambda t, s: (s, t, 0, 0))
+    out_spec = pl.BlockSpec((None, None, sub, bn), lambda p, s: (s, p // subs, p % subs, 0))
   kernel = functools.partial(
       _sdd_kernel,
       block_shape=(bk, bn),
       steps=steps,
+      subs=subs,
+      ragged=ragged,
       cfg=cfg,
       dot=dot_,
   )
   ddata = pl.pallas_call(
       kernel,
       out_shape=out_shape,
-      grid=(nnz, split),
+      grid=(nnz * subs, split),
       in_specs=[
           whole_block(rows.shape, 2),
           whole_block(cols.shape, 2),
-          whole_block(xp.shape, 2),
-          whole_block(dyp.shape, 2),
+          whole_block(x2.shape, 2),
+          whole_block(dy2.shape, 2),
       ],
       out_specs=out_spec,
       compiler_params=_params(cfg),
       interpret=interpret,
       name=f"block_sparse_sdd_{bk}x{bn}",
-  )(rows, cols, xp, dyp)
+  )(rows, cols, x2, dy2)
   if cfg.block_order == "cols":
     inverse = jnp.zeros_like(w.transpose_order).at[w.transpose_order].set(jnp.arange(nnz, dtype=jnp.int32))
     ddata = ddata[..., inverse, :, :]
@@ -531,21 +551,22 @@ def _dw(x2, dy2, w, *, compute_dtype, precision, cfg: KernelConfig, interpret):
   return ddata
 
 
-def _dw_grouped(xp, dyp, w, *, steps, cfg: KernelConfig, dot, like, interpret):
-  """:func:`_dw` with ``cfg.group_blocks`` kept blocks of a block row a program, on rows padded for ``cfg``."""
+def _dw_grouped(x2, dy2, w, *, steps, ragged, cfg: KernelConfig, dot, interpret):
+  """:func:`_dw` with ``cfg.group_blocks`` kept blocks of a block row a program."""
   nnz, (bk, bn), split = w.nnz_blocks, w.block_shape, cfg.split
   num_items, rows, blocks, cols = items_of(w, cfg.group_blocks, cfg.block_order)
   shape, dtype = ((nnz, bk, bn), w.dtype) if split == 1 else ((split, nnz, bk, bn), jnp.float32)
+  kernel = functools.partial(_sdd_grouped_kernel, block_shape=(bk, bn), steps=steps, ragged=ragged, cfg=cfg, dot=dot)
   ddata = pl.pallas_call(
-      functools.partial(_sdd_grouped_kernel, block_shape=(bk, bn), steps=steps, cfg=cfg, dot=dot),
-      out_shape=_utils.result_struct(shape, dtype, *like, w),
+      kernel,
+      out_shape=_utils.result_struct(shape, dtype, x2, dy2, w),
       grid=(rows.shape[0], split),
-      in_specs=[whole_block(a.shape, 2) for a in (num_items, rows, blocks, cols, xp, dyp)],
+      in_specs=[whole_block(a.shape, 2) for a in (num_items, rows, blocks, cols, x2, dy2)],
       out_specs=whole_block(shape, 2),
       compiler_params=_params(cfg),
       interpret=interpret,
       name=f"block_sparse_sdd_{bk}x{bn}_g{cfg.group_blocks}",
-  )(num_items, rows, blocks, cols, xp, dyp)
+  )(num_items, rows, blocks, cols, x2, dy2)
   return ddata if split == 1 else ddata.sum(axis=0).astype(w.dtype)
 
 

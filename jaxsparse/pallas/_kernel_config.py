@@ -24,7 +24,9 @@ class KernelConfig:
     sub_cols: forward and ``dx`` programs own this many output columns of their block (of ``bn``
       in the forward, of ``bk`` in ``dx``), so that a block column feeds ``bn // sub_cols``
       programs without a reduction afterwards; ``None`` for the whole block. For decode, where
-      there are too few block columns to fill the GPU. A power of two >= 16.
+      there are too few block columns to fill the GPU. ``dw`` programs own this many of their block's
+      ``bk`` rows (``bk // sub_cols`` programs a kept block, each with a smaller accumulator): for large
+      blocks at a few hundred rows, where one program a block leaves SMs idle. A power of two >= 16.
     block_order: the order in which ``dw`` programs take the kept blocks: ``"rows"`` (as stored, by
       block row) or ``"cols"`` (by block column: the programs in flight share ``dY`` slabs rather than
       ``x`` slabs). The Mosaic ``dw`` kernel measured faster in that order where ``N >= K`` (see
@@ -99,7 +101,7 @@ def staged_bytes(cfg: KernelConfig, direction: str, block_shape: tuple[int, int]
   elif direction == "dx":
     tiles = cfg.block_m * bn + min(cfg.sub_cols or bk, bk) * bn
   elif direction == "dw":
-    tiles = cfg.block_m * (bk + cfg.group_blocks * bn)
+    tiles = cfg.block_m * (min(cfg.sub_cols or bk, bk) + cfg.group_blocks * bn)
   else:
     raise ValueError(f"direction must be 'fwd', 'dx' or 'dw', got {direction!r}.")
   if itemsize == 2:
