@@ -78,9 +78,8 @@ RAISES = {
     ("*", "nm", "*", "dst"): (r"rule 'layer[^']*': SET and RigL support Unstructured and BlockSparse rules",
                               "SET / RigL take Unstructured and BlockSparse"),  # where the pruner is built
     **{("embed", p, "*", path): (EMBED, "sparsify: an Embed takes NM rules only")
-       for p in ("block", "unstructured") for path in ("sparsify", "prune", "dst", "orbax", "summary", "export")},
-    ("embed", "*", "*", "calibrated"): (r"rule\(s\) \['layer'\] match no .*(Linear|Dense)", "calibrated pruning covers "
-                                        "Linear, LinearGeneral and Conv layers only"),
+       for p in ("block", "unstructured")
+       for path in ("sparsify", "prune", "dst", "calibrated", "orbax", "summary", "export")},
 }
 
 # (kind, pattern, framework, path) -> why there is nothing to run. "*" matches any.
@@ -682,7 +681,7 @@ def test_every_combination_is_a_cell_or_not_a_cell():
   assert len(ALL) == len(KINDS) * len(PATTERNS) * len(FRAMEWORKS) * len(PATHS)
   assert all((_lookup(NOT_A_CELL, c) is None) == (c in CELLS) for c in ALL)
   embed = {c for c in CELLS if _lookup(RAISES, c) is None and c[0] == "embed"}
-  paths = ("build", "sparsify", "prune", "orbax", "summary", "export")
+  paths = ("build", "sparsify", "prune", "calibrated", "orbax", "summary", "export")
   expected = {("embed", "nm", fw, p) for fw in FRAMEWORKS for p in (*paths, "torch")}
   assert embed == expected, embed
 

@@ -92,9 +92,10 @@ def prune(
     :func:`layer_errors`.
   """
   if head and model.lm_head is None:
-    raise ValueError("this model ties its LM head to the embedding (tie_word_embeddings): calibrated pruning "
-                     "covers its linear layers only; keep head=False and make the tied table 2:4 with "
-                     "to_inference(embedding=...).")
+    raise ValueError("this model ties its LM head to the embedding (tie_word_embeddings): it has no lm_head to "
+                     "prune; give the tied table a rule instead ({'model.embed_tokens': NM(2, 4), ...}: "
+                     "calibrated_prune prunes it on its lookups and its head's inputs), or keep head=False and make "
+                     "the tied table 2:4 by magnitude with to_inference(embedding=...).")
   if isinstance(calibration_ids, np.ndarray | jnp.ndarray) and calibration_ids.ndim == 2:
     ids = np.asarray(calibration_ids, np.int32)
     batches = [jnp.asarray(ids[i:i + batch_size]) for i in range(0, len(ids), batch_size)]

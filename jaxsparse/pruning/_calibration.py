@@ -11,6 +11,13 @@ patches: ``X`` has one row per output position, ``K = prod(kernel_size) * cin`` 
 ``(*kernel_size, cin)`` order, so ``kernel.reshape(K, cout)`` is its ``(K, N)`` view and N:M groups of
 ``K`` are groups of consecutive input channels at one kernel position, as in ``NMConv``.
 
+An embedding table (``nnx.Embed`` / ``nn.Embed``, ``(num_embeddings, features)``; only for
+:func:`jaxsparse.pruning.calibrated_prune`, which prunes a table that a rule names) gets a :class:`TableStats`
+instead: its lookups are products of one-hot rows with the table, whose statistics are the count of each token id
+(``sq_norms`` of the one-hot inputs; their Gram matrix is ``diag(counts)``, never built), and, when the model also
+calls its ``attend`` (a tied LM head), the :class:`LayerStats` of the ``attend`` queries: the table is then the
+``(features, num_embeddings)`` kernel of a dense layer, the view :class:`jaxsparse.layers.CompressedNMEmbed` stores.
+
 One jitted function per set of layers records the inputs during the forward pass and adds their
 statistics to the running sums; the rest of the forward pass, whose output is unused, is dead code
 for XLA.
@@ -28,7 +35,6 @@ from collections.abc import Sequence
 from typing import Any
 from typing import NamedTuple
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,8 +42,6 @@ from flax import nnx
 
 from jaxsparse import _utils
 from jaxsparse._rules import Probe
-from jaxsparse._rules import as_int_tuple
-from jaxsparse._rules import dense_general_dims
 from jaxsparse._rules import get_module
 from jaxsparse._rules import linear_general_unsupported
 from jaxsparse._rules import match_rules
@@ -52,8 +56,10 @@ from jaxsparse.formats._specs import matrix_shape
 
 NNX_LAYERS = "nnx.Linear / nnx.LinearGeneral / nnx.Conv layer"
 LINEN_LAYERS = "nn.Dense / nn.DenseGeneral / nn.Conv call"
+NNX_LAYERS_AND_TABLES = f"{NNX_LAYERS} nor nnx.Embed (a rule naming it)"
+LINEN_LAYERS_AND_TABLES = f"{LINEN_LAYERS} nor nn.Embed (a rule naming it)"
 
-__all__ = ["LayerStats", "calibrate", "calibrate_linen"]
+__all__ = ["LayerStats", "calibrate"]
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 _SPECS = (Unstructured, NM, BlockSparse)
@@ -83,6 +89,20 @@ class LayerStats(NamedTuple):
   sq_norms: jax.Array
   gram: jax.Array | None
   tokens: jax.Array
+
+
+class TableStats(NamedTuple):
+  """Calibration statistics of an embedding table ``(num_embeddings, features)`` (internal to calibrated pruning).
+
+  Attributes:
+    counts: int32 ``(num_embeddings,)``, how often the lookups saw each id (padding left out): the ``sq_norms`` of
+      the one-hot lookup inputs, whose Gram matrix is ``diag(counts)``.
+    attend: the :class:`LayerStats` of the queries of the table's ``attend`` calls (``K = features``; always with
+      its ``gram``), when the model calls it (a tied LM head); ``None`` otherwise.
+  """
+
+  counts: jax.Array
+  attend: LayerStats | None
 
 
 def check_damp(damp: Any) -> float:
@@ -116,6 +136,38 @@ def check_layer_spec(spec: Any, shape: tuple[int, ...], *, path: str) -> None:
     )
   check_spec_applies(spec, shape, path=path)
   check_plain_nm(spec, path=path, what="calibrated pruning")
+
+
+def table_spec(spec: Any) -> Any:
+  """The structure of a table ``(num_embeddings, features)`` on its ``attend`` kernel ``(features, num_embeddings)``.
+
+  N:M groups run along the features in both (the groups :class:`jaxsparse.layers.CompressedNMEmbed` keeps); a block
+  of ``(rows, features)`` of the table is a block of ``(features, rows)`` of the kernel.
+  """
+  if isinstance(spec, BlockSparse):
+    return BlockSparse(density=spec.density, block_shape=spec.block_shape[::-1])
+  return spec
+
+
+def check_table_spec(spec: Any, shape: tuple[int, int], *, path: str) -> None:
+  """Raises naming ``path`` when ``spec`` cannot apply to an embedding table of ``shape`` ``(num_embeddings,
+  features)``: N:M groups run along the features of each row, blocks are ``(rows, features)`` of the table."""
+  if not isinstance(spec, _SPECS):
+    raise TypeError(
+        f"{path}: spec must be jaxsparse.Unstructured(...), jaxsparse.NM(...) or jaxsparse.BlockSparse(...), "
+        f"got {spec!r}."
+    )
+  check_plain_nm(spec, path=path, what="calibrated pruning")
+  rows, features = shape
+  if isinstance(spec, NM) and features % spec.m:
+    raise ValueError(f"{path}: N:M sparsity {spec.n}:{spec.m} needs m={spec.m} to divide the features {features} of "
+                     f"its {shape} embedding table (the groups run along the features of each row, as "
+                     "CompressedNMEmbed keeps them); choose another m or give this path another rule.")
+  if isinstance(spec, BlockSparse) and (rows % spec.block_shape[0] or features % spec.block_shape[1]):
+    raise ValueError(f"{path}: block_shape={spec.block_shape} (rows, features) does not divide its {shape} "
+                     "embedding table; choose block sizes that divide both, or give this path another rule.")
+  if not isinstance(spec, NM):
+    check_spec_applies(spec, shape, path=path)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -182,7 +234,9 @@ class Candidate(NamedTuple):
   """A layer a rule may select: key in the module tree, kernel shape, number of its input axes.
 
   ``patches``: a convolution's im2col (``None`` for dense layers); ``unsupported``: why the layer
-  cannot be calibrated, raised only if a rule selects it.
+  cannot be calibrated, raised only if a rule selects it; ``table``: an embedding table, ``kernel_shape``
+  ``(num_embeddings, features)``, taken only by a rule that matches no other candidate (as in
+  :func:`jaxsparse.sparsify`).
   """
 
   key: tuple
@@ -190,11 +244,16 @@ class Candidate(NamedTuple):
   n_in: int
   patches: ConvPatches | None = None
   unsupported: str | None = None
+  table: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
 class Layer:
-  """A selected layer: dotted path, its key in the module tree, structure and kernel shapes."""
+  """A selected layer: dotted path, its key in the module tree, structure and kernel shapes.
+
+  An embedding table (``table``) has ``kernel_shape`` ``(num_embeddings, features)`` and ``(k, n)`` those of its
+  ``attend`` kernel, ``(features, num_embeddings)``; ``spec`` is given on the table (blocks ``(rows, features)``).
+  """
 
   path: str
   key: tuple
@@ -203,6 +262,7 @@ class Layer:
   k: int  # flattened input features
   n: int  # flattened output features
   patches: ConvPatches | None = None  # a convolution's im2col
+  table: bool = False  # an embedding table
 
   def rows(self, x: jax.Array, dtype: jax.typing.DTypeLike = jnp.float32) -> jax.Array:
     """The layer's ``(T, K)`` inputs from one call's input ``x``, in ``dtype``."""
@@ -220,9 +280,13 @@ def resolve_layers(candidates: Sequence[Candidate], rules: Any, *, what: str) ->
 
   Raises ``ValueError`` when a rule matches none of the candidates (a typo would otherwise leave
   layers dense without notice), when a selected layer is not supported, or when nothing is selected.
+  An embedding table (``Candidate.table``) takes the first rule that fully matches its path only when that rule
+  matches no other candidate (a rule naming it, ``"embed"``), as in :func:`jaxsparse.sparsify`: catch-all rules
+  leave tables dense.
   """
   resolved = resolve_rules(rules)
   paths = [_dotted(c.key) for c in candidates]
+  layer_paths = [p for c, p in zip(candidates, paths, strict=True) if not c.table]
   unused = [pattern for pattern, compiled, _ in resolved if not any(compiled.fullmatch(p) for p in paths)]
   if unused:
     raise ValueError(f"rule(s) {unused} match no {what}; its layers are: {', '.join(paths) or '(none)'}.")
@@ -230,10 +294,15 @@ def resolve_layers(candidates: Sequence[Candidate], rules: Any, *, what: str) ->
   for c, path in zip(candidates, paths, strict=True):
     r = match_rules(resolved, path)
     spec = None if r is None else resolved[r][2]
-    if spec is None:
+    if spec is None or (c.table and any(resolved[r][1].fullmatch(q) for q in layer_paths)):
       continue
     if c.unsupported is not None:
       raise ValueError(f"{path or '(model)'}: {c.unsupported}; exclude it with a None rule.")
+    if c.table:
+      check_table_spec(spec, c.kernel_shape, path=path or "(model)")
+      rows, features = c.kernel_shape
+      layers.append(Layer(path, tuple(c.key), spec, tuple(c.kernel_shape), features, rows, table=True))
+      continue
     shape = c.kernel_shape
     k, n = matrix_shape(shape, c.n_in)
     if c.patches is not None and isinstance(spec, BlockSparse):
@@ -250,7 +319,7 @@ def _is_jaxsparse(node: Any) -> bool:
   return type(node).__module__.startswith("jaxsparse.")
 
 
-def _conv_candidate(key: tuple, conv: Any, kernel_shape: tuple[int, ...], what: str) -> Candidate:
+def conv_candidate(key: tuple, conv: Any, kernel_shape: tuple[int, ...], what: str) -> Candidate:
   if conv.feature_group_count != 1:
     return Candidate(key, kernel_shape, len(kernel_shape) - 1, unsupported=(
         f"{what} with feature_group_count={conv.feature_group_count} (a grouped convolution) is not supported; "
@@ -261,8 +330,9 @@ def _conv_candidate(key: tuple, conv: Any, kernel_shape: tuple[int, ...], what: 
   return Candidate(key, kernel_shape, len(kernel_shape) - 1, patches=ConvPatches.of(conv))
 
 
-def nnx_candidates(model: nnx.Module) -> list[Candidate]:
-  """Every dense ``nnx.Linear`` / ``nnx.LinearGeneral`` / ``nnx.Conv`` in ``model``."""
+def nnx_candidates(model: nnx.Module, *, tables: bool = False) -> list[Candidate]:
+  """Every dense ``nnx.Linear`` / ``nnx.LinearGeneral`` / ``nnx.Conv`` in ``model``; with ``tables``, also every
+  ``nnx.Embed`` (and, unsupported, every already compressed ``CompressedNMEmbed``)."""
   if not isinstance(model, nnx.Module):
     raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}; for Linen use the *_linen "
                     "functions.")
@@ -273,9 +343,16 @@ def nnx_candidates(model: nnx.Module) -> list[Candidate]:
       continue
     if _is_jaxsparse(node):
       sparse_keys.append(key)
+      if tables and type(node).__name__ == "CompressedNMEmbed":
+        out.append(Candidate(key, (int(node.num_embeddings), int(node.features)), 1, table=True, unsupported=(
+            "a CompressedNMEmbed is already N:M-compressed (jaxsparse.sparsify made it); calibrated pruning prunes "
+            "the dense nnx.Embed, before sparsify")))
+      continue
+    if tables and isinstance(node, nnx.Embed):
+      out.append(Candidate(key, tuple(node.embedding.shape), 1, table=True))
       continue
     if isinstance(node, nnx.Conv):
-      out.append(_conv_candidate(key, node, tuple(node.kernel.shape), "nnx.Conv"))
+      out.append(conv_candidate(key, node, tuple(node.kernel.shape), "nnx.Conv"))
     elif isinstance(node, nnx.LinearGeneral):
       out.append(Candidate(key, tuple(node.kernel.shape), len(node.in_features),
                            unsupported=linear_general_unsupported(node)))
@@ -293,23 +370,56 @@ def default_call(model: Any, batch: Any) -> Any:
   return model(batch)
 
 
-def _with_probes(model: nnx.Module, keys: Sequence[tuple], record: Callable[[tuple, jax.Array], None]) -> nnx.Module:
-  """Replaces the layers at ``keys`` by probes (in place); returns the model (a probe if a key is ``()``)."""
+class TableProbe(nnx.Module):
+  """Stands in for an ``nnx.Embed``: hands the ids of each lookup and the query of each ``attend`` to ``record``
+  (``record(x, attend)``); other attributes (``embedding``, ``dtype``) are the table's."""
+
+  def __init__(self, inner: nnx.Module, record: Callable[[jax.Array, bool], None]):
+    self.inner = inner
+    self.record = record
+
+  def __call__(self, inputs, *args, **kwargs):
+    self.record(inputs, False)
+    return self.inner(inputs, *args, **kwargs)
+
+  def attend(self, query, *args, **kwargs):
+    self.record(query, True)
+    return self.inner.attend(query, *args, **kwargs)
+
+  def __getattr__(self, name: str) -> Any:
+    if name.startswith("_") or name in ("inner", "record"):
+      raise AttributeError(name)
+    return getattr(self.inner, name)
+
+
+def _with_probes(model: nnx.Module, keys: Sequence[tuple], record: Callable[[tuple, jax.Array, bool], None],
+                 tables: Sequence[tuple] = ()) -> nnx.Module:
+  """Replaces the layers at ``keys`` by probes (in place); returns the model (a probe if a key is ``()``).
+
+  ``record(key, x, attend)``: ``attend`` is True for the query of a table's ``attend``; the keys in ``tables``
+  (embedding tables) get a :class:`TableProbe`, which records their lookups' ids and ``attend`` queries.
+  """
   for key in keys:
-    probe = Probe(get_module(model, key), lambda x, key=key: record(key, x))
+    if key in tables:
+      probe = TableProbe(get_module(model, key), lambda x, attend, key=key: record(key, x, attend))
+    else:
+      probe = Probe(get_module(model, key), lambda x, key=key: record(key, x, False))
     if not key:
       return probe
     replace_module(model, key, probe)
   return model
 
 
-def nnx_call_order(model: nnx.Module, keys: Sequence[tuple], batch: Any, call: Callable) -> list[tuple]:
-  """``keys`` in the order the model first calls them on ``batch`` (traced only, nothing computed)."""
+def nnx_call_order(model: nnx.Module, keys: Sequence[tuple], batch: Any, call: Callable,
+                   tables: Sequence[tuple] = ()) -> list[tuple]:
+  """``keys`` in the order the model first calls them on ``batch`` (traced only, nothing computed); a table in
+  ``tables`` is called by a lookup or an ``attend``, whichever comes first."""
   graphdef, state = nnx.split(model)
   order: list[tuple] = []
 
   def run(state):
-    m = _with_probes(nnx.merge(graphdef, state), keys, lambda key, x: order.append(key) if key not in order else None)
+    m = _with_probes(nnx.merge(graphdef, state), keys,
+                     lambda key, x, attend: order.append(key) if key not in order else None, tables)
     call(m, batch)
 
   with naming_batch(0):
@@ -328,11 +438,9 @@ def _add_stats(acc: LayerStats, xs: list[jax.Array], layer: Layer, gram: bool, w
   rows = []
   for x in xs:
     x = layer.rows(x, dtype)
-    if weights is not None:
-      if weights.size != x.shape[0]:
-        raise ValueError(f"{layer.path}: token_mask gives {weights.size} weights per batch but the layer sees "
-                         f"{x.shape[0]} tokens; the mask must have the shape of the layer input without its features.")
-      x = jnp.where(weights.reshape(-1, 1) != 0, x, 0)  # any nonzero value counts the token once
+    w = _token_weights(weights, x.shape[0], layer)
+    if w is not None:
+      x = jnp.where(w[:, None], x, 0)  # any nonzero value counts the token once
     rows.append(x)
   x = jnp.concatenate(rows)
   count = x.shape[0] if weights is None else len(xs) * jnp.sum(weights != 0, dtype=jnp.int32)
@@ -343,17 +451,49 @@ def _add_stats(acc: LayerStats, xs: list[jax.Array], layer: Layer, gram: bool, w
   )
 
 
+def _token_weights(weights: jax.Array | None, size: int, layer: Layer) -> jax.Array | None:
+  """``token_mask``'s weights as a flat bool array over ``size`` tokens (None: every token counts)."""
+  if weights is None:
+    return None
+  if weights.size != size:
+    raise ValueError(f"{layer.path}: token_mask gives {weights.size} weights per batch but the layer sees {size} "
+                     "tokens; the mask must have the shape of the layer input without its features.")
+  return weights.reshape(-1) != 0
+
+
+def _add_table_stats(acc: TableStats, ids: list[jax.Array], queries: list[jax.Array], layer: Layer,
+                     weights: jax.Array | None, table_dtype: Any) -> TableStats:
+  """Adds the token counts of the lookups' ``ids`` and the statistics of the ``attend`` ``queries``."""
+  counts = acc.counts
+  for x in ids:
+    x = jnp.asarray(x).reshape(-1)
+    w = _token_weights(weights, x.size, layer)
+    ones = jnp.ones(x.shape, jnp.int32) if w is None else w.astype(jnp.int32)
+    counts = counts.at[x].add(ones, mode="drop")  # negative ids count from the end, out-of-range ones not at all
+  attend = acc.attend
+  if queries:  # always with the Gram matrix: a tied table's pruning needs it (F x F, small beside the table)
+    start = _zeros(layer.k, True, jnp.float32) if attend is None else attend
+    attend = _add_stats(start, queries, layer, True, weights, table_dtype)
+  return TableStats(counts, attend)
+
+
 def _zeros(k: int, gram: bool, dtype: jax.typing.DTypeLike) -> LayerStats:
   return LayerStats(jnp.zeros((k,), dtype), jnp.zeros((k, k), dtype) if gram else None, jnp.zeros((), jnp.int32))
 
 
-def _accumulators(step: Callable, state: Any, layers: Sequence[Layer], batch: Any, gram: bool) -> dict[str, LayerStats]:
+def _zero_stats(layer: Layer, gram: bool) -> LayerStats | TableStats:
+  if layer.table:
+    return TableStats(jnp.zeros((layer.n,), jnp.int32), None)
+  return _zeros(layer.k, gram, jnp.float32)
+
+
+def accumulators(step: Callable, state: Any, layers: Sequence[Layer], batch: Any, gram: bool) -> dict[str, LayerStats]:
   """Zero statistics in the dtypes ``step`` accumulates in: float32, float64 for float64 kernels or inputs.
 
   The dtypes of the layers' kernels and inputs are known once the model is traced: ``step`` is traced (not run) on
   ``batch`` from float32 zeros, and gives back the dtypes it keeps (for float32 ones jit reuses this trace).
   """
-  acc = {layer.path: _zeros(layer.k, gram, jnp.float32) for layer in layers}
+  acc = {layer.path: _zero_stats(layer, gram) for layer in layers}
   with naming_batch(0):
     shapes = jax.eval_shape(step, state, acc, batch)
   return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
@@ -380,9 +520,16 @@ def naming_batch(i: int):
     raise
 
 
-def check_stats(stats: Mapping[str, LayerStats], layers: Sequence[Layer]) -> None:
-  """Raises naming the layer when its statistics count no tokens or are not finite (NaN/inf inputs)."""
-  def flags(s: LayerStats) -> tuple[jax.Array, jax.Array]:
+def check_stats(stats: Mapping[str, LayerStats | TableStats], layers: Sequence[Layer]) -> None:
+  """Raises naming the layer when its statistics count no tokens or are not finite (NaN/inf inputs).
+
+  A table counts the tokens of its ``attend`` queries when the model calls ``attend``, else those of its lookups.
+  """
+  def flags(s: LayerStats | TableStats) -> tuple[jax.Array, jax.Array]:
+    if isinstance(s, TableStats):
+      if s.attend is None:
+        return jnp.sum(s.counts), jnp.bool_(True)
+      s = s.attend
     finite = jnp.all(jnp.isfinite(s.sq_norms))
     if s.gram is not None:
       finite &= jnp.all(jnp.isfinite(s.gram))
@@ -397,30 +544,51 @@ def check_stats(stats: Mapping[str, LayerStats], layers: Sequence[Layer]) -> Non
     if not finite:
       raise ValueError(f"{layer.path or '(model)'}: the inputs this layer sees on the calibration batches contain "
                        "NaN or inf (in batches themselves, or produced by the model before this layer, or too large "
-                       f"to square in {stats[layer.path].sq_norms.dtype}); masks and weights computed from them "
+                       f"to square in {_sums_dtype(stats[layer.path])}); masks and weights computed from them "
                        "would be meaningless.")
 
 
+def _sums_dtype(s: LayerStats | TableStats) -> Any:
+  return (s.attend if isinstance(s, TableStats) else s).sq_norms.dtype
+
+
+def step_stats(acc: Mapping, layers: Sequence[Layer], xs: Mapping[tuple, list], queries: Mapping[tuple, list],
+                gram: bool, weights: jax.Array | None, dtypes: Mapping[tuple, Any], what: str) -> dict:
+  """One batch's update of the statistics of ``layers``, from their recorded inputs (a table: lookups' ids in ``xs``,
+  ``attend`` queries in ``queries``)."""
+  out = {}
+  for layer in layers:
+    if not xs[layer.key] and not queries.get(layer.key):
+      raise ValueError(f"{layer.path}: the {what} does not call this layer on a calibration batch.")
+    if layer.table:
+      out[layer.path] = _add_table_stats(acc[layer.path], xs[layer.key], queries[layer.key], layer, weights,
+                                         dtypes[layer.key])
+    else:
+      out[layer.path] = _add_stats(acc[layer.path], xs[layer.key], layer, gram, weights, dtypes[layer.key])
+  return out
+
+
 def nnx_layer_stats(model: nnx.Module, layers: Sequence[Layer], batches: Sequence[Any], *, call: Callable,
-                    gram: bool, token_mask: Callable[[Any], jax.Array] | None = None) -> dict[str, LayerStats]:
-  """Accumulates the :class:`LayerStats` of ``layers`` over ``batches`` (one jitted step per batch)."""
+                    gram: bool, token_mask: Callable[[Any], jax.Array] | None = None,
+                    ) -> dict[str, LayerStats | TableStats]:
+  """Accumulates the :class:`LayerStats` of ``layers`` (:class:`TableStats` of tables) over ``batches`` (one jitted
+  step per batch)."""
   graphdef, state = nnx.split(model)
+  tables = [layer.key for layer in layers if layer.table]
 
   def step(state, acc, batch):
     xs: dict[tuple, list] = {layer.key: [] for layer in layers}
+    queries: dict[tuple, list] = {key: [] for key in tables}
     m = nnx.merge(graphdef, state)
-    kernel_dtypes = {layer.key: get_module(m, layer.key).kernel.dtype for layer in layers}
-    m = _with_probes(m, list(xs), lambda key, x: xs[key].append(x))
+    dtypes = {layer.key: getattr(get_module(m, layer.key), "embedding" if layer.table else "kernel").dtype
+              for layer in layers}
+    m = _with_probes(m, list(xs), lambda key, x, attend: (queries if attend else xs)[key].append(x), tables)
     call(m, batch)
-    for layer in layers:
-      if not xs[layer.key]:
-        raise ValueError(f"{layer.path}: the model does not call this layer on a calibration batch.")
     weights = None if token_mask is None else jnp.asarray(token_mask(batch))
-    return {layer.path: _add_stats(acc[layer.path], xs[layer.key], layer, gram, weights, kernel_dtypes[layer.key])
-            for layer in layers}
+    return step_stats(acc, layers, xs, queries, gram, weights, dtypes, "model")
 
   step = jax.jit(step, donate_argnums=1)
-  acc = _accumulators(step, state, layers, batches[0], gram)
+  acc = accumulators(step, state, layers, batches[0], gram)
   for i, batch in enumerate(batches):
     with naming_batch(i):
       acc = step(state, acc, batch)
@@ -469,129 +637,3 @@ def calibrate(model: nnx.Module, batches: Sequence[Any], rules: Any, *, gram: bo
   call = default_call if call is None else call
   nnx_call_order(model, [layer.key for layer in layers], batches[0], call)
   return nnx_layer_stats(model, layers, batches, call=call, gram=gram, token_mask=token_mask)
-
-
-# -------------------------------------------------------------------------------------------------
-# Linen.
-# -------------------------------------------------------------------------------------------------
-
-
-def _linen_args(batch: Any) -> tuple[tuple, dict]:
-  if isinstance(batch, tuple):
-    return batch, {}
-  if isinstance(batch, Mapping):
-    return (), dict(batch)
-  return (batch,), {}
-
-
-_LINEN_TYPES = (nn.Dense, nn.DenseGeneral, nn.Conv)
-
-
-def _linen_candidate(m: nn.Module, x: jax.Array) -> Candidate:
-  """The candidate of a Linen layer called on ``x``: shapes from the input, as the layer makes them."""
-  key = tuple(m.path)
-  if type(m) is nn.Dense:
-    return Candidate(key, (int(x.shape[-1]), int(m.features)), 1)
-  if type(m) is nn.Conv:
-    size = as_int_tuple(m.kernel_size)
-    cin = int(x.shape[-1])
-    return _conv_candidate(key, m, (*size, cin // max(int(m.feature_group_count), 1), int(m.features)), "nn.Conv")
-  in_dims, features, unsupported = dense_general_dims(m, x.shape)
-  return Candidate(key, in_dims + features, len(in_dims), unsupported=unsupported or None)
-
-
-def linen_candidates(module: nn.Module, variables: Mapping, batch: Any, apply_kwargs: Mapping) -> list[Candidate]:
-  """Every ``nn.Dense`` / ``nn.DenseGeneral`` / ``nn.Conv`` that ``module`` calls on ``batch``, in call order."""
-  if not isinstance(module, nn.Module):
-    raise TypeError(f"module must be a flax.linen.Module, got {type(module).__name__}.")
-  found: dict[tuple, Candidate] = {}
-
-  def interceptor(next_fun, args, kwargs, context):
-    m = context.module
-    if context.method_name == "__call__" and type(m) in _LINEN_TYPES and args and tuple(m.path) not in found:
-      found[tuple(m.path)] = _linen_candidate(m, args[0])
-    return next_fun(*args, **kwargs)
-
-  args, kwargs = _linen_args(batch)
-  with nn.intercept_methods(interceptor), naming_batch(0):
-    jax.eval_shape(lambda v, *a: module.apply(v, *a, **kwargs, **apply_kwargs), variables, *args)
-  return list(found.values())
-
-
-def linen_layer_stats(module: nn.Module, variables: Mapping, layers: Sequence[Layer], batches: Sequence[Any], *,
-                      apply_kwargs: Mapping, gram: bool,
-                      token_mask: Callable[[Any], jax.Array] | None = None) -> dict[str, LayerStats]:
-  """Linen version of :func:`nnx_layer_stats`: inputs of the layer calls at the layers' paths."""
-  by_key = {layer.key: layer for layer in layers}
-
-  def step(variables, acc, batch):
-    xs: dict[tuple, list] = {key: [] for key in by_key}
-    kernel_dtypes: dict[tuple, Any] = {}
-
-    def interceptor(next_fun, args, kwargs, context):
-      key = tuple(context.module.path)
-      if context.method_name == "__call__" and key in xs and type(context.module) in _LINEN_TYPES:
-        xs[key].append(args[0])
-        kernel = nn.meta.unbox(context.module.variables.get("params", {})).get("kernel")
-        kernel_dtypes[key] = jnp.float32 if kernel is None else kernel.dtype
-      return next_fun(*args, **kwargs)
-
-    args, kwargs = _linen_args(batch)
-    with nn.intercept_methods(interceptor):
-      module.apply(variables, *args, **kwargs, **apply_kwargs)
-    for layer in layers:
-      if not xs[layer.key]:
-        raise ValueError(f"{layer.path}: the module does not call this layer on a calibration batch.")
-    weights = None if token_mask is None else jnp.asarray(token_mask(batch))
-    return {layer.path: _add_stats(acc[layer.path], xs[layer.key], layer, gram, weights, kernel_dtypes[layer.key])
-            for layer in layers}
-
-  step = jax.jit(step, donate_argnums=1)
-  acc = _accumulators(step, variables, layers, batches[0], gram)
-  for i, batch in enumerate(batches):
-    with naming_batch(i):
-      acc = step(variables, acc, batch)
-  check_stats(acc, layers)
-  return acc
-
-
-def calibrate_linen(module: nn.Module, variables: Mapping, batches: Sequence[Any], rules: Any, *, gram: bool = True,
-                    apply_kwargs: Mapping[str, Any] | None = None,
-                    token_mask: Callable[[Any], jax.typing.ArrayLike] | None = None) -> dict[str, LayerStats]:
-  """Linen version of :func:`calibrate`: the selected ``nn.Dense`` / ``DenseGeneral`` / ``Conv`` calls.
-
-  ``nn.DenseGeneral`` (trailing contracting axes, no batch dims: the projections of
-  ``nn.MultiHeadDotProductAttention``) and ``nn.Conv`` (no feature groups) are handled as their NNX
-  twins in :func:`calibrate`.
-
-  >>> import jax, jaxsparse, flax.linen as nn
-  >>> from jaxsparse import pruning
-  >>> class MLP(nn.Module):
-  ...   @nn.compact
-  ...   def __call__(self, x):
-  ...     h = nn.relu(nn.Dense(32)(x))  # Dense_0
-  ...     return nn.Dense(4)(h)  # Dense_1
-  >>> x = jax.random.normal(jax.random.key(0), (8, 16))
-  >>> variables = MLP().init(jax.random.key(1), x)
-  >>> stats = pruning.calibrate_linen(MLP(), variables, [x, x], jaxsparse.Unstructured(sparsity=0.5))
-  >>> {path: (s.gram.shape, int(s.tokens)) for path, s in stats.items()}
-  {'Dense_0': ((16, 16), 16), 'Dense_1': ((32, 32), 16)}
-
-  Args:
-    module: a Linen module.
-    variables: its variables (``{"params": ...}``, other collections).
-    batches: a list of inputs for ``module.apply``: an array, a tuple of positional arguments or a
-      dict of keyword arguments each.
-    rules: as :func:`calibrate`, matched against Linen module paths (``"Dense_0"``, ``"mlp.fc1"``).
-    gram: also accumulate ``XᵀX``.
-    apply_kwargs: extra keyword arguments of ``module.apply`` (e.g. ``{"train": False}``).
-    token_mask: as :func:`calibrate`.
-
-  Returns:
-    ``{layer path: LayerStats}``.
-  """
-  batches = check_batches(batches)
-  apply_kwargs = dict(apply_kwargs or {})
-  layers = resolve_layers(linen_candidates(module, variables, batches[0], apply_kwargs), rules, what=LINEN_LAYERS)
-  return linen_layer_stats(module, variables, layers, batches, apply_kwargs=apply_kwargs, gram=gram,
-                           token_mask=token_mask)

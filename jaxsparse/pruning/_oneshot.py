@@ -11,6 +11,61 @@ Sequential mode (SparseGPT's, also used by Wanda's reference code): layers are p
 calibrated on the model whose earlier groups are already pruned, so a layer is fitted to the inputs
 it will see. Each group costs one pass over the calibration batches up to its last layer (XLA drops
 the rest of the forward pass); a model of ``G`` groups costs about ``G / 2`` full passes.
+
+Embedding tables (``nnx.Embed`` / ``nn.Embed``), pruned when a rule names them (a rule that matches no dense layer,
+as :func:`jaxsparse.sparsify` takes them; catch-all rules leave tables dense). A table ``E`` of shape
+``(V, F)`` (``V`` ids, ``F`` features) serves two products:
+
+* a lookup, ``onehot(ids) @ E``: a dense layer with kernel ``E`` whose inputs are one-hot rows. Its statistics
+  are the token counts ``c`` (``sq_norms = c``, Hessian ``XᵀX = diag(c)``), and its reconstruction error is
+  ``||X (E - Ê)||² = sum_v c_v ||E_v - Ê_v||²``: every weight's error is its square times its row's count, and
+  no weight can make up for another (the inputs are orthogonal);
+* an ``attend`` (a tied LM head, ``logits = h @ Eᵀ``): a dense layer with kernel ``Eᵀ`` ``(F, V)`` on the
+  hidden states ``h``, the view :class:`jaxsparse.layers.CompressedNMEmbed` stores.
+
+Masks are taken on the table's ``attend`` kernel ``(F, V)``: N:M groups run along the ``F`` features of one row
+(what ``CompressedNMEmbed`` keeps, as :func:`magnitude_masks` prunes tables), Wanda's per-output comparison is
+per row, and a ``BlockSparse`` block shape is given in table order, ``(rows, features)``.
+
+**Lookups only** (the model never calls ``attend``). Wanda's score ``|E_vf| * sqrt(c_v)`` and SparseGPT's
+saliency ``E_vf² (c_v + d)`` (``d`` its damping) scale whole rows by their count, and SparseGPT's Hessian is
+diagonal, so it makes no weight update (its row ``U[k]`` is zero off the diagonal) and the refit changes nothing.
+What each reduces to:
+
+* N:M (groups within a row) and Wanda's unstructured per row: the count is a common factor of the group, so both
+  methods *are* magnitude there, exactly, for every row with ``c_v > 0``. For an id the batches never saw
+  (``c_v = 0``) every score would be 0 and the ties would keep the first ``n`` of each group whatever the
+  weights; magnitude, the limit ``c_v -> 0+``, is used for them too.
+* Comparisons spanning rows (blocks of several ids; SparseGPT's unstructured batches, which compare all rows;
+  magnitude's one threshold per table): the counts would rank rows by how often the calibration text used them,
+  and prune an id it never used first (score 0: a block of unseen ids, or every weight of its row, goes). A few
+  hundred calibration sequences see a fraction of a large vocabulary, and an id absent from them is not absent
+  when the model is used, so the counts are *not* used: blocks keep the largest Frobenius norms, SparseGPT's
+  unstructured mask is one magnitude threshold over the table (the optimum of its objective
+  ``sum_v ||E_v - Ê_v||²`` without counts).
+
+So on a lookup-only table ``method="wanda"`` gives the magnitude mask compared per row (its per-output groups),
+``method="sparsegpt"`` and ``method="magnitude"`` the magnitude mask of :func:`magnitude_layer` on the
+``(F, V)`` view, with no weight update; the report's note on the table says so. Its error is the lookups' one,
+``sqrt(sum_v c_v ||E_v - Ê_v||² / sum_v c_v ||E_v||²)``, and its tokens those of the lookups.
+
+**Tied** (the model calls ``attend``, e.g. ``self.embed.attend(h)`` for the logits). The ``attend`` queries
+``h`` are features with real statistics (Hessian ``H = hᵀh`` over the ``F`` features): the head's statistics are
+the source of every ranking within a row. The one table serves both uses, so it is fitted to both, each by its
+relative error: ``||h ΔW||² / ||h W||² + ||X ΔE||² / ||X E||²`` (``W = Eᵀ``). With the lookups' counts
+replaced by their mean, as above, the second term is ``||ΔW||² / ||W||²``, and the sum is ``||h ΔW||²`` under the
+Hessian ``H + λI`` (up to a factor), ``λ = ||h W||² / ||W||²``: the lookups act as a ridge that holds the rows
+to their values. The method runs as on a dense layer ``(F, V)`` with that Hessian: Wanda scores
+``|E_vf| * sqrt(||h_f||² + λ)``, SparseGPT and the refit solve with ``H + λI`` (and their own ``damp`` on
+top), magnitude ignores statistics. With the head's Hessian alone, SparseGPT's updates fit the logits at the
+lookups' expense: on the random 2:4 tables of ``tests/test_calibrated_embeddings.py`` they raise the lookup error
+35-62% above magnitude's, with ``H + λI`` 4-6%, for a head error close to that of the head's Hessian alone. The
+report's error and tokens are the head's; the note gives the lookups' error (with their real counts).
+
+In sequential mode a table is pruned in the group of its first call (the lookup, first in a language model), so the
+layers after it calibrate on the pruned lookups; a tied table's ``attend`` statistics then come from the model
+with only the groups before it pruned (for a first table: the dense model). A model that reads the table itself
+(``embed.embedding[...]``) instead of calling ``attend`` shows only its lookups.
 """
 
 from __future__ import annotations
@@ -32,21 +87,24 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
+from jaxsparse import _utils
 from jaxsparse._rules import get_module
 from jaxsparse.formats._specs import NM
-from jaxsparse.pruning._calibration import LINEN_LAYERS
-from jaxsparse.pruning._calibration import NNX_LAYERS
+from jaxsparse.pruning._calibration import LINEN_LAYERS_AND_TABLES
+from jaxsparse.pruning._calibration import NNX_LAYERS_AND_TABLES
 from jaxsparse.pruning._calibration import Layer
 from jaxsparse.pruning._calibration import LayerStats
+from jaxsparse.pruning._calibration import TableStats
 from jaxsparse.pruning._calibration import check_batches
 from jaxsparse.pruning._calibration import check_damp
 from jaxsparse.pruning._calibration import default_call
-from jaxsparse.pruning._calibration import linen_candidates
-from jaxsparse.pruning._calibration import linen_layer_stats
 from jaxsparse.pruning._calibration import nnx_call_order
 from jaxsparse.pruning._calibration import nnx_candidates
 from jaxsparse.pruning._calibration import nnx_layer_stats
 from jaxsparse.pruning._calibration import resolve_layers
+from jaxsparse.pruning._calibration import table_spec
+from jaxsparse.pruning._calibration_linen import linen_candidates
+from jaxsparse.pruning._calibration_linen import linen_layer_stats
 from jaxsparse.pruning._refit import refit_layer
 from jaxsparse.pruning._sparsegpt import reconstruction_error
 from jaxsparse.pruning._sparsegpt import sparsegpt_layer
@@ -66,14 +124,17 @@ class LayerPruned:
 
   Attributes:
     path: dotted path of the layer.
-    shape: ``(K, N)``, the kernel viewed as (inputs, outputs).
+    shape: ``(K, N)``, the kernel viewed as (inputs, outputs); an embedding table ``(V, F)`` as its ``attend``
+      kernel ``(F, V)``.
     pattern: the structure, e.g. ``"2:4"``.
     group: index of the sequential group the layer was pruned in.
     density: fraction of weights kept.
     error: ``||X w - X ŵ|| / ||X w||`` on the layer's calibration inputs (the pruned model's, in
-      sequential mode), after the refit if any.
+      sequential mode), after the refit if any; a table's: of its ``attend`` (tied) or else of its lookups.
     tokens: calibration tokens ``X`` has.
     seconds: wall time of the layer's solve (and refit).
+    note: what was done differently from the method's literal form, and why (an embedding table's lookups reduce
+      the method to magnitude, a tied table is pruned on its ``attend`` statistics); ``""`` for other layers.
 
   >>> import jax, jaxsparse
   >>> from flax import nnx
@@ -94,11 +155,12 @@ class LayerPruned:
   error: float
   tokens: int
   seconds: float
+  note: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
 class CalibratedPruneReport:
-  """The pruned layers in pruning order; ``str(report)`` is a Markdown table.
+  """The pruned layers in pruning order; ``str(report)`` is a Markdown table, then the layers' notes.
 
   The third result of :func:`calibrated_prune`, :func:`calibrated_prune_linen`, :func:`wanda` and
   :func:`sparsegpt`.
@@ -127,7 +189,8 @@ class CalibratedPruneReport:
             "|---|---|---|---|---|---|---|---|"]
     rows += [f"| {r.path} | {r.shape} | {r.pattern} | {r.group} | {r.density:.3f} | {r.error:.4f} | {r.tokens} | "
              f"{r.seconds:.2f} |" for r in self.layers]
-    return "\n".join(rows)
+    notes = [f"- {r.path or '(model)'}: {r.note}" for r in self.layers if r.note]
+    return "\n".join(rows + (["", "notes:", *notes] if notes else []))
 
 
 def block_group(path: str) -> str:
@@ -185,6 +248,56 @@ def _solve(method: str, layer: Layer, kernel2: jax.Array, stats: LayerStats | No
   return new, mask
 
 
+def _lookup_error(table: jax.Array, new: jax.Array, counts: jax.Array) -> float:
+  """``||X (E - Ê)|| / ||X E||`` of the one-hot lookups ``X`` with ``counts``: rows weighted by their counts."""
+  acc = _utils.accumulation_dtype(table.dtype, new.dtype)
+  c = counts.astype(acc)
+  e = table.astype(acc)
+  num = jnp.sum(c * jnp.sum((e - new.astype(acc)) ** 2, axis=1))
+  den = jnp.sum(c * jnp.sum(e * e, axis=1))
+  return float(jnp.sqrt(num / den))
+
+
+def _solve_table(method: str, layer: Layer, table: jax.Array, stats: TableStats | None, *, damp: float,
+                 block_size: int, refit_iterations: int) -> tuple[jax.Array, jax.Array, float, int, str]:
+  """Prunes an embedding table ``(V, F)`` (see the module docstring): ``(table, mask, error, tokens, note)``."""
+  w = table.T  # the attend kernel (F, V): inputs the features, outputs the ids
+  spec = table_spec(layer.spec)
+  view = dataclasses.replace(layer, spec=spec)
+  head = None if stats is None else stats.attend
+  if head is not None:  # tied: the head's Hessian, plus the lookups (counts replaced by their mean) as a ridge
+    acc = _utils.accumulation_dtype(w.dtype, head.gram.dtype)
+    wa, gram = w.astype(acc), head.gram.astype(acc)
+    norm2 = jnp.sum(wa * wa)
+    head2 = jnp.sum(gram * jnp.matmul(wa, wa.T, precision=jax.lax.Precision.HIGHEST))  # ||h W||²
+    lam = jnp.where(norm2 > 0, head2 / jnp.where(norm2 > 0, norm2, 1), 0)
+    both = LayerStats(head.sq_norms.astype(acc) + lam, gram + lam * jnp.eye(layer.k, dtype=acc), head.tokens)
+    new, mask = _solve(method, view, w, both, damp=damp, block_size=block_size, refit_iterations=refit_iterations)
+    new_table = new.T
+    ranked = "a magnitude mask" if method == "magnitude" else (
+        f"{method} with the LM head's (attend) statistics plus the lookups as a ridge (lambda = "
+        f"{float(lam / jnp.mean(jnp.diagonal(gram))):.3g} x the mean Hessian diagonal; token counts not used)")
+    note = f"tied table: {ranked}; error and tokens: the head's"
+    if bool(jnp.any(stats.counts)):
+      note += (f"; lookup rel. error {_lookup_error(table, new_table, stats.counts):.4f} over "
+               f"{int(jnp.sum(stats.counts))} tokens")
+    return new_table, mask.T, float(reconstruction_error(w, new, gram)), int(head.tokens), note
+  if method == "wanda":  # per row: the count is a common factor of a row's scores
+    mask = wanda_layer(w, jnp.ones((layer.k,), jnp.float32), spec, path=layer.path)
+  else:
+    mask = magnitude_layer(w, spec, path=layer.path)
+  new_table = jnp.where(mask, w, jnp.zeros((), w.dtype)).T
+  if stats is None:
+    return new_table, mask.T, float("nan"), -1, ""
+  if method == "magnitude":
+    note = "embedding lookups (one-hot inputs); error over the lookups"
+  else:
+    kept = {"wanda": "compared per row", "sparsegpt": "no weight update or refit (diagonal Hessian)"}[method]
+    note = (f"embedding lookups (one-hot inputs): {method} reduces to magnitude, {kept}; token counts not used "
+            "(they only scale rows, and would prune unseen ids first)")
+  return new_table, mask.T, _lookup_error(table, new_table, stats.counts), int(jnp.sum(stats.counts)), note
+
+
 def _run(
     layers: Sequence[Layer],
     batches: Sequence[Any] | None,
@@ -195,7 +308,7 @@ def _run(
     block_size: int,
     refit_iterations: int,
     progress: bool,
-    stats_of: Callable[[Sequence[Layer]], dict[str, LayerStats]],
+    stats_of: Callable[[Sequence[Layer]], dict[str, LayerStats | TableStats]],
     get_kernel: Callable[[Layer], jax.Array],
     set_kernel: Callable[[Layer, jax.Array], None],
 ) -> tuple[dict[str, np.ndarray], CalibratedPruneReport]:
@@ -209,19 +322,27 @@ def _run(
       for layer in group:
         bar.set_postfix_str(layer.path)
         kernel = get_kernel(layer)
-        kernel2 = kernel.reshape(layer.k, layer.n)
         s = stats.get(layer.path)
         t0 = time.perf_counter()
-        new2, mask2 = _solve(method, layer, kernel2, s, damp=damp, block_size=block_size,
-                             refit_iterations=refit_iterations)
-        jax.block_until_ready(new2)
-        seconds = time.perf_counter() - t0
-        error = float("nan") if s is None or s.gram is None else float(reconstruction_error(kernel2, new2, s.gram))
+        if layer.table:
+          new2, mask2, error, tokens, note = _solve_table(method, layer, kernel, s, damp=damp, block_size=block_size,
+                                                          refit_iterations=refit_iterations)
+          jax.block_until_ready(new2)
+          seconds = time.perf_counter() - t0
+        else:
+          kernel2 = kernel.reshape(layer.k, layer.n)
+          new2, mask2 = _solve(method, layer, kernel2, s, damp=damp, block_size=block_size,
+                               refit_iterations=refit_iterations)
+          jax.block_until_ready(new2)
+          seconds = time.perf_counter() - t0
+          error = float("nan") if s is None or s.gram is None else float(reconstruction_error(kernel2, new2, s.gram))
+          tokens, note = -1 if s is None else int(s.tokens), ""
         set_kernel(layer, new2.reshape(kernel.shape).astype(kernel.dtype))
         mask = np.asarray(mask2).reshape(layer.kernel_shape)
-        masks[f"{layer.path}.kernel" if layer.path else "kernel"] = mask
+        name = "embedding" if layer.table else "kernel"
+        masks[f"{layer.path}.{name}" if layer.path else name] = mask
         rows.append(LayerPruned(layer.path, (layer.k, layer.n), layer.spec.describe(), g, float(mask.mean()), error,
-                                -1 if s is None else int(s.tokens), seconds))
+                                tokens, seconds, note))
         bar.update(1)
   finally:
     bar.close()
@@ -269,7 +390,14 @@ def calibrated_prune(
       matches is pruned to its structure (``Unstructured``, ``NM`` along the inputs, ``BlockSparse``),
       as is every ``nnx.Conv`` without feature groups (``Unstructured``, or ``NM`` along its input
       channels as ``NMConv``; solved on its im2col patches, kernel viewed as
-      ``(prod(kernel_size) * cin, cout)``).
+      ``(prod(kernel_size) * cin, cout)``). An ``nnx.Embed`` table is pruned only by a rule that names it
+      (matches no other layer: ``{"embed": jaxsparse.NM(2, 4), ...}``; catch-all rules leave tables dense, as
+      :func:`jaxsparse.sparsify` does): ``NM`` along the features of each row, ``Unstructured``, or
+      ``BlockSparse`` with blocks of ``(rows, features)``; its mask is ``masks["<path>.embedding"]``. A table the
+      model only looks up is pruned by magnitude whatever the method (what Wanda and SparseGPT reduce to on
+      one-hot inputs); a tied one (the model calls its ``attend``) by the method, on the ``attend`` statistics
+      with the lookups as a ridge. The pruning guide's "Embedding tables" section derives both; the report's
+      note on the table says which applied.
     batches: a list of calibration inputs (array, tuple of positional args or dict of keyword args
       each; see ``call``); may be ``None`` for ``method="magnitude"`` (the report then has no errors).
     method: ``"sparsegpt"`` (masks and OBS weight updates), ``"wanda"`` (masks by ``|w| * ||x||``) or
@@ -291,7 +419,8 @@ def calibrated_prune(
     token_mask: ``batch -> 0/1 array`` marking the real tokens of a padded batch (see
       :func:`calibrate`); padding is left out of the statistics.
     to_sparse: return ``jaxsparse.sparsify(pruned, rules, masks=masks)``'s sparse model instead of the
-      dense model with pruned weights.
+      dense model with pruned weights (an ``NM`` table becomes a ``CompressedNMEmbed``; sparsify takes no other
+      structure for tables).
     inplace: prune ``model`` itself.
     measure_error: also collect ``XᵀX`` for Wanda and magnitude, to report each layer's reconstruction
       error (SparseGPT always has it); without it their errors are NaN.
@@ -304,7 +433,9 @@ def calibrated_prune(
 
   Raises:
     ValueError: no batches (Wanda, SparseGPT), a rule that matches no layer, a structure that does
-      not fit a layer, a layer the model never calls, a Hessian that is not positive definite.
+      not fit a layer, a layer the model never calls, a Hessian that is not positive definite; with
+      ``to_sparse``, a table under a structure other than ``NM``; a rule naming an already compressed
+      ``CompressedNMEmbed``.
   """
   method, refit_iterations = _check_options(method, damp, block_size, refit_iterations)
   if batches is None and method != "magnitude":
@@ -313,23 +444,33 @@ def calibrated_prune(
     raise ValueError(f"the refit needs calibration batches (XᵀX); got batches=None with {refit_iterations=}. "
                      "Pass batches or refit_iterations=0.")
   batches = None if batches is None else check_batches(batches)
-  layers = resolve_layers(nnx_candidates(model), rules, what=NNX_LAYERS)
+  layers = resolve_layers(nnx_candidates(model, tables=True), rules, what=NNX_LAYERS_AND_TABLES)
+  if to_sparse:
+    for layer in layers:
+      if layer.table and not isinstance(layer.spec, NM):
+        raise ValueError(f"{layer.path or '(model)'}: to_sparse=True, but sparsify stores an embedding table only "
+                         f"N:M-compressed (CompressedNMEmbed), not {layer.spec.describe()}; use jaxsparse.NM(n, m) "
+                         "for it, or to_sparse=False (the dense model with the pruned table and its mask).")
   if not inplace:
     model = nnx.clone(model)
   call = default_call if call is None else call
   by_key = {layer.key: layer for layer in layers}
   if batches is not None:
-    layers = [by_key[key] for key in nnx_call_order(model, list(by_key), batches[0], call)]
+    tables = [layer.key for layer in layers if layer.table]
+    layers = [by_key[key] for key in nnx_call_order(model, list(by_key), batches[0], call, tables)]
+
+  def param(layer: Layer) -> nnx.Param:
+    return getattr(get_module(model, layer.key), "embedding" if layer.table else "kernel")
 
   def set_kernel(layer: Layer, kernel: jax.Array) -> None:
-    get_module(model, layer.key).kernel[...] = kernel
+    param(layer)[...] = kernel
 
   masks, report = _run(
       layers, batches, method=method, sequential=sequential, damp=damp, block_size=block_size,
       refit_iterations=refit_iterations, progress=progress,
       stats_of=lambda group: nnx_layer_stats(model, group, batches, call=call, token_mask=token_mask,
                                              gram=method == "sparsegpt" or measure_error or bool(refit_iterations)),
-      get_kernel=lambda layer: get_module(model, layer.key).kernel[...], set_kernel=set_kernel,
+      get_kernel=lambda layer: param(layer)[...], set_kernel=set_kernel,
   )
   if to_sparse:
     from jaxsparse import sparsify  # noqa: PLC0415 -- jaxsparse imports this package before sparsify
@@ -421,7 +562,10 @@ def calibrated_prune_linen(
 
   ``nn.DenseGeneral`` (trailing contracting axes, no batch dims: ``nn.MultiHeadDotProductAttention``'s
   projections) and ``nn.Conv`` (no feature groups) are pruned as their NNX twins; their masks have
-  the kernel's own shape, as :func:`jaxsparse.sparsify_linen` takes them.
+  the kernel's own shape, as :func:`jaxsparse.sparsify_linen` takes them. An ``nn.Embed`` that a rule names
+  (looked up or ``attend``-ed on the batches) is pruned as an ``nnx.Embed`` in :func:`calibrated_prune`:
+  magnitude for a lookup-only table, the method on the ``attend`` statistics for a tied one; its mask is
+  ``masks["<path>.embedding"]``.
 
   >>> import jax, jaxsparse, flax.linen as nn
   >>> from jaxsparse import pruning
@@ -462,11 +606,15 @@ def calibrated_prune_linen(
                      "got batches=None.")
   batches = check_batches(batches)
   apply_kwargs = dict(apply_kwargs or {})
-  layers = resolve_layers(linen_candidates(module, variables, batches[0], apply_kwargs), rules, what=LINEN_LAYERS)
+  layers = resolve_layers(linen_candidates(module, variables, batches[0], apply_kwargs, tables=True), rules,
+                          what=LINEN_LAYERS_AND_TABLES)
   new_vars = _to_dict(variables)
 
   def set_kernel(layer: Layer, kernel: jax.Array) -> None:
-    _nested_get(new_vars["params"], layer.key)["kernel"] = kernel
+    _nested_get(new_vars["params"], layer.key)["embedding" if layer.table else "kernel"] = kernel
+
+  def get_kernel(layer: Layer) -> jax.Array:
+    return jnp.asarray(_nested_get(new_vars["params"], layer.key)["embedding" if layer.table else "kernel"])
 
   masks, report = _run(
       layers, batches, method=method, sequential=sequential, damp=damp, block_size=block_size,
@@ -474,6 +622,6 @@ def calibrated_prune_linen(
       stats_of=lambda group: linen_layer_stats(module, new_vars, group, batches, apply_kwargs=apply_kwargs,
                                                token_mask=token_mask,
                                                gram=method == "sparsegpt" or measure_error or bool(refit_iterations)),
-      get_kernel=lambda layer: jnp.asarray(_nested_get(new_vars["params"], layer.key)["kernel"]), set_kernel=set_kernel,
+      get_kernel=get_kernel, set_kernel=set_kernel,
   )
   return new_vars, masks, report

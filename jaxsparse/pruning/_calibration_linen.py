@@ -1,0 +1,162 @@
+"""Calibration statistics of the layers of a Linen module: the Linen half of :mod:`._calibration` (the layers' calls
+are intercepted with ``nn.intercept_methods`` instead of replaced by probes)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from collections.abc import Mapping
+from collections.abc import Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxsparse._rules import as_int_tuple
+from jaxsparse._rules import dense_general_dims
+from jaxsparse.pruning._calibration import LINEN_LAYERS
+from jaxsparse.pruning._calibration import Candidate
+from jaxsparse.pruning._calibration import Layer
+from jaxsparse.pruning._calibration import LayerStats
+from jaxsparse.pruning._calibration import TableStats
+from jaxsparse.pruning._calibration import accumulators
+from jaxsparse.pruning._calibration import check_batches
+from jaxsparse.pruning._calibration import check_stats
+from jaxsparse.pruning._calibration import conv_candidate
+from jaxsparse.pruning._calibration import naming_batch
+from jaxsparse.pruning._calibration import resolve_layers
+from jaxsparse.pruning._calibration import step_stats
+
+__all__ = ["calibrate_linen", "linen_candidates", "linen_layer_stats"]
+
+def _linen_args(batch: Any) -> tuple[tuple, dict]:
+  if isinstance(batch, tuple):
+    return batch, {}
+  if isinstance(batch, Mapping):
+    return (), dict(batch)
+  return (batch,), {}
+
+
+_LINEN_TYPES = (nn.Dense, nn.DenseGeneral, nn.Conv)
+
+
+def _linen_candidate(m: nn.Module, x: jax.Array) -> Candidate:
+  """The candidate of a Linen layer called on ``x``: shapes from the input, as the layer makes them."""
+  key = tuple(m.path)
+  if type(m) is nn.Dense:
+    return Candidate(key, (int(x.shape[-1]), int(m.features)), 1)
+  if type(m) is nn.Conv:
+    size = as_int_tuple(m.kernel_size)
+    cin = int(x.shape[-1])
+    return conv_candidate(key, m, (*size, cin // max(int(m.feature_group_count), 1), int(m.features)), "nn.Conv")
+  in_dims, features, unsupported = dense_general_dims(m, x.shape)
+  return Candidate(key, in_dims + features, len(in_dims), unsupported=unsupported or None)
+
+
+def _is_table_call(context: Any) -> bool:
+  """Whether an intercepted call is a lookup or ``attend`` of an ``nn.Embed``."""
+  return type(context.module) is nn.Embed and context.method_name in ("__call__", "attend")
+
+
+def linen_candidates(module: nn.Module, variables: Mapping, batch: Any, apply_kwargs: Mapping, *,
+                     tables: bool = False) -> list[Candidate]:
+  """Every ``nn.Dense`` / ``nn.DenseGeneral`` / ``nn.Conv`` that ``module`` calls on ``batch``, in call order; with
+  ``tables``, also every ``nn.Embed`` it looks up or ``attend``-s."""
+  if not isinstance(module, nn.Module):
+    raise TypeError(f"module must be a flax.linen.Module, got {type(module).__name__}.")
+  found: dict[tuple, Candidate] = {}
+
+  def interceptor(next_fun, args, kwargs, context):
+    m = context.module
+    key = tuple(m.path)
+    if key not in found and args:
+      if context.method_name == "__call__" and type(m) in _LINEN_TYPES:
+        found[key] = _linen_candidate(m, args[0])
+      elif tables and _is_table_call(context):
+        found[key] = Candidate(key, (int(m.num_embeddings), int(m.features)), 1, table=True)
+    return next_fun(*args, **kwargs)
+
+  args, kwargs = _linen_args(batch)
+  with nn.intercept_methods(interceptor), naming_batch(0):
+    jax.eval_shape(lambda v, *a: module.apply(v, *a, **kwargs, **apply_kwargs), variables, *args)
+  return list(found.values())
+
+
+def linen_layer_stats(module: nn.Module, variables: Mapping, layers: Sequence[Layer], batches: Sequence[Any], *,
+                      apply_kwargs: Mapping, gram: bool,
+                      token_mask: Callable[[Any], jax.Array] | None = None) -> dict[str, LayerStats | TableStats]:
+  """Linen version of :func:`nnx_layer_stats`: inputs of the layer calls at the layers' paths (a table's lookups
+  and ``attend`` calls)."""
+  by_key = {layer.key: layer for layer in layers}
+
+  def step(variables, acc, batch):
+    xs: dict[tuple, list] = {key: [] for key in by_key}
+    queries: dict[tuple, list] = {key: [] for key, layer in by_key.items() if layer.table}
+    dtypes: dict[tuple, Any] = {}
+
+    def interceptor(next_fun, args, kwargs, context):
+      key = tuple(context.module.path)
+      layer = by_key.get(key)
+      if layer is not None and args and (_is_table_call(context) if layer.table else (
+          context.method_name == "__call__" and type(context.module) in _LINEN_TYPES)):
+        (queries if context.method_name == "attend" else xs)[key].append(args[0])
+        name = "embedding" if layer.table else "kernel"
+        param = nn.meta.unbox(context.module.variables.get("params", {})).get(name)
+        dtypes[key] = jnp.float32 if param is None else param.dtype
+      return next_fun(*args, **kwargs)
+
+    args, kwargs = _linen_args(batch)
+    with nn.intercept_methods(interceptor):
+      module.apply(variables, *args, **kwargs, **apply_kwargs)
+    weights = None if token_mask is None else jnp.asarray(token_mask(batch))
+    return step_stats(acc, layers, xs, queries, gram, weights, dtypes, "module")
+
+  step = jax.jit(step, donate_argnums=1)
+  acc = accumulators(step, variables, layers, batches[0], gram)
+  for i, batch in enumerate(batches):
+    with naming_batch(i):
+      acc = step(variables, acc, batch)
+  check_stats(acc, layers)
+  return acc
+
+
+def calibrate_linen(module: nn.Module, variables: Mapping, batches: Sequence[Any], rules: Any, *, gram: bool = True,
+                    apply_kwargs: Mapping[str, Any] | None = None,
+                    token_mask: Callable[[Any], jax.typing.ArrayLike] | None = None) -> dict[str, LayerStats]:
+  """Linen version of :func:`calibrate`: the selected ``nn.Dense`` / ``DenseGeneral`` / ``Conv`` calls.
+
+  ``nn.DenseGeneral`` (trailing contracting axes, no batch dims: the projections of
+  ``nn.MultiHeadDotProductAttention``) and ``nn.Conv`` (no feature groups) are handled as their NNX
+  twins in :func:`calibrate`.
+
+  >>> import jax, jaxsparse, flax.linen as nn
+  >>> from jaxsparse import pruning
+  >>> class MLP(nn.Module):
+  ...   @nn.compact
+  ...   def __call__(self, x):
+  ...     h = nn.relu(nn.Dense(32)(x))  # Dense_0
+  ...     return nn.Dense(4)(h)  # Dense_1
+  >>> x = jax.random.normal(jax.random.key(0), (8, 16))
+  >>> variables = MLP().init(jax.random.key(1), x)
+  >>> stats = pruning.calibrate_linen(MLP(), variables, [x, x], jaxsparse.Unstructured(sparsity=0.5))
+  >>> {path: (s.gram.shape, int(s.tokens)) for path, s in stats.items()}
+  {'Dense_0': ((16, 16), 16), 'Dense_1': ((32, 32), 16)}
+
+  Args:
+    module: a Linen module.
+    variables: its variables (``{"params": ...}``, other collections).
+    batches: a list of inputs for ``module.apply``: an array, a tuple of positional arguments or a
+      dict of keyword arguments each.
+    rules: as :func:`calibrate`, matched against Linen module paths (``"Dense_0"``, ``"mlp.fc1"``).
+    gram: also accumulate ``XᵀX``.
+    apply_kwargs: extra keyword arguments of ``module.apply`` (e.g. ``{"train": False}``).
+    token_mask: as :func:`calibrate`.
+
+  Returns:
+    ``{layer path: LayerStats}``.
+  """
+  batches = check_batches(batches)
+  apply_kwargs = dict(apply_kwargs or {})
+  layers = resolve_layers(linen_candidates(module, variables, batches[0], apply_kwargs), rules, what=LINEN_LAYERS)
+  return linen_layer_stats(module, variables, layers, batches, apply_kwargs=apply_kwargs, gram=gram,
+                           token_mask=token_mask)
