@@ -71,6 +71,19 @@ def test_dense_route_script_runs():
   assert all(float(r[-2]) < 1e-2 and "WRONG" not in r[9] for r in rows), proc.stdout
 
 
+@pytest.mark.slow  # ~20 s on 2 cores (interpret mode)
+def test_dw_routes_script_runs():
+  cmd = [sys.executable, str(ROOT / "benchmarks" / "sweeps" / "gpu_dw_routes.py"), "--shapes",
+         "40x256x192:128x32:0.5:float32,24x512x256:256x128:0.5:bfloat16", "--iterations", "1"]
+  env = {**os.environ, "PYTHONPATH": str(ROOT)}
+  proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = [r.split("|") for r in proc.stdout.splitlines()[-2:]]
+  assert [r[2].strip() for r in rows] == ["128x32", "256x128"], proc.stdout
+  assert "native:triton/sub64" in proc.stdout and "rel. err against the first 0.0e+00" in proc.stdout, proc.stdout
+  assert all(float(r[-2]) > 0 for r in rows), proc.stdout
+
+
 @pytest.mark.slow  # ~35 s on 2 cores
 def test_product_routes_script_runs():
   cmd = [sys.executable, str(ROOT / "benchmarks" / "sweeps" / "gpu_product_routes.py"), "--m", "64", "--k", "128,256",
