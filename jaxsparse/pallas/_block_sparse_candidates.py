@@ -111,9 +111,9 @@ def candidates(
       grouped = dataclasses.replace(tk, group_blocks=4, block_m=min(tk.block_m, 64))
       add("triton/g4", dataclasses.replace(triton, dw=grouped))
     if m <= 1024 and w.block_shape[0] >= 128:
-      # Programs of a half / quarter of a block's rows: a smaller accumulator and twice / four times the programs,
-      # for large blocks at a few hundred rows (256 x 128 at 224 rows: one program a kept block left the GPU
-      # short of programs, each too long).
+      # Programs of a half / quarter of a block's rows: a smaller accumulator and twice / four times the programs.
+      # H200 (gpu_dw_masked_rows_2026-11-30_h200.md): 0.72x the whole-block programs' time at 448 x 2048 x 5632 in
+      # 256 x 128 bf16 blocks, 0.92x at 224 x 14336 x 512; with 128 x 128 blocks 1.04-2.8x (left to the tuner).
       for sub in (w.block_shape[0] // 2, w.block_shape[0] // 4):
         if sub >= 32:
           add(f"triton/sub{sub}", dataclasses.replace(triton, dw=dataclasses.replace(tk, sub_cols=sub)))
