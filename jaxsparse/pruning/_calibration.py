@@ -587,6 +587,12 @@ def nnx_layer_stats(model: nnx.Module, layers: Sequence[Layer], batches: Sequenc
     weights = None if token_mask is None else jnp.asarray(token_mask(batch))
     return step_stats(acc, layers, xs, queries, gram, weights, dtypes, "model")
 
+  return run_steps(step, state, layers, batches, gram)
+
+
+def run_steps(step: Callable, state: Any, layers: Sequence[Layer], batches: Sequence[Any], gram: bool) -> dict:
+  """The statistics of ``layers`` over ``batches``: ``step(state, acc, batch)`` jitted, run on each batch from zero
+  statistics, the sums checked (:func:`check_stats`)."""
   step = jax.jit(step, donate_argnums=1)
   acc = accumulators(step, state, layers, batches[0], gram)
   for i, batch in enumerate(batches):

@@ -19,12 +19,11 @@ from jaxsparse.pruning._calibration import Candidate
 from jaxsparse.pruning._calibration import Layer
 from jaxsparse.pruning._calibration import LayerStats
 from jaxsparse.pruning._calibration import TableStats
-from jaxsparse.pruning._calibration import accumulators
 from jaxsparse.pruning._calibration import check_batches
-from jaxsparse.pruning._calibration import check_stats
 from jaxsparse.pruning._calibration import conv_candidate
 from jaxsparse.pruning._calibration import naming_batch
 from jaxsparse.pruning._calibration import resolve_layers
+from jaxsparse.pruning._calibration import run_steps
 from jaxsparse.pruning._calibration import step_stats
 
 __all__ = ["calibrate_linen", "linen_candidates", "linen_layer_stats"]
@@ -111,13 +110,7 @@ def linen_layer_stats(module: nn.Module, variables: Mapping, layers: Sequence[La
     weights = None if token_mask is None else jnp.asarray(token_mask(batch))
     return step_stats(acc, layers, xs, queries, gram, weights, dtypes, "module")
 
-  step = jax.jit(step, donate_argnums=1)
-  acc = accumulators(step, variables, layers, batches[0], gram)
-  for i, batch in enumerate(batches):
-    with naming_batch(i):
-      acc = step(variables, acc, batch)
-  check_stats(acc, layers)
-  return acc
+  return run_steps(step, variables, layers, batches, gram)
 
 
 def calibrate_linen(module: nn.Module, variables: Mapping, batches: Sequence[Any], rules: Any, *, gram: bool = True,
