@@ -39,7 +39,6 @@ from jaxsparse.layers._checks import check_one_of
 from jaxsparse.layers._checks import check_real_dtypes
 from jaxsparse.layers._checks import check_use_bias
 from jaxsparse.layers._common import SPARSITY
-from jaxsparse.layers._common import SparsityPattern
 from jaxsparse.layers._common import bias_of
 from jaxsparse.layers._common import check_input
 from jaxsparse.layers._common import check_known_in_features
@@ -53,8 +52,10 @@ from jaxsparse.layers._common import dense_linear
 from jaxsparse.layers._common import existing_shape
 from jaxsparse.layers._common import init_linear_attributes
 from jaxsparse.layers._common import map_boxed
+from jaxsparse.layers._common import pattern_variable
 from jaxsparse.layers._common import unbox_init
 from jaxsparse.layers._partitioning import BLOCKS
+from jaxsparse.layers._partitioning import box_structure
 from jaxsparse.layers._partitioning import carry_back_nnx
 from jaxsparse.layers._partitioning import carry_nnx
 
@@ -81,9 +82,11 @@ def check_block_mask(block_mask: Any, grid: tuple[int, int]) -> np.ndarray:
     return np.asarray(check_mask(block_mask, grid, name="block_mask"))
 
 
-def pattern_variables(w: BlockSparseMatrix) -> nnx.Dict:
-  """``w``'s index arrays as :class:`SparsityPattern` variables (the ``pattern`` of a ``BlockSparseLinear``)."""
-  return nnx.Dict({f: SparsityPattern(v) for f, v in w.index_arrays().items()})
+def pattern_variables(w: BlockSparseMatrix, kernel: nnx.Variable | None = None) -> nnx.Dict:
+  """``w``'s index arrays as :class:`SparsityPattern` variables (the ``pattern`` of a ``BlockSparseLinear``); beside
+  a named ``kernel`` variable they are named ``(None,)``, replicated per layer (:func:`pattern_variable`), so that a
+  stack's transform (``nnx.vmap`` ``transform_metadata``) adds its axis to them as to the kernel."""
+  return nnx.Dict({f: pattern_variable(v, kernel, f, blocks=True) for f, v in w.index_arrays().items()})
 
 
 def block_sparse_kernel_init(nnz_blocks: int, grid: tuple[int, int]) -> Initializer:
@@ -226,7 +229,7 @@ class BlockSparseLinear(nnx.Module):
     kernel = kernel_init(rngs.params(), (nnz, bk, bn), param_dtype)  # maybe boxed (nnx.with_partitioning): kept
     w = BlockSparseMatrix.from_block_mask(block_mask, unbox_init(kernel))
     self.kernel = nnx.Param(map_boxed(kernel, lambda _: w.data))
-    self.pattern = pattern_variables(w)
+    self.pattern = pattern_variables(w, self.kernel)  # named where the kernel is (nnx.with_partitioning)
     self.block_shape = (bk, bn)
     init_linear_attributes(
         self, in_features, out_features, use_bias=use_bias, bias_init=bias_init, dtype=dtype,
@@ -533,13 +536,14 @@ class BlockSparseDense(nn.Module):
     check_real_dtypes(type(self), **{"params['kernel'].dtype": jnp.result_type(kernel)})  # variables made elsewhere
     bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
     check_pattern(self, INDEX_FIELDS[0])
-    if self.has_variable(SPARSITY, INDEX_FIELDS[0]):
-      index_arrays = {f: self.get_variable(SPARSITY, f) for f in INDEX_FIELDS}
+    if self.has_variable(SPARSITY, INDEX_FIELDS[0]):  # unboxed: nn.Partitioned boxes (sharding names) are taken
+      index_arrays = {f: nn.meta.unbox(self.get_variable(SPARSITY, f)) for f in INDEX_FIELDS}
     else:
       mask = random_block_mask(self.make_rng("params"), shape, (bk, bn), self.density)
       index_arrays = BlockSparseMatrix.from_block_mask(mask, kernel).index_arrays()
+      kernel_box = self.get_variable("params", "kernel")  # boxed as the kernel is (nn.with_partitioning), (None,)
       for f, v in index_arrays.items():
-        self.put_variable(SPARSITY, f, v)
+        self.put_variable(SPARSITY, f, box_structure(kernel_box, v, f, blocks=True))
     return block_sparse_apply(
         x,
         kernel,

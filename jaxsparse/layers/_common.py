@@ -33,6 +33,7 @@ from jaxsparse.formats._masks import replicated
 from jaxsparse.formats._masks import top_k_mask
 from jaxsparse.layers._checks import check_kept
 from jaxsparse.layers._checks import check_use_bias
+from jaxsparse.layers._partitioning import structure_metadata
 
 __all__ = [
     "MissingPatternError",
@@ -65,6 +66,7 @@ __all__ = [
     "nm_kept_count",
     "nm_kept_mask",
     "pattern_mask",
+    "pattern_variable",
     "random_mask",
     "unbox_init",
     "with_weights",
@@ -99,6 +101,28 @@ class SparsityPattern(nnx.Variable):
           and item.value.size > 1):
         item = reprlib.Attr("value", _ArrayRepr(tuple(jnp.shape(item.value)), jnp.result_type(item.value)))
       yield item
+
+
+def pattern_variable(value: Any, kernel: nnx.Variable | None, name: str, *, blocks: bool = False) -> SparsityPattern:
+  """A :class:`SparsityPattern` holding ``value`` (the array ``name`` of a layer's pattern), named from the layer's
+  ``kernel`` variable where that is named (:func:`jaxsparse.layers._partitioning.structure_metadata`: a mask the
+  kernel's names, block index arrays ``(None,)``), so that a stacking transform's ``transform_metadata`` gives it the
+  stack axis, and placed as the kernel is (Flax's eager sharding). A concrete ``value`` stays concrete under a trace
+  (``nnx.eval_shape``, ``nnx.jit``): the sharding constraint would make it a traced value, its kept count unknown.
+
+  >>> import jax
+  >>> from flax import nnx
+  >>> from jaxsparse.layers import MaskedLinear
+  >>> init = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "model"))
+  >>> with jax.set_mesh(jax.make_mesh((1,), ("model",), axis_types=(jax.sharding.AxisType.Auto,))):
+  ...   named = MaskedLinear(8, 4, sparsity=0.5, kernel_init=init, rngs=nnx.Rngs(0))
+  >>> unnamed = MaskedLinear(8, 4, sparsity=0.5, rngs=nnx.Rngs(0))
+  >>> named.mask.get_metadata()["out_sharding"], "out_sharding" in unnamed.mask.get_metadata()
+  ((None, 'model'), False)
+  """
+  metadata = structure_metadata(kernel, name, jnp.ndim(value), blocks=blocks)
+  with eager_if_concrete(value) if metadata else contextlib.nullcontext():
+    return SparsityPattern(value, **metadata)
 
 
 # The Linen collection of SparsityPattern, for flax.nnx.bridge: ToNNX turns a Linen layer's "sparsity" collection into

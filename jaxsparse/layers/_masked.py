@@ -50,8 +50,10 @@ from jaxsparse.layers._common import init_linear_attributes
 from jaxsparse.layers._common import kept_weights
 from jaxsparse.layers._common import map_boxed
 from jaxsparse.layers._common import masked_kept_count
+from jaxsparse.layers._common import pattern_variable
 from jaxsparse.layers._common import random_mask
 from jaxsparse.layers._common import with_weights
+from jaxsparse.layers._partitioning import box_structure
 from jaxsparse.layers._partitioning import carry_back_nnx
 from jaxsparse.layers._partitioning import carry_nnx
 
@@ -171,7 +173,7 @@ class MaskedLinear(nnx.Module):
       kernel_init = masked_kernel_init(kept, size)
     kernel = kernel_init(rngs.params(), shape, param_dtype)  # maybe boxed (nnx.with_partitioning): kept
     self.kernel = nnx.Param(map_boxed(kernel, lambda k: jnp.where(mask, k, jnp.zeros((), k.dtype))))
-    self.mask = SparsityPattern(mask)
+    self.mask = pattern_variable(mask, self.kernel, "mask")  # named as the kernel is (nnx.with_partitioning)
     init_linear_attributes(
         self, in_features, out_features, use_bias=use_bias, bias_init=bias_init, dtype=dtype,
         param_dtype=param_dtype, precision=precision, rngs=rngs,
@@ -400,6 +402,7 @@ class MaskedDense(nn.Module):
     size = shape[0] * shape[1]
     kept = kept_weights(self.sparsity, shape)
     check_pattern(self, "mask")
+    drawn = not self.has_variable(SPARSITY, "mask")
     mask = self.variable(SPARSITY, "mask", lambda: random_mask(self.make_rng("params"), shape, kept)).value
     try:  # a given mask is checked here, not left to fail inside the kernel initializer (Flax traces it for shapes)
       mask = check_mask(mask, shape)
@@ -412,6 +415,8 @@ class MaskedDense(nn.Module):
       return map_boxed(kernel_init(key, shape, dtype), lambda k: jnp.where(mask, k, jnp.zeros((), dtype)))
 
     kernel = self.param("kernel", masked_init, shape, self.param_dtype)
+    if drawn:  # boxed as the kernel is (nn.with_partitioning): nn.scan's metadata_params add the stack axis to boxes
+      self.put_variable(SPARSITY, "mask", box_structure(self.get_variable("params", "kernel"), mask, "mask"))
     bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
     return masked_apply(
         x, kernel, bias, mask, dtype=self.dtype, precision=self.precision, implementation=self.implementation
@@ -479,7 +484,7 @@ class MaskedConv(nnx.Conv):
       mask = check_mask(mask, self.kernel_shape, name="mask")
     k = self.kernel[...]
     self.kernel[...] = jnp.where(mask, k, jnp.zeros((), k.dtype))
-    self.mask = nnx.data(SparsityPattern(mask))
+    self.mask = nnx.data(pattern_variable(mask, self.kernel, "mask"))  # named as the kernel is
 
   def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
     """``nnx.Conv``'s forward with the masked kernel; raises, saying how to call it, on a stack of layers (as

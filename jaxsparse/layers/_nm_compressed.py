@@ -29,6 +29,7 @@ from jaxsparse.layers._common import check_layer_inputs
 from jaxsparse.layers._common import check_one_layer
 from jaxsparse.layers._common import with_weights
 from jaxsparse.layers._partitioning import carry_back_nnx
+from jaxsparse.layers._partitioning import structure_metadata
 from jaxsparse.ops import _nm_matmul
 
 __all__ = ["CompressedNMLinear", "CusparseLtKernel", "CusparseLtWeight", "check_nm_implementation"]
@@ -232,7 +233,9 @@ class CompressedNMLinear(nnx.Module):
     if reason:
       _nm_matmul.warn_cusparselt_fallback("CompressedNMLinear", reason)
       return False
-    self.kernel_cusparselt = CusparseLtWeight(ops.cusparselt_compress(w))
+    # Named (None,) where the kernel is (as carry_nnx names it): a stack's transform_metadata gives it the stack axis.
+    self.kernel_cusparselt = CusparseLtWeight(ops.cusparselt_compress(w),
+                                              **structure_metadata(self.kernel, "kernel_cusparselt", 1))
     self.kernel_cusparselt_dtype = w.dtype
     return True
 

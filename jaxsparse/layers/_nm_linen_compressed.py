@@ -37,6 +37,7 @@ from jaxsparse.layers._common import check_pattern
 from jaxsparse.layers._common import existing_shape
 from jaxsparse.layers._common import map_boxed
 from jaxsparse.layers._nm_compressed import check_nm_implementation
+from jaxsparse.layers._partitioning import box_structure
 
 __all__ = ["CompressedNMDense"]
 
@@ -158,7 +159,9 @@ class CompressedNMDense(nn.Module):
       return map_boxed(self.kernel_init(key, shape, self.param_dtype), compress)
 
     values = self.param("kernel", init_values)
-    positions = self.variable(SPARSITY, "kernel_positions", lambda: drawn["w"].indices).value
+    # Boxed as the kernel is (nn.with_partitioning), named by the outputs: nn.scan metadata_params add the stack axis.
+    positions = self.variable(SPARSITY, "kernel_positions", lambda: box_structure(
+        self.get_variable("params", "kernel"), drawn["w"].indices, "kernel_positions")).value
     bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
     check_real_dtypes(type(self), **{"params['kernel'].dtype": jnp.result_type(values)})  # variables made elsewhere
     w = NMSparseMatrix(values, positions, shape=shape, n=self.n, m=self.m, axis=0, validate=False)

@@ -20,6 +20,15 @@ metadata) or ``nn.with_partitioning`` (Linen ``nn.Partitioned`` boxes) passes it
 
 Where the dense kernel's value was already placed on a mesh, the new arrays are placed likewise.
 
+A sparse layer built directly with a named kernel (``kernel_init=nnx.with_partitioning(...)`` /
+``nn.with_partitioning(...)``, an ``nnx`` ``kernel_metadata``) names its sparsity state the same way
+(:func:`structure_metadata`, :func:`box_structure`, after :func:`structure_names`): the mask takes the kernel's names,
+packed positions their last dim's, block index arrays ``(None,)``. Every such array then has names, which is what lets
+Flax's stacking transforms annotate it: ``nnx.vmap`` / ``nnx.scan`` with ``transform_metadata={nnx.PARTITION_NAME:
+"layers"}`` and Linen's ``nn.scan`` / ``nn.vmap`` with ``metadata_params={nn.PARTITION_NAME: "layers"}`` insert the
+stack axis into the names of a variable only where it has some; an unnamed pattern stayed unannotated (its spec
+``P()``: the whole stack's patterns replicated on every device).
+
 Each layer's ``to_dense()`` (and so ``densify``, which calls it) carries the names back (:func:`carry_back_nnx`): the
 dense kernel (table) and bias take the names their sparse twins hold, unfolded or swapped back. Where the sparse names
 cannot tell the dense ones (block-sparse values, replicated; a ``LinearGeneral`` kernel or bias folded to 2-D / 1-D),
@@ -44,7 +53,8 @@ from jax.sharding import PartitionSpec as P
 from jaxsparse import _utils
 from jaxsparse.formats._base import is_concrete
 
-__all__ = ["DENSE_NAMES", "carry_back_nnx", "carry_linen", "carry_nnx"]
+__all__ = ["DENSE_NAMES", "box_structure", "carry_back_nnx", "carry_linen", "carry_nnx", "structure_metadata",
+           "structure_names"]
 
 Names = tuple[Any, ...]
 
@@ -86,6 +96,63 @@ def _positions_names(kernel_names: Names) -> Names:
   ``N``'s; their few rows of packed words (``K / 8`` for 2:4) are replicated, as a split of ``K`` need not divide
   them."""
   return (None, kernel_names[-1])
+
+
+def structure_names(kernel_names: Names, name: str, ndim: int, *, blocks: bool = False) -> Names:
+  """The partitioning names of an array ``name`` of ``ndim`` dims of a layer whose kernel (stored table) is named
+  ``kernel_names``: an array of the kernel's rank (the kernel itself, a mask) takes them, packed positions
+  (``*_positions``) only the last dim's (:func:`_positions_names`), and a block-sparse layer's arrays (``blocks``:
+  kept blocks, index arrays) or one of another rank (a cuSPARSELt buffer) ``None`` on every dim, replicated.
+
+  Never ``()`` for an array of dims: Flax's stacking transforms (``nnx.vmap`` / ``nnx.scan`` ``transform_metadata``,
+  Linen ``metadata_params``) insert the stack axis only into names a variable has.
+
+  >>> structure_names(("embed", "mlp"), "mask", 2), structure_names(("embed", "mlp"), "kernel_positions", 2)
+  (('embed', 'mlp'), (None, 'mlp'))
+  >>> structure_names((None, None, "mlp"), "row_indices", 1, blocks=True)
+  (None,)
+  """
+  kernel_names = tuple(kernel_names)
+  if blocks or ndim != len(kernel_names):
+    return (None,) * ndim
+  if name.endswith("_positions"):
+    return _positions_names(kernel_names)
+  return kernel_names
+
+
+def _sharding_extra(var: nnx.Variable) -> dict[str, Any]:
+  """The metadata besides the names that tells a variable's sharding (``sharding_rules``, ``mesh``), where set."""
+  return {k: v for k, v in var.get_metadata().items() if k in ("sharding_rules", "mesh") and v is not None}
+
+
+def structure_metadata(kernel: Any, name: str, ndim: int, *, blocks: bool = False) -> dict[str, Any]:
+  """The metadata of an NNX layer's sparsity-state variable ``name`` (a :class:`SparsityPattern`, a cuSPARSELt
+  buffer) of ``ndim`` dims, built beside the layer's ``kernel`` variable: where the kernel is named (``out_sharding``,
+  from ``nnx.with_partitioning`` or ``kernel_metadata``), ``out_sharding`` of :func:`structure_names` and the kernel's
+  ``sharding_rules`` / ``mesh`` / ``eager_sharding``; else ``{}`` (an unannotated layer keeps an unannotated state).
+
+  Passed to the variable's constructor, so that it is placed as the kernel is (Flax's eager sharding, where the
+  kernel's is on), and so that ``nnx.vmap(..., transform_metadata={nnx.PARTITION_NAME: "layers"})`` gives a stack's
+  patterns the stack axis the kernel gets.
+  """
+  names = _nnx_names(kernel) if isinstance(kernel, nnx.Variable) else None
+  if names is None:
+    return {}
+  eager = kernel.get_metadata().get("eager_sharding")
+  return {"out_sharding": structure_names(names, name, ndim, blocks=blocks), **_sharding_extra(kernel),
+          **({"eager_sharding": eager} if eager is not None else {})}
+
+
+def box_structure(kernel_box: Any, value: Any, name: str, *, blocks: bool = False) -> Any:
+  """A Linen layer's sparsity-state array ``value`` (the ``"sparsity"`` collection's ``name``) in a box of the class
+  of its kernel's ``kernel_box`` (``nn.Partitioned``, ``nn.LogicallyPartitioned`` with its rules; its mesh), named by
+  :func:`structure_names`; ``value`` itself where the kernel is not boxed so.
+
+  ``nn.scan`` / ``nn.vmap`` with ``metadata_params={nn.PARTITION_NAME: "layers"}`` add the stack axis to boxes only.
+  """
+  if not isinstance(kernel_box, nn.Partitioned):
+    return value
+  return kernel_box.replace(value=value, names=structure_names(kernel_box.names, name, len(value.shape), blocks=blocks))
 
 
 def _placed(value: jax.Array, names: Names, dense_value: Any, dense_names: Names) -> jax.Array:
@@ -133,7 +200,7 @@ def carry_nnx(dense: nnx.Module, sparse: nnx.Module) -> nnx.Module:
   bias_names = _nnx_names(bias) if isinstance(bias, nnx.Variable) else None
   if kernel_names is None and bias_names is None:
     return sparse
-  extra = {k: v for k, v in weight.get_metadata().items() if k in ("sharding_rules", "mesh") and v is not None}
+  extra = _sharding_extra(weight)
   # The dense names, where the sparse ones lose them (block-sparse, folded); compress carries them on.
   dense_kernel_names = weight.get_metadata().get(DENSE_NAMES)
   dense_bias_names = bias.get_metadata().get(DENSE_NAMES) if isinstance(bias, nnx.Variable) else None
@@ -155,12 +222,10 @@ def carry_nnx(dense: nnx.Module, sparse: nnx.Module) -> nnx.Module:
     is_bias = bool(path) and path[-1] == "bias"
     if is_bias:
       names, source = bias_names, bias
-    elif _layout(layer) == BLOCKS or kernel_names is None or var.ndim != len(kernel_names):
+    elif kernel_names is None:
       names, source = (None,) * var.ndim, weight
-    elif str(path[-1]).endswith("_positions"):
-      names, source = _positions_names(kernel_names), weight
     else:
-      names, source = kernel_names, weight
+      names, source = structure_names(kernel_names, str(path[-1]), var.ndim, blocks=_layout(layer) == BLOCKS), weight
     if names is None:
       continue
     recorded = dense_bias_names if is_bias else dense_kernel_names if path and path[-1] == "kernel" else None
@@ -210,7 +275,7 @@ def carry_back_nnx(sparse: nnx.Module, dense: nnx.Module) -> nnx.Module:
   for var, source, names in targets:
     if names is None or len(names) != var.ndim:
       continue
-    extra = {k: v for k, v in source.get_metadata().items() if k in ("sharding_rules", "mesh") and v is not None}
+    extra = _sharding_extra(source)
     var.set_metadata(out_sharding=names, **extra)
     if not (is_concrete(var[...]) and is_concrete(source[...])):
       continue
@@ -253,12 +318,10 @@ def carry_linen(dense_params: Mapping, layer_vars: dict, *, in_ndim: int | None 
   def box(name: str, value):
     if name == "bias":
       return bias.replace(value=value, names=bias_names) if isinstance(bias, nn.Partitioned) else value
-    if block_sparse or kernel_names is None or value.ndim != len(kernel_names):
+    if kernel_names is None:
       names = (None,) * value.ndim
-    elif name.endswith("_positions"):
-      names = _positions_names(kernel_names)
     else:
-      names = kernel_names
+      names = structure_names(kernel_names, name, value.ndim, blocks=block_sparse)
     return template.replace(value=value, names=names)
 
   return {col: {k: box(k, v) for k, v in tree.items()} for col, tree in layer_vars.items()}
