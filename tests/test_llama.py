@@ -178,10 +178,9 @@ def test_tied_embeddings_and_torch_interop_load(ids, tmp_path):
   np.testing.assert_allclose(np.asarray(sparse(x)), np.asarray(jaxsparse.densify(sparse)(x)), atol=1e-5, rtol=0)
   back = transformers.LlamaForCausalLM.from_pretrained(save_pretrained(sparse, tmp_path / "sparse")).eval()
   np.testing.assert_allclose(_logits(back, ids), np.asarray(sparse(x)), atol=1e-4, rtol=0)
-  with pytest.raises(ValueError, match="ties its LM head to the embedding"):
-    to_inference(model, jaxsparse.NM(2, 4), head=True)
-  with pytest.raises(ValueError, match=r"ties its LM head to the embedding.*to_inference\(embedding=\.\.\.\)"):
-    prune(model, np.asarray(ids), jaxsparse.NM(2, 4), head=True, progress=False)
+  # head=True alone gives the tied table the structure (test_tied_head_takes_nm_only_and_rules_name_the_table).
+  alone, _ = to_inference(model, jaxsparse.NM(2, 4), head=True)
+  np.testing.assert_array_equal(np.asarray(alone(x)), np.asarray(sparse(x)))
 
 
 @pytest.mark.slow  # long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs it
@@ -1010,3 +1009,115 @@ def test_masks_of_a_tied_sparse_embedding_prune_the_torch_head_too(ids, tmp_path
   torch_interop.apply_masks(hf, masks)
   flax_logits = nnx.jit(lambda m, x: m(x))(sparse, jnp.asarray(ids))
   np.testing.assert_allclose(_logits(hf, ids), np.asarray(flax_logits), atol=1e-4, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def tied_pruned(tmp_path_factory):
+  """A tied tiny model (tie_word_embeddings) and ``prune(..., NM(2, 4), head=True)``'s SparseGPT result:
+  ``(hf, directory, model, pruned, masks, report)``."""
+  hf = _hf_model(4, tie=True)
+  path = tmp_path_factory.mktemp("hf_tied")
+  hf.save_pretrained(path)
+  model = load_pretrained(path)
+  calibration = np.random.default_rng(5).integers(0, VOCAB, (8, 16))
+  pruned, masks, report = prune(model, calibration, jaxsparse.NM(2, 4), head=True, progress=False)
+  return hf, path, model, pruned, masks, report
+
+
+def test_prune_head_of_a_tied_model_prunes_the_table_with_calibration(tied_pruned):
+  """prune(head=True) on a tied model raised (no lm_head); it prunes the tied table, which is the LM head, by
+  SparseGPT on the head's inputs with the lookups as a ridge: a 2:4 mask along the features, kept weights updated,
+  first (the lookup is the table's first call) in a group of its own, the decoder layers' groups after it."""
+  _, _, model, pruned, masks, report = tied_pruned
+  key = "model.embed_tokens.embedding"
+  assert len(masks) == 15 and key in masks and "lm_head.kernel" not in masks
+  mask = masks[key]
+  assert mask.shape == (VOCAB, 64) and np.all(mask.reshape(VOCAB, 16, 4).sum(-1) == 2)
+  table = np.asarray(pruned.model.embed_tokens.embedding[...])
+  dense = np.asarray(model.model.embed_tokens.embedding[...])
+  assert np.all(table[~mask] == 0) and not np.array_equal(table[mask], dense[mask])  # SparseGPT updated the kept ones
+  magnitude = np.argsort(-np.abs(dense).reshape(VOCAB, 16, 4), axis=-1)[..., :2]
+  by_magnitude = np.zeros((VOCAB, 16, 4), bool)
+  np.put_along_axis(by_magnitude, magnitude, True, axis=-1)
+  assert not np.array_equal(mask, by_magnitude.reshape(VOCAB, 64))  # calibrated, not the magnitude mask
+  first = report.layers[0]
+  assert (first.path, first.group) == ("model.embed_tokens", 0) and first.note.startswith("tied table: sparsegpt")
+  assert [r.group for r in report.layers[1:]] == [1] * 7 + [2] * 7 and sorted(layer_errors(report)) == [0, 1]
+
+
+@pytest.mark.slow  # 10-12 s on 2 cores (the generation loops)
+def test_to_inference_of_a_pruned_tied_model_keeps_its_calibrated_table_and_generates(tied_pruned, ids):
+  """to_inference(head=True) on the tied model stores the table as a 2:4 CompressedNMEmbed from the calibrated mask and
+  the pruned (updated) weights exactly: the logits and greedy tokens are the pruned dense model's."""
+  _, _, _, pruned, masks, _ = tied_pruned
+  key = "model.embed_tokens.embedding"
+  sparse, report = to_inference(pruned, jaxsparse.NM(2, 4), masks=masks, head=True)
+  table = sparse.model.embed_tokens
+  assert sparse.lm_head is None and type(table).__name__ == "CompressedNMEmbed" and len(report.replaced) == 15
+  np.testing.assert_array_equal(np.asarray(table.weight.mask()).T, masks[key])
+  np.testing.assert_array_equal(np.asarray(jaxsparse.densify(sparse).model.embed_tokens.embedding[...]),
+                                np.asarray(pruned.model.embed_tokens.embedding[...]))
+  x = jnp.asarray(ids)
+  np.testing.assert_allclose(np.asarray(sparse(x)), np.asarray(pruned(x)), atol=1e-5, rtol=0)
+  prompt = np.random.default_rng(6).integers(0, VOCAB, (2, 5))
+  np.testing.assert_array_equal(np.asarray(generate(sparse, prompt, 8)), np.asarray(generate(pruned, prompt, 8)))
+
+
+def test_pruned_tied_model_saves_and_exports_masks_to_transformers(tied_pruned, ids, tmp_path):
+  """The pruned tied model's sparse form, saved with save_pretrained, loads in transformers (tied); export_masks gives
+  the table's mask for model.embed_tokens and the tied lm_head, and the masked torch model gives the Flax sparse
+  model's logits. The pruned dense model saved gives its own logits."""
+  _, _, _, pruned, masks, _ = tied_pruned
+  sparse, _ = to_inference(pruned, jaxsparse.NM(2, 4), masks=masks, head=True)
+  x = jnp.asarray(ids)
+  flax_logits = np.asarray(nnx.jit(lambda m, x: m(x))(sparse, x))
+  target = transformers.LlamaForCausalLM.from_pretrained(save_pretrained(sparse, tmp_path / "sparse")).eval()
+  assert target.config.tie_word_embeddings and target.lm_head.weight is target.model.embed_tokens.weight
+  torch_masks = export_masks(sparse)
+  assert len(torch_masks) == 16
+  for name in ("model.embed_tokens.weight_mask", "lm_head.weight_mask"):  # torch's tied head: the table's mask too
+    np.testing.assert_array_equal(torch_masks[name].numpy(), masks["model.embed_tokens.embedding"], err_msg=name)
+  torch_interop.apply_masks(target, torch_masks)
+  np.testing.assert_allclose(_logits(target, ids), flax_logits, atol=1e-4, rtol=0)
+  dense = transformers.LlamaForCausalLM.from_pretrained(save_pretrained(pruned, tmp_path / "pruned")).eval()
+  np.testing.assert_allclose(_logits(dense, ids), np.asarray(pruned(x)), atol=1e-4, rtol=0)
+
+
+def test_tied_head_takes_nm_only_and_rules_name_the_table():
+  """On a tied model head=True gives the table the structure: other structures than NM and rule dicts are refused
+  before any calibration, with what to do instead; a rule naming the table and a different embedding= conflict; a
+  table mask with the table left dense says head=True would take it. to_inference(head=True) and a rule naming the
+  table store the given table mask (here the 2 smallest of each 4: not magnitude's), not one derived again."""
+  cfg = llama.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
+  model = llama.LlamaForCausalLM(cfg, rngs=nnx.Rngs(0))
+  calibration = np.zeros((2, 8), np.int32)
+  for structure in (jaxsparse.Unstructured(sparsity=0.5), jaxsparse.BlockSparse(density=0.5, block_shape=(32, 32))):
+    with pytest.raises(ValueError, match=r"ties its LM head.*head=True takes jaxsparse\.NM\(n, m\) here, got "
+                       + re.escape(structure.describe()) + r".*'model\.embed_tokens': jaxsparse\.NM\(2, 4\)"):
+      prune(model, calibration, structure, head=True, progress=False)
+    with pytest.raises(ValueError, match=r"head=True takes jaxsparse\.NM.*embedding=NM\(n, m\)"):
+      to_inference(model, structure, head=True)
+  rules = {llama.PROJECTIONS: jaxsparse.NM(2, 4), "model.embed_tokens": jaxsparse.NM(2, 4)}
+  for call in (lambda: prune(model, calibration, rules, head=True, progress=False),
+               lambda: to_inference(model, rules, head=True)):
+    with pytest.raises(ValueError, match=r"with rules, add a 'model\.embed_tokens' rule \(an NM one"):
+      call()
+  with pytest.raises(ValueError, match=r"the rules give model\.embed_tokens 2:4 and embedding= 1:4"):
+    to_inference(model, rules, embedding=jaxsparse.NM(1, 4))
+  with pytest.raises(ValueError, match=r"embedding=None keeps the embedding dense.*or head=True"):
+    to_inference(model, jaxsparse.NM(2, 4), masks={"model.embed_tokens.embedding": np.ones((VOCAB, 64), bool)})
+  # The one structure and embedding= agree: head=True alone gives the same (magnitude) table.
+  alone, _ = to_inference(model, jaxsparse.NM(2, 4), head=True)
+  both, _ = to_inference(model, jaxsparse.NM(2, 4), head=True, embedding=jaxsparse.NM(2, 4))
+  np.testing.assert_array_equal(np.asarray(alone.model.embed_tokens.embedding[...]),
+                                np.asarray(both.model.embed_tokens.embedding[...]))
+  table = np.abs(np.asarray(model.model.embed_tokens.embedding[...])).reshape(VOCAB, 16, 4)
+  smallest = np.zeros(table.shape, bool)
+  np.put_along_axis(smallest, np.argsort(table, axis=-1)[..., :2], True, axis=-1)
+  key = "model.embed_tokens.embedding"
+  masks = {key: smallest.reshape(VOCAB, 64)}
+  for sparse in (to_inference(model, jaxsparse.NM(2, 4), masks=masks, head=True)[0],
+                 to_inference(model, rules, masks=masks)[0]):
+    assert type(sparse.model.embed_tokens).__name__ == "CompressedNMEmbed"
+    np.testing.assert_array_equal(np.asarray(sparse.model.embed_tokens.weight.mask()).T, masks[key])

@@ -3,11 +3,14 @@
 :func:`prune` runs :func:`jaxsparse.pruning.calibrated_prune` (magnitude, Wanda or SparseGPT) on the seven
 projections of every decoder layer (:data:`~llama.model.PROJECTIONS`). It is sequential by decoder layer
 (``calibrated_prune``'s default groups: the path up to its first number, ``model.layers.3``): the
-calibration inputs of layer ``i`` come from the model whose layers ``0 .. i - 1`` are already pruned.
+calibration inputs of layer ``i`` come from the model whose layers ``0 .. i - 1`` are already pruned. With
+``head=True`` the LM head is pruned too: ``lm_head`` last, or, for tied embeddings, the table that serves as the
+head (first: its lookup is its first call), on the head's inputs with the lookups as a ridge.
 :func:`to_inference` then swaps the pruned projections for jaxsparse layers with
 :func:`jaxsparse.sparsify` and the same masks: 2:4 as ``CompressedNMLinear`` (kept values + 2-bit
 positions; on a CUDA GPU cuSPARSELt and the ``mma.sp`` decode kernel), blocks as ``BlockSparseLinear``,
-unstructured as ``MaskedLinear``. With ``dense_if_slower_at``, :func:`to_inference` times each distinct sparse
+unstructured as ``MaskedLinear``; a pruned 2:4 table (tied or not) becomes a ``CompressedNMEmbed`` holding the
+pruned weights under their mask. With ``dense_if_slower_at``, :func:`to_inference` times each distinct sparse
 layer against its dense twin at the given decode batch sizes and routes the slower ones to dense ``nnx.Linear``
 (:func:`jaxsparse.route_slower_to_dense`).
 """
@@ -15,6 +18,7 @@ layer against its dense twin at the given decode batch sizes and routes the slow
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 from collections.abc import Mapping
 from collections.abc import Sequence
@@ -27,7 +31,10 @@ from flax import nnx
 
 import jaxsparse
 from jaxsparse import pruning
+from jaxsparse._rules import embedding_rule
+from jaxsparse._rules import path_str
 from jaxsparse._rules import replace_module
+from jaxsparse._rules import resolve_rules
 from jaxsparse._sparsify._report import SparsifyReport
 from jaxsparse.layers import BlockSparseLinear
 from jaxsparse.layers import CompressedNMLinear
@@ -79,8 +86,15 @@ def prune(
     structure: a jaxsparse structure (``jaxsparse.NM(2, 4)``, ...) for all seven projections of every layer,
       or ``{regex: structure or None}`` rules over the module paths.
     method: ``"magnitude"``, ``"wanda"`` or ``"sparsegpt"``.
-    head: prune the LM head with ``structure`` too, last, on the final norm's outputs of the pruned layers (its mask
-      is ``masks["lm_head.kernel"]``; pass ``head=True`` to :func:`to_inference` with them).
+    head: prune the LM head with ``structure`` too (``structure`` must then be one structure, not rules). Untied: the
+      ``lm_head`` layer, last, on the final norm's outputs of the pruned layers (its mask is
+      ``masks["lm_head.kernel"]``). Tied (``tie_word_embeddings``: the logits are the embedding table's ``attend``):
+      the table itself (a ``"model.embed_tokens"`` rule), which ``calibrated_prune`` prunes by the method on the
+      head's inputs with its lookups as a ridge; ``structure`` must be an ``NM`` one, the only form a table is stored
+      in (``CompressedNMEmbed``). The lookup is the table's first call, so it is pruned first, in a group of
+      its own: every decoder layer calibrates on the pruned lookups, and the head's statistics come from the dense
+      model. Its mask is ``masks["model.embed_tokens.embedding"]``. Either way, pass ``head=True`` to
+      :func:`to_inference` with the masks. Rules can name ``"lm_head"`` / ``"model.embed_tokens"`` themselves.
     batch_size: rows per calibration batch (one jitted forward pass each).
     progress: tqdm bar over the pruned layers.
     **kwargs: passed to :func:`jaxsparse.pruning.calibrated_prune` (``damp``, ``refit_iterations``, ...).
@@ -91,28 +105,52 @@ def prune(
     reconstruction error ``||Xw - Xŵ|| / ||Xw||`` on each layer's calibration inputs), see
     :func:`layer_errors`.
   """
-  if head and model.lm_head is None:
-    raise ValueError("this model ties its LM head to the embedding (tie_word_embeddings): it has no lm_head to "
-                     "prune; give the tied table a rule instead ({'model.embed_tokens': NM(2, 4), ...}: "
-                     "calibrated_prune prunes it on its lookups and its head's inputs), or keep head=False and make "
-                     "the tied table 2:4 by magnitude with to_inference(embedding=...).")
+  rules = _with_head(structure, head, tied=model.lm_head is None)  # before the calibration: its errors come first
   if isinstance(calibration_ids, np.ndarray | jnp.ndarray) and calibration_ids.ndim == 2:
     ids = np.asarray(calibration_ids, np.int32)
     batches = [jnp.asarray(ids[i:i + batch_size]) for i in range(0, len(ids), batch_size)]
   else:
     batches = [jnp.asarray(b, jnp.int32) for b in calibration_ids]
-  return pruning.calibrated_prune(model, _with_head(structure, head), batches, method=method, progress=progress,
+  return pruning.calibrated_prune(model, rules, batches, method=method, progress=progress,
                                   call=lambda m, ids: m(ids), **kwargs)
 
 
-def _with_head(structure: Any, head: bool) -> dict[str, Any]:
-  """:func:`rules_for`, plus ``"lm_head"`` with the one ``structure`` when ``head``."""
+TABLE = "model.embed_tokens"  # the token embedding's path; its mask is masks[TABLE + ".embedding"]
+TABLE_RULE = re.escape(TABLE)
+
+
+def _with_head(structure: Any, head: bool, *, tied: bool, embedding_hint: str = "") -> dict[str, Any]:
+  """:func:`rules_for`, plus, when ``head``, the LM head's rule with the one ``structure``: ``"lm_head"``, or for a
+  tied model (no ``lm_head``: the logits are the table's ``attend``) the table's, which takes only ``NM``."""
   rules = rules_for(structure)
-  if head:
-    if isinstance(structure, Mapping):
-      raise ValueError("head=True gives the LM head the one structure; with rules, add an 'lm_head' rule instead.")
-    rules["lm_head"] = structure
+  if not head:
+    return rules
+  name = TABLE if tied else "lm_head"
+  if isinstance(structure, Mapping):
+    raise ValueError("head=True gives the LM head the one structure; with rules, add "
+                     + (f"a {name!r} rule (an NM one: the model ties its LM head to the embedding)" if tied
+                        else f"an {name!r} rule") + " instead.")
+  if tied and not isinstance(structure, jaxsparse.NM):
+    raise ValueError(
+        "this model ties its LM head to the embedding (tie_word_embeddings): head=True gives the tied table "
+        f"({TABLE}, the LM head through attend) the structure, and a table is stored only N:M (CompressedNMEmbed): "
+        f"head=True takes jaxsparse.NM(n, m) here, got {_describe(structure)}. Keep head=False (the table dense)"
+        f"{embedding_hint}, or give the table its own NM rule: {{PROJECTIONS: structure, {TABLE!r}: "
+        "jaxsparse.NM(2, 4)}.")
+  rules[TABLE_RULE if tied else "lm_head"] = structure
   return rules
+
+
+def _describe(structure: Any) -> str:
+  return structure.describe() if hasattr(structure, "describe") else repr(structure)
+
+
+def _table_rule(model: LlamaForCausalLM, rules: Mapping[str, Any]) -> jaxsparse.NM | None:
+  """The structure ``rules`` give the embedding table, read as :func:`jaxsparse.sparsify` reads them (the first rule
+  that fully matches its path, if that rule matches no linear layer; it must be ``NM``), or ``None``."""
+  linear = [path_str(p) for p, node in nnx.iter_modules(model) if isinstance(node, nnx.Linear | nnx.LinearGeneral)]
+  return embedding_rule(resolve_rules(rules), TABLE, linear, kind="nnx.Embed",
+                        layers="nnx.Linear (the projections, lm_head)", features=model.config.hidden_size)
 
 
 def layer_errors(report: pruning.CalibratedPruneReport) -> dict[int, float]:
@@ -313,12 +351,16 @@ def to_inference(model: LlamaForCausalLM, structure: Any, *, masks: Mapping[str,
     masks: :func:`prune`'s masks; ``None`` prunes by magnitude (random-weight benchmarks).
     head: give the LM head (``lm_head``, a ``(hidden, vocab)`` product in every decode step) ``structure`` too;
       ``structure`` must then be one structure, not rules (rules can name ``"lm_head"`` themselves). By magnitude
-      unless ``masks`` has ``"lm_head.kernel"``.
+      unless ``masks`` has ``"lm_head.kernel"``. A model with tied embeddings (no ``lm_head``: the logits are the
+      table's ``attend``) gives the table ``structure`` (an ``NM`` one; rules can name ``"model.embed_tokens"``
+      instead), stored as a ``CompressedNMEmbed`` from ``masks["model.embed_tokens.embedding"]`` (:func:`prune`'s
+      calibrated mask, its kept weights as they are) or else by magnitude; with ``embedding`` given, the table
+      takes that instead.
     embedding: ``jaxsparse.NM(n, m)`` stores the token embedding as a ``CompressedNMEmbed`` (``n`` of every ``m``
       features of each row kept, by magnitude unless ``masks`` has ``"model.embed_tokens.embedding"``): memory
       only, a lookup reads one row a token. With ``head`` the model keeps no dense weight matrix but the norms. A model
       with tied embeddings (no ``lm_head``) computes its logits with ``CompressedNMEmbed.attend``, an N:M product on
-      the stored table: ``embedding`` makes both sparse there.
+      the stored table: ``embedding`` (or ``head``) makes both sparse there.
       Pruning the LM head and the embedding costs accuracy that the decoder layers' calibration does not see:
       measure it on your model before serving it.
     compress: turn ``NMLinear`` (SR-STE training layer, dense kernel) into ``CompressedNMLinear``.
@@ -348,17 +390,23 @@ def to_inference(model: LlamaForCausalLM, structure: Any, *, masks: Mapping[str,
   if embedding is not None and not isinstance(embedding, jaxsparse.NM):
     raise TypeError(f"embedding must be a jaxsparse.NM(n, m) or None, got {embedding!r}.")
   tied = model.lm_head is None
-  if tied and head and embedding is None:
-    raise ValueError("this model ties its LM head to the embedding (tie_word_embeddings): pass embedding=NM(n, m) "
-                     "to make both sparse (the logits then run CompressedNMEmbed.attend); head=True has no layer of "
-                     "its own.")
-  rules = _with_head(structure, head and not tied)
+  # Tied, the table is the head: head=True gives it `structure` (a rule naming it), unless embedding= gives its own.
+  rules = _with_head(structure, head and not (tied and embedding is not None), tied=tied,
+                     embedding_hint=" or give the table a structure of its own with embedding=NM(n, m)")
+  named = _table_rule(model, rules)  # the rules' table structure (head=True on a tied model, or the user's rule)
+  if named is not None and embedding is not None:
+    if embedding != named:
+      raise ValueError(f"the rules give {TABLE} {named.describe()} and embedding= {embedding.describe()}: give it one "
+                       "structure (a rule naming the table, or embedding=).")
+    embedding = None  # the rules' own: sparsify stores it with the projections
   flat = pruning.masks_to_dict(masks) if masks is not None else {}
-  embed_key = "model.embed_tokens.embedding"
+  embed_key = f"{TABLE}.embedding"
   embed_masks = {k: v for k, v in flat.items() if k == embed_key}
-  if embed_masks and embedding is None:
-    raise ValueError(f"masks has {embed_key!r}, but embedding=None keeps the embedding dense; pass embedding=NM(...).")
-  layer_masks = {k: v for k, v in flat.items() if k != embed_key} if masks is not None else None
+  if embed_masks and embedding is None and named is None:
+    raise ValueError(f"masks has {embed_key!r}, but embedding=None keeps the embedding dense; pass embedding=NM(...)"
+                     + (" or head=True (the tied table is the LM head)." if tied else "."))
+  layer_masks = None if masks is None else flat if named is not None else {
+      k: v for k, v in flat.items() if k != embed_key}
   sparse, report = jaxsparse.sparsify(model, rules, masks=layer_masks)
   if compress:
     compress_nm(sparse, cusparselt_copy=cusparselt_copy, storage=storage)
