@@ -229,8 +229,9 @@ def _nnx_layer(path: str, node: nnx.Module) -> LayerSummary | None:
   common = dict(stored=nnx.state(node), bias_size=bias)
   if isinstance(node, BlockSparseLinear):
     bk, bn = node.block_shape
-    return _layer(path, kind, (node.in_features, node.out_features), f"block {bk}x{bn}", math.prod(node.kernel.shape),
-                  param_dtype=node.kernel.dtype, **common)
+    stack = tuple(node.kernel.shape[:-3])  # a stack of layers (nnx.vmap): kernel (*layers, nnz_blocks, bk, bn)
+    return _layer(path, kind, (*stack, node.in_features, node.out_features), f"block {bk}x{bn}",
+                  math.prod(node.kernel.shape), param_dtype=node.kernel.dtype, **common)
   if isinstance(node, MaskedLinear | MaskedConv):
     return _layer(path, kind, tuple(node.kernel.shape), "unstructured", masked_kept_count(node.mask.get_value()),
                   param_dtype=node.kernel.dtype, **common)
@@ -371,10 +372,13 @@ def _linen_layers(
       # An NNX BlockSparseLinear under nnx.bridge.ToLinen keeps its index arrays in its "pattern" dict, one level down.
       index = pattern if "row_indices" in pattern else bridged_block_pattern(pattern, params)
       if index is not None:
-        kb, nb = index["row_offsets"].shape[0] - 1, index["col_offsets"].shape[0] - 1
-        _, bk, bn = kernel.shape
+        # A stack of layers (nn.scan / nn.vmap) has leading layer axes: kernel (*layers, nnz_blocks, bk, bn), offsets
+        # (*layers, K // bk + 1).
+        kb, nb = index["row_offsets"].shape[-1] - 1, index["col_offsets"].shape[-1] - 1
+        *stack, _, bk, bn = kernel.shape
         name = "BlockSparseDense" if index is pattern else "BlockSparseLinear"
-        out.append(_layer(path, name, (kb * bk, nb * bn), f"block {bk}x{bn}", math.prod(kernel.shape), **common))
+        out.append(_layer(path, name, (*stack, kb * bk, nb * bn), f"block {bk}x{bn}", math.prod(kernel.shape),
+                          **common))
       elif "mask" in pattern:
         # Without module=, a kernel of ndim > 2 is a masked nn.Conv's (sparsify_linen, convert) or a stacked MaskedDense
         name = masked.get(prefix) or ("MaskedDense" if len(kernel.shape) == 2 else _MASKED_UNKNOWN)

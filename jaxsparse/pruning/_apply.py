@@ -24,6 +24,7 @@ from jaxsparse._rules import path_str
 from jaxsparse._rules import unwrap_variables
 from jaxsparse.formats._base import is_concrete
 from jaxsparse.formats._block_sparse import INDEX_FIELDS
+from jaxsparse.formats._masks import split_like
 from jaxsparse.layers._block_sparse import BlockSparseLinear
 from jaxsparse.layers._common import SPARSITY
 from jaxsparse.layers._common import bridged_block_pattern
@@ -102,7 +103,8 @@ def apply_masks(target: Any, masks: Any) -> Any:
       ``nnx.Module`` whose ``nnx.Param`` state has it (an ``nnx.State``, or plain nested dicts with its keys:
       ``{"linear": {"kernel": mask, "bias": None}}``).
     masks: from :func:`get_masks` or :func:`magnitude_masks`: a bool array of its parameter's exact shape (never
-      broadcast) or ``None`` per leaf.
+      broadcast) or ``None`` per leaf. Masks saved as NumPy arrays do too: where explicit mesh axes split a parameter
+      (a kernel named with ``nnx.with_partitioning``), its mask is split like it.
 
   Returns:
     For a parameter tree, a new tree with the pruned entries set to zero (same shapes and dtypes; a leaf
@@ -196,7 +198,8 @@ def _narrow_layer_masks(model: nnx.Module, masks: Any) -> None:
   for path, node in nnx.iter_modules(model):
     mask = by_path.get(path_str((*path, "kernel"))) if isinstance(node, MaskedLinear | MaskedConv) else None
     if mask is not None:
-      node.mask[...] = node.mask[...] & mask
+      old = node.mask[...]
+      node.mask[...] = old & (split_like(mask, old) if isinstance(old, jax.Array) else mask)
 
 
 def _nnx_block_masks(model: nnx.Module, masks: Any) -> list[tuple[str, Any, int]]:
@@ -295,10 +298,13 @@ def _like_params(masks: Any, params: Any) -> Any:
 
 def _checked_masks(masks: Any, target: Any) -> Any:
   """``masks`` with every mask checked against its parameter in ``target``, naming the path: its exact shape (a
-  mask is never broadcast) and a bool dtype (each returned as a bool array, ``_utils.check_mask``)."""
+  mask is never broadcast) and a bool dtype (each returned as a bool array, ``_utils.check_mask``), split like its
+  parameter where explicit mesh axes split that (masks read from a file or made on one device: explicit axes refuse
+  ``jnp.where`` of a mask and a weight split differently)."""
   mask_paths, mask_leaves, treedef = flatten_with_paths(masks)
   target_paths, target_leaves, _ = flatten_with_paths(target)
   shapes = {p: tuple(np.shape(x)) for p, x in zip(target_paths, target_leaves, strict=True)}
+  params = dict(zip(target_paths, target_leaves, strict=True))
   checked = []
   for path, m in zip(mask_paths, mask_leaves, strict=True):
     if path not in shapes:
@@ -309,5 +315,6 @@ def _checked_masks(masks: Any, target: Any) -> Any:
           f"{path}: the mask has shape {tuple(np.shape(m))}, the parameter {shapes[path]}; a mask must have its "
           "parameter's shape (it is not broadcast)."
       )
-    checked.append(_utils.check_mask(m, shapes[path], name=f"masks[{path!r}]"))
+    m = _utils.check_mask(m, shapes[path], name=f"masks[{path!r}]")
+    checked.append(split_like(m, params[path]) if isinstance(params[path], jax.Array) else m)
   return jax.tree_util.tree_unflatten(treedef, checked)

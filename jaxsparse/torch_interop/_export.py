@@ -11,7 +11,9 @@ A conv's own Flax weight ``mask`` (``nnx.Conv`` / ``nn.Conv`` / ``NMConv``, whic
 multiplied into the exported weight, as a torch conv has none: the torch layer computes the Flax forward pass.
 A block-sparse layer's index arrays are read flat (``BlockSparseDense``) or under ``"pattern"`` (an NNX
 ``BlockSparseLinear`` under ``nnx.bridge.ToLinen``); Linen variables the exporter cannot read (a bias that is not
-``(out,)``, a ``"sparsity"`` entry that is no layer's pattern) are refused, naming the layer.
+``(out,)``, a ``"sparsity"`` entry that is no layer's pattern) are refused, naming the layer. Linen variables in
+sharding boxes (``nn.with_partitioning`` kernels and the patterns named like them, ``sparsify_linen``'s carried boxes,
+a bridged layer's ``NNXMeta``) are read through them.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from collections.abc import Callable
 from collections.abc import Mapping
 from typing import Any
 
+import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -143,6 +147,21 @@ def _nnx_entries(model: nnx.Module) -> list[_Entry]:
   return entries
 
 
+def _unboxed(variables: Mapping) -> Any:
+  """Linen variables without their sharding boxes (``nn.Partitioned``, ``nn.LogicallyPartitioned``, a bridged
+  layer's ``nnx.bridge.NNXMeta``): each box's value as it is, no sharding constraint (the export only reads them).
+
+  Layers built with ``nn.with_partitioning`` kernels box their ``"sparsity"`` variables like the kernel, and
+  :func:`jaxsparse.sparsify_linen` carries the dense layers' boxes over: read boxed, a kernel had shape ``()`` and a
+  mask no length."""
+  def value(x: Any) -> Any:
+    if isinstance(x, nn.Partitioned):
+      return x.unbox(apply_constraint=False)
+    return x.unbox() if isinstance(x, nn.meta.AxisMetadata) else x
+
+  return jax.tree.map(value, variables, is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
+
+
 def _flatten(tree: Mapping, prefix: str = "") -> dict[str, dict]:
   """``{module path: {leaf name: array}}`` of a nested variables dict."""
   out: dict[str, dict] = {}
@@ -260,6 +279,7 @@ def _linen_entries(variables: Mapping, module: Any = None) -> list[_Entry]:
         "their masks there): it is not a Linen collection and its masks would be left out. Pop it and pass it as "
         "masks= to jaxsparse.sparsify_linen, then export the sparse variables with module= the SparsifiedLinen."
     )
+  variables = _unboxed(variables)
   params = _flatten(variables["params"])
   sparsity = _flatten(variables.get("sparsity", {}))
   stats = _flatten(variables.get("batch_stats", {}))
