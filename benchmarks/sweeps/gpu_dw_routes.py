@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from _gpu_timing import log
 from _gpu_timing import time_ms
+from gpu_dense_route import parse  # the same MxKxN:BKxBN:density:dtype specs
 
 from jaxsparse.formats import BlockSparseMatrix
 from jaxsparse.ops import _block_sparse_matmul as op
@@ -31,12 +32,6 @@ SHAPES = (
     "640x2048x8192:128x64:0.3:bfloat16,1024x4096x4096:128x128:0.5:bfloat16,128x5120x5120:128x128:0.25:bfloat16,"
     "448x2048x5632:256x128:0.4:bfloat16"
 )
-
-
-def parse(spec: str):
-  dims, block, d, dtype = spec.split(":")
-  m, k, n = (int(v) for v in dims.split("x"))
-  return m, k, n, tuple(int(v) for v in block.split("x")), float(d), jnp.dtype(dtype)
 
 
 def _row(spec: str, iterations: int) -> str:
