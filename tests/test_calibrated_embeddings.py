@@ -20,6 +20,8 @@ from flax import nnx
 import jaxsparse
 from jaxsparse import pruning
 from jaxsparse.layers import CompressedNMEmbed
+from jaxsparse.pruning._calibration_tables import direct_reads
+from jaxsparse.pruning._calibration_tables import table_call
 from tests.test_calibrated_pruning import obs_reference
 
 V, F, SEEN = 40, 16, 32  # ids >= SEEN never occur in the calibration batches
@@ -220,18 +222,50 @@ class LM(nnx.Module):
     return self.embed.attend(self.fc2(jax.nn.relu(self.fc1(self.embed(ids)))))
 
 
-def test_sequential_with_the_embedding_first():
+def wanda_tied_reference(table, h, spec):
+  """Wanda's mask of a tied table ``(V, F)`` with head inputs ``h`` ``(T, F)``: ``|W| * sqrt(diag(hᵀh) + λ)``."""
+  w, gram = table.T, h.T @ h
+  lam = np.sum(gram * (w @ w.T)) / np.sum(w * w)
+  return mask_reference(np.abs(w) * np.sqrt(np.diag(gram) + lam)[:, None], spec, per_output=True)
+
+
+def wanda_nm_reference(kernel, x):
+  scores = np.abs(kernel) * np.sqrt((x * x).sum(0))[:, None]
+  k, n = kernel.shape
+  ranks = np.argsort(np.argsort(-scores.reshape(k // 4, 4, n), axis=1, kind="stable"), axis=1, kind="stable")
+  return (ranks < 2).reshape(k, n)
+
+
+def test_sequential_prunes_a_tied_table_last_on_the_pruned_model():
+  # Was: a tied table was pruned in the group of its first call (the lookup), first, so its head (attend) statistics
+  # came from the dense model while every other layer's came from the model with the earlier groups pruned. It is
+  # pruned at its last call (the head), on the outputs of the pruned fc1 and fc2; they calibrate on the dense lookups.
   model = LM(41)
   batches = id_batches(42)
-  rules = {"embed": jaxsparse.NM(2, 4), "fc1": jaxsparse.NM(2, 4)}
+  spec = jaxsparse.NM(2, 4)
+  rules = {"embed": spec, "fc1": spec, "fc2": spec}
   pruned, masks, report = pruning.calibrated_prune(model, rules, batches, method="wanda", progress=False)
+  assert [(r.path, r.group) for r in report.layers] == [("fc1", 0), ("fc2", 1), ("embed", 2)]
+  f64 = lambda a: np.asarray(a, np.float64)
+  lookups = np.concatenate([f64(model.embed(b)).reshape(-1, F) for b in batches])  # the table still dense
+  np.testing.assert_array_equal(masks["fc1.kernel"], wanda_nm_reference(f64(model.fc1.kernel[...]), lookups))
+  x2 = np.concatenate([f64(jax.nn.relu(pruned.fc1(model.embed(b)))).reshape(-1, 2 * F) for b in batches])
+  np.testing.assert_array_equal(masks["fc2.kernel"], wanda_nm_reference(f64(model.fc2.kernel[...]), x2))
+  table = f64(model.embed.embedding[...])
+  h = np.concatenate([f64(pruned.fc2(jax.nn.relu(pruned.fc1(model.embed(b))))).reshape(-1, F) for b in batches])
+  want = wanda_tied_reference(table, h, spec)
+  np.testing.assert_array_equal(masks["embed.embedding"], want)
+  h_dense = np.concatenate([f64(model.fc2(jax.nn.relu(model.fc1(model.embed(b))))).reshape(-1, F) for b in batches])
+  assert not np.array_equal(wanda_tied_reference(table, h_dense, spec), want)  # the dense model's head would differ
+  assert report.layers[-1].tokens == h.shape[0] and report.layers[-1].note.startswith("tied table")
+  # A lookup-only table is still pruned at its first call: fc1 calibrates on its pruned lookups.
+  untied = LM(43)
+  _, masks, report = pruning.calibrated_prune(untied, {"embed": spec, "fc1": spec}, batches, method="wanda",
+                                              call=lambda m, ids: m.fc1(m.embed(ids)), progress=False)
   assert [(r.path, r.group) for r in report.layers] == [("embed", 0), ("fc1", 1)]
-  # fc1 is calibrated on the lookups of the pruned table
-  x = np.concatenate([np.asarray(pruned.embed(b), np.float64).reshape(-1, F) for b in batches])
-  scores = np.abs(np.asarray(model.fc1.kernel[...], np.float64)) * np.sqrt((x * x).sum(0))[:, None]
-  ranks = np.argsort(np.argsort(-scores.reshape(F // 4, 4, 2 * F), axis=1, kind="stable"), axis=1, kind="stable")
-  np.testing.assert_array_equal(masks["fc1.kernel"], (ranks < 2).reshape(F, 2 * F))
-  assert not np.array_equal(np.asarray(pruned.embed.embedding[...]), np.asarray(model.embed.embedding[...]))
+  table = np.where(masks["embed.embedding"], f64(untied.embed.embedding[...]), 0.0)
+  x = np.concatenate([table[np.asarray(b)].reshape(-1, F) for b in batches])
+  np.testing.assert_array_equal(masks["fc1.kernel"], wanda_nm_reference(f64(untied.fc1.kernel[...]), x))
 
 
 class LinenLM(nn.Module):
@@ -262,13 +296,16 @@ def test_linen_tables_as_nnx(method):
   variables = module.init(jax.random.key(52), batches[0])
   rules = {"embed": jaxsparse.NM(2, 4), "other": jaxsparse.Unstructured(sparsity=0.5)}
   new_vars, masks, report = pruning.calibrated_prune_linen(module, variables, rules, batches, method=method,
-                                                           sequential=False, progress=False)
+                                                           progress=False)
   _, nnx_masks, nnx_report = pruning.calibrated_prune(NNXTwin(variables["params"]), rules, batches, method=method,
-                                                      sequential=False, progress=False)
+                                                      progress=False)
+  # sequential, in both: the lookup-only table at its first call, the tied one at its last (the head)
+  assert [(r.path, r.group) for r in report.layers] == [(r.path, r.group) for r in nnx_report.layers] == [
+      ("other", 0), ("embed", 1)]
   assert sorted(masks) == sorted(nnx_masks) == ["embed.embedding", "other.embedding"]
   for key in masks:
     np.testing.assert_array_equal(masks[key], nnx_masks[key])
-  assert [r.note.split(":")[0] for r in report.layers] == ["tied table", "embedding lookups (one-hot inputs)"]
+  assert [r.note.split(":")[0] for r in report.layers] == ["embedding lookups (one-hot inputs)", "tied table"]
   np.testing.assert_allclose([r.error for r in report.layers], [r.error for r in nnx_report.layers], rtol=1e-4)
   # the pruned table is the mask's, and sparsify_linen stores the N:M one compressed
   assert np.array_equal(np.asarray(new_vars["params"]["embed"]["embedding"]) != 0, masks["embed.embedding"])
@@ -307,3 +344,106 @@ def test_table_rules_that_cannot_apply_raise():
   sparse, _ = jaxsparse.sparsify(model, {"embed": jaxsparse.NM(2, 4)})
   with pytest.raises(ValueError, match=r"embed: a CompressedNMEmbed is already N:M-compressed"):
     pruning.calibrated_prune(sparse, {"embed": jaxsparse.NM(2, 4)}, None, method="magnitude", progress=False)
+
+
+# -------------------------------------------------------------------------------------------------
+# calibrate / calibrate_linen: the tables' statistics; a table the model reads directly.
+# -------------------------------------------------------------------------------------------------
+
+
+def test_calibrate_returns_the_table_statistics_the_pruning_uses():
+  # Was: calibrate / calibrate_linen refused a rule naming a table ("rule(s) ['nm'] match no nnx.Linear ...").
+  batches = id_batches(92)
+  ids = np.concatenate([np.asarray(b).reshape(-1) for b in batches])
+  counts = np.bincount(ids, minlength=V)
+  model = Tables(tied=True, seed=91)
+  stats = pruning.calibrate(model, batches, RULES)
+  assert sorted(stats) == ["blk", "nm", "un"] and all(type(s).__name__ == "TableStats" for s in stats.values())
+  for s in stats.values():
+    np.testing.assert_array_equal(s.counts, counts)
+    assert s.counts.dtype == jnp.int32
+  h = np.concatenate([np.asarray(model.hidden(b), np.float64).reshape(-1, F) for b in batches])
+  head = stats["nm"].attend
+  np.testing.assert_allclose(head.gram, h.T @ h, rtol=1e-5, atol=1e-4)
+  np.testing.assert_allclose(head.sq_norms, (h * h).sum(0), rtol=1e-5)
+  assert int(head.tokens) == h.shape[0]
+  # the statistics calibrated_prune uses (sequential=False): Wanda on the head's norms plus the lookups' ridge
+  rules = {"nm": jaxsparse.NM(2, 4), "un|blk|fc": None}
+  _, masks, _ = pruning.calibrated_prune(model, rules, batches, method="wanda", sequential=False, progress=False)
+  w = model.nm.embedding[...].T
+  lam = jnp.sum(head.gram * (w @ w.T)) / jnp.sum(w * w)
+  np.testing.assert_array_equal(pruning.wanda_layer(w, head.sq_norms + lam, rules["nm"]).T, masks["nm.embedding"])
+  # Linen: a tied table ("embed") and a lookup-only one ("other", no attend statistics), against NumPy
+  module = LinenLM()
+  variables = module.init(jax.random.key(93), batches[0])
+  got = pruning.calibrate_linen(module, variables, batches, {"embed": jaxsparse.NM(2, 4), "other": jaxsparse.NM(2, 4)})
+  p = jax.tree.map(lambda a: np.asarray(a, np.float64), variables["params"])
+  h = np.tanh((p["embed"]["embedding"][ids] + p["other"]["embedding"][ids]) @ p["fc"]["kernel"] + p["fc"]["bias"])
+  assert sorted(got) == ["embed", "other"] and got["other"].attend is None
+  for name in got:
+    np.testing.assert_array_equal(got[name].counts, counts)
+  np.testing.assert_allclose(got["embed"].attend.gram, h.T @ h, rtol=1e-5, atol=1e-4)
+
+
+class DirectHead(nnx.Module):
+  """A tied LM whose logits read the table's array (``how``: ``"matmul"``, ``"jit"``), or call ``attend``
+  (``"attend"``, reading only the table's shape besides)."""
+
+  def __init__(self, how, seed=0):
+    rngs = nnx.Rngs(seed)
+    self.how = how
+    self.embed = nnx.Embed(V, F, rngs=rngs)
+    self.fc = nnx.Linear(F, F, rngs=rngs)
+
+  def __call__(self, ids):
+    h = jnp.tanh(self.fc(self.embed(ids)))
+    table = self.embed.embedding
+    if self.how == "matmul":
+      return h @ table[...].T
+    if self.how == "jit":
+      return jax.jit(lambda e, h: h @ e.T)(table[...], h)
+    return self.embed.attend(h) / table.shape[0]
+
+
+class LinenDirectHead(nn.Module):
+  def setup(self):
+    self.embed = nn.Embed(V, F)
+    self.fc = nn.Dense(F)
+
+  def __call__(self, ids):
+    return jnp.tanh(self.fc(self.embed(ids))) @ self.embed.embedding.T
+
+
+def test_a_table_the_model_reads_directly_is_refused():
+  # Was: a head computed from the table's array (not attend) was missed: the tied table was taken for lookups only
+  # and pruned by magnitude without a word; calibrate refused table rules.
+  batches = id_batches(94, n=1)
+  rules = {"embed": jaxsparse.NM(2, 4), "fc": jaxsparse.NM(2, 4)}
+  refused = r"embed: the model reads this embedding table's array directly .*Compute the logits with embed\.attend\(h\)"
+  for how in ("matmul", "jit"):
+    model = DirectHead(how)
+    with pytest.raises(ValueError, match=refused):
+      pruning.calibrated_prune(model, rules, batches, method="wanda", progress=False)
+    with pytest.raises(ValueError, match=refused):
+      pruning.calibrate(model, batches, rules)
+  assert sorted(pruning.calibrate(DirectHead("matmul"), batches, {"fc": rules["fc"]})) == ["fc"]  # table not named
+  assert pruning.calibrate(DirectHead("attend"), batches, rules)["embed"].attend is not None  # reads its shape only
+  module = LinenDirectHead()
+  variables = module.init(jax.random.key(95), batches[0])
+  with pytest.raises(ValueError, match=refused + r".*exclude it with a None rule"):
+    pruning.calibrate_linen(module, variables, batches, rules)
+  with pytest.raises(ValueError, match=refused):
+    pruning.calibrated_prune_linen(module, variables, rules, batches, method="wanda", progress=False)
+  # the reads are followed into loops, branches and remat: only the table's own calls (in their scope) are not reads
+  legit = lambda e, h: table_call(lambda: h @ e.T)
+  cases = {
+      lambda e, h: jax.checkpoint(legit)(e, h): False,
+      lambda e, h: jax.lax.scan(lambda c, _: (c, legit(e, h)), 0.0, None, length=2)[1]: False,
+      lambda e, h: jax.jit(lambda e, h: h * e.shape[0])(e, h): False,  # passed in, never read
+      lambda e, h: jax.lax.scan(lambda c, _: (c, h @ e.T), 0.0, None, length=2)[1]: True,
+      lambda e, h: jax.lax.cond(h.sum() > 0, lambda: h @ e.T, lambda: legit(e, h)): True,
+      lambda e, h: jax.lax.while_loop(lambda c: c[0] < e.sum(), lambda c: (c[0] + 1, c[1]), (0.0, h))[1]: True,
+  }
+  for i, (fn, read) in enumerate(cases.items()):
+    jaxpr = jax.make_jaxpr(fn)(jnp.ones((V, F)), jnp.ones((3, F)))
+    assert direct_reads(jaxpr, {0: "embed"}) == ({"embed"} if read else set()), i

@@ -1027,7 +1027,7 @@ def tied_pruned(tmp_path_factory):
 def test_prune_head_of_a_tied_model_prunes_the_table_with_calibration(tied_pruned):
   """prune(head=True) on a tied model raised (no lm_head); it prunes the tied table, which is the LM head, by
   SparseGPT on the head's inputs with the lookups as a ridge: a 2:4 mask along the features, kept weights updated,
-  first (the lookup is the table's first call) in a group of its own, the decoder layers' groups after it."""
+  last (the head is the table's last call) in a group of its own, after the decoder layers' groups."""
   _, _, model, pruned, masks, report = tied_pruned
   key = "model.embed_tokens.embedding"
   assert len(masks) == 15 and key in masks and "lm_head.kernel" not in masks
@@ -1040,9 +1040,9 @@ def test_prune_head_of_a_tied_model_prunes_the_table_with_calibration(tied_prune
   by_magnitude = np.zeros((VOCAB, 16, 4), bool)
   np.put_along_axis(by_magnitude, magnitude, True, axis=-1)
   assert not np.array_equal(mask, by_magnitude.reshape(VOCAB, 64))  # calibrated, not the magnitude mask
-  first = report.layers[0]
-  assert (first.path, first.group) == ("model.embed_tokens", 0) and first.note.startswith("tied table: sparsegpt")
-  assert [r.group for r in report.layers[1:]] == [1] * 7 + [2] * 7 and sorted(layer_errors(report)) == [0, 1]
+  last = report.layers[-1]
+  assert (last.path, last.group) == ("model.embed_tokens", 2) and last.note.startswith("tied table: sparsegpt")
+  assert [r.group for r in report.layers[:-1]] == [0] * 7 + [1] * 7 and sorted(layer_errors(report)) == [0, 1]
 
 
 @pytest.mark.slow  # 10-12 s on 2 cores (the generation loops)

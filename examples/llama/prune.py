@@ -5,7 +5,7 @@ projections of every decoder layer (:data:`~llama.model.PROJECTIONS`). It is seq
 (``calibrated_prune``'s default groups: the path up to its first number, ``model.layers.3``): the
 calibration inputs of layer ``i`` come from the model whose layers ``0 .. i - 1`` are already pruned. With
 ``head=True`` the LM head is pruned too: ``lm_head`` last, or, for tied embeddings, the table that serves as the
-head (first: its lookup is its first call), on the head's inputs with the lookups as a ridge.
+head (last: the head is its last call), on the head's inputs with the lookups as a ridge.
 :func:`to_inference` then swaps the pruned projections for jaxsparse layers with
 :func:`jaxsparse.sparsify` and the same masks: 2:4 as ``CompressedNMLinear`` (kept values + 2-bit
 positions; on a CUDA GPU cuSPARSELt and the ``mma.sp`` decode kernel), blocks as ``BlockSparseLinear``,
@@ -91,10 +91,11 @@ def prune(
       ``masks["lm_head.kernel"]``). Tied (``tie_word_embeddings``: the logits are the embedding table's ``attend``):
       the table itself (a ``"model.embed_tokens"`` rule), which ``calibrated_prune`` prunes by the method on the
       head's inputs with its lookups as a ridge; ``structure`` must be an ``NM`` one, the only form a table is stored
-      in (``CompressedNMEmbed``). The lookup is the table's first call, so it is pruned first, in a group of
-      its own: every decoder layer calibrates on the pruned lookups, and the head's statistics come from the dense
-      model. Its mask is ``masks["model.embed_tokens.embedding"]``. Either way, pass ``head=True`` to
-      :func:`to_inference` with the masks. Rules can name ``"lm_head"`` / ``"model.embed_tokens"`` themselves.
+      in (``CompressedNMEmbed``). The head is the table's last call, so it is pruned last, in a group of its own:
+      every decoder layer calibrates on the dense lookups, and the head's statistics come from the pruned decoder
+      layers, as an untied ``lm_head``'s do. Its mask is ``masks["model.embed_tokens.embedding"]``. Either way, pass
+      ``head=True`` to :func:`to_inference` with the masks. Rules can name ``"lm_head"`` / ``"model.embed_tokens"``
+      themselves.
     batch_size: rows per calibration batch (one jitted forward pass each).
     progress: tqdm bar over the pruned layers.
     **kwargs: passed to :func:`jaxsparse.pruning.calibrated_prune` (``damp``, ``refit_iterations``, ...).

@@ -33,6 +33,7 @@ from jaxsparse.formats import BlockSparse
 from jaxsparse.formats import Unstructured
 from jaxsparse.pruning._apply import apply_masks
 from jaxsparse.pruning._calibration import LayerStats
+from jaxsparse.pruning._calibration import TableStats
 from jaxsparse.pruning._calibration import calibrate
 from jaxsparse.pruning._calibration_linen import calibrate_linen
 from jaxsparse.pruning._dst import cosine_drop_fraction
@@ -61,6 +62,7 @@ from jaxsparse.pruning._scores import magnitude_scores
 from jaxsparse.pruning._sparsegpt import SparseGPTResult
 from jaxsparse.pruning._sparsegpt import reconstruction_error
 from jaxsparse.pruning._sparsegpt import sparsegpt_layer
+from jaxsparse.pruning._stacks import layer_stacks
 from jaxsparse.pruning._views import kernel_views
 from jaxsparse.pruning._wanda import magnitude_layer
 from jaxsparse.pruning._wanda import wanda_layer
@@ -75,6 +77,7 @@ __all__ = [
     "PruningState",
     "Schedule",
     "SparseGPTResult",
+    "TableStats",
     "Unstructured",
     "apply_masks",
     "block_magnitude_scores",
@@ -86,6 +89,7 @@ __all__ = [
     "get_masks",
     "gradual",
     "kernel_views",
+    "layer_stacks",
     "magnitude_layer",
     "magnitude_masks",
     "magnitude_pruner",

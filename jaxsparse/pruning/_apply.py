@@ -108,9 +108,9 @@ def apply_masks(target: Any, masks: Any) -> Any:
 
   Returns:
     For a parameter tree, a new tree with the pruned entries set to zero (same shapes and dtypes; a leaf
-    whose mask is ``None`` is kept as it is); for Linen variables, a new dict with those parameters and narrowed
-    ``"sparsity"`` masks; for an ``nnx.Module``, ``target`` itself, updated in place (its parameters, and the masks
-    of its masked layers).
+    whose mask is ``None`` is kept as it is; parameters in Linen boxes, ``nn.Partitioned``, stay in them); for Linen
+    variables, a new dict with those parameters and narrowed ``"sparsity"`` masks; for an ``nnx.Module``,
+    ``target`` itself, updated in place (its parameters, and the masks of its masked layers).
 
   Raises:
     ValueError: naming the path, for a mask whose shape is not its parameter's, or one where the parameters have
@@ -130,15 +130,16 @@ def apply_masks(target: Any, masks: Any) -> Any:
   if params_masks is not None:
     boxed = target["params"]
     params = nn.meta.unbox(boxed)  # nn.Partitioned boxes (sparsify_linen carries the dense layers' over)
-    params_masks = _checked_masks(params_masks, params)
+    params_masks = _checked_masks(nn.meta.unbox(params_masks), params)
     out = dict(target)
-    out["params"] = _rebox(boxed, where_masked(params_masks, params, jnp.zeros_like, params))
+    out["params"] = rebox(boxed, where_masked(params_masks, params, jnp.zeros_like, params))
     if SPARSITY in target:
       out[SPARSITY] = _narrow_linen_masks(target[SPARSITY], params_masks)
       _warn_emptied_blocks(_linen_block_masks(target[SPARSITY], params, params_masks), linen=True)
     return out
-  masks = _checked_masks(masks, target)
-  return where_masked(masks, target, jnp.zeros_like, target)
+  plain = nn.meta.unbox(target)  # parameters kept boxed (a TrainState's nn.Partitioned ones) come back boxed
+  masks = _checked_masks(nn.meta.unbox(masks), plain)
+  return rebox(target, where_masked(masks, plain, jnp.zeros_like, plain))
 
 
 def _linen_params_masks(target: Any, masks: Any) -> Any:
@@ -154,13 +155,16 @@ def _linen_params_masks(target: Any, masks: Any) -> Any:
   return None
 
 
-def _is_box(x: Any) -> bool:
+def is_box(x: Any) -> bool:
+  """A Linen metadata box (``nn.Partitioned``, ``nn.LogicallyPartitioned``: ``nn.meta.AxisMetadata``)."""
   return isinstance(x, nn.meta.AxisMetadata)
 
 
-def _rebox(boxed: Any, values: Any) -> Any:
-  """``values`` (an unboxed copy of ``boxed``) in ``boxed``'s ``nn.Partitioned`` boxes."""
-  return jax.tree.map(lambda b, v: b.replace_boxed(v) if _is_box(b) else v, boxed, values, is_leaf=_is_box)
+def rebox(boxed: Any, values: Any) -> Any:
+  """``values`` (a tree with the structure of ``nn.meta.unbox(boxed)``: an unboxed copy, or masks) in ``boxed``'s
+  boxes, each keeping its metadata (names, mesh); a value that is no array (a ``None`` mask) stays unboxed."""
+  return jax.tree.map(lambda b, v: b.replace_boxed(v) if is_box(b) and hasattr(v, "shape") else v, boxed, values,
+                      is_leaf=is_box)
 
 
 def _narrow_linen_masks(sparsity: Mapping, masks: Any) -> dict:
@@ -178,7 +182,7 @@ def _narrow_linen_masks(sparsity: Mapping, masks: Any) -> dict:
       new = by_path.get(path_str((*prefix, "kernel"))) if key == "mask" else None
       if new is not None:
         old = pattern_mask(nn.meta.unbox(value), np.shape(new), path=path_str(prefix))
-        value = _rebox(value, old & new) if _is_box(value) else old & new
+        value = rebox(value, old & new) if is_box(value) else old & new
       out[key] = value
     return out
 

@@ -11,12 +11,14 @@ patches: ``X`` has one row per output position, ``K = prod(kernel_size) * cin`` 
 ``(*kernel_size, cin)`` order, so ``kernel.reshape(K, cout)`` is its ``(K, N)`` view and N:M groups of
 ``K`` are groups of consecutive input channels at one kernel position, as in ``NMConv``.
 
-An embedding table (``nnx.Embed`` / ``nn.Embed``, ``(num_embeddings, features)``; only for
-:func:`jaxsparse.pruning.calibrated_prune`, which prunes a table that a rule names) gets a :class:`TableStats`
-instead: its lookups are products of one-hot rows with the table, whose statistics are the count of each token id
-(``sq_norms`` of the one-hot inputs; their Gram matrix is ``diag(counts)``, never built), and, when the model also
-calls its ``attend`` (a tied LM head), the :class:`LayerStats` of the ``attend`` queries: the table is then the
-``(features, num_embeddings)`` kernel of a dense layer, the view :class:`jaxsparse.layers.CompressedNMEmbed` stores.
+An embedding table (``nnx.Embed`` / ``nn.Embed``, ``(num_embeddings, features)``) that a rule names (a rule matching
+no dense layer, as :func:`jaxsparse.sparsify` takes tables) gets a :class:`TableStats` instead: its lookups are
+products of one-hot rows with the table, whose statistics are the count of each token id (``sq_norms`` of the one-hot
+inputs; their Gram matrix is ``diag(counts)``, never built), and, when the model also calls its ``attend`` (a tied
+LM head), the :class:`LayerStats` of the ``attend`` queries: the table is then the ``(features, num_embeddings)``
+kernel of a dense layer, the view :class:`jaxsparse.layers.CompressedNMEmbed` stores. A model that reads a named
+table's array itself (``h @ embed.embedding[...].T``) is refused (:mod:`._calibration_tables`): that use would be
+missing from the statistics.
 
 One jitted function per set of layers records the inputs during the forward pass and adds their
 statistics to the running sums; the rest of the forward pass, whose output is unused, is dead code
@@ -47,22 +49,26 @@ from jaxsparse._rules import linear_general_unsupported
 from jaxsparse._rules import match_rules
 from jaxsparse._rules import replace_module
 from jaxsparse._rules import resolve_rules
-from jaxsparse.formats._specs import NM
 from jaxsparse.formats._specs import BlockSparse
-from jaxsparse.formats._specs import Unstructured
 from jaxsparse.formats._specs import check_plain_nm
 from jaxsparse.formats._specs import check_spec_applies
 from jaxsparse.formats._specs import matrix_shape
+from jaxsparse.pruning._calibration_tables import TableProbe
+from jaxsparse.pruning._calibration_tables import call_order
+from jaxsparse.pruning._calibration_tables import check_structure
+from jaxsparse.pruning._calibration_tables import check_table_spec
+from jaxsparse.pruning._calibration_tables import direct_read_message
+from jaxsparse.pruning._calibration_tables import direct_reads
+from jaxsparse.pruning._calibration_tables import table_leaves
 
 NNX_LAYERS = "nnx.Linear / nnx.LinearGeneral / nnx.Conv layer"
 LINEN_LAYERS = "nn.Dense / nn.DenseGeneral / nn.Conv call"
 NNX_LAYERS_AND_TABLES = f"{NNX_LAYERS} nor nnx.Embed (a rule naming it)"
 LINEN_LAYERS_AND_TABLES = f"{LINEN_LAYERS} nor nn.Embed (a rule naming it)"
 
-__all__ = ["LayerStats", "calibrate"]
+__all__ = ["LayerStats", "TableStats", "calibrate"]
 
 _HIGHEST = jax.lax.Precision.HIGHEST
-_SPECS = (Unstructured, NM, BlockSparse)
 
 
 class LayerStats(NamedTuple):
@@ -92,13 +98,30 @@ class LayerStats(NamedTuple):
 
 
 class TableStats(NamedTuple):
-  """Calibration statistics of an embedding table ``(num_embeddings, features)`` (internal to calibrated pruning).
+  """Calibration statistics of an embedding table ``(num_embeddings, features)``, as calibrated pruning uses them.
 
   Attributes:
     counts: int32 ``(num_embeddings,)``, how often the lookups saw each id (padding left out): the ``sq_norms`` of
       the one-hot lookup inputs, whose Gram matrix is ``diag(counts)``.
     attend: the :class:`LayerStats` of the queries of the table's ``attend`` calls (``K = features``; always with
-      its ``gram``), when the model calls it (a tied LM head); ``None`` otherwise.
+      its ``gram``, float32 or float64 as a layer's), when the model calls it (a tied LM head); ``None`` otherwise.
+
+  :func:`calibrate` returns one for each table a rule names. A tied table (``attend`` called) is pruned as the dense
+  layer ``(features, num_embeddings)`` on ``attend.gram`` plus the lookups' ridge (the pruning guide's "Embedding
+  tables"); a lookup-only table by magnitude, ``counts`` weighting only its reported error.
+
+  >>> import jax.numpy as jnp, jaxsparse
+  >>> from flax import nnx
+  >>> from jaxsparse import pruning
+  >>> class TiedLM(nnx.Module):
+  ...   def __init__(self, rngs):
+  ...     self.embed = nnx.Embed(10, 8, rngs=rngs)
+  ...   def __call__(self, ids):
+  ...     return self.embed.attend(jnp.tanh(self.embed(ids)))  # the table is the LM head too
+  >>> stats = pruning.calibrate(TiedLM(nnx.Rngs(0)), [jnp.array([[1, 1, 3]])], {"embed": jaxsparse.NM(2, 4)})
+  >>> s = stats["embed"]
+  >>> type(s).__name__, s.counts.tolist(), s.attend.gram.shape, int(s.attend.tokens)
+  ('TableStats', [0, 2, 0, 1, 0, 0, 0, 0, 0, 0], (8, 8), 3)
   """
 
   counts: jax.Array
@@ -129,11 +152,7 @@ def check_layer_spec(spec: Any, shape: tuple[int, ...], *, path: str) -> None:
   ``shape`` is ``(K, N)`` for a dense layer, the kernel's own shape for a convolution (N:M groups run
   along its input channels, axis -2).
   """
-  if not isinstance(spec, _SPECS):
-    raise TypeError(
-        f"{path}: spec must be jaxsparse.Unstructured(...), jaxsparse.NM(...) or jaxsparse.BlockSparse(...), "
-        f"got {spec!r}."
-    )
+  check_structure(spec, path=path)
   check_spec_applies(spec, shape, path=path)
   check_plain_nm(spec, path=path, what="calibrated pruning")
 
@@ -147,27 +166,6 @@ def table_spec(spec: Any) -> Any:
   if isinstance(spec, BlockSparse):
     return BlockSparse(density=spec.density, block_shape=spec.block_shape[::-1])
   return spec
-
-
-def check_table_spec(spec: Any, shape: tuple[int, int], *, path: str) -> None:
-  """Raises naming ``path`` when ``spec`` cannot apply to an embedding table of ``shape`` ``(num_embeddings,
-  features)``: N:M groups run along the features of each row, blocks are ``(rows, features)`` of the table."""
-  if not isinstance(spec, _SPECS):
-    raise TypeError(
-        f"{path}: spec must be jaxsparse.Unstructured(...), jaxsparse.NM(...) or jaxsparse.BlockSparse(...), "
-        f"got {spec!r}."
-    )
-  check_plain_nm(spec, path=path, what="calibrated pruning")
-  rows, features = shape
-  if isinstance(spec, NM) and features % spec.m:
-    raise ValueError(f"{path}: N:M sparsity {spec.n}:{spec.m} needs m={spec.m} to divide the features {features} of "
-                     f"its {shape} embedding table (the groups run along the features of each row, as "
-                     "CompressedNMEmbed keeps them); choose another m or give this path another rule.")
-  if isinstance(spec, BlockSparse) and (rows % spec.block_shape[0] or features % spec.block_shape[1]):
-    raise ValueError(f"{path}: block_shape={spec.block_shape} (rows, features) does not divide its {shape} "
-                     "embedding table; choose block sizes that divide both, or give this path another rule.")
-  if not isinstance(spec, NM):
-    check_spec_applies(spec, shape, path=path)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -370,28 +368,6 @@ def default_call(model: Any, batch: Any) -> Any:
   return model(batch)
 
 
-class TableProbe(nnx.Module):
-  """Stands in for an ``nnx.Embed``: hands the ids of each lookup and the query of each ``attend`` to ``record``
-  (``record(x, attend)``); other attributes (``embedding``, ``dtype``) are the table's."""
-
-  def __init__(self, inner: nnx.Module, record: Callable[[jax.Array, bool], None]):
-    self.inner = inner
-    self.record = record
-
-  def __call__(self, inputs, *args, **kwargs):
-    self.record(inputs, False)
-    return self.inner(inputs, *args, **kwargs)
-
-  def attend(self, query, *args, **kwargs):
-    self.record(query, True)
-    return self.inner.attend(query, *args, **kwargs)
-
-  def __getattr__(self, name: str) -> Any:
-    if name.startswith("_") or name in ("inner", "record"):
-      raise AttributeError(name)
-    return getattr(self.inner, name)
-
-
 def _with_probes(model: nnx.Module, keys: Sequence[tuple], record: Callable[[tuple, jax.Array, bool], None],
                  tables: Sequence[tuple] = ()) -> nnx.Module:
   """Replaces the layers at ``keys`` by probes (in place); returns the model (a probe if a key is ``()``).
@@ -412,18 +388,31 @@ def _with_probes(model: nnx.Module, keys: Sequence[tuple], record: Callable[[tup
 
 def nnx_call_order(model: nnx.Module, keys: Sequence[tuple], batch: Any, call: Callable,
                    tables: Sequence[tuple] = ()) -> list[tuple]:
-  """``keys`` in the order the model first calls them on ``batch`` (traced only, nothing computed); a table in
-  ``tables`` is called by a lookup or an ``attend``, whichever comes first."""
+  """``keys`` in the order sequential pruning takes them (:func:`call_order`: each at its first call on ``batch``, a
+  table in ``tables`` that the model ``attend``-s at its last); traced only, nothing computed.
+
+  Raises ``ValueError`` when the model reads a table of ``tables`` directly (outside its lookups and ``attend``) or
+  does not call a layer of ``keys``.
+  """
   graphdef, state = nnx.split(model)
-  order: list[tuple] = []
+  calls: list[tuple] = []
+  attended: set[tuple] = set()
+
+  def record(key: tuple, x: jax.Array, attend: bool) -> None:
+    calls.append(key)
+    if attend:
+      attended.add(key)
 
   def run(state):
-    m = _with_probes(nnx.merge(graphdef, state), keys,
-                     lambda key, x, attend: order.append(key) if key not in order else None, tables)
-    call(m, batch)
+    call(_with_probes(nnx.merge(graphdef, state), keys, record, tables), batch)
 
   with naming_batch(0):
-    jax.eval_shape(run, state)
+    jaxpr = jax.make_jaxpr(run)(state)
+  read = direct_reads(jaxpr, table_leaves(state, tables)) if tables else set()
+  if read:
+    path = next(_dotted(k) or "(model)" for k in tables if k in read)
+    raise ValueError(f"{path}: {direct_read_message(path)}; exclude it with a None rule.")
+  order = call_order(calls, attended)
   missing = [_dotted(k) or "(model)" for k in keys if k not in order]
   if missing:
     raise ValueError(f"layer(s) {missing} are selected by the rules but the model does not call them on the "
@@ -604,8 +593,9 @@ def run_steps(step: Callable, state: Any, layers: Sequence[Layer], batches: Sequ
 
 def calibrate(model: nnx.Module, batches: Sequence[Any], rules: Any, *, gram: bool = True,
               call: Callable[[nnx.Module, Any], Any] | None = None,
-              token_mask: Callable[[Any], jax.typing.ArrayLike] | None = None) -> dict[str, LayerStats]:
-  """Runs an NNX model on calibration batches and returns the input statistics of the selected layers.
+              token_mask: Callable[[Any], jax.typing.ArrayLike] | None = None,
+              ) -> dict[str, LayerStats | TableStats]:
+  """Runs an NNX model on calibration batches and returns the input statistics of the selected layers and tables.
 
   >>> import jax, jaxsparse
   >>> from flax import nnx
@@ -623,8 +613,11 @@ def calibrate(model: nnx.Module, batches: Sequence[Any], rules: Any, *, gram: bo
     rules: ``{regex: structure or None}`` or one structure, as :func:`jaxsparse.sparsify`; the
       ``nnx.Linear``, ``nnx.LinearGeneral`` (trailing contracting axes) and ``nnx.Conv`` (no feature
       groups; statistics of its im2col patches, ``K = prod(kernel_size) * cin``) layers whose dotted
-      path a rule with a structure fully matches are calibrated.
-    gram: also accumulate ``XᵀX`` (SparseGPT needs it; Wanda only the norms).
+      path a rule with a structure fully matches are calibrated. An ``nnx.Embed`` is calibrated when a rule names it
+      (matches no other layer: ``{"embed": jaxsparse.NM(2, 4)}``; catch-all rules leave tables out, as
+      :func:`calibrated_prune` and :func:`jaxsparse.sparsify` do).
+    gram: also accumulate ``XᵀX`` (SparseGPT needs it; Wanda only the norms); a table's ``attend`` statistics
+      always have it.
     call: ``(model, batch) -> output``; default ``model(*batch)`` for a tuple, ``model(**batch)`` for
       a dict, else ``model(batch)``.
     token_mask: ``batch -> 0/1 array`` over the tokens of a batch (the shape of a layer input without
@@ -633,13 +626,18 @@ def calibrate(model: nnx.Module, batches: Sequence[Any], rules: Any, *, gram: bo
       token once, unscaled.
 
   Returns:
-    ``{layer path: LayerStats}``, on the device.
+    ``{layer path: LayerStats}``, on the device, and ``{table path: TableStats}`` for the tables (their lookups'
+    token counts and, for a tied table, the :class:`LayerStats` of its ``attend`` queries): the statistics
+    :func:`calibrated_prune` uses with ``sequential=False`` (in sequential mode each group's are taken on the model
+    whose earlier groups are pruned).
 
   Raises:
-    ValueError: no batches, a rule that matches no layer, a selected layer the model never calls.
+    ValueError: no batches, a rule that matches no layer, a selected layer the model never calls, a named table
+      the model reads directly (``h @ embed.embedding[...].T`` instead of ``embed.attend(h)``), NaN/inf inputs.
   """
   batches = check_batches(batches)
-  layers = resolve_layers(nnx_candidates(model), rules, what=NNX_LAYERS)
+  layers = resolve_layers(nnx_candidates(model, tables=True), rules, what=NNX_LAYERS_AND_TABLES)
   call = default_call if call is None else call
-  nnx_call_order(model, [layer.key for layer in layers], batches[0], call)
+  tables = [layer.key for layer in layers if layer.table]
+  nnx_call_order(model, [layer.key for layer in layers], batches[0], call, tables)
   return nnx_layer_stats(model, layers, batches, call=call, gram=gram, token_mask=token_mask)

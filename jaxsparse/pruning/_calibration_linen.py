@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from jaxsparse._rules import as_int_tuple
 from jaxsparse._rules import dense_general_dims
-from jaxsparse.pruning._calibration import LINEN_LAYERS
+from jaxsparse.pruning._calibration import LINEN_LAYERS_AND_TABLES
 from jaxsparse.pruning._calibration import Candidate
 from jaxsparse.pruning._calibration import Layer
 from jaxsparse.pruning._calibration import LayerStats
@@ -25,10 +25,15 @@ from jaxsparse.pruning._calibration import naming_batch
 from jaxsparse.pruning._calibration import resolve_layers
 from jaxsparse.pruning._calibration import run_steps
 from jaxsparse.pruning._calibration import step_stats
+from jaxsparse.pruning._calibration_tables import call_order
+from jaxsparse.pruning._calibration_tables import direct_read_message
+from jaxsparse.pruning._calibration_tables import direct_reads
+from jaxsparse.pruning._calibration_tables import table_call
+from jaxsparse.pruning._calibration_tables import table_leaves
 
 __all__ = ["calibrate_linen", "linen_candidates", "linen_layer_stats"]
 
-def _linen_args(batch: Any) -> tuple[tuple, dict]:
+def linen_args(batch: Any) -> tuple[tuple, dict]:
   if isinstance(batch, tuple):
     return batch, {}
   if isinstance(batch, Mapping):
@@ -60,25 +65,39 @@ def _is_table_call(context: Any) -> bool:
 def linen_candidates(module: nn.Module, variables: Mapping, batch: Any, apply_kwargs: Mapping, *,
                      tables: bool = False) -> list[Candidate]:
   """Every ``nn.Dense`` / ``nn.DenseGeneral`` / ``nn.Conv`` that ``module`` calls on ``batch``, in call order; with
-  ``tables``, also every ``nn.Embed`` it looks up or ``attend``-s."""
+  ``tables``, also every ``nn.Embed`` it looks up or ``attend``-s, a tied one (``attend`` called) at its last call
+  (:func:`call_order`), and one the module also reads directly marked unsupported (:func:`direct_reads`)."""
   if not isinstance(module, nn.Module):
     raise TypeError(f"module must be a flax.linen.Module, got {type(module).__name__}.")
   found: dict[tuple, Candidate] = {}
+  calls: list[tuple] = []
+  attended: set[tuple] = set()
 
   def interceptor(next_fun, args, kwargs, context):
     m = context.module
     key = tuple(m.path)
-    if key not in found and args:
-      if context.method_name == "__call__" and type(m) in _LINEN_TYPES:
-        found[key] = _linen_candidate(m, args[0])
-      elif tables and _is_table_call(context):
-        found[key] = Candidate(key, (int(m.num_embeddings), int(m.features)), 1, table=True)
+    if not args:
+      return next_fun(*args, **kwargs)
+    if context.method_name == "__call__" and type(m) in _LINEN_TYPES:
+      found.setdefault(key, _linen_candidate(m, args[0]))
+      calls.append(key)
+    elif tables and _is_table_call(context):
+      found.setdefault(key, Candidate(key, (int(m.num_embeddings), int(m.features)), 1, table=True))
+      calls.append(key)
+      if context.method_name == "attend":
+        attended.add(key)
+      return table_call(next_fun, *args, **kwargs)
     return next_fun(*args, **kwargs)
 
-  args, kwargs = _linen_args(batch)
+  args, kwargs = linen_args(batch)
   with nn.intercept_methods(interceptor), naming_batch(0):
-    jax.eval_shape(lambda v, *a: module.apply(v, *a, **kwargs, **apply_kwargs), variables, *args)
-  return list(found.values())
+    jaxpr = jax.make_jaxpr(lambda v, *a: module.apply(v, *a, **kwargs, **apply_kwargs))(variables, *args)
+  keys = [key for key, c in found.items() if c.table]
+  read = direct_reads(jaxpr, table_leaves(variables, keys, collection=("params",))) if keys else set()
+  for key in read:
+    path = ".".join(str(k) for k in key)
+    found[key] = found[key]._replace(unsupported=direct_read_message(path))
+  return [found[key] for key in call_order(calls, attended)]
 
 
 def linen_layer_stats(module: nn.Module, variables: Mapping, layers: Sequence[Layer], batches: Sequence[Any], *,
@@ -104,7 +123,7 @@ def linen_layer_stats(module: nn.Module, variables: Mapping, layers: Sequence[La
         dtypes[key] = jnp.float32 if param is None else param.dtype
       return next_fun(*args, **kwargs)
 
-    args, kwargs = _linen_args(batch)
+    args, kwargs = linen_args(batch)
     with nn.intercept_methods(interceptor):
       module.apply(variables, *args, **kwargs, **apply_kwargs)
     weights = None if token_mask is None else jnp.asarray(token_mask(batch))
@@ -115,12 +134,13 @@ def linen_layer_stats(module: nn.Module, variables: Mapping, layers: Sequence[La
 
 def calibrate_linen(module: nn.Module, variables: Mapping, batches: Sequence[Any], rules: Any, *, gram: bool = True,
                     apply_kwargs: Mapping[str, Any] | None = None,
-                    token_mask: Callable[[Any], jax.typing.ArrayLike] | None = None) -> dict[str, LayerStats]:
+                    token_mask: Callable[[Any], jax.typing.ArrayLike] | None = None,
+                    ) -> dict[str, LayerStats | TableStats]:
   """Linen version of :func:`calibrate`: the selected ``nn.Dense`` / ``DenseGeneral`` / ``Conv`` calls.
 
   ``nn.DenseGeneral`` (trailing contracting axes, no batch dims: the projections of
-  ``nn.MultiHeadDotProductAttention``) and ``nn.Conv`` (no feature groups) are handled as their NNX
-  twins in :func:`calibrate`.
+  ``nn.MultiHeadDotProductAttention``), ``nn.Conv`` (no feature groups) and an ``nn.Embed`` a rule names (its lookups
+  and ``attend`` calls) are handled as their NNX twins in :func:`calibrate`.
 
   >>> import jax, jaxsparse, flax.linen as nn
   >>> from jaxsparse import pruning
@@ -140,16 +160,23 @@ def calibrate_linen(module: nn.Module, variables: Mapping, batches: Sequence[Any
     variables: its variables (``{"params": ...}``, other collections).
     batches: a list of inputs for ``module.apply``: an array, a tuple of positional arguments or a
       dict of keyword arguments each.
-    rules: as :func:`calibrate`, matched against Linen module paths (``"Dense_0"``, ``"mlp.fc1"``).
-    gram: also accumulate ``XᵀX``.
+    rules: as :func:`calibrate`, matched against Linen module paths (``"Dense_0"``, ``"mlp.fc1"``); a rule naming
+      an ``nn.Embed`` (matching no other layer) calibrates its table.
+    gram: also accumulate ``XᵀX`` (a table's ``attend`` statistics always have it).
     apply_kwargs: extra keyword arguments of ``module.apply`` (e.g. ``{"train": False}``).
     token_mask: as :func:`calibrate`.
 
   Returns:
-    ``{layer path: LayerStats}``.
+    ``{layer path: LayerStats}`` and ``{table path: TableStats}``, on the device, as :func:`calibrate`.
+
+  Raises:
+    ValueError: as :func:`calibrate`, e.g. a named table the module reads directly (``h @ embed.embedding.T``
+      instead of ``embed.attend(h)``).
+    TypeError: ``module`` is not a Linen module; ``batches`` is a single array or a mapping.
   """
   batches = check_batches(batches)
   apply_kwargs = dict(apply_kwargs or {})
-  layers = resolve_layers(linen_candidates(module, variables, batches[0], apply_kwargs), rules, what=LINEN_LAYERS)
+  layers = resolve_layers(linen_candidates(module, variables, batches[0], apply_kwargs, tables=True), rules,
+                          what=LINEN_LAYERS_AND_TABLES)
   return linen_layer_stats(module, variables, layers, batches, apply_kwargs=apply_kwargs, gram=gram,
                            token_mask=token_mask)

@@ -5,8 +5,9 @@ Both start from a uniformly random mask at each rule's target sparsity and, ever
 (weights or blocks): they drop the kept units of smallest magnitude and grow as many among the units
 that were pruned before this update, at random (SET) or where the dense gradient is largest
 (RigL). Grown weights start at zero (they were held at zero while pruned) and their optimizer state
-is reset by :func:`wrap_optax`. The number of kept units per layer never changes, even with NaN or infinite
-weights (kept to the last) or gradients (a NaN gradient counts as the largest).
+is reset by :func:`wrap_optax`. Each layer of a stack (``stacks=``) is one layer here. The number of kept units per
+layer never changes, even with NaN or infinite weights (kept to the last) or gradients (a NaN gradient counts as the
+largest).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from jaxsparse.pruning._scores import plan
 from jaxsparse.pruning._scores import rank_mask
 from jaxsparse.pruning._scores import target_masks
 from jaxsparse.pruning._scores import unflatten_masks
+from jaxsparse.pruning._stacks import Stacks
+from jaxsparse.pruning._stacks import resolve_stacks
 
 __all__ = ["cosine_drop_fraction", "rigl_pruner", "set_pruner"]
 
@@ -70,7 +73,8 @@ def cosine_drop_fraction(
 
 
 def _swap(units: jax.Array, drop_scores: jax.Array, grow_scores: jax.Array, n_swap: jax.Array) -> jax.Array:
-  """Drops the ``n_swap`` kept units of smallest ``drop_scores``, grows the pruned ones of largest ``grow_scores``.
+  """In one layer's (flat) units, drops the ``n_swap`` kept units of smallest ``drop_scores`` and grows the pruned
+  ones of largest ``grow_scores``.
 
   As many are grown as dropped, whatever the scores: a NaN or infinite weight is dropped last, a NaN gradient counts
   as the largest.
@@ -96,17 +100,18 @@ _NM_REFUSED = ("SET and RigL support Unstructured and BlockSparse rules, got {sp
 
 
 def _dst_pruner(rules: Any, *, grow: str, update_every: int, end_step: int, begin_step: int, drop_fraction: float,
-                views: Views | None):
+                views: Views | None, stacks: Stacks | None):
   _check_args(drop_fraction, update_every, end_step, begin_step)
   schedule = periodic(update_every=update_every, begin_step=begin_step, end_step=end_step)
   rules = frozen_rules(rules)  # bad rules fail here, not at init
   for pattern, _, spec in resolve_rules(rules):
     if isinstance(spec, NM):
       raise ValueError(f"rule {pattern!r}: {_NM_REFUSED.format(spec=spec)}")
-  resolve_views(views)  # bad views fail here, not at init
+  resolve_views(views)  # bad views and stacks fail here, not at init
+  resolve_stacks(stacks)
 
   def targets_of(params, *, warn):
-    _, leaves, treedef, targets = plan(params, rules, views=views, warn=warn)
+    _, leaves, treedef, targets = plan(params, rules, views=views, stacks=stacks, warn=warn)
     for t in targets:
       if isinstance(t.spec, NM):
         raise ValueError(f"{t.path}: {_NM_REFUSED.format(spec=t.spec)}")
@@ -115,8 +120,8 @@ def _dst_pruner(rules: Any, *, grow: str, update_every: int, end_step: int, begi
   def init(params, key):
     leaves, treedef, targets = targets_of(params, warn=True)
     keys = jax.random.split(key, max(len(targets), 1))
-    masks = [
-        t.expand(rank_mask(jax.random.uniform(k, (t.units,)), t.kept_final))
+    masks = [  # each layer of a stack its own random mask
+        t.expand(jax.vmap(lambda s, t=t: rank_mask(s, t.kept_final))(jax.random.uniform(k, (t.layers, t.units))))
         for t, k in zip(targets, keys[: len(targets)], strict=True)
     ]
     return unflatten_masks(treedef, len(leaves), targets, masks)
@@ -132,7 +137,8 @@ def _dst_pruner(rules: Any, *, grow: str, update_every: int, end_step: int, begi
       units = t.unit_mask(mask)
       n_swap = jnp.minimum(jnp.floor(fraction * t.kept_final).astype(jnp.int32), t.units - t.kept_final)
       drop_scores = t.unit_scores(magnitude_scores(leaves[t.index]))
-      new.append(t.expand(_swap(units, drop_scores, _grow_scores(t, grow, grad_leaves[t.index], k), n_swap)))
+      grow_scores = _grow_scores(t, grow, grad_leaves[t.index], k)
+      new.append(t.expand(jax.vmap(_swap, in_axes=(0, 0, 0, None))(units, drop_scores, grow_scores, n_swap)))
     return unflatten_masks(treedef, len(leaves), targets, new)
 
   return Pruner(init, update, schedule.is_update_step)
@@ -140,13 +146,13 @@ def _dst_pruner(rules: Any, *, grow: str, update_every: int, end_step: int, begi
 
 def _grow_scores(t: Target, grow: str, grad: Any, key: jax.Array) -> jax.Array:
   if grow == "random":
-    return jax.random.uniform(key, (t.units,))
+    return jax.random.uniform(key, (t.layers, t.units))
   return t.unit_scores(magnitude_scores(grad))
 
 
 def set_pruner(
     rules: Any, *, update_every: int, end_step: int, begin_step: int = 0, drop_fraction: float = 0.3,
-    views: Views | None = None,
+    views: Views | None = None, stacks: Stacks | None = None,
 ) -> Pruner:
   """SET (Mocanu et al., 2018): drop the smallest-magnitude kept weights, regrow as many at random.
 
@@ -174,6 +180,9 @@ def set_pruner(
       a cosine (:func:`cosine_drop_fraction`).
     views: ``{regex: input axes}`` of multi-axis kernels, for blocks (see :func:`magnitude_masks`); pass
       :func:`kernel_views` of the model for bias-free attention projections.
+    stacks: ``{regex: leading layer axes}`` of stacked parameters (``nnx.vmap`` / ``nn.scan`` over layers): each
+      layer keeps its own count and moves its own units (see :func:`magnitude_masks`); pass :func:`layer_stacks` of
+      the model.
 
   Returns:
     A :class:`Pruner` for :func:`wrap_optax`; its ``init`` draws a uniformly random mask per matched parameter
@@ -181,7 +190,7 @@ def set_pruner(
 
   Raises:
     TypeError: ``rules`` neither a structure nor a mapping, a rule key that is not a string or a rule value that is
-      not a structure or ``None``; bad ``views``.
+      not a structure or ``None``; bad ``views`` or ``stacks``.
     ValueError: naming the argument, for a bad ``drop_fraction`` or steps; an ``NM`` rule, empty ``rules`` or a
       rule key that is not a valid regex (here, where the pruner is built); at ``init``, a structure that cannot
       apply to a parameter it matches (naming the path).
@@ -192,13 +201,13 @@ def set_pruner(
   """
   return _dst_pruner(
       rules, grow="random", update_every=update_every, end_step=end_step, begin_step=begin_step,
-      drop_fraction=drop_fraction, views=views,
+      drop_fraction=drop_fraction, views=views, stacks=stacks,
   )
 
 
 def rigl_pruner(
     rules: Any, *, update_every: int, end_step: int, begin_step: int = 0, drop_fraction: float = 0.3,
-    views: Views | None = None,
+    views: Views | None = None, stacks: Stacks | None = None,
 ) -> Pruner:
   """RigL (Evci et al., 2020): drop the smallest-magnitude kept weights, grow where the dense gradient is largest.
 
@@ -227,6 +236,7 @@ def rigl_pruner(
     drop_fraction: fraction of kept units moved at ``begin_step``, decaying to 0 at ``end_step`` on a cosine
       (:func:`cosine_drop_fraction`).
     views: as :func:`set_pruner`.
+    stacks: as :func:`set_pruner`.
 
   Returns:
     A :class:`Pruner` for :func:`wrap_optax`; it starts from a uniformly random mask per matched parameter.
@@ -241,6 +251,6 @@ def rigl_pruner(
   """
   return _dst_pruner(
       rules, grow="gradient", update_every=update_every, end_step=end_step, begin_step=begin_step,
-      drop_fraction=drop_fraction, views=views,
+      drop_fraction=drop_fraction, views=views, stacks=stacks,
   )
 

@@ -62,10 +62,10 @@ lookups' expense: on the random 2:4 tables of ``tests/test_calibrated_embeddings
 35-62% above magnitude's, with ``H + λI`` 4-6%, for a head error close to that of the head's Hessian alone. The
 report's error and tokens are the head's; the note gives the lookups' error (with their real counts).
 
-In sequential mode a table is pruned in the group of its first call (the lookup, first in a language model), so the
-layers after it calibrate on the pruned lookups; a tied table's ``attend`` statistics then come from the model
-with only the groups before it pruned (for a first table: the dense model). A model that reads the table itself
-(``embed.embedding[...]``) instead of calling ``attend`` shows only its lookups.
+In sequential mode a tied table is pruned in the group of its last call, the head: its ``attend`` statistics are
+gathered on the model whose earlier groups are already pruned, and until then the layers calibrate on its dense
+lookups. A lookup-only table is pruned in the group of its first lookup. A model that reads a named table's array
+itself (``h @ embed.embedding[...].T``) instead of calling ``attend`` is refused with an error naming the table.
 """
 
 from __future__ import annotations

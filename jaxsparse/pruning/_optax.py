@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 from typing import NamedTuple
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
@@ -38,6 +39,7 @@ from jaxsparse._rules import unwrap_variables
 from jaxsparse.formats._masks import replicated
 from jaxsparse.formats._masks import split_like
 from jaxsparse.pruning._apply import is_none
+from jaxsparse.pruning._apply import rebox
 from jaxsparse.pruning._apply import where_masked
 from jaxsparse.pruning._schedules import Schedule
 from jaxsparse.pruning._schedules import one_shot
@@ -47,6 +49,8 @@ from jaxsparse.pruning._scores import masks_at
 from jaxsparse.pruning._scores import plan
 from jaxsparse.pruning._scores import target_masks
 from jaxsparse.pruning._scores import unflatten_masks
+from jaxsparse.pruning._stacks import Stacks
+from jaxsparse.pruning._stacks import resolve_stacks
 
 __all__ = [
     "Pruner",
@@ -103,7 +107,9 @@ class PruningState(NamedTuple):
   Attributes:
     count: int32 scalar, the number of ``update`` calls so far (the step).
     key: the PRNG key for the pruner's random choices, split at every step.
-    masks: a tree with the parameters' structure: a bool array per pruned parameter, ``None`` elsewhere.
+    masks: a tree with the parameters' structure: a bool array per pruned parameter, ``None`` elsewhere; where the
+      parameters are Linen boxes (``nn.Partitioned`` params kept boxed in a ``TrainState``), each mask is in its
+      parameter's box (its names: ``nn.get_partition_spec`` shards it like its kernel). :func:`get_masks` unboxes.
     inner_state: the state of the wrapped optimizer.
     pruned_nonzero: int32 scalar, the number of ``update`` calls (after the first) whose ``params`` had a nonzero
       weight where the previous update's masks prune: the wrapper's updates did not reach the parameters
@@ -119,7 +125,8 @@ class PruningState(NamedTuple):
 
 
 def magnitude_pruner(
-    rules: Any, schedule: Schedule | None = None, *, scope: str = "layer", views: Views | None = None
+    rules: Any, schedule: Schedule | None = None, *, scope: str = "layer", views: Views | None = None,
+    stacks: Stacks | None = None,
 ) -> Pruner:
   """Magnitude pruning to the structures in ``rules`` on ``schedule`` (default: one-shot at step 0).
 
@@ -145,17 +152,21 @@ def magnitude_pruner(
     rules: a structure or ``{regex: structure or None}`` over parameter paths (see
       :func:`magnitude_masks`).
     schedule: :func:`one_shot`, :func:`gradual` or :func:`periodic`.
-    scope: ``"layer"`` or ``"global"`` thresholds (see :func:`magnitude_masks`).
+    scope: ``"layer"`` (each parameter, and each layer of a stack, to its rule's sparsity) or ``"global"``
+      thresholds (all layers of a rule ranked together, stacks included; see :func:`magnitude_masks`).
     views: ``{regex: input axes}`` of multi-axis kernels, for blocks and N:M groups (see
       :func:`magnitude_masks`); pass :func:`kernel_views` of the model for bias-free attention projections.
+    stacks: ``{regex: leading layer axes}`` of stacked parameters (``nnx.vmap`` / ``nn.scan`` over layers), each
+      layer pruned on its own (see :func:`magnitude_masks`). An optimizer hands the pruner bare parameters, which do
+      not tell their stacks: pass :func:`layer_stacks` of the model.
 
   Returns:
     A :class:`Pruner` for :func:`wrap_optax`.
 
   Raises:
-    TypeError: ``schedule`` is not a :class:`Schedule`; ``views`` with a key that is not a regex string or a
-      value that is not a positive int; ``rules`` neither a structure nor a mapping, a rule key that is not a
-      string or a rule value that is not a structure or ``None``.
+    TypeError: ``schedule`` is not a :class:`Schedule`; ``views`` (``stacks``) with a key that is not a regex string
+      or a value that is not a positive int (an int ``>= 0``); ``rules`` neither a structure nor a mapping, a rule
+      key that is not a string or a rule value that is not a structure or ``None``.
     ValueError: ``scope`` is not ``"layer"`` or ``"global"``; empty ``rules`` or a rule key that is not a valid
       regex. The structures are checked against the parameters when the wrapped optimizer's ``init`` runs, which
       raises a ``ValueError`` for a structure that cannot apply to a parameter it matches, and, given an
@@ -169,10 +180,11 @@ def magnitude_pruner(
     raise TypeError(f"schedule must be a pruning.Schedule (one_shot, gradual, periodic), got {schedule!r}.")
   check_scope(scope)
   rules = frozen_rules(rules)  # bad rules fail here, not at the wrapped optimizer's init
-  resolve_views(views)  # bad views fail here, not at the first step
+  resolve_views(views)  # bad views and stacks fail here, not at the first step
+  resolve_stacks(stacks)
 
   def at_step(masks, params, step, *, warn):
-    _, leaves, treedef, targets = plan(params, rules, views=views, warn=warn)
+    _, leaves, treedef, targets = plan(params, rules, views=views, stacks=stacks, warn=warn)
     prior = None if masks is None else target_masks(masks, treedef, targets)
     new = masks_at(
         leaves, targets, lambda spec: schedule.sparsity(step, spec.target_sparsity), scope=scope, prior=prior
@@ -230,7 +242,9 @@ def wrap_optax(
   """Wraps ``inner`` so that it trains a sparse model: masked updates, pruned weights kept at zero.
 
   Use it wherever an optax optimizer goes: ``nnx.Optimizer(model, tx, wrt=nnx.Param)``,
-  ``TrainState.create(..., tx=tx)``, or a raw ``tx.update`` loop. ``update`` needs ``params``.
+  ``TrainState.create(..., tx=tx)``, or a raw ``tx.update`` loop. ``update`` needs ``params``. Linen params kept
+  boxed (``nn.Partitioned``) are pruned through their boxes: the pruner sees plain arrays, the inner optimizer and
+  the updates keep the boxes.
 
   >>> import jax, jax.numpy as jnp, optax, jaxsparse
   >>> from flax import nnx
@@ -307,22 +321,25 @@ def wrap_optax(
   def init(params):
     key, init_key = jax.random.split(jax.random.PRNGKey(seed))
     _, leaves, treedef = flatten_with_paths(params)
-    plain = jax.tree_util.tree_unflatten(treedef, leaves)
+    boxed = jax.tree_util.tree_unflatten(treedef, leaves)  # NNX variables unwrapped; Linen boxes kept
+    plain = nn.meta.unbox(boxed)  # the pruner sees plain arrays (a TrainState's nn.Partitioned params unboxed)
     masks = _split_like(jax.jit(lambda p, k: pruner.init(_gathered(p), k))(plain, init_key), plain)
     inner_state = inner.init(params)
     if reset_state:
       try:  # an inner state that reset cannot map fails here, with a way out, not inside the first update's trace
-        jax.eval_shape(lambda p, m: reset(inner.init(p), m, m, p), plain, masks)
+        jax.eval_shape(lambda p, m: reset(inner.init(p), m, m, p), boxed, masks)
       except ValueError as e:
         raise ValueError(
             "wrap_optax(reset_state=True) cannot find the per-parameter state of the inner optimizer (its state "
             "does not hold trees with the parameters' structure, as optax.sm3's does not); pass reset_state=False "
             f"to leave its state as it is at mask updates. The error was: {e}"
         ) from e
-    return PruningState(jnp.zeros((), jnp.int32), key, masks, inner_state, jnp.zeros((), jnp.int32))
+    # Two arrays, not one shared: a step that donates the state would donate the same buffer twice.
+    return PruningState(jnp.zeros((), jnp.int32), key, rebox(boxed, masks), inner_state, jnp.zeros((), jnp.int32))
 
   def reset(inner_state, new_masks, old_masks, params):
-    keep = _keep_tree(jax.tree.map(lambda n, o: n & o, new_masks, old_masks), params)
+    kept = jax.tree.map(lambda n, o: n & o, new_masks, old_masks)
+    keep = rebox(params, _keep_tree(kept, nn.meta.unbox(params)))  # boxed as the parameters the inner state has
 
     def reset_leaf(s, k):
       # Only state of the parameter's own shape is per weight; factored statistics (optax.adafactor's row and
@@ -340,24 +357,27 @@ def wrap_optax(
       raise ValueError("pruning.wrap_optax needs params: call tx.update(grads, state, params).")
     step = state.count
     key, update_key = jax.random.split(state.key)
+    # Linen params kept boxed (nn.Partitioned in a TrainState): masks are computed and applied on the plain arrays,
+    # the inner optimizer and the results keep the boxes.
+    plain_params, plain_updates = nn.meta.unbox(params), nn.meta.unbox(updates)
     # After an update, the weights its masks prune are zero, unless something changed the updates on the way.
-    stray = (step > 0) & _any_pruned_nonzero(state.masks, params)
+    stray = (step > 0) & _any_pruned_nonzero(nn.meta.unbox(state.masks), plain_params)
     pruned_nonzero = state.pruned_nonzero + stray.astype(jnp.int32)
 
     def mask_update(masks, inner_state):
-      new = pruner.update(_gathered(masks), _gathered(params), _gathered(updates), step, update_key)
-      new = _split_like(new, params)
+      new = pruner.update(_gathered(masks), _gathered(plain_params), _gathered(plain_updates), step, update_key)
+      new = _split_like(new, plain_params)
       if reset_state:
         inner_state = reset(inner_state, new, masks, params)
       return new, inner_state
 
     masks, inner_state = lax.cond(
-        pruner.is_update_step(step), mask_update, lambda m, s: (m, s), state.masks, state.inner_state
+        pruner.is_update_step(step), mask_update, lambda m, s: (m, s), nn.meta.unbox(state.masks), state.inner_state
     )
-    grads = where_masked(masks, updates, jnp.zeros_like, updates)
+    grads = rebox(updates, where_masked(masks, plain_updates, jnp.zeros_like, plain_updates))
     new_updates, inner_state = inner.update(grads, inner_state, params, **extra_args)
-    new_updates = where_masked(masks, new_updates, jnp.negative, params)
-    return new_updates, PruningState(step + 1, key, masks, inner_state, pruned_nonzero)
+    new_updates = rebox(new_updates, where_masked(masks, nn.meta.unbox(new_updates), jnp.negative, plain_params))
+    return new_updates, PruningState(step + 1, key, rebox(params, masks), inner_state, pruned_nonzero)
 
   return optax.GradientTransformationExtraArgs(init, update)
 
@@ -383,7 +403,8 @@ def get_masks(state: Any, *, check: bool = True) -> Any:
       ``False`` reads the masks anyway (inside ``jit`` there is no check).
 
   Returns:
-    The masks, a tree with the parameters' structure: a bool array of each pruned parameter's shape, ``None``
+    The masks, a tree with the parameters' structure (Linen boxes read through: plain masks in their place): a bool
+    array of each pruned parameter's shape, ``None``
     for the parameters no rule matched (and, with :func:`wrap_optax` inside ``optax.masked`` or one group of
     ``optax.multi_transform``, for the parameters outside its group). They are the state's own arrays: copy them
     (``jax.tree.map(np.array, masks)``) to keep them past a step that donates the state.
@@ -430,4 +451,6 @@ def get_masks(state: Any, *, check: bool = True) -> Any:
     )
   # Inside optax.masked / optax.multi_transform the masks hold an optax.MaskedNode for each parameter outside the
   # wrapper's group: not pruned by it, so None, as for a parameter no rule matched.
-  return jax.tree.map(lambda m: None if _is_masked_node(m) else m, pruning_state.masks, is_leaf=_is_masked_node)
+  # Masks of Linen params kept boxed are kept boxed like them (sharded like their kernels); they are read unboxed.
+  masks = nn.meta.unbox(pruning_state.masks)
+  return jax.tree.map(lambda m: None if _is_masked_node(m) else m, masks, is_leaf=_is_masked_node)

@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -52,6 +53,11 @@ from jaxsparse.formats._specs import Spec
 from jaxsparse.formats._specs import check_plain_nm
 from jaxsparse.formats._specs import check_spec_applies
 from jaxsparse.formats._specs import matrix_shape
+from jaxsparse.pruning._apply import is_box
+from jaxsparse.pruning._stacks import Stacks
+from jaxsparse.pruning._stacks import nnx_stacks
+from jaxsparse.pruning._stacks import resolve_stacks
+from jaxsparse.pruning._stacks import stack_of
 
 __all__ = ["block_magnitude_scores", "magnitude_masks", "magnitude_scores"]
 
@@ -107,8 +113,10 @@ def block_magnitude_scores(
 
 
 def _block_reduce(x2: jax.Array, block_shape: tuple[int, int]) -> jax.Array:
-  (k, n), (bk, bn) = x2.shape, block_shape
-  return jnp.sum(x2.reshape(k // bk, bk, n // bn, bn), axis=(1, 3))
+  """Sums of the ``(bk, bn)`` blocks of the last two axes of ``x2`` (``(..., K, N)`` -> ``(..., K // bk, N // bn)``)."""
+  *lead, k, n = x2.shape
+  bk, bn = block_shape
+  return jnp.sum(x2.reshape(*lead, k // bk, bk, n // bn, bn), axis=(-3, -1))
 
 
 def _nan_largest(scores: jax.Array) -> jax.Array:
@@ -154,7 +162,11 @@ def kept_at(total: int, kept_final: int, sparsity: jax.typing.ArrayLike, final: 
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-  """One pruned leaf: its position among the flattened leaves, path, shape and structure."""
+  """One pruned leaf: its position among the flattened leaves, path, shape and structure.
+
+  A stack of layers (``stack`` leading layer axes, ``nnx.vmap`` / ``nn.scan``) is pruned per layer: its units,
+  counts and 2-D view are those of one layer, and its unit arrays are ``(layers, units)``.
+  """
 
   index: int
   path: str
@@ -163,24 +175,35 @@ class Target:
   rule: int
   in_ndim: int | None = None  # leading input axes of the 2-D view (matrix_shape); None: all but the last
   table: bool = False  # an embedding table (num_embeddings, features): N:M groups run along its features
+  stack: int = 0  # leading layer axes (a stack of layers): each layer slice is pruned on its own
+
+  @property
+  def layers(self) -> int:
+    """Number of layers of the stack (1 for a leaf that is not one)."""
+    return math.prod(self.shape[: self.stack])
+
+  @property
+  def layer_shape(self) -> tuple[int, ...]:
+    """One layer's shape: the leaf's without its leading layer axes."""
+    return self.shape[self.stack :]
 
   @property
   def shape_2d(self) -> tuple[int, int]:
-    """The leaf viewed as ``(in, out)``, as sparsify and torch_interop view its layer's kernel."""
-    return matrix_shape(self.shape, self.in_ndim)
+    """One layer viewed as ``(in, out)``, as sparsify and torch_interop view its layer's kernel."""
+    return matrix_shape(self.layer_shape, self.in_ndim)
 
   @property
   def units(self) -> int:
-    """Number of units that are kept or pruned together: weights, or blocks."""
+    """Number of units of one layer that are kept or pruned together: weights, or blocks."""
     if isinstance(self.spec, BlockSparse):
       k, n = self.shape_2d
       bk, bn = self.spec.block_shape
       return (k // bk) * (n // bn)
-    return math.prod(self.shape)
+    return math.prod(self.layer_shape)
 
   @property
   def kept_final(self) -> int:
-    """Units kept at the structure's target sparsity, with the counting rules of the layers."""
+    """Units of one layer kept at the structure's target sparsity, with the counting rules of the layers."""
     if isinstance(self.spec, BlockSparse):
       return _utils.kept_count(self.spec.density, self.units)
     if isinstance(self.spec, NM):
@@ -188,29 +211,29 @@ class Target:
     return self.units - _utils.kept_count(self.spec.sparsity, self.units)
 
   def unit_scores(self, scores: jax.Array, *, blockwise: str = "norm") -> jax.Array:
-    """Flat scores per unit. ``blockwise``: ``"norm"`` (Frobenius norm of the block) or ``"sum"``."""
+    """Scores per unit, ``(layers, units)``. ``blockwise``: ``"norm"`` (Frobenius norm of the block) or ``"sum"``."""
     scores = scores.astype(_utils.accumulation_dtype(scores.dtype))  # float32, float64 kept
     if isinstance(self.spec, BlockSparse):
-      x2 = scores.reshape(self.shape_2d)
+      x2 = scores.reshape(self.layers, *self.shape_2d)
       if blockwise == "norm":
-        return (_block_reduce(x2 * x2, self.spec.block_shape) ** 0.5).reshape(-1)
-      return _block_reduce(x2, self.spec.block_shape).reshape(-1)
-    return scores.reshape(-1)
+        return (_block_reduce(x2 * x2, self.spec.block_shape) ** 0.5).reshape(self.layers, -1)
+      return _block_reduce(x2, self.spec.block_shape).reshape(self.layers, -1)
+    return scores.reshape(self.layers, -1)
 
   def unit_mask(self, mask: jax.Array) -> jax.Array:
-    """Flat bool per unit of an element mask (a block is kept if any of its weights is)."""
+    """Bool per unit of an element mask, ``(layers, units)`` (a block is kept if any of its weights is)."""
     if isinstance(self.spec, BlockSparse):
-      m2 = mask.reshape(self.shape_2d).astype(jnp.int32)
-      return (_block_reduce(m2, self.spec.block_shape) > 0).reshape(-1)
-    return mask.reshape(-1)
+      m2 = mask.reshape(self.layers, *self.shape_2d).astype(jnp.int32)
+      return (_block_reduce(m2, self.spec.block_shape) > 0).reshape(self.layers, -1)
+    return mask.reshape(self.layers, -1)
 
   def expand(self, units: jax.Array) -> jax.Array:
-    """Element mask of the leaf's shape from a flat unit mask."""
+    """Element mask of the leaf's shape from a unit mask ``(layers, units)``."""
     if isinstance(self.spec, BlockSparse):
       k, n = self.shape_2d
       bk, bn = self.spec.block_shape
-      blocks = units.reshape(k // bk, n // bn)
-      return jnp.repeat(jnp.repeat(blocks, bk, axis=0), bn, axis=1).reshape(self.shape)
+      blocks = units.reshape(self.layers, k // bk, n // bn)
+      return jnp.repeat(jnp.repeat(blocks, bk, axis=1), bn, axis=2).reshape(self.shape)
     return units.reshape(self.shape)
 
 
@@ -223,37 +246,63 @@ def frozen_rules(rules: Any) -> Any:
 
 
 def tied_paths(tree: Any) -> dict[str, list[str]] | None:
-  """``{path: every path of that layer}`` for the layers an ``nnx.Module`` holds at several paths (tied: ``self.b =
-  self.a``), as :func:`jaxsparse.sparsify` finds them; ``None`` for another tree, whose ties cannot be seen (an
-  ``nnx.State`` holds a tied layer once, at its first path)."""
-  if not isinstance(tree, nnx.Module):
+  """``{path: every path of that layer}`` for the layers an NNX object (an ``nnx.Module``, an ``nnx.Optimizer`` that
+  holds one) holds at several paths (tied: ``self.b = self.a``), as :func:`jaxsparse.sparsify` finds them; ``None`` for
+  another tree, whose ties cannot be seen (an ``nnx.State`` holds a tied layer once, at its first path)."""
+  if not isinstance(tree, nnx.Pytree):
     return None
   tied = [[path_str(p) for p in paths] for paths in module_paths(tree).values() if len(paths) > 1]
   return {p: paths for paths in tied for p in paths}
 
 
+def params_of(tree: Any) -> Any:
+  """The parameters the pruners rank: an NNX object's ``nnx.Param`` state (each array once, a tied layer at its first
+  path; an optimizer's own state left out), a tree of Linen boxes (``nn.Partitioned``, kept boxed in a ``TrainState``)
+  unboxed; any other tree as it is."""
+  if isinstance(tree, nnx.Pytree):
+    params = nnx.state(tree, nnx.Param)
+    if isinstance(tree, nnx.Optimizer) and not jax.tree.leaves(params):
+      raise TypeError(
+          "params is an nnx.Optimizer, which holds no nnx.Param (it keeps its own state, not the model's parameters): "
+          "pass the model (an nnx.ModelAndOptimizer's .model), or the masks of pruning.get_masks(optimizer).")
+    return params
+  if any(is_box(x) for x in jax.tree.leaves(tree, is_leaf=is_box)):
+    return nn.meta.unbox(tree)
+  return tree
+
+
 def plan(
-    tree: Any, rules: Any, *, views: Views | None = None, warn: bool = True, tied: Mapping[str, list[str]] | None = None
+    tree: Any, rules: Any, *, views: Views | None = None, stacks: Any = None, warn: bool = True
 ) -> tuple[list[str], list[Any], Any, list[Target]]:
   """Flattens ``tree`` and gives each leaf with ``ndim >= 2`` (not a ``bias``) the structure of its first matching rule.
+
+  ``tree`` is read by :func:`params_of` (an NNX object's ``nnx.Param`` state, Linen boxes unboxed): the returned
+  ``treedef`` is that of the parameters, which the mask tree takes. Only ``nnx.Param`` variables are pruned (not an
+  optimizer's ``OptState``, not a layer's ``SparsityPattern``, in an ``nnx.State`` that holds them).
 
   A leaf not named ``kernel`` (an ``embedding`` table, a positional ``nnx.Param``) takes it only when that rule
   matches no ``kernel`` leaf nor its layer: catch-all rules pass it by, as :func:`jaxsparse.sparsify` passes
   embeddings by (so a tree of raw arrays without kernels, ``{"w": ...}``, is pruned as before).
 
-  A leaf's 2-D view takes its input axes from the first pattern of ``views`` that matches it (as rules
-  match), else from its layer's bias (:func:`~jaxsparse._rules.kernel_in_ndim`). Raises ``ValueError``
-  naming the path when a structure (or a given view) cannot apply to a leaf, and (``warn``) warns about
-  rules and views that matched no leaf.
+  A leaf's leading layer axes (a stack of layers, pruned per layer) are those of the first pattern of ``stacks``
+  that matches it, else those read off ``tree`` when it is an NNX object (``_stacks.nnx_stacks``), else none. One
+  layer's 2-D view takes its input axes from the first pattern of ``views`` that matches it (as rules match), else
+  from its layer's bias (:func:`~jaxsparse._rules.kernel_in_ndim`). Raises ``ValueError`` naming the path when a
+  structure (or a given view or stack) cannot apply to a leaf, and (``warn``) warns about rules, views and stacks that
+  matched no leaf, and about kernels that look stacked (a bias with the kernel's leading axis) but are not known to be.
 
-  ``tied`` (:func:`tied_paths`, default: those of ``tree`` if it is an ``nnx.Module``) gives every path of a layer
-  held at several paths: as in :func:`jaxsparse.sparsify`, its leaves take the one structure the rules give its paths
-  (a ``ValueError`` naming them when they give different ones).
+  A layer that an NNX object holds at several paths (:func:`tied_paths`): as in :func:`jaxsparse.sparsify`, its leaves
+  take the one structure the rules give its paths (a ``ValueError`` naming them when they give different ones).
   """
-  tied = tied_paths(tree) if tied is None else tied
+  tied = tied_paths(tree)
+  found_stacks = nnx_stacks(tree)
+  tree = params_of(tree)
   resolved = resolve_rules(rules)
   resolved_views = resolve_views(views)
+  resolved_stacks = resolve_stacks(stacks)
   paths, leaves, treedef = flatten_with_paths(tree)
+  not_params = {i for i, v in enumerate(jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+                if isinstance(v, nnx.Variable) and not isinstance(v, nnx.Param)}
   biases = {path.rpartition(".")[0]: tuple(getattr(leaf, "shape", ())) for path, leaf in zip(paths, leaves, strict=True)
             if path.rpartition(".")[2] == "bias"}
   kernels = [q for path, leaf in zip(paths, leaves, strict=True) if path.rpartition(".")[2] == "kernel"
@@ -264,11 +313,11 @@ def plan(
       return None  # a rule that also matches kernels passes other parameters (embeddings) by, as sparsify does
     return r
 
-  targets, available = [], []
+  targets, available, look_stacked = [], [], []
   for i, (path, leaf) in enumerate(zip(paths, leaves, strict=True)):
     shape = tuple(getattr(leaf, "shape", ()))
     owner, _, name = path.rpartition(".")
-    if len(shape) < 2 or name == "bias":  # biases are not kernels (a 2-D attention bias neither)
+    if len(shape) < 2 or name == "bias" or i in not_params:  # biases are not kernels (a 2-D attention bias neither)
       continue
     owners = (tied or {}).get(owner, [owner])  # a tied layer: every path it is held at, as sparsify matches them
     available += [q for o in owners for q in ((o, f"{o}.{name}") if o else (name,))]
@@ -283,27 +332,42 @@ def plan(
       continue
     r = next(iter(chosen.values()))
     spec = resolved[r][2]
+    stack = stack_of(resolved_stacks, found_stacks, path, owner)
+    if stack is not None and stack > len(shape) - 2:
+      raise ValueError(
+          f"{path}: {stack} leading layer axes (stacks) leave its {shape} parameter fewer than 2 axes per layer; "
+          f"give it 0 to {len(shape) - 2} layer axes."
+      )
+    bias = biases.get(owner)
+    if stack is None and name == "kernel" and bias is not None and len(shape) >= 3 and len(bias) >= 2 \
+        and bias[0] == shape[0] and kernel_in_ndim(shape, bias) is None:
+      look_stacked.append(f"{path} {shape} beside a bias {bias}")
+    stack = stack or 0
+    if stack and bias is not None and bias[:stack] == shape[:stack]:
+      bias = bias[stack:]
+    layer_shape = shape[stack:]
     v = match_rules(resolved_views, path, owner=owner)
     if v is None:
-      in_ndim = kernel_in_ndim(shape, biases.get(owner))
+      in_ndim = kernel_in_ndim(layer_shape, bias)
     else:
       pattern, _, in_ndim = resolved_views[v]
-      if not 0 < in_ndim < len(shape):
+      if not 0 < in_ndim < len(layer_shape):
         raise ValueError(
-            f"{path}: views[{pattern!r}] = {in_ndim} input axes do not fit its {shape} kernel; a view needs at "
-            f"least one input and one output axis (1 to {len(shape) - 1} here)."
+            f"{path}: views[{pattern!r}] = {in_ndim} input axes do not fit its {layer_shape} kernel; a view needs at "
+            f"least one input and one output axis (1 to {len(layer_shape) - 1} here)."
         )
     # An embedding table's N:M groups run along its features, as sparsify's CompressedNMEmbed keeps them.
-    table = name == "embedding" and len(shape) == 2 and isinstance(spec, NM)
-    if table and shape[1] % spec.m:
+    table = name == "embedding" and len(layer_shape) == 2 and isinstance(spec, NM)
+    if table and layer_shape[1] % spec.m:
       raise ValueError(
-          f"{path}: N:M sparsity {spec.n}:{spec.m} needs m={spec.m} to divide the features {shape[1]} of its {shape} "
-          f"embedding table (the groups run along the features); choose another m or give this path another rule."
+          f"{path}: N:M sparsity {spec.n}:{spec.m} needs m={spec.m} to divide the features {layer_shape[1]} of its "
+          f"{layer_shape} embedding table (the groups run along the features); choose another m or give this path "
+          "another rule."
       )
     if not table:
-      check_spec_applies(spec, shape, path=path, in_ndim=in_ndim)
+      check_spec_applies(spec, layer_shape, path=path, in_ndim=in_ndim)
     check_plain_nm(spec, path=path, what="jaxsparse.pruning")
-    targets.append(Target(i, path, shape, spec, r, in_ndim, table))
+    targets.append(Target(i, path, shape, spec, r, in_ndim, table, stack))
   if warn:
     # Parameters (an nnx.State: what nnx.Optimizer hands an optax pruner) hold a tied layer once, at its first path.
     hint = "" if tied is not None else (
@@ -311,8 +375,15 @@ def plan(
         "its first path: check the rules on the model, pruning.magnitude_masks(model, rules), which raises when a "
         "tied layer's paths get different structures")
     warn_unmatched(resolved, available, what=f"parameter with 2 or more axes (nor the layer holding it){hint}")
-    warn_unmatched(resolved_views, available, what="parameter with 2 or more axes (nor the layer holding it)",
-                   kind="view(s)")
+    for kind, given in (("view(s)", resolved_views), ("stacks", resolved_stacks)):
+      warn_unmatched(given, available, what="parameter with 2 or more axes (nor the layer holding it)", kind=kind)
+    if look_stacked:
+      _utils.warn_at_caller(
+          f"{', '.join(look_stacked)}: each looks like a stack of layers (nnx.vmap, nn.scan; its bias has the "
+          "kernel's leading axis), which the pruners cannot see in bare parameters: it is pruned as one parameter, "
+          "all its layers ranked together (one layer may end dense, another empty). To prune each layer to the "
+          "rule's sparsity, pass stacks=pruning.layer_stacks(model) (or {regex: leading layer axes}); "
+          "stacks={regex: 0} prunes it whole without this warning.", UserWarning)
   return paths, leaves, treedef, targets
 
 
@@ -363,30 +434,32 @@ def masks_at(
     s_t = sparsity(t.spec)
     if isinstance(t.spec, NM):
       out[j] = _nm_at(t, unit_scores[j], s_t)
-    elif scope == "layer":
-      out[j] = t.expand(rank_mask(unit_scores[j], kept_at(t.units, t.kept_final, s_t, t.spec.target_sparsity)))
+    elif scope == "layer":  # each layer of a stack keeps its own count
+      kept = kept_at(t.units, t.kept_final, s_t, t.spec.target_sparsity)
+      out[j] = t.expand(jax.vmap(lambda s, kept=kept: rank_mask(s, kept))(unit_scores[j]))
     else:
       groups.setdefault(t.rule, []).append(j)
-  for members in groups.values():
+  for members in groups.values():  # global: every layer of every leaf of the rule, stacks included, ranked together
     spec = targets[members[0]].spec
-    total = sum(targets[j].units for j in members)
+    total = sum(targets[j].layers * targets[j].units for j in members)
     member_scores = [unit_scores[j] for j in members]
     if isinstance(spec, BlockSparse):
       kept_final = _utils.kept_count(spec.density, total)
       # A block-sparse layer needs a block (jaxsparse.sparsify builds none from an empty block mask): each layer's
       # best block ranks first, and the count grows to one block per layer if it must.
-      member_scores = [s.at[jnp.argmax(s)].set(jnp.inf) for s in member_scores]
+      member_scores = [s.at[jnp.arange(s.shape[0]), jnp.argmax(s, axis=1)].set(jnp.inf) for s in member_scores]
     else:
       kept_final = total - _utils.kept_count(spec.sparsity, total)
     kept = kept_at(total, kept_final, sparsity(spec), spec.target_sparsity)
     if isinstance(spec, BlockSparse):
-      kept = jnp.maximum(kept, len(members))
-    joint = rank_mask(jnp.concatenate(member_scores), kept)
+      kept = jnp.maximum(kept, sum(targets[j].layers for j in members))
+    joint = rank_mask(jnp.concatenate([s.reshape(-1) for s in member_scores]), kept)
     start = 0
     for j in members:
-      u = targets[j].units
-      out[j] = targets[j].expand(joint[start:start + u])
-      start += u
+      t = targets[j]
+      size = t.layers * t.units
+      out[j] = t.expand(joint[start:start + size].reshape(t.layers, t.units))
+      start += size
   return [m if not isinstance(leaves[t.index], jax.Array) else split_like(m, leaves[t.index])
           for m, t in zip(out, targets, strict=True)]
 
@@ -395,9 +468,11 @@ def _nm_at(t: Target, unit_scores: jax.Array, sparsity: jax.typing.ArrayLike) ->
   n, m = t.spec.n, t.spec.m
   s = jnp.asarray(sparsity, jnp.float32)
   n_t = jnp.where(s >= jnp.float32(t.spec.target_sparsity), n, jnp.clip(m - jnp.floor(s * m + 0.5), n, m))
+  one_layer = lambda scores2: group_rank_mask(scores2, n_t, m)
   if t.table:  # the groups along the features: the table's attend kernel (features, num_embeddings)
-    return group_rank_mask(unit_scores.reshape(t.shape).T, n_t, m).T
-  return group_rank_mask(unit_scores.reshape(t.shape_2d), n_t, m).reshape(t.shape)
+    scores = jnp.swapaxes(unit_scores.reshape(t.layers, *t.layer_shape), 1, 2)
+    return jnp.swapaxes(jax.vmap(one_layer)(scores), 1, 2).reshape(t.shape)
+  return jax.vmap(one_layer)(unit_scores.reshape(t.layers, *t.shape_2d)).reshape(t.shape)
 
 
 def check_scope(scope: object) -> str:
@@ -421,7 +496,8 @@ def target_masks(masks: Any, treedef: Any, targets: Sequence[Target]) -> list[ja
 
 
 def magnitude_masks(
-    params: Any, rules: Any, *, scope: str = "layer", scores: Any = None, views: Views | None = None
+    params: Any, rules: Any, *, scope: str = "layer", scores: Any = None, views: Views | None = None,
+    stacks: Stacks | None = None,
 ) -> Any:
   """Masks keeping the largest-magnitude weights (or blocks, or N of every M) of matched parameters.
 
@@ -436,9 +512,12 @@ def magnitude_masks(
   [[2, 2, 2, 2], [2, 2, 2, 2]]
 
   Args:
-    params: a parameter pytree (Linen ``params``, an NNX ``nnx.State``, or an ``nnx.Module``, whose
-      ``nnx.Param`` state is used). Only leaves with 2 or more axes are pruned; blocks and N:M groups
-      are taken on a leaf's 2-D ``(in, out)`` view (see ``views``).
+    params: a parameter pytree (Linen ``params``, boxed in ``nn.Partitioned`` or not, an NNX ``nnx.State``, or an
+      ``nnx.Module`` or ``nnx.ModelAndOptimizer``, whose ``nnx.Param`` state is used: each array once, the
+      optimizer's own state left out). Only leaves with 2 or more axes are pruned, and in an ``nnx.State`` only
+      ``nnx.Param`` variables; blocks and N:M groups are taken on a leaf's 2-D ``(in, out)`` view (see ``views``),
+      per layer of a stack (see ``stacks``). Linen boxes are read through: the masks are plain arrays in place of
+      the boxes (``jax.tree.structure(nn.meta.unbox(params))``).
     rules: one structure (``jaxsparse.Unstructured``, ``BlockSparse`` or ``NM``) for every such leaf,
       or ``{regex: structure or None}``. A pattern matches a leaf when it fully matches its dotted
       path (``"layers.0.kernel"``) or the path of the layer holding it (``"layers.0"``), so the
@@ -449,12 +528,13 @@ def magnitude_masks(
       keeps ``n`` of every ``m`` features of each row, the groups sparsify's ``CompressedNMEmbed`` keeps. A layer that
       an ``nnx.Module`` holds at several paths (tied: ``self.b = self.a``) takes the one structure the rules give its
       paths, as in sparsify, and different ones raise a ``ValueError``; an ``nnx.State`` holds it once, at its first
-      path, so only the module shows the rules of its other paths.
-    scope: ``"layer"``: each leaf keeps its own fraction; ``"global"``: one threshold over all
-      leaves of the same rule, so layers end up with different sparsities (``NM`` is per group). Under a
-      ``BlockSparse`` rule every leaf keeps at least its best block, which :func:`jaxsparse.sparsify` needs to
-      build the layer (so a rule over more layers than it keeps blocks keeps one block per layer, above its
-      density); an ``Unstructured`` leaf may lose all its weights.
+      path, so only the module (or an ``nnx.ModelAndOptimizer`` holding it) shows the rules of its other paths.
+    scope: ``"layer"``: each leaf, and each layer of a stack, keeps its own fraction; ``"global"``: one threshold
+      over all leaves of the same rule and all layers of their stacks (ranked together by design), so layers end up
+      with different sparsities (``NM`` is per group). Under a ``BlockSparse`` rule every layer keeps at least its
+      best block, which :func:`jaxsparse.sparsify` needs to build the layer (so a rule over more layers than it
+      keeps blocks keeps one block per layer, above its density); an ``Unstructured`` layer may lose all its
+      weights.
     scores: optional tree like ``params`` (the same paths) of real per-weight scores (higher is kept) used instead
       of ``|w|``, each of its parameter's shape (``ValueError`` otherwise; ``TypeError`` for complex ones); a block
       then scores the sum of its weights' scores. Scores rank in float32, float64 ones in float64.
@@ -463,17 +543,29 @@ def magnitude_masks(
       :func:`jaxsparse.sparsify` uses. Without one, a kernel whose layer has a bias of ``d`` axes has ``d``
       output axes (an attention q/k/v ``(in, heads, head_dim)`` with its ``(heads, head_dim)`` bias), any
       other every axis but the last as inputs; a bias-free ``MultiHeadAttention`` needs
-      :func:`kernel_views` of the model here. A given view wins over the bias.
+      :func:`kernel_views` of the model here. A given view wins over the bias. A view counts one layer's axes.
+    stacks: ``{regex: leading layer axes}`` of stacked parameters (a stack of ``L`` layers built by ``nnx.vmap`` or
+      ``nn.scan`` holds a kernel ``(L, K, N)``: 1 layer axis), matched like ``rules``: each layer slice is pruned on
+      its own, to the rule's sparsity (its own blocks, N:M groups and count), as ``L`` separate layers would be;
+      ``0`` prunes the parameter whole. An ``nnx.Module`` tells its stacks itself (each layer's fields give its
+      kernel's rank; these win); bare parameters (Linen ``params``, an ``nnx.State``) do not: pass
+      :func:`layer_stacks` of the model. A kernel that looks stacked (a bias ``(L, N)`` beside a kernel
+      ``(L, K, N)``) but is not known to be warns.
 
   Returns:
-    A tree with the structure of ``params``: bool masks (True = kept) for pruned leaves, ``None``
-    for the others.
+    A tree with the structure of ``params`` (Linen boxes read through): bool masks (True = kept) for pruned leaves,
+    each of its parameter's shape, ``None`` for the others.
+
+  Raises:
+    ValueError: naming the path, for a structure (view, stack) that cannot apply to a parameter it matches; a tied
+      layer whose paths the rules give different structures; ``scores`` of the wrong paths or shapes.
+    TypeError: bad ``rules``, ``views`` or ``stacks``; complex ``scores``; an ``nnx.Optimizer`` (it holds no
+      parameters: pass the model).
   """
-  paths, leaves, treedef, targets = plan(_params_of(params), rules, views=views, tied=tied_paths(params))
-  params = _params_of(params)
+  paths, leaves, treedef, targets = plan(params, rules, views=views, stacks=stacks)
   score_list = None
   if scores is not None:
-    score_list = _target_scores(_params_of(scores), paths, targets)
+    score_list = _target_scores(params_of(scores), paths, targets)
   check_scope(scope)
   # One compiled computation is much cheaper than dispatching its dozens of small ops one by one.
   compute = jax.jit(
@@ -505,9 +597,3 @@ def _target_scores(scores: Any, paths: Sequence[str], targets: Sequence[Target])
       raise TypeError(f"{t.path}: scores must be real (higher is kept), got dtype {dtype}.")
     out.append(score_leaves[t.index])
   return out
-
-
-def _params_of(tree: Any) -> Any:
-  if isinstance(tree, nnx.Module):
-    return nnx.state(tree, nnx.Param)
-  return tree

@@ -52,10 +52,11 @@ MASK = np.asarray(jax.random.uniform(jax.random.key(4), (D, D)) < 0.3)
 BLOCK_MASK = np.asarray(jaxsparse.random_block_mask(jax.random.key(3), (D, D), (8, 8), 0.5))
 RULES = {r"(^|\.)m\.kernel": jaxsparse.Unstructured(sparsity=0.75),
          r"(^|\.)b\.kernel": jaxsparse.Unstructured(sparsity=0.5)}
-PRUNERS = {
-    "gradual": lambda: pruning.magnitude_pruner(RULES, pruning.gradual(begin_step=0, end_step=1, update_every=1)),
-    "set": lambda: pruning.set_pruner(RULES, update_every=1, end_step=2),
-    "rigl": lambda: pruning.rigl_pruner(RULES, update_every=1, end_step=2),
+PRUNERS = {  # stacks: the stack's layer axes (pruning.layer_stacks), so that each layer is pruned to its sparsity
+    "gradual": lambda stacks: pruning.magnitude_pruner(
+        RULES, pruning.gradual(begin_step=0, end_step=1, update_every=1), stacks=stacks),
+    "set": lambda stacks: pruning.set_pruner(RULES, update_every=1, end_step=2, stacks=stacks),
+    "rigl": lambda stacks: pruning.rigl_pruner(RULES, update_every=1, end_step=2, stacks=stacks),
 }
 
 
@@ -138,7 +139,8 @@ def _assert_named_like_kernels(module: nnx.Module, stacked: bool, what: str) -> 
 
 def _train(model: nnx.Module, pruner: str, loss) -> tuple[nnx.Module, object]:
   """Two ``nnx.jit`` steps with donated model and optimizer, then the optimizer's masks applied to the model."""
-  optimizer = nnx.Optimizer(model, pruning.wrap_optax(optax.sgd(0.05), PRUNERS[pruner]()), wrt=nnx.Param)
+  transform = pruning.wrap_optax(optax.sgd(0.05), PRUNERS[pruner](pruning.layer_stacks(model)))
+  optimizer = nnx.Optimizer(model, transform, wrt=nnx.Param)
 
   @functools.partial(nnx.jit, donate_argnums=(0, 1))
   def step(model, optimizer, x):
