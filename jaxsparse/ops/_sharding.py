@@ -189,6 +189,42 @@ def _explicit_call(fn, n_rows, summed, mesh, lead, args, out_ndims):
   return jax.jit(smap)(*args)
 
 
+def _mapped(flat_fn, n_rows: int, summed: frozenset, in_batched: Sequence[bool], args: Sequence[jax.Array]):
+  """``jax.vmap(flat_fn)`` over axis 0 of the ``in_batched`` args: :func:`row_parallel`'s batching rule where it
+  cannot add the mapped axis to the rows' leading dims (mapped weights, or a mapped product with ``summed`` outputs).
+
+  Under explicit mesh axes this runs in a ``jax.shard_map`` over the whole mesh: the mapped axis keeps its usable split
+  (a ``jax.vmap`` over a stack of layers split over its layer axis: each device maps over its own layers), the rows'
+  leading dims keep theirs on the other mesh axes (``summed`` outputs reduced over those), everything else is
+  replicated, gathered where it arrives split, as in the unmapped product. Without that the per-element code sees
+  arrays typed with a split mapped axis, which ``lax.map`` (the C++ kernels' batching rules) and some of JAX's
+  reshape rules refuse, or weights split over other axes, which the kernels cannot take.
+  """
+  mapped = lambda *a: tuple(jax.vmap(flat_fn, in_axes=tuple(0 if b else None for b in in_batched))(*a))
+  mesh = next((m for m in map(_utils.explicit_mesh, args) if m is not None), None)
+  if mesh is None:
+    return mapped(*args)
+  axis_size = lambda a: mesh.shape[a]
+  spec_of = lambda a: jax.typeof(a).sharding.spec if _utils.explicit_mesh(a) == mesh else P()
+  for i, a in enumerate(args):
+    check_reduced(spec_of(a), "x" if i == 0 else f"operand {i} ({jax.typeof(a).str_short()})")
+  # The mapped axis: split as the first mapped operand (a row if one is mapped) has it, where it divides.
+  first = min((i for i, b in enumerate(in_batched) if b), key=lambda i: (_utils.explicit_mesh(args[i]) != mesh, i))
+  entry = _lead_specs(spec_of(args[first]), args[first].shape, 1, axis_size)[0]
+  taken = set(_utils.spec_axes(entry))
+  # The rows' leading dims (after the mapped axis where x is mapped): x's usable split on the axes left.
+  x, off = args[0], int(in_batched[0])
+  lead = _lead_specs(tuple(spec_of(x))[off:], x.shape[off:], x.ndim - 1 - off, axis_size)
+  lead = tuple(None if set(_utils.spec_axes(e)) & taken else e for e in lead)
+  specs = tuple(P(*((entry,) if b else ()), *((*lead, None) if i < n_rows else ())) for i, b in enumerate(in_batched))
+  args = tuple(_resharded(a, mesh, s) for a, s in zip(args, specs, strict=True))
+  n_out = len(jax.eval_shape(mapped, *[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]))
+  out_specs = tuple(P(entry) if i in summed else P(entry, *lead, None) for i in range(n_out))
+  smap = jax.shard_map(_local(mapped, n_rows, summed, lead), mesh=mesh, in_specs=specs, out_specs=out_specs,
+                       check_vma=False)
+  return jax.jit(smap)(*args)  # jitted: see _explicit_call
+
+
 # -------------------------------------------------------------------------------------------------
 # The entry point.
 # -------------------------------------------------------------------------------------------------
@@ -219,9 +255,10 @@ def row_parallel(
     the ``summed`` ones replicated.
 
   Under ``vmap``, mapped ``rows`` with unmapped ``rest`` and no ``summed`` output gain one leading
-  dim (one partitioned call); any other mapping runs ``jax.vmap(fn)`` unpartitioned, i.e. the
-  backend's own batching rule. Differentiating the call (a gradient of a gradient) differentiates ``fn`` itself,
-  unpartitioned.
+  dim (one partitioned call); any other mapping runs ``jax.vmap(fn)``, i.e. the backend's own batching rule:
+  unpartitioned, or under explicit mesh axes in a ``shard_map`` where each device maps over its share of a split
+  mapped axis (a stack of layers split over its layer axis) and of the rows (:func:`_mapped`). Differentiating the
+  call (a gradient of a gradient) differentiates ``fn`` itself, unpartitioned.
   """
   rows = tuple(rows)
   leaves, treedef = jax.tree.flatten(rest)
@@ -253,9 +290,9 @@ def row_parallel(
   def _vmap_rule(axis_size, in_batched, *args):
     del axis_size
     if all(in_batched[:n_rows]) and not any(in_batched[n_rows:]) and not summed:
-      outs = call(*args)
+      outs = call(*args)  # the mapped axis is one more leading dim of the rows (split as the rows are)
     else:
-      outs = jax.vmap(flat_fn, in_axes=tuple(0 if b else None for b in in_batched))(*args)
+      outs = _mapped(flat_fn, n_rows, summed, in_batched, args)
     return outs, (True,) * len(outs)
 
   # Higher-order derivatives (the JVP of a backward pass) differentiate the plain product: the

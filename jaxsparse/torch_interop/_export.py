@@ -147,7 +147,7 @@ def _nnx_entries(model: nnx.Module) -> list[_Entry]:
   return entries
 
 
-def _unboxed(variables: Mapping) -> Any:
+def unboxed(variables: Mapping) -> Any:
   """Linen variables without their sharding boxes (``nn.Partitioned``, ``nn.LogicallyPartitioned``, a bridged
   layer's ``nnx.bridge.NNXMeta``): each box's value as it is, no sharding constraint (the export only reads them).
 
@@ -279,7 +279,7 @@ def _linen_entries(variables: Mapping, module: Any = None) -> list[_Entry]:
         "their masks there): it is not a Linen collection and its masks would be left out. Pop it and pass it as "
         "masks= to jaxsparse.sparsify_linen, then export the sparse variables with module= the SparsifiedLinen."
     )
-  variables = _unboxed(variables)
+  variables = unboxed(variables)
   params = _flatten(variables["params"])
   sparsity = _flatten(variables.get("sparsity", {}))
   stats = _flatten(variables.get("batch_stats", {}))

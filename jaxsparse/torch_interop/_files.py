@@ -7,9 +7,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxsparse._utils import atomic_write
+from jaxsparse.torch_interop._export import unboxed
 from jaxsparse.torch_interop._load import CheckpointError
 from jaxsparse.torch_interop._load import import_torch
 from jaxsparse.torch_interop._load import to_torch
@@ -33,6 +35,15 @@ def _flatten(tree: Mapping, prefix: tuple[str, ...] = ()) -> dict[str, Any]:
   return out
 
 
+def _array(key: str, value: Any) -> np.ndarray:
+  """A leaf as the NumPy array the file stores (a sharded array gathered); anything else raises, naming ``key``."""
+  arr = np.asarray(value)
+  if arr.dtype == object or not (arr.dtype == np.bool_ or jnp.issubdtype(arr.dtype, jnp.number)):
+    raise CheckpointError(f"{key!r} holds {type(value).__name__} of dtype {arr.dtype}; expected a numeric or boolean "
+                          "array.")
+  return arr
+
+
 def save_flax_variables(variables: Mapping, path: str | os.PathLike, *, format: str | None = None) -> str:
   """Writes nested Flax variables to ``path``; a failure leaves no partial file behind.
 
@@ -43,6 +54,19 @@ def save_flax_variables(variables: Mapping, path: str | os.PathLike, *, format: 
       abstract = jax.eval_shape(model.init, jax.random.key(0), x)   # no memory, may carry shardings
       variables = ocp.StandardCheckpointer().restore(path, abstract)
 
+  Linen variables in sharding boxes (``nn.with_partitioning`` / ``nn.with_logical_partitioning`` params, the
+  ``"sparsity"`` variables of jaxsparse layers built with such a kernel, a bridged layer's ``NNXMeta``) are saved
+  unboxed: the file holds each box's array under the variable's own path, as for unboxed variables (the boxes'
+  names are not stored; they come from the model). Loaded, they can be used as they are (``model.apply`` takes
+  unboxed variables), placed as the model names them, or boxed again::
+
+      abstract = jax.eval_shape(model.init, jax.random.key(0), x)   # boxed: the names
+      placed = jax.device_put(load_flax_variables(path), nn.get_sharding(abstract, mesh))
+      is_box = lambda b: isinstance(b, nn.meta.AxisMetadata)
+      boxed = jax.tree.map(lambda box, v: box.replace_boxed(v) if is_box(box) else v, abstract,
+                           load_flax_variables(path), is_leaf=is_box)
+      # orbax straight into the unboxed target: ocp.StandardCheckpointer().restore(path, nn.meta.unbox(abstract))
+
   >>> import os, tempfile, numpy as np
   >>> from jaxsparse.torch_interop import load_flax_variables, save_flax_variables
   >>> path = save_flax_variables({"params": {"fc": {"kernel": np.ones((2, 3), np.float32)}}},
@@ -51,7 +75,7 @@ def save_flax_variables(variables: Mapping, path: str | os.PathLike, *, format: 
   (2, 3)
 
   Args:
-    variables: nested dicts of arrays.
+    variables: nested dicts (or other mappings) of arrays, Linen sharding boxes of arrays, or NNX variables.
     path: the output file (safetensors) or directory (orbax); must not exist for orbax.
     format: ``"safetensors"`` or ``"orbax"``; ``None`` picks safetensors for a ``.safetensors`` name and
       orbax otherwise.
@@ -62,8 +86,8 @@ def save_flax_variables(variables: Mapping, path: str | os.PathLike, *, format: 
   Raises:
     ValueError: a ``format`` other than ``"safetensors"``, ``"orbax"`` or ``None``.
     CheckpointError: (a ``ValueError``) the directory of ``path`` does not exist; for orbax, ``path`` already
-      exists; a variable name containing ``"/"`` (it separates path parts in the file); for safetensors, a
-      leaf that is not a numeric or boolean array.
+      exists; a variable name containing ``"/"`` (it separates path parts in the file); a leaf that is not a
+      numeric or boolean array.
     ImportError: safetensors output without PyTorch or ``safetensors`` installed, or orbax output without
       ``orbax-checkpoint``.
   """
@@ -75,12 +99,12 @@ def save_flax_variables(variables: Mapping, path: str | os.PathLike, *, format: 
   directory = os.path.dirname(os.path.abspath(path))
   if not os.path.isdir(directory):
     raise CheckpointError(f"cannot write {path}: the directory {directory} does not exist.")
-  flat = _flatten(variables)
+  flat = {k: _array(k, v) for k, v in _flatten(unboxed(variables)).items()}
   if format == "safetensors":
     from safetensors.torch import save_file  # noqa: PLC0415 -- optional dependency
 
     import_torch()
-    tensors = {k: to_torch(np.ascontiguousarray(np.asarray(v)), key=k).contiguous() for k, v in flat.items()}
+    tensors = {k: to_torch(np.ascontiguousarray(v), key=k).contiguous() for k, v in flat.items()}
     metadata = {"format": "jaxsparse-flax-variables", "separator": SEP}
     atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
     return path
@@ -90,7 +114,7 @@ def save_flax_variables(variables: Mapping, path: str | os.PathLike, *, format: 
     raise CheckpointError(f"{path} already exists; orbax output goes to a new directory.")
   # Orbax writes to a temporary directory and renames it when done: a failure leaves no checkpoint.
   checkpointer = ocp.StandardCheckpointer()
-  checkpointer.save(os.path.abspath(path), jax.tree.map(np.asarray, _nested(flat, origin="variables")))
+  checkpointer.save(os.path.abspath(path), _nested(flat, origin="variables"))
   checkpointer.wait_until_finished()
   return path
 
@@ -99,7 +123,9 @@ def load_flax_variables(path: str | os.PathLike) -> dict[str, Any]:
   """Reads variables written by :func:`save_flax_variables` (or ``jaxsparse convert``) as nested NumPy dicts.
 
   To restore an orbax directory straight into a (possibly abstract or sharded) Linen target, use
-  ``orbax.checkpoint.StandardCheckpointer().restore(path, target)``.
+  ``orbax.checkpoint.StandardCheckpointer().restore(path, target)``; for a target in sharding boxes
+  (``nn.with_partitioning``), ``nn.meta.unbox(target)``. The arrays come back unboxed, as they are stored: see
+  :func:`save_flax_variables` for placing them as the model names them or boxing them again.
 
   >>> import os, tempfile, numpy as np
   >>> from jaxsparse.torch_interop import load_flax_variables, save_flax_variables
