@@ -90,24 +90,31 @@ def resolve_views(views: Any) -> list[tuple[str, re.Pattern, int]]:
   A view is the number of leading input axes of a kernel's 2-D view (``matrix_shape``); its patterns
   match paths as rules do (:func:`match_rules`).
   """
-  if views is None:
+  return resolve_counts(views, "views", "a kernel's number of input axes (as pruning.kernel_views returns it)",
+                        "a positive int (the kernel's input axes)", minimum=1)
+
+
+def resolve_counts(counts: Any, name: str, meaning: str, allowed: str, *, minimum: int) -> list[tuple[str, Any, int]]:
+  """``counts`` (``{regex: int}``, or ``None``: the ``views`` / ``stacks`` options) as ``[(pattern, compiled, n)]``.
+
+  Raises a ``TypeError`` (``ValueError`` for a bad regex) naming ``name``, the key and the value, and what is
+  ``allowed``, for anything but a mapping of regex strings to ints ``>= minimum``.
+  """
+  if counts is None:
     return []
-  if not isinstance(views, Mapping):
-    raise TypeError(
-        f"views must be a mapping from regex to a kernel's number of input axes (as pruning.kernel_views returns "
-        f"it), got {type(views).__name__}."
-    )
+  if not isinstance(counts, Mapping):
+    raise TypeError(f"{name} must be a mapping from regex to {meaning}, got {type(counts).__name__}.")
   out = []
-  for pattern, in_ndim in views.items():
+  for pattern, n in counts.items():
     if not isinstance(pattern, str):
-      raise TypeError(f"views keys must be regex strings, got {pattern!r}.")
-    if isinstance(in_ndim, bool) or not isinstance(in_ndim, (int, np.integer)) or in_ndim < 1:
-      raise TypeError(f"views[{pattern!r}] must be a positive int (the kernel's input axes), got {in_ndim!r}.")
+      raise TypeError(f"{name} keys must be regex strings, got {pattern!r}.")
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < minimum:
+      raise TypeError(f"{name}[{pattern!r}] must be {allowed}, got {n!r}.")
     try:
       compiled = re.compile(pattern)
     except re.error as e:
-      raise ValueError(f"views key {pattern!r} is not a valid regular expression: {e}.") from e
-    out.append((pattern, compiled, int(in_ndim)))
+      raise ValueError(f"{name} key {pattern!r} is not a valid regular expression: {e}.") from e
+    out.append((pattern, compiled, int(n)))
   return out
 
 

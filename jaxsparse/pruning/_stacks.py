@@ -10,7 +10,6 @@ not layers, so they prune such a kernel per layer slice only where they know its
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
@@ -24,6 +23,7 @@ from jaxsparse._rules import get_module
 from jaxsparse._rules import match_rules
 from jaxsparse._rules import module_paths
 from jaxsparse._rules import path_str
+from jaxsparse._rules import resolve_counts
 from jaxsparse.pruning._calibration_linen import linen_args
 
 __all__ = ["layer_stacks"]
@@ -33,24 +33,8 @@ Stacks = Mapping[str, int]
 
 def resolve_stacks(stacks: Any) -> list[tuple[str, Any, int]]:
   """``stacks`` (``{regex: leading layer axes}``, or ``None``) as ``[(pattern, compiled, axes)]``, checked."""
-  if stacks is None:
-    return []
-  if not isinstance(stacks, Mapping):
-    raise TypeError(f"stacks must be a mapping from regex to a parameter's number of leading layer axes (as "
-                    f"pruning.layer_stacks returns it), got {type(stacks).__name__}.")
-  out = []
-  for pattern, axes in stacks.items():
-    if not isinstance(pattern, str):
-      raise TypeError(f"stacks keys must be regex strings, got {pattern!r}.")
-    if isinstance(axes, bool) or not isinstance(axes, (int, np.integer)) or axes < 0:
-      raise TypeError(f"stacks[{pattern!r}] must be an int >= 0 (the parameter's leading layer axes; 0: not a "
-                      f"stack), got {axes!r}.")
-    try:
-      compiled = re.compile(pattern)
-    except re.error as e:
-      raise ValueError(f"stacks key {pattern!r} is not a valid regular expression: {e}.") from e
-    out.append((pattern, compiled, int(axes)))
-  return out
+  return resolve_counts(stacks, "stacks", "a parameter's number of leading layer axes (as pruning.layer_stacks "
+                        "returns it)", "an int >= 0 (the parameter's leading layer axes; 0: not a stack)", minimum=0)
 
 
 def stack_of(resolved: list[tuple[str, Any, int]], found: Mapping[str, int], path: str, owner: str) -> int | None:
