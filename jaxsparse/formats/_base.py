@@ -103,8 +103,9 @@ class IndexedSparseMatrix:
   def __init__(self, data: jax.Array, *, validate: bool = True, **fields: Any):
     """Assembles a matrix from its parts; use the ``from_*`` constructors instead.
 
-    With ``validate=True`` (the default) the parts are checked by :meth:`validate` when they are concrete; for
-    traced arrays only their shapes and dtypes are (the value checks need ``checkify``: call :meth:`validate`).
+    With ``validate=True`` (the default) the parts are checked by :meth:`validate` when the index arrays are
+    concrete (also beside a traced ``data``); for traced index arrays only their shapes and dtypes are (the value
+    checks need ``checkify``: call :meth:`validate`).
     """
     expected = set(self.INDEX_FIELDS) | set(self.STATIC_FIELDS)
     if set(fields) != expected:
@@ -115,7 +116,9 @@ class IndexedSparseMatrix:
     for f in self.STATIC_FIELDS:  # (rows, cols) pairs: shape may hold zeros, block shapes may not
       value = _utils.check_dims(fields[f], name=f"{type(self).__name__}.{f}", ndim=2, minimum=0 if f == "shape" else 1)
       setattr(self, f, value)
-    if validate and all(is_concrete(a) for a in self.tree_flatten()[0]):
+    # The index arrays alone decide: concrete ones are checked even beside traced data (constants closed over in a
+    # jit), which would otherwise reach the products unchecked; the check runs once, when the function is traced.
+    if validate and all(is_concrete(getattr(self, f)) for f in self.INDEX_FIELDS):
       self.validate()
     elif validate:
       self._check_static()
@@ -208,9 +211,10 @@ class IndexedSparseMatrix:
     passes gives the same product on every backend and in both directions.
 
     Cost: a device-to-host copy of the index arrays and O(nnz log nnz + rows + cols) NumPy work on
-    one CPU core (a sort of the column indices dominates). Constructors run it on concrete arrays (pass
-    ``validate=False`` on hot paths; the ``from_dense`` / ``from_mask`` / ``from_block_mask``
-    constructors build valid arrays and skip it). Under ``jit`` the arrays are traced: the shape checks
+    one CPU core (a sort of the column indices dominates). Constructors run it on concrete index arrays, NumPy
+    constants closed over in a ``jit`` included (pass ``validate=False`` on hot paths; the ``from_dense`` /
+    ``from_mask`` / ``from_block_mask`` constructors build valid arrays and skip it). Traced index arrays (arguments
+    of a ``jit``) cannot be checked while tracing: the shape checks
     still run, and the value checks are ``jax.experimental.checkify`` checks: call it inside a function
     wrapped in ``checkify.checkify`` (without one, JAX refuses to stage the checks).
 
@@ -285,8 +289,12 @@ class IndexedSparseMatrix:
             raise ValueError(f"index_arrays[{f!r}] holds values in [{lo}, {hi}], outside int32: not an index of "
                              f"this {cls.__name__}.")
         a = a.astype(np.int32)
-      fields[f] = jnp.asarray(a)
-    return cls(jnp.asarray(data), validate=validate, **fields, **static)
+      fields[f] = a
+    data = jnp.asarray(data)
+    concrete = all(is_concrete(a) for a in fields.values())
+    if validate and concrete:  # checked as given: under jit, jnp.asarray turns even a NumPy constant into a tracer
+      cls(data, **fields, **static)
+    return cls(data, validate=validate and not concrete, **{f: jnp.asarray(a) for f, a in fields.items()}, **static)
 
   def index_arrays(self) -> dict[str, jax.Array]:
     """The integer index arrays of the pattern, keyed by ``INDEX_FIELDS`` names."""

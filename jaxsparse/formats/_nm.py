@@ -177,7 +177,8 @@ class NMSparseMatrix:
     shape: the dense shape.
     n, m: ``n`` kept of every ``m``, ``0 < n < m``; ``shape[axis]`` a multiple of ``m``.
     axis: the axis the groups run along (negative counts from the end).
-    validate: check concrete ``indices`` with :meth:`validate` (skipped for traced arrays).
+    validate: check concrete ``indices`` (also NumPy constants inside a ``jit``) with :meth:`validate` (skipped for
+      traced arrays: call :meth:`validate` under ``checkify``).
 
   Raises:
     ValueError: a bad ``n``, ``m``, ``axis`` or ``shape``, ``values`` or ``indices`` of the wrong shape or dtype,
@@ -212,11 +213,14 @@ class NMSparseMatrix:
     axis = check_axis(axis, len(shape))
     groups = check_groups(shape, axis, m, name="shape")
     index_layout(n, m, groups)  # Fails when the positions do not fit 32 bits.
-    self.values, self.indices = jnp.asarray(values), jnp.asarray(indices)
+    # Checked as given: under jit, jnp.asarray turns even a NumPy constant into a tracer, which skips validate.
+    given = indices if isinstance(indices, jax.Array) or not is_concrete(indices) else np.asarray(indices)
+    self.values, self.indices = jnp.asarray(values), given
     self.shape, self.n, self.m, self.axis = shape, n, m, axis
     self._check_static(prefix="")
-    if validate and is_concrete(self.indices):
+    if validate and is_concrete(given):
       self.validate()
+    self.indices = jnp.asarray(given)
 
   def _check_static(self, *, prefix: str = "NMSparseMatrix.") -> NMSparseMatrix:
     """Checks the shapes of :attr:`values` and :attr:`indices` and the dtype of :attr:`indices` (static, so also

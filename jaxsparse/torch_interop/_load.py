@@ -261,22 +261,43 @@ def _open_safetensors(path: str) -> TensorSource:
   return TensorSource(list(mapping), lambda k: get(mapping[k]), origin=path, nbytes=nbytes)
 
 
+_UNPICKLER_ERROR = "WeightsUnpickler error:"
+# Lines of torch's weights-only errors that give advice (rerun with weights_only=False, allowlist globals).
+_TORCH_ADVICE = ("Weights only load failed", "(1)", "(2)", "Please file an issue", "Check the documentation")
+
+
+def _torch_reason(msg: str) -> str:
+  """What failed, from a ``torch.load`` error: the weights-only unpickler's own error, not the advice around it."""
+  lines = [ln.strip() for ln in msg.splitlines() if ln.strip()]
+  reason = next((ln for ln in lines if not ln.startswith(_TORCH_ADVICE)), lines[0] if lines else "")
+  for i, ln in enumerate(lines):
+    if _UNPICKLER_ERROR in ln:
+      reason = ln.split(_UNPICKLER_ERROR, 1)[1].strip() or (lines[i + 1] if i + 1 < len(lines) else ln)
+      break
+  return reason.split(" Please use ")[0]
+
+
 def _torch_load(path: str) -> Any:
   torch = import_torch()
   try:
     return torch.load(path, map_location="cpu", weights_only=True, mmap=_is_zip(path))
   except pickle.UnpicklingError as e:
-    msg = str(e)
-    if "Weights only load failed" in msg or "weights_only" in msg:
+    msg, reason = str(e), _torch_reason(str(e))
+    # The weights-only unpickler words every failure alike; an opcode it does not know means bytes that are no
+    # pickle (a NumPy file, JSON, garbage), not a pickle that needs code.
+    if ("Weights only load failed" in msg or "weights_only" in msg) and "Unsupported operand" not in msg:
       raise CheckpointError(
           f"{path} needs arbitrary pickled Python code to load, and jaxsparse only loads checkpoints with "
           "torch.load(weights_only=True), which never runs code from the file. Re-save the weights as plain "
           "tensors, e.g. torch.save(model.state_dict(), ...) or safetensors.torch.save_file(...), from a "
-          f"trusted environment. torch said: {msg.splitlines()[0]}"
+          f"trusted environment. torch said: {reason}"
       ) from e
-    raise CheckpointError(f"{path} is not a PyTorch checkpoint (torch.load failed: {msg.splitlines()[0]}).") from e
+    raise CheckpointError(
+        f"{path} is not a readable PyTorch checkpoint (truncated, corrupt or another format?): torch.load failed: "
+        f"{reason}"
+    ) from e
   except Exception as e:  # untrusted bytes: torch.load can fail in many ways (struct.error, zip errors, ...)
-    first = str(e).splitlines()[0] if str(e) else type(e).__name__
+    first = f"{type(e).__name__}: {str(e).splitlines()[0]}" if str(e) else type(e).__name__
     raise CheckpointError(
         f"{path} is not a readable PyTorch checkpoint (truncated, corrupt or another format?): {first}"
     ) from e
@@ -305,6 +326,11 @@ def open_checkpoint(source: Any, *, key: str | None = None) -> TensorSource:
       raise CheckpointError(f"{path} does not exist.")
     if os.path.getsize(path) == 0:
       raise CheckpointError(f"{path} is empty (0 bytes); expected a .safetensors or torch.save checkpoint.")
+    if path.endswith(".json"):
+      raise CheckpointError(
+          f"{path} is a JSON file, not a checkpoint. jaxsparse does not read sharded checkpoints through their index "
+          "(model.safetensors.index.json): pass one shard file, or merge the shards into one file first."
+      )
     if path.endswith(".safetensors") or _looks_like_safetensors(path):
       if key is not None:
         raise CheckpointError(f"{path}: key={key!r} applies to nested torch.save checkpoints, not safetensors.")

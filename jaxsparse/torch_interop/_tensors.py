@@ -37,16 +37,18 @@ def to_numpy(t: Any, *, key: str) -> np.ndarray:
     )
   # A conjugate or negative view (``z.conj()``, which torch.save keeps as such) holds its values only lazily.
   t = t.detach().cpu().resolve_conj().resolve_neg()
-  if t.dtype == torch.bfloat16:
-    import ml_dtypes  # noqa: PLC0415 -- only for bfloat16 checkpoints; installed with jax
-
-    return t.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16).copy()
-  if t.dtype == torch.bool:
-    return t.contiguous().view(torch.uint8).numpy() != 0
   try:
+    if t.dtype == torch.bfloat16:
+      import ml_dtypes  # noqa: PLC0415 -- only for bfloat16 checkpoints; installed with jax
+
+      return t.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16).copy()
+    if t.dtype == torch.bool:
+      return t.contiguous().view(torch.uint8).numpy() != 0
     return t.contiguous().numpy().copy()
   except TypeError as e:
     raise CheckpointError(f"{key!r} has dtype {t.dtype}, which jaxsparse cannot convert to NumPy.") from e
+  except ValueError as e:  # a dim past NumPy's limits (a file may claim shape (2**62, 0): no bytes, no array)
+    raise CheckpointError(f"{key!r} has shape {tuple(t.shape)}, which NumPy cannot hold: {e}") from e
 
 
 def check_mask(mask: np.ndarray, shape: tuple[int, ...], *, key: str) -> np.ndarray:
@@ -256,6 +258,11 @@ def decode_hf_block_sparse(src: Mapping, mod: str) -> tuple[np.ndarray, np.ndarr
   _check_offsets(col_ptr, nnz, key=base + "col_start_ends_b")
   block_col, ptr = cols[:, 0], cols[:, 1]
   _check_index(block_col, nb, key=base + "cols_a[:, 0]")
+  if not np.array_equal(np.diff(col_ptr), np.bincount(block_col, minlength=nb)):
+    raise CheckpointError(
+        f"{base}col_start_ends_b must count the blocks of each block column that cols_a lists "
+        f"({np.bincount(block_col, minlength=nb)[:8].tolist()}...), got the counts {np.diff(col_ptr)[:8].tolist()}...."
+    )
   if not np.array_equal(np.sort(ptr), np.arange(nnz)):
     raise CheckpointError(f"{base}cols_a[:, 1] must be a permutation of 0..{nnz - 1} (the block order in data).")
   block_row = np.repeat(np.arange(kb), np.diff(row_ptr))
@@ -264,7 +271,7 @@ def decode_hf_block_sparse(src: Mapping, mod: str) -> tuple[np.ndarray, np.ndarr
     raise CheckpointError(f"{base}cols_a lists the same block twice.")
   # Block i of data holds the transposed (b0, b1) block: reshape to (nnz, b1, b0) and swap back.
   blocks = data.reshape(nnz, b1, b0).transpose(0, 2, 1)
-  dense = np.zeros((kb, nb, b0, b1), data.dtype)
+  dense = _zeros((kb, nb, b0, b1), data.dtype, key=base + "data")
   dense[block_row, block_col] = blocks[ptr]
   dense = dense.transpose(0, 2, 1, 3).reshape(kb * b0, nb * b1)
   block_mask = np.zeros((kb, nb), bool)
@@ -304,8 +311,8 @@ def decode_sparseprop(src: Mapping, mod: str) -> tuple[np.ndarray, np.ndarray, s
   row = np.repeat(np.arange(rows), np.diff(indptr))
   if np.unique(row * cols + indices).size != values.size:
     raise CheckpointError(f"{needed[1]!r} lists the same entry twice within a row.")
-  dense = np.zeros((rows, cols), values.dtype)
+  dense = _zeros((rows, cols), values.dtype, key=needed[2])
   dense[row, indices] = values
-  mask = np.zeros((rows, cols), bool)
+  mask = _zeros((rows, cols), bool, key=needed[2])
   mask[row, indices] = True
   return dense, mask, "SparseProp SparseLinear"
