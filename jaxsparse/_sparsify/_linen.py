@@ -77,6 +77,7 @@ from jaxsparse._sparsify._report import check_speed_mode
 from jaxsparse._sparsify._report import nbytes
 from jaxsparse._sparsify._report import random_input
 from jaxsparse._sparsify._report import timed
+from jaxsparse._sparsify._report import unsupported_change
 from jaxsparse.formats._nm import NMSparseMatrix
 from jaxsparse.formats._specs import NM
 from jaxsparse.formats._specs import BlockSparse
@@ -271,12 +272,17 @@ def _layer_input(args: tuple, kwargs: Mapping, *, name: str = "inputs") -> Any:
   return None
 
 
-def _linen_layers(module: nn.Module, variables: Mapping, example_input: Any, kwargs: Mapping) -> dict[tuple, _Found]:
+def _linen_layers(module: nn.Module, variables: Mapping, example_input: Any, kwargs: Mapping,
+                  called: dict[str, type] | None = None) -> dict[tuple, _Found]:
+  """The layers ``module`` calls on ``example_input`` that sparsify_linen takes, by path; ``called`` (if given) gets
+  the type of every module called, by dotted path."""
   found: dict[tuple, _Found] = {}
 
   def interceptor(next_fun, args, kw, context):
     m = context.module
     x = _layer_input(args, kw)
+    if called is not None:
+      called.setdefault(".".join(m.path), type(m))
     if context.method_name == "__call__" and type(m) in _LINEN_KINDS and x is not None and tuple(m.path) not in found:
       found[tuple(m.path)] = _found(m, x)
     if context.method_name in ("__call__", "attend") and type(m) is nn.Embed and tuple(m.path) not in found:
@@ -359,7 +365,9 @@ def sparsify_linen(
     ``(sparse_module, sparse_variables, report)``: call ``sparse_module.apply(sparse_variables, x)``. Abstract
     ``variables`` (``jax.eval_shape(module.init, ...)``: an orbax restore target) give abstract sparse variables, those
     of ``jax.eval_shape(sparse_module.init, ...)``; the report's densities are then those of :func:`sparsify`'s for an
-    abstract model.
+    abstract model. A module with a ``kernel`` param that a rule selects but sparsify_linen does not take
+    (``nn.Einsum``, ``nn.ConvTranspose``, one's own, a layer ``example_input`` never calls) stays dense, in a row with
+    ``replaced_by=None``.
 
   Raises:
     ValueError: naming the layer path, when a structure cannot apply (``m`` does not divide the
@@ -390,7 +398,8 @@ def sparsify_linen(
     abstract = jax.eval_shape(build, variables)
     return out[0][0], abstract, out[0][1]
   kwargs = dict(apply_kwargs or {})
-  found = _linen_layers(module, variables, example_input, kwargs)
+  called: dict[str, type] = {}
+  found = _linen_layers(module, variables, example_input, kwargs, called)
   called_embeds = {path: f for path, f in found.items() if f.kind == "embed"}
   found = {path: f for path, f in found.items() if f.kind != "embed"}
   new_vars = _to_dict(variables)
@@ -466,6 +475,7 @@ def sparsify_linen(
     changes.append(LayerChange(p, f"{type(m).__name__}({kernel.shape})", spec.describe(),
                                sparse_layer_name(layer, nnz=nnz),
                                density, nbytes(dense_params), nbytes(layer_vars), dense_ms, sparse_ms, note))
+  changes += _unsupported_changes(params, resolved, set(dense_paths) | {".".join(p) for p in called_embeds}, called)
   warn_unmatched(resolved, dense_paths + [".".join(p) for p, _ in embeds],
                  what="nn.Dense / nn.DenseGeneral / nn.Conv / nn.Embed (a rule naming it)", shadowed=True)
   changes.sort(key=lambda c: c.path)
@@ -526,6 +536,28 @@ def _sparse_embed(f: _Found, spec: NM, params: Mapping, mask: Any, path: tuple) 
                        nm_table_density(dense["embedding"], spec.n, spec.m, mask=mask), nbytes(dense),
                        nbytes(layer_vars))
   return layer, layer_vars, change
+
+
+def _unsupported_changes(params: Mapping, resolved: list, taken: set[str], called: Mapping[str, type]) -> list:
+  """Report rows of the modules with a ``kernel`` param that a rule selects but sparsify_linen does not take
+  (``nn.Einsum``, ``nn.ConvTranspose``, a module's own ``self.param("kernel", ...)``, a layer the example input never
+  calls): left dense, named in the report."""
+  rows = []
+  for p, leaves in _param_groups(nn.meta.unbox(params)).items():
+    kind = called.get(p)
+    if "kernel" not in leaves or p in taken or (kind is not None and kind.__module__.startswith("jaxsparse.")):
+      continue
+    r = match_rules(resolved, p)
+    if r is not None and resolved[r][2] is not None:
+      group = nn.meta.unbox(_nested_get(params, tuple(p.split("."))) if p else params)
+      group = {k: v for k, v in group.items() if not isinstance(v, Mapping)}  # its own leaves, not submodules'
+      name = "not called by example_input" if kind is None else kind.__name__
+      rows.append(unsupported_change(p or "(the model itself)", f"{name}({tuple(group['kernel'].shape)})",
+                                     resolved[r][2], nbytes(group), takes=_TAKES))
+  return rows
+
+
+_TAKES = "nn.Dense, nn.DenseGeneral (trailing axes), nn.Conv, nn.Embed (NM, a rule naming it)"
 
 
 def _param_groups(tree: Mapping, prefix: str = "") -> dict[str, set[str]]:

@@ -50,6 +50,7 @@ from jaxsparse._sparsify._report import check_speed_mode
 from jaxsparse._sparsify._report import random_input
 from jaxsparse._sparsify._report import state_bytes
 from jaxsparse._sparsify._report import time_nnx_layer
+from jaxsparse._sparsify._report import unsupported_change
 from jaxsparse.formats._base import is_concrete
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
 from jaxsparse.formats._masks import replicated
@@ -247,6 +248,9 @@ def _check_rebuildable(node: nnx.Module, spec: Spec, path: str) -> None:
   if base is nnx.Conv:
     expected = tuple(node.kernel_shape)
   elif base is nnx.LinearGeneral:
+    reason = linear_general_unsupported(node)  # before the shape check: a batch_axis kernel is not a stack
+    if reason:
+      raise ValueError(f"{path}: {reason}.")
     expected = (*node.in_features, *node.out_features)
   else:
     expected = (node.in_features, node.out_features)
@@ -415,6 +419,26 @@ def _dense_layers(model: nnx.Module) -> list[tuple[tuple, nnx.Module]]:
   return out
 
 
+def _unsupported_changes(model: nnx.Module, resolved: list) -> list[LayerChange]:
+  """Report rows of the modules with a ``kernel`` param that a rule selects but sparsify does not take (``nnx.Einsum``,
+  ``nnx.ConvTranspose``, a module of one's own): left dense, named in the report."""
+  rows = []
+  for path, node in nnx.iter_modules(model):
+    kernel = vars(node).get("kernel")
+    if (not isinstance(kernel, nnx.Param) or type(node).__module__.startswith("jaxsparse.")
+        or isinstance(node, (nnx.Linear, nnx.Conv, nnx.LinearGeneral, nnx.Embed))):
+      continue
+    p = path_str(path)
+    r = match_rules(resolved, p)
+    if r is not None and resolved[r][2] is not None:
+      rows.append(unsupported_change(p or "(the model itself)", f"{type(node).__name__}({tuple(kernel.shape)})",
+                                     resolved[r][2], state_bytes(node), takes=_TAKES))
+  return rows
+
+
+_TAKES = "nnx.Linear, nnx.LinearGeneral (trailing axes), nnx.Conv, nnx.Embed (NM, a rule naming it)"
+
+
 def masks_dict(masks: Any) -> dict[str, np.ndarray]:
   if masks is None:
     return {}
@@ -496,7 +520,9 @@ def sparsify(
 
   Returns:
     ``(model, report)``: the sparse model and a :class:`SparsifyReport` (path, structure, density,
-    parameter bytes before and after, times). An abstract model (from ``nnx.eval_shape``: an orbax restore target)
+    parameter bytes before and after, times). A module with a ``kernel`` that a rule selects but sparsify does not
+    take (``nnx.Einsum``, ``nnx.ConvTranspose``, one's own) stays dense, in a row with ``replaced_by=None``. An
+    abstract model (from ``nnx.eval_shape``: an orbax restore target)
     gives the abstract sparse model, always a new one, with the state a concrete model's sparse model has (a
     checkpoint of it restores into it); its report's densities are those of the given masks, the rules' where they
     fix them (N:M, block counts), else ``None`` (unknown: no weights to rank).
@@ -605,5 +631,6 @@ def sparsify(
     mask = mask_dict.get(f"{p}.kernel" if p else "kernel")
     changes.append(LayerChange(p, _describe(node), spec.describe(), type(new).__name__, _density(new, mask),
                                state_bytes(node), state_bytes(new), dense_ms, sparse_ms, note))
+  changes += _unsupported_changes(model, resolved)
   changes.sort(key=lambda c: c.path)
   return model, SparsifyReport(tuple(changes))

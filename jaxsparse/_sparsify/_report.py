@@ -26,6 +26,7 @@ __all__ = [
     "state_bytes",
     "time_nnx_layer",
     "timed",
+    "unsupported_change",
 ]
 
 
@@ -94,6 +95,21 @@ class SparsifyReport:
     rows.append(f"\n{len(self.replaced)} of {len(self.layers)} layers sparse; layer bytes "
                 f"{self.bytes_before} -> {self.bytes_after}.")
     return "\n".join(rows)
+
+
+def unsupported_change(path: str, layer: str, spec: Any, size: int, *, takes: str) -> LayerChange:
+  """The report row of a layer holding a kernel that a rule gives ``spec`` but sparsify does not take (an
+  ``Einsum``, a ``ConvTranspose``, a module's own ``kernel`` param): it stays dense, and the row says so.
+
+  Args:
+    path: the layer's dotted path.
+    layer: what it is, e.g. ``"Einsum((32, 16))"``.
+    spec: the structure the rule gives it.
+    size: bytes of its state (kept: it stays dense).
+    takes: the layer types sparsify does take, for the note.
+  """
+  return LayerChange(path, layer, spec.describe(), None, 1.0, size, size,
+                     note=f"left dense: sparsify does not take this layer (it takes {takes})")
 
 
 def nbytes(tree: Any) -> int:

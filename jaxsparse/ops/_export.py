@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 from jax import export
 
 from jaxsparse._cpu import _build as _cpu_build
 from jaxsparse._cuda import _build as _cuda_build
 from jaxsparse._cuda import _kernels as _cuda_kernels
+from jaxsparse.formats._block_sparse import BlockSparseMatrix
+from jaxsparse.formats._csr import CSRMatrix
+from jaxsparse.formats._nm import NMSparseMatrix
 
 __all__ = ["export_safety_checks"]
 
@@ -30,6 +36,11 @@ def export_safety_checks() -> list[export.DisabledSafetyCheck]:
   which take any number of rows and need no such checks: the kernels' configs and the measured dispatch depend on
   the row count, so export with concrete shapes (one per serving batch size) to keep the kernels.
 
+  ``Exported.serialize`` takes :class:`jaxsparse.BlockSparseMatrix`, :class:`jaxsparse.NMSparseMatrix` and
+  :class:`jaxsparse.CSRMatrix` arguments and results (jaxsparse registers their serialization on import). Flax's
+  ``nnx.State`` has no such registration (for any layer, dense ones too): pass ``nnx.to_pure_dict(state)`` and
+  rebuild inside with ``nnx.replace_by_pure_dict``; Linen variables are plain dicts already.
+
   >>> import jax, jax.numpy as jnp, jaxsparse
   >>> w = jaxsparse.BlockSparseMatrix.from_dense(jnp.ones((64, 32)), (16, 16))
   >>> f = jax.jit(lambda x: jaxsparse.ops.block_sparse_matmul(x, w))
@@ -46,3 +57,22 @@ def export_safety_checks() -> list[export.DisabledSafetyCheck]:
   _cpu_build.load()
   targets = [*_cpu_build.TARGETS, *_cuda_kernels.TARGETS, *_cuda_build.TARGETS, _TRITON_TARGET]
   return [export.DisabledSafetyCheck.custom_call(t) for t in targets]
+
+
+def _serialize_aux(aux: tuple[Any, ...]) -> bytes:
+  return json.dumps(aux).encode()
+
+
+def _deserialize_aux(data: bytes) -> tuple[Any, ...]:
+  # The aux data are ints and tuples of ints (shapes, block shapes, n, m, axis); JSON gives the tuples back as lists,
+  # and the deserialized tree must equal the one the exported function was traced with.
+  return tuple(tuple(a) if isinstance(a, list) else a for a in json.loads(data))
+
+
+# The sparse formats as arguments or results of an exported function (``Exported.serialize`` refuses pytree nodes
+# it has no name for): their aux data are static ints, so JSON names them.
+for _cls in (BlockSparseMatrix, CSRMatrix, NMSparseMatrix):
+  export.register_pytree_node_serialization(
+      _cls, serialized_name=f"jaxsparse.{_cls.__name__}", serialize_auxdata=_serialize_aux,
+      deserialize_auxdata=_deserialize_aux,
+  )
