@@ -1,13 +1,15 @@
 """Argument checks of the layer constructors: implementations, dtypes, kept counts, kernel sizes, feature groups.
 
 Each raises a ``ValueError`` / ``TypeError`` that names the layer, the argument, the value received and what is
-allowed, when the layer is built (NNX) or constructed (Linen), not at its first call.
+allowed, when the layer is built (NNX) or constructed (Linen), not at its first call. :func:`check_loaded_positions`
+is the exception: it checks the packed positions a compressed N:M layer reads (loaded ones), at its first use.
 """
 
 from __future__ import annotations
 
 import numbers
 import typing
+import weakref
 from typing import Any
 
 import flax.linen as nn
@@ -17,6 +19,9 @@ import numpy as np
 from jaxsparse import _utils
 from jaxsparse import ops
 from jaxsparse.formats import _nm_masks
+from jaxsparse.formats._base import is_concrete
+from jaxsparse.formats._nm import NMSparseMatrix
+from jaxsparse.formats._nm import index_layout
 
 __all__ = [
     "check_dtypes",
@@ -26,12 +31,14 @@ __all__ = [
     "check_init_dtype",
     "check_kept",
     "check_kernel_size",
+    "check_loaded_positions",
     "check_masked_implementation",
     "check_one_of",
     "check_real_dtypes",
     "check_trained_dtype",
     "check_transposable_layer",
     "check_use_bias",
+    "linen_positions_name",
 ]
 
 
@@ -214,3 +221,71 @@ def check_in_features(in_features: int, m: int, *, name: str = "in_features") ->
     raise ValueError(
         f"{name}={in_features} must be a multiple of m={m}: the N:M groups run along the input features."
     )
+
+
+# id(packed positions) -> (a weak reference to them, the (shape, n, m, axis) they were found valid for).
+_valid_positions: dict[int, tuple[weakref.ref, tuple]] = {}
+
+
+def check_loaded_positions(layer: str, weight: NMSparseMatrix) -> NMSparseMatrix:
+  """``weight`` (a compressed N:M layer's, built with ``validate=False``) if its concrete positions are valid for the
+  layer's n:m, else a ``ValueError`` naming ``layer``, the layer's n:m and the n:m the positions fit.
+
+  Orbax casts a saved array to the target's dtype: a 2:4 checkpoint restored into a 4:8 target (same shapes, uint8
+  words against uint16 ones) loads without error and the layer would compute with a wrong weight. Such positions
+  are not valid 4:8 ones (decoded, they repeat or are out of order), and :meth:`NMSparseMatrix.validate` finds it.
+  It costs a device-to-host copy of the positions, so each positions array is checked once (remembered by identity
+  while it lives). Traced positions (under ``jit``) are not checked: call the layer (or read its ``weight``) once
+  outside ``jit`` after loading.
+  """
+  indices = weight.indices
+  if not is_concrete(indices):
+    return weight
+  key = (weight.shape, weight.n, weight.m, weight.axis)
+  seen = _valid_positions.get(id(indices))
+  if seen is not None and seen[0]() is indices and seen[1] == key:
+    return weight
+  try:
+    weight.validate()
+  except ValueError as e:
+    fits = _layouts_that_fit(weight)
+    stored = (f"they are valid {' or '.join(fits)} positions: a checkpoint saved with n:m={fits[0]} was likely "
+              "restored into this layer (orbax casts the packed words to the target's dtype when the shapes agree)"
+              if fits else "they fit no other n:m of the same shapes either (a checkpoint of another layer?)")
+    raise ValueError(
+        f"{layer}: its packed positions are not valid for its n:m={weight.n}:{weight.m}; {stored}. Restore into a "
+        f"target built with the checkpoint's n:m (n=, m= of the layer). Details: {e}"
+    ) from None
+  key_id = id(indices)
+  try:
+    ref = weakref.ref(indices, lambda _: _valid_positions.pop(key_id, None))
+  except TypeError:  # not weakly referenceable: checked again at the next use
+    return weight
+  _valid_positions[key_id] = (ref, key)
+  return weight
+
+
+def linen_positions_name(module: nn.Module, name: str) -> str:
+  """How :func:`check_loaded_positions` names a Linen layer's positions: class, module path, variable."""
+  path = "/".join(module.path)
+  return f"linen.{type(module).__name__}{f' {path!r}' if path else ''} (sparsity {name!r})"
+
+
+def _layouts_that_fit(weight: NMSparseMatrix) -> list[str]:
+  """The other ``n:m`` (``n / m`` the layer's, as the values' shape says) whose layout the positions are valid in."""
+  k = weight.shape[weight.axis]
+  words = np.asarray(weight.indices)
+  fits = []
+  for m in range(2, min(k, 64) + 1):
+    n, rest = divmod(weight.n * m, weight.m)
+    if k % m or rest or (n, m) == (weight.n, weight.m):
+      continue
+    try:
+      dtype, _ = index_layout(n, m, k // m)
+      if words.size and int(words.max()) > np.iinfo(dtype).max:
+        continue
+      NMSparseMatrix(weight.values, words.astype(dtype), shape=weight.shape, n=n, m=m, axis=weight.axis)
+    except ValueError:
+      continue
+    fits.append(f"{n}:{m}")
+  return fits

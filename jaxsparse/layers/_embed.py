@@ -28,6 +28,7 @@ from jaxsparse.formats._nm import NMSparseMatrix
 from jaxsparse.formats._nm import decompress
 from jaxsparse.formats._nm_masks import check_nm
 from jaxsparse.layers._checks import check_dtypes
+from jaxsparse.layers._checks import check_loaded_positions
 from jaxsparse.layers._common import SparsityPattern
 from jaxsparse.layers._common import check_called_on_one_layer
 from jaxsparse.layers._common import check_one_layer
@@ -141,11 +142,14 @@ class CompressedNMEmbed(nnx.Module):
 
     Raises:
       ValueError: this layer is a stack of layers (built by ``nnx.vmap``); read it per layer:
-        ``nnx.vmap(lambda layer: layer.weight, in_axes=0, out_axes=0)(stack)``.
+        ``nnx.vmap(lambda layer: layer.weight, in_axes=0, out_axes=0)(stack)``. Or (outside ``jit``, checked once
+        per positions array) ``embedding_positions`` that are not valid for the layer's n:m, such as a checkpoint
+        of another n:m restored into it: the message names the n:m they fit.
     """
     check_one_layer(self, what="weight")
-    return NMSparseMatrix(self.embedding[...], self.embedding_positions[...],
-                          shape=(self.features, self.num_embeddings), n=self.n, m=self.m, axis=0, validate=False)
+    w = NMSparseMatrix(self.embedding[...], self.embedding_positions[...],
+                       shape=(self.features, self.num_embeddings), n=self.n, m=self.m, axis=0, validate=False)
+    return check_loaded_positions("CompressedNMEmbed.embedding_positions", w)
 
   def __call__(self, inputs: jax.Array) -> jax.Array:
     """Looks up the rows of the pruned table, as ``nnx.Embed`` does.

@@ -27,6 +27,8 @@ from jaxsparse.formats import _nm_masks
 from jaxsparse.formats._nm import NMSparseMatrix
 from jaxsparse.layers._checks import check_dtypes
 from jaxsparse.layers._checks import check_init_dtype
+from jaxsparse.layers._checks import check_loaded_positions
+from jaxsparse.layers._checks import linen_positions_name
 from jaxsparse.layers._common import SPARSITY
 from jaxsparse.layers._common import check_pattern
 from jaxsparse.layers._common import missing_pattern
@@ -144,8 +146,9 @@ class CompressedNMEmbed(nn.Module):
     """The compressed table ``(features, num_embeddings)`` holding ``values`` (the stored ones, promoted)."""
     if self.embedding_positions is None:
       raise missing_pattern(self)
-    return NMSparseMatrix(values, nn.meta.unbox(self.embedding_positions.value),
-                          shape=(self.features, self.num_embeddings), n=self.n, m=self.m, axis=0, validate=False)
+    w = NMSparseMatrix(values, nn.meta.unbox(self.embedding_positions.value),
+                       shape=(self.features, self.num_embeddings), n=self.n, m=self.m, axis=0, validate=False)
+    return check_loaded_positions(linen_positions_name(self, "embedding_positions"), w)
 
   def __call__(self, inputs: jax.Array) -> jax.Array:
     """Looks up the rows of the pruned table, as ``nn.Embed`` does.

@@ -22,6 +22,7 @@ from jax import lax
 from jaxsparse import ops
 from jaxsparse.formats._nm import NMSparseMatrix
 from jaxsparse.layers._checks import check_dtypes
+from jaxsparse.layers._checks import check_loaded_positions
 from jaxsparse.layers._checks import check_real_dtypes
 from jaxsparse.layers._common import SparsityPattern
 from jaxsparse.layers._common import bias_of
@@ -250,21 +251,24 @@ class CompressedNMLinear(nnx.Module):
 
     Raises:
       ValueError: this layer is a stack of layers (built by ``nnx.vmap``); read it per layer:
-        ``nnx.vmap(lambda layer: layer.weight, in_axes=0, out_axes=0)(stack)``.
+        ``nnx.vmap(lambda layer: layer.weight, in_axes=0, out_axes=0)(stack)``. Or (outside ``jit``, checked once
+        per positions array) ``kernel_positions`` that are not valid for the layer's n:m, such as a checkpoint
+        of another n:m restored into it: the message names the n:m they fit.
     """
     check_one_layer(self, what="weight")
     if self.storage == "cusparselt":
       return _nm_matmul.from_buffer(self.kernel_buffer[...], (self.in_features, self.out_features),
                                     self.kernel_buffer_dtype)
-    return NMSparseMatrix(
+    w = NMSparseMatrix(
         self.kernel[...],
         self.kernel_positions[...],
         shape=(self.in_features, self.out_features),
         n=self.n,
         m=self.m,
         axis=self.axis,
-        validate=False,  # read on every call; the layer built its positions (validate() checks loaded ones)
+        validate=False,  # read on every call: check_loaded_positions validates each positions array once
     )
+    return check_loaded_positions("CompressedNMLinear.kernel_positions", w)
 
   def __call__(self, inputs: jax.Array) -> jax.Array:
     """``nm_matmul(inputs, weight) + bias``, the product of :class:`NMLinear` with the same pruned kernel.

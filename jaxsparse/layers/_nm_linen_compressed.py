@@ -28,8 +28,10 @@ from jaxsparse.formats._nm import NMSparseMatrix
 from jaxsparse.layers._checks import check_dtypes
 from jaxsparse.layers._checks import check_in_features
 from jaxsparse.layers._checks import check_init_dtype
+from jaxsparse.layers._checks import check_loaded_positions
 from jaxsparse.layers._checks import check_real_dtypes
 from jaxsparse.layers._checks import check_use_bias
+from jaxsparse.layers._checks import linen_positions_name
 from jaxsparse.layers._common import SPARSITY
 from jaxsparse.layers._common import check_input
 from jaxsparse.layers._common import check_known_in_features
@@ -165,6 +167,7 @@ class CompressedNMDense(nn.Module):
     bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
     check_real_dtypes(type(self), **{"params['kernel'].dtype": jnp.result_type(values)})  # variables made elsewhere
     w = NMSparseMatrix(values, positions, shape=shape, n=self.n, m=self.m, axis=0, validate=False)
+    w = check_loaded_positions(linen_positions_name(self, "kernel_positions"), w)
     x, values, bias = self.promote_dtype(x, w.values, bias, dtype=self.dtype)
     y = ops.nm_matmul(x, w.with_values(values), implementation=self.implementation, precision=self.precision)
     if bias is not None:
