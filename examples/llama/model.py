@@ -33,6 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from llama import decode_attention
+
 # The seven projections of every decoder layer, as paths for jaxsparse rules (re.fullmatch).
 PROJECTIONS = r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)"
 ATTENTION_PROJECTIONS = r"model\.layers\.\d+\.self_attn\.[qkvo]_proj"
@@ -330,7 +332,8 @@ def check_token_ids(ids: jax.typing.ArrayLike, vocab_size: int, *, name: str = "
 # -------------------------------------------------------------------------------------------------
 
 # The attention core: "auto" runs cuDNN's fused (flash) attention for bfloat16 / float16 queries of at least
-# FLASH_MIN_QUERIES tokens (prefill) on a CUDA GPU, where it is supported, and the einsum-softmax-einsum of
+# FLASH_MIN_QUERIES tokens (prefill) on a CUDA GPU, where it is supported, the fused decode kernel of
+# decode_attention.py for one 16-bit query token (a decode step) on a GPU, and the einsum-softmax-einsum of
 # Hugging Face's eager attention otherwise; "xla" always the latter.
 ATTENTION = "auto"
 FLASH_MIN_QUERIES = 16
@@ -350,11 +353,15 @@ def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) ->
   """``softmax(q kᵀ / sqrt(head_dim), masked) v``: ``q`` ``(B, T, heads, head_dim)``, ``k`` / ``v`` ``(B, S,
   kv_heads, head_dim)``, ``mask`` bool ``(B, T, S)``; returns ``(B, T, heads * head_dim)``.
 
-  With :data:`ATTENTION` ``"auto"``, 16-bit prefill on a CUDA GPU runs cuDNN's fused attention
+  With :data:`ATTENTION` ``"auto"``, a 16-bit decode step (``T = 1``) on a GPU runs the fused kernel of
+  :func:`llama.decode_attention.decode_attention` (eager attention's result, one kernel and one small fusion), and
+  16-bit prefill on a CUDA GPU runs cuDNN's fused attention
   (``jax.nn.dot_product_attention(implementation="cudnn")``, which never writes the ``(T, S)`` scores); a query
   row with no visible key (left padding) gets zeros there instead of eager attention's uniform average.
   """
   b, t, heads, hd = q.shape
+  if ATTENTION == "auto" and t == 1 and jax.default_backend() == "gpu" and decode_attention.supports(q[:, 0], k):
+    return decode_attention.decode_attention(q[:, 0], k, v, mask[:, 0]).reshape(b, 1, heads * hd)
   flash = (ATTENTION == "auto" and t >= FLASH_MIN_QUERIES and q.dtype in (jnp.bfloat16, jnp.float16)
            and jax.default_backend() == "gpu")
   if flash:
