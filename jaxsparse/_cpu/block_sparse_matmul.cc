@@ -107,14 +107,15 @@ std::string BlockForwardKernel(const Scheduler& pool, const float* x, const floa
   const float* xs = PackSlabs(pool, x, b, k, bk, 0);
   ParallelFor(pool, nb, [&](int64_t j) {
     BlockScratch& s = ThreadBlockScratch();
-    s.a.clear();
-    s.b.clear();
-    for (int32_t t = col_offsets[j]; t < col_offsets[j + 1]; ++t) {
-      const int64_t blk = transpose_order[t];
-      s.a.push_back(xs + row_indices[blk] * b * bk);
-      s.b.push_back(data + blk * bk * bn);
+    const int32_t t0 = col_offsets[j], nq = col_offsets[j + 1] - t0;
+    Resize(s.a, nq);
+    Resize(s.b, nq);
+    for (int32_t q = 0; q < nq; ++q) {
+      const int64_t blk = transpose_order[t0 + q];
+      s.a[q] = xs + row_indices[blk] * b * bk;
+      s.b[q] = data + blk * bk * bn;
     }
-    Gemm(b, bn, static_cast<int64_t>(s.a.size()), s.a.data(), bk, 1, s.b.data(), bn, bk, y + j * bn, n);
+    Gemm(b, bn, nq, s.a.data(), bk, 1, s.b.data(), bn, bk, y + j * bn, n);
   });
   return "";
 }
@@ -139,9 +140,9 @@ std::string BlockBackwardKernel(const Scheduler& pool, const float* x, const flo
     BlockScratch& s = ThreadBlockScratch();
     const int32_t t0 = row_offsets[i], nq = row_offsets[i + 1] - t0;
     const float* xi = xs + i * b * bk;
-    s.a.clear();
-    s.b.clear();
-    s.transposed.resize(std::max<int64_t>(nq, 1) * bn * bk);
+    Resize(s.a, nq);
+    Resize(s.b, nq);
+    Resize(s.transposed, std::max<int64_t>(nq, 1) * bn * bk);
     for (int32_t q = 0; q < nq; ++q) {
       const int64_t blk = t0 + q;
       const float* dyj = dys + col_indices[blk] * b * bn;
@@ -149,8 +150,8 @@ std::string BlockBackwardKernel(const Scheduler& pool, const float* x, const flo
       Gemm(bk, bn, 1, &xi, 1, bk, &dyj, bn, b, ddata + blk * bk * bn, bn);
       float* t = s.transposed.data() + q * bn * bk;
       Transpose(data + blk * bk * bn, bk, bn, bn, t, bk);
-      s.a.push_back(dyj);
-      s.b.push_back(t);
+      s.a[q] = dyj;
+      s.b[q] = t;
     }
     // dX: dx[:, row i] = sum_j dy[:, col j] @ data[b].T.
     Gemm(b, bk, nq, s.a.data(), bn, 1, s.b.data(), bk, bn, dx + i * bk, k);
@@ -160,31 +161,35 @@ std::string BlockBackwardKernel(const Scheduler& pool, const float* x, const flo
 
 ffi::Error BlockForward(ffi::ThreadPool pool, F32Matrix x, F32Tensor3 data, I32Vector row_indices,
                         I32Vector col_offsets, I32Vector transpose_order, F32MatrixOut y) {
-  const int64_t b = Dim(x, 0), k = Dim(x, 1), n = Dim(*y, 1);
-  const int64_t nnz = Dim(data, 0), bk = Dim(data, 1), bn = Dim(data, 2);
-  if (Dim(*y, 0) != b || bk <= 0 || bn <= 0 || bk % kLanes || bn % kLanes || k % bk || n % bn ||
-      Dim(row_indices, 0) != nnz || Dim(col_offsets, 0) != n / bn + 1 || Dim(transpose_order, 0) != nnz) {
-    return ShapeError("block-sparse forward");
-  }
-  return Status("block-sparse forward",
-                BlockForwardKernel(PoolScheduler(pool), x.typed_data(), data.typed_data(), row_indices.typed_data(),
-                                   col_offsets.typed_data(), transpose_order.typed_data(), b, k, n, nnz, bk, bn,
-                                   y->typed_data()));
+  return Guarded("block-sparse forward", [&]() -> ffi::Error {
+    const int64_t b = Dim(x, 0), k = Dim(x, 1), n = Dim(*y, 1);
+    const int64_t nnz = Dim(data, 0), bk = Dim(data, 1), bn = Dim(data, 2);
+    if (Dim(*y, 0) != b || bk <= 0 || bn <= 0 || bk % kLanes || bn % kLanes || k % bk || n % bn ||
+        Dim(row_indices, 0) != nnz || Dim(col_offsets, 0) != n / bn + 1 || Dim(transpose_order, 0) != nnz) {
+      return ShapeError("block-sparse forward");
+    }
+    return Status("block-sparse forward",
+                  BlockForwardKernel(PoolScheduler(pool), x.typed_data(), data.typed_data(), row_indices.typed_data(),
+                                     col_offsets.typed_data(), transpose_order.typed_data(), b, k, n, nnz, bk, bn,
+                                     y->typed_data()));
+  });
 }
 
 ffi::Error BlockBackward(ffi::ThreadPool pool, F32Matrix x, F32Tensor3 data, I32Vector row_offsets,
                          I32Vector col_indices, F32Matrix dy, F32MatrixOut dx, F32Tensor3Out ddata) {
-  const int64_t b = Dim(x, 0), k = Dim(x, 1), n = Dim(dy, 1);
-  const int64_t nnz = Dim(data, 0), bk = Dim(data, 1), bn = Dim(data, 2);
-  if (Dim(dy, 0) != b || bk <= 0 || bn <= 0 || bk % kLanes || bn % kLanes || k % bk || n % bn ||
-      Dim(row_offsets, 0) != k / bk + 1 || Dim(col_indices, 0) != nnz || Dim(*dx, 0) != b || Dim(*dx, 1) != k ||
-      Dim(*ddata, 0) != nnz || Dim(*ddata, 1) != bk || Dim(*ddata, 2) != bn) {
-    return ShapeError("block-sparse backward");
-  }
-  return Status("block-sparse backward",
-                BlockBackwardKernel(PoolScheduler(pool), x.typed_data(), data.typed_data(), row_offsets.typed_data(),
-                                    col_indices.typed_data(), dy.typed_data(), b, k, n, nnz, bk, bn,
-                                    dx->typed_data(), ddata->typed_data()));
+  return Guarded("block-sparse backward", [&]() -> ffi::Error {
+    const int64_t b = Dim(x, 0), k = Dim(x, 1), n = Dim(dy, 1);
+    const int64_t nnz = Dim(data, 0), bk = Dim(data, 1), bn = Dim(data, 2);
+    if (Dim(dy, 0) != b || bk <= 0 || bn <= 0 || bk % kLanes || bn % kLanes || k % bk || n % bn ||
+        Dim(row_offsets, 0) != k / bk + 1 || Dim(col_indices, 0) != nnz || Dim(*dx, 0) != b || Dim(*dx, 1) != k ||
+        Dim(*ddata, 0) != nnz || Dim(*ddata, 1) != bk || Dim(*ddata, 2) != bn) {
+      return ShapeError("block-sparse backward");
+    }
+    return Status("block-sparse backward",
+                  BlockBackwardKernel(PoolScheduler(pool), x.typed_data(), data.typed_data(), row_offsets.typed_data(),
+                                      col_indices.typed_data(), dy.typed_data(), b, k, n, nnz, bk, bn,
+                                      dx->typed_data(), ddata->typed_data()));
+  });
 }
 
 }  // namespace

@@ -7,10 +7,15 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <functional>
+#include <limits>
 #include <memory>
+#include <new>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -37,7 +42,28 @@ using F32MatrixOut = ffi::ResultBuffer<ffi::F32, 2>;
 using F32VectorOut = ffi::ResultBuffer<ffi::F32, 1>;
 using F32Tensor3Out = ffi::ResultBuffer<ffi::F32, 3>;
 
+namespace jaxsparse_cpu {
+
+// Scratch memory that could not be allocated, thrown where it is asked for (on the calling thread, or in a pool
+// task, whose ParallelFor rethrows it) and returned by the handler as an ffi::Error naming the kernel and the bytes
+// (Guarded): a null buffer must never be written through, and std::bad_alloc must never reach XLA. Outside the
+// anonymous namespace: one type for every translation unit, as packed_gemm.cc's throws reach sparse_matmul.cc's
+// handler.
+class ScratchError : public std::bad_alloc {
+ public:
+  explicit ScratchError(int64_t bytes) : bytes_(bytes) {}
+  int64_t bytes() const { return bytes_; }
+  const char* what() const noexcept override { return "jaxsparse: scratch allocation failed"; }
+
+ private:
+  int64_t bytes_;
+};
+
+}  // namespace jaxsparse_cpu
+
 namespace {
+
+using jaxsparse_cpu::ScratchError;
 
 typedef float v8 __attribute__((vector_size(32)));
 
@@ -74,27 +100,59 @@ using Scheduler = std::function<void(std::function<void()>)>;
 // Runs fn(i) for i in [0, n) on the calling thread plus up to NumWorkers() - 1 scheduled tasks.
 // Items are claimed from an atomic counter, so a task that starts late finds nothing to do; the
 // caller only waits for items that another thread has already claimed, which never deadlocks.
+// An exception thrown by an item (a ScratchError in a pool task) must not leave its thread: the first one is kept,
+// the items not yet started are skipped, and it is rethrown on the calling thread once every claimed item is done.
 template <typename F>
 void ParallelFor(const Scheduler& schedule, int64_t n, const F& fn) {
   if (n <= 0) return;
   struct State {
     std::atomic<int64_t> next{0};
     std::atomic<int64_t> done{0};
+    std::atomic<bool> failed{false};
+    std::exception_ptr error;  // written by the item that set `failed`, before its `done` increment
   };
-  auto state = std::make_shared<State>();
+  std::shared_ptr<State> state;
+  try {
+    state = std::make_shared<State>();
+  } catch (const std::bad_alloc&) {  // no memory to share with the pool: every item on this thread
+    for (int64_t i = 0; i < n; ++i) fn(i);
+    return;
+  }
   const F* f = &fn;
-  auto work = [state, f, n]() {
+  auto work = [state, f, n]() noexcept {
     for (;;) {
       const int64_t i = state->next.fetch_add(1, std::memory_order_relaxed);
       if (i >= n) return;
-      (*f)(i);
+      if (!state->failed.load(std::memory_order_relaxed)) {
+        try {
+          (*f)(i);
+        } catch (...) {
+          if (!state->failed.exchange(true, std::memory_order_relaxed)) state->error = std::current_exception();
+        }
+      }
       state->done.fetch_add(1, std::memory_order_release);
     }
   };
   const int64_t helpers = std::min<int64_t>(NumWorkers() - 1, n - 1);
-  for (int64_t h = 0; h < helpers; ++h) schedule(work);
+  try {
+    for (int64_t h = 0; h < helpers; ++h) schedule(work);
+  } catch (const std::bad_alloc&) {  // a task could not be allocated: fewer helpers, the caller takes the rest
+  }
   work();
   while (state->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+  if (state->failed.load(std::memory_order_relaxed)) std::rethrow_exception(state->error);
+}
+
+// v.resize(n), throwing ScratchError with the bytes asked for when the memory is not there.
+template <typename T>
+void Resize(std::vector<T>& v, int64_t n) {
+  try {
+    v.resize(static_cast<size_t>(n));
+  } catch (const std::bad_alloc&) {
+    throw ScratchError(n * static_cast<int64_t>(sizeof(T)));
+  } catch (const std::length_error&) {
+    throw ScratchError(n * static_cast<int64_t>(sizeof(T)));
+  }
 }
 
 struct FreeDeleter {
@@ -102,9 +160,13 @@ struct FreeDeleter {
 };
 using FloatBuffer = std::unique_ptr<float[], FreeDeleter>;
 
+// The bytes AllocFloats(n) asks for.
+inline int64_t FloatBytes(int64_t n) { return RoundUp(std::max<int64_t>(n, 1) * 4, 64); }
+
+// n floats, 64-byte aligned; null when the memory is not there.
 inline FloatBuffer AllocFloats(int64_t n) {
-  const size_t bytes = static_cast<size_t>(RoundUp(std::max<int64_t>(n, 1) * 4, 64));
-  return FloatBuffer(static_cast<float*>(std::aligned_alloc(64, bytes)));
+  if (n > (std::numeric_limits<int64_t>::max() - 64) / 4) return nullptr;
+  return FloatBuffer(static_cast<float*>(std::aligned_alloc(64, static_cast<size_t>(FloatBytes(n)))));
 }
 
 // Asks Linux to back a large output buffer with transparent huge pages before its first write. XLA
@@ -184,6 +246,7 @@ inline void Transpose(const float* src, int64_t rows, int64_t cols, int64_t ld_s
 
 // Scratch buffers for packed or transposed operands, kept per calling thread (slots 0 to 3): a fresh
 // multi-MiB allocation per call would cost a page fault per 4 KiB, as much as the packing itself.
+// Throws ScratchError when a buffer cannot grow; the slot then keeps its old buffer.
 inline float* CachedBuffer(int slot, int64_t n) {
   struct Buffer {
     FloatBuffer data;
@@ -192,7 +255,9 @@ inline float* CachedBuffer(int slot, int64_t n) {
   thread_local Buffer buffers[4];
   Buffer& b = buffers[slot];
   if (b.size < n) {
-    b.data = AllocFloats(n);
+    FloatBuffer grown = AllocFloats(n);
+    if (grown == nullptr) throw ScratchError(FloatBytes(n));
+    b.data = std::move(grown);
     b.size = n;
   }
   return b.data.get();
@@ -205,9 +270,10 @@ inline bool ValidOffsets(const int32_t* ptr, int64_t len, int64_t nnz) {
   return ok;
 }
 
+// Every v[i] in [0, bound). (Not `uint32_t(v[i]) < bound`: a negative entry passes that for a bound past 2^32.)
 inline bool InRange(const int32_t* v, int64_t len, int64_t bound) {
   bool ok = true;
-  for (int64_t i = 0; i < len; ++i) ok &= static_cast<uint32_t>(v[i]) < static_cast<uint64_t>(bound);
+  for (int64_t i = 0; i < len; ++i) ok &= (v[i] >= 0) & (v[i] < bound);
   return ok;
 }
 
@@ -226,6 +292,44 @@ inline ffi::Error ShapeError(const char* op) {
 
 inline ffi::Error Status(const char* op, const std::string& message) {
   return message.empty() ? ffi::Error::Success() : ffi::Error::InvalidArgument(std::string(op) + ": " + message);
+}
+
+// RESOURCE_EXHAUSTED for op's scratch of `bytes` (< 0: unknown).
+inline ffi::Error AllocationError(const char* op, int64_t bytes) noexcept {
+  try {
+    char mib[32];
+    std::snprintf(mib, sizeof(mib), "%.1f", static_cast<double>(bytes) / (1 << 20));
+    const std::string size = bytes < 0 ? "memory" : std::to_string(bytes) + " bytes (" + mib + " MiB)";
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                      std::string(op) + ": could not allocate " + size + " of scratch memory for the product");
+  } catch (...) {
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted, "out of memory");  // short enough to need no allocation
+  }
+}
+
+inline ffi::Error InternalError(const char* op, const char* what) noexcept {
+  try {
+    return ffi::Error::Internal(std::string(op) + ": " + what + " (internal error in jaxsparse)");
+  } catch (...) {
+    return ffi::Error::Internal("jaxsparse");
+  }
+}
+
+// run() (a handler's body: its checks and kernel), with what it throws returned as an error instead of reaching
+// XLA (which cannot take a C++ exception): a failed allocation as RESOURCE_EXHAUSTED with its bytes.
+template <typename F>
+ffi::Error Guarded(const char* op, const F& run) noexcept {
+  try {
+    return run();
+  } catch (const ScratchError& e) {
+    return AllocationError(op, e.bytes());
+  } catch (const std::bad_alloc&) {
+    return AllocationError(op, -1);
+  } catch (const std::exception& e) {
+    return InternalError(op, e.what());
+  } catch (...) {
+    return InternalError(op, "unknown exception");
+  }
 }
 
 }  // namespace

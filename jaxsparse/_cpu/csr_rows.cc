@@ -127,29 +127,35 @@ std::string CsrTakeKernel(const Scheduler& pool, const float* w, const int32_t* 
 
 ffi::Error CsrFewRowsForward(ffi::ThreadPool pool, F32Matrix x, F32Vector data, I32Vector row_offsets,
                              I32Vector col_indices, F32MatrixOut y) {
-  const int64_t b = Dim(x, 0), k = Dim(x, 1), n = Dim(*y, 1), nnz = Dim(data, 0);
-  if (Dim(*y, 0) != b || Dim(row_offsets, 0) != k + 1 || Dim(col_indices, 0) != nnz) {
-    return ShapeError("csr few-rows forward");
-  }
-  return Status("csr few-rows forward", CsrFewRowsKernel(PoolScheduler(pool), x.typed_data(), data.typed_data(),
-                                                         row_offsets.typed_data(), col_indices.typed_data(), b, k, n,
-                                                         nnz, y->typed_data()));
+  return Guarded("csr few-rows forward", [&]() -> ffi::Error {
+    const int64_t b = Dim(x, 0), k = Dim(x, 1), n = Dim(*y, 1), nnz = Dim(data, 0);
+    if (Dim(*y, 0) != b || Dim(row_offsets, 0) != k + 1 || Dim(col_indices, 0) != nnz) {
+      return ShapeError("csr few-rows forward");
+    }
+    return Status("csr few-rows forward", CsrFewRowsKernel(PoolScheduler(pool), x.typed_data(), data.typed_data(),
+                                                           row_offsets.typed_data(), col_indices.typed_data(), b, k, n,
+                                                           nnz, y->typed_data()));
+  });
 }
 
 ffi::Error CsrToDense(ffi::ThreadPool pool, F32Vector data, I32Vector row_offsets, I32Vector col_indices,
                       F32MatrixOut w) {
-  const int64_t k = Dim(*w, 0), n = Dim(*w, 1), nnz = Dim(data, 0);
-  if (Dim(row_offsets, 0) != k + 1 || Dim(col_indices, 0) != nnz) return ShapeError("csr to dense");
-  return Status("csr to dense", CsrToDenseKernel(PoolScheduler(pool), data.typed_data(), row_offsets.typed_data(),
-                                                 col_indices.typed_data(), k, n, nnz, w->typed_data()));
+  return Guarded("csr to dense", [&]() -> ffi::Error {
+    const int64_t k = Dim(*w, 0), n = Dim(*w, 1), nnz = Dim(data, 0);
+    if (Dim(row_offsets, 0) != k + 1 || Dim(col_indices, 0) != nnz) return ShapeError("csr to dense");
+    return Status("csr to dense", CsrToDenseKernel(PoolScheduler(pool), data.typed_data(), row_offsets.typed_data(),
+                                                   col_indices.typed_data(), k, n, nnz, w->typed_data()));
+  });
 }
 
 ffi::Error CsrTake(ffi::ThreadPool pool, F32Matrix w, I32Vector row_offsets, I32Vector col_indices,
                    F32VectorOut values) {
-  const int64_t k = Dim(w, 0), n = Dim(w, 1), nnz = Dim(*values, 0);
-  if (Dim(row_offsets, 0) != k + 1 || Dim(col_indices, 0) != nnz) return ShapeError("csr take");
-  return Status("csr take", CsrTakeKernel(PoolScheduler(pool), w.typed_data(), row_offsets.typed_data(),
-                                          col_indices.typed_data(), k, n, nnz, values->typed_data()));
+  return Guarded("csr take", [&]() -> ffi::Error {
+    const int64_t k = Dim(w, 0), n = Dim(w, 1), nnz = Dim(*values, 0);
+    if (Dim(row_offsets, 0) != k + 1 || Dim(col_indices, 0) != nnz) return ShapeError("csr take");
+    return Status("csr take", CsrTakeKernel(PoolScheduler(pool), w.typed_data(), row_offsets.typed_data(),
+                                            col_indices.typed_data(), k, n, nnz, values->typed_data()));
+  });
 }
 
 }  // namespace

@@ -221,7 +221,7 @@ inline uint64_t MaskBits(const bool* m, int64_t n) {
 // entry lands in exactly one segment either way, so unsorted input is still computed correctly.
 void Segment(const int32_t* line_start, int64_t lines, const int32_t* idx, int64_t nblocks, int64_t rows,
              std::vector<int32_t>& seg) {
-  seg.resize(lines * nblocks + 1);
+  Resize(seg, lines * nblocks + 1);
   const int32_t base = line_start[0];
   for (int64_t i = 0; i < lines; ++i) {
     int32_t p = line_start[i] - base;
@@ -259,7 +259,7 @@ inline int64_t ForwardColChunk(int64_t n) {
 // idx/val[seg[j * nblocks + blk] : seg[j * nblocks + blk + 1]].
 void ForwardChunk(const Tiled& xT, int64_t b, const int32_t* idx, const float* val, const int32_t* seg,
                   int64_t nblocks, int64_t cn, float* y, int64_t ld_y, Scratch& s) {
-  s.out.resize(cn * kTile);
+  Resize(s.out, cn * kTile);
   float* out = s.out.data();
   for (int64_t t = 0; t < xT.tiles(); ++t) {
     const int64_t tw = xT.width(t), nv = tw / kLanes, b0 = t * kTile;
@@ -280,7 +280,7 @@ void ForwardChunk(const Tiled& xT, int64_t b, const int32_t* idx, const float* v
 void BackwardChunk(const Tiled& xT, const Tiled& dyT, int64_t b, int64_t r0, const int32_t* idx, const float* val,
                    const int32_t* seg, int64_t nblocks, int64_t rn, float* dx, int64_t ld_dx, float* dots,
                    Scratch& s) {
-  s.out.resize(rn * kTile);
+  Resize(s.out, rn * kTile);
   float* out = s.out.data();
   std::fill(dots, dots + seg[rn * nblocks], 0.f);
   for (int64_t t = 0; t < dyT.tiles(); ++t) {
@@ -316,7 +316,8 @@ void MaskedForwardKernel(const Scheduler& pool, const float* x, const float* w, 
     const int64_t c0 = chunk * col_chunk, cn = std::min(col_chunk, n - c0);
     // Count the kept entries per (fine row block, column); the chunk's density then sets the row blocks
     // (whole numbers of fine ones), and the entries are bucketed by (column, row block).
-    s.counts.assign(nfine * cn, 0);
+    Resize(s.counts, nfine * cn);
+    std::fill(s.counts.begin(), s.counts.end(), 0);
     int64_t kept = 0;
     for (int64_t r = 0; r < k; ++r) {
       const uint8_t* m = reinterpret_cast<const uint8_t*>(mask + r * n + c0);
@@ -332,7 +333,7 @@ void MaskedForwardKernel(const Scheduler& pool, const float* x, const float* w, 
     for (int64_t i = 0; i < nfine * cn; ++i) kept += s.counts[i];
     const int64_t rows = ForwardBlockRows(static_cast<double>(kept) / static_cast<double>(k * cn));
     const int64_t per = rows / kFineRows, nblocks = CeilDiv(nfine, per);
-    s.seg.resize(cn * nblocks + 1);
+    Resize(s.seg, cn * nblocks + 1);
     int32_t total = 0;
     for (int64_t j = 0; j < cn; ++j) {
       for (int64_t blk = 0; blk < nblocks; ++blk) {
@@ -341,9 +342,10 @@ void MaskedForwardKernel(const Scheduler& pool, const float* x, const float* w, 
       }
     }
     s.seg[cn * nblocks] = total;
-    s.pos.assign(s.seg.begin(), s.seg.end() - 1);
-    s.idx.resize(total + 1);
-    s.val.resize(total + 1);
+    Resize(s.pos, cn * nblocks);
+    std::copy(s.seg.begin(), s.seg.end() - 1, s.pos.begin());
+    Resize(s.idx, total + 1);
+    Resize(s.val, total + 1);
     for (int64_t r = 0; r < k; ++r) {
       const bool* m = mask + r * n + c0;
       const float* wr = w + r * n + c0;
@@ -384,9 +386,9 @@ void MaskedBackwardKernel(const Scheduler& pool, const float* x, const float* w,
     Scratch& s = ThreadScratch();
     const int64_t r0 = chunk * kRowChunk, rn = std::min(kRowChunk, k - r0);
     // The kept entries of the chunk's rows, in row-major order.
-    s.counts.resize(rn + 1);
-    s.idx.resize(rn * n + 1);
-    s.val.resize(rn * n + 1);
+    Resize(s.counts, rn + 1);
+    Resize(s.idx, rn * n + 1);
+    Resize(s.val, rn * n + 1);
     int32_t total = 0;
     for (int64_t i = 0; i < rn; ++i) {
       s.counts[i] = total;
@@ -405,9 +407,10 @@ void MaskedBackwardKernel(const Scheduler& pool, const float* x, const float* w,
     }
     s.counts[rn] = total;
     Segment(s.counts.data(), rn, s.idx.data(), nblocks, kBlockRows, s.seg);
-    s.dots.resize(total + 1);
+    Resize(s.dots, total + 1);
     BackwardChunk(xT, dyT, b, r0, s.idx.data(), s.val.data(), s.seg.data(), nblocks, rn, dx, k, s.dots.data(), s);
-    s.row.assign(n, 0.f);
+    Resize(s.row, n);
+    std::fill(s.row.begin(), s.row.end(), 0.f);
     for (int64_t i = 0; i < rn; ++i) {
       for (int32_t e = s.counts[i]; e < s.counts[i + 1]; ++e) s.row[s.idx[e]] = s.dots[e];
       StreamCopy(dw + (r0 + i) * n, s.row.data(), n);
@@ -446,7 +449,7 @@ std::string CsrForwardKernel(const Scheduler& pool, const float* x, const float*
     const int64_t c0 = chunk * col_chunk, cn = std::min(col_chunk, n - c0);
     const int32_t start = col_offsets[c0];
     const int64_t total = col_offsets[c0 + cn] - start;
-    s.val.resize(total + 1);
+    Resize(s.val, total + 1);
     const int32_t* order = transpose_order + start;
     for (int64_t e = 0; e < total; ++e) {
       // Random reads of an nnz-long array: fetch a few dozen entries ahead.
@@ -513,71 +516,80 @@ double SampledDensity(const bool* mask, int64_t k, int64_t n, int64_t step) {
 ffi::Error MaskedForward(ffi::ThreadPool pool, F32Matrix x, F32Matrix w, BoolMatrix mask, F32MatrixOut y,
                          int32_t route, float max_density, int64_t small_rows, float small_max_density,
                          int64_t sample_step) {
-  const int64_t b = Dim(x, 0), k = Dim(x, 1), n = Dim(w, 1);
-  if (Dim(w, 0) != k || Dim(mask, 0) != k || Dim(mask, 1) != n || Dim(*y, 0) != b || Dim(*y, 1) != n) {
-    return ShapeError("masked forward");
-  }
-  if (route < kAuto || route > kGemm || sample_step < 1) {
-    return Status("masked forward", "route=" + std::to_string(route) + ", sample_step=" +
-                                        std::to_string(sample_step) + " (internal error in jaxsparse)");
-  }
-  const Scheduler scheduler = PoolScheduler(pool);
-  if (route == kAuto) {
-    const double limit = b < small_rows ? small_max_density : max_density;
-    const bool sparse = b > kFewRows && k > 0 && n > 0 && SampledDensity(mask.typed_data(), k, n, sample_step) <= limit;
-    route = sparse ? kSparse : kGemm;
-  }
-  if (route == kGemm) {
-    jaxsparse_cpu::MaskedGemm(scheduler, x.typed_data(), w.typed_data(), mask.typed_data(), b, k, n,
-                              y->typed_data());
+  return Guarded("masked forward", [&]() -> ffi::Error {
+    const int64_t b = Dim(x, 0), k = Dim(x, 1), n = Dim(w, 1);
+    if (Dim(w, 0) != k || Dim(mask, 0) != k || Dim(mask, 1) != n || Dim(*y, 0) != b || Dim(*y, 1) != n) {
+      return ShapeError("masked forward");
+    }
+    if (route < kAuto || route > kGemm || sample_step < 1) {
+      return Status("masked forward", "route=" + std::to_string(route) + ", sample_step=" +
+                                          std::to_string(sample_step) + " (internal error in jaxsparse)");
+    }
+    const Scheduler scheduler = PoolScheduler(pool);
+    if (route == kAuto) {
+      const double limit = b < small_rows ? small_max_density : max_density;
+      const bool sparse =
+          b > kFewRows && k > 0 && n > 0 && SampledDensity(mask.typed_data(), k, n, sample_step) <= limit;
+      route = sparse ? kSparse : kGemm;
+    }
+    if (route == kGemm) {
+      jaxsparse_cpu::MaskedGemm(scheduler, x.typed_data(), w.typed_data(), mask.typed_data(), b, k, n,
+                                y->typed_data());
+      return ffi::Error::Success();
+    }
+    if (k > kMaxChunkEntries / kColChunk) {
+      return Status("masked forward", "k=" + std::to_string(k) + " rows exceed the kernel's int32 chunk indexing");
+    }
+    MaskedForwardKernel(scheduler, x.typed_data(), w.typed_data(), mask.typed_data(), b, k, n, y->typed_data());
     return ffi::Error::Success();
-  }
-  if (k > kMaxChunkEntries / kColChunk) {
-    return Status("masked forward", "k=" + std::to_string(k) + " rows exceed the kernel's int32 chunk indexing");
-  }
-  MaskedForwardKernel(scheduler, x.typed_data(), w.typed_data(), mask.typed_data(), b, k, n, y->typed_data());
-  return ffi::Error::Success();
+  });
 }
 
 ffi::Error MaskedBackward(ffi::ThreadPool pool, F32Matrix x, F32Matrix w, BoolMatrix mask, F32Matrix dy,
                           F32MatrixOut dx, F32MatrixOut dw) {
-  const int64_t b = Dim(x, 0), k = Dim(x, 1), n = Dim(w, 1);
-  if (Dim(w, 0) != k || Dim(mask, 0) != k || Dim(mask, 1) != n || Dim(dy, 0) != b || Dim(dy, 1) != n ||
-      Dim(*dx, 0) != b || Dim(*dx, 1) != k || Dim(*dw, 0) != k || Dim(*dw, 1) != n) {
-    return ShapeError("masked backward");
-  }
-  if (n > kMaxChunkEntries / kRowChunk) {
-    return Status("masked backward", "n=" + std::to_string(n) + " columns exceed the kernel's int32 chunk indexing");
-  }
-  MaskedBackwardKernel(PoolScheduler(pool), x.typed_data(), w.typed_data(), mask.typed_data(), dy.typed_data(), b,
-                       k, n, dx->typed_data(), dw->typed_data());
-  return ffi::Error::Success();
+  return Guarded("masked backward", [&]() -> ffi::Error {
+    const int64_t b = Dim(x, 0), k = Dim(x, 1), n = Dim(w, 1);
+    if (Dim(w, 0) != k || Dim(mask, 0) != k || Dim(mask, 1) != n || Dim(dy, 0) != b || Dim(dy, 1) != n ||
+        Dim(*dx, 0) != b || Dim(*dx, 1) != k || Dim(*dw, 0) != k || Dim(*dw, 1) != n) {
+      return ShapeError("masked backward");
+    }
+    if (n > kMaxChunkEntries / kRowChunk) {
+      return Status("masked backward", "n=" + std::to_string(n) + " columns exceed the kernel's int32 chunk indexing");
+    }
+    MaskedBackwardKernel(PoolScheduler(pool), x.typed_data(), w.typed_data(), mask.typed_data(), dy.typed_data(), b,
+                         k, n, dx->typed_data(), dw->typed_data());
+    return ffi::Error::Success();
+  });
 }
 
 ffi::Error CsrForward(ffi::ThreadPool pool, F32Matrix x, F32Vector data, I32Vector col_offsets,
                       I32Vector transpose_order, I32Vector transpose_row_indices, F32MatrixOut y) {
-  const int64_t b = Dim(x, 0), k = Dim(x, 1), n = Dim(*y, 1), nnz = Dim(data, 0);
-  if (Dim(*y, 0) != b || Dim(col_offsets, 0) != n + 1 || Dim(transpose_order, 0) != nnz ||
-      Dim(transpose_row_indices, 0) != nnz) {
-    return ShapeError("csr forward");
-  }
-  return Status("csr forward", CsrForwardKernel(PoolScheduler(pool), x.typed_data(), data.typed_data(),
-                                                col_offsets.typed_data(), transpose_order.typed_data(),
-                                                transpose_row_indices.typed_data(), b, k, n, nnz,
-                                                y->typed_data()));
+  return Guarded("csr forward", [&]() -> ffi::Error {
+    const int64_t b = Dim(x, 0), k = Dim(x, 1), n = Dim(*y, 1), nnz = Dim(data, 0);
+    if (Dim(*y, 0) != b || Dim(col_offsets, 0) != n + 1 || Dim(transpose_order, 0) != nnz ||
+        Dim(transpose_row_indices, 0) != nnz) {
+      return ShapeError("csr forward");
+    }
+    return Status("csr forward", CsrForwardKernel(PoolScheduler(pool), x.typed_data(), data.typed_data(),
+                                                  col_offsets.typed_data(), transpose_order.typed_data(),
+                                                  transpose_row_indices.typed_data(), b, k, n, nnz,
+                                                  y->typed_data()));
+  });
 }
 
 ffi::Error CsrBackward(ffi::ThreadPool pool, F32Matrix x, F32Vector data, I32Vector row_offsets,
                        I32Vector col_indices, F32Matrix dy, F32MatrixOut dx, F32VectorOut ddata) {
-  const int64_t b = Dim(x, 0), k = Dim(x, 1), n = Dim(dy, 1), nnz = Dim(data, 0);
-  if (Dim(dy, 0) != b || Dim(row_offsets, 0) != k + 1 || Dim(col_indices, 0) != nnz || Dim(*dx, 0) != b ||
-      Dim(*dx, 1) != k || Dim(*ddata, 0) != nnz) {
-    return ShapeError("csr backward");
-  }
-  return Status("csr backward", CsrBackwardKernel(PoolScheduler(pool), x.typed_data(), data.typed_data(),
-                                                  row_offsets.typed_data(), col_indices.typed_data(),
-                                                  dy.typed_data(), b, k, n, nnz, dx->typed_data(),
-                                                  ddata->typed_data()));
+  return Guarded("csr backward", [&]() -> ffi::Error {
+    const int64_t b = Dim(x, 0), k = Dim(x, 1), n = Dim(dy, 1), nnz = Dim(data, 0);
+    if (Dim(dy, 0) != b || Dim(row_offsets, 0) != k + 1 || Dim(col_indices, 0) != nnz || Dim(*dx, 0) != b ||
+        Dim(*dx, 1) != k || Dim(*ddata, 0) != nnz) {
+      return ShapeError("csr backward");
+    }
+    return Status("csr backward", CsrBackwardKernel(PoolScheduler(pool), x.typed_data(), data.typed_data(),
+                                                    row_offsets.typed_data(), col_indices.typed_data(),
+                                                    dy.typed_data(), b, k, n, nnz, dx->typed_data(),
+                                                    ddata->typed_data()));
+  });
 }
 
 }  // namespace
