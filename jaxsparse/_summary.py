@@ -59,7 +59,9 @@ class LayerSummary:
     kind: class name of the layer (Linen layers found from their variables: ``"BlockSparseDense"``...);
       ``"MaskedDense or MaskedConv"`` for Linen variables alone whose masked kernel has ndim > 2 (a masked
       ``nn.Conv``'s, or a stacked ``nn.scan`` ``MaskedDense``'s): ``module=`` tells which.
-    shape: shape of the dense kernel the layer stands for, ``(in, out)`` or ``(*kernel_size, cin, cout)``.
+    shape: shape of the dense kernel the layer stands for, ``(in, out)`` or ``(*kernel_size, cin, cout)``; an
+      embedding's table, ``(num_embeddings, features)``; a stack of layers (``nnx.vmap``, ``nn.scan``) leads with
+      its layer axes.
     pattern: the structure in words: ``"block 32x32"``, ``"2:4"``, ``"2:4 compressed"``, ``"unstructured"``.
     density: fraction of the kernel's weights kept; ``None`` when unknown (the mask of an abstract model); 0.0 for an
       empty (zero-size) kernel or table, whose byte and FLOP ratios read ``-``. An N:M layer's kept weights are those
@@ -244,13 +246,15 @@ def _nnx_layer(path: str, node: nnx.Module) -> LayerSummary | None:
                          weight_mask=node.mask if isinstance(node, NMConv) else None)
     return _layer(path, kind, shape, pattern, kept, param_dtype=node.kernel.dtype, dense_weight_grad=True, **common)
   if isinstance(node, CompressedNMEmbed):
-    shape = (node.num_embeddings, node.features)
+    stack = tuple(node.embedding.shape[:-2])  # a stack of tables (nnx.vmap): values (*layers, features * n // m, V)
+    shape = (*stack, node.num_embeddings, node.features)
     # Its nonzero kept values, as sparsify's report counts the table (nm_table_density): a sparser mask stores zeros.
     kept = compressed_kept_count(node.embedding.get_value())
     table = _layer(path, kind, shape, f"{node.n}:{node.m} compressed", kept, param_dtype=node.embedding.dtype, **common)
     return dataclasses.replace(table, forward_flops=0, backward_flops=0, dense_forward_flops=0, dense_backward_flops=0)
   if isinstance(node, CompressedNMLinear):
-    shape = (node.in_features, node.out_features)
+    stack = () if node.kernel is None else tuple(node.kernel.shape[:-2])  # a stack of layers (nnx.vmap)
+    shape = (*stack, node.in_features, node.out_features)
     # Its nonzero kept values, as its LayerSignature counts them; storage="cusparselt" keeps none to count: n of m.
     kept = (math.prod(shape) * node.n // node.m if node.kernel is None
             else compressed_kept_count(node.kernel.get_value()))
@@ -392,7 +396,8 @@ def _linen_layers(
               "the Linen module and its example inputs)."
           )
         name, n, m, _, _ = nm_layers[prefix]
-        shape = (kernel.shape[0] * m // n, kernel.shape[1])
+        *stack, kept_rows, features = kernel.shape  # a stack of layers (nn.scan / nn.vmap) has leading layer axes
+        shape = (*stack, kept_rows * m // n, features)
         out.append(_layer(path, name, shape, f"{n}:{m} compressed", compressed_kept_count(kernel), **common))
       elif prefix in nm_layers:
         name, n, m, transposable, own = nm_layers[prefix]
@@ -426,8 +431,8 @@ def _linen_kept(path: str, pattern: Mapping, kernel: Any) -> int | None:
 
 
 def _linen_embed(path: str, params: Mapping, pattern: Mapping, info: _NMInfo | None) -> LayerSummary:
-  """The row of a Linen ``CompressedNMEmbed``: its kept values ``(features * n // m, num_embeddings)``, its table
-  ``(num_embeddings, features)``; a lookup, no FLOPs."""
+  """The row of a Linen ``CompressedNMEmbed``: its kept values ``(*layers, features * n // m, num_embeddings)``, its
+  table ``(*layers, num_embeddings, features)`` (``layers``: the leading axes of a stack); a lookup, no FLOPs."""
   if info is None:
     raise ValueError(
         f"{path or '(the variables)'} holds a compressed N:M embedding (sparsity 'embedding_positions') whose n:m only "
@@ -436,7 +441,8 @@ def _linen_embed(path: str, params: Mapping, pattern: Mapping, info: _NMInfo | N
     )
   name, n, m, _, _ = info
   values = params["embedding"]
-  shape = (values.shape[1], values.shape[0] * m // n)
+  *stack, kept_rows, num_embeddings = values.shape  # a stack of tables (nn.scan / nn.vmap) has leading layer axes
+  shape = (*stack, num_embeddings, kept_rows * m // n)
   table = _layer(path, name, shape, f"{n}:{m} compressed", compressed_kept_count(values),  # as NNX
                  stored={"params": params, SPARSITY: pattern}, param_dtype=values.dtype, bias_size=0)
   return dataclasses.replace(table, forward_flops=0, backward_flops=0, dense_forward_flops=0, dense_backward_flops=0)

@@ -320,3 +320,60 @@ def test_from_dense_keeps_the_table_partitioning_names_swapped():
   assert specs["embedding"].get_value() == jax.sharding.PartitionSpec("embed", "vocab")
   ids = jnp.array([0, 5, 11])
   np.testing.assert_array_equal(sparse(ids), _reference(dense, 2, 4)(ids))
+
+
+def test_summary_of_a_stack_of_tables():
+  # A stack of 3 tables (nnx.vmap) was shown as one table's (32, 16) keeping all 3 tables' weights: density 1.5, and
+  # the dense bytes of one table. Now the stack's shape, each table's density, the whole stack's dense bytes.
+  stack = nnx.vmap(lambda key: CompressedNMEmbed.from_dense(nnx.Embed(32, 16, rngs=nnx.Rngs(key))), in_axes=0,
+                   out_axes=0)(jax.random.split(jax.random.key(0), 3))
+  (row,) = jaxsparse.summary(stack).layers
+  assert (row.shape, row.density, row.dense_bytes) == ((3, 32, 16), 0.5, 3 * 32 * 16 * 4)
+
+
+class _TiedNet(nnx.Module):
+  def __init__(self, rngs):
+    self.embed = nnx.Embed(32, 16, rngs=rngs)
+    self.fc = nnx.Linear(16, 16, rngs=rngs)
+    self.head = self.embed  # tied input and output embeddings
+
+  def __call__(self, ids):
+    return self.head.attend(self.fc(self.embed(ids)))
+
+
+def test_sparsify_matches_every_path_of_a_tied_table():
+  # The rules were matched at the table's first path only: {"head": NM(2, 4)} left it dense (warning that "head"
+  # matched nothing) while pruning.magnitude_masks pruned it under the same rules, and rules giving its two paths
+  # different structures took the first silently. Now as for a tied linear layer.
+  model = _TiedNet(nnx.Rngs(0))
+  masks = jaxsparse.pruning.magnitude_masks(model, {"head": jaxsparse.NM(2, 4)})
+  sparse, report = jaxsparse.sparsify(model, {"head": jaxsparse.NM(2, 4)}, masks=masks)
+  assert type(sparse.embed) is CompressedNMEmbed and sparse.head is sparse.embed
+  (change,) = report.layers
+  assert (change.path, change.density, change.note) == ("embed", 0.5, "tied: also at head")
+  ids = jnp.array([[3, 1, 31]])
+  ref = nnx.clone(model)  # tied: the table pruned in place
+  ref.embed.embedding[...] = _reference(model.embed, 2, 4).embedding[...]
+  np.testing.assert_array_equal(sparse(ids), ref(ids))
+  with pytest.raises(ValueError, match=r"embed: one embedding held at several paths \(tied\) gets different "
+                     r"structures from the rules: embed: 2:4, head: 1:4"):
+    jaxsparse.sparsify(model, {"embed": jaxsparse.NM(2, 4), "head": jaxsparse.NM(1, 4)})
+
+
+class _ScaledEmbed(nnx.Embed):
+  def __call__(self, inputs):
+    return super().__call__(inputs) * 4.0
+
+
+def test_sparsify_refuses_a_table_it_cannot_rebuild():
+  # A subclass of nnx.Embed became a plain CompressedNMEmbed, dropping its scale: lookups 4x off, silently. A stacked
+  # (nnx.vmap) table raised compress_table's "table must be 2-D", without the way out.
+  model = nnx.Sequential(_ScaledEmbed(32, 16, rngs=nnx.Rngs(0)))
+  with pytest.raises(TypeError, match=r"layers.0: _ScaledEmbed is a subclass of nnx.Embed; sparsify stores its table "
+                     r"as a CompressedNMEmbed and would drop what the subclass adds.*Map this path to None"):
+    jaxsparse.sparsify(model, {"layers.0": jaxsparse.NM(2, 4)})
+  stack = nnx.vmap(lambda key: nnx.Embed(32, 16, rngs=nnx.Rngs(key)), in_axes=0, out_axes=0)(
+      jax.random.split(jax.random.key(0), 3))
+  with pytest.raises(ValueError, match=r"layers.0: its table has shape \(3, 32, 16\), not the \(32, 16\) of its "
+                     r"num_embeddings and features: a stacked .* map this path to None"):
+    jaxsparse.sparsify(nnx.Sequential(stack), {"layers.0": jaxsparse.NM(2, 4)})

@@ -452,3 +452,40 @@ def test_summary_counts_the_embedding_kept_weights_as_the_report():
   assert jaxsparse.summary(layer_vars, ids, module=layer).layers[0].density == kept / (VOCAB * D)
   abstract = jax.eval_shape(layer.init, jax.random.key(0), ids)
   assert jaxsparse.summary(abstract, ids, module=layer).layers[0].density == 0.5  # no values: the most it keeps
+
+
+def test_summary_of_a_stack_of_tables():
+  # A stack of 3 tables (nn.scan) was shown as a (8, 6) table of density 16.0 (its kept values' (3, 8, 32) read as one
+  # table's); now the stack's (3, 32, 16), each table's density, the whole stack's dense bytes, as NNX.
+  class Step(nn.Module):
+    @nn.compact
+    def __call__(self, carry, _):
+      embed = CompressedNMEmbed(32, 16, name="embed")
+      return carry + embed.attend(embed(jnp.array([1, 2]))).sum(), None
+
+  class Stack(nn.Module):
+    @nn.compact
+    def __call__(self, ids):
+      scan = nn.scan(Step, variable_axes={"params": 0, "sparsity": 0}, split_rngs={"params": True}, length=3)
+      return scan(name="blocks")(jnp.zeros(()), None)[0]
+
+  model, ids = Stack(), jnp.array([1])
+  (row,) = jaxsparse.summary(model.init(jax.random.key(0), ids), ids, module=model).layers
+  assert (row.path, row.shape, row.density, row.dense_bytes) == ("blocks.embed", (3, 32, 16), 0.5, 3 * 32 * 16 * 4)
+
+
+def test_sparsify_linen_names_a_subclass_of_nn_embed():
+  # A called subclass of nn.Embed was refused as a table "the example input never calls"; now named as what it is.
+  class Scaled(nn.Embed):
+    def __call__(self, inputs):
+      return super().__call__(inputs) * 4.0
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, ids):
+      return Scaled(VOCAB, D, name="embed")(ids)
+
+  model, ids = Net(), jnp.array([[1, 2]])
+  with pytest.raises(ValueError, match=r"embed \(Scaled, a subclass of nn.Embed whose additions a CompressedNMEmbed "
+                     r"would drop\): rule 'embed' gives it 2:4, but sparsify does not take this layer"):
+    jaxsparse.sparsify_linen(model, model.init(jax.random.key(0), ids), {"embed": jaxsparse.NM(2, 4)}, ids)

@@ -349,6 +349,23 @@ def test_nm_pruned_embedding_has_the_groups_sparsify_keeps():
     pruning.magnitude_masks(model, {"embed": jaxsparse.NM(2, 3)})
 
 
+def test_rules_on_already_compressed_layers_raise():
+  """A rule naming a CompressedNMEmbed (or CompressedNMLinear) of a model pruned its stored values as if they were the
+  dense table: the (4, 16) kept values of a 2:4 table taken as a 16-feature table, 2 of every 4 "features" (ids)
+  kept, so {"embed": NM(2, 4)} on the model sparsify made halved what it keeps, silently. Now it raises naming the
+  layer; catch-all rules pass the table by, as before."""
+  model = _EmbedNet(nnx.Rngs(0))
+  sparse, _ = jaxsparse.sparsify(model, {"embed": jaxsparse.NM(2, 4), "fc": jaxsparse.NM(2, 4)})
+  small = jaxsparse.compress(sparse)
+  for rules, path, kind in (({"embed": jaxsparse.NM(2, 4)}, "embed.embedding", "CompressedNMEmbed"),
+                            ({"embed": jaxsparse.Unstructured(0.5)}, "embed.embedding", "CompressedNMEmbed"),
+                            (jaxsparse.NM(2, 4), "fc.kernel", "CompressedNMLinear")):
+    with pytest.raises(ValueError, match=rf"{path}: this {kind} is already N:M-compressed: .*map this path to None"):
+      pruning.magnitude_masks(small, rules)
+  masks = pruning.magnitude_masks(small, {"embed": None, "fc": None, ".*": jaxsparse.NM(2, 4)})
+  assert all(m is None for m in jax.tree.leaves(masks, is_leaf=lambda m: m is None))
+
+
 def test_global_block_pruning_keeps_a_block_in_every_layer():
   params = _params()
   params["fc1"]["kernel"] = params["fc1"]["kernel"] * 10.0  # every fc1 block outscores every fc2 block

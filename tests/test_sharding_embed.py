@@ -76,22 +76,33 @@ def test_nnx_sparsify_of_a_feature_split_table_on_an_explicit_mesh():
 @pytest.mark.slow  # a 4-device subprocess (~10 s on 2 cores)
 def test_lookup_of_a_split_table_with_split_ids_on_an_explicit_mesh():
   # Was: jnp.take from the split table (or by the split ids) could not be typed under explicit axes, NNX and Linen.
+  # And attend of a table whose vocabulary is split returned the logits replicated (NNX and Linen), where nnx.Embed's
+  # attend of the table split so returns them split over the vocabulary (unless the query uses that axis).
   _run("""
   mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
   linen = LinenEmbed(V, D, embedding_init=lambda *_: TABLE)
   variables = linen.init(jax.random.key(0), IDS)
+  grad_q = jax.grad(lambda q: jnp.sum(jnp.sin(REF.attend(q))))(Q)
   with jax.set_mesh(mesh):
     for names in (("model", None), ("data", "model")):
       sparse = sparsified(names)
-      ids = jax.device_put(IDS, P("data"))
+      ids, q = jax.device_put(IDS, P("data")), jax.device_put(Q, P("data"))
       rows = jax.jit(lambda m, i: m(i))(sparse, ids)
       close(rows, REF(IDS))
       assert spec(rows) == P("data", None, names[1]), spec(rows)  # the features split as the table's
       close(jax.jit(lambda m, i: m(i))(sparse, IDS), REF(IDS))  # replicated ids
+      vocab = None if names[0] == "data" else names[0]  # the query's rows hold "data"
+      logits = jax.jit(lambda m, q: m.layers[0].attend(q))(sparse, q)
+      close(logits, REF.attend(Q))
+      assert spec(logits) == P("data", None, vocab), spec(logits)
+      close(jax.jit(jax.grad(lambda q: jnp.sum(jnp.sin(sparse.layers[0].attend(q)))))(q), grad_q)
       placed = jax.tree.map(lambda a: jax.device_put(a, P(*names[::-1])), variables)
       rows = jax.jit(linen.apply)(placed, ids)
       close(rows, REF(IDS))
       assert spec(rows) == P("data", None, names[1]), spec(rows)
+      logits = jax.jit(lambda v, q: linen.apply(v, q, method="attend"))(placed, q)
+      close(logits, REF.attend(Q))
+      assert spec(logits) == P("data", None, vocab), spec(logits)
   """)
 
 

@@ -126,6 +126,31 @@ def test_linen_masked_kind_of_stacked_dense_and_masked_conv():
   assert [row.kind for row in jaxsparse.summary(variables).layers] == ["MaskedDense or MaskedConv"] * 2
 
 
+def test_summary_of_stacks_of_compressed_nm_layers():
+  """A stack of 3 compressed N:M layers (nnx.vmap, nn.scan) was shown as one layer's kernel keeping all 3 layers'
+  weights (density 1.5 in NNX; Linen read the stack axis as the kernel's rows). Now the stack's shape, each layer's
+  density, the whole stack's dense bytes, as for block-sparse stacks."""
+  stack = nnx.vmap(lambda key: layers.NMLinear(16, 8, rngs=nnx.Rngs(key)).to_compressed(), in_axes=0, out_axes=0)(
+      jax.random.split(jax.random.key(0), 3))
+  (row,) = jaxsparse.summary(stack).layers
+  assert (row.shape, row.density, row.dense_bytes) == ((3, 16, 8), 0.5, 3 * (16 * 8 + 8) * F32)
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+      return linen.CompressedNMDense(16, name="fc")(x), None
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      scan = nn.scan(Block, variable_axes={"params": 0, linen.SPARSITY: 0}, split_rngs={"params": True}, length=3)
+      return scan(name="stack")(x, None)[0]
+
+  x = jnp.ones((2, 16))
+  (row,) = jaxsparse.summary(Net().init(jax.random.key(0), x), x, module=Net()).layers
+  assert (row.path, row.shape, row.density, row.dense_bytes) == ("stack.fc", (3, 16, 16), 0.5, 3 * (16 * 16 + 16) * F32)
+
+
 _OWN_MASK = jnp.ones((3, 8, 8), bool).at[:, :3].set(False)  # channels 0-2 masked: their group of 4 keeps 1 of 2
 
 

@@ -1547,3 +1547,48 @@ def test_linen_export_refuses_variables_it_cannot_read():
   odd["sparsity"].pop("fc")
   with pytest.raises(ValueError, match=r"^head\.pattern: its 'sparsity' variables \['col_indices', "):
     torch_interop.export_state_dict(odd)
+
+
+def test_load_nnx_into_a_compressed_embedding():
+  """A model sparsify made (a CompressedNMEmbed) refused its own torch export: "the Flax model's embed.embedding has no
+  torch counterpart: expected 'embed.embedding'" (a generic module's names). Now a dense weight fills the values at
+  the layer's kept positions and a 2:4-masked one (format="prune") replaces the layer by one of that mask, as into
+  an nnx.Embed."""
+  dense = nnx.Sequential(nnx.Embed(16, 8, rngs=nnx.Rngs(0)))
+  sparse = nnx.Sequential(jaxsparse.layers.CompressedNMEmbed.from_dense(dense.layers[0], 2, 4))  # as sparsify makes it
+  ids = jnp.arange(-1, 17)
+  for fmt in ("dense", "prune"):
+    state = torch_interop.export_state_dict(sparse, format=fmt)
+    target = nnx.clone(sparse)
+    target.layers[0].embedding[...] = jnp.zeros_like(target.layers[0].embedding[...])
+    if fmt == "prune":  # another pattern: the torch mask's replaces it
+      target.layers[0] = jaxsparse.layers.CompressedNMEmbed.from_dense(dense.layers[0], 1, 4)
+    report = torch_interop.load_nnx(target, state, name_map=SEQ)
+    assert type(target.layers[0]).__name__ == report.layers[0].layer == "CompressedNMEmbed"
+    np.testing.assert_array_equal(target(ids), sparse(ids))
+
+
+def test_load_nnx_into_a_tied_embedding():
+  """A torch model with tied embeddings lists the table at both paths ("head.weight" too); load_nnx matched the Flax
+  model's tied module at its first path only and refused "head.weight" as "torch parameters with no Flax module"
+  (the Flax model has a head). Now it loads, and torch weights that differ at the two paths are refused."""
+
+  class Torch(torch.nn.Module):
+    def __init__(self):
+      super().__init__()
+      self.embed, self.head = torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16, bias=False)
+      self.head.weight = self.embed.weight
+
+  class Flax(nnx.Module):
+    def __init__(self):
+      self.embed = nnx.Embed(16, 8, rngs=nnx.Rngs(0))
+      self.head = self.embed
+
+  net, model = Torch(), Flax()
+  report = torch_interop.load_nnx(model, net.state_dict())
+  assert [layer.flax_path for layer in report.layers] == ["embed"] and model.head is model.embed
+  np.testing.assert_array_equal(model.embed.embedding[...], net.embed.weight.detach().numpy())
+  state = {**net.state_dict(), "head.weight": torch.zeros(16, 8)}
+  with pytest.raises(CheckpointError, match=r"the Flax module 'embed' is also held at 'head' \(tied.*torch 'embed' "
+                     r"and 'head' differ in \['weight'\]"):
+    torch_interop.load_nnx(Flax(), state)

@@ -407,8 +407,9 @@ def sparsify_linen(
   layers, changes = {}, []
   dense_paths = [".".join(p) for p in found]
   embeds = _chosen_embeds(resolved, called_embeds, dense_paths)
-  others = {p: "nn.Embed" for p, leaves in _param_groups(nn.meta.unbox(params)).items()
-            if "embedding" in leaves and p not in {".".join(q) for q in called_embeds}}  # not called on the input
+  # Tables not called on the input, or held by a subclass of nn.Embed (whose lookups may add to the rows).
+  others = {p: _other_table_kind(called.get(p)) for p, leaves in _param_groups(nn.meta.unbox(params)).items()
+            if "embedding" in leaves and p not in {".".join(q) for q in called_embeds}}
   check_unsupported(resolved, dense_paths + [".".join(p) for p in called_embeds], others,
                     supported="nn.Dense, nn.DenseGeneral (trailing axes), nn.Conv, nn.Embed (NM, a rule naming it)")
   chosen = [path for path in found if (r := match_rules(resolved, ".".join(path))) is not None
@@ -558,6 +559,15 @@ def _unsupported_changes(params: Mapping, resolved: list, taken: set[str], calle
 
 
 _TAKES = "nn.Dense, nn.DenseGeneral (trailing axes), nn.Conv, nn.Embed (NM, a rule naming it)"
+
+
+def _other_table_kind(kind: type | None) -> str:
+  """How :func:`~jaxsparse._rules.check_unsupported` names a table sparsify_linen does not take: ``"nn.Embed"`` (not
+  called on the example input), or the class of a subclass of ``nn.Embed`` that is called (a ``CompressedNMEmbed``
+  would drop what the subclass adds)."""
+  if kind is not None and issubclass(kind, nn.Embed) and kind is not nn.Embed:
+    return f"{kind.__name__}, a subclass of nn.Embed whose additions a CompressedNMEmbed would drop"
+  return "nn.Embed"
 
 
 def _param_groups(tree: Mapping, prefix: str = "") -> dict[str, set[str]]:

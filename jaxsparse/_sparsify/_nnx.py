@@ -311,21 +311,50 @@ def _to_sparse(node: nnx.Module, spec: Spec, mask: np.ndarray | None, path: str)
   return _sparse_linear(node, spec, mask, path)
 
 
-def _chosen_embeds(model: nnx.Module, resolved: list, linear_paths: list[str]) -> list[tuple[tuple, nnx.Embed, NM]]:
-  """The ``nnx.Embed`` layers a rule aimed at embeddings maps to an ``NM`` structure: ``(path, layer, spec)``.
+def _chosen_embeds(
+    model: nnx.Module, resolved: list, linear_paths: list[str], paths_of: dict[int, list[tuple]],
+) -> list[tuple[tuple, nnx.Embed, NM, list[str]]]:
+  """The ``nnx.Embed`` layers a rule aimed at embeddings maps to an ``NM`` structure: ``(path, layer, spec, paths)``.
 
   An embedding takes the first rule that fully matches its path only when that rule matches no ``nnx.Linear`` /
   ``Conv`` / ``LinearGeneral`` (a rule naming it, like ``"embed"``): catch-all rules leave embeddings dense, since
-  pruning a lookup table saves memory, not time, and costs accuracy. Such a rule must be an ``NM`` one.
+  pruning a lookup table saves memory, not time, and costs accuracy. Such a rule must be an ``NM`` one. A table held
+  at several paths (tied: ``self.head = self.embed``, ``paths_of`` from :func:`~jaxsparse._rules.module_paths`) is
+  matched at each, as a tied linear layer is, and the rules must give its paths one structure; ``paths`` lists them.
   """
   out = []
   for path, node in nnx.iter_modules(model):
     if isinstance(node, nnx.Embed):
-      spec = embedding_rule(resolved, path_str(path), linear_paths, kind=f"nnx.{type(node).__name__}",
-                            layers="nnx.Linear, nnx.LinearGeneral (trailing axes), nnx.Conv", features=node.features)
-      if spec is not None:
-        out.append((tuple(path), node, spec))
+      paths = [path_str(q) for q in paths_of.get(id(node), [path])]
+      specs = {q: embedding_rule(resolved, q, linear_paths, kind=f"nnx.{type(node).__name__}",
+                                 layers="nnx.Linear, nnx.LinearGeneral (trailing axes), nnx.Conv",
+                                 features=node.features) for q in paths}
+      specs = {q: spec for q, spec in specs.items() if spec is not None}
+      if len(set(specs.values())) > 1:
+        raise ValueError(f"{path_str(path)}: one embedding held at several paths (tied) gets different structures "
+                         f"from the rules: {', '.join(f'{q}: {v.describe()}' for q, v in specs.items())}. Give its "
+                         "paths one structure.")
+      if specs:
+        _check_table_rebuildable(node, path_str(path) or "(the model itself)")
+        out.append((tuple(path), node, next(iter(specs.values())), paths))
   return out
+
+
+def _check_table_rebuildable(node: nnx.Embed, path: str) -> None:
+  """Raises where a ``CompressedNMEmbed`` of ``node``'s table would compute another function: a subclass of
+  ``nnx.Embed`` (its lookups may scale or add to the rows), a stacked (``nnx.vmap``) table."""
+  if type(node) is not nnx.Embed:
+    raise TypeError(
+        f"{path}: {type(node).__name__} is a subclass of nnx.Embed; sparsify stores its table as a CompressedNMEmbed "
+        "and would drop what the subclass adds (a scale, another lookup or attend). Map this path to None."
+    )
+  expected = (node.num_embeddings, node.features)
+  if tuple(node.embedding.shape) != expected:
+    raise ValueError(
+        f"{path}: its table has shape {tuple(node.embedding.shape)}, not the {expected} of its num_embeddings and "
+        "features: a stacked (scan-over-layers, nnx.vmap) table? sparsify takes layers holding one table each; map "
+        "this path to None."
+    )
 
 
 def _sparse_embed(node: nnx.Embed, spec: NM, mask: np.ndarray | None, path: str) -> CompressedNMEmbed:
@@ -567,8 +596,8 @@ def sparsify(
                        "structure.")
     if specs:
       chosen.append((path, node, next(iter(specs.values()))))
-  embeds = _chosen_embeds(model, resolved, all_paths)
-  warn_unmatched(resolved, all_paths + [path_str(p) for p, _, _ in embeds],
+  embeds = _chosen_embeds(model, resolved, all_paths, paths_of)
+  warn_unmatched(resolved, all_paths + [q for _, _, _, paths in embeds for q in paths],
                  what="nnx.Linear / nnx.Conv / nnx.LinearGeneral / nnx.Embed (a rule naming it)", shadowed=True)
   bridged = bridged_linen(model, holds_dense_layers)
   if bridged:
@@ -577,7 +606,7 @@ def sparsify(
         "are. Sparsify the Linen module before wrapping it: sparse, variables, _ = jaxsparse.sparsify_linen(module, "
         "variables, rules, *inputs), then nnx.bridge.ToNNX(sparse, rngs=...).", UserWarning)
   kernel_keys = [f"{path_str(p)}.kernel" if p else "kernel" for p, _, _ in chosen]
-  kernel_keys += [f"{path_str(p)}.embedding" if p else "embedding" for p, _, _ in embeds]
+  kernel_keys += [f"{path_str(p)}.embedding" if p else "embedding" for p, _, _, _ in embeds]
   check_masks_used(mask_dict, set(kernel_keys), kernel_keys)
 
   built = []
@@ -591,7 +620,7 @@ def sparsify(
 
   shapes = _record_inputs(model, [(p, n) for p, n, _, _ in built], example_input) if mode else {}
   changes = []
-  for path, node, spec in embeds:  # lookups, not products: nothing to time
+  for path, node, spec, paths in embeds:  # lookups, not products: nothing to time
     p = path_str(path)
     mask = mask_dict.get(f"{p}.embedding" if p else "embedding")
     # from_dense carries the table's partitioning names and placement
@@ -604,7 +633,8 @@ def sparsify(
     changes.append(LayerChange(p, f"Embed({node.num_embeddings}x{node.features})", spec.describe(),
                                type(new).__name__, nm_table_density(node.embedding.get_value(), spec.n, spec.m,
                                                                    mask=None if mask is None else np.asarray(mask)),
-                               state_bytes(node), state_bytes(new)))
+                               state_bytes(node), state_bytes(new),
+                               note=f"tied: also at {', '.join(paths[1:])}" if paths[1:] else ""))
   for path, node, spec, new in built:
     p = path_str(path)
     dense_ms = sparse_ms = None

@@ -316,12 +316,16 @@ def attend_table(query: jax.Array, weight: NMSparseMatrix, *, implementation: op
 
   Returns:
     ``(..., num_embeddings)``. A table of no features gives zeros, as the Flax layers' ``jnp.dot`` does (the N:M
-    ops need a contraction of at least one feature).
+    ops need a contraction of at least one feature). Where explicit mesh axes split the stored table's vocabulary, the
+    logits' last axis comes back split over the same axes, as a Flax ``Embed.attend`` of the table split so returns
+    it (unless the query's leading axes use those axes, or they do not divide ``num_embeddings``); the product itself
+    runs on the gathered table, as the ops run theirs.
   """
   features, num_embeddings = weight.shape
   if features == 0:
     return jnp.zeros((*jnp.shape(query)[:-1], num_embeddings), jnp.result_type(query, weight.values))
-  return ops.nm_matmul(query, weight, implementation=implementation, precision=precision)
+  logits = ops.nm_matmul(query, weight, implementation=implementation, precision=precision)
+  return _split_last_like_table(logits, weight.values, axis=1)
 
 
 def lookup(weight: NMSparseMatrix, inputs: jax.Array) -> jax.Array:
@@ -351,23 +355,24 @@ def lookup(weight: NMSparseMatrix, inputs: jax.Array) -> jax.Array:
   # most negative integer for signed ones...); here only the kept entries would be.
   valid = _take(jnp.ones((num_embeddings,), bool), inputs, axis=0, mode="fill", fill_value=False)
   fill = jnp.take(jnp.zeros((1,), rows.dtype), 1, mode="fill")  # jnp.take's fill value for this dtype
-  return _split_features_like_table(jnp.where(valid[..., None], rows, fill), weight.values)
+  return _split_last_like_table(jnp.where(valid[..., None], rows, fill), weight.values, axis=0)
 
 
-def _split_features_like_table(rows: jax.Array, values: jax.Array) -> jax.Array:
-  """``rows`` (split like the ids, features whole) with the features split over the explicit mesh axes that split
-  the stored ``values``' feature axis (axis 0), where the ids leave those axes free and they divide the features."""
-  mesh = _utils.explicit_mesh(rows)
+def _split_last_like_table(out: jax.Array, values: jax.Array, *, axis: int) -> jax.Array:
+  """``out`` (split like the ids or query, last axis whole) with its last axis split over the explicit mesh axes that
+  split axis ``axis`` of the stored ``values`` (0: the features, for lookups; 1: the vocabulary, for ``attend``),
+  where the leading axes of ``out`` leave those axes free and they divide its last axis."""
+  mesh = _utils.explicit_mesh(out)
   if mesh is None or _utils.explicit_mesh(values) != mesh:
-    return rows
-  axes = _utils.spec_axes(*tuple(jax.typeof(values).sharding.spec)[:1])
-  spec = tuple(jax.typeof(rows).sharding.spec) + (None,) * rows.ndim
-  used = set(_utils.spec_axes(*spec[: rows.ndim - 1]))
+    return out
+  axes = _utils.spec_axes(*(tuple(jax.typeof(values).sharding.spec) + (None,) * values.ndim)[axis:axis + 1])
+  spec = tuple(jax.typeof(out).sharding.spec) + (None,) * out.ndim
+  used = set(_utils.spec_axes(*spec[: out.ndim - 1]))
   ways = math.prod(mesh.shape[a] for a in axes)
-  if not axes or used & set(axes) or rows.shape[-1] % ways:
-    return rows
-  feature = axes[0] if len(axes) == 1 else axes
-  return jax.reshard(rows, NamedSharding(mesh, P(*spec[: rows.ndim - 1], feature)))
+  if not axes or used & set(axes) or out.shape[-1] % ways:
+    return out
+  last = axes[0] if len(axes) == 1 else axes
+  return jax.reshard(out, NamedSharding(mesh, P(*spec[: out.ndim - 1], last)))
 
 
 def _take(a: jax.Array, inputs: jax.Array, *, axis: int, **kwargs: Any) -> jax.Array:

@@ -282,6 +282,48 @@ def _embed_plan(module: nnx.Embed, path: tuple, group: dict, plan: _Plan, *, spa
   return type(new).__name__, w
 
 
+def _compressed_embed_plan(module: jsl.CompressedNMEmbed, path: tuple, group: dict, plan: _Plan, *, sparse: bool,
+                           flax_path: str):
+  """A :class:`~jaxsparse.layers.CompressedNMEmbed` takes its torch ``Embedding`` as an ``nnx.Embed`` of its
+  decompressed table does (:func:`_embed_plan`): an N:M-masked weight replaces it by one with that mask; any other
+  weight fills the values at its own kept positions (a sparse layer keeps its own pattern)."""
+  sub = _Plan(strict=plan.strict)
+  layer, w = _embed_plan(module.to_dense(), path, group, sub, sparse=sparse, flax_path=flax_path)
+  plan.unexpected.extend(sub.unexpected)
+  if sub.replace:
+    ((_, new),) = sub.replace
+    new.implementation = module.implementation
+    plan.replace.append((path, new))
+    return layer, w
+  ((_, table),) = sub.assign
+  kept = module.weight  # (features, num_embeddings), n of every m features of each column kept
+  rows = (jnp.arange(kept.values.shape[0]) // kept.n * kept.m)[:, None] + kept.positions().astype(jnp.int32)
+  plan.assign.append((module.embedding, jnp.take_along_axis(table.T, rows, axis=0)))
+  return type(module).__name__, w
+
+
+def _tied_group(flax_path: str, aliases: Sequence[str], groups: Mapping[str, dict]) -> dict | None:
+  """The torch group of the Flax module at ``flax_path``, also held at ``aliases`` (tied: ``self.head =
+  self.embed``): the first of its paths that torch has; every other one torch has must hold the same parameters (a
+  torch model with tied weights lists them at each path), else a :class:`CheckpointError` names both."""
+  found = [(p, groups[p]) for p in (flax_path, *aliases) if p in groups]
+  if not found:
+    return None
+  (first, group), *rest = found
+  for p, other in rest:
+    a, b = group["params"], other["params"]
+    differ = sorted(set(a) ^ set(b)) or [k for k in sorted(a) if not (
+        np.array_equal(a[k].value, b[k].value) and (a[k].mask is None) == (b[k].mask is None)
+        and (a[k].mask is None or np.array_equal(a[k].mask, b[k].mask)))]
+    if differ:
+      raise CheckpointError(
+          f"the Flax module {first!r} is also held at {p!r} (tied: one module, one set of weights), but torch "
+          f"{group['torch']!r} and {other['torch']!r} differ in {differ}: skip one with ignore=, or load into a model "
+          f"whose {first!r} and {p!r} are not tied."
+      )
+  return group
+
+
 def _join(mod: str, name: str) -> str:
   return f"{mod}.{name}" if mod else name
 
@@ -309,9 +351,12 @@ def load_nnx(
   torch ``Linear`` whose weight is its kernel's 2-D view ``(prod(in axes), prod(out axes))`` transposed, and
   becomes a :class:`~jaxsparse.layers.SparseLinearGeneral` when that weight is sparse. An ``nnx.Embed`` whose
   torch ``Embedding`` keeps ``n`` of every ``m`` features of each row becomes a
-  :class:`~jaxsparse.layers.CompressedNMEmbed` with that mask (other masks fill the table, zeros where pruned).
-  Dense torch weights fill the layer that is there (a sparse layer keeps its own pattern). Nothing changes unless
-  every check passes.
+  :class:`~jaxsparse.layers.CompressedNMEmbed` with that mask (other masks fill the table, zeros where pruned), and so
+  does a ``CompressedNMEmbed`` (such as :func:`jaxsparse.sparsify` made: its own torch export loads back into it).
+  Dense torch weights fill the layer that is there (a sparse layer keeps its own pattern). A module the model holds at
+  several paths (tied: ``self.head = self.embed``) loads from the torch module at the first of them that the
+  checkpoint has; the torch weights at its other paths (a tied torch model lists them at each) must be the same.
+  Nothing changes unless every check passes.
 
   >>> import torch, torch.nn.utils.prune as prune
   >>> from flax import nnx
@@ -344,7 +389,8 @@ def load_nnx(
 
   Raises:
     CheckpointError: unreadable input, missing or unexpected keys (with close matches), shape mismatches
-      naming the torch key and the Flax parameter, a mask that is not 0/1.
+      naming the torch key and the Flax parameter, a mask that is not 0/1, torch weights that differ at two paths of
+      one tied Flax module.
   """
   if not isinstance(model, nnx.Module):
     raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}.")
@@ -358,10 +404,12 @@ def load_nnx(
     if isinstance(node, nnx.Module) and _owns_params(node) and id(node) not in seen:
       seen.add(id(node))
       targets.append((tuple(path), node))
-  target_paths = {_rules.path_str(p) for p, _ in targets}
+  paths_of = _rules.module_paths(model)  # a module held at several paths (tied) is one target, matched at each
+  aliases = {id(m): [_rules.path_str(q) for q in paths_of.get(id(m), [p]) if tuple(q) != p] for p, m in targets}
+  target_paths = {_rules.path_str(p) for p, _ in targets} | {q for qs in aliases.values() for q in qs}
   for path, module in targets:
     flax_path = _rules.path_str(path)
-    group = groups.get(flax_path)
+    group = _tied_group(flax_path, aliases[id(module)], groups)
     if group is None:
       names = [_join(flax_path, k) for k, v in vars(module).items() if isinstance(v, nnx.Param)]
       if names:
@@ -375,6 +423,8 @@ def load_nnx(
       layer, w = _general_plan(module, path, group, plan, sparse=sparse, flax_path=flax_path)
     elif isinstance(module, nnx.Embed):
       layer, w = _embed_plan(module, path, group, plan, sparse=sparse, flax_path=flax_path)
+    elif isinstance(module, jsl.CompressedNMEmbed):
+      layer, w = _compressed_embed_plan(module, path, group, plan, sparse=sparse, flax_path=flax_path)
     else:
       layer, w = _generic_plan(module, group, plan, flax_path=flax_path)
     fmt, pattern = (w.format, w.pattern) if w is not None else ("dense", Pattern("dense", 1.0))
