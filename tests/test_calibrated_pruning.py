@@ -9,8 +9,8 @@ from flax import nnx
 
 import jaxsparse
 from jaxsparse import pruning
-from jaxsparse.pruning._calibration import nnx_candidates
 from jaxsparse.pruning._calibration import resolve_layers
+from jaxsparse.pruning._calibration_nnx import nnx_candidates
 
 # -------------------------------------------------------------------------------------------------
 # A float64 NumPy reference of SparseGPT: the OBS update written with explicit inverses.

@@ -34,8 +34,8 @@ from jaxsparse.formats import Unstructured
 from jaxsparse.pruning._apply import apply_masks
 from jaxsparse.pruning._calibration import LayerStats
 from jaxsparse.pruning._calibration import TableStats
-from jaxsparse.pruning._calibration import calibrate
 from jaxsparse.pruning._calibration_linen import calibrate_linen
+from jaxsparse.pruning._calibration_nnx import calibrate
 from jaxsparse.pruning._dst import cosine_drop_fraction
 from jaxsparse.pruning._dst import rigl_pruner
 from jaxsparse.pruning._dst import set_pruner

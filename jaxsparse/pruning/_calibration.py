@@ -20,6 +20,11 @@ kernel of a dense layer, the view :class:`jaxsparse.layers.CompressedNMEmbed` st
 table's array itself (``h @ embed.embedding[...].T``) is refused (:mod:`._calibration_tables`): that use would be
 missing from the statistics.
 
+A stack of ``L`` layers (``nnx.vmap`` / ``nn.scan`` over layers: a kernel ``(L, K, N)``) that the model applies
+under a transform over its layers (``nnx.scan`` / ``nn.scan``, ``nnx.vmap`` / ``nn.vmap``) gets a :class:`LayerStats`
+with its leading layer axes, layer ``l``'s those of its own inputs, summed inside the transform
+(:mod:`._calibration_stacks`).
+
 One jitted function per set of layers records the inputs during the forward pass and adds their
 statistics to the running sums; the rest of the forward pass, whose output is unused, is dead code
 for XLA.
@@ -40,33 +45,24 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from jaxsparse import _utils
-from jaxsparse._rules import Probe
-from jaxsparse._rules import get_module
-from jaxsparse._rules import linear_general_unsupported
 from jaxsparse._rules import match_rules
-from jaxsparse._rules import replace_module
 from jaxsparse._rules import resolve_rules
 from jaxsparse.formats._specs import BlockSparse
 from jaxsparse.formats._specs import check_plain_nm
 from jaxsparse.formats._specs import check_spec_applies
 from jaxsparse.formats._specs import matrix_shape
-from jaxsparse.pruning._calibration_tables import TableProbe
-from jaxsparse.pruning._calibration_tables import call_order
+from jaxsparse.pruning._calibration_stacks import whole_stack_message
 from jaxsparse.pruning._calibration_tables import check_structure
 from jaxsparse.pruning._calibration_tables import check_table_spec
-from jaxsparse.pruning._calibration_tables import direct_read_message
-from jaxsparse.pruning._calibration_tables import direct_reads
-from jaxsparse.pruning._calibration_tables import table_leaves
 
 NNX_LAYERS = "nnx.Linear / nnx.LinearGeneral / nnx.Conv layer"
 LINEN_LAYERS = "nn.Dense / nn.DenseGeneral / nn.Conv call"
 NNX_LAYERS_AND_TABLES = f"{NNX_LAYERS} nor nnx.Embed (a rule naming it)"
 LINEN_LAYERS_AND_TABLES = f"{LINEN_LAYERS} nor nn.Embed (a rule naming it)"
 
-__all__ = ["LayerStats", "TableStats", "calibrate"]
+__all__ = ["LayerStats", "TableStats"]
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -78,6 +74,9 @@ class LayerStats(NamedTuple):
     sq_norms: ``(K,)``, ``sum_t X[t, k]²``; Wanda's activation norm is its square root.
     gram: ``(K, K)``, ``XᵀX`` (SparseGPT's Hessian up to a factor), or ``None`` when not collected.
     tokens: int32 scalar ``T``.
+
+  For a stack of ``L`` layers (a kernel ``(L, K, N)``) each field has the leading layer axes: ``(L, K)``,
+  ``(L, K, K)``, ``(L,)``, layer ``l``'s from its own inputs.
 
   :func:`calibrate` accumulates ``sq_norms`` and ``gram`` in float32 (also for bfloat16 / float16 layers), or in
   float64 when the layer's kernel or inputs are float64.
@@ -229,12 +228,14 @@ class ConvPatches:
 
 
 class Candidate(NamedTuple):
-  """A layer a rule may select: key in the module tree, kernel shape, number of its input axes.
+  """A layer a rule may select: key in the module tree, kernel shape (one layer's), number of its input axes.
 
   ``patches``: a convolution's im2col (``None`` for dense layers); ``unsupported``: why the layer
   cannot be calibrated, raised only if a rule selects it; ``table``: an embedding table, ``kernel_shape``
   ``(num_embeddings, features)``, taken only by a rule that matches no other candidate (as in
-  :func:`jaxsparse.sparsify`).
+  :func:`jaxsparse.sparsify`); ``stack``: the leading layer axes of a stack of layers (``nnx.vmap`` / ``nn.scan``
+  over layers; the kernel is stored ``(*stack, *kernel_shape)``), ``root`` the parts of ``key`` above the stack
+  (:func:`._calibration_stacks.stack_root`).
   """
 
   key: tuple
@@ -243,6 +244,8 @@ class Candidate(NamedTuple):
   patches: ConvPatches | None = None
   unsupported: str | None = None
   table: bool = False
+  stack: tuple[int, ...] = ()
+  root: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,11 +259,26 @@ class Layer:
   path: str
   key: tuple
   spec: Any
-  kernel_shape: tuple[int, ...]
+  kernel_shape: tuple[int, ...]  # one layer's (a stack stores (*stack, *kernel_shape))
   k: int  # flattened input features
   n: int  # flattened output features
   patches: ConvPatches | None = None  # a convolution's im2col
   table: bool = False  # an embedding table
+  stack: tuple[int, ...] = ()  # leading layer axes of a stack of layers, () for a plain layer
+  root: int = 0  # parts of key above the stack (Candidate.root)
+  index: tuple[int, ...] | None = None  # one layer of the stack, as pruning takes it
+
+  @property
+  def name(self) -> str:
+    """The path, and for one layer of a stack its index: ``"blocks.fc[3]"``."""
+    return self.path if self.index is None else f"{self.path}[{', '.join(map(str, self.index))}]"
+
+  @property
+  def unstacked_path(self) -> str:
+    """The path one layer of a stack would have unstacked, its index after the stack's module: ``"blocks.3.fc"``."""
+    if self.index is None:
+      return self.path
+    return dotted_path((*self.key[: self.root], *self.index, *self.key[self.root:]))
 
   def rows(self, x: jax.Array, dtype: jax.typing.DTypeLike = jnp.float32) -> jax.Array:
     """The layer's ``(T, K)`` inputs from one call's input ``x``, in ``dtype``."""
@@ -269,7 +287,7 @@ class Layer:
     return x.reshape(-1, self.k).astype(dtype)
 
 
-def _dotted(key: Sequence[Any]) -> str:
+def dotted_path(key: Sequence[Any]) -> str:
   return ".".join(str(k) for k in key)
 
 
@@ -283,7 +301,7 @@ def resolve_layers(candidates: Sequence[Candidate], rules: Any, *, what: str) ->
   leave tables dense.
   """
   resolved = resolve_rules(rules)
-  paths = [_dotted(c.key) for c in candidates]
+  paths = [dotted_path(c.key) for c in candidates]
   layer_paths = [p for c, p in zip(candidates, paths, strict=True) if not c.table]
   unused = [pattern for pattern, compiled, _ in resolved if not any(compiled.fullmatch(p) for p in paths)]
   if unused:
@@ -296,6 +314,10 @@ def resolve_layers(candidates: Sequence[Candidate], rules: Any, *, what: str) ->
       continue
     if c.unsupported is not None:
       raise ValueError(f"{path or '(model)'}: {c.unsupported}; exclude it with a None rule.")
+    if c.table and c.stack:
+      raise ValueError(f"{path or '(model)'}: a stack of {math.prod(c.stack)} embedding tables (stored "
+                       f"{(*c.stack, *c.kernel_shape)}, leading layer axes {c.stack}) is not supported by calibrated "
+                       "pruning; exclude it with a None rule, or prune it by magnitude (pruning.magnitude_masks).")
     if c.table:
       check_table_spec(spec, c.kernel_shape, path=path or "(model)")
       rows, features = c.kernel_shape
@@ -307,14 +329,10 @@ def resolve_layers(candidates: Sequence[Candidate], rules: Any, *, what: str) ->
       raise ValueError(f"{path}: BlockSparse does not apply to convolutions (as in jaxsparse.sparsify); use "
                        "jaxsparse.NM(...) or jaxsparse.Unstructured(...), or give this path another rule.")
     check_layer_spec(spec, shape if c.patches is not None else (k, n), path=path)
-    layers.append(Layer(path, tuple(c.key), spec, tuple(shape), k, n, c.patches))
+    layers.append(Layer(path, tuple(c.key), spec, tuple(shape), k, n, c.patches, stack=c.stack, root=c.root))
   if not layers:
     raise ValueError(f"rules select no {what} (every match maps to None); nothing to prune.")
   return layers
-
-
-def _is_jaxsparse(node: Any) -> bool:
-  return type(node).__module__.startswith("jaxsparse.")
 
 
 def conv_candidate(key: tuple, conv: Any, kernel_shape: tuple[int, ...], what: str) -> Candidate:
@@ -326,98 +344,6 @@ def conv_candidate(key: tuple, conv: Any, kernel_shape: tuple[int, ...], what: s
     return Candidate(key, kernel_shape, len(kernel_shape) - 1, unsupported=(
         f"{what} with a Flax weight mask is not supported; fold the mask into the kernel first"))
   return Candidate(key, kernel_shape, len(kernel_shape) - 1, patches=ConvPatches.of(conv))
-
-
-def nnx_candidates(model: nnx.Module, *, tables: bool = False) -> list[Candidate]:
-  """Every dense ``nnx.Linear`` / ``nnx.LinearGeneral`` / ``nnx.Conv`` in ``model``; with ``tables``, also every
-  ``nnx.Embed`` (and, unsupported, every already compressed ``CompressedNMEmbed``)."""
-  if not isinstance(model, nnx.Module):
-    raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}; for Linen use the *_linen "
-                    "functions.")
-  sparse_keys, out = [], []
-  for key, node in nnx.iter_modules(model):
-    key = tuple(key)
-    if any(key[: len(s)] == s for s in sparse_keys):
-      continue
-    if _is_jaxsparse(node):
-      sparse_keys.append(key)
-      if tables and type(node).__name__ == "CompressedNMEmbed":
-        out.append(Candidate(key, (int(node.num_embeddings), int(node.features)), 1, table=True, unsupported=(
-            "a CompressedNMEmbed is already N:M-compressed (jaxsparse.sparsify made it); calibrated pruning prunes "
-            "the dense nnx.Embed, before sparsify")))
-      continue
-    if tables and isinstance(node, nnx.Embed):
-      out.append(Candidate(key, tuple(node.embedding.shape), 1, table=True))
-      continue
-    if isinstance(node, nnx.Conv):
-      out.append(conv_candidate(key, node, tuple(node.kernel.shape), "nnx.Conv"))
-    elif isinstance(node, nnx.LinearGeneral):
-      out.append(Candidate(key, tuple(node.kernel.shape), len(node.in_features),
-                           unsupported=linear_general_unsupported(node)))
-    elif isinstance(node, nnx.Linear):
-      out.append(Candidate(key, tuple(node.kernel.shape), 1))
-  return out
-
-
-def default_call(model: Any, batch: Any) -> Any:
-  """``model(*batch)`` for a tuple, ``model(**batch)`` for a mapping, else ``model(batch)``."""
-  if isinstance(batch, tuple):
-    return model(*batch)
-  if isinstance(batch, Mapping):
-    return model(**batch)
-  return model(batch)
-
-
-def _with_probes(model: nnx.Module, keys: Sequence[tuple], record: Callable[[tuple, jax.Array, bool], None],
-                 tables: Sequence[tuple] = ()) -> nnx.Module:
-  """Replaces the layers at ``keys`` by probes (in place); returns the model (a probe if a key is ``()``).
-
-  ``record(key, x, attend)``: ``attend`` is True for the query of a table's ``attend``; the keys in ``tables``
-  (embedding tables) get a :class:`TableProbe`, which records their lookups' ids and ``attend`` queries.
-  """
-  for key in keys:
-    if key in tables:
-      probe = TableProbe(get_module(model, key), lambda x, attend, key=key: record(key, x, attend))
-    else:
-      probe = Probe(get_module(model, key), lambda x, key=key: record(key, x, False))
-    if not key:
-      return probe
-    replace_module(model, key, probe)
-  return model
-
-
-def nnx_call_order(model: nnx.Module, keys: Sequence[tuple], batch: Any, call: Callable,
-                   tables: Sequence[tuple] = ()) -> list[tuple]:
-  """``keys`` in the order sequential pruning takes them (:func:`call_order`: each at its first call on ``batch``, a
-  table in ``tables`` that the model ``attend``-s at its last); traced only, nothing computed.
-
-  Raises ``ValueError`` when the model reads a table of ``tables`` directly (outside its lookups and ``attend``) or
-  does not call a layer of ``keys``.
-  """
-  graphdef, state = nnx.split(model)
-  calls: list[tuple] = []
-  attended: set[tuple] = set()
-
-  def record(key: tuple, x: jax.Array, attend: bool) -> None:
-    calls.append(key)
-    if attend:
-      attended.add(key)
-
-  def run(state):
-    call(_with_probes(nnx.merge(graphdef, state), keys, record, tables), batch)
-
-  with naming_batch(0):
-    jaxpr = jax.make_jaxpr(run)(state)
-  read = direct_reads(jaxpr, table_leaves(state, tables)) if tables else set()
-  if read:
-    path = next(_dotted(k) or "(model)" for k in tables if k in read)
-    raise ValueError(f"{path}: {direct_read_message(path)}; exclude it with a None rule.")
-  order = call_order(calls, attended)
-  missing = [_dotted(k) or "(model)" for k in keys if k not in order]
-  if missing:
-    raise ValueError(f"layer(s) {missing} are selected by the rules but the model does not call them on the "
-                     "calibration batches; exclude them with a None rule.")
-  return order
 
 
 def _add_stats(acc: LayerStats, xs: list[jax.Array], layer: Layer, gram: bool, weights: jax.Array | None,
@@ -461,19 +387,20 @@ def _add_table_stats(acc: TableStats, ids: list[jax.Array], queries: list[jax.Ar
     counts = counts.at[x].add(ones, mode="drop")  # negative ids count from the end, out-of-range ones not at all
   attend = acc.attend
   if queries:  # always with the Gram matrix: a tied table's pruning needs it (F x F, small beside the table)
-    start = _zeros(layer.k, True, jnp.float32) if attend is None else attend
+    start = zero_layer_stats(layer.k, True, jnp.float32) if attend is None else attend
     attend = _add_stats(start, queries, layer, True, weights, table_dtype)
   return TableStats(counts, attend)
 
 
-def _zeros(k: int, gram: bool, dtype: jax.typing.DTypeLike) -> LayerStats:
-  return LayerStats(jnp.zeros((k,), dtype), jnp.zeros((k, k), dtype) if gram else None, jnp.zeros((), jnp.int32))
+def zero_layer_stats(k: int, gram: bool, dtype: jax.typing.DTypeLike, stack: tuple[int, ...] = ()) -> LayerStats:
+  return LayerStats(jnp.zeros((*stack, k), dtype), jnp.zeros((*stack, k, k), dtype) if gram else None,
+                    jnp.zeros(stack, jnp.int32))
 
 
 def _zero_stats(layer: Layer, gram: bool) -> LayerStats | TableStats:
   if layer.table:
     return TableStats(jnp.zeros((layer.n,), jnp.int32), None)
-  return _zeros(layer.k, gram, jnp.float32)
+  return zero_layer_stats(layer.k, gram, jnp.float32, layer.stack)
 
 
 def accumulators(step: Callable, state: Any, layers: Sequence[Layer], batch: Any, gram: bool) -> dict[str, LayerStats]:
@@ -522,11 +449,16 @@ def check_stats(stats: Mapping[str, LayerStats | TableStats], layers: Sequence[L
     finite = jnp.all(jnp.isfinite(s.sq_norms))
     if s.gram is not None:
       finite &= jnp.all(jnp.isfinite(s.gram))
-    return s.tokens, finite
+    return jnp.min(s.tokens), finite  # a stack's: its layer with the fewest
 
   summary = jax.device_get({layer.path: flags(stats[layer.path]) for layer in layers})  # one transfer
   for layer in layers:
     tokens, finite = summary[layer.path]
+    if tokens == 0 and layer.stack:
+      raise ValueError(f"{layer.path or '(model)'}: batches give a layer of this stack of layers (leading layer axes "
+                       f"{layer.stack}) 0 calibration tokens: empty batches, a token_mask that marks every token as "
+                       "padding, or a model that does not call each layer of the stack under a transform over its "
+                       "layer axes (nnx.scan / nn.scan) but slices the stack itself.")
     if tokens == 0:
       raise ValueError(f"{layer.path or '(model)'}: batches give this layer 0 calibration tokens (empty batches, or a "
                        "token_mask that marks every token as padding); its statistics would be all zero.")
@@ -542,14 +474,18 @@ def _sums_dtype(s: LayerStats | TableStats) -> Any:
 
 
 def step_stats(acc: Mapping, layers: Sequence[Layer], xs: Mapping[tuple, list], queries: Mapping[tuple, list],
-                gram: bool, weights: jax.Array | None, dtypes: Mapping[tuple, Any], what: str) -> dict:
+                gram: bool, weights: jax.Array | None, dtypes: Mapping[tuple, Any], what: str,
+                stacked: Mapping[tuple, LayerStats]) -> dict:
   """One batch's update of the statistics of ``layers``, from their recorded inputs (a table: lookups' ids in ``xs``,
-  ``attend`` queries in ``queries``)."""
+  ``attend`` queries in ``queries``); a stack's, summed while the model ran (``stacked``; its calls in ``xs``, as
+  ``None``)."""
   out = {}
   for layer in layers:
     if not xs[layer.key] and not queries.get(layer.key):
       raise ValueError(f"{layer.path}: the {what} does not call this layer on a calibration batch.")
-    if layer.table:
+    if layer.stack:
+      out[layer.path] = stacked[layer.key]
+    elif layer.table:
       out[layer.path] = _add_table_stats(acc[layer.path], xs[layer.key], queries[layer.key], layer, weights,
                                          dtypes[layer.key])
     else:
@@ -557,26 +493,25 @@ def step_stats(acc: Mapping, layers: Sequence[Layer], xs: Mapping[tuple, list], 
   return out
 
 
-def nnx_layer_stats(model: nnx.Module, layers: Sequence[Layer], batches: Sequence[Any], *, call: Callable,
-                    gram: bool, token_mask: Callable[[Any], jax.Array] | None = None,
-                    ) -> dict[str, LayerStats | TableStats]:
-  """Accumulates the :class:`LayerStats` of ``layers`` (:class:`TableStats` of tables) over ``batches`` (one jitted
-  step per batch)."""
-  graphdef, state = nnx.split(model)
-  tables = [layer.key for layer in layers if layer.table]
+def stack_update(layer: Layer, gram: bool, weights: jax.Array | None, kernel_dtype: Any, calls: list) -> Callable:
+  """``(stats, x) -> stats``: one layer of the stack ``layer`` adds one call's input ``x`` (inside the model's
+  transform over the layers) to its ``(sq_norms, gram, tokens)``; the call is recorded in ``calls`` (as ``None``:
+  ``x`` cannot leave the transform)."""
+  def update(stats: tuple, x: jax.Array) -> LayerStats:
+    calls.append(None)
+    return _add_stats(LayerStats(*stats), [x], layer, gram, weights, kernel_dtype)
 
-  def step(state, acc, batch):
-    xs: dict[tuple, list] = {layer.key: [] for layer in layers}
-    queries: dict[tuple, list] = {key: [] for key in tables}
-    m = nnx.merge(graphdef, state)
-    dtypes = {layer.key: getattr(get_module(m, layer.key), "embedding" if layer.table else "kernel").dtype
-              for layer in layers}
-    m = _with_probes(m, list(xs), lambda key, x, attend: (queries if attend else xs)[key].append(x), tables)
-    call(m, batch)
-    weights = None if token_mask is None else jnp.asarray(token_mask(batch))
-    return step_stats(acc, layers, xs, queries, gram, weights, dtypes, "model")
+  return update
 
-  return run_steps(step, state, layers, batches, gram)
+
+def stack_check(layer: Layer, how: str) -> Callable[[tuple[int, ...]], None]:
+  """Raises (:func:`whole_stack_message`) when one call of the stack ``layer`` sees statistics of ``shape`` other
+  than one layer's ``(K,)``."""
+  def check(shape: tuple[int, ...]) -> None:
+    if tuple(shape) != (layer.k,):
+      raise ValueError(whole_stack_message(layer.path, layer.stack, layer.kernel_shape, tuple(shape), layer.k, how))
+
+  return check
 
 
 def run_steps(step: Callable, state: Any, layers: Sequence[Layer], batches: Sequence[Any], gram: bool) -> dict:
@@ -589,55 +524,3 @@ def run_steps(step: Callable, state: Any, layers: Sequence[Layer], batches: Sequ
       acc = step(state, acc, batch)
   check_stats(acc, layers)
   return acc
-
-
-def calibrate(model: nnx.Module, batches: Sequence[Any], rules: Any, *, gram: bool = True,
-              call: Callable[[nnx.Module, Any], Any] | None = None,
-              token_mask: Callable[[Any], jax.typing.ArrayLike] | None = None,
-              ) -> dict[str, LayerStats | TableStats]:
-  """Runs an NNX model on calibration batches and returns the input statistics of the selected layers and tables.
-
-  >>> import jax, jaxsparse
-  >>> from flax import nnx
-  >>> from jaxsparse import pruning
-  >>> model = nnx.Sequential(nnx.Linear(16, 32, rngs=nnx.Rngs(0)), jax.nn.relu, nnx.Linear(32, 4, rngs=nnx.Rngs(1)))
-  >>> batches = [jax.random.normal(jax.random.key(i), (8, 16)) for i in range(3)]
-  >>> stats = pruning.calibrate(model, batches, {r"layers\\.\\d": jaxsparse.NM(2, 4)})
-  >>> {path: (s.sq_norms.shape, s.gram.shape, int(s.tokens)) for path, s in stats.items()}
-  {'layers.0': ((16,), (16, 16), 24), 'layers.2': ((32,), (32, 32), 24)}
-
-  Args:
-    model: an ``nnx.Module``.
-    batches: a list of model inputs: an array, a tuple of positional arguments or a dict of keyword
-      arguments each (see ``call``). Batches of one shape compile once.
-    rules: ``{regex: structure or None}`` or one structure, as :func:`jaxsparse.sparsify`; the
-      ``nnx.Linear``, ``nnx.LinearGeneral`` (trailing contracting axes) and ``nnx.Conv`` (no feature
-      groups; statistics of its im2col patches, ``K = prod(kernel_size) * cin``) layers whose dotted
-      path a rule with a structure fully matches are calibrated. An ``nnx.Embed`` is calibrated when a rule names it
-      (matches no other layer: ``{"embed": jaxsparse.NM(2, 4)}``; catch-all rules leave tables out, as
-      :func:`calibrated_prune` and :func:`jaxsparse.sparsify` do).
-    gram: also accumulate ``XᵀX`` (SparseGPT needs it; Wanda only the norms); a table's ``attend`` statistics
-      always have it.
-    call: ``(model, batch) -> output``; default ``model(*batch)`` for a tuple, ``model(**batch)`` for
-      a dict, else ``model(batch)``.
-    token_mask: ``batch -> 0/1 array`` over the tokens of a batch (the shape of a layer input without
-      its feature axes, e.g. ``lambda b: b["attention_mask"]`` for padded ``(B, S)`` text batches):
-      tokens with 0 (padding) are left out of the statistics; any other value (``True``, 1, 2.5) counts the
-      token once, unscaled.
-
-  Returns:
-    ``{layer path: LayerStats}``, on the device, and ``{table path: TableStats}`` for the tables (their lookups'
-    token counts and, for a tied table, the :class:`LayerStats` of its ``attend`` queries): the statistics
-    :func:`calibrated_prune` uses with ``sequential=False`` (in sequential mode each group's are taken on the model
-    whose earlier groups are pruned).
-
-  Raises:
-    ValueError: no batches, a rule that matches no layer, a selected layer the model never calls, a named table
-      the model reads directly (``h @ embed.embedding[...].T`` instead of ``embed.attend(h)``), NaN/inf inputs.
-  """
-  batches = check_batches(batches)
-  layers = resolve_layers(nnx_candidates(model, tables=True), rules, what=NNX_LAYERS_AND_TABLES)
-  call = default_call if call is None else call
-  tables = [layer.key for layer in layers if layer.table]
-  nnx_call_order(model, [layer.key for layer in layers], batches[0], call, tables)
-  return nnx_layer_stats(model, layers, batches, call=call, gram=gram, token_mask=token_mask)

@@ -11,6 +11,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxsparse._rules import as_int_tuple
 from jaxsparse._rules import dense_general_dims
@@ -24,7 +25,14 @@ from jaxsparse.pruning._calibration import conv_candidate
 from jaxsparse.pruning._calibration import naming_batch
 from jaxsparse.pruning._calibration import resolve_layers
 from jaxsparse.pruning._calibration import run_steps
+from jaxsparse.pruning._calibration import stack_check
+from jaxsparse.pruning._calibration import stack_update
 from jaxsparse.pruning._calibration import step_stats
+from jaxsparse.pruning._calibration_stacks import LINEN_ACCUMULATOR
+from jaxsparse.pruning._calibration_stacks import STATS_FIELDS
+from jaxsparse.pruning._calibration_stacks import linen_accumulators
+from jaxsparse.pruning._calibration_stacks import stack_root
+from jaxsparse.pruning._calibration_stacks import with_linen_accumulators
 from jaxsparse.pruning._calibration_tables import call_order
 from jaxsparse.pruning._calibration_tables import direct_read_message
 from jaxsparse.pruning._calibration_tables import direct_reads
@@ -97,7 +105,24 @@ def linen_candidates(module: nn.Module, variables: Mapping, batch: Any, apply_kw
   for key in read:
     path = ".".join(str(k) for k in key)
     found[key] = found[key]._replace(unsupported=direct_read_message(path))
-  return [found[key] for key in call_order(calls, attended)]
+  return [_with_stack(found[key], variables) for key in call_order(calls, attended)]
+
+
+def _with_stack(c: Candidate, variables: Mapping) -> Candidate:
+  """``c`` with its ``stack`` and ``root`` when its parameter is stored with more axes than its layer sees (a stack of
+  layers: ``nn.scan`` / ``nn.vmap`` over layers)."""
+  params = nn.meta.unbox(variables.get("params", {}))
+  node = params
+  for k in c.key:
+    node = node.get(k, {}) if isinstance(node, Mapping) else {}
+  stored = np.shape(node.get("embedding" if c.table else "kernel")) if isinstance(node, Mapping) else ()
+  axes = len(stored) - len(c.kernel_shape)
+  if axes <= 0:
+    return c
+  stack = tuple(int(d) for d in stored[:axes])
+  shapes = [(tuple(getattr(p, "key", p) for p in kp), np.shape(leaf))
+            for kp, leaf in jax.tree_util.tree_flatten_with_path(params)[0]]
+  return c._replace(stack=stack, root=stack_root(shapes, c.key, stack))
 
 
 def linen_layer_stats(module: nn.Module, variables: Mapping, layers: Sequence[Layer], batches: Sequence[Any], *,
@@ -106,30 +131,55 @@ def linen_layer_stats(module: nn.Module, variables: Mapping, layers: Sequence[La
   """Linen version of :func:`nnx_layer_stats`: inputs of the layer calls at the layers' paths (a table's lookups
   and ``attend`` calls)."""
   by_key = {layer.key: layer for layer in layers}
+  stacks = [layer for layer in layers if layer.stack]
 
   def step(variables, acc, batch):
     xs: dict[tuple, list] = {key: [] for key in by_key}
     queries: dict[tuple, list] = {key: [] for key, layer in by_key.items() if layer.table}
     dtypes: dict[tuple, Any] = {}
+    weights = None if token_mask is None else jnp.asarray(token_mask(batch))
+    if stacks:  # a stack's statistics are summed in its params, which the module's nn.scan slices per layer
+      params = variables["params"]
+      for layer in stacks:
+        params = with_linen_accumulators(params, layer.key, acc[layer.path])
+      variables = {**variables, "params": params}
 
     def interceptor(next_fun, args, kwargs, context):
       key = tuple(context.module.path)
       layer = by_key.get(key)
       if layer is not None and args and (_is_table_call(context) if layer.table else (
           context.method_name == "__call__" and type(context.module) in _LINEN_TYPES)):
-        (queries if context.method_name == "attend" else xs)[key].append(args[0])
         name = "embedding" if layer.table else "kernel"
         param = nn.meta.unbox(context.module.variables.get("params", {})).get(name)
         dtypes[key] = jnp.float32 if param is None else param.dtype
+        if layer.stack:
+          _add_to_stack(context.module, layer, args[0], gram, weights, dtypes[key], xs[key])
+        else:
+          (queries if context.method_name == "attend" else xs)[key].append(args[0])
       return next_fun(*args, **kwargs)
 
     args, kwargs = linen_args(batch)
     with nn.intercept_methods(interceptor):
-      module.apply(variables, *args, **kwargs, **apply_kwargs)
-    weights = None if token_mask is None else jnp.asarray(token_mask(batch))
-    return step_stats(acc, layers, xs, queries, gram, weights, dtypes, "module")
+      out = module.apply(variables, *args, **kwargs, **apply_kwargs, mutable=["params"] if stacks else False)
+    stacked = {s.key: LayerStats(*linen_accumulators(out[1]["params"], s.key, gram)) for s in stacks}
+    return step_stats(acc, layers, xs, queries, gram, weights, dtypes, "module", stacked)
 
   return run_steps(step, variables, layers, batches, gram)
+
+
+def _add_to_stack(m: nn.Module, layer: Layer, x: jax.Array, gram: bool, weights: jax.Array | None, dtype: Any,
+                  calls: list) -> None:
+  """Adds the input ``x`` of one call of one layer ``m`` of the stack ``layer`` (inside the module's ``nn.scan`` /
+  ``nn.vmap``) to its statistics in its params (:data:`LINEN_ACCUMULATOR`)."""
+  names = [LINEN_ACCUMULATOR.format(f) for f in STATS_FIELDS]
+  now = tuple(m.get_variable("params", n) if f != "gram" or gram else None for f, n in zip(STATS_FIELDS, names,
+                                                                                            strict=True))
+  stack_check(layer, "under nn.scan / nn.vmap over its layer axes, with its params on the kernel's axis "
+              "(variable_axes={'params': 0})")(np.shape(now[0]))
+  new = stack_update(layer, gram, weights, dtype, calls)(now, x)
+  for n, a in zip(names, new, strict=True):
+    if a is not None:
+      m.put_variable("params", n, a)
 
 
 def calibrate_linen(module: nn.Module, variables: Mapping, batches: Sequence[Any], rules: Any, *, gram: bool = True,
@@ -140,7 +190,9 @@ def calibrate_linen(module: nn.Module, variables: Mapping, batches: Sequence[Any
 
   ``nn.DenseGeneral`` (trailing contracting axes, no batch dims: the projections of
   ``nn.MultiHeadDotProductAttention``), ``nn.Conv`` (no feature groups) and an ``nn.Embed`` a rule names (its lookups
-  and ``attend`` calls) are handled as their NNX twins in :func:`calibrate`.
+  and ``attend`` calls) are handled as their NNX twins in :func:`calibrate`, as is a layer of an ``nn.scan`` /
+  ``nn.vmap`` over layers (``variable_axes={"params": 0}``): statistics with the leading layer axes, each layer's of
+  its own inputs (summed in extra ``params`` entries that the transform slices, while calibrating only).
 
   >>> import jax, jaxsparse, flax.linen as nn
   >>> from jaxsparse import pruning
@@ -167,11 +219,12 @@ def calibrate_linen(module: nn.Module, variables: Mapping, batches: Sequence[Any
     token_mask: as :func:`calibrate`.
 
   Returns:
-    ``{layer path: LayerStats}`` and ``{table path: TableStats}``, on the device, as :func:`calibrate`.
+    ``{layer path: LayerStats}`` and ``{table path: TableStats}``, on the device, as :func:`calibrate`; a stacked
+    layer's (kernel stored ``(L, K, N)``) with the leading layer axes: ``(L, K)``, ``(L, K, K)``, ``(L,)``.
 
   Raises:
     ValueError: as :func:`calibrate`, e.g. a named table the module reads directly (``h @ embed.embedding.T``
-      instead of ``embed.attend(h)``).
+      instead of ``embed.attend(h)``), a stack of tables.
     TypeError: ``module`` is not a Linen module; ``batches`` is a single array or a mapping.
   """
   batches = check_batches(batches)

@@ -66,6 +66,10 @@ In sequential mode a tied table is pruned in the group of its last call, the hea
 gathered on the model whose earlier groups are already pruned, and until then the layers calibrate on its dense
 lookups. A lookup-only table is pruned in the group of its first lookup. A model that reads a named table's array
 itself (``h @ embed.embedding[...].T``) instead of calling ``attend`` is refused with an error naming the table.
+
+**Stacks of layers** (``nnx.vmap`` / ``nn.scan`` over layers: one kernel ``(L, K, N)``) applied under a transform
+over the layers (``nnx.scan`` / ``nn.scan``): each layer is calibrated on its own inputs and pruned as the same layer
+unstacked, in the sequential group of the block it would be unstacked (:mod:`._calibration_stacks`).
 """
 
 from __future__ import annotations
@@ -97,14 +101,15 @@ from jaxsparse.pruning._calibration import LayerStats
 from jaxsparse.pruning._calibration import TableStats
 from jaxsparse.pruning._calibration import check_batches
 from jaxsparse.pruning._calibration import check_damp
-from jaxsparse.pruning._calibration import default_call
-from jaxsparse.pruning._calibration import nnx_call_order
-from jaxsparse.pruning._calibration import nnx_candidates
-from jaxsparse.pruning._calibration import nnx_layer_stats
 from jaxsparse.pruning._calibration import resolve_layers
 from jaxsparse.pruning._calibration import table_spec
 from jaxsparse.pruning._calibration_linen import linen_candidates
 from jaxsparse.pruning._calibration_linen import linen_layer_stats
+from jaxsparse.pruning._calibration_nnx import default_call
+from jaxsparse.pruning._calibration_nnx import nnx_call_order
+from jaxsparse.pruning._calibration_nnx import nnx_candidates
+from jaxsparse.pruning._calibration_nnx import nnx_layer_stats
+from jaxsparse.pruning._calibration_stacks import layer_slices
 from jaxsparse.pruning._refit import refit_layer
 from jaxsparse.pruning._sparsegpt import reconstruction_error
 from jaxsparse.pruning._sparsegpt import sparsegpt_layer
@@ -123,14 +128,16 @@ class LayerPruned:
   """What :func:`calibrated_prune` did to one layer.
 
   Attributes:
-    path: dotted path of the layer.
-    shape: ``(K, N)``, the kernel viewed as (inputs, outputs); an embedding table ``(V, F)`` as its ``attend``
-      kernel ``(F, V)``.
+    path: dotted path of the layer; for layer ``l`` of a stack of layers (``nnx.vmap`` / ``nn.scan`` over layers),
+      the stack's path and the layer's index: ``"blocks.fc[3]"``.
+    shape: ``(K, N)``, the kernel (one layer's, for a stack) viewed as (inputs, outputs); an embedding table
+      ``(V, F)`` as its ``attend`` kernel ``(F, V)``.
     pattern: the structure, e.g. ``"2:4"``.
     group: index of the sequential group the layer was pruned in.
     density: fraction of weights kept.
     error: ``||X w - X ŵ|| / ||X w||`` on the layer's calibration inputs (the pruned model's, in
-      sequential mode), after the refit if any; a table's: of its ``attend`` (tied) or else of its lookups.
+      sequential mode), after the refit if any; a table's: of its ``attend`` (tied) or else of its lookups; NaN
+      without ``XᵀX``.
     tokens: calibration tokens ``X`` has.
     seconds: wall time of the layer's solve (and refit).
     note: what was done differently from the method's literal form, and why (an embedding table's lookups reduce
@@ -203,14 +210,16 @@ def block_group(path: str) -> str:
 
 
 def _groups(ordered: Sequence[Layer], sequential: Any) -> list[list[Layer]]:
+  """``ordered`` (one layer of a stack each its own) in sequential groups: by default the block of the path each would
+  have unstacked (``"blocks.3"`` for ``"blocks.fc[3]"``), else by ``sequential(name)``."""
   if sequential is False:
     return [list(ordered)]
-  key_of = block_group if sequential is True else sequential
-  if not callable(key_of):
+  if sequential is not True and not callable(sequential):
     raise TypeError(f"sequential must be True, False or a callable path -> group key, got {sequential!r}.")
   groups: dict[Hashable, list[Layer]] = {}
   for layer in ordered:
-    groups.setdefault(key_of(layer.path), []).append(layer)
+    key = block_group(layer.unstacked_path) if sequential is True else sequential(layer.name)
+    groups.setdefault(key, []).append(layer)
   return list(groups.values())
 
 
@@ -313,16 +322,21 @@ def _run(
     set_kernel: Callable[[Layer, jax.Array], None],
 ) -> tuple[dict[str, np.ndarray], CalibratedPruneReport]:
   masks, rows = {}, []
-  groups = _groups(layers, sequential)
-  bar = _progress(len(layers), progress, method)
+  ordered = layer_slices(layers)  # each layer of a stack on its own, as if unstacked
+  groups = _groups(ordered, sequential)
+  bar = _progress(len(ordered), progress, method)
   try:
     for g, group in enumerate(groups):
       bar.set_postfix_str(f"group {g + 1}/{len(groups)}: calibrating")
-      stats = stats_of(group) if batches is not None else {}
+      whole = {layer.path: dataclasses.replace(layer, index=None) for layer in group}  # a stack's, all its layers
+      stats = stats_of(list(whole.values())) if batches is not None else {}
       for layer in group:
-        bar.set_postfix_str(layer.path)
-        kernel = get_kernel(layer)
+        bar.set_postfix_str(layer.name)
+        stored = get_kernel(layer)
+        kernel = stored if layer.index is None else stored[layer.index]
         s = stats.get(layer.path)
+        if s is not None and layer.index is not None:
+          s = jax.tree.map(lambda a, i=layer.index: a[i], s)
         t0 = time.perf_counter()
         if layer.table:
           new2, mask2, error, tokens, note = _solve_table(method, layer, kernel, s, damp=damp, block_size=block_size,
@@ -337,11 +351,16 @@ def _run(
           seconds = time.perf_counter() - t0
           error = float("nan") if s is None or s.gram is None else float(reconstruction_error(kernel2, new2, s.gram))
           tokens, note = -1 if s is None else int(s.tokens), ""
-        set_kernel(layer, new2.reshape(kernel.shape).astype(kernel.dtype))
+        new = new2.reshape(kernel.shape).astype(kernel.dtype)
+        set_kernel(layer, new if layer.index is None else stored.at[layer.index].set(new))
         mask = np.asarray(mask2).reshape(layer.kernel_shape)
         name = "embedding" if layer.table else "kernel"
-        masks[f"{layer.path}.{name}" if layer.path else name] = mask
-        rows.append(LayerPruned(layer.path, (layer.k, layer.n), layer.spec.describe(), g, float(mask.mean()), error,
+        name = f"{layer.path}.{name}" if layer.path else name
+        if layer.index is None:
+          masks[name] = mask
+        else:
+          masks.setdefault(name, np.zeros((*layer.stack, *layer.kernel_shape), bool))[layer.index] = mask
+        rows.append(LayerPruned(layer.name, (layer.k, layer.n), layer.spec.describe(), g, float(mask.mean()), error,
                                 tokens, seconds, note))
         bar.update(1)
   finally:
@@ -397,15 +416,19 @@ def calibrated_prune(
       model only looks up is pruned by magnitude whatever the method (what Wanda and SparseGPT reduce to on
       one-hot inputs); a tied one (the model calls its ``attend``) by the method, on the ``attend`` statistics
       with the lookups as a ridge. The pruning guide's "Embedding tables" section derives both; the report's
-      note on the table says which applied.
+      note on the table says which applied. A stack of ``L`` layers (an ``nnx.vmap``-made layer whose kernel is
+      ``(L, K, N)``, applied by ``nnx.scan`` / ``nnx.vmap`` over its layers) is pruned layer by layer, each layer
+      as if it were a separate layer on its own inputs (the pruning guide's "Stacks of layers").
     batches: a list of calibration inputs (array, tuple of positional args or dict of keyword args
       each; see ``call``); may be ``None`` for ``method="magnitude"`` (the report then has no errors).
     method: ``"sparsegpt"`` (masks and OBS weight updates), ``"wanda"`` (masks by ``|w| * ||x||``) or
       ``"magnitude"`` (masks by ``|w|``, the baseline).
     sequential: ``True``: prune group by group in call order, each group calibrated on the model with
       the earlier groups pruned; groups are the path up to its first number (one transformer block,
-      ``"encoder.layer.3"``). A callable ``path -> key`` gives other groups (``lambda p: p``: one layer
-      at a time); ``False``: one calibration pass on the dense model for all layers.
+      ``"encoder.layer.3"``), for layer ``l`` of a stack the path it would have unstacked (``"blocks.fc[3]"``
+      in group ``"blocks.3"``). A callable ``path -> key`` gives other groups (``lambda p: p``: one layer
+      at a time; it gets ``"blocks.fc[3]"`` for a layer of a stack); ``False``: one calibration pass on the dense
+      model for all layers.
     damp: SparseGPT's Hessian damping, a fraction of the mean diagonal.
     block_size: SparseGPT's lazy update batch (input features); for an N:M layer rounded down to a
       multiple of ``m`` (at least ``m``), which changes the speed, not the result.
@@ -428,14 +451,16 @@ def calibrated_prune(
 
   Returns:
     ``(model, masks, report)``: the model with pruned (and, for SparseGPT, updated) weights, or its
-    sparse version with ``to_sparse``; ``{"path.kernel": bool mask}`` for
-    ``jaxsparse.sparsify(..., masks=masks)``; a :class:`CalibratedPruneReport`.
+    sparse version with ``to_sparse``; ``{"path.kernel": bool mask}`` of each kernel's shape (a stack's
+    ``(L, K, N)``, each layer pruned on its own) for ``jaxsparse.sparsify(..., masks=masks)``; a
+    :class:`CalibratedPruneReport` with a row per layer (per layer of a stack).
 
   Raises:
     ValueError: no batches (Wanda, SparseGPT), a rule that matches no layer, a structure that does
       not fit a layer, a layer the model never calls, a Hessian that is not positive definite; with
-      ``to_sparse``, a table under a structure other than ``NM``; a rule naming an already compressed
-      ``CompressedNMEmbed``.
+      ``to_sparse``, a table under a structure other than ``NM`` or a stack of layers (sparsify takes one kernel
+      per layer); a rule naming an already compressed ``CompressedNMEmbed``; a stack of embedding tables; a stack of
+      layers the model calls with its layer axes unsliced (not under ``nnx.scan`` / ``nnx.vmap`` over them).
   """
   method, refit_iterations = _check_options(method, damp, block_size, refit_iterations)
   if batches is None and method != "magnitude":
@@ -447,6 +472,11 @@ def calibrated_prune(
   layers = resolve_layers(nnx_candidates(model, tables=True), rules, what=NNX_LAYERS_AND_TABLES)
   if to_sparse:
     for layer in layers:
+      if layer.stack:
+        raise ValueError(f"{layer.path or '(model)'}: to_sparse=True, but sparsify takes layers holding one kernel "
+                         f"each, not a stack of layers (kernel {(*layer.stack, *layer.kernel_shape)}, leading layer "
+                         f"axes {layer.stack}); use to_sparse=False (the dense model with each layer of the stack "
+                         "pruned, and its (L, K, N) mask).")
       if layer.table and not isinstance(layer.spec, NM):
         raise ValueError(f"{layer.path or '(model)'}: to_sparse=True, but sparsify stores an embedding table only "
                          f"N:M-compressed (CompressedNMEmbed), not {layer.spec.describe()}; use jaxsparse.NM(n, m) "
@@ -457,7 +487,8 @@ def calibrated_prune(
   by_key = {layer.key: layer for layer in layers}
   if batches is not None:
     tables = [layer.key for layer in layers if layer.table]
-    layers = [by_key[key] for key in nnx_call_order(model, list(by_key), batches[0], call, tables)]
+    stacks = [layer for layer in layers if layer.stack]
+    layers = [by_key[key] for key in nnx_call_order(model, list(by_key), batches[0], call, tables, stacks)]
 
   def param(layer: Layer) -> nnx.Param:
     return getattr(get_module(model, layer.key), "embedding" if layer.table else "kernel")
@@ -565,7 +596,9 @@ def calibrated_prune_linen(
   the kernel's own shape, as :func:`jaxsparse.sparsify_linen` takes them. An ``nn.Embed`` that a rule names
   (looked up or ``attend``-ed on the batches) is pruned as an ``nnx.Embed`` in :func:`calibrated_prune`:
   magnitude for a lookup-only table, the method on the ``attend`` statistics for a tied one; its mask is
-  ``masks["<path>.embedding"]``.
+  ``masks["<path>.embedding"]``. A layer of an ``nn.scan`` / ``nn.vmap`` over layers (``variable_axes={"params":
+  0}``; its kernel stored ``(L, K, N)``) is pruned layer by layer as in :func:`calibrated_prune`, each layer on its
+  own inputs, its report rows ``"blocks.fc[3]"``, its mask ``(L, K, N)``.
 
   >>> import jax, jaxsparse, flax.linen as nn
   >>> from jaxsparse import pruning
@@ -589,14 +622,15 @@ def calibrated_prune_linen(
     apply_kwargs: extra keyword arguments of ``module.apply``.
 
   Returns:
-    ``(variables, masks, report)``; ``jaxsparse.sparsify_linen(module, variables, rules, x, masks=masks)``
-    makes the sparse layers.
+    ``(variables, masks, report)``: the variables with the pruned ``params``; ``{"path.kernel": bool mask}`` of
+    each kernel's stored shape (a stack's ``(L, K, N)``); a :class:`CalibratedPruneReport` with a row per layer.
+    ``jaxsparse.sparsify_linen(module, variables, rules, x, masks=masks)`` makes the sparse layers.
 
   Raises:
     ValueError: as :func:`calibrated_prune`: an unknown ``method``; a ``damp``, ``block_size`` or
       ``refit_iterations`` out of range; ``batches`` that are ``None`` or empty (needed for every method here:
       they find the layer calls); a rule that matches no layer, a structure that does not fit a layer, a layer
-      the model never calls, a Hessian that is not positive definite.
+      the model never calls, a Hessian that is not positive definite; a stack of ``nn.Embed`` tables.
     TypeError: ``module`` is not a Linen module; ``batches`` is a single array or a mapping (wrap one batch in
       a list); a rule that is not a sparsity structure.
   """

@@ -11,7 +11,6 @@ not layers, so they prune such a kernel per layer slice only where they know its
 from __future__ import annotations
 
 from collections.abc import Mapping
-from collections.abc import Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -25,6 +24,7 @@ from jaxsparse._rules import module_paths
 from jaxsparse._rules import path_str
 from jaxsparse._rules import resolve_counts
 from jaxsparse.pruning._calibration_linen import linen_args
+from jaxsparse.pruning._calibration_stacks import nnx_layer_ndim
 
 __all__ = ["layer_stacks"]
 
@@ -44,26 +44,6 @@ def stack_of(resolved: list[tuple[str, Any, int]], found: Mapping[str, int], pat
   return resolved[r][2] if r is not None else found.get(path)
 
 
-def _nnx_own_ndim(node: nnx.Module, name: str) -> int | None:
-  """The rank of the parameter ``name`` of one layer ``node``, from its fields; ``None`` where they do not say."""
-  if name == "embedding" and hasattr(node, "num_embeddings"):
-    return 2
-  if name != "kernel":
-    return None
-  if getattr(type(node), "_kernel_layout", None) == "blocks":  # BlockSparseLinear: kept blocks (nnz, bk, bn)
-    return 3
-  if hasattr(node, "kernel_size"):  # the convs: (*window, in_features // groups, out_features)
-    size = node.kernel_size
-    return (len(size) if isinstance(size, Sequence) else 1) + 2
-  if isinstance(node, nnx.LinearGeneral):
-    return len(node.batch_axis) + len(node.in_features) + len(node.out_features)
-  if isinstance(node, nnx.Einsum):
-    return len(node.kernel_shape)
-  if isinstance(getattr(node, "in_features", None), int) and isinstance(getattr(node, "out_features", None), int):
-    return 2
-  return None
-
-
 def nnx_stacks(model: Any) -> dict[str, int]:
   """``{parameter path: leading layer axes}`` of every stacked layer's ``kernel`` / ``embedding`` in an NNX graph (an
   ``nnx.Module``, an ``nnx.Optimizer`` holding one), at every path of a tied layer; ``{}`` for another tree."""
@@ -74,7 +54,7 @@ def nnx_stacks(model: Any) -> dict[str, int]:
     node = get_module(model, paths[0])
     for name in ("kernel", "embedding"):
       var = getattr(node, name, None)
-      own = _nnx_own_ndim(node, name) if isinstance(var, nnx.Variable) and hasattr(var, "shape") else None
+      own = nnx_layer_ndim(node, name) if isinstance(var, nnx.Variable) and hasattr(var, "shape") else None
       if own is not None and len(var.shape) > own:
         out.update({path_str((*p, name)): len(var.shape) - own for p in paths})
   return out
@@ -113,7 +93,8 @@ def layer_stacks(
   (:func:`magnitude_pruner`, :func:`set_pruner`, :func:`rigl_pruner`, :func:`magnitude_masks`) prune it per layer
   slice, each layer to its rule's sparsity, only where they know the layer axes: :func:`magnitude_masks` of an
   ``nnx.Module`` reads them off the model itself, but an optimizer (``nnx.Optimizer``, a Linen ``TrainState``)
-  hands them bare parameters. Pass them these stacks.
+  hands them bare parameters. Pass them these stacks. (Calibrated pruning, :func:`calibrated_prune` and
+  :func:`calibrated_prune_linen`, finds the stacks on the model itself and prunes each layer on its own inputs.)
 
   >>> import jax, optax, jaxsparse
   >>> from flax import nnx

@@ -7,8 +7,8 @@ from typing import Any
 
 from flax import nnx
 
-from jaxsparse.pruning._calibration import nnx_candidates
 from jaxsparse.pruning._calibration_linen import linen_candidates
+from jaxsparse.pruning._calibration_nnx import nnx_candidates
 
 __all__ = ["kernel_views"]
 
