@@ -1,7 +1,7 @@
 """Calibrated pruning of embedding tables (nnx.Embed / nn.Embed): lookup-only and tied (attend) tables.
 
 Before, a rule naming a table raised "rule(s) [...] match no nnx.Linear ...". Each test compares against a float64
-NumPy reference of what the method reduces to on a table (``jaxsparse/pruning/_oneshot.py``'s module docstring):
+NumPy reference of what the method reduces to on a table (``jaxsparse/pruning/_oneshot_solve.py``'s module docstring):
 
 * lookups only: the one-hot inputs make Wanda and SparseGPT magnitude pruning on the ``(F, V)`` attend view (Wanda
   compared per row, SparseGPT and magnitude over the table; blocks ``(rows, features)`` by Frobenius norm), no

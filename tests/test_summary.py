@@ -11,9 +11,9 @@ from flax import nnx
 
 import jaxsparse
 from jaxsparse import layers
-from jaxsparse._sparsify._nnx import nm_density
-from jaxsparse._sparsify._nnx import nm_signature_density
-from jaxsparse._sparsify._nnx import nm_table_density
+from jaxsparse._sparsify._masks import nm_density
+from jaxsparse._sparsify._masks import nm_signature_density
+from jaxsparse._sparsify._masks import nm_table_density
 from jaxsparse.layers import linen
 
 F32 = 4

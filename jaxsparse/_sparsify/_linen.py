@@ -64,12 +64,12 @@ from jaxsparse._sparsify._linen_plan import kept_blocks
 from jaxsparse._sparsify._linen_plan import linen_density
 from jaxsparse._sparsify._linen_plan import sparse_layer_name
 from jaxsparse._sparsify._linen_plan import sparse_module_of
+from jaxsparse._sparsify._masks import check_general_mask_view
+from jaxsparse._sparsify._masks import check_masks_used
+from jaxsparse._sparsify._masks import check_nm_mask
+from jaxsparse._sparsify._masks import masks_dict
+from jaxsparse._sparsify._masks import nm_table_density
 from jaxsparse._sparsify._nnx import at_path
-from jaxsparse._sparsify._nnx import check_general_mask_view
-from jaxsparse._sparsify._nnx import check_masks_used
-from jaxsparse._sparsify._nnx import check_nm_mask
-from jaxsparse._sparsify._nnx import masks_dict
-from jaxsparse._sparsify._nnx import nm_table_density
 from jaxsparse._sparsify._nnx_convert import is_abstract
 from jaxsparse._sparsify._report import LayerChange
 from jaxsparse._sparsify._report import SparsifyReport

@@ -23,10 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsparse import _utils
+from jaxsparse._sparsify._masks import block_mask_of
+from jaxsparse._sparsify._masks import check_nm_mask
+from jaxsparse._sparsify._masks import nm_density
 from jaxsparse._sparsify._nnx import at_path
-from jaxsparse._sparsify._nnx import block_mask_of
-from jaxsparse._sparsify._nnx import check_nm_mask
-from jaxsparse._sparsify._nnx import nm_density
 from jaxsparse.formats._base import is_concrete
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
 from jaxsparse.formats._masks import block_magnitude_mask

@@ -38,8 +38,8 @@ from jaxsparse._sparsify._linen_plan import kept_blocks
 from jaxsparse._sparsify._linen_plan import layer_variables
 from jaxsparse._sparsify._linen_plan import linen_density
 from jaxsparse._sparsify._linen_plan import sparse_module_of
+from jaxsparse._sparsify._masks import nm_signature_density
 from jaxsparse._sparsify._nnx import at_path
-from jaxsparse._sparsify._nnx import nm_signature_density
 from jaxsparse._sparsify._nnx_convert import densify
 from jaxsparse._sparsify._report import time_nnx_layer
 from jaxsparse._sparsify._report import timed
