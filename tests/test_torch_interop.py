@@ -1592,3 +1592,36 @@ def test_load_nnx_into_a_tied_embedding():
   with pytest.raises(CheckpointError, match=r"the Flax module 'embed' is also held at 'head' \(tied.*torch 'embed' "
                      r"and 'head' differ in \['weight'\]"):
     torch_interop.load_nnx(Flax(), state)
+
+
+@pytest.mark.parametrize("storage", ["values", "cusparselt"])
+def test_load_nnx_into_a_compressed_linear(storage):
+  """A model holding a CompressedNMLinear (NMLinear.to_compressed, as sparsify makes it) refused its own torch export
+  ("... has no torch counterpart", a generic module's names). Now a dense weight fills the values at the layer's kept
+  positions, keeping its storage and options, and a 2:4-masked one (format="prune") of another mask replaces the layer
+  by a compressed one of that mask."""
+  if storage == "cusparselt" and not jaxsparse.layers.CompressedNMLinear(
+      jaxsparse.NMSparseMatrix.from_dense(jnp.ones((64, 64)), 2, 4), storage="auto").storage == "cusparselt":
+    storage = "values"  # no GPU here: the buffer storage builds only where cuSPARSELt reads it
+  source = jaxsparse.layers.NMLinear(64, 64, rngs=nnx.Rngs(0))
+  sparse = nnx.Sequential(source.to_compressed(storage=storage, implementation="xla"))
+  x = jax.random.normal(jax.random.key(1), (3, 64))
+  for fmt in ("dense", "prune"):
+    state = torch_interop.export_state_dict(sparse, format=fmt)
+    target = nnx.clone(sparse)
+    if fmt == "prune":  # another mask (other kept positions): the torch mask's replaces it
+      target.layers[0] = jaxsparse.layers.NMLinear(64, 64, rngs=nnx.Rngs(5)).to_compressed(
+          storage=storage, implementation="xla")
+    else:
+      target.layers[0].kernel[...] = jnp.zeros_like(target.layers[0].kernel[...])
+    report = torch_interop.load_nnx(target, state, name_map=SEQ)
+    layer = target.layers[0]
+    assert type(layer).__name__ == report.layers[0].layer == "CompressedNMLinear"
+    assert layer.storage == storage and layer.implementation == "xla"
+    np.testing.assert_allclose(target(x), sparse(x), rtol=1e-6, atol=1e-6)
+  dense = {"0.weight": torch.ones(64, 64), "0.bias": torch.zeros(64)}  # dense: the layer's own positions kept
+  target = nnx.clone(sparse)
+  torch_interop.load_nnx(target, dense, name_map=SEQ)
+  np.testing.assert_array_equal(target.layers[0].weight.positions(), sparse.layers[0].weight.positions())
+  kept = np.asarray(sparse.layers[0].weight.to_dense() != 0, np.float32)
+  np.testing.assert_array_equal(target.layers[0].to_dense().kernel[...], kept)

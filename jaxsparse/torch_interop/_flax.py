@@ -302,6 +302,40 @@ def _compressed_embed_plan(module: jsl.CompressedNMEmbed, path: tuple, group: di
   return type(module).__name__, w
 
 
+def _compressed_linear_plan(module: jsl.CompressedNMLinear, path: tuple, group: dict, plan: _Plan, *, sparse: bool,
+                            flax_path: str):
+  """A :class:`~jaxsparse.layers.CompressedNMLinear` takes its torch ``Linear`` as an ``nnx.Linear`` of its
+  decompressed kernel does (:func:`_linear_plan`): an N:M-masked weight replaces it by a compressed layer of that
+  mask (other sparse weights by their pattern's layer), any other weight fills the values at its own kept positions
+  (a sparse layer keeps its own pattern); the layer's options (``storage``, ``implementation``, ...) carry over."""
+  sub = _Plan(strict=plan.strict)
+  _, w = _linear_plan(module.to_dense(), path, group, sub, sparse=sparse, flax_path=flax_path)
+  plan.unexpected.extend(sub.unexpected)
+  options = dict(implementation=module.implementation, cusparselt_copy=module.cusparselt_copy, storage=module.storage)
+  if sub.replace:
+    ((_, new),) = sub.replace
+    if isinstance(new, jsl.NMLinear):
+      new = new.to_compressed(**options)
+    plan.replace.append((path, new))
+    return type(new).__name__, w
+  (_, kernel), *rest = sub.assign  # the decompressed nnx.Linear's kernel (the torch weight), then its bias
+  kept = module.weight  # (in_features, out_features), n of every m rows of each column kept
+  rows = (jnp.arange(kept.values.shape[0]) // kept.n * kept.m)[:, None] + kept.positions().astype(jnp.int32)
+  values = jnp.take_along_axis(kernel, rows, axis=0).astype(kept.values.dtype)
+  bias = rest[0][1] if rest else None
+  if module.storage == "values":  # in place: the Variables keep their metadata (partitioning names)
+    plan.assign.append((module.kernel, values))
+    if bias is not None:
+      plan.assign.append((module.bias, bias.astype(module.bias[...].dtype)))
+    return type(module).__name__, w
+  weight = formats.NMSparseMatrix(values, kept.indices, shape=kept.shape, n=kept.n, m=kept.m, axis=kept.axis)
+  new = jsl.CompressedNMLinear(weight, bias, dtype=module.dtype, precision=module.precision,
+                               promote_dtype=module.promote_dtype,
+                               preferred_element_type=module.preferred_element_type, **options)
+  plan.replace.append((path, new))
+  return type(new).__name__, w
+
+
 def _tied_group(flax_path: str, aliases: Sequence[str], groups: Mapping[str, dict]) -> dict | None:
   """The torch group of the Flax module at ``flax_path``, also held at ``aliases`` (tied: ``self.head =
   self.embed``): the first of its paths that torch has; every other one torch has must hold the same parameters (a
@@ -352,7 +386,9 @@ def load_nnx(
   becomes a :class:`~jaxsparse.layers.SparseLinearGeneral` when that weight is sparse. An ``nnx.Embed`` whose
   torch ``Embedding`` keeps ``n`` of every ``m`` features of each row becomes a
   :class:`~jaxsparse.layers.CompressedNMEmbed` with that mask (other masks fill the table, zeros where pruned), and so
-  does a ``CompressedNMEmbed`` (such as :func:`jaxsparse.sparsify` made: its own torch export loads back into it).
+  does a ``CompressedNMEmbed`` (such as :func:`jaxsparse.sparsify` made: its own torch export loads back into it);
+  a :class:`~jaxsparse.layers.CompressedNMLinear` likewise becomes a compressed layer of an N:M-masked torch weight's
+  mask, and keeps its own kept positions for a dense one.
   Dense torch weights fill the layer that is there (a sparse layer keeps its own pattern). A module the model holds at
   several paths (tied: ``self.head = self.embed``) loads from the torch module at the first of them that the
   checkpoint has; the torch weights at its other paths (a tied torch model lists them at each) must be the same.
@@ -425,6 +461,8 @@ def load_nnx(
       layer, w = _embed_plan(module, path, group, plan, sparse=sparse, flax_path=flax_path)
     elif isinstance(module, jsl.CompressedNMEmbed):
       layer, w = _compressed_embed_plan(module, path, group, plan, sparse=sparse, flax_path=flax_path)
+    elif isinstance(module, jsl.CompressedNMLinear):
+      layer, w = _compressed_linear_plan(module, path, group, plan, sparse=sparse, flax_path=flax_path)
     else:
       layer, w = _generic_plan(module, group, plan, flax_path=flax_path)
     fmt, pattern = (w.format, w.pattern) if w is not None else ("dense", Pattern("dense", 1.0))
