@@ -32,6 +32,11 @@ from flax import nnx
 import jaxsparse
 from jaxsparse import torch_interop
 from jaxsparse._utils import atomic_write
+from jaxsparse.torch_interop._limits import Limit
+from jaxsparse.torch_interop._limits import check_sizes
+from jaxsparse.torch_interop._limits import check_total
+from jaxsparse.torch_interop._limits import resolve_limit
+from jaxsparse.torch_interop._limits import safetensors_sizes
 from llama.model import LlamaConfig
 from llama.model import LlamaForCausalLM
 
@@ -79,10 +84,15 @@ def _index_weight_map(index: Path) -> dict[str, str]:
   return weight_map
 
 
-def _open(file: Path):
-  """``safe_open(file)`` (NumPy), a damaged file raising a ``ValueError`` that names it."""
+def _open(file: Path, limit: Limit):
+  """``safe_open(file)`` (NumPy), a damaged file raising a ``ValueError`` that names it.
+
+  Each tensor its header declares is checked against ``limit`` first: ``safe_open`` maps the whole file and
+  ``get_tensor`` copies a tensor whole, and a header can declare far more than the file's data (a sparse file).
+  """
   from safetensors import safe_open  # noqa: PLC0415 -- optional dependency of the example
 
+  check_sizes(safetensors_sizes(file) or {}, origin=str(file), limit=limit, total=False)
   try:
     return safe_open(str(file), framework="numpy")
   except Exception as e:  # untrusted file: safetensors raises its own SafetensorError, or OSError
@@ -146,7 +156,7 @@ def export_masks(model: LlamaForCausalLM, *, dtype: Any = None) -> dict[str, Any
   return masks
 
 
-def _shards(directory: Path) -> dict[str, Path]:
+def _shards(directory: Path, limit: Limit) -> dict[str, Path]:
   """``{tensor name: file}`` of a single-file or sharded safetensors checkpoint."""
   index, single = directory / INDEX, directory / SINGLE
   if index.exists():
@@ -162,23 +172,45 @@ def _shards(directory: Path) -> dict[str, Path]:
     return {name: directory / file for name, file in weight_map.items()}
   if not single.exists():
     raise FileNotFoundError(f"{directory} has neither {SINGLE} nor {INDEX}.")
-  with _open(single) as f:
+  with _open(single, limit) as f:
     return dict.fromkeys(f.keys(), single)
 
 
-def read_tensors(directory: str | os.PathLike) -> Iterator[tuple[str, np.ndarray]]:
-  """Yields ``(name, NumPy array)`` for every tensor of a checkpoint directory, one shard open at a time.
+def _by_file(directory: Path, limit: Limit) -> dict[Path, list[str]]:
+  """``{shard file: names of the tensors to read from it}``."""
+  by_file: dict[Path, list[str]] = {}
+  for name, file in _shards(directory, limit).items():
+    by_file.setdefault(file, []).append(name)
+  return by_file
+
+
+def read_tensors(directory: str | os.PathLike, *, max_bytes: int | None = None) -> Iterator[tuple[str, np.ndarray]]:
+  """``(name, NumPy array)`` for every tensor of a checkpoint directory, read one at a time, one shard open at a time.
+
+  The index (or the single file's header) is read now; the shards and their tensors as they are asked for.
+
+  Args:
+    directory: holds ``model.safetensors``, or ``model.safetensors.index.json`` and its shards.
+    max_bytes: the most bytes one tensor may take, as its header declares it (checked before it is read);
+      ``None``: ``$JAXSPARSE_CHECKPOINT_MAX_BYTES`` (bytes, or ``none`` for no limit), else the physical memory.
+
+  Returns:
+    An iterator of ``(name, array)``, shard by shard.
 
   Raises:
     ValueError: an index that is not valid, or places a tensor outside the directory or in a shard that does not
-      hold it; a file that is not a readable safetensors file (truncated, a header that does not match the data).
+      hold it; a file that is not a readable safetensors file (truncated, a header that does not match the data); a
+      tensor declared larger than ``max_bytes`` (a :class:`~jaxsparse.torch_interop.CheckpointError` naming it, its
+      shape, dtype and bytes, and the limit).
     FileNotFoundError: no checkpoint, or a shard the index lists is not there.
   """
-  by_file: dict[Path, list[str]] = {}
-  for name, file in _shards(Path(directory)).items():
-    by_file.setdefault(file, []).append(name)
+  limit = resolve_limit(max_bytes)
+  return _read(_by_file(Path(directory), limit), limit)
+
+
+def _read(by_file: dict[Path, list[str]], limit: Limit) -> Iterator[tuple[str, np.ndarray]]:
   for file, names in by_file.items():
-    with _open(file) as f:
+    with _open(file, limit) as f:
       absent = sorted(set(names) - set(f.keys()))
       if absent:
         raise ValueError(f"{file.parent}: {INDEX} places {absent[:4]} in {file.name}, which does not hold "
@@ -192,7 +224,7 @@ def read_tensors(directory: str | os.PathLike) -> Iterator[tuple[str, np.ndarray
 
 
 def load_pretrained(directory: str | os.PathLike, *, dtype: Any = None, param_dtype: Any = None,
-                    config: LlamaConfig | None = None) -> LlamaForCausalLM:
+                    config: LlamaConfig | None = None, max_bytes: int | None = None) -> LlamaForCausalLM:
   """Builds the Flax model of a Hugging Face Llama directory and loads its weights.
 
   The model is built abstractly (``nnx.eval_shape``: no random weights are drawn) and every parameter is
@@ -205,6 +237,10 @@ def load_pretrained(directory: str | os.PathLike, *, dtype: Any = None, param_dt
     dtype: compute dtype (``None``: the parameters').
     param_dtype: storage dtype; ``None`` keeps the checkpoint's dtype (of its embedding).
     config: overrides ``config.json``.
+    max_bytes: the most bytes the checkpoint's tensors may take, each and all together (over every shard), as their
+      headers declare them: checked before any is read. ``None``: ``$JAXSPARSE_CHECKPOINT_MAX_BYTES`` (bytes, or
+      ``none`` for no limit), else this machine's physical memory. The model's parameters come on top, about once
+      more (in ``param_dtype``).
 
   Returns:
     A :class:`~llama.model.LlamaForCausalLM`.
@@ -212,14 +248,25 @@ def load_pretrained(directory: str | os.PathLike, *, dtype: Any = None, param_dt
   Raises:
     ValueError: a ``config.json`` that is not valid or not a Llama-architecture model's
       (:meth:`~llama.model.LlamaConfig.from_dict`); a damaged safetensors file or index (:func:`read_tensors`); a tensor
-      that is not floating point, missing, unexpected or of another shape than the config's.
+      that is not floating point, missing, unexpected or of another shape than the config's; a tensor, or all of them
+      together, declared larger than ``max_bytes`` (a :class:`~jaxsparse.torch_interop.CheckpointError` naming the
+      tensor or the largest ones, shapes, dtypes and bytes, and the limit).
     FileNotFoundError: no ``config.json``, no checkpoint, or a shard the index lists is not there.
   """
   directory = Path(directory)
   if config is None and not (directory / "config.json").is_file():
     raise FileNotFoundError(f"{directory} has no config.json: not a Hugging Face model directory (or pass config=).")
   cfg = config or LlamaConfig.from_json(directory / "config.json")
-  tensors = dict(read_tensors(directory))
+  limit = resolve_limit(max_bytes)
+  by_file = _by_file(directory, limit)
+  declared = {}  # every tensor of every shard is held at once below: each, and their sum, checked before any is read
+  for file, names in by_file.items():
+    sizes = safetensors_sizes(file) or {}
+    sizes = {name: sizes[name] for name in names if name in sizes}
+    check_sizes(sizes, origin=str(file), limit=limit, total=False)
+    declared.update(sizes)
+  check_total(declared, origin=str(directory), limit=limit)
+  tensors = dict(_read(by_file, limit))
   # Cast silently, an int8 / bool tensor (a quantized checkpoint, a mask) would give a wrong model.
   not_float = {n: str(t.dtype) for n, t in tensors.items() if not jnp.issubdtype(t.dtype, jnp.floating)}
   if not_float:

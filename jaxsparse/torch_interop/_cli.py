@@ -78,6 +78,16 @@ def _parse_positive(text: str) -> int:
   return value
 
 
+def _parse_bytes(text: str) -> int:
+  try:
+    value = int(text)
+  except ValueError:
+    value = 0
+  if value <= 0:
+    raise argparse.ArgumentTypeError(f"must be a positive number of bytes, got {text!r}.")
+  return value
+
+
 def _parse_dtype(text: str) -> str:
   import jax.numpy as jnp  # noqa: PLC0415 -- keeps `jaxsparse --help` fast (argparse converts only after --help)
 
@@ -171,9 +181,9 @@ def _inspect(args) -> int:
   from jaxsparse.torch_interop._decode import decode_checkpoint  # noqa: PLC0415 -- lazy: imports torch
   from jaxsparse.torch_interop._load import open_checkpoint  # noqa: PLC0415 -- lazy: imports torch
 
-  src = open_checkpoint(args.file, key=args.key)
+  src = open_checkpoint(args.file, key=args.key, max_bytes=args.max_bytes)
   params = decode_checkpoint(src, nm=args.nm, on_error="collect", progress=_progress(src, args.progress, "reading"),
-                             conv1d=args.conv1d)
+                             conv1d=args.conv1d, max_bytes=args.max_bytes)
   rows = [("name", "shape", "dtype", "format", "pattern", "density")]
   problems = []
   total = kept = 0
@@ -214,8 +224,8 @@ def _convert(args) -> int:
   if os.path.exists(args.output) and not args.force:
     print(f"jaxsparse: error: {args.output} exists; pass --force to overwrite it.", file=sys.stderr)
     return 1
-  target = None if args.target is None else load_flax_variables(args.target)
-  src = open_checkpoint(args.input, key=args.key)
+  target = None if args.target is None else load_flax_variables(args.target, max_bytes=args.max_bytes)
+  src = open_checkpoint(args.input, key=args.key, max_bytes=args.max_bytes)
   variables = to_linen_variables(
       src,
       name_map=args.name_map or None,
@@ -226,6 +236,7 @@ def _convert(args) -> int:
       progress=_progress(src, args.progress, "converting"),
       target=target,
       conv1d=args.conv1d,
+      max_bytes=args.max_bytes,
   )
   save_flax_variables(variables, args.output, format=fmt)
   n = sum(1 for _ in _leaves(variables))
@@ -311,6 +322,10 @@ def _parser() -> argparse.ArgumentParser:
                         "size; square weights beside such ones are an error)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help=f"progress bar (default: on a terminal, for files over {PROGRESS_MIN_BYTES // 2**20} MiB)")
+    p.add_argument("--max-bytes", type=_parse_bytes, metavar="BYTES",
+                   help="refuse a checkpoint whose tensors (each, or all together, in dense form) declare more bytes "
+                        "than this, before reading any (default: $JAXSPARSE_CHECKPOINT_MAX_BYTES, 'none' for no "
+                        "limit, else the machine's physical memory)")
 
   ins = sub.add_parser("inspect", help="per-layer table: name, shape, format found, pattern, density")
   ins.add_argument("file")

@@ -43,6 +43,8 @@ import numpy as np
 from jaxsparse.torch_interop._conv1d import CONV1D_FORMAT
 from jaxsparse.torch_interop._conv1d import check_conv1d
 from jaxsparse.torch_interop._conv1d import conv1d_weights
+from jaxsparse.torch_interop._limits import check_sizes
+from jaxsparse.torch_interop._limits import limit_scope
 from jaxsparse.torch_interop._load import CheckpointError
 from jaxsparse.torch_interop._load import TensorSource
 from jaxsparse.torch_interop._load import open_checkpoint
@@ -284,6 +286,7 @@ def decode_checkpoint(
     on_error: str = "raise",
     progress: Callable[[int, int], None] | None = None,
     conv1d: str | None = None,
+    max_bytes: int | None = None,
 ) -> dict[str, TorchParam]:
   """Decodes every parameter of a checkpoint into dense values plus a mask, in torch layout.
 
@@ -313,6 +316,11 @@ def decode_checkpoint(
       ``", Conv1D (in, out)"``. For a ``torch.nn.Module`` source the module classes decide instead. ``None``: a
       weight whose 1-D bias has ``shape[1] != shape[0]`` entries is one; a square weight with a bias in a checkpoint
       that has such weights raises (a state dict does not tell its layout).
+    max_bytes: the most bytes the checkpoint's tensors may take in dense form (a sparse tensor at its dense shape),
+      each and all together, as their headers and shapes declare them: checked before any is read or densified
+      (also the dense form of a ``pytorch_block_sparse`` or SparseProp layer, when its indices give it). ``None``:
+      ``$JAXSPARSE_CHECKPOINT_MAX_BYTES`` (bytes, or ``none`` for no limit), else this machine's physical memory.
+      Masks and the copies made while decoding come on top (a mask is one byte per entry).
 
   Returns:
     ``{parameter name: TorchParam}`` in checkpoint order.
@@ -323,14 +331,25 @@ def decode_checkpoint(
       ``on_error="collect"``); with ``on_error="raise"``, a parameter that cannot be decoded (an inconsistent
       sparse format, a name decoded twice, an N:M mask that ``nm`` cannot recompute); the message names the
       file and the keys. Also with ``on_error="collect"``: square weights of unknown layout beside Conv1D ones
-      (see ``conv1d``).
-    TypeError: ``conv1d`` is not a ``str`` or ``None`` (a ``conv1d`` that does not compile: ``ValueError``).
+      (see ``conv1d``); a tensor or dense form over ``max_bytes``, or all tensors together over it (the message
+      names the tensor, its shape, dtype and bytes, and the limit).
+    TypeError: ``conv1d`` is not a ``str`` or ``None`` (a ``conv1d`` that does not compile: ``ValueError``);
+      ``max_bytes`` is not an int or ``None`` (one < 1: ``ValueError``).
     ImportError: PyTorch is not installed.
   """
   if on_error not in ("raise", "collect"):
     raise ValueError(f"on_error must be 'raise' or 'collect', got {on_error!r}.")
   check_conv1d(conv1d)
-  src = source if isinstance(source, TensorSource) else open_checkpoint(source, key=key)
+  with limit_scope(max_bytes):
+    src = source if isinstance(source, TensorSource) else open_checkpoint(source, key=key)
+    # Every tensor at its dense size, from the metadata: a sparse tensor declares its dense shape apart from what it
+    # stores, and decoding holds all of them at once.
+    check_sizes(src.sizes, origin=src.origin)
+    return _decode(src, nm=nm, on_error=on_error, progress=progress, conv1d=conv1d)
+
+
+def _decode(src: TensorSource, *, nm: NMSpec, on_error: str, progress: Callable[[int, int], None] | None,
+            conv1d: str | None) -> dict[str, TorchParam]:
   plan = _plan(list(src), src.extras)
   decoded: dict[str, tuple] = {}
   out: dict[str, TorchParam] = {}

@@ -12,6 +12,11 @@ import numpy as np
 
 from jaxsparse._utils import atomic_write
 from jaxsparse.torch_interop._export import unboxed
+from jaxsparse.torch_interop._limits import TensorSize
+from jaxsparse.torch_interop._limits import check_sizes
+from jaxsparse.torch_interop._limits import limit_scope
+from jaxsparse.torch_interop._limits import safetensors_sizes
+from jaxsparse.torch_interop._limits import tensor_size
 from jaxsparse.torch_interop._load import CheckpointError
 from jaxsparse.torch_interop._load import import_torch
 from jaxsparse.torch_interop._load import to_torch
@@ -119,7 +124,7 @@ def save_flax_variables(variables: Mapping, path: str | os.PathLike, *, format: 
   return path
 
 
-def load_flax_variables(path: str | os.PathLike) -> dict[str, Any]:
+def load_flax_variables(path: str | os.PathLike, *, max_bytes: int | None = None) -> dict[str, Any]:
   """Reads variables written by :func:`save_flax_variables` (or ``jaxsparse convert``) as nested NumPy dicts.
 
   To restore an orbax directory straight into a (possibly abstract or sharded) Linen target, use
@@ -137,18 +142,44 @@ def load_flax_variables(path: str | os.PathLike) -> dict[str, Any]:
 
   Args:
     path: a safetensors file or an orbax checkpoint directory.
+    max_bytes: the most bytes its arrays may take, each and all together, as the safetensors header or the orbax
+      metadata declares them (checked before any is read); ``None``: ``$JAXSPARSE_CHECKPOINT_MAX_BYTES`` (bytes, or
+      ``none`` for no limit), else this machine's physical memory.
 
   Returns:
     Nested dicts (``{"params": {"fc": {"kernel": ...}}}``) of NumPy arrays with the shapes and dtypes stored.
 
   Raises:
     CheckpointError: ``path`` is not a readable safetensors file or orbax checkpoint, or one of its keys is both
-      a tensor and the parent of another (``params/fc`` and ``params/fc/kernel``).
+      a tensor and the parent of another (``params/fc`` and ``params/fc/kernel``), or it declares more than
+      ``max_bytes`` (an array, or all together; the message names the array, its shape, dtype and bytes).
+    TypeError: ``max_bytes`` is not an int or ``None`` (one < 1: ``ValueError``).
   """
   path = os.fspath(path)
+  with limit_scope(max_bytes):
+    return _nested(_load_flat(path), origin=path)
+
+
+def _orbax_sizes(path: str) -> dict[str, TensorSize]:
+  """``{"a/b": TensorSize}`` from an orbax checkpoint's metadata (no array read); empty where it has none: the
+  restore then says what is wrong."""
+  import orbax.checkpoint as ocp  # noqa: PLC0415 -- optional, only for orbax input
+
+  try:
+    metadata = ocp.StandardCheckpointer().metadata(os.path.abspath(path))
+    leaves = jax.tree_util.tree_leaves_with_path(getattr(metadata, "item_metadata", metadata))
+    return {SEP.join(str(getattr(k, "key", k)) for k in kp): tensor_size(leaf.shape, np.dtype(leaf.dtype))
+            for kp, leaf in leaves if hasattr(leaf, "shape") and hasattr(leaf, "dtype")}
+  except Exception:  # untrusted directory: orbax fails in many ways, and restore below reports them
+    return {}
+
+
+def _load_flat(path: str) -> dict[str, np.ndarray]:
+  """``{"a/b": array}`` of a safetensors file or orbax directory, its declared sizes checked before anything is read."""
   if os.path.isdir(path):
     import orbax.checkpoint as ocp  # noqa: PLC0415 -- optional, only for orbax input
 
+    check_sizes(_orbax_sizes(path), origin=path)
     # Nested dicts; older outputs held one flat dict keyed by "/"-joined paths, which _nested splits.
     try:
       restored = ocp.StandardCheckpointer().restore(os.path.abspath(path))
@@ -160,12 +191,13 @@ def load_flax_variables(path: str | os.PathLike) -> dict[str, Any]:
   else:
     from safetensors import safe_open  # noqa: PLC0415 -- optional dependency
 
+    check_sizes(safetensors_sizes(path) or {}, origin=path)  # from the header, before safe_open maps the file
     try:
       with safe_open(path, framework="pt") as f:
         flat = {k: to_numpy(f.get_tensor(k), key=k) for k in f.keys()}
     except Exception as e:
       raise CheckpointError(f"{path} is not a readable safetensors file: {e}") from e
-  return _nested({k: np.asarray(v) for k, v in flat.items()}, origin=path)
+  return {k: np.asarray(v) for k, v in flat.items()}
 
 
 def _nested(flat: Mapping[str, Any], *, origin: str) -> dict[str, Any]:

@@ -373,6 +373,7 @@ def load_nnx(
     strict: bool = True,
     key: str | None = None,
     conv1d: str | None = None,
+    max_bytes: int | None = None,
 ) -> LoadReport:
   """Loads a PyTorch checkpoint into a Flax NNX model, turning sparse torch layers into jaxsparse layers.
 
@@ -419,6 +420,9 @@ def load_nnx(
     key: path of the state dict inside a nested checkpoint.
     conv1d: regex of the torch module paths whose weights are stored ``(in, out)`` like transformers' ``Conv1D``
       (GPT-2); see :func:`decode_checkpoint`. Not needed for a ``torch.nn.Module`` source, whose classes say it.
+    max_bytes: the most bytes the checkpoint's tensors may take in dense form, each and all together, checked from
+      their headers and shapes before any is read (see :func:`decode_checkpoint`); ``None``:
+      ``$JAXSPARSE_CHECKPOINT_MAX_BYTES`` (bytes, or ``none``), else this machine's physical memory.
 
   Returns:
     A :class:`LoadReport`; its ``torch_names`` drive the export functions back to torch names.
@@ -426,11 +430,11 @@ def load_nnx(
   Raises:
     CheckpointError: unreadable input, missing or unexpected keys (with close matches), shape mismatches
       naming the torch key and the Flax parameter, a mask that is not 0/1, torch weights that differ at two paths of
-      one tied Flax module.
+      one tied Flax module, a tensor or all of them together over ``max_bytes``.
   """
   if not isinstance(model, nnx.Module):
     raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}.")
-  params = decode_checkpoint(source, nm=nm, key=key, conv1d=conv1d)
+  params = decode_checkpoint(source, nm=nm, key=key, conv1d=conv1d, max_bytes=max_bytes)
   groups = group_params(params, name_map, ignore)
   plan = _Plan(strict=strict)
   loads, missing = [], []

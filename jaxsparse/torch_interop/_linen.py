@@ -27,6 +27,7 @@ from jaxsparse.torch_interop._decode import TorchParam
 from jaxsparse.torch_interop._decode import decode_checkpoint
 from jaxsparse.torch_interop._decode import float_value
 from jaxsparse.torch_interop._flax import apply_rules
+from jaxsparse.torch_interop._limits import limit_scope
 from jaxsparse.torch_interop._load import CheckpointError
 from jaxsparse.torch_interop._load import TensorSource
 from jaxsparse.torch_interop._load import import_torch
@@ -54,6 +55,7 @@ def to_linen_variables(
     progress: Callable[[int, int], None] | None = None,
     target: Mapping | None = None,
     conv1d: str | None = None,
+    max_bytes: int | None = None,
 ) -> dict[str, dict]:
   r"""Flax Linen variables for a PyTorch checkpoint, with jaxsparse layouts for its sparse layers.
 
@@ -127,13 +129,32 @@ def to_linen_variables(
     conv1d: regex of the torch module paths whose weights are stored ``(in, out)`` like transformers' ``Conv1D``
       (GPT-2): their kernel is the weight itself; see :func:`decode_checkpoint`. Not needed for a ``torch.nn.Module``
       source, whose classes say it.
+    max_bytes: the most bytes the checkpoint's tensors may take in dense form, each and all together, checked from
+      their headers and shapes before any is read (see :func:`decode_checkpoint`); ``None``:
+      ``$JAXSPARSE_CHECKPOINT_MAX_BYTES`` (bytes, or ``none``), else this machine's physical memory. The variables
+      built come on top, about once more.
 
   Returns:
     ``{"params": ..., "sparsity"?: ..., "batch_stats"?: ..., "masks"?: ...}`` nested by Flax path. ``"masks"`` is
     a tree like ``"params"`` with a bool mask of its weight's shape for each pruned embedding table and, with
     ``target`` (then no ``"sparsity"``), each pruned kernel (not a Linen collection: pop it and pass it as ``masks=``
     to :func:`jaxsparse.sparsify_linen`).
+
+  Raises:
+    CheckpointError: (a ``ValueError``) what :func:`decode_checkpoint` raises, a tensor or all of them together over
+      ``max_bytes`` included; with ``target``, a variable it lacks, lacks from the checkpoint or cannot take the shape
+      of; two torch parameters for one Flax variable.
+    TypeError: ``embeddings`` is not a ``str`` or ``None``, ``target`` is not a mapping, ``max_bytes`` is not an int
+      or ``None``.
   """
+  with limit_scope(max_bytes):
+    return _linen_variables(source, name_map=name_map, ignore=ignore, nm=nm, rules=rules, sparse=sparse,
+                            embeddings=embeddings, key=key, progress=progress, target=target, conv1d=conv1d)
+
+
+def _linen_variables(source: Any, *, name_map: NameMap, ignore: Sequence[str], nm: NMSpec, rules: Any, sparse: bool,
+                     embeddings: str | None, key: str | None, progress: Callable[[int, int], None] | None,
+                     target: Mapping | None, conv1d: str | None) -> dict[str, dict]:
   if embeddings is not None and not isinstance(embeddings, str):
     raise TypeError(f"embeddings must be a regex (str) of embedding module paths or None, got {embeddings!r}.")
   try:

@@ -3,7 +3,8 @@
 A checkpoint comes in as a path, an in-memory state dict or a ``torch.nn.Module`` and leaves as a flat
 ``{dotted key: torch.Tensor}`` mapping. Training wrappers (``{"state_dict": ...}``, ``{"model": ...}``)
 and ``module.`` / ``_orig_mod.`` prefixes are removed here, so the decoders only see parameter names.
-Files are untrusted input: every failure names the file and says what was expected.
+Files are untrusted input: every failure names the file and says what was expected, and what a file declares is
+checked against the memory limit (:mod:`._limits`) from its header or metadata before any of it is read.
 """
 
 from __future__ import annotations
@@ -17,6 +18,17 @@ from typing import Any
 
 import numpy as np
 
+from jaxsparse.torch_interop._errors import CheckpointError
+from jaxsparse.torch_interop._limits import SAFETENSORS_MAX_HEADER
+from jaxsparse.torch_interop._limits import TensorSize
+from jaxsparse.torch_interop._limits import check_size
+from jaxsparse.torch_interop._limits import check_sizes
+from jaxsparse.torch_interop._limits import limit_scope
+from jaxsparse.torch_interop._limits import over_limit
+from jaxsparse.torch_interop._limits import resolve_limit
+from jaxsparse.torch_interop._limits import safetensors_sizes
+from jaxsparse.torch_interop._limits import tensor_size
+
 __all__ = ["CheckpointError", "TensorSource", "import_torch", "load_state_dict", "open_checkpoint", "to_torch"]
 
 # Keys under which training scripts nest the model's state dict, tried in this order.
@@ -25,21 +37,6 @@ WRAPPER_KEYS = ("state_dict", "model_state_dict", "model", "module", "net", "net
 STRIPPED_PREFIXES = ("module.", "_orig_mod.")
 # Key under which a checkpoint may carry ``torch.ao.pruning`` sparsifier state (``sparsifier.state_dict()``).
 SPARSIFIER_KEYS = ("sparsifier", "sparsifier_state_dict")
-_SAFETENSORS_MAX_HEADER = 100 * 2**20
-
-
-class CheckpointError(ValueError):
-  """A checkpoint that cannot be read or decoded; the message names the file or key and what was expected.
-
-  A subclass of ``ValueError``:
-
-  >>> from jaxsparse import torch_interop
-  >>> try:
-  ...   torch_interop.load_state_dict("/nonexistent/model.safetensors")
-  ... except torch_interop.CheckpointError as e:
-  ...   print(e)
-  /nonexistent/model.safetensors does not exist.
-  """
 
 
 def import_torch():
@@ -61,6 +58,8 @@ def to_torch(value: Any, *, key: str):
     return value
   if hasattr(value, "__array__") or isinstance(value, np.ndarray | np.generic):
     arr = np.asarray(value)
+    if arr.dtype != object:  # a broadcast view (zero strides) is copied whole below
+      check_size(key, tensor_size(arr.shape, arr.dtype))
     if arr.dtype.name == "bfloat16":  # ml_dtypes bfloat16: NumPy cannot hand it to torch directly.
       return torch.from_numpy(np.ascontiguousarray(arr).view(np.uint16).astype(np.int16)).view(torch.bfloat16)
     if arr.dtype == object or arr.dtype.kind not in "biuf":
@@ -80,13 +79,15 @@ class TensorSource(Mapping):
   Attributes:
     origin: the file name or a short description (``"state dict"``), used in error messages.
     nbytes: total bytes of the tensors, when known cheaply (else 0).
+    sizes: ``{key: TensorSize}``: each tensor's shape, dtype and bytes in dense form (a torch sparse tensor's dense
+      shape), from the header or the tensor's metadata, for the memory limit (:mod:`._limits`) of the readers.
     extras: ``torch.ao.pruning`` sparsifier masks found next to the model, ``{tensor_fqn: mask}``.
     module_types: for a ``torch.nn.Module`` source, ``{module path: its class}`` (paths as the keys have them,
       prefixes removed); empty for a state dict or a file, which do not say what their modules are.
   """
 
   def __init__(self, keys: list[str], get: Callable[[str], Any], *, origin: str, nbytes: int = 0, extras=None,
-               module_types=None):
+               module_types=None, sizes: Mapping[str, TensorSize] | None = None):
     self._keys = list(keys)
     self._key_set = set(self._keys)
     self._get = get
@@ -94,6 +95,7 @@ class TensorSource(Mapping):
     self.nbytes = nbytes
     self.extras = dict(extras or {})
     self.module_types = dict(module_types or {})
+    self.sizes = dict(sizes or {})
 
   def __getitem__(self, key: str):
     if key not in self._key_set:
@@ -239,11 +241,14 @@ def _open_safetensors(path: str) -> TensorSource:
   with open(path, "rb") as f:
     head = f.read(8)
   header_len = int.from_bytes(head, "little") if len(head) == 8 else -1
-  if header_len <= 0 or header_len > min(_SAFETENSORS_MAX_HEADER, size - 8):
+  if header_len <= 0 or header_len > min(SAFETENSORS_MAX_HEADER, size - 8):
     raise CheckpointError(
         f"{path} is not a valid safetensors file: it is {size} bytes but its header claims "
         f"{header_len} bytes (truncated or not a safetensors file)."
     )
+  # Before safe_open, which maps the whole file: its header may declare far more than this machine holds.
+  sizes = safetensors_sizes(path) or {}
+  check_sizes(sizes, origin=path)
   try:
     handle = safe_open(path, framework="pt")
     keys = list(handle.keys())
@@ -258,7 +263,8 @@ def _open_safetensors(path: str) -> TensorSource:
       raise CheckpointError(f"{path}: cannot read tensor {key!r} (truncated or corrupt file?): {e}") from e
 
   _, mapping = _strip_prefixes(keys)
-  return TensorSource(list(mapping), lambda k: get(mapping[k]), origin=path, nbytes=nbytes)
+  return TensorSource(list(mapping), lambda k: get(mapping[k]), origin=path, nbytes=nbytes,
+                      sizes={k: sizes[old] for k, old in mapping.items() if old in sizes})
 
 
 _UNPICKLER_ERROR = "WeightsUnpickler error:"
@@ -279,8 +285,15 @@ def _torch_reason(msg: str) -> str:
 
 def _torch_load(path: str) -> Any:
   torch = import_torch()
+  zipped = _is_zip(path)
+  limit = resolve_limit()
+  size = os.path.getsize(path)
+  if not zipped and limit.nbytes is not None and size > limit.nbytes:
+    # The legacy (non-zip) format cannot be mapped: torch.load reads every storage it lists, up to the whole file.
+    raise CheckpointError(f"{path} is a legacy (non-zip) torch.save file of {size:,} bytes, all of which torch.load "
+                          f"may read into memory: {over_limit(limit)}")
   try:
-    return torch.load(path, map_location="cpu", weights_only=True, mmap=_is_zip(path))
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=zipped)
   except pickle.UnpicklingError as e:
     msg, reason = str(e), _torch_reason(str(e))
     # The weights-only unpickler words every failure alike; an opcode it does not know means bytes that are no
@@ -314,11 +327,31 @@ def _looks_like_safetensors(path: str) -> bool:
   return len(head) == 9 and head[8:9] == b"{"
 
 
-def open_checkpoint(source: Any, *, key: str | None = None) -> TensorSource:
-  """Opens a checkpoint as a lazy :class:`TensorSource` (see :func:`load_state_dict` for ``source``)."""
+def _sizes(tensors: Mapping[str, Any]) -> dict[str, TensorSize]:
+  """``{key: TensorSize}`` of in-memory (or mapped) tensors at their dense size, from their shape and dtype alone
+  (never their data); tensors without data (meta, nested) are left out."""
+  sizes = {}
+  for key, value in tensors.items():
+    if getattr(value, "is_nested", False) or getattr(value, "is_meta", False):
+      continue
+    try:
+      sizes[key] = tensor_size(value.shape, value.dtype)
+    except (AttributeError, TypeError, ValueError, RuntimeError):
+      continue
+  return sizes
+
+
+def open_checkpoint(source: Any, *, key: str | None = None, max_bytes: int | None = None) -> TensorSource:
+  """Opens a checkpoint as a lazy :class:`TensorSource` (see :func:`load_state_dict` for the arguments)."""
+  with limit_scope(max_bytes):
+    return _open_checkpoint(source, key=key)
+
+
+def _open_checkpoint(source: Any, *, key: str | None) -> TensorSource:
   torch = import_torch()
   types: dict[str, type] = {}
-  if isinstance(source, str | os.PathLike):
+  from_file = isinstance(source, str | os.PathLike)
+  if from_file:
     path = os.fspath(source)
     if os.path.isdir(path):
       raise CheckpointError(f"{path} is a directory; pass the checkpoint file inside it (e.g. model.safetensors).")
@@ -352,21 +385,25 @@ def open_checkpoint(source: Any, *, key: str | None = None) -> TensorSource:
   flat, extras = _unwrap(obj, origin, key)
   removed, mapping = _strip_prefixes([str(k) for k in flat])
   original = {str(k): k for k in flat}
-  nbytes = 0
-  for k in flat:
-    v = flat[k]
-    nbytes += int(getattr(v, "nbytes", 0) or 0) if getattr(v, "layout", torch.strided) == torch.strided else 0
+  tensors = {k: flat[original[old]] for k, old in mapping.items()}
+  sizes = _sizes(tensors)
+  strided = {k: size for k, size in sizes.items() if getattr(tensors[k], "layout", torch.strided) == torch.strided}
+  if from_file:
+    # Mapped, not read yet: reading a tensor (or a view whose zero strides expand 4 bytes to 160 GB) copies it whole.
+    check_sizes(strided, origin=origin)
+  nbytes = sum(size.nbytes for size in strided.values())
   return TensorSource(
       list(mapping),
-      lambda k: to_torch(flat[original[mapping[k]]], key=k),
+      lambda k: to_torch(tensors[k], key=k),
       origin=origin,
       nbytes=nbytes,
       extras={(f[len(removed) :] if f.startswith(removed) else f): m for f, m in extras.items()},
       module_types={(n[len(removed) :] if n.startswith(removed) else n): t for n, t in types.items()},
+      sizes=sizes,
   )
 
 
-def load_state_dict(source: Any, *, key: str | None = None) -> dict[str, Any]:
+def load_state_dict(source: Any, *, key: str | None = None, max_bytes: int | None = None) -> dict[str, Any]:
   """Loads a PyTorch checkpoint as a flat ``{name: torch.Tensor}`` dict, without running pickled code.
 
   >>> import torch
@@ -383,6 +420,9 @@ def load_state_dict(source: Any, *, key: str | None = None) -> dict[str, Any]:
       each ``torch.ao.pruning`` ``FakeSparsity`` parametrization as ``{mod}.parametrizations.{p}.0.mask``).
     key: dotted path of the state dict inside a nested checkpoint; by default the first of
       ``state_dict``, ``model_state_dict``, ``model``, ``module``, ``net``, ``network`` that holds one.
+    max_bytes: the most bytes a file's tensors may take, each and all together, as their header or metadata
+      declares them (checked before any is read); ``None``: ``$JAXSPARSE_CHECKPOINT_MAX_BYTES`` (bytes, or ``none``
+      for no limit), else this machine's physical memory. Tensors come back mapped from the file, read when used.
 
   Returns:
     ``{name: torch.Tensor}`` with ``module.`` / ``_orig_mod.`` prefixes shared by all keys removed.
@@ -390,7 +430,10 @@ def load_state_dict(source: Any, *, key: str | None = None) -> dict[str, Any]:
   Raises:
     CheckpointError: a missing, empty, truncated or non-checkpoint file, a file that needs pickled code,
       or no state dict inside it; a module with a parametrized tensor whose parametrizations are not one
-      ``torch.ao.pruning`` ``FakeSparsity``.
+      ``torch.ao.pruning`` ``FakeSparsity``; a file declaring more than ``max_bytes`` (a tensor, or all together:
+      a sparse file, a view whose zero strides expand it); the message names the tensor, its shape, dtype and bytes.
+    TypeError: ``max_bytes`` is not an int or ``None``.
+    ValueError: ``max_bytes`` < 1, or ``$JAXSPARSE_CHECKPOINT_MAX_BYTES`` is neither a positive int nor ``none``.
   """
-  src = open_checkpoint(source, key=key)
+  src = open_checkpoint(source, key=key, max_bytes=max_bytes)
   return {k: src[k] for k in src}

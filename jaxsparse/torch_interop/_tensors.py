@@ -3,7 +3,8 @@ semi-structured) and the storage of two projects' sparse layers (huggingface ``p
 SparseProp), each as dense values and a bool mask in torch layout.
 
 Checkpoints are untrusted input: every index and offset is checked with NumPy before anything is densified (torch.load
-does not check them), and every failure is a :class:`~jaxsparse.torch_interop.CheckpointError` naming the key.
+does not check them), every tensor and dense form is checked against the memory limit (:mod:`._limits`) before it is
+materialised, and every failure is a :class:`~jaxsparse.torch_interop.CheckpointError` naming the key.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from jaxsparse.torch_interop._limits import check_size
+from jaxsparse.torch_interop._limits import tensor_size
 from jaxsparse.torch_interop._load import CheckpointError
 from jaxsparse.torch_interop._load import import_torch
 from jaxsparse.torch_interop._patterns import nm_mask_torch
@@ -35,6 +38,9 @@ def to_numpy(t: Any, *, key: str) -> np.ndarray:
         f"{key!r} is a meta tensor of shape {tuple(t.shape)}: it has no values (a model built on the 'meta' device "
         "whose weights were never loaded?); expected a tensor with data."
     )
+  # A mapped file's tensor, or a view whose zero strides stand for far more elements than its storage holds: the copy
+  # below materialises all of them.
+  check_size(key, tensor_size(t.shape, t.dtype))
   # A conjugate or negative view (``z.conj()``, which torch.save keeps as such) holds its values only lazily.
   t = t.detach().cpu().resolve_conj().resolve_neg()
   try:
@@ -99,6 +105,7 @@ def decode_dense_tensor(t: Any, *, key: str) -> tuple[np.ndarray, np.ndarray | N
   torch = import_torch()
   semi = getattr(torch.sparse, "SparseSemiStructuredTensor", None)
   if semi is not None and isinstance(t, semi):
+    check_size(key, tensor_size(t.shape, t.dtype), dense=True)  # its shape is declared, apart from what it stores
     dense = to_numpy(t.to_dense(), key=key)
     if dense.ndim != 2 or dense.shape[1] % 4:
       raise CheckpointError(f"{key!r}: a 2:4 semi-structured tensor must be 2-D with in-features % 4 == 0.")
@@ -130,6 +137,8 @@ def _sparse_part(t: Any, *, key: str, what: str, integer: bool = False) -> np.nd
 
 
 def _zeros(shape: tuple[int, ...], dtype: Any, *, key: str) -> np.ndarray:
+  """The dense form of a sparse tensor, checked against the memory limit first (its shape comes from the file)."""
+  check_size(key, tensor_size(shape, np.dtype(dtype)), dense=True)
   try:
     return np.zeros(shape, dtype)
   except (MemoryError, ValueError) as e:
@@ -209,6 +218,7 @@ def _compressed_to_numpy(t: Any, layout: str, *, key: str) -> tuple[np.ndarray, 
         f"{key!r}: {comp_name} must have {n_comp + 1} entries per batch (one more than the "
         f"{'block ' if blocked else ''}{'rows' if by_row else 'columns'}), got {compressed.shape[-1]}."
     )
+  check_size(key, tensor_size(shape, values.dtype), dense=True)
   count = int(np.prod(batch, dtype=np.int64))
   compressed, plain = compressed.reshape(count, n_comp + 1), plain.reshape(count, nnz)
   values = values.reshape(count, nnz, *block, *dense_dims)
@@ -271,6 +281,7 @@ def decode_hf_block_sparse(src: Mapping, mod: str) -> tuple[np.ndarray, np.ndarr
     raise CheckpointError(f"{base}cols_a lists the same block twice.")
   # Block i of data holds the transposed (b0, b1) block: reshape to (nnz, b1, b0) and swap back.
   blocks = data.reshape(nnz, b1, b0).transpose(0, 2, 1)
+  check_size(base + "data", tensor_size((kb * b0, nb * b1), data.dtype), dense=True)
   dense = _zeros((kb, nb, b0, b1), data.dtype, key=base + "data")
   dense[block_row, block_col] = blocks[ptr]
   dense = dense.transpose(0, 2, 1, 3).reshape(kb * b0, nb * b1)
