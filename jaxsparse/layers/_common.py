@@ -36,6 +36,7 @@ from jaxsparse.layers._checks import check_use_bias
 from jaxsparse.layers._partitioning import structure_metadata
 
 __all__ = [
+    "COMPRESSED_VALUES",
     "MissingPatternError",
     "NMPromote",
     "SPARSITY",
@@ -73,6 +74,15 @@ __all__ = [
 ]
 
 SPARSITY = "sparsity"
+
+COMPRESSED_VALUES = "nm_compressed"
+"""Metadata key of the ``nnx.Param`` that holds an N:M-compressed layer's kept values (``CompressedNMLinear.kernel``,
+``CompressedNMEmbed.embedding``); its value is the layer's class name. It travels with the variable wherever the
+layer's parameters go without the layer (``nnx.state(model, nnx.Param)``, what ``nnx.Optimizer`` hands its optimizer),
+so that the pruners refuse to prune the values as if they were a dense weight. Checkpoints hold the arrays only: they
+restore across layers with and without the mark. Metadata, not an ``nnx.Param`` subclass: under
+``nnx.bridge.ToLinen`` a subclass would be a collection of its own, out of ``"params"`` (Flax names collections by
+variable type); metadata puts the values in an ``NNXMeta`` box in ``"params"``, as it does a named kernel."""
 default_bias_init = nnx.initializers.zeros_init()
 
 

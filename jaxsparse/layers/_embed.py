@@ -29,6 +29,7 @@ from jaxsparse.formats._nm import decompress
 from jaxsparse.formats._nm_masks import check_nm
 from jaxsparse.layers._checks import check_dtypes
 from jaxsparse.layers._checks import check_loaded_positions
+from jaxsparse.layers._common import COMPRESSED_VALUES
 from jaxsparse.layers._common import SparsityPattern
 from jaxsparse.layers._common import check_called_on_one_layer
 from jaxsparse.layers._common import check_one_layer
@@ -48,6 +49,9 @@ class CompressedNMEmbed(nnx.Module):
   ``nnx.Param`` of shape ``(features * n // m, num_embeddings)``; ``embedding_positions`` their packed positions, a
   non-trainable :class:`SparsityPattern` of shape ``(groups // per_word, num_embeddings)``, laid out as in
   :class:`jaxsparse.NMSparseMatrix` with ``axis=0``. A 2:4 bfloat16 table takes 0.5625x the dense table's bytes.
+  The ``embedding`` param carries the metadata ``nm_compressed="CompressedNMEmbed"``, so that the pruners
+  (:mod:`jaxsparse.pruning`) refuse to prune the kept values as a dense table even where they see the parameters
+  without the layer (``nnx.state(model, nnx.Param)``, an ``nnx.Optimizer``).
 
   A lookup gathers the columns of its ids and returns the dense rows, zeros at the pruned features, as ``nnx.Embed``
   does for the pruned dense table (out-of-range ids give NaN rows in floating dtypes, as there). :meth:`attend` (tied
@@ -87,7 +91,7 @@ class CompressedNMEmbed(nnx.Module):
           f"compressed along the features (axis=0), got {weight!r}; CompressedNMEmbed.from_dense builds it."
       )
     check_dtypes(type(self), dtype=dtype, inexact=False)  # lookups take any dtype, as nnx.Embed's
-    self.embedding = nnx.Param(weight.values)
+    self.embedding = nnx.Param(weight.values, **{COMPRESSED_VALUES: type(self).__name__})
     self.embedding_positions = SparsityPattern(weight.indices)
     self.features, self.num_embeddings = weight.shape
     self.n, self.m = weight.n, weight.m

@@ -24,6 +24,7 @@ from jaxsparse.formats._nm import NMSparseMatrix
 from jaxsparse.layers._checks import check_dtypes
 from jaxsparse.layers._checks import check_loaded_positions
 from jaxsparse.layers._checks import check_real_dtypes
+from jaxsparse.layers._common import COMPRESSED_VALUES
 from jaxsparse.layers._common import SparsityPattern
 from jaxsparse.layers._common import bias_of
 from jaxsparse.layers._common import check_layer_inputs
@@ -93,7 +94,10 @@ class CompressedNMLinear(nnx.Module):
   shape ``(in_features * n // m, out_features)`` that can still be fine-tuned
   (:func:`jaxsparse.ops.nm_matmul` differentiates it); ``kernel_positions`` the packed positions, a
   non-trainable :class:`SparsityPattern`. On CUDA GPUs with few rows (decode) the product reads
-  the compressed weight in a Pallas kernel; elsewhere it expands it and runs a dense product.
+  the compressed weight in a Pallas kernel; elsewhere it expands it and runs a dense product. The ``kernel`` param
+  carries the metadata ``nm_compressed="CompressedNMLinear"``, so that the pruners (:mod:`jaxsparse.pruning`)
+  refuse to prune the kept values as a dense kernel even where they see the parameters without the layer
+  (``nnx.state(model, nnx.Param)``, an ``nnx.Optimizer``).
 
   On a CUDA GPU with cuSPARSELt, a 2:4 bfloat16 layer also keeps ``kernel_cusparselt``,
   the kernel in cuSPARSELt's layout (a non-trainable :class:`CusparseLtWeight`, built when the
@@ -181,7 +185,7 @@ class CompressedNMLinear(nnx.Module):
     self.kernel: nnx.Param[jax.Array] | None = nnx.data(None)
     self.kernel_positions: SparsityPattern | None = nnx.data(None)
     if storage == "values":
-      self.kernel = nnx.Param(weight.values)
+      self.kernel = nnx.Param(weight.values, **{COMPRESSED_VALUES: type(self).__name__})
       self.kernel_positions = SparsityPattern(weight.indices)
     self.bias: nnx.Param[jax.Array] | None = nnx.data(None) if bias is None else nnx.Param(jnp.asarray(bias))
     self.in_features, self.out_features = weight.shape

@@ -41,6 +41,8 @@ from jaxsparse.formats._masks import split_like
 from jaxsparse.pruning._apply import is_none
 from jaxsparse.pruning._apply import rebox
 from jaxsparse.pruning._apply import where_masked
+from jaxsparse.pruning._compressed import compressed_error
+from jaxsparse.pruning._compressed import compressed_paths
 from jaxsparse.pruning._schedules import Schedule
 from jaxsparse.pruning._schedules import one_shot
 from jaxsparse.pruning._scores import check_scope
@@ -173,7 +175,8 @@ def magnitude_pruner(
       ``nnx.Module``, for a layer it holds at several paths (tied) that the rules give different structures, as
       :func:`jaxsparse.sparsify` does. Parameters (the ``nnx.State`` that ``nnx.Optimizer`` hands the optimizer) hold
       a tied layer once, at its first path: a rule naming only its other path then matches nothing and warns; check
-      such rules on the model with :func:`magnitude_masks`.
+      such rules on the model with :func:`magnitude_masks`. A rule matching the stored values of an already
+      N:M-compressed layer raises where the parameters show them (see :func:`magnitude_masks`).
   """
   schedule = one_shot() if schedule is None else schedule
   if not isinstance(schedule, Schedule):
@@ -230,6 +233,21 @@ def _is_masked_node(x: Any) -> bool:
 def _keep_tree(masks: Any, params: Any) -> Any:
   """Masks with every unmasked leaf replaced by a scalar ``True``: a tree with the parameters' structure."""
   return jax.tree.map(lambda m, p: jnp.ones((), bool) if m is None else m, masks, params, is_leaf=is_none)
+
+
+def _refuse_compressed(params: Any, masks: Any) -> None:
+  """Raises where ``masks`` prune the stored values of an N:M-compressed layer that ``params`` shows.
+
+  The pruner sees plain arrays, which cannot tell; here ``params`` are still what the optimizer was given: the
+  ``nnx.Param`` variables of an ``nnx.Optimizer`` (whose compressed layers mark their values), Linen boxes.
+  """
+  compressed = compressed_paths(params)
+  if not compressed:
+    return
+  paths, leaves, _ = flatten_with_paths(masks)  # the None of an unpruned parameter is no leaf
+  for path, mask in zip(paths, leaves, strict=True):
+    if path in compressed:
+      raise compressed_error(path, compressed[path], tuple(mask.shape), "the pruner (a rule of it matches this path)")
 
 
 def wrap_optax(
@@ -311,8 +329,11 @@ def wrap_optax(
 
   Raises:
     TypeError: ``pruner`` is not a :class:`Pruner`. Later, ``init`` raises a ``ValueError`` with
-      ``reset_state=True`` for an inner state it cannot map to the parameters (and the pruner's own errors,
-      see :func:`magnitude_pruner`); ``update`` raises a ``ValueError`` when called without ``params``.
+      ``reset_state=True`` for an inner state it cannot map to the parameters, for masks of the pruner on the stored
+      values of an N:M-compressed layer (a ``CompressedNMLinear`` / ``CompressedNMEmbed`` of an ``nnx.Optimizer``,
+      whose params carry the layers' mark; not a Linen ``CompressedNMDense`` in a ``TrainState``, whose bare
+      ``params`` do not tell), and the pruner's own errors (see :func:`magnitude_pruner`); ``update`` raises a
+      ``ValueError`` when called without ``params``.
   """
   inner = optax.with_extra_args_support(inner)
   if not isinstance(pruner, Pruner):
@@ -324,6 +345,7 @@ def wrap_optax(
     boxed = jax.tree_util.tree_unflatten(treedef, leaves)  # NNX variables unwrapped; Linen boxes kept
     plain = nn.meta.unbox(boxed)  # the pruner sees plain arrays (a TrainState's nn.Partitioned params unboxed)
     masks = _split_like(jax.jit(lambda p, k: pruner.init(_gathered(p), k))(plain, init_key), plain)
+    _refuse_compressed(params, masks)
     inner_state = inner.init(params)
     if reset_state:
       try:  # an inner state that reset cannot map fails here, with a way out, not inside the first update's trace

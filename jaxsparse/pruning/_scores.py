@@ -38,7 +38,6 @@ from flax import nnx
 from jaxsparse import _utils
 from jaxsparse._rules import Views
 from jaxsparse._rules import flatten_with_paths
-from jaxsparse._rules import get_module
 from jaxsparse._rules import kernel_in_ndim
 from jaxsparse._rules import match_rules
 from jaxsparse._rules import module_paths
@@ -54,9 +53,9 @@ from jaxsparse.formats._specs import Spec
 from jaxsparse.formats._specs import check_plain_nm
 from jaxsparse.formats._specs import check_spec_applies
 from jaxsparse.formats._specs import matrix_shape
-from jaxsparse.layers._embed import CompressedNMEmbed
-from jaxsparse.layers._nm_compressed import CompressedNMLinear
 from jaxsparse.pruning._apply import is_box
+from jaxsparse.pruning._compressed import compressed_error
+from jaxsparse.pruning._compressed import compressed_paths
 from jaxsparse.pruning._stacks import Stacks
 from jaxsparse.pruning._stacks import nnx_stacks
 from jaxsparse.pruning._stacks import resolve_stacks
@@ -258,21 +257,6 @@ def tied_paths(tree: Any) -> dict[str, list[str]] | None:
   return {p: paths for paths in tied for p in paths}
 
 
-def compressed_paths(tree: Any) -> dict[str, str]:
-  """``{parameter path: layer class name}`` of the stored values of the N:M-compressed layers of an NNX object (a
-  ``CompressedNMEmbed``'s ``embedding``, a ``CompressedNMLinear``'s ``kernel``), at every path of a tied layer; ``{}``
-  for another tree (bare parameters do not tell compressed values from a dense kernel or table)."""
-  if not isinstance(tree, nnx.Pytree):
-    return {}
-  out = {}
-  for paths in module_paths(tree).values():
-    node = get_module(tree, paths[0])
-    name = {CompressedNMEmbed: "embedding", CompressedNMLinear: "kernel"}.get(type(node))
-    if name is not None and isinstance(getattr(node, name, None), nnx.Variable):
-      out.update({path_str((*q, name)): type(node).__name__ for q in paths})
-  return out
-
-
 def params_of(tree: Any) -> Any:
   """The parameters the pruners rank: an NNX object's ``nnx.Param`` state (each array once, a tied layer at its first
   path; an optimizer's own state left out), a tree of Linen boxes (``nn.Partitioned``, kept boxed in a ``TrainState``)
@@ -311,6 +295,8 @@ def plan(
 
   A layer that an NNX object holds at several paths (:func:`tied_paths`): as in :func:`jaxsparse.sparsify`, its leaves
   take the one structure the rules give its paths (a ``ValueError`` naming them when they give different ones).
+  A rule that matches the stored values of an N:M-compressed layer (:func:`compressed_paths`) raises a
+  ``ValueError`` naming the path.
   """
   tied = tied_paths(tree)
   found_stacks = nnx_stacks(tree)
@@ -352,13 +338,7 @@ def plan(
     r = next(iter(chosen.values()))
     spec = resolved[r][2]
     if path in compressed:
-      raise ValueError(
-          f"{path}: this {compressed[path]} is already N:M-compressed: its {shape} values are the kept weights, not "
-          f"the dense {'table' if name == 'embedding' else 'kernel'}, and rule {resolved[r][0]!r} "
-          f"({spec.describe()}) would prune them as if they were, dropping weights the layer keeps (an N:M rule "
-          "would group them across its pattern). Prune the dense model before sparsify / compress "
-          "(jaxsparse.densify gives it back), or map this path to None."
-      )
+      raise compressed_error(path, compressed[path], shape, f"rule {resolved[r][0]!r} ({spec.describe()})")
     stack = stack_of(resolved_stacks, found_stacks, path, owner)
     if stack is not None and stack > len(shape) - 2:
       raise ValueError(
@@ -586,8 +566,10 @@ def magnitude_masks(
   Raises:
     ValueError: naming the path, for a structure (view, stack) that cannot apply to a parameter it matches; a tied
       layer whose paths the rules give different structures; ``scores`` of the wrong paths or shapes; a rule that
-      selects the stored values of an already N:M-compressed layer of an ``nnx.Module`` (``CompressedNMEmbed``,
-      ``CompressedNMLinear``: they are the kept weights, not the dense table or kernel; bare parameters do not tell).
+      selects the stored values of an already N:M-compressed layer (``CompressedNMEmbed``, ``CompressedNMLinear``,
+      ``CompressedNMDense``: they are the kept weights, not the dense table or kernel), seen in an ``nnx.Module``, in
+      its ``nnx.State`` (the layers mark those params) or in Linen variables that hold the layers' ``"sparsity"``
+      collection; bare Linen ``params`` do not tell them from a dense kernel (map such paths to ``None``).
     TypeError: bad ``rules``, ``views`` or ``stacks``; complex ``scores``; an ``nnx.Optimizer`` (it holds no
       parameters: pass the model).
   """
