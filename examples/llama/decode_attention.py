@@ -1,12 +1,12 @@
-"""Fused decode attention: one new query token per row against the KV cache, in one Pallas kernel.
+"""Fused decode attention: one new query token per row against the KV cache, in one Pallas kernel and a merge.
 
 An example, not jaxsparse API. A decode step's eager attention (``model._eager_attention``: scores einsum, the mask,
 a softmax, the values einsum) is five to seven small XLA kernels a layer, each a few microseconds at batch 1, about
 as long as reading the whole cache once: with a sparse model's projections fast, that fixed cost is a large share of
-a token's time. :func:`decode_attention` does it in one Pallas kernel (lowered through Triton on a GPU) and one small
-XLA fusion that merges the partial results: program ``(row, kv head, split)`` reads its share of the row's cached
-keys and values once for all the query heads of the group (grouped-query attention), with an online softmax
-(flash-decoding), and writes its unnormalised output with its running maximum and sum.
+a token's time. :func:`decode_attention` does it in one Pallas kernel (lowered through Triton on a GPU) and a
+merge of the partial results (two or three small XLA fusions): program ``(row, kv head, split)`` reads its share of
+the row's cached keys and values once for all the query heads of the group (grouped-query attention), with an online
+softmax (flash-decoding), and writes its unnormalised output with its running maximum and sum.
 
 The mask is a ``(B, S)`` bool input like eager attention's, so left padding, unfilled slots and any other pattern
 give eager attention's result; a row that sees no key at all gets, as there, the plain average of every slot's
