@@ -386,6 +386,33 @@ class NMSparseMatrix:
       raise ValueError(f"values must have shape {self.values.shape}, got {values.shape}.")
     return NMSparseMatrix(values, self.indices, shape=self.shape, n=self.n, m=self.m, axis=self.axis, validate=False)
 
+  def gather(self, dense: jax.typing.ArrayLike) -> NMSparseMatrix:
+    """This pattern over another dense array: the same positions, holding ``dense``'s entries there.
+
+    Args:
+      dense: array of :attr:`shape` (any dtype), e.g. new dense weights for a compressed layer that keeps its
+        pattern.
+
+    Returns:
+      An ``NMSparseMatrix`` sharing ``indices``, ``shape``, ``n``, ``m`` and ``axis`` with ``self``, its values
+      ``dense``'s entries at the kept positions (``dense``'s dtype).
+
+    Raises:
+      ValueError: ``dense`` of another shape.
+
+    >>> import jax.numpy as jnp, jaxsparse
+    >>> ws = jaxsparse.NMSparseMatrix.from_dense(jnp.array([[1.0, -4.0, 3.0, 2.0]]), 2, 4, axis=1)
+    >>> ws.gather(jnp.array([[10.0, 20.0, 30.0, 40.0]])).to_dense()
+    Array([[ 0., 20., 30.,  0.]], dtype=float32)
+    """
+    dense = jnp.asarray(dense)
+    if dense.shape != self.shape:
+      raise ValueError(f"dense must have the matrix's shape {self.shape}, got {dense.shape}.")
+    self._check_static()
+    positions = _positions(self.indices, self.n, self.m, self.axis, self.groups).astype(jnp.int32)  # (G, n, *rest)
+    kept = jnp.take_along_axis(_grouped(dense, self.axis, self.m), positions, axis=1)
+    return self.with_values(_ungrouped(kept, self.axis))
+
   # -- views ----------------------------------------------------------------------------------------
   @property
   def dtype(self):

@@ -284,8 +284,7 @@ def compress_table(table: jax.Array, n: int, m: int, *, mask: Any = None) -> NMS
   # The mask's positions, not a magnitude choice among the table's zeros (an all-zero padding row would keep the
   # first features, and fine-tuning would train those); the values are the table's there.
   kept = NMSparseMatrix.from_dense(jnp.asarray(mask.T, jnp.uint8), n, m, axis=0)
-  rows = (jnp.arange(kept.values.shape[0]) // n * m)[:, None] + kept.positions().astype(jnp.int32)
-  return kept.with_values(jnp.take_along_axis(table.T, rows, axis=0))
+  return kept.gather(table.T)
 
 
 def check_ids(inputs: jax.typing.ArrayLike) -> jax.Array:

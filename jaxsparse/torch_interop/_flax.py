@@ -296,9 +296,7 @@ def _compressed_embed_plan(module: jsl.CompressedNMEmbed, path: tuple, group: di
     plan.replace.append((path, new))
     return layer, w
   ((_, table),) = sub.assign
-  kept = module.weight  # (features, num_embeddings), n of every m features of each column kept
-  rows = (jnp.arange(kept.values.shape[0]) // kept.n * kept.m)[:, None] + kept.positions().astype(jnp.int32)
-  plan.assign.append((module.embedding, jnp.take_along_axis(table.T, rows, axis=0)))
+  plan.assign.append((module.embedding, module.weight.gather(table.T).values))  # (features, num_embeddings)
   return type(module).__name__, w
 
 
@@ -319,16 +317,14 @@ def _compressed_linear_plan(module: jsl.CompressedNMLinear, path: tuple, group: 
     plan.replace.append((path, new))
     return type(new).__name__, w
   (_, kernel), *rest = sub.assign  # the decompressed nnx.Linear's kernel (the torch weight), then its bias
-  kept = module.weight  # (in_features, out_features), n of every m rows of each column kept
-  rows = (jnp.arange(kept.values.shape[0]) // kept.n * kept.m)[:, None] + kept.positions().astype(jnp.int32)
-  values = jnp.take_along_axis(kernel, rows, axis=0).astype(kept.values.dtype)
+  kept = module.weight  # (in_features, out_features)
+  weight = kept.gather(kernel.astype(kept.values.dtype))
   bias = rest[0][1] if rest else None
   if module.storage == "values":  # in place: the Variables keep their metadata (partitioning names)
-    plan.assign.append((module.kernel, values))
+    plan.assign.append((module.kernel, weight.values))
     if bias is not None:
       plan.assign.append((module.bias, bias.astype(module.bias[...].dtype)))
     return type(module).__name__, w
-  weight = formats.NMSparseMatrix(values, kept.indices, shape=kept.shape, n=kept.n, m=kept.m, axis=kept.axis)
   new = jsl.CompressedNMLinear(weight, bias, dtype=module.dtype, precision=module.precision,
                                promote_dtype=module.promote_dtype,
                                preferred_element_type=module.preferred_element_type, **options)
