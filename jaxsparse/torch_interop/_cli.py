@@ -66,26 +66,20 @@ def _parse_pattern(text: str):
     raise argparse.ArgumentTypeError(f"pattern {text!r}: {e}") from e
 
 
-def _parse_positive(text: str) -> int:
+def _parse_positive(text: str, *, what: str = "int", capped: bool = True) -> int:
   try:
     value = int(text)
   except ValueError:
     value = 0
   if value <= 0:
-    raise argparse.ArgumentTypeError(f"must be a positive int, got {text!r}.")
-  if value > MAX_SIZE:
+    raise argparse.ArgumentTypeError(f"must be a positive {what}, got {text!r}.")
+  if capped and value > MAX_SIZE:
     raise argparse.ArgumentTypeError(f"must be at most 2**31 - 1, got {text!r}.")
   return value
 
 
 def _parse_bytes(text: str) -> int:
-  try:
-    value = int(text)
-  except ValueError:
-    value = 0
-  if value <= 0:
-    raise argparse.ArgumentTypeError(f"must be a positive number of bytes, got {text!r}.")
-  return value
+  return _parse_positive(text, what="number of bytes", capped=False)
 
 
 def _parse_dtype(text: str) -> str:
