@@ -9,6 +9,9 @@ Regressions (each test below failed before the fix):
   batches NNX magnitude pruning ranked the stack as one ``(L, K * N)`` matrix (silently: layer 0 emptied, the last
   layer kept dense). Each layer of a stack is now calibrated on its own inputs and pruned as the same layer
   unstacked (masks, weights, report), for every method and structure, NNX and Linen, sequential or not.
+* A scan with ``reverse=True`` runs layer ``L - 1`` first, but sequential pruning took the layers in ascending order:
+  layers ``0 .. L-2`` were pruned on inputs they never see (silently: Wanda / SparseGPT masks differed from the layers
+  unstacked and run in that order). The order is now read from the scan that slices the stack's kernel.
 """
 
 import re
@@ -22,6 +25,9 @@ from flax import nnx
 
 import jaxsparse
 from jaxsparse import pruning
+from jaxsparse.pruning._calibration import Layer
+from jaxsparse.pruning._calibration_stacks import layer_slices
+from jaxsparse.pruning._calibration_stacks import scan_axes
 
 L, D, H, OUT = 3, 16, 32, 8
 SPECS = {"unstructured 50%": jaxsparse.Unstructured(sparsity=0.5), "2:4": jaxsparse.NM(2, 4),
@@ -71,7 +77,8 @@ class Block(nnx.Module):
 
 
 class Scanned(nnx.Module):
-  def __init__(self, rngs):
+  def __init__(self, rngs, reverse=False):
+    self.reverse = reverse  # nnx.scan(reverse=True): layer L - 1 runs first
     self.inp = nnx.Linear(D, D, rngs=rngs)
 
     @nnx.split_rngs(splits=L)
@@ -83,7 +90,7 @@ class Scanned(nnx.Module):
     self.head = nnx.Linear(D, OUT, rngs=rngs)
 
   def __call__(self, x):
-    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, reverse=self.reverse)
     def forward(h, block):
       return block(h)
 
@@ -91,9 +98,10 @@ class Scanned(nnx.Module):
 
 
 class Unstacked(nnx.Module):
-  """``Scanned``'s layers as separate modules: ``blocks.{l}.fc1`` is ``blocks.fc1[l]``."""
+  """``Scanned``'s layers as separate modules: ``blocks.{l}.fc1`` is ``blocks.fc1[l]``, run in the scan's order."""
 
   def __init__(self, scanned):
+    self.reverse = scanned.reverse
     self.inp = nnx.clone(scanned.inp)
     self.blocks = nnx.List([Block(nnx.Rngs(i)) for i in range(L)])
     for i, block in enumerate(self.blocks):
@@ -104,13 +112,13 @@ class Unstacked(nnx.Module):
 
   def __call__(self, x):
     h = self.inp(x)
-    for block in self.blocks:
+    for block in list(self.blocks)[::-1] if self.reverse else self.blocks:
       h = block(h)
     return self.head(h)
 
 
-def _scanned():
-  model = Scanned(nnx.Rngs(0))
+def _scanned(reverse=False):
+  model = Scanned(nnx.Rngs(0), reverse=reverse)
   scale = (4.0 ** np.arange(L)).reshape(L, 1, 1)  # layers of different scales: a ranking across them shows
   model.blocks.fc1.kernel[...] = model.blocks.fc1.kernel[...] * scale.astype(np.float32) / 4
   return model
@@ -125,8 +133,8 @@ def _nnx_unstack_path(path, i):
   return path.replace("blocks.", f"blocks.{i}.", 1)
 
 
-def _check_nnx(method, spec, **kwargs):
-  model = _scanned()
+def _check_nnx(method, spec, reverse=False, **kwargs):
+  model = _scanned(reverse)
   flat = Unstacked(model)
   batches = _batches()
   np.testing.assert_allclose(model(batches[0]), flat(batches[0]), rtol=1e-5, atol=1e-5)
@@ -149,6 +157,50 @@ def test_nnx_scan_over_layers_is_pruned_as_the_layers_unstacked(method, name):
   report = _check_nnx(method, SPECS[name])
   assert [r.path for r in report.layers][:4] == ["inp", "blocks.fc1[0]", "blocks.fc2[0]", "blocks.fc1[1]"]
   assert [r.group for r in report.layers] == [0, 1, 1, 2, 2, 3, 3, 4]  # the default groups: one per block
+
+
+@pytest.mark.parametrize(("method", "name"), [
+    pytest.param(m, n, marks=() if (m, n) == ("sparsegpt", "2:4") else SLOW)
+    for m in ("wanda", "sparsegpt") for n in ("2:4", "unstructured 50%")])
+def test_nnx_reverse_scan_is_pruned_in_the_order_it_runs(method, name):
+  # Regression (silently wrong before): under nnx.scan(reverse=True) layer 2 runs first, but sequential pruning took
+  # layer 0 first, on inputs of dense layers 2 and 1 it never sees: masks of layers 0 and 1 differed from the layers
+  # unstacked and run in that order (SparseGPT 2:4: 36 to 58 of 512 entries).
+  report = _check_nnx(method, SPECS[name], reverse=True)
+  assert [r.path for r in report.layers][:4] == ["inp", "blocks.fc1[2]", "blocks.fc2[2]", "blocks.fc1[1]"]
+
+
+def _scan(reverse):
+  return lambda k, x: jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, k, reverse=reverse)[0]
+
+
+@pytest.mark.parametrize(("f", "want"), [
+    pytest.param(_scan(False), ((0, False),), id="forward"),
+    pytest.param(_scan(True), ((0, True),), id="reverse"),
+    pytest.param(lambda k, x: _scan(False)(k[::-1], x), ((0, True),), id="flipped by the model, a forward scan"),
+    pytest.param(jax.jit(lambda k, x: _scan(True)(k.astype(jnp.bfloat16), x.astype(jnp.bfloat16))), ((0, True),),
+                 id="under jit, cast"),
+    pytest.param(lambda k, x: _scan(False)(k, _scan(True)(k, x)), ((0, True),), id="two scans: the first counts"),
+    pytest.param(lambda k, x: jax.vmap(lambda w: x @ w)(k), None, id="vmap: the layers side by side"),
+])
+def test_scan_axes_follow_the_kernel_to_the_scan_over_its_layers(f, want):
+  # The direction of the scan that slices a stack's kernel (the jaxpr input 0, one layer axis); none under a vmap.
+  k, x = jnp.ones((L, D, D)), jnp.ones((4, D))
+  assert scan_axes(jax.make_jaxpr(f)(k, x), {0: ("k", 1)}).get("k") == want
+
+
+def test_two_layer_axes_run_in_the_order_of_their_scans():
+  # A vmap over the first layer axis around a reverse scan over the second: jax transposes the kernel to scan it.
+  k, x = jnp.ones((2, L, D, D)), jnp.ones((4, D))
+  jaxpr = jax.make_jaxpr(lambda k, x: jax.vmap(lambda k1: _scan(True)(k1, x))(k))(k, x)
+  assert scan_axes(jaxpr, {0: ("k", 2)}) == {"k": ((1, True),)}
+  # Pruning then takes the scan's steps first (layer 2 of every member of the vmap first), the vmap's axis after.
+  layer = Layer("k", ("k",), jaxsparse.NM(2, 4), (D, D), D, D, stack=(2, L), root=1, scans=((1, True),))
+  assert [s.index for s in layer_slices([layer])] == [(0, 2), (1, 2), (0, 1), (1, 1), (0, 0), (1, 0)]
+  # A layer of the same stack module that was not followed to the scan runs in it all the same.
+  other = Layer("k.fc2", ("k", "fc2"), jaxsparse.NM(2, 4), (D, D), D, D, stack=(2, L), root=1)
+  assert [(s.path, s.index) for s in layer_slices([layer, other])][:4] == [
+      ("k", (0, 2)), ("k.fc2", (0, 2)), ("k", (1, 2)), ("k.fc2", (1, 2))]
 
 
 @pytest.mark.parametrize("sequential", [False, pytest.param("one layer at a time", marks=SLOW)])
@@ -278,20 +330,24 @@ class LBlock(nn.Module):
 
 
 class LScanned(nn.Module):
+  reverse: bool = False  # nn.scan(reverse=True): layer L - 1 runs first
+
   @nn.compact
   def __call__(self, x):
     x = nn.Dense(D, name="inp")(x)
-    scan = nn.scan(LBlock, variable_axes={"params": 0}, split_rngs={"params": True}, length=L,
+    scan = nn.scan(LBlock, variable_axes={"params": 0}, split_rngs={"params": True}, length=L, reverse=self.reverse,
                    metadata_params={nn.PARTITION_NAME: "layers"})
     x, _ = scan(name="blocks")(x, None)
     return nn.Dense(OUT, name="head")(x)
 
 
 class LUnstacked(nn.Module):
+  reverse: bool = False  # LScanned's layers run in its order: blocks_{L - 1} first
+
   @nn.compact
   def __call__(self, x):
     x = nn.Dense(D, name="inp")(x)
-    for i in range(L):
+    for i in reversed(range(L)) if self.reverse else range(L):
       x, _ = LBlock(name=f"blocks_{i}")(x)
     return nn.Dense(OUT, name="head")(x)
 
@@ -322,22 +378,38 @@ def _block_of(path):
   return path if number is None else number.group(1) or number.group(2)
 
 
+def _check_linen(method, spec, reverse=False):
+  variables, flat_vars, batches = _linen_pair()
+  scanned, flat = LScanned(reverse=reverse), LUnstacked(reverse=reverse)
+  np.testing.assert_allclose(scanned.apply(variables, batches[0]), flat.apply(flat_vars, batches[0]), rtol=1e-5,
+                             atol=1e-5)
+  new, masks, report = pruning.calibrated_prune_linen(scanned, variables, spec, batches, method=method,
+                                                      sequential=_block_of, progress=False)
+  flat_new, flat_masks, flat_report = pruning.calibrated_prune_linen(flat, flat_vars, spec, batches, method=method,
+                                                                     sequential=_block_of, progress=False)
+  _assert_same(masks, _linen_weights(new), flat_masks, _linen_weights(flat_new), _linen_unstack_path)
+  names = [re.sub(r"blocks\.(fc\d)\[(\d)\]", r"blocks_\2.\1", r.path) for r in report.layers]
+  assert names == [r.path for r in flat_report.layers]
+  assert [r.group for r in report.layers] == [r.group for r in flat_report.layers] == [0, 1, 1, 2, 2, 3, 3, 4]
+  np.testing.assert_allclose([r.error for r in report.layers], [r.error for r in flat_report.layers], rtol=1e-3)
+  return report
+
+
 @pytest.mark.parametrize(("method", "name"), _matrix(("wanda", "block 4x4")))
 def test_linen_scan_over_layers_is_pruned_as_the_layers_unstacked(method, name):
   # Regression: an UnexpectedTracerError before, for every method (the inputs were recorded inside nn.scan).
-  variables, flat_vars, batches = _linen_pair()
-  np.testing.assert_allclose(LScanned().apply(variables, batches[0]), LUnstacked().apply(flat_vars, batches[0]),
-                             rtol=1e-5, atol=1e-5)
-  spec = SPECS[name]
-  new, masks, report = pruning.calibrated_prune_linen(LScanned(), variables, spec, batches, method=method,
-                                                      sequential=_block_of, progress=False)
-  flat_new, flat_masks, flat_report = pruning.calibrated_prune_linen(LUnstacked(), flat_vars, spec, batches,
-                                                                     method=method, sequential=_block_of,
-                                                                     progress=False)
-  _assert_same(masks, _linen_weights(new), flat_masks, _linen_weights(flat_new), _linen_unstack_path)
+  report = _check_linen(method, SPECS[name])
   assert [r.path for r in report.layers][:3] == ["inp", "blocks.fc1[0]", "blocks.fc2[0]"]
-  assert [r.group for r in report.layers] == [r.group for r in flat_report.layers] == [0, 1, 1, 2, 2, 3, 3, 4]
-  np.testing.assert_allclose([r.error for r in report.layers], [r.error for r in flat_report.layers], rtol=1e-3)
+
+
+@pytest.mark.parametrize(("method", "name"), [
+    pytest.param(m, n, marks=() if (m, n) == ("wanda", "unstructured 50%") else SLOW)
+    for m in ("wanda", "sparsegpt") for n in ("2:4", "unstructured 50%")])
+def test_linen_reverse_scan_is_pruned_in_the_order_it_runs(method, name):
+  # Regression (silently wrong before): nn.scan(reverse=True) runs layer 2 first; sequential pruning took layer 0
+  # first, so layers 0 and 1 were pruned on inputs they never see.
+  report = _check_linen(method, SPECS[name], reverse=True)
+  assert [r.path for r in report.layers][:3] == ["inp", "blocks.fc1[2]", "blocks.fc2[2]"]
 
 
 def test_calibrate_linen_of_a_boxed_scan():

@@ -235,7 +235,8 @@ class Candidate(NamedTuple):
   ``(num_embeddings, features)``, taken only by a rule that matches no other candidate (as in
   :func:`jaxsparse.sparsify`); ``stack``: the leading layer axes of a stack of layers (``nnx.vmap`` / ``nn.scan``
   over layers; the kernel is stored ``(*stack, *kernel_shape)``), ``root`` the parts of ``key`` above the stack
-  (:func:`._calibration_stacks.stack_root`).
+  (:func:`._calibration_stacks.stack_root`), ``scans`` the ``(axis, reverse)`` of each layer axis a scan of the model
+  runs over, outermost first (:func:`._calibration_stacks.scan_axes`).
   """
 
   key: tuple
@@ -246,6 +247,7 @@ class Candidate(NamedTuple):
   table: bool = False
   stack: tuple[int, ...] = ()
   root: int = 0
+  scans: tuple[tuple[int, bool], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,6 +268,7 @@ class Layer:
   table: bool = False  # an embedding table
   stack: tuple[int, ...] = ()  # leading layer axes of a stack of layers, () for a plain layer
   root: int = 0  # parts of key above the stack (Candidate.root)
+  scans: tuple[tuple[int, bool], ...] = ()  # (axis, reverse) of the layer axes the model scans over (Candidate.scans)
   index: tuple[int, ...] | None = None  # one layer of the stack, as pruning takes it
 
   @property
@@ -329,7 +332,8 @@ def resolve_layers(candidates: Sequence[Candidate], rules: Any, *, what: str) ->
       raise ValueError(f"{path}: BlockSparse does not apply to convolutions (as in jaxsparse.sparsify); use "
                        "jaxsparse.NM(...) or jaxsparse.Unstructured(...), or give this path another rule.")
     check_layer_spec(spec, shape if c.patches is not None else (k, n), path=path)
-    layers.append(Layer(path, tuple(c.key), spec, tuple(shape), k, n, c.patches, stack=c.stack, root=c.root))
+    layers.append(Layer(path, tuple(c.key), spec, tuple(shape), k, n, c.patches, stack=c.stack, root=c.root,
+                        scans=c.scans))
   if not layers:
     raise ValueError(f"rules select no {what} (every match maps to None); nothing to prune.")
   return layers

@@ -31,6 +31,7 @@ from jaxsparse.pruning._calibration import step_stats
 from jaxsparse.pruning._calibration_stacks import LINEN_ACCUMULATOR
 from jaxsparse.pruning._calibration_stacks import STATS_FIELDS
 from jaxsparse.pruning._calibration_stacks import linen_accumulators
+from jaxsparse.pruning._calibration_stacks import scan_axes
 from jaxsparse.pruning._calibration_stacks import stack_root
 from jaxsparse.pruning._calibration_stacks import with_linen_accumulators
 from jaxsparse.pruning._calibration_tables import call_order
@@ -72,9 +73,11 @@ def _is_table_call(context: Any) -> bool:
 
 def linen_candidates(module: nn.Module, variables: Mapping, batch: Any, apply_kwargs: Mapping, *,
                      tables: bool = False) -> list[Candidate]:
-  """Every ``nn.Dense`` / ``nn.DenseGeneral`` / ``nn.Conv`` that ``module`` calls on ``batch``, in call order; with
-  ``tables``, also every ``nn.Embed`` it looks up or ``attend``-s, a tied one (``attend`` called) at its last call
-  (:func:`call_order`), and one the module also reads directly marked unsupported (:func:`direct_reads`)."""
+  """Every ``nn.Dense`` / ``nn.DenseGeneral`` / ``nn.Conv`` that ``module`` calls on ``batch``, in call order, a stack
+  of layers (``nn.scan`` / ``nn.vmap`` over layers) with the scans that run its layers (``Candidate.scans``,
+  :func:`scan_axes`); with ``tables``, also every ``nn.Embed`` it looks up or ``attend``-s, a tied one (``attend``
+  called) at its last call (:func:`call_order`), and one the module also reads directly marked unsupported
+  (:func:`direct_reads`)."""
   if not isinstance(module, nn.Module):
     raise TypeError(f"module must be a flax.linen.Module, got {type(module).__name__}.")
   found: dict[tuple, Candidate] = {}
@@ -105,7 +108,13 @@ def linen_candidates(module: nn.Module, variables: Mapping, batch: Any, apply_kw
   for key in read:
     path = ".".join(str(k) for k in key)
     found[key] = found[key]._replace(unsupported=direct_read_message(path))
-  return [_with_stack(found[key], variables) for key in call_order(calls, attended)]
+  out = [_with_stack(found[key], variables) for key in call_order(calls, attended)]
+  ndim = {c.key: len(c.stack) for c in out if c.stack}
+  if not ndim:
+    return out
+  kernels = table_leaves(variables, list(ndim), collection=("params",), name="kernel")
+  scans = scan_axes(jaxpr, {i: (key, ndim[key]) for i, key in kernels.items()})
+  return [c._replace(scans=scans.get(c.key, ())) if c.stack else c for c in out]
 
 
 def _with_stack(c: Candidate, variables: Mapping) -> Candidate:

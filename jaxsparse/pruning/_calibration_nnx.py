@@ -4,6 +4,7 @@ what the statistics are."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from collections.abc import Mapping
 from collections.abc import Sequence
@@ -34,6 +35,7 @@ from jaxsparse.pruning._calibration import step_stats
 from jaxsparse.pruning._calibration import zero_layer_stats
 from jaxsparse.pruning._calibration_stacks import StackProbe
 from jaxsparse.pruning._calibration_stacks import nnx_layer_ndim
+from jaxsparse.pruning._calibration_stacks import scan_axes
 from jaxsparse.pruning._calibration_stacks import stack_root
 from jaxsparse.pruning._calibration_tables import TableProbe
 from jaxsparse.pruning._calibration_tables import call_order
@@ -132,16 +134,18 @@ def _with_stack_probes(model: nnx.Module, stacks: Sequence[Layer], stats: Mappin
   return model, probes
 
 
-def nnx_call_order(model: nnx.Module, keys: Sequence[tuple], batch: Any, call: Callable,
-                   tables: Sequence[tuple] = (), stacks: Sequence[Layer] = ()) -> list[tuple]:
-  """``keys`` in the order sequential pruning takes them (:func:`call_order`: each at its first call on ``batch``, a
-  table in ``tables`` that the model ``attend``-s at its last; a stack of layers in ``stacks`` where its transform
-  over the layers traces it); traced only, nothing computed.
+def nnx_call_order(model: nnx.Module, layers: Sequence[Layer], batch: Any, call: Callable) -> list[Layer]:
+  """``layers`` in the order sequential pruning takes them (:func:`call_order`: each at its first call on ``batch``, a
+  table that the model ``attend``-s at its last; a stack of layers where its transform over the layers traces it),
+  a stack's with the scans that run its layers (``Layer.scans``, :func:`scan_axes`); traced only, nothing computed.
 
-  Raises ``ValueError`` when the model reads a table of ``tables`` directly (outside its lookups and ``attend``),
-  does not call a layer of ``keys``, or calls a stack of ``stacks`` with its layer axes unsliced.
+  Raises ``ValueError`` when the model reads a table of ``layers`` directly (outside its lookups and ``attend``),
+  does not call a layer, or calls a stack with its layer axes unsliced.
   """
   graphdef, state = nnx.split(model)
+  keys = [layer.key for layer in layers]
+  tables = [layer.key for layer in layers if layer.table]
+  stacks = [layer for layer in layers if layer.stack]
   calls: list[tuple] = []
   attended: set[tuple] = set()
 
@@ -174,7 +178,10 @@ def nnx_call_order(model: nnx.Module, keys: Sequence[tuple], batch: Any, call: C
   if missing:
     raise ValueError(f"layer(s) {missing} are selected by the rules but the model does not call them on the "
                      "calibration batches; exclude them with a None rule.")
-  return order
+  ndim = {s.key: len(s.stack) for s in stacks}
+  scans = scan_axes(jaxpr, {i: (key, ndim[key]) for i, key in table_leaves(state, list(ndim), name="kernel").items()})
+  by_key = {layer.key: layer for layer in layers}
+  return [dataclasses.replace(by_key[key], scans=scans.get(key, ())) if key in ndim else by_key[key] for key in order]
 
 
 def nnx_layer_stats(model: nnx.Module, layers: Sequence[Layer], batches: Sequence[Any], *, call: Callable,
@@ -258,6 +265,5 @@ def calibrate(model: nnx.Module, batches: Sequence[Any], rules: Any, *, gram: bo
   batches = check_batches(batches)
   layers = resolve_layers(nnx_candidates(model, tables=True), rules, what=NNX_LAYERS_AND_TABLES)
   call = default_call if call is None else call
-  tables = [layer.key for layer in layers if layer.table]
-  nnx_call_order(model, [layer.key for layer in layers], batches[0], call, tables, [s for s in layers if s.stack])
+  nnx_call_order(model, layers, batches[0], call)
   return nnx_layer_stats(model, layers, batches, call=call, gram=gram, token_mask=token_mask)

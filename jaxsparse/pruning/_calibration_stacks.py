@@ -13,16 +13,23 @@ the kernel's axis), entries of the Linen layer's ``params`` (:data:`LINEN_ACCUMU
 Pruning then takes each layer of the stack as a layer of its own (:func:`layer_slices`): solved on its ``(K, N)``
 slice with its own statistics, reported as ``"blocks.fc[3]"``, and in sequential mode put in the group of the block
 of the path it would have unstacked (``"blocks.3.fc"``: with the other layers of block 3), the layers of a stack
-taken in ascending order (a scan with ``reverse=True`` runs them the other way; pass ``sequential=False`` or your own
-groups for it). Each group's calibration pass gathers the statistics of every layer of the stacks it prunes (a Gram
-matrix per layer; XLA cannot drop the rest of a scan as it drops the layers after an unstacked group). A stack of
-embedding tables, or a stack the model calls with its layer axes unsliced, is refused with an error naming it.
+taken in the order the model runs them. That order is read from the model's jaxpr (:func:`scan_axes`, on the trace
+that finds the call order): the stack's kernel is followed from the model's inputs to the ``scan`` that slices its
+layer axis (``nnx.scan`` / ``nn.scan`` call ``jax.lax.scan``), whose ``reverse`` says whether layer ``L - 1`` runs
+first; a stack the model flips itself (``kernel[::-1]``) before a scan counts as reversed. A layer axis that no scan
+slices (``nnx.vmap`` / ``nn.vmap``: the layers run side by side, none on another's outputs) is taken in ascending
+order, which any order equals. Without batches (magnitude pruning) there is no trace: the layers are taken in
+ascending order, which the masks do not depend on. Each group's calibration pass gathers the statistics of every
+layer of the stacks it prunes (a Gram matrix per layer; XLA cannot drop the rest of a scan as it drops the layers
+after an unstacked group). A stack of embedding tables, or a stack the model calls with its layer axes unsliced, is
+refused with an error naming it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from collections.abc import Hashable
 from collections.abc import Iterable
 from collections.abc import Mapping
 from collections.abc import Sequence
@@ -30,6 +37,8 @@ from typing import Any
 
 import numpy as np
 from flax import nnx
+
+from jaxsparse.pruning._calibration_tables import inner_jaxprs
 
 LINEN_ACCUMULATOR = "jaxsparse_calibration_{}"  # the params entry of a Linen stack's statistic while calibrating
 STATS_FIELDS = ("sq_norms", "gram", "tokens")
@@ -127,20 +136,105 @@ def linen_accumulators(params: Mapping, key: tuple, gram: bool) -> tuple:
 
 def layer_slices(layers: Sequence[Any]) -> list[Any]:
   """Every layer of ``layers`` (in the order the model calls them) with each stacked one as its layers, a copy each
-  with ``index`` set, in the order the model runs them: a stack's layer 0 of every stacked layer called in its body,
-  then its layer 1, ... (a scan over layers in ascending order), where the stack's first layer is called.
+  with ``index`` set, in the order the model runs them: where the stack's first layer is called, the first layer the
+  model's scan over the stack runs of every stacked layer called in its body, then the next, ... (layer ``0, 1, ...``
+  of a forward scan, ``L - 1, L - 2, ...`` of one with ``reverse=True``; ``Layer.scans``).
 
-  A stack is known by where it sits (``key[:root]``) and its layer axes ``stack``.
+  A stack is known by where it sits (``key[:root]``) and its layer axes ``stack``; its layers run in one scan, the
+  first it was found in (``Layer.scans`` of its first layer that has them).
   """
   first: dict[tuple, int] = {}
+  scans: dict[tuple, tuple] = {}
   for pos, layer in enumerate(layers):
     if layer.stack:
       first.setdefault((layer.key[: layer.root], layer.stack), pos)
+      if layer.scans:
+        scans.setdefault((layer.key[: layer.root], layer.stack), layer.scans)
   keyed = []
   for pos, layer in enumerate(layers):
     if not layer.stack:
       keyed.append(((pos, ()), pos, layer))
       continue
-    start = first[(layer.key[: layer.root], layer.stack)]
-    keyed += [((start, index), pos, dataclasses.replace(layer, index=index)) for index in np.ndindex(*layer.stack)]
+    stack = (layer.key[: layer.root], layer.stack)
+    keyed += [((first[stack], run_rank(index, layer.stack, scans.get(stack, ()))), pos,
+               dataclasses.replace(layer, index=index)) for index in np.ndindex(*layer.stack)]
   return [layer for *_, layer in sorted(keyed, key=lambda t: t[:2])]
+
+
+def run_rank(index: tuple[int, ...], stack: tuple[int, ...], scans: Sequence[tuple[int, bool]]) -> tuple[int, ...]:
+  """Where layer ``index`` of a stack with layer axes ``stack`` runs, as a sort key: its step in each scan of
+  ``scans`` (``(axis, reverse)``, outermost first), then its index on the other axes (run side by side: any order)."""
+  scanned = {axis for axis, _ in scans}
+  steps = [stack[axis] - 1 - index[axis] if reverse else index[axis] for axis, reverse in scans]
+  return (*steps, *(index[axis] for axis in range(len(stack)) if axis not in scanned))
+
+
+# The equations that pass an array on unchanged but for its dtype or placement: a stack's kernel stays one.
+_PASS_THROUGH = frozenset({"convert_element_type", "copy", "copy_p", "sharding_constraint", "reduce_precision",
+                           "optimization_barrier"})
+
+
+def scan_axes(closed_jaxpr: Any, tracked: Mapping[int, tuple[Hashable, int]]) -> dict[Hashable, tuple]:
+  """How the model runs the layers of its stacks: ``{key: ((axis, reverse), ...)}`` for the jaxpr inputs ``tracked``
+  (``{invar index: (key, number of layer axes)}``, a stack's kernel), each layer axis that a ``scan`` slices (the
+  ``xs`` of ``jax.lax.scan``, which ``nnx.scan`` / ``nn.scan`` call) with whether the layers run from the last to the
+  first (the scan's ``reverse``, flipped when the model reverses the axis itself, ``kernel[::-1]``), outermost scan
+  first; the first scan over an axis (in program order) counts, as a layer's first call sets its place in sequential
+  pruning.
+
+  The kernel is followed into the jaxprs of calls (``jit``, ``checkpoint``, ``scan``, ``cond``, ``while``, custom
+  derivatives), through transposes of the layer axes (``nnx.vmap`` / ``nn.vmap`` around a scan over the next axis),
+  ``rev`` and casts; an axis it is not followed to a scan over (a vmap over the layers, which runs them side by
+  side) is left out, and the layers on it are taken in ascending order.
+  """
+  jaxpr = closed_jaxpr.jaxpr
+  found: dict[Hashable, dict[int, bool]] = {}
+  start = {id(jaxpr.invars[i]): (key, tuple((axis, False) for axis in range(ndim))) for i, (key, ndim)
+           in tracked.items()}
+  _follow(jaxpr, start, found)
+  return {key: tuple(axes.items()) for key, axes in found.items()}
+
+
+def _follow(jaxpr: Any, tags: dict[int, tuple], found: dict[Hashable, dict[int, bool]]) -> list:
+  """Follows the tagged variables of ``jaxpr`` (``{id(var): (key, ((stack axis, flipped), ...))}``, the layer axes
+  still leading the array, in its order) through its equations, recording in ``found`` each scan over a layer axis;
+  returns the tags of the jaxpr's outputs."""
+  tags = dict(tags)
+  for eqn in jaxpr.eqns:
+    ins = [tags.get(id(v)) for v in eqn.invars]
+    if not any(ins):
+      continue
+    name = eqn.primitive.name
+    if name in _PASS_THROUGH:
+      tags.update({id(o): t for o, t in zip(eqn.outvars, ins, strict=False) if t is not None})
+    elif name == "transpose":  # the layer axes that still lead, in their new order
+      (key, axes), perm = ins[0], eqn.params["permutation"]
+      lead = [axes[p] for p in perm[: next((i for i, p in enumerate(perm) if p >= len(axes)), len(perm))]]
+      if lead:
+        tags[id(eqn.outvars[0])] = (key, tuple(lead))
+    elif name == "rev":
+      (key, axes), flip = ins[0], set(eqn.params["dimensions"])
+      tags[id(eqn.outvars[0])] = (key, tuple((a, r != (i in flip)) for i, (a, r) in enumerate(axes)))
+    elif name == "scan":  # its xs (after the consts and the carry) are sliced along their leading axis
+      body = eqn.params["jaxpr"].jaxpr
+      fixed = eqn.params["num_consts"] + eqn.params["num_carry"]
+      inner = {}
+      for i, (var, tag) in enumerate(zip(body.invars, ins, strict=True)):
+        if tag is None:
+          continue
+        key, axes = tag
+        if i >= fixed:
+          (axis, flipped), axes = axes[0], axes[1:]
+          found.setdefault(key, {}).setdefault(axis, bool(eqn.params["reverse"]) != flipped)
+        if axes:
+          inner[id(var)] = (key, axes)
+      _follow(body, inner, found)
+    else:
+      for sub, invars in inner_jaxprs(eqn):
+        if invars is None:
+          continue
+        out = _follow(sub, {id(s): tags[id(v)] for s, v in zip(sub.invars, invars, strict=True) if id(v) in tags},
+                      found)
+        if name != "while" and len(out) == len(eqn.outvars):  # a call's outputs (a while's are its carry)
+          tags.update({id(o): t for o, t in zip(eqn.outvars, out, strict=True) if t is not None})
+  return [tags.get(id(v)) for v in jaxpr.outvars]

@@ -99,10 +99,11 @@ def call_order(calls: Sequence[Hashable], attended: set) -> list:
   return sorted(position, key=position.__getitem__)
 
 
-def table_leaves(tree: Any, keys: Sequence[tuple], *, collection: tuple = ()) -> dict[int, tuple]:
+def table_leaves(tree: Any, keys: Sequence[tuple], *, collection: tuple = (), name: str = "embedding",
+                 ) -> dict[int, tuple]:
   """``{leaf index: key}``: the leaves of ``tree`` (an ``nnx.State``; Linen variables with ``collection=("params",)``)
-  that hold the ``embedding`` of a table at one of ``keys``."""
-  paths = {(*collection, *key, "embedding"): key for key in keys}
+  that hold the parameter ``name`` (a table's ``embedding``; a layer's ``kernel``) of a module at one of ``keys``."""
+  paths = {(*collection, *key, name): key for key in keys}
   out = {}
   for i, (path, _) in enumerate(jax.tree_util.tree_leaves_with_path(tree)):
     names = tuple(p.key for p in path if isinstance(p, jax.tree_util.DictKey))  # the Variable's "value" left out
@@ -126,7 +127,7 @@ def _reads(jaxpr: Any, tracked: dict[int, Hashable], found: set) -> None:
     keys = {tracked[id(v)] for v in eqn.invars if id(v) in tracked}
     if not keys or TABLE_SCOPE in str(eqn.source_info.name_stack):
       continue
-    inner = list(_inner_jaxprs(eqn))
+    inner = list(inner_jaxprs(eqn))
     if not inner:
       found |= keys
     for sub, invars in inner:
@@ -137,7 +138,7 @@ def _reads(jaxpr: Any, tracked: dict[int, Hashable], found: set) -> None:
                found)
 
 
-def _inner_jaxprs(eqn: Any):
+def inner_jaxprs(eqn: Any):
   """``(jaxpr, eqn invars it takes)`` for each jaxpr in ``eqn``'s parameters (``None``: not matched up)."""
   for name, value in eqn.params.items():
     for sub in value if isinstance(value, tuple) else (value,):

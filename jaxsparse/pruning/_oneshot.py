@@ -369,11 +369,8 @@ def calibrated_prune(
   if not inplace:
     model = nnx.clone(model)
   call = default_call if call is None else call
-  by_key = {layer.key: layer for layer in layers}
   if batches is not None:
-    tables = [layer.key for layer in layers if layer.table]
-    stacks = [layer for layer in layers if layer.stack]
-    layers = [by_key[key] for key in nnx_call_order(model, list(by_key), batches[0], call, tables, stacks)]
+    layers = nnx_call_order(model, layers, batches[0], call)  # a stack's with the order its scan runs its layers
 
   def param(layer: Layer) -> nnx.Param:
     return getattr(get_module(model, layer.key), "embedding" if layer.table else "kernel")
