@@ -11,12 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsparse._utils import atomic_write
-from jaxsparse.torch_interop._export import unboxed
 from jaxsparse.torch_interop._limits import TensorSize
 from jaxsparse.torch_interop._limits import check_sizes
 from jaxsparse.torch_interop._limits import limit_scope
 from jaxsparse.torch_interop._limits import safetensors_sizes
 from jaxsparse.torch_interop._limits import tensor_size
+from jaxsparse.torch_interop._linen_entries import unboxed
 from jaxsparse.torch_interop._load import CheckpointError
 from jaxsparse.torch_interop._load import import_torch
 from jaxsparse.torch_interop._load import to_torch

@@ -9,6 +9,7 @@ out)``, Conv ``weight (O, I, *k)`` -> ``kernel (*k, I, O)``, norms ``weight`` ->
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import re
 from collections.abc import Mapping
@@ -113,8 +114,11 @@ def _linear_plan(
   if sparse and pattern.kind != "dense":
     mask = flax_layout(w.mask)
     common = dict(use_bias=has_bias, dtype=module.dtype, param_dtype=dtype, precision=module.precision)
-    if pattern.kind == "block":
-      bk, bn = pattern.block_shape[1], pattern.block_shape[0]
+    own = _own_blocks(module, mask)
+    if own is not None:  # a BlockSparseLinear keeps its block shape where the mask is made of its blocks
+      w = _reported_as(w, Pattern("block", pattern.density, block_shape=own[::-1]))
+    if own is not None or pattern.kind == "block":
+      bk, bn = own if own is not None else (pattern.block_shape[1], pattern.block_shape[0])
       block_mask = mask[::bk, ::bn]
       impl = getattr(module, "implementation", None)
       new = jsl.BlockSparseLinear(
@@ -147,6 +151,26 @@ def _linear_plan(
   if has_bias:
     plan.assign.append((module.bias, jnp.asarray(bias, module.bias[...].dtype)))
   return type(module).__name__, w
+
+
+def _own_blocks(module: nnx.Module, mask: np.ndarray) -> tuple[int, int] | None:
+  """The ``(bk, bn)`` block shape of ``module``, a ``BlockSparseLinear``, when the Flax-layout ``mask`` keeps whole
+  blocks of it (at least one); else ``None`` (the mask's own pattern then picks the layer)."""
+  if not isinstance(module, jsl.BlockSparseLinear) or not mask.any():
+    return None
+  (bk, bn), (k, n) = module.block_shape, mask.shape
+  if k % bk or n % bn:
+    return None
+  blocks = mask.reshape(k // bk, bk, n // bn, bn)
+  return (bk, bn) if bool(np.all(blocks == blocks[:, :1, :, :1])) else None
+
+
+def _reported_as(w: TorchParam, pattern: Pattern) -> TorchParam:
+  """``w`` with ``pattern`` as its :attr:`~TorchParam.pattern` (a mask of 24x24 blocks is also one of 8x8 blocks,
+  the one ``detect_pattern`` reports): the structure of the layer it was loaded into, for the report."""
+  out = dataclasses.replace(w)
+  object.__setattr__(out, "pattern", pattern)  # the cached_property's value: TorchParam is frozen
+  return out
 
 
 def _general_plan(
@@ -375,7 +399,10 @@ def load_nnx(
 
   Every ``nnx.Linear`` (or jaxsparse linear layer) whose torch weight carries a mask is replaced, in
   place, by the layer its pattern calls for: a block pattern by :class:`~jaxsparse.layers.BlockSparseLinear`
-  with the detected block shape, an N:M pattern by ``NMLinear``, any other mask by
+  with the detected block shape (:func:`detect_pattern`: the largest power-of-two blocks of at least 8, so a mask of
+  24x24 blocks reads as 8x8 and one of 4x8 blocks as unstructured; a ``BlockSparseLinear`` in ``model`` keeps its own
+  block shape wherever the mask keeps whole blocks of it, so a model built as the exported one loads back the same
+  layers), an N:M pattern by ``NMLinear``, any other mask by
   :class:`~jaxsparse.layers.MaskedLinear`; likewise every ``nnx.Conv``, by ``NMConv`` or ``MaskedConv`` (the torch
   mask replaces a ``MaskedConv``'s or ``NMConv``'s own; an ``NMConv`` of the same ``n:m`` is kept, with its
   settings). An ``nnx.LinearGeneral`` over trailing axes (the projections of ``nnx.MultiHeadAttention``) takes a
