@@ -1,27 +1,30 @@
 """Argument checks of the layer constructors: implementations, dtypes, kept counts, kernel sizes, feature groups.
 
 Each raises a ``ValueError`` / ``TypeError`` that names the layer, the argument, the value received and what is
-allowed, when the layer is built (NNX) or constructed (Linen), not at its first call. :func:`check_loaded_positions`
-is the exception: it checks the packed positions a compressed N:M layer reads (loaded ones), at its first use.
+allowed, when the layer is built (NNX) or constructed (Linen), not at its first call. The checks of the packed positions
+a compressed N:M layer reads are the exception: :func:`check_positions` checks them where a restore or an update sets
+them (NNX, by their :class:`NMLayout`), :func:`check_loaded_positions` at the layer's first use outside ``jit``.
 """
 
 from __future__ import annotations
 
+import functools
 import numbers
 import typing
 import weakref
 from typing import Any
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxsparse import _utils
 from jaxsparse import ops
 from jaxsparse.formats import _nm_masks
-from jaxsparse.formats._base import is_concrete
 from jaxsparse.formats._nm import NMSparseMatrix
 from jaxsparse.formats._nm import index_layout
+from jaxsparse.formats._nm import position_bits
 
 __all__ = [
     "check_dtypes",
@@ -34,11 +37,14 @@ __all__ = [
     "check_loaded_positions",
     "check_masked_implementation",
     "check_one_of",
+    "check_positions",
     "check_real_dtypes",
     "check_trained_dtype",
     "check_transposable_layer",
     "check_use_bias",
     "linen_positions_name",
+    "NM_LAYOUT",
+    "NMLayout",
 ]
 
 
@@ -223,46 +229,173 @@ def check_in_features(in_features: int, m: int, *, name: str = "in_features") ->
     )
 
 
-# id(packed positions) -> (a weak reference to them, the (shape, n, m, axis) they were found valid for).
+NM_LAYOUT = "nm_layout"
+"""Metadata key of the :class:`SparsityPattern` holding a compressed N:M layer's packed positions
+(``CompressedNMLinear.kernel_positions``, ``CompressedNMEmbed.embedding_positions``); its value is the layer's
+:class:`NMLayout`."""
+
+
+class NMLayout(typing.NamedTuple):
+  """What a compressed N:M layer's packed positions must be valid for: the ``nm_layout`` metadata of its positions.
+
+  Orbax casts a saved array to the target's dtype when the shapes agree: a 2:4 checkpoint restored into a 4:8 layer
+  (uint8 words against uint16 ones, one shape) loads without error, and the layer would compute with a wrong weight.
+  The positions' variable carries this layout, so that concrete positions set into it (``nnx.update``, ``set_value``)
+  are checked there (:func:`check_positions`), before any ``jit`` reads them; the layer checks those ``nnx.merge``
+  gives it. The positions of a stack of layers (``nnx.vmap``) have leading axes; the layout is one layer's.
+
+  Attributes:
+    name: how errors name the variable, e.g. ``"CompressedNMLinear.kernel_positions"``.
+    shape: the dense shape of one layer's weight (``(in_features, out_features)``; an embedding's transposed table).
+    n, m, axis: the layer's ``n`` of every ``m`` along ``axis``.
+  """
+
+  name: str
+  shape: tuple[int, ...]
+  n: int
+  m: int
+  axis: int
+
+
+# id(packed positions) -> (a weak reference to them, the (shape, n, m, axis, their shape) they were found valid for).
 _valid_positions: dict[int, tuple[weakref.ref, tuple]] = {}
+
+
+def check_positions(layout: NMLayout, value: Any) -> None:
+  """Raises a ``ValueError`` naming ``layout.name``, the layout's n:m and the n:m the positions fit, when ``value``
+  (packed positions of one layer or, with leading axes, of a stack) are concrete and not valid for ``layout``.
+
+  Anything else passes: traced and abstract values (under ``jit``, ``nnx.eval_shape``), arrays spread over several
+  hosts (not fully addressable), and values of another dtype or shape (not this layout's positions; the layer's own
+  shape check names them where it reads them). Each positions array is checked once (remembered by identity while it
+  lives), on its device: one elementwise pass over the packed words and a one-element copy to the host; the message
+  of a failure reads them on the host.
+
+  Args:
+    layout: the layer's :class:`NMLayout`.
+    value: the positions set into the layer's variable.
+  """
+  if not _readable(value):
+    return
+  shape, n, m, axis = layout.shape, layout.n, layout.m, layout.axis
+  groups = shape[axis] // m
+  dtype, per_word = index_layout(n, m, groups)
+  one = (*shape[:axis], groups // per_word, *shape[axis + 1:])
+  lead = np.ndim(value) - len(one)
+  if lead < 0 or tuple(np.shape(value)[lead:]) != one or value.dtype != dtype:
+    return
+  _check_words(layout, value, lead)
 
 
 def check_loaded_positions(layer: str, weight: NMSparseMatrix) -> NMSparseMatrix:
   """``weight`` (a compressed N:M layer's, built with ``validate=False``) if its concrete positions are valid for the
   layer's n:m, else a ``ValueError`` naming ``layer``, the layer's n:m and the n:m the positions fit.
 
-  Orbax casts a saved array to the target's dtype: a 2:4 checkpoint restored into a 4:8 target (same shapes, uint8
-  words against uint16 ones) loads without error and the layer would compute with a wrong weight. Such positions
-  are not valid 4:8 ones (decoded, they repeat or are out of order), and :meth:`NMSparseMatrix.validate` finds it.
-  It costs a device-to-host copy of the positions, so each positions array is checked once (remembered by identity
-  while it lives). Traced positions (under ``jit``) are not checked: call the layer (or read its ``weight``) once
-  outside ``jit`` after loading.
+  The check at the layer's first use outside ``jit``, for positions no restore checked (:func:`check_positions`):
+  a Linen layer's, or an NNX layer's given a plain array. Such positions of another n:m cast as orbax casts them are
+  not valid (decoded, they repeat or are out of order). Each positions array is checked once, on its device
+  (remembered by identity while it lives); traced positions (under ``jit``) are not checked.
   """
   indices = weight.indices
-  if not is_concrete(indices):
+  if not _readable(indices):
     return weight
-  key = (weight.shape, weight.n, weight.m, weight.axis)
-  seen = _valid_positions.get(id(indices))
-  if seen is not None and seen[0]() is indices and seen[1] == key:
-    return weight
+  layout = NMLayout(layer, weight.shape, weight.n, weight.m, weight.axis)
   try:
-    weight.validate()
-  except ValueError as e:
-    fits = _layouts_that_fit(weight)
-    stored = (f"they are valid {' or '.join(fits)} positions: a checkpoint saved with n:m={fits[0]} was likely "
-              "restored into this layer (orbax casts the packed words to the target's dtype when the shapes agree)"
-              if fits else "they fit no other n:m of the same shapes either (a checkpoint of another layer?)")
-    raise ValueError(
-        f"{layer}: its packed positions are not valid for its n:m={weight.n}:{weight.m}; {stored}. Restore into a "
-        f"target built with the checkpoint's n:m (n=, m= of the layer). Details: {e}"
-    ) from None
-  key_id = id(indices)
-  try:
-    ref = weakref.ref(indices, lambda _: _valid_positions.pop(key_id, None))
-  except TypeError:  # not weakly referenceable: checked again at the next use
-    return weight
-  _valid_positions[key_id] = (ref, key)
+    weight._check_static()  # the shape and dtype first: words of another n:m's dtype are named as such
+  except ValueError:
+    raise _invalid(layout, np.asarray(indices), 0) from None
+  _check_words(layout, indices, 0)
   return weight
+
+
+def _readable(value: Any) -> bool:
+  """Whether ``value`` holds values this process can read: a NumPy array, or a JAX array (not a tracer) whose
+  shards are all on this process and not deleted (donated)."""
+  if isinstance(value, np.ndarray):
+    return True
+  if not isinstance(value, jax.Array) or isinstance(value, jax.core.Tracer):
+    return False
+  return value.is_fully_addressable and not value.is_deleted()
+
+
+def _check_words(layout: NMLayout, words: Any, lead: int) -> None:
+  """Raises unless the packed ``words`` (of ``layout``'s dtype and shape, ``lead`` leading stack axes) are valid;
+  remembers valid ones."""
+  n, m = layout.n, layout.m
+  key = (layout.shape, n, m, layout.axis, tuple(words.shape))
+  seen = _valid_positions.get(id(words))
+  if seen is not None and seen[0]() is words and seen[1] == key:
+    return
+  _, per_word = index_layout(n, m, layout.shape[layout.axis] // m)
+  if isinstance(words, np.ndarray):
+    ok = bool(_valid_words(words, n, m, per_word, np).all())
+  else:
+    with jax.ensure_compile_time_eval():  # a concrete array inside a trace (a closed-over constant) runs eagerly too
+      ok = bool(_all_valid(words, n=n, m=m, per_word=per_word))
+  if not ok:
+    raise _invalid(layout, np.asarray(words), lead)
+  key_id = id(words)
+  try:
+    ref = weakref.ref(words, lambda _: _valid_positions.pop(key_id, None))
+  except TypeError:  # not weakly referenceable: checked again next time
+    return
+  _valid_positions[key_id] = (ref, key)
+
+
+def _valid_words(words: Any, n: int, m: int, per_word: int, xp: Any) -> Any:
+  """Elementwise: whether each packed word holds valid positions (``xp``: ``np`` or ``jnp``).
+
+  A word packs ``per_word`` whole groups of ``n`` positions (:func:`jaxsparse.formats._nm.index_layout`), so the checks
+  of :meth:`NMSparseMatrix.validate` are per word: every position below ``m``, the ``n`` of a group strictly
+  increasing, the bits past the packed fields zero. No reshape: any leading axes and any sharding pass as they are.
+  """
+  bits = position_bits(m)
+  field = (1 << bits) - 1
+  w = words.astype(xp.uint32)
+  used = per_word * n * bits
+  ok = (w >> used) == 0 if used < words.dtype.itemsize * 8 else xp.ones(w.shape, bool)
+  for s in range(per_word):
+    prev = None
+    for j in range(n):
+      pos = (w >> ((s * n + j) * bits)) & field
+      ok = ok & (pos < m)
+      if prev is not None:
+        ok = ok & (pos > prev)
+      prev = pos
+  return ok
+
+
+@functools.partial(jax.jit, static_argnames=("n", "m", "per_word"))
+def _all_valid(words: jax.Array, *, n: int, m: int, per_word: int) -> jax.Array:
+  return jnp.all(_valid_words(words, n, m, per_word, jnp))
+
+
+def _invalid(layout: NMLayout, words: np.ndarray, lead: int) -> ValueError:
+  """The error for ``words``, not valid for ``layout``: the n:m they fit, and the first bad group."""
+  shape = (*words.shape[:lead], *layout.shape)
+  n, m, axis = layout.n, layout.m, layout.axis + lead
+  values_shape = (*shape[:axis], shape[axis] * n // m, *shape[axis + 1:])
+  stacked = NMSparseMatrix.tree_unflatten(  # only the positions are read: the values' shape stands in for them
+      (shape, n, m, axis), (jax.ShapeDtypeStruct(values_shape, np.float32), words))
+  try:
+    stacked.validate()
+    details = ""
+  except ValueError as e:
+    details = f" Details: {e}"
+  fits = _layouts_that_fit(words, shape, n, m, axis)
+  if fits:
+    stored = (f"they are valid {' or '.join(fits)} positions: a checkpoint saved with n:m={fits[0]} was likely "
+              "restored into this layer (orbax casts the packed words to the target's dtype when the shapes agree). "
+              "Restore into a target built with the checkpoint's n:m (n=, m= of the layer)")
+  elif words.size and not words.any():
+    stored = ("every word is zero: positions never loaded (a placeholder such as jnp.zeros_like's?). Load the "
+              "layer's positions, or build it from its weights")
+  else:
+    stored = ("they fit no other n:m of the same shapes either (a checkpoint of another layer?). Restore into a "
+              "target built with the checkpoint's n:m (n=, m= of the layer)")
+  stack = f" (a stack of layers: the positions {words.shape} have {lead} leading layer axis/axes)" if lead else ""
+  return ValueError(f"{layout.name}: its packed positions are not valid for its n:m={layout.n}:{layout.m}{stack}; "
+                    f"{stored}.{details}")
 
 
 def linen_positions_name(module: nn.Module, name: str) -> str:
@@ -271,21 +404,23 @@ def linen_positions_name(module: nn.Module, name: str) -> str:
   return f"linen.{type(module).__name__}{f' {path!r}' if path else ''} (sparsity {name!r})"
 
 
-def _layouts_that_fit(weight: NMSparseMatrix) -> list[str]:
-  """The other ``n:m`` (``n / m`` the layer's, as the values' shape says) whose layout the positions are valid in."""
-  k = weight.shape[weight.axis]
-  words = np.asarray(weight.indices)
+def _layouts_that_fit(words: np.ndarray, shape: tuple[int, ...], n: int, m: int, axis: int) -> list[str]:
+  """The other ``n:m`` (``n / m`` the layer's, as the values' shape says) whose layout the ``words`` are valid in: of
+  the same shape (orbax casts only arrays of the target's shape), their values fitting the other layout's dtype."""
+  if words.ndim != len(shape):
+    return []
+  k = shape[axis]
   fits = []
-  for m in range(2, min(k, 64) + 1):
-    n, rest = divmod(weight.n * m, weight.m)
-    if k % m or rest or (n, m) == (weight.n, weight.m):
+  for m2 in range(2, min(k, 64) + 1):
+    n2, rest = divmod(n * m2, m)
+    if k % m2 or rest or (n2, m2) == (n, m):
       continue
     try:
-      dtype, _ = index_layout(n, m, k // m)
-      if words.size and int(words.max()) > np.iinfo(dtype).max:
-        continue
-      NMSparseMatrix(weight.values, words.astype(dtype), shape=weight.shape, n=n, m=m, axis=weight.axis)
-    except ValueError:
+      dtype, per_word = index_layout(n2, m2, k // m2)
+    except ValueError:  # n2 positions do not fit one 32-bit word
       continue
-    fits.append(f"{n}:{m}")
+    if words.shape[axis] != k // m2 // per_word or (words.size and int(words.max()) > np.iinfo(dtype).max):
+      continue
+    if _valid_words(words, n2, m2, per_word, np).all():
+      fits.append(f"{n2}:{m2}")
   return fits

@@ -31,7 +31,9 @@ from jaxsparse.formats._base import is_concrete
 from jaxsparse.formats._block_sparse import INDEX_FIELDS
 from jaxsparse.formats._masks import replicated
 from jaxsparse.formats._masks import top_k_mask
+from jaxsparse.layers._checks import NM_LAYOUT
 from jaxsparse.layers._checks import check_kept
+from jaxsparse.layers._checks import check_positions
 from jaxsparse.layers._checks import check_use_bias
 from jaxsparse.layers._partitioning import structure_metadata
 
@@ -104,6 +106,40 @@ class SparsityPattern(nnx.Variable):
   >>> sorted(nnx.state(layer, SparsityPattern).keys()), sorted(nnx.state(layer, nnx.Param).keys())
   (['mask'], ['bias', 'kernel'])
   """
+
+  # A compressed N:M layer's positions carry their layout (metadata ``nm_layout``, a ``_checks.NMLayout``): concrete
+  # positions set into them are checked here, where a restore or an update sets them, not in the (jitted) forward.
+  # Not in the pytree unflatten: every jit's outputs pass there, a new array per call.
+
+  def set_value(self, value: Any, **kwargs: Any) -> None:
+    """As ``nnx.Variable.set_value``; a compressed N:M layer's positions (``nm_layout`` metadata) are checked, and
+    left as they were when the new ones are not valid for the layer's n:m."""
+    layout = self.get_metadata(NM_LAYOUT, None)
+    if layout is None:
+      return super().set_value(value, **kwargs)
+    old = self.get_raw_value()
+    super().set_value(value, **kwargs)
+    try:
+      if self.get_raw_value() is not old:
+        check_positions(layout, self.get_raw_value())
+    except ValueError:
+      self.set_raw_value(old)
+      raise
+    return None
+
+  def update_from_state(self, variable_state: nnx.Variable) -> None:
+    """As ``nnx.Variable.update_from_state`` (what ``nnx.update`` calls); a compressed N:M layer's positions are
+    checked first, and keep the layer's layout whatever the state's metadata says (a state built without it)."""
+    layout = self.get_metadata(NM_LAYOUT, None)
+    if layout is None:
+      return super().update_from_state(variable_state)
+    value = variable_state.get_raw_value()
+    if value is not self.get_raw_value():  # a transform writing back what it was given sets nothing new
+      check_positions(layout, value)
+    super().update_from_state(variable_state)
+    if self.get_metadata(NM_LAYOUT, None) != layout:
+      self.set_metadata(NM_LAYOUT, layout)
+    return None
 
   def __nnx_repr__(self):
     for item in super().__nnx_repr__():

@@ -27,12 +27,15 @@ from jaxsparse.formats._masks import replicated
 from jaxsparse.formats._nm import NMSparseMatrix
 from jaxsparse.formats._nm import decompress
 from jaxsparse.formats._nm_masks import check_nm
+from jaxsparse.layers._checks import NM_LAYOUT
+from jaxsparse.layers._checks import NMLayout
 from jaxsparse.layers._checks import check_dtypes
 from jaxsparse.layers._checks import check_loaded_positions
 from jaxsparse.layers._common import COMPRESSED_VALUES
 from jaxsparse.layers._common import SparsityPattern
 from jaxsparse.layers._common import check_called_on_one_layer
 from jaxsparse.layers._common import check_one_layer
+from jaxsparse.layers._nm_compressed import NMPositionsLayer
 from jaxsparse.layers._nm_compressed import check_nm_implementation
 from jaxsparse.layers._partitioning import carry_back_nnx
 from jaxsparse.layers._partitioning import carry_nnx
@@ -40,7 +43,7 @@ from jaxsparse.layers._partitioning import carry_nnx
 __all__ = ["CompressedNMEmbed", "attend_table", "check_ids", "check_query", "compress_table", "lookup"]
 
 
-class CompressedNMEmbed(nnx.Module):
+class CompressedNMEmbed(NMPositionsLayer, nnx.Module):
   """An ``nnx.Embed`` whose ``(num_embeddings, features)`` table is stored N:M-compressed along ``features``.
 
   The inference (and fixed-pattern fine-tuning) form of a pruned embedding: of every ``m`` consecutive features
@@ -77,6 +80,8 @@ class CompressedNMEmbed(nnx.Module):
     implementation: backend of :func:`jaxsparse.ops.nm_matmul` in :meth:`attend`.
   """
 
+  _positions_attr = "embedding_positions"
+
   def __init__(
       self,
       weight: NMSparseMatrix,
@@ -91,13 +96,17 @@ class CompressedNMEmbed(nnx.Module):
           f"compressed along the features (axis=0), got {weight!r}; CompressedNMEmbed.from_dense builds it."
       )
     check_dtypes(type(self), dtype=dtype, inexact=False)  # lookups take any dtype, as nnx.Embed's
-    self.embedding = nnx.Param(weight.values, **{COMPRESSED_VALUES: type(self).__name__})
-    self.embedding_positions = SparsityPattern(weight.indices)
     self.features, self.num_embeddings = weight.shape
     self.n, self.m = weight.n, weight.m
+    self.embedding = nnx.Param(weight.values, **{COMPRESSED_VALUES: type(self).__name__})
+    self.embedding_positions = SparsityPattern(weight.indices, **{NM_LAYOUT: self._positions_layout()})
     self.dtype = weight.dtype if dtype is None else dtype  # as nnx.Embed: attend too computes in the table's dtype
     self.promote_dtype = promote_dtype
     self.implementation = check_nm_implementation(implementation)
+
+  def _positions_layout(self) -> NMLayout:
+    """What ``embedding_positions`` must be valid for (one table's; a stack's have leading axes)."""
+    return NMLayout("CompressedNMEmbed.embedding_positions", (self.features, self.num_embeddings), self.n, self.m, 0)
 
   @classmethod
   def from_dense(cls, embed: nnx.Embed, n: int = 2, m: int = 4, *, mask: Any = None,

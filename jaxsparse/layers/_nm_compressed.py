@@ -3,7 +3,8 @@
 :meth:`NMLinear.to_compressed <jaxsparse.layers.NMLinear.to_compressed>` (or :func:`jaxsparse.compress` for a whole
 model) builds a :class:`CompressedNMLinear`: the kept values and their packed positions, multiplied with
 :func:`jaxsparse.ops.nm_matmul`; on a CUDA GPU a 2:4 bfloat16 layer may also keep its kernel in cuSPARSELt's layout
-(:class:`CusparseLtWeight`, a copy, or :class:`CusparseLtKernel`, the weight itself).
+(:class:`CusparseLtWeight`, a copy, or :class:`CusparseLtKernel`, the weight itself). :class:`NMPositionsLayer` (its
+and ``CompressedNMEmbed``'s mixin) checks the positions ``nnx.merge`` builds the layer with.
 """
 
 from __future__ import annotations
@@ -21,8 +22,11 @@ from jax import lax
 
 from jaxsparse import ops
 from jaxsparse.formats._nm import NMSparseMatrix
+from jaxsparse.layers._checks import NM_LAYOUT
+from jaxsparse.layers._checks import NMLayout
 from jaxsparse.layers._checks import check_dtypes
 from jaxsparse.layers._checks import check_loaded_positions
+from jaxsparse.layers._checks import check_positions
 from jaxsparse.layers._checks import check_real_dtypes
 from jaxsparse.layers._common import COMPRESSED_VALUES
 from jaxsparse.layers._common import SparsityPattern
@@ -34,7 +38,7 @@ from jaxsparse.layers._partitioning import carry_back_nnx
 from jaxsparse.layers._partitioning import structure_metadata
 from jaxsparse.ops import _nm_matmul
 
-__all__ = ["CompressedNMLinear", "CusparseLtKernel", "CusparseLtWeight", "check_nm_implementation"]
+__all__ = ["CompressedNMLinear", "CusparseLtKernel", "CusparseLtWeight", "NMPositionsLayer", "check_nm_implementation"]
 
 
 class CusparseLtKernel(nnx.Variable):
@@ -87,7 +91,36 @@ def check_nm_implementation(implementation: object) -> str | None:
   return implementation
 
 
-class CompressedNMLinear(nnx.Module):
+class NMPositionsLayer:
+  """Mixin of the NNX layers that hold packed N:M positions (``CompressedNMLinear``, ``CompressedNMEmbed``): a layer
+  that ``nnx.merge`` builds from a (restored) state checks its concrete positions there, before any ``jit`` reads them.
+
+  ``nnx.jit`` and the other transforms rebuild their input layers from the outputs after every call (Flax clears the
+  layer, then initializes it again): those are not checked, or each call would read the positions.
+  """
+
+  _positions_attr: typing.ClassVar[str]
+
+  def _positions_layout(self) -> NMLayout:
+    """What the positions must be valid for (one layer's; a stack's have leading axes)."""
+    raise NotImplementedError
+
+  def _graph_node_clear(self) -> None:
+    super()._graph_node_clear()
+    object.__setattr__(self, _REBUILT, True)
+
+  def _graph_node_init(self, attributes: Any) -> None:
+    rebuilt = vars(self).pop(_REBUILT, False)
+    super()._graph_node_init(attributes)
+    positions = vars(self).get(self._positions_attr)
+    if not rebuilt and isinstance(positions, SparsityPattern):
+      check_positions(self._positions_layout(), positions.get_raw_value())
+
+
+_REBUILT = "_jaxsparse_rebuilt"  # set on a layer Flax cleared to initialize again (a transform's outputs)
+
+
+class CompressedNMLinear(NMPositionsLayer, nnx.Module):
   """Inference form of :class:`NMLinear`: ``y = nm_matmul(x, W) + b`` with ``W`` stored compressed.
 
   Built by :meth:`NMLinear.to_compressed`. ``kernel`` holds the kept values, an ``nnx.Param`` of
@@ -145,6 +178,8 @@ class CompressedNMLinear(nnx.Module):
       sizes above), or an unknown ``storage``.
   """
 
+  _positions_attr = "kernel_positions"
+
   def __init__(
       self,
       weight: NMSparseMatrix,
@@ -182,14 +217,14 @@ class CompressedNMLinear(nnx.Module):
     elif reason:
       raise ValueError(f"storage='cusparselt': {reason}.")
     self.storage = storage
+    self.in_features, self.out_features = weight.shape
+    self.n, self.m, self.axis = weight.n, weight.m, weight.axis
     self.kernel: nnx.Param[jax.Array] | None = nnx.data(None)
     self.kernel_positions: SparsityPattern | None = nnx.data(None)
     if storage == "values":
       self.kernel = nnx.Param(weight.values, **{COMPRESSED_VALUES: type(self).__name__})
-      self.kernel_positions = SparsityPattern(weight.indices)
+      self.kernel_positions = SparsityPattern(weight.indices, **{NM_LAYOUT: self._positions_layout()})
     self.bias: nnx.Param[jax.Array] | None = nnx.data(None) if bias is None else nnx.Param(jnp.asarray(bias))
-    self.in_features, self.out_features = weight.shape
-    self.n, self.m, self.axis = weight.n, weight.m, weight.axis
     self.dtype = dtype
     self.precision = precision
     self.promote_dtype = promote_dtype
@@ -204,6 +239,11 @@ class CompressedNMLinear(nnx.Module):
     if storage == "cusparselt":
       self.kernel_buffer = CusparseLtKernel(_nm_matmul.to_buffer(weight))
     self.update_cusparselt()
+
+  def _positions_layout(self) -> NMLayout:
+    """What ``kernel_positions`` must be valid for (one layer's; a stack's have leading axes)."""
+    return NMLayout("CompressedNMLinear.kernel_positions", (self.in_features, self.out_features), self.n, self.m,
+                    self.axis)
 
   def update_cusparselt(self) -> bool:
     """(Re)builds ``kernel_cusparselt`` from ``kernel``; returns whether the layer has one.

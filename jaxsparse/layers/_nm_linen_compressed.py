@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -25,10 +26,12 @@ from jaxsparse import _utils
 from jaxsparse import ops
 from jaxsparse.formats import _nm_masks
 from jaxsparse.formats._nm import NMSparseMatrix
+from jaxsparse.layers._checks import NMLayout
 from jaxsparse.layers._checks import check_dtypes
 from jaxsparse.layers._checks import check_in_features
 from jaxsparse.layers._checks import check_init_dtype
 from jaxsparse.layers._checks import check_loaded_positions
+from jaxsparse.layers._checks import check_positions
 from jaxsparse.layers._checks import check_real_dtypes
 from jaxsparse.layers._checks import check_use_bias
 from jaxsparse.layers._checks import linen_positions_name
@@ -38,10 +41,11 @@ from jaxsparse.layers._common import check_known_in_features
 from jaxsparse.layers._common import check_pattern
 from jaxsparse.layers._common import existing_shape
 from jaxsparse.layers._common import map_boxed
+from jaxsparse.layers._embed_linen import CompressedNMEmbed
 from jaxsparse.layers._nm_compressed import check_nm_implementation
 from jaxsparse.layers._partitioning import box_structure
 
-__all__ = ["CompressedNMDense"]
+__all__ = ["CompressedNMDense", "check_restored"]
 
 
 class CompressedNMDense(nn.Module):
@@ -173,3 +177,68 @@ class CompressedNMDense(nn.Module):
     if bias is not None:
       y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
     return y
+
+
+def check_restored(module: Any, variables: Mapping, /, *example_inputs: Any, **kwargs: Any) -> Mapping:
+  """Checks the packed positions of the compressed N:M layers in Linen ``variables`` (a restored checkpoint) against
+  the n:m of ``module``'s layers; returns ``variables``.
+
+  A Linen layer's n:m is in its module, not in its variables, and under ``jax.jit(module.apply)`` it reads traced
+  positions, which it cannot check: a checkpoint of another n:m (2:4 restored into a 4:8 target: orbax casts the
+  packed words to the target's dtype when the shapes agree) would compute with a wrong weight there, silently. Outside
+  ``jit`` each ``CompressedNMDense`` / ``CompressedNMEmbed`` checks its positions at its first call; call this once
+  after a restore whose model then runs only under ``jit``. It traces ``module.apply(variables, *example_inputs)``
+  (``jax.eval_shape``: no products are computed) with the variables concrete, so that each layer it calls checks its
+  positions, and checks the stacked positions of the layers called inside ``nn.scan`` / ``nn.vmap`` by their path.
+  Each positions array is checked once, on its device (remembered while it lives).
+
+  >>> import jax, jax.numpy as jnp
+  >>> from jaxsparse.layers import linen
+  >>> x = jnp.ones((1, 64))
+  >>> variables = linen.CompressedNMDense(32).init(jax.random.key(0), x)  # 2:4
+  >>> linen.check_restored(linen.CompressedNMDense(32), variables, x) is variables
+  True
+  >>> cast = jax.tree.map(lambda a: a.astype(jnp.uint16) if a.dtype == jnp.uint8 else a, variables)  # as orbax
+  >>> linen.check_restored(linen.CompressedNMDense(32, n=4, m=8), cast, x)
+  Traceback (most recent call last):
+    ...
+  ValueError: linen.CompressedNMDense (sparsity 'kernel_positions'): its packed positions are not valid for its ...
+
+  Args:
+    module: the Linen module of ``variables`` (or the ``SparsifiedLinen`` of :func:`jaxsparse.sparsify_linen` /
+      :func:`jaxsparse.compress_linen`).
+    variables: the restored variables, ``{"params": ..., "sparsity": ...}`` (boxed or not).
+    *example_inputs, **kwargs: the arguments of ``module.apply`` after the variables (arrays or
+      ``jax.ShapeDtypeStruct``; only traced). Only the layers this call reaches are checked.
+
+  Returns:
+    ``variables``, unchanged.
+
+  Raises:
+    ValueError: positions not valid for their layer's n:m, naming the layer, its n:m and the n:m they fit.
+  """
+  found: dict[tuple[str, ...], tuple[str, NMLayout]] = {}
+
+  def record(next_fun, args, kw, context):
+    layer = context.module
+    if context.method_name in ("__call__", "attend"):
+      if isinstance(layer, CompressedNMDense) and (values := existing_shape(layer, "params", "kernel")) is not None:
+        found[tuple(layer.path)] = ("kernel_positions", NMLayout(
+            linen_positions_name(layer, "kernel_positions"), (values[-2] * layer.m // layer.n, layer.features),
+            layer.n, layer.m, 0))
+      elif isinstance(layer, CompressedNMEmbed):
+        found[tuple(layer.path)] = ("embedding_positions", NMLayout(
+            linen_positions_name(layer, "embedding_positions"), (layer.features, layer.num_embeddings), layer.n,
+            layer.m, 0))
+    return next_fun(*args, **kw)
+
+  with nn.intercept_methods(record):  # concrete variables: each unstacked layer checks its own positions
+    jax.eval_shape(lambda *inputs: module.apply(variables, *inputs, **kwargs), *example_inputs)
+  sparsity = nn.meta.unbox(variables).get(SPARSITY, {})
+  for path, (name, layout) in found.items():  # a stack's positions, traced in the call: looked up by path
+    node = sparsity
+    for part in (*path, name):
+      node = node.get(part) if isinstance(node, Mapping) else None
+    if node is not None:
+      check_positions(layout, node)
+  return variables

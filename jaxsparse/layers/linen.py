@@ -14,6 +14,7 @@ from jaxsparse.layers._masked import MaskedDense
 from jaxsparse.layers._nm_linen import NMConv
 from jaxsparse.layers._nm_linen import NMDense
 from jaxsparse.layers._nm_linen_compressed import CompressedNMDense
+from jaxsparse.layers._nm_linen_compressed import check_restored
 
 __all__ = [
     "SPARSITY",
@@ -23,6 +24,7 @@ __all__ = [
     "MaskedDense",
     "NMConv",
     "NMDense",
+    "check_restored",
 ]
 
 #: The name (``"sparsity"``) of the Linen variable collection holding a layer's sparsity pattern, beside
