@@ -46,6 +46,7 @@ from jaxsparse.layers._nm import NMConv
 from jaxsparse.layers._nm import NMLinear
 from jaxsparse.layers._nm_compressed import CompressedNMLinear
 from jaxsparse.layers._nm_linen_compressed import CompressedNMDense
+from jaxsparse.sharding._layers import TensorParallelBlockSparseLinear
 
 __all__ = ["LayerSummary", "ModelSummary", "summary"]
 
@@ -69,7 +70,8 @@ class LayerSummary:
       sparsity) counts fewer than ``n``, and so do the kept values of a compressed layer or embedding stored as zeros
       (a sparser mask given to ``sparsify``), as the ``sparsify`` report counts them (an abstract kernel counts
       ``n / m``).
-    bytes: bytes the layer stores: parameters and pattern.
+    bytes: bytes the layer stores: parameters and pattern (a ``TensorParallelBlockSparseLinear``'s over all its
+      shards, the zero blocks that pad them to one count included).
     dense_bytes: bytes of the dense layer (kernel and bias, same dtype).
     forward_flops, backward_flops: per input row; ``None`` when the density is unknown; 0 for an embedding (a
       lookup, no product).
@@ -234,6 +236,12 @@ def _nnx_layer(path: str, node: nnx.Module) -> LayerSummary | None:
     stack = tuple(node.kernel.shape[:-3])  # a stack of layers (nnx.vmap): kernel (*layers, nnz_blocks, bk, bn)
     return _layer(path, kind, (*stack, node.in_features, node.out_features), f"block {bk}x{bn}",
                   math.prod(node.kernel.shape), param_dtype=node.kernel.dtype, **common)
+  if isinstance(node, TensorParallelBlockSparseLinear):
+    # Its kernel (shards, blocks_per_shard, bk, bn) pads the shards to one block count with zero blocks: stored (its
+    # bytes), but not of the pattern (its density and FLOPs are those of the unsplit layer's nnz_blocks).
+    bk, bn = node.block_shape
+    return _layer(path, kind, (node.in_features, node.out_features), f"block {bk}x{bn}", node.nnz_blocks * bk * bn,
+                  param_dtype=node.kernel.dtype, **common)
   if isinstance(node, MaskedLinear | MaskedConv):
     return _layer(path, kind, tuple(node.kernel.shape), "unstructured", masked_kept_count(node.mask.get_value()),
                   param_dtype=node.kernel.dtype, **common)

@@ -7,12 +7,14 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from flax.nnx import bridge
 
 from jaxsparse import _utils
 from jaxsparse._rules import path_str
 from jaxsparse._rules import replace_module
+from jaxsparse.formats._masks import replicated
 from jaxsparse.formats._specs import NM
 from jaxsparse.layers import BlockSparseLinear
 from jaxsparse.layers import CompressedNMEmbed
@@ -23,12 +25,41 @@ from jaxsparse.layers import NMConv
 from jaxsparse.layers import NMLinear
 from jaxsparse.layers import SparseLinearGeneral
 from jaxsparse.layers import SparsityPattern
+from jaxsparse.layers._common import dense_linear
+from jaxsparse.sharding import TensorParallelBlockSparseLinear
 
 __all__ = ["SPARSE_NNX", "bridged_linen", "compress", "densify", "holds_dense_layers", "is_abstract"]
 
 SPARSE_NNX = (BlockSparseLinear, MaskedLinear, NMLinear, NMConv, CompressedNMLinear, MaskedConv, SparseLinearGeneral,
-              CompressedNMEmbed)
+              CompressedNMEmbed, TensorParallelBlockSparseLinear)
 """The NNX layer classes of jaxsparse that :func:`densify` turns back into dense Flax layers."""
+
+
+def _tensor_parallel_dense(layer: TensorParallelBlockSparseLinear) -> nnx.Linear:
+  """The ``nnx.Linear`` of a ``TensorParallelBlockSparseLinear``'s unsplit weight and bias: each shard's blocks made
+  dense (without the zero blocks that pad the shards to one count) and laid side by side along the split.
+
+  On the values as they are, also traced (an abstract model, under ``jit``), where ``to_block_sparse_linear`` builds
+  the unsplit block mask on the host. Values split over explicit mesh axes are gathered; the dense layer has no
+  partitioning names (the split layer's name no dim of the dense kernel, only the axis of its shards).
+  """
+  w = layer.sharded_kernel  # raises, naming both sizes, for a state laid out for another size of the mesh axis
+  shards = jax.tree.map(replicated, w.shards)
+  valid = replicated(w.source) >= 0
+  data = jnp.where(valid[..., None, None], shards.data, jnp.zeros((), shards.dtype))
+  local = jax.vmap(lambda shard, d: shard.with_data(d).to_dense())(shards, data)  # (shards, *one shard's shape)
+  k, n = w.shape
+  kernel = local.transpose(1, 0, 2).reshape(k, n) if w.split == "columns" else local.reshape(k, n)
+  bias = None if layer.bias is None else replicated(layer.bias[...])
+  return dense_linear(kernel, bias, dtype=layer.dtype, precision=layer.precision)
+
+
+def _dense_of(node: nnx.Module) -> nnx.Module:
+  """The dense Flax layer of a jaxsparse layer (one of :data:`SPARSE_NNX`): its ``to_dense()``, which carries the
+  partitioning names back."""
+  if isinstance(node, TensorParallelBlockSparseLinear):
+    return _tensor_parallel_dense(node)
+  return node.to_dense()
 
 
 def is_abstract(model: Any) -> bool:
@@ -43,7 +74,9 @@ def densify(model: nnx.Module, *, inplace: bool = False) -> nnx.Module:
 
   ``BlockSparseLinear`` / ``MaskedLinear`` / ``NMLinear`` / ``CompressedNMLinear`` become ``nnx.Linear``,
   ``NMConv`` / ``MaskedConv`` become ``nnx.Conv``, ``SparseLinearGeneral`` becomes ``nnx.LinearGeneral``,
-  ``CompressedNMEmbed`` becomes ``nnx.Embed``; pruned weights are zeros in the dense kernels (tables).
+  ``CompressedNMEmbed`` becomes ``nnx.Embed``; pruned weights are zeros in the dense kernels (tables). A
+  :class:`jaxsparse.sharding.TensorParallelBlockSparseLinear` becomes the ``nnx.Linear`` of its unsplit weight and
+  bias (the zero blocks that pad its shards left out), without partitioning names: the dense layer is not split.
 
   Each layer becomes its own ``to_dense()``, which gives the partitioning names (``nnx.with_partitioning``) back: each
   dense kernel (table) and bias takes the names the dense layer had before :func:`sparsify` (and :func:`compress`),
@@ -75,7 +108,9 @@ def densify(model: nnx.Module, *, inplace: bool = False) -> nnx.Module:
     TypeError: ``model`` is not an ``nnx.Module``.
     ValueError: ``model`` holds a ``flax.nnx.bridge.ToNNX`` with jaxsparse Linen layers (a ``"sparsity"`` collection,
       or a :func:`jaxsparse.sparsify_linen` model), which densify cannot reach; :func:`jaxsparse.densify_linen` them
-      before wrapping.
+      before wrapping. A stack of layers (``nnx.vmap``), naming the per-layer call that densifies it; a
+      ``TensorParallelBlockSparseLinear`` whose state was laid out for another size of its mesh axis (its
+      ``resplit()`` lays it out again).
   """
   if not isinstance(model, nnx.Module):
     raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}.")
@@ -94,14 +129,13 @@ def densify(model: nnx.Module, *, inplace: bool = False) -> nnx.Module:
     return nnx.eval_shape(lambda m: densify(m, inplace=True), model)
   if not inplace:
     model = nnx.clone(model)
-  dense_of = lambda node: node.to_dense()  # which carries the partitioning names back
   if isinstance(model, SPARSE_NNX):
-    return dense_of(model)
+    return _dense_of(model)
   found = {tuple(path) for path, node in nnx.iter_modules(model) if path and isinstance(node, SPARSE_NNX)}
   outermost = [p for p in found if not any(p[:i] in found for i in range(1, len(p)))]
   modules = {tuple(p): m for p, m in nnx.iter_modules(model)}
   for path in outermost:
-    replace_module(model, path, dense_of(modules[path]))
+    replace_module(model, path, _dense_of(modules[path]))
   return model
 
 
@@ -134,7 +168,10 @@ def compress(model: nnx.Module, *, storage: str = "values", cusparselt_copy: boo
   an ``NMLinear`` inside a :class:`~jaxsparse.layers.SparseLinearGeneral` is compressed there. ``NMConv`` layers stay
   as they are (there is no compressed convolution), and so do layers already compressed (a second ``compress`` does
   not change their ``storage``: build those with :meth:`NMLinear.to_compressed`). Partitioning names
-  (``nnx.with_partitioning``) carry over: the kept values take the kernel's, the packed positions its columns'.
+  (``nnx.with_partitioning``) carry over: the kept values take the kernel's, the packed positions its columns'. A stack
+  of ``NMLinear`` layers (built by ``nnx.vmap``: kernel ``(*layers, K, N)``) becomes the stack of their compressed
+  layers, each compressed on its own under ``nnx.vmap`` over the stack's leading axes (named as the kernel names them,
+  ``transform_metadata``), which ``nnx.scan`` / ``nnx.vmap`` call as they called the stack.
 
   >>> import jax.numpy as jnp, jaxsparse
   >>> from flax import nnx
@@ -163,7 +200,8 @@ def compress(model: nnx.Module, *, storage: str = "values", cusparselt_copy: boo
   Raises:
     TypeError: ``model`` is not an ``nnx.Module``, or ``cusparselt_copy`` not a bool.
     ValueError: an unknown ``storage``; a layer that cannot be compressed (a custom ``dot_general``, a ``storage``
-      its kernel does not fit), naming its path; nothing is replaced then.
+      its kernel does not fit; a stack whose kernel's trailing axes are not ``(in_features, out_features)``), naming
+      its path; nothing is replaced then.
   """
   if not isinstance(model, nnx.Module):
     raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}.")
@@ -186,14 +224,41 @@ def compress(model: nnx.Module, *, storage: str = "values", cusparselt_copy: boo
   # positions its columns').
   compressed_of = lambda node: node.to_compressed(storage=storage, cusparselt_copy=cusparselt_copy)
   if isinstance(model, NMLinear):
-    return compressed_of(model)
+    return _compressed_stack(model, compressed_of)
   found = [(tuple(path), node) for path, node in nnx.iter_modules(model) if path and isinstance(node, NMLinear)]
   compressed = []
   for path, node in found:  # every layer first: an error leaves the model as it was
     try:
-      compressed.append((path, compressed_of(node)))
+      compressed.append((path, _compressed_stack(node, compressed_of)))
     except ValueError as e:
       raise ValueError(f"{path_str(path)}: {e}") from e
   for path, new in compressed:
     replace_module(model, path, new)
   return model
+
+
+def _compressed_stack(
+    layer: NMLinear, compressed_of: Callable[[NMLinear], CompressedNMLinear]
+) -> CompressedNMLinear:
+  """``compressed_of(layer)``; for a stack of layers (``nnx.vmap``: kernel ``(*layers, K, N)``), the stack of each
+  layer's, under one ``nnx.vmap`` per leading axis. The names of a named kernel's leading axes (the stack's axis
+  name, ``transform_metadata``) come off inside and back on outside, as they did when the stack was built. Compressing
+  the stack whole took its layer axis for the axis of the N:M groups (or refused a 3-D weight)."""
+  shape = tuple(layer.kernel.shape)
+  stack = shape[:-2]
+  if not stack:
+    return compressed_of(layer)
+  if shape[-2:] != (layer.in_features, layer.out_features):
+    raise ValueError(
+        f"this NMLinear holds a kernel of shape {shape}, whose trailing axes are not the ({layer.in_features}, "
+        f"{layer.out_features}) of its features: a stack of layers whose layer axes do not lead (nnx.vmap with "
+        "out_axes other than 0)? Compress its layers one at a time under the transform that built it, e.g. "
+        "nnx.vmap(lambda layer: layer.to_compressed(), in_axes=1, out_axes=1)(stack)."
+    )
+  names = layer.kernel.get_metadata().get("out_sharding")
+  names = tuple(names) if names and len(names) == len(shape) else None  # named per layer: the stack axes are not
+  f = compressed_of
+  for axis in reversed(range(len(stack))):  # the outermost vmap takes the first layer axis
+    metadata = {} if names is None else {"transform_metadata": {nnx.PARTITION_NAME: names[axis]}}
+    f = nnx.vmap(f, in_axes=0, out_axes=0, **metadata)
+  return f(layer)

@@ -59,7 +59,15 @@ from jaxsparse.layers._partitioning import box_structure
 from jaxsparse.layers._partitioning import carry_back_nnx
 from jaxsparse.layers._partitioning import carry_nnx
 
-__all__ = ["BlockSparseDense", "BlockSparseLinear"]
+__all__ = ["BLOCK_VALUES", "BlockSparseDense", "BlockSparseLinear"]
+
+BLOCK_VALUES = "block_sparse_values"
+"""Metadata key of the ``nnx.Param`` that holds a block-sparse layer's kept blocks (``BlockSparseLinear.kernel``,
+``(nnz_blocks, bk, bn)``); its value is the layer's class name. Like ``COMPRESSED_VALUES`` (``layers/_common.py``) it
+travels with the variable wherever the layer's parameters go without the layer (``nnx.state(model, nnx.Param)``, what
+``nnx.Optimizer`` hands its optimizer), so that the pruners refuse to prune the kept blocks as if they were a dense
+kernel (the layer's density, ``summary`` and products count whole blocks). Checkpoints hold the arrays only. Under
+``nnx.bridge.ToLinen`` the mark puts the kernel in an ``NNXMeta`` box in ``"params"``, as a named kernel is."""
 
 
 def check_block_mask(block_mask: Any, grid: tuple[int, int]) -> np.ndarray:
@@ -148,7 +156,9 @@ class BlockSparseLinear(nnx.Module):
 
   Attributes:
     kernel: ``nnx.Param`` of shape ``(nnz_blocks, bk, bn)``, the kept blocks in row-major block
-      order (by block row, then block column).
+      order (by block row, then block column). It carries the metadata
+      ``block_sparse_values="BlockSparseLinear"``, so that the pruners (:mod:`jaxsparse.pruning`) refuse to prune the
+      kept blocks as a dense kernel even where they see the parameters without the layer (an ``nnx.Optimizer``).
     bias: ``nnx.Param`` of shape ``(out_features,)``, or ``None``.
     pattern: ``nnx.Dict`` of :class:`SparsityPattern` int32 arrays, keyed like
       :meth:`jaxsparse.BlockSparseMatrix.index_arrays`.
@@ -228,7 +238,7 @@ class BlockSparseLinear(nnx.Module):
       kernel_init = block_sparse_kernel_init(nnz, grid)
     kernel = kernel_init(rngs.params(), (nnz, bk, bn), param_dtype)  # maybe boxed (nnx.with_partitioning): kept
     w = BlockSparseMatrix.from_block_mask(block_mask, unbox_init(kernel))
-    self.kernel = nnx.Param(map_boxed(kernel, lambda _: w.data))
+    self.kernel = nnx.Param(map_boxed(kernel, lambda _: w.data), **{BLOCK_VALUES: type(self).__name__})
     self.pattern = pattern_variables(w, self.kernel)  # named where the kernel is (nnx.with_partitioning)
     self.block_shape = (bk, bn)
     init_linear_attributes(

@@ -193,8 +193,8 @@ def set_pruner(
       not a structure or ``None``; bad ``views`` or ``stacks``.
     ValueError: naming the argument, for a bad ``drop_fraction`` or steps; an ``NM`` rule, empty ``rules`` or a
       rule key that is not a valid regex (here, where the pruner is built); at ``init``, a structure that cannot
-      apply to a parameter it matches, or a rule matching the stored values of an already N:M-compressed layer
-      (see :func:`magnitude_masks`), naming the path.
+      apply to a parameter it matches, or a rule matching the stored values of an already N:M-compressed layer or
+      the kept blocks of a block-sparse layer (see :func:`magnitude_masks`), naming the path.
 
   References:
     Mocanu et al., "Scalable training of artificial neural networks with adaptive sparse

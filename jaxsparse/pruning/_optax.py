@@ -41,8 +41,9 @@ from jaxsparse.formats._masks import split_like
 from jaxsparse.pruning._apply import is_none
 from jaxsparse.pruning._apply import rebox
 from jaxsparse.pruning._apply import where_masked
-from jaxsparse.pruning._compressed import compressed_error
-from jaxsparse.pruning._compressed import compressed_paths
+from jaxsparse.pruning._compressed import stored_value_paths
+from jaxsparse.pruning._compressed import stored_values_error
+from jaxsparse.pruning._compressed import stored_values_known
 from jaxsparse.pruning._schedules import Schedule
 from jaxsparse.pruning._schedules import one_shot
 from jaxsparse.pruning._scores import check_scope
@@ -113,10 +114,14 @@ class PruningState(NamedTuple):
       parameters are Linen boxes (``nn.Partitioned`` params kept boxed in a ``TrainState``), each mask is in its
       parameter's box (its names: ``nn.get_partition_spec`` shards it like its kernel). :func:`get_masks` unboxes.
     inner_state: the state of the wrapped optimizer.
-    pruned_nonzero: int32 scalar, the number of ``update`` calls (after the first) whose ``params`` had a nonzero
-      weight where the previous update's masks prune: the wrapper's updates did not reach the parameters
+    pruned_nonzero: int32 scalar, the number of ``update`` calls (after the first) whose ``params`` had a finite
+      nonzero weight where the previous update's masks prune: the wrapper's updates did not reach the parameters
       unchanged (a transformation after it in a chain), or the parameters were changed by hand. :func:`get_masks`
       raises while it is not 0.
+    pruned_nonfinite: int32 scalar, the number of ``update`` calls (after the first) whose ``params`` had a NaN or
+      infinite weight where the previous update's masks prune: the weights went non-finite in training (a NaN or inf
+      in a batch, a loss that overflowed), and an update of ``-param`` cannot zero them (``NaN - NaN`` is NaN).
+      :func:`get_masks` raises while it is not 0, saying so.
   """
 
   count: jax.Array
@@ -124,6 +129,7 @@ class PruningState(NamedTuple):
   masks: Any
   inner_state: Any
   pruned_nonzero: jax.Array
+  pruned_nonfinite: jax.Array
 
 
 def magnitude_pruner(
@@ -176,7 +182,8 @@ def magnitude_pruner(
       :func:`jaxsparse.sparsify` does. Parameters (the ``nnx.State`` that ``nnx.Optimizer`` hands the optimizer) hold
       a tied layer once, at its first path: a rule naming only its other path then matches nothing and warns; check
       such rules on the model with :func:`magnitude_masks`. A rule matching the stored values of an already
-      N:M-compressed layer raises where the parameters show them (see :func:`magnitude_masks`).
+      N:M-compressed layer or the kept blocks of a block-sparse layer raises where the parameters show them (see
+      :func:`magnitude_masks`).
   """
   schedule = one_shot() if schedule is None else schedule
   if not isinstance(schedule, Schedule):
@@ -216,10 +223,10 @@ def _split_like(masks: Any, params: Any) -> Any:
   return jax.tree.map(lambda m, p: m if m is None else split_like(m, p), masks, params, is_leaf=is_none)
 
 
-def _any_pruned_nonzero(masks: Any, params: Any) -> jax.Array:
-  """Bool scalar: whether any weight of ``params`` is nonzero where ``masks`` prune it."""
+def _any_pruned(masks: Any, params: Any, where: Callable[[jax.Array], jax.Array]) -> jax.Array:
+  """Bool scalar: whether ``where`` holds of any weight of ``params`` that ``masks`` prune."""
   found = jax.tree.map(
-      lambda m, p: None if m is None else jnp.any((jnp.asarray(p) != 0) & ~m), masks, params, is_leaf=is_none
+      lambda m, p: None if m is None else jnp.any(where(jnp.asarray(p)) & ~m), masks, params, is_leaf=is_none
   )
   leaves = jax.tree.leaves(found)
   return jnp.any(jnp.stack(leaves)) if leaves else jnp.zeros((), bool)
@@ -235,19 +242,14 @@ def _keep_tree(masks: Any, params: Any) -> Any:
   return jax.tree.map(lambda m, p: jnp.ones((), bool) if m is None else m, masks, params, is_leaf=is_none)
 
 
-def _refuse_compressed(params: Any, masks: Any) -> None:
-  """Raises where ``masks`` prune the stored values of an N:M-compressed layer that ``params`` shows.
-
-  The pruner sees plain arrays, which cannot tell; here ``params`` are still what the optimizer was given: the
-  ``nnx.Param`` variables of an ``nnx.Optimizer`` (whose compressed layers mark their values), Linen boxes.
-  """
-  compressed = compressed_paths(params)
-  if not compressed:
-    return
+def _refuse_stored(stored: dict[str, str], masks: Any) -> None:
+  """Raises where ``masks`` prune the stored values (:func:`~jaxsparse.pruning._compressed.stored_value_paths`) of an
+  N:M-compressed or block-sparse layer: a pruner of one's own, which does not know them (jaxsparse's pruners refuse
+  them themselves, told by :func:`~jaxsparse.pruning._compressed.stored_values_known`)."""
   paths, leaves, _ = flatten_with_paths(masks)  # the None of an unpruned parameter is no leaf
   for path, mask in zip(paths, leaves, strict=True):
-    if path in compressed:
-      raise compressed_error(path, compressed[path], tuple(mask.shape), "the pruner (a rule of it matches this path)")
+    if path in stored:
+      raise stored_values_error(path, stored[path], tuple(mask.shape), "the pruner (a rule of it matches this path)")
 
 
 def wrap_optax(
@@ -297,7 +299,8 @@ def wrap_optax(
   In the last one ``scale_by_learning_rate`` turns ``-param`` into ``lr * param``, so pruned weights grow instead
   of vanishing. No sound correction exists from inside the chain; instead every update (from the second on)
   checks that the weights the masks prune are zero, counts the updates where they are not in
-  ``PruningState.pruned_nonzero``, and :func:`get_masks` then raises.
+  ``PruningState.pruned_nonzero`` (``pruned_nonfinite`` where they are NaN or infinite: training went non-finite),
+  and :func:`get_masks` then raises, saying which.
 
   Around it and inside it, the optax combinators (the pruning guide has more):
 
@@ -330,10 +333,11 @@ def wrap_optax(
   Raises:
     TypeError: ``pruner`` is not a :class:`Pruner`. Later, ``init`` raises a ``ValueError`` with
       ``reset_state=True`` for an inner state it cannot map to the parameters, for masks of the pruner on the stored
-      values of an N:M-compressed layer (a ``CompressedNMLinear`` / ``CompressedNMEmbed`` of an ``nnx.Optimizer``,
-      whose params carry the layers' mark; not a Linen ``CompressedNMDense`` in a ``TrainState``, whose bare
-      ``params`` do not tell), and the pruner's own errors (see :func:`magnitude_pruner`); ``update`` raises a
-      ``ValueError`` when called without ``params``.
+      values of an N:M-compressed layer or the kept blocks of a block-sparse layer (a ``CompressedNMLinear`` /
+      ``CompressedNMEmbed`` / ``BlockSparseLinear`` / ``TensorParallelBlockSparseLinear`` of an ``nnx.Optimizer``,
+      whose params carry the layers' mark; not a Linen ``CompressedNMDense`` / ``BlockSparseDense`` in a
+      ``TrainState``, whose bare ``params`` do not tell), and the pruner's own errors (see :func:`magnitude_pruner`);
+      ``update`` raises a ``ValueError`` when called without ``params``.
   """
   inner = optax.with_extra_args_support(inner)
   if not isinstance(pruner, Pruner):
@@ -344,8 +348,13 @@ def wrap_optax(
     _, leaves, treedef = flatten_with_paths(params)
     boxed = jax.tree_util.tree_unflatten(treedef, leaves)  # NNX variables unwrapped; Linen boxes kept
     plain = nn.meta.unbox(boxed)  # the pruner sees plain arrays (a TrainState's nn.Partitioned params unboxed)
-    masks = _split_like(jax.jit(lambda p, k: pruner.init(_gathered(p), k))(plain, init_key), plain)
-    _refuse_compressed(params, masks)
+    # The pruner sees plain arrays, which cannot tell stored values (N:M-compressed, kept blocks) from a dense weight;
+    # params are still what the optimizer was given: the nnx.Param variables of an nnx.Optimizer (whose layers mark
+    # their stored values), Linen boxes.
+    stored = stored_value_paths(params)
+    with stored_values_known(stored):
+      masks = _split_like(jax.jit(lambda p, k: pruner.init(_gathered(p), k))(plain, init_key), plain)
+    _refuse_stored(stored, masks)
     inner_state = inner.init(params)
     if reset_state:
       try:  # an inner state that reset cannot map fails here, with a way out, not inside the first update's trace
@@ -357,7 +366,8 @@ def wrap_optax(
             f"to leave its state as it is at mask updates. The error was: {e}"
         ) from e
     # Two arrays, not one shared: a step that donates the state would donate the same buffer twice.
-    return PruningState(jnp.zeros((), jnp.int32), key, rebox(boxed, masks), inner_state, jnp.zeros((), jnp.int32))
+    return PruningState(jnp.zeros((), jnp.int32), key, rebox(boxed, masks), inner_state, jnp.zeros((), jnp.int32),
+                        jnp.zeros((), jnp.int32))
 
   def reset(inner_state, new_masks, old_masks, params):
     kept = jax.tree.map(lambda n, o: n & o, new_masks, old_masks)
@@ -382,9 +392,13 @@ def wrap_optax(
     # Linen params kept boxed (nn.Partitioned in a TrainState): masks are computed and applied on the plain arrays,
     # the inner optimizer and the results keep the boxes.
     plain_params, plain_updates = nn.meta.unbox(params), nn.meta.unbox(updates)
-    # After an update, the weights its masks prune are zero, unless something changed the updates on the way.
-    stray = (step > 0) & _any_pruned_nonzero(nn.meta.unbox(state.masks), plain_params)
+    # After an update, the weights its masks prune are zero, unless something changed the updates on the way, or
+    # they went non-finite (a NaN weight plus its update of -NaN stays NaN): told apart, as their fixes differ.
+    old_masks = nn.meta.unbox(state.masks)
+    stray = (step > 0) & _any_pruned(old_masks, plain_params, lambda p: jnp.isfinite(p) & (p != 0))
+    nonfinite = (step > 0) & _any_pruned(old_masks, plain_params, lambda p: ~jnp.isfinite(p))
     pruned_nonzero = state.pruned_nonzero + stray.astype(jnp.int32)
+    pruned_nonfinite = state.pruned_nonfinite + nonfinite.astype(jnp.int32)
 
     def mask_update(masks, inner_state):
       new = pruner.update(_gathered(masks), _gathered(plain_params), _gathered(plain_updates), step, update_key)
@@ -399,7 +413,8 @@ def wrap_optax(
     grads = rebox(updates, where_masked(masks, plain_updates, jnp.zeros_like, plain_updates))
     new_updates, inner_state = inner.update(grads, inner_state, params, **extra_args)
     new_updates = rebox(new_updates, where_masked(masks, nn.meta.unbox(new_updates), jnp.negative, plain_params))
-    return new_updates, PruningState(step + 1, key, rebox(params, masks), inner_state, pruned_nonzero)
+    return new_updates, PruningState(step + 1, key, rebox(params, masks), inner_state, pruned_nonzero,
+                                     pruned_nonfinite)
 
   return optax.GradientTransformationExtraArgs(init, update)
 
@@ -421,8 +436,8 @@ def get_masks(state: Any, *, check: bool = True) -> Any:
   Args:
     state: the state of an optimizer that contains :func:`wrap_optax`: a raw optax state, an ``nnx.Optimizer``
       or its ``opt_state``, or an object with an ``opt_state`` attribute (a Linen ``TrainState``).
-    check: raise when the state recorded pruned weights that were not zero (``PruningState.pruned_nonzero``);
-      ``False`` reads the masks anyway (inside ``jit`` there is no check).
+    check: raise when the state recorded pruned weights that were not zero (``PruningState.pruned_nonzero``,
+      ``pruned_nonfinite``); ``False`` reads the masks anyway (inside ``jit`` there is no check).
 
   Returns:
     The masks, a tree with the parameters' structure (Linen boxes read through: plain masks in their place): a bool
@@ -436,7 +451,8 @@ def get_masks(state: Any, *, check: bool = True) -> Any:
       group of an ``optax.multi_transform``: wrap the ``multi_transform`` once instead); or (``check``) when an
       update found weights that the masks prune not zero, so the masks do not describe the trained parameters: a
       transformation after :func:`wrap_optax` in an ``optax.chain`` (or a wrapper around it such as
-      ``optax.lookahead``) changed its updates (see :func:`wrap_optax`).
+      ``optax.lookahead``) changed its updates (see :func:`wrap_optax`), or, where those weights are NaN or
+      infinite, the training went non-finite (the message says which).
   """
   if isinstance(state, nnx.Optimizer):
     state = state.opt_state
@@ -458,18 +474,36 @@ def get_masks(state: Any, *, check: bool = True) -> Any:
   pruning_state = unwrap_variables(found[0])
   try:
     stray = int(pruning_state.pruned_nonzero) if check else 0
+    nonfinite = int(pruning_state.pruned_nonfinite) if check else 0
   except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError):
-    stray = 0  # inside jit: nothing to check
+    stray = nonfinite = 0  # inside jit: nothing to check
+  changed = (
+      "A transformation after wrap_optax (or a wrapper around it that changes its updates or the weights, such as "
+      "optax.lookahead, which is not supported) changed its updates: wrap_optax must be the last transformation, "
+      "with the learning rate and everything else that changes updates inside it, e.g. "
+      "pruning.wrap_optax(optax.chain(optax.scale_by_adam(), optax.scale_by_learning_rate(lr)), pruner), not "
+      "optax.chain(pruning.wrap_optax(optax.scale_by_adam(), pruner), optax.scale_by_learning_rate(lr)). If you "
+      "changed the parameters yourself, pass check=False."
+  )
+  if nonfinite:
+    also = "" if not stray else (
+        f" Besides, {stray} updates found finite weights that the masks prune not zero: {changed[0].lower()}"
+        f"{changed[1:]}")
+    raise ValueError(
+        f"{nonfinite} of {int(pruning_state.count)} updates of pruning.wrap_optax found weights that its masks prune "
+        "not finite (NaN or inf): the parameters went non-finite in training, from gradients that were not finite "
+        "(a NaN or inf in a batch, a loss that overflowed, a learning rate too large), and a pruned weight that is "
+        "NaN stays NaN (its update of -param cannot zero it), so the masks do not describe the parameters. Find the "
+        "first step whose loss or gradients are not finite (jax.config.update('jax_debug_nans', True), or "
+        "jnp.isfinite of the loss), fix the data or the loss and train again from before it; "
+        "optax.apply_if_finite(pruning.wrap_optax(tx, pruner), max_consecutive_errors) skips such steps, leaving "
+        "the parameters and masks as they were. Pass check=False to read the masks anyway." + also
+    )
   if stray:
     raise ValueError(
         f"{stray} of {int(pruning_state.count)} updates of pruning.wrap_optax found "
         "weights that its masks prune not zero, so the masks do not describe the trained parameters (a model "
-        "sparsified with them would differ from the trained one). A transformation after wrap_optax (or a wrapper "
-        "around it that changes its updates or the weights, such as optax.lookahead, which is not supported) "
-        "changed its updates: wrap_optax must be the last transformation, with the learning rate and everything "
-        "else that changes updates inside it, e.g. pruning.wrap_optax(optax.chain(optax.scale_by_adam(), "
-        "optax.scale_by_learning_rate(lr)), pruner), not optax.chain(pruning.wrap_optax(optax.scale_by_adam(), "
-        "pruner), optax.scale_by_learning_rate(lr)). If you changed the parameters yourself, pass check=False."
+        f"sparsified with them would differ from the trained one). {changed}"
     )
   # Inside optax.masked / optax.multi_transform the masks hold an optax.MaskedNode for each parameter outside the
   # wrapper's group: not pruned by it, so None, as for a parameter no rule matched.

@@ -54,8 +54,9 @@ from jaxsparse.formats._specs import check_plain_nm
 from jaxsparse.formats._specs import check_spec_applies
 from jaxsparse.formats._specs import matrix_shape
 from jaxsparse.pruning._apply import is_box
-from jaxsparse.pruning._compressed import compressed_error
-from jaxsparse.pruning._compressed import compressed_paths
+from jaxsparse.pruning._compressed import known_stored_values
+from jaxsparse.pruning._compressed import stored_value_paths
+from jaxsparse.pruning._compressed import stored_values_error
 from jaxsparse.pruning._stacks import Stacks
 from jaxsparse.pruning._stacks import nnx_stacks
 from jaxsparse.pruning._stacks import resolve_stacks
@@ -295,12 +296,12 @@ def plan(
 
   A layer that an NNX object holds at several paths (:func:`tied_paths`): as in :func:`jaxsparse.sparsify`, its leaves
   take the one structure the rules give its paths (a ``ValueError`` naming them when they give different ones).
-  A rule that matches the stored values of an N:M-compressed layer (:func:`compressed_paths`) raises a
-  ``ValueError`` naming the path.
+  A rule that matches the stored values of an N:M-compressed layer or the kept blocks of a block-sparse layer
+  (:func:`~jaxsparse.pruning._compressed.stored_value_paths`) raises a ``ValueError`` naming the path.
   """
   tied = tied_paths(tree)
   found_stacks = nnx_stacks(tree)
-  compressed = compressed_paths(tree)
+  stored = {**stored_value_paths(tree), **known_stored_values()}  # known: read by pruning.wrap_optax before unboxing
   tree = params_of(tree)
   resolved = resolve_rules(rules)
   resolved_views = resolve_views(views)
@@ -337,8 +338,8 @@ def plan(
       continue
     r = next(iter(chosen.values()))
     spec = resolved[r][2]
-    if path in compressed:
-      raise compressed_error(path, compressed[path], shape, f"rule {resolved[r][0]!r} ({spec.describe()})")
+    if path in stored:
+      raise stored_values_error(path, stored[path], shape, f"rule {resolved[r][0]!r} ({spec.describe()})")
     stack = stack_of(resolved_stacks, found_stacks, path, owner)
     if stack is not None and stack > len(shape) - 2:
       raise ValueError(
@@ -567,9 +568,12 @@ def magnitude_masks(
     ValueError: naming the path, for a structure (view, stack) that cannot apply to a parameter it matches; a tied
       layer whose paths the rules give different structures; ``scores`` of the wrong paths or shapes; a rule that
       selects the stored values of an already N:M-compressed layer (``CompressedNMEmbed``, ``CompressedNMLinear``,
-      ``CompressedNMDense``: they are the kept weights, not the dense table or kernel), seen in an ``nnx.Module``, in
-      its ``nnx.State`` (the layers mark those params) or in Linen variables that hold the layers' ``"sparsity"``
-      collection; bare Linen ``params`` do not tell them from a dense kernel (map such paths to ``None``).
+      ``CompressedNMDense``: they are the kept weights, not the dense table or kernel) or the kept blocks of a
+      block-sparse layer (``BlockSparseLinear``, ``BlockSparseDense``, ``TensorParallelBlockSparseLinear``: its
+      blocks are fixed; densify, prune and sparsify again), seen in an ``nnx.Module``, in its ``nnx.State`` (the
+      layers mark those params) or in Linen variables that hold the
+      layers' ``"sparsity"`` collection; bare Linen ``params`` do not tell them from a dense kernel (map such paths to
+      ``None``).
     TypeError: bad ``rules``, ``views`` or ``stacks``; complex ``scores``; an ``nnx.Optimizer`` (it holds no
       parameters: pass the model).
   """

@@ -18,6 +18,7 @@ from jaxsparse.formats._block_sparse import BlockSparseMatrix
 from jaxsparse.formats._masks import replicated
 from jaxsparse.layers import BlockSparseLinear
 from jaxsparse.layers import SparsityPattern
+from jaxsparse.layers._block_sparse import BLOCK_VALUES
 from jaxsparse.sharding._tensor_parallel import BatchAxes
 from jaxsparse.sharding._tensor_parallel import ShardedBlockSparseMatrix
 from jaxsparse.sharding._tensor_parallel import Split
@@ -93,7 +94,7 @@ class TensorParallelBlockSparseLinear(nnx.Module):
       raise ValueError(f"reduce must be 'psum' or 'scatter', got reduce={reduce!r}.")
     _check_batch_axes(batch_axes, mesh, axis)
     shard = lambda ndim: {"out_sharding": (axis,) + (None,) * (ndim - 1), "mesh": mesh}
-    self.kernel = nnx.Param(w.data, **shard(4))
+    self.kernel = nnx.Param(w.data, **shard(4), **{BLOCK_VALUES: type(self).__name__})  # the pruners refuse it
     self.pattern = nnx.Dict({f: SparsityPattern(v, **shard(2)) for f, v in w.shards.index_arrays().items()})
     self.source = SparsityPattern(w.source, **shard(2))
     self.bias: nnx.Param[jax.Array] | None = nnx.data(None)
