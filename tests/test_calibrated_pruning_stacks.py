@@ -282,9 +282,8 @@ def test_stack_applied_by_nnx_vmap():
 
 
 def test_stack_called_whole_or_stacked_tables_are_refused():
-  # A stack the model calls outside a transform over its layers, to_sparse=True of a stack (sparsify takes one kernel
-  # per layer: refused before pruning), and a stack of embedding tables: errors that name the path, its stacked shape
-  # and what to do.
+  # A stack the model calls outside a transform over its layers and a stack of embedding tables: errors that name the
+  # path, its stacked shape and what to do.
   class Whole(nnx.Module):
     def __init__(self, rngs):
       self.heads = Ensemble(rngs).heads
@@ -309,9 +308,6 @@ def test_stack_called_whole_or_stacked_tables_are_refused():
     def __call__(self, ids):
       return nnx.vmap(lambda e, ids: e(ids), in_axes=(0, None))(self.embed, ids)
 
-  with pytest.raises(ValueError, match=r"blocks.fc1: to_sparse=True, but sparsify takes layers holding one kernel "
-                                       r"each, not a stack of layers \(kernel \(3, 16, 32\)"):
-    pruning.calibrated_prune(_scanned(), jaxsparse.NM(2, 4), _batches(), to_sparse=True, progress=False)
   with pytest.raises(ValueError, match=re.escape("embed: a stack of 3 embedding tables (stored (3, 10, 16), leading "
                                                  "layer axes (3,)) is not supported")):
     pruning.calibrated_prune(Tables(nnx.Rngs(0)), {"embed": jaxsparse.NM(2, 4)}, [jnp.array([[1, 2, 3, 4]])],
@@ -438,3 +434,44 @@ def test_calibrate_linen_of_a_boxed_scan():
     np.testing.assert_allclose(stats["s.fc"].gram[i], x.T @ x, rtol=1e-4, atol=1e-3)
     np.testing.assert_allclose(stats["s.fc"].sq_norms[i], jnp.sum(x * x, axis=0), rtol=1e-4, atol=1e-3)
     hs = [jnp.tanh(h @ params["kernel"][i] + params["bias"][i]) for h in hs]
+
+
+@pytest.mark.parametrize("spec", [jaxsparse.NM(2, 4), jaxsparse.BlockSparse(density=0.5, block_shape=(8, 8))],
+                         ids=lambda s: s.describe())
+def test_to_sparse_turns_a_pruned_stack_into_a_stack_of_sparse_layers(spec):
+  # to_sparse=True of a scan-over-layers stack: the stacked sparse layers (sparsify of nnx.Linear stacks) compute what
+  # the pruned dense stack computes, under the model's own nnx.scan.
+  batches = _batches()
+  rules = {r"blocks\..*": spec, ".*": None}
+  dense, masks, _ = pruning.calibrated_prune(_scanned(), rules, batches, method="wanda", progress=False)
+  sparse, masks_s, _ = pruning.calibrated_prune(_scanned(), rules, batches, method="wanda", to_sparse=True,
+                                                progress=False)
+  for path in ("blocks.fc1.kernel", "blocks.fc2.kernel"):
+    np.testing.assert_array_equal(masks_s[path], masks[path])
+  kind = jaxsparse.layers.NMLinear if isinstance(spec, jaxsparse.NM) else jaxsparse.layers.BlockSparseLinear
+  assert isinstance(sparse.blocks.fc1, kind) and isinstance(sparse.blocks.fc2, kind)
+  x = batches[0]
+  np.testing.assert_allclose(sparse(x), dense(x), rtol=2e-5, atol=2e-5)
+  with pytest.raises(ValueError, match=r"stacks of nnx.Linear layers only, not of Conv"):
+    pruning.calibrated_prune(_conv_stack(), jaxsparse.NM(2, 4), [jnp.ones((2, 8, 8, 4))], method="wanda",
+                             to_sparse=True, progress=False)
+
+
+def _conv_stack():
+  @nnx.split_rngs(splits=L)
+  @nnx.vmap(in_axes=(0,), out_axes=0)
+  def convs(rngs):
+    return nnx.Conv(4, 4, (3, 3), rngs=rngs)
+
+  class ConvStack(nnx.Module):
+    def __init__(self, rngs):
+      self.convs = convs(rngs)
+
+    def __call__(self, x):
+      @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+      def forward(h, conv):
+        return conv(h)
+
+      return forward(x, self.convs)
+
+  return ConvStack(nnx.Rngs(0))

@@ -12,6 +12,9 @@ rule                          ``nnx.Linear``               ``nnx.Conv``         
 ``Unstructured(sparsity)``    ``MaskedLinear``             ``MaskedConv``          ``SparseLinearGeneral``
 ============================  ===========================  ======================  ==========================
 
+A stack of ``nnx.Linear`` layers (built by ``nnx.vmap``, run by ``nnx.scan``: kernel ``(*layers, K, N)``) becomes the
+stack of its layers' sparse layers (``_stacks.py``).
+
 An ``nnx.Embed`` takes a rule only when the rule names it (matches no layer above): ``NM(n, m)`` stores its table as a
 ``CompressedNMEmbed`` (``n`` of every ``m`` features of each row kept); other structures raise. Catch-all rules leave
 embeddings dense.
@@ -56,6 +59,9 @@ from jaxsparse._sparsify._report import random_input
 from jaxsparse._sparsify._report import state_bytes
 from jaxsparse._sparsify._report import time_nnx_layer
 from jaxsparse._sparsify._report import unsupported_change
+from jaxsparse._sparsify._stacks import linear_stack
+from jaxsparse._sparsify._stacks import sparse_stack
+from jaxsparse._sparsify._stacks import stack_error
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
 from jaxsparse.formats._masks import replicated
 from jaxsparse.formats._specs import NM
@@ -141,8 +147,9 @@ def _sparse_linear(lin: nnx.Linear, spec: Spec, mask: np.ndarray | None, path: s
 
 def _check_rebuildable(node: nnx.Module, spec: Spec, path: str) -> None:
   """Raises where the sparse layer for ``node`` would compute another function: a subclass of the Flax layer (its
-  call may add to the product), product options the sparse layer cannot honour, a stacked (scan-over-layers)
-  kernel."""
+  call may add to the product), product options the sparse layer cannot honour, a kernel whose shape is not its
+  features' (a stack of ``nnx.Conv`` / ``nnx.LinearGeneral`` layers, layer axes that do not lead); a stack of
+  ``nnx.Linear`` layers passes."""
   base = next(t for t in (nnx.Conv, nnx.LinearGeneral, nnx.Linear) if isinstance(node, t))
   if type(node) is not base:
     raise TypeError(
@@ -165,11 +172,8 @@ def _check_rebuildable(node: nnx.Module, spec: Spec, path: str) -> None:
     expected = (*node.in_features, *node.out_features)
   else:
     expected = (node.in_features, node.out_features)
-  if tuple(node.kernel.shape) != expected:
-    raise ValueError(
-        f"{path}: its kernel has shape {tuple(node.kernel.shape)}, not the {expected} its features give: a stacked "
-        "(scan-over-layers, nnx.vmap) layer? sparsify takes layers holding one kernel each; map this path to None."
-    )
+  if tuple(node.kernel.shape) != expected and not linear_stack(node):
+    raise ValueError(stack_error(node, expected, path))
 
 
 def at_path(where: str, build: Callable[..., Any], *args: Any) -> Any:
@@ -190,6 +194,9 @@ def _to_sparse(node: nnx.Module, spec: Spec, mask: np.ndarray | None, path: str)
   kernel_shape = tuple(node.kernel.shape)
   if mask is not None and mask.shape != kernel_shape:
     raise ValueError(f"{path}: the given mask has shape {mask.shape}, the kernel {kernel_shape}.")
+  if linear_stack(node):
+    stack, _ = sparse_stack(node, mask, path, lambda layer, m, where: _to_sparse(layer, spec, m, where))
+    return stack
   if isinstance(node, nnx.Conv):
     if isinstance(spec, BlockSparse):
       raise ValueError(
@@ -295,7 +302,8 @@ def _describe(node: nnx.Module) -> str:
     return f"Conv({node.in_features}->{node.out_features}, {tuple(node.kernel_size)})"
   if isinstance(node, nnx.LinearGeneral):
     return f"LinearGeneral({node.in_features}->{node.out_features})"
-  return f"Linear({node.in_features}->{node.out_features})"
+  stack = linear_stack(node)  # a stack of layers (nnx.vmap): one row for the stack, e.g. "3 x Linear(16->32)"
+  return f"{'x'.join(map(str, stack))} x " * bool(stack) + f"Linear({node.in_features}->{node.out_features})"
 
 
 def _dense_layers(model: nnx.Module) -> list[tuple[tuple, nnx.Module]]:
@@ -369,6 +377,14 @@ def sparsify(
   ``{"embed": jaxsparse.NM(2, 4)}``), and only with ``NM``: it becomes a
   :class:`~jaxsparse.layers.CompressedNMEmbed` (the groups along the features, mask key ``"<path>.embedding"``).
 
+  A stack of ``nnx.Linear`` layers (Flax's scan over layers: built by ``nnx.vmap``, kernel ``(*layers, K, N)`` with
+  ``(K, N)`` its ``in_features`` / ``out_features``) becomes the stack of the sparse layers of its layers, each pruned
+  on its own weights (or its slice of the mask ``(*layers, K, N)``) and stacked as ``nnx.vmap`` stacks them (with the
+  stack's partitioning axis names), so the model's ``nnx.scan`` over the stack runs as it did (an ``nnx.StateAxes``
+  there gives the patterns the parameters' axis: ``nnx.StateAxes({(nnx.Param, SparsityPattern): 0, ...: None})``). A
+  block-sparse stack needs the same number of kept blocks in every layer. Its report row is the stack's (layer
+  ``"3 x Linear(16->32)"``, the density of all its layers); ``check_speed`` does not time it.
+
   >>> import jax, jax.numpy as jnp, jaxsparse
   >>> from flax import nnx
   >>> class MLP(nnx.Module):
@@ -412,8 +428,9 @@ def sparsify(
 
   Raises:
     ValueError: naming the layer path, when a structure cannot apply (``m`` does not divide the
-      input size, blocks do not divide the kernel, ``BlockSparse`` on a conv, a bad mask); ``check_speed`` with an
-      abstract model (no weights to time).
+      input size, blocks do not divide the kernel, ``BlockSparse`` on a conv, a bad mask, a block-sparse stack whose
+      layers keep different numbers of blocks, a stack of ``nnx.Conv`` / ``nnx.LinearGeneral`` layers or one whose
+      layer axes do not lead); ``check_speed`` with an abstract model (no weights to time).
   """
   if not isinstance(model, nnx.Module):
     raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}; for Linen use sparsify_linen.")
@@ -472,7 +489,8 @@ def sparsify(
     new = at_path(where, _to_sparse, node, spec, None if mask is None else np.asarray(mask), where)
     built.append((path, node, spec, new))
 
-  shapes = _record_inputs(model, [(p, n) for p, n, _, _ in built], example_input) if mode else {}
+  # A stack's layers run inside the model's nnx.scan: not timed (check_speed times one layer against its sparse one).
+  shapes = _record_inputs(model, [(p, n) for p, n, _, _ in built if not linear_stack(n)], example_input) if mode else {}
   changes = []
   for path, node, spec, paths in embeds:  # lookups, not products: nothing to time
     p = path_str(path)
@@ -496,7 +514,9 @@ def sparsify(
     note = f"tied: also at {', '.join(tied)}" if tied else ""
     keep_dense = False
     if mode:
-      if path in shapes:
+      if linear_stack(node):
+        note = "; ".join(filter(None, [note, "a stack of layers (nnx.vmap): not timed"]))
+      elif path in shapes:
         x = random_input(shapes[path])
         dense_ms, sparse_ms = time_nnx_layer(node, x, mode), time_nnx_layer(new, x, mode)
         keep_dense = sparse_ms >= dense_ms

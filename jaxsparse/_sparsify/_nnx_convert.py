@@ -14,6 +14,7 @@ from flax.nnx import bridge
 from jaxsparse import _utils
 from jaxsparse._rules import path_str
 from jaxsparse._rules import replace_module
+from jaxsparse._sparsify._stacks import dense_stack
 from jaxsparse.formats._masks import replicated
 from jaxsparse.formats._specs import NM
 from jaxsparse.layers import BlockSparseLinear
@@ -56,10 +57,10 @@ def _tensor_parallel_dense(layer: TensorParallelBlockSparseLinear) -> nnx.Linear
 
 def _dense_of(node: nnx.Module) -> nnx.Module:
   """The dense Flax layer of a jaxsparse layer (one of :data:`SPARSE_NNX`): its ``to_dense()``, which carries the
-  partitioning names back."""
+  partitioning names back; of a stack of layers (``nnx.vmap``), the stack of each layer's."""
   if isinstance(node, TensorParallelBlockSparseLinear):
     return _tensor_parallel_dense(node)
-  return node.to_dense()
+  return dense_stack(node, lambda layer: layer.to_dense())
 
 
 def is_abstract(model: Any) -> bool:
@@ -86,6 +87,11 @@ def densify(model: nnx.Module, *, inplace: bool = False) -> nnx.Module:
   of its names back on the leading dim of its group; a ``BlockSparseLinear`` built directly gives none (its
   ``(blocks, bk, bn)`` names do not map onto ``(K, N)``).
 
+  A stack of sparse layers (built by ``nnx.vmap``, or by :func:`sparsify` from a stack of ``nnx.Linear``: leading layer
+  axes) becomes the stack of their dense layers, each layer's ``to_dense()`` under one ``nnx.vmap`` per layer axis (the
+  stack's axis names, ``transform_metadata``, taken off inside and put back on), which ``nnx.scan`` / ``nnx.vmap``
+  call as they called the sparse stack.
+
   >>> import jax.numpy as jnp, jaxsparse
   >>> from flax import nnx
   >>> model = nnx.Sequential(nnx.Linear(8, 8, rngs=nnx.Rngs(0)))
@@ -108,9 +114,8 @@ def densify(model: nnx.Module, *, inplace: bool = False) -> nnx.Module:
     TypeError: ``model`` is not an ``nnx.Module``.
     ValueError: ``model`` holds a ``flax.nnx.bridge.ToNNX`` with jaxsparse Linen layers (a ``"sparsity"`` collection,
       or a :func:`jaxsparse.sparsify_linen` model), which densify cannot reach; :func:`jaxsparse.densify_linen` them
-      before wrapping. A stack of layers (``nnx.vmap``), naming the per-layer call that densifies it; a
-      ``TensorParallelBlockSparseLinear`` whose state was laid out for another size of its mesh axis (its
-      ``resplit()`` lays it out again).
+      before wrapping. A ``TensorParallelBlockSparseLinear`` whose state was laid out for another size of its mesh
+      axis (its ``resplit()`` lays it out again).
   """
   if not isinstance(model, nnx.Module):
     raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}.")

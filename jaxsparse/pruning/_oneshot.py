@@ -328,7 +328,7 @@ def calibrated_prune(
       :func:`calibrate`); padding is left out of the statistics.
     to_sparse: return ``jaxsparse.sparsify(pruned, rules, masks=masks)``'s sparse model instead of the
       dense model with pruned weights (an ``NM`` table becomes a ``CompressedNMEmbed``; sparsify takes no other
-      structure for tables).
+      structure for tables; a stack of ``nnx.Linear`` layers becomes a stack of sparse layers).
     inplace: prune ``model`` itself.
     measure_error: also collect ``XᵀX`` for Wanda and magnitude, to report each layer's reconstruction
       error (SparseGPT always has it); without it their errors are NaN.
@@ -343,9 +343,10 @@ def calibrated_prune(
   Raises:
     ValueError: no batches (Wanda, SparseGPT), a rule that matches no layer, a structure that does
       not fit a layer, a layer the model never calls, a Hessian that is not positive definite; with
-      ``to_sparse``, a table under a structure other than ``NM`` or a stack of layers (sparsify takes one kernel
-      per layer); a rule naming an already compressed ``CompressedNMEmbed``; a stack of embedding tables; a stack of
-      layers the model calls with its layer axes unsliced (not under ``nnx.scan`` / ``nnx.vmap`` over them).
+      ``to_sparse``, a table under a structure other than ``NM`` or a stack of layers other than ``nnx.Linear``
+      (sparsify takes stacks of those only); a rule naming an already compressed ``CompressedNMEmbed``; a stack of
+      embedding tables; a stack of layers the model calls with its layer axes unsliced (not under ``nnx.scan`` /
+      ``nnx.vmap`` over them).
   """
   method, refit_iterations = _check_options(method, damp, block_size, refit_iterations)
   if batches is None and method != "magnitude":
@@ -357,11 +358,12 @@ def calibrated_prune(
   layers = resolve_layers(nnx_candidates(model, tables=True), rules, what=NNX_LAYERS_AND_TABLES)
   if to_sparse:
     for layer in layers:
-      if layer.stack:
-        raise ValueError(f"{layer.path or '(model)'}: to_sparse=True, but sparsify takes layers holding one kernel "
-                         f"each, not a stack of layers (kernel {(*layer.stack, *layer.kernel_shape)}, leading layer "
+      kind = type(get_module(model, layer.key))
+      if layer.stack and kind is not nnx.Linear:  # refused before pruning, not by sparsify after it
+        raise ValueError(f"{layer.path or '(model)'}: to_sparse=True, but sparsify takes stacks of nnx.Linear layers "
+                         f"only, not of {kind.__name__} (kernel {(*layer.stack, *layer.kernel_shape)}, leading layer "
                          f"axes {layer.stack}); use to_sparse=False (the dense model with each layer of the stack "
-                         "pruned, and its (L, K, N) mask).")
+                         "pruned, and its mask with the stack's axes).")
       if layer.table and not isinstance(layer.spec, NM):
         raise ValueError(f"{layer.path or '(model)'}: to_sparse=True, but sparsify stores an embedding table only "
                          f"N:M-compressed (CompressedNMEmbed), not {layer.spec.describe()}; use jaxsparse.NM(n, m) "
