@@ -155,8 +155,8 @@ def check_mask(mask: jax.typing.ArrayLike, shape: tuple[int, ...], *, name: str 
   return mask
 
 
-def check_activations(x: jax.typing.ArrayLike, k: int, *, floating: bool = True) -> jax.Array:
-  """``x`` as an array of shape ``(..., k)`` (with a floating dtype unless ``floating=False``)."""
+def check_activations(x: jax.typing.ArrayLike, k: int) -> jax.Array:
+  """``x`` as an array of shape ``(..., k)`` with a floating dtype (:func:`check_activation_dtype`)."""
   x = jnp.asarray(x)
   if x.ndim < 1 or x.shape[-1] != k:
     raise ValueError(f"x must have shape (..., K) with K = w.shape[0] = {k}, got x.shape={x.shape}.")
@@ -165,9 +165,16 @@ def check_activations(x: jax.typing.ArrayLike, k: int, *, floating: bool = True)
         f"the contraction is empty: w has K = w.shape[0] = 0 input features (x.shape={x.shape}). The sparse ops "
         "need K >= 1; an empty product is all zeros: jnp.zeros((*x.shape[:-1], w.shape[1]))."
     )
-  if floating and not jnp.issubdtype(x.dtype, jnp.floating):
-    raise TypeError(f"x must have a floating dtype, got {x.dtype}.")
+  check_activation_dtype(x)
   return x
+
+
+def check_activation_dtype(x: jax.Array, *, complex_ok: bool = False) -> None:
+  """Raises a ``TypeError`` unless ``x`` (the ops' activations) has a floating dtype (or, with ``complex_ok``, a
+  complex one): an integer or bool ``x`` multiplied in integers, or lost its gradient."""
+  if not jnp.issubdtype(x.dtype, jnp.inexact if complex_ok else jnp.floating):
+    allowed = "a floating or complex dtype" if complex_ok else "a floating dtype"
+    raise TypeError(f"x must have {allowed}, got {x.dtype}.")
 
 
 def check_preferred_element_type(value: object) -> np.dtype | None:

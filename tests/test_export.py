@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -44,6 +47,32 @@ def test_export_with_the_safety_checks_runs_the_same_forward_and_gradient(kind):
   got, want = exported.call(*args), f(*args)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+_DESERIALIZE = """
+import sys, jax, jax.numpy as jnp, jaxsparse
+exported = jax.export.deserialize(open(sys.argv[1], "rb").read())
+try:
+  exported.call(jnp.ones((2, 64)))
+except Exception as e:
+  print("unregistered:", type(e).__name__, str(e).splitlines()[0])
+jaxsparse.ops.export_safety_checks()  # the guide's recipe (docs/guides/large_models.md, `jax.export`)
+print("registered:", float(exported.call(jnp.ones((2, 64))).sum()))
+"""
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu" or not cpu_build.load(), reason="the C++ CPU kernels' FFI targets")
+def test_a_fresh_process_calls_a_deserialized_export_after_export_safety_checks(tmp_path):
+  # A process that only deserializes has no FFI handler for the kernels' custom calls (the audit's NOT_FOUND); the
+  # guide says to call export_safety_checks first, which registers them.
+  w = jaxsparse.BlockSparseMatrix.from_dense(jnp.ones((64, 32)), (16, 16))
+  f = jax.jit(lambda x: jaxsparse.ops.block_sparse_matmul(x, w))
+  blob = jax.export.export(f, disabled_checks=jaxsparse.ops.export_safety_checks())(jnp.ones((2, 64))).serialize()
+  (tmp_path / "f.exp").write_bytes(blob)
+  out = subprocess.run([sys.executable, "-c", _DESERIALIZE, str(tmp_path / "f.exp")], capture_output=True, text=True,
+                       timeout=300, check=True).stdout
+  assert "unregistered: JaxRuntimeError NOT_FOUND: No FFI handler registered for jaxsparse_block_forward" in out, out
+  assert f"registered: {2 * 64 * 32 * 1.0:.1f}" in out, out
 
 
 def test_the_checks_name_every_kernel_target():

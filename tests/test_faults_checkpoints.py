@@ -270,6 +270,10 @@ def test_valid_torch_sparse_layouts_match_torch():
         (["convert", "a", "b", "--rules", "x=block:lots"], "rule 'x=block:lots'"),
         (["convert", "a", "b", "--rules", "x=nm:2"], "rule 'x=nm:2'"),
         (["convert", "a", "b", "--rules", "=nm:2:4"], "must look like REGEX=SPEC"),
+        # Was: "invalid literal for int() with base 10: ''", naming neither the format nor the value.
+        (["convert", "a", "b", "--rules", "fc1=block:0.5:3x"],
+         "rule 'fc1=block:0.5:3x': the block shape must be BKxBN (two positive ints, e.g. 32x32), got '3x'."),
+        (["bench", "64x64", "--patterns", "block:0.5:8x8x8"], "BKxBN (two positive ints, e.g. 32x32), got '8x8x8'"),
         (["inspect", "a", "--nm", "2:x"], "--nm must look like N:M"),
         (["bench", "0x5"], "both sizes must be positive"),
         (["bench", "64x64", "--patterns", "nm:2"], "pattern 'nm:2'"),

@@ -442,6 +442,31 @@ def test_sr_ste_rejects_integer_weights_and_bad_groups():
     sr_ste(jnp.ones((6, 4)), 2, 4)
 
 
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.uint8, jnp.bool_, "int32", "fp32"])
+def test_sr_ste_matmul_refuses_a_non_floating_compute_dtype(dtype):
+  # Was: an integer / bool dtype cast the pruned kernel to it (the product off x @ sr_ste(w) by up to 6.8 here) and
+  # the gradient to w was all zeros, silently; a misspelt one failed in jnp.dtype without naming dtype=.
+  w, x = _normal(0, (64, 32)), jnp.ones((3, 64))
+  with pytest.raises(TypeError, match=rf"^dtype \(the pruned kernel's compute dtype\) must be a floating dtype .* "
+                                      rf"got dtype={re.escape(repr(dtype))} "):
+    jaxsparse.ops.sr_ste_matmul(x, w, 2, 4, dtype=dtype)
+  y = jaxsparse.ops.sr_ste_matmul(x, w, 2, 4, dtype="bfloat16")  # floats, in any spelling, as before
+  assert y.dtype == jnp.float32
+  assert_close(y, x @ sr_ste(w, 2, 4).astype(jnp.bfloat16).astype(jnp.float32), jnp.bfloat16)
+
+
+@pytest.mark.parametrize("x_dtype", [jnp.int32, jnp.int8, jnp.bool_])
+def test_sr_ste_matmul_refuses_non_floating_x_as_the_other_products(x_dtype):
+  # Was: an integer x was taken (nm_matmul, block_sparse_matmul, sparse_matmul and masked_matmul refuse it).
+  w = _normal(0, (8, 4))
+  with pytest.raises(TypeError, match=rf"^x must have a floating or complex dtype, got {jnp.dtype(x_dtype).name}\.$"):
+    jaxsparse.ops.sr_ste_matmul(jnp.ones((2, 8), x_dtype), w, 2, 4)
+  # Complex x and dtype stay supported (NMLinear computes in them as nnx.Linear does; tests/test_dtypes.py).
+  x = jnp.ones((2, 8), jnp.complex64) * (1 + 2j)
+  y = jaxsparse.ops.sr_ste_matmul(x, w, 2, 4, dtype=jnp.complex64)
+  np.testing.assert_allclose(y, x @ sr_ste(w, 2, 4).astype(jnp.complex64), rtol=1e-6)
+
+
 # -------------------------------------------------------------------------------------------------
 # nm_matmul (XLA path; the Pallas kernel is tested in test_pallas_nm.py).
 # -------------------------------------------------------------------------------------------------

@@ -600,8 +600,13 @@ def test_bad_arguments():
     sparse_matmul(jnp.ones((2, 16), jnp.int32), ws)
   with pytest.raises(TypeError, match=r"w\.data must have a real dtype, got complex64; .*masked_matmul"):
     sparse_matmul(x, ws.with_data(ws.data.astype(jnp.complex64)))  # was: "preferred_element_type must be ..."
-  with pytest.raises(TypeError, match="implementation='cpu' supports float32, bfloat16 and float16, got int32"):
-    masked_matmul(jnp.ones((2, 16), jnp.int32), w.astype(jnp.int32), mask, implementation="cpu")
+  with pytest.raises(TypeError, match="implementation='cpu' supports float32, bfloat16 and float16, got float32 and "
+                                     "int32"):
+    masked_matmul(jnp.ones((2, 16)), w.astype(jnp.int32), mask, implementation="cpu")
+  # An integer x multiplied in integers (int x int gave an int product; no gradient); refused as the other ops do.
+  for impl in (None, "xla", "cpu"):
+    with pytest.raises(TypeError, match=r"^x must have a floating dtype, got int32\.$"):
+      masked_matmul(jnp.ones((2, 16), jnp.int32), w, mask, implementation=impl)
 
 
 # -------------------------------------------------------------------------------------------------

@@ -580,19 +580,72 @@ def test_time_call_ms_times_one_call_over_copies_of_the_operands(monkeypatch):
 # -------------------------------------------------------------------------------------------------
 
 
+_OWN_CACHE = json.dumps({"format": "jaxsparse-autotune", "version": 1, "entries": {"k": {"choice": "x"}}}, indent=1,
+                        sort_keys=True)
+
+
 @pytest.mark.parametrize(("content", "why"), [
-    ("{not json", "not valid JSON"),
-    ('{"hello": 1}', "not a jaxsparse tuning cache"),
-    ('[1, 2]', "not a jaxsparse tuning cache"),
+    (_OWN_CACHE[:30], "not valid JSON"),  # a cache of ours cut short (a crash, a full disk)
     ('{"format": "jaxsparse-autotune", "version": 0, "entries": {}}', "format version 0"),
+    ("", "is empty"),
 ])
-def test_bad_cache_files_are_ignored_with_a_named_warning(content, why, monkeypatch):
+def test_broken_caches_of_ours_are_ignored_with_a_named_warning_and_replaced(content, why, monkeypatch):
   _cache.cache_path().write_text(content)
   monkeypatch.setattr(_measure, "_measure", lambda *a: {"default": 1.0, "a": 0.5})
   with pytest.warns(_tuning.AutotuneCacheWarning, match=why), _tuning.autotune_mode("tune"):
     assert _choose(_candidates([])).name == "a"
   doc = json.loads(_cache.cache_path().read_text())  # rewritten whole, in the current format
   assert doc["version"] == _cache.VERSION and len(doc["entries"]) == 1
+
+
+@pytest.mark.parametrize(("content", "why"), [
+    (b'{"my": "precious config"}', "is not a jaxsparse tuning cache;"),
+    (b"[1, 2]", "is not a jaxsparse tuning cache;"),
+    (b"{not json", r"is not a jaxsparse tuning cache \(it is not valid JSON"),
+    (b"model: llama\nlr: 0.001\n", r"is not a jaxsparse tuning cache \(it is not valid JSON"),
+])
+def test_a_foreign_file_at_the_cache_path_is_never_replaced(content, why, monkeypatch):
+  # Was: tuning warned "ignoring it (it is replaced on the next tuning)" and replaced the file (someone's config)
+  # with its decisions. Now it warns once, naming the file and what to do, and keeps the decisions in the process.
+  path = _cache.cache_path()
+  path.write_bytes(content)
+  monkeypatch.setattr(_measure, "_measure", lambda *a: {"default": 1.0, "a": 0.5})
+  with warnings.catch_warnings(record=True) as caught, _tuning.autotune_mode("tune"):
+    warnings.simplefilter("always")
+    assert _choose(_candidates([])).name == "a"
+    assert _choose(_candidates([])).name == "a"  # from the memo: measured once
+    _cache.record("other", {"choice": "b"})
+  messages = [str(w.message) for w in caught if issubclass(w.category, _tuning.AutotuneCacheWarning)]
+  assert len(messages) == 1, messages  # once, however many decisions
+  assert re.search(rf"{re.escape(str(path))} {why}.*not replacing it.*for this process only.*"
+                   rf"\${_cache.ENV_PATH} to another file", messages[0])
+  assert path.read_bytes() == content  # byte-identical
+  assert not path.with_name(path.name + ".lock").exists()  # nothing made beside it either
+  assert len(_cache.unsaved_decisions()) == 2
+
+
+def test_cli_tune_into_a_foreign_cache_file_fails_and_leaves_it(monkeypatch, tmp_path, capsys):
+  from jaxsparse.torch_interop._cli import main  # noqa: PLC0415 -- the `jaxsparse` console script
+
+  path = _cache.cache_path()
+  path.write_text('{"my": "precious config"}')
+
+  def tune(*a, **k):  # one product measured: its decision recorded as _measure records it
+    _cache.record("k", {"choice": "a"})
+    return [((64, 64), "block", 8, 1, 0)]
+
+  monkeypatch.setattr("jaxsparse._bench.tune", tune)
+  with pytest.warns(_tuning.AutotuneCacheWarning, match="not replacing it"):
+    assert main(["tune", "64x64"]) == 1
+  assert (f"jaxsparse: error: the tuning cache {path} is not a jaxsparse tuning cache and is not replaced: 1 "
+          "decisions were not saved") in capsys.readouterr().err
+  assert path.read_text() == '{"my": "precious config"}'
+  _cache.clear_memo()
+  out = tmp_path / "saved.json"
+  with pytest.warns(_tuning.AutotuneCacheWarning, match="not replacing it"):
+    assert main(["tune", "64x64", "--export", str(out)]) == 0  # saved elsewhere
+  assert path.read_text() == '{"my": "precious config"}'
+  assert json.loads(out.read_text())["entries"] == {"k": {"choice": "a"}}
 
 
 @pytest.mark.parametrize("content", [
@@ -1040,6 +1093,10 @@ def test_tune_command_tunes_shapes_and_exports(interpreted, monkeypatch, tmp_pat
     (["tune", "64x64", "--rows", "99999999999999999999"], r"argument --rows: must be at most 2\*\*31 - 1, got '9+'"),
     (["tune", "64x64", "99999999999999999999x64"], r"shape '9+x64': both sizes must be at most 2\*\*31 - 1"),
     (["bench", "64x64", "--batch", str(2**31)], r"argument --batch: must be at most 2\*\*31 - 1, got '2147483648'"),
+    # Was: an uncaught XLA "overflow in static extent product" (exit 134): each size fits, their product does not.
+    (["tune", "2147483647x2147483647", "--patterns", "unstructured:0.5"],
+     r"shape '2147483647x2147483647': its weight has 4611686014132420609 elements, more bytes than this machine's "
+     r"memory \(\d+ bytes\) holds in any dtype"),
 ])
 def test_cli_rejects_bad_rows_and_dtypes_before_any_work(args, message, monkeypatch, capsys):
   from jaxsparse.torch_interop._cli import main  # noqa: PLC0415 -- the `jaxsparse` console script
@@ -1052,6 +1109,37 @@ def test_cli_rejects_bad_rows_and_dtypes_before_any_work(args, message, monkeypa
     main(args)
   assert exit_.value.code == 2
   assert re.search(message, capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("command", [["tune", "65536x65536", "--rows", "8", str(2**31 - 1)],
+                                     ["bench", "65536x65536", "--batch", str(2**31 - 1)]])
+def test_cli_refuses_shapes_the_device_cannot_hold_before_any_work(command, monkeypatch, capsys):
+  from jaxsparse.torch_interop._cli import main  # noqa: PLC0415 -- the `jaxsparse` console script
+
+  # Was: the layers were built until XLA failed (RESOURCE_EXHAUSTED, a traceback) or aborted.
+  monkeypatch.setattr("jaxsparse._bench.tune", lambda *a, **k: pytest.fail("tuned"))
+  monkeypatch.setattr("jaxsparse._bench.bench", lambda *a, **k: pytest.fail("timed"))
+  assert main(command) == 1
+  err = capsys.readouterr().err
+  assert re.fullmatch(r"jaxsparse: error: shape 65536x65536 with 2147483647 rows of float32: the weight, input and "
+                      r"output alone take 1125917086187520 bytes, more than .* \(\d+ bytes\)\. Choose smaller shapes, "
+                      r"fewer rows or a narrower --dtype\.\n", err), err
+
+
+@pytest.mark.parametrize("command", [["tune", "64x64"], ["bench", "64x64"]])
+def test_cli_runtime_errors_are_one_line_messages(command, monkeypatch, capsys):
+  from jaxsparse.torch_interop._cli import main  # noqa: PLC0415 -- the `jaxsparse` console script
+
+  # Was: the JaxRuntimeError's traceback (e.g. `tune 65536x65536` under a memory limit).
+  def oom(*a, **k):
+    raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 17179869184 bytes.\nmore detail")
+
+  monkeypatch.setattr("jaxsparse._bench.tune", oom)
+  monkeypatch.setattr("jaxsparse._bench.bench", oom)
+  assert main(command) == 1
+  want = ("jaxsparse: error: RESOURCE_EXHAUSTED: Out of memory allocating 17179869184 bytes. (out of memory: choose "
+          "smaller shapes, fewer rows or a narrower --dtype)\n")
+  assert capsys.readouterr().err == want  # one line
 
 
 def test_tune_checks_every_shape_and_pattern_before_tuning_any(monkeypatch, tmp_path, capsys):

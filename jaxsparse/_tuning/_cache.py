@@ -6,10 +6,14 @@ the candidate route that measured fastest, with the times measured. The file (``
 ``autotune.json`` in jaxsparse's per-user cache directory) is written atomically: under an exclusive lock
 the current file is read, merged with the new entries and replaced by a complete temporary file, so two
 processes tuning at once never leave a torn file and neither loses the other's entries; the new file gets the
-permissions of a file created in place (``0o666`` less the umask). A file that cannot be read, is not UTF-8 JSON
-(or is nested too deeply to parse), is not ours or is of another format version is ignored with an
-:class:`AutotuneCacheWarning` (and replaced on the next write). :func:`export_cache` never replaces a file that is not
-a tuning cache.
+permissions of a file created in place (``0o666`` less the umask).
+
+A file there that gives no decisions is ignored with an :class:`AutotuneCacheWarning`, once. A cache of ours that
+is of another format version, or is not valid JSON but begins as our writer begins its files (truncated by a crash or
+a full disk), or an empty file is replaced on the next write. Any other file (JSON of another kind, say a config at
+``$JAXSPARSE_AUTOTUNE_CACHE`` by mistake, or bytes that are not JSON) is never replaced: the decisions stay in the
+process's memo (and the ``jaxsparse tune`` command fails unless it exports them), and the warning says to point
+``$JAXSPARSE_AUTOTUNE_CACHE`` elsewhere. :func:`export_cache` never replaces such a file either.
 """
 
 from __future__ import annotations
@@ -63,7 +67,8 @@ DEFAULT_BUDGET_S = 3.0
 
 
 class AutotuneCacheWarning(UserWarning):
-  """A tuning cache file was unreadable, foreign or of another version and is ignored (rewritten on the next tuning).
+  """A tuning cache file was unreadable, foreign or of another version and is ignored (a cache of ours is rewritten
+  on the next tuning; a file that is not one is never replaced: the decisions stay in the process).
 
   >>> import warnings, jaxsparse
   >>> warnings.simplefilter("error", jaxsparse.AutotuneCacheWarning)  # make a broken cache file an error
@@ -193,6 +198,10 @@ _unsaved: dict[str, str] = {}  # key -> why the cache file lacks this process's 
 
 
 _NOT_OURS = "is not a jaxsparse tuning cache"
+# How the files this module writes begin (json.dump with indent=1 and sort_keys: "entries" is the first key): a file
+# that is not valid JSON but begins so is a cache of ours cut short, which may be replaced.
+_OWN_PREFIX = b'{\n "entries": {'
+_warned_foreign: set[Path] = set()  # foreign files at the cache path already warned about (once each)
 
 
 def _parse(path: Path) -> tuple[dict[str, dict], str | None, bool]:
@@ -209,7 +218,8 @@ def _parse(path: Path) -> tuple[dict[str, dict], str | None, bool]:
   try:
     doc = json.loads(raw.decode("utf-8"))
   except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError; RecursionError: nested too deep
-    return {}, f"is not valid JSON ({e})", False
+    ours = raw.startswith(_OWN_PREFIX) or f'"format": "{FORMAT}"'.encode() in raw
+    return {}, f"is not valid JSON ({e})", ours
   if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("entries"), dict):
     return {}, _NOT_OURS, False
   if doc.get("version") != VERSION:
@@ -220,11 +230,25 @@ def _parse(path: Path) -> tuple[dict[str, dict], str | None, bool]:
 
 def _read(path: Path) -> dict[str, dict]:
   """The entries of the file at ``path``; ``{}`` (with a warning) for a corrupt, foreign or other-version file."""
-  entries, why, _ = _parse(path)
-  if why is not None:
+  entries, why, ours = _parse(path)
+  if not ours:
+    _warn_foreign(path, why)
+  elif why is not None:
     _utils.warn_at_caller(f"jaxsparse: the tuning cache file {path} {why}; ignoring it (it is replaced on the next "
                           "tuning).", AutotuneCacheWarning)
   return entries
+
+
+def _warn_foreign(path: Path, why: str | None) -> None:
+  """Warns, once per path, that the file at the cache path is not ours and is left alone (call under ``_lock``)."""
+  if path in _warned_foreign:
+    return
+  _warned_foreign.add(path)
+  detail = "" if why == _NOT_OURS else f" (it {why})"
+  _utils.warn_at_caller(
+      f"jaxsparse: the tuning cache file {path} {_NOT_OURS}{detail}; ignoring it and not replacing it: tuning "
+      f"decisions are kept for this process only. Set ${ENV_PATH} to another file (or remove this one) to keep "
+      "them.", AutotuneCacheWarning)
 
 
 def _load() -> None:
@@ -276,12 +300,15 @@ def _locked(path: Path) -> Iterator[None]:
       fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _write(path: Path, entries: dict[str, dict], *, replace_foreign: bool = True) -> None:
+def _write(path: Path, entries: dict[str, dict]) -> None:
   """Merges ``entries`` into the file at ``path``: read, merge and atomic replace under the lock. A file there that is
-  not a tuning cache is replaced, or (``replace_foreign=False``) left alone with a ``ValueError``."""
+  not a tuning cache is left alone (no lock file made beside it either) with a ``ValueError``."""
+  why, ours = _parse(path)[1:]
+  if not ours:
+    raise ValueError(_foreign(path, why))
   with _locked(path):
     current, why, ours = _parse(path)  # a problem of the own file was reported when it was loaded
-    if not ours and not replace_foreign:
+    if not ours:  # written since the check above
       raise ValueError(_foreign(path, why))
     merged = {**current, **entries}
 
@@ -314,6 +341,10 @@ def _write_own(entries: dict[str, dict], what: str) -> None:
   ``_lock``, with ``entries`` already in the memo)."""
   try:
     _write(cache_path(), entries)
+  except ValueError:  # a file that is not ours: never replaced (it may be someone's config)
+    path = cache_path()
+    _unsaved.update(dict.fromkeys(entries, f"the tuning cache {path} {_NOT_OURS} and is not replaced"))
+    _warn_foreign(path, _parse(path)[1])
   except OSError as e:
     _unsaved.update(dict.fromkeys(entries, f"cannot write the tuning cache {cache_path()} ({e})"))
     _utils.warn_at_caller(
@@ -365,7 +396,7 @@ def export_cache(path: str | os.PathLike) -> int:
     _load()
     # The file as it is now: other processes sharing it may have added decisions since this one read it.
     entries = {**_parse(cache_path())[0], **_memo}
-  _write(Path(path), entries, replace_foreign=False)
+  _write(Path(path), entries)
   return len(entries)
 
 
@@ -413,4 +444,5 @@ def clear_memo() -> None:
   with _lock:
     _memo.clear()
     _unsaved.clear()
+    _warned_foreign.clear()
     _loaded_from = None

@@ -490,12 +490,12 @@ def sr_ste_matmul(
   True
 
   Args:
-    x: ``(..., K)`` activations, already in the compute dtype.
+    x: ``(..., K)`` activations, a floating (or complex) dtype, already in the compute dtype.
     w: ``(K, N)`` dense weights (e.g. float32 master weights); groups of ``m`` along ``K``.
     n, m: keep ``n`` of every ``m``.
     decay: SR-STE's decay of the pruned weights, a static finite float ``>= 0`` (as in :func:`sr_ste`).
-    dtype: the kernel's compute dtype (defaults to ``w.dtype``); the mask is computed on ``w``
-      before the cast, as ``sr_ste`` followed by a cast does.
+    dtype: the kernel's compute dtype, a floating (or complex) dtype (defaults to ``w.dtype``); the mask is
+      computed on ``w`` before the cast, as ``sr_ste`` followed by a cast does.
     precision, preferred_element_type: passed to the product (``preferred_element_type`` a floating dtype or
       ``None``).
     implementation: ``None`` (auto, see above), ``"xla"`` (the reference), ``"cusparselt"`` (sparse tensor
@@ -513,10 +513,11 @@ def sr_ste_matmul(
     ``(..., N)`` array.
 
   Raises:
-    TypeError: ``preferred_element_type`` is not a floating dtype or ``None``; ``n`` or ``m`` is not an int;
-      ``transposable`` is not a bool; ``w`` does not have a floating dtype; ``x`` and ``dtype`` (the kernel's
-      compute dtype) two float dtypes where one is an 8-bit float, without ``preferred_element_type`` (cast one,
-      or pass it, as ``jnp.matmul`` wants).
+    TypeError: ``preferred_element_type`` is not a floating dtype or ``None``; ``dtype`` is not a floating (or
+      complex) dtype or ``None``; ``n`` or ``m`` is not an int; ``transposable`` is not a bool; ``x`` does not have
+      a floating (or complex) dtype; ``w`` does not have a floating dtype; ``x`` and ``dtype`` (the
+      kernel's compute dtype) two float dtypes where one is an 8-bit float, without ``preferred_element_type``
+      (cast one, or pass it, as ``jnp.matmul`` wants).
     ValueError: not ``0 < n < m`` (``m >= 2``); ``decay`` is not a finite number ``>= 0``, or is traced; an
       unknown ``implementation``; ``w`` is not 2-D or ``x`` not ``(..., K)`` with ``K = w.shape[0]``; ``m``
       does not divide ``K``; ``transposable=True`` with ``m > 4`` or not dividing
@@ -532,11 +533,12 @@ def sr_ste_matmul(
     raise ValueError(f"implementation must be one of {_IMPLEMENTATIONS}, got implementation={implementation!r}.")
   if w.ndim != 2 or x.ndim < 1 or x.shape[-1] != w.shape[0]:
     raise ValueError(f"x must be (..., K) and w (K, N) with the same K, got x.shape={x.shape}, w.shape={w.shape}.")
+  _utils.check_activation_dtype(x, complex_ok=True)  # NMLinear computes in complex dtypes as nnx.Linear does
   if not jnp.issubdtype(w.dtype, jnp.floating):
     raise TypeError(f"w must have a floating dtype to be trained, got {w.dtype}.")
   _nm_masks.check_groups(w.shape, 0, m)
   transposable = _nm_masks.check_transposable(transposable, w.shape, m, 0)
-  dtype = jnp.dtype(dtype or w.dtype)
+  dtype = _check_compute_dtype(dtype, w.dtype)
   pet = _utils.check_preferred_element_type(preferred_element_type)
   _utils.result_dtype(x.dtype, dtype, pet, names=("x.dtype", "dtype (w's compute dtype)"))
   cfg = _MatmulConfig(n, m, decay, dtype, precision, pet, transposable)
@@ -562,6 +564,23 @@ def sr_ste_matmul(
 
 
 _IMPLEMENTATIONS = (None, "xla", "cusparselt", "prune_kernel")
+
+
+def _check_compute_dtype(dtype: object, w_dtype: jnp.dtype) -> jnp.dtype:
+  """``sr_ste_matmul``'s ``dtype`` (the pruned kernel's compute dtype) as a dtype, ``w_dtype`` for ``None``: a floating
+  (or complex) dtype, since an integer or bool kernel truncates the pruned weights and passes no gradient to ``w``."""
+  if dtype is None:
+    return jnp.dtype(w_dtype)
+  try:
+    checked = jnp.dtype(dtype)
+  except (TypeError, ValueError):
+    checked = None
+  if checked is None or not jnp.issubdtype(checked, jnp.inexact):
+    what = f"dtype {checked}" if checked is not None else f"not a dtype: {type(dtype).__name__}"
+    raise TypeError(f"dtype (the pruned kernel's compute dtype) must be a floating dtype (e.g. jnp.float32, "
+                    f"jnp.bfloat16, 'float32'; a complex one also works) or None (w's dtype), got dtype={dtype!r} "
+                    f"({what}).")
+  return checked
 
 
 def _routed(cfg: _MatmulConfig, x: jax.Array, w: jax.Array) -> _router.Product:

@@ -22,6 +22,8 @@ import re
 import sys
 from collections.abc import Sequence
 
+from jaxsparse.torch_interop import _limits
+
 __all__ = ["main", "parse_rule", "parse_spec"]
 
 PROGRESS_MIN_BYTES = 64 * 2**20
@@ -37,7 +39,7 @@ def parse_spec(spec: str, *, dense: bool = True):
   if kind == "dense" and not args and dense:
     return None
   if kind == "block" and len(args) in (1, 2):
-    shape = tuple(int(b) for b in args[1].lower().split("x")) if len(args) == 2 else (32, 32)
+    shape = _parse_block_shape(args[1]) if len(args) == 2 else (32, 32)
     return formats.BlockSparse(density=float(args[0]), block_shape=shape)
   if kind == "nm" and len(args) == 2:
     return formats.NM(int(args[0]), int(args[1]))
@@ -45,6 +47,16 @@ def parse_spec(spec: str, *, dense: bool = True):
     return formats.Unstructured(sparsity=float(args[0]))
   allowed = "block:DENSITY[:BKxBN], nm:N:M, unstructured:SPARSITY" + (" or dense" if dense else "")
   raise ValueError(f"SPEC must be {allowed}, got {spec!r}.")
+
+
+def _parse_block_shape(text: str) -> tuple[int, int]:
+  """``"32x64"`` -> ``(32, 64)``; anything else raises a ``ValueError`` naming the ``BKxBN`` format and ``text``."""
+  parts = text.lower().split("x")
+  try:
+    bk, bn = (int(b) for b in parts)
+  except ValueError:  # a part that is no int ('3x', 'ax4'), or not two parts
+    raise ValueError(f"the block shape must be BKxBN (two positive ints, e.g. 32x32), got {text!r}.") from None
+  return bk, bn
 
 
 def parse_rule(text: str):
@@ -103,7 +115,40 @@ def _parse_shape(text: str) -> tuple[int, int]:
     raise argparse.ArgumentTypeError(f"shape {text!r}: both sizes must be positive.")
   if max(k, n) > MAX_SIZE:
     raise argparse.ArgumentTypeError(f"shape {text!r}: both sizes must be at most 2**31 - 1.")
+  memory = _limits.physical_memory()
+  if memory is not None and k * n > memory:  # at least a byte per element (float8); XLA aborted past int64 bytes
+    raise argparse.ArgumentTypeError(
+        f"shape {text!r}: its weight has {k * n} elements, more bytes than this machine's memory ({memory} bytes) "
+        "holds in any dtype.")
   return k, n
+
+
+def _device_memory() -> tuple[int | None, str]:
+  """The bytes the default device can hold (its allocator's limit on a GPU, else the physical memory) and a name."""
+  import jax  # noqa: PLC0415 -- keeps `jaxsparse --help` fast
+
+  device = jax.devices()[0]
+  stats = device.memory_stats() or {}
+  if stats.get("bytes_limit"):
+    return int(stats["bytes_limit"]), f"the memory of {device.device_kind}"
+  return _limits.physical_memory(), "this machine's memory"
+
+
+def _check_fits(shapes: Sequence[tuple[int, int]], rows: int, dtype: str) -> None:
+  """Raises a ``ValueError`` naming the shape when its weight, input and output (``rows`` rows of ``dtype``) alone
+  take more bytes than the device holds: building them failed with XLA's RESOURCE_EXHAUSTED, or aborted."""
+  import jax.numpy as jnp  # noqa: PLC0415 -- keeps `jaxsparse --help` fast
+
+  limit, where = _device_memory()
+  if limit is None:
+    return
+  item = jnp.dtype(dtype).itemsize
+  for k, n in shapes:
+    need = (k * n + rows * k + rows * n) * item
+    if need > limit:
+      raise ValueError(
+          f"shape {k}x{n} with {rows} rows of {dtype}: the weight, input and output alone take {need} bytes, more "
+          f"than {where} ({limit} bytes). Choose smaller shapes, fewer rows or a narrower --dtype.")
 
 
 def _check_regex(regex: str, *, what: str) -> None:
@@ -244,6 +289,7 @@ def _bench(args) -> int:
   from jaxsparse._bench import bench  # noqa: PLC0415
   from jaxsparse._bench import bench_table  # noqa: PLC0415
 
+  _check_fits(args.shapes, args.batch, args.dtype)  # before any layer is built
   modes = args.modes
   flag = sys.stderr.isatty() if args.progress is None else args.progress
   device = jax.devices()[0]
@@ -265,6 +311,7 @@ def _tune(args) -> int:
   from jaxsparse._tuning._cache import check_export_path  # noqa: PLC0415
   from jaxsparse._tuning._cache import unsaved_decisions  # noqa: PLC0415
 
+  _check_fits(args.shapes, max(args.rows), args.dtype)  # before any layer is built
   if args.export:
     check_export_path(args.export)  # before the tuning, which may take long
   if args.import_cache:
@@ -385,12 +432,20 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
   """Entry point of the ``jaxsparse`` console script."""
   args = _parser().parse_args(argv)
+  from jax.errors import JaxRuntimeError  # noqa: PLC0415 -- keeps `--help` fast
+
   from jaxsparse.torch_interop._load import CheckpointError  # noqa: PLC0415 -- keeps `--help` fast
 
   try:
     return args.run(args)
   except (CheckpointError, ImportError, OSError, ValueError, TypeError) as e:
     print(f"jaxsparse: error: {e}", file=sys.stderr)
+    return 1
+  except JaxRuntimeError as e:  # e.g. RESOURCE_EXHAUSTED: a shape this device cannot hold; was a traceback
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    hint = (" (out of memory: choose smaller shapes, fewer rows or a narrower --dtype)"
+            if "RESOURCE_EXHAUSTED" in first else "")
+    print(f"jaxsparse: error: {first}{hint}", file=sys.stderr)
     return 1
 
 
