@@ -305,6 +305,7 @@ _SHARDED = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # a 2-device subprocess
 def test_sharded_restore(tmp_path):
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}

@@ -117,6 +117,7 @@ print("done")
 """
 
 
+@pytest.mark.slow  # a 2-device subprocess (about 14 s on 2 cores); the 1-device mesh test above is in the fast set
 def test_tensor_parallel_layer_on_two_devices_densifies_without_its_padding_blocks():
   """On two devices (the shards of a column split padded with zero blocks, here set to nonzero values, which its
   products leave out), auto and explicit axes: densify gives the unsplit weight, under jit too; summary counts the
