@@ -180,16 +180,25 @@ def check_activation_dtype(x: jax.Array, *, complex_ok: bool = False) -> None:
 def check_preferred_element_type(value: object) -> np.dtype | None:
   """The ops' ``preferred_element_type`` as a dtype, checked: a floating dtype (``"float32"``, ``jnp.bfloat16``,
   ``np.dtype("float64")``, ...), or ``None`` (the op's default, the operands' result type)."""
+  return check_dtype_argument(value, "preferred_element_type", none="the operands' result type")
+
+
+def check_dtype_argument(value: object, name: str, *, none: str, what: str | None = None,
+                         complex_ok: bool = False) -> np.dtype | None:
+  """``value`` (the argument ``name``) as a floating dtype (or, with ``complex_ok``, a complex one), ``None`` as
+  ``None``; else a ``TypeError`` naming ``what`` (default ``name``), the value and what is allowed (``none``: what
+  ``None`` means)."""
   if value is None:
     return None
   try:
     dtype = jnp.dtype(value)
   except (TypeError, ValueError):
     dtype = None
-  if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-    what = f"dtype {dtype}" if dtype is not None else f"not a dtype: {type(value).__name__}"
-    raise TypeError(f"preferred_element_type must be a floating dtype (e.g. jnp.float32, jnp.bfloat16, 'float32') "
-                    f"or None (the operands' result type), got preferred_element_type={value!r} ({what}).")
+  if dtype is None or not jnp.issubdtype(dtype, jnp.inexact if complex_ok else jnp.floating):
+    got = f"dtype {dtype}" if dtype is not None else f"not a dtype: {type(value).__name__}"
+    also = "; a complex one also works" if complex_ok else ""
+    raise TypeError(f"{what or name} must be a floating dtype (e.g. jnp.float32, jnp.bfloat16, 'float32'{also}) or "
+                    f"None ({none}), got {name}={value!r} ({got}).")
   return dtype
 
 

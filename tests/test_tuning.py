@@ -624,17 +624,19 @@ def test_a_foreign_file_at_the_cache_path_is_never_replaced(content, why, monkey
   assert len(_cache.unsaved_decisions()) == 2
 
 
+def _tune_one_decision(*a, **k):
+  """A stand-in for ``jaxsparse._bench.tune``: one product measured, its decision recorded as _measure records it."""
+  _cache.record("k", {"choice": "a"})
+  return [((64, 64), "block", 8, 1, 0)]
+
+
 def test_cli_tune_into_a_foreign_cache_file_fails_and_leaves_it(monkeypatch, tmp_path, capsys):
   from jaxsparse.torch_interop._cli import main  # noqa: PLC0415 -- the `jaxsparse` console script
 
   path = _cache.cache_path()
   path.write_text('{"my": "precious config"}')
 
-  def tune(*a, **k):  # one product measured: its decision recorded as _measure records it
-    _cache.record("k", {"choice": "a"})
-    return [((64, 64), "block", 8, 1, 0)]
-
-  monkeypatch.setattr("jaxsparse._bench.tune", tune)
+  monkeypatch.setattr("jaxsparse._bench.tune", _tune_one_decision)
   with pytest.warns(_tuning.AutotuneCacheWarning, match="not replacing it"):
     assert main(["tune", "64x64"]) == 1
   assert (f"jaxsparse: error: the tuning cache {path} is not a jaxsparse tuning cache and is not replaced: 1 "
@@ -1224,11 +1226,7 @@ def test_cli_tune_into_an_unwritable_cache_fails(monkeypatch, tmp_path, capsys):
   monkeypatch.setenv(_cache.ENV_PATH, str(unwritable))
   _cache.clear_memo()
 
-  def tune(*a, **k):  # one product measured: its decision recorded as _measure records it
-    _cache.record("k", {"choice": "a"})
-    return [((64, 64), "block", 8, 1, 0)]
-
-  monkeypatch.setattr("jaxsparse._bench.tune", tune)
+  monkeypatch.setattr("jaxsparse._bench.tune", _tune_one_decision)
   with pytest.warns(_tuning.AutotuneCacheWarning, match="cannot write"):
     assert main(["tune", "64x64"]) == 1
   err = capsys.readouterr().err

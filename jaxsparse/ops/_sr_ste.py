@@ -569,18 +569,9 @@ _IMPLEMENTATIONS = (None, "xla", "cusparselt", "prune_kernel")
 def _check_compute_dtype(dtype: object, w_dtype: jnp.dtype) -> jnp.dtype:
   """``sr_ste_matmul``'s ``dtype`` (the pruned kernel's compute dtype) as a dtype, ``w_dtype`` for ``None``: a floating
   (or complex) dtype, since an integer or bool kernel truncates the pruned weights and passes no gradient to ``w``."""
-  if dtype is None:
-    return jnp.dtype(w_dtype)
-  try:
-    checked = jnp.dtype(dtype)
-  except (TypeError, ValueError):
-    checked = None
-  if checked is None or not jnp.issubdtype(checked, jnp.inexact):
-    what = f"dtype {checked}" if checked is not None else f"not a dtype: {type(dtype).__name__}"
-    raise TypeError(f"dtype (the pruned kernel's compute dtype) must be a floating dtype (e.g. jnp.float32, "
-                    f"jnp.bfloat16, 'float32'; a complex one also works) or None (w's dtype), got dtype={dtype!r} "
-                    f"({what}).")
-  return checked
+  checked = _utils.check_dtype_argument(dtype, "dtype", what="dtype (the pruned kernel's compute dtype)",
+                                        none="w's dtype", complex_ok=True)
+  return jnp.dtype(w_dtype) if checked is None else checked
 
 
 def _routed(cfg: _MatmulConfig, x: jax.Array, w: jax.Array) -> _router.Product:
