@@ -440,22 +440,27 @@ def naming_batch(i: int):
     raise
 
 
-def check_stats(stats: Mapping[str, LayerStats | TableStats], layers: Sequence[Layer]) -> None:
+def _flags(s: LayerStats | TableStats) -> tuple[jax.Array, jax.Array]:
+  """``(tokens, finite)`` of one layer's statistics: a stack's tokens those of its layer with the fewest; a table's
+  those of its ``attend`` queries when the model calls ``attend``, else of its lookups (always finite)."""
+  if isinstance(s, TableStats):
+    if s.attend is None:
+      return jnp.sum(s.counts), jnp.bool_(True)
+    s = s.attend
+  finite = jnp.all(jnp.isfinite(s.sq_norms))
+  if s.gram is not None:
+    finite &= jnp.all(jnp.isfinite(s.gram))
+  return jnp.min(s.tokens), finite
+
+
+def check_stats(stats: Mapping[str, LayerStats | TableStats], layers: Sequence[Layer],
+                first_non_finite: Callable[[str], int | None] | None = None) -> None:
   """Raises naming the layer when its statistics count no tokens or are not finite (NaN/inf inputs).
 
-  A table counts the tokens of its ``attend`` queries when the model calls ``attend``, else those of its lookups.
+  ``first_non_finite(path)``, if given, finds the batch from which the statistics of ``path`` are not finite; the
+  error names it. It runs only on that error.
   """
-  def flags(s: LayerStats | TableStats) -> tuple[jax.Array, jax.Array]:
-    if isinstance(s, TableStats):
-      if s.attend is None:
-        return jnp.sum(s.counts), jnp.bool_(True)
-      s = s.attend
-    finite = jnp.all(jnp.isfinite(s.sq_norms))
-    if s.gram is not None:
-      finite &= jnp.all(jnp.isfinite(s.gram))
-    return jnp.min(s.tokens), finite  # a stack's: its layer with the fewest
-
-  summary = jax.device_get({layer.path: flags(stats[layer.path]) for layer in layers})  # one transfer
+  summary = jax.device_get({layer.path: _flags(stats[layer.path]) for layer in layers})  # one transfer
   for layer in layers:
     tokens, finite = summary[layer.path]
     if tokens == 0 and layer.stack:
@@ -467,10 +472,12 @@ def check_stats(stats: Mapping[str, LayerStats | TableStats], layers: Sequence[L
       raise ValueError(f"{layer.path or '(model)'}: batches give this layer 0 calibration tokens (empty batches, or a "
                        "token_mask that marks every token as padding); its statistics would be all zero.")
     if not finite:
+      i = None if first_non_finite is None else first_non_finite(layer.path)
+      where = "" if i is None else f"first in batches[{i}]: "
       raise ValueError(f"{layer.path or '(model)'}: the inputs this layer sees on the calibration batches contain "
-                       "NaN or inf (in batches themselves, or produced by the model before this layer, or too large "
-                       f"to square in {_sums_dtype(stats[layer.path])}); masks and weights computed from them "
-                       "would be meaningless.")
+                       f"NaN or inf ({where}in the batch itself, or produced by the model before this layer, or too "
+                       f"large to square in {_sums_dtype(stats[layer.path])}); masks and weights computed from them "
+                       "would be meaningless. Check that batch, or leave it out.")
 
 
 def _sums_dtype(s: LayerStats | TableStats) -> Any:
@@ -526,5 +533,15 @@ def run_steps(step: Callable, state: Any, layers: Sequence[Layer], batches: Sequ
   for i, batch in enumerate(batches):
     with naming_batch(i):
       acc = step(state, acc, batch)
-  check_stats(acc, layers)
+
+  def first_non_finite(path: str) -> int | None:
+    # Only on that error: the sums again, from zero, checked after each batch (once not finite they stay so).
+    again = accumulators(step, state, layers, batches[0], gram)
+    for i, batch in enumerate(batches):
+      again = step(state, again, batch)
+      if not bool(_flags(again[path])[1]):
+        return i
+    return None
+
+  check_stats(acc, layers, first_non_finite)
   return acc

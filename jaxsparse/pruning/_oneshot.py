@@ -47,6 +47,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
+from jaxsparse import _utils
 from jaxsparse._rules import get_module
 from jaxsparse.formats._specs import NM
 from jaxsparse.pruning._calibration import LINEN_LAYERS_AND_TABLES
@@ -66,6 +67,7 @@ from jaxsparse.pruning._calibration_nnx import nnx_layer_stats
 from jaxsparse.pruning._calibration_stacks import layer_slices
 from jaxsparse.pruning._oneshot_solve import solve_layer
 from jaxsparse.pruning._oneshot_solve import solve_table
+from jaxsparse.pruning._oneshot_solve import zero_inputs
 from jaxsparse.pruning._sparsegpt import reconstruction_error
 
 __all__ = ["CalibratedPruneReport", "LayerPruned", "calibrated_prune", "calibrated_prune_linen", "sparsegpt",
@@ -73,6 +75,10 @@ __all__ = ["CalibratedPruneReport", "LayerPruned", "calibrated_prune", "calibrat
 
 METHODS = ("magnitude", "wanda", "sparsegpt")
 SPARSEGPT_REFIT_ITERATIONS = 50  # refit_iterations=None for SparseGPT; examples/minilm/README.md has the measurements
+# A layer whose calibration inputs are all zero: the report's note, and what is done instead of Wanda / SparseGPT.
+ZERO_NOTE = "inputs all zero on the calibration batches, so error 0"
+ZERO_FALLBACK = "pruned by magnitude (the masks of method='magnitude'), with no weight update or refit"
+ZERO_TABLE_NOTE = "attend queries all zero on the calibration batches: pruned as a lookup-only table"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,11 +95,12 @@ class LayerPruned:
     density: fraction of weights kept.
     error: ``||X w - X ŵ|| / ||X w||`` on the layer's calibration inputs (the pruned model's, in
       sequential mode), after the refit if any; a table's: of its ``attend`` (tied) or else of its lookups; NaN
-      without ``XᵀX``.
+      without ``XᵀX``; 0 for a layer whose inputs were all zero (its outputs then do not depend on its weights).
     tokens: calibration tokens ``X`` has.
     seconds: wall time of the layer's solve (and refit).
     note: what was done differently from the method's literal form, and why (an embedding table's lookups reduce
-      the method to magnitude, a tied table is pruned on its ``attend`` statistics); ``""`` for other layers.
+      the method to magnitude, a tied table is pruned on its ``attend`` statistics, a layer whose calibration inputs
+      were all zero is pruned by magnitude); ``""`` for other layers.
 
   >>> import jax, jaxsparse
   >>> from flax import nnx
@@ -206,7 +213,7 @@ def _run(
     get_kernel: Callable[[Layer], jax.Array],
     set_kernel: Callable[[Layer, jax.Array], None],
 ) -> tuple[dict[str, np.ndarray], CalibratedPruneReport]:
-  masks, rows = {}, []
+  masks, rows, zeroed = {}, [], []
   ordered = layer_slices(layers)  # each layer of a stack on its own, as if unstacked
   groups = _groups(ordered, sequential)
   bar = _progress(len(ordered), progress, method)
@@ -222,20 +229,26 @@ def _run(
         s = stats.get(layer.path)
         if s is not None and layer.index is not None:
           s = jax.tree.map(lambda a, i=layer.index: a[i], s)
+        zero = zero_inputs(s)
+        if zero:
+          zeroed.append(layer.name or "(model)")
         t0 = time.perf_counter()
-        if layer.table:
-          new2, mask2, error, tokens, note = solve_table(method, layer, kernel, s, damp=damp, block_size=block_size,
+        if layer.table:  # a tied table whose attend queries are all zero: pruned as a lookup-only one (magnitude)
+          new2, mask2, error, tokens, note = solve_table(method, layer, kernel, s._replace(attend=None) if zero else s,
+                                                         damp=damp, block_size=block_size,
                                                          refit_iterations=refit_iterations)
           jax.block_until_ready(new2)
           seconds = time.perf_counter() - t0
+          note = f"{ZERO_TABLE_NOTE}; {note}" if zero else note
         else:
           kernel2 = kernel.reshape(layer.k, layer.n)
-          new2, mask2 = solve_layer(method, layer, kernel2, s, damp=damp, block_size=block_size,
-                                    refit_iterations=refit_iterations)
+          new2, mask2 = solve_layer("magnitude" if zero else method, layer, kernel2, s, damp=damp,
+                                    block_size=block_size, refit_iterations=0 if zero else refit_iterations)
           jax.block_until_ready(new2)
           seconds = time.perf_counter() - t0
           error = float("nan") if s is None or s.gram is None else float(reconstruction_error(kernel2, new2, s.gram))
-          tokens, note = -1 if s is None else int(s.tokens), ""
+          tokens = -1 if s is None else int(s.tokens)
+          note = "" if not zero else ZERO_NOTE if method == "magnitude" else f"{ZERO_NOTE}: {ZERO_FALLBACK}"
         new = new2.reshape(kernel.shape).astype(kernel.dtype)
         set_kernel(layer, new if layer.index is None else stored.at[layer.index].set(new))
         mask = np.asarray(mask2).reshape(layer.kernel_shape)
@@ -250,6 +263,13 @@ def _run(
         bar.update(1)
   finally:
     bar.close()
+  if zeroed and method != "magnitude":
+    _utils.warn_at_caller(
+        f"{method}: {len(zeroed)} layer(s) saw only zero inputs on the calibration batches: {', '.join(zeroed)} (the "
+        "batches are zero, or the model zeroes them before these layers, e.g. a ReLU of all-negative inputs). Their "
+        f"inputs give nothing to rank their weights by, so they are {ZERO_FALLBACK} (a tied table's: as a "
+        "lookup-only table); their reported errors are 0, since on these inputs their outputs do not depend on "
+        "their weights. Check the calibration batches.", UserWarning)
   return masks, CalibratedPruneReport(method, tuple(rows))
 
 
@@ -286,6 +306,11 @@ def calibrated_prune(
   >>> sparse, _ = jaxsparse.sparsify(pruned, rules, masks=masks)
   >>> type(sparse.layers[0]).__name__, type(sparse.layers[2]).__name__
   ('NMLinear', 'MaskedLinear')
+
+  A layer whose inputs are all zero on the batches (zero batches, or a model that zeroes them before it, e.g. a
+  ReLU of all-negative inputs) gives Wanda and SparseGPT nothing to rank its weights by: it is pruned by magnitude
+  (``method="magnitude"``'s mask, no weight update or refit; a tied table as a lookup-only one), its reported error
+  is 0 and its report row says so, with one ``UserWarning`` naming all such layers.
 
   Args:
     model: an ``nnx.Module``; copied unless ``inplace``.
@@ -342,7 +367,8 @@ def calibrated_prune(
 
   Raises:
     ValueError: no batches (Wanda, SparseGPT), a rule that matches no layer, a structure that does
-      not fit a layer, a layer the model never calls, a Hessian that is not positive definite; with
+      not fit a layer, a layer the model never calls or no batch token reaches, NaN or inf in a layer's inputs
+      (naming the layer and the first such batch), a Hessian that is not positive definite; with
       ``to_sparse``, a table under a structure other than ``NM`` or a stack of layers other than ``nnx.Linear``
       (sparsify takes stacks of those only); a rule naming an already compressed ``CompressedNMEmbed``; a stack of
       embedding tables; a stack of layers the model calls with its layer axes unsliced (not under ``nnx.scan`` /
@@ -482,7 +508,8 @@ def calibrated_prune_linen(
   magnitude for a lookup-only table, the method on the ``attend`` statistics for a tied one; its mask is
   ``masks["<path>.embedding"]``. A layer of an ``nn.scan`` / ``nn.vmap`` over layers (``variable_axes={"params":
   0}``; its kernel stored ``(L, K, N)``) is pruned layer by layer as in :func:`calibrated_prune`, each layer on its
-  own inputs, its report rows ``"blocks.fc[3]"``, its mask ``(L, K, N)``.
+  own inputs, its report rows ``"blocks.fc[3]"``, its mask ``(L, K, N)``. A layer whose inputs are all zero on the
+  batches is pruned by magnitude, with a warning, as in :func:`calibrated_prune`.
 
   >>> import jax, jaxsparse, flax.linen as nn
   >>> from jaxsparse import pruning
@@ -514,7 +541,8 @@ def calibrated_prune_linen(
     ValueError: as :func:`calibrated_prune`: an unknown ``method``; a ``damp``, ``block_size`` or
       ``refit_iterations`` out of range; ``batches`` that are ``None`` or empty (needed for every method here:
       they find the layer calls); a rule that matches no layer, a structure that does not fit a layer, a layer
-      the model never calls, a Hessian that is not positive definite; a stack of ``nn.Embed`` tables.
+      the model never calls, NaN or inf in a layer's inputs, a Hessian that is not positive definite; a stack of
+      ``nn.Embed`` tables.
     TypeError: ``module`` is not a Linen module; ``batches`` is a single array or a mapping (wrap one batch in
       a list); a rule that is not a sparsity structure.
   """

@@ -74,7 +74,15 @@ from jaxsparse.pruning._sparsegpt import sparsegpt_layer
 from jaxsparse.pruning._wanda import magnitude_layer
 from jaxsparse.pruning._wanda import wanda_layer
 
-__all__ = ["solve_layer", "solve_table"]
+__all__ = ["solve_layer", "solve_table", "zero_inputs"]
+
+
+def zero_inputs(stats: LayerStats | TableStats | None) -> bool:
+  """Whether a layer's calibration inputs (a tied table's ``attend`` queries) were all zero: no information to rank
+  its weights by (Wanda's scores and SparseGPT's saliencies would all tie at 0)."""
+  if isinstance(stats, TableStats):
+    stats = stats.attend
+  return stats is not None and not bool(jnp.any(stats.sq_norms))
 
 
 def solve_layer(method: str, layer: Layer, kernel2: jax.Array, stats: LayerStats | None, *, damp: float,
@@ -101,7 +109,7 @@ def _lookup_error(table: jax.Array, new: jax.Array, counts: jax.Array) -> float:
   e = table.astype(acc)
   num = jnp.sum(c * jnp.sum((e - new.astype(acc)) ** 2, axis=1))
   den = jnp.sum(c * jnp.sum(e * e, axis=1))
-  return float(jnp.sqrt(num / den))
+  return float(jnp.where(num > 0, jnp.sqrt(num / den), 0))  # 0 / 0 (no lookups, or zero rows): 0, not NaN
 
 
 def solve_table(method: str, layer: Layer, table: jax.Array, stats: TableStats | None, *, damp: float,

@@ -98,7 +98,9 @@ def sparsegpt_layer(
     kernel: ``(K, N)`` weights (or ``(*in_axes, *out_axes)`` of a ``LinearGeneral`` together with
       a ``gram`` over the flattened inputs: give the 2-D view, ``kernel.reshape(K, N)``).
     gram: ``(K, K)`` ``XᵀX`` of the layer's calibration inputs (any positive scale: the result does
-      not depend on it), e.g. ``LayerStats.gram`` from :func:`jaxsparse.pruning.calibrate`.
+      not depend on it), e.g. ``LayerStats.gram`` from :func:`jaxsparse.pruning.calibrate`. The weights of
+      inputs that are always zero (``gram[k, k] == 0``) are set to zero; an all-zero ``gram`` (no information)
+      keeps every weight and ranks them by magnitude, with no updates.
     spec: ``jaxsparse.Unstructured(sparsity)``, ``jaxsparse.NM(n, m)`` (groups along the ``K`` input
       features) or ``jaxsparse.BlockSparse(density, block_shape)``.
     damp: ``λ`` added to the Hessian's diagonal, as a fraction of its mean diagonal; 0 needs a
@@ -195,7 +197,10 @@ def _solve(kernel, gram, fixed_mask, damp, prune_counts, *, kind, options, block
   acc = _utils.accumulation_dtype(kernel.dtype, gram.dtype)  # float32, float64 for float64 kernels or Hessians
   upper, dead, ok = hessian_factor(gram, damp, acc)
   d = jnp.diagonal(upper)
-  wt = jnp.where(dead[None, :], 0.0, kernel.astype(acc).T)  # (N, K): features along the columns
+  # Weights of dead inputs are zeroed (any value gives the same outputs). When every input is dead there is nothing
+  # to fit: the weights stay, and with H = I the saliencies rank them by magnitude, with no updates.
+  dead_weights = dead & ~jnp.all(dead)
+  wt = jnp.where(dead_weights[None, :], 0.0, kernel.astype(acc).T)  # (N, K): features along the columns
   if kind == "fixed":
     mask_t = fixed_mask.T
   elif kind == "block":
@@ -288,7 +293,8 @@ def reconstruction_error(kernel: jax.typing.ArrayLike, pruned: jax.typing.ArrayL
     gram: ``(K, K)`` ``XᵀX``.
 
   Returns:
-    A float32 scalar; float64 when any of the arrays is float64.
+    A float32 scalar; float64 when any of the arrays is float64. 0 when ``X ŵ = X w`` (also when both are zero:
+    all-zero inputs give an error of 0, not NaN); ``inf`` when only ``X w`` is zero.
   """
   return _relative_error(jnp.asarray(kernel), jnp.asarray(pruned), jnp.asarray(gram))
 
@@ -299,7 +305,8 @@ def _relative_error(w, w_hat, gram):
   w = w.astype(acc)
   delta = w - w_hat.astype(acc)
   g = gram.astype(acc)
-  num = jnp.sum(jnp.matmul(g, delta, precision=_HIGHEST) * delta)
+  num = jnp.maximum(jnp.sum(jnp.matmul(g, delta, precision=_HIGHEST) * delta), 0.0)
   den = jnp.sum(jnp.matmul(g, w, precision=_HIGHEST) * w)
-  return jnp.sqrt(jnp.maximum(num, 0.0) / den)
+  # 0 / 0 (inputs all zero, or weights the inputs never reach): both outputs are zero, the error is 0, not NaN.
+  return jnp.where(num > 0, jnp.sqrt(num / den), jnp.zeros((), acc))
 

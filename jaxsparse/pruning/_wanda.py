@@ -54,7 +54,8 @@ def wanda_layer(
   Args:
     kernel: ``(K, N)`` weights (the 2-D view of a ``LinearGeneral`` kernel).
     sq_norms: ``(K,)`` sums of squares of the input features over the calibration tokens
-      (``LayerStats.sq_norms``); finite and ``>= 0``.
+      (``LayerStats.sq_norms``); finite and ``>= 0``. All zero (inputs that were always zero: nothing to rank
+      by) ranks the weights by ``|w|`` alone, as equal norms would, in Wanda's groups.
     spec: ``jaxsparse.Unstructured``, ``jaxsparse.NM`` (groups along ``K``) or ``jaxsparse.BlockSparse``.
     per_output: unstructured only: compare the weights of each output (Wanda) rather than the whole
       layer.
@@ -135,7 +136,9 @@ def _mask(kernel, sq_norms, *, kind, options):
   acc = _utils.accumulation_dtype(kernel.dtype, *(() if sq_norms is None else (sq_norms.dtype,)))
   scores = jnp.abs(kernel.astype(acc))
   if sq_norms is not None:
-    scores = scores * jnp.sqrt(sq_norms.astype(acc))[:, None]
+    sq_norms = sq_norms.astype(acc)
+    # All zero (inputs always zero): no information, every score would tie at 0; rank by |w| (equal norms) instead.
+    scores = scores * jnp.sqrt(jnp.where(jnp.any(sq_norms > 0), sq_norms, 1))[:, None]
   k, n = scores.shape
   if kind == "nm":
     keep_n, m = options
