@@ -3,9 +3,11 @@
 FLOPs are those of the kernel product for one input row (one token; one output position of a
 convolution), two per multiply-add, bias left out: the forward ``x @ W`` and the backward ``dX = dY @ Wᵀ``
 plus ``dW = xᵀ dY``. A sparse layer needs them only for its kept weights, except the weight gradient of
-the SR-STE layers (``NMLinear``, ``NMConv``), which reaches every dense weight by design. These are the
-arithmetic the pattern needs; how much of it a backend turns into time is what ``jaxsparse bench``
-measures.
+the SR-STE layers (``NMLinear``, ``NMConv``), which reaches every dense weight by design. An embedding
+table's lookups are no product (0 FLOPs); its ``attend`` (a tied LM head's logits ``x @ tableᵀ``) is the product of
+the ``(features, num_embeddings)`` kernel, counted as a layer's when the summary sees the model call it (example
+inputs: the model is traced, nothing computed). These are the arithmetic the pattern needs; how much of it a backend
+turns into time is what ``jaxsparse bench`` measures.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ from flax import nnx
 from flax.nnx.bridge import variables as bridge_variables
 
 from jaxsparse import _utils
+from jaxsparse._summary_tables import linen_attended
+from jaxsparse._summary_tables import nnx_attended
+from jaxsparse._summary_tables import untraced_note
 from jaxsparse.formats._base import is_concrete
 from jaxsparse.layers import _nm_linen
 from jaxsparse.layers._block_sparse import BlockSparseLinear
@@ -73,9 +78,11 @@ class LayerSummary:
     bytes: bytes the layer stores: parameters and pattern (a ``TensorParallelBlockSparseLinear``'s over all its
       shards, the zero blocks that pad them to one count included).
     dense_bytes: bytes of the dense layer (kernel and bias, same dtype).
-    forward_flops, backward_flops: per input row; ``None`` when the density is unknown; 0 for an embedding (a
-      lookup, no product).
-    dense_forward_flops, dense_backward_flops: the same for the dense layer.
+    forward_flops, backward_flops: per input row; ``None`` when the density is unknown. An embedding's are those of
+      its ``attend`` product (a tied LM head) when the summary saw the model call it (example inputs), else 0 (a
+      lookup, no product; :attr:`ModelSummary.notes` then says so).
+    dense_forward_flops, dense_backward_flops: the same for the dense layer (an ``nnx.Embed`` / ``nn.Embed``'s
+      ``attend`` for an attended table).
 
   >>> import jaxsparse
   >>> from flax import nnx
@@ -134,7 +141,8 @@ class ModelSummary:
     notes: what the summary could not look into, and how to: an ``nnx.bridge.ToNNX`` around a Linen module (other
       than a ``SparsifiedLinen``), whose N:M layers only running it finds; the kernels of Linen variables summarized
       without ``module=``, which may be N:M layers (``NMDense`` / ``NMConv``, an NNX ``NMLinear`` / ``NMConv`` under
-      ``nnx.bridge.ToLinen``: no pattern variable). ``str()`` prints them below the table.
+      ``nnx.bridge.ToLinen``: no pattern variable); the embedding tables whose ``attend`` (a tied LM head) was not
+      looked for (no example inputs: their FLOPs are the lookups' 0). ``str()`` prints them below the table.
   """
 
   layers: tuple[LayerSummary, ...]
@@ -227,7 +235,18 @@ def _layer(
   )
 
 
-def _nnx_layer(path: str, node: nnx.Module) -> LayerSummary | None:
+def _table(row: LayerSummary, attended: bool | None) -> LayerSummary:
+  """An embedding table's row from :func:`_layer` on its ``attend`` kernel ``(features, num_embeddings)``: its FLOPs
+  are that product's where the model calls ``attend`` (a tied LM head), as a compressed layer's (the backward's
+  weight gradient at the kept values); a lookup is no product (0, its dense ``nnx.Embed`` / ``nn.Embed``'s too)."""
+  if attended:
+    return row
+  return dataclasses.replace(row, forward_flops=0, backward_flops=0, dense_forward_flops=0, dense_backward_flops=0)
+
+
+def _nnx_layer(path: str, node: nnx.Module, *, attended: bool | None = None) -> LayerSummary | None:
+  """The row of a sparse NNX layer (``None`` for another module); ``attended``: whether the model calls a table's
+  ``attend`` (``None``: not looked for)."""
   kind = type(node).__name__
   bias = 0 if getattr(node, "bias", None) is None else math.prod(node.bias.shape)
   common = dict(stored=nnx.state(node), bias_size=bias)
@@ -259,7 +278,7 @@ def _nnx_layer(path: str, node: nnx.Module) -> LayerSummary | None:
     # Its nonzero kept values, as sparsify's report counts the table (nm_table_density): a sparser mask stores zeros.
     kept = compressed_kept_count(node.embedding.get_value())
     table = _layer(path, kind, shape, f"{node.n}:{node.m} compressed", kept, param_dtype=node.embedding.dtype, **common)
-    return dataclasses.replace(table, forward_flops=0, backward_flops=0, dense_forward_flops=0, dense_backward_flops=0)
+    return _table(table, attended)
   if isinstance(node, CompressedNMLinear):
     stack = () if node.kernel is None else tuple(node.kernel.shape[:-2])  # a stack of layers (nnx.vmap)
     shape = (*stack, node.in_features, node.out_features)
@@ -286,12 +305,14 @@ def _is_sparsified_linen(module: Any) -> bool:
 
 def _linen_module_layers(
     module: Any, variables: Mapping, inputs: Sequence[Any]
-) -> tuple[dict[tuple[str, ...], _NMInfo], dict[tuple[str, ...], str]]:
-  """The N:M Linen layers of ``module`` by scope path (their variables alone look like ``nn.Dense``'s), and the kind
+) -> tuple[dict[tuple[str, ...], _NMInfo], dict[tuple[str, ...], str], set[tuple[str, ...]] | None]:
+  """The N:M Linen layers of ``module`` by scope path (their variables alone look like ``nn.Dense``'s), the kind
   (``"MaskedDense"`` / ``"MaskedConv"``) of the layers that may hold a mask (a stacked, ``nn.scan``, ``MaskedDense``'s
-  kernel looks like a conv's).
+  kernel looks like a conv's), and the scope paths of the embedding tables whose ``attend`` the model calls (``None``
+  when not looked for: a ``SparsifiedLinen`` without ``inputs``).
 
-  For a :func:`jaxsparse.sparsify_linen` model they are the layers its plan maps to an ``NM`` or ``Unstructured`` rule.
+  For a :func:`jaxsparse.sparsify_linen` model they are the layers its plan maps to an ``NM`` or ``Unstructured`` rule;
+  with ``inputs`` its ``apply`` is traced for the ``attend`` calls alone.
   """
   from jaxsparse._sparsify._linen_plan import sparse_layer_name  # noqa: PLC0415 -- as _is_sparsified_linen
   from jaxsparse.formats._specs import NM  # noqa: PLC0415
@@ -307,7 +328,7 @@ def _linen_module_layers(
     }
     masked = {tuple(str(p) for p in path): sparse_layer_name(plan)
               for path, plan in module.layers.items() if isinstance(plan.spec, Unstructured)}
-    return nm_layers, masked
+    return nm_layers, masked, (linen_attended(module, variables, inputs) if inputs else None)
   found: dict[tuple[str, ...], _NMInfo] = {}
   masked: dict[tuple[str, ...], str] = {}
 
@@ -326,8 +347,8 @@ def _linen_module_layers(
     return next_fun(*args, **kwargs)
 
   with nn.intercept_methods(record):
-    jax.eval_shape(lambda v, *a: module.apply(v, *a), dict(variables), *inputs)
-  return found, masked
+    attended = linen_attended(module, variables, inputs)
+  return found, masked, attended
 
 
 def _bridged_nm(module: nnx.bridge.ToLinen) -> _NMInfo:
@@ -340,15 +361,20 @@ def _bridged_nm(module: nnx.bridge.ToLinen) -> _NMInfo:
   return cls.__name__, arg["n"], arg["m"], arg["transposable"], arg.get("mask") if issubclass(cls, NMConv) else None
 
 
-def _to_nnx_layers(path: str, node: nnx.bridge.ToNNX) -> tuple[list[LayerSummary], str | None]:
+def _to_nnx_layers(path: str, node: nnx.bridge.ToNNX, attended: set[tuple[str, ...]] | None,
+                   untraced: list[str]) -> tuple[list[LayerSummary], str | None]:
   """The sparse layers of the Linen module in an ``nnx.bridge.ToNNX`` at ``path``: a ``SparsifiedLinen``'s, found from
-  its plan; for another Linen module none, and a note why (only running it on example inputs finds its N:M layers,
-  whose variables are ``nn.Dense``'s) and how to summarize it."""
+  its plan (``attended``: the Linen paths of the tables whose ``attend`` the model calls, ``None`` when not looked for;
+  those tables' paths then go to ``untraced``); for another Linen module none, and a note why (only running it on
+  example inputs finds its N:M layers, whose variables are ``nn.Dense``'s) and how to summarize it."""
   module = node.to_nnx__module
   if _is_sparsified_linen(module):
     variables = bridge_variables.nnx_attrs_to_linen_vars(dict(nnx.state(node, nnx.Not(nnx.RngState))))
     variables = nn.meta.unbox(variables)
-    rows = _linen_layers(variables, *_linen_module_layers(module, variables, ()))
+    nm, masked, _ = _linen_module_layers(module, variables, ())
+    tables: list[str] = []
+    rows = _linen_layers(variables, nm, masked, attended, untraced=tables)
+    untraced.extend(_path(p for p in (path, t) if p) for t in tables)
     return [dataclasses.replace(row, path=_path(p for p in (path, row.path) if p)) for row in rows], None
   return [], (
       f"{path or '(model)'} is an nnx.bridge.ToNNX of the Linen {type(module).__name__}, whose layers are not "
@@ -365,9 +391,11 @@ _MASKED_UNKNOWN = "MaskedDense or MaskedConv"
 
 def _linen_layers(
     variables: Mapping, nm_layers: Mapping[tuple[str, ...], _NMInfo], masked: Mapping[tuple[str, ...], str],
-    unknown: list[str] | None = None,
+    attended: set[tuple[str, ...]] | None = None, *, unknown: list[str] | None = None,
+    untraced: list[str] | None = None,
 ) -> list[LayerSummary]:
-  """The sparse layers of Linen variables; the paths of the other kernels go to ``unknown``."""
+  """The sparse layers of Linen variables; the paths of the other kernels go to ``unknown``. ``attended``: the paths
+  of the tables whose ``attend`` the model calls (``None``: not looked for; those tables' paths go to ``untraced``)."""
   out = []
   sparsity = variables.get(SPARSITY, {})
 
@@ -420,7 +448,10 @@ def _linen_layers(
       for part in prefix:
         pattern = pattern.get(part, {}) if isinstance(pattern, Mapping) else {}
       if "embedding_positions" in pattern:  # a Linen CompressedNMEmbed: its n:m is not in its variables
-        out.append(_linen_embed(_path(prefix), params, pattern, nm_layers.get(prefix)))
+        out.append(_linen_embed(_path(prefix), params, pattern, nm_layers.get(prefix),
+                                attended=None if attended is None else prefix in attended))
+        if attended is None and untraced is not None:
+          untraced.append(_path(prefix))
     for key, value in params.items():
       if isinstance(value, Mapping):
         walk(value, (*prefix, str(key)))
@@ -438,9 +469,10 @@ def _linen_kept(path: str, pattern: Mapping, kernel: Any) -> int | None:
     return masked_kept_count(pattern_mask(pattern["mask"], tuple(kernel.shape), path=path))
 
 
-def _linen_embed(path: str, params: Mapping, pattern: Mapping, info: _NMInfo | None) -> LayerSummary:
+def _linen_embed(path: str, params: Mapping, pattern: Mapping, info: _NMInfo | None, *,
+                 attended: bool | None) -> LayerSummary:
   """The row of a Linen ``CompressedNMEmbed``: its kept values ``(*layers, features * n // m, num_embeddings)``, its
-  table ``(*layers, num_embeddings, features)`` (``layers``: the leading axes of a stack); a lookup, no FLOPs."""
+  table ``(*layers, num_embeddings, features)`` (``layers``: the leading axes of a stack); FLOPs as :func:`_table`."""
   if info is None:
     raise ValueError(
         f"{path or '(the variables)'} holds a compressed N:M embedding (sparsity 'embedding_positions') whose n:m only "
@@ -453,7 +485,7 @@ def _linen_embed(path: str, params: Mapping, pattern: Mapping, info: _NMInfo | N
   shape = (*stack, num_embeddings, kept_rows * m // n)
   table = _layer(path, name, shape, f"{n}:{m} compressed", compressed_kept_count(values),  # as NNX
                  stored={"params": params, SPARSITY: pattern}, param_dtype=values.dtype, bias_size=0)
-  return dataclasses.replace(table, forward_flops=0, backward_flops=0, dense_forward_flops=0, dense_backward_flops=0)
+  return _table(table, attended)
 
 
 def summary(model: nnx.Module | Mapping, /, *example_inputs: Any, module: nn.Module | None = None) -> ModelSummary:
@@ -468,6 +500,12 @@ def summary(model: nnx.Module | Mapping, /, *example_inputs: Any, module: nn.Mod
   so, and how to summarize its Linen variables. In Linen variables, an NNX ``BlockSparseLinear`` or ``MaskedLinear``
   under ``nnx.bridge.ToLinen`` is found from its ``"sparsity"`` variables, an ``NMLinear`` / ``NMConv`` with
   ``module=`` (as ``NMDense``); without ``module=``, a note lists the kernels not checked for N:M.
+
+  Embedding tables (``CompressedNMEmbed``): a lookup is no product, but a tied LM head's ``attend`` is; which tables
+  the model ``attend``-s only running it tells. With example inputs the summary traces the model (``model(*inputs)``,
+  or ``module.apply``; nothing computed) and counts each attended table's ``attend`` product against the dense
+  ``nnx.Embed`` / ``nn.Embed``'s; without them a table's FLOPs are 0 and a note says that its ``attend`` was not
+  looked for.
 
   >>> import jax.numpy as jnp, jaxsparse
   >>> from flax import nnx
@@ -486,8 +524,9 @@ def summary(model: nnx.Module | Mapping, /, *example_inputs: Any, module: nn.Mod
 
   Args:
     model: a Flax NNX module, or Linen variables (``{"params": ..., "sparsity": ...}``).
-    *example_inputs: with Linen variables and ``module``: the inputs of ``module.apply`` (arrays or
-      ``jax.ShapeDtypeStruct``; only traced); not needed for a ``SparsifiedLinen``.
+    *example_inputs: the inputs of ``model(*example_inputs)`` (NNX) or, with Linen variables and ``module``, of
+      ``module.apply`` (arrays or ``jax.ShapeDtypeStruct``; only traced); optional for an NNX model and a
+      ``SparsifiedLinen``, where they are only needed to count the ``attend`` of embedding tables.
     module: the Linen module of ``model``'s variables, or the ``SparsifiedLinen`` that
       :func:`jaxsparse.sparsify_linen` (or :func:`jaxsparse.compress_linen`) returned. Needed to find ``NMDense`` /
       ``NMConv``, whose variables are those of ``nn.Dense`` / ``nn.Conv``, and the ``n:m`` of a
@@ -499,17 +538,22 @@ def summary(model: nnx.Module | Mapping, /, *example_inputs: Any, module: nn.Mod
     A :class:`ModelSummary`; ``str()`` of it is a table with totals, then its notes.
 
   Raises:
-    TypeError: ``model`` is neither, ``module`` or example inputs come with an NNX model, example inputs without
-      ``module``, or a ``module`` (other than a ``SparsifiedLinen``) without example inputs; a Linen ``"sparsity"``
+    TypeError: ``model`` is neither, ``module`` comes with an NNX model, Linen example inputs without ``module``,
+      or a ``module`` (other than a ``SparsifiedLinen``) without example inputs; a Linen ``"sparsity"``
       mask that is not boolean (naming the layer; its forward pass refuses it too).
     ValueError: Linen variables holding a ``CompressedNMDense``'s or ``CompressedNMEmbed``'s, without a ``module``
       that says its ``n:m``; a ``"sparsity"`` mask not of its kernel's shape (naming the layer).
   """
   if isinstance(model, nnx.Module):
-    if module is not None or example_inputs:
-      raise TypeError("module and example inputs are for Linen variables; an NNX model needs neither.")
-    layers, notes = [], []
+    if module is not None:
+      raise TypeError("module= is for Linen variables; an NNX model needs none (its example inputs, to count the "
+                      "attend of its embedding tables, come positionally: jaxsparse.summary(model, *inputs)).")
+    layers, notes, untraced = [], [], []
     modules = list(nnx.iter_modules(model))
+    # The tables (and SparsifiedLinen bridges) whose attend calls only tracing the model on its inputs finds.
+    watched = [tuple(path) for path, node in modules if isinstance(node, CompressedNMEmbed)
+               or (isinstance(node, nnx.bridge.ToNNX) and _is_sparsified_linen(node.to_nnx__module))]
+    attended, bridged_attended = nnx_attended(model, watched, example_inputs) if example_inputs else (None, {})
     # A SparseLinearGeneral is its 2-D layer, reported under the SparseLinearGeneral's own path (the layer the
     # model, sparsify, pruning masks and torch names know).
     general = {tuple(path) for path, node in modules if isinstance(node, SparseLinearGeneral)}
@@ -518,16 +562,19 @@ def summary(model: nnx.Module | Mapping, /, *example_inputs: Any, module: nn.Mod
       if path[:-1] in general and path[-1:] == ("layer",):
         path = path[:-1]
       if isinstance(node, nnx.bridge.ToNNX):
-        bridged, note = _to_nnx_layers(_path(path), node)
+        linen = None if attended is None else bridged_attended.get(path, set())
+        bridged, note = _to_nnx_layers(_path(path), node, linen, untraced)
         layers.extend(bridged)
         if note is not None:
           warnings.warn(note, UserWarning, stacklevel=2)
           notes.append(note)
         continue
-      layer = _nnx_layer(_path(path), node)
+      layer = _nnx_layer(_path(path), node, attended=None if attended is None else path in attended)
       if layer is not None:
         layers.append(layer)
-    return ModelSummary(tuple(layers), tuple(notes))
+      if attended is None and isinstance(node, CompressedNMEmbed):
+        untraced.append(_path(path))
+    return ModelSummary(tuple(layers), (*notes, *untraced_note(untraced, "jaxsparse.summary(model, *inputs)")))
   if isinstance(model, Mapping):
     if module is None and example_inputs:
       raise TypeError("example inputs are for module.apply: pass module= (the Linen module of the variables) too, or "
@@ -536,12 +583,15 @@ def summary(model: nnx.Module | Mapping, /, *example_inputs: Any, module: nn.Mod
       raise TypeError(f"module={type(module).__name__} needs the example inputs of its apply (arrays or "
                       "jax.ShapeDtypeStruct), to find its NMDense / NMConv layers.")
     model = nn.meta.unbox(model)  # nn.with_partitioning boxes, as sparsify_linen carries them over
-    nm, masked = ({}, {}) if module is None else _linen_module_layers(module, model, example_inputs)
+    nm, masked, attended = ({}, {}, None) if module is None else _linen_module_layers(module, model, example_inputs)
     unknown: list[str] = []
-    layers = tuple(_linen_layers(model, nm, masked, unknown if module is None else None))
+    untraced: list[str] = []
+    layers = tuple(_linen_layers(model, nm, masked, attended, unknown=unknown if module is None else None,
+                                 untraced=untraced))
     notes = () if not unknown else (
         f"{len(unknown)} kernel(s) with no pattern variable were not checked for N:M ({', '.join(unknown[:4])}"
         f"{', ...' if len(unknown) > 4 else ''}): NMDense / NMConv and an NNX NMLinear / NMConv under "
         "nnx.bridge.ToLinen keep none; pass module= (and example inputs) to find them.",)
-    return ModelSummary(layers, notes)
+    how = "jaxsparse.summary(variables, *inputs, module=...)"
+    return ModelSummary(layers, (*notes, *untraced_note(untraced, how)))
   raise TypeError(f"model must be a flax.nnx.Module or Linen variables (a dict), got {type(model).__name__}.")

@@ -238,8 +238,9 @@ def test_stacks_sparsify_does_not_take_raise_naming_them():
     jaxsparse.sparsify(nnx.Sequential(second(nnx.Rngs(0))), spec)
 
 
-def test_linen_scan_is_still_refused():
-  # sparsify_linen does not take nn.scan stacks (yet): it still says so.
+def test_linen_scan_is_taken_too():
+  # sparsify_linen refused nn.scan stacks; it now takes them as sparsify takes nnx.vmap stacks
+  # (tests/test_sparsify_linen_scan.py).
   class Step(nn.Module):
     @nn.compact
     def __call__(self, c, _):
@@ -252,5 +253,7 @@ def test_linen_scan_is_still_refused():
 
   x = _x()
   variables = LinenScanned().init(jax.random.key(0), x)
-  with pytest.raises(ValueError, match=r"scan\.fc: its kernel has shape \(3, 16, 16\).*stacked"):
-    jaxsparse.sparsify_linen(LinenScanned(), variables, jaxsparse.NM(2, 4), x)
+  sparse, sparse_vars, report = jaxsparse.sparsify_linen(LinenScanned(), variables, jaxsparse.NM(2, 4), x)
+  assert report.layers[0].layer == f"{L} x Dense(({D}, {D}))" and report.layers[0].replaced_by == "NMDense"
+  module, dense_vars = jaxsparse.densify_linen(sparse, sparse_vars)
+  np.testing.assert_allclose(sparse.apply(sparse_vars, x), module.apply(dense_vars, x), rtol=1e-5, atol=1e-5)

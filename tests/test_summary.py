@@ -194,8 +194,10 @@ def test_linen_summary_refuses_a_sparsity_mask_the_forward_refuses(bad, error, m
 def test_summary_rejects_other_input():
   with pytest.raises(TypeError, match=r"model must be a flax\.nnx\.Module or Linen variables"):
     jaxsparse.summary([1, 2])
-  with pytest.raises(TypeError, match="an NNX model needs neither"):
-    jaxsparse.summary(Model(nnx.Rngs(0)), jnp.ones(3))
+  with pytest.raises(TypeError, match=r"module= is for Linen variables; an NNX model needs none"):
+    jaxsparse.summary(Model(nnx.Rngs(0)), module=nn.Dense(3))
+  # Example inputs of an NNX model are for its tables' attend: a model without tables is not even traced.
+  _check(jaxsparse.summary(Model(nnx.Rngs(0)), jnp.ones(3)), EXPECTED)
 
 
 def test_linen_inputs_and_module_come_together():
@@ -371,3 +373,133 @@ def test_bridged_layers_are_summarized_or_said_not_to_be():
   assert [(row.path, row.kind, row.pattern, row.density) for row in s.layers] == [
       ("block", "BlockSparseLinear", "block 16x32", 0.5), ("nm", "NMLinear", "1:4", 0.25)]
   assert s.notes == ()
+
+
+# -------------------------------------------------------------------------------------------------
+# Embedding tables: a lookup is no product, a tied LM head's attend is (summary counted 0 for both).
+# -------------------------------------------------------------------------------------------------
+
+V, D = 64, 32
+
+
+class _TiedNNX(nnx.Module):
+  """Token embedding, one Linear, logits through the same table (``attend``); ``untied``: a Linear head instead."""
+
+  def __init__(self, rngs, *, untied=False):
+    self.embed = nnx.Embed(V, D, rngs=rngs)
+    self.fc = nnx.Linear(D, D, rngs=rngs)
+    self.head = nnx.Linear(D, V, rngs=rngs) if untied else self.embed  # tied: the same module at two paths
+
+  def __call__(self, ids):
+    h = self.fc(self.embed(ids))
+    return self.head(h) if isinstance(self.head, nnx.Linear) else self.head.attend(h)
+
+
+class _TiedLinen(nn.Module):
+  def setup(self):
+    self.embed = nn.Embed(V, D)
+    self.fc = nn.Dense(D)
+
+  def __call__(self, ids):
+    return self.embed.attend(self.fc(self.embed(ids)))
+
+
+def _attend_flops(row, kept):
+  """The hand count of a table attended once per row: the product of its (features, num_embeddings) kernel, as a
+  compressed layer's (the weight gradient at the kept values), against the dense table's."""
+  assert (row.forward_flops, row.backward_flops) == (2 * kept, 4 * kept), row.path
+  assert (row.dense_forward_flops, row.dense_backward_flops) == (2 * V * D, 4 * V * D), row.path
+
+
+def _dense_attend_flops():
+  """XLA's count of the dense nnx.Embed.attend of one query row: the reference of the dense baseline."""
+  dense = nnx.Embed(V, D, rngs=nnx.Rngs(0))
+  cost = jax.jit(lambda q: dense.attend(q)).lower(jnp.ones((1, D))).compile().cost_analysis()
+  return int((cost[0] if isinstance(cost, list) else cost)["flops"])
+
+
+def test_nnx_tied_table_counts_its_attend():
+  """A CompressedNMEmbed used as the tied LM head (embed.attend(h)) counted 0 FLOPs, dense and sparse: a dense vs sparse
+  comparison of a tied-embedding LM left its largest product out. With example inputs the summary traces the model
+  and counts the attend; without them the FLOPs are 0 and a note says why."""
+  ids = jnp.array([[3, 1, 31]])
+  model = _TiedNNX(nnx.Rngs(0))
+  model.embed.embedding[...] = model.embed.embedding[...].at[5].set(0.0)  # a zero row: kept values stored as zeros
+  sparse, _ = jaxsparse.sparsify(model, {"embed": jaxsparse.NM(2, 4), "fc": jaxsparse.NM(2, 4)})
+  kept = (V - 1) * D // 2
+  s = jaxsparse.summary(sparse, ids)
+  (embed,) = [row for row in s.layers if row.path == "embed"]
+  _attend_flops(embed, kept)
+  assert embed.dense_forward_flops == _dense_attend_flops() == 2 * V * D  # the dense nnx.Embed.attend, by XLA
+  assert s.forward_flops == 2 * kept + 2 * D * D // 2 and s.dense_forward_flops == 2 * V * D + 2 * D * D
+  assert s.notes == ()
+  # The same table as a layer: an NMLinear (D, V) kernel keeping the same weights counts the same.
+  layer = layers.NMLinear(D, V, n=2, m=4, rngs=nnx.Rngs(0))
+  layer.kernel[...] = sparse.embed.to_dense().embedding[...].T
+  (row,) = jaxsparse.summary(layer).layers
+  assert (row.forward_flops, row.dense_forward_flops, row.dense_backward_flops) == (
+      embed.forward_flops, embed.dense_forward_flops, embed.dense_backward_flops)
+  # An abstract model and abstract inputs: the same counts (n/m of the table), nothing computed.
+  abstract = jaxsparse.summary(nnx.eval_shape(lambda: sparse), jax.ShapeDtypeStruct(ids.shape, ids.dtype))
+  assert [r.forward_flops for r in abstract.layers if r.path == "embed"] == [V * D]
+  # Without inputs: the lookups' 0, and a note naming the table and how to count its attend.
+  s = jaxsparse.summary(sparse)
+  assert [r.forward_flops for r in s.layers if r.path == "embed"] == [0]
+  (note,) = s.notes
+  assert note.startswith("embed: an embedding table's FLOPs are those of its attend") and note in str(s)
+  assert note.endswith("pass them to count it: jaxsparse.summary(model, *inputs).")
+  # An untied table (a Linear head): traced, a lookup only: 0 and no note.
+  untied, _ = jaxsparse.sparsify(_TiedNNX(nnx.Rngs(0), untied=True), {"embed": jaxsparse.NM(2, 4)})
+  s = jaxsparse.summary(untied, ids)
+  assert [(r.path, r.forward_flops, r.dense_forward_flops) for r in s.layers] == [("embed", 0, 0)]
+  assert s.notes == ()
+
+
+def test_linen_tied_table_counts_its_attend():
+  """As NNX, for the SparsifiedLinen of sparsify_linen (its nn.Embed's attend runs as the CompressedNMEmbed's), a
+  Linen CompressedNMEmbed in the user's module, and a SparsifiedLinen under nnx.bridge.ToNNX in an NNX model."""
+  model, ids = _TiedLinen(), jnp.array([[3, 1, 31]])
+  variables = model.init(jax.random.key(0), ids)
+  sparse, sparse_vars, _ = jaxsparse.sparsify_linen(model, variables, {"embed": jaxsparse.NM(2, 4)}, ids)
+  (row,) = jaxsparse.summary(sparse_vars, ids, module=sparse).layers
+  _attend_flops(row, V * D // 2)
+  s = jaxsparse.summary(sparse_vars, module=sparse)  # no inputs: the lookups' 0, and the note
+  assert s.layers[0].forward_flops == 0
+  assert s.notes == (
+      "embed: an embedding table's FLOPs are those of its attend (a tied LM head's logits), which only running the "
+      "model shows; without example inputs they are its lookups' (0). If the model calls attend, pass them to count "
+      "it: jaxsparse.summary(variables, *inputs, module=...).",)
+
+  class Direct(nn.Module):  # the Linen layer itself; tied or lookup-only
+    tied: bool
+
+    @nn.compact
+    def __call__(self, ids):
+      embed = linen.CompressedNMEmbed(V, D, name="tok")
+      h = nn.Dense(D, name="fc")(embed(ids))
+      return embed.attend(h) if self.tied else h
+
+  for tied in (True, False):
+    direct_vars = Direct(tied).init(jax.random.key(0), ids)
+    s = jaxsparse.summary(direct_vars, ids, module=Direct(tied))
+    (row,) = s.layers
+    if tied:
+      _attend_flops(row, V * D // 2)
+    else:
+      assert (row.forward_flops, row.dense_forward_flops) == (0, 0)
+    assert s.notes == ()
+
+  class Outer(nnx.Module):
+    def __init__(self, inner):
+      self.enc = inner
+
+    def __call__(self, ids):
+      return self.enc(ids)
+
+  bridged = nnx.bridge.ToNNX(sparse, rngs=nnx.Rngs(0)).lazy_init(ids)
+  nnx.update(bridged, nnx.bridge.variables.linen_vars_to_nnx_attrs(sparse_vars))
+  (row,) = jaxsparse.summary(Outer(bridged), ids).layers
+  assert row.path == "enc.embed"
+  _attend_flops(row, V * D // 2)
+  s = jaxsparse.summary(Outer(bridged))
+  assert s.layers[0].forward_flops == 0 and s.notes[0].startswith("enc.embed: an embedding table's FLOPs")

@@ -9,7 +9,8 @@ to one, since the Flax model has Hugging Face's module paths (``model.py``): ``<
 
 Sparse checkpoints the other way round (a pruned torch model, ``torch.nn.utils.prune`` masks, 2:4
 semi-structured weights) load with :func:`jaxsparse.torch_interop.load_nnx` into the same model, which
-turns their layers into jaxsparse layers: ``torch_interop.load_nnx(model, hf_model_or_state_dict)``.
+turns their layers into jaxsparse layers: ``torch_interop.load_nnx(model, hf_model_or_state_dict)`` (with tied
+embeddings it skips ``lm_head.weight``, the embedding's own tensor, and lists it in the report's ``tied``).
 """
 
 from __future__ import annotations

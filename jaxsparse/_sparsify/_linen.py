@@ -26,6 +26,10 @@ An ``nn.Embed`` takes a rule only when the rule names it (matches no layer above
 ``m`` features of each row kept; ``params.embedding`` the kept values ``(features * n // m, num_embeddings)``,
 ``sparsity.embedding_positions``); other structures raise. Catch-all rules leave embeddings dense.
 
+A layer under an ``nn.scan`` / ``nn.vmap`` over layers (``variable_axes={"params": 0}``: kernel ``(*layers, K, N)``)
+becomes the stack of its layers' sparse layers, each made from its own slice and stacked on the same leading axes,
+which the model's transform slices as it sliced the dense ones (``jaxsparse/_sparsify/_linen_stacks.py``).
+
 What lives here: finding the layers a model calls (``_linen_layers``), matching them to rules and checking
 that their sparse layer computes the same function, :class:`SparsifiedLinen` (the interceptor that redirects the
 calls) and :func:`sparsify_linen` / :func:`densify_linen`. What follows from one layer's plan alone (the sparse
@@ -51,7 +55,6 @@ from jaxsparse._rules import embedding_rule
 from jaxsparse._rules import match_rules
 from jaxsparse._rules import resolve_rules
 from jaxsparse._rules import warn_unmatched
-from jaxsparse._sparsify._linen_plan import _linen_variables
 from jaxsparse._sparsify._linen_plan import _LinenLayer
 from jaxsparse._sparsify._linen_plan import _nested_get
 from jaxsparse._sparsify._linen_plan import _nested_set
@@ -61,10 +64,13 @@ from jaxsparse._sparsify._linen_plan import compressed_variables
 from jaxsparse._sparsify._linen_plan import densify_layers
 from jaxsparse._sparsify._linen_plan import embed_variables
 from jaxsparse._sparsify._linen_plan import kept_blocks
-from jaxsparse._sparsify._linen_plan import linen_density
+from jaxsparse._sparsify._linen_plan import layer_density
 from jaxsparse._sparsify._linen_plan import sparse_layer_name
 from jaxsparse._sparsify._linen_plan import sparse_module_of
-from jaxsparse._sparsify._masks import check_general_mask_view
+from jaxsparse._sparsify._linen_plan import sparse_variables
+from jaxsparse._sparsify._linen_stacks import carry_stack
+from jaxsparse._sparsify._linen_stacks import layer_axes
+from jaxsparse._sparsify._linen_stacks import stack_error
 from jaxsparse._sparsify._masks import check_masks_used
 from jaxsparse._sparsify._masks import check_nm_mask
 from jaxsparse._sparsify._masks import masks_dict
@@ -83,11 +89,8 @@ from jaxsparse.formats._specs import NM
 from jaxsparse.formats._specs import BlockSparse
 from jaxsparse.formats._specs import Spec
 from jaxsparse.formats._specs import Unstructured
-from jaxsparse.formats._specs import check_spec_applies
 from jaxsparse.layers import linen as sparse_linen
 from jaxsparse.layers._common import MissingPatternError
-from jaxsparse.layers._common import eager_if_concrete
-from jaxsparse.layers._partitioning import carry_linen
 
 __all__ = [
     "SparsifiedLinen",
@@ -166,8 +169,7 @@ class SparsifiedLinen:
       if layer.kind == "embed":
         _store(variables, path, layer, boxed_params, embed_variables(layer.spec, nn.meta.unbox(boxed_params)))
         continue
-      layer_vars = _linen_variables(layer.spec, _params_2d(layer, nn.meta.unbox(boxed_params)), None,
-                                    ".".join(path))
+      layer_vars, _ = sparse_variables(layer, nn.meta.unbox(boxed_params), None, ".".join(path))
       if layer.compressed:
         layer_vars = compressed_variables(layer, layer_vars)
       _store(variables, path, layer, boxed_params, layer_vars)
@@ -188,17 +190,10 @@ class SparsifiedLinen:
     return out, variables
 
 
-def _params_2d(layer: _LinenLayer, dense_params: Mapping) -> Mapping:
-  """The parameters of the 2-D sparse layer: an ``nn.DenseGeneral``'s flattened to ``(K, N)`` and ``(N,)``."""
-  if layer.kind != "general":
-    return dense_params
-  with eager_if_concrete(*dense_params.values()):  # concrete weights stay so under a trace: masks from them counted
-    return {k: v.reshape(layer.shape_2d if k == "kernel" else -1) for k, v in dense_params.items()}
-
-
 def _store(variables: dict, path: tuple, layer: _LinenLayer, boxed_params: Mapping, layer_vars: dict) -> None:
   """Puts a sparse layer's variables at ``path``, with the dense parameters' partitioning boxes."""
-  boxed = carry_linen(boxed_params, layer_vars, in_ndim=len(layer.in_dims) if layer.kind == "general" else None)
+  boxed = carry_stack(boxed_params, layer_vars, layer.stack,
+                      in_ndim=len(layer.in_dims) if layer.kind == "general" else None)
   _nested_set(variables["params"], path, boxed["params"])
   if sparse_linen.SPARSITY in boxed:
     _nested_set(variables.setdefault(sparse_linen.SPARSITY, {}), path, boxed[sparse_linen.SPARSITY])
@@ -229,21 +224,22 @@ def _found(m: nn.Module, x: jax.Array) -> _Found:
   return _Found(kind, m.clone(parent=None), spec, in_dims, features, unsupported)
 
 
-def _check_rebuildable(f: _Found, spec: Spec, kernel_shape: tuple[int, ...], path: str) -> None:
-  """Raises where the sparse layer for ``f`` would compute another function or could not run: a stacked
-  (``nn.scan``) kernel, a conv's own weight mask that the structure would replace or that the call made, product
-  options the sparse layer cannot honour."""
+def _check_rebuildable(f: _Found, spec: Spec, dense_params: Mapping, path: str) -> tuple[int, ...]:
+  """The leading layer axes of ``f``'s kernel (``()`` for one layer; ``nn.scan`` / ``nn.vmap`` over layers); raises
+  where the sparse layer for ``f`` would compute another function or could not run: a kernel stacked otherwise, a
+  conv's own weight mask that the structure would replace or that the call made, product options the sparse layer
+  cannot honour."""
   m = f.module
   if f.kind == "conv":
     ks = (m.kernel_size,) if isinstance(m.kernel_size, int) else tuple(m.kernel_size)
     expected = (*ks, f.in_dims[0] // m.feature_group_count, *f.features)
   else:
     expected = (*f.in_dims, *f.features)
-  if tuple(kernel_shape) != expected:
-    raise ValueError(
-        f"{path}: its kernel has shape {tuple(kernel_shape)}, not the {expected} its call multiplies by: a stacked "
-        "(nn.scan over layers) kernel? sparsify_linen takes layers holding one kernel each; map this path to None."
-    )
+  kernel_shape = tuple(dense_params["kernel"].shape)
+  bias = dense_params.get("bias")
+  stack = layer_axes(kernel_shape, expected, None if bias is None else tuple(bias.shape), f.features)
+  if stack is None:
+    raise ValueError(stack_error(f"nn.{type(m).__name__}", kernel_shape, expected, path))
   if f.kind == "conv" and m.mask is not None:
     if isinstance(m.mask, jax.core.Tracer):
       raise ValueError(f"{path}: this nn.Conv's weight mask is made inside the model's call; sparsify_linen needs it "
@@ -260,6 +256,7 @@ def _check_rebuildable(f: _Found, spec: Spec, kernel_shape: tuple[int, ...], pat
       raise ValueError(f"{path}: its {', '.join(custom)} is not Flax's default, which {spec.describe()} cannot "
                        "honour (it would compute another product). Map this path to None, or use an NM rule, which "
                        "keeps them.")
+  return stack
 
 
 def _layer_input(args: tuple, kwargs: Mapping, *, name: str = "inputs") -> Any:
@@ -331,6 +328,12 @@ def sparsify_linen(
   run as a :class:`~jaxsparse.layers.linen.CompressedNMEmbed` (mask key ``"<path>.embedding"``); a model that reads
   the table itself (``self.embed.embedding``) reads the pruned table, decompressed in the call.
 
+  A layer of an ``nn.scan`` / ``nn.vmap`` over layers (``variable_axes={"params": 0}``, kernel ``(*layers, K, N)``)
+  becomes a stack of sparse layers: each layer pruned on its own slice (or its slice of the mask), the variables
+  stacked on the leading layer axes (named as the dense kernel's), one report row (``"3 x Dense((16, 32))"``, not
+  timed by ``check_speed``). Masked and block-sparse layers need ``"sparsity"`` in the transform's ``variable_axes``
+  too (``{"params": 0, "sparsity": 0}``); a block-sparse stack needs the same number of kept blocks in every layer.
+
   >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxsparse
   >>> class MLP(nn.Module):
   ...   @nn.compact
@@ -372,7 +375,8 @@ def sparsify_linen(
   Raises:
     ValueError: naming the layer path, when a structure cannot apply (``m`` does not divide the
       input size, blocks do not divide the kernel, ``BlockSparse`` on a conv, an ``nn.DenseGeneral``
-      over other than its input's trailing axes or with ``batch_dims``, a bad mask); when an ``nn.vmap`` /
+      over other than its input's trailing axes or with ``batch_dims``, a bad mask, a kernel stacked on other than
+      its leading axes, a block-sparse stack whose layers keep different numbers of blocks); when an ``nn.vmap`` /
       ``nn.scan`` of the model does not carry the ``"sparsity"`` collection that ``Unstructured`` and
       ``BlockSparse`` layers read their patterns from (e.g. ``variable_axes={"params": None}`` without
       ``"sparsity": None``; ``nn.scan``'s ``variable_broadcast="params"`` without ``"sparsity"``): the model
@@ -437,43 +441,41 @@ def sparsify_linen(
     boxed_params = _nested_get(params, path)
     dense_params = nn.meta.unbox(boxed_params)  # nn.with_partitioning boxes, re-applied by carry_linen
     kernel = dense_params["kernel"]
-    _check_rebuildable(f, spec, kernel.shape, where)
+    stack = _check_rebuildable(f, spec, dense_params, where)
     if kind == "conv" and isinstance(spec, BlockSparse):
       raise ValueError(
           f"{where}: BlockSparse does not apply to nn.Conv layers; use jaxsparse.NM or jaxsparse.Unstructured."
       )
     boxes = {k: v.replace_boxed(None) for k, v in boxed_params.items() if isinstance(v, nn.meta.AxisMetadata)}
-    layer = _LinenLayer(kind, spec, m, f.in_dims, f.features, boxes)
+    layer = _LinenLayer(kind, spec, m, f.in_dims, f.features, boxes, stack=stack)
+    # A stack (nn.scan / nn.vmap over layers) is one row: "3 x Dense((16, 32))".
+    described = f"{'x'.join(map(str, stack))} x " * bool(stack) + f"{type(m).__name__}({kernel.shape[len(stack):]})"
     mask = mask_dict.get(_kernel_key(path))
     mask = None if mask is None else np.asarray(mask)
     if mask is not None and mask.shape != kernel.shape:
       raise ValueError(f"{where}: the given mask has shape {mask.shape}, the kernel {kernel.shape}.")
-    params_2d = _params_2d(layer, dense_params)
-    if kind == "general" and mask is not None:  # the 2-D layer on flattened features
-      check_general_mask_view(mask, spec, len(f.in_dims), where)
-      mask = mask.reshape(layer.shape_2d)
-    check_spec_applies(spec, params_2d["kernel"].shape, path=where)
-    layer_vars = at_path(where, _linen_variables, spec, params_2d, mask, where)
-    nnz = kept_blocks(layer_vars, spec)
+    layer_vars, per_layer = sparse_variables(layer, dense_params, mask, where)
+    nnz = kept_blocks(per_layer[0], spec)
     at_path(where, functools.partial(sparse_module_of, layer, nnz=nnz))  # its own checks (a dtype it refuses) now
     dense_ms = sparse_ms = None
     note = ""
-    if mode:
+    if mode and stack:  # its layers run inside the model's transform: not timed, as sparsify's nnx.vmap stacks
+      note = "a stack of layers (nn.scan / nn.vmap): not timed"
+    elif mode:
       x = random_input(f.x)
       rest = {k: v for k, v in layer_vars.items() if k != "params"}
       dense_ms = timed(lambda q, _, x, m=m: m.apply({"params": q}, x), dense_params, x, mode)
       sparse_ms = timed(lambda q, r, x, layer=layer: apply_sparse_layer(layer, {"params": q, **r}, x),
                         layer_vars["params"], x, mode, rest)
       if sparse_ms >= dense_ms:
-        changes.append(LayerChange(p, f"{type(m).__name__}({kernel.shape})", spec.describe(), None, 1.0,
+        changes.append(LayerChange(p, described, spec.describe(), None, 1.0,
                                    nbytes(dense_params), nbytes(dense_params), dense_ms, sparse_ms,
                                    f"kept dense: sparse not faster ({mode})"))
         continue
     layers[path] = layer
     _store(new_vars, path, layer, boxed_params, layer_vars)
-    density = linen_density(spec, layer_vars, params_2d["kernel"].shape, weight_mask=getattr(m, "mask", None),
-                            mask=mask)
-    changes.append(LayerChange(p, f"{type(m).__name__}({kernel.shape})", spec.describe(),
+    density = layer_density(layer, per_layer, mask)
+    changes.append(LayerChange(p, described, spec.describe(),
                                sparse_layer_name(layer, nnz=nnz),
                                density, nbytes(dense_params), nbytes(layer_vars), dense_ms, sparse_ms, note))
   changes += _unsupported_changes(params, resolved, set(dense_paths) | {".".join(p) for p in called_embeds}, called)
@@ -585,9 +587,10 @@ def densify_linen(sparse: SparsifiedLinen, variables: Mapping) -> tuple[nn.Modul
   """Inverse of :func:`sparsify_linen`: the original module and dense variables (zeros where pruned).
 
   An ``nn.DenseGeneral``'s kernel and bias get back their own shapes, ``(*in_dims, *features)`` and
-  ``features``; dense parameters that had ``nn.Partitioned`` boxes get them back. Abstract variables
-  (``jax.ShapeDtypeStruct`` leaves, e.g. ``jax.eval_shape(sparse.init, key, x)``) give the abstract dense
-  variables: the shapes and dtypes of the dense model's ``init``.
+  ``features``; a stack of layers (``nn.scan`` over layers) its stacked dense parameters, layer by layer; dense
+  parameters that had ``nn.Partitioned`` boxes get them back. Abstract variables (``jax.ShapeDtypeStruct`` leaves,
+  e.g. ``jax.eval_shape(sparse.init, key, x)``) give the abstract dense variables: the shapes and dtypes of the dense
+  model's ``init``.
 
   >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxsparse
   >>> model = nn.Dense(8)

@@ -18,10 +18,10 @@ from jaxsparse._sparsify._linen_plan import _nested_set
 from jaxsparse._sparsify._linen_plan import _to_dict
 from jaxsparse._sparsify._linen_plan import compressed_variables
 from jaxsparse._sparsify._linen_plan import layer_variables
+from jaxsparse._sparsify._linen_stacks import carry_stack
 from jaxsparse.formats._specs import NM
 from jaxsparse.layers import linen as sparse_linen
 from jaxsparse.layers._nm_compressed import check_nm_implementation
-from jaxsparse.layers._partitioning import carry_linen
 from jaxsparse.ops import NMImplementation
 
 __all__ = ["compress_linen"]
@@ -49,8 +49,9 @@ def compress_linen(
   which stores only the kept values and their positions (2:4 in 16 bits: 0.5625x the dense bytes) and multiplies
   them with :func:`jaxsparse.ops.nm_matmul`. The outputs stay the same (up to the products' rounding).
   ``NMConv`` layers and the block-sparse and masked layers stay as they are; layers already compressed are kept,
-  with this ``implementation``. Works on abstract variables too (``jax.eval_shape``), and the returned module's
-  ``init`` makes compressed variables, so an orbax checkpoint of them restores into
+  with this ``implementation``. A stack of N:M layers (``nn.scan`` over layers) is compressed layer by layer, its
+  values and positions stacked on the layer axes. Works on abstract variables too (``jax.eval_shape``), and the
+  returned module's ``init`` makes compressed variables, so an orbax checkpoint of them restores into
   ``jax.eval_shape(module.init, key, x)``.
 
   >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxsparse
@@ -98,7 +99,7 @@ def compress_linen(
       continue
     _check_compressible(layer.module, ".".join(path))
     boxed = layer_variables(new_vars, path)
-    compressed.append((path, carry_linen(boxed["params"], compressed_variables(layer, boxed))))
+    compressed.append((path, carry_stack(boxed["params"], compressed_variables(layer, boxed), layer.stack)))
   for path, layer_vars in compressed:
     _nested_set(new_vars["params"], path, layer_vars["params"])
     _nested_set(new_vars.setdefault(sparse_linen.SPARSITY, {}), path, layer_vars[sparse_linen.SPARSITY])

@@ -6,6 +6,7 @@ What lives here is what follows from a plan alone, shared by ``sparsify_linen``,
 :func:`apply_sparse_layer`), its variables from the dense parameters (``_linen_variables``,
 :func:`embed_variables`, :func:`compressed_variables` for the inference form), the dense parameters back from
 them (:func:`dense_params`, :func:`densify_layers`, abstract variables included) and the nested-dict helpers they use.
+A plan of a stack of layers (``_LinenLayer.stack``) does each of these layer by layer (``_linen_stacks.py``).
 Finding the layers, the rules and ``SparsifiedLinen`` itself are in ``jaxsparse/_sparsify/_linen.py``.
 """
 
@@ -23,7 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsparse import _utils
+from jaxsparse._sparsify._linen_stacks import block_counts_message
+from jaxsparse._sparsify._linen_stacks import map_layers
 from jaxsparse._sparsify._masks import block_mask_of
+from jaxsparse._sparsify._masks import check_general_mask_view
 from jaxsparse._sparsify._masks import check_nm_mask
 from jaxsparse._sparsify._masks import nm_density
 from jaxsparse._sparsify._nnx import at_path
@@ -37,6 +41,7 @@ from jaxsparse.formats._specs import NM
 from jaxsparse.formats._specs import BlockSparse
 from jaxsparse.formats._specs import Spec
 from jaxsparse.formats._specs import Unstructured
+from jaxsparse.formats._specs import check_spec_applies
 from jaxsparse.formats._specs import matrix_shape
 from jaxsparse.layers import linen as sparse_linen
 from jaxsparse.layers._common import eager_if_concrete
@@ -52,10 +57,12 @@ __all__ = [
     "densify_layers",
     "embed_variables",
     "kept_blocks",
+    "layer_density",
     "layer_variables",
     "linen_density",
     "sparse_layer_name",
     "sparse_module_of",
+    "sparse_variables",
 ]
 
 
@@ -72,6 +79,13 @@ class _LinenLayer:
   # embedding is always compressed (a CompressedNMEmbed).
   compressed: bool = False
   implementation: str | None = None  # the CompressedNMDense's (CompressedNMEmbed's attend) nm_matmul backend
+  # The leading layer axes of a stack of layers (nn.scan / nn.vmap over layers): every variable is each layer's,
+  # stacked on them (_linen_stacks.py); () for one layer.
+  stack: tuple[int, ...] = ()
+
+  def one_layer(self) -> _LinenLayer:
+    """The plan of one layer of a stack (boxes dropped: a stack's are put back on the stacked variables)."""
+    return dataclasses.replace(self, stack=(), boxes={})
 
   @property
   def shape_2d(self) -> tuple[int, int]:
@@ -226,6 +240,55 @@ def _linen_variables(spec: Spec, dense_params: Mapping, mask: np.ndarray | None,
           sparse_linen.SPARSITY: {"mask": mask}}
 
 
+def _params_2d(layer: _LinenLayer, dense_params: Mapping) -> Mapping:
+  """The parameters of the 2-D sparse layer: an ``nn.DenseGeneral``'s flattened to ``(K, N)`` and ``(N,)``."""
+  if layer.kind != "general":
+    return dense_params
+  with eager_if_concrete(*dense_params.values()):  # concrete weights stay so under a trace: masks from them counted
+    return {k: v.reshape(layer.shape_2d if k == "kernel" else -1) for k, v in dense_params.items()}
+
+
+def sparse_variables(layer: _LinenLayer, dense_params: Mapping, mask: np.ndarray | None, where: str) -> tuple[
+    dict, list[dict]]:
+  """The (unboxed) variables of ``layer``'s sparse layer from its dense parameters, pruned to ``mask`` (the kernel's
+  shape) or by magnitude, and each layer's: a stack's (``layer.stack``) layers each from its own slice (layer ``i``
+  named ``f"{where}[i]"`` in errors), stacked; ``[variables]`` for one layer."""
+
+  def one(params: Mapping, m: np.ndarray | None, w: str) -> dict:
+    params_2d = _params_2d(layer, params)
+    if layer.kind == "general" and m is not None:  # the 2-D layer on flattened features
+      check_general_mask_view(m, layer.spec, len(layer.in_dims), w)
+      m = m.reshape(layer.shape_2d)
+    check_spec_applies(layer.spec, params_2d["kernel"].shape, path=w)
+    return at_path(w, _linen_variables, layer.spec, params_2d, m, w)
+
+  if not layer.stack:
+    layer_vars = one(dense_params, mask, where)
+    return layer_vars, [layer_vars]
+
+  def differ(results: list[dict]) -> str:
+    if isinstance(layer.spec, BlockSparse):
+      (k, n), (bk, bn) = layer.shape_2d, layer.spec.block_shape
+      return block_counts_message(where, [kept_blocks(r, layer.spec) for r in results], layer.stack,
+                                  (k // bk) * (n // bn))
+    return f"{where}: the sparse layers of this stack differ in their structure or shapes; map this path to None."
+
+  return map_layers(one, layer.stack, (dense_params, mask), where, differ)
+
+
+def layer_density(layer: _LinenLayer, per_layer: list[dict], mask: np.ndarray | None) -> float | None:
+  """The fraction of the layer's kernel (of a stack's: of all its layers', ``per_layer`` their variables) that the
+  sparse variables keep; ``None`` where a layer's is unknown."""
+  densities = []
+  for index, layer_vars in zip(np.ndindex(*layer.stack), per_layer, strict=True):
+    m = None if mask is None else mask[index]
+    if m is not None and layer.kind == "general":  # the mask of the 2-D layer on flattened features
+      m = m.reshape(layer.shape_2d)
+    densities.append(linen_density(layer.spec, layer_vars, layer.shape_2d,
+                                   weight_mask=getattr(layer.module, "mask", None), mask=m))
+  return None if any(d is None for d in densities) else float(np.mean(densities))
+
+
 def layer_variables(variables: Mapping, path: tuple) -> dict:
   """The variables of the layer at ``path`` (its scope's ``params`` and ``"sparsity"`` entries), as the layer's own
   ``apply`` takes them."""
@@ -240,7 +303,12 @@ def layer_variables(variables: Mapping, path: tuple) -> dict:
 
 def dense_params(layer: _LinenLayer, layer_vars: Mapping) -> dict:
   """The dense parameters of a sparse layer (:func:`layer_variables`): its original layer's shapes, zeros where
-  pruned, and the dense parameters' partitioning boxes."""
+  pruned, and the dense parameters' partitioning boxes. A stack's (``layer.stack``): each layer's, stacked."""
+  if layer.stack:
+    name = layer.module.name or type(layer.module).__name__
+    p, _ = map_layers(lambda v, _: dense_params(layer.one_layer(), v), layer.stack, (nn.meta.unbox(layer_vars),),
+                      name, lambda _: f"{name}: the layers of this stack differ in shapes.")
+    return {k: layer.boxes[k].replace_boxed(v) if k in layer.boxes else v for k, v in p.items()}
   p = nn.meta.unbox(layer_vars["params"])
   if layer.kind == "embed":  # the table, back from its compressed transpose
     if sparse_linen.SPARSITY not in layer_vars:
@@ -280,7 +348,18 @@ def dense_params(layer: _LinenLayer, layer_vars: Mapping) -> dict:
 def compressed_variables(layer: _LinenLayer, layer_vars: Mapping) -> dict:
   """The (unboxed) variables of ``layer``'s ``CompressedNMDense`` from those of its ``NMDense``: the kernel pruned
   as ``NMDense`` prunes it, then compressed along the input features. An abstract kernel (``jax.ShapeDtypeStruct``,
-  e.g. of ``jax.eval_shape(sparse.init, ...)``) gives abstract values and positions."""
+  e.g. of ``jax.eval_shape(sparse.init, ...)``) gives abstract values and positions. A stack's: each layer's,
+  stacked."""
+  if layer.stack:
+    name = layer.module.name or type(layer.module).__name__
+
+    def each(v: Mapping) -> dict:
+      return map_layers(lambda one, _: compressed_variables(layer.one_layer(), one), layer.stack, (v,), name,
+                        lambda _: f"{name}: the layers of this stack differ.")[0]
+
+    v = nn.meta.unbox(layer_vars)
+    abstract = any(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(v))
+    return jax.eval_shape(each, v) if abstract else each(v)
   spec = layer.spec
   p = nn.meta.unbox(layer_vars["params"])
   compress = functools.partial(_compress_nm, n=spec.n, m=spec.m, transposable=spec.transposable)

@@ -491,8 +491,9 @@ def route_slower_to_dense_linen(
   original layer with the same pruned weights, on a random ``(batch, *in_dims)`` input at every batch size. Every
   layer of a signature slower by more than ``margin`` at any of them is taken out of the sparse plan and given its
   dense variables (as :func:`~jaxsparse.densify_linen` does for all). The outputs do not change, only the kernels.
-  Sparse convolutions and embeddings (``CompressedNMEmbed``) stay as they are. ``step_timer`` settles the signatures
-  near their twins by the model's step, as in :func:`route_slower_to_dense`.
+  Sparse convolutions, embeddings (``CompressedNMEmbed``) and stacks of layers (``nn.scan`` / ``nn.vmap`` over
+  layers) stay as they are. ``step_timer`` settles the signatures near their twins by the model's step, as in
+  :func:`route_slower_to_dense`.
 
   >>> import jax, jax.numpy as jnp, flax.linen as nn, jaxsparse
   >>> model = nn.Sequential([nn.Dense(64), nn.relu, nn.Dense(64)])
@@ -536,7 +537,9 @@ def route_slower_to_dense_linen(
   timer = timer or _time_apply_ms
   groups: dict[LayerSignature, list[tuple]] = {}
   for path, layer in sparse.layers.items():
-    if layer.kind not in ("conv", "embed"):  # their products are not a dense layer's: they stay as they are
+    # Convs' and embeddings' products are not a dense layer's, a stack's layers run inside the model's nn.scan /
+    # nn.vmap (not timed, as in sparsify_linen's check_speed): they stay as they are.
+    if layer.kind not in ("conv", "embed") and not layer.stack:
       sig = _linen_signature(layer, nn.meta.unbox(layer_variables(variables, path)), ".".join(path))
       groups.setdefault(sig, []).append(path)
   timings = []

@@ -34,8 +34,8 @@ from jaxsparse.torch_interop._export import export_masks
 from jaxsparse.torch_interop._export import export_state_dict
 from jaxsparse.torch_interop._files import load_flax_variables
 from jaxsparse.torch_interop._files import save_flax_variables
-from jaxsparse.torch_interop._flax import apply_rules
 from jaxsparse.torch_interop._flax import load_nnx
+from jaxsparse.torch_interop._import_rules import apply_rules
 from jaxsparse.torch_interop._linen import to_linen_variables
 from jaxsparse.torch_interop._load import CheckpointError
 from jaxsparse.torch_interop._load import load_state_dict

@@ -27,6 +27,8 @@ from jaxsparse.torch_interop import _limits
 __all__ = ["main", "parse_rule", "parse_spec"]
 
 PROGRESS_MIN_BYTES = 64 * 2**20
+# inspect: fewer exact zeros in a dense weight than this are no pruning worth a hint (a padding row, a zero bias row).
+HINT_MIN_ZEROS = 0.1
 # The largest size the sparse formats index (int32); a larger one failed inside MLIR, naming no argument.
 MAX_SIZE = 2**31 - 1
 
@@ -216,6 +218,8 @@ def _progress(src, flag: bool | None, label: str) -> _Progress:
 
 
 def _inspect(args) -> int:
+  import numpy as np  # noqa: PLC0415 -- keeps `jaxsparse --help` fast
+
   from jaxsparse._utils import text_table  # noqa: PLC0415 -- keeps `jaxsparse --help` fast
   from jaxsparse.torch_interop._decode import decode_checkpoint  # noqa: PLC0415 -- lazy: imports torch
   from jaxsparse.torch_interop._load import open_checkpoint  # noqa: PLC0415 -- lazy: imports torch
@@ -223,30 +227,86 @@ def _inspect(args) -> int:
   src = open_checkpoint(args.file, key=args.key, max_bytes=args.max_bytes)
   params = decode_checkpoint(src, nm=args.nm, on_error="collect", progress=_progress(src, args.progress, "reading"),
                              conv1d=args.conv1d, max_bytes=args.max_bytes)
-  rows = [("name", "shape", "dtype", "format", "pattern", "density")]
-  problems = []
+  rows = [("name", "shape", "dtype", "format", "pattern", "density", "zeros")]
+  problems, hints = [], []
   total = kept = 0
   for p in params.values():
     if p.problem is not None:
-      rows.append((p.name, "?", "?", "unreadable", "?", "?"))
+      rows.append((p.name, "?", "?", "unreadable", "?", "?", "?"))
       problems.append(f"{p.name}: {p.problem}")
       continue
     pattern = p.pattern
+    size = p.value.size
+    zeros = (size - int(np.count_nonzero(p.masked_value))) / size if size else 0.0
     rows.append((p.name, "x".join(map(str, p.shape)) or "scalar", str(p.value.dtype), p.format, str(pattern),
-                 f"{pattern.density:.3f}"))
+                 f"{pattern.density:.3f}", f"{zeros:.3f}"))
     if p.value.ndim >= 2:
-      total += p.value.size
-      kept += p.value.size if p.mask is None else int(p.mask.sum())
+      total += size
+      kept += size if p.mask is None else int(p.mask.sum())
+    hint = _zeros_hint(p, zeros)
+    if hint is not None:
+      hints.append(hint)
   print(f"{args.file}: {len(params)} parameters")
   print(text_table(rows))
   if total:
     print(f"weights (ndim >= 2): {kept}/{total} kept, density {kept / total:.3f}")
+  if hints:
+    print(f"{len(hints)} dense weight(s) hold a pruning's exact zeros (convert's --rules below name torch module "
+          "paths; with --name-map, name the mapped ones):")
+    for line in hints:
+      print(f"  {line}")
   if problems:
     print(f"\n{len(problems)} parameter(s) could not be decoded:", file=sys.stderr)
     for line in problems:
       print(f"  {line}", file=sys.stderr)
     return 1
   return 0
+
+
+def _zeros_hint(p, zeros: float) -> str | None:
+  """For a dense floating weight (no mask) of ndim >= 2 with at least ``HINT_MIN_ZEROS`` exact zeros, a line saying
+  what structure they form (``zero_pattern``) and how to sparsify it keeping every nonzero; else ``None``."""
+  from jaxsparse.torch_interop._names import DEFAULT_EMBEDDINGS  # noqa: PLC0415 -- keeps `jaxsparse --help` fast
+  from jaxsparse.torch_interop._patterns import zero_pattern  # noqa: PLC0415
+
+  w = p.value
+  floating = w.dtype.kind == "f" or w.dtype.name == "bfloat16"
+  if p.mask is not None or w.ndim < 2 or zeros < HINT_MIN_ZEROS or not floating:
+    return None
+  line = f"{p.name}: dense storage, {100 * zeros:.1f}% zeros"
+  found = zero_pattern(w)
+  if found.density == 0:
+    return f"{line}: every entry is zero"
+  table = w.ndim == 2 and re.search(DEFAULT_EMBEDDINGS, p.module) is not None
+  layer = None  # the structure as a jaxsparse spec, for a convolution or table (sparsify takes no block one of those)
+  if found.kind == "block":
+    b0, b1 = found.block_shape
+    what = f"in whole {b0}x{b1} blocks (out x in), {found.density:.1%} of them kept"
+    rule = f"block:{_fraction(found.density, w.size // (b0 * b1))}:{b1}x{b0}"  # the rule's blocks are Flax (in, out)
+  elif found.kind == "nm":
+    along = "the input channels" if w.ndim > 2 else "the features" if table else "the inputs"
+    what = f"{found.n}:{found.m} along dim 1 ({along})"
+    rule, layer = f"nm:{found.n}:{found.m}", f"jaxsparse.NM({found.n}, {found.m})"
+  else:
+    sparsity = _fraction(zeros, w.size)
+    what, rule = "unstructured", f"unstructured:{sparsity}"
+    layer = None if table else f"jaxsparse.Unstructured(sparsity={sparsity})"  # tables take N:M only
+  if w.ndim == 2 and not table and p.param == "weight" and p.module:  # a Linear weight: convert's rules take it
+    return f"{line}, {what}: sparsify with convert --rules '{re.escape(p.module)}={rule}'"
+  if layer is not None:
+    return f"{line}, {what}: after loading, sparsify its layer with {layer} (convert's rules take Linear weights only)"
+  return f"{line}, {what}"
+
+
+def _fraction(fraction: float, total: int) -> str:
+  """``fraction`` to 3 significant digits, or as many more as ``round(fraction * total)`` entries (or blocks) need to
+  come out of it again (rounded either way: no half-way product)."""
+  count = round(fraction * total)
+  for digits in range(3, 18):
+    text = f"{fraction:.{digits}g}"
+    if abs(float(text) * total - count) < 0.45:
+      return text
+  return repr(fraction)
 
 
 def _convert(args) -> int:
@@ -368,7 +428,8 @@ def _parser() -> argparse.ArgumentParser:
                         "than this, before reading any (default: $JAXSPARSE_CHECKPOINT_MAX_BYTES, 'none' for no "
                         "limit, else the machine's physical memory)")
 
-  ins = sub.add_parser("inspect", help="per-layer table: name, shape, format found, pattern, density")
+  ins = sub.add_parser("inspect", help="per-layer table: name, shape, format found, pattern, density, exact zeros; "
+                                       "hints for dense weights that hold a pruning's zeros")
   ins.add_argument("file")
   common(ins)
   ins.set_defaults(run=_inspect)

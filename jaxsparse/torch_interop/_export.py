@@ -13,6 +13,7 @@ layout the exporter cannot read) is refused, naming the layer.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
 from collections.abc import Callable
 from collections.abc import Mapping
@@ -221,6 +222,7 @@ def export_state_dict(
     dtype: Any = None,
     module: Any = None,
     conv1d: str | None = None,
+    tied: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
   """A torch state dict of a whole jaxsparse model, its sparse layers written in ``format``.
 
@@ -232,7 +234,10 @@ def export_state_dict(
   * ``"ao"``: ``parametrizations.weight.original`` + ``parametrizations.weight.0.mask`` (bool), the
     layout of a model prepared by a ``torch.ao.pruning`` sparsifier;
   * ``"bsr"``: block-sparse weights as ``torch.sparse_bsr`` tensors with the layer's blocks (transposed to
-    torch layout), other masked weights dense;
+    torch layout), other masked weights dense. Load them with ``net.load_state_dict(state, assign=True)``: the BSR
+    tensor becomes the parameter (a torch Linear computes with it). Without ``assign=True`` torch copies into the
+    dense parameter there, which it cannot do from a BSR tensor ("copy_sparse_compressed_ expected sparse compressed
+    tensor layout but got Strided");
   * ``"semi_structured"``: like ``"dense"``, but every sparse weight must be 2:4 along the input features,
     the pattern ``torch.sparse.to_sparse_semi_structured(w.half().cuda())`` needs (checked here; its
     shape and dtype limits, e.g. dimensions that are multiples of 64, are left to torch).
@@ -244,6 +249,22 @@ def export_state_dict(
   >>> layer = MaskedLinear(8, 4, mask=jnp.eye(8, 4, dtype=bool), rngs=nnx.Rngs(0))
   >>> sorted(torch_interop.export_state_dict(layer, format="prune"))
   ['bias', 'weight_mask', 'weight_orig']
+
+  A tied torch model (``head.weight`` is ``embed.weight``) lists its tied parameter under each name, and
+  ``load_state_dict(strict=True)`` wants both; the Flax twin holds it once (``embed.attend`` computes the logits).
+  ``tied={"head.weight": "embed.weight"}`` writes the tensor of ``"embed.weight"`` under ``"head.weight"`` too (the
+  very same tensor: torch loads it into the shared parameter; ``LoadReport.tied`` has this form):
+
+  >>> import torch
+  >>> class TiedLM(torch.nn.Module):
+  ...   def __init__(self):
+  ...     super().__init__()
+  ...     self.embed, self.head = torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False)
+  ...     self.head.weight = self.embed.weight
+  >>> state = torch_interop.export_state_dict(nnx.Embed(10, 4, rngs=nnx.Rngs(0)), torch_names={"": "embed"},
+  ...                                         tied={"head.weight": "embed.weight"})
+  >>> TiedLM().load_state_dict(state, strict=True)
+  <All keys matched successfully>
 
   Linen variables of jaxsparse's Linen layers come with their module and example inputs, which say what each layer
   computes (an ``NMDense``'s N:M mask follows its kernel: the variables alone hold a dense kernel):
@@ -269,6 +290,10 @@ def export_state_dict(
     conv1d: regex of the torch module paths that are transformers ``Conv1D`` modules, whose weights (and masks,
       BSR blocks) are written ``(in, out)`` (see :func:`export_masks`); ``format="semi_structured"`` checks their
       2:4 pattern along the input features, as the Linear layout has it.
+    tied: ``{torch key: torch key this export writes}``: each first key gets the tensor of the second (tied weights,
+      as a tied ``lm_head.weight`` is ``model.embed_tokens.weight``); the same tensor object under both names, which
+      ``torch.save`` and ``load_state_dict`` take (``safetensors.torch.save_file`` refuses tensors that share memory:
+      leave ``tied`` out for it, or use ``safetensors.torch.save_model``).
 
   Returns:
     ``{name: torch.Tensor}``.
@@ -291,15 +316,19 @@ def export_state_dict(
       inputs without ``module``, a Linen module (other than a ``SparsifiedLinen``) without example inputs; Linen
       variables with a compressed N:M kernel or embedding (``CompressedNMDense``, ``CompressedNMEmbed``) and no
       ``module`` (or one whose ``apply`` on the example inputs does not call it); a Linen
-      ``"sparsity"`` mask that is not boolean (naming the layer and the dtype; the layer's forward refuses it too).
+      ``"sparsity"`` mask that is not boolean (naming the layer and the dtype; the layer's forward refuses it too);
+      ``tied`` that is not a mapping of ``str`` to ``str``.
     CheckpointError: (a ``ValueError``) ``format="semi_structured"`` with a sparse weight that is not 2-D and
-      2:4 (or 1:2) along the input features; a ``torch_names`` dict without an entry for an exported module.
+      2:4 (or 1:2) along the input features; a ``torch_names`` dict without an entry for an exported module; a
+      ``tied`` key the export writes itself, or one tied to a key it does not write (a sparse weight in ``"prune"``
+      / ``"ao"`` is written as two tensors: tie its ``_orig`` / ``_mask`` keys one by one).
     ImportError: PyTorch is not installed.
   """
   torch = import_torch()
   if format not in EXPORT_FORMATS:
     raise ValueError(f"format must be one of {EXPORT_FORMATS}, got format={format!r}.")
   check_conv1d(conv1d)
+  tied = _check_tied(tied)
 
   def t(x: np.ndarray):
     out = to_torch(np.ascontiguousarray(x), key="export")
@@ -333,4 +362,24 @@ def export_state_dict(
       )
     else:
       out[fqn] = t(e.value)
+  for name, source in tied.items():
+    if name in out:
+      raise CheckpointError(f"tied={{{name!r}: {source!r}}}: the export writes {name!r} itself, from the Flax "
+                            "model; a tied key is one the Flax model holds under another name only.")
+    if source not in out:
+      near = difflib.get_close_matches(source, list(out), n=3, cutoff=0.5)
+      raise CheckpointError(
+          f"tied={{{name!r}: {source!r}}}: the export writes no {source!r}" + (f" (close: {near})" if near else "")
+          + "; tie to a key it writes (a sparse weight in format 'prune' or 'ao' is two tensors: tie each key)."
+      )
+    out[name] = out[source]
   return out
+
+
+def _check_tied(tied: Any) -> dict[str, str]:
+  if tied is None:
+    return {}
+  if not isinstance(tied, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in tied.items()):
+    raise TypeError(f"tied must be a mapping {{torch key to write: torch key the export writes}} of str, e.g. "
+                    f"{{'lm_head.weight': 'model.embed_tokens.weight'}}, or None; got {tied!r}.")
+  return dict(tied)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import re
+from collections.abc import Iterable
 from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
@@ -21,31 +21,32 @@ import numpy as np
 from flax import nnx
 
 from jaxsparse import _rules
-from jaxsparse import formats
 from jaxsparse import layers as jsl
-from jaxsparse.formats import _masks
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
-from jaxsparse.formats._specs import check_plain_nm
 from jaxsparse.formats._specs import matrix_shape
 from jaxsparse.layers._common import bias_of
 from jaxsparse.layers._common import conv_options
 from jaxsparse.layers._common import with_weights
+from jaxsparse.torch_interop._attention import split_packed_attention
 from jaxsparse.torch_interop._decode import NMSpec
 from jaxsparse.torch_interop._decode import TorchParam
 from jaxsparse.torch_interop._decode import decode_checkpoint
 from jaxsparse.torch_interop._decode import float_value
+from jaxsparse.torch_interop._limits import limit_scope
 from jaxsparse.torch_interop._load import CheckpointError
-from jaxsparse.torch_interop._names import DEFAULT_EMBEDDINGS
+from jaxsparse.torch_interop._load import TensorSource
+from jaxsparse.torch_interop._load import open_checkpoint
 from jaxsparse.torch_interop._names import LayerLoad
 from jaxsparse.torch_interop._names import LoadReport
 from jaxsparse.torch_interop._names import NameMap
 from jaxsparse.torch_interop._names import group_params
+from jaxsparse.torch_interop._names import ignore_patterns
 from jaxsparse.torch_interop._names import map_name
 from jaxsparse.torch_interop._patterns import Pattern
 from jaxsparse.torch_interop._patterns import flax_layout
 from jaxsparse.torch_interop._patterns import nm_mask_torch
 
-__all__ = ["apply_rules", "load_nnx"]
+__all__ = ["load_nnx"]
 
 _NORMS = (nnx.LayerNorm, nnx.RMSNorm, nnx.GroupNorm)
 
@@ -66,7 +67,7 @@ class _Plan:
   """Assignments collected before anything changes, so a failure leaves the model untouched.
 
   With ``strict=False``, torch parameters of a mapped module that have no place in its Flax module are listed in
-  ``unexpected`` (as those of unmapped modules are) instead of raising.
+  ``unexpected`` (as those of unmapped modules are) instead of raising. ``notes`` are lines for the report.
   """
 
   def __init__(self, *, strict: bool = True):
@@ -74,6 +75,20 @@ class _Plan:
     self.assign: list[tuple[nnx.Variable, jnp.ndarray]] = []
     self.replace: list[tuple[tuple, nnx.Module]] = []
     self.unexpected: list[str] = []
+    self.notes: list[str] = []
+
+  def mask_not_kept(self, p: TorchParam, flax_name: str) -> None:
+    """Notes that the mask of ``p`` (a pruned bias, say) was applied to a dense Flax variable: it is not kept."""
+    if p.mask is not None:
+      self.notes.append(
+          f"torch {p.name!r} is pruned ({p.format}, density {p.pattern.density:.3f}): its mask was applied (zeros "
+          f"where pruned) but not kept; the Flax {flax_name!r} is dense."
+      )
+
+  def merge(self, sub: _Plan) -> None:
+    """Takes the unexpected names and the notes of a plan made for a stand-in module."""
+    self.unexpected.extend(sub.unexpected)
+    self.notes.extend(sub.notes)
 
   def no_place(self, group: dict, extra: list[str], message: str) -> None:
     """Raises ``message`` about the torch parameters ``extra`` of ``group``, or lists them when not strict."""
@@ -108,6 +123,8 @@ def _linear_plan(
   if has_bias:
     _check_shape(params["bias"], (out_f,), flax_name=f"{flax_path}.bias", how="bias")
   bias = float_value(params["bias"], into=f"the Flax {_join(flax_path, 'bias')!r}") if has_bias else None
+  if has_bias:
+    plan.mask_not_kept(params["bias"], _join(flax_path, "bias"))
   dtype = getattr(module, "param_dtype", jnp.float32)
   kernel = jnp.asarray(flax_layout(float_value(w, into=f"the Flax {_join(flax_path, 'kernel')!r}")), dtype)
   pattern = w.pattern
@@ -190,7 +207,7 @@ def _general_plan(
                    precision=module.precision, rngs=nnx.Rngs(0))
   sub = _Plan(strict=plan.strict)
   _, w = _linear_plan(lin, path, group, sub, sparse=sparse, flax_path=flax_path)
-  plan.unexpected.extend(sub.unexpected)
+  plan.merge(sub)
   if sub.replace:
     ((_, new),) = sub.replace
     plan.replace.append((path, jsl.SparseLinearGeneral(new, in_features=module.in_features,
@@ -219,6 +236,8 @@ def _conv_plan(module: nnx.Conv, path: tuple, group: dict, plan: _Plan, *, spars
   if has_bias:  # before any branch: assigning a (1,) bias into an (O,) one would broadcast it
     _check_shape(params["bias"], (k.shape[-1],), flax_name=f"{flax_path}.bias", how="bias")
   bias = float_value(params["bias"], into=f"the Flax {_join(flax_path, 'bias')!r}") if has_bias else None
+  if has_bias:
+    plan.mask_not_kept(params["bias"], _join(flax_path, "bias"))
   pattern = w.pattern
   exact_nm = pattern.kind == "nm" and np.array_equal(nm_mask_torch(w.masked_value, pattern.n, pattern.m), w.mask)
   # An NMConv that would recompute exactly the torch mask from the kernel keeps its settings (SR-STE decay).
@@ -282,6 +301,8 @@ def _generic_plan(module: nnx.Module, group: dict, plan: _Plan, *, flax_path: st
     if jnp.issubdtype(dtype, jnp.floating):  # a non-float variable (a custom module's int counter) takes any number
       value = float_value(p, into=f"the Flax {_join(flax_path, flax_name)!r}")
     plan.assign.append((var, jnp.asarray(value, dtype)))
+    if not isinstance(module, nnx.Embed):  # a table's other masks fill it, zeros where pruned (load_nnx says so)
+      plan.mask_not_kept(p, _join(flax_path, flax_name))
     used.add(torch_name)
     first = first or p
   extra = sorted(set(params) - used)
@@ -313,7 +334,7 @@ def _compressed_embed_plan(module: jsl.CompressedNMEmbed, path: tuple, group: di
   weight fills the values at its own kept positions (a sparse layer keeps its own pattern)."""
   sub = _Plan(strict=plan.strict)
   layer, w = _embed_plan(module.to_dense(), path, group, sub, sparse=sparse, flax_path=flax_path)
-  plan.unexpected.extend(sub.unexpected)
+  plan.merge(sub)
   if sub.replace:
     ((_, new),) = sub.replace
     new.implementation = module.implementation
@@ -332,7 +353,7 @@ def _compressed_linear_plan(module: jsl.CompressedNMLinear, path: tuple, group: 
   (a sparse layer keeps its own pattern); the layer's options (``storage``, ``implementation``, ...) carry over."""
   sub = _Plan(strict=plan.strict)
   _, w = _linear_plan(module.to_dense(), path, group, sub, sparse=sparse, flax_path=flax_path)
-  plan.unexpected.extend(sub.unexpected)
+  plan.merge(sub)
   options = dict(implementation=module.implementation, cusparselt_copy=module.cusparselt_copy, storage=module.storage)
   if sub.replace:
     ((_, new),) = sub.replace
@@ -387,7 +408,7 @@ def load_nnx(
     source: Any,
     *,
     name_map: NameMap = None,
-    ignore: Sequence[str] = (),
+    ignore: str | Iterable[str] | None = (),
     nm: NMSpec = None,
     sparse: bool = True,
     strict: bool = True,
@@ -407,7 +428,10 @@ def load_nnx(
   mask replaces a ``MaskedConv``'s or ``NMConv``'s own; an ``NMConv`` of the same ``n:m`` is kept, with its
   settings). An ``nnx.LinearGeneral`` over trailing axes (the projections of ``nnx.MultiHeadAttention``) takes a
   torch ``Linear`` whose weight is its kernel's 2-D view ``(prod(in axes), prod(out axes))`` transposed, and
-  becomes a :class:`~jaxsparse.layers.SparseLinearGeneral` when that weight is sparse. An ``nnx.Embed`` whose
+  becomes a :class:`~jaxsparse.layers.SparseLinearGeneral` when that weight is sparse; an ``nnx.MultiHeadAttention``
+  takes a ``torch.nn.MultiheadAttention`` (either ``batch_first``): its packed ``in_proj_weight`` ``(3 * E, E)`` and
+  ``in_proj_bias`` split by rows into ``query`` / ``key`` / ``value`` (a mask on them splits alike; the report names
+  the rows, e.g. torch module ``"attn.in_proj[0:64]"``) and its ``out_proj`` fills ``out``. An ``nnx.Embed`` whose
   torch ``Embedding`` keeps ``n`` of every ``m`` features of each row becomes a
   :class:`~jaxsparse.layers.CompressedNMEmbed` with that mask (other masks fill the table, zeros where pruned), and so
   does a ``CompressedNMEmbed`` (such as :func:`jaxsparse.sparsify` made: its own torch export loads back into it);
@@ -415,8 +439,12 @@ def load_nnx(
   mask, and keeps its own kept positions for a dense one.
   Dense torch weights fill the layer that is there (a sparse layer keeps its own pattern). A module the model holds at
   several paths (tied: ``self.head = self.embed``) loads from the torch module at the first of them that the
-  checkpoint has; the torch weights at its other paths (a tied torch model lists them at each) must be the same.
-  Nothing changes unless every check passes.
+  checkpoint has; the torch weights at its other paths (a tied torch model lists them at each) must be the same. A
+  torch tensor the Flax model has no module for that is the very tensor (the same memory) of one that was loaded, as a
+  tied torch model's ``lm_head.weight`` is its ``embed_tokens.weight`` while the Flax twin computes its logits with
+  ``embed.attend``, is skipped and listed in the report's ``tied`` (a torch module or a state dict in memory: a file
+  stores such tensors apart). A pruned bias (``prune.l1_unstructured(fc, "bias", ...)``) loads zero where pruned into
+  the dense Flax bias; the report's ``notes`` say its mask was not kept. Nothing changes unless every check passes.
 
   >>> import torch, torch.nn.utils.prune as prune
   >>> from flax import nnx
@@ -433,7 +461,8 @@ def load_nnx(
     model: the Flax NNX model; modified in place.
     source: anything :func:`load_state_dict` takes.
     name_map: torch module path -> Flax module path (see :func:`map_name`); default: same names.
-    ignore: glob patterns of torch parameter names to skip (e.g. ``"pooler.*"``).
+    ignore: glob patterns (``fnmatch``) of torch parameter names to skip: one pattern (``"pooler.*"``), an iterable of
+      them (``["pooler.*", "lm_head.weight"]``) or ``None`` (none).
     nm: recompute N:M masks of dense weights (see :func:`decode_checkpoint`).
     sparse: ``False`` loads masked weights into the existing (dense) layers instead of replacing them.
     strict: raise on Flax parameters without torch weights and torch weights without a place (in a module
@@ -448,16 +477,21 @@ def load_nnx(
       ``$JAXSPARSE_CHECKPOINT_MAX_BYTES`` (bytes, or ``none``), else this machine's physical memory.
 
   Returns:
-    A :class:`LoadReport`; its ``torch_names`` drive the export functions back to torch names.
+    A :class:`LoadReport`; its ``torch_names`` drive the export functions back to torch names (and its ``tied``,
+    ``export_state_dict(..., tied=)``).
 
   Raises:
     CheckpointError: unreadable input, missing or unexpected keys (with close matches), shape mismatches
       naming the torch key and the Flax parameter, a mask that is not 0/1, torch weights that differ at two paths of
       one tied Flax module, a tensor or all of them together over ``max_bytes``.
+    TypeError: ``model`` is not an NNX module; ``ignore`` is neither a ``str``, ``None`` nor an iterable of ``str``.
   """
   if not isinstance(model, nnx.Module):
     raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}.")
-  params = decode_checkpoint(source, nm=nm, key=key, conv1d=conv1d, max_bytes=max_bytes)
+  ignore = ignore_patterns(ignore)
+  with limit_scope(max_bytes):
+    src = source if isinstance(source, TensorSource) else open_checkpoint(source, key=key)
+    params = decode_checkpoint(src, nm=nm, conv1d=conv1d)
   groups = group_params(params, name_map, ignore)
   plan = _Plan(strict=strict)
   loads, missing = [], []
@@ -470,6 +504,10 @@ def load_nnx(
   paths_of = _rules.module_paths(model)  # a module held at several paths (tied) is one target, matched at each
   aliases = {id(m): [_rules.path_str(q) for q in paths_of.get(id(m), [p]) if tuple(q) != p] for p, m in targets}
   target_paths = {_rules.path_str(p) for p, _ in targets} | {q for qs in aliases.values() for q in qs}
+  for path, node in nnx.iter_graph(model):
+    if isinstance(node, nnx.MultiHeadAttention):
+      split_packed_attention(groups, _rules.path_str(path))
+  loaded: list[dict] = []
   for path, module in targets:
     flax_path = _rules.path_str(path)
     group = _tied_group(flax_path, aliases[id(module)], groups)
@@ -494,10 +532,22 @@ def load_nnx(
       layer, w = _generic_plan(module, group, plan, flax_path=flax_path)
     fmt, pattern = (w.format, w.pattern) if w is not None else ("dense", Pattern("dense", 1.0))
     loads.append(LayerLoad(flax_path, group["torch"], layer, fmt, pattern))
+    loaded.append(group)
   unexpected = list(plan.unexpected)
+  not_used = set(unexpected)
+  # Dense ones only: a pruned tensor loads masked, while the torch module tied to it computes with all of it.
+  loaded_keys = {p.keys[0] for g in loaded for p in g["params"].values()
+                 if p.name not in not_used and len(p.keys) == 1 and p.mask is None}
+  tied: dict[str, str] = {}
   for flax_path, group in groups.items():
-    if flax_path not in target_paths:
-      unexpected.extend(p.name for p in group["params"].values())
+    if flax_path in target_paths:
+      continue
+    for p in group["params"].values():
+      twin = _loaded_twin(p, src.shared, loaded_keys)
+      if twin is None:
+        unexpected.append(p.name)
+      else:
+        tied[p.name] = twin
   if strict and (missing or unexpected):
     parts = []
     if unexpected:
@@ -527,100 +577,12 @@ def load_nnx(
     var[...] = value
   for path, new in plan.replace:
     _rules.replace_module(model, path, new)
-  return LoadReport(loads, missing=missing, unexpected=unexpected)
+  return LoadReport(loads, missing=missing, unexpected=unexpected, tied=tied, notes=plan.notes)
 
 
-def apply_rules(
-    params: Mapping[str, TorchParam],
-    rules: Any,
-    *,
-    name_map: NameMap = None,
-    embeddings: str = DEFAULT_EMBEDDINGS,
-) -> dict[str, TorchParam]:
-  """Sparsifies decoded Linear weights by magnitude: ``rules`` maps Flax module paths to structures.
+def _loaded_twin(p: TorchParam, shared: Mapping[str, Sequence[str]], loaded_keys: set[str]) -> str | None:
+  """The loaded torch key whose tensor is the very tensor of ``p`` (the same memory: tied weights), else ``None``."""
+  if len(p.keys) != 1 or p.mask is not None:  # a pruned or sparse parameter: not one plain tensor
+    return None
+  return next((k for k in shared.get(p.keys[0], ()) if k in loaded_keys), None)
 
-  ``rules`` is one structure for every Linear weight or ``{regex: structure or None}``; a module takes
-  the first regex that matches its Flax path in full (``None``: leave it). Structures are
-  :class:`jaxsparse.BlockSparse` (largest-norm blocks, ``block_shape`` in Flax ``(in, out)`` layout),
-  :class:`jaxsparse.NM` (``n`` largest of every ``m`` inputs) and :class:`jaxsparse.Unstructured`. The
-  new mask replaces any mask the weight had (pruned weights are zero, so they rank last). Magnitudes rank in
-  float32, float64 weights in float64 (as torch's pruning ranks them; block and unstructured rules only under
-  ``jax_enable_x64``, without which JAX holds float64 as float32).
-
-  >>> import torch, jaxsparse
-  >>> from jaxsparse import torch_interop
-  >>> params = torch_interop.decode_checkpoint(torch.nn.Linear(8, 4).state_dict())
-  >>> w = torch_interop.apply_rules(params, jaxsparse.NM(2, 4))["weight"]
-  >>> w.format, str(w.pattern), w.mask.shape, w.mask.dtype
-  ('dense + 2:4', '2:4', (4, 8), dtype('bool'))
-
-  Args:
-    params: ``{name: TorchParam}`` from :func:`decode_checkpoint`.
-    rules: one structure or ``{regex: structure or None}`` over Flax module paths (after ``name_map``).
-    name_map: how torch module paths become Flax ones (see :func:`map_name`).
-    embeddings: regex (``re.search`` on the torch module path) of the 2-D weights that are embedding tables,
-      not Linear weights.
-
-  Returns:
-    A new ``{name: TorchParam}``: the matched Linear weights get a bool mask of their torch ``(out, in)``
-    shape (with zeros at the dropped entries of ``value`` and ``format`` ending in the structure), every other
-    parameter is passed through unchanged.
-
-  Raises:
-    CheckpointError: a rule that matches no Linear weight (listing the Linear paths there are), or a
-      ``{regex: structure}`` rule that matches a convolution or embedding weight, which import rules
-      cannot sparsify.
-  """
-  resolved = _rules.resolve_rules(rules)
-  lone = not isinstance(rules, Mapping)  # one structure for every Linear weight: others are not its target
-  out = dict(params)
-  used: set[int] = set()
-  linear_paths: list[str] = []
-  for name, p in params.items():
-    if p.param != "weight" or p.value is None or p.value.ndim < 2:
-      continue
-    flax_path = map_name(name_map, p.module)
-    i = None if flax_path is None else _rules.match_rules(resolved, flax_path)
-    if p.value.ndim != 2 or re.search(embeddings, p.module):
-      if i is not None and resolved[i][2] is None:
-        used.add(i)
-      elif i is not None and not lone:
-        kind = "an embedding" if p.value.ndim == 2 else f"a {p.value.ndim}-D (convolution) weight"
-        raise CheckpointError(
-            f"rule {resolved[i][0]!r} matches {name!r} (Flax {flax_path!r}), {kind} of shape {p.shape}; import "
-            "rules sparsify Linear (2-D) weights only. Narrow the rule, or map it to None (keep dense)."
-        )
-      continue
-    if flax_path is not None:
-      linear_paths.append(flax_path)
-    if i is None:
-      continue
-    used.add(i)
-    if resolved[i][2] is None:
-      continue
-    spec = resolved[i][2]
-    # In the weight's own dtype: the masks rank float64 weights in float64 (a cast here would make float32 ties).
-    kernel = flax_layout(float_value(p, into=f"the Flax {_join(flax_path, 'kernel')!r}"))
-    try:
-      if isinstance(spec, formats.BlockSparse):
-        bk, bn = spec.block_shape
-        bm = np.asarray(_masks.block_magnitude_mask(kernel, (bk, bn), spec.density))
-        mask = np.repeat(np.repeat(bm, bk, 0), bn, 1)
-      elif isinstance(spec, formats.NM):
-        check_plain_nm(spec, path=flax_path, what="a PyTorch import rule")
-        full = spec.n == spec.m
-        mask = np.ones_like(kernel, bool) if full else flax_layout(nm_mask_torch(p.masked_value, spec.n, spec.m))
-      else:
-        mask = np.asarray(_masks.magnitude_mask(kernel, spec.sparsity))
-    except ValueError as e:
-      raise CheckpointError(f"rule {resolved[i][0]!r} cannot sparsify {name!r} (Flax {flax_path!r}): {e}") from e
-    mask_t = np.ascontiguousarray(mask.T)
-    out[name] = TorchParam(name, p.masked_value, mask_t, f"{p.format} + {spec.describe()}", p.keys)
-  unused = [pattern for i, (pattern, _, _) in enumerate(resolved) if i not in used]
-  if unused:
-    listing = ", ".join(linear_paths[:20]) + (" ..." if len(linear_paths) > 20 else "") if linear_paths else "(none)"
-    raise CheckpointError(
-        f"rule(s) {unused} matched no Linear weight (rules fully match Flax module paths, after name_map); "
-        f"the Linear paths are: {listing}."
-    )
-  return out

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
+from collections.abc import Iterable
 from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
@@ -22,11 +23,13 @@ from jaxsparse._rules import path_str
 from jaxsparse._utils import warn_at_caller
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
 from jaxsparse.formats._specs import matrix_shape
+from jaxsparse.torch_interop._attention import is_packed_attention
+from jaxsparse.torch_interop._attention import split_packed_attention
 from jaxsparse.torch_interop._decode import NMSpec
 from jaxsparse.torch_interop._decode import TorchParam
 from jaxsparse.torch_interop._decode import decode_checkpoint
 from jaxsparse.torch_interop._decode import float_value
-from jaxsparse.torch_interop._flax import apply_rules
+from jaxsparse.torch_interop._import_rules import apply_rules
 from jaxsparse.torch_interop._limits import limit_scope
 from jaxsparse.torch_interop._load import CheckpointError
 from jaxsparse.torch_interop._load import TensorSource
@@ -35,6 +38,7 @@ from jaxsparse.torch_interop._load import open_checkpoint
 from jaxsparse.torch_interop._names import DEFAULT_EMBEDDINGS
 from jaxsparse.torch_interop._names import NameMap
 from jaxsparse.torch_interop._names import group_params
+from jaxsparse.torch_interop._names import ignore_patterns
 from jaxsparse.torch_interop._names import ignored
 from jaxsparse.torch_interop._names import map_name
 from jaxsparse.torch_interop._patterns import flax_layout
@@ -46,7 +50,7 @@ def to_linen_variables(
     source: Any,
     *,
     name_map: NameMap = None,
-    ignore: Sequence[str] = (),
+    ignore: str | Iterable[str] | None = (),
     nm: NMSpec = None,
     rules: Any = None,
     sparse: bool = True,
@@ -107,7 +111,8 @@ def to_linen_variables(
   Args:
     source: anything :func:`load_state_dict` takes.
     name_map: torch module path -> Flax module path (see :func:`map_name`).
-    ignore: glob patterns of torch parameter names to skip.
+    ignore: glob patterns (``fnmatch``) of torch parameter names to skip: one pattern (``"pooler.*"``), an iterable
+      of them or ``None`` (none).
     nm: recompute N:M masks of dense weights (see :func:`decode_checkpoint`).
     rules: sparsify Linear weights while converting (see :func:`apply_rules`), e.g.
       ``{r".*intermediate\.dense": jaxsparse.NM(2, 4)}``.
@@ -123,9 +128,11 @@ def to_linen_variables(
       (``matrix_shape``: its first axes inputs, the rest outputs) is ``(in, out)``, such as the
       ``(in, heads, head_dim)`` q/k/v and ``(heads, head_dim, out)`` out kernels of Linen attention, and a
       1-D bias one of the same size, an embedding table the target's ``embedding``; pruned weights are written as
-      dense kernels (zero where pruned) with their masks under ``"masks"``. A variable the target lacks, one of the
-      target's ``"params"`` the checkpoint lacks, or a shape that does not fit raises a :class:`CheckpointError`
-      naming it.
+      dense kernels (zero where pruned) with their masks under ``"masks"``. A ``torch.nn.MultiheadAttention`` whose
+      Flax path holds the target's ``query`` / ``key`` / ``value`` / ``out`` (``nn.MultiHeadDotProductAttention``)
+      fills them: its packed ``in_proj_weight`` / ``in_proj_bias`` split by rows (a mask alike), its ``out_proj``
+      into ``out``. A variable the target lacks, one of the target's ``"params"`` the checkpoint lacks, or a shape
+      that does not fit raises a :class:`CheckpointError` naming it.
     conv1d: regex of the torch module paths whose weights are stored ``(in, out)`` like transformers' ``Conv1D``
       (GPT-2): their kernel is the weight itself; see :func:`decode_checkpoint`. Not needed for a ``torch.nn.Module``
       source, whose classes say it.
@@ -145,8 +152,9 @@ def to_linen_variables(
       ``max_bytes`` included; with ``target``, a variable it lacks, lacks from the checkpoint or cannot take the shape
       of; two torch parameters for one Flax variable.
     TypeError: ``embeddings`` is not a ``str`` or ``None``, ``target`` is not a mapping, ``max_bytes`` is not an int
-      or ``None``.
+      or ``None``, ``ignore`` is neither a ``str``, ``None`` nor an iterable of ``str``.
   """
+  ignore = ignore_patterns(ignore)
   with limit_scope(max_bytes):
     return _linen_variables(source, name_map=name_map, ignore=ignore, nm=nm, rules=rules, sparse=sparse,
                             embeddings=embeddings, key=key, progress=progress, target=target, conv1d=conv1d)
@@ -169,7 +177,11 @@ def _linen_variables(source: Any, *, name_map: NameMap, ignore: Sequence[str], n
     exactly = "^(?:" + "|".join(re.escape(t) for t in sorted(tables)) + ")$" if tables else r"(?!)"
     params = apply_rules(params, rules, name_map=name_map, embeddings=exactly)
   out: dict[str, dict] = {"params": {}}
-  for flax_path, group in group_params(params, name_map, ignore).items():
+  groups = group_params(params, name_map, ignore)
+  for flax_path in [p for p, g in groups.items() if shapes is not None and is_packed_attention(g)]:
+    if _param(".".join(q for q in (flax_path, "query") if q), "kernel") in shapes:  # Linen attention's projections
+      split_packed_attention(groups, flax_path)
+  for flax_path, group in groups.items():
     for name, p in group["params"].items():
       _linen_param(out, flax_path, name, p, sparse=sparse, table=group["torch"] in tables, masks=target is not None)
   out = {k: v for k, v in out.items() if v}

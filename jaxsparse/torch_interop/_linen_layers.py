@@ -25,6 +25,7 @@ from flax import nnx
 from jaxsparse import layers as jsl
 from jaxsparse._sparsify._linen import SparsifiedLinen
 from jaxsparse.formats._specs import NM
+from jaxsparse.formats._specs import BlockSparse
 from jaxsparse.layers import linen as sparse_linen
 
 __all__ = ["LinenLayer", "check_one_layer", "linen_layers"]
@@ -60,10 +61,18 @@ def _sparsified_layers(module: Any) -> dict[str, LinenLayer]:
   out = {}
   for path, plan in module.layers.items():
     conv = plan.kind == "conv"
+    # The axes of one layer's stored kernel (table); a stack's (sparsify_linen of an nn.scan over layers) has more.
+    # An nn.DenseGeneral's dense kernel (densify_linen's variables) keeps its (*in_dims, *features) axes.
+    ndim = 3 if isinstance(plan.spec, BlockSparse) else 2
+    if conv:
+      ndim = _ndim(plan.module.kernel_size) + 2
+    elif plan.kind == "general":
+      ndim = max(ndim, len(plan.in_dims) + len(plan.features))
+    leaf = "embedding" if plan.kind == "embed" else "kernel"
     out[".".join(str(p) for p in path)] = LinenLayer(
         type(plan.module).__name__, plan.kind, plan.spec if isinstance(plan.spec, NM) else None,
         in_ndim=len(plan.in_dims), features=tuple(plan.features),
-        weight_mask=getattr(plan.module, "mask", None) if conv else None)
+        weight_mask=getattr(plan.module, "mask", None) if conv else None, leaf=leaf, ndim=ndim)
   return out
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import zipfile
 from collections.abc import Callable
 from collections.abc import Iterator
 from collections.abc import Mapping
@@ -84,10 +85,14 @@ class TensorSource(Mapping):
     extras: ``torch.ao.pruning`` sparsifier masks found next to the model, ``{tensor_fqn: mask}``.
     module_types: for a ``torch.nn.Module`` source, ``{module path: its class}`` (paths as the keys have them,
       prefixes removed); empty for a state dict or a file, which do not say what their modules are.
+    shared: ``{key: the other keys holding the very same tensor}`` (the same view of the same memory: tied weights,
+      as a tied model's ``lm_head.weight`` and ``embed_tokens.weight``) for torch tensors in memory (a module, a
+      state dict, a ``torch.save`` file, which keeps the sharing); empty for safetensors, which stores tensors apart.
   """
 
   def __init__(self, keys: list[str], get: Callable[[str], Any], *, origin: str, nbytes: int = 0, extras=None,
-               module_types=None, sizes: Mapping[str, TensorSize] | None = None):
+               module_types=None, sizes: Mapping[str, TensorSize] | None = None,
+               shared: Mapping[str, tuple[str, ...]] | None = None):
     self._keys = list(keys)
     self._key_set = set(self._keys)
     self._get = get
@@ -96,6 +101,7 @@ class TensorSource(Mapping):
     self.extras = dict(extras or {})
     self.module_types = dict(module_types or {})
     self.sizes = dict(sizes or {})
+    self.shared = dict(shared or {})
 
   def __getitem__(self, key: str):
     if key not in self._key_set:
@@ -296,6 +302,15 @@ def _torch_load(path: str) -> Any:
     return torch.load(path, map_location="cpu", weights_only=True, mmap=zipped)
   except pickle.UnpicklingError as e:
     msg, reason = str(e), _torch_reason(str(e))
+    protocol = _pickle_protocol(path) if "Unsupported operand" in msg else None
+    if protocol is not None and protocol >= 4:
+      raise CheckpointError(
+          f"{path} holds a pickle of protocol {protocol} (torch.save(..., pickle_protocol={protocol}), or "
+          "pickle.dump): jaxsparse loads checkpoints only with torch.load(weights_only=True), which never runs code "
+          "from the file and does not read the FRAME opcode of protocols 4 and 5. Re-save it with torch.save's "
+          "default protocol (torch.save(state_dict, path)) or as safetensors (safetensors.torch.save_file(state_dict, "
+          f"path)), from a trusted environment. torch said: {reason}"
+      ) from e
     # The weights-only unpickler words every failure alike; an opcode it does not know means bytes that are no
     # pickle (a NumPy file, JSON, garbage), not a pickle that needs code.
     if ("Weights only load failed" in msg or "weights_only" in msg) and "Unsupported operand" not in msg:
@@ -314,6 +329,26 @@ def _torch_load(path: str) -> Any:
     raise CheckpointError(
         f"{path} is not a readable PyTorch checkpoint (truncated, corrupt or another format?): {first}"
     ) from e
+
+
+def _pickle_protocol(path: str) -> int | None:
+  """The protocol a ``torch.save`` file's pickle declares (its ``data.pkl`` in a zip file, else the file's first
+  bytes), from the PROTO opcode it starts with; ``None`` where there is none to read. Only for the message: the
+  pickle itself is never loaded here."""
+  try:
+    if _is_zip(path):
+      with zipfile.ZipFile(path) as z:
+        name = next((n for n in z.namelist() if n.rpartition("/")[2] == "data.pkl"), None)
+        if name is None:
+          return None
+        with z.open(name) as f:
+          head = f.read(2)
+    else:
+      with open(path, "rb") as f:
+        head = f.read(2)
+  except Exception:  # untrusted bytes, read for a diagnosis only: any failure keeps the plain message
+    return None
+  return head[1] if len(head) == 2 and head[0] == pickle.PROTO[0] else None
 
 
 def _is_zip(path: str) -> bool:
@@ -339,6 +374,24 @@ def _sizes(tensors: Mapping[str, Any]) -> dict[str, TensorSize]:
     except (AttributeError, TypeError, ValueError, RuntimeError):
       continue
   return sizes
+
+
+def _shared(tensors: Mapping[str, Any]) -> dict[str, tuple[str, ...]]:
+  """``{key: the other keys}`` of the torch tensors that are one view of one memory (tied weights), from their
+  storage pointers, offsets, shapes and strides (never their data)."""
+  torch = import_torch()
+  views: dict[tuple, list[str]] = {}
+  for key, t in tensors.items():
+    if not isinstance(t, torch.Tensor) or t.is_nested or t.is_meta or t.layout != torch.strided:
+      continue
+    try:
+      ptr = t.untyped_storage().data_ptr()
+      view = (str(t.device), ptr, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+    except (RuntimeError, NotImplementedError, TypeError):  # tensor subclasses without a plain storage
+      continue
+    if ptr and t.numel():
+      views.setdefault(view, []).append(key)
+  return {k: tuple(o for o in keys if o != k) for keys in views.values() if len(keys) > 1 for k in keys}
 
 
 def open_checkpoint(source: Any, *, key: str | None = None, max_bytes: int | None = None) -> TensorSource:
@@ -400,6 +453,7 @@ def _open_checkpoint(source: Any, *, key: str | None) -> TensorSource:
       extras={(f[len(removed) :] if f.startswith(removed) else f): m for f, m in extras.items()},
       module_types={(n[len(removed) :] if n.startswith(removed) else n): t for n, t in types.items()},
       sizes=sizes,
+      shared=_shared(tensors),
   )
 
 
@@ -428,10 +482,12 @@ def load_state_dict(source: Any, *, key: str | None = None, max_bytes: int | Non
     ``{name: torch.Tensor}`` with ``module.`` / ``_orig_mod.`` prefixes shared by all keys removed.
 
   Raises:
-    CheckpointError: a missing, empty, truncated or non-checkpoint file, a file that needs pickled code,
-      or no state dict inside it; a module with a parametrized tensor whose parametrizations are not one
-      ``torch.ao.pruning`` ``FakeSparsity``; a file declaring more than ``max_bytes`` (a tensor, or all together:
-      a sparse file, a view whose zero strides expand it); the message names the tensor, its shape, dtype and bytes.
+    CheckpointError: a missing, empty, truncated or non-checkpoint file, a file that needs pickled code, a
+      ``torch.save`` file or pickle of protocol 4 or 5 (which the weights-only loader does not read: the message says
+      to re-save it with the default protocol or as safetensors), or no state dict inside it; a module with a
+      parametrized tensor whose parametrizations are not one ``torch.ao.pruning`` ``FakeSparsity``; a file declaring
+      more than ``max_bytes`` (a tensor, or all together: a sparse file, a view whose zero strides expand it); the
+      message names the tensor, its shape, dtype and bytes.
     TypeError: ``max_bytes`` is not an int or ``None``.
     ValueError: ``max_bytes`` < 1, or ``$JAXSPARSE_CHECKPOINT_MAX_BYTES`` is neither a positive int nor ``none``.
   """

@@ -13,6 +13,7 @@ import dataclasses
 import fnmatch
 import re
 from collections.abc import Callable
+from collections.abc import Iterable
 from collections.abc import Mapping
 from collections.abc import Sequence
 
@@ -20,7 +21,8 @@ from jaxsparse.torch_interop._decode import TorchParam
 from jaxsparse.torch_interop._load import CheckpointError
 from jaxsparse.torch_interop._patterns import Pattern
 
-__all__ = ["DEFAULT_EMBEDDINGS", "LayerLoad", "LoadReport", "NameMap", "group_params", "ignored", "map_name"]
+__all__ = ["DEFAULT_EMBEDDINGS", "LayerLoad", "LoadReport", "NameMap", "group_params", "ignore_patterns", "ignored",
+           "map_name"]
 
 NameMap = Callable[[str], str | None] | Mapping[str, str | None] | Sequence[tuple[str, str | None]] | None
 
@@ -110,8 +112,12 @@ class LoadReport:
     layers: one :class:`LayerLoad` per Flax module that received weights.
     missing: Flax parameters nothing was loaded into (only with ``strict=False``).
     unexpected: torch parameters that were not used (only with ``strict=False``).
+    tied: ``{torch parameter: torch parameter}``: those skipped because they are the very tensor (the same memory) of
+      a loaded one and the Flax model has no module for them (a tied torch model's ``lm_head.weight``, whose Flax
+      twin computes with the embedding's ``attend``); ``export_state_dict(..., tied=report.tied)`` writes them back.
+    notes: what was loaded but not kept, one line each (the mask of a pruned bias, applied to a dense Flax bias).
 
-  ``str(report)`` is a table of the layers, then the missing and unexpected names.
+  ``str(report)`` is a table of the layers, then the missing, unexpected and tied names and the notes.
 
   >>> import torch
   >>> from flax import nnx
@@ -127,6 +133,8 @@ class LoadReport:
   layers: list[LayerLoad]
   missing: list[str] = dataclasses.field(default_factory=list)
   unexpected: list[str] = dataclasses.field(default_factory=list)
+  tied: dict[str, str] = dataclasses.field(default_factory=dict)
+  notes: list[str] = dataclasses.field(default_factory=list)
 
   @property
   def torch_names(self) -> dict[str, str]:
@@ -143,15 +151,42 @@ class LoadReport:
       lines.append(f"missing (not loaded): {self.missing}")
     if self.unexpected:
       lines.append(f"unexpected (not used): {self.unexpected}")
+    if self.tied:
+      lines.append(f"tied (the same tensor as a loaded one; skipped): {self.tied}")
+    lines.extend(f"note: {note}" for note in self.notes)
     return "\n".join(lines)
 
 
-def ignored(name: str, ignore: Sequence[str]) -> bool:
-  return any(fnmatch.fnmatchcase(name, pattern) for pattern in ignore)
+def ignore_patterns(ignore: str | Iterable[str] | None) -> tuple[str, ...]:
+  """The glob patterns of an ``ignore=`` argument: one ``str`` is one pattern, ``None`` none.
+
+  A string is iterable, and taken character by character its ``"*"`` would match every parameter: it is one pattern.
+
+  Raises:
+    TypeError: ``ignore`` is neither a ``str``, ``None`` nor an iterable of ``str``, naming the value.
+  """
+  if ignore is None:
+    return ()
+  if isinstance(ignore, str):
+    return (ignore,)
+  allowed = "a glob pattern (str), an iterable of them (e.g. ['pooler.*', 'lm_head.weight']) or None"
+  if not isinstance(ignore, Iterable):
+    raise TypeError(f"ignore must be {allowed}, got {ignore!r} ({type(ignore).__name__}).")
+  patterns = tuple(ignore)
+  bad = [p for p in patterns if not isinstance(p, str)]
+  if bad:
+    raise TypeError(f"ignore must be {allowed}, got {ignore!r}, holding {bad[0]!r} ({type(bad[0]).__name__}).")
+  return patterns
 
 
-def group_params(params: Mapping[str, TorchParam], name_map: NameMap, ignore: Sequence[str]) -> dict[str, dict]:
+def ignored(name: str, ignore: str | Iterable[str] | None) -> bool:
+  return any(fnmatch.fnmatchcase(name, pattern) for pattern in ignore_patterns(ignore))
+
+
+def group_params(params: Mapping[str, TorchParam], name_map: NameMap,
+                 ignore: str | Iterable[str] | None) -> dict[str, dict]:
   """``{flax module path: {"torch": torch module path, "params": {param: TorchParam}}}``."""
+  ignore = ignore_patterns(ignore)
   groups: dict[str, dict] = {}
   for p in params.values():
     if ignored(p.name, ignore):

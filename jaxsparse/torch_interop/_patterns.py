@@ -11,10 +11,13 @@ import dataclasses
 
 import numpy as np
 
-__all__ = ["Pattern", "detect_pattern", "flax_layout", "nm_mask_torch", "torch_layout"]
+__all__ = ["Pattern", "detect_pattern", "flax_layout", "nm_mask_torch", "torch_layout", "zero_pattern"]
 
 # 2:4 first: a 1:2 mask is also 2:4, the pattern sparse tensor cores run.
 NM_GROUP_SIZES = (4, 2, 8, 16, 32)
+# zero_pattern: the block sides it tries, and the share of a weight's zeros that must lie in all-zero blocks.
+BLOCK_SIDES = (8, 16, 32, 64, 128)
+BLOCK_COVER = 0.99
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +119,63 @@ def detect_pattern(mask: np.ndarray | None, *, min_block: int = 8, max_block: in
       if 0 < n < m and np.all(counts == n):
         return Pattern("nm", density, n=n, m=m)
   return Pattern("unstructured", density)
+
+
+def zero_pattern(w: np.ndarray) -> Pattern:
+  """The structure of the exact zeros of a dense torch-layout weight (a pruned weight stored dense), as the
+  :class:`Pattern` of the entries a sparse layer keeping every nonzero would keep.
+
+  The checks run in this order: no nonzero is ``"unstructured"`` of density 0; a 2-D weight whose zeros lie
+  (``BLOCK_COVER`` of them) in all-zero blocks of power-of-two sides 8 to 128 is ``"block"`` (the largest such block,
+  the squarest of equal areas; ``density``: the blocks holding a nonzero); one holding at most ``n`` nonzeros in every
+  run of ``m`` consecutive entries along dim 1 (the inputs), ``n <= m / 2``, is ``"nm"`` (the smallest ``n / m``, 2:4
+  first of equals; ``density``: ``n / m``); anything else is ``"unstructured"`` (``density``: the nonzeros).
+  A weight without zeros is ``"dense"``. Each structure keeps every nonzero.
+
+  >>> import numpy as np
+  >>> from jaxsparse.torch_interop._patterns import zero_pattern
+  >>> w = np.tile([0.0, 1.5, 0.0, -2.0], (8, 4))
+  >>> str(zero_pattern(w)), zero_pattern(w).density
+  ('2:4', 0.5)
+  >>> w = np.kron([[1.0, 0.0], [0.0, 0.0]], np.ones((16, 32)))
+  >>> str(zero_pattern(w)), zero_pattern(w).density
+  ('block 16x32', 0.25)
+
+  Args:
+    w: a weight of ndim >= 2 (NumPy, any real dtype), in torch layout (``(out, in)``, ``(out, in, *kernel)``).
+
+  Returns:
+    A :class:`Pattern`.
+  """
+  nonzero = np.asarray(w) != 0
+  kept = int(np.count_nonzero(nonzero))
+  if kept == nonzero.size:
+    return Pattern("dense", 1.0)
+  if not kept:
+    return Pattern("unstructured", 0.0)
+  zeros = nonzero.size - kept
+  blocks = []
+  if nonzero.ndim == 2:
+    rows, cols = nonzero.shape
+    for b0 in (b for b in BLOCK_SIDES if rows % b == 0):
+      by_rows = nonzero.reshape(rows // b0, b0, cols).any(1)
+      for b1 in (b for b in BLOCK_SIDES if cols % b == 0):
+        full = by_rows.reshape(rows // b0, cols // b1, b1).any(2)
+        if (full.size - np.count_nonzero(full)) * b0 * b1 >= BLOCK_COVER * zeros:
+          blocks.append((-b0 * b1, abs(b0 - b1), (b0, b1), float(full.mean())))
+  if blocks:
+    *_, shape, density = min(blocks)
+    return Pattern("block", density, block_shape=shape)
+  fits = []
+  for order, m in enumerate(NM_GROUP_SIZES):
+    if nonzero.shape[1] % m == 0:
+      n = int(_nm_counts(nonzero, m).max())
+      if n <= m // 2:
+        fits.append((n / m, order, n, m))
+  if fits:
+    density, _, n, m = min(fits)
+    return Pattern("nm", density, n=n, m=m)
+  return Pattern("unstructured", kept / nonzero.size)
 
 
 def nm_mask_torch(w: np.ndarray, n: int, m: int) -> np.ndarray:
