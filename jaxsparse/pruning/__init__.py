@@ -39,6 +39,7 @@ from jaxsparse.pruning._calibration_nnx import calibrate
 from jaxsparse.pruning._dst import cosine_drop_fraction
 from jaxsparse.pruning._dst import rigl_pruner
 from jaxsparse.pruning._dst import set_pruner
+from jaxsparse.pruning._layer_masks import layer_masks
 from jaxsparse.pruning._oneshot import CalibratedPruneReport
 from jaxsparse.pruning._oneshot import LayerPruned
 from jaxsparse.pruning._oneshot import calibrated_prune
@@ -89,6 +90,7 @@ __all__ = [
     "get_masks",
     "gradual",
     "kernel_views",
+    "layer_masks",
     "layer_stacks",
     "magnitude_layer",
     "magnitude_masks",

@@ -7,7 +7,7 @@ that were pruned before this update, at random (SET) or where the dense gradient
 (RigL). Grown weights start at zero (they were held at zero while pruned) and their optimizer state
 is reset by :func:`wrap_optax`. Each layer of a stack (``stacks=``) is one layer here. The number of kept units per
 layer never changes, even with NaN or infinite weights (kept to the last) or gradients (a NaN gradient counts as the
-largest).
+largest). A layer with a mask of its own (``layer_masks=``) is drawn and grown inside that mask only.
 """
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ from jaxsparse._rules import Views
 from jaxsparse._rules import resolve_rules
 from jaxsparse._rules import resolve_views
 from jaxsparse.formats._specs import NM
+from jaxsparse.pruning._layer_masks import LayerMasks
+from jaxsparse.pruning._layer_masks import allowed_units
+from jaxsparse.pruning._layer_masks import check_layer_masks
 from jaxsparse.pruning._optax import Pruner
 from jaxsparse.pruning._schedules import check_steps
 from jaxsparse.pruning._schedules import periodic
@@ -72,16 +75,19 @@ def cosine_drop_fraction(
   return jnp.where(up_to_end, f, jnp.float32(0.0))
 
 
-def _swap(units: jax.Array, drop_scores: jax.Array, grow_scores: jax.Array, n_swap: jax.Array) -> jax.Array:
+def _swap(
+    units: jax.Array, drop_scores: jax.Array, grow_scores: jax.Array, n_swap: jax.Array, allowed: jax.Array | None
+) -> jax.Array:
   """In one layer's (flat) units, drops the ``n_swap`` kept units of smallest ``drop_scores`` and grows the pruned
-  ones of largest ``grow_scores``.
+  ones of largest ``grow_scores`` (among the ``allowed`` ones: those its layer's own mask can carry).
 
   As many are grown as dropped, whatever the scores: a NaN or infinite weight is dropped last, a NaN gradient counts
   as the largest.
   """
-  n = jnp.minimum(n_swap, jnp.minimum(jnp.sum(units), jnp.sum(~units)))
+  free = ~units if allowed is None else allowed & ~units
+  n = jnp.minimum(n_swap, jnp.minimum(jnp.sum(units), jnp.sum(free)))
   drop = rank_mask(-jnp.where(jnp.isnan(drop_scores), jnp.inf, drop_scores), n, among=units)
-  grow = rank_mask(grow_scores, n, among=~units)
+  grow = rank_mask(grow_scores, n, among=free)
   return (units & ~drop) | grow
 
 
@@ -100,7 +106,7 @@ _NM_REFUSED = ("SET and RigL support Unstructured and BlockSparse rules, got {sp
 
 
 def _dst_pruner(rules: Any, *, grow: str, update_every: int, end_step: int, begin_step: int, drop_fraction: float,
-                views: Views | None, stacks: Stacks | None):
+                views: Views | None, stacks: Stacks | None, layer_masks: LayerMasks | None):
   _check_args(drop_fraction, update_every, end_step, begin_step)
   schedule = periodic(update_every=update_every, begin_step=begin_step, end_step=end_step)
   rules = frozen_rules(rules)  # bad rules fail here, not at init
@@ -109,36 +115,44 @@ def _dst_pruner(rules: Any, *, grow: str, update_every: int, end_step: int, begi
       raise ValueError(f"rule {pattern!r}: {_NM_REFUSED.format(spec=spec)}")
   resolve_views(views)  # bad views and stacks fail here, not at init
   resolve_stacks(stacks)
+  layer_masks = check_layer_masks(layer_masks)
 
   def targets_of(params, *, warn):
-    _, leaves, treedef, targets = plan(params, rules, views=views, stacks=stacks, warn=warn)
+    paths, leaves, treedef, targets = plan(params, rules, views=views, stacks=stacks, warn=warn)
     for t in targets:
       if isinstance(t.spec, NM):
         raise ValueError(f"{t.path}: {_NM_REFUSED.format(spec=t.spec)}")
-    return leaves, treedef, targets
+    allowed = allowed_units(targets, layer_masks, paths, warn=warn) or [None] * len(targets)
+    return leaves, treedef, targets, allowed
+
+  def draw(t, scores, allowed):
+    if allowed is None:
+      return jax.vmap(lambda s: rank_mask(s, t.kept_final))(scores)
+    return jax.vmap(lambda s, a: rank_mask(s, t.kept_final, among=a))(scores, allowed)
 
   def init(params, key):
-    leaves, treedef, targets = targets_of(params, warn=True)
+    leaves, treedef, targets, allowed = targets_of(params, warn=True)
     keys = jax.random.split(key, max(len(targets), 1))
-    masks = [  # each layer of a stack its own random mask
-        t.expand(jax.vmap(lambda s, t=t: rank_mask(s, t.kept_final))(jax.random.uniform(k, (t.layers, t.units))))
-        for t, k in zip(targets, keys[: len(targets)], strict=True)
+    masks = [  # each layer of a stack its own random mask, inside its layer's own mask where it has one
+        t.expand(draw(t, jax.random.uniform(k, (t.layers, t.units)), a))
+        for t, k, a in zip(targets, keys[: len(targets)], allowed, strict=True)
     ]
     return unflatten_masks(treedef, len(leaves), targets, masks)
 
   def update(masks, params, grads, step, key):
-    leaves, treedef, targets = targets_of(params, warn=False)
+    leaves, treedef, targets, allowed = targets_of(params, warn=False)
     current = target_masks(masks, treedef, targets)
     grad_leaves = treedef.flatten_up_to(grads)
     fraction = cosine_drop_fraction(step, drop_fraction=drop_fraction, begin_step=begin_step, end_step=end_step)
     keys = jax.random.split(key, max(len(targets), 1))
     new = []
-    for t, mask, k in zip(targets, current, keys[: len(targets)], strict=True):
+    for t, mask, k, a in zip(targets, current, keys[: len(targets)], allowed, strict=True):
       units = t.unit_mask(mask)
       n_swap = jnp.minimum(jnp.floor(fraction * t.kept_final).astype(jnp.int32), t.units - t.kept_final)
       drop_scores = t.unit_scores(magnitude_scores(leaves[t.index]))
       grow_scores = _grow_scores(t, grow, grad_leaves[t.index], k)
-      new.append(t.expand(jax.vmap(_swap, in_axes=(0, 0, 0, None))(units, drop_scores, grow_scores, n_swap)))
+      swap = jax.vmap(_swap, in_axes=(0, 0, 0, None, None if a is None else 0))
+      new.append(t.expand(swap(units, drop_scores, grow_scores, n_swap, a)))
     return unflatten_masks(treedef, len(leaves), targets, new)
 
   return Pruner(init, update, schedule.is_update_step)
@@ -152,7 +166,7 @@ def _grow_scores(t: Target, grow: str, grad: Any, key: jax.Array) -> jax.Array:
 
 def set_pruner(
     rules: Any, *, update_every: int, end_step: int, begin_step: int = 0, drop_fraction: float = 0.3,
-    views: Views | None = None, stacks: Stacks | None = None,
+    views: Views | None = None, stacks: Stacks | None = None, layer_masks: LayerMasks | None = None,
 ) -> Pruner:
   """SET (Mocanu et al., 2018): drop the smallest-magnitude kept weights, regrow as many at random.
 
@@ -183,18 +197,27 @@ def set_pruner(
     stacks: ``{regex: leading layer axes}`` of stacked parameters (``nnx.vmap`` / ``nn.scan`` over layers): each
       layer keeps its own count and moves its own units (see :func:`magnitude_masks`); pass :func:`layer_stacks` of
       the model.
+    layer_masks: ``{parameter path: bool mask}`` of the layers that have a mask of their own (a model that is
+      already sparse: ``MaskedLinear``, ``MaskedConv``, Linen ``MaskedDense``); pass :func:`layer_masks` of the model.
+      The optimizer shows the pruner the parameters only: without them the random mask and the grown units land
+      outside those masks, on weights the layer cannot carry, so the model keeps fewer than :func:`get_masks` says.
+      With them both are drawn inside each layer's mask (a block: one it keeps a weight of), and the density is
+      still that of the whole weight; a rule looser than its layer keeps the layer's own units (warned at ``init``).
+      Read once, here: after :func:`apply_masks` narrows the layers' masks, build a new pruner to follow them.
 
   Returns:
     A :class:`Pruner` for :func:`wrap_optax`; its ``init`` draws a uniformly random mask per matched parameter
-    (from the key that :func:`wrap_optax` seeds with its ``seed``).
+    (from the key that :func:`wrap_optax` seeds with its ``seed``), inside its layer's mask where ``layer_masks`` has
+    one.
 
   Raises:
     TypeError: ``rules`` neither a structure nor a mapping, a rule key that is not a string or a rule value that is
-      not a structure or ``None``; bad ``views`` or ``stacks``.
+      not a structure or ``None``; bad ``views`` or ``stacks``; ``layer_masks`` not a mapping of paths to bool arrays.
     ValueError: naming the argument, for a bad ``drop_fraction`` or steps; an ``NM`` rule, empty ``rules`` or a
       rule key that is not a valid regex (here, where the pruner is built); at ``init``, a structure that cannot
-      apply to a parameter it matches, or a rule matching the stored values of an already N:M-compressed layer or
-      the kept blocks of a block-sparse layer (see :func:`magnitude_masks`), naming the path.
+      apply to a parameter it matches, a rule matching the stored values of an already N:M-compressed layer or
+      the kept blocks of a block-sparse layer (see :func:`magnitude_masks`), or a layer mask not of its parameter's
+      shape, naming the path.
 
   References:
     Mocanu et al., "Scalable training of artificial neural networks with adaptive sparse
@@ -202,13 +225,13 @@ def set_pruner(
   """
   return _dst_pruner(
       rules, grow="random", update_every=update_every, end_step=end_step, begin_step=begin_step,
-      drop_fraction=drop_fraction, views=views, stacks=stacks,
+      drop_fraction=drop_fraction, views=views, stacks=stacks, layer_masks=layer_masks,
   )
 
 
 def rigl_pruner(
     rules: Any, *, update_every: int, end_step: int, begin_step: int = 0, drop_fraction: float = 0.3,
-    views: Views | None = None, stacks: Stacks | None = None,
+    views: Views | None = None, stacks: Stacks | None = None, layer_masks: LayerMasks | None = None,
 ) -> Pruner:
   """RigL (Evci et al., 2020): drop the smallest-magnitude kept weights, grow where the dense gradient is largest.
 
@@ -238,9 +261,11 @@ def rigl_pruner(
       (:func:`cosine_drop_fraction`).
     views: as :func:`set_pruner`.
     stacks: as :func:`set_pruner`.
+    layer_masks: as :func:`set_pruner`: the random mask and the grown units stay inside each layer's own mask.
 
   Returns:
-    A :class:`Pruner` for :func:`wrap_optax`; it starts from a uniformly random mask per matched parameter.
+    A :class:`Pruner` for :func:`wrap_optax`; it starts from a uniformly random mask per matched parameter (inside
+    its layer's mask where ``layer_masks`` has one).
 
   Raises:
     TypeError: as :func:`set_pruner`.
@@ -252,6 +277,6 @@ def rigl_pruner(
   """
   return _dst_pruner(
       rules, grow="gradient", update_every=update_every, end_step=end_step, begin_step=begin_step,
-      drop_fraction=drop_fraction, views=views, stacks=stacks,
+      drop_fraction=drop_fraction, views=views, stacks=stacks, layer_masks=layer_masks,
   )
 

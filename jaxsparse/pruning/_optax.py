@@ -44,6 +44,10 @@ from jaxsparse.pruning._apply import where_masked
 from jaxsparse.pruning._compressed import stored_value_paths
 from jaxsparse.pruning._compressed import stored_values_error
 from jaxsparse.pruning._compressed import stored_values_known
+from jaxsparse.pruning._layer_masks import LayerMasks
+from jaxsparse.pruning._layer_masks import allowed_units
+from jaxsparse.pruning._layer_masks import check_layer_masks
+from jaxsparse.pruning._layer_masks import warn_zeros_kept
 from jaxsparse.pruning._schedules import Schedule
 from jaxsparse.pruning._schedules import one_shot
 from jaxsparse.pruning._scores import check_scope
@@ -134,7 +138,7 @@ class PruningState(NamedTuple):
 
 def magnitude_pruner(
     rules: Any, schedule: Schedule | None = None, *, scope: str = "layer", views: Views | None = None,
-    stacks: Stacks | None = None,
+    stacks: Stacks | None = None, layer_masks: LayerMasks | None = None,
 ) -> Pruner:
   """Magnitude pruning to the structures in ``rules`` on ``schedule`` (default: one-shot at step 0).
 
@@ -167,6 +171,10 @@ def magnitude_pruner(
     stacks: ``{regex: leading layer axes}`` of stacked parameters (``nnx.vmap`` / ``nn.scan`` over layers), each
       layer pruned on its own (see :func:`magnitude_masks`). An optimizer hands the pruner bare parameters, which do
       not tell their stacks: pass :func:`layer_stacks` of the model.
+    layer_masks: ``{parameter path: bool mask}`` of the layers with a mask of their own (a model that is already
+      sparse); pass :func:`layer_masks` of the model. Each such layer is ranked inside its mask, so a rule looser than
+      the layer keeps the layer's own weights (warned at ``init``) and :func:`get_masks` reports what the model keeps
+      (see :func:`set_pruner`). Read once, here.
 
   Returns:
     A :class:`Pruner` for :func:`wrap_optax`.
@@ -174,7 +182,8 @@ def magnitude_pruner(
   Raises:
     TypeError: ``schedule`` is not a :class:`Schedule`; ``views`` (``stacks``) with a key that is not a regex string
       or a value that is not a positive int (an int ``>= 0``); ``rules`` neither a structure nor a mapping, a rule
-      key that is not a string or a rule value that is not a structure or ``None``.
+      key that is not a string or a rule value that is not a structure or ``None``; ``layer_masks`` not a mapping of
+      paths to bool arrays.
     ValueError: ``scope`` is not ``"layer"`` or ``"global"``; empty ``rules`` or a rule key that is not a valid
       regex. The structures are checked against the parameters when the wrapped optimizer's ``init`` runs, which
       raises a ``ValueError`` for a structure that cannot apply to a parameter it matches, and, given an
@@ -192,12 +201,14 @@ def magnitude_pruner(
   rules = frozen_rules(rules)  # bad rules fail here, not at the wrapped optimizer's init
   resolve_views(views)  # bad views and stacks fail here, not at the first step
   resolve_stacks(stacks)
+  layer_masks = check_layer_masks(layer_masks)
 
   def at_step(masks, params, step, *, warn):
-    _, leaves, treedef, targets = plan(params, rules, views=views, stacks=stacks, warn=warn)
+    paths, leaves, treedef, targets = plan(params, rules, views=views, stacks=stacks, warn=warn)
     prior = None if masks is None else target_masks(masks, treedef, targets)
     new = masks_at(
-        leaves, targets, lambda spec: schedule.sparsity(step, spec.target_sparsity), scope=scope, prior=prior
+        leaves, targets, lambda spec: schedule.sparsity(step, spec.target_sparsity), scope=scope, prior=prior,
+        allowed=allowed_units(targets, layer_masks, paths, scope=scope, warn=warn),
     )
     return unflatten_masks(treedef, len(leaves), targets, new)
 
@@ -302,6 +313,11 @@ def wrap_optax(
   ``PruningState.pruned_nonzero`` (``pruned_nonfinite`` where they are NaN or infinite: training went non-finite),
   and :func:`get_masks` then raises, saying which.
 
+  A model that is already sparse (``MaskedLinear``, ``MaskedConv``, Linen ``MaskedDense``) shows the pruner its
+  parameters only, not its layers' own masks: give the pruner ``layer_masks=`` (:func:`layer_masks`). ``init`` warns,
+  naming them, where the pruner's first masks keep weights that are exactly zero in a kernel that also holds nonzero
+  ones (the mark of such a layer the pruner was not told of).
+
   Around it and inside it, the optax combinators (the pruning guide has more):
 
   * ``optax.MultiSteps(wrap_optax(tx, pruner), k)``: the pruner's step (``PruningState.count``, which the schedule
@@ -355,6 +371,7 @@ def wrap_optax(
     with stored_values_known(stored):
       masks = _split_like(jax.jit(lambda p, k: pruner.init(_gathered(p), k))(plain, init_key), plain)
     _refuse_stored(stored, masks)
+    warn_zeros_kept(masks, plain)
     inner_state = inner.init(params)
     if reset_state:
       try:  # an inner state that reset cannot map fails here, with a way out, not inside the first update's trace

@@ -57,6 +57,10 @@ from jaxsparse.pruning._apply import is_box
 from jaxsparse.pruning._compressed import known_stored_values
 from jaxsparse.pruning._compressed import stored_value_paths
 from jaxsparse.pruning._compressed import stored_values_error
+from jaxsparse.pruning._layer_masks import LayerMasks
+from jaxsparse.pruning._layer_masks import allowed_units
+from jaxsparse.pruning._layer_masks import check_layer_masks
+from jaxsparse.pruning._layer_masks import nnx_layer_masks
 from jaxsparse.pruning._stacks import Stacks
 from jaxsparse.pruning._stacks import nnx_stacks
 from jaxsparse.pruning._stacks import resolve_stacks
@@ -403,6 +407,7 @@ def masks_at(
     scope: str = "layer",
     prior: Sequence[jax.Array | None] | None = None,
     scores: Sequence[jax.Array] | None = None,
+    allowed: Sequence[jax.Array | None] | None = None,
 ) -> list[jax.Array]:
   """One element mask per target at a (possibly traced) sparsity.
 
@@ -417,6 +422,9 @@ def masks_at(
     prior: element masks currently in force (per target); a pruned unit only comes back when the
       count grows.
     scores: per-target scores of the leaf's shape; default ``|w|`` with blocks scored by their norm.
+    allowed: per target, the units its layer's own mask can carry (``(layers, units)`` bool, from
+      :func:`~jaxsparse.pruning._layer_masks.allowed_units`) or ``None``: only those are kept, at most all of them
+      (``NM`` targets have ``None``).
 
   Returns:
     One bool mask per target, of its leaf's shape (split like the leaf where explicit mesh axes split it: the
@@ -424,6 +432,7 @@ def masks_at(
   """
   check_scope(scope)
   whole = lambda a: replicated(a) if isinstance(a, jax.Array) else a
+  allowed = [None] * len(targets) if allowed is None else list(allowed)
   unit_scores, unit_prior = [], []
   for j, t in enumerate(targets):
     if scores is None:
@@ -442,15 +451,19 @@ def masks_at(
     s_t = sparsity(t.spec)
     if isinstance(t.spec, NM):
       out[j] = _nm_at(t, unit_scores[j], s_t)
-    elif scope == "layer":  # each layer of a stack keeps its own count
+    elif scope == "layer" and allowed[j] is None:  # each layer of a stack keeps its own count
       kept = kept_at(t.units, t.kept_final, s_t, t.spec.target_sparsity)
       out[j] = t.expand(jax.vmap(lambda s, kept=kept: rank_mask(s, kept))(unit_scores[j]))
+    elif scope == "layer":  # only among the units its layer's own mask can carry
+      kept = kept_at(t.units, t.kept_final, s_t, t.spec.target_sparsity)
+      out[j] = t.expand(jax.vmap(lambda s, a, kept=kept: rank_mask(s, kept, among=a))(unit_scores[j], allowed[j]))
     else:
       groups.setdefault(t.rule, []).append(j)
   for members in groups.values():  # global: every layer of every leaf of the rule, stacks included, ranked together
     spec = targets[members[0]].spec
     total = sum(targets[j].layers * targets[j].units for j in members)
-    member_scores = [unit_scores[j] for j in members]
+    member_scores = [unit_scores[j] if allowed[j] is None else jnp.where(allowed[j], unit_scores[j], -jnp.inf)
+                     for j in members]
     if isinstance(spec, BlockSparse):
       kept_final = _utils.kept_count(spec.density, total)
       # A block-sparse layer needs a block (jaxsparse.sparsify builds none from an empty block mask): each layer's
@@ -461,7 +474,12 @@ def masks_at(
     kept = kept_at(total, kept_final, sparsity(spec), spec.target_sparsity)
     if isinstance(spec, BlockSparse):
       kept = jnp.maximum(kept, sum(targets[j].layers for j in members))
-    joint = rank_mask(jnp.concatenate([s.reshape(-1) for s in member_scores]), kept)
+    if all(allowed[j] is None for j in members):
+      joint = rank_mask(jnp.concatenate([s.reshape(-1) for s in member_scores]), kept)
+    else:
+      among = jnp.concatenate([jnp.ones(s.size, bool) if allowed[j] is None else allowed[j].reshape(-1)
+                               for j, s in zip(members, member_scores, strict=True)])
+      joint = rank_mask(jnp.concatenate([s.reshape(-1) for s in member_scores]), kept, among=among)
     start = 0
     for j in members:
       t = targets[j]
@@ -505,7 +523,7 @@ def target_masks(masks: Any, treedef: Any, targets: Sequence[Target]) -> list[ja
 
 def magnitude_masks(
     params: Any, rules: Any, *, scope: str = "layer", scores: Any = None, views: Views | None = None,
-    stacks: Stacks | None = None,
+    stacks: Stacks | None = None, layer_masks: LayerMasks | None = None,
 ) -> Any:
   """Masks keeping the largest-magnitude weights (or blocks, or N of every M) of matched parameters.
 
@@ -559,6 +577,11 @@ def magnitude_masks(
       kernel's rank; these win); bare parameters (Linen ``params``, an ``nnx.State``) do not: pass
       :func:`layer_stacks` of the model. A kernel that looks stacked (a bias ``(L, N)`` beside a kernel
       ``(L, K, N)``) but is not known to be warns.
+    layer_masks: ``{parameter path: bool mask}`` of the layers with a mask of their own (``MaskedLinear``,
+      ``MaskedConv``, Linen ``MaskedDense``: :func:`layer_masks`): their weights are ranked inside that mask only, and
+      a rule looser than its layer keeps the layer's own weights (and warns), so the masks tell what the model keeps.
+      An ``nnx.Module`` tells them itself (given ones win); bare parameters do not: pass :func:`layer_masks` of the
+      model (Linen: of its variables). Not for ``NM`` rules (a pattern keeps ``n`` of every ``m``).
 
   Returns:
     A tree with the structure of ``params`` (Linen boxes read through): bool masks (True = kept) for pruned leaves,
@@ -573,20 +596,26 @@ def magnitude_masks(
       blocks are fixed; densify, prune and sparsify again), seen in an ``nnx.Module``, in its ``nnx.State`` (the
       layers mark those params) or in Linen variables that hold the
       layers' ``"sparsity"`` collection; bare Linen ``params`` do not tell them from a dense kernel (map such paths to
-      ``None``).
-    TypeError: bad ``rules``, ``views`` or ``stacks``; complex ``scores``; an ``nnx.Optimizer`` (it holds no
-      parameters: pass the model).
+      ``None``); a layer mask not of its parameter's shape.
+    TypeError: bad ``rules``, ``views``, ``stacks`` or ``layer_masks``; complex ``scores``; an ``nnx.Optimizer`` (it
+      holds no parameters: pass the model).
   """
+  layer_masks = check_layer_masks(layer_masks)
+  own = nnx_layer_masks(params)  # an NNX object's masked layers tell their masks
   paths, leaves, treedef, targets = plan(params, rules, views=views, stacks=stacks)
   score_list = None
   if scores is not None:
     score_list = _target_scores(params_of(scores), paths, targets)
   check_scope(scope)
+  given = layer_masks is not None
+  allowed = allowed_units(targets, {**own, **(layer_masks or {})} if own or given else None, paths, scope=scope,
+                          warn=True)
   # One compiled computation is much cheaper than dispatching its dozens of small ops one by one.
   compute = jax.jit(
-      lambda leaves, s: masks_at(leaves, targets, lambda spec: spec.target_sparsity, scope=scope, scores=s)
+      lambda leaves, s, a: masks_at(leaves, targets, lambda spec: spec.target_sparsity, scope=scope, scores=s,
+                                    allowed=a)
   )
-  return unflatten_masks(treedef, len(leaves), targets, compute(leaves, score_list))
+  return unflatten_masks(treedef, len(leaves), targets, compute(leaves, score_list, allowed))
 
 
 def _target_scores(scores: Any, paths: Sequence[str], targets: Sequence[Target]) -> list[Any]:
