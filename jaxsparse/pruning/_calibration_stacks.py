@@ -216,14 +216,13 @@ def _follow(jaxpr: Any, tags: dict[int, tuple], found: dict[Hashable, dict[int, 
       (key, axes), flip = ins[0], set(eqn.params["dimensions"])
       tags[id(eqn.outvars[0])] = (key, tuple((a, r != (i in flip)) for i, (a, r) in enumerate(axes)))
     elif name == "scan":  # its xs (after the consts and the carry) are sliced along their leading axis
-      body = eqn.params["jaxpr"].jaxpr
-      fixed = eqn.params["num_consts"] + eqn.params["num_carry"]
+      body = getattr(eqn.params["jaxpr"], "jaxpr", eqn.params["jaxpr"])  # a ClosedJaxpr (jax < 0.11) or a Jaxpr
       inner = {}
-      for i, (var, tag) in enumerate(zip(body.invars, ins, strict=True)):
+      for var, outer, tag in zip(body.invars, eqn.invars, ins, strict=True):
         if tag is None:
           continue
         key, axes = tag
-        if i >= fixed:
+        if len(outer.aval.shape) > len(var.aval.shape):  # an xs operand (the consts and the carry keep their shape)
           (axis, flipped), axes = axes[0], axes[1:]
           found.setdefault(key, {}).setdefault(axis, bool(eqn.params["reverse"]) != flipped)
         if axes:
