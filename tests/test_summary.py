@@ -430,7 +430,9 @@ def test_nnx_tied_table_counts_its_attend():
   s = jaxsparse.summary(sparse, ids)
   (embed,) = [row for row in s.layers if row.path == "embed"]
   _attend_flops(embed, kept)
-  assert embed.dense_forward_flops == _dense_attend_flops() == 2 * V * D  # the dense nnx.Embed.attend, by XLA
+  assert embed.dense_forward_flops == 2 * V * D
+  if jax.default_backend() == "cpu":  # the dense nnx.Embed.attend, by XLA (a GPU's cost analysis counts 2 V D - V)
+    assert _dense_attend_flops() == 2 * V * D
   assert s.forward_flops == 2 * kept + 2 * D * D // 2 and s.dense_forward_flops == 2 * V * D + 2 * D * D
   assert s.notes == ()
   # The same table as a layer: an NMLinear (D, V) kernel keeping the same weights counts the same.

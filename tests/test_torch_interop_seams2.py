@@ -32,6 +32,13 @@ from jaxsparse.torch_interop import CheckpointError  # noqa: E402
 SEQ = [(r"^", "layers.")]  # torch.nn.Sequential "0" -> nnx.Sequential "layers.0"
 
 
+@pytest.fixture(autouse=True)
+def _full_float32_products():
+  """Flax's products as torch's CPU ones (a GPU would take float32 products in TF32: 1e-4 apart)."""
+  with jax.default_matmul_precision("highest"):
+    yield
+
+
 def _two_linears():
   torch.manual_seed(0)
   net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
