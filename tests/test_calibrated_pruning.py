@@ -1,5 +1,7 @@
 """Post-training pruning with calibration data: calibration, Wanda, SparseGPT, calibrated_prune."""
 
+import itertools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -81,6 +83,16 @@ SPECS = {
     "4:8": jaxsparse.NM(4, 8),
     "block 8x4": jaxsparse.BlockSparse(density=0.5, block_shape=(8, 4)),
 }
+KINDS = ["unstructured 50%", "2:4", "block 8x4"]  # one spec of each kind
+
+
+def _some_fast(cases, fast) -> list:
+  """``cases`` as parameters (tuples for several argnames), those not in ``fast`` marked slow.
+
+  Long: moved out of the fast set (``make test`` <= 15 min on 2 cores); ``make test-slow`` (CI) runs the rest.
+  """
+  return [c if c in fast else pytest.param(*(c if isinstance(c, tuple) else (c,)), marks=pytest.mark.slow)
+          for c in cases]
 
 
 def check_pattern(mask, spec, shape):
@@ -98,7 +110,7 @@ def check_pattern(mask, spec, shape):
     assert blocks.any(axis=(1, 3)).sum() == int(spec.density * (k // bk) * (n // bn) + 0.5)
 
 
-@pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.parametrize("name", _some_fast(list(SPECS), {"2:4", "block 8x4"}))
 def test_sparsegpt_matches_float64_obs_reference(name):
   spec = SPECS[name]
   k, n = 48, 24  # block_size 16: three lazy batches
@@ -125,7 +137,8 @@ def test_sparsegpt_fixed_mask_and_tail_batch_match_reference():
   np.testing.assert_allclose(np.asarray(out.kernel), ref_w, atol=2e-4 * np.abs(ref_w).max())
 
 
-@pytest.mark.parametrize("name", ["unstructured 50%", "2:4", "block 8x4"])
+# Unstructured in the fast set: its tail batch has its own prune count (cumulative rounding).
+@pytest.mark.parametrize("name", _some_fast(KINDS, {"unstructured 50%"}))
 def test_sparsegpt_tail_batch_matches_reference(name):
   spec = SPECS[name]
   k, n = 56, 16  # block_size 16: three full batches in the scan and a tail of 8
@@ -252,8 +265,10 @@ def exact_refit(w, gram, mask, *, damp=0.01):
   return out
 
 
-@pytest.mark.parametrize("start", ["sparsegpt", "wanda"])
-@pytest.mark.parametrize("name", list(SPECS))
+# Every kind and both starts in the fast set.
+@pytest.mark.parametrize(("name", "start"), _some_fast(
+    list(itertools.product(SPECS, ["sparsegpt", "wanda"])),
+    {("unstructured 50%", "sparsegpt"), ("2:4", "sparsegpt"), ("2:4", "wanda"), ("block 8x4", "wanda")}))
 def test_refit_matches_float64_least_squares(name, start):
   spec = SPECS[name]
   k, n = 64, 16
@@ -423,8 +438,10 @@ class _Tail(nnx.Module):
     return self.fc(x)
 
 
-@pytest.mark.parametrize("method", ["magnitude", "wanda", "sparsegpt"])
-@pytest.mark.parametrize("name", ["unstructured 50%", "2:4", "block 8x4"])
+# Every kind and every method once in the fast set.
+@pytest.mark.parametrize(("name", "method"), _some_fast(
+    list(itertools.product(KINDS, ["magnitude", "wanda", "sparsegpt"])),
+    {("unstructured 50%", "wanda"), ("2:4", "sparsegpt"), ("block 8x4", "magnitude")}))
 def test_calibrated_prune_masks_sparsify_to_the_same_function(method, name):
   spec = SPECS[name]
   model = MLP(nnx.Rngs(3))
@@ -558,8 +575,9 @@ class LinenAttn(nn.Module):
     return nn.DenseGeneral(16, axis=(-2, -1), name="out")(h)
 
 
-@pytest.mark.parametrize("name", ["unstructured 50%", "2:4", "block 8x4"])
-@pytest.mark.parametrize("sequential", [True, False])
+# Both modes in the fast set: the default (sequential) with 2:4, one-shot with blocks of the reshaped kernels.
+@pytest.mark.parametrize(("sequential", "name"), _some_fast(
+    list(itertools.product([True, False], KINDS)), {(True, "2:4"), (False, "block 8x4")}))
 def test_linen_dense_general_matches_nnx_linear_general(name, sequential):
   spec = SPECS[name]
   model = NNXAttn(nnx.Rngs(5))
@@ -814,7 +832,7 @@ def test_singular_hessian_without_damping():
     pruning.sparsegpt(model, jaxsparse.NM(2, 4), [x], damp=0.0, progress=False)
 
 
-@pytest.mark.parametrize(("n", "m"), [(1, 3), (5, 6), (8, 24)])
+@pytest.mark.parametrize(("n", "m"), _some_fast([(1, 3), (5, 6), (8, 24)], {(1, 3)}))
 def test_sparsegpt_layer_default_block_size_fits_every_m(n, m):
   # Was: "block_size=128 must be a multiple of m=3", a block size the caller never gave (calibrated_prune rounds its
   # own down to a multiple of m; sparsegpt_layer's default did not).
@@ -1033,7 +1051,7 @@ def test_keep_largest_ranks_float64_scores_in_float64():
     np.testing.assert_array_equal(got[:, j], _stable_top(np.where(np.isnan(scores[:, j]), np.inf, scores[:, j]), c))
 
 
-@pytest.mark.parametrize("name", ["unstructured 50%", "2:4", "block 8x4"])
+@pytest.mark.parametrize("name", _some_fast(KINDS, {"2:4"}))
 def test_float64_sparsegpt_and_refit_match_float64_references(name):
   # Was: the Hessian, its Cholesky factor and the OBS updates ran in float32 (errors ~1e-6 of the weights; masks
   # chosen from float32 saliencies), as did the refit, however precise the float64 inputs.
@@ -1057,6 +1075,7 @@ def test_float64_sparsegpt_and_refit_match_float64_references(name):
   assert float(error) == pytest.approx(np.linalg.norm(x64 @ d) / np.linalg.norm(x64 @ w64), rel=1e-12)
 
 
+@pytest.mark.slow  # long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs it
 def test_float64_models_calibrate_and_prune_in_float64():
   # Was: calibrate / calibrate_linen summed the inputs' squares and X^T X in float32 for float64 models, and the
   # sparsegpt / wanda results of calibrated_prune carried float32 errors (LayerStats were float32 whatever the model).

@@ -103,10 +103,18 @@ def test_nm24_default_config_fits(m, k, n):
   assert n % cfg.span == 0 and cfg.span in ck.NM24_SPANS
 
 
-@pytest.mark.parametrize(
-    ("k", "n"), [(4096, 4096), (4096, 6144), (4096, 28672), (14336, 4096), (2048, 2560), (64, 128), (4096, 4160)]
-)
-@pytest.mark.parametrize("m", [1, 8, 16, 17, 32])
+def _candidate_cases():
+  """Every (m, k, n) of the candidate check. The fast set runs 4096 x 4096 at M of 1, 8, 16 and 32 and each other
+  shape once (M = 17 on 4096 x 28672); the other 25 cases are long: moved out of the fast set (make test <= 15 min on
+  2 cores); CI runs them."""
+  fast = {(1, 4096, 4096), (8, 4096, 4096), (16, 4096, 4096), (32, 4096, 4096), (16, 4096, 6144), (17, 4096, 28672),
+          (1, 14336, 4096), (8, 2048, 2560), (1, 64, 128), (1, 4096, 4160)}
+  for m in [1, 8, 16, 17, 32]:
+    for k, n in [(4096, 4096), (4096, 6144), (4096, 28672), (14336, 4096), (2048, 2560), (64, 128), (4096, 4160)]:
+      yield (m, k, n) if (m, k, n) in fast else pytest.param(m, k, n, marks=pytest.mark.slow)
+
+
+@pytest.mark.parametrize(("m", "k", "n"), list(_candidate_cases()))
 def test_nm24_candidate_configs_are_distinct_runnable_and_default_first(m, k, n):
   configs = ck.nm24_candidate_configs(m, k, n)
   assert configs[0] == ck.Nm24DecodeConfig.get_default(m, k, n) and len(set(configs)) == len(configs) <= 11
@@ -166,13 +174,16 @@ def test_nm24_default_spans_by_rows():
 
 def _decode_variants():
   """Every (rows, span, split, warps, token_split, x_load) of the decode kernel: rows of 1-4 token tiles. The fast
-  set builds each (rows, span, token_split, x_load) once (split 2, 4 warps); the other 135 builds (about 25 s on 2
-  cores) are long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs them."""
+  set builds each (rows, span) once and each (token_split, x_load) at least once (split 2, 4 warps); the other 175
+  builds are long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs them."""
+  fast = {(1, 128, 1, "shuffle"), (16, 128, 1, "ldmatrix"), (16, 64, 2, "ldmatrix"), (24, 64, 1, "ldmatrix"),
+          (32, 64, 1, "shuffle")}
   for rows, span in [(1, 128), (16, 128), (16, 64), (24, 64), (32, 64)]:
     for split, warps, (token_split, x_load) in itertools.product(
         [1, 2, 4, 8], [2, 4, 8], [(1, "shuffle"), (1, "ldmatrix"), (2, "ldmatrix")]):
       case = (rows, span, split, warps, token_split, x_load)
-      yield case if (split, warps) == (2, 4) else pytest.param(*case, marks=pytest.mark.slow)
+      in_fast_set = (split, warps) == (2, 4) and (rows, span, token_split, x_load) in fast
+      yield case if in_fast_set else pytest.param(*case, marks=pytest.mark.slow)
 
 
 @pytest.mark.parametrize(("rows", "span", "split", "warps", "token_split", "x_load"), list(_decode_variants()))

@@ -614,7 +614,13 @@ _NAMED_LAYERS = {
 }
 
 
-@pytest.mark.parametrize("kind", list(_NAMED_LAYERS))
+# long: one layer of each kind in the fast set (make test <= 15 min on 2 cores); CI runs the others. The embedding
+# is the one whose dense weight is a table and that has no bias.
+_NAMED_FAST = ("MaskedLinear", "NMLinear", "BlockSparseLinear", "CompressedNMEmbed")
+
+
+@pytest.mark.parametrize(
+    "kind", [k if k in _NAMED_FAST else pytest.param(k, marks=pytest.mark.slow) for k in _NAMED_LAYERS])
 def test_to_dense_keeps_the_partitioning_names(kind):
   """A layer's own ``to_dense()`` dropped the partitioning names (``nnx.with_partitioning``) of kernel and bias,
   which only ``jaxsparse.densify`` carried back: a sharded model turned dense by hand silently lost its sharding.

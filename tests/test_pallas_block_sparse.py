@@ -130,16 +130,16 @@ slow = pytest.mark.slow
 
 CASES = [
     # (block_shape, pattern, dtype)
-    ((16, 16), "random", jnp.float32),
+    pytest.param((16, 16), "random", jnp.float32, marks=slow),
     ((32, 32), "random", jnp.float32),
-    ((32, 32), "random", jnp.bfloat16),
+    pytest.param((32, 32), "random", jnp.bfloat16, marks=slow),
     pytest.param((32, 32), "dense", jnp.float32, marks=slow),
     ((32, 32), "single", jnp.bfloat16),
-    ((64, 64), "random", jnp.float32),
+    pytest.param((64, 64), "random", jnp.float32, marks=slow),
     pytest.param((64, 64), "single", jnp.float32, marks=slow),
-    ((64, 64), "dense", jnp.bfloat16),
+    pytest.param((64, 64), "dense", jnp.bfloat16, marks=slow),
     pytest.param((32, 16), "random", jnp.float32, marks=slow),
-    ((16, 64), "random", jnp.bfloat16),
+    pytest.param((16, 64), "random", jnp.bfloat16, marks=slow),
 ]
 
 
@@ -151,7 +151,8 @@ def test_interpret_matches_dense(block_shape, pattern, dtype):
 
 
 @pytest.mark.parametrize(
-    ("split", "index_window", "block_order"), [(3, True, "cols"), (1, False, "rows"), (1, True, "cols")]
+    ("split", "index_window", "block_order"),
+    [(3, True, "cols"), pytest.param(1, False, "rows", marks=slow), pytest.param(1, True, "cols", marks=slow)],
 )
 def test_interpret_split_and_grouped_tiles(split, index_window, block_order):
   # Row tiles visited in groups of 2, block loops split over programs, block indices from a
@@ -165,8 +166,8 @@ def test_interpret_split_and_grouped_tiles(split, index_window, block_order):
     ("block_shape", "group", "split", "order", "dtype"),
     [
         ((32, 32), 4, 1, "rows", jnp.float32),
-        ((16, 32), 3, 2, "cols", jnp.bfloat16),
-        ((32, 64), 8, 1, "rows", jnp.float32),
+        pytest.param((16, 32), 3, 2, "cols", jnp.bfloat16, marks=slow),
+        pytest.param((32, 64), 8, 1, "rows", jnp.float32, marks=slow),
     ],
 )
 def test_interpret_grouped_dw_programs(block_shape, group, split, order, dtype):
@@ -181,8 +182,8 @@ def test_interpret_grouped_dw_programs(block_shape, group, split, order, dtype):
     ("block_shape", "sub", "split", "order", "dtype"),
     [
         ((64, 32), 16, 1, "rows", jnp.float32),
-        ((128, 64), 32, 2, "cols", jnp.bfloat16),
-        ((32, 64), 64, 1, "rows", jnp.float32),  # sub_cols over bk: the whole block
+        pytest.param((128, 64), 32, 2, "cols", jnp.bfloat16, marks=slow),
+        pytest.param((32, 64), 64, 1, "rows", jnp.float32, marks=slow),  # sub_cols over bk: the whole block
     ],
 )
 def test_interpret_dw_programs_of_block_row_slices(block_shape, sub, split, order, dtype):
@@ -201,7 +202,8 @@ def test_dw_programs_take_blocks_or_row_slices_not_both():
 
 
 @pytest.mark.parametrize(
-    ("block_shape", "sub_cols", "split"), [((64, 64), 16, 1), ((32, 64), 32, 2), ((64, 32), 16, 1)]
+    ("block_shape", "sub_cols", "split"),
+    [((64, 64), 16, 1), pytest.param((32, 64), 32, 2, marks=slow), pytest.param((64, 32), 16, 1, marks=slow)],
 )
 def test_interpret_sub_column_programs(block_shape, sub_cols, split):
   # Decode tiling: programs own sub_cols output columns of a block (of bn forward, of bk in dX),
@@ -356,14 +358,14 @@ def test_dense_weight_equals_to_dense(block_shape, pattern):
 @pytest.mark.parametrize(
     "k,n,block_shape,dtype,out_dtype",
     [
-        (64, 96, (16, 16), jnp.bfloat16, jnp.bfloat16),  # 6 block columns: programs of 2 blocks
+        pytest.param(64, 96, (16, 16), jnp.bfloat16, jnp.bfloat16, marks=slow),  # 6 block columns: programs of 2 blocks
         (128, 512, (16, 16), jnp.float32, jnp.bfloat16),  # 32 block columns: programs of 32 blocks, a cast
-        (48, 112, (16, 16), jnp.float16, jnp.float32),  # 7 block columns: programs of one block
-        (256, 512, (64, 128), jnp.float32, jnp.float32),
+        pytest.param(48, 112, (16, 16), jnp.float16, jnp.float32, marks=slow),  # 7 block columns: programs of one block
+        pytest.param(256, 512, (64, 128), jnp.float32, jnp.float32, marks=slow),
         (64, 512, (32, 256), jnp.bfloat16, jnp.float32),  # a wide block: tiles of 8 rows
-        (512, 768, (256, 256), jnp.float32, jnp.float32),  # tiles of 8 rows of 256
-        (512, 256, (256, 128), jnp.bfloat16, jnp.bfloat16),  # tiles of 16 rows of 128
-        (256, 256, (128, 64), jnp.float16, jnp.float32),  # tiles of 32 rows of 64
+        pytest.param(512, 768, (256, 256), jnp.float32, jnp.float32, marks=slow),  # tiles of 8 rows of 256
+        pytest.param(512, 256, (256, 128), jnp.bfloat16, jnp.bfloat16, marks=slow),  # tiles of 16 rows of 128
+        pytest.param(256, 256, (128, 64), jnp.float16, jnp.float32, marks=slow),  # tiles of 32 rows of 64
     ],
 )
 @pytest.mark.parametrize("pattern", ["random", "single"])
@@ -601,7 +603,7 @@ def test_mosaic_tile_schedule_visits_every_tile_once(num_m, num_c, group_m):
     assert tiles[:2] == [(0, 0), (1, 0)]
 
 
-@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("group", [pytest.param(1, marks=slow), 2, pytest.param(4, marks=slow)])
 @pytest.mark.parametrize("transpose", [False, True])
 @pytest.mark.parametrize("pattern", ["random", "single", "dense"])
 def test_mosaic_step_lists_rebuild_the_product(pattern, transpose, group):

@@ -30,6 +30,17 @@ LAYER = {"2:4": "NMDense", "unstructured 50%": "MaskedDense", "block 8x8": "Bloc
 SCAN = dict(variable_axes={"params": 0, "sparsity": 0}, split_rngs={"params": True}, length=L)
 
 
+# long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs it. The fast set keeps one case of each
+# parametrized test, the kinds spread over them: block-sparse in the equivalence with the layers unstacked, unstructured
+# in the gradients, 2:4 in the calibrated masks and the boxed stack.
+slow = pytest.mark.slow
+
+
+def _one_fast(fast):
+  """The names of ``SPECS`` for a parametrize list: ``fast`` in the fast set, the others marked ``slow``."""
+  return [name if name == fast else pytest.param(name, marks=slow) for name in SPECS]
+
+
 def _rules(spec):
   return {r"blocks.*": spec, ".*": None}
 
@@ -91,7 +102,7 @@ def _close(a, b):
   np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", SPECS)
+@pytest.mark.parametrize("name", _one_fast("block 8x8"))
 def test_a_scan_stack_is_sparsified_as_its_layers_unstacked(name):
   spec, x = SPECS[name], _x()
   variables, flat_vars = _pair()
@@ -122,7 +133,7 @@ def test_a_scan_stack_is_sparsified_as_its_layers_unstacked(name):
                  flat_dense["params"][f"blocks_{i}"])
 
 
-@pytest.mark.parametrize("name", SPECS)
+@pytest.mark.parametrize("name", _one_fast("unstructured 50%"))
 def test_gradients_through_the_scan_are_those_of_the_layers_unstacked(name):
   spec, x = SPECS[name], _x()
   variables, flat_vars = _pair()
@@ -139,7 +150,7 @@ def test_gradients_through_the_scan_are_those_of_the_layers_unstacked(name):
     jax.tree.map(_close, _layer({"params": g_params}, i)["params"][f"blocks_{i}"], flat_params[f"blocks_{i}"])
 
 
-@pytest.mark.parametrize("name", ["2:4", "block 8x8"])
+@pytest.mark.parametrize("name", ["2:4", pytest.param("block 8x8", marks=slow)])
 def test_the_masks_of_calibrated_pruning_make_the_pruned_stack(name):
   # calibrated_prune_linen prunes a stack layer by layer (masks (L, K, N)); sparsify_linen takes those masks.
   spec, x = SPECS[name], _x()
@@ -220,9 +231,9 @@ def _names(tree):
 
 @pytest.mark.parametrize(("name", "want"), [
     ("2:4", None),
-    ("unstructured 50%", {"mask": ("layers", None, "model")}),
-    ("block 8x8", {k: ("layers", None) for k in ("col_indices", "col_offsets", "row_indices", "row_offsets",
-                                                 "transpose_order")}),
+    pytest.param("unstructured 50%", {"mask": ("layers", None, "model")}, marks=slow),
+    pytest.param("block 8x8", {k: ("layers", None) for k in ("col_indices", "col_offsets", "row_indices", "row_offsets",
+                                                             "transpose_order")}, marks=slow),
 ])
 def test_a_boxed_stack_keeps_its_layer_axis_name(name, want):
   # nn.scan's metadata_params takes the stack's axis name off inside and puts it back: the sparse variables need it.
@@ -281,8 +292,8 @@ class ConvBlock(nn.Module):
 
 @pytest.mark.parametrize(("block", "shape", "spec"), [
     (AttentionBlock, (2, 4, D), jaxsparse.BlockSparse(density=0.5, block_shape=(8, 8))),
-    (AttentionBlock, (2, 4, D), jaxsparse.Unstructured(sparsity=0.5)),
-    (ConvBlock, (2, 6, 6, 8), jaxsparse.NM(2, 4)),
+    pytest.param(AttentionBlock, (2, 4, D), jaxsparse.Unstructured(sparsity=0.5), marks=slow),
+    pytest.param(ConvBlock, (2, 6, 6, 8), jaxsparse.NM(2, 4), marks=slow),
     (ConvBlock, (2, 6, 6, 8), jaxsparse.Unstructured(sparsity=0.5)),
 ], ids=["attention-block", "attention-unstructured", "conv-2:4", "conv-unstructured"])
 def test_stacks_of_dense_general_and_conv_layers(block, shape, spec):

@@ -272,7 +272,10 @@ def test_tensor_parallel_layer_on_two_devices_exports_as_its_block_sparse_linear
   assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stderr[-3000:]
 
 
-@pytest.mark.parametrize("block_shape", [(24, 24), (4, 8), (48, 32), (16, 32)])
+# 24x24 (the guide's example: no power of two, detect_pattern alone would give 8x8) in the fast set; the others are
+# long, moved out of the fast set (make test <= 15 min on 2 cores); CI runs them.
+@pytest.mark.parametrize("block_shape", [(24, 24), *[pytest.param(b, marks=pytest.mark.slow)
+                                                     for b in ((4, 8), (48, 32), (16, 32))]])
 def test_load_nnx_into_a_block_sparse_linear_keeps_its_block_shape(block_shape):
   model = nnx.Sequential(BlockSparseLinear(96, 192, density=0.5, block_shape=block_shape, rngs=nnx.Rngs(0)))
   state = torch_interop.export_state_dict(model, format="prune")
