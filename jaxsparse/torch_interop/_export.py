@@ -236,8 +236,8 @@ def export_state_dict(
   * ``"bsr"``: block-sparse weights as ``torch.sparse_bsr`` tensors with the layer's blocks (transposed to
     torch layout), other masked weights dense. Load them with ``net.load_state_dict(state, assign=True)``: the BSR
     tensor becomes the parameter (a torch Linear computes with it). Without ``assign=True`` torch copies into the
-    dense parameter there, which it cannot do from a BSR tensor ("copy_sparse_compressed_ expected sparse compressed
-    tensor layout but got Strided");
+    dense parameter there, which it cannot do from a BSR tensor (``copy_sparse_compressed_ expected sparse
+    compressed tensor layout but got Strided``);
   * ``"semi_structured"``: like ``"dense"``, but every sparse weight must be 2:4 along the input features,
     the pattern ``torch.sparse.to_sparse_semi_structured(w.half().cuda())`` needs (checked here; its
     shape and dtype limits, e.g. dimensions that are multiples of 64, are left to torch).
