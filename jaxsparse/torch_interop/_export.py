@@ -7,7 +7,8 @@ names), ``kernel (in, out)`` -> ``weight (out, in)``, Conv ``(*k, I, O)`` -> ``(
 ``nnx.LinearGeneral`` kernel ``(*in_dims, *features)`` -> the torch Linear's ``weight (prod(features),
 prod(in_dims))`` and its bias flattened. Each weight is the one the Flax layer computes with: a conv's own Flax weight
 ``mask`` is multiplied in, as a torch conv has none; what cannot be written so (a stack of layers, variables of a
-layout the exporter cannot read) is refused, naming the layer.
+layout the exporter cannot read) is refused, naming the layer. ``torch.nn.MultiheadAttention``'s projections are
+written packed, as torch holds them (:func:`~._attention.pack_attention`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
+from jaxsparse.torch_interop._attention import attention_layouts
+from jaxsparse.torch_interop._attention import pack_attention
 from jaxsparse.torch_interop._conv1d import check_conv1d
 from jaxsparse.torch_interop._entries import Entry
 from jaxsparse.torch_interop._entries import nnx_entries
@@ -79,6 +82,20 @@ def _as_conv1d(e: Entry, mod: str, conv1d: str | None) -> Entry:
                              block_shape=None if e.block_shape is None else e.block_shape[::-1])
 
 
+def _torch_entries(model: Any, module: Any, inputs: tuple, caller: str, *, torch_names: TorchNames,
+                   conv1d: str | None, target: Any, check=None) -> list[tuple[str, Entry]]:
+  """``(torch module path, Entry)`` for each torch parameter to write, ``nn.MultiheadAttention``'s packed; ``check``
+  sees each entry (and its torch name) before packing."""
+  layouts = attention_layouts(target)
+  items = []
+  for e in _entries(model, module, inputs, caller):
+    mod = _torch_module(torch_names, e.flax_path)
+    if check is not None:
+      check(e, _fqn(mod, e.name))
+    items.append((mod, _as_conv1d(e, mod, conv1d)))
+  return pack_attention(items, layouts)
+
+
 def export_masks(
     model: Any,
     /,
@@ -87,6 +104,7 @@ def export_masks(
     dtype: Any = None,
     module: Any = None,
     conv1d: str | None = None,
+    target: Any = None,
 ) -> dict[str, Any]:
   """The masks of a jaxsparse model as ``{"{torch module}.weight_mask": tensor}`` in torch layout.
 
@@ -123,6 +141,8 @@ def export_masks(
       compressed N:M layer raises.
     conv1d: regex of the torch module paths that are transformers ``Conv1D`` modules, whose masks are written
       ``(in, out)``.
+    target: the torch model the masks are for (see :func:`export_state_dict`): an ``nn.MultiheadAttention``'s
+      query / key / value masks come as one ``in_proj_weight_mask`` (rows of an unmasked projection all kept).
 
   Returns:
     ``{name: torch.Tensor}``, ready for :func:`apply_masks`.
@@ -130,15 +150,16 @@ def export_masks(
   Raises:
     ValueError: as :func:`export_state_dict`.
     TypeError: as :func:`export_state_dict`.
+    CheckpointError: as :func:`export_state_dict`.
   """
   import_torch()
   check_conv1d(conv1d)
   out = {}
-  for e in _entries(model, module, example_inputs, "export_masks"):
+  for mod, e in _torch_entries(model, module, example_inputs, "export_masks", torch_names=torch_names, conv1d=conv1d,
+                               target=target):
     if e.mask is None:
       continue
-    mod = _torch_module(torch_names, e.flax_path)
-    t = _mask_tensor(_as_conv1d(e, mod, conv1d).mask)
+    t = _mask_tensor(e.mask)
     out[_fqn(mod, e.name) + "_mask"] = t if dtype is None else t.to(dtype)
   return out
 
@@ -223,6 +244,7 @@ def export_state_dict(
     module: Any = None,
     conv1d: str | None = None,
     tied: Mapping[str, str] | None = None,
+    target: Any = None,
 ) -> dict[str, Any]:
   """A torch state dict of a whole jaxsparse model, its sparse layers written in ``format``.
 
@@ -266,6 +288,25 @@ def export_state_dict(
   >>> TiedLM().load_state_dict(state, strict=True)
   <All keys matched successfully>
 
+  A ``torch.nn.MultiheadAttention`` holds query, key and value in one ``in_proj_weight`` (their rows) and
+  ``in_proj_bias``: the projections :func:`load_nnx` split from them (torch names ``"in_proj[0:32]"`` in its report)
+  are packed back, masks alike (``in_proj_weight_mask`` with ``format="prune"``; the rows of an unmasked projection
+  all kept). ``target=`` the torch model names them too where the Flax names or the report's do not say it: Flax's own
+  ``query`` / ``key`` / ``value`` / ``out`` under an attention module of the target, and ``q_proj_weight`` /
+  ``k_proj_weight`` / ``v_proj_weight`` of an attention with ``kdim`` / ``vdim`` (the report's ``"q_proj"``, also the
+  name of a plain Linear):
+
+  >>> mha = torch.nn.MultiheadAttention(32, 4)
+  >>> attn = nnx.MultiHeadAttention(4, 32, decode=False, rngs=nnx.Rngs(0))
+  >>> report = torch_interop.load_nnx(attn, mha)
+  >>> state = torch_interop.export_state_dict(attn, torch_names=report.torch_names)
+  >>> sorted(state)
+  ['in_proj_bias', 'in_proj_weight', 'out_proj.bias', 'out_proj.weight']
+  >>> mha.load_state_dict(state, strict=True)
+  <All keys matched successfully>
+  >>> sorted(torch_interop.export_state_dict(attn, target=mha)) == sorted(state)  # Flax names, a torch target
+  True
+
   Linen variables of jaxsparse's Linen layers come with their module and example inputs, which say what each layer
   computes (an ``NMDense``'s N:M mask follows its kernel: the variables alone hold a dense kernel):
 
@@ -294,6 +335,13 @@ def export_state_dict(
       as a tied ``lm_head.weight`` is ``model.embed_tokens.weight``); the same tensor object under both names, which
       ``torch.save`` and ``load_state_dict`` take (``safetensors.torch.save_file`` refuses tensors that share memory:
       leave ``tied`` out for it, or use ``safetensors.torch.save_model``).
+    target: the torch model the state dict is for: a ``torch.nn.Module``, its state dict or its keys (only names are
+      read; pruned or parametrized names count as the parameter's). Where it has an ``nn.MultiheadAttention`` at
+      ``attn``, the torch names ``attn.query`` / ``attn.key`` / ``attn.value`` (Flax's, with ``torch_names=None``)
+      and ``attn.q_proj`` / ``attn.k_proj`` / ``attn.v_proj`` are its projections and ``attn.out`` its ``out_proj``,
+      written in its layout: ``in_proj_weight``, or ``q_proj_weight`` / ``k_proj_weight`` / ``v_proj_weight`` with
+      ``kdim`` / ``vdim``; the biases always in ``in_proj_bias``. ``None``: only the report's ``"attn.in_proj[i:j]"``
+      names are packed.
 
   Returns:
     ``{name: torch.Tensor}``.
@@ -317,11 +365,14 @@ def export_state_dict(
       variables with a compressed N:M kernel or embedding (``CompressedNMDense``, ``CompressedNMEmbed``) and no
       ``module`` (or one whose ``apply`` on the example inputs does not call it); a Linen
       ``"sparsity"`` mask that is not boolean (naming the layer and the dtype; the layer's forward refuses it too);
-      ``tied`` that is not a mapping of ``str`` to ``str``.
+      ``tied`` that is not a mapping of ``str`` to ``str``; ``target`` that is not a torch module, a state dict or an
+      iterable of ``str`` keys.
     CheckpointError: (a ``ValueError``) ``format="semi_structured"`` with a sparse weight that is not 2-D and
       2:4 (or 1:2) along the input features; a ``torch_names`` dict without an entry for an exported module; a
       ``tied`` key the export writes itself, or one tied to a key it does not write (a sparse weight in ``"prune"``
-      / ``"ao"`` is written as two tensors: tie its ``_orig`` / ``_mask`` keys one by one).
+      / ``"ao"`` is written as two tensors: tie its ``_orig`` / ``_mask`` keys one by one); an
+      ``nn.MultiheadAttention`` packed tensor (``in_proj_weight`` / ``in_proj_bias``) some of whose query / key / value
+      the export does not write or has twice, or whose projections take inputs of different sizes.
     ImportError: PyTorch is not installed.
   """
   torch = import_torch()
@@ -334,13 +385,14 @@ def export_state_dict(
     out = to_torch(np.ascontiguousarray(x), key="export")
     return out.to(dtype) if dtype is not None and out.is_floating_point() else out
 
-  out = {}
-  for e in _entries(model, module, example_inputs, "export_state_dict"):
-    mod = _torch_module(torch_names, e.flax_path)
-    fqn = _fqn(mod, e.name)
+  def check(e: Entry, fqn: str) -> None:
     if format == "semi_structured" and e.mask is not None:
       _check_nm_24(e, fqn)
-    e = _as_conv1d(e, mod, conv1d)
+
+  out = {}
+  for mod, e in _torch_entries(model, module, example_inputs, "export_state_dict", torch_names=torch_names,
+                               conv1d=conv1d, target=target, check=check):
+    fqn = _fqn(mod, e.name)
     if e.mask is None or format in ("dense", "semi_structured"):
       out[fqn] = t(e.value)
     elif format == "prune":

@@ -63,6 +63,12 @@ def _check_shape(param: TorchParam, expected: tuple[int, ...], *, flax_name: str
     )
 
 
+def mask_not_kept_note(p: TorchParam, flax_name: str) -> str:
+  """The report's note for a pruned torch ``p`` whose mask was applied to the dense Flax ``flax_name``."""
+  return (f"torch {p.name!r} is pruned ({p.format}, density {p.pattern.density:.3f}): its mask was applied (zeros "
+          f"where pruned) but not kept; the Flax {flax_name!r} is dense.")
+
+
 class _Plan:
   """Assignments collected before anything changes, so a failure leaves the model untouched.
 
@@ -80,10 +86,7 @@ class _Plan:
   def mask_not_kept(self, p: TorchParam, flax_name: str) -> None:
     """Notes that the mask of ``p`` (a pruned bias, say) was applied to a dense Flax variable: it is not kept."""
     if p.mask is not None:
-      self.notes.append(
-          f"torch {p.name!r} is pruned ({p.format}, density {p.pattern.density:.3f}): its mask was applied (zeros "
-          f"where pruned) but not kept; the Flax {flax_name!r} is dense."
-      )
+      self.notes.append(mask_not_kept_note(p, flax_name))
 
   def merge(self, sub: _Plan) -> None:
     """Takes the unexpected names and the notes of a plan made for a stand-in module."""
@@ -543,7 +546,7 @@ def load_nnx(
     if flax_path in target_paths:
       continue
     for p in group["params"].values():
-      twin = _loaded_twin(p, src.shared, loaded_keys)
+      twin = loaded_twin(p, src.shared, loaded_keys)
       if twin is None:
         unexpected.append(p.name)
       else:
@@ -580,7 +583,7 @@ def load_nnx(
   return LoadReport(loads, missing=missing, unexpected=unexpected, tied=tied, notes=plan.notes)
 
 
-def _loaded_twin(p: TorchParam, shared: Mapping[str, Sequence[str]], loaded_keys: set[str]) -> str | None:
+def loaded_twin(p: TorchParam, shared: Mapping[str, Sequence[str]], loaded_keys: set[str]) -> str | None:
   """The loaded torch key whose tensor is the very tensor of ``p`` (the same memory: tied weights), else ``None``."""
   if len(p.keys) != 1 or p.mask is not None:  # a pruned or sparse parameter: not one plain tensor
     return None

@@ -29,6 +29,8 @@ from jaxsparse.torch_interop._decode import NMSpec
 from jaxsparse.torch_interop._decode import TorchParam
 from jaxsparse.torch_interop._decode import decode_checkpoint
 from jaxsparse.torch_interop._decode import float_value
+from jaxsparse.torch_interop._flax import loaded_twin
+from jaxsparse.torch_interop._flax import mask_not_kept_note
 from jaxsparse.torch_interop._import_rules import apply_rules
 from jaxsparse.torch_interop._limits import limit_scope
 from jaxsparse.torch_interop._load import CheckpointError
@@ -36,6 +38,8 @@ from jaxsparse.torch_interop._load import TensorSource
 from jaxsparse.torch_interop._load import import_torch
 from jaxsparse.torch_interop._load import open_checkpoint
 from jaxsparse.torch_interop._names import DEFAULT_EMBEDDINGS
+from jaxsparse.torch_interop._names import LayerLoad
+from jaxsparse.torch_interop._names import LoadReport
 from jaxsparse.torch_interop._names import NameMap
 from jaxsparse.torch_interop._names import group_params
 from jaxsparse.torch_interop._names import ignore_patterns
@@ -60,7 +64,9 @@ def to_linen_variables(
     target: Mapping | None = None,
     conv1d: str | None = None,
     max_bytes: int | None = None,
-) -> dict[str, dict]:
+    strict: bool = True,
+    report: bool = False,
+) -> dict[str, dict] | tuple[dict[str, dict], LoadReport]:
   r"""Flax Linen variables for a PyTorch checkpoint, with jaxsparse layouts for its sparse layers.
 
   Layers are recognised by their parameters: a 2-D ``weight`` is a Linear's (``kernel = weight.T``) or an
@@ -108,6 +114,17 @@ def to_linen_variables(
   >>> bool(jnp.allclose(sparse.apply(sparse_vars, x), attn.apply(v, x)))
   True
 
+  ``report=True`` returns the :class:`LoadReport` too, as :func:`load_nnx` gives it: a row per torch module (its
+  ``layer`` the Linen layer the variables are laid out for), the torch tensors not used (``strict=False``), the tied
+  ones skipped and the notes (a pruned bias's mask applied, not kept):
+
+  >>> import torch.nn.utils.prune as prune
+  >>> net = torch.nn.ModuleDict({"fc": torch.nn.Linear(8, 4)})
+  >>> _ = prune.l1_unstructured(net["fc"], "bias", amount=0.5)
+  >>> variables, report = torch_interop.to_linen_variables(net, report=True)
+  >>> [(row.flax_path, row.torch_module, row.layer) for row in report.layers], len(report.notes)
+  ([('fc', 'fc', 'Dense')], 1)
+
   Args:
     source: anything :func:`load_state_dict` takes.
     name_map: torch module path -> Flax module path (see :func:`map_name`).
@@ -132,7 +149,11 @@ def to_linen_variables(
       Flax path holds the target's ``query`` / ``key`` / ``value`` / ``out`` (``nn.MultiHeadDotProductAttention``)
       fills them: its packed ``in_proj_weight`` / ``in_proj_bias`` split by rows (a mask alike), its ``out_proj``
       into ``out``. A variable the target lacks, one of the target's ``"params"`` the checkpoint lacks, or a shape
-      that does not fit raises a :class:`CheckpointError` naming it.
+      that does not fit raises a :class:`CheckpointError` naming it (with ``strict=False`` the first two are left
+      out and listed in the report's ``unexpected`` / ``missing``). A dense torch tensor the target has no variable
+      for that is the very tensor (the same memory) of one that was loaded, as a tied torch model's
+      ``lm_head.weight`` is its embedding's, is skipped and listed in the report's ``tied``, as :func:`load_nnx`
+      does.
     conv1d: regex of the torch module paths whose weights are stored ``(in, out)`` like transformers' ``Conv1D``
       (GPT-2): their kernel is the weight itself; see :func:`decode_checkpoint`. Not needed for a ``torch.nn.Module``
       source, whose classes say it.
@@ -140,29 +161,40 @@ def to_linen_variables(
       their headers and shapes before any is read (see :func:`decode_checkpoint`); ``None``:
       ``$JAXSPARSE_CHECKPOINT_MAX_BYTES`` (bytes, or ``none``), else this machine's physical memory. The variables
       built come on top, about once more.
+    strict: with ``target``, raise on torch parameters the target has no variable for and target ``"params"`` (and
+      other collections the checkpoint fills) the checkpoint lacks; ``False`` leaves them out of the variables and
+      lists them in the report (``unexpected``: torch names, ``missing``: target names such as
+      ``"params.fc.bias"``). Without ``target`` every torch parameter becomes a variable.
+    report: also return the :class:`LoadReport`.
 
   Returns:
     ``{"params": ..., "sparsity"?: ..., "batch_stats"?: ..., "masks"?: ...}`` nested by Flax path. ``"masks"`` is
     a tree like ``"params"`` with a bool mask of its weight's shape for each pruned embedding table and, with
     ``target`` (then no ``"sparsity"``), each pruned kernel (not a Linen collection: pop it and pass it as ``masks=``
-    to :func:`jaxsparse.sparsify_linen`).
+    to :func:`jaxsparse.sparsify_linen`). With ``report=True``, ``(variables, LoadReport)``: the report's ``layers``
+    have one :class:`LayerLoad` per torch module written, its ``layer`` one of ``"Dense"``, ``"DenseGeneral"`` (a
+    target's kernel of ndim >= 3), ``"MaskedDense"``, ``"BlockSparseDense"``, ``"Conv"``, ``"Embed"``, ``"Norm"`` (a
+    1-D ``weight``: ``scale``), ``"BatchNorm"`` or ``"Module"`` (other parameters, under their torch names); its
+    ``torch_names`` name the modules for :func:`export_state_dict`.
 
   Raises:
     CheckpointError: (a ``ValueError``) what :func:`decode_checkpoint` raises, a tensor or all of them together over
-      ``max_bytes`` included; with ``target``, a variable it lacks, lacks from the checkpoint or cannot take the shape
-      of; two torch parameters for one Flax variable.
+      ``max_bytes`` included; with ``target``, a variable it cannot take the shape of, and with ``strict``, one it
+      lacks (not tied) or lacks from the checkpoint; two torch parameters for one Flax variable.
     TypeError: ``embeddings`` is not a ``str`` or ``None``, ``target`` is not a mapping, ``max_bytes`` is not an int
       or ``None``, ``ignore`` is neither a ``str``, ``None`` nor an iterable of ``str``.
   """
   ignore = ignore_patterns(ignore)
   with limit_scope(max_bytes):
-    return _linen_variables(source, name_map=name_map, ignore=ignore, nm=nm, rules=rules, sparse=sparse,
-                            embeddings=embeddings, key=key, progress=progress, target=target, conv1d=conv1d)
+    variables, load_report = _linen_variables(
+        source, name_map=name_map, ignore=ignore, nm=nm, rules=rules, sparse=sparse, embeddings=embeddings, key=key,
+        progress=progress, target=target, conv1d=conv1d, strict=strict)
+  return (variables, load_report) if report else variables
 
 
 def _linen_variables(source: Any, *, name_map: NameMap, ignore: Sequence[str], nm: NMSpec, rules: Any, sparse: bool,
                      embeddings: str | None, key: str | None, progress: Callable[[int, int], None] | None,
-                     target: Mapping | None, conv1d: str | None) -> dict[str, dict]:
+                     target: Mapping | None, conv1d: str | None, strict: bool) -> tuple[dict[str, dict], LoadReport]:
   if embeddings is not None and not isinstance(embeddings, str):
     raise TypeError(f"embeddings must be a regex (str) of embedding module paths or None, got {embeddings!r}.")
   try:
@@ -181,13 +213,64 @@ def _linen_variables(source: Any, *, name_map: NameMap, ignore: Sequence[str], n
   for flax_path in [p for p, g in groups.items() if shapes is not None and is_packed_attention(g)]:
     if _param(".".join(q for q in (flax_path, "query") if q), "kernel") in shapes:  # Linen attention's projections
       split_packed_attention(groups, flax_path)
+  sources: dict[str, TorchParam] = {}  # "params.fc.kernel" -> the torch parameter it holds
+  notes: list[tuple[str, str]] = []  # (torch parameter, note)
+  rows: list[tuple[LayerLoad, dict]] = []
   for flax_path, group in groups.items():
-    for name, p in group["params"].items():
-      _linen_param(out, flax_path, name, p, sparse=sparse, table=group["torch"] in tables, masks=target is not None)
+    kinds = [_linen_param(out, flax_path, name, p, sparse=sparse, table=group["torch"] in tables,
+                          masks=target is not None, sources=sources, notes=notes)
+             for name, p in group["params"].items()]
+    rows.append((_layer_load(flax_path, group, kinds, shapes), group))
   out = {k: v for k, v in out.items() if v}
+  missing, unexpected, tied, gone = [], [], {}, set()
   if shapes is not None:
-    out = _fit_to_target(out, shapes)
-  return jax.tree.map(jnp.asarray, out)
+    out, missing, dropped = _fit_to_target(out, shapes, sources)
+    gone = {p.name for p in dropped}
+    # As load_nnx: a dense torch tensor the target has no variable for, the very tensor of a loaded one, is tied.
+    loaded_keys = {p.keys[0] for p in sources.values()
+                   if p.name not in gone and len(p.keys) == 1 and p.mask is None}
+    for p in dropped:
+      twin = loaded_twin(p, src.shared, loaded_keys)
+      if twin is None:
+        unexpected.append(p.name)
+      else:
+        tied[p.name] = twin
+    if strict:
+      _check_fit(unexpected, missing, sources, shapes)
+    rows = [(row, g) for row, g in rows if any(p.name not in gone for p in g["params"].values())]
+  load_report = LoadReport([row for row, _ in rows], missing=missing, unexpected=unexpected, tied=tied,
+                           notes=[note for name, note in notes if name not in gone])
+  return jax.tree.map(jnp.asarray, out), load_report
+
+
+def _layer_load(flax_path: str, group: dict, kinds: list[str | None], shapes: Mapping | None) -> LayerLoad:
+  """The report's row for a torch module: the Linen layer its variables are laid out for, its weight's format."""
+  params = group["params"]
+  kind = next((k for k in kinds if k is not None), "Module")
+  if kind == "Norm" and "running_mean" in params:
+    kind = "BatchNorm"
+  if kind == "Dense" and shapes is not None and len(shapes.get(_param(flax_path, "kernel"), ())) > 2:
+    kind = "DenseGeneral"
+  w = params.get("weight", next(iter(params.values())))
+  return LayerLoad(flax_path, group["torch"], kind, w.format, w.pattern)
+
+
+def _check_fit(unexpected: list[str], missing: list[str], sources: Mapping[str, TorchParam],
+               shapes: Mapping[str, tuple[int, ...]]) -> None:
+  """Raises for torch parameters the target has no variable for, then for target variables the checkpoint lacks."""
+  if unexpected:
+    at = next(name for name, p in sources.items() if p.name == unexpected[0])
+    at = f"params.{at.partition('.')[2]}" if at.startswith("masks.") else at
+    more = f" (and {len(unexpected) - 1} more torch parameter(s): {unexpected[1:6]})" if len(unexpected) > 1 else ""
+    raise CheckpointError(
+        f"{at}: the checkpoint has this variable but the target does not (torch {unexpected[0]!r}){more}; rename its "
+        "torch module (name_map=), skip it (ignore=) or pass strict=False to list it in the report. The target has: "
+        f"{', '.join(shapes) or '(nothing)'}."
+    )
+  if missing:
+    raise CheckpointError(f"target variable(s) not in the checkpoint: {', '.join(missing)}; map a torch module to "
+                          "them (name_map=), leave them out of the target or pass strict=False to list them in the "
+                          "report.")
 
 
 def _embedding_tables(params: Mapping[str, TorchParam], module_types: Mapping[str, type], shapes: Mapping | None, *,
@@ -251,26 +334,29 @@ def _target_shapes(target: Mapping) -> dict[str, tuple[int, ...]]:
   return {path_str(kp): tuple(int(d) for d in np.shape(leaf)) for kp, leaf in pairs}
 
 
-def _fit_to_target(out: dict[str, dict], shapes: Mapping[str, tuple[int, ...]]) -> dict[str, dict]:
-  """``out`` with each variable in the target's shape (``shapes``; a mask in its weight's); raises where none fits."""
+def _fit_to_target(out: dict[str, dict], shapes: Mapping[str, tuple[int, ...]], sources: Mapping[str, TorchParam]
+                   ) -> tuple[dict[str, dict], list[str], list[TorchParam]]:
+  """``out`` with each variable in the target's shape (``shapes``; a mask in its weight's), the target's variables it
+  lacks, and the torch parameters (``sources``: by variable) of the variables the target lacks, left out; raises
+  where a shape does not fit."""
   flat = {f"{coll}.{path_str(kp)}": v for coll, tree in out.items()
           for kp, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+  dropped = {}
+  for name, p in sources.items():  # in the checkpoint's order
+    coll, _, path = name.partition(".")
+    if (f"params.{path}" if coll == "masks" else name) not in shapes:
+      dropped.setdefault(p.name, p)
   fitted: dict[str, dict] = {}
   for name, value in flat.items():
+    if sources[name].name in dropped:  # with its mask, its kernel: all of a torch parameter or none of it
+      continue
     coll, _, path = name.partition(".")
     at = f"params.{path}" if coll == "masks" else name
-    if at not in shapes:
-      raise CheckpointError(
-          f"{at}: the checkpoint has this variable but the target does not; rename its torch module (name_map=) or "
-          f"skip it (ignore=). The target has: {', '.join(shapes) or '(nothing)'}."
-      )
     parent, _, leaf = path.rpartition(".")
     _nest(fitted.setdefault(coll, {}), parent, leaf, _fit(value, shapes[at], name))
-  missing = [k for k in shapes if k.partition(".")[0] in ("params", *out) and k not in flat]
-  if missing:
-    raise CheckpointError(f"target variable(s) not in the checkpoint: {', '.join(missing)}; map a torch module to "
-                          "them (name_map=) or leave them out of the target.")
-  return fitted
+  kept = {name for name in flat if sources[name].name not in dropped}
+  missing = [k for k in shapes if k.partition(".")[0] in ("params", *out) and k not in kept]
+  return fitted, missing, list(dropped.values())
 
 
 def _fit(value: np.ndarray, shape: tuple[int, ...], name: str) -> np.ndarray:
@@ -289,43 +375,62 @@ def _fit(value: np.ndarray, shape: tuple[int, ...], name: str) -> np.ndarray:
   )
 
 
-def _linen_param(out: dict, flax_path: str, name: str, p: TorchParam, *, sparse: bool, table: bool,
-                 masks: bool) -> None:
+def _linen_param(out: dict, flax_path: str, name: str, p: TorchParam, *, sparse: bool, table: bool, masks: bool,
+                 sources: dict[str, TorchParam], notes: list[tuple[str, str]]) -> str | None:
+  """Writes the variables of ``p`` into ``out`` (each one's torch parameter into ``sources``, a mask applied but not
+  kept into ``notes``); returns the Linen layer a weight's variables are laid out for (``None`` for other names)."""
+
+  def put(coll: str, leaf: str, value: Any) -> None:
+    _nest(out.setdefault(coll, {}), flax_path, leaf, value)
+    sources[".".join(q for q in (coll, flax_path, leaf) if q)] = p
+
+  def dense(leaf: str) -> None:  # as load_nnx notes it: a mask applied to a variable no Linen layer keeps one for
+    put("params", leaf, value)
+    if p.mask is not None:
+      notes.append((p.name, mask_not_kept_note(p, _join(flax_path, leaf))))
+
   value = p.masked_value
   if name in ("weight", "bias", "running_mean", "running_var"):  # floats; other names may be integer buffers
     value = float_value(p, into=f"Flax module {flax_path!r}")
   if name == "weight" and value.ndim == 2 and table:
-    _nest(out["params"], flax_path, "embedding", value)
+    put("params", "embedding", value)
     if sparse and p.pattern.kind != "dense":  # no Linen embedding holds a mask: sparsify_linen(masks=...) takes it
-      _nest(out.setdefault("masks", {}), flax_path, "embedding", np.asarray(p.mask, bool))
-  elif name == "weight" and value.ndim >= 2:
+      put("masks", "embedding", np.asarray(p.mask, bool))
+    return "Embed"
+  if name == "weight" and value.ndim >= 2:
     kernel = flax_layout(value)
     pattern = p.pattern
-    if not sparse or pattern.kind == "dense":
-      _nest(out["params"], flax_path, "kernel", kernel)
-    elif masks:  # for a target's dense layers: the kernel and its mask, as sparsify_linen(masks=...) takes them
-      _nest(out["params"], flax_path, "kernel", kernel)
-      _nest(out.setdefault("masks", {}), flax_path, "kernel", flax_layout(p.mask))
-    elif value.ndim != 2:  # a pruned conv: its mask in Flax layout (*kernel, in, out), as sparsify_linen's convs
-      _nest(out["params"], flax_path, "kernel", kernel)
-      _nest(out.setdefault("sparsity", {}), flax_path, "mask", flax_layout(p.mask))
-    elif pattern.kind == "block":
+    if not sparse or pattern.kind == "dense" or masks:
+      put("params", "kernel", kernel)
+      if sparse and pattern.kind != "dense":  # for a target's dense layers, as sparsify_linen(masks=...) takes it
+        put("masks", "kernel", flax_layout(p.mask))
+      return "Dense" if value.ndim == 2 else "Conv"
+    if value.ndim != 2:  # a pruned conv: its mask in Flax layout (*kernel, in, out), as sparsify_linen's convs
+      put("params", "kernel", kernel)
+      put("sparsity", "mask", flax_layout(p.mask))
+      return "Conv"
+    if pattern.kind == "block":
       bs = (pattern.block_shape[1], pattern.block_shape[0])
       mat = BlockSparseMatrix.from_dense(kernel, bs, block_mask=flax_layout(p.mask)[:: bs[0], :: bs[1]])
-      _nest(out["params"], flax_path, "kernel", np.asarray(mat.data))
+      put("params", "kernel", np.asarray(mat.data))
       for f, v in mat.index_arrays().items():
-        _nest(out.setdefault("sparsity", {}), flax_path, f, np.asarray(v))
-    else:
-      _nest(out["params"], flax_path, "kernel", kernel)
-      _nest(out.setdefault("sparsity", {}), flax_path, "mask", flax_layout(p.mask))
-  elif name == "weight" and value.ndim == 1:
-    _nest(out["params"], flax_path, "scale", value)
-  elif name in ("running_mean", "running_var"):
-    _nest(out.setdefault("batch_stats", {}), flax_path, name.removeprefix("running_"), value)
-  elif name == "num_batches_tracked":
-    return
-  else:
-    _nest(out["params"], flax_path, name, value)
+        put("sparsity", f, np.asarray(v))
+      return "BlockSparseDense"
+    put("params", "kernel", kernel)
+    put("sparsity", "mask", flax_layout(p.mask))
+    return "MaskedDense"
+  if name == "weight" and value.ndim == 1:
+    dense("scale")
+    return "Norm"
+  if name in ("running_mean", "running_var"):
+    put("batch_stats", name.removeprefix("running_"), value)
+  elif name != "num_batches_tracked":
+    dense(name)
+  return None
+
+
+def _join(mod: str, name: str) -> str:
+  return f"{mod}.{name}" if mod else name
 
 
 def _nest(tree: dict, path: str, leaf_name: str, value: Any) -> None:

@@ -106,11 +106,12 @@ class LayerLoad:
 
 @dataclasses.dataclass
 class LoadReport:
-  """What :func:`load_nnx` did.
+  """What :func:`load_nnx` did (or :func:`to_linen_variables`, with ``report=True``).
 
   Attributes:
     layers: one :class:`LayerLoad` per Flax module that received weights.
-    missing: Flax parameters nothing was loaded into (only with ``strict=False``).
+    missing: Flax parameters nothing was loaded into (only with ``strict=False``; :func:`to_linen_variables`: the
+      target's variables, e.g. ``"params.fc.bias"``).
     unexpected: torch parameters that were not used (only with ``strict=False``).
     tied: ``{torch parameter: torch parameter}``: those skipped because they are the very tensor (the same memory) of
       a loaded one and the Flax model has no module for them (a tied torch model's ``lm_head.weight``, whose Flax
