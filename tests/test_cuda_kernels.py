@@ -85,6 +85,7 @@ def test_nm24_unsupported_reason(m, k, n, dtype, expect):
         ({"span": 32}, r"span must be one of \(128, 64\), got span=32"),
         ({"blocks_per_sm": 3}, "blocks_per_sm must be 1 or 2, got blocks_per_sm=3"),
         ({"x_load": "ldg"}, r"x_load must be one of \('shuffle', 'ldmatrix'\), got x_load='ldg'"),
+        ({"loads": "all"}, r"loads must be one of \('step', 'pair', 'stages'\), got loads='all'"),
     ],
 )
 def test_nm24_config_errors(kwargs, match):
@@ -117,12 +118,13 @@ def _candidate_cases():
 @pytest.mark.parametrize(("m", "k", "n"), list(_candidate_cases()))
 def test_nm24_candidate_configs_are_distinct_runnable_and_default_first(m, k, n):
   configs = ck.nm24_candidate_configs(m, k, n)
-  assert configs[0] == ck.Nm24DecodeConfig.get_default(m, k, n) and len(set(configs)) == len(configs) <= 11
+  assert configs[0] == ck.Nm24DecodeConfig.get_default(m, k, n) and len(set(configs)) == len(configs) <= 13
   d = configs[0]
   other_load = "shuffle" if d.x_load == "ldmatrix" else "ldmatrix"
   extra = [dataclasses.replace(d, blocks_per_sm=2)]
   if m > 8:
     extra += [dataclasses.replace(d, token_split=2), dataclasses.replace(d, x_load=other_load)]
+    extra += [dataclasses.replace(d, loads=loads) for loads in ck.NM24_LOADS if loads != d.loads]
   else:  # ldmatrix on the default, and on 64-column spans with its warps per span and with its warps in all
     loads = [dataclasses.replace(d, x_load="ldmatrix")]
     if d.span == 128:
@@ -130,13 +132,22 @@ def test_nm24_candidate_configs_are_distinct_runnable_and_default_first(m, k, n)
       loads += [dataclasses.replace(d, span=64, warps=d.warps // 2, x_load="ldmatrix")] if d.warps > 2 else []
     extra += [c for c in loads if c.warps == d.warps or (k // 64) >= c.split * c.warps]
   assert configs[-len(extra):] == extra
-  # Reading cuSPARSELt's buffer: the same but the 64-column ldmatrix configs (they lose there).
-  assert ck.nm24_candidate_configs(m, k, n, buffer=True) == [c for c in configs if m > 8 or d.span == 64 or
-                                                             c.span == 128 or c.x_load == "shuffle"]
+  # Reading cuSPARSELt's buffer: the same but the 64-column ldmatrix configs (they lose there), and above 16 rows
+  # each with both steps' loads first (the buffer's default there).
+  buffer_configs = ck.nm24_candidate_configs(m, k, n, buffer=True)
+  assert buffer_configs[0] == ck.Nm24DecodeConfig.get_default(m, k, n, buffer=True)
+  if m > 16:
+    assert (d.loads, buffer_configs[0]) == ("step", dataclasses.replace(d, loads="pair"))
+    swap = {"step": "pair", "pair": "step", "stages": "stages"}
+    swapped = [dataclasses.replace(c, loads=swap[c.loads]) for c in configs]
+    assert buffer_configs[:-2] == swapped[:-2] and set(buffer_configs[-2:]) == set(swapped[-2:])
+  else:
+    assert buffer_configs == [c for c in configs if m > 8 or d.span == 64 or c.span == 128 or c.x_load == "shuffle"]
+    assert buffer_configs[0] == d
   neighbours = configs[1:-len(extra)]
   for c in neighbours:  # every warp of every block gets a step pair; the span divides N
     assert (k // 64) >= c.split * c.warps and n % c.span == 0
-    assert c.x_load == configs[0].x_load and (c.blocks_per_sm, c.token_split) == (1, 1)
+    assert (c.x_load, c.loads) == (d.x_load, d.loads) and (c.blocks_per_sm, c.token_split) == (1, 1)
   if m > 16:  # one config on 128-column spans at most: the default's warps in all (twice as many per span)
     wide = [c for c in neighbours if c.span == 128]
     assert len(wide) <= 1 and all(c.split * c.warps == 2 * configs[0].split * configs[0].warps for c in wide)
@@ -168,6 +179,13 @@ def test_nm24_default_spans_by_rows():
   assert ck.Nm24DecodeConfig.get_default(20, 4096, 28672) == ck.Nm24DecodeConfig(1, 2, 64, x_load=lm)
   assert ck.Nm24DecodeConfig.get_default(32, 2048, 5632) == ck.Nm24DecodeConfig(1, 8, 64, x_load=lm)
   assert ck.Nm24DecodeConfig.get_default(20, 2048, 5632) == ck.Nm24DecodeConfig(2, 4, 64, x_load=lm)
+  # Each step's loads just before its products; reading cuSPARSELt's buffer above 16 rows, both steps' of a pair
+  # before either's (benchmarks/results/llm_decode_nm24_loads_2026-12-01_h200.md).
+  for m in (1, 8, 16, 17, 24, 32):
+    d = ck.Nm24DecodeConfig.get_default(m, 4096, 4096)
+    assert d.loads == "step"
+    assert ck.Nm24DecodeConfig.get_default(m, 4096, 4096, buffer=True) == (
+        dataclasses.replace(d, loads="pair") if m > 16 else d)
   # N a multiple of 64 but not of 128: spans of 64 at every M.
   assert ck.Nm24DecodeConfig.get_default(1, 4096, 4160).span == 64
 
@@ -211,6 +229,22 @@ def test_nm24_buffer_source_compiles_for_hopper(rows, span, token_split, x_load,
   defines = ck._nm24_defines(rows, cfg, buffer=True)
   assert ("NM_META", 1) in defines and ("NM_META", 0) in ck._nm24_defines(rows, cfg)
   cubin, log = ck._compile_cubin(source, "nm24_decode", ck._nvrtc_options("sm_90", defines))
+  assert cubin is not None, log
+
+
+@pytest.mark.parametrize(("rows", "span", "loads", "buffer"),
+                         [(32, 64, "pair", False), (32, 64, "stages", True), (1, 128, "stages", False),
+                          (16, 128, "pair", True)])
+def test_nm24_loads_source_compiles_for_hopper(rows, span, loads, buffer, monkeypatch, tmp_path):
+  """The builds that load a pair of steps at once (NM_LOADS 1) and two pairs in turn (NM_LOADS 2) compile, for both
+  lane widths and both layouts of the positions."""
+  assert ck._nvrtc() is not None, "libnvrtc not found: install the dev extra (nvidia-cuda-nvrtc)"
+  monkeypatch.setenv("JAXSPARSE_CACHE_DIR", str(tmp_path))
+  cfg = ck.Nm24DecodeConfig(2, 4, span, x_load="ldmatrix", loads=loads)
+  defines = ck._nm24_defines(rows, cfg, buffer=buffer)
+  assert ("NM_LOADS", ck.NM24_LOADS.index(loads)) in defines
+  cubin, log = ck._compile_cubin((ck._HERE / "nm24_decode.cu").read_text(), "nm24_decode",
+                                 ck._nvrtc_options("sm_90", defines))
   assert cubin is not None, log
 
 

@@ -45,6 +45,7 @@ from jaxsparse import _utils
 from jaxsparse._cpu._build import build_cached
 from jaxsparse._cpu._build import cache_dir
 from jaxsparse._cpu._build import compiler
+from jaxsparse._cuda._nm24_config import NM24_LOADS
 from jaxsparse._cuda._nm24_config import NM24_SPANS
 from jaxsparse._cuda._nm24_config import NM24_X_LOADS
 from jaxsparse._cuda._nm24_config import Nm24DecodeConfig
@@ -329,6 +330,7 @@ def _nm24_defines(m: int, cfg: Nm24DecodeConfig, buffer: bool = False) -> tuple[
       ("NM_TSPLIT", cfg.token_split),
       ("NM_XLOAD", NM24_X_LOADS.index(cfg.x_load) + 1),
       ("NM_META", int(buffer)),
+      ("NM_LOADS", NM24_LOADS.index(cfg.loads)),
   )
 
 
@@ -341,7 +343,7 @@ def nm24_prepare(m: int, k: int, n: int, config: Nm24DecodeConfig | None = None,
     return reason
   try:
     _kernel_id("nm24_decode.cu", "nm24_decode",
-               _nm24_defines(m, config or Nm24DecodeConfig.get_default(m, k, n), buffer))
+               _nm24_defines(m, config or Nm24DecodeConfig.get_default(m, k, n, buffer=buffer), buffer))
   except RuntimeError as e:
     return str(e)
   return ""
@@ -384,7 +386,7 @@ def nm24_decode_buffer(x: jax.Array, buffer: jax.Array, n: int, *, config: Nm24D
     x: ``(M, K)`` bfloat16, ``M <= 32``.
     buffer: ``(K N 9 / 8,)`` uint8.
     n: ``N``, the columns of ``W``.
-    config: work split; default :meth:`Nm24DecodeConfig.get_default`.
+    config: work split; default :meth:`Nm24DecodeConfig.get_default` (``buffer=True``).
   """
   if getattr(x, "ndim", None) != 2:
     raise ValueError(f"nm24_decode_buffer: x must be a 2-D array, got shape {getattr(x, 'shape', type(x).__name__)}.")
@@ -404,10 +406,11 @@ def _nm24_call(op: str, x: jax.Array, weight: tuple[jax.Array, ...], n: int, con
   reason = nm24_unsupported_reason(m, k, n, x.dtype)
   if reason:
     raise ValueError(f"{op} cannot run for x {x.shape} and W ({k}, {n}): {reason}.")
-  cfg = config or Nm24DecodeConfig.get_default(m, k, n)
+  buffer = len(weight) == 1
+  cfg = config or Nm24DecodeConfig.get_default(m, k, n, buffer=buffer)
   if n % cfg.span:
     raise ValueError(f"{op}: N={n} is not a multiple of the config's span={cfg.span}.")
-  kid = _kernel_id("nm24_decode.cu", "nm24_decode", _nm24_defines(m, cfg, buffer=len(weight) == 1))
+  kid = _kernel_id("nm24_decode.cu", "nm24_decode", _nm24_defines(m, cfg, buffer=buffer))
   x, weight = _utils.vary_alike(x, weight)  # an FFI call takes operands that vary alike (shard_map)
   out = _utils.result_struct((m, n), jnp.bfloat16, x, weight)
   return jax.ffi.ffi_call(f"jaxsparse_{op}", out, vmap_method="sequential")(

@@ -6,10 +6,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
-__all__ = ["NM24_SPANS", "NM24_X_LOADS", "Nm24DecodeConfig", "nm24_candidate_configs"]
+__all__ = ["NM24_LOADS", "NM24_SPANS", "NM24_X_LOADS", "Nm24DecodeConfig", "nm24_candidate_configs"]
 
 NM24_SPANS = (128, 64)  # columns of W per thread block
 NM24_X_LOADS = ("shuffle", "ldmatrix")  # Nm24DecodeConfig.x_load; NM_XLOAD is the index + 1
+NM24_LOADS = ("step", "pair", "stages")  # Nm24DecodeConfig.loads; NM_LOADS is the index
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +35,12 @@ class Nm24DecodeConfig:
       of shared memory per warp and token tile). Both replace four 4-byte loads that each touched 8 rows of ``x``:
       on an H100, shuffles took 0.88-1.01 of the 4-byte loads' time at 1-8 rows and ``ldmatrix`` 0.54-1.02 at
       16-32 rows (``benchmarks/results/llm_decode_x_loads_2026-11-27_h100.md``).
+    loads: when a warp issues the loads of its pairs of ``K`` steps: ``"step"``, each step's just before its products;
+      ``"pair"``, both steps' before either's products (more bytes in flight, more registers); ``"stages"``, the next
+      pair's before the current pair's products (two pairs in registers: the loads overlap the products). On an H200
+      at 24 and 32 rows the best config with them took 0.76-1.03 of the best without on cuSPARSELt's buffer
+      (``"pair"`` won) and 0.94-1.02 on ``NMSparseMatrix`` indices (``"stages"`` won from ``K`` or ``N`` of 4096 up);
+      at 1-16 rows ``"step"`` was the fastest (``benchmarks/results/llm_decode_nm24_loads_2026-12-01_h200.md``).
   """
 
   split: int = 1
@@ -42,6 +49,7 @@ class Nm24DecodeConfig:
   blocks_per_sm: int = 1
   token_split: int = 1
   x_load: str = "shuffle"
+  loads: str = "step"
 
   def __post_init__(self):
     if self.split not in (1, 2, 4, 8):
@@ -56,16 +64,19 @@ class Nm24DecodeConfig:
       raise ValueError(f"token_split must be 1 or 2, got token_split={self.token_split}.")
     if self.x_load not in NM24_X_LOADS:
       raise ValueError(f"x_load must be one of {NM24_X_LOADS}, got x_load={self.x_load!r}.")
+    if self.loads not in NM24_LOADS:
+      raise ValueError(f"loads must be one of {NM24_LOADS}, got loads={self.loads!r}.")
 
   @property
   def name(self) -> str:
-    """``"s{split}w{warps}c{span}b{blocks_per_sm}"``, ``"t2"`` with ``token_split=2``, then ``"xs"`` (shuffle) or
-    ``"xm"`` (ldmatrix): the tuning cache's names."""
+    """``"s{split}w{warps}c{span}b{blocks_per_sm}"``, ``"t2"`` with ``token_split=2``, ``"xs"`` (shuffle) or
+    ``"xm"`` (ldmatrix), then ``"lp"`` / ``"ls"`` for ``loads`` ``"pair"`` / ``"stages"``: the tuning cache's
+    names."""
     return (f"s{self.split}w{self.warps}c{self.span}b{self.blocks_per_sm}" + ("t2" if self.token_split == 2 else "")
-            + ("xs" if self.x_load == "shuffle" else "xm"))
+            + ("xs" if self.x_load == "shuffle" else "xm") + {"step": "", "pair": "lp", "stages": "ls"}[self.loads])
 
   @classmethod
-  def get_default(cls, m: int, k: int, n: int) -> Nm24DecodeConfig:
+  def get_default(cls, m: int, k: int, n: int, *, buffer: bool = False) -> Nm24DecodeConfig:
     """Measured on an H100 (``benchmarks/results/gpu_nm_decode_2026-11-23_h100.md``, ``..._2026-11-24_h100.md`` and,
     above 16 rows, ``llm_decode_nm32_configs_2026-11-28_h100.md``).
 
@@ -81,7 +92,13 @@ class Nm24DecodeConfig:
     block from 25 rows), ``ldmatrix`` but shuffles from 25 rows at 32 warps per span. At 44 products of 17-32 rows
     (K = 1024-14336, N = 2048-28672), 0.60-0.95 of dense and 1.00-1.24 of the best of 72-96 configs (geometric mean
     1.05 at 17-24 rows, 1.02 at 25-32); the rules before them ran 5 of the 16 products they were not fitted on
-    slower than dense (up to 1.36).
+    slower than dense (up to 1.36). Reading cuSPARSELt's buffer (``buffer``) with ``loads="pair"``: on an H200 at
+    24 and 32 rows, 0.65-1.03 of the time with ``"step"`` (14 products), where on the indices it took 0.89-1.09
+    (``benchmarks/results/llm_decode_nm24_loads_2026-12-01_h200.md``).
+
+    Args:
+      m, k, n: the product's rows, depth and columns.
+      buffer: whether the kernel reads cuSPARSELt's buffer (:func:`~jaxsparse._cuda._kernels.nm24_decode_buffer`).
     """
     if m > 16:
       spans, pairs = n // 64, k // 64
@@ -89,7 +106,8 @@ class Nm24DecodeConfig:
       while per_span > 2 and pairs < per_span:
         per_span //= 2
       split, warps = (1, 8) if per_span == 8 and m > 24 else _NM24_WARPS_PER_SPAN[per_span]
-      return cls(split, warps, 64, x_load="shuffle" if m > 24 and per_span >= 32 else "ldmatrix")
+      return cls(split, warps, 64, x_load="shuffle" if m > 24 and per_span >= 32 else "ldmatrix",
+                 loads="pair" if buffer else "step")
     span = 128 if m <= 8 and n % 128 == 0 else 64
     spans = n // span
     pairs = k // 64
@@ -122,12 +140,12 @@ _NM24_WARPS_PER_SPAN = {2: (1, 2), 4: (1, 4), 8: (2, 4), 16: (2, 8), 32: (8, 4),
 def nm24_candidate_configs(m: int, k: int, n: int, *, buffer: bool = False) -> list[Nm24DecodeConfig]:
   """The configs measured dispatch times for an ``(m, k) @ (k, n)`` product: the default first, then its neighbours
   and the default with two blocks per multiprocessor; above 8 rows also the default with its rows split over two
-  warps (``token_split``) and with the other ``x_load``; up to 8 rows also the default with ``ldmatrix`` loads of
-  ``x``, and (``buffer`` False: the weight as ``NMSparseMatrix.indices``) those loads on 64-column spans with the
-  default's warps per span and with its warps in all. On an H200, ``ldmatrix`` on 64-column spans was the best of 48
-  configs at all 8 products of 1 and 8 rows it was fitted on (indices), and these candidates were the best at 6 and
-  within 1.2% at 2, 4-14% under the default; reading cuSPARSELt's buffer the 64-column ones lose that
-  (``benchmarks/results/llm_decode_nm24_small_rows_2026-11-28_h200.md``).
+  warps (``token_split``), with the other ``x_load`` and with the other two ``loads``; up to 8 rows also the default
+  with ``ldmatrix`` loads of ``x``, and (``buffer`` False: the weight as ``NMSparseMatrix.indices``) those loads on
+  64-column spans with the default's warps per span and with its warps in all. On an H200, ``ldmatrix`` on 64-column
+  spans was the best of 48 configs at all 8 products of 1 and 8 rows it was fitted on (indices), and these candidates
+  were the best at 6 and within 1.2% at 2, 4-14% under the default; reading cuSPARSELt's buffer the 64-column ones
+  lose that (``benchmarks/results/llm_decode_nm24_small_rows_2026-11-28_h200.md``).
 
   Up to 16 rows the neighbours are half and twice the split, the other warp count at the same warps per span and the
   other span. Above 16 rows they are the other (split, warps) pairs of the default's warps per span, the usual pair
@@ -151,7 +169,7 @@ def nm24_candidate_configs(m: int, k: int, n: int, *, buffer: bool = False) -> l
   Returns:
     The configs, the default first, each once.
   """
-  d = Nm24DecodeConfig.get_default(m, k, n)
+  d = Nm24DecodeConfig.get_default(m, k, n, buffer=buffer)
   out = [d]
   if m > 16:
     per_span = d.split * d.warps
@@ -182,4 +200,5 @@ def nm24_candidate_configs(m: int, k: int, n: int, *, buffer: bool = False) -> l
   else:
     out.append(dataclasses.replace(d, token_split=2))
     out.append(dataclasses.replace(d, x_load="shuffle" if d.x_load == "ldmatrix" else "ldmatrix"))
+    out += [dataclasses.replace(d, loads=loads) for loads in NM24_LOADS if loads != d.loads]
   return out

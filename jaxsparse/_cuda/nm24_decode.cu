@@ -2,7 +2,7 @@
 // as jaxsparse.NMSparseMatrix stores it, on the sparse tensor cores (mma.sp; compute capability 9.0+ for the
 // thread block clusters).
 // Compiled at run time by NVRTC (no includes), one build per (NM_MT, NM_CPL, NM_SPLIT, NM_WARPS, NM_MINB,
-// NM_TSPLIT, NM_XLOAD, NM_META).
+// NM_TSPLIT, NM_XLOAD, NM_META, NM_LOADS).
 //
 // Operands, all row-major as JAX stores them:
 //   x       (M, K) bf16;
@@ -53,6 +53,10 @@
 #endif
 #ifndef NM_META
 #define NM_META 0  // the layout of the positions: 0 NMSparseMatrix.indices, 1 cuSPARSELt's metadata
+#endif
+#ifndef NM_LOADS
+#define NM_LOADS 0  // when a warp loads a pair of steps: 0 each step before its products, 1 both before either's,
+                    // 2 the next pair before the current pair's products (two stages of registers)
 #endif
 #ifndef NM_MINB
 #define NM_MINB 1  // thread blocks a multiprocessor must hold at once (caps the registers per thread)
@@ -123,15 +127,15 @@ __device__ __forceinline__ u32 meta_word(const u32 (*tr)[NM_NI], int i, int q) {
 // of column c for group 4 t + u (nibble (c / 8) % 2). The lane's columns (A rows g and g + 8 of instruction i:
 // col + i and col + NI + i) lie in the 64 bytes at ((col / 16) % 4) * 64; tr[h][i] gets, in byte u's low nibble,
 // the code of group 4 t + u for A row g + 8 h, as transpose_meta gives it for NM_META 0.
-__device__ __forceinline__ void cslt_meta(const u8* meta, int k, int step, int col, int t, u32 (*tr)[NM_NI]) {
-  const uint4* src =
-      reinterpret_cast<const uint4*>(meta + ((size_t)(col >> 6) * (k >> 5) + step) * 256 + ((col >> 4) & 3) * 64);
+__device__ __forceinline__ const uint4* cslt_meta_src(const u8* meta, int k, int step, int col) {
+  return reinterpret_cast<const uint4*>(meta + ((size_t)(col >> 6) * (k >> 5) + step) * 256 + ((col >> 4) & 3) * 64);
+}
+
+// tr from the lane's 64 metadata bytes of the step (zero on lanes t >= 2).
+__device__ __forceinline__ void cslt_meta(const uint4 (&q)[4], int col, int t, u32 (*tr)[NM_NI]) {
   u32 w[16];
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const uint4 q = t < 2 ? __ldg(src + j) : uint4{0u, 0u, 0u, 0u};
-    w[4 * j] = q.x, w[4 * j + 1] = q.y, w[4 * j + 2] = q.z, w[4 * j + 3] = q.w;
-  }
+  for (int j = 0; j < 4; ++j) w[4 * j] = q[j].x, w[4 * j + 1] = q[j].y, w[4 * j + 2] = q[j].z, w[4 * j + 3] = q[j].w;
   const u32 sel = (t & 1) ? 0x7531 : 0x6420;  // bytes t, 2 + t, 4 + t, 6 + t of each 8-byte run: u = 0 .. 3
 #if NM_CPL == 16
 #pragma unroll
@@ -221,83 +225,148 @@ extern "C" __global__ void __launch_bounds__(NM_WARPS * 32, NM_MINB)
 #pragma unroll
       for (int r = 0; r < 4; ++r) acc[i][mt][r] = 0.f;
 
-  for (int p = p_begin + kwarp; p < p_end; p += NM_KW) {
-    u32 tr[2][NM_NI];
+  // A pair of steps: its loads (a stage) and its products, in the order NM_LOADS says.
+  struct Stage {
 #if NM_META == 0
     u32 meta[4][NM_CPL / 4];
+#else
+    uint4 meta[2][4];
+#endif
+    uint4 v[2][4][NM_CPL / 8];  // per step of the pair: compressed rows 2t, 2t+1, 2t+8, 2t+9, NM_CPL columns each
+    uint4 xq[2][NM_WMT];        // per step and token tile: the lane's K 8t .. 8t + 7 of its token
+  };
+  auto load_meta = [&](Stage& s, int p) {
+#if NM_META == 0
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
       const u8* src = idx + (size_t)(8 * p + 4 * t + u) * n + col;
 #if NM_CPL == 16
       const uint4 q = t < 2 ? __ldg(reinterpret_cast<const uint4*>(src)) : uint4{0u, 0u, 0u, 0u};
-      meta[u][0] = q.x, meta[u][1] = q.y, meta[u][2] = q.z, meta[u][3] = q.w;
+      s.meta[u][0] = q.x, s.meta[u][1] = q.y, s.meta[u][2] = q.z, s.meta[u][3] = q.w;
 #else
       const uint2 q = t < 2 ? __ldg(reinterpret_cast<const uint2*>(src)) : uint2{0u, 0u};
-      meta[u][0] = q.x, meta[u][1] = q.y;
+      s.meta[u][0] = q.x, s.meta[u][1] = q.y;
 #endif
     }
-    transpose_meta(meta, tr);
+#endif
+  };
+  auto load_step = [&](Stage& s, int p, int q) {
+    const int step = p + q * pairs;
+#if NM_META == 1
+    const uint4* msrc = cslt_meta_src(idx, k, step, col);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) s.meta[q][j] = t < 2 ? __ldg(msrc + j) : uint4{0u, 0u, 0u, 0u};
+#endif
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int row = 16 * step + 2 * t + (r & 1) + 8 * (r >> 1);
+      const uint4* src = reinterpret_cast<const uint4*>(values + (size_t)row * n + col);
+#pragma unroll
+      for (int h = 0; h < NM_CPL / 8; ++h) s.v[q][r][h] = __ldg(src + h);
+    }
+#pragma unroll
+    for (int mt = 0; mt < NM_WMT; ++mt) {
+      const int tok = g + 8 * (mt0 + mt);
+      s.xq[q][mt] = tok < m ? __ldg(reinterpret_cast<const uint4*>(x + (size_t)tok * k + 32 * step + 8 * t))
+                            : uint4{0u, 0u, 0u, 0u};
+    }
+  };
+  auto load = [&](Stage& s, int p) {
+    load_meta(s, p);
+    load_step(s, p, 0);
+    load_step(s, p, 1);
+  };
+  // The products of step q of the pair; tr: the metadata registers (NM_META 0: of the pair, from transpose_meta).
+  auto compute_step = [&](const Stage& s, int q, u32 (*tr)[NM_NI]) {
+#if NM_META == 1
+    cslt_meta(s.meta[q], col, t, tr);
+#endif
+    u32 b[NM_WMT][4];
+#pragma unroll
+    for (int mt = 0; mt < NM_WMT; ++mt) {
+      // Lane t loaded K 8t .. 8t + 7 (its pair s at 8t + 2s); it needs pair t of every 8-wide chunk j.
+      const uint4 q4 = s.xq[q][mt];
+#if NM_XLOAD == 1
+      // A 4 x 4 transpose across the quad: swap within 2 x 2 blocks (lanes t, t ^ 1), then the off-diagonal
+      // blocks (lanes t, t ^ 2).
+      u32 r0 = q4.x, r1 = q4.y, r2 = q4.z, r3 = q4.w;
+      const bool odd = t & 1, upper = t & 2;
+      const u32 s0 = __shfl_xor_sync(0xffffffffu, odd ? r0 : r1, 1);
+      const u32 s1 = __shfl_xor_sync(0xffffffffu, odd ? r2 : r3, 1);
+      if (odd) r0 = s0, r2 = s1; else r1 = s0, r3 = s1;
+      const u32 s2 = __shfl_xor_sync(0xffffffffu, upper ? r0 : r2, 2);
+      const u32 s3 = __shfl_xor_sync(0xffffffffu, upper ? r1 : r3, 2);
+      if (upper) r0 = s2, r1 = s3; else r2 = s2, r3 = s3;
+      b[mt][0] = r0, b[mt][1] = r1, b[mt][2] = r2, b[mt][3] = r3;
+#else
+      // Token g's chunk t at 16-byte slot t ^ ((g / 2) % 4) of its 64-byte row: the 8 rows ldmatrix reads per
+      // matrix (and the 8 lanes of each store phase) fall in different banks.
+      u32* buf = xs[warp][mt];
+      *reinterpret_cast<uint4*>(buf + 16 * g + 4 * (t ^ ((g >> 1) & 3))) = q4;
+      __syncwarp();
+      const int row = lane & 7, chunk = lane >> 3;  // lane l gives the address of row l % 8 of matrix l / 8
+      const u32 addr = (u32)__cvta_generic_to_shared(buf + 16 * row + 4 * (chunk ^ ((row >> 1) & 3)));
+      asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(b[mt][0]), "=r"(b[mt][1]), "=r"(b[mt][2]), "=r"(b[mt][3]) : "r"(addr) : "memory");
+      __syncwarp();  // the next step's stores wait for every lane's ldmatrix
+#endif
+    }
+#pragma unroll
+    for (int i = 0; i < NM_NI; ++i) {
+      u32 a[4];
+      a[0] = pair_of(s.v[q][0], s.v[q][1], i);          // row g, compressed columns 2t, 2t+1
+      a[1] = pair_of(s.v[q][0], s.v[q][1], NM_NI + i);  // row g + 8
+      a[2] = pair_of(s.v[q][2], s.v[q][3], i);          // row g, compressed columns 2t+8, 2t+9
+      a[3] = pair_of(s.v[q][2], s.v[q][3], NM_NI + i);
+      const u32 e = meta_word(tr, i, NM_META ? 0 : q);  // zero on lanes t >= 2 (meta is zero there)
+#pragma unroll
+      for (int mt = 0; mt < NM_WMT; ++mt) mma_sp(acc[i][mt], a, b[mt], e);
+    }
+  };
+  auto compute = [&](const Stage& s) {
+    u32 tr[2][NM_NI];
+#if NM_META == 0
+    transpose_meta(s.meta, tr);
+#endif
+    compute_step(s, 0, tr);
+    compute_step(s, 1, tr);
+  };
+#if NM_LOADS == 2
+  {
+    Stage s0, s1;  // two stages, used in turn (no copies between them: a copy would wait for its loads)
+    int p = p_begin + kwarp;
+    if (p < p_end) load(s0, p);
+    while (p < p_end) {
+      if (p + NM_KW < p_end) load(s1, p + NM_KW);
+      compute(s0);
+      p += NM_KW;
+      if (p >= p_end) break;
+      if (p + NM_KW < p_end) load(s0, p + NM_KW);
+      compute(s1);
+      p += NM_KW;
+    }
+  }
+#elif NM_LOADS == 1
+  for (int p = p_begin + kwarp; p < p_end; p += NM_KW) {
+    Stage s;
+    load(s, p);
+    compute(s);
+  }
+#else
+  for (int p = p_begin + kwarp; p < p_end; p += NM_KW) {
+    Stage s;
+    u32 tr[2][NM_NI];
+    load_meta(s, p);
+#if NM_META == 0
+    transpose_meta(s.meta, tr);
 #endif
 #pragma unroll
     for (int q = 0; q < 2; ++q) {
-      const int step = p + q * pairs;
-#if NM_META == 1
-      cslt_meta(idx, k, step, col, t, tr);
-#endif
-      // Compressed rows 2t, 2t+1, 2t+8, 2t+9 of the step, NM_CPL columns each.
-      uint4 v[4][NM_CPL / 8];
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int row = 16 * step + 2 * t + (r & 1) + 8 * (r >> 1);
-        const uint4* src = reinterpret_cast<const uint4*>(values + (size_t)row * n + col);
-#pragma unroll
-        for (int h = 0; h < NM_CPL / 8; ++h) v[r][h] = __ldg(src + h);
-      }
-      u32 b[NM_WMT][4];
-#pragma unroll
-      for (int mt = 0; mt < NM_WMT; ++mt) {
-        const int tok = g + 8 * (mt0 + mt);
-        // Lane t loads K 8t .. 8t + 7 (its pair s at 8t + 2s); it needs pair t of every 8-wide chunk j.
-        const uint4 q4 = tok < m ? __ldg(reinterpret_cast<const uint4*>(x + (size_t)tok * k + 32 * step + 8 * t))
-                                 : uint4{0u, 0u, 0u, 0u};
-#if NM_XLOAD == 1
-        // A 4 x 4 transpose across the quad: swap within 2 x 2 blocks (lanes t, t ^ 1), then the off-diagonal
-        // blocks (lanes t, t ^ 2).
-        u32 r0 = q4.x, r1 = q4.y, r2 = q4.z, r3 = q4.w;
-        const bool odd = t & 1, upper = t & 2;
-        const u32 s0 = __shfl_xor_sync(0xffffffffu, odd ? r0 : r1, 1);
-        const u32 s1 = __shfl_xor_sync(0xffffffffu, odd ? r2 : r3, 1);
-        if (odd) r0 = s0, r2 = s1; else r1 = s0, r3 = s1;
-        const u32 s2 = __shfl_xor_sync(0xffffffffu, upper ? r0 : r2, 2);
-        const u32 s3 = __shfl_xor_sync(0xffffffffu, upper ? r1 : r3, 2);
-        if (upper) r0 = s2, r1 = s3; else r2 = s2, r3 = s3;
-        b[mt][0] = r0, b[mt][1] = r1, b[mt][2] = r2, b[mt][3] = r3;
-#else
-        // Token g's chunk t at 16-byte slot t ^ ((g / 2) % 4) of its 64-byte row: the 8 rows ldmatrix reads per
-        // matrix (and the 8 lanes of each store phase) fall in different banks.
-        u32* buf = xs[warp][mt];
-        *reinterpret_cast<uint4*>(buf + 16 * g + 4 * (t ^ ((g >> 1) & 3))) = q4;
-        __syncwarp();
-        const int row = lane & 7, chunk = lane >> 3;  // lane l gives the address of row l % 8 of matrix l / 8
-        const u32 addr = (u32)__cvta_generic_to_shared(buf + 16 * row + 4 * (chunk ^ ((row >> 1) & 3)));
-        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                     : "=r"(b[mt][0]), "=r"(b[mt][1]), "=r"(b[mt][2]), "=r"(b[mt][3]) : "r"(addr) : "memory");
-        __syncwarp();  // the next step's stores wait for every lane's ldmatrix
-#endif
-      }
-#pragma unroll
-      for (int i = 0; i < NM_NI; ++i) {
-        u32 a[4];
-        a[0] = pair_of(v[0], v[1], i);          // row g, compressed columns 2t, 2t+1
-        a[1] = pair_of(v[0], v[1], NM_NI + i);  // row g + 8
-        a[2] = pair_of(v[2], v[3], i);          // row g, compressed columns 2t+8, 2t+9
-        a[3] = pair_of(v[2], v[3], NM_NI + i);
-        const u32 e = meta_word(tr, i, NM_META ? 0 : q);  // zero on lanes t >= 2 (meta is zero there)
-#pragma unroll
-        for (int mt = 0; mt < NM_WMT; ++mt) mma_sp(acc[i][mt], a, b[mt], e);
-      }
+      load_step(s, p, q);
+      compute_step(s, q, tr);
     }
   }
+#endif
   // Partial sums meet in shared memory in fragment order, red[slot][e][lane] (no bank conflicts): warps of
   // steps 0 .. kSlots - 1 write their slot, the others add into slot kwarp % kSlots, kSlots at a time (the
   // NM_TSPLIT warps of one kwarp write different token tiles of it).
