@@ -87,15 +87,21 @@ def test_a_rule_looser_than_the_layer_keeps_the_layer_and_warns(make):
 
 def test_without_layer_masks_wrap_optax_warns_where_the_first_masks_keep_zeros():
   model = _model()
-  with pytest.warns(UserWarning, match=r"layers\.0\.kernel \(\d+ of the 256 it keeps\): the pruner's first masks keep "
-                                       r"weights that are exactly zero.*layer_masks=pruning\.layer_masks\(model\)"):
+  # The nnx.Optimizer's params mark the MaskedLinear's kernel: named exactly (tests/test_pruning_seams3.py).
+  with pytest.warns(UserWarning, match=r"layers\.0\.kernel \(MaskedLinear\): the pruner's rules prune these kernels "
+                                       r".*layer_masks=pruning\.layer_masks\(model\)"):
     nnx.Optimizer(model, pruning.wrap_optax(optax.sgd(0.1), pruning.set_pruner(RULES, update_every=1, end_step=4)),
                   wrt=nnx.Param)
+  # Bare arrays do not: the first masks keeping zeros tell.
+  with pytest.warns(UserWarning, match=r"layers\.0\.kernel \(\d+ of the 256 it keeps\): the pruner's first masks keep "
+                                       r"weights that are exactly zero.*layer_masks=pruning\.layer_masks\(model\)"):
+    pruning.wrap_optax(optax.sgd(0.1), pruning.set_pruner(RULES, update_every=1, end_step=4)).init(
+        nnx.as_pure(nnx.state(_model(), nnx.Param)))
   with warnings.catch_warnings():  # a dense model, a tighter rule, or the layer's masks given: nothing to say
     warnings.simplefilter("error")
     for model, pruner in [
         (nnx.Sequential(nnx.Linear(32, 32, rngs=nnx.Rngs(0))), pruning.set_pruner(RULES, update_every=1, end_step=4)),
-        (_model(), pruning.magnitude_pruner(RULES)),
+        (_model(), pruning.magnitude_pruner(RULES, layer_masks=pruning.layer_masks(_model()))),
         (_model(), pruning.set_pruner(RULES, update_every=1, end_step=4, layer_masks=pruning.layer_masks(_model()))),
     ]:
       nnx.Optimizer(model, pruning.wrap_optax(optax.sgd(0.1), pruner), wrt=nnx.Param)

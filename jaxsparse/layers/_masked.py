@@ -57,7 +57,13 @@ from jaxsparse.layers._partitioning import box_structure
 from jaxsparse.layers._partitioning import carry_back_nnx
 from jaxsparse.layers._partitioning import carry_nnx
 
-__all__ = ["MaskedConv", "MaskedDense", "MaskedLinear"]
+__all__ = ["OWN_MASK", "MaskedConv", "MaskedDense", "MaskedLinear"]
+
+OWN_MASK = "own_mask"
+"""Metadata key of the kernel ``nnx.Param`` of a layer with a mask of its own (``MaskedLinear``, ``MaskedConv``); its
+value is the layer's class name. Like ``COMPRESSED_VALUES`` (``layers/_common.py``) it travels with the kernel where
+the parameters go without the layer (``nnx.state(model, nnx.Param)``, what ``nnx.Optimizer`` hands its optimizer),
+so that a pruner given those parameters without the layers' masks (``pruning.layer_masks``) can name the kernels."""
 
 
 def masked_kernel_init(kept: int | jax.Array, size: int) -> Initializer:
@@ -172,7 +178,8 @@ class MaskedLinear(nnx.Module):
     if kernel_init is None:
       kernel_init = masked_kernel_init(kept, size)
     kernel = kernel_init(rngs.params(), shape, param_dtype)  # maybe boxed (nnx.with_partitioning): kept
-    self.kernel = nnx.Param(map_boxed(kernel, lambda k: jnp.where(mask, k, jnp.zeros((), k.dtype))))
+    self.kernel = nnx.Param(map_boxed(kernel, lambda k: jnp.where(mask, k, jnp.zeros((), k.dtype))),
+                            **{OWN_MASK: type(self).__name__})
     self.mask = pattern_variable(mask, self.kernel, "mask")  # named as the kernel is (nnx.with_partitioning)
     init_linear_attributes(
         self, in_features, out_features, use_bias=use_bias, bias_init=bias_init, dtype=dtype,
@@ -484,6 +491,7 @@ class MaskedConv(nnx.Conv):
       mask = check_mask(mask, self.kernel_shape, name="mask")
     k = self.kernel[...]
     self.kernel[...] = jnp.where(mask, k, jnp.zeros((), k.dtype))
+    self.kernel.set_metadata(OWN_MASK, type(self).__name__)
     self.mask = nnx.data(pattern_variable(mask, self.kernel, "mask"))  # named as the kernel is
 
   def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:

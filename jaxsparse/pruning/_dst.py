@@ -25,6 +25,7 @@ from jaxsparse.formats._specs import NM
 from jaxsparse.pruning._layer_masks import LayerMasks
 from jaxsparse.pruning._layer_masks import allowed_units
 from jaxsparse.pruning._layer_masks import check_layer_masks
+from jaxsparse.pruning._layer_masks import resolve_layer_masks
 from jaxsparse.pruning._optax import Pruner
 from jaxsparse.pruning._schedules import check_steps
 from jaxsparse.pruning._schedules import periodic
@@ -122,7 +123,8 @@ def _dst_pruner(rules: Any, *, grow: str, update_every: int, end_step: int, begi
     for t in targets:
       if isinstance(t.spec, NM):
         raise ValueError(f"{t.path}: {_NM_REFUSED.format(spec=t.spec)}")
-    allowed = allowed_units(targets, layer_masks, paths, warn=warn) or [None] * len(targets)
+    own = resolve_layer_masks(params, layer_masks, targets, warn=warn)  # a model given: its layers' masks
+    allowed = allowed_units(targets, own, paths, warn=warn) or [None] * len(targets)
     return leaves, treedef, targets, allowed
 
   def draw(t, scores, allowed):
@@ -204,6 +206,9 @@ def set_pruner(
       With them both are drawn inside each layer's mask (a block: one it keeps a weight of), and the density is
       still that of the whole weight; a rule looser than its layer keeps the layer's own units (warned at ``init``).
       Read once, here: after :func:`apply_masks` narrows the layers' masks, build a new pruner to follow them.
+      Given the model itself (``pruner.init(model, key)``) the pruner reads its layers' masks (these win, path by
+      path); given parameters whose kernels mark a masked layer (the ``nnx.State`` that ``nnx.Optimizer`` hands
+      :func:`wrap_optax`) without their masks here, ``init`` warns once, naming them.
 
   Returns:
     A :class:`Pruner` for :func:`wrap_optax`; its ``init`` draws a uniformly random mask per matched parameter

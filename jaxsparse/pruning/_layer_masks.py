@@ -6,11 +6,20 @@ An optimizer hands a pruner the parameters only, not that mask. Told it (``layer
 among the units the layer can carry: SET / RigL draw their first mask and grow inside it, magnitude pruning ranks
 inside it, and a rule looser than the layer keeps the layer's own units (warned once). The density of a mask is still
 counted over the whole weight, as ``MaskedLinear.density`` and :func:`jaxsparse.summary` count it.
+
+Given the model itself (``pruner.init(model, key)``, ``magnitude_masks(model, ...)``) the pruners read its layers'
+masks on their own (``layer_masks=`` wins path by path). Given parameters that mark a masked layer's kernel (the
+``nnx.State`` that ``nnx.Optimizer`` hands ``wrap_optax``: ``OWN_MASK`` metadata) but not its mask, they warn once,
+naming the kernels and ``layer_masks=``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
 import math
+from collections.abc import Iterator
 from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
@@ -28,8 +37,10 @@ from jaxsparse.formats._base import is_concrete
 from jaxsparse.formats._specs import NM
 from jaxsparse.formats._specs import BlockSparse
 from jaxsparse.layers._common import SPARSITY
+from jaxsparse.layers._masked import OWN_MASK
 from jaxsparse.layers._masked import MaskedConv
 from jaxsparse.layers._masked import MaskedLinear
+from jaxsparse.pruning._apply import is_box
 
 __all__ = ["layer_masks"]
 
@@ -42,7 +53,8 @@ def layer_masks(model: Any) -> dict[str, jax.Array]:
   A model that is already sparse (``MaskedLinear``, ``MaskedConv``, Linen ``MaskedDense``) cannot carry a weight
   outside its layers' masks. An optimizer shows the pruner the parameters only: without these masks, SET draws and
   grows weights the layer cannot carry (the model then keeps fewer than :func:`get_masks` reports) and a rule looser
-  than the layer reports weights it does not have. With them the pruners choose inside the layers' masks:
+  than the layer reports weights it does not have; the pruner's ``init`` then warns, naming the layers' kernels (the
+  parameters of an ``nnx.Optimizer`` mark them). With them the pruners choose inside the layers' masks:
 
   >>> import jax, optax, jaxsparse
   >>> from flax import nnx
@@ -98,6 +110,91 @@ def _linen_layer_masks(sparsity: Mapping, prefix: tuple[str, ...]) -> dict[str, 
     elif key == "mask":
       out[path_str((*prefix, "kernel"))] = jnp.asarray(nn.meta.unbox(value))
   return out
+
+
+def _own_mark(leaf: Any) -> str | None:
+  """The layer class a kernel's metadata marks as having a mask of its own (``OWN_MASK``), read from an ``nnx.Param``
+  or a Linen box (``nnx.bridge.ToLinen``'s ``NNXMeta``); ``None`` for an unmarked leaf."""
+  if isinstance(leaf, nnx.Param):
+    metadata = leaf.get_metadata()
+  else:
+    metadata = getattr(leaf, "metadata", None) if is_box(leaf) else None
+  mark = metadata.get(OWN_MASK) if isinstance(metadata, Mapping) else None
+  return None if not mark else str(mark)
+
+
+def own_mask_paths(tree: Any) -> dict[str, str]:
+  """``{kernel path: layer class name}`` of the kernels of layers with a mask of their own that ``tree`` shows: an NNX
+  object's ``MaskedLinear`` / ``MaskedConv`` (at their first path), the kernels that parameters mark (``OWN_MASK``
+  metadata of an ``nnx.Param`` in an ``nnx.State``, what ``nnx.Optimizer`` hands its optimizer's ``init``), and those
+  :func:`own_masks_known` names (read by ``pruning.wrap_optax`` before it unwraps the parameters)."""
+  known = _KNOWN.get()
+  out = dict(known.paths) if known is not None else {}
+  if isinstance(tree, nnx.Pytree):
+    out.update({path_str((*path, "kernel")): type(node).__name__ for path, node in nnx.iter_graph(tree)
+                if isinstance(node, MaskedLinear | MaskedConv)})
+    return out
+  pairs = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, nnx.Variable) or is_box(x))[0]
+  for key_path, leaf in pairs:
+    mark = _own_mark(leaf)
+    if mark:
+      out.setdefault(path_str(key_path), mark)
+  return out
+
+
+@dataclasses.dataclass
+class _Known:
+  paths: dict[str, str]
+  seen: set[str] = dataclasses.field(default_factory=set)  # the marked paths a pruner ranked (told or warned)
+
+
+# The marked kernels of the parameters that pruning.wrap_optax's init hands its pruner as plain arrays (which do not
+# carry the marks), read by the pruners while that call traces.
+_KNOWN: contextvars.ContextVar[_Known | None] = contextvars.ContextVar("own_masks", default=None)
+
+
+@contextlib.contextmanager
+def own_masks_known(paths: Mapping[str, str]) -> Iterator[set[str]]:
+  """Within it, :func:`own_mask_paths` also gives ``paths`` (those of the parameters a pruner gets as plain arrays);
+  yields the set of those paths that a jaxsparse pruner matched (it warned about them or was told their masks)."""
+  known = _Known(dict(paths))
+  token = _KNOWN.set(known)
+  try:
+    yield known.seen
+  finally:
+    _KNOWN.reset(token)
+
+
+def resolve_layer_masks(
+    tree: Any, layer_masks: Mapping[str, Any] | None, targets: Sequence[Any], *, warn: bool
+) -> dict[str, Any] | None:
+  """The layer masks a pruner ranks ``tree``'s targets inside: those of the NNX object's own masked layers (the model
+  is at hand: read from it), with ``layer_masks`` (given to the pruner) over them path by path; ``None`` when there
+  are none of either.
+
+  With ``warn``, warns once, naming them, about the targets whose kernel is marked as a masked layer's
+  (:func:`own_mask_paths`: parameters without their layers, an ``nnx.State``) and whose mask neither gives: the
+  pruner would rank, draw and grow over the whole kernel and report weights the layer cannot carry. Not for ``NM``
+  rules, which keep ``n`` of every ``m`` whatever the layer keeps.
+  """
+  own = nnx_layer_masks(tree)
+  merged = {**own, **(layer_masks or {})}
+  if warn:
+    marked = own_mask_paths(tree)
+    matched = [t.path for t in targets if t.path in marked and not isinstance(t.spec, NM)]
+    known = _KNOWN.get()
+    if known is not None:
+      known.seen.update(matched)
+    missing = [f"{path} ({marked[path]})" for path in matched if path not in merged]
+    if missing:
+      _utils.warn_at_caller(
+          f"{', '.join(missing)}: the pruner's rules prune these kernels of layers with a mask of their own, but it "
+          "was given their parameters only, not those masks (an optimizer hands it no more), so it ranks (SET and "
+          "RigL: draws and grows) over the whole kernel: its masks may keep weights the layers cannot carry, and "
+          "get_masks then reports more than the model keeps. Pass layer_masks=pruning.layer_masks(model) to the "
+          "pruner (magnitude_pruner, set_pruner, rigl_pruner; magnitude_masks also reads them from the model "
+          "itself).", UserWarning)
+  return merged if own or layer_masks is not None else None
 
 
 def check_layer_masks(layer_masks: Any) -> dict[str, Any] | None:
@@ -198,10 +295,11 @@ def _unit_name(spec: Any) -> str:
   return "blocks" if isinstance(spec, BlockSparse) else "weights"
 
 
-def warn_zeros_kept(masks: Any, params: Any) -> None:
+def warn_zeros_kept(masks: Any, params: Any, *, skip: Any = ()) -> None:
   """Warns, naming them, where the masks a pruner starts from keep weights that are exactly zero in a kernel that
   holds nonzero ones and that they do not keep whole: the mark of a layer with a mask of its own (``MaskedLinear``,
-  ``MaskedDense``) that the pruner was not told of (``layer_masks=``). Nothing is read back under a trace."""
+  ``MaskedDense``) that the pruner was not told of (``layer_masks=``). Nothing is read back under a trace. The paths
+  in ``skip`` (marked kernels a pruner has already dealt with: :func:`own_masks_known`) are passed by."""
   leaves = jax.tree.leaves(masks)
   if not leaves or not all(is_concrete(m) for m in leaves):
     return
@@ -217,7 +315,7 @@ def warn_zeros_kept(masks: Any, params: Any) -> None:
   sizes = [math.prod(np.shape(m)) for m in leaves]  # the masks' leaves, in the same order
   found = [f"{path} ({int(c[0])} of the {int(c[1])} it keeps)" for path, c, size in zip(paths, count_leaves, sizes,
                                                                                          strict=True)
-           if c[0] and c[2] and c[1] < size]
+           if c[0] and c[2] and c[1] < size and path not in skip]
   if found:
     _utils.warn_at_caller(
         f"{', '.join(found)}: the pruner's first masks keep weights that are exactly zero, in kernels that also hold "

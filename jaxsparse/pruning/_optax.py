@@ -47,6 +47,9 @@ from jaxsparse.pruning._compressed import stored_values_known
 from jaxsparse.pruning._layer_masks import LayerMasks
 from jaxsparse.pruning._layer_masks import allowed_units
 from jaxsparse.pruning._layer_masks import check_layer_masks
+from jaxsparse.pruning._layer_masks import own_mask_paths
+from jaxsparse.pruning._layer_masks import own_masks_known
+from jaxsparse.pruning._layer_masks import resolve_layer_masks
 from jaxsparse.pruning._layer_masks import warn_zeros_kept
 from jaxsparse.pruning._schedules import Schedule
 from jaxsparse.pruning._schedules import one_shot
@@ -174,7 +177,9 @@ def magnitude_pruner(
     layer_masks: ``{parameter path: bool mask}`` of the layers with a mask of their own (a model that is already
       sparse); pass :func:`layer_masks` of the model. Each such layer is ranked inside its mask, so a rule looser than
       the layer keeps the layer's own weights (warned at ``init``) and :func:`get_masks` reports what the model keeps
-      (see :func:`set_pruner`). Read once, here.
+      (see :func:`set_pruner`). Read once, here. Given the model itself (``pruner.init(model, key)``) the pruner reads
+      its layers' masks (these win, path by path); given parameters whose kernels mark a masked layer (the
+      ``nnx.State`` of ``nnx.Optimizer``) without their masks here, ``init`` warns naming them.
 
   Returns:
     A :class:`Pruner` for :func:`wrap_optax`.
@@ -208,7 +213,8 @@ def magnitude_pruner(
     prior = None if masks is None else target_masks(masks, treedef, targets)
     new = masks_at(
         leaves, targets, lambda spec: schedule.sparsity(step, spec.target_sparsity), scope=scope, prior=prior,
-        allowed=allowed_units(targets, layer_masks, paths, scope=scope, warn=warn),
+        allowed=allowed_units(targets, resolve_layer_masks(params, layer_masks, targets, warn=warn), paths,
+                              scope=scope, warn=warn),
     )
     return unflatten_masks(treedef, len(leaves), targets, new)
 
@@ -314,9 +320,11 @@ def wrap_optax(
   and :func:`get_masks` then raises, saying which.
 
   A model that is already sparse (``MaskedLinear``, ``MaskedConv``, Linen ``MaskedDense``) shows the pruner its
-  parameters only, not its layers' own masks: give the pruner ``layer_masks=`` (:func:`layer_masks`). ``init`` warns,
-  naming them, where the pruner's first masks keep weights that are exactly zero in a kernel that also holds nonzero
-  ones (the mark of such a layer the pruner was not told of).
+  parameters only, not its layers' own masks: give the pruner ``layer_masks=`` (:func:`layer_masks`). ``init`` warns
+  once, naming them, about the kernels of ``MaskedLinear`` / ``MaskedConv`` layers (their ``nnx.Param`` marks them)
+  that a rule of :func:`magnitude_pruner`, :func:`set_pruner` or :func:`rigl_pruner` prunes without their masks, and
+  elsewhere (Linen ``params``, a pruner of your own) where the pruner's first masks keep weights that are exactly zero
+  in a kernel that also holds nonzero ones (the mark of such a layer the pruner was not told of).
 
   Around it and inside it, the optax combinators (the pruning guide has more):
 
@@ -368,10 +376,12 @@ def wrap_optax(
     # params are still what the optimizer was given: the nnx.Param variables of an nnx.Optimizer (whose layers mark
     # their stored values), Linen boxes.
     stored = stored_value_paths(params)
-    with stored_values_known(stored):
+    # The kernels of layers with a mask of their own (MaskedLinear, MaskedConv) are marked in the params of an
+    # nnx.Optimizer; the pruner sees plain arrays, so it is told them here (it warns where it lacks their masks).
+    with stored_values_known(stored), own_masks_known(own_mask_paths(params)) as seen:
       masks = _split_like(jax.jit(lambda p, k: pruner.init(_gathered(p), k))(plain, init_key), plain)
     _refuse_stored(stored, masks)
-    warn_zeros_kept(masks, plain)
+    warn_zeros_kept(masks, plain, skip=seen)
     inner_state = inner.init(params)
     if reset_state:
       try:  # an inner state that reset cannot map fails here, with a way out, not inside the first update's trace

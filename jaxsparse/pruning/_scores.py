@@ -60,7 +60,7 @@ from jaxsparse.pruning._compressed import stored_values_error
 from jaxsparse.pruning._layer_masks import LayerMasks
 from jaxsparse.pruning._layer_masks import allowed_units
 from jaxsparse.pruning._layer_masks import check_layer_masks
-from jaxsparse.pruning._layer_masks import nnx_layer_masks
+from jaxsparse.pruning._layer_masks import resolve_layer_masks
 from jaxsparse.pruning._stacks import Stacks
 from jaxsparse.pruning._stacks import nnx_stacks
 from jaxsparse.pruning._stacks import resolve_stacks
@@ -601,14 +601,13 @@ def magnitude_masks(
       holds no parameters: pass the model).
   """
   layer_masks = check_layer_masks(layer_masks)
-  own = nnx_layer_masks(params)  # an NNX object's masked layers tell their masks
   paths, leaves, treedef, targets = plan(params, rules, views=views, stacks=stacks)
   score_list = None
   if scores is not None:
     score_list = _target_scores(params_of(scores), paths, targets)
   check_scope(scope)
-  given = layer_masks is not None
-  allowed = allowed_units(targets, {**own, **(layer_masks or {})} if own or given else None, paths, scope=scope,
+  # an NNX object's masked layers tell their masks; marked kernels of bare parameters without them warn
+  allowed = allowed_units(targets, resolve_layer_masks(params, layer_masks, targets, warn=True), paths, scope=scope,
                           warn=True)
   # One compiled computation is much cheaper than dispatching its dozens of small ops one by one.
   compute = jax.jit(

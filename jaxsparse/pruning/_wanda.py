@@ -5,7 +5,9 @@ input feature ``k`` over the calibration tokens: the error that removing it adds
 when the features are uncorrelated. Unstructured masks compare the weights of each output (the
 paper's per-output groups); the per-output counts add up exactly to the layer count of
 :class:`jaxsparse.Unstructured`. N:M keeps the ``n`` best of every ``m`` inputs of an output; blocks
-are ranked by the sum of their squared scores (their Frobenius norm), over the whole layer.
+are ranked by the sum of their squared scores (their Frobenius norm), over the whole layer. Equal scores go to the
+larger ``|w|`` (for blocks, the larger Frobenius norm of the weights), then to the lower index: the weights of an input
+feature that was always zero in the calibration data all score 0 and are pruned by magnitude, not by position.
 
 Magnitude pruning is the same with all norms equal and one threshold per layer: the masks of
 :func:`jaxsparse.magnitude_mask`, :func:`jaxsparse.nm_mask` and :func:`jaxsparse.block_magnitude_mask`.
@@ -51,11 +53,21 @@ def wanda_layer(
   >>> pruning.wanda_layer(w, norms2, jaxsparse.NM(2, 4))[:, 0]
   Array([False,  True,  True, False], dtype=bool)
 
+  Equal scores go to the larger ``|w|``: here features 0 and 1 never fire and feature 3's weight is 0, so all three
+  score 0 and the second place goes to feature 1's weight, the largest of them, not to feature 0 by its index:
+
+  >>> pruning.wanda_layer(jnp.array([[0.1], [0.9], [2.0], [0.0]]), jnp.array([0.0, 0.0, 1.0, 1.0]),
+  ...                     jaxsparse.NM(2, 4))[:, 0]
+  Array([False,  True,  True, False], dtype=bool)
+
   Args:
     kernel: ``(K, N)`` weights (the 2-D view of a ``LinearGeneral`` kernel).
     sq_norms: ``(K,)`` sums of squares of the input features over the calibration tokens
       (``LayerStats.sq_norms``); finite and ``>= 0``. All zero (inputs that were always zero: nothing to rank
-      by) ranks the weights by ``|w|`` alone, as equal norms would, in Wanda's groups.
+      by) ranks the weights by ``|w|`` alone, as equal norms would, in Wanda's groups. Ties in the score go to the
+      larger ``|w|`` (the magnitude criterion), then to the lower input index: so the weights of features whose
+      inputs were always zero (all scoring 0) are pruned by magnitude, not by their position, in every structure
+      (blocks tie-break on their ``|w|`` Frobenius norm).
     spec: ``jaxsparse.Unstructured``, ``jaxsparse.NM`` (groups along ``K``) or ``jaxsparse.BlockSparse``.
     per_output: unstructured only: compare the weights of each output (Wanda) rather than the whole
       layer.
@@ -134,20 +146,25 @@ def _static(spec, shape: tuple[int, int], per_output: bool) -> dict:
 def _mask(kernel, sq_norms, *, kind, options):
   # float32 (bfloat16 / float16 widened), float64 when the kernel or the norms are float64
   acc = _utils.accumulation_dtype(kernel.dtype, *(() if sq_norms is None else (sq_norms.dtype,)))
-  scores = jnp.abs(kernel.astype(acc))
+  magnitudes = jnp.abs(kernel.astype(acc))
+  scores, tiebreak = magnitudes, None
   if sq_norms is not None:
     sq_norms = sq_norms.astype(acc)
     # All zero (inputs always zero): no information, every score would tie at 0; rank by |w| (equal norms) instead.
-    scores = scores * jnp.sqrt(jnp.where(jnp.any(sq_norms > 0), sq_norms, 1))[:, None]
+    scores = magnitudes * jnp.sqrt(jnp.where(jnp.any(sq_norms > 0), sq_norms, 1))[:, None]
+    # Equal scores (the weights of a feature whose inputs were always zero all score 0) go by |w|, then by index.
+    tiebreak = magnitudes
   k, n = scores.shape
   if kind == "nm":
     keep_n, m = options
-    return keep_largest_in_groups(scores.reshape(k // m, m, n), keep_n, axis=1).reshape(k, n)
+    groups = None if tiebreak is None else tiebreak.reshape(k // m, m, n)
+    return keep_largest_in_groups(scores.reshape(k // m, m, n), keep_n, axis=1, tiebreak=groups).reshape(k, n)
   if kind == "block":
     (bk, bn), kept = options
-    blocks = keep_largest(jnp.sum((scores * scores).reshape(k // bk, bk, n // bn, bn), axis=(1, 3)), kept)
+    frobenius2 = lambda s: jnp.sum((s * s).reshape(k // bk, bk, n // bn, bn), axis=(1, 3))
+    blocks = keep_largest(frobenius2(scores), kept, tiebreak=None if tiebreak is None else frobenius2(tiebreak))
     return jnp.repeat(jnp.repeat(blocks, bk, axis=0), bn, axis=1)
   per_output, kept = options
   if per_output:
-    return keep_largest(scores, jnp.asarray(kept, jnp.int32), axis=0)
-  return keep_largest(scores, kept)
+    return keep_largest(scores, jnp.asarray(kept, jnp.int32), axis=0, tiebreak=tiebreak)
+  return keep_largest(scores, kept, tiebreak=tiebreak)
