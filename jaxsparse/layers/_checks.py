@@ -27,6 +27,7 @@ from jaxsparse.formats._nm import index_layout
 from jaxsparse.formats._nm import position_bits
 
 __all__ = [
+    "check_compressed_parts",
     "check_dtypes",
     "check_feature_groups",
     "check_implementation",
@@ -285,6 +286,38 @@ def check_positions(layout: NMLayout, value: Any) -> None:
   if lead < 0 or tuple(np.shape(value)[lead:]) != one or value.dtype != dtype:
     return
   _check_words(layout, value, lead)
+
+
+def check_compressed_parts(
+    values_name: str, values: Any, positions_name: str, positions: Any, *, shape: tuple[int, ...], n: int, m: int,
+    axis: int
+) -> None:
+  """Raises a ``ValueError`` naming the variable, its shape and dtype and the expected ones, when a compressed N:M
+  layer's kept ``values`` or packed ``positions`` (as restored: ``nnx.update``, a Linen checkpoint) are not the
+  arrays of its ``shape`` weight's ``n:m`` along ``axis``. Static (shapes and dtypes only), so also under ``jit``;
+  :class:`jaxsparse.NMSparseMatrix` checks the same, without the layer's names.
+
+  Args:
+    values_name, positions_name: how the message names the variables, e.g. ``"CompressedNMLinear.kernel"``.
+    values, positions: the layer's arrays (concrete, traced or abstract).
+    shape, n, m, axis: the layer's dense weight shape and pattern.
+  """
+  groups = shape[axis] // m
+  dtype, per_word = index_layout(n, m, groups)
+  want_v = (*shape[:axis], groups * n, *shape[axis + 1:])
+  want_i = (*shape[:axis], groups // per_word, *shape[axis + 1:])
+  weight = f"the {shape} {n}:{m} weight's"
+  got_v, got_i = tuple(jnp.shape(values)), tuple(jnp.shape(positions))
+  if got_v != want_v:
+    raise ValueError(f"{values_name} must have shape {want_v} ({weight} kept values), got {got_v} "
+                     f"{jnp.result_type(values)}: a checkpoint of another layer (sizes or n:m) restored into this one?")
+  dtype_i = jnp.result_type(positions)
+  if got_i != want_i or dtype_i != dtype:
+    hint = ("a checkpoint of another layer (sizes or n:m) restored into this one?" if dtype_i == dtype else
+            "were the positions cast (a jax.tree.map over the model, a checkpoint of another n:m)? Cast only the "
+            "values.")
+    raise ValueError(f"{positions_name} must be {dtype} of shape {want_i} ({weight} packed positions), got "
+                     f"{dtype_i} {got_i}: {hint}")
 
 
 def check_loaded_positions(layer: str, weight: NMSparseMatrix) -> NMSparseMatrix:

@@ -127,6 +127,18 @@ class SparsityPattern(nnx.Variable):
       raise
     return None
 
+  def set_raw_value(self, value: Any, **kwargs: Any) -> None:
+    """As ``nnx.Variable.set_raw_value``; a compressed N:M layer's positions set by ``nnx.update`` from a plain array
+    (a pure dict: ``to_pure_dict()``, orbax without a target) are checked as :meth:`update_from_state` checks a
+    state's, and left as they were when not valid for the layer's n:m."""
+    layout = self.get_metadata(NM_LAYOUT, None)
+    # Flax's nnx.update sets a raw value with _unsafe_bypass_check=True, and only there: the transforms write their
+    # outputs back without it (a new array per call), which stay unchecked as in update_from_state's comment.
+    if layout is None or not kwargs.get("_unsafe_bypass_check", False) or value is self.get_raw_value():
+      return super().set_raw_value(value, **kwargs)
+    check_positions(layout, value)
+    return super().set_raw_value(value, **kwargs)
+
   def update_from_state(self, variable_state: nnx.Variable) -> None:
     """As ``nnx.Variable.update_from_state`` (what ``nnx.update`` calls); a compressed N:M layer's positions are
     checked first, and keep the layer's layout whatever the state's metadata says (a state built without it)."""

@@ -24,6 +24,7 @@ from jaxsparse import ops
 from jaxsparse.formats._nm import NMSparseMatrix
 from jaxsparse.layers._checks import NM_LAYOUT
 from jaxsparse.layers._checks import NMLayout
+from jaxsparse.layers._checks import check_compressed_parts
 from jaxsparse.layers._checks import check_dtypes
 from jaxsparse.layers._checks import check_loaded_positions
 from jaxsparse.layers._checks import check_positions
@@ -297,16 +298,30 @@ class CompressedNMLinear(NMPositionsLayer, nnx.Module):
       ValueError: this layer is a stack of layers (built by ``nnx.vmap``); read it per layer:
         ``nnx.vmap(lambda layer: layer.weight, in_axes=0, out_axes=0)(stack)``. Or (outside ``jit``, checked once
         per positions array) ``kernel_positions`` that are not valid for the layer's n:m, such as a checkpoint
-        of another n:m restored into it: the message names the n:m they fit.
+        of another n:m restored into it: the message names the n:m they fit. Also (static, under ``jit`` too)
+        ``kernel`` / ``kernel_positions`` / ``kernel_buffer`` of another shape or dtype than the layer's (a
+        restored checkpoint of another layer, positions cast): the message names the variable, its shape and dtype
+        and the expected ones.
     """
     check_one_layer(self, what="weight")
+    shape = (self.in_features, self.out_features)
     if self.storage == "cusparselt":
-      return _nm_matmul.from_buffer(self.kernel_buffer[...], (self.in_features, self.out_features),
-                                    self.kernel_buffer_dtype)
+      buffer = self.kernel_buffer[...]
+      size = self.in_features * self.out_features
+      want = (size // 2 * jnp.dtype(self.kernel_buffer_dtype).itemsize + size // 8,)
+      if tuple(jnp.shape(buffer)) != want or jnp.result_type(buffer) != jnp.uint8:  # static: as restored
+        raise ValueError(
+            f"CompressedNMLinear.kernel_buffer must be uint8 of shape {want} (the buffer of a {shape} 2:4 "
+            f"{jnp.dtype(self.kernel_buffer_dtype)} weight), got {jnp.result_type(buffer)} {tuple(jnp.shape(buffer))}"
+            ": a checkpoint of another layer (sizes or dtype), or cast (keep the buffer uint8)?"
+        )
+      return _nm_matmul.from_buffer(buffer, shape, self.kernel_buffer_dtype)
+    check_compressed_parts("CompressedNMLinear.kernel", self.kernel[...], "CompressedNMLinear.kernel_positions",
+                           self.kernel_positions[...], shape=shape, n=self.n, m=self.m, axis=self.axis)
     w = NMSparseMatrix(
         self.kernel[...],
         self.kernel_positions[...],
-        shape=(self.in_features, self.out_features),
+        shape=shape,
         n=self.n,
         m=self.m,
         axis=self.axis,
@@ -324,7 +339,8 @@ class CompressedNMLinear(NMPositionsLayer, nnx.Module):
       ``(..., out_features)``, in ``dtype`` if set, else the promoted dtype of ``inputs`` and the parameters.
 
     Raises:
-      ValueError: ``inputs`` whose last axis is not ``in_features``.
+      ValueError: ``inputs`` whose last axis is not ``in_features``; a ``bias`` (as restored) of another shape than
+        ``(out_features,)``, or the variables :attr:`weight` names.
       TypeError: complex ``inputs``.
 
     >>> import jax, jax.numpy as jnp, jaxsparse
@@ -337,6 +353,9 @@ class CompressedNMLinear(NMPositionsLayer, nnx.Module):
     check_layer_inputs(self, inputs)
     check_real_dtypes(type(self), **{"inputs.dtype": jnp.result_type(inputs)})
     bias = bias_of(self)
+    if bias is not None and jnp.shape(bias) != (self.out_features,):  # static: a restored bias would broadcast
+      raise ValueError(f"CompressedNMLinear.bias must have shape (out_features,) = ({self.out_features},), got "
+                       f"{jnp.result_type(bias)} {tuple(jnp.shape(bias))}: a checkpoint of another layer restored?")
     w = self.weight
     x, values, bias = self.promote_dtype((inputs, w.values, bias), dtype=self.dtype)
     if self.storage == "cusparselt" and x.dtype == values.dtype == self.kernel_buffer_dtype:

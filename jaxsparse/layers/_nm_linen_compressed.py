@@ -27,6 +27,7 @@ from jaxsparse import ops
 from jaxsparse.formats import _nm_masks
 from jaxsparse.formats._nm import NMSparseMatrix
 from jaxsparse.layers._checks import NMLayout
+from jaxsparse.layers._checks import check_compressed_parts
 from jaxsparse.layers._checks import check_dtypes
 from jaxsparse.layers._checks import check_in_features
 from jaxsparse.layers._checks import check_init_dtype
@@ -139,7 +140,9 @@ class CompressedNMDense(nn.Module):
 
     Raises:
       ValueError: ``x`` whose last axis is not the layer's input size (both named) or not a multiple of ``m``,
-        variables without the ``"sparsity"`` collection, or a ``params['kernel']`` that is not kept values.
+        variables without the ``"sparsity"`` collection, a ``params['kernel']`` that is not kept values, or (static,
+        under ``jit`` too) ``kernel_positions`` of another shape or dtype than the layer's (positions cast, a
+        checkpoint of another layer): the message names the variable, its shape and dtype and the expected ones.
       TypeError: a complex ``x`` or ``params['kernel']``.
 
     >>> import jax, jax.numpy as jnp, jaxsparse
@@ -170,6 +173,10 @@ class CompressedNMDense(nn.Module):
         self.get_variable("params", "kernel"), drawn["w"].indices, "kernel_positions")).value
     bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
     check_real_dtypes(type(self), **{"params['kernel'].dtype": jnp.result_type(values)})  # variables made elsewhere
+    path = "/".join(self.path)
+    check_compressed_parts(f"linen.{type(self).__name__}{f' {path!r}' if path else ''} (params 'kernel')", values,
+                           linen_positions_name(self, "kernel_positions"), positions, shape=shape, n=self.n,
+                           m=self.m, axis=0)  # static: named, also under jit (a checkpoint's positions, cast)
     w = NMSparseMatrix(values, positions, shape=shape, n=self.n, m=self.m, axis=0, validate=False)
     w = check_loaded_positions(linen_positions_name(self, "kernel_positions"), w)
     x, values, bias = self.promote_dtype(x, w.values, bias, dtype=self.dtype)
