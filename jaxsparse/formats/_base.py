@@ -13,7 +13,8 @@ import numpy as np
 from jaxsparse import _utils
 from jaxsparse.formats._masks import replicated
 
-__all__ = ["IndexedSparseMatrix", "check_pattern_mask", "is_concrete", "mask_pattern_indices", "poison_miscounted"]
+__all__ = ["IndexedSparseMatrix", "check_pattern_mask", "is_concrete", "mask_pattern_indices", "nan_unless",
+           "poison_miscounted"]
 
 
 def is_concrete(x: Any) -> bool:
@@ -83,6 +84,55 @@ def poison_miscounted(data: jax.Array, mask: Any, nnz: int) -> jax.Array:
   if is_concrete(mask) or not jnp.issubdtype(data.dtype, jnp.inexact):
     return data
   return jnp.where(jnp.sum(mask, dtype=jnp.int32) == nnz, data, jnp.nan)
+
+
+def nan_unless(y: jax.Array, ok: jax.Array) -> jax.Array:
+  """``y``, or NaN everywhere when the bool scalar ``ok`` is False (integer ``y``, which has no NaN, as it is).
+
+  Multiplied in (``y * 1`` or ``y * NaN``), not selected: cotangents flowing back through it are NaN too, so the
+  gradients of a product with an invalid matrix are NaN rather than zeros. XLA fuses it into ``y``'s consumer.
+  """
+  if not jnp.issubdtype(y.dtype, jnp.inexact):
+    return y
+  return y * jnp.where(ok, 1, jnp.nan).astype(y.dtype)
+
+
+def _offsets_ok(offsets: jax.Array, keys: jax.Array, nnz: int) -> jax.Array:
+  """Whether ``offsets`` (``(len + 1,)``) are the CSR offsets of ``keys`` (``(nnz,)``, nondecreasing, in range).
+
+  The offsets must run from 0 to ``nnz`` without decreasing, and each nonempty run ``offsets[i]:offsets[i + 1]``
+  start and end on key ``i``: as the keys are sorted and the runs cover every entry, that leaves one choice, the
+  offsets that counting the keys gives. O(len) gathers, no pass over the entries.
+  """
+  start, end = offsets[:-1], offsets[1:]
+  ok = (offsets[0] == 0) & (offsets[-1] == nnz) & jnp.all(end >= start)
+  if nnz == 0:
+    return ok
+  i = jnp.arange(start.shape[0], dtype=jnp.int32)
+  first, last = keys[jnp.clip(start, 0, nnz - 1)], keys[jnp.clip(end - 1, 0, nnz - 1)]
+  return ok & jnp.all((end == start) | ((first == i) & (last == i)))
+
+
+@jax.jit
+def _indices_ok_traced(matrix: IndexedSparseMatrix) -> jax.Array:
+  """The value checks of :meth:`IndexedSparseMatrix.validate` as one traced bool, in O(nnz + rows + cols).
+
+  Without its sort: ``transpose_order`` is the stable argsort of ``col_indices`` exactly when it is in range and
+  lists the entries by (column, position) strictly increasing, and offsets are checked by :func:`_offsets_ok`.
+  """
+  rows, cols = matrix.grid_shape
+  r, c, o = (replicated(getattr(matrix, f)) for f in ("row_indices", "col_indices", "transpose_order"))
+  nnz = r.shape[0]
+  ok = jnp.all((r >= 0) & (r < rows) & (c >= 0) & (c < cols) & (o >= 0) & (o < nnz))
+  oc = jnp.clip(o, 0, max(nnz - 1, 0))
+  cc = c[oc]  # the column of each entry, in transpose order
+  if nnz > 1:
+    ok &= jnp.all((r[1:] > r[:-1]) | ((r[1:] == r[:-1]) & (c[1:] > c[:-1])))
+    ok &= jnp.all((cc[1:] > cc[:-1]) | ((cc[1:] == cc[:-1]) & (o[1:] > o[:-1])))
+  ok &= _offsets_ok(replicated(matrix.row_offsets), r, nnz) & _offsets_ok(replicated(matrix.col_offsets), cc, nnz)
+  if "transpose_row_indices" in matrix.INDEX_FIELDS:
+    ok &= jnp.all(replicated(matrix.transpose_row_indices) == r[oc])
+  return ok
 
 
 def _first_false(ok: np.ndarray) -> int:
@@ -216,7 +266,8 @@ class IndexedSparseMatrix:
     ``from_mask`` / ``from_block_mask`` constructors build valid arrays and skip it). Traced index arrays (arguments
     of a ``jit``) cannot be checked while tracing: the shape checks
     still run, and the value checks are ``jax.experimental.checkify`` checks: call it inside a function
-    wrapped in ``checkify.checkify`` (without one, JAX refuses to stage the checks).
+    wrapped in ``checkify.checkify`` (without one, JAX refuses to stage the checks). Without it, ``to_dense`` of a
+    matrix that fails them is NaN: the same checks run there without the sort.
 
     >>> import numpy as np, jaxsparse
     >>> w = jaxsparse.CSRMatrix.from_dense(np.eye(3, dtype=np.float32))
@@ -244,6 +295,15 @@ class IndexedSparseMatrix:
     for field, ok, allowed, _ in self._checks(jnp):
       checkify.check(jnp.all(ok), f"{name}.{field} is invalid: expected {allowed}.")
     return self
+
+  def _indices_ok(self) -> jax.Array:
+    """A bool scalar (traced under ``jit``): whether the index arrays pass :meth:`validate`'s value checks.
+
+    O(nnz + rows + cols) compares and gathers, no sort and no host copy: ``to_dense`` runs it on every call and makes
+    its result NaN where it is False (:func:`nan_unless`), since under ``jit`` nothing can raise.
+    """
+    self._check_static()
+    return _indices_ok_traced(self)
 
   def tree_flatten(self):
     children = (self.data, *(getattr(self, f) for f in self.INDEX_FIELDS))

@@ -20,6 +20,7 @@ from jaxsparse.formats._base import IndexedSparseMatrix
 from jaxsparse.formats._base import check_pattern_mask
 from jaxsparse.formats._base import is_concrete
 from jaxsparse.formats._base import mask_pattern_indices
+from jaxsparse.formats._base import nan_unless
 from jaxsparse.formats._base import poison_miscounted
 from jaxsparse.formats._masks import replicated
 
@@ -84,6 +85,15 @@ class BlockSparseMatrix(IndexedSparseMatrix):
   ((64, 96), (32, 32), 3, (3, 32, 32))
   >>> bool(jnp.all(ws.to_dense() == jnp.where(jnp.repeat(jnp.repeat(mask, 32, 0), 32, 1), w, 0)))
   True
+
+  Index arrays are validated when concrete (the constructors, ``from_index_arrays``). Under ``jit`` (index arrays
+  traced) or after ``jax.tree_util.tree_unflatten`` / ``jax.tree.map`` (a restored checkpoint) no constructor
+  checks them: :meth:`to_dense` does, in O(nnz + rows + cols) compares and gathers, and gives all NaN (and NaN in
+  the gradients) for index arrays :meth:`validate` would refuse (out of range, out of order, an entry twice, derived
+  arrays that disagree). :func:`jaxsparse.ops.block_sparse_matmul` does not (the check would cost a decode-size
+  product as much again): its C++ CPU kernels raise on an index out of range, its other routes read such arrays as
+  they are. Call :meth:`validate` on a restored matrix, or under ``jit`` inside ``checkify``, which names the bad
+  field.
 
   Attributes:
     data: ``(nnz_blocks, bk, bn)`` values of the kept blocks in row-major block order.
@@ -270,9 +280,11 @@ class BlockSparseMatrix(IndexedSparseMatrix):
     """The dense matrix, zeros outside the kept blocks (for tests and export, not hot paths).
 
     Returns:
-      A ``(K, N)`` array of ``data``'s dtype.
+      A ``(K, N)`` array of ``data``'s dtype; all NaN (float ``data``) when the index arrays are invalid, as only a
+      matrix built under ``jit`` or rebuilt without the constructor can be (see the class docstring).
     """
-    return self._scatter(self.grid_shape, self.data).transpose(0, 2, 1, 3).reshape(self.shape)
+    dense = self._scatter(self.grid_shape, self.data).transpose(0, 2, 1, 3).reshape(self.shape)
+    return nan_unless(dense, self._indices_ok())  # a scatter drops (or wraps) bad indices: no silent zeros
 
   def __repr__(self) -> str:
     return (

@@ -20,6 +20,7 @@ from jaxsparse.formats._base import IndexedSparseMatrix
 from jaxsparse.formats._base import check_pattern_mask
 from jaxsparse.formats._base import is_concrete
 from jaxsparse.formats._base import mask_pattern_indices
+from jaxsparse.formats._base import nan_unless
 from jaxsparse.formats._base import poison_miscounted
 
 __all__ = ["INDEX_FIELDS", "CSRMatrix", "csr_pattern_indices"]
@@ -79,6 +80,15 @@ class CSRMatrix(IndexedSparseMatrix):
   ((64, 96), 614, (614,))
   >>> bool(jnp.all(ws.to_dense() == jnp.where(ws.mask, w, 0)))
   True
+
+  Index arrays are validated when concrete (the constructors, ``from_index_arrays``). Under ``jit`` (index arrays
+  traced) or after ``jax.tree_util.tree_unflatten`` / ``jax.tree.map`` (a restored checkpoint) no constructor
+  checks them: :meth:`to_dense` does (and so the XLA route of :func:`jaxsparse.ops.sparse_matmul`), in
+  O(nnz + rows + cols) compares and gathers, and gives all NaN (and NaN in the gradients) for index arrays
+  :meth:`validate` would refuse (out of range, out of order, an entry twice, derived arrays that disagree). The C++
+  CPU kernels of :func:`jaxsparse.ops.sparse_matmul` raise on an index out of range but do not compare the derived
+  arrays with the others (the check would make a decode-size product 4x slower): call :meth:`validate` on a restored
+  matrix, or under ``jit`` inside ``checkify``, which names the bad field.
 
   Attributes:
     data: ``(nnz,)`` values in row-major order.
@@ -214,14 +224,16 @@ class CSRMatrix(IndexedSparseMatrix):
     """The dense ``(K, N)`` matrix, zeros elsewhere (for tests, export and the XLA fallback).
 
     Returns:
-      Array of :attr:`shape` and the dtype of :attr:`data`.
+      Array of :attr:`shape` and the dtype of :attr:`data`; all NaN (float ``data``) when the index arrays are
+      invalid, as only a matrix built under ``jit`` or rebuilt without the constructor can be (see the class
+      docstring).
 
     >>> import jax.numpy as jnp, jaxsparse
     >>> w = jnp.array([[0.0, 2.0], [5.0, 0.0]])
     >>> bool((jaxsparse.CSRMatrix.from_dense(w).to_dense() == w).all())
     True
     """
-    return self._scatter(self.shape, self.data)
+    return nan_unless(self._scatter(self.shape, self.data), self._indices_ok())  # a scatter drops bad indices
 
   def __repr__(self) -> str:
     return f"CSRMatrix(shape={self.shape}, nnz={self.nnz}, density={self.density:.3f}, dtype={self.data.dtype})"

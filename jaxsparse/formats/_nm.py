@@ -132,6 +132,13 @@ def decompress(values: jax.Array, indices: jax.Array, n: int, m: int, axis: int)
   dense = jnp.zeros((groups, m, *vals.shape[2:]), vals.dtype)
   for j in range(n):
     dense = jnp.where(pos[:, j : j + 1] == lane, vals[:, j : j + 1], dense)
+  # Positions that never met validate() (traced, or from tree_unflatten): one past m - 1 (m not a power of two) or
+  # one repeated would drop a value. Its group is NaN instead (in the gradients too), fused into this pass.
+  ok = pos[:, n - 1 : n] < m
+  for j in range(n - 1):
+    ok &= pos[:, j + 1 : j + 2] > pos[:, j : j + 1]
+  if jnp.issubdtype(dense.dtype, jnp.inexact):
+    dense = dense * jnp.where(ok, 1, jnp.nan).astype(dense.dtype)
   return _ungrouped(dense, axis)
 
 
@@ -170,6 +177,11 @@ class NMSparseMatrix:
 
   The constructor assembles a matrix from its parts (use :meth:`from_dense` to compress an array); shapes and
   dtypes are always checked, and with ``validate=True`` concrete ``indices`` also by :meth:`validate`.
+  Under ``jit`` (``indices`` traced) or after ``jax.tree_util.tree_unflatten`` / ``jax.tree.map`` (a restored
+  checkpoint) positions cannot raise: :meth:`to_dense`, and so the XLA path of :func:`jaxsparse.ops.nm_matmul` and
+  its gradients, give NaN in each group whose positions :meth:`validate` would refuse (one past ``m - 1``, possible
+  when ``m`` is not a power of two, or not strictly increasing), at no extra pass (the check is fused into the
+  unpacking).
 
   Args:
     values: kept values, of the dense dtype.

@@ -1,0 +1,251 @@
+"""Hand-built sparse formats whose index arrays never met ``validate()``: never a finite wrong number.
+
+Index arrays get into the ops unchecked when they are traced (a matrix built inside a ``jit`` from traced arrays, or
+passed as a ``jit`` argument), or when a matrix is rebuilt without its constructor (``jax.tree_util.tree_unflatten``,
+``jax.tree.map`` over a model, a restored checkpoint). Gathers and scatters clamp or drop such indices; now
+``to_dense`` of such a matrix (and so the XLA routes of ``sparse_matmul`` and ``nm_matmul``, and their gradients) is
+NaN, an N:M matrix's only in the groups whose positions are invalid. Valid hand-built matrices still match the dense
+reference, forward and gradient, in float32. (The block-sparse products and the CSR C++ kernels do not run the whole
+check: it would cost a decode-size product as much again, or 4x on the CPU.)
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxsparse
+from jaxsparse import ops
+from jaxsparse.formats import _nm as nm_format
+from tests._util import assert_close
+
+
+@pytest.fixture(autouse=True)
+def _quiet_fallbacks():
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", jaxsparse.FallbackWarning)
+    yield
+
+
+def _rng():
+  return np.random.default_rng()  # fresh data on every run
+
+
+def _spoil(idx: dict, field: str, how: str, rng) -> dict:
+  """A copy of ``idx`` with ``field`` made invalid: ``how`` is ``"past"`` (one entry past the grid), ``"negative"``,
+  ``"swap"`` (two entries swapped: unsorted, or a wrong permutation), ``"repeat"`` (an entry repeated)."""
+  out = {k: np.array(v) for k, v in idx.items()}
+  a = out[field]
+  # An entry whose next one differs, so that every spoil changes the array (an offset repeated inside a run of
+  # empty rows would not).
+  i = int(rng.choice(np.flatnonzero(a[1:] != a[:-1])))
+  if how == "past":
+    a[i] = a.max() + 1 + int(rng.integers(0, 40))
+  elif how == "negative":
+    a[i] = -1 - int(rng.integers(0, 3))
+  elif how == "swap":
+    j = next(j for j in range(a.shape[0]) if a[j] != a[i])
+    a[i], a[j] = a[j], a[i]
+  else:
+    a[i + 1] = a[i]
+  return out
+
+
+def _assert_nan_or_error(run, *, everywhere=True):
+  """``run()`` raises an error naming a bad index array, or its float results are NaN (``everywhere``, else at least
+  one NaN in each: ``dX`` is zero where ``x`` meets no stored entry, as for a valid matrix): never finite numbers."""
+  try:
+    results = jax.block_until_ready(run())
+  except Exception as e:  # the C++ kernels' own run-time checks (XlaRuntimeError)
+    assert "has entries outside" in str(e) or "is not an offset array" in str(e), e
+    return
+  for r in jax.tree.leaves(results):
+    nan = np.isnan(np.asarray(r))
+    assert nan.all() if everywhere else nan.any(), np.asarray(r)
+
+
+def _leaves(w, idx):
+  """``w`` rebuilt with ``tree_unflatten`` from its data and the index arrays ``idx`` (as a checkpoint restore does)."""
+  return jax.tree_util.tree_unflatten(jax.tree.structure(w), [w.data] + [jnp.asarray(idx[f]) for f in w.INDEX_FIELDS])
+
+
+# -------------------------------------------------------------------------------------------------
+# BlockSparseMatrix: to_dense of 4 x 4 and 8 x 8 blocks.
+# -------------------------------------------------------------------------------------------------
+
+BLOCK_SPOILS = [("row_indices", "past"), ("col_indices", "negative"), ("transpose_order", "past"),
+                ("row_indices", "repeat"), ("col_indices", "swap"), ("transpose_order", "swap"),
+                ("row_offsets", "swap"), ("col_offsets", "repeat")]
+
+
+def _block(rng, block):
+  kb, nb = 4, 5
+  mask = rng.random((kb, nb)) < 0.6
+  mask[0, :2] = mask[1, 0] = mask[2, 1] = True  # a few blocks in a row and in a column whatever the draw
+  w = rng.standard_normal((kb * block, nb * block)).astype(np.float32)
+  return jaxsparse.BlockSparseMatrix.from_dense(w, (block, block), block_mask=mask)
+
+
+@pytest.mark.parametrize("block", [4, 8])
+def test_block_sparse_to_dense_of_bad_indices_gives_nan(block):
+  """``to_dense`` of index arrays that never met ``validate()``: NaN, not a matrix with blocks clamped or dropped.
+  (The products do not check them under ``jit``: the check costs more than a decode product; see ``validate``.)"""
+  rng = _rng()
+  w = _block(rng, block)
+  shape = dict(shape=w.shape, block_shape=w.block_shape)
+  # Built inside a jit from traced index arrays (from_index_arrays checks only shapes and dtypes there).
+  built_in_jit = jax.jit(lambda data, idx: jaxsparse.BlockSparseMatrix.from_index_arrays(data, idx, **shape).to_dense())
+  to_dense = jax.jit(lambda m: m.to_dense())
+  for field, how in BLOCK_SPOILS:  # one pattern: each function compiles once
+    bad = _spoil(w.index_arrays(), field, how, rng)
+    _assert_nan_or_error(lambda bad=bad: built_in_jit(w.data, bad))
+    # Rebuilt without the constructor (a restored checkpoint), as a jit argument.
+    _assert_nan_or_error(lambda bad=bad: to_dense(_leaves(w, bad)))
+
+
+def test_block_sparse_tree_map_replacing_leaves_gives_nan():
+  """``jax.tree.map`` over a matrix replaces its index leaves too (here: shifted by one block row)."""
+  rng = _rng()
+  w = _block(rng, 4)
+  shifted = jax.tree.map(lambda a: a + 1 if a.dtype == jnp.int32 else a, w)
+  assert np.isnan(np.asarray(jax.jit(lambda m: m.to_dense())(shifted))).all()
+
+
+# -------------------------------------------------------------------------------------------------
+# CSRMatrix: to_dense.
+# -------------------------------------------------------------------------------------------------
+
+CSR_SPOILS = [("row_indices", "negative"), ("col_indices", "past"), ("col_indices", "swap"),
+              ("row_indices", "repeat"), ("transpose_order", "swap"), ("transpose_row_indices", "swap"),
+              ("row_offsets", "repeat"), ("col_offsets", "swap")]
+
+
+def _csr(rng, density=0.3):
+  w = rng.standard_normal((16, 24)).astype(np.float32)
+  return jaxsparse.CSRMatrix.from_dense(w, mask=rng.random(w.shape) < density)
+
+
+def test_csr_to_dense_of_bad_indices_gives_nan():
+  rng = _rng()
+  w = _csr(rng)
+  built_in_jit = jax.jit(lambda data, idx: jaxsparse.CSRMatrix.from_index_arrays(data, idx, shape=w.shape).to_dense())
+  to_dense = jax.jit(lambda m: m.to_dense())
+  for field, how in CSR_SPOILS:
+    bad = _spoil(w.index_arrays(), field, how, rng)
+    _assert_nan_or_error(lambda bad=bad: built_in_jit(w.data, bad))
+    _assert_nan_or_error(lambda bad=bad: to_dense(_leaves(w, bad)))
+
+
+# -------------------------------------------------------------------------------------------------
+# NMSparseMatrix: positions past m - 1 (m not a power of two) and repeated / unsorted positions.
+# -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("n", "m", "how"), [(1, 3, "past"), (2, 3, "past"), (2, 4, "repeat"), (2, 4, "swap"),
+                                             (3, 8, "repeat")])
+@pytest.mark.parametrize("axis", [0, 1])
+def test_nm_bad_positions_give_nan_in_their_group(n, m, how, axis):
+  rng = _rng()
+  shape = (4 * m, 8) if axis == 0 else (8, 4 * m)
+  w = jaxsparse.NMSparseMatrix.from_dense(rng.standard_normal(shape).astype(np.float32), n, m, axis=axis)
+  pos = np.moveaxis(np.array(w.positions()), axis, 0).reshape(4, n, -1)  # (groups, n, other axis)
+  g, o = int(rng.integers(0, 4)), int(rng.integers(0, pos.shape[2]))
+  if how == "past":
+    pos[g, n - 1, o] = m  # fits the ceil(log2 m) bits: m = 3 has 2
+  elif how == "repeat":
+    pos[g, 1, o] = pos[g, 0, o]
+  else:
+    pos[g, 0, o], pos[g, 1, o] = pos[g, 1, o], pos[g, 0, o]
+  bad = jax.tree_util.tree_unflatten(jax.tree.structure(w),
+                                     [w.values, jnp.moveaxis(nm_format._pack(jnp.asarray(pos), n, m), 0, axis)])
+  dense = np.array(jax.jit(lambda a: a.to_dense())(bad))
+  group = (slice(g * m, (g + 1) * m), o) if axis == 0 else (o, slice(g * m, (g + 1) * m))
+  assert np.isnan(dense[group]).all()
+  dense[group] = 0
+  ref = np.array(w.to_dense())
+  ref[group] = 0
+  np.testing.assert_array_equal(dense, ref)  # the other groups are untouched
+  if axis == 0:  # the product (K, N): the bad group's output column is NaN, the others exact
+    x = rng.standard_normal((5, shape[0])).astype(np.float32)
+    y = np.asarray(jax.jit(ops.nm_matmul)(x, bad))
+    assert np.isnan(y[:, o]).all()
+    np.testing.assert_allclose(np.delete(y, o, 1), np.delete(x @ ref, o, 1), rtol=1e-5, atol=1e-5)
+    dx, dv = jax.jit(jax.grad(lambda x, v: jnp.sum(ops.nm_matmul(x, bad.with_values(v)) ** 2), (0, 1)))(x, w.values)
+    assert np.isnan(np.asarray(dx)).all() and np.isnan(np.asarray(dv)).any()
+
+
+# -------------------------------------------------------------------------------------------------
+# Valid hand-built matrices under jit: the dense reference, forward and gradient, in float32.
+# -------------------------------------------------------------------------------------------------
+
+
+def _check_against_dense(op, x, w, make, *, implementation=None):
+  """``op`` on ``make(data, index arrays)`` built inside a ``jit`` against ``x @ w.to_dense()``, forward and grads."""
+  idx = w.index_arrays()
+  kw = {} if implementation == "default" else {"implementation": implementation}
+  f = jax.jit(lambda x, d, i: jnp.sum(jnp.sin(op(x, make(d, i), **kw))))
+  ref = lambda x, d: jnp.sum(jnp.sin(x @ w.with_data(d).to_dense()))
+  assert_close(f(x, w.data, idx), ref(x, w.data), jnp.float32)
+  for got, want in zip(jax.jit(jax.grad(f, argnums=(0, 1)))(x, w.data, idx), jax.grad(ref, argnums=(0, 1))(x, w.data),
+                       strict=True):
+    assert_close(got, want, jnp.float32)
+
+
+@pytest.mark.parametrize("block", [4, 8])
+@pytest.mark.parametrize("implementation", ["default", pytest.param("xla", marks=pytest.mark.slow)])
+def test_valid_block_sparse_built_in_jit_matches_dense(block, implementation):
+  rng = _rng()
+  w = _block(rng, block)
+  x = rng.standard_normal((7, w.shape[0])).astype(np.float32)
+  make = lambda d, i: jaxsparse.BlockSparseMatrix.from_index_arrays(d, i, shape=w.shape, block_shape=w.block_shape)
+  _check_against_dense(ops.block_sparse_matmul, x, w, make, implementation=implementation)
+  # vmap over a stack of matrices of one pattern.
+  datas = jnp.stack([w.data, 2 * w.data])
+  ys = jax.jit(jax.vmap(lambda d: ops.block_sparse_matmul(x, w.with_data(d))))(datas)
+  assert_close(ys[1], 2 * (x @ w.to_dense()), jnp.float32)
+
+
+@pytest.mark.parametrize("implementation", ["default", pytest.param("xla", marks=pytest.mark.slow), "cpu"])
+@pytest.mark.parametrize("rows", [3, 12])
+def test_valid_csr_built_in_jit_matches_dense(implementation, rows):
+  rng = _rng()
+  w = _csr(rng)
+  x = rng.standard_normal((rows, 16)).astype(np.float32)
+  make = lambda d, i: jaxsparse.CSRMatrix.from_index_arrays(d, i, shape=w.shape)
+  _check_against_dense(ops.sparse_matmul, x, w, make, implementation=None if implementation == "default"
+                       else implementation)
+
+
+def test_valid_edge_patterns_are_not_poisoned():
+  """Empty rows / columns at both ends, one entry, no entry, every entry: the checks accept them."""
+  rng = _rng()
+  masks = [np.zeros((6, 5), bool), np.ones((6, 5), bool), np.eye(6, 5, k=2, dtype=bool)]
+  one = np.zeros((6, 5), bool)
+  one[5, 4] = True
+  for mask in [*masks, one]:
+    wd = rng.standard_normal(mask.shape).astype(np.float32)
+    w = jaxsparse.CSRMatrix.from_dense(wd, mask=mask)
+    got = jax.jit(lambda m: m.to_dense())(_leaves(w, w.index_arrays()))
+    np.testing.assert_array_equal(got, np.where(mask, wd, 0))
+    b = jaxsparse.BlockSparseMatrix.from_dense(np.kron(wd, np.ones((2, 2), np.float32)), (2, 2), block_mask=mask)
+    x = rng.standard_normal((3, 12)).astype(np.float32)
+    y = jax.jit(ops.block_sparse_matmul)(x, _leaves(b, b.index_arrays()))
+    np.testing.assert_allclose(y, x @ np.asarray(b.to_dense()), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("n", "m"), [(2, 4), (1, 3)])
+def test_valid_nm_built_in_jit_matches_dense(n, m):
+  rng = _rng()
+  w = jaxsparse.NMSparseMatrix.from_dense(rng.standard_normal((8 * m, 12)).astype(np.float32), n, m)
+  x = rng.standard_normal((5, 8 * m)).astype(np.float32)
+  f = jax.jit(lambda x, v, i: jnp.sum(jnp.sin(ops.nm_matmul(
+      x, jaxsparse.NMSparseMatrix(v, i, shape=w.shape, n=n, m=m)))))
+  ref = lambda x, v: jnp.sum(jnp.sin(x @ w.with_values(v).to_dense()))
+  assert_close(f(x, w.values, w.indices), ref(x, w.values), jnp.float32)
+  for got, want in zip(jax.jit(jax.grad(f, argnums=(0, 1)))(x, w.values, w.indices),
+                       jax.grad(ref, argnums=(0, 1))(x, w.values), strict=True):
+    assert_close(got, want, jnp.float32)
