@@ -25,8 +25,10 @@ from tests._util import assert_close
 
 
 @pytest.fixture(autouse=True)
-def _quiet_fallbacks():
-  with warnings.catch_warnings():
+def _quiet_fallbacks_on_the_cpu():
+  """The CPU routes (the C++ kernels, the XLA paths this file is about) at full float32 precision, also on a machine
+  whose default device is a GPU (whose N:M kernels read the positions themselves)."""
+  with warnings.catch_warnings(), jax.default_device(jax.devices("cpu")[0]), jax.default_matmul_precision("highest"):
     warnings.simplefilter("ignore", jaxsparse.FallbackWarning)
     yield
 
