@@ -188,16 +188,24 @@ def test_nm24_config_sweep_lists_and_scores_configs():
   configs = sweep.all_configs(32, 2048, 2560)
   assert len(configs) == len(set(configs)) == 88  # K = 2048: 32 step pairs, so split x warps <= 32
   assert all(2048 // 64 >= c.split * c.warps for c in configs)
-  # Every candidate of measured dispatch but the two-blocks-per-multiprocessor build.
-  assert {c for c in ck.nm24_candidate_configs(32, 2048, 2560) if c.blocks_per_sm == 1} <= set(configs)
+  # Every candidate of measured dispatch but the two-blocks-per-multiprocessor build, each load order's among that
+  # order's configs.
+  candidates = {c for c in ck.nm24_candidate_configs(32, 2048, 2560) if c.blocks_per_sm == 1}
+  assert {c for c in candidates if c.loads == "step"} <= set(configs) and {c.loads for c in configs} == {"step"}
+  every = sweep.all_configs(32, 2048, 2560, loads=ck.NM24_LOADS)
+  assert len(every) == 3 * 88 and candidates <= set(every)
   assert not any(c.token_split == 2 for c in sweep.all_configs(8, 4096, 4096))  # one token tile: no split
   both = sweep.all_configs(1, 4096, 4096, blocks=(1, 2))  # with two blocks per multiprocessor: every candidate
   assert len(both) == 2 * len(sweep.all_configs(1, 4096, 4096)) and set(ck.nm24_candidate_configs(1, 4096, 4096)) <= \
       set(both)
-  timings = {c.name: {"us": 10.0 + i, "rel_err": 1e-3} for i, c in enumerate(configs)}
-  best = ck.Nm24DecodeConfig.get_default(32, 2048, 2560).name
+  timings = {c.name: {"us": 10.0 + i, "rel_err": 1e-3} for i, c in enumerate(every)}
+  best = ck.Nm24DecodeConfig.get_default(32, 2048, 2560, buffer=True).name  # the buffer's default
   timings[best]["us"] = 5.0
   row = sweep.row({"m": 32, "k": 2048, "n": 2560, "layout": "buffer", "dense_us": 8.0, "configs": timings}).split("|")
   assert row[1].strip() == "32 x 2048 x 2560" and row[2].strip() == "buffer"
   assert row[4].strip() == f"5.00 ({best})" and row[7].strip() == "0.62"
-  assert row[-3].strip() == "88" and row[-2].strip() == "0"
+  assert row[-3].strip() == "264" and row[-2].strip() == "0"
+  # Timings of the configs before the load orders (--loads step): the default's cell says it was not swept.
+  old = sweep.row({"m": 32, "k": 2048, "n": 2560, "layout": "buffer", "dense_us": 8.0,
+                   "configs": {c.name: timings[c.name] for c in configs}}).split("|")
+  assert old[4].strip() == f"- ({best})" and old[7].strip() == "-"

@@ -31,6 +31,7 @@ from jaxsparse.layers import BlockSparseLinear
 from jaxsparse.layers import MaskedLinear
 from jaxsparse.layers import linen as sparse_linen
 from jaxsparse.layers._block_sparse import BLOCK_VALUES
+from jaxsparse.layers._masked import OWN_MASK
 
 D, L = 32, 4
 SPARSITY = sparse_linen.SPARSITY
@@ -96,8 +97,9 @@ def test_linen_torch_export_of_named_layers_reads_their_boxes(model):
     named = jax.jit(model(True).init)(jax.random.key(0), x)
   unnamed = jax.jit(model(False).init)(jax.random.key(0), x)
   assert all(_is_box(v) for v in jax.tree.leaves(named[SPARSITY], is_leaf=_is_box))  # the patterns are boxed
-  # No names, no boxes, but for the NNXMeta box that keeps a bridged BlockSparseLinear kernel's mark for the pruners.
-  marked = lambda v: isinstance(v, nnx.bridge.variables.NNXMeta) and set(v.metadata) >= {BLOCK_VALUES}
+  # No names, no boxes, but for the NNXMeta boxes that keep a bridged BlockSparseLinear's or MaskedLinear's kernel's
+  # mark for the pruners.
+  marked = lambda v: isinstance(v, nnx.bridge.variables.NNXMeta) and bool(set(v.metadata) & {BLOCK_VALUES, OWN_MASK})
   assert not any(_is_box(v) and not marked(v) for v in jax.tree.leaves(unnamed, is_leaf=_is_box))
   # The same layers: the names change no value.
   for a, b in zip(jax.tree.leaves(_values(named)), jax.tree.leaves(unnamed), strict=True):

@@ -643,9 +643,9 @@ def test_bridge_to_linen_puts_the_pattern_in_the_sparsity_collection():
   assert sorted(variables) == ["params", "sparsity"] and variables["sparsity"]["mask"].shape == (32, 16)
   y = bridged.apply(variables, x)
   np.testing.assert_array_equal(sparse_linen.MaskedDense(16, sparsity=0.5).apply(variables, x), y)
-  mask = variables["sparsity"]["mask"]
-  np.testing.assert_allclose(y, x @ jnp.where(mask, variables["params"]["kernel"], 0.0) + variables["params"]["bias"],
-                             rtol=1e-5, atol=1e-5)
+  # The kernel comes boxed (an NNXMeta keeping the mark of a masked layer's kernel for the pruners): nn.unbox reads it.
+  mask, params = variables["sparsity"]["mask"], nn.unbox(variables["params"])
+  np.testing.assert_allclose(y, x @ jnp.where(mask, params["kernel"], 0.0) + params["bias"], rtol=1e-5, atol=1e-5)
   assert [(layer.kind, layer.density) for layer in jaxsparse.summary(variables).layers] == [("MaskedDense", 0.5)]
 
 

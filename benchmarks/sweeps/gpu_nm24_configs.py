@@ -7,13 +7,14 @@ so that the weights come from HBM), against XLA's dense ``x @ W`` in the same pr
     PYTHONPATH=. python3 benchmarks/sweeps/gpu_nm24_configs.py --rows 1,16 --layouts indices,buffer --blocks 1,2
 
 Configs: split 1 / 2 / 4 / 8, warps 2 / 4 / 8, spans of 64 / 128 columns, ``token_split`` 1 / 2 (above 8 rows) and
-both ``x_load``\\ s, one block per multiprocessor (72-96 configs a product; ``--blocks 1,2`` also two). The weight's
-layout (``--layouts``): ``indices`` (:class:`jaxsparse.NMSparseMatrix`'s values and indices, what ``nm_matmul`` reads
-from an ``NMSparseMatrix``) or ``buffer`` (cuSPARSELt's buffer, what a compressed layer keeps and the kernel then
-reads its positions from: :func:`~jaxsparse._cuda._kernels.nm24_decode_buffer`). Prints a Markdown row per product (the
-shipped default, the best of :func:`~jaxsparse._cuda._kernels.nm24_candidate_configs`, the best of all) and writes
-every timing to ``--out`` (JSON), from which other defaults and candidate sets can be scored without a GPU.
-``benchmarks/results/llm_decode_nm32_configs_2026-11-28_h100.md`` has its output on an H100.
+both ``x_load``\\ s, one block per multiprocessor (72-96 configs a product; ``--blocks 1,2`` also two), each in the
+load orders of ``--loads`` (``Nm24DecodeConfig.loads``; ``--loads step`` for the configs before them). The weight's
+layout (``--layouts``): ``indices`` (:class:`jaxsparse.NMSparseMatrix`'s values and indices, what ``nm_matmul``
+reads from an ``NMSparseMatrix``) or ``buffer`` (cuSPARSELt's buffer, what a compressed layer keeps and the kernel
+then reads its positions from: :func:`~jaxsparse._cuda._kernels.nm24_decode_buffer`). Prints a Markdown row per
+product (the shipped default, the best of :func:`~jaxsparse._cuda._kernels.nm24_candidate_configs`, the best of all)
+and writes every timing to ``--out`` (JSON), from which other defaults and candidate sets can be scored without a
+GPU. ``benchmarks/results/llm_decode_nm32_configs_2026-11-28_h100.md`` has its output on an H100.
 """
 
 from __future__ import annotations
@@ -36,17 +37,20 @@ from jaxsparse._tuning._measure import time_call_ms
 DEFAULT_SHAPES = "2048x2560,2048x2048,2048x11264,5632x2048,4096x6144,4096x4096,4096x28672,14336x4096"
 
 
-def all_configs(m: int, k: int, n: int, blocks: tuple[int, ...] = (1,)) -> list[ck.Nm24DecodeConfig]:
-  """Every config the kernel takes for an ``(m, k) @ (k, n)`` product (``blocks``: blocks per multiprocessor)."""
+def all_configs(m: int, k: int, n: int, blocks: tuple[int, ...] = (1,), loads: tuple[str, ...] = ("step",)
+                ) -> list[ck.Nm24DecodeConfig]:
+  """Every config the kernel takes for an ``(m, k) @ (k, n)`` product (``blocks``: blocks per multiprocessor;
+  ``loads``: the load orders, ``Nm24DecodeConfig.loads``)."""
   return [
-      ck.Nm24DecodeConfig(split, warps, span, blocks_per_sm=b, token_split=ts, x_load=xl)
-      for split, warps, span, b, ts, xl in itertools.product((1, 2, 4, 8), (2, 4, 8), ck.NM24_SPANS, blocks, (1, 2),
-                                                             ck.NM24_X_LOADS)
+      ck.Nm24DecodeConfig(split, warps, span, blocks_per_sm=b, token_split=ts, x_load=xl, loads=ld)
+      for ld, split, warps, span, b, ts, xl in itertools.product(loads, (1, 2, 4, 8), (2, 4, 8), ck.NM24_SPANS, blocks,
+                                                                 (1, 2), ck.NM24_X_LOADS)
       if not (n % span or k // 64 < split * warps or (ts == 2 and m <= 8))
   ]
 
 
-def sweep(m: int, k: int, n: int, layout: str = "indices", blocks: tuple[int, ...] = (1,)) -> dict:
+def sweep(m: int, k: int, n: int, layout: str = "indices", blocks: tuple[int, ...] = (1,),
+          loads: tuple[str, ...] = ("step",)) -> dict:
   """Times every config and the dense product of one ``(m, k) @ (k, n)`` product, the weight in ``layout``
   (``"indices"`` or ``"buffer"``); relative errors too."""
   kx, kw = jax.random.split(jax.random.key(m * 7 + n))
@@ -63,7 +67,7 @@ def sweep(m: int, k: int, n: int, layout: str = "indices", blocks: tuple[int, ..
   else:
     weight = (w.values, w.indices)
     run = lambda cfg: lambda x, v, i: ck.nm24_decode(x, v, i, config=cfg)
-  for cfg in all_configs(m, k, n, blocks):
+  for cfg in all_configs(m, k, n, blocks, loads):
     f = run(cfg)
     y = jax.jit(f)(x, *weight)
     err = float(jnp.linalg.norm(y.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
@@ -74,14 +78,16 @@ def sweep(m: int, k: int, n: int, layout: str = "indices", blocks: tuple[int, ..
 def row(r: dict) -> str:
   m, k, n, dense = r["m"], r["k"], r["n"], r["dense_us"]
   us = {name: c["us"] for name, c in r["configs"].items()}
-  default = ck.Nm24DecodeConfig.get_default(m, k, n).name
-  configs = ck.nm24_candidate_configs(m, k, n, buffer=r.get("layout") == "buffer")
+  buffer = r.get("layout") == "buffer"
+  default = ck.Nm24DecodeConfig.get_default(m, k, n, buffer=buffer).name
+  configs = ck.nm24_candidate_configs(m, k, n, buffer=buffer)
   cand = min((us[c.name], c.name) for c in configs if c.name in us)
   best = min((t, name) for name, t in us.items())
   wrong = sum(c["rel_err"] > 2e-2 for c in r["configs"].values())
-  return (f"| {m} x {k} x {n} | {r.get('layout', 'indices')} | {dense:.2f} | {us[default]:.2f} ({default}) | "
+  d_us, d_ratio = (f"{us[default]:.2f}", f"{us[default] / dense:.2f}") if default in us else ("-", "-")  # not swept
+  return (f"| {m} x {k} x {n} | {r.get('layout', 'indices')} | {dense:.2f} | {d_us} ({default}) | "
           f"{cand[0]:.2f} ({cand[1]}) | "
-          f"{best[0]:.2f} ({best[1]}) | {us[default] / dense:.2f} | {cand[0] / dense:.2f} | {best[0] / dense:.2f} | "
+          f"{best[0]:.2f} ({best[1]}) | {d_ratio} | {cand[0] / dense:.2f} | {best[0] / dense:.2f} | "
           f"{len(us)} | {wrong} |")
 
 
@@ -92,18 +98,21 @@ def main() -> None:
   p.add_argument("--out", default="nm24_configs.json", help="every timing, JSON")
   p.add_argument("--layouts", default="indices", help="the weight's layouts, comma-separated: indices, buffer")
   p.add_argument("--blocks", default="1", help="blocks per multiprocessor, comma-separated: 1, 2")
+  p.add_argument("--loads", default="step,pair,stages", help="load orders, comma-separated: step, pair, stages")
   p.add_argument("--time-limit", type=float, default=500.0, help="seconds; products after it are left out")
   args = p.parse_args()
   rows = [int(r) for r in args.rows.split(",")]
   shapes = [tuple(int(d) for d in s.split("x")) for s in args.shapes.split(",")]
   layouts = args.layouts.split(",")
   blocks = tuple(int(b) for b in args.blocks.split(","))
-  if not set(layouts) <= {"indices", "buffer"} or not set(blocks) <= {1, 2}:
-    p.error(f"--layouts takes indices and buffer, --blocks 1 and 2; got {args.layouts!r}, {args.blocks!r}")
+  loads = tuple(args.loads.split(","))
+  if not set(layouts) <= {"indices", "buffer"} or not set(blocks) <= {1, 2} or not set(loads) <= set(ck.NM24_LOADS):
+    p.error(f"--layouts takes indices and buffer, --blocks 1 and 2, --loads {', '.join(ck.NM24_LOADS)}; got "
+            f"{args.layouts!r}, {args.blocks!r}, {args.loads!r}")
   t0 = time.time()
   with ThreadPoolExecutor(16) as pool:  # NVRTC builds, in threads (the shape only sets the token tiles)
     list(pool.map(lambda mcb: ck.nm24_prepare(mcb[0], 4096, 4096, mcb[1], buffer=mcb[2]),
-                  [(m, c, lay == "buffer") for m in rows for c in all_configs(m, 4096, 4096, blocks)
+                  [(m, c, lay == "buffer") for m in rows for c in all_configs(m, 4096, 4096, blocks, loads)
                    for lay in layouts]))
   print(f"built in {time.time() - t0:.0f} s", flush=True)
   results, lines = [], []
@@ -111,7 +120,7 @@ def main() -> None:
     if time.time() - t0 > args.time_limit:
       print(f"time limit: {m} x {k} x {n} ({layout}) and after left out", flush=True)
       break
-    results.append(sweep(m, k, n, layout, blocks))
+    results.append(sweep(m, k, n, layout, blocks, loads))
     lines.append(row(results[-1]))
     print(lines[-1], flush=True)
     with open(args.out, "w") as f:
