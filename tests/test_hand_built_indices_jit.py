@@ -251,3 +251,24 @@ def test_valid_nm_built_in_jit_matches_dense(n, m):
   for got, want in zip(jax.jit(jax.grad(f, argnums=(0, 1)))(x, w.values, w.indices),
                        jax.grad(ref, argnums=(0, 1))(x, w.values), strict=True):
     assert_close(got, want, jnp.float32)
+
+
+def test_constructors_vouch_for_their_index_arrays_and_only_they():
+  """A matrix a constructor validated or built from a mask skips the check (``to_dense`` as fast as before); one
+  rebuilt by ``tree_unflatten`` (a jit argument, a checkpoint) or given new index arrays is checked."""
+  rng = _rng()
+  w = _block(rng, 4)
+  assert w._trusted and w.with_data(w.data * 2)._trusted
+  assert jaxsparse.BlockSparseMatrix.from_index_arrays(w.data, w.index_arrays(), shape=w.shape,
+                                                       block_shape=w.block_shape)._trusted
+  assert not jaxsparse.BlockSparseMatrix.from_index_arrays(w.data, w.index_arrays(), shape=w.shape,
+                                                           block_shape=w.block_shape, validate=False)._trusted
+  rebuilt = _leaves(w, w.index_arrays())
+  assert not getattr(rebuilt, "_trusted", False)
+  np.testing.assert_array_equal(rebuilt.to_dense(), w.to_dense())  # valid: the same matrix, checked
+  spoiled = _leaves(w, w.index_arrays())
+  spoiled.row_indices = spoiled.row_indices.at[0].set(99)
+  assert np.isnan(np.asarray(spoiled.to_dense())).all()
+  w.col_indices = w.col_indices.at[0].set(-1)  # a trusted matrix given new index arrays is checked again
+  assert not w._trusted and np.isnan(np.asarray(w.to_dense())).all()
+  assert jaxsparse.CSRMatrix.from_dense(rng.standard_normal((4, 6)).astype(np.float32))._trusted

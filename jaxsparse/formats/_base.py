@@ -14,7 +14,7 @@ from jaxsparse import _utils
 from jaxsparse.formats._masks import replicated
 
 __all__ = ["IndexedSparseMatrix", "check_pattern_mask", "is_concrete", "mask_pattern_indices", "nan_unless",
-           "poison_miscounted"]
+           "poison_miscounted", "trusted", "trusted_like"]
 
 
 def is_concrete(x: Any) -> bool:
@@ -97,6 +97,20 @@ def nan_unless(y: jax.Array, ok: jax.Array) -> jax.Array:
   return y * jnp.where(ok, 1, jnp.nan).astype(y.dtype)
 
 
+def trusted(matrix):
+  """Marks ``matrix`` (an :class:`IndexedSparseMatrix`) as holding index arrays that
+  :meth:`~IndexedSparseMatrix.validate` passed or that a constructor built from a mask (valid by construction, also
+  traced): its ``to_dense`` then skips the check. The mark is not part of the pytree: ``tree_unflatten`` (a ``jit``
+  argument, a checkpoint, a ``jax.tree.map``) gives an unmarked matrix, as does setting an index array."""
+  object.__setattr__(matrix, "_trusted", True)
+  return matrix
+
+
+def trusted_like(source, matrix):
+  """``matrix`` marked as :func:`trusted` where ``source`` is (index arrays derived from ``source``'s)."""
+  return trusted(matrix) if getattr(source, "_trusted", False) else matrix
+
+
 def _offsets_ok(offsets: jax.Array, keys: jax.Array, nnz: int) -> jax.Array:
   """Whether ``offsets`` (``(len + 1,)``) are the CSR offsets of ``keys`` (``(nnz,)``, nondecreasing, in range).
 
@@ -170,8 +184,14 @@ class IndexedSparseMatrix:
     # jit), which would otherwise reach the products unchecked; the check runs once, when the function is traced.
     if validate and all(is_concrete(getattr(self, f)) for f in self.INDEX_FIELDS):
       self.validate()
+      trusted(self)
     elif validate:
       self._check_static()
+
+  def __setattr__(self, name: str, value: Any) -> None:
+    if name in self.INDEX_FIELDS:  # new index arrays: no longer the ones validate() or a constructor vouched for
+      object.__setattr__(self, "_trusted", False)
+    object.__setattr__(self, name, value)
 
   # -- validation -----------------------------------------------------------------------------------
   @property
@@ -296,6 +316,12 @@ class IndexedSparseMatrix:
       checkify.check(jnp.all(ok), f"{name}.{field} is invalid: expected {allowed}.")
     return self
 
+  def _nan_unless_valid(self, y: jax.Array) -> jax.Array:
+    """``y``, all NaN where the index arrays fail :meth:`validate`'s value checks; checked only for a matrix no
+    constructor vouched for (rebuilt by ``tree_unflatten``: under ``jit``, from a checkpoint, by ``jax.tree.map``;
+    or assembled with ``validate=False``)."""
+    return y if getattr(self, "_trusted", False) else nan_unless(y, self._indices_ok())
+
   def _indices_ok(self) -> jax.Array:
     """A bool scalar (traced under ``jit``): whether the index arrays pass :meth:`validate`'s value checks.
 
@@ -354,7 +380,8 @@ class IndexedSparseMatrix:
     concrete = all(is_concrete(a) for a in fields.values())
     if validate and concrete:  # checked as given: under jit, jnp.asarray turns even a NumPy constant into a tracer
       cls(data, **fields, **static)
-    return cls(data, validate=validate and not concrete, **{f: jnp.asarray(a) for f, a in fields.items()}, **static)
+    out = cls(data, validate=validate and not concrete, **{f: jnp.asarray(a) for f, a in fields.items()}, **static)
+    return trusted(out) if validate and concrete else out
 
   def index_arrays(self) -> dict[str, jax.Array]:
     """The integer index arrays of the pattern, keyed by ``INDEX_FIELDS`` names."""
@@ -371,7 +398,7 @@ class IndexedSparseMatrix:
 
   def _with_checked_data(self, data: jax.Array):
     static = {f: getattr(self, f) for f in self.STATIC_FIELDS}
-    return type(self)(data, validate=False, **self.index_arrays(), **static)
+    return trusted_like(self, type(self)(data, validate=False, **self.index_arrays(), **static))
 
   @property
   def dtype(self):

@@ -20,8 +20,9 @@ from jaxsparse.formats._base import IndexedSparseMatrix
 from jaxsparse.formats._base import check_pattern_mask
 from jaxsparse.formats._base import is_concrete
 from jaxsparse.formats._base import mask_pattern_indices
-from jaxsparse.formats._base import nan_unless
 from jaxsparse.formats._base import poison_miscounted
+from jaxsparse.formats._base import trusted
+from jaxsparse.formats._base import trusted_like
 from jaxsparse.formats._masks import replicated
 
 __all__ = ["INDEX_FIELDS", "BlockSparseMatrix", "block_pattern_indices", "block_slots", "merge_block_data",
@@ -158,7 +159,8 @@ class BlockSparseMatrix(IndexedSparseMatrix):
     if shape is not None and tuple(shape) != full:
       raise ValueError(f"shape={tuple(shape)} does not match block_mask {(kb, nb)} x blocks {data.shape[1:]}.")
     idx = {k: jnp.asarray(v) for k, v in idx.items()}
-    return cls(poison_miscounted(data, mask, nnz), validate=False, shape=full, block_shape=data.shape[1:], **idx)
+    return trusted(cls(poison_miscounted(data, mask, nnz), validate=False, shape=full, block_shape=data.shape[1:],
+                       **idx))
 
   @classmethod
   def from_dense(
@@ -221,7 +223,7 @@ class BlockSparseMatrix(IndexedSparseMatrix):
     blocks = replicated(w).reshape(kb, bk, nb, bn).transpose(0, 2, 1, 3)  # explicit axes refuse a split reshape
     data = poison_miscounted(blocks[idx["row_indices"], idx["col_indices"]], mask, nnz_blocks)
     idx = {k: jnp.asarray(v) for k, v in idx.items()}
-    return cls(data, validate=False, shape=w.shape, block_shape=(bk, bn), **idx)
+    return trusted(cls(data, validate=False, shape=w.shape, block_shape=(bk, bn), **idx))
 
   def with_data(self, data: jax.typing.ArrayLike) -> BlockSparseMatrix:
     """The same pattern with new block values.
@@ -284,7 +286,7 @@ class BlockSparseMatrix(IndexedSparseMatrix):
       matrix built under ``jit`` or rebuilt without the constructor can be (see the class docstring).
     """
     dense = self._scatter(self.grid_shape, self.data).transpose(0, 2, 1, 3).reshape(self.shape)
-    return nan_unless(dense, self._indices_ok())  # a scatter drops (or wraps) bad indices: no silent zeros
+    return self._nan_unless_valid(dense)  # a scatter drops (or wraps) bad indices: no silent zeros
 
   def __repr__(self) -> str:
     return (
@@ -365,7 +367,7 @@ def split_blocks(w: BlockSparseMatrix, block_shape: tuple[int, int]) -> BlockSpa
   sub_cols = jnp.broadcast_to(cols[:, None, None] * c + b, (w.nnz_blocks, r, c)).reshape(-1)
   row_offsets = jnp.concatenate([jnp.zeros(1, i32), jnp.cumsum(jnp.repeat(row_count * c, r))]).astype(i32)
   col_offsets = jnp.concatenate([jnp.zeros(1, i32), jnp.cumsum(jnp.repeat(col_count * r, c))]).astype(i32)
-  return BlockSparseMatrix(  # derived from a valid w: no validation (this runs in every call of the GPU route)
+  return trusted_like(w, BlockSparseMatrix(  # derived from w: no validation (this runs in every call of the GPU route)
       sub[by_pos],
       validate=False,
       row_indices=sub_rows[by_pos],
@@ -375,7 +377,7 @@ def split_blocks(w: BlockSparseMatrix, block_shape: tuple[int, int]) -> BlockSpa
       transpose_order=jnp.zeros(nnz, i32).at[t_pos].set(new_pos),
       shape=w.shape,
       block_shape=(sbk, sbn),
-  )
+  ))
 
 
 def merge_block_data(sub_data: jax.Array, w: BlockSparseMatrix, block_shape: tuple[int, int]) -> jax.Array:

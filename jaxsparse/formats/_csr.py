@@ -20,8 +20,8 @@ from jaxsparse.formats._base import IndexedSparseMatrix
 from jaxsparse.formats._base import check_pattern_mask
 from jaxsparse.formats._base import is_concrete
 from jaxsparse.formats._base import mask_pattern_indices
-from jaxsparse.formats._base import nan_unless
 from jaxsparse.formats._base import poison_miscounted
+from jaxsparse.formats._base import trusted
 
 __all__ = ["INDEX_FIELDS", "CSRMatrix", "csr_pattern_indices"]
 
@@ -134,7 +134,7 @@ class CSRMatrix(IndexedSparseMatrix):
       raise ValueError(f"data must have shape (nnz,) (1-D: the kept values in row-major order), got {data.shape}.")
     idx = csr_pattern_indices(m, nnz=data.shape[0])
     data = poison_miscounted(data, m, data.shape[0])
-    return cls(data, validate=False, shape=m.shape, **{k: jnp.asarray(v) for k, v in idx.items()})
+    return trusted(cls(data, validate=False, shape=m.shape, **{k: jnp.asarray(v) for k, v in idx.items()}))
 
   @classmethod
   def from_dense(cls, w: jax.typing.ArrayLike, mask: Any = None, *, nnz: int | None = None) -> CSRMatrix:
@@ -171,7 +171,7 @@ class CSRMatrix(IndexedSparseMatrix):
       raise ValueError(f"mask must have the shape of w {w.shape}, got {m.shape}.")
     idx = csr_pattern_indices(m, nnz=nnz)
     data = poison_miscounted(w[idx["row_indices"], idx["col_indices"]], m, nnz)
-    return cls(data, validate=False, shape=w.shape, **{k: jnp.asarray(v) for k, v in idx.items()})
+    return trusted(cls(data, validate=False, shape=w.shape, **{k: jnp.asarray(v) for k, v in idx.items()}))
 
   def with_data(self, data: jax.typing.ArrayLike) -> CSRMatrix:
     """The same pattern with new values.
@@ -233,7 +233,7 @@ class CSRMatrix(IndexedSparseMatrix):
     >>> bool((jaxsparse.CSRMatrix.from_dense(w).to_dense() == w).all())
     True
     """
-    return nan_unless(self._scatter(self.shape, self.data), self._indices_ok())  # a scatter drops bad indices
+    return self._nan_unless_valid(self._scatter(self.shape, self.data))  # a scatter drops bad indices
 
   def __repr__(self) -> str:
     return f"CSRMatrix(shape={self.shape}, nnz={self.nnz}, density={self.density:.3f}, dtype={self.data.dtype})"
