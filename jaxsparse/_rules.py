@@ -11,6 +11,7 @@ its layer's path, so one rule set serves :func:`jaxsparse.sparsify`, :mod:`jaxsp
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable
 from collections.abc import Mapping
@@ -284,8 +285,9 @@ def module_paths(model: nnx.Module) -> dict[int, list[tuple]]:
 
 
 def replace_module(model: nnx.Module, path: Sequence[Any], new: nnx.Module) -> None:
-  """Puts ``new`` at ``path`` (as from ``nnx.iter_modules``) inside ``model``: attributes, list items, dict keys;
-  and at every other path holding the same module (tied weights stay tied)."""
+  """Puts ``new`` at ``path`` (as from ``nnx.iter_modules``) inside ``model``: attributes, list items, dict keys, items
+  of tuples and fields of frozen dataclasses (rebuilt); and at every other path holding the same module (tied weights
+  stay tied)."""
   old = get_module(model, path)
   paths = module_paths(model).get(id(old), [])
   for p in paths if tuple(path) in paths else [tuple(path)]:
@@ -298,6 +300,8 @@ def _set_child(model: nnx.Module, path: tuple, new: Any) -> None:
     items = list(parent)
     items[path[-1]] = new
     _set_child(model, path[:-1], type(parent)(*items) if hasattr(parent, "_fields") else type(parent)(items))
+  elif dataclasses.is_dataclass(parent) and parent.__dataclass_params__.frozen:  # flax.struct.dataclass: rebuilt too
+    _set_child(model, path[:-1], dataclasses.replace(parent, **{path[-1]: new}))
   elif hasattr(type(parent), "__setitem__"):
     parent[path[-1]] = new
   else:

@@ -382,7 +382,14 @@ def sparsify_linen(
       ``"sparsity": None``; ``nn.scan``'s ``variable_broadcast="params"`` without ``"sparsity"``): the model
       needs it beside ``"params"`` (checked by one abstract trace of the sparse model's ``apply``); ``check_speed``
       with abstract ``variables`` (no weights to time).
+    TypeError: ``module`` is a ``SparsifiedLinen`` (sparsified already): :func:`densify_linen` it first.
   """
+  if isinstance(module, SparsifiedLinen):  # its layers would be planned again on their sparse variables
+    raise TypeError(
+        "module is a SparsifiedLinen (from sparsify_linen or compress_linen): its layers are sparse already. To give "
+        "them other structures, sparsify the dense module: module, variables = jaxsparse.densify_linen(sparse, "
+        "variables), then jaxsparse.sparsify_linen(module, variables, rules, example_input)."
+    )
   resolved = resolve_rules(rules)
   abstract = is_abstract(variables)
   mode = check_speed_mode(check_speed, example_input,

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from flax.nnx import graph
 
 from jaxsparse import _utils
 from jaxsparse._rules import Probe
@@ -316,6 +317,49 @@ def _dense_layers(model: nnx.Module) -> list[tuple[tuple, nnx.Module]]:
   return out
 
 
+def _variable_holders(model: nnx.Module) -> dict[int, list[tuple[tuple, int]]]:
+  """Every reference to each ``nnx.Variable`` inside ``model``, by ``id``: ``(path, id of the module holding it)``.
+
+  The walk goes through every graph node at each of its paths, as :func:`~jaxsparse._rules.module_paths` does, so a
+  variable of a tied layer (``self.b = self.a``) has one holder, and one held by two modules (``b.kernel = a.kernel``,
+  or a module keeping ``self.table = embed.embedding``) has two.
+  """
+  out: dict[int, list[tuple[tuple, int]]] = {}
+
+  def walk(node, path, holder, above):
+    if isinstance(node, nnx.Module):
+      holder = id(node)
+    if id(node) in above:  # a reference cycle
+      return
+    for key, child in graph.get_node_impl(node).node_dict(node).items():
+      if isinstance(key, str) and key.startswith("_pytree__"):
+        continue
+      if isinstance(child, nnx.Variable):
+        out.setdefault(id(child), []).append(((*path, key), holder))
+      elif graph.is_node(child):
+        walk(child, (*path, key), holder, above | {id(node)})
+
+  walk(model, (), id(model), frozenset())
+  return out
+
+
+def _check_not_shared(node: nnx.Module, path: tuple, holders: dict[int, list[tuple[tuple, int]]]) -> None:
+  """Raises where a variable of ``node`` (its kernel, bias, table) is also held by another module: its sparse layer
+  gets variables of its own, so the other holder would keep the dense one (weights tied at the variable, untied)."""
+  for name, variable in vars(node).items():
+    if not isinstance(variable, nnx.Variable):
+      continue
+    others = sorted({path_str(p) for p, holder in holders.get(id(variable), []) if holder != id(node)})
+    if others:
+      where = path_str(path) or "(the model itself)"
+      raise ValueError(
+          f"{where}: its {name} is also held at {', '.join(others)} (one nnx.{type(variable).__name__} in two "
+          f"modules: weights tied at the variable, not at the layer); the sparse layer replacing {where} holds "
+          "variables of its own, so this would untie them. Tie the layers instead (self.b = self.a: one layer, "
+          "replaced at each of its paths), or keep the layers that hold it dense (map their paths to None)."
+      )
+
+
 def _unsupported_changes(model: nnx.Module, resolved: list) -> list[LayerChange]:
   """Report rows of the modules with a ``kernel`` param that a rule selects but sparsify does not take (``nnx.Einsum``,
   ``nnx.ConvTranspose``, a module of one's own): left dense, named in the report."""
@@ -430,7 +474,9 @@ def sparsify(
     ValueError: naming the layer path, when a structure cannot apply (``m`` does not divide the
       input size, blocks do not divide the kernel, ``BlockSparse`` on a conv, a bad mask, a block-sparse stack whose
       layers keep different numbers of blocks, a stack of ``nnx.Conv`` / ``nnx.LinearGeneral`` layers or one whose
-      layer axes do not lead); ``check_speed`` with an abstract model (no weights to time).
+      layer axes do not lead, a layer whose kernel or bias (an embedding's table) another module holds too: tied at
+      the variable, ``b.kernel = a.kernel``, which its sparse layer would untie); ``check_speed`` with an abstract
+      model (no weights to time).
   """
   if not isinstance(model, nnx.Module):
     raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}; for Linen use sparsify_linen.")
@@ -468,6 +514,9 @@ def sparsify(
     if specs:
       chosen.append((path, node, next(iter(specs.values()))))
   embeds = _chosen_embeds(model, resolved, all_paths, paths_of)
+  holders = _variable_holders(model)
+  for path, node, *_ in [*chosen, *embeds]:
+    _check_not_shared(node, path, holders)
   warn_unmatched(resolved, all_paths + [q for _, _, _, paths in embeds for q in paths],
                  what="nnx.Linear / nnx.Conv / nnx.LinearGeneral / nnx.Embed (a rule naming it)", shadowed=True)
   bridged = bridged_linen(model, holds_dense_layers)
