@@ -28,6 +28,9 @@ from jaxsparse import pruning
 from jaxsparse.layers import MaskedConv
 from jaxsparse.layers import MaskedLinear
 
+# 22 tests, about 80 s on 2 cores: run by test-slow (CI runs it), so that make test stays within its 15 minutes.
+pytestmark = pytest.mark.slow
+
 RULES = {r"layers\.0": jaxsparse.Unstructured(sparsity=0.75), r".*": None}
 X = jax.random.normal(jax.random.key(11), (16, 32))
 Y = jax.random.randint(jax.random.key(12), (16,), 0, 4)

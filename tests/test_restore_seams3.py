@@ -30,7 +30,8 @@ import jaxsparse
 from jaxsparse import layers
 from jaxsparse.layers import linen
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+# 30 tests, about 30 s on 2 cores: run by test-slow (CI runs it), so that make test stays within its 15 minutes.
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning")]
 
 _jitted = nnx.jit(lambda layer, x: layer(x))
 

@@ -26,6 +26,9 @@ from jaxsparse import torch_interop  # noqa: E402
 from jaxsparse.torch_interop import CheckpointError  # noqa: E402
 from jaxsparse.torch_interop import LoadReport  # noqa: E402
 
+# 14 tests, about 26 s on 2 cores: run by test-slow (CI runs it), so that make test stays within its 15 minutes.
+pytestmark = pytest.mark.slow
+
 ATOL = 1e-5  # float32, full-precision products on both sides
 
 
