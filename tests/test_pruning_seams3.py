@@ -99,7 +99,7 @@ def test_magnitude_masks_of_a_state_warns_and_of_the_model_reads_the_masks():
 # --- through nnx.Optimizer: parameters only, the kernels marked -----------------------------------------------------
 
 
-def _train(model, pruner, steps=4, record=None):
+def _train(model, pruner, steps=4):
   optimizer = nnx.Optimizer(model, pruning.wrap_optax(optax.adamw(1e-2, weight_decay=0.1), pruner), wrt=nnx.Param)
 
   @nnx.jit

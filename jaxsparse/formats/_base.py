@@ -87,7 +87,8 @@ def poison_miscounted(data: jax.Array, mask: Any, nnz: int) -> jax.Array:
 
 
 def nan_unless(y: jax.Array, ok: jax.Array) -> jax.Array:
-  """``y``, or NaN everywhere when the bool scalar ``ok`` is False (integer ``y``, which has no NaN, as it is).
+  """``y``, NaN where the bool ``ok`` (a scalar, or an array broadcasting against ``y``) is False (integer ``y``, which
+  has no NaN, as it is).
 
   Multiplied in (``y * 1`` or ``y * NaN``), not selected: cotangents flowing back through it are NaN too, so the
   gradients of a product with an invalid matrix are NaN rather than zeros. XLA fuses it into ``y``'s consumer.

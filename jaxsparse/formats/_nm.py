@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxsparse import _utils
 from jaxsparse.formats._base import is_concrete
+from jaxsparse.formats._base import nan_unless
 from jaxsparse.formats._nm_masks import _check_operand
 from jaxsparse.formats._nm_masks import _group_mask
 from jaxsparse.formats._nm_masks import _grouped
@@ -137,9 +138,7 @@ def decompress(values: jax.Array, indices: jax.Array, n: int, m: int, axis: int)
   ok = pos[:, n - 1 : n] < m
   for j in range(n - 1):
     ok &= pos[:, j + 1 : j + 2] > pos[:, j : j + 1]
-  if jnp.issubdtype(dense.dtype, jnp.inexact):
-    dense = dense * jnp.where(ok, 1, jnp.nan).astype(dense.dtype)
-  return _ungrouped(dense, axis)
+  return _ungrouped(nan_unless(dense, ok), axis)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
