@@ -186,14 +186,20 @@ def test_nm_bad_positions_give_nan_in_their_group(n, m, how, axis):
 
 
 def _check_against_dense(op, x, w, make, *, implementation=None):
-  """``op`` on ``make(data, index arrays)`` built inside a ``jit`` against ``x @ w.to_dense()``, forward and grads."""
+  """``op`` on ``make(data, index arrays)`` built inside a ``jit`` against ``x @ w.to_dense()``, forward and grads.
+
+  The whole output is compared (a scalar loss such as ``sum(sin(y))`` cancels, and its relative error is not the
+  product's), and the gradients are those of ``sum(y * g)`` for a random cotangent ``g``.
+  """
   idx = w.index_arrays()
   kw = {} if implementation == "default" else {"implementation": implementation}
-  f = jax.jit(lambda x, d, i: jnp.sum(jnp.sin(op(x, make(d, i), **kw))))
-  ref = lambda x, d: jnp.sum(jnp.sin(x @ w.with_data(d).to_dense()))
-  assert_close(f(x, w.data, idx), ref(x, w.data), jnp.float32)
-  for got, want in zip(jax.jit(jax.grad(f, argnums=(0, 1)))(x, w.data, idx), jax.grad(ref, argnums=(0, 1))(x, w.data),
-                       strict=True):
+  apply = jax.jit(lambda x, d, i: op(x, make(d, i), **kw))
+  ref = lambda x, d: x @ w.with_data(d).to_dense()
+  assert_close(apply(x, w.data, idx), ref(x, w.data), jnp.float32)
+  g = np.random.default_rng().standard_normal((x.shape[0], w.shape[1])).astype(np.float32)
+  loss = jax.jit(lambda x, d, i: jnp.sum(apply(x, d, i) * g))
+  for got, want in zip(jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w.data, idx),
+                       jax.grad(lambda x, d: jnp.sum(ref(x, d) * g), argnums=(0, 1))(x, w.data), strict=True):
     assert_close(got, want, jnp.float32)
 
 
