@@ -21,7 +21,9 @@ How, depends on when the shardings are known:
 * auto axes (``jit`` with ``NamedSharding`` inputs): only the compiler knows them, so the product
   is a :func:`jax.experimental.custom_partitioning` call with a Shardy sharding rule (leading dims
   pass through, all else replicated); the partition callback sees the shardings Shardy chose and
-  lowers ``f`` per device (an eager call on a split ``x`` is jitted for that);
+  lowers ``f`` per device (an eager call on a split ``x`` is jitted for that). ``jax.export`` cannot serialise that
+  call (a Python callback): an exported program gets ``f`` itself, which the compiler partitions as it does any
+  code (the kernels' custom calls may then run on gathered rows);
 * explicit axes (``jax.set_mesh`` with ``AxisType.Explicit``): the shardings are in the types, so
   the product is a ``jax.shard_map`` with those specs (over ``x``'s mesh, or the weights' when only
   they are placed on one: ``x`` is then replicated on it);
@@ -41,9 +43,11 @@ from collections.abc import Mapping
 from collections.abc import Sequence
 
 import jax
+import jax.extend.core as jax_core
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
+from jax.interpreters import mlir
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -129,7 +133,30 @@ def _auto_partitioned(fn: Callable, n_rows: int, n_lead: int, summed: frozenset)
     return _sharding_rule(n_rows, n_lead, ndims(operand_types), ndims(result_types), summed)
 
   call.def_partition(partition, sharding_rule=rule)
-  return call
+
+  def bind(*args):
+    # The custom-partitioning call as a jaxpr param: jit then lowers it with the devices it needs (not abstract ones).
+    return tuple(_auto_p.bind(*args, fn=fn, partitioned=jax.make_jaxpr(call)(*args)))
+
+  return bind
+
+
+# jax.export cannot serialise custom partitioning: its CustomSPMDPartitioning call names a Python callback kept alive
+# by the lowering (jax 0.10: "NotImplementedError: serialization of host_callbacks is not yet implemented"). So an
+# exported program gets the product's plain body, which the compiler partitions by itself (the same results; the
+# kernels' custom calls may run on gathered rows).
+_auto_p = jax_core.Primitive("jaxsparse_row_parallel")
+_auto_p.multiple_results = True
+_auto_p.def_impl(lambda *args, fn, partitioned: jax.jit(fn)(*args))  # an eager call: one device
+_auto_p.def_abstract_eval(lambda *avals, fn, partitioned: partitioned.out_avals)
+
+
+def _auto_lowering(ctx, *args, fn, partitioned):
+  body = fn if ctx.module_context.lowering_parameters.for_export else jax_core.jaxpr_as_fun(partitioned)
+  return mlir.lower_fun(body, multiple_results=True)(ctx, *args)
+
+
+mlir.register_lowering(_auto_p, _auto_lowering)
 
 
 # -------------------------------------------------------------------------------------------------
