@@ -14,6 +14,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 from hypothesis import given
@@ -448,6 +449,52 @@ def test_gpu_sr_ste_matmul_transposable_vmap_and_layer():
   y = nnx.jit(lambda m, x: m(x))(layer, rows)
   want = rows @ ops.sr_ste(layer.kernel[...], 2, 4, transposable=True).astype(jnp.bfloat16) + layer.bias[...]
   assert _rel(y, want) < 1e-2
+
+
+def test_differentiated_forward_reads_the_values_not_the_cusparselt_copy(monkeypatch):
+  """Under grad the forward multiplies ``w``: a training step changes ``w``, not a layer's cuSPARSELt copy."""
+  seen = []
+  forward = _nm_matmul._forward
+  monkeypatch.setattr(_nm_matmul, "_forward", lambda cfg, x, w, blob: seen.append(blob) or forward(cfg, x, w, blob))
+  w = jaxsparse.NMSparseMatrix.from_dense(jax.random.normal(jax.random.key(6), (64, 64)), 2, 4)
+  x = jax.random.normal(jax.random.key(7), (8, 64))
+  fake = jnp.zeros((100,), jnp.uint8)
+  ops.nm_matmul(x, w, cusparselt_weight=fake)
+  assert seen[-1] is not None  # inference reads the copy
+  jax.grad(lambda v: ops.nm_matmul(x, w.with_values(v), cusparselt_weight=fake).sum())(w.values)
+  assert seen[-1] is None
+  # A weight unpacked from the buffer (storage="cusparselt") is the buffer: the differentiated forward keeps it.
+  monkeypatch.setattr(_nm_matmul, "buffer_is_cusparselt", lambda *args: True)  # as on a GPU with cuSPARSELt
+  buf = _nm_matmul.to_buffer(w.with_values(w.values.astype(jnp.bfloat16)))
+  _nm_matmul.nm_matmul_buffer(x.astype(jnp.bfloat16), buf, _nm_matmul.from_buffer(buf, w.shape, jnp.bfloat16))
+  assert seen[-1] is not None
+  jax.grad(lambda x: _nm_matmul.nm_matmul_buffer(
+      x, buf, _nm_matmul.from_buffer(buf, w.shape, jnp.bfloat16)).astype(jnp.float32).sum())(x.astype(jnp.bfloat16))
+  assert seen[-1] is not None
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_training_a_compressed_layer_with_its_copy_computes_with_the_new_weights():
+  comp = NMLinear(256, 128, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(3)).to_compressed()
+  assert comp.kernel_cusparselt is not None
+  x = jax.random.normal(jax.random.key(10), (200, 256), jnp.bfloat16)
+  opt = nnx.Optimizer(comp, optax.sgd(1.0), wrt=nnx.Param)
+  loss = lambda m: jnp.mean(m(x).astype(jnp.float32) ** 2)
+
+  @nnx.jit
+  def step(m, opt):
+    value, grads = nnx.value_and_grad(loss)(m)
+    opt.update(m, grads)
+    return value
+
+  step(comp, opt)
+  want = loss(comp.to_dense())  # the updated kernel, through a dense layer
+  got = step(comp, opt)  # its loss as the layer's differentiated forward computes it (before: the copy's old weight)
+  assert _rel(got, want) < 2e-2
+  # Inference after training reads the copy: update_cusparselt brings it up to date (the layer docs say so).
+  assert comp.update_cusparselt()
+  assert _rel(comp(x), comp.to_dense()(x)) < 1e-2
 
 
 @pytest.mark.gpu

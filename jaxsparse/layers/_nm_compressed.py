@@ -253,6 +253,8 @@ class CompressedNMLinear(NMPositionsLayer, nnx.Module):
     when cuSPARSELt can run here, ``implementation`` is ``None`` or ``"cusparselt"`` and the layer was made
     with ``cusparselt_copy=True``. With ``storage="cusparselt"`` the buffer is the weight: nothing to rebuild
     (returns True). Call it after changing ``kernel`` (fine-tuning, loading): the copy is not updated by itself.
+    A training step computes with ``kernel`` (a differentiated forward does not read the copy), but a call
+    without gradients after it reads the copy, so rebuild it before inference.
 
     Returns:
       ``True`` if the layer now has a cuSPARSELt copy (or is stored as one), else ``False``.

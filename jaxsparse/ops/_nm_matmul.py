@@ -428,7 +428,10 @@ def _nm_matmul(cfg: _Config, x: jax.Array, w: NMSparseMatrix, blob: jax.Array | 
 def _nm_matmul_fwd(cfg, x, w, blob):
   # `_nm_matmul`, not `_forward`: differentiating this rule (grad of grad) then meets the custom VJP again, not
   # the kernels (the backward pass is plain XLA, differentiable as it is).
-  return _nm_matmul(cfg, x, w, blob), (x, w)
+  # A forward that is differentiated reads `w`, not a separate cuSPARSELt copy: a training step changes `w` and
+  # not the copy (a CompressedNMLinear's `kernel_cusparselt`), whose products would then be a stale weight's
+  # while the gradients are `w`'s. A buffer that `w` is unpacked from (`nm_matmul_buffer`) is `w` itself: kept.
+  return _nm_matmul(cfg, x, w, blob if cfg.buffer_only else None), (x, w)
 
 
 def _local_backward(cfg: _Config, x2, dy2, w):
@@ -504,7 +507,9 @@ def nm_matmul(
       accumulate in at least float32.
     cusparselt_weight: ``cusparselt_compress(w)``, the same weight in cuSPARSELt's layout (2:4,
       bfloat16, ``x`` and the output of the same dtype). The forward product reads it
-      instead of ``w``; gradients still come from ``w``. When it cannot be used on a CUDA GPU,
+      instead of ``w``; gradients still come from ``w``, and a differentiated forward (``jax.grad``, ``jax.vjp``) reads
+      ``w`` too, so that a training step that changes ``w`` but not this copy computes with the new weight. When it
+      cannot be used on a CUDA GPU,
       "auto" warns with :class:`jaxsparse.ops.CusparseLtFallbackWarning`.
 
   Returns:
