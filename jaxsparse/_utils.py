@@ -144,7 +144,7 @@ def check_mask(mask: jax.typing.ArrayLike, shape: tuple[int, ...], *, name: str 
   """
   if isinstance(mask, np.ndarray) and mask.dtype == np.bool_:
     mask = mask.view(np.uint8) != 0
-  mask = jnp.asarray(mask)
+  mask = as_array(mask, name=name)
   if mask.dtype != jnp.bool_:
     raise TypeError(
         f"{name} must be a boolean array, got dtype {mask.dtype}; convert 0/1 masks with "
@@ -155,11 +155,32 @@ def check_mask(mask: jax.typing.ArrayLike, shape: tuple[int, ...], *, name: str 
   return mask
 
 
-def check_activations(x: jax.typing.ArrayLike, k: int) -> jax.Array:
-  """``x`` as an array of shape ``(..., k)`` with a floating dtype (:func:`check_activation_dtype`)."""
-  x = jnp.asarray(x)
+def as_array(value: object, *, name: str) -> jax.Array:
+  """``value`` as a JAX array; a ``TypeError`` naming ``name`` for what JAX makes no array of (``None``, a string, a
+  ragged list), instead of ``jnp.asarray``'s error naming no argument."""
+  try:
+    return jnp.asarray(value)
+  except (TypeError, ValueError) as e:
+    raise TypeError(f"{name} must be an array of numbers (a jax.Array, a NumPy array or a nested list), got "
+                    f"{type(value).__name__}: {e}") from None
+
+
+def check_weight_type(w: object, kind: type, *, name: str = "w") -> None:
+  """Raises a ``TypeError`` naming ``name`` unless ``w`` is a ``jaxsparse.<kind>`` (a sparse format)."""
+  if not isinstance(w, kind):
+    raise TypeError(f"{name} must be a jaxsparse.{kind.__name__}, got {type(w).__name__}.")
+
+
+def check_contraction(x: jax.Array, k: int) -> None:
+  """Raises a ``ValueError`` unless ``x`` has shape ``(..., k)`` (``k = w.shape[0]``)."""
   if x.ndim < 1 or x.shape[-1] != k:
     raise ValueError(f"x must have shape (..., K) with K = w.shape[0] = {k}, got x.shape={x.shape}.")
+
+
+def check_activations(x: jax.typing.ArrayLike, k: int) -> jax.Array:
+  """``x`` as an array of shape ``(..., k)`` with a floating dtype (:func:`check_activation_dtype`)."""
+  x = as_array(x, name="x")
+  check_contraction(x, k)
   if k == 0:
     raise ValueError(
         f"the contraction is empty: w has K = w.shape[0] = 0 input features (x.shape={x.shape}). The sparse ops "
@@ -255,10 +276,13 @@ def result_dtype(x_dtype: jax.typing.DTypeLike, w_dtype: jax.typing.DTypeLike, p
   return pet or jnp.dtype(jnp.result_type(x_dtype, w_dtype))
 
 
-def dense_reference(x: jax.typing.ArrayLike, w, *, precision, preferred_element_type) -> jax.Array:
-  """``x @ w.to_dense()`` in ``preferred_element_type`` (default ``result_type(x, w)``): the ops' oracle."""
+def dense_reference(x: jax.typing.ArrayLike, w, *, kind: type, precision, preferred_element_type) -> jax.Array:
+  """``x @ w.to_dense()`` in ``preferred_element_type`` (default ``result_type(x, w)``): the ops' oracle, for ``w``
+  a ``kind`` (its format) and ``x`` of shape ``(..., K)``, any dtype ``jnp.matmul`` takes."""
+  check_weight_type(w, kind)
   preferred_element_type = check_preferred_element_type(preferred_element_type)
-  x = jnp.asarray(x)
+  x = as_array(x, name="x")
+  check_contraction(x, w.shape[0])
   out_dtype = preferred_element_type or jnp.result_type(x.dtype, w.dtype)
   return jnp.matmul(x, w.to_dense(), precision=precision, preferred_element_type=out_dtype)
 

@@ -377,7 +377,7 @@ class IndexedSparseMatrix:
                              f"this {cls.__name__}.")
         a = a.astype(np.int32)
       fields[f] = a
-    data = jnp.asarray(data)
+    data = _utils.as_array(data, name="data")
     concrete = all(is_concrete(a) for a in fields.values())
     if validate and concrete:  # checked as given: under jit, jnp.asarray turns even a NumPy constant into a tracer
       cls(data, **fields, **static)

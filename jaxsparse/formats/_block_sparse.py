@@ -144,7 +144,7 @@ class BlockSparseMatrix(IndexedSparseMatrix):
         it has); ``shape`` does not match the block grid times ``(bk, bn)``.
       TypeError: ``block_mask`` is not a boolean array.
     """
-    data = jnp.asarray(data)
+    data = _utils.as_array(data, name="data")
     if data.ndim != 3 or min(data.shape[1:]) < 1:
       raise ValueError(f"data must be 3-D (nnz_blocks, bk, bn) with bk, bn >= 1, got shape {data.shape}.")
     mask = check_pattern_mask(block_mask, name="block_mask", layout="(K // bk, N // bn)")
@@ -201,7 +201,7 @@ class BlockSparseMatrix(IndexedSparseMatrix):
     >>> bool((ws.to_dense() == w).all())
     True
     """
-    w = jnp.asarray(w)
+    w = _utils.as_array(w, name="w")
     _utils.check_ndim(w.shape, 2, name="w")
     bk, bn = _utils.check_block_shape(block_shape, w.shape)
     kb, nb = w.shape[0] // bk, w.shape[1] // bn
@@ -244,7 +244,7 @@ class BlockSparseMatrix(IndexedSparseMatrix):
     Raises:
       ValueError: ``data`` does not have shape ``(nnz_blocks, bk, bn)``.
     """
-    data = jnp.asarray(data)
+    data = _utils.as_array(data, name="data")
     expected = (self.nnz_blocks, *self.block_shape)
     if data.shape != expected:
       raise ValueError(f"data must have shape (nnz_blocks, bk, bn) = {expected}, got {data.shape}.")

@@ -126,7 +126,7 @@ class CSRMatrix(IndexedSparseMatrix):
     (2, Array([[3., 0.],
            [0., 4.]], dtype=float32))
     """
-    data = jnp.asarray(data)
+    data = _utils.as_array(data, name="data")
     m = check_pattern_mask(mask, name="mask", layout="(K, N)")
     if is_concrete(m) and (data.ndim != 1 or data.shape[0] != int(m.sum())):
       raise ValueError(f"data must have shape (nnz,) = ({int(m.sum())},) for this mask, got {data.shape}.")
@@ -158,7 +158,7 @@ class CSRMatrix(IndexedSparseMatrix):
     >>> ws.nnz, ws.data, ws.row_indices, ws.col_indices
     (2, Array([2., 5.], dtype=float32), Array([0, 1], dtype=int32), Array([1, 0], dtype=int32))
     """
-    w = jnp.asarray(w)
+    w = _utils.as_array(w, name="w")
     _utils.check_ndim(w.shape, 2, name="w")
     if mask is None:
       if not is_concrete(w):
@@ -191,7 +191,7 @@ class CSRMatrix(IndexedSparseMatrix):
     Array([[0., 1.],
            [1., 0.]], dtype=float32)
     """
-    data = jnp.asarray(data)
+    data = _utils.as_array(data, name="data")
     if data.shape != (self.nnz,):
       raise ValueError(f"data must have shape (nnz,) = ({self.nnz},), got {data.shape}.")
     return self._with_checked_data(data)

@@ -92,7 +92,7 @@ def block_magnitude_mask(w: jax.typing.ArrayLike, block_shape: tuple[int, int], 
   Returns:
     Bool ``(K // bk, N // bn)``.
   """
-  w = jnp.asarray(w)
+  w = _utils.as_array(w, name="w")
   _utils.check_ndim(w.shape, 2, name="w")
   block_shape = _utils.check_block_shape(block_shape, w.shape)
   density = _utils.check_density(density)
@@ -119,7 +119,7 @@ def random_block_mask(
   Returns:
     Bool ``(K // bk, N // bn)``.
   """
-  _utils.check_ndim(tuple(shape), 2, name="shape")
+  shape = _utils.check_dims(shape, name="shape", ndim=2)  # ints >= 0: a negative size failed inside XLA
   bk, bn = _utils.check_block_shape(block_shape, shape)
   density = _utils.check_density(density)
   grid = (shape[0] // bk, shape[1] // bn)
@@ -146,7 +146,7 @@ def magnitude_mask(w: jax.typing.ArrayLike, sparsity: float) -> jax.Array:
   Returns:
     Bool mask of ``w.shape``.
   """
-  w = jnp.asarray(w)
+  w = _utils.as_array(w, name="w")
   sparsity = _utils.check_sparsity(sparsity)
   kept = w.size - _utils.kept_count(sparsity, w.size)
   return top_k_mask(jnp.abs(w.astype(_utils.accumulation_dtype(w.dtype))), kept)

@@ -392,7 +392,7 @@ class NMSparseMatrix:
     >>> ws.with_values(2 * ws.values).to_dense()
     Array([[ 0., -8.,  6.,  0.]], dtype=float32)
     """
-    values = jnp.asarray(values)
+    values = _utils.as_array(values, name="values")
     if values.shape != self.values.shape:
       raise ValueError(f"values must have shape {self.values.shape}, got {values.shape}.")
     return NMSparseMatrix(values, self.indices, shape=self.shape, n=self.n, m=self.m, axis=self.axis, validate=False)
@@ -416,7 +416,7 @@ class NMSparseMatrix:
     >>> ws.gather(jnp.array([[10.0, 20.0, 30.0, 40.0]])).to_dense()
     Array([[ 0., 20., 30.,  0.]], dtype=float32)
     """
-    dense = jnp.asarray(dense)
+    dense = _utils.as_array(dense, name="dense")
     if dense.shape != self.shape:
       raise ValueError(f"dense must have the matrix's shape {self.shape}, got {dense.shape}.")
     self._check_static()

@@ -24,6 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxsparse import _utils
+
 __all__ = [
     "check_nm",
     "check_transposable",
@@ -139,7 +141,7 @@ def _group_mask(scores: jax.Array, n: int) -> jax.Array:
 
 def _check_operand(w: jax.typing.ArrayLike, n: object, m: object, axis: object) -> tuple[jax.Array, int, int, int]:
   """``(w, n, m, axis)`` checked for an N:M pattern along ``axis`` of a numeric ``w``."""
-  w = jnp.asarray(w)
+  w = _utils.as_array(w, name="w")
   n, m = check_nm(n, m)
   axis = check_axis(axis, w.ndim)
   check_groups(w.shape, axis, m)

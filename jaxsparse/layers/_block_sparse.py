@@ -269,7 +269,7 @@ class BlockSparseLinear(nnx.Module):
     >>> y.shape, y.dtype, bool(jnp.allclose(y, x @ w + layer.bias[...], atol=1e-5))
     ((4, 32), dtype('float32'), True)
     """
-    check_layer_inputs(self, inputs)
+    inputs = check_layer_inputs(self, inputs)
     check_real_dtypes(BlockSparseLinear, **{"inputs.dtype": jnp.result_type(inputs)})
     return block_sparse_apply(
         inputs,

@@ -28,6 +28,7 @@ from jaxsparse.formats._nm import position_bits
 
 __all__ = [
     "check_compressed_parts",
+    "check_conv_steps",
     "check_dtypes",
     "check_feature_groups",
     "check_implementation",
@@ -207,10 +208,10 @@ def check_use_bias(use_bias: object) -> bool:
   return bool(use_bias)
 
 
-def check_kernel_size(kernel_size: object) -> tuple[int, ...]:
+def check_kernel_size(kernel_size: object, *, name: str = "kernel_size") -> tuple[int, ...]:
   """A conv's ``kernel_size`` as a tuple of positive ints: an int (a NumPy integer too) or a sequence of them. Flax's
   convolutions take others and fail later, opaquely (a NumPy int is "not iterable", a 0 a ``ZeroDivisionError`` in the
-  default initializer, a negative size an XLA error), or build a layer from a bool."""
+  default initializer, a negative size an XLA error), or build a layer from a bool. ``name``: the argument's."""
   integral = isinstance(kernel_size, numbers.Integral) and not isinstance(kernel_size, bool | np.bool_)
   try:
     sizes = (kernel_size,) if integral else tuple(kernel_size)
@@ -218,8 +219,24 @@ def check_kernel_size(kernel_size: object) -> tuple[int, ...]:
     sizes = None
   if sizes is None or not all(isinstance(k, numbers.Integral) and not isinstance(k, bool | np.bool_) and k > 0
                               for k in sizes):
-    raise ValueError(f"kernel_size must be a positive int or a sequence of positive ints, got {kernel_size!r}.")
+    raise ValueError(f"{name} must be a positive int or a sequence of positive ints, got {kernel_size!r}.")
   return tuple(int(k) for k in sizes)
+
+
+def check_conv_steps(**steps: object) -> dict[str, int | tuple[int, ...] | None]:
+  """A conv's ``strides``, ``input_dilation`` and ``kernel_dilation`` (given as ``name=value``), checked as
+  :func:`check_kernel_size` checks sizes, ``None`` passing: Flax's convolutions take a 0 or a negative step and fail
+  at the first call inside XLA ("Cannot lower jaxpr with verifier errors"), a NumPy int as "not iterable". Returns
+  them with ints as Python ints (a sequence as a tuple)."""
+  checked = {}
+  for name, value in steps.items():
+    if value is None:
+      checked[name] = None
+      continue
+    sizes = check_kernel_size(value, name=name)
+    integral = isinstance(value, numbers.Integral)
+    checked[name] = sizes[0] if integral else sizes
+  return checked
 
 
 def check_in_features(in_features: int, m: int, *, name: str = "in_features") -> None:

@@ -579,17 +579,20 @@ def kept_fraction(kept: int | None, size: int) -> float | None:
   return kept / size if size else 0.0
 
 
-def check_layer_inputs(layer: nnx.Module, inputs: jax.typing.ArrayLike) -> None:
-  """Raises, naming both counts, when ``inputs`` of an NNX layer built for ``layer.in_features`` has another
-  last axis (the op's error would name its own ``x``, not the layer), and when the layer holds a stack of layers'
-  variables (:func:`check_called_on_one_layer`)."""
+def check_layer_inputs(layer: nnx.Module, inputs: jax.typing.ArrayLike) -> jax.Array:
+  """``inputs`` as an array; raises, naming both counts, when ``inputs`` of an NNX layer built for
+  ``layer.in_features`` has another last axis (the op's error would name its own ``x``, not the layer), and when the
+  layer holds a stack of layers' variables (:func:`check_called_on_one_layer`)."""
   check_called_on_one_layer(layer)
+  if not isinstance(inputs, jax.Array | np.ndarray | np.generic):  # a nested list too, as nnx.Linear takes
+    inputs = _utils.as_array(inputs, name="inputs")
   shape = jnp.shape(inputs)
   if not shape or shape[-1] != layer.in_features:
     raise ValueError(
         f"{type(layer).__name__} has in_features={layer.in_features}: inputs must have shape (..., "
         f"{layer.in_features}), got inputs.shape={tuple(shape)}."
     )
+  return inputs
 
 
 _LIFTED_HINT = (

@@ -24,6 +24,7 @@ from jaxsparse import _utils
 from jaxsparse import ops
 from jaxsparse._utils import check_mask
 from jaxsparse.formats._masks import magnitude_mask
+from jaxsparse.layers._checks import check_conv_steps
 from jaxsparse.layers._checks import check_dtypes
 from jaxsparse.layers._checks import check_feature_groups
 from jaxsparse.layers._checks import check_init_dtype
@@ -476,6 +477,8 @@ class MaskedConv(nnx.Conv):
     in_features = _utils.check_positive_int(in_features, name="in_features")
     out_features = _utils.check_positive_int(out_features, name="out_features")
     kernel_size = check_kernel_size(kernel_size)
+    kwargs.update(check_conv_steps(**{k: kwargs[k] for k in ("strides", "input_dilation", "kernel_dilation")
+                                      if k in kwargs}))
     check_use_bias(kwargs.get("use_bias", True))
     check_dtypes(MaskedConv, dtype=kwargs.get("dtype"), param_dtype=kwargs.get("param_dtype", jnp.float32),
                  inexact=kwargs.get("promote_dtype", dtypes.promote_dtype) is dtypes.promote_dtype)

@@ -32,6 +32,7 @@ from jaxsparse import _utils
 from jaxsparse import ops
 from jaxsparse.formats import _nm_masks
 from jaxsparse.formats._nm import NMSparseMatrix
+from jaxsparse.layers._checks import check_conv_steps
 from jaxsparse.layers._checks import check_dtypes
 from jaxsparse.layers._checks import check_feature_groups
 from jaxsparse.layers._checks import check_in_features
@@ -434,6 +435,7 @@ class NMConv(_NMMixin, nnx.Conv):
     _utils.check_positive_int(in_features, name="in_features")
     _utils.check_positive_int(out_features, name="out_features")
     kernel_size = check_kernel_size(kernel_size)
+    steps = check_conv_steps(strides=strides, input_dilation=input_dilation, kernel_dilation=kernel_dilation)
     use_bias = check_use_bias(use_bias)
     feature_group_count = check_feature_groups(feature_group_count, in_features, out_features)
     check_in_features(in_features // feature_group_count, m, name="in_features // feature_group_count")
@@ -446,10 +448,10 @@ class NMConv(_NMMixin, nnx.Conv):
         in_features,
         out_features,
         kernel_size,
-        strides,
+        steps["strides"],
         padding=padding,
-        input_dilation=input_dilation,
-        kernel_dilation=kernel_dilation,
+        input_dilation=steps["input_dilation"],
+        kernel_dilation=steps["kernel_dilation"],
         feature_group_count=feature_group_count,
         use_bias=use_bias,
         mask=mask,

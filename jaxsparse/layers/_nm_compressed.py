@@ -352,7 +352,7 @@ class CompressedNMLinear(NMPositionsLayer, nnx.Module):
     >>> bool(jnp.allclose(CompressedNMLinear(w)(x), x @ w.to_dense(), atol=1e-5))
     True
     """
-    check_layer_inputs(self, inputs)
+    inputs = check_layer_inputs(self, inputs)
     check_real_dtypes(type(self), **{"inputs.dtype": jnp.result_type(inputs)})
     bias = bias_of(self)
     if bias is not None and jnp.shape(bias) != (self.out_features,):  # static: a restored bias would broadcast

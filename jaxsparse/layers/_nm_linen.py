@@ -27,6 +27,7 @@ from jax import lax
 from jaxsparse import _utils
 from jaxsparse import ops
 from jaxsparse.formats import _nm_masks
+from jaxsparse.layers._checks import check_conv_steps
 from jaxsparse.layers._checks import check_dtypes
 from jaxsparse.layers._checks import check_feature_groups
 from jaxsparse.layers._checks import check_in_features
@@ -205,6 +206,7 @@ class NMConv(nn.Module):
   def __post_init__(self):
     _check_fields(self)
     check_kernel_size(self.kernel_size)
+    check_conv_steps(strides=self.strides, input_dilation=self.input_dilation, kernel_dilation=self.kernel_dilation)
     super().__post_init__()
 
   def setup(self):

@@ -90,7 +90,8 @@ def block_sparse_matmul_reference(
     ``(..., N)`` array of ``preferred_element_type``, equal to :func:`block_sparse_matmul`'s result up to
     rounding.
   """
-  return _utils.dense_reference(x, w, precision=precision, preferred_element_type=preferred_element_type)
+  return _utils.dense_reference(x, w, kind=BlockSparseMatrix, precision=precision,
+                               preferred_element_type=preferred_element_type)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -542,8 +543,7 @@ def block_sparse_matmul(
     RuntimeError: ``implementation="pallas"`` where the Pallas kernels cannot run (no CUDA GPU, as on a CPU),
       or for operands no GPU route takes.
   """
-  if not isinstance(w, BlockSparseMatrix):
-    raise TypeError(f"w must be a jaxsparse.BlockSparseMatrix, got {type(w).__name__}.")
+  _utils.check_weight_type(w, BlockSparseMatrix)
   w._check_static()  # index arrays' shapes and dtypes, also of a matrix from tree_unflatten (no constructor)
   x = _utils.check_activations(x, w.shape[0])
   impl = _check_implementation(implementation)

@@ -27,6 +27,7 @@ from jaxsparse.ops import _bilinear
 from jaxsparse.ops import _sharding
 from jaxsparse.ops._sparse_matmul import CpuImplementation
 from jaxsparse.ops._sparse_matmul import check_cpu_implementation
+from jaxsparse.ops._sparse_matmul import check_cpu_output
 from jaxsparse.ops._sparse_matmul import cpu_supports
 from jaxsparse.ops._sparse_matmul import f32
 from jaxsparse.ops._sparse_matmul import route
@@ -182,7 +183,8 @@ def masked_matmul(
       not of ``w``'s shape; an unknown ``implementation``.
     TypeError: ``preferred_element_type`` is not a floating dtype or ``None``; ``x`` does not have a floating dtype
       (as in the other sparse products: cast integer activations first); ``mask`` is not a boolean array;
-      ``implementation="cpu"`` with dtypes other than float32, bfloat16 and float16;
+      ``implementation="cpu"`` with dtypes other than float32, bfloat16 and float16, or a result wider than float32
+      (``preferred_element_type=float64``: the kernels accumulate in float32; the default then runs the XLA path);
       float operands of two dtypes where one is an 8-bit float (``float8_e4m3fn``, ``float8_e5m2``)
       without ``preferred_element_type`` (cast one, or pass it, as ``jnp.matmul`` wants; float8 operands of one
       dtype multiply as in ``jnp.matmul``, in float32).
@@ -190,7 +192,7 @@ def masked_matmul(
       lowered for a platform other than the CPU.
   """
   pet = _utils.check_preferred_element_type(preferred_element_type)
-  x, w = jnp.asarray(x), jnp.asarray(w)
+  x, w = _utils.as_array(x, name="x"), _utils.as_array(w, name="w")
   if w.ndim != 2:
     raise ValueError(f"w must be 2-D (K, N), got shape {w.shape}.")
   x = _utils.check_activations(x, w.shape[0])
@@ -201,6 +203,7 @@ def masked_matmul(
   out_dtype = _utils.result_dtype(x.dtype, w.dtype, pet)
   if impl == "cpu" and not cpu_supports(x.dtype, w.dtype):
     raise TypeError(f"implementation='cpu' supports float32, bfloat16 and float16, got {x.dtype} and {w.dtype}.")
+  impl = check_cpu_output(impl, out_dtype)
   cfg = _Config(precision, out_dtype, check_density=implementation is None)
   cpu_run = lambda x, wm: _masked_matmul_cpu(cfg, x, wm)
   # d(w * mask)/dw = mask, so autodiff already masks the weight gradient.

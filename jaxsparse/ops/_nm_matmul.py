@@ -97,7 +97,8 @@ def nm_matmul_reference(
   Returns:
     ``(..., N)`` array of ``preferred_element_type``, equal to :func:`nm_matmul`'s result up to rounding.
   """
-  return _utils.dense_reference(x, w, precision=precision, preferred_element_type=preferred_element_type)
+  return _utils.dense_reference(x, w, kind=NMSparseMatrix, precision=precision,
+                               preferred_element_type=preferred_element_type)
 
 
 def _pallas_ops():
@@ -189,6 +190,7 @@ def cusparselt_compress(w: NMSparseMatrix) -> jax.Array:
   Raises:
     ValueError: cuSPARSELt cannot run here or does not support ``w`` (the message says why).
   """
+  _utils.check_weight_type(w, NMSparseMatrix)
   reason = cusparselt_unsupported_reason(w)
   if reason:
     raise ValueError(f"cusparselt_compress cannot run for {w!r}: {reason}.")
@@ -529,8 +531,7 @@ def nm_matmul(
     RuntimeError: ``implementation="pallas"`` or ``"cusparselt"`` where that backend cannot run (no CUDA GPU,
       as on a CPU; no cuSPARSELt library), or for operands no route of it takes.
   """
-  if not isinstance(w, NMSparseMatrix):
-    raise TypeError(f"w must be a jaxsparse.NMSparseMatrix, got {type(w).__name__}.")
+  _utils.check_weight_type(w, NMSparseMatrix)
   if w.ndim != 2:
     raise ValueError(f"w must be a 2-D (K, N) NMSparseMatrix, got shape {w.shape}.")
   w._check_static(prefix="w.")  # a tree-mapped w skips the constructor's checks

@@ -88,7 +88,8 @@ def sparse_matmul_reference(
   Returns:
     ``(..., N)`` array of ``preferred_element_type``, equal to :func:`sparse_matmul`'s result up to rounding.
   """
-  return _utils.dense_reference(x, w, precision=precision, preferred_element_type=preferred_element_type)
+  return _utils.dense_reference(x, w, kind=CSRMatrix, precision=precision,
+                               preferred_element_type=preferred_element_type)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -163,6 +164,22 @@ def _density(w) -> float:
 
 def cpu_supports(*dtypes) -> bool:
   return all(jnp.dtype(d) in _CPU_DTYPES for d in dtypes)
+
+
+def check_cpu_output(implementation: str, out_dtype: np.dtype) -> str:
+  """``implementation`` (checked) for a result of ``out_dtype``: the C++ kernels accumulate in float32, so a wider
+  result (``preferred_element_type=float64`` of float32 operands) runs on the XLA path by default, which accumulates
+  in it as ``jnp.matmul`` does, and ``"cpu"`` refuses it (the kernels' float32 sums cast to float64 were silently
+  float32-accurate)."""
+  if _utils.accumulation_dtype(jax.dtypes.canonicalize_dtype(out_dtype)) == jnp.float32:
+    return implementation
+  if implementation == "cpu":
+    raise TypeError(
+        f"implementation='cpu' accumulates in float32 and cannot give a {jnp.dtype(out_dtype)} result, got "
+        f"preferred_element_type={jnp.dtype(out_dtype)}; use implementation=None or 'xla' (the XLA path accumulates "
+        "in it), or a float32 or narrower preferred_element_type."
+    )
+  return "xla"
 
 
 def f32(a: jax.Array) -> jax.Array:
@@ -281,7 +298,8 @@ def sparse_matmul(
   Raises:
     TypeError: ``preferred_element_type`` is not a floating dtype or ``None``;
       ``w`` is not a :class:`jaxsparse.CSRMatrix`; ``x`` does not have a floating dtype; ``w.data`` is complex;
-      ``implementation="cpu"`` with dtypes other than float32, bfloat16 and float16;
+      ``implementation="cpu"`` with dtypes other than float32, bfloat16 and float16, or a result wider than float32
+      (``preferred_element_type=float64``: the kernels accumulate in float32; the default then runs the XLA path);
       float operands of two dtypes where one is an 8-bit float (``float8_e4m3fn``, ``float8_e5m2``)
       without ``preferred_element_type`` (cast one, or pass it, as ``jnp.matmul`` wants; float8 operands of one
       dtype multiply as in ``jnp.matmul``, in float32).
@@ -291,8 +309,7 @@ def sparse_matmul(
     RuntimeError: ``implementation="cpu"`` where the C++ kernels cannot be built or loaded, or the product is
       lowered for a platform other than the CPU.
   """
-  if not isinstance(w, CSRMatrix):
-    raise TypeError(f"w must be a jaxsparse.CSRMatrix, got {type(w).__name__}.")
+  _utils.check_weight_type(w, CSRMatrix)
   w._check_static()  # index arrays' shapes and dtypes, also of a matrix from tree_unflatten (no constructor)
   x = _utils.check_activations(x, w.shape[0])
   if jnp.issubdtype(w.dtype, jnp.complexfloating):  # not left to name a preferred_element_type nobody passed
@@ -307,6 +324,7 @@ def sparse_matmul(
   out_dtype = _utils.result_dtype(x.dtype, w.dtype, preferred_element_type)
   if impl == "cpu" and not cpu_supports(x.dtype, w.dtype):
     raise TypeError(f"implementation='cpu' supports float32, bfloat16 and float16, got {x.dtype} and {w.dtype}.")
+  impl = check_cpu_output(impl, out_dtype)
   # The default runs dense-ish patterns on the dense route; implementation="cpu" always runs the sparse kernels.
   dense = lambda min_density: implementation is None and w.density > min_density
   cfg = _Config(out_dtype, precision, dense(CPU_DENSE_FORWARD_MIN_DENSITY), dense(CPU_DENSE_BACKWARD_MIN_DENSITY))

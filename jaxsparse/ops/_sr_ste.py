@@ -167,7 +167,7 @@ def sr_ste(
       with ``m > 4``, a 1-D ``w``, groups along the last axis, or ``m`` not dividing
       ``w.shape[-1]``.
   """
-  w = jnp.asarray(w)
+  w = _utils.as_array(w, name="w")
   n, m = _nm_masks.check_nm(n, m)
   axis = _nm_masks.check_axis(axis, w.ndim)
   decay = _utils.check_decay(decay)
@@ -526,7 +526,7 @@ def sr_ste_matmul(
       CUDA GPU, as on a CPU; not 2:4 bfloat16; ``K`` or ``N`` not a multiple of 16; the message says why), or
       ``"prune_kernel"`` where the pruning kernel cannot (the message says why).
   """
-  x, w = jnp.asarray(x), jnp.asarray(w)
+  x, w = _utils.as_array(x, name="x"), _utils.as_array(w, name="w")
   n, m = _nm_masks.check_nm(n, m)
   decay = _utils.check_decay(decay)
   if implementation not in _IMPLEMENTATIONS:

@@ -1,0 +1,221 @@
+"""Bad input to the public API gets a clear error (the argument named), never a deep traceback or a silent wrong
+result: the cases the audit of 2026-12 found (ops, formats, layers), and valid edge cases that must keep computing."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxsparse
+from jaxsparse import ops
+
+
+def _weights(seed: int):
+  k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+  w = jax.random.normal(k1, (64, 96))
+  mask = jax.random.uniform(k2, w.shape) < 0.4
+  x = jax.random.normal(k3, (5, 64))
+  return x, w, mask
+
+
+# -------------------------------------------------------------------------------------------------
+# Silent wrong: float32 operands with preferred_element_type=float64 came back float64 but float32-accurate on the
+# default (C++ kernel) route of sparse_matmul / masked_matmul (about 4e-6 off a float64 product of ~1 entries).
+# -------------------------------------------------------------------------------------------------
+
+_F64_OPS = {
+    "sparse_matmul": lambda x, w, mask, **kw: ops.sparse_matmul(x, jaxsparse.CSRMatrix.from_dense(w, mask), **kw),
+    "masked_matmul": lambda x, w, mask, **kw: ops.masked_matmul(x, w, mask, **kw),
+}
+
+
+@pytest.mark.parametrize("op", sorted(_F64_OPS))
+def test_float64_result_of_float32_operands_accumulates_in_float64(op):
+  x, w, mask = _weights(1)
+  with jax.enable_x64(True):
+    want = np.asarray(x, np.float64) @ np.where(np.asarray(mask), np.asarray(w, np.float64), 0.0)
+    for implementation in (None, "xla"):
+      y = _F64_OPS[op](x, w, mask, implementation=implementation, preferred_element_type=jnp.float64)
+      assert y.dtype == jnp.float64
+      # float64 sums of 64 float32 products: ~1e-15 relative; float32 accumulation was ~1e-6 off.
+      np.testing.assert_allclose(np.asarray(y), want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("op", sorted(_F64_OPS))
+def test_cpu_implementation_refuses_a_float64_result(op):
+  x, w, mask = _weights(2)
+  with jax.enable_x64(True), pytest.raises(TypeError, match="preferred_element_type=float64"):
+    _F64_OPS[op](x, w, mask, implementation="cpu", preferred_element_type=jnp.float64)
+
+
+def test_cpu_implementation_keeps_narrower_results():
+  x, w, mask = _weights(3)
+  y = ops.masked_matmul(x, w, mask, implementation="cpu", preferred_element_type=jnp.bfloat16)
+  assert y.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(x @ jnp.where(mask, w, 0)), rtol=2e-2, atol=5e-2)
+
+
+# -------------------------------------------------------------------------------------------------
+# Deep errors: each case raised from inside jax / numpy (or an AttributeError) naming no argument.
+# -------------------------------------------------------------------------------------------------
+
+
+def _formats(seed: int):
+  x, w, mask = _weights(seed)
+  block_mask = jax.random.uniform(jax.random.key(seed + 100), (4, 3)) < 0.5
+  return {
+      "x": x, "w": w, "mask": mask,
+      "bsm": jaxsparse.BlockSparseMatrix.from_dense(w, (16, 32), block_mask=block_mask.at[0, 0].set(True)),
+      "csr": jaxsparse.CSRMatrix.from_dense(w, mask),
+      "nm": jaxsparse.NMSparseMatrix.from_dense(w, 2, 4),
+  }
+
+
+_DEEP = {
+    # The references took any x and any w: jax's dot_general error for a wrong K or a scalar x, an AttributeError
+    # ('to_dense') for a dense w.
+    "block_sparse_matmul_reference K": (
+        lambda f: ops.block_sparse_matmul_reference(f["x"][:, :32], f["bsm"]), ValueError, r"x\.shape=\(5, 32\)"),
+    "sparse_matmul_reference K": (
+        lambda f: ops.sparse_matmul_reference(f["x"][:, :32], f["csr"]), ValueError, r"x\.shape=\(5, 32\)"),
+    "nm_matmul_reference K": (
+        lambda f: ops.nm_matmul_reference(f["x"][:, :32], f["nm"]), ValueError, r"x\.shape=\(5, 32\)"),
+    "nm_matmul_reference 0-d x": (
+        lambda f: ops.nm_matmul_reference(jnp.float32(1.0), f["nm"]), ValueError, r"x\.shape=\(\)"),
+    "block_sparse_matmul_reference dense w": (
+        lambda f: ops.block_sparse_matmul_reference(f["x"], f["w"]), TypeError, "w must be a jaxsparse.BlockSparse"),
+    "sparse_matmul_reference dense w": (
+        lambda f: ops.sparse_matmul_reference(f["x"], f["w"]), TypeError, "w must be a jaxsparse.CSRMatrix"),
+    "nm_matmul_reference None w": (
+        lambda f: ops.nm_matmul_reference(f["x"], None), TypeError, "w must be a jaxsparse.NMSparseMatrix"),
+    # None (or a string) where an array goes: jnp.asarray's "None is not a valid value for jnp.array".
+    "block_sparse_matmul None x": (lambda f: ops.block_sparse_matmul(None, f["bsm"]), TypeError, "x must be an array"),
+    "sparse_matmul str x": (lambda f: ops.sparse_matmul("abc", f["csr"]), TypeError, "x must be an array"),
+    "nm_matmul None x": (lambda f: ops.nm_matmul(None, f["nm"]), TypeError, "x must be an array"),
+    "masked_matmul None x": (lambda f: ops.masked_matmul(None, f["w"], f["mask"]), TypeError, "x must be an array"),
+    "masked_matmul None w": (lambda f: ops.masked_matmul(f["x"], None, f["mask"]), TypeError, "w must be an array"),
+    "masked_matmul None mask": (lambda f: ops.masked_matmul(f["x"], f["w"], None), TypeError, "mask must be an array"),
+    "sr_ste None w": (lambda f: ops.sr_ste(None, 2, 4), TypeError, "w must be an array"),
+    "sr_ste_matmul None x": (lambda f: ops.sr_ste_matmul(None, f["w"], 2, 4), TypeError, "x must be an array"),
+    "sr_ste_matmul None w": (lambda f: ops.sr_ste_matmul(f["x"], None, 2, 4), TypeError, "w must be an array"),
+    # Checked for cuSPARSELt's availability first: on a GPU a dense w failed on w.n (AttributeError).
+    "cusparselt_compress dense w": (
+        lambda f: ops.cusparselt_compress(f["w"]), TypeError, "w must be a jaxsparse.NMSparseMatrix"),
+    # An MLIRError ("Invalid type") from XLA's RNG.
+    "random_block_mask negative shape": (
+        lambda f: jaxsparse.random_block_mask(jax.random.key(0), (-64, 96), (16, 32), 0.5), ValueError,
+        r"shape must be 2 ints >= 0, got \(-64, 96\)"),
+    # A nested list, which nnx.Linear and the other layers take: "Cannot determine dtype of [[...]]".
+    "BlockSparseLinear list inputs": (
+        lambda f: jaxsparse.layers.BlockSparseLinear(64, 96, density=0.5, block_shape=(16, 32), rngs=nnx.Rngs(0))(
+            [[1.0] * 64, [0.5] * 63]), TypeError, "inputs must be an array"),
+    "BlockSparseMatrix.from_dense None": (
+        lambda f: jaxsparse.BlockSparseMatrix.from_dense(None, (16, 32)), TypeError, "w must be an array"),
+    "BlockSparseMatrix.with_data None": (lambda f: f["bsm"].with_data(None), TypeError, "data must be an array"),
+    "CSRMatrix.from_dense None": (lambda f: jaxsparse.CSRMatrix.from_dense(None), TypeError, "w must be an array"),
+    "CSRMatrix.with_data None": (lambda f: f["csr"].with_data(None), TypeError, "data must be an array"),
+    "NMSparseMatrix.from_dense None": (
+        lambda f: jaxsparse.NMSparseMatrix.from_dense(None, 2, 4), TypeError, "w must be an array"),
+    "NMSparseMatrix.with_values None": (lambda f: f["nm"].with_values(None), TypeError, "values must be an array"),
+    "NMSparseMatrix.gather str": (lambda f: f["nm"].gather("w"), TypeError, "dense must be an array"),
+    "magnitude_mask None": (lambda f: jaxsparse.magnitude_mask(None, 0.5), TypeError, "w must be an array"),
+    "nm_mask ragged list": (lambda f: jaxsparse.nm_mask([[1.0, 2.0], [3.0]], 1, 2), TypeError, "w must be an array"),
+    # A conv step of 0 or below: "Cannot lower jaxpr with verifier errors" from XLA at the first call.
+    "NMConv strides=0": (
+        lambda f: jaxsparse.layers.NMConv(16, 32, (3, 3), strides=0, rngs=nnx.Rngs(0))(jnp.ones((1, 8, 8, 16))),
+        ValueError, "strides must be a positive int"),
+    "MaskedConv kernel_dilation=(1, -1)": (
+        lambda f: jaxsparse.layers.MaskedConv(16, 32, (3, 3), sparsity=0.5, kernel_dilation=(1, -1),
+                                              rngs=nnx.Rngs(0))(jnp.ones((1, 8, 8, 16))),
+        ValueError, r"kernel_dilation must be a positive int .*got \(1, -1\)"),
+    "linen NMConv input_dilation=0": (
+        lambda f: jaxsparse.layers.linen.NMConv(32, (3, 3), input_dilation=0).init(
+            jax.random.key(0), jnp.ones((1, 8, 8, 16))), ValueError, "input_dilation must be a positive int"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_DEEP))
+def test_bad_input_is_named(case):
+  call, error, message = _DEEP[case]
+  with pytest.raises(error, match=message):
+    call(_formats(4))
+
+
+@pytest.mark.parametrize("case", ["block_sparse_matmul None x", "masked_matmul None mask"])
+def test_bad_input_is_named_under_jit(case):
+  """The checks are static: under jit a None operand is refused where the function is traced, by the same error."""
+  call, error, message = _DEEP[case]
+  f = _formats(5)
+  with pytest.raises(error, match=message):
+    jax.jit(lambda: call(f))()
+
+
+# -------------------------------------------------------------------------------------------------
+# Valid edge cases that must stay computed correctly.
+# -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lead", [(0,), (2, 0, 3), (2, 3)])
+@pytest.mark.parametrize("op", ["bsm", "csr", "nm", "masked", "bsm_ref", "csr_ref", "nm_ref"])
+def test_rows_and_leading_batch_dims(op, lead):
+  f = _formats(6)
+  x = jax.random.normal(jax.random.key(7), (*lead, 64))
+  run = {
+      "bsm": lambda: ops.block_sparse_matmul(x, f["bsm"]),
+      "csr": lambda: ops.sparse_matmul(x, f["csr"]),
+      "nm": lambda: ops.nm_matmul(x, f["nm"]),
+      "masked": lambda: ops.masked_matmul(x, f["w"], f["mask"]),
+      "bsm_ref": lambda: ops.block_sparse_matmul_reference(x, f["bsm"]),
+      "csr_ref": lambda: ops.sparse_matmul_reference(x, f["csr"]),
+      "nm_ref": lambda: ops.nm_matmul_reference(x, f["nm"]),
+  }[op]
+  dense = jnp.where(f["mask"], f["w"], 0) if op == "masked" else f[op.removesuffix("_ref")].to_dense()
+  y = run()
+  assert y.shape == (*lead, 96) and y.dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(y), np.asarray(x @ dense), rtol=1e-4, atol=1e-4)
+
+
+def test_references_take_what_jnp_matmul_takes():
+  """The references' new shape check leaves their dtypes alone: integer x multiplies as in ``jnp.matmul``."""
+  f = _formats(8)
+  x = jnp.arange(2 * 64).reshape(2, 64) % 5
+  np.testing.assert_allclose(np.asarray(ops.nm_matmul_reference(x, f["nm"])), np.asarray(x @ f["nm"].to_dense()),
+                             rtol=1e-5, atol=1e-4)
+
+
+def test_layers_take_nested_lists():
+  x = np.random.default_rng(9).standard_normal((3, 64)).astype(np.float32)
+  layer = jaxsparse.layers.BlockSparseLinear(64, 96, density=0.5, block_shape=(16, 32), rngs=nnx.Rngs(1))
+  np.testing.assert_allclose(np.asarray(layer(x.tolist())), np.asarray(layer(jnp.asarray(x))), rtol=1e-6, atol=1e-6)
+  compressed = jaxsparse.layers.CompressedNMLinear(jaxsparse.NMSparseMatrix.from_dense(_weights(9)[1], 2, 4))
+  np.testing.assert_allclose(np.asarray(compressed(x.tolist())), np.asarray(compressed(jnp.asarray(x))), rtol=1e-6,
+                             atol=1e-6)
+
+
+def test_random_block_mask_takes_empty_and_numpy_shapes():
+  m = jaxsparse.random_block_mask(jax.random.key(0), (np.int64(0), 96), (16, 32), 0.5)
+  assert m.shape == (0, 3) and m.dtype == jnp.bool_
+
+
+def test_messages_name_the_argument_and_the_value():
+  f = _formats(10)
+  with pytest.raises(TypeError, match=re.escape("got NoneType")):
+    ops.sparse_matmul(None, f["csr"])
+  with pytest.raises(TypeError, match=re.escape("got ArrayImpl")):
+    ops.sparse_matmul_reference(f["x"], f["w"])
+
+
+def test_conv_steps_keep_working():
+  """Valid strides and dilations (a NumPy int too, which nnx.Conv found "not iterable") compute as nnx.Conv does."""
+  x = jax.random.normal(jax.random.key(11), (2, 9, 9, 8))
+  conv = jaxsparse.layers.MaskedConv(8, 16, (3, 3), sparsity=0.25, strides=np.int64(2), kernel_dilation=(1, 2),
+                                     rngs=nnx.Rngs(2))
+  dense = nnx.Conv(8, 16, (3, 3), strides=2, kernel_dilation=(1, 2), rngs=nnx.Rngs(0))
+  dense.kernel[...] = jnp.where(conv.mask[...], conv.kernel[...], 0)
+  dense.bias[...] = conv.bias[...]
+  np.testing.assert_allclose(np.asarray(conv(x)), np.asarray(dense(x)), rtol=1e-5, atol=1e-5)
+  nm = jaxsparse.layers.NMConv(8, 16, (3, 3), strides=(2, 1), input_dilation=None, rngs=nnx.Rngs(3))
+  assert nm(x).shape == (2, 5, 9, 16)
