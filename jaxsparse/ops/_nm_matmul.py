@@ -96,6 +96,10 @@ def nm_matmul_reference(
 
   Returns:
     ``(..., N)`` array of ``preferred_element_type``, equal to :func:`nm_matmul`'s result up to rounding.
+
+  Raises:
+    TypeError: ``w`` is not a :class:`jaxsparse.NMSparseMatrix`, or ``x`` is not an array of numbers.
+    ValueError: ``x`` is not ``(..., K)`` with ``K = w.shape[0]``.
   """
   return _utils.dense_reference(x, w, kind=NMSparseMatrix, precision=precision,
                                preferred_element_type=preferred_element_type)
@@ -188,6 +192,7 @@ def cusparselt_compress(w: NMSparseMatrix) -> jax.Array:
     cuSPARSELt's, about ``K * N`` bytes for bfloat16).
 
   Raises:
+    TypeError: ``w`` is not a :class:`jaxsparse.NMSparseMatrix` (a dense array: ``NMSparseMatrix.from_dense`` first).
     ValueError: cuSPARSELt cannot run here or does not support ``w`` (the message says why).
   """
   _utils.check_weight_type(w, NMSparseMatrix)

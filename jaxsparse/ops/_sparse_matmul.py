@@ -87,6 +87,10 @@ def sparse_matmul_reference(
 
   Returns:
     ``(..., N)`` array of ``preferred_element_type``, equal to :func:`sparse_matmul`'s result up to rounding.
+
+  Raises:
+    TypeError: ``w`` is not a :class:`jaxsparse.CSRMatrix`, or ``x`` is not an array of numbers.
+    ValueError: ``x`` is not ``(..., K)`` with ``K = w.shape[0]``.
   """
   return _utils.dense_reference(x, w, kind=CSRMatrix, precision=precision,
                                preferred_element_type=preferred_element_type)
