@@ -219,3 +219,19 @@ def test_conv_steps_keep_working():
   np.testing.assert_allclose(np.asarray(conv(x)), np.asarray(dense(x)), rtol=1e-5, atol=1e-5)
   nm = jaxsparse.layers.NMConv(8, 16, (3, 3), strides=(2, 1), input_dilation=None, rngs=nnx.Rngs(3))
   assert nm(x).shape == (2, 5, 9, 16)
+
+
+# A keyword typo in a layer that hands its other keywords to Flax's layer named Flax's class ("Linear.__init__() got
+# an unexpected keyword argument").
+_TYPOS = {
+    "NMLinear": lambda **kw: jaxsparse.layers.NMLinear(8, 4, rngs=nnx.Rngs(0), **kw),
+    "NMConv": lambda **kw: jaxsparse.layers.NMConv(8, 4, (3,), rngs=nnx.Rngs(0), **kw),
+    "MaskedConv": lambda **kw: jaxsparse.layers.MaskedConv(8, 4, (3,), sparsity=0.5, rngs=nnx.Rngs(0), **kw),
+}
+
+
+@pytest.mark.parametrize("layer", sorted(_TYPOS))
+def test_keyword_typo_names_the_layer(layer):
+  with pytest.raises(TypeError, match=rf"^{layer} got unexpected keyword arguments \['kernel_metdata'\]"):
+    _TYPOS[layer](kernel_metdata={})
+  _TYPOS[layer](kernel_metadata={})  # Flax's own keywords still pass through

@@ -9,6 +9,7 @@ them (NNX, by their :class:`NMLayout`), :func:`check_loaded_positions` at the la
 from __future__ import annotations
 
 import functools
+import inspect
 import numbers
 import typing
 import weakref
@@ -29,6 +30,7 @@ from jaxsparse.formats._nm import position_bits
 __all__ = [
     "check_compressed_parts",
     "check_conv_steps",
+    "check_passthrough_kwargs",
     "check_dtypes",
     "check_feature_groups",
     "check_implementation",
@@ -237,6 +239,20 @@ def check_conv_steps(**steps: object) -> dict[str, int | tuple[int, ...] | None]
     integral = isinstance(value, numbers.Integral)
     checked[name] = sizes[0] if integral else sizes
   return checked
+
+
+def check_passthrough_kwargs(cls: type, base: type, kwargs: dict[str, Any]) -> None:
+  """Raises a ``TypeError`` naming ``cls`` for keywords of ``kwargs`` (what ``cls`` hands on to ``base.__init__``)
+  that ``base`` does not take: Python's own error would name ``base.__init__`` (``Linear.__init__() got an
+  unexpected keyword argument``) for a typo made calling ``cls``."""
+  params = inspect.signature(base.__init__).parameters
+  if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+    return
+  unknown = sorted(set(kwargs) - set(params))
+  if unknown:
+    names = ", ".join(n for n in params if n != "self")
+    raise TypeError(f"{cls.__name__} got unexpected keyword arguments {unknown}; besides its own it takes those of "
+                    f"{base.__module__.split('.')[0]}'s {base.__name__}: {names}.")
 
 
 def check_in_features(in_features: int, m: int, *, name: str = "in_features") -> None:

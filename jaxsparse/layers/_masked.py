@@ -31,6 +31,7 @@ from jaxsparse.layers._checks import check_init_dtype
 from jaxsparse.layers._checks import check_kernel_size
 from jaxsparse.layers._checks import check_masked_implementation
 from jaxsparse.layers._checks import check_one_of
+from jaxsparse.layers._checks import check_passthrough_kwargs
 from jaxsparse.layers._checks import check_use_bias
 from jaxsparse.layers._common import SPARSITY
 from jaxsparse.layers._common import SparsityPattern
@@ -473,6 +474,7 @@ class MaskedConv(nnx.Conv):
       rngs: nnx.Rngs,
       **kwargs,
   ):
+    check_passthrough_kwargs(MaskedConv, nnx.Conv, kwargs)
     check_one_of("sparsity", sparsity, "mask", mask)
     in_features = _utils.check_positive_int(in_features, name="in_features")
     out_features = _utils.check_positive_int(out_features, name="out_features")

@@ -37,6 +37,7 @@ from jaxsparse.layers._checks import check_dtypes
 from jaxsparse.layers._checks import check_feature_groups
 from jaxsparse.layers._checks import check_in_features
 from jaxsparse.layers._checks import check_kernel_size
+from jaxsparse.layers._checks import check_passthrough_kwargs
 from jaxsparse.layers._checks import check_trained_dtype
 from jaxsparse.layers._checks import check_transposable_layer
 from jaxsparse.layers._checks import check_use_bias
@@ -159,6 +160,7 @@ class NMLinear(_NMMixin, nnx.Linear):
       rngs: nnx.Rngs,
       **kwargs: Any,
   ):
+    check_passthrough_kwargs(type(self), nnx.Linear, kwargs)
     n, m = _nm_masks.check_nm(n, m)
     check_in_features(in_features, m)
     _utils.check_positive_int(out_features, name="out_features")
@@ -431,6 +433,7 @@ class NMConv(_NMMixin, nnx.Conv):
       rngs: nnx.Rngs,
       **kwargs: Any,
   ):
+    check_passthrough_kwargs(type(self), nnx.Conv, kwargs)
     n, m = _nm_masks.check_nm(n, m)
     _utils.check_positive_int(in_features, name="in_features")
     _utils.check_positive_int(out_features, name="out_features")
