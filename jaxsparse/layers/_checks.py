@@ -28,9 +28,10 @@ from jaxsparse.formats._nm import index_layout
 from jaxsparse.formats._nm import position_bits
 
 __all__ = [
+    "NMLayout",
+    "NM_LAYOUT",
     "check_compressed_parts",
     "check_conv_steps",
-    "check_passthrough_kwargs",
     "check_dtypes",
     "check_feature_groups",
     "check_implementation",
@@ -41,14 +42,13 @@ __all__ = [
     "check_loaded_positions",
     "check_masked_implementation",
     "check_one_of",
+    "check_passthrough_kwargs",
     "check_positions",
     "check_real_dtypes",
     "check_trained_dtype",
     "check_transposable_layer",
     "check_use_bias",
     "linen_positions_name",
-    "NM_LAYOUT",
-    "NMLayout",
 ]
 
 
