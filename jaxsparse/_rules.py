@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Callable
+from collections.abc import Iterator
 from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
@@ -262,25 +263,40 @@ def get_module(model: nnx.Module, path: Sequence[Any]) -> Any:
   return model
 
 
+def walk_graph(model: nnx.Module) -> Iterator[tuple[tuple, Any, int]]:
+  """``(path, node, id of the innermost module holding it)`` for every node inside ``model`` at each of its paths (as
+  ``nnx.iter_modules`` writes them), depth first: modules, ``nnx.List`` / ``nnx.Dict``, tuples, lists and dicts held as
+  data, and the ``nnx.Variable`` s they hold (not entered). A node held twice (tied: ``self.b = self.a``) comes at both
+  paths; a reference cycle is not followed round."""
+
+  def walk(node, path, holder, above):
+    if isinstance(node, nnx.Module):
+      holder = id(node)
+    if id(node) in above:  # a reference cycle
+      return
+    for key, child in graph.get_node_impl(node).node_dict(node).items():
+      if isinstance(key, str) and key.startswith("_pytree__"):
+        continue
+      if isinstance(child, nnx.Variable):
+        yield (*path, key), child, holder
+      elif graph.is_node(child):
+        yield (*path, key), child, holder
+        yield from walk(child, (*path, key), holder, above | {id(node)})
+
+  yield from walk(model, (), id(model), frozenset())
+
+
 def module_paths(model: nnx.Module) -> dict[int, list[tuple]]:
   """Every path (as ``nnx.iter_modules`` writes them) of each module inside ``model``, by ``id``.
 
   ``nnx.iter_modules`` yields a module once, at its first path; a module that several attributes or container items
-  hold (tied weights: ``self.b = self.a``, ``nnx.data((a, a))``) has all of them here, the first first. The walk
-  goes through every graph node (modules, ``nnx.List`` / ``nnx.Dict``, tuples, lists and dicts held as data).
+  hold (tied weights: ``self.b = self.a``, ``nnx.data((a, a))``) has all of them here, the first first
+  (:func:`walk_graph`).
   """
-  out: dict[int, list[tuple]] = {}
-
-  def walk(node, path, above):
+  out: dict[int, list[tuple]] = {id(model): [()]}
+  for path, node, _ in walk_graph(model):
     if isinstance(node, nnx.Module):
       out.setdefault(id(node), []).append(path)
-    if id(node) in above:  # a reference cycle
-      return
-    for key, child in graph.get_node_impl(node).node_dict(node).items():
-      if not (isinstance(key, str) and key.startswith("_pytree__")) and graph.is_node(child):
-        walk(child, (*path, key), above | {id(node)})
-
-  walk(model, (), frozenset())
   return out
 
 

@@ -30,7 +30,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from flax.nnx import graph
 
 from jaxsparse import _utils
 from jaxsparse._rules import Probe
@@ -41,6 +40,7 @@ from jaxsparse._rules import module_paths
 from jaxsparse._rules import path_str
 from jaxsparse._rules import replace_module
 from jaxsparse._rules import resolve_rules
+from jaxsparse._rules import walk_graph
 from jaxsparse._rules import warn_unmatched
 from jaxsparse._sparsify._masks import block_mask_of
 from jaxsparse._sparsify._masks import check_general_mask_view
@@ -318,28 +318,13 @@ def _dense_layers(model: nnx.Module) -> list[tuple[tuple, nnx.Module]]:
 
 
 def _variable_holders(model: nnx.Module) -> dict[int, list[tuple[tuple, int]]]:
-  """Every reference to each ``nnx.Variable`` inside ``model``, by ``id``: ``(path, id of the module holding it)``.
-
-  The walk goes through every graph node at each of its paths, as :func:`~jaxsparse._rules.module_paths` does, so a
-  variable of a tied layer (``self.b = self.a``) has one holder, and one held by two modules (``b.kernel = a.kernel``,
-  or a module keeping ``self.table = embed.embedding``) has two.
-  """
+  """Every reference to each ``nnx.Variable`` inside ``model``, by ``id``: ``(path, id of the module holding it)``
+  (:func:`~jaxsparse._rules.walk_graph`). A variable of a tied layer (``self.b = self.a``) has one holder; one held
+  by two modules (``b.kernel = a.kernel``, or a module keeping ``self.table = embed.embedding``) has two."""
   out: dict[int, list[tuple[tuple, int]]] = {}
-
-  def walk(node, path, holder, above):
-    if isinstance(node, nnx.Module):
-      holder = id(node)
-    if id(node) in above:  # a reference cycle
-      return
-    for key, child in graph.get_node_impl(node).node_dict(node).items():
-      if isinstance(key, str) and key.startswith("_pytree__"):
-        continue
-      if isinstance(child, nnx.Variable):
-        out.setdefault(id(child), []).append(((*path, key), holder))
-      elif graph.is_node(child):
-        walk(child, (*path, key), holder, above | {id(node)})
-
-  walk(model, (), id(model), frozenset())
+  for path, node, holder in walk_graph(model):
+    if isinstance(node, nnx.Variable):
+      out.setdefault(id(node), []).append((path, holder))
   return out
 
 
