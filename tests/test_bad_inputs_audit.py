@@ -38,7 +38,9 @@ def test_float64_result_of_float32_operands_accumulates_in_float64(op):
   with jax.enable_x64(True):
     want = np.asarray(x, np.float64) @ np.where(np.asarray(mask), np.asarray(w, np.float64), 0.0)
     for implementation in (None, "xla"):
-      y = _F64_OPS[op](x, w, mask, implementation=implementation, preferred_element_type=jnp.float64)
+      # HIGHEST: at the default precision a GPU multiplies float32 operands in TF32 (jax's default, ~1e-3 off).
+      y = _F64_OPS[op](x, w, mask, implementation=implementation, preferred_element_type=jnp.float64,
+                       precision=jax.lax.Precision.HIGHEST)
       assert y.dtype == jnp.float64
       # float64 sums of 64 float32 products: ~1e-15 relative; float32 accumulation was ~1e-6 off.
       np.testing.assert_allclose(np.asarray(y), want, rtol=1e-12, atol=1e-12)
@@ -52,10 +54,27 @@ def test_cpu_implementation_refuses_a_float64_result(op):
 
 
 def test_cpu_implementation_keeps_narrower_results():
-  x, w, mask = _weights(3)
-  y = ops.masked_matmul(x, w, mask, implementation="cpu", preferred_element_type=jnp.bfloat16)
+  with jax.default_device(jax.devices("cpu")[0]):  # implementation="cpu" runs on CPU devices (a GPU host's too)
+    x, w, mask = _weights(3)
+    y = ops.masked_matmul(x, w, mask, implementation="cpu", preferred_element_type=jnp.bfloat16)
+    want = np.asarray(x @ jnp.where(mask, w, 0))
   assert y.dtype == jnp.bfloat16
-  np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(x @ jnp.where(mask, w, 0)), rtol=2e-2, atol=5e-2)
+  np.testing.assert_allclose(np.asarray(y, np.float32), want, rtol=2e-2, atol=5e-2)
+
+
+def test_cpu_implementation_outside_jit_on_another_platform_names_it():
+  """Outside ``jit`` the CPU-only route's stand-in for other platforms raised jax's "Evaluation rule for
+  'jaxsparse_unavailable' not implemented" (found on a GPU host); it names the op, the route and the platform."""
+  from jaxsparse.ops import _router  # pylint: disable=import-outside-toplevel
+
+  x = jax.device_put(jnp.ones((2, 3)), jax.devices("cpu")[0])
+  message = "masked_matmul: the C++ CPU kernels run only when lowered for 'cpu', and this call is lowered for {platforms}."
+  with pytest.raises(ValueError, match=r"lowered for cpu\."):
+    _router._unavailable_p.bind(x, message=message)  # CPU arrays: the message names their platform
+  if jax.default_backend() != "cpu":
+    x, w = jnp.ones((2, 3)), jnp.ones((3, 4))
+    with pytest.raises(ValueError, match="masked_matmul: .* run only when lowered for 'cpu'"):
+      ops.masked_matmul(x, w, w > 0, implementation="cpu")
 
 
 # -------------------------------------------------------------------------------------------------

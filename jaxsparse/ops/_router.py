@@ -268,6 +268,14 @@ def _unavailable_lowering(ctx, *args, message):
   raise ValueError(message.format(platforms=" / ".join(ctx.module_context.platforms)))
 
 
+def _unavailable_impl(*args, message):
+  """Outside ``jit`` ``lax.platform_dependent`` calls the branch of the default device's platform directly."""
+  platforms = {d.platform for a in args if isinstance(a, jax.Array) for d in a.devices()}
+  platforms = platforms or {jax.default_backend()}
+  raise ValueError(message.format(platforms=" / ".join(sorted(platforms))))
+
+
+_unavailable_p.def_impl(_unavailable_impl)
 mlir.register_lowering(_unavailable_p, _unavailable_lowering)
 ad.primitive_jvps[_unavailable_p] = lambda primals, tangents, message: (
     _unavailable_p.bind(*primals, message=message), tangents)
