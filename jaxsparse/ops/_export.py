@@ -36,8 +36,11 @@ def export_safety_checks() -> list[export.DisabledSafetyCheck]:
   which take any number of rows and need no such checks: the kernels' configs and the measured dispatch depend on
   the row count, so export with concrete shapes (one per serving batch size) to keep the kernels.
 
-  ``Exported.serialize`` takes :class:`jaxsparse.BlockSparseMatrix`, :class:`jaxsparse.NMSparseMatrix` and
-  :class:`jaxsparse.CSRMatrix` arguments and results (jaxsparse registers their serialization on import). Flax's
+  ``Exported.serialize`` takes :class:`jaxsparse.BlockSparseMatrix`, :class:`jaxsparse.NMSparseMatrix`,
+  :class:`jaxsparse.CSRMatrix` and :class:`jaxsparse.sharding.ShardedBlockSparseMatrix` arguments and results
+  (jaxsparse registers their serialization on import; the sharded matrix's mesh is saved as its axes and device ids,
+  so it deserializes where those devices exist). A function exported for several devices is called with its
+  arguments on them, or under ``jax.set_mesh`` where it takes only unplaced dense arrays. Flax's
   ``nnx.State`` has no such registration (for any layer, dense ones too): pass ``nnx.to_pure_dict(state)`` and
   rebuild inside with ``nnx.replace_by_pure_dict``; Linen variables are plain dicts already.
 

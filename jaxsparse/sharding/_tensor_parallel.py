@@ -16,6 +16,7 @@ gradient is zero) and :meth:`ShardedBlockSparseMatrix.to_block_sparse` drops the
 from __future__ import annotations
 
 import functools
+import json
 import math
 from collections.abc import Callable
 from typing import Literal
@@ -23,6 +24,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import export
 from jax import lax
 from jax.sharding import AxisType
 from jax.sharding import Mesh
@@ -231,6 +233,41 @@ class ShardedBlockSparseMatrix:
         f"split={self.split!r}, axis={self.axis!r}, shards={self.num_shards}, "
         f"blocks_per_shard={self.data.shape[1]})"
     )
+
+
+def _serialize_aux(aux: tuple) -> bytes:
+  # The mesh as plain data: its devices by id, so the deserialized mesh is the same (interned) Mesh and the exported
+  # function's in/out trees equal those of the matrices it is called with.
+  mesh, axis, split, shape, nnz_blocks = aux
+  plain_mesh = {"axis_names": list(mesh.axis_names), "axis_types": [t.name for t in mesh.axis_types],
+                "device_ids": mesh.device_ids.tolist()}
+  return json.dumps({"mesh": plain_mesh, "axis": axis, "split": split, "shape": list(shape),
+                     "nnz_blocks": nnz_blocks}).encode()
+
+
+def _deserialize_aux(data: bytes) -> tuple:
+  aux = json.loads(data)
+  plain_mesh = aux["mesh"]
+  ids = np.asarray(plain_mesh["device_ids"], dtype=int)
+  by_id = {d.id: d for d in jax.devices()}
+  missing = sorted(set(ids.ravel().tolist()) - by_id.keys())
+  if missing:
+    raise ValueError(
+        f"A serialized ShardedBlockSparseMatrix lies on a mesh of devices {ids.tolist()} (axes "
+        f"{plain_mesh['axis_names']}), but this process has no devices of ids {missing} (it has {sorted(by_id)}); "
+        "deserialize it in a process with the devices it was exported on."
+    )
+  devices = np.array([by_id[i] for i in ids.ravel().tolist()], dtype=object).reshape(ids.shape)
+  axis_types = tuple(AxisType[t] for t in plain_mesh["axis_types"])
+  mesh = Mesh(devices, tuple(plain_mesh["axis_names"]), axis_types=axis_types)
+  return mesh, aux["axis"], aux["split"], tuple(aux["shape"]), aux["nnz_blocks"]
+
+
+# As an argument or result of an exported function (``Exported.serialize`` refuses pytree nodes it has no name for).
+export.register_pytree_node_serialization(
+    ShardedBlockSparseMatrix, serialized_name="jaxsparse.sharding.ShardedBlockSparseMatrix",
+    serialize_auxdata=_serialize_aux, deserialize_auxdata=_deserialize_aux,
+)
 
 
 def shard_block_sparse(w: BlockSparseMatrix, mesh: Mesh, axis: str, *, split: Split) -> ShardedBlockSparseMatrix:
