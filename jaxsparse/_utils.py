@@ -165,6 +165,61 @@ def as_array(value: object, *, name: str) -> jax.Array:
                     f"{type(value).__name__}: {e}") from None
 
 
+def as_host_array(value: object, *, name: str) -> np.ndarray:
+  """``value`` (not a ``jax.Array``) as a NumPy array of numbers or bools, kept on the host (a constant under ``jit``
+  stays concrete, so its values can be checked); a ``TypeError`` naming ``name``, as :func:`as_array`'s, for ``None``,
+  a string or a ragged list."""
+  try:
+    a = np.asarray(value)
+  except (TypeError, ValueError):
+    a = None
+  if a is None or not (a.dtype == np.bool_ or jnp.issubdtype(a.dtype, jnp.number)):
+    got = type(value).__name__ if a is None or a.dtype == object else f"{type(value).__name__} of dtype {a.dtype}"
+    raise TypeError(f"{name} must be an array of numbers (a jax.Array, a NumPy array or a nested list), got {got}.")
+  return a
+
+
+def check_precision(precision: object, *, owner: str | None = None) -> Any:
+  """``precision`` of a product as ``jax.lax`` takes it, checked where it is given instead of deep in ``lax`` (or
+  never, on the routes that ignore it: the C++ CPU kernels). ``owner`` (a layer's class name) prefixes the message.
+
+  Takes what ``lax.dot_general`` takes: ``None``; a ``lax.Precision`` or one of its names (``'highest'``,
+  ``'float32'``, ``'high'``, ``'default'``, ...); a pair of either kind (one per operand; a list pair comes back as
+  a tuple, hashable as the ops' static arguments must be); a ``lax.DotAlgorithmPreset`` or its name
+  (``'F32_F32_F32'``); a ``lax.DotAlgorithm``.
+
+  >>> check_precision(["highest", "high"])
+  ('highest', 'high')
+  """
+  if precision is None or isinstance(precision, jax.lax.Precision | jax.lax.DotAlgorithm | jax.lax.DotAlgorithmPreset):
+    return precision
+  if isinstance(precision, str) and (_precision_name(precision) or precision in jax.lax.DotAlgorithmPreset.__members__):
+    return precision
+  if isinstance(precision, tuple | list) and len(precision) == 2 and (
+      all(isinstance(p, jax.lax.Precision) for p in precision)
+      or all(isinstance(p, str) and _precision_name(p) for p in precision)):
+    return tuple(precision)
+  prefix = f"{owner}: " if owner else ""
+  raise ValueError(
+      f"{prefix}precision must be None, a jax.lax.Precision (e.g. jax.lax.Precision.HIGHEST) or one of its names "
+      f"{_PRECISION_NAMES}, a pair of those (one per operand: both Precision members or both names), a "
+      f"jax.lax.DotAlgorithmPreset or its name (e.g. 'F32_F32_F32'), or a jax.lax.DotAlgorithm, got "
+      f"precision={precision!r}."
+  )
+
+
+# lax.Precision's names (its ``_missing_`` maps them); the members' own names ('HIGHEST') are not among them.
+_PRECISION_NAMES = ("default", "fastest", "bfloat16", "high", "bfloat16_3x", "tensorfloat32", "highest", "float32")
+
+
+def _precision_name(name: str) -> bool:
+  try:
+    jax.lax.Precision(name)
+  except ValueError:
+    return False
+  return True
+
+
 def check_weight_type(w: object, kind: type, *, name: str = "w") -> None:
   """Raises a ``TypeError`` naming ``name`` unless ``w`` is a ``jaxsparse.<kind>`` (a sparse format)."""
   if not isinstance(w, kind):
@@ -281,10 +336,24 @@ def dense_reference(x: jax.typing.ArrayLike, w, *, kind: type, precision, prefer
   a ``kind`` (its format) and ``x`` of shape ``(..., K)``, any dtype ``jnp.matmul`` takes."""
   check_weight_type(w, kind)
   preferred_element_type = check_preferred_element_type(preferred_element_type)
+  precision = check_precision(precision)
   x = as_array(x, name="x")
   check_contraction(x, w.shape[0])
   out_dtype = preferred_element_type or jnp.result_type(x.dtype, w.dtype)
-  return jnp.matmul(x, w.to_dense(), precision=precision, preferred_element_type=out_dtype)
+  return matmul(x, w.to_dense(), precision=precision, preferred_element_type=out_dtype)
+
+
+def matmul(x: jax.Array, w: jax.Array, *, precision: jax.lax.PrecisionLike, preferred_element_type) -> jax.Array:
+  """``jnp.matmul`` that sums in ``preferred_element_type`` where that is wider than float32 on every device.
+
+  A GPU's dot of float32 operands sums in float32 whatever the result type (``preferred_element_type=float64`` came
+  back float32-accurate, 1e-5 off a float64 product); the operands are cast to the wider type first.
+  """
+  if preferred_element_type is not None:
+    acc = accumulation_dtype(preferred_element_type)
+    if jnp.finfo(acc).bits > 32:
+      x, w = (a.astype(jnp.promote_types(a.dtype, acc)) for a in (x, w))
+  return jnp.matmul(x, w, precision=precision, preferred_element_type=preferred_element_type)
 
 
 def spec_axes(*entries: Any) -> tuple[str, ...]:

@@ -10,7 +10,9 @@ import pytest
 from flax import nnx
 
 import jaxsparse
+from jaxsparse import _utils
 from jaxsparse import ops
+from jaxsparse.ops import _router
 
 
 def _weights(seed: int):
@@ -46,6 +48,19 @@ def test_float64_result_of_float32_operands_accumulates_in_float64(op):
       np.testing.assert_allclose(np.asarray(y), want, rtol=1e-12, atol=1e-12)
 
 
+def test_the_xla_path_multiplies_float32_operands_in_float64_for_a_float64_result():
+  """A GPU's dot of float32 operands sums in float32 whatever ``preferred_element_type`` says (found on an H200:
+  1e-5 off at HIGHEST); the XLA path casts the operands to float64 first, so every device sums in float64."""
+  x, w, mask = _weights(4)
+  with jax.enable_x64(True):
+    for op in _F64_OPS.values():
+      f = lambda x, op=op: op(x, w, mask, implementation="xla", preferred_element_type=jnp.float64)
+      dots = [line for line in jax.jit(f).lower(x).as_text().splitlines() if "dot_general" in line]
+      assert dots and all(re.search(r": \(tensor<[0-9x]*xf64>, tensor<[0-9x]*xf64>\)", d) for d in dots), dots
+    y = _utils.matmul(x, w, precision=None, preferred_element_type=jnp.float32)  # float32 results: no cast
+    assert y.dtype == jnp.float32
+
+
 @pytest.mark.parametrize("op", sorted(_F64_OPS))
 def test_cpu_implementation_refuses_a_float64_result(op):
   x, w, mask = _weights(2)
@@ -65,15 +80,14 @@ def test_cpu_implementation_keeps_narrower_results():
 def test_cpu_implementation_outside_jit_on_another_platform_names_it():
   """Outside ``jit`` the CPU-only route's stand-in for other platforms raised jax's "Evaluation rule for
   'jaxsparse_unavailable' not implemented" (found on a GPU host); it names the op, the route and the platform."""
-  from jaxsparse.ops import _router  # pylint: disable=import-outside-toplevel
-
   x = jax.device_put(jnp.ones((2, 3)), jax.devices("cpu")[0])
-  message = "masked_matmul: the C++ CPU kernels run only when lowered for 'cpu', and this call is lowered for {platforms}."
+  message = "masked_matmul: the C++ CPU kernels run only when lowered for 'cpu', and this call is lowered for " + \
+      "{platforms}."
   with pytest.raises(ValueError, match=r"lowered for cpu\."):
     _router._unavailable_p.bind(x, message=message)  # CPU arrays: the message names their platform
   if jax.default_backend() != "cpu":
     x, w = jnp.ones((2, 3)), jnp.ones((3, 4))
-    with pytest.raises(ValueError, match="masked_matmul: .* run only when lowered for 'cpu'"):
+    with pytest.raises(ValueError, match=r"masked_matmul: .* run only when lowered for 'cpu'"):
       ops.masked_matmul(x, w, w > 0, implementation="cpu")
 
 
@@ -153,7 +167,86 @@ _DEEP = {
     "linen NMConv input_dilation=0": (
         lambda f: jaxsparse.layers.linen.NMConv(32, (3, 3), input_dilation=0).init(
             jax.random.key(0), jnp.ones((1, 8, 8, 16))), ValueError, "input_dilation must be a positive int"),
+    # An unknown padding string: lax's RuntimeError "Unrecognized padding type" at the first call.
+    "MaskedConv padding='FOO'": (
+        lambda f: jaxsparse.layers.MaskedConv(16, 32, (3, 3), sparsity=0.5, padding="FOO", rngs=nnx.Rngs(0)),
+        ValueError, r"^MaskedConv: padding must be 'SAME', .*got padding='FOO'\."),
+    "NMConv padding='FOO'": (
+        lambda f: jaxsparse.layers.NMConv(16, 32, (3, 3), padding="FOO", rngs=nnx.Rngs(0)),
+        ValueError, r"^NMConv: padding must be 'SAME', .*got padding='FOO'\."),
+    "linen NMConv padding='FOO'": (
+        lambda f: jaxsparse.layers.linen.NMConv(32, (3, 3), padding="FOO"), ValueError,
+        r"^NMConv: padding must be 'SAME', .*got padding='FOO'\."),
+    # Flax's "Causal padding is only implemented for 1D convolutions." at the first call, naming no layer.
+    "NMConv 2-D padding='CAUSAL'": (
+        lambda f: jaxsparse.layers.NMConv(16, 32, (3, 3), padding="CAUSAL", rngs=nnx.Rngs(0)),
+        ValueError, r"^NMConv: padding must .*'CAUSAL' pads one spatial axis only"),
+    # Flax's "Invalid padding format" at the first call: a sequence of another length than kernel_size.
+    "MaskedConv padding of 3 pairs for 2-D": (
+        lambda f: jaxsparse.layers.MaskedConv(16, 32, (3, 3), sparsity=0.5, padding=[(1, 1)] * 3, rngs=nnx.Rngs(0)),
+        ValueError, r"^MaskedConv: padding must .*a sequence of 2 \(one per spatial axis"),
+    # x=None to a Linen layer: jnp.asarray's "None is not a valid value for jnp.array" (NMDense, NMConv: a ValueError
+    # about x.shape=()).
+    "linen MaskedDense None x": (
+        lambda f: jaxsparse.layers.linen.MaskedDense(8, sparsity=0.5).init(jax.random.key(0), None), TypeError,
+        "^MaskedDense: x must be an array"),
+    "linen NMDense None x": (
+        lambda f: jaxsparse.layers.linen.NMDense(8).init(jax.random.key(0), None), TypeError,
+        "^NMDense: x must be an array"),
+    "linen BlockSparseDense None x": (
+        lambda f: jaxsparse.layers.linen.BlockSparseDense(32, density=0.5, block_shape=(16, 16)).init(
+            jax.random.key(0), None), TypeError, "^BlockSparseDense: x must be an array"),
+    "linen CompressedNMDense None x": (
+        lambda f: jaxsparse.layers.linen.CompressedNMDense(96).apply(
+            {"params": {"kernel": f["nm"].values}, "sparsity": {"kernel_positions": f["nm"].indices}}, None),
+        TypeError, "^CompressedNMDense: x must be an array"),
+    "linen NMConv None x": (
+        lambda f: jaxsparse.layers.linen.NMConv(32, (3, 3)).init(jax.random.key(0), None), TypeError,
+        "^NMConv: x must be an array"),
+    # The raw constructor: jnp.asarray's "None is not a valid value for jnp.array" / "Value 'None' with dtype object".
+    "NMSparseMatrix values=None": (
+        lambda f: jaxsparse.NMSparseMatrix(values=None, indices=f["nm"].indices, shape=(64, 96), n=2, m=4),
+        TypeError, "^values must be an array"),
+    "NMSparseMatrix indices=None": (
+        lambda f: jaxsparse.NMSparseMatrix(values=f["nm"].values, indices=None, shape=(64, 96), n=2, m=4),
+        TypeError, "^indices must be an array"),
+    "NMSparseMatrix indices str": (
+        lambda f: jaxsparse.NMSparseMatrix(values=f["nm"].values, indices="ab", shape=(64, 96), n=2, m=4),
+        TypeError, "^indices must be an array"),
 }
+
+# precision="bogus": jax's "Precision argument must be one of: ..." naming no argument, at the layer's first call
+# (or inside a traced product) -- or no error at all, where the C++ CPU kernels ran (sparse_matmul, masked_matmul).
+_BOGUS = {"precision": "bogus"}
+_BAD_PRECISION = {
+    "masked_matmul": lambda f: ops.masked_matmul(f["x"], f["w"], f["mask"], **_BOGUS),
+    "sparse_matmul": lambda f: ops.sparse_matmul(f["x"], f["csr"], **_BOGUS),
+    "block_sparse_matmul": lambda f: ops.block_sparse_matmul(f["x"], f["bsm"], **_BOGUS),
+    "nm_matmul": lambda f: ops.nm_matmul(f["x"], f["nm"], **_BOGUS),
+    "sr_ste_matmul": lambda f: ops.sr_ste_matmul(f["x"], f["w"], 2, 4, **_BOGUS),
+    "sparse_matmul_reference": lambda f: ops.sparse_matmul_reference(f["x"], f["csr"], **_BOGUS),
+    "MaskedLinear": lambda f: jaxsparse.layers.MaskedLinear(64, 96, sparsity=0.5, rngs=nnx.Rngs(0), **_BOGUS),
+    "MaskedConv": lambda f: jaxsparse.layers.MaskedConv(16, 32, (3, 3), sparsity=0.5, rngs=nnx.Rngs(0), **_BOGUS),
+    "BlockSparseLinear": lambda f: jaxsparse.layers.BlockSparseLinear(64, 96, density=0.5, block_shape=(16, 32),
+                                                                      rngs=nnx.Rngs(0), **_BOGUS),
+    "NMLinear": lambda f: jaxsparse.layers.NMLinear(64, 96, rngs=nnx.Rngs(0), **_BOGUS),
+    "NMConv": lambda f: jaxsparse.layers.NMConv(16, 32, (3, 3), rngs=nnx.Rngs(0), **_BOGUS),
+    "CompressedNMLinear": lambda f: jaxsparse.layers.CompressedNMLinear(f["nm"], **_BOGUS),
+    "linen MaskedDense": lambda f: jaxsparse.layers.linen.MaskedDense(8, sparsity=0.5, **_BOGUS),
+    "linen BlockSparseDense": lambda f: jaxsparse.layers.linen.BlockSparseDense(32, density=0.5, **_BOGUS),
+    "linen NMDense": lambda f: jaxsparse.layers.linen.NMDense(8, **_BOGUS),
+    "linen NMConv": lambda f: jaxsparse.layers.linen.NMConv(32, (3, 3), **_BOGUS),
+    "linen CompressedNMDense": lambda f: jaxsparse.layers.linen.CompressedNMDense(96, **_BOGUS),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_BAD_PRECISION))
+def test_bad_precision_is_named(case):
+  layer = case.removeprefix("linen ")
+  owner = f"{layer}: " if layer[0].isupper() else ""  # layers name themselves where they are built
+  message = rf"^{owner}precision must be None, a jax\.lax\.Precision .*got precision='bogus'"
+  with pytest.raises(ValueError, match=message):
+    _BAD_PRECISION[case](_formats(12))
 
 
 @pytest.mark.parametrize("case", sorted(_DEEP))
@@ -254,3 +347,97 @@ def test_keyword_typo_names_the_layer(layer):
   with pytest.raises(TypeError, match=rf"^{layer} got unexpected keyword arguments \['kernel_metdata'\]"):
     _TYPOS[layer](kernel_metdata={})
   _TYPOS[layer](kernel_metadata={})  # Flax's own keywords still pass through
+
+
+# What Flax's convolutions take (lax's strings in any case, Flax's own modes, ints and (low, high) pairs) keeps
+# computing as nnx.Conv computes it; a NumPy int and list pairs, which Flax refused, are taken as ints and tuples.
+_PADDINGS = {  # ours: nnx.Conv's equivalent
+    "SAME": "SAME", "same": "same", "VALID": "VALID", "valid": "valid", "SAME_LOWER": "SAME_LOWER",
+    "CIRCULAR": "CIRCULAR", "REFLECT": "REFLECT", "1": 1, "np.int64(2)": 2, "pairs": [(1, 0), (0, 2)],
+    "int and pair": [1, (0, 2)], "list pair": [(1, 1), (2, 0)],
+}
+_OURS = {"np.int64(2)": np.int64(2), "list pair": ((1, 1), [2, 0])}
+
+
+@pytest.mark.parametrize("case", list(_PADDINGS))
+def test_conv_paddings_keep_working(case):
+  x = jax.random.normal(jax.random.key(13), (2, 9, 8, 8))
+  padding = _OURS.get(case, _PADDINGS[case])
+  dense = nnx.Conv(8, 16, (3, 3), padding=_PADDINGS[case], rngs=nnx.Rngs(0))
+  conv = jaxsparse.layers.MaskedConv(8, 16, (3, 3), sparsity=0.25, padding=padding, rngs=nnx.Rngs(4))
+  dense.kernel[...] = jnp.where(conv.mask[...], conv.kernel[...], 0)
+  dense.bias[...] = conv.bias[...]
+  np.testing.assert_allclose(np.asarray(conv(x)), np.asarray(dense(x)), rtol=1e-5, atol=1e-5)
+  nm = jaxsparse.layers.NMConv(8, 16, (3, 3), padding=padding, rngs=nnx.Rngs(5))
+  assert nm(x).shape == dense(x).shape
+  linen = jaxsparse.layers.linen.NMConv(16, (3, 3), padding=padding)
+  assert linen.apply(linen.init(jax.random.key(0), x), x).shape == dense(x).shape
+
+
+def test_causal_padding_keeps_working_in_1d():
+  x = jax.random.normal(jax.random.key(14), (2, 10, 8))
+  conv = jaxsparse.layers.MaskedConv(8, 4, (3,), sparsity=0.5, padding="CAUSAL", rngs=nnx.Rngs(6))
+  dense = nnx.Conv(8, 4, (3,), padding="CAUSAL", rngs=nnx.Rngs(0))
+  dense.kernel[...] = jnp.where(conv.mask[...], conv.kernel[...], 0)
+  dense.bias[...] = conv.bias[...]
+  np.testing.assert_allclose(np.asarray(conv(x)), np.asarray(dense(x)), rtol=1e-5, atol=1e-5)
+  assert jaxsparse.layers.NMConv(8, 4, (3,), padding="CAUSAL", rngs=nnx.Rngs(7))(x).shape == (2, 10, 4)
+
+
+# Every precision form jax takes, and near misses it refuses (the members' own names, a mixed or long pair, an int).
+_PRECISIONS = [None, "highest", "float32", "high", "bfloat16_3x", "tensorfloat32", "default", "fastest", "bfloat16",
+               jax.lax.Precision.HIGHEST, ("highest", "default"), ["high", "high"],
+               (jax.lax.Precision.HIGH, jax.lax.Precision.DEFAULT), "F32_F32_F32", jax.lax.DotAlgorithmPreset.DEFAULT,
+               "HIGHEST", "bogus", ("highest", jax.lax.Precision.HIGH), ("highest",) * 3, 2, ("F32_F32_F32",) * 2]
+
+
+@pytest.mark.parametrize("precision", _PRECISIONS, ids=repr)
+def test_precision_check_takes_what_lax_takes(precision):
+  from jaxsparse import _utils  # noqa: PLC0415 -- the check itself: no public name
+
+  a = jnp.ones((2, 3))
+  try:
+    jax.lax.dot(a, a.T, precision=precision)
+    lax_takes = True
+  except (ValueError, TypeError):
+    lax_takes = False
+  try:
+    _utils.check_precision(precision)
+    ours = True
+  except ValueError:
+    ours = False
+  assert ours == lax_takes
+
+
+@pytest.mark.parametrize("precision", [jax.lax.Precision.HIGHEST, "highest", ["highest", "highest"], "F32_F32_F32"],
+                         ids=repr)
+def test_ops_and_layers_take_valid_precisions(precision):
+  """A list pair, which lax takes, is passed on as a tuple: nm_matmul failed on it ("Non-hashable static
+  arguments")."""
+  f = _formats(15)
+  want = np.asarray(f["x"] @ f["nm"].to_dense())
+  for op in (ops.nm_matmul, ops.nm_matmul_reference):
+    np.testing.assert_allclose(np.asarray(op(f["x"], f["nm"], precision=precision)), want, rtol=1e-5, atol=1e-5)
+  y = jax.grad(lambda x: ops.masked_matmul(x, f["w"], f["mask"], precision=precision).sum())(f["x"])
+  np.testing.assert_allclose(np.asarray(y), np.asarray(jnp.where(f["mask"], f["w"], 0).sum(1)[None].repeat(5, 0)),
+                             rtol=1e-5, atol=1e-5)
+  layer = jaxsparse.layers.CompressedNMLinear(f["nm"], precision=precision)
+  np.testing.assert_allclose(np.asarray(layer(f["x"])), want, rtol=1e-5, atol=1e-5)
+  model = jaxsparse.layers.linen.MaskedDense(8, sparsity=0.5, precision=precision)
+  assert model.apply(model.init(jax.random.key(0), f["x"]), f["x"]).shape == (5, 8)
+
+
+def test_linen_layers_take_lists_and_numpy():
+  x = np.random.default_rng(16).standard_normal((3, 64)).astype(np.float32)
+  for model in (jaxsparse.layers.linen.MaskedDense(8, sparsity=0.5), jaxsparse.layers.linen.NMDense(8),
+                jaxsparse.layers.linen.BlockSparseDense(32, density=0.5, block_shape=(16, 16))):
+    variables = model.init(jax.random.key(1), x)
+    want = np.asarray(model.apply(variables, jnp.asarray(x)))
+    np.testing.assert_allclose(np.asarray(model.apply(variables, x.tolist())), want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(model.apply(variables, x)), want, rtol=1e-6, atol=1e-6)
+
+
+def test_nm_constructor_takes_numpy_and_lists():
+  nm = _formats(17)["nm"]
+  again = jaxsparse.NMSparseMatrix(nm.values.tolist(), np.asarray(nm.indices), shape=nm.shape, n=2, m=4)
+  np.testing.assert_array_equal(np.asarray(again.to_dense()), np.asarray(nm.to_dense()))

@@ -225,8 +225,9 @@ class NMSparseMatrix:
     groups = check_groups(shape, axis, m, name="shape")
     index_layout(n, m, groups)  # Fails when the positions do not fit 32 bits.
     # Checked as given: under jit, jnp.asarray turns even a NumPy constant into a tracer, which skips validate.
-    given = indices if isinstance(indices, jax.Array) or not is_concrete(indices) else np.asarray(indices)
-    self.values, self.indices = jnp.asarray(values), given
+    given = (indices if isinstance(indices, jax.Array) or not is_concrete(indices) else
+             _utils.as_host_array(indices, name="indices"))
+    self.values, self.indices = _utils.as_array(values, name="values"), given
     self.shape, self.n, self.m, self.axis = shape, n, m, axis
     self._check_static(prefix="")
     if validate and is_concrete(given):

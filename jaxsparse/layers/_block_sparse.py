@@ -34,13 +34,13 @@ from jaxsparse.formats._masks import random_block_mask
 from jaxsparse.layers._checks import check_dtypes
 from jaxsparse.layers._checks import check_implementation
 from jaxsparse.layers._checks import check_init_dtype
+from jaxsparse.layers._checks import check_input
 from jaxsparse.layers._checks import check_kept
 from jaxsparse.layers._checks import check_one_of
 from jaxsparse.layers._checks import check_real_dtypes
 from jaxsparse.layers._checks import check_use_bias
 from jaxsparse.layers._common import SPARSITY
 from jaxsparse.layers._common import bias_of
-from jaxsparse.layers._common import check_input
 from jaxsparse.layers._common import check_known_in_features
 from jaxsparse.layers._common import check_layer_inputs
 from jaxsparse.layers._common import check_linear
@@ -218,6 +218,7 @@ class BlockSparseLinear(nnx.Module):
     out_features = _utils.check_positive_int(out_features, name="out_features")
     bk, bn = _utils.check_block_shape(block_shape, (in_features, out_features))
     check_dtypes(BlockSparseLinear, dtype=dtype, param_dtype=param_dtype)
+    _utils.check_precision(precision, owner="BlockSparseLinear")
     check_real_dtypes(BlockSparseLinear, param_dtype=param_dtype, dtype=dtype)
     check_init_dtype(BlockSparseLinear, param_dtype, kernel_init)
     grid = (in_features // bk, out_features // bn)
@@ -499,6 +500,7 @@ class BlockSparseDense(nn.Module):
     check_use_bias(self.use_bias)
     check_implementation(self.implementation)
     check_dtypes(type(self), dtype=self.dtype, param_dtype=self.param_dtype)
+    _utils.check_precision(self.precision, owner=type(self).__name__)
     check_real_dtypes(type(self), param_dtype=self.param_dtype, dtype=self.dtype)
     check_init_dtype(type(self), self.param_dtype, self.kernel_init)
     super().__post_init__()
@@ -531,7 +533,7 @@ class BlockSparseDense(nn.Module):
     >>> y.shape, bool(jnp.allclose(y, x @ w.to_dense() + variables["params"]["bias"], atol=1e-5))
     ((4, 32), True)
     """
-    x = check_input(x)
+    x = check_input(self, x)
     check_real_dtypes(type(self), **{"x.dtype": x.dtype})
     offsets = existing_shape(self, SPARSITY, "row_offsets")
     if offsets is not None and isinstance(self.block_shape, tuple | list) and len(self.block_shape) == 2:

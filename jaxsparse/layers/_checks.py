@@ -37,17 +37,20 @@ __all__ = [
     "check_implementation",
     "check_in_features",
     "check_init_dtype",
+    "check_input",
     "check_kept",
     "check_kernel_size",
     "check_loaded_positions",
     "check_masked_implementation",
     "check_one_of",
+    "check_padding",
     "check_passthrough_kwargs",
     "check_positions",
     "check_real_dtypes",
     "check_trained_dtype",
     "check_transposable_layer",
     "check_use_bias",
+    "layer_array",
     "linen_positions_name",
 ]
 
@@ -239,6 +242,63 @@ def check_conv_steps(**steps: object) -> dict[str, int | tuple[int, ...] | None]
     integral = isinstance(value, numbers.Integral)
     checked[name] = sizes[0] if integral else sizes
   return checked
+
+
+# Padding strings: lax's (it upper-cases them) and Flax's own modes, which Flax's convolutions compare as given.
+_LAX_PADDINGS = ("SAME", "VALID", "SAME_LOWER")
+_FLAX_PADDINGS = ("CIRCULAR", "REFLECT", "CAUSAL")
+
+
+def check_padding(layer: type, padding: object, rank: int) -> str | int | tuple[tuple[int, int], ...]:
+  """A conv's ``padding`` as Flax's convolutions take it, checked where the layer is built (an unknown string failed
+  at the first call on lax's ``RuntimeError``, naming neither the layer nor the argument). ``rank``: the number of
+  spatial axes (``len(kernel_size)``).
+
+  Takes a string (``'SAME'``, ``'VALID'``, ``'SAME_LOWER'`` in any case, as lax reads them; ``'CIRCULAR'``,
+  ``'REFLECT'``, ``'CAUSAL'`` as Flax spells them, ``'CAUSAL'`` for one spatial axis only), an int, or a sequence of
+  ``rank`` entries each an int or a ``(low, high)`` pair of ints. Returns it with NumPy ints as Python ints and each
+  pair as a tuple (Flax takes only those), else a ``ValueError`` naming ``layer``, the value and what is allowed.
+  """
+  def integral(p: object) -> bool:
+    return isinstance(p, numbers.Integral) and not isinstance(p, bool | np.bool_)
+
+  if isinstance(padding, str):
+    if padding.upper() in _LAX_PADDINGS or (padding in _FLAX_PADDINGS and (padding != "CAUSAL" or rank == 1)):
+      return padding
+  elif integral(padding):
+    return int(padding)
+  elif isinstance(padding, typing.Sequence) and len(padding) == rank:
+    pads = []
+    for p in padding:
+      if integral(p):
+        pads.append((int(p), int(p)))
+      elif isinstance(p, typing.Sequence) and len(p) == 2 and all(map(integral, p)):
+        pads.append((int(p[0]), int(p[1])))
+    if len(pads) == rank:
+      return tuple(pads)
+  causal = " ('CAUSAL' pads one spatial axis only)" if isinstance(padding, str) and padding == "CAUSAL" else ""
+  raise ValueError(
+      f"{layer.__name__}: padding must be 'SAME', 'VALID' or 'SAME_LOWER' (any case), 'CIRCULAR', 'REFLECT' or "
+      f"'CAUSAL' (1-D convolutions only), an int, or a sequence of {rank} (one per spatial axis of kernel_size) ints "
+      f"or (low, high) pairs of ints, got padding={padding!r}{causal}."
+  )
+
+
+def layer_array(layer: Any, value: Any, name: str) -> jax.Array:
+  """:func:`jaxsparse._utils.as_array` whose ``TypeError`` names the layer too (``None`` or a string passed as the
+  inputs failed in ``jnp.asarray``, naming neither)."""
+  try:
+    return _utils.as_array(value, name=name)
+  except TypeError as e:
+    raise TypeError(f"{type(layer).__name__}: {e}") from None
+
+
+def check_input(module: nn.Module, x: jax.typing.ArrayLike) -> jax.Array:
+  """A Linen layer's input ``x`` as an array of at least one axis; errors name the layer and ``x``."""
+  x = layer_array(module, x, "x")
+  if x.ndim < 1:
+    raise ValueError(f"{type(module).__name__}: x must have shape (..., in_features), got x.shape={x.shape}.")
+  return x
 
 
 def check_passthrough_kwargs(cls: type, base: type, kwargs: dict[str, Any]) -> None:

@@ -35,6 +35,7 @@ from jaxsparse.layers._checks import NM_LAYOUT
 from jaxsparse.layers._checks import check_kept
 from jaxsparse.layers._checks import check_positions
 from jaxsparse.layers._checks import check_use_bias
+from jaxsparse.layers._checks import layer_array
 from jaxsparse.layers._partitioning import structure_metadata
 
 __all__ = [
@@ -47,7 +48,6 @@ __all__ = [
     "bias_of",
     "bridged_block_pattern",
     "check_called_on_one_layer",
-    "check_input",
     "check_layer_inputs",
     "check_linear",
     "check_one_layer",
@@ -585,7 +585,7 @@ def check_layer_inputs(layer: nnx.Module, inputs: jax.typing.ArrayLike) -> jax.A
   layer holds a stack of layers' variables (:func:`check_called_on_one_layer`)."""
   check_called_on_one_layer(layer)
   if not isinstance(inputs, jax.Array | np.ndarray | np.generic):  # a nested list too, as nnx.Linear takes
-    inputs = _utils.as_array(inputs, name="inputs")
+    inputs = layer_array(layer, inputs, "inputs")
   shape = jnp.shape(inputs)
   if not shape or shape[-1] != layer.in_features:
     raise ValueError(
@@ -626,13 +626,6 @@ def check_pattern(module: nn.Module, name: str) -> None:
         f"{type(module).__name__} cannot create its pattern: the {SPARSITY!r} collection is not mutable here. "
         f"Let `init` create it (no `mutable=` leaving it out); {_LIFTED_HINT}."
     )
-
-
-def check_input(x: jax.typing.ArrayLike) -> jax.Array:
-  x = jnp.asarray(x)
-  if x.ndim < 1:
-    raise ValueError(f"x must have shape (..., in_features), got x.shape={x.shape}.")
-  return x
 
 
 def existing_shape(module: nn.Module, collection: str, name: str) -> tuple[int, ...] | None:

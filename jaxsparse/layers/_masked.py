@@ -28,16 +28,17 @@ from jaxsparse.layers._checks import check_conv_steps
 from jaxsparse.layers._checks import check_dtypes
 from jaxsparse.layers._checks import check_feature_groups
 from jaxsparse.layers._checks import check_init_dtype
+from jaxsparse.layers._checks import check_input
 from jaxsparse.layers._checks import check_kernel_size
 from jaxsparse.layers._checks import check_masked_implementation
 from jaxsparse.layers._checks import check_one_of
+from jaxsparse.layers._checks import check_padding
 from jaxsparse.layers._checks import check_passthrough_kwargs
 from jaxsparse.layers._checks import check_use_bias
 from jaxsparse.layers._common import SPARSITY
 from jaxsparse.layers._common import SparsityPattern
 from jaxsparse.layers._common import bias_of
 from jaxsparse.layers._common import check_called_on_one_layer
-from jaxsparse.layers._common import check_input
 from jaxsparse.layers._common import check_known_in_features
 from jaxsparse.layers._common import check_layer_inputs
 from jaxsparse.layers._common import check_linear
@@ -168,6 +169,7 @@ class MaskedLinear(nnx.Module):
     size = in_features * out_features
     self.implementation = check_masked_implementation(implementation)
     check_dtypes(MaskedLinear, dtype=dtype, param_dtype=param_dtype)
+    _utils.check_precision(precision, owner="MaskedLinear")
     check_init_dtype(MaskedLinear, param_dtype, kernel_init)
     check_one_of("sparsity", sparsity, "mask", mask)
     if mask is None:
@@ -378,6 +380,7 @@ class MaskedDense(nn.Module):
     check_use_bias(self.use_bias)
     check_masked_implementation(self.implementation)
     check_dtypes(type(self), dtype=self.dtype, param_dtype=self.param_dtype)
+    _utils.check_precision(self.precision, owner=type(self).__name__)
     check_init_dtype(type(self), self.param_dtype, self.kernel_init)
     super().__post_init__()
 
@@ -404,7 +407,7 @@ class MaskedDense(nn.Module):
     >>> y.shape, bool(jnp.allclose(y, x @ w + variables["params"]["bias"], atol=1e-6))
     ((2, 8), True)
     """
-    x = check_input(x)
+    x = check_input(self, x)
     kernel_shape = existing_shape(self, "params", "kernel")
     check_known_in_features(self, x.shape, None if kernel_shape is None else kernel_shape[0])
     shape = (x.shape[-1], self.features)
@@ -481,10 +484,13 @@ class MaskedConv(nnx.Conv):
     kernel_size = check_kernel_size(kernel_size)
     kwargs.update(check_conv_steps(**{k: kwargs[k] for k in ("strides", "input_dilation", "kernel_dilation")
                                       if k in kwargs}))
+    if "padding" in kwargs:
+      kwargs["padding"] = check_padding(MaskedConv, kwargs["padding"], len(kernel_size))
     check_use_bias(kwargs.get("use_bias", True))
     check_dtypes(MaskedConv, dtype=kwargs.get("dtype"), param_dtype=kwargs.get("param_dtype", jnp.float32),
                  inexact=kwargs.get("promote_dtype", dtypes.promote_dtype) is dtypes.promote_dtype)
     check_init_dtype(MaskedConv, kwargs.get("param_dtype", jnp.float32), kwargs.get("kernel_init"))
+    _utils.check_precision(kwargs.get("precision"), owner="MaskedConv")
     # nnx.Conv accepts groups that do not divide the features and fails at the first call on a bare assert.
     groups = check_feature_groups(kwargs.get("feature_group_count", 1), in_features, out_features)
     if mask is None:

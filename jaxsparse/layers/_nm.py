@@ -37,6 +37,7 @@ from jaxsparse.layers._checks import check_dtypes
 from jaxsparse.layers._checks import check_feature_groups
 from jaxsparse.layers._checks import check_in_features
 from jaxsparse.layers._checks import check_kernel_size
+from jaxsparse.layers._checks import check_padding
 from jaxsparse.layers._checks import check_passthrough_kwargs
 from jaxsparse.layers._checks import check_trained_dtype
 from jaxsparse.layers._checks import check_transposable_layer
@@ -169,6 +170,7 @@ class NMLinear(_NMMixin, nnx.Linear):
     decay = _utils.check_decay(sr_ste_decay, name="sr_ste_decay")
     check_dtypes(type(self), dtype=dtype, param_dtype=param_dtype, inexact=promote_dtype is dtypes.promote_dtype)
     check_trained_dtype(type(self), param_dtype=param_dtype)  # SR-STE trains it: float weights
+    _utils.check_precision(precision, owner=type(self).__name__)
     nm_promote = NMPromote(n, m, decay, 0, promote_dtype, transposable=transposable)
     super().__init__(
         in_features,
@@ -439,6 +441,7 @@ class NMConv(_NMMixin, nnx.Conv):
     _utils.check_positive_int(out_features, name="out_features")
     kernel_size = check_kernel_size(kernel_size)
     steps = check_conv_steps(strides=strides, input_dilation=input_dilation, kernel_dilation=kernel_dilation)
+    padding = check_padding(type(self), padding, len(kernel_size))
     use_bias = check_use_bias(use_bias)
     feature_group_count = check_feature_groups(feature_group_count, in_features, out_features)
     check_in_features(in_features // feature_group_count, m, name="in_features // feature_group_count")
@@ -446,6 +449,7 @@ class NMConv(_NMMixin, nnx.Conv):
     decay = _utils.check_decay(sr_ste_decay, name="sr_ste_decay")
     check_dtypes(type(self), dtype=dtype, param_dtype=param_dtype, inexact=promote_dtype is dtypes.promote_dtype)
     check_trained_dtype(type(self), param_dtype=param_dtype)  # SR-STE trains it: float weights
+    _utils.check_precision(precision, owner=type(self).__name__)
     nm_promote = NMPromote(n, m, decay, -2, promote_dtype, transposable=transposable)
     super().__init__(
         in_features,

@@ -20,6 +20,7 @@ from flax.nnx.nn import dtypes
 from flax.typing import Dtype
 from jax import lax
 
+from jaxsparse import _utils
 from jaxsparse import ops
 from jaxsparse.formats._nm import NMSparseMatrix
 from jaxsparse.layers._checks import NM_LAYOUT
@@ -201,6 +202,7 @@ class CompressedNMLinear(NMPositionsLayer, nnx.Module):
       raise TypeError(f"weight must be a 2-D jaxsparse.NMSparseMatrix, got {what}; NMSparseMatrix.from_dense builds "
                       "one from a dense (in_features, out_features) kernel.")
     check_dtypes(type(self), dtype=dtype, inexact=promote_dtype is dtypes.promote_dtype)
+    _utils.check_precision(precision, owner=type(self).__name__)
     check_real_dtypes(type(self), **{"weight.dtype": weight.dtype, "dtype": dtype})
     if bias is not None and jnp.shape(bias) != (weight.shape[1],):
       raise ValueError(

@@ -31,7 +31,9 @@ from jaxsparse.layers._checks import check_conv_steps
 from jaxsparse.layers._checks import check_dtypes
 from jaxsparse.layers._checks import check_feature_groups
 from jaxsparse.layers._checks import check_in_features
+from jaxsparse.layers._checks import check_input
 from jaxsparse.layers._checks import check_kernel_size
+from jaxsparse.layers._checks import check_padding
 from jaxsparse.layers._checks import check_trained_dtype
 from jaxsparse.layers._checks import check_transposable_layer
 from jaxsparse.layers._checks import check_use_bias
@@ -51,6 +53,7 @@ def _check_fields(module: nn.Module) -> None:
   check_dtypes(type(module), dtype=module.dtype, param_dtype=module.param_dtype,
                inexact=module.promote_dtype is linen_promote_dtype)
   check_trained_dtype(type(module), param_dtype=module.param_dtype)  # SR-STE trains it: float weights
+  _utils.check_precision(module.precision, owner=type(module).__name__)
 
 
 def _wrap(module: nn.Module, cls: type[nn.Module], *, axis: int) -> nn.Module:
@@ -59,6 +62,7 @@ def _wrap(module: nn.Module, cls: type[nn.Module], *, axis: int) -> nn.Module:
   options = {f.name: getattr(module, f.name) for f in dataclasses.fields(module) if f.name in names}
   if "kernel_size" in options:  # nn.Conv takes a Python int or a sequence, not a NumPy int
     options["kernel_size"] = check_kernel_size(options["kernel_size"])
+    options["padding"] = check_padding(type(module), options["padding"], len(options["kernel_size"]))  # ints, tuples
   promote = NMPromote(
       module.n, module.m, float(module.sr_ste_decay), axis, module.promote_dtype, linen=True,
       transposable=module.transposable,
@@ -139,6 +143,7 @@ class NMDense(nn.Module):
     >>> bool(jnp.allclose(NMDense(4).apply(variables, x), x @ (kernel * nm_mask(kernel, 2, 4)) + bias, atol=1e-6))
     True
     """
+    x = check_input(self, x)
     kernel_shape = existing_shape(self, "params", "kernel")
     check_known_in_features(self, jnp.shape(x), None if kernel_shape is None else kernel_shape[0])
     check_in_features(jnp.shape(x)[-1], self.m, name="x.shape[-1]")
@@ -205,8 +210,9 @@ class NMConv(nn.Module):
 
   def __post_init__(self):
     _check_fields(self)
-    check_kernel_size(self.kernel_size)
+    rank = len(check_kernel_size(self.kernel_size))
     check_conv_steps(strides=self.strides, input_dilation=self.input_dilation, kernel_dilation=self.kernel_dilation)
+    check_padding(type(self), self.padding, rank)
     super().__post_init__()
 
   def setup(self):
@@ -233,6 +239,7 @@ class NMConv(nn.Module):
     >>> NMConv(16, (3, 3)).apply(variables, x).shape
     (1, 6, 6, 16)
     """
+    x = check_input(self, x)
     kernel_shape = existing_shape(self, "params", "kernel")
     expected = None if kernel_shape is None else kernel_shape[-2] * self.feature_group_count
     check_known_in_features(self, jnp.shape(x), expected)

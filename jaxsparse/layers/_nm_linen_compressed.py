@@ -31,13 +31,13 @@ from jaxsparse.layers._checks import check_compressed_parts
 from jaxsparse.layers._checks import check_dtypes
 from jaxsparse.layers._checks import check_in_features
 from jaxsparse.layers._checks import check_init_dtype
+from jaxsparse.layers._checks import check_input
 from jaxsparse.layers._checks import check_loaded_positions
 from jaxsparse.layers._checks import check_positions
 from jaxsparse.layers._checks import check_real_dtypes
 from jaxsparse.layers._checks import check_use_bias
 from jaxsparse.layers._checks import linen_positions_name
 from jaxsparse.layers._common import SPARSITY
-from jaxsparse.layers._common import check_input
 from jaxsparse.layers._common import check_known_in_features
 from jaxsparse.layers._common import check_pattern
 from jaxsparse.layers._common import existing_shape
@@ -108,6 +108,7 @@ class CompressedNMDense(nn.Module):
     check_dtypes(type(self), dtype=self.dtype, param_dtype=self.param_dtype, numeric_params=True,
                  inexact=self.promote_dtype is linen_promote_dtype)
     check_real_dtypes(type(self), param_dtype=self.param_dtype, dtype=self.dtype)
+    _utils.check_precision(self.precision, owner=type(self).__name__)
     default_init = self.kernel_init is default_kernel_init  # draws a truncated normal, as the other layers' default
     check_init_dtype(type(self), self.param_dtype, None if default_init else self.kernel_init)
     super().__post_init__()
@@ -153,7 +154,7 @@ class CompressedNMDense(nn.Module):
     >>> bool(jnp.allclose(y, jnp.ones((3, 64)) @ w.to_dense(), atol=1e-5))
     True
     """
-    x = check_input(x)
+    x = check_input(self, x)
     check_real_dtypes(type(self), **{"x.dtype": x.dtype})
     k = self._in_features(x.shape)
     check_pattern(self, "kernel_positions")

@@ -543,7 +543,7 @@ def block_sparse_matmul(
       dtype multiply as in ``jnp.matmul``, in float32).
     ValueError: ``x`` is not ``(..., K)`` with ``K = w.shape[0]``, or ``K == 0``; ``w.data`` or an index array
       has the wrong shape or dtype (e.g. a matrix rebuilt with ``tree_unflatten``); an unknown
-      ``implementation``.
+      ``implementation``; a ``precision`` ``lax.dot_general`` does not take.
     RuntimeError: ``implementation="pallas"`` where the Pallas kernels cannot run (no CUDA GPU, as on a CPU),
       or for operands no GPU route takes.
   """
@@ -551,6 +551,7 @@ def block_sparse_matmul(
   w._check_static()  # index arrays' shapes and dtypes, also of a matrix from tree_unflatten (no constructor)
   x = _utils.check_activations(x, w.shape[0])
   impl = _check_implementation(implementation)
+  precision = _utils.check_precision(precision)
   out_dtype = _utils.result_dtype(x.dtype, w.dtype, preferred_element_type)
   if math.prod(x.shape[:-1]) == 0:  # no rows (an empty batch): nothing to multiply, and no kernel tiles zero rows
     return jnp.zeros((*x.shape[:-1], w.shape[1]), out_dtype)

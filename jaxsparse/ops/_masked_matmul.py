@@ -54,7 +54,7 @@ _DENSITY_SAMPLE_ROWS = 64
 
 def _masked_dense(x, w, mask, precision, out_dtype):
   w_eff = jnp.where(mask, w, jnp.zeros((), w.dtype))
-  return jnp.matmul(x, w_eff, precision=precision, preferred_element_type=out_dtype)
+  return _utils.matmul(x, w_eff, precision=precision, preferred_element_type=out_dtype)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -180,7 +180,7 @@ def masked_matmul(
 
   Raises:
     ValueError: ``w`` is not 2-D; ``x`` is not ``(..., K)`` with ``K = w.shape[0]``, or ``K == 0``; ``mask`` is
-      not of ``w``'s shape; an unknown ``implementation``.
+      not of ``w``'s shape; an unknown ``implementation``; a ``precision`` ``lax.dot_general`` does not take.
     TypeError: ``preferred_element_type`` is not a floating dtype or ``None``; ``x`` does not have a floating dtype
       (as in the other sparse products: cast integer activations first); ``mask`` is not a boolean array;
       ``implementation="cpu"`` with dtypes other than float32, bfloat16 and float16, or a result wider than float32
@@ -192,6 +192,7 @@ def masked_matmul(
       lowered for a platform other than the CPU.
   """
   pet = _utils.check_preferred_element_type(preferred_element_type)
+  precision = _utils.check_precision(precision)  # the C++ kernels ignore it: checked here, not only by lax
   x, w = _utils.as_array(x, name="x"), _utils.as_array(w, name="w")
   if w.ndim != 2:
     raise ValueError(f"w must be 2-D (K, N), got shape {w.shape}.")

@@ -532,7 +532,8 @@ def nm_matmul(
     ValueError: ``w`` is not 2-D, or its ``values`` / positions have the wrong shape or dtype (e.g. a matrix
       rebuilt with ``tree_unflatten``); ``x`` is not ``(..., K)`` with ``K = w.shape[0]``, or ``K == 0``; an
       unknown ``implementation``; ``implementation="cusparselt"`` with operands cuSPARSELt does not take (not
-      2:4 bfloat16 along ``K``, or an output dtype other than ``x``'s; the message says which).
+      2:4 bfloat16 along ``K``, or an output dtype other than ``x``'s; the message says which); a ``precision``
+      ``lax.dot_general`` does not take.
     RuntimeError: ``implementation="pallas"`` or ``"cusparselt"`` where that backend cannot run (no CUDA GPU,
       as on a CPU; no cuSPARSELt library), or for operands no route of it takes.
   """
@@ -571,6 +572,7 @@ def _call(x, w: NMSparseMatrix, implementation, precision, preferred_element_typ
     raise TypeError(f"w.values must have a real dtype, got {w.dtype}; for complex weights use "
                     "jaxsparse.ops.masked_matmul (a dense w and its mask: w.to_dense(), w.mask()).")
   impl = _check_implementation(implementation)
+  precision = _utils.check_precision(precision)
   out_dtype = _utils.result_dtype(x.dtype, w.dtype, preferred_element_type)
   if impl == "cusparselt":
     reason = cusparselt_unsupported_reason(w, x.dtype)

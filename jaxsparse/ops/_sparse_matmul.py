@@ -309,7 +309,7 @@ def sparse_matmul(
       dtype multiply as in ``jnp.matmul``, in float32).
     ValueError: ``x`` is not ``(..., K)`` with ``K = w.shape[0]``, or ``K == 0``; ``w.data`` or an index array
       has the wrong shape or dtype (e.g. a matrix rebuilt with ``tree_unflatten``); an unknown
-      ``implementation``.
+      ``implementation``; a ``precision`` ``lax.dot_general`` does not take.
     RuntimeError: ``implementation="cpu"`` where the C++ kernels cannot be built or loaded, or the product is
       lowered for a platform other than the CPU.
   """
@@ -320,6 +320,7 @@ def sparse_matmul(
     raise TypeError(f"w.data must have a real dtype, got {w.dtype}; for complex weights use "
                     "jaxsparse.ops.masked_matmul (a dense w and its mask).")
   impl = check_cpu_implementation(implementation, op="sparse_matmul")
+  precision = _utils.check_precision(precision)  # the C++ kernels ignore it: checked here, not only by lax
   # Under explicit mesh axes: x's rows split, w's leaves gathered, on every route (the XLA path's autodiff cannot
   # place dW = xᵀ dY when x's rows are split; ops/_sharding.py).
   leaves, treedef = jax.tree.flatten(w)

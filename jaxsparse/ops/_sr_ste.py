@@ -521,7 +521,7 @@ def sr_ste_matmul(
     ValueError: not ``0 < n < m`` (``m >= 2``); ``decay`` is not a finite number ``>= 0``, or is traced; an
       unknown ``implementation``; ``w`` is not 2-D or ``x`` not ``(..., K)`` with ``K = w.shape[0]``; ``m``
       does not divide ``K``; ``transposable=True`` with ``m > 4`` or not dividing
-      ``N``.
+      ``N``; a ``precision`` ``lax.dot_general`` does not take.
     RuntimeError: ``implementation="cusparselt"`` where sparse tensor cores cannot run these operands (no
       CUDA GPU, as on a CPU; not 2:4 bfloat16; ``K`` or ``N`` not a multiple of 16; the message says why), or
       ``"prune_kernel"`` where the pruning kernel cannot (the message says why).
@@ -540,6 +540,7 @@ def sr_ste_matmul(
   transposable = _nm_masks.check_transposable(transposable, w.shape, m, 0)
   dtype = _check_compute_dtype(dtype, w.dtype)
   pet = _utils.check_preferred_element_type(preferred_element_type)
+  precision = _utils.check_precision(precision)
   _utils.result_dtype(x.dtype, dtype, pet, names=("x.dtype", "dtype (w's compute dtype)"))
   cfg = _MatmulConfig(n, m, decay, dtype, precision, pet, transposable)
   # Under explicit mesh axes: x's rows split, w gathered (its mask then computed whole), on every route.

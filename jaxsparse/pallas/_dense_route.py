@@ -137,7 +137,8 @@ def dense_product_dtype(operand_dtype, out_dtype) -> jnp.dtype:
 def dense_forward(x2, w: BlockSparseMatrix, *, precision, out_dtype) -> jax.Array:
   """The dense route of ``x2 @ W``: the weight built dense (:func:`dense_weight`) and one XLA product."""
   compute = jnp.result_type(x2.dtype, w.dtype)
-  return jnp.matmul(x2.astype(compute), dense_weight(w, compute), precision=precision, preferred_element_type=out_dtype)
+  return _utils.matmul(x2.astype(compute), dense_weight(w, compute), precision=precision,
+                       preferred_element_type=out_dtype)
 
 
 def dense_dx(dy2, w: BlockSparseMatrix, *, precision, out_dtype) -> jax.Array:
