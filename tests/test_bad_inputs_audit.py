@@ -393,8 +393,6 @@ _PRECISIONS = [None, "highest", "float32", "high", "bfloat16_3x", "tensorfloat32
 
 @pytest.mark.parametrize("precision", _PRECISIONS, ids=repr)
 def test_precision_check_takes_what_lax_takes(precision):
-  from jaxsparse import _utils  # noqa: PLC0415 -- the check itself: no public name
-
   a = jnp.ones((2, 3))
   try:
     jax.lax.dot(a, a.T, precision=precision)
@@ -415,7 +413,7 @@ def test_ops_and_layers_take_valid_precisions(precision):
   """A list pair, which lax takes, is passed on as a tuple: nm_matmul failed on it ("Non-hashable static
   arguments")."""
   f = _formats(15)
-  want = np.asarray(f["x"] @ f["nm"].to_dense())
+  want = np.asarray(f["x"], np.float64) @ np.asarray(f["nm"].to_dense(), np.float64)  # not TF32, as a GPU's x @ w
   for op in (ops.nm_matmul, ops.nm_matmul_reference):
     np.testing.assert_allclose(np.asarray(op(f["x"], f["nm"], precision=precision)), want, rtol=1e-5, atol=1e-5)
   y = jax.grad(lambda x: ops.masked_matmul(x, f["w"], f["mask"], precision=precision).sum())(f["x"])
