@@ -203,6 +203,13 @@ _DEEP = {
     "linen NMConv None x": (
         lambda f: jaxsparse.layers.linen.NMConv(32, (3, 3)).init(jax.random.key(0), None), TypeError,
         "^NMConv: x must be an array"),
+    # jnp.asarray's "None is not a valid value for jnp.array" from the embedding's token-id check.
+    "CompressedNMEmbed None inputs": (
+        lambda f: jaxsparse.layers.CompressedNMEmbed.from_dense(nnx.Embed(100, 64, rngs=nnx.Rngs(0)), 2, 4)(None),
+        TypeError, "^inputs must be an array"),
+    "linen CompressedNMEmbed None inputs": (
+        lambda f: jaxsparse.layers.linen.CompressedNMEmbed(100, 64, n=2, m=4).init(jax.random.key(0), None),
+        TypeError, "^inputs must be an array"),
     # The raw constructor: jnp.asarray's "None is not a valid value for jnp.array" / "Value 'None' with dtype object".
     "NMSparseMatrix values=None": (
         lambda f: jaxsparse.NMSparseMatrix(values=None, indices=f["nm"].indices, shape=(64, 96), n=2, m=4),

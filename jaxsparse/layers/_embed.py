@@ -297,8 +297,9 @@ def compress_table(table: jax.Array, n: int, m: int, *, mask: Any = None) -> NMS
 
 
 def check_ids(inputs: jax.typing.ArrayLike) -> jax.Array:
-  """``inputs`` as an array of integer token ids; raises naming the dtype otherwise."""
-  inputs = jnp.asarray(inputs)
+  """``inputs`` as an array of integer token ids; raises naming the dtype otherwise (``None`` or a string: a
+  ``TypeError`` naming ``inputs``)."""
+  inputs = _utils.as_array(inputs, name="inputs")
   if not jnp.issubdtype(inputs.dtype, jnp.integer):
     raise ValueError(f"inputs must be integer token ids, got dtype {inputs.dtype}.")
   return inputs

@@ -153,7 +153,9 @@ class CompressedNMLinear(NMPositionsLayer, nnx.Module):
   ``kernel_positions`` / ``kernel_cusparselt``: :attr:`weight` (and
   :meth:`to_dense`) unpack the buffer, routes that need the values alone (the Pallas kernel, the XLA path, and
   every route where cuSPARSELt's layout differs) unpack it in the call, and the weight is not trainable. For
-  inference of 2:4 layers with ``in_features`` a multiple of 32 and ``out_features`` of 64.
+  inference of 2:4 layers with ``in_features`` a multiple of 32 and ``out_features`` of 64. The buffer's bytes do
+  not record the values' dtype (``kernel_buffer_dtype``, static): restore a checkpoint of it only into a layer built
+  with the same dtype, since a float16 layer's buffer has a bfloat16 layer's size and would be read as bfloat16 values.
 
   >>> import jax, jax.numpy as jnp, jaxsparse
   >>> from jaxsparse.layers import CompressedNMLinear
