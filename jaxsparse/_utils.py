@@ -161,8 +161,11 @@ def as_array(value: object, *, name: str) -> jax.Array:
   try:
     return jnp.asarray(value)
   except (TypeError, ValueError) as e:
-    raise TypeError(f"{name} must be an array of numbers (a jax.Array, a NumPy array or a nested list), got "
-                    f"{type(value).__name__}: {e}") from None
+    raise _not_an_array(name, f"{type(value).__name__}: {e}") from None
+
+
+def _not_an_array(name: str, got: str) -> TypeError:
+  return TypeError(f"{name} must be an array of numbers (a jax.Array, a NumPy array or a nested list), got {got}.")
 
 
 def as_host_array(value: object, *, name: str) -> np.ndarray:
@@ -175,7 +178,7 @@ def as_host_array(value: object, *, name: str) -> np.ndarray:
     a = None
   if a is None or not (a.dtype == np.bool_ or jnp.issubdtype(a.dtype, jnp.number)):
     got = type(value).__name__ if a is None or a.dtype == object else f"{type(value).__name__} of dtype {a.dtype}"
-    raise TypeError(f"{name} must be an array of numbers (a jax.Array, a NumPy array or a nested list), got {got}.")
+    raise _not_an_array(name, got)
   return a
 
 
