@@ -603,6 +603,84 @@ def test_mosaic_tile_schedule_visits_every_tile_once(num_m, num_c, group_m):
     assert tiles[:2] == [(0, 0), (1, 0)]
 
 
+@pytest.mark.parametrize("snake", [False, True])
+@pytest.mark.parametrize(("num_items", "num_workers"), [(1, 4), (4, 4), (7, 3), (12, 5), (13, 5), (100, 7)])
+def test_dealt_turns_take_every_position_once(num_items, num_workers, snake):
+  # The persistent thread blocks' turns (round-robin or back and forth) partition the sequence of tiles.
+  taken = []
+  for k in range(num_workers):
+    turns = int(_common.dealt_count(k, num_items, num_workers, snake))
+    taken += [int(_common.dealt(i, k, num_workers, snake)) for i in range(turns)]
+  assert sorted(taken) == list(range(num_items))
+  if snake and num_items >= 2 * num_workers:
+    assert int(_common.dealt(1, 0, num_workers, True)) == 2 * num_workers - 1  # the first is last in round 2
+
+
+def _worker_loads(weights, num_workers, snake):
+  loads = np.zeros(num_workers)
+  for k in range(num_workers):
+    for i in range(int(_common.dealt_count(k, len(weights), num_workers, snake))):
+      loads[k] += weights[int(_common.dealt(i, k, num_workers, snake))]
+  return loads
+
+
+@pytest.mark.parametrize("window", [4, 8])
+def test_balanced_order_evens_the_thread_blocks_steps(window):
+  # Tiles of 8192 x 1536 x 6144 with 128-blocks at d = 0.27 (256-row tiles, 132 thread blocks): each column's
+  # steps are its kept blocks, binomial(12, 0.27). Round-robin, the busiest thread block takes 1.2x the mean (the
+  # kernel's time); windows of 4 or 8 rounds sorted by steps and dealt back and forth bring it within 1.07x (1.14-1.16x
+  # with windows of 1 or 2 rounds), each window a
+  # permutation of its own tiles (the tiles in flight stay near the grouped order).
+  rng = np.random.default_rng(0)
+  num_m, num_c, workers = 32, 48, 132
+  steps = rng.binomial(12, 0.27, size=num_c)
+  _, c = (np.asarray(v) for v in _common.grouped_tile(np.arange(num_m * num_c), num_m, num_c, 2))
+  weights = steps[c] + 1  # + 1: the epilogue
+  order = np.asarray(_common.balanced_order(jnp.asarray(weights, jnp.int32), workers, window))
+  size = window * workers
+  for start in range(0, len(order), size):
+    part = order[start : start + size]
+    assert sorted(part) == list(range(start, min(start + size, len(order))))
+    assert np.all(np.diff(weights[part]) <= 0)
+  before, after = _worker_loads(weights, workers, False), _worker_loads(weights[order], workers, True)
+  assert after.sum() == before.sum()
+  assert before.max() / before.mean() > 1.15
+  assert after.max() / after.mean() < 1.07
+
+
+def test_balanced_order_of_one_round_or_no_window_keeps_the_order():
+  w = jnp.array([3, 1, 4, 1, 5], jnp.int32)
+  np.testing.assert_array_equal(_common.balanced_order(w, 5, 2), np.arange(5))
+  np.testing.assert_array_equal(_common.balanced_order(w, 2, 0), np.arange(5))
+
+
+@pytest.mark.parametrize(("split", "group"), [(1, 1), (2, 2)])
+def test_mosaic_tile_order_codes_every_tile_once(split, group):
+  # tile_order's codes, decoded as the kernel does, visit every (part, row tile, tile column) once, balanced or not.
+  _, _, w = _problem(48, 96, 160, (32, 32), "random", jnp.float32, seed=4)
+  offsets, _, _ = mosaic.steps_of(w, transpose=False, group=group)
+  num_m, num_c = 3, len(offsets) - 1
+  want = sorted((s, mi, c) for s in range(split) for mi in range(num_m) for c in range(num_c))
+  for balance in (0, 1, 2):
+    cfg = mosaic.MosaicKernelConfig(tile_m=128, split=split, group_cols=group, balance=balance)
+    codes = np.asarray(mosaic.tile_order(offsets, num_m, num_c, cfg, num_ctas=2))
+    got = sorted((int(x) // num_c // num_m, int(x) // num_c % num_m, int(x) % num_c) for x in codes)
+    assert got == want, balance
+
+
+@pytest.mark.parametrize(("split", "group", "num_ctas"), [(1, 1, 3), pytest.param(2, 2, 2, marks=slow)])
+def test_mosaic_interpret_balanced_tiles(split, group, num_ctas):
+  # Tiles dealt in sorted windows, back and forth (balance=1): 2 row tiles x 4 block columns of 64 (some columns
+  # empty) over 3 thread blocks, the last round partial; with a split and grouped columns over 2 thread blocks.
+  x, dy, w = _problem(256, 128, 256, (64, 64), "random", jnp.bfloat16, seed=12)
+  cfg = mosaic.MosaicKernelConfig(
+      tile_m=128, tile_k=64, num_stages=2, num_ctas=num_ctas, group_cols=group, split=split, balance=1
+  )
+  y = mosaic.dense_sparse_matmul(x, w, config=cfg, interpret=True)
+  y_ref, _, _ = _dense_reference(x, dy, w)
+  _assert_close(y, y_ref, jnp.bfloat16, "y")
+
+
 @pytest.mark.parametrize("group", [pytest.param(1, marks=slow), 2, pytest.param(4, marks=slow)])
 @pytest.mark.parametrize("transpose", [False, True])
 @pytest.mark.parametrize("pattern", ["random", "single", "dense"])

@@ -6,9 +6,10 @@ rules of :mod:`._block_sparse_config`) and adds, for one direction of the produc
 gather), the Triton kernel with its default tiles, with split contractions, with smaller row tiles, (the decode
 forward of 16-wide blocks) with the other warp count and (``dw`` of blocks up to 64 x 64) with several blocks a
 program or (``dw`` of blocks of 128 rows or more, at most 1024 rows) slices of a block's rows a program, and the
-Mosaic GPU kernel (Hopper, from 64 rows) with one or two block columns a tile and split
-contractions. Only configs the kernels support for these operands are listed;
-duplicates of the default are dropped. The other directions' fields keep the default's values.
+Mosaic GPU kernel (Hopper, from 64 rows) with one or two block columns a tile, split contractions and (16-bit,
+128-wide output blocks, more tiles than SMs) tiles balanced over the thread blocks. Only configs the kernels support
+for these operands are listed; duplicates of the default are dropped. The other directions' fields keep the
+default's values.
 """
 
 from __future__ import annotations
@@ -175,6 +176,13 @@ def candidates(
     variants[f"mosaic/s{split}"] = dataclasses.replace(prior_m, split=split, group_cols=1)
   if prior_m.tile_m == 256:
     variants["mosaic/t128"] = dataclasses.replace(prior_m, tile_m=128, split=1, group_cols=1)
+  num_out = k // w.block_shape[0] if transpose else n // w.block_shape[1]
+  tiles = -(-m // prior_m.tile_m) * -(-num_out // prior_m.group_cols) * prior_m.split
+  if ob == 128 and itemsize == 2 and tiles > mosaic.num_sms():
+    # Tiles dealt in windows of 2 rounds sorted by their steps (MosaicKernelConfig.balance) against round-robin.
+    # H200 (gpu_mosaic_balance_2026-12-01_h200.md), 16-bit 128-blocks at d 0.27-0.55: 0.89-0.97x the default's time
+    # where columns' kept blocks vary and the activations of two rounds' tiles stay in L2, up to 1.12x elsewhere.
+    variants["mosaic/b2"] = dataclasses.replace(prior_m, balance=2)
   variants = {"mosaic/default": prior_m, **variants}
   for name, cfg in variants.items():
     if _mosaic_ok(a, w, o_dtype, cfg, transpose=transpose, precision=precision):

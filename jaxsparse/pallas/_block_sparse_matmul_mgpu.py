@@ -12,7 +12,8 @@ steps ``t`` of column ``c``, ``offsets[c] <= t < offsets[c + 1]``:
 
 The kernel is persistent and warp-specialised: each of ``num_ctas`` thread blocks walks its share of
 the output tiles (every ``num_ctas``-th tile of a grouped order that keeps ``group_m`` row tiles of
-``a`` hot in L2), one memory warpgroup streams the ``a`` tile and the ``B`` block of every step through
+``a`` hot in L2; with ``MosaicKernelConfig.balance`` the order is sorted by steps in windows, :func:`tile_order`),
+one memory warpgroup streams the ``a`` tile and the ``B`` block of every step through
 a ring of ``num_stages`` shared-memory slots with TMA, continuing across tile boundaries, and two
 compute warpgroups (``tile_m / 2`` rows each) accumulate with wgmma in float32 and store their half
 of the tile with TMA. The loops over steps have data-dependent trip counts; work and traffic are
@@ -58,8 +59,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxsparse import _utils
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
 from jaxsparse.formats._block_sparse import block_slots
+from jaxsparse.pallas._common import balanced_order
 from jaxsparse.pallas._common import check_pattern
 from jaxsparse.pallas._common import chunk
+from jaxsparse.pallas._common import dealt
+from jaxsparse.pallas._common import dealt_count
 from jaxsparse.pallas._common import grouped_tile
 from jaxsparse.pallas._common import pad_rows
 from jaxsparse.pallas._mosaic_config import MAX_ACC_ELEMENTS
@@ -86,9 +90,11 @@ __all__ = [
     "dense_sparse_matmul",
     "dx",
     "forward",
+    "num_sms",
     "resolve_config",
     "steps_of",
     "supports",
+    "tile_order",
     "unsupported_reason",
 ]
 
@@ -202,7 +208,8 @@ def resolve_config(a, w, out_dtype=None, config=None, *, transpose=False) -> Mos
 # -------------------------------------------------------------------------------------------------
 
 
-def _num_sms() -> int:
+def num_sms() -> int:
+  """Streaming multiprocessors of the first device: the persistent grid's thread blocks (132 where unknown)."""
   try:
     return int(jax.devices()[0].core_count)
   except (AttributeError, RuntimeError, TypeError, ValueError):
@@ -264,7 +271,35 @@ def _steps(start, end, step, g):
   return lax.fori_loop(0, end - start, lambda i, g: step(start + i, g), g)
 
 
+def tile_order(offsets: jax.Array, num_m: int, num_c: int, cfg: MosaicKernelConfig, num_ctas: int) -> jax.Array:
+  """The output tiles in the order the persistent thread blocks take them (:func:`._common.dealt`).
+
+  A tile is coded ``(part * num_m + row_tile) * num_c + tile_column``. The grouped order
+  (:func:`._common.grouped_tile`, every part of a split after the previous one), reordered by
+  :func:`._common.balanced_order` in windows of ``cfg.balance`` rounds by each tile's steps.
+
+  Args:
+    offsets: ``(num_c + 1,)`` int32 step offsets of the tile columns (:func:`steps_of`).
+    num_m: row tiles.
+    num_c: tile columns.
+    cfg: the kernel config (``group_m``, ``split``, ``balance``).
+    num_ctas: thread blocks of the persistent grid.
+
+  Returns:
+    ``(cfg.split * num_m * num_c,)`` int32 tile codes.
+  """
+  mi, c = grouped_tile(jnp.arange(num_m * num_c, dtype=jnp.int32), num_m, num_c, cfg.group_m)
+  part = jnp.repeat(jnp.arange(cfg.split, dtype=jnp.int32), num_m * num_c)
+  mi, c = jnp.tile(mi, cfg.split), jnp.tile(c, cfg.split)
+  codes = (part * num_m + mi) * num_c + c
+  if cfg.balance == 0:
+    return codes
+  start, end = chunk(offsets[c], offsets[c + 1], part, cfg.split)
+  return codes[balanced_order(end - start, num_ctas, cfg.balance)]
+
+
 def _kernel(
+    order_ref,
     offsets_ref,
     blocks_ref,
     a_blocks_ref,
@@ -297,14 +332,14 @@ def _kernel(
 
   cta = lax.axis_index("cta")
   wg = lax.axis_index("wg")
-  split = cfg.split
+  split, snake = cfg.split, cfg.balance > 0
   num_tiles = num_m * num_c * split
-  my_tiles = (num_tiles - cta + num_ctas - 1) // num_ctas
+  my_tiles = dealt_count(cta, num_tiles, num_ctas, snake)
 
   def tile(i):
-    # Part s of the split runs after all tiles of part s - 1 (the same tile order in each part).
-    s, rest = divmod(cta + i * num_ctas, num_m * num_c)
-    mi, c = grouped_tile(rest, num_m, num_c, cfg.group_m)
+    code = order_ref[dealt(i, cta, num_ctas, snake)]  # see tile_order
+    rest, c = divmod(code, num_c)
+    s, mi = divmod(rest, num_m)
     return mi, c, s, *chunk(offsets_ref[c], offsets_ref[c + 1], s, split)
 
   def step_blocks(t):
@@ -483,10 +518,11 @@ def dense_sparse_matmul(
   num_c = -(-num_out // config.group_cols)
   num_tiles = num_m * num_c * config.split
   num_ctas = config.num_ctas
-  num_ctas = num_tiles if num_ctas == 0 else min(num_tiles, num_ctas or _num_sms())
+  num_ctas = num_tiles if num_ctas == 0 else min(num_tiles, num_ctas or num_sms())
   offsets, blocks, a_blocks = steps_of(w, transpose=transpose, group=config.group_cols)
   if config.group_cols == 1:
     blocks = blocks[:, 0]
+  order = tile_order(offsets, num_m, num_c, config, num_ctas)
   b_k_major = transpose or a.dtype.itemsize == 4
   data = w.data if transpose or not b_k_major else jnp.swapaxes(w.data, 1, 2)
   kernel = functools.partial(
@@ -512,7 +548,7 @@ def dense_sparse_matmul(
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       **params,
-  )(offsets, blocks, a_blocks, ap, data)
+  )(order, offsets, blocks, a_blocks, ap, data)
   out = _utils.vary(out, _utils.varying_axes(a, w))  # plgpu.kernel (jax 0.11) drops the type's varying axes
   if config.split > 1:
     out = out.sum(axis=0).astype(out_dtype)

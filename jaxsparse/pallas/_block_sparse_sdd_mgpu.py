@@ -43,9 +43,9 @@ from jaxsparse import _utils
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
 from jaxsparse.pallas import _transpose
 from jaxsparse.pallas._block_sparse_matmul_mgpu import _interpret_params
-from jaxsparse.pallas._block_sparse_matmul_mgpu import _num_sms
 from jaxsparse.pallas._block_sparse_matmul_mgpu import _smem_transforms
 from jaxsparse.pallas._block_sparse_matmul_mgpu import _transposed
+from jaxsparse.pallas._block_sparse_matmul_mgpu import num_sms
 from jaxsparse.pallas._block_sparse_matmul_mgpu import tma_rows
 from jaxsparse.pallas._common import check_pattern
 from jaxsparse.pallas._common import items_of
@@ -352,7 +352,7 @@ def sampled_dw(
   x2, dy2 = (pad_rows(x2, tm), pad_rows(dy2, tm)) if k_major else tma_rows(x2, dy2, tile_m=tm)
   order = config.order if config.order != "auto" else ("cols" if w.shape[1] >= w.shape[0] else "rows")
   num_items, rows, blocks, cols = items_of(w, config.group, order)
-  num_ctas = min(config.num_ctas or _num_sms(), rows.shape[0])
+  num_ctas = min(config.num_ctas or num_sms(), rows.shape[0])
   num_steps = -(-m // tm)
   if k_major:
     # TF32 wgmma reads K-major operands only.

@@ -21,8 +21,11 @@ __all__ = [
     "PallasFallbackWarning",
     "allows_tf32",
     "available",
+    "balanced_order",
     "check_pattern",
     "chunk",
+    "dealt",
+    "dealt_count",
     "dot",
     "grouped_tile",
     "items_of",
@@ -102,6 +105,64 @@ def grouped_tile(pid, num_m: int, num_n: int, group_m: int):
   size = jnp.minimum(num_m - first_m, group_m)
   r = pid % width
   return first_m + r % size, r // size
+
+
+def dealt(i, worker, num_workers: int, snake: bool):
+  """The position in a sequence of work items that ``worker`` takes on its ``i``-th turn.
+
+  Items are dealt to ``num_workers`` persistent workers (thread blocks) a round of ``num_workers`` at a time:
+  in round ``i`` worker ``k`` takes position ``i * num_workers + k``, or with ``snake`` ``num_workers - 1 - k`` in
+  odd rounds (back and forth, so that a worker served first in one round is served last in the next). Plain
+  ``jnp`` on scalars, shared by the kernels and the CPU tests; :func:`dealt_count` is how many turns a worker has.
+  """
+  if not snake:
+    return i * num_workers + worker
+  return i * num_workers + jnp.where(i % 2 == 0, worker, num_workers - 1 - worker)
+
+
+def dealt_count(worker, num_items: int, num_workers: int, snake: bool):
+  """How many of ``num_items`` items :func:`dealt` gives ``worker``: every position ``< num_items`` exactly once."""
+  rounds, rest = divmod(num_items, num_workers)
+  last = dealt(rounds, worker, num_workers, snake) - rounds * num_workers  # the worker's place in the last round
+  return rounds + jnp.where(last < rest, 1, 0)
+
+
+def balanced_order(weights: jax.Array, num_workers: int, window: int) -> jax.Array:
+  """A reordering of work items that :func:`dealt` with ``snake`` spreads evenly over the workers.
+
+  The items, in their given order (the order that keeps the tiles running together sharing their inputs in
+  L2), are cut into windows of ``window`` rounds (``window * num_workers`` items); each window is sorted by weight,
+  heaviest first (ties keep their order). Dealt back and forth, the workers of a window take items of falling
+  weight in turns, the heaviest of one round paired with the lightest of the next, so that their sums stay close,
+  while the items in flight stay within one window of the given order. ``window = 0`` keeps the order.
+
+  Args:
+    weights: ``(num_items,)`` non-negative int32 cost of each item (an output tile's steps).
+    num_workers: the persistent workers the items are dealt to.
+    window: rounds per sorted window; 0 for none.
+
+  Returns:
+    ``(num_items,)`` int32: the item at each position of the dealt sequence (a permutation of
+    ``arange(num_items)``).
+
+  >>> import jax.numpy as jnp
+  >>> from jaxsparse.pallas._common import balanced_order
+  >>> balanced_order(jnp.array([1, 5, 2, 5, 0, 3], jnp.int32), num_workers=2, window=2).tolist()
+  [1, 3, 2, 0, 5, 4]
+  """
+  n = weights.shape[0]
+  size = window * num_workers
+  if window == 0 or n <= num_workers:
+    return jnp.arange(n, dtype=jnp.int32)
+  num_windows = -(-n // size)
+  # One int32 key an item: heavier first, then the given order; padding (past the last item) sorts last.
+  top = jnp.max(weights, initial=0) + 1
+  pos = jnp.arange(num_windows * size, dtype=jnp.int32)
+  w = jnp.concatenate([weights.astype(jnp.int32), jnp.full(num_windows * size - n, -1, jnp.int32)])
+  key = (top - w) * size + pos % size
+  local = jnp.sort(key.reshape(num_windows, size), axis=1) % size
+  order = (local + jnp.arange(num_windows, dtype=jnp.int32)[:, None] * size).reshape(-1)
+  return order[:n]
 
 
 def chunk(start, end, part, parts: int):

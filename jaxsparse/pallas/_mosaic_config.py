@@ -49,6 +49,12 @@ class MosaicKernelConfig:
       own float32 partial sum (added afterwards, one XLA pass over ``split x M x`` output columns): more tiles
       where the output has too few to fill the GPU and each walks many steps (narrow layers and mid-size
       ``M``; ``SplitRules``).
+    balance: how the persistent thread blocks share the output tiles. 0: round-robin in the grouped order
+      (``group_m``), each thread block taking every ``num_ctas``-th tile; tiles of columns that keep more blocks
+      take longer, and the thread block dealt the most steps sets the kernel's time. ``B > 0``: the grouped order
+      is cut into windows of ``B`` rounds (``B x num_ctas`` tiles), each window sorted by the tiles' steps, and
+      the tiles are dealt back and forth (:func:`jaxsparse.pallas._common.balanced_order`), so that each thread
+      block's steps come out about equal while the tiles in flight stay within a window of the grouped order.
 
   Used as ``mosaic_forward`` / ``mosaic_dx`` of a :class:`~jaxsparse.pallas.BlockSparseMatmulConfig`; the
   kernel needs a Hopper GPU, the config does not:
@@ -72,6 +78,7 @@ class MosaicKernelConfig:
   epi_n: int = 64
   group_cols: int = 1
   split: int = 1
+  balance: int = 0
 
   def __post_init__(self):
     if self.tile_m not in (128, 256):
@@ -89,6 +96,8 @@ class MosaicKernelConfig:
       raise ValueError(f"group_cols must be 1, 2, 4 or 8, got group_cols={self.group_cols}.")
     if not 1 <= self.split <= 16:
       raise ValueError(f"split must be between 1 and 16, got split={self.split}.")
+    if not 0 <= self.balance <= 64:
+      raise ValueError(f"balance must be between 0 (round-robin) and 64 rounds, got balance={self.balance}.")
 
   def smem_bytes(self, ob: int, itemsize: int, out_itemsize: int) -> int:
     """Shared memory the kernel allocates for output blocks ``ob`` wide (a split stores float32 partial sums).
