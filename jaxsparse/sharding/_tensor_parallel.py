@@ -40,6 +40,8 @@ from jaxsparse.ops._block_sparse_matmul import Implementation
 from jaxsparse.ops._block_sparse_matmul import block_sparse_matmul
 from jaxsparse.ops._sharding import _like
 from jaxsparse.ops._sharding import check_reduced
+from jaxsparse.sharding._mesh_data import mesh_from_plain
+from jaxsparse.sharding._mesh_data import mesh_to_plain
 
 __all__ = [
     "ShardedBlockSparseMatrix",
@@ -236,30 +238,16 @@ class ShardedBlockSparseMatrix:
 
 
 def _serialize_aux(aux: tuple) -> bytes:
-  # The mesh as plain data: its devices by id, so the deserialized mesh is the same (interned) Mesh and the exported
-  # function's in/out trees equal those of the matrices it is called with.
+  # The mesh by its devices' ids: deserialized, the same (interned) Mesh, so that the exported function's in/out
+  # trees equal those of the matrices it is called with.
   mesh, axis, split, shape, nnz_blocks = aux
-  plain_mesh = {"axis_names": list(mesh.axis_names), "axis_types": [t.name for t in mesh.axis_types],
-                "device_ids": mesh.device_ids.tolist()}
-  return json.dumps({"mesh": plain_mesh, "axis": axis, "split": split, "shape": list(shape),
+  return json.dumps({"mesh": mesh_to_plain(mesh), "axis": axis, "split": split, "shape": list(shape),
                      "nnz_blocks": nnz_blocks}).encode()
 
 
 def _deserialize_aux(data: bytes) -> tuple:
   aux = json.loads(data)
-  plain_mesh = aux["mesh"]
-  ids = np.asarray(plain_mesh["device_ids"], dtype=int)
-  by_id = {d.id: d for d in jax.devices()}
-  missing = sorted(set(ids.ravel().tolist()) - by_id.keys())
-  if missing:
-    raise ValueError(
-        f"A serialized ShardedBlockSparseMatrix lies on a mesh of devices {ids.tolist()} (axes "
-        f"{plain_mesh['axis_names']}), but this process has no devices of ids {missing} (it has {sorted(by_id)}); "
-        "deserialize it in a process with the devices it was exported on."
-    )
-  devices = np.array([by_id[i] for i in ids.ravel().tolist()], dtype=object).reshape(ids.shape)
-  axis_types = tuple(AxisType[t] for t in plain_mesh["axis_types"])
-  mesh = Mesh(devices, tuple(plain_mesh["axis_names"]), axis_types=axis_types)
+  mesh = mesh_from_plain(aux["mesh"], "ShardedBlockSparseMatrix")
   return mesh, aux["axis"], aux["split"], tuple(aux["shape"]), aux["nnz_blocks"]
 
 
