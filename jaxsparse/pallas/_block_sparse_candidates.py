@@ -180,8 +180,8 @@ def candidates(
   tiles = -(-m // prior_m.tile_m) * -(-num_out // prior_m.group_cols) * prior_m.split
   if ob == 128 and itemsize == 2 and tiles > mosaic.num_sms():
     # Tiles dealt in windows of 2 rounds sorted by their steps (MosaicKernelConfig.balance) against round-robin.
-    # H200 (gpu_mosaic_balance_2026-12-01_h200.md), 16-bit 128-blocks at d 0.27-0.55: 0.89-0.97x the default's time
-    # where columns' kept blocks vary and the activations of two rounds' tiles stay in L2, up to 1.12x elsewhere.
+    # H200 (gpu_mosaic_balance_2026-12-01_h200.md), 16-bit 128-blocks at d 0.27-0.55: 0.91-0.97x the default's time
+    # on 7 of 18 products (the activations of two rounds' tiles in L2), up to 1.13x on the others.
     variants["mosaic/b2"] = dataclasses.replace(prior_m, balance=2)
   variants = {"mosaic/default": prior_m, **variants}
   for name, cfg in variants.items():
