@@ -538,7 +538,11 @@ def test_layout_decompress_inverts_compress(k, n, dtype, seed):
   values, positions = _layout.decompress(buffer, k, n, dtype)
   np.testing.assert_array_equal(values, w.values, err_msg=f"seed {seed}")
   np.testing.assert_array_equal(positions, w.positions(), err_msg=f"seed {seed}")
-  back = _nm_matmul.from_buffer(buffer, (k, n), dtype)
+  # The op's buffer: the layout's, and for float16 16 bytes more that mark the dtype.
+  tagged = _nm_matmul.to_buffer(w)
+  np.testing.assert_array_equal(tagged[: buffer.shape[0]], buffer)
+  assert tagged.shape == (_nm_matmul.buffer_bytes(k, n, dtype),) == (buffer.shape[0] + 16 * (dtype == jnp.float16),)
+  back = _nm_matmul.from_buffer(tagged, (k, n), dtype)
   np.testing.assert_array_equal(back.indices, w.indices, err_msg=f"seed {seed}")
   with pytest.raises(ValueError, match=r"buffer is \(\d+,\) uint8"):
     _layout.decompress(buffer[1:], k, n, dtype)

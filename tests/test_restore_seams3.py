@@ -29,6 +29,7 @@ from flax.training import train_state
 import jaxsparse
 from jaxsparse import layers
 from jaxsparse.layers import linen
+from jaxsparse.ops import _nm_matmul
 
 # 30 tests, about 30 s on 2 cores: run by test-slow (CI runs it), so that make test stays within its 15 minutes.
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning")]
@@ -173,6 +174,41 @@ def test_a_buffer_of_another_dtype_is_named():
   with pytest.raises(ValueError, match=r"kernel_buffer must be uint8 of shape \(4608,\) \(the buffer of a \(64, 64\) "
                                        r"2:4 bfloat16 weight\), got uint8 \(8704,\)"):
     _jitted(target, _x(26).astype(jnp.bfloat16))
+
+
+@pytest.mark.parametrize(("saved_dtype", "target_dtype"), [(jnp.float16, jnp.bfloat16), (jnp.bfloat16, jnp.float16)])
+def test_a_float16_buffer_is_not_read_as_bfloat16(saved_dtype, target_dtype):
+  # float16 and bfloat16 values take the same bytes: a float16 buffer ends with 16 bytes that mark it, so a checkpoint
+  # of one restored into a layer of the other has another size, named under jit and eagerly (it was read as the
+  # target's dtype before: wrong values, no error).
+  def layer(seed, dtype):
+    w = _linear(2, 4, seed, storage="cusparselt").weight
+    return layers.CompressedNMLinear(w.with_values(w.values.astype(dtype)), storage="cusparselt")
+
+  saved, target = layer(30, saved_dtype), layer(31, target_dtype)
+  assert saved.kernel_buffer[...].shape[0] - target.kernel_buffer[...].shape[0] == (
+      16 if saved_dtype == jnp.float16 else -16)
+  nnx.update(target, {"kernel_buffer": nnx.state(saved).to_pure_dict()["kernel_buffer"]})
+  x = _x(32).astype(target_dtype)
+  message = rf"kernel_buffer must be uint8 of shape \({4608 + (16 if target_dtype == jnp.float16 else 0)},\)"
+  with pytest.raises(ValueError, match=message):
+    _jitted(target, x)
+  with pytest.raises(ValueError, match=message):
+    target(x)
+
+
+def test_a_float16_buffer_round_trips_and_its_mark_is_checked():
+  w = _linear(2, 4, 33, storage="cusparselt").weight
+  w16 = w.with_values(w.values.astype(jnp.float16))
+  buffer = _nm_matmul.to_buffer(w16)
+  assert buffer.shape == (_nm_matmul.buffer_bytes(64, 64, jnp.float16),) == (4608 + 16,)
+  back = _nm_matmul.from_buffer(buffer, (64, 64), jnp.float16)
+  np.testing.assert_array_equal(back.to_dense(), w16.to_dense())
+  assert _nm_matmul.to_buffer(w.with_values(w.values.astype(jnp.bfloat16))).shape == (4608,)  # cuSPARSELt's own size
+  with pytest.raises(ValueError, match="does not end with the bytes that mark a float16 weight's buffer"):
+    _nm_matmul.from_buffer(buffer.at[-1].set(7), (64, 64), jnp.float16)
+  with pytest.raises(ValueError, match=r"float16 \(64, 64\) weight's buffer is \(4624,\) uint8"):
+    _nm_matmul.from_buffer(buffer[:-16], (64, 64), jnp.float16)
 
 
 def test_values_cast_to_another_float_dtype_are_accepted():

@@ -153,9 +153,10 @@ class CompressedNMLinear(NMPositionsLayer, nnx.Module):
   ``kernel_positions`` / ``kernel_cusparselt``: :attr:`weight` (and
   :meth:`to_dense`) unpack the buffer, routes that need the values alone (the Pallas kernel, the XLA path, and
   every route where cuSPARSELt's layout differs) unpack it in the call, and the weight is not trainable. For
-  inference of 2:4 layers with ``in_features`` a multiple of 32 and ``out_features`` of 64. The buffer's bytes do
-  not record the values' dtype (``kernel_buffer_dtype``, static): restore a checkpoint of it only into a layer built
-  with the same dtype, since a float16 layer's buffer has a bfloat16 layer's size and would be read as bfloat16 values.
+  inference of 2:4 layers with ``in_features`` a multiple of 32 and ``out_features`` of 64. The values' dtype is the
+  layer's (``kernel_buffer_dtype``, static); a float16 buffer ends with 16 bytes that mark it, so that a checkpoint
+  of a float16 layer restored into a bfloat16 one (or back) is refused by its size instead of read in the wrong
+  dtype (bfloat16 and float16 values take the same bytes).
 
   >>> import jax, jax.numpy as jnp, jaxsparse
   >>> from jaxsparse.layers import CompressedNMLinear
@@ -313,8 +314,7 @@ class CompressedNMLinear(NMPositionsLayer, nnx.Module):
     shape = (self.in_features, self.out_features)
     if self.storage == "cusparselt":
       buffer = self.kernel_buffer[...]
-      size = self.in_features * self.out_features
-      want = (size // 2 * jnp.dtype(self.kernel_buffer_dtype).itemsize + size // 8,)
+      want = (_nm_matmul.buffer_bytes(*shape, self.kernel_buffer_dtype),)
       if tuple(jnp.shape(buffer)) != want or jnp.result_type(buffer) != jnp.uint8:  # static: as restored
         raise ValueError(
             f"CompressedNMLinear.kernel_buffer must be uint8 of shape {want} (the buffer of a {shape} 2:4 "

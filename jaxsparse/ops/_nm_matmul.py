@@ -36,6 +36,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxsparse import _tuning
@@ -45,6 +46,7 @@ from jaxsparse._cuda import _cusparselt as cslt
 from jaxsparse._cuda import _kernels as cuda_kernels
 from jaxsparse._cuda import _layout
 from jaxsparse.formats import _nm
+from jaxsparse.formats._base import is_concrete
 from jaxsparse.formats._nm import NMSparseMatrix
 from jaxsparse.ops import _router
 from jaxsparse.ops import _sharding
@@ -225,14 +227,47 @@ def buffer_unsupported_reason(w: NMSparseMatrix) -> str:
   return ""
 
 
+# A float16 weight's buffer ends with these 16 bytes. Without them it has the size of the bfloat16 buffer of the same
+# weight shape: a checkpoint of one restored into a layer of the other would be read in the wrong dtype, unnoticed.
+# (bfloat16 buffers, the ones cuSPARSELt reads, stay exactly values + metadata; float32's differ in size anyway.)
+_FLOAT16_TAG = np.frombuffer(b"jaxsparse:fp16\0\0", np.uint8)
+
+
+def _tag(dtype) -> np.ndarray:
+  return _FLOAT16_TAG if jnp.dtype(dtype) == jnp.float16 else _FLOAT16_TAG[:0]
+
+
+def buffer_bytes(k: int, n: int, dtype) -> int:
+  """Bytes of :func:`to_buffer`'s buffer of a ``(k, n)`` 2:4 weight of ``dtype``: ``K N / 2 * itemsize`` of values,
+  ``K N / 8`` of metadata, and for float16 16 bytes that mark the dtype."""
+  return k * n // 2 * jnp.dtype(dtype).itemsize + k * n // 8 + _tag(dtype).size
+
+
 def to_buffer(w: NMSparseMatrix) -> jax.Array:
-  """The ``(K N / 2 * itemsize + K N / 8,)`` uint8 buffer of ``w`` (:func:`buffer_unsupported_reason` is ``""``)."""
-  return _layout.compress_values(w.values, w.positions())
+  """The ``(buffer_bytes(K, N, dtype),)`` uint8 buffer of ``w`` (:func:`buffer_unsupported_reason` is ``""``)."""
+  buffer = _layout.compress_values(w.values, w.positions())
+  tag = _tag(w.dtype)
+  return jnp.concatenate([buffer, jnp.asarray(tag)]) if tag.size else buffer
 
 
 def from_buffer(buffer: jax.Array, shape: tuple[int, int], dtype) -> NMSparseMatrix:
-  """Inverse of :func:`to_buffer` for a ``shape`` weight of ``dtype`` values."""
+  """Inverse of :func:`to_buffer` for a ``shape`` weight of ``dtype`` values.
+
+  Raises:
+    ValueError: ``buffer`` is not ``(buffer_bytes(K, N, dtype),)`` uint8, or (when concrete) a float16 buffer lacks
+      the bytes that mark float16.
+  """
   k, n = shape
+  tag = _tag(dtype)
+  if tag.size:
+    want = buffer_bytes(k, n, dtype)
+    if tuple(buffer.shape) != (want,) or buffer.dtype != jnp.uint8:
+      raise ValueError(f"a 2:4 float16 ({k}, {n}) weight's buffer is ({want},) uint8 (its last 16 bytes mark float16), "
+                       f"got {buffer.dtype} {tuple(buffer.shape)}.")
+    if is_concrete(buffer) and not np.array_equal(np.asarray(buffer[-tag.size :]), tag):
+      raise ValueError(f"this ({want},) uint8 buffer does not end with the bytes that mark a float16 weight's buffer "
+                       f"(to_buffer writes {tag.tobytes()!r}): not a float16 buffer.")
+    buffer = buffer[: -tag.size]
   values, positions = _layout.decompress(buffer, k, n, dtype)
   return NMSparseMatrix(values, _nm._pack(positions.reshape(k // 4, 2, n), 2, 4), shape=shape, n=2, m=4,
                         axis=0, validate=False)
