@@ -47,7 +47,8 @@ class CusparseLtKernel(nnx.Variable):
   """A 2:4 kernel kept only as one buffer in cuSPARSELt's compressed layout (``uint8``): the weight itself.
 
   :class:`CompressedNMLinear` built with ``storage="cusparselt"`` keeps its kernel as ``kernel_buffer``, this
-  variable: the kept values, then cuSPARSELt's metadata of their positions, written by jaxsparse on any device.
+  variable: the kept values, then cuSPARSELt's metadata of their positions, written by jaxsparse on any device (a
+  float16 weight's then 16 bytes that mark float16, so that it is never read as bfloat16's of the same size).
   Unlike :class:`CusparseLtWeight` (a copy, rebuilt with the layer) it is the layer's weight and belongs in
   checkpoints; it is not an ``nnx.Param`` and is not trained.
 
