@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 
 import _benchmarks_path  # noqa: F401 -- benchmarks/ on sys.path (_gpu_timing)
 import jax
@@ -98,7 +99,7 @@ def main():
           log(f"WRONG {m}x{k}x{n} {blk} d={d} {direction} {name}: relative error {err:.3g}")
       mosaic.tile_order = library_order
       num_out = k // blk[0] if transpose else n // blk[1]
-      tiles = -(-m // base.tile_m) * -(-num_out // base.group_cols) * base.split
+      tiles = math.prod(mosaic.tile_grid(m, num_out, base)) * base.split
       case = f"{m}x{k}x{n} {blk[0]}x{blk[1]} {jnp.dtype(dt).name} d{d}"
       rows.append((case, direction, tiles, f"{base.tile_m}/{base.group_cols}/{base.split}", dense_ms * 1e3, ratios))
       log(case, direction, " ".join(f"{v}={r:.3f}" for v, r in ratios.items()))

@@ -15,6 +15,7 @@ default's values.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -177,7 +178,7 @@ def candidates(
   if prior_m.tile_m == 256:
     variants["mosaic/t128"] = dataclasses.replace(prior_m, tile_m=128, split=1, group_cols=1)
   num_out = k // w.block_shape[0] if transpose else n // w.block_shape[1]
-  tiles = -(-m // prior_m.tile_m) * -(-num_out // prior_m.group_cols) * prior_m.split
+  tiles = math.prod(mosaic.tile_grid(m, num_out, prior_m)) * prior_m.split
   if ob == 128 and itemsize == 2 and tiles > mosaic.num_sms():
     # Tiles dealt in windows of 2 rounds sorted by their steps (MosaicKernelConfig.balance) against round-robin.
     # H200 (gpu_mosaic_balance_2026-12-01_h200.md), 16-bit 128-blocks at d 0.27-0.55: 0.91-0.97x the default's time

@@ -94,6 +94,7 @@ __all__ = [
     "resolve_config",
     "steps_of",
     "supports",
+    "tile_grid",
     "tile_order",
     "unsupported_reason",
 ]
@@ -269,6 +270,12 @@ def _steps(start, end, step, g):
   carry must keep its type: the index starts at a constant instead.
   """
   return lax.fori_loop(0, end - start, lambda i, g: step(start + i, g), g)
+
+
+def tile_grid(m: int, num_out: int, cfg: MosaicKernelConfig) -> tuple[int, int]:
+  """``(row tiles, tile columns)`` of an ``m``-row product with ``num_out`` output block columns; the kernel runs
+  ``cfg.split`` times as many tiles."""
+  return -(-m // cfg.tile_m), -(-num_out // cfg.group_cols)
 
 
 def tile_order(offsets: jax.Array, num_m: int, num_c: int, cfg: MosaicKernelConfig, num_ctas: int) -> jax.Array:
@@ -514,8 +521,7 @@ def dense_sparse_matmul(
   if w.nnz_blocks == 0:
     return jnp.zeros((m, out_cols), out_dtype)
   (ap,) = tma_rows(a, tile_m=config.tile_m)
-  num_m = -(-m // config.tile_m)
-  num_c = -(-num_out // config.group_cols)
+  num_m, num_c = tile_grid(m, num_out, config)
   num_tiles = num_m * num_c * config.split
   num_ctas = config.num_ctas
   num_ctas = num_tiles if num_ctas == 0 else min(num_tiles, num_ctas or num_sms())
