@@ -83,7 +83,7 @@ def test_nm24_unsupported_reason(m, k, n, dtype, expect):
         ({"token_split": 4}, "token_split must be 1 or 2, got token_split=4"),
         ({"warps": 16}, "warps must be 2, 4 or 8, got warps=16"),
         ({"span": 32}, r"span must be one of \(128, 64\), got span=32"),
-        ({"blocks_per_sm": 3}, "blocks_per_sm must be 1 or 2, got blocks_per_sm=3"),
+        ({"blocks_per_sm": 5}, "blocks_per_sm must be 1, 2, 3 or 4, got blocks_per_sm=5"),
         ({"x_load": "ldg"}, r"x_load must be one of \('shuffle', 'ldmatrix'\), got x_load='ldg'"),
         ({"loads": "all"}, r"loads must be one of \('step', 'pair', 'stages'\), got loads='all'"),
     ],
@@ -118,13 +118,19 @@ def _candidate_cases():
 @pytest.mark.parametrize(("m", "k", "n"), list(_candidate_cases()))
 def test_nm24_candidate_configs_are_distinct_runnable_and_default_first(m, k, n):
   configs = ck.nm24_candidate_configs(m, k, n)
-  assert configs[0] == ck.Nm24DecodeConfig.get_default(m, k, n) and len(set(configs)) == len(configs) <= 13
+  assert configs[0] == ck.Nm24DecodeConfig.get_default(m, k, n) and len(set(configs)) == len(configs) <= 15
   d = configs[0]
   other_load = "shuffle" if d.x_load == "ldmatrix" else "ldmatrix"
   extra = [dataclasses.replace(d, blocks_per_sm=2)]
+  thirds = []  # above 16 rows: the 4-warp shapes with three blocks a multiprocessor, last
   if m > 8:
     extra += [dataclasses.replace(d, token_split=2), dataclasses.replace(d, x_load=other_load)]
     extra += [dataclasses.replace(d, loads=loads) for loads in ck.NM24_LOADS if loads != d.loads]
+    if m > 16:
+      shaped = configs[:configs.index(extra[0])]
+      thirds = [dataclasses.replace(c, blocks_per_sm=3) for c in shaped if c.warps == 4]
+      assert thirds or d.warps != 4
+      extra += thirds
   else:  # ldmatrix on the default, and on 64-column spans with its warps per span and with its warps in all
     loads = [dataclasses.replace(d, x_load="ldmatrix")]
     if d.span == 128:
@@ -140,7 +146,9 @@ def test_nm24_candidate_configs_are_distinct_runnable_and_default_first(m, k, n)
     assert (d.loads, buffer_configs[0]) == ("step", dataclasses.replace(d, loads="pair"))
     swap = {"step": "pair", "pair": "step", "stages": "stages"}
     swapped = [dataclasses.replace(c, loads=swap[c.loads]) for c in configs]
-    assert buffer_configs[:-2] == swapped[:-2] and set(buffer_configs[-2:]) == set(swapped[-2:])
+    cut = len(configs) - len(thirds)  # the two other loads of the default just before the thirds
+    assert buffer_configs[:cut - 2] == swapped[:cut - 2] and buffer_configs[cut:] == swapped[cut:]
+    assert set(buffer_configs[cut - 2:cut]) == set(swapped[cut - 2:cut])
   else:
     assert buffer_configs == [c for c in configs if m > 8 or d.span == 64 or c.span == 128 or c.x_load == "shuffle"]
     assert buffer_configs[0] == d

@@ -23,10 +23,12 @@ class Nm24DecodeConfig:
     warps: warps per thread block (they split the block's slice of ``K``).
     span: columns of ``W`` per thread block, 128 or 64 (each lane holds 16 or 8 columns of a row, and
       accumulators for that many columns: 64 halves the registers, for more warps or more rows of ``x``).
-    blocks_per_sm: 1 or 2: with 2 the compiler keeps the registers per thread low enough for two thread blocks on
+    blocks_per_sm: 1 to 4: the compiler keeps the registers per thread low enough for that many thread blocks on
       a multiprocessor (``__launch_bounds__``'s minimum; it may spill). An H100 profile of the 4096 x 28672 product at
       M = 1 (8 warps, 128-column spans) showed 152 registers, one block per multiprocessor and its 224 blocks in
-      1.7 waves, at 76% of the memory bandwidth where cuBLAS's dense product reached 86%.
+      1.7 waves, at 76% of the memory bandwidth where cuBLAS's dense product reached 86%. At 32 rows, 3 blocks of 4
+      warps took 0.79-0.92 of the best config without on the TinyLlama products, both layouts of the positions
+      (``benchmarks/results/llm_decode_nm24_blocks_2026-12-01_h200.md``).
     token_split: 1 or 2 warps per step of ``K``: with 2, two warps load the same weights (the second mostly from L1)
       and each multiplies half of the rows of ``x``, for half the accumulator registers (182 -> 128 at 32 rows and
       64-column spans) and twice the warps a multiprocessor holds. It pays only above 8 rows (one tile of 8 each).
@@ -58,8 +60,8 @@ class Nm24DecodeConfig:
       raise ValueError(f"warps must be 2, 4 or 8, got warps={self.warps}.")
     if self.span not in NM24_SPANS:
       raise ValueError(f"span must be one of {NM24_SPANS}, got span={self.span}.")
-    if self.blocks_per_sm not in (1, 2):
-      raise ValueError(f"blocks_per_sm must be 1 or 2, got blocks_per_sm={self.blocks_per_sm}.")
+    if self.blocks_per_sm not in (1, 2, 3, 4):
+      raise ValueError(f"blocks_per_sm must be 1, 2, 3 or 4, got blocks_per_sm={self.blocks_per_sm}.")
     if self.token_split not in (1, 2):
       raise ValueError(f"token_split must be 1 or 2, got token_split={self.token_split}.")
     if self.x_load not in NM24_X_LOADS:
@@ -140,7 +142,8 @@ _NM24_WARPS_PER_SPAN = {2: (1, 2), 4: (1, 4), 8: (2, 4), 16: (2, 8), 32: (8, 4),
 def nm24_candidate_configs(m: int, k: int, n: int, *, buffer: bool = False) -> list[Nm24DecodeConfig]:
   """The configs measured dispatch times for an ``(m, k) @ (k, n)`` product: the default first, then its neighbours
   and the default with two blocks per multiprocessor; above 8 rows also the default with its rows split over two
-  warps (``token_split``), with the other ``x_load`` and with the other two ``loads``; up to 8 rows also the default
+  warps (``token_split``), with the other ``x_load`` and with the other two ``loads``, and above 16 rows the 4-warp
+  ones of the default and its neighbours with three blocks per multiprocessor; up to 8 rows also the default
   with ``ldmatrix`` loads of ``x``, and (``buffer`` False: the weight as ``NMSparseMatrix.indices``) those loads on
   64-column spans with the default's warps per span and with its warps in all. On an H200, ``ldmatrix`` on 64-column
   spans was the best of 48 configs at all 8 products of 1 and 8 rows it was fitted on (indices), and these candidates
@@ -189,6 +192,7 @@ def nm24_candidate_configs(m: int, k: int, n: int, *, buffer: bool = False) -> l
     cfg = dataclasses.replace(d, split=split, warps=warps, span=span)
     if cfg not in out:
       out.append(cfg)
+  shaped = list(out)  # the default and its neighbours
   out.append(dataclasses.replace(d, blocks_per_sm=2))
   if m <= 8:  # ldmatrix: the default, and on 64-column spans with its warps per span and with its warps in all
     loads = [dataclasses.replace(d, x_load="ldmatrix")]
@@ -201,4 +205,6 @@ def nm24_candidate_configs(m: int, k: int, n: int, *, buffer: bool = False) -> l
     out.append(dataclasses.replace(d, token_split=2))
     out.append(dataclasses.replace(d, x_load="shuffle" if d.x_load == "ldmatrix" else "ldmatrix"))
     out += [dataclasses.replace(d, loads=loads) for loads in NM24_LOADS if loads != d.loads]
+    if m > 16:  # three blocks of 4 warps a multiprocessor, for the 4-warp shapes (registers capped at 168 a thread)
+      out += [dataclasses.replace(c, blocks_per_sm=3) for c in shaped if c.warps == 4]
   return out
