@@ -128,7 +128,7 @@ def test_nm24_candidate_configs_are_distinct_runnable_and_default_first(m, k, n)
     extra += [dataclasses.replace(d, loads=loads) for loads in ck.NM24_LOADS if loads != d.loads]
     if m > 16:
       shaped = configs[:configs.index(extra[0])]
-      thirds = [dataclasses.replace(c, blocks_per_sm=3) for c in shaped if c.warps == 4]
+      thirds = [dataclasses.replace(c, blocks_per_sm=3, x_load="ldmatrix") for c in shaped if c.warps == 4]
       assert thirds or d.warps != 4
       extra += thirds
   else:  # ldmatrix on the default, and on 64-column spans with its warps per span and with its warps in all

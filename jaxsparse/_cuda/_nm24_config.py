@@ -143,7 +143,9 @@ def nm24_candidate_configs(m: int, k: int, n: int, *, buffer: bool = False) -> l
   """The configs measured dispatch times for an ``(m, k) @ (k, n)`` product: the default first, then its neighbours
   and the default with two blocks per multiprocessor; above 8 rows also the default with its rows split over two
   warps (``token_split``), with the other ``x_load`` and with the other two ``loads``, and above 16 rows the 4-warp
-  ones of the default and its neighbours with three blocks per multiprocessor; up to 8 rows also the default
+  ones of the default and its neighbours with three blocks per multiprocessor and ``ldmatrix`` loads of ``x`` (on
+  an H200 at 32 rows they took 0.79-0.95 of the best config before on the TinyLlama products, 1.0-1.1 on the
+  Llama-3-8B ones: ``benchmarks/results/llm_decode_nm24_blocks_2026-12-01_h200.md``); up to 8 rows also the default
   with ``ldmatrix`` loads of ``x``, and (``buffer`` False: the weight as ``NMSparseMatrix.indices``) those loads on
   64-column spans with the default's warps per span and with its warps in all. On an H200, ``ldmatrix`` on 64-column
   spans was the best of 48 configs at all 8 products of 1 and 8 rows it was fitted on (indices), and these candidates
@@ -205,6 +207,6 @@ def nm24_candidate_configs(m: int, k: int, n: int, *, buffer: bool = False) -> l
     out.append(dataclasses.replace(d, token_split=2))
     out.append(dataclasses.replace(d, x_load="shuffle" if d.x_load == "ldmatrix" else "ldmatrix"))
     out += [dataclasses.replace(d, loads=loads) for loads in NM24_LOADS if loads != d.loads]
-    if m > 16:  # three blocks of 4 warps a multiprocessor, for the 4-warp shapes (registers capped at 168 a thread)
-      out += [dataclasses.replace(c, blocks_per_sm=3) for c in shaped if c.warps == 4]
+    if m > 16:  # three blocks of 4 warps a multiprocessor (registers capped at 168 a thread), x through ldmatrix
+      out += [dataclasses.replace(c, blocks_per_sm=3, x_load="ldmatrix") for c in shaped if c.warps == 4]
   return out
