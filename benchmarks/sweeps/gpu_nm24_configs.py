@@ -7,9 +7,9 @@ so that the weights come from HBM), against XLA's dense ``x @ W`` in the same pr
     PYTHONPATH=. python3 benchmarks/sweeps/gpu_nm24_configs.py --rows 1,16 --layouts indices,buffer --blocks 1,2
 
 Configs: split 1 / 2 / 4 / 8, warps 2 / 4 / 8, spans of 64 / 128 columns, ``token_split`` 1 / 2 (above 8 rows) and
-both ``x_load``\\ s, one block per multiprocessor (72-96 configs a product; ``--blocks 1,2`` also two), each in the
-load orders of ``--loads`` (``Nm24DecodeConfig.loads``; ``--loads step`` for the configs before them). The weight's
-layout (``--layouts``): ``indices`` (:class:`jaxsparse.NMSparseMatrix`'s values and indices, what ``nm_matmul``
+both ``x_load``\\ s, one block per multiprocessor (72-96 configs a product; ``--blocks 1,3`` also three: 1-4), each
+in the load orders of ``--loads`` (``Nm24DecodeConfig.loads``; ``--loads step`` for the configs before them). The
+weight's layout (``--layouts``): ``indices`` (:class:`jaxsparse.NMSparseMatrix`'s values and indices, what ``nm_matmul``
 reads from an ``NMSparseMatrix``) or ``buffer`` (cuSPARSELt's buffer, what a compressed layer keeps and the kernel
 then reads its positions from: :func:`~jaxsparse._cuda._kernels.nm24_decode_buffer`). Prints a Markdown row per
 product (the shipped default, the best of :func:`~jaxsparse._cuda._kernels.nm24_candidate_configs`, the best of all)
@@ -97,7 +97,7 @@ def main() -> None:
   p.add_argument("--shapes", default=DEFAULT_SHAPES, help="K x N products, comma-separated")
   p.add_argument("--out", default="nm24_configs.json", help="every timing, JSON")
   p.add_argument("--layouts", default="indices", help="the weight's layouts, comma-separated: indices, buffer")
-  p.add_argument("--blocks", default="1", help="blocks per multiprocessor, comma-separated: 1, 2")
+  p.add_argument("--blocks", default="1", help="blocks per multiprocessor, comma-separated: 1-4")
   p.add_argument("--loads", default="step,pair,stages", help="load orders, comma-separated: step, pair, stages")
   p.add_argument("--time-limit", type=float, default=500.0, help="seconds; products after it are left out")
   args = p.parse_args()
