@@ -27,8 +27,8 @@ class Nm24DecodeConfig:
       a multiprocessor (``__launch_bounds__``'s minimum; it may spill). An H100 profile of the 4096 x 28672 product at
       M = 1 (8 warps, 128-column spans) showed 152 registers, one block per multiprocessor and its 224 blocks in
       1.7 waves, at 76% of the memory bandwidth where cuBLAS's dense product reached 86%. At 32 rows, 3 blocks of 4
-      warps took 0.79-0.92 of the best config without on the TinyLlama products, both layouts of the positions
-      (``benchmarks/results/llm_decode_nm24_blocks_2026-12-01_h200.md``).
+      warps took 0.79-0.95 of the best config without on the TinyLlama products (both layouts of the positions;
+      ``benchmarks/results/llm_decode_nm24_blocks_2026-12-01_h200.md``).
     token_split: 1 or 2 warps per step of ``K``: with 2, two warps load the same weights (the second mostly from L1)
       and each multiplies half of the rows of ``x``, for half the accumulator registers (182 -> 128 at 32 rows and
       64-column spans) and twice the warps a multiprocessor holds. It pays only above 8 rows (one tile of 8 each).
@@ -144,8 +144,9 @@ def nm24_candidate_configs(m: int, k: int, n: int, *, buffer: bool = False) -> l
   and the default with two blocks per multiprocessor; above 8 rows also the default with its rows split over two
   warps (``token_split``), with the other ``x_load`` and with the other two ``loads``, and above 16 rows the 4-warp
   ones of the default and its neighbours with three blocks per multiprocessor and ``ldmatrix`` loads of ``x`` (on
-  an H200 at 32 rows they took 0.79-0.95 of the best config before on the TinyLlama products, 1.0-1.1 on the
-  Llama-3-8B ones: ``benchmarks/results/llm_decode_nm24_blocks_2026-12-01_h200.md``); up to 8 rows also the default
+  an H200 at 32 rows the best candidate took 0.79-0.95 of the best before at 7 of 8 TinyLlama products and layouts;
+  the Llama-3-8B ones keep an 8-warp config: ``benchmarks/results/llm_decode_nm24_blocks_2026-12-01_h200.md``); up to
+  8 rows also the default
   with ``ldmatrix`` loads of ``x``, and (``buffer`` False: the weight as ``NMSparseMatrix.indices``) those loads on
   64-column spans with the default's warps per span and with its warps in all. On an H200, ``ldmatrix`` on 64-column
   spans was the best of 48 configs at all 8 products of 1 and 8 rows it was fitted on (indices), and these candidates
