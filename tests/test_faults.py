@@ -51,6 +51,10 @@ NATIVE_CASES = {
     "csr_few_rows_forward_row_offsets_decreasing": "row_offsets is not an offset array",
     "csr_few_rows_forward_col_index_past_n": "col_indices has entries outside",
     "csr_few_rows_forward_col_index_negative": "col_indices has entries outside",
+    # The few-rows forward checks the column indices while it adds them up: one row (its scalar loop), and the last
+    # entry of the last of several work items.
+    "csr_few_rows_forward_one_row_col_index_past_n": "col_indices has entries outside",
+    "csr_few_rows_forward_last_item_col_index_negative": "col_indices has entries outside",
     "valid_shapes_sweep": None,  # every kernel on edge shapes against NumPy (under ASan: no stray access)
 }
 # In the fast set: a case of each kernel, and the CSR forward's transpose order. The others, the sweep the longest
@@ -59,6 +63,7 @@ FAST_NATIVE_CASES = {
     "masked_forward_mask_bytes_255", "masked_backward_mask_bytes_255", "csr_forward_col_offsets_decreasing",
     "csr_forward_order_past_nnz", "csr_backward_col_index_past_n", "block_forward_row_index_past_grid",
     "block_backward_row_offsets_past_nnz", "csr_few_rows_forward_col_index_negative",
+    "csr_few_rows_forward_one_row_col_index_past_n", "csr_few_rows_forward_last_item_col_index_negative",
 }
 
 _NATIVE_CHILD = """
@@ -139,11 +144,29 @@ def sweep():
               np.abs(np.asarray(dd) - full).max(initial=0))
   return {"error": None, "max_err": float(err)}
 
+def finish(y):
+  try:
+    jax.block_until_ready(y)
+  except Exception as e:
+    return {"error": type(e).__name__, "message": str(e)}
+  return {"error": None, "message": ""}
+
+def few_rows_spoiled(case):
+  one = "one_row" in case
+  k, n = (16, 24) if one else (512, 256)
+  w = csr_parts() if one else CSRMatrix.from_dense(f32(k, n), mask=rng.random((k, n)) < 0.5)
+  cols = np.array(w.col_indices)
+  cols[-1] = n if one else -5
+  x = f32(1 if one else 2, k)
+  return finish(_kernels.csr_few_rows_forward(x, np.asarray(w.data), np.asarray(w.row_offsets), cols, n))
+
 def run(case):
   if case.startswith("masked_"):
     return masked("backward" in case)
   if case == "valid_shapes_sweep":
     return sweep()
+  if case.startswith(("csr_few_rows_forward_one_row", "csr_few_rows_forward_last_item")):
+    return few_rows_spoiled(case)
   x = f32(4, 16)
   if case.startswith("csr_"):
     w = csr_parts()
@@ -199,11 +222,7 @@ def run(case):
       y = _kernels.block_forward(x, data, a["row_indices"], a["col_offsets"], a["transpose_order"])
     else:
       y = _kernels.block_backward(x, data, a["row_offsets"], a["col_indices"], f32(4, 48))[0]
-  try:
-    jax.block_until_ready(y)
-  except Exception as e:
-    return {"error": type(e).__name__, "message": str(e)}
-  return {"error": None, "message": ""}
+  return finish(y)
 
 for case in sys.argv[1].split(","):
   try:
