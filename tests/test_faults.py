@@ -51,8 +51,7 @@ NATIVE_CASES = {
     "csr_few_rows_forward_row_offsets_decreasing": "row_offsets is not an offset array",
     "csr_few_rows_forward_col_index_past_n": "col_indices has entries outside",
     "csr_few_rows_forward_col_index_negative": "col_indices has entries outside",
-    # The few-rows forward checks the column indices while it adds them up: one row (its scalar loop), and the last
-    # entry of the last of several work items.
+    # The few-rows forward with one row (its scalar loop), and a bad last entry in the last of several work items.
     "csr_few_rows_forward_one_row_col_index_past_n": "col_indices has entries outside",
     "csr_few_rows_forward_last_item_col_index_negative": "col_indices has entries outside",
     "valid_shapes_sweep": None,  # every kernel on edge shapes against NumPy (under ASan: no stray access)
