@@ -148,10 +148,10 @@ def nm24_candidate_configs(m: int, k: int, n: int, *, buffer: bool = False) -> l
   the Llama-3-8B ones keep an 8-warp config: ``benchmarks/results/llm_decode_nm24_blocks_2026-12-01_h200.md``); up to
   8 rows also the default with ``ldmatrix`` loads of ``x``, and (``buffer`` False: the weight as
   ``NMSparseMatrix.indices``) those loads on 64-column spans with the default's warps per span and with its warps in
-  all. On an H200, ``ldmatrix`` on 64-column
-  spans was the best of 48 configs at all 8 products of 1 and 8 rows it was fitted on (indices), and these candidates
-  were the best at 6 and within 1.2% at 2, 4-14% under the default; reading cuSPARSELt's buffer the 64-column ones
-  lose that (``benchmarks/results/llm_decode_nm24_small_rows_2026-11-28_h200.md``).
+  all. On an H200, ``ldmatrix`` on 64-column spans was the best of 48 configs at all 8 products of 1 and 8 rows it
+  was fitted on (indices), and these candidates were the best at 6 and within 1.2% at 2, 4-14% under the default;
+  reading cuSPARSELt's buffer the 64-column ones lose that
+  (``benchmarks/results/llm_decode_nm24_small_rows_2026-11-28_h200.md``).
 
   Up to 16 rows the neighbours are half and twice the split, the other warp count at the same warps per span and the
   other span. Above 16 rows they are the other (split, warps) pairs of the default's warps per span, the usual pair
