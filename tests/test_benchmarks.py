@@ -178,7 +178,7 @@ def test_gpu_suite_splits_into_shards():
   assert bad.returncode == 4 and "--shard I/N needs 1 <= I <= N, got '4/3'" in bad.stderr
 
 
-def test_nm24_config_sweep_lists_and_scores_configs():
+def test_nm24_config_sweep_lists_and_scores_configs(capsys):
   # GPU only to run; on the CPU its config space and its table row (from recorded timings).
   sys.path.insert(0, str(ROOT / "benchmarks" / "sweeps"))
   import gpu_nm24_configs as sweep  # noqa: PLC0415
@@ -209,3 +209,9 @@ def test_nm24_config_sweep_lists_and_scores_configs():
   old = sweep.row({"m": 32, "k": 2048, "n": 2560, "layout": "buffer", "dense_us": 8.0,
                    "configs": {c.name: timings[c.name] for c in configs}}).split("|")
   assert old[4].strip() == f"- ({best})" and old[7].strip() == "-"
+  # The command line takes 1-4 blocks per multiprocessor and names what it takes otherwise.
+  rows, shapes, _, blocks, loads, _ = sweep.parse_args(["--rows", "1,8", "--shapes", "14336x4096", "--blocks", "1,3,4"])
+  assert (rows, shapes, blocks, loads) == ([1, 8], [(14336, 4096)], (1, 3, 4), ck.NM24_LOADS)
+  with pytest.raises(SystemExit):
+    sweep.parse_args(["--blocks", "5"])
+  assert "--blocks 1-4" in capsys.readouterr().err

@@ -131,15 +131,16 @@ def test_nm24_candidate_configs_are_distinct_runnable_and_default_first(m, k, n)
       thirds = [dataclasses.replace(c, blocks_per_sm=3, x_load="ldmatrix") for c in shaped if c.warps == 4]
       assert thirds or d.warps != 4
       extra += thirds
-  else:  # ldmatrix on the default, and on 64-column spans with its warps per span and with its warps in all
-    loads = [dataclasses.replace(d, x_load="ldmatrix")]
+  else:  # the default's other x load, and ldmatrix on 64-column spans with its warps per span and in all
+    loads = [dataclasses.replace(d, x_load=other_load)]
     if d.span == 128:
       loads.append(dataclasses.replace(d, span=64, x_load="ldmatrix"))
       loads += [dataclasses.replace(d, span=64, warps=d.warps // 2, x_load="ldmatrix")] if d.warps > 2 else []
     extra += [c for c in loads if c.warps == d.warps or (k // 64) >= c.split * c.warps]
   assert configs[-len(extra):] == extra
-  # Reading cuSPARSELt's buffer: the same but the 64-column ldmatrix configs (they lose there), and above 16 rows
-  # each with both steps' loads first (the buffer's default there).
+  # Reading cuSPARSELt's buffer: above 16 rows each with both steps' loads first (the buffer's default there); up to
+  # 8 rows the same configs, but from 768 warps in all the default (and so its neighbours) with x through ldmatrix
+  # and the other x load shuffles.
   buffer_configs = ck.nm24_candidate_configs(m, k, n, buffer=True)
   assert buffer_configs[0] == ck.Nm24DecodeConfig.get_default(m, k, n, buffer=True)
   if m > 16:
@@ -149,9 +150,17 @@ def test_nm24_candidate_configs_are_distinct_runnable_and_default_first(m, k, n)
     cut = len(configs) - len(thirds)  # the two other loads of the default just before the thirds
     assert buffer_configs[:cut - 2] == swapped[:cut - 2] and buffer_configs[cut:] == swapped[cut:]
     assert set(buffer_configs[cut - 2:cut]) == set(swapped[cut - 2:cut])
+  elif m > 8:
+    assert buffer_configs == configs
   else:
-    assert buffer_configs == [c for c in configs if m > 8 or d.span == 64 or c.span == 128 or c.x_load == "shuffle"]
-    assert buffer_configs[0] == d
+    many = (n // d.span) * d.split * d.warps >= 768
+    assert buffer_configs[0] == (dataclasses.replace(d, x_load="ldmatrix") if many else d)
+    b = buffer_configs[0]
+    shaped = len(configs) - len(extra) + 1  # the default, its neighbours and with two blocks a multiprocessor
+    swapped = [dataclasses.replace(c, x_load=b.x_load) for c in configs[:shaped]]
+    swapped += [dataclasses.replace(b, x_load="ldmatrix" if b.x_load == "shuffle" else "shuffle")]
+    swapped += configs[shaped + 1:]  # ldmatrix on 64-column spans
+    assert buffer_configs == list(dict.fromkeys(swapped))
   neighbours = configs[1:-len(extra)]
   for c in neighbours:  # every warp of every block gets a step pair; the span divides N
     assert (k // 64) >= c.split * c.warps and n % c.span == 0
@@ -193,7 +202,11 @@ def test_nm24_default_spans_by_rows():
     d = ck.Nm24DecodeConfig.get_default(m, 4096, 4096)
     assert d.loads == "step"
     assert ck.Nm24DecodeConfig.get_default(m, 4096, 4096, buffer=True) == (
-        dataclasses.replace(d, loads="pair") if m > 16 else d)
+        dataclasses.replace(d, loads="pair") if m > 16 else dataclasses.replace(d, x_load="ldmatrix"))
+  # Up to 8 rows reading the buffer, x through ldmatrix from 768 warps in all, shuffles below
+  # (benchmarks/results/llm_decode_nm24_buffer_2026-12-01_h200.md).
+  assert ck.Nm24DecodeConfig.get_default(1, 2048, 2048, buffer=True) == ck.Nm24DecodeConfig(8, 4, 128)  # 512 warps
+  assert ck.Nm24DecodeConfig.get_default(8, 4096, 6144, buffer=True) == ck.Nm24DecodeConfig(4, 4, 128, x_load=lm)
   # N a multiple of 64 but not of 128: spans of 64 at every M.
   assert ck.Nm24DecodeConfig.get_default(1, 4096, 4160).span == 64
 

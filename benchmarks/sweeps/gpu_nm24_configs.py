@@ -91,7 +91,9 @@ def row(r: dict) -> str:
           f"{len(us)} | {wrong} |")
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> tuple[list[int], list[tuple[int, int]], list[str], tuple[int, ...],
+                                                      tuple[str, ...], argparse.Namespace]:
+  """The command line: rows, (K, N) shapes, layouts, blocks per multiprocessor, load orders and the namespace."""
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--rows", default="24,32", help="rows of x, comma-separated (1-32)")
   p.add_argument("--shapes", default=DEFAULT_SHAPES, help="K x N products, comma-separated")
@@ -100,15 +102,21 @@ def main() -> None:
   p.add_argument("--blocks", default="1", help="blocks per multiprocessor, comma-separated: 1-4")
   p.add_argument("--loads", default="step,pair,stages", help="load orders, comma-separated: step, pair, stages")
   p.add_argument("--time-limit", type=float, default=500.0, help="seconds; products after it are left out")
-  args = p.parse_args()
+  args = p.parse_args(argv)
   rows = [int(r) for r in args.rows.split(",")]
   shapes = [tuple(int(d) for d in s.split("x")) for s in args.shapes.split(",")]
   layouts = args.layouts.split(",")
   blocks = tuple(int(b) for b in args.blocks.split(","))
   loads = tuple(args.loads.split(","))
-  if not set(layouts) <= {"indices", "buffer"} or not set(blocks) <= {1, 2} or not set(loads) <= set(ck.NM24_LOADS):
-    p.error(f"--layouts takes indices and buffer, --blocks 1 and 2, --loads {', '.join(ck.NM24_LOADS)}; got "
+  if not set(layouts) <= {"indices", "buffer"} or not set(blocks) <= {1, 2, 3, 4} or not set(loads) <= set(
+      ck.NM24_LOADS):
+    p.error(f"--layouts takes indices and buffer, --blocks 1-4, --loads {', '.join(ck.NM24_LOADS)}; got "
             f"{args.layouts!r}, {args.blocks!r}, {args.loads!r}")
+  return rows, shapes, layouts, blocks, loads, args
+
+
+def main() -> None:
+  rows, shapes, layouts, blocks, loads, args = parse_args()
   t0 = time.time()
   with ThreadPoolExecutor(16) as pool:  # NVRTC builds, in threads (the shape only sets the token tiles)
     list(pool.map(lambda mcb: ck.nm24_prepare(mcb[0], 4096, 4096, mcb[1], buffer=mcb[2]),

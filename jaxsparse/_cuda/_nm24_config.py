@@ -84,7 +84,10 @@ class Nm24DecodeConfig:
 
     ``M <= 8``: spans of 128 columns. From 64 spans (N >= 8192) blocks of 8 warps, about 1024 warps in
     all (N = 8192: 2 blocks per span; N = 11008, 14336, 16384: one), 0.63-0.70 of dense at M = 1 for
-    K = 2048-4096; fewer spans (N = 4096): clusters of 8 blocks of 4 warps (0.78-0.80).
+    K = 2048-4096; fewer spans (N = 4096): clusters of 8 blocks of 4 warps (0.78-0.80). ``x`` by shuffles, but
+    reading cuSPARSELt's buffer with 768 warps or more in all through ``ldmatrix``: on an H200 those products (the
+    Llama-3-8B ones) took 1.04-1.09 of dense's time with shuffles at 4096 x 4096 and 14336 x 4096 and 0.69-0.81
+    with ``ldmatrix`` (``benchmarks/results/llm_decode_nm24_buffer_2026-12-01_h200.md``).
     ``8 < M <= 16``: spans of 64 columns (half the accumulators per lane), in blocks of 8 warps from 128
     spans (N >= 8192) and of 4 below; the split brings the warps nearest 1536, the best of the splits measured
     at N = 4096-16384: 0.59-0.85 of dense at M = 12-16 (N = 4096: 0.85, against 0.95 for the best split of
@@ -131,8 +134,15 @@ class Nm24DecodeConfig:
       split //= 2
     while warps > 2 and pairs < split * warps:
       warps //= 2
-    return cls(split=split, warps=warps, span=span, x_load="shuffle" if m <= 8 else "ldmatrix")
+    # Up to 8 rows x by shuffles, but reading the buffer with 768 warps or more through ldmatrix.
+    ldmatrix = m > 8 or (buffer and spans * split * warps >= _NM24_BUFFER_LDMATRIX_WARPS)
+    return cls(split=split, warps=warps, span=span, x_load="ldmatrix" if ldmatrix else "shuffle")
 
+
+# Up to 8 rows, reading cuSPARSELt's buffer: from this many warps in all the default loads x through ldmatrix. On an
+# H200 shuffles took 1.02-1.51 of ldmatrix's time on the default configs of 768-1792 warps (Llama-3-8B's products) and
+# 0.95-1.01 on those of 512-704 (TinyLlama's; ``benchmarks/results/llm_decode_nm24_buffer_2026-12-01_h200.md``).
+_NM24_BUFFER_LDMATRIX_WARPS = 768
 
 # Above 16 rows: the (split, warps) of each count of warps per column span, the one that won most often at that count
 # at 17-24 rows (``benchmarks/results/llm_decode_nm32_configs_2026-11-28_h100.md``).
@@ -146,12 +156,14 @@ def nm24_candidate_configs(m: int, k: int, n: int, *, buffer: bool = False) -> l
   ones of the default and its neighbours with three blocks per multiprocessor and ``ldmatrix`` loads of ``x`` (on
   an H200 at 32 rows the best candidate took 0.79-0.95 of the best before at 7 of 8 TinyLlama products and layouts;
   the Llama-3-8B ones keep an 8-warp config: ``benchmarks/results/llm_decode_nm24_blocks_2026-12-01_h200.md``); up to
-  8 rows also the default with ``ldmatrix`` loads of ``x``, and (``buffer`` False: the weight as
-  ``NMSparseMatrix.indices``) those loads on 64-column spans with the default's warps per span and with its warps in
-  all. On an H200, ``ldmatrix`` on 64-column spans was the best of 48 configs at all 8 products of 1 and 8 rows it
-  was fitted on (indices), and these candidates were the best at 6 and within 1.2% at 2, 4-14% under the default;
-  reading cuSPARSELt's buffer the 64-column ones lose that
-  (``benchmarks/results/llm_decode_nm24_small_rows_2026-11-28_h200.md``).
+  8 rows also the default with the other load of ``x`` and ``ldmatrix`` loads on 64-column spans with the
+  default's warps per span and with its warps in all. On an H200, ``ldmatrix`` on 64-column spans was the best of 48
+  configs at all 8 products of 1 and 8 rows it was fitted on (``NMSparseMatrix.indices``), and these candidates were
+  the best at 6 and within 1.2% at 2, 4-14% under the default
+  (``benchmarks/results/llm_decode_nm24_small_rows_2026-11-28_h200.md``); reading cuSPARSELt's buffer they took
+  0.94-1.0 of the candidates' best without them at 16 products of 1 and 8 rows, and the candidates' best was within
+  2.1% of the best of 88-96 configs at 14 (2048 x 11264: 6-8%;
+  ``benchmarks/results/llm_decode_nm24_buffer_2026-12-01_h200.md``).
 
   Up to 16 rows the neighbours are half and twice the split, the other warp count at the same warps per span and the
   other span. Above 16 rows they are the other (split, warps) pairs of the default's warps per span, the usual pair
@@ -165,8 +177,8 @@ def nm24_candidate_configs(m: int, k: int, n: int, *, buffer: bool = False) -> l
   >>> [c.name for c in nm24_candidate_configs(1, 4096, 4096)]  # doctest: +NORMALIZE_WHITESPACE
   ['s8w4c128b1xs', 's4w4c128b1xs', 's4w8c128b1xs', 's8w4c64b1xs', 's8w4c128b2xs', 's8w4c128b1xm', 's8w4c64b1xm',
    's8w2c64b1xm']
-  >>> [c.name for c in nm24_candidate_configs(1, 4096, 4096, buffer=True)][5:]
-  ['s8w4c128b1xm']
+  >>> [c.name for c in nm24_candidate_configs(1, 4096, 4096, buffer=True)]  # doctest: +NORMALIZE_WHITESPACE
+  ['s8w4c128b1xm', 's4w4c128b1xm', 's4w8c128b1xm', 's8w4c64b1xm', 's8w4c128b2xm', 's8w4c128b1xs', 's8w2c64b1xm']
 
   Args:
     m, k, n: the product's rows, depth and columns.
@@ -197,9 +209,9 @@ def nm24_candidate_configs(m: int, k: int, n: int, *, buffer: bool = False) -> l
       out.append(cfg)
   shaped = list(out)  # the default and its neighbours
   out.append(dataclasses.replace(d, blocks_per_sm=2))
-  if m <= 8:  # ldmatrix: the default, and on 64-column spans with its warps per span and with its warps in all
-    loads = [dataclasses.replace(d, x_load="ldmatrix")]
-    if d.span == 128 and not buffer:
+  if m <= 8:  # the default's other x load, and ldmatrix on 64-column spans with its warps per span and in all
+    loads = [dataclasses.replace(d, x_load="shuffle" if d.x_load == "ldmatrix" else "ldmatrix")]
+    if d.span == 128:
       loads.append(dataclasses.replace(d, span=64, x_load="ldmatrix"))
       if d.warps > 2:
         loads.append(dataclasses.replace(d, span=64, warps=d.warps // 2, x_load="ldmatrix"))
