@@ -322,9 +322,10 @@ def test_sparse_mma_backend_and_default_rules():
   cands = lambda names: [_tuning.Candidate(n, None) for n in names]
   product = _nm_matmul._product(cfg, x, w, None)
   assert _nm_matmul._shipped_default(product, cands(["mma_sp", "pallas", "xla"])) == "mma_sp"
-  narrow = jaxsparse.NMSparseMatrix.from_dense(jnp.ones((256, 2048), jnp.bfloat16), 2, 4)
-  assert _nm_matmul._shipped_default(_nm_matmul._product(cfg, x, narrow, None),
-                                     cands(["mma_sp", "pallas", "xla"])) == "pallas"
+  for width, route in [(2048, "mma_sp"), (1024, "pallas")]:  # from 2048 columns (the TinyLlama products)
+    narrow = jaxsparse.NMSparseMatrix.from_dense(jnp.ones((256, width), jnp.bfloat16), 2, 4)
+    assert _nm_matmul._shipped_default(_nm_matmul._product(cfg, x, narrow, None),
+                                       cands(["mma_sp", "pallas", "xla"])) == route
   many = jnp.zeros((128, 256), jnp.bfloat16)
   assert _nm_matmul._shipped_default(_nm_matmul._product(cfg, many, w, None),
                                      cands(["cusparselt", "pallas", "xla"])) == "cusparselt"

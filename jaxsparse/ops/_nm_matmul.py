@@ -16,7 +16,7 @@ Backends for the forward product:
   ``jaxsparse._cuda._layout`` knows the layout) (``benchmarks/results/gpu_nm_2026-11-23.md``). Its
   decode kernels are slower than the Pallas kernel, so "auto" takes it for more than
   ``MAX_FUSED_ROWS`` rows.
-* Our CUDA kernel on ``mma.sp`` (Hopper, 2:4 bfloat16, ``M <= 32``, ``N >= NM24_MIN_COLS``;
+* Our CUDA kernel on ``mma.sp`` (Hopper, 2:4 bfloat16, ``M <= 32``, ``N >= NM24_MIN_COLS`` (2048);
   :mod:`jaxsparse._cuda._kernels`): reads ``w`` as stored, on the sparse tensor cores: 0.61-0.84x the
   dense time at M = 1-16 and 0.73-0.95x at M = 32 for K = 4096, N = 4096-16384, weights from device
   memory (``benchmarks/results/gpu_nm_decode_2026-11-24_h100.md``). "auto" takes it where it applies.
@@ -71,9 +71,12 @@ MAX_FUSED_ROWS = 64
 # XLA path's time and 2.5-3.4x cuSPARSELt's in all six Llama-3-8B projections measured (H100,
 # benchmarks/results/llm_decode_fused_2026-11-27_h100.md), and compiling and timing it lengthens the first trace.
 PALLAS_MAX_TUNED_ROWS = 512
-# "auto" takes the sparse tensor-core decode kernel (M <= 32) for W at least this wide (H100,
-# benchmarks/results/gpu_nm_decode_2026-11-24_h100.md).
-NM24_MIN_COLS = 4096
+# "auto" with tuning off takes the sparse tensor-core decode kernel (M <= 32) for W at least this wide (H100,
+# benchmarks/results/gpu_nm_decode_2026-11-24_h100.md: N = 4096-16384). From 2048 (was 4096): on an H200 the
+# TinyLlama-1.1B products of 2048-2560 columns ran at 0.25-0.90 of dense at 1-8 rows on it, and the 1.1B model, tuning
+# off, decoded 2:4 at 1.60x / 1.09x dense at batch 1 / 8 where the Pallas kernel on the narrower ones gave 0.89x /
+# 0.62x (benchmarks/results/llm_decode_nm24_buffer_2026-12-01_h200.md).
+NM24_MIN_COLS = 2048
 
 
 def nm_matmul_reference(
@@ -538,7 +541,7 @@ def nm_matmul(
     implementation: ``None`` picks at lowering time, on CUDA GPUs among every backend that supports the
       operands (our ``mma.sp`` decode kernel, cuSPARSELt, the Pallas kernel, the XLA path) the one measured
       fastest for this product (:func:`jaxsparse.set_autotune_mode`), or with tuning off the shipped rule:
-      the ``mma.sp`` kernel for ``M <= 32`` rows of a 2:4 bfloat16 ``W`` at least ``NM24_MIN_COLS`` wide, the
+      the ``mma.sp`` kernel for ``M <= 32`` rows of a 2:4 bfloat16 ``W`` of at least 2048 columns, the
       Pallas kernel for few rows (``M <= 64``), cuSPARSELt's sparse tensor cores for more rows (2:4
       bfloat16, with ``cusparselt_weight`` or, where XLA can write cuSPARSELt's layout, a buffer built in the
       call), the XLA path otherwise; elsewhere the XLA path; ``"xla"``, ``"pallas"`` or
