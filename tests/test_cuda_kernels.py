@@ -109,9 +109,10 @@ def _candidate_cases():
   shape once (M = 17 on 4096 x 28672); the other 25 cases are long: moved out of the fast set (make test <= 15 min on
   2 cores); CI runs them."""
   fast = {(1, 4096, 4096), (8, 4096, 4096), (16, 4096, 4096), (32, 4096, 4096), (16, 4096, 6144), (17, 4096, 28672),
-          (1, 14336, 4096), (8, 2048, 2560), (1, 64, 128), (1, 4096, 4160)}
+          (1, 14336, 4096), (8, 2048, 2560), (1, 64, 128), (1, 4096, 4160), (32, 2048, 2048)}
   for m in [1, 8, 16, 17, 32]:
-    for k, n in [(4096, 4096), (4096, 6144), (4096, 28672), (14336, 4096), (2048, 2560), (64, 128), (4096, 4160)]:
+    for k, n in [(4096, 4096), (4096, 6144), (4096, 28672), (14336, 4096), (2048, 2560), (64, 128), (4096, 4160),
+                 (2048, 2048)]:
       yield (m, k, n) if (m, k, n) in fast else pytest.param(m, k, n, marks=pytest.mark.slow)
 
 
@@ -119,7 +120,10 @@ def _candidate_cases():
 def test_nm24_candidate_configs_are_distinct_runnable_and_default_first(m, k, n):
   configs = ck.nm24_candidate_configs(m, k, n)
   assert configs[0] == ck.Nm24DecodeConfig.get_default(m, k, n) and len(set(configs)) == len(configs) <= 15
-  d = configs[0]
+  # A default of three blocks a multiprocessor (from 25 rows at 32 warps a span) is followed by its one-block build,
+  # of which the neighbours and variants are.
+  d = dataclasses.replace(configs[0], blocks_per_sm=1)
+  assert configs[0].blocks_per_sm == 1 or (configs[0].blocks_per_sm == 3 and configs[1] == d)
   other_load = "shuffle" if d.x_load == "ldmatrix" else "ldmatrix"
   extra = [dataclasses.replace(d, blocks_per_sm=2)]
   thirds = []  # above 16 rows: the 4-warp shapes with three blocks a multiprocessor, last
@@ -129,6 +133,7 @@ def test_nm24_candidate_configs_are_distinct_runnable_and_default_first(m, k, n)
     if m > 16:
       shaped = configs[:configs.index(extra[0])]
       thirds = [dataclasses.replace(c, blocks_per_sm=3, x_load="ldmatrix") for c in shaped if c.warps == 4]
+      thirds = [c for c in dict.fromkeys(thirds) if c not in shaped]
       assert thirds or d.warps != 4
       extra += thirds
   else:  # the default's other x load, and ldmatrix on 64-column spans with its warps per span and in all
@@ -144,7 +149,7 @@ def test_nm24_candidate_configs_are_distinct_runnable_and_default_first(m, k, n)
   buffer_configs = ck.nm24_candidate_configs(m, k, n, buffer=True)
   assert buffer_configs[0] == ck.Nm24DecodeConfig.get_default(m, k, n, buffer=True)
   if m > 16:
-    assert (d.loads, buffer_configs[0]) == ("step", dataclasses.replace(d, loads="pair"))
+    assert (d.loads, buffer_configs[0]) == ("step", dataclasses.replace(configs[0], loads="pair"))
     swap = {"step": "pair", "pair": "step", "stages": "stages"}
     swapped = [dataclasses.replace(c, loads=swap[c.loads]) for c in configs]
     cut = len(configs) - len(thirds)  # the two other loads of the default just before the thirds
@@ -192,7 +197,10 @@ def test_nm24_default_spans_by_rows():
   # Above 16 rows: about 768 warps (benchmarks/results/llm_decode_nm32_configs_2026-11-28_h100.md); 32 warps a span
   # (N = 2048) in clusters of 8 blocks of 4 warps, reading x by shuffles from 25 rows.
   assert ck.Nm24DecodeConfig.get_default(24, 2048, 2048) == ck.Nm24DecodeConfig(8, 4, 64, x_load=lm)
-  assert ck.Nm24DecodeConfig.get_default(32, 2048, 2048) == ck.Nm24DecodeConfig(8, 4, 64, x_load="shuffle")
+  # (8 blocks of 4 warps a cluster, three blocks a multiprocessor and ldmatrix at 32 warps a span from 25 rows:
+  # benchmarks/results/llm_decode_nm24_buffer_2026-12-01_h200.md).
+  assert ck.Nm24DecodeConfig.get_default(32, 2048, 2048) == ck.Nm24DecodeConfig(8, 4, 64, 3, x_load=lm)
+  assert ck.Nm24DecodeConfig.get_default(32, 4096, 768) == ck.Nm24DecodeConfig(8, 8, 64, x_load="shuffle")  # 64 a span
   assert ck.Nm24DecodeConfig.get_default(20, 4096, 28672) == ck.Nm24DecodeConfig(1, 2, 64, x_load=lm)
   assert ck.Nm24DecodeConfig.get_default(32, 2048, 5632) == ck.Nm24DecodeConfig(1, 8, 64, x_load=lm)
   assert ck.Nm24DecodeConfig.get_default(20, 2048, 5632) == ck.Nm24DecodeConfig(2, 4, 64, x_load=lm)

@@ -94,12 +94,15 @@ class Nm24DecodeConfig:
     128-column spans; N = 11008: 0.71 with 1376 warps, 0.88 with 2752).
     ``16 < M <= 32``: spans of 64 columns and the warps per span (a power of two) that bring the warps nearest
     768, each count in the (split, warps) that won most often (:data:`_NM24_WARPS_PER_SPAN`; 8 warps a span in one
-    block from 25 rows), ``ldmatrix`` but shuffles from 25 rows at 32 warps per span. At 44 products of 17-32 rows
+    block from 25 rows), ``ldmatrix`` but shuffles from 25 rows at 64 warps per span. At 44 products of 17-32 rows
     (K = 1024-14336, N = 2048-28672), 0.60-0.95 of dense and 1.00-1.24 of the best of 72-96 configs (geometric mean
     1.05 at 17-24 rows, 1.02 at 25-32); the rules before them ran 5 of the 16 products they were not fitted on
-    slower than dense (up to 1.36). Reading cuSPARSELt's buffer (``buffer``) with ``loads="pair"``: on an H200 at
-    24 and 32 rows, 0.65-1.03 of the time with ``"step"`` (14 products), where on the indices it took 0.89-1.09
-    (``benchmarks/results/llm_decode_nm24_loads_2026-12-01_h200.md``).
+    slower than dense (up to 1.36). At 32 warps per span (clusters of 8 blocks of 4 warps) from 25 rows, three
+    blocks a multiprocessor and ``ldmatrix``: on an H200 at 32 rows, reading cuSPARSELt's buffer, 2048 x 2048 and
+    5632 x 2048 took 5.9 and 10.0 µs (0.91-0.95 of dense) against 9.2 and 16.1 with one block and shuffles (H100
+    fitted; ``benchmarks/results/llm_decode_nm24_buffer_2026-12-01_h200.md``). Reading cuSPARSELt's buffer
+    (``buffer``) with ``loads="pair"``: on an H200 at 24 and 32 rows, 0.65-1.03 of the time with ``"step"`` (14
+    products), where on the indices it took 0.89-1.09 (``benchmarks/results/llm_decode_nm24_loads_2026-12-01_h200.md``).
 
     Args:
       m, k, n: the product's rows, depth and columns.
@@ -111,8 +114,10 @@ class Nm24DecodeConfig:
       while per_span > 2 and pairs < per_span:
         per_span //= 2
       split, warps = (1, 8) if per_span == 8 and m > 24 else _NM24_WARPS_PER_SPAN[per_span]
-      return cls(split, warps, 64, x_load="shuffle" if m > 24 and per_span >= 32 else "ldmatrix",
-                 loads="pair" if buffer else "step")
+      loads = "pair" if buffer else "step"
+      if m > 24 and per_span == 32:  # three blocks of 4 warps a multiprocessor, x through ldmatrix
+        return cls(split, warps, 64, blocks_per_sm=3, x_load="ldmatrix", loads=loads)
+      return cls(split, warps, 64, x_load="shuffle" if m > 24 and per_span >= 32 else "ldmatrix", loads=loads)
     span = 128 if m <= 8 and n % 128 == 0 else 64
     spans = n // span
     pairs = k // 64
@@ -165,6 +170,9 @@ def nm24_candidate_configs(m: int, k: int, n: int, *, buffer: bool = False) -> l
   2.1% of the best of 88-96 configs at 14 (2048 x 11264: 6-8%;
   ``benchmarks/results/llm_decode_nm24_buffer_2026-12-01_h200.md``).
 
+  A default of three blocks per multiprocessor (from 25 rows at 32 warps per span) comes first and its one-block
+  build second: the neighbours and variants below are those of the one-block build.
+
   Up to 16 rows the neighbours are half and twice the split, the other warp count at the same warps per span and the
   other span. Above 16 rows they are the other (split, warps) pairs of the default's warps per span, the usual pair
   and the 4-warp pair of half and twice as many, and twice as many on 128-column spans: at 44 products of 17-32 rows
@@ -188,7 +196,8 @@ def nm24_candidate_configs(m: int, k: int, n: int, *, buffer: bool = False) -> l
     The configs, the default first, each once.
   """
   d = Nm24DecodeConfig.get_default(m, k, n, buffer=buffer)
-  out = [d]
+  base = dataclasses.replace(d, blocks_per_sm=1)  # the neighbours and variants are of the one-block build
+  out = [d] + ([base] if base != d else [])
   if m > 16:
     per_span = d.split * d.warps
     shapes = [(d.split * 2, d.warps // 2, 64), (d.split // 2, d.warps * 2, 64)]
@@ -204,22 +213,23 @@ def nm24_candidate_configs(m: int, k: int, n: int, *, buffer: bool = False) -> l
   for split, warps, span in shapes:
     if split not in (1, 2, 4, 8) or warps not in (2, 4, 8) or n % span or k // 64 < split * warps:
       continue
-    cfg = dataclasses.replace(d, split=split, warps=warps, span=span)
+    cfg = dataclasses.replace(base, split=split, warps=warps, span=span)
     if cfg not in out:
       out.append(cfg)
   shaped = list(out)  # the default and its neighbours
-  out.append(dataclasses.replace(d, blocks_per_sm=2))
+  out.append(dataclasses.replace(base, blocks_per_sm=2))
   if m <= 8:  # the default's other x load, and ldmatrix on 64-column spans with its warps per span and in all
-    loads = [dataclasses.replace(d, x_load="shuffle" if d.x_load == "ldmatrix" else "ldmatrix")]
-    if d.span == 128:
-      loads.append(dataclasses.replace(d, span=64, x_load="ldmatrix"))
-      if d.warps > 2:
-        loads.append(dataclasses.replace(d, span=64, warps=d.warps // 2, x_load="ldmatrix"))
-    out += [c for c in loads if c not in out and (c.warps == d.warps or k // 64 >= c.split * c.warps)]
+    loads = [dataclasses.replace(base, x_load="shuffle" if base.x_load == "ldmatrix" else "ldmatrix")]
+    if base.span == 128:
+      loads.append(dataclasses.replace(base, span=64, x_load="ldmatrix"))
+      if base.warps > 2:
+        loads.append(dataclasses.replace(base, span=64, warps=base.warps // 2, x_load="ldmatrix"))
+    out += [c for c in loads if c not in out and (c.warps == base.warps or k // 64 >= c.split * c.warps)]
   else:
-    out.append(dataclasses.replace(d, token_split=2))
-    out.append(dataclasses.replace(d, x_load="shuffle" if d.x_load == "ldmatrix" else "ldmatrix"))
-    out += [dataclasses.replace(d, loads=loads) for loads in NM24_LOADS if loads != d.loads]
+    out.append(dataclasses.replace(base, token_split=2))
+    out.append(dataclasses.replace(base, x_load="shuffle" if base.x_load == "ldmatrix" else "ldmatrix"))
+    out += [dataclasses.replace(base, loads=loads) for loads in NM24_LOADS if loads != base.loads]
     if m > 16:  # three blocks of 4 warps a multiprocessor (registers capped at 168 a thread), x through ldmatrix
-      out += [dataclasses.replace(c, blocks_per_sm=3, x_load="ldmatrix") for c in shaped if c.warps == 4]
+      thirds = [dataclasses.replace(c, blocks_per_sm=3, x_load="ldmatrix") for c in shaped if c.warps == 4]
+      out += [c for c in dict.fromkeys(thirds) if c not in out]
   return out
