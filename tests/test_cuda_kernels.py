@@ -106,8 +106,8 @@ def test_nm24_default_config_fits(m, k, n):
 
 def _candidate_cases():
   """Every (m, k, n) of the candidate check. The fast set runs 4096 x 4096 at M of 1, 8, 16 and 32 and each other
-  shape once (M = 17 on 4096 x 28672); the other 25 cases are long: moved out of the fast set (make test <= 15 min on
-  2 cores); CI runs them."""
+  shape once (M = 17 on 4096 x 28672, M = 32 on 2048 x 2048: a default of three blocks a multiprocessor); the other
+  29 cases are long: moved out of the fast set (make test <= 15 min on 2 cores); CI runs them."""
   fast = {(1, 4096, 4096), (8, 4096, 4096), (16, 4096, 4096), (32, 4096, 4096), (16, 4096, 6144), (17, 4096, 28672),
           (1, 14336, 4096), (8, 2048, 2560), (1, 64, 128), (1, 4096, 4160), (32, 2048, 2048)}
   for m in [1, 8, 16, 17, 32]:
@@ -195,7 +195,8 @@ def test_nm24_default_spans_by_rows():
   assert ck.Nm24DecodeConfig.get_default(32, 4096, 4096) == ck.Nm24DecodeConfig(2, 8, 64, x_load=lm)
   assert ck.Nm24DecodeConfig.get_default(32, 4096, 16384) == ck.Nm24DecodeConfig(1, 4, 64, x_load=lm)
   # Above 16 rows: about 768 warps (benchmarks/results/llm_decode_nm32_configs_2026-11-28_h100.md); 32 warps a span
-  # (N = 2048) in clusters of 8 blocks of 4 warps, reading x by shuffles from 25 rows.
+  # (N = 2048) in clusters of 8 blocks of 4 warps, 64 (N = 768) in clusters of 8 blocks of 8 reading x by shuffles
+  # from 25 rows.
   assert ck.Nm24DecodeConfig.get_default(24, 2048, 2048) == ck.Nm24DecodeConfig(8, 4, 64, x_load=lm)
   # (8 blocks of 4 warps a cluster, three blocks a multiprocessor and ldmatrix at 32 warps a span from 25 rows:
   # benchmarks/results/llm_decode_nm24_buffer_2026-12-01_h200.md).

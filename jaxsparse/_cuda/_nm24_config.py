@@ -146,7 +146,7 @@ class Nm24DecodeConfig:
 
 # Up to 8 rows, reading cuSPARSELt's buffer: from this many warps in all the default loads x through ldmatrix. On an
 # H200 shuffles took 1.02-1.51 of ldmatrix's time on the default configs of 768-1792 warps (Llama-3-8B's products) and
-# 0.95-1.01 on those of 512-704 (TinyLlama's; ``benchmarks/results/llm_decode_nm24_buffer_2026-12-01_h200.md``).
+# 0.95-1.02 on those of 512-704 (TinyLlama's; ``benchmarks/results/llm_decode_nm24_buffer_2026-12-01_h200.md``).
 _NM24_BUFFER_LDMATRIX_WARPS = 768
 
 # Above 16 rows: the (split, warps) of each count of warps per column span, the one that won most often at that count

@@ -72,10 +72,10 @@ MAX_FUSED_ROWS = 64
 # benchmarks/results/llm_decode_fused_2026-11-27_h100.md), and compiling and timing it lengthens the first trace.
 PALLAS_MAX_TUNED_ROWS = 512
 # "auto" with tuning off takes the sparse tensor-core decode kernel (M <= 32) for W at least this wide (H100,
-# benchmarks/results/gpu_nm_decode_2026-11-24_h100.md: N = 4096-16384). From 2048 (was 4096): on an H200 the
-# TinyLlama-1.1B products of 2048-2560 columns ran at 0.25-0.90 of dense at 1-8 rows on it, and the 1.1B model, tuning
-# off, decoded 2:4 at 1.60x / 1.09x dense at batch 1 / 8 where the Pallas kernel on the narrower ones gave 0.89x /
-# 0.62x (benchmarks/results/llm_decode_nm24_buffer_2026-12-01_h200.md).
+# benchmarks/results/gpu_nm_decode_2026-11-24_h100.md: N = 4096-16384). From 2048 (was 4096): on an H200 its
+# defaults ran the TinyLlama-1.1B products of 2048-2560 columns at 0.27-0.90 of dense at 1-8 rows, and the 1.1B model,
+# tuning off, decoded 2:4 at 1.60x / 1.09x dense at batch 1 / 8 where the Pallas kernel on the narrower ones gave
+# 0.89x / 0.62x (benchmarks/results/llm_decode_nm24_buffer_2026-12-01_h200.md).
 NM24_MIN_COLS = 2048
 
 
