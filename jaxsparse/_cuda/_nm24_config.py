@@ -114,10 +114,9 @@ class Nm24DecodeConfig:
       while per_span > 2 and pairs < per_span:
         per_span //= 2
       split, warps = (1, 8) if per_span == 8 and m > 24 else _NM24_WARPS_PER_SPAN[per_span]
-      loads = "pair" if buffer else "step"
-      if m > 24 and per_span == 32:  # three blocks of 4 warps a multiprocessor, x through ldmatrix
-        return cls(split, warps, 64, blocks_per_sm=3, x_load="ldmatrix", loads=loads)
-      return cls(split, warps, 64, x_load="shuffle" if m > 24 and per_span >= 32 else "ldmatrix", loads=loads)
+      three = m > 24 and per_span == 32  # clusters of 8 blocks of 4 warps: three a multiprocessor
+      return cls(split, warps, 64, blocks_per_sm=3 if three else 1,
+                 x_load="shuffle" if m > 24 and per_span == 64 else "ldmatrix", loads="pair" if buffer else "step")
     span = 128 if m <= 8 and n % 128 == 0 else 64
     spans = n // span
     pairs = k // 64
@@ -218,16 +217,16 @@ def nm24_candidate_configs(m: int, k: int, n: int, *, buffer: bool = False) -> l
       out.append(cfg)
   shaped = list(out)  # the default and its neighbours
   out.append(dataclasses.replace(base, blocks_per_sm=2))
+  other_x = dataclasses.replace(base, x_load="shuffle" if base.x_load == "ldmatrix" else "ldmatrix")
   if m <= 8:  # the default's other x load, and ldmatrix on 64-column spans with its warps per span and in all
-    loads = [dataclasses.replace(base, x_load="shuffle" if base.x_load == "ldmatrix" else "ldmatrix")]
+    loads = [other_x]
     if base.span == 128:
       loads.append(dataclasses.replace(base, span=64, x_load="ldmatrix"))
       if base.warps > 2:
         loads.append(dataclasses.replace(base, span=64, warps=base.warps // 2, x_load="ldmatrix"))
     out += [c for c in loads if c not in out and (c.warps == base.warps or k // 64 >= c.split * c.warps)]
   else:
-    out.append(dataclasses.replace(base, token_split=2))
-    out.append(dataclasses.replace(base, x_load="shuffle" if base.x_load == "ldmatrix" else "ldmatrix"))
+    out += [dataclasses.replace(base, token_split=2), other_x]
     out += [dataclasses.replace(base, loads=loads) for loads in NM24_LOADS if loads != base.loads]
     if m > 16:  # three blocks of 4 warps a multiprocessor (registers capped at 168 a thread), x through ldmatrix
       thirds = [dataclasses.replace(c, blocks_per_sm=3, x_load="ldmatrix") for c in shaped if c.warps == 4]
