@@ -85,7 +85,14 @@ def test_nm24_unsupported_reason(m, k, n, dtype, expect):
         ({"span": 32}, r"span must be one of \(128, 64\), got span=32"),
         ({"blocks_per_sm": 5}, "blocks_per_sm must be 1, 2, 3 or 4, got blocks_per_sm=5"),
         ({"x_load": "ldg"}, r"x_load must be one of \('shuffle', 'ldmatrix'\), got x_load='ldg'"),
-        ({"loads": "all"}, r"loads must be one of \('step', 'pair', 'stages'\), got loads='all'"),
+        ({"loads": "all"}, r"loads must be one of \('step', 'pair', 'stages', 'tma'\), got loads='all'"),
+        ({"stages": 3}, "stages applies to loads='tma' only \\(keep 2\\), got stages=3 with loads='step'"),
+        ({"loads": "tma"}, "needs x_load='ldmatrix' and token_split=1, got x_load='shuffle', token_split=1"),
+        ({"loads": "tma", "x_load": "ldmatrix", "stages": 5}, "stages must be 2, 3 or 4, got stages=5"),
+        ({"loads": "tma", "x_load": "ldmatrix", "token_split": 2},
+         "token_split=1, got x_load='ldmatrix', token_split=2"),
+        ({"loads": "tma", "x_load": "ldmatrix", "warps": 8, "span": 128, "stages": 3},
+         "warps=8, span=128, stages=3 needs 246784 bytes of shared memory, at most 204800"),
     ],
 )
 def test_nm24_config_errors(kwargs, match):
@@ -129,7 +136,7 @@ def test_nm24_candidate_configs_are_distinct_runnable_and_default_first(m, k, n)
   thirds = []  # above 16 rows: the 4-warp shapes with three blocks a multiprocessor, last
   if m > 8:
     extra += [dataclasses.replace(d, token_split=2), dataclasses.replace(d, x_load=other_load)]
-    extra += [dataclasses.replace(d, loads=loads) for loads in ck.NM24_LOADS if loads != d.loads]
+    extra += [dataclasses.replace(d, loads=loads) for loads in ck.NM24_LOADS if loads not in (d.loads, "tma")]
     if m > 16:
       shaped = configs[:configs.index(extra[0])]
       thirds = [dataclasses.replace(c, blocks_per_sm=3, x_load="ldmatrix") for c in shaped if c.warps == 4]
@@ -157,7 +164,16 @@ def test_nm24_candidate_configs_are_distinct_runnable_and_default_first(m, k, n)
     assert set(buffer_configs[cut - 2:cut]) == set(swapped[cut - 2:cut])
   elif m > 8:
     assert buffer_configs == configs
-  else:
+  else:  # the bulk-copy builds first (the default and its neighbours), then the other builds' candidates
+    tma = [c for c in buffer_configs if c.loads == "tma"]
+    assert buffer_configs[:len(tma)] == tma and len(buffer_configs) <= 15
+    t = tma[0]
+    assert (t.span, t.stages, t.x_load) == (64, 2, "ldmatrix") and tma[1] == dataclasses.replace(t, stages=3)
+    for c in tma[2:]:  # half or twice the split, or another warp count at the same warps per span
+      assert c.stages == 2 and (k // 64) >= c.split * c.warps
+      assert (c.split * c.warps in (t.split * t.warps // 2, t.split * t.warps * 2) and c.warps == t.warps) or \
+          c.split * c.warps == t.split * t.warps
+    buffer_configs = buffer_configs[len(tma):]
     many = (n // d.span) * d.split * d.warps >= 768
     assert buffer_configs[0] == (dataclasses.replace(d, x_load="ldmatrix") if many else d)
     b = buffer_configs[0]
@@ -211,13 +227,51 @@ def test_nm24_default_spans_by_rows():
     d = ck.Nm24DecodeConfig.get_default(m, 4096, 4096)
     assert d.loads == "step"
     assert ck.Nm24DecodeConfig.get_default(m, 4096, 4096, buffer=True) == (
-        dataclasses.replace(d, loads="pair") if m > 16 else dataclasses.replace(d, x_load="ldmatrix"))
-  # Up to 8 rows reading the buffer, x through ldmatrix from 768 warps in all, shuffles below
-  # (benchmarks/results/llm_decode_nm24_buffer_2026-12-01_h200.md).
-  assert ck.Nm24DecodeConfig.get_default(1, 2048, 2048, buffer=True) == ck.Nm24DecodeConfig(8, 4, 128)  # 512 warps
-  assert ck.Nm24DecodeConfig.get_default(8, 4096, 6144, buffer=True) == ck.Nm24DecodeConfig(4, 4, 128, x_load=lm)
+        dataclasses.replace(d, loads="pair") if m > 16 else d if m > 8 else
+        ck.Nm24DecodeConfig(2, 8, 64, x_load=lm, loads="tma"))
   # N a multiple of 64 but not of 128: spans of 64 at every M.
   assert ck.Nm24DecodeConfig.get_default(1, 4096, 4160).span == 64
+
+
+@pytest.mark.parametrize(
+    ("k", "n", "split", "warps"),
+    [(14336, 4096, 2, 8), (4096, 4096, 2, 8), (4096, 6144, 1, 8), (4096, 28672, 1, 2), (5632, 2048, 4, 8),
+     (2048, 11264, 1, 4), (2048, 2048, 2, 8), (128, 256, 1, 2), (64, 64, 1, 2), (256, 64, 1, 2), (2048, 128, 2, 8)],
+)
+def test_nm24_tma_default(k, n, split, warps):
+  """Reading cuSPARSELt's buffer up to 8 rows: bulk copies into two stages on 64-column spans, the warps in all
+  nearest 768 with two pairs of steps a warp (benchmarks/results/llm_decode_nm24_tma_2026-12-01_h200.md)."""
+  for m in (1, 8):
+    cfg = ck.Nm24DecodeConfig.get_default(m, k, n, buffer=True)
+    assert cfg == ck.Nm24DecodeConfig(split, warps, 64, x_load="ldmatrix", loads="tma")
+    assert (k // 64) >= 2 * cfg.split * cfg.warps or (cfg.split, cfg.warps) == (1, 2)
+  assert ck.Nm24DecodeConfig.get_default(9, k, n, buffer=True).loads != "tma"  # one token tile only
+  assert ck.Nm24DecodeConfig.get_default(1, k, n).loads == "step"  # NMSparseMatrix indices: no bulk copies
+
+
+def test_nm24_tma_shared_bytes_is_the_launchers():
+  """The Python size of a build's rings is launch_checks.h's (the launcher allows and checks that many bytes)."""
+  from jaxsparse._cuda import _nm24_config  # noqa: PLC0415
+
+  checks = (ck._HERE / "launch_checks.h").read_text()
+  assert "constexpr int64_t kMaxNm24TmaSharedBytes = 200 * 1024;" in checks
+  assert _nm24_config.NM24_MAX_TMA_SHARED_BYTES == 200 * 1024
+  # 64-column spans: stages of 4096 + 1024 bytes and 512 of metadata, rounded up to KB per warp, and 1 KB of slack.
+  assert _nm24_config.nm24_tma_shared_bytes(8, 64, 2) == 8 * 11264 + 1024
+  assert _nm24_config.nm24_tma_shared_bytes(4, 64, 3) == 4 * 17408 + 1024
+  assert _nm24_config.nm24_tma_shared_bytes(2, 128, 4) == 2 * 40960 + 1024
+
+
+def test_nm24_tma_config_needs_the_buffer_and_one_token_tile():
+  cfg = ck.Nm24DecodeConfig(2, 4, 64, x_load="ldmatrix", loads="tma")
+  assert cfg.name == "s2w4c64b1xmlt2" and dataclasses.replace(cfg, stages=4).name == "s2w4c64b1xmlt4"
+  x = jnp.zeros((1, 256), jnp.bfloat16)
+  w = jaxsparse.NMSparseMatrix.from_dense(jnp.ones((256, 128), jnp.bfloat16), 2, 4)
+  with pytest.raises(ValueError, match=r"loads='tma'.* cuSPARSELt's buffer at up to 8 rows only .*NMSparseMatrix"):
+    ck.nm24_decode(x, w.values, w.indices, config=cfg)
+  with pytest.raises(ValueError, match=r"up to 8 rows only .*got 9 rows"):
+    ck.nm24_decode_buffer(jnp.zeros((9, 256), jnp.bfloat16), jnp.zeros((256 * 128 // 8 * 9,), jnp.uint8), 128,
+                          config=cfg)
 
 
 def _decode_variants():
@@ -275,6 +329,23 @@ def test_nm24_loads_source_compiles_for_hopper(rows, span, loads, buffer, monkey
   cfg = ck.Nm24DecodeConfig(2, 4, span, x_load="ldmatrix", loads=loads)
   defines = ck._nm24_defines(rows, cfg, buffer=buffer)
   assert ("NM_LOADS", ck.NM24_LOADS.index(loads)) in defines
+  cubin, log = ck._compile_cubin((ck._HERE / "nm24_decode.cu").read_text(), "nm24_decode",
+                                 ck._nvrtc_options("sm_90", defines))
+  assert cubin is not None, log
+
+
+@pytest.mark.parametrize(("rows", "span", "stages"), [(1, 64, 2), pytest.param(8, 128, 3, marks=pytest.mark.slow),
+                                                     pytest.param(5, 64, 4, marks=pytest.mark.slow)])
+def test_nm24_tma_source_compiles_for_hopper(rows, span, stages, monkeypatch, tmp_path):
+  """The build that streams the buffer by bulk tensor copies (NM_LOADS 3) compiles for both lane widths (the fast
+  set builds the default's; the other two are long: CI runs them)."""
+  assert ck._nvrtc() is not None, "libnvrtc not found: install the dev extra (nvidia-cuda-nvrtc)"
+  monkeypatch.setenv("JAXSPARSE_CACHE_DIR", str(tmp_path))
+  cfg = ck.Nm24DecodeConfig(2, 4, span, x_load="ldmatrix", loads="tma", stages=stages)
+  defines = ck._nm24_defines(rows, cfg, buffer=True)
+  assert ("NM_LOADS", 3) in defines and ("NM_STAGES", stages) in defines
+  step = dataclasses.replace(cfg, loads="step", stages=2)
+  assert all(name != "NM_STAGES" for name, _ in ck._nm24_defines(rows, step, buffer=True))
   cubin, log = ck._compile_cubin((ck._HERE / "nm24_decode.cu").read_text(), "nm24_decode",
                                  ck._nvrtc_options("sm_90", defines))
   assert cubin is not None, log
@@ -439,7 +510,50 @@ def test_gpu_nm24_decode_buffer(m, k, n, config):
   y = jax.jit(lambda x, b: ck.nm24_decode_buffer(x, b, n, config=config))(x, buffer)
   assert y.shape == (m, n) and y.dtype == jnp.bfloat16
   assert _rel(y, ref) < TOL
-  np.testing.assert_array_equal(y, ck.nm24_decode(x, w.values, w.indices, config=config))
+  on_indices = ck.nm24_decode(x, w.values, w.indices, config=config)
+  if config is None and m <= 8:  # the buffer's default streams by bulk copies (another split: another sum order)
+    assert _rel(y, on_indices.astype(jnp.float32)) < TOL
+  else:
+    np.testing.assert_array_equal(y, on_indices)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize(
+    ("m", "k", "n"),
+    [(1, 4096, 4096), (8, 2048, 11264), (5, 256, 384), (3, 14336, 512), (8, 64, 128), (2, 192, 640), (7, 1024, 4096)],
+)
+@pytest.mark.parametrize(
+    "config",
+    [
+        None, ck.Nm24DecodeConfig(2, 8, 64, x_load="ldmatrix", loads="tma"),
+        ck.Nm24DecodeConfig(1, 2, 64, x_load="ldmatrix", loads="tma", stages=3),
+        ck.Nm24DecodeConfig(8, 4, 64, x_load="ldmatrix", loads="tma", stages=4),
+        ck.Nm24DecodeConfig(2, 4, 128, x_load="ldmatrix", loads="tma"),
+        ck.Nm24DecodeConfig(1, 8, 128, x_load="ldmatrix", loads="tma"),
+    ],
+)
+def test_gpu_nm24_decode_buffer_tma(m, k, n, config):
+  """The bulk-copy build (NM_LOADS 3) equals the reference: 1-8 rows (rows past M are the tensor copy's zero fill),
+  both span widths, 2-4 stages, K of one pair of steps, pairs that do not divide among the split's blocks, and more
+  stages than a warp has pairs."""
+  from jaxsparse._cuda import _layout  # noqa: PLC0415
+
+  x, w, ref = _problem(m * 3 + k + n, m, k, n, empty_cols=(m == 5))
+  cfg = config or ck.Nm24DecodeConfig.get_default(m, k, n, buffer=True)
+  assert cfg.loads == "tma"
+  if n % cfg.span:
+    return
+  buffer = _layout.compress_values(w.values, w.positions())
+  f = jax.jit(lambda x, b: ck.nm24_decode_buffer(x, b, n, config=config))
+  y = f(x, buffer)
+  assert y.shape == (m, n) and y.dtype == jnp.bfloat16
+  assert _rel(y, ref) < TOL
+  # A second x (the tensor map of x is made per call) and the same again: the same kernel, the same bits.
+  x2 = x[::-1] * 2
+  np.testing.assert_array_equal(f(x2, buffer), jax.jit(lambda x, b: ck.nm24_decode_buffer(x, b, n, config=cfg))(
+      x2, buffer))
+  assert _rel(f(x2, buffer), (x2.astype(jnp.float32) @ w.to_dense().astype(jnp.float32))) < TOL
 
 
 @pytest.mark.gpu

@@ -46,6 +46,15 @@ NATIVE_CASES = {
     "decode_buffer_k_huge": ("CheckNm24DecodeBuffer(1, 4 * G, 128, 576 * G, 1, 128, 1, 8, 128)", "2**30"),
     "decode_buffer_rows": ("CheckNm24DecodeBuffer(33, 4096, 4096, 18874368, 33, 4096, 1, 8, 128)", "M=33"),
     "decode_buffer_y": ("CheckNm24DecodeBuffer(2, 4096, 4096, 18874368, 2, 2048, 1, 8, 128)", "y (2, 2048)"),
+    "decode_tma_ok": ("CheckNm24DecodeBufferTma(8, 4096, 4096, 18874368, 8, 4096, 2, 8, 64, 2, 256, 512)", ""),
+    "decode_tma_rows": ("CheckNm24DecodeBufferTma(9, 4096, 4096, 18874368, 9, 4096, 2, 8, 64, 2, 256, 512)", "M=9"),
+    "decode_tma_stages": ("CheckNm24DecodeBufferTma(1, 4096, 4096, 18874368, 1, 4096, 2, 8, 64, 5, 0, 0)", "stages=5"),
+    "decode_tma_smem": ("CheckNm24DecodeBufferTma(1, 4096, 4096, 18874368, 1, 4096, 1, 8, 128, 3, 0, 0)",
+                        "246784 bytes of shared memory, at most 204800"),
+    "decode_tma_align": ("CheckNm24DecodeBufferTma(1, 4096, 4096, 18874368, 1, 4096, 1, 8, 64, 2, 8, 0)", "16-byte"),
+    "decode_tma_bytes": ("CheckNm24DecodeBufferTma(1, 4096, 4096, 18874367, 1, 4096, 1, 8, 64, 2, 0, 0)",
+                         "nm24_decode_buffer_tma: buffer of 18874367 bytes"),
+    "tma_shared_bytes": ("Nm24TmaSharedBytes(8, 64, 2)", "91136"),
     "transposable_ok": ("CheckNm24Transposable(64, 128, true, 64, 128, 16, 32)", ""),
     "transposable_types": ("CheckNm24Transposable(64, 128, false, 64, 128, 16, 32)", "dtype"),
     "transposable_pattern": ("CheckNm24Transposable(64, 128, true, 64, 128, 16, 31)", "pattern (16, 31)"),
@@ -108,8 +117,8 @@ def test_handlers_call_the_checks():
   # Every FFI handler and exported entry reads its sizes through launch_checks.h before it launches.
   here = CHECKS.parent
   launch, cslt_src = (here / "kernel_launch.cc").read_text(), (here / "cusparselt_matmul.cc").read_text()
-  for fn in ("CheckNm24Decode", "CheckNm24DecodeBuffer", "CheckNm24Transposable", "CheckNm24TransposableCompress",
-             "CheckNm24Prune", "CheckRegister"):
+  for fn in ("CheckNm24Decode", "CheckNm24DecodeBuffer", "CheckNm24DecodeBufferTma", "CheckNm24Transposable",
+             "CheckNm24TransposableCompress", "CheckNm24Prune", "CheckRegister"):
     assert f"jaxsparse_cuda::{fn}(" in launch, fn
   assert cslt_src.count("jaxsparse_cuda::CheckCslt(") == 2 and "jaxsparse_cuda::CheckCsltMatmul(" in cslt_src
 

@@ -8,7 +8,8 @@ so that the weights come from HBM), against XLA's dense ``x @ W`` in the same pr
 
 Configs: split 1 / 2 / 4 / 8, warps 2 / 4 / 8, spans of 64 / 128 columns, ``token_split`` 1 / 2 (above 8 rows) and
 both ``x_load``\\ s, one block per multiprocessor (72-96 configs a product; ``--blocks 1,3`` also three: 1-4), each
-in the load orders of ``--loads`` (``Nm24DecodeConfig.loads``; ``--loads step`` for the configs before them). The
+in the load orders of ``--loads`` (``Nm24DecodeConfig.loads``; ``--loads step`` for the configs before them; ``tma``
+only on the buffer up to 8 rows, with 2-4 stages where their shared memory fits). The
 weight's layout (``--layouts``): ``indices`` (:class:`jaxsparse.NMSparseMatrix`'s values and indices, what ``nm_matmul``
 reads from an ``NMSparseMatrix``) or ``buffer`` (cuSPARSELt's buffer, what a compressed layer keeps and the kernel
 then reads its positions from: :func:`~jaxsparse._cuda._kernels.nm24_decode_buffer`). Prints a Markdown row per
@@ -31,22 +32,32 @@ import jax.numpy as jnp
 import jaxsparse
 from jaxsparse._cuda import _kernels as ck
 from jaxsparse._cuda import _layout
+from jaxsparse._cuda._nm24_config import NM24_MAX_TMA_SHARED_BYTES
+from jaxsparse._cuda._nm24_config import nm24_tma_shared_bytes
 from jaxsparse._tuning._measure import time_call_ms
 
 # The fused decode products of the TinyLlama-1.1B and Llama-3-8B shapes (qkv, o, gate_up, down).
 DEFAULT_SHAPES = "2048x2560,2048x2048,2048x11264,5632x2048,4096x6144,4096x4096,4096x28672,14336x4096"
 
 
-def all_configs(m: int, k: int, n: int, blocks: tuple[int, ...] = (1,), loads: tuple[str, ...] = ("step",)
-                ) -> list[ck.Nm24DecodeConfig]:
+def all_configs(m: int, k: int, n: int, blocks: tuple[int, ...] = (1,), loads: tuple[str, ...] = ("step",),
+                buffer: bool = False) -> list[ck.Nm24DecodeConfig]:
   """Every config the kernel takes for an ``(m, k) @ (k, n)`` product (``blocks``: blocks per multiprocessor;
-  ``loads``: the load orders, ``Nm24DecodeConfig.loads``)."""
-  return [
+  ``loads``: the load orders, ``Nm24DecodeConfig.loads``; ``buffer``: reading cuSPARSELt's buffer, the only layout
+  ``"tma"`` reads)."""
+  out = [
       ck.Nm24DecodeConfig(split, warps, span, blocks_per_sm=b, token_split=ts, x_load=xl, loads=ld)
       for ld, split, warps, span, b, ts, xl in itertools.product(loads, (1, 2, 4, 8), (2, 4, 8), ck.NM24_SPANS, blocks,
                                                                  (1, 2), ck.NM24_X_LOADS)
-      if not (n % span or k // 64 < split * warps or (ts == 2 and m <= 8))
+      if ld != "tma" and not (n % span or k // 64 < split * warps or (ts == 2 and m <= 8))
   ]
+  if "tma" in loads and buffer and m <= 8:
+    out += [ck.Nm24DecodeConfig(split, warps, span, blocks_per_sm=b, x_load="ldmatrix", loads="tma", stages=st)
+            for split, warps, span, b, st in itertools.product((1, 2, 4, 8), (2, 4, 8), ck.NM24_SPANS, blocks,
+                                                               (2, 3, 4))
+            if not (n % span or k // 64 < split * warps)
+            and nm24_tma_shared_bytes(warps, span, st) <= NM24_MAX_TMA_SHARED_BYTES]
+  return out
 
 
 def sweep(m: int, k: int, n: int, layout: str = "indices", blocks: tuple[int, ...] = (1,),
@@ -67,7 +78,7 @@ def sweep(m: int, k: int, n: int, layout: str = "indices", blocks: tuple[int, ..
   else:
     weight = (w.values, w.indices)
     run = lambda cfg: lambda x, v, i: ck.nm24_decode(x, v, i, config=cfg)
-  for cfg in all_configs(m, k, n, blocks, loads):
+  for cfg in all_configs(m, k, n, blocks, loads, buffer=layout == "buffer"):
     f = run(cfg)
     y = jax.jit(f)(x, *weight)
     err = float(jnp.linalg.norm(y.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
@@ -100,7 +111,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[list[int], list[tuple[int
   p.add_argument("--out", default="nm24_configs.json", help="every timing, JSON")
   p.add_argument("--layouts", default="indices", help="the weight's layouts, comma-separated: indices, buffer")
   p.add_argument("--blocks", default="1", help="blocks per multiprocessor, comma-separated: 1-4")
-  p.add_argument("--loads", default="step,pair,stages", help="load orders, comma-separated: step, pair, stages")
+  p.add_argument("--loads", default="step,pair,stages,tma",
+                 help="load orders, comma-separated: step, pair, stages, tma (the buffer up to 8 rows)")
   p.add_argument("--time-limit", type=float, default=500.0, help="seconds; products after it are left out")
   args = p.parse_args(argv)
   rows = [int(r) for r in args.rows.split(",")]
@@ -120,8 +132,8 @@ def main() -> None:
   t0 = time.time()
   with ThreadPoolExecutor(16) as pool:  # NVRTC builds, in threads (the shape only sets the token tiles)
     list(pool.map(lambda mcb: ck.nm24_prepare(mcb[0], 4096, 4096, mcb[1], buffer=mcb[2]),
-                  [(m, c, lay == "buffer") for m in rows for c in all_configs(m, 4096, 4096, blocks, loads)
-                   for lay in layouts]))
+                  [(m, c, lay == "buffer") for m in rows for lay in layouts
+                   for c in all_configs(m, 4096, 4096, blocks, loads, buffer=lay == "buffer")]))
   print(f"built in {time.time() - t0:.0f} s", flush=True)
   results, lines = [], []
   for (k, n), m, layout in itertools.product(shapes, rows, layouts):

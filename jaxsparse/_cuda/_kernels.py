@@ -74,6 +74,7 @@ __all__ = [
 TARGETS = {
     "jaxsparse_nm24_decode": "JaxsparseNm24Decode",
     "jaxsparse_nm24_decode_buffer": "JaxsparseNm24DecodeBuffer",
+    "jaxsparse_nm24_decode_buffer_tma": "JaxsparseNm24DecodeBufferTma",
     "jaxsparse_nm24_transposable": "JaxsparseNm24Transposable",
     "jaxsparse_nm24_transposable_compress": "JaxsparseNm24TransposableCompress",
     "jaxsparse_nm24_prune": "JaxsparseNm24Prune",
@@ -321,6 +322,7 @@ def nm24_unsupported_reason(m: int, k: int, n: int, dtype) -> str:
 def _nm24_defines(m: int, cfg: Nm24DecodeConfig, buffer: bool = False) -> tuple[tuple[str, int], ...]:
   tiles = -(-m // 8)
   tiles += tiles % cfg.token_split  # whole tiles per warp (rows past M are zeros)
+  stages = (("NM_STAGES", cfg.stages),) if cfg.loads == "tma" else ()
   return (
       ("NM_MT", tiles),
       ("NM_CPL", cfg.span // 8),
@@ -331,6 +333,7 @@ def _nm24_defines(m: int, cfg: Nm24DecodeConfig, buffer: bool = False) -> tuple[
       ("NM_XLOAD", NM24_X_LOADS.index(cfg.x_load) + 1),
       ("NM_META", int(buffer)),
       ("NM_LOADS", NM24_LOADS.index(cfg.loads)),
+      *stages,
   )
 
 
@@ -410,12 +413,17 @@ def _nm24_call(op: str, x: jax.Array, weight: tuple[jax.Array, ...], n: int, con
   cfg = config or Nm24DecodeConfig.get_default(m, k, n, buffer=buffer)
   if n % cfg.span:
     raise ValueError(f"{op}: N={n} is not a multiple of the config's span={cfg.span}.")
+  tma = cfg.loads == "tma"
+  if tma and (not buffer or m > 8):
+    raise ValueError(f"{op}: config {cfg.name} (loads='tma') reads cuSPARSELt's buffer at up to 8 rows only "
+                     f"(nm24_decode_buffer), got {m} rows{'' if buffer else ' on NMSparseMatrix indices'}.")
   kid = _kernel_id("nm24_decode.cu", "nm24_decode", _nm24_defines(m, cfg, buffer=buffer))
   x, weight = _utils.vary_alike(x, weight)  # an FFI call takes operands that vary alike (shard_map)
   out = _utils.result_struct((m, n), jnp.bfloat16, x, weight)
-  return jax.ffi.ffi_call(f"jaxsparse_{op}", out, vmap_method="sequential")(
-      x, *weight, kernel=np.int64(kid), split=np.int64(cfg.split), warps=np.int64(cfg.warps), span=np.int64(cfg.span)
-  )
+  attrs = dict(kernel=np.int64(kid), split=np.int64(cfg.split), warps=np.int64(cfg.warps), span=np.int64(cfg.span))
+  if tma:
+    op, attrs["stages"] = op + "_tma", np.int64(cfg.stages)
+  return jax.ffi.ffi_call(f"jaxsparse_{op}", out, vmap_method="sequential")(x, *weight, **attrs)
 
 
 PRUNE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))

@@ -6,11 +6,26 @@ from __future__ import annotations
 import dataclasses
 import math
 
-__all__ = ["NM24_LOADS", "NM24_SPANS", "NM24_X_LOADS", "Nm24DecodeConfig", "nm24_candidate_configs"]
+__all__ = [
+    "NM24_LOADS", "NM24_SPANS", "NM24_X_LOADS", "Nm24DecodeConfig", "nm24_candidate_configs", "nm24_tma_shared_bytes",
+]
 
 NM24_SPANS = (128, 64)  # columns of W per thread block
 NM24_X_LOADS = ("shuffle", "ldmatrix")  # Nm24DecodeConfig.x_load; NM_XLOAD is the index + 1
-NM24_LOADS = ("step", "pair", "stages")  # Nm24DecodeConfig.loads; NM_LOADS is the index
+NM24_LOADS = ("step", "pair", "stages", "tma")  # Nm24DecodeConfig.loads; NM_LOADS is the index
+NM24_MAX_TMA_SHARED_BYTES = 200 * 1024  # launch_checks.h's kMaxNm24TmaSharedBytes
+
+
+def nm24_tma_shared_bytes(warps: int, span: int, stages: int) -> int:
+  """Dynamic shared memory of a ``loads="tma"`` build: each warp's ring of ``stages`` stages (two steps of ``K``: the
+  values' boxes of 64 columns x 32 rows, 8 rows of ``x``, the metadata), in whole KB, and 1 KB of alignment slack
+  (launch_checks.h's ``Nm24TmaSharedBytes``).
+
+  >>> nm24_tma_shared_bytes(8, 64, 2)
+  91136
+  """
+  stage, meta = span // 64 * 4096 + 1024, span // 64 * 512
+  return warps * -(-stages * (stage + meta) // 1024) * 1024 + 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +58,15 @@ class Nm24DecodeConfig:
       at 24 and 32 rows the best config with them took 0.76-1.03 of the best without on cuSPARSELt's buffer
       (``"pair"`` won) and 0.94-1.02 on ``NMSparseMatrix`` indices (``"stages"`` won from ``K`` or ``N`` of 4096 up);
       at 1-16 rows ``"step"`` was the fastest (``benchmarks/results/llm_decode_nm24_loads_2026-12-01_h200.md``).
+      ``"tma"`` (cuSPARSELt's buffer at up to 8 rows, :func:`~jaxsparse._cuda._kernels.nm24_decode_buffer` only; ``x``
+      through ``ldmatrix``, one warp per step): each warp streams pairs of consecutive steps (the values as boxes of
+      64 columns x 32 rows, 8 rows of ``x``, the metadata) by bulk tensor copies (TMA) into a ring of ``stages``
+      stages in shared memory, ``stages - 1`` pairs ahead of its products, so the bytes in flight cost no registers.
+      On an H200 at 1 and 8 rows it took 0.85-0.92 of the best ``"step"`` config's time at the Llama-3-8B products
+      but the 4096 x 28672 one (0.98-1.03) and 0.86-1.0 at the TinyLlama ones
+      (``benchmarks/results/llm_decode_nm24_tma_2026-12-01_h200.md``).
+    stages: the ring's stages with ``loads="tma"`` (2, 3 or 4; :func:`nm24_tma_shared_bytes` at most 200 KB); 2
+      otherwise.
   """
 
   split: int = 1
@@ -52,6 +76,7 @@ class Nm24DecodeConfig:
   token_split: int = 1
   x_load: str = "shuffle"
   loads: str = "step"
+  stages: int = 2
 
   def __post_init__(self):
     if self.split not in (1, 2, 4, 8):
@@ -68,14 +93,28 @@ class Nm24DecodeConfig:
       raise ValueError(f"x_load must be one of {NM24_X_LOADS}, got x_load={self.x_load!r}.")
     if self.loads not in NM24_LOADS:
       raise ValueError(f"loads must be one of {NM24_LOADS}, got loads={self.loads!r}.")
+    if self.loads != "tma":
+      if self.stages != 2:
+        raise ValueError(f"stages applies to loads='tma' only (keep 2), got stages={self.stages} with "
+                         f"loads={self.loads!r}.")
+      return
+    if self.stages not in (2, 3, 4):
+      raise ValueError(f"stages must be 2, 3 or 4, got stages={self.stages}.")
+    if self.x_load != "ldmatrix" or self.token_split != 1:
+      raise ValueError(f"loads='tma' reads x through ldmatrix with one warp a step: needs x_load='ldmatrix' and "
+                       f"token_split=1, got x_load={self.x_load!r}, token_split={self.token_split}.")
+    if (need := nm24_tma_shared_bytes(self.warps, self.span, self.stages)) > NM24_MAX_TMA_SHARED_BYTES:
+      raise ValueError(f"loads='tma' with warps={self.warps}, span={self.span}, stages={self.stages} needs {need} "
+                       f"bytes of shared memory, at most {NM24_MAX_TMA_SHARED_BYTES}.")
 
   @property
   def name(self) -> str:
     """``"s{split}w{warps}c{span}b{blocks_per_sm}"``, ``"t2"`` with ``token_split=2``, ``"xs"`` (shuffle) or
-    ``"xm"`` (ldmatrix), then ``"lp"`` / ``"ls"`` for ``loads`` ``"pair"`` / ``"stages"``: the tuning cache's
-    names."""
+    ``"xm"`` (ldmatrix), then ``"lp"`` / ``"ls"`` for ``loads`` ``"pair"`` / ``"stages"`` and ``"lt{stages}"`` for
+    ``"tma"``: the tuning cache's names."""
+    loads = {"step": "", "pair": "lp", "stages": "ls", "tma": f"lt{self.stages}"}[self.loads]
     return (f"s{self.split}w{self.warps}c{self.span}b{self.blocks_per_sm}" + ("t2" if self.token_split == 2 else "")
-            + ("xs" if self.x_load == "shuffle" else "xm") + {"step": "", "pair": "lp", "stages": "ls"}[self.loads])
+            + ("xs" if self.x_load == "shuffle" else "xm") + loads)
 
   @classmethod
   def get_default(cls, m: int, k: int, n: int, *, buffer: bool = False) -> Nm24DecodeConfig:
@@ -104,49 +143,73 @@ class Nm24DecodeConfig:
     (``buffer``) with ``loads="pair"``: on an H200 at 24 and 32 rows, 0.65-1.03 of the time with ``"step"`` (14
     products), where on the indices it took 0.89-1.09 (``benchmarks/results/llm_decode_nm24_loads_2026-12-01_h200.md``).
 
+    Reading cuSPARSELt's buffer at up to 8 rows the default is none of the above (they remain the first of the
+    candidates after it, :func:`nm24_candidate_configs`) but ``loads="tma"`` (:func:`_tma_default`).
+
     Args:
       m, k, n: the product's rows, depth and columns.
       buffer: whether the kernel reads cuSPARSELt's buffer (:func:`~jaxsparse._cuda._kernels.nm24_decode_buffer`).
     """
-    if m > 16:
-      spans, pairs = n // 64, k // 64
-      per_span = min(_NM24_WARPS_PER_SPAN, key=lambda w: abs(math.log(spans * w / 768)))
-      while per_span > 2 and pairs < per_span:
-        per_span //= 2
-      split, warps = (1, 8) if per_span == 8 and m > 24 else _NM24_WARPS_PER_SPAN[per_span]
-      three = m > 24 and per_span == 32  # clusters of 8 blocks of 4 warps: three a multiprocessor
-      return cls(split, warps, 64, blocks_per_sm=3 if three else 1,
-                 x_load="shuffle" if m > 24 and per_span == 64 else "ldmatrix", loads="pair" if buffer else "step")
-    span = 128 if m <= 8 and n % 128 == 0 else 64
-    spans = n // span
-    pairs = k // 64
-    if span == 64:
-      warps = 8 if spans >= 128 else 4
-      # The split that brings the warps nearest 1536 (by ratio).
-      split = min((1, 2, 4, 8), key=lambda s: abs(math.log(spans * s * warps / 1536)))
-    elif spans >= 64:
-      split, warps = 1, 8
-      while split < 8 and spans * 8 * split * 2 <= 1024:
-        split *= 2
-    else:
-      split = 8
-      while split > 1 and spans * split > 256:
-        split //= 2
-      warps = 4
-    # Every warp should get at least one pair of steps of K.
-    while split > 1 and pairs < split * warps:
+    if buffer and m <= 8:
+      return _tma_default(k, n)
+    return _step_default(m, k, n, buffer)
+
+
+def _step_default(m: int, k: int, n: int, buffer: bool) -> Nm24DecodeConfig:
+  """:meth:`Nm24DecodeConfig.get_default` without ``loads="tma"``: the rules its docstring gives by rows."""
+  cls = Nm24DecodeConfig
+  if m > 16:
+    spans, pairs = n // 64, k // 64
+    per_span = min(_NM24_WARPS_PER_SPAN, key=lambda w: abs(math.log(spans * w / 768)))
+    while per_span > 2 and pairs < per_span:
+      per_span //= 2
+    split, warps = (1, 8) if per_span == 8 and m > 24 else _NM24_WARPS_PER_SPAN[per_span]
+    three = m > 24 and per_span == 32  # clusters of 8 blocks of 4 warps: three a multiprocessor
+    return cls(split, warps, 64, blocks_per_sm=3 if three else 1,
+               x_load="shuffle" if m > 24 and per_span == 64 else "ldmatrix", loads="pair" if buffer else "step")
+  span = 128 if m <= 8 and n % 128 == 0 else 64
+  spans = n // span
+  pairs = k // 64
+  if span == 64:
+    warps = 8 if spans >= 128 else 4
+    # The split that brings the warps nearest 1536 (by ratio).
+    split = min((1, 2, 4, 8), key=lambda s: abs(math.log(spans * s * warps / 1536)))
+  elif spans >= 64:
+    split, warps = 1, 8
+    while split < 8 and spans * 8 * split * 2 <= 1024:
+      split *= 2
+  else:
+    split = 8
+    while split > 1 and spans * split > 256:
       split //= 2
-    while warps > 2 and pairs < split * warps:
-      warps //= 2
-    # Up to 8 rows x by shuffles, but reading the buffer with 768 warps or more through ldmatrix.
-    ldmatrix = m > 8 or (buffer and spans * split * warps >= _NM24_BUFFER_LDMATRIX_WARPS)
-    return cls(split=split, warps=warps, span=span, x_load="ldmatrix" if ldmatrix else "shuffle")
+    warps = 4
+  # Every warp should get at least one pair of steps of K.
+  while split > 1 and pairs < split * warps:
+    split //= 2
+  while warps > 2 and pairs < split * warps:
+    warps //= 2
+  # Up to 8 rows x by shuffles, but reading the buffer with 768 warps or more through ldmatrix.
+  ldmatrix = m > 8 or (buffer and spans * split * warps >= _NM24_BUFFER_LDMATRIX_WARPS)
+  return cls(split=split, warps=warps, span=span, x_load="ldmatrix" if ldmatrix else "shuffle")
 
 
 # Up to 8 rows, reading cuSPARSELt's buffer: from this many warps in all the default loads x through ldmatrix. On an
 # H200 shuffles took 1.02-1.51 of ldmatrix's time on the default configs of 768-1792 warps (Llama-3-8B's products) and
 # 0.95-1.02 on those of 512-704 (TinyLlama's; ``benchmarks/results/llm_decode_nm24_buffer_2026-12-01_h200.md``).
 _NM24_BUFFER_LDMATRIX_WARPS = 768
+
+
+def _tma_default(k: int, n: int) -> Nm24DecodeConfig:
+  """The ``loads="tma"`` default (cuSPARSELt's buffer, up to 8 rows): 64-column spans, two stages, and the (split,
+  warps) that bring the warps in all nearest 768 (by ratio; more warps a block on a tie) with at least two pairs of
+  steps a warp. On an H200 at 1 and 8 rows of 16 products (the Llama-3-8B and TinyLlama ones) it took 1.00-1.05 of
+  the best of 96 ``"tma"`` configs at 14 and 1.15 at 5632 x 2048, where a neighbour (:func:`nm24_candidate_configs`)
+  is the best (``benchmarks/results/llm_decode_nm24_tma_2026-12-01_h200.md``)."""
+  spans, pairs = n // 64, k // 64
+  shapes = [(s, w) for s in (1, 2, 4, 8) for w in (8, 4, 2) if pairs >= 2 * s * w] or [(1, 2)]
+  split, warps = min(shapes, key=lambda sw: abs(math.log(spans * sw[0] * sw[1] / 768)))
+  return Nm24DecodeConfig(split, warps, 64, x_load="ldmatrix", loads="tma")
+
 
 # Above 16 rows: the (split, warps) of each count of warps per column span, the one that won most often at that count
 # at 17-24 rows (``benchmarks/results/llm_decode_nm32_configs_2026-11-28_h100.md``).
@@ -169,6 +232,12 @@ def nm24_candidate_configs(m: int, k: int, n: int, *, buffer: bool = False) -> l
   2.1% of the best of 88-96 configs at 14 (2048 x 11264: 6-8%;
   ``benchmarks/results/llm_decode_nm24_buffer_2026-12-01_h200.md``).
 
+  Reading cuSPARSELt's buffer at up to 8 rows the default streams by bulk copies (``loads="tma"``); its candidates
+  are that default, with three stages, with half and twice the split and with the other warp counts at the same warps
+  per span, then every candidate above of the other builds' default (so tuning never offers less than before). On an
+  H200 the best of them took 0.78-1.02 of the best of the other builds' candidates at 28 products of 1-8 rows and the
+  default 0.67-0.97 of the other builds' default (``benchmarks/results/llm_decode_nm24_tma_2026-12-01_h200.md``).
+
   A default of three blocks per multiprocessor (from 25 rows at 32 warps per span) comes first and its one-block
   build second: the neighbours and variants below are those of the one-block build.
 
@@ -185,7 +254,8 @@ def nm24_candidate_configs(m: int, k: int, n: int, *, buffer: bool = False) -> l
   ['s8w4c128b1xs', 's4w4c128b1xs', 's4w8c128b1xs', 's8w4c64b1xs', 's8w4c128b2xs', 's8w4c128b1xm', 's8w4c64b1xm',
    's8w2c64b1xm']
   >>> [c.name for c in nm24_candidate_configs(1, 4096, 4096, buffer=True)]  # doctest: +NORMALIZE_WHITESPACE
-  ['s8w4c128b1xm', 's4w4c128b1xm', 's4w8c128b1xm', 's8w4c64b1xm', 's8w4c128b2xm', 's8w4c128b1xs', 's8w2c64b1xm']
+  ['s2w8c64b1xmlt2', 's2w8c64b1xmlt3', 's1w8c64b1xmlt2', 's4w8c64b1xmlt2', 's8w2c64b1xmlt2', 's4w4c64b1xmlt2',
+   's8w4c128b1xm', 's4w4c128b1xm', 's4w8c128b1xm', 's8w4c64b1xm', 's8w4c128b2xm', 's8w4c128b1xs', 's8w2c64b1xm']
 
   Args:
     m, k, n: the product's rows, depth and columns.
@@ -195,6 +265,26 @@ def nm24_candidate_configs(m: int, k: int, n: int, *, buffer: bool = False) -> l
     The configs, the default first, each once.
   """
   d = Nm24DecodeConfig.get_default(m, k, n, buffer=buffer)
+  if d.loads == "tma":
+    return _tma_candidates(d, k) + _step_candidates(_step_default(m, k, n, buffer), m, k, n)
+  return _step_candidates(d, m, k, n)
+
+
+def _tma_candidates(d: Nm24DecodeConfig, k: int) -> list[Nm24DecodeConfig]:
+  """``d`` (a ``loads="tma"`` default), a third stage, half and twice the split and the other warp counts at the same
+  warps per span."""
+  out = [d, dataclasses.replace(d, stages=3)]
+  per_span = d.split * d.warps
+  for split, warps in ((d.split // 2, d.warps), (d.split * 2, d.warps), *((per_span // w, w) for w in (2, 4, 8))):
+    if split in (1, 2, 4, 8) and warps in (2, 4, 8) and k // 64 >= split * warps:
+      cfg = dataclasses.replace(d, split=split, warps=warps)
+      if cfg not in out:
+        out.append(cfg)
+  return out
+
+
+def _step_candidates(d: Nm24DecodeConfig, m: int, k: int, n: int) -> list[Nm24DecodeConfig]:
+  """The candidates of a default ``d`` of the ``"step"`` / ``"pair"`` builds (:func:`nm24_candidate_configs`)."""
   base = dataclasses.replace(d, blocks_per_sm=1)  # the neighbours and variants are of the one-block build
   out = [d] + ([base] if base != d else [])
   if m > 16:
@@ -227,7 +317,7 @@ def nm24_candidate_configs(m: int, k: int, n: int, *, buffer: bool = False) -> l
     out += [c for c in loads if c not in out and (c.warps == base.warps or k // 64 >= c.split * c.warps)]
   else:
     out += [dataclasses.replace(base, token_split=2), other_x]
-    out += [dataclasses.replace(base, loads=loads) for loads in NM24_LOADS if loads != base.loads]
+    out += [dataclasses.replace(base, loads=loads) for loads in NM24_LOADS if loads not in (base.loads, "tma")]
     if m > 16:  # three blocks of 4 warps a multiprocessor (registers capped at 168 a thread), x through ldmatrix
       thirds = [dataclasses.replace(c, blocks_per_sm=3, x_load="ldmatrix") for c in shaped if c.warps == 4]
       out += [c for c in dict.fromkeys(thirds) if c not in out]

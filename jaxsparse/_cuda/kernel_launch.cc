@@ -14,6 +14,9 @@
 //     warps (per thread block), span (columns per thread block), as compiled.
 //   JaxsparseNm24DecodeBuffer: the same product with W given as cuSPARSELt's compressed buffer (K N 9 / 8 bytes:
 //     the values, then the metadata; jaxsparse/_cuda/_layout.py), read by a build with NM_META 1. Same attributes.
+//   JaxsparseNm24DecodeBufferTma: the same product on a build with NM_LOADS 3 (M <= 8), whose warps stream the buffer
+//     through bulk tensor copies (TMA) into rings of shared memory: two tensor maps (the values, x) made per call,
+//     and the build's dynamic shared memory. Attributes: those of JaxsparseNm24DecodeBuffer and stages (the ring's).
 //   JaxsparseNm24Transposable: transposable 2:4 pruning of a (K, N) float32 / bfloat16 weight: the pruned
 //     weight (float32 / bfloat16) and each 4 x 4 tile's pattern index (K/4, N/4) uint8
 //     (nm24_prune.cu). Attributes: kernel (the id of the cubin), w_bf16 and out_bf16 (the dtypes it
@@ -49,6 +52,12 @@ typedef struct CUfunc_st* CUfunction;
 typedef struct CUstream_st* CUstream;
 
 constexpr int kCaptureModeRelaxed = 2;  // CU_STREAM_CAPTURE_MODE_RELAXED
+constexpr int kMaxDynamicSharedBytes = 8;  // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+
+// CUtensorMap: 128 opaque bytes, 64-byte aligned, passed to the kernel by value.
+struct alignas(64) TensorMap {
+  uint64_t words[16];
+};
 
 struct Driver {
   CUresult (*StreamGetCtx)(CUstream, CUcontext*) = nullptr;
@@ -60,6 +69,10 @@ struct Driver {
                            CUstream, void**, void**) = nullptr;
   CUresult (*GetErrorString)(CUresult, const char**) = nullptr;
   CUresult (*ThreadExchangeStreamCaptureMode)(int*) = nullptr;
+  // Only the TMA builds need these (CUDA 12.0+ drivers); a driver without them fails those launches only.
+  CUresult (*FuncSetAttribute)(CUfunction, int, int) = nullptr;
+  CUresult (*TensorMapEncodeTiled)(TensorMap*, int, unsigned, void*, const uint64_t*, const uint64_t*,
+                                   const unsigned*, const unsigned*, int, int, int, int) = nullptr;
   std::string error;
 };
 
@@ -87,6 +100,9 @@ const Driver& GetDriver() {
         Symbol(lib, "cuLaunchKernel", &d->LaunchKernel, &d->error) &&
         Symbol(lib, "cuGetErrorString", &d->GetErrorString, &d->error) &&
         Symbol(lib, "cuThreadExchangeStreamCaptureMode", &d->ThreadExchangeStreamCaptureMode, &d->error);
+    d->FuncSetAttribute = reinterpret_cast<decltype(d->FuncSetAttribute)>(dlsym(lib, "cuFuncSetAttribute"));
+    d->TensorMapEncodeTiled =
+        reinterpret_cast<decltype(d->TensorMapEncodeTiled)>(dlsym(lib, "cuTensorMapEncodeTiled"));
     return d;
   }();
   return *driver;
@@ -137,8 +153,9 @@ class ScopedContext {
   std::string error_;
 };
 
-// The function of registered kernel `id` in context `ctx` (current), loading its module on first use.
-std::string Function(const Driver& d, int64_t id, CUcontext ctx, CUfunction* out) {
+// The function of registered kernel `id` in context `ctx` (current), loading its module on first use (and allowing
+// it `smem` bytes of dynamic shared memory, when not 0).
+std::string Function(const Driver& d, int64_t id, CUcontext ctx, unsigned smem, CUfunction* out) {
   std::lock_guard<std::mutex> lock(g_mu);
   if (id < 0 || id >= static_cast<int64_t>(g_kernels.size())) return "unknown kernel id " + std::to_string(id);
   auto it = g_functions.find({id, ctx});
@@ -159,23 +176,29 @@ std::string Function(const Driver& d, int64_t id, CUcontext ctx, CUfunction* out
     what = "cuModuleGetFunction";
     r = d.ModuleGetFunction(out, module, g_kernels[id].name.c_str());
   }
+  if (r == 0 && smem > 0) {
+    what = "cuFuncSetAttribute";
+    r = d.FuncSetAttribute == nullptr ? 500 /* CUDA_ERROR_NOT_FOUND */
+                                      : d.FuncSetAttribute(*out, kMaxDynamicSharedBytes, static_cast<int>(smem));
+  }
   d.ThreadExchangeStreamCaptureMode(&mode);
   if (r != 0) return CudaError(d, what, r);
   g_functions[{id, ctx}] = *out;
   return "";
 }
 
-// Launches registered kernel `id` on `stream` (grid x, y; `threads` per block; no dynamic shared memory).
+// Launches registered kernel `id` on `stream` (grid x, y; `threads` per block; `smem` bytes of dynamic shared
+// memory).
 ffi::Error Launch(CUstream stream, int64_t id, const char* what, unsigned grid_x, unsigned grid_y, unsigned threads,
-                  void** args) {
+                  void** args, unsigned smem = 0) {
   const Driver& d = GetDriver();
   if (!d.error.empty()) return ffi::Error::Internal(d.error);
   ScopedContext scope(d, stream);
   if (!scope.error().empty()) return ffi::Error::Internal(scope.error());
   CUfunction f;
-  std::string error = Function(d, id, scope.context(), &f);
+  std::string error = Function(d, id, scope.context(), smem, &f);
   if (!error.empty()) return ffi::Error::Internal(std::string(what) + ": " + error);
-  CUresult r = d.LaunchKernel(f, grid_x, grid_y, 1, threads, 1, 1, 0, stream, args, nullptr);
+  CUresult r = d.LaunchKernel(f, grid_x, grid_y, 1, threads, 1, 1, smem, stream, args, nullptr);
   if (r != 0) return ffi::Error::Internal(CudaError(d, (std::string(what) + ": cuLaunchKernel").c_str(), r));
   return ffi::Error::Success();
 }
@@ -218,6 +241,51 @@ ffi::Error Nm24DecodeBuffer(CUstream stream, ffi::Buffer<ffi::BF16> x, ffi::Buff
   return LaunchNm24Decode(stream, kernel, "nm24_decode_buffer", x.untyped_data(), values,
                           values + k * n,  // the metadata after the K N bytes of values
                           y->untyped_data(), m, k, n, split, warps, span);
+}
+
+// A 2-D tensor map of a row-major bfloat16 (outer, inner) array, boxes of (box_outer, 64) elements (128 bytes a row,
+// swizzled by 128 bytes), zeros past its bounds.
+std::string EncodeBf16(const Driver& d, TensorMap* map, const void* base, int64_t inner, int64_t outer,
+                       unsigned box_outer) {
+  if (d.TensorMapEncodeTiled == nullptr) return "libcuda.so.1 has no cuTensorMapEncodeTiled (a CUDA 12.0+ driver)";
+  const uint64_t dims[2] = {static_cast<uint64_t>(inner), static_cast<uint64_t>(outer)};
+  const uint64_t strides[1] = {static_cast<uint64_t>(inner) * 2};
+  const unsigned box[2] = {64, box_outer}, element_strides[2] = {1, 1};
+  // CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+  // CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE.
+  CUresult r = d.TensorMapEncodeTiled(map, 9, 2, const_cast<void*>(base), dims, strides, box, element_strides, 0, 3, 3,
+                                      0);
+  return r == 0 ? "" : CudaError(d, "cuTensorMapEncodeTiled", r);
+}
+
+ffi::Error Nm24DecodeBufferTma(CUstream stream, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::U8> buffer,
+                               ffi::ResultBuffer<ffi::BF16> y, int64_t kernel, int64_t split, int64_t warps,
+                               int64_t span, int64_t stages) {
+  const char* op = "nm24_decode_buffer_tma";
+  const auto xd = x.dimensions(), bd = buffer.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || bd.size() != 1 || yd.size() != 2)
+    return ffi::Error::InvalidArgument(std::string(op) + ": x and y must be 2-D, the buffer 1-D");
+  const int64_t m = xd[0], k = xd[1], n = yd[1];
+  if (std::string e = jaxsparse_cuda::CheckNm24DecodeBufferTma(m, k, n, bd[0], yd[0], yd[1], split, warps, span, stages,
+                                                               reinterpret_cast<uintptr_t>(x.untyped_data()),
+                                                               reinterpret_cast<uintptr_t>(buffer.untyped_data()));
+      !e.empty())
+    return ffi::Error::InvalidArgument(e);
+  const Driver& d = GetDriver();
+  if (!d.error.empty()) return ffi::Error::Internal(d.error);
+  TensorMap values_map, x_map;
+  const char* values = static_cast<const char*>(buffer.untyped_data());
+  std::string e = EncodeBf16(d, &values_map, values, n, k / 2, 32);  // 32 values rows: two steps of K
+  if (e.empty()) e = EncodeBf16(d, &x_map, x.untyped_data(), k, m, 8);  // 8 token rows (past M: zeros)
+  if (!e.empty()) return ffi::Error::Internal(std::string(op) + ": " + e);
+  const void* xp = x.untyped_data();
+  const void* ip = values + k * n;  // the metadata after the K N bytes of values
+  void* yp = y->untyped_data();
+  int mi = static_cast<int>(m), ki = static_cast<int>(k), ni = static_cast<int>(n);
+  void* args[] = {&xp, &values, &ip, &yp, &mi, &ki, &ni, &values_map, &x_map};
+  return Launch(stream, kernel, op, static_cast<unsigned>(n / span), static_cast<unsigned>(split),
+                static_cast<unsigned>(warps * 32), args,
+                static_cast<unsigned>(jaxsparse_cuda::Nm24TmaSharedBytes(warps, span, stages)));
 }
 
 ffi::Error Nm24Transposable(CUstream stream, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> pruned,
@@ -336,6 +404,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseNm24DecodeBuffer, Nm24DecodeBuffer,
                                   .Attr<int64_t>("split")
                                   .Attr<int64_t>("warps")
                                   .Attr<int64_t>("span"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseNm24DecodeBufferTma, Nm24DecodeBufferTma,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<CUstream>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>()
+                                  .Attr<int64_t>("kernel")
+                                  .Attr<int64_t>("split")
+                                  .Attr<int64_t>("warps")
+                                  .Attr<int64_t>("span")
+                                  .Attr<int64_t>("stages"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseNm24Transposable, Nm24Transposable,

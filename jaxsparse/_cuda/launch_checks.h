@@ -60,6 +60,32 @@ inline std::string CheckNm24DecodeBuffer(int64_t m, int64_t k, int64_t n, int64_
   return "";
 }
 
+// The dynamic shared memory of an NM_LOADS 3 build (nm24_decode.cu's NM_RING_BYTES per warp, and 1 KB to align the
+// rings to the swizzle's 1024 bytes).
+inline int64_t Nm24TmaSharedBytes(int64_t warps, int64_t span, int64_t stages) {
+  const int64_t stage = (span / 64) * 4096 + 1024, meta = (span / 64) * 512;
+  return warps * ((stages * (stage + meta) + 1023) / 1024 * 1024) + 1024;
+}
+constexpr int64_t kMaxNm24TmaSharedBytes = 200 * 1024;  // of the 227 KB a block may have: the rest is static
+
+// nm24_decode_buffer on an NM_LOADS 3 build: at most 8 rows, 2-4 stages, shared memory within kMaxNm24TmaSharedBytes,
+// and x and the buffer 16-byte aligned (the tensor copies' global addresses).
+inline std::string CheckNm24DecodeBufferTma(int64_t m, int64_t k, int64_t n, int64_t bytes, int64_t y0, int64_t y1,
+                                            int64_t split, int64_t warps, int64_t span, int64_t stages,
+                                            uint64_t x_address, uint64_t buffer_address) {
+  const std::string op = "nm24_decode_buffer_tma";
+  if (std::string e = CheckNm24DecodeBuffer(m, k, n, bytes, y0, y1, split, warps, span); !e.empty())
+    return op + e.substr(e.find(':'));
+  if (m > 8) return op + ": x has M=" + std::to_string(m) + " rows, needs M <= 8";
+  if (stages < 2 || stages > 4) return op + ": stages=" + std::to_string(stages) + ", needs 2, 3 or 4";
+  if (const int64_t s = Nm24TmaSharedBytes(warps, span, stages); s > kMaxNm24TmaSharedBytes)
+    return op + ": warps=" + std::to_string(warps) + ", span=" + std::to_string(span) + ", stages=" +
+           std::to_string(stages) + " need " + std::to_string(s) + " bytes of shared memory, at most " +
+           std::to_string(kMaxNm24TmaSharedBytes);
+  if (x_address % 16 != 0 || buffer_address % 16 != 0) return op + ": x and the buffer must be 16-byte aligned";
+  return "";
+}
+
 // nm24_transposable / nm24_prune: one thread a 4 x 4 tile (a group of 4 for nm24_prune), 256 a block.
 inline std::string CheckPruneGrid(const char* op, int64_t k, int64_t n) {
   if (std::string e = CheckKN(op, k, n); !e.empty()) return e;

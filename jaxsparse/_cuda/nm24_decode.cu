@@ -56,7 +56,11 @@
 #endif
 #ifndef NM_LOADS
 #define NM_LOADS 0  // when a warp loads a pair of steps: 0 each step before its products, 1 both before either's,
-                    // 2 the next pair before the current pair's products (two stages of registers)
+                    // 2 the next pair before the current pair's products (two stages of registers),
+                    // 3 bulk copies (TMA) into a ring of NM_STAGES steps a warp in shared memory
+#endif
+#ifndef NM_STAGES
+#define NM_STAGES 3  // NM_LOADS 3: steps a warp's ring holds (loads in flight ahead of its products)
 #endif
 #ifndef NM_MINB
 #define NM_MINB 1  // thread blocks a multiprocessor must hold at once (caps the registers per thread)
@@ -181,15 +185,60 @@ __device__ __forceinline__ void store_peer(float* p, u32 rank, float v) {
 }
 #endif
 
+#if NM_LOADS == 3
+#if NM_META != 1 || NM_MT != 1 || NM_TSPLIT != 1
+#error "NM_LOADS 3 reads cuSPARSELt's buffer at up to 8 rows"
+#endif
+// A warp's ring: NM_STAGES stages of two consecutive steps each, then their metadata. A stage holds the 32 values
+// rows of the span in NM_SPAN / 64 boxes of 64 columns x 32 rows (4 KB each; 128-byte swizzle: 16-byte chunk c of
+// row r at chunk c ^ (r % 8)), then 8 token rows of x (64 of K, 128 bytes a row, the same swizzle; rows past M are
+// the tensor copy's zero fill); its metadata are the two steps' tiles of each 64 columns (512 bytes).
+#define NM_STAGE_BYTES ((NM_SPAN / 64) * 4096 + 1024)
+#define NM_X_OFF ((NM_SPAN / 64) * 4096)
+#define NM_META_BYTES ((NM_SPAN / 64) * 512)
+#define NM_RING_BYTES ((NM_STAGES * (NM_STAGE_BYTES + NM_META_BYTES) + 1023) / 1024 * 1024)
+
+struct __align__(64) TensorMap {
+  unsigned long long words[16];
+};
+
+__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+
+__device__ __forceinline__ void tensor_copy(u32 dst, const TensorMap* map, int c0, int c1, u32 bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
+      ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(bar) : "memory");
+}
+
+__device__ __forceinline__ void bar_expect(u32 bar, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void bar_wait(u32 bar, u32 parity) {
+  asm volatile(
+      "{\n .reg .pred done;\n WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      " @!done bra WAIT;\n}\n" ::"r"(bar), "r"(parity) : "memory");
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(NM_WARPS * 32, NM_MINB)
 #if NM_SPLIT > 1
     __cluster_dims__(1, NM_SPLIT, 1)
 #endif
     nm24_decode(const u16* __restrict__ x, const u16* __restrict__ values, const u8* __restrict__ idx,
-                u16* __restrict__ y, int m, int k, int n) {
+                u16* __restrict__ y, int m, int k, int n
+#if NM_LOADS == 3
+                , const __grid_constant__ TensorMap tmv, const __grid_constant__ TensorMap tmx
+#endif
+                ) {
   // Partial-sum slots: up to 4, within the 48 KB of static shared memory (less the cluster's receive rows).
   constexpr int kEntries = 4 * NM_NI * NM_MT;  // accumulator registers per lane
-#if NM_XLOAD == 2
+#if NM_XLOAD == 2 && NM_LOADS != 3
   __shared__ __align__(16) u32 xs[NM_WARPS][NM_WMT][128];  // per warp and tile: 8 tokens x 32 K, swizzled
   constexpr int kXs = NM_WARPS * NM_WMT * 512;
 #else
@@ -235,6 +284,7 @@ extern "C" __global__ void __launch_bounds__(NM_WARPS * 32, NM_MINB)
     uint4 v[2][4][NM_CPL / 8];  // per step of the pair: compressed rows 2t, 2t+1, 2t+8, 2t+9, NM_CPL columns each
     uint4 xq[2][NM_WMT];        // per step and token tile: the lane's K 8t .. 8t + 7 of its token
   };
+#if NM_LOADS != 3
   auto load_meta = [&](Stage& s, int p) {
 #if NM_META == 0
 #pragma unroll
@@ -331,7 +381,91 @@ extern "C" __global__ void __launch_bounds__(NM_WARPS * 32, NM_MINB)
     compute_step(s, 0, tr);
     compute_step(s, 1, tr);
   };
-#if NM_LOADS == 2
+#endif
+#if NM_LOADS == 3
+  {
+    extern __shared__ __align__(1024) u8 ring[];
+    __shared__ __align__(8) unsigned long long bars[NM_WARPS][NM_STAGES];
+    const u32 pad = ((smem_addr(ring) + 1023) & ~1023u) - smem_addr(ring);  // the swizzle wants 1 KB alignment
+    const u32 mine_s = smem_addr(ring) + pad + warp * NM_RING_BYTES, bar0 = smem_addr(&bars[warp][0]);
+    const u8* const mine = ring + pad + warp * NM_RING_BYTES;
+    const int meta_off = NM_STAGES * NM_STAGE_BYTES;  // the stages' metadata after the stages
+    if (lane == 0) {
+#pragma unroll
+      for (int st = 0; st < NM_STAGES; ++st)
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar0 + 8 * st) : "memory");
+      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncwarp();
+    const int steps = k >> 5;
+    const int b_begin = blockIdx.y * per_block, b_end = p_end;  // pairs of consecutive steps [b_begin, b_end)
+    const int count = b_begin + warp < b_end ? (b_end - b_begin - warp + NM_WARPS - 1) / NM_WARPS : 0;
+    // Pair j of this warp (steps 2P, 2P + 1, P = b_begin + warp + j NM_WARPS) into stage st: lane 0 its tensor
+    // copies, lanes 1 .. NM_SPAN / 64 a metadata copy each.
+    auto issue = [&](int st, int j) {
+      const int pp = b_begin + warp + j * NM_WARPS;
+      const u32 dst = mine_s + st * NM_STAGE_BYTES, bar = bar0 + 8 * st;
+      if (lane == 0) {
+        bar_expect(bar, (NM_SPAN / 64) * (4096 + 512) + 1024);
+#pragma unroll
+        for (int bx = 0; bx < NM_SPAN / 64; ++bx) tensor_copy(dst + bx * 4096, &tmv, span0 + 64 * bx, 32 * pp, bar);
+        tensor_copy(dst + NM_X_OFF, &tmx, 64 * pp, 0, bar);
+      } else if (lane <= NM_SPAN / 64) {
+        const int tile = (span0 >> 6) + lane - 1;
+        bulk_copy(mine_s + meta_off + st * NM_META_BYTES + (lane - 1) * 512, idx + ((size_t)tile * steps + 2 * pp) * 256, 512,
+                  bar);
+      }
+    };
+#pragma unroll
+    for (int j = 0; j < NM_STAGES; ++j)
+      if (j < count) issue(j, j);
+    int st = 0;
+    u32 parity = 0;
+    const int cb = (col - span0) >> 6;                            // the lane's 64-column box
+    const int chunk0 = (NM_CPL * g * 2 / 16) & 7;                 // its first 16-byte chunk in a box row
+    for (int j = 0; j < count; ++j) {
+      bar_wait(bar0 + 8 * st, parity);
+      const u8* src = mine + st * NM_STAGE_BYTES;
+      const u32 src_s = mine_s + st * NM_STAGE_BYTES;
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        uint4 v[4][NM_CPL / 8], mq[4];  // compressed rows 2t, 2t+1, 2t+8, 2t+9; the lane's 64 metadata bytes
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int rr = 16 * q + 2 * t + (r & 1) + 8 * (r >> 1);
+#pragma unroll
+          for (int h = 0; h < NM_CPL / 8; ++h)
+            v[r][h] = *reinterpret_cast<const uint4*>(src + cb * 4096 + rr * 128 + (((chunk0 + h) ^ (rr & 7)) << 4));
+        }
+        const uint4* msrc = reinterpret_cast<const uint4*>(mine + meta_off + st * NM_META_BYTES + cb * 512 + q * 256 +
+                                                           ((col >> 4) & 3) * 64);
+#pragma unroll
+        for (int jj = 0; jj < 4; ++jj) mq[jj] = t < 2 ? msrc[jj] : uint4{0u, 0u, 0u, 0u};
+        u32 b[4];
+        {
+          const int r = lane & 7;
+          const u32 addr = src_s + NM_X_OFF + r * 128 + (((4 * q + (lane >> 3)) ^ r) << 4);
+          asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                       : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3]) : "r"(addr) : "memory");
+        }
+        u32 tr[2][NM_NI];
+        cslt_meta(mq, col, t, tr);
+#pragma unroll
+        for (int i = 0; i < NM_NI; ++i) {
+          u32 a[4];
+          a[0] = pair_of(v[0], v[1], i);
+          a[1] = pair_of(v[0], v[1], NM_NI + i);
+          a[2] = pair_of(v[2], v[3], i);
+          a[3] = pair_of(v[2], v[3], NM_NI + i);
+          mma_sp(acc[i][0], a, b, meta_word(tr, i, 0));
+        }
+      }
+      __syncwarp();  // every lane's reads of the stage are done before the copies refill it
+      if (j + NM_STAGES < count) issue(st, j + NM_STAGES);
+      if (++st == NM_STAGES) st = 0, parity ^= 1;
+    }
+  }
+#elif NM_LOADS == 2
   {
     Stage s0, s1;  // two stages, used in turn (no copies between them: a copy would wait for its loads)
     int p = p_begin + kwarp;
