@@ -169,10 +169,10 @@ def test_nm24_candidate_configs_are_distinct_runnable_and_default_first(m, k, n)
     assert buffer_configs[:len(tma)] == tma and len(buffer_configs) <= 15
     t = tma[0]
     assert (t.span, t.stages, t.x_load) == (64, 2, "ldmatrix") and tma[1] == dataclasses.replace(t, stages=3)
-    for c in tma[2:]:  # half or twice the split, or another warp count at the same warps per span
+    steps = {(t.split // 2, t.warps), (t.split * 2, t.warps), (t.split, t.warps // 2), (t.split, t.warps * 2)}
+    for c in tma[2:]:  # half or twice the split or the warps, or another warp count at the same warps per span
       assert c.stages == 2 and (k // 64) >= c.split * c.warps
-      assert (c.split * c.warps in (t.split * t.warps // 2, t.split * t.warps * 2) and c.warps == t.warps) or \
-          c.split * c.warps == t.split * t.warps
+      assert (c.split, c.warps) in steps or c.split * c.warps == t.split * t.warps
     buffer_configs = buffer_configs[len(tma):]
     many = (n // d.span) * d.split * d.warps >= 768
     assert buffer_configs[0] == (dataclasses.replace(d, x_load="ldmatrix") if many else d)

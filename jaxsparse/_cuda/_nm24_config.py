@@ -233,10 +233,11 @@ def nm24_candidate_configs(m: int, k: int, n: int, *, buffer: bool = False) -> l
   ``benchmarks/results/llm_decode_nm24_buffer_2026-12-01_h200.md``).
 
   Reading cuSPARSELt's buffer at up to 8 rows the default streams by bulk copies (``loads="tma"``); its candidates
-  are that default, with three stages, with half and twice the split and with the other warp counts at the same warps
-  per span, then every candidate above of the other builds' default (so tuning never offers less than before). On an
-  H200 the best of them took 0.78-1.02 of the best of the other builds' candidates at 28 products of 1-8 rows and the
-  default 0.67-0.97 of the other builds' default (``benchmarks/results/llm_decode_nm24_tma_2026-12-01_h200.md``).
+  are that default, with three stages, with half and twice the split or the warps and with the other warp counts at
+  the same warps per span, then every candidate above of the other builds' default (so tuning never offers less than
+  before). On an H200 the best of them took 0.78-1.02 of the best of the other builds' candidates at 28 products of
+  1-8 rows and the default 0.67-0.97 of the other builds' default
+  (``benchmarks/results/llm_decode_nm24_tma_2026-12-01_h200.md``).
 
   A default of three blocks per multiprocessor (from 25 rows at 32 warps per span) comes first and its one-block
   build second: the neighbours and variants below are those of the one-block build.
@@ -254,8 +255,9 @@ def nm24_candidate_configs(m: int, k: int, n: int, *, buffer: bool = False) -> l
   ['s8w4c128b1xs', 's4w4c128b1xs', 's4w8c128b1xs', 's8w4c64b1xs', 's8w4c128b2xs', 's8w4c128b1xm', 's8w4c64b1xm',
    's8w2c64b1xm']
   >>> [c.name for c in nm24_candidate_configs(1, 4096, 4096, buffer=True)]  # doctest: +NORMALIZE_WHITESPACE
-  ['s2w8c64b1xmlt2', 's2w8c64b1xmlt3', 's1w8c64b1xmlt2', 's4w8c64b1xmlt2', 's8w2c64b1xmlt2', 's4w4c64b1xmlt2',
-   's8w4c128b1xm', 's4w4c128b1xm', 's4w8c128b1xm', 's8w4c64b1xm', 's8w4c128b2xm', 's8w4c128b1xs', 's8w2c64b1xm']
+  ['s2w8c64b1xmlt2', 's2w8c64b1xmlt3', 's1w8c64b1xmlt2', 's4w8c64b1xmlt2', 's2w4c64b1xmlt2', 's8w2c64b1xmlt2',
+   's4w4c64b1xmlt2', 's8w4c128b1xm', 's4w4c128b1xm', 's4w8c128b1xm', 's8w4c64b1xm', 's8w4c128b2xm', 's8w4c128b1xs',
+   's8w2c64b1xm']
 
   Args:
     m, k, n: the product's rows, depth and columns.
@@ -271,11 +273,12 @@ def nm24_candidate_configs(m: int, k: int, n: int, *, buffer: bool = False) -> l
 
 
 def _tma_candidates(d: Nm24DecodeConfig, k: int) -> list[Nm24DecodeConfig]:
-  """``d`` (a ``loads="tma"`` default), a third stage, half and twice the split and the other warp counts at the same
-  warps per span."""
+  """``d`` (a ``loads="tma"`` default), a third stage, half and twice the split, half and twice the warps, and the
+  other warp counts at the same warps per span."""
   out = [d, dataclasses.replace(d, stages=3)]
   per_span = d.split * d.warps
-  for split, warps in ((d.split // 2, d.warps), (d.split * 2, d.warps), *((per_span // w, w) for w in (2, 4, 8))):
+  for split, warps in ((d.split // 2, d.warps), (d.split * 2, d.warps), (d.split, d.warps // 2), (d.split, d.warps * 2),
+                       *((per_span // w, w) for w in (2, 4, 8))):
     if split in (1, 2, 4, 8) and warps in (2, 4, 8) and k // 64 >= split * warps:
       cfg = dataclasses.replace(d, split=split, warps=warps)
       if cfg not in out:
