@@ -178,6 +178,26 @@ def test_gpu_suite_splits_into_shards():
   assert bad.returncode == 4 and "--shard I/N needs 1 <= I <= N, got '4/3'" in bad.stderr
 
 
+def test_nm24_candidates_sweep_row():
+  # GPU only to run; on the CPU its table row from made-up timings: the default, the best of each build, the default
+  # before the bulk-copy build (the first of the other builds' candidates).
+  sys.path.insert(0, str(ROOT / "benchmarks" / "sweeps"))
+  import gpu_nm24_candidates as sweep  # noqa: PLC0415
+
+  from jaxsparse._cuda import _kernels as ck  # noqa: PLC0415
+
+  configs = ck.nm24_candidate_configs(1, 4096, 4096, buffer=True)
+  us = {c: 30.0 - i for i, c in enumerate(configs)}  # the last candidate (a non-tma one) fastest
+  r = {"dense": 40.0, "us": us, "err": dict.fromkeys(configs, 1e-3), "default_err": 4e-3}
+  cells = [c.strip() for c in sweep.row(1, 4096, 4096, r).split("|")]
+  tma = [c for c in configs if c.loads == "tma"]
+  before = configs[len(tma)]
+  assert cells[1:4] == ["1x4096x4096", "40.00", f"30.00 ({configs[0].name})"]
+  assert cells[4] == f"{us[tma[-1]]:.2f} ({tma[-1].name})" and cells[5] == f"{us[before]:.2f} ({before.name})"
+  assert cells[6] == f"{us[configs[-1]]:.2f} ({configs[-1].name})" and cells[-2] == "4.0e-03"
+  assert cells[7] == f"{30.0 / us[before]:.3f}" and cells[9] == "0.75"
+
+
 def test_nm24_config_sweep_lists_and_scores_configs(capsys):
   # GPU only to run; on the CPU its config space and its table row (from recorded timings).
   sys.path.insert(0, str(ROOT / "benchmarks" / "sweeps"))
@@ -192,6 +212,12 @@ def test_nm24_config_sweep_lists_and_scores_configs(capsys):
   # order's configs.
   candidates = {c for c in ck.nm24_candidate_configs(32, 2048, 2560) if c.blocks_per_sm == 1}
   assert {c for c in candidates if c.loads == "step"} <= set(configs) and {c.loads for c in configs} == {"step"}
+  # The bulk-copy build only on the buffer up to 8 rows: 2-4 stages where the shared memory fits.
+  tma = [c for c in sweep.all_configs(1, 4096, 4096, loads=("tma",), buffer=True)]
+  assert tma and all(c.loads == "tma" and c.x_load == "ldmatrix" for c in tma)
+  assert {c for c in ck.nm24_candidate_configs(1, 4096, 4096, buffer=True) if c.loads == "tma"} <= set(tma)
+  assert not sweep.all_configs(1, 4096, 4096, loads=("tma",)) and not sweep.all_configs(9, 4096, 4096, loads=("tma",),
+                                                                                        buffer=True)
   every = sweep.all_configs(32, 2048, 2560, loads=ck.NM24_LOADS)
   assert len(every) == 3 * 88 and candidates <= set(every)
   assert not any(c.token_split == 2 for c in sweep.all_configs(8, 4096, 4096))  # one token tile: no split
