@@ -62,8 +62,8 @@ class Nm24DecodeConfig:
       through ``ldmatrix``, one warp per step): each warp streams pairs of consecutive steps (the values as boxes of
       64 columns x 32 rows, 8 rows of ``x``, the metadata) by bulk tensor copies (TMA) into a ring of ``stages``
       stages in shared memory, ``stages - 1`` pairs ahead of its products, so the bytes in flight cost no registers.
-      On an H200 at 1 and 8 rows it took 0.85-0.92 of the best ``"step"`` config's time at the Llama-3-8B products
-      but the 4096 x 28672 one (0.98-1.03) and 0.86-1.0 at the TinyLlama ones
+      On an H200 at 1 and 8 rows its best candidate took 0.86-0.94 of the other builds' best at the Llama-3-8B
+      products but the 4096 x 28672 one (0.99-1.03) and 0.86-1.01 at the TinyLlama ones
       (``benchmarks/results/llm_decode_nm24_tma_2026-12-01_h200.md``).
     stages: the ring's stages with ``loads="tma"`` (2, 3 or 4; :func:`nm24_tma_shared_bytes` at most 200 KB); 2
       otherwise.
@@ -204,7 +204,8 @@ def _tma_default(k: int, n: int) -> Nm24DecodeConfig:
   warps) that bring the warps in all nearest 768 (by ratio; more warps a block on a tie) with at least two pairs of
   steps a warp. On an H200 at 1 and 8 rows of 16 products (the Llama-3-8B and TinyLlama ones) it took 1.00-1.05 of
   the best of 96 ``"tma"`` configs at 14 and 1.15 at 5632 x 2048, where a neighbour (:func:`nm24_candidate_configs`)
-  is the best (``benchmarks/results/llm_decode_nm24_tma_2026-12-01_h200.md``)."""
+  is the best; it took 0.67-0.97 of the other builds' default at 30 of 32 products, 1.01-1.02 at the 4096 x 128256
+  LM head (``benchmarks/results/llm_decode_nm24_tma_2026-12-01_h200.md``)."""
   spans, pairs = n // 64, k // 64
   shapes = [(s, w) for s in (1, 2, 4, 8) for w in (8, 4, 2) if pairs >= 2 * s * w] or [(1, 2)]
   split, warps = min(shapes, key=lambda sw: abs(math.log(spans * sw[0] * sw[1] / 768)))
@@ -235,8 +236,8 @@ def nm24_candidate_configs(m: int, k: int, n: int, *, buffer: bool = False) -> l
   Reading cuSPARSELt's buffer at up to 8 rows the default streams by bulk copies (``loads="tma"``); its candidates
   are that default, with three stages, with half and twice the split or the warps and with the other warp counts at
   the same warps per span, then every candidate above of the other builds' default (so tuning never offers less than
-  before). On an H200 the best of them took 0.78-1.02 of the best of the other builds' candidates at 28 products of
-  1-8 rows and the default 0.67-0.97 of the other builds' default
+  before). On an H200 at 32 products of 1-8 rows the best bulk-copy candidate took 0.78-1.03 of the best of the
+  others, and the default 0.67-0.97 of the other builds' default but at the 4096 x 128256 LM head (1.01-1.02)
   (``benchmarks/results/llm_decode_nm24_tma_2026-12-01_h200.md``).
 
   A default of three blocks per multiprocessor (from 25 rows at 32 warps per span) comes first and its one-block
