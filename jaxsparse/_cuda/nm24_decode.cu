@@ -2,7 +2,7 @@
 // as jaxsparse.NMSparseMatrix stores it, on the sparse tensor cores (mma.sp; compute capability 9.0+ for the
 // thread block clusters).
 // Compiled at run time by NVRTC (no includes), one build per (NM_MT, NM_CPL, NM_SPLIT, NM_WARPS, NM_MINB,
-// NM_TSPLIT, NM_XLOAD, NM_META, NM_LOADS).
+// NM_TSPLIT, NM_XLOAD, NM_META, NM_LOADS, NM_STAGES).
 //
 // Operands, all row-major as JAX stores them:
 //   x       (M, K) bf16;
@@ -32,6 +32,11 @@
 // cluster (each a slice of K) add them through distributed shared memory: each block owns a share of the
 // span's outputs, the others store their partial sums of that share into its shared memory, and after one
 // cluster barrier it adds them and writes them (no second kernel, no atomics in global memory).
+// With NM_LOADS 3 (cuSPARSELt's buffer, one token tile) the loads go another way: each warp streams its pairs of
+// consecutive steps by bulk tensor copies (TMA: two tensor maps, of the values and of x, made by the launcher per
+// call) and one bulk copy of the metadata into a ring of NM_STAGES stages in dynamic shared memory, NM_STAGES - 1
+// pairs ahead of its products, each stage's arrival counted on an mbarrier; the lanes then read their fragments from
+// shared memory, so the bytes in flight cost no registers.
 
 #ifndef NM_MT
 #define NM_MT 2  // token tiles of 8 rows: ceil(M / 8), at most 4
@@ -60,7 +65,7 @@
                     // 3 bulk copies (TMA) into a ring of NM_STAGES steps a warp in shared memory
 #endif
 #ifndef NM_STAGES
-#define NM_STAGES 3  // NM_LOADS 3: steps a warp's ring holds (loads in flight ahead of its products)
+#define NM_STAGES 2  // NM_LOADS 3: pairs of steps a warp's ring holds (loads in flight ahead of its products)
 #endif
 #ifndef NM_MINB
 #define NM_MINB 1  // thread blocks a multiprocessor must hold at once (caps the registers per thread)
@@ -412,8 +417,8 @@ extern "C" __global__ void __launch_bounds__(NM_WARPS * 32, NM_MINB)
         tensor_copy(dst + NM_X_OFF, &tmx, 64 * pp, 0, bar);
       } else if (lane <= NM_SPAN / 64) {
         const int tile = (span0 >> 6) + lane - 1;
-        bulk_copy(mine_s + meta_off + st * NM_META_BYTES + (lane - 1) * 512, idx + ((size_t)tile * steps + 2 * pp) * 256, 512,
-                  bar);
+        const u32 meta_dst = mine_s + meta_off + st * NM_META_BYTES + (lane - 1) * 512;
+        bulk_copy(meta_dst, idx + ((size_t)tile * steps + 2 * pp) * 256, 512, bar);
       }
     };
 #pragma unroll
