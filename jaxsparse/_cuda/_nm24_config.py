@@ -143,8 +143,11 @@ class Nm24DecodeConfig:
     (``buffer``) with ``loads="pair"``: on an H200 at 24 and 32 rows, 0.65-1.03 of the time with ``"step"`` (14
     products), where on the indices it took 0.89-1.09 (``benchmarks/results/llm_decode_nm24_loads_2026-12-01_h200.md``).
 
-    Reading cuSPARSELt's buffer at up to 8 rows the default is none of the above (they remain the first of the
-    candidates after it, :func:`nm24_candidate_configs`) but ``loads="tma"`` (:func:`_tma_default`).
+    Reading cuSPARSELt's buffer (``buffer``) at up to 8 rows the default is none of the above (those stay among the
+    candidates, :func:`nm24_candidate_configs`) but ``loads="tma"`` on 64-column spans with two stages and the
+    (split, warps) that bring the warps in all nearest 768 with at least two pairs of steps a warp: on an H200 it took
+    0.67-0.97 of the time of the rules above at 30 of 32 products of 1-8 rows, 1.01-1.02 at a 4096 x 128256 LM head
+    (``benchmarks/results/llm_decode_nm24_tma_2026-12-01_h200.md``).
 
     Args:
       m, k, n: the product's rows, depth and columns.
@@ -157,7 +160,6 @@ class Nm24DecodeConfig:
 
 def _step_default(m: int, k: int, n: int, buffer: bool) -> Nm24DecodeConfig:
   """:meth:`Nm24DecodeConfig.get_default` without ``loads="tma"``: the rules its docstring gives by rows."""
-  cls = Nm24DecodeConfig
   if m > 16:
     spans, pairs = n // 64, k // 64
     per_span = min(_NM24_WARPS_PER_SPAN, key=lambda w: abs(math.log(spans * w / 768)))
@@ -165,8 +167,9 @@ def _step_default(m: int, k: int, n: int, buffer: bool) -> Nm24DecodeConfig:
       per_span //= 2
     split, warps = (1, 8) if per_span == 8 and m > 24 else _NM24_WARPS_PER_SPAN[per_span]
     three = m > 24 and per_span == 32  # clusters of 8 blocks of 4 warps: three a multiprocessor
-    return cls(split, warps, 64, blocks_per_sm=3 if three else 1,
-               x_load="shuffle" if m > 24 and per_span == 64 else "ldmatrix", loads="pair" if buffer else "step")
+    return Nm24DecodeConfig(split, warps, 64, blocks_per_sm=3 if three else 1,
+                            x_load="shuffle" if m > 24 and per_span == 64 else "ldmatrix",
+                            loads="pair" if buffer else "step")
   span = 128 if m <= 8 and n % 128 == 0 else 64
   spans = n // span
   pairs = k // 64
@@ -190,7 +193,7 @@ def _step_default(m: int, k: int, n: int, buffer: bool) -> Nm24DecodeConfig:
     warps //= 2
   # Up to 8 rows x by shuffles, but reading the buffer with 768 warps or more through ldmatrix.
   ldmatrix = m > 8 or (buffer and spans * split * warps >= _NM24_BUFFER_LDMATRIX_WARPS)
-  return cls(split=split, warps=warps, span=span, x_load="ldmatrix" if ldmatrix else "shuffle")
+  return Nm24DecodeConfig(split=split, warps=warps, span=span, x_load="ldmatrix" if ldmatrix else "shuffle")
 
 
 # Up to 8 rows, reading cuSPARSELt's buffer: from this many warps in all the default loads x through ldmatrix. On an
