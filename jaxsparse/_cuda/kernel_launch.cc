@@ -394,30 +394,24 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseNm24Decode, Nm24Decode,
                               // the CUDA graph of its neighbours instead of a launch from the host per call.
                               {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseNm24DecodeBuffer, Nm24DecodeBuffer,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<CUstream>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Ret<ffi::Buffer<ffi::BF16>>()
-                                  .Attr<int64_t>("kernel")
-                                  .Attr<int64_t>("split")
-                                  .Attr<int64_t>("warps")
-                                  .Attr<int64_t>("span"),
+// The operands and attributes of the two handlers that read cuSPARSELt's buffer (the TMA one adds "stages").
+static auto BufferDecodeBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<CUstream>>()
+      .Arg<ffi::Buffer<ffi::BF16>>()
+      .Arg<ffi::Buffer<ffi::U8>>()
+      .Ret<ffi::Buffer<ffi::BF16>>()
+      .Attr<int64_t>("kernel")
+      .Attr<int64_t>("split")
+      .Attr<int64_t>("warps")
+      .Attr<int64_t>("span");
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseNm24DecodeBuffer, Nm24DecodeBuffer, BufferDecodeBinding(),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseNm24DecodeBufferTma, Nm24DecodeBufferTma,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<CUstream>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Ret<ffi::Buffer<ffi::BF16>>()
-                                  .Attr<int64_t>("kernel")
-                                  .Attr<int64_t>("split")
-                                  .Attr<int64_t>("warps")
-                                  .Attr<int64_t>("span")
-                                  .Attr<int64_t>("stages"),
-                              {ffi::Traits::kCmdBufferCompatible});
+                              BufferDecodeBinding().Attr<int64_t>("stages"), {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseNm24Transposable, Nm24Transposable,
                               ffi::Ffi::Bind()
