@@ -236,7 +236,8 @@ def test_nm24_default_spans_by_rows():
 @pytest.mark.parametrize(
     ("k", "n", "split", "warps"),
     [(14336, 4096, 2, 8), (4096, 4096, 2, 8), (4096, 6144, 1, 8), (4096, 28672, 1, 2), (5632, 2048, 4, 8),
-     (2048, 11264, 1, 4), (2048, 2048, 2, 8), (128, 256, 1, 2), (64, 64, 1, 2), (256, 64, 1, 2), (2048, 128, 2, 8)],
+     (2048, 11264, 1, 4), (2048, 2048, 2, 8), (128, 256, 1, 2), (64, 64, 1, 2), (256, 64, 1, 2), (2048, 128, 2, 8),
+     (4096, 128256, 1, 4), (4096, 65536, 1, 4), (4096, 65472, 1, 2), (128, 65536, 1, 4)],
 )
 def test_nm24_tma_default(k, n, split, warps):
   """Reading cuSPARSELt's buffer up to 8 rows: bulk copies into two stages on 64-column spans, the warps in all
@@ -244,7 +245,7 @@ def test_nm24_tma_default(k, n, split, warps):
   for m in (1, 8):
     cfg = ck.Nm24DecodeConfig.get_default(m, k, n, buffer=True)
     assert cfg == ck.Nm24DecodeConfig(split, warps, 64, x_load="ldmatrix", loads="tma")
-    assert (k // 64) >= 2 * cfg.split * cfg.warps or (cfg.split, cfg.warps) == (1, 2)
+    assert (k // 64) >= 2 * cfg.split * cfg.warps or (cfg.split, cfg.warps) == (1, 2 if n < 65536 else 4)
   assert ck.Nm24DecodeConfig.get_default(9, k, n, buffer=True).loads != "tma"  # one token tile only
   assert ck.Nm24DecodeConfig.get_default(1, k, n).loads == "step"  # NMSparseMatrix indices: no bulk copies
 

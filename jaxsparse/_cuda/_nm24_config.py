@@ -146,8 +146,9 @@ class Nm24DecodeConfig:
     Reading cuSPARSELt's buffer (``buffer``) at up to 8 rows the default is none of the above (those stay among the
     candidates, :func:`nm24_candidate_configs`) but ``loads="tma"`` on 64-column spans with two stages and the
     (split, warps) that bring the warps in all nearest 768 with at least two pairs of steps a warp: on an H200 it took
-    0.67-0.97 of the time of the rules above at 30 of 32 products of 1-8 rows, 1.01-1.02 at a 4096 x 128256 LM head
-    (``benchmarks/results/llm_decode_nm24_tma_2026-12-01_h200.md``).
+    0.67-0.97 of the time of the rules above at 32 products of 1-8 rows
+    (``benchmarks/results/llm_decode_nm24_tma_2026-12-01_h200.md``; blocks of 4 warps at least from 1024 column
+    spans, where 2 took 1.01-1.02 at a 4096 x 128256 LM head).
 
     Args:
       m, k, n: the product's rows, depth and columns.
@@ -205,12 +206,15 @@ _NM24_BUFFER_LDMATRIX_WARPS = 768
 def _tma_default(k: int, n: int) -> Nm24DecodeConfig:
   """The ``loads="tma"`` default (cuSPARSELt's buffer, up to 8 rows): 64-column spans, two stages, and the (split,
   warps) that bring the warps in all nearest 768 (by ratio; more warps a block on a tie) with at least two pairs of
-  steps a warp. On an H200 at 1 and 8 rows of 16 products (the Llama-3-8B and TinyLlama ones) it took 1.00-1.05 of
-  the best of 96 ``"tma"`` configs at 14 and 1.15 at 5632 x 2048, where a neighbour (:func:`nm24_candidate_configs`)
-  is the best; it took 0.67-0.97 of the other builds' default at 30 of 32 products, 1.01-1.02 at the 4096 x 128256
-  LM head (``benchmarks/results/llm_decode_nm24_tma_2026-12-01_h200.md``)."""
+  steps a warp, in blocks of 4 warps at least from 1024 column spans. On an H200 at 1 and 8 rows of 16 products (the
+  Llama-3-8B and TinyLlama ones) it took 1.00-1.05 of the best of 96 ``"tma"`` configs at 14 and 1.15 at 5632 x 2048,
+  where a neighbour (:func:`nm24_candidate_configs`) is the best, and 0.67-0.97 of the other builds' default at 32
+  products (``benchmarks/results/llm_decode_nm24_tma_2026-12-01_h200.md``)."""
   spans, pairs = n // 64, k // 64
-  shapes = [(s, w) for s in (1, 2, 4, 8) for w in (8, 4, 2) if pairs >= 2 * s * w] or [(1, 2)]
+  # From 1024 spans (N >= 65536) blocks of 4 warps at least: at the 4096 x 128256 LM head 2 warps a block (4008 warps)
+  # took 1.07x the time of 4 (8016); at 2048 x 32000 (500 spans) they tied, at 4096 x 28672 (448) 2 won.
+  fewest = 4 if spans >= 1024 else 2
+  shapes = [(s, w) for s in (1, 2, 4, 8) for w in (8, 4, 2) if w >= fewest and pairs >= 2 * s * w] or [(1, fewest)]
   split, warps = min(shapes, key=lambda sw: abs(math.log(spans * sw[0] * sw[1] / 768)))
   return Nm24DecodeConfig(split, warps, 64, x_load="ldmatrix", loads="tma")
 
@@ -240,7 +244,7 @@ def nm24_candidate_configs(m: int, k: int, n: int, *, buffer: bool = False) -> l
   are that default, with three stages, with half and twice the split or the warps and with the other warp counts at
   the same warps per span, then every candidate above of the other builds' default (so tuning never offers less than
   before). On an H200 at 32 products of 1-8 rows the best bulk-copy candidate took 0.78-1.03 of the best of the
-  others, and the default 0.67-0.97 of the other builds' default but at the 4096 x 128256 LM head (1.01-1.02)
+  others, and the default 0.67-0.97 of the other builds' default
   (``benchmarks/results/llm_decode_nm24_tma_2026-12-01_h200.md``).
 
   A default of three blocks per multiprocessor (from 25 rows at 32 warps per span) comes first and its one-block
