@@ -198,6 +198,21 @@ def test_nm24_candidates_sweep_row():
   assert cells[7] == f"{30.0 / us[before]:.3f}" and cells[9] == "0.75"
 
 
+def test_block_decode_sweep_row_and_products():
+  # GPU only to run; on the CPU its product specs and its table row from a made-up tuner entry.
+  sys.path.insert(0, str(ROOT / "benchmarks" / "sweeps"))
+  import gpu_block_decode as sweep  # noqa: PLC0415
+
+  assert sweep.product("8x14336x4096:128:0.5") == (8, 14336, 4096, 128, 0.5)
+  assert len(sweep.DEFAULT_PRODUCTS.split(",")) == 40
+  entry = {"dense_us": 20.0, "choice": "cuda_decode/w8s1lt2",
+           "times_us": {"cuda_decode": 10.0, "cuda_decode/w8s1lt2": 8.0, "default": 12.0, "triton/s4": 11.0,
+                        "dense": 30.0}}
+  cells = [c.strip() for c in sweep.row("1x4096x4096:64:0.5", entry, 2e-3).split("|")]
+  assert cells[1:-1] == ["1x4096x4096:64:0.5", "20.00", "10.00", "8.00 (w8s1lt2)", "12.00", "11.00 (triton/s4)",
+                         "0.727", "0.40", "cuda_decode/w8s1lt2", "2.0e-03"]
+
+
 def test_nm24_config_sweep_lists_and_scores_configs(capsys):
   # GPU only to run; on the CPU its config space and its table row (from recorded timings).
   sys.path.insert(0, str(ROOT / "benchmarks" / "sweeps"))

@@ -669,7 +669,7 @@ def test_gpu_nm_matmul_falls_back_with_a_warning_when_the_kernel_cannot_build(mo
   def broken(*args, **kwargs):
     raise RuntimeError("NVRTC could not compile nm24_decode.cu (test)")
 
-  monkeypatch.setattr(ck, "_kernel_id", broken)
+  monkeypatch.setattr(ck, "kernel_id", broken)
   monkeypatch.setattr(ck, "_WARNED", set())
   x, w, ref = _problem(5, 4, 4096, 4096)
   with pytest.warns(ck.CudaKernelFallbackWarning, match="NVRTC could not compile"):

@@ -55,6 +55,39 @@ NATIVE_CASES = {
     "decode_tma_bytes": ("CheckNm24DecodeBufferTma(1, 4096, 4096, 18874367, 1, 4096, 1, 8, 64, 2, 0, 0)",
                          "nm24_decode_buffer_tma: buffer of 18874367 bytes"),
     "tma_shared_bytes": ("Nm24TmaSharedBytes(8, 64, 2)", "91136"),
+    "bs_decode_ok": ("CheckBlockSparseDecode(8, 4096, 4096, 2048, 64, 64, 65, 2048, 2048, 8, 4096, 64, 64, 4, 2, 2, "
+                     "true, 256, 512)", ""),
+    "bs_decode_rows": ("CheckBlockSparseDecode(9, 4096, 4096, 2048, 64, 64, 65, 2048, 2048, 9, 4096, 64, 64, 4, 2, 2, "
+                       "true, 0, 0)", "M=9"),
+    "bs_decode_block": ("CheckBlockSparseDecode(1, 4096, 4096, 2048, 32, 64, 65, 2048, 2048, 1, 4096, 32, 64, 4, 2, "
+                        "2, true, 0, 0)", "block (32, 64)"),
+    "bs_decode_warps": ("CheckBlockSparseDecode(1, 4096, 4096, 512, 128, 128, 33, 512, 512, 1, 4096, 128, 128, 3, 1, "
+                        "2, true, 0, 0)", "warps=3, needs 1-8 and a multiple of bn / 64 = 2"),
+    "bs_decode_split": ("CheckBlockSparseDecode(1, 4096, 4096, 2048, 64, 64, 65, 2048, 2048, 1, 4096, 64, 64, 4, 3, "
+                        "2, true, 0, 0)", "split=3"),
+    "bs_decode_smem": ("CheckBlockSparseDecode(1, 4096, 4096, 2048, 64, 64, 65, 2048, 2048, 1, 4096, 64, 64, 8, 1, 3, "
+                       "true, 0, 0)", "222208 bytes of shared memory, at most 204800"),
+    "bs_decode_k": ("CheckBlockSparseDecode(1, 4000, 4096, 2048, 64, 64, 65, 2048, 2048, 1, 4096, 64, 64, 4, 1, 2, "
+                    "true, 0, 0)", "multiples of the block (64, 64)"),
+    "bs_decode_k_huge": ("CheckBlockSparseDecode(1, 4 * G, 4096, 1, 64, 64, 65, 1, 1, 1, 4096, 64, 64, 4, 1, 2, "
+                         "true, 0, 0)", "2**30"),
+    "bs_decode_empty": ("CheckBlockSparseDecode(1, 4096, 4096, 0, 64, 64, 65, 0, 0, 1, 4096, 64, 64, 4, 1, 2, true, "
+                        "0, 0)", "0 kept blocks"),
+    "bs_decode_nnz_huge": ("CheckBlockSparseDecode(1, 4096, 4096, 1LL << 26, 64, 64, 65, 1LL << 26, 1LL << 26, 1, "
+                           "4096, 64, 64, 4, 1, 2, true, 0, 0)", "2**31 / bk"),
+    "bs_decode_data": ("CheckBlockSparseDecode(1, 4096, 4096, 2048, 64, 32, 65, 2048, 2048, 1, 4096, 64, 64, 4, 1, 2, "
+                       "true, 0, 0)", "data (2048, 64, 32)"),
+    "bs_decode_offsets": ("CheckBlockSparseDecode(1, 4096, 4096, 2048, 64, 64, 64, 2048, 2048, 1, 4096, 64, 64, 4, 1, "
+                          "2, true, 0, 0)", "col_offsets of 64, needs N / bn + 1 = 65"),
+    "bs_decode_order": ("CheckBlockSparseDecode(1, 4096, 4096, 2048, 64, 64, 65, 2047, 2048, 1, 4096, 64, 64, 4, 1, "
+                        "2, true, 0, 0)", "transpose_order of 2047"),
+    "bs_decode_y": ("CheckBlockSparseDecode(2, 4096, 4096, 2048, 64, 64, 65, 2048, 2048, 1, 4096, 64, 64, 4, 1, 2, "
+                    "true, 0, 0)", "y (1, 4096)"),
+    "bs_decode_types": ("CheckBlockSparseDecode(1, 4096, 4096, 2048, 64, 64, 65, 2048, 2048, 1, 4096, 64, 64, 4, 1, "
+                        "2, false, 0, 0)", "dtypes"),
+    "bs_decode_align": ("CheckBlockSparseDecode(1, 4096, 4096, 2048, 64, 64, 65, 2048, 2048, 1, 4096, 64, 64, 4, 1, "
+                        "2, true, 0, 8)", "16-byte"),
+    "bs_decode_shared_bytes": ("BlockSparseDecodeSharedBytes(4, 2)", "74752"),
     "transposable_ok": ("CheckNm24Transposable(64, 128, true, 64, 128, 16, 32)", ""),
     "transposable_types": ("CheckNm24Transposable(64, 128, false, 64, 128, 16, 32)", "dtype"),
     "transposable_pattern": ("CheckNm24Transposable(64, 128, true, 64, 128, 16, 31)", "pattern (16, 31)"),
@@ -117,7 +150,8 @@ def test_handlers_call_the_checks():
   # Every FFI handler and exported entry reads its sizes through launch_checks.h before it launches.
   here = CHECKS.parent
   launch, cslt_src = (here / "kernel_launch.cc").read_text(), (here / "cusparselt_matmul.cc").read_text()
-  for fn in ("CheckNm24Decode", "CheckNm24DecodeBuffer", "CheckNm24DecodeBufferTma", "CheckNm24Transposable",
+  for fn in ("CheckNm24Decode", "CheckNm24DecodeBuffer", "CheckNm24DecodeBufferTma", "CheckBlockSparseDecode",
+             "CheckNm24Transposable",
              "CheckNm24TransposableCompress", "CheckNm24Prune", "CheckRegister"):
     assert f"jaxsparse_cuda::{fn}(" in launch, fn
   assert cslt_src.count("jaxsparse_cuda::CheckCslt(") == 2 and "jaxsparse_cuda::CheckCsltMatmul(" in cslt_src

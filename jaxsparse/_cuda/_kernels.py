@@ -13,6 +13,9 @@ Kernels:
 
 * :func:`nm24_decode`: ``x @ W`` for a 2:4 bfloat16 ``W`` (``NMSparseMatrix`` values and packed
   positions, as stored) and ``M <= 32`` rows, on the sparse tensor cores (``nm24_decode.cu``).
+* :func:`jaxsparse._cuda._block_sparse_decode.block_sparse_decode`: ``x @ W`` for a block-sparse ``W``
+  (``BlockSparseMatrix``, block dims multiples of 64) and ``M <= 8`` rows, its blocks streamed by bulk tensor copies
+  (``block_sparse_decode.cu``).
 * :func:`nm24_transposable`: transposable 2:4 pruning of a ``(K, N)`` weight in one pass, the pruned
   weight and each ``4 x 4`` tile's pattern (``nm24_prune.cu``); :func:`nm24_transposable_compress`
   writes it as cuSPARSELt's compressed buffers of ``W`` and ``Wᵀ`` instead; :func:`nm24_prune`, plain 2:4
@@ -57,6 +60,7 @@ __all__ = [
     "CudaKernelFallbackWarning",
     "Nm24DecodeConfig",
     "available",
+    "kernel_id",
     "nm24_candidate_configs",
     "nm24_decode",
     "nm24_decode_buffer",
@@ -75,6 +79,7 @@ TARGETS = {
     "jaxsparse_nm24_decode": "JaxsparseNm24Decode",
     "jaxsparse_nm24_decode_buffer": "JaxsparseNm24DecodeBuffer",
     "jaxsparse_nm24_decode_buffer_tma": "JaxsparseNm24DecodeBufferTma",
+    "jaxsparse_block_sparse_decode": "JaxsparseBlockSparseDecode",
     "jaxsparse_nm24_transposable": "JaxsparseNm24Transposable",
     "jaxsparse_nm24_transposable_compress": "JaxsparseNm24TransposableCompress",
     "jaxsparse_nm24_prune": "JaxsparseNm24Prune",
@@ -281,7 +286,7 @@ def _nvrtc_options(arch: str, defines: tuple[tuple[str, int], ...]) -> list[str]
   return [f"--gpu-architecture={arch}", "-std=c++17", *(f"-D{k}={v}" for k, v in defines)]
 
 
-def _kernel_id(source_name: str, name: str, defines: tuple[tuple[str, int], ...]) -> int:
+def kernel_id(source_name: str, name: str, defines: tuple[tuple[str, int], ...]) -> int:
   """Compiles (once per process) and registers kernel ``name`` of ``source_name`` with ``defines``."""
   state = _load()
   if state["reason"]:
@@ -345,7 +350,7 @@ def nm24_prepare(m: int, k: int, n: int, config: Nm24DecodeConfig | None = None,
   if reason:
     return reason
   try:
-    _kernel_id("nm24_decode.cu", "nm24_decode",
+    kernel_id("nm24_decode.cu", "nm24_decode",
                _nm24_defines(m, config or Nm24DecodeConfig.get_default(m, k, n, buffer=buffer), buffer))
   except RuntimeError as e:
     return str(e)
@@ -417,7 +422,7 @@ def _nm24_call(op: str, x: jax.Array, weight: tuple[jax.Array, ...], n: int, con
   if tma and (not buffer or m > 8):
     raise ValueError(f"{op}: config {cfg.name} (loads='tma') reads cuSPARSELt's buffer at up to 8 rows only "
                      f"(nm24_decode_buffer), got {m} rows{'' if buffer else ' on NMSparseMatrix indices'}.")
-  kid = _kernel_id("nm24_decode.cu", "nm24_decode", _nm24_defines(m, cfg, buffer=buffer))
+  kid = kernel_id("nm24_decode.cu", "nm24_decode", _nm24_defines(m, cfg, buffer=buffer))
   x, weight = _utils.vary_alike(x, weight)  # an FFI call takes operands that vary alike (shard_map)
   out = _utils.result_struct((m, n), jnp.bfloat16, x, weight)
   attrs = dict(kernel=np.int64(kid), split=np.int64(cfg.split), warps=np.int64(cfg.warps), span=np.int64(cfg.span))
@@ -468,7 +473,7 @@ def nm24_transposable(w: jax.Array, out_dtype=None) -> tuple[jax.Array, jax.Arra
     raise ValueError(f"nm24_transposable cannot run: {reason}.")
   w_bf16, out_bf16 = w.dtype == jnp.bfloat16, out_dtype == jnp.bfloat16
   defines = (("NM_IN_BF16", int(w_bf16)), ("NM_OUT_BF16", int(out_bf16)))
-  kid = _kernel_id("nm24_prune.cu", "nm24_transposable", defines)
+  kid = kernel_id("nm24_prune.cu", "nm24_transposable", defines)
   k, n = w.shape
   out = (_utils.result_struct((k, n), out_dtype, w), _utils.result_struct((k // 4, n // 4), jnp.uint8, w))
   return jax.ffi.ffi_call("jaxsparse_nm24_transposable", out, vmap_method="sequential")(
@@ -497,7 +502,7 @@ def nm24_transposable_compress(w: jax.Array) -> tuple[jax.Array, jax.Array, jax.
   if reason:
     raise ValueError(f"nm24_transposable_compress cannot run: {reason}.")
   w_bf16 = w.dtype == jnp.bfloat16
-  kid = _kernel_id("nm24_prune.cu", "nm24_transposable_compress", (("NM_IN_BF16", int(w_bf16)),))
+  kid = kernel_id("nm24_prune.cu", "nm24_transposable_compress", (("NM_IN_BF16", int(w_bf16)),))
   buffer = _utils.result_struct((k * n // 8 * 9,), jnp.uint8, w)
   out = (_utils.result_struct((k // 4, n // 4), jnp.uint8, w), buffer, buffer)
   return jax.ffi.ffi_call("jaxsparse_nm24_transposable_compress", out, vmap_method="sequential")(
@@ -533,7 +538,7 @@ def nm24_prune(w: jax.Array, out_dtype=None, *, compress: bool = False) -> tuple
   if reason:
     raise ValueError(f"nm24_prune cannot run: {reason}.")
   w_bf16, out_bf16 = w.dtype == jnp.bfloat16, out_dtype == jnp.bfloat16
-  kid = _kernel_id("nm24_prune.cu", "nm24_prune", (("NM_IN_BF16", int(w_bf16)), ("NM_OUT_BF16", int(out_bf16))))
+  kid = kernel_id("nm24_prune.cu", "nm24_prune", (("NM_IN_BF16", int(w_bf16)), ("NM_OUT_BF16", int(out_bf16))))
   k, n = w.shape
   out = (
       _utils.result_struct((k, n), out_dtype, w),

@@ -17,6 +17,10 @@
 //   JaxsparseNm24DecodeBufferTma: the same product on a build with NM_LOADS 3 (M <= 8), whose warps stream the buffer
 //     through bulk tensor copies (TMA) into rings of shared memory: two tensor maps (the values, x) made per call,
 //     and the build's dynamic shared memory. Attributes: those of JaxsparseNm24DecodeBuffer and stages (the ring's).
+//   JaxsparseBlockSparseDecode: y (M, N) = x (M, K) @ W for a block-sparse W given as BlockSparseMatrix data (nnz, bk,
+//     bn), col_offsets, transpose_order and row_indices, M <= 8, bfloat16 or float16 (block_sparse_decode.cu): two
+//     tensor maps (data, x) made per call, the build's dynamic shared memory. Attributes: kernel, bk, bn, warps,
+//     split, stages, f16 (float16 operands, else bfloat16) and out_f32 (a float32 y, else the operands' dtype).
 //   JaxsparseNm24Transposable: transposable 2:4 pruning of a (K, N) float32 / bfloat16 weight: the pruned
 //     weight (float32 / bfloat16) and each 4 x 4 tile's pattern index (K/4, N/4) uint8
 //     (nm24_prune.cu). Attributes: kernel (the id of the cubin), w_bf16 and out_bf16 (the dtypes it
@@ -243,18 +247,20 @@ ffi::Error Nm24DecodeBuffer(CUstream stream, ffi::Buffer<ffi::BF16> x, ffi::Buff
                           y->untyped_data(), m, k, n, split, warps, span);
 }
 
-// A 2-D tensor map of a row-major bfloat16 (outer, inner) array, boxes of (box_outer, 64) elements (128 bytes a row,
-// swizzled by 128 bytes), zeros past its bounds.
-std::string EncodeBf16(const Driver& d, TensorMap* map, const void* base, int64_t inner, int64_t outer,
-                       unsigned box_outer) {
+constexpr int kTensorBf16 = 9, kTensorF16 = 6;  // CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, _FLOAT16
+
+// A 2-D tensor map of a row-major 16-bit (outer, inner) array (`type`: kTensorBf16 or kTensorF16), boxes of
+// (box_outer, 64) elements (128 bytes a row, swizzled by 128 bytes), zeros past its bounds.
+std::string Encode16(const Driver& d, TensorMap* map, const void* base, int64_t inner, int64_t outer,
+                     unsigned box_outer, int type = kTensorBf16) {
   if (d.TensorMapEncodeTiled == nullptr) return "libcuda.so.1 has no cuTensorMapEncodeTiled (a CUDA 12.0+ driver)";
   const uint64_t dims[2] = {static_cast<uint64_t>(inner), static_cast<uint64_t>(outer)};
   const uint64_t strides[1] = {static_cast<uint64_t>(inner) * 2};
   const unsigned box[2] = {64, box_outer}, element_strides[2] = {1, 1};
-  // CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+  // CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
   // CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE.
-  CUresult r = d.TensorMapEncodeTiled(map, 9, 2, const_cast<void*>(base), dims, strides, box, element_strides, 0, 3, 3,
-                                      0);
+  CUresult r = d.TensorMapEncodeTiled(map, type, 2, const_cast<void*>(base), dims, strides, box, element_strides, 0, 3,
+                                      3, 0);
   return r == 0 ? "" : CudaError(d, "cuTensorMapEncodeTiled", r);
 }
 
@@ -275,8 +281,8 @@ ffi::Error Nm24DecodeBufferTma(CUstream stream, ffi::Buffer<ffi::BF16> x, ffi::B
   if (!d.error.empty()) return ffi::Error::Internal(d.error);
   TensorMap values_map, x_map;
   const char* values = static_cast<const char*>(buffer.untyped_data());
-  std::string e = EncodeBf16(d, &values_map, values, n, k / 2, 32);  // 32 values rows: two steps of K
-  if (e.empty()) e = EncodeBf16(d, &x_map, x.untyped_data(), k, m, 8);  // 8 token rows (past M: zeros)
+  std::string e = Encode16(d, &values_map, values, n, k / 2, 32);  // 32 values rows: two steps of K
+  if (e.empty()) e = Encode16(d, &x_map, x.untyped_data(), k, m, 8);  // 8 token rows (past M: zeros)
   if (!e.empty()) return ffi::Error::Internal(std::string(op) + ": " + e);
   const void* xp = x.untyped_data();
   const void* ip = values + k * n;  // the metadata after the K N bytes of values
@@ -286,6 +292,42 @@ ffi::Error Nm24DecodeBufferTma(CUstream stream, ffi::Buffer<ffi::BF16> x, ffi::B
   return Launch(stream, kernel, op, static_cast<unsigned>(n / span), static_cast<unsigned>(split),
                 static_cast<unsigned>(warps * 32), args,
                 static_cast<unsigned>(jaxsparse_cuda::Nm24TmaSharedBytes(warps, span, stages)));
+}
+
+ffi::Error BlockSparseDecode(CUstream stream, ffi::AnyBuffer x, ffi::AnyBuffer data, ffi::Buffer<ffi::S32> col_offsets,
+                             ffi::Buffer<ffi::S32> order, ffi::Buffer<ffi::S32> rows, ffi::Result<ffi::AnyBuffer> y,
+                             int64_t kernel, int64_t bk, int64_t bn, int64_t warps, int64_t split, int64_t stages,
+                             bool f16, bool out_f32) {
+  const char* op = "block_sparse_decode";
+  const auto xd = x.dimensions(), dd = data.dimensions(), od = col_offsets.dimensions(), td = order.dimensions(),
+             rd = rows.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || dd.size() != 3 || od.size() != 1 || td.size() != 1 || rd.size() != 1 || yd.size() != 2)
+    return ffi::Error::InvalidArgument(std::string(op) + ": x and y must be 2-D, data 3-D, the index arrays 1-D");
+  const int64_t m = xd[0], k = xd[1], n = yd[1], nnz = dd[0];
+  const ffi::DataType in = f16 ? ffi::F16 : ffi::BF16;
+  const bool types = x.element_type() == in && data.element_type() == in &&
+                     y->element_type() == (out_f32 ? ffi::F32 : in);
+  if (std::string e = jaxsparse_cuda::CheckBlockSparseDecode(
+          m, k, n, nnz, dd[1], dd[2], od[0], td[0], rd[0], yd[0], yd[1], bk, bn, warps, split, stages, types,
+          reinterpret_cast<uintptr_t>(x.untyped_data()), reinterpret_cast<uintptr_t>(data.untyped_data()));
+      !e.empty())
+    return ffi::Error::InvalidArgument(e);
+  const Driver& d = GetDriver();
+  if (!d.error.empty()) return ffi::Error::Internal(d.error);
+  TensorMap w_map, x_map;
+  const int type = f16 ? kTensorF16 : kTensorBf16;
+  std::string e = Encode16(d, &w_map, data.untyped_data(), bn, nnz * bk, 64, type);  // 64 x 64 tiles of the blocks
+  if (e.empty()) e = Encode16(d, &x_map, x.untyped_data(), k, m, 8, type);           // 8 token rows (past M: zeros)
+  if (!e.empty()) return ffi::Error::Internal(std::string(op) + ": " + e);
+  const void* op_ptr = col_offsets.typed_data();
+  const void* tp = order.typed_data();
+  const void* rp = rows.typed_data();
+  void* yp = y->untyped_data();
+  int mi = static_cast<int>(m), ki = static_cast<int>(k), ni = static_cast<int>(n), nz = static_cast<int>(nnz);
+  void* args[] = {&op_ptr, &tp, &rp, &yp, &mi, &ki, &ni, &nz, &w_map, &x_map};
+  return Launch(stream, kernel, op, static_cast<unsigned>(n / bn), static_cast<unsigned>(split),
+                static_cast<unsigned>(warps * 32), args,
+                static_cast<unsigned>(jaxsparse_cuda::BlockSparseDecodeSharedBytes(warps, stages)));
 }
 
 ffi::Error Nm24Transposable(CUstream stream, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> pruned,
@@ -412,6 +454,25 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseNm24DecodeBuffer, Nm24DecodeBuffer, Buffe
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseNm24DecodeBufferTma, Nm24DecodeBufferTma,
                               BufferDecodeBinding().Attr<int64_t>("stages"), {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseBlockSparseDecode, BlockSparseDecode,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<CUstream>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("kernel")
+                                  .Attr<int64_t>("bk")
+                                  .Attr<int64_t>("bn")
+                                  .Attr<int64_t>("warps")
+                                  .Attr<int64_t>("split")
+                                  .Attr<int64_t>("stages")
+                                  .Attr<bool>("f16")
+                                  .Attr<bool>("out_f32"),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseNm24Transposable, Nm24Transposable,
                               ffi::Ffi::Bind()

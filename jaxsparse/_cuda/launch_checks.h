@@ -165,6 +165,50 @@ inline std::string CheckCsltMatmul(int64_t m, int64_t k, int64_t n, int64_t y0, 
   return "";
 }
 
+// block_sparse_decode (block_sparse_decode.cu): the dynamic shared memory of a build (a ring of `stages` units of
+// 9 KB a warp, and 1 KB for its alignment).
+inline int64_t BlockSparseDecodeSharedBytes(int64_t warps, int64_t stages) { return warps * stages * 9216 + 1024; }
+constexpr int64_t kMaxBlockSparseDecodeSharedBytes = 200 * 1024;  // static shared memory takes up to 20 KB more
+
+// block_sparse_decode: x (M, K), data (nnz, bk, bn), col_offsets (N / bn + 1), order and rows (nnz), y (M, N); the
+// build's attributes (bk, bn multiples of 64 up to 256; warps 1-8 a multiple of bn / 64; split 1, 2, 4 or 8; stages
+// 2-4); x and data 16-byte aligned (the tensor copies' global addresses); dtypes: `types` says whether x, data and y
+// are of the dtypes the build was made for.
+inline std::string CheckBlockSparseDecode(int64_t m, int64_t k, int64_t n, int64_t nnz, int64_t d1, int64_t d2,
+                                          int64_t offsets, int64_t order, int64_t rows, int64_t y0, int64_t y1,
+                                          int64_t bk, int64_t bn, int64_t warps, int64_t split, int64_t stages,
+                                          bool types, uint64_t x_address, uint64_t data_address) {
+  const std::string op = "block_sparse_decode";
+  if (std::string e = CheckKN(op.c_str(), k, n); !e.empty()) return e;
+  if (m < 1 || m > 8) return op + ": x has M=" + std::to_string(m) + " rows, needs 1 <= M <= 8";
+  if (bk < 64 || bk > 256 || bk % 64 != 0 || bn < 64 || bn > 256 || bn % 64 != 0)
+    return op + ": block " + Shape(bk, bn) + ", needs both dims among 64, 128, 192, 256";
+  if (warps < 1 || warps > 8 || warps % (bn / 64) != 0)
+    return op + ": warps=" + std::to_string(warps) + ", needs 1-8 and a multiple of bn / 64 = " + std::to_string(bn / 64);
+  if (split != 1 && split != 2 && split != 4 && split != 8)
+    return op + ": split=" + std::to_string(split) + ", needs 1, 2, 4 or 8";
+  if (stages < 2 || stages > 4) return op + ": stages=" + std::to_string(stages) + ", needs 2, 3 or 4";
+  if (const int64_t s = BlockSparseDecodeSharedBytes(warps, stages); s > kMaxBlockSparseDecodeSharedBytes)
+    return op + ": warps=" + std::to_string(warps) + ", stages=" + std::to_string(stages) + " need " +
+           std::to_string(s) + " bytes of shared memory, at most " + std::to_string(kMaxBlockSparseDecodeSharedBytes);
+  if (k % bk != 0 || n % bn != 0 || k == 0 || n == 0)
+    return op + ": W " + Shape(k, n) + " needs K and N positive multiples of the block " + Shape(bk, bn);
+  if (nnz < 1 || nnz > (int64_t{1} << 31) / bk - 1)
+    return op + ": " + std::to_string(nnz) + " kept blocks, needs 1 <= nnz < 2**31 / bk";
+  if (d1 != bk || d2 != bn)
+    return op + ": data (" + std::to_string(nnz) + ", " + std::to_string(d1) + ", " + std::to_string(d2) +
+           "), needs blocks of " + Shape(bk, bn);
+  if (offsets != n / bn + 1)
+    return op + ": col_offsets of " + std::to_string(offsets) + ", needs N / bn + 1 = " + std::to_string(n / bn + 1);
+  if (order != nnz || rows != nnz)
+    return op + ": transpose_order of " + std::to_string(order) + " and row_indices of " + std::to_string(rows) +
+           ", need nnz = " + std::to_string(nnz) + " each";
+  if (y0 != m || y1 != n) return op + ": y " + Shape(y0, y1) + ", needs (M, N) = " + Shape(m, n);
+  if (!types) return op + ": x, data or y is not of the dtypes the kernel was built for";
+  if (x_address % 16 != 0 || data_address % 16 != 0) return op + ": x and data must be 16-byte aligned";
+  return "";
+}
+
 }  // namespace jaxsparse_cuda
 
 #endif  // JAXSPARSE_CUDA_LAUNCH_CHECKS_H_

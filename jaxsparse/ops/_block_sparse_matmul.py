@@ -41,6 +41,8 @@ from jaxsparse import _tuning
 from jaxsparse import _utils
 from jaxsparse._cpu import _build as _cpu_build
 from jaxsparse._cpu import _kernels as _cpu_kernels
+from jaxsparse._cuda import _block_sparse_decode as _decode
+from jaxsparse._cuda import _kernels as _cuda_kernels
 from jaxsparse._utils import FallbackWarning
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
 from jaxsparse.formats._block_sparse import merge_block_data
@@ -353,6 +355,53 @@ class _GpuRoute:
 
 
 @dataclasses.dataclass(frozen=True)
+class _CudaDecode:
+  """CUDA (Hopper): our decode kernel (``jaxsparse/_cuda/block_sparse_decode.cu``): the forward product of at most
+  8 rows, 16-bit operands, block dims multiples of 64 up to 256; its default config as ``cuda_decode``, the others
+  as ``cuda_decode/<config name>``."""
+
+  out_dtype: Any
+  name: ClassVar[str] = "cuda_decode"
+  title: ClassVar[str] = "jaxsparse's CUDA decode kernel"
+  platforms: ClassVar[tuple[str, ...]] = ("cuda",)
+  fallback_warning: ClassVar[type[Warning]] = _cuda_kernels.CudaKernelFallbackWarning
+
+  def _shape(self, p: _router.Product) -> tuple:
+    x2, w = p.args[0], p.args[-1]
+    return (x2.shape[0], *w.shape, w.block_shape, w.nnz_blocks)
+
+  def unsupported_reason(self, p: _router.Product) -> _router.Unsupported | None:
+    x2, w = p.args[0], p.args[-1]
+    if p.direction != "fwd":
+      return _router.Unsupported("it runs the forward product only")
+    if x2.dtype != w.dtype:
+      return _router.Unsupported(f"x and w must share a dtype, got {x2.dtype} and {w.dtype}")
+    reason = _decode.block_sparse_decode_unsupported_reason(*self._shape(p)[:4], x2.dtype, self.out_dtype)
+    if not reason:
+      reason = _cuda_kernels.unavailable_reason()
+      if not reason:  # builds the default kernel (once per shape class): a GPU that fails to build it says so
+        reason = _decode.block_sparse_decode_prepare(*self._shape(p), x2.dtype, self.out_dtype)
+        return _router.Unsupported(reason, warn=True) if reason else None
+    return _router.Unsupported(reason) if reason else None
+
+  def candidates(self, p: _router.Product) -> list[_tuning.Candidate]:
+    x2 = p.args[0]
+    configs = _decode.block_sparse_decode_candidates(*self._shape(p))
+    return [
+        _tuning.Candidate(self.name if i == 0 else f"{self.name}/{c.name}",
+                          functools.partial(_cuda_decode_run, c, self.out_dtype), c,
+                          prepare=functools.partial(_decode.block_sparse_decode_prepare, *self._shape(p), x2.dtype,
+                                                    self.out_dtype, c))
+        for i, c in enumerate(configs)
+    ]
+
+
+def _cuda_decode_run(config, out_dtype, x2, w: BlockSparseMatrix) -> jax.Array:
+  return _decode.block_sparse_decode(x2, w.data, w.col_offsets, w.transpose_order, w.row_indices, w.shape[1],
+                                     config=config, out_dtype=out_dtype)
+
+
+@dataclasses.dataclass(frozen=True)
 class _CpuKernel:
   """CPU: the C++ kernels of :mod:`jaxsparse._cpu` (block dims multiples of 8; float32 / bfloat16 / float16)."""
 
@@ -440,11 +489,16 @@ def _cast(run: Callable, direction: str, x2, w, out_dtype) -> Callable:
 
 
 # ``implementation=`` -> the backends it allows, in priority order.
-_BACKENDS = {"auto": ("pallas", "cpu_kernel", "loop", "dense"), "pallas": ("pallas",), "xla": ("cpu_kernel", "loop")}
+_BACKENDS = {
+    "auto": ("cuda_decode", "pallas", "cpu_kernel", "loop", "dense"),
+    "pallas": ("pallas",),
+    "xla": ("cpu_kernel", "loop"),
+}
 
 
 def _backends(cfg: _Config, out_dtype) -> list[_router.Backend]:
   every = {
+      "cuda_decode": _CudaDecode(out_dtype),
       "pallas": _GpuRoute(cfg.precision, out_dtype),
       "cpu_kernel": _CpuKernel(out_dtype),
       "loop": _Loop(cfg.precision, out_dtype),
