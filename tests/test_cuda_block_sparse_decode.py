@@ -278,3 +278,16 @@ def test_gpu_tuning_picks_a_runnable_route(monkeypatch, tmp_path):
       assert _rel(jax.jit(jaxsparse.ops.block_sparse_matmul)(x, w), ref) < 5e-3
   finally:
     _tuning.set_autotune_mode(None)
+
+
+def test_shipped_default_keeps_pallas_for_sparse_wide_blocks():
+  """With tuning off the decode kernel leads, but on blocks of 128+ columns below density 0.25 (the Pallas default was
+  faster there on an H200); products without it keep their first candidate."""
+  cands = [_tuning.Candidate(n, None) for n in ("cuda_decode", "cuda_decode/w8s1lt2", "default", "triton/s4")]
+  for block, density, want in [((64, 64), 0.2, "cuda_decode"), ((128, 128), 0.5, "cuda_decode"),
+                               ((128, 128), 0.2, "default"), ((64, 128), 0.1, "default")]:
+    x, w, _ = _problem(0, 1, 1024, 1024, block, density=density)
+    assert bsm._shipped_default(bsm._product("fwd", (x, w), jnp.bfloat16, None), cands) == want, (block, density)
+  x, w, _ = _problem(0, 1, 1024, 1024, (128, 128), density=0.1)
+  other = [_tuning.Candidate(n, None) for n in ("cpu_kernel", "loop")]
+  assert bsm._shipped_default(bsm._product("fwd", (x, w), jnp.bfloat16, None), other) == "cpu_kernel"

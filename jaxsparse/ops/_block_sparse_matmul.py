@@ -1,6 +1,6 @@
 """``block_sparse_matmul``: ``x @ W`` with a block-sparse ``W``, differentiable in ``x`` and ``W.data``.
 
-One op, three products, four backends (:mod:`jaxsparse.ops._router`, in priority order):
+One op, three products, five backends (:mod:`jaxsparse.ops._router`, in priority order):
 
 * forward ``y = x @ W`` (dense x sparse),
 * ``dX = dY @ Wᵀ`` (dense x sparse-transposed),
@@ -19,7 +19,10 @@ On CUDA devices each of the three products runs on its GPU route (``_GpuRoute``)
 ``jaxsparse.pallas`` with a tile config, or the dense route, chosen per product signature by measured dispatch
 (:mod:`jaxsparse._tuning`: the candidates timed on the first trace, then cached) or, with tuning off, the shipped
 default. Blocks the kernels do not take run as their supported sub-blocks (``split_blocks``), as they are on Triton
-up to ``WIDE_BLOCK_DIMS``, or on the dense route; never on the XLA loop.
+up to ``WIDE_BLOCK_DIMS``, or on the dense route; never on the XLA loop. The forward of at most 8 rows has one more
+candidate on Hopper GPUs (``_CudaDecode``): jaxsparse's CUDA decode kernel (``jaxsparse._cuda._block_sparse_decode``,
+16-bit operands, block dims multiples of 64), the shipped default where it runs but for sparse wide blocks
+(``_shipped_default``).
 """
 
 from __future__ import annotations
@@ -496,6 +499,19 @@ _BACKENDS = {
 }
 
 
+def _shipped_default(p: _router.Product, cands: list[_tuning.Candidate]) -> str:
+  """The forward's route with tuning off: the CUDA decode kernel where it may run, but on blocks of 128 columns and
+  more below density 0.25, where the Pallas default took 0.80-0.81 of its time on an H200 (4096 x 4096, 128-blocks
+  at d = 0.2, 1 and 8 rows; elsewhere the kernel's default took 0.82-1.03 of the Pallas default's at 38 products of
+  1-8 rows: ``benchmarks/results/llm_decode_block_decode_2026-12-02_h200.md``); the first candidate otherwise."""
+  w = p.args[-1]
+  names = [c.name for c in cands]
+  sparse_wide = w.block_shape[1] >= 128 and w.nnz_blocks < 0.25 * math.prod(w.grid_shape)
+  if "cuda_decode" in names and sparse_wide:
+    return next((n for n in names if not n.startswith("cuda_decode")), names[0])
+  return names[0]
+
+
 def _backends(cfg: _Config, out_dtype) -> list[_router.Backend]:
   every = {
       "cuda_decode": _CudaDecode(out_dtype),
@@ -513,7 +529,7 @@ def _forward(cfg: _Config, x, w):
       return (jnp.zeros((0, b.shape[1]), cfg.out_dtype),)
     # The kernels write the output dtype themselves: a float32 result of 16-bit inputs is never rounded.
     product = _product("fwd", (x2, b), cfg.out_dtype, cfg.precision)
-    return _router.route([product], _backends(cfg, cfg.out_dtype))
+    return _router.route([product], _backends(cfg, cfg.out_dtype), default=_shipped_default)
 
   # Data parallel: each device multiplies its rows of x (ops/_sharding.py).
   return _sharding.row_parallel(fwd, (x,), w)[0]
@@ -578,7 +594,8 @@ def block_sparse_matmul(
     x: ``(..., K)`` activations.
     w: a :class:`jaxsparse.BlockSparseMatrix` of shape ``(K, N)``.
     implementation: ``None`` picks the best backend for the platform at lowering time (on CUDA GPUs the
-      route measured fastest for this product, among the Pallas kernels and the dense product: see
+      route measured fastest for this product, among the Pallas kernels, the dense product and, for the forward
+      of up to 8 rows of 16-bit operands in blocks whose dims are multiples of 64, jaxsparse's CUDA decode kernel: see
       :func:`jaxsparse.set_autotune_mode`; the XLA path elsewhere); ``"xla"`` or ``"pallas"`` force one (the
       latter: the GPU route), and a forced backend that cannot run raises.
     precision: passed to the underlying ``dot_general`` calls.
