@@ -352,6 +352,21 @@ def test_nm24_tma_source_compiles_for_hopper(rows, span, stages, monkeypatch, tm
   assert cubin is not None, log
 
 
+def test_nvrtc_gets_the_shared_header(monkeypatch, tmp_path):
+  """Both decode kernels include copies.cuh, which NVRTC gets as a header; a change to it is a new build (cache key)."""
+  for source in ("nm24_decode.cu", "block_sparse_decode.cu"):
+    assert list(ck._headers((ck._HERE / source).read_text())) == ["copies.cuh"]
+  assert ck._nvrtc() is not None, "libnvrtc not found: install the dev extra (nvidia-cuda-nvrtc)"
+  monkeypatch.setenv("JAXSPARSE_CACHE_DIR", str(tmp_path))
+  source = ('#include "copies.cuh"\n'
+            'extern "C" __global__ void f(unsigned* o) { __shared__ int s; *o = smem_addr(&s); }\n')
+  cubin, log = ck._compile_cubin(source, "uses_header", ["--gpu-architecture=sm_90"])
+  assert cubin is not None, log
+  monkeypatch.setattr(ck, "_headers", lambda src: {"copies.cuh": (ck._HERE / "copies.cuh").read_text() + "\n// new"})
+  ck._compile_cubin(source, "uses_header", ["--gpu-architecture=sm_90"])
+  assert len(list(tmp_path.glob("jaxsparse_uses_header-*.cubin"))) == 2
+
+
 def test_nvrtc_errors_are_reported(monkeypatch, tmp_path):
   monkeypatch.setenv("JAXSPARSE_CACHE_DIR", str(tmp_path))
   cubin, log = ck._compile_cubin("this is not CUDA", "broken", ["--gpu-architecture=sm_90"])

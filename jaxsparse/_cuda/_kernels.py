@@ -1,12 +1,12 @@
 """CUDA kernels of our own, compiled at run time with NVRTC and launched as XLA FFI custom calls.
 
 Pallas cannot reach every instruction of the GPU: the sparse tensor cores of Hopper (``mma.sp``,
-``wgmma.sp``) are one. The kernels here are CUDA C++ sources next to this file (``*.cu``, no
-includes), compiled on first use by NVRTC — ``libnvrtc`` from the ``nvidia-cuda-nvrtc`` wheel (the
-``jaxsparse[cuda13]`` / ``[cuda12]`` extras install it; CUDA installs of jax or torch usually have it
-already), or from a CUDA toolkit — into a cubin for the GPU at hand (cached on disk by source, options,
-NVRTC version and architecture), and launched by ``kernel_launch.cc``, host C++ built
-with the system compiler like the other custom calls (it opens the CUDA driver with ``dlopen``; no CUDA
+``wgmma.sp``) are one. The kernels here are CUDA C++ sources next to this file (``*.cu``, including no system
+headers; ``copies.cuh``, the helpers two of them share, is handed to NVRTC), compiled on first use by NVRTC —
+``libnvrtc`` from the ``nvidia-cuda-nvrtc`` wheel (the ``jaxsparse[cuda13]`` / ``[cuda12]`` extras install it; CUDA
+installs of jax or torch usually have it already), or from a CUDA toolkit — into a cubin for the GPU at hand (cached
+on disk by source, headers, options, NVRTC version and architecture), and launched by ``kernel_launch.cc``, host
+C++ built with the system compiler like the other custom calls (it opens the CUDA driver with ``dlopen``; no CUDA
 headers are needed).
 
 Kernels:
@@ -34,6 +34,7 @@ import ctypes.util
 import functools
 import hashlib
 import os
+import re
 import sys
 import tempfile
 import threading
@@ -162,18 +163,30 @@ def _nvrtc_version(lib: ctypes.CDLL) -> str:
   return f"{major.value}.{minor.value}"
 
 
+def _headers(source: str) -> dict[str, str]:
+  """The files next to this one that ``source`` includes (``#include "name"``), by name: NVRTC gets them as headers."""
+  names = re.findall(r'^#include "([\w.]+)"', source, flags=re.MULTILINE)
+  return {n: (_HERE / n).read_text() for n in names}
+
+
 def _compile_cubin(source: str, name: str, options: list[str]) -> tuple[bytes | None, str]:
-  """NVRTC: ``source`` -> ``(cubin, "")`` or ``(None, log)``, cached on disk."""
+  """NVRTC: ``source`` (and the headers it includes, :func:`_headers`) -> ``(cubin, "")`` or ``(None, log)``, cached
+  on disk."""
   lib = _nvrtc()
   if lib is None:
     return None, _NO_NVRTC
-  key = hashlib.sha256("\0".join([source, name, *options, _nvrtc_version(lib)]).encode()).hexdigest()[:24]
+  headers = _headers(source)
+  parts = [source, *(f"{n}\0{t}" for n, t in headers.items()), name, *options, _nvrtc_version(lib)]
+  key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
   path = cache_dir() / f"jaxsparse_{name}-{key}.cubin"
   if path.exists():
     return path.read_bytes(), ""
   prog = ctypes.c_void_p()
   check = lambda r, what: None if r == 0 else f"{what} failed with NVRTC error {r}"
-  created = lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{name}.cu".encode(), 0, None, None)
+  texts = (ctypes.c_char_p * len(headers))(*[t.encode() for t in headers.values()])
+  names = (ctypes.c_char_p * len(headers))(*[n.encode() for n in headers])
+  created = lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{name}.cu".encode(), len(headers), texts,
+                                   names)
   err = check(created, "nvrtcCreateProgram")
   if err:
     return None, err

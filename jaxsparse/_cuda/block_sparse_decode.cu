@@ -1,7 +1,7 @@
 // y (M, N) = x (M, K) @ W for M <= 8 (decode), W a block-sparse (K, N) 16-bit weight stored as
 // jaxsparse.BlockSparseMatrix stores it, blocks (BS_BK, BS_BN) with both dims multiples of 64, on the tensor cores
 // (mma.sync m16n8k16), the weight streamed by bulk tensor copies (TMA; compute capability 9.0+).
-// Compiled at run time by NVRTC (no includes), one build per (BS_BK, BS_BN, BS_WARPS, BS_SPLIT, BS_STAGES, BS_F16,
+// Compiled at run time by NVRTC (its one include, copies.cuh, handed over as a header), one build per (BS_BK, BS_BN, BS_WARPS, BS_SPLIT, BS_STAGES, BS_F16,
 // BS_OUT_F32).
 //
 // Operands:
@@ -59,27 +59,7 @@
 typedef unsigned int u32;
 typedef unsigned short u16;
 
-struct __align__(64) TensorMap {
-  unsigned long long words[16];
-};
-
-__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-
-__device__ __forceinline__ void tensor_copy(u32 dst, const TensorMap* map, int c0, int c1, u32 bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
-      ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(bar) : "memory");
-}
-
-__device__ __forceinline__ void bar_expect(u32 bar, u32 bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-
-__device__ __forceinline__ void bar_wait(u32 bar, u32 parity) {
-  asm volatile(
-      "{\n .reg .pred done;\n WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      " @!done bra WAIT;\n}\n" ::"r"(bar), "r"(parity) : "memory");
-}
+#include "copies.cuh"
 
 __device__ __forceinline__ void mma(float* c, const u32* a, const u32* b) {
 #if BS_F16
@@ -108,13 +88,6 @@ __device__ __forceinline__ u16 to_out(float f) {
 }
 #endif
 
-#if BS_SPLIT > 1
-__device__ __forceinline__ void store_peer(float* p, u32 rank, float v) {
-  u32 remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(p)), "r"(rank));
-  asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(v) : "memory");
-}
-#endif
 
 extern "C" __global__ void __launch_bounds__(BS_WARPS * 32, 1)
 #if BS_SPLIT > 1
@@ -259,7 +232,7 @@ extern "C" __global__ void __launch_bounds__(BS_WARPS * 32, 1)
   asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
   for (int q = threadIdx.x; q < BS_BOXES * 512; q += BS_WARPS * 32)
     store_peer(&recv[blockIdx.y][q % BS_OUT_PER], (u32)(q / BS_OUT_PER), partial(q));
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+  cluster_sync();  // every block's stores into its peers are visible; no block reads a peer after this
   for (int q = threadIdx.x; q < BS_OUT_PER; q += BS_WARPS * 32) {
     float s = 0.f;
 #pragma unroll

@@ -1,7 +1,7 @@
 // y (M, N) = x (M, K) @ W for M <= 32 (decode), W a 2:4 bfloat16 (K, N) weight (groups of 4 along K) stored
 // as jaxsparse.NMSparseMatrix stores it, on the sparse tensor cores (mma.sp; compute capability 9.0+ for the
 // thread block clusters).
-// Compiled at run time by NVRTC (no includes), one build per (NM_MT, NM_CPL, NM_SPLIT, NM_WARPS, NM_MINB,
+// Compiled at run time by NVRTC (its one include, copies.cuh, handed over as a header), one build per (NM_MT, NM_CPL, NM_SPLIT, NM_WARPS, NM_MINB,
 // NM_TSPLIT, NM_XLOAD, NM_META, NM_LOADS, NM_STAGES).
 //
 // Operands, all row-major as JAX stores them:
@@ -74,6 +74,8 @@
 typedef unsigned int u32;
 typedef unsigned short u16;
 typedef unsigned char u8;
+
+#include "copies.cuh"
 
 #define NM_SPAN (8 * NM_CPL)
 #define NM_NI (NM_CPL / 2)  // instructions per step and token tile
@@ -177,18 +179,6 @@ __device__ __forceinline__ u16 to_bf16(float f) {
   return r;
 }
 
-#if NM_SPLIT > 1
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-
-// Stores v at `p` (an address of this block's shared memory) in the block of cluster rank `rank`.
-__device__ __forceinline__ void store_peer(float* p, u32 rank, float v) {
-  u32 local = (u32)__cvta_generic_to_shared(p), remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
-  asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(v) : "memory");
-}
-#endif
 
 #if NM_LOADS == 3
 #if NM_META != 1 || NM_MT != 1 || NM_TSPLIT != 1
@@ -202,33 +192,6 @@ __device__ __forceinline__ void store_peer(float* p, u32 rank, float v) {
 #define NM_X_OFF ((NM_SPAN / 64) * 4096)
 #define NM_META_BYTES ((NM_SPAN / 64) * 512)
 #define NM_RING_BYTES ((NM_STAGES * (NM_STAGE_BYTES + NM_META_BYTES) + 1023) / 1024 * 1024)
-
-struct __align__(64) TensorMap {
-  unsigned long long words[16];
-};
-
-__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-
-__device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-}
-
-__device__ __forceinline__ void tensor_copy(u32 dst, const TensorMap* map, int c0, int c1, u32 bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
-      ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(bar) : "memory");
-}
-
-__device__ __forceinline__ void bar_expect(u32 bar, u32 bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-
-__device__ __forceinline__ void bar_wait(u32 bar, u32 parity) {
-  asm volatile(
-      "{\n .reg .pred done;\n WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      " @!done bra WAIT;\n}\n" ::"r"(bar), "r"(parity) : "memory");
-}
 #endif
 
 extern "C" __global__ void __launch_bounds__(NM_WARPS * 32, NM_MINB)
