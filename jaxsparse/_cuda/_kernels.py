@@ -364,7 +364,7 @@ def nm24_prepare(m: int, k: int, n: int, config: Nm24DecodeConfig | None = None,
     return reason
   try:
     kernel_id("nm24_decode.cu", "nm24_decode",
-               _nm24_defines(m, config or Nm24DecodeConfig.get_default(m, k, n, buffer=buffer), buffer))
+              _nm24_defines(m, config or Nm24DecodeConfig.get_default(m, k, n, buffer=buffer), buffer))
   except RuntimeError as e:
     return str(e)
   return ""
