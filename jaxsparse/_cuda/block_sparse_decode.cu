@@ -1,8 +1,8 @@
 // y (M, N) = x (M, K) @ W for M <= 8 (decode), W a block-sparse (K, N) 16-bit weight stored as
 // jaxsparse.BlockSparseMatrix stores it, blocks (BS_BK, BS_BN) with both dims multiples of 64, on the tensor cores
 // (mma.sync m16n8k16), the weight streamed by bulk tensor copies (TMA; compute capability 9.0+).
-// Compiled at run time by NVRTC (its one include, copies.cuh, handed over as a header), one build per (BS_BK, BS_BN, BS_WARPS, BS_SPLIT, BS_STAGES, BS_F16,
-// BS_OUT_F32).
+// Compiled at run time by NVRTC (its one include, copies.cuh, handed over as a header), one build per (BS_BK,
+// BS_BN, BS_WARPS, BS_SPLIT, BS_STAGES, BS_F16, BS_OUT_F32).
 //
 // Operands:
 //   col_offsets (N / BN + 1,) int32, order (nnz,) int32, rows (nnz,) int32: BlockSparseMatrix.col_offsets,
@@ -15,14 +15,14 @@
 // outside [0, nnz) or a block row outside [0, K / BK) reads the tensor copies' zero fill (no fault, as for the other
 // GPU routes the op documents: BlockSparseMatrix.validate checks the arrays).
 //
-// The product runs transposed, yᵀ = Wᵀ xᵀ: a 64 x 64 tile of W (64 columns, 64 rows of K) gives mma's A (16 columns x
-// 16 of K per instruction, ldmatrix.trans from the swizzled tile) and 8 tokens of x its B (ldmatrix). A unit of work is
-// one such tile of a kept block and x's matching 64 columns (9 KB). Thread block (j, s) takes block column j (the
-// grid's x) and the s-th of BS_SPLIT slices of its kept blocks (a cluster along y); its warps take the block's 64-column
-// boxes in turn (warp w: box w % (BN / 64)) and, for their box, every (BS_WARPS / boxes)-th unit. Each warp streams
-// its units through a ring of BS_STAGES stages in dynamic shared memory, BS_STAGES - 1 units ahead of its products,
-// arrivals counted on mbarriers; its units' block ids and rows are read 32 at a time, a lane each. Partial sums meet
-// in shared memory, then across the cluster through distributed shared memory (as in nm24_decode.cu).
+// The product runs transposed, yᵀ = Wᵀ xᵀ: a 64 x 64 tile of W (64 columns, 64 rows of K) gives mma's A (16
+// columns x 16 of K per instruction, ldmatrix.trans from the swizzled tile) and 8 tokens of x its B (ldmatrix). A unit
+// of work is one such tile of a kept block and x's matching 64 columns (9 KB). Thread block (j, s) takes block column
+// j (the grid's x) and the s-th of BS_SPLIT slices of its kept blocks (a cluster along y); its warps take the block's
+// 64-column boxes in turn (warp w: box w % (BN / 64)) and, for their box, every (BS_WARPS / boxes)-th unit. Each warp
+// streams its units through a ring of BS_STAGES stages in dynamic shared memory, BS_STAGES - 1 units ahead of its
+// products, arrivals counted on mbarriers; its units' block ids and rows are read 32 at a time, a lane each. Partial
+// sums meet in shared memory, then across the cluster through distributed shared memory (as in nm24_decode.cu).
 
 #ifndef BS_BK
 #define BS_BK 64

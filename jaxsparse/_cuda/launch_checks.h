@@ -184,7 +184,8 @@ inline std::string CheckBlockSparseDecode(int64_t m, int64_t k, int64_t n, int64
   if (bk < 64 || bk > 256 || bk % 64 != 0 || bn < 64 || bn > 256 || bn % 64 != 0)
     return op + ": block " + Shape(bk, bn) + ", needs both dims among 64, 128, 192, 256";
   if (warps < 1 || warps > 8 || warps % (bn / 64) != 0)
-    return op + ": warps=" + std::to_string(warps) + ", needs 1-8 and a multiple of bn / 64 = " + std::to_string(bn / 64);
+    return op + ": warps=" + std::to_string(warps) + ", needs 1-8 and a multiple of bn / 64 = " +
+           std::to_string(bn / 64);
   if (split != 1 && split != 2 && split != 4 && split != 8)
     return op + ": split=" + std::to_string(split) + ", needs 1, 2, 4 or 8";
   if (stages < 2 || stages > 4) return op + ": stages=" + std::to_string(stages) + ", needs 2, 3 or 4";

@@ -1,8 +1,8 @@
 // y (M, N) = x (M, K) @ W for M <= 32 (decode), W a 2:4 bfloat16 (K, N) weight (groups of 4 along K) stored
 // as jaxsparse.NMSparseMatrix stores it, on the sparse tensor cores (mma.sp; compute capability 9.0+ for the
 // thread block clusters).
-// Compiled at run time by NVRTC (its one include, copies.cuh, handed over as a header), one build per (NM_MT, NM_CPL, NM_SPLIT, NM_WARPS, NM_MINB,
-// NM_TSPLIT, NM_XLOAD, NM_META, NM_LOADS, NM_STAGES).
+// Compiled at run time by NVRTC (its one include, copies.cuh, handed over as a header), one build per (NM_MT,
+// NM_CPL, NM_SPLIT, NM_WARPS, NM_MINB, NM_TSPLIT, NM_XLOAD, NM_META, NM_LOADS, NM_STAGES).
 //
 // Operands, all row-major as JAX stores them:
 //   x       (M, K) bf16;
