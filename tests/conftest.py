@@ -9,7 +9,8 @@
   parametrizations summed to 2 s or more);
 * ``SLOW_TESTS``: single tests whose call took 3 s or more (the operations' core hypothesis tests stay fast).
 
-Add a test here when it makes ``make test`` too long.
+Add a test here when it makes ``make test`` too long. A second full run (2026-12-02: 2273 tests in 15:21, 1566 s of
+test time) added 47 more (about 250 s) and ``LONG_FILES_FIRST`` below.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ FIRST_PARAMETRIZATION_ONLY = frozenset({
     "tests/test_abstract_init.py::test_masked_density_under_eval_shape_is_counted_from_a_concrete_mask",
     "tests/test_abstract_init.py::test_nnx_jit_and_eval_shape_build_the_eager_layer",
     "tests/test_abstract_init.py::test_sparsify_of_an_abstract_model_is_the_abstract_sparse_model",
+    "tests/test_bad_inputs_audit.py::test_ops_and_layers_take_valid_precisions",
+    "tests/test_bad_inputs_audit.py::test_rows_and_leading_batch_dims",
     "tests/test_block_sparse_matmul.py::test_block_sizes",
     "tests/test_block_sparse_matmul.py::test_float64_result_of_float32_operands_accumulates_in_float64",
     "tests/test_block_sparse_matmul.py::test_patterns_and_dtypes",
@@ -39,8 +42,10 @@ FIRST_PARAMETRIZATION_ONLY = frozenset({
     "tests/test_calibrated_pruning_stacks.py::test_to_sparse_turns_a_pruned_stack_into_a_stack_of_sparse_layers",
     "tests/test_calibration_degenerate.py::test_layer_solvers_rank_by_magnitude_on_all_zero_statistics",
     "tests/test_calibration_degenerate.py::test_layer_whose_inputs_a_relu_zeroes_is_pruned_by_magnitude_with_a_warning",
+    "tests/test_checkpoint.py::test_linen_round_trip_concrete_and_abstract_targets",
     "tests/test_checkpoint.py::test_nnx_round_trip_concrete_and_abstract_targets",
     "tests/test_checkpoint.py::test_sparse_nnx_checkpoint_restores_into_the_sparsified_abstract_model",
+    "tests/test_composition.py::test_cell",
     "tests/test_cuda_kernels.py::test_nm24_buffer_source_compiles_for_hopper",
     "tests/test_cuda_kernels.py::test_nm24_candidate_configs_are_distinct_runnable_and_default_first",
     "tests/test_cusparselt.py::test_buffer_storage_layer_equals_values_layer",
@@ -108,6 +113,7 @@ FIRST_PARAMETRIZATION_ONLY = frozenset({
     "tests/test_pallas_block_sparse.py::test_interpret_mid_size_default_config",
     "tests/test_pallas_block_sparse.py::test_mosaic_kernels_read_a_ragged_last_row_tile_without_padding",
     "tests/test_pallas_block_sparse.py::test_mosaic_step_lists_rebuild_the_product",
+    "tests/test_pallas_block_sparse.py::test_mosaic_tile_order_codes_every_tile_once",
     "tests/test_pallas_block_sparse.py::test_triton_kernels_lower_for_cuda",
     "tests/test_pallas_block_sparse_sdd_mgpu.py::test_dense_then_gather_dw_product_in_the_weight_dtype",
     "tests/test_pallas_block_sparse_sdd_mgpu.py::test_items_rebuild_the_sampled_product",
@@ -174,24 +180,38 @@ FIRST_PARAMETRIZATION_ONLY = frozenset({
 SLOW_TESTS = frozenset({
     "jaxsparse/pruning/_oneshot.py::jaxsparse.pruning._oneshot.calibrated_prune",
     "jaxsparse/sharding/_tensor_parallel.py::jaxsparse.sharding._tensor_parallel.megatron_mlp",
+    "tests/test_abstract_init.py::test_densify_of_an_abstract_model_is_the_abstract_dense_model",
     "tests/test_abstract_init.py::test_linen_model_of_sparse_layers_inits_in_jit",
+    "tests/test_abstract_init.py::test_sparsify_linen_of_abstract_variables_is_the_abstract_sparse_variables",
+    "tests/test_bad_inputs_audit.py::test_conv_steps_keep_working",
+    "tests/test_bad_inputs_audit.py::test_linen_layers_take_lists_and_numpy",
     "tests/test_benchmarks.py::test_train_step_fused_attention_matches_nnx_attention",
     "tests/test_block_sparse_matmul.py::test_vmap_of_numpy_inputs_matches_jax_inputs",
     "tests/test_block_sparse_matmul.py::test_vmap_over_x_and_data",
     "tests/test_calibrated_embeddings.py::test_linen_tables_as_nnx[wanda]",
     "tests/test_calibrated_embeddings.py::test_sequential_prunes_a_tied_table_last_on_the_pruned_model",
+    "tests/test_calibrated_embeddings.py::test_to_sparse_stores_an_nm_table_compressed",
     "tests/test_calibrated_pruning.py::test_conv_statistics_and_sparsegpt_match_numpy_im2col[unstructured 50%]",
+    "tests/test_calibrated_pruning.py::test_linear_general_layers",
+    "tests/test_calibrated_pruning.py::test_linen_calibration_and_pruning_match_nnx",
     "tests/test_calibrated_pruning.py::test_refit_never_raises_an_outputs_error",
     "tests/test_calibrated_pruning.py::test_sequential_mode_calibrates_on_pruned_inputs",
+    "tests/test_calibrated_pruning.py::test_sparsegpt_beats_wanda_beats_magnitude_on_a_model",
+    "tests/test_calibrated_pruning.py::test_sparsegpt_dead_inputs_are_zeroed_and_result_is_scale_free",
     "tests/test_calibrated_pruning.py::test_sparsegpt_tail_batch_matches_reference[unstructured 50%]",
+    "tests/test_calibrated_pruning_stacks.py::test_calibrate_gives_each_layer_of_a_stack_its_own_statistics",
     "tests/test_calibrated_pruning_stacks.py::test_linen_reverse_scan_is_pruned_in_the_order_it_runs[wanda-unstructured 50%]",  # noqa: E501
     "tests/test_calibrated_pruning_stacks.py::test_linen_scan_over_layers_is_pruned_as_the_layers_unstacked[wanda-block 4x4]",  # noqa: E501
+    "tests/test_calibrated_pruning_stacks.py::test_magnitude_without_batches_prunes_each_layer_of_a_stack",
     "tests/test_calibrated_pruning_stacks.py::test_nnx_reverse_scan_is_pruned_in_the_order_it_runs[sparsegpt-2:4]",
     "tests/test_calibrated_pruning_stacks.py::test_nnx_scan_other_sequential_groups[False]",
     "tests/test_calibrated_pruning_stacks.py::test_nnx_scan_over_layers_is_pruned_as_the_layers_unstacked[sparsegpt-2:4]",
+    "tests/test_calibrated_pruning_stacks.py::test_stack_applied_by_nnx_vmap",
     "tests/test_calibration_degenerate.py::test_stack_of_layers_with_zero_inputs_falls_back_layer_by_layer",
     "tests/test_cuda_kernels.py::test_sparse_mma_backend_and_default_rules",
+    "tests/test_cusparselt.py::test_differentiated_forward_reads_the_values_not_the_cusparselt_copy",
     "tests/test_cusparselt.py::test_layout_matches_the_numpy_model[32-64]",
+    "tests/test_dtypes.py::test_layer_dtype_checks_at_construction_keep_what_works",
     "tests/test_dtypes.py::test_magnitude_masks_of_float64_weights_rank_them_in_float64",
     "tests/test_dtypes.py::test_nnx_conv_and_embed_match_flax[float32-None-bfloat16]",
     "tests/test_dtypes.py::test_ops_float8_with_another_dtype_and_preferred_element_type_as_jnp_matmul[f8-bf16]",
@@ -205,54 +225,80 @@ SLOW_TESTS = frozenset({
     "tests/test_higher_order.py::test_forward_mode_is_refused_with_jax_message",
     "tests/test_linen_embed.py::test_dtype_and_param_dtype_as_nn_embed",
     "tests/test_linen_embed.py::test_sparsify_linen_tied_lm_and_densify_back",
+    "tests/test_linen_embed.py::test_summary_bytes_of_a_2_4_bfloat16_table",
     "tests/test_llama.py::test_llm_prune_benchmark_tiny",
+    "tests/test_llama.py::test_prune_head_of_a_tied_model_prunes_the_table_with_calibration",
+    "tests/test_llama.py::test_pruned_tied_model_saves_and_exports_masks_to_transformers",
     "tests/test_llama.py::test_tied_config_over_a_different_lm_head_loads_as_transformers_does",
+    "tests/test_named_layers.py::test_summary_of_a_named_nnx_stack_of_block_sparse_layers",
     "tests/test_nm.py::test_transposable_mask_is_nm_both_ways_and_keeps_the_most[fast]",
     "tests/test_nm_layers.py::test_linen_layers_train_inside_a_model",
     "tests/test_nm_restore_mismatch.py::test_jit_and_transforms_check_nothing_per_call",
     "tests/test_nm_restore_mismatch.py::test_linen_check_restored_finds_a_stack_by_its_path",
     "tests/test_nm_restore_mismatch.py::test_vmap_stack_restore",
+    "tests/test_ops_sharding.py::test_masks_of_a_weight_split_over_explicit_axes",
     "tests/test_ops_sharding.py::test_tensor_parallel_on_an_explicit_mesh_takes_arrays_not_yet_on_it",
     "tests/test_ops_sharding.py::test_tensor_parallel_split_of_values_split_over_explicit_axes",
     "tests/test_ops_sharding.py::test_to_dense_of_values_split_over_explicit_axes",
+    "tests/test_ops_sharding.py::test_vmap_folds_rows_and_maps_per_example_gradients",
+    "tests/test_ops_sharding.py::test_weight_on_an_explicit_mesh_and_x_not",
+    "tests/test_pallas_block_sparse.py::test_decode_candidates_fill_the_gpu_where_the_output_has_few_block_columns",
     "tests/test_pallas_block_sparse.py::test_interpret_block_grid_not_a_power_of_two",
     "tests/test_pallas_block_sparse.py::test_interpret_dw_programs_of_block_row_slices[block_shape0-16-1-rows-float32]",
     "tests/test_pallas_block_sparse.py::test_interpret_grouped_dw_programs[block_shape0-4-1-rows-float32]",
     "tests/test_pallas_block_sparse.py::test_interpret_split_and_grouped_tiles[3-True-cols]",
     "tests/test_pallas_block_sparse.py::test_interpret_sub_column_programs[block_shape0-16-1]",
+    "tests/test_pallas_block_sparse_sdd_mgpu.py::test_dense_then_gather_dw_matches_dense",
     "tests/test_pallas_dispatch_defaults.py::test_candidates_unchanged",
+    "tests/test_pruning.py::test_catch_all_rule_passes_embeddings_and_other_params_by_as_sparsify_does",
     "tests/test_pruning.py::test_dst_keeps_the_count_with_nan_gradients_and_non_finite_weights",
     "tests/test_pruning.py::test_global_block_pruning_keeps_a_block_in_every_layer",
+    "tests/test_pruning.py::test_linen_train_state_loop",
     "tests/test_pruning.py::test_nm_pruned_embedding_has_the_groups_sparsify_keeps",
     "tests/test_pruning.py::test_nnx_optimizer_loop",
     "tests/test_pruning.py::test_wrapper_around_adafactor_and_sm3",
     "tests/test_pruning.py::test_wrapper_inside_chain_and_without_params",
     "tests/test_pruning_already_sparse.py::test_without_layer_masks_wrap_optax_warns_where_the_first_masks_keep_zeros",
+    "tests/test_route_slower.py::test_linen_slower_signatures_go_dense_and_the_outputs_do_not_change",
     "tests/test_route_slower.py::test_the_step_settles_the_signatures_near_their_twins",
     "tests/test_seams_tp_block_prune.py::test_get_masks_says_the_weights_went_non_finite",
+    "tests/test_seams_tp_block_prune.py::test_pruners_refuse_the_kept_blocks_of_linen_and_bridged_layers",
     "tests/test_sparse_matmul.py::test_csr_few_rows_kernel",
+    "tests/test_sparse_matmul.py::test_csr_pytree_jit_and_constructors",
     "tests/test_sparse_matmul.py::test_many_row_blocks_and_batch_tiles",
     "tests/test_sparse_matmul.py::test_masked_matmul_auto_picks_kernels_by_density",
     "tests/test_sparsify.py::test_compress_keeps_partitioning_names",
+    "tests/test_sparsify.py::test_densify_linen_of_abstract_variables_is_the_dense_restore_target",
     "tests/test_sparsify.py::test_dtypes_are_kept[bfloat16]",
     "tests/test_sparsify.py::test_linen_cnn",
+    "tests/test_sparsify.py::test_linen_mlp_matches_densified_and_trains",
     "tests/test_sparsify.py::test_pruned_then_sparsified_model_keeps_its_accuracy_function",
+    "tests/test_sparsify.py::test_rule_matching_nothing_warns_with_paths",
     "tests/test_sparsify.py::test_transformer_block_trains_with_nnx_optimizer",
     "tests/test_sparsify_linen_scan.py::test_a_scan_stack_is_sparsified_as_its_layers_unstacked[block 8x8]",
+    "tests/test_sparsify_linen_scan.py::test_an_nm_stack_runs_under_a_scan_of_params_alone_the_others_name_the_missing_collection",
     "tests/test_sparsify_linen_scan.py::test_gradients_through_the_scan_are_those_of_the_layers_unstacked[unstructured 50%]",  # noqa: E501
     "tests/test_sparsify_linen_scan.py::test_init_compress_and_route_of_a_stack",
     "tests/test_sparsify_linen_scan.py::test_the_masks_of_calibrated_pruning_make_the_pruned_stack[2:4]",
     "tests/test_sparsify_seams.py::test_bridge_to_nnx_keeps_the_linen_pattern_as_sparsity_patterns",
+    "tests/test_sparsify_seams.py::test_linen_conv_with_its_own_weight_mask",
     "tests/test_sparsify_stacks.py::test_calibrated_prune_then_sparsify_a_scanned_model",
+    "tests/test_sparsify_stacks.py::test_stacks_sparsify_does_not_take_raise_naming_them",
+    "tests/test_sparsify_stacks.py::test_the_guides_state_axes_run_the_sparse_stack",
     "tests/test_sparsify_stacks.py::test_two_layer_axes_and_the_stack_as_the_model",
     "tests/test_summary.py::test_bridged_layers_are_summarized_or_said_not_to_be",
+    "tests/test_summary.py::test_linen_summary_from_variables",
     "tests/test_summary.py::test_nnx_summary_matches_hand_counts",
     "tests/test_summary.py::test_summary_of_stacks_of_compressed_nm_layers",
+    "tests/test_summary.py::test_summary_rejects_other_input",
     "tests/test_torch_export_linen_direct.py::test_linen_compressed_and_conv_nm_layers_export_with_their_module",
     "tests/test_torch_export_linen_direct.py::test_load_nnx_into_a_block_sparse_linear_keeps_its_block_shape[block_shape0]",
     "tests/test_torch_export_linen_direct.py::test_nnx_stack_is_refused_saying_how_to_export_its_layers",
     "tests/test_torch_export_linen_direct.py::test_tensor_parallel_layer_exports_as_its_block_sparse_linear",
+    "tests/test_torch_interop.py::test_import_without_torch_loaded",
     "tests/test_torch_interop.py::test_linen_attention_from_torch_with_target",
+    "tests/test_torch_interop.py::test_linen_dense_general_exports_as_the_torch_linear_on_its_2d_view",
+    "tests/test_torch_interop.py::test_linen_export_of_a_bridged_block_sparse_linear_is_its_torch_linear",
     "tests/test_torch_interop.py::test_linen_nm_embedding_keeps_its_mask_into_compressed_nm_embed",
     "tests/test_torch_interop_seams2.py::test_tied_llama_loads_from_transformers_and_exports_back_strictly",
     "tests/test_transforms.py::test_sparsified_linen_model_under_remat_jit_and_share_scope",
@@ -263,8 +309,21 @@ SLOW_TESTS = frozenset({
     "tests/test_transforms_seams.py::test_reverse_over_reverse_derivatives[nm]",
     "tests/test_transforms_seams.py::test_scan_over_stack_matches_dense_layers[embed-bf16-compute]",
     "tests/test_transforms_seams.py::test_sr_ste_fused_routes_add_the_decay_once_under_vmap[prune_kernel]",
+    "tests/test_transforms_seams.py::test_stack_from_given_block_masks",
     "tests/test_tuning.py::test_cpu_routes_match_the_reference_and_tune_on_request[block_shape0]",
+    "tests/test_tuning.py::test_two_writers_lose_nothing_and_never_tear_the_file",
 })
+
+
+# The fast set's longest files (a --durations=0 run, 2026-12-02: 45-90 s of test time each), collected first: with
+# ``--dist loadfile`` the workers take files in collection order, so that the last files handed out are short ones and
+# the two workers finish together (one long file last kept the other worker idle for up to its length).
+LONG_FILES_FIRST = (
+    "tests/test_sparse_matmul.py", "tests/test_calibrated_pruning.py", "tests/test_pruning.py", "tests/test_nm.py",
+    "tests/test_block_sparse_matmul.py", "tests/test_torch_interop.py", "tests/test_pallas_block_sparse.py",
+    "tests/test_llama.py", "tests/test_sparsify_seams.py", "tests/test_transforms_seams.py", "tests/test_cusparselt.py",
+    "tests/test_dtypes.py",
+)
 
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
@@ -277,3 +336,5 @@ def pytest_collection_modifyitems(config, items):
       item.add_marker(pytest.mark.slow)
     if hasattr(item, "callspec"):
       seen.add(name)
+  rank = {f: i for i, f in enumerate(LONG_FILES_FIRST)}
+  items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))  # stable: the rest keep their order

@@ -45,6 +45,13 @@ def _problem(seed, m, k, n, block, density=0.4, dtype=jnp.bfloat16, empty_cols=F
   return x, w, ref
 
 
+def _weight(k, n, block, density, seed=0):
+  """A weight of ``density`` kept blocks, its values zeros (for the routing and checks, which read shapes only)."""
+  grid = (k // block[0], n // block[1])
+  mask = np.random.default_rng(seed).random(grid) < density
+  return jaxsparse.BlockSparseMatrix.from_block_mask(mask, np.zeros((int(mask.sum()), *block), jnp.bfloat16))
+
+
 def _run(x, w, config=None, out_dtype=None):
   return bsd.block_sparse_decode(x, w.data, w.col_offsets, w.transpose_order, w.row_indices, w.shape[1],
                                  config=config, out_dtype=out_dtype)
@@ -121,7 +128,7 @@ def test_unsupported_reason(m, k, n, block, dtype, out, expect):
 
 
 def test_rejects_bad_operands():
-  x, w, _ = _problem(0, 2, 256, 256, (64, 64))
+  x, w = jnp.zeros((2, 256), jnp.bfloat16), _weight(256, 256, (64, 64), 0.5)
   with pytest.raises(ValueError, match="x must be 2-D and data 3-D"):
     _run(x[0], w)
   with pytest.raises(ValueError, match="M must be between 1 and 8, got M=9"):
@@ -137,8 +144,7 @@ def test_rejects_bad_operands():
   with pytest.raises(TypeError, match="config must be a BlockSparseDecodeConfig or None, got dict"):
     _run(x, w, config={"warps": 4})
   with pytest.raises(ValueError, match=r"warps=1 must be a multiple of bn / 64 = 2"):
-    x2, w2, _ = _problem(0, 2, 256, 256, (128, 128))
-    _run(x2, w2, config=Config(warps=1))
+    _run(x, _weight(256, 256, (128, 128), 0.5), config=Config(warps=1))
 
 
 def test_nothing_kept_is_zeros_without_a_kernel():
@@ -169,7 +175,7 @@ def test_source_compiles_for_hopper(block, warps, split, stages, f16, out_f32, m
 def test_backend_refuses_what_it_cannot_run():
   """The route's reasons: the backward products, mixed dtypes, more rows; off CUDA it is not there at all."""
   backend = bsm._CudaDecode(jnp.bfloat16)
-  x, w, _ = _problem(1, 4, 256, 256, (64, 64))
+  x, w = jnp.zeros((4, 256), jnp.bfloat16), _weight(256, 256, (64, 64), 0.5)
   fwd = bsm._product("fwd", (x, w), jnp.bfloat16, None)
   dx = bsm._product("dx", (x, jnp.zeros((4, 256), jnp.bfloat16), w), jnp.bfloat16, None)
   assert "forward product only" in backend.unsupported_reason(dx).reason
@@ -284,10 +290,11 @@ def test_shipped_default_keeps_pallas_for_sparse_wide_blocks():
   """With tuning off the decode kernel leads, but on blocks of 128+ columns below density 0.25 (the Pallas default was
   faster there on an H200); products without it keep their first candidate."""
   cands = [_tuning.Candidate(n, None) for n in ("cuda_decode", "cuda_decode/w8s1lt2", "default", "triton/s4")]
+  x = jnp.zeros((1, 1024), jnp.bfloat16)
   for block, density, want in [((64, 64), 0.2, "cuda_decode"), ((128, 128), 0.5, "cuda_decode"),
                                ((128, 128), 0.2, "default"), ((64, 128), 0.1, "default")]:
-    x, w, _ = _problem(0, 1, 1024, 1024, block, density=density)
+    w = _weight(1024, 1024, block, density)
     assert bsm._shipped_default(bsm._product("fwd", (x, w), jnp.bfloat16, None), cands) == want, (block, density)
-  x, w, _ = _problem(0, 1, 1024, 1024, (128, 128), density=0.1)
+  w = _weight(1024, 1024, (128, 128), 0.1)
   other = [_tuning.Candidate(n, None) for n in ("cpu_kernel", "loop")]
   assert bsm._shipped_default(bsm._product("fwd", (x, w), jnp.bfloat16, None), other) == "cpu_kernel"
