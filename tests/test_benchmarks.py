@@ -213,6 +213,26 @@ def test_block_decode_sweep_row_and_products():
                          "0.727", "0.40", "cuda_decode/w8s1lt2", "2.0e-03"]
 
 
+def test_block_decode_limits_sweep_masks_configs_and_row():
+  # GPU only to run; on the CPU its masks, config names and table row.
+  sys.path.insert(0, str(ROOT / "benchmarks" / "sweeps"))
+  import gpu_block_decode_limits as sweep  # noqa: PLC0415
+
+  from jaxsparse._cuda import _block_sparse_decode as bsd  # noqa: PLC0415
+
+  assert sweep.config("w2s1lt3") == bsd.BlockSparseDecodeConfig(warps=2, split=1, stages=3)
+  assert all(sweep.config(name) for name in sweep.DEFAULT_CONFIGS.split(",")[1:])
+  assert sweep.product("1x4096x25344:64:0.5") == (1, 4096, 25344, 64, 0.5)
+  made = sweep.masks(512, 768, 64, 0.375, ["random", "balanced"])
+  assert made["random"].shape == made["balanced"].shape == (8, 12)
+  assert made["random"].sum() == made["balanced"].sum() == 36
+  assert (made["balanced"].sum(0) == 3).all()  # every block column the same count
+  cells = [c.strip() for c in sweep.row("1x4096x4096:64:0.5", "balanced", made["balanced"].sum(0), 10.0, 33_554_432,
+                                        16_777_216, {"default": 8.0, "w8s1lt2": 7.0}, "w4s2lt2").split("|")]
+  assert cells[1:-1] == ["1x4096x4096:64:0.5", "balanced", "3 / 3.0", "10.00 (3.36)", "8.00 (2.10)", "7.00 (2.40)",
+                         "w8s1lt2", "w4s2lt2"]
+
+
 def test_nm24_config_sweep_lists_and_scores_configs(capsys):
   # GPU only to run; on the CPU its config space and its table row (from recorded timings).
   sys.path.insert(0, str(ROOT / "benchmarks" / "sweeps"))
