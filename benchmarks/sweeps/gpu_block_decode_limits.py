@@ -22,6 +22,7 @@ import ctypes
 import jax
 import jax.numpy as jnp
 import numpy as np
+from gpu_block_decode import product  # the sibling sweep's MxKxN:block:density parser
 
 import jaxsparse
 from jaxsparse._cuda import _block_sparse_decode as bsd
@@ -31,12 +32,6 @@ DEFAULT_PRODUCTS = ",".join(f"1x{shape}:64:0.5" for shape in (
     "4096x6144", "4096x4096", "4096x28672", "14336x4096",  # a Llama-3-8B layer's decode products
     "4096x25344", "4096x33792"))                         # 396 and 528 block columns: 3 and 4 per SM of an H200
 DEFAULT_CONFIGS = "default,w1s1lt2,w2s1lt2,w4s1lt2,w8s1lt2,w2s2lt2"
-
-
-def product(spec: str) -> tuple[int, int, int, int, float]:
-  shape, block, density = spec.split(":")
-  m, k, n = (int(v) for v in shape.split("x"))
-  return m, k, n, int(block), float(density)
 
 
 def config(name: str) -> bsd.BlockSparseDecodeConfig:
