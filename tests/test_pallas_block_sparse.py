@@ -581,6 +581,26 @@ def test_decode_candidates_fill_the_gpu_where_the_output_has_few_block_columns(m
   assert max(c.forward.split for n, c in found.items() if n.startswith("triton/")) == 16
 
 
+def test_mosaic_candidates_take_tiles_from_a_counter_where_there_are_more_tiles_than_sms(monkeypatch):
+  # The dynamic schedule is timed right after the Mosaic default (the tuner's budget may stop before later ones), for
+  # products of more output tiles than thread blocks only (132 SMs where the device does not say).
+  monkeypatch.setattr(kernel_config, "_mosaic_probe", lambda: None)
+  monkeypatch.setattr(mosaic, "num_sms", lambda: 132)
+  _, _, w = _problem(1, 1536, 6144, (128, 128), "random", jnp.bfloat16, seed=0)
+  for direction, m in (("fwd", 8192), ("dx", 8192), ("fwd", 2048)):  # 1536, 384 and 384 tiles of 256 rows
+    found = kernels.candidates(direction, jax.ShapeDtypeStruct((m, 1536), jnp.bfloat16), w, out_dtype=jnp.bfloat16)
+    names = [n for n, _ in found if n.startswith("mosaic") and n != "mosaic/default"]
+    assert names[0] == "mosaic/dyn", (direction, m, names)
+    found = dict(found)
+    field = "mosaic_forward" if direction == "fwd" else "mosaic_dx"
+    base = getattr(found.get("mosaic/default", found["default"]), field)  # the shipped default where it is Mosaic
+    assert base is not None and not base.dynamic
+    assert getattr(found["mosaic/dyn"], field) == dataclasses.replace(base, dynamic=True)
+  # 256 rows of 1536 x 6144: 48 forward tiles, fewer than the thread blocks: nothing to take.
+  found = dict(kernels.candidates("fwd", jax.ShapeDtypeStruct((256, 1536), jnp.bfloat16), w, out_dtype=jnp.bfloat16))
+  assert any(n.startswith("mosaic") for n in found) and "mosaic/dyn" not in found
+
+
 @pytest.mark.skipif(kernels.available(), reason="checks the CPU-only behaviour")
 def test_pallas_implementation_raises_without_gpu():
   assert kernels.unavailable_reason()
@@ -679,6 +699,31 @@ def test_mosaic_interpret_balanced_tiles(split, group, num_ctas):
   y = mosaic.dense_sparse_matmul(x, w, config=cfg, interpret=True)
   y_ref, _, _ = _dense_reference(x, dy, w)
   _assert_close(y, y_ref, jnp.bfloat16, "y")
+
+
+@pytest.mark.parametrize(
+    ("split", "group", "num_ctas", "balance"), [(1, 1, 3, 0), pytest.param(2, 2, 2, 1, marks=slow)]
+)
+def test_mosaic_interpret_dynamic_schedule(split, group, num_ctas, balance):
+  # The dynamic schedule's loops and ring of published tile positions (the interpreter hands out the static
+  # schedule's positions through them: it runs no atomic add): 2 row tiles x 4 block columns of 64, some empty, over
+  # 3 thread blocks (more positions than tiles for some), and with a split, grouped columns and a balanced order.
+  x, dy, w = _problem(256, 128, 256, (64, 64), "random", jnp.bfloat16, seed=12)
+  cfg = mosaic.MosaicKernelConfig(
+      tile_m=128, tile_k=64, num_stages=2, num_ctas=num_ctas, group_cols=group, split=split, balance=balance,
+      dynamic=True,
+  )
+  y = jax.jit(lambda a, w: mosaic.dense_sparse_matmul(a, w, config=cfg, interpret=True))(x, w)
+  y_ref, _, _ = _dense_reference(x, dy, w)
+  _assert_close(y, y_ref, jnp.bfloat16, "y")
+  # A batch runs the static schedule (plgpu.kernel's batching: a grid row per element).
+  yv = jax.vmap(lambda a: mosaic.dense_sparse_matmul(a, w, config=cfg, interpret=True))(jnp.stack([x, -x]))
+  _assert_close(yv[1], -y_ref, jnp.bfloat16, "y")
+
+
+def test_mosaic_dynamic_schedule_needs_the_persistent_grid():
+  with pytest.raises(ValueError, match=r"dynamic=True .* num_ctas must be None or positive, got 0"):
+    mosaic.MosaicKernelConfig(num_ctas=0, dynamic=True)
 
 
 @pytest.mark.parametrize("group", [pytest.param(1, marks=slow), 2, pytest.param(4, marks=slow)])
@@ -1464,6 +1509,37 @@ def test_gpu_mosaic_split_matches_dense(m, k, n, block_shape, pattern, group, sp
   tile_k = 32 if dtype == jnp.float32 else min(block_shape)
   cfg = mosaic.MosaicKernelConfig(tile_m=128, tile_k=tile_k, num_stages=3, group_cols=group, split=split)
   _check_mosaic_on_gpu(x, dy, w, cfg)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize(
+    ("m", "k", "n", "block_shape", "pattern", "dtype", "kw"),
+    [
+        (1000, 1536, 2048, (64, 64), "random", jnp.bfloat16, dict(tile_m=128)),
+        (1000, 1536, 2048, (64, 64), "random", jnp.bfloat16, dict(group_cols=2)),
+        (3000, 1024, 1536, (128, 128), "quarter", jnp.float16, dict(tile_m=128, split=2, num_stages=4)),
+        (777, 1024, 1024, (128, 128), "random", jnp.bfloat16, dict(tile_m=128, balance=2)),
+        (512, 1024, 2048, (32, 32), "random", jnp.float32, dict(tile_m=128, tile_k=32, num_stages=4)),
+        (64, 512, 512, (128, 128), "single", jnp.bfloat16, dict(tile_m=128, num_ctas=3)),
+    ],
+)
+def test_gpu_mosaic_dynamic_schedule_matches_dense(m, k, n, block_shape, pattern, dtype, kw):
+  # Thread blocks take tiles from an atomic counter (MosaicKernelConfig.dynamic): more tiles than SMs, empty columns,
+  # a split, grouped columns, a balanced order, float32 (TF32), few thread blocks. Each call starts from a counter of
+  # its own: the same jitted call three times, then on other operands, then batched (the static schedule).
+  x, dy, w = _problem(m, k, n, block_shape, pattern, dtype, seed=m + k)
+  tile_k = 32 if dtype == jnp.float32 else min(64, *block_shape)
+  cfg = mosaic.MosaicKernelConfig(tile_k=tile_k, dynamic=True, **kw)
+  y_ref, dx_ref, _ = _dense_reference(x, dy, w)
+  rtol = RTOL_TF32 if dtype == jnp.float32 else RTOL[dtype]
+  for transpose, a, want, name in ((False, x, y_ref, "y"), (True, dy, dx_ref, "dX")):
+    f = jax.jit(lambda a, w, t=transpose: mosaic.dense_sparse_matmul(a, w, transpose=t, config=cfg))
+    for _ in range(3):
+      _assert_close(f(a, w), want, dtype, name, rtol)
+    _assert_close(f(-a, w), -want, dtype, name, rtol)
+    batched = jax.jit(jax.vmap(lambda a, t=transpose: mosaic.dense_sparse_matmul(a, w, transpose=t, config=cfg)))
+    _assert_close(batched(jnp.stack([a, -a]))[1], -want, dtype, name, rtol)
 
 
 @pytest.mark.gpu

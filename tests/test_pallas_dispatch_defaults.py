@@ -42,10 +42,13 @@ DENSITIES = (0.05, 0.1, 0.125, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0)
 
 
 def _canonical(cfg) -> str:
-  # Fields added since the pin at their default value are left out (MosaicKernelConfig.balance = 0: round-robin).
+  # Fields added since the pin at their default value are left out (MosaicKernelConfig.balance = 0: round-robin;
+  # dynamic = False: tiles dealt, not taken from a counter).
+  added = {"balance": 0, "dynamic": False}
+
   def drop_new(v):
     if isinstance(v, dict):
-      return {k: drop_new(x) for k, x in v.items() if not (k == "balance" and x == 0)}
+      return {k: drop_new(x) for k, x in v.items() if not (k in added and x == added[k])}
     return v
 
   return json.dumps(drop_new(dataclasses.asdict(cfg)), sort_keys=True, default=str)

@@ -6,10 +6,13 @@ block at 1.14-1.33x the mean round-robin on multi-round shapes, 1.03-1.08x with 
 SM-active at 8192 x 1536 x 6144, d 0.27, agreed. Times each variant of the default config (CUPTI, the whole call:
 step lists, tile order and kernel) as a ratio to the dense product, each checked against the float32 product first.
 
-    python3 sweeps/gpu_mosaic_balance.py [--balances 0,1,2,4,8,64] [--column-sorted]
+    python3 sweeps/gpu_mosaic_balance.py [--balances 0,1,2,4,8,64] [--column-sorted] [--dynamic 0,2]
 
 ``--column-sorted`` adds variants whose tile columns are also sorted by their steps (the same order in every group
 of row tiles, so that the rows in flight stay those of round-robin), then windows of 0-2 rounds (``cs0``-``cs2``).
+``--dynamic`` adds the dynamic schedule (``MosaicKernelConfig.dynamic``: each thread block takes its next tile from a
+counter) on the grouped order (``d0``) or on windows of the given rounds sorted by steps (``d2``, ...). ``--cases``
+picks rows of ``CASES`` by index.
 """
 
 from __future__ import annotations
@@ -66,14 +69,19 @@ def main():
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--balances", default="0,2,4,8,64")
   p.add_argument("--column-sorted", action="store_true")
+  p.add_argument("--dynamic", default="", help="windows of the dynamic schedule's variants, e.g. 0,2")
+  p.add_argument("--cases", default="", help="indices into CASES (default: all)")
   args = p.parse_args()
   library_order = mosaic.tile_order
-  variants = {f"b{b}": (int(b), library_order) for b in args.balances.split(",")}
+  variants = {f"b{b}": (int(b), library_order, False) for b in args.balances.split(",")}
   if args.column_sorted:
-    variants |= {f"cs{b}": (max(b, 1), column_sorted_order(b)) for b in (0, 1, 2)}
+    variants |= {f"cs{b}": (max(b, 1), column_sorted_order(b), False) for b in (0, 1, 2)}
+  if args.dynamic:
+    variants |= {f"d{b}": (int(b), library_order, True) for b in args.dynamic.split(",")}
+  cases = [CASES[int(i)] for i in args.cases.split(",")] if args.cases else CASES
   hi = dict(precision="highest", preferred_element_type=jnp.float32)
   rows = []
-  for m, k, n, blk, d, dt in CASES:
+  for m, k, n, blk, d, dt in cases:
     rng = np.random.default_rng(0)
     mask = rng.random((k // blk[0], n // blk[1])) < d
     dense_w = jnp.asarray(rng.standard_normal((k, n)) * np.kron(mask, np.ones(blk)), dt)
@@ -89,9 +97,9 @@ def main():
       dense_ms = _measure.time_call_ms((lambda a, wd: a @ wd.T) if transpose else (lambda a, wd: a @ wd),
                                        (a, dense_w), "cuda")
       ratios = {}
-      for name, (balance, order) in variants.items():
+      for name, (balance, order, dynamic) in variants.items():
         mosaic.tile_order = order
-        cfg = dataclasses.replace(base, balance=balance)
+        cfg = dataclasses.replace(base, balance=balance, dynamic=dynamic)
         f = lambda a, w, cfg=cfg, t=transpose: mosaic.dense_sparse_matmul(a, w, transpose=t, config=cfg)
         err = rel_err(jax.jit(f)(a, w), want)
         ratios[name] = float("nan") if err > 2e-2 else _measure.time_call_ms(f, (a, w), "cuda") / dense_ms

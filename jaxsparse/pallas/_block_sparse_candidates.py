@@ -6,8 +6,9 @@ rules of :mod:`._block_sparse_config`) and adds, for one direction of the produc
 gather), the Triton kernel with its default tiles, with split contractions, with smaller row tiles, (the decode
 forward of 16-wide blocks) with the other warp count and (``dw`` of blocks up to 64 x 64) with several blocks a
 program or (``dw`` of blocks of 128 rows or more, at most 1024 rows) slices of a block's rows a program, and the
-Mosaic GPU kernel (Hopper, from 64 rows) with one or two block columns a tile, split contractions and (16-bit,
-128-wide output blocks, more tiles than SMs) tiles balanced over the thread blocks. Only configs the kernels support
+Mosaic GPU kernel (Hopper, from 64 rows) with one or two block columns a tile, split contractions, (more tiles than
+SMs) tiles taken from a counter and (16-bit, 128-wide output blocks, more tiles than SMs) tiles balanced over the
+thread blocks. Only configs the kernels support
 for these operands are listed; duplicates of the default are dropped. The other directions' fields keep the
 default's values.
 """
@@ -184,7 +185,12 @@ def candidates(
     # H200 (gpu_mosaic_balance_2026-12-01_h200.md), 16-bit 128-blocks at d 0.27-0.55: 0.91-0.97x the default's time
     # on 7 of 18 products (the activations of two rounds' tiles in L2), up to 1.13x on the others.
     variants["mosaic/b2"] = dataclasses.replace(prior_m, balance=2)
-  variants = {"mosaic/default": prior_m, **variants}
+  # Listed right after the default (the tuner times candidates in order, within its budget): each thread block takes
+  # its next tile from a counter (MosaicKernelConfig.dynamic) instead of every num_ctas-th. H200
+  # (gpu_mosaic_dynamic_2026-12-02_h200.md): 0.88-0.97x the default's time where thread blocks take many tiles of
+  # unequal steps, up to 1.08x elsewhere; in the transformer step the tuner took it for two dX products (0.85x).
+  first = {"mosaic/dyn": dataclasses.replace(prior_m, dynamic=True)} if tiles > mosaic.num_sms() else {}
+  variants = {"mosaic/default": prior_m, **first, **variants}
   for name, cfg in variants.items():
     if _mosaic_ok(a, w, o_dtype, cfg, transpose=transpose, precision=precision):
       add(name, dataclasses.replace(base, **{f_dense: False, f_mosaic: cfg}))

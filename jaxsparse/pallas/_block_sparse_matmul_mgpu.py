@@ -53,8 +53,15 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax._src import config as jax_config
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import arith
+from jaxlib.mlir.dialects import llvm
+from jaxlib.mlir.dialects import memref
 
 from jaxsparse import _utils
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
@@ -81,6 +88,8 @@ from jaxsparse.pallas._mosaic_config import MosaicKernelConfig
 _MEMORY_REGISTERS = 40
 _COMPUTE_REGISTERS = 232
 _DEFAULT_NUM_SMS = 132
+# Tile positions the dynamic schedule's memory warpgroup may publish ahead of the compute warpgroups.
+_TILE_RING = 4
 
 __all__ = [
     "MosaicBlockSparseMatmulConfig",
@@ -305,6 +314,77 @@ def tile_order(offsets: jax.Array, num_m: int, num_c: int, cfg: MosaicKernelConf
   return codes[balanced_order(end - start, num_ctas, cfg.balance)]
 
 
+def _request_position(counter_ref, n, cta, num_ctas: int, *, interpret: bool):
+  """Asks the dynamic schedule's counter for a tile position; :func:`_publish_position` makes it known.
+
+  On the GPU one thread of the memory warpgroup adds 1 to ``counter_ref`` (an atomic add: the thread blocks take
+  positions ``0, 1, 2, ...`` in the order they ask, so a thread block whose tiles ran short takes more of them).
+  The add is only issued here: the thread waits for its result where :func:`_publish_position` stores it, a tile's
+  copies later, so that its latency hides behind them. The value is that thread's alone (the other threads hold
+  nothing). Mosaic GPU's interpreter runs no inline code: there the ``n``-th request of thread block ``cta`` is the
+  static schedule's ``n * num_ctas + cta``.
+
+  Returns:
+    An int32 scalar for :func:`_publish_position`.
+  """
+  if interpret:
+    return n * num_ctas + cta
+
+  @plgpu.inline_mgpu(
+      arg_types=(plgpu.RefType(),), return_type=plgpu.ShapeDtypeStruct((), jnp.int32, plgpu.Layout.WG_SPLAT)
+  )
+  def request(ctx, counter):
+    del ctx
+    got = llvm.inline_asm(
+        ir.IntegerType.get_signless(32),
+        [_one_thread(), mgpu_utils.memref_ptr(counter)],
+        "{ .reg .pred p; setp.ne.b32 p, $1, 0; mov.u32 $0, 0; @p atom.global.add.u32 $0, [$2], 1; }",
+        "=r,r,l",
+        has_side_effects=True,
+    )
+    return mgpu.FragmentedArray.splat(got, (), is_signed=True)
+
+  return request(counter_ref)
+
+
+def _publish_position(requested, positions, slot, *, interpret: bool):
+  """Stores a position :func:`_request_position` got in ``positions[slot]``; returns it to the whole warpgroup.
+
+  Returns:
+    The position (int32 scalar, the same in every thread): a tile's index in the kernel's ``order`` while below
+    the tile count.
+  """
+  if interpret:
+    positions[slot] = requested
+    return requested
+
+  @plgpu.inline_mgpu(
+      arg_types=(plgpu.Layout.WG_SPLAT, plgpu.RefType(), plgpu.Layout.WG_SPLAT),
+      return_type=plgpu.ShapeDtypeStruct((), jnp.int32, plgpu.Layout.WG_SPLAT),
+  )
+  def publish(ctx, got, ring, slot):
+    del ctx
+    index = arith.index_cast(ir.IndexType.get(), slot.registers.item())
+    dst = llvm.ptrtoint(ir.IntegerType.get_signless(64), mgpu_utils.memref_ptr(mgpu_utils.memref_slice(ring, index)))
+    llvm.inline_asm(
+        ir.Type.parse("!llvm.void"),
+        [_one_thread(), got.registers.item(), dst],
+        "{ .reg .pred p; setp.ne.b32 p, $0, 0; @p st.shared.u32 [$2], $1; }",
+        "r,r,l",
+        has_side_effects=True,
+    )
+    mgpu_utils.warpgroup_barrier()
+    return mgpu.FragmentedArray.splat(memref.load(ring, [index]), (), is_signed=True)
+
+  return publish(requested, positions, slot)
+
+
+def _one_thread():
+  """1 (int32) in the one thread of the warpgroup that requests and publishes positions, 0 in the others."""
+  pred = mgpu_utils.single_thread_predicate(mgpu_utils.ThreadSubset.WARPGROUP)
+  return arith.extui(ir.IntegerType.get_signless(32), pred)
+
+
 def _kernel(
     order_ref,
     offsets_ref,
@@ -312,8 +392,7 @@ def _kernel(
     a_blocks_ref,
     a_ref,
     data_ref,
-    out_ref,
-    *,
+    *refs,
     cfg: MosaicKernelConfig,
     transpose: bool,
     b_k_major: bool,
@@ -321,14 +400,17 @@ def _kernel(
     num_c: int,
     num_out: int,
     num_ctas: int,
+    interpret: bool,
 ):
   """One thread block: warpgroups 0 and 1 compute, warpgroup 2 streams the operands.
 
   ``data_ref`` holds ``(nnz, ob, cb)`` blocks with ``b_k_major`` (``dX``: ``data``; the float32
   forward: ``data`` transposed), else ``(nnz, cb, ob)`` (the 16-bit forward: ``data``). ``num_c`` tile
   columns of ``cfg.group_cols`` output block columns each cover the ``num_out`` output block columns
-  (the last tile column may cover fewer).
+  (the last tile column may cover fewer). With ``cfg.dynamic`` on a GPU ``refs`` is ``(counter_ref, out_ref)``,
+  the counter the thread blocks take tile positions from (:func:`_request_position`), else ``(out_ref,)``.
   """
+  counter_ref, out_ref = refs if cfg.dynamic and not interpret else (None, *refs)
   _, d1, d2 = data_ref.shape
   ob, cb = (d1, d2) if b_k_major else (d2, d1)
   tm, tk, stages, group = cfg.tile_m, cfg.tile_k, cfg.num_stages, cfg.group_cols
@@ -343,8 +425,8 @@ def _kernel(
   num_tiles = num_m * num_c * split
   my_tiles = dealt_count(cta, num_tiles, num_ctas, snake)
 
-  def tile(i):
-    code = order_ref[dealt(i, cta, num_ctas, snake)]  # see tile_order
+  def tile(pos):
+    code = order_ref[pos]  # see tile_order
     rest, c = divmod(code, num_c)
     s, mi = divmod(rest, num_m)
     return mi, c, s, *chunk(offsets_ref[c], offsets_ref[c + 1], s, split)
@@ -363,6 +445,8 @@ def _kernel(
       pl.when(b >= 0)(body)
 
   b_shape = (ob, tk) if b_k_major else (tk, ob)
+  # The dynamic schedule's ring of published tile positions (a few words; see _publish_position).
+  ring = _TILE_RING if cfg.dynamic else 1
 
   @functools.partial(
       pl.run_scoped,
@@ -378,18 +462,72 @@ def _kernel(
       # without a copy).
       ready=plgpu.Barrier(num_arrivals=1 + group, num_barriers=stages),
       consumed=plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=stages),
+      positions=plgpu.SMEM((ring,), jnp.int32),
+      published=plgpu.Barrier(num_arrivals=1, num_barriers=ring),
+      taken=plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=ring),
       collective_axes="wg",
   )
-  def _scope(a_smem, b_smem, o_smem, ready, consumed):
+  def _scope(a_smem, b_smem, o_smem, ready, consumed, positions, published, taken):
     def b_tile(slot, j):
       return b_smem.at[slot] if group == 1 else b_smem.at[slot, j]
+
+    def each_tile(body, g, *, memory: bool):
+      """Runs ``g = body(pos, g)`` for the position (in ``order_ref``) of each tile this thread block takes.
+
+      Static schedule: the positions :func:`dealt` gives the thread block. Dynamic: the memory warpgroup requests
+      the next tile's position from the counter as it starts a tile's copies and publishes it in
+      ``positions[n % ring]`` after them; the compute warpgroups read it there. Both loops end at the first
+      position past the tiles (published too).
+      """
+      if not cfg.dynamic:
+        return lax.fori_loop(0, my_tiles, lambda i, g: body(dealt(i, cta, num_ctas, snake), g), g)
+
+      def next_position(n, requested=None):
+        slot = lax.rem(n, ring)
+        if memory:
+
+          @pl.when(n >= ring)
+          def _():
+            plgpu.barrier_wait(taken.at[slot])
+
+          pos = _publish_position(requested, positions, slot, interpret=interpret)
+          plgpu.barrier_arrive(published.at[slot])
+        else:
+          plgpu.barrier_wait(published.at[slot])
+          pos = positions[slot]
+          plgpu.barrier_arrive(taken.at[slot])
+        return pos
+
+      def request(n):
+        return _request_position(counter_ref, n, cta, num_ctas, interpret=interpret)
+
+      def loop_body(carry):
+        n, g, pos, requested = carry
+        if memory:  # the next tile's request is in flight while this tile's copies are issued
+          g = body(pos, g)
+          nxt = next_position(n + 1, requested)
+          return n + 1, g, nxt, request(n + 2)
+        g = body(pos, g)
+        return n + 1, g, next_position(n + 1), requested
+
+      n0 = jnp.int32(0)
+      first = next_position(n0, request(n0)) if memory else next_position(n0)
+      carry = (n0, g, first, request(n0 + 1) if memory else n0)
+      n, g, _, _ = lax.while_loop(lambda c: c[2] < num_tiles, loop_body, carry)
+      if memory:
+        # Observe the last takes too, so that every barrier ends in a consistent phase.
+        @pl.loop(jnp.maximum(n + 1 - ring, 0), n + 1)
+        def _(k):
+          plgpu.barrier_wait(taken.at[lax.rem(k, ring)])
+
+      return g
 
     @pl.when(wg == NUM_COMPUTE_WGS)
     def _memory():
       plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
 
-      def tile_body(i, g):
-        mi, _, _, start, end = tile(i)
+      def tile_body(pos, g):
+        mi, _, _, start, end = tile(pos)
 
         def step(t, g):
           bs = step_blocks(t)
@@ -425,7 +563,7 @@ def _kernel(
 
         return _steps(start, end, step, g)
 
-      steps = lax.fori_loop(0, my_tiles, tile_body, jnp.int32(0))
+      steps = each_tile(tile_body, jnp.int32(0), memory=True)
 
       # Observe the last releases too, so that every barrier ends in a consistent phase.
       @pl.loop(jnp.maximum(steps - stages, 0), steps)
@@ -437,8 +575,8 @@ def _kernel(
       plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
       rows = pl.ds(wg * half, half)
 
-      def tile_body(i, g):
-        mi, c, part, start, end = tile(i)
+      def tile_body(pos, g):
+        mi, c, part, start, end = tile(pos)
 
         def acc_scope(*acc_refs):
           def step(t, g):
@@ -481,8 +619,63 @@ def _kernel(
             store()
         return g_end
 
-      lax.fori_loop(0, my_tiles, tile_body, jnp.int32(0))
+      each_tile(tile_body, jnp.int32(0), memory=False)
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _launch(kernel, operands, out_type, num_ctas: int, params, cfg: MosaicKernelConfig):
+  """Runs ``functools.partial(kernel, cfg=cfg)`` on ``operands``, one persistent thread block a CTA.
+
+  The dynamic schedule adds a fresh zero tile counter, a ``Ref`` aliased in and out of the kernel (inside
+  ``pl.run_state``), so that every call starts from a zero of its own that the kernel may add to.
+  ``plgpu.kernel``'s batching wrapper takes no ``Ref`` operand, so that kernel goes through ``pl.kernel`` on a
+  Mosaic GPU mesh, traced as ``plgpu.kernel`` traces it (``check_vma`` off), under a batching rule of its own that
+  runs the static schedule (``plgpu.kernel``'s rule: a grid row per batch element). Mosaic GPU's interpreter takes
+  no aliased ``Ref`` (jax 0.10) and the interpreted kernel no counter (:func:`_request_position`): there it runs
+  without one.
+  """
+  compiler_params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+
+  def static(*ops):
+    static_cfg = dataclasses.replace(cfg, dynamic=False)
+    return plgpu.kernel(
+        functools.partial(kernel, cfg=static_cfg),
+        out_type=out_type,
+        grid=(num_ctas,),
+        grid_names=("cta",),
+        num_threads=NUM_COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=compiler_params,
+        **params,
+    )(*ops)
+
+  if not cfg.dynamic:
+    return static(*operands)
+
+  @jax.custom_batching.custom_vmap
+  def dynamic(*ops):
+    mesh = plgpu.Mesh(grid=(num_ctas,), grid_names=("cta",), num_threads=NUM_COMPUTE_WGS + 1, thread_name="wg")
+    run = pl.kernel(functools.partial(kernel, cfg=cfg), out_type=out_type, mesh=mesh, compiler_params=compiler_params,
+                    **params)
+    if "interpret" in params:
+      return run(*ops)
+
+    def stateful(refs):
+      counter_ref, out_ref = refs
+      with jax_config._check_vma(False):  # as plgpu.kernel does (no public switch)
+        out_ref[...] = run(*ops, counter_ref)
+
+    # The counter's effects end inside run_state (custom_vmap's body may have none); the output's initial value
+    # is overwritten whole, so XLA drops it.
+    _, out = pl.run_state(stateful)((jnp.zeros((1,), jnp.int32), jnp.zeros(out_type.shape, out_type.dtype)))
+    return out
+
+  @dynamic.def_vmap
+  def _(axis_size, in_batched, *ops):
+    del axis_size
+    return jax.vmap(static, in_axes=[0 if b else None for b in in_batched])(*ops), True
+
+  return dynamic(*operands)
 
 
 def dense_sparse_matmul(
@@ -533,28 +726,20 @@ def dense_sparse_matmul(
   data = w.data if transpose or not b_k_major else jnp.swapaxes(w.data, 1, 2)
   kernel = functools.partial(
       _kernel,
-      cfg=config,
       transpose=transpose,
       b_k_major=b_k_major,
       num_m=num_m,
       num_c=num_c,
       num_out=num_out,
       num_ctas=num_ctas,
+      interpret=interpret,
   )
   params = {"interpret": _interpret_params()} if interpret else {}
   # A split writes float32 partial sums, one (M, out_cols) slab a part.
   rows = num_m * config.tile_m  # the stores of the last row tile stay in bounds; sliced to m below
   out_shape = (rows, out_cols) if config.split == 1 else (config.split, rows, out_cols)
-  out = plgpu.kernel(
-      kernel,
-      out_type=_utils.result_struct(out_shape, out_dtype if config.split == 1 else jnp.float32, a, w),
-      grid=(num_ctas,),
-      grid_names=("cta",),
-      num_threads=NUM_COMPUTE_WGS + 1,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-      **params,
-  )(order, offsets, blocks, a_blocks, ap, data)
+  out_type = _utils.result_struct(out_shape, out_dtype if config.split == 1 else jnp.float32, a, w)
+  out = _launch(kernel, (order, offsets, blocks, a_blocks, ap, data), out_type, num_ctas, params, config)
   out = _utils.vary(out, _utils.varying_axes(a, w))  # plgpu.kernel (jax 0.11) drops the type's varying axes
   if config.split > 1:
     out = out.sum(axis=0).astype(out_dtype)

@@ -58,6 +58,11 @@ class MosaicKernelConfig:
       The default configs deal round-robin; measured dispatch also times ``balance=2`` for 16-bit products of
       128-wide output blocks with more tiles than SMs (H200: 0.91-0.97x round-robin's time on 7 of 18 such
       products, up to 1.13x on the others, where the rows in flight outgrow L2).
+    dynamic: take the tiles from a counter instead of dealing them: each thread block, as it starts a tile, takes
+      the next tile of the order (grouped, or balanced with ``balance``) with an atomic add on a counter in global
+      memory, so that a thread block whose tiles ran short takes more of them and all finish within about one
+      tile of each other, while the tiles in flight stay neighbours in the order. Needs the persistent grid
+      (``num_ctas`` not 0).
 
   Used as ``mosaic_forward`` / ``mosaic_dx`` of a :class:`~jaxsparse.pallas.BlockSparseMatmulConfig`; the
   kernel needs a Hopper GPU, the config does not:
@@ -82,6 +87,7 @@ class MosaicKernelConfig:
   group_cols: int = 1
   split: int = 1
   balance: int = 0
+  dynamic: bool = False
 
   def __post_init__(self):
     if self.tile_m not in (128, 256):
@@ -101,6 +107,8 @@ class MosaicKernelConfig:
       raise ValueError(f"split must be between 1 and 16, got split={self.split}.")
     if not 0 <= self.balance <= 64:
       raise ValueError(f"balance must be between 0 (round-robin) and 64 rounds, got balance={self.balance}.")
+    if self.dynamic and self.num_ctas == 0:
+      raise ValueError("dynamic=True takes tiles on the persistent grid: num_ctas must be None or positive, got 0.")
 
   def smem_bytes(self, ob: int, itemsize: int, out_itemsize: int) -> int:
     """Shared memory the kernel allocates for output blocks ``ob`` wide (a split stores float32 partial sums).
