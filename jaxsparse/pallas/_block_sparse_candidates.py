@@ -185,10 +185,11 @@ def candidates(
     # H200 (gpu_mosaic_balance_2026-12-01_h200.md), 16-bit 128-blocks at d 0.27-0.55: 0.91-0.97x the default's time
     # on 7 of 18 products (the activations of two rounds' tiles in L2), up to 1.13x on the others.
     variants["mosaic/b2"] = dataclasses.replace(prior_m, balance=2)
-  # Listed right after the default (the tuner times candidates in order, within its budget): each thread block takes
+  # The first of the Mosaic variants (the tuner times candidates in order, within its budget): each thread block takes
   # its next tile from a counter (MosaicKernelConfig.dynamic) instead of every num_ctas-th. H200
-  # (gpu_mosaic_dynamic_2026-12-02_h200.md): 0.88-0.97x the default's time where thread blocks take many tiles of
-  # unequal steps, up to 1.08x elsewhere; in the transformer step the tuner took it for two dX products (0.85x).
+  # (gpu_mosaic_dynamic_2026-12-02_h200.md): 0.88x the default's time at 1536 tiles of 128-blocks (11.6 a thread
+  # block), up to 1.09x at 2-4 tiles a thread block; in the transformer train step the tuner took it for the dX of
+  # the MLP's down projection (0.85-0.87x).
   first = {"mosaic/dyn": dataclasses.replace(prior_m, dynamic=True)} if tiles > mosaic.num_sms() else {}
   variants = {"mosaic/default": prior_m, **first, **variants}
   for name, cfg in variants.items():

@@ -12,7 +12,9 @@ steps ``t`` of column ``c``, ``offsets[c] <= t < offsets[c + 1]``:
 
 The kernel is persistent and warp-specialised: each of ``num_ctas`` thread blocks walks its share of
 the output tiles (every ``num_ctas``-th tile of a grouped order that keeps ``group_m`` row tiles of
-``a`` hot in L2; with ``MosaicKernelConfig.balance`` the order is sorted by steps in windows, :func:`tile_order`),
+``a`` hot in L2; with ``MosaicKernelConfig.balance`` the order is sorted by steps in windows, :func:`tile_order`;
+with ``MosaicKernelConfig.dynamic`` each thread block takes the next tile of the order from an atomic counter
+instead, :func:`_request_position`),
 one memory warpgroup streams the ``a`` tile and the ``B`` block of every step through
 a ring of ``num_stages`` shared-memory slots with TMA, continuing across tile boundaries, and two
 compute warpgroups (``tile_m / 2`` rows each) accumulate with wgmma in float32 and store their half
