@@ -447,8 +447,15 @@ def _kernel(
       pl.when(b >= 0)(body)
 
   b_shape = (ob, tk) if b_k_major else (tk, ob)
-  # The dynamic schedule's ring of published tile positions (a few words; see _publish_position).
-  ring = _TILE_RING if cfg.dynamic else 1
+  ring = _TILE_RING
+  # The dynamic schedule's ring of published tile positions (a few words; see _publish_position) and its barriers.
+  schedule = {}
+  if cfg.dynamic:
+    schedule = dict(
+        positions=plgpu.SMEM((ring,), jnp.int32),
+        published=plgpu.Barrier(num_arrivals=1, num_barriers=ring),
+        taken=plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=ring),
+    )
 
   @functools.partial(
       pl.run_scoped,
@@ -464,12 +471,10 @@ def _kernel(
       # without a copy).
       ready=plgpu.Barrier(num_arrivals=1 + group, num_barriers=stages),
       consumed=plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=stages),
-      positions=plgpu.SMEM((ring,), jnp.int32),
-      published=plgpu.Barrier(num_arrivals=1, num_barriers=ring),
-      taken=plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=ring),
+      **schedule,
       collective_axes="wg",
   )
-  def _scope(a_smem, b_smem, o_smem, ready, consumed, positions, published, taken):
+  def _scope(a_smem, b_smem, o_smem, ready, consumed, positions=None, published=None, taken=None):
     def b_tile(slot, j):
       return b_smem.at[slot] if group == 1 else b_smem.at[slot, j]
 
