@@ -188,7 +188,7 @@ def candidates(
   # The first of the Mosaic variants (the tuner times candidates in order, within its budget): each thread block takes
   # its next tile from a counter (MosaicKernelConfig.dynamic) instead of every num_ctas-th. H200
   # (gpu_mosaic_dynamic_2026-12-02_h200.md): 0.88x the default's time at 1536 tiles of 128-blocks (11.6 a thread
-  # block), up to 1.09x at 2-4 tiles a thread block; in the transformer train step the tuner took it for the dX of
+  # block), up to 1.09x at 2-6 tiles a thread block; in the transformer train step the tuner took it for the dX of
   # the MLP's down projection (0.85-0.87x).
   first = {"mosaic/dyn": dataclasses.replace(prior_m, dynamic=True)} if tiles > mosaic.num_sms() else {}
   variants = {"mosaic/default": prior_m, **first, **variants}

@@ -64,7 +64,7 @@ class MosaicKernelConfig:
       tile of each other, while the tiles in flight stay neighbours in the order. Needs the persistent grid
       (``num_ctas`` not 0). The default configs deal round-robin; measured dispatch also times ``dynamic=True`` for
       products of more tiles than SMs (H200: 0.88x round-robin's time at 1536 tiles of 128-blocks, up to 1.09x at
-      2-4 tiles a thread block). A batch (``vmap`` of the kernel) runs round-robin.
+      2-6 tiles a thread block). A batch (``vmap`` of the kernel) runs round-robin.
 
   Used as ``mosaic_forward`` / ``mosaic_dx`` of a :class:`~jaxsparse.pallas.BlockSparseMatmulConfig`; the
   kernel needs a Hopper GPU, the config does not:
