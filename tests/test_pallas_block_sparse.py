@@ -582,8 +582,8 @@ def test_decode_candidates_fill_the_gpu_where_the_output_has_few_block_columns(m
 
 
 def test_mosaic_candidates_take_tiles_from_a_counter_where_there_are_more_tiles_than_sms(monkeypatch):
-  # The dynamic schedule is timed right after the Mosaic default (the tuner's budget may stop before later ones), for
-  # products of more output tiles than thread blocks only (132 SMs where the device does not say).
+  # The dynamic schedule is the first of the Mosaic variants (the tuner's budget may stop before later ones), offered
+  # for products of more output tiles than thread blocks only (132 SMs where the device does not say).
   monkeypatch.setattr(kernel_config, "_mosaic_probe", lambda: None)
   monkeypatch.setattr(mosaic, "num_sms", lambda: 132)
   _, _, w = _problem(1, 1536, 6144, (128, 128), "random", jnp.bfloat16, seed=0)
