@@ -510,11 +510,9 @@ def _kernel(
 
       def loop_body(carry):
         n, g, pos, requested = carry
-        if memory:  # the next tile's request is in flight while this tile's copies are issued
-          g = body(pos, g)
-          nxt = next_position(n + 1, requested)
-          return n + 1, g, nxt, request(n + 2)
-        g = body(pos, g)
+        g = body(pos, g)  # the memory warpgroup's request for the next tile is in flight while it issues these copies
+        if memory:
+          return n + 1, g, next_position(n + 1, requested), request(n + 2)
         return n + 1, g, next_position(n + 1), requested
 
       n0 = jnp.int32(0)
