@@ -14,7 +14,7 @@ The kernel is persistent and warp-specialised: each of ``num_ctas`` thread block
 the output tiles (every ``num_ctas``-th tile of a grouped order that keeps ``group_m`` row tiles of
 ``a`` hot in L2; with ``MosaicKernelConfig.balance`` the order is sorted by steps in windows, :func:`tile_order`;
 with ``MosaicKernelConfig.dynamic`` each thread block takes the next tile of the order from an atomic counter
-instead, :func:`_request_position`),
+instead, :func:`._mosaic_common.request_position`),
 one memory warpgroup streams the ``a`` tile and the ``B`` block of every step through
 a ring of ``num_stages`` shared-memory slots with TMA, continuing across tile boundaries, and two
 compute warpgroups (``tile_m / 2`` rows each) accumulate with wgmma in float32 and store their half
@@ -55,15 +55,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax._src import config as jax_config
 from jax.experimental import pallas as pl
-from jax.experimental.mosaic import gpu as mgpu
-from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import arith
-from jaxlib.mlir.dialects import llvm
-from jaxlib.mlir.dialects import memref
 
 from jaxsparse import _utils
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
@@ -74,7 +67,14 @@ from jaxsparse.pallas._common import chunk
 from jaxsparse.pallas._common import dealt
 from jaxsparse.pallas._common import dealt_count
 from jaxsparse.pallas._common import grouped_tile
-from jaxsparse.pallas._common import pad_rows
+from jaxsparse.pallas._mosaic_common import interpret_params
+from jaxsparse.pallas._mosaic_common import launch
+from jaxsparse.pallas._mosaic_common import num_sms
+from jaxsparse.pallas._mosaic_common import publish_position
+from jaxsparse.pallas._mosaic_common import request_position
+from jaxsparse.pallas._mosaic_common import smem_transforms
+from jaxsparse.pallas._mosaic_common import tma_rows
+from jaxsparse.pallas._mosaic_common import transposed
 from jaxsparse.pallas._mosaic_config import MAX_ACC_ELEMENTS
 from jaxsparse.pallas._mosaic_config import MAX_STAGES
 from jaxsparse.pallas._mosaic_config import NUM_COMPUTE_WGS
@@ -89,7 +89,6 @@ from jaxsparse.pallas._mosaic_config import MosaicKernelConfig
 # whose float32 accumulators take up to 128 per thread (a 128 x 128 tile).
 _MEMORY_REGISTERS = 40
 _COMPUTE_REGISTERS = 232
-_DEFAULT_NUM_SMS = 132
 # Tile positions the dynamic schedule's memory warpgroup may publish ahead of the compute warpgroups.
 _TILE_RING = 4
 
@@ -220,59 +219,6 @@ def resolve_config(a, w, out_dtype=None, config=None, *, transpose=False) -> Mos
 # -------------------------------------------------------------------------------------------------
 
 
-def num_sms() -> int:
-  """Streaming multiprocessors of the first device: the persistent grid's thread blocks (132 where unknown)."""
-  try:
-    return int(jax.devices()[0].core_count)
-  except (AttributeError, RuntimeError, TypeError, ValueError):
-    return _DEFAULT_NUM_SMS
-
-
-def _interpret_params(uninitialized: str = "nan"):
-  """Mosaic GPU interpret-mode parameters (public from jax 0.11; private in 0.10).
-
-  The kernels load the last row tile of an activation whose rows are not a multiple of the tile past
-  its end (:func:`tma_rows`; TMA fills zeros on the GPU). The interpreter returns ``uninitialized``
-  values there, as for uninitialized memory: NaN for the forward / ``dX`` kernel, whose rows past ``M``
-  are dropped (a NaN reaching a kept row fails the tests), zeros for the ``dW`` kernel, which sums over
-  the rows as TMA's zero fill lets it.
-  """
-  if hasattr(plgpu, "InterpretGPUParams"):
-    cls = plgpu.InterpretGPUParams
-  else:
-    from jax._src.pallas.mosaic_gpu.interpret import params  # noqa: PLC0415 -- jax 0.10 has no public name
-
-    cls = params.InterpretGPUParams
-  return cls(out_of_bounds_reads="uninitialized", uninitialized_memory=uninitialized)
-
-
-def tma_rows(*arrays: jax.Array, tile_m: int) -> tuple[jax.Array, ...]:
-  """``arrays`` (of one row count ``M``) as the kernels' TMA loads of ``tile_m``-row tiles can read them.
-
-  Where ``M`` is not a multiple of ``tile_m`` the last row tile reads past row ``M`` and TMA fills those
-  rows with zeros: no padded copy, a full pass over the activations (at ``M = 3000`` padding a float32
-  ``dY`` of 8192 columns took 47 µs, 40% of the ``dX`` kernel's time). Mosaic GPU needs the rows a
-  multiple of its 8-row shared-memory tiling and at least one tile (a TMA box may not exceed the
-  array): otherwise the arrays are padded with zero rows to a multiple of ``tile_m``.
-  """
-  m = arrays[0].shape[0]
-  if m >= tile_m and m % 8 == 0:
-    return arrays
-  return tuple(pad_rows(a, tile_m) for a in arrays)
-
-
-def _transposed(ref):
-  """A 2-D shared-memory ref viewed transposed (the API moved in jax 0.11)."""
-  if jax.__version_info__ >= (0, 11):
-    return ref.transpose((1, 0))
-  return plgpu.transpose_ref(ref, (1, 0))
-
-
-def _smem_transforms(minor: int, dtype) -> tuple:
-  swizzle = plgpu.find_swizzle(minor * jnp.dtype(dtype).itemsize * 8)
-  return plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle)
-
-
 def _steps(start, end, step, g):
   """``lax.fori_loop(start, end, step, g)`` counted from 0.
 
@@ -316,77 +262,6 @@ def tile_order(offsets: jax.Array, num_m: int, num_c: int, cfg: MosaicKernelConf
   return codes[balanced_order(end - start, num_ctas, cfg.balance)]
 
 
-def _request_position(counter_ref, n, cta, num_ctas: int, *, interpret: bool):
-  """Asks the dynamic schedule's counter for a tile position; :func:`_publish_position` makes it known.
-
-  On the GPU one thread of the memory warpgroup adds 1 to ``counter_ref`` (an atomic add: the thread blocks take
-  positions ``0, 1, 2, ...`` in the order they ask, so a thread block whose tiles ran short takes more of them).
-  The add is only issued here: the thread waits for its result where :func:`_publish_position` stores it, a tile's
-  copies later, so that its latency hides behind them. The value is that thread's alone (the other threads hold
-  nothing). Mosaic GPU's interpreter runs no inline code: there the ``n``-th request of thread block ``cta`` is the
-  static schedule's ``n * num_ctas + cta``.
-
-  Returns:
-    An int32 scalar for :func:`_publish_position`.
-  """
-  if interpret:
-    return n * num_ctas + cta
-
-  @plgpu.inline_mgpu(
-      arg_types=(plgpu.RefType(),), return_type=plgpu.ShapeDtypeStruct((), jnp.int32, plgpu.Layout.WG_SPLAT)
-  )
-  def request(ctx, counter):
-    del ctx
-    got = llvm.inline_asm(
-        ir.IntegerType.get_signless(32),
-        [_one_thread(), mgpu_utils.memref_ptr(counter)],
-        "{ .reg .pred p; setp.ne.b32 p, $1, 0; mov.u32 $0, 0; @p atom.global.add.u32 $0, [$2], 1; }",
-        "=r,r,l",
-        has_side_effects=True,
-    )
-    return mgpu.FragmentedArray.splat(got, (), is_signed=True)
-
-  return request(counter_ref)
-
-
-def _publish_position(requested, positions, slot, *, interpret: bool):
-  """Stores a position :func:`_request_position` got in ``positions[slot]``; returns it to the whole warpgroup.
-
-  Returns:
-    The position (int32 scalar, the same in every thread): a tile's index in the kernel's ``order`` while below
-    the tile count.
-  """
-  if interpret:
-    positions[slot] = requested
-    return requested
-
-  @plgpu.inline_mgpu(
-      arg_types=(plgpu.Layout.WG_SPLAT, plgpu.RefType(), plgpu.Layout.WG_SPLAT),
-      return_type=plgpu.ShapeDtypeStruct((), jnp.int32, plgpu.Layout.WG_SPLAT),
-  )
-  def publish(ctx, got, ring, slot):
-    del ctx
-    index = arith.index_cast(ir.IndexType.get(), slot.registers.item())
-    dst = llvm.ptrtoint(ir.IntegerType.get_signless(64), mgpu_utils.memref_ptr(mgpu_utils.memref_slice(ring, index)))
-    llvm.inline_asm(
-        ir.Type.parse("!llvm.void"),
-        [_one_thread(), got.registers.item(), dst],
-        "{ .reg .pred p; setp.ne.b32 p, $0, 0; @p st.shared.u32 [$2], $1; }",
-        "r,r,l",
-        has_side_effects=True,
-    )
-    mgpu_utils.warpgroup_barrier()
-    return mgpu.FragmentedArray.splat(memref.load(ring, [index]), (), is_signed=True)
-
-  return publish(requested, positions, slot)
-
-
-def _one_thread():
-  """1 (int32) in the one thread of the warpgroup that requests and publishes positions, 0 in the others."""
-  pred = mgpu_utils.single_thread_predicate(mgpu_utils.ThreadSubset.WARPGROUP)
-  return arith.extui(ir.IntegerType.get_signless(32), pred)
-
-
 def _kernel(
     order_ref,
     offsets_ref,
@@ -410,7 +285,8 @@ def _kernel(
   forward: ``data`` transposed), else ``(nnz, cb, ob)`` (the 16-bit forward: ``data``). ``num_c`` tile
   columns of ``cfg.group_cols`` output block columns each cover the ``num_out`` output block columns
   (the last tile column may cover fewer). With ``cfg.dynamic`` on a GPU ``refs`` is ``(counter_ref, out_ref)``,
-  the counter the thread blocks take tile positions from (:func:`_request_position`), else ``(out_ref,)``.
+  the counter the thread blocks take tile positions from (:func:`._mosaic_common.request_position`), else
+  ``(out_ref,)``.
   """
   counter_ref, out_ref = refs if cfg.dynamic and not interpret else (None, *refs)
   _, d1, d2 = data_ref.shape
@@ -448,7 +324,7 @@ def _kernel(
 
   b_shape = (ob, tk) if b_k_major else (tk, ob)
   ring = _TILE_RING
-  # The dynamic schedule's ring of published tile positions (a few words; see _publish_position) and its barriers.
+  # The dynamic schedule's ring of published tile positions (a few words; see publish_position) and its barriers.
   schedule = {}
   if cfg.dynamic:
     schedule = dict(
@@ -459,14 +335,14 @@ def _kernel(
 
   @functools.partial(
       pl.run_scoped,
-      a_smem=plgpu.SMEM((stages, tm, tk), dtype, transforms=_smem_transforms(tk, dtype)),
+      a_smem=plgpu.SMEM((stages, tm, tk), dtype, transforms=smem_transforms(tk, dtype)),
       # One B tile a slot (and column, where group > 1).
       b_smem=plgpu.SMEM(
           (stages, *b_shape) if group == 1 else (stages, group, *b_shape),
           dtype,
-          transforms=_smem_transforms(b_shape[1], dtype),
+          transforms=smem_transforms(b_shape[1], dtype),
       ),
-      o_smem=plgpu.SMEM((NUM_COMPUTE_WGS, half, epi_n), out_dtype, transforms=_smem_transforms(epi_n, out_dtype)),
+      o_smem=plgpu.SMEM((NUM_COMPUTE_WGS, half, epi_n), out_dtype, transforms=smem_transforms(epi_n, out_dtype)),
       # One arrival per copy: the a tile and each column's B tile (a column without a block arrives
       # without a copy).
       ready=plgpu.Barrier(num_arrivals=1 + group, num_barriers=stages),
@@ -497,7 +373,7 @@ def _kernel(
           def _():
             plgpu.barrier_wait(taken.at[slot])
 
-          pos = _publish_position(requested, positions, slot, interpret=interpret)
+          pos = publish_position(requested, positions, slot, interpret=interpret)
           plgpu.barrier_arrive(published.at[slot])
         else:
           plgpu.barrier_wait(published.at[slot])
@@ -506,7 +382,7 @@ def _kernel(
         return pos
 
       def request(n):
-        return _request_position(counter_ref, n, cta, num_ctas, interpret=interpret)
+        return request_position(counter_ref, n, cta, num_ctas, interpret=interpret)
 
       def loop_body(carry):
         n, g, pos, requested = carry
@@ -593,7 +469,7 @@ def _kernel(
 
                 def mma(acc_ref=acc_ref, j=j, slot=slot):
                   b_ref = b_tile(slot, j)
-                  plgpu.wgmma(acc_ref, a_smem.at[slot, rows], _transposed(b_ref) if b_k_major else b_ref)
+                  plgpu.wgmma(acc_ref, a_smem.at[slot, rows], transposed(b_ref) if b_k_major else b_ref)
 
                 when_kept(b, mma)
               plgpu.wgmma_wait(0)
@@ -626,61 +502,6 @@ def _kernel(
 
       each_tile(tile_body, jnp.int32(0), memory=False)
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-
-def _launch(kernel, operands, out_type, num_ctas: int, params, cfg: MosaicKernelConfig):
-  """Runs ``functools.partial(kernel, cfg=cfg)`` on ``operands``, one persistent thread block a CTA.
-
-  The dynamic schedule adds a fresh zero tile counter, a ``Ref`` aliased in and out of the kernel (inside
-  ``pl.run_state``), so that every call starts from a zero of its own that the kernel may add to.
-  ``plgpu.kernel``'s batching wrapper takes no ``Ref`` operand, so that kernel goes through ``pl.kernel`` on a
-  Mosaic GPU mesh, traced as ``plgpu.kernel`` traces it (``check_vma`` off), under a batching rule of its own that
-  runs the static schedule (``plgpu.kernel``'s rule: a grid row per batch element). Mosaic GPU's interpreter takes
-  no aliased ``Ref`` (jax 0.10) and the interpreted kernel no counter (:func:`_request_position`): there it runs
-  without one.
-  """
-  compiler_params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
-
-  def static(*ops):
-    static_cfg = dataclasses.replace(cfg, dynamic=False)
-    return plgpu.kernel(
-        functools.partial(kernel, cfg=static_cfg),
-        out_type=out_type,
-        grid=(num_ctas,),
-        grid_names=("cta",),
-        num_threads=NUM_COMPUTE_WGS + 1,
-        thread_name="wg",
-        compiler_params=compiler_params,
-        **params,
-    )(*ops)
-
-  if not cfg.dynamic:
-    return static(*operands)
-
-  @jax.custom_batching.custom_vmap
-  def dynamic(*ops):
-    mesh = plgpu.Mesh(grid=(num_ctas,), grid_names=("cta",), num_threads=NUM_COMPUTE_WGS + 1, thread_name="wg")
-    run = pl.kernel(functools.partial(kernel, cfg=cfg), out_type=out_type, mesh=mesh, compiler_params=compiler_params,
-                    **params)
-    if "interpret" in params:
-      return run(*ops)
-
-    def stateful(refs):
-      counter_ref, out_ref = refs
-      with jax_config._check_vma(False):  # as plgpu.kernel does (no public switch)
-        out_ref[...] = run(*ops, counter_ref)
-
-    # The counter's effects end inside run_state (custom_vmap's body may have none); the output's initial value
-    # is overwritten whole, so XLA drops it.
-    _, out = pl.run_state(stateful)((jnp.zeros((1,), jnp.int32), jnp.zeros(out_type.shape, out_type.dtype)))
-    return out
-
-  @dynamic.def_vmap
-  def _(axis_size, in_batched, *ops):
-    del axis_size
-    return jax.vmap(static, in_axes=[0 if b else None for b in in_batched])(*ops), True
-
-  return dynamic(*operands)
 
 
 def dense_sparse_matmul(
@@ -739,12 +560,15 @@ def dense_sparse_matmul(
       num_ctas=num_ctas,
       interpret=interpret,
   )
-  params = {"interpret": _interpret_params()} if interpret else {}
+  params = {"interpret": interpret_params()} if interpret else {}
   # A split writes float32 partial sums, one (M, out_cols) slab a part.
   rows = num_m * config.tile_m  # the stores of the last row tile stay in bounds; sliced to m below
   out_shape = (rows, out_cols) if config.split == 1 else (config.split, rows, out_cols)
   out_type = _utils.result_struct(out_shape, out_dtype if config.split == 1 else jnp.float32, a, w)
-  out = _launch(kernel, (order, offsets, blocks, a_blocks, ap, data), out_type, num_ctas, params, config)
+  operands = (order, offsets, blocks, a_blocks, ap, data)
+  static = functools.partial(kernel, cfg=dataclasses.replace(config, dynamic=False))
+  dynamic = functools.partial(kernel, cfg=config) if config.dynamic else None
+  out = launch(static, operands, out_type, num_ctas, params, num_threads=NUM_COMPUTE_WGS + 1, dynamic_kernel=dynamic)
   out = _utils.vary(out, _utils.varying_axes(a, w))  # plgpu.kernel (jax 0.11) drops the type's varying axes
   if config.split > 1:
     out = out.sum(axis=0).astype(out_dtype)

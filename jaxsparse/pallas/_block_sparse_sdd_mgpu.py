@@ -42,14 +42,15 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxsparse import _utils
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
 from jaxsparse.pallas import _transpose
-from jaxsparse.pallas._block_sparse_matmul_mgpu import _interpret_params
-from jaxsparse.pallas._block_sparse_matmul_mgpu import _smem_transforms
-from jaxsparse.pallas._block_sparse_matmul_mgpu import _transposed
-from jaxsparse.pallas._block_sparse_matmul_mgpu import num_sms
-from jaxsparse.pallas._block_sparse_matmul_mgpu import tma_rows
 from jaxsparse.pallas._common import check_pattern
 from jaxsparse.pallas._common import items_of
 from jaxsparse.pallas._common import pad_rows
+from jaxsparse.pallas._mosaic_common import interpret_params
+from jaxsparse.pallas._mosaic_common import launch
+from jaxsparse.pallas._mosaic_common import num_sms
+from jaxsparse.pallas._mosaic_common import smem_transforms
+from jaxsparse.pallas._mosaic_common import tma_rows
+from jaxsparse.pallas._mosaic_common import transposed
 
 __all__ = ["MosaicSddConfig", "sampled_dw", "supports", "unsupported_reason"]
 
@@ -239,9 +240,9 @@ def _kernel(
 
   @functools.partial(
       pl.run_scoped,
-      x_smem=plgpu.SMEM(x_tile, dtype, transforms=_smem_transforms(x_tile[-1], dtype)),
-      dy_smem=plgpu.SMEM(dy_tile, dtype, transforms=_smem_transforms(dy_tile[-1], dtype)),
-      o_smem=plgpu.SMEM((_NUM_COMPUTE_WGS, bk, epi_n), dtype, transforms=_smem_transforms(epi_n, dtype)),
+      x_smem=plgpu.SMEM(x_tile, dtype, transforms=smem_transforms(x_tile[-1], dtype)),
+      dy_smem=plgpu.SMEM(dy_tile, dtype, transforms=smem_transforms(dy_tile[-1], dtype)),
+      o_smem=plgpu.SMEM((_NUM_COMPUTE_WGS, bk, epi_n), dtype, transforms=smem_transforms(epi_n, dtype)),
       ready=plgpu.Barrier(num_arrivals=1 + group, num_barriers=stages),
       consumed=plgpu.Barrier(num_arrivals=_NUM_COMPUTE_WGS, num_barriers=stages),
       collective_axes="wg",
@@ -293,10 +294,10 @@ def _kernel(
             plgpu.barrier_wait(ready.at[slot])
             # A = xᵀ (bk, tm), B = dY (tm, bn): the K-major tiles as they are and the dY tile viewed
             # transposed, else the x tile viewed transposed.
-            a = x_smem.at[slot] if k_major else _transposed(x_smem.at[slot])
+            a = x_smem.at[slot] if k_major else transposed(x_smem.at[slot])
             for q in range(per_wg):
               b = dy_smem.at[slot, wg * per_wg + q]
-              plgpu.wgmma(acc_refs[q], a, _transposed(b) if k_major else b)
+              plgpu.wgmma(acc_refs[q], a, transposed(b) if k_major else b)
             plgpu.wgmma_wait(0)
             plgpu.barrier_arrive(consumed.at[slot])
             return g + 1
@@ -365,15 +366,8 @@ def sampled_dw(
       num_ctas=num_ctas,
       k_major=k_major,
   )
-  params = {"interpret": _interpret_params("zero")} if interpret else {}
-  out = plgpu.kernel(
-      kernel,
-      out_type=_utils.result_struct(w.data.shape, w.dtype, x2, dy2, w),
-      grid=(num_ctas,),
-      grid_names=("cta",),
-      num_threads=_NUM_COMPUTE_WGS + 1,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-      **params,
-  )(num_items, rows, blocks, cols, x2, dy2)
+  params = {"interpret": interpret_params("zero")} if interpret else {}
+  out_type = _utils.result_struct(w.data.shape, w.dtype, x2, dy2, w)
+  out = launch(kernel, (num_items, rows, blocks, cols, x2, dy2), out_type, num_ctas, params,
+               num_threads=_NUM_COMPUTE_WGS + 1)
   return _utils.vary(out, _utils.varying_axes(x2, dy2, w))  # plgpu.kernel (jax 0.11) drops the type's varying axes
