@@ -54,6 +54,12 @@ NATIVE_CASES = {
     # The few-rows forward with one row (its scalar loop), and a bad last entry in the last of several work items.
     "csr_few_rows_forward_one_row_col_index_past_n": "col_indices has entries outside",
     "csr_few_rows_forward_last_item_col_index_negative": "col_indices has entries outside",
+    # The dense route's conversions check each work item's rows (128 a item) as they go: bad entries in the first
+    # and the last of three items.
+    "csr_to_dense_row_offsets_negative_last_item": "row_offsets is not an offset array",
+    "csr_to_dense_col_index_past_n_last_item": "col_indices has entries outside",
+    "csr_take_row_offsets_past_nnz_first_item": "row_offsets is not an offset array",
+    "csr_take_col_index_negative_first_item": "col_indices has entries outside",
     "valid_shapes_sweep": None,  # every kernel on edge shapes against NumPy (under ASan: no stray access)
 }
 # In the fast set: a case of each kernel, and the CSR forward's transpose order. The others, the sweep the longest
@@ -63,6 +69,7 @@ FAST_NATIVE_CASES = {
     "csr_forward_order_past_nnz", "csr_backward_col_index_past_n", "block_forward_row_index_past_grid",
     "block_backward_row_offsets_past_nnz", "csr_few_rows_forward_col_index_negative",
     "csr_few_rows_forward_one_row_col_index_past_n", "csr_few_rows_forward_last_item_col_index_negative",
+    "csr_to_dense_row_offsets_negative_last_item", "csr_take_col_index_negative_first_item",
 }
 
 _NATIVE_CHILD = """
@@ -130,6 +137,8 @@ def sweep():
     dx, dd = _kernels.csr_backward(x, c.data, c.row_offsets, c.col_indices, dy)
     err = max(err, np.abs(np.asarray(y) - x @ wm).max(), np.abs(np.asarray(dx) - dy @ wm.T).max(),
               np.abs(np.asarray(dd) - (x.T @ dy)[mask]).max(initial=0))
+    err = max(err, np.abs(np.asarray(_kernels.csr_to_dense(c.data, c.row_offsets, c.col_indices, n)) - wm).max(),
+              np.abs(np.asarray(_kernels.csr_take(w, c.row_offsets, c.col_indices)) - w[mask]).max(initial=0))
   for b, kb, nb, bs in [(1, 1, 1, 8), (5, 3, 2, 8), (70, 2, 3, 16), (3, 4, 4, 8)]:
     k, n = kb * bs, nb * bs
     x, dy = f32(b, k), f32(b, n)
@@ -159,6 +168,22 @@ def few_rows_spoiled(case):
   x = f32(1 if one else 2, k)
   return finish(_kernels.csr_few_rows_forward(x, np.asarray(w.data), np.asarray(w.row_offsets), cols, n))
 
+def conversion_spoiled(case):
+  k, n = 300, 40  # three work items of 128 rows
+  w = CSRMatrix.from_dense(f32(k, n), mask=rng.random((k, n)) < 0.5)
+  offsets, cols = np.array(w.row_offsets), np.array(w.col_indices)
+  if case == "csr_to_dense_row_offsets_negative_last_item":
+    offsets[290] = -7
+  elif case == "csr_to_dense_col_index_past_n_last_item":
+    cols[-1] = n
+  elif case == "csr_take_row_offsets_past_nnz_first_item":
+    offsets[3] = w.nnz + 10
+  elif case == "csr_take_col_index_negative_first_item":
+    cols[0] = -1
+  if case.startswith("csr_to_dense_"):
+    return finish(_kernels.csr_to_dense(np.asarray(w.data), offsets, cols, n))
+  return finish(_kernels.csr_take(f32(k, n), offsets, cols))
+
 def run(case):
   if case.startswith("masked_"):
     return masked("backward" in case)
@@ -166,6 +191,8 @@ def run(case):
     return sweep()
   if case.startswith(("csr_few_rows_forward_one_row", "csr_few_rows_forward_last_item")):
     return few_rows_spoiled(case)
+  if case.startswith(("csr_to_dense_", "csr_take_")):
+    return conversion_spoiled(case)
   x = f32(4, 16)
   if case.startswith("csr_"):
     w = csr_parts()
