@@ -1092,6 +1092,71 @@ def test_linen_dense_general_exports_as_the_torch_linear_on_its_2d_view():
     torch_interop.export_state_dict(bad)
 
 
+@pytest.mark.parametrize("how", ["no rule", "routed dense", "compressed", "attention"])
+def test_linen_dense_general_left_dense_by_sparsify_exports_as_a_linear(how):
+  """An nn.DenseGeneral that sparsify_linen left dense (no rule matched it, or route_slower_to_dense_linen routed it
+  back; the out projection of nn.MultiHeadDotProductAttention with only q / k / v sparse) has a kernel of ndim 3 and a
+  1-D bias: export_state_dict(module=the SparsifiedLinen) wrote it as a conv's reversed 3-D weight, with no warning
+  (the plan held only the sparse layers). The SparsifiedLinen now knows the dense layers the example inputs called."""
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      h = nn.relu(nn.DenseGeneral((4, 8), name="up")(x))  # kernel (16, 4, 8), bias (4, 8)
+      return nn.DenseGeneral(16, axis=(-2, -1), name="down")(h)  # kernel (4, 8, 16), bias (16,)
+
+  x = jax.random.normal(jax.random.key(0), (3, 16))
+  if how == "attention":
+    model = nn.MultiHeadDotProductAttention(4, qkv_features=16)
+    x = jax.random.normal(jax.random.key(0), (2, 5, 16))
+    rules = {r"query|key|value": jaxsparse.Unstructured(0.5)}
+  else:
+    model = Net()
+    rules = {"up": jaxsparse.NM(2, 4) if how == "compressed" else jaxsparse.Unstructured(0.5),
+             "down": None if how in ("no rule", "compressed") else jaxsparse.Unstructured(0.5)}
+  variables = model.init(jax.random.key(1), x)
+  sparse, sparse_vars, _ = jaxsparse.sparsify_linen(model, variables, rules, x)
+  if how == "routed dense":
+    timer = lambda module, v, xx: 1.0 if type(module) is nn.DenseGeneral else 2.0  # noqa: E731  dense faster
+    sparse, sparse_vars, _ = jaxsparse.route_slower_to_dense_linen(sparse, sparse_vars, 8, timer=timer)
+    assert not sparse.layers
+  elif how == "compressed":
+    sparse, sparse_vars = jaxsparse.compress_linen(sparse, sparse_vars)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # nothing is read by its shape alone: the module says what each layer is
+    state = torch_interop.export_state_dict(sparse_vars, module=sparse)
+  # The torch export of the dense model (module= with example inputs) writes the same shapes.
+  _, dense_vars = jaxsparse.densify_linen(sparse, sparse_vars)
+  want = torch_interop.export_state_dict(dense_vars, x, module=model)
+  assert {k: tuple(v.shape) for k, v in state.items()} == {k: tuple(v.shape) for k, v in want.items()}
+  out = "out." if how == "attention" else "down."
+  assert all(v.ndim <= 2 for v in state.values()) and tuple(state[out + "weight"].shape) == (16, 16 if how ==
+                                                                                               "attention" else 32)
+  if how != "attention":
+    torch_net = torch.nn.ModuleDict({"up": torch.nn.Linear(16, 32), "down": torch.nn.Linear(32, 16)})
+    torch_net.load_state_dict(state)
+    with torch.no_grad():
+      h = torch.relu(torch_net["up"](torch.from_numpy(np.array(x))))
+      y = torch_net["down"](h).numpy()
+    np.testing.assert_allclose(y, np.asarray(sparse.apply(sparse_vars, x)), atol=1e-5, rtol=1e-5)
+  else:
+    np.testing.assert_allclose(state[out + "weight"].numpy(),
+                               np.asarray(dense_vars["params"]["out"]["kernel"]).reshape(16, 16).T)
+
+
+def test_densify_linen_of_a_plain_module_names_the_argument():
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(8)(x)
+
+  model = Net()
+  variables = model.init(jax.random.key(0), jnp.ones((2, 4)))
+  with pytest.raises(TypeError, match="sparse must be the SparsifiedLinen that jaxsparse.sparsify_linen returned, "
+                     "got Net"):
+    jaxsparse.densify_linen(model, variables)
+
+
 # -------------------------------------------------------------------------------------------------
 # Linen embeddings: told from Linear weights, fitted to a target, their masks kept.
 # -------------------------------------------------------------------------------------------------

@@ -116,10 +116,14 @@ class SparsifiedLinen:
   Attributes:
     module: the user's Linen module, unchanged.
     layers: ``{module path: plan}`` of the redirected layers.
+    dense_layers: ``{module path: unbound module}`` of the ``nn.Dense`` / ``nn.DenseGeneral`` / ``nn.Conv`` /
+      ``nn.Embed`` layers the example inputs called that run as they are (no rule, or routed back to dense), for
+      the torch export (an ``nn.DenseGeneral``'s kernel of ndim >= 3 does not say its contracted axes).
   """
 
   module: nn.Module
   layers: Mapping[tuple, _LinenLayer]
+  dense_layers: Mapping[tuple, nn.Module] = dataclasses.field(default_factory=dict)
 
   def _intercept(self, next_fun, args, kwargs, context):
     method = context.method_name
@@ -489,7 +493,8 @@ def sparsify_linen(
   warn_unmatched(resolved, dense_paths + [".".join(p) for p, _ in embeds],
                  what="nn.Dense / nn.DenseGeneral / nn.Conv / nn.Embed (a rule naming it)", shadowed=True)
   changes.sort(key=lambda c: c.path)
-  sparse = SparsifiedLinen(module, layers)
+  dense_layers = {path: f.module for path, f in {**found, **called_embeds}.items() if path not in layers}
+  sparse = SparsifiedLinen(module, layers, dense_layers)
   if sparse_linen.SPARSITY in new_vars:  # patterns the model's nn.vmap / nn.scan must carry to the layers
     _check_patterns_reach(sparse, new_vars, example_input, kwargs)
   return sparse, new_vars, SparsifyReport(tuple(changes))
@@ -621,11 +626,15 @@ def densify_linen(sparse: SparsifiedLinen, variables: Mapping) -> tuple[nn.Modul
     variables: its variables (``params`` and the ``"sparsity"`` collection), e.g. after training; not modified.
 
   Raises:
-    TypeError: naming the layer's path, a mask in ``"sparsity"`` that is not boolean.
+    TypeError: ``sparse`` is not a ``SparsifiedLinen``; naming the layer's path, a mask in ``"sparsity"`` that is
+      not boolean.
 
   Returns:
     ``(module, variables)``: ``sparse.module``, the original Linen module, and a new dict of dense variables
     for it, the kernels with their own shapes and dtypes and zeros where pruned; the ``"sparsity"`` collection
     is dropped once empty.
   """
+  if not isinstance(sparse, SparsifiedLinen):
+    raise TypeError(f"sparse must be the SparsifiedLinen that jaxsparse.sparsify_linen returned, got "
+                    f"{type(sparse).__name__}.")
   return sparse.module, densify_layers(variables, sparse.layers)

@@ -103,4 +103,4 @@ def compress_linen(
   for path, layer_vars in compressed:
     _nested_set(new_vars["params"], path, layer_vars["params"])
     _nested_set(new_vars.setdefault(sparse_linen.SPARSITY, {}), path, layer_vars[sparse_linen.SPARSITY])
-  return SparsifiedLinen(sparse.module, layers), new_vars
+  return SparsifiedLinen(sparse.module, layers, sparse.dense_layers), new_vars

@@ -563,7 +563,8 @@ def route_slower_to_dense_linen(
   def routed_as(dense: frozenset[int]) -> tuple[SparsifiedLinen, dict]:
     routed = {p: sparse.layers[p] for i in dense for p in members[i]}
     kept = {p: layer for p, layer in sparse.layers.items() if p not in routed}
-    return SparsifiedLinen(sparse.module, kept), densify_layers(variables, routed)
+    dense_layers = {**sparse.dense_layers, **{p: layer.module for p, layer in routed.items()}}
+    return SparsifiedLinen(sparse.module, kept, dense_layers), densify_layers(variables, routed)
 
   dense = frozenset(i for i, t in enumerate(timings) if t.dense)
   if step_timer is not None:

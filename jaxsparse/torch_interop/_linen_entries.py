@@ -21,7 +21,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsparse._sparsify._linen import SparsifiedLinen
 from jaxsparse._utils import warn_at_caller
 from jaxsparse.formats._block_sparse import INDEX_FIELDS
 from jaxsparse.formats._block_sparse import BlockSparseMatrix
@@ -177,8 +176,7 @@ def linen_entries(variables: Mapping, module: Any, inputs: tuple, caller: str) -
       # checked as the forward pass and densify_linen check it (0.5 or 2 would scale the kept weights in nn.Conv)
       sp = {**sp, "mask": as_array(pattern_mask(sp["mask"], np.shape(leaves["kernel"]), path=fp))}
     in_ndim = _dense_general_in_ndim(fp, leaves, sp, layers.get(fp))
-    unknown = module is None or (not isinstance(module, SparsifiedLinen) and fp not in layers)
-    if unknown and "kernel" in leaves and in_ndim is None and not _read_alone(leaves["kernel"], sp):
+    if fp not in layers and "kernel" in leaves and in_ndim is None and not _read_alone(leaves["kernel"], sp):
       by_shape.append(fp or "(the variables)")
     if in_ndim is not None:  # an nn.DenseGeneral: the torch Linear on the 2-D view of its kernel and bias
       kernel = as_array(leaves["kernel"])

@@ -57,8 +57,13 @@ class LinenLayer:
 
 
 def _sparsified_layers(module: Any) -> dict[str, LinenLayer]:
-  """The layers of a ``SparsifiedLinen``'s plan, by dotted path."""
+  """The layers of a ``SparsifiedLinen``: those of its plan, and those it runs as they are (an ``nn.DenseGeneral``'s
+  kernel of ndim >= 3 would read as a conv's), by dotted path."""
   out = {}
+  for path, m in module.dense_layers.items():
+    layer = _layer_of(m)
+    if layer is not None:
+      out[".".join(str(p) for p in path)] = layer
   for path, plan in module.layers.items():
     conv = plan.kind == "conv"
     # The axes of one layer's stored kernel (table); a stack's (sparsify_linen of an nn.scan over layers) has more.
