@@ -1117,7 +1117,7 @@ def test_linen_dense_general_left_dense_by_sparsify_exports_as_a_linear(how):
   variables = model.init(jax.random.key(1), x)
   sparse, sparse_vars, _ = jaxsparse.sparsify_linen(model, variables, rules, x)
   if how == "routed dense":
-    timer = lambda module, v, xx: 1.0 if type(module) is nn.DenseGeneral else 2.0  # noqa: E731  dense faster
+    timer = lambda module, v, xx: 1.0 if type(module) is nn.DenseGeneral else 2.0  # dense faster
     sparse, sparse_vars, _ = jaxsparse.route_slower_to_dense_linen(sparse, sparse_vars, 8, timer=timer)
     assert not sparse.layers
   elif how == "compressed":
@@ -1152,8 +1152,8 @@ def test_densify_linen_of_a_plain_module_names_the_argument():
 
   model = Net()
   variables = model.init(jax.random.key(0), jnp.ones((2, 4)))
-  with pytest.raises(TypeError, match="sparse must be the SparsifiedLinen that jaxsparse.sparsify_linen returned, "
-                     "got Net"):
+  with pytest.raises(TypeError, match=r"sparse must be the SparsifiedLinen that jaxsparse\.sparsify_linen "
+                     r"returned, got Net"):
     jaxsparse.densify_linen(model, variables)
 
 

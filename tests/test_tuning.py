@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import re
 import subprocess
@@ -224,6 +225,27 @@ def test_cached_decisions_with_a_malformed_candidate_list_are_remeasured(monkeyp
   with _tuning.autotune_mode("tune"):
     assert _choose(_candidates([])).name == "default"
   assert measured == [1]
+
+
+@pytest.mark.parametrize("bad", [10**400, -(10**400), float("nan"), float("inf"), True, "1.0"])
+def test_cached_times_that_are_no_finite_number_are_left_out(monkeypatch, bad):
+  """A cache entry (a file other processes and machines write, imported with import_tuning_cache) whose recorded
+  times are JSON integers too large for a float made every product of its signature raise OverflowError."""
+  monkeypatch.setattr(_measure, "_WARNED", set())
+  key = _measure.signature_key("op", "fwd", "cpu", rows=4)
+  _cache.record(key, {"choice": "a", "candidates": ["a", "default"], "times_us": {"a": bad, "default": 5.0},
+                      "dense_us": bad})
+  assert _measure._recorded_us(_cache.lookup(key)) == {"default": 5.0}
+  monkeypatch.setattr(_measure, "_measure", lambda *a: pytest.fail("cached mode measures nothing"))
+  with _tuning.autotune_mode("cached"), warnings.catch_warnings(record=True) as rec:
+    warnings.simplefilter("always")
+    assert _dense_choose(_candidates([])).name == "a"
+  assert not _slower_warnings(rec)  # no dense time to compare with
+  # Tuning measures what the entry does not say (a's time) and records finite times.
+  monkeypatch.setattr(_measure, "_measure", lambda *a: {"default": 1.0, "a": 2.0, _measure.DENSE: 1.5})
+  with _tuning.autotune_mode("tune"):
+    assert _dense_choose(_candidates([])).name in ("a", "default")
+  assert all(math.isfinite(v) for v in _measure._recorded_us(_cache.lookup(key)).values())
 
 
 @pytest.mark.parametrize(("times", "winner"), [

@@ -456,10 +456,10 @@ def _warn_if_slower(key: str, op: str, direction: str, entry: dict, choice: str,
   each include per-call work on the weight (a re-tiled or transposed copy of the blocks) that a train step does once
   for all its products, so they overstate what the step loses (on an H200, two layers whose three products summed to
   1.05x and 1.15x the dense layer's trained at 0.93x and 0.99x of its step)."""
-  dense_us, chosen_us = entry.get("dense_us"), _recorded_us(entry).get(choice)
+  dense_us, chosen_us = _us(entry.get("dense_us")), _recorded_us(entry).get(choice)
   if dense is None or direction in ("dx", "dw") or key in _WARNED or chosen_us is None:
     return
-  if not (isinstance(dense_us, (int, float)) and dense_us > 0 and chosen_us > dense_us * (1 + MARGIN)):
+  if not (dense_us is not None and dense_us > 0 and chosen_us > dense_us * (1 + MARGIN)):
     return
   _WARNED.add(key)
   what, advice = f"{op} {direction}", "train such layers dense, or less dense, where time matters more"
@@ -478,12 +478,25 @@ def wait_for_background_compiles(timeout: float | None = None) -> bool:
   return not running
 
 
+def _us(value: Any) -> float | None:
+  """A time read from a cache entry (a file other processes and machines write) as a finite float; ``None`` for
+  anything else: a string, a bool, NaN, infinity, or an integer too large for a float (JSON's integers are not
+  bounded)."""
+  if isinstance(value, bool) or not isinstance(value, (int, float)):
+    return None
+  try:
+    value = float(value)
+  except OverflowError:
+    return None
+  return value if math.isfinite(value) else None
+
+
 def _recorded_us(entry: dict | None) -> dict[str, float]:
   """A cached decision's recorded times (µs) by candidate name; malformed ones left out."""
   times = entry.get("times_us") if entry is not None else None
   if not isinstance(times, dict):
     return {}
-  return {k: float(v) for k, v in times.items() if isinstance(k, str) and isinstance(v, (int, float))}
+  return {k: us for k, v in times.items() if isinstance(k, str) and (us := _us(v)) is not None}
 
 
 def _timed(entry: dict) -> set[str]:
@@ -587,8 +600,8 @@ def choose(
     entry["unfinished"] = unfinished
   if dense_ms is not None:
     entry["dense_us"] = round(dense_ms * 1e3, 2)
-  elif hit is not None and "dense_us" in hit:
-    entry["dense_us"] = hit["dense_us"]
+  elif hit is not None and _us(hit.get("dense_us")) is not None:
+    entry["dense_us"] = _us(hit["dense_us"])
   entry["tuning_s"] = round(time.perf_counter() - t0, 3)
   _cache.record(key, entry)
   logger.info("autotune %s %s %s: %s", op, direction, fields, entry)
