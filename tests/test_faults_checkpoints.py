@@ -417,3 +417,39 @@ def test_bool_mask_bytes_other_than_one_mean_kept(tmp_path):
   np.testing.assert_allclose(np.asarray(model(x)), x @ np.where(kept, w, 0).T, atol=1e-5, rtol=1e-5)
   linen_mask = np.asarray(torch_interop.to_linen_variables(str(path))["sparsity"]["fc"]["mask"])
   np.testing.assert_array_equal(linen_mask.view(np.uint8), kept.T.astype(np.uint8))
+
+
+def test_a_write_failing_midway_leaves_nothing_and_an_error(tmp_path, monkeypatch, capsys):
+  """A disk that fills up while the variables are written: safetensors' own error (SafetensorError, no OSError)
+  escaped `jaxsparse convert` as a traceback, and orbax left its temporary directory behind."""
+  import orbax.checkpoint as ocp  # noqa: PLC0415
+  import safetensors.torch  # noqa: PLC0415
+
+  variables = {"params": {"fc": {"kernel": np.ones((4, 4), np.float32)}}}
+
+  class SafetensorError(Exception):  # as safetensors raises it: not an OSError
+    pass
+
+  def full_disk(tensors, filename, metadata=None):
+    with open(filename, "wb") as f:
+      f.write(b"\0" * 10)  # part of the file, then the disk is full
+    raise SafetensorError("Error while serializing: I/O error: No space left on device")
+
+  monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+  out = tmp_path / "out.safetensors"
+  with pytest.raises(CheckpointError, match=r"cannot write .*out\.safetensors: Error while serializing"):
+    torch_interop.save_flax_variables(variables, str(out))
+  assert os.listdir(tmp_path) == []
+
+  def orbax_full_disk(self, directory, *args, **kwargs):
+    os.makedirs(f"{directory}.orbax-checkpoint-tmp-1764700000")
+    with open(f"{directory}.orbax-checkpoint-tmp-1764700000/part", "wb") as f:
+      f.write(b"\0" * 10)
+    raise ValueError("RESOURCE_EXHAUSTED: No space left on device")
+
+  keep = tmp_path / "unrelated.orbax-checkpoint-tmp-1"  # another save's: left alone
+  keep.mkdir()
+  monkeypatch.setattr(ocp.StandardCheckpointer, "save", orbax_full_disk)
+  with pytest.raises(ValueError, match="No space left on device"):
+    torch_interop.save_flax_variables(variables, str(tmp_path / "ckpt"), format="orbax")
+  assert sorted(os.listdir(tmp_path)) == ["unrelated.orbax-checkpoint-tmp-1"]

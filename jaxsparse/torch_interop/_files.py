@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Mapping
 from typing import Any
 
@@ -111,16 +112,30 @@ def save_flax_variables(variables: Mapping, path: str | os.PathLike, *, format: 
     import_torch()
     tensors = {k: to_torch(np.ascontiguousarray(v), key=k).contiguous() for k, v in flat.items()}
     metadata = {"format": "jaxsparse-flax-variables", "separator": SEP}
-    atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+    try:
+      atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+    except OSError:
+      raise
+    except Exception as e:  # safetensors' own SafetensorError (a full disk, say): no partial file is left
+      raise CheckpointError(f"cannot write {path}: {e}") from e
     return path
   import orbax.checkpoint as ocp  # noqa: PLC0415 -- optional, only for orbax output
 
   if os.path.exists(path):
     raise CheckpointError(f"{path} already exists; orbax output goes to a new directory.")
-  # Orbax writes to a temporary directory and renames it when done: a failure leaves no checkpoint.
+  # Orbax writes to a temporary directory and renames it when done: a failure leaves no checkpoint, and the
+  # temporary directory it leaves (a full disk, say) is removed here.
+  before = set(os.listdir(directory))
   checkpointer = ocp.StandardCheckpointer()
-  checkpointer.save(os.path.abspath(path), _nested(flat, origin="variables"))
-  checkpointer.wait_until_finished()
+  try:
+    checkpointer.save(os.path.abspath(path), _nested(flat, origin="variables"))
+    checkpointer.wait_until_finished()
+  except BaseException:
+    stem = os.path.basename(os.path.abspath(path))
+    for name in set(os.listdir(directory)) - before:
+      if name == stem or name.startswith(stem + ".orbax-checkpoint-tmp"):
+        shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+    raise
   return path
 
 
