@@ -136,6 +136,40 @@ def _rebuilt(m, **change):
   return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(m), leaves)
 
 
+def _nm_unflatten(aux):
+  return jaxsparse.NMSparseMatrix.tree_unflatten(aux, (jnp.ones((4, 4)), jnp.zeros((1, 4), jnp.uint8)))
+
+
+@pytest.mark.parametrize(("build", "run", "message"), [
+    (lambda: _nm_unflatten(((8, 4), 2, 0, 0)),
+     "to_dense", r"m must be an int >= 2 \(the group size\), got m=0"),
+    (lambda: _nm_unflatten(((8, 4), 2, 0, 0)),
+     "nm_matmul", r"m must be an int >= 2"),
+    (lambda: _nm_unflatten(((8, 4), 2, 4, 5)),
+     "to_dense", r"axis=5 is out of range"),
+    (lambda: jaxsparse.BlockSparseMatrix.tree_unflatten(((16, 16), (0, 8)), jax.tree.leaves(
+        jaxsparse.BlockSparseMatrix.from_dense(np.ones((16, 16), np.float32), (8, 8)))),
+     "to_dense", r"BlockSparseMatrix\.block_shape must be 2 ints >= 1, got \(0, 8\)"),
+    (lambda: jaxsparse.BlockSparseMatrix.tree_unflatten(((16, 16), (0, 8)), jax.tree.leaves(
+        jaxsparse.BlockSparseMatrix.from_dense(np.ones((16, 16), np.float32), (8, 8)))),
+     "block_sparse_matmul", r"BlockSparseMatrix\.block_shape must be 2 ints >= 1"),
+    (lambda: jaxsparse.CSRMatrix.tree_unflatten(((4, 4, 4),), jax.tree.leaves(
+        jaxsparse.CSRMatrix.from_dense(np.eye(4, dtype=np.float32)))),
+     "sparse_matmul", r"CSRMatrix\.shape must be 2 ints, got \(4, 4, 4\)"),
+])
+def test_static_fields_of_a_hand_built_matrix_are_checked_with_a_named_error(build, run, message):
+  """A matrix from tree_unflatten with hand-built aux data skips the constructor: its static fields gave bare
+  ZeroDivisionError / IndexError / unpacking errors naming no field."""
+  w = build()
+  ops = {"nm_matmul": jaxsparse.ops.nm_matmul, "block_sparse_matmul": jaxsparse.ops.block_sparse_matmul,
+         "sparse_matmul": jaxsparse.ops.sparse_matmul}
+  with pytest.raises(ValueError, match=message):
+    if run == "to_dense":
+      w.to_dense()
+    else:
+      ops[run](jnp.ones((2, w.shape[0] if len(w.shape) == 2 else 4)), w)
+
+
 _W9 = jaxsparse.BlockSparseMatrix.from_dense(np.ones((16, 24), np.float32), (8, 8),
                                              block_mask=np.array([[1, 0, 1], [0, 1, 1]], bool))
 _C9 = jaxsparse.CSRMatrix.from_dense(np.eye(16, 24, dtype=np.float32))

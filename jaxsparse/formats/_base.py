@@ -211,6 +211,8 @@ class IndexedSparseMatrix:
     kernels, whose errors cannot name the field.
     """
     name = type(self).__name__
+    for f in self.STATIC_FIELDS:  # a matrix from tree_unflatten (hand-built aux data) skipped the constructor's check
+      _utils.check_dims(getattr(self, f), name=f"{name}.{f}", ndim=2, minimum=0 if f == "shape" else 1)
     data = self.data
     if getattr(data, "ndim", 0) < 1:
       raise ValueError(f"{name}.data must be an array with a leading nnz axis, got {type(data).__name__}.")

@@ -285,6 +285,7 @@ class BlockSparseMatrix(IndexedSparseMatrix):
       A ``(K, N)`` array of ``data``'s dtype; all NaN (float ``data``) when the index arrays are invalid, as only a
       matrix built under ``jit`` or rebuilt without the constructor can be (see the class docstring).
     """
+    self._check_static()
     dense = self._scatter(self.grid_shape, self.data).transpose(0, 2, 1, 3).reshape(self.shape)
     return self._nan_unless_valid(dense)  # a scatter drops (or wraps) bad indices: no silent zeros
 

@@ -243,7 +243,11 @@ class NMSparseMatrix:
     the constructor, and positions cast to another dtype (``tree.map(lambda a: a.astype(jnp.bfloat16), params)``)
     or re-shaped would otherwise be read silently wrong.
     """
-    shape, n, m, axis = self.shape, self.n, self.m, self.axis
+    # The constructor's checks of the static fields: a matrix from tree_unflatten (hand-built aux data) skipped them.
+    n, m = check_nm(self.n, self.m)
+    shape = _utils.check_dims(self.shape, name=f"{prefix}shape")
+    axis = check_axis(self.axis, len(shape))
+    check_groups(shape, axis, m, name=f"{prefix}shape")
     dtype, per_word = index_layout(n, m, self.groups)
     want_v = (*shape[:axis], self.groups * n, *shape[axis + 1:])
     want_i = (*shape[:axis], self.groups // per_word, *shape[axis + 1:])
