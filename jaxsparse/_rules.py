@@ -239,6 +239,38 @@ def _is_variable(x: Any) -> bool:
   return isinstance(x, nnx.Variable)
 
 
+def check_distinct_paths(keypaths: Sequence[Sequence[Any]], *, what: str) -> None:
+  """Raises a ``ValueError`` where two key paths of ``what`` give one dotted name (:func:`path_str`): a dict key that
+  holds a ``"."`` (``{"a.b": ...}`` beside ``{"a": {"b": ...}}``). Rules, masks and reports name parameters by that
+  name, so the two would share one mask."""
+  seen: dict[str, Sequence[Any]] = {}
+  for kp in keypaths:
+    name = path_str(kp)
+    other = seen.setdefault(name, kp)
+    if other is not kp and tuple(other) != tuple(kp):
+      parts = lambda p: "(" + ", ".join(repr(_key_part(k)) for k in p) + ")"
+      raise ValueError(
+          f"{what}: two entries have the dotted name {name!r}: {parts(other)} and {parts(kp)}. jaxsparse names "
+          "parameters, rules and masks by that name, so they would share one mask; rename the dict key that holds "
+          "a '.'."
+      )
+
+
+def _key_part(k: Any) -> Any:
+  """One part of a key path as the user wrote it: a dict key, an attribute name, a sequence index."""
+  for attr in ("key", "name", "idx"):
+    if hasattr(k, attr):
+      return getattr(k, attr)
+  return k
+
+
+def check_distinct_tree_paths(tree: Any, *, what: str) -> None:
+  """:func:`check_distinct_paths` over the leaves of ``tree`` (NNX variables as leaves): a model's state or a
+  Linen variables dict."""
+  pairs = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_variable)[0]
+  check_distinct_paths([kp for kp, _ in pairs], what=what)
+
+
 def flatten_with_paths(tree: Any) -> tuple[list[str], list[Any], Any]:
   """Flattens ``tree`` treating NNX variables as leaves (their values unwrapped).
 
@@ -247,6 +279,7 @@ def flatten_with_paths(tree: Any) -> tuple[list[str], list[Any], Any]:
     arrays in place of variables, the structure ``nnx.Optimizer`` hands to ``tx.update``.
   """
   pairs, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_variable)
+  check_distinct_paths([kp for kp, _ in pairs], what="the parameters")
   paths = [path_str(kp) for kp, _ in pairs]
   leaves = [v.get_value() if _is_variable(v) else v for _, v in pairs]
   return paths, leaves, treedef
@@ -364,6 +397,7 @@ def masks_to_dict(masks: Any) -> dict[str, np.ndarray]:
       ``nnx.eval_shape``) or an abstract one (a ``jax.ShapeDtypeStruct``).
   """
   pairs = jax.tree_util.tree_flatten_with_path(unwrap_variables(masks))[0]
+  check_distinct_paths([kp for kp, _ in pairs], what="masks")
   for kp, m in pairs:
     if not is_concrete(m):
       what = ("abstract (ShapeDtypeStruct: no values)" if isinstance(m, jax.ShapeDtypeStruct)

@@ -1295,3 +1295,47 @@ def test_pruner_refuses_different_rules_for_a_tied_layer_as_sparsify_does():
   with pytest.warns(UserWarning, match=r"rule\(s\) \['b'\] matched no parameter .*if it names another path of a "
                     r"layer held at several paths \(tied\).*pruning\.magnitude_masks\(model, rules\)"):
     pruning.magnitude_masks(nnx.state(_Tied(), nnx.Param), rules)
+
+
+class _DottedKeys(nnx.Module):
+  """Two layers whose paths render one dotted name: ``d["a.b"]`` and ``d["a"]["b"]``."""
+
+  def __init__(self):
+    self.d = nnx.Dict({"a.b": nnx.Linear(8, 8, rngs=nnx.Rngs(0)),
+                       "a": nnx.Dict({"b": nnx.Linear(8, 8, rngs=nnx.Rngs(1))})})
+
+  def __call__(self, x):
+    return self.d["a"]["b"](self.d["a.b"](x))
+
+
+@pytest.mark.parametrize("entry", ["calibrated_prune", "magnitude_masks", "sparsify", "masks_to_dict",
+                                   "sparsify_linen"])
+def test_two_parameters_with_one_dotted_name_are_refused(entry):
+  """A dict key holding a '.' beside a nested dict gave two layers one dotted name: calibrated_prune returned one mask
+  for both and sparsify put the second layer's mask on the first (wrong outputs, no error)."""
+  x = jax.random.normal(jax.random.key(0), (2, 8))
+  model = _DottedKeys()
+  spec = jaxsparse.Unstructured(0.5)
+  names = r"(d\.a\.b\.(kernel|bias)|a\.b\.kernel|params\.a\.kernel)"
+  with pytest.raises(ValueError, match=f"two entries have the dotted name '{names}'"):
+    if entry == "calibrated_prune":
+      pruning.calibrated_prune(model, spec, [x], method="magnitude", progress=False)
+    elif entry == "magnitude_masks":
+      pruning.magnitude_masks(model, spec)
+    elif entry == "sparsify":
+      jaxsparse.sparsify(model, spec)
+    elif entry == "masks_to_dict":
+      pruning.masks_to_dict({"a.b": {"kernel": np.ones((2, 2), bool)}, "a": {"b": {"kernel": np.ones((2, 2), bool)}}})
+    else:
+      class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+          return nn.Dense(8, name="a")(x)
+
+      variables = {"params": {"a": {"kernel": jnp.ones((8, 8)), "bias": jnp.zeros(8)},
+                              "a.kernel": jnp.ones((8, 8))}}
+      jaxsparse.sparsify_linen(Net(), variables, spec, x)
+  # Dotted keys that do not collide are names like any other.
+  single = nnx.Dict({"a.b": nnx.Linear(8, 8, rngs=nnx.Rngs(0))})
+  sparse, _ = jaxsparse.sparsify(single, spec)
+  assert type(sparse["a.b"]).__name__ == "MaskedLinear"

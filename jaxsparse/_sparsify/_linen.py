@@ -49,6 +49,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 
+from jaxsparse._rules import check_distinct_tree_paths
 from jaxsparse._rules import check_unsupported
 from jaxsparse._rules import dense_general_dims
 from jaxsparse._rules import embedding_rule
@@ -412,6 +413,7 @@ def sparsify_linen(
 
     abstract = jax.eval_shape(build, variables)
     return out[0][0], abstract, out[0][1]
+  check_distinct_tree_paths(variables, what="variables")
   kwargs = dict(apply_kwargs or {})
   called: dict[str, type] = {}
   found = _linen_layers(module, variables, example_input, kwargs, called)

@@ -33,6 +33,7 @@ from flax import nnx
 
 from jaxsparse import _utils
 from jaxsparse._rules import Probe
+from jaxsparse._rules import check_distinct_tree_paths
 from jaxsparse._rules import embedding_rule
 from jaxsparse._rules import linear_general_unsupported
 from jaxsparse._rules import match_rules
@@ -465,6 +466,7 @@ def sparsify(
   """
   if not isinstance(model, nnx.Module):
     raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}; for Linen use sparsify_linen.")
+  check_distinct_tree_paths(nnx.state(model), what="model")
   resolved = resolve_rules(rules)
   abstract = is_abstract(model)
   mode = check_speed_mode(check_speed, example_input, abstract=abstract and "this model is abstract (nnx.eval_shape)")

@@ -48,6 +48,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from jaxsparse import _utils
+from jaxsparse._rules import check_distinct_tree_paths
 from jaxsparse._rules import get_module
 from jaxsparse.formats._specs import NM
 from jaxsparse.pruning._calibration import LINEN_LAYERS_AND_TABLES
@@ -375,6 +376,7 @@ def calibrated_prune(
       ``nnx.vmap`` over them).
   """
   method, refit_iterations = _check_options(method, damp, block_size, refit_iterations)
+  check_distinct_tree_paths(nnx.state(model), what="model")
   if batches is None and method != "magnitude":
     raise ValueError(f"method={method!r} needs calibration batches; got batches=None.")
   if batches is None and refit_iterations:
@@ -547,6 +549,7 @@ def calibrated_prune_linen(
       a list); a rule that is not a sparsity structure.
   """
   method, refit_iterations = _check_options(method, damp, block_size, refit_iterations)
+  check_distinct_tree_paths(variables, what="variables")
   if batches is None:
     raise ValueError("calibrated_prune_linen needs calibration batches (they also find the layer calls); "
                      "got batches=None.")
