@@ -341,6 +341,21 @@ def test_sparsify_of_an_abstract_model_is_the_abstract_sparse_model(kind, with_m
     assert all(d < 0.5 for d in densities.values())
 
 
+def test_compress_of_an_abstract_model_is_the_abstract_compressed_model():
+  """compress of an abstract N:M model raised "TypeError: 'ShapeDtypeStruct' object is not subscriptable" (to_compressed
+  reads the kernels): eval_shape -> sparsify -> compress -> orbax restore stopped at compress. It runs itself under
+  nnx.eval_shape there, as sparsify does."""
+  make = lambda: nnx.Sequential(nnx.Linear(32, 16, rngs=nnx.Rngs(0)), nnx.Linear(16, 8, rngs=nnx.Rngs(1)))
+  abstract, _ = jaxsparse.sparsify(nnx.eval_shape(make), jaxsparse.NM(2, 4))
+  small = jaxsparse.compress(abstract)
+  want = nnx.eval_shape(lambda: jaxsparse.compress(jaxsparse.sparsify(make(), jaxsparse.NM(2, 4))[0]))
+  assert [type(layer).__name__ for layer in small.layers] == ["CompressedNMLinear"] * 2
+  assert nnx.graphdef(small) == nnx.graphdef(want)
+  assert _state_shapes(small) == _state_shapes(want)
+  assert all(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(nnx.state(small)))
+  assert type(abstract.layers[0]).__name__ == "NMLinear"  # not changed
+
+
 def test_sparsify_of_an_abstract_model_names_check_speed():
   abstract = nnx.eval_shape(lambda: _AbstractNet(nnx.Rngs(0)))
   with pytest.raises(ValueError, match=r"check_speed='forward' times each layer on its weights, and this model is "

@@ -223,6 +223,10 @@ def compress(model: nnx.Module, *, storage: str = "values", cusparselt_copy: boo
     _utils.warn_at_caller(
         f"compress does not see inside flax.nnx.bridge.ToNNX: the Linen layers of {', '.join(bridged)} stay as they "
         "are. Compress the Linen module before wrapping it: jaxsparse.compress_linen(sparse, variables).", UserWarning)
+  if is_abstract(model):
+    # Abstract variables (nnx.eval_shape; to_compressed reads the kernels' values): the same conversion, traced for
+    # shapes only, as sparsify does for an abstract model.
+    return nnx.eval_shape(lambda m: compress(m, storage=storage, cusparselt_copy=cusparselt_copy, inplace=True), model)
   if not inplace:
     model = nnx.clone(model)
   # to_compressed carries the kernel's and bias's partitioning names over (the kept values keep the kernel's, the
