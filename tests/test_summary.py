@@ -505,3 +505,21 @@ def test_linen_tied_table_counts_its_attend():
   _attend_flops(row, V * D // 2)
   s = jaxsparse.summary(Outer(bridged))
   assert s.layers[0].forward_flops == 0 and s.notes[0].startswith("enc.embed: an embedding table's FLOPs")
+
+
+@pytest.mark.parametrize("make", [
+    lambda: layers.BlockSparseLinear(32, 16, density=0.5, block_shape=(8, 8), rngs=nnx.Rngs(0)),
+    lambda: layers.MaskedLinear(32, 16, sparsity=0.5, rngs=nnx.Rngs(0)),
+    lambda: layers.NMLinear(32, 16, rngs=nnx.Rngs(0)),
+    lambda: layers.NMLinear(32, 16, rngs=nnx.Rngs(0)).to_compressed(),
+], ids=["block", "masked", "nm", "compressed"])
+def test_nnx_tabulate_of_a_model_with_sparse_layers(make):
+  """nnx.tabulate of a model holding a BlockSparseLinear raised RecursionError (the layer iterated its nnx.Dict of
+  index arrays through the Mapping methods tabulate wraps), and the model's class kept tabulate's wrapper."""
+  layer = make()
+  model = nnx.Sequential(layer, jax.nn.relu)
+  x = jax.random.normal(jax.random.key(1), (2, 32))
+  want = np.asarray(model(x))
+  table = nnx.tabulate(model, x)
+  assert "Sequential Summary" in table and "Total Parameters" in table
+  np.testing.assert_array_equal(np.asarray(model(x)), want)  # the model still runs as before

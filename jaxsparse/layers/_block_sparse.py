@@ -49,6 +49,7 @@ from jaxsparse.layers._common import check_pattern
 from jaxsparse.layers._common import copy_bias
 from jaxsparse.layers._common import default_bias_init
 from jaxsparse.layers._common import dense_linear
+from jaxsparse.layers._common import dict_items
 from jaxsparse.layers._common import existing_shape
 from jaxsparse.layers._common import init_linear_attributes
 from jaxsparse.layers._common import map_boxed
@@ -276,7 +277,7 @@ class BlockSparseLinear(nnx.Module):
         inputs,
         self.kernel[...],
         bias_of(self),
-        {f: v[...] for f, v in self.pattern.items()},
+        {f: v[...] for f, v in dict_items(self.pattern)},
         shape=(self.in_features, self.out_features),
         block_shape=self.block_shape,
         dtype=self.dtype,
@@ -295,7 +296,7 @@ class BlockSparseLinear(nnx.Module):
     check_one_layer(self, what="sparse_kernel")
     return BlockSparseMatrix.from_index_arrays(
         self.kernel[...],
-        {f: v[...] for f, v in self.pattern.items()},
+        {f: v[...] for f, v in dict_items(self.pattern)},
         shape=(self.in_features, self.out_features),
         block_shape=self.block_shape,
     )
@@ -436,7 +437,7 @@ class BlockSparseLinear(nnx.Module):
     params = {"kernel": self.kernel[...]}
     if self.bias is not None:
       params["bias"] = self.bias[...]
-    return {"params": params, "sparsity": {f: v[...] for f, v in self.pattern.items()}}
+    return {"params": params, "sparsity": {f: v[...] for f, v in dict_items(self.pattern)}}
 
 
 class BlockSparseDense(nn.Module):

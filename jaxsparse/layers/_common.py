@@ -363,12 +363,20 @@ def check_one_layer(layer: nnx.Module, *, what: str, owner: nnx.Module | None = 
 _BUFFER_VARIABLES = ("CusparseLtWeight", "CusparseLtKernel")
 
 
+def dict_items(d: nnx.Dict) -> list[tuple[str, nnx.Variable]]:
+  """The variables of an ``nnx.Dict`` (a layer's ``pattern``) read from its attributes, not through its ``Mapping``
+  methods: ``nnx.tabulate`` wraps the methods of every module it summarises, and calling one inside a layer's
+  ``__call__`` recursed there (``RecursionError``, and the model's class kept the wrapper)."""
+  entries = [(k, v) for k, v in vars(d).items() if isinstance(v, nnx.Variable)]  # not the bookkeeping tabulate adds
+  return entries or [(k, v) for k, v in d.items() if isinstance(v, nnx.Variable)]  # entries kept elsewhere
+
+
 def _structure_variables(layer: nnx.Module, leaf_ndim: int):
   """``(name, variable, axes for one layer)`` of ``layer``'s non-trainable structure: its :class:`SparsityPattern`
   variables (block index arrays are 1-D, masks and packed positions have the kernel's axes) and the 1-D cuSPARSELt
   buffers of a ``CompressedNMLinear``."""
   for attr, value in vars(layer).items():
-    items = value.items() if isinstance(value, nnx.Dict) else [(None, value)]
+    items = dict_items(value) if isinstance(value, nnx.Dict) else [(None, value)]
     for key, var in items:
       name = attr if key is None else f"{attr}[{key!r}]"
       if isinstance(var, SparsityPattern):

@@ -19,6 +19,7 @@ from jaxsparse.formats._masks import replicated
 from jaxsparse.layers import BlockSparseLinear
 from jaxsparse.layers import SparsityPattern
 from jaxsparse.layers._block_sparse import BLOCK_VALUES
+from jaxsparse.layers._common import dict_items
 from jaxsparse.sharding._tensor_parallel import BatchAxes
 from jaxsparse.sharding._tensor_parallel import ShardedBlockSparseMatrix
 from jaxsparse.sharding._tensor_parallel import Split
@@ -132,7 +133,7 @@ class TensorParallelBlockSparseLinear(nnx.Module):
 
   def _state_shapes(self) -> dict[str, tuple[int, ...]]:
     shapes = {"kernel": tuple(self.kernel.shape), "source": tuple(self.source.shape)}
-    return shapes | {f"pattern.{f}": tuple(v.shape) for f, v in sorted(self.pattern.items())}
+    return shapes | {f"pattern.{f}": tuple(v.shape) for f, v in sorted(dict_items(self.pattern))}
 
   def _layout_shapes(self, shards: int, local_shape: tuple[int, int], per_shard: int) -> dict[str, tuple[int, ...]]:
     """The state's shapes for ``shards`` shards of ``local_shape`` with ``per_shard`` blocks each."""
@@ -170,7 +171,8 @@ class TensorParallelBlockSparseLinear(nnx.Module):
         number of shards (another layer's); a block count along the split that the axis size does not divide (as the
         constructor raises).
     """
-    arrays = {"kernel": self.kernel[...], "source": self.source[...], **{f: v[...] for f, v in self.pattern.items()}}
+    arrays = {"kernel": self.kernel[...], "source": self.source[...],
+              **{f: v[...] for f, v in dict_items(self.pattern)}}
     if not all(is_concrete(a) for a in arrays.values()):
       raise ValueError("resplit needs the layer's state to be concrete (it rebuilds the pattern on the host); call it "
                        "outside jit.")
@@ -227,7 +229,7 @@ class TensorParallelBlockSparseLinear(nnx.Module):
     """
     self._check_layout()
     shards = BlockSparseMatrix.from_index_arrays(
-        self.kernel[...], {f: v[...] for f, v in self.pattern.items()}, shape=self.local_shape,
+        self.kernel[...], {f: v[...] for f, v in dict_items(self.pattern)}, shape=self.local_shape,
         block_shape=self.block_shape, validate=False,  # stacked per-shard patterns
     )
     return ShardedBlockSparseMatrix(
