@@ -235,8 +235,9 @@ def check_contraction(x: jax.Array, k: int) -> None:
     raise ValueError(f"x must have shape (..., K) with K = w.shape[0] = {k}, got x.shape={x.shape}.")
 
 
-def check_activations(x: jax.typing.ArrayLike, k: int) -> jax.Array:
-  """``x`` as an array of shape ``(..., k)`` with a floating dtype (:func:`check_activation_dtype`)."""
+def check_activations(x: jax.typing.ArrayLike, k: int, *, complex_ok: bool = False) -> jax.Array:
+  """``x`` as an array of shape ``(..., k)`` with a floating dtype (or, with ``complex_ok``, a complex one;
+  :func:`check_activation_dtype`)."""
   x = as_array(x, name="x")
   check_contraction(x, k)
   if k == 0:
@@ -244,7 +245,7 @@ def check_activations(x: jax.typing.ArrayLike, k: int) -> jax.Array:
         f"the contraction is empty: w has K = w.shape[0] = 0 input features (x.shape={x.shape}). The sparse ops "
         "need K >= 1; an empty product is all zeros: jnp.zeros((*x.shape[:-1], w.shape[1]))."
     )
-  check_activation_dtype(x)
+  check_activation_dtype(x, complex_ok=complex_ok)
   return x
 
 

@@ -162,7 +162,7 @@ def masked_matmul(
   Array([[4., 8.]], dtype=float32)
 
   Args:
-    x: ``(..., K)`` activations, a floating dtype.
+    x: ``(..., K)`` activations, a floating or complex dtype (complex operands run on the XLA path).
     w: ``(K, N)`` dense weights (Flax kernel layout).
     mask: bool ``(K, N)``; pruned entries contribute nothing and receive no gradient.
     implementation: ``None`` uses the C++ kernels when the default backend is the CPU and the dtypes are float32,
@@ -181,8 +181,8 @@ def masked_matmul(
   Raises:
     ValueError: ``w`` is not 2-D; ``x`` is not ``(..., K)`` with ``K = w.shape[0]``, or ``K == 0``; ``mask`` is
       not of ``w``'s shape; an unknown ``implementation``; a ``precision`` ``lax.dot_general`` does not take.
-    TypeError: ``preferred_element_type`` is not a floating dtype or ``None``; ``x`` does not have a floating dtype
-      (as in the other sparse products: cast integer activations first); ``mask`` is not a boolean array;
+    TypeError: ``preferred_element_type`` is not a floating dtype or ``None``; ``x`` does not have a floating or
+      complex dtype (cast integer activations first); ``mask`` is not a boolean array;
       ``implementation="cpu"`` with dtypes other than float32, bfloat16 and float16, or a result wider than float32
       (``preferred_element_type=float64``: the kernels accumulate in float32; the default then runs the XLA path);
       float operands of two dtypes where one is an 8-bit float (``float8_e4m3fn``, ``float8_e5m2``)
@@ -196,7 +196,7 @@ def masked_matmul(
   x, w = _utils.as_array(x, name="x"), _utils.as_array(w, name="w")
   if w.ndim != 2:
     raise ValueError(f"w must be 2-D (K, N), got shape {w.shape}.")
-  x = _utils.check_activations(x, w.shape[0])
+  x = _utils.check_activations(x, w.shape[0], complex_ok=True)  # complex runs on the XLA path
   mask = check_mask(mask, w.shape)
   impl = check_cpu_implementation(implementation, op="masked_matmul")
   # Under explicit mesh axes: x's rows split, w and mask gathered, on every route (ops/_sharding.py).
