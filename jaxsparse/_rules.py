@@ -153,6 +153,18 @@ def embedding_rule(resolved: list[tuple[str, re.Pattern, Any]], path: str, layer
   return spec
 
 
+def embeddings_kept_dense(resolved: list[tuple[str, re.Pattern, Any]], paths: Sequence[str],
+                          layer_paths: Sequence[str]) -> list[str]:
+  """The embedding ``paths`` whose rule (as :func:`embedding_rule` picks it: one naming no layer of ``layer_paths``)
+  maps them to ``None``: matched, and kept dense, so that rule is no unmatched one for :func:`warn_unmatched`."""
+  out = []
+  for path in paths:
+    r = match_rules(resolved, path)
+    if r is not None and resolved[r][2] is None and not any(resolved[r][1].fullmatch(q) for q in layer_paths):
+      out.append(path)
+  return out
+
+
 def warn_unmatched(
     resolved: list[tuple[str, re.Pattern, Any]], available: Sequence[str], *, what: str, kind: str = "rule(s)",
     shadowed: bool = False,

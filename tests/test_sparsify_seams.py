@@ -722,3 +722,41 @@ def test_nnx_conversions_name_the_linen_layers_inside_bridge_to_nnx():
     jaxsparse.sparsify(nnx.Sequential(nnx.Linear(32, 32, rngs=nnx.Rngs(0)), plain), jaxsparse.NM(2, 4))
     jaxsparse.compress(plain)
     jaxsparse.densify(plain)
+
+
+@pytest.mark.parametrize("api", ["nnx", "linen"])
+def test_a_none_rule_naming_an_embedding_is_no_unmatched_rule(api):
+  """{"embed": None, ".*": NM(2, 4)} keeps the embedding dense, as documented, but warned that rule 'embed' matched
+  no layer. A rule naming nothing still warns."""
+
+  class NnxLM(nnx.Module):
+    def __init__(self):
+      self.embed = nnx.Embed(40, 32, rngs=nnx.Rngs(0))
+      self.fc = nnx.Linear(32, 32, rngs=nnx.Rngs(1))
+
+    def __call__(self, ids):
+      return self.fc(self.embed(ids))
+
+  class LinenLM(nn.Module):
+    @nn.compact
+    def __call__(self, ids):
+      return nn.Dense(32, name="fc")(nn.Embed(40, 32, name="embed")(ids))
+
+  ids = jnp.zeros((2, 3), jnp.int32)
+
+  def run(rules):
+    with warnings.catch_warnings(record=True) as rec:
+      warnings.simplefilter("always")
+      if api == "nnx":
+        sparse, _ = jaxsparse.sparsify(NnxLM(), rules)
+        kinds = type(sparse.embed).__name__, type(sparse.fc).__name__
+      else:
+        model = LinenLM()
+        sparse, variables, _ = jaxsparse.sparsify_linen(model, model.init(jax.random.key(0), ids), rules, ids)
+        kinds = ("Embed" if "embed" not in sparse.layers else "sparse", type(sparse.layers[("fc",)].module).__name__)
+    return kinds, [str(r.message) for r in rec if "matched no" in str(r.message)]
+
+  kinds, warned = run({"embed": None, ".*": jaxsparse.NM(2, 4)})
+  assert kinds[0] == "Embed" and not warned
+  _, warned = run({"nothing_here": None, "embed": None, ".*": jaxsparse.NM(2, 4)})
+  assert len(warned) == 1 and "'nothing_here'" in warned[0] and "'embed'" not in warned[0]

@@ -53,6 +53,7 @@ from jaxsparse._rules import check_distinct_tree_paths
 from jaxsparse._rules import check_unsupported
 from jaxsparse._rules import dense_general_dims
 from jaxsparse._rules import embedding_rule
+from jaxsparse._rules import embeddings_kept_dense
 from jaxsparse._rules import match_rules
 from jaxsparse._rules import resolve_rules
 from jaxsparse._rules import warn_unmatched
@@ -492,7 +493,8 @@ def sparsify_linen(
                                sparse_layer_name(layer, nnz=nnz),
                                density, nbytes(dense_params), nbytes(layer_vars), dense_ms, sparse_ms, note))
   changes += _unsupported_changes(params, resolved, set(dense_paths) | {".".join(p) for p in called_embeds}, called)
-  warn_unmatched(resolved, dense_paths + [".".join(p) for p, _ in embeds],
+  warn_unmatched(resolved, dense_paths + [".".join(p) for p, _ in embeds]
+                 + embeddings_kept_dense(resolved, [".".join(p) for p in called_embeds], dense_paths),
                  what="nn.Dense / nn.DenseGeneral / nn.Conv / nn.Embed (a rule naming it)", shadowed=True)
   changes.sort(key=lambda c: c.path)
   dense_layers = {path: f.module for path, f in {**found, **called_embeds}.items() if path not in layers}

@@ -35,6 +35,7 @@ from jaxsparse import _utils
 from jaxsparse._rules import Probe
 from jaxsparse._rules import check_distinct_tree_paths
 from jaxsparse._rules import embedding_rule
+from jaxsparse._rules import embeddings_kept_dense
 from jaxsparse._rules import linear_general_unsupported
 from jaxsparse._rules import match_rules
 from jaxsparse._rules import module_paths
@@ -504,7 +505,10 @@ def sparsify(
   holders = _variable_holders(model)
   for path, node, *_ in [*chosen, *embeds]:
     _check_not_shared(node, path, holders)
-  warn_unmatched(resolved, all_paths + [q for _, _, _, paths in embeds for q in paths],
+  table_paths = [path_str(q) for path, node in nnx.iter_modules(model) if isinstance(node, nnx.Embed)
+                 for q in paths_of.get(id(node), [path])]
+  warn_unmatched(resolved, all_paths + [q for _, _, _, paths in embeds for q in paths]
+                 + embeddings_kept_dense(resolved, table_paths, all_paths),
                  what="nnx.Linear / nnx.Conv / nnx.LinearGeneral / nnx.Embed (a rule naming it)", shadowed=True)
   bridged = bridged_linen(model, holds_dense_layers)
   if bridged:
