@@ -752,7 +752,7 @@ def test_a_none_rule_naming_an_embedding_is_no_unmatched_rule(api):
         kinds = type(sparse.embed).__name__, type(sparse.fc).__name__
       else:
         model = LinenLM()
-        sparse, variables, _ = jaxsparse.sparsify_linen(model, model.init(jax.random.key(0), ids), rules, ids)
+        sparse, _, _ = jaxsparse.sparsify_linen(model, model.init(jax.random.key(0), ids), rules, ids)
         kinds = ("Embed" if "embed" not in sparse.layers else "sparse", type(sparse.layers[("fc",)].module).__name__)
     return kinds, [str(r.message) for r in rec if "matched no" in str(r.message)]
 
