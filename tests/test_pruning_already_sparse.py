@@ -15,6 +15,7 @@ import warnings
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -189,3 +190,15 @@ def test_bad_layer_masks_are_named():
       RULES, layer_masks={"layers.9.kernel": np.ones((32, 32), bool)}))
   with pytest.warns(UserWarning, match=r"layer_masks names layers\.9\.kernel, which the parameters do not hold"):
     nnx.Optimizer(_model(), tx, wrt=nnx.Param)
+
+
+def test_exact_zeros_of_a_dense_bf16_layer_do_not_warn():
+  """A fresh bfloat16 nnx.Linear holds exact zeros (its initializer draws some); SET's random first masks keep a few
+  and wrap_optax warned of layers with masks of their own, which the model does not have: an nnx.Optimizer's params
+  mark those layers' kernels, so the zero heuristic is for bare params only."""
+  model = nnx.Linear(32, 64, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  assert int((model.kernel[...] == 0).sum()) > 0  # the case: zeros from the initializer
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    nnx.Optimizer(model, pruning.wrap_optax(optax.adam(1e-2), pruning.set_pruner(
+        jaxsparse.Unstructured(sparsity=0.5), update_every=2, end_step=8)), wrt=nnx.Param)

@@ -381,7 +381,11 @@ def wrap_optax(
     with stored_values_known(stored), own_masks_known(own_mask_paths(params)) as seen:
       masks = _split_like(jax.jit(lambda p, k: pruner.init(_gathered(p), k))(plain, init_key), plain)
     _refuse_stored(stored, masks)
-    warn_zeros_kept(masks, plain, skip=seen)
+    # An nnx.Optimizer's params mark the kernels of masked layers (above); exact zeros elsewhere are weights (a bf16
+    # initializer draws some). Bare params (Linen) tell nothing: their zeros kept are the mark of a layer's own mask.
+    is_variable = lambda v: isinstance(v, nnx.Variable)
+    if not any(is_variable(v) for v in jax.tree.leaves(params, is_leaf=is_variable)):
+      warn_zeros_kept(masks, plain, skip=seen)
     inner_state = inner.init(params)
     if reset_state:
       try:  # an inner state that reset cannot map fails here, with a way out, not inside the first update's trace
