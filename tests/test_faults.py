@@ -48,6 +48,12 @@ NATIVE_CASES = {
     "block_forward_order_negative": "transpose_order has entries outside",
     "block_backward_row_offsets_past_nnz": "row_offsets is not an offset array",
     "block_backward_col_index_past_grid": "col_indices has entries outside",
+    # Index arrays in range that describe another matrix than to_dense's (which is NaN for them): the kernels check
+    # that the arrays they read agree with the rest (a permutation, the same columns / rows, no block twice).
+    "block_forward_order_repeated": "transpose_order is not a permutation",
+    "block_forward_row_index_in_range_wrong": "does not list its blocks in increasing block rows",
+    "block_forward_col_index_disagrees": "transpose_order / col_offsets put block",
+    "block_backward_row_index_disagrees": "row_offsets put block",
     "csr_few_rows_forward_row_offsets_decreasing": "row_offsets is not an offset array",
     "csr_few_rows_forward_col_index_past_n": "col_indices has entries outside",
     "csr_few_rows_forward_col_index_negative": "col_indices has entries outside",
@@ -68,6 +74,7 @@ FAST_NATIVE_CASES = {
     "masked_forward_mask_bytes_255", "masked_backward_mask_bytes_255", "csr_forward_col_offsets_decreasing",
     "csr_forward_order_past_nnz", "csr_backward_col_index_past_n", "block_forward_row_index_past_grid",
     "block_backward_row_offsets_past_nnz", "csr_few_rows_forward_col_index_negative",
+    "block_forward_order_repeated", "block_backward_row_index_disagrees",
     "csr_few_rows_forward_one_row_col_index_past_n", "csr_few_rows_forward_last_item_col_index_negative",
     "csr_to_dense_row_offsets_negative_last_item", "csr_take_col_index_negative_first_item",
 }
@@ -145,8 +152,8 @@ def sweep():
     grid = rng.random((kb, nb)) < 0.5
     w = BlockSparseMatrix.from_dense(f32(k, n), (bs, bs), block_mask=grid)
     dense = np.asarray(w.to_dense())
-    y = _kernels.block_forward(x, w.data, w.row_indices, w.col_offsets, w.transpose_order)
-    dx, dd = _kernels.block_backward(x, w.data, w.row_offsets, w.col_indices, dy)
+    y = _kernels.block_forward(x, w.data, w.row_indices, w.col_offsets, w.transpose_order, w.col_indices)
+    dx, dd = _kernels.block_backward(x, w.data, w.row_offsets, w.col_indices, w.row_indices, dy)
     full = (x.T @ dy).reshape(kb, bs, nb, bs).transpose(0, 2, 1, 3)[grid]
     err = max(err, np.abs(np.asarray(y) - x @ dense).max(), np.abs(np.asarray(dx) - dy @ dense.T).max(),
               np.abs(np.asarray(dd) - full).max(initial=0))
@@ -243,11 +250,22 @@ def run(case):
       a["row_offsets"] = spoil(a["row_offsets"], -1, nnz + 1)
     elif case == "block_backward_col_index_past_grid":
       a["col_indices"] = spoil(a["col_indices"], 1, 6)
+    elif case == "block_forward_order_repeated":
+      a["transpose_order"] = spoil(a["transpose_order"], 1, a["transpose_order"][0])
+    elif case == "block_forward_row_index_in_range_wrong":  # a block moved to the row of the next one of its column
+      t = a["transpose_order"]
+      j = next(j for j in range(len(a["col_offsets"]) - 1) if a["col_offsets"][j + 1] - a["col_offsets"][j] >= 2)
+      first, second = t[a["col_offsets"][j]], t[a["col_offsets"][j] + 1]
+      a["row_indices"] = spoil(a["row_indices"], first, a["row_indices"][second])
+    elif case == "block_forward_col_index_disagrees":
+      a["col_indices"] = spoil(a["col_indices"], 0, (a["col_indices"][0] + 1) % 6)
+    elif case == "block_backward_row_index_disagrees":
+      a["row_indices"] = spoil(a["row_indices"], 0, (a["row_indices"][0] + 1) % 4)
     data = np.asarray(w.data)
     if "_forward_" in case:
-      y = _kernels.block_forward(x, data, a["row_indices"], a["col_offsets"], a["transpose_order"])
+      y = _kernels.block_forward(x, data, a["row_indices"], a["col_offsets"], a["transpose_order"], a["col_indices"])
     else:
-      y = _kernels.block_backward(x, data, a["row_offsets"], a["col_indices"], f32(4, 48))[0]
+      y = _kernels.block_backward(x, data, a["row_offsets"], a["col_indices"], a["row_indices"], f32(4, 48))[0]
   return finish(y)
 
 for case in sys.argv[1].split(","):

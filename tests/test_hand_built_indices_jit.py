@@ -5,8 +5,9 @@ passed as a ``jit`` argument), or when a matrix is rebuilt without its construct
 ``jax.tree.map`` over a model, a restored checkpoint). Gathers and scatters clamp or drop such indices; now
 ``to_dense`` of such a matrix (and so the XLA routes of ``sparse_matmul`` and ``nm_matmul``, and their gradients) is
 NaN, an N:M matrix's only in the groups whose positions are invalid. Valid hand-built matrices still match the dense
-reference, forward and gradient, in float32. (The block-sparse products and the CSR C++ kernels do not run the whole
-check: it would cost a decode-size product as much again, or 4x on the CPU.)
+reference, forward and gradient, in float32. (The block-sparse Pallas kernels and the CSR C++ kernels do not run the
+whole check: it would cost a decode-size product as much again, or 4x on the CPU. The block-sparse C++ kernels check
+that the index arrays they read agree with the others, in one pass over the kept blocks.)
 """
 
 from __future__ import annotations
@@ -63,7 +64,9 @@ def _assert_nan_or_error(run, *, everywhere=True):
   try:
     results = jax.block_until_ready(run())
   except Exception as e:  # the C++ kernels' own run-time checks (XlaRuntimeError)
-    assert "has entries outside" in str(e) or "is not an offset array" in str(e), e
+    named = ("has entries outside", "is not an offset array", "is not a permutation", "put block",
+             "does not list its blocks")
+    assert any(m in str(e) for m in named), e
     return
   for r in jax.tree.leaves(results):
     nan = np.isnan(np.asarray(r))
@@ -280,3 +283,25 @@ def test_constructors_vouch_for_their_index_arrays_and_only_they():
   w.col_indices = w.col_indices.at[0].set(-1)  # a trusted matrix given new index arrays is checked again
   assert not w._trusted and np.isnan(np.asarray(w.to_dense())).all()
   assert jaxsparse.CSRMatrix.from_dense(rng.standard_normal((4, 6)).astype(np.float32))._trusted
+
+
+@pytest.mark.parametrize("field", ["transpose_order", "row_indices", "col_indices"])
+@pytest.mark.parametrize("how", ["swap", "repeat"])
+def test_block_sparse_cpu_kernels_refuse_index_arrays_that_disagree(field, how):
+  """In-range index arrays that describe another matrix than to_dense's (a repeated transpose_order entry, a block
+  moved to another row or column) gave finite, wrong products and gradients on the C++ kernels (8 x 8 blocks): each
+  kernel reads some of the arrays; it now checks them against the others (one pass over the kept blocks)."""
+  rng = _rng()
+  w = _block(rng, 8)
+  bad = _leaves(w, _spoil(w.index_arrays(), field, how, rng))
+  x = jnp.asarray(rng.standard_normal((3, w.shape[0])), jnp.float32)
+  ref = np.asarray(bad.to_dense())
+  if not np.isnan(ref).any():  # the spoiled arrays happen to describe a valid matrix: it must be that one
+    np.testing.assert_allclose(np.asarray(ops.block_sparse_matmul(x, bad)), np.asarray(x) @ ref,
+                               rtol=1e-5, atol=1e-5)
+    return
+  for run in (lambda: ops.block_sparse_matmul(x, bad),
+              lambda: jax.grad(lambda x, d: jnp.sum(ops.block_sparse_matmul(x, bad.with_data(d))
+                                                    ** 2), (0, 1))(x, bad.data)):
+    with pytest.raises(Exception, match=r"is not a permutation|put block|does not list its blocks"):
+      jax.block_until_ready(run())

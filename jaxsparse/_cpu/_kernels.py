@@ -177,19 +177,22 @@ def csr_take(w, row_offsets, col_indices) -> jax.Array:
 
 
 @jax.custom_batching.custom_vmap
-def block_forward(x, data, row_indices, col_offsets, transpose_order):
-  """``x (B, K) @ W`` -> ``(B, N)`` for W in the layout of :class:`jaxsparse.BlockSparseMatrix`."""
+def block_forward(x, data, row_indices, col_offsets, transpose_order, col_indices):
+  """``x (B, K) @ W`` -> ``(B, N)`` for W in the layout of :class:`jaxsparse.BlockSparseMatrix` (``col_indices``:
+  checked against the column order, which the product reads)."""
   n = (col_offsets.shape[0] - 1) * data.shape[2]
-  return _ffi("jaxsparse_block_forward", (x.shape[0], n), x, data, row_indices, col_offsets, transpose_order)
+  return _ffi("jaxsparse_block_forward", (x.shape[0], n), x, data, row_indices, col_offsets, transpose_order,
+              col_indices)
 
 
 block_forward.def_vmap(_fold_or_map(block_forward, 1))
 
 
 @jax.custom_batching.custom_vmap
-def block_backward(x, data, row_offsets, col_indices, dy):
-  """``(dy @ W.T, x.T @ dy`` on the kept blocks ``)`` for W in the layout of :class:`jaxsparse.BlockSparseMatrix`."""
-  return _ffi("jaxsparse_block_backward", [x.shape, data.shape], x, data, row_offsets, col_indices, dy)
+def block_backward(x, data, row_offsets, col_indices, row_indices, dy):
+  """``(dy @ W.T, x.T @ dy`` on the kept blocks ``)`` for W in the layout of :class:`jaxsparse.BlockSparseMatrix`
+  (``row_indices``: checked against ``row_offsets``, which the products read)."""
+  return _ffi("jaxsparse_block_backward", [x.shape, data.shape], x, data, row_offsets, col_indices, row_indices, dy)
 
 
 block_backward.def_vmap(_map_all(block_backward, 2))

@@ -95,14 +95,65 @@ BlockScratch& ThreadBlockScratch() {
   return s;
 }
 
+// The index arrays the forward reads (col_offsets, transpose_order, row_indices) and col_indices describe one
+// matrix, that of to_dense(): transpose_order is a permutation of [0, nnz) whose column j segment holds exactly the
+// blocks with col_indices == j, in increasing block rows (no block twice). Ranges are checked first. O(nnz), one pass.
+// Returns an error message, or "".
+std::string ForwardIndexError(const int32_t* row_indices, const int32_t* col_offsets, const int32_t* transpose_order,
+                              const int32_t* col_indices, int64_t nnz, int64_t nb) {
+  std::vector<char> seen(static_cast<size_t>(nnz), 0);
+  for (int64_t j = 0; j < nb; ++j) {
+    int64_t last_row = -1;
+    for (int64_t t = col_offsets[j]; t < col_offsets[j + 1]; ++t) {
+      const int32_t blk = transpose_order[t];
+      if (seen[blk]) return "transpose_order is not a permutation of [0, nnz): block " + std::to_string(blk) + " twice";
+      seen[blk] = 1;
+      if (col_indices[blk] != j) {
+        return "transpose_order / col_offsets put block " + std::to_string(blk) + " in block column " +
+               std::to_string(j) + ", col_indices in " + std::to_string(col_indices[blk]);
+      }
+      if (row_indices[blk] <= last_row) {
+        return "block column " + std::to_string(j) + " does not list its blocks in increasing block rows "
+               "(row_indices / transpose_order; a block kept twice?)";
+      }
+      last_row = row_indices[blk];
+    }
+  }
+  return "";
+}
+
+// The backward's arrays (row_offsets, col_indices) and row_indices describe the same matrix: block row i's segment
+// of row_offsets holds exactly the blocks with row_indices == i, in increasing block columns. Ranges checked first.
+std::string BackwardIndexError(const int32_t* row_offsets, const int32_t* col_indices, const int32_t* row_indices,
+                               int64_t kb) {
+  for (int64_t i = 0; i < kb; ++i) {
+    int64_t last_col = -1;
+    for (int64_t t = row_offsets[i]; t < row_offsets[i + 1]; ++t) {
+      if (row_indices[t] != i) {
+        return "row_offsets put block " + std::to_string(t) + " in block row " + std::to_string(i) +
+               ", row_indices in " + std::to_string(row_indices[t]);
+      }
+      if (col_indices[t] <= last_col) {
+        return "block row " + std::to_string(i) + " does not list its blocks in increasing block columns "
+               "(col_indices; a block kept twice?)";
+      }
+      last_col = col_indices[t];
+    }
+  }
+  return "";
+}
+
 // y (b, n) = x (b, k) @ W. Returns an error message for invalid index arrays, else "".
 std::string BlockForwardKernel(const Scheduler& pool, const float* x, const float* data, const int32_t* row_indices,
-                               const int32_t* col_offsets, const int32_t* transpose_order, int64_t b, int64_t k,
-                               int64_t n, int64_t nnz, int64_t bk, int64_t bn, float* y) {
+                               const int32_t* col_offsets, const int32_t* transpose_order, const int32_t* col_indices,
+                               int64_t b, int64_t k, int64_t n, int64_t nnz, int64_t bk, int64_t bn, float* y) {
   const int64_t kb = k / bk, nb = n / bn;
   if (!ValidOffsets(col_offsets, nb, nnz)) return "col_offsets is not an offset array for nnz=" + std::to_string(nnz);
   if (!InRange(transpose_order, nnz, nnz)) return "transpose_order has entries outside [0, nnz)";
   if (!InRange(row_indices, nnz, kb)) return "row_indices has entries outside [0, " + std::to_string(kb) + ")";
+  if (!InRange(col_indices, nnz, nb)) return "col_indices has entries outside [0, " + std::to_string(nb) + ")";
+  const std::string bad = ForwardIndexError(row_indices, col_offsets, transpose_order, col_indices, nnz, nb);
+  if (!bad.empty()) return bad;
   if (b == 0 || n == 0) return "";
   const float* xs = PackSlabs(pool, x, b, k, bk, 0);
   ParallelFor(pool, nb, [&](int64_t j) {
@@ -122,11 +173,14 @@ std::string BlockForwardKernel(const Scheduler& pool, const float* x, const floa
 
 // dx (b, k) = dy (b, n) @ W.T; ddata (nnz, bk, bn) = (x.T @ dy) on the kept blocks.
 std::string BlockBackwardKernel(const Scheduler& pool, const float* x, const float* data, const int32_t* row_offsets,
-                                const int32_t* col_indices, const float* dy, int64_t b, int64_t k, int64_t n,
-                                int64_t nnz, int64_t bk, int64_t bn, float* dx, float* ddata) {
+                                const int32_t* col_indices, const int32_t* row_indices, const float* dy, int64_t b,
+                                int64_t k, int64_t n, int64_t nnz, int64_t bk, int64_t bn, float* dx, float* ddata) {
   const int64_t kb = k / bk, nb = n / bn;
   if (!ValidOffsets(row_offsets, kb, nnz)) return "row_offsets is not an offset array for nnz=" + std::to_string(nnz);
   if (!InRange(col_indices, nnz, nb)) return "col_indices has entries outside [0, " + std::to_string(nb) + ")";
+  if (!InRange(row_indices, nnz, kb)) return "row_indices has entries outside [0, " + std::to_string(kb) + ")";
+  const std::string bad = BackwardIndexError(row_offsets, col_indices, row_indices, kb);
+  if (!bad.empty()) return bad;
   if (k == 0) return "";
   if (b == 0 || n == 0) {
     std::memset(ddata, 0, sizeof(float) * nnz * bk * bn);
@@ -160,35 +214,38 @@ std::string BlockBackwardKernel(const Scheduler& pool, const float* x, const flo
 }
 
 ffi::Error BlockForward(ffi::ThreadPool pool, F32Matrix x, F32Tensor3 data, I32Vector row_indices,
-                        I32Vector col_offsets, I32Vector transpose_order, F32MatrixOut y) {
+                        I32Vector col_offsets, I32Vector transpose_order, I32Vector col_indices, F32MatrixOut y) {
   return Guarded("block-sparse forward", [&]() -> ffi::Error {
     const int64_t b = Dim(x, 0), k = Dim(x, 1), n = Dim(*y, 1);
     const int64_t nnz = Dim(data, 0), bk = Dim(data, 1), bn = Dim(data, 2);
     if (Dim(*y, 0) != b || bk <= 0 || bn <= 0 || bk % kLanes || bn % kLanes || k % bk || n % bn ||
-        Dim(row_indices, 0) != nnz || Dim(col_offsets, 0) != n / bn + 1 || Dim(transpose_order, 0) != nnz) {
+        Dim(row_indices, 0) != nnz || Dim(col_offsets, 0) != n / bn + 1 || Dim(transpose_order, 0) != nnz ||
+        Dim(col_indices, 0) != nnz) {
       return ShapeError("block-sparse forward");
     }
     return Status("block-sparse forward",
                   BlockForwardKernel(PoolScheduler(pool), x.typed_data(), data.typed_data(), row_indices.typed_data(),
-                                     col_offsets.typed_data(), transpose_order.typed_data(), b, k, n, nnz, bk, bn,
-                                     y->typed_data()));
+                                     col_offsets.typed_data(), transpose_order.typed_data(), col_indices.typed_data(),
+                                     b, k, n, nnz, bk, bn, y->typed_data()));
   });
 }
 
 ffi::Error BlockBackward(ffi::ThreadPool pool, F32Matrix x, F32Tensor3 data, I32Vector row_offsets,
-                         I32Vector col_indices, F32Matrix dy, F32MatrixOut dx, F32Tensor3Out ddata) {
+                         I32Vector col_indices, I32Vector row_indices, F32Matrix dy, F32MatrixOut dx,
+                         F32Tensor3Out ddata) {
   return Guarded("block-sparse backward", [&]() -> ffi::Error {
     const int64_t b = Dim(x, 0), k = Dim(x, 1), n = Dim(dy, 1);
     const int64_t nnz = Dim(data, 0), bk = Dim(data, 1), bn = Dim(data, 2);
     if (Dim(dy, 0) != b || bk <= 0 || bn <= 0 || bk % kLanes || bn % kLanes || k % bk || n % bn ||
-        Dim(row_offsets, 0) != k / bk + 1 || Dim(col_indices, 0) != nnz || Dim(*dx, 0) != b || Dim(*dx, 1) != k ||
-        Dim(*ddata, 0) != nnz || Dim(*ddata, 1) != bk || Dim(*ddata, 2) != bn) {
+        Dim(row_offsets, 0) != k / bk + 1 || Dim(col_indices, 0) != nnz || Dim(row_indices, 0) != nnz ||
+        Dim(*dx, 0) != b || Dim(*dx, 1) != k || Dim(*ddata, 0) != nnz || Dim(*ddata, 1) != bk ||
+        Dim(*ddata, 2) != bn) {
       return ShapeError("block-sparse backward");
     }
     return Status("block-sparse backward",
                   BlockBackwardKernel(PoolScheduler(pool), x.typed_data(), data.typed_data(), row_offsets.typed_data(),
-                                      col_indices.typed_data(), dy.typed_data(), b, k, n, nnz, bk, bn,
-                                      dx->typed_data(), ddata->typed_data()));
+                                      col_indices.typed_data(), row_indices.typed_data(), dy.typed_data(), b, k, n,
+                                      nnz, bk, bn, dx->typed_data(), ddata->typed_data()));
   });
 }
 
@@ -205,6 +262,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseBlockForward, BlockForward,
                                   .Arg<I32Vector>()
                                   .Arg<I32Vector>()
                                   .Arg<I32Vector>()
+                                  .Arg<I32Vector>()
                                   .Ret<F32Matrix>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseBlockBackward, BlockBackward,
@@ -212,6 +270,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseBlockBackward, BlockBackward,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<F32Matrix>()
                                   .Arg<F32Tensor3>()
+                                  .Arg<I32Vector>()
                                   .Arg<I32Vector>()
                                   .Arg<I32Vector>()
                                   .Arg<F32Matrix>()

@@ -187,14 +187,15 @@ _CPU_KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype
 
 def _cpu_kernel_forward(x2, w: BlockSparseMatrix, out_dtype):
   f32 = jnp.float32
-  y = _cpu_kernels.block_forward(x2.astype(f32), w.data.astype(f32), w.row_indices, w.col_offsets, w.transpose_order)
+  y = _cpu_kernels.block_forward(x2.astype(f32), w.data.astype(f32), w.row_indices, w.col_offsets, w.transpose_order,
+                                 w.col_indices)
   return y.astype(out_dtype)
 
 
 def _cpu_kernel_backward(x2, dy2, w: BlockSparseMatrix):
   f32 = jnp.float32
   dx, ddata = _cpu_kernels.block_backward(
-      x2.astype(f32), w.data.astype(f32), w.row_offsets, w.col_indices, dy2.astype(f32)
+      x2.astype(f32), w.data.astype(f32), w.row_offsets, w.col_indices, w.row_indices, dy2.astype(f32)
   )
   return dx.astype(x2.dtype), ddata.astype(w.dtype)
 
