@@ -760,3 +760,21 @@ def test_a_none_rule_naming_an_embedding_is_no_unmatched_rule(api):
   assert kinds[0] == "Embed" and not warned
   _, warned = run({"nothing_here": None, "embed": None, ".*": jaxsparse.NM(2, 4)})
   assert len(warned) == 1 and "'nothing_here'" in warned[0] and "'embed'" not in warned[0]
+
+
+@pytest.mark.parametrize("spec", [jaxsparse.NM(2, 4), jaxsparse.Unstructured(0.5),
+                                  jaxsparse.BlockSparse(density=0.5, block_shape=(4, 4))],
+                         ids=["nm", "unstructured", "block"])
+@pytest.mark.parametrize("scale", [1.0, 0.5, 2.0])
+def test_sparsify_masks_must_be_boolean_for_every_structure(spec, scale):
+  """NM and BlockSparse rules took float / int masks and read any nonzero as kept (0.5, 2), where Unstructured
+  raised "mask must be a boolean array": one rule for all, naming the key."""
+  layer = nnx.Linear(8, 8, rngs=nnx.Rngs(0))
+  kept = np.asarray(jaxsparse.nm_mask(layer.kernel[...], 2, 4)) if isinstance(spec, jaxsparse.NM) else (
+      np.repeat(np.repeat(np.eye(2, dtype=bool), 4, 0), 4, 1))
+  with pytest.raises(TypeError, match=r"masks\['fc\.kernel'\] must be a boolean array, got dtype float32"):
+    jaxsparse.sparsify(nnx.Dict(fc=layer), spec, masks={"fc.kernel": kept.astype(np.float32) * scale})
+  sparse, _ = jaxsparse.sparsify(nnx.Dict(fc=layer), spec, masks={"fc.kernel": kept})  # bool: taken
+  x = jnp.ones((1, 8))
+  np.testing.assert_allclose(np.asarray(sparse["fc"](x)), np.asarray(x @ (layer.kernel[...] * kept) + layer.bias[...]),
+                             rtol=1e-5, atol=1e-5)

@@ -15,6 +15,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from jaxsparse._rules import as_numpy_bool
 from jaxsparse._rules import masks_to_dict
 from jaxsparse.formats._base import is_concrete
 from jaxsparse.formats._specs import NM
@@ -33,9 +34,11 @@ __all__ = [
 
 
 def masks_dict(masks: Any) -> dict[str, np.ndarray]:
+  """``masks=`` of sparsify / sparsify_linen as ``{dotted path: bool NumPy array}``; a ``TypeError`` naming the key of a
+  mask that is not boolean (every structure takes the same masks: 0.5 or 2 is no "kept")."""
   if masks is None:
     return {}
-  return masks_to_dict(masks)
+  return {k: as_numpy_bool(m, name=f"masks[{k!r}]") for k, m in masks_to_dict(masks).items()}
 
 
 def check_masks_used(mask_dict: dict, used: set[str], path_of_kernel: list[str]) -> None:
