@@ -611,7 +611,7 @@ def test_bad_arguments():
     masked_matmul(jnp.ones((2, 16)), w.astype(jnp.int32), mask, implementation="cpu")
   # An integer x multiplied in integers (int x int gave an int product; no gradient); refused as the other ops do.
   for impl in (None, "xla", "cpu"):
-    with pytest.raises(TypeError, match=r"^x must have a floating dtype, got int32\.$"):
+    with pytest.raises(TypeError, match=r"^x must have a floating or complex dtype, got int32\.$"):
       masked_matmul(jnp.ones((2, 16), jnp.int32), w, mask, implementation=impl)
 
 
