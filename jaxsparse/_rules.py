@@ -138,8 +138,8 @@ def embedding_rule(resolved: list[tuple[str, re.Pattern, Any]], path: str, layer
   ``ValueError`` names the embedding (its path and ``kind``) and the layers that take other structures (``layers``).
   """
   name = path or "(the model itself)"
-  r = match_rules(resolved, path)
-  if r is None or resolved[r][2] is None or any(resolved[r][1].fullmatch(q) for q in layer_paths):
+  r = _embedding_rule_index(resolved, path, layer_paths)
+  if r is None or resolved[r][2] is None:
     return None
   spec = resolved[r][2]
   if not isinstance(spec, NM) or spec.transposable:
@@ -153,16 +153,22 @@ def embedding_rule(resolved: list[tuple[str, re.Pattern, Any]], path: str, layer
   return spec
 
 
+def _embedding_rule_index(resolved: list[tuple[str, re.Pattern, Any]], path: str,
+                          layer_paths: Sequence[str]) -> int | None:
+  """The index of the first rule fully matching the embedding's ``path``, or ``None`` where there is none or it also
+  matches one of ``layer_paths`` (a catch-all: embeddings stay dense)."""
+  r = match_rules(resolved, path)
+  if r is None or any(resolved[r][1].fullmatch(q) for q in layer_paths):
+    return None
+  return r
+
+
 def embeddings_kept_dense(resolved: list[tuple[str, re.Pattern, Any]], paths: Sequence[str],
                           layer_paths: Sequence[str]) -> list[str]:
   """The embedding ``paths`` whose rule (as :func:`embedding_rule` picks it: one naming no layer of ``layer_paths``)
   maps them to ``None``: matched, and kept dense, so that rule is no unmatched one for :func:`warn_unmatched`."""
-  out = []
-  for path in paths:
-    r = match_rules(resolved, path)
-    if r is not None and resolved[r][2] is None and not any(resolved[r][1].fullmatch(q) for q in layer_paths):
-      out.append(path)
-  return out
+  return [path for path in paths
+          if (r := _embedding_rule_index(resolved, path, layer_paths)) is not None and resolved[r][2] is None]
 
 
 def warn_unmatched(
@@ -255,11 +261,11 @@ def check_distinct_paths(keypaths: Sequence[Sequence[Any]], *, what: str) -> Non
   """Raises a ``ValueError`` where two key paths of ``what`` give one dotted name (:func:`path_str`): a dict key that
   holds a ``"."`` (``{"a.b": ...}`` beside ``{"a": {"b": ...}}``). Rules, masks and reports name parameters by that
   name, so the two would share one mask."""
-  seen: dict[str, Sequence[Any]] = {}
+  seen: dict[str, Sequence[Any]] = {}  # the key paths of one tree are distinct: a name seen twice is a clash
   for kp in keypaths:
     name = path_str(kp)
     other = seen.setdefault(name, kp)
-    if other is not kp and tuple(other) != tuple(kp):
+    if other is not kp:
       parts = lambda p: "(" + ", ".join(repr(_key_part(k)) for k in p) + ")"
       raise ValueError(
           f"{what}: two entries have the dotted name {name!r}: {parts(other)} and {parts(kp)}. jaxsparse names "

@@ -600,8 +600,8 @@ def choose(
     entry["unfinished"] = unfinished
   if dense_ms is not None:
     entry["dense_us"] = round(dense_ms * 1e3, 2)
-  elif hit is not None and _us(hit.get("dense_us")) is not None:
-    entry["dense_us"] = _us(hit["dense_us"])
+  elif hit is not None and (hit_dense_us := _us(hit.get("dense_us"))) is not None:
+    entry["dense_us"] = hit_dense_us
   entry["tuning_s"] = round(time.perf_counter() - t0, 3)
   _cache.record(key, entry)
   logger.info("autotune %s %s %s: %s", op, direction, fields, entry)
