@@ -81,8 +81,9 @@ def one_block(k, bk=8, bn=8):
 def run(case):
   b, k, n = 64, 1 << 19, 8  # x: 128 MiB, the output y: 2 KiB
   if case == "block_forward_packed_x":  # x packed slab by slab
-    data, row_indices, col_offsets, order, _ = one_block(k)
-    return under_limit(_kernels.block_forward, (big(b, k), data, row_indices, col_offsets, order, i32([0])), 32 * MiB)
+    data, row_indices, col_offsets, order, row_offsets = one_block(k)
+    return under_limit(_kernels.block_forward, (big(b, k), data, row_indices, col_offsets, order, i32([0]),
+                                                row_offsets), 32 * MiB)
   if case == "block_backward_packed_x":  # dx (128 MiB) fits, x packed (128 MiB more) does not
     data, _, _, _, row_offsets = one_block(k)
     return under_limit(_kernels.block_backward, (big(b, k), data, row_offsets, i32([0]), i32([0]), f32(b, n)),
@@ -125,7 +126,8 @@ def recovered():
     err = max(err, np.abs(np.asarray(y) - x @ wm).max())
     blk = jaxsparse.BlockSparseMatrix.from_dense(w, (8, 8), block_mask=rng.random((k // 8, n // 8)) < 0.5)
     dense = np.asarray(blk.to_dense())
-    y = _kernels.block_forward(x, blk.data, blk.row_indices, blk.col_offsets, blk.transpose_order, blk.col_indices)
+    y = _kernels.block_forward(x, blk.data, blk.row_indices, blk.col_offsets, blk.transpose_order, blk.col_indices,
+                               blk.row_offsets)
     dx, _ = _kernels.block_backward(x, blk.data, blk.row_offsets, blk.col_indices, blk.row_indices, dy)
     err = max(err, np.abs(np.asarray(y) - x @ dense).max(), np.abs(np.asarray(dx) - dy @ dense.T).max())
   return {"error": None, "max_err": float(err)}

@@ -51,7 +51,8 @@ NATIVE_CASES = {
     # Index arrays in range that describe another matrix than to_dense's (which is NaN for them): the kernels check
     # that the arrays they read agree with the rest (a permutation, the same columns / rows, no block twice).
     "block_forward_order_repeated": "transpose_order is not a permutation",
-    "block_forward_row_index_in_range_wrong": "does not list its blocks in increasing block rows",
+    "block_forward_order_rows_decreasing": "does not list its blocks in increasing block rows",
+    "block_forward_row_index_disagrees": "row_offsets put block",
     "block_forward_col_index_disagrees": "transpose_order / col_offsets put block",
     "block_backward_row_index_disagrees": "row_offsets put block",
     "csr_few_rows_forward_row_offsets_decreasing": "row_offsets is not an offset array",
@@ -118,7 +119,10 @@ def csr_parts():
   return CSRMatrix.from_dense(f32(16, 24), mask=mask)
 
 def block_parts():
-  return BlockSparseMatrix.from_dense(f32(32, 48), (8, 8), block_mask=rng.random((4, 6)) < 0.5)
+  grid = rng.random((4, 6)) < 0.5
+  grid[:, 5] = False  # so a row's last block can move one column right (block_forward_col_index_disagrees)
+  grid[0, 0] = True
+  return BlockSparseMatrix.from_dense(f32(32, 48), (8, 8), block_mask=grid)
 
 def spoil(arr, where, value):
   arr = np.array(arr)
@@ -152,7 +156,8 @@ def sweep():
     grid = rng.random((kb, nb)) < 0.5
     w = BlockSparseMatrix.from_dense(f32(k, n), (bs, bs), block_mask=grid)
     dense = np.asarray(w.to_dense())
-    y = _kernels.block_forward(x, w.data, w.row_indices, w.col_offsets, w.transpose_order, w.col_indices)
+    y = _kernels.block_forward(x, w.data, w.row_indices, w.col_offsets, w.transpose_order, w.col_indices,
+                               w.row_offsets)
     dx, dd = _kernels.block_backward(x, w.data, w.row_offsets, w.col_indices, w.row_indices, dy)
     full = (x.T @ dy).reshape(kb, bs, nb, bs).transpose(0, 2, 1, 3)[grid]
     err = max(err, np.abs(np.asarray(y) - x @ dense).max(), np.abs(np.asarray(dx) - dy @ dense.T).max(),
@@ -252,18 +257,23 @@ def run(case):
       a["col_indices"] = spoil(a["col_indices"], 1, 6)
     elif case == "block_forward_order_repeated":
       a["transpose_order"] = spoil(a["transpose_order"], 1, a["transpose_order"][0])
-    elif case == "block_forward_row_index_in_range_wrong":  # a block moved to the row of the next one of its column
+    elif case == "block_forward_order_rows_decreasing":  # the first two blocks of a column listed the other way round
       t = a["transpose_order"]
       j = next(j for j in range(len(a["col_offsets"]) - 1) if a["col_offsets"][j + 1] - a["col_offsets"][j] >= 2)
-      first, second = t[a["col_offsets"][j]], t[a["col_offsets"][j] + 1]
-      a["row_indices"] = spoil(a["row_indices"], first, a["row_indices"][second])
-    elif case == "block_forward_col_index_disagrees":
-      a["col_indices"] = spoil(a["col_indices"], 0, (a["col_indices"][0] + 1) % 6)
+      first = a["col_offsets"][j]
+      t = spoil(t, first, t[first + 1])
+      a["transpose_order"] = spoil(t, first + 1, a["transpose_order"][first])
+    elif case == "block_forward_row_index_disagrees":  # the forward reads row_indices; row_offsets says otherwise
+      a["row_indices"] = spoil(a["row_indices"], 0, (a["row_indices"][0] + 1) % 4)
+    elif case == "block_forward_col_index_disagrees":  # the rows' arrays agree; the column order does not
+      last = a["row_offsets"][1] - 1  # block row 0's last block, moved one column right
+      a["col_indices"] = spoil(a["col_indices"], last, a["col_indices"][last] + 1)
     elif case == "block_backward_row_index_disagrees":
       a["row_indices"] = spoil(a["row_indices"], 0, (a["row_indices"][0] + 1) % 4)
     data = np.asarray(w.data)
     if "_forward_" in case:
-      y = _kernels.block_forward(x, data, a["row_indices"], a["col_offsets"], a["transpose_order"], a["col_indices"])
+      y = _kernels.block_forward(x, data, a["row_indices"], a["col_offsets"], a["transpose_order"], a["col_indices"],
+                                 a["row_offsets"])
     else:
       y = _kernels.block_backward(x, data, a["row_offsets"], a["col_indices"], a["row_indices"], f32(4, 48))[0]
   return finish(y)

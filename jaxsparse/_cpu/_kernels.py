@@ -177,12 +177,12 @@ def csr_take(w, row_offsets, col_indices) -> jax.Array:
 
 
 @jax.custom_batching.custom_vmap
-def block_forward(x, data, row_indices, col_offsets, transpose_order, col_indices):
-  """``x (B, K) @ W`` -> ``(B, N)`` for W in the layout of :class:`jaxsparse.BlockSparseMatrix` (``col_indices``:
-  checked against the column order, which the product reads)."""
+def block_forward(x, data, row_indices, col_offsets, transpose_order, col_indices, row_offsets):
+  """``x (B, K) @ W`` -> ``(B, N)`` for W in the layout of :class:`jaxsparse.BlockSparseMatrix` (``col_indices`` and
+  ``row_offsets``: checked against the column order and ``row_indices``, which the product reads)."""
   n = (col_offsets.shape[0] - 1) * data.shape[2]
   return _ffi("jaxsparse_block_forward", (x.shape[0], n), x, data, row_indices, col_offsets, transpose_order,
-              col_indices)
+              col_indices, row_offsets)
 
 
 block_forward.def_vmap(_fold_or_map(block_forward, 1))

@@ -95,12 +95,37 @@ BlockScratch& ThreadBlockScratch() {
   return s;
 }
 
-// The index arrays the forward reads (col_offsets, transpose_order, row_indices) and col_indices describe one
-// matrix, that of to_dense(): transpose_order is a permutation of [0, nnz) whose column j segment holds exactly the
-// blocks with col_indices == j, in increasing block rows (no block twice). Ranges are checked first. O(nnz), one pass.
+// row_offsets, col_indices and row_indices describe one matrix: block row i's segment of row_offsets holds exactly
+// the blocks with row_indices == i, in increasing block columns (no block twice). Ranges checked first. O(nnz).
 // Returns an error message, or "".
+std::string RowIndexError(const int32_t* row_offsets, const int32_t* col_indices, const int32_t* row_indices,
+                          int64_t kb) {
+  for (int64_t i = 0; i < kb; ++i) {
+    int64_t last_col = -1;
+    for (int64_t t = row_offsets[i]; t < row_offsets[i + 1]; ++t) {
+      if (row_indices[t] != i) {
+        return "row_offsets put block " + std::to_string(t) + " in block row " + std::to_string(i) +
+               ", row_indices in " + std::to_string(row_indices[t]);
+      }
+      if (col_indices[t] <= last_col) {
+        return "block row " + std::to_string(i) + " does not list its blocks in increasing block columns "
+               "(col_indices; a block kept twice?)";
+      }
+      last_col = col_indices[t];
+    }
+  }
+  return "";
+}
+
+// All five index arrays describe one matrix, that of to_dense(): the row arrays agree (RowIndexError), and
+// transpose_order is a permutation of [0, nnz) whose column j segment holds exactly the blocks with
+// col_indices == j, in increasing block rows. The forward reads col_offsets, transpose_order and row_indices; a
+// matrix whose arrays disagree would give another matrix's product. Ranges checked first. O(nnz).
 std::string ForwardIndexError(const int32_t* row_indices, const int32_t* col_offsets, const int32_t* transpose_order,
-                              const int32_t* col_indices, int64_t nnz, int64_t nb) {
+                              const int32_t* col_indices, const int32_t* row_offsets, int64_t nnz, int64_t kb,
+                              int64_t nb) {
+  const std::string rows = RowIndexError(row_offsets, col_indices, row_indices, kb);
+  if (!rows.empty()) return rows;
   std::vector<char> seen(static_cast<size_t>(nnz), 0);
   for (int64_t j = 0; j < nb; ++j) {
     int64_t last_row = -1;
@@ -122,37 +147,19 @@ std::string ForwardIndexError(const int32_t* row_indices, const int32_t* col_off
   return "";
 }
 
-// The backward's arrays (row_offsets, col_indices) and row_indices describe the same matrix: block row i's segment
-// of row_offsets holds exactly the blocks with row_indices == i, in increasing block columns. Ranges checked first.
-std::string BackwardIndexError(const int32_t* row_offsets, const int32_t* col_indices, const int32_t* row_indices,
-                               int64_t kb) {
-  for (int64_t i = 0; i < kb; ++i) {
-    int64_t last_col = -1;
-    for (int64_t t = row_offsets[i]; t < row_offsets[i + 1]; ++t) {
-      if (row_indices[t] != i) {
-        return "row_offsets put block " + std::to_string(t) + " in block row " + std::to_string(i) +
-               ", row_indices in " + std::to_string(row_indices[t]);
-      }
-      if (col_indices[t] <= last_col) {
-        return "block row " + std::to_string(i) + " does not list its blocks in increasing block columns "
-               "(col_indices; a block kept twice?)";
-      }
-      last_col = col_indices[t];
-    }
-  }
-  return "";
-}
-
 // y (b, n) = x (b, k) @ W. Returns an error message for invalid index arrays, else "".
 std::string BlockForwardKernel(const Scheduler& pool, const float* x, const float* data, const int32_t* row_indices,
                                const int32_t* col_offsets, const int32_t* transpose_order, const int32_t* col_indices,
-                               int64_t b, int64_t k, int64_t n, int64_t nnz, int64_t bk, int64_t bn, float* y) {
+                               const int32_t* row_offsets, int64_t b, int64_t k, int64_t n, int64_t nnz, int64_t bk,
+                               int64_t bn, float* y) {
   const int64_t kb = k / bk, nb = n / bn;
   if (!ValidOffsets(col_offsets, nb, nnz)) return "col_offsets is not an offset array for nnz=" + std::to_string(nnz);
+  if (!ValidOffsets(row_offsets, kb, nnz)) return "row_offsets is not an offset array for nnz=" + std::to_string(nnz);
   if (!InRange(transpose_order, nnz, nnz)) return "transpose_order has entries outside [0, nnz)";
   if (!InRange(row_indices, nnz, kb)) return "row_indices has entries outside [0, " + std::to_string(kb) + ")";
   if (!InRange(col_indices, nnz, nb)) return "col_indices has entries outside [0, " + std::to_string(nb) + ")";
-  const std::string bad = ForwardIndexError(row_indices, col_offsets, transpose_order, col_indices, nnz, nb);
+  const std::string bad = ForwardIndexError(row_indices, col_offsets, transpose_order, col_indices, row_offsets, nnz,
+                                                kb, nb);
   if (!bad.empty()) return bad;
   if (b == 0 || n == 0) return "";
   const float* xs = PackSlabs(pool, x, b, k, bk, 0);
@@ -179,7 +186,7 @@ std::string BlockBackwardKernel(const Scheduler& pool, const float* x, const flo
   if (!ValidOffsets(row_offsets, kb, nnz)) return "row_offsets is not an offset array for nnz=" + std::to_string(nnz);
   if (!InRange(col_indices, nnz, nb)) return "col_indices has entries outside [0, " + std::to_string(nb) + ")";
   if (!InRange(row_indices, nnz, kb)) return "row_indices has entries outside [0, " + std::to_string(kb) + ")";
-  const std::string bad = BackwardIndexError(row_offsets, col_indices, row_indices, kb);
+  const std::string bad = RowIndexError(row_offsets, col_indices, row_indices, kb);
   if (!bad.empty()) return bad;
   if (k == 0) return "";
   if (b == 0 || n == 0) {
@@ -214,19 +221,20 @@ std::string BlockBackwardKernel(const Scheduler& pool, const float* x, const flo
 }
 
 ffi::Error BlockForward(ffi::ThreadPool pool, F32Matrix x, F32Tensor3 data, I32Vector row_indices,
-                        I32Vector col_offsets, I32Vector transpose_order, I32Vector col_indices, F32MatrixOut y) {
+                        I32Vector col_offsets, I32Vector transpose_order, I32Vector col_indices, I32Vector row_offsets,
+                        F32MatrixOut y) {
   return Guarded("block-sparse forward", [&]() -> ffi::Error {
     const int64_t b = Dim(x, 0), k = Dim(x, 1), n = Dim(*y, 1);
     const int64_t nnz = Dim(data, 0), bk = Dim(data, 1), bn = Dim(data, 2);
     if (Dim(*y, 0) != b || bk <= 0 || bn <= 0 || bk % kLanes || bn % kLanes || k % bk || n % bn ||
         Dim(row_indices, 0) != nnz || Dim(col_offsets, 0) != n / bn + 1 || Dim(transpose_order, 0) != nnz ||
-        Dim(col_indices, 0) != nnz) {
+        Dim(col_indices, 0) != nnz || Dim(row_offsets, 0) != k / bk + 1) {
       return ShapeError("block-sparse forward");
     }
     return Status("block-sparse forward",
                   BlockForwardKernel(PoolScheduler(pool), x.typed_data(), data.typed_data(), row_indices.typed_data(),
                                      col_offsets.typed_data(), transpose_order.typed_data(), col_indices.typed_data(),
-                                     b, k, n, nnz, bk, bn, y->typed_data()));
+                                     row_offsets.typed_data(), b, k, n, nnz, bk, bn, y->typed_data()));
   });
 }
 
@@ -259,6 +267,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxsparseBlockForward, BlockForward,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<F32Matrix>()
                                   .Arg<F32Tensor3>()
+                                  .Arg<I32Vector>()
                                   .Arg<I32Vector>()
                                   .Arg<I32Vector>()
                                   .Arg<I32Vector>()

@@ -188,7 +188,7 @@ _CPU_KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype
 def _cpu_kernel_forward(x2, w: BlockSparseMatrix, out_dtype):
   f32 = jnp.float32
   y = _cpu_kernels.block_forward(x2.astype(f32), w.data.astype(f32), w.row_indices, w.col_offsets, w.transpose_order,
-                                 w.col_indices)
+                                 w.col_indices, w.row_offsets)
   return y.astype(out_dtype)
 
 
