@@ -7,6 +7,7 @@ the Pallas kernels in interpret mode, and its tuning with host timing, so CI exe
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -258,6 +259,61 @@ def test_margin_and_failures(monkeypatch, times, winner):
   monkeypatch.setattr(_measure, "_measure", lambda cands, make_args, platform, dense: dict(times))
   with _tuning.autotune_mode("tune"):
     assert _choose(_candidates([])).name == winner
+
+
+def _step_product():
+  """A forward of four candidates in three families (``a``, ``b``, ``c``), to be timed in a train step."""
+  from jaxsparse.ops import _router  # noqa: PLC0415
+
+  def make(name):
+    return _tuning.Candidate(name, lambda x: 2 * x, name)
+
+  cands = [make("a"), make("a/wide"), make("b/g2"), make("c")]
+  product = _router.Product("op", "fwd", (jnp.ones(4),), {"rows": 4}, lambda: (jnp.ones(4),),
+                            in_step=lambda run: (lambda x: run(x) + 1))
+  return product, cands
+
+
+@pytest.mark.parametrize(("alone", "in_step", "finalists", "winner"), [
+    # "b/g2" charged per-call work alone that the step shares: it wins in the step; "a/wide" (a's family) and "c"
+    # (over 1.5x of the choice alone) are not timed again.
+    ({"a": 100.0, "a/wide": 101.0, "b/g2": 130.0, "c": 160.0}, {"a": 200.0, "b/g2": 150.0}, ["a", "b/g2"], "b/g2"),
+    ({"a": 100.0, "a/wide": 101.0, "b/g2": 130.0, "c": 160.0}, {"a": 150.0, "b/g2": 148.0}, ["a", "b/g2"], "a"),
+    ({"a": 100.0, "a/wide": 101.0, "b/g2": 151.0, "c": 160.0}, None, None, "a"),  # no rival within 1.5x: no step
+])
+def test_a_differentiated_forward_is_chosen_in_its_train_step(monkeypatch, alone, in_step, finalists, winner):
+  from jaxsparse.ops import _router  # noqa: PLC0415
+
+  timed = []
+
+  def fake(cands, make_args, platform, dense):
+    stepped = [c.measure is not None for c in cands]
+    assert len(set(stepped)) == 1  # a measurement times all its candidates one way
+    timed.append(("step" if stepped[0] else "fwd", [c.name for c in cands]))
+    times = in_step if stepped[0] else alone
+    return {c.name: times[c.name] for c in cands}
+
+  monkeypatch.setattr(_measure, "_measure", fake)
+  product, cands = _step_product()
+  with _tuning.autotune_mode("tune"):
+    assert _router._choose(product, cands, "cpu").name == winner
+    assert _router._choose(product, cands, "cpu").name == winner  # memoized: nothing timed again
+  assert timed[0] == ("fwd", ["a", "a/wide", "b/g2", "c"])
+  assert timed[1:] == ([("step", finalists)] if finalists else [])
+  entries = {json.loads(k)["dir"]: e for k, e in json.loads(_cache.cache_path().read_text())["entries"].items()}
+  assert entries["fwd"]["choice"] == "a"
+  if finalists:
+    assert (entries["step"]["choice"], entries["step"]["candidates"]) == (winner, finalists)
+  else:
+    assert "step" not in entries
+  # Another process reads both decisions; without in_step (the forward of an undifferentiated call) the forward's.
+  _cache.clear_memo()
+  monkeypatch.setattr(_measure, "_measure", lambda *a: pytest.fail("measured again"))
+  with _tuning.autotune_mode("cached"):
+    assert _router._choose(product, cands, "cpu").name == winner
+    assert _router._choose(dataclasses.replace(product, in_step=None), cands, "cpu").name == "a"
+  with _tuning.autotune_mode("off"):
+    assert _router._choose(product, cands, "cpu").name == "a"
 
 
 # -------------------------------------------------------------------------------------------------
@@ -984,13 +1040,16 @@ def test_tuned_gpu_route_records_each_direction(interpreted, monkeypatch):
     y, dx, ddata = jax.jit(step)(x, w.data, dy)
   entries = json.loads(_cache.cache_path().read_text())["entries"]
   dirs = sorted(json.loads(k)["dir"] for k in entries)
-  assert dirs == ["dw", "dx", "fwd"]
+  # "step": the forward's choice timed in the train step against its rivals of other route families (where any is
+  # within 1.5x of it alone).
+  assert dirs in (["dw", "dx", "fwd"], ["dw", "dx", "fwd", "step"])
   assert all(json.loads(k)["block"] == [256, 128] for k in entries)
   routes = lambda d: op._gpu_routes(kernels, d, x, w, precision=None, out_dtype=x.dtype)
   names = {n for d in ("fwd", "dx", "dw") for n, _ in routes(d)}
-  for key, e in entries.items():  # 40 rows: wide blocks as they are by default, but for dW
+  by_dir = {json.loads(k)["dir"]: e for k, e in entries.items()}
+  for d, e in by_dir.items():  # 40 rows: wide blocks as they are by default, but for dW
     assert e["choice"] in names
-    assert e["default"] == ("split:default" if json.loads(key)["dir"] == "dw" else "native:default")
+    assert e["default"] == {"dw": "split:default", "step": by_dir["fwd"]["choice"]}.get(d, "native:default")
   for out, ref in zip((y, dx, ddata), _reference(x, dy, w), strict=True):
     _close(out, ref, 2e-5)
 
@@ -1043,7 +1102,9 @@ def test_autotune_ahead_of_time_then_a_second_process_only_reads(interpreted, mo
     return jax.grad(lambda x: jaxsparse.ops.block_sparse_matmul(x, w).sum())(x)
 
   added = jaxsparse.autotune(step, jax.ShapeDtypeStruct(x.shape, x.dtype))
-  assert added == 3  # fwd, dx, dw
+  dirs = sorted(json.loads(k)["dir"] for k in json.loads(_cache.cache_path().read_text())["entries"])
+  assert dirs in (["dw", "dx", "fwd"], ["dw", "dx", "fwd", "step"])  # step: the forward timed in its train step
+  assert added == len(dirs)
   assert jaxsparse.autotune(step, jax.ShapeDtypeStruct(x.shape, x.dtype)) == 0  # all cached now
   monkeypatch.setattr(_measure, "_measure", lambda *a: pytest.fail("measured again"))
   _cache.clear_memo()
@@ -1083,10 +1144,12 @@ def test_cpu_routes_match_the_reference_and_tune_on_request(block_shape, monkeyp
   assert not _cache.cache_path().exists()
   with _tuning.autotune_mode("tune"):
     outs = jax.jit(lambda *a: step(*a))(x, w.data, dy)  # a new function: traced again, in this mode
-  entries = json.loads(_cache.cache_path().read_text())["entries"]
-  assert sorted(json.loads(k)["dir"] for k in entries) == ["dw", "dx", "fwd"]
-  assert all(json.loads(k)["device"] == "cpu" and e["choice"] in ("cpu_kernel", "loop", "dense")
-             for k, e in entries.items())
+  entries = {json.loads(k)["dir"]: (json.loads(k), e) for k, e in json.loads(_cache.cache_path().read_text())[
+      "entries"].items()}
+  assert sorted(entries) in (["dw", "dx", "fwd"], ["dw", "dx", "fwd", "step"])  # step: see _router._choose_in_step
+  assert all(k["device"] == "cpu" and e["choice"] in ("cpu_kernel", "loop", "dense") for k, e in entries.values())
+  if "step" in entries:  # the forward's choice against its rivals, timed in the train step
+    assert entries["step"][1]["default"] == entries["fwd"][1]["choice"]
   for out, ref in zip(outs, refs.values(), strict=True):
     _close(out, ref, 2e-5)
 
@@ -1099,10 +1162,11 @@ def test_tune_command_tunes_shapes_and_exports(interpreted, monkeypatch, tmp_pat
   out = tmp_path / "shared.json"
   assert main(["tune", "128x64", "--patterns", "block:0.5:32x32", "--rows", "16", "--export", str(out)]) == 0
   printed = capsys.readouterr().out
-  assert "128x64 block 32x32 50% kept, 16 rows: 3 new decisions, 0 already cached" in printed, printed  # fwd, dX, dW
-  assert len(json.loads(out.read_text())["entries"]) == 3
+  dirs = sorted(json.loads(k)["dir"] for k in json.loads(out.read_text())["entries"])
+  assert dirs in (["dw", "dx", "fwd"], ["dw", "dx", "fwd", "step"])  # step: the forward timed in its train step
+  assert f"128x64 block 32x32 50% kept, 16 rows: {len(dirs)} new decisions, 0 already cached" in printed, printed
   assert main(["tune", "128x64", "--patterns", "block:0.5:32x32", "--rows", "16", "--import", str(out)]) == 0
-  assert "16 rows: 0 new decisions, 3 already cached" in capsys.readouterr().out
+  assert f"16 rows: 0 new decisions, {len(dirs)} already cached" in capsys.readouterr().out
   # A pattern with no measured dispatch here (N:M on a CPU: one route) says so, not "0 new decisions".
   assert main(["tune", "128x64", "--patterns", "nm:2:4", "--rows", "16"]) == 0
   assert "16 rows: nothing to tune (no product of this pattern has measured dispatch on cpu)" in capsys.readouterr().out

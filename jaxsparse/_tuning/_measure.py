@@ -118,9 +118,10 @@ class SlowerThanDenseWarning(UserWarning):
 
   Tuning (``"tune"`` mode, the default on GPUs, and :func:`jaxsparse.autotune`) times the dense product of a layer of
   the same shapes and dtypes beside a sparse product's routes. Where the fastest route of a forward (or of a whole
-  train step, for the ops tuned as one) is slower than it by more than 3%, this warning names the product, both times
-  and their ratio, once per signature and process, also when the decision comes from the tuning cache. Gradients
-  tuned one by one (block-sparse ``dX``, ``dW``) are not compared: time the train step itself. At such densities
+  train step, for the ops tuned as one and a block-sparse forward chosen in its step) is slower than it by more than
+  3%, this warning names the product, both times and their ratio, once per signature and process, also when the
+  decision comes from the tuning cache. Gradients tuned one by one (block-sparse ``dX``, ``dW``) are not compared:
+  time the train step itself. At such densities
   (typically 40-60% of the weights kept, or small products on large blocks) the sparse layer saves memory but not
   time: :func:`jaxsparse.route_slower_to_dense` turns such layers of a model into dense ones with the same weights.
 
@@ -499,6 +500,12 @@ def _recorded_us(entry: dict | None) -> dict[str, float]:
   return {k: us for k, v in times.items() if isinstance(k, str) and (us := _us(v)) is not None}
 
 
+def recorded_times(op: str, direction: str, platform: str, fields: dict[str, Any]) -> dict[str, float]:
+  """The times (µs) by candidate name that the cached decision of one product's signature recorded; ``{}`` where
+  none is cached."""
+  return _recorded_us(_cache.lookup(signature_key(op, direction, platform, **fields)))
+
+
 def _timed(entry: dict) -> set[str]:
   """The candidate names a cached decision chose among (entries written before ``"candidates"``: those it timed)."""
   names = entry.get("candidates")
@@ -542,7 +549,8 @@ def choose(
 
   Args:
     op: the op's name, e.g. ``"block_sparse_matmul"``.
-    direction: ``"fwd"``, ``"dx"`` or ``"dw"``.
+    direction: ``"fwd"``, ``"dx"`` or ``"dw"``; ``"step"`` for a forward whose candidates are timed in a train step
+      (their ``measure``).
     candidates: the routes to choose from, the shipped default first; names unique.
     make_args: builds concrete random operands of the product's shapes on the device (called only to measure).
     platform: ``"cuda"`` or ``"cpu"``: where the product runs.

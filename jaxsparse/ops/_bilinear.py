@@ -41,12 +41,16 @@ def _cotangent(w: Any, values: Any) -> Any:
   return jax.tree_util.tree_unflatten(tree, [values] + [None] * (len(leaves) - 1))
 
 
-def bilinear_product(forward: Callable, backward: Callable) -> Callable:
+def bilinear_product(forward: Callable, backward: Callable, *,
+                     in_step: Callable[[Any], Any] | None = None) -> Callable:
   """``apply(cfg, x, w)``: ``forward(cfg, x, w)`` with a VJP by ``backward`` that can be differentiated again.
 
   Args:
     forward: ``(cfg, x, w) -> y``, ``y`` of ``cfg.out_dtype``.
     backward: ``(cfg, x, dy, w) -> (dx, dv)``: ``dx`` of ``x``'s dtype, ``dv`` the gradient of the values.
+    in_step: ``cfg -> cfg``, the forward's config where it runs in a differentiated call (the custom VJP's forward
+      rule, followed by ``backward``): e.g. one whose routes are tuned in the train step. ``None``: ``cfg``.
+
     ``cfg`` is static (hashable) with an ``out_dtype`` field; ``w`` is a pytree whose first leaf holds the
     values and whose other leaves hold the pattern (no gradient).
 
@@ -65,7 +69,7 @@ def bilinear_product(forward: Callable, backward: Callable) -> Callable:
   # The rules call `apply` / `grads`, not `forward` / `backward`: differentiating a rule (grad of grad) then
   # meets these custom VJPs again instead of the kernels.
   def apply_fwd(cfg, x, w):
-    return apply(cfg, x, w), (x, w)
+    return apply(cfg if in_step is None else in_step(cfg), x, w), (x, w)
 
   def apply_bwd(cfg, res, dy):
     x, w = res

@@ -530,25 +530,44 @@ def _forward(cfg: _Config, x, w):
       return (jnp.zeros((0, b.shape[1]), cfg.out_dtype),)
     # The kernels write the output dtype themselves: a float32 result of 16-bit inputs is never rounded.
     product = _product("fwd", (x2, b), cfg.out_dtype, cfg.precision)
+    if cfg.in_step:  # a train step's forward: its routes are timed with the step's dX and dW
+      product = dataclasses.replace(product, in_step=functools.partial(_in_step, cfg))
     return _router.route([product], _backends(cfg, cfg.out_dtype), default=_shipped_default)
 
   # Data parallel: each device multiplies its rows of x (ops/_sharding.py).
   return _sharding.row_parallel(fwd, (x,), w)[0]
 
 
-def _backward(cfg: _Config, x, dy, w):
-  def bwd(x2, dy2, b):
-    if x2.shape[0] == 0:  # no rows: no gradient flows
-      return jnp.zeros(x2.shape, x2.dtype), jnp.zeros(b.data.shape, b.dtype)
-    products = [_product(d, (x2, dy2, b), dy2.dtype, cfg.precision) for d in ("dx", "dw")]
-    return _router.route(products, _backends(cfg, x2.dtype))
+def _route_backward(cfg: _Config, x2, dy2, b):
+  """``(dX, dW)`` of rows ``x2 (M, K)`` and ``dy2 (M, N)``, each on its route."""
+  if x2.shape[0] == 0:  # no rows: no gradient flows
+    return jnp.zeros(x2.shape, x2.dtype), jnp.zeros(b.data.shape, b.dtype)
+  products = [_product(d, (x2, dy2, b), dy2.dtype, cfg.precision) for d in ("dx", "dw")]
+  return _router.route(products, _backends(cfg, x2.dtype))
 
+
+def _backward(cfg: _Config, x, dy, w):
   # Data parallel: dX keeps the rows' sharding, dW is summed over the row shards.
+  bwd = functools.partial(_route_backward, cfg)
   return _sharding.row_parallel(bwd, (x, dy), w, summed=(1,), like={0: x, 1: w.data})
 
 
+def _in_step(cfg: _Config, run: Callable) -> Callable:
+  """``run`` (a forward route) as a train step runs it: its product, then ``dX`` and ``dW`` of the cotangent
+  ``dY = y`` on the backward's routes. What tuning times a differentiated forward's routes on: in one jitted step XLA
+  does the per-call work on the weight that routes share (a copy into sub-blocks, the dense weight) once."""
+  bwd_cfg = dataclasses.replace(cfg, in_step=False)
+
+  def step(x2, b):
+    y = run(x2, b)
+    return y, _route_backward(bwd_cfg, x2, y, b)
+
+  return step
+
+
 # The custom VJP, differentiable again (grad of grad) on the same kernels; the index leaves get no cotangent.
-_block_sparse_matmul = _bilinear.bilinear_product(_forward, _backward)
+_block_sparse_matmul = _bilinear.bilinear_product(
+    _forward, _backward, in_step=lambda cfg: dataclasses.replace(cfg, in_step=True))
 
 
 def _check_implementation(implementation) -> str:

@@ -64,6 +64,7 @@ class Config:
   implementation: str  # "auto" or a name the op maps to a subset of its backends
   precision: lax.PrecisionLike
   out_dtype: jnp.dtype
+  in_step: bool = False  # the forward of a differentiated call (its custom VJP's forward rule)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +79,8 @@ class Product:
     make_args: builds concrete random operands of the same shapes and dtypes (called only to measure).
     dense: the dense product it stands in for (``x @ W`` of a dense layer), timed beside the candidates to warn
       where none beats it (:class:`jaxsparse.SlowerThanDenseWarning`); ``None``: not compared.
+    in_step: for the forward of a differentiated call, ``run -> measure``: a candidate's forward followed by the
+      step's backward products as they are routed (:func:`_choose_in_step`); ``None``: the forward alone.
   """
 
   op: str
@@ -86,6 +89,7 @@ class Product:
   fields: dict[str, Any]
   make_args: Callable[[], tuple]
   dense: _measure.DenseProduct | None = None
+  in_step: Callable[[Callable], Callable] | None = None
 
   @property
   def symbolic(self) -> bool:
@@ -309,10 +313,7 @@ def _platform_run(products: Sequence[Product], per_product: list[list[_tuning.Ca
     if platform == "default":
       chosen = [c[0] for c in per_product]
     else:
-      chosen = [
-          _tuning.choose(p.op, p.direction, c, p.make_args, platform=platform, fields=p.fields, dense=p.dense)
-          for p, c in zip(products, per_product, strict=True)
-      ]
+      chosen = [_choose(p, c, platform) for p, c in zip(products, per_product, strict=True)]
     joint = {c.value.run_all for c in chosen if isinstance(c.value, Joint)}
     if len(joint) == 1 and all(isinstance(c.value, Joint) for c in chosen):
       out = joint.pop()(*args)
@@ -320,3 +321,42 @@ def _platform_run(products: Sequence[Product], per_product: list[list[_tuning.Ca
     return tuple(c.run(*args) for c in chosen)
 
   return run
+
+
+# A differentiated forward's candidates timed alone within this factor of its choice are timed again in the step.
+STEP_WITHIN = 1.5
+
+
+def _choose(p: Product, cands: list[_tuning.Candidate], platform: str) -> _tuning.Candidate:
+  chosen = _tuning.choose(p.op, p.direction, cands, p.make_args, platform=platform, fields=p.fields, dense=p.dense)
+  return chosen if p.in_step is None else _choose_in_step(p, cands, chosen, platform)
+
+
+def _choose_in_step(p: Product, cands: list[_tuning.Candidate], chosen: _tuning.Candidate,
+                    platform: str) -> _tuning.Candidate:
+  """The forward of a differentiated call: its choice timed alone, against the fastest candidate of each other family
+  (the name up to its first ``/``: a kernel family on the blocks as they are or re-tiled, the dense route) that was
+  timed within :data:`STEP_WITHIN` of it, each timed as ``p.in_step(run)``, the forward followed by the step's
+  backward products as they are routed (direction ``"step"`` in the cache, against a dense train step).
+
+  The backward products may share per-call work on the weight with the forward (a copy of the blocks into
+  sub-blocks, the dense weight), which XLA does once in a jitted step and which timing the forward alone charges to it
+  in full: on an H200 a forward tuned alone took the dense route beside backward products on sub-blocks, and the
+  step ran at 1.32 of dense against 1.09 with all three on sub-blocks
+  (``benchmarks/results/gpu_unseen_shapes_2026-12-02_h200_seed101.md``, case 12)."""
+  alone = _tuning.recorded_times(p.op, p.direction, platform, p.fields)
+  if chosen.name not in alone:  # nothing timed (tuning off, or a decision without times): the forward's choice
+    return chosen
+  by_name = {c.name: c for c in cands}
+  family = lambda name: name.split("/")[0]
+  rivals = {}
+  for name in sorted((n for n in alone if n in by_name), key=alone.get):
+    if family(name) != family(chosen.name) and alone[name] <= alone[chosen.name] * STEP_WITHIN:
+      rivals.setdefault(family(name), name)
+  if not rivals:
+    return chosen
+  finalists = [dataclasses.replace(by_name[n], measure=p.in_step(by_name[n].run), always_timed=True)
+               for n in (chosen.name, *rivals.values())]
+  dense = None if p.dense is None else dataclasses.replace(p.dense, step=True)
+  pick = _tuning.choose(p.op, "step", finalists, p.make_args, platform=platform, fields=p.fields, dense=dense)
+  return by_name[pick.name]
