@@ -261,27 +261,34 @@ def test_margin_and_failures(monkeypatch, times, winner):
     assert _choose(_candidates([])).name == winner
 
 
-def _step_product():
-  """A forward of four candidates in three families (``a``, ``b``, ``c``), to be timed in a train step."""
+def _step_product(backward_work: set[str]):
+  """A forward of five candidates: ``a`` and ``a/wide`` do no per-call work on the weight, ``b/g2`` and ``b/g4`` do
+  ``"b"`` and ``c`` does ``"c"``, which the step's backward routes may share (``backward_work``)."""
   from jaxsparse.ops import _router  # noqa: PLC0415
 
   def make(name):
     return _tuning.Candidate(name, lambda x: 2 * x, name)
 
-  cands = [make("a"), make("a/wide"), make("b/g2"), make("c")]
-  product = _router.Product("op", "fwd", (jnp.ones(4),), {"rows": 4}, lambda: (jnp.ones(4),),
-                            in_step=lambda run: (lambda x: run(x) + 1))
-  return product, cands
+  cands = [make("a"), make("a/wide"), make("b/g2"), make("b/g4"), make("c")]
+  in_step = _router.InStep(lambda run: (lambda x: run(x) + 1), lambda name: name[0] if name[0] in "bc" else "",
+                           lambda platform: set(backward_work))
+  return _router.Product("op", "fwd", (jnp.ones(4),), {"rows": 4}, lambda: (jnp.ones(4),), in_step=in_step), cands
 
 
-@pytest.mark.parametrize(("alone", "in_step", "finalists", "winner"), [
-    # "b/g2" charged per-call work alone that the step shares: it wins in the step; "a/wide" (a's family) and "c"
-    # (over 1.5x of the choice alone) are not timed again.
-    ({"a": 100.0, "a/wide": 101.0, "b/g2": 130.0, "c": 160.0}, {"a": 200.0, "b/g2": 150.0}, ["a", "b/g2"], "b/g2"),
-    ({"a": 100.0, "a/wide": 101.0, "b/g2": 130.0, "c": 160.0}, {"a": 150.0, "b/g2": 148.0}, ["a", "b/g2"], "a"),
-    ({"a": 100.0, "a/wide": 101.0, "b/g2": 151.0, "c": 160.0}, None, None, "a"),  # no rival within 1.5x: no step
+_ALONE = {"a": 100.0, "a/wide": 101.0, "b/g2": 130.0, "b/g4": 120.0, "c": 140.0}
+
+
+@pytest.mark.parametrize(("alone", "backward", "in_step", "finalists", "winner"), [
+    # "b/g4" does per-call work alone that the step's backward routes do too: it wins in the step. "a/wide" does what
+    # the choice does, "b/g2" is slower than b/g4 alone, "c" does nothing the backward does: not timed again.
+    (_ALONE, {"b", ""}, {"a": 200.0, "b/g4": 150.0}, ["a", "b/g4"], "b/g4"),
+    (_ALONE, {"b"}, {"a": 150.0, "b/g4": 148.0}, ["a", "b/g4"], "a"),  # within the 3% margin
+    (_ALONE, {"b", "c"}, {"a": 150.0, "b/g4": 148.0, "c": 120.0}, ["a", "b/g4", "c"], "c"),
+    (_ALONE, {""}, None, None, "a"),  # the backward shares no work with any forward route: nothing timed again
+    ({**_ALONE, "b/g4": 151.0, "b/g2": 152.0}, {"b"}, None, None, "a"),  # no rival within 1.5x of the choice
 ])
-def test_a_differentiated_forward_is_chosen_in_its_train_step(monkeypatch, alone, in_step, finalists, winner):
+def test_a_differentiated_forward_is_chosen_in_its_train_step(monkeypatch, alone, backward, in_step, finalists,
+                                                               winner):
   from jaxsparse.ops import _router  # noqa: PLC0415
 
   timed = []
@@ -294,11 +301,11 @@ def test_a_differentiated_forward_is_chosen_in_its_train_step(monkeypatch, alone
     return {c.name: times[c.name] for c in cands}
 
   monkeypatch.setattr(_measure, "_measure", fake)
-  product, cands = _step_product()
+  product, cands = _step_product(backward)
   with _tuning.autotune_mode("tune"):
     assert _router._choose(product, cands, "cpu").name == winner
     assert _router._choose(product, cands, "cpu").name == winner  # memoized: nothing timed again
-  assert timed[0] == ("fwd", ["a", "a/wide", "b/g2", "c"])
+  assert timed[0] == ("fwd", ["a", "a/wide", "b/g2", "b/g4", "c"])
   assert timed[1:] == ([("step", finalists)] if finalists else [])
   entries = {json.loads(k)["dir"]: e for k, e in json.loads(_cache.cache_path().read_text())["entries"].items()}
   assert entries["fwd"]["choice"] == "a"
@@ -1051,6 +1058,36 @@ def test_tuned_gpu_route_records_each_direction(interpreted, monkeypatch):
     assert e["choice"] in names
     assert e["default"] == {"dw": "split:default", "step": by_dir["fwd"]["choice"]}.get(d, "native:default")
   for out, ref in zip((y, dx, ddata), _reference(x, dy, w), strict=True):
+    _close(out, ref, 2e-5)
+
+
+def test_a_forward_on_the_dense_route_alone_takes_the_sub_blocks_of_its_backward_in_the_step(interpreted,
+                                                                                                monkeypatch):
+  """The forward of a train step is timed with its backward: a route sharing the backward's copy of the blocks into
+  sub-blocks wins there though the dense route was faster alone (times made up; the routes really run)."""
+  monkeypatch.setattr(_measure, "_has_device", lambda platform: platform == "cuda")  # the CPU stands in for a GPU
+  x, dy, w = _problem(40, (256, 128), (1, 3), jnp.float32, seed=4)  # K = 256, N = 384
+
+  def fake(cands, make_args, platform, dense):
+    if cands[0].measure is not None:  # in the step: the sub-blocks share the backward's copy
+      return {c.name: 90.0 if c.name.startswith("split:") else 150.0 for c in cands}
+    direction = {(40, 256): "fwd", (40, 384): "dx", (256, 40): "dw"}[tuple(dense.lhs)]
+    fastest = "dense" if direction == "fwd" else "split:default"
+    return {c.name: 80.0 if c.name == fastest else 100.0 if c.name.startswith("split:") else 300.0 for c in cands}
+
+  monkeypatch.setattr(_measure, "_measure", fake)
+
+  def step(a, d, dy):
+    y, vjp = jax.vjp(lambda a, d: jaxsparse.ops.block_sparse_matmul(a, w.with_data(d)), a, d)
+    return y, *vjp(dy)
+
+  with _tuning.autotune_mode("tune"):
+    outs = jax.jit(step)(x, w.data, dy)
+  entries = {json.loads(k)["dir"]: e for k, e in json.loads(_cache.cache_path().read_text())["entries"].items()}
+  assert {d: e["choice"] for d, e in entries.items()} == {
+      "fwd": "dense", "dx": "split:default", "dw": "split:default", "step": "split:default"}
+  assert entries["step"]["candidates"] == ["dense", "split:default"]
+  for out, ref in zip(outs, _reference(x, dy, w), strict=True):
     _close(out, ref, 2e-5)
 
 

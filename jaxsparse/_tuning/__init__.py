@@ -17,7 +17,7 @@ from jaxsparse._tuning._measure import DenseProduct
 from jaxsparse._tuning._measure import SlowerThanDenseWarning
 from jaxsparse._tuning._measure import choose
 from jaxsparse._tuning._measure import random_operand
-from jaxsparse._tuning._measure import recorded_times
+from jaxsparse._tuning._measure import recorded_decision
 from jaxsparse._tuning._measure import train_step
 from jaxsparse._tuning._measure import will_measure
 
@@ -33,7 +33,7 @@ __all__ = [
     "export_cache",
     "import_cache",
     "random_operand",
-    "recorded_times",
+    "recorded_decision",
     "set_autotune_mode",
     "train_step",
     "will_measure",

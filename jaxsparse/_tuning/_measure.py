@@ -500,10 +500,13 @@ def _recorded_us(entry: dict | None) -> dict[str, float]:
   return {k: us for k, v in times.items() if isinstance(k, str) and (us := _us(v)) is not None}
 
 
-def recorded_times(op: str, direction: str, platform: str, fields: dict[str, Any]) -> dict[str, float]:
-  """The times (µs) by candidate name that the cached decision of one product's signature recorded; ``{}`` where
-  none is cached."""
-  return _recorded_us(_cache.lookup(signature_key(op, direction, platform, **fields)))
+def recorded_decision(op: str, direction: str, platform: str,
+                      fields: dict[str, Any]) -> tuple[str | None, dict[str, float]]:
+  """``(choice, times in µs by candidate name)`` of the cached decision of one product's signature; ``(None, {})``
+  where none is cached."""
+  entry = _cache.lookup(signature_key(op, direction, platform, **fields))
+  choice = entry.get("choice") if entry is not None else None
+  return (choice if isinstance(choice, str) else None), _recorded_us(entry)
 
 
 def _timed(entry: dict) -> set[str]:

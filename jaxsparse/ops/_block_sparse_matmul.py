@@ -530,8 +530,9 @@ def _forward(cfg: _Config, x, w):
       return (jnp.zeros((0, b.shape[1]), cfg.out_dtype),)
     # The kernels write the output dtype themselves: a float32 result of 16-bit inputs is never rounded.
     product = _product("fwd", (x2, b), cfg.out_dtype, cfg.precision)
-    if cfg.in_step:  # a train step's forward: its routes are timed with the step's dX and dW
-      product = dataclasses.replace(product, in_step=functools.partial(_in_step, cfg))
+    if cfg.in_step:  # a train step's forward: its routes may be timed with the step's dX and dW
+      product = dataclasses.replace(product, in_step=_router.InStep(
+          functools.partial(_in_step, cfg), _weight_work, functools.partial(_backward_work, cfg, x2, b)))
     return _router.route([product], _backends(cfg, cfg.out_dtype), default=_shipped_default)
 
   # Data parallel: each device multiplies its rows of x (ops/_sharding.py).
@@ -550,6 +551,29 @@ def _backward(cfg: _Config, x, dy, w):
   # Data parallel: dX keeps the rows' sharding, dW is summed over the row shards.
   bwd = functools.partial(_route_backward, cfg)
   return _sharding.row_parallel(bwd, (x, dy), w, summed=(1,), like={0: x, 1: w.data})
+
+
+def _weight_work(name: str) -> str:
+  """The per-call work on the weight of a route (by its name in :func:`_gpu_routes` and the CPU backends) that the
+  routes of other directions may share: ``"split"`` (a copy of the kept blocks into sub-blocks), ``"dense"`` (the
+  dense weight; ``dW``'s dense route builds none, but ``dX``'s does), ``""`` (none)."""
+  return "split" if name.startswith("split:") else "dense" if name == "dense" else ""
+
+
+def _backward_work(cfg: _Config, x2, b: BlockSparseMatrix, platform: str) -> set[str]:
+  """The :func:`_weight_work` of the routes a train step's ``dX`` and ``dW`` of ``x2 @ b`` take on ``platform``,
+  chosen now (measured where tuning may) as the backward pass will choose them."""
+  spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
+  bwd_cfg = dataclasses.replace(cfg, in_step=False)
+  dy = jax.ShapeDtypeStruct((x2.shape[0], b.shape[1]), cfg.out_dtype)
+  x2, b = spec(x2), jax.tree.map(spec, b)
+  jax.eval_shape(functools.partial(_route_backward, bwd_cfg), x2, dy, b)
+  work = set()
+  for d in ("dx", "dw"):
+    product = _product(d, (x2, dy, b), dy.dtype, cfg.precision)
+    choice, _ = _tuning.recorded_decision(product.op, d, platform, product.fields)
+    work.add(_weight_work(choice or ""))
+  return work
 
 
 def _in_step(cfg: _Config, run: Callable) -> Callable:

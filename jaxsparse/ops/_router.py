@@ -45,6 +45,7 @@ from jaxsparse._tuning import _measure
 __all__ = [
     "Backend",
     "Config",
+    "InStep",
     "Joint",
     "Product",
     "Reference",
@@ -68,6 +69,23 @@ class Config:
 
 
 @dataclasses.dataclass(frozen=True)
+class InStep:
+  """How the routes of a differentiated call's forward are timed in its train step (:func:`_choose_in_step`).
+
+  Attributes:
+    measure: ``run -> measure``: a forward route followed by the step's backward products on their routes.
+    weight_work: a candidate's name -> the per-call work on the weight it does that a backward route may do too
+      (e.g. ``"split"``: a copy of the blocks into sub-blocks; ``"dense"``: the dense weight); ``""``: none.
+    backward_work: ``platform -> set``: the ``weight_work`` of the backward products' routes, chosen now (tuned where
+      tuning may) as the backward pass will choose them.
+  """
+
+  measure: Callable[[Callable], Callable]
+  weight_work: Callable[[str], str]
+  backward_work: Callable[[str], set[str]]
+
+
+@dataclasses.dataclass(frozen=True)
 class Product:
   """One product of an op, as the router sees it.
 
@@ -79,8 +97,8 @@ class Product:
     make_args: builds concrete random operands of the same shapes and dtypes (called only to measure).
     dense: the dense product it stands in for (``x @ W`` of a dense layer), timed beside the candidates to warn
       where none beats it (:class:`jaxsparse.SlowerThanDenseWarning`); ``None``: not compared.
-    in_step: for the forward of a differentiated call, ``run -> measure``: a candidate's forward followed by the
-      step's backward products as they are routed (:func:`_choose_in_step`); ``None``: the forward alone.
+    in_step: for the forward of a differentiated call, how its routes are timed in the train step
+      (:func:`_choose_in_step`); ``None``: the forward alone.
   """
 
   op: str
@@ -89,7 +107,7 @@ class Product:
   fields: dict[str, Any]
   make_args: Callable[[], tuple]
   dense: _measure.DenseProduct | None = None
-  in_step: Callable[[Callable], Callable] | None = None
+  in_step: InStep | None = None
 
   @property
   def symbolic(self) -> bool:
@@ -334,28 +352,29 @@ def _choose(p: Product, cands: list[_tuning.Candidate], platform: str) -> _tunin
 
 def _choose_in_step(p: Product, cands: list[_tuning.Candidate], chosen: _tuning.Candidate,
                     platform: str) -> _tuning.Candidate:
-  """The forward of a differentiated call: its choice timed alone, against the fastest candidate of each other family
-  (the name up to its first ``/``: a kernel family on the blocks as they are or re-tiled, the dense route) that was
-  timed within :data:`STEP_WITHIN` of it, each timed as ``p.in_step(run)``, the forward followed by the step's
-  backward products as they are routed (direction ``"step"`` in the cache, against a dense train step).
+  """The forward of a differentiated call: its choice timed alone, against the fastest route of each kind of per-call
+  work on the weight that the step's backward routes also do and the choice does not (``p.in_step``), timed within
+  :data:`STEP_WITHIN` of it alone; each timed as the forward followed by the step's backward products on their routes
+  (direction ``"step"`` in the cache, against a dense layer's train step).
 
-  The backward products may share per-call work on the weight with the forward (a copy of the blocks into
-  sub-blocks, the dense weight), which XLA does once in a jitted step and which timing the forward alone charges to it
-  in full: on an H200 a forward tuned alone took the dense route beside backward products on sub-blocks, and the
-  step ran at 1.32 of dense against 1.09 with all three on sub-blocks
-  (``benchmarks/results/gpu_unseen_shapes_2026-12-02_h200_seed101.md``, case 12)."""
-  alone = _tuning.recorded_times(p.op, p.direction, platform, p.fields)
+  In one jitted step XLA does such shared work (a copy of the blocks into sub-blocks, the dense weight) once, where
+  timing the forward alone charges it in full: on an H200 a forward tuned alone took the dense route beside backward
+  products on sub-blocks, and the step ran at 1.32 of dense against 1.09 with all three on sub-blocks
+  (``benchmarks/results/gpu_unseen_shapes_2026-12-02_h200_seed101.md``, case 12). Where the forward's choice does
+  what the backward routes do, or no rival does, nothing more is timed."""
+  _, alone = _tuning.recorded_decision(p.op, p.direction, platform, p.fields)
   if chosen.name not in alone:  # nothing timed (tuning off, or a decision without times): the forward's choice
     return chosen
+  step = p.in_step
+  shared = step.backward_work(platform) - {"", step.weight_work(chosen.name)}
   by_name = {c.name: c for c in cands}
-  family = lambda name: name.split("/")[0]
   rivals = {}
   for name in sorted((n for n in alone if n in by_name), key=alone.get):
-    if family(name) != family(chosen.name) and alone[name] <= alone[chosen.name] * STEP_WITHIN:
-      rivals.setdefault(family(name), name)
+    if step.weight_work(name) in shared and alone[name] <= alone[chosen.name] * STEP_WITHIN:
+      rivals.setdefault(step.weight_work(name), name)
   if not rivals:
     return chosen
-  finalists = [dataclasses.replace(by_name[n], measure=p.in_step(by_name[n].run), always_timed=True)
+  finalists = [dataclasses.replace(by_name[n], measure=step.measure(by_name[n].run), always_timed=True)
                for n in (chosen.name, *rivals.values())]
   dense = None if p.dense is None else dataclasses.replace(p.dense, step=True)
   pick = _tuning.choose(p.op, "step", finalists, p.make_args, platform=platform, fields=p.fields, dense=dense)
