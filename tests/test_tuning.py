@@ -421,9 +421,13 @@ def test_block_sparse_products_record_their_dense_twins_time(monkeypatch):
     warnings.simplefilter("always")
     jax.jit(jax.grad(lambda x, d: jnp.sum(jaxsparse.ops.block_sparse_matmul(x, w.with_data(d)) ** 2),
                      argnums=(0, 1)))(x, w.data)
-  assert sorted((d.lhs, d.rhs) for d in seen) == [((24, 64), (64, 96)), ((24, 96), (96, 64)), ((64, 24), (24, 96))]
+  assert sorted((d.lhs, d.rhs) for d in seen if not d.step) == [
+      ((24, 64), (64, 96)), ((24, 96), (96, 64)), ((64, 24), (24, 96))]
+  # The forward is re-timed in its train step where a rival within 1.5x of its choice does the backward's weight
+  # work (the measured times decide): against a dense train step of the forward's shapes.
+  assert all((d.lhs, d.rhs) == ((24, 64), (64, 96)) for d in seen if d.step)
   entries = json.loads(_cache.cache_path().read_text())["entries"].values()
-  assert [e["dense_us"] for e in entries] == [0.0] * 3
+  assert [e["dense_us"] for e in entries] == [0.0] * len(seen)
   assert not _slower_warnings(rec)  # a time of 0 compares nothing
 
 

@@ -625,6 +625,6 @@ def _call(x, w: NMSparseMatrix, implementation, precision, preferred_element_typ
           "cusparselt_weight must be the 1-D uint8 array of cusparselt_compress(w), got "
           f"{cusparselt_weight.dtype}{cusparselt_weight.shape}."
       )
-  cfg = _Config(impl, precision, out_dtype, buffer_only)
+  cfg = _Config(impl, precision, out_dtype, buffer_only=buffer_only)
   # Inside shard_map(check_vma=True): operands that vary alike (JAX sums a replicated w's cotangent).
   return _nm_matmul(cfg, *_utils.vary_alike(x, w, cusparselt_weight))

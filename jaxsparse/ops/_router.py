@@ -65,7 +65,8 @@ class Config:
   implementation: str  # "auto" or a name the op maps to a subset of its backends
   precision: lax.PrecisionLike
   out_dtype: jnp.dtype
-  in_step: bool = False  # the forward of a differentiated call (its custom VJP's forward rule)
+  # The forward of a differentiated call (its custom VJP's forward rule). Keyword-only: an op's config adds fields.
+  in_step: bool = dataclasses.field(default=False, kw_only=True)
 
 
 @dataclasses.dataclass(frozen=True)
