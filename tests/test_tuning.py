@@ -1095,6 +1095,47 @@ def test_a_forward_on_the_dense_route_alone_takes_the_sub_blocks_of_its_backward
     _close(out, ref, 2e-5)
 
 
+@slow
+def test_a_forward_chosen_in_its_train_step_differentiates_under_vmap_export_and_grad_of_grad(monkeypatch):
+  """The CPU routes: ``dX`` and ``dW`` take the dense route, the forward the kernel alone and the dense route in the
+  step (times made up; the routes really run). Each transform's step traces its own forward, chosen in the step."""
+  def fake(cands, make_args, platform, dense):
+    if cands[0].measure is not None:
+      return {c.name: 100.0 if c.name == "dense" else 200.0 for c in cands}
+    fwd = tuple(dense.rhs) == (64, 96)
+    return {c.name: (120.0 if fwd else 80.0) if c.name == "dense" else 100.0 for c in cands}
+
+  monkeypatch.setattr(_measure, "_measure", fake)
+  rng = np.random.default_rng(5)
+  w = jaxsparse.BlockSparseMatrix.from_dense(jnp.asarray(rng.standard_normal((64, 96)), jnp.float32), (16, 16))
+  x = jnp.asarray(rng.standard_normal((3, 40, 64)), jnp.float32)
+  loss = lambda x, d: jnp.sum(jaxsparse.ops.block_sparse_matmul(x, w.with_data(d)) ** 2)
+  ref = lambda x, d: jnp.sum(jnp.matmul(x, w.with_data(d).to_dense(), precision="highest") ** 2)
+  grads = jax.jit(jax.grad(loss, argnums=(0, 1)))
+  with _tuning.autotune_mode("tune"), warnings.catch_warnings():
+    warnings.simplefilter("ignore", jaxsparse.SlowerThanDenseWarning)
+    got = {
+        "jit": grads(x, w.data),
+        "vmap": jax.vmap(grads, in_axes=(0, None))(x, w.data),
+        "export": jax.export.export(grads, disabled_checks=jaxsparse.ops.export_safety_checks())(x, w.data).call(
+            x, w.data),
+        "grad of grad": jax.grad(lambda x: jnp.sum(jax.grad(loss)(x, w.data) ** 2))(x),
+    }
+  want = {
+      "jit": jax.grad(ref, argnums=(0, 1))(x, w.data),
+      "vmap": jax.vmap(jax.grad(ref, argnums=(0, 1)), in_axes=(0, None))(x, w.data),
+      "grad of grad": jax.grad(lambda x: jnp.sum(jax.grad(ref)(x, w.data) ** 2))(x),
+  }
+  want["export"] = want["jit"]
+  for name, value in got.items():
+    for a, b in zip(jax.tree.leaves(value), jax.tree.leaves(want[name]), strict=True):
+      _close(a, b, 1e-4)
+  entries = [json.loads(k) | e for k, e in json.loads(_cache.cache_path().read_text())["entries"].items()]
+  steps = {e["rows"]: e["choice"] for e in entries if e["dir"] == "step"}
+  assert steps and set(steps.values()) == {"dense"}, entries
+  assert {e["rows"] for e in entries if e["dir"] == "fwd"} == set(steps)  # every forward traced in a step
+
+
 def test_autotune_ahead_of_time_has_no_budget(monkeypatch):
   budgets = []
   monkeypatch.setattr(_measure, "_measure",
