@@ -361,8 +361,9 @@ def _choose_in_step(p: Product, cands: list[_tuning.Candidate], chosen: _tuning.
   In one jitted step XLA does such shared work (a copy of the blocks into sub-blocks, the dense weight) once, where
   timing the forward alone charges it in full: on an H200 a forward tuned alone took the dense route beside backward
   products on sub-blocks, and the step ran at 1.32 of dense against 1.09 with all three on sub-blocks
-  (``benchmarks/results/gpu_unseen_shapes_2026-12-02_h200_seed101.md``, case 12). Where the forward's choice does
-  what the backward routes do, or no rival does, nothing more is timed."""
+  (``benchmarks/results/gpu_unseen_shapes_2026-12-02_h200_seed101.md``, case 12); chosen in the step, the forward took
+  the sub-blocks too and the step ran at 1.09 (``gpu_in_step_tuning_2026-12-02_h200.md``). Where the forward's choice
+  does what the backward routes do, or no rival does, nothing more is timed."""
   _, alone = _tuning.recorded_decision(p.op, p.direction, platform, p.fields)
   if chosen.name not in alone:  # nothing timed (tuning off, or a decision without times): the forward's choice
     return chosen
