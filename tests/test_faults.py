@@ -67,6 +67,12 @@ NATIVE_CASES = {
     "csr_to_dense_col_index_past_n_last_item": "col_indices has entries outside",
     "csr_take_row_offsets_past_nnz_first_item": "row_offsets is not an offset array",
     "csr_take_col_index_negative_first_item": "col_indices has entries outside",
+    # Columns in range listed twice or out of order within a row (to_dense is NaN for them; a kernel would add an
+    # entry twice): the kernels that read col_indices by rows check that each row's increase.
+    "csr_few_rows_forward_col_repeated": "columns out of order or twice",
+    "csr_backward_col_out_of_order": "columns out of order or twice",
+    "csr_to_dense_col_repeated_last_item": "columns out of order or twice",
+    "csr_take_col_out_of_order_first_item": "columns out of order or twice",
     "valid_shapes_sweep": None,  # every kernel on edge shapes against NumPy (under ASan: no stray access)
 }
 # In the fast set: a case of each kernel, and the CSR forward's transpose order. The others, the sweep the longest
@@ -78,6 +84,7 @@ FAST_NATIVE_CASES = {
     "block_forward_order_repeated", "block_backward_row_index_disagrees",
     "csr_few_rows_forward_one_row_col_index_past_n", "csr_few_rows_forward_last_item_col_index_negative",
     "csr_to_dense_row_offsets_negative_last_item", "csr_take_col_index_negative_first_item",
+    "csr_few_rows_forward_col_repeated", "csr_to_dense_col_repeated_last_item",
 }
 
 _NATIVE_CHILD = """
@@ -128,6 +135,14 @@ def spoil(arr, where, value):
   arr = np.array(arr)
   arr[where] = value
   return arr
+
+def spoil_row(offsets, cols, rows, how):
+  # The first row in `rows` with two entries or more: its second column the first's ("repeated"), or the two swapped.
+  cols = np.array(cols)
+  r = next(r for r in rows if offsets[r + 1] - offsets[r] >= 2)
+  e = offsets[r]
+  cols[e], cols[e + 1] = (cols[e], cols[e]) if how == "repeated" else (cols[e + 1], cols[e])
+  return cols
 
 def sweep():
   err = 0.0
@@ -192,6 +207,10 @@ def conversion_spoiled(case):
     offsets[3] = w.nnz + 10
   elif case == "csr_take_col_index_negative_first_item":
     cols[0] = -1
+  elif case == "csr_to_dense_col_repeated_last_item":
+    cols = spoil_row(offsets, cols, range(256, k), "repeated")
+  elif case == "csr_take_col_out_of_order_first_item":
+    cols = spoil_row(offsets, cols, range(k), "swapped")
   if case.startswith("csr_to_dense_"):
     return finish(_kernels.csr_to_dense(np.asarray(w.data), offsets, cols, n))
   return finish(_kernels.csr_take(f32(k, n), offsets, cols))
@@ -232,6 +251,10 @@ def run(case):
       a["row_offsets"] = spoil(a["row_offsets"], 4, 0)
     elif case == "csr_few_rows_forward_col_index_past_n":
       a["col_indices"] = spoil(a["col_indices"], 0, 24)
+    elif case == "csr_few_rows_forward_col_repeated":
+      a["col_indices"] = spoil_row(a["row_offsets"], a["col_indices"], range(16), "repeated")
+    elif case == "csr_backward_col_out_of_order":
+      a["col_indices"] = spoil_row(a["row_offsets"], a["col_indices"], range(16), "swapped")
     data = np.asarray(w.data)
     if case.startswith("csr_few_rows_"):
       y = _kernels.csr_few_rows_forward(x, data, a["row_offsets"], a["col_indices"], 24)

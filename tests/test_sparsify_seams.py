@@ -1,6 +1,7 @@
 """sparsify / densify / the layers at the seams a bug bash found (2026-11-28): tied layers, subclasses of the Flax
 layers, options the sparse layers cannot honour, stacked (scan-over-layers) kernels, wrong trailing axes."""
 
+import math
 import warnings
 
 import flax.linen as nn
@@ -778,3 +779,64 @@ def test_sparsify_masks_must_be_boolean_for_every_structure(spec, scale):
   x = jnp.ones((1, 8))
   np.testing.assert_allclose(np.asarray(sparse["fc"](x)), np.asarray(x @ (layer.kernel[...] * kept) + layer.bias[...]),
                              rtol=1e-5, atol=1e-5)
+
+
+class _LinenMLP(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h = nn.relu(nn.Dense(64)(x))  # Dense_0: (32, 64)
+    return nn.Dense(32)(h)
+
+
+@pytest.mark.parametrize("spec", UNSTRUCTURED_AND_BLOCK)
+@pytest.mark.parametrize("api", ["nnx", "linen"])
+def test_masks_of_another_density_than_the_rule_warn_and_say_so_in_the_report(spec, api):
+  # The mask wins (its layer keeps exactly its weights): a gradual pruner's masks taken before end_step gave a layer
+  # "block 16x16 25% kept" of density 1.0 with no word of it.
+  rng = np.random.default_rng(int(np.random.default_rng().integers(1 << 30)))
+  want = spec.density if isinstance(spec, jaxsparse.BlockSparse) else 1 - spec.sparsity
+  block = spec.block_shape if isinstance(spec, jaxsparse.BlockSparse) else (1, 1)
+  grid = (32 // block[0], 64 // block[1])
+  x = _normal(int(rng.integers(1 << 20)), (4, 32))
+
+  def run(keep):  # a mask of `keep` random blocks (weights)
+    flat = np.zeros(math.prod(grid), bool)
+    flat[rng.permutation(flat.size)[:keep]] = True
+    mask = np.kron(flat.reshape(grid), np.ones(block, bool))
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      if api == "nnx":
+        model = nnx.Sequential(nnx.Linear(32, 64, rngs=nnx.Rngs(0)), nnx.Linear(64, 32, rngs=nnx.Rngs(1)))
+        _, report = jaxsparse.sparsify(model, {"layers.0": spec}, masks={"layers.0.kernel": mask})
+        path = "layers.0"
+      else:
+        variables = _LinenMLP().init(jax.random.key(0), x)
+        _, _, report = jaxsparse.sparsify_linen(_LinenMLP(), variables, {"Dense_0": spec}, x,
+                                                masks={"Dense_0.kernel": mask})
+        path = "Dense_0"
+    row = next(c for c in report.layers if c.path == path)
+    said = [str(w.message) for w in caught if "masks= keep another fraction" in str(w.message)]
+    return mask, row, said
+
+  units = math.prod(grid)
+  mask, row, said = run(round((want + 0.3) * units))  # a schedule stopped early, or a global ranking
+  kept = mask.mean()
+  assert abs(kept - want) > 0.2
+  assert row.density == pytest.approx(kept)
+  assert f"the given mask keeps {kept:.1%}" in row.note and f"where the rule keeps {want:.1%}" in row.note
+  assert len(said) == 1 and f"{row.path}: the given mask keeps" in said[0]
+  for keep in (round(want * units), round(want * units) + 1):  # the rule's count (a pruner given it), one more
+    _, row, said = run(keep)
+    assert said == [] and "the given mask" not in row.note
+
+
+def test_masks_of_an_nm_rule_are_not_compared_to_a_fraction():
+  # An N:M mask is checked group by group; a sparser one (1 of 4) is valid and not reported as another density.
+  model = nnx.Sequential(nnx.Linear(32, 64, rngs=nnx.Rngs(0)))
+  mask = np.zeros((32, 64), bool)
+  mask[::4] = True  # 1:4
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    _, report = jaxsparse.sparsify(model, jaxsparse.NM(2, 4), masks={"layers.0.kernel": mask})
+  assert not [w for w in caught if "masks= keep another fraction" in str(w.message)]
+  assert "the given mask" not in report.layers[0].note

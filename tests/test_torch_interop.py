@@ -1690,3 +1690,35 @@ def test_load_nnx_into_a_compressed_linear(storage):
   np.testing.assert_array_equal(target.layers[0].weight.positions(), sparse.layers[0].weight.positions())
   kept = np.asarray(sparse.layers[0].weight.to_dense() != 0, np.float32)
   np.testing.assert_array_equal(target.layers[0].to_dense().kernel[...], kept)
+
+
+def test_export_masks_needs_torch_names_only_for_the_masked_modules():
+  # A dense head without a mask used to need a torch name too ("give every exported module a torch name").
+  model = nnx.Sequential(MaskedLinear(8, 8, sparsity=0.5, rngs=nnx.Rngs(0)), nnx.Linear(8, 4, rngs=nnx.Rngs(1)))
+  masks = torch_interop.export_masks(model, torch_names={"layers.0": "fc1"})
+  assert list(masks) == ["fc1.weight_mask"]
+  np.testing.assert_array_equal(masks["fc1.weight_mask"].numpy(), np.asarray(model.layers[0].mask[...]).T)
+  with pytest.raises(CheckpointError, match=r"no entry for the Flax module 'layers\.0'"):  # a masked module still does
+    torch_interop.export_masks(model, torch_names={"layers.1": "head"})
+  variables = {"params": {"fc": {"kernel": jnp.ones((8, 8)), "bias": jnp.zeros(8)},
+                          "head": {"kernel": jnp.ones((8, 4)), "bias": jnp.zeros(4)}},
+               "sparsity": {"fc": {"mask": jnp.eye(8, dtype=bool)}}}
+  with pytest.warns(UserWarning, match="read by their shapes alone: head"):
+    assert list(torch_interop.export_masks(variables, torch_names={"fc": "fc1"})) == ["fc1.weight_mask"]
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.bool, "float16", np.float16])
+def test_export_dtype_must_be_a_torch_float_dtype(dtype):
+  # int8 / bool turned every float weight into zeros / True; a string or NumPy dtype failed inside torch's Tensor.to
+  # ("Invalid device string").
+  layer = MaskedLinear(8, 4, sparsity=0.5, rngs=nnx.Rngs(0))
+  with pytest.raises(TypeError, match=r"dtype must be None or a floating torch\.dtype"):
+    torch_interop.export_state_dict(layer, torch_names={"": "fc"}, dtype=dtype)
+  if isinstance(dtype, torch.dtype):  # a mask may take any torch dtype (0 / 1)
+    masks = torch_interop.export_masks(layer, torch_names={"": "fc"}, dtype=dtype)
+    np.testing.assert_array_equal(masks["fc.weight_mask"].numpy().astype(bool), np.asarray(layer.mask[...]).T)
+  else:
+    with pytest.raises(TypeError, match=r"dtype must be None or a torch\.dtype"):
+      torch_interop.export_masks(layer, torch_names={"": "fc"}, dtype=dtype)
+  assert torch_interop.export_state_dict(layer, torch_names={"": "fc"}, dtype=torch.float16)["fc.weight"].dtype == \
+      torch.float16

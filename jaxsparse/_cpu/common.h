@@ -277,6 +277,28 @@ inline bool InRange(const int32_t* v, int64_t len, int64_t bound) {
   return ok;
 }
 
+// Rows r0..r1 of a CSR matrix (offsets ptr, already valid) list their columns strictly increasing and in [0, bound), as
+// jaxsparse.CSRMatrix.validate asks: no entry twice (which to_dense makes NaN, and a kernel would add twice). One
+// compare an entry, as InRange's two: increasing columns are in range where each row's first and last are.
+inline bool RowsIncreasingInRange(const int32_t* ptr, const int32_t* cols, int64_t r0, int64_t r1, int64_t bound) {
+  bool ok = true;
+  for (int64_t r = r0; r < r1; ++r) {
+    const int64_t e0 = ptr[r], e1 = ptr[r + 1];
+    if (e0 == e1) continue;
+    ok &= (cols[e0] >= 0) & (cols[e1 - 1] < bound);
+    for (int64_t e = e0 + 1; e < e1; ++e) ok &= cols[e] > cols[e - 1];
+  }
+  return ok;
+}
+
+// What a failed RowsIncreasingInRange of rows r0..r1 found.
+inline std::string RowColumnsError(const int32_t* ptr, const int32_t* cols, int64_t r0, int64_t r1, int64_t bound) {
+  if (!InRange(cols + ptr[r0], ptr[r1] - ptr[r0], bound)) {
+    return "col_indices has entries outside [0, " + std::to_string(bound) + ")";
+  }
+  return "col_indices lists a row's columns out of order or twice (they must increase within each row)";
+}
+
 template <typename Buf>
 inline int64_t Dim(const Buf& buf, int i) {
   return static_cast<int64_t>(buf.dimensions()[i]);

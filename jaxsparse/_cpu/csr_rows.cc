@@ -79,7 +79,9 @@ void CsrFewRows(const Scheduler& pool, const float* x, const float* data, const 
 std::string CsrFewRowsKernel(const Scheduler& pool, const float* x, const float* data, const int32_t* row_offsets,
                              const int32_t* col_indices, int64_t b, int64_t k, int64_t n, int64_t nnz, float* y) {
   if (!ValidOffsets(row_offsets, k, nnz)) return "row_offsets is not an offset array for nnz=" + std::to_string(nnz);
-  if (!InRange(col_indices, nnz, n)) return "col_indices has entries outside [0, " + std::to_string(n) + ")";
+  if (!RowsIncreasingInRange(row_offsets, col_indices, 0, k, n)) {
+    return RowColumnsError(row_offsets, col_indices, 0, k, n);
+  }
   if (b < 0 || b > kFewRows) return "takes at most " + std::to_string(kFewRows) + " rows, got " + std::to_string(b);
   if (b == 0 || n == 0) return "";
   const auto run = b <= 2 ? CsrFewRows<2> : b <= 4 ? CsrFewRows<4> : CsrFewRows<8>;
@@ -91,9 +93,9 @@ std::string CsrFewRowsKernel(const Scheduler& pool, const float* x, const float*
 // the entries from a dense x.T @ dY; XLA's scatter / gather of the entries cost about as much as the product.
 // Both walk kRowsPerItem rows a work item, body(r0, r1), each item checking its own rows' offsets and column indices
 // before it reads through them (every offset in [0, nnz] and not below the one before: with row_offsets[0] = 0 and
-// row_offsets[k] = nnz, checked first, that is ValidOffsets; every column in [0, n)), on every thread instead of in
-// one pass before the work. An item whose rows fail the checks writes nothing; the error is the offsets' where any
-// item found bad offsets, else the columns'.
+// row_offsets[k] = nnz, checked first, that is ValidOffsets; each row's columns increasing, in [0, n)), on every
+// thread instead of in one pass before the work. An item whose rows fail the checks writes nothing; the error is the
+// offsets' where any item found bad offsets, else the columns' (out of range, or a row's out of order or twice).
 template <typename Body>
 std::string CheckedRowItems(const Scheduler& pool, const int32_t* row_offsets, const int32_t* col_indices, int64_t k,
                             int64_t n, int64_t nnz, const Body& body) {
@@ -110,14 +112,14 @@ std::string CheckedRowItems(const Scheduler& pool, const int32_t* row_offsets, c
       offsets_ok.store(false, std::memory_order_relaxed);
       return;
     }
-    if (!InRange(col_indices + row_offsets[r0], row_offsets[r1] - row_offsets[r0], n)) {
+    if (!RowsIncreasingInRange(row_offsets, col_indices, r0, r1, n)) {
       columns_ok.store(false, std::memory_order_relaxed);
       return;
     }
     body(r0, r1);
   });
   if (!offsets_ok.load()) return bad_offsets;
-  if (!columns_ok.load()) return "col_indices has entries outside [0, " + std::to_string(n) + ")";
+  if (!columns_ok.load()) return RowColumnsError(row_offsets, col_indices, 0, k, n);  // every item's offsets valid
   return "";
 }
 

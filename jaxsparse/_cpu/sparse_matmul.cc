@@ -467,7 +467,9 @@ std::string CsrBackwardKernel(const Scheduler& pool, const float* x, const float
                               const int32_t* col_indices, const float* dy, int64_t b, int64_t k, int64_t n, int64_t nnz,
                               float* dx, float* ddata) {
   if (!ValidOffsets(row_offsets, k, nnz)) return "row_offsets is not an offset array for nnz=" + std::to_string(nnz);
-  if (!InRange(col_indices, nnz, n)) return "col_indices has entries outside [0, " + std::to_string(n) + ")";
+  if (!RowsIncreasingInRange(row_offsets, col_indices, 0, k, n)) {
+    return RowColumnsError(row_offsets, col_indices, 0, k, n);
+  }
   if (k == 0) return "";
   if (b == 0 || n == 0) {
     std::memset(ddata, 0, sizeof(float) * nnz);

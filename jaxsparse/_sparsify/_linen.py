@@ -75,8 +75,10 @@ from jaxsparse._sparsify._linen_stacks import layer_axes
 from jaxsparse._sparsify._linen_stacks import stack_error
 from jaxsparse._sparsify._masks import check_masks_used
 from jaxsparse._sparsify._masks import check_nm_mask
+from jaxsparse._sparsify._masks import mask_density_note
 from jaxsparse._sparsify._masks import masks_dict
 from jaxsparse._sparsify._masks import nm_table_density
+from jaxsparse._sparsify._masks import warn_mask_densities
 from jaxsparse._sparsify._nnx import at_path
 from jaxsparse._sparsify._nnx_convert import is_abstract
 from jaxsparse._sparsify._report import LayerChange
@@ -114,6 +116,10 @@ class SparsifiedLinen:
   features for ``nn.DenseGeneral``; ``CompressedNMDense`` after :func:`jaxsparse.compress_linen`), ``NMConv``, a
   masked ``nn.Conv`` or, for an ``nn.Embed``'s lookups and ``attend``, ``CompressedNMEmbed``, on the variables of the
   same scope. Use it as ``apply_fn`` of a ``TrainState``.
+
+  It is not an ``nn.Module`` (it has ``apply``, ``init`` and ``init_with_output`` only): for a table of its layers
+  (bytes, density, which layers are sparse) use ``jaxsparse.summary(variables, *inputs, module=sparse)`` where
+  ``nn.Module.tabulate`` would be used.
 
   Attributes:
     module: the user's Linen module, unchanged.
@@ -440,6 +446,7 @@ def sparsify_linen(
     layers[path] = layer
     _store(new_vars, path, layer, _nested_get(params, path), layer_vars)
     changes.append(change)
+  mask_notes = {}
   for path, f in found.items():
     kind, m = f.kind, f.module
     p = ".".join(path)
@@ -489,9 +496,12 @@ def sparsify_linen(
     layers[path] = layer
     _store(new_vars, path, layer, boxed_params, layer_vars)
     density = layer_density(layer, per_layer, mask)
+    mask_notes[p] = mask_density_note(spec, mask)
+    note = "; ".join(filter(None, [note, mask_notes[p]]))
     changes.append(LayerChange(p, described, spec.describe(),
                                sparse_layer_name(layer, nnz=nnz),
                                density, nbytes(dense_params), nbytes(layer_vars), dense_ms, sparse_ms, note))
+  warn_mask_densities(mask_notes)
   changes += _unsupported_changes(params, resolved, set(dense_paths) | {".".join(p) for p in called_embeds}, called)
   warn_unmatched(resolved, dense_paths + [".".join(p) for p, _ in embeds]
                  + embeddings_kept_dense(resolved, [".".join(p) for p in called_embeds], dense_paths),

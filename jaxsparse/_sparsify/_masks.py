@@ -2,7 +2,8 @@
 
 One rule for NNX and Linen: the ``masks=`` argument as ``{"path.kernel": mask}`` (:func:`masks_dict`), its keys
 checked against the layers the rules sparsify (:func:`check_masks_used`), each mask checked against the structure
-that keeps it (:func:`block_mask_of`, :func:`check_nm_mask`, :func:`check_general_mask_view`); and the kept fraction
+that keeps it (:func:`block_mask_of`, :func:`check_nm_mask`, :func:`check_general_mask_view`) and against the
+fraction its rule keeps (:func:`mask_density_note`, :func:`warn_mask_densities`); and the kept fraction
 of an N:M kernel or table (:func:`nm_density`, :func:`nm_table_density`, :func:`nm_signature_density`), counted from
 the weights where they hold values and from the given mask where a trace hides them.
 """
@@ -15,12 +16,14 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from jaxsparse import _utils
 from jaxsparse._rules import as_numpy_bool
 from jaxsparse._rules import masks_to_dict
 from jaxsparse.formats._base import is_concrete
 from jaxsparse.formats._specs import NM
 from jaxsparse.formats._specs import BlockSparse
 from jaxsparse.formats._specs import Spec
+from jaxsparse.formats._specs import Unstructured
 from jaxsparse.formats._specs import matrix_shape
 from jaxsparse.layers._common import compressed_kept_count
 from jaxsparse.layers._common import eager_if_concrete
@@ -28,9 +31,13 @@ from jaxsparse.layers._common import kept_fraction
 from jaxsparse.layers._common import nm_kept_count
 
 __all__ = [
-    "block_mask_of", "check_general_mask_view", "check_masks_used", "check_nm_mask", "masks_dict", "nm_density",
-    "nm_signature_density", "nm_table_density",
+    "block_mask_of", "check_general_mask_view", "check_masks_used", "check_nm_mask", "mask_density_note", "masks_dict",
+    "nm_density", "nm_signature_density", "nm_table_density", "warn_mask_densities",
 ]
+
+# A given mask whose kept fraction is further than this (and than one block or weight) from its rule's is reported
+# (mask_density_note).
+MASK_DENSITY_SLACK = 0.02
 
 
 def masks_dict(masks: Any) -> dict[str, np.ndarray]:
@@ -64,6 +71,41 @@ def block_mask_of(mask: np.ndarray, block_shape: tuple[int, int], path: str) -> 
   if not anyb.any():
     raise ValueError(f"{path}: the given mask keeps no block.")
   return anyb
+
+
+def mask_density_note(spec: Spec, mask: np.ndarray | None) -> str:
+  """A report note where a mask given to sparsify keeps another fraction of the weights than its rule asks, else
+  ``""``.
+
+  The mask wins (the layer keeps exactly its weights): a gradual pruner's masks taken before its last step, or masks
+  of a global magnitude ranking, give layers other densities than the rule names, and the report's structure column
+  (the rule's words) would say otherwise. ``BlockSparse`` and ``Unstructured`` rules only: an ``NM`` rule's mask is
+  checked group by group (:func:`check_nm_mask`). A block mask keeps the same fraction of blocks as of weights.
+  """
+  if mask is None or not isinstance(spec, (BlockSparse, Unstructured)) or mask.size == 0:
+    return ""
+  kept = float(np.count_nonzero(mask)) / mask.size
+  want = spec.density if isinstance(spec, BlockSparse) else 1.0 - spec.sparsity
+  units = mask.size // math.prod(spec.block_shape) if isinstance(spec, BlockSparse) else mask.size
+  if abs(kept - want) <= max(MASK_DENSITY_SLACK, 1 / units):  # a block (or weight) off: a rounding, not a schedule
+    return ""
+  what = "blocks" if isinstance(spec, BlockSparse) else "weights"
+  return f"the given mask keeps {kept:.1%} of the {what} where the rule keeps {want:.1%}"
+
+
+def warn_mask_densities(notes: dict[str, str]) -> None:
+  """One ``UserWarning`` naming the layers whose given masks keep another fraction than their rules
+  (``notes``: path -> :func:`mask_density_note`, empty notes left out)."""
+  notes = {p: n for p, n in notes.items() if n}
+  if not notes:
+    return
+  listed = "; ".join(f"{p or '(the model itself)'}: {n}" for p, n in list(notes.items())[:8])
+  more = f"; and {len(notes) - 8} more" if len(notes) > 8 else ""
+  _utils.warn_at_caller(
+      f"masks= keep another fraction of the weights than the rules name at {len(notes)} layer(s) ({listed}{more}). "
+      "The masks win: each layer keeps exactly the weights its mask keeps (the report's density column). Masks of a "
+      "gradual pruner taken before its end_step, or of a global ranking, do this; give rules of the masks' "
+      "densities, or prune to the end of the schedule, to silence this.", UserWarning)
 
 
 def check_nm_mask(mask: np.ndarray, spec: NM, axis: int, path: str, *, what: str = "the input features") -> None:

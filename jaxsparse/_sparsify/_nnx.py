@@ -48,9 +48,11 @@ from jaxsparse._sparsify._masks import block_mask_of
 from jaxsparse._sparsify._masks import check_general_mask_view
 from jaxsparse._sparsify._masks import check_masks_used
 from jaxsparse._sparsify._masks import check_nm_mask
+from jaxsparse._sparsify._masks import mask_density_note
 from jaxsparse._sparsify._masks import masks_dict
 from jaxsparse._sparsify._masks import nm_density
 from jaxsparse._sparsify._masks import nm_table_density
+from jaxsparse._sparsify._masks import warn_mask_densities
 from jaxsparse._sparsify._nnx_convert import SPARSE_NNX
 from jaxsparse._sparsify._nnx_convert import bridged_linen
 from jaxsparse._sparsify._nnx_convert import holds_dense_layers
@@ -547,6 +549,7 @@ def sparsify(
                                                                    mask=None if mask is None else np.asarray(mask)),
                                state_bytes(node), state_bytes(new),
                                note=f"tied: also at {', '.join(paths[1:])}" if paths[1:] else ""))
+  mask_notes = {}
   for path, node, spec, new in built:
     p = path_str(path)
     dense_ms = sparse_ms = None
@@ -573,8 +576,11 @@ def sparsify(
     else:
       model = new
     mask = mask_dict.get(f"{p}.kernel" if p else "kernel")
+    mask_notes[p] = mask_density_note(spec, None if mask is None else np.asarray(mask))
+    note = "; ".join(filter(None, [note, mask_notes[p]]))
     changes.append(LayerChange(p, _describe(node), spec.describe(), type(new).__name__, _density(new, mask),
                                state_bytes(node), state_bytes(new), dense_ms, sparse_ms, note))
+  warn_mask_densities(mask_notes)
   changes += _unsupported_changes(model, resolved)
   changes.sort(key=lambda c: c.path)
   return model, SparsifyReport(tuple(changes))

@@ -389,9 +389,9 @@ class _Loop:
         "dx": lambda a, dy, b: loop_backward(a, dy, b, precision=prec, need_dw=False)[0],
         "dw": lambda a, dy, b: loop_backward(a, dy, b, precision=prec, need_dx=False)[1],
     }[p.direction]
-    joint = lambda a, dy, b: loop_backward(a, dy, b, precision=prec)
+    joint = _checked(lambda a, dy, b: loop_backward(a, dy, b, precision=prec))
     value = None if p.direction == "fwd" else _router.Joint(joint, ("dx", "dw").index(p.direction))
-    return [_tuning.Candidate(self.name, run, value)]
+    return [_tuning.Candidate(self.name, _checked(run), value)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -412,7 +412,23 @@ class _Dense:
     x2, w = p.args[0], p.args[-1]
     out_dtype = self.out_dtype if p.direction == "fwd" else x2.dtype
     run = _gpu_run(_pallas_ops(), p.direction, (None, None), precision=self.precision, out_dtype=out_dtype)
-    return [_tuning.Candidate(self.name, _cast(run, p.direction, x2, w, out_dtype), always_timed=True)]
+    return [_tuning.Candidate(self.name, _checked(_cast(run, p.direction, x2, w, out_dtype)), always_timed=True)]
+
+
+def _checked(run: Callable) -> Callable:
+  """``run(*args)`` with its outputs all NaN where the index arrays of the weight (``args[-1]``) fail
+  :meth:`BlockSparseMatrix.validate`'s value checks, as :meth:`BlockSparseMatrix.to_dense` gives them.
+
+  For the CPU's XLA routes (the dense route, the block loop), which read index arrays as they are: a hand-built or
+  restored matrix's bad index gave finite wrong products there, while the C++ kernels raise, so which one a user got
+  hung on a timing. O(blocks + block rows + block columns) compares and one multiply over the outputs; matrices a
+  constructor checked are not checked again.
+  """
+
+  def checked(*args):
+    return jax.tree.map(args[-1]._nan_unless_valid, run(*args))
+
+  return checked
 
 
 def _cast(run: Callable, direction: str, x2, w, out_dtype) -> Callable:

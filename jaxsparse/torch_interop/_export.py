@@ -64,6 +64,18 @@ def _torch_module(torch_names: TorchNames, flax_path: str) -> str:
   return torch_names[flax_path]
 
 
+def _check_torch_dtype(dtype: Any, *, floating: bool) -> None:
+  """``dtype`` is ``None`` or a ``torch.dtype`` (a floating one with ``floating``), else a ``TypeError`` naming it: a
+  string or NumPy dtype failed inside torch's ``Tensor.to`` with messages about device strings, and an integer or
+  bool dtype turned every float weight into zeros / ``True``."""
+  torch = import_torch()
+  if dtype is None:
+    return
+  if not isinstance(dtype, torch.dtype) or (floating and not dtype.is_floating_point):
+    allowed = "a floating torch.dtype (e.g. torch.float16)" if floating else "a torch.dtype (e.g. torch.float32)"
+    raise TypeError(f"dtype must be None or {allowed}, got dtype={dtype!r}.")
+
+
 def _mask_tensor(mask: np.ndarray):
   """A bool torch tensor with its own, writable memory: ``mask`` may be a view of a JAX array's (read-only) buffer,
   which ``torch.from_numpy`` would share, so writing to the exported mask would change the model's."""
@@ -83,12 +95,15 @@ def _as_conv1d(e: Entry, mod: str, conv1d: str | None) -> Entry:
 
 
 def _torch_entries(model: Any, module: Any, inputs: tuple, caller: str, *, torch_names: TorchNames,
-                   conv1d: str | None, target: Any, check=None) -> list[tuple[str, Entry]]:
+                   conv1d: str | None, target: Any, check=None, skip_unnamed=None) -> list[tuple[str, Entry]]:
   """``(torch module path, Entry)`` for each torch parameter to write, ``nn.MultiheadAttention``'s packed; ``check``
-  sees each entry (and its torch name) before packing."""
+  sees each entry (and its torch name) before packing. An entry for which ``skip_unnamed(entry)`` holds is left out
+  where a ``torch_names`` dict has no name for its module (e.g. a layer without a mask, for :func:`export_masks`)."""
   layouts = attention_layouts(target)
   items = []
   for e in _entries(model, module, inputs, caller):
+    if isinstance(torch_names, Mapping) and e.flax_path not in torch_names and skip_unnamed and skip_unnamed(e):
+      continue
     mod = _torch_module(torch_names, e.flax_path)
     if check is not None:
       check(e, _fqn(mod, e.name))
@@ -126,7 +141,7 @@ def export_masks(
   Args:
     model: a Flax NNX model or Linen variables.
     torch_names: Flax module path -> torch module path: ``LoadReport.torch_names``, a dict, a callable,
-      or ``None`` (same dotted names).
+      or ``None`` (same dotted names). A dict needs a name for each module with a mask only.
     dtype: torch dtype of the masks; ``None`` gives bool (``torch.nn.utils.prune`` stores masks in the
       weight's dtype: pass ``torch.float32`` to match its ``weight_mask`` bit for bit).
     *example_inputs: with Linen variables and a ``module`` other than a ``SparsifiedLinen``: the inputs of
@@ -153,10 +168,11 @@ def export_masks(
     CheckpointError: as :func:`export_state_dict`.
   """
   import_torch()
+  _check_torch_dtype(dtype, floating=False)
   check_conv1d(conv1d)
   out = {}
   for mod, e in _torch_entries(model, module, example_inputs, "export_masks", torch_names=torch_names, conv1d=conv1d,
-                               target=target):
+                               target=target, skip_unnamed=lambda e: e.mask is None):
     if e.mask is None:
       continue
     t = _mask_tensor(e.mask)
@@ -359,14 +375,14 @@ def export_state_dict(
       kernel (its Linear's, conv's or block-sparse layer's), or a ``"sparsity"`` entry that is not the pattern of the
       layer beside it (a mask, the block index arrays, flat or under ``"pattern"``, or N:M positions): variables of a
       layout the exporter cannot read, refused (naming the path) rather than written wrong.
-    TypeError: ``model`` is neither an NNX module nor Linen variables, or Linen variables without
-      ``"params"``; ``module`` or example inputs given with an NNX model, ``module`` not a Linen module, example
-      inputs without ``module``, a Linen module (other than a ``SparsifiedLinen``) without example inputs; Linen
-      variables with a compressed N:M kernel or embedding (``CompressedNMDense``, ``CompressedNMEmbed``) and no
-      ``module`` (or one whose ``apply`` on the example inputs does not call it); a Linen
-      ``"sparsity"`` mask that is not boolean (naming the layer and the dtype; the layer's forward refuses it too);
-      ``tied`` that is not a mapping of ``str`` to ``str``; ``target`` that is not a torch module, a state dict or an
-      iterable of ``str`` keys.
+    TypeError: ``dtype`` not ``None`` or a floating ``torch.dtype`` (for :func:`export_masks`: any ``torch.dtype``);
+      ``model`` is neither an NNX module nor Linen variables, or Linen variables without ``"params"``; ``module`` or
+      example inputs given with an NNX model, ``module`` not a Linen module, example inputs without ``module``, a Linen
+      module (other than a ``SparsifiedLinen``) without example inputs; Linen variables with a compressed N:M kernel or
+      embedding (``CompressedNMDense``, ``CompressedNMEmbed``) and no ``module`` (or one whose ``apply`` on the example
+      inputs does not call it); a Linen ``"sparsity"`` mask that is not boolean (naming the layer and the dtype; the
+      layer's forward refuses it too); ``tied`` that is not a mapping of ``str`` to ``str``; ``target`` that is not a
+      torch module, a state dict or an iterable of ``str`` keys.
     CheckpointError: (a ``ValueError``) ``format="semi_structured"`` with a sparse weight that is not 2-D and
       2:4 (or 1:2) along the input features; a ``torch_names`` dict without an entry for an exported module; a
       ``tied`` key the export writes itself, or one tied to a key it does not write (a sparse weight in ``"prune"``
@@ -378,6 +394,7 @@ def export_state_dict(
   torch = import_torch()
   if format not in EXPORT_FORMATS:
     raise ValueError(f"format must be one of {EXPORT_FORMATS}, got format={format!r}.")
+  _check_torch_dtype(dtype, floating=True)
   check_conv1d(conv1d)
   tied = _check_tied(tied)
 
