@@ -179,7 +179,12 @@ def test_given_masks_are_used():
   masks = {"layers.0.kernel": random_mask, "layers.1.kernel": np.repeat(np.repeat(block, 16, 0), 2, 1)}
   rules = {r"layers\.0": jaxsparse.Unstructured(sparsity=0.9),
            r"layers\.1": jaxsparse.BlockSparse(density=0.5, block_shape=(16, 2))}
-  sparse, report = jaxsparse.sparsify(model, rules, masks=masks)
+  # The masks win over the rules' densities (about 30% and 25% kept where the rules say 10% and 50%); a warning says so.
+  kept0 = f"{random_mask.mean():.1%}".replace(".", r"\.")
+  with pytest.warns(UserWarning, match=rf"at 2 layer\(s\) \(layers\.0: the given mask keeps {kept0} of the weights "
+                    r"where the rule keeps 10\.0%; layers\.1: the given mask keeps 25\.0% of the blocks "
+                    r"where the rule keeps 50\.0%\)"):
+    sparse, report = jaxsparse.sparsify(model, rules, masks=masks)
   np.testing.assert_array_equal(sparse.layers[0].mask[...], random_mask)
   np.testing.assert_array_equal(sparse.layers[1].block_mask, block)
   assert report.layers[1].density == 2 / 8

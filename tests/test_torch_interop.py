@@ -1722,3 +1722,37 @@ def test_export_dtype_must_be_a_torch_float_dtype(dtype):
       torch_interop.export_masks(layer, torch_names={"": "fc"}, dtype=dtype)
   assert torch_interop.export_state_dict(layer, torch_names={"": "fc"}, dtype=torch.float16)["fc.weight"].dtype == \
       torch.float16
+
+
+@pytest.mark.parametrize("nm, error, match", [
+    ("2:4", TypeError, r"nm must be a pair of ints \(n, m\)"),
+    ((2.0, 4), TypeError, r"nm must be a pair of ints"),
+    ((3, 2), ValueError, r"nm=\(3, 2\) must have 1 <= n <= m"),
+    ({"fc": "2:4"}, TypeError, r"nm\['fc'\] must be a pair of ints"),
+    ({"(": (2, 4)}, ValueError, r"nm\['\('\]: the regex does not compile"),
+])
+def test_nm_argument_is_checked_naming_it(nm, error, match):
+  # "2:4" failed inside the mask code ("nm_mask_torch() takes 3 positional arguments"); (2.0, 4) was taken.
+  fc = torch.nn.Linear(8, 4)
+  model = nnx.Sequential(nnx.Linear(8, 4, rngs=nnx.Rngs(0)))
+  with pytest.raises(error, match=match):
+    torch_interop.load_nnx(model, {"layers.0." + k: v for k, v in fc.state_dict().items()}, nm=nm)
+  params = torch_interop.decode_checkpoint(fc.state_dict(), nm=(2, 4))  # a good one still works
+  assert params["weight"].pattern.kind == "nm" and (params["weight"].pattern.n, params["weight"].pattern.m) == (2, 4)
+
+
+def test_name_map_regex_errors_name_the_rule():
+  fc = torch.nn.Linear(8, 4)
+  model = nnx.Sequential(nnx.Linear(8, 4, rngs=nnx.Rngs(0)))
+  with pytest.raises(re.error, match=r"name_map rule \('\(', 'x'\)"):
+    torch_interop.load_nnx(model, fc.state_dict(), name_map=[("(", "x")])
+
+
+def test_detect_pattern_refuses_a_mask_of_other_values_than_0_and_1():
+  with pytest.raises(ValueError, match="mask must be boolean or hold only 0 and 1"):
+    torch_interop.detect_pattern(np.full((8, 8), 0.5))
+  with pytest.raises(ValueError, match="mask must be boolean or hold only 0 and 1"):
+    torch_interop.detect_pattern(np.full((8, 8), 7, np.int32))
+  float_mask = np.tile(np.array([1.0, 0.0, 0.0, 1.0], np.float32), (8, 2))  # torch.nn.utils.prune's float masks
+  assert str(torch_interop.detect_pattern(float_mask)) == "2:4"
+

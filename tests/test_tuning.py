@@ -1419,3 +1419,10 @@ def test_cli_tune_into_an_unwritable_cache_fails(monkeypatch, tmp_path, capsys):
   _cache.clear_memo()
   assert main(["tune", "64x64"]) == 0 and _cache.unsaved_decisions() == {}
   assert json.loads((tmp_path / "autotune.json").read_text())["entries"] == {"k": {"choice": "a"}}
+
+
+def test_exporting_a_tuning_cache_under_a_file_names_it(tmp_path):
+  blocker = tmp_path / "cache.json"
+  blocker.write_text("{}")
+  with pytest.raises(NotADirectoryError, match=f"{re.escape(str(blocker))} is a file, not a folder"):
+    jaxsparse.export_tuning_cache(blocker / "sub.json")

@@ -288,7 +288,10 @@ def lookup(key: str) -> dict | None:
 
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
-  path.parent.mkdir(parents=True, exist_ok=True)
+  try:
+    path.parent.mkdir(parents=True, exist_ok=True)
+  except (FileExistsError, NotADirectoryError) as e:  # "File exists: <a parent>" named the parent, not the problem
+    raise NotADirectoryError(f"{path}: its folder cannot be made, {e.filename} is a file, not a folder.") from None
   if fcntl is None:
     yield
     return

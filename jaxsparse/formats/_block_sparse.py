@@ -91,9 +91,10 @@ class BlockSparseMatrix(IndexedSparseMatrix):
   traced) or after ``jax.tree_util.tree_unflatten`` / ``jax.tree.map`` (a restored checkpoint) no constructor
   checks them: :meth:`to_dense` does, in O(nnz + rows + cols) compares and gathers, and gives all NaN (and NaN in
   the gradients) for index arrays :meth:`validate` would refuse (out of range, out of order, an entry twice, derived
-  arrays that disagree). :func:`jaxsparse.ops.block_sparse_matmul` checks them on its C++ CPU kernels (an error
-  for an index out of range, or for arrays that disagree: one pass over the kept blocks), not on its GPU and XLA
-  routes, which read such arrays as they are (the check would cost a decode-size product as much again). Call
+  arrays that disagree). :func:`jaxsparse.ops.block_sparse_matmul` checks them on the CPU: its C++ kernels raise
+  (an index out of range, or arrays that disagree: one pass over the kept blocks) and its XLA routes there (the dense
+  route, the block loop) give all-NaN results, as :meth:`to_dense`. Its GPU routes read such arrays as they are (the
+  check's small XLA kernels would cost a decode-size product as much again). Call
   :meth:`validate` on a restored matrix, or under ``jit`` inside ``checkify``, which names the bad field.
 
   Attributes:

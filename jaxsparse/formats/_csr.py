@@ -82,14 +82,15 @@ class CSRMatrix(IndexedSparseMatrix):
   True
 
   Index arrays are validated when concrete (the constructors, ``from_index_arrays``). Under ``jit`` (index arrays
-  traced) or after ``jax.tree_util.tree_unflatten`` / ``jax.tree.map`` (a restored checkpoint) no constructor
-  checks them: :meth:`to_dense` does (and so the XLA route of :func:`jaxsparse.ops.sparse_matmul`), in
-  O(nnz + rows + cols) compares and gathers, and gives all NaN (and NaN in the gradients) for index arrays
-  :meth:`validate` would refuse (out of range, out of order, an entry twice, derived arrays that disagree). The C++
-  CPU kernels of :func:`jaxsparse.ops.sparse_matmul` raise on an index out of range but do not compare the derived
-  arrays with the others (the check would make a decode-size product 4x slower, and took up to 1.6x the time of a
-  forward of 9 to 256 rows even as a keyed hash of the arrays read in order): call :meth:`validate` on a restored
-  matrix, or under ``jit`` inside ``checkify``, which names the bad field.
+  traced) or after ``jax.tree_util.tree_unflatten`` / ``jax.tree.map`` (a restored checkpoint) no constructor checks
+  them: :meth:`to_dense` does (and so the XLA route of :func:`jaxsparse.ops.sparse_matmul`), in O(nnz + rows + cols)
+  compares and gathers, and gives all NaN (and NaN in the gradients) for index arrays :meth:`validate` would refuse (out
+  of range, out of order, an entry twice, derived arrays that disagree). The C++ CPU kernels of
+  :func:`jaxsparse.ops.sparse_matmul` raise on an index out of range, and those that read ``col_indices`` by rows (the
+  backward, the forward of at most 8 rows, the dense route's conversions) on a row whose columns do not increase (an
+  entry twice), but do not compare the derived arrays with the others (the check would make a decode-size product 4x
+  slower, and took up to 1.6x the time of a forward of 9 to 256 rows even as a keyed hash of the arrays read in order):
+  call :meth:`validate` on a restored matrix, or under ``jit`` inside ``checkify``, which names the bad field.
 
   Attributes:
     data: ``(nnz,)`` values in row-major order.

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 import re
 from collections.abc import Callable
 from collections.abc import Mapping
@@ -267,15 +268,37 @@ def _masked(src: Mapping, *, value_key: str, fmt: str, mask_key: str | None = No
   return value, check_mask(raw, value.shape, key=mask_key or f"sparsifier mask of {value_key}"), fmt
 
 
+def _check_nm(nm: NMSpec) -> None:
+  """``nm`` is ``None``, a pair of ints ``(n, m)`` with ``1 <= n <= m``, or ``{regex: (n, m)}``; else an error naming
+  it (``"2:4"`` failed deep in the mask code, ``(2.0, 4)`` was taken and reported as ``2.0:4``)."""
+  if nm is None:
+    return
+  for pattern, spec in nm.items() if isinstance(nm, Mapping) else [(None, nm)]:
+    where = "nm" if pattern is None else f"nm[{pattern!r}]"
+    if pattern is not None:
+      if not isinstance(pattern, str):
+        raise TypeError(f"nm's keys must be regexes (str) of parameter names, got {pattern!r}.")
+      try:
+        re.compile(pattern)
+      except re.error as e:
+        raise ValueError(f"{where}: the regex does not compile ({e}).") from None
+    if not (isinstance(spec, tuple | list) and len(spec) == 2
+            and all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in spec)):
+      raise TypeError(f"{where} must be a pair of ints (n, m), e.g. (2, 4), or a dict of regex -> (n, m); got "
+                      f"{spec!r}.")
+    if not 1 <= spec[0] <= spec[1]:
+      raise ValueError(f"{where}={tuple(spec)} must have 1 <= n <= m.")
+
+
 def _nm_for(name: str, nm: NMSpec) -> tuple[int, int] | None:
   if nm is None:
     return None
   if isinstance(nm, Mapping):
     for pattern, spec in nm.items():
       if re.search(pattern, name):
-        return tuple(spec)
+        return tuple(int(v) for v in spec)
     return None
-  return tuple(nm)
+  return tuple(int(v) for v in nm)
 
 
 def decode_checkpoint(
@@ -333,12 +356,15 @@ def decode_checkpoint(
       file and the keys. Also with ``on_error="collect"``: square weights of unknown layout beside Conv1D ones
       (see ``conv1d``); a tensor or dense form over ``max_bytes``, or all tensors together over it (the message
       names the tensor, its shape, dtype and bytes, and the limit).
-    TypeError: ``conv1d`` is not a ``str`` or ``None`` (a ``conv1d`` that does not compile: ``ValueError``);
+    TypeError: ``nm`` is not ``None``, a pair of ints or a dict of regexes to pairs (a pair without
+      ``1 <= n <= m``, or a regex that does not compile: ``ValueError``); ``conv1d`` is not a ``str`` or ``None``
+      (a ``conv1d`` that does not compile: ``ValueError``);
       ``max_bytes`` is not an int or ``None`` (one < 1: ``ValueError``).
     ImportError: PyTorch is not installed.
   """
   if on_error not in ("raise", "collect"):
     raise ValueError(f"on_error must be 'raise' or 'collect', got {on_error!r}.")
+  _check_nm(nm)
   check_conv1d(conv1d)
   with limit_scope(max_bytes):
     src = source if isinstance(source, TensorSource) else open_checkpoint(source, key=key)

@@ -54,7 +54,7 @@ def map_name(name_map: NameMap, torch_path: str) -> str | None:
 
   Raises:
     TypeError: a rule of a sequence ``name_map`` that is not a ``(regex, replacement)`` pair.
-    re.error: a rule's regex that does not compile.
+    re.error: a rule's regex (or replacement) that does not compile; the message names the rule.
   """
   if name_map is None:
     return torch_path
@@ -67,11 +67,14 @@ def map_name(name_map: NameMap, torch_path: str) -> str | None:
     if not (isinstance(rule, tuple | list) and len(rule) == 2):
       raise TypeError(f"name_map rules must be (regex, replacement) pairs, got {rule!r}.")
     pattern, repl = rule
-    if repl is None:
-      if re.search(pattern, out):
-        return None
-      continue
-    out = re.sub(pattern, repl, out)
+    try:
+      if repl is None:
+        if re.search(pattern, out):
+          return None
+        continue
+      out = re.sub(pattern, repl, out)
+    except re.error as e:  # name the argument and the rule, not only the regex
+      raise re.error(f"name_map rule {rule!r}: {e.msg}", e.pattern, e.pos) from None
   return out
 
 

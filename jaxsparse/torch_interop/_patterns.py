@@ -98,10 +98,18 @@ def detect_pattern(mask: np.ndarray | None, *, min_block: int = 8, max_block: in
 
   Returns:
     A :class:`Pattern`.
+
+  Raises:
+    ValueError: a mask that is not boolean and holds values other than 0 and 1.
   """
   if mask is None:
     return Pattern("dense", 1.0)
-  mask = np.asarray(mask, dtype=bool)
+  mask = np.asarray(mask)
+  if mask.dtype != bool:  # 0.5 was read as kept and 7 as one kept: say so instead of classifying
+    if not (np.issubdtype(mask.dtype, np.number) and np.isin(mask, (0, 1)).all()):
+      raise ValueError(f"mask must be boolean or hold only 0 and 1 (torch.nn.utils.prune's masks), got a {mask.dtype} "
+                       "mask with other values.")
+    mask = mask.astype(bool)
   density = float(mask.mean()) if mask.size else 1.0
   if mask.all():
     return Pattern("dense", density)
