@@ -68,7 +68,7 @@ NATIVE_CASES = {
     "csr_take_row_offsets_past_nnz_first_item": "row_offsets is not an offset array",
     "csr_take_col_index_negative_first_item": "col_indices has entries outside",
     # Columns in range listed twice or out of order within a row (to_dense is NaN for them; a kernel would add an
-    # entry twice): the kernels that read col_indices by rows check that each row's increase.
+    # entry twice): the kernels that read col_indices by rows check that each row's columns increase.
     "csr_few_rows_forward_col_repeated": "columns out of order or twice",
     "csr_backward_col_out_of_order": "columns out of order or twice",
     "csr_to_dense_col_repeated_last_item": "columns out of order or twice",

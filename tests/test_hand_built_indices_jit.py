@@ -3,8 +3,9 @@
 Index arrays get into the ops unchecked when they are traced (a matrix built inside a ``jit`` from traced arrays, or
 passed as a ``jit`` argument), or when a matrix is rebuilt without its constructor (``jax.tree_util.tree_unflatten``,
 ``jax.tree.map`` over a model, a restored checkpoint). Gathers and scatters clamp or drop such indices; now
-``to_dense`` of such a matrix (and so the XLA routes of ``sparse_matmul`` and ``nm_matmul``, and their gradients) is
-NaN, an N:M matrix's only in the groups whose positions are invalid. Valid hand-built matrices still match the dense
+``to_dense`` of such a matrix (and so the XLA routes of ``sparse_matmul`` and ``nm_matmul``, those of
+``block_sparse_matmul`` on the CPU, and their gradients) is NaN, an N:M matrix's only in the groups whose positions are
+invalid. Valid hand-built matrices still match the dense
 reference, forward and gradient, in float32. (The block-sparse Pallas kernels and the CSR C++ kernels do not run the
 whole check: it would cost a decode-size product as much again, or 4x on the CPU. The block-sparse C++ kernels check
 that the index arrays they read agree with the others, in one pass over the kept blocks.)
@@ -12,6 +13,7 @@ that the index arrays they read agree with the others, in one pass over the kept
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import jax
@@ -20,7 +22,10 @@ import numpy as np
 import pytest
 
 import jaxsparse
+from jaxsparse import _tuning
 from jaxsparse import ops
+from jaxsparse._tuning import _cache
+from jaxsparse._tuning import _measure
 from jaxsparse.formats import _nm as nm_format
 from tests._util import assert_close
 
@@ -305,3 +310,38 @@ def test_block_sparse_cpu_kernels_refuse_index_arrays_that_disagree(field, how):
                                                     ** 2), (0, 1))(x, bad.data)):
     with pytest.raises(Exception, match=r"is not a permutation|put block|does not list its blocks"):
       jax.block_until_ready(run())
+
+
+@pytest.mark.parametrize("route", ["loop", "dense"])
+def test_block_sparse_cpu_xla_routes_give_nan_for_bad_index_arrays(route, monkeypatch, tmp_path):
+  """The CPU's XLA routes of ``block_sparse_matmul`` (the block loop, the dense route) read the index arrays as they
+  are: a bad one gave finite wrong products and gradients there while the C++ kernels raised, and which of them ran
+  was a timing decision. Both now give NaN, as ``to_dense``; a valid matrix still gives the dense reference."""
+  monkeypatch.setenv(_cache.ENV_PATH, str(tmp_path / "autotune.json"))
+  _cache.clear_memo()
+  # Every direction takes `route`, as a measurement that timed it fastest would.
+  monkeypatch.setattr(_measure, "_measure", lambda cands, *a: {c.name: 1.0 if c.name == route else 2.0 for c in cands})
+  rng = _rng()
+  w = _block(rng, 8)  # 8 x 8 blocks: the C++ kernels could run them too; the timing says otherwise
+  x = jnp.asarray(rng.standard_normal((3, w.shape[0])), jnp.float32)
+
+  def step(x, w):
+    return jax.value_and_grad(lambda x, d: jnp.sum(ops.block_sparse_matmul(x, w.with_data(d)) ** 2), (0, 1))(x, w.data)
+
+  try:
+    with _tuning.autotune_mode("tune"):
+      run = jax.jit(step)
+      value, (dx, _) = run(x, w)
+      dense = np.asarray(w.to_dense())
+      ref = np.asarray(x) @ dense
+      assert_close(value, np.sum(ref**2), jnp.float32)
+      assert_close(dx, 2 * ref @ dense.T, jnp.float32)
+      chosen = {e["choice"] for e in json.loads(_cache.cache_path().read_text())["entries"].values()}
+      assert chosen == {route}, chosen
+      for field, how in BLOCK_SPOILS:
+        bad = _leaves(w, _spoil(w.index_arrays(), field, how, rng))
+        if not np.isnan(np.asarray(bad.to_dense())).any():  # the spoiled arrays happen to describe a valid matrix
+          continue
+        _assert_nan_or_error(lambda bad=bad: run(x, bad))
+  finally:
+    _cache.clear_memo()
