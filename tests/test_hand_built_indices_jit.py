@@ -319,8 +319,10 @@ def test_block_sparse_cpu_xla_routes_give_nan_for_bad_index_arrays(route, monkey
   was a timing decision. Both now give NaN, as ``to_dense``; a valid matrix still gives the dense reference."""
   monkeypatch.setenv(_cache.ENV_PATH, str(tmp_path / "autotune.json"))
   _cache.clear_memo()
-  # Every direction takes `route`, as a measurement that timed it fastest would.
+  # Every direction takes `route`, as a measurement that timed it fastest would (also where the CPU is not the
+  # default backend, which a real measurement requires: this file runs on the CPU device everywhere).
   monkeypatch.setattr(_measure, "_measure", lambda cands, *a: {c.name: 1.0 if c.name == route else 2.0 for c in cands})
+  monkeypatch.setattr(_measure, "_has_device", lambda platform: platform == "cpu")
   rng = _rng()
   w = _block(rng, 8)  # 8 x 8 blocks: the C++ kernels could run them too; the timing says otherwise
   x = jnp.asarray(rng.standard_normal((3, w.shape[0])), jnp.float32)
