@@ -781,7 +781,7 @@ def test_sparsify_masks_must_be_boolean_for_every_structure(spec, scale):
                              rtol=1e-5, atol=1e-5)
 
 
-class _LinenMLP(nn.Module):
+class _TwoDense(nn.Module):
   @nn.compact
   def __call__(self, x):
     h = nn.relu(nn.Dense(64)(x))  # Dense_0: (32, 64)
@@ -810,8 +810,8 @@ def test_masks_of_another_density_than_the_rule_warn_and_say_so_in_the_report(sp
         _, report = jaxsparse.sparsify(model, {"layers.0": spec}, masks={"layers.0.kernel": mask})
         path = "layers.0"
       else:
-        variables = _LinenMLP().init(jax.random.key(0), x)
-        _, _, report = jaxsparse.sparsify_linen(_LinenMLP(), variables, {"Dense_0": spec}, x,
+        variables = _TwoDense().init(jax.random.key(0), x)
+        _, _, report = jaxsparse.sparsify_linen(_TwoDense(), variables, {"Dense_0": spec}, x,
                                                 masks={"Dense_0.kernel": mask})
         path = "Dense_0"
     row = next(c for c in report.layers if c.path == path)
