@@ -85,7 +85,7 @@ def mask_density_note(spec: Spec, mask: np.ndarray | None) -> str:
   if mask is None or not isinstance(spec, (BlockSparse, Unstructured)) or mask.size == 0:
     return ""
   kept = float(np.count_nonzero(mask)) / mask.size
-  want = spec.density if isinstance(spec, BlockSparse) else 1.0 - spec.sparsity
+  want = 1.0 - spec.target_sparsity
   units = mask.size // math.prod(spec.block_shape) if isinstance(spec, BlockSparse) else mask.size
   if abs(kept - want) <= max(MASK_DENSITY_SLACK, 1 / units):  # a block (or weight) off: a rounding, not a schedule
     return ""

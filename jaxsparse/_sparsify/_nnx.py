@@ -576,7 +576,7 @@ def sparsify(
     else:
       model = new
     mask = mask_dict.get(f"{p}.kernel" if p else "kernel")
-    mask_notes[p] = mask_density_note(spec, None if mask is None else np.asarray(mask))
+    mask_notes[p] = mask_density_note(spec, mask)
     note = "; ".join(filter(None, [note, mask_notes[p]]))
     changes.append(LayerChange(p, _describe(node), spec.describe(), type(new).__name__, _density(new, mask),
                                state_bytes(node), state_bytes(new), dense_ms, sparse_ms, note))

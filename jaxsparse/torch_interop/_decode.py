@@ -50,9 +50,9 @@ from jaxsparse.torch_interop._load import CheckpointError
 from jaxsparse.torch_interop._load import TensorSource
 from jaxsparse.torch_interop._load import open_checkpoint
 from jaxsparse.torch_interop._patterns import Pattern
+from jaxsparse.torch_interop._patterns import check_mask
 from jaxsparse.torch_interop._patterns import detect_pattern
 from jaxsparse.torch_interop._patterns import nm_mask_torch
-from jaxsparse.torch_interop._tensors import check_mask
 from jaxsparse.torch_interop._tensors import decode_dense_tensor
 from jaxsparse.torch_interop._tensors import decode_hf_block_sparse
 from jaxsparse.torch_interop._tensors import decode_sparseprop

@@ -11,7 +11,9 @@ import dataclasses
 
 import numpy as np
 
-__all__ = ["Pattern", "detect_pattern", "flax_layout", "nm_mask_torch", "torch_layout", "zero_pattern"]
+from jaxsparse.torch_interop._errors import CheckpointError
+
+__all__ = ["Pattern", "check_mask", "detect_pattern", "flax_layout", "nm_mask_torch", "torch_layout", "zero_pattern"]
 
 # 2:4 first: a 1:2 mask is also 2:4, the pattern sparse tensor cores run.
 NM_GROUP_SIZES = (4, 2, 8, 16, 32)
@@ -75,6 +77,26 @@ def _nm_counts(mask: np.ndarray, m: int) -> np.ndarray:
   return g.reshape(*g.shape[:-1], g.shape[-1] // m, m).sum(-1)
 
 
+def check_mask(mask: np.ndarray, shape: tuple[int, ...], *, key: str) -> np.ndarray:
+  """``mask`` of ``shape`` as a bool array: bool, or numbers that are all 0 or 1 (``torch.nn.utils.prune`` keeps its
+  masks in the weight's dtype); else a :class:`CheckpointError` naming ``key``."""
+  if tuple(mask.shape) != tuple(shape):
+    raise CheckpointError(f"mask {key!r} has shape {tuple(mask.shape)} but its weight has shape {tuple(shape)}.")
+  if mask.dtype == np.bool_:
+    return mask
+  if mask.dtype.kind not in "biuf" and mask.dtype.name != "bfloat16":
+    raise CheckpointError(f"mask {key!r} has dtype {mask.dtype}; expected bool or numbers 0/1.")
+  values = mask.astype(np.float64)  # exact for every mask dtype: 1 + 1e-12 (float64) is not 1
+  bad = ~((values == 0) | (values == 1))
+  if bad.any():
+    where = tuple(int(i) for i in np.argwhere(bad)[0])
+    raise CheckpointError(
+        f"mask {key!r} must hold only 0 and 1, but has {float(values[where])} at {where} "
+        f"({int(bad.sum())} entries are not 0/1)."
+    )
+  return values == 1
+
+
 def detect_pattern(mask: np.ndarray | None, *, min_block: int = 8, max_block: int = 128) -> Pattern:
   """Classifies a torch-layout bool mask.
 
@@ -100,16 +122,12 @@ def detect_pattern(mask: np.ndarray | None, *, min_block: int = 8, max_block: in
     A :class:`Pattern`.
 
   Raises:
-    ValueError: a mask that is not boolean and holds values other than 0 and 1.
+    CheckpointError: (a ``ValueError``) a mask that is not boolean and holds values other than 0 and 1.
   """
   if mask is None:
     return Pattern("dense", 1.0)
   mask = np.asarray(mask)
-  if mask.dtype != bool:  # 0.5 was read as kept and 7 as one kept: say so instead of classifying
-    if not (np.issubdtype(mask.dtype, np.number) and np.isin(mask, (0, 1)).all()):
-      raise ValueError(f"mask must be boolean or hold only 0 and 1 (torch.nn.utils.prune's masks), got a {mask.dtype} "
-                       "mask with other values.")
-    mask = mask.astype(bool)
+  mask = check_mask(mask, mask.shape, key="detect_pattern(mask)")  # 0.5 was read as kept and 7 as one kept
   density = float(mask.mean()) if mask.size else 1.0
   if mask.all():
     return Pattern("dense", density)

@@ -20,7 +20,7 @@ from jaxsparse.torch_interop._load import CheckpointError
 from jaxsparse.torch_interop._load import import_torch
 from jaxsparse.torch_interop._patterns import nm_mask_torch
 
-__all__ = ["check_mask", "decode_dense_tensor", "decode_hf_block_sparse", "decode_sparseprop", "to_numpy"]
+__all__ = ["decode_dense_tensor", "decode_hf_block_sparse", "decode_sparseprop", "to_numpy"]
 
 
 def to_numpy(t: Any, *, key: str) -> np.ndarray:
@@ -55,24 +55,6 @@ def to_numpy(t: Any, *, key: str) -> np.ndarray:
     raise CheckpointError(f"{key!r} has dtype {t.dtype}, which jaxsparse cannot convert to NumPy.") from e
   except ValueError as e:  # a dim past NumPy's limits (a file may claim shape (2**62, 0): no bytes, no array)
     raise CheckpointError(f"{key!r} has shape {tuple(t.shape)}, which NumPy cannot hold: {e}") from e
-
-
-def check_mask(mask: np.ndarray, shape: tuple[int, ...], *, key: str) -> np.ndarray:
-  if tuple(mask.shape) != tuple(shape):
-    raise CheckpointError(f"mask {key!r} has shape {tuple(mask.shape)} but its weight has shape {tuple(shape)}.")
-  if mask.dtype == np.bool_:
-    return mask
-  if mask.dtype.kind not in "biuf" and mask.dtype.name != "bfloat16":
-    raise CheckpointError(f"mask {key!r} has dtype {mask.dtype}; expected bool or numbers 0/1.")
-  values = mask.astype(np.float64)  # exact for every mask dtype: 1 + 1e-12 (float64) is not 1
-  bad = ~((values == 0) | (values == 1))
-  if bad.any():
-    where = tuple(int(i) for i in np.argwhere(bad)[0])
-    raise CheckpointError(
-        f"mask {key!r} must hold only 0 and 1, but has {float(values[where])} at {where} "
-        f"({int(bad.sum())} entries are not 0/1)."
-    )
-  return values == 1
 
 
 def _int_array(t: Any, *, key: str, ndim: int) -> np.ndarray:
